@@ -1,0 +1,13 @@
+"""tilegemm: Triton GPU kernels for the matrix-multiplication family.
+
+Importing tilegemm does no GPU work and compiles nothing: kernels are imported, and the choice between
+Triton's compiler and its interpreter is made, when a kernel first runs.
+"""
+
+from tilegemm.matmul import ACTIVATIONS, matmul
+from tilegemm.registry import kernels
+from tilegemm.runtime import interpreting
+
+__version__ = "0.1.0"
+
+__all__ = ["ACTIVATIONS", "__version__", "interpreting", "kernels", "matmul"]

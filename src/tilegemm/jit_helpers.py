@@ -1,0 +1,111 @@
+"""``@triton.jit`` helpers that tilegemm's kernels share: offsets, masks, tile order, epilogue.
+
+Importing this module settles the backend first (see :mod:`tilegemm.runtime`), because Triton picks
+compiler or interpreter when these functions are decorated.
+"""
+
+from tilegemm.runtime import ensure_backend
+
+ensure_backend()
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+# --- offsets and masks ------------------------------------------------------------------------------
+
+
+@triton.jit
+def offsets_1d(pid, BLOCK: tl.constexpr):
+    """Element indices of block ``pid`` of a 1-D launch: ``pid * BLOCK + [0, BLOCK)``."""
+    return pid * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
+def offsets_2d(offs_0, offs_1, stride_0, stride_1):
+    """Memory offsets of the grid ``offs_0 x offs_1``: a [len(offs_0), len(offs_1)] tile."""
+    return offs_0[:, None] * stride_0 + offs_1[None, :] * stride_1
+
+
+@triton.jit
+def mask_1d(offs, size):
+    return offs < size
+
+
+@triton.jit
+def mask_2d(offs_0, offs_1, size_0, size_1):
+    """True where the [len(offs_0), len(offs_1)] tile lies inside a [size_0, size_1] tensor."""
+    return (offs_0[:, None] < size_0) & (offs_1[None, :] < size_1)
+
+
+# --- which output tile a program computes -------------------------------------------------------------
+
+
+@triton.jit
+def tile_row_major(tile_id, num_tiles_n):
+    """Row-major order: consecutive programs sweep one row of tiles, re-reading all of B per row."""
+    return tile_id // num_tiles_n, tile_id % num_tiles_n
+
+
+@triton.jit
+def tile_grouped(tile_id, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
+    """Grouped order: consecutive programs walk a band of GROUP_M tile rows column by column.
+
+    Programs running at the same time then touch GROUP_M panels of A and a few panels of B, instead of
+    one panel of A and every panel of B, so more of what they read is still in L2.
+    """
+    tiles_per_band = GROUP_M * num_tiles_n
+    band = tile_id // tiles_per_band
+    first_m = band * GROUP_M
+    band_height = tl.minimum(num_tiles_m - first_m, GROUP_M)
+    in_band = tile_id % tiles_per_band
+    return first_m + in_band % band_height, in_band // band_height
+
+
+# --- epilogue ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def apply_activation(x, ACTIVATION: tl.constexpr):
+    """Elementwise activation on an fp32 tile; names as in :data:`tilegemm.matmul.ACTIVATIONS`."""
+    if ACTIVATION == "relu":
+        x = tl.maximum(x, 0.0)
+    elif ACTIVATION == "gelu":
+        # erf form, like torch.nn.functional.gelu's default
+        x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+    elif ACTIVATION == "gelu_tanh":
+        # tanh(u) = 2 * sigmoid(2u) - 1, so no libdevice call is needed (the interpreter has none)
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        x = x * _sigmoid(2.0 * u)
+    elif ACTIVATION == "silu":
+        x = x * _sigmoid(x)
+    elif ACTIVATION == "leaky_relu":
+        x = tl.where(x >= 0.0, x, 0.01 * x)
+    return x
+
+
+@triton.jit
+def epilogue_store(
+    acc, out_ptr, c_ptr, bias_ptr,
+    offs_m, offs_n, M, N,
+    stride_om, stride_on, stride_cm, stride_cn, stride_bias,
+    alpha, beta,
+    HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+):
+    """out = activation(alpha * acc + beta * c + bias) for one [BM, BN] tile, masked to [M, N]."""
+    mask = mask_2d(offs_m, offs_n, M, N)
+    acc = acc * alpha
+    if HAS_C:
+        c = tl.load(c_ptr + offsets_2d(offs_m, offs_n, stride_cm, stride_cn), mask=mask, other=0.0)
+        acc += beta * c.to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)  # [BN]
+        acc += bias.to(tl.float32)[None, :]
+    acc = apply_activation(acc, ACTIVATION)
+    tl.store(out_ptr + offsets_2d(offs_m, offs_n, stride_om, stride_on),
+             acc.to(out_ptr.dtype.element_ty), mask=mask)

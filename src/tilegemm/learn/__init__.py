@@ -1,0 +1,1 @@
+"""The learning kit: puzzle kernels, the guide's kernels, interpreter debugging helpers."""

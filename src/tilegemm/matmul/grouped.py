@@ -1,0 +1,56 @@
+"""Rung 2, ``grouped``: the naive kernel with an L2-friendly launch order.
+
+Same blocks and K loop as ``naive``; only the map from program id to tile changes (see
+:func:`tilegemm.jit_helpers.tile_grouped`): programs that run together share panels of A and B in L2.
+"""
+
+import triton
+
+from tilegemm.jit_helpers import epilogue_store, tile_grouped
+from tilegemm.matmul.configs import fixed_config
+from tilegemm.matmul.mainloop import dot_k_loop, tile_rows_cols
+from tilegemm.matmul.problem import GemmProblem
+
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def matmul_grouped_kernel(
+    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_ab, stride_am, stride_ak,
+    stride_bb, stride_bk, stride_bn,
+    stride_ob, stride_om, stride_on,
+    stride_cb, stride_cm, stride_cn,
+    stride_bias,
+    alpha, beta,
+    HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Which tile: grouped order over the [tiles_m, tiles_n] grid; axis 1 is the batch.
+    pid_m, pid_n = tile_grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_b = tl.program_id(1).to(tl.int64)
+    a_ptr += pid_b * stride_ab
+    b_ptr += pid_b * stride_bb
+    out_ptr += pid_b * stride_ob
+    c_ptr += pid_b * stride_cb
+
+    # Accumulate A[rows, :] @ B[:, cols] in fp32.
+    offs_m, offs_n, load_m, load_n = tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
+    acc = dot_k_loop(a_ptr, b_ptr, K, stride_am, stride_ak, stride_bk, stride_bn, load_m, load_n,
+                     BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST)
+
+    # Epilogue: scale, add c and bias, activate, store.
+    epilogue_store(acc, out_ptr, c_ptr, bias_ptr, offs_m, offs_n, M, N,
+                   stride_om, stride_on, stride_cm, stride_cn, stride_bias,
+                   alpha, beta, HAS_C, HAS_BIAS, ACTIVATION)
+
+
+def grid(p: GemmProblem):
+    return lambda meta: (triton.cdiv(p.M, meta["BLOCK_M"]) * triton.cdiv(p.N, meta["BLOCK_N"]), p.batch)
+
+
+def run(p: GemmProblem, config: dict | None = None) -> None:
+    cfg = config or fixed_config(p.dtype)
+    matmul_grouped_kernel[grid(p)](*p.kernel_args(), **p.kernel_flags(), **cfg)

@@ -1,0 +1,58 @@
+"""The K loop that every tile-per-program GEMM rung shares.
+
+A program owns one [BLOCK_M, BLOCK_N] output tile; this loop walks K in steps of BLOCK_K, loading a
+[BLOCK_M, BLOCK_K] tile of A and a [BLOCK_K, BLOCK_N] tile of B through their strides (any layout) and
+accumulating their product in fp32. The rungs differ in which tile a program gets and in how they are
+tuned, not in this loop.
+"""
+
+from tilegemm.jit_helpers import offsets_2d
+from tilegemm.runtime import ensure_backend
+
+ensure_backend()
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_64: tl.constexpr):
+    """Row and column indices of a tile: exact ones for the store, wrapped ones for the loads.
+
+    Wrapping out-of-range rows/columns back into the matrix keeps A/B loads unmasked along M and N (the
+    extra rows are computed and then dropped by the store's mask).
+    """
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    load_m = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
+    load_n = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    return offs_m, offs_n, load_m, load_n
+
+
+@triton.jit
+def dot_k_loop(
+    a_ptr, b_ptr, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    load_m, load_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offsets_2d(load_m, offs_k, stride_am, stride_ak)  # [BM, BK]
+    b_ptrs = b_ptr + offsets_2d(offs_k, load_n, stride_bk, stride_bn)  # [BK, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if UPCAST:
+            # Triton 3.6's interpreter computes bf16 dots wrongly; fp32 dots there are exact.
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc

@@ -1,0 +1,268 @@
+"""``tilegemm.matmul``: checks, batching, the ``torch.library`` op, autograd, and the choice of rung."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+
+from tilegemm import registry
+from tilegemm.matmul.problem import GemmProblem, split_batches
+from tilegemm.runtime import interpreting, new_output
+
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "leaky_relu")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_PRECISIONS = {"ieee": "ieee", "highest": "ieee", "tf32": "tf32", "high": "tf32", "medium": "tf32"}
+
+
+# --- checks -------------------------------------------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in allowed:
+        kind = "integer" if not (t.dtype.is_floating_point or t.dtype.is_complex) else "unsupported"
+        names = ", ".join(_dtype_name(d) for d in allowed)
+        raise TypeError(f"{name} has {kind} dtype {_dtype_name(t.dtype)}; tilegemm.matmul supports {names}")
+
+
+def _check_devices(named: dict[str, torch.Tensor]) -> None:
+    devices = {name: t.device for name, t in named.items()}
+    first_name, first = next(iter(devices.items()))
+    for name, device in devices.items():
+        if device != first:
+            raise ValueError(f"tensors are on different devices: {first_name} on {first}, {name} on {device}")
+    if not interpreting() and first.type != "cuda":
+        raise ValueError(
+            f"{first_name} is on {first}, but a CUDA GPU is in use: move the tensors to the GPU "
+            "(or set TILEGEMM_INTERPRET=1 to run Triton's interpreter on the CPU)"
+        )
+
+
+def resolve_precision(precision: str | None, dtype: torch.dtype) -> str:
+    """``ieee`` or ``tf32``: how fp32 operands enter the dot. Only fp32 has a choice."""
+    if precision is None:
+        precision = torch.get_float32_matmul_precision()
+    if not isinstance(precision, str) or precision.lower() not in _PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(_PRECISIONS)}")
+    return _PRECISIONS[precision.lower()] if dtype == torch.float32 else "ieee"
+
+
+def output_shape(a_shape, b_shape) -> tuple[int, ...]:
+    if len(a_shape) < 2 or len(b_shape) < 2:
+        raise ValueError(
+            f"matmul needs operands with at least 2 dims, got a.shape={tuple(a_shape)}, b.shape={tuple(b_shape)}"
+        )
+    if a_shape[-1] != b_shape[-2]:
+        raise ValueError(
+            f"inner dimensions differ: a.shape={tuple(a_shape)} has K={a_shape[-1]}, "
+            f"b.shape={tuple(b_shape)} has K={b_shape[-2]}"
+        )
+    try:
+        batch = torch.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2]))
+    except RuntimeError:
+        raise ValueError(
+            f"batch dimensions do not broadcast: a.shape={tuple(a_shape)}, b.shape={tuple(b_shape)}"
+        ) from None
+    return (*batch, a_shape[-2], b_shape[-1])
+
+
+def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel) -> tuple[int, ...]:
+    """Raise TypeError/ValueError naming the problem; return the output shape."""
+    _check_float("a", a)
+    _check_float("b", b)
+    if a.dtype != b.dtype:
+        raise TypeError(f"dtypes differ: a is {_dtype_name(a.dtype)}, b is {_dtype_name(b.dtype)}")
+    shape = output_shape(a.shape, b.shape)
+    named = {"a": a, "b": b}
+    if bias is not None:
+        _check_float("bias", bias)
+        if bias.dim() != 1 or bias.shape[0] != shape[-1]:
+            raise ValueError(f"bias must have shape [N] = [{shape[-1]}], got {list(bias.shape)}")
+        named["bias"] = bias
+    if c is not None:
+        _check_float("c", c)
+        try:
+            if torch.broadcast_shapes(tuple(c.shape), shape) != shape:
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(f"c of shape {list(c.shape)} does not broadcast to the output shape {list(shape)}") from None
+        named["c"] = c
+    for name, value in (("alpha", alpha), ("beta", beta)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; choose one of: {', '.join(ACTIVATIONS)}")
+    if out_dtype is not None and out_dtype not in DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} is not supported; choose one of: float16, bfloat16, float32")
+    resolve_precision(precision, a.dtype)
+    if kernel != "auto":
+        spec = registry.get("matmul", kernel)
+        reason = spec.unavailable_reason()
+        if reason:
+            raise ValueError(f"matmul kernel {kernel!r} cannot run here: {reason}")
+    _check_devices(named)
+    return shape
+
+
+# --- the choice of rung ---------------------------------------------------------------------------------
+
+
+def choose_kernel(p: GemmProblem) -> str:
+    """``auto``: the fastest rung that exists for this problem.
+
+    Under the interpreter autotuning has nothing to time, so ``grouped`` is used there.
+    """
+    if interpreting():
+        return "grouped"
+    return "autotuned"
+
+
+# --- the op ---------------------------------------------------------------------------------------------
+
+
+def _forward(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel) -> torch.Tensor:
+    shape = output_shape(a.shape, b.shape)
+    out = new_output(shape, out_dtype or a.dtype, a.device)
+    if out.numel() == 0:
+        return out
+    M, K = a.shape[-2:]
+    N = b.shape[-1]
+    batch = shape[:-2]
+    a_e = a.expand(*batch, M, K)
+    b_e = b.expand(*batch, K, N)
+    c_e = c.expand(shape) if c is not None else None
+    upcast = interpreting() and a.dtype == torch.bfloat16
+    for a3, b3, out3, c3 in split_batches(batch, [a_e, b_e, out, c_e]):
+        p = GemmProblem(a3, b3, out3, c3, bias, alpha, beta, activation, precision, upcast)
+        name = choose_kernel(p) if kernel == "auto" else kernel
+        registry.get("matmul", name).launcher()(p)
+    return out
+
+
+@torch.library.custom_op("tilegemm::matmul", mutates_args=())
+def _matmul_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    c: Optional[torch.Tensor],
+    alpha: float,
+    beta: float,
+    activation: str,
+    out_dtype: Optional[torch.dtype],
+    precision: str,
+    kernel: str,
+) -> torch.Tensor:
+    return _forward(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel)
+
+
+@_matmul_op.register_fake
+def _matmul_fake(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel):
+    return a.new_empty(output_shape(a.shape, b.shape), dtype=out_dtype or a.dtype)
+
+
+# --- autograd: recompute the pre-activation, differentiate the activation with torch ----------------------
+
+
+def _torch_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    F = torch.nn.functional
+    if activation == "relu":
+        return F.relu(x)
+    if activation == "gelu":
+        return F.gelu(x)
+    if activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if activation == "silu":
+        return F.silu(x)
+    if activation == "leaky_relu":
+        return F.leaky_relu(x, 0.01)
+    return x
+
+
+def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
+    """Undo broadcasting: sum ``t`` down to ``shape``."""
+    shape = tuple(shape)
+    lead = t.dim() - len(shape)
+    if lead:
+        t = t.sum(dim=tuple(range(lead)))
+    dims = tuple(i for i, size in enumerate(shape) if size == 1 and t.shape[i] != 1)
+    return t.sum(dim=dims, keepdim=True) if dims else t
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel = inputs
+    ctx.save_for_backward(a, b, bias, c)
+    ctx.alpha, ctx.beta, ctx.activation, ctx.precision = alpha, beta, activation, precision
+
+
+def _backward(ctx, grad_out):
+    a, b, bias, c = ctx.saved_tensors
+    grad = grad_out.float()
+    if ctx.activation != "none":
+        pre = _matmul_op(a, b, bias, c, ctx.alpha, ctx.beta, "none", torch.float32, ctx.precision, "auto")
+        with torch.enable_grad():
+            pre = pre.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(_torch_activation(pre, ctx.activation), pre, grad)
+    grad_a = grad_b = grad_bias = grad_c = None
+    want_a, want_b, want_bias, want_c = ctx.needs_input_grad[:4]
+    # The two GEMMs of the backward pass run in the operands' dtype, like torch's own.
+    g = grad.to(a.dtype)
+    if want_a:
+        grad_a = _sum_to(_matmul_op(g, b.mT, None, None, ctx.alpha, 1.0, "none", None, ctx.precision, "auto"), a.shape)
+    if want_b:
+        grad_b = _sum_to(_matmul_op(a.mT, g, None, None, ctx.alpha, 1.0, "none", None, ctx.precision, "auto"), b.shape)
+    if want_bias and bias is not None:
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype)
+    if want_c and c is not None:
+        grad_c = _sum_to(grad * ctx.beta, c.shape).to(c.dtype)
+    return grad_a, grad_b, grad_bias, grad_c, None, None, None, None, None, None
+
+
+_matmul_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- the public function --------------------------------------------------------------------------------
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    c: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    activation: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    precision: str | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """``activation(alpha * (a @ b) + beta * c + bias)`` in one kernel, accumulated in fp32.
+
+    Args:
+        a: ``[..., M, K]``, fp16, bf16 or fp32, any strides (transposed and sliced views are read in place).
+        b: ``[..., K, N]``, same dtype as ``a``. Batch dims broadcast like ``torch.matmul``.
+        bias: ``[N]``, added to every row.
+        c: broadcasts to the output ``[..., M, N]``; scaled by ``beta``.
+        activation: ``None``/``"none"``, ``"relu"``, ``"gelu"`` (erf), ``"gelu_tanh"``, ``"silu"``,
+            ``"leaky_relu"`` (slope 0.01).
+        out_dtype: output dtype; the input dtype by default.
+        precision: for fp32 inputs, ``"ieee"``/``"highest"`` (IEEE-accurate) or ``"tf32"``/``"high"``/
+            ``"medium"``; by default ``torch.get_float32_matmul_precision()``.
+        kernel: a name from ``tilegemm.kernels("matmul")``; ``"auto"`` picks one per problem.
+
+    Raises:
+        TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
+    """
+    activation = "none" if activation is None else activation
+    check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel)
+    return _matmul_op(
+        a, b, bias, c, float(alpha), float(beta), activation, out_dtype,
+        resolve_precision(precision, a.dtype), kernel,
+    )

@@ -1,0 +1,51 @@
+"""The oracle for every dense-GEMM kernel: the same formula in plain torch, in float64."""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.matmul.op import _torch_activation
+
+
+def matmul_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    c: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    activation: str | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """``activation(alpha * (a @ b) + beta * c + bias)`` computed in ``dtype`` (float64 by default)."""
+    out = alpha * torch.matmul(a.to(dtype), b.to(dtype))
+    if c is not None:
+        out = out + beta * c.to(dtype)
+    if bias is not None:
+        out = out + bias.to(dtype)
+    return _torch_activation(out, activation or "none")
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64; NaN or inf anywhere in ``out`` gives inf."""
+    out64 = out.to(torch.float64)
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    ref64 = ref.to(torch.float64)
+    denom = torch.linalg.vector_norm(ref64).item()
+    diff = torch.linalg.vector_norm(out64 - ref64).item()
+    if denom == 0.0:
+        return diff
+    return diff / denom
+
+
+def tolerance(dtype: torch.dtype, precision: str = "ieee", out_dtype: torch.dtype | None = None) -> float:
+    """Bound on :func:`relative_error` for a correct kernel, set by the operands' and output's rounding."""
+    bounds = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2, torch.float32: 1e-4}
+    bound = bounds.get(dtype, 5e-2)
+    if dtype == torch.float32 and precision == "tf32":
+        bound = 1e-2
+    if out_dtype is not None:
+        bound = max(bound, bounds.get(out_dtype, bound))
+    return bound

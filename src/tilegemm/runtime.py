@@ -1,0 +1,111 @@
+"""Where kernels run: compiled on a CUDA GPU, or under Triton's interpreter on the CPU.
+
+Triton decides between its compiler and its interpreter when a function is decorated with
+``@triton.jit``, by reading ``TRITON_INTERPRET``. tilegemm therefore imports no kernel module at
+import time; :func:`ensure_backend` settles the choice once, sets ``TRITON_INTERPRET`` to match, and
+only then are kernel modules imported (see :mod:`tilegemm.registry`).
+
+The choice, in order:
+
+1. ``TILEGEMM_INTERPRET=1`` or ``=0`` forces the interpreter or the compiler.
+2. ``TRITON_INTERPRET=1`` (set by the user before anything ran) means the interpreter.
+3. Otherwise the interpreter is used exactly when torch sees no CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+
+log = logging.getLogger("tilegemm")
+
+_lock = threading.Lock()
+_interpret: bool | None = None
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class InterpreterWarning(UserWarning):
+    """Kernels run under Triton's interpreter: results are exact, timings mean nothing."""
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r}: expected 1 or 0")
+
+
+def _decide() -> bool:
+    forced = _env_flag("TILEGEMM_INTERPRET")
+    if forced is not None:
+        return forced
+    if _env_flag("TRITON_INTERPRET"):
+        return True
+    import torch
+
+    # is_available() asks the driver for a device count; it does not create a CUDA context.
+    return not torch.cuda.is_available()
+
+
+def ensure_backend() -> bool:
+    """Settle the backend once (before any kernel module is imported); return True if interpreting."""
+    global _interpret
+    if _interpret is not None:
+        return _interpret
+    with _lock:
+        if _interpret is None:
+            interpret = _decide()
+            os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+            if interpret:
+                message = (
+                    "tilegemm: no CUDA GPU in use, so kernels run under Triton's interpreter on the CPU; "
+                    "results are checked the same way, but timings are not GPU performance."
+                )
+                log.info(message)
+                warnings.warn(message, InterpreterWarning, stacklevel=3)
+            _interpret = interpret
+    return _interpret
+
+
+def interpreting() -> bool:
+    """True when kernels run under Triton's interpreter (settles the backend if needed)."""
+    return ensure_backend()
+
+
+def backend_name() -> str:
+    return "interpreter (CPU)" if interpreting() else "CUDA GPU"
+
+
+# --- output allocation ----------------------------------------------------------------------------------
+
+_poison = threading.local()
+
+
+def poisoning() -> bool:
+    return getattr(_poison, "on", False)
+
+
+def set_poisoning(on: bool) -> bool:
+    """Make every kernel output start as NaN (or the dtype's max for integers); return the old setting."""
+    old = poisoning()
+    _poison.on = bool(on)
+    return old
+
+
+def new_output(shape, dtype, device):
+    """``torch.empty`` for kernel outputs; filled with NaN while poisoning, so unwritten elements show."""
+    import torch
+
+    if not poisoning():
+        return torch.empty(shape, dtype=dtype, device=device)
+    fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
+    return torch.full(shape, fill, dtype=dtype, device=device)

@@ -1,0 +1,92 @@
+"""Bad input raises TypeError/ValueError naming the problem, before any kernel runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm import runtime
+
+
+def _ab(device, dtype=torch.float16):
+    return torch.randn(8, 4, dtype=dtype, device=device), torch.randn(4, 6, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (lambda d: (torch.randn(8, 4, device=d), torch.randn(5, 6, device=d)), ValueError, "inner dimensions differ"),
+        (lambda d: (torch.randn(8, 4, device=d), torch.randn(4, 6, device=d, dtype=torch.float16)), TypeError, "dtypes differ"),
+        (lambda d: (torch.ones(8, 4, dtype=torch.int32, device=d),) * 2, TypeError, "integer dtype int32"),
+        (lambda d: (torch.ones(8, 4, dtype=torch.int8, device=d),) * 2, TypeError, "integer dtype int8"),
+        (lambda d: (torch.randn(4, 4, dtype=torch.float64, device=d),) * 2, TypeError, "unsupported dtype float64"),
+        (lambda d: (torch.randn(4, device=d), torch.randn(4, 6, device=d)), ValueError, "at least 2 dims"),
+        (lambda d: (torch.randn(8, 4, device=d), torch.randn(4, device=d)), ValueError, "at least 2 dims"),
+        (lambda d: (torch.randn(2, 8, 4, device=d), torch.randn(3, 4, 6, device=d)), ValueError, "do not broadcast"),
+        (lambda d: ([[1.0]], torch.randn(1, 1, device=d)), TypeError, "a must be a torch.Tensor"),
+    ],
+)
+def test_bad_operands(make, error, match, device):
+    a, b = make(device)
+    with pytest.raises(error, match=match):
+        tilegemm.matmul(a, b)
+
+
+def test_bad_bias(device):
+    a, b = _ab(device)
+    with pytest.raises(ValueError, match=r"bias must have shape \[N\] = \[6\], got \[5\]"):
+        tilegemm.matmul(a, b, bias=torch.randn(5, device=device))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        tilegemm.matmul(a, b, bias=torch.randn(1, 6, device=device))
+    with pytest.raises(TypeError, match="bias has integer dtype"):
+        tilegemm.matmul(a, b, bias=torch.ones(6, dtype=torch.int64, device=device))
+
+
+def test_bad_c(device):
+    a, b = _ab(device)
+    with pytest.raises(ValueError, match=r"c of shape \[7, 6\] does not broadcast to the output shape \[8, 6\]"):
+        tilegemm.matmul(a, b, c=torch.randn(7, 6, device=device))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        tilegemm.matmul(a, b, c=torch.randn(2, 8, 6, device=device))  # would grow the output
+
+
+def test_bad_options(device):
+    a, b = _ab(device)
+    with pytest.raises(ValueError, match="unknown activation 'tanh'; choose one of: none, relu"):
+        tilegemm.matmul(a, b, activation="tanh")
+    with pytest.raises(ValueError, match="unknown matmul kernel 'fastest'; choose one of: naive"):
+        tilegemm.matmul(a, b, kernel="fastest")
+    with pytest.raises(ValueError, match="unknown precision 'double'"):
+        tilegemm.matmul(a, b, precision="double")
+    with pytest.raises(TypeError, match="out_dtype torch.int32 is not supported"):
+        tilegemm.matmul(a, b, out_dtype=torch.int32)
+    with pytest.raises(TypeError, match="alpha must be a real number, got str"):
+        tilegemm.matmul(a, b, alpha="2")
+    with pytest.raises(TypeError, match="beta must be a real number, got bool"):
+        tilegemm.matmul(a, b, beta=True)
+
+
+def test_different_devices(device):
+    a, b = _ab(device)
+    meta_b = torch.empty(4, 6, dtype=torch.float16, device="meta")
+    with pytest.raises(ValueError, match="different devices: a on .*, b on meta"):
+        tilegemm.matmul(a, meta_b)
+
+
+def test_cpu_tensors_when_a_gpu_is_in_use(monkeypatch):
+    monkeypatch.setattr(runtime, "_interpret", False)
+    a, b = _ab("cpu")
+    with pytest.raises(ValueError, match="a is on cpu, but a CUDA GPU is in use"):
+        tilegemm.matmul(a, b)
+
+
+def test_bad_env_flag(monkeypatch):
+    monkeypatch.setenv("TILEGEMM_INTERPRET", "maybe")
+    with pytest.raises(ValueError, match="TILEGEMM_INTERPRET='maybe': expected 1 or 0"):
+        runtime._env_flag("TILEGEMM_INTERPRET")
+
+
+def test_unknown_op_family():
+    with pytest.raises(ValueError, match="unknown op 'fft'"):
+        tilegemm.kernels("fft")

@@ -1,0 +1,52 @@
+"""The op is a torch.library op: opcheck, torch.compile without graph breaks, and autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.matmul.reference import matmul_reference
+
+from conftest import assert_rel_close
+
+
+def test_registered_in_the_tilegemm_namespace():
+    assert hasattr(torch.ops.tilegemm, "matmul")
+
+
+def test_opcheck(device):
+    a = torch.randn(2, 17, 9, device=device)
+    b = torch.randn(9, 13, device=device)
+    bias = torch.randn(13, device=device)
+    args = (a, b, bias, None, 1.0, 1.0, "relu", None, "ieee", "grouped")
+    torch.library.opcheck(torch.ops.tilegemm.matmul.default, args)
+
+
+def test_torch_compile_fullgraph(device):
+    def f(x, w, bias):
+        return tilegemm.matmul(x, w, bias=bias, activation="gelu", precision="ieee") * 2.0
+
+    x = torch.randn(24, 16, device=device)
+    w = torch.randn(16, 8, device=device)
+    bias = torch.randn(8, device=device)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out = compiled(x, w, bias)
+    assert_rel_close(out, 2.0 * matmul_reference(x, w, bias=bias, activation="gelu"), 1e-5)
+
+
+@pytest.mark.parametrize("activation", ["none", "gelu", "silu"])
+def test_gradients_match_torch(activation, device):
+    a = torch.randn(2, 12, 10, device=device, dtype=torch.float64).float().requires_grad_()
+    b = torch.randn(10, 7, device=device).requires_grad_()
+    bias = torch.randn(7, device=device).requires_grad_()
+    c = torch.randn(12, 1, device=device).requires_grad_()
+    kwargs = dict(bias=bias, c=c, alpha=0.7, beta=1.3, activation=activation)
+    out = tilegemm.matmul(a, b, precision="ieee", **kwargs)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (a, b, bias, c), grad)
+    ref_out = matmul_reference(a, b, dtype=torch.float32, **kwargs)
+    want = torch.autograd.grad(ref_out, (a, b, bias, c), grad)
+    for name, g, w in zip("a b bias c".split(), got, want):
+        assert g.shape == w.shape, name
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"grad of {name}: {m}")
