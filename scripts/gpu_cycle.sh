@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One build-check-time cycle on the GPU machine: bash scripts/gpu_cycle.sh STEP... (results under $OUT).
+# Steps: tests (pytest -m gpu), square / llm / skinny (fp16 sweeps), bf16 (square+llm bf16), learn (copy, grey).
+set -uo pipefail
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+bench() { python3 -m tilegemm.cli bench --quiet --no-save "$@"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    tests) python3 -m pytest -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 25 ;;
+    square|llm|skinny) bench --sweep "$step" --dtype fp16 --json "$OUT/$step-fp16.json" --plot "$OUT/$step-fp16.png" ;;
+    bf16) for s in square llm; do bench --sweep $s --dtype bf16 --json "$OUT/$s-bf16.json" --plot "$OUT/$s-bf16.png"; done ;;
+    learn) bench --op copy --json "$OUT/copy.json" --plot "$OUT/copy.png"; bench --op grey --json "$OUT/grey.json" --plot "$OUT/grey.png" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+echo "=== done $(date +%T)"

@@ -1,0 +1,231 @@
+"""What the bench knows about each op family: its sweeps, inputs, baseline, reference and work.
+
+The bench is a thin layer over the public ops and the registry: a kernel is run through the same
+function a user calls (``tilegemm.matmul(..., kernel=name)``), never through a copy of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from tilegemm import registry
+from tilegemm.hardware import peak_gbps, peak_tflops
+
+
+class BenchError(ValueError):
+    """A bad bench request (unknown op, kernel, dtype, malformed shape): one line for the user."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One point of a sweep."""
+
+    label: str
+    dims: dict[str, int]
+    x: float  # position on the plot's x axis
+
+
+@dataclass
+class Prepared:
+    """Inputs for one case: ``sets`` are interchangeable input sets (rotated to defeat L2 in graph mode)."""
+
+    sets: list[dict[str, Any]]
+    reference: torch.Tensor
+    bytes_per_set: int
+    extra: dict = field(default_factory=dict)
+
+
+class BenchOp:
+    name: str = ""
+    metric: str = "TFLOPS"  # or "GB/s"
+    baseline_name: str = ""
+    cpu_baseline_name: str = "torch (CPU)"
+    dtypes: dict[str, torch.dtype] = {}
+    sweeps: dict[str, Callable[[], list[Case]]] = {}
+    gpu_sweep: str = ""
+    cpu_sweep: str = ""
+    shape_help: str = ""
+
+    def default_dtype(self) -> str:
+        return next(iter(self.dtypes))
+
+    def kernel_names(self) -> list[str]:
+        return [s.name for s in registry.specs(self.name)]
+
+    def check_kernel(self, name: str) -> None:
+        if name == "auto" and "auto" in registry.kernels(self.name):
+            return
+        try:
+            registry.get(self.name, name)
+        except ValueError as err:
+            raise BenchError(str(err)) from None
+
+    def check_dtype(self, dtype: str, capability: tuple[int, int] | None) -> None:
+        if dtype not in self.dtypes:
+            raise BenchError(f"op {self.name} has no dtype {dtype!r}; choose one of: {', '.join(self.dtypes)}")
+
+    def parse_shape(self, text: str) -> Case:
+        raise NotImplementedError
+
+    def cases(self, sweep: str) -> list[Case]:
+        if sweep not in self.sweeps:
+            raise BenchError(f"op {self.name} has no sweep {sweep!r}; choose one of: {', '.join(self.sweeps)}")
+        return self.sweeps[sweep]()
+
+    def prepare(self, case: Case, dtype: str, device: str, n_sets: int, options: dict) -> Prepared:
+        raise NotImplementedError
+
+    def run(self, kernel: str, inputs: dict, dtype: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def baseline(self, inputs: dict, dtype: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def baseline_context(self, dtype: str):
+        return contextlib.nullcontext()
+
+    def work(self, case: Case, options: dict) -> float:
+        """FLOPs (metric TFLOPS) or bytes moved (metric GB/s) of one call."""
+        raise NotImplementedError
+
+    def tolerance(self, dtype: str) -> float:
+        raise NotImplementedError
+
+    def peak(self, gpu: str | None, dtype: str) -> float | None:
+        return peak_gbps(gpu) if self.metric == "GB/s" else peak_tflops(gpu, dtype)
+
+    def rate(self, case: Case, ms: float, options: dict) -> float:
+        """TFLOPS or GB/s at a time of ``ms`` milliseconds."""
+        scale = 1e-12 if self.metric == "TFLOPS" else 1e-9
+        return self.work(case, options) * scale / (ms * 1e-3)
+
+
+# --- dense GEMM -----------------------------------------------------------------------------------------
+
+
+def _mnk(m: int, n: int, k: int, x: float | None = None) -> Case:
+    return Case(f"{m}x{n}x{k}", dict(M=m, N=n, K=k), float(x if x is not None else m))
+
+
+def _llm_cases() -> list[Case]:
+    cases = []
+    for i, (n, k) in enumerate([(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]):
+        for j, m in enumerate([1, 16, 128, 2048, 8192]):
+            cases.append(_mnk(m, n, k, x=i * 5 + j))
+    return cases
+
+
+class MatmulBench(BenchOp):
+    name = "matmul"
+    metric = "TFLOPS"
+    baseline_name = "cuBLAS"
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
+    sweeps = {
+        "square": lambda: [_mnk(s, s, s) for s in (1024, 2048, 4096, 8192, 16384)],
+        "llm": _llm_cases,
+        "skinny": lambda: [_mnk(m, 8192, 8192) for m in (1, 2, 4, 8, 16, 32, 64, 128)],
+        "tiny": lambda: [_mnk(s, s, s) for s in (64, 96, 128, 192)],
+    }
+    gpu_sweep = "square"
+    cpu_sweep = "tiny"
+    shape_help = "M,N,K (e.g. 4096,4096,4096)"
+
+    def parse_shape(self, text: str) -> Case:
+        parts = re.split(r"[,x\s]+", text.strip())
+        try:
+            m, n, k = (int(p) for p in parts)
+        except ValueError:
+            raise BenchError(f"malformed matmul shape {text!r}: expected {self.shape_help}") from None
+        if min(m, n, k) < 1:
+            raise BenchError(f"malformed matmul shape {text!r}: sizes must be >= 1")
+        return _mnk(m, n, k)
+
+    def _precision(self, dtype: str) -> str:
+        return "tf32" if dtype == "tf32" else "ieee"
+
+    def prepare(self, case, dtype, device, n_sets, options):
+        M, N, K = case.dims["M"], case.dims["N"], case.dims["K"]
+        batch = options.get("batch", 1)
+        layout = options.get("layout", "NN")
+        tdtype = self.dtypes[dtype]
+        lead = (batch,) if batch > 1 else ()
+
+        def operand(rows, cols, transposed):
+            if transposed:
+                return torch.randn(*lead, cols, rows, device=device, dtype=tdtype).mT
+            return torch.randn(*lead, rows, cols, device=device, dtype=tdtype)
+
+        sets = [dict(a=operand(M, K, layout[0] == "T"), b=operand(K, N, layout[1] == "T")) for _ in range(n_sets)]
+        first = sets[0]
+        reference = torch.matmul(first["a"].double(), first["b"].double())
+        size = tdtype.itemsize
+        return Prepared(sets, reference, bytes_per_set=batch * (M * K + K * N + M * N) * size)
+
+    def run(self, kernel, inputs, dtype):
+        from tilegemm import matmul
+
+        return matmul(inputs["a"], inputs["b"], kernel=kernel, precision=self._precision(dtype))
+
+    def baseline(self, inputs, dtype):
+        # torch.matmul's fp32 path follows allow_tf32; the runner sets it per dtype (see tf32_mode).
+        return torch.matmul(inputs["a"], inputs["b"])
+
+    def baseline_context(self, dtype):
+        return _Tf32Mode(dtype == "tf32")
+
+    def work(self, case, options):
+        d = case.dims
+        return 2.0 * d["M"] * d["N"] * d["K"] * options.get("batch", 1)
+
+    def tolerance(self, dtype):
+        from tilegemm.matmul.reference import tolerance
+
+        return tolerance(self.dtypes[dtype], self._precision(dtype))
+
+
+class _Tf32Mode:
+    def __init__(self, allow: bool):
+        self.allow = allow
+
+    def __enter__(self):
+        self.old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.allow
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.old
+
+
+_OPS: dict[str, Callable[[], BenchOp]] = {"matmul": MatmulBench}
+
+
+def register_bench_op(name: str, factory: Callable[[], BenchOp]) -> None:
+    _OPS[name] = factory
+
+
+def bench_op(name: str) -> BenchOp:
+    _load()
+    if name not in _OPS:
+        raise BenchError(f"unknown op {name!r}; choose one of: {', '.join(sorted(_OPS))}")
+    return _OPS[name]()
+
+
+def bench_ops() -> list[str]:
+    _load()
+    return sorted(_OPS)
+
+
+def _load() -> None:
+    pass
+
+
+def geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v and v > 0 and math.isfinite(v)]
+    if not values:
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))

@@ -1,0 +1,178 @@
+"""Showing and saving a bench result: a table, a summary, JSON, CSV and a PNG plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from tilegemm.bench.runner import BASELINE, BenchResult
+
+CSV_FIELDS = ["op", "kernel", "shape", "dtype", "layout", "batch", "status", "rel_err", "tolerance", "ms", "ms_p20",
+              "ms_p80", "metric", "value", "ratio", "pct_peak", "message"]
+
+
+def _title(result: BenchResult) -> str:
+    m = result.meta
+    machine = m["machine"]
+    where = machine["gpu"] or machine["backend"]
+    title = f"{m['op']} {m['dtype']} on {where}: {m['metric']}"
+    if m.get("baseline"):
+        title += f", x {m['baseline']}"
+    if m["layout"] != "NN" or m["batch"] != 1:
+        title += f" (layout {m['layout']}, batch {m['batch']})"
+    if machine["interpreter"]:
+        title += "\n[bold yellow]INTERPRETER: timings are NOT GPU performance[/]"
+    return title
+
+
+def _cell(row) -> Text:
+    if row is None:
+        return Text("-", style="dim")
+    if row.status == "error":
+        return Text(f"error\n{row.message[:40]}", style="red")
+    value = f"{row.value:.4g}" if row.value is not None else "-"
+    if row.status == "wrong":
+        return Text(f"{value}\nWRONG err {row.rel_err:.1e}", style="bold red")
+    second = []
+    if row.kernel != BASELINE and row.ratio is not None:
+        second.append(f"{row.ratio:.2f}x")
+    if row.pct_peak is not None:
+        second.append(f"{row.pct_peak:.0f}% pk")
+    style = ""
+    if row.ratio is not None and row.kernel != BASELINE:
+        style = "green" if row.ratio >= 1.0 else ("yellow" if row.ratio >= 0.9 else "")
+    return Text(value + ("\n" + " ".join(second) if second else ""), style=style)
+
+
+def results_table(result: BenchResult) -> Table:
+    kernels = result.kernels()
+    summary = result.summary()
+    table = Table(title=_title(result), show_lines=True)
+    table.add_column("shape", no_wrap=True)
+    for kernel in kernels:
+        table.add_column(result.meta["baseline"] if kernel == BASELINE else kernel, justify="right")
+    table.add_column("best", no_wrap=True)
+    by_key = {(r.shape, r.kernel): r for r in result.rows}
+    for shape in result.cases():
+        best = summary["best_per_shape"].get(shape, "-")
+        best_name = result.meta["baseline"] if best == BASELINE else best
+        table.add_row(shape, *[_cell(by_key.get((shape, k))) for k in kernels], best_name)
+    return table
+
+
+def summary_table(result: BenchResult) -> Table:
+    summary = result.summary()
+    base = result.meta.get("baseline") or "baseline"
+    table = Table(title=f"summary: each kernel against {base} (ratio = {base} time / kernel time)")
+    for column in ("kernel", "geomean ratio", "worst ratio (shape)", "best ratio", "mean % peak", "correct"):
+        table.add_column(column, justify="left" if column == "kernel" else "right")
+    for kernel, s in summary["kernels"].items():
+        fmt = lambda v, spec=".2f", suffix="x": f"{v:{spec}}{suffix}" if v is not None else "-"  # noqa: E731
+        correct = f"{s['correct']}/{s['cases']}"
+        style = "bold red" if s["wrong"] or s["errors"] else ""
+        table.add_row(
+            kernel, fmt(s["geomean_ratio"]),
+            f"{fmt(s['worst_ratio'])} ({s['worst_shape']})" if s["worst_ratio"] else "-",
+            fmt(s["best_ratio"]), fmt(s["mean_pct_peak"], ".0f", "%"), Text(correct, style=style),
+        )
+    return table
+
+
+def print_report(result: BenchResult, console: Console) -> None:
+    console.print(results_table(result))
+    if any(k != BASELINE for k in result.kernels()) and result.meta.get("baseline"):
+        console.print(summary_table(result))
+    if result.meta["machine"]["interpreter"]:
+        console.print("[yellow]Kernels ran under Triton's interpreter on the CPU: these timings say nothing about "
+                      "GPU performance. Correctness checks are real.[/]")
+
+
+def _atomic_write(path: str | os.PathLike, write) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(result: BenchResult, path) -> None:
+    _atomic_write(path, lambda f: json.dump(result.to_dict(), f, indent=1, default=str))
+
+
+def write_csv(result: BenchResult, path) -> None:
+    def write(f):
+        machine = result.meta["machine"]
+        for key in ("gpu", "sm_count", "driver", "cuda", "torch", "triton", "tilegemm", "git_commit", "timestamp",
+                    "backend"):
+            f.write(f"# {key}: {machine.get(key)}\n")
+        for key in ("op", "dtype", "sweep", "timing", "note"):
+            if result.meta.get(key) is not None:
+                f.write(f"# {key}: {result.meta[key]}\n")
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for row in result.rows:
+            writer.writerow({k: getattr(row, k) for k in CSV_FIELDS})
+
+    _atomic_write(path, write)
+
+
+def write_plot(result: BenchResult, path, topk: int = 4) -> None:
+    """TFLOPS (or GB/s) against the sweep for the top-k kernels by geometric-mean ratio, plus the baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result.summary()["kernels"]
+    ranked = sorted((k for k in summary if summary[k]["geomean_ratio"]),
+                    key=lambda k: summary[k]["geomean_ratio"], reverse=True)
+    if not ranked:  # no baseline: rank by mean rate
+        ranked = sorted(summary, key=lambda k: -_mean_value(result, k))
+    chosen = ranked[:topk] + ([BASELINE] if BASELINE in result.kernels() else [])
+    shapes = result.cases()
+    position = {s: i for i, s in enumerate(shapes)}
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.55 * len(shapes) + 3), 4.8))
+    for kernel in chosen:
+        rows = [r for r in result.rows if r.kernel == kernel and r.ok and r.value]
+        label = result.meta["baseline"] if kernel == BASELINE else kernel
+        ax.plot([position[r.shape] for r in rows], [r.value for r in rows], marker="o",
+                linestyle="--" if kernel == BASELINE else "-", color="black" if kernel == BASELINE else None,
+                label=label)
+    peak = result.meta.get("peak")
+    if peak:
+        ax.axhline(peak, color="grey", linewidth=0.8, linestyle=":", label=f"peak {peak:g}")
+    ax.set_xticks(range(len(shapes)))
+    ax.set_xticklabels(shapes, rotation=45 if len(shapes) > 6 else 0, ha="right" if len(shapes) > 6 else "center",
+                       fontsize=8)
+    ax.set_ylabel(result.meta["metric"])
+    ax.set_xlabel("shape (M x N x K)" if result.meta["op"] == "matmul" else "size")
+    machine = result.meta["machine"]
+    title = f"tilegemm {result.meta['op']} {result.meta['dtype']} on {machine['gpu'] or machine['backend']}"
+    if result.meta.get("sweep"):
+        title += f" ({result.meta['sweep']} sweep)"
+    if machine["interpreter"]:
+        title += "\nINTERPRETER: not GPU performance"
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _mean_value(result: BenchResult, kernel: str) -> float:
+    values = [r.value for r in result.rows if r.kernel == kernel and r.ok and r.value]
+    return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,236 @@
+"""The bench loop: for every case and kernel, check the result against the reference, then time it."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from tilegemm.bench.ops import BenchOp, Case, geomean
+from tilegemm.hardware import MachineInfo, machine_info
+from tilegemm.runtime import interpreting
+
+BASELINE = "baseline"
+SCHEMA = "tilegemm-bench/1"
+
+
+@dataclass
+class Row:
+    op: str
+    kernel: str  # a registered name, or "baseline"
+    shape: str
+    dims: dict
+    x: float
+    dtype: str
+    layout: str
+    batch: int
+    status: str  # "ok", "wrong", "error", "unavailable"
+    rel_err: float | None = None
+    tolerance: float | None = None
+    ms: float | None = None  # median
+    ms_p20: float | None = None
+    ms_p80: float | None = None
+    metric: str = "TFLOPS"
+    value: float | None = None  # TFLOPS or GB/s at the median time
+    ratio: float | None = None  # baseline time / this time (>1: faster than the baseline)
+    pct_peak: float | None = None
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass
+class BenchResult:
+    meta: dict
+    rows: list[Row] = field(default_factory=list)
+
+    def kernels(self) -> list[str]:
+        return list(dict.fromkeys(r.kernel for r in self.rows))
+
+    def cases(self) -> list[str]:
+        return list(dict.fromkeys(r.shape for r in self.rows))
+
+    def summary(self) -> dict:
+        """Per kernel: geometric-mean and worst ratio to the baseline over the correct cases; best per shape."""
+        per_kernel = {}
+        for kernel in self.kernels():
+            if kernel == BASELINE:
+                continue
+            rows = [r for r in self.rows if r.kernel == kernel]
+            good = [r for r in rows if r.ok and r.ratio]
+            worst = min(good, key=lambda r: r.ratio) if good else None
+            per_kernel[kernel] = dict(
+                geomean_ratio=geomean([r.ratio for r in good]),
+                worst_ratio=worst.ratio if worst else None,
+                worst_shape=worst.shape if worst else None,
+                best_ratio=max((r.ratio for r in good), default=None),
+                mean_pct_peak=(statistics.fmean([r.pct_peak for r in good if r.pct_peak is not None])
+                               if any(r.pct_peak is not None for r in good) else None),
+                correct=sum(r.ok for r in rows),
+                wrong=sum(r.status == "wrong" for r in rows),
+                errors=sum(r.status == "error" for r in rows),
+                cases=len(rows),
+            )
+        best = {}
+        for shape in self.cases():
+            good = [r for r in self.rows if r.shape == shape and r.ok and r.ms]
+            if good:
+                winner = min(good, key=lambda r: r.ms)
+                best[shape] = winner.kernel
+        return dict(kernels=per_kernel, best_per_shape=best)
+
+    def to_dict(self) -> dict:
+        return dict(schema=SCHEMA, meta=self.meta, rows=[asdict(r) for r in self.rows], summary=self.summary())
+
+
+# --- timing ---------------------------------------------------------------------------------------------
+
+
+def _cycle(sets: list[dict], fn: Callable[[dict], object]) -> Callable[[], object]:
+    it = itertools.cycle(sets)
+    return lambda: fn(next(it))
+
+
+def time_call(fn: Callable[[], object], warmup_ms: float, rep_ms: float, cuda_graph: bool) -> tuple[float, float, float]:
+    """(median, p20, p80) in milliseconds."""
+    if interpreting():
+        return _time_on_host(fn, rep_ms)
+    import triton.testing
+
+    quantiles = [0.5, 0.2, 0.8]
+    if cuda_graph:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            result = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, quantiles=quantiles)
+    else:
+        # do_bench clears L2 before every timed call, so each call reads its inputs from memory.
+        result = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=quantiles)
+    return tuple(float(v) for v in result)
+
+
+def _time_on_host(fn, rep_ms: float) -> tuple[float, float, float]:
+    fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    q = statistics.quantiles(times, n=10) if len(times) >= 2 else times * 9
+    return statistics.median(times), q[1], q[7]
+
+
+def rotation_count(bytes_per_set: int, machine: MachineInfo, cuda_graph: bool) -> int:
+    """Input sets to rotate through: enough to overflow L2 twice in graph mode (do_bench flushes L2 itself)."""
+    if not cuda_graph or not machine.l2_bytes:
+        return 1
+    want = -(-2 * machine.l2_bytes // max(bytes_per_set, 1))
+    return int(max(1, min(want, 16)))
+
+
+# --- the loop -------------------------------------------------------------------------------------------
+
+
+def run_bench(
+    op: BenchOp,
+    cases: list[Case],
+    dtype: str,
+    kernels: list[str],
+    *,
+    baseline: bool = True,
+    warmup_ms: float = 25.0,
+    rep_ms: float = 100.0,
+    cuda_graph: bool = False,
+    options: dict | None = None,
+    sweep: str | None = None,
+    on_step: Callable[[str], None] | None = None,
+) -> BenchResult:
+    options = dict(options or {})
+    options.setdefault("batch", 1)
+    options.setdefault("layout", "NN")
+    machine = machine_info()
+    device = "cpu" if machine.interpreter else "cuda"
+    peak = op.peak(machine.gpu, dtype)
+    baseline_name = op.baseline_name if not machine.interpreter else op.cpu_baseline_name
+    meta = dict(
+        op=op.name, dtype=dtype, metric=op.metric, sweep=sweep, baseline=baseline_name if baseline else None,
+        kernels=kernels, layout=options["layout"], batch=options["batch"], warmup_ms=warmup_ms, rep_ms=rep_ms,
+        cuda_graph=cuda_graph, peak=peak, machine=machine.to_dict(),
+        timing=("interpreter: host wall-clock, NOT GPU performance" if machine.interpreter else
+                "triton.testing.do_bench_cudagraph (graph replays, inputs rotated past L2)" if cuda_graph else
+                "triton.testing.do_bench (L2 cleared before each call), median of events"),
+    )
+    if machine.interpreter:
+        meta["note"] = "Kernels ran under Triton's interpreter on the CPU: timings are NOT GPU performance."
+    result = BenchResult(meta)
+    names = ([BASELINE] if baseline else []) + kernels
+
+    for case in cases:
+        step = lambda kernel: on_step(f"{case.label} {kernel}") if on_step else None  # noqa: E731
+        try:
+            first = op.prepare(case, dtype, device, 1, options)
+            n_sets = rotation_count(first.bytes_per_set, machine, cuda_graph)
+            prepared = op.prepare(case, dtype, device, n_sets, options) if n_sets > 1 else first
+        except torch.cuda.OutOfMemoryError:
+            for kernel in names:
+                result.rows.append(_row(op, case, dtype, kernel, options, "error", message="out of memory"))
+                step(kernel)
+            continue
+        tol = op.tolerance(dtype)
+        base_ms = None
+        for kernel in names:
+            row = _measure(op, case, dtype, kernel, prepared, tol, options, warmup_ms, rep_ms, cuda_graph, peak)
+            if kernel == BASELINE:
+                base_ms = row.ms if row.ok else None
+            if row.ms and base_ms:
+                row.ratio = base_ms / row.ms
+            result.rows.append(row)
+            step(kernel)
+        del prepared, first
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+def _row(op, case, dtype, kernel, options, status, **kw) -> Row:
+    return Row(op=op.name, kernel=kernel, shape=case.label, dims=case.dims, x=case.x, dtype=dtype,
+               layout=options["layout"], batch=options["batch"], status=status, metric=op.metric, **kw)
+
+
+def _measure(op, case, dtype, kernel, prepared, tol, options, warmup_ms, rep_ms, cuda_graph, peak) -> Row:
+    if kernel == BASELINE:
+        call = lambda inputs: op.baseline(inputs, dtype)  # noqa: E731
+        context = op.baseline_context(dtype)
+    else:
+        call = lambda inputs: op.run(kernel, inputs, dtype)  # noqa: E731
+        context = op.baseline_context(None)
+    try:
+        with context:
+            # Correctness first (this call also compiles and, for autotuned kernels, tunes).
+            out = call(prepared.sets[0])
+            err = _rel_err(out, prepared.reference)
+            del out
+            status = "ok" if err <= tol else "wrong"
+            ms, p20, p80 = time_call(_cycle(prepared.sets, call), warmup_ms, rep_ms, cuda_graph)
+    except torch.cuda.OutOfMemoryError:
+        return _row(op, case, dtype, kernel, options, "error", message="out of memory")
+    except Exception as exc:  # a kernel that fails to compile or launch is reported, not fatal
+        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        return _row(op, case, dtype, kernel, options, "error", message=message)
+    value = op.rate(case, ms, options)
+    return _row(op, case, dtype, kernel, options, status, rel_err=err, tolerance=tol, ms=ms, ms_p20=p20,
+                ms_p80=p80, value=value, pct_peak=(100.0 * value / peak) if peak else None)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    from tilegemm.matmul.reference import relative_error
+
+    return relative_error(out, ref)

@@ -1,0 +1,257 @@
+"""The ``tilegemm`` command: ``bench``, ``info``, ``puzzles``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+from pathlib import Path
+
+EXAMPLES = """\
+examples:
+  tilegemm bench                                  default sweep (GPU: square fp16; CPU: a tiny one)
+  tilegemm bench --sweep llm --dtype bf16 --plot llm.png
+  tilegemm bench --shape 4096,4096,4096 --shape 16,28672,8192 --kernels grouped,autotuned
+  tilegemm bench --layout TN --batch 8 --sweep square
+  tilegemm info
+"""
+
+
+class UsageError(Exception):
+    """A bad command line: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="check and time kernels against their baseline over a sweep of shapes",
+        description="Check every kernel's result against a float64 reference, time it with "
+                    "triton.testing.do_bench (median), and compare it with the baseline (cuBLAS for matmul).",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--op", default="matmul", help="op family (see `tilegemm info`); default matmul")
+    p.add_argument("--dtype", help="input dtype: fp16, bf16, fp32 (IEEE), tf32; default: the op's first")
+    p.add_argument("--sweep", help="named sweep: square, llm, skinny, tiny (matmul); default square on a GPU, "
+                                   "tiny under the interpreter")
+    p.add_argument("--shape", action="append", default=[], metavar="M,N,K",
+                   help="a shape to run instead of a sweep (repeatable)")
+    p.add_argument("--shapes", metavar="FILE", help="a file of shapes, one per line ('#' starts a comment)")
+    p.add_argument("--kernels", default="all", help="comma-separated kernel names, or 'all' (default)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the baseline (no ratios)")
+    p.add_argument("--layout", default="NN", choices=["NN", "NT", "TN", "TT"],
+                   help="matmul: T reads that operand as a transposed view (default NN)")
+    p.add_argument("--batch", type=int, default=1, help="matmul: batch count (default 1)")
+    p.add_argument("--warmup", type=float, default=25.0, metavar="MS", help="warm-up time in ms (default 25)")
+    p.add_argument("--rep", type=float, default=100.0, metavar="MS", help="timing time in ms (default 100)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time CUDA-graph replays (takes launch overhead out; inputs rotated past L2)")
+    p.add_argument("--json", metavar="PATH", help="write rows and machine details as JSON")
+    p.add_argument("--csv", metavar="PATH", help="write rows as CSV (machine details in '#' header lines)")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of rate against the sweep for the top-k kernels")
+    p.add_argument("--topk", type=int, default=4, help="kernels in the plot (default 4)")
+    p.add_argument("--out", metavar="DIR", default="tilegemm-bench",
+                   help="where JSON, CSV and PNG go when no path is given (default ./tilegemm-bench)")
+    p.add_argument("--no-save", action="store_true", help="write no files unless --json/--csv/--plot say so")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_info(sub) -> None:
+    sub.add_parser("info", help="device, peak rates, versions, backend, caches and registered kernels")
+
+
+def _add_puzzles(sub) -> None:
+    p = sub.add_parser("puzzles", help="run the puzzle kernels under the interpreter against their specs")
+    p.add_argument("--trials", type=int, default=3, help="random sizes per puzzle (default 3)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tilegemm", description="Triton GEMM-family kernels: benchmark, inspect, learn.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_bench(sub)
+    _add_info(sub)
+    _add_puzzles(sub)
+    return parser
+
+
+def _read_shapes_file(path: str) -> list[str]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as err:
+        raise UsageError(f"cannot read --shapes file {path!r}: {err.strerror}") from None
+    shapes = [line.split("#", 1)[0].strip() for line in lines]
+    return [s for s in shapes if s]
+
+
+def cmd_bench(args, console, err_console) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tilegemm.bench.ops import BenchError, bench_op
+    from tilegemm.bench.report import print_report, write_csv, write_json, write_plot
+    from tilegemm.bench.runner import run_bench
+    from tilegemm.hardware import compute_capability
+    from tilegemm.runtime import interpreting
+
+    if args.batch < 1:
+        raise UsageError(f"--batch must be >= 1, got {args.batch}")
+    if args.topk < 1:
+        raise UsageError(f"--topk must be >= 1, got {args.topk}")
+    if args.warmup < 0 or args.rep <= 0:
+        raise UsageError("--warmup must be >= 0 and --rep > 0 (milliseconds)")
+    try:
+        op = bench_op(args.op)
+        dtype = args.dtype or op.default_dtype()
+        op.check_dtype(dtype, compute_capability())
+        texts = list(args.shape) + (_read_shapes_file(args.shapes) if args.shapes else [])
+        if texts:
+            if args.sweep:
+                raise UsageError("give either --sweep or --shape/--shapes, not both")
+            cases, sweep = [op.parse_shape(t) for t in texts], "custom"
+        else:
+            sweep = args.sweep or (op.cpu_sweep if interpreting() else op.gpu_sweep)
+            cases = op.cases(sweep)
+        if args.kernels.strip() == "all":
+            kernels = op.kernel_names()
+        else:
+            kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+            if not kernels:
+                raise UsageError("--kernels is empty")
+            for k in kernels:
+                op.check_kernel(k)
+    except BenchError as err:
+        raise UsageError(str(err)) from None
+    if op.name != "matmul" and (args.layout != "NN" or args.batch != 1):
+        raise UsageError("--layout and --batch apply to --op matmul only")
+
+    total = len(cases) * (len(kernels) + (0 if args.no_baseline else 1))
+    progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=err_console, transient=True, disable=args.quiet)
+    with progress:
+        task = progress.add_task("benchmarking", total=total)
+
+        def on_step(what: str) -> None:
+            progress.update(task, advance=1, description=f"{what:<28}")
+
+        result = run_bench(op, cases, dtype, kernels, baseline=not args.no_baseline, warmup_ms=args.warmup,
+                           rep_ms=args.rep, cuda_graph=args.cuda_graph,
+                           options=dict(layout=args.layout, batch=args.batch), sweep=sweep, on_step=on_step)
+    print_report(result, console)
+
+    paths = dict(json=args.json, csv=args.csv, plot=args.plot)
+    if not args.no_save:
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        stem = Path(args.out) / f"{op.name}-{dtype}-{sweep}-{stamp}"
+        for key, suffix in (("json", ".json"), ("csv", ".csv"), ("plot", ".png")):
+            paths[key] = paths[key] or str(stem) + suffix
+    writers = dict(json=write_json, csv=write_csv, plot=lambda r, p: write_plot(r, p, topk=args.topk))
+    for key, path in paths.items():
+        if path:
+            writers[key](result, path)
+            console.print(f"wrote {path}")
+
+    bad = [r for r in result.rows if r.status in ("wrong", "error")]
+    if bad:
+        console.print(f"[bold red]{len(bad)} result(s) wrong or failed: "
+                      + ", ".join(f"{r.kernel}@{r.shape} ({r.status})" for r in bad[:8]) + "[/]")
+        return 1
+    return 0
+
+
+def cmd_info(args, console) -> int:
+    from rich.table import Table
+
+    from tilegemm import registry
+    from tilegemm.hardware import machine_info, peaks_for
+
+    info = machine_info()
+    table = Table(title="tilegemm info", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    rows = [
+        ("backend", info.backend + ("  (timings are not GPU performance)" if info.interpreter else "")),
+        ("GPU", info.gpu or "none in use"),
+        ("SMs / L2 / memory", f"{info.sm_count} / {_mb(info.l2_bytes)} / {_mb(info.memory_bytes)}"
+         if info.gpu else "-"),
+        ("compute capability", info.compute_capability or "-"),
+        ("driver / CUDA", f"{info.driver or '-'} / {info.cuda or '-'}"),
+        ("peaks (datasheet, dense)", _peaks_text(peaks_for(info.gpu)) if info.gpu else "-"),
+        ("torch / triton / numpy", f"{info.torch} / {info.triton} / {info.numpy}"),
+        ("python / tilegemm", f"{info.python} / {info.tilegemm}"),
+        ("git commit", info.git_commit or "-"),
+        ("triton cache (compiled kernels, autotune results)", _triton_cache_dir()),
+    ]
+    for what, value in rows:
+        table.add_row(what, value)
+    console.print(table)
+    kernels = Table(title="registered kernels")
+    for column in ("op", "kernel", "what it is"):
+        kernels.add_column(column)
+    for op in registry.ops():
+        for name, summary in registry.kernels(op).items():
+            kernels.add_row(op, name, summary)
+    console.print(kernels)
+    return 0
+
+
+def _mb(n) -> str:
+    return f"{n / 2**20:.0f} MiB" if n else "-"
+
+
+def _peaks_text(peaks: dict) -> str:
+    if not peaks:
+        return "n/a (GPU not in tilegemm's table)"
+    parts = [f"{k} {v:g} TFLOPS" for k, v in peaks.items() if k != "tbps"]
+    return ", ".join(parts) + f"; memory {peaks['tbps']:g} TB/s"
+
+
+def _triton_cache_dir() -> str:
+    try:
+        from triton import knobs
+
+        return str(knobs.cache.dir)
+    except Exception:  # older triton
+        import os
+
+        return os.environ.get("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache"))
+
+
+def cmd_puzzles(args, console) -> int:
+    from tilegemm.learn.puzzles import run_all
+
+    return run_all(trials=args.trials, console=console)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    import warnings
+
+    from tilegemm.runtime import InterpreterWarning
+
+    # The bench and info output say plainly when the interpreter runs; the warning would repeat it.
+    warnings.simplefilter("ignore", InterpreterWarning)
+    console = Console()
+    err_console = Console(stderr=True)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        if args.command == "bench":
+            return cmd_bench(args, console, err_console)
+        if args.command == "info":
+            return cmd_info(args, console)
+        if args.command == "puzzles":
+            return cmd_puzzles(args, console)
+        raise UsageError(f"unknown command {args.command!r}")
+    except UsageError as err:
+        print(f"tilegemm: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""What machine this is: GPU, peak rates, software versions, git commit. Used by ``bench`` and ``info``."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import re
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tilegemm.runtime import interpreting
+
+# Dense (no sparsity) vendor datasheet peaks: TFLOPS per dtype and memory bandwidth in TB/s.
+# fp16/bf16/fp8 rates are with fp32 accumulation; "fp32" is plain CUDA-core fp32.
+_PEAKS: list[tuple[str, dict[str, float]]] = [
+    (r"H200", dict(fp16=989.4, bf16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9, tbps=4.8)),
+    (r"H100.*NVL", dict(fp16=835.0, bf16=835.0, tf32=417.5, fp32=60.0, fp8=1670.5, tbps=3.9)),
+    (r"H100.*PCIe", dict(fp16=756.5, bf16=756.5, tf32=378.0, fp32=51.2, fp8=1513.0, tbps=2.0)),
+    (r"H100", dict(fp16=989.4, bf16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9, tbps=3.35)),
+    (r"A100.*80GB.*PCIe", dict(fp16=312.0, bf16=312.0, tf32=156.0, fp32=19.5, tbps=1.935)),
+    (r"A100.*80GB", dict(fp16=312.0, bf16=312.0, tf32=156.0, fp32=19.5, tbps=2.039)),
+    (r"A100", dict(fp16=312.0, bf16=312.0, tf32=156.0, fp32=19.5, tbps=1.555)),
+    (r"\bL4\b", dict(fp16=121.0, bf16=121.0, tf32=60.0, fp32=30.3, fp8=242.5, tbps=0.3)),
+    (r"RTX 4090", dict(fp16=165.2, bf16=165.2, tf32=82.6, fp32=82.6, fp8=330.3, tbps=1.008)),
+]
+
+
+def peaks_for(gpu_name: str | None) -> dict[str, float]:
+    """Datasheet peaks for a GPU name as torch reports it; empty when the GPU is not in the table."""
+    if not gpu_name:
+        return {}
+    for pattern, peaks in _PEAKS:
+        if re.search(pattern, gpu_name):
+            return dict(peaks)
+    return {}
+
+
+def peak_tflops(gpu_name: str | None, dtype_key: str) -> float | None:
+    return peaks_for(gpu_name).get(dtype_key)
+
+
+def peak_gbps(gpu_name: str | None) -> float | None:
+    tbps = peaks_for(gpu_name).get("tbps")
+    return tbps * 1000.0 if tbps else None
+
+
+@dataclass
+class MachineInfo:
+    backend: str
+    interpreter: bool
+    gpu: str | None = None
+    sm_count: int | None = None
+    l2_bytes: int | None = None
+    memory_bytes: int | None = None
+    compute_capability: str | None = None
+    driver: str | None = None
+    cuda: str | None = None
+    torch: str = ""
+    triton: str = ""
+    numpy: str = ""
+    python: str = field(default_factory=platform.python_version)
+    tilegemm: str = ""
+    git_commit: str | None = None
+    timestamp: str = ""
+    peaks: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def git_commit() -> str | None:
+    """The commit of the tilegemm checkout (``TILEGEMM_GIT_COMMIT`` wins: copies of a tree lack .git)."""
+    if os.environ.get("TILEGEMM_GIT_COMMIT"):
+        return os.environ["TILEGEMM_GIT_COMMIT"]
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        if commit.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10)
+        return commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _driver_version() -> str | None:
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+        if done.returncode == 0 and done.stdout.strip():
+            return done.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def machine_info() -> MachineInfo:
+    import numpy
+    import torch
+    import triton
+
+    import tilegemm
+
+    interp = interpreting()
+    info = MachineInfo(
+        backend="Triton interpreter (CPU)" if interp else "CUDA",
+        interpreter=interp,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        numpy=numpy.__version__,
+        tilegemm=tilegemm.__version__,
+        git_commit=git_commit(),
+        timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        cuda=torch.version.cuda,
+    )
+    if not interp and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info.gpu = props.name
+        info.sm_count = props.multi_processor_count
+        info.l2_bytes = getattr(props, "L2_cache_size", None)
+        info.memory_bytes = props.total_memory
+        info.compute_capability = f"{props.major}.{props.minor}"
+        info.driver = _driver_version()
+        info.peaks = peaks_for(props.name)
+    return info
+
+
+def compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of the current GPU, or None under the interpreter or without one."""
+    if interpreting():
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()

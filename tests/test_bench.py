@@ -1,0 +1,143 @@
+"""The bench command: its files, its checks and its errors (timings are never asserted)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+from tilegemm import registry
+from tilegemm.bench.ops import bench_op
+from tilegemm.bench.runner import BASELINE, run_bench
+from tilegemm.cli import main
+
+
+def test_bench_writes_json_csv_png(tmp_path, capsys):
+    paths = {k: tmp_path / f"r.{k}" for k in ("json", "csv", "png")}
+    rc = main(["bench", "--shape", "33,17,40", "--shape", "64x64x64", "--quiet", "--no-save",
+               "--json", str(paths["json"]), "--csv", str(paths["csv"]), "--plot", str(paths["png"])])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "INTERPRETER" in out and "33x17x40" in out and "summary" in out
+
+    data = json.loads(paths["json"].read_text())
+    assert data["schema"] == "tilegemm-bench/1"
+    machine = data["meta"]["machine"]
+    for key in ("gpu", "sm_count", "driver", "cuda", "torch", "triton", "tilegemm", "git_commit", "timestamp"):
+        assert key in machine
+    assert machine["interpreter"] is True and "NOT GPU performance" in data["meta"]["note"]
+    rows = data["rows"]
+    assert {r["kernel"] for r in rows} == {BASELINE, "naive", "grouped", "autotuned"}
+    assert all(r["status"] == "ok" and r["rel_err"] <= r["tolerance"] for r in rows)
+    assert all(r["ms"] > 0 and r["ms_p20"] <= r["ms"] <= r["ms_p80"] for r in rows)
+    assert all(r["ratio"] is not None for r in rows if r["kernel"] != BASELINE)
+    assert set(data["summary"]["kernels"]) == {"naive", "grouped", "autotuned"}
+
+    text = paths["csv"].read_text()
+    assert "# triton:" in text and "# git_commit:" in text
+    table = list(csv.DictReader(line for line in text.splitlines() if not line.startswith("#")))
+    assert len(table) == len(rows) and table[0]["op"] == "matmul"
+
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_default_bench_saves_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--shape", "20,20,20", "--kernels", "naive", "--quiet"]) == 0
+    written = sorted(p.suffix for p in (tmp_path / "tilegemm-bench").iterdir())
+    assert written == [".csv", ".json", ".png"]
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["bench", "--op", "fft"], "unknown op 'fft'"),
+        (["bench", "--dtype", "fp8"], "has no dtype 'fp8'"),
+        (["bench", "--dtype", "int4"], "has no dtype 'int4'"),
+        (["bench", "--shape", "12,x"], "malformed matmul shape '12,x'"),
+        (["bench", "--shape", "0,4,4"], "sizes must be >= 1"),
+        (["bench", "--kernels", "naive,turbo"], "unknown matmul kernel 'turbo'"),
+        (["bench", "--sweep", "huge"], "no sweep 'huge'"),
+        (["bench", "--sweep", "square", "--shape", "4,4,4"], "either --sweep or --shape"),
+        (["bench", "--batch", "0"], "--batch must be >= 1"),
+        (["bench", "--shapes", "/no/such/file"], "cannot read --shapes file"),
+        (["bench", "--bogus"], "unrecognized arguments: --bogus"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("tilegemm: error:") and needle in err
+
+
+def test_shapes_file(tmp_path, capsys):
+    shapes = tmp_path / "shapes.txt"
+    shapes.write_text("# M,N,K\n17,9,33\n\n8x8x8  # tiny\n")
+    assert main(["bench", "--shapes", str(shapes), "--kernels", "grouped", "--quiet", "--no-save"]) == 0
+    out = capsys.readouterr().out
+    assert "17x9x33" in out and "8x8x8" in out
+
+
+def _write_garbage(p):
+    p.out.fill_(1.0)
+
+
+@pytest.fixture
+def broken_kernel():
+    """A registered matmul kernel that writes ones: the bench must flag it, never rank it."""
+    spec = registry.KernelSpec(op="matmul", name="broken", summary="test only: writes ones",
+                               target="test_bench:_write_garbage", order=99)
+    registry.register(spec)
+    yield "broken"
+    registry._REGISTRY["matmul"].pop("broken")
+
+
+def test_a_wrong_kernel_is_flagged_and_not_ranked(broken_kernel, capsys):
+    op = bench_op("matmul")
+    result = run_bench(op, [op.parse_shape("40,40,40")], "fp16", ["grouped", broken_kernel], rep_ms=1)
+    rows = {r.kernel: r for r in result.rows}
+    assert rows["broken"].status == "wrong" and rows["broken"].rel_err > 0.5
+    assert rows["grouped"].status == "ok"
+    summary = result.summary()
+    assert summary["kernels"]["broken"]["wrong"] == 1 and summary["kernels"]["broken"]["geomean_ratio"] is None
+    assert summary["best_per_shape"]["40x40x40"] != "broken"
+    assert main(["bench", "--shape", "40,40,40", "--kernels", "broken", "--quiet", "--no-save"]) == 1
+    assert "WRONG" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32", "tf32"])
+def test_every_dtype_checks_out(dtype):
+    op = bench_op("matmul")
+    result = run_bench(op, [op.parse_shape("24,40,56")], dtype, ["naive"], rep_ms=1, options=dict(layout="TN"))
+    assert [r.status for r in result.rows] == ["ok", "ok"]
+    assert result.rows[1].dims == {"M": 24, "N": 40, "K": 56}
+
+
+def test_batched_layout_rows_count_the_batch():
+    op = bench_op("matmul")
+    case = op.parse_shape("16,16,16")
+    result = run_bench(op, [case], "fp16", ["grouped"], rep_ms=1, options=dict(layout="TT", batch=3))
+    row = result.rows[1]
+    assert row.status == "ok" and row.batch == 3 and row.layout == "TT"
+    assert op.work(case, dict(batch=3)) == 3 * 2 * 16**3
+
+
+def test_info_runs(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "interpreter" in out.lower() and "naive" in out and "triton" in out
+
+
+def test_peaks_table():
+    from tilegemm.hardware import peak_gbps, peak_tflops
+
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp16") == pytest.approx(989.4)
+    assert peak_tflops("NVIDIA H200", "tf32") == pytest.approx(494.7)
+    assert peak_gbps("NVIDIA H200") == pytest.approx(4800)
+    assert peak_tflops("NVIDIA L40S", "fp16") is None  # "L4" must not match L40S
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == pytest.approx(312)
+    assert peak_tflops("Some Future GPU", "fp16") is None
+    assert torch.float16.itemsize == 2

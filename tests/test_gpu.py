@@ -1,0 +1,101 @@
+"""GPU-only checks (`pytest -m gpu` on the GPU machine): bf16, tf32, larger shapes, 64-bit indexing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.matmul.reference import matmul_reference, relative_error, tolerance
+
+from conftest import assert_rel_close
+
+pytestmark = pytest.mark.gpu
+RUNGS = ["naive", "grouped", "autotuned", "auto"]
+
+
+@pytest.mark.parametrize("kernel", RUNGS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
+@pytest.mark.parametrize("shape", [(1, 4096, 4096), (257, 1000, 513), (2048, 2048, 2048), (4095, 129, 3000)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_large_shapes(kernel, dtype, layout, shape):
+    M, N, K = shape
+    a = torch.randn(K, M, device="cuda", dtype=dtype).mT if layout[0] == "T" else torch.randn(M, K, device="cuda", dtype=dtype)
+    b = torch.randn(N, K, device="cuda", dtype=dtype).mT if layout[1] == "T" else torch.randn(K, N, device="cuda", dtype=dtype)
+    out = tilegemm.matmul(a, b, kernel=kernel)
+    assert_rel_close(out, matmul_reference(a, b), tolerance(dtype))
+
+
+@pytest.mark.parametrize("kernel", RUNGS)
+@pytest.mark.parametrize("activation", tilegemm.ACTIVATIONS)
+def test_bf16_epilogue(kernel, activation):
+    a = torch.randn(3, 300, 200, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(200, 170, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(170, device="cuda", dtype=torch.bfloat16)
+    c = torch.randn(300, 170, device="cuda", dtype=torch.bfloat16)
+    kw = dict(bias=bias, c=c, alpha=0.5, beta=2.0, activation=activation)
+    out = tilegemm.matmul(a, b, kernel=kernel, **kw)
+    assert_rel_close(out, matmul_reference(a, b, **kw), tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kernel", RUNGS)
+def test_fp32_ieee_and_tf32(kernel):
+    a = torch.randn(777, 1025, device="cuda")
+    b = torch.randn(1025, 333, device="cuda")
+    ref = matmul_reference(a, b)
+    ieee = tilegemm.matmul(a, b, kernel=kernel, precision="ieee")
+    tf32 = tilegemm.matmul(a, b, kernel=kernel, precision="tf32")
+    assert relative_error(ieee, ref) < 1e-5
+    err = relative_error(tf32, ref)
+    assert 1e-5 < err < tolerance(torch.float32, "tf32"), "tf32 should be looser than IEEE but within bound"
+
+
+def test_large_batch_beyond_grid_limit():
+    a = torch.randn(70000, 4, 8, device="cuda", dtype=torch.float16)
+    b = torch.randn(70000, 8, 4, device="cuda", dtype=torch.float16)
+    out = tilegemm.matmul(a, b, kernel="grouped")
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
+
+
+def test_offsets_past_int32():
+    # A has 2^31 + 2^20 elements: offsets past 2^31 need 64-bit index arithmetic.
+    M, K, N = 65536 + 32, 32768, 16
+    a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+    out = tilegemm.matmul(a, b, kernel="grouped")
+    for rows in (slice(0, 256), slice(M - 256, M)):
+        assert_rel_close(out[rows], matmul_reference(a[rows], b), tolerance(torch.float16))
+
+
+def test_cuda_graph_capture():
+    a = torch.randn(512, 512, device="cuda", dtype=torch.float16)
+    b = torch.randn(512, 512, device="cuda", dtype=torch.float16)
+    tilegemm.matmul(a, b, kernel="grouped")  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tilegemm.matmul(a, b, kernel="grouped")
+    a.copy_(torch.randn_like(a))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
+
+
+def test_torch_compile_inductor():
+    def f(x, w):
+        return torch.relu(tilegemm.matmul(x, w, activation="gelu")) + 1.0
+
+    x = torch.randn(256, 512, device="cuda", dtype=torch.float16)
+    w = torch.randn(512, 128, device="cuda", dtype=torch.float16)
+    out = torch.compile(f, fullgraph=True)(x, w)
+    ref = torch.relu(matmul_reference(x, w, activation="gelu")) + 1.0
+    assert_rel_close(out, ref, tolerance(torch.float16))
+
+
+def test_import_does_not_touch_cuda_on_a_gpu_machine():
+    import subprocess
+    import sys
+
+    code = "import torch, tilegemm, sys; print(torch.cuda.is_initialized(), 'triton' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "False False", done.stderr
