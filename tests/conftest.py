@@ -27,7 +27,7 @@ def seeded():
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    from tilegemm.matmul.reference import relative_error
+    from tilegemm.ops.matmul.reference import relative_error
 
     return relative_error(out, ref)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tilegemm
-from tilegemm.matmul.reference import matmul_reference, relative_error, tolerance
+from tilegemm.ops.matmul.reference import matmul_reference, relative_error, tolerance
 
 from conftest import assert_rel_close
 

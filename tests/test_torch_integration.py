@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tilegemm
-from tilegemm.matmul.reference import matmul_reference
+from tilegemm.ops.matmul.reference import matmul_reference
 
 from conftest import assert_rel_close
 
@@ -50,3 +50,24 @@ def test_gradients_match_torch(activation, device):
     for name, g, w in zip("a b bias c".split(), got, want):
         assert g.shape == w.shape, name
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_torch_compile_with_default_fp32_precision(device):
+    # The default precision is read when the op runs, so tracing never calls torch's getter.
+    x = torch.randn(20, 12, device=device)
+    w = torch.randn(12, 6, device=device)
+    compiled = torch.compile(lambda x, w: tilegemm.matmul(x, w), fullgraph=True, backend="aot_eager")
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert_rel_close(compiled(x, w), matmul_reference(x, w), 1e-5)
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def test_fast_path_and_op_path_agree(device):
+    a = torch.randn(3, 20, 12, device=device)
+    b = torch.randn(12, 6, device=device)
+    direct = tilegemm.matmul(a, b, precision="ieee")
+    via_op = torch.ops.tilegemm.matmul(a, b, None, None, 1.0, 1.0, "none", None, "ieee", "auto")
+    torch.testing.assert_close(direct, via_op, rtol=0, atol=0)

@@ -4,9 +4,13 @@ Importing tilegemm does no GPU work and compiles nothing: kernels are imported, 
 Triton's compiler and its interpreter is made, when a kernel first runs.
 """
 
-from tilegemm.matmul import ACTIVATIONS, matmul
-from tilegemm.registry import kernels
-from tilegemm.runtime import interpreting
+from tilegemm.runtime import preselect
+
+preselect()
+
+from tilegemm.ops.matmul import ACTIVATIONS, matmul  # noqa: E402
+from tilegemm.registry import kernels  # noqa: E402
+from tilegemm.runtime import interpreting  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -72,7 +72,7 @@ def _sigmoid(x):
 
 @triton.jit
 def apply_activation(x, ACTIVATION: tl.constexpr):
-    """Elementwise activation on an fp32 tile; names as in :data:`tilegemm.matmul.ACTIVATIONS`."""
+    """Elementwise activation on an fp32 tile; names as in :data:`tilegemm.ops.matmul.ACTIVATIONS`."""
     if ACTIVATION == "relu":
         x = tl.maximum(x, 0.0)
     elif ACTIVATION == "gelu":

@@ -71,9 +71,12 @@ def specs(op: str) -> list[KernelSpec]:
 
 
 def get(op: str, name: str) -> KernelSpec:
-    family = {s.name: s for s in specs(op)}
+    _load_families()
+    family = _REGISTRY.get(op)
+    if family is None:
+        specs(op)  # raises: unknown op
     if name not in family:
-        choices = list(family) + list(_PSEUDO.get(op, {}))
+        choices = [s.name for s in specs(op)] + list(_PSEUDO.get(op, {}))
         raise ValueError(f"unknown {op} kernel {name!r}; choose one of: {', '.join(choices)}")
     return family[name]
 
@@ -88,6 +91,14 @@ def kernels(op: str = "matmul") -> dict[str, str]:
     return listing
 
 
+_loaded = False
+
+
 def _load_families() -> None:
     # Each family registers itself when its package is imported; these imports pull in no triton.
-    from . import learn, matmul  # noqa: F401
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from .ops import matmul  # noqa: F401
+    from . import learn  # noqa: F401

@@ -56,23 +56,71 @@ def _decide() -> bool:
     return not torch.cuda.is_available()
 
 
-def ensure_backend() -> bool:
-    """Settle the backend once (before any kernel module is imported); return True if interpreting."""
+def preselect() -> None:
+    """Called when tilegemm is imported: settle the backend now if that needs no GPU query.
+
+    Triton's own library (``tl.cdiv``, ...) is decorated when triton is imported, and torch imports
+    triton on its own (``torch.compile``), so ``TRITON_INTERPRET`` is best set before anything runs.
+    That is possible without touching a GPU when an env var forces the choice or torch is a CPU-only
+    build; otherwise the choice waits for the first kernel.
+    """
     global _interpret
     if _interpret is not None:
-        return _interpret
-    with _lock:
-        if _interpret is None:
-            interpret = _decide()
-            os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-            if interpret:
-                message = (
-                    "tilegemm: no CUDA GPU in use, so kernels run under Triton's interpreter on the CPU; "
-                    "results are checked the same way, but timings are not GPU performance."
-                )
-                log.info(message)
-                warnings.warn(message, InterpreterWarning, stacklevel=3)
-            _interpret = interpret
+        return
+    forced = _env_flag("TILEGEMM_INTERPRET")
+    if forced is None and _env_flag("TRITON_INTERPRET"):
+        forced = True
+    if forced is None:
+        import torch
+
+        if not torch.backends.cuda.is_built():
+            forced = True
+    if forced is not None:
+        with _lock:
+            _interpret = forced
+            os.environ["TRITON_INTERPRET"] = "1" if forced else "0"
+
+
+def _check_triton_mode(interpret: bool) -> None:
+    """Raise if triton was imported in the other mode: its library would not match our kernels."""
+    import sys
+
+    if "triton.language" not in sys.modules:
+        return
+    import triton.language as tl
+
+    stdlib_interpreted = type(tl.cdiv).__name__ == "InterpretedFunction"
+    if stdlib_interpreted != interpret:
+        want = "1" if interpret else "0"
+        raise RuntimeError(
+            f"triton was imported before tilegemm chose {'the interpreter' if interpret else 'the GPU compiler'} "
+            f"(TRITON_INTERPRET was {'unset' if interpret else '1'} then). Set TILEGEMM_INTERPRET={want} "
+            f"(or TRITON_INTERPRET={want}) before importing torch, triton or tilegemm, or import tilegemm first."
+        )
+
+
+_warned = False
+
+
+def ensure_backend() -> bool:
+    """Settle the backend once (before any kernel module is imported); return True if interpreting."""
+    global _interpret, _warned
+    if _interpret is None:
+        with _lock:
+            if _interpret is None:
+                interpret = _decide()
+                os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+                _interpret = interpret
+    if not _warned:
+        _check_triton_mode(_interpret)
+        _warned = True
+        if _interpret:
+            message = (
+                "tilegemm: no CUDA GPU in use, so kernels run under Triton's interpreter on the CPU; "
+                "results are checked the same way, but timings are not GPU performance."
+            )
+            log.info(message)
+            warnings.warn(message, InterpreterWarning, stacklevel=3)
     return _interpret
 
 

@@ -184,7 +184,7 @@ class MatmulBench(BenchOp):
         return 2.0 * d["M"] * d["N"] * d["K"] * options.get("batch", 1)
 
     def tolerance(self, dtype):
-        from tilegemm.matmul.reference import tolerance
+        from tilegemm.ops.matmul.reference import tolerance
 
         return tolerance(self.dtypes[dtype], self._precision(dtype))
 

@@ -231,6 +231,6 @@ def _measure(op, case, dtype, kernel, prepared, tol, options, warmup_ms, rep_ms,
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    from tilegemm.matmul.reference import relative_error
+    from tilegemm.ops.matmul.reference import relative_error
 
     return relative_error(out, ref)

@@ -1,14 +1,14 @@
 """Rung 3, ``autotuned``: the grouped kernel with its block sizes, warps and stages chosen by timing.
 
 On the first call for a new (M, N, K, dtype), Triton's autotuner times every candidate in
-:func:`tilegemm.matmul.configs.autotune_configs` that suits the dtype and keeps the fastest.
+:func:`tilegemm.ops.matmul.configs.autotune_configs` that suits the dtype and keeps the fastest.
 """
 
 import triton
 
-from tilegemm.matmul.configs import autotune_configs, prune_for
-from tilegemm.matmul.grouped import grid, matmul_grouped_kernel
-from tilegemm.matmul.problem import GemmProblem
+from tilegemm.ops.matmul.configs import autotune_configs, prune_for
+from tilegemm.ops.matmul.grouped import grid, matmul_grouped_kernel
+from tilegemm.ops.matmul.problem import GemmProblem
 
 
 def _prune(configs, named_args, **kwargs):
@@ -27,16 +27,24 @@ matmul_autotuned_kernel = triton.autotune(
 )(matmul_grouped_kernel)
 
 
+# (M, N, K, input dtype, output dtype) -> the config the autotuner chose. Later calls launch the kernel
+# with it directly: Triton's Autotuner rebuilds its key from every argument on each call.
+_chosen: dict[tuple, dict] = {}
+
+
 def run(p: GemmProblem, config: dict | None = None) -> None:
+    if config is None:
+        config = _chosen.get((p.M, p.N, p.K, p.dtype, p.out.dtype))
     if config is not None:
         matmul_grouped_kernel[grid(p)](*p.kernel_args(), **p.kernel_flags(), **config)
         return
     matmul_autotuned_kernel[grid(p)](*p.kernel_args(), **p.kernel_flags())
+    best = matmul_autotuned_kernel.best_config
+    _chosen[(p.M, p.N, p.K, p.dtype, p.out.dtype)] = {
+        **best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages,
+    }
 
 
-def best_config(p: GemmProblem) -> dict | None:
-    """The config the autotuner chose for this problem's key, if it has tuned it."""
-    cfg = getattr(matmul_autotuned_kernel, "best_config", None)
-    if cfg is None:
-        return None
-    return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+def chosen_configs() -> dict[tuple, dict]:
+    """What the autotuner picked so far, by (M, N, K, dtype, out dtype)."""
+    return dict(_chosen)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.matmul.op import _torch_activation
+from tilegemm.ops.matmul.op import _torch_activation
 
 
 def matmul_reference(

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from tilegemm import registry
-from tilegemm.matmul.problem import GemmProblem, split_batches
+from tilegemm.ops.matmul.problem import GemmProblem, make_problems
 from tilegemm.runtime import interpreting, new_output
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "leaky_relu")
@@ -46,12 +46,34 @@ def _check_devices(named: dict[str, torch.Tensor]) -> None:
 
 
 def resolve_precision(precision: str | None, dtype: torch.dtype) -> str:
-    """``ieee`` or ``tf32``: how fp32 operands enter the dot. Only fp32 has a choice."""
-    if precision is None:
+    """``ieee`` or ``tf32``: how fp32 operands enter the dot. Only fp32 has a choice.
+
+    ``None`` (or ``"default"``) reads ``torch.get_float32_matmul_precision()``; the op does that when it
+    runs, not when torch.compile traces it, so a compiled graph follows the setting at run time.
+    """
+    if precision is None or precision == "default":
+        if dtype != torch.float32:
+            return "ieee"
         precision = torch.get_float32_matmul_precision()
     if not isinstance(precision, str) or precision.lower() not in _PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(_PRECISIONS)}")
     return _PRECISIONS[precision.lower()] if dtype == torch.float32 else "ieee"
+
+
+def broadcast(x, y) -> tuple[int, ...] | None:
+    """torch's broadcasting of two shapes, or None where they clash (plain Python: this is on the hot path)."""
+    if len(x) < len(y):
+        x, y = y, x
+    lead = len(x) - len(y)
+    out = list(x[:lead])
+    for p, q in zip(x[lead:], y):
+        if p == q or q == 1:
+            out.append(p)
+        elif p == 1:
+            out.append(q)
+        else:
+            return None
+    return tuple(out)
 
 
 def output_shape(a_shape, b_shape) -> tuple[int, ...]:
@@ -64,12 +86,9 @@ def output_shape(a_shape, b_shape) -> tuple[int, ...]:
             f"inner dimensions differ: a.shape={tuple(a_shape)} has K={a_shape[-1]}, "
             f"b.shape={tuple(b_shape)} has K={b_shape[-2]}"
         )
-    try:
-        batch = torch.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2]))
-    except RuntimeError:
-        raise ValueError(
-            f"batch dimensions do not broadcast: a.shape={tuple(a_shape)}, b.shape={tuple(b_shape)}"
-        ) from None
+    batch = broadcast(a_shape[:-2], b_shape[:-2])
+    if batch is None:
+        raise ValueError(f"batch dimensions do not broadcast: a.shape={tuple(a_shape)}, b.shape={tuple(b_shape)}")
     return (*batch, a_shape[-2], b_shape[-1])
 
 
@@ -88,20 +107,18 @@ def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, k
         named["bias"] = bias
     if c is not None:
         _check_float("c", c)
-        try:
-            if torch.broadcast_shapes(tuple(c.shape), shape) != shape:
-                raise RuntimeError
-        except RuntimeError:
-            raise ValueError(f"c of shape {list(c.shape)} does not broadcast to the output shape {list(shape)}") from None
+        if broadcast(tuple(c.shape), shape) != shape:
+            raise ValueError(f"c of shape {list(c.shape)} does not broadcast to the output shape {list(shape)}")
         named["c"] = c
     for name, value in (("alpha", alpha), ("beta", beta)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; choose one of: {', '.join(ACTIVATIONS)}")
     if out_dtype is not None and out_dtype not in DTYPES:
         raise TypeError(f"out_dtype {out_dtype} is not supported; choose one of: float16, bfloat16, float32")
-    resolve_precision(precision, a.dtype)
+    if precision is not None and (not isinstance(precision, str) or precision.lower() not in _PRECISIONS):
+        raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(_PRECISIONS)}")
     if kernel != "auto":
         spec = registry.get("matmul", kernel)
         reason = spec.unavailable_reason()
@@ -127,22 +144,29 @@ def choose_kernel(p: GemmProblem) -> str:
 # --- the op ---------------------------------------------------------------------------------------------
 
 
+_LAUNCHERS: dict[str, object] = {}
+
+
+def launcher(name: str):
+    """The launch function of a registered rung, imported once and cached."""
+    fn = _LAUNCHERS.get(name)
+    if fn is None:
+        fn = _LAUNCHERS[name] = registry.get("matmul", name).launcher()
+    return fn
+
+
 def _forward(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel) -> torch.Tensor:
-    shape = output_shape(a.shape, b.shape)
+    if a.dim() == 2 and b.dim() == 2:
+        shape = (a.shape[0], b.shape[1])
+    else:
+        shape = output_shape(a.shape, b.shape)
     out = new_output(shape, out_dtype or a.dtype, a.device)
     if out.numel() == 0:
         return out
-    M, K = a.shape[-2:]
-    N = b.shape[-1]
-    batch = shape[:-2]
-    a_e = a.expand(*batch, M, K)
-    b_e = b.expand(*batch, K, N)
-    c_e = c.expand(shape) if c is not None else None
-    upcast = interpreting() and a.dtype == torch.bfloat16
-    for a3, b3, out3, c3 in split_batches(batch, [a_e, b_e, out, c_e]):
-        p = GemmProblem(a3, b3, out3, c3, bias, alpha, beta, activation, precision, upcast)
-        name = choose_kernel(p) if kernel == "auto" else kernel
-        registry.get("matmul", name).launcher()(p)
+    upcast = a.dtype == torch.bfloat16 and interpreting()
+    precision = resolve_precision(precision, a.dtype)
+    for p in make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast):
+        launcher(choose_kernel(p) if kernel == "auto" else kernel)(p)
     return out
 
 
@@ -262,7 +286,27 @@ def matmul(
     """
     activation = "none" if activation is None else activation
     check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel)
-    return _matmul_op(
-        a, b, bias, c, float(alpha), float(beta), activation, out_dtype,
-        resolve_precision(precision, a.dtype), kernel,
-    )
+    args = (a, b, bias, c, float(alpha), float(beta), activation, out_dtype, precision or "default", kernel)
+    if _plain_call(a, b, bias, c):
+        return _forward(*args)
+    return _matmul_op(*args)
+
+
+def _plain_call(*tensors) -> bool:
+    """True when no tracer, mode or autograd needs to see the op, so dispatch through it can be skipped.
+
+    Going through ``torch.ops.tilegemm.matmul`` costs tens of microseconds of host time; for small
+    problems that is more than the kernel. Under torch.compile, export, fake tensors, dispatch modes or
+    autograd the call always goes through the registered op.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor or (grad and t.requires_grad):
+            return False
+    return True

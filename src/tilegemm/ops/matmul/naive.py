@@ -1,21 +1,22 @@
-"""Rung 2, ``grouped``: the naive kernel with an L2-friendly launch order.
+"""Rung 1, ``naive``: the textbook tile kernel.
 
-Same blocks and K loop as ``naive``; only the map from program id to tile changes (see
-:func:`tilegemm.jit_helpers.tile_grouped`): programs that run together share panels of A and B in L2.
+One program per [BLOCK_M, BLOCK_N] output tile, launched in row-major order: program ``p`` computes tile
+``(p // tiles_n, p % tiles_n)``. Fixed block sizes, no tuning. Everything the later rungs add is measured
+against this one.
 """
 
 import triton
 
-from tilegemm.jit_helpers import epilogue_store, tile_grouped
-from tilegemm.matmul.configs import fixed_config
-from tilegemm.matmul.mainloop import dot_k_loop, tile_rows_cols
-from tilegemm.matmul.problem import GemmProblem
+from tilegemm.jit_helpers import epilogue_store, tile_row_major
+from tilegemm.ops.matmul.configs import fixed_config
+from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
+from tilegemm.ops.matmul.problem import GemmProblem
 
 import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def matmul_grouped_kernel(
+def matmul_naive_kernel(
     a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr,
     M, N, K,
     stride_ab, stride_am, stride_ak,
@@ -26,10 +27,10 @@ def matmul_grouped_kernel(
     alpha, beta,
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Which tile: grouped order over the [tiles_m, tiles_n] grid; axis 1 is the batch.
-    pid_m, pid_n = tile_grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    # Which tile: row-major over the [tiles_m, tiles_n] grid; axis 1 is the batch.
+    pid_m, pid_n = tile_row_major(tl.program_id(0), tl.cdiv(N, BLOCK_N))
     pid_b = tl.program_id(1).to(tl.int64)
     a_ptr += pid_b * stride_ab
     b_ptr += pid_b * stride_bb
@@ -47,10 +48,8 @@ def matmul_grouped_kernel(
                    alpha, beta, HAS_C, HAS_BIAS, ACTIVATION)
 
 
-def grid(p: GemmProblem):
-    return lambda meta: (triton.cdiv(p.M, meta["BLOCK_M"]) * triton.cdiv(p.N, meta["BLOCK_N"]), p.batch)
-
-
 def run(p: GemmProblem, config: dict | None = None) -> None:
-    cfg = config or fixed_config(p.dtype)
-    matmul_grouped_kernel[grid(p)](*p.kernel_args(), **p.kernel_flags(), **cfg)
+    cfg = dict(config or fixed_config(p.dtype))
+    cfg.pop("GROUP_M", None)
+    grid = (triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"]), p.batch)
+    matmul_naive_kernel[grid](*p.kernel_args(), **p.kernel_flags(), **cfg)

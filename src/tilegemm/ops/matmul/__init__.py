@@ -7,19 +7,19 @@ triton: a kernel module is imported when its kernel first runs.
 from tilegemm.registry import KernelSpec, register, register_pseudo
 
 register(KernelSpec(
-    op="matmul", name="naive", order=10, target="tilegemm.matmul.naive:run",
+    op="matmul", name="naive", order=10, target="tilegemm.ops.matmul.naive:run",
     summary="textbook tile kernel: one program per output tile, row-major launch order, fixed blocks",
 ))
 register(KernelSpec(
-    op="matmul", name="grouped", order=20, target="tilegemm.matmul.grouped:run",
+    op="matmul", name="grouped", order=20, target="tilegemm.ops.matmul.grouped:run",
     summary="naive + grouped (swizzled) launch order, so programs running together share tiles in L2",
 ))
 register(KernelSpec(
-    op="matmul", name="autotuned", order=30, target="tilegemm.matmul.autotuned:run",
+    op="matmul", name="autotuned", order=30, target="tilegemm.ops.matmul.autotuned:run",
     summary="grouped + block sizes, warps and pipeline stages chosen by timing per shape",
 ))
 register_pseudo("matmul", "auto", "picks the best rung for the problem (the default)")
 
-from tilegemm.matmul.op import ACTIVATIONS, matmul  # noqa: E402
+from tilegemm.ops.matmul.op import ACTIVATIONS, matmul  # noqa: E402
 
 __all__ = ["ACTIVATIONS", "matmul"]

@@ -1,0 +1,1 @@
+"""Op families, one package each (matmul now; w4a16 and conv2d slot in beside it)."""

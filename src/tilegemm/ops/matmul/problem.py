@@ -1,0 +1,169 @@
+"""The host side of a GEMM launch: ``[B, M, K] @ [B, K, N]`` described by base tensors and stride tuples.
+
+:func:`tilegemm.ops.matmul.op.matmul` validates user input and cuts it into :class:`GemmProblem` pieces; every
+kernel launcher takes one piece. Batch dims that broadcast get stride 0; dims that merge become one batch
+axis; only what cannot merge (or more than MAX_GRID_Y batches) becomes several pieces, each an
+``as_strided`` view. Nothing is copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Largest grid extent on CUDA's y axis, where the batch goes.
+MAX_GRID_Y = 65535
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(slots=True)
+class GemmProblem:
+    a: torch.Tensor  # base of A; element (b, m, k) at a_strides . (b, m, k)
+    a_strides: tuple[int, int, int]
+    b: torch.Tensor
+    b_strides: tuple[int, int, int]
+    out: torch.Tensor  # written
+    out_strides: tuple[int, int, int]
+    c: torch.Tensor | None
+    c_strides: tuple[int, int, int]
+    bias: torch.Tensor | None
+    M: int
+    N: int
+    K: int
+    batch: int
+    alpha: float
+    beta: float
+    activation: str  # "none" or a name in ACTIVATIONS
+    input_precision: str  # "ieee" or "tf32": how tl.dot treats fp32 operands
+    upcast: bool  # interpreter only: upcast bf16 tiles to fp32 before tl.dot
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.a.dtype
+
+    @property
+    def index_64(self) -> bool:
+        """True when some in-batch offset may not fit in int32, so kernels index in int64."""
+        spans = (
+            (self.M - 1) * abs(self.a_strides[1]) + (self.K - 1) * abs(self.a_strides[2]),
+            (self.K - 1) * abs(self.b_strides[1]) + (self.N - 1) * abs(self.b_strides[2]),
+            (self.M - 1) * abs(self.out_strides[1]) + (self.N - 1) * abs(self.out_strides[2]),
+            (self.M - 1) * abs(self.c_strides[1]) + (self.N - 1) * abs(self.c_strides[2]),
+        )
+        return max(spans) > _INT32_MAX
+
+    def kernel_args(self) -> tuple:
+        """The argument list every dense-GEMM kernel takes, in the order of its signature.
+
+        Missing c or bias are passed as the output pointer with HAS_C/HAS_BIAS false; an empty K
+        passes the output pointer for A and B too, since no load happens.
+        """
+        out = self.out
+        has_k = self.K > 0
+        return (
+            self.a if has_k else out, self.b if has_k else out, out,
+            self.c if self.c is not None else out, self.bias if self.bias is not None else out,
+            self.M, self.N, self.K,
+            *self.a_strides, *self.b_strides, *self.out_strides, *self.c_strides,
+            self.bias.stride(0) if self.bias is not None else 0,
+            self.alpha, self.beta,
+        )
+
+    def kernel_flags(self) -> dict:
+        return dict(
+            HAS_C=self.c is not None,
+            HAS_BIAS=self.bias is not None,
+            ACTIVATION=self.activation,
+            INPUT_PRECISION=self.input_precision,
+            UPCAST=self.upcast,
+            INDEX_64=self.index_64,
+        )
+
+
+def _aligned_strides(t: torch.Tensor, shape: tuple[int, ...]) -> list[int]:
+    """Strides of ``t`` broadcast to ``shape`` (right-aligned): 0 where ``t`` has size 1 or no dim."""
+    lead = len(shape) - t.dim()
+    strides = [0] * lead
+    for size, stride in zip(t.shape, t.stride()):
+        strides.append(0 if size == 1 else stride)
+    return strides
+
+
+def make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast) -> list[GemmProblem]:
+    """Cut ``out = a @ b`` (broadcast batch dims, ``out`` of shape [*batch, M, N]) into kernel launches."""
+    if out.dim() == 2:
+        # The common case, kept short: one [M, K] @ [K, N] launch.
+        M, N = out.shape
+        c_strides = (0, *_aligned_strides(c, (M, N))) if c is not None else (0, 0, 0)
+        return [GemmProblem(a, (0, *a.stride()), b, (0, *b.stride()), out, (0, *out.stride()), c, c_strides,
+                            bias, M, N, a.shape[1], 1, alpha, beta, activation, precision, upcast)]
+    shape = tuple(out.shape)
+    batch_shape = shape[:-2]
+    M, N = shape[-2:]
+    K = a.shape[-1]
+    tensors = [a, b, out] + ([c] if c is not None else [])
+    full_shapes = [(*batch_shape, M, K), (*batch_shape, K, N), shape, shape]
+    strides = [_aligned_strides(t, full) for t, full in zip(tensors, full_shapes)]
+    inner = [s[-2:] for s in strides]
+
+    # Merge batch dims (dropping size-1 ones) where every tensor's strides chain.
+    groups: list[tuple[int, list[int]]] = []  # (size, batch stride per tensor)
+    for d, size in enumerate(batch_shape):
+        if size == 1:
+            continue
+        dim_strides = [s[d] for s in strides]
+        if groups:
+            prev_size, prev = groups[-1]
+            if all(p == s * size for p, s in zip(prev, dim_strides)):
+                groups[-1] = (prev_size * size, dim_strides)
+                continue
+        groups.append((size, dim_strides))
+    if not groups:
+        groups = [(1, [0] * len(tensors))]
+    *outer, (count, batch_strides) = groups
+
+    def problem(bases, start, n):
+        s3 = [(batch_strides[i], *inner[i]) for i in range(len(tensors))]
+        return GemmProblem(
+            bases[0], s3[0], bases[1], s3[1], bases[2], s3[2],
+            bases[3] if c is not None else None, s3[3] if c is not None else (0, 0, 0),
+            bias, M, N, K, n, alpha, beta, activation, precision, upcast,
+        )
+
+    if not outer and count <= MAX_GRID_Y:
+        return [problem(tensors, 0, count)]
+
+    # Rare: batch dims that do not merge, or more batches than one grid holds. Each piece starts at a
+    # storage offset of its own, so it gets as_strided views (still no copies).
+    pieces = []
+    outer_sizes = [g[0] for g in outer]
+    for flat in range(_prod(outer_sizes)):
+        index = _unflatten(flat, outer_sizes)
+        for start in range(0, count, MAX_GRID_Y):
+            n = min(MAX_GRID_Y, count - start)
+            bases = []
+            for i, t in enumerate(tensors):
+                if t.numel() == 0:  # A and B when K == 0: never read
+                    bases.append(t)
+                    continue
+                offset = t.storage_offset() + start * batch_strides[i]
+                offset += sum(ix * g[1][i] for ix, g in zip(index, outer))
+                bases.append(torch.as_strided(t, (1,), (1,), offset))
+            pieces.append(problem(bases, start, n))
+    return pieces
+
+
+def _prod(values) -> int:
+    result = 1
+    for v in values:
+        result *= v
+    return result
+
+
+def _unflatten(flat: int, sizes: list[int]) -> list[int]:
+    index = []
+    for size in reversed(sizes):
+        index.append(flat % size)
+        flat //= size
+    return list(reversed(index))
