@@ -122,7 +122,7 @@ def test_batched_layout_rows_count_the_batch():
     result = run_bench(op, [case], "fp16", ["grouped"], rep_ms=1, options=dict(layout="TT", batch=3))
     row = result.rows[1]
     assert row.status == "ok" and row.batch == 3 and row.layout == "TT"
-    assert op.work(case, dict(batch=3)) == 3 * 2 * 16**3
+    assert op.work(case, "fp16", dict(batch=3)) == 3 * 2 * 16**3
 
 
 def test_info_runs(capsys):

@@ -8,10 +8,11 @@ from tilegemm.runtime import preselect
 
 preselect()
 
+from tilegemm.ops.guide import copy, rgb_to_grey  # noqa: E402
 from tilegemm.ops.matmul import ACTIVATIONS, matmul  # noqa: E402
 from tilegemm.registry import kernels  # noqa: E402
 from tilegemm.runtime import interpreting  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["ACTIVATIONS", "__version__", "interpreting", "kernels", "matmul"]
+__all__ = ["ACTIVATIONS", "__version__", "copy", "interpreting", "kernels", "matmul", "rgb_to_grey"]

@@ -33,9 +33,9 @@ def _add_bench(sub) -> None:
                     "triton.testing.do_bench (median), and compare it with the baseline (cuBLAS for matmul).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--op", default="matmul", help="op family (see `tilegemm info`); default matmul")
-    p.add_argument("--dtype", help="input dtype: fp16, bf16, fp32 (IEEE), tf32; default: the op's first")
-    p.add_argument("--sweep", help="named sweep: square, llm, skinny, tiny (matmul); default square on a GPU, "
+    p.add_argument("--op", default="matmul", help="op family: matmul, copy, grey; default matmul")
+    p.add_argument("--dtype", help="input dtype; matmul: fp16 (default), bf16, fp32 (IEEE), tf32; copy: fp32 (default), fp16, bf16, uint8; grey: uint8 (default), fp32, fp16")
+    p.add_argument("--sweep", help="named sweep; matmul: square, llm, skinny, tiny; copy: sizes, tiny; grey: images, tiny; default: the first on a GPU, "
                                    "tiny under the interpreter")
     p.add_argument("--shape", action="append", default=[], metavar="M,N,K",
                    help="a shape to run instead of a sweep (repeatable)")
@@ -219,7 +219,21 @@ def _triton_cache_dir() -> str:
 
 
 def cmd_puzzles(args, console) -> int:
-    from tilegemm.learn.puzzles import run_all
+    import os
+    import subprocess
+
+    from tilegemm import runtime
+
+    if args.trials < 1:
+        raise UsageError(f"--trials must be >= 1, got {args.trials}")
+    if runtime._interpret is None and "triton" not in sys.modules:
+        os.environ["TILEGEMM_INTERPRET"] = "1"
+    elif not runtime.interpreting():
+        # The GPU compiler is already chosen in this process: run the puzzles in a fresh interpreter one.
+        env = dict(os.environ, TILEGEMM_INTERPRET="1", TRITON_INTERPRET="1")
+        cmd = [sys.executable, "-m", "tilegemm.cli", "puzzles", "--trials", str(args.trials)]
+        return subprocess.run(cmd, env=env).returncode
+    from tilegemm.puzzles import run_all
 
     return run_all(trials=args.trials, console=console)
 

@@ -100,5 +100,4 @@ def _load_families() -> None:
     if _loaded:
         return
     _loaded = True
-    from .ops import matmul  # noqa: F401
-    from . import learn  # noqa: F401
+    from .ops import guide, matmul  # noqa: F401

@@ -155,5 +155,10 @@ def new_output(shape, dtype, device):
 
     if not poisoning():
         return torch.empty(shape, dtype=dtype, device=device)
-    fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
+    if dtype.is_floating_point:
+        fill = float("nan")
+    elif dtype == torch.bool:
+        fill = True
+    else:
+        fill = torch.iinfo(dtype).max
     return torch.full(shape, fill, dtype=dtype, device=device)

@@ -46,6 +46,9 @@ class BenchOp:
     metric: str = "TFLOPS"  # or "GB/s"
     baseline_name: str = ""
     cpu_baseline_name: str = "torch (CPU)"
+    # False where the baseline moves the same bytes but does not compute the op (grey vs a copy): its
+    # output is then not checked against the reference.
+    baseline_computes_result: bool = True
     dtypes: dict[str, torch.dtype] = {}
     sweeps: dict[str, Callable[[], list[Case]]] = {}
     gpu_sweep: str = ""
@@ -90,7 +93,7 @@ class BenchOp:
     def baseline_context(self, dtype: str):
         return contextlib.nullcontext()
 
-    def work(self, case: Case, options: dict) -> float:
+    def work(self, case: Case, dtype: str, options: dict) -> float:
         """FLOPs (metric TFLOPS) or bytes moved (metric GB/s) of one call."""
         raise NotImplementedError
 
@@ -100,10 +103,10 @@ class BenchOp:
     def peak(self, gpu: str | None, dtype: str) -> float | None:
         return peak_gbps(gpu) if self.metric == "GB/s" else peak_tflops(gpu, dtype)
 
-    def rate(self, case: Case, ms: float, options: dict) -> float:
+    def rate(self, case: Case, dtype: str, ms: float, options: dict) -> float:
         """TFLOPS or GB/s at a time of ``ms`` milliseconds."""
-        scale = 1e-12 if self.metric == "TFLOPS" else 1e-9
-        return self.work(case, options) * scale / (ms * 1e-3)
+        scale = 1e-12 if self.metric == "TFLOPS" else 1e-9  # work in FLOPs or bytes
+        return self.work(case, dtype, options) * scale / (ms * 1e-3)
 
 
 # --- dense GEMM -----------------------------------------------------------------------------------------
@@ -179,7 +182,7 @@ class MatmulBench(BenchOp):
     def baseline_context(self, dtype):
         return _Tf32Mode(dtype == "tf32")
 
-    def work(self, case, options):
+    def work(self, case, dtype, options):
         d = case.dims
         return 2.0 * d["M"] * d["N"] * d["K"] * options.get("batch", 1)
 
@@ -221,7 +224,10 @@ def bench_ops() -> list[str]:
 
 
 def _load() -> None:
-    pass
+    from tilegemm.bench.guide_ops import CopyBench, GreyBench
+
+    _OPS.setdefault("copy", CopyBench)
+    _OPS.setdefault("grey", GreyBench)
 
 
 def geomean(values: list[float]) -> float | None:

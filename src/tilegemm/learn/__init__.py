@@ -1,1 +1,0 @@
-"""The learning kit: puzzle kernels, the guide's kernels, interpreter debugging helpers."""

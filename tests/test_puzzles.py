@@ -1,0 +1,111 @@
+"""Puzzles 10-12: exact signatures, harness-style launches, every size, no out-of-bounds access."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from tilegemm import puzzles
+from tilegemm.cli import main
+from tilegemm.debug import OutOfBoundsError, bounds_checked
+from tilegemm.runtime import interpreting
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="the puzzles' harness runs under the interpreter")
+
+
+@pytest.mark.parametrize("puzzle", puzzles.PUZZLES)
+@pytest.mark.parametrize("seed", range(6))
+def test_random_sizes(puzzle, seed):
+    ok, detail = puzzles.check_puzzle(puzzle, seed=seed)
+    assert ok, detail
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_quant_dot_with_int32_tensors(seed):
+    ok, detail = puzzles.check_puzzle("quant_dot", seed=seed, int_dtype=torch.int32)
+    assert ok, detail
+
+
+def _launch(kernel, tensors, z, B, nelem, grid):
+    with bounds_checked(*tensors, z):
+        kernel[grid](*tensors, z, **B, **nelem)
+
+
+@pytest.mark.parametrize("KH,KW", [(4, 4), (3, 5), (1, 1), (7, 2)])
+@pytest.mark.parametrize("B0", [1, 2, 8])
+def test_conv2d_original_and_odd_kernels(KH, KW, B0):
+    N0, H, W = 4, 8, 8  # the course's sizes
+    x, k = torch.randn(N0, H, W), torch.randn(KH, KW)
+    z = torch.full((N0, H, W), float("nan"))
+    _launch(puzzles.conv2d_kernel, [x, k], z, dict(B0=B0), dict(N0=N0, H=H, W=W, KH=KH, KW=KW),
+            (triton.cdiv(N0, B0), 1, 1))
+    torch.testing.assert_close(z, puzzles.conv2d_spec(x, k), rtol=1e-5, atol=1e-5)
+
+
+def test_conv2d_spec_by_hand():
+    x = torch.arange(9.0).reshape(1, 3, 3)
+    k = torch.tensor([[1.0, 10.0]])
+    # z[0, i, j] = x[i, j] + 10 * x[i, j + 1], with x[i, 3] = 0
+    want = torch.tensor([[[10.0, 21.0, 2.0], [43.0, 54.0, 5.0], [76.0, 87.0, 8.0]]])
+    torch.testing.assert_close(puzzles.conv2d_spec(x, k), want)
+
+
+@pytest.mark.parametrize(
+    "blocks,sizes",
+    [((16, 16, 1, 16), (19, 23, 5, 37)), ((4, 8, 2, 2), (9, 13, 3, 7)), ((32, 1, 4, 64), (19, 5, 5, 37)),
+     ((1, 1, 1, 1), (3, 2, 2, 5))],
+)
+def test_dot_any_blocks(blocks, sizes):
+    B0, B1, B2, BM = blocks
+    N0, N1, N2, MID = sizes
+    x, y = torch.randn(N2, N0, MID), torch.randn(N2, MID, N1)
+    z = torch.full((N2, N0, N1), float("nan"))
+    grid = (triton.cdiv(N0, B0), triton.cdiv(N1, B1), triton.cdiv(N2, B2))
+    _launch(puzzles.dot_kernel, [x, y], z, dict(B0=B0, B1=B1, B2=B2, B_MID=BM), dict(N0=N0, N1=N1, N2=N2, MID=MID), grid)
+    torch.testing.assert_close(z, x @ y, rtol=1e-4, atol=1e-4)
+
+
+def test_quant_dot_spec_by_hand():
+    # One row, one group: weight nibbles 0..7, zero point 3 for group 0, scale 2.
+    weight = torch.tensor([[0x76543210]], dtype=torch.int64)
+    offset = torch.tensor([0x3], dtype=torch.int64)
+    scale = torch.tensor([[2.0]])
+    act = torch.eye(8)
+    want = 2.0 * (torch.arange(8.0) - 3.0)
+    torch.testing.assert_close(puzzles.quant_dot_spec(scale, offset, weight, act)[0], want)
+
+
+@pytest.mark.parametrize("B_MID", [8, 16, 64])
+def test_quant_dot_original_sizes(B_MID):
+    N0, N1, MID = 32, 32, 64  # the course's sizes
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.rand(N0, MID // 8, generator=gen)
+    offset = torch.randint(-(2**31), 2**31 - 1, (N0,), generator=gen)
+    weight = torch.randint(-(2**31), 2**31 - 1, (N0, MID // 8), generator=gen)
+    act = torch.randn(MID, N1, generator=gen)
+    z = torch.full((N0, N1), float("nan"))
+    grid = (triton.cdiv(N0, 16), triton.cdiv(N1, 16), 1)
+    _launch(puzzles.quant_dot_kernel, [scale, offset, weight, act], z, dict(B0=16, B1=16, B_MID=B_MID),
+            dict(N0=N0, N1=N1, MID=MID), grid)
+    torch.testing.assert_close(z, puzzles.quant_dot_spec(scale, offset, weight, act), rtol=1e-4, atol=1e-3)
+
+
+@triton.jit
+def _unmasked_copy(x_ptr, z_ptr, N0, B0: tl.constexpr):
+    offs = tl.program_id(0) * B0 + tl.arange(0, B0)
+    tl.store(z_ptr + offs, tl.load(x_ptr + offs))  # forgot the mask
+
+
+def test_bounds_checker_catches_an_unmasked_kernel():
+    x, z = torch.randn(10), torch.zeros(10)
+    with pytest.raises(OutOfBoundsError, match="load of 6 element"):
+        with bounds_checked(x, z):
+            _unmasked_copy[(1,)](x, z, 10, B0=16)
+    assert torch.equal(z, torch.zeros(10)), "nothing may be stored once an access is out of bounds"
+
+
+def test_puzzles_command(capsys):
+    assert main(["puzzles", "--trials", "1"]) == 0
+    assert "3 passed, 0 failed" in capsys.readouterr().out
