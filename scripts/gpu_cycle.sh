@@ -11,9 +11,10 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
     tests) python3 -m pytest -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 25 ;;
-    square|llm|skinny) bench --sweep "$step" --dtype fp16 --json "$OUT/$step-fp16.json" --plot "$OUT/$step-fp16.png" ;;
-    bf16) for s in square llm; do bench --sweep $s --dtype bf16 --json "$OUT/$s-bf16.json" --plot "$OUT/$s-bf16.png"; done ;;
-    learn) bench --op copy --json "$OUT/copy.json" --plot "$OUT/copy.png"; bench --op grey --json "$OUT/grey.json" --plot "$OUT/grey.png" ;;
+    square|llm|skinny) bench --sweep "$step" --dtype fp16 --json "$OUT/$step-fp16.json" ;;
+    bf16) for s in square llm; do bench --sweep $s --dtype bf16 --json "$OUT/$s-bf16.json"; done ;;
+    learn) bench --op copy --json "$OUT/copy.json"; bench --op grey --json "$OUT/grey.json" ;;
+    overhead) python3 scripts/host_overhead.py "$OUT/host-overhead.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

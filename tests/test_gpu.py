@@ -99,3 +99,29 @@ def test_import_does_not_touch_cuda_on_a_gpu_machine():
     code = "import torch, tilegemm, sys; print(torch.cuda.is_initialized(), 'triton' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "False False", done.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8, torch.bool])
+def test_copy_on_gpu(dtype):
+    x = (torch.randn(3, 1000, 1001, device="cuda") * 100).to(dtype)
+    assert torch.equal(tilegemm.copy(x), x)
+    assert torch.equal(tilegemm.copy(x.transpose(0, 2)), x.transpose(0, 2))
+
+
+def test_copy_past_int32_elements():
+    x = torch.empty(2**31 + 1000, dtype=torch.uint8, device="cuda").random_()
+    out = tilegemm.copy(x)
+    assert torch.equal(out[-4096:], x[-4096:]) and torch.equal(out[:4096], x[:4096])
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.float16])
+def test_grey_on_gpu(dtype):
+    img = torch.randint(0, 256, (2, 3, 1080, 1920), device="cuda", dtype=torch.uint8)
+    img = img if dtype == torch.uint8 else img.to(dtype) / 255
+    f = img.float()
+    ref = 0.2989 * f[:, 0] + 0.5870 * f[:, 1] + 0.1140 * f[:, 2]
+    ref = (ref + 0.5).clamp(0, 255).to(torch.uint8) if dtype == torch.uint8 else ref.to(dtype)
+    out = tilegemm.rgb_to_grey(img)
+    atol = 1 if dtype == torch.uint8 else 1e-3
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=atol)
+    torch.testing.assert_close(tilegemm.rgb_to_grey(img[..., ::2]), ref[..., ::2], rtol=1e-3, atol=atol)
