@@ -15,6 +15,7 @@ for step in "$@"; do
     bf16) for s in square llm; do bench --sweep $s --dtype bf16 --json "$OUT/$s-bf16.json"; done ;;
     learn) bench --op copy --json "$OUT/copy.json"; bench --op grey --json "$OUT/grey.json" ;;
     overhead) python3 scripts/host_overhead.py "$OUT/host-overhead.json" ;;
+    profile) python3 scripts/launch_profile.py 2>&1 | tee "$OUT/launch-profile.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -11,7 +11,7 @@ from tilegemm.ops.matmul.reference import matmul_reference, relative_error, tole
 from conftest import assert_rel_close
 
 pytestmark = pytest.mark.gpu
-RUNGS = ["naive", "grouped", "autotuned", "auto"]
+RUNGS = list(tilegemm.kernels("matmul"))
 
 
 @pytest.mark.parametrize("kernel", RUNGS)

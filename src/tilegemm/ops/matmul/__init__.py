@@ -18,6 +18,15 @@ register(KernelSpec(
     op="matmul", name="autotuned", order=30, target="tilegemm.ops.matmul.autotuned:run",
     summary="grouped + block sizes, warps and pipeline stages chosen by timing per shape",
 ))
+register(KernelSpec(
+    op="matmul", name="split_k", order=40, target="tilegemm.ops.matmul.split_k:run",
+    summary="for skinny problems: several programs split one tile's K loop and reduce with atomics",
+))
+register(KernelSpec(
+    op="matmul", name="persistent_tma", order=50, target="tilegemm.ops.matmul.persistent_tma:run",
+    requires=lambda: __import__("tilegemm.ops.matmul.persistent_tma", fromlist=["requires"]).requires(),
+    summary="Hopper: one program per SM over tiles in grouped order, TMA tile loads/stores, split epilogue",
+))
 register_pseudo("matmul", "auto", "picks the best rung for the problem (the default)")
 
 from tilegemm.ops.matmul.op import ACTIVATIONS, matmul  # noqa: E402

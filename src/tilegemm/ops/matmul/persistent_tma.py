@@ -1,0 +1,227 @@
+"""Rung ``persistent_tma``: one program per SM looping over tiles, tiles moved by Hopper's TMA engine.
+
+What changes against ``autotuned``:
+- a persistent grid: about one program per SM walks the tiles in grouped order, so there is no tail of
+  half-empty waves and no per-tile launch cost;
+- loads and the output store go through tensor descriptors (``tl.make_tensor_descriptor``): the TMA
+  engine copies whole tiles between global and shared memory, so no thread computes addresses or masks
+  (out-of-range parts of a tile read as zeros and are not written);
+- the epilogue is split in two halves along N, so fewer registers are live while storing.
+
+TMA needs a unit stride in the last dim and 16-byte aligned base and strides. A transposed operand is
+described as its transpose and the loaded tile transposed back. Problems TMA cannot describe, batched
+problems, and GPUs before Hopper go to ``autotuned`` (see :func:`describable`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from tilegemm.hardware import compute_capability
+from tilegemm.jit_helpers import apply_activation, mask_2d, offsets_2d, tile_grouped
+from tilegemm.ops.matmul.problem import GemmProblem
+from tilegemm.runtime import interpreting
+
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _epilogue_half(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias, alpha, beta,
+                   HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    acc = acc * alpha
+    if HAS_C:
+        c = tl.load(c_ptr + offsets_2d(offs_m, offs_n, stride_cm, stride_cn), mask=mask_2d(offs_m, offs_n, M, N),
+                    other=0.0)
+        acc += beta * c.to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    return apply_activation(acc, ACTIVATION)
+
+
+@triton.jit
+def matmul_persistent_tma_kernel(
+    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_a, stride_b, stride_om,
+    stride_cm, stride_cn, stride_bias,
+    alpha, beta,
+    A_T: tl.constexpr, B_T: tl.constexpr,
+    HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1.
+    if A_T:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_T:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1], block_shape=[BLOCK_M, HALF_N])
+
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    # Each program takes every NUM_SMS-th tile, in grouped order.
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=FLATTEN):
+        pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ks in range(k_steps):
+            k0 = ks * BLOCK_K
+            if A_T:
+                a = a_desc.load([k0, m0]).T  # [BM, BK]
+            else:
+                a = a_desc.load([m0, k0])
+            if B_T:
+                b = b_desc.load([n0, k0]).T  # [BK, BN]
+            else:
+                b = b_desc.load([k0, n0])
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+        # Epilogue in two [BM, BN/2] halves.
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        halves = tl.reshape(acc, (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
+        left, right = tl.split(halves)
+        offs_l = n0 + tl.arange(0, HALF_N)
+        left = _epilogue_half(left, c_ptr, bias_ptr, offs_m, offs_l, M, N, stride_cm, stride_cn, stride_bias,
+                              alpha, beta, HAS_C, HAS_BIAS, ACTIVATION)
+        out_desc.store([m0, n0], left.to(out_ptr.dtype.element_ty))
+        right = _epilogue_half(right, c_ptr, bias_ptr, offs_m, offs_l + HALF_N, M, N, stride_cm, stride_cn,
+                               stride_bias, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION)
+        out_desc.store([m0, n0 + HALF_N], right.to(out_ptr.dtype.element_ty))
+
+
+# --- host side ---------------------------------------------------------------------------------------------
+
+
+def _cfg(bm, bn, bk, warps, stages, flatten=True) -> dict:
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLATTEN=flatten, num_warps=warps, num_stages=stages)
+
+
+def configs(dtype_bytes: int) -> list[dict]:
+    if interpreting():
+        return [_cfg(32, 32, 16, 4, 1, flatten=False)]
+    if dtype_bytes >= 4:  # tf32 / fp32 operands
+        return [_cfg(128, 128, 32, 8, 3), _cfg(128, 256, 32, 8, 3), _cfg(128, 64, 32, 4, 4), _cfg(64, 128, 32, 4, 4)]
+    return [
+        _cfg(128, 256, 64, 8, 3),
+        _cfg(128, 256, 64, 8, 3, flatten=False),
+        _cfg(256, 128, 64, 8, 3),
+        _cfg(128, 128, 64, 8, 4),
+        _cfg(128, 128, 64, 4, 4),
+        _cfg(128, 64, 64, 4, 4),
+        _cfg(64, 128, 64, 4, 4),
+    ]
+
+
+def _aligned(t: torch.Tensor, *strides: int) -> bool:
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides)
+
+
+def describable(p: GemmProblem) -> str | None:
+    """None when TMA can move this problem's tiles; otherwise why not."""
+    if p.batch != 1:
+        return "batched problems are not handled by this rung yet"
+    _, sam, sak = p.a_strides
+    _, sbk, sbn = p.b_strides
+    if sak != 1 and sam != 1:
+        return "A has no unit stride"
+    if sbn != 1 and sbk != 1:
+        return "B has no unit stride"
+    if not _aligned(p.a, sam if sak == 1 else sak) or not _aligned(p.b, sbk if sbn == 1 else sbn):
+        return "an operand's base or row stride is not 16-byte aligned"
+    if p.out_strides[2] != 1 or not _aligned(p.out, p.out_strides[1]):
+        return "the output is not 16-byte aligned"
+    if min(p.M, p.N, p.K) < 16:
+        return "a dimension is smaller than 16"
+    return None
+
+
+def requires() -> str | None:
+    if interpreting():
+        return None
+    cc = compute_capability()
+    if cc is None or cc[0] < 9:
+        return "needs a Hopper (sm_90) or newer GPU for TMA"
+    return None
+
+
+_allocator_set = False
+_sm_count: dict = {}
+_chosen: dict[tuple, dict] = {}
+
+
+def _ensure_allocator() -> None:
+    # Device-side descriptors live in a scratch buffer that Triton asks the host to allocate.
+    global _allocator_set
+    if not _allocator_set and not interpreting():
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _allocator_set = True
+
+
+def _num_sms(device) -> int:
+    if interpreting():
+        return 4
+    n = _sm_count.get(device.index)
+    if n is None:
+        n = _sm_count[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def _launch(p: GemmProblem, cfg: dict) -> None:
+    _, sam, sak = p.a_strides
+    _, sbk, sbn = p.b_strides
+    a_t, b_t = sak != 1, sbn != 1
+    num_sms = _num_sms(p.out.device)
+    tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
+    grid = (min(num_sms, tiles),)
+    flags = p.kernel_flags()
+    matmul_persistent_tma_kernel[grid](
+        p.a, p.b, p.out, p.c if p.c is not None else p.out, p.bias if p.bias is not None else p.out,
+        p.M, p.N, p.K,
+        sak if a_t else sam, sbn if b_t else sbk, p.out_strides[1],
+        p.c_strides[1], p.c_strides[2], p.bias.stride(0) if p.bias is not None else 0,
+        p.alpha, p.beta,
+        A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
+        INPUT_PRECISION=p.input_precision, NUM_SMS=num_sms, **cfg,
+    )
+
+
+def _time(p: GemmProblem, cfg: dict) -> float:
+    try:
+        return triton.testing.do_bench(lambda: _launch(p, cfg), warmup=5, rep=20)
+    except Exception:  # a config that does not compile or fit is simply not chosen
+        return float("inf")
+
+
+def run(p: GemmProblem, config: dict | None = None) -> None:
+    reason = describable(p)
+    if reason is not None:
+        from tilegemm.ops.matmul import autotuned
+
+        autotuned.run(p)
+        return
+    _ensure_allocator()
+    if config is None:
+        key = (p.M, p.N, p.K, p.dtype, p.out.dtype, p.a_strides[2] != 1, p.b_strides[2] != 1)
+        config = _chosen.get(key)
+        if config is None:
+            candidates = configs(p.a.element_size())
+            if len(candidates) > 1:
+                timings = [_time(p, cfg) for cfg in candidates]
+                config = candidates[min(range(len(candidates)), key=timings.__getitem__)]
+            else:
+                config = candidates[0]
+            _chosen[key] = config
+    _launch(p, config)
+
+
+def chosen_configs() -> dict:
+    return dict(_chosen)

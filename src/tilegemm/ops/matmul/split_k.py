@@ -1,0 +1,142 @@
+"""Rung ``split_k``: several programs share one output tile's K loop, for skinny problems.
+
+With M of 1 to 128 a GEMM has few output tiles (M=16, N=4096 with 64-wide tiles: 64 tiles for 132 SMs),
+so one program per tile leaves most of the GPU idle while each walks all of K. Here SPLIT_K programs take
+a slice of K each. Each adds its fp32 partial tile into a workspace with atomics and bumps the tile's
+counter; the program that arrives last reads the sum (swapping zeros back in, so the workspace is clean
+for the next call), applies the epilogue and stores. One launch, no memset.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from tilegemm.jit_helpers import epilogue_store, tile_grouped
+from tilegemm.ops.matmul.mainloop import tile_rows_cols
+from tilegemm.jit_helpers import offsets_2d
+from tilegemm.ops.matmul.problem import GemmProblem
+from tilegemm.runtime import interpreting
+
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def matmul_split_k_kernel(
+    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_ab, stride_am, stride_ak,
+    stride_bb, stride_bk, stride_bn,
+    stride_ob, stride_om, stride_on,
+    stride_cb, stride_cm, stride_cn,
+    stride_bias,
+    alpha, beta,
+    ws_ptr, count_ptr,
+    HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    # Which tile and which slice of K: axis 0 tiles, axis 1 the K slice, axis 2 the batch.
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0)
+    pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
+    split = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    a_ptr += pid_b * stride_ab
+    b_ptr += pid_b * stride_bb
+    out_ptr += pid_b * stride_ob
+    c_ptr += pid_b * stride_cb
+    ws_ptr += pid_b * M * N
+    count_ptr += pid_b * tiles_m * tiles_n
+
+    # This program's K range: a whole number of BLOCK_K steps.
+    k_steps = tl.cdiv(K, BLOCK_K)
+    steps_per_split = tl.cdiv(k_steps, SPLIT_K)
+    k_begin = split * steps_per_split * BLOCK_K
+    k_end = tl.minimum(K, k_begin + steps_per_split * BLOCK_K)
+
+    offs_m, offs_n, load_m, load_n = tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offsets_2d(load_m, k_begin + offs_k, stride_am, stride_ak)  # [BM, BK]
+    b_ptrs = b_ptr + offsets_2d(k_begin + offs_k, load_n, stride_bk, stride_bn)  # [BK, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_end - k, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_end - k, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # Reduce across the K slices: add into the workspace, then count arrivals at this tile.
+    inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+    tl.atomic_add(ws_tile, acc, mask=inside, sem="relaxed")
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+    if arrived == SPLIT_K - 1:
+        # Last one here: the acq_rel counter update orders every slice's adds before these reads (which
+        # skip L1). Take the sum, leave zeros and a zero count behind, finish the tile.
+        total = tl.load(ws_tile, mask=inside, other=0.0, cache_modifier=".cg")
+        tl.store(ws_tile, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=inside)
+        tl.store(count_ptr + tile, 0)
+        epilogue_store(total, out_ptr, c_ptr, bias_ptr, offs_m, offs_n, M, N,
+                       stride_om, stride_on, stride_cm, stride_cn, stride_bias,
+                       alpha, beta, HAS_C, HAS_BIAS, ACTIVATION)
+
+
+# --- workspace: zeroed once, left zeroed by every launch --------------------------------------------------
+
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (device, stream): launches on one stream run in order, so they can share one workspace."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    ws, count = _workspaces.get(key, (None, None))
+    if ws is None or ws.numel() < floats or count.numel() < counters:
+        ws = torch.zeros(max(floats, 1 << 20), dtype=torch.float32, device=device)
+        count = torch.zeros(max(counters, 1 << 12), dtype=torch.int32, device=device)
+        _workspaces[key] = (ws, count)
+    return ws, count
+
+
+_sm_counts: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    n = _sm_counts.get(device.index)
+    if n is None:
+        n = _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def pick_config(p: GemmProblem) -> dict:
+    """Blocks by M, and enough K slices for about two waves of programs on the GPU."""
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, SPLIT_K=3, num_warps=4, num_stages=1)
+    fp32 = p.dtype == torch.float32
+    block_m = 16 if p.M <= 16 else 32 if p.M <= 32 else 64 if p.M <= 64 else 128
+    block_n = 64 if p.M <= 64 else 128
+    block_k = (64 if fp32 else 128) if p.M <= 32 else (32 if fp32 else 64)
+    tiles = triton.cdiv(p.M, block_m) * triton.cdiv(p.N, block_n) * p.batch
+    k_steps = triton.cdiv(p.K, block_k)
+    split = 1
+    while split < 16 and tiles * split * 2 <= 2 * _sm_count(p.out.device) and (split * 2) * 2 <= k_steps:
+        split *= 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=split,
+                num_warps=4, num_stages=4 if not fp32 else 3)
+
+
+def run(p: GemmProblem, config: dict | None = None) -> None:
+    cfg = dict(config or pick_config(p))
+    tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
+    ws, count = _workspace(p.out.device, p.batch * p.M * p.N, p.batch * tiles)
+    grid = (tiles, cfg["SPLIT_K"], p.batch)
+    matmul_split_k_kernel[grid](*p.kernel_args(), ws, count, **p.kernel_flags(), **cfg)
