@@ -5,10 +5,29 @@ from __future__ import annotations
 import torch
 
 from tilegemm import registry
+from tilegemm.launch import ReplayCache, recording
 from tilegemm.runtime import interpreting, new_output
 
 GREY_WEIGHTS = (0.2989, 0.5870, 0.1140)
 MAX_DIMS = 6
+
+
+_replays = ReplayCache()
+
+
+def _run(op: str, name: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    """Launch ``op``'s kernel, replaying the recorded launch when an identical call was seen before."""
+    if interpreting() or type(x) is not torch.Tensor:
+        registry.get(op, name).launcher()(x, out)
+        return
+    key = (op, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+    hit = _replays.get(key)
+    if hit is not None:
+        hit(x, out)
+        return
+    with recording() as rec:
+        registry.get(op, name).launcher()(x, out)
+    _replays.store(key, rec.launches, (x, out))
 
 
 def _check_device(t: torch.Tensor, name: str) -> None:
@@ -28,7 +47,7 @@ def copy(x: torch.Tensor) -> torch.Tensor:
     _check_device(x, "x")
     out = new_output(x.shape, x.dtype, x.device)
     if x.numel():
-        registry.get("copy", "flat").launcher()(x, out)
+        _run("copy", "flat", x, out)
     return out
 
 
@@ -47,5 +66,5 @@ def rgb_to_grey(img: torch.Tensor) -> torch.Tensor:
     _check_device(img, "img")
     out = new_output((*img.shape[:-3], *img.shape[-2:]), img.dtype, img.device)
     if out.numel():
-        registry.get("grey", "planar").launcher()(img, out)
+        _run("grey", "planar", img, out)
     return out

@@ -10,6 +10,7 @@ import torch
 import triton
 
 from tilegemm.jit_helpers import mask_1d, offsets_1d
+from tilegemm.launch import launch
 
 import triton.language as tl  # noqa: E402
 
@@ -62,12 +63,12 @@ def copy_flat(x: torch.Tensor, out: torch.Tensor) -> None:
     block = _block_for(x.element_size())
     grid = (triton.cdiv(n, block),)
     if x.is_contiguous():
-        copy_contiguous_kernel[grid](x, out, n, BLOCK=block, num_warps=8)
+        launch(copy_contiguous_kernel, grid, (x, out, n), dict(BLOCK=block, num_warps=8))
         return
     pad = 6 - x.dim()
     sizes = [1] * pad + list(x.shape)
     strides = [0] * pad + list(x.stride())
-    copy_strided_kernel[grid](x, out, n, *sizes[1:], *strides, BLOCK=block, num_warps=8)
+    launch(copy_strided_kernel, grid, (x, out, n, *sizes[1:], *strides), dict(BLOCK=block, num_warps=8))
 
 
 @triton.jit
@@ -113,6 +114,7 @@ def grey_planar(img: torch.Tensor, out: torch.Tensor) -> None:
     planes_contiguous = img3.stride(3) == 1 and img3.stride(2) == W
     block = _block_for(img.element_size()) // 2
     grid = (triton.cdiv(H * W, block), batch)
-    grey_kernel[grid](img3, out2, H, W, img3.stride(0), img3.stride(1), img3.stride(2), img3.stride(3),
-                      out2.stride(0), *GREY_WEIGHTS, PLANES_CONTIGUOUS=planes_contiguous,
-                      IS_UINT8=img.dtype == torch.uint8, BLOCK=block, num_warps=8)
+    args = (img3, out2, H, W, img3.stride(0), img3.stride(1), img3.stride(2), img3.stride(3), out2.stride(0),
+            *GREY_WEIGHTS)
+    launch(grey_kernel, grid, args,
+           dict(PLANES_CONTIGUOUS=planes_contiguous, IS_UINT8=img.dtype == torch.uint8, BLOCK=block, num_warps=8))

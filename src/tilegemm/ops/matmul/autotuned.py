@@ -6,6 +6,7 @@ On the first call for a new (M, N, K, dtype), Triton's autotuner times every can
 
 import triton
 
+from tilegemm.launch import launch
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.grouped import grid, matmul_grouped_kernel
 from tilegemm.ops.matmul.problem import GemmProblem
@@ -36,7 +37,7 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
     if config is None:
         config = _chosen.get((p.M, p.N, p.K, p.dtype, p.out.dtype))
     if config is not None:
-        matmul_grouped_kernel[grid(p)](*p.kernel_args(), **p.kernel_flags(), **config)
+        launch(matmul_grouped_kernel, grid(p), p.kernel_args(), {**p.kernel_flags(), **config})
         return
     matmul_autotuned_kernel[grid(p)](*p.kernel_args(), **p.kernel_flags())
     best = matmul_autotuned_kernel.best_config

@@ -7,6 +7,7 @@ Same blocks and K loop as ``naive``; only the map from program id to tile change
 import triton
 
 from tilegemm.jit_helpers import epilogue_store, tile_grouped
+from tilegemm.launch import launch
 from tilegemm.ops.matmul.configs import fixed_config
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem
@@ -53,4 +54,4 @@ def grid(p: GemmProblem):
 
 def run(p: GemmProblem, config: dict | None = None) -> None:
     cfg = config or fixed_config(p.dtype)
-    matmul_grouped_kernel[grid(p)](*p.kernel_args(), **p.kernel_flags(), **cfg)
+    launch(matmul_grouped_kernel, grid(p), p.kernel_args(), {**p.kernel_flags(), **cfg})

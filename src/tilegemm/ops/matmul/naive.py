@@ -8,6 +8,7 @@ against this one.
 import triton
 
 from tilegemm.jit_helpers import epilogue_store, tile_row_major
+from tilegemm.launch import launch
 from tilegemm.ops.matmul.configs import fixed_config
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem
@@ -52,4 +53,4 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
     cfg = dict(config or fixed_config(p.dtype))
     cfg.pop("GROUP_M", None)
     grid = (triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"]), p.batch)
-    matmul_naive_kernel[grid](*p.kernel_args(), **p.kernel_flags(), **cfg)
+    launch(matmul_naive_kernel, grid, p.kernel_args(), {**p.kernel_flags(), **cfg})

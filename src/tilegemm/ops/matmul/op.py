@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from tilegemm import registry
+from tilegemm.launch import ReplayCache, recording
 from tilegemm.ops.matmul.problem import GemmProblem, make_problems
 from tilegemm.runtime import interpreting, new_output
 
@@ -132,13 +133,36 @@ def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, k
 
 
 def choose_kernel(p: GemmProblem) -> str:
-    """``auto``: the fastest rung that exists for this problem.
+    """``auto``: the rung measured fastest for this class of problem (fp16, H200, see docs/ladder.md).
 
-    Under the interpreter autotuning has nothing to time, so ``grouped`` is used there.
+    - Under the interpreter: ``grouped`` (autotuning has nothing to time there).
+    - M <= 128 with K at least twice N (few output tiles, a long K loop): ``split_k``; e.g. 1x4096x14336
+      took 42 us against 59 us for ``autotuned``.
+    - Other M <= 128: ``autotuned`` (its small-M configs), e.g. 128x28672x8192 at 1.66x cuBLAS.
+    - Larger problems on Hopper that TMA can describe: ``persistent_tma`` (1.00x cuBLAS at 8192^3, 1.02x
+      at 16384^3, where ``autotuned`` reached 0.96x and 0.96x).
+    - Otherwise ``autotuned``.
     """
     if interpreting():
         return "grouped"
+    if p.M <= 128:
+        return "split_k" if p.K >= 2 * p.N else "autotuned"
+    if _has_tma():
+        from tilegemm.ops.matmul.persistent_tma import describable
+
+        if describable(p) is None:
+            return "persistent_tma"
     return "autotuned"
+
+
+_tma: bool | None = None
+
+
+def _has_tma() -> bool:
+    global _tma
+    if _tma is None:
+        _tma = registry.get("matmul", "persistent_tma").unavailable_reason() is None
+    return _tma
 
 
 # --- the op ---------------------------------------------------------------------------------------------
@@ -284,12 +308,43 @@ def matmul(
     Raises:
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
+    plain = bias is None and c is None and activation is None and out_dtype is None
+    key = _replay_key(a, b, alpha, precision, kernel) if plain else None
+    if key is not None:
+        hit = _replays.get(key)
+        if hit is not None:
+            out = new_output(hit.shape, a.dtype, a.device)
+            hit(a, b, out)
+            return out
     activation = "none" if activation is None else activation
     check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel)
     args = (a, b, bias, c, float(alpha), float(beta), activation, out_dtype, precision or "default", kernel)
-    if _plain_call(a, b, bias, c):
+    if not _plain_call(a, b, bias, c):
+        return _matmul_op(*args)
+    if key is None:
         return _forward(*args)
-    return _matmul_op(*args)
+    with recording() as rec:
+        out = _forward(*args)
+    _replays.store(key, rec.launches, (a, b, out), shape=out.shape)
+    return out
+
+
+# Replays of earlier plain calls (no epilogue), keyed by everything Triton specializes a launch on.
+_replays = ReplayCache()
+
+
+def _replay_key(a, b, alpha, precision, kernel):
+    """The replay key of a plain call, or None when the call may not be replayed."""
+    if type(a) is not torch.Tensor or type(b) is not torch.Tensor or not a.is_cuda or interpreting():
+        return None
+    if not _plain_call(a, b) or a.device != b.device or type(alpha) not in (float, int):
+        return None
+    try:
+        resolved = resolve_precision(precision, a.dtype)
+    except ValueError:
+        return None
+    return (kernel, alpha, resolved, a.dtype, b.dtype, a.shape, b.shape, a.stride(), b.stride(), a.device,
+            a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0)
 
 
 def _plain_call(*tensors) -> bool:

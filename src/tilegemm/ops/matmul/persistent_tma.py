@@ -20,6 +20,7 @@ import triton
 
 from tilegemm.hardware import compute_capability
 from tilegemm.jit_helpers import apply_activation, mask_2d, offsets_2d, tile_grouped
+from tilegemm.launch import launch
 from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.runtime import interpreting
 
@@ -183,15 +184,16 @@ def _launch(p: GemmProblem, cfg: dict) -> None:
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
     grid = (min(num_sms, tiles),)
     flags = p.kernel_flags()
-    matmul_persistent_tma_kernel[grid](
+    args = (
         p.a, p.b, p.out, p.c if p.c is not None else p.out, p.bias if p.bias is not None else p.out,
         p.M, p.N, p.K,
         sak if a_t else sam, sbn if b_t else sbk, p.out_strides[1],
         p.c_strides[1], p.c_strides[2], p.bias.stride(0) if p.bias is not None else 0,
         p.alpha, p.beta,
-        A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
-        INPUT_PRECISION=p.input_precision, NUM_SMS=num_sms, **cfg,
     )
+    launch(matmul_persistent_tma_kernel, grid, args,
+           dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
+                INPUT_PRECISION=p.input_precision, NUM_SMS=num_sms, **cfg))
 
 
 def _time(p: GemmProblem, cfg: dict) -> float:
