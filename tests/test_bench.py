@@ -29,11 +29,11 @@ def test_bench_writes_json_csv_png(tmp_path, capsys):
         assert key in machine
     assert machine["interpreter"] is True and "NOT GPU performance" in data["meta"]["note"]
     rows = data["rows"]
-    assert {r["kernel"] for r in rows} == {BASELINE, *registry.kernels("matmul")} - {"auto"}
+    assert {r["kernel"] for r in rows} == {BASELINE, *registry.kernels("matmul")}
     assert all(r["status"] == "ok" and r["rel_err"] <= r["tolerance"] for r in rows)
     assert all(r["ms"] > 0 and r["ms_p20"] <= r["ms"] <= r["ms_p80"] for r in rows)
     assert all(r["ratio"] is not None for r in rows if r["kernel"] != BASELINE)
-    assert set(data["summary"]["kernels"]) == set(registry.kernels("matmul")) - {"auto"}
+    assert set(data["summary"]["kernels"]) == set(registry.kernels("matmul"))
 
     text = paths["csv"].read_text()
     assert "# triton:" in text and "# git_commit:" in text

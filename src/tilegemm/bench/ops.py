@@ -59,7 +59,13 @@ class BenchOp:
         return next(iter(self.dtypes))
 
     def kernel_names(self) -> list[str]:
-        return [s.name for s in registry.specs(self.name)]
+        """The default set: every registered kernel, then ``auto`` where the family has it."""
+        names = [s.name for s in registry.specs(self.name)]
+        return names + (["auto"] if "auto" in registry.kernels(self.name) else [])
+
+    def overhead_probe(self, device: str):
+        """(tilegemm call, baseline call) on a tiny problem, for host time per call; None if not measured."""
+        return None
 
     def check_kernel(self, name: str) -> None:
         if name == "auto" and "auto" in registry.kernels(self.name):
@@ -181,6 +187,13 @@ class MatmulBench(BenchOp):
 
     def baseline_context(self, dtype):
         return _Tf32Mode(dtype == "tf32")
+
+    def overhead_probe(self, device):
+        from tilegemm import matmul
+
+        a = torch.randn(64, 64, device=device, dtype=torch.float16)
+        b = torch.randn(64, 64, device=device, dtype=torch.float16)
+        return (lambda: matmul(a, b)), (lambda: torch.matmul(a, b))
 
     def work(self, case, dtype, options):
         d = case.dims

@@ -89,6 +89,10 @@ def print_report(result: BenchResult, console: Console) -> None:
     console.print(results_table(result))
     if any(k != BASELINE for k in result.kernels()) and result.meta.get("baseline"):
         console.print(summary_table(result))
+    host = result.meta.get("host_us_per_call")
+    if host:
+        console.print(f"host time per call on a tiny problem: tilegemm {host['tilegemm']:.1f} us, "
+                      f"{result.meta['baseline']} {host['baseline']:.1f} us ({host['ratio']:.2f}x)")
     if result.meta["machine"]["interpreter"]:
         console.print("[yellow]Kernels ran under Triton's interpreter on the CPU: these timings say nothing about "
                       "GPU performance. Correctness checks are real.[/]")

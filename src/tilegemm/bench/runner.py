@@ -127,6 +127,28 @@ def _time_on_host(fn, rep_ms: float) -> tuple[float, float, float]:
     return statistics.median(times), q[1], q[7]
 
 
+def host_overhead(op: BenchOp, device: str) -> dict | None:
+    """Host time per call on a tiny problem (GPU work negligible): tilegemm's default call and the baseline's."""
+    probe = op.overhead_probe(device)
+    if probe is None:
+        return None
+    result = {}
+    for name, fn in zip(("tilegemm", "baseline"), probe):
+        for _ in range(200):
+            fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(1000):
+                fn()
+            torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - start) * 1e3)  # ms per 1000 calls = us per call
+        result[name] = best
+    result["ratio"] = result["tilegemm"] / result["baseline"]
+    return result
+
+
 def rotation_count(bytes_per_set: int, machine: MachineInfo, cuda_graph: bool) -> int:
     """Input sets to rotate through: enough to overflow L2 twice in graph mode (do_bench flushes L2 itself)."""
     if not cuda_graph or not machine.l2_bytes:
@@ -169,6 +191,8 @@ def run_bench(
     )
     if machine.interpreter:
         meta["note"] = "Kernels ran under Triton's interpreter on the CPU: timings are NOT GPU performance."
+    if not machine.interpreter:
+        meta["host_us_per_call"] = host_overhead(op, device)
     result = BenchResult(meta)
     names = ([BASELINE] if baseline else []) + kernels
 

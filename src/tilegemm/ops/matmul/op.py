@@ -139,8 +139,8 @@ def choose_kernel(p: GemmProblem) -> str:
     - M <= 128 with K at least twice N (few output tiles, a long K loop): ``split_k``; e.g. 1x4096x14336
       took 42 us against 59 us for ``autotuned``.
     - Other M <= 128: ``autotuned`` (its small-M configs), e.g. 128x28672x8192 at 1.66x cuBLAS.
-    - Larger problems on Hopper that TMA can describe: ``persistent_tma`` (1.00x cuBLAS at 8192^3, 1.02x
-      at 16384^3, where ``autotuned`` reached 0.96x and 0.96x).
+    - Larger problems on Hopper that TMA can describe, with at least one 128x128 tile per SM:
+      ``persistent_tma`` (0.99-1.02x cuBLAS at 8192^3 and 16384^3, where ``autotuned`` reached 0.95-0.96x).
     - Otherwise ``autotuned``.
     """
     if interpreting():
@@ -148,9 +148,12 @@ def choose_kernel(p: GemmProblem) -> str:
     if p.M <= 128:
         return "split_k" if p.K >= 2 * p.N else "autotuned"
     if _has_tma():
-        from tilegemm.ops.matmul.persistent_tma import describable
+        from tilegemm.ops.matmul.persistent_tma import _num_sms, describable
 
-        if describable(p) is None:
+        # With fewer 128x128 tiles than SMs a persistent grid has nothing to balance: at 1024^3 it ran
+        # 0.66x cuBLAS where autotuned's smaller tiles reached 0.87x.
+        tiles = -(-p.M // 128) * -(-p.N // 128)
+        if tiles >= _num_sms(p.out.device) and describable(p) is None:
             return "persistent_tma"
     return "autotuned"
 

@@ -35,7 +35,7 @@ def matmul_split_k_kernel(
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, ATOMIC_READ: tl.constexpr,
 ):
     # Which tile and which slice of K: axis 0 tiles, axis 1 the K slice, axis 2 the batch.
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -72,24 +72,32 @@ def matmul_split_k_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    # Reduce across the K slices: add into the workspace, then count arrivals at this tile.
-    inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-    tl.atomic_add(ws_tile, acc, mask=inside, sem="relaxed")
-    # A scalar atomic runs on one thread: the barrier makes every thread's adds precede its release.
-    # (Without it the bench measured up to 22% error at M=16 on an H200.)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLIT_K - 1:
-        tl.debug_barrier()  # and every thread's reads follow the acquire
-        # Last one here: the acq_rel counter update orders every slice's adds before these reads (which
-        # skip L1). Take the sum, leave zeros and a zero count behind, finish the tile.
-        total = tl.load(ws_tile, mask=inside, other=0.0, cache_modifier=".cg")
-        tl.store(ws_tile, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=inside)
-        tl.store(count_ptr + tile, 0)
-        epilogue_store(total, out_ptr, c_ptr, bias_ptr, offs_m, offs_n, M, N,
+    if SPLIT_K == 1:
+        epilogue_store(acc, out_ptr, c_ptr, bias_ptr, offs_m, offs_n, M, N,
                        stride_om, stride_on, stride_cm, stride_cn, stride_bias,
                        alpha, beta, HAS_C, HAS_BIAS, ACTIVATION)
+    else:
+        # Reduce across the K slices: add into the workspace, then count arrivals at this tile.
+        inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.atomic_add(ws_tile, acc, mask=inside, sem="relaxed")
+        # A scalar atomic runs on one thread: the barrier puts every thread's adds before its release.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.debug_barrier()  # and every thread's reads after the acquire
+            # Last one here: take the sum and leave zeros behind. On the GPU the read is an atomic exchange:
+            # plain loads were seen (H200, M=16) to miss atomic adds still in flight, by up to 22%.
+            if ATOMIC_READ:
+                zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                total = tl.atomic_xchg(ws_tile, zeros, mask=inside, sem="relaxed")
+            else:  # the interpreter runs programs one at a time and has no fp32 exchange
+                total = tl.load(ws_tile, mask=inside, other=0.0)
+                tl.store(ws_tile, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=inside)
+            tl.store(count_ptr + tile, 0)
+            epilogue_store(total, out_ptr, c_ptr, bias_ptr, offs_m, offs_n, M, N,
+                           stride_om, stride_on, stride_cm, stride_cn, stride_bias,
+                           alpha, beta, HAS_C, HAS_BIAS, ACTIVATION)
 
 
 # --- workspace: zeroed once, left zeroed by every launch --------------------------------------------------
@@ -144,4 +152,5 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
     ws, count = _workspace(p.out.device, p.batch * p.M * p.N, p.batch * tiles)
     grid = (tiles, cfg["SPLIT_K"], p.batch)
     not_replayable()  # the workspace may be reallocated by a later, larger call
-    matmul_split_k_kernel[grid](*p.kernel_args(), ws, count, **p.kernel_flags(), **cfg)
+    matmul_split_k_kernel[grid](*p.kernel_args(), ws, count, **p.kernel_flags(), **cfg,
+                                ATOMIC_READ=not interpreting())
