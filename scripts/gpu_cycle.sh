@@ -12,6 +12,8 @@ for step in "$@"; do
   case $step in
     tests) python3 -m pytest -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 25 ;;
     square|llm|skinny) bench --sweep "$step" --dtype fp16 --json "$OUT/$step-fp16.json" ;;
+    tf32) bench --sweep square --dtype tf32 --json "$OUT/square-tf32.json" ;;
+    guide-tests) python3 -m pytest -m gpu -q -p no:cacheprovider -k "copy or grey or replay" 2>&1 | tail -n 3 ;;
     bf16) for s in square llm; do bench --sweep $s --dtype bf16 --json "$OUT/$s-bf16.json"; done ;;
     learn) bench --op copy --json "$OUT/copy.json"; bench --op grey --json "$OUT/grey.json" ;;
     overhead) python3 scripts/host_overhead.py "$OUT/host-overhead.json" ;;

@@ -86,6 +86,12 @@ class BenchResult:
                 best[shape] = winner.kernel
         return dict(kernels=per_kernel, best_per_shape=best)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "BenchResult":
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"not a tilegemm bench file (schema {data.get('schema')!r}, expected {SCHEMA!r})")
+        return cls(data["meta"], [Row(**row) for row in data["rows"]])
+
     def to_dict(self) -> dict:
         return dict(schema=SCHEMA, meta=self.meta, rows=[asdict(r) for r in self.rows], summary=self.summary())
 

@@ -15,19 +15,32 @@ MAX_DIMS = 6
 _replays = ReplayCache()
 
 
-def _run(op: str, name: str, x: torch.Tensor, out: torch.Tensor) -> None:
-    """Launch ``op``'s kernel, replaying the recorded launch when an identical call was seen before."""
-    if interpreting() or type(x) is not torch.Tensor:
+def _replay_key(op: str, x) -> tuple | None:
+    if type(x) is not torch.Tensor or not x.is_cuda or interpreting():
+        return None
+    return (op, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+
+
+def _replayed(key, x: torch.Tensor) -> torch.Tensor | None:
+    """The output of an identical earlier call, replayed; None when there was none.
+
+    Checked before validation: a hit has the shape, strides, dtype and device of a call that passed it.
+    """
+    hit = _replays.get(key) if key is not None else None
+    if hit is None:
+        return None
+    out = new_output(hit.shape, x.dtype, x.device)
+    hit(x, out)
+    return out
+
+
+def _run(op: str, name: str, key, x: torch.Tensor, out: torch.Tensor) -> None:
+    if key is None:
         registry.get(op, name).launcher()(x, out)
-        return
-    key = (op, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
-    hit = _replays.get(key)
-    if hit is not None:
-        hit(x, out)
         return
     with recording() as rec:
         registry.get(op, name).launcher()(x, out)
-    _replays.store(key, rec.launches, (x, out))
+    _replays.store(key, rec.launches, (x, out), shape=out.shape)
 
 
 def _check_device(t: torch.Tensor, name: str) -> None:
@@ -38,6 +51,10 @@ def _check_device(t: torch.Tensor, name: str) -> None:
 
 def copy(x: torch.Tensor) -> torch.Tensor:
     """A new contiguous tensor equal to ``x`` (any shape up to 6 dims, any strides, any real dtype)."""
+    key = _replay_key("copy", x)
+    out = _replayed(key, x)
+    if out is not None:
+        return out
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.is_complex():
@@ -47,7 +64,7 @@ def copy(x: torch.Tensor) -> torch.Tensor:
     _check_device(x, "x")
     out = new_output(x.shape, x.dtype, x.device)
     if x.numel():
-        _run("copy", "flat", x, out)
+        _run("copy", "flat", key, x, out)
     return out
 
 
@@ -57,6 +74,10 @@ def rgb_to_grey(img: torch.Tensor) -> torch.Tensor:
     uint8 images give uint8, rounded to nearest; float images (fp16, bf16, fp32, fp64 as fp32 math)
     keep their dtype. Any strides.
     """
+    key = _replay_key("grey", img)
+    out = _replayed(key, img)
+    if out is not None:
+        return out
     if not isinstance(img, torch.Tensor):
         raise TypeError(f"img must be a torch.Tensor, got {type(img).__name__}")
     if img.dtype not in (torch.uint8, torch.float16, torch.bfloat16, torch.float32):
@@ -66,5 +87,5 @@ def rgb_to_grey(img: torch.Tensor) -> torch.Tensor:
     _check_device(img, "img")
     out = new_output((*img.shape[:-3], *img.shape[-2:]), img.dtype, img.device)
     if out.numel():
-        _run("grey", "planar", img, out)
+        _run("grey", "planar", key, img, out)
     return out
