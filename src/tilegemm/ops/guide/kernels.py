@@ -76,24 +76,32 @@ def grey_kernel(
     img_ptr, out_ptr, H, W,
     stride_ib, stride_ic, stride_ih, stride_iw, stride_ob,
     w_r, w_g, w_b,
-    PLANES_CONTIGUOUS: tl.constexpr, IS_UINT8: tl.constexpr, BLOCK: tl.constexpr,
+    PLANES_CONTIGUOUS: tl.constexpr, IS_UINT8: tl.constexpr, INDEX_64: tl.constexpr, STREAM: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # One program: BLOCK pixels of one image (axis 1 is the batch); the output is contiguous.
-    offs = offsets_1d(tl.program_id(0).to(tl.int64), BLOCK)
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    offs = offsets_1d(pid, BLOCK)
     mask = mask_1d(offs, H * W)
-    pid_b = tl.program_id(1).to(tl.int64)
-    img_ptr += pid_b * stride_ib
+    img_ptr += tl.program_id(1).to(tl.int64) * stride_ib
+    out_ptr += tl.program_id(1).to(tl.int64) * stride_ob
     if PLANES_CONTIGUOUS:
         src = offs  # rows follow each other: one flat run per plane, 16-byte accesses
     else:
         src = (offs // W) * stride_ih + (offs % W) * stride_iw
-    r = tl.load(img_ptr + src, mask=mask).to(tl.float32)
-    g = tl.load(img_ptr + stride_ic + src, mask=mask).to(tl.float32)
-    b = tl.load(img_ptr + 2 * stride_ic + src, mask=mask).to(tl.float32)
+    policy: tl.constexpr = "evict_first" if STREAM else ""
+    r = tl.load(img_ptr + src, mask=mask, eviction_policy=policy).to(tl.float32)
+    g = tl.load(img_ptr + stride_ic + src, mask=mask, eviction_policy=policy).to(tl.float32)
+    b = tl.load(img_ptr + 2 * stride_ic + src, mask=mask, eviction_policy=policy).to(tl.float32)
     grey = w_r * r + w_g * g + w_b * b
     if IS_UINT8:
         grey = tl.minimum(tl.maximum(grey + 0.5, 0.0), 255.0)  # round to nearest, then truncate
-    tl.store(out_ptr + pid_b * stride_ob + offs, grey.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, grey.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+GREY_TUNING = dict(STREAM=False, num_warps=16, block_bytes=8192)
 
 
 def grey_planar(img: torch.Tensor, out: torch.Tensor) -> None:
@@ -114,9 +122,12 @@ def grey_planar(img: torch.Tensor, out: torch.Tensor) -> None:
     planes_contiguous = img3.stride(3) == 1 and img3.stride(2) == W
     # 16 warps over 8192 uint8 pixels: 0.90x / 0.95x / 0.98x torch copy at 2048^2 / 4096^2 / 8192^2 on an
     # H200, against 0.88x / 0.89x / 0.98x with 8 warps (scripts/tune_grey.py).
-    block = _block_for(img.element_size()) // 2
+    block = GREY_TUNING["block_bytes"] // img.element_size()
     grid = (triton.cdiv(H * W, block), batch)
+    span = max(abs(img3.stride(1)) * 2 + (H - 1) * abs(img3.stride(2)) + (W - 1) * abs(img3.stride(3)), H * W)
     args = (img3, out2, H, W, img3.stride(0), img3.stride(1), img3.stride(2), img3.stride(3), out2.stride(0),
             *GREY_WEIGHTS)
     launch(grey_kernel, grid, args,
-           dict(PLANES_CONTIGUOUS=planes_contiguous, IS_UINT8=img.dtype == torch.uint8, BLOCK=block, num_warps=16))
+           dict(PLANES_CONTIGUOUS=planes_contiguous, IS_UINT8=img.dtype == torch.uint8,
+                INDEX_64=span + block >= 2**31, STREAM=GREY_TUNING["STREAM"], BLOCK=block,
+                num_warps=GREY_TUNING["num_warps"]))
