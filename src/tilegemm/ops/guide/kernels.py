@@ -101,7 +101,10 @@ def grey_kernel(
     tl.store(out_ptr + offs, grey.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-GREY_TUNING = dict(STREAM=False, num_warps=16, block_bytes=8192)
+# Measured through tilegemm.rgb_to_grey against torch's copy of the same bytes, H200, uint8 (scripts/tune_grey.py):
+# streaming loads, 16 warps, 4096-pixel blocks: 0.96x / 0.97x / 0.95x at 2048^2 / 4096^2 / 8192^2; the earlier
+# 8 warps over 8192 pixels without streaming: 0.87x / 0.90x / 0.99x.
+GREY_TUNING = dict(STREAM=True, num_warps=16, block_bytes=4096)
 
 
 def grey_planar(img: torch.Tensor, out: torch.Tensor) -> None:
@@ -120,8 +123,6 @@ def grey_planar(img: torch.Tensor, out: torch.Tensor) -> None:
         return
     out2 = out.view(batch, H * W)
     planes_contiguous = img3.stride(3) == 1 and img3.stride(2) == W
-    # 16 warps over 8192 uint8 pixels: 0.90x / 0.95x / 0.98x torch copy at 2048^2 / 4096^2 / 8192^2 on an
-    # H200, against 0.88x / 0.89x / 0.98x with 8 warps (scripts/tune_grey.py).
     block = GREY_TUNING["block_bytes"] // img.element_size()
     grid = (triton.cdiv(H * W, block), batch)
     span = max(abs(img3.stride(1)) * 2 + (H - 1) * abs(img3.stride(2)) + (W - 1) * abs(img3.stride(3)), H * W)
