@@ -133,14 +133,14 @@ def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, k
 
 
 def choose_kernel(p: GemmProblem) -> str:
-    """``auto``: the rung measured fastest for this class of problem (fp16, H200, see docs/ladder.md).
+    """``auto``: the rung measured fastest for this class of problem (H200, benchmarks/results/2026-11-21-h200).
 
     - Under the interpreter: ``grouped`` (autotuning has nothing to time there).
-    - M <= 128 with K at least twice N (few output tiles, a long K loop): ``split_k``; e.g. 1x4096x14336
-      took 42 us against 59 us for ``autotuned``.
-    - Other M <= 128: ``autotuned`` (its small-M configs), e.g. 128x28672x8192 at 1.66x cuBLAS.
+    - M <= 128 with K at least twice N (few output tiles, a long K loop): ``split_k``; at 1x4096x14336 it ran
+      1.04x cuBLAS where ``autotuned`` ran 0.73x.
+    - Other M <= 128: ``autotuned`` (its small-M configs); 1.72x cuBLAS at 128x28672x8192.
     - Larger problems on Hopper that TMA can describe, with at least one 128x128 tile per SM:
-      ``persistent_tma`` (0.99-1.02x cuBLAS at 8192^3 and 16384^3, where ``autotuned`` reached 0.95-0.96x).
+      ``persistent_tma`` (fp16 0.90x / 1.00x at 8192^3 / 16384^3, where ``autotuned`` ran 0.89x / 0.93x).
     - Otherwise ``autotuned``.
     """
     if interpreting():
