@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One build-check-time cycle on the GPU machine: bash scripts/gpu_cycle.sh STEP... (results under $OUT).
-# Steps: tests (pytest -m gpu), square / llm / skinny (fp16 sweeps), bf16 (square+llm bf16), learn (copy, grey).
+# Steps: tests (pytest -m gpu), guide-tests, square / llm / skinny (fp16), bf16 (square + llm), tf32 (square),
+# learn (copy, grey), profile (host time of one launch, scripts/launch_profile.py).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -16,7 +17,6 @@ for step in "$@"; do
     guide-tests) python3 -m pytest -m gpu -q -p no:cacheprovider -k "copy or grey or replay" 2>&1 | tail -n 3 ;;
     bf16) for s in square llm; do bench --sweep $s --dtype bf16 --json "$OUT/$s-bf16.json"; done ;;
     learn) bench --op copy --json "$OUT/copy.json"; bench --op grey --json "$OUT/grey.json" ;;
-    overhead) python3 scripts/host_overhead.py "$OUT/host-overhead.json" ;;
     profile) python3 scripts/launch_profile.py 2>&1 | tee "$OUT/launch-profile.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -3,29 +3,15 @@
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 import triton
 
 import tilegemm
+from tilegemm.bench.runner import host_us_per_call as per_call_us
 from tilegemm.ops.matmul import grouped
 from tilegemm.ops.matmul.configs import fixed_config
 from tilegemm.ops.matmul.problem import make_problems
-
-
-def per_call_us(fn, n=3000):
-    for _ in range(300):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    return best
 
 
 a = torch.randn(64, 64, device="cuda", dtype=torch.float16)

@@ -133,24 +133,27 @@ def _time_on_host(fn, rep_ms: float) -> tuple[float, float, float]:
     return statistics.median(times), q[1], q[7]
 
 
+def host_us_per_call(fn, calls: int = 1000, repeats: int = 5) -> float:
+    """Best-of-``repeats`` wall time per call of ``fn`` over ``calls`` back-to-back calls, in microseconds."""
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
 def host_overhead(op: BenchOp, device: str) -> dict | None:
     """Host time per call on a tiny problem (GPU work negligible): tilegemm's default call and the baseline's."""
     probe = op.overhead_probe(device)
     if probe is None:
         return None
-    result = {}
-    for name, fn in zip(("tilegemm", "baseline"), probe):
-        for _ in range(200):
-            fn()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(1000):
-                fn()
-            torch.cuda.synchronize()
-            best = min(best, (time.perf_counter() - start) * 1e3)  # ms per 1000 calls = us per call
-        result[name] = best
+    result = {name: host_us_per_call(fn) for name, fn in zip(("tilegemm", "baseline"), probe)}
     result["ratio"] = result["tilegemm"] / result["baseline"]
     return result
 

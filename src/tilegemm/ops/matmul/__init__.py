@@ -6,6 +6,14 @@ triton: a kernel module is imported when its kernel first runs.
 
 from tilegemm.registry import KernelSpec, register, register_pseudo
 
+
+def _tma_requirement() -> str | None:
+    # Imported when asked: the kernel module needs triton, and this package must not import it.
+    from tilegemm.ops.matmul.persistent_tma import requires
+
+    return requires()
+
+
 register(KernelSpec(
     op="matmul", name="naive", order=10, target="tilegemm.ops.matmul.naive:run",
     summary="textbook tile kernel: one program per output tile, row-major launch order, fixed blocks",
@@ -24,7 +32,7 @@ register(KernelSpec(
 ))
 register(KernelSpec(
     op="matmul", name="persistent_tma", order=50, target="tilegemm.ops.matmul.persistent_tma:run",
-    requires=lambda: __import__("tilegemm.ops.matmul.persistent_tma", fromlist=["requires"]).requires(),
+    requires=lambda: _tma_requirement(),
     summary="Hopper: one program per SM over tiles in grouped order, TMA tile loads/stores, split epilogue",
 ))
 register_pseudo("matmul", "auto", "picks the best rung for the problem (the default)")
