@@ -20,7 +20,7 @@ def test_bench_writes_json_csv_png(tmp_path, capsys):
                "--json", str(paths["json"]), "--csv", str(paths["csv"]), "--plot", str(paths["png"])])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "INTERPRETER" in out and "33x17x40" in out and "summary" in out
+    assert "INTERPRETER" in out and "33x17x40" in out and "summary" in out and "geomean" in out
 
     data = json.loads(paths["json"].read_text())
     assert data["schema"] == "tilegemm-bench/1"

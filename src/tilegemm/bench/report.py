@@ -32,47 +32,55 @@ def _title(result: BenchResult) -> str:
     return title
 
 
-def _cell(row) -> Text:
-    if row is None:
-        return Text("-", style="dim")
-    if row.status == "error":
-        return Text(f"error\n{row.message[:40]}", style="red")
-    value = f"{row.value:.4g}" if row.value is not None else "-"
-    if row.status == "wrong":
-        return Text(f"{value}\nWRONG err {row.rel_err:.1e}", style="bold red")
-    second = []
-    if row.kernel != BASELINE and row.ratio is not None:
-        second.append(f"{row.ratio:.2f}x")
-    if row.pct_peak is not None:
-        second.append(f"{row.pct_peak:.0f}% pk")
-    style = ""
-    if row.ratio is not None and row.kernel != BASELINE:
-        style = "green" if row.ratio >= 1.0 else ("yellow" if row.ratio >= 0.9 else "")
-    return Text(value + ("\n" + " ".join(second) if second else ""), style=style)
+def _fmt_time(ms: float | None) -> str:
+    if ms is None:
+        return "-"
+    if ms < 1:
+        return f"{ms * 1e3:.1f}us"
+    return f"{ms:.2f}ms" if ms < 1000 else f"{ms / 1e3:.1f}s"
 
 
 def results_table(result: BenchResult) -> Table:
-    kernels = result.kernels()
+    """One row per (shape, kernel), a section per shape; the fastest correct kernel of a shape is starred."""
     summary = result.summary()
-    table = Table(title=_title(result), show_lines=True)
-    table.add_column("shape", no_wrap=True)
-    for kernel in kernels:
-        table.add_column(result.meta["baseline"] if kernel == BASELINE else kernel, justify="right")
-    table.add_column("best", no_wrap=True)
-    by_key = {(r.shape, r.kernel): r for r in result.rows}
-    for shape in result.cases():
-        best = summary["best_per_shape"].get(shape, "-")
-        best_name = result.meta["baseline"] if best == BASELINE else best
-        table.add_row(shape, *[_cell(by_key.get((shape, k))) for k in kernels], best_name)
+    base_name = result.meta.get("baseline") or "baseline"
+    table = Table(title=_title(result))
+    with_peak = result.meta.get("peak") is not None
+    columns = ["shape", "kernel", "time", result.meta["metric"], "ratio"] + (["% peak"] if with_peak else []) + ["error"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("shape", "kernel") else "right", no_wrap=True)
+    shapes = result.cases()
+    for i, shape in enumerate(shapes):
+        rows = [r for r in result.rows if r.shape == shape]
+        best = summary["best_per_shape"].get(shape)
+        for j, row in enumerate(rows):
+            name = base_name if row.kernel == BASELINE else row.kernel
+            if row.kernel == best:
+                name += " *"
+            if row.status == "error":
+                cells = [Text(f"error: {row.message[:50]}", style="red")] + [""] * (len(columns) - 3)
+            else:
+                ratio = "" if row.kernel == BASELINE or row.ratio is None else f"{row.ratio:.2f}x"
+                if ratio and row.status == "ok":
+                    ratio = Text(ratio, style="green" if row.ratio >= 1.0 else ("yellow" if row.ratio >= 0.9 else ""))
+                err = "-" if row.rel_err is None else f"{row.rel_err:.0e}"
+                if row.status == "wrong":
+                    err = Text(f"WRONG {err}", style="bold red")
+                cells = [_fmt_time(row.ms), f"{row.value:.3g}" if row.value is not None else "-", ratio]
+                if with_peak:
+                    cells.append(f"{row.pct_peak:.0f}%" if row.pct_peak is not None else "-")
+                cells.append(err)
+            table.add_row(shape if j == 0 else "", name, *cells, end_section=j == len(rows) - 1 and i < len(shapes) - 1)
+    table.caption = "* fastest correct kernel for the shape"
     return table
 
 
 def summary_table(result: BenchResult) -> Table:
     summary = result.summary()
     base = result.meta.get("baseline") or "baseline"
-    table = Table(title=f"summary: each kernel against {base} (ratio = {base} time / kernel time)")
-    for column in ("kernel", "geomean ratio", "worst ratio (shape)", "best ratio", "mean % peak", "correct"):
-        table.add_column(column, justify="left" if column == "kernel" else "right")
+    table = Table(title=f"summary: ratio = {base} time / kernel time")
+    for column in ("kernel", "geomean", "worst (shape)", "best", "% peak", "correct"):
+        table.add_column(column, justify="left" if column == "kernel" else "right", no_wrap=True)
     for kernel, s in summary["kernels"].items():
         fmt = lambda v, spec=".2f", suffix="x": f"{v:{spec}}{suffix}" if v is not None else "-"  # noqa: E731
         correct = f"{s['correct']}/{s['cases']}"
