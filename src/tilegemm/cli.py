@@ -1,4 +1,4 @@
-"""The ``tilegemm`` command: ``bench``, ``info``, ``puzzles``."""
+"""The ``tilegemm`` command: ``bench``, ``info``, ``tune``, ``puzzles``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ examples:
   tilegemm bench --sweep llm --dtype bf16 --plot llm.png
   tilegemm bench --shape 4096,4096,4096 --shape 16,28672,8192 --kernels grouped,autotuned
   tilegemm bench --layout TN --batch 8 --sweep square
+  tilegemm tune --sweep llm --dtype bf16          tune ahead of time; configs saved per GPU
   tilegemm info
 """
 
@@ -63,6 +64,20 @@ def _add_info(sub) -> None:
     sub.add_parser("info", help="device, peak rates, versions, backend, caches and registered kernels")
 
 
+def _add_tune(sub) -> None:
+    p = sub.add_parser(
+        "tune", help="tune matmul ahead of time for a sweep of shapes and save the configs",
+        description="Run each shape once through the tuned rungs so that their configs are timed and saved to "
+                    "the tuning cache (see `tilegemm info`); later calls and processes then tune nothing.",
+    )
+    p.add_argument("--dtype", default="fp16", help="fp16 (default), bf16, fp32, tf32")
+    p.add_argument("--sweep", help="a matmul sweep: square, llm (default), skinny, tiny")
+    p.add_argument("--shape", action="append", default=[], metavar="M,N,K", help="a shape (repeatable)")
+    p.add_argument("--rungs", default="auto",
+                   help="'auto' (default: the rung auto picks per shape), or comma-separated tuned rungs "
+                        "(autotuned, persistent_tma)")
+
+
 def _add_puzzles(sub) -> None:
     p = sub.add_parser("puzzles", help="run the puzzle kernels under the interpreter against their specs")
     p.add_argument("--trials", type=int, default=3, help="random sizes per puzzle (default 3)")
@@ -73,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_bench(sub)
     _add_info(sub)
+    _add_tune(sub)
     _add_puzzles(sub)
     return parser
 
@@ -181,7 +197,8 @@ def cmd_info(args, console) -> int:
         ("torch / triton / numpy", f"{info.torch} / {info.triton} / {info.numpy}"),
         ("python / tilegemm", f"{info.python} / {info.tilegemm}"),
         ("git commit", info.git_commit or "-"),
-        ("triton cache (compiled kernels, autotune results)", _triton_cache_dir()),
+        ("triton cache (compiled kernels)", _triton_cache_dir()),
+        ("tuned configs (tilegemm tune)", _tuning_text()),
     ]
     for what, value in rows:
         table.add_row(what, value)
@@ -207,6 +224,14 @@ def _peaks_text(peaks: dict) -> str:
     return ", ".join(parts) + f"; memory {peaks['tbps']:g} TB/s"
 
 
+def _tuning_text() -> str:
+    from tilegemm import tuning
+
+    where = str(tuning.cache_file()) if tuning._disk_enabled() else "memory only"
+    shipped = tuning.shipped_file()
+    return f"{where}; shipped defaults: {shipped.name if shipped.exists() else 'none for this GPU'}"
+
+
 def _triton_cache_dir() -> str:
     try:
         from triton import knobs
@@ -216,6 +241,50 @@ def _triton_cache_dir() -> str:
         import os
 
         return os.environ.get("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache"))
+
+
+def cmd_tune(args, console) -> int:
+    import torch
+    from rich.table import Table
+
+    from tilegemm import matmul, tuning
+    from tilegemm.bench.ops import BenchError, bench_op
+    from tilegemm.runtime import interpreting
+
+    op = bench_op("matmul")
+    try:
+        op.check_dtype(args.dtype, None)
+        if args.shape and args.sweep:
+            raise UsageError("give either --sweep or --shape, not both")
+        cases = [op.parse_shape(t) for t in args.shape] if args.shape else op.cases(args.sweep or "llm")
+    except BenchError as err:
+        raise UsageError(str(err)) from None
+    rungs = [r.strip() for r in args.rungs.split(",") if r.strip()]
+    for rung in rungs:
+        if rung not in ("auto", "autotuned", "persistent_tma"):
+            raise UsageError(f"--rungs takes auto, autotuned or persistent_tma, not {rung!r}")
+    device = "cpu" if interpreting() else "cuda"
+    dtype = op.dtypes[args.dtype]
+    precision = "tf32" if args.dtype == "tf32" else "ieee"
+    before = set(tuning.entries())
+    for case in cases:
+        a = torch.randn(case.dims["M"], case.dims["K"], device=device, dtype=dtype)
+        b = torch.randn(case.dims["K"], case.dims["N"], device=device, dtype=dtype)
+        for rung in rungs:
+            matmul(a, b, kernel=rung, precision=precision)
+        del a, b
+    added = {k: v for k, v in tuning.entries().items() if k not in before}
+    table = Table(title=f"tuned {len(added)} new shape class(es)")
+    table.add_column("key", no_wrap=True)
+    table.add_column("config")
+    for k, v in added.items():
+        table.add_row(k, ", ".join(f"{n}={x}" for n, x in v.items()))
+    console.print(table)
+    if interpreting():
+        console.print("[yellow]Under the interpreter there is one config per rung: nothing was timed.[/]")
+    where = tuning.cache_file() if tuning._disk_enabled() else "memory only (disk cache off)"
+    console.print(f"tuning cache: {where}")
+    return 0
 
 
 def cmd_puzzles(args, console) -> int:
@@ -261,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_info(args, console)
         if args.command == "puzzles":
             return cmd_puzzles(args, console)
+        if args.command == "tune":
+            return cmd_tune(args, console)
         raise UsageError(f"unknown command {args.command!r}")
     except UsageError as err:
         print(f"tilegemm: error: {err}", file=sys.stderr)

@@ -1,11 +1,13 @@
 """Rung 3, ``autotuned``: the grouped kernel with its block sizes, warps and stages chosen by timing.
 
-On the first call for a new (M, N, K, dtype), Triton's autotuner times every candidate in
-:func:`tilegemm.ops.matmul.configs.autotune_configs` that suits the dtype and keeps the fastest.
+On the first call for a new shape class (M bucketed to a power of two, N, K, dtypes), Triton's autotuner times
+every candidate in :func:`tilegemm.ops.matmul.configs.autotune_configs` that suits the dtype; the fastest is
+kept by :mod:`tilegemm.tuning` (memory, then disk), so later calls and later processes do not tune again.
 """
 
 import triton
 
+from tilegemm import tuning
 from tilegemm.launch import launch
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.grouped import grid, matmul_grouped_kernel
@@ -28,24 +30,15 @@ matmul_autotuned_kernel = triton.autotune(
 )(matmul_grouped_kernel)
 
 
-# (M, N, K, input dtype, output dtype) -> the config the autotuner chose. Later calls launch the kernel
-# with it directly: Triton's Autotuner rebuilds its key from every argument on each call.
-_chosen: dict[tuple, dict] = {}
-
-
 def run(p: GemmProblem, config: dict | None = None) -> None:
+    k = None
     if config is None:
-        config = _chosen.get((p.M, p.N, p.K, p.dtype, p.out.dtype))
+        # A config tuned earlier for this shape class (M bucketed), in memory, on disk or shipped.
+        k = tuning.key("autotuned", p.M, p.N, p.K, p.dtype, p.out.dtype)
+        config = tuning.lookup(k)
     if config is not None:
         launch(matmul_grouped_kernel, grid(p), p.kernel_args(), {**p.kernel_flags(), **config})
         return
     matmul_autotuned_kernel[grid(p)](*p.kernel_args(), **p.kernel_flags())
     best = matmul_autotuned_kernel.best_config
-    _chosen[(p.M, p.N, p.K, p.dtype, p.out.dtype)] = {
-        **best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages,
-    }
-
-
-def chosen_configs() -> dict[tuple, dict]:
-    """What the autotuner picked so far, by (M, N, K, dtype, out dtype)."""
-    return dict(_chosen)
+    tuning.record(k, {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages})

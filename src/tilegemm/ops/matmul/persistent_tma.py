@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from tilegemm import tuning
 from tilegemm.hardware import compute_capability
 from tilegemm.jit_helpers import apply_activation, mask_2d, offsets_2d, tile_grouped
 from tilegemm.launch import launch
@@ -156,7 +157,6 @@ def requires() -> str | None:
 
 _allocator_set = False
 _sm_count: dict = {}
-_chosen: dict[tuple, dict] = {}
 
 
 def _ensure_allocator() -> None:
@@ -212,8 +212,9 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
         return
     _ensure_allocator()
     if config is None:
-        key = (p.M, p.N, p.K, p.dtype, p.out.dtype, p.a_strides[2] != 1, p.b_strides[2] != 1)
-        config = _chosen.get(key)
+        layout = f"{'T' if p.a_strides[2] != 1 else 'N'}{'T' if p.b_strides[2] != 1 else 'N'}"
+        k = tuning.key("persistent_tma", p.M, p.N, p.K, p.dtype, p.out.dtype, layout)
+        config = tuning.lookup(k)
         if config is None:
             candidates = configs(p.a.element_size())
             if len(candidates) > 1:
@@ -221,9 +222,5 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
                 config = candidates[min(range(len(candidates)), key=timings.__getitem__)]
             else:
                 config = candidates[0]
-            _chosen[key] = config
+            tuning.record(k, config)
     _launch(p, config)
-
-
-def chosen_configs() -> dict:
-    return dict(_chosen)

@@ -1,0 +1,151 @@
+"""Tuned configs that persist: per GPU and Triton version, on disk, with defaults shipped in the package.
+
+A tuned rung (``autotuned``, ``persistent_tma``) asks :func:`lookup` before timing anything and calls
+:func:`record` after. Keys bucket M to the next power of two (1, 2, 4, ..., 8192, then exact), so a new batch
+size reuses the config of its bucket instead of re-tuning; N, K and the dtypes are exact.
+
+Where configs come from, first hit wins:
+1. this process's memory;
+2. the user's cache file, ``$TILEGEMM_CACHE_DIR`` or ``~/.cache/tilegemm``, one file per GPU and Triton version;
+3. the package's ``tilegemm/tuned/<gpu>.json`` (shipped defaults, so a first call on a known shape class on a
+   known GPU tunes nothing).
+
+Writes are atomic (a temporary file renamed over the old one); a damaged file is ignored with a warning and
+rewritten on the next save. ``TILEGEMM_TUNING_CACHE=0`` turns the disk off (memory only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+SCHEMA = "tilegemm-tuned/1"
+_lock = threading.Lock()
+_memory: dict[str, dict] = {}
+_loaded_for: str | None = None
+
+
+def m_bucket(m: int) -> int:
+    """The power of two at or above M, up to 8192; above that M itself."""
+    if m > 8192:
+        return m
+    bucket = 1
+    while bucket < m:
+        bucket *= 2
+    return bucket
+
+
+def key(rung: str, M: int, N: int, K: int, dtype, out_dtype, layout: str = "") -> str:
+    name = lambda d: str(d).replace("torch.", "")  # noqa: E731
+    return f"{rung}|M{m_bucket(M)}|N{N}|K{K}|{name(dtype)}|{name(out_dtype)}|{layout}"
+
+
+def _device_tag() -> tuple[str, str]:
+    """(gpu slug, triton version) of the current device."""
+    import torch
+    import triton
+
+    from tilegemm.runtime import interpreting
+
+    gpu = "interpreter" if interpreting() else torch.cuda.get_device_name()
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    return slug, triton.__version__
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TILEGEMM_CACHE_DIR") or Path.home() / ".cache" / "tilegemm")
+
+
+def cache_file() -> Path:
+    slug, triton_version = _device_tag()
+    return cache_dir() / f"tuned-{slug}-triton{triton_version}.json"
+
+
+def shipped_file() -> Path:
+    slug, _ = _device_tag()
+    return Path(__file__).resolve().parent / "tuned" / f"{slug}.json"
+
+
+def _disk_enabled() -> bool:
+    from tilegemm.runtime import interpreting
+
+    if os.environ.get("TILEGEMM_TUNING_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    # Under the interpreter there is nothing worth keeping, unless a cache folder was asked for explicitly.
+    return not interpreting() or bool(os.environ.get("TILEGEMM_CACHE_DIR"))
+
+
+def _read(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        if data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
+            raise ValueError(f"schema {data.get('schema')!r}")
+        return {k: dict(v) for k, v in data["entries"].items()}
+    except (OSError, ValueError, TypeError, AttributeError) as err:
+        warnings.warn(f"tilegemm: ignoring damaged tuning file {path} ({err}); it will be rebuilt", stacklevel=3)
+        return {}
+
+
+def _load() -> None:
+    global _loaded_for
+    tag = "|".join(_device_tag())
+    if _loaded_for == tag:
+        return
+    with _lock:
+        if _loaded_for == tag:
+            return
+        _memory.clear()
+        _memory.update(_read(shipped_file()))
+        if _disk_enabled():
+            _memory.update(_read(cache_file()))
+        _loaded_for = tag
+
+
+def lookup(k: str) -> dict | None:
+    _load()
+    config = _memory.get(k)
+    return dict(config) if config is not None else None
+
+
+def record(k: str, config: dict) -> None:
+    """Remember a tuned config, and save the cache file (atomically) unless the disk is off."""
+    _load()
+    with _lock:
+        _memory[k] = dict(config)
+        if _disk_enabled():
+            save(cache_file())
+
+
+def save(path: Path) -> None:
+    """Write every known entry to ``path``: a temporary file in the same folder, renamed over it."""
+    slug, triton_version = _device_tag()
+    data = {"schema": SCHEMA, "gpu": slug, "triton": triton_version, "entries": dict(sorted(_memory.items()))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def entries() -> dict[str, dict]:
+    _load()
+    return dict(_memory)
+
+
+def forget() -> None:
+    """Drop what this process holds (the files stay); the next lookup reads them again."""
+    global _loaded_for
+    with _lock:
+        _memory.clear()
+        _loaded_for = None

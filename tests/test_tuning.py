@@ -1,0 +1,96 @@
+"""Tuned configs persist per GPU and Triton version: buckets, atomic files, damaged files, shipped defaults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm import tuning
+from tilegemm.cli import main
+from tilegemm.ops.matmul import autotuned
+from tilegemm.ops.matmul.reference import matmul_reference, tolerance
+
+from conftest import assert_rel_close
+
+CFG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=4, num_warps=4, num_stages=1)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tuning, "shipped_file", lambda: tmp_path / "shipped.json")
+    tuning.forget()
+    yield tmp_path
+    tuning.forget()
+
+
+def test_m_buckets():
+    assert [tuning.m_bucket(m) for m in (1, 2, 3, 5, 16, 17, 100, 4096, 8192, 8193)] == \
+        [1, 2, 4, 8, 16, 32, 128, 4096, 8192, 8193]
+    assert tuning.key("autotuned", 3, 7, 9, torch.float16, torch.float32) == "autotuned|M4|N7|K9|float16|float32|"
+
+
+def test_record_writes_atomically_and_survives_the_process(cache):
+    k = tuning.key("autotuned", 20, 30, 40, torch.float16, torch.float16)
+    tuning.record(k, CFG)
+    files = list((cache / "cache").iterdir())
+    assert [f.suffix for f in files] == [".json"], "no temporary file may be left behind"
+    data = json.loads(files[0].read_text())
+    assert data["schema"] == tuning.SCHEMA and data["entries"][k] == CFG
+    tuning.forget()
+    assert tuning.lookup(k) == CFG  # read back from disk
+    assert tuning.lookup(tuning.key("autotuned", 31, 30, 40, torch.float16, torch.float16)) == CFG  # same bucket
+    assert tuning.lookup(tuning.key("autotuned", 33, 30, 40, torch.float16, torch.float16)) is None
+
+
+@pytest.mark.parametrize("damage", ["{ not json", '{"schema": "other/9", "entries": {}}', '["a list"]', ""])
+def test_damaged_file_is_ignored_with_a_warning_and_rebuilt(cache, damage):
+    path = tuning.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(damage)
+    with pytest.warns(UserWarning, match="ignoring damaged tuning file"):
+        assert tuning.lookup("autotuned|M1|N1|K1|float16|float16|") is None
+    tuning.record("autotuned|M1|N1|K1|float16|float16|", CFG)
+    assert json.loads(path.read_text())["entries"]["autotuned|M1|N1|K1|float16|float16|"] == CFG
+
+
+def test_shipped_defaults_are_used_and_user_entries_win(cache):
+    k = tuning.key("persistent_tma", 8192, 8192, 8192, torch.float16, torch.float16, "NN")
+    shipped = dict(CFG, BLOCK_M=128)
+    (cache / "shipped.json").write_text(json.dumps({"schema": tuning.SCHEMA, "entries": {k: shipped}}))
+    assert tuning.lookup(k) == shipped
+    tuning.record(k, CFG)
+    tuning.forget()
+    assert tuning.lookup(k) == CFG
+
+
+def test_disk_can_be_turned_off(cache, monkeypatch):
+    monkeypatch.setenv("TILEGEMM_TUNING_CACHE", "0")
+    tuning.record("autotuned|M1|N2|K3|float16|float16|", CFG)
+    assert not (cache / "cache").exists()
+    assert tuning.lookup("autotuned|M1|N2|K3|float16|float16|") == CFG  # memory still works
+
+
+def test_autotuned_launches_the_stored_config(cache, monkeypatch, device):
+    a = torch.randn(20, 48, dtype=torch.float16, device=device)
+    b = torch.randn(48, 40, dtype=torch.float16, device=device)
+    tuning.record(tuning.key("autotuned", 20, 40, 48, torch.float16, torch.float16), CFG)
+    used = []
+    real_launch = autotuned.launch
+    monkeypatch.setattr(autotuned, "launch", lambda k, g, args, kw: used.append(kw) or real_launch(k, g, args, kw))
+    out = tilegemm.matmul(a, b, kernel="autotuned")
+    assert used and all(used[0][name] == value for name, value in CFG.items())
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
+
+
+def test_tune_command(cache, capsys):
+    assert main(["tune", "--shape", "24,40,56", "--rungs", "autotuned,persistent_tma"]) == 0
+    out = capsys.readouterr().out
+    assert "autotuned|M32|N40|K56" in out and "persistent_tma|M32|N40|K56" in out
+    saved = json.loads(tuning.cache_file().read_text())["entries"]
+    assert "autotuned|M32|N40|K56|float16|float16|" in saved
+    assert main(["tune", "--rungs", "naive"]) == 2
+    assert "--rungs takes auto, autotuned or persistent_tma" in capsys.readouterr().err
