@@ -5,6 +5,8 @@
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
+# The device's copy of the tree has no .git: pass the commit so every JSON records it.
+[ -n "${TILEGEMM_GIT_COMMIT:-}" ] || echo "WARNING: TILEGEMM_GIT_COMMIT is not set; results will not name their commit"
 bench() { python3 -m tilegemm.cli bench --quiet --no-save "$@"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
