@@ -71,7 +71,7 @@ def test_c_broadcasts(c_shape, device):
     assert_rel_close(out, matmul_reference(a, b, c=c, beta=0.75), 1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["naive", "grouped", "autotuned"])
+@pytest.mark.parametrize("kernel", RUNGS)
 @pytest.mark.parametrize(
     "a_shape,b_shape",
     [
