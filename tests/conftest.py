@@ -27,7 +27,7 @@ def seeded():
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    from tilegemm.ops.matmul.reference import relative_error
+    from tilegemm.checks import relative_error
 
     return relative_error(out, ref)
 

@@ -128,6 +128,22 @@ def machine_info() -> MachineInfo:
     return info
 
 
+_sm_counts: dict = {}
+
+
+def sm_count(device) -> int:
+    """Multiprocessors of a CUDA device (cached); 4 under the interpreter, so grids stay small there."""
+    if interpreting() or getattr(device, "type", "cuda") != "cuda":
+        return 4
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _sm_counts.get(index)
+    if n is None:
+        n = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
 def compute_capability() -> tuple[int, int] | None:
     """(major, minor) of the current GPU, or None under the interpreter or without one."""
     if interpreting():

@@ -44,12 +44,18 @@ def _env_flag(name: str) -> bool | None:
     raise ValueError(f"{name}={value!r}: expected 1 or 0")
 
 
-def _decide() -> bool:
+def _forced() -> bool | None:
+    """The backend the environment asks for: TILEGEMM_INTERPRET=1/0, else TRITON_INTERPRET=1; or None."""
     forced = _env_flag("TILEGEMM_INTERPRET")
+    if forced is None and _env_flag("TRITON_INTERPRET"):
+        forced = True
+    return forced
+
+
+def _decide() -> bool:
+    forced = _forced()
     if forced is not None:
         return forced
-    if _env_flag("TRITON_INTERPRET"):
-        return True
     import torch
 
     # is_available() asks the driver for a device count; it does not create a CUDA context.
@@ -67,9 +73,7 @@ def preselect() -> None:
     global _interpret
     if _interpret is not None:
         return
-    forced = _env_flag("TILEGEMM_INTERPRET")
-    if forced is None and _env_flag("TRITON_INTERPRET"):
-        forced = True
+    forced = _forced()
     if forced is None:
         import torch
 
@@ -127,6 +131,15 @@ def ensure_backend() -> bool:
 def interpreting() -> bool:
     """True when kernels run under Triton's interpreter (settles the backend if needed)."""
     return ensure_backend()
+
+
+def check_device(name: str, device) -> None:
+    """Raise ValueError when a tensor is not on a CUDA device while kernels are compiled for the GPU."""
+    if not interpreting() and device.type != "cuda":
+        raise ValueError(
+            f"{name} is on {device}, but a CUDA GPU is in use: move the tensors to the GPU "
+            "(or set TILEGEMM_INTERPRET=1 to run Triton's interpreter on the CPU)"
+        )
 
 
 def backend_name() -> str:

@@ -19,10 +19,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import threading
 import warnings
 from pathlib import Path
+
+from tilegemm.files import atomic_write
 
 SCHEMA = "tilegemm-tuned/1"
 _lock = threading.Lock()
@@ -127,15 +128,7 @@ def save(path: Path) -> None:
     """Write every known entry to ``path``: a temporary file in the same folder, renamed over it."""
     slug, triton_version = _device_tag()
     data = {"schema": SCHEMA, "gpu": slug, "triton": triton_version, "entries": dict(sorted(_memory.items()))}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: json.dump(data, f, indent=1))
 
 
 def entries() -> dict[str, dict]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -13,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tilegemm.bench.runner import BASELINE, BenchResult
+from tilegemm.files import atomic_write
 
 CSV_FIELDS = ["op", "kernel", "shape", "dtype", "layout", "batch", "status", "rel_err", "tolerance", "ms", "ms_p20",
               "ms_p80", "metric", "value", "ratio", "pct_peak", "message"]
@@ -106,21 +105,8 @@ def print_report(result: BenchResult, console: Console) -> None:
                       "GPU performance. Correctness checks are real.[/]")
 
 
-def _atomic_write(path: str | os.PathLike, write) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_json(result: BenchResult, path) -> None:
-    _atomic_write(path, lambda f: json.dump(result.to_dict(), f, indent=1, default=str))
+    atomic_write(path, lambda f: json.dump(result.to_dict(), f, indent=1, default=str))
 
 
 def write_csv(result: BenchResult, path) -> None:
@@ -137,7 +123,7 @@ def write_csv(result: BenchResult, path) -> None:
         for row in result.rows:
             writer.writerow({k: getattr(row, k) for k in CSV_FIELDS})
 
-    _atomic_write(path, write)
+    atomic_write(path, write)
 
 
 def write_plot(result: BenchResult, path, topk: int = 4) -> None:

@@ -267,6 +267,6 @@ def _measure(op, case, dtype, kernel, prepared, tol, options, warmup_ms, rep_ms,
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    from tilegemm.ops.matmul.reference import relative_error
+    from tilegemm.checks import relative_error
 
     return relative_error(out, ref)

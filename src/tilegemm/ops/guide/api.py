@@ -6,7 +6,7 @@ import torch
 
 from tilegemm import registry
 from tilegemm.launch import ReplayCache, recording
-from tilegemm.runtime import interpreting, new_output
+from tilegemm.runtime import check_device, interpreting, new_output
 
 GREY_WEIGHTS = (0.2989, 0.5870, 0.1140)
 MAX_DIMS = 6
@@ -43,12 +43,6 @@ def _run(op: str, name: str, key, x: torch.Tensor, out: torch.Tensor) -> None:
     _replays.store(key, rec.launches, (x, out), shape=out.shape)
 
 
-def _check_device(t: torch.Tensor, name: str) -> None:
-    if not interpreting() and t.device.type != "cuda":
-        raise ValueError(f"{name} is on {t.device}, but a CUDA GPU is in use: move it to the GPU "
-                         "(or set TILEGEMM_INTERPRET=1 to run Triton's interpreter on the CPU)")
-
-
 def copy(x: torch.Tensor) -> torch.Tensor:
     """A new contiguous tensor equal to ``x`` (any shape up to 6 dims, any strides, any real dtype)."""
     key = _replay_key("copy", x)
@@ -61,7 +55,7 @@ def copy(x: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"copy does not support complex dtype {x.dtype}")
     if x.dim() > MAX_DIMS:
         raise ValueError(f"copy supports up to {MAX_DIMS} dims, got {x.dim()}")
-    _check_device(x, "x")
+    check_device("x", x.device)
     out = new_output(x.shape, x.dtype, x.device)
     if x.numel():
         _run("copy", "flat", key, x, out)
@@ -84,7 +78,7 @@ def rgb_to_grey(img: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"rgb_to_grey takes uint8, float16, bfloat16 or float32 images, got {img.dtype}")
     if img.dim() < 3 or img.shape[-3] != 3:
         raise ValueError(f"rgb_to_grey needs an image of shape [..., 3, H, W], got {list(img.shape)}")
-    _check_device(img, "img")
+    check_device("img", img.device)
     out = new_output((*img.shape[:-3], *img.shape[-2:]), img.dtype, img.device)
     if out.numel():
         _run("grey", "planar", key, img, out)

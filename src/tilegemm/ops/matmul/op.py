@@ -10,7 +10,7 @@ import torch
 from tilegemm import registry
 from tilegemm.launch import ReplayCache, recording
 from tilegemm.ops.matmul.problem import GemmProblem, make_problems
-from tilegemm.runtime import interpreting, new_output
+from tilegemm.runtime import check_device, interpreting, new_output
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "leaky_relu")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,11 +39,7 @@ def _check_devices(named: dict[str, torch.Tensor]) -> None:
     for name, device in devices.items():
         if device != first:
             raise ValueError(f"tensors are on different devices: {first_name} on {first}, {name} on {device}")
-    if not interpreting() and first.type != "cuda":
-        raise ValueError(
-            f"{first_name} is on {first}, but a CUDA GPU is in use: move the tensors to the GPU "
-            "(or set TILEGEMM_INTERPRET=1 to run Triton's interpreter on the CPU)"
-        )
+    check_device(first_name, first)
 
 
 def resolve_precision(precision: str | None, dtype: torch.dtype) -> str:
@@ -56,9 +52,13 @@ def resolve_precision(precision: str | None, dtype: torch.dtype) -> str:
         if dtype != torch.float32:
             return "ieee"
         precision = torch.get_float32_matmul_precision()
+    _check_precision(precision)
+    return _PRECISIONS[precision.lower()] if dtype == torch.float32 else "ieee"
+
+
+def _check_precision(precision) -> None:
     if not isinstance(precision, str) or precision.lower() not in _PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(_PRECISIONS)}")
-    return _PRECISIONS[precision.lower()] if dtype == torch.float32 else "ieee"
 
 
 def broadcast(x, y) -> tuple[int, ...] | None:
@@ -118,8 +118,8 @@ def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, k
         raise ValueError(f"unknown activation {activation!r}; choose one of: {', '.join(ACTIVATIONS)}")
     if out_dtype is not None and out_dtype not in DTYPES:
         raise TypeError(f"out_dtype {out_dtype} is not supported; choose one of: float16, bfloat16, float32")
-    if precision is not None and (not isinstance(precision, str) or precision.lower() not in _PRECISIONS):
-        raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(_PRECISIONS)}")
+    if precision is not None:
+        _check_precision(precision)
     if kernel != "auto":
         spec = registry.get("matmul", kernel)
         reason = spec.unavailable_reason()
@@ -148,12 +148,13 @@ def choose_kernel(p: GemmProblem) -> str:
     if p.M <= 128:
         return "split_k" if p.K >= 2 * p.N else "autotuned"
     if _has_tma():
-        from tilegemm.ops.matmul.persistent_tma import _num_sms, describable
+        from tilegemm.hardware import sm_count
+        from tilegemm.ops.matmul.persistent_tma import describable
 
         # With fewer 128x128 tiles than SMs a persistent grid has nothing to balance: at 1024^3 it ran
         # 0.66x cuBLAS where autotuned's smaller tiles reached 0.87x.
         tiles = -(-p.M // 128) * -(-p.N // 128)
-        if tiles >= _num_sms(p.out.device) and describable(p) is None:
+        if tiles >= sm_count(p.out.device) and describable(p) is None:
             return "persistent_tma"
     return "autotuned"
 

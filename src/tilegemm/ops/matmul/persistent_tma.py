@@ -19,7 +19,7 @@ import torch
 import triton
 
 from tilegemm import tuning
-from tilegemm.hardware import compute_capability
+from tilegemm.hardware import compute_capability, sm_count
 from tilegemm.jit_helpers import apply_activation, mask_2d, offsets_2d, tile_grouped
 from tilegemm.launch import launch
 from tilegemm.ops.matmul.problem import GemmProblem
@@ -156,7 +156,6 @@ def requires() -> str | None:
 
 
 _allocator_set = False
-_sm_count: dict = {}
 
 
 def _ensure_allocator() -> None:
@@ -167,20 +166,11 @@ def _ensure_allocator() -> None:
         _allocator_set = True
 
 
-def _num_sms(device) -> int:
-    if interpreting():
-        return 4
-    n = _sm_count.get(device.index)
-    if n is None:
-        n = _sm_count[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
-
-
 def _launch(p: GemmProblem, cfg: dict) -> None:
     _, sam, sak = p.a_strides
     _, sbk, sbn = p.b_strides
     a_t, b_t = sak != 1, sbn != 1
-    num_sms = _num_sms(p.out.device)
+    num_sms = sm_count(p.out.device)
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
     grid = (min(num_sms, tiles),)
     flags = p.kernel_flags()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tilegemm.checks import relative_error  # noqa: F401  (re-exported: tests and docs import it here)
 from tilegemm.ops.matmul.op import _torch_activation
 
 
@@ -25,19 +26,6 @@ def matmul_reference(
     if bias is not None:
         out = out + bias.to(dtype)
     return _torch_activation(out, activation or "none")
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||out - ref|| / ||ref||`` in float64; NaN or inf anywhere in ``out`` gives inf."""
-    out64 = out.to(torch.float64)
-    if not torch.isfinite(out64).all():
-        return float("inf")
-    ref64 = ref.to(torch.float64)
-    denom = torch.linalg.vector_norm(ref64).item()
-    diff = torch.linalg.vector_norm(out64 - ref64).item()
-    if denom == 0.0:
-        return diff
-    return diff / denom
 
 
 def tolerance(dtype: torch.dtype, precision: str = "ieee", out_dtype: torch.dtype | None = None) -> float:

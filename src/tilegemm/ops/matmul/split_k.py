@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from tilegemm.hardware import sm_count
 from tilegemm.jit_helpers import epilogue_store, offsets_2d, tile_grouped
 from tilegemm.launch import not_replayable
 from tilegemm.ops.matmul.mainloop import tile_rows_cols
@@ -117,18 +118,6 @@ def _workspace(device: torch.device, floats: int, counters: int) -> tuple[torch.
     return ws, count
 
 
-_sm_counts: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    n = _sm_counts.get(device.index)
-    if n is None:
-        n = _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
-
-
 def pick_config(p: GemmProblem) -> dict:
     """Blocks by M, and enough K slices for about two waves of programs on the GPU."""
     if interpreting():
@@ -140,7 +129,7 @@ def pick_config(p: GemmProblem) -> dict:
     tiles = triton.cdiv(p.M, block_m) * triton.cdiv(p.N, block_n) * p.batch
     k_steps = triton.cdiv(p.K, block_k)
     split = 1
-    while split < 16 and tiles * split * 2 <= 2 * _sm_count(p.out.device) and (split * 2) * 2 <= k_steps:
+    while split < 16 and tiles * split * 2 <= 2 * sm_count(p.out.device) and (split * 2) * 2 <= k_steps:
         split *= 2
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=split,
                 num_warps=4, num_stages=4 if not fp32 else 3)
