@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One build-check-time cycle on the GPU machine: bash scripts/gpu_cycle.sh STEP... (results under $OUT).
 # Steps: tests (pytest -m gpu), guide-tests, square / llm / skinny (fp16), bf16 (square + llm), tf32 (square),
-# learn (copy, grey), profile (host time of one launch, scripts/launch_profile.py).
+# learn (copy, grey), profile (host time of one launch, scripts/launch_profile.py), fp8 (square, e4m3 and e5m2
+# against torch._scaled_mm), fp8-tests (tests/test_fp8_tf32.py on the GPU: real tf32 and fp8).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -16,6 +17,8 @@ for step in "$@"; do
     tests) python3 -m pytest -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 25 ;;
     square|llm|skinny) bench --sweep "$step" --dtype fp16 --json "$OUT/$step-fp16.json" ;;
     tf32) bench --sweep square --dtype tf32 --json "$OUT/square-tf32.json" ;;
+    fp8) for d in fp8_e4m3 fp8_e5m2; do bench --sweep square --dtype $d --json "$OUT/square-$d.json"; done ;;
+    fp8-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_fp8_tf32.py 2>&1 | tail -n 15 ;;
     guide-tests) python3 -m pytest -m gpu -q -p no:cacheprovider -k "copy or grey or replay" 2>&1 | tail -n 3 ;;
     bf16) for s in square llm; do bench --sweep $s --dtype bf16 --json "$OUT/$s-bf16.json"; done ;;
     learn) bench --op copy --json "$OUT/copy.json"; bench --op grey --json "$OUT/grey.json" ;;

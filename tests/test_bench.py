@@ -108,12 +108,21 @@ def test_a_wrong_kernel_is_flagged_and_not_ranked(broken_kernel, capsys):
     assert "WRONG" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32", "tf32"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32", "tf32", "fp8_e4m3", "fp8_e5m2"])
 def test_every_dtype_checks_out(dtype):
     op = bench_op("matmul")
     result = run_bench(op, [op.parse_shape("24,40,56")], dtype, ["naive"], rep_ms=1, options=dict(layout="TN"))
     assert [r.status for r in result.rows] == ["ok", "ok"]
     assert result.rows[1].dims == {"M": 24, "N": 40, "K": 56}
+
+
+def test_fp8_defaults_to_the_nt_layout_of_scaled_mm(capsys):
+    op = bench_op("matmul")
+    result = run_bench(op, [op.parse_shape("32,48,64")], "fp8_e4m3", ["grouped", "split_k"], rep_ms=1)
+    assert [r.status for r in result.rows] == ["ok", "ok", "ok"]
+    assert all(r.layout == "NT" for r in result.rows)
+    assert main(["bench", "--dtype", "fp8_e5m2", "--shape", "16,16,32", "--kernels", "naive", "--quiet",
+                 "--no-save"]) == 0
 
 
 def test_batched_layout_rows_count_the_batch():

@@ -77,7 +77,7 @@ def test_disk_can_be_turned_off(cache, monkeypatch):
 def test_autotuned_launches_the_stored_config(cache, monkeypatch, device):
     a = torch.randn(20, 48, dtype=torch.float16, device=device)
     b = torch.randn(48, 40, dtype=torch.float16, device=device)
-    tuning.record(tuning.key("autotuned", 20, 40, 48, torch.float16, torch.float16), CFG)
+    tuning.record(tuning.key("autotuned", 20, 40, 48, torch.float16, torch.float16, "NN"), CFG)
     used = []
     real_launch = autotuned.launch
     monkeypatch.setattr(autotuned, "launch", lambda k, g, args, kw: used.append(kw) or real_launch(k, g, args, kw))
@@ -86,11 +86,21 @@ def test_autotuned_launches_the_stored_config(cache, monkeypatch, device):
     assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
 
 
+def test_layout_and_tf32_are_part_of_the_key(cache, device):
+    a = torch.randn(20, 48, device=device)
+    b = torch.randn(40, 48, device=device).T
+    tilegemm.matmul(a, b, kernel="autotuned", precision="tf32")
+    tilegemm.matmul(a, b, kernel="autotuned", precision="ieee")
+    keys = set(tuning._memory)
+    assert "autotuned|M32|N40|K48|tf32|float32|NT" in keys
+    assert "autotuned|M32|N40|K48|float32|float32|NT" in keys
+
+
 def test_tune_command(cache, capsys):
     assert main(["tune", "--shape", "24,40,56", "--rungs", "autotuned,persistent_tma"]) == 0
     out = capsys.readouterr().out
     assert "autotuned|M32|N40|K56" in out and "persistent_tma|M32|N40|K56" in out
     saved = json.loads(tuning.cache_file().read_text())["entries"]
-    assert "autotuned|M32|N40|K56|float16|float16|" in saved
+    assert "autotuned|M32|N40|K56|float16|float16|NN" in saved
     assert main(["tune", "--rungs", "naive"]) == 2
     assert "--rungs takes auto, autotuned or persistent_tma" in capsys.readouterr().err

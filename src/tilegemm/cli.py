@@ -43,8 +43,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--shapes", metavar="FILE", help="a file of shapes, one per line ('#' starts a comment)")
     p.add_argument("--kernels", default="all", help="comma-separated kernel names, or 'all' (default)")
     p.add_argument("--no-baseline", action="store_true", help="skip the baseline (no ratios)")
-    p.add_argument("--layout", default="NN", choices=["NN", "NT", "TN", "TT"],
-                   help="matmul: T reads that operand as a transposed view (default NN)")
+    p.add_argument("--layout", default=None, choices=["NN", "NT", "TN", "TT"],
+                   help="matmul: T reads that operand as a transposed view (default NN; NT for fp8)")
     p.add_argument("--batch", type=int, default=1, help="matmul: batch count (default 1)")
     p.add_argument("--warmup", type=float, default=25.0, metavar="MS", help="warm-up time in ms (default 25)")
     p.add_argument("--rep", type=float, default=100.0, metavar="MS", help="timing time in ms (default 100)")
@@ -139,7 +139,7 @@ def cmd_bench(args, console, err_console) -> int:
                 op.check_kernel(k)
     except BenchError as err:
         raise UsageError(str(err)) from None
-    if op.name != "matmul" and (args.layout != "NN" or args.batch != 1):
+    if op.name != "matmul" and (args.layout is not None or args.batch != 1):
         raise UsageError("--layout and --batch apply to --op matmul only")
 
     total = len(cases) * (len(kernels) + (0 if args.no_baseline else 1))

@@ -90,16 +90,63 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def through_registers(x):
+    """``x`` unchanged, but computed in registers, so a following ``tl.dot`` takes it from there.
+
+    Hopper's wgmma reads tf32 and fp8 operands from shared memory only when they are K-major; the first
+    operand may instead come from registers, where the layout does not matter. An operand loaded straight
+    from memory goes to shared memory; one that went through arithmetic stays in registers. ``+ 0.0``
+    is that arithmetic: the compiler may not drop it (it turns -0.0 into +0.0), and it changes no product.
+    fp8 has no arithmetic of its own, so it goes through fp16 and back (exactly: fp16 holds every fp8 value).
+    """
+    if x.dtype == tl.float32:
+        return x + 0.0
+    else:
+        return (x.to(tl.float16) + 0.0).to(x.dtype)
+
+
+@triton.jit
+def mma(a, b, acc, INPUT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` on the tensor cores.
+
+    fp8 products are promoted into the fp32 accumulator once per call (every BLOCK_K of K): Hopper's fp8
+    MMA keeps fewer accumulator bits than fp32, and Triton otherwise lets the sum run imprecise over all
+    of K. This matches ``torch._scaled_mm`` without ``use_fast_accum``.
+    """
+    if a.dtype.is_fp8():
+        return tl.dot(a, b, acc, max_num_imprecise_acc=a.shape[1])
+    else:
+        return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def scale_tile(acc, offs_m, offs_n, M, N, alpha, scale_a_ptr, scale_b_ptr, stride_sa, stride_sb,
+               HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr):
+    """``alpha * scale_a[rows] * scale_b[cols] * acc``: fp8 dequantization scales.
+
+    A per-tensor scale is a vector with stride 0, so one code path serves both kinds.
+    """
+    acc = acc * alpha
+    if HAS_SCALE_A:
+        acc *= tl.load(scale_a_ptr + offs_m * stride_sa, mask=offs_m < M, other=0.0).to(tl.float32)[:, None]
+    if HAS_SCALE_B:
+        acc *= tl.load(scale_b_ptr + offs_n * stride_sb, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def epilogue_store(
-    acc, out_ptr, c_ptr, bias_ptr,
+    acc, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
     offs_m, offs_n, M, N,
-    stride_om, stride_on, stride_cm, stride_cn, stride_bias,
+    stride_om, stride_on, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
     alpha, beta,
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
 ):
-    """out = activation(alpha * acc + beta * c + bias) for one [BM, BN] tile, masked to [M, N]."""
+    """out = activation(alpha * scales * acc + beta * c + bias) for one [BM, BN] tile, masked to [M, N]."""
     mask = mask_2d(offs_m, offs_n, M, N)
-    acc = acc * alpha
+    acc = scale_tile(acc, offs_m, offs_n, M, N, alpha, scale_a_ptr, scale_b_ptr, stride_sa, stride_sb,
+                     HAS_SCALE_A, HAS_SCALE_B)
     if HAS_C:
         c = tl.load(c_ptr + offsets_2d(offs_m, offs_n, stride_cm, stride_cn), mask=mask, other=0.0)
         acc += beta * c.to(tl.float32)

@@ -79,6 +79,12 @@ class BenchOp:
         if dtype not in self.dtypes:
             raise BenchError(f"op {self.name} has no dtype {dtype!r}; choose one of: {', '.join(self.dtypes)}")
 
+    def default_layout(self, dtype: str) -> str:
+        return "NN"
+
+    def baseline_label(self, dtype: str) -> str:
+        return self.baseline_name
+
     def parse_shape(self, text: str) -> Case:
         raise NotImplementedError
 
@@ -134,7 +140,11 @@ class MatmulBench(BenchOp):
     name = "matmul"
     metric = "TFLOPS"
     baseline_name = "cuBLAS"
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32,
+              "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    # fp8: per-tensor scales, bf16 output, against torch._scaled_mm (cuBLASLt), which takes A row-major and
+    # B column-major only (layout NT) and no e5m2 x e5m2: "fp8_e5m2" is an e5m2 A times an e4m3 B.
+    FP8_SCALES = (0.75, 1.25)
     sweeps = {
         "square": lambda: [_mnk(s, s, s) for s in (1024, 2048, 4096, 8192, 16384)],
         "llm": _llm_cases,
@@ -158,30 +168,68 @@ class MatmulBench(BenchOp):
     def _precision(self, dtype: str) -> str:
         return "tf32" if dtype == "tf32" else "ieee"
 
+    @staticmethod
+    def _fp8(dtype: str) -> bool:
+        return dtype.startswith("fp8")
+
+    def default_layout(self, dtype: str) -> str:
+        return "NT" if self._fp8(dtype) else "NN"
+
+    def baseline_label(self, dtype: str) -> str:
+        return "torch._scaled_mm" if self._fp8(dtype) else self.baseline_name
+
+    def check_dtype(self, dtype: str, capability: tuple[int, int] | None) -> None:
+        super().check_dtype(dtype, capability)
+        if self._fp8(dtype) and capability is not None and capability < (8, 9):
+            raise BenchError(f"{dtype} needs a GPU of compute capability 8.9 or newer")
+
     def prepare(self, case, dtype, device, n_sets, options):
         M, N, K = case.dims["M"], case.dims["N"], case.dims["K"]
         batch = options.get("batch", 1)
-        layout = options.get("layout", "NN")
+        layout = options.get("layout") or self.default_layout(dtype)
+        fp8 = self._fp8(dtype)
         tdtype = self.dtypes[dtype]
+        a_dtype, b_dtype = (tdtype, torch.float8_e4m3fn if dtype == "fp8_e5m2" else tdtype)
         lead = (batch,) if batch > 1 else ()
 
-        def operand(rows, cols, transposed):
-            if transposed:
-                return torch.randn(*lead, cols, rows, device=device, dtype=tdtype).mT
-            return torch.randn(*lead, rows, cols, device=device, dtype=tdtype)
+        def operand(rows, cols, transposed, dt):
+            shape = (*lead, cols, rows) if transposed else (*lead, rows, cols)
+            x = torch.randn(*shape, device=device, dtype=torch.float32 if fp8 else dt).to(dt)
+            return x.mT if transposed else x
 
-        sets = [dict(a=operand(M, K, layout[0] == "T"), b=operand(K, N, layout[1] == "T")) for _ in range(n_sets)]
+        sets = []
+        for _ in range(n_sets):
+            inputs = dict(a=operand(M, K, layout[0] == "T", a_dtype), b=operand(K, N, layout[1] == "T", b_dtype))
+            if fp8:
+                inputs.update(scale_a=torch.tensor(self.FP8_SCALES[0], device=device),
+                              scale_b=torch.tensor(self.FP8_SCALES[1], device=device))
+            sets.append(inputs)
         first = sets[0]
         reference = torch.matmul(first["a"].double(), first["b"].double())
-        size = tdtype.itemsize
-        return Prepared(sets, reference, bytes_per_set=batch * (M * K + K * N + M * N) * size)
+        if fp8:
+            reference *= self.FP8_SCALES[0] * self.FP8_SCALES[1]
+        out_size = 2 if fp8 else tdtype.itemsize
+        nbytes = batch * ((M * K + K * N) * tdtype.itemsize + M * N * out_size)
+        return Prepared(sets, reference, bytes_per_set=nbytes)
 
     def run(self, kernel, inputs, dtype):
         from tilegemm import matmul
 
+        if self._fp8(dtype):
+            return matmul(inputs["a"], inputs["b"], kernel=kernel, scale_a=inputs["scale_a"],
+                          scale_b=inputs["scale_b"], out_dtype=torch.bfloat16)
         return matmul(inputs["a"], inputs["b"], kernel=kernel, precision=self._precision(dtype))
 
     def baseline(self, inputs, dtype):
+        if self._fp8(dtype):
+            a, b = inputs["a"], inputs["b"]
+            if not a.is_cuda:  # the interpreter's baseline: the same formula in fp32 on the CPU
+                product = torch.matmul(a.float(), b.float()) * inputs["scale_a"] * inputs["scale_b"]
+                return product.to(torch.bfloat16)
+            if a.dim() != 2 or a.stride(1) != 1 or b.stride(0) != 1:
+                raise BenchError("torch._scaled_mm takes 2-D A row-major and B column-major only (--layout NT, "
+                                 "no --batch); add --no-baseline for other layouts")
+            return torch._scaled_mm(a, b, inputs["scale_a"], inputs["scale_b"], out_dtype=torch.bfloat16)
         # torch.matmul's fp32 path follows allow_tf32; the runner sets it per dtype (see tf32_mode).
         return torch.matmul(inputs["a"], inputs["b"])
 
@@ -202,7 +250,10 @@ class MatmulBench(BenchOp):
     def tolerance(self, dtype):
         from tilegemm.ops.matmul.reference import tolerance
 
-        return tolerance(self.dtypes[dtype], self._precision(dtype))
+        return tolerance(self.dtypes[dtype], self._precision(dtype), torch.bfloat16 if self._fp8(dtype) else None)
+
+    def peak(self, gpu, dtype):
+        return super().peak(gpu, "fp8" if self._fp8(dtype) else dtype)
 
 
 class _Tf32Mode:

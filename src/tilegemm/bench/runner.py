@@ -185,11 +185,12 @@ def run_bench(
 ) -> BenchResult:
     options = dict(options or {})
     options.setdefault("batch", 1)
-    options.setdefault("layout", "NN")
+    if not options.get("layout"):
+        options["layout"] = op.default_layout(dtype)
     machine = machine_info()
     device = "cpu" if machine.interpreter else "cuda"
     peak = op.peak(machine.gpu, dtype)
-    baseline_name = op.baseline_name if not machine.interpreter else op.cpu_baseline_name
+    baseline_name = op.baseline_label(dtype) if not machine.interpreter else op.cpu_baseline_name
     meta = dict(
         op=op.name, dtype=dtype, metric=op.metric, sweep=sweep, baseline=baseline_name if baseline else None,
         kernels=kernels, layout=options["layout"], batch=options["batch"], warmup_ms=warmup_ms, rep_ms=rep_ms,

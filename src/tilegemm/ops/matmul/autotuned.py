@@ -1,7 +1,8 @@
 """Rung 3, ``autotuned``: the grouped kernel with its block sizes, warps and stages chosen by timing.
 
 On the first call for a new shape class (M bucketed to a power of two, N, K, dtypes), Triton's autotuner times
-every candidate in :func:`tilegemm.ops.matmul.configs.autotune_configs` that suits the dtype; the fastest is
+every candidate in :func:`tilegemm.ops.matmul.configs.autotune_configs` that suits the dtype (layout and
+tf32 are part of the key); the fastest is
 kept by :mod:`tilegemm.tuning` (memory, then disk), so later calls and later processes do not tune again.
 """
 
@@ -34,7 +35,7 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
     k = None
     if config is None:
         # A config tuned earlier for this shape class (M bucketed), in memory, on disk or shipped.
-        k = tuning.key("autotuned", p.M, p.N, p.K, p.dtype, p.out.dtype)
+        k = tuning.key("autotuned", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
         config = tuning.lookup(k)
     if config is not None:
         launch(matmul_grouped_kernel, grid(p), p.kernel_args(), {**p.kernel_flags(), **config})

@@ -41,6 +41,12 @@ def autotune_configs() -> list[dict]:
         _cfg(64, 32, 64, 4, 5),
         _cfg(32, 64, 64, 4, 5),
         _cfg(16, 64, 128, 4, 4),
+        # fp8 operands: half the bytes of 16-bit ones, so twice the K per step.
+        _cfg(128, 256, 128, 8, 3),
+        _cfg(128, 128, 128, 8, 4),
+        _cfg(128, 128, 128, 4, 4),
+        _cfg(64, 128, 128, 4, 4),
+        _cfg(64, 64, 128, 4, 4),
         # fp32 operands take twice the shared memory per element: shorter K steps.
         _cfg(128, 128, 32, 8, 3),
         _cfg(128, 64, 32, 4, 4),
@@ -62,6 +68,8 @@ def prune_for(configs, dtype_bytes: int) -> list:
             continue
         if dtype_bytes < 4 and kw["BLOCK_K"] < 64 and len(configs) > 1:
             continue
+        if dtype_bytes == 2 and kw["BLOCK_K"] >= 128 and kw["BLOCK_M"] >= 64:
+            continue  # the fp8 configs
         if tile_bytes <= budget:
             kept.append(config)
     return kept or list(configs)[:1]

@@ -17,16 +17,17 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def matmul_grouped_kernel(
-    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr,
+    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
     M, N, K,
     stride_ab, stride_am, stride_ak,
     stride_bb, stride_bk, stride_bn,
     stride_ob, stride_om, stride_on,
     stride_cb, stride_cm, stride_cn,
-    stride_bias,
+    stride_bias, stride_sa, stride_sb,
     alpha, beta,
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr,
+    HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Which tile: grouped order over the [tiles_m, tiles_n] grid; axis 1 is the batch.
@@ -39,13 +40,13 @@ def matmul_grouped_kernel(
 
     # Accumulate A[rows, :] @ B[:, cols] in fp32.
     offs_m, offs_n, load_m, load_n = tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
-    acc = dot_k_loop(a_ptr, b_ptr, K, stride_am, stride_ak, stride_bk, stride_bn, load_m, load_n,
-                     BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST)
+    acc = dot_k_loop(a_ptr, b_ptr, 0, K, stride_am, stride_ak, stride_bk, stride_bn, load_m, load_n,
+                     BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST, MMA_OPERANDS)
 
     # Epilogue: scale, add c and bias, activate, store.
-    epilogue_store(acc, out_ptr, c_ptr, bias_ptr, offs_m, offs_n, M, N,
-                   stride_om, stride_on, stride_cm, stride_cn, stride_bias,
-                   alpha, beta, HAS_C, HAS_BIAS, ACTIVATION)
+    epilogue_store(acc, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
+                   stride_om, stride_on, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
+                   alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
 
 
 def grid(p: GemmProblem):

@@ -1,12 +1,12 @@
 """The K loop that every tile-per-program GEMM rung shares.
 
-A program owns one [BLOCK_M, BLOCK_N] output tile; this loop walks K in steps of BLOCK_K, loading a
-[BLOCK_M, BLOCK_K] tile of A and a [BLOCK_K, BLOCK_N] tile of B through their strides (any layout) and
-accumulating their product in fp32. The rungs differ in which tile a program gets and in how they are
-tuned, not in this loop.
+A program owns one [BLOCK_M, BLOCK_N] output tile; this loop walks its range of K in steps of BLOCK_K,
+loading a [BLOCK_M, BLOCK_K] tile of A and a [BLOCK_K, BLOCK_N] tile of B through their strides (any
+layout) and accumulating their product in fp32. The rungs differ in which tile a program gets, which
+part of K (``split_k`` takes a slice) and how they are tuned, not in this loop.
 """
 
-from tilegemm.jit_helpers import offsets_2d
+from tilegemm.jit_helpers import mma, offsets_2d, through_registers
 from tilegemm.runtime import ensure_backend
 
 ensure_backend()
@@ -34,25 +34,49 @@ def tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 @triton.jit
 def dot_k_loop(
-    a_ptr, b_ptr, K,
+    a_ptr, b_ptr, k_begin, k_end,
     stride_am, stride_ak, stride_bk, stride_bn,
     load_m, load_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, MMA_OPERANDS: tl.constexpr,
 ):
+    """``A[rows, k_begin:k_end] @ B[k_begin:k_end, cols]`` in fp32, as a [BLOCK_M, BLOCK_N] tile.
+
+    ``MMA_OPERANDS`` says how the operands meet the tensor cores (see :func:`tilegemm.ops.matmul.problem.mma_operands`): ``"ab"`` as
+    loaded; ``"reg_a"`` with the A tile passed through registers; ``"swap"`` computing the transposed tile
+    ``B^T @ A^T`` with the B^T tile in registers, transposed back at the end.
+    """
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offsets_2d(load_m, offs_k, stride_am, stride_ak)  # [BM, BK]
-    b_ptrs = b_ptr + offsets_2d(offs_k, load_n, stride_bk, stride_bn)  # [BK, BN]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+    SWAP: tl.constexpr = MMA_OPERANDS == "swap"
+    if SWAP:
+        a_ptrs = a_ptr + offsets_2d(k_begin + offs_k, load_m, stride_ak, stride_am)  # A^T tile [BK, BM]
+        b_ptrs = b_ptr + offsets_2d(load_n, k_begin + offs_k, stride_bn, stride_bk)  # B^T tile [BN, BK]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        a_ptrs = a_ptr + offsets_2d(load_m, k_begin + offs_k, stride_am, stride_ak)  # [BM, BK]
+        b_ptrs = b_ptr + offsets_2d(k_begin + offs_k, load_n, stride_bk, stride_bn)  # [BK, BN]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        k_left = k_end - k
+        if SWAP:
+            a = tl.load(a_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if UPCAST:
             # Triton 3.6's interpreter computes bf16 dots wrongly; fp32 dots there are exact.
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if SWAP:
+            acc = mma(through_registers(b), a, acc, INPUT_PRECISION)
+        elif MMA_OPERANDS == "reg_a":
+            acc = mma(through_registers(a), b, acc, INPUT_PRECISION)
+        else:
+            acc = mma(a, b, acc, INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if SWAP:
+        acc = tl.trans(acc)
     return acc
+

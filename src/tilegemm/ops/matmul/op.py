@@ -13,7 +13,9 @@ from tilegemm.ops.matmul.problem import GemmProblem, make_problems
 from tilegemm.runtime import check_device, interpreting, new_output
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "leaky_relu")
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # inputs and outputs
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # inputs only; the output is 16- or 32-bit
+INPUT_DTYPES = DTYPES + FP8_DTYPES
 _PRECISIONS = {"ieee": "ieee", "highest": "ieee", "tf32": "tf32", "high": "tf32", "medium": "tf32"}
 
 
@@ -24,13 +26,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def default_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The output dtype when none is asked for: the input's, or bfloat16 for fp8 inputs."""
+    return torch.bfloat16 if dtype in FP8_DTYPES else dtype
+
+
 def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in allowed:
         kind = "integer" if not (t.dtype.is_floating_point or t.dtype.is_complex) else "unsupported"
         names = ", ".join(_dtype_name(d) for d in allowed)
-        raise TypeError(f"{name} has {kind} dtype {_dtype_name(t.dtype)}; tilegemm.matmul supports {names}")
+        raise TypeError(f"{name} has {kind} dtype {_dtype_name(t.dtype)}; tilegemm.matmul supports {names} here")
 
 
 def _check_devices(named: dict[str, torch.Tensor]) -> None:
@@ -93,14 +100,44 @@ def output_shape(a_shape, b_shape) -> tuple[int, ...]:
     return (*batch, a_shape[-2], b_shape[-1])
 
 
-def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel) -> tuple[int, ...]:
+def _check_scale(name: str, scale, length: int, dim_name: str, vector_shapes) -> None:
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(scale).__name__}")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {_dtype_name(scale.dtype)}")
+    if scale.dim() <= 2 and scale.numel() == 1:
+        return  # one scale for the whole operand
+    if tuple(scale.shape) not in vector_shapes:
+        shapes = " or ".join(str(list(s)) for s in vector_shapes)
+        raise ValueError(
+            f"{name} must hold one scale (shape [] or [1]) or one per {dim_name} (shape {shapes}), "
+            f"got {list(scale.shape)}"
+        )
+
+
+def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel,
+                 scale_a=None, scale_b=None) -> tuple[int, ...]:
     """Raise TypeError/ValueError naming the problem; return the output shape."""
-    _check_float("a", a)
-    _check_float("b", b)
-    if a.dtype != b.dtype:
-        raise TypeError(f"dtypes differ: a is {_dtype_name(a.dtype)}, b is {_dtype_name(b.dtype)}")
+    _check_float("a", a, INPUT_DTYPES)
+    _check_float("b", b, INPUT_DTYPES)
+    fp8 = a.dtype in FP8_DTYPES
+    if a.dtype != b.dtype and not (fp8 and b.dtype in FP8_DTYPES):
+        raise TypeError(f"dtypes differ: a is {_dtype_name(a.dtype)}, b is {_dtype_name(b.dtype)} "
+                        "(only float8 e4m3fn and e5m2 mix)")
     shape = output_shape(a.shape, b.shape)
     named = {"a": a, "b": b}
+    for name, scale, length, dim_name, vector_shapes in (
+        ("scale_a", scale_a, shape[-2], "row of a", ((shape[-2],), (shape[-2], 1))),
+        ("scale_b", scale_b, shape[-1], "column of b", ((shape[-1],), (1, shape[-1]))),
+    ):
+        if scale is None:
+            continue
+        if not fp8:
+            raise ValueError(f"{name} applies to float8 inputs only; a is {_dtype_name(a.dtype)}")
+        _check_scale(name, scale, length, dim_name, vector_shapes)
+        named[name] = scale
+    if fp8 and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        raise TypeError("float8 matmul has no backward; call it under torch.no_grad() or detach the inputs")
     if bias is not None:
         _check_float("bias", bias)
         if bias.dim() != 1 or bias.shape[0] != shape[-1]:
@@ -116,6 +153,11 @@ def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, k
             raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; choose one of: {', '.join(ACTIVATIONS)}")
+    if fp8 and a.device.type == "cuda" and not interpreting():
+        cc = torch.cuda.get_device_capability(a.device)
+        if cc < (8, 9):
+            raise ValueError(f"float8 matmul needs a GPU of compute capability 8.9 or newer; {a.device} is "
+                             f"{cc[0]}.{cc[1]}")
     if out_dtype is not None and out_dtype not in DTYPES:
         raise TypeError(f"out_dtype {out_dtype} is not supported; choose one of: float16, bfloat16, float32")
     if precision is not None:
@@ -183,17 +225,26 @@ def launcher(name: str):
     return fn
 
 
-def _forward(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel) -> torch.Tensor:
+def _scale_stride(scale: torch.Tensor | None) -> int:
+    """Stride along M (scale_a) or N (scale_b): 0 for one scale, else the stride of its long dim."""
+    if scale is None or scale.numel() == 1:
+        return 0
+    return scale.stride(0) if scale.dim() == 1 or scale.shape[0] != 1 else scale.stride(1)
+
+
+def _forward(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel,
+             scale_a=None, scale_b=None) -> torch.Tensor:
     if a.dim() == 2 and b.dim() == 2:
         shape = (a.shape[0], b.shape[1])
     else:
         shape = output_shape(a.shape, b.shape)
-    out = new_output(shape, out_dtype or a.dtype, a.device)
+    out = new_output(shape, out_dtype or default_out_dtype(a.dtype), a.device)
     if out.numel() == 0:
         return out
     upcast = a.dtype == torch.bfloat16 and interpreting()
     precision = resolve_precision(precision, a.dtype)
-    for p in make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast):
+    scales = (scale_a, _scale_stride(scale_a), scale_b, _scale_stride(scale_b))
+    for p in make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast, scales):
         launcher(choose_kernel(p) if kernel == "auto" else kernel)(p)
     return out
 
@@ -210,13 +261,15 @@ def _matmul_op(
     out_dtype: Optional[torch.dtype],
     precision: str,
     kernel: str,
+    scale_a: Optional[torch.Tensor] = None,
+    scale_b: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    return _forward(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel)
+    return _forward(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a, scale_b)
 
 
 @_matmul_op.register_fake
-def _matmul_fake(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel):
-    return a.new_empty(output_shape(a.shape, b.shape), dtype=out_dtype or a.dtype)
+def _matmul_fake(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a=None, scale_b=None):
+    return a.new_empty(output_shape(a.shape, b.shape), dtype=out_dtype or default_out_dtype(a.dtype))
 
 
 # --- autograd: recompute the pre-activation, differentiate the activation with torch ----------------------
@@ -248,7 +301,7 @@ def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel = inputs
+    a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel = inputs[:10]
     ctx.save_for_backward(a, b, bias, c)
     ctx.alpha, ctx.beta, ctx.activation, ctx.precision = alpha, beta, activation, precision
 
@@ -273,7 +326,7 @@ def _backward(ctx, grad_out):
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype)
     if want_c and c is not None:
         grad_c = _sum_to(grad * ctx.beta, c.shape).to(c.dtype)
-    return grad_a, grad_b, grad_bias, grad_c, None, None, None, None, None, None
+    return grad_a, grad_b, grad_bias, grad_c, None, None, None, None, None, None, None, None
 
 
 _matmul_op.register_autograd(_backward, setup_context=_setup_context)
@@ -294,36 +347,46 @@ def matmul(
     out_dtype: torch.dtype | None = None,
     precision: str | None = None,
     kernel: str = "auto",
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``activation(alpha * (a @ b) + beta * c + bias)`` in one kernel, accumulated in fp32.
+    """``activation(alpha * scale_a * scale_b * (a @ b) + beta * c + bias)`` in one kernel, accumulated in fp32.
 
     Args:
-        a: ``[..., M, K]``, fp16, bf16 or fp32, any strides (transposed and sliced views are read in place).
-        b: ``[..., K, N]``, same dtype as ``a``. Batch dims broadcast like ``torch.matmul``.
+        a: ``[..., M, K]``, fp16, bf16, fp32 or fp8 (``float8_e4m3fn``, ``float8_e5m2``), any strides
+            (transposed and sliced views are read in place).
+        b: ``[..., K, N]``, same dtype as ``a`` (the two fp8 dtypes may mix). Batch dims broadcast like
+            ``torch.matmul``.
         bias: ``[N]``, added to every row.
         c: broadcasts to the output ``[..., M, N]``; scaled by ``beta``.
         activation: ``None``/``"none"``, ``"relu"``, ``"gelu"`` (erf), ``"gelu_tanh"``, ``"silu"``,
             ``"leaky_relu"`` (slope 0.01).
-        out_dtype: output dtype; the input dtype by default.
+        out_dtype: float16, bfloat16 or float32; by default the input dtype, bfloat16 for fp8 inputs.
         precision: for fp32 inputs, ``"ieee"``/``"highest"`` (IEEE-accurate) or ``"tf32"``/``"high"``/
             ``"medium"``; by default ``torch.get_float32_matmul_precision()``.
         kernel: a name from ``tilegemm.kernels("matmul")``; ``"auto"`` picks one per problem.
+        scale_a, scale_b: fp8 dequantization scales, float32: one per tensor (shape ``[]`` or ``[1]``), or
+            one per row of ``a`` (``[M]`` or ``[M, 1]``) and per column of ``b`` (``[N]`` or ``[1, N]``),
+            shared by every batch. Only with fp8 inputs. fp8 products accumulate in fp32.
 
     Raises:
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
     plain = bias is None and c is None and activation is None and out_dtype is None
+    plain = plain and scale_a is None and scale_b is None
     key = _replay_key(a, b, alpha, precision, kernel) if plain else None
     if key is not None:
         hit = _replays.get(key)
         if hit is not None:
-            out = new_output(hit.shape, a.dtype, a.device)
+            out = new_output(hit.shape, default_out_dtype(a.dtype), a.device)
             hit(a, b, out)
             return out
     activation = "none" if activation is None else activation
-    check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel)
+    check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a, scale_b)
     args = (a, b, bias, c, float(alpha), float(beta), activation, out_dtype, precision or "default", kernel)
-    if not _plain_call(a, b, bias, c):
+    if scale_a is not None or scale_b is not None:
+        args = (*args, scale_a, scale_b)
+    if not _plain_call(a, b, bias, c, scale_a, scale_b):
         return _matmul_op(*args)
     if key is None:
         return _forward(*args)

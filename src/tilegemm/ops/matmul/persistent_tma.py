@@ -20,7 +20,9 @@ import triton
 
 from tilegemm import tuning
 from tilegemm.hardware import compute_capability, sm_count
-from tilegemm.jit_helpers import apply_activation, mask_2d, offsets_2d, tile_grouped
+from tilegemm.jit_helpers import (
+    apply_activation, mask_2d, mma, offsets_2d, scale_tile, through_registers, tile_grouped,
+)
 from tilegemm.launch import launch
 from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.runtime import interpreting
@@ -29,9 +31,12 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _epilogue_half(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias, alpha, beta,
-                   HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
-    acc = acc * alpha
+def _epilogue_half(acc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
+                   stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                   HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                   HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr):
+    acc = scale_tile(acc, offs_m, offs_n, M, N, alpha, scale_a_ptr, scale_b_ptr, stride_sa, stride_sb,
+                     HAS_SCALE_A, HAS_SCALE_B)
     if HAS_C:
         c = tl.load(c_ptr + offsets_2d(offs_m, offs_n, stride_cm, stride_cn), mask=mask_2d(offs_m, offs_n, M, N),
                     other=0.0)
@@ -43,13 +48,14 @@ def _epilogue_half(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride
 
 @triton.jit
 def matmul_persistent_tma_kernel(
-    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr,
+    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
     M, N, K,
     stride_a, stride_b, stride_om,
-    stride_cm, stride_cn, stride_bias,
+    stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
     alpha, beta,
     A_T: tl.constexpr, B_T: tl.constexpr,
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
 ):
@@ -73,7 +79,11 @@ def matmul_persistent_tma_kernel(
         pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        SWAP: tl.constexpr = MMA_OPERANDS == "swap"
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # the transposed tile, B^T @ A^T
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ks in range(k_steps):
             k0 = ks * BLOCK_K
             if A_T:
@@ -84,18 +94,28 @@ def matmul_persistent_tma_kernel(
                 b = b_desc.load([n0, k0]).T  # [BK, BN]
             else:
                 b = b_desc.load([k0, n0])
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            # tf32/fp8 operands must be K-major in shared memory; see tilegemm.ops.matmul.problem.mma_operands.
+            if SWAP:
+                acc = mma(through_registers(b.T), a.T, acc, INPUT_PRECISION)
+            elif MMA_OPERANDS == "reg_a":
+                acc = mma(through_registers(a), b, acc, INPUT_PRECISION)
+            else:
+                acc = mma(a, b, acc, INPUT_PRECISION)
+        if SWAP:
+            acc = tl.trans(acc)
 
         # Epilogue in two [BM, BN/2] halves.
         offs_m = m0 + tl.arange(0, BLOCK_M)
         halves = tl.reshape(acc, (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
         left, right = tl.split(halves)
         offs_l = n0 + tl.arange(0, HALF_N)
-        left = _epilogue_half(left, c_ptr, bias_ptr, offs_m, offs_l, M, N, stride_cm, stride_cn, stride_bias,
-                              alpha, beta, HAS_C, HAS_BIAS, ACTIVATION)
+        left = _epilogue_half(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
+                              stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                              HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
         out_desc.store([m0, n0], left.to(out_ptr.dtype.element_ty))
-        right = _epilogue_half(right, c_ptr, bias_ptr, offs_m, offs_l + HALF_N, M, N, stride_cm, stride_cn,
-                               stride_bias, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION)
+        right = _epilogue_half(right, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l + HALF_N, M, N,
+                               stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                               HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
         out_desc.store([m0, n0 + HALF_N], right.to(out_ptr.dtype.element_ty))
 
 
@@ -109,6 +129,9 @@ def _cfg(bm, bn, bk, warps, stages, flatten=True) -> dict:
 def configs(dtype_bytes: int) -> list[dict]:
     if interpreting():
         return [_cfg(32, 32, 16, 4, 1, flatten=False)]
+    if dtype_bytes == 1:  # fp8
+        return [_cfg(128, 256, 128, 8, 3), _cfg(256, 128, 128, 8, 3), _cfg(128, 128, 128, 8, 4),
+                _cfg(128, 128, 128, 4, 4), _cfg(128, 256, 128, 8, 3, flatten=False)]
     if dtype_bytes >= 4:  # tf32 / fp32 operands
         return [_cfg(128, 128, 32, 8, 3), _cfg(128, 256, 32, 8, 3), _cfg(128, 64, 32, 4, 4), _cfg(64, 128, 32, 4, 4)]
     return [
@@ -176,14 +199,17 @@ def _launch(p: GemmProblem, cfg: dict) -> None:
     flags = p.kernel_flags()
     args = (
         p.a, p.b, p.out, p.c if p.c is not None else p.out, p.bias if p.bias is not None else p.out,
+        p.scale_a if p.scale_a is not None else p.out, p.scale_b if p.scale_b is not None else p.out,
         p.M, p.N, p.K,
         sak if a_t else sam, sbn if b_t else sbk, p.out_strides[1],
         p.c_strides[1], p.c_strides[2], p.bias.stride(0) if p.bias is not None else 0,
+        p.scale_a_stride, p.scale_b_stride,
         p.alpha, p.beta,
     )
     launch(matmul_persistent_tma_kernel, grid, args,
            dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
-                INPUT_PRECISION=p.input_precision, NUM_SMS=num_sms, **cfg))
+                INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
+                HAS_SCALE_B=flags["HAS_SCALE_B"], MMA_OPERANDS=flags["MMA_OPERANDS"], NUM_SMS=num_sms, **cfg))
 
 
 def _time(p: GemmProblem, cfg: dict) -> float:
@@ -202,8 +228,7 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
         return
     _ensure_allocator()
     if config is None:
-        layout = f"{'T' if p.a_strides[2] != 1 else 'N'}{'T' if p.b_strides[2] != 1 else 'N'}"
-        k = tuning.key("persistent_tma", p.M, p.N, p.K, p.dtype, p.out.dtype, layout)
+        k = tuning.key("persistent_tma", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
         config = tuning.lookup(k)
         if config is None:
             candidates = configs(p.a.element_size())

@@ -37,6 +37,11 @@ class GemmProblem:
     activation: str  # "none" or a name in ACTIVATIONS
     input_precision: str  # "ieee" or "tf32": how tl.dot treats fp32 operands
     upcast: bool  # interpreter only: upcast bf16 tiles to fp32 before tl.dot
+    # fp8 dequantization: out = alpha * scale_a[m] * scale_b[n] * (A @ B) + ...; stride 0 for one scale.
+    scale_a: torch.Tensor | None = None
+    scale_a_stride: int = 0
+    scale_b: torch.Tensor | None = None
+    scale_b_stride: int = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -64,21 +69,59 @@ class GemmProblem:
         return (
             self.a if has_k else out, self.b if has_k else out, out,
             self.c if self.c is not None else out, self.bias if self.bias is not None else out,
+            self.scale_a if self.scale_a is not None else out, self.scale_b if self.scale_b is not None else out,
             self.M, self.N, self.K,
             *self.a_strides, *self.b_strides, *self.out_strides, *self.c_strides,
-            self.bias.stride(0) if self.bias is not None else 0,
+            self.bias.stride(0) if self.bias is not None else 0, self.scale_a_stride, self.scale_b_stride,
             self.alpha, self.beta,
         )
+
+    @property
+    def tuning_dtype(self) -> str:
+        """The operand dtypes as tuned configs are keyed: ``tf32`` apart from IEEE fp32, fp8 pairs joined."""
+        a, b = (str(t.dtype).replace("torch.", "") for t in (self.a, self.b))
+        label = a if a == b else f"{a}x{b}"
+        return "tf32" if label == "float32" and self.input_precision == "tf32" else label
+
+    @property
+    def layout(self) -> str:
+        """BLAS-style layout letters of A and B: N (row-major), T (column-major) or S (neither)."""
+        def letter(inner: int, outer: int) -> str:
+            return "N" if inner == 1 else "T" if outer == 1 else "S"
+
+        return letter(self.a_strides[2], self.a_strides[1]) + letter(self.b_strides[2], self.b_strides[1])
 
     def kernel_flags(self) -> dict:
         return dict(
             HAS_C=self.c is not None,
             HAS_BIAS=self.bias is not None,
             ACTIVATION=self.activation,
+            HAS_SCALE_A=self.scale_a is not None,
+            HAS_SCALE_B=self.scale_b is not None,
             INPUT_PRECISION=self.input_precision,
             UPCAST=self.upcast,
             INDEX_64=self.index_64,
+            MMA_OPERANDS=mma_operands(self.dtype, self.input_precision, self.a_strides, self.b_strides),
         )
+
+
+def mma_operands(dtype, input_precision: str, a_strides, b_strides) -> str:
+    """How the operands should meet Hopper's tensor cores: ``"ab"``, ``"reg_a"`` or ``"swap"``.
+
+    wgmma takes 16-bit operands from shared memory in either order, but tf32 and fp8 operands only
+    K-major (K the contiguous dim). The first operand may come from registers instead, in any layout.
+    So: A and B both K-major, or 16-bit, or IEEE fp32 (no tensor cores): as they are. Only A not
+    K-major: A through registers. B not K-major: swap, so that B^T is the first operand and goes
+    through registers, and A^T (K-major when A is) is the second. On H200, tf32 8192^3 with B
+    row-major ran 89 TFLOPS as loaded and 299 swapped (scripts/explore_tf32_grey.py).
+    """
+    if dtype in (torch.float16, torch.bfloat16) or (dtype == torch.float32 and input_precision == "ieee"):
+        return "ab"
+    a_k_major = a_strides[-1] == 1
+    b_k_major = b_strides[-2] == 1
+    if b_k_major:
+        return "ab" if a_k_major else "reg_a"
+    return "swap"
 
 
 def _aligned_strides(t: torch.Tensor, shape: tuple[int, ...]) -> list[int]:
@@ -90,14 +133,18 @@ def _aligned_strides(t: torch.Tensor, shape: tuple[int, ...]) -> list[int]:
     return strides
 
 
-def make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast) -> list[GemmProblem]:
-    """Cut ``out = a @ b`` (broadcast batch dims, ``out`` of shape [*batch, M, N]) into kernel launches."""
+def make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast,
+                  scales=(None, 0, None, 0)) -> list[GemmProblem]:
+    """Cut ``out = a @ b`` (broadcast batch dims, ``out`` of shape [*batch, M, N]) into kernel launches.
+
+    ``scales`` is ``(scale_a, its stride along M, scale_b, its stride along N)``; the same for every batch.
+    """
     if out.dim() == 2:
         # The common case, kept short: one [M, K] @ [K, N] launch.
         M, N = out.shape
         c_strides = (0, *_aligned_strides(c, (M, N))) if c is not None else (0, 0, 0)
         return [GemmProblem(a, (0, *a.stride()), b, (0, *b.stride()), out, (0, *out.stride()), c, c_strides,
-                            bias, M, N, a.shape[1], 1, alpha, beta, activation, precision, upcast)]
+                            bias, M, N, a.shape[1], 1, alpha, beta, activation, precision, upcast, *scales)]
     shape = tuple(out.shape)
     batch_shape = shape[:-2]
     M, N = shape[-2:]
@@ -128,7 +175,7 @@ def make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast
         return GemmProblem(
             bases[0], s3[0], bases[1], s3[1], bases[2], s3[2],
             bases[3] if c is not None else None, s3[3] if c is not None else (0, 0, 0),
-            bias, M, N, K, n, alpha, beta, activation, precision, upcast,
+            bias, M, N, K, n, alpha, beta, activation, precision, upcast, *scales,
         )
 
     if not outer and count <= MAX_GRID_Y:

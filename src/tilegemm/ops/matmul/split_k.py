@@ -13,9 +13,9 @@ import torch
 import triton
 
 from tilegemm.hardware import sm_count
-from tilegemm.jit_helpers import epilogue_store, offsets_2d, tile_grouped
+from tilegemm.jit_helpers import epilogue_store, tile_grouped
 from tilegemm.launch import not_replayable
-from tilegemm.ops.matmul.mainloop import tile_rows_cols
+from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.runtime import interpreting
 
@@ -24,17 +24,18 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def matmul_split_k_kernel(
-    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr,
+    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
     M, N, K,
     stride_ab, stride_am, stride_ak,
     stride_bb, stride_bk, stride_bn,
     stride_ob, stride_om, stride_on,
     stride_cb, stride_cm, stride_cn,
-    stride_bias,
+    stride_bias, stride_sa, stride_sb,
     alpha, beta,
     ws_ptr, count_ptr,
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr,
+    HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, ATOMIC_READ: tl.constexpr,
 ):
@@ -59,24 +60,13 @@ def matmul_split_k_kernel(
     k_end = tl.minimum(K, k_begin + steps_per_split * BLOCK_K)
 
     offs_m, offs_n, load_m, load_n = tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offsets_2d(load_m, k_begin + offs_k, stride_am, stride_ak)  # [BM, BK]
-    b_ptrs = b_ptr + offsets_2d(k_begin + offs_k, load_n, stride_bk, stride_bn)  # [BK, BN]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_begin, k_end, BLOCK_K):
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_end - k, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_end - k, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    acc = dot_k_loop(a_ptr, b_ptr, k_begin, k_end, stride_am, stride_ak, stride_bk, stride_bn, load_m, load_n,
+                     BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST, MMA_OPERANDS)
 
     if SPLIT_K == 1:
-        epilogue_store(acc, out_ptr, c_ptr, bias_ptr, offs_m, offs_n, M, N,
-                       stride_om, stride_on, stride_cm, stride_cn, stride_bias,
-                       alpha, beta, HAS_C, HAS_BIAS, ACTIVATION)
+        epilogue_store(acc, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
+                       stride_om, stride_on, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
+                       alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
     else:
         # Reduce across the K slices: add into the workspace, then count arrivals at this tile.
         inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -96,9 +86,9 @@ def matmul_split_k_kernel(
                 total = tl.load(ws_tile, mask=inside, other=0.0)
                 tl.store(ws_tile, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=inside)
             tl.store(count_ptr + tile, 0)
-            epilogue_store(total, out_ptr, c_ptr, bias_ptr, offs_m, offs_n, M, N,
-                           stride_om, stride_on, stride_cm, stride_cn, stride_bias,
-                           alpha, beta, HAS_C, HAS_BIAS, ACTIVATION)
+            epilogue_store(total, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
+                           stride_om, stride_on, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
+                           alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
 
 
 # --- workspace: zeroed once, left zeroed by every launch --------------------------------------------------
