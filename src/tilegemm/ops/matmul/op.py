@@ -182,7 +182,8 @@ def choose_kernel(p: GemmProblem) -> str:
       1.04x cuBLAS where ``autotuned`` ran 0.73x.
     - Other M <= 128: ``autotuned`` (its small-M configs); 1.72x cuBLAS at 128x28672x8192.
     - Larger problems on Hopper that TMA can describe, with at least one 128x128 tile per SM:
-      ``persistent_tma`` (fp16 0.90x / 1.00x at 8192^3 / 16384^3, where ``autotuned`` ran 0.89x / 0.93x).
+      ``persistent_tma`` (fp16 0.90x / 1.00x at 8192^3 / 16384^3, where ``autotuned`` ran 0.89x / 0.93x),
+      except tf32 with swapped operands (see the code).
     - Otherwise ``autotuned``.
     """
     if interpreting():
@@ -196,7 +197,10 @@ def choose_kernel(p: GemmProblem) -> str:
         # With fewer 128x128 tiles than SMs a persistent grid has nothing to balance: at 1024^3 it ran
         # 0.66x cuBLAS where autotuned's smaller tiles reached 0.87x.
         tiles = -(-p.M // 128) * -(-p.N // 128)
-        if tiles >= sm_count(p.out.device) and describable(p) is None:
+        # tf32 with an operand that is not K-major: the swapped tiles ran faster in autotuned's plain loop
+        # (0.76x cuBLAS at 8192^3) than in persistent_tma (0.68x).
+        swapped_tf32 = p.dtype == torch.float32 and p.kernel_flags()["MMA_OPERANDS"] != "ab"
+        if tiles >= sm_count(p.out.device) and describable(p) is None and not swapped_tf32:
             return "persistent_tma"
     return "autotuned"
 

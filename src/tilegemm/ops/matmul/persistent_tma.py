@@ -133,7 +133,8 @@ def configs(dtype_bytes: int) -> list[dict]:
         return [_cfg(128, 256, 128, 8, 3), _cfg(256, 128, 128, 8, 3), _cfg(128, 128, 128, 8, 4),
                 _cfg(128, 128, 128, 4, 4), _cfg(128, 256, 128, 8, 3, flatten=False)]
     if dtype_bytes >= 4:  # tf32 / fp32 operands
-        return [_cfg(128, 128, 32, 8, 3), _cfg(128, 256, 32, 8, 3), _cfg(128, 64, 32, 4, 4), _cfg(64, 128, 32, 4, 4)]
+        return [_cfg(128, 128, 32, 8, 3), _cfg(128, 128, 32, 4, 4), _cfg(128, 256, 32, 8, 3), _cfg(128, 64, 32, 4, 4),
+                _cfg(64, 128, 32, 4, 4)]
     return [
         _cfg(128, 256, 64, 8, 3),
         _cfg(128, 256, 64, 8, 3, flatten=False),
