@@ -100,7 +100,7 @@ def output_shape(a_shape, b_shape) -> tuple[int, ...]:
     return (*batch, a_shape[-2], b_shape[-1])
 
 
-def _check_scale(name: str, scale, length: int, dim_name: str, vector_shapes) -> None:
+def _check_scale(name: str, scale, dim_name: str, vector_shapes) -> None:
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(scale).__name__}")
     if scale.dtype != torch.float32:
@@ -126,15 +126,15 @@ def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, k
                         "(only float8 e4m3fn and e5m2 mix)")
     shape = output_shape(a.shape, b.shape)
     named = {"a": a, "b": b}
-    for name, scale, length, dim_name, vector_shapes in (
-        ("scale_a", scale_a, shape[-2], "row of a", ((shape[-2],), (shape[-2], 1))),
-        ("scale_b", scale_b, shape[-1], "column of b", ((shape[-1],), (1, shape[-1]))),
+    for name, scale, dim_name, vector_shapes in (
+        ("scale_a", scale_a, "row of a", ((shape[-2],), (shape[-2], 1))),
+        ("scale_b", scale_b, "column of b", ((shape[-1],), (1, shape[-1]))),
     ):
         if scale is None:
             continue
         if not fp8:
             raise ValueError(f"{name} applies to float8 inputs only; a is {_dtype_name(a.dtype)}")
-        _check_scale(name, scale, length, dim_name, vector_shapes)
+        _check_scale(name, scale, dim_name, vector_shapes)
         named[name] = scale
     if fp8 and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         raise TypeError("float8 matmul has no backward; call it under torch.no_grad() or detach the inputs")
@@ -199,7 +199,7 @@ def choose_kernel(p: GemmProblem) -> str:
         tiles = -(-p.M // 128) * -(-p.N // 128)
         # tf32 with an operand that is not K-major: the swapped tiles ran faster in autotuned's plain loop
         # (0.76x cuBLAS at 8192^3) than in persistent_tma (0.68x).
-        swapped_tf32 = p.dtype == torch.float32 and p.kernel_flags()["MMA_OPERANDS"] != "ab"
+        swapped_tf32 = p.dtype == torch.float32 and p.mma_operands != "ab"
         # fp8 needs more tiles per SM before the persistent grid pays: at 2048^3 (2 tiles per SM) it ran
         # 0.43x torch._scaled_mm where autotuned ran 0.63x; at 4096^3 (8 per SM) 0.79x against 0.73x.
         min_tiles = sm_count(p.out.device) * (4 if p.a.element_size() == 1 else 1)
@@ -390,9 +390,8 @@ def matmul(
             return out
     activation = "none" if activation is None else activation
     check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a, scale_b)
-    args = (a, b, bias, c, float(alpha), float(beta), activation, out_dtype, precision or "default", kernel)
-    if scale_a is not None or scale_b is not None:
-        args = (*args, scale_a, scale_b)
+    args = (a, b, bias, c, float(alpha), float(beta), activation, out_dtype, precision or "default", kernel,
+            scale_a, scale_b)
     if not _plain_call(a, b, bias, c, scale_a, scale_b):
         return _matmul_op(*args)
     if key is None:

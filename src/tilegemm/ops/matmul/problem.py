@@ -91,6 +91,11 @@ class GemmProblem:
 
         return letter(self.a_strides[2], self.a_strides[1]) + letter(self.b_strides[2], self.b_strides[1])
 
+    @property
+    def mma_operands(self) -> str:
+        """How the operands meet the tensor cores; see :func:`mma_operands`."""
+        return mma_operands(self.dtype, self.input_precision, self.a_strides, self.b_strides)
+
     def kernel_flags(self) -> dict:
         return dict(
             HAS_C=self.c is not None,
@@ -101,7 +106,7 @@ class GemmProblem:
             INPUT_PRECISION=self.input_precision,
             UPCAST=self.upcast,
             INDEX_64=self.index_64,
-            MMA_OPERANDS=mma_operands(self.dtype, self.input_precision, self.a_strides, self.b_strides),
+            MMA_OPERANDS=self.mma_operands,
         )
 
 
