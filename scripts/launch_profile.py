@@ -19,12 +19,11 @@ b = torch.randn(64, 64, device="cuda", dtype=torch.float16)
 out = torch.empty(64, 64, device="cuda", dtype=torch.float16)
 p = make_problems(a, b, out, None, None, 1.0, 1.0, "none", "ieee", False)[0]
 cfg = fixed_config(torch.float16)
-args, flags = p.kernel_args(), p.kernel_flags()
+args, flags = p.kernel_args(), {**p.kernel_flags(), "EVEN_K": True}
 g = (triton.cdiv(64, cfg["BLOCK_M"]) * triton.cdiv(64, cfg["BLOCK_N"]), 1)
 kernel = grouped.matmul_grouped_kernel
 compiled = kernel[g](*args, **flags, **cfg)
-params = list(args) + [flags[k] for k in ("HAS_C", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION", "UPCAST", "INDEX_64")]
-params += [cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")]
+params = list(args) + [{**flags, **cfg}[name] for name in kernel.arg_names[len(args):]]
 runner = compiled[(g[0], 1, 1)]
 stream = torch.cuda.current_stream().cuda_stream
 rows = {

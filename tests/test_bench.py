@@ -62,6 +62,7 @@ def test_default_bench_saves_files(tmp_path, monkeypatch):
         (["bench", "--sweep", "huge"], "no sweep 'huge'"),
         (["bench", "--sweep", "square", "--shape", "4,4,4"], "either --sweep or --shape"),
         (["bench", "--batch", "0"], "--batch must be >= 1"),
+        (["bench", "--rounds", "0"], "--rounds must be >= 1"),
         (["bench", "--shapes", "/no/such/file"], "cannot read --shapes file"),
         (["bench", "--bogus"], "unrecognized arguments: --bogus"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
@@ -132,6 +133,36 @@ def test_batched_layout_rows_count_the_batch():
     row = result.rows[1]
     assert row.status == "ok" and row.batch == 3 and row.layout == "TT"
     assert op.work(case, "fp16", dict(batch=3)) == 3 * 2 * 16**3
+
+
+def test_rounds_time_every_kernel_in_alternating_order(monkeypatch):
+    from tilegemm.bench import runner
+
+    op = bench_op("matmul")
+    order = []
+    real_run, real_baseline = op.run, op.baseline
+    monkeypatch.setattr(op, "run", lambda kernel, inputs, dtype: (order.append(kernel), real_run(kernel, inputs, dtype))[1])
+    monkeypatch.setattr(op, "baseline", lambda inputs, dtype: (order.append(BASELINE), real_baseline(inputs, dtype))[1])
+    timed = []
+    real_samples = runner.time_samples
+
+    def spy(fn, warmup_ms, rep_ms, cuda_graph):
+        start = len(order)
+        times = real_samples(fn, warmup_ms, rep_ms, cuda_graph)
+        timed.append((order[start], rep_ms, len(times)))
+        return times
+
+    monkeypatch.setattr(runner, "time_samples", spy)
+    result = run_bench(op, [op.parse_shape("16,16,16")], "fp16", ["naive", "grouped"], rep_ms=3, rounds=3)
+    assert [k for k, _, _ in timed] == [BASELINE, "naive", "grouped", "grouped", "naive", BASELINE,
+                                        BASELINE, "naive", "grouped"]
+    assert all(rep == pytest.approx(1.0) for _, rep, _ in timed)
+    assert result.meta["rounds"] == 3
+    rows = {r.kernel: r for r in result.rows}
+    assert [r.kernel for r in result.rows] == [BASELINE, "naive", "grouped"]
+    assert all(r.status == "ok" and r.ms_p20 <= r.ms <= r.ms_p80 for r in rows.values())
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        run_bench(op, [op.parse_shape("16,16,16")], "fp16", ["naive"], rounds=0)
 
 
 def test_info_runs(capsys):

@@ -48,6 +48,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--batch", type=int, default=1, help="matmul: batch count (default 1)")
     p.add_argument("--warmup", type=float, default=25.0, metavar="MS", help="warm-up time in ms (default 25)")
     p.add_argument("--rep", type=float, default=100.0, metavar="MS", help="timing time in ms (default 100)")
+    p.add_argument("--rounds", type=int, default=None, metavar="R",
+                   help="split the timing into R rounds that each time every kernel and the baseline, in "
+                        "alternating order (default 3 on a GPU, 1 under the interpreter)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="time CUDA-graph replays (takes launch overhead out; inputs rotated past L2)")
     p.add_argument("--json", metavar="PATH", help="write rows and machine details as JSON")
@@ -117,6 +120,8 @@ def cmd_bench(args, console, err_console) -> int:
         raise UsageError(f"--topk must be >= 1, got {args.topk}")
     if args.warmup < 0 or args.rep <= 0:
         raise UsageError("--warmup must be >= 0 and --rep > 0 (milliseconds)")
+    if args.rounds is not None and args.rounds < 1:
+        raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
     try:
         op = bench_op(args.op)
         dtype = args.dtype or op.default_dtype()
@@ -152,7 +157,7 @@ def cmd_bench(args, console, err_console) -> int:
             progress.update(task, advance=1, description=f"{what:<28}")
 
         result = run_bench(op, cases, dtype, kernels, baseline=not args.no_baseline, warmup_ms=args.warmup,
-                           rep_ms=args.rep, cuda_graph=args.cuda_graph,
+                           rep_ms=args.rep, cuda_graph=args.cuda_graph, rounds=args.rounds,
                            options=dict(layout=args.layout, batch=args.batch), sweep=sweep, on_step=on_step)
     print_report(result, console)
 

@@ -104,23 +104,29 @@ def _cycle(sets: list[dict], fn: Callable[[dict], object]) -> Callable[[], objec
     return lambda: fn(next(it))
 
 
-def time_call(fn: Callable[[], object], warmup_ms: float, rep_ms: float, cuda_graph: bool) -> tuple[float, float, float]:
-    """(median, p20, p80) in milliseconds."""
+def time_samples(fn: Callable[[], object], warmup_ms: float, rep_ms: float, cuda_graph: bool) -> list[float]:
+    """Times of single calls (or graph replays) in milliseconds."""
     if interpreting():
         return _time_on_host(fn, rep_ms)
     import triton.testing
 
-    quantiles = [0.5, 0.2, 0.8]
     if cuda_graph:
         with torch.cuda.stream(torch.cuda.Stream()):
-            result = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, quantiles=quantiles)
+            result = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="all")
     else:
         # do_bench clears L2 before every timed call, so each call reads its inputs from memory.
-        result = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=quantiles)
-    return tuple(float(v) for v in result)
+        result = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+    return [float(v) for v in (result if isinstance(result, list) else [result])]
 
 
-def _time_on_host(fn, rep_ms: float) -> tuple[float, float, float]:
+def summarize(times: list[float]) -> tuple[float, float, float]:
+    """(median, p20, p80) of a list of times."""
+    times = sorted(times)
+    q = statistics.quantiles(times, n=10, method="inclusive") if len(times) >= 2 else times * 9
+    return statistics.median(times), q[1], q[7]
+
+
+def _time_on_host(fn, rep_ms: float) -> list[float]:
     # No warm-up call: the correctness check just ran the same function.
     times = []
     deadline = time.perf_counter() + rep_ms / 1e3
@@ -128,9 +134,7 @@ def _time_on_host(fn, rep_ms: float) -> tuple[float, float, float]:
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    times.sort()
-    q = statistics.quantiles(times, n=10) if len(times) >= 2 else times * 9
-    return statistics.median(times), q[1], q[7]
+    return times
 
 
 def host_us_per_call(fn, calls: int = 1000, repeats: int = 5) -> float:
@@ -182,19 +186,30 @@ def run_bench(
     options: dict | None = None,
     sweep: str | None = None,
     on_step: Callable[[str], None] | None = None,
+    rounds: int | None = None,
 ) -> BenchResult:
+    """Check and time ``kernels`` (and the baseline) on each case.
+
+    Timing is split into ``rounds`` (default 3 on a GPU, 1 under the interpreter) of ``rep_ms / rounds``
+    each; every round times every kernel, in alternating order, so a drift in clocks or temperature during
+    a case reaches the baseline and the kernels alike. A row's time is the median of all its samples.
+    """
     options = dict(options or {})
     options.setdefault("batch", 1)
     if not options.get("layout"):
         options["layout"] = op.default_layout(dtype)
     machine = machine_info()
     device = "cpu" if machine.interpreter else "cuda"
+    if rounds is None:
+        rounds = 1 if machine.interpreter else 3
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     peak = op.peak(machine.gpu, dtype)
     baseline_name = op.baseline_label(dtype) if not machine.interpreter else op.cpu_baseline_name
     meta = dict(
         op=op.name, dtype=dtype, metric=op.metric, sweep=sweep, baseline=baseline_name if baseline else None,
         kernels=kernels, layout=options["layout"], batch=options["batch"], warmup_ms=warmup_ms, rep_ms=rep_ms,
-        cuda_graph=cuda_graph, peak=peak, machine=machine.to_dict(),
+        cuda_graph=cuda_graph, rounds=rounds, peak=peak, machine=machine.to_dict(),
         timing=("interpreter: host wall-clock, NOT GPU performance" if machine.interpreter else
                 "triton.testing.do_bench_cudagraph (graph replays, inputs rotated past L2)" if cuda_graph else
                 "triton.testing.do_bench (L2 cleared before each call), median of events"),
@@ -218,15 +233,42 @@ def run_bench(
                 step(kernel)
             continue
         tol = op.tolerance(dtype)
-        base_ms = None
+        # Check each kernel (this also compiles and tunes), then time them all, round by round.
+        checked = {}
         for kernel in names:
-            row = _measure(op, case, dtype, kernel, prepared, tol, options, warmup_ms, rep_ms, cuda_graph, peak)
-            if kernel == BASELINE:
-                base_ms = row.ms if row.ok else None
+            checked[kernel] = _check(op, case, dtype, kernel, prepared, tol, options)
+            step(kernel)
+        timed = [kernel for kernel in names if isinstance(checked[kernel], _Checked)]
+        samples: dict[str, list[float]] = {kernel: [] for kernel in timed}
+        for r in range(rounds):
+            for kernel in (timed if r % 2 == 0 else timed[::-1]):
+                c = checked[kernel]
+                try:
+                    with c.context():
+                        samples[kernel] += time_samples(_cycle(prepared.sets, c.call), warmup_ms, rep_ms / rounds,
+                                                        cuda_graph)
+                except Exception as exc:  # noqa: BLE001 - a launch failing mid-timing is reported, not fatal
+                    checked[kernel] = _row(op, case, dtype, kernel, options, "error", message=_message(exc))
+                    timed.remove(kernel)
+                    samples.pop(kernel)
+        rows = {}
+        for kernel in names:
+            c = checked[kernel]
+            if isinstance(c, _Checked):
+                ms, p20, p80 = summarize(samples[kernel])
+                value = op.rate(case, dtype, ms, options)
+                rows[kernel] = _row(op, case, dtype, kernel, options, c.status, rel_err=c.err,
+                                    tolerance=None if c.err is None else tol, ms=ms, ms_p20=p20, ms_p80=p80,
+                                    value=value, pct_peak=(100.0 * value / peak) if peak else None)
+            else:
+                rows[kernel] = c
+        base = rows.get(BASELINE)
+        base_ms = base.ms if base is not None and base.ok else None
+        for kernel in names:
+            row = rows[kernel]
             if row.ms and base_ms:
                 row.ratio = base_ms / row.ms
             result.rows.append(row)
-            step(kernel)
         del prepared, first
         gc.collect()
         if device == "cuda":
@@ -239,32 +281,39 @@ def _row(op, case, dtype, kernel, options, status, **kw) -> Row:
                layout=options["layout"], batch=options["batch"], status=status, metric=op.metric, **kw)
 
 
-def _measure(op, case, dtype, kernel, prepared, tol, options, warmup_ms, rep_ms, cuda_graph, peak) -> Row:
+@dataclass
+class _Checked:
+    call: Callable[[dict], object]  # runs the kernel on one input set
+    context: Callable[[], object]  # the precision context (tf32 or not) to call it in
+    status: str
+    err: float | None
+
+
+def _message(exc: Exception) -> str:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return "out of memory"
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
+def _check(op, case, dtype, kernel, prepared, tol, options) -> "_Checked | Row":
+    """Run ``kernel`` once and compare with the reference: a :class:`_Checked`, or an error row."""
     if kernel == BASELINE:
-        call = lambda inputs: op.baseline(inputs, dtype)  # noqa: E731
-        context = op.baseline_context(dtype)
+        call, context = (lambda inputs: op.baseline(inputs, dtype)), (lambda: op.baseline_context(dtype))
     else:
-        call = lambda inputs: op.run(kernel, inputs, dtype)  # noqa: E731
-        context = op.baseline_context(None)
+        call, context = (lambda inputs: op.run(kernel, inputs, dtype)), (lambda: op.baseline_context(None))
     try:
-        with context:
-            # Correctness first (this call also compiles and, for autotuned kernels, tunes).
+        # Correctness first (this call also compiles and, for autotuned kernels, tunes).
+        with context():
             out = call(prepared.sets[0])
-            if kernel == BASELINE and not op.baseline_computes_result:
-                err, status = None, "ok"
-            else:
-                err = _rel_err(out, prepared.reference)
-                status = "ok" if err <= tol else "wrong"
-            del out
-            ms, p20, p80 = time_call(_cycle(prepared.sets, call), warmup_ms, rep_ms, cuda_graph)
-    except torch.cuda.OutOfMemoryError:
-        return _row(op, case, dtype, kernel, options, "error", message="out of memory")
-    except Exception as exc:  # a kernel that fails to compile or launch is reported, not fatal
-        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-        return _row(op, case, dtype, kernel, options, "error", message=message)
-    value = op.rate(case, dtype, ms, options)
-    return _row(op, case, dtype, kernel, options, status, rel_err=err, tolerance=None if err is None else tol, ms=ms, ms_p20=p20,
-                ms_p80=p80, value=value, pct_peak=(100.0 * value / peak) if peak else None)
+        if kernel == BASELINE and not op.baseline_computes_result:
+            err, status = None, "ok"
+        else:
+            err = _rel_err(out, prepared.reference)
+            status = "ok" if err <= tol else "wrong"
+        del out
+    except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile or launch is reported, not fatal
+        return _row(op, case, dtype, kernel, options, "error", message=_message(exc))
+    return _Checked(call, context, status, err)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -57,7 +57,7 @@ def matmul_persistent_tma_kernel(
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
+    NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_ACCUM: tl.constexpr,
 ):
     # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1.
     if A_T:
@@ -75,7 +75,10 @@ def matmul_persistent_tma_kernel(
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
     # Each program takes every NUM_SMS-th tile, in grouped order.
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=FLATTEN):
+    # WARP_SPECIALIZE: 0 off; 1 on the K loop; 2 on the tile loop (Triton splits loads and MMAs into warp groups).
+    WS_TILES: tl.constexpr = WARP_SPECIALIZE == 2
+    WS_K: tl.constexpr = WARP_SPECIALIZE == 1
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_TILES):
         pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
@@ -84,7 +87,7 @@ def matmul_persistent_tma_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # the transposed tile, B^T @ A^T
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ks in range(k_steps):
+        for ks in tl.range(k_steps, warp_specialize=WS_K):
             k0 = ks * BLOCK_K
             if A_T:
                 a = a_desc.load([k0, m0]).T  # [BM, BK]
@@ -99,6 +102,8 @@ def matmul_persistent_tma_kernel(
                 acc = mma(through_registers(b.T), a.T, acc, INPUT_PRECISION)
             elif MMA_OPERANDS == "reg_a":
                 acc = mma(through_registers(a), b, acc, INPUT_PRECISION)
+            elif FAST_ACCUM:
+                acc = tl.dot(a, b, acc)  # fp8: Triton's default, fp32 promotion left to the hardware's own schedule
             else:
                 acc = mma(a, b, acc, INPUT_PRECISION)
         if SWAP:
@@ -122,8 +127,9 @@ def matmul_persistent_tma_kernel(
 # --- host side ---------------------------------------------------------------------------------------------
 
 
-def _cfg(bm, bn, bk, warps, stages, flatten=True) -> dict:
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLATTEN=flatten, num_warps=warps, num_stages=stages)
+def _cfg(bm, bn, bk, warps, stages, flatten=True, ws=0) -> dict:
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLATTEN=flatten, WARP_SPECIALIZE=ws,
+                num_warps=warps, num_stages=stages)
 
 
 def configs(dtype_bytes: int) -> list[dict]:
@@ -190,7 +196,7 @@ def _ensure_allocator() -> None:
         _allocator_set = True
 
 
-def _launch(p: GemmProblem, cfg: dict) -> None:
+def _launch(p: GemmProblem, cfg: dict, fast_accum: bool = False) -> None:
     _, sam, sak = p.a_strides
     _, sbk, sbn = p.b_strides
     a_t, b_t = sak != 1, sbn != 1
@@ -210,7 +216,8 @@ def _launch(p: GemmProblem, cfg: dict) -> None:
     launch(matmul_persistent_tma_kernel, grid, args,
            dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                 INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
-                HAS_SCALE_B=flags["HAS_SCALE_B"], MMA_OPERANDS=flags["MMA_OPERANDS"], NUM_SMS=num_sms, **cfg))
+                HAS_SCALE_B=flags["HAS_SCALE_B"], MMA_OPERANDS=flags["MMA_OPERANDS"], NUM_SMS=num_sms,
+                FAST_ACCUM=fast_accum, **{"WARP_SPECIALIZE": 0, **cfg}))
 
 
 def _time(p: GemmProblem, cfg: dict) -> float:
