@@ -13,6 +13,7 @@ rounds that alternate the baseline and the variants. Writes ``$OUT/explore-hoppe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -114,7 +115,8 @@ def make_case(kind, m, n, k, layout):
 def runner(family, p, cfg, flag):
     if family == "pt":
         pt._ensure_allocator()
-        return lambda: pt._launch(p, cfg, fast_accum=flag)
+        q = dataclasses.replace(p, fast_accum=flag)
+        return lambda: pt._launch(q, cfg)
     flags = {**p.kernel_flags(), **cfg, "EVEN_K": flag}
     return lambda: launch(matmul_grouped_kernel, grid(p), p.kernel_args(), flags)
 

@@ -63,6 +63,7 @@ def test_default_bench_saves_files(tmp_path, monkeypatch):
         (["bench", "--sweep", "square", "--shape", "4,4,4"], "either --sweep or --shape"),
         (["bench", "--batch", "0"], "--batch must be >= 1"),
         (["bench", "--rounds", "0"], "--rounds must be >= 1"),
+        (["bench", "--fast-accum"], "--fast-accum applies to --op matmul with an fp8 --dtype only"),
         (["bench", "--shapes", "/no/such/file"], "cannot read --shapes file"),
         (["bench", "--bogus"], "unrecognized arguments: --bogus"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
@@ -124,6 +125,20 @@ def test_fp8_defaults_to_the_nt_layout_of_scaled_mm(capsys):
     assert all(r.layout == "NT" for r in result.rows)
     assert main(["bench", "--dtype", "fp8_e5m2", "--shape", "16,16,32", "--kernels", "naive", "--quiet",
                  "--no-save"]) == 0
+
+
+def test_fp8_fast_accum_reaches_both_sides(tmp_path, monkeypatch):
+    import tilegemm
+
+    seen = []
+    real = tilegemm.matmul
+    monkeypatch.setattr(tilegemm, "matmul", lambda *a, **kw: (seen.append(kw.get("fast_accum")), real(*a, **kw))[1])
+    path = tmp_path / "r.json"
+    assert main(["bench", "--dtype", "fp8_e4m3", "--fast-accum", "--shape", "16,32,64", "--kernels", "grouped",
+                 "--quiet", "--no-save", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["meta"]["fast_accum"] is True and seen and all(seen)
+    assert all(r["status"] == "ok" for r in data["rows"])
 
 
 def test_batched_layout_rows_count_the_batch():

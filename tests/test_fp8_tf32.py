@@ -158,7 +158,7 @@ def test_fp8_through_the_registered_op(device):
     a = fp8_operand(16, 32, False, E4M3, device)
     b = fp8_operand(32, 24, True, E5M2, device)
     scale_a, scale_b = torch.tensor(0.5, device=device), torch.rand(24, device=device) + 0.5
-    args = (a, b, None, None, 1.0, 1.0, "none", torch.float32, "ieee", "grouped", scale_a, scale_b)
+    args = (a, b, None, None, 1.0, 1.0, "none", torch.float32, "ieee", "grouped", scale_a, scale_b, True)
     # opcheck's schema test does arithmetic on the inputs, which torch has no fp8 kernel for on the CPU.
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.tilegemm.matmul.default, args, test_utils=utils)
@@ -169,6 +169,48 @@ def test_fp8_through_the_registered_op(device):
     out = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")(
         a, b, scale_a, scale_b)
     assert_rel_close(out, 2.0 * dequantized_reference(a, b, scale_a, scale_b), 1e-3)
+
+
+# --- fp8 fast accumulation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", RUNGS)
+@pytest.mark.parametrize("layout", ["NT", "NN"])
+def test_fp8_fast_accum_every_rung(kernel, layout, device):
+    M, N, K = 33, 70, 300
+    a = fp8_operand(M, K, layout[0] == "T", E4M3, device)
+    b = fp8_operand(K, N, layout[1] == "T", E4M3, device)
+    scale_a, scale_b = torch.tensor(0.5, device=device), torch.rand(N, device=device) + 0.5
+    fast = tilegemm.matmul(a, b, kernel=kernel, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32,
+                           fast_accum=True)
+    ref = dequantized_reference(a, b, scale_a, scale_b)
+    assert_rel_close(fast, ref, tolerance(E4M3, out_dtype=torch.float32, fast_accum=True))
+
+
+def test_fp8_fast_accum_has_its_own_tuning_key(device):
+    from tilegemm.ops.matmul.problem import make_problems
+
+    a = fp8_operand(16, 32, False, E4M3, device)
+    b = fp8_operand(32, 16, True, E4M3, device)
+    out = torch.empty(16, 16, device=device, dtype=torch.bfloat16)
+    precise, fast = (make_problems(a, b, out, None, None, 1.0, 1.0, "none", "ieee", False, fast_accum=f)[0]
+                     for f in (False, True))
+    assert precise.tuning_dtype == "float8_e4m3fn" and fast.tuning_dtype == "float8_e4m3fn+fast"
+    assert precise.kernel_flags()["FAST_ACCUM"] is False and fast.kernel_flags()["FAST_ACCUM"] is True
+
+
+@pytest.mark.gpu
+def test_fp8_fast_accum_long_k_stays_within_its_bound():
+    # On the GPU fast accumulation really drops bits; over K = 8192 it must still be within its bound,
+    # and the promoted (default) sum within the tighter fp8 bound.
+    a = fp8_operand(256, 8192, False, E4M3, "cuda")
+    b = fp8_operand(8192, 256, True, E4M3, "cuda")
+    ref = dequantized_reference(a, b)
+    for kernel in ("autotuned", "persistent_tma"):
+        precise = tilegemm.matmul(a, b, kernel=kernel, out_dtype=torch.float32)
+        fast = tilegemm.matmul(a, b, kernel=kernel, out_dtype=torch.float32, fast_accum=True)
+        assert_rel_close(precise, ref, tolerance(E4M3, out_dtype=torch.float32))
+        assert_rel_close(fast, ref, tolerance(E4M3, out_dtype=torch.float32, fast_accum=True))
 
 
 # --- fp8 errors ----------------------------------------------------------------------------------------------
@@ -196,3 +238,7 @@ def test_fp8_bad_inputs_name_the_problem(device):
         tilegemm.matmul(a, b, bias=torch.zeros(8, device=device).to(E4M3))
     with pytest.raises(TypeError, match="no backward"):
         tilegemm.matmul(a.float().requires_grad_().to(E4M3), b)
+    with pytest.raises(ValueError, match="fast_accum applies to float8 inputs only; a is float16"):
+        tilegemm.matmul(half.T.contiguous(), half, fast_accum=True)
+    with pytest.raises(TypeError, match="fast_accum must be a bool, got str"):
+        tilegemm.matmul(a, b, fast_accum="yes")

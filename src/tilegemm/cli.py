@@ -46,6 +46,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--layout", default=None, choices=["NN", "NT", "TN", "TT"],
                    help="matmul: T reads that operand as a transposed view (default NN; NT for fp8)")
     p.add_argument("--batch", type=int, default=1, help="matmul: batch count (default 1)")
+    p.add_argument("--fast-accum", action="store_true",
+                   help="matmul fp8: accumulate without fp32 promotion, tilegemm and torch._scaled_mm "
+                        "(use_fast_accum=True) alike")
     p.add_argument("--warmup", type=float, default=25.0, metavar="MS", help="warm-up time in ms (default 25)")
     p.add_argument("--rep", type=float, default=100.0, metavar="MS", help="timing time in ms (default 100)")
     p.add_argument("--rounds", type=int, default=None, metavar="R",
@@ -146,6 +149,8 @@ def cmd_bench(args, console, err_console) -> int:
         raise UsageError(str(err)) from None
     if op.name != "matmul" and (args.layout is not None or args.batch != 1):
         raise UsageError("--layout and --batch apply to --op matmul only")
+    if args.fast_accum and not (op.name == "matmul" and dtype.startswith("fp8")):
+        raise UsageError("--fast-accum applies to --op matmul with an fp8 --dtype only")
 
     total = len(cases) * (len(kernels) + (0 if args.no_baseline else 1))
     progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -158,7 +163,8 @@ def cmd_bench(args, console, err_console) -> int:
 
         result = run_bench(op, cases, dtype, kernels, baseline=not args.no_baseline, warmup_ms=args.warmup,
                            rep_ms=args.rep, cuda_graph=args.cuda_graph, rounds=args.rounds,
-                           options=dict(layout=args.layout, batch=args.batch), sweep=sweep, on_step=on_step)
+                           options=dict(layout=args.layout, batch=args.batch, fast_accum=args.fast_accum),
+                           sweep=sweep, on_step=on_step)
     print_report(result, console)
 
     paths = dict(json=args.json, csv=args.csv, plot=args.plot)

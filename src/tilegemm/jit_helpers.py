@@ -106,14 +106,19 @@ def through_registers(x):
 
 
 @triton.jit
-def mma(a, b, acc, INPUT_PRECISION: tl.constexpr):
+def mma(a, b, acc, INPUT_PRECISION: tl.constexpr, FAST_ACCUM: tl.constexpr):
     """``acc + a @ b`` on the tensor cores.
 
     fp8 products are promoted into the fp32 accumulator once per call (every BLOCK_K of K): Hopper's fp8
     MMA keeps fewer accumulator bits than fp32, and Triton otherwise lets the sum run imprecise over all
-    of K. This matches ``torch._scaled_mm`` without ``use_fast_accum``.
+    of K. This matches ``torch._scaled_mm`` without ``use_fast_accum``. ``FAST_ACCUM`` skips the
+    promotion (the MMA accumulates all of K itself), like ``use_fast_accum=True``: faster, less exact.
     """
     if a.dtype.is_fp8():
+        if FAST_ACCUM:
+            # No limit given: Triton's default on sm_90 (2**30) never promotes. 0 would promote after
+            # every MMA instruction, the slowest choice.
+            return tl.dot(a, b, acc)
         return tl.dot(a, b, acc, max_num_imprecise_acc=a.shape[1])
     else:
         return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)

@@ -143,7 +143,8 @@ class MatmulBench(BenchOp):
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32,
               "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
     # fp8: per-tensor scales, bf16 output, against torch._scaled_mm (cuBLASLt), which takes A row-major and
-    # B column-major only (layout NT) and no e5m2 x e5m2: "fp8_e5m2" is an e5m2 A times an e4m3 B.
+    # B column-major only (layout NT) and no e5m2 x e5m2: "fp8_e5m2" is an e5m2 A times an e4m3 B. With the
+    # option fast_accum (--fast-accum) both sides accumulate without fp32 promotion.
     FP8_SCALES = (0.75, 1.25)
     sweeps = {
         "square": lambda: [_mnk(s, s, s) for s in (1024, 2048, 4096, 8192, 16384)],
@@ -202,7 +203,8 @@ class MatmulBench(BenchOp):
             inputs = dict(a=operand(M, K, layout[0] == "T", a_dtype), b=operand(K, N, layout[1] == "T", b_dtype))
             if fp8:
                 inputs.update(scale_a=torch.tensor(self.FP8_SCALES[0], device=device),
-                              scale_b=torch.tensor(self.FP8_SCALES[1], device=device))
+                              scale_b=torch.tensor(self.FP8_SCALES[1], device=device),
+                              fast_accum=bool(options.get("fast_accum")))
             sets.append(inputs)
         first = sets[0]
         reference = torch.matmul(first["a"].double(), first["b"].double())
@@ -217,7 +219,7 @@ class MatmulBench(BenchOp):
 
         if self._fp8(dtype):
             return matmul(inputs["a"], inputs["b"], kernel=kernel, scale_a=inputs["scale_a"],
-                          scale_b=inputs["scale_b"], out_dtype=torch.bfloat16)
+                          scale_b=inputs["scale_b"], out_dtype=torch.bfloat16, fast_accum=inputs["fast_accum"])
         return matmul(inputs["a"], inputs["b"], kernel=kernel, precision=self._precision(dtype))
 
     def baseline(self, inputs, dtype):
@@ -229,7 +231,8 @@ class MatmulBench(BenchOp):
             if a.dim() != 2 or a.stride(1) != 1 or b.stride(0) != 1:
                 raise BenchError("torch._scaled_mm takes 2-D A row-major and B column-major only (--layout NT, "
                                  "no --batch); add --no-baseline for other layouts")
-            return torch._scaled_mm(a, b, inputs["scale_a"], inputs["scale_b"], out_dtype=torch.bfloat16)
+            return torch._scaled_mm(a, b, inputs["scale_a"], inputs["scale_b"], out_dtype=torch.bfloat16,
+                                    use_fast_accum=inputs["fast_accum"])
         # torch.matmul's fp32 path follows allow_tf32; the runner sets it per dtype (see tf32_mode).
         return torch.matmul(inputs["a"], inputs["b"])
 

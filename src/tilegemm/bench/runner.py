@@ -208,7 +208,8 @@ def run_bench(
     baseline_name = op.baseline_label(dtype) if not machine.interpreter else op.cpu_baseline_name
     meta = dict(
         op=op.name, dtype=dtype, metric=op.metric, sweep=sweep, baseline=baseline_name if baseline else None,
-        kernels=kernels, layout=options["layout"], batch=options["batch"], warmup_ms=warmup_ms, rep_ms=rep_ms,
+        kernels=kernels, layout=options["layout"], batch=options["batch"],
+        fast_accum=bool(options.get("fast_accum")), warmup_ms=warmup_ms, rep_ms=rep_ms,
         cuda_graph=cuda_graph, rounds=rounds, peak=peak, machine=machine.to_dict(),
         timing=("interpreter: host wall-clock, NOT GPU performance" if machine.interpreter else
                 "triton.testing.do_bench_cudagraph (graph replays, inputs rotated past L2)" if cuda_graph else

@@ -39,6 +39,7 @@ def dot_k_loop(
     load_m, load_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, MMA_OPERANDS: tl.constexpr, EVEN_K: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
 ):
     """``A[rows, k_begin:k_end] @ B[k_begin:k_end, cols]`` in fp32, as a [BLOCK_M, BLOCK_N] tile.
 
@@ -74,11 +75,11 @@ def dot_k_loop(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         if SWAP:
-            acc = mma(through_registers(b), a, acc, INPUT_PRECISION)
+            acc = mma(through_registers(b), a, acc, INPUT_PRECISION, FAST_ACCUM)
         elif MMA_OPERANDS == "reg_a":
-            acc = mma(through_registers(a), b, acc, INPUT_PRECISION)
+            acc = mma(through_registers(a), b, acc, INPUT_PRECISION, FAST_ACCUM)
         else:
-            acc = mma(a, b, acc, INPUT_PRECISION)
+            acc = mma(a, b, acc, INPUT_PRECISION, FAST_ACCUM)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if SWAP:

@@ -116,7 +116,7 @@ def _check_scale(name: str, scale, dim_name: str, vector_shapes) -> None:
 
 
 def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel,
-                 scale_a=None, scale_b=None) -> tuple[int, ...]:
+                 scale_a=None, scale_b=None, fast_accum=False) -> tuple[int, ...]:
     """Raise TypeError/ValueError naming the problem; return the output shape."""
     _check_float("a", a, INPUT_DTYPES)
     _check_float("b", b, INPUT_DTYPES)
@@ -136,6 +136,10 @@ def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, k
             raise ValueError(f"{name} applies to float8 inputs only; a is {_dtype_name(a.dtype)}")
         _check_scale(name, scale, dim_name, vector_shapes)
         named[name] = scale
+    if not isinstance(fast_accum, bool):
+        raise TypeError(f"fast_accum must be a bool, got {type(fast_accum).__name__}")
+    if fast_accum and not fp8:
+        raise ValueError(f"fast_accum applies to float8 inputs only; a is {_dtype_name(a.dtype)}")
     if fp8 and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         raise TypeError("float8 matmul has no backward; call it under torch.no_grad() or detach the inputs")
     if bias is not None:
@@ -181,9 +185,9 @@ def choose_kernel(p: GemmProblem) -> str:
     - M <= 128 with K at least twice N (few output tiles, a long K loop): ``split_k``; at 1x4096x14336 it ran
       1.04x cuBLAS where ``autotuned`` ran 0.73x.
     - Other M <= 128: ``autotuned`` (its small-M configs); 1.72x cuBLAS at 128x28672x8192.
-    - Larger problems on Hopper that TMA can describe, with at least one 128x128 tile per SM:
-      ``persistent_tma`` (fp16 0.90x / 1.00x at 8192^3 / 16384^3, where ``autotuned`` ran 0.89x / 0.93x),
-      except tf32 with swapped operands (see the code).
+    - Larger problems on Hopper that TMA can describe, with at least two 128x128 tiles per SM (four for
+      fp8): ``persistent_tma`` (fp16 1.02x / 1.03x at 8192^3 / 16384^3, where ``autotuned`` ran 1.00x /
+      0.93x), except tf32 with swapped operands (see the code).
     - Otherwise ``autotuned``.
     """
     if interpreting():
@@ -194,15 +198,16 @@ def choose_kernel(p: GemmProblem) -> str:
         from tilegemm.hardware import sm_count
         from tilegemm.ops.matmul.persistent_tma import describable
 
-        # With fewer 128x128 tiles than SMs a persistent grid has nothing to balance: at 1024^3 it ran
-        # 0.66x cuBLAS where autotuned's smaller tiles reached 0.87x.
+        # With few tiles per SM a persistent grid has little to balance: at 1024^3 it ran 0.69x cuBLAS where
+        # autotuned's smaller tiles reached 0.87x; at 2048^3 (1.9 tiles per SM) 0.93x against 1.00x, and at
+        # 4096^3 (7.8 per SM) 0.94x against 0.88x (fp16, scripts/explore_hopper.py).
         tiles = -(-p.M // 128) * -(-p.N // 128)
         # tf32 with an operand that is not K-major: the swapped tiles ran faster in autotuned's plain loop
         # (0.76x cuBLAS at 8192^3) than in persistent_tma (0.68x).
         swapped_tf32 = p.dtype == torch.float32 and p.mma_operands != "ab"
         # fp8 needs more tiles per SM before the persistent grid pays: at 2048^3 (2 tiles per SM) it ran
         # 0.43x torch._scaled_mm where autotuned ran 0.63x; at 4096^3 (8 per SM) 0.79x against 0.73x.
-        min_tiles = sm_count(p.out.device) * (4 if p.a.element_size() == 1 else 1)
+        min_tiles = sm_count(p.out.device) * (4 if p.a.element_size() == 1 else 2)
         if tiles >= min_tiles and describable(p) is None and not swapped_tf32:
             return "persistent_tma"
     return "autotuned"
@@ -240,7 +245,7 @@ def _scale_stride(scale: torch.Tensor | None) -> int:
 
 
 def _forward(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel,
-             scale_a=None, scale_b=None) -> torch.Tensor:
+             scale_a=None, scale_b=None, fast_accum=False) -> torch.Tensor:
     if a.dim() == 2 and b.dim() == 2:
         shape = (a.shape[0], b.shape[1])
     else:
@@ -251,7 +256,7 @@ def _forward(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kerne
     upcast = a.dtype == torch.bfloat16 and interpreting()
     precision = resolve_precision(precision, a.dtype)
     scales = (scale_a, _scale_stride(scale_a), scale_b, _scale_stride(scale_b))
-    for p in make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast, scales):
+    for p in make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast, scales, fast_accum):
         launcher(choose_kernel(p) if kernel == "auto" else kernel)(p)
     return out
 
@@ -270,12 +275,15 @@ def _matmul_op(
     kernel: str,
     scale_a: Optional[torch.Tensor] = None,
     scale_b: Optional[torch.Tensor] = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    return _forward(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a, scale_b)
+    return _forward(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a, scale_b,
+                    fast_accum)
 
 
 @_matmul_op.register_fake
-def _matmul_fake(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a=None, scale_b=None):
+def _matmul_fake(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a=None, scale_b=None,
+                 fast_accum=False):
     return a.new_empty(output_shape(a.shape, b.shape), dtype=out_dtype or default_out_dtype(a.dtype))
 
 
@@ -333,7 +341,7 @@ def _backward(ctx, grad_out):
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype)
     if want_c and c is not None:
         grad_c = _sum_to(grad * ctx.beta, c.shape).to(c.dtype)
-    return grad_a, grad_b, grad_bias, grad_c, None, None, None, None, None, None, None, None
+    return grad_a, grad_b, grad_bias, grad_c, None, None, None, None, None, None, None, None, None
 
 
 _matmul_op.register_autograd(_backward, setup_context=_setup_context)
@@ -356,6 +364,7 @@ def matmul(
     kernel: str = "auto",
     scale_a: torch.Tensor | None = None,
     scale_b: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``activation(alpha * scale_a * scale_b * (a @ b) + beta * c + bias)`` in one kernel, accumulated in fp32.
 
@@ -375,12 +384,16 @@ def matmul(
         scale_a, scale_b: fp8 dequantization scales, float32: one per tensor (shape ``[]`` or ``[1]``), or
             one per row of ``a`` (``[M]`` or ``[M, 1]``) and per column of ``b`` (``[N]`` or ``[1, N]``),
             shared by every batch. Only with fp8 inputs. fp8 products accumulate in fp32.
+        fast_accum: fp8 only. By default the tensor cores' partial sums are added into an fp32
+            accumulator every K step (like ``torch._scaled_mm``); True lets them accumulate all of K
+            themselves, with fewer bits (like ``use_fast_accum=True``): about 1.25x faster on an H200 at
+            4096^3 and up, less exact for long K.
 
     Raises:
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
     plain = bias is None and c is None and activation is None and out_dtype is None
-    plain = plain and scale_a is None and scale_b is None
+    plain = plain and scale_a is None and scale_b is None and fast_accum is False
     key = _replay_key(a, b, alpha, precision, kernel) if plain else None
     if key is not None:
         hit = _replays.get(key)
@@ -389,9 +402,10 @@ def matmul(
             hit(a, b, out)
             return out
     activation = "none" if activation is None else activation
-    check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a, scale_b)
+    check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a, scale_b,
+                 fast_accum)
     args = (a, b, bias, c, float(alpha), float(beta), activation, out_dtype, precision or "default", kernel,
-            scale_a, scale_b)
+            scale_a, scale_b, fast_accum)
     if not _plain_call(a, b, bias, c, scale_a, scale_b):
         return _matmul_op(*args)
     if key is None:

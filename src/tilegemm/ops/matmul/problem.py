@@ -42,6 +42,7 @@ class GemmProblem:
     scale_a_stride: int = 0
     scale_b: torch.Tensor | None = None
     scale_b_stride: int = 0
+    fast_accum: bool = False  # fp8: accumulate without promoting to fp32 every BLOCK_K (see jit_helpers.mma)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -81,7 +82,9 @@ class GemmProblem:
         """The operand dtypes as tuned configs are keyed: ``tf32`` apart from IEEE fp32, fp8 pairs joined."""
         a, b = (str(t.dtype).replace("torch.", "") for t in (self.a, self.b))
         label = a if a == b else f"{a}x{b}"
-        return "tf32" if label == "float32" and self.input_precision == "tf32" else label
+        if label == "float32" and self.input_precision == "tf32":
+            return "tf32"
+        return label + "+fast" if self.fast_accum else label
 
     @property
     def layout(self) -> str:
@@ -107,6 +110,7 @@ class GemmProblem:
             UPCAST=self.upcast,
             INDEX_64=self.index_64,
             MMA_OPERANDS=self.mma_operands,
+            FAST_ACCUM=self.fast_accum,
         )
 
 
@@ -139,7 +143,7 @@ def _aligned_strides(t: torch.Tensor, shape: tuple[int, ...]) -> list[int]:
 
 
 def make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast,
-                  scales=(None, 0, None, 0)) -> list[GemmProblem]:
+                  scales=(None, 0, None, 0), fast_accum: bool = False) -> list[GemmProblem]:
     """Cut ``out = a @ b`` (broadcast batch dims, ``out`` of shape [*batch, M, N]) into kernel launches.
 
     ``scales`` is ``(scale_a, its stride along M, scale_b, its stride along N)``; the same for every batch.
@@ -149,7 +153,8 @@ def make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast
         M, N = out.shape
         c_strides = (0, *_aligned_strides(c, (M, N))) if c is not None else (0, 0, 0)
         return [GemmProblem(a, (0, *a.stride()), b, (0, *b.stride()), out, (0, *out.stride()), c, c_strides,
-                            bias, M, N, a.shape[1], 1, alpha, beta, activation, precision, upcast, *scales)]
+                            bias, M, N, a.shape[1], 1, alpha, beta, activation, precision, upcast, *scales,
+                            fast_accum)]
     shape = tuple(out.shape)
     batch_shape = shape[:-2]
     M, N = shape[-2:]
@@ -180,7 +185,7 @@ def make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast
         return GemmProblem(
             bases[0], s3[0], bases[1], s3[1], bases[2], s3[2],
             bases[3] if c is not None else None, s3[3] if c is not None else (0, 0, 0),
-            bias, M, N, K, n, alpha, beta, activation, precision, upcast, *scales,
+            bias, M, N, K, n, alpha, beta, activation, precision, upcast, *scales, fast_accum,
         )
 
     if not outer and count <= MAX_GRID_Y:
