@@ -75,6 +75,20 @@ def pointer_variants(dtype_bytes):
     return out
 
 
+def small_variants():
+    """Pointer-kernel configs for problems with fewer 128x128 tiles than SMs (1024^3: 64 tiles)."""
+    out = []
+    for bm, bn in ((64, 64), (64, 128), (128, 64), (128, 128), (32, 128), (64, 256)):
+        for bk in (32, 64, 128):
+            for w in (4, 8):
+                for s in (3, 4, 5):
+                    if (bm + bn) * bk * 2 * (s - 1) > 200 * 1024 or (bm * bn < 128 * 128 and w == 8):
+                        continue
+                    out.append(("ptr", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w,
+                                            num_stages=s), False))
+    return out
+
+
 def make_case(kind, m, n, k, layout):
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n * 3 + k)
     if kind == "fp8":
@@ -155,19 +169,25 @@ def main():
         cases += [("tf32", s, s, s, "NN") for s in (2048, 4096, 8192)]
     if "fp8" in kinds:
         cases += [("fp8", s, s, s, "NT") for s in (1024, 2048, 4096, 8192)]
+    if "small" in kinds:
+        cases += [("fp16", 1024, 1024, 1024, "NN", "small"), ("bf16", 1024, 1024, 1024, "NN", "small")]
+    cases = [c if len(c) == 6 else (*c, "full") for c in cases]
     results = []
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     summary = []
-    for kind, m, n, k, layout in cases:
+    for kind, m, n, k, layout, vset in cases:
         if time.time() - T0 > BUDGET_S:
             print(f"budget spent; skipping {kind} {m}x{n}x{k}", flush=True)
             continue
         p, out, bases, ref, eb = make_case(kind, m, n, k, layout)
         rep = 30 if m * n * k <= 4096**3 else 100
-        variants = persistent_variants(eb, kind == "fp8") + pointer_variants(eb)
+        if vset == "small":
+            variants = small_variants()
+        else:
+            variants = persistent_variants(eb, kind == "fp8") + pointer_variants(eb)
         # Check and warm every variant (compiles); drop the ones that fail or are wrong.
-        live = {}
+        live, errors = {}, {}
         for fam, cfg, flag in variants:
             name = label(fam, cfg, flag)
             try:
@@ -177,6 +197,7 @@ def main():
                 torch.cuda.synchronize()
                 err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
                 tol = 2e-2 if kind in ("tf32", "fp8", "bf16") else 5e-3
+                errors[name] = err
                 if not err <= tol:
                     results.append(dict(kind=kind, shape=[m, n, k], variant=name, status=f"wrong {err:.3g}"))
                     continue
@@ -195,7 +216,7 @@ def main():
         flops = 2.0 * m * n * k
         for name, t in ms.items():
             results.append(dict(kind=kind, shape=[m, n, k], layout=layout, variant=name, ms=t, runs=timings[name],
-                                tflops=flops / t * 1e-9, ratio=ms[base_name] / t))
+                                tflops=flops / t * 1e-9, ratio=ms[base_name] / t, max_err=errors.get(name)))
         best = {}
         for name, t in ms.items():
             fam = name.split(":")[0] if ":" in name else name
@@ -207,6 +228,9 @@ def main():
         for tag, name in sorted(best.items()):
             line += f" {tag}={ms[base_name] / ms[name]:.3f}"
         overall = min(live, key=ms.get) if live else None
+        if vset == "small":
+            top = sorted(live, key=ms.get)[:5]
+            line += " | top " + ", ".join(f"{t} {ms[base_name] / ms[t]:.3f}" for t in top)
         if overall:
             line += f" | best {overall} {ms[base_name] / ms[overall]:.3f}"
         summary.append(line)
