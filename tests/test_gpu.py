@@ -142,6 +142,28 @@ def test_replayed_launches_compute_with_the_new_tensors():
     assert len(op._replays.entries) >= len(shapes), "plain repeated calls should be replayed"
 
 
+def test_fp8_calls_with_scales_replay_with_the_new_scales():
+    from tilegemm.ops.matmul import op
+
+    op._replays.clear()
+    e4m3 = torch.float8_e4m3fn
+    for kernel in ("auto", "persistent_tma", "autotuned"):
+        for out_dtype in (None, torch.float32):
+            for fast in (False, True):
+                for trial in range(3):  # the first call records, later ones replay with new data and scales
+                    a = torch.randn(256, 512, device="cuda").to(e4m3)
+                    b = torch.randn(384, 512, device="cuda").to(e4m3).mT
+                    scale_a = torch.rand(256, device="cuda") + 0.5  # per row
+                    scale_b = torch.tensor(0.25 * (trial + 1), device="cuda")
+                    out = tilegemm.matmul(a, b, kernel=kernel, scale_a=scale_a, scale_b=scale_b,
+                                          out_dtype=out_dtype, fast_accum=fast)
+                    assert out.dtype == (out_dtype or torch.bfloat16)
+                    ref = (a.double() * scale_a.double()[:, None]) @ b.double() * scale_b.item()
+                    bound = tolerance(e4m3, out_dtype=out_dtype or torch.bfloat16, fast_accum=fast)
+                    assert_rel_close(out, ref, bound)
+    assert len(op._replays.entries) >= 6, "fp8 calls with scales should be replayed"
+
+
 def test_replay_keys_separate_what_triton_specializes():
     from tilegemm.ops.matmul import op
 

@@ -392,14 +392,13 @@ def matmul(
     Raises:
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
-    plain = bias is None and c is None and activation is None and out_dtype is None
-    plain = plain and scale_a is None and scale_b is None and fast_accum is False
-    key = _replay_key(a, b, alpha, precision, kernel) if plain else None
+    plain = bias is None and c is None and activation is None
+    key = _replay_key(a, b, alpha, precision, kernel, out_dtype, scale_a, scale_b, fast_accum) if plain else None
     if key is not None:
         hit = _replays.get(key)
         if hit is not None:
-            out = new_output(hit.shape, default_out_dtype(a.dtype), a.device)
-            hit(a, b, out)
+            out = new_output(hit.shape, out_dtype or default_out_dtype(a.dtype), a.device)
+            hit(a, b, out, *(s for s in (scale_a, scale_b) if s is not None))
             return out
     activation = "none" if activation is None else activation
     check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a, scale_b,
@@ -412,26 +411,40 @@ def matmul(
         return _forward(*args)
     with recording() as rec:
         out = _forward(*args)
-    _replays.store(key, rec.launches, (a, b, out), shape=out.shape)
+    tensors = (a, b, out, *(s for s in (scale_a, scale_b) if s is not None))
+    _replays.store(key, rec.launches, tensors, shape=out.shape)
     return out
 
 
-# Replays of earlier plain calls (no epilogue), keyed by everything Triton specializes a launch on.
+# Replays of earlier calls without bias, c or activation, keyed by everything Triton specializes a launch on.
 _replays = ReplayCache()
 
 
-def _replay_key(a, b, alpha, precision, kernel):
-    """The replay key of a plain call, or None when the call may not be replayed."""
+def _tensor_key(t):
+    return (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16 == 0)
+
+
+def _replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, scale_b=None, fast_accum=False):
+    """The replay key of a call, or None when the call may not be replayed.
+
+    Calls with scales (fp8) replay too: their shapes, strides, dtypes and alignment are in the key, and
+    the call's scale tensors take the recorded ones' parameter slots.
+    """
     if type(a) is not torch.Tensor or type(b) is not torch.Tensor or not a.is_cuda or interpreting():
         return None
-    if not _plain_call(a, b) or a.device != b.device or type(alpha) not in (float, int):
+    scales = [s for s in (scale_a, scale_b) if s is not None]
+    if any(type(s) is not torch.Tensor or s.device != a.device for s in scales):
+        return None
+    if not _plain_call(a, b, *scales) or a.device != b.device or type(alpha) not in (float, int):
+        return None
+    if type(fast_accum) is not bool or (out_dtype is not None and not isinstance(out_dtype, torch.dtype)):
         return None
     try:
         resolved = resolve_precision(precision, a.dtype)
     except ValueError:
         return None
-    return (kernel, alpha, resolved, a.dtype, b.dtype, a.shape, b.shape, a.stride(), b.stride(), a.device,
-            a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0)
+    return (kernel, alpha, resolved, out_dtype, fast_accum, _tensor_key(a), _tensor_key(b),
+            None if scale_a is None else _tensor_key(scale_a), None if scale_b is None else _tensor_key(scale_b))
 
 
 def _plain_call(*tensors) -> bool:
