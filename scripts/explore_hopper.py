@@ -1,6 +1,7 @@
 """Exploration on the GPU: which new knobs of the GEMM rungs pay, per dtype and shape (not a test, not the bench).
 
-Knobs: ``EVEN_K`` (the K loop of the pointer rungs without masks), ``WARP_SPECIALIZE`` of ``persistent_tma``
+Knobs: ``EVEN_K`` (the K loop of the pointer rungs without masks; measured at no gain on 2026-11-21 and
+removed from the kernels, so now skipped), ``WARP_SPECIALIZE`` of ``persistent_tma``
 (1: Triton's warp specialization on the K loop, 2: on the tile loop) and, for fp8, ``FAST_ACCUM`` (no
 fp32 promotion every K step, like ``torch._scaled_mm(use_fast_accum=True)``).
 
@@ -70,7 +71,7 @@ def pointer_variants(dtype_bytes):
         cfgs = [(128, 128, 32, 8, 3), (128, 128, 32, 4, 4), (128, 256, 32, 8, 3), (64, 128, 32, 4, 4)]
     out = []
     for bm, bn, bk, w, s in cfgs:
-        for even in (False, True):
+        for even in (False,):  # EVEN_K is gone from the kernels (no gain measured)
             out.append(("ptr", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s), even))
     return out
 
@@ -131,7 +132,7 @@ def runner(family, p, cfg, flag):
         pt._ensure_allocator()
         q = dataclasses.replace(p, fast_accum=flag)
         return lambda: pt._launch(q, cfg)
-    flags = {**p.kernel_flags(), **cfg, "EVEN_K": flag}
+    flags = {**p.kernel_flags(), **cfg}
     return lambda: launch(matmul_grouped_kernel, grid(p), p.kernel_args(), flags)
 
 

@@ -19,7 +19,7 @@ b = torch.randn(64, 64, device="cuda", dtype=torch.float16)
 out = torch.empty(64, 64, device="cuda", dtype=torch.float16)
 p = make_problems(a, b, out, None, None, 1.0, 1.0, "none", "ieee", False)[0]
 cfg = fixed_config(torch.float16)
-args, flags = p.kernel_args(), {**p.kernel_flags(), "EVEN_K": True}
+args, flags = p.kernel_args(), p.kernel_flags()
 g = (triton.cdiv(64, cfg["BLOCK_M"]) * triton.cdiv(64, cfg["BLOCK_N"]), 1)
 kernel = grouped.matmul_grouped_kernel
 compiled = kernel[g](*args, **flags, **cfg)

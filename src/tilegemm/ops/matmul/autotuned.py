@@ -28,7 +28,7 @@ matmul_autotuned_kernel = triton.autotune(
     configs=[_to_triton(c) for c in autotune_configs()],
     key=["M", "N", "K"],
     prune_configs_by={"early_config_prune": _prune},
-)(triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(matmul_grouped_kernel))
+)(matmul_grouped_kernel)
 
 
 def run(p: GemmProblem, config: dict | None = None) -> None:
@@ -38,7 +38,7 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
         k = tuning.key("autotuned", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
         config = tuning.lookup(k)
     if config is not None:
-        flags = {**p.kernel_flags(), **config, "EVEN_K": p.K % config["BLOCK_K"] == 0}
+        flags = {**p.kernel_flags(), **config}
         launch(matmul_grouped_kernel, grid(p), p.kernel_args(), flags)
         return
     matmul_autotuned_kernel[grid(p)](*p.kernel_args(), **p.kernel_flags())

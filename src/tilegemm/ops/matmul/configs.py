@@ -20,7 +20,11 @@ def fixed_config(dtype: torch.dtype) -> dict:
         # Small tiles: the interpreter runs each program in numpy, and tests then cross many tile edges.
         return _cfg(32, 32, 16, 4, 1)
     if dtype == torch.float32:
-        return _cfg(128, 128, 32, 8, 3)
+        # Not 8 warps and 3 stages: with tf32 operands swapped (B^T through registers) that config gave a
+        # wrong tile (3% of max|C|) twice at 4096^3 right after persistent_tma launches, in
+        # scripts/explore_hopper.py on an H200; it did not recur in isolation (scripts/diagnose_tf32.py,
+        # scripts/stress_register_operand.py), so the cause is unknown and the config is left out.
+        return _cfg(128, 128, 32, 4, 4)
     return _cfg(128, 128, 64, 4, 4)
 
 
@@ -48,8 +52,8 @@ def autotune_configs() -> list[dict]:
         _cfg(128, 128, 128, 4, 4),
         _cfg(64, 128, 128, 4, 4),
         _cfg(64, 64, 128, 4, 4),
-        # fp32 operands take twice the shared memory per element: shorter K steps.
-        _cfg(128, 128, 32, 8, 3),
+        # fp32 operands take twice the shared memory per element: shorter K steps. (128x128x32 with 8 warps
+        # and 3 stages is left out; see fixed_config.)
         _cfg(128, 128, 32, 4, 4),  # tf32 with swapped operands: 316 TFLOPS at 4096^3 on H200, the best seen
         _cfg(128, 256, 32, 8, 3),
         _cfg(128, 64, 32, 4, 4),

@@ -38,7 +38,7 @@ def dot_k_loop(
     stride_am, stride_ak, stride_bk, stride_bn,
     load_m, load_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, MMA_OPERANDS: tl.constexpr, EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     FAST_ACCUM: tl.constexpr,
 ):
     """``A[rows, k_begin:k_end] @ B[k_begin:k_end, cols]`` in fp32, as a [BLOCK_M, BLOCK_N] tile.
@@ -46,8 +46,6 @@ def dot_k_loop(
     ``MMA_OPERANDS`` says how the operands meet the tensor cores (see :func:`tilegemm.ops.matmul.problem.mma_operands`): ``"ab"`` as
     loaded; ``"reg_a"`` with the A tile passed through registers; ``"swap"`` computing the transposed tile
     ``B^T @ A^T`` with the B^T tile in registers, transposed back at the end.
-
-    ``EVEN_K`` (the range is a whole number of BLOCK_K steps) drops the K masks from the loads.
     """
     offs_k = tl.arange(0, BLOCK_K)
     SWAP: tl.constexpr = MMA_OPERANDS == "swap"
@@ -61,10 +59,7 @@ def dot_k_loop(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
         k_left = k_end - k
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        elif SWAP:
+        if SWAP:
             a = tl.load(a_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         else:

@@ -29,7 +29,7 @@ def matmul_naive_kernel(
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
-    EVEN_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Which tile: row-major over the [tiles_m, tiles_n] grid; axis 1 is the batch.
@@ -43,7 +43,7 @@ def matmul_naive_kernel(
     # Accumulate A[rows, :] @ B[:, cols] in fp32.
     offs_m, offs_n, load_m, load_n = tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
     acc = dot_k_loop(a_ptr, b_ptr, 0, K, stride_am, stride_ak, stride_bk, stride_bn, load_m, load_n,
-                     BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST, MMA_OPERANDS, EVEN_K, FAST_ACCUM)
+                     BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST, MMA_OPERANDS, FAST_ACCUM)
 
     # Epilogue: scale, add c and bias, activate, store.
     epilogue_store(acc, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
@@ -55,4 +55,4 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
     cfg = dict(config or fixed_config(p.dtype))
     cfg.pop("GROUP_M", None)
     grid = (triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"]), p.batch)
-    launch(matmul_naive_kernel, grid, p.kernel_args(), {**p.kernel_flags(), **cfg, "EVEN_K": p.K % cfg["BLOCK_K"] == 0})
+    launch(matmul_naive_kernel, grid, p.kernel_args(), {**p.kernel_flags(), **cfg})

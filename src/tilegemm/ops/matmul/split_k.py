@@ -36,7 +36,7 @@ def matmul_split_k_kernel(
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
-    EVEN_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, ATOMIC_READ: tl.constexpr,
 ):
@@ -62,7 +62,7 @@ def matmul_split_k_kernel(
 
     offs_m, offs_n, load_m, load_n = tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
     acc = dot_k_loop(a_ptr, b_ptr, k_begin, k_end, stride_am, stride_ak, stride_bk, stride_bn, load_m, load_n,
-                     BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST, MMA_OPERANDS, EVEN_K, FAST_ACCUM)
+                     BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST, MMA_OPERANDS, FAST_ACCUM)
 
     if SPLIT_K == 1:
         epilogue_store(acc, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
@@ -133,5 +133,4 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
     grid = (tiles, cfg["SPLIT_K"], p.batch)
     not_replayable()  # the workspace may be reallocated by a later, larger call
     matmul_split_k_kernel[grid](*p.kernel_args(), ws, count, **p.kernel_flags(), **cfg,
-                                EVEN_K=p.K % cfg["BLOCK_K"] == 0,
                                 ATOMIC_READ=not interpreting())
