@@ -432,19 +432,27 @@ def _replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sc
     """
     if type(a) is not torch.Tensor or type(b) is not torch.Tensor or not a.is_cuda or interpreting():
         return None
-    scales = [s for s in (scale_a, scale_b) if s is not None]
-    if any(type(s) is not torch.Tensor or s.device != a.device for s in scales):
+    if a.device != b.device or type(alpha) not in (float, int):
         return None
-    if not _plain_call(a, b, *scales) or a.device != b.device or type(alpha) not in (float, int):
+    if scale_a is None and scale_b is None:  # the common case, kept short: host time is the point here
+        if not _plain_call(a, b):
+            return None
+        scale_keys = None
+    else:
+        scales = [s for s in (scale_a, scale_b) if s is not None]
+        if any(type(s) is not torch.Tensor or s.device != a.device for s in scales) or not _plain_call(a, b, *scales):
+            return None
+        scale_keys = tuple(None if s is None else _tensor_key(s) for s in (scale_a, scale_b))
+    if fast_accum is not False and fast_accum is not True:
         return None
-    if type(fast_accum) is not bool or (out_dtype is not None and not isinstance(out_dtype, torch.dtype)):
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         return None
     try:
         resolved = resolve_precision(precision, a.dtype)
     except ValueError:
         return None
-    return (kernel, alpha, resolved, out_dtype, fast_accum, _tensor_key(a), _tensor_key(b),
-            None if scale_a is None else _tensor_key(scale_a), None if scale_b is None else _tensor_key(scale_b))
+    return (kernel, alpha, resolved, out_dtype, fast_accum, a.dtype, b.dtype, a.shape, b.shape, a.stride(),
+            b.stride(), a.device, a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, scale_keys)
 
 
 def _plain_call(*tensors) -> bool:
