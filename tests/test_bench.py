@@ -180,6 +180,26 @@ def test_rounds_time_every_kernel_in_alternating_order(monkeypatch):
         run_bench(op, [op.parse_shape("16,16,16")], "fp16", ["naive"], rounds=0)
 
 
+def test_a_kernel_failing_while_timed_is_reported_and_the_others_still_timed(monkeypatch):
+    op = bench_op("matmul")
+    calls = {"naive": 0}
+    real_run = op.run
+
+    def run(kernel, inputs, dtype):
+        if kernel == "naive":
+            calls["naive"] += 1
+            if calls["naive"] > 1:  # the check passes, the timing fails
+                raise RuntimeError("launch failed")
+        return real_run(kernel, inputs, dtype)
+
+    monkeypatch.setattr(op, "run", run)
+    # One round: the kernel after the failing one must still be timed in the same pass.
+    result = run_bench(op, [op.parse_shape("16,16,16")], "fp16", ["naive", "grouped"], rep_ms=3, rounds=1)
+    rows = {r.kernel: r for r in result.rows}
+    assert rows["naive"].status == "error" and "launch failed" in rows["naive"].message
+    assert rows["grouped"].status == "ok" and rows["grouped"].ms > 0 and rows["grouped"].ratio is not None
+
+
 def test_info_runs(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out

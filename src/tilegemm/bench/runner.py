@@ -242,7 +242,7 @@ def run_bench(
         timed = [kernel for kernel in names if isinstance(checked[kernel], _Checked)]
         samples: dict[str, list[float]] = {kernel: [] for kernel in timed}
         for r in range(rounds):
-            for kernel in (timed if r % 2 == 0 else timed[::-1]):
+            for kernel in (timed[:] if r % 2 == 0 else timed[::-1]):  # copies: a failing kernel leaves `timed`
                 c = checked[kernel]
                 try:
                     with c.context():
