@@ -34,6 +34,8 @@ rows = {
     "CompiledKernel runner, stream given": per_call_us(lambda: runner(*params, stream=stream)),
     "make_problems": per_call_us(lambda: make_problems(a, b, out, None, None, 1.0, 1.0, "none", "ieee", False)),
     "tilegemm.matmul grouped": per_call_us(lambda: tilegemm.matmul(a, b, kernel="grouped")),
+    "tilegemm.matmul auto": per_call_us(lambda: tilegemm.matmul(a, b)),
+    "tilegemm.matmul split_k": per_call_us(lambda: tilegemm.matmul(a, b, kernel="split_k")),
     "tilegemm.copy 64x64": per_call_us(lambda: tilegemm.copy(a)),
 }
 for name, us in rows.items():

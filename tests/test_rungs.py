@@ -52,19 +52,22 @@ def test_persistent_tma_falls_back_where_tma_cannot_go(make, reason, device):
     assert_rel_close(got, matmul_reference(a, b), 1e-5)
 
 
+@pytest.mark.parametrize("slices", [False, True], ids=["atomic", "slices"])
 @pytest.mark.parametrize("split", [1, 2, 3, 7])
-def test_split_k_any_split_and_clean_workspace(split, device):
+def test_split_k_any_split_and_clean_workspace(split, slices, device):
     a = torch.randn(3, 20, 150, device=device)
     b = torch.randn(150, 45, device=device)
     bias = torch.randn(45, device=device)
-    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, SPLIT_K=split, num_warps=4, num_stages=1)
-    for _ in range(2):  # the second call relies on the first leaving the workspace zeroed
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, SPLIT_K=split, SLICES=slices, num_warps=4,
+               num_stages=1)
+    for _ in range(2):  # the second call relies on the first leaving the workspace (or counters) zeroed
         out = torch.full((3, 20, 45), float("nan"), device=device)
         p = make_problems(a, b, out, None, bias, 2.0, 1.0, "relu", "ieee", False)[0]
         split_k.run(p, cfg)
         assert_rel_close(out, matmul_reference(a, b, bias=bias, alpha=2.0, activation="relu"), 1e-5)
-    for ws, count in split_k._workspaces.values():
-        assert not ws.any() and not count.any(), "split_k must leave its workspace and counters at zero"
+    for (_, _, planes), (ws, count) in split_k._workspaces.items():
+        assert not count.any(), "split_k must leave its counters at zero"
+        assert planes or not ws.any(), "the atomic reduction must leave its workspace at zero"
 
 
 def test_split_k_picks_more_splits_for_fewer_tiles(device):

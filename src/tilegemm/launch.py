@@ -20,16 +20,37 @@ from tilegemm.runtime import interpreting
 
 _state = threading.local()
 
+try:  # what Triton's CUDA driver itself uses for the current stream
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+    from torch.cuda import current_device as _current_device
+except ImportError:  # a CPU-only torch: nothing is ever replayed there
+    _raw_stream = _current_device = None
+
+_runtime_knobs = None  # triton.knobs.runtime, taken when the first Replay is made (triton is imported then)
+
+
+def _hooks_idle() -> bool:
+    """True when no launch hook is set (Triton 3.6 keeps them as hook chains, empty by default)."""
+    enter, leave = _runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook
+    return not getattr(enter, "calls", enter) and not getattr(leave, "calls", leave)
+
 
 @dataclass
 class Launch:
     compiled: Any
     grid: tuple[int, int, int]
     params: list
+    keep: tuple = ()  # tensors of the launcher's own (a workspace) that a replay passes as they were
+    stream: int | None = None  # set when the launch may only be replayed on this stream
 
 
-def launch(kernel, grid, args: tuple, kwargs: dict):
-    """``kernel[grid](*args, **kwargs)``, remembered when a recording is active."""
+def launch(kernel, grid, args: tuple, kwargs: dict, keep: tuple = (), stream: int | None = None):
+    """``kernel[grid](*args, **kwargs)``, remembered when a recording is active.
+
+    ``keep``: tensors among the arguments that belong to the launcher (a workspace), not to the call; a
+    replay passes them unchanged and holds them alive. ``stream``: the raw CUDA stream the launcher's
+    workspace is meant for; a replay on any other stream declines (the caller then launches afresh).
+    """
     compiled = kernel[grid](*args, **kwargs)
     record = getattr(_state, "launches", None)
     if record is not None:
@@ -40,14 +61,8 @@ def launch(kernel, grid, args: tuple, kwargs: dict):
             g = g + (1,) * (3 - len(g))
             names = kernel.arg_names
             params = list(args) + [kwargs[name] for name in names[len(args):]]
-            record.append(Launch(compiled, g, params))
+            record.append(Launch(compiled, g, params, tuple(keep), stream))
     return compiled
-
-
-def not_replayable() -> None:
-    """Called by a launcher whose launches must not be replayed (e.g. they use a growable workspace)."""
-    if getattr(_state, "launches", None) is not None:
-        _state.spoiled = True
 
 
 class recording:
@@ -68,12 +83,23 @@ class recording:
 class Replay:
     """One recorded launch, replayable with new tensors in the same parameter slots."""
 
-    __slots__ = ("runner", "params", "slots", "shape")
+    __slots__ = ("runner", "run", "function", "packed", "grid", "params", "slots", "shape", "stream")
 
     def __init__(self, launch_: Launch, tensors: tuple, shape=None):
+        global _runtime_knobs
+        if _runtime_knobs is None:
+            from triton import knobs
+
+            _runtime_knobs = knobs.runtime
         self.shape = shape  # the output shape, for ops that allocate it
-        self.runner = launch_.compiled[launch_.grid]
+        compiled = launch_.compiled
+        self.runner = compiled[launch_.grid]  # Triton's own launch path (also loads the module)
+        # What that path ends in: the compiled launcher, called directly when no launch hook listens.
+        self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
+        self.grid = launch_.grid
+        self.stream = launch_.stream
         self.params = list(launch_.params)
+        kept = {t.data_ptr() for t in launch_.keep}
         # A launcher may pass a view of a call's tensor (same data pointer): the compiled kernel only
         # reads the pointer, so the call's tensor can stand in for it.
         ptrs = [t.data_ptr() for t in tensors]
@@ -81,15 +107,27 @@ class Replay:
         for i, value in enumerate(self.params):
             if hasattr(value, "data_ptr"):
                 ptr = value.data_ptr()
+                if ptr in kept:
+                    continue  # the launcher's workspace: passed as recorded
                 if ptr not in ptrs:
                     raise LookupError("a tensor parameter is not one of the call's tensors")
                 self.slots.append((i, ptrs.index(ptr)))
 
-    def __call__(self, *tensors) -> None:
+    def __call__(self, *tensors) -> bool:
+        """Launch with ``tensors`` in the recorded ones' slots; False (nothing launched) on a foreign stream."""
         params = self.params.copy()
         for i, j in self.slots:
             params[i] = tensors[j]
-        self.runner(*params)
+        stream = _raw_stream(_current_device())
+        if self.stream is not None and stream != self.stream:
+            return False
+        if not _hooks_idle():
+            self.runner(*params, stream=stream)  # a profiler listens: Triton's path gives its hooks metadata
+            return True
+        # Triton's runner would build launch metadata and call two empty hook chains (about 2 us).
+        g = self.grid
+        self.run(g[0], g[1], g[2], stream, self.function, self.packed, None, None, None, *params)
+        return True
 
 
 class ReplayCache:

@@ -30,8 +30,7 @@ def _replayed(key, x: torch.Tensor) -> torch.Tensor | None:
     if hit is None:
         return None
     out = new_output(hit.shape, x.dtype, x.device)
-    hit(x, out)
-    return out
+    return out if hit(x, out) else None
 
 
 def _run(op: str, name: str, key, x: torch.Tensor, out: torch.Tensor) -> None:

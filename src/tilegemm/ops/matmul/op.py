@@ -398,8 +398,8 @@ def matmul(
         hit = _replays.get(key)
         if hit is not None:
             out = new_output(hit.shape, out_dtype or default_out_dtype(a.dtype), a.device)
-            hit(a, b, out, *(s for s in (scale_a, scale_b) if s is not None))
-            return out
+            if hit(a, b, out, *(s for s in (scale_a, scale_b) if s is not None)):
+                return out  # (False: recorded for another stream; launched afresh below)
     activation = "none" if activation is None else activation
     check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a, scale_b,
                  fast_accum)

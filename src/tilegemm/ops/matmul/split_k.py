@@ -14,7 +14,7 @@ import triton
 
 from tilegemm.hardware import sm_count
 from tilegemm.jit_helpers import epilogue_store, tile_grouped
-from tilegemm.launch import not_replayable
+from tilegemm.launch import launch
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.runtime import interpreting
@@ -38,7 +38,7 @@ def matmul_split_k_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, ATOMIC_READ: tl.constexpr,
+    SPLIT_K: tl.constexpr, SLICES: tl.constexpr, ATOMIC_READ: tl.constexpr,
 ):
     # Which tile and which slice of K: axis 0 tiles, axis 1 the K slice, axis 2 the batch.
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -51,7 +51,10 @@ def matmul_split_k_kernel(
     b_ptr += pid_b * stride_bb
     out_ptr += pid_b * stride_ob
     c_ptr += pid_b * stride_cb
-    ws_ptr += pid_b * M * N
+    if SLICES:
+        ws_ptr += pid_b * SPLIT_K * M * N
+    else:
+        ws_ptr += pid_b * M * N
     count_ptr += pid_b * tiles_m * tiles_n
 
     # This program's K range: a whole number of BLOCK_K steps.
@@ -69,18 +72,28 @@ def matmul_split_k_kernel(
                        stride_om, stride_on, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
                        alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
     else:
-        # Reduce across the K slices: add into the workspace, then count arrivals at this tile.
+        # Reduce across the K slices: hand this partial tile over, then count arrivals at this tile.
         inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.atomic_add(ws_tile, acc, mask=inside, sem="relaxed")
-        # A scalar atomic runs on one thread: the barrier puts every thread's adds before its release.
+        if SLICES:
+            # Each slice has its own [M, N] plane of the workspace: plain stores, no zeroing needed.
+            tl.store(ws_tile + split * M * N, acc, mask=inside)
+        else:
+            tl.atomic_add(ws_tile, acc, mask=inside, sem="relaxed")
+        # A scalar atomic runs on one thread: the barrier puts every thread's writes before its release.
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             tl.debug_barrier()  # and every thread's reads after the acquire
-            # Last one here: take the sum and leave zeros behind. On the GPU the read is an atomic exchange:
-            # plain loads were seen (H200, M=16) to miss atomic adds still in flight, by up to 22%.
-            if ATOMIC_READ:
+            if SLICES:
+                # Last one here: add the planes in slice order, so the result does not depend on which
+                # program came last (deterministic). ".cg" reads from L2, past this SM's L1.
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(ws_tile + s * M * N, mask=inside, other=0.0, cache_modifier=".cg")
+            elif ATOMIC_READ:
+                # Take the sum and leave zeros behind. On the GPU the read is an atomic exchange: plain
+                # loads were seen (H200, M=16) to miss atomic adds still in flight, by up to 22%.
                 zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 total = tl.atomic_xchg(ws_tile, zeros, mask=inside, sem="relaxed")
             else:  # the interpreter runs programs one at a time and has no fp32 exchange
@@ -97,14 +110,26 @@ def matmul_split_k_kernel(
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _workspace(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (device, stream): launches on one stream run in order, so they can share one workspace."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _workspace(device: torch.device, floats: int, counters: int, planes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (device, stream, reduction): launches on one stream run in order, so they can share one workspace.
+
+    The atomic reduction needs its workspace zeroed (every launch leaves it so); the per-slice planes
+    leave partial sums behind, so they get a workspace of their own.
+
+    A larger call replaces a stream's workspace with a larger one; replays recorded with the old one
+    keep it alive and keep using it, which is safe because every launch leaves it zeroed.
+    """
+    key = (device, _stream(device), planes)
     ws, count = _workspaces.get(key, (None, None))
     if ws is None or ws.numel() < floats or count.numel() < counters:
-        ws = torch.zeros(max(floats, 1 << 20), dtype=torch.float32, device=device)
-        count = torch.zeros(max(counters, 1 << 12), dtype=torch.int32, device=device)
+        floats = max(floats, ws.numel() if ws is not None else 0, 1 << 20)
+        counters = max(counters, count.numel() if count is not None else 0, 1 << 12)
+        ws = torch.zeros(floats, dtype=torch.float32, device=device)
+        count = torch.zeros(counters, dtype=torch.int32, device=device)
         _workspaces[key] = (ws, count)
     return ws, count
 
@@ -128,9 +153,12 @@ def pick_config(p: GemmProblem) -> dict:
 
 def run(p: GemmProblem, config: dict | None = None) -> None:
     cfg = dict(config or pick_config(p))
+    cfg.setdefault("SLICES", False)
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
-    ws, count = _workspace(p.out.device, p.batch * p.M * p.N, p.batch * tiles)
+    planes = cfg["SPLIT_K"] if cfg["SLICES"] else 1
+    ws, count = _workspace(p.out.device, p.batch * planes * p.M * p.N, p.batch * tiles, cfg["SLICES"])
     grid = (tiles, cfg["SPLIT_K"], p.batch)
-    not_replayable()  # the workspace may be reallocated by a later, larger call
-    matmul_split_k_kernel[grid](*p.kernel_args(), ws, count, **p.kernel_flags(), **cfg,
-                                ATOMIC_READ=not interpreting())
+    # Replayable, but only on this stream: another stream's launches could use the workspace meanwhile.
+    launch(matmul_split_k_kernel, grid, (*p.kernel_args(), ws, count),
+           {**p.kernel_flags(), **cfg, "ATOMIC_READ": not interpreting()},
+           keep=(ws, count), stream=_stream(p.out.device))
