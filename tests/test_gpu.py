@@ -257,7 +257,7 @@ def test_replays_call_triton_launch_hooks():
     b = torch.randn(64, 64, device="cuda", dtype=torch.float16)
     tilegemm.matmul(a, b, kernel="grouped")  # recorded
     seen = []
-    hook = lambda metadata: seen.append(metadata["name"])  # noqa: E731
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731 (a LazyDict)
     knobs.runtime.launch_enter_hook.add(hook)
     try:
         out = tilegemm.matmul(a, b, kernel="grouped")  # replayed, through Triton's path for the hook

@@ -70,6 +70,40 @@ def test_split_k_any_split_and_clean_workspace(split, slices, device):
         assert planes or not ws.any(), "the atomic reduction must leave its workspace at zero"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float8_e4m3fn], ids=["fp16", "fp32", "fp8"])
+@pytest.mark.parametrize("shape", [(1, 4096, 4096), (16, 4096, 14336), (100, 4096, 4096), (128, 28672, 8192),
+                                   (700, 512, 9000)], ids=lambda s: "x".join(map(str, s)))
+def test_split_k_candidates_are_sound(monkeypatch, dtype, shape):
+    # The GPU's candidate list, built on the CPU: 132 SMs as on an H100/H200.
+    monkeypatch.setattr(split_k, "interpreting", lambda: False)
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 132)
+    M, N, K = shape
+    a = torch.empty(M, K, dtype=dtype)
+    b = torch.empty(K, N, dtype=dtype)
+    out = torch.empty(M, N, dtype=torch.float16)
+    p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+    cands = split_k.configs(p)
+    assert cands, "at least one candidate"
+    size = a.element_size()
+    tiles_seen = set()
+    for c in cands:
+        tile = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"])
+        tiles_seen.add(tile)
+        assert (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * size * c["num_stages"] <= 200 * 1024
+        assert c["BLOCK_K"] * size >= 64, "a K step of at least 64 bytes"
+        if c["SPLIT_K"] > 1:
+            tiles = -(-M // c["BLOCK_M"]) * -(-N // c["BLOCK_N"])
+            assert tiles * c["SPLIT_K"] <= 4 * 132
+            assert -(-K // c["BLOCK_K"]) >= 4 * c["SPLIT_K"], "every slice keeps 4 K steps"
+    for tile in tiles_seen:  # unsplit is always a candidate: the tuner may find splitting does not pay
+        assert any((c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]) == (*tile, 1) for c in cands)
+    assert min(c["BLOCK_M"] for c in cands) <= max(16, min(M, 128)) or M > 128
+    picked = split_k.pick_config(p)
+    assert picked in cands
+    if M <= 16 and K >= 4096:  # few tiles, long K: the untimed pick splits
+        assert picked["SPLIT_K"] > 1
+
+
 def test_split_k_picks_more_splits_for_fewer_tiles(device):
     a = torch.randn(16, 8192, dtype=torch.float16, device=device)
     b = torch.randn(8192, 4096, dtype=torch.float16, device=device)

@@ -103,4 +103,4 @@ def test_tune_command(cache, capsys):
     saved = json.loads(tuning.cache_file().read_text())["entries"]
     assert "autotuned|M32|N40|K56|float16|float16|NN" in saved
     assert main(["tune", "--rungs", "naive"]) == 2
-    assert "--rungs takes auto, autotuned or persistent_tma" in capsys.readouterr().err
+    assert "--rungs takes auto, autotuned, persistent_tma or split_k" in capsys.readouterr().err

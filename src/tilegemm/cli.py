@@ -81,7 +81,7 @@ def _add_tune(sub) -> None:
     p.add_argument("--shape", action="append", default=[], metavar="M,N,K", help="a shape (repeatable)")
     p.add_argument("--rungs", default="auto",
                    help="'auto' (default: the rung auto picks per shape), or comma-separated tuned rungs "
-                        "(autotuned, persistent_tma)")
+                        "(autotuned, persistent_tma, split_k)")
 
 
 def _add_puzzles(sub) -> None:
@@ -272,8 +272,8 @@ def cmd_tune(args, console) -> int:
         raise UsageError(str(err)) from None
     rungs = [r.strip() for r in args.rungs.split(",") if r.strip()]
     for rung in rungs:
-        if rung not in ("auto", "autotuned", "persistent_tma"):
-            raise UsageError(f"--rungs takes auto, autotuned or persistent_tma, not {rung!r}")
+        if rung not in ("auto", "autotuned", "persistent_tma", "split_k"):
+            raise UsageError(f"--rungs takes auto, autotuned, persistent_tma or split_k, not {rung!r}")
     device = "cpu" if interpreting() else "cuda"
     dtype = op.dtypes[args.dtype]
     precision = "tf32" if args.dtype == "tf32" else "ieee"

@@ -182,9 +182,9 @@ def choose_kernel(p: GemmProblem) -> str:
     """``auto``: the rung measured fastest for this class of problem (H200, benchmarks/results/2026-11-21-h200).
 
     - Under the interpreter: ``grouped`` (autotuning has nothing to time there).
-    - M <= 128 with K at least twice N (few output tiles, a long K loop): ``split_k``; at 1x4096x14336 it ran
-      1.04x cuBLAS where ``autotuned`` ran 0.73x.
-    - Other M <= 128: ``autotuned`` (its small-M configs); 1.72x cuBLAS at 128x28672x8192.
+    - M <= 128: ``split_k``, which tunes its tile and number of K slices (1 included) per shape class. On the
+      llm shapes (fp16, H200) the best split-K configs ran 1.05x-1.07x cuBLAS at M=1 and 16 with N=4096,
+      where ``autotuned`` ran 0.73x-0.88x (scripts/explore_skinny.py).
     - Larger problems on Hopper that TMA can describe, with at least two 128x128 tiles per SM (four for
       fp8): ``persistent_tma`` (fp16 1.02x / 1.03x at 8192^3 / 16384^3, where ``autotuned`` ran 1.00x /
       0.93x), except tf32 with swapped operands (see the code).
@@ -193,7 +193,7 @@ def choose_kernel(p: GemmProblem) -> str:
     if interpreting():
         return "grouped"
     if p.M <= 128:
-        return "split_k" if p.K >= 2 * p.N else "autotuned"
+        return "split_k"
     if _has_tma():
         from tilegemm.hardware import sm_count
         from tilegemm.ops.matmul.persistent_tma import describable

@@ -2,16 +2,26 @@
 
 With M of 1 to 128 a GEMM has few output tiles (M=16, N=4096 with 64-wide tiles: 64 tiles for 132 SMs),
 so one program per tile leaves most of the GPU idle while each walks all of K. Here SPLIT_K programs take
-a slice of K each. Each adds its fp32 partial tile into a workspace with atomics and bumps the tile's
-counter; the program that arrives last reads the sum (swapping zeros back in, so the workspace is clean
-for the next call), applies the epilogue and stores. One launch, no memset.
+a slice of K each, and the partial tiles are reduced inside the same launch (no memset, no second kernel):
+
+- ``SLICES=True`` (the default): each program stores its fp32 partial tile in its own plane of a
+  workspace and bumps the tile's arrival counter; the program that arrives last adds the planes in slice
+  order, so the result is the same whichever program finished last (deterministic), and applies the
+  epilogue. Costs SPLIT_K x M x N floats of workspace.
+- ``SLICES=False``: partial tiles are added into one fp32 plane with atomics; the last program takes the
+  sum and swaps zeros back in. Less workspace, not deterministic, and measured slower on an H200.
+
+The tile and the number of slices (1 included: no reduction at all) are tuned per shape
+class on first use, like ``autotuned`` (configs persist; H200 defaults ship with the package).
 """
 
 from __future__ import annotations
 
 import torch
 import triton
+import triton.testing
 
+from tilegemm import tuning
 from tilegemm.hardware import sm_count
 from tilegemm.jit_helpers import epilogue_store, tile_grouped
 from tilegemm.launch import launch
@@ -38,7 +48,7 @@ def matmul_split_k_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, SLICES: tl.constexpr, ATOMIC_READ: tl.constexpr,
+    SPLIT_K, SLICES: tl.constexpr, ATOMIC_READ: tl.constexpr,
 ):
     # Which tile and which slice of K: axis 0 tiles, axis 1 the K slice, axis 2 the batch.
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -89,7 +99,7 @@ def matmul_split_k_kernel(
                 # Last one here: add the planes in slice order, so the result does not depend on which
                 # program came last (deterministic). ".cg" reads from L2, past this SM's L1.
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):
+                for s in range(0, SPLIT_K):
                     total += tl.load(ws_tile + s * M * N, mask=inside, other=0.0, cache_modifier=".cg")
             elif ATOMIC_READ:
                 # Take the sum and leave zeros behind. On the GPU the read is an atomic exchange: plain
@@ -134,26 +144,91 @@ def _workspace(device: torch.device, floats: int, counters: int, planes: bool) -
     return ws, count
 
 
-def pick_config(p: GemmProblem) -> dict:
-    """Blocks by M, and enough K slices for about two waves of programs on the GPU."""
+def _cfg(bm, bn, bk, warps, stages, split, slices=True) -> dict:
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, SLICES=slices, num_warps=warps,
+                num_stages=stages)
+
+
+# Tiles per M bucket for 16-bit operands (BLOCK_K is rescaled for other element sizes). From
+# scripts/explore_skinny.py on an H200 (llm shapes, fp16): with M <= 16, 16x128x128 tiles in 3-4 K slices
+# ran 1.05x-1.07x cuBLAS at N=4096 (no split reached 0.95x-0.98x); at M=128, N=4096, 64x64 tiles were best
+# (0.85x unsplit at K=4096, 0.94x in 3 slices at K=14336) and at N=14336 64x128 unsplit (0.97x).
+_TILES = {
+    16: [(16, 128, 128, 4, 4), (16, 64, 256, 4, 3)],
+    32: [(32, 128, 128, 4, 4), (32, 64, 128, 4, 4)],
+    64: [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4)],
+    128: [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4)],
+    None: [(128, 128, 64, 4, 4)],  # M > 128: split_k is rarely the right rung there
+}
+_SPLITS = (1, 2, 3, 4, 8)
+
+
+def configs(p: GemmProblem) -> list[dict]:
+    """The candidates ``split_k`` times for a problem: tiles for its M, each with every sensible split.
+
+    A split is sensible when every slice keeps at least 4 K steps and the grid stays within 4 programs per
+    SM. SPLIT_K=1 is a candidate too (one program per tile, no reduction), so where splitting does not pay
+    the tuner says so.
+    """
     if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, SPLIT_K=3, num_warps=4, num_stages=1)
-    fp32 = p.dtype == torch.float32
-    block_m = 16 if p.M <= 16 else 32 if p.M <= 32 else 64 if p.M <= 64 else 128
-    block_n = 64 if p.M <= 64 else 128
-    block_k = (64 if fp32 else 128) if p.M <= 32 else (32 if fp32 else 64)
-    tiles = triton.cdiv(p.M, block_m) * triton.cdiv(p.N, block_n) * p.batch
-    k_steps = triton.cdiv(p.K, block_k)
-    split = 1
-    while split < 16 and tiles * split * 2 <= 2 * sm_count(p.out.device) and (split * 2) * 2 <= k_steps:
-        split *= 2
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=split,
-                num_warps=4, num_stages=4 if not fp32 else 3)
+        return [_cfg(16, 32, 16, 4, 1, 3)]
+    size = p.a.element_size()
+    bucket = next((m for m in (16, 32, 64, 128) if p.M <= m), None)
+    sms = sm_count(p.out.device)
+    out = []
+    for bm, bn, bk, warps, stages in _TILES[bucket]:
+        bk = max(32, min(256, bk * 2 // size))  # the same bytes per K step for fp8 and fp32
+        if (bm + bn) * bk * size * stages > 200 * 1024:
+            continue
+        tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn) * p.batch
+        k_steps = triton.cdiv(p.K, bk)
+        for split in _SPLITS:
+            if split == 1 or (k_steps >= 4 * split and tiles * split <= 4 * sms):
+                out.append(_cfg(bm, bn, bk, warps, stages, split))
+    return out
+
+
+def pick_config(p: GemmProblem) -> dict:
+    """A config without timing: the first tile of the M bucket, in enough K slices for about one wave."""
+    cands = configs(p)
+    if interpreting():
+        return cands[0]
+    first = [c for c in cands if (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) ==
+             (cands[0]["BLOCK_M"], cands[0]["BLOCK_N"], cands[0]["BLOCK_K"])]
+    tiles = triton.cdiv(p.M, first[0]["BLOCK_M"]) * triton.cdiv(p.N, first[0]["BLOCK_N"]) * p.batch
+    sms = sm_count(p.out.device)
+    fits = [c for c in first if tiles * c["SPLIT_K"] <= sms]
+    return fits[-1] if fits else first[0]
+
+
+def _time(p: GemmProblem, cfg: dict) -> float:
+    try:
+        return triton.testing.do_bench(lambda: _launch(p, cfg), warmup=5, rep=20)
+    except Exception:  # a config that does not compile or fit is simply not chosen
+        return float("inf")
 
 
 def run(p: GemmProblem, config: dict | None = None) -> None:
-    cfg = dict(config or pick_config(p))
+    """Launch with ``config``; else with the tuned config of this shape class (timing the candidates once)."""
+    if config is None:
+        if interpreting():
+            config = pick_config(p)
+        else:
+            k = tuning.key("split_k", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
+            config = tuning.lookup(k)
+            if config is None:
+                candidates = configs(p)
+                timings = [_time(p, cfg) for cfg in candidates]
+                config = candidates[min(range(len(candidates)), key=timings.__getitem__)]
+                tuning.record(k, config)
+    _launch(p, config)
+
+
+def _launch(p: GemmProblem, config: dict) -> None:
+    cfg = dict(config)
     cfg.setdefault("SLICES", False)
+    if cfg["SLICES"] and cfg["SPLIT_K"] * p.M * p.N >= 2**31:
+        cfg["SLICES"] = False  # plane offsets are 32-bit in the kernel; one atomic plane still fits
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
     planes = cfg["SPLIT_K"] if cfg["SLICES"] else 1
     ws, count = _workspace(p.out.device, p.batch * planes * p.M * p.N, p.batch * tiles, cfg["SLICES"])
