@@ -152,12 +152,13 @@ def _cfg(bm, bn, bk, warps, stages, split, slices=True) -> dict:
 # Tiles per M bucket for 16-bit operands (BLOCK_K is rescaled for other element sizes). From
 # scripts/explore_skinny.py on an H200 (llm shapes, fp16): with M <= 16, 16x128x128 tiles in 3-4 K slices
 # ran 1.05x-1.07x cuBLAS at N=4096 (no split reached 0.95x-0.98x); at M=128, N=4096, 64x64 tiles were best
-# (0.85x unsplit at K=4096, 0.94x in 3 slices at K=14336) and at N=14336 64x128 unsplit (0.97x).
+# (0.85x unsplit at K=4096, 0.94x in 3 slices at K=14336) and at N=14336 64x128 unsplit (0.97x). With N of
+# 8192 and more at M=128, autotuned's 128x128 / 128x256 tiles were faster (bench, skinny and llm sweeps).
 _TILES = {
     16: [(16, 128, 128, 4, 4), (16, 64, 256, 4, 3)],
     32: [(32, 128, 128, 4, 4), (32, 64, 128, 4, 4)],
     64: [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4)],
-    128: [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4)],
+    128: [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3)],
     None: [(128, 128, 64, 4, 4)],  # M > 128: split_k is rarely the right rung there
 }
 _SPLITS = (1, 2, 3, 4, 8)
