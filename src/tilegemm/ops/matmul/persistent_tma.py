@@ -222,7 +222,7 @@ def _launch(p: GemmProblem, cfg: dict) -> None:
 
 def _time(p: GemmProblem, cfg: dict) -> float:
     try:
-        return triton.testing.do_bench(lambda: _launch(p, cfg), warmup=5, rep=20)
+        return triton.testing.do_bench(lambda: _launch(p, cfg), warmup=5, rep=20, return_mode="median")
     except Exception:  # a config that does not compile or fit is simply not chosen
         return float("inf")
 
