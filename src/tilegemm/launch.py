@@ -7,7 +7,9 @@ H200, scripts/launch_profile.py). For a small GEMM that difference is most of th
 So every tilegemm launcher goes through :func:`launch`. While :func:`recording` is active, each launch is
 remembered as (compiled kernel, grid, full parameter list). An op that sees a call whose shapes, strides,
 dtypes, device and 16-byte alignment all match an earlier one (everything Triton specializes on) can then
-replay it with :class:`Replay`, swapping in the new tensors.
+replay it with :class:`Replay`, swapping in the new tensors. A replay calls Triton's C launcher itself
+unless a launch hook is registered, which brought a 64x64 ``tilegemm.matmul`` to 1.3x-1.5x the host time
+of ``torch.matmul`` (from about 1.7x).
 """
 
 from __future__ import annotations
