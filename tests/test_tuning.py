@@ -104,3 +104,32 @@ def test_tune_command(cache, capsys):
     assert "autotuned|M32|N40|K56|float16|float16|NN" in saved
     assert main(["tune", "--rungs", "naive"]) == 2
     assert "--rungs takes auto, autotuned, persistent_tma or split_k" in capsys.readouterr().err
+
+
+def test_lookup_or_tune_times_once_and_keeps_the_fastest(cache, monkeypatch):
+    import triton.testing
+
+    speed = {1: 3.0, 2: 1.0, 3: float("nan")}  # candidate 3 "fails": it raises below
+    launched = []
+
+    def fake_do_bench(fn, **kwargs):
+        assert kwargs.get("return_mode") == "median"
+        fn()
+        if launched[-1] == 3:
+            raise RuntimeError("does not compile")
+        return speed[launched[-1]]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    k = tuning.key("split_k", 16, 64, 4096, torch.float16, torch.float16)
+    options = lambda: [dict(id=1), dict(id=2), dict(id=3)]  # noqa: E731
+    assert tuning.lookup_or_tune(k, options, lambda cfg: launched.append(cfg["id"])) == dict(id=2)
+    assert launched == [1, 2, 3]
+    # Known now: nothing is timed again, in this process or (from the file) in the next.
+    assert tuning.lookup_or_tune(k, options, lambda cfg: launched.append(cfg["id"])) == dict(id=2)
+    tuning.forget()
+    assert tuning.lookup_or_tune(k, options, lambda cfg: launched.append(cfg["id"])) == dict(id=2)
+    assert launched == [1, 2, 3]
+    # A single candidate is taken without timing.
+    k1 = tuning.key("split_k", 1, 8, 8, torch.float16, torch.float16)
+    assert tuning.lookup_or_tune(k1, lambda: [dict(id=9)], lambda cfg: launched.append(cfg["id"])) == dict(id=9)
+    assert launched == [1, 2, 3]

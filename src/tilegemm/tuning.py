@@ -115,6 +115,34 @@ def lookup(k: str) -> dict | None:
     return dict(config) if config is not None else None
 
 
+def lookup_or_tune(k: str, candidates, launch) -> dict:
+    """The config known for key ``k``; else the fastest of ``candidates()``, timed through ``launch(config)``
+    and recorded, so that it is timed once per shape class.
+
+    Each candidate is timed by ``triton.testing.do_bench`` (median, L2 cleared before each call); one that
+    fails to compile or launch is simply not chosen.
+    """
+    config = lookup(k)
+    if config is not None:
+        return config
+    options = list(candidates())
+    if len(options) == 1:
+        config = options[0]
+    else:
+        import triton.testing
+
+        def median_ms(cfg: dict) -> float:
+            try:
+                return triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+            except Exception:  # noqa: BLE001 - a config that does not compile or fit is not chosen
+                return float("inf")
+
+        timings = [median_ms(cfg) for cfg in options]
+        config = options[min(range(len(options)), key=timings.__getitem__)]
+    record(k, config)
+    return config
+
+
 def record(k: str, config: dict) -> None:
     """Remember a tuned config, and save the cache file (atomically) unless the disk is off."""
     _load()

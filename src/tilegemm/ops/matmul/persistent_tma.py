@@ -220,13 +220,6 @@ def _launch(p: GemmProblem, cfg: dict) -> None:
                 FAST_ACCUM=flags["FAST_ACCUM"], **{"WARP_SPECIALIZE": 0, **cfg}))
 
 
-def _time(p: GemmProblem, cfg: dict) -> float:
-    try:
-        return triton.testing.do_bench(lambda: _launch(p, cfg), warmup=5, rep=20, return_mode="median")
-    except Exception:  # a config that does not compile or fit is simply not chosen
-        return float("inf")
-
-
 def run(p: GemmProblem, config: dict | None = None) -> None:
     reason = describable(p)
     if reason is not None:
@@ -237,13 +230,5 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
     _ensure_allocator()
     if config is None:
         k = tuning.key("persistent_tma", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
-        config = tuning.lookup(k)
-        if config is None:
-            candidates = configs(p.a.element_size())
-            if len(candidates) > 1:
-                timings = [_time(p, cfg) for cfg in candidates]
-                config = candidates[min(range(len(candidates)), key=timings.__getitem__)]
-            else:
-                config = candidates[0]
-            tuning.record(k, config)
+        config = tuning.lookup_or_tune(k, lambda: configs(p.a.element_size()), lambda cfg: _launch(p, cfg))
     _launch(p, config)

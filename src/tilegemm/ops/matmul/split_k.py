@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.testing
 
 from tilegemm import tuning
 from tilegemm.hardware import sm_count
@@ -203,13 +202,6 @@ def pick_config(p: GemmProblem) -> dict:
     return fits[-1] if fits else first[0]
 
 
-def _time(p: GemmProblem, cfg: dict) -> float:
-    try:
-        return triton.testing.do_bench(lambda: _launch(p, cfg), warmup=5, rep=20, return_mode="median")
-    except Exception:  # a config that does not compile or fit is simply not chosen
-        return float("inf")
-
-
 def run(p: GemmProblem, config: dict | None = None) -> None:
     """Launch with ``config``; else with the tuned config of this shape class (timing the candidates once)."""
     if config is None:
@@ -217,12 +209,7 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
             config = pick_config(p)
         else:
             k = tuning.key("split_k", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
-            config = tuning.lookup(k)
-            if config is None:
-                candidates = configs(p)
-                timings = [_time(p, cfg) for cfg in candidates]
-                config = candidates[min(range(len(candidates)), key=timings.__getitem__)]
-                tuning.record(k, config)
+            config = tuning.lookup_or_tune(k, lambda: configs(p), lambda cfg: _launch(p, cfg))
     _launch(p, config)
 
 
