@@ -6,7 +6,7 @@ layout) and accumulating their product in fp32. The rungs differ in which tile a
 part of K (``split_k`` takes a slice) and how they are tuned, not in this loop.
 """
 
-from tilegemm.jit_helpers import mma, offsets_2d, through_registers
+from tilegemm.jit_helpers import below, mma, offsets_2d_div, through_registers
 from tilegemm.runtime import ensure_backend
 
 ensure_backend()
@@ -39,32 +39,42 @@ def dot_k_loop(
     load_m, load_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, MMA_OPERANDS: tl.constexpr,
-    FAST_ACCUM: tl.constexpr,
+    FAST_ACCUM: tl.constexpr, DIVISORS: tl.constexpr,
 ):
     """``A[rows, k_begin:k_end] @ B[k_begin:k_end, cols]`` in fp32, as a [BLOCK_M, BLOCK_N] tile.
 
-    ``MMA_OPERANDS`` says how the operands meet the tensor cores (see :func:`tilegemm.ops.matmul.problem.mma_operands`): ``"ab"`` as
-    loaded; ``"reg_a"`` with the A tile passed through registers; ``"swap"`` computing the transposed tile
-    ``B^T @ A^T`` with the B^T tile in registers, transposed back at the end.
+    ``MMA_OPERANDS`` says how the operands meet the tensor cores (see
+    :func:`tilegemm.ops.matmul.problem.mma_operands`): ``"ab"`` as loaded; ``"reg_a"`` with the A tile
+    passed through registers; ``"swap"`` computing the transposed tile ``B^T @ A^T`` with the B^T tile in
+    registers, transposed back at the end.
+
+    ``DIVISORS`` (:attr:`tilegemm.ops.matmul.problem.GemmProblem.divisors`) lets Triton vectorize the loads
+    where a leading dimension or K is a multiple of 2, 4 or 8 elements but not of 16. ``k_begin`` must be
+    a multiple of BLOCK_K, and ``k_end`` either K or ``k_begin`` plus a multiple of BLOCK_K.
     """
+    DIV_AM: tl.constexpr = DIVISORS[0]
+    DIV_AK: tl.constexpr = DIVISORS[1]
+    DIV_BK: tl.constexpr = DIVISORS[2]
+    DIV_BN: tl.constexpr = DIVISORS[3]
+    DIV_K: tl.constexpr = DIVISORS[10]
     offs_k = tl.arange(0, BLOCK_K)
     SWAP: tl.constexpr = MMA_OPERANDS == "swap"
     if SWAP:
-        a_ptrs = a_ptr + offsets_2d(k_begin + offs_k, load_m, stride_ak, stride_am)  # A^T tile [BK, BM]
-        b_ptrs = b_ptr + offsets_2d(load_n, k_begin + offs_k, stride_bn, stride_bk)  # B^T tile [BN, BK]
+        a_ptrs = a_ptr + offsets_2d_div(k_begin + offs_k, load_m, stride_ak, stride_am, DIV_AK, DIV_AM)  # [BK, BM]
+        b_ptrs = b_ptr + offsets_2d_div(load_n, k_begin + offs_k, stride_bn, stride_bk, DIV_BN, DIV_BK)  # [BN, BK]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
-        a_ptrs = a_ptr + offsets_2d(load_m, k_begin + offs_k, stride_am, stride_ak)  # [BM, BK]
-        b_ptrs = b_ptr + offsets_2d(k_begin + offs_k, load_n, stride_bk, stride_bn)  # [BK, BN]
+        a_ptrs = a_ptr + offsets_2d_div(load_m, k_begin + offs_k, stride_am, stride_ak, DIV_AM, DIV_AK)  # [BM, BK]
+        b_ptrs = b_ptr + offsets_2d_div(k_begin + offs_k, load_n, stride_bk, stride_bn, DIV_BK, DIV_BN)  # [BK, BN]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
-        k_left = k_end - k
+        in_k = below(offs_k, k_end - k, DIV_K)
         if SWAP:
-            a = tl.load(a_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            a = tl.load(a_ptrs, mask=in_k[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=in_k[None, :], other=0.0)
         else:
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=in_k[:, None], other=0.0)
         if UPCAST:
             # Triton 3.6's interpreter computes bf16 dots wrongly; fp32 dots there are exact.
             a = a.to(tl.float32)

@@ -29,7 +29,7 @@ def matmul_naive_kernel(
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
-    FAST_ACCUM: tl.constexpr,
+    FAST_ACCUM: tl.constexpr, DIVISORS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Which tile: row-major over the [tiles_m, tiles_n] grid; axis 1 is the batch.
@@ -43,12 +43,12 @@ def matmul_naive_kernel(
     # Accumulate A[rows, :] @ B[:, cols] in fp32.
     offs_m, offs_n, load_m, load_n = tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
     acc = dot_k_loop(a_ptr, b_ptr, 0, K, stride_am, stride_ak, stride_bk, stride_bn, load_m, load_n,
-                     BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST, MMA_OPERANDS, FAST_ACCUM)
+                     BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST, MMA_OPERANDS, FAST_ACCUM, DIVISORS)
 
     # Epilogue: scale, add c and bias, activate, store.
     epilogue_store(acc, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
                    stride_om, stride_on, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
-                   alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+                   alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, DIVISORS)
 
 
 def run(p: GemmProblem, config: dict | None = None) -> None:

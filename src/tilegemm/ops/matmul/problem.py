@@ -99,6 +99,23 @@ class GemmProblem:
         """How the operands meet the tensor cores; see :func:`mma_operands`."""
         return mma_operands(self.dtype, self.input_precision, self.a_strides, self.b_strides)
 
+    @property
+    def divisors(self) -> tuple[int, ...]:
+        """What kernels may assume divides each stride and size: the largest power of two, at most 16.
+
+        In this order (the kernels' ``DIVISORS`` constexpr): A's row and column strides, B's, out's, c's,
+        then M, N, K. Triton itself only knows "a multiple of 16"; see :func:`tilegemm.jit_helpers.below`.
+        M's entry is 1 unless out or c is column-major, the only place it helps: M is the batch size in
+        LLM inference, and each new value would otherwise compile the kernels again.
+        """
+        a, b, o, c = self.a_strides, self.b_strides, self.out_strides, self.c_strides
+        m_matters = o[1] == 1 or (self.c is not None and c[1] == 1)
+        return (
+            _divisor(a[1]), _divisor(a[2]), _divisor(b[1]), _divisor(b[2]),
+            _divisor(o[1]), _divisor(o[2]), _divisor(c[1]), _divisor(c[2]),
+            _divisor(self.M) if m_matters else 1, _divisor(self.N), _divisor(self.K),
+        )
+
     def kernel_flags(self) -> dict:
         return dict(
             HAS_C=self.c is not None,
@@ -111,7 +128,14 @@ class GemmProblem:
             INDEX_64=self.index_64,
             MMA_OPERANDS=self.mma_operands,
             FAST_ACCUM=self.fast_accum,
+            DIVISORS=self.divisors,
         )
+
+
+def _divisor(value: int) -> int:
+    """The largest power of two dividing ``value``, at most 16 (16 for 0)."""
+    value = abs(value)
+    return 16 if value == 0 else min(16, value & -value)
 
 
 def mma_operands(dtype, input_precision: str, a_strides, b_strides) -> str:

@@ -22,7 +22,7 @@ import triton
 
 from tilegemm import tuning
 from tilegemm.hardware import sm_count
-from tilegemm.jit_helpers import epilogue_store, tile_grouped
+from tilegemm.jit_helpers import below, epilogue_store, offsets_2d_div, tile_grouped
 from tilegemm.launch import launch
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem
@@ -45,7 +45,7 @@ def matmul_split_k_kernel(
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
-    FAST_ACCUM: tl.constexpr,
+    FAST_ACCUM: tl.constexpr, DIVISORS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K, SLICES: tl.constexpr, ATOMIC_READ: tl.constexpr,
 ):
@@ -74,16 +74,18 @@ def matmul_split_k_kernel(
 
     offs_m, offs_n, load_m, load_n = tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
     acc = dot_k_loop(a_ptr, b_ptr, k_begin, k_end, stride_am, stride_ak, stride_bk, stride_bn, load_m, load_n,
-                     BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST, MMA_OPERANDS, FAST_ACCUM)
+                     BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST, MMA_OPERANDS, FAST_ACCUM, DIVISORS)
 
     if SPLIT_K == 1:
         epilogue_store(acc, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
                        stride_om, stride_on, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
-                       alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+                       alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, DIVISORS)
     else:
         # Reduce across the K slices: hand this partial tile over, then count arrivals at this tile.
-        inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        DIV_M: tl.constexpr = DIVISORS[8]
+        DIV_N: tl.constexpr = DIVISORS[9]
+        inside = below(offs_m, M, DIV_M)[:, None] & below(offs_n, N, DIV_N)[None, :]
+        ws_tile = ws_ptr + offsets_2d_div(offs_m, offs_n, N, 1, DIV_N, 1)  # the planes are [M, N], row-major
         if SLICES:
             # Each slice has its own [M, N] plane of the workspace: plain stores, no zeroing needed.
             tl.store(ws_tile + split * M * N, acc, mask=inside)
@@ -111,7 +113,7 @@ def matmul_split_k_kernel(
             tl.store(count_ptr + tile, 0)
             epilogue_store(total, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
                            stride_om, stride_on, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
-                           alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+                           alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, DIVISORS)
 
 
 # --- workspace: zeroed once, left zeroed by every launch --------------------------------------------------
