@@ -133,3 +133,42 @@ def test_lookup_or_tune_times_once_and_keeps_the_fastest(cache, monkeypatch):
     k1 = tuning.key("split_k", 1, 8, 8, torch.float16, torch.float16)
     assert tuning.lookup_or_tune(k1, lambda: [dict(id=9)], lambda cfg: launched.append(cfg["id"])) == dict(id=9)
     assert launched == [1, 2, 3]
+
+
+def test_auto_times_split_k_against_persistent_tma_once_per_shape_class(cache, monkeypatch):
+    """M in (16, 128] on a TMA GPU: auto times both rungs (each tuned first) and remembers the winner."""
+    import triton.testing
+
+    from tilegemm.ops.matmul import op, persistent_tma
+    from tilegemm.ops.matmul.problem import make_problems
+
+    monkeypatch.setattr(op, "interpreting", lambda: False)
+    monkeypatch.setattr(op, "_has_tma", lambda: True)
+    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+    calls = []
+    monkeypatch.setattr(op, "launcher", lambda name: lambda p: calls.append(name))
+    speed = {"split_k": 2.0, "persistent_tma": 1.0}
+
+    def fake_do_bench(fn, **kwargs):
+        fn()
+        return speed[calls[-1]]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+
+    def problem(M):
+        a, b = torch.randn(M, 64), torch.randn(64, 48)
+        return make_problems(a, b, torch.empty(M, 48), None, None, 1.0, 1.0, "none", "ieee", False)[0]
+
+    assert op.choose_kernel(problem(100)) == "persistent_tma"
+    # Each rung ran once untimed (its own tuning happens there), then once in the timing.
+    assert calls == ["split_k", "persistent_tma", "split_k", "persistent_tma"]
+    key = tuning.key("auto", 100, 48, 64, "float32", torch.float32, "NN")
+    assert tuning.lookup(key) == {"rung": "persistent_tma"}
+    # Same bucket (M 65..128): no timing again. M <= 16 goes to split_k without timing.
+    assert op.choose_kernel(problem(120)) == "persistent_tma"
+    assert op.choose_kernel(problem(16)) == "split_k"
+    assert len(calls) == 4
+    # Where TMA cannot go, split_k without timing.
+    monkeypatch.setattr(persistent_tma, "describable", lambda p: "not 16-byte aligned")
+    assert op.choose_kernel(problem(40)) == "split_k"
+    assert len(calls) == 4

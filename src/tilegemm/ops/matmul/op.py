@@ -184,7 +184,11 @@ def choose_kernel(p: GemmProblem) -> str:
     - Under the interpreter: ``grouped`` (autotuning has nothing to time there).
     - M <= 128: ``split_k``, which tunes its tile and number of K slices (1 included) per shape class. On the
       llm shapes (fp16, H200) the best split-K configs ran 1.05x-1.07x cuBLAS at M=1 and 16 with N=4096,
-      where ``autotuned`` ran 0.73x-0.88x (scripts/explore_skinny.py).
+      where ``autotuned`` ran 0.73x-0.88x (scripts/explore_skinny.py). Where TMA can describe the problem,
+      ``split_k`` and ``persistent_tma`` (each with its own tuned config) are timed against each other once
+      per shape class and the faster is kept: with 64x64 tiles and a 6-deep TMA pipeline the latter ran
+      0.95x cuBLAS at 128x4096x14336 where ``split_k`` ran 0.88x, but lost at 64x4096x14336
+      (scripts/explore_tma_small_m.py).
     - Larger problems on Hopper that TMA can describe, with at least two 128x128 tiles per SM (four for
       fp8): ``persistent_tma`` (fp16 1.02x / 1.03x at 8192^3 / 16384^3, where ``autotuned`` ran 1.00x /
       0.93x), except tf32 with swapped operands (see the code).
@@ -193,6 +197,11 @@ def choose_kernel(p: GemmProblem) -> str:
     if interpreting():
         return "grouped"
     if p.M <= 128:
+        if p.M > 16 and _has_tma():
+            from tilegemm.ops.matmul.persistent_tma import describable
+
+            if describable(p) is None:
+                return _timed_choice(p, ("split_k", "persistent_tma"))
         return "split_k"
     if _has_tma():
         from tilegemm.hardware import sm_count
@@ -211,6 +220,23 @@ def choose_kernel(p: GemmProblem) -> str:
         if tiles >= min_tiles and describable(p) is None and not swapped_tf32:
             return "persistent_tma"
     return "autotuned"
+
+
+def _timed_choice(p: GemmProblem, rungs: tuple[str, ...]) -> str:
+    """The faster of ``rungs`` for this shape class: timed once (each rung tuned first), then remembered."""
+    from tilegemm import tuning
+
+    def run(cfg: dict) -> None:
+        launcher(cfg["rung"])(p)
+
+    def candidates() -> list[dict]:
+        options = [{"rung": r} for r in rungs]
+        for cfg in options:
+            run(cfg)  # each rung tunes its own config here, outside the timing
+        return options
+
+    k = tuning.key("auto", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
+    return tuning.lookup_or_tune(k, candidates, run)["rung"]
 
 
 _tma: bool | None = None

@@ -149,6 +149,9 @@ def configs(dtype_bytes: int) -> list[dict]:
         _cfg(128, 128, 64, 4, 4),
         _cfg(128, 64, 64, 4, 4),
         _cfg(64, 128, 64, 4, 4),
+        # Small M (64..128): about one 64x64 tile per SM, fed by a 6-deep pipeline of 128-wide K steps
+        # (0.95x cuBLAS at 128x4096x14336; scripts/explore_tma_small_m.py).
+        _cfg(64, 64, 128, 4, 6, flatten=False),
     ]
 
 
