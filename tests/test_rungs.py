@@ -110,3 +110,15 @@ def test_split_k_picks_more_splits_for_fewer_tiles(device):
     p = _problem(a, b, torch.empty(16, 4096, dtype=torch.float16, device=device))
     cfg = split_k.pick_config(p)
     assert cfg["SPLIT_K"] >= 1 and cfg["BLOCK_M"] == (16 if device == "cuda" else cfg["BLOCK_M"])
+
+
+def test_split_k_config_without_slices_uses_the_default_planes(device):
+    """A stored config from before SLICES existed gets the same reduction as new candidates: planes."""
+    a = torch.randn(20, 150, device=device)
+    b = torch.randn(150, 45, device=device)
+    out = torch.full((20, 45), float("nan"), device=device)
+    p = make_problems(a, b, out, None, None, 1.0, 1.0, "none", "ieee", False)[0]
+    split_k._workspaces.clear()
+    split_k.run(p, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, SPLIT_K=3, num_warps=4, num_stages=1))
+    assert_rel_close(out, matmul_reference(a, b), 1e-5)
+    assert [planes for (_, _, planes) in split_k._workspaces] == [True]

@@ -421,10 +421,12 @@ def matmul(
     plain = bias is None and c is None and activation is None
     key = _replay_key(a, b, alpha, precision, kernel, out_dtype, scale_a, scale_b, fast_accum) if plain else None
     if key is not None:
+        # The tensors a replay takes after a, b and out (fp8 scales, where given).
+        scales = () if scale_a is None and scale_b is None else tuple(s for s in (scale_a, scale_b) if s is not None)
         hit = _replays.get(key)
         if hit is not None:
             out = new_output(hit.shape, out_dtype or default_out_dtype(a.dtype), a.device)
-            if hit(a, b, out, *(s for s in (scale_a, scale_b) if s is not None)):
+            if hit(a, b, out, *scales):
                 return out  # (False: recorded for another stream; launched afresh below)
     activation = "none" if activation is None else activation
     check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a, scale_b,
@@ -437,8 +439,7 @@ def matmul(
         return _forward(*args)
     with recording() as rec:
         out = _forward(*args)
-    tensors = (a, b, out, *(s for s in (scale_a, scale_b) if s is not None))
-    _replays.store(key, rec.launches, tensors, shape=out.shape)
+    _replays.store(key, rec.launches, (a, b, out, *scales), shape=out.shape)
     return out
 
 

@@ -223,7 +223,8 @@ def _launch(p: GemmProblem, config: dict) -> None:
 
         grouped.run(p, {k: v for k, v in cfg.items() if k not in ("SPLIT_K", "SLICES")})
         return
-    cfg.setdefault("SLICES", False)
+    # A config without the key (tuned before it existed) gets the default reduction, as candidates do.
+    cfg.setdefault("SLICES", True)
     if cfg["SLICES"] and cfg["SPLIT_K"] * p.M * p.N >= 2**31:
         cfg["SLICES"] = False  # plane offsets are 32-bit in the kernel; one atomic plane still fits
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
