@@ -150,6 +150,7 @@ def test_auto_times_split_k_against_persistent_tma_once_per_shape_class(cache, m
     speed = {"split_k": 2.0, "persistent_tma": 1.0}
 
     def fake_do_bench(fn, **kwargs):
+        fn()  # like do_bench: one untimed launch first (where a rung tunes itself), then the timed ones
         fn()
         return speed[calls[-1]]
 
@@ -161,7 +162,7 @@ def test_auto_times_split_k_against_persistent_tma_once_per_shape_class(cache, m
 
     assert op.choose_kernel(problem(100)) == "persistent_tma"
     # Each rung ran once untimed (its own tuning happens there), then once in the timing.
-    assert calls == ["split_k", "persistent_tma", "split_k", "persistent_tma"]
+    assert calls == ["split_k", "split_k", "persistent_tma", "persistent_tma"]
     key = tuning.key("auto", 100, 48, 64, "float32", torch.float32, "NN")
     assert tuning.lookup(key) == {"rung": "persistent_tma"}
     # Same bucket (M 65..128): no timing again. M <= 16 goes to split_k without timing.
@@ -172,3 +173,27 @@ def test_auto_times_split_k_against_persistent_tma_once_per_shape_class(cache, m
     monkeypatch.setattr(persistent_tma, "describable", lambda p: "not 16-byte aligned")
     assert op.choose_kernel(problem(40)) == "split_k"
     assert len(calls) == 4
+
+
+def test_auto_timed_choice_skips_a_rung_that_fails(cache, monkeypatch):
+    """A rung that raises while being timed (e.g. does not compile) is not chosen, and the call goes on."""
+    import triton.testing
+
+    from tilegemm.ops.matmul import op, persistent_tma
+    from tilegemm.ops.matmul.problem import make_problems
+
+    monkeypatch.setattr(op, "interpreting", lambda: False)
+    monkeypatch.setattr(op, "_has_tma", lambda: True)
+    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+
+    def launch(name):
+        def run(p):
+            if name == "persistent_tma":
+                raise RuntimeError("out of resource: shared memory")
+        return run
+
+    monkeypatch.setattr(op, "launcher", launch)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or 1.0)
+    a, b = torch.randn(100, 64), torch.randn(64, 48)
+    p = make_problems(a, b, torch.empty(100, 48), None, None, 1.0, 1.0, "none", "ieee", False)[0]
+    assert op.choose_kernel(p) == "split_k"

@@ -223,20 +223,15 @@ def choose_kernel(p: GemmProblem) -> str:
 
 
 def _timed_choice(p: GemmProblem, rungs: tuple[str, ...]) -> str:
-    """The faster of ``rungs`` for this shape class: timed once (each rung tuned first), then remembered."""
+    """The faster of ``rungs`` for this shape class: timed once, then remembered.
+
+    A rung that tunes its own config does so in its first launch, which ``do_bench`` makes before it times
+    anything; a rung that fails there is not chosen (see :func:`tilegemm.tuning.lookup_or_tune`).
+    """
     from tilegemm import tuning
 
-    def run(cfg: dict) -> None:
-        launcher(cfg["rung"])(p)
-
-    def candidates() -> list[dict]:
-        options = [{"rung": r} for r in rungs]
-        for cfg in options:
-            run(cfg)  # each rung tunes its own config here, outside the timing
-        return options
-
     k = tuning.key("auto", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
-    return tuning.lookup_or_tune(k, candidates, run)["rung"]
+    return tuning.lookup_or_tune(k, lambda: [{"rung": r} for r in rungs], lambda cfg: launcher(cfg["rung"])(p))["rung"]
 
 
 _tma: bool | None = None
