@@ -135,6 +135,29 @@ def test_lookup_or_tune_times_once_and_keeps_the_fastest(cache, monkeypatch):
     assert launched == [1, 2, 3]
 
 
+def test_lookup_or_tune_retimes_near_ties_longer(cache, monkeypatch):
+    """The short first pass only finds the field: candidates within 10% of its best are timed again."""
+    import triton.testing
+
+    first = {1: 1.00, 2: 1.05, 3: 1.08, 4: 1.09, 5: 2.0}  # the short pass: 1 looks fastest, 4 is fourth
+    longer = {1: 1.20, 2: 1.00, 3: 1.10}  # longer timing: 2 is
+    timed = []
+
+    def fake_do_bench(fn, **kwargs):
+        fn()
+        timed.append((launched[-1], kwargs["rep"]))
+        return (first if kwargs["rep"] == 20 else longer)[launched[-1]]
+
+    launched = []
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    k = tuning.key("split_k", 16, 64, 4096, torch.float16, torch.float16)
+    got = tuning.lookup_or_tune(k, lambda: [dict(id=i) for i in range(1, 6)], lambda cfg: launched.append(cfg["id"]))
+    assert got == dict(id=2)
+    assert [i for i, rep in timed if rep == 20] == [1, 2, 3, 4, 5]
+    # The three best of the first pass (4 is within 10% but fourth), two alternating rounds each.
+    assert [i for i, rep in timed if rep != 20] == [1, 2, 3, 1, 2, 3]
+
+
 def test_auto_times_split_k_against_persistent_tma_once_per_shape_class(cache, monkeypatch):
     """M in (16, 128] on a TMA GPU: auto times both rungs (each tuned first) and remembers the winner."""
     import triton.testing

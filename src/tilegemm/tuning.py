@@ -120,7 +120,9 @@ def lookup_or_tune(k: str, candidates, launch) -> dict:
     and recorded, so that it is timed once per shape class.
 
     Each candidate is timed by ``triton.testing.do_bench`` (median, L2 cleared before each call); one that
-    fails to compile or launch is simply not chosen.
+    fails to compile or launch is simply not chosen. A short first pass finds the field; the candidates
+    within 10% of its best (at most three) are then timed again, longer and in two alternating rounds, so
+    that run-to-run noise of the short pass does not decide between near ties.
     """
     config = lookup(k)
     if config is not None:
@@ -131,14 +133,22 @@ def lookup_or_tune(k: str, candidates, launch) -> dict:
     else:
         import triton.testing
 
-        def median_ms(cfg: dict) -> float:
+        def median_ms(cfg: dict, rep: int) -> float:
             try:
-                return triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+                return triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=rep, return_mode="median")
             except Exception:  # noqa: BLE001 - a config that does not compile or fit is not chosen
                 return float("inf")
 
-        timings = [median_ms(cfg) for cfg in options]
-        config = options[min(range(len(options)), key=timings.__getitem__)]
+        timings = [median_ms(cfg, 20) for cfg in options]
+        order = sorted(range(len(options)), key=timings.__getitem__)
+        finalists = [i for i in order[:3] if timings[i] <= 1.1 * timings[order[0]]]
+        if len(finalists) > 1:
+            totals = dict.fromkeys(finalists, 0.0)
+            for _ in range(2):
+                for i in finalists:
+                    totals[i] += median_ms(options[i], 100)
+            order = sorted(finalists, key=totals.__getitem__)
+        config = options[order[0]]
     record(k, config)
     return config
 
