@@ -35,28 +35,6 @@ def test_persistent_tma_path(layout, dtype, shape, device):
     assert_rel_close(got, matmul_reference(a, b, bias=bias, c=c, beta=0.5, activation="silu"), tolerance(dtype))
 
 
-@pytest.mark.parametrize("split_n", [0, 1, 2], ids=["whole", "halves-add", "halves-limit"])
-@pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn], ids=["fp16", "fp8"])
-def test_persistent_tma_split_n_tiles(split_n, layout, dtype, device):
-    """SPLIT_N computes a tile as two halves with their own B loads and accumulators: same product."""
-    M, N, K = 112, 208, 160  # leading dims 16-byte aligned in fp8 and fp16 (TMA), tiles cut at the edges
-    a = torch.randn(K, M, device=device).mT if layout[0] == "T" else torch.randn(M, K, device=device)
-    b = torch.randn(N, K, device=device).mT if layout[1] == "T" else torch.randn(K, N, device=device)
-    a, b = a.to(dtype), b.to(dtype)
-    bias = torch.randn(N, device=device)
-    out_dtype = torch.bfloat16 if dtype.itemsize == 1 else dtype
-    out = torch.full((M, N), float("nan"), dtype=out_dtype, device=device)
-    p = _problem(a, b, out, bias=bias.to(out_dtype), alpha=0.5, activation="relu")
-    assert persistent_tma.describable(p) is None
-    bk = 32 if device == "cpu" else (128 if dtype.itemsize == 1 else 64)
-    bm, bn = (32, 64) if device == "cpu" else (128, 128)
-    persistent_tma.run(p, persistent_tma._cfg(bm, bn, bk, 4 if device == "cpu" else 8, 1 if device == "cpu" else 3,
-                                              split_n=split_n))
-    ref = matmul_reference(a.double(), b.double(), bias=bias.to(out_dtype).double(), alpha=0.5, activation="relu")
-    assert_rel_close(out, ref, tolerance(dtype, out_dtype=out_dtype) if dtype.itemsize == 1 else tolerance(dtype))
-
-
 @pytest.mark.parametrize(
     "make,reason",
     [

@@ -146,28 +146,39 @@ def through_registers(x):
 
 
 @triton.jit
-def mma(a, b, acc, INPUT_PRECISION: tl.constexpr, FAST_ACCUM: tl.constexpr, PROMOTE_BY_ADD: tl.constexpr = False):
+def mma(a, b, acc, INPUT_PRECISION: tl.constexpr, FAST_ACCUM: tl.constexpr):
     """``acc + a @ b`` on the tensor cores.
 
     fp8 products are promoted into the fp32 accumulator once per call (every BLOCK_K of K): Hopper's fp8
     MMA keeps fewer accumulator bits than fp32, and Triton otherwise lets the sum run imprecise over all
     of K. This matches ``torch._scaled_mm`` without ``use_fast_accum``. ``FAST_ACCUM`` skips the
     promotion (the MMA accumulates all of K itself), like ``use_fast_accum=True``: faster, less exact.
-
-    ``PROMOTE_BY_ADD`` writes the promotion as ``acc + tl.dot(a, b)``: the same sums, but Triton waits for
-    the MMAs before the add, where with ``max_num_imprecise_acc`` the add comes first and ptxas has to
-    insert the wait itself (and, for some tiles, serializes every MMA of the kernel).
     """
     if a.dtype.is_fp8():
         if FAST_ACCUM:
             # No limit given: Triton's default on sm_90 (2**30) never promotes. 0 would promote after
             # every MMA instruction, the slowest choice.
             return tl.dot(a, b, acc)
-        if PROMOTE_BY_ADD:
-            return acc + tl.dot(a, b)
         return tl.dot(a, b, acc, max_num_imprecise_acc=a.shape[1])
     else:
         return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def mma_ordered(a, b, acc, MMA_OPERANDS: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_ACCUM: tl.constexpr):
+    """``acc + a @ b`` for a [BM, BK] tile ``a`` and a [BK, BN] tile ``b``, the operands ordered as
+    ``MMA_OPERANDS`` says (see :func:`tilegemm.ops.matmul.problem.mma_operands`).
+
+    tf32 and fp8 operands must be K-major in shared memory: ``"ab"`` takes them as loaded, ``"reg_a"``
+    passes A through registers, ``"swap"`` computes the transposed tile ``B^T @ A^T`` with B^T in
+    registers (``acc`` is then the [BN, BM] transposed accumulator).
+    """
+    if MMA_OPERANDS == "swap":
+        return mma(through_registers(b.T), a.T, acc, INPUT_PRECISION, FAST_ACCUM)
+    elif MMA_OPERANDS == "reg_a":
+        return mma(through_registers(a), b, acc, INPUT_PRECISION, FAST_ACCUM)
+    else:
+        return mma(a, b, acc, INPUT_PRECISION, FAST_ACCUM)
 
 
 @triton.jit

@@ -6,7 +6,7 @@ layout) and accumulating their product in fp32. The rungs differ in which tile a
 part of K (``split_k`` takes a slice) and how they are tuned, not in this loop.
 """
 
-from tilegemm.jit_helpers import below, mma, offsets_2d_div, through_registers
+from tilegemm.jit_helpers import below, mma_ordered, offsets_2d_div
 from tilegemm.runtime import ensure_backend
 
 ensure_backend()
@@ -79,12 +79,10 @@ def dot_k_loop(
             # Triton 3.6's interpreter computes bf16 dots wrongly; fp32 dots there are exact.
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if SWAP:
-            acc = mma(through_registers(b), a, acc, INPUT_PRECISION, FAST_ACCUM)
-        elif MMA_OPERANDS == "reg_a":
-            acc = mma(through_registers(a), b, acc, INPUT_PRECISION, FAST_ACCUM)
-        else:
-            acc = mma(a, b, acc, INPUT_PRECISION, FAST_ACCUM)
+        if SWAP:  # the tiles were loaded transposed; mma_ordered takes them as [BM, BK] and [BK, BN]
+            a = a.T
+            b = b.T
+        acc = mma_ordered(a, b, acc, MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if SWAP:

@@ -21,7 +21,7 @@ import triton
 from tilegemm import tuning
 from tilegemm.hardware import compute_capability, sm_count
 from tilegemm.jit_helpers import (
-    apply_activation, mask_2d, mma, offsets_2d, scale_tile, through_registers, tile_grouped,
+    apply_activation, mask_2d, mma_ordered, offsets_2d, scale_tile, tile_grouped,
 )
 from tilegemm.launch import launch
 from tilegemm.ops.matmul.problem import GemmProblem
@@ -73,21 +73,6 @@ def _as_tile(acc, MMA_OPERANDS: tl.constexpr):
 
 
 @triton.jit
-def _mma_step(a, b, acc, MMA_OPERANDS: tl.constexpr, INPUT_PRECISION: tl.constexpr, FAST_ACCUM: tl.constexpr,
-              PROMOTE_BY_ADD: tl.constexpr):
-    """``acc + a @ b`` for a [BM, BK] tile ``a`` and a [BK, BN] tile ``b``, operands ordered by MMA_OPERANDS.
-
-    tf32/fp8 operands must be K-major in shared memory; see tilegemm.ops.matmul.problem.mma_operands.
-    """
-    if MMA_OPERANDS == "swap":
-        return mma(through_registers(b.T), a.T, acc, INPUT_PRECISION, FAST_ACCUM, PROMOTE_BY_ADD)
-    elif MMA_OPERANDS == "reg_a":
-        return mma(through_registers(a), b, acc, INPUT_PRECISION, FAST_ACCUM, PROMOTE_BY_ADD)
-    else:
-        return mma(a, b, acc, INPUT_PRECISION, FAST_ACCUM, PROMOTE_BY_ADD)
-
-
-@triton.jit
 def matmul_persistent_tma_kernel(
     a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
     M, N, K,
@@ -99,20 +84,17 @@ def matmul_persistent_tma_kernel(
     HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    SPLIT_N: tl.constexpr,
 ):
     # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1.
     if A_T:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
     else:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
-    HALF_N: tl.constexpr = BLOCK_N // 2
-    # SPLIT_N: the tile is computed as two [BM, BN/2] halves, each with its own B load and accumulator.
-    LOAD_N: tl.constexpr = HALF_N if SPLIT_N > 0 else BLOCK_N
     if B_T:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[LOAD_N, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
     else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, LOAD_N])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
+    HALF_N: tl.constexpr = BLOCK_N // 2
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1], block_shape=[BLOCK_M, HALF_N])
 
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -126,31 +108,17 @@ def matmul_persistent_tma_kernel(
         pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
-        if SPLIT_N > 0:
-            # Two accumulators of half the width: fp8 promotion then needs one more half-size register
-            # tile, where a whole-tile one (128x256 over 8 warps) would not fit in the register file.
-            acc_l = _zero_tile(BLOCK_M, HALF_N, MMA_OPERANDS)
-            acc_r = _zero_tile(BLOCK_M, HALF_N, MMA_OPERANDS)
-            for ks in tl.range(k_steps, warp_specialize=WS_K):
-                k0 = ks * BLOCK_K
-                a = _load_tile(a_desc, m0, k0, A_T)
-                acc_l = _mma_step(a, _load_tile(b_desc, k0, n0, B_T), acc_l,
-                                  MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM, SPLIT_N == 1)
-                acc_r = _mma_step(a, _load_tile(b_desc, k0, n0 + HALF_N, B_T), acc_r,
-                                  MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM, SPLIT_N == 1)
-            left = _as_tile(acc_l, MMA_OPERANDS)
-            right = _as_tile(acc_r, MMA_OPERANDS)
-        else:
-            acc = _zero_tile(BLOCK_M, BLOCK_N, MMA_OPERANDS)
-            for ks in tl.range(k_steps, warp_specialize=WS_K):
-                k0 = ks * BLOCK_K
-                acc = _mma_step(_load_tile(a_desc, m0, k0, A_T), _load_tile(b_desc, k0, n0, B_T), acc,
-                                MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM, False)
-            # Epilogue in two [BM, BN/2] halves.
-            halves = tl.reshape(_as_tile(acc, MMA_OPERANDS), (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
-            left, right = tl.split(halves)
+        acc = _zero_tile(BLOCK_M, BLOCK_N, MMA_OPERANDS)
+        for ks in tl.range(k_steps, warp_specialize=WS_K):
+            k0 = ks * BLOCK_K
+            acc = mma_ordered(_load_tile(a_desc, m0, k0, A_T), _load_tile(b_desc, k0, n0, B_T), acc,
+                              MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
+        acc = _as_tile(acc, MMA_OPERANDS)
 
+        # Epilogue in two [BM, BN/2] halves.
         offs_m = m0 + tl.arange(0, BLOCK_M)
+        halves = tl.reshape(acc, (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
+        left, right = tl.split(halves)
         offs_l = n0 + tl.arange(0, HALF_N)
         left = _epilogue_half(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
                               stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
@@ -165,8 +133,8 @@ def matmul_persistent_tma_kernel(
 # --- host side ---------------------------------------------------------------------------------------------
 
 
-def _cfg(bm, bn, bk, warps, stages, flatten=True, ws=0, split_n=0) -> dict:
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLATTEN=flatten, WARP_SPECIALIZE=ws, SPLIT_N=split_n,
+def _cfg(bm, bn, bk, warps, stages, flatten=True, ws=0) -> dict:
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLATTEN=flatten, WARP_SPECIALIZE=ws,
                 num_warps=warps, num_stages=stages)
 
 
@@ -260,7 +228,7 @@ def _launch(p: GemmProblem, cfg: dict) -> None:
            dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                 INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
                 HAS_SCALE_B=flags["HAS_SCALE_B"], MMA_OPERANDS=flags["MMA_OPERANDS"], NUM_SMS=num_sms,
-                FAST_ACCUM=flags["FAST_ACCUM"], **{"WARP_SPECIALIZE": 0, "SPLIT_N": 0, **cfg}))
+                FAST_ACCUM=flags["FAST_ACCUM"], **{"WARP_SPECIALIZE": 0, **cfg}))
 
 
 def run(p: GemmProblem, config: dict | None = None) -> None:
