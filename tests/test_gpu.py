@@ -265,3 +265,28 @@ def test_replays_call_triton_launch_hooks():
         knobs.runtime.launch_enter_hook.remove(hook)
     assert seen and "matmul" in seen[0]
     assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
+
+
+def test_tensors_on_another_gpu_than_the_current_one():
+    """Triton launches on the current device: tilegemm makes the tensors' device current for the call."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (ran on the 2-GPU machine kind)")
+    other = torch.device("cuda", 1)
+    a = torch.randn(300, 200, device=other, dtype=torch.float16)
+    b = torch.randn(200, 176, device=other, dtype=torch.float16)
+    ref = matmul_reference(a, b)
+    for current in (0, 1, 0):  # a replay recorded with one device current must not launch with another
+        with torch.cuda.device(current):
+            for kernel in RUNGS:
+                for _ in range(2):  # the second call takes the replay path
+                    out = tilegemm.matmul(a, b, kernel=kernel)
+                    assert out.device == other
+                    torch.cuda.synchronize(other)
+                    assert_rel_close(out, ref, tolerance(torch.float16))
+            x = torch.randn(1000, 33, device=other).mT
+            assert torch.equal(tilegemm.copy(x), x)
+            img = torch.rand(2, 3, 64, 48, device=other)
+            grey = tilegemm.rgb_to_grey(img)
+            want = 0.2989 * img[:, 0] + 0.5870 * img[:, 1] + 0.1140 * img[:, 2]
+            assert grey.device == other and torch.allclose(grey, want, atol=1e-5)
+    assert torch.cuda.current_device() == 0

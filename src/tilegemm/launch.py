@@ -28,6 +28,11 @@ try:  # what Triton's CUDA driver itself uses for the current stream (and, under
 except ImportError:  # a CPU-only torch: nothing is ever replayed there
     _raw_stream = _current_device = None
 
+def current_stream() -> int:
+    """The raw CUDA stream Triton launches on: torch's current stream of the current device (0 on the CPU)."""
+    return _raw_stream(_current_device()) if _raw_stream is not None else 0
+
+
 _runtime_knobs = None  # triton.knobs.runtime, taken when the first Replay is made (triton is imported then)
 
 
@@ -44,6 +49,7 @@ class Launch:
     params: list
     keep: tuple = ()  # tensors of the launcher's own (a workspace) that a replay passes as they were
     stream: int | None = None  # set when the launch may only be replayed on this stream
+    device: int | None = None  # the CUDA device it ran on (the current one at launch)
 
 
 def launch(kernel, grid, args: tuple, kwargs: dict, keep: tuple = (), stream: int | None = None):
@@ -63,7 +69,7 @@ def launch(kernel, grid, args: tuple, kwargs: dict, keep: tuple = (), stream: in
             g = g + (1,) * (3 - len(g))
             names = kernel.arg_names
             params = list(args) + [kwargs[name] for name in names[len(args):]]
-            record.append(Launch(compiled, g, params, tuple(keep), stream))
+            record.append(Launch(compiled, g, params, tuple(keep), stream, _current_device()))
     return compiled
 
 
@@ -103,7 +109,8 @@ def _direct_launcher(launcher):
 class Replay:
     """One recorded launch, replayable with new tensors in the same parameter slots."""
 
-    __slots__ = ("runner", "run", "direct", "function", "packed", "grid", "params", "slots", "shape", "stream")
+    __slots__ = ("runner", "run", "direct", "function", "packed", "grid", "params", "slots", "shape", "stream",
+                 "device")
 
     def __init__(self, launch_: Launch, tensors: tuple, shape=None):
         global _runtime_knobs
@@ -119,6 +126,7 @@ class Replay:
         self.direct = _direct_launcher(compiled.run)
         self.grid = launch_.grid
         self.stream = launch_.stream
+        self.device = launch_.device
         self.params = list(launch_.params)
         kept = {t.data_ptr() for t in launch_.keep}
         # A launcher may pass a view of a call's tensor (same data pointer): the compiled kernel only
@@ -135,13 +143,17 @@ class Replay:
                 self.slots.append((i, ptrs.index(ptr)))
 
     def __call__(self, *tensors) -> bool:
-        """Launch with ``tensors`` in the recorded ones' slots; False (nothing launched) on a foreign stream."""
+        """Launch with ``tensors`` in the recorded ones' slots; False (nothing launched) on a foreign stream,
+        or when another device than the recorded one is current (the compiled kernel belongs to that one)."""
+        device = _current_device()
+        if device != self.device:
+            return False
+        stream = _raw_stream(device)  # as current_stream()
+        if self.stream is not None and stream != self.stream:
+            return False
         params = self.params.copy()
         for i, j in self.slots:
             params[i] = tensors[j]
-        stream = _raw_stream(_current_device())
-        if self.stream is not None and stream != self.stream:
-            return False
         if not _hooks_idle():
             self.runner(*params, stream=stream)  # a profiler listens: Triton's path gives its hooks metadata
             return True

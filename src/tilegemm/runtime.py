@@ -14,6 +14,7 @@ The choice, in order:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -140,6 +141,22 @@ def check_device(name: str, device) -> None:
             f"{name} is on {device}, but a CUDA GPU is in use: move the tensors to the GPU "
             "(or set TILEGEMM_INTERPRET=1 to run Triton's interpreter on the CPU)"
         )
+
+
+def on_device(device):
+    """A context in which ``device`` is the current CUDA device, for the launches (and tuning) of one call.
+
+    Triton launches on the current device and its current stream, whatever device the tensors are on; a
+    call with tensors on ``cuda:1`` while ``cuda:0`` is current would otherwise run there on foreign
+    memory. A no-op (no device switch) when ``device`` is already current, or off the GPU.
+    """
+    if device.type != "cuda" or device.index is None:
+        return contextlib.nullcontext()
+    import torch
+
+    if device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def backend_name() -> str:

@@ -6,7 +6,7 @@ import torch
 
 from tilegemm import registry
 from tilegemm.launch import ReplayCache, recording
-from tilegemm.runtime import check_device, interpreting, new_output
+from tilegemm.runtime import check_device, interpreting, new_output, on_device
 
 GREY_WEIGHTS = (0.2989, 0.5870, 0.1140)
 MAX_DIMS = 6
@@ -34,11 +34,12 @@ def _replayed(key, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _run(op: str, name: str, key, x: torch.Tensor, out: torch.Tensor) -> None:
-    if key is None:
-        registry.get(op, name).launcher()(x, out)
-        return
-    with recording() as rec:
-        registry.get(op, name).launcher()(x, out)
+    with on_device(x.device):
+        if key is None:
+            registry.get(op, name).launcher()(x, out)
+            return
+        with recording() as rec:
+            registry.get(op, name).launcher()(x, out)
     _replays.store(key, rec.launches, (x, out), shape=out.shape)
 
 

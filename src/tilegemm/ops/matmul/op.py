@@ -10,7 +10,7 @@ import torch
 from tilegemm import registry
 from tilegemm.launch import ReplayCache, recording
 from tilegemm.ops.matmul.problem import GemmProblem, make_problems
-from tilegemm.runtime import check_device, interpreting, new_output
+from tilegemm.runtime import check_device, interpreting, new_output, on_device
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "leaky_relu")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # inputs and outputs
@@ -277,8 +277,9 @@ def _forward(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kerne
     upcast = a.dtype == torch.bfloat16 and interpreting()
     precision = resolve_precision(precision, a.dtype)
     scales = (scale_a, _scale_stride(scale_a), scale_b, _scale_stride(scale_b))
-    for p in make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast, scales, fast_accum):
-        launcher(choose_kernel(p) if kernel == "auto" else kernel)(p)
+    with on_device(a.device):
+        for p in make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast, scales, fast_accum):
+            launcher(choose_kernel(p) if kernel == "auto" else kernel)(p)
     return out
 
 

@@ -23,7 +23,7 @@ import triton
 from tilegemm import tuning
 from tilegemm.hardware import sm_count
 from tilegemm.jit_helpers import below, epilogue_store, offsets_2d_div, tile_grouped
-from tilegemm.launch import launch
+from tilegemm.launch import current_stream, launch
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.runtime import interpreting
@@ -121,10 +121,6 @@ def matmul_split_k_kernel(
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-
-
 def _workspace(device: torch.device, floats: int, counters: int, planes: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (device, stream, reduction): launches on one stream run in order, so they can share one workspace.
 
@@ -134,7 +130,7 @@ def _workspace(device: torch.device, floats: int, counters: int, planes: bool) -
     A larger call replaces a stream's workspace with a larger one; replays recorded with the old one
     keep it alive and keep using it, which is safe because every launch leaves it zeroed.
     """
-    key = (device, _stream(device), planes)
+    key = (device, current_stream() if device.type == "cuda" else 0, planes)
     ws, count = _workspaces.get(key, (None, None))
     if ws is None or ws.numel() < floats or count.numel() < counters:
         floats = max(floats, ws.numel() if ws is not None else 0, 1 << 20)
@@ -236,4 +232,4 @@ def _launch(p: GemmProblem, config: dict) -> None:
     # Replayable, but only on this stream: another stream's launches could use the workspace meanwhile.
     launch(matmul_split_k_kernel, grid, (*p.kernel_args(), ws, count),
            {**p.kernel_flags(), **cfg, "ATOMIC_READ": not interpreting()},
-           keep=(ws, count), stream=_stream(p.out.device))
+           keep=(ws, count), stream=current_stream() if p.out.is_cuda else 0)
