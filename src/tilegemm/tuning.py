@@ -41,9 +41,13 @@ def m_bucket(m: int) -> int:
     return bucket
 
 
+def dtype_name(dtype) -> str:
+    """``float16`` for ``torch.float16``; a string passes through (``"tf32"``, fp8 pair labels)."""
+    return str(dtype).replace("torch.", "")
+
+
 def key(rung: str, M: int, N: int, K: int, dtype, out_dtype, layout: str = "") -> str:
-    name = lambda d: str(d).replace("torch.", "")  # noqa: E731
-    return f"{rung}|M{m_bucket(M)}|N{N}|K{K}|{name(dtype)}|{name(out_dtype)}|{layout}"
+    return f"{rung}|M{m_bucket(M)}|N{N}|K{K}|{dtype_name(dtype)}|{dtype_name(out_dtype)}|{layout}"
 
 
 def _device_tag() -> tuple[str, str]:

@@ -11,6 +11,7 @@ from tilegemm import registry
 from tilegemm.launch import ReplayCache, recording
 from tilegemm.ops.matmul.problem import GemmProblem, make_problems
 from tilegemm.runtime import check_device, interpreting, new_output, on_device
+from tilegemm.tuning import dtype_name
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "leaky_relu")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # inputs and outputs
@@ -20,10 +21,6 @@ _PRECISIONS = {"ieee": "ieee", "highest": "ieee", "tf32": "tf32", "high": "tf32"
 
 
 # --- checks -------------------------------------------------------------------------------------------
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def default_out_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -36,8 +33,8 @@ def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in allowed:
         kind = "integer" if not (t.dtype.is_floating_point or t.dtype.is_complex) else "unsupported"
-        names = ", ".join(_dtype_name(d) for d in allowed)
-        raise TypeError(f"{name} has {kind} dtype {_dtype_name(t.dtype)}; tilegemm.matmul supports {names} here")
+        names = ", ".join(dtype_name(d) for d in allowed)
+        raise TypeError(f"{name} has {kind} dtype {dtype_name(t.dtype)}; tilegemm.matmul supports {names} here")
 
 
 def _check_devices(named: dict[str, torch.Tensor]) -> None:
@@ -104,7 +101,7 @@ def _check_scale(name: str, scale, dim_name: str, vector_shapes) -> None:
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(scale).__name__}")
     if scale.dtype != torch.float32:
-        raise TypeError(f"{name} must be float32, got {_dtype_name(scale.dtype)}")
+        raise TypeError(f"{name} must be float32, got {dtype_name(scale.dtype)}")
     if scale.dim() <= 2 and scale.numel() == 1:
         return  # one scale for the whole operand
     if tuple(scale.shape) not in vector_shapes:
@@ -122,7 +119,7 @@ def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, k
     _check_float("b", b, INPUT_DTYPES)
     fp8 = a.dtype in FP8_DTYPES
     if a.dtype != b.dtype and not (fp8 and b.dtype in FP8_DTYPES):
-        raise TypeError(f"dtypes differ: a is {_dtype_name(a.dtype)}, b is {_dtype_name(b.dtype)} "
+        raise TypeError(f"dtypes differ: a is {dtype_name(a.dtype)}, b is {dtype_name(b.dtype)} "
                         "(only float8 e4m3fn and e5m2 mix)")
     shape = output_shape(a.shape, b.shape)
     named = {"a": a, "b": b}
@@ -133,13 +130,13 @@ def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, k
         if scale is None:
             continue
         if not fp8:
-            raise ValueError(f"{name} applies to float8 inputs only; a is {_dtype_name(a.dtype)}")
+            raise ValueError(f"{name} applies to float8 inputs only; a is {dtype_name(a.dtype)}")
         _check_scale(name, scale, dim_name, vector_shapes)
         named[name] = scale
     if not isinstance(fast_accum, bool):
         raise TypeError(f"fast_accum must be a bool, got {type(fast_accum).__name__}")
     if fast_accum and not fp8:
-        raise ValueError(f"fast_accum applies to float8 inputs only; a is {_dtype_name(a.dtype)}")
+        raise ValueError(f"fast_accum applies to float8 inputs only; a is {dtype_name(a.dtype)}")
     if fp8 and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         raise TypeError("float8 matmul has no backward; call it under torch.no_grad() or detach the inputs")
     if bias is not None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tilegemm.tuning import dtype_name
+
 # Largest grid extent on CUDA's y axis, where the batch goes.
 MAX_GRID_Y = 65535
 _INT32_MAX = 2**31 - 1
@@ -80,7 +82,7 @@ class GemmProblem:
     @property
     def tuning_dtype(self) -> str:
         """The operand dtypes as tuned configs are keyed: ``tf32`` apart from IEEE fp32, fp8 pairs joined."""
-        a, b = (str(t.dtype).replace("torch.", "") for t in (self.a, self.b))
+        a, b = dtype_name(self.a.dtype), dtype_name(self.b.dtype)
         label = a if a == b else f"{a}x{b}"
         if label == "float32" and self.input_precision == "tf32":
             return "tf32"
