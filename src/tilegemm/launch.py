@@ -28,6 +28,7 @@ try:  # what Triton's CUDA driver itself uses for the current stream (and, under
 except ImportError:  # a CPU-only torch: nothing is ever replayed there
     _raw_stream = _current_device = None
 
+
 def current_stream() -> int:
     """The raw CUDA stream Triton launches on: torch's current stream of the current device (0 on the CPU)."""
     return _raw_stream(_current_device()) if _raw_stream is not None else 0

@@ -66,6 +66,7 @@ def _zero_tile(ROWS: tl.constexpr, COLS: tl.constexpr, MMA_OPERANDS: tl.constexp
 
 @triton.jit
 def _as_tile(acc, MMA_OPERANDS: tl.constexpr):
+    """The accumulator as the [BM, BN] output tile (transposed back when the operands were swapped)."""
     if MMA_OPERANDS == "swap":
         return tl.trans(acc)
     else:
