@@ -208,7 +208,36 @@ def _ensure_allocator() -> None:
         _allocator_set = True
 
 
+def _gluon_fp8_reason(p: GemmProblem) -> str | None:
+    """None when the Gluon kernel for promoted fp8 (:mod:`tilegemm.ops.matmul.gluon_fp8`) is a candidate."""
+    if interpreting():
+        return "Gluon kernels do not run under the interpreter"
+    if compute_capability() != (9, 0):
+        return "written for Hopper's wgmma (sm_90)"
+    from tilegemm.ops.matmul import gluon_fp8
+
+    return gluon_fp8.usable(p)
+
+
+def candidates(p: GemmProblem) -> list[dict]:
+    """The configs timed for ``p``: Triton's, plus the Gluon promoted-fp8 kernel's where it applies."""
+    found = configs(p.a.element_size())
+    if _gluon_fp8_reason(p) is None:
+        from tilegemm.ops.matmul import gluon_fp8
+
+        found += gluon_fp8.configs(p.out.element_size())
+    return found
+
+
 def _launch(p: GemmProblem, cfg: dict) -> None:
+    if cfg.get("GLUON_FP8") and _gluon_fp8_reason(p) is not None:
+        cfg = configs(p.a.element_size())[0]  # a config tuned for another problem under the same key
+    if cfg.get("GLUON_FP8"):
+        from tilegemm.ops.matmul import gluon_fp8
+
+        kernel, grid, args, kwargs = gluon_fp8.launch_args(p, cfg, sm_count(p.out.device))
+        launch(kernel, grid, args, kwargs)
+        return
     _, sam, sak = p.a_strides
     _, sbk, sbn = p.b_strides
     a_t, b_t = sak != 1, sbn != 1
@@ -242,5 +271,5 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
     _ensure_allocator()
     if config is None:
         k = tuning.key("persistent_tma", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
-        config = tuning.lookup_or_tune(k, lambda: configs(p.a.element_size()), lambda cfg: _launch(p, cfg))
+        config = tuning.lookup_or_tune(k, lambda: candidates(p), lambda cfg: _launch(p, cfg))
     _launch(p, config)

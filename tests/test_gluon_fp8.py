@@ -1,0 +1,188 @@
+"""The Gluon kernel for promoted fp8 (``tilegemm.ops.matmul.gluon_fp8``), a candidate of ``persistent_tma``.
+
+Gluon has no interpreter, so without a GPU the kernel is compiled for sm_90 (Triton ships ptxas) and its
+code checked: the promotion waits for one step's MMAs while the next step's are in flight, and nothing
+spills. On a GPU (``pytest -m gpu``) it runs against an fp64 reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tilegemm.ops.matmul import gluon_fp8, persistent_tma
+from tilegemm.ops.matmul.problem import make_problems
+from tilegemm.ops.matmul.reference import tolerance
+
+from conftest import assert_rel_close
+from test_fp8_tf32 import E4M3, E5M2, dequantized_reference, fp8_operand
+
+
+def _problem(a, b, out, fast_accum=False):
+    return make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False, fast_accum=fast_accum)[0]
+
+
+def test_ring_depths_fit_in_shared_memory():
+    assert [c["STAGES"] for c in gluon_fp8.configs(2)] == [4, 5, 6]  # 16-bit output tile: 32 KB
+    assert [c["STAGES"] for c in gluon_fp8.configs(4)] == [4, 5]  # fp32 output tile: 64 KB
+    assert all(c["GLUON_FP8"] and c["num_warps"] == 8 for c in gluon_fp8.configs(2))
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("nt", None), ("fast", "fast accumulation"), ("nn", "K contiguous"), ("tt", "K contiguous"),
+    ("fp16", "not an fp8 problem"),
+])
+def test_usable_only_for_promoted_k_major_fp8(case, reason):
+    dtype = torch.float16 if case == "fp16" else E4M3
+    a = torch.zeros(64, 32, dtype=dtype)
+    if case == "tt":
+        a = torch.zeros(32, 64, dtype=dtype).T
+    b = torch.zeros(48, 32, dtype=dtype).T if case in ("nt", "fast", "fp16") else torch.zeros(32, 48, dtype=dtype)
+    p = _problem(a, b, torch.empty(64, 48, dtype=torch.bfloat16), fast_accum=case == "fast")
+    got = gluon_fp8.usable(p)
+    assert got is None if reason is None else reason in got
+
+
+# Compiles the kernel for sm_90 in a few epilogue variants and reports, per variant, the waits on MMA
+# groups, the MMA instructions and what ptxas says about registers and spills.
+_COMPILE = textwrap.dedent(
+    """
+    import json, os, re, subprocess, sys, tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from tilegemm.ops.matmul.gluon_fp8 import matmul_fp8_overlap_kernel as kernel
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    variants = json.loads(sys.argv[1])
+    report = {}
+    for name, v in variants.items():
+        flags = dict(HAS_C=v["c"], HAS_BIAS=v["bias"], ACTIVATION=v["act"], HAS_SCALE_A=True, HAS_SCALE_B=True,
+                     BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, STAGES=v["stages"], GROUP_M=8, NUM_SMS=132, num_warps=8)
+        types = dict(a_ptr=v["a"], b_ptr="*fp8e4nv", out_ptr=v["out"], c_ptr="*fp32", bias_ptr="*bf16",
+                     scale_a_ptr="*fp32", scale_b_ptr="*fp32")
+        sig, constexprs, attrs = {}, {}, {}
+        for i, arg in enumerate(kernel.arg_names):
+            if arg in flags:
+                sig[arg], constexprs[(i,)] = "constexpr", flags[arg]
+            elif arg in types:
+                sig[arg] = types[arg]
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            elif arg in ("alpha", "beta"):
+                sig[arg] = "fp32"
+            else:
+                sig[arg] = "i32"
+        compiled = triton.compile(GluonASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=8))
+        ptx = compiled.asm["ptx"]
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                                  capture_output=True, text=True).stderr
+        report[name] = dict(
+            waits=[int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)],
+            mmas=len(re.findall(r"wgmma\\.mma_async", ptx)),
+            spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
+            registers=[int(n) for n in re.findall(r"Used (\\d+) registers", info)],
+            shared=compiled.metadata.shared,
+        )
+    print(json.dumps(report))
+    """
+)
+
+_VARIANTS = {
+    "bf16": dict(a="*fp8e4nv", out="*bf16", c=False, bias=False, act="none", stages=6),
+    "fp32-epilogue": dict(a="*fp8e4nv", out="*fp32", c=True, bias=True, act="gelu", stages=5),
+    "e5m2-fp16": dict(a="*fp8e5", out="*fp16", c=False, bias=True, act="silu", stages=4),
+}
+
+
+def test_compiled_code_overlaps_the_promotion_and_does_not_spill(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TILEGEMM_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    script = tmp_path / "compile.py"
+    script.write_text(_COMPILE)
+    run = subprocess.run([sys.executable, str(script), json.dumps(_VARIANTS)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    for name, r in report.items():
+        # Every promotion inside the K loop waits for all but the group just issued; the last waits for all.
+        assert r["waits"].count(1) >= 3, f"{name}: no overlapped waits (wait_group 1): {r['waits']}"
+        assert set(r["waits"]) <= {0, 1}, f"{name}: {r['waits']}"
+        # A 128x128x128 step is 4 m64n128k32 MMAs per warp group, issued at four places: the first K step,
+        # two in the loop body, one for an odd step left over.
+        assert r["mmas"] == 4 * 4, f"{name}: {r['mmas']} MMA instructions"
+        # Without a C tile nothing spills. An fp32 C tile loaded beside the accumulator (64 elements and their
+        # 64-bit addresses a thread) makes ptxas spill a little (44 bytes with Triton 3.6).
+        allowed = 64 if _VARIANTS[name]["c"] else 0
+        assert r["spills"] and max(r["spills"]) <= allowed, f"{name}: spills {r['spills']}"
+        assert r["registers"] and max(r["registers"]) <= 255
+        stages = _VARIANTS[name]["stages"]
+        assert r["shared"] >= stages * 32 * 1024, f"{name}: {r['shared']} bytes of shared memory"
+
+
+# --- on a GPU ---------------------------------------------------------------------------------------------
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(128, 128, 128), (257, 264, 400), (300, 136, 256), (1000, 520, 384),
+                                   (17, 1040, 2048)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("stages", [4, 6])
+def test_gluon_fp8_matches_the_reference(shape, stages):
+    """Odd M and N (edge tiles), K of 1..16 steps, odd and even step counts, a K that is not a step multiple."""
+    if not _hopper():
+        pytest.skip("the Gluon kernel is written for sm_90")
+    M, N, K = shape
+    a = fp8_operand(M, K, False, E4M3, "cuda")
+    b = fp8_operand(K, N, True, E4M3, "cuda")
+    scale_a, scale_b = torch.rand(M, device="cuda") + 0.5, torch.tensor(0.75, device="cuda")
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False,
+                      scales=(scale_a, 1, scale_b, 0))[0]
+    assert persistent_tma.describable(p) is None and gluon_fp8.usable(p) is None
+    persistent_tma.run(p, dict(GLUON_FP8=True, STAGES=stages, num_warps=8))
+    assert_rel_close(out, dequantized_reference(a, b, scale_a, scale_b), tolerance(E4M3, out_dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gluon_fp8_epilogue(out_dtype):
+    if not _hopper():
+        pytest.skip("the Gluon kernel is written for sm_90")
+    M, N, K = 200, 152, 640
+    a = fp8_operand(M, K, False, E5M2, "cuda")
+    b = fp8_operand(K, N, True, E4M3, "cuda")
+    scale_a, scale_b = torch.rand(M, device="cuda") + 0.5, torch.rand(N, device="cuda") + 0.5
+    c = torch.randn(M, N, device="cuda")
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=out_dtype)
+    p = make_problems(a, b, out, c, bias, 0.5, -1.0, "gelu", "ieee", False, scales=(scale_a, 1, scale_b, 1))[0]
+    persistent_tma.run(p, gluon_fp8.configs(out.element_size())[-1])
+    ref = dequantized_reference(a, b, scale_a, scale_b, c=c, bias=bias, alpha=0.5, beta=-1.0, activation="gelu")
+    assert_rel_close(out, ref, tolerance(E4M3, out_dtype=out_dtype))
+
+
+@pytest.mark.gpu
+def test_persistent_tma_times_the_gluon_kernel_for_promoted_nt_fp8():
+    if not _hopper():
+        pytest.skip("the Gluon kernel is written for sm_90")
+    a = fp8_operand(256, 512, False, E4M3, "cuda")
+    b_nt = fp8_operand(512, 384, True, E4M3, "cuda")
+    b_nn = fp8_operand(512, 384, False, E4M3, "cuda")
+    out = torch.empty(256, 384, device="cuda", dtype=torch.bfloat16)
+    assert any(c.get("GLUON_FP8") for c in persistent_tma.candidates(_problem(a, b_nt, out)))
+    assert not any(c.get("GLUON_FP8") for c in persistent_tma.candidates(_problem(a, b_nn, out)))
+    assert not any(c.get("GLUON_FP8") for c in persistent_tma.candidates(_problem(a, b_nt, out, fast_accum=True)))
