@@ -9,7 +9,7 @@ group wait for its MMAs before that add, so the tensor cores idle during every a
 Gluon (Triton's lower-level dialect) lets the kernel say which MMAs it waits for. Here K steps alternate
 between two partial tiles: step k's MMAs are issued into one, then the kernel waits only for step k-1's
 (``warpgroup_mma_wait(1)``) and adds that partial while step k runs. Same arithmetic, same order of adds.
-On an H200 that took the same kernel from 0.69x to 0.85x at 8192^3, and a persistent version to 0.87x-0.92x
+On an H200 that took the same kernel from 0.69x to 0.85x at 8192^3, and a persistent version to 0.86x-0.92x
 from 4096^3 up (``scripts/explore_fp8_gluon.py``).
 
 The kernel: a persistent grid walking 128x128 tiles in grouped order (two warp groups, each 64 rows),
