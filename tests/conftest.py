@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -46,3 +51,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def compile_offline(tmp_path, source: str, argument, timeout: int = 600):
+    """Run ``source`` (a script that compiles kernels for a GPU given by hand, e.g. sm_90) with the compiler
+    instead of the interpreter, passing ``argument`` as JSON; returns the JSON its last stdout line holds.
+    No GPU is needed: Triton ships ptxas. A fresh Triton cache under ``tmp_path`` keeps runs apart."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TILEGEMM_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    script = tmp_path / "compile.py"
+    script.write_text(source)
+    run = subprocess.run([sys.executable, str(script), json.dumps(argument)], env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

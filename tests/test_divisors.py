@@ -9,10 +9,6 @@ compiling for sm_90 without a GPU, in a subprocess).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -22,7 +18,7 @@ from tilegemm.ops.matmul import grouped, naive, split_k
 from tilegemm.ops.matmul.problem import _divisor, make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
-from conftest import assert_rel_close
+from conftest import assert_rel_close, compile_offline
 
 
 def _problem(a, b, out, c=None, bias=None):
@@ -133,14 +129,7 @@ def test_hints_vectorize_the_k_loop_in_compiled_code(tmp_path):
     b = torch.empty(5000, 3000, dtype=torch.float16)
     divisors = _problem(a, b, torch.empty(100, 3000, dtype=torch.float16)).divisors
     assert divisors == (8, 1, 8, 1, 8, 1, 16, 16, 1, 8, 8)  # no c: its strides are 0
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TILEGEMM_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
-    script = tmp_path / "compile.py"
-    script.write_text(_COMPILE)
-    run = subprocess.run([sys.executable, str(script), json.dumps(divisors)], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    counts = compile_offline(tmp_path, _COMPILE, divisors, timeout=300)
     for name, (without, with_hints) in counts.items():
         # Without hints no row of A or B starts provably aligned: no 16-byte copies at all.
         assert without == 0, f"{name}: expected no 16-byte cp.async without hints, got {without}"

@@ -7,10 +7,6 @@ spills. On a GPU (``pytest -m gpu``) it runs against an fp64 reference.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -20,7 +16,7 @@ from tilegemm.ops.matmul import gluon_fp8, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import tolerance
 
-from conftest import assert_rel_close
+from conftest import assert_rel_close, compile_offline
 from test_fp8_tf32 import E4M3, E5M2, dequantized_reference, fp8_operand
 
 
@@ -106,14 +102,7 @@ _VARIANTS = {
 
 
 def test_compiled_code_overlaps_the_promotion_and_does_not_spill(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TILEGEMM_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
-    script = tmp_path / "compile.py"
-    script.write_text(_COMPILE)
-    run = subprocess.run([sys.executable, str(script), json.dumps(_VARIANTS)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report = compile_offline(tmp_path, _COMPILE, _VARIANTS, timeout=600)
     for name, r in report.items():
         # Every promotion inside the K loop waits for all but the group just issued; the last waits for all.
         assert r["waits"].count(1) >= 3, f"{name}: no overlapped waits (wait_group 1): {r['waits']}"

@@ -197,6 +197,25 @@ def scale_tile(acc, offs_m, offs_n, M, N, alpha, scale_a_ptr, scale_b_ptr, strid
 
 
 @triton.jit
+def epilogue_tile(acc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
+                  stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                  HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                  HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr):
+    """activation(alpha * scales * acc + beta * c + bias) for one tile (rows ``offs_m``, columns ``offs_n``),
+    returned for the caller to store (the TMA kernels store through a descriptor). Gluon kernels call it
+    too: it takes its layouts from ``acc`` and the offsets."""
+    acc = scale_tile(acc, offs_m, offs_n, M, N, alpha, scale_a_ptr, scale_b_ptr, stride_sa, stride_sb,
+                     HAS_SCALE_A, HAS_SCALE_B)
+    if HAS_C:
+        c = tl.load(c_ptr + offsets_2d(offs_m, offs_n, stride_cm, stride_cn), mask=mask_2d(offs_m, offs_n, M, N),
+                    other=0.0)
+        acc += beta * c.to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    return apply_activation(acc, ACTIVATION)
+
+
+@triton.jit
 def epilogue_store(
     acc, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
     offs_m, offs_n, M, N,

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from tilegemm.jit_helpers import apply_activation, mask_2d, offsets_2d, scale_tile
+from tilegemm.jit_helpers import epilogue_tile
 from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
@@ -160,16 +160,9 @@ def matmul_fp8_overlap_kernel(
 
         offs_m = out_m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         offs_n = out_n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        acc = scale_tile(acc, offs_m, offs_n, M, N, alpha, scale_a_ptr, scale_b_ptr, stride_sa, stride_sb,
-                         HAS_SCALE_A, HAS_SCALE_B)
-        if HAS_C:
-            c = gl.load(c_ptr + offsets_2d(offs_m, offs_n, stride_cm, stride_cn),
-                        mask=mask_2d(offs_m, offs_n, M, N), other=0.0)
-            acc += beta * c.to(gl.float32)
-        if HAS_BIAS:
-            bias = gl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0).to(gl.float32)
-            acc += gl.expand_dims(bias, 0)
-        acc = apply_activation(acc, ACTIVATION)
+        acc = epilogue_tile(acc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
+                            stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                            HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
         tma.store_wait(pendings=0)  # the previous tile's store has left o_smem
         o_smem.store(acc.to(o_ty))
         fence_async_shared()

@@ -20,30 +20,12 @@ import triton
 
 from tilegemm import tuning
 from tilegemm.hardware import compute_capability, sm_count
-from tilegemm.jit_helpers import (
-    apply_activation, mask_2d, mma_ordered, offsets_2d, scale_tile, tile_grouped,
-)
+from tilegemm.jit_helpers import epilogue_tile, mma_ordered, tile_grouped
 from tilegemm.launch import launch
 from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.runtime import interpreting
 
 import triton.language as tl  # noqa: E402
-
-
-@triton.jit
-def _epilogue_half(acc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
-                   stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                   HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-                   HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr):
-    acc = scale_tile(acc, offs_m, offs_n, M, N, alpha, scale_a_ptr, scale_b_ptr, stride_sa, stride_sb,
-                     HAS_SCALE_A, HAS_SCALE_B)
-    if HAS_C:
-        c = tl.load(c_ptr + offsets_2d(offs_m, offs_n, stride_cm, stride_cn), mask=mask_2d(offs_m, offs_n, M, N),
-                    other=0.0)
-        acc += beta * c.to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    return apply_activation(acc, ACTIVATION)
 
 
 @triton.jit
@@ -121,13 +103,13 @@ def matmul_persistent_tma_kernel(
         halves = tl.reshape(acc, (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
         left, right = tl.split(halves)
         offs_l = n0 + tl.arange(0, HALF_N)
-        left = _epilogue_half(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
+        left = epilogue_tile(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
+                             stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                             HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+        out_desc.store([m0, n0], left.to(out_ptr.dtype.element_ty))
+        right = epilogue_tile(right, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l + HALF_N, M, N,
                               stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                               HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-        out_desc.store([m0, n0], left.to(out_ptr.dtype.element_ty))
-        right = _epilogue_half(right, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l + HALF_N, M, N,
-                               stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                               HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
         out_desc.store([m0, n0 + HALF_N], right.to(out_ptr.dtype.element_ty))
 
 
