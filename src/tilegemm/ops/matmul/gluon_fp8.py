@@ -20,7 +20,8 @@ spills); a 128x256 tile would not.
 
 It takes A row-major and B column-major (both K-major, the layout ``torch._scaled_mm`` takes), TMA-aligned,
 2-D; :func:`usable` says when. The ``persistent_tma`` rung times it among its candidates for such
-problems. Gluon has no interpreter: the suite compiles it for sm_90 without a GPU, and the GPU tests run it.
+problems, on sm_90 with Triton 3.6 only (Gluon is experimental and its API moves between versions).
+Gluon has no interpreter: the suite compiles it for sm_90 without a GPU, and the GPU tests run it.
 """
 
 from __future__ import annotations

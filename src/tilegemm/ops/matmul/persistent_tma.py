@@ -196,6 +196,8 @@ def _gluon_fp8_reason(p: GemmProblem) -> str | None:
         return "Gluon kernels do not run under the interpreter"
     if compute_capability() != (9, 0):
         return "written for Hopper's wgmma (sm_90)"
+    if not triton.__version__.startswith("3.6."):
+        return "written against Triton 3.6's Gluon API (experimental, may change between versions)"
     from tilegemm.ops.matmul import gluon_fp8
 
     return gluon_fp8.usable(p)
