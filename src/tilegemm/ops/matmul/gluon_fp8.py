@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from tilegemm.jit_helpers import epilogue_tile
+from tilegemm.jit_helpers import epilogue_tile, tile_grouped
 from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
@@ -66,11 +66,9 @@ def _issue_mma(count, partial, ready, a_bufs, b_bufs, STAGES: gl.constexpr):
 
 @gluon.jit
 def _tile_origin(tile, tiles_m, tiles_n, GROUP_M: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    """Top-left element of output tile number ``tile`` in grouped order (GROUP_M tile rows per group)."""
-    width = GROUP_M * tiles_n
-    first_m = (tile // width) * GROUP_M
-    rows = min(tiles_m - first_m, GROUP_M)
-    return (first_m + (tile % width) % rows) * BM, ((tile % width) // rows) * BN
+    """Top-left element of output tile number ``tile`` in grouped order (:func:`tile_grouped`)."""
+    pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
+    return pid_m * BM, pid_n * BN
 
 
 @gluon.jit

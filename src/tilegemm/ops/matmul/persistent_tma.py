@@ -190,38 +190,30 @@ def _ensure_allocator() -> None:
         _allocator_set = True
 
 
-def _gluon_fp8_reason(p: GemmProblem) -> str | None:
-    """None when the Gluon kernel for promoted fp8 (:mod:`tilegemm.ops.matmul.gluon_fp8`) is a candidate."""
-    if interpreting():
-        return "Gluon kernels do not run under the interpreter"
-    if compute_capability() != (9, 0):
-        return "written for Hopper's wgmma (sm_90)"
-    if not triton.__version__.startswith("3.6."):
-        return "written against Triton 3.6's Gluon API (experimental, may change between versions)"
+def _gluon_fp8_for(p: GemmProblem):
+    """The module of the Gluon kernel for promoted fp8 (:mod:`tilegemm.ops.matmul.gluon_fp8`) when that
+    kernel can take ``p``, else None. It is written for sm_90 against Triton 3.6's Gluon API (experimental,
+    it moves between versions), and Gluon has no interpreter."""
+    if interpreting() or compute_capability() != (9, 0) or not triton.__version__.startswith("3.6."):
+        return None
     from tilegemm.ops.matmul import gluon_fp8
 
-    return gluon_fp8.usable(p)
+    return gluon_fp8 if gluon_fp8.usable(p) is None else None
 
 
 def candidates(p: GemmProblem) -> list[dict]:
     """The configs timed for ``p``: Triton's, plus the Gluon promoted-fp8 kernel's where it applies."""
-    found = configs(p.a.element_size())
-    if _gluon_fp8_reason(p) is None:
-        from tilegemm.ops.matmul import gluon_fp8
-
-        found += gluon_fp8.configs(p.out.element_size())
-    return found
+    gluon = _gluon_fp8_for(p)
+    return configs(p.a.element_size()) + (gluon.configs(p.out.element_size()) if gluon is not None else [])
 
 
 def _launch(p: GemmProblem, cfg: dict) -> None:
-    if cfg.get("GLUON_FP8") and _gluon_fp8_reason(p) is not None:
-        cfg = configs(p.a.element_size())[0]  # a config tuned for another problem under the same key
     if cfg.get("GLUON_FP8"):
-        from tilegemm.ops.matmul import gluon_fp8
-
-        kernel, grid, args, kwargs = gluon_fp8.launch_args(p, cfg, sm_count(p.out.device))
-        launch(kernel, grid, args, kwargs)
-        return
+        gluon = _gluon_fp8_for(p)
+        if gluon is not None:
+            launch(*gluon.launch_args(p, cfg, sm_count(p.out.device)))
+            return
+        cfg = configs(p.a.element_size())[0]  # a config tuned for another problem under the same key
     _, sam, sak = p.a_strides
     _, sbk, sbn = p.b_strides
     a_t, b_t = sak != 1, sbn != 1
