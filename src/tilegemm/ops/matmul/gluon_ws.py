@@ -1,0 +1,260 @@
+"""16-bit GEMM on Hopper in Gluon, warp-specialized: one warp loads, two warp groups take turns at the MMAs.
+
+In ``persistent_tma`` (Triton) every warp of a program does everything: it issues the TMA loads, waits,
+issues the MMAs, and runs the epilogue, during which the tensor cores have nothing to do. Here the warps
+of a program split the work three ways (``gl.warp_specialize``):
+
+- one producer warp walks the program's tiles and K steps and keeps a ring of ``STAGES`` shared-memory
+  slots filled through TMA; each slot has a "ready" barrier (the copies landed) and an "empty" barrier
+  (its MMAs have read it);
+- two consumer warp groups own alternate tiles of the program (tile 0, 2, 4... and tile 1, 3, 5...), each a
+  whole ``BLOCK_M x BLOCK_N`` tile with its own accumulator.
+
+The ring hands out K steps in the producer's order, so the consumers take turns: while one warp group
+runs its tile's MMAs the other runs its epilogue (fused ops, conversion, TMA store), and the tensor cores
+stay busy across tile boundaries (the "ping-pong" schedule). Each consumer keeps one MMA group in flight
+(``warpgroup_mma_wait(1)``) and frees the slot of the step before.
+
+Layouts: 16-bit wgmma reads either operand order from shared memory, so A and B may each be row- or
+column-major (NN/NT/TN/TT), described to TMA as they lie. The output goes through shared memory and TMA,
+so this kernel takes 16-bit outputs only (two output tiles of fp32 do not fit beside the ring).
+:func:`usable` says when it applies; ``persistent_tma`` times it among its candidates on sm_90 with
+Triton 3.6. Gluon has no interpreter: the suite compiles it for sm_90 without a GPU, the GPU tests run it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from tilegemm.jit_helpers import epilogue_tile, tile_grouped
+from tilegemm.ops.matmul.problem import GemmProblem
+
+BLOCK_K = 64
+# Registers a thread asks for (setmaxnreg) in the second consumer warp group and in the producer's. Triton
+# 3.6 gives the default partition (the first consumer) 256, and the three warp groups share the 64K
+# registers the program starts with (168 a thread): 256 + 208 + 40 = 504 = 3 * 168. Asking for more
+# would leave a setmaxnreg.inc waiting for registers that never come back.
+CONSUMER_REGS = 208
+PRODUCER_REGS = 40
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
+              A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """Fill the ring: every K step of every tile of this program, in order."""
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    steps = gl.cdiv(K, BLOCK_K)
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    count = 0
+    for tile in range(gl.program_id(0), tiles_m * tiles_n, programs):
+        pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        for ks in range(steps):
+            slot = count % STAGES
+            # The slot's previous contents were read by the MMAs of step count - STAGES. A new barrier
+            # counts as having completed the phase before its first, so the first pass does not wait.
+            mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            k0 = ks * BLOCK_K
+            if A_T:
+                tma.async_copy_global_to_shared(a_desc, [k0, m0], bar, a_bufs.index(slot))
+            else:
+                tma.async_copy_global_to_shared(a_desc, [m0, k0], bar, a_bufs.index(slot))
+            if B_T:
+                tma.async_copy_global_to_shared(b_desc, [n0, k0], bar, b_bufs.index(slot))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [k0, n0], bar, b_bufs.index(slot))
+            count += 1
+
+
+@gluon.jit
+def _operands(a_bufs, b_bufs, slot, A_T: gl.constexpr, B_T: gl.constexpr):
+    """Slot ``slot``'s tiles as the [BM, BK] and [BK, BN] views the MMA reads."""
+    a = a_bufs.index(slot)
+    b = b_bufs.index(slot)
+    if A_T:
+        a = a.permute((1, 0))
+    if B_T:
+        b = b.permute((1, 0))
+    return a, b
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
+              c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta,
+              HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+              A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+    """Warp group ``WG`` (0 or 1): MMAs and epilogue of this program's tiles number WG, WG + 2, ..."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    o_ty: gl.constexpr = o_desc.dtype
+    o_smem = o_bufs.index(WG)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    steps = gl.cdiv(K, BLOCK_K)
+    count = WG * steps  # ring position of this warp group's first K step
+    for tile in range(gl.program_id(0) + WG * programs, tiles_m * tiles_n, 2 * programs):
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        slot = count % STAGES
+        mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+        a, b = _operands(a_bufs, b_bufs, slot, A_T, B_T)
+        acc = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc,))  # waits for nothing (one group in flight): a tensor again
+        for ks in range(1, steps):
+            prev = slot
+            count += 1
+            slot = count % STAGES
+            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+            a, b = _operands(a_bufs, b_bufs, slot, A_T, B_T)
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+            # Step ks - 1's MMAs are done once at most one group (step ks) is in flight: free its slot.
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            mbarrier.arrive(empty.index(prev), count=1)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(slot), count=1)
+        count += 1 + steps  # past this tile's last step and the other warp group's tile
+
+        pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        acc = epilogue_tile(acc, c_ptr, bias_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N,
+                            stride_cm, stride_cn, stride_bias, 0, 0, alpha, beta,
+                            HAS_C, HAS_BIAS, ACTIVATION, False, False)
+        tma.store_wait(pendings=0)  # this warp group's previous store has left its buffer
+        o_smem.store(acc.to(o_ty))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [m0, n0], o_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def matmul_ws_kernel(
+    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_a, stride_b, stride_om,
+    stride_cm, stride_cn, stride_bias,
+    alpha, beta, programs,
+    A_T: gl.constexpr, B_T: gl.constexpr,
+    HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    # Descriptors as the operands lie: A is [M, K] or (A_T) [K, M]; B is [K, N] or (B_T) [N, K].
+    ty: gl.constexpr = a_ptr.dtype.element_ty
+    o_ty: gl.constexpr = out_ptr.dtype.element_ty
+    if A_T:
+        a_block: gl.constexpr = [BLOCK_K, BLOCK_M]
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(a_block, ty)
+        a_desc = tma.make_tensor_descriptor(a_ptr, [K, M], [stride_a, 1], a_block, a_layout)
+    else:
+        a_block: gl.constexpr = [BLOCK_M, BLOCK_K]
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(a_block, ty)
+        a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_a, 1], a_block, a_layout)
+    if B_T:
+        b_block: gl.constexpr = [BLOCK_N, BLOCK_K]
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(b_block, ty)
+        b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_b, 1], b_block, b_layout)
+    else:
+        b_block: gl.constexpr = [BLOCK_K, BLOCK_N]
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(b_block, ty)
+        b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [stride_b, 1], b_block, b_layout)
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], o_ty)
+    o_desc = tma.make_tensor_descriptor(out_ptr, [M, N], [stride_om, 1], [BLOCK_M, BLOCK_N], o_layout)
+
+    a_bufs = gl.allocate_shared_memory(ty, [STAGES] + a_block, a_layout)
+    b_bufs = gl.allocate_shared_memory(ty, [STAGES] + b_block, b_layout)
+    o_bufs = gl.allocate_shared_memory(o_ty, [2, BLOCK_M, BLOCK_N], o_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    # (The argument tuples are written out in the call: a tuple assigned to a name would turn its
+    # constexprs into tensors.)
+    gl.warp_specialize([
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
+                     c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
+                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, 0)),
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
+                     c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
+                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, 1)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
+                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+# --- host side ---------------------------------------------------------------------------------------------
+
+_SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
+NUM_WARPS = 4  # the first consumer warp group; the second and the producer warp are added by warp_specialize
+
+
+def _fits(bm: int, bn: int, stages: int) -> bool:
+    ring = stages * (bm + bn) * BLOCK_K * 2
+    return ring + 2 * bm * bn * 2 + 1024 <= _SMEM_LIMIT
+
+
+def configs() -> list[dict]:
+    """Tile shapes a warp group owns (128 fp32 accumulator registers a thread either way) and ring depths
+    that fit beside the two output tiles."""
+    out = []
+    for bm, bn in ((128, 128), (64, 256)):
+        for stages in (3, 4, 5):
+            if _fits(bm, bn, stages):
+                out.append(dict(GLUON_WS=True, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, num_warps=NUM_WARPS))
+    return out
+
+
+def usable(p: GemmProblem) -> str | None:
+    """None when this kernel takes the problem (given that TMA can describe it); otherwise why not."""
+    if p.a.dtype not in (torch.float16, torch.bfloat16):
+        return "not a 16-bit problem"
+    if p.out.element_size() != 2:
+        return "needs a 16-bit output"
+    if p.batch != 1:
+        return "batched"
+    if p.scale_a is not None or p.scale_b is not None:
+        return "scales are for fp8"
+    return None
+
+
+def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
+    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.launch.launch`."""
+    _, sam, sak = p.a_strides
+    _, sbk, sbn = p.b_strides
+    a_t, b_t = sak != 1, sbn != 1
+    tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
+    flags = p.kernel_flags()
+    args = (
+        p.a, p.b, p.out, p.c if p.c is not None else p.out, p.bias if p.bias is not None else p.out,
+        p.M, p.N, p.K,
+        sak if a_t else sam, sbn if b_t else sbk, p.out_strides[1],
+        p.c_strides[1], p.c_strides[2], p.bias.stride(0) if p.bias is not None else 0,
+        p.alpha, p.beta,
+    )
+    # Two tiles in flight per program (one per consumer warp group).
+    grid = (min(num_sms, triton.cdiv(tiles, 2)),)
+    args += (grid[0],)
+    kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=8,
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                  num_warps=cfg["num_warps"])
+    return matmul_ws_kernel, grid, args, kwargs
