@@ -40,15 +40,33 @@ BLOCK_K = 64
 # 3.6 gives the default partition (the first consumer) 256, and the three warp groups share the 64K
 # registers the program starts with (168 a thread): 256 + 208 + 40 = 504 = 3 * 168. Asking for more
 # would leave a setmaxnreg.inc waiting for registers that never come back.
-CONSUMER_REGS = 208
+CONSUMER_REGS = 232
 PRODUCER_REGS = 40
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
+def _operand_desc(ptr, ROWS, COLS, stride, BLOCK_ROWS: gl.constexpr, BLOCK_COLS: gl.constexpr,
+                  TRANSPOSED: gl.constexpr):
+    """TMA descriptor of a [ROWS, COLS] operand as it lies in memory: row-major, or (TRANSPOSED) stored as
+    its [COLS, ROWS] transpose."""
+    ty: gl.constexpr = ptr.dtype.element_ty
+    if TRANSPOSED:
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_COLS, BLOCK_ROWS], ty)
+        return tma.make_tensor_descriptor(ptr, [COLS, ROWS], [stride, 1], [BLOCK_COLS, BLOCK_ROWS], layout)
+    else:
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_ROWS, BLOCK_COLS], ty)
+        return tma.make_tensor_descriptor(ptr, [ROWS, COLS], [stride, 1], [BLOCK_ROWS, BLOCK_COLS], layout)
+
+
+@gluon.jit
+def _producer(a_ptr, b_ptr, stride_a, stride_b, a_bufs, b_bufs, ready, empty, M, N, K, programs,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Fill the ring: every K step of every tile of this program, in order."""
+    # The descriptors are made here, by the warps that use them: a descriptor written by other warps
+    # would need a proxy fence in these before TMA may read it.
+    a_desc = _operand_desc(a_ptr, M, K, stride_a, BLOCK_M, BLOCK_K, A_T)
+    b_desc = _operand_desc(b_ptr, K, N, stride_b, BLOCK_K, BLOCK_N, B_T)
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     steps = gl.cdiv(K, BLOCK_K)
@@ -90,7 +108,7 @@ def _operands(a_bufs, b_bufs, slot, A_T: gl.constexpr, B_T: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
+def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, stride_om, M, N, K, programs,
               c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta,
               HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -98,7 +116,9 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
     """Warp group ``WG`` (0 or 1): MMAs and epilogue of this program's tiles number WG, WG + 2, ..."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    o_ty: gl.constexpr = o_desc.dtype
+    o_ty: gl.constexpr = out_ptr.dtype.element_ty
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], o_ty)
+    o_desc = tma.make_tensor_descriptor(out_ptr, [M, N], [stride_om, 1], [BLOCK_M, BLOCK_N], o_layout)
     o_smem = o_bufs.index(WG)
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
@@ -153,27 +173,20 @@ def matmul_ws_kernel(
     GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    # Descriptors as the operands lie: A is [M, K] or (A_T) [K, M]; B is [K, N] or (B_T) [N, K].
+    # Shared-memory tiles as the operands lie: A is [M, K] or (A_T) [K, M]; B is [K, N] or (B_T) [N, K].
     ty: gl.constexpr = a_ptr.dtype.element_ty
     o_ty: gl.constexpr = out_ptr.dtype.element_ty
     if A_T:
         a_block: gl.constexpr = [BLOCK_K, BLOCK_M]
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(a_block, ty)
-        a_desc = tma.make_tensor_descriptor(a_ptr, [K, M], [stride_a, 1], a_block, a_layout)
     else:
         a_block: gl.constexpr = [BLOCK_M, BLOCK_K]
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(a_block, ty)
-        a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_a, 1], a_block, a_layout)
     if B_T:
         b_block: gl.constexpr = [BLOCK_N, BLOCK_K]
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(b_block, ty)
-        b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_b, 1], b_block, b_layout)
     else:
         b_block: gl.constexpr = [BLOCK_K, BLOCK_N]
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(b_block, ty)
-        b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [stride_b, 1], b_block, b_layout)
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(a_block, ty)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(b_block, ty)
     o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], o_ty)
-    o_desc = tma.make_tensor_descriptor(out_ptr, [M, N], [stride_om, 1], [BLOCK_M, BLOCK_N], o_layout)
 
     a_bufs = gl.allocate_shared_memory(ty, [STAGES] + a_block, a_layout)
     b_bufs = gl.allocate_shared_memory(ty, [STAGES] + b_block, b_layout)
@@ -187,13 +200,13 @@ def matmul_ws_kernel(
     # (The argument tuples are written out in the call: a tuple assigned to a name would turn its
     # constexprs into tensors.)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, stride_om, M, N, K, programs,
                      c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
                      A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, 0)),
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, stride_om, M, N, K, programs,
                      c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
                      A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, 1)),
-        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
+        (_producer, (a_ptr, b_ptr, stride_a, stride_b, a_bufs, b_bufs, ready, empty, M, N, K, programs,
                      A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
