@@ -63,7 +63,9 @@ def launch(kernel, grid, args: tuple, kwargs: dict, keep: tuple = (), stream: in
     compiled = kernel[grid](*args, **kwargs)
     record = getattr(_state, "launches", None)
     if record is not None:
-        if compiled is None or interpreting() or getattr(_state, "spoiled", False):
+        # A host-side TMA descriptor holds its tensor's address, which a replay could not swap.
+        if compiled is None or interpreting() or getattr(_state, "spoiled", False) or \
+                any(hasattr(v, "block_shape") and hasattr(v, "base") for v in args):
             _state.spoiled = True
         else:
             g = tuple(grid(kwargs) if callable(grid) else grid)

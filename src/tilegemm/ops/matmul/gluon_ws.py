@@ -28,6 +28,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
@@ -36,6 +37,7 @@ from tilegemm.jit_helpers import epilogue_tile, tile_grouped
 from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_K = 64
+_GL_TYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # Registers a thread asks for (setmaxnreg) in the second consumer warp group and in the producer's. Triton
 # 3.6 gives the default partition (the first consumer) 256, and the three warp groups share the 64K
 # registers the program starts with (168 a thread): 256 + 208 + 40 = 504 = 3 * 168. Asking for more
@@ -45,28 +47,10 @@ PRODUCER_REGS = 40
 
 
 @gluon.jit
-def _operand_desc(ptr, ROWS, COLS, stride, BLOCK_ROWS: gl.constexpr, BLOCK_COLS: gl.constexpr,
-                  TRANSPOSED: gl.constexpr):
-    """TMA descriptor of a [ROWS, COLS] operand as it lies in memory: row-major, or (TRANSPOSED) stored as
-    its [COLS, ROWS] transpose."""
-    ty: gl.constexpr = ptr.dtype.element_ty
-    if TRANSPOSED:
-        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_COLS, BLOCK_ROWS], ty)
-        return tma.make_tensor_descriptor(ptr, [COLS, ROWS], [stride, 1], [BLOCK_COLS, BLOCK_ROWS], layout)
-    else:
-        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_ROWS, BLOCK_COLS], ty)
-        return tma.make_tensor_descriptor(ptr, [ROWS, COLS], [stride, 1], [BLOCK_ROWS, BLOCK_COLS], layout)
-
-
-@gluon.jit
-def _producer(a_ptr, b_ptr, stride_a, stride_b, a_bufs, b_bufs, ready, empty, M, N, K, programs,
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Fill the ring: every K step of every tile of this program, in order."""
-    # The descriptors are made here, by the warps that use them: a descriptor written by other warps
-    # would need a proxy fence in these before TMA may read it.
-    a_desc = _operand_desc(a_ptr, M, K, stride_a, BLOCK_M, BLOCK_K, A_T)
-    b_desc = _operand_desc(b_ptr, K, N, stride_b, BLOCK_K, BLOCK_N, B_T)
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     steps = gl.cdiv(K, BLOCK_K)
@@ -108,7 +92,7 @@ def _operands(a_bufs, b_bufs, slot, A_T: gl.constexpr, B_T: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, stride_om, M, N, K, programs,
+def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
               c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta,
               HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -116,9 +100,7 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, stride_om, M, N, K,
     """Warp group ``WG`` (0 or 1): MMAs and epilogue of this program's tiles number WG, WG + 2, ..."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    o_ty: gl.constexpr = out_ptr.dtype.element_ty
-    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], o_ty)
-    o_desc = tma.make_tensor_descriptor(out_ptr, [M, N], [stride_om, 1], [BLOCK_M, BLOCK_N], o_layout)
+    o_ty: gl.constexpr = o_desc.dtype
     o_smem = o_bufs.index(WG)
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
@@ -162,9 +144,8 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, stride_om, M, N, K,
 
 @gluon.jit
 def matmul_ws_kernel(
-    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr,
+    a_desc, b_desc, o_desc, c_ptr, bias_ptr,
     M, N, K,
-    stride_a, stride_b, stride_om,
     stride_cm, stride_cn, stride_bias,
     alpha, beta, programs,
     A_T: gl.constexpr, B_T: gl.constexpr,
@@ -173,20 +154,16 @@ def matmul_ws_kernel(
     GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    # Shared-memory tiles as the operands lie: A is [M, K] or (A_T) [K, M]; B is [K, N] or (B_T) [N, K].
-    ty: gl.constexpr = a_ptr.dtype.element_ty
-    o_ty: gl.constexpr = out_ptr.dtype.element_ty
-    if A_T:
-        a_block: gl.constexpr = [BLOCK_K, BLOCK_M]
-    else:
-        a_block: gl.constexpr = [BLOCK_M, BLOCK_K]
-    if B_T:
-        b_block: gl.constexpr = [BLOCK_N, BLOCK_K]
-    else:
-        b_block: gl.constexpr = [BLOCK_K, BLOCK_N]
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(a_block, ty)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(b_block, ty)
-    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], o_ty)
+    # The descriptors come from the host (:func:`descriptors`), as the operands lie: A is [M, K] or (A_T)
+    # [K, M]; B is [K, N] or (B_T) [N, K]. (A descriptor made on the device is fenced for the warp that
+    # made it only; the producer's TMA copies then faulted or hung on an H200.)
+    ty: gl.constexpr = a_desc.dtype
+    o_ty: gl.constexpr = o_desc.dtype
+    a_block: gl.constexpr = a_desc.block_type.shape
+    b_block: gl.constexpr = b_desc.block_type.shape
+    a_layout: gl.constexpr = a_desc.layout
+    b_layout: gl.constexpr = b_desc.layout
+    o_layout: gl.constexpr = o_desc.layout
 
     a_bufs = gl.allocate_shared_memory(ty, [STAGES] + a_block, a_layout)
     b_bufs = gl.allocate_shared_memory(ty, [STAGES] + b_block, b_layout)
@@ -200,13 +177,13 @@ def matmul_ws_kernel(
     # (The argument tuples are written out in the call: a tuple assigned to a name would turn its
     # constexprs into tensors.)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, stride_om, M, N, K, programs,
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
                      c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
                      A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, 0)),
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, stride_om, M, N, K, programs,
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
                      c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
                      A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, 1)),
-        (_producer, (a_ptr, b_ptr, stride_a, stride_b, a_bufs, b_bufs, ready, empty, M, N, K, programs,
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
                      A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
@@ -249,25 +226,39 @@ def usable(p: GemmProblem) -> str | None:
     return None
 
 
-def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
-    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.launch.launch`."""
+def descriptors(p: GemmProblem, cfg: dict):
+    """Host-side TMA descriptors of A, B and the output for config ``cfg``, as the operands lie."""
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     _, sam, sak = p.a_strides
     _, sbk, sbn = p.b_strides
-    a_t, b_t = sak != 1, sbn != 1
+
+    def desc(base, shape, stride, block, dtype):
+        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_TYPES[dtype])
+        return TensorDescriptor(base, shape, [stride, 1], block, layout)
+
+    a = desc(p.a, [p.K, p.M], sak, [BLOCK_K, bm], p.a.dtype) if sak != 1 else \
+        desc(p.a, [p.M, p.K], sam, [bm, BLOCK_K], p.a.dtype)
+    b = desc(p.b, [p.N, p.K], sbn, [bn, BLOCK_K], p.b.dtype) if sbn != 1 else \
+        desc(p.b, [p.K, p.N], sbk, [BLOCK_K, bn], p.b.dtype)
+    return a, b, desc(p.out, [p.M, p.N], p.out_strides[1], [bm, bn], p.out.dtype)
+
+
+def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
+    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.launch.launch`."""
+    _, _, sak = p.a_strides
+    _, _, sbn = p.b_strides
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
     flags = p.kernel_flags()
-    args = (
-        p.a, p.b, p.out, p.c if p.c is not None else p.out, p.bias if p.bias is not None else p.out,
-        p.M, p.N, p.K,
-        sak if a_t else sam, sbn if b_t else sbk, p.out_strides[1],
-        p.c_strides[1], p.c_strides[2], p.bias.stride(0) if p.bias is not None else 0,
-        p.alpha, p.beta,
-    )
     # Two tiles in flight per program (one per consumer warp group).
     grid = (min(num_sms, triton.cdiv(tiles, 2)),)
-    args += (grid[0],)
-    kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
-                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=8,
-                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+    args = descriptors(p, cfg) + (
+        p.c if p.c is not None else p.out, p.bias if p.bias is not None else p.out,
+        p.M, p.N, p.K,
+        p.c_strides[1], p.c_strides[2], p.bias.stride(0) if p.bias is not None else 0,
+        p.alpha, p.beta, grid[0],
+    )
+    kwargs = dict(A_T=sak != 1, B_T=sbn != 1, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"],
+                  ACTIVATION=p.activation, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK_K,
+                  STAGES=cfg["STAGES"], GROUP_M=8, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                   num_warps=cfg["num_warps"])
     return matmul_ws_kernel, grid, args, kwargs
