@@ -80,6 +80,7 @@ def main():
                     errs[name] = ((got.float() - ref).abs().max() / scale).item()
                 for cfg in gluon_ws.configs():
                     name = f"ws_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}_s{cfg['STAGES']}"
+                    print(f"  running {name} {dname} {layout} {m}x{n}x{k}", flush=True)
                     o = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
                     f = ws_call(a, b, o, cfg)
                     f()

@@ -92,7 +92,7 @@ def _operands(a_bufs, b_bufs, slot, A_T: gl.constexpr, B_T: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
+def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, M, N, K, programs,
               c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta,
               HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -106,7 +106,12 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
     tiles_n = gl.cdiv(N, BLOCK_N)
     steps = gl.cdiv(K, BLOCK_K)
     count = WG * steps  # ring position of this warp group's first K step
+    j = 0  # tiles this warp group has done
     for tile in range(gl.program_id(0) + WG * programs, tiles_m * tiles_n, 2 * programs):
+        # Take turns at the K loop. Besides the ping-pong, this keeps a warp group from waiting on a ring
+        # slot a whole lap ahead of the producer, where a barrier's phase parity would read as done.
+        # (Warp group 0's first wait passes at once: a new barrier counts the phase before its first.)
+        mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         slot = count % STAGES
         mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
@@ -123,8 +128,10 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
             # Step ks - 1's MMAs are done once at most one group (step ks) is in flight: free its slot.
             acc = warpgroup_mma_wait(1, deps=(acc,))
             mbarrier.arrive(empty.index(prev), count=1)
+        mbarrier.arrive(turn.index(1 - WG), count=1)  # all this tile's slots were waited for: the other's turn
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index(slot), count=1)
+        j += 1
         count += 1 + steps  # past this tile's last step and the other warp group's tile
 
         pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
@@ -170,17 +177,20 @@ def matmul_ws_kernel(
     o_bufs = gl.allocate_shared_memory(o_ty, [2, BLOCK_M, BLOCK_N], o_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
 
     # (The argument tuples are written out in the call: a tuple assigned to a name would turn its
     # constexprs into tensors.)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, M, N, K, programs,
                      c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
                      A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, 0)),
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, M, N, K, programs,
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, M, N, K, programs,
                      c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
                      A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, 1)),
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
@@ -189,6 +199,8 @@ def matmul_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(turn.index(i))
 
 
 # --- host side ---------------------------------------------------------------------------------------------
