@@ -38,10 +38,10 @@ from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_K = 64
 _GL_TYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-# Registers a thread asks for (setmaxnreg) in the second consumer warp group and in the producer's. Triton
-# 3.6 gives the default partition (the first consumer) 256, and the three warp groups share the 64K
-# registers the program starts with (168 a thread): 256 + 208 + 40 = 504 = 3 * 168. Asking for more
-# would leave a setmaxnreg.inc waiting for registers that never come back.
+# Registers a thread asks for (setmaxnreg) in the second consumer warp group and in the producer's. The
+# program starts with 168 a thread (64K over 12 warps); Triton gives the default partition (the first
+# consumer) what the other two leave: 3 * 168 - 232 - 40 = 232. ptxas still compiles every partition
+# within 168, so the accumulator (128 a thread) leaves 40 for the rest.
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
 
