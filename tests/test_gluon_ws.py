@@ -209,3 +209,20 @@ def test_gluon_ws_epilogue_and_many_tiles():
         _run(p, cfg)
         ref = matmul_reference(a, b, c=c, bias=bias, alpha=0.5, beta=-1.0, activation="gelu")
         assert_rel_close(out, ref, tolerance(torch.float16))
+
+
+@pytest.mark.gpu
+def test_launches_with_host_descriptors_are_not_recorded_for_replay():
+    """A replay swaps tensors in their parameter slots; a host descriptor holds its tensor's address, so a
+    recording that contains one must come back unusable."""
+    if not _hopper():
+        pytest.skip("the Gluon kernel is written for sm_90")
+    from tilegemm.launch import recording
+
+    a, b = _operands(256, 256, 128, "NN", torch.float16, "cuda")
+    out = torch.full((256, 256), float("nan"), device="cuda", dtype=torch.float16)
+    p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+    with recording() as rec:
+        _run(p, gluon_ws.configs()[0])
+    assert rec.launches is None
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
