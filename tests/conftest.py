@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -65,3 +66,29 @@ def compile_offline(tmp_path, source: str, argument, timeout: int = 600):
                          text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+# Prepended to a compile_offline script that compiles a Gluon kernel for sm_90: defines compile_sm90.
+GLUON_SM90 = textwrap.dedent(
+    """
+    import os, subprocess, tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+
+    def compile_sm90(kernel, sig, constexprs, attrs, num_warps):
+        \"\"\"(compiled kernel, its PTX, what ``ptxas -v`` says about it) for sm_90; no GPU needed.\"\"\"
+        compiled = triton.compile(GluonASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=num_warps))
+        ptx = compiled.asm["ptx"]
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                                  capture_output=True, text=True).stderr
+        return compiled, ptx, info
+    """
+)

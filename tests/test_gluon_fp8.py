@@ -16,7 +16,7 @@ from tilegemm.ops.matmul import gluon_fp8, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import tolerance
 
-from conftest import assert_rel_close, compile_offline
+from conftest import GLUON_SM90, assert_rel_close, compile_offline
 from test_fp8_tf32 import E4M3, E5M2, dequantized_reference, fp8_operand
 
 
@@ -47,15 +47,11 @@ def test_usable_only_for_promoted_k_major_fp8(case, reason):
 
 # Compiles the kernel for sm_90 in a few epilogue variants and reports, per variant, the waits on MMA
 # groups, the MMA instructions and what ptxas says about registers and spills.
-_COMPILE = textwrap.dedent(
+_COMPILE = GLUON_SM90 + textwrap.dedent(
     """
-    import json, os, re, subprocess, sys, tempfile
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    import json, re, sys
     from tilegemm.ops.matmul.gluon_fp8 import matmul_fp8_overlap_kernel as kernel
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     variants = json.loads(sys.argv[1])
     report = {}
     for name, v in variants.items():
@@ -74,15 +70,7 @@ _COMPILE = textwrap.dedent(
                 sig[arg] = "fp32"
             else:
                 sig[arg] = "i32"
-        compiled = triton.compile(GluonASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=8))
-        ptx = compiled.asm["ptx"]
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.ptx")
-            with open(path, "w") as f:
-                f.write(ptx)
-            info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
-                                  capture_output=True, text=True).stderr
+        compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, 8)
         report[name] = dict(
             waits=[int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)],
             mmas=len(re.findall(r"wgmma\\.mma_async", ptx)),

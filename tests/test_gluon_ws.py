@@ -17,7 +17,7 @@ from tilegemm.ops.matmul import gluon_ws, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
-from conftest import assert_rel_close, compile_offline
+from conftest import GLUON_SM90, assert_rel_close, compile_offline
 
 
 def _operands(M, N, K, layout, dtype, device):
@@ -65,18 +65,14 @@ def test_descriptors_describe_the_operands_as_they_lie():
 
 # Compiles the kernel for sm_90 in a few variants (the descriptors as the host would pass them) and reports
 # the MMA waits, MMA count, register requests, descriptor-making code and ptxas's registers and spills.
-_COMPILE = textwrap.dedent(
+_COMPILE = GLUON_SM90 + textwrap.dedent(
     """
-    import json, os, re, subprocess, sys, tempfile
+    import json, re, sys
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
-    from tilegemm.ops.matmul import gluon_ws, persistent_tma
+    from tilegemm.ops.matmul import gluon_ws
     from tilegemm.ops.matmul.problem import make_problems
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     kernel = gluon_ws.matmul_ws_kernel
     report = {}
     for name, v in json.loads(sys.argv[1]).items():
@@ -104,15 +100,7 @@ _COMPILE = textwrap.dedent(
                 sig[arg] = mangle_type(val)
                 if isinstance(val, torch.Tensor):
                     attrs[(i,)] = [["tt.divisibility", 16]]
-        compiled = triton.compile(GluonASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=4))
-        ptx = compiled.asm["ptx"]
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.ptx")
-            with open(path, "w") as f:
-                f.write(ptx)
-            info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
-                                  capture_output=True, text=True).stderr
+        compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, 4)
         report[name] = dict(
             waits=[int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)],
             mmas=len(re.findall(r"wgmma\\.mma_async", ptx)),

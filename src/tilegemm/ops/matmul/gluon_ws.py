@@ -1,25 +1,31 @@
-"""16-bit GEMM on Hopper in Gluon, warp-specialized: one warp loads, two warp groups take turns at the MMAs.
+"""16-bit GEMM on Hopper in Gluon, warp-specialized: a producer warp group loads, two consumer warp groups
+take turns at the MMAs. An exploration kernel: no rung launches it (see the end of this docstring).
 
 In ``persistent_tma`` (Triton) every warp of a program does everything: it issues the TMA loads, waits,
 issues the MMAs, and runs the epilogue, during which the tensor cores have nothing to do. Here the warps
 of a program split the work three ways (``gl.warp_specialize``):
 
-- one producer warp walks the program's tiles and K steps and keeps a ring of ``STAGES`` shared-memory
-  slots filled through TMA; each slot has a "ready" barrier (the copies landed) and an "empty" barrier
-  (its MMAs have read it);
+- a producer warp group (4 warps, few registers) walks the program's tiles and K steps and keeps a ring of
+  ``STAGES`` shared-memory slots filled through TMA; each slot has a "ready" barrier (the copies landed)
+  and an "empty" barrier (its MMAs have read it);
 - two consumer warp groups own alternate tiles of the program (tile 0, 2, 4... and tile 1, 3, 5...), each a
   whole ``BLOCK_M x BLOCK_N`` tile with its own accumulator.
 
-The ring hands out K steps in the producer's order, so the consumers take turns: while one warp group
-runs its tile's MMAs the other runs its epilogue (fused ops, conversion, TMA store), and the tensor cores
-stay busy across tile boundaries (the "ping-pong" schedule). Each consumer keeps one MMA group in flight
+The consumers take turns at the K loop (a pair of "turn" barriers): while one warp group runs its tile's
+MMAs the other runs its epilogue (fused ops, conversion, TMA store), and the tensor cores stay busy across
+tile boundaries (the "ping-pong" schedule). Each consumer keeps one MMA group in flight
 (``warpgroup_mma_wait(1)``) and frees the slot of the step before.
 
 Layouts: 16-bit wgmma reads either operand order from shared memory, so A and B may each be row- or
 column-major (NN/NT/TN/TT), described to TMA as they lie. The output goes through shared memory and TMA,
 so this kernel takes 16-bit outputs only (two output tiles of fp32 do not fit beside the ring).
-:func:`usable` says when it applies; ``persistent_tma`` times it among its candidates on sm_90 with
-Triton 3.6. Gluon has no interpreter: the suite compiles it for sm_90 without a GPU, the GPU tests run it.
+:func:`usable` says when it applies (TMA must also describe the operands: ``persistent_tma.describable``).
+
+Measured on an H200 it beat ``persistent_tma`` only at 2048^3 (fp16 NN 0.97x of cuBLAS against 0.90x) and
+lost from 4096^3 up (0.93x-0.97x against 0.96x-1.02x), so it is not among any rung's candidates;
+``scripts/explore_gluon_ws.py`` times it (docs/rungs/persistent_tma.md has the numbers and what it took
+to make it run). Written against Triton 3.6's Gluon API, for sm_90. Gluon has no interpreter: the suite
+compiles it for sm_90 without a GPU, the GPU tests run it.
 """
 
 from __future__ import annotations
