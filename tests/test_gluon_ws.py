@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 
+from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.ops.matmul import gluon_ws, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
@@ -33,7 +34,7 @@ def test_configs_fit_in_shared_memory():
     assert {(c["BLOCK_M"], c["BLOCK_N"]) for c in cfgs} == {(128, 128), (64, 256)}
     for c in cfgs:
         ring = c["STAGES"] * (c["BLOCK_M"] + c["BLOCK_N"]) * gluon_ws.BLOCK_K * 2
-        assert ring + 2 * c["BLOCK_M"] * c["BLOCK_N"] * 2 <= 227 * 1024
+        assert ring + 2 * c["BLOCK_M"] * c["BLOCK_N"] * 2 <= HOPPER_SMEM_PER_BLOCK
 
 
 @pytest.mark.parametrize("case, reason", [

@@ -27,6 +27,10 @@ _PEAKS: list[tuple[str, dict[str, float]]] = [
 ]
 
 
+# Shared memory one block may use on Hopper (sm_90): 227 KB of the SM's 228.
+HOPPER_SMEM_PER_BLOCK = 227 * 1024
+
+
 def peaks_for(gpu_name: str | None) -> dict[str, float]:
     """Datasheet peaks for a GPU name as torch reports it; empty when the GPU is not in the table."""
     if not gpu_name:

@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.jit_helpers import epilogue_tile, tile_grouped
 from tilegemm.ops.matmul.problem import GemmProblem
 
@@ -173,14 +174,13 @@ def matmul_fp8_overlap_kernel(
 
 # --- host side ---------------------------------------------------------------------------------------------
 
-_SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
 
 
 def configs(out_element_size: int) -> list[dict]:
     """Ring depths that fit beside the output tile in shared memory (a stage is 32 KB of A and B)."""
     out_bytes = BLOCK_M * BLOCK_N * out_element_size
     return [dict(GLUON_FP8=True, STAGES=s, num_warps=NUM_WARPS) for s in (4, 5, 6)
-            if s * (BLOCK_M + BLOCK_N) * BLOCK_K + out_bytes + 1024 <= _SMEM_LIMIT]
+            if s * (BLOCK_M + BLOCK_N) * BLOCK_K + out_bytes + 1024 <= HOPPER_SMEM_PER_BLOCK]
 
 
 def usable(p: GemmProblem) -> str | None:
@@ -201,11 +201,10 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     tiles = triton.cdiv(p.M, BLOCK_M) * triton.cdiv(p.N, BLOCK_N)
     flags = p.kernel_flags()
     args = (
-        p.a, p.b, p.out, p.c if p.c is not None else p.out, p.bias if p.bias is not None else p.out,
-        p.scale_a if p.scale_a is not None else p.out, p.scale_b if p.scale_b is not None else p.out,
+        p.a, p.b, p.out, *p.epilogue_pointers(),
         p.M, p.N, p.K,
         p.a_strides[1], p.b_strides[2], p.out_strides[1],
-        p.c_strides[1], p.c_strides[2], p.bias.stride(0) if p.bias is not None else 0,
+        p.c_strides[1], p.c_strides[2], p.bias_stride,
         p.scale_a_stride, p.scale_b_stride,
         p.alpha, p.beta,
     )

@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.jit_helpers import epilogue_tile, tile_grouped
 from tilegemm.ops.matmul.problem import GemmProblem
 
@@ -211,13 +212,12 @@ def matmul_ws_kernel(
 
 # --- host side ---------------------------------------------------------------------------------------------
 
-_SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
 NUM_WARPS = 4  # the first consumer warp group; the second and the producer warp are added by warp_specialize
 
 
 def _fits(bm: int, bn: int, stages: int) -> bool:
     ring = stages * (bm + bn) * BLOCK_K * 2
-    return ring + 2 * bm * bn * 2 + 1024 <= _SMEM_LIMIT
+    return ring + 2 * bm * bn * 2 + 1024 <= HOPPER_SMEM_PER_BLOCK
 
 
 def configs() -> list[dict]:
@@ -245,37 +245,32 @@ def usable(p: GemmProblem) -> str | None:
 
 
 def descriptors(p: GemmProblem, cfg: dict):
-    """Host-side TMA descriptors of A, B and the output for config ``cfg``, as the operands lie."""
+    """Host-side TMA descriptors of A, B and the output for config ``cfg``, as the operands lie
+    (:attr:`GemmProblem.tma_view`)."""
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    _, sam, sak = p.a_strides
-    _, sbk, sbn = p.b_strides
+    a_t, b_t, stride_a, stride_b = p.tma_view
 
-    def desc(base, shape, stride, block, dtype):
-        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_TYPES[dtype])
+    def desc(base, shape, stride, block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_TYPES[base.dtype])
         return TensorDescriptor(base, shape, [stride, 1], block, layout)
 
-    a = desc(p.a, [p.K, p.M], sak, [BLOCK_K, bm], p.a.dtype) if sak != 1 else \
-        desc(p.a, [p.M, p.K], sam, [bm, BLOCK_K], p.a.dtype)
-    b = desc(p.b, [p.N, p.K], sbn, [bn, BLOCK_K], p.b.dtype) if sbn != 1 else \
-        desc(p.b, [p.K, p.N], sbk, [BLOCK_K, bn], p.b.dtype)
-    return a, b, desc(p.out, [p.M, p.N], p.out_strides[1], [bm, bn], p.out.dtype)
+    a = desc(p.a, [p.K, p.M], stride_a, [BLOCK_K, bm]) if a_t else desc(p.a, [p.M, p.K], stride_a, [bm, BLOCK_K])
+    b = desc(p.b, [p.N, p.K], stride_b, [bn, BLOCK_K]) if b_t else desc(p.b, [p.K, p.N], stride_b, [BLOCK_K, bn])
+    return a, b, desc(p.out, [p.M, p.N], p.out_strides[1], [bm, bn])
 
 
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.launch.launch`."""
-    _, _, sak = p.a_strides
-    _, _, sbn = p.b_strides
+    a_t, b_t, _, _ = p.tma_view
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
     flags = p.kernel_flags()
     # Two tiles in flight per program (one per consumer warp group).
     grid = (min(num_sms, triton.cdiv(tiles, 2)),)
+    c, bias, _, _ = p.epilogue_pointers()
     args = descriptors(p, cfg) + (
-        p.c if p.c is not None else p.out, p.bias if p.bias is not None else p.out,
-        p.M, p.N, p.K,
-        p.c_strides[1], p.c_strides[2], p.bias.stride(0) if p.bias is not None else 0,
-        p.alpha, p.beta, grid[0],
+        c, bias, p.M, p.N, p.K, p.c_strides[1], p.c_strides[2], p.bias_stride, p.alpha, p.beta, grid[0],
     )
-    kwargs = dict(A_T=sak != 1, B_T=sbn != 1, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"],
+    kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"],
                   ACTIVATION=p.activation, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK_K,
                   STAGES=cfg["STAGES"], GROUP_M=8, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                   num_warps=cfg["num_warps"])

@@ -161,7 +161,8 @@ def describable(p: GemmProblem) -> str | None:
         return "A has no unit stride"
     if sbn != 1 and sbk != 1:
         return "B has no unit stride"
-    if not _aligned(p.a, sam if sak == 1 else sak) or not _aligned(p.b, sbk if sbn == 1 else sbn):
+    _, _, stride_a, stride_b = p.tma_view
+    if not _aligned(p.a, stride_a) or not _aligned(p.b, stride_b):
         return "an operand's base or row stride is not 16-byte aligned"
     if p.out_strides[2] != 1 or not _aligned(p.out, p.out_strides[1]):
         return "the output is not 16-byte aligned"
@@ -214,19 +215,16 @@ def _launch(p: GemmProblem, cfg: dict) -> None:
             launch(*gluon.launch_args(p, cfg, sm_count(p.out.device)))
             return
         cfg = configs(p.a.element_size())[0]  # a config tuned for another problem under the same key
-    _, sam, sak = p.a_strides
-    _, sbk, sbn = p.b_strides
-    a_t, b_t = sak != 1, sbn != 1
+    a_t, b_t, stride_a, stride_b = p.tma_view
     num_sms = sm_count(p.out.device)
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
     grid = (min(num_sms, tiles),)
     flags = p.kernel_flags()
     args = (
-        p.a, p.b, p.out, p.c if p.c is not None else p.out, p.bias if p.bias is not None else p.out,
-        p.scale_a if p.scale_a is not None else p.out, p.scale_b if p.scale_b is not None else p.out,
+        p.a, p.b, p.out, *p.epilogue_pointers(),
         p.M, p.N, p.K,
-        sak if a_t else sam, sbn if b_t else sbk, p.out_strides[1],
-        p.c_strides[1], p.c_strides[2], p.bias.stride(0) if p.bias is not None else 0,
+        stride_a, stride_b, p.out_strides[1],
+        p.c_strides[1], p.c_strides[2], p.bias_stride,
         p.scale_a_stride, p.scale_b_stride,
         p.alpha, p.beta,
     )

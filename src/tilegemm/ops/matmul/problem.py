@@ -70,14 +70,29 @@ class GemmProblem:
         out = self.out
         has_k = self.K > 0
         return (
-            self.a if has_k else out, self.b if has_k else out, out,
-            self.c if self.c is not None else out, self.bias if self.bias is not None else out,
-            self.scale_a if self.scale_a is not None else out, self.scale_b if self.scale_b is not None else out,
+            self.a if has_k else out, self.b if has_k else out, out, *self.epilogue_pointers(),
             self.M, self.N, self.K,
             *self.a_strides, *self.b_strides, *self.out_strides, *self.c_strides,
-            self.bias.stride(0) if self.bias is not None else 0, self.scale_a_stride, self.scale_b_stride,
+            self.bias_stride, self.scale_a_stride, self.scale_b_stride,
             self.alpha, self.beta,
         )
+
+    def epilogue_pointers(self) -> tuple:
+        """c, bias, scale_a, scale_b, each one absent passed as the output (its HAS_ flag is then false)."""
+        return tuple(t if t is not None else self.out for t in (self.c, self.bias, self.scale_a, self.scale_b))
+
+    @property
+    def bias_stride(self) -> int:
+        return self.bias.stride(0) if self.bias is not None else 0
+
+    @property
+    def tma_view(self) -> tuple[bool, bool, int, int]:
+        """(A_T, B_T, A's row stride, B's row stride) as the TMA kernels describe the operands: an operand
+        whose inner stride is not 1 is described as its transpose (A as [K, M], B as [N, K])."""
+        _, sam, sak = self.a_strides
+        _, sbk, sbn = self.b_strides
+        a_t, b_t = sak != 1, sbn != 1
+        return a_t, b_t, sak if a_t else sam, sbn if b_t else sbk
 
     @property
     def tuning_dtype(self) -> str:
