@@ -6,11 +6,12 @@ cuBLAS's result, then timed (do_bench median, two rounds alternating with cuBLAS
 rung's own list can be given as JSON. Writes ``$OUT/candidates-<shape>-<dtype>.json``; prints a table,
 fastest first.
 
-    PYTHONPATH=src python3 scripts/time_candidates.py 128x4096x4096 [--dtype fp16] [--rungs split_k,persistent_tma]
-        [--extra '{"split_k": [[128, 128, 64, 4, 6, 4]], "grouped": [[64, 64, 64, 4, 8]]}']
+    PYTHONPATH=src python3 scripts/time_candidates.py 128x4096x4096 [--dtype fp16] [--layout NN]
+        [--rungs split_k,persistent_tma] [--extra '{"split_k": [[128, 128, 64, 4, 6, 4]], "grouped": [[64, 64, 64, 4, 8]]}']
 
-Extra tuples: split_k ``(bm, bn, bk, warps, stages, split)``; persistent_tma ``(bm, bn, bk, warps, stages)``;
-grouped ``(bm, bn, bk, warps, stages)`` (the pointer kernel that ``autotuned`` tunes).
+Extra tuples: split_k ``(bm, bn, bk, warps, stages, split)``; persistent_tma ``(bm, bn, bk, warps, stages
+[, flatten, warp_specialize])``; grouped ``(bm, bn, bk, warps, stages)`` (the pointer kernel that ``autotuned``
+tunes). ``--dtype tf32`` runs fp32 operands in tf32 on both sides (cuBLAS with TF32 allowed).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tilegemm.ops.matmul import grouped, persistent_tma, split_k
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.problem import make_problems
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "tf32": torch.float32}
 
 
 def candidates(rung: str, p, extra: list) -> list[dict]:
@@ -55,22 +56,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("shape")
     ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
+    ap.add_argument("--layout", default="NN", choices=["NN", "NT", "TN", "TT"],
+                    help="T: that operand is a transposed view of a contiguous tensor")
     ap.add_argument("--rungs", default="split_k,persistent_tma,grouped")
     ap.add_argument("--extra", default="{}")
     args = ap.parse_args()
     M, N, K = (int(x) for x in args.shape.split("x"))
     dtype = DTYPES[args.dtype]
     extra = json.loads(args.extra)
-    a = torch.randn(M, K, device="cuda", dtype=dtype)
-    b = torch.randn(K, N, device="cuda", dtype=dtype)
-    ref = torch.matmul(a, b).float()
+    precision = "tf32" if args.dtype == "tf32" else "ieee"
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    a = torch.randn(K, M, device="cuda", dtype=dtype).T if args.layout[0] == "T" else torch.randn(M, K, device="cuda", dtype=dtype)
+    b = torch.randn(N, K, device="cuda", dtype=dtype).T if args.layout[1] == "T" else torch.randn(K, N, device="cuda", dtype=dtype)
+    ref = torch.matmul(a.double(), b.double()).float()
     field = []  # (name, rung, cfg, fn)
     rows = []
     for rung in args.rungs.split(","):
         for cfg in candidates(rung, make_problems(a, b, torch.empty(M, N, device="cuda", dtype=dtype), None, None,
-                                                   1.0, 0.0, "none", "ieee", False)[0], extra.get(rung, [])):
+                                                   1.0, 0.0, "none", precision, False)[0], extra.get(rung, [])):
             out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-            p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+            p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", precision, False)[0]
             name = rung + " " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "GROUP_M")
             fn = launcher(rung, p, cfg)
             try:
@@ -95,9 +100,10 @@ def main() -> None:
     for name, rung, cfg, _ in field:
         ms = statistics.mean(times[name])
         rows.append(dict(kernel=name, rung=rung, config=cfg, us=ms * 1e3, runs=times[name], ratio=base / ms))
-    path = os.path.join(os.environ.get("OUT", "."), f"candidates-{args.shape}-{args.dtype}.json")
+    path = os.path.join(os.environ.get("OUT", "."), f"candidates-{args.shape}-{args.dtype}-{args.layout}.json")
     with open(path, "w") as f:
-        json.dump(dict(machine=machine_info().to_dict(), shape=[M, N, K], dtype=args.dtype, rows=rows), f, indent=1)
+        json.dump(dict(machine=machine_info().to_dict(), shape=[M, N, K], dtype=args.dtype, layout=args.layout,
+                       rows=rows), f, indent=1)
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     for r in ok[:25]:
         print(f"{r['us']:8.1f} us {r.get('ratio', 1.0):6.3f}x  {r['kernel']}")
