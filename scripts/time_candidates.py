@@ -36,7 +36,7 @@ def candidates(rung: str, p, extra: list) -> list[dict]:
     if rung == "split_k":
         return split_k.configs(p) + [split_k._cfg(*e) for e in extra]
     if rung == "persistent_tma":
-        return persistent_tma.configs(p.a.element_size()) + [persistent_tma._cfg(*e) for e in extra]
+        return persistent_tma.configs(p.a.element_size(), p.mma_operands) + [persistent_tma._cfg(*e) for e in extra]
     if rung == "grouped":
         return prune_for(autotune_configs(), p.a.element_size()) + [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s)
                       for bm, bn, bk, w, s in extra]

@@ -121,29 +121,49 @@ def _cfg(bm, bn, bk, warps, stages, flatten=True, ws=0) -> dict:
                 num_warps=warps, num_stages=stages)
 
 
-def configs(dtype_bytes: int) -> list[dict]:
+def configs(dtype_bytes: int, mma_operands: str = "ab") -> list[dict]:
+    """Candidate configs for operands of ``dtype_bytes`` bytes meeting the MMA as ``mma_operands`` says
+    (:func:`tilegemm.ops.matmul.problem.mma_operands`); one small config under the interpreter."""
     if interpreting():
         return [_cfg(32, 32, 16, 4, 1, flatten=False)]
+    return hopper_configs(dtype_bytes, mma_operands)
+
+
+def hopper_configs(dtype_bytes: int, mma_operands: str) -> list[dict]:
+    """The configs :func:`configs` gives on a GPU."""
     if dtype_bytes == 1:  # fp8
-        return [_cfg(128, 256, 128, 8, 3), _cfg(128, 256, 128, 8, 4), _cfg(256, 128, 128, 8, 3),
-                _cfg(128, 128, 128, 8, 4), _cfg(128, 128, 128, 4, 4), _cfg(128, 256, 128, 8, 3, flatten=False)]
-    if dtype_bytes >= 4:  # tf32 / fp32 operands
-        # Warp specialization on the K loop helps the swapped tf32 tiles: 0.82x cuBLAS at 4096^3 NN against
-        # 0.68x without (H200, scripts/explore_hopper.py).
-        return [_cfg(128, 128, 32, 8, 3), _cfg(128, 128, 32, 4, 4), _cfg(128, 256, 32, 8, 3), _cfg(128, 64, 32, 4, 4),
-                _cfg(64, 128, 32, 4, 4), _cfg(128, 256, 32, 8, 3, flatten=False, ws=1)]
-    return [
-        _cfg(128, 256, 64, 8, 3),
-        _cfg(128, 256, 64, 8, 3, flatten=False),
-        _cfg(256, 128, 64, 8, 3),
-        _cfg(128, 128, 64, 8, 4),
-        _cfg(128, 128, 64, 4, 4),
-        _cfg(128, 64, 64, 4, 4),
-        _cfg(64, 128, 64, 4, 4),
-        # Small M (64..128): about one 64x64 tile per SM, fed by a 6-deep pipeline of 128-wide K steps
-        # (0.95x cuBLAS at 128x4096x14336; scripts/explore_tma_small_m.py).
-        _cfg(64, 64, 128, 4, 6, flatten=False),
-    ]
+        out = [_cfg(128, 256, 128, 8, 3), _cfg(128, 256, 128, 8, 4), _cfg(256, 128, 128, 8, 3),
+               _cfg(128, 128, 128, 8, 4), _cfg(128, 128, 128, 4, 4), _cfg(128, 256, 128, 8, 3, flatten=False)]
+    elif dtype_bytes >= 4:  # tf32 / fp32 operands
+        # Warp specialization on the K loop: 0.82x cuBLAS at 4096^3 NN against 0.68x without, measured while
+        # the other configs' MMAs were serialized (see below); now the 256x128 tile leads (H200).
+        out = [_cfg(128, 128, 32, 8, 3), _cfg(128, 128, 32, 4, 4), _cfg(128, 256, 32, 8, 3), _cfg(256, 128, 32, 8, 3),
+               _cfg(128, 64, 32, 4, 4), _cfg(64, 128, 32, 4, 4), _cfg(128, 256, 32, 8, 3, flatten=False, ws=1)]
+    else:
+        out = [
+            _cfg(128, 256, 64, 8, 3),
+            _cfg(128, 256, 64, 8, 3, flatten=False),
+            _cfg(256, 128, 64, 8, 3),
+            _cfg(128, 128, 64, 8, 4),
+            _cfg(128, 128, 64, 4, 4),
+            _cfg(128, 64, 64, 4, 4),
+            _cfg(64, 128, 64, 4, 4),
+            # Small M (64..128): about one 64x64 tile per SM, fed by a 6-deep pipeline of 128-wide K steps
+            # (0.95x cuBLAS at 128x4096x14336; scripts/explore_tma_small_m.py).
+            _cfg(64, 64, 128, 4, 6, flatten=False),
+        ]
+    if mma_operands != "ab":
+        # With an operand through registers, a tile loop flattened into the K loop makes ptxas serialize
+        # every wgmma (its warning C7515: the accumulator is written between MMAs of one pipeline stage).
+        # Unflattened, tf32 NN at 4096^3 ran 0.84x cuBLAS on the 256x128 tile against 0.55x-0.70x flattened
+        # (H200, scripts/time_candidates.py). tests/test_persistent_tma_sm90.py checks the compiled code.
+        unique = []
+        for cfg in out:
+            cfg = dict(cfg, FLATTEN=False)
+            if cfg not in unique:
+                unique.append(cfg)
+        out = unique
+    return out
 
 
 def _aligned(t: torch.Tensor, *strides: int) -> bool:
@@ -205,7 +225,7 @@ def _gluon_fp8_for(p: GemmProblem):
 def candidates(p: GemmProblem) -> list[dict]:
     """The configs timed for ``p``: Triton's, plus the Gluon promoted-fp8 kernel's where it applies."""
     gluon = _gluon_fp8_for(p)
-    return configs(p.a.element_size()) + (gluon.configs(p.out.element_size()) if gluon is not None else [])
+    return configs(p.a.element_size(), p.mma_operands) + (gluon.configs(p.out.element_size()) if gluon is not None else [])
 
 
 def _launch(p: GemmProblem, cfg: dict) -> None:
@@ -214,7 +234,7 @@ def _launch(p: GemmProblem, cfg: dict) -> None:
         if gluon is not None:
             launch(*gluon.launch_args(p, cfg, sm_count(p.out.device)))
             return
-        cfg = configs(p.a.element_size())[0]  # a config tuned for another problem under the same key
+        cfg = configs(p.a.element_size(), p.mma_operands)[0]  # a config tuned for another problem under the same key
     a_t, b_t, stride_a, stride_b = p.tma_view
     num_sms = sm_count(p.out.device)
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])

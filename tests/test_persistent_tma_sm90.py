@@ -1,0 +1,91 @@
+"""persistent_tma's sm_90 code, compiled without a GPU: no candidate config has its wgmma serialized.
+
+With an operand passed through registers (tf32 or fp8 with B not K-major: ``"swap"``; A not K-major:
+``"reg_a"``) and the tile loop flattened into the K loop, ptxas serializes every wgmma of the K loop
+(its info C7515), which cost tf32 NN a third of its speed on the H200. :func:`persistent_tma.configs`
+leaves those loops unflattened; this checks what ptxas says about each candidate.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from tilegemm.ops.matmul import persistent_tma
+
+from conftest import compile_offline
+
+
+def test_register_operand_configs_are_not_flattened():
+    # (Under the interpreter configs() gives one small config; hopper_configs() is the GPU's list.)
+    for size in (1, 4):
+        for mode in ("swap", "reg_a"):
+            for cfg in persistent_tma.hopper_configs(size, mode):
+                assert cfg["FLATTEN"] is False, (size, mode, cfg)
+        as_loaded = persistent_tma.hopper_configs(size, "ab")
+        assert any(cfg["FLATTEN"] for cfg in as_loaded), "the flattened tile loop stays where it is harmless"
+
+
+_COMPILE = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from tilegemm.ops.matmul import persistent_tma
+    from tilegemm.ops.matmul.persistent_tma import matmul_persistent_tma_kernel as kernel
+
+    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    UNIT = ("stride_cn",)
+
+    def ptxas_info(mode, a_t, b_t, cfg):
+        flags = dict(HAS_C=False, HAS_BIAS=True, ACTIVATION="none", INPUT_PRECISION="tf32", HAS_SCALE_A=False,
+                     HAS_SCALE_B=False, MMA_OPERANDS=mode, FAST_ACCUM=False, A_T=a_t, B_T=b_t, NUM_SMS=132,
+                     **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
+        sig, constexprs, attrs = {}, {}, {}
+        for i, name in enumerate(kernel.arg_names):
+            if name.endswith("_ptr"):
+                sig[name] = "*fp32"
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            elif name in flags:
+                sig[name], constexprs[(i,)] = "constexpr", flags[name]
+            elif name in UNIT:
+                sig[name], constexprs[(i,)] = "constexpr", 1
+            elif name in ("alpha", "beta"):
+                sig[name] = "fp32"
+            else:
+                sig[name] = "i32"
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.ptx")
+            with open(path, "w") as f:
+                f.write(compiled.asm["ptx"])
+            run = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                                 capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return run.stderr
+
+    out = {}
+    # tf32 NN (swap) and TT (A through registers): every candidate, and one flattened config as a control.
+    for mode, a_t, b_t in (("swap", False, False), ("reg_a", True, True)):
+        cands = persistent_tma.configs(4, mode)
+        control = dict(cands[0], FLATTEN=True, WARP_SPECIALIZE=0)
+        for i, cfg in enumerate(cands + [control]):
+            name = f"{mode}/{'control' if i == len(cands) else i}"
+            out[name] = dict(cfg=cfg, serialized="C7515" in ptxas_info(mode, a_t, b_t, cfg))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_no_candidate_serializes_its_mmas(tmp_path):
+    results = compile_offline(tmp_path, _COMPILE, None, timeout=600)
+    controls = {k: v for k, v in results.items() if k.endswith("control")}
+    assert len(controls) == 2 and len(results) > 2 * 5
+    for name, r in controls.items():
+        # The check can see a serialized loop: the flattened loop of the same tile has one.
+        assert r["serialized"], f"{name}: expected ptxas to serialize the flattened loop ({r['cfg']})"
+    for name, r in results.items():
+        if name not in controls:
+            assert not r["serialized"], f"{name}: ptxas serialized the wgmma of {r['cfg']}"
