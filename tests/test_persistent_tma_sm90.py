@@ -89,3 +89,24 @@ def test_no_candidate_serializes_its_mmas(tmp_path):
     for name, r in results.items():
         if name not in controls:
             assert not r["serialized"], f"{name}: ptxas serialized the wgmma of {r['cfg']}"
+
+
+def test_shipped_register_operand_entries_are_not_flattened():
+    """The shipped tuned configs follow the same rule (an entry is launched as it is, not re-checked)."""
+    import json
+    from pathlib import Path
+
+    import tilegemm
+
+    checked = 0
+    for path in (Path(tilegemm.__file__).parent / "tuned").glob("*.json"):
+        for key, cfg in json.loads(path.read_text())["entries"].items():
+            rung, _, _, _, dtype, _, layout = key.split("|")
+            if rung != "persistent_tma" or cfg.get("GLUON_FP8") or dtype not in ("tf32", "float8_e4m3fn", "float8_e5m2"):
+                continue
+            # B row-major (layout ?N) is not K-major: swapped; A column-major with B K-major (TT): A in registers.
+            through_registers = layout[1] == "N" or layout == "TT"
+            if through_registers:
+                assert cfg["FLATTEN"] is False, f"{path.name}: {key} {cfg}"
+                checked += 1
+    assert checked >= 5, "the H200 file ships tf32 NN entries"
