@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
 from tilegemm.ops.matmul import persistent_tma
 
 from conftest import compile_offline
@@ -110,3 +112,35 @@ def test_shipped_register_operand_entries_are_not_flattened():
                 assert cfg["FLATTEN"] is False, f"{path.name}: {key} {cfg}"
                 checked += 1
     assert checked >= 5, "the H200 file ships tf32 NN entries"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NN", "TN", "TT"])
+def test_every_register_operand_candidate_is_right_on_the_gpu(layout):
+    """Each unflattened tf32 candidate (operands swapped, or A through registers), forced, on odd shapes
+    with a bias and C, into a NaN-poisoned output: several tiles per program, ragged edges."""
+    import torch
+
+    from tilegemm.ops.matmul.problem import make_problems
+    from tilegemm.ops.matmul.reference import matmul_reference, tolerance
+
+    from conftest import assert_rel_close
+
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9):
+        pytest.skip("needs a Hopper GPU")
+    M, N, K = 1000, 776, 520
+    a = torch.randn(K, M, device="cuda").mT if layout[0] == "T" else torch.randn(M, K, device="cuda")
+    b = torch.randn(N, K, device="cuda").mT if layout[1] == "T" else torch.randn(K, N, device="cuda")
+    c = torch.randn(M, N, device="cuda")
+    bias = torch.randn(N, device="cuda")
+    ref = matmul_reference(a, b, c=c, bias=bias, alpha=1.5, beta=0.5)
+    p0 = make_problems(a, b, torch.empty(M, N, device="cuda"), c, bias, 1.5, 0.5, "none", "tf32", False)[0]
+    assert p0.mma_operands != "ab"
+    cands = persistent_tma.configs(4, p0.mma_operands)
+    assert cands and all(cfg["FLATTEN"] is False for cfg in cands)
+    for cfg in cands:
+        out = torch.full((M, N), float("nan"), device="cuda")
+        p = make_problems(a, b, out, c, bias, 1.5, 0.5, "none", "tf32", False)[0]
+        persistent_tma.run(p, cfg)
+        torch.cuda.synchronize()
+        assert_rel_close(out, ref, tolerance(torch.float32, "tf32"))
