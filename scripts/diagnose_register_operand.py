@@ -1,0 +1,88 @@
+"""Diagnosis on the GPU: which persistent_tma tf32 candidates with an operand through registers give wrong
+tiles, in which layout, shape and epilogue (not a test; tests/test_persistent_tma_sm90.py has the test).
+
+Each candidate, flattened and not, is forced on a few shapes into a NaN-poisoned output, three times, and
+compared with an fp64 reference: the relative error of the whole result and the output tiles (of the
+config's size) whose own relative error passes 1e-2. Writes ``$OUT/diagnose-register-operand.json``.
+
+    PYTHONPATH=src python3 scripts/diagnose_register_operand.py [--layouts NN,TN,TT] [--shapes 1000x776x520]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from tilegemm.hardware import machine_info
+from tilegemm.ops.matmul import persistent_tma
+from tilegemm.ops.matmul.problem import make_problems
+from tilegemm.ops.matmul.reference import matmul_reference
+
+
+def bad_tiles(out, ref, bm, bn):
+    bad = []
+    for i in range(0, out.shape[0], bm):
+        for j in range(0, out.shape[1], bn):
+            o, r = out[i:i + bm, j:j + bn].double(), ref[i:i + bm, j:j + bn]
+            err = ((o - r).norm() / r.norm()).item() if torch.isfinite(o).all() else float("inf")
+            if not err < 1e-2:
+                bad.append([i // bm, j // bn, err])
+    return bad
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layouts", default="NN,TN,TT")
+    ap.add_argument("--shapes", default="1000x776x520,1024x1024x1024")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    persistent_tma._ensure_allocator()
+    rows = []
+    for shape in args.shapes.split(","):
+        M, N, K = (int(x) for x in shape.split("x"))
+        for layout in args.layouts.split(","):
+            torch.manual_seed(0)
+            a = torch.randn(K, M, device="cuda").mT if layout[0] == "T" else torch.randn(M, K, device="cuda")
+            b = torch.randn(N, K, device="cuda").mT if layout[1] == "T" else torch.randn(K, N, device="cuda")
+            c = torch.randn(M, N, device="cuda")
+            bias = torch.randn(N, device="cuda")
+            for epi in ("plain", "c+bias"):
+                cc, bb, alpha, beta = (None, None, 1.0, 0.0) if epi == "plain" else (c, bias, 1.5, 0.5)
+                ref = matmul_reference(a, b, c=cc, bias=bb, alpha=alpha, beta=beta)
+                mode = make_problems(a, b, torch.empty(M, N, device="cuda"), cc, bb, alpha, beta, "none", "tf32",
+                                     False)[0].mma_operands
+                for cfg in persistent_tma.configs(4, mode):
+                    for flatten in (False, True):
+                        cfg2 = dict(cfg, FLATTEN=flatten)
+                        errs, tiles = [], []
+                        try:
+                            for _ in range(args.repeats):
+                                out = torch.full((M, N), float("nan"), device="cuda")
+                                p = make_problems(a, b, out, cc, bb, alpha, beta, "none", "tf32", False)[0]
+                                persistent_tma.run(p, cfg2)
+                                torch.cuda.synchronize()
+                                o = out.double()
+                                errs.append(((o - ref).norm() / ref.norm()).item() if torch.isfinite(o).all()
+                                            else float("inf"))
+                                tiles.append(bad_tiles(out, ref, cfg["BLOCK_M"], cfg["BLOCK_N"]))
+                        except Exception as e:  # noqa: BLE001 - diagnosis: record and go on
+                            errs.append(f"error: {str(e)[:120]}")
+                        row = dict(shape=shape, layout=layout, mode=mode, epilogue=epi, config=cfg2, errors=errs,
+                                   bad_tiles=tiles)
+                        rows.append(row)
+                        worst = max((e for e in errs if isinstance(e, float)), default=float("nan"))
+                        nbad = [len(t) for t in tiles]
+                        print(f"{shape} {layout} {mode:5s} {epi:6s} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} "
+                              f"w{cfg['num_warps']} s{cfg['num_stages']} ws{cfg.get('WARP_SPECIALIZE', 0)} "
+                              f"flat={int(flatten)}: worst {worst:.1e} bad tiles {nbad}"
+                              + ("" if all(isinstance(e, float) for e in errs) else f" {errs[-1]}"), flush=True)
+    path = os.path.join(os.environ.get("OUT", "."), "diagnose-register-operand.json")
+    with open(path, "w") as f:
+        json.dump(dict(machine=machine_info().to_dict(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
