@@ -3,7 +3,9 @@ tiles, in which layout, shape and epilogue (not a test; tests/test_persistent_tm
 
 Each candidate, flattened and not, is forced on a few shapes into a NaN-poisoned output, three times, and
 compared with an fp64 reference: the relative error of the whole result and the output tiles (of the
-config's size) whose own relative error passes 1e-2. Writes ``$OUT/diagnose-register-operand.json``.
+config's size) whose own relative error passes 1e-2 (3e-2 for fp8 with its bf16 output). Writes
+``$OUT/diagnose-register-operand-<dtype>.json``. The candidates are those for K-major operands (the list
+register-operand problems had before 54ccfd1), each flattened and unflattened.
 
     PYTHONPATH=src python3 scripts/diagnose_register_operand.py [--layouts NN,TN,TT] [--shapes 1000x776x520]
 """
@@ -22,13 +24,13 @@ from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference
 
 
-def bad_tiles(out, ref, bm, bn):
+def bad_tiles(out, ref, bm, bn, bound):
     bad = []
     for i in range(0, out.shape[0], bm):
         for j in range(0, out.shape[1], bn):
             o, r = out[i:i + bm, j:j + bn].double(), ref[i:i + bm, j:j + bn]
             err = ((o - r).norm() / r.norm()).item() if torch.isfinite(o).all() else float("inf")
-            if not err < 1e-2:
+            if not err < bound:
                 bad.append([i // bm, j // bn, err])
     return bad
 
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--layouts", default="NN,TN,TT")
     ap.add_argument("--shapes", default="1000x776x520,1024x1024x1024")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="tf32", choices=["tf32", "fp8"], help="fp8: e4m3, per-tensor scales, bf16 out")
     args = ap.parse_args()
     persistent_tma._ensure_allocator()
     rows = []
@@ -47,27 +50,36 @@ def main() -> None:
             torch.manual_seed(0)
             a = torch.randn(K, M, device="cuda").mT if layout[0] == "T" else torch.randn(M, K, device="cuda")
             b = torch.randn(N, K, device="cuda").mT if layout[1] == "T" else torch.randn(K, N, device="cuda")
-            c = torch.randn(M, N, device="cuda")
-            bias = torch.randn(N, device="cuda")
+            precision, out_dtype, scales = "tf32", torch.float32, (None, 0, None, 0)
+            if args.dtype == "fp8":
+                a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+                precision, out_dtype = "ieee", torch.bfloat16
+                one = torch.ones(1, device="cuda")
+                scales = (one, 0, one, 0)
+            c = torch.randn(M, N, device="cuda", dtype=out_dtype)
+            bias = torch.randn(N, device="cuda", dtype=out_dtype)
             for epi in ("plain", "c+bias"):
                 cc, bb, alpha, beta = (None, None, 1.0, 0.0) if epi == "plain" else (c, bias, 1.5, 0.5)
                 ref = matmul_reference(a, b, c=cc, bias=bb, alpha=alpha, beta=beta)
-                mode = make_problems(a, b, torch.empty(M, N, device="cuda"), cc, bb, alpha, beta, "none", "tf32",
-                                     False)[0].mma_operands
-                for cfg in persistent_tma.configs(4, mode):
+                mode = make_problems(a, b, torch.empty(M, N, device="cuda", dtype=out_dtype), cc, bb, alpha, beta,
+                                     "none", precision, False, scales)[0].mma_operands
+                # The candidates as they were before 54ccfd1 (the fp8 list had one unflattened config; the
+                # flattened/unflattened pair of each is tried below).
+                cands = persistent_tma.hopper_configs(a.element_size(), "ab")
+                for cfg in cands:
                     for flatten in (False, True):
-                        cfg2 = dict(cfg, FLATTEN=flatten)
+                        cfg2 = dict(cfg, FLATTEN=flatten, WARP_SPECIALIZE=cfg.get("WARP_SPECIALIZE", 0) if not flatten else 0)
                         errs, tiles = [], []
                         try:
                             for _ in range(args.repeats):
-                                out = torch.full((M, N), float("nan"), device="cuda")
-                                p = make_problems(a, b, out, cc, bb, alpha, beta, "none", "tf32", False)[0]
-                                persistent_tma.run(p, cfg2)
+                                out = torch.full((M, N), float("nan"), device="cuda", dtype=out_dtype)
+                                p = make_problems(a, b, out, cc, bb, alpha, beta, "none", precision, False, scales)[0]
+                                persistent_tma._launch(p, cfg2)
                                 torch.cuda.synchronize()
                                 o = out.double()
                                 errs.append(((o - ref).norm() / ref.norm()).item() if torch.isfinite(o).all()
                                             else float("inf"))
-                                tiles.append(bad_tiles(out, ref, cfg["BLOCK_M"], cfg["BLOCK_N"]))
+                                tiles.append(bad_tiles(out, ref, cfg["BLOCK_M"], cfg["BLOCK_N"], 3e-2 if args.dtype == "fp8" else 1e-2))
                         except Exception as e:  # noqa: BLE001 - diagnosis: record and go on
                             errs.append(f"error: {str(e)[:120]}")
                         row = dict(shape=shape, layout=layout, mode=mode, epilogue=epi, config=cfg2, errors=errs,
@@ -79,7 +91,7 @@ def main() -> None:
                               f"w{cfg['num_warps']} s{cfg['num_stages']} ws{cfg.get('WARP_SPECIALIZE', 0)} "
                               f"flat={int(flatten)}: worst {worst:.1e} bad tiles {nbad}"
                               + ("" if all(isinstance(e, float) for e in errs) else f" {errs[-1]}"), flush=True)
-    path = os.path.join(os.environ.get("OUT", "."), "diagnose-register-operand.json")
+    path = os.path.join(os.environ.get("OUT", "."), f"diagnose-register-operand-{args.dtype}.json")
     with open(path, "w") as f:
         json.dump(dict(machine=machine_info().to_dict(), rows=rows), f, indent=1)
 

@@ -223,9 +223,11 @@ def test_auto_timed_choice_skips_a_rung_that_fails(cache, monkeypatch):
 
 
 @pytest.mark.parametrize("precision,layout", [("ieee", "NN"), ("tf32", "NN"), ("tf32", "TT"), ("tf32", "NT")])
-def test_auto_sends_large_problems_to_persistent_tma_in_every_operand_order(monkeypatch, precision, layout):
-    """From two 128x128 tiles per SM up, auto takes persistent_tma on a TMA GPU, tf32 with an operand
-    through registers included (measured 0.94x-0.96x cuBLAS once its K loop was no longer serialized)."""
+def test_auto_sends_large_problems_to_persistent_tma_unless_an_operand_goes_through_registers(
+        monkeypatch, precision, layout):
+    """From two 128x128 tiles per SM up, auto takes persistent_tma on a TMA GPU, except tf32 with an operand
+    through registers: that rung's loops for it must stay flattened (serialized) to be right, and
+    autotuned's plain loop is faster there."""
     import tilegemm.hardware
     from tilegemm.ops.matmul import op, persistent_tma
     from tilegemm.ops.matmul.problem import make_problems
@@ -244,5 +246,5 @@ def test_auto_sends_large_problems_to_persistent_tma_in_every_operand_order(monk
     big = problem(4096, 4096)
     expected_operands = {"ieee": "ab", "tf32": {"NN": "swap", "TT": "reg_a", "NT": "ab"}[layout]}[precision]
     assert big.mma_operands == expected_operands
-    assert op.choose_kernel(big) == "persistent_tma"
+    assert op.choose_kernel(big) == ("persistent_tma" if expected_operands == "ab" else "autotuned")
     assert op.choose_kernel(problem(2048, 2048)) == "autotuned"  # 256 tiles: under two per SM

@@ -135,8 +135,7 @@ def hopper_configs(dtype_bytes: int, mma_operands: str) -> list[dict]:
         out = [_cfg(128, 256, 128, 8, 3), _cfg(128, 256, 128, 8, 4), _cfg(256, 128, 128, 8, 3),
                _cfg(128, 128, 128, 8, 4), _cfg(128, 128, 128, 4, 4), _cfg(128, 256, 128, 8, 3, flatten=False)]
     elif dtype_bytes >= 4:  # tf32 / fp32 operands
-        # Warp specialization on the K loop: 0.82x cuBLAS at 4096^3 NN against 0.68x without, measured while
-        # the other configs' MMAs were serialized (see below); now the 256x128 tile leads (H200).
+        # The warp-specialized, unflattened config is for K-major operands only (see below).
         out = [_cfg(128, 128, 32, 8, 3), _cfg(128, 128, 32, 4, 4), _cfg(128, 256, 32, 8, 3), _cfg(256, 128, 32, 8, 3),
                _cfg(128, 64, 32, 4, 4), _cfg(64, 128, 32, 4, 4), _cfg(128, 256, 32, 8, 3, flatten=False, ws=1)]
     else:
@@ -153,13 +152,16 @@ def hopper_configs(dtype_bytes: int, mma_operands: str) -> list[dict]:
             _cfg(64, 64, 128, 4, 6, flatten=False),
         ]
     if mma_operands != "ab":
-        # With an operand through registers, a tile loop flattened into the K loop makes ptxas serialize
-        # every wgmma (its warning C7515: the accumulator is written between MMAs of one pipeline stage).
-        # Unflattened, tf32 NN at 4096^3 ran 0.84x cuBLAS on the 256x128 tile against 0.55x-0.70x flattened
-        # (H200, scripts/time_candidates.py). tests/test_persistent_tma_sm90.py checks the compiled code.
+        # An operand through registers (tf32/fp8 with B not K-major, or A not K-major): the tile loop stays
+        # flattened into the K loop and without warp specialization. Unflattened, these loops ran faster
+        # (tf32 NN 4096^3: 0.84x-0.95x cuBLAS on a 256x128 tile against 0.55x-0.70x) because ptxas no longer
+        # serializes their wgmma (its info C7515), but on the H200 they computed wrong tiles, now and then
+        # for NN and for every tile of some TT configs (scripts/diagnose_register_operand.py,
+        # benchmarks/results/2026-11-21-h200/54ccfd1/); flattened and serialized, every tile was right.
+        # tests/test_persistent_tma_sm90.py forces each of these candidates on the GPU.
         unique = []
         for cfg in out:
-            cfg = dict(cfg, FLATTEN=False)
+            cfg = dict(cfg, FLATTEN=True, WARP_SPECIALIZE=0)
             if cfg not in unique:
                 unique.append(cfg)
         out = unique
