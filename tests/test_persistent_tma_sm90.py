@@ -131,14 +131,17 @@ def _worst_tile_error(out, ref, bm, bn):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1000, 776, 520), (1024, 1024, 1024)], ids=lambda s: "x".join(map(str, s)))
+# Ragged against every tile, yet 16-byte aligned rows even for fp8 (TMA's rule: persistent_tma.describable).
+@pytest.mark.parametrize("shape", [(1008, 784, 528), (1024, 1024, 1024)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype,layout", [("tf32", "NN"), ("tf32", "TN"), ("tf32", "TT"), ("tf32", "NT"),
                                           ("fp8", "NN"), ("fp8", "TT")])
 def test_every_candidate_is_right_on_the_gpu(dtype, layout, shape):
     """Each candidate for tf32 / fp8 operands, forced, three times, with a bias and C, into a NaN-poisoned
     output, every tile checked on its own (a race that spoils one tile of 32 barely moves the whole
-    matrix's error). The unflattened register-operand loops failed exactly this on the H200."""
+    matrix's error). The unflattened register-operand loops failed exactly this on the H200. A candidate
+    whose shared memory does not fit beside the C tile is skipped, as the tuner skips it."""
     import torch
+    from triton.runtime.errors import OutOfResources
 
     from tilegemm.ops.matmul.problem import make_problems
     from tilegemm.ops.matmul.reference import matmul_reference, tolerance
@@ -163,15 +166,23 @@ def test_every_candidate_is_right_on_the_gpu(dtype, layout, shape):
     def problem(out):
         return make_problems(a, b, out, c, bias, 1.5, 0.5, "none", precision, False, scales)[0]
 
-    mode = problem(torch.empty(M, N, device="cuda", dtype=out_dtype)).mma_operands
+    p0 = problem(torch.empty(M, N, device="cuda", dtype=out_dtype))
+    assert persistent_tma.describable(p0) is None
+    mode = p0.mma_operands
     assert mode == ("ab" if layout == "NT" else "reg_a" if layout == "TT" else "swap")
     cands = persistent_tma.configs(a.element_size(), mode)
-    assert cands
+    ran = 0
+    persistent_tma._ensure_allocator()
     for cfg in cands:
         for _ in range(3):
             out = torch.full((M, N), float("nan"), device="cuda", dtype=out_dtype)
-            persistent_tma._ensure_allocator()
-            persistent_tma._launch(problem(out), cfg)
+            try:
+                persistent_tma._launch(problem(out), cfg)
+            except OutOfResources:
+                break
             torch.cuda.synchronize()
             err = _worst_tile_error(out, ref, cfg["BLOCK_M"], cfg["BLOCK_N"])
             assert err <= tol, f"{cfg}: a tile's relative error is {err:.2e} (bound {tol:.1e})"
+        else:
+            ran += 1
+    assert ran >= len(cands) // 2, f"only {ran} of {len(cands)} candidates fit"
