@@ -110,7 +110,8 @@ def test_shipped_register_operand_entries_stay_flattened():
     for path in (Path(tilegemm.__file__).parent / "tuned").glob("*.json"):
         for key, cfg in json.loads(path.read_text())["entries"].items():
             rung, _, _, _, dtype, _, layout = key.split("|")
-            if rung != "persistent_tma" or cfg.get("GLUON_FP8") or dtype not in ("tf32", "float8_e4m3fn", "float8_e5m2"):
+            gluon = cfg.get("GLUON_FP8") or cfg.get("GLUON_TF32")
+            if rung != "persistent_tma" or gluon or dtype not in ("tf32", "float8_e4m3fn", "float8_e5m2"):
                 continue
             seen += 1
             # B row-major (layout ?N) is not K-major: swapped; A column-major with B K-major (TT): A in registers.

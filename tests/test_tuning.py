@@ -222,20 +222,28 @@ def test_auto_timed_choice_skips_a_rung_that_fails(cache, monkeypatch):
     assert op.choose_kernel(p) == "split_k"
 
 
+@pytest.mark.parametrize("gluon", [False, True], ids=["no-gluon", "gluon-tf32"])
 @pytest.mark.parametrize("precision,layout", [("ieee", "NN"), ("tf32", "NN"), ("tf32", "TT"), ("tf32", "NT")])
 def test_auto_sends_large_problems_to_persistent_tma_unless_an_operand_goes_through_registers(
-        monkeypatch, precision, layout):
+        monkeypatch, precision, layout, gluon):
     """From two 128x128 tiles per SM up, auto takes persistent_tma on a TMA GPU, except tf32 with an operand
-    through registers: that rung's loops for it must stay flattened (serialized) to be right, and
-    autotuned's plain loop is faster there."""
+    through registers: that rung's Triton loops for it must stay flattened (serialized) to be right, so
+    autotuned is faster, unless the Gluon tf32 kernel takes the problem (A and B row-major, sm_90); from
+    one to two tiles per SM auto then times the two rungs, below it keeps autotuned."""
+    import triton.testing
+
     import tilegemm.hardware
-    from tilegemm.ops.matmul import op, persistent_tma
+    from tilegemm.ops.matmul import gluon_tf32, op, persistent_tma
     from tilegemm.ops.matmul.problem import make_problems
 
     monkeypatch.setattr(op, "interpreting", lambda: False)
     monkeypatch.setattr(op, "_has_tma", lambda: True)
     monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
     monkeypatch.setattr(tilegemm.hardware, "sm_count", lambda device: 132)
+    monkeypatch.setattr(persistent_tma, "_gluon_for",
+                        lambda p: gluon_tf32 if gluon and gluon_tf32.usable(p) is None else None)
+    timed = []
+    monkeypatch.setattr(op, "_timed_choice", lambda p, rungs: timed.append(rungs) or rungs[-1])
 
     def problem(M, N, K=256):
         a = torch.empty(K, M, device="meta").mT if layout[0] == "T" else torch.empty(M, K, device="meta")
@@ -246,5 +254,13 @@ def test_auto_sends_large_problems_to_persistent_tma_unless_an_operand_goes_thro
     big = problem(4096, 4096)
     expected_operands = {"ieee": "ab", "tf32": {"NN": "swap", "TT": "reg_a", "NT": "ab"}[layout]}[precision]
     assert big.mma_operands == expected_operands
-    assert op.choose_kernel(big) == ("persistent_tma" if expected_operands == "ab" else "autotuned")
-    assert op.choose_kernel(problem(2048, 2048)) == "autotuned"  # 256 tiles: under two per SM
+    takes_gluon = gluon and precision == "tf32" and layout == "NN"
+    expected = "persistent_tma" if expected_operands == "ab" or takes_gluon else "autotuned"
+    assert op.choose_kernel(big) == expected
+    assert not timed
+    # 2048^3: 256 tiles, under two per SM: autotuned, or (Gluon tf32) a timed choice between the two rungs.
+    assert op.choose_kernel(problem(2048, 2048)) == ("persistent_tma" if takes_gluon else "autotuned")
+    assert timed == ([("autotuned", "persistent_tma")] if takes_gluon else [])
+    # 1024^3: 64 tiles, under half a tile per SM: autotuned.
+    assert op.choose_kernel(problem(1024, 1024)) == "autotuned"
+    assert len(timed) == (1 if takes_gluon else 0)

@@ -39,6 +39,7 @@ from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
 NUM_WARPS = 8  # two warp groups, 64 rows of the tile each
+CONFIG_KEY = "GLUON_FP8"  # marks this kernel's configs among persistent_tma's candidates
 
 
 @gluon.jit

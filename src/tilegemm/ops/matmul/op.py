@@ -188,7 +188,8 @@ def choose_kernel(p: GemmProblem) -> str:
       tiles had won 128x4096x14336 (0.95x against 0.88x, scripts/explore_tma_small_m.py).
     - Larger problems on Hopper that TMA can describe, with at least two 128x128 tiles per SM (four for
       fp8): ``persistent_tma`` (fp16 1.02x / 1.03x at 8192^3 / 16384^3, where ``autotuned`` ran 1.00x /
-      0.93x), except tf32 with an operand through registers (see the code).
+      0.93x), except tf32 with an operand through registers, which goes to ``autotuned`` unless A and B are
+      row-major and ``persistent_tma``'s Gluon kernel takes it (see the code).
     - Otherwise ``autotuned``.
     """
     if interpreting():
@@ -208,14 +209,24 @@ def choose_kernel(p: GemmProblem) -> str:
         # autotuned's smaller tiles reached 0.87x; at 2048^3 (1.9 tiles per SM) 0.93x against 1.00x, and at
         # 4096^3 (7.8 per SM) 0.94x against 0.88x (fp16, scripts/explore_hopper.py).
         tiles = -(-p.M // 128) * -(-p.N // 128)
-        # tf32 with an operand that is not K-major: autotuned's plain loop ran 0.82x-0.86x cuBLAS from 4096^3
-        # up (tf32 NN); persistent_tma's correct (flattened, so serialized) loops 0.55x-0.70x, see
-        # persistent_tma.hopper_configs for why its faster unflattened loops are not used.
-        swapped_tf32 = p.dtype == torch.float32 and p.mma_operands != "ab"
         # fp8 needs more tiles per SM before the persistent grid pays: at 2048^3 (2 tiles per SM) it ran
         # 0.43x torch._scaled_mm where autotuned ran 0.63x; at 4096^3 (8 per SM) 0.79x against 0.73x.
-        min_tiles = sm_count(p.out.device) * (4 if p.a.element_size() == 1 else 2)
-        if tiles >= min_tiles and describable(p) is None and not swapped_tf32:
+        sms = sm_count(p.out.device)
+        min_tiles = sms * (4 if p.a.element_size() == 1 else 2)
+        if p.dtype == torch.float32 and p.mma_operands != "ab" and describable(p) is None:
+            # tf32 with an operand that is not K-major. persistent_tma's Triton loops for it must stay
+            # serialized to be right (0.55x-0.70x cuBLAS, see persistent_tma.hopper_configs), and autotuned
+            # ran 0.80x-0.92x; for A and B row-major persistent_tma also has the Gluon kernel
+            # (gluon_tf32: 0.94x-0.99x from 2048^3 up, 0.58x at 1024^3 with 32 of its tiles for 132 SMs).
+            from tilegemm.ops.matmul.persistent_tma import _gluon_for
+
+            gluon = _gluon_for(p)
+            if gluon is None or gluon.CONFIG_KEY != "GLUON_TF32" or 2 * tiles < sms:
+                return "autotuned"
+            if tiles >= min_tiles:
+                return "persistent_tma"
+            return _timed_choice(p, ("autotuned", "persistent_tma"))  # about one to two tiles per SM
+        if tiles >= min_tiles and describable(p) is None:
             return "persistent_tma"
     return "autotuned"
 

@@ -213,27 +213,32 @@ def _ensure_allocator() -> None:
         _allocator_set = True
 
 
-def _gluon_fp8_for(p: GemmProblem):
-    """The module of the Gluon kernel for promoted fp8 (:mod:`tilegemm.ops.matmul.gluon_fp8`) when that
-    kernel can take ``p``, else None. It is written for sm_90 against Triton 3.6's Gluon API (experimental,
-    it moves between versions), and Gluon has no interpreter."""
+def _gluon_for(p: GemmProblem):
+    """The module of the Gluon kernel that takes ``p``, else None: :mod:`tilegemm.ops.matmul.gluon_fp8` for
+    promoted fp8 (A row-major, B column-major), :mod:`tilegemm.ops.matmul.gluon_tf32` for tf32 with A and B
+    row-major. They are written for sm_90 against Triton 3.6's Gluon API (experimental, it moves between
+    versions), and Gluon has no interpreter."""
     if interpreting() or compute_capability() != (9, 0) or not triton.__version__.startswith("3.6."):
         return None
-    from tilegemm.ops.matmul import gluon_fp8
+    from tilegemm.ops.matmul import gluon_fp8, gluon_tf32
 
-    return gluon_fp8 if gluon_fp8.usable(p) is None else None
+    for module in (gluon_fp8, gluon_tf32):
+        if module.usable(p) is None:
+            return module
+    return None
 
 
 def candidates(p: GemmProblem) -> list[dict]:
-    """The configs timed for ``p``: Triton's, plus the Gluon promoted-fp8 kernel's where it applies."""
-    gluon = _gluon_fp8_for(p)
-    return configs(p.a.element_size(), p.mma_operands) + (gluon.configs(p.out.element_size()) if gluon is not None else [])
+    """The configs timed for ``p``: Triton's, plus a Gluon kernel's where one applies."""
+    gluon = _gluon_for(p)
+    extra = gluon.configs(p.out.element_size()) if gluon is not None else []
+    return configs(p.a.element_size(), p.mma_operands) + extra
 
 
 def _launch(p: GemmProblem, cfg: dict) -> None:
-    if cfg.get("GLUON_FP8"):
-        gluon = _gluon_fp8_for(p)
-        if gluon is not None:
+    if cfg.get("GLUON_FP8") or cfg.get("GLUON_TF32"):
+        gluon = _gluon_for(p)
+        if gluon is not None and cfg.get(gluon.CONFIG_KEY):
             launch(*gluon.launch_args(p, cfg, sm_count(p.out.device)))
             return
         cfg = configs(p.a.element_size(), p.mma_operands)[0]  # a config tuned for another problem under the same key
