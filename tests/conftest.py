@@ -68,27 +68,53 @@ def compile_offline(tmp_path, source: str, argument, timeout: int = 600):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-# Prepended to a compile_offline script that compiles a Gluon kernel for sm_90: defines compile_sm90.
-GLUON_SM90 = textwrap.dedent(
+# Prepended to a compile_offline script that compiles kernels for sm_90: defines signature() and
+# compile_sm90() (Triton or Gluon kernels).
+SM90 = textwrap.dedent(
     """
     import os, subprocess, tempfile
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
 
-    def compile_sm90(kernel, sig, constexprs, attrs, num_warps):
+    def signature(kernel, flags, types, unit=(), aligned_ints=False):
+        \"\"\"(sig, constexprs, attrs) for triton.compile: ``flags`` as constexprs, pointer types from ``types``
+        (a dict, or one type for every ``*_ptr``; 16-byte aligned), the names in ``unit`` as the constexpr 1,
+        alpha and beta fp32, every other argument i32 (multiples of 16 if ``aligned_ints``).\"\"\"
+        sig, constexprs, attrs = {}, {}, {}
+        for i, name in enumerate(kernel.arg_names):
+            if name in flags:
+                sig[name], constexprs[(i,)] = "constexpr", flags[name]
+            elif name.endswith("_ptr"):
+                sig[name] = types if isinstance(types, str) else types[name]
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            elif name in unit:
+                sig[name], constexprs[(i,)] = "constexpr", 1
+            elif name in ("alpha", "beta"):
+                sig[name] = "fp32"
+            else:
+                sig[name] = "i32"
+                if aligned_ints:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        return sig, constexprs, attrs
+
+
+    def compile_sm90(kernel, sig, constexprs, attrs, num_warps, num_stages=None, gluon=True):
         \"\"\"(compiled kernel, its PTX, what ``ptxas -v`` says about it) for sm_90; no GPU needed.\"\"\"
-        compiled = triton.compile(GluonASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=num_warps))
+        source = (GluonASTSource if gluon else ASTSource)(kernel, sig, constexprs, attrs)
+        options = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = compiled.asm["ptx"]
         ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "k.ptx")
             with open(path, "w") as f:
                 f.write(ptx)
-            info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
-                                  capture_output=True, text=True).stderr
-        return compiled, ptx, info
+            run = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                                 capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return compiled, ptx, run.stderr
     """
 )

@@ -16,7 +16,7 @@ from tilegemm.ops.matmul import gluon_fp8, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import tolerance
 
-from conftest import GLUON_SM90, assert_rel_close, compile_offline
+from conftest import SM90, assert_rel_close, compile_offline
 from test_fp8_tf32 import E4M3, E5M2, dequantized_reference, fp8_operand
 
 
@@ -47,7 +47,7 @@ def test_usable_only_for_promoted_k_major_fp8(case, reason):
 
 # Compiles the kernel for sm_90 in a few epilogue variants and reports, per variant, the waits on MMA
 # groups, the MMA instructions and what ptxas says about registers and spills.
-_COMPILE = GLUON_SM90 + textwrap.dedent(
+_COMPILE = SM90 + textwrap.dedent(
     """
     import json, re, sys
     from tilegemm.ops.matmul.gluon_fp8 import matmul_fp8_overlap_kernel as kernel
@@ -59,18 +59,7 @@ _COMPILE = GLUON_SM90 + textwrap.dedent(
                      BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, STAGES=v["stages"], GROUP_M=8, NUM_SMS=132, num_warps=8)
         types = dict(a_ptr=v["a"], b_ptr="*fp8e4nv", out_ptr=v["out"], c_ptr="*fp32", bias_ptr="*bf16",
                      scale_a_ptr="*fp32", scale_b_ptr="*fp32")
-        sig, constexprs, attrs = {}, {}, {}
-        for i, arg in enumerate(kernel.arg_names):
-            if arg in flags:
-                sig[arg], constexprs[(i,)] = "constexpr", flags[arg]
-            elif arg in types:
-                sig[arg] = types[arg]
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            elif arg in ("alpha", "beta"):
-                sig[arg] = "fp32"
-            else:
-                sig[arg] = "i32"
-        compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, 8)
+        compiled, ptx, info = compile_sm90(kernel, *signature(kernel, flags, types), 8)
         report[name] = dict(
             waits=[int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)],
             mmas=len(re.findall(r"wgmma\\.mma_async", ptx)),

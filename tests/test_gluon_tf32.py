@@ -19,7 +19,7 @@ from tilegemm.ops.matmul import gluon_tf32, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
-from conftest import GLUON_SM90, compile_offline
+from conftest import SM90, compile_offline
 
 
 def _problem(a, b, out, c=None, bias=None, alpha=1.0, beta=0.0, activation="none", precision="tf32"):
@@ -65,10 +65,9 @@ def test_persistent_tma_offers_it_only_for_tf32_nn_on_sm90(monkeypatch):
 # loop unflattened, and looks in each PTX for writes to an in-flight MMA's A registers: walking the code
 # (each loop body twice, so a write at the top of the next iteration counts), an MMA's A registers are in
 # flight from its commit until a `wgmma.wait_group N` leaves fewer than its group's age in flight.
-_COMPILE = GLUON_SM90 + textwrap.dedent(
+_COMPILE = SM90 + textwrap.dedent(
     """
     import json, re, sys
-    from triton.compiler import ASTSource
     from tilegemm.ops.matmul.gluon_tf32 import matmul_tf32_nn_kernel as gluon_kernel
     from tilegemm.ops.matmul.persistent_tma import matmul_persistent_tma_kernel as triton_kernel
 
@@ -114,41 +113,14 @@ _COMPILE = GLUON_SM90 + textwrap.dedent(
         flags = dict(HAS_C=c, HAS_BIAS=bias, ACTIVATION=act, BLOCK_M=256, BLOCK_N=128, BLOCK_K=32,
                      STAGES=stages, GROUP_M=8, NUM_SMS=132, num_warps=8)
         types = dict(a_ptr="*fp32", b_ptr="*fp32", out_ptr=out, c_ptr="*fp32", bias_ptr="*fp32")
-        sig, constexprs, attrs = {}, {}, {}
-        for i, arg in enumerate(gluon_kernel.arg_names):
-            if arg in flags:
-                sig[arg], constexprs[(i,)] = "constexpr", flags[arg]
-            elif arg in types:
-                sig[arg] = types[arg]
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            elif arg in ("alpha", "beta"):
-                sig[arg] = "fp32"
-            else:
-                sig[arg] = "i32"
-        compiled, ptx, info = compile_sm90(gluon_kernel, sig, constexprs, attrs, 8)
-        return compiled, ptx, info
+        return compile_sm90(gluon_kernel, *signature(gluon_kernel, flags, types), 8)
 
     def compile_triton_unflattened():
         flags = dict(HAS_C=False, HAS_BIAS=False, ACTIVATION="none", INPUT_PRECISION="tf32", HAS_SCALE_A=False,
                      HAS_SCALE_B=False, MMA_OPERANDS="swap", FAST_ACCUM=False, A_T=False, B_T=False, NUM_SMS=132,
                      BLOCK_M=256, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, FLATTEN=False, WARP_SPECIALIZE=0)
-        sig, constexprs, attrs = {}, {}, {}
-        for i, name in enumerate(triton_kernel.arg_names):
-            if name.endswith("_ptr"):
-                sig[name] = "*fp32"
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            elif name in flags:
-                sig[name], constexprs[(i,)] = "constexpr", flags[name]
-            elif name == "stride_cn":
-                sig[name], constexprs[(i,)] = "constexpr", 1
-            elif name in ("alpha", "beta"):
-                sig[name] = "fp32"
-            else:
-                sig[name] = "i32"
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        compiled = triton.compile(ASTSource(triton_kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=8, num_stages=3))
-        return compiled.asm["ptx"]
+        sig = signature(triton_kernel, flags, "*fp32", unit=("stride_cn",), aligned_ints=True)
+        return compile_sm90(triton_kernel, *sig, 8, num_stages=3, gluon=False)[1]
 
     report = {}
     for name, (stages, c, bias, act, out) in json.loads(sys.argv[1]).items():

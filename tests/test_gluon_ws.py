@@ -18,7 +18,7 @@ from tilegemm.ops.matmul import gluon_ws, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
-from conftest import GLUON_SM90, assert_rel_close, compile_offline
+from conftest import SM90, assert_rel_close, compile_offline
 
 
 def _operands(M, N, K, layout, dtype, device):
@@ -66,7 +66,7 @@ def test_descriptors_describe_the_operands_as_they_lie():
 
 # Compiles the kernel for sm_90 in a few variants (the descriptors as the host would pass them) and reports
 # the MMA waits, MMA count, register requests, descriptor-making code and ptxas's registers and spills.
-_COMPILE = GLUON_SM90 + textwrap.dedent(
+_COMPILE = SM90 + textwrap.dedent(
     """
     import json, re, sys
     import torch

@@ -17,7 +17,7 @@ import pytest
 
 from tilegemm.ops.matmul import persistent_tma
 
-from conftest import compile_offline
+from conftest import SM90, compile_offline
 
 
 def test_register_operand_configs_stay_flattened():
@@ -33,46 +33,18 @@ def test_register_operand_configs_stay_flattened():
         assert any(not cfg["FLATTEN"] for cfg in as_loaded), "K-major operands keep their unflattened configs"
 
 
-_COMPILE = textwrap.dedent(
+_COMPILE = SM90 + textwrap.dedent(
     """
-    import json, os, subprocess, sys, tempfile
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import json
     from tilegemm.ops.matmul import persistent_tma
     from tilegemm.ops.matmul.persistent_tma import matmul_persistent_tma_kernel as kernel
-
-    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    UNIT = ("stride_cn",)
 
     def ptxas_info(mode, a_t, b_t, cfg):
         flags = dict(HAS_C=False, HAS_BIAS=True, ACTIVATION="none", INPUT_PRECISION="tf32", HAS_SCALE_A=False,
                      HAS_SCALE_B=False, MMA_OPERANDS=mode, FAST_ACCUM=False, A_T=a_t, B_T=b_t, NUM_SMS=132,
                      **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
-        sig, constexprs, attrs = {}, {}, {}
-        for i, name in enumerate(kernel.arg_names):
-            if name.endswith("_ptr"):
-                sig[name] = "*fp32"
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            elif name in flags:
-                sig[name], constexprs[(i,)] = "constexpr", flags[name]
-            elif name in UNIT:
-                sig[name], constexprs[(i,)] = "constexpr", 1
-            elif name in ("alpha", "beta"):
-                sig[name] = "fp32"
-            else:
-                sig[name] = "i32"
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.ptx")
-            with open(path, "w") as f:
-                f.write(compiled.asm["ptx"])
-            run = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
-                                 capture_output=True, text=True)
-        assert run.returncode == 0, run.stderr
-        return run.stderr
+        sig = signature(kernel, flags, "*fp32", unit=("stride_cn",), aligned_ints=True)
+        return compile_sm90(kernel, *sig, cfg["num_warps"], num_stages=cfg["num_stages"], gluon=False)[2]
 
     out = {}
     # tf32 NN (swap) and TT (A through registers): every candidate, and one unflattened config as a control.

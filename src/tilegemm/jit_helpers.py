@@ -102,6 +102,14 @@ def tile_grouped(tile_id, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
     return first_m + in_band % band_height, in_band // band_height
 
 
+@triton.jit
+def tile_origin(tile_id, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Row and column of the top-left element of tile ``tile_id`` in grouped order (:func:`tile_grouped`)."""
+    pid_m, pid_n = tile_grouped(tile_id, num_tiles_m, num_tiles_n, GROUP_M)
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
 # --- epilogue ----------------------------------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
-from tilegemm.jit_helpers import epilogue_tile, tile_grouped
+from tilegemm.jit_helpers import epilogue_tile, tile_origin
 from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
@@ -64,13 +64,6 @@ def _issue_mma(count, partial, ready, a_bufs, b_bufs, STAGES: gl.constexpr):
     partial = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), partial, use_acc=False,
                             is_async=True)
     return count + 1, partial
-
-
-@gluon.jit
-def _tile_origin(tile, tiles_m, tiles_n, GROUP_M: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    """Top-left element of output tile number ``tile`` in grouped order (:func:`tile_grouped`)."""
-    pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
-    return pid_m * BM, pid_n * BN
 
 
 @gluon.jit
@@ -115,7 +108,7 @@ def matmul_fp8_overlap_kernel(
     AHEAD: gl.constexpr = STAGES - 2
     loads = 0
     mmas = 0
-    m0, n0 = _tile_origin(gl.program_id(0), tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
+    m0, n0 = tile_origin(gl.program_id(0), tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
     for i in gl.static_range(AHEAD):
         loads = _load_step(loads, i, a_desc, b_desc, m0, n0, ready, a_bufs, b_bufs, STAGES, BLOCK_K, i < steps)
     for tile in range(gl.program_id(0), tiles, NUM_SMS):
@@ -154,7 +147,7 @@ def matmul_fp8_overlap_kernel(
         # The next tile's first loads go out before this tile's epilogue, so they overlap it.
         out_m0 = m0
         out_n0 = n0
-        m0, n0 = _tile_origin(tile + NUM_SMS, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
+        m0, n0 = tile_origin(tile + NUM_SMS, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
         for i in gl.static_range(AHEAD):
             loads = _load_step(loads, i, a_desc, b_desc, m0, n0, ready, a_bufs, b_bufs, STAGES, BLOCK_K,
                                (i < steps) & (tile + NUM_SMS < tiles))

@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 import torch
 
 from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
-from tilegemm.jit_helpers import apply_activation, tile_grouped
+from tilegemm.jit_helpers import apply_activation, tile_origin
 from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_M, BLOCK_N, BLOCK_K = 256, 128, 32
@@ -69,12 +69,6 @@ def _step(count, acc, use_acc, ready, a_bufs, b_bufs, frag_layout: gl.constexpr,
     frag = b_bufs.index(slot).permute((1, 0)).load(frag_layout)  # [BN, BK]
     acc = warpgroup_mma(frag, a_bufs.index(slot).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
     return count + 1, acc, frag
-
-
-@gluon.jit
-def _tile_origin(tile, tiles_m, tiles_n, GROUP_M: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
-    return pid_m * BM, pid_n * BN
 
 
 @gluon.jit
@@ -115,7 +109,7 @@ def matmul_tf32_nn_kernel(
     AHEAD: gl.constexpr = STAGES - 2
     loads = 0
     mmas = 0
-    m0, n0 = _tile_origin(gl.program_id(0), tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
+    m0, n0 = tile_origin(gl.program_id(0), tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
     for i in gl.static_range(AHEAD):
         loads = _load_step(loads, i, a_desc, b_desc, m0, n0, ready, a_bufs, b_bufs, STAGES, BLOCK_K, i < steps)
     for tile in range(gl.program_id(0), tiles, NUM_SMS):
@@ -145,7 +139,7 @@ def matmul_tf32_nn_kernel(
         # The next tile's first loads go out before this tile's epilogue, so they overlap it.
         out_m0 = m0
         out_n0 = n0
-        m0, n0 = _tile_origin(tile + NUM_SMS, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
+        m0, n0 = tile_origin(tile + NUM_SMS, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
         for i in gl.static_range(AHEAD):
             loads = _load_step(loads, i, a_desc, b_desc, m0, n0, ready, a_bufs, b_bufs, STAGES, BLOCK_K,
                                (i < steps) & (tile + NUM_SMS < tiles))
