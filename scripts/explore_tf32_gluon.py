@@ -1,4 +1,4 @@
-"""Exploration on the GPU: the Gluon tf32 NN kernel (tilegemm/ops/matmul/gluon_tf32.py) against cuBLAS (TF32
+"""Exploration on the GPU: the Gluon tf32 kernel for NN and TT (tilegemm/ops/matmul/gluon_tf32.py) against cuBLAS (TF32
 on) and `autotuned`, after checking every tile of its results (not a test).
 
 First each config runs three times on ragged and square shapes, with and without C and bias, into a
@@ -7,6 +7,7 @@ are timed with do_bench (median), in alternating rounds. Writes ``$OUT/explore-t
 a table last.
 
     PYTHONPATH=src python3 scripts/explore_tf32_gluon.py [--sizes 2048,4096,8192,16384] [--rounds 3]
+        [--layouts NN,TT]
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def worst_tile(out, ref, bm=256, bn=128):
     return worst
 
 
+def operands(M, N, K, layout):
+    a = torch.randn(K, M, device="cuda").T if layout[0] == "T" else torch.randn(M, K, device="cuda")
+    b = torch.randn(N, K, device="cuda").T if layout[1] == "T" else torch.randn(K, N, device="cuda")
+    return a, b
+
+
 def runner(a, b, out, c, bias, alpha, beta, cfg):
     p = make_problems(a, b, out, c, bias, alpha, beta, "none", "tf32", False)[0]
     assert gluon_tf32.usable(p) is None and persistent_tma.describable(p) is None
@@ -48,13 +55,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="2048,4096,8192,16384")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layouts", default="NN")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     persistent_tma._ensure_allocator()
     checks = []
-    for shape in ((1000, 776, 520), (1008, 784, 528), (1024, 1024, 1024), (300, 4100, 1000), (4096, 4096, 4096)):
+    layouts = args.layouts.split(",")
+    for shape, layout in ((s, lay) for lay in layouts for s in ((1000, 776, 520), (1008, 784, 528),
+                                                               (1024, 1024, 1024), (300, 4100, 1000),
+                                                               (4096, 4096, 4096))):
         M, N, K = shape
-        a, b = torch.randn(M, K, device="cuda"), torch.randn(K, N, device="cuda")
+        a, b = operands(M, N, K, layout)
         c, bias = torch.randn(M, N, device="cuda"), torch.randn(N, device="cuda")
         for epi in ("plain", "c+bias"):
             cc, bb, alpha, beta = (None, None, 1.0, 0.0) if epi == "plain" else (c, bias, 1.5, 0.5)
@@ -66,11 +77,11 @@ def main() -> None:
                     runner(a, b, out, cc, bb, alpha, beta, cfg)()
                     torch.cuda.synchronize()
                     errs.append(worst_tile(out, ref))
-                checks.append(dict(shape=shape, epilogue=epi, config=cfg, worst_tile_errors=errs))
-                print(f"check {shape} {epi} stages={cfg['STAGES']}: worst tile {max(errs):.2e}", flush=True)
+                checks.append(dict(shape=shape, layout=layout, epilogue=epi, config=cfg, worst_tile_errors=errs))
+                print(f"check {shape} {layout} {epi} stages={cfg['STAGES']}: worst tile {max(errs):.2e}", flush=True)
     rows = []
-    for size in (int(s) for s in args.sizes.split(",")):
-        a, b = torch.randn(size, size, device="cuda"), torch.randn(size, size, device="cuda")
+    for size, layout in ((int(s), lay) for lay in layouts for s in args.sizes.split(",")):
+        a, b = operands(size, size, size, layout)
         out = torch.empty(size, size, device="cuda")
         fns = {"cuBLAS": lambda: torch.matmul(a, b),
                "autotuned": lambda: tilegemm.matmul(a, b, kernel="autotuned", precision="tf32")}
@@ -91,7 +102,7 @@ def main() -> None:
         base = statistics.median(times["cuBLAS"])
         for name in fns:
             ms = statistics.median(times[name])
-            rows.append(dict(size=size, kernel=name, ms=ms, runs=times[name], ratio=base / ms,
+            rows.append(dict(size=size, layout=layout, kernel=name, ms=ms, runs=times[name], ratio=base / ms,
                              tflops=2 * size ** 3 / ms / 1e9, rel_err=errors.get(name)))
     path = os.path.join(os.environ.get("OUT", "."), "explore-tf32-gluon.json")
     with open(path, "w") as f:
@@ -100,7 +111,7 @@ def main() -> None:
     print(f"tile checks: {len(checks)} run, {len(bad)} with a tile over 1e-2")
     for r in rows:
         err = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
-        print(f"{r['size']:6d} {r['kernel']:22s} {r['ms'] * 1e3:10.1f} us {r['tflops']:6.0f} TFLOPS {r['ratio']:6.3f}x  err {err}")
+        print(f"{r['size']:6d} {r['layout']} {r['kernel']:22s} {r['ms'] * 1e3:10.1f} us {r['tflops']:6.0f} TFLOPS {r['ratio']:6.3f}x  err {err}")
 
 
 if __name__ == "__main__":

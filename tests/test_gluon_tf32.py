@@ -34,20 +34,20 @@ def test_ring_depths_fit_in_shared_memory():
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("nn", None), ("nt", "row-major"), ("tn", "row-major"), ("ieee", "not a tf32 problem"),
-    ("fp16", "not a tf32 problem"), ("out_cm", "row-major output"),
+    ("nn", None), ("tt", None), ("nt", "(NN) or both column-major (TT)"), ("tn", "(NN) or both column-major"),
+    ("ieee", "not a tf32 problem"), ("fp16", "not a tf32 problem"), ("out_cm", "row-major output"),
 ])
-def test_usable_only_for_tf32_with_a_and_b_row_major(case, reason):
+def test_usable_only_for_tf32_nn_and_tt(case, reason):
     dtype = torch.float16 if case == "fp16" else torch.float32
-    a = torch.zeros(32, 64, dtype=dtype).T if case == "tn" else torch.zeros(64, 32, dtype=dtype)
-    b = torch.zeros(48, 32, dtype=dtype).T if case == "nt" else torch.zeros(32, 48, dtype=dtype)
+    a = torch.zeros(32, 64, dtype=dtype).T if case in ("tn", "tt") else torch.zeros(64, 32, dtype=dtype)
+    b = torch.zeros(48, 32, dtype=dtype).T if case in ("nt", "tt") else torch.zeros(32, 48, dtype=dtype)
     out = torch.empty(48, 64, dtype=dtype).T if case == "out_cm" else torch.empty(64, 48, dtype=dtype)
     p = _problem(a, b, out, precision="ieee" if case == "ieee" else "tf32")
     got = gluon_tf32.usable(p)
     assert got is None if reason is None else reason in got
 
 
-def test_persistent_tma_offers_it_only_for_tf32_nn_on_sm90(monkeypatch):
+def test_persistent_tma_offers_it_only_for_tf32_nn_and_tt_on_sm90(monkeypatch):
     # The real _gluon_for answers None off an sm_90 GPU; pretend to be one.
     monkeypatch.setattr(persistent_tma, "interpreting", lambda: False)
     monkeypatch.setattr(persistent_tma, "compute_capability", lambda: (9, 0))
@@ -55,7 +55,9 @@ def test_persistent_tma_offers_it_only_for_tf32_nn_on_sm90(monkeypatch):
     out = torch.empty(256, 128)
     nn = persistent_tma.candidates(_problem(a, b, out))
     assert [c for c in nn if c.get("GLUON_TF32")] == gluon_tf32.configs()
-    assert not any(c.get("GLUON_TF32") for c in persistent_tma.candidates(_problem(a, b.T.contiguous().T, out)))
+    a_cm, b_cm = a.T.contiguous().T, b.T.contiguous().T
+    assert [c for c in persistent_tma.candidates(_problem(a_cm, b_cm, out)) if c.get("GLUON_TF32")]
+    assert not any(c.get("GLUON_TF32") for c in persistent_tma.candidates(_problem(a, b_cm, out)))
     assert not any(c.get("GLUON_TF32") for c in persistent_tma.candidates(_problem(a, b, out, precision="ieee")))
     monkeypatch.setattr(persistent_tma, "compute_capability", lambda: (10, 0))
     assert not any(c.get("GLUON_TF32") for c in persistent_tma.candidates(_problem(a, b, out)))
@@ -68,7 +70,7 @@ def test_persistent_tma_offers_it_only_for_tf32_nn_on_sm90(monkeypatch):
 _COMPILE = SM90 + textwrap.dedent(
     """
     import json, re, sys
-    from tilegemm.ops.matmul.gluon_tf32 import matmul_tf32_nn_kernel as gluon_kernel
+    from tilegemm.ops.matmul.gluon_tf32 import matmul_tf32_regs_kernel as gluon_kernel
     from tilegemm.ops.matmul.persistent_tma import matmul_persistent_tma_kernel as triton_kernel
 
     def code_lines(ptx):
@@ -109,10 +111,10 @@ _COMPILE = SM90 + textwrap.dedent(
                         hazards.append(l[:80])
         return hazards, mmas
 
-    def compile_gluon(stages, c, bias, act, out):
-        flags = dict(HAS_C=c, HAS_BIAS=bias, ACTIVATION=act, BLOCK_M=256, BLOCK_N=128, BLOCK_K=32,
-                     STAGES=stages, GROUP_M=8, NUM_SMS=132, num_warps=8)
-        types = dict(a_ptr="*fp32", b_ptr="*fp32", out_ptr=out, c_ptr="*fp32", bias_ptr="*fp32")
+    def compile_gluon(stages, c, bias, act, out, swapped):
+        flags = dict(SWAPPED=swapped, HAS_C=c, HAS_BIAS=bias, ACTIVATION=act, BLOCK_R=128, BLOCK_S=256,
+                     BLOCK_K=32, STAGES=stages, GROUP_M=8, NUM_SMS=132, num_warps=8)
+        types = dict(y_ptr="*fp32", x_ptr="*fp32", out_ptr=out, c_ptr="*fp32", bias_ptr="*fp32")
         return compile_sm90(gluon_kernel, *signature(gluon_kernel, flags, types), 8)
 
     def compile_triton_unflattened():
@@ -123,8 +125,8 @@ _COMPILE = SM90 + textwrap.dedent(
         return compile_sm90(triton_kernel, *sig, 8, num_stages=3, gluon=False)[1]
 
     report = {}
-    for name, (stages, c, bias, act, out) in json.loads(sys.argv[1]).items():
-        compiled, ptx, info = compile_gluon(stages, c, bias, act, out)
+    for name, (stages, c, bias, act, out, swapped) in json.loads(sys.argv[1]).items():
+        compiled, ptx, info = compile_gluon(stages, c, bias, act, out, swapped)
         hazards, mmas = a_register_hazards(ptx)
         report[name] = dict(
             hazards=hazards, mmas=mmas,
@@ -139,10 +141,11 @@ _COMPILE = SM90 + textwrap.dedent(
     """
 )
 
-_VARIANTS = {
-    "plain": (4, False, False, "none", "*fp32"),
-    "epilogue": (3, True, True, "gelu", "*fp32"),
-    "bf16-out": (4, False, True, "relu", "*bf16"),
+_VARIANTS = {  # (stages, C, bias, activation, output type, swapped: NN rather than TT)
+    "plain": (4, False, False, "none", "*fp32", True),
+    "epilogue": (3, True, True, "gelu", "*fp32", True),
+    "bf16-out": (4, False, True, "relu", "*bf16", True),
+    "tt": (4, False, True, "none", "*fp32", False),
 }
 
 
@@ -155,10 +158,13 @@ def test_no_mma_has_its_a_registers_rewritten_in_flight(tmp_path):
         # Four m64n256k8 MMAs a K step, issued at four places (first step, the two of the loop, one left over).
         assert r["mmas"] == 16, f"{name}: {r['mmas']} MMA instructions"
         assert set(r["waits"]) <= {0, 1} and r["waits"].count(1) >= 3, f"{name}: {r['waits']}"
-        # Without a C tile nothing spills; loading C beside the accumulator spills some (1.4 KB, Triton 3.6).
-        allowed = 2048 if _VARIANTS[name][1] else 0
+        # Without a C tile nothing spills, but for a TT bias: a thread holds 64 of the tile's columns there, so
+        # 64 bias values beside the accumulator (60 bytes spilled, Triton 3.6). Loading C beside the
+        # accumulator spills more (1.4 KB NN).
+        stages, c, bias, _, _, swapped = _VARIANTS[name]
+        allowed = 2048 if c else 128 if bias and not swapped else 0
         assert r["spills"] and max(r["spills"]) <= allowed, f"{name}: spills {r['spills']}"
-        assert r["shared"] >= _VARIANTS[name][0] * 48 * 1024
+        assert r["shared"] >= stages * 48 * 1024
 
 
 # --- on a GPU ---------------------------------------------------------------------------------------------
@@ -181,13 +187,17 @@ def _worst_tile_error(out, ref, bm=256, bn=128):
 @pytest.mark.parametrize("shape", [(256, 128, 32), (1000, 776, 520), (1008, 784, 528), (300, 4100, 1000),
                                    (17, 4100, 64), (2048, 2048, 2048)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("stages", [3, 4])
-def test_gluon_tf32_every_tile_matches_the_reference(shape, stages):
+@pytest.mark.parametrize("layout", ["NN", "TT"])
+def test_gluon_tf32_every_tile_matches_the_reference(shape, stages, layout):
     """Edge tiles in M and N, K of 1..64 steps (odd and even counts, a K not a step multiple), three runs
     into a NaN-poisoned output, every tile checked on its own."""
     if not _hopper():
         pytest.skip("the Gluon kernel is written for sm_90")
     M, N, K = shape
-    a, b = torch.randn(M, K, device="cuda"), torch.randn(K, N, device="cuda")
+    if layout == "TT":
+        a, b = torch.randn(K, M, device="cuda").T, torch.randn(N, K, device="cuda").T
+    else:
+        a, b = torch.randn(M, K, device="cuda"), torch.randn(K, N, device="cuda")
     ref = matmul_reference(a, b)
     for _ in range(3):
         out = torch.full((M, N), float("nan"), device="cuda")
@@ -200,13 +210,18 @@ def test_gluon_tf32_every_tile_matches_the_reference(shape, stages):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gluon_tf32_epilogue_and_views(out_dtype):
+@pytest.mark.parametrize("layout", ["NN", "TT"])
+def test_gluon_tf32_epilogue_and_views(out_dtype, layout):
     """alpha, beta * C (a transposed view), bias, GELU, a 16-bit output; A a slice of a wider matrix."""
     if not _hopper():
         pytest.skip("the Gluon kernel is written for sm_90")
     M, N, K = 520, 392, 300
-    a = torch.randn(M, K + 36, device="cuda")[:, 4:K + 4]  # row stride K + 36: still 16-byte aligned
-    b = torch.randn(K, N, device="cuda")
+    if layout == "TT":  # A^T a slice of a wider [K, M + 36] matrix, B^T a plain [N, K]
+        a = torch.randn(K, M + 36, device="cuda")[:, 4:M + 4].T
+        b = torch.randn(N, K, device="cuda").T
+    else:
+        a = torch.randn(M, K + 36, device="cuda")[:, 4:K + 4]  # row stride K + 36: still 16-byte aligned
+        b = torch.randn(K, N, device="cuda")
     c = torch.randn(N, M, device="cuda").T
     bias = torch.randn(N, device="cuda")
     out = torch.full((M, N), float("nan"), device="cuda", dtype=out_dtype)
@@ -225,7 +240,8 @@ def test_matmul_picks_among_candidates_with_the_gluon_kernel():
     if not _hopper():
         pytest.skip("the Gluon kernel is written for sm_90")
     a, b = torch.randn(1536, 768, device="cuda"), torch.randn(768, 1152, device="cuda")
-    got = tilegemm.matmul(a, b, kernel="persistent_tma", precision="tf32")
-    assert _worst_tile_error(got, matmul_reference(a, b)) <= tolerance(torch.float32, "tf32")
-    auto = tilegemm.matmul(a, b, precision="tf32")
-    assert _worst_tile_error(auto, matmul_reference(a, b)) <= tolerance(torch.float32, "tf32")
+    for x, y in ((a, b), (a.T.contiguous().T, b.T.contiguous().T)):  # NN, TT
+        got = tilegemm.matmul(x, y, kernel="persistent_tma", precision="tf32")
+        assert _worst_tile_error(got, matmul_reference(x, y)) <= tolerance(torch.float32, "tf32")
+        auto = tilegemm.matmul(x, y, precision="tf32")
+        assert _worst_tile_error(auto, matmul_reference(x, y)) <= tolerance(torch.float32, "tf32")

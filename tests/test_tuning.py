@@ -228,7 +228,7 @@ def test_auto_sends_large_problems_to_persistent_tma_unless_an_operand_goes_thro
         monkeypatch, precision, layout, gluon):
     """From two 128x128 tiles per SM up, auto takes persistent_tma on a TMA GPU, except tf32 with an operand
     through registers: that rung's Triton loops for it must stay flattened (serialized) to be right, so
-    autotuned is faster, unless the Gluon tf32 kernel takes the problem (A and B row-major, sm_90); from
+    autotuned is faster, unless the Gluon tf32 kernel takes the problem (NN or TT, sm_90); from
     one to two tiles per SM auto then times the two rungs, below it keeps autotuned."""
     import triton.testing
 
@@ -254,7 +254,7 @@ def test_auto_sends_large_problems_to_persistent_tma_unless_an_operand_goes_thro
     big = problem(4096, 4096)
     expected_operands = {"ieee": "ab", "tf32": {"NN": "swap", "TT": "reg_a", "NT": "ab"}[layout]}[precision]
     assert big.mma_operands == expected_operands
-    takes_gluon = gluon and precision == "tf32" and layout == "NN"
+    takes_gluon = gluon and precision == "tf32" and layout in ("NN", "TT")
     expected = "persistent_tma" if expected_operands == "ab" or takes_gluon else "autotuned"
     assert op.choose_kernel(big) == expected
     assert not timed
