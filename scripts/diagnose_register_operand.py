@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from tilegemm.checks import tile_errors
 from tilegemm.hardware import machine_info
 from tilegemm.ops.matmul import persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
@@ -25,14 +26,9 @@ from tilegemm.ops.matmul.reference import matmul_reference
 
 
 def bad_tiles(out, ref, bm, bn, bound):
-    bad = []
-    for i in range(0, out.shape[0], bm):
-        for j in range(0, out.shape[1], bn):
-            o, r = out[i:i + bm, j:j + bn].double(), ref[i:i + bm, j:j + bn]
-            err = ((o - r).norm() / r.norm()).item() if torch.isfinite(o).all() else float("inf")
-            if not err < bound:
-                bad.append([i // bm, j // bn, err])
-    return bad
+    """[tile row, tile column, error] of every tile whose relative error is not below ``bound``."""
+    errs = tile_errors(out, ref, bm, bn)
+    return [[i, j, errs[i, j].item()] for i, j in (~(errs < bound)).nonzero().tolist()]
 
 
 def main() -> None:

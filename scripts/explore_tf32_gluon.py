@@ -21,21 +21,12 @@ import torch
 import triton.testing
 
 import tilegemm
+from tilegemm.checks import worst_tile_error
 from tilegemm.hardware import machine_info, sm_count
 from tilegemm.launch import launch
 from tilegemm.ops.matmul import gluon_tf32, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference
-
-
-def worst_tile(out, ref, bm=256, bn=128):
-    worst = 0.0
-    for i in range(0, out.shape[0], bm):
-        for j in range(0, out.shape[1], bn):
-            o, r = out[i:i + bm, j:j + bn].double(), ref[i:i + bm, j:j + bn]
-            err = ((o - r).norm() / r.norm()).item() if o.isfinite().all() else float("inf")
-            worst = max(worst, err)
-    return worst
 
 
 def operands(M, N, K, layout):
@@ -76,7 +67,7 @@ def main() -> None:
                     out = torch.full((M, N), float("nan"), device="cuda")
                     runner(a, b, out, cc, bb, alpha, beta, cfg)()
                     torch.cuda.synchronize()
-                    errs.append(worst_tile(out, ref))
+                    errs.append(worst_tile_error(out, ref, 256, 128))
                 checks.append(dict(shape=shape, layout=layout, epilogue=epi, config=cfg, worst_tile_errors=errs))
                 print(f"check {shape} {layout} {epi} stages={cfg['STAGES']}: worst tile {max(errs):.2e}", flush=True)
     rows = []

@@ -15,6 +15,7 @@ import textwrap
 import pytest
 import torch
 
+from tilegemm.checks import worst_tile_error
 from tilegemm.ops.matmul import gluon_tf32, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
@@ -174,13 +175,8 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _worst_tile_error(out, ref, bm=256, bn=128):
-    worst = 0.0
-    for i in range(0, out.shape[0], bm):
-        for j in range(0, out.shape[1], bn):
-            o, r = out[i:i + bm, j:j + bn].double(), ref[i:i + bm, j:j + bn].double()
-            worst = max(worst, ((o - r).norm() / r.norm()).item() if o.isfinite().all() else float("inf"))
-    return worst
+def _worst_tile_error(out, ref):
+    return worst_tile_error(out, ref, 256, 128)
 
 
 @pytest.mark.gpu

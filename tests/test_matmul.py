@@ -171,3 +171,24 @@ def test_large_values_do_not_overflow_activation(device):
         assert torch.isfinite(out).all(), act
         torch.testing.assert_close(out[0], torch.full((3,), want_pos, device=device))
         torch.testing.assert_close(out[1], torch.full((3,), want_neg, device=device), atol=1e-6, rtol=0)
+
+
+def test_tile_errors_see_one_bad_tile_and_unwritten_elements():
+    """The per-tile check the GPU tests use: one spoiled tile of 28 stands out, a NaN makes its tile inf,
+    edge tiles are judged on what is left of the matrix."""
+    from tilegemm.checks import relative_error, tile_errors, worst_tile_error
+
+    ref = torch.randn(1000, 776, dtype=torch.float64)
+    out = (ref + 1e-5 * torch.randn_like(ref)).float()
+    assert worst_tile_error(out, ref, 256, 128) < 1e-4
+    out[800:900, 10:20] += 1.0  # tile (3, 0), the ragged last row of tiles
+    out[300, 700] = float("nan")  # tile (1, 5)
+    errs = tile_errors(out, ref, 256, 128)
+    assert errs.shape == (4, 7)
+    assert errs[1, 5].item() == float("inf")
+    assert errs[3, 0].item() == pytest.approx(relative_error(out[768:, :128], ref[768:, :128]))
+    assert errs[3, 0] > 1e-2
+    bad = (errs > 1e-3).nonzero().tolist()
+    assert bad == [[1, 5], [3, 0]]
+    with pytest.raises(ValueError, match="2-D"):
+        tile_errors(out[0], ref[0], 256, 128)

@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 
+from tilegemm.checks import worst_tile_error
 from tilegemm.ops.matmul import persistent_tma
 
 from conftest import SM90, compile_offline
@@ -92,17 +93,6 @@ def test_shipped_register_operand_entries_stay_flattened():
     assert seen >= 4, "the H200 file ships tf32 NT entries: the keys were read"
 
 
-def _worst_tile_error(out, ref, bm, bn):
-    """The largest relative error of any [bm, bn] tile (inf where a tile holds NaN)."""
-    worst = 0.0
-    for i in range(0, out.shape[0], bm):
-        for j in range(0, out.shape[1], bn):
-            o, r = out[i:i + bm, j:j + bn].double(), ref[i:i + bm, j:j + bn].double()
-            err = ((o - r).norm() / r.norm()).item() if o.isfinite().all() else float("inf")
-            worst = max(worst, err)
-    return worst
-
-
 @pytest.mark.gpu
 # Ragged against every tile, yet 16-byte aligned rows even for fp8 (TMA's rule: persistent_tma.describable).
 @pytest.mark.parametrize("shape", [(1008, 784, 528), (1024, 1024, 1024)], ids=lambda s: "x".join(map(str, s)))
@@ -154,7 +144,7 @@ def test_every_candidate_is_right_on_the_gpu(dtype, layout, shape):
             except OutOfResources:
                 break
             torch.cuda.synchronize()
-            err = _worst_tile_error(out, ref, cfg["BLOCK_M"], cfg["BLOCK_N"])
+            err = worst_tile_error(out, ref, cfg["BLOCK_M"], cfg["BLOCK_N"])
             assert err <= tol, f"{cfg}: a tile's relative error is {err:.2e} (bound {tol:.1e})"
         else:
             ran += 1

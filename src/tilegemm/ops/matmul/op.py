@@ -188,8 +188,8 @@ def choose_kernel(p: GemmProblem) -> str:
       tiles had won 128x4096x14336 (0.95x against 0.88x, scripts/explore_tma_small_m.py).
     - Larger problems on Hopper that TMA can describe, with at least two 128x128 tiles per SM (four for
       fp8): ``persistent_tma`` (fp16 1.02x / 1.03x at 8192^3 / 16384^3, where ``autotuned`` ran 1.00x /
-      0.93x), except tf32 with an operand through registers, which goes to ``autotuned`` unless A and B are
-      row-major and ``persistent_tma``'s Gluon kernel takes it (see the code).
+      0.93x), except tf32 with an operand through registers, which goes to ``autotuned`` unless it is NN or
+      TT and ``persistent_tma``'s Gluon kernel takes it (see the code).
     - Otherwise ``autotuned``.
     """
     if interpreting():
@@ -216,8 +216,8 @@ def choose_kernel(p: GemmProblem) -> str:
         if p.dtype == torch.float32 and p.mma_operands != "ab" and describable(p) is None:
             # tf32 with an operand that is not K-major. persistent_tma's Triton loops for it must stay
             # serialized to be right (0.55x-0.70x cuBLAS, see persistent_tma.hopper_configs), and autotuned
-            # ran 0.80x-0.92x; for A and B row-major persistent_tma also has the Gluon kernel
-            # (gluon_tf32: 0.94x-0.99x from 2048^3 up, 0.58x at 1024^3 with 32 of its tiles for 132 SMs).
+            # ran 0.80x-0.92x; for NN and TT persistent_tma also has the Gluon kernel (gluon_tf32, NN:
+            # 0.94x-0.99x from 2048^3 up, 0.58x at 1024^3 with 32 of its tiles for 132 SMs).
             from tilegemm.ops.matmul.persistent_tma import _gluon_for
 
             gluon = _gluon_for(p)

@@ -215,8 +215,8 @@ def _ensure_allocator() -> None:
 
 def _gluon_for(p: GemmProblem):
     """The module of the Gluon kernel that takes ``p``, else None: :mod:`tilegemm.ops.matmul.gluon_fp8` for
-    promoted fp8 (A row-major, B column-major), :mod:`tilegemm.ops.matmul.gluon_tf32` for tf32 with A and B
-    row-major. They are written for sm_90 against Triton 3.6's Gluon API (experimental, it moves between
+    promoted fp8 (A row-major, B column-major), :mod:`tilegemm.ops.matmul.gluon_tf32` for tf32 NN and TT
+    (an operand through registers). They are written for sm_90 against Triton 3.6's Gluon API (experimental, it moves between
     versions), and Gluon has no interpreter."""
     if interpreting() or compute_capability() != (9, 0) or not triton.__version__.startswith("3.6."):
         return None
