@@ -97,19 +97,24 @@ def matmul_persistent_tma_kernel(
     HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    STREAM_K: tl.constexpr,
+    STREAM_K: tl.constexpr, HOST_DESC: tl.constexpr,
 ):
-    # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1.
-    if A_T:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
-    else:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
-    if B_T:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
     HALF_N: tl.constexpr = BLOCK_N // 2
-    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1], block_shape=[BLOCK_M, HALF_N])
+    if HOST_DESC:  # a_ptr, b_ptr and out_ptr are descriptors made on the host (kernel parameters)
+        a_desc = a_ptr
+        b_desc = b_ptr
+        out_desc = out_ptr
+    else:
+        # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1.
+        if A_T:
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
+        else:
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
+        if B_T:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1], block_shape=[BLOCK_M, HALF_N])
 
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -346,7 +351,7 @@ def _launch(p: GemmProblem, cfg: dict) -> None:
             launch(*gluon.launch_args(p, cfg, sm_count(p.out.device)))
             return
         cfg = configs(p.a.element_size(), p.mma_operands)[0]  # a config tuned for another problem under the same key
-    cfg = {"WARP_SPECIALIZE": 0, "STREAM_K": False, **cfg}
+    cfg = {"WARP_SPECIALIZE": 0, "STREAM_K": False, "HOST_DESC": False, **cfg}
     if cfg["STREAM_K"] and p.mma_operands != "ab":
         cfg["STREAM_K"] = False  # tuned for another layout under the same key: see hopper_configs
     a_t, b_t, stride_a, stride_b = p.tma_view
@@ -364,8 +369,16 @@ def _launch(p: GemmProblem, cfg: dict) -> None:
         ws = count = p.out  # not read: STREAM_K is off
         cfg["STREAM_K"] = False
     flags = p.kernel_flags()
+    a_arg, b_arg, out_arg = p.a, p.b, p.out
+    if cfg.get("HOST_DESC"):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        a_arg = TensorDescriptor(p.a, [p.K, p.M] if a_t else [p.M, p.K], [stride_a, 1], [bk, bm] if a_t else [bm, bk])
+        b_arg = TensorDescriptor(p.b, [p.N, p.K] if b_t else [p.K, p.N], [stride_b, 1], [bn, bk] if b_t else [bk, bn])
+        out_arg = TensorDescriptor(p.out, [p.M, p.N], [p.out_strides[1], 1], [bm, bn // 2])
     args = (
-        p.a, p.b, p.out, *p.epilogue_pointers(),
+        a_arg, b_arg, out_arg, *p.epilogue_pointers(),
         p.M, p.N, p.K,
         stride_a, stride_b, p.out_strides[1],
         p.c_strides[1], p.c_strides[2], p.bias_stride,
