@@ -48,8 +48,7 @@ def compile_ptx(kernel, operand: str, mma_operands: str, precision: str, size: i
                  HAS_SCALE_B=size == 1, MMA_OPERANDS=mma_operands, GROUP_M=8, FAST_ACCUM=False,
                  BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 // size if size < 4 else 32)
     if persistent:
-        flags.update(A_T=False, B_T=mma_operands != "swap", NUM_SMS=132, FLATTEN=True, WARP_SPECIALIZE=0,
-                     STREAM_K=False, HOST_DESC=False)
+        flags.update(A_T=False, B_T=mma_operands != "swap", NUM_SMS=132, FLATTEN=True, WARP_SPECIALIZE=0)
     else:
         flags.update(UPCAST=False, INDEX_64=False, DIVISORS=(16,) * 11)
     sig, constexprs, attrs = {}, {}, {}

@@ -42,7 +42,7 @@ _COMPILE = SM90 + textwrap.dedent(
 
     def ptxas_info(mode, a_t, b_t, cfg):
         flags = dict(HAS_C=False, HAS_BIAS=True, ACTIVATION="none", INPUT_PRECISION="tf32", HAS_SCALE_A=False,
-                     HAS_SCALE_B=False, MMA_OPERANDS=mode, FAST_ACCUM=False, A_T=a_t, B_T=b_t, NUM_SMS=132, STREAM_K=False, HOST_DESC=False,
+                     HAS_SCALE_B=False, MMA_OPERANDS=mode, FAST_ACCUM=False, A_T=a_t, B_T=b_t, NUM_SMS=132,
                      **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
         sig = signature(kernel, flags, "*fp32", unit=("stride_cn",), aligned_ints=True)
         return compile_sm90(kernel, *sig, cfg["num_warps"], num_stages=cfg["num_stages"], gluon=False)[2]

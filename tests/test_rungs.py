@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tilegemm
-from tilegemm.ops.matmul import persistent_tma, split_k, workspace
+from tilegemm.ops.matmul import persistent_tma, split_k
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
@@ -52,68 +52,6 @@ def test_persistent_tma_falls_back_where_tma_cannot_go(make, reason, device):
     assert_rel_close(got, matmul_reference(a, b), 1e-5)
 
 
-def test_stream_k_tiles_shares_the_last_partial_wave():
-    sk = persistent_tma.stream_k_tiles
-    assert sk(512, 64, 132) == 116  # 4096^3 in 128x256 tiles: 3 whole waves, 116 tiles shared
-    assert sk(2048, 128, 132) == 68  # 8192^3: 68 >= 132 / 2
-    assert sk(8192, 256, 132) == 8 + 132  # 16384^3: 8 tiles alone would split about 17 ways, so a wave joins
-    assert sk(128, 32, 132) == 128  # fewer tiles than programs: all of them
-    assert sk(264, 64, 132) == 0  # whole waves: nothing to share
-    assert sk(3, 16, 132) == 0  # 48 K steps for 132 programs: not one each
-    assert sk(150, 4, 132) == 150  # 18 tiles, 72 steps: less than one each, so with the wave before: 600 steps
-    for tiles in range(1, 400):
-        for k_steps in (1, 3, 64):
-            shared = sk(tiles, k_steps, 132)
-            assert shared == 0 or shared * k_steps >= 132, "every program gets a K step"
-            if shared:
-                assert (tiles - shared) % 132 == 0, "the rest is whole waves"
-
-
-_SK_CFG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, FLATTEN=False, WARP_SPECIALIZE=0, num_warps=4,
-               num_stages=1, STREAM_K=True)
-
-
-# Under the interpreter there are 4 "SMs": 9 tiles share 1 + 4 (a wave joins), 6 share 2, 3 < 4 share all,
-# 16 are whole waves, K of 16 is one step (3 steps < 4 programs: none), 14 tiles with K of 300 share 2.
-@pytest.mark.parametrize("shape", [(90, 72, 52), (40, 72, 52), (20, 72, 52), (128, 128, 48), (20, 72, 16),
-                                   (33, 200, 300)], ids=lambda s: "x".join(map(str, s)))
-def test_persistent_tma_stream_k_reduces_partial_tiles(shape, device):
-    M, N, K = shape
-    a = torch.randn(M, K, device=device)
-    b = torch.randn(K, N, device=device)
-    bias = torch.randn(N, device=device)
-    c = torch.randn(M, N, device=device)
-    ref = matmul_reference(a, b, c=c, bias=bias, alpha=1.5, beta=0.5, activation="relu")
-    results = []
-    for _ in range(2):  # the second call relies on the first leaving the counters at zero
-        out = torch.full((M, N), float("nan"), device=device)
-        p = _problem(a, b, out, c=c, bias=bias, alpha=1.5, beta=0.5, activation="relu")
-        assert persistent_tma.describable(p) is None
-        persistent_tma.run(p, _SK_CFG)
-        assert_rel_close(out, ref, 1e-5)
-        results.append(out)
-    # Partial tiles are added in program order, so the result does not depend on who arrived last.
-    assert torch.equal(results[0], results[1])
-    for (_, _, planes), (ws, count) in workspace._workspaces.items():
-        assert not count.any(), "stream-K must leave its counters at zero"
-
-
-def test_persistent_tma_stream_k_cases_are_the_ones_named():
-    """The shapes above reach the cases their comment names (4 programs under the interpreter)."""
-    cases = {(90, 72, 52): 5, (40, 72, 52): 2, (20, 72, 52): 3, (128, 128, 48): 0, (20, 72, 16): 0,
-             (33, 200, 300): 2}
-    for (M, N, K), shared in cases.items():
-        assert persistent_tma.stream_k_tiles(-(-M // 32) * -(-N // 32), -(-K // 16), 4) == shared, (M, N, K)
-
-
-def test_stream_k_only_where_both_operands_are_read_from_shared_memory():
-    for size in (1, 2):
-        assert any(c.get("STREAM_K") for c in persistent_tma.hopper_configs(size, "ab"))
-    for size in (1, 4):
-        for mode in ("swap", "reg_a"):  # the stream-K K loop is unflattened: see hopper_configs
-            assert not any(c.get("STREAM_K") for c in persistent_tma.hopper_configs(size, mode))
-
-
 @pytest.mark.parametrize("slices", [False, True], ids=["atomic", "slices"])
 @pytest.mark.parametrize("split", [1, 2, 3, 7])
 def test_split_k_any_split_and_clean_workspace(split, slices, device):
@@ -127,7 +65,7 @@ def test_split_k_any_split_and_clean_workspace(split, slices, device):
         p = make_problems(a, b, out, None, bias, 2.0, 1.0, "relu", "ieee", False)[0]
         split_k.run(p, cfg)
         assert_rel_close(out, matmul_reference(a, b, bias=bias, alpha=2.0, activation="relu"), 1e-5)
-    for (_, _, planes), (ws, count) in workspace._workspaces.items():
+    for (_, _, planes), (ws, count) in split_k._workspaces.items():
         assert not count.any(), "split_k must leave its counters at zero"
         assert planes or not ws.any(), "the atomic reduction must leave its workspace at zero"
 
@@ -180,7 +118,7 @@ def test_split_k_config_without_slices_uses_the_default_planes(device):
     b = torch.randn(150, 45, device=device)
     out = torch.full((20, 45), float("nan"), device=device)
     p = make_problems(a, b, out, None, None, 1.0, 1.0, "none", "ieee", False)[0]
-    workspace._workspaces.clear()
+    split_k._workspaces.clear()
     split_k.run(p, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, SPLIT_K=3, num_warps=4, num_stages=1))
     assert_rel_close(out, matmul_reference(a, b), 1e-5)
-    assert [planes for (_, _, planes) in workspace._workspaces] == [True]
+    assert [planes for (_, _, planes) in split_k._workspaces] == [True]

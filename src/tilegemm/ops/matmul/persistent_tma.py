@@ -21,9 +21,8 @@ import triton
 from tilegemm import tuning
 from tilegemm.hardware import compute_capability, sm_count
 from tilegemm.jit_helpers import epilogue_tile, mma_ordered, tile_grouped
-from tilegemm.launch import current_stream, launch
+from tilegemm.launch import launch
 from tilegemm.ops.matmul.problem import GemmProblem
-from tilegemm.ops.matmul.workspace import workspace
 from tilegemm.runtime import interpreting
 
 import triton.language as tl  # noqa: E402
@@ -57,77 +56,38 @@ def _as_tile(acc, MMA_OPERANDS: tl.constexpr):
 
 
 @triton.jit
-def _store_tile(acc, out_desc, m0, n0, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N,
-                stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-                HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The epilogue of one [BM, BN] output tile at (m0, n0), stored in two [BM, BN/2] halves."""
-    HALF_N: tl.constexpr = BLOCK_N // 2
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    halves = tl.reshape(acc, (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
-    left, right = tl.split(halves)
-    offs_l = n0 + tl.arange(0, HALF_N)
-    left = epilogue_tile(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
-                         stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                         HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-    out_desc.store([m0, n0], left.to(out_desc.dtype))
-    right = epilogue_tile(right, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l + HALF_N, M, N,
-                          stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                          HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-    out_desc.store([m0, n0 + HALF_N], right.to(out_desc.dtype))
-
-
-@triton.jit
-def _sk_start(q, sk_iters, NUM_SMS: tl.constexpr):
-    """First stream-K iteration of program ``q``: the ``sk_iters`` iterations split as evenly as integers allow."""
-    return (sk_iters.to(tl.int64) * q) // NUM_SMS
-
-
-@triton.jit
 def matmul_persistent_tma_kernel(
     a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
     M, N, K,
     stride_a, stride_b, stride_om,
     stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
     alpha, beta,
-    ws_ptr, count_ptr, sk_tiles,
     A_T: tl.constexpr, B_T: tl.constexpr,
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    STREAM_K: tl.constexpr, HOST_DESC: tl.constexpr,
 ):
-    HALF_N: tl.constexpr = BLOCK_N // 2
-    if HOST_DESC:  # a_ptr, b_ptr and out_ptr are descriptors made on the host (kernel parameters)
-        a_desc = a_ptr
-        b_desc = b_ptr
-        out_desc = out_ptr
+    # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1.
+    if A_T:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
     else:
-        # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1.
-        if A_T:
-            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
-        else:
-            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
-        if B_T:
-            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
-        else:
-            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
-        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1], block_shape=[BLOCK_M, HALF_N])
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_T:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1], block_shape=[BLOCK_M, HALF_N])
 
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
-    if STREAM_K:
-        dp_tiles = tiles_m * tiles_n - sk_tiles  # a whole number of waves (the host sees to it)
-    else:
-        dp_tiles = tiles_m * tiles_n
-    # Data-parallel part: each program takes every NUM_SMS-th tile, in grouped order.
+    # Each program takes every NUM_SMS-th tile, in grouped order.
     # WARP_SPECIALIZE: 0 off; 1 on the K loop; 2 on the tile loop (Triton splits loads and MMAs into warp groups).
     WS_TILES: tl.constexpr = WARP_SPECIALIZE == 2
     WS_K: tl.constexpr = WARP_SPECIALIZE == 1
-    for tile in tl.range(tl.program_id(0), dp_tiles, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_TILES):
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_TILES):
         pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
@@ -136,72 +96,29 @@ def matmul_persistent_tma_kernel(
             k0 = ks * BLOCK_K
             acc = mma_ordered(_load_tile(a_desc, m0, k0, A_T), _load_tile(b_desc, k0, n0, B_T), acc,
                               MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
-        _store_tile(_as_tile(acc, MMA_OPERANDS), out_desc, m0, n0, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
-                    M, N, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                    HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N)
+        acc = _as_tile(acc, MMA_OPERANDS)
 
-    if STREAM_K:
-        # Stream-K part: the last sk_tiles tiles' K steps, laid end to end (tile by tile), are cut into
-        # NUM_SMS runs of nearly equal length, one per program, so no program idles in a last, partial
-        # wave. A run covers the end of one tile, maybe whole tiles, and the start of another. A partial
-        # tile goes to the workspace (slot 2q for the first tile of program q's run, 2q + 1 for its last)
-        # and the tile's arrival counter is bumped; the program that arrives last adds the partials in
-        # program order (so the sum does not depend on who came last), applies the epilogue and leaves
-        # the counter at zero again. No program waits for another.
-        TILE: tl.constexpr = BLOCK_M * BLOCK_N
-        sk_iters = sk_tiles * k_steps
-        pid = tl.program_id(0)
-        start = _sk_start(pid, sk_iters, NUM_SMS)
-        end = _sk_start(pid + 1, sk_iters, NUM_SMS)
-        offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        for t in range((start // k_steps).to(tl.int32), ((end + k_steps - 1) // k_steps).to(tl.int32)):
-            first = t * k_steps  # the tile's first iteration
-            k_lo = (tl.maximum(start, first) - first).to(tl.int32)
-            k_hi = (tl.minimum(end, first + k_steps) - first).to(tl.int32)
-            pid_m, pid_n = tile_grouped(dp_tiles + t, tiles_m, tiles_n, GROUP_M)
-            m0 = pid_m * BLOCK_M
-            n0 = pid_n * BLOCK_N
-            acc = _zero_tile(BLOCK_M, BLOCK_N, MMA_OPERANDS)
-            for ks in tl.range(k_lo, k_hi):
-                k0 = ks * BLOCK_K
-                acc = mma_ordered(_load_tile(a_desc, m0, k0, A_T), _load_tile(b_desc, k0, n0, B_T), acc,
-                                  MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
-            acc = _as_tile(acc, MMA_OPERANDS)
-            if (k_lo == 0) & (k_hi == k_steps):  # the whole tile is this program's
-                _store_tile(acc, out_desc, m0, n0, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
-                            M, N, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                            HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N)
-            else:
-                slot = 2 * pid + (start < first).to(tl.int32)
-                tl.store(ws_ptr + slot * TILE + offs_tile, acc)
-                # The programs whose runs hold the tile's first and last iterations, and all between.
-                q_first = ((first + 1) * NUM_SMS - 1) // sk_iters
-                q_last = ((first + k_steps) * NUM_SMS - 1) // sk_iters
-                # A scalar atomic runs on one thread: the barrier puts every thread's writes before its release.
-                tl.debug_barrier()
-                arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
-                if arrived == q_last - q_first:
-                    tl.debug_barrier()  # and every thread's reads after the acquire
-                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for q in range(q_first, q_last + 1):
-                        q_slot = 2 * q + (_sk_start(q, sk_iters, NUM_SMS) < first).to(tl.int32)
-                        # ".cg" reads from L2, past this SM's L1.
-                        total += tl.load(ws_ptr + q_slot * TILE + offs_tile, cache_modifier=".cg")
-                    tl.store(count_ptr + t, 0)
-                    _store_tile(total, out_desc, m0, n0, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
-                                M, N, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                                HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N)
+        # Epilogue in two [BM, BN/2] halves.
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        halves = tl.reshape(acc, (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
+        left, right = tl.split(halves)
+        offs_l = n0 + tl.arange(0, HALF_N)
+        left = epilogue_tile(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
+                             stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                             HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+        out_desc.store([m0, n0], left.to(out_ptr.dtype.element_ty))
+        right = epilogue_tile(right, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l + HALF_N, M, N,
+                              stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                              HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+        out_desc.store([m0, n0 + HALF_N], right.to(out_ptr.dtype.element_ty))
 
 
 # --- host side ---------------------------------------------------------------------------------------------
 
 
-def _cfg(bm, bn, bk, warps, stages, flatten=True, ws=0, stream_k=False) -> dict:
-    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLATTEN=flatten, WARP_SPECIALIZE=ws,
-               num_warps=warps, num_stages=stages)
-    if stream_k:
-        cfg["STREAM_K"] = True
-    return cfg
+def _cfg(bm, bn, bk, warps, stages, flatten=True, ws=0) -> dict:
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLATTEN=flatten, WARP_SPECIALIZE=ws,
+                num_warps=warps, num_stages=stages)
 
 
 def configs(dtype_bytes: int, mma_operands: str = "ab") -> list[dict]:
@@ -216,8 +133,7 @@ def hopper_configs(dtype_bytes: int, mma_operands: str) -> list[dict]:
     """The configs :func:`configs` gives on a GPU."""
     if dtype_bytes == 1:  # fp8
         out = [_cfg(128, 256, 128, 8, 3), _cfg(128, 256, 128, 8, 4), _cfg(256, 128, 128, 8, 3),
-               _cfg(128, 128, 128, 8, 4), _cfg(128, 128, 128, 4, 4), _cfg(128, 256, 128, 8, 3, flatten=False),
-               _cfg(128, 256, 128, 8, 3, stream_k=True)]
+               _cfg(128, 128, 128, 8, 4), _cfg(128, 128, 128, 4, 4), _cfg(128, 256, 128, 8, 3, flatten=False)]
     elif dtype_bytes >= 4:  # tf32 / fp32 operands
         # The warp-specialized, unflattened config is for K-major operands only (see below).
         out = [_cfg(128, 128, 32, 8, 3), _cfg(128, 128, 32, 4, 4), _cfg(128, 256, 32, 8, 3), _cfg(256, 128, 32, 8, 3),
@@ -234,10 +150,6 @@ def hopper_configs(dtype_bytes: int, mma_operands: str) -> list[dict]:
             # Small M (64..128): about one 64x64 tile per SM, fed by a 6-deep pipeline of 128-wide K steps
             # (0.95x cuBLAS at 128x4096x14336; scripts/explore_tma_small_m.py).
             _cfg(64, 64, 128, 4, 6, flatten=False),
-            # Stream-K: the tiles of the last, partial wave shared out by K steps (see the kernel).
-            _cfg(128, 256, 64, 8, 3, stream_k=True),
-            _cfg(128, 256, 64, 8, 3, flatten=False, stream_k=True),
-            _cfg(128, 128, 64, 8, 4, stream_k=True),
         ]
     if mma_operands != "ab":
         # An operand through registers (tf32/fp8 with B not K-major, or A not K-major): the tile loop stays
@@ -246,12 +158,9 @@ def hopper_configs(dtype_bytes: int, mma_operands: str) -> list[dict]:
         # serializes their wgmma (its info C7515), but on the H200 they computed wrong tiles, now and then
         # for NN and for every tile of some TT configs (scripts/diagnose_register_operand.py,
         # benchmarks/results/2026-11-21-h200/54ccfd1/); flattened and serialized, every tile was right.
-        # tests/test_persistent_tma_sm90.py forces each of these candidates on the GPU. Stream-K configs
-        # are left out: their stream-K part is a K loop of its own, unflattened.
+        # tests/test_persistent_tma_sm90.py forces each of these candidates on the GPU.
         unique = []
         for cfg in out:
-            if cfg.get("STREAM_K"):
-                continue
             cfg = dict(cfg, FLATTEN=True, WARP_SPECIALIZE=0)
             if cfg not in unique:
                 unique.append(cfg)
@@ -326,24 +235,6 @@ def candidates(p: GemmProblem) -> list[dict]:
     return configs(p.a.element_size(), p.mma_operands) + extra
 
 
-def stream_k_tiles(tiles: int, k_steps: int, num_sms: int) -> int:
-    """How many tiles (the last ones in grouped order) a stream-K config shares out by K steps; 0: none.
-
-    The rest, a whole number of waves, go one tile per program as usual. The tiles of the last, partial
-    wave are shared; where that leaves each program less than half a tile of K steps (a partial tile
-    then splits many ways), one full wave is shared with them.
-    """
-    if tiles < num_sms:
-        shared = tiles
-    else:
-        shared = tiles % num_sms
-        if shared and 2 * shared < num_sms:
-            shared += num_sms
-    if shared * k_steps < num_sms:  # not one K step per program
-        return 0
-    return shared
-
-
 def _launch(p: GemmProblem, cfg: dict) -> None:
     if cfg.get("GLUON_FP8") or cfg.get("GLUON_TF32"):
         gluon = _gluon_for(p)
@@ -351,47 +242,24 @@ def _launch(p: GemmProblem, cfg: dict) -> None:
             launch(*gluon.launch_args(p, cfg, sm_count(p.out.device)))
             return
         cfg = configs(p.a.element_size(), p.mma_operands)[0]  # a config tuned for another problem under the same key
-    cfg = {"WARP_SPECIALIZE": 0, "STREAM_K": False, "HOST_DESC": False, **cfg}
-    if cfg["STREAM_K"] and p.mma_operands != "ab":
-        cfg["STREAM_K"] = False  # tuned for another layout under the same key: see hopper_configs
     a_t, b_t, stride_a, stride_b = p.tma_view
     num_sms = sm_count(p.out.device)
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
-    sk_tiles = stream_k_tiles(tiles, triton.cdiv(p.K, cfg["BLOCK_K"]), num_sms) if cfg["STREAM_K"] else 0
-    keep, stream = (), None
-    if sk_tiles:
-        grid = (num_sms,)
-        ws, count = workspace(p.out.device, 2 * num_sms * cfg["BLOCK_M"] * cfg["BLOCK_N"], sk_tiles, True)
-        # Replayable, but only on this stream: another stream's launches could use the workspace meanwhile.
-        keep, stream = (ws, count), current_stream() if p.out.is_cuda else 0
-    else:
-        grid = (min(num_sms, tiles),)
-        ws = count = p.out  # not read: STREAM_K is off
-        cfg["STREAM_K"] = False
+    grid = (min(num_sms, tiles),)
     flags = p.kernel_flags()
-    a_arg, b_arg, out_arg = p.a, p.b, p.out
-    if cfg.get("HOST_DESC"):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-        a_arg = TensorDescriptor(p.a, [p.K, p.M] if a_t else [p.M, p.K], [stride_a, 1], [bk, bm] if a_t else [bm, bk])
-        b_arg = TensorDescriptor(p.b, [p.N, p.K] if b_t else [p.K, p.N], [stride_b, 1], [bn, bk] if b_t else [bk, bn])
-        out_arg = TensorDescriptor(p.out, [p.M, p.N], [p.out_strides[1], 1], [bm, bn // 2])
     args = (
-        a_arg, b_arg, out_arg, *p.epilogue_pointers(),
+        p.a, p.b, p.out, *p.epilogue_pointers(),
         p.M, p.N, p.K,
         stride_a, stride_b, p.out_strides[1],
         p.c_strides[1], p.c_strides[2], p.bias_stride,
         p.scale_a_stride, p.scale_b_stride,
         p.alpha, p.beta,
-        ws, count, sk_tiles,
     )
     launch(matmul_persistent_tma_kernel, grid, args,
            dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                 INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
                 HAS_SCALE_B=flags["HAS_SCALE_B"], MMA_OPERANDS=flags["MMA_OPERANDS"], NUM_SMS=num_sms,
-                FAST_ACCUM=flags["FAST_ACCUM"], **cfg),
-           keep=keep, stream=stream)
+                FAST_ACCUM=flags["FAST_ACCUM"], **{"WARP_SPECIALIZE": 0, **cfg}))
 
 
 def run(p: GemmProblem, config: dict | None = None) -> None:

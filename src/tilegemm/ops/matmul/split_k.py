@@ -17,6 +17,7 @@ class on first use, like ``autotuned`` (configs persist; H200 defaults ship with
 
 from __future__ import annotations
 
+import torch
 import triton
 
 from tilegemm import tuning
@@ -25,7 +26,6 @@ from tilegemm.jit_helpers import below, epilogue_store, offsets_2d_div, tile_gro
 from tilegemm.launch import current_stream, launch
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem
-from tilegemm.ops.matmul.workspace import workspace
 from tilegemm.runtime import interpreting
 
 import triton.language as tl  # noqa: E402
@@ -116,6 +116,31 @@ def matmul_split_k_kernel(
                            alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, DIVISORS)
 
 
+# --- workspace: zeroed once, left zeroed by every launch --------------------------------------------------
+
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, floats: int, counters: int, planes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (device, stream, reduction): launches on one stream run in order, so they can share one workspace.
+
+    The atomic reduction needs its workspace zeroed (every launch leaves it so); the per-slice planes
+    leave partial sums behind, so they get a workspace of their own.
+
+    A larger call replaces a stream's workspace with a larger one; replays recorded with the old one
+    keep it alive and keep using it, which is safe because every launch leaves it zeroed.
+    """
+    key = (device, current_stream() if device.type == "cuda" else 0, planes)
+    ws, count = _workspaces.get(key, (None, None))
+    if ws is None or ws.numel() < floats or count.numel() < counters:
+        floats = max(floats, ws.numel() if ws is not None else 0, 1 << 20)
+        counters = max(counters, count.numel() if count is not None else 0, 1 << 12)
+        ws = torch.zeros(floats, dtype=torch.float32, device=device)
+        count = torch.zeros(counters, dtype=torch.int32, device=device)
+        _workspaces[key] = (ws, count)
+    return ws, count
+
+
 def _cfg(bm, bn, bk, warps, stages, split, slices=True) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, SLICES=slices, num_warps=warps,
                 num_stages=stages)
@@ -202,7 +227,7 @@ def _launch(p: GemmProblem, config: dict) -> None:
         cfg["SLICES"] = False  # plane offsets are 32-bit in the kernel; one atomic plane still fits
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
     planes = cfg["SPLIT_K"] if cfg["SLICES"] else 1
-    ws, count = workspace(p.out.device, p.batch * planes * p.M * p.N, p.batch * tiles, cfg["SLICES"])
+    ws, count = _workspace(p.out.device, p.batch * planes * p.M * p.N, p.batch * tiles, cfg["SLICES"])
     grid = (tiles, cfg["SPLIT_K"], p.batch)
     # Replayable, but only on this stream: another stream's launches could use the workspace meanwhile.
     launch(matmul_split_k_kernel, grid, (*p.kernel_args(), ws, count),
