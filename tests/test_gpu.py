@@ -188,6 +188,38 @@ def test_replay_keys_separate_what_triton_specializes():
     assert_rel_close(tilegemm.matmul(a, b, alpha=3.0, precision="ieee"), matmul_reference(a, b, alpha=3.0), 1e-5)
 
 
+def test_calls_whose_tensors_alias_replay_only_for_calls_that_alias_the_same_way():
+    """x @ x.mT and one scale tensor passed as both scales are replayed (they were launched afresh every
+    time, 115-135 us of host time for an fp8 call); a later call of the same shapes that does not alias
+    must not take the aliased launch's slots."""
+    from tilegemm.ops.matmul import op
+
+    op._replays.clear()
+    for trial in range(3):
+        x = torch.randn(256, 512, device="cuda", dtype=torch.float16)
+        assert_rel_close(tilegemm.matmul(x, x.mT), matmul_reference(x, x.mT), tolerance(torch.float16))
+    assert len(op._replays.entries) == 1, "x @ x.mT should be replayed"
+    x, y = (torch.randn(256, 512, device="cuda", dtype=torch.float16) for _ in range(2))
+    assert_rel_close(tilegemm.matmul(x, y.mT), matmul_reference(x, y.mT), tolerance(torch.float16))
+    assert len(op._replays.entries) == 2, "not aliased: another key"
+
+    op._replays.clear()
+    e4m3 = torch.float8_e4m3fn
+    for fast in (False, True):
+        for trial in range(3):
+            a = torch.randn(256, 512, device="cuda").to(e4m3)
+            b = torch.randn(384, 512, device="cuda").to(e4m3).mT
+            one = torch.tensor([0.5 * (trial + 1)], device="cuda")
+            out = tilegemm.matmul(a, b, scale_a=one, scale_b=one, fast_accum=fast)
+            ref = a.double() @ b.double() * one.item() ** 2
+            assert_rel_close(out, ref, tolerance(e4m3, out_dtype=torch.bfloat16, fast_accum=fast))
+        scale_a, scale_b = torch.tensor([2.0], device="cuda"), torch.tensor([0.25], device="cuda")
+        out = tilegemm.matmul(a, b, scale_a=scale_a, scale_b=scale_b, fast_accum=fast)
+        assert_rel_close(out, a.double() @ b.double() * 0.5, tolerance(e4m3, out_dtype=torch.bfloat16,
+                                                                          fast_accum=fast))
+    assert len(op._replays.entries) == 4, "one shared scale and two scales are recorded apart"
+
+
 def test_replayed_copy_and_grey():
     for _ in range(3):
         x = torch.randn(1000, 37, device="cuda")

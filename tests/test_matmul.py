@@ -192,3 +192,23 @@ def test_tile_errors_see_one_bad_tile_and_unwritten_elements():
     assert bad == [[1, 5], [3, 0]]
     with pytest.raises(ValueError, match="2-D"):
         tile_errors(out[0], ref[0], 256, 128)
+
+
+def test_replay_cache_keeps_aliased_calls_only_when_the_key_says_so():
+    """Tensors sharing a data pointer take the first one's slots in a replay; the cache keeps such a call
+    only when its key records the aliasing (tilegemm.matmul's does)."""
+    from tilegemm.launch import Launch, ReplayCache
+
+    class FakeCompiled:  # what Replay reads from a compiled Triton kernel
+        run = function = packed_metadata = None
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: None
+
+    x, out, scale = torch.randn(4, 4), torch.empty(4, 4), torch.ones(1)
+    params = [x, x.mT, out, scale, scale, 7]
+    cache = ReplayCache()
+    cache.store("k", [Launch(FakeCompiled(), (1, 1, 1), params)], (x, x.mT, out, scale, scale))
+    assert cache.get("k") is None, "aliased tensors are refused unless the key says how they alias"
+    cache.store("k", [Launch(FakeCompiled(), (1, 1, 1), params)], (x, x.mT, out, scale, scale), aliases_in_key=True)
+    assert cache.get("k").slots == [(0, 0), (1, 0), (2, 2), (3, 3), (4, 3)]

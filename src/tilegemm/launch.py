@@ -181,10 +181,13 @@ class ReplayCache:
     def get(self, key):
         return self.entries.get(key)
 
-    def store(self, key, launches, tensors, shape=None) -> None:
+    def store(self, key, launches, tensors, shape=None, aliases_in_key: bool = False) -> None:
+        """Remember the one launch of a call under ``key``. Tensors sharing a data pointer (``x @ x.mT``, one
+        scale tensor for both operands) take the slots of the first of them; that replays right only for
+        calls that alias the same way, so such calls are kept only if the key says how they alias."""
         if launches is None or len(launches) != 1:
             return
-        if len({t.data_ptr() for t in tensors}) < len(tensors):
+        if not aliases_in_key and len({t.data_ptr() for t in tensors}) < len(tensors):
             return  # aliased tensors: their slots could not be told apart on replay
         try:
             replay = Replay(launches[0], tensors, shape)

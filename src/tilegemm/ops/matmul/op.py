@@ -444,7 +444,7 @@ def matmul(
         return _forward(*args)
     with recording() as rec:
         out = _forward(*args)
-    _replays.store(key, rec.launches, (a, b, out, *scales), shape=out.shape)
+    _replays.store(key, rec.launches, (a, b, out, *scales), shape=out.shape, aliases_in_key=True)
     return out
 
 
@@ -460,7 +460,9 @@ def _replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sc
     """The replay key of a call, or None when the call may not be replayed.
 
     Calls with scales (fp8) replay too: their shapes, strides, dtypes and alignment are in the key, and
-    the call's scale tensors take the recorded ones' parameter slots.
+    the call's scale tensors take the recorded ones' parameter slots. Which of a, b and the scales share
+    a data pointer is in the key too (``x @ x.mT``; one scale tensor passed for both), so a call that
+    aliases replays a launch recorded from a call that aliased the same way.
     """
     if type(a) is not torch.Tensor or type(b) is not torch.Tensor or not a.is_cuda or interpreting():
         return None
@@ -475,6 +477,8 @@ def _replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sc
         if any(type(s) is not torch.Tensor or s.device != a.device for s in scales) or not _plain_call(a, b, *scales):
             return None
         scale_keys = tuple(None if s is None else _tensor_key(s) for s in (scale_a, scale_b))
+        if len(scales) == 2:
+            scale_keys += (scale_a.data_ptr() == scale_b.data_ptr(),)
     if fast_accum is not False and fast_accum is not True:
         return None
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
@@ -483,8 +487,9 @@ def _replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sc
         resolved = resolve_precision(precision, a.dtype)
     except ValueError:
         return None
+    pa, pb = a.data_ptr(), b.data_ptr()
     return (kernel, alpha, resolved, out_dtype, fast_accum, a.dtype, b.dtype, a.shape, b.shape, a.stride(),
-            b.stride(), a.device, a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, scale_keys)
+            b.stride(), a.device, pa % 16 == 0, pb % 16 == 0, pa == pb, scale_keys)
 
 
 def _plain_call(*tensors) -> bool:
