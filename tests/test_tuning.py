@@ -96,6 +96,22 @@ def test_layout_and_tf32_are_part_of_the_key(cache, device):
     assert "autotuned|M32|N40|K48|float32|float32|NT" in keys
 
 
+def test_autotuned_times_afresh_for_each_key(cache, device, monkeypatch):
+    """Triton's autotuner keys its winners by M, N, K and dtypes only; a winner timed for tf32 must not be
+    taken (and recorded) for IEEE fp32 of the same sizes, nor one for NN for NT."""
+    kernel = autotuned.matmul_autotuned_kernel
+    real_run = kernel.run
+    remembered = []
+    monkeypatch.setattr(kernel, "run", lambda *a, **kw: remembered.append(len(kernel.cache)) or real_run(*a, **kw))
+    a = torch.randn(20, 48, device=device)
+    b = torch.randn(40, 48, device=device)
+    for bt, precision in ((b.T, "tf32"), (b.T, "ieee"), (b.T.contiguous(), "ieee")):
+        # (Under the interpreter there is one candidate, which Triton does not remember: stand one in.)
+        kernel.cache[(32, 40, 48, "torch.float32")] = kernel.configs[0]
+        tilegemm.matmul(a, bt, kernel="autotuned", precision=precision)
+    assert remembered == [0, 0, 0], "each new key starts with nothing remembered"
+
+
 def test_tune_command(cache, capsys):
     assert main(["tune", "--shape", "24,40,56", "--rungs", "autotuned,persistent_tma"]) == 0
     out = capsys.readouterr().out
