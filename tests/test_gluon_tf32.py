@@ -49,7 +49,7 @@ def test_usable_only_for_tf32_nn_and_tt(case, reason):
 
 
 def test_persistent_tma_offers_it_only_for_tf32_nn_and_tt_on_sm90(monkeypatch):
-    # The real _gluon_for answers None off an sm_90 GPU; pretend to be one.
+    # The real gluon_kernel_for answers None off an sm_90 GPU; pretend to be one.
     monkeypatch.setattr(persistent_tma, "interpreting", lambda: False)
     monkeypatch.setattr(persistent_tma, "compute_capability", lambda: (9, 0))
     a, b = torch.zeros(256, 64), torch.zeros(64, 128)

@@ -256,7 +256,7 @@ def test_auto_sends_large_problems_to_persistent_tma_unless_an_operand_goes_thro
     monkeypatch.setattr(op, "_has_tma", lambda: True)
     monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
     monkeypatch.setattr(tilegemm.hardware, "sm_count", lambda device: 132)
-    monkeypatch.setattr(persistent_tma, "_gluon_for",
+    monkeypatch.setattr(persistent_tma, "gluon_kernel_for",
                         lambda p: gluon_tf32 if gluon and gluon_tf32.usable(p) is None else None)
     timed = []
     monkeypatch.setattr(op, "_timed_choice", lambda p, rungs: timed.append(rungs) or rungs[-1])

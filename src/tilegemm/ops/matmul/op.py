@@ -218,10 +218,10 @@ def choose_kernel(p: GemmProblem) -> str:
             # serialized to be right (0.55x-0.70x cuBLAS, see persistent_tma.hopper_configs), and autotuned
             # ran 0.80x-0.92x; for NN and TT persistent_tma also has the Gluon kernel (gluon_tf32, NN:
             # 0.94x-0.99x from 2048^3 up, 0.58x at 1024^3 with 32 of its tiles for 132 SMs).
-            from tilegemm.ops.matmul.persistent_tma import _gluon_for
+            from tilegemm.ops.matmul import gluon_tf32
+            from tilegemm.ops.matmul.persistent_tma import gluon_kernel_for
 
-            gluon = _gluon_for(p)
-            if gluon is None or gluon.CONFIG_KEY != "GLUON_TF32" or 2 * tiles < sms:
+            if gluon_kernel_for(p) is not gluon_tf32 or 2 * tiles < sms:
                 return "autotuned"
             if tiles >= min_tiles:
                 return "persistent_tma"
@@ -477,8 +477,6 @@ def _replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sc
         if any(type(s) is not torch.Tensor or s.device != a.device for s in scales) or not _plain_call(a, b, *scales):
             return None
         scale_keys = tuple(None if s is None else _tensor_key(s) for s in (scale_a, scale_b))
-        if len(scales) == 2:
-            scale_keys += (scale_a.data_ptr() == scale_b.data_ptr(),)
     if fast_accum is not False and fast_accum is not True:
         return None
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
@@ -487,9 +485,12 @@ def _replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sc
         resolved = resolve_precision(precision, a.dtype)
     except ValueError:
         return None
-    pa, pb = a.data_ptr(), b.data_ptr()
+    ptrs = [a.data_ptr(), b.data_ptr()]
+    if scale_keys is not None:
+        ptrs += [s.data_ptr() for s in (scale_a, scale_b) if s is not None]
+    aliases = tuple(ptrs.index(p) for p in ptrs)  # for each tensor, the first one sharing its data pointer
     return (kernel, alpha, resolved, out_dtype, fast_accum, a.dtype, b.dtype, a.shape, b.shape, a.stride(),
-            b.stride(), a.device, pa % 16 == 0, pb % 16 == 0, pa == pb, scale_keys)
+            b.stride(), a.device, ptrs[0] % 16 == 0, ptrs[1] % 16 == 0, aliases, scale_keys)
 
 
 def _plain_call(*tensors) -> bool:

@@ -213,7 +213,7 @@ def _ensure_allocator() -> None:
         _allocator_set = True
 
 
-def _gluon_for(p: GemmProblem):
+def gluon_kernel_for(p: GemmProblem):
     """The module of the Gluon kernel that takes ``p``, else None: :mod:`tilegemm.ops.matmul.gluon_fp8` for
     promoted fp8 (A row-major, B column-major), :mod:`tilegemm.ops.matmul.gluon_tf32` for tf32 NN and TT
     (an operand through registers). They are written for sm_90 against Triton 3.6's Gluon API (experimental, it moves between
@@ -230,14 +230,14 @@ def _gluon_for(p: GemmProblem):
 
 def candidates(p: GemmProblem) -> list[dict]:
     """The configs timed for ``p``: Triton's, plus a Gluon kernel's where one applies."""
-    gluon = _gluon_for(p)
+    gluon = gluon_kernel_for(p)
     extra = gluon.configs(p.out.element_size()) if gluon is not None else []
     return configs(p.a.element_size(), p.mma_operands) + extra
 
 
 def _launch(p: GemmProblem, cfg: dict) -> None:
     if cfg.get("GLUON_FP8") or cfg.get("GLUON_TF32"):
-        gluon = _gluon_for(p)
+        gluon = gluon_kernel_for(p)
         if gluon is not None and cfg.get(gluon.CONFIG_KEY):
             launch(*gluon.launch_args(p, cfg, sm_count(p.out.device)))
             return
