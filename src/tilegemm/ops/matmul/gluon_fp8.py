@@ -166,6 +166,163 @@ def matmul_fp8_overlap_kernel(
         mbarrier.invalidate(ready.index(i))
 
 
+@gluon.jit
+def _ws_producer(a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_am, stride_bn,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                 GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
+    """One warp: keeps the ring filled with every K step of every tile of this program, in order. It makes
+    the operands' descriptors itself (a descriptor made on the device is fenced for the warp that made it)."""
+    a_ty: gl.constexpr = a_ptr.dtype.element_ty
+    b_ty: gl.constexpr = b_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], a_ty)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], b_ty)
+    a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K], a_layout)
+    b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K], b_layout)
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    steps = gl.cdiv(K, BLOCK_K)
+    count = 0
+    for tile in range(gl.program_id(0), tiles_m * tiles_n, NUM_SMS):
+        m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
+        for ks in range(steps):
+            slot = count % STAGES
+            # Both consumers have read the slot's previous contents (step count - STAGES). A new barrier
+            # counts as having completed the phase before its first, so the first lap does not wait.
+            mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [m0, ks * BLOCK_K], bar, a_bufs.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [n0, ks * BLOCK_K], bar, b_bufs.index(slot))
+            count += 1
+
+
+@gluon.jit
+def _ws_mma(count, partial, ready, a_bufs, b_bufs, STAGES: gl.constexpr, ROW0: gl.constexpr,
+            ROWS: gl.constexpr):
+    """Wait for ring slot ``count % STAGES``, then issue the MMAs of this warp group's rows of it into
+    ``partial`` (from zero) without waiting for them. Returns the next count and the in-flight partial."""
+    slot = count % STAGES
+    mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+    a = a_bufs.index(slot).slice(ROW0, ROWS)
+    partial = warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), partial, use_acc=False, is_async=True)
+    return count + 1, partial
+
+
+@gluon.jit
+def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                 M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                 HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+                 HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                 GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WG: gl.constexpr):
+    """Warp group ``WG`` (0 or 1): the MMAs, promotion and epilogue of rows WG * BLOCK_M / 2 ... of every
+    tile of this program."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    ROW0: gl.constexpr = WG * ROWS
+    o_ty: gl.constexpr = out_ptr.dtype.element_ty
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], o_ty)
+    o_desc = tma.make_tensor_descriptor(out_ptr, [M, N], [stride_om, 1], [ROWS, BLOCK_N], o_layout)
+    o_smem = o_bufs.index(WG)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    steps = gl.cdiv(K, BLOCK_K)
+    count = 0
+    for tile in range(gl.program_id(0), tiles_m * tiles_n, NUM_SMS):
+        acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        p0 = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        p1 = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        prev = count % STAGES
+        count, q0 = _ws_mma(count, p0, ready, a_bufs, b_bufs, STAGES, ROW0, ROWS)
+        # As in the one-partition kernel: two K steps an iteration, so each partial keeps its registers.
+        # Once step k's MMAs are issued, step k - 1's are waited for, its slot is released to the producer
+        # (both warp groups arrive) and its partial is added while step k runs.
+        for j in range((steps - 1) // 2):
+            cur = count % STAGES
+            count, q1 = _ws_mma(count, p1, ready, a_bufs, b_bufs, STAGES, ROW0, ROWS)
+            p0 = warpgroup_mma_wait(1, deps=(q0,))
+            mbarrier.arrive(empty.index(prev), count=1)
+            acc += p0
+            prev = cur
+            cur = count % STAGES
+            count, q0 = _ws_mma(count, p0, ready, a_bufs, b_bufs, STAGES, ROW0, ROWS)
+            p1 = warpgroup_mma_wait(1, deps=(q1,))
+            mbarrier.arrive(empty.index(prev), count=1)
+            acc += p1
+            prev = cur
+        if (steps - 1) % 2 == 1:  # one K step left over
+            cur = count % STAGES
+            count, q1 = _ws_mma(count, p1, ready, a_bufs, b_bufs, STAGES, ROW0, ROWS)
+            p0 = warpgroup_mma_wait(1, deps=(q0,))
+            mbarrier.arrive(empty.index(prev), count=1)
+            acc += p0
+            p1 = warpgroup_mma_wait(0, deps=(q1,))
+            mbarrier.arrive(empty.index(cur), count=1)
+            acc += p1
+        else:
+            p0 = warpgroup_mma_wait(0, deps=(q0,))
+            mbarrier.arrive(empty.index(prev), count=1)
+            acc += p0
+
+        m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
+        offs_m = m0 + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        acc = epilogue_tile(acc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
+                            stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                            HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+        tma.store_wait(pendings=0)  # this warp group's previous store has left its buffer
+        o_smem.store(acc.to(o_ty))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def matmul_fp8_ws_kernel(
+    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+    M, N, K,
+    stride_am, stride_bn, stride_om,
+    stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
+    alpha, beta,
+    HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+    HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    a_ty: gl.constexpr = a_ptr.dtype.element_ty
+    b_ty: gl.constexpr = b_ptr.dtype.element_ty
+    o_ty: gl.constexpr = out_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], a_ty)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], b_ty)
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_N], o_ty)
+    a_bufs = gl.allocate_shared_memory(a_ty, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    b_bufs = gl.allocate_shared_memory(b_ty, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+    o_bufs = gl.allocate_shared_memory(o_ty, [2, BLOCK_M // 2, BLOCK_N], o_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumer warp groups release a slot
+    gl.warp_specialize([
+        (_ws_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                        M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                        HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
+                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 0)),
+        (_ws_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                        M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                        HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
+                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 1)),
+        (_ws_producer, (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_am, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS)),
+    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
 # --- host side ---------------------------------------------------------------------------------------------
 
 
@@ -174,6 +331,21 @@ def configs(out_element_size: int) -> list[dict]:
     """Ring depths that fit beside the output tile in shared memory (a stage is 32 KB of A and B)."""
     out_bytes = BLOCK_M * BLOCK_N * out_element_size
     return [dict(GLUON_FP8=True, STAGES=s, num_warps=NUM_WARPS) for s in (4, 5, 6)
+            if s * (BLOCK_M + BLOCK_N) * BLOCK_K + out_bytes + 1024 <= HOPPER_SMEM_PER_BLOCK]
+
+
+# Registers a thread asks for (setmaxnreg) in the warp-specialized kernel: each consumer warp group holds
+# its 64-row accumulator and two partials (192 a thread, about 205 in all); the producer needs few.
+# 2 * 128 * 232 + 128 * 40 <= 65536.
+WS_CONSUMER_REGS = 232
+WS_PRODUCER_REGS = 40
+
+
+def ws_configs(out_element_size: int) -> list[dict]:
+    """Ring depths for the warp-specialized kernel (the output goes through two 64-row buffers, the same
+    bytes as one 128-row tile, plus a second set of barriers)."""
+    out_bytes = BLOCK_M * BLOCK_N * out_element_size
+    return [dict(GLUON_FP8=True, WS=True, STAGES=s, num_warps=4) for s in (4, 5, 6)
             if s * (BLOCK_M + BLOCK_N) * BLOCK_K + out_bytes + 1024 <= HOPPER_SMEM_PER_BLOCK]
 
 
@@ -206,4 +378,7 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
                   HAS_SCALE_A=flags["HAS_SCALE_A"], HAS_SCALE_B=flags["HAS_SCALE_B"],
                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=8,
                   NUM_SMS=num_sms, num_warps=cfg["num_warps"])
+    if cfg.get("WS"):
+        kwargs.update(PRODUCER_WARPS=4, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
+        return matmul_fp8_ws_kernel, (min(num_sms, tiles),), args, kwargs
     return matmul_fp8_overlap_kernel, (min(num_sms, tiles),), args, kwargs
