@@ -28,9 +28,7 @@ from tilegemm.ops.matmul.problem import make_problems
 
 
 def variants(out_element_size: int) -> dict[str, dict]:
-    out = {f"pers_s{c['STAGES']}": c for c in gluon_fp8.configs(out_element_size)}
-    out.update({f"ws_s{c['STAGES']}": c for c in gluon_fp8.ws_configs(out_element_size)})
-    return out
+    return {f"{'ws' if c.get('WS') else 'pers'}_s{c['STAGES']}": c for c in gluon_fp8.configs(out_element_size)}
 
 
 def call(a, w, out, sa, sb, cfg, c=None, bias=None, alpha=1.0, beta=0.0, act="none"):

@@ -25,9 +25,14 @@ def _problem(a, b, out, fast_accum=False):
 
 
 def test_ring_depths_fit_in_shared_memory():
-    assert [c["STAGES"] for c in gluon_fp8.configs(2)] == [4, 5, 6]  # 16-bit output tile: 32 KB
-    assert [c["STAGES"] for c in gluon_fp8.configs(4)] == [4, 5]  # fp32 output tile: 64 KB
-    assert all(c["GLUON_FP8"] and c["num_warps"] == 8 for c in gluon_fp8.configs(2))
+    for ws in (False, True):
+        def depths(size):
+            return [c["STAGES"] for c in gluon_fp8.configs(size) if bool(c.get("WS")) == ws]
+
+        assert depths(2) == [4, 5, 6]  # 16-bit output tile: 32 KB
+        assert depths(4) == [4, 5]  # fp32 output tile: 64 KB
+    # The one-partition kernel runs two warp groups; the warp-specialized one names its first consumer's.
+    assert all(c["GLUON_FP8"] and c["num_warps"] == (4 if c.get("WS") else 8) for c in gluon_fp8.configs(2))
 
 
 @pytest.mark.parametrize("case, reason", [
@@ -96,6 +101,49 @@ def test_compiled_code_overlaps_the_promotion_and_does_not_spill(tmp_path):
         assert r["shared"] >= stages * 32 * 1024, f"{name}: {r['shared']} bytes of shared memory"
 
 
+# The warp-specialized kernel: per partition, the MMA waits, the MMA count, setmaxnreg and spills.
+_COMPILE_WS = SM90 + textwrap.dedent(
+    """
+    import json, re, sys
+    from tilegemm.ops.matmul import gluon_fp8
+    kernel = gluon_fp8.matmul_fp8_ws_kernel
+
+    variants = json.loads(sys.argv[1])
+    report = {}
+    for name, v in variants.items():
+        flags = dict(HAS_C=v["c"], HAS_BIAS=v["bias"], ACTIVATION=v["act"], HAS_SCALE_A=True, HAS_SCALE_B=True,
+                     BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, STAGES=v["stages"], GROUP_M=8, NUM_SMS=132,
+                     PRODUCER_WARPS=4, CONSUMER_REGS=gluon_fp8.WS_CONSUMER_REGS,
+                     PRODUCER_REGS=gluon_fp8.WS_PRODUCER_REGS, num_warps=4)
+        types = dict(a_ptr=v["a"], b_ptr="*fp8e4nv", out_ptr=v["out"], c_ptr="*fp32", bias_ptr="*bf16",
+                     scale_a_ptr="*fp32", scale_b_ptr="*fp32")
+        compiled, ptx, info = compile_sm90(kernel, *signature(kernel, flags, types), 4)
+        report[name] = dict(
+            waits=[int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)],
+            mmas=len(re.findall(r"wgmma\\.mma_async", ptx)),
+            setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\\.dec\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
+            spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
+            shared=compiled.metadata.shared,
+        )
+    print(json.dumps(report))
+    """
+)
+
+
+def test_warp_specialized_kernel_compiles_for_both_consumers_without_spills(tmp_path):
+    variants = {k: v for k, v in _VARIANTS.items() if not v["c"]}  # an fp32 C tile spills a little, as above
+    report = compile_offline(tmp_path, _COMPILE_WS, variants, timeout=600)
+    for name, r in report.items():
+        # Two consumer warp groups, each with the one-partition kernel's four places of four MMAs.
+        assert r["mmas"] == 2 * 4 * 4, f"{name}: {r['mmas']} MMA instructions"
+        assert r["waits"].count(1) >= 6 and set(r["waits"]) <= {0, 1}, f"{name}: {r['waits']}"
+        # The consumers keep their registers (accumulator and two partials), the producer gives its up.
+        assert gluon_fp8.WS_PRODUCER_REGS in r["setmaxnreg"] and gluon_fp8.WS_CONSUMER_REGS in r["setmaxnreg"]
+        assert r["spills"] and max(r["spills"]) == 0, f"{name}: spills {r['spills']}"
+        stages = _VARIANTS[name]["stages"]
+        assert r["shared"] >= stages * 32 * 1024, f"{name}: {r['shared']} bytes of shared memory"
+
+
 # --- on a GPU ---------------------------------------------------------------------------------------------
 
 
@@ -107,7 +155,8 @@ def _hopper() -> bool:
 @pytest.mark.parametrize("shape", [(128, 128, 128), (257, 264, 400), (300, 136, 256), (1000, 520, 384),
                                    (17, 1040, 2048)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("stages", [4, 6])
-def test_gluon_fp8_matches_the_reference(shape, stages):
+@pytest.mark.parametrize("ws", [False, True], ids=["one-partition", "ws"])
+def test_gluon_fp8_matches_the_reference(shape, stages, ws):
     """Odd M and N (edge tiles), K of 1..16 steps, odd and even step counts, a K that is not a step multiple."""
     if not _hopper():
         pytest.skip("the Gluon kernel is written for sm_90")
@@ -119,13 +168,17 @@ def test_gluon_fp8_matches_the_reference(shape, stages):
     p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False,
                       scales=(scale_a, 1, scale_b, 0))[0]
     assert persistent_tma.describable(p) is None and gluon_fp8.usable(p) is None
-    persistent_tma.run(p, dict(GLUON_FP8=True, STAGES=stages, num_warps=8))
+    cfg = dict(GLUON_FP8=True, WS=True, STAGES=stages, num_warps=4) if ws else \
+        dict(GLUON_FP8=True, STAGES=stages, num_warps=8)
+    assert cfg in gluon_fp8.configs(2)
+    persistent_tma.run(p, cfg)
     assert_rel_close(out, dequantized_reference(a, b, scale_a, scale_b), tolerance(E4M3, out_dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_gluon_fp8_epilogue(out_dtype):
+@pytest.mark.parametrize("ws", [False, True], ids=["one-partition", "ws"])
+def test_gluon_fp8_epilogue(out_dtype, ws):
     if not _hopper():
         pytest.skip("the Gluon kernel is written for sm_90")
     M, N, K = 200, 152, 640
@@ -136,7 +189,7 @@ def test_gluon_fp8_epilogue(out_dtype):
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=out_dtype)
     p = make_problems(a, b, out, c, bias, 0.5, -1.0, "gelu", "ieee", False, scales=(scale_a, 1, scale_b, 1))[0]
-    persistent_tma.run(p, gluon_fp8.configs(out.element_size())[-1])
+    persistent_tma.run(p, [c for c in gluon_fp8.configs(out.element_size()) if bool(c.get("WS")) == ws][-1])
     ref = dequantized_reference(a, b, scale_a, scale_b, c=c, bias=bias, alpha=0.5, beta=-1.0, activation="gelu")
     assert_rel_close(out, ref, tolerance(E4M3, out_dtype=out_dtype))
 

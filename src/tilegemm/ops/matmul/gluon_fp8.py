@@ -12,16 +12,25 @@ between two partial tiles: step k's MMAs are issued into one, then the kernel wa
 On an H200 that took the same kernel from 0.69x to 0.85x at 8192^3, and a persistent version to 0.86x-0.92x
 from 4096^3 up (``scripts/explore_fp8_gluon.py``).
 
-The kernel: a persistent grid walking 128x128 tiles in grouped order (two warp groups, each 64 rows),
-tiles loaded by TMA into a ring of ``STAGES`` shared-memory slots; the loads of a tile's first K steps
-go out before the previous tile's epilogue, and the output goes back through TMA. A partial tile costs 64
-registers a thread, so the double-buffered partials fit beside the accumulator (about 200 registers, no
-spills); a 128x256 tile would not.
+Two kernels, both persistent grids walking 128x128 tiles in grouped order, tiles loaded by TMA into a
+ring of ``STAGES`` shared-memory slots, the output stored through TMA, two warp groups of 64 rows each
+doing the MMAs. A partial tile costs 64 registers a thread, so the double-buffered partials fit beside the
+accumulator (about 205 registers, no spills); a 128x256 tile would not.
 
-It takes A row-major and B column-major (both K-major, the layout ``torch._scaled_mm`` takes), TMA-aligned,
-2-D; :func:`usable` says when. The ``persistent_tma`` rung times it among its candidates for such
-problems, on sm_90 with Triton 3.6 only (Gluon is experimental and its API moves between versions).
-Gluon has no interpreter: the suite compiles it for sm_90 without a GPU, and the GPU tests run it.
+- ``matmul_fp8_overlap_kernel``: one partition of eight warps that also issue the loads (a tile's first
+  K steps go out before the previous tile's epilogue). Triton fences each TMA load with CTA-wide
+  ``bar.sync``s, which hold the two warp groups in step: both wait for their MMAs and add at the same time.
+- ``matmul_fp8_ws_kernel`` (configs with ``WS``): warp-specialized. A producer warp group keeps the ring
+  full; each consumer warp group waits only on mbarriers ("ready" per slot, and an "empty" barrier both
+  consumers arrive on once their MMAs have read a slot), so one can add its partial while the other's MMAs
+  run. Each partition makes the descriptors it uses (a descriptor made on the device is fenced for the
+  warp that made it). On an H200 it ran 0.96x-0.97x of ``torch._scaled_mm`` at 4096^3..16384^3 where the
+  one-partition kernel ran 0.87x-0.90x (``scripts/explore_fp8_ws.py``).
+
+Both take A row-major and B column-major (both K-major, the layout ``torch._scaled_mm`` takes),
+TMA-aligned, 2-D; :func:`usable` says when. The ``persistent_tma`` rung times both among its candidates for
+such problems, on sm_90 with Triton 3.6 only (Gluon is experimental and its API moves between versions).
+Gluon has no interpreter: the suite compiles them for sm_90 without a GPU, and the GPU tests run them.
 """
 
 from __future__ import annotations
@@ -328,10 +337,14 @@ def matmul_fp8_ws_kernel(
 
 
 def configs(out_element_size: int) -> list[dict]:
-    """Ring depths that fit beside the output tile in shared memory (a stage is 32 KB of A and B)."""
+    """Both kernels at the ring depths that fit beside the output tile in shared memory (a stage is 32 KB
+    of A and B; the warp-specialized kernel's two 64-row output buffers take the bytes of one 128-row
+    tile). ``WS`` marks the warp-specialized kernel; its ``num_warps`` counts the first consumer warp group,
+    the other two warp groups are added by ``gl.warp_specialize``."""
     out_bytes = BLOCK_M * BLOCK_N * out_element_size
-    return [dict(GLUON_FP8=True, STAGES=s, num_warps=NUM_WARPS) for s in (4, 5, 6)
-            if s * (BLOCK_M + BLOCK_N) * BLOCK_K + out_bytes + 1024 <= HOPPER_SMEM_PER_BLOCK]
+    depths = [s for s in (4, 5, 6) if s * (BLOCK_M + BLOCK_N) * BLOCK_K + out_bytes + 1024 <= HOPPER_SMEM_PER_BLOCK]
+    return ([dict(GLUON_FP8=True, STAGES=s, num_warps=NUM_WARPS) for s in depths]
+            + [dict(GLUON_FP8=True, WS=True, STAGES=s, num_warps=4) for s in depths])
 
 
 # Registers a thread asks for (setmaxnreg) in the warp-specialized kernel: each consumer warp group holds
@@ -339,14 +352,6 @@ def configs(out_element_size: int) -> list[dict]:
 # 2 * 128 * 232 + 128 * 40 <= 65536.
 WS_CONSUMER_REGS = 232
 WS_PRODUCER_REGS = 40
-
-
-def ws_configs(out_element_size: int) -> list[dict]:
-    """Ring depths for the warp-specialized kernel (the output goes through two 64-row buffers, the same
-    bytes as one 128-row tile, plus a second set of barriers)."""
-    out_bytes = BLOCK_M * BLOCK_N * out_element_size
-    return [dict(GLUON_FP8=True, WS=True, STAGES=s, num_warps=4) for s in (4, 5, 6)
-            if s * (BLOCK_M + BLOCK_N) * BLOCK_K + out_bytes + 1024 <= HOPPER_SMEM_PER_BLOCK]
 
 
 def usable(p: GemmProblem) -> str | None:
