@@ -151,6 +151,63 @@ def test_lookup_or_tune_times_once_and_keeps_the_fastest(cache, monkeypatch):
     assert launched == [1, 2, 3]
 
 
+def test_timed_launches_are_replays_of_the_candidates_own(monkeypatch):
+    """do_bench's first call launches (compiles, may tune), the second is recorded, the rest replay it."""
+    import tilegemm.launch as launch_mod
+
+    launched, replayed = [], []
+
+    class FakeRecording:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.launches = [launch_mod.Launch(compiled=None, grid=(1, 1, 1), params=["w", 3])]
+            return False
+
+    class FakeReplay:
+        def __init__(self, recorded, tensors):
+            assert recorded.params == ["w", 3] and tensors == ()  # no tensor parameters in this fake
+            self.ok = True
+
+        def __call__(self, *tensors):
+            replayed.append(tensors)
+            return self.ok
+
+    monkeypatch.setattr(launch_mod, "recording", FakeRecording)
+    monkeypatch.setattr(launch_mod, "Replay", FakeReplay)
+    run = tuning._replaying(lambda cfg: launched.append(cfg["id"]), dict(id=7))
+    for _ in range(5):
+        run()
+    assert launched == [7, 7] and len(replayed) == 3
+
+    # A replay that declines (another stream) makes every later call launch afresh.
+    run = tuning._replaying(lambda cfg: launched.append(cfg["id"]), dict(id=8))
+    run(), run()
+    monkeypatch.setattr(FakeReplay, "__call__", lambda self, *t: replayed.append(t) or False)
+    run(), run()
+    assert launched[-4:] == [8, 8, 8, 8] and len(replayed) == 4
+
+
+def test_unreplayable_launches_are_launched_every_time(monkeypatch):
+    import tilegemm.launch as launch_mod
+
+    class Spoiled:  # what recording gives for host-side descriptors or the interpreter
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.launches = None
+            return False
+
+    monkeypatch.setattr(launch_mod, "recording", Spoiled)
+    launched = []
+    run = tuning._replaying(lambda cfg: launched.append(cfg["id"]), dict(id=1))
+    for _ in range(4):
+        run()
+    assert launched == [1, 1, 1, 1]
+
+
 def test_lookup_or_tune_retimes_near_ties_longer(cache, monkeypatch):
     """The short first pass only finds the field: candidates within 10% of its best are timed again."""
     import triton.testing
@@ -280,3 +337,32 @@ def test_auto_sends_large_problems_to_persistent_tma_unless_an_operand_goes_thro
     # 1024^3: 64 tiles, under half a tile per SM: autotuned.
     assert op.choose_kernel(problem(1024, 1024)) == "autotuned"
     assert len(timed) == (1 if takes_gluon else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rung", ["persistent_tma", "autotuned", "split_k"])
+def test_timed_replays_compute_the_candidates_product_on_the_gpu(rung):
+    """The tuner's replays launch the candidate's kernels on the same tensors: poisoned between calls, the
+    output is whole again after a replayed call (and the replays were made: a third call launches nothing
+    through the launcher)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from tilegemm.ops.matmul import op
+    from tilegemm.ops.matmul.problem import make_problems
+
+    M, N = 96, 136
+    K = 4096 if rung == "split_k" else 520
+    a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+    out = torch.empty(M, N, device="cuda", dtype=torch.float16)
+    p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+    launched = []
+    rung_launcher = op.launcher(rung)
+    run = tuning._replaying(lambda cfg: launched.append(1) or rung_launcher(p), {})
+    run(), run()
+    assert len(launched) == 2
+    out.fill_(float("nan"))
+    run()
+    torch.cuda.synchronize()
+    assert len(launched) == 2, "the third call was not a replay"
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))

@@ -126,7 +126,8 @@ def lookup_or_tune(k: str, candidates, launch) -> dict:
     Each candidate is timed by ``triton.testing.do_bench`` (median, L2 cleared before each call); one that
     fails to compile or launch is simply not chosen. A short first pass finds the field; the candidates
     within 10% of its best (at most three) are then timed again, longer and in two alternating rounds, so
-    that run-to-run noise of the short pass does not decide between near ties.
+    that run-to-run noise of the short pass does not decide between near ties. The timed launches are
+    replays of the candidate's own (:func:`_replaying`), as a repeated call of the op would make them.
     """
     config = lookup(k)
     if config is not None:
@@ -139,7 +140,7 @@ def lookup_or_tune(k: str, candidates, launch) -> dict:
 
         def median_ms(cfg: dict, rep: int) -> float:
             try:
-                return triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=rep, return_mode="median")
+                return triton.testing.do_bench(_replaying(launch, cfg), warmup=5, rep=rep, return_mode="median")
             except Exception:  # noqa: BLE001 - a config that does not compile or fit is not chosen
                 return float("inf")
 
@@ -155,6 +156,45 @@ def lookup_or_tune(k: str, candidates, launch) -> dict:
         config = options[order[0]]
     record(k, config)
     return config
+
+
+def _replaying(launch, cfg: dict):
+    """A function for ``do_bench`` that launches what ``launch(cfg)`` launches. Its first call is
+    ``launch(cfg)`` itself (it compiles, and a rung may tune its own config there); its second is recorded
+    (:class:`tilegemm.launch.recording`); later calls replay those launches, which costs the host a few
+    microseconds where Triton's launch path costs 15 or more (a Gluon kernel's, with its constexprs, 30 to
+    60): on a kernel of 10-30 us, between L2 clears, that path made timings host-bound, and the tuner then
+    preferred a kernel that launches quickly to a faster one. Launches that cannot be replayed (under the
+    interpreter, with host-side TMA descriptors) are launched through ``launch(cfg)`` every time."""
+    from tilegemm.launch import Replay, recording
+
+    state = {"calls": 0, "replays": None}
+
+    def run():
+        state["calls"] += 1
+        replays = state["replays"]
+        if replays:
+            for replay, tensors in replays:
+                if not replay(*tensors):  # another stream or device than recorded: launch afresh from now on
+                    state["replays"] = []
+                    launch(cfg)
+                    return
+            return
+        if state["calls"] != 2:
+            launch(cfg)
+            return
+        with recording() as rec:
+            launch(cfg)
+        try:
+            found = []
+            for recorded in rec.launches or ():
+                tensors = tuple(v for v in recorded.params if hasattr(v, "data_ptr"))
+                found.append((Replay(recorded, tensors), tensors))
+        except LookupError:
+            found = []
+        state["replays"] = found
+
+    return run
 
 
 def record(k: str, config: dict) -> None:
