@@ -8,7 +8,10 @@ mbarriers, so one can add its partial tile while the other's MMAs run.
 
 First every config of both kernels is checked (output poisoned with NaN) on odd shapes and with the full
 epilogue; then both are timed against ``torch._scaled_mm`` (promoted, and with fast accumulation) in rounds.
-Ratios are ``_scaled_mm`` time / kernel time (medians of do_bench).
+Ratios are ``_scaled_mm`` time / kernel time (medians of do_bench). Rows ending in ``_r`` time the same
+launches replayed (``tilegemm.tuning._replaying``: a few microseconds of host time a launch, as the tuner
+and a repeated ``tilegemm.matmul`` call launch them); the others go through ``persistent_tma.run`` and
+Triton's launch path each time, which is host-bound below about 4096^3.
 
     PYTHONPATH=src python scripts/explore_fp8_ws.py --json out.json [--sizes 2048,4096]
 """
@@ -23,6 +26,7 @@ import torch
 import triton
 
 import tilegemm
+from tilegemm import tuning
 from tilegemm.ops.matmul import gluon_fp8, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 
@@ -94,6 +98,7 @@ def main():
     ap.add_argument("--sizes", default="1024,2048,4096,8192,16384")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--no-plain", action="store_true", help="time the Gluon configs only as replays")
     args = ap.parse_args()
     persistent_tma._ensure_allocator()
     results = []
@@ -117,15 +122,24 @@ def main():
                                                        use_fast_accum=True),
             "auto": lambda: tilegemm.matmul(a, w.T, scale_a=sa, scale_b=sb),
         }
+        if args.no_plain:
+            fns.pop("scaled_mm_fast")
         for name, cfg in variants(2).items():
             fns[name] = call(a, w, out, sa, sb, cfg)
+            # The same launches replayed, as the tuner times them and as a repeated call makes them.
+            fns[name + "_r"] = tuning._replaying(lambda c, f=fns[name]: f(), cfg)
         ref = (a.float() @ w.float().T) * (0.75 * 1.25)
         errs = {}
         for k, f in fns.items():
+            if k.endswith("_r"):  # launch, record, then (output poisoned) replay
+                f(), f()
+                out.fill_(float("nan"))
             got = f()
             got = out if got is None else got
             torch.cuda.synchronize()
             errs[k] = ((got.float() - ref).norm() / ref.norm()).item()
+        if args.no_plain:
+            fns = {k: f for k, f in fns.items() if not (k.startswith(("pers_s", "ws_s")) and not k.endswith("_r"))}
         ms = timed(fns, rounds=args.rounds)
         base = ms["scaled_mm"]
         for k in fns:
