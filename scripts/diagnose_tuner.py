@@ -45,6 +45,8 @@ def main():
     ap.add_argument("--dtype", default="fp8", choices=["fp8", "fp16", "bf16"])
     ap.add_argument("--rung", default="persistent_tma")
     ap.add_argument("--json")
+    ap.add_argument("--bench", action="store_true",
+                    help="tune inside `tilegemm bench --shape ... --kernels RUNG` (its inputs, checks and timing)")
     args = ap.parse_args()
     real = triton.testing.do_bench
     log = []
@@ -70,19 +72,27 @@ def main():
         def call():
             current["cfg"] = cfg
             run()
+            current.pop("cfg", None)
         return call
 
     tuning._replaying = tagged
     for shape in args.shapes.split(","):
-        p = problem(shape, args.dtype)
         current.clear()
         current["shape"] = shape
-        op.launcher(args.rung)(p)
+        if args.bench:
+            from tilegemm.cli import main as cli
+
+            dtype = {"fp8": "fp8_e4m3"}.get(args.dtype, args.dtype)
+            layout = "NT" if args.dtype == "fp8" else "NN"
+            cli(["bench", "--quiet", "--no-save", "--shape", shape.replace("x", ","), "--dtype", dtype,
+                 "--layout", layout, "--kernels", args.rung])
+        else:
+            op.launcher(args.rung)(problem(shape, args.dtype))
         torch.cuda.synchronize()
         picked = tuning.entries()
         print(f"\n{shape} {args.dtype} {args.rung}: picked {[v for k, v in picked.items() if args.rung in k][-1:]}")
         for row in log:
-            if row.get("shape") == shape:
+            if row.get("shape") == shape and "cfg" in row:
                 print(f"  rep {row['rep']:>4} {row.get('ms', float('nan')):9.4f} ms {row.get('error', '')} {row.get('cfg')}")
     if args.json:
         with open(args.json, "w") as f:
