@@ -57,8 +57,10 @@ def main():
             ms = real(fn, **kwargs)
         except Exception as e:  # noqa: BLE001
             log.append(dict(current, rep=kwargs.get("rep"), error=f"{type(e).__name__}: {str(e)[:300]}"))
+            current.pop("cfg", None)
             raise
         log.append(dict(current, rep=kwargs.get("rep"), ms=ms))
+        current.pop("cfg", None)  # a do_bench call outside the tuner (the bench's own timing) has none
         return ms
 
     tuning._load()
@@ -72,7 +74,6 @@ def main():
         def call():
             current["cfg"] = cfg
             run()
-            current.pop("cfg", None)
         return call
 
     tuning._replaying = tagged
