@@ -339,6 +339,38 @@ def test_auto_sends_large_problems_to_persistent_tma_unless_an_operand_goes_thro
     assert len(timed) == (1 if takes_gluon else 0)
 
 
+@pytest.mark.parametrize("gluon", [False, True], ids=["no-gluon", "gluon-fp8"])
+def test_auto_times_the_rungs_for_promoted_fp8_from_half_a_tile_per_sm(monkeypatch, gluon):
+    """Promoted fp8 that gluon_fp8 takes: persistent_tma from two 128x128 tiles per SM, a timed choice from
+    half a tile to two (2048^3), autotuned below. Without it (fast accumulation, another layout) Triton's
+    persistent kernel still needs four tiles per SM."""
+    import tilegemm.hardware
+    from tilegemm.ops.matmul import gluon_fp8, op, persistent_tma
+    from tilegemm.ops.matmul.problem import make_problems
+
+    monkeypatch.setattr(op, "interpreting", lambda: False)
+    monkeypatch.setattr(op, "_has_tma", lambda: True)
+    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+    monkeypatch.setattr(tilegemm.hardware, "sm_count", lambda device: 132)
+    monkeypatch.setattr(persistent_tma, "gluon_kernel_for", lambda p: gluon_fp8 if gluon else None)
+    timed = []
+    monkeypatch.setattr(op, "_timed_choice", lambda p, rungs: timed.append(rungs) or rungs[-1])
+
+    def problem(M, N, K=256):
+        a = torch.empty(M, K, device="meta", dtype=torch.float8_e4m3fn)
+        b = torch.empty(N, K, device="meta", dtype=torch.float8_e4m3fn).mT
+        out = torch.empty(M, N, device="meta", dtype=torch.bfloat16)
+        return make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+
+    assert op.choose_kernel(problem(4096, 4096)) == "persistent_tma"  # 1024 tiles: either way
+    assert op.choose_kernel(problem(2816, 2816)) == ("persistent_tma" if gluon else "autotuned")  # 484 < 4 * 132
+    assert not timed
+    assert op.choose_kernel(problem(2048, 2048)) == ("persistent_tma" if gluon else "autotuned")
+    assert timed == ([("autotuned", "persistent_tma")] if gluon else [])
+    assert op.choose_kernel(problem(1024, 1024)) == "autotuned"  # 64 tiles
+    assert len(timed) == (1 if gluon else 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rung", ["persistent_tma", "autotuned", "split_k"])
 def test_timed_replays_compute_the_candidates_product_on_the_gpu(rung):

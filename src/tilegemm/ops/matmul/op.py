@@ -187,9 +187,11 @@ def choose_kernel(p: GemmProblem) -> str:
       M=128 llm shapes on the H200 (0.96x-0.98x cuBLAS); before that tile, ``persistent_tma``'s 64x64
       tiles had won 128x4096x14336 (0.95x against 0.88x, scripts/explore_tma_small_m.py).
     - Larger problems on Hopper that TMA can describe, with at least two 128x128 tiles per SM (four for
-      fp8): ``persistent_tma`` (fp16 1.02x / 1.03x at 8192^3 / 16384^3, where ``autotuned`` ran 1.00x /
-      0.93x), except tf32 with an operand through registers, which goes to ``autotuned`` unless it is NN or
-      TT and ``persistent_tma``'s Gluon kernel takes it (see the code).
+      fp8 that no Gluon kernel takes): ``persistent_tma`` (fp16 1.02x / 1.03x at 8192^3 / 16384^3, where
+      ``autotuned`` ran 1.00x / 0.93x), except tf32 with an operand through registers, which goes to
+      ``autotuned`` unless it is NN or TT and ``persistent_tma``'s Gluon kernel takes it. Where a Gluon
+      kernel takes the problem (that tf32, promoted K-major fp8), the two rungs are timed from half a tile
+      per SM to two (see the code).
     - Otherwise ``autotuned``.
     """
     if interpreting():
@@ -203,30 +205,35 @@ def choose_kernel(p: GemmProblem) -> str:
         return "split_k"
     if _has_tma():
         from tilegemm.hardware import sm_count
-        from tilegemm.ops.matmul.persistent_tma import describable
+        from tilegemm.ops.matmul.persistent_tma import describable, gluon_kernel_for
 
         # With few tiles per SM a persistent grid has little to balance: at 1024^3 it ran 0.69x cuBLAS where
         # autotuned's smaller tiles reached 0.87x; at 2048^3 (1.9 tiles per SM) 0.93x against 1.00x, and at
         # 4096^3 (7.8 per SM) 0.94x against 0.88x (fp16, scripts/explore_hopper.py).
         tiles = -(-p.M // 128) * -(-p.N // 128)
-        # fp8 needs more tiles per SM before the persistent grid pays: at 2048^3 (2 tiles per SM) it ran
-        # 0.43x torch._scaled_mm where autotuned ran 0.63x; at 4096^3 (8 per SM) 0.79x against 0.73x.
+        # fp8 in Triton's kernels needs more tiles per SM before the persistent grid pays: at 2048^3 (2 tiles
+        # per SM) it ran 0.43x torch._scaled_mm where autotuned ran 0.63x; at 4096^3 (8 per SM) 0.79x
+        # against 0.73x.
         sms = sm_count(p.out.device)
         min_tiles = sms * (4 if p.a.element_size() == 1 else 2)
-        if p.dtype == torch.float32 and p.mma_operands != "ab" and describable(p) is None:
+        described = describable(p) is None
+        gluon = gluon_kernel_for(p) if described else None
+        if p.dtype == torch.float32 and p.mma_operands != "ab" and described and gluon is None:
             # tf32 with an operand that is not K-major. persistent_tma's Triton loops for it must stay
             # serialized to be right (0.55x-0.70x cuBLAS, see persistent_tma.hopper_configs), and autotuned
-            # ran 0.80x-0.92x; for NN and TT persistent_tma also has the Gluon kernel (gluon_tf32, NN:
-            # 0.94x-0.99x from 2048^3 up, 0.58x at 1024^3 with 32 of its tiles for 132 SMs).
-            from tilegemm.ops.matmul import gluon_tf32
-            from tilegemm.ops.matmul.persistent_tma import gluon_kernel_for
-
-            if gluon_kernel_for(p) is not gluon_tf32 or 2 * tiles < sms:
+            # ran 0.80x-0.92x.
+            return "autotuned"
+        if gluon is not None:
+            # A Gluon kernel takes it: tf32 NN/TT (gluon_tf32, NN: 0.94x-0.99x from 2048^3 up, 0.58x at
+            # 1024^3 with 32 of its tiles for 132 SMs) or promoted K-major fp8 (gluon_fp8's warp-specialized
+            # kernel: 0.85x torch._scaled_mm at 2048^3, 256 tiles, where autotuned ran 0.80x). From two
+            # tiles per SM persistent_tma; from half a tile to two, the two rungs are timed once.
+            if 2 * tiles < sms:
                 return "autotuned"
-            if tiles >= min_tiles:
+            if tiles >= 2 * sms:
                 return "persistent_tma"
-            return _timed_choice(p, ("autotuned", "persistent_tma"))  # about one to two tiles per SM
-        if tiles >= min_tiles and describable(p) is None:
+            return _timed_choice(p, ("autotuned", "persistent_tma"))
+        if tiles >= min_tiles and described:
             return "persistent_tma"
     return "autotuned"
 
