@@ -97,7 +97,11 @@ def main():
                 print(f"  rep {row['rep']:>4} {row.get('ms', float('nan')):9.4f} ms {row.get('error', '')} {row.get('cfg')}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), log=log), f, indent=1, default=str)
+            from dataclasses import asdict
+
+            from tilegemm.hardware import machine_info
+
+            json.dump(dict(machine=asdict(machine_info()), log=log), f, indent=1, default=str)
 
 
 if __name__ == "__main__":
