@@ -67,6 +67,39 @@ def test_shipped_defaults_are_used_and_user_entries_win(cache):
     assert tuning.lookup(k) == CFG
 
 
+def test_the_cache_file_holds_only_tuned_entries(cache):
+    """Shipped entries stay out of the user's file, so a later release's shipped configs are not shadowed."""
+    shipped_key = tuning.key("persistent_tma", 8192, 8192, 8192, torch.float16, torch.float16, "NN")
+    (cache / "shipped.json").write_text(json.dumps({"schema": tuning.SCHEMA, "entries": {shipped_key: CFG}}))
+    k = tuning.key("autotuned", 20, 30, 40, torch.float16, torch.float16)
+    assert tuning.lookup(shipped_key) == CFG
+    tuning.record(k, CFG)
+    data = json.loads(tuning.cache_file().read_text())
+    assert data["tuned_only"] is True and list(data["entries"]) == [k]
+    # A release that ships a new config for the key: the user gets it.
+    newer = dict(CFG, BLOCK_M=128)
+    (cache / "shipped.json").write_text(json.dumps({"schema": tuning.SCHEMA, "entries": {shipped_key: newer}}))
+    tuning.forget()
+    assert tuning.lookup(shipped_key) == newer and tuning.lookup(k) == CFG
+
+
+def test_an_older_cache_file_does_not_shadow_todays_shipped_entries(cache):
+    """Files written before ``tuned_only`` held copies of the shipped entries of their day: those keys now
+    come from the shipped file; the file's other (tuned) entries still count, and are kept on the next save."""
+    shipped_key = tuning.key("persistent_tma", 4096, 4096, 4096, torch.float16, torch.float16, "NN")
+    tuned_key = tuning.key("autotuned", 20, 30, 40, torch.float16, torch.float16)
+    stale, today = dict(CFG, BLOCK_M=64), dict(CFG, BLOCK_M=128)
+    (cache / "shipped.json").write_text(json.dumps({"schema": tuning.SCHEMA, "entries": {shipped_key: today}}))
+    path = tuning.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"schema": tuning.SCHEMA, "entries": {shipped_key: stale, tuned_key: CFG}}))
+    assert tuning.lookup(shipped_key) == today
+    assert tuning.lookup(tuned_key) == CFG
+    tuning.record(tuning.key("autotuned", 1, 2, 3, torch.float16, torch.float16), CFG)
+    data = json.loads(path.read_text())
+    assert data["tuned_only"] is True and shipped_key not in data["entries"] and tuned_key in data["entries"]
+
+
 def test_disk_can_be_turned_off(cache, monkeypatch):
     monkeypatch.setenv("TILEGEMM_TUNING_CACHE", "0")
     tuning.record("autotuned|M1|N2|K3|float16|float16|", CFG)

@@ -12,6 +12,11 @@ Where configs come from, first hit wins:
 
 Writes are atomic (a temporary file renamed over the old one); a damaged file is ignored with a warning and
 rewritten on the next save. ``TILEGEMM_TUNING_CACHE=0`` turns the disk off (memory only).
+
+The user's file holds only what was tuned on that machine (its ``"tuned_only"`` field says so), so a
+later release's shipped configs reach users who tuned before. Files written before that field existed also
+held copies of the shipped entries of their day; from such a file the keys that the package ships now are
+ignored (a key the user had tuned then was not shipped then, since a shipped entry was found first).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from tilegemm.files import atomic_write
 SCHEMA = "tilegemm-tuned/1"
 _lock = threading.Lock()
 _memory: dict[str, dict] = {}
+_tuned: dict[str, dict] = {}  # what the user's file holds: its own entries and this process's tunings
 _loaded_for: str | None = None
 
 
@@ -85,17 +91,19 @@ def _disk_enabled() -> bool:
     return not interpreting() or bool(os.environ.get("TILEGEMM_CACHE_DIR"))
 
 
-def _read(path: Path) -> dict[str, dict]:
+def _read(path: Path) -> tuple[dict[str, dict], bool]:
+    """(entries, whether the file says it holds tuned entries only) of a tuning file; ({}, True) for a
+    missing or damaged one."""
     if not path.exists():
-        return {}
+        return {}, True
     try:
         data = json.loads(path.read_text())
         if data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
             raise ValueError(f"schema {data.get('schema')!r}")
-        return {k: dict(v) for k, v in data["entries"].items()}
+        return {k: dict(v) for k, v in data["entries"].items()}, data.get("tuned_only") is True
     except (OSError, ValueError, TypeError, AttributeError) as err:
         warnings.warn(f"tilegemm: ignoring damaged tuning file {path} ({err}); it will be rebuilt", stacklevel=3)
-        return {}
+        return {}, True
 
 
 def _load() -> None:
@@ -107,9 +115,15 @@ def _load() -> None:
         if _loaded_for == tag:
             return
         _memory.clear()
-        _memory.update(_read(shipped_file()))
+        _tuned.clear()
+        shipped, _ = _read(shipped_file())
+        _memory.update(shipped)
         if _disk_enabled():
-            _memory.update(_read(cache_file()))
+            user, tuned_only = _read(cache_file())
+            if not tuned_only:  # an older file: its copies of shipped entries must not hide today's
+                user = {k: v for k, v in user.items() if k not in shipped}
+            _tuned.update(user)
+            _memory.update(user)
         _loaded_for = tag
 
 
@@ -202,14 +216,17 @@ def record(k: str, config: dict) -> None:
     _load()
     with _lock:
         _memory[k] = dict(config)
+        _tuned[k] = dict(config)
         if _disk_enabled():
             save(cache_file())
 
 
 def save(path: Path) -> None:
-    """Write every known entry to ``path``: a temporary file in the same folder, renamed over it."""
+    """Write the tuned entries (not the shipped ones) to ``path``: a temporary file in the same folder,
+    renamed over it."""
     slug, triton_version = _device_tag()
-    data = {"schema": SCHEMA, "gpu": slug, "triton": triton_version, "entries": dict(sorted(_memory.items()))}
+    data = {"schema": SCHEMA, "gpu": slug, "triton": triton_version, "tuned_only": True,
+            "entries": dict(sorted(_tuned.items()))}
     atomic_write(path, lambda f: json.dump(data, f, indent=1))
 
 
@@ -223,4 +240,5 @@ def forget() -> None:
     global _loaded_for
     with _lock:
         _memory.clear()
+        _tuned.clear()
         _loaded_for = None
