@@ -68,18 +68,18 @@ def fp8_promoted_kernel(a_ptr, b_ptr, out_ptr, sa_ptr, sb_ptr, M, N, K, stride_a
     for i in gl.static_range(STAGES - 2):
         producer = _load_step(producer, producer, a_desc, b_desc, m0, n0, ready, a_bufs, b_bufs, STAGES, BK, producer < steps)
     producer = _load_step(producer, producer, a_desc, b_desc, m0, n0, ready, a_bufs, b_bufs, STAGES, BK, producer < steps)
-    consumer, p0 = _issue_mma(consumer, p0, ready, a_bufs, b_bufs, STAGES)
+    consumer, p0 = _issue_mma(consumer, p0, ready, a_bufs, b_bufs, STAGES, 0, BM)
     for j in range((steps - 1) // 2):
         producer = _load_step(producer, producer, a_desc, b_desc, m0, n0, ready, a_bufs, b_bufs, STAGES, BK, producer < steps)
-        consumer, p1 = _issue_mma(consumer, p1, ready, a_bufs, b_bufs, STAGES)
+        consumer, p1 = _issue_mma(consumer, p1, ready, a_bufs, b_bufs, STAGES, 0, BM)
         p0 = warpgroup_mma_wait(LAG, deps=(p0,))
         acc += p0
         producer = _load_step(producer, producer, a_desc, b_desc, m0, n0, ready, a_bufs, b_bufs, STAGES, BK, producer < steps)
-        consumer, p0 = _issue_mma(consumer, p0, ready, a_bufs, b_bufs, STAGES)
+        consumer, p0 = _issue_mma(consumer, p0, ready, a_bufs, b_bufs, STAGES, 0, BM)
         p1 = warpgroup_mma_wait(LAG, deps=(p1,))
         acc += p1
     if (steps - 1) % 2 == 1:
-        consumer, t1 = _issue_mma(consumer, p1, ready, a_bufs, b_bufs, STAGES)
+        consumer, t1 = _issue_mma(consumer, p1, ready, a_bufs, b_bufs, STAGES, 0, BM)
         r0 = warpgroup_mma_wait(1, deps=(p0,))
         acc += r0
         r1 = warpgroup_mma_wait(0, deps=(t1,))

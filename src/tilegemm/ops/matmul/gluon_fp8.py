@@ -65,13 +65,14 @@ def _load_step(count, kstep, a_desc, b_desc, m0, n0, ready, a_bufs, b_bufs, STAG
 
 
 @gluon.jit
-def _issue_mma(count, partial, ready, a_bufs, b_bufs, STAGES: gl.constexpr):
-    """Wait for ring slot ``count % STAGES`` to land, then issue its MMAs into ``partial`` (from zero),
-    without waiting for them. Returns the next count and the in-flight partial."""
+def _issue_mma(count, partial, ready, a_bufs, b_bufs, STAGES: gl.constexpr, ROW0: gl.constexpr,
+               ROWS: gl.constexpr):
+    """Wait for ring slot ``count % STAGES`` to land, then issue the MMAs of its A rows ROW0 ... ROW0 + ROWS
+    into ``partial`` (from zero), without waiting for them. Returns the next count and the in-flight partial."""
     slot = count % STAGES
     mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-    partial = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), partial, use_acc=False,
-                            is_async=True)
+    a = a_bufs.index(slot).slice(ROW0, ROWS)
+    partial = warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), partial, use_acc=False, is_async=True)
     return count + 1, partial
 
 
@@ -128,23 +129,23 @@ def matmul_fp8_overlap_kernel(
         p1 = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         loads = _load_step(loads, AHEAD, a_desc, b_desc, m0, n0, ready, a_bufs, b_bufs, STAGES, BLOCK_K,
                            AHEAD < steps)
-        mmas, q0 = _issue_mma(mmas, p0, ready, a_bufs, b_bufs, STAGES)
+        mmas, q0 = _issue_mma(mmas, p0, ready, a_bufs, b_bufs, STAGES, 0, BLOCK_M)
         # Two K steps per iteration, so each partial tile keeps its registers: while one step's MMAs run
         # into one partial, the other partial (the step before) is waited for and added.
         for j in range((steps - 1) // 2):
             k1 = 2 * j + 1
             loads = _load_step(loads, k1 + AHEAD, a_desc, b_desc, m0, n0, ready, a_bufs, b_bufs, STAGES, BLOCK_K,
                                k1 + AHEAD < steps)
-            mmas, q1 = _issue_mma(mmas, p1, ready, a_bufs, b_bufs, STAGES)
+            mmas, q1 = _issue_mma(mmas, p1, ready, a_bufs, b_bufs, STAGES, 0, BLOCK_M)
             p0 = warpgroup_mma_wait(1, deps=(q0,))
             acc += p0
             loads = _load_step(loads, k1 + 1 + AHEAD, a_desc, b_desc, m0, n0, ready, a_bufs, b_bufs, STAGES,
                                BLOCK_K, k1 + 1 + AHEAD < steps)
-            mmas, q0 = _issue_mma(mmas, p0, ready, a_bufs, b_bufs, STAGES)
+            mmas, q0 = _issue_mma(mmas, p0, ready, a_bufs, b_bufs, STAGES, 0, BLOCK_M)
             p1 = warpgroup_mma_wait(1, deps=(q1,))
             acc += p1
         if (steps - 1) % 2 == 1:  # one K step left over
-            mmas, q1 = _issue_mma(mmas, p1, ready, a_bufs, b_bufs, STAGES)
+            mmas, q1 = _issue_mma(mmas, p1, ready, a_bufs, b_bufs, STAGES, 0, BLOCK_M)
             p0 = warpgroup_mma_wait(1, deps=(q0,))
             acc += p0
             p1 = warpgroup_mma_wait(0, deps=(q1,))
@@ -207,18 +208,6 @@ def _ws_producer(a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_am,
 
 
 @gluon.jit
-def _ws_mma(count, partial, ready, a_bufs, b_bufs, STAGES: gl.constexpr, ROW0: gl.constexpr,
-            ROWS: gl.constexpr):
-    """Wait for ring slot ``count % STAGES``, then issue the MMAs of this warp group's rows of it into
-    ``partial`` (from zero) without waiting for them. Returns the next count and the in-flight partial."""
-    slot = count % STAGES
-    mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-    a = a_bufs.index(slot).slice(ROW0, ROWS)
-    partial = warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), partial, use_acc=False, is_async=True)
-    return count + 1, partial
-
-
-@gluon.jit
 def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                  M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                  HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
@@ -244,26 +233,26 @@ def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr,
         p0 = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         p1 = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         prev = count % STAGES
-        count, q0 = _ws_mma(count, p0, ready, a_bufs, b_bufs, STAGES, ROW0, ROWS)
+        count, q0 = _issue_mma(count, p0, ready, a_bufs, b_bufs, STAGES, ROW0, ROWS)
         # As in the one-partition kernel: two K steps an iteration, so each partial keeps its registers.
         # Once step k's MMAs are issued, step k - 1's are waited for, its slot is released to the producer
         # (both warp groups arrive) and its partial is added while step k runs.
         for j in range((steps - 1) // 2):
             cur = count % STAGES
-            count, q1 = _ws_mma(count, p1, ready, a_bufs, b_bufs, STAGES, ROW0, ROWS)
+            count, q1 = _issue_mma(count, p1, ready, a_bufs, b_bufs, STAGES, ROW0, ROWS)
             p0 = warpgroup_mma_wait(1, deps=(q0,))
             mbarrier.arrive(empty.index(prev), count=1)
             acc += p0
             prev = cur
             cur = count % STAGES
-            count, q0 = _ws_mma(count, p0, ready, a_bufs, b_bufs, STAGES, ROW0, ROWS)
+            count, q0 = _issue_mma(count, p0, ready, a_bufs, b_bufs, STAGES, ROW0, ROWS)
             p1 = warpgroup_mma_wait(1, deps=(q1,))
             mbarrier.arrive(empty.index(prev), count=1)
             acc += p1
             prev = cur
         if (steps - 1) % 2 == 1:  # one K step left over
             cur = count % STAGES
-            count, q1 = _ws_mma(count, p1, ready, a_bufs, b_bufs, STAGES, ROW0, ROWS)
+            count, q1 = _issue_mma(count, p1, ready, a_bufs, b_bufs, STAGES, ROW0, ROWS)
             p0 = warpgroup_mma_wait(1, deps=(q0,))
             mbarrier.arrive(empty.index(prev), count=1)
             acc += p0
