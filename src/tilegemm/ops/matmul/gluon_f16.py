@@ -1,0 +1,253 @@
+"""16-bit GEMM on Hopper in Gluon, warp-specialized and cooperative: a producer warp group loads, two
+consumer warp groups share each output tile.
+
+The layout cuBLAS runs for fp16/bf16 at 2048^3 and 4096^3 on an H200 (its kernel names, read with
+``scripts/cublas_kernels.py``: ``..._256x128_64x4_1x2_h_bz_coopA_NNT``) is a 256x128 tile whose two
+consumer warp groups take 128 rows each. Per K step a warp group then reads a 128x64 slice of A and the
+64x128 tile of B from shared memory, a fifth less than the 64x64 + 64x256 a warp group of a 128x256 tile
+reads (what ``persistent_tma``'s Triton kernel runs).
+
+- a producer warp group (40 registers a thread) walks the program's tiles in grouped order and keeps a
+  ring of ``STAGES`` shared-memory slots filled through TMA; each slot has a "ready" barrier (its copies
+  landed) and an "empty" barrier that needs both consumers' arrivals (both have read it);
+- consumer warp group ``WG`` (0 or 1) takes rows ``WG * BLOCK_M / 2 ...`` of every tile: it waits on a
+  slot's "ready" barrier, issues its MMAs, keeps one MMA group in flight and frees the slot before; then
+  the epilogue (fused ops, conversion, TMA store of its half through its own shared-memory buffer).
+
+Each partition makes the TMA descriptors it uses (a descriptor made on the device is fenced for the warp
+that made it), so launches can be replayed. 16-bit wgmma reads either operand order from shared memory,
+so A and B may each be row- or column-major (NN/NT/TN/TT), described to TMA as they lie
+(:attr:`GemmProblem.tma_view`). Outputs are 16-bit (the output buffers sit beside the ring).
+
+Written against Triton 3.6's Gluon API, for sm_90. Gluon has no interpreter: the suite compiles it for
+sm_90 without a GPU, the GPU tests run it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
+from tilegemm.jit_helpers import epilogue_tile, tile_origin
+from tilegemm.ops.matmul.problem import GemmProblem
+
+BLOCK_K = 64
+CONFIG_KEY = "GLUON_F16"  # marks this kernel's configs among persistent_tma's candidates
+NUM_WARPS = 4  # the first consumer warp group; warp_specialize adds the second and the producer's
+# Registers a thread asks for (setmaxnreg): a consumer's accumulator is 128 a thread (128 rows x 128
+# columns or 64 x 256 over one warp group); the producer needs few. 2 * 128 * 232 + 128 * 40 <= 65536.
+CONSUMER_REGS = 232
+PRODUCER_REGS = 40
+
+
+@gluon.jit
+def _producer(a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_a, stride_b,
+              A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
+    """Keeps the ring filled with every K step of every tile of this program, in order. A is described as
+    [M, K] or (A_T) [K, M], B as [K, N] or (B_T) [N, K]: whichever way each lies with unit inner stride."""
+    ty: gl.constexpr = a_ptr.dtype.element_ty
+    if A_T:
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], ty)
+        a_desc = tma.make_tensor_descriptor(a_ptr, [K, M], [stride_a, 1], [BLOCK_K, BLOCK_M], a_layout)
+    else:
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], ty)
+        a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_a, 1], [BLOCK_M, BLOCK_K], a_layout)
+    if B_T:
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], ty)
+        b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_b, 1], [BLOCK_N, BLOCK_K], b_layout)
+    else:
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], ty)
+        b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [stride_b, 1], [BLOCK_K, BLOCK_N], b_layout)
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    steps = gl.cdiv(K, BLOCK_K)
+    count = 0
+    for tile in range(gl.program_id(0), tiles_m * tiles_n, NUM_SMS):
+        m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
+        for ks in range(steps):
+            slot = count % STAGES
+            # Both consumers have read the slot's previous contents (step count - STAGES). A new barrier
+            # counts as having completed the phase before its first, so the first lap does not wait.
+            mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            k0 = ks * BLOCK_K
+            if A_T:
+                tma.async_copy_global_to_shared(a_desc, [k0, m0], bar, a_bufs.index(slot))
+            else:
+                tma.async_copy_global_to_shared(a_desc, [m0, k0], bar, a_bufs.index(slot))
+            if B_T:
+                tma.async_copy_global_to_shared(b_desc, [n0, k0], bar, b_bufs.index(slot))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [k0, n0], bar, b_bufs.index(slot))
+            count += 1
+
+
+@gluon.jit
+def _operands(a_bufs, b_bufs, slot, ROW0: gl.constexpr, ROWS: gl.constexpr, A_T: gl.constexpr, B_T: gl.constexpr):
+    """Slot ``slot``'s [ROWS, BK] rows of A from ROW0 and its [BK, BN] tile of B, as the MMA reads them."""
+    if A_T:
+        a = a_bufs.index(slot).slice(ROW0, ROWS, dim=1).permute((1, 0))
+    else:
+        a = a_bufs.index(slot).slice(ROW0, ROWS)
+    b = b_bufs.index(slot)
+    if B_T:
+        b = b.permute((1, 0))
+    return a, b
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr,
+              M, N, K, stride_om, stride_cm, stride_cn, stride_bias, alpha, beta,
+              HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+              A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
+              WG: gl.constexpr):
+    """Warp group ``WG`` (0 or 1): the MMAs and epilogue of rows WG * BLOCK_M / 2 ... of every tile."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    ROW0: gl.constexpr = WG * ROWS
+    o_ty: gl.constexpr = out_ptr.dtype.element_ty
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], o_ty)
+    o_desc = tma.make_tensor_descriptor(out_ptr, [M, N], [stride_om, 1], [ROWS, BLOCK_N], o_layout)
+    o_smem = o_bufs.index(WG)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    steps = gl.cdiv(K, BLOCK_K)
+    count = 0
+    for tile in range(gl.program_id(0), tiles_m * tiles_n, NUM_SMS):
+        acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        slot = count % STAGES
+        mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+        a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T)
+        acc = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc,))  # waits for nothing (one group in flight): a tensor again
+        for ks in range(1, steps):
+            prev = slot
+            count += 1
+            slot = count % STAGES
+            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+            a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T)
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+            # Step ks - 1's MMAs are done once at most one group (step ks) is in flight: free its slot.
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            mbarrier.arrive(empty.index(prev), count=1)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(slot), count=1)
+        count += 1
+
+        m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
+        offs_m = m0 + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        acc = epilogue_tile(acc, c_ptr, bias_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N,
+                            stride_cm, stride_cn, stride_bias, 0, 0, alpha, beta,
+                            HAS_C, HAS_BIAS, ACTIVATION, False, False)
+        tma.store_wait(pendings=0)  # this warp group's previous store has left its buffer
+        o_smem.store(acc.to(o_ty))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def matmul_f16_coop_kernel(
+    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_a, stride_b, stride_om,
+    stride_cm, stride_cn, stride_bias,
+    alpha, beta,
+    A_T: gl.constexpr, B_T: gl.constexpr,
+    HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    ty: gl.constexpr = a_ptr.dtype.element_ty
+    o_ty: gl.constexpr = out_ptr.dtype.element_ty
+    if A_T:
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], ty)
+        a_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_K, BLOCK_M], a_layout)
+    else:
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], ty)
+        a_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    if B_T:
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], ty)
+        b_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+    else:
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], ty)
+        b_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_K, BLOCK_N], b_layout)
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_N], o_ty)
+    o_bufs = gl.allocate_shared_memory(o_ty, [2, BLOCK_M // 2, BLOCK_N], o_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumer warp groups release a slot
+    # (The argument tuples are written out in the call: a tuple assigned to a name would turn its
+    # constexprs into tensors.)
+    gl.warp_specialize([
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr,
+                     M, N, K, stride_om, stride_cm, stride_cn, stride_bias, alpha, beta,
+                     HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 0)),
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr,
+                     M, N, K, stride_om, stride_cm, stride_cn, stride_bias, alpha, beta,
+                     HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 1)),
+        (_producer, (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_a, stride_b,
+                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+# --- host side ---------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N): a consumer warp group holds 128 accumulator registers a thread in each.
+TILES = ((256, 128), (128, 256))
+
+
+def _fits(bm: int, bn: int, stages: int) -> bool:
+    return stages * (bm + bn) * BLOCK_K * 2 + bm * bn * 2 + 1024 <= HOPPER_SMEM_PER_BLOCK
+
+
+def configs(out_element_size: int = 2) -> list[dict]:
+    """Tiles and ring depths that fit beside the output buffers (a 256x128 tile: 3 stages of 48 KB)."""
+    return [dict(GLUON_F16=True, BLOCK_M=bm, BLOCK_N=bn, STAGES=s, num_warps=NUM_WARPS)
+            for bm, bn in TILES for s in (3, 4) if _fits(bm, bn, s)]
+
+
+def usable(p: GemmProblem) -> str | None:
+    """None when this kernel takes the problem (given that TMA can describe it); otherwise why not."""
+    if p.a.dtype not in (torch.float16, torch.bfloat16) or p.b.dtype != p.a.dtype:
+        return "not a 16-bit problem"
+    if p.out.element_size() != 2:
+        return "needs a 16-bit output"
+    if p.batch != 1:
+        return "batched"
+    if p.scale_a is not None or p.scale_b is not None:
+        return "scales are for fp8"
+    return None
+
+
+def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
+    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.launch.launch`."""
+    a_t, b_t, stride_a, stride_b = p.tma_view
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
+    flags = p.kernel_flags()
+    c, bias, _, _ = p.epilogue_pointers()
+    args = (p.a, p.b, p.out, c, bias, p.M, p.N, p.K, stride_a, stride_b, p.out_strides[1],
+            p.c_strides[1], p.c_strides[2], p.bias_stride, p.alpha, p.beta)
+    kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=8, NUM_SMS=num_sms,
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
+    return matmul_f16_coop_kernel, (min(num_sms, tiles),), args, kwargs
