@@ -43,19 +43,24 @@ def operand(rows, cols, transposed, dtype):
 
 def call(a, b, out, cfg, c=None, bias=None, alpha=1.0, beta=0.0, act="none"):
     p = make_problems(a, b, out, c, bias, alpha, beta, act, "ieee", False)[0]
-    assert persistent_tma.describable(p) is None and gluon_f16.usable(p) is None
+    why = persistent_tma.describable(p) or gluon_f16.usable(p)
+    assert why is None, why
     args = gluon_f16.launch_args(p, cfg, sm_count(out.device))
     return lambda: launch(*args)
 
 
 def check(results):
     bad = 0
-    shapes = [(128, 128, 64), (257, 264, 400), (300, 136, 256), (1000, 520, 384), (17, 1040, 2048), (2048, 1920, 4096)]
+    shapes = [(128, 128, 64), (257, 264, 400), (264, 257, 408), (300, 136, 256), (1000, 520, 384), (17, 1040, 2048), (2048, 1920, 4096)]
     for M, N, K in shapes:
         for dname, dt in DTYPES.items():
             for layout in ("NN", "NT", "TN", "TT"):
                 a = operand(M, K, layout[0] == "T", dt)
                 b = operand(K, N, layout[1] == "T", dt)
+                probe = make_problems(a, b, torch.empty(M, N, device="cuda", dtype=dt), None, None, 1.0, 0.0,
+                                      "none", "ieee", False)[0]
+                if persistent_tma.describable(probe) is not None:  # e.g. odd M with A column-major
+                    continue
                 ref = a.double() @ b.double()
                 for name, cfg in variants().items():
                     out = torch.full((M, N), float("nan"), device="cuda", dtype=dt)
