@@ -105,25 +105,28 @@ def _operands(a_bufs, b_bufs, slot, ROW0: gl.constexpr, ROWS: gl.constexpr, A_T:
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr,
+def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_ptr,
               M, N, K, stride_om, stride_cm, stride_cn, stride_bias, alpha, beta,
               HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
-              WG: gl.constexpr):
-    """Warp group ``WG`` (0 or 1): the MMAs and epilogue of rows WG * BLOCK_M / 2 ... of every tile."""
+              SHARED_OUT: gl.constexpr, WG: gl.constexpr):
+    """Warp group ``WG`` (0 or 1): the MMAs and epilogue of rows WG * BLOCK_M / 2 ... of every tile. With
+    ``SHARED_OUT`` the two warp groups take turns at one output buffer (``turn`` barriers), which leaves
+    room for a fourth ring slot."""
     ROWS: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = WG * ROWS
     o_ty: gl.constexpr = out_ptr.dtype.element_ty
     o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], o_ty)
     o_desc = tma.make_tensor_descriptor(out_ptr, [M, N], [stride_om, 1], [ROWS, BLOCK_N], o_layout)
-    o_smem = o_bufs.index(WG)
+    o_smem = o_bufs.index(0 if SHARED_OUT else WG)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     steps = gl.cdiv(K, BLOCK_K)
     count = 0
+    j = 0  # tiles done
     for tile in range(gl.program_id(0), tiles_m * tiles_n, NUM_SMS):
         acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         slot = count % STAGES
@@ -151,10 +154,21 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr,
         acc = epilogue_tile(acc, c_ptr, bias_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N,
                             stride_cm, stride_cn, stride_bias, 0, 0, alpha, beta,
                             HAS_C, HAS_BIAS, ACTIVATION, False, False)
-        tma.store_wait(pendings=0)  # this warp group's previous store has left its buffer
-        o_smem.store(acc.to(o_ty))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
+        if SHARED_OUT:
+            # Warp group 0 goes first in every tile (its first wait passes: a new barrier counts the phase
+            # before its first); each hands the buffer on once its store has read it.
+            mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
+            o_smem.store(acc.to(o_ty))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+        else:
+            tma.store_wait(pendings=0)  # this warp group's previous store has left its buffer
+            o_smem.store(acc.to(o_ty))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
+        j += 1
     tma.store_wait(pendings=0)
 
 
@@ -168,7 +182,7 @@ def matmul_f16_coop_kernel(
     A_T: gl.constexpr, B_T: gl.constexpr,
     HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-    GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
+    GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, SHARED_OUT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     ty: gl.constexpr = a_ptr.dtype.element_ty
@@ -186,27 +200,34 @@ def matmul_f16_coop_kernel(
         b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], ty)
         b_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_K, BLOCK_N], b_layout)
     o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_N], o_ty)
-    o_bufs = gl.allocate_shared_memory(o_ty, [2, BLOCK_M // 2, BLOCK_N], o_layout)
+    o_bufs = gl.allocate_shared_memory(o_ty, [1 if SHARED_OUT else 2, BLOCK_M // 2, BLOCK_N], o_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumer warp groups release a slot
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     # (The argument tuples are written out in the call: a tuple assigned to a name would turn its
     # constexprs into tensors.)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr,
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_ptr,
                      M, N, K, stride_om, stride_cm, stride_cn, stride_bias, alpha, beta,
-                     HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 0)),
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr,
+                     HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS,
+                     SHARED_OUT, 0)),
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_ptr,
                      M, N, K, stride_om, stride_cm, stride_cn, stride_bias, alpha, beta,
-                     HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 1)),
+                     HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS,
+                     SHARED_OUT, 1)),
         (_producer, (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_a, stride_b,
                      A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(turn.index(i))
 
 
 # --- host side ---------------------------------------------------------------------------------------------
@@ -215,14 +236,16 @@ def matmul_f16_coop_kernel(
 TILES = ((256, 128), (128, 256))
 
 
-def _fits(bm: int, bn: int, stages: int) -> bool:
-    return stages * (bm + bn) * BLOCK_K * 2 + bm * bn * 2 + 1024 <= HOPPER_SMEM_PER_BLOCK
+def _fits(bm: int, bn: int, stages: int, shared_out: bool) -> bool:
+    out = bm * bn * 2 // (2 if shared_out else 1)
+    return stages * (bm + bn) * BLOCK_K * 2 + out + 1024 <= HOPPER_SMEM_PER_BLOCK
 
 
 def configs(out_element_size: int = 2) -> list[dict]:
-    """Tiles and ring depths that fit beside the output buffers (a 256x128 tile: 3 stages of 48 KB)."""
-    return [dict(GLUON_F16=True, BLOCK_M=bm, BLOCK_N=bn, STAGES=s, num_warps=NUM_WARPS)
-            for bm, bn in TILES for s in (3, 4) if _fits(bm, bn, s)]
+    """Tiles and ring depths that fit beside the output buffers: a 256x128 tile has 3 stages of 48 KB
+    beside two output buffers, 4 beside one the warp groups take turns at (``SHARED_OUT``)."""
+    return [dict(GLUON_F16=True, BLOCK_M=bm, BLOCK_N=bn, STAGES=s, SHARED_OUT=so, num_warps=NUM_WARPS)
+            for bm, bn in TILES for s, so in ((3, False), (4, True)) if _fits(bm, bn, s, so)]
 
 
 def usable(p: GemmProblem) -> str | None:
@@ -249,5 +272,5 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
             p.c_strides[1], p.c_strides[2], p.bias_stride, p.alpha, p.beta)
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=8, NUM_SMS=num_sms,
-                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
+                  SHARED_OUT=cfg.get("SHARED_OUT", False), CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
     return matmul_f16_coop_kernel, (min(num_sms, tiles),), args, kwargs
