@@ -216,13 +216,14 @@ def _ensure_allocator() -> None:
 def gluon_kernel_for(p: GemmProblem):
     """The module of the Gluon kernel that takes ``p``, else None: :mod:`tilegemm.ops.matmul.gluon_fp8` for
     promoted fp8 (A row-major, B column-major), :mod:`tilegemm.ops.matmul.gluon_tf32` for tf32 NN and TT
-    (an operand through registers). They are written for sm_90 against Triton 3.6's Gluon API (experimental, it moves between
+    (an operand through registers), :mod:`tilegemm.ops.matmul.gluon_f16` for 16-bit operands with a 16-bit
+    output. They are written for sm_90 against Triton 3.6's Gluon API (experimental, it moves between
     versions), and Gluon has no interpreter."""
     if interpreting() or compute_capability() != (9, 0) or not triton.__version__.startswith("3.6."):
         return None
-    from tilegemm.ops.matmul import gluon_fp8, gluon_tf32
+    from tilegemm.ops.matmul import gluon_f16, gluon_fp8, gluon_tf32
 
-    for module in (gluon_fp8, gluon_tf32):
+    for module in (gluon_fp8, gluon_tf32, gluon_f16):
         if module.usable(p) is None:
             return module
     return None
@@ -236,7 +237,7 @@ def candidates(p: GemmProblem) -> list[dict]:
 
 
 def _launch(p: GemmProblem, cfg: dict) -> None:
-    if cfg.get("GLUON_FP8") or cfg.get("GLUON_TF32"):
+    if cfg.get("GLUON_FP8") or cfg.get("GLUON_TF32") or cfg.get("GLUON_F16"):
         gluon = gluon_kernel_for(p)
         if gluon is not None and cfg.get(gluon.CONFIG_KEY):
             launch(*gluon.launch_args(p, cfg, sm_count(p.out.device)))
