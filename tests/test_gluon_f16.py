@@ -228,3 +228,12 @@ def test_shipped_entries_are_configs_of_the_kernel():
                 found += 1
                 assert key.startswith("persistent_tma|") and cfg in gluon_f16.configs(), (path.name, key)
     assert found  # the H200 ships some
+
+
+def test_persistent_tma_knows_every_gluon_kernels_config_key():
+    from tilegemm.ops.matmul import gluon_fp8, gluon_tf32
+
+    modules = (gluon_fp8, gluon_tf32, gluon_f16)
+    assert set(persistent_tma.GLUON_CONFIG_KEYS) == {m.CONFIG_KEY for m in modules}
+    # auto times the two rungs where the fp8 and tf32 kernels take a problem, not for 16-bit.
+    assert [m.AUTO_TIMED_BAND for m in modules] == [True, True, False]

@@ -45,6 +45,8 @@ from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_K = 64
 CONFIG_KEY = "GLUON_F16"  # marks this kernel's configs among persistent_tma's candidates
+# One more persistent_tma candidate: auto keeps the bands it has for 16-bit (op.choose_kernel).
+AUTO_TIMED_BAND = False
 NUM_WARPS = 4  # the first consumer warp group; warp_specialize adds the second and the producer's
 # Registers a thread asks for (setmaxnreg): a consumer's accumulator is 128 a thread (128 rows x 128
 # columns or 64 x 256 over one warp group); the producer needs few. 2 * 128 * 232 + 128 * 40 <= 65536.
@@ -56,8 +58,8 @@ PRODUCER_REGS = 40
 def _producer(a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_a, stride_b,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
-    """Keeps the ring filled with every K step of every tile of this program, in order. A is described as
-    [M, K] or (A_T) [K, M], B as [K, N] or (B_T) [N, K]: whichever way each lies with unit inner stride."""
+    """Makes A's and B's descriptors (whichever way each lies with unit inner stride) and keeps the ring
+    filled (:func:`fill_ring`)."""
     ty: gl.constexpr = a_ptr.dtype.element_ty
     if A_T:
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], ty)
@@ -71,17 +73,29 @@ def _producer(a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_a, str
     else:
         b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], ty)
         b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [stride_b, 1], [BLOCK_K, BLOCK_N], b_layout)
+    fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS,
+              A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)
+
+
+@gluon.jit
+def fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
+              A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """A producer's loop (also :mod:`gluon_ws`'s): every K step of every tile of this program (tiles
+    program_id, program_id + programs, ... in grouped order) into ring slot ``count % STAGES``, once the
+    slot's "empty" barrier says its previous contents were read; its "ready" barrier counts the bytes in.
+    A is described as [M, K] or (A_T) [K, M], B as [K, N] or (B_T) [N, K]."""
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     steps = gl.cdiv(K, BLOCK_K)
     count = 0
-    for tile in range(gl.program_id(0), tiles_m * tiles_n, NUM_SMS):
+    for tile in range(gl.program_id(0), tiles_m * tiles_n, programs):
         m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
         for ks in range(steps):
             slot = count % STAGES
-            # Both consumers have read the slot's previous contents (step count - STAGES). A new barrier
-            # counts as having completed the phase before its first, so the first lap does not wait.
+            # The slot's previous contents (step count - STAGES) were read. A new barrier counts as having
+            # completed the phase before its first, so the first lap does not wait.
             mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, nbytes)

@@ -44,11 +44,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.jit_helpers import epilogue_tile, tile_origin
+from tilegemm.ops.matmul.gluon_f16 import fill_ring
 from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
 NUM_WARPS = 8  # two warp groups, 64 rows of the tile each
 CONFIG_KEY = "GLUON_FP8"  # marks this kernel's configs among persistent_tma's candidates
+# auto times persistent_tma against autotuned from half a tile per SM to two where this kernel takes the
+# problem (op.choose_kernel).
+AUTO_TIMED_BAND = True
 
 
 @gluon.jit
@@ -180,7 +184,7 @@ def matmul_fp8_overlap_kernel(
 def _ws_producer(a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_am, stride_bn,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                  GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
-    """One warp: keeps the ring filled with every K step of every tile of this program, in order. It makes
+    """The producer warp group: keeps the ring filled with every K step of every tile of this program, in order. It makes
     the operands' descriptors itself (a descriptor made on the device is fenced for the warp that made it)."""
     a_ty: gl.constexpr = a_ptr.dtype.element_ty
     b_ty: gl.constexpr = b_ptr.dtype.element_ty
@@ -188,23 +192,9 @@ def _ws_producer(a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_am,
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], b_ty)
     a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K], a_layout)
     b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K], b_layout)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    steps = gl.cdiv(K, BLOCK_K)
-    count = 0
-    for tile in range(gl.program_id(0), tiles_m * tiles_n, NUM_SMS):
-        m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
-        for ks in range(steps):
-            slot = count % STAGES
-            # Both consumers have read the slot's previous contents (step count - STAGES). A new barrier
-            # counts as having completed the phase before its first, so the first lap does not wait.
-            mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(a_desc, [m0, ks * BLOCK_K], bar, a_bufs.index(slot))
-            tma.async_copy_global_to_shared(b_desc, [n0, ks * BLOCK_K], bar, b_bufs.index(slot))
-            count += 1
+    # A as [M, K], B as its transpose [N, K] (B_T): the loop of gluon_f16's producer.
+    fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS,
+              False, True, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)
 
 
 @gluon.jit

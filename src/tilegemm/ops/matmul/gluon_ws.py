@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.jit_helpers import epilogue_tile, tile_grouped
+from tilegemm.ops.matmul.gluon_f16 import fill_ring
 from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_K = 64
@@ -51,39 +52,6 @@ _GL_TYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # within 168, so the accumulator (128 a thread) leaves 40 for the rest.
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
-
-
-@gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
-              A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    """Fill the ring: every K step of every tile of this program, in order."""
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    steps = gl.cdiv(K, BLOCK_K)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    count = 0
-    for tile in range(gl.program_id(0), tiles_m * tiles_n, programs):
-        pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
-        m0 = pid_m * BLOCK_M
-        n0 = pid_n * BLOCK_N
-        for ks in range(steps):
-            slot = count % STAGES
-            # The slot's previous contents were read by the MMAs of step count - STAGES. A new barrier
-            # counts as having completed the phase before its first, so the first pass does not wait.
-            mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, nbytes)
-            k0 = ks * BLOCK_K
-            if A_T:
-                tma.async_copy_global_to_shared(a_desc, [k0, m0], bar, a_bufs.index(slot))
-            else:
-                tma.async_copy_global_to_shared(a_desc, [m0, k0], bar, a_bufs.index(slot))
-            if B_T:
-                tma.async_copy_global_to_shared(b_desc, [n0, k0], bar, b_bufs.index(slot))
-            else:
-                tma.async_copy_global_to_shared(b_desc, [k0, n0], bar, b_bufs.index(slot))
-            count += 1
 
 
 @gluon.jit
@@ -200,7 +168,7 @@ def matmul_ws_kernel(
         (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, M, N, K, programs,
                      c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
                      A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, 1)),
-        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
+        (fill_ring, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
                      A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):

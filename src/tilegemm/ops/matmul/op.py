@@ -218,9 +218,8 @@ def choose_kernel(p: GemmProblem) -> str:
         min_tiles = sms * (4 if p.a.element_size() == 1 else 2)
         described = describable(p) is None
         gluon = gluon_kernel_for(p) if described else None
-        if gluon is not None and gluon.CONFIG_KEY == "GLUON_F16":
-            # 16-bit: the Gluon kernel is one more persistent_tma candidate; the Triton kernels' bands hold.
-            gluon = None
+        if gluon is not None and not gluon.AUTO_TIMED_BAND:
+            gluon = None  # 16-bit: one more persistent_tma candidate; the Triton kernels' bands hold
         if gluon is None and p.dtype == torch.float32 and p.mma_operands != "ab":
             # tf32 with an operand that is not K-major. persistent_tma's Triton loops for it must stay
             # serialized to be right (0.55x-0.70x cuBLAS, see persistent_tma.hopper_configs), and autotuned

@@ -213,6 +213,10 @@ def _ensure_allocator() -> None:
         _allocator_set = True
 
 
+# The CONFIG_KEY of each Gluon kernel module: a config carrying one of them launches that kernel.
+GLUON_CONFIG_KEYS = ("GLUON_FP8", "GLUON_TF32", "GLUON_F16")
+
+
 def gluon_kernel_for(p: GemmProblem):
     """The module of the Gluon kernel that takes ``p``, else None: :mod:`tilegemm.ops.matmul.gluon_fp8` for
     promoted fp8 (A row-major, B column-major), :mod:`tilegemm.ops.matmul.gluon_tf32` for tf32 NN and TT
@@ -237,7 +241,7 @@ def candidates(p: GemmProblem) -> list[dict]:
 
 
 def _launch(p: GemmProblem, cfg: dict) -> None:
-    if cfg.get("GLUON_FP8") or cfg.get("GLUON_TF32") or cfg.get("GLUON_F16"):
+    if any(cfg.get(key) for key in GLUON_CONFIG_KEYS):
         gluon = gluon_kernel_for(p)
         if gluon is not None and cfg.get(gluon.CONFIG_KEY):
             launch(*gluon.launch_args(p, cfg, sm_count(p.out.device)))
