@@ -1,0 +1,111 @@
+"""The two-CTA cluster kernel with TMA multicast (``scripts/cluster_f16.py``), an exploration kernel.
+
+No rung launches it (it ran even with the same kernel without clusters; docs/rungs/persistent_tma.md),
+but ``scripts/explore_cluster.py`` times it, and it is the one place that writes the multicast copy, the
+cross-CTA release and the cluster launch that Triton 3.6 lacks, so it is kept compiling and correct here:
+without a GPU it is compiled for sm_90 and its PTX checked (the shared-memory offsets it relies on
+included); on a GPU (``pytest -m gpu``) it runs against an fp64 reference.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import SM90, assert_rel_close, compile_offline
+
+SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
+
+_COMPILE = SM90 + textwrap.dedent(
+    f"""
+    import json, re, sys
+    sys.path.insert(0, {str(SCRIPTS)!r})
+    import cluster_f16 as cf
+
+    kernel = cf.matmul_f16_cluster_kernel
+    report = {{}}
+    for name, v in json.loads(sys.argv[1]).items():
+        cfg = dict(BLOCK_M=v["bm"], BLOCK_N=v["bn"], STAGES=v["stages"], SHARED_OUT=v["shared_out"])
+        flags = dict(A_OFF=cf._a_offset(cfg), B_T=v["b_t"], HAS_C=False, HAS_BIAS=False, ACTIVATION="none",
+                     BLOCK_M=v["bm"], BLOCK_N=v["bn"], BLOCK_K=cf.BLOCK_K, STAGES=v["stages"], GROUP_M=8,
+                     SHARED_OUT=v["shared_out"], MCAST=v["mcast"], REMOTE=v["mcast"], SCOPE="cta",
+                     A_GLUON=False, CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4)
+        sig, constexprs, attrs = signature(kernel, flags, "*fp16")
+        sig["a_half_desc"] = "*u8"
+        compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, 4)
+        llir = compiled.asm["llir"]
+        ready, empty = cf._offsets(llir, 4 if v["mcast"] else 2)
+        report[name] = dict(
+            multicast=len(re.findall(r"cp\\.async\\.bulk\\.tensor\\.2d\\.shared::cluster\\.global\\.mbarrier::"
+                                     r"complete_tx::bytes\\.multicast::cluster", ptx)),
+            remote_arrives=len(re.findall(r"mbarrier\\.arrive\\.shared::cluster\\.b64", ptx)),
+            cluster_arrives=len(re.findall(r"barrier\\.cluster\\.arrive\\.release;", ptx)),
+            smem_base=len(re.findall(r"mov\\.u32 %r\\d+, global_smem;", ptx)),
+            a_off=flags["A_OFF"], a_off_in_llir=f"@global_smem, i32 {{flags['A_OFF']}})" in llir,
+            ready=ready, empty=empty,
+            spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
+            shared=compiled.metadata.shared,
+        )
+    print(json.dumps(report))
+    """
+)
+
+_VARIANTS = {
+    "nn-256x128-s4-multicast": dict(bm=256, bn=128, stages=4, shared_out=True, b_t=False, mcast=True),
+    "nt-128x256-s3-multicast": dict(bm=128, bn=256, stages=3, shared_out=False, b_t=True, mcast=True),
+    "nn-128x256-s4-own": dict(bm=128, bn=256, stages=4, shared_out=True, b_t=False, mcast=False),
+}
+
+
+def test_cluster_kernel_compiles_with_multicast(tmp_path):
+    report = compile_offline(tmp_path, _COMPILE, _VARIANTS, timeout=600)
+    for name, r in report.items():
+        v = _VARIANTS[name]
+        ring = v["stages"] * (v["bm"] + v["bn"]) * 64 * 2
+        if v["mcast"]:
+            assert r["multicast"] == 1, f"{name}: {r['multicast']} multicast copies"
+            # Each consumer warp group releases a slot in both CTAs, in the K loop and after it.
+            assert r["remote_arrives"] == 2 * 2 * 2, f"{name}: {r['remote_arrives']}"
+        else:
+            assert r["multicast"] == 0 and r["remote_arrives"] == 0, f"{name}: {r}"
+        # A cluster barrier at the start and the end of each of the three partitions.
+        assert r["cluster_arrives"] == 6, f"{name}: {r['cluster_arrives']}"
+        assert r["smem_base"] >= 1
+        # The offsets the host derives: A's ring where the allocator put it, the barriers past every buffer.
+        assert r["a_off"] == 0 or r["a_off_in_llir"], f"{name}: A's ring is not at {r['a_off']}"
+        assert ring <= r["ready"] < r["empty"] < r["shared"], f"{name}: {r}"
+        assert r["empty"] - r["ready"] >= 8 * v["stages"]
+        assert r["spills"] and max(r["spills"]) == 0, f"{name}: spills {r['spills']}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["mc", "own"])
+@pytest.mark.parametrize("b_t", [False, True], ids=["NN", "NT"])
+@pytest.mark.parametrize("shape", [(256, 512, 64), (1000, 520, 384), (17, 1040, 2048), (264, 1032, 408)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_cluster_kernel_matches_the_reference(shape, b_t, mode):
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the cluster kernel is written for sm_90")
+    sys.path.insert(0, str(SCRIPTS))
+    import cluster_f16
+    from explore_cluster import CONFIGS, MODES
+
+    from tilegemm.ops.matmul import persistent_tma
+
+    persistent_tma._ensure_allocator()
+    M, N, K = shape
+    a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    b = torch.randn(N, K, device="cuda", dtype=torch.float16).T if b_t else \
+        torch.randn(K, N, device="cuda", dtype=torch.float16)
+    ref = a.double() @ b.double()
+    for cfg in CONFIGS.values():
+        for clusters in (66, 3):  # one pair per cluster or fewer; several pairs per cluster
+            out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
+            fn, _ = cluster_f16.prepare(a, b, out, cfg, clusters, **MODES[mode])
+            fn()
+            torch.cuda.synchronize()
+            assert_rel_close(out, ref, 1e-2)
