@@ -23,7 +23,8 @@ Measured on an H200 (``scripts/explore_f16_coop.py``): 128x256 tiles ran 0.96x-0
 4096^3 where ``persistent_tma``'s Triton kernel ran 0.93x-0.96x, about even from 8192^3 up, and behind
 ``autotuned`` at 2048^3; cuBLAS's own 256x128 tile was slower here. ``persistent_tma`` times its configs
 beside Triton's for 16-bit problems (the H200 ships it at 4096^3). What cuBLAS has that this lacks: its
-two-CTA clusters, which share operand loads through TMA multicast (not in Triton 3.6).
+two-CTA clusters, which share operand loads through TMA multicast (not in Triton 3.6). Written by hand in
+PTX (``scripts/cluster_f16.py``), multicast of A ran even with this kernel without clusters.
 
 Written against Triton 3.6's Gluon API, for sm_90. Gluon has no interpreter: the suite compiles it for
 sm_90 without a GPU, the GPU tests run it.
