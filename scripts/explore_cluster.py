@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -27,6 +26,7 @@ from tilegemm.ops.matmul import gluon_f16, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 
 import cluster_f16
+from explore_f16_coop import timed  # rounds of do_bench medians, as there
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 CONFIGS = {
@@ -81,14 +81,6 @@ def check(results, configs):
                             print("  WRONG", results[-1], flush=True)
         print(f"  checked {M}x{N}x{K} ({time.time() - t0:.1f}s last)", flush=True)
     return bad
-
-
-def timed(fns: dict, rounds=3, rep=100):
-    runs = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            runs[k].append(triton.testing.do_bench(f, warmup=25, rep=rep))
-    return {k: statistics.median(v) for k, v in runs.items()}
 
 
 def main():
