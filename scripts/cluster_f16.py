@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from tilegemm.jit_helpers import epilogue_tile, tile_origin
+from tilegemm.ops.matmul.gluon_f16 import _operands  # (A row-major here: A_T False)
 
 BLOCK_K = 64
 
@@ -140,8 +141,9 @@ def _producer(a_half_desc, a_ptr, stride_a, b_ptr, a_bufs, b_bufs, ready, empty,
               B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
               STAGES: gl.constexpr, GROUP_M: gl.constexpr, MCAST: gl.constexpr, A_GLUON: gl.constexpr):
     ty: gl.constexpr = b_ptr.dtype.element_ty
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], ty)
-    a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_a, 1], [BLOCK_M, BLOCK_K], a_layout)
+    if A_GLUON:
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], ty)
+        a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_a, 1], [BLOCK_M, BLOCK_K], a_layout)
     pid = gl.program_id(0)
     rank = pid % 2
     cluster = pid // 2
@@ -189,15 +191,6 @@ def _producer(a_half_desc, a_ptr, stride_a, b_ptr, a_bufs, b_bufs, ready, empty,
 
 
 @gluon.jit
-def _operands(a_bufs, b_bufs, slot, ROW0: gl.constexpr, ROWS: gl.constexpr, B_T: gl.constexpr):
-    a = a_bufs.index(slot).slice(ROW0, ROWS)
-    b = b_bufs.index(slot)
-    if B_T:
-        b = b.permute((1, 0))
-    return a, b
-
-
-@gluon.jit
 def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_ptr,
               M, N, K, stride_om, stride_cm, stride_cn, stride_bias, alpha, beta, empty_off, clusters,
               HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
@@ -226,7 +219,7 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_p
         acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         slot = count % STAGES
         mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-        a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, B_T)
+        a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, False, B_T)
         acc = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc,))
         for ks in range(1, steps):
@@ -234,7 +227,7 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_p
             count += 1
             slot = count % STAGES
             mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, B_T)
+            a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, False, B_T)
             acc = warpgroup_mma(a, b, acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc,))
             if REMOTE:
