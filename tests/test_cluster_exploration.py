@@ -109,3 +109,64 @@ def test_cluster_kernel_matches_the_reference(shape, b_t, mode):
             fn()
             torch.cuda.synchronize()
             assert_rel_close(out, ref, 1e-2)
+
+
+# --- the promoted-fp8 cluster kernel (scripts/cluster_fp8.py): B shared by multicast ------------------------
+
+_COMPILE_FP8 = SM90 + textwrap.dedent(
+    f"""
+    import json, re, sys
+    sys.path.insert(0, {str(SCRIPTS)!r})
+    import cluster_fp8 as cf
+
+    kernel = cf.matmul_fp8_cluster_kernel
+    report = {{}}
+    for name, v in json.loads(sys.argv[1]).items():
+        flags = dict(HAS_C=False, HAS_BIAS=False, ACTIVATION="none", HAS_SCALE_A=True, HAS_SCALE_B=True,
+                     STAGES=v["stages"], GROUP_M=4, MCAST=v["mcast"], REMOTE=v["remote"], CONSUMER_REGS=232,
+                     PRODUCER_REGS=40, num_warps=4)
+        types = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", out_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16",
+                     scale_a_ptr="*fp32", scale_b_ptr="*fp32")
+        sig, constexprs, attrs = signature(kernel, flags, types)
+        sig["b_half_desc"] = "*u8"
+        compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, 4)
+        llir = compiled.asm["llir"]
+        ready, empty = cf._offsets(llir, 4 if v["remote"] else 2)
+        report[name] = dict(
+            multicast=len(re.findall(r"cp\\.async\\.bulk\\.tensor\\.2d\\.shared::cluster\\.global\\.mbarrier::"
+                                     r"complete_tx::bytes\\.multicast::cluster", ptx)),
+            remote_arrives=len(re.findall(r"mbarrier\\.arrive\\.shared::cluster\\.b64", ptx)),
+            cluster_arrives=len(re.findall(r"barrier\\.cluster\\.arrive\\.release;", ptx)),
+            o_after_ring=f"@global_smem, i32 {{v['stages'] * cf.SLOT.value}})" in llir,
+            ready=ready, empty=empty,
+            spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
+            shared=compiled.metadata.shared,
+        )
+    print(json.dumps(report))
+    """
+)
+
+_VARIANTS_FP8 = {
+    "s6-multicast": dict(stages=6, mcast=True, remote=True),
+    "s5-own": dict(stages=5, mcast=False, remote=False),
+}
+
+
+def test_fp8_cluster_kernel_compiles_with_multicast(tmp_path):
+    report = compile_offline(tmp_path, _COMPILE_FP8, _VARIANTS_FP8, timeout=600)
+    for name, r in report.items():
+        v = _VARIANTS_FP8[name]
+        if v["mcast"]:
+            assert r["multicast"] == 1, f"{name}: {r['multicast']} multicast copies"
+            # Each consumer warp group releases a slot in both CTAs at four places (two in the K loop, the
+            # odd step's two, the even case's one: 2 + 2 + 1), to two CTAs: 5 x 2 x 2.
+            assert r["remote_arrives"] == 20, f"{name}: {r['remote_arrives']}"
+        else:
+            assert r["multicast"] == 0 and r["remote_arrives"] == 0, f"{name}: {r}"
+        assert r["cluster_arrives"] == 6, f"{name}: {r['cluster_arrives']}"
+        # The ring (A and B^T of each slot, one buffer) at 0, the output buffers right after it, the
+        # barriers past both.
+        assert r["o_after_ring"], f"{name}: the output buffers are not right after the ring"
+        ring = v["stages"] * 2 * 128 * 128
+        assert ring + 2 * 64 * 128 * 2 <= r["ready"] < r["empty"] < r["shared"], f"{name}: {r}"
+        assert r["spills"] and max(r["spills"]) == 0, f"{name}: spills {r['spills']}"
