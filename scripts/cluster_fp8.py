@@ -47,15 +47,17 @@ HALF_B = gl.constexpr(128 * 128 // 2)  # bytes of half of B's tile (64 rows of B
 @gluon.jit
 def _producer(b_half_desc, a_ptr, b_ptr, ring, ready, empty, M, N, K, stride_am, stride_bn, ready_off, clusters,
               STAGES: gl.constexpr, GROUP_M: gl.constexpr, MCAST: gl.constexpr):
-    ty: gl.constexpr = a_ptr.dtype.element_ty
-    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], ty)
+    a_ty: gl.constexpr = a_ptr.dtype.element_ty
+    b_ty: gl.constexpr = b_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], a_ty)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], b_ty)
     pid = gl.program_id(0)
     rank = pid % 2
     cluster = pid // 2
     _cluster_sync(pid)
-    a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK, BLOCK], layout)
+    a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK, BLOCK], a_layout)
     if not MCAST:
-        b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK, BLOCK], layout)
+        b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK, BLOCK], b_layout)
     base = _smem_base(pid)
     desc = b_half_desc.to(gl.int64, bitcast=True)
     mask = gl.full([], 3, gl.int16)  # both CTAs of the cluster
@@ -77,9 +79,16 @@ def _producer(b_half_desc, a_ptr, b_ptr, ring, ready, empty, M, N, K, stride_am,
                 dst = base + slot * SLOT + SLOT // 2 + rank * HALF_B
                 _multicast_load(dst, desc, k0, n0 + rank * (BLOCK // 2), base + ready_off + slot * 8, mask)
             else:
-                tma.async_copy_global_to_shared(b_desc, [n0, k0], bar, ring.index(slot).slice(BLOCK, BLOCK))
+                tma.async_copy_global_to_shared(b_desc, [n0, k0], bar, _b_tile(ring, slot, b_ty))
             count += 1
     _cluster_sync(pid)
+
+
+@gluon.jit
+def _b_tile(ring, slot, b_ty: gl.constexpr):
+    """Slot ``slot``'s B^T tile (rows 128..255 of the ring, which is typed as A) as B's fp8 type."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], b_ty)
+    return ring.index(slot).slice(BLOCK, BLOCK)._reinterpret(b_ty, [BLOCK, BLOCK], layout)
 
 
 @gluon.jit
@@ -93,17 +102,18 @@ def _release(empty, slot, base, empty_off, REMOTE: gl.constexpr):
 
 
 @gluon.jit
-def _issue(count, partial, ready, ring, STAGES: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr):
+def _issue(count, partial, ready, ring, STAGES: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr,
+           B_TY: gl.constexpr):
     slot = count % STAGES
     mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
     a = ring.index(slot).slice(ROW0, ROWS)
-    b = ring.index(slot).slice(BLOCK, BLOCK).permute((1, 0))
+    b = _b_tile(ring, slot, B_TY).permute((1, 0))
     partial = warpgroup_mma(a, b, partial, use_acc=False, is_async=True)
     return count + 1, partial
 
 
 @gluon.jit
-def _consumer(ring, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+def _consumer(ring, o_bufs, ready, empty, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
               M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
               empty_off, clusters,
               HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
@@ -113,6 +123,7 @@ def _consumer(ring, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr,
     MMAs) over this CTA's tile of each pair, releasing slots through :func:`_release`."""
     ROWS: gl.constexpr = BLOCK // 2
     ROW0: gl.constexpr = WG * ROWS
+    B_TY: gl.constexpr = b_ptr.dtype.element_ty
     pid = gl.program_id(0)
     rank = pid % 2
     cluster = pid // 2
@@ -133,23 +144,23 @@ def _consumer(ring, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr,
         p0 = gl.zeros((ROWS, BLOCK), dtype=gl.float32, layout=acc_layout)
         p1 = gl.zeros((ROWS, BLOCK), dtype=gl.float32, layout=acc_layout)
         prev = count % STAGES
-        count, q0 = _issue(count, p0, ready, ring, STAGES, ROW0, ROWS)
+        count, q0 = _issue(count, p0, ready, ring, STAGES, ROW0, ROWS, B_TY)
         for j in range((steps - 1) // 2):
             cur = count % STAGES
-            count, q1 = _issue(count, p1, ready, ring, STAGES, ROW0, ROWS)
+            count, q1 = _issue(count, p1, ready, ring, STAGES, ROW0, ROWS, B_TY)
             p0 = warpgroup_mma_wait(1, deps=(q0,))
             _release(empty, prev, base, empty_off, REMOTE)
             acc += p0
             prev = cur
             cur = count % STAGES
-            count, q0 = _issue(count, p0, ready, ring, STAGES, ROW0, ROWS)
+            count, q0 = _issue(count, p0, ready, ring, STAGES, ROW0, ROWS, B_TY)
             p1 = warpgroup_mma_wait(1, deps=(q1,))
             _release(empty, prev, base, empty_off, REMOTE)
             acc += p1
             prev = cur
         if (steps - 1) % 2 == 1:
             cur = count % STAGES
-            count, q1 = _issue(count, p1, ready, ring, STAGES, ROW0, ROWS)
+            count, q1 = _issue(count, p1, ready, ring, STAGES, ROW0, ROWS, B_TY)
             p0 = warpgroup_mma_wait(1, deps=(q0,))
             _release(empty, prev, base, empty_off, REMOTE)
             acc += p0
@@ -202,11 +213,11 @@ def matmul_fp8_cluster_kernel(
         mbarrier.init(empty.index(i), count=4 if REMOTE else 2)  # two consumer warp groups per reading CTA
     _fence_init(gl.program_id(0))
     gl.warp_specialize([
-        (_consumer, (ring, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+        (_consumer, (ring, o_bufs, ready, empty, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                      M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                      empty_off, clusters, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
                      STAGES, GROUP_M, REMOTE, 0)),
-        (_consumer, (ring, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+        (_consumer, (ring, o_bufs, ready, empty, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                      M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                      empty_off, clusters, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
                      STAGES, GROUP_M, REMOTE, 1)),

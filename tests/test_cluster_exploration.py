@@ -125,7 +125,7 @@ _COMPILE_FP8 = SM90 + textwrap.dedent(
         flags = dict(HAS_C=False, HAS_BIAS=False, ACTIVATION="none", HAS_SCALE_A=True, HAS_SCALE_B=True,
                      STAGES=v["stages"], GROUP_M=4, MCAST=v["mcast"], REMOTE=v["remote"], CONSUMER_REGS=232,
                      PRODUCER_REGS=40, num_warps=4)
-        types = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", out_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16",
+        types = dict(a_ptr=v["a"], b_ptr="*fp8e4nv", out_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16",
                      scale_a_ptr="*fp32", scale_b_ptr="*fp32")
         sig, constexprs, attrs = signature(kernel, flags, types)
         sig["b_half_desc"] = "*u8"
@@ -147,8 +147,8 @@ _COMPILE_FP8 = SM90 + textwrap.dedent(
 )
 
 _VARIANTS_FP8 = {
-    "s6-multicast": dict(stages=6, mcast=True, remote=True),
-    "s5-own": dict(stages=5, mcast=False, remote=False),
+    "s6-multicast": dict(stages=6, mcast=True, remote=True, a="*fp8e4nv"),
+    "s5-own-e5m2": dict(stages=5, mcast=False, remote=False, a="*fp8e5"),  # A e5m2, B e4m3: one ring
 }
 
 
