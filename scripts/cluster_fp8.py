@@ -19,7 +19,8 @@ equal size would leave the order between them to the allocator.
 Modes: ``mcast`` (B shared, each consumer releases its slot in both CTAs; ``remote`` is implied),
 ``own`` (clusters launched, each CTA loads all of B itself and releases only its own slot: what the
 cluster launch costs by itself), and ``mcast=False, remote=True`` (the cross-CTA releases without the
-sharing).
+sharing). ``split``: a consumer's two arrives come from two threads (the local one on the CTA path)
+instead of one thread's two cluster-path arrives.
 """
 
 from __future__ import annotations
@@ -92,11 +93,34 @@ def _b_tile(ring, slot, b_ty: gl.constexpr):
 
 
 @gluon.jit
-def _release(empty, slot, base, empty_off, REMOTE: gl.constexpr):
+def _arrive_split(bar, peer):
+    """Thread 0 of the warp group arrives on barrier ``bar`` of this CTA, thread 32 (another warp) on the
+    same barrier of CTA ``peer``: the local arrive takes the CTA path, the two go out side by side."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .pred p0, p1;
+        .reg .b32 t, ra;
+        mov.u32 t, %tid.x;
+        and.b32 t, t, 127;
+        setp.eq.u32 p0, t, 0;
+        setp.eq.u32 p1, t, 32;
+        mapa.shared::cluster.u32 ra, $1, $2;
+        @p0 mbarrier.arrive.shared::cta.b64 _, [$1];
+        @p1 mbarrier.arrive.shared::cluster.b64 _, [ra];
+        mov.u32 $0, 0;
+        }""",
+        "=r,r,r", [bar, peer], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _release(empty, slot, base, empty_off, REMOTE: gl.constexpr, SPLIT: gl.constexpr):
     """This warp group is done reading ring slot ``slot``: tell the producer(s) that fill it."""
     if REMOTE:
-        _arrive_cluster(base + empty_off + slot * 8, 0, "cta")
-        _arrive_cluster(base + empty_off + slot * 8, 1, "cta")
+        if SPLIT:
+            _arrive_split(base + empty_off + slot * 8, 1 - gl.program_id(0) % 2)
+        else:
+            _arrive_cluster(base + empty_off + slot * 8, 0, "cta")
+            _arrive_cluster(base + empty_off + slot * 8, 1, "cta")
     else:
         mbarrier.arrive(empty.index(slot), count=1)
 
@@ -118,7 +142,8 @@ def _consumer(ring, o_bufs, ready, empty, b_ptr, out_ptr, c_ptr, bias_ptr, scale
               empty_off, clusters,
               HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr, REMOTE: gl.constexpr, WG: gl.constexpr):
+              STAGES: gl.constexpr, GROUP_M: gl.constexpr, REMOTE: gl.constexpr, SPLIT: gl.constexpr,
+              WG: gl.constexpr):
     """gluon_fp8's consumer warp group (64 rows, two partials, promotion overlapped with the next step's
     MMAs) over this CTA's tile of each pair, releasing slots through :func:`_release`."""
     ROWS: gl.constexpr = BLOCK // 2
@@ -149,27 +174,27 @@ def _consumer(ring, o_bufs, ready, empty, b_ptr, out_ptr, c_ptr, bias_ptr, scale
             cur = count % STAGES
             count, q1 = _issue(count, p1, ready, ring, STAGES, ROW0, ROWS, B_TY)
             p0 = warpgroup_mma_wait(1, deps=(q0,))
-            _release(empty, prev, base, empty_off, REMOTE)
+            _release(empty, prev, base, empty_off, REMOTE, SPLIT)
             acc += p0
             prev = cur
             cur = count % STAGES
             count, q0 = _issue(count, p0, ready, ring, STAGES, ROW0, ROWS, B_TY)
             p1 = warpgroup_mma_wait(1, deps=(q1,))
-            _release(empty, prev, base, empty_off, REMOTE)
+            _release(empty, prev, base, empty_off, REMOTE, SPLIT)
             acc += p1
             prev = cur
         if (steps - 1) % 2 == 1:
             cur = count % STAGES
             count, q1 = _issue(count, p1, ready, ring, STAGES, ROW0, ROWS, B_TY)
             p0 = warpgroup_mma_wait(1, deps=(q0,))
-            _release(empty, prev, base, empty_off, REMOTE)
+            _release(empty, prev, base, empty_off, REMOTE, SPLIT)
             acc += p0
             p1 = warpgroup_mma_wait(0, deps=(q1,))
-            _release(empty, cur, base, empty_off, REMOTE)
+            _release(empty, cur, base, empty_off, REMOTE, SPLIT)
             acc += p1
         else:
             p0 = warpgroup_mma_wait(0, deps=(q0,))
-            _release(empty, prev, base, empty_off, REMOTE)
+            _release(empty, prev, base, empty_off, REMOTE, SPLIT)
             acc += p0
 
         m0p, n0 = tile_origin(pair, pairs_m, tiles_n, GROUP_M, 2 * BLOCK, BLOCK)
@@ -198,7 +223,7 @@ def matmul_fp8_cluster_kernel(
     HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
     HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr,
     STAGES: gl.constexpr, GROUP_M: gl.constexpr, MCAST: gl.constexpr, REMOTE: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     ty: gl.constexpr = a_ptr.dtype.element_ty
     o_ty: gl.constexpr = out_ptr.dtype.element_ty
@@ -216,11 +241,11 @@ def matmul_fp8_cluster_kernel(
         (_consumer, (ring, o_bufs, ready, empty, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                      M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                      empty_off, clusters, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
-                     STAGES, GROUP_M, REMOTE, 0)),
+                     STAGES, GROUP_M, REMOTE, SPLIT, 0)),
         (_consumer, (ring, o_bufs, ready, empty, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                      M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                      empty_off, clusters, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
-                     STAGES, GROUP_M, REMOTE, 1)),
+                     STAGES, GROUP_M, REMOTE, SPLIT, 1)),
         (_producer, (b_half_desc, a_ptr, b_ptr, ring, ready, empty, M, N, K, stride_am, stride_bn, ready_off,
                      clusters, STAGES, GROUP_M, MCAST)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -247,7 +272,7 @@ def encode_descriptor(t: torch.Tensor, block: list[int]) -> torch.Tensor:
 _compiled = {}
 
 
-def prepare(a, b, out, stages=6, clusters=66, mcast=True, remote=None, scale_a=None, scale_b=None):
+def prepare(a, b, out, stages=6, clusters=66, mcast=True, remote=None, split=False, scale_a=None, scale_b=None):
     """A function that launches out = scale_a * scale_b * (a @ b) with the cluster kernel (a row-major
     [M, K] fp8, b [K, N] column-major fp8, per-tensor scales or none) in ``clusters`` clusters of two
     CTAs, and the descriptor buffer it reads (keep it alive while the function is used)."""
@@ -261,11 +286,11 @@ def prepare(a, b, out, stages=6, clusters=66, mcast=True, remote=None, scale_a=N
     sa = scale_a if has_s else out
     sb = scale_b if has_s else out
     kw = dict(HAS_C=False, HAS_BIAS=False, ACTIVATION="none", HAS_SCALE_A=has_s, HAS_SCALE_B=has_s,
-              STAGES=stages, GROUP_M=4, MCAST=mcast, REMOTE=remote, CONSUMER_REGS=232, PRODUCER_REGS=40,
+              STAGES=stages, GROUP_M=4, MCAST=mcast, REMOTE=remote, SPLIT=split, CONSUMER_REGS=232, PRODUCER_REGS=40,
               num_warps=4)
     args = [desc, a, b, out, out, out, sa, sb, M, N, K, a.stride(0), b.stride(1), out.stride(0), 0, 0, 0, 0, 0,
             1.0, 0.0]
-    key = (a.dtype, b.dtype, out.dtype, has_s, stages, mcast, remote)
+    key = (a.dtype, b.dtype, out.dtype, has_s, stages, mcast, remote, split)
     if key not in _compiled:
         # Placeholder offsets that no specialization keys on (not 1, not a multiple of 16).
         compiled = matmul_fp8_cluster_kernel.warmup(*args, 8, 8, 3, grid=(1,), **kw)

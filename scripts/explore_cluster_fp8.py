@@ -31,8 +31,9 @@ from explore_f16_coop import timed  # rounds of do_bench medians
 
 # mc: B shared by multicast, each consumer releases its slot in both CTAs; nomc: each CTA loads all of B
 # and still releases in both (the synchronisation alone); own: each loads all of B and releases its own
-# slot (the kernel launched in clusters, nothing shared).
+# slot (the kernel launched in clusters, nothing shared); _sp: the two arrives from two threads.
 MODES = {"mc": dict(mcast=True, remote=True), "nomc": dict(mcast=False, remote=True),
+         "mc_sp": dict(mcast=True, remote=True, split=True), "nomc_sp": dict(mcast=False, remote=True, split=True),
          "own": dict(mcast=False, remote=False)}
 
 
@@ -56,7 +57,7 @@ def check(results, stages_list):
             sb = torch.tensor(1.25, device="cuda")
             ref = (a.double() @ w.double().T) * (0.75 * 1.25)
             for stages in stages_list:
-                for clusters, mode in ((66, "mc"), (3, "mc"), (66, "nomc"), (5, "own"), (1, "mc")):
+                for clusters, mode in ((66, "mc"), (3, "mc"), (66, "nomc"), (5, "own"), (1, "mc"), (66, "mc_sp"), (3, "nomc_sp")):
                     out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
                     fn, _ = cluster_fp8.prepare(a, w.T, out, stages, clusters, scale_a=sa, scale_b=sb, **MODES[mode])
                     fn()

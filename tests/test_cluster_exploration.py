@@ -123,7 +123,8 @@ _COMPILE_FP8 = SM90 + textwrap.dedent(
     report = {{}}
     for name, v in json.loads(sys.argv[1]).items():
         flags = dict(HAS_C=False, HAS_BIAS=False, ACTIVATION="none", HAS_SCALE_A=True, HAS_SCALE_B=True,
-                     STAGES=v["stages"], GROUP_M=4, MCAST=v["mcast"], REMOTE=v["remote"], CONSUMER_REGS=232,
+                     STAGES=v["stages"], GROUP_M=4, MCAST=v["mcast"], REMOTE=v["remote"],
+                     SPLIT=v.get("split", False), CONSUMER_REGS=232,
                      PRODUCER_REGS=40, num_warps=4)
         types = dict(a_ptr=v["a"], b_ptr="*fp8e4nv", out_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16",
                      scale_a_ptr="*fp32", scale_b_ptr="*fp32")
@@ -136,6 +137,7 @@ _COMPILE_FP8 = SM90 + textwrap.dedent(
             multicast=len(re.findall(r"cp\\.async\\.bulk\\.tensor\\.2d\\.shared::cluster\\.global\\.mbarrier::"
                                      r"complete_tx::bytes\\.multicast::cluster", ptx)),
             remote_arrives=len(re.findall(r"mbarrier\\.arrive\\.shared::cluster\\.b64", ptx)),
+            local_asm_arrives=len(re.findall(r"mbarrier\\.arrive\\.shared::cta\\.b64 _, \\[%r", ptx)),
             cluster_arrives=len(re.findall(r"barrier\\.cluster\\.arrive\\.release;", ptx)),
             o_after_ring=f"@global_smem, i32 {{v['stages'] * cf.SLOT.value}})" in llir,
             ready=ready, empty=empty,
@@ -149,6 +151,7 @@ _COMPILE_FP8 = SM90 + textwrap.dedent(
 _VARIANTS_FP8 = {
     "s6-multicast": dict(stages=6, mcast=True, remote=True, a="*fp8e4nv"),
     "s5-own-e5m2": dict(stages=5, mcast=False, remote=False, a="*fp8e5"),  # A e5m2, B e4m3: one ring
+    "s6-multicast-split": dict(stages=6, mcast=True, remote=True, split=True, a="*fp8e4nv"),
 }
 
 
@@ -160,7 +163,9 @@ def test_fp8_cluster_kernel_compiles_with_multicast(tmp_path):
             assert r["multicast"] == 1, f"{name}: {r['multicast']} multicast copies"
             # Each consumer warp group releases a slot in both CTAs at four places (two in the K loop, the
             # odd step's two, the even case's one: 2 + 2 + 1), to two CTAs: 5 x 2 x 2.
-            assert r["remote_arrives"] == 20, f"{name}: {r['remote_arrives']}"
+            # (split: one of the two is a local arrive)
+            want = (10, 10) if v.get("split") else (20, 0)
+            assert (r["remote_arrives"], r["local_asm_arrives"]) == want, f"{name}: {r}"
         else:
             assert r["multicast"] == 0 and r["remote_arrives"] == 0, f"{name}: {r}"
         assert r["cluster_arrives"] == 6, f"{name}: {r['cluster_arrives']}"
