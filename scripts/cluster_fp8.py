@@ -20,12 +20,15 @@ Modes: ``mcast`` (B shared, each consumer releases its slot in both CTAs; ``remo
 ``own`` (clusters launched, each CTA loads all of B itself and releases only its own slot: what the
 cluster launch costs by itself), and ``mcast=False, remote=True`` (the cross-CTA releases without the
 sharing). ``split``: a consumer's two arrives come from two threads (the local one on the CTA path)
-instead of one thread's two cluster-path arrives.
+instead of one thread's two cluster-path arrives. ``forward``: the consumers release their own CTA's
+slot only (a local arrive, off their critical path); the producer, once its consumers are done with a
+slot, arrives on a "gate" barrier in both CTAs and waits on its own before refilling the slot.
 """
 
 from __future__ import annotations
 
 import ctypes
+import re
 
 import torch
 from triton.experimental import gluon
@@ -46,8 +49,9 @@ HALF_B = gl.constexpr(128 * 128 // 2)  # bytes of half of B's tile (64 rows of B
 
 
 @gluon.jit
-def _producer(b_half_desc, a_ptr, b_ptr, ring, ready, empty, M, N, K, stride_am, stride_bn, ready_off, clusters,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr, MCAST: gl.constexpr):
+def _producer(b_half_desc, a_ptr, b_ptr, ring, ready, empty, gate, M, N, K, stride_am, stride_bn, ready_off,
+              gate_off, clusters, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MCAST: gl.constexpr,
+              FORWARD: gl.constexpr):
     a_ty: gl.constexpr = a_ptr.dtype.element_ty
     b_ty: gl.constexpr = b_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], a_ty)
@@ -72,6 +76,11 @@ def _producer(b_half_desc, a_ptr, b_ptr, ring, ready, empty, M, N, K, stride_am,
         for ks in range(steps):
             slot = count % STAGES
             mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
+            if FORWARD:
+                # This CTA's consumers are done with the slot: say so in both CTAs' "gate", then wait until
+                # the peer's producer has said the same.
+                _arrive_split(base + gate_off + slot * 8, 1 - rank)
+                mbarrier.wait(gate.index(slot), ((count // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, SLOT)  # A from this CTA, B's halves from both
             k0 = ks * BLOCK
@@ -219,11 +228,11 @@ def matmul_fp8_cluster_kernel(
     stride_am, stride_bn, stride_om,
     stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
     alpha, beta,
-    ready_off, empty_off, clusters,
+    ready_off, empty_off, gate_off, clusters,
     HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
     HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr,
     STAGES: gl.constexpr, GROUP_M: gl.constexpr, MCAST: gl.constexpr, REMOTE: gl.constexpr,
-    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    SPLIT: gl.constexpr, FORWARD: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     ty: gl.constexpr = a_ptr.dtype.element_ty
     o_ty: gl.constexpr = out_ptr.dtype.element_ty
@@ -233,9 +242,12 @@ def matmul_fp8_cluster_kernel(
     o_bufs = gl.allocate_shared_memory(o_ty, [2, BLOCK // 2, BLOCK], o_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    gate = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=4 if REMOTE else 2)  # two consumer warp groups per reading CTA
+    for i in gl.static_range(STAGES):
+        mbarrier.init(gate.index(i), count=2)  # (FORWARD) both CTAs' producers
     _fence_init(gl.program_id(0))
     gl.warp_specialize([
         (_consumer, (ring, o_bufs, ready, empty, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
@@ -246,12 +258,13 @@ def matmul_fp8_cluster_kernel(
                      M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                      empty_off, clusters, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
                      STAGES, GROUP_M, REMOTE, SPLIT, 1)),
-        (_producer, (b_half_desc, a_ptr, b_ptr, ring, ready, empty, M, N, K, stride_am, stride_bn, ready_off,
-                     clusters, STAGES, GROUP_M, MCAST)),
+        (_producer, (b_half_desc, a_ptr, b_ptr, ring, ready, empty, gate, M, N, K, stride_am, stride_bn, ready_off,
+                     gate_off, clusters, STAGES, GROUP_M, MCAST, FORWARD)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+        mbarrier.invalidate(gate.index(i))
 
 
 # --- host side ---------------------------------------------------------------------------------------------
@@ -272,30 +285,40 @@ def encode_descriptor(t: torch.Tensor, block: list[int]) -> torch.Tensor:
 _compiled = {}
 
 
-def prepare(a, b, out, stages=6, clusters=66, mcast=True, remote=None, split=False, scale_a=None, scale_b=None):
+def _gate_offset(llir: str, stages: int) -> int:
+    """gate[0]'s offset: the first barrier initialised after the 2 * stages of the ready and empty rings."""
+    inits = re.findall(r'mbarrier\.init\.shared::cta\.b64 \[\$1\], (\d+);", "b,r"\(i1 %[\w.]+, ptr addrspace\(3\) '
+                       r'(?:getelementptr \(i8, ptr addrspace\(3\) )?@global_smem(?:, i32 (\d+)\))?', llir)
+    assert len(inits) == 3 * stages and all(n == "2" for n, _ in inits[2 * stages:]), inits
+    return int(inits[2 * stages][1])
+
+
+def prepare(a, b, out, stages=6, clusters=66, mcast=True, remote=None, split=False, forward=False,
+            scale_a=None, scale_b=None):
     """A function that launches out = scale_a * scale_b * (a @ b) with the cluster kernel (a row-major
     [M, K] fp8, b [K, N] column-major fp8, per-tensor scales or none) in ``clusters`` clusters of two
     CTAs, and the descriptor buffer it reads (keep it alive while the function is used)."""
     M, K = a.shape
     N = b.shape[1]
     assert a.stride(1) == 1 and b.stride(0) == 1
-    remote = mcast if remote is None else remote
-    assert remote or not mcast, "a shared slot must be released in both CTAs"
+    remote = (mcast and not forward) if remote is None else remote
+    assert remote or forward or not mcast, "a shared slot must be released in both CTAs"
+    assert not (remote and forward)
     desc = encode_descriptor(b.T, [BLOCK.value // 2, BLOCK.value])
     has_s = scale_a is not None
     sa = scale_a if has_s else out
     sb = scale_b if has_s else out
     kw = dict(HAS_C=False, HAS_BIAS=False, ACTIVATION="none", HAS_SCALE_A=has_s, HAS_SCALE_B=has_s,
-              STAGES=stages, GROUP_M=4, MCAST=mcast, REMOTE=remote, SPLIT=split, CONSUMER_REGS=232, PRODUCER_REGS=40,
+              STAGES=stages, GROUP_M=4, MCAST=mcast, REMOTE=remote, SPLIT=split, FORWARD=forward, CONSUMER_REGS=232, PRODUCER_REGS=40,
               num_warps=4)
     args = [desc, a, b, out, out, out, sa, sb, M, N, K, a.stride(0), b.stride(1), out.stride(0), 0, 0, 0, 0, 0,
             1.0, 0.0]
-    key = (a.dtype, b.dtype, out.dtype, has_s, stages, mcast, remote, split)
+    key = (a.dtype, b.dtype, out.dtype, has_s, stages, mcast, remote, split, forward)
     if key not in _compiled:
         # Placeholder offsets that no specialization keys on (not 1, not a multiple of 16).
-        compiled = matmul_fp8_cluster_kernel.warmup(*args, 8, 8, 3, grid=(1,), **kw)
+        compiled = matmul_fp8_cluster_kernel.warmup(*args, 8, 8, 8, 3, grid=(1,), **kw)
         llir = compiled.asm["llir"]
-        offs = _offsets(llir, 4 if remote else 2)
+        offs = (*_offsets(llir, 4 if remote else 2), _gate_offset(llir, stages))
         # The ring is the largest buffer, so it sits at offset 0 and the output buffers right after it.
         assert f"@global_smem, i32 {stages * SLOT.value})" in llir, "ring not at offset 0"
         compiled._init_handles()
@@ -303,8 +326,8 @@ def prepare(a, b, out, stages=6, clusters=66, mcast=True, remote=None, split=Fal
         compiled.packed_metadata = (nw, 2, shared)  # clusters of two along x
         compiled.run.num_ctas = 2
         _compiled[key] = (compiled, offs)
-    compiled, (ready, empty) = _compiled[key]
+    compiled, offs = _compiled[key]
     names = matmul_fp8_cluster_kernel.arg_names
-    params = args + [ready, empty, clusters] + [kw[n] for n in names[len(args) + 3:]]
+    params = args + [*offs, clusters] + [kw[n] for n in names[len(args) + 4:]]
     runner = compiled[(clusters, 1, 1)]
     return lambda: runner(*params), desc

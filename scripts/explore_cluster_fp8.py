@@ -31,9 +31,11 @@ from explore_f16_coop import timed  # rounds of do_bench medians
 
 # mc: B shared by multicast, each consumer releases its slot in both CTAs; nomc: each CTA loads all of B
 # and still releases in both (the synchronisation alone); own: each loads all of B and releases its own
-# slot (the kernel launched in clusters, nothing shared); _sp: the two arrives from two threads.
+# slot (the kernel launched in clusters, nothing shared); _sp: the two arrives from two threads; fwd: the
+# consumers release locally and the producers relay it to each other (a "gate" barrier per slot).
 MODES = {"mc": dict(mcast=True, remote=True), "nomc": dict(mcast=False, remote=True),
          "mc_sp": dict(mcast=True, remote=True, split=True), "nomc_sp": dict(mcast=False, remote=True, split=True),
+         "fwd": dict(mcast=True, remote=False, forward=True), "fwd_nomc": dict(mcast=False, remote=False, forward=True),
          "own": dict(mcast=False, remote=False)}
 
 
@@ -57,7 +59,8 @@ def check(results, stages_list):
             sb = torch.tensor(1.25, device="cuda")
             ref = (a.double() @ w.double().T) * (0.75 * 1.25)
             for stages in stages_list:
-                for clusters, mode in ((66, "mc"), (3, "mc"), (66, "nomc"), (5, "own"), (1, "mc"), (66, "mc_sp"), (3, "nomc_sp")):
+                for clusters, mode in ((66, "mc"), (3, "mc"), (66, "nomc"), (5, "own"), (1, "mc"), (66, "mc_sp"), (3, "nomc_sp"),
+                                      (66, "fwd"), (3, "fwd"), (66, "fwd_nomc")):
                     out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
                     fn, _ = cluster_fp8.prepare(a, w.T, out, stages, clusters, scale_a=sa, scale_b=sb, **MODES[mode])
                     fn()

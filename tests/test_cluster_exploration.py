@@ -124,7 +124,7 @@ _COMPILE_FP8 = SM90 + textwrap.dedent(
     for name, v in json.loads(sys.argv[1]).items():
         flags = dict(HAS_C=False, HAS_BIAS=False, ACTIVATION="none", HAS_SCALE_A=True, HAS_SCALE_B=True,
                      STAGES=v["stages"], GROUP_M=4, MCAST=v["mcast"], REMOTE=v["remote"],
-                     SPLIT=v.get("split", False), CONSUMER_REGS=232,
+                     SPLIT=v.get("split", False), FORWARD=v.get("forward", False), CONSUMER_REGS=232,
                      PRODUCER_REGS=40, num_warps=4)
         types = dict(a_ptr=v["a"], b_ptr="*fp8e4nv", out_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16",
                      scale_a_ptr="*fp32", scale_b_ptr="*fp32")
@@ -133,6 +133,7 @@ _COMPILE_FP8 = SM90 + textwrap.dedent(
         compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, 4)
         llir = compiled.asm["llir"]
         ready, empty = cf._offsets(llir, 4 if v["remote"] else 2)
+        gate = cf._gate_offset(llir, v["stages"])
         report[name] = dict(
             multicast=len(re.findall(r"cp\\.async\\.bulk\\.tensor\\.2d\\.shared::cluster\\.global\\.mbarrier::"
                                      r"complete_tx::bytes\\.multicast::cluster", ptx)),
@@ -140,7 +141,7 @@ _COMPILE_FP8 = SM90 + textwrap.dedent(
             local_asm_arrives=len(re.findall(r"mbarrier\\.arrive\\.shared::cta\\.b64 _, \\[%r", ptx)),
             cluster_arrives=len(re.findall(r"barrier\\.cluster\\.arrive\\.release;", ptx)),
             o_after_ring=f"@global_smem, i32 {{v['stages'] * cf.SLOT.value}})" in llir,
-            ready=ready, empty=empty,
+            ready=ready, empty=empty, gate=gate,
             spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
             shared=compiled.metadata.shared,
         )
@@ -152,6 +153,7 @@ _VARIANTS_FP8 = {
     "s6-multicast": dict(stages=6, mcast=True, remote=True, a="*fp8e4nv"),
     "s5-own-e5m2": dict(stages=5, mcast=False, remote=False, a="*fp8e5"),  # A e5m2, B e4m3: one ring
     "s6-multicast-split": dict(stages=6, mcast=True, remote=True, split=True, a="*fp8e4nv"),
+    "s6-multicast-forward": dict(stages=6, mcast=True, remote=False, forward=True, a="*fp8e4nv"),
 }
 
 
@@ -163,8 +165,9 @@ def test_fp8_cluster_kernel_compiles_with_multicast(tmp_path):
             assert r["multicast"] == 1, f"{name}: {r['multicast']} multicast copies"
             # Each consumer warp group releases a slot in both CTAs at four places (two in the K loop, the
             # odd step's two, the even case's one: 2 + 2 + 1), to two CTAs: 5 x 2 x 2.
-            # (split: one of the two is a local arrive)
-            want = (10, 10) if v.get("split") else (20, 0)
+            # Split: one of the two is a local arrive. Forward: the producer's pair, once, and the consumers'
+            # five local arrives each (Gluon's, which read the same in PTX).
+            want = (1, 11) if v.get("forward") else (10, 10) if v.get("split") else (20, 0)
             assert (r["remote_arrives"], r["local_asm_arrives"]) == want, f"{name}: {r}"
         else:
             assert r["multicast"] == 0 and r["remote_arrives"] == 0, f"{name}: {r}"
@@ -174,4 +177,34 @@ def test_fp8_cluster_kernel_compiles_with_multicast(tmp_path):
         assert r["o_after_ring"], f"{name}: the output buffers are not right after the ring"
         ring = v["stages"] * 2 * 128 * 128
         assert ring + 2 * 64 * 128 * 2 <= r["ready"] < r["empty"] < r["shared"], f"{name}: {r}"
+        assert ring + 2 * 64 * 128 * 2 <= r["gate"] < r["shared"] and r["gate"] not in (r["ready"], r["empty"])
         assert r["spills"] and max(r["spills"]) == 0, f"{name}: spills {r['spills']}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["mc", "mc_sp", "nomc", "own"])
+@pytest.mark.parametrize("a_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", [(300, 136, 256), (1000, 520, 384), (17, 1040, 2048), (257, 264, 400)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_fp8_cluster_kernel_matches_the_reference(shape, a_dtype, mode):
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the cluster kernel is written for sm_90")
+    sys.path.insert(0, str(SCRIPTS))
+    import cluster_fp8
+    from explore_cluster_fp8 import MODES
+
+    from tilegemm.ops.matmul import persistent_tma
+
+    persistent_tma._ensure_allocator()
+    M, N, K = shape
+    a = (torch.randn(M, K, device="cuda") * 2).to(a_dtype)
+    w = (torch.randn(N, K, device="cuda") * 2).to(torch.float8_e4m3fn)
+    sa = torch.tensor(0.75, device="cuda")
+    sb = torch.tensor(1.25, device="cuda")
+    ref = (a.double() @ w.double().T) * (0.75 * 1.25)
+    for clusters in (66, 3):  # one pair per cluster or fewer; several pairs per cluster
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        fn, _ = cluster_fp8.prepare(a, w.T, out, 6, clusters, scale_a=sa, scale_b=sb, **MODES[mode])
+        fn()
+        torch.cuda.synchronize()
+        assert_rel_close(out, ref, 1e-2)
