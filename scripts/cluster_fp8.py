@@ -77,9 +77,11 @@ def _producer(b_half_desc, a_ptr, b_ptr, ring, ready, empty, gate, M, N, K, stri
             slot = count % STAGES
             mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
             if FORWARD:
-                # This CTA's consumers are done with the slot: say so in both CTAs' "gate", then wait until
-                # the peer's producer has said the same.
-                _arrive_split(base + gate_off + slot * 8, 1 - rank)
+                # This CTA's consumers are done with the slot's previous use: say so in both CTAs' "gate",
+                # then wait until the peer's producer has said the same. (The first lap has nothing to
+                # release: an arrive there would complete the gate's phase a lap early.)
+                if count >= STAGES:
+                    _arrive_split(base + gate_off + slot * 8, 1 - rank)
                 mbarrier.wait(gate.index(slot), ((count // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, SLOT)  # A from this CTA, B's halves from both
