@@ -1,8 +1,10 @@
-"""The two-CTA cluster kernel with TMA multicast (``scripts/cluster_f16.py``), an exploration kernel.
+"""The two-CTA cluster kernels with TMA multicast (``scripts/cluster_f16.py``, A shared;
+``scripts/cluster_fp8.py``, promoted fp8 with B shared), exploration kernels.
 
-No rung launches it (it ran even with the same kernel without clusters; docs/rungs/persistent_tma.md),
-but ``scripts/explore_cluster.py`` times it, and it is the one place that writes the multicast copy, the
-cross-CTA release and the cluster launch that Triton 3.6 lacks, so it is kept compiling and correct here:
+No rung launches them (the 16-bit one ran even with the same kernel without clusters, the fp8 one slower;
+docs/rungs/persistent_tma.md), but ``scripts/explore_cluster.py`` and ``scripts/explore_cluster_fp8.py``
+time them, and they are the one place that writes the multicast copy, the cross-CTA release and the
+cluster launch that Triton 3.6 lacks, so they are kept compiling and correct here:
 without a GPU it is compiled for sm_90 and its PTX checked (the shared-memory offsets it relies on
 included); on a GPU (``pytest -m gpu``) it runs against an fp64 reference.
 """
@@ -182,7 +184,7 @@ def test_fp8_cluster_kernel_compiles_with_multicast(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["mc", "mc_sp", "nomc", "own"])
+@pytest.mark.parametrize("mode", ["mc", "mc_sp", "nomc", "own", "fwd"])
 @pytest.mark.parametrize("a_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("shape", [(300, 136, 256), (1000, 520, 384), (17, 1040, 2048), (257, 264, 400)],
                          ids=lambda s: "x".join(map(str, s)))
