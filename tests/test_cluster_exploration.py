@@ -5,8 +5,8 @@ No rung launches them (the 16-bit one ran even with the same kernel without clus
 docs/rungs/persistent_tma.md), but ``scripts/explore_cluster.py`` and ``scripts/explore_cluster_fp8.py``
 time them, and they are the one place that writes the multicast copy, the cross-CTA release and the
 cluster launch that Triton 3.6 lacks, so they are kept compiling and correct here:
-without a GPU it is compiled for sm_90 and its PTX checked (the shared-memory offsets it relies on
-included); on a GPU (``pytest -m gpu``) it runs against an fp64 reference.
+without a GPU they are compiled for sm_90 and their PTX checked (the shared-memory offsets they rely on
+included); on a GPU (``pytest -m gpu``) they run against an fp64 reference.
 """
 
 from __future__ import annotations

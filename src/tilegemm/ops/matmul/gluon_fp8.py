@@ -25,7 +25,8 @@ accumulator (about 205 registers, no spills); a 128x256 tile would not.
   consumers arrive on once their MMAs have read a slot), so one can add its partial while the other's MMAs
   run. Each partition makes the descriptors it uses (a descriptor made on the device is fenced for the
   warp that made it). On an H200 it ran 0.96x-0.97x of ``torch._scaled_mm`` at 4096^3..16384^3 where the
-  one-partition kernel ran 0.87x-0.90x (``scripts/explore_fp8_ws.py``).
+  one-partition kernel ran 0.87x-0.90x (``scripts/explore_fp8_ws.py``). In two-CTA clusters sharing B's
+  tile through TMA multicast (cuBLAS's schedule; ``scripts/cluster_fp8.py``) it ran slower, 0.80x-0.89x.
 
 Both take A row-major and B column-major (both K-major, the layout ``torch._scaled_mm`` takes),
 TMA-aligned, 2-D; :func:`usable` says when. The ``persistent_tma`` rung times both among its candidates for
