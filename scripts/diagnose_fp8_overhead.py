@@ -6,6 +6,8 @@ At 2048^3 the shipped kernel ran 18.5 us where cuBLAS ran 14.9 (profiler times,
 both. Here M = N are fixed and K varies; the profiler's kernel durations (no launch gaps) are fitted as
 ``time = fixed + per_step * K / 128`` by least squares, per kernel. Writes ``$OUT``-style JSON.
 
+``ws_hd`` is the same kernel with host-made descriptors (``scripts/fp8_host_desc.py``).
+
     PYTHONPATH=src:scripts python3 scripts/diagnose_fp8_overhead.py --json out.json [--mn 2048] [--stages 6]
 """
 
@@ -21,6 +23,7 @@ import triton
 from tilegemm.ops.matmul import persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 
+import fp8_host_desc
 from cublas_kernels import kernel_times
 
 
@@ -44,7 +47,7 @@ def main():
     cfg = dict(GLUON_FP8=True, WS=True, STAGES=args.stages, num_warps=4)
     rows = []
     for mn in (int(x) for x in args.mn.split(",")):
-        per = {"scaled_mm": [], "ws": []}
+        per = {"scaled_mm": [], "ws": [], "ws_hd": []}
         ks = [int(x) for x in args.ks.split(",")]
         for K in ks:
             a = torch.randn(mn, K, device="cuda").to(torch.float8_e4m3fn)
@@ -54,20 +57,22 @@ def main():
             out = torch.empty(mn, mn, device="cuda", dtype=torch.bfloat16)
             p = make_problems(a, w.T, out, None, None, 1.0, 0.0, "none", "ieee", False, scales=(sa, 0, sb, 0))[0]
             fns = {"scaled_mm": lambda: torch._scaled_mm(a, w.T, sa, sb, out_dtype=torch.bfloat16),
-                   "ws": lambda: persistent_tma.run(p, cfg)}
+                   "ws": lambda: persistent_tma.run(p, cfg),
+                   "ws_hd": fp8_host_desc.prepare(a, w, out, sa, sb, args.stages)}
             ref = (a.float() @ w.float().T) * (0.75 * 1.25)
-            out.fill_(float("nan"))
-            fns["ws"]()
-            torch.cuda.synchronize()
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, err
+            for name in ("ws", "ws_hd"):
+                out.fill_(float("nan"))
+                fns[name]()
+                torch.cuda.synchronize()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                assert err < 1e-2, (name, err)
             for name, fn in fns.items():
                 times = kernel_times(fn, args.reps)
                 main_kernel = max(times.items(), key=lambda kv: statistics.median(kv[1]))
                 t = statistics.median(main_kernel[1])
                 per[name].append(t)
                 rows.append(dict(M=mn, N=mn, K=K, variant=name, kernel=main_kernel[0], median_us=t, rel_err=err))
-            print(f"{mn} K={K:5d} scaled_mm {per['scaled_mm'][-1]:8.2f} us  ws {per['ws'][-1]:8.2f} us", flush=True)
+            print(f"{mn} K={K:5d} " + "  ".join(f"{k} {v[-1]:8.2f} us" for k, v in per.items()), flush=True)
         for name, ts in per.items():
             fixed, step = fit(ks, ts)
             rows.append(dict(M=mn, N=mn, variant=name, fit_fixed_us=fixed, fit_per_step_us=step))

@@ -199,19 +199,24 @@ def _ws_producer(a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_am,
 
 
 @gluon.jit
-def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, out, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                  M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                  HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
                  HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                 GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WG: gl.constexpr):
+                 GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WG: gl.constexpr, HOST_DESC: gl.constexpr):
     """Warp group ``WG`` (0 or 1): the MMAs, promotion and epilogue of rows WG * BLOCK_M / 2 ... of every
-    tile of this program."""
+    tile of this program. ``out`` is the output's pointer, or (``HOST_DESC``) a descriptor of it made on
+    the host with [BLOCK_M / 2, BLOCK_N] blocks."""
     ROWS: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = WG * ROWS
-    o_ty: gl.constexpr = out_ptr.dtype.element_ty
-    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], o_ty)
-    o_desc = tma.make_tensor_descriptor(out_ptr, [M, N], [stride_om, 1], [ROWS, BLOCK_N], o_layout)
+    if HOST_DESC:
+        o_desc = out
+        o_ty: gl.constexpr = out.dtype
+    else:
+        o_ty: gl.constexpr = out.dtype.element_ty
+        o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], o_ty)
+        o_desc = tma.make_tensor_descriptor(out, [M, N], [stride_om, 1], [ROWS, BLOCK_N], o_layout)
     o_smem = o_bufs.index(WG)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
@@ -299,11 +304,11 @@ def matmul_fp8_ws_kernel(
         (_ws_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                         M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                         HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
-                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 0)),
+                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 0, False)),
         (_ws_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                         M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                         HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
-                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 1)),
+                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 1, False)),
         (_ws_producer, (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_am, stride_bn,
                         BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
