@@ -101,27 +101,54 @@ def test_compiled_code_overlaps_the_promotion_and_does_not_spill(tmp_path):
         assert r["shared"] >= stages * 32 * 1024, f"{name}: {r['shared']} bytes of shared memory"
 
 
-# The warp-specialized kernel: per partition, the MMA waits, the MMA count, setmaxnreg and spills.
+# The warp-specialized kernel: per partition, the MMA waits, the MMA count, setmaxnreg and spills. Its
+# arguments are what launch_args gives for a problem of the variant's dtypes (host descriptors included).
 _COMPILE_WS = SM90 + textwrap.dedent(
     """
     import json, re, sys
+    import torch
+    from triton.runtime.jit import mangle_type
     from tilegemm.ops.matmul import gluon_fp8
+    from tilegemm.ops.matmul.problem import make_problems
     kernel = gluon_fp8.matmul_fp8_ws_kernel
+    TYPES = {"*fp8e4nv": torch.float8_e4m3fn, "*fp8e5": torch.float8_e5m2, "*bf16": torch.bfloat16,
+             "*fp16": torch.float16, "*fp32": torch.float32}
 
     variants = json.loads(sys.argv[1])
     report = {}
     for name, v in variants.items():
-        flags = dict(HAS_C=v["c"], HAS_BIAS=v["bias"], ACTIVATION=v["act"], HAS_SCALE_A=True, HAS_SCALE_B=True,
-                     BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, STAGES=v["stages"], GROUP_M=8, NUM_SMS=132,
-                     PRODUCER_WARPS=4, CONSUMER_REGS=gluon_fp8.WS_CONSUMER_REGS,
-                     PRODUCER_REGS=gluon_fp8.WS_PRODUCER_REGS, num_warps=4)
-        types = dict(a_ptr=v["a"], b_ptr="*fp8e4nv", out_ptr=v["out"], c_ptr="*fp32", bias_ptr="*bf16",
-                     scale_a_ptr="*fp32", scale_b_ptr="*fp32")
-        compiled, ptx, info = compile_sm90(kernel, *signature(kernel, flags, types), 4)
+        M = N = K = 512
+        a = torch.empty(M, K, dtype=TYPES[v["a"]])
+        b = torch.empty(N, K, dtype=torch.float8_e4m3fn).T
+        out = torch.empty(M, N, dtype=TYPES[v["out"]])
+        c = torch.empty(M, N) if v["c"] else None
+        bias = torch.empty(N, dtype=torch.bfloat16) if v["bias"] else None
+        scales = (torch.empty(M), 1, torch.empty(()), 0)
+        p = make_problems(a, b, out, c, bias, 1.0, 0.5 if v["c"] else 0.0, v["act"], "ieee", False,
+                          scales=scales)[0]
+        cfg = dict(GLUON_FP8=True, WS=True, STAGES=v["stages"], num_warps=4)
+        got, _, args, kwargs = gluon_fp8.launch_args(p, cfg, 132)
+        assert got is kernel
+        sig, constexprs, attrs = {}, {}, {}
+        for i, arg in enumerate(kernel.arg_names):
+            if arg in kwargs:
+                sig[arg], constexprs[(i,)] = "constexpr", kwargs[arg]
+                continue
+            val = args[i]
+            if isinstance(val, float):
+                sig[arg] = "fp32"
+            elif isinstance(val, int):
+                sig[arg] = "i32"
+            else:
+                sig[arg] = mangle_type(val)
+                if isinstance(val, torch.Tensor):
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, 4)
         report[name] = dict(
             waits=[int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)],
             mmas=len(re.findall(r"wgmma\\.mma_async", ptx)),
             setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\\.dec\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
+            tensormaps_made=len(re.findall(r"tensormap\\.replace", ptx)),
             spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
             shared=compiled.metadata.shared,
         )
@@ -140,6 +167,8 @@ def test_warp_specialized_kernel_compiles_for_both_consumers_without_spills(tmp_
         # The consumers keep their registers (accumulator and two partials), the producer gives its up.
         assert gluon_fp8.WS_PRODUCER_REGS in r["setmaxnreg"] and gluon_fp8.WS_CONSUMER_REGS in r["setmaxnreg"]
         assert r["spills"] and max(r["spills"]) == 0, f"{name}: spills {r['spills']}"
+        # The descriptors come from the host: none is made on the device (about 2 us a launch).
+        assert r["tensormaps_made"] == 0, f"{name}: {r['tensormaps_made']} descriptors made on the device"
         stages = _VARIANTS[name]["stages"]
         assert r["shared"] >= stages * 32 * 1024, f"{name}: {r['shared']} bytes of shared memory"
 

@@ -201,17 +201,24 @@ def test_gluon_ws_epilogue_and_many_tiles():
 
 
 @pytest.mark.gpu
-def test_launches_with_host_descriptors_are_not_recorded_for_replay():
-    """A replay swaps tensors in their parameter slots; a host descriptor holds its tensor's address, so a
-    recording that contains one must come back unusable."""
+def test_launches_with_host_descriptors_replay_with_new_tensors():
+    """A replay passes each host descriptor again over the new call's tensor (tilegemm.launch): recorded
+    from one call, replayed with other operands and a poisoned output, it computes the new product."""
     if not _hopper():
         pytest.skip("the Gluon kernel is written for sm_90")
-    from tilegemm.launch import recording
+    from tilegemm.launch import Replay, recording
 
     a, b = _operands(256, 256, 128, "NN", torch.float16, "cuda")
     out = torch.full((256, 256), float("nan"), device="cuda", dtype=torch.float16)
     p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
     with recording() as rec:
         _run(p, gluon_ws.configs()[0])
-    assert rec.launches is None
+    assert rec.launches is not None and len(rec.launches) == 1
     assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
+    replay = Replay(rec.launches[0], (a, b, out))
+    a2, b2 = _operands(256, 256, 128, "NN", torch.float16, "cuda")
+    out2 = torch.full((256, 256), float("nan"), device="cuda", dtype=torch.float16)
+    assert replay(a2, b2, out2)
+    torch.cuda.synchronize()
+    assert_rel_close(out2, matmul_reference(a2, b2), tolerance(torch.float16))
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))  # the first output untouched

@@ -211,4 +211,32 @@ def test_replay_cache_keeps_aliased_calls_only_when_the_key_says_so():
     cache.store("k", [Launch(FakeCompiled(), (1, 1, 1), params)], (x, x.mT, out, scale, scale))
     assert cache.get("k") is None, "aliased tensors are refused unless the key says how they alias"
     cache.store("k", [Launch(FakeCompiled(), (1, 1, 1), params)], (x, x.mT, out, scale, scale), aliases_in_key=True)
-    assert cache.get("k").slots == [(0, 0), (1, 0), (2, 2), (3, 3), (4, 3)]
+    assert cache.get("k").slots == [(0, 0, None), (1, 0, None), (2, 2, None), (3, 3, None), (4, 3, None)]
+
+
+def test_replay_slots_take_host_descriptors_over_the_new_tensors():
+    """A host-side TMA descriptor among a launch's parameters gets a slot by its base's data pointer; a
+    replay passes a copy over the new tensor, with the recorded shape, strides, block and layout."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from tilegemm.launch import Launch, Replay, _rebased
+
+    class FakeCompiled:
+        run = function = packed_metadata = None
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: None
+
+    a, out, other = torch.randn(64, 32), torch.empty(64, 64), torch.randn(64, 32)
+    layout = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32)
+    desc = TensorDescriptor(a, [64, 32], [32, 1], [64, 32], layout)
+    replay = Replay(Launch(FakeCompiled(), (1, 1, 1), [desc, out, 5]), (a, out))
+    assert replay.slots == [(0, 0, desc), (1, 1, None)]
+    copy = _rebased(desc, other)
+    assert copy.base is other and desc.base is a
+    assert (copy.shape, copy.strides, copy.block_shape, copy.layout, copy.padding) == \
+        (desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding)
+    stranger = TensorDescriptor(torch.randn(64, 32), [64, 32], [32, 1], [64, 32], layout)
+    with pytest.raises(LookupError):
+        Replay(Launch(FakeCompiled(), (1, 1, 1), [stranger, out]), (a, out))

@@ -225,7 +225,7 @@ def test_timed_launches_are_replays_of_the_candidates_own(monkeypatch):
 def test_unreplayable_launches_are_launched_every_time(monkeypatch):
     import tilegemm.launch as launch_mod
 
-    class Spoiled:  # what recording gives for host-side descriptors or the interpreter
+    class Spoiled:  # what recording gives under the interpreter
         def __enter__(self):
             return self
 

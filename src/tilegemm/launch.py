@@ -10,6 +10,11 @@ dtypes, device and 16-byte alignment all match an earlier one (everything Triton
 replay it with :class:`Replay`, swapping in the new tensors. A replay calls Triton's C launcher itself
 unless a launch hook is registered, which brought a 64x64 ``tilegemm.matmul`` to 1.3x-1.5x the host time
 of ``torch.matmul`` (from about 1.7x).
+
+Host-side TMA descriptors (Gluon's ``TensorDescriptor``, passed as kernel parameters) replay too: the
+descriptor's shape, strides and block are the call's (they are in the op's replay key), so a replay
+passes a copy of the recorded descriptor with the new tensor as its base, and Triton's launcher encodes
+it as it does for any launch.
 """
 
 from __future__ import annotations
@@ -63,9 +68,7 @@ def launch(kernel, grid, args: tuple, kwargs: dict, keep: tuple = (), stream: in
     compiled = kernel[grid](*args, **kwargs)
     record = getattr(_state, "launches", None)
     if record is not None:
-        # A host-side TMA descriptor holds its tensor's address, which a replay could not swap.
-        if compiled is None or interpreting() or getattr(_state, "spoiled", False) or \
-                any(hasattr(v, "block_shape") and hasattr(v, "base") for v in args):
+        if compiled is None or interpreting() or getattr(_state, "spoiled", False):
             _state.spoiled = True
         else:
             g = tuple(grid(kwargs) if callable(grid) else grid)
@@ -109,6 +112,19 @@ def _direct_launcher(launcher):
     return launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
 
 
+def _is_host_descriptor(value) -> bool:
+    return hasattr(value, "block_shape") and hasattr(value, "base") and hasattr(value, "layout")
+
+
+def _rebased(desc, tensor):
+    """A copy of host descriptor ``desc`` over ``tensor``'s memory. The replay key vouches for everything
+    the descriptor's checks cover (shape, strides, dtype, 16-byte alignment), so they are not run again."""
+    copy = object.__new__(type(desc))
+    copy.__dict__.update(desc.__dict__)
+    copy.base = tensor
+    return copy
+
+
 class Replay:
     """One recorded launch, replayable with new tensors in the same parameter slots."""
 
@@ -135,15 +151,17 @@ class Replay:
         # A launcher may pass a view of a call's tensor (same data pointer): the compiled kernel only
         # reads the pointer, so the call's tensor can stand in for it.
         ptrs = [t.data_ptr() for t in tensors]
-        self.slots = []  # (param index, position in ``tensors``)
+        self.slots = []  # (param index, position in ``tensors``, the recorded descriptor or None)
         for i, value in enumerate(self.params):
-            if hasattr(value, "data_ptr"):
-                ptr = value.data_ptr()
+            desc = value if _is_host_descriptor(value) else None
+            tensor = value.base if desc is not None else value
+            if hasattr(tensor, "data_ptr"):
+                ptr = tensor.data_ptr()
                 if ptr in kept:
                     continue  # the launcher's workspace: passed as recorded
                 if ptr not in ptrs:
                     raise LookupError("a tensor parameter is not one of the call's tensors")
-                self.slots.append((i, ptrs.index(ptr)))
+                self.slots.append((i, ptrs.index(ptr), desc))
 
     def __call__(self, *tensors) -> bool:
         """Launch with ``tensors`` in the recorded ones' slots; False (nothing launched) on a foreign stream,
@@ -155,8 +173,8 @@ class Replay:
         if self.stream is not None and stream != self.stream:
             return False
         params = self.params.copy()
-        for i, j in self.slots:
-            params[i] = tensors[j]
+        for i, j, desc in self.slots:
+            params[i] = tensors[j] if desc is None else _rebased(desc, tensors[j])
         if not _hooks_idle():
             self.runner(*params, stream=stream)  # a profiler listens: Triton's path gives its hooks metadata
             return True

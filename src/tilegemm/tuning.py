@@ -179,7 +179,7 @@ def _replaying(launch, cfg: dict):
     microseconds where Triton's launch path costs 15 or more (a Gluon kernel's, with its constexprs, 30 to
     60): on a kernel of 10-30 us, between L2 clears, that path made timings host-bound, and the tuner then
     preferred a kernel that launches quickly to a faster one. Launches that cannot be replayed (under the
-    interpreter, with host-side TMA descriptors) are launched through ``launch(cfg)`` every time."""
+    interpreter) are launched through ``launch(cfg)`` every time."""
     from tilegemm.launch import Replay, recording
 
     state = {"calls": 0, "replays": None}

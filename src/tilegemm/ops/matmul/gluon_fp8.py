@@ -23,10 +23,12 @@ accumulator (about 205 registers, no spills); a 128x256 tile would not.
 - ``matmul_fp8_ws_kernel`` (configs with ``WS``): warp-specialized. A producer warp group keeps the ring
   full; each consumer warp group waits only on mbarriers ("ready" per slot, and an "empty" barrier both
   consumers arrive on once their MMAs have read a slot), so one can add its partial while the other's MMAs
-  run. Each partition makes the descriptors it uses (a descriptor made on the device is fenced for the
-  warp that made it). On an H200 it ran 0.96x-0.97x of ``torch._scaled_mm`` at 4096^3..16384^3 where the
-  one-partition kernel ran 0.87x-0.90x (``scripts/explore_fp8_ws.py``). In two-CTA clusters sharing B's
-  tile through TMA multicast (cuBLAS's schedule; ``scripts/cluster_fp8.py``) it ran slower, 0.80x-0.89x.
+  run. Its TMA descriptors are made on the host (:func:`descriptors`) and passed as kernel parameters:
+  made by each partition on the device, they cost about 2 us a launch before the first load, which was
+  most of what it trailed ``torch._scaled_mm`` by at 2048^3 (``scripts/diagnose_fp8_overhead.py``). On an
+  H200 it ran 0.96x-0.97x of ``torch._scaled_mm`` at 4096^3..16384^3 where the one-partition kernel ran
+  0.87x-0.90x (``scripts/explore_fp8_ws.py``). In two-CTA clusters sharing B's tile through TMA
+  multicast (cuBLAS's schedule; ``scripts/cluster_fp8.py``) it ran slower, 0.80x-0.89x.
 
 Both take A row-major and B column-major (both K-major, the layout ``torch._scaled_mm`` takes),
 TMA-aligned, 2-D; :func:`usable` says when. The ``persistent_tma`` rung times both among its candidates for
@@ -36,12 +38,14 @@ Gluon has no interpreter: the suite compiles them for sm_90 without a GPU, and t
 
 from __future__ import annotations
 
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.jit_helpers import epilogue_tile, tile_origin
@@ -182,41 +186,17 @@ def matmul_fp8_overlap_kernel(
 
 
 @gluon.jit
-def _ws_producer(a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_am, stride_bn,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                 GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
-    """The producer warp group: keeps the ring filled with every K step of every tile of this program, in order. It makes
-    the operands' descriptors itself (a descriptor made on the device is fenced for the warp that made it)."""
-    a_ty: gl.constexpr = a_ptr.dtype.element_ty
-    b_ty: gl.constexpr = b_ptr.dtype.element_ty
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], a_ty)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], b_ty)
-    a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K], a_layout)
-    b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K], b_layout)
-    # A as [M, K], B as its transpose [N, K] (B_T): the loop of gluon_f16's producer.
-    fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS,
-              False, True, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)
-
-
-@gluon.jit
-def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, out, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
-                 M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                 M, N, K, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                  HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
                  HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                 GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WG: gl.constexpr, HOST_DESC: gl.constexpr):
+                 GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WG: gl.constexpr):
     """Warp group ``WG`` (0 or 1): the MMAs, promotion and epilogue of rows WG * BLOCK_M / 2 ... of every
-    tile of this program. ``out`` is the output's pointer, or (``HOST_DESC``) a descriptor of it made on
-    the host with [BLOCK_M / 2, BLOCK_N] blocks."""
+    tile of this program; ``o_desc`` describes the output in [BLOCK_M / 2, BLOCK_N] blocks."""
     ROWS: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = WG * ROWS
-    if HOST_DESC:
-        o_desc = out
-        o_ty: gl.constexpr = out.dtype
-    else:
-        o_ty: gl.constexpr = out.dtype.element_ty
-        o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], o_ty)
-        o_desc = tma.make_tensor_descriptor(out, [M, N], [stride_om, 1], [ROWS, BLOCK_N], o_layout)
+    o_ty: gl.constexpr = o_desc.dtype
     o_smem = o_bufs.index(WG)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
@@ -275,9 +255,8 @@ def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, out, c_ptr, bias_ptr, sca
 
 @gluon.jit
 def matmul_fp8_ws_kernel(
-    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+    a_desc, b_desc, o_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
     M, N, K,
-    stride_am, stride_bn, stride_om,
     stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
     alpha, beta,
     HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
@@ -286,31 +265,30 @@ def matmul_fp8_ws_kernel(
     GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    a_ty: gl.constexpr = a_ptr.dtype.element_ty
-    b_ty: gl.constexpr = b_ptr.dtype.element_ty
-    o_ty: gl.constexpr = out_ptr.dtype.element_ty
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], a_ty)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], b_ty)
-    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_N], o_ty)
-    a_bufs = gl.allocate_shared_memory(a_ty, [STAGES, BLOCK_M, BLOCK_K], a_layout)
-    b_bufs = gl.allocate_shared_memory(b_ty, [STAGES, BLOCK_N, BLOCK_K], b_layout)
-    o_bufs = gl.allocate_shared_memory(o_ty, [2, BLOCK_M // 2, BLOCK_N], o_layout)
+    # The descriptors are made on the host (:func:`descriptors`) and arrive as kernel parameters: A as
+    # [M, K], B as its transpose [N, K], the output as [M, N] in half-tile blocks. Made on the device
+    # instead (each partition its own: a device-made descriptor is fenced for the warp that made it),
+    # they cost each launch about 2 us before the first load (scripts/diagnose_fp8_overhead.py).
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], o_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumer warp groups release a slot
     gl.warp_specialize([
-        (_ws_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
-                        M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+        (_ws_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                        M, N, K, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                         HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
-                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 0, False)),
-        (_ws_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
-                        M, N, K, stride_om, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 0)),
+        (_ws_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                        M, N, K, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                         HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
-                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 1, False)),
-        (_ws_producer, (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_am, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS)),
+                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 1)),
+        # The producer warp group: gluon_f16's loop, with A as [M, K] and B as [N, K] (B_T).
+        (fill_ring, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS,
+                     False, True, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -352,10 +330,37 @@ def usable(p: GemmProblem) -> str | None:
     return None
 
 
+_GL_TYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.float16: gl.float16,
+             torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+
+
+def descriptors(p: GemmProblem):
+    """Host-side TMA descriptors for the warp-specialized kernel: A as [M, K], B as its transpose [N, K]
+    (both K-major, :func:`usable`), the output as [M, N] in [BLOCK_M / 2, BLOCK_N] blocks (one per consumer
+    warp group)."""
+    def desc(base, shape, stride, block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_TYPES[base.dtype])
+        return TensorDescriptor(base, shape, [stride, 1], block, layout)
+
+    return (desc(p.a, [p.M, p.K], p.a_strides[1], [BLOCK_M, BLOCK_K]),
+            desc(p.b, [p.N, p.K], p.b_strides[2], [BLOCK_N, BLOCK_K]),
+            desc(p.out, [p.M, p.N], p.out_strides[1], [BLOCK_M // 2, BLOCK_N]))
+
+
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.launch.launch`."""
     tiles = triton.cdiv(p.M, BLOCK_M) * triton.cdiv(p.N, BLOCK_N)
     flags = p.kernel_flags()
+    if cfg.get("WS"):
+        c, bias, scale_a, scale_b = p.epilogue_pointers()
+        args = (*descriptors(p), c, bias, scale_a, scale_b, p.M, p.N, p.K,
+                p.c_strides[1], p.c_strides[2], p.bias_stride, p.scale_a_stride, p.scale_b_stride, p.alpha, p.beta)
+        kwargs = dict(HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
+                      HAS_SCALE_A=flags["HAS_SCALE_A"], HAS_SCALE_B=flags["HAS_SCALE_B"],
+                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=8,
+                      NUM_SMS=num_sms, PRODUCER_WARPS=4, CONSUMER_REGS=WS_CONSUMER_REGS,
+                      PRODUCER_REGS=WS_PRODUCER_REGS, num_warps=cfg["num_warps"])
+        return matmul_fp8_ws_kernel, (min(num_sms, tiles),), args, kwargs
     args = (
         p.a, p.b, p.out, *p.epilogue_pointers(),
         p.M, p.N, p.K,
@@ -368,7 +373,4 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
                   HAS_SCALE_A=flags["HAS_SCALE_A"], HAS_SCALE_B=flags["HAS_SCALE_B"],
                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=8,
                   NUM_SMS=num_sms, num_warps=cfg["num_warps"])
-    if cfg.get("WS"):
-        kwargs.update(PRODUCER_WARPS=4, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
-        return matmul_fp8_ws_kernel, (min(num_sms, tiles),), args, kwargs
     return matmul_fp8_overlap_kernel, (min(num_sms, tiles),), args, kwargs
