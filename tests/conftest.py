@@ -68,8 +68,8 @@ def compile_offline(tmp_path, source: str, argument, timeout: int = 600):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-# Prepended to a compile_offline script that compiles kernels for sm_90: defines signature() and
-# compile_sm90() (Triton or Gluon kernels).
+# Prepended to a compile_offline script that compiles kernels for sm_90: defines signature(),
+# launch_signature() and compile_sm90() (Triton or Gluon kernels).
 SM90 = textwrap.dedent(
     """
     import os, subprocess, tempfile
@@ -97,6 +97,28 @@ SM90 = textwrap.dedent(
             else:
                 sig[name] = "i32"
                 if aligned_ints:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        return sig, constexprs, attrs
+
+
+    def launch_signature(kernel, args, kwargs):
+        \"\"\"(sig, constexprs, attrs) for triton.compile from what a ``launch_args`` gives: ``kwargs`` as
+        constexprs, floats fp32, ints i32, tensors (16-byte aligned) and host descriptors as Triton types them.\"\"\"
+        import torch
+        from triton.runtime.jit import mangle_type
+        sig, constexprs, attrs = {}, {}, {}
+        for i, name in enumerate(kernel.arg_names):
+            if name in kwargs:
+                sig[name], constexprs[(i,)] = "constexpr", kwargs[name]
+                continue
+            val = args[i]
+            if isinstance(val, float):
+                sig[name] = "fp32"
+            elif isinstance(val, int):
+                sig[name] = "i32"
+            else:
+                sig[name] = mangle_type(val)
+                if isinstance(val, torch.Tensor):
                     attrs[(i,)] = [["tt.divisibility", 16]]
         return sig, constexprs, attrs
 

@@ -107,7 +107,6 @@ _COMPILE_WS = SM90 + textwrap.dedent(
     """
     import json, re, sys
     import torch
-    from triton.runtime.jit import mangle_type
     from tilegemm.ops.matmul import gluon_fp8
     from tilegemm.ops.matmul.problem import make_problems
     kernel = gluon_fp8.matmul_fp8_ws_kernel
@@ -129,20 +128,7 @@ _COMPILE_WS = SM90 + textwrap.dedent(
         cfg = dict(GLUON_FP8=True, WS=True, STAGES=v["stages"], num_warps=4)
         got, _, args, kwargs = gluon_fp8.launch_args(p, cfg, 132)
         assert got is kernel
-        sig, constexprs, attrs = {}, {}, {}
-        for i, arg in enumerate(kernel.arg_names):
-            if arg in kwargs:
-                sig[arg], constexprs[(i,)] = "constexpr", kwargs[arg]
-                continue
-            val = args[i]
-            if isinstance(val, float):
-                sig[arg] = "fp32"
-            elif isinstance(val, int):
-                sig[arg] = "i32"
-            else:
-                sig[arg] = mangle_type(val)
-                if isinstance(val, torch.Tensor):
-                    attrs[(i,)] = [["tt.divisibility", 16]]
+        sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
         compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, 4)
         report[name] = dict(
             waits=[int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)],

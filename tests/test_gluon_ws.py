@@ -70,7 +70,6 @@ _COMPILE = SM90 + textwrap.dedent(
     """
     import json, re, sys
     import torch
-    from triton.runtime.jit import mangle_type
     from tilegemm.ops.matmul import gluon_ws
     from tilegemm.ops.matmul.problem import make_problems
 
@@ -87,20 +86,7 @@ _COMPILE = SM90 + textwrap.dedent(
                           "gelu" if v["epilogue"] else "none", "ieee", False)[0]
         cfg = dict(GLUON_WS=True, BLOCK_M=v["bm"], BLOCK_N=v["bn"], STAGES=v["stages"], num_warps=4)
         _, _, args, kwargs = gluon_ws.launch_args(p, cfg, 132)
-        sig, constexprs, attrs = {}, {}, {}
-        for i, arg in enumerate(kernel.arg_names):
-            if arg in kwargs:
-                sig[arg], constexprs[(i,)] = "constexpr", kwargs[arg]
-                continue
-            val = args[i]
-            if isinstance(val, float):
-                sig[arg] = "fp32"
-            elif isinstance(val, int):
-                sig[arg] = "i32"
-            else:
-                sig[arg] = mangle_type(val)
-                if isinstance(val, torch.Tensor):
-                    attrs[(i,)] = [["tt.divisibility", 16]]
+        sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
         compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, 4)
         report[name] = dict(
             waits=[int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)],
