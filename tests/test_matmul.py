@@ -240,3 +240,10 @@ def test_replay_slots_take_host_descriptors_over_the_new_tensors():
     stranger = TensorDescriptor(torch.randn(64, 32), [64, 32], [32, 1], [64, 32], layout)
     with pytest.raises(LookupError):
         Replay(Launch(FakeCompiled(), (1, 1, 1), [stranger, out]), (a, out))
+    # Triton's own host descriptor (no layout) is taken the same way, never passed as recorded.
+    from triton.tools.tensor_descriptor import TensorDescriptor as TritonDescriptor
+
+    tdesc = TritonDescriptor(a, [64, 32], [32, 1], [64, 32])
+    replay = Replay(Launch(FakeCompiled(), (1, 1, 1), [out, tdesc]), (a, out))
+    assert replay.slots == [(0, 1, None), (1, 0, tdesc)]
+    assert _rebased(tdesc, other).base is other and _rebased(tdesc, other).block_shape == [64, 32]

@@ -113,7 +113,10 @@ def _direct_launcher(launcher):
 
 
 def _is_host_descriptor(value) -> bool:
-    return hasattr(value, "block_shape") and hasattr(value, "base") and hasattr(value, "layout")
+    """A host-side TMA descriptor: Gluon's or Triton's ``TensorDescriptor`` (both hold ``base``, the tensor
+    whose address they encode, and ``block_shape``). Any object like that gets a slot by its base, so a
+    replay can never pass a recorded descriptor that still points at an earlier call's tensor."""
+    return hasattr(value, "block_shape") and hasattr(value, "base")
 
 
 def _rebased(desc, tensor):
