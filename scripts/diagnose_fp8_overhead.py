@@ -36,6 +36,39 @@ def fit(ks, ts):
     return my - slope * mx, slope
 
 
+def host_us(fn, calls=200):
+    """Host time per call (us): ``calls`` calls enqueued back to back, no sync inside (the GPU queue
+    holds them all, so this is what the CPU spends, not what the GPU does)."""
+    import time
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def host_times(mn, rows):
+    """tilegemm.matmul (auto; a repeated call replays its launch, host descriptors included) against
+    torch._scaled_mm at M = N = K = mn."""
+    import tilegemm
+
+    a = torch.randn(mn, mn, device="cuda").to(torch.float8_e4m3fn)
+    w = torch.randn(mn, mn, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.tensor(0.75, device="cuda")
+    sb = torch.tensor(1.25, device="cuda")
+    got = {"scaled_mm": host_us(lambda: torch._scaled_mm(a, w.T, sa, sb, out_dtype=torch.bfloat16)),
+           "tilegemm": host_us(lambda: tilegemm.matmul(a, w.T, scale_a=sa, scale_b=sb))}
+    kernels = kernel_times(lambda: tilegemm.matmul(a, w.T, scale_a=sa, scale_b=sb), 5)
+    rows.append(dict(M=mn, N=mn, K=mn, host_us=got, tilegemm_kernels=sorted(kernels)))
+    print(f"{mn}^3 host us per call: tilegemm {got['tilegemm']:.1f}, _scaled_mm {got['scaled_mm']:.1f} "
+          f"(tilegemm runs {sorted(kernels)})", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -43,10 +76,13 @@ def main():
     ap.add_argument("--ks", default="256,512,1024,2048,4096")
     ap.add_argument("--stages", type=int, default=6)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--host", default="", help="sizes at which to time the host side of repeated calls")
     args = ap.parse_args()
     persistent_tma._ensure_allocator()
     cfg = dict(GLUON_FP8=True, WS=True, STAGES=args.stages, num_warps=4)
     rows = []
+    for mn in (int(x) for x in args.host.split(",") if x):
+        host_times(mn, rows)
     for mn in (int(x) for x in args.mn.split(",")):
         per = {"scaled_mm": [], "ws": []}
         ks = [int(x) for x in args.ks.split(",")]
