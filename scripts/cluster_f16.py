@@ -324,7 +324,8 @@ def matmul_f16_cluster_kernel(
 
 # --- host side ---------------------------------------------------------------------------------------------
 
-_TMA_TYPES = {torch.float16: 6, torch.bfloat16: 9}
+# CUtensorMapDataType of each dtype (fp8 moves as bytes: UINT8).
+_TMA_TYPES = {torch.float16: 6, torch.bfloat16: 9, torch.float8_e4m3fn: 0, torch.float8_e5m2: 0}
 SWIZZLE_128B = 3
 
 

@@ -27,10 +27,8 @@ slot, arrives on a "gate" barrier in both CTAs and waits on its own before refil
 
 from __future__ import annotations
 
-import ctypes
 import re
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -39,8 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from tilegemm.jit_helpers import epilogue_tile, tile_origin
 
-from cluster_f16 import (  # the inline-PTX pieces and the barrier offsets, as there
-    SWIZZLE_128B, _arrive_cluster, _cluster_sync, _fence_init, _multicast_load, _offsets, _smem_base,
+from cluster_f16 import (  # the inline-PTX pieces, the barrier offsets and the host descriptor, as there
+    _arrive_cluster, _cluster_sync, _fence_init, _multicast_load, _offsets, _smem_base, encode_descriptor,
 )
 
 BLOCK = gl.constexpr(128)  # BLOCK_M = BLOCK_N = BLOCK_K
@@ -270,19 +268,6 @@ def matmul_fp8_cluster_kernel(
 
 
 # --- host side ---------------------------------------------------------------------------------------------
-
-_TMA_UINT8 = 0  # CU_TENSOR_MAP_DATA_TYPE_UINT8: TMA moves fp8 as bytes
-
-
-def encode_descriptor(t: torch.Tensor, block: list[int]) -> torch.Tensor:
-    """A CUtensorMap (128 bytes, 128B swizzle) of 2-D row-major fp8 ``t`` with box ``block``, in device memory."""
-    from triton.runtime import driver
-    assert t.dim() == 2 and t.stride(1) == 1 and t.element_size() == 1
-    desc = driver.active.utils.fill_tma_descriptor(t.data_ptr(), SWIZZLE_128B, 1, _TMA_UINT8, block,
-                                                   list(t.shape), [t.stride(0), 1], 0)
-    raw = ctypes.string_at(id(desc) + 128, 128)  # as in cluster_f16.encode_descriptor
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(t.device)
-
 
 _compiled = {}
 

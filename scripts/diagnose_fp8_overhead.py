@@ -64,7 +64,6 @@ def host_times(mn, rows):
     got = {"scaled_mm": host_us(lambda: torch._scaled_mm(a, w.T, sa, sb, out_dtype=torch.bfloat16)),
            "tilegemm": host_us(lambda: tilegemm.matmul(a, w.T, scale_a=sa, scale_b=sb))}
     # Where tilegemm's host time goes: the replay alone, and the encoding of its host descriptors.
-    from tilegemm.launch import _is_host_descriptor
     from tilegemm.ops.matmul import op
     from triton.backends.nvidia.driver import make_tensordesc_arg
 
@@ -85,7 +84,6 @@ def host_times(mn, rows):
     rows.append(dict(M=mn, N=mn, K=mn, host_us=got, tilegemm_kernels=sorted(kernels)))
     print(f"{mn}^3 host us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items())
           + f" (tilegemm runs {sorted(kernels)})", flush=True)
-    assert all(not _is_host_descriptor(x) for x in (a, w))
 
 
 def main():

@@ -39,6 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.jit_helpers import epilogue_tile, tile_origin
@@ -76,6 +77,19 @@ def _producer(a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_a, str
         b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [stride_b, 1], [BLOCK_K, BLOCK_N], b_layout)
     fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS,
               A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)
+
+
+# Gluon's element types of the torch dtypes the Gluon kernels' host descriptors describe.
+GL_TYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32,
+            torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
+
+
+def host_descriptor(base: torch.Tensor, shape: list[int], stride: int, block: list[int]) -> TensorDescriptor:
+    """A host-side TMA descriptor (a kernel parameter) of the 2-D row-major view ``shape`` with row stride
+    ``stride`` over ``base``'s memory, in ``block`` boxes with the default swizzled layout (also
+    :mod:`gluon_ws`'s and :mod:`gluon_fp8`'s)."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, GL_TYPES[base.dtype])
+    return TensorDescriptor(base, shape, [stride, 1], block, layout)
 
 
 @gluon.jit

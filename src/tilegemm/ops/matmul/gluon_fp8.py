@@ -38,18 +38,16 @@ Gluon has no interpreter: the suite compiles them for sm_90 without a GPU, and t
 
 from __future__ import annotations
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.jit_helpers import epilogue_tile, tile_origin
-from tilegemm.ops.matmul.gluon_f16 import fill_ring
+from tilegemm.ops.matmul.gluon_f16 import fill_ring, host_descriptor
 from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
@@ -330,21 +328,13 @@ def usable(p: GemmProblem) -> str | None:
     return None
 
 
-_GL_TYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.float16: gl.float16,
-             torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
-
-
 def descriptors(p: GemmProblem):
     """Host-side TMA descriptors for the warp-specialized kernel: A as [M, K], B as its transpose [N, K]
     (both K-major, :func:`usable`), the output as [M, N] in [BLOCK_M / 2, BLOCK_N] blocks (one per consumer
     warp group)."""
-    def desc(base, shape, stride, block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_TYPES[base.dtype])
-        return TensorDescriptor(base, shape, [stride, 1], block, layout)
-
-    return (desc(p.a, [p.M, p.K], p.a_strides[1], [BLOCK_M, BLOCK_K]),
-            desc(p.b, [p.N, p.K], p.b_strides[2], [BLOCK_N, BLOCK_K]),
-            desc(p.out, [p.M, p.N], p.out_strides[1], [BLOCK_M // 2, BLOCK_N]))
+    return (host_descriptor(p.a, [p.M, p.K], p.a_strides[1], [BLOCK_M, BLOCK_K]),
+            host_descriptor(p.b, [p.N, p.K], p.b_strides[2], [BLOCK_N, BLOCK_K]),
+            host_descriptor(p.out, [p.M, p.N], p.out_strides[1], [BLOCK_M // 2, BLOCK_N]))
 
 
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):

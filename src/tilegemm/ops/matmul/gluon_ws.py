@@ -34,18 +34,16 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
 from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.jit_helpers import epilogue_tile, tile_grouped
-from tilegemm.ops.matmul.gluon_f16 import fill_ring
+from tilegemm.ops.matmul.gluon_f16 import fill_ring, host_descriptor
 from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_K = 64
-_GL_TYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # Registers a thread asks for (setmaxnreg) in the second consumer warp group and in the producer's. The
 # program starts with 168 a thread (64K over 12 warps); Triton gives the default partition (the first
 # consumer) what the other two leave: 3 * 168 - 232 - 40 = 232. ptxas still compiles every partition
@@ -217,11 +215,7 @@ def descriptors(p: GemmProblem, cfg: dict):
     (:attr:`GemmProblem.tma_view`)."""
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     a_t, b_t, stride_a, stride_b = p.tma_view
-
-    def desc(base, shape, stride, block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_TYPES[base.dtype])
-        return TensorDescriptor(base, shape, [stride, 1], block, layout)
-
+    desc = host_descriptor
     a = desc(p.a, [p.K, p.M], stride_a, [BLOCK_K, bm]) if a_t else desc(p.a, [p.M, p.K], stride_a, [bm, BLOCK_K])
     b = desc(p.b, [p.N, p.K], stride_b, [bn, BLOCK_K]) if b_t else desc(p.b, [p.K, p.N], stride_b, [BLOCK_K, bn])
     return a, b, desc(p.out, [p.M, p.N], p.out_strides[1], [bm, bn])
