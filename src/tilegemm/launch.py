@@ -11,7 +11,7 @@ replay it with :class:`Replay`, swapping in the new tensors. A replay calls Trit
 unless a launch hook is registered, which brought a 64x64 ``tilegemm.matmul`` to 1.3x-1.5x the host time
 of ``torch.matmul`` (from about 1.7x).
 
-Host-side TMA descriptors (Gluon's ``TensorDescriptor``, passed as kernel parameters) replay too: the
+Host-side TMA descriptors (Gluon's or Triton's ``TensorDescriptor``, kernel parameters) replay too: the
 descriptor's shape, strides and block are the call's (they are in the op's replay key), so a replay
 passes a copy of the recorded descriptor with the new tensor as its base, and Triton's launcher encodes
 it as it does for any launch.
