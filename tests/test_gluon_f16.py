@@ -35,13 +35,28 @@ def _problem(a, b, out, c=None, bias=None, alpha=1.0, beta=0.0, act="none"):
 
 def test_configs_fit_in_shared_memory():
     cfgs = gluon_f16.configs()
-    assert {(c["BLOCK_M"], c["BLOCK_N"]) for c in cfgs} == {(256, 128), (128, 256)}
+    assert {(c["BLOCK_M"], c["BLOCK_N"]) for c in cfgs} == {(256, 128), (128, 256), (128, 128), (128, 64)}
     for c in cfgs:
         ring = c["STAGES"] * (c["BLOCK_M"] + c["BLOCK_N"]) * gluon_f16.BLOCK_K * 2
         out = c["BLOCK_M"] * c["BLOCK_N"] * 2 // (2 if c["SHARED_OUT"] else 1)
         assert ring + out <= HOPPER_SMEM_PER_BLOCK
-    # Four stages only fit with the shared output buffer.
-    assert {(c["STAGES"], c["SHARED_OUT"]) for c in cfgs} == {(3, False), (4, True)}
+        # The deepest ring that fits: one more slot would not.
+        assert ring + (c["BLOCK_M"] + c["BLOCK_N"]) * gluon_f16.BLOCK_K * 2 + out > HOPPER_SMEM_PER_BLOCK
+    # For the 32K-element tiles four stages only fit with the shared output buffer.
+    big = [c for c in cfgs if c["BLOCK_M"] * c["BLOCK_N"] == 256 * 128]
+    assert {(c["STAGES"], c["SHARED_OUT"]) for c in big} == {(3, False), (4, True)}
+    small = {(c["BLOCK_M"], c["BLOCK_N"]): c["STAGES"] for c in cfgs if c["BLOCK_M"] * c["BLOCK_N"] < 256 * 128}
+    assert small == {(128, 128): 6, (128, 64): 8}
+
+
+def test_descriptors_describe_the_operands_as_they_lie():
+    a = torch.empty(64, 96, dtype=torch.float16).T  # A^T: [96, 64] stored as [64, 96]
+    b = torch.empty(64, 48, dtype=torch.float16)
+    p = _problem(a, b, torch.empty(96, 48, dtype=torch.float16))
+    da, db, do = gluon_f16.descriptors(p, dict(BLOCK_M=128, BLOCK_N=64))
+    assert (da.shape, da.strides, da.block_shape) == ([64, 96], [96, 1], [64, 128])  # A stored [K, M]
+    assert (db.shape, db.strides, db.block_shape) == ([64, 48], [48, 1], [64, 64])
+    assert (do.shape, do.strides, do.block_shape) == ([96, 48], [48, 1], [64, 64])  # half a tile's rows
 
 
 @pytest.mark.parametrize("case, reason", [
@@ -99,27 +114,36 @@ def test_auto_keeps_the_16_bit_bands_when_the_gluon_kernel_takes_the_problem(mon
     assert op.choose_kernel(problem(1024)) == "autotuned"
 
 
-# Compiles the kernel for sm_90 (pointer arguments, as launch_args passes them) and reports the MMA waits,
+# Compiles the kernel for sm_90 (the descriptors as the host would pass them) and reports the MMA waits,
 # the MMA count, the register requests, the descriptors made on the device, spills and shared memory.
 _COMPILE = SM90 + textwrap.dedent(
     """
     import json, re, sys
+    import torch
     from tilegemm.ops.matmul import gluon_f16
+    from tilegemm.ops.matmul.problem import make_problems
 
     kernel = gluon_f16.matmul_f16_coop_kernel
     report = {}
     for name, v in json.loads(sys.argv[1]).items():
-        flags = dict(A_T=v["layout"][0] == "T", B_T=v["layout"][1] == "T", HAS_C=v["epilogue"],
-                     HAS_BIAS=v["epilogue"], ACTIVATION="gelu" if v["epilogue"] else "none",
-                     BLOCK_M=v["bm"], BLOCK_N=v["bn"], BLOCK_K=gluon_f16.BLOCK_K, STAGES=v["stages"], GROUP_M=8,
-                     NUM_SMS=132, SHARED_OUT=v["shared_out"], CONSUMER_REGS=gluon_f16.CONSUMER_REGS,
-                     PRODUCER_REGS=gluon_f16.PRODUCER_REGS, num_warps=4)
-        compiled, ptx, info = compile_sm90(kernel, *signature(kernel, flags, v["ptr"]), 4)
+        dtype = getattr(torch, v["dtype"])
+        M = N = K = 512
+        a = torch.empty(K, M, dtype=dtype).T if v["layout"][0] == "T" else torch.empty(M, K, dtype=dtype)
+        b = torch.empty(N, K, dtype=dtype).T if v["layout"][1] == "T" else torch.empty(K, N, dtype=dtype)
+        c = torch.empty(M, N, dtype=dtype) if v["epilogue"] else None
+        bias = torch.empty(N, dtype=dtype) if v["epilogue"] else None
+        p = make_problems(a, b, torch.empty(M, N, dtype=dtype), c, bias, 1.0, 0.5 if v["epilogue"] else 0.0,
+                          "gelu" if v["epilogue"] else "none", "ieee", False)[0]
+        cfg = dict(GLUON_F16=True, BLOCK_M=v["bm"], BLOCK_N=v["bn"], STAGES=v["stages"],
+                   SHARED_OUT=v["shared_out"], num_warps=4)
+        _, _, args, kwargs = gluon_f16.launch_args(p, cfg, 132)
+        sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
+        compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, 4)
         report[name] = dict(
             waits=[int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)],
             mmas=len(re.findall(r"wgmma\\.mma_async", ptx)),
             setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
-            tensormaps_made=len(re.findall(r"tensormap\\.replace\\.tile\\.global_address", ptx)),
+            tensormaps_made=len(re.findall(r"tensormap\\.replace", ptx)),
             spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
             warps=compiled.metadata.num_warps,
             shared=compiled.metadata.shared,
@@ -129,10 +153,11 @@ _COMPILE = SM90 + textwrap.dedent(
 )
 
 _VARIANTS = {
-    "nn-256x128-s3": dict(ptr="*fp16", layout="NN", epilogue=False, bm=256, bn=128, stages=3, shared_out=False),
-    "tt-128x256-s4-epilogue": dict(ptr="*bf16", layout="TT", epilogue=True, bm=128, bn=256, stages=4,
+    "nn-256x128-s3": dict(dtype="float16", layout="NN", epilogue=False, bm=256, bn=128, stages=3, shared_out=False),
+    "tt-128x256-s4-epilogue": dict(dtype="bfloat16", layout="TT", epilogue=True, bm=128, bn=256, stages=4,
                                    shared_out=True),
-    "tn-256x128-s4": dict(ptr="*fp16", layout="TN", epilogue=False, bm=256, bn=128, stages=4, shared_out=True),
+    "tn-256x128-s4": dict(dtype="float16", layout="TN", epilogue=False, bm=256, bn=128, stages=4, shared_out=True),
+    "nt-128x64-s8": dict(dtype="float16", layout="NT", epilogue=False, bm=128, bn=64, stages=8, shared_out=False),
 }
 
 
@@ -148,8 +173,8 @@ def test_compiled_code(tmp_path):
         assert r["warps"] == 12  # two consumer warp groups and the producer's
         for regs in (gluon_f16.CONSUMER_REGS, gluon_f16.PRODUCER_REGS):
             assert regs in r["setmaxnreg"], f"{name}: {regs} not among {r['setmaxnreg']}"
-        # Each partition makes the descriptors it uses: A and B in the producer, the output in each consumer.
-        assert r["tensormaps_made"] == 4, f"{name}: {r['tensormaps_made']} descriptors made"
+        # The descriptors come from the host: nothing made on the device.
+        assert r["tensormaps_made"] == 0, f"{name}: {r['tensormaps_made']} descriptor edits"
         if not v["epilogue"]:  # a C tile and GELU on 64x256 a warp group spill (about 2 KB); plain ones must not
             assert r["spills"] and max(r["spills"]) == 0, f"{name}: spills {r['spills']}"
         ring = v["stages"] * (v["bm"] + v["bn"]) * gluon_f16.BLOCK_K * 2

@@ -43,7 +43,7 @@ _COMPILE = SM90 + textwrap.dedent(
     def ptxas_info(mode, a_t, b_t, cfg):
         flags = dict(HAS_C=False, HAS_BIAS=True, ACTIVATION="none", INPUT_PRECISION="tf32", HAS_SCALE_A=False,
                      HAS_SCALE_B=False, MMA_OPERANDS=mode, FAST_ACCUM=False, A_T=a_t, B_T=b_t, NUM_SMS=132,
-                     **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
+                     HOST_DESC=False, **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
         sig = signature(kernel, flags, "*fp32", unit=("stride_cn",), aligned_ints=True)
         return compile_sm90(kernel, *sig, cfg["num_warps"], num_stages=cfg["num_stages"], gluon=False)[2]
 
@@ -149,3 +149,109 @@ def test_every_candidate_is_right_on_the_gpu(dtype, layout, shape):
         else:
             ran += 1
     assert ran >= len(cands) // 2, f"only {ran} of {len(cands)} candidates fit"
+
+
+_COMPILE_DESCRIPTORS = SM90 + textwrap.dedent(
+    """
+    import json, re, sys
+    import torch
+    from tilegemm.ops.matmul import persistent_tma
+    from tilegemm.ops.matmul.problem import make_problems
+
+    report = {}
+    for name, v in json.loads(sys.argv[1]).items():
+        M, N, K = 512, 384, 256
+        a = torch.empty(K, M, dtype=torch.float16).T if v["layout"][0] == "T" else torch.empty(M, K, dtype=torch.float16)
+        b = torch.empty(N, K, dtype=torch.float16).T if v["layout"][1] == "T" else torch.empty(K, N, dtype=torch.float16)
+        p = make_problems(a, b, torch.empty(M, N, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee",
+                          False)[0]
+        cfg = persistent_tma._cfg(128, 64, 64, 4, 4, host_desc=v["host"])
+        kernel, _, args, kwargs = persistent_tma.triton_launch_args(p, cfg, 132)
+        warps, stages = kwargs.pop("num_warps"), kwargs.pop("num_stages")
+        sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
+        compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, warps, num_stages=stages, gluon=False)
+        report[name] = dict(made=len(re.findall(r"tensormap\\.replace", ptx)),
+                            loads=len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)))
+    print(json.dumps(report))
+    """
+)
+
+
+def test_host_descriptors_leave_the_device_nothing_to_make(tmp_path):
+    """With HOST_DESC the kernel takes A's, B's and the output's TMA descriptors as parameters (made on the
+    host, :func:`persistent_tma.host_descriptors`): no descriptor is written on the device, where without
+    it each program makes three; both move tiles by TMA."""
+    variants = {f"{layout}-{'host' if host else 'device'}": dict(layout=layout, host=host)
+                for layout in ("NN", "TT") for host in (True, False)}
+    report = compile_offline(tmp_path, _COMPILE_DESCRIPTORS, variants, timeout=600)
+    for name, r in report.items():
+        assert r["loads"] > 0, name
+        if variants[name]["host"]:
+            assert r["made"] == 0, f"{name}: {r}"
+        else:
+            assert r["made"] > 0, f"{name}: {r}"
+
+
+def test_host_descriptors_match_the_operands():
+    import torch
+
+    from tilegemm.ops.matmul.problem import make_problems
+
+    a = torch.empty(64, 96, dtype=torch.float16).T  # A^T: [96, 64] stored as [64, 96]
+    b = torch.empty(40, 64, dtype=torch.float16).T  # B^T: [64, 40] stored as [40, 64]
+    p = make_problems(a, b, torch.empty(96, 40, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee",
+                      False)[0]
+    da, db, do = persistent_tma.host_descriptors(p, persistent_tma._cfg(128, 64, 32, 4, 3, host_desc=True))
+    assert (list(da.shape), list(da.strides), list(da.block_shape)) == ([64, 96], [96, 1], [32, 128])
+    assert (list(db.shape), list(db.strides), list(db.block_shape)) == ([40, 64], [64, 1], [64, 32])
+    assert (list(do.shape), list(do.strides), list(do.block_shape)) == ([96, 40], [40, 1], [128, 32])
+    assert da.base is a and db.base is b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
+@pytest.mark.parametrize("dtype", ["fp16", "tf32"])
+def test_host_descriptor_configs_are_right_and_replay_on_the_gpu(dtype, layout):
+    """Triton's host-side descriptors (HOST_DESC configs): right on edge tiles in every layout, and a
+    replay of the recorded launch over new tensors (tilegemm.launch rebases each descriptor) computes the
+    new product into a poisoned output."""
+    import torch
+
+    from tilegemm.launch import Replay, recording
+    from tilegemm.ops.matmul.problem import make_problems
+    from tilegemm.ops.matmul.reference import matmul_reference, tolerance
+
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9):
+        pytest.skip("TMA needs sm_90")
+    dt = torch.float16 if dtype == "fp16" else torch.float32
+    precision = "ieee" if dtype == "fp16" else "tf32"
+    M, N, K = 264, 136, 200
+
+    def operands():
+        a = torch.randn(K, M, device="cuda").to(dt).T if layout[0] == "T" else torch.randn(M, K, device="cuda").to(dt)
+        b = torch.randn(N, K, device="cuda").to(dt).T if layout[1] == "T" else torch.randn(K, N, device="cuda").to(dt)
+        return a, b
+
+    a, b = operands()
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=dt)
+    p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", precision, False)[0]
+    assert persistent_tma.describable(p) is None
+    tol = tolerance(dt, precision)
+    for cfg in persistent_tma.hopper_configs(p.a.element_size(), p.mma_operands)[:3]:
+        cfg = dict(cfg, HOST_DESC=True)
+        out.fill_(float("nan"))
+        with recording() as rec:
+            persistent_tma.run(p, cfg)
+        torch.cuda.synchronize()
+        ref = matmul_reference(a, b)
+        err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert err < tol, (cfg, err)
+        assert rec.launches is not None and len(rec.launches) == 1
+        a2, b2 = operands()
+        out2 = torch.full((M, N), float("nan"), device="cuda", dtype=dt)
+        replay = Replay(rec.launches[0], (a, b, out))
+        assert replay(a2, b2, out2)
+        torch.cuda.synchronize()
+        ref2 = matmul_reference(a2, b2)
+        err2 = ((out2.double() - ref2.double()).norm() / ref2.double().norm()).item()
+        assert err2 < tol, (cfg, err2)

@@ -222,6 +222,44 @@ def test_timed_launches_are_replays_of_the_candidates_own(monkeypatch):
     assert launched[-4:] == [8, 8, 8, 8] and len(replayed) == 4
 
 
+def test_tuner_replays_launches_with_host_descriptors(monkeypatch):
+    """A launch whose operands are host-side TMA descriptors (Gluon's or Triton's) is replayed like any
+    other: the tuner's replay takes each descriptor's base as the call's tensor (it used to find no tensor
+    for them, and then launched every timed call through Triton's slow path)."""
+    import tilegemm.launch as launch_mod
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a, out = torch.randn(64, 32), torch.empty(64, 64)
+    desc = TensorDescriptor(a, [64, 32], [32, 1], [64, 32])
+    assert launch_mod.call_tensors([desc, out, 3, 0.5]) == (a, out)
+
+    class FakeRecording:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.launches = [launch_mod.Launch(compiled=None, grid=(1, 1, 1), params=[desc, out, 3])]
+            return False
+
+    made = []
+
+    class FakeReplay:
+        def __init__(self, recorded, tensors):
+            made.append(tensors)
+
+        def __call__(self, *tensors):
+            return True
+
+    monkeypatch.setattr(launch_mod, "recording", FakeRecording)
+    monkeypatch.setattr(launch_mod, "Replay", FakeReplay)
+    launched = []
+    run = tuning._replaying(lambda cfg: launched.append(1), {})
+    for _ in range(5):
+        run()
+    assert launched == [1, 1] and len(made) == 1
+    assert made[0][0] is a and made[0][1] is out
+
+
 def test_unreplayable_launches_are_launched_every_time(monkeypatch):
     import tilegemm.launch as launch_mod
 
@@ -336,8 +374,6 @@ def test_auto_sends_large_problems_to_persistent_tma_unless_an_operand_goes_thro
     through registers: that rung's Triton loops for it must stay flattened (serialized) to be right, so
     autotuned is faster, unless the Gluon tf32 kernel takes the problem (NN or TT, sm_90); from
     one to two tiles per SM auto then times the two rungs, below it keeps autotuned."""
-    import triton.testing
-
     import tilegemm.hardware
     from tilegemm.ops.matmul import gluon_tf32, op, persistent_tma
     from tilegemm.ops.matmul.problem import make_problems

@@ -119,6 +119,13 @@ def _is_host_descriptor(value) -> bool:
     return hasattr(value, "block_shape") and hasattr(value, "base")
 
 
+def call_tensors(params) -> tuple:
+    """The tensors a recorded parameter list holds, a host descriptor standing for its base: what a replay
+    of it, as it was, takes."""
+    return tuple(v.base if _is_host_descriptor(v) else v for v in params
+                 if _is_host_descriptor(v) or hasattr(v, "data_ptr"))
+
+
 def _rebased(desc, tensor):
     """A copy of host descriptor ``desc`` over ``tensor``'s memory. The replay key vouches for everything
     the descriptor's checks cover (shape, strides, dtype, 16-byte alignment), so they are not run again."""

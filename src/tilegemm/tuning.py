@@ -180,7 +180,7 @@ def _replaying(launch, cfg: dict):
     60): on a kernel of 10-30 us, between L2 clears, that path made timings host-bound, and the tuner then
     preferred a kernel that launches quickly to a faster one. Launches that cannot be replayed (under the
     interpreter) are launched through ``launch(cfg)`` every time."""
-    from tilegemm.launch import Replay, recording
+    from tilegemm.launch import Replay, call_tensors, recording
 
     state = {"calls": 0, "replays": None}
 
@@ -202,7 +202,7 @@ def _replaying(launch, cfg: dict):
         try:
             found = []
             for recorded in rec.launches or ():
-                tensors = tuple(v for v in recorded.params if hasattr(v, "data_ptr"))
+                tensors = call_tensors(recorded.params)
                 found.append((Replay(recorded, tensors), tensors))
         except LookupError:
             found = []

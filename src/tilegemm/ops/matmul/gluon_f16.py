@@ -56,29 +56,6 @@ CONSUMER_REGS = 232
 PRODUCER_REGS = 40
 
 
-@gluon.jit
-def _producer(a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_a, stride_b,
-              A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
-    """Makes A's and B's descriptors (whichever way each lies with unit inner stride) and keeps the ring
-    filled (:func:`fill_ring`)."""
-    ty: gl.constexpr = a_ptr.dtype.element_ty
-    if A_T:
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], ty)
-        a_desc = tma.make_tensor_descriptor(a_ptr, [K, M], [stride_a, 1], [BLOCK_K, BLOCK_M], a_layout)
-    else:
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], ty)
-        a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_a, 1], [BLOCK_M, BLOCK_K], a_layout)
-    if B_T:
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], ty)
-        b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_b, 1], [BLOCK_N, BLOCK_K], b_layout)
-    else:
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], ty)
-        b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [stride_b, 1], [BLOCK_K, BLOCK_N], b_layout)
-    fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS,
-              A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)
-
-
 # Gluon's element types of the torch dtypes the Gluon kernels' host descriptors describe.
 GL_TYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32,
             torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
@@ -140,20 +117,18 @@ def _operands(a_bufs, b_bufs, slot, ROW0: gl.constexpr, ROWS: gl.constexpr, A_T:
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_ptr,
-              M, N, K, stride_om, stride_cm, stride_cn, stride_bias, alpha, beta,
+def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
+              M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta,
               HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
               SHARED_OUT: gl.constexpr, WG: gl.constexpr):
     """Warp group ``WG`` (0 or 1): the MMAs and epilogue of rows WG * BLOCK_M / 2 ... of every tile. With
     ``SHARED_OUT`` the two warp groups take turns at one output buffer (``turn`` barriers), which leaves
-    room for a fourth ring slot."""
+    room for a fourth ring slot. ``o_desc`` describes the output in [BLOCK_M / 2, BLOCK_N] blocks."""
     ROWS: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = WG * ROWS
-    o_ty: gl.constexpr = out_ptr.dtype.element_ty
-    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], o_ty)
-    o_desc = tma.make_tensor_descriptor(out_ptr, [M, N], [stride_om, 1], [ROWS, BLOCK_N], o_layout)
+    o_ty: gl.constexpr = o_desc.dtype
     o_smem = o_bufs.index(0 if SHARED_OUT else WG)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
@@ -209,9 +184,8 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_p
 
 @gluon.jit
 def matmul_f16_coop_kernel(
-    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr,
+    a_desc, b_desc, o_desc, c_ptr, bias_ptr,
     M, N, K,
-    stride_a, stride_b, stride_om,
     stride_cm, stride_cn, stride_bias,
     alpha, beta,
     A_T: gl.constexpr, B_T: gl.constexpr,
@@ -220,22 +194,18 @@ def matmul_f16_coop_kernel(
     GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, SHARED_OUT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    ty: gl.constexpr = a_ptr.dtype.element_ty
-    o_ty: gl.constexpr = out_ptr.dtype.element_ty
+    # The descriptors are made on the host (:func:`descriptors`): A as [M, K] or (A_T) [K, M], B as [K, N]
+    # or (B_T) [N, K], the output as [M, N] in [BLOCK_M / 2, BLOCK_N] blocks. The ring's slots take the
+    # descriptors' swizzled layouts.
     if A_T:
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], ty)
-        a_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_K, BLOCK_M], a_layout)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_K, BLOCK_M], a_desc.layout)
     else:
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], ty)
-        a_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     if B_T:
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], ty)
-        b_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     else:
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], ty)
-        b_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_K, BLOCK_N], b_layout)
-    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_N], o_ty)
-    o_bufs = gl.allocate_shared_memory(o_ty, [1 if SHARED_OUT else 2, BLOCK_M // 2, BLOCK_N], o_layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+    o_bufs = gl.allocate_shared_memory(o_desc.dtype, [1 if SHARED_OUT else 2, BLOCK_M // 2, BLOCK_N], o_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -247,16 +217,16 @@ def matmul_f16_coop_kernel(
     # (The argument tuples are written out in the call: a tuple assigned to a name would turn its
     # constexprs into tensors.)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_ptr,
-                     M, N, K, stride_om, stride_cm, stride_cn, stride_bias, alpha, beta,
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
+                     M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta,
                      HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS,
                      SHARED_OUT, 0)),
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_ptr,
-                     M, N, K, stride_om, stride_cm, stride_cn, stride_bias, alpha, beta,
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
+                     M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta,
                      HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS,
                      SHARED_OUT, 1)),
-        (_producer, (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_a, stride_b,
-                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS)),
+        (fill_ring, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS,
+                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -267,8 +237,9 @@ def matmul_f16_coop_kernel(
 
 # --- host side ---------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N): a consumer warp group holds 128 accumulator registers a thread in each.
-TILES = ((256, 128), (128, 256))
+# (BLOCK_M, BLOCK_N): a consumer warp group holds 128 accumulator registers a thread in the first two, 64
+# and 32 in the smaller ones (for problems with about one tile per SM: 1024^3 has 128 tiles of 128x64).
+TILES = ((256, 128), (128, 256), (128, 128), (128, 64))
 
 
 def _fits(bm: int, bn: int, stages: int, shared_out: bool) -> bool:
@@ -278,9 +249,18 @@ def _fits(bm: int, bn: int, stages: int, shared_out: bool) -> bool:
 
 def configs(out_element_size: int = 2) -> list[dict]:
     """Tiles and ring depths that fit beside the output buffers: a 256x128 tile has 3 stages of 48 KB
-    beside two output buffers, 4 beside one the warp groups take turns at (``SHARED_OUT``)."""
-    return [dict(GLUON_F16=True, BLOCK_M=bm, BLOCK_N=bn, STAGES=s, SHARED_OUT=so, num_warps=NUM_WARPS)
-            for bm, bn in TILES for s, so in ((3, False), (4, True)) if _fits(bm, bn, s, so)]
+    beside two output buffers, 4 beside one the warp groups take turns at (``SHARED_OUT``); the smaller
+    tiles take the deepest ring that fits beside two."""
+    out = []
+    for bm, bn in TILES:
+        if bm * bn == 256 * 128:
+            depths = ((3, False), (4, True))
+        else:
+            deepest = max(s for s in range(2, 13) if _fits(bm, bn, s, False))
+            depths = ((deepest, False),)
+        out += [dict(GLUON_F16=True, BLOCK_M=bm, BLOCK_N=bn, STAGES=s, SHARED_OUT=so, num_warps=NUM_WARPS)
+                for s, so in depths if _fits(bm, bn, s, so)]
+    return out
 
 
 def usable(p: GemmProblem) -> str | None:
@@ -296,16 +276,28 @@ def usable(p: GemmProblem) -> str | None:
     return None
 
 
+def descriptors(p: GemmProblem, cfg: dict):
+    """Host-side TMA descriptors of A, B and the output for config ``cfg``, as the operands lie
+    (:attr:`GemmProblem.tma_view`); the output in [BLOCK_M / 2, BLOCK_N] blocks, one per consumer."""
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    a_t, b_t, stride_a, stride_b = p.tma_view
+    desc = host_descriptor
+    a = desc(p.a, [p.K, p.M], stride_a, [BLOCK_K, bm]) if a_t else desc(p.a, [p.M, p.K], stride_a, [bm, BLOCK_K])
+    b = desc(p.b, [p.N, p.K], stride_b, [bn, BLOCK_K]) if b_t else desc(p.b, [p.K, p.N], stride_b, [BLOCK_K, bn])
+    return a, b, desc(p.out, [p.M, p.N], p.out_strides[1], [bm // 2, bn])
+
+
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.launch.launch`."""
-    a_t, b_t, stride_a, stride_b = p.tma_view
+    a_t, b_t, _, _ = p.tma_view
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
     flags = p.kernel_flags()
     c, bias, _, _ = p.epilogue_pointers()
-    args = (p.a, p.b, p.out, c, bias, p.M, p.N, p.K, stride_a, stride_b, p.out_strides[1],
-            p.c_strides[1], p.c_strides[2], p.bias_stride, p.alpha, p.beta)
+    args = descriptors(p, cfg) + (c, bias, p.M, p.N, p.K, p.c_strides[1], p.c_strides[2], p.bias_stride,
+                                  p.alpha, p.beta)
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=8, NUM_SMS=num_sms,
-                  SHARED_OUT=cfg.get("SHARED_OUT", False), CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
+                  SHARED_OUT=cfg.get("SHARED_OUT", False), CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
     return matmul_f16_coop_kernel, (min(num_sms, tiles),), args, kwargs

@@ -67,18 +67,31 @@ def matmul_persistent_tma_kernel(
     HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    HOST_DESC: tl.constexpr,
 ):
-    # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1.
-    if A_T:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
-    else:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
-    if B_T:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
+    # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1;
+    # the output [M, N] in [BLOCK_M, BLOCK_N / 2] blocks. HOST_DESC: a_ptr, b_ptr and out_ptr are those
+    # descriptors, made on the host (:func:`host_descriptors`); otherwise each program makes them.
     HALF_N: tl.constexpr = BLOCK_N // 2
-    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1], block_shape=[BLOCK_M, HALF_N])
+    if HOST_DESC:
+        a_desc = a_ptr
+        b_desc = b_ptr
+        out_desc = out_ptr
+    else:
+        if A_T:
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1],
+                                               block_shape=[BLOCK_K, BLOCK_M])
+        else:
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1],
+                                               block_shape=[BLOCK_M, BLOCK_K])
+        if B_T:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1],
+                                               block_shape=[BLOCK_N, BLOCK_K])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1],
+                                               block_shape=[BLOCK_K, BLOCK_N])
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1],
+                                             block_shape=[BLOCK_M, HALF_N])
 
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -106,19 +119,22 @@ def matmul_persistent_tma_kernel(
         left = epilogue_tile(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
                              stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                              HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-        out_desc.store([m0, n0], left.to(out_ptr.dtype.element_ty))
+        out_desc.store([m0, n0], left.to(out_desc.dtype))
         right = epilogue_tile(right, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l + HALF_N, M, N,
                               stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                               HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-        out_desc.store([m0, n0 + HALF_N], right.to(out_ptr.dtype.element_ty))
+        out_desc.store([m0, n0 + HALF_N], right.to(out_desc.dtype))
 
 
 # --- host side ---------------------------------------------------------------------------------------------
 
 
-def _cfg(bm, bn, bk, warps, stages, flatten=True, ws=0) -> dict:
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLATTEN=flatten, WARP_SPECIALIZE=ws,
-                num_warps=warps, num_stages=stages)
+def _cfg(bm, bn, bk, warps, stages, flatten=True, ws=0, host_desc=False) -> dict:
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLATTEN=flatten, WARP_SPECIALIZE=ws,
+               num_warps=warps, num_stages=stages)
+    if host_desc:
+        cfg["HOST_DESC"] = True
+    return cfg
 
 
 def configs(dtype_bytes: int, mma_operands: str = "ab") -> list[dict]:
@@ -240,31 +256,50 @@ def candidates(p: GemmProblem) -> list[dict]:
     return configs(p.a.element_size(), p.mma_operands) + extra
 
 
-def _launch(p: GemmProblem, cfg: dict) -> None:
-    if any(cfg.get(key) for key in GLUON_CONFIG_KEYS):
-        gluon = gluon_kernel_for(p)
-        if gluon is not None and cfg.get(gluon.CONFIG_KEY):
-            launch(*gluon.launch_args(p, cfg, sm_count(p.out.device)))
-            return
-        cfg = configs(p.a.element_size(), p.mma_operands)[0]  # a config tuned for another problem under the same key
+def host_descriptors(p: GemmProblem, cfg: dict):
+    """Triton host-side TMA descriptors of A, B (as :attr:`GemmProblem.tma_view` says they lie) and the
+    output (in [BLOCK_M, BLOCK_N / 2] blocks) for config ``cfg``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     a_t, b_t, stride_a, stride_b = p.tma_view
-    num_sms = sm_count(p.out.device)
+    a = (TensorDescriptor(p.a, [p.K, p.M], [stride_a, 1], [bk, bm]) if a_t
+         else TensorDescriptor(p.a, [p.M, p.K], [stride_a, 1], [bm, bk]))
+    b = (TensorDescriptor(p.b, [p.N, p.K], [stride_b, 1], [bn, bk]) if b_t
+         else TensorDescriptor(p.b, [p.K, p.N], [stride_b, 1], [bk, bn]))
+    return a, b, TensorDescriptor(p.out, [p.M, p.N], [p.out_strides[1], 1], [bm, bn // 2])
+
+
+def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int):
+    """(kernel, grid, args, constexpr kwargs) of the Triton kernel for :func:`tilegemm.launch.launch`."""
+    a_t, b_t, stride_a, stride_b = p.tma_view
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
-    grid = (min(num_sms, tiles),)
     flags = p.kernel_flags()
+    operands = host_descriptors(p, cfg) if cfg.get("HOST_DESC") else (p.a, p.b, p.out)
     args = (
-        p.a, p.b, p.out, *p.epilogue_pointers(),
+        *operands, *p.epilogue_pointers(),
         p.M, p.N, p.K,
         stride_a, stride_b, p.out_strides[1],
         p.c_strides[1], p.c_strides[2], p.bias_stride,
         p.scale_a_stride, p.scale_b_stride,
         p.alpha, p.beta,
     )
-    launch(matmul_persistent_tma_kernel, grid, args,
-           dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
-                INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
-                HAS_SCALE_B=flags["HAS_SCALE_B"], MMA_OPERANDS=flags["MMA_OPERANDS"], NUM_SMS=num_sms,
-                FAST_ACCUM=flags["FAST_ACCUM"], **{"WARP_SPECIALIZE": 0, **cfg}))
+    kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
+                  INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
+                  HAS_SCALE_B=flags["HAS_SCALE_B"], MMA_OPERANDS=flags["MMA_OPERANDS"], NUM_SMS=num_sms,
+                  FAST_ACCUM=flags["FAST_ACCUM"], **{"WARP_SPECIALIZE": 0, "HOST_DESC": False, **cfg})
+    return matmul_persistent_tma_kernel, (min(num_sms, tiles),), args, kwargs
+
+
+def _launch(p: GemmProblem, cfg: dict) -> None:
+    num_sms = sm_count(p.out.device)
+    if any(cfg.get(key) for key in GLUON_CONFIG_KEYS):
+        gluon = gluon_kernel_for(p)
+        if gluon is not None and cfg.get(gluon.CONFIG_KEY):
+            launch(*gluon.launch_args(p, cfg, num_sms))
+            return
+        cfg = configs(p.a.element_size(), p.mma_operands)[0]  # a config tuned for another problem under the same key
+    launch(*triton_launch_args(p, cfg, num_sms))
 
 
 def run(p: GemmProblem, config: dict | None = None) -> None:
