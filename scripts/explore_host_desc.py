@@ -108,7 +108,7 @@ def main():
             rows.sort(key=lambda r: -r["ratio"])
             print(f"{dname} {s}: cuBLAS {base * 1e3:.1f} us; " + " ".join(f"{r['variant']}={r['ratio']:.3f}"
                                                                      for r in rows[:12]), flush=True)
-            pairs = [(k[:-4], base / ms[k[:-4] + "_dev"], base / ms[k]) for k in fns if k.endswith("_host")]
+            pairs = [(k[:-5], base / ms[k[:-5] + "_dev"], base / ms[k]) for k in fns if k.endswith("_host")]
             print("   host vs device: " + " ".join(f"{n}:{d:.3f}->{h:.3f}" for n, d, h in pairs), flush=True)
     print(f"wrong: {wrong}")
     if args.json:
