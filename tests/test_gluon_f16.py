@@ -91,9 +91,9 @@ def test_persistent_tma_offers_it_for_16_bit_outputs_on_sm90(monkeypatch):
                    persistent_tma.candidates(_problem(a, b, torch.empty(256, 128, dtype=torch.float16))))
 
 
-def test_auto_keeps_the_16_bit_bands_when_the_gluon_kernel_takes_the_problem(monkeypatch):
-    """The Gluon kernel is one more persistent_tma candidate: auto's choice for fp16 does not change (no
-    timed band): persistent_tma from two 128x128 tiles per SM, autotuned below."""
+def test_auto_times_the_two_rungs_from_half_a_tile_per_sm_to_two(monkeypatch):
+    """Where the Gluon kernel takes a 16-bit problem, auto takes persistent_tma from two 128x128 tiles per
+    SM, times it against autotuned from half a tile per SM to two, and keeps autotuned below."""
     import tilegemm.hardware
     from tilegemm.ops.matmul import op
 
@@ -102,16 +102,18 @@ def test_auto_keeps_the_16_bit_bands_when_the_gluon_kernel_takes_the_problem(mon
     monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
     monkeypatch.setattr(tilegemm.hardware, "sm_count", lambda device: 132)
     monkeypatch.setattr(persistent_tma, "gluon_kernel_for", lambda p: gluon_f16)
-    monkeypatch.setattr(op, "_timed_choice", lambda p, rungs: pytest.fail(f"timed {rungs}"))
+    timed = []
+    monkeypatch.setattr(op, "_timed_choice", lambda p, rungs: timed.append(rungs) or "timed")
 
     def problem(n):
         a = torch.empty(n, 256, device="meta", dtype=torch.float16)
         b = torch.empty(256, n, device="meta", dtype=torch.float16)
         return _problem(a, b, torch.empty(n, n, device="meta", dtype=torch.float16))
 
-    assert op.choose_kernel(problem(4096)) == "persistent_tma"
-    assert op.choose_kernel(problem(2048)) == "autotuned"
-    assert op.choose_kernel(problem(1024)) == "autotuned"
+    assert op.choose_kernel(problem(4096)) == "persistent_tma"  # 1024 tiles
+    assert op.choose_kernel(problem(2048)) == "timed" and timed == [("autotuned", "persistent_tma")]  # 256
+    assert op.choose_kernel(problem(1024)) == "autotuned" and len(timed) == 1  # 64 tiles
+    assert op.choose_kernel(problem(1152)) == "timed"  # 81 tiles: more than half a tile per SM
 
 
 # Compiles the kernel for sm_90 (the descriptors as the host would pass them) and reports the MMA waits,
@@ -260,5 +262,3 @@ def test_persistent_tma_knows_every_gluon_kernels_config_key():
 
     modules = (gluon_fp8, gluon_tf32, gluon_f16)
     assert set(persistent_tma.GLUON_CONFIG_KEYS) == {m.CONFIG_KEY for m in modules}
-    # auto times the two rungs where the fp8 and tf32 kernels take a problem, not for 16-bit.
-    assert [m.AUTO_TIMED_BAND for m in modules] == [True, True, False]

@@ -37,15 +37,21 @@ def test_register_operand_configs_stay_flattened():
 _COMPILE = SM90 + textwrap.dedent(
     """
     import json
+    import torch
     from tilegemm.ops.matmul import persistent_tma
-    from tilegemm.ops.matmul.persistent_tma import matmul_persistent_tma_kernel as kernel
+    from tilegemm.ops.matmul.problem import make_problems
 
     def ptxas_info(mode, a_t, b_t, cfg):
-        flags = dict(HAS_C=False, HAS_BIAS=True, ACTIVATION="none", INPUT_PRECISION="tf32", HAS_SCALE_A=False,
-                     HAS_SCALE_B=False, MMA_OPERANDS=mode, FAST_ACCUM=False, A_T=a_t, B_T=b_t, NUM_SMS=132,
-                     HOST_DESC=False, **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
-        sig = signature(kernel, flags, "*fp32", unit=("stride_cn",), aligned_ints=True)
-        return compile_sm90(kernel, *sig, cfg["num_warps"], num_stages=cfg["num_stages"], gluon=False)[2]
+        # A tf32 problem in the layout, with a bias; compiled as the rung launches it (host descriptors).
+        M = N = K = 512
+        a = torch.empty(K, M).T if a_t else torch.empty(M, K)
+        b = torch.empty(N, K).T if b_t else torch.empty(K, N)
+        p = make_problems(a, b, torch.empty(M, N), None, torch.empty(N), 1.0, 0.0, "none", "tf32", False)[0]
+        assert p.mma_operands == mode
+        kernel, _, args, kwargs = persistent_tma.triton_launch_args(p, cfg, 132)
+        warps, stages = kwargs.pop("num_warps"), kwargs.pop("num_stages")
+        sig = launch_signature(kernel, args, kwargs)
+        return compile_sm90(kernel, *sig, warps, num_stages=stages, gluon=False)[2]
 
     out = {}
     # tf32 NN (swap) and TT (A through registers): every candidate, and one unflattened config as a control.

@@ -47,8 +47,6 @@ from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_K = 64
 CONFIG_KEY = "GLUON_F16"  # marks this kernel's configs among persistent_tma's candidates
-# One more persistent_tma candidate: auto keeps the bands it has for 16-bit (op.choose_kernel).
-AUTO_TIMED_BAND = False
 NUM_WARPS = 4  # the first consumer warp group; warp_specialize adds the second and the producer's
 # Registers a thread asks for (setmaxnreg): a consumer's accumulator is 128 a thread (128 rows x 128
 # columns or 64 x 256 over one warp group); the producer needs few. 2 * 128 * 232 + 128 * 40 <= 65536.

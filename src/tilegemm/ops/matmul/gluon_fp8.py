@@ -53,9 +53,6 @@ from tilegemm.ops.matmul.problem import GemmProblem
 BLOCK_M = BLOCK_N = BLOCK_K = 128
 NUM_WARPS = 8  # two warp groups, 64 rows of the tile each
 CONFIG_KEY = "GLUON_FP8"  # marks this kernel's configs among persistent_tma's candidates
-# auto times persistent_tma against autotuned from half a tile per SM to two where this kernel takes the
-# problem (op.choose_kernel).
-AUTO_TIMED_BAND = True
 
 
 @gluon.jit

@@ -50,9 +50,6 @@ from tilegemm.ops.matmul.problem import GemmProblem
 BLOCK_R, BLOCK_S, BLOCK_K = 128, 256, 32
 NUM_WARPS = 8  # two warp groups, 64 of the tile's rows each
 CONFIG_KEY = "GLUON_TF32"  # marks this kernel's configs among persistent_tma's candidates
-# auto times persistent_tma against autotuned from half a tile per SM to two where this kernel takes the
-# problem (op.choose_kernel).
-AUTO_TIMED_BAND = True
 
 
 @gluon.jit

@@ -190,8 +190,8 @@ def choose_kernel(p: GemmProblem) -> str:
       fp8 that no Gluon kernel takes): ``persistent_tma`` (fp16 1.02x / 1.03x at 8192^3 / 16384^3, where
       ``autotuned`` ran 1.00x / 0.93x), except tf32 with an operand through registers, which goes to
       ``autotuned`` unless it is NN or TT and ``persistent_tma``'s Gluon kernel takes it. Where a Gluon
-      kernel takes the problem (that tf32, promoted K-major fp8), the two rungs are timed from half a tile
-      per SM to two (see the code).
+      kernel takes the problem (that tf32, promoted K-major fp8, 16-bit with a 16-bit output), the two
+      rungs are timed from half a tile per SM to two (see the code).
     - Otherwise ``autotuned``.
     """
     if interpreting():
@@ -218,8 +218,6 @@ def choose_kernel(p: GemmProblem) -> str:
         min_tiles = sms * (4 if p.a.element_size() == 1 else 2)
         described = describable(p) is None
         gluon = gluon_kernel_for(p) if described else None
-        if gluon is not None and not gluon.AUTO_TIMED_BAND:
-            gluon = None  # 16-bit: one more persistent_tma candidate; the Triton kernels' bands hold
         if gluon is None and p.dtype == torch.float32 and p.mma_operands != "ab":
             # tf32 with an operand that is not K-major. persistent_tma's Triton loops for it must stay
             # serialized to be right (0.55x-0.70x cuBLAS, see persistent_tma.hopper_configs), and autotuned
@@ -227,8 +225,10 @@ def choose_kernel(p: GemmProblem) -> str:
             return "autotuned"
         if gluon is not None:
             # A Gluon kernel takes it: tf32 NN/TT (gluon_tf32, NN: 0.94x-0.99x from 2048^3 up, 0.58x at
-            # 1024^3 with 32 of its tiles for 132 SMs) or promoted K-major fp8 (gluon_fp8's warp-specialized
-            # kernel: 0.85x torch._scaled_mm at 2048^3, 256 tiles, where autotuned ran 0.80x). From two
+            # 1024^3 with 32 of its tiles for 132 SMs), promoted K-major fp8 (gluon_fp8's warp-specialized
+            # kernel: 0.85x torch._scaled_mm at 2048^3, 256 tiles, where autotuned ran 0.80x) or 16-bit with
+            # a 16-bit output (gluon_f16; at 2048^3 persistent_tma's candidates, with host-made descriptors,
+            # ran 0.99x cuBLAS where autotuned ran 0.95x-0.96x, scripts/explore_host_desc.py). From two
             # tiles per SM persistent_tma; from half a tile to two, the two rungs are timed once.
             if 2 * tiles < sms:
                 return "autotuned"

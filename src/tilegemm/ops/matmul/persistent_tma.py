@@ -129,7 +129,7 @@ def matmul_persistent_tma_kernel(
 # --- host side ---------------------------------------------------------------------------------------------
 
 
-def _cfg(bm, bn, bk, warps, stages, flatten=True, ws=0, host_desc=False) -> dict:
+def _cfg(bm, bn, bk, warps, stages, flatten=True, ws=0, host_desc=True) -> dict:
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLATTEN=flatten, WARP_SPECIALIZE=ws,
                num_warps=warps, num_stages=stages)
     if host_desc:
