@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from tilegemm.jit_helpers import epilogue_tile, tile_origin
-from tilegemm.ops.matmul.gluon_f16 import _operands  # (A row-major here: A_T False)
+from tilegemm.ops.matmul.gluon_f16 import _operands, host_descriptor  # (A row-major here: A_T False)
 
 BLOCK_K = 64
 
@@ -136,11 +136,11 @@ def _fence_init(x):
 
 
 @gluon.jit
-def _producer(a_half_desc, a_ptr, stride_a, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_b, a_off: gl.constexpr,
+def _producer(a_half_desc, a_ptr, stride_a, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, a_off: gl.constexpr,
               ready_off, clusters,
               B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
               STAGES: gl.constexpr, GROUP_M: gl.constexpr, MCAST: gl.constexpr, A_GLUON: gl.constexpr):
-    ty: gl.constexpr = b_ptr.dtype.element_ty
+    ty: gl.constexpr = b_desc.dtype
     if A_GLUON:
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], ty)
         a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_a, 1], [BLOCK_M, BLOCK_K], a_layout)
@@ -148,12 +148,6 @@ def _producer(a_half_desc, a_ptr, stride_a, b_ptr, a_bufs, b_bufs, ready, empty,
     rank = pid % 2
     cluster = pid // 2
     _cluster_sync(pid)
-    if B_T:
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], ty)
-        b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_b, 1], [BLOCK_N, BLOCK_K], b_layout)
-    else:
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], ty)
-        b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [stride_b, 1], [BLOCK_K, BLOCK_N], b_layout)
     base = _smem_base(pid)
     HALF: gl.constexpr = BLOCK_M // 2
     A_SLOT: gl.constexpr = BLOCK_M * BLOCK_K * 2
@@ -191,8 +185,8 @@ def _producer(a_half_desc, a_ptr, stride_a, b_ptr, a_bufs, b_bufs, ready, empty,
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_ptr,
-              M, N, K, stride_om, stride_cm, stride_cn, stride_bias, alpha, beta, empty_off, clusters,
+def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
+              M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta, empty_off, clusters,
               HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
               B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
@@ -204,9 +198,7 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_p
     cluster = pid // 2
     _cluster_sync(pid)
     base = _smem_base(pid)
-    o_ty: gl.constexpr = out_ptr.dtype.element_ty
-    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], o_ty)
-    o_desc = tma.make_tensor_descriptor(out_ptr, [M, N], [stride_om, 1], [ROWS, BLOCK_N], o_layout)
+    o_ty: gl.constexpr = o_desc.dtype
     o_smem = o_bufs.index(0 if SHARED_OUT else WG)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
@@ -269,9 +261,8 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_p
 
 @gluon.jit
 def matmul_f16_cluster_kernel(
-    a_half_desc, b_ptr, out_ptr, c_ptr, bias_ptr, a_ptr, stride_a,
+    a_half_desc, b_desc, o_desc, c_ptr, bias_ptr, a_ptr, stride_a,
     M, N, K,
-    stride_b, stride_om,
     stride_cm, stride_cn, stride_bias,
     alpha, beta,
     ready_off, empty_off, clusters,
@@ -282,18 +273,14 @@ def matmul_f16_cluster_kernel(
     MCAST: gl.constexpr, REMOTE: gl.constexpr, SCOPE: gl.constexpr, A_GLUON: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    ty: gl.constexpr = b_ptr.dtype.element_ty
-    o_ty: gl.constexpr = out_ptr.dtype.element_ty
+    ty: gl.constexpr = b_desc.dtype
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], ty)
     a_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     if B_T:
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], ty)
-        b_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+        b_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     else:
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], ty)
-        b_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_K, BLOCK_N], b_layout)
-    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_N], o_ty)
-    o_bufs = gl.allocate_shared_memory(o_ty, [1 if SHARED_OUT else 2, BLOCK_M // 2, BLOCK_N], o_layout)
+        b_bufs = gl.allocate_shared_memory(ty, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+    o_bufs = gl.allocate_shared_memory(o_desc.dtype, [1 if SHARED_OUT else 2, BLOCK_M // 2, BLOCK_N], o_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -304,15 +291,15 @@ def matmul_f16_cluster_kernel(
         mbarrier.init(turn.index(i), count=1)
     _fence_init(gl.program_id(0))
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_ptr,
-                     M, N, K, stride_om, stride_cm, stride_cn, stride_bias, alpha, beta, empty_off, clusters,
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
+                     M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta, empty_off, clusters,
                      HAS_C, HAS_BIAS, ACTIVATION, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M,
                      SHARED_OUT, REMOTE, SCOPE, 0)),
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, out_ptr, c_ptr, bias_ptr,
-                     M, N, K, stride_om, stride_cm, stride_cn, stride_bias, alpha, beta, empty_off, clusters,
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
+                     M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta, empty_off, clusters,
                      HAS_C, HAS_BIAS, ACTIVATION, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M,
                      SHARED_OUT, REMOTE, SCOPE, 1)),
-        (_producer, (a_half_desc, a_ptr, stride_a, b_ptr, a_bufs, b_bufs, ready, empty, M, N, K, stride_b, A_OFF, ready_off, clusters,
+        (_producer, (a_half_desc, a_ptr, stride_a, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, A_OFF, ready_off, clusters,
                      B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, MCAST, A_GLUON)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
@@ -376,7 +363,11 @@ def prepare(a, b, out, cfg, clusters=66, mcast=True, remote=True, scope="cta", a
     kw = dict(A_OFF=_a_offset(cfg), B_T=b_t, HAS_C=False, HAS_BIAS=False, ACTIVATION="none", BLOCK_M=bm,
               BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=8, SHARED_OUT=cfg["SHARED_OUT"],
               MCAST=mcast, REMOTE=remote, SCOPE=scope, A_GLUON=a_gluon, CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4)
-    args = [desc, b, out, out, out, a, a.stride(0), M, N, K, stride_b, out.stride(0), 0, 0, 0, 1.0, 0.0]
+    # B and the output as host-made descriptors (made on the device, they cost about 2 us a launch).
+    b_desc = (host_descriptor(b, [N, K], stride_b, [bn, BLOCK_K]) if b_t
+              else host_descriptor(b, [K, N], stride_b, [BLOCK_K, bn]))
+    o_desc = host_descriptor(out, [M, N], out.stride(0), [bm // 2, bn])
+    args = [desc, b_desc, o_desc, out, out, a, a.stride(0), M, N, K, 0, 0, 0, 1.0, 0.0]
     key = (a.dtype, out.dtype, b_t, tuple(sorted(cfg.items())), mcast, remote, scope, a_gluon)
     if key not in _compiled:
         # Placeholder offsets that no specialization keys on (not 1, not a multiple of 16).

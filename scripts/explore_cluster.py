@@ -34,6 +34,9 @@ CONFIGS = {
     "128x256_s3": dict(BLOCK_M=128, BLOCK_N=256, STAGES=3, SHARED_OUT=False),
     "256x128_s4": dict(BLOCK_M=256, BLOCK_N=128, STAGES=4, SHARED_OUT=True),
     "256x128_s3": dict(BLOCK_M=256, BLOCK_N=128, STAGES=3, SHARED_OUT=False),
+    # One tile per SM at 1024^3 (128 tiles, 64 pairs): cuBLAS's tile there, 128x64 with 8 stages in 1x2 clusters.
+    "128x64_s8": dict(BLOCK_M=128, BLOCK_N=64, STAGES=8, SHARED_OUT=False),
+    "128x128_s6": dict(BLOCK_M=128, BLOCK_N=128, STAGES=6, SHARED_OUT=False),
 }
 
 

@@ -25,8 +25,11 @@ SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
 _COMPILE = SM90 + textwrap.dedent(
     f"""
     import json, re, sys
+    import torch
+    from triton.runtime.jit import mangle_type
     sys.path.insert(0, {str(SCRIPTS)!r})
     import cluster_f16 as cf
+    from tilegemm.ops.matmul.gluon_f16 import host_descriptor
 
     kernel = cf.matmul_f16_cluster_kernel
     report = {{}}
@@ -38,6 +41,12 @@ _COMPILE = SM90 + textwrap.dedent(
                      A_GLUON=False, CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4)
         sig, constexprs, attrs = signature(kernel, flags, "*fp16")
         sig["a_half_desc"] = "*u8"
+        # B and the output arrive as host-made descriptors (typed as Triton types them).
+        n = 512
+        b = torch.empty(n, n, dtype=torch.float16)
+        block_b = [v["bn"], cf.BLOCK_K] if v["b_t"] else [cf.BLOCK_K, v["bn"]]
+        sig["b_desc"] = mangle_type(host_descriptor(b, [n, n], n, block_b))
+        sig["o_desc"] = mangle_type(host_descriptor(b, [n, n], n, [v["bm"] // 2, v["bn"]]))
         compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, 4)
         llir = compiled.asm["llir"]
         ready, empty = cf._offsets(llir, 4 if v["mcast"] else 2)
@@ -60,6 +69,7 @@ _VARIANTS = {
     "nn-256x128-s4-multicast": dict(bm=256, bn=128, stages=4, shared_out=True, b_t=False, mcast=True),
     "nt-128x256-s3-multicast": dict(bm=128, bn=256, stages=3, shared_out=False, b_t=True, mcast=True),
     "nn-128x256-s4-own": dict(bm=128, bn=256, stages=4, shared_out=True, b_t=False, mcast=False),
+    "nn-128x64-s8-multicast": dict(bm=128, bn=64, stages=8, shared_out=False, b_t=False, mcast=True),
 }
 
 
