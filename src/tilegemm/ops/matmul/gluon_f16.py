@@ -236,8 +236,9 @@ def matmul_f16_coop_kernel(
 # --- host side ---------------------------------------------------------------------------------------------
 
 # (BLOCK_M, BLOCK_N): a consumer warp group holds 128 accumulator registers a thread in the first two, 64
-# and 32 in the smaller ones (for problems with about one tile per SM: 1024^3 has 128 tiles of 128x64).
-TILES = ((256, 128), (128, 256), (128, 128), (128, 64))
+# in the 128x128 tile (for problems of one to two such tiles per SM, where it ran 0.95x-0.96x of cuBLAS at
+# 2048^3; a 128x64 tile ran 0.91x-0.94x at 1024^3, behind autotuned, and is not offered).
+TILES = ((256, 128), (128, 256), (128, 128))
 
 
 def _fits(bm: int, bn: int, stages: int, shared_out: bool) -> bool:
