@@ -14,9 +14,10 @@ reads (what ``persistent_tma``'s Triton kernel runs).
   slot's "ready" barrier, issues its MMAs, keeps one MMA group in flight and frees the slot before; then
   the epilogue (fused ops, conversion, TMA store of its half through its own shared-memory buffer).
 
-Each partition makes the TMA descriptors it uses (a descriptor made on the device is fenced for the warp
-that made it), so launches can be replayed. 16-bit wgmma reads either operand order from shared memory,
-so A and B may each be row- or column-major (NN/NT/TN/TT), described to TMA as they lie
+The TMA descriptors are made on the host (:func:`descriptors`) and passed as kernel parameters; made
+by each partition on the device (as until c56e370) they cost about 2 us a launch. A repeated call
+replays its launch over the new tensors (:mod:`tilegemm.launch`). 16-bit wgmma reads either operand order
+from shared memory, so A and B may each be row- or column-major (NN/NT/TN/TT), described to TMA as they lie
 (:attr:`GemmProblem.tma_view`). Outputs are 16-bit (the output buffers sit beside the ring).
 
 Measured on an H200 (``scripts/explore_f16_coop.py``): 128x256 tiles ran 0.96x-0.97x of cuBLAS at
