@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import triton
-import triton.testing
 
 import tilegemm
 from tilegemm import tuning
 from tilegemm.ops.matmul import gluon_f16, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
+
+from explore_f16_coop import timed  # rounds of do_bench medians
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -50,14 +50,6 @@ def variants(size: int) -> dict[str, dict]:
             continue
         out[f"coop{cfg['BLOCK_M']}x{cfg['BLOCK_N']}_s{cfg['STAGES']}" + ("_so" if cfg["SHARED_OUT"] else "")] = cfg
     return out
-
-
-def timed(fns: dict, rounds: int, rep: int):
-    runs = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            runs[k].append(triton.testing.do_bench(f, warmup=10, rep=rep))
-    return {k: statistics.median(v) for k, v in runs.items()}
 
 
 def main():
@@ -97,7 +89,7 @@ def main():
                 if not errs[k] < 1e-2:  # NaN fails too
                     wrong += 1
                     print(f"  WRONG {dname} {s} {k}: rel err {errs[k]}", flush=True)
-            ms = timed(fns, args.rounds, args.rep)
+            ms = timed(fns, rounds=args.rounds, rep=args.rep)
             base = ms["cublas"]
             rows = []
             for k in fns:

@@ -48,7 +48,8 @@ def compile_ptx(kernel, operand: str, mma_operands: str, precision: str, size: i
                  HAS_SCALE_B=size == 1, MMA_OPERANDS=mma_operands, GROUP_M=8, FAST_ACCUM=False,
                  BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 // size if size < 4 else 32)
     if persistent:
-        flags.update(A_T=False, B_T=mma_operands != "swap", NUM_SMS=132, FLATTEN=True, WARP_SPECIALIZE=0)
+        flags.update(A_T=False, B_T=mma_operands != "swap", NUM_SMS=132, FLATTEN=True, WARP_SPECIALIZE=0,
+                     HOST_DESC=False)  # pointers, as the fingerprints were taken
     else:
         flags.update(UPCAST=False, INDEX_64=False, DIVISORS=(16,) * 11)
     sig, constexprs, attrs = {}, {}, {}

@@ -69,7 +69,7 @@ def compile_offline(tmp_path, source: str, argument, timeout: int = 600):
 
 
 # Prepended to a compile_offline script that compiles kernels for sm_90: defines signature(),
-# launch_signature() and compile_sm90() (Triton or Gluon kernels).
+# launch_signature(), cpu_problem() and compile_sm90() (Triton or Gluon kernels).
 SM90 = textwrap.dedent(
     """
     import os, subprocess, tempfile
@@ -121,6 +121,20 @@ SM90 = textwrap.dedent(
                 if isinstance(val, torch.Tensor):
                     attrs[(i,)] = [["tt.divisibility", 16]]
         return sig, constexprs, attrs
+
+
+    def cpu_problem(dtype, layout, epilogue, n=512):
+        \"\"\"An n^3 GemmProblem of CPU tensors (``dtype`` a torch dtype's name; ``layout`` "NN".."TT", T: a
+        transposed view), with C, bias and GELU when ``epilogue``: what a launch_args needs offline.\"\"\"
+        import torch
+        from tilegemm.ops.matmul.problem import make_problems
+        dt = getattr(torch, dtype)
+        a = torch.empty(n, n, dtype=dt).T if layout[0] == "T" else torch.empty(n, n, dtype=dt)
+        b = torch.empty(n, n, dtype=dt).T if layout[1] == "T" else torch.empty(n, n, dtype=dt)
+        c = torch.empty(n, n, dtype=dt) if epilogue else None
+        bias = torch.empty(n, dtype=dt) if epilogue else None
+        return make_problems(a, b, torch.empty(n, n, dtype=dt), c, bias, 1.0, 0.5 if epilogue else 0.0,
+                             "gelu" if epilogue else "none", "ieee", False)[0]
 
 
     def compile_sm90(kernel, sig, constexprs, attrs, num_warps, num_stages=None, gluon=True):

@@ -121,21 +121,12 @@ def test_auto_times_the_two_rungs_from_half_a_tile_per_sm_to_two(monkeypatch):
 _COMPILE = SM90 + textwrap.dedent(
     """
     import json, re, sys
-    import torch
     from tilegemm.ops.matmul import gluon_f16
-    from tilegemm.ops.matmul.problem import make_problems
 
     kernel = gluon_f16.matmul_f16_coop_kernel
     report = {}
     for name, v in json.loads(sys.argv[1]).items():
-        dtype = getattr(torch, v["dtype"])
-        M = N = K = 512
-        a = torch.empty(K, M, dtype=dtype).T if v["layout"][0] == "T" else torch.empty(M, K, dtype=dtype)
-        b = torch.empty(N, K, dtype=dtype).T if v["layout"][1] == "T" else torch.empty(K, N, dtype=dtype)
-        c = torch.empty(M, N, dtype=dtype) if v["epilogue"] else None
-        bias = torch.empty(N, dtype=dtype) if v["epilogue"] else None
-        p = make_problems(a, b, torch.empty(M, N, dtype=dtype), c, bias, 1.0, 0.5 if v["epilogue"] else 0.0,
-                          "gelu" if v["epilogue"] else "none", "ieee", False)[0]
+        p = cpu_problem(v["dtype"], v["layout"], v["epilogue"])
         cfg = dict(GLUON_F16=True, BLOCK_M=v["bm"], BLOCK_N=v["bn"], STAGES=v["stages"],
                    SHARED_OUT=v["shared_out"], num_warps=4)
         _, _, args, kwargs = gluon_f16.launch_args(p, cfg, 132)

@@ -69,21 +69,12 @@ def test_descriptors_describe_the_operands_as_they_lie():
 _COMPILE = SM90 + textwrap.dedent(
     """
     import json, re, sys
-    import torch
     from tilegemm.ops.matmul import gluon_ws
-    from tilegemm.ops.matmul.problem import make_problems
 
     kernel = gluon_ws.matmul_ws_kernel
     report = {}
     for name, v in json.loads(sys.argv[1]).items():
-        dtype = getattr(torch, v["dtype"])
-        M = N = K = 512
-        a = torch.empty(K, M, dtype=dtype).T if v["layout"][0] == "T" else torch.empty(M, K, dtype=dtype)
-        b = torch.empty(N, K, dtype=dtype).T if v["layout"][1] == "T" else torch.empty(K, N, dtype=dtype)
-        c = torch.empty(M, N, dtype=dtype) if v["epilogue"] else None
-        bias = torch.empty(N, dtype=dtype) if v["epilogue"] else None
-        p = make_problems(a, b, torch.empty(M, N, dtype=dtype), c, bias, 1.0, 0.5 if v["epilogue"] else 0.0,
-                          "gelu" if v["epilogue"] else "none", "ieee", False)[0]
+        p = cpu_problem(v["dtype"], v["layout"], v["epilogue"])
         cfg = dict(GLUON_WS=True, BLOCK_M=v["bm"], BLOCK_N=v["bn"], STAGES=v["stages"], num_warps=4)
         _, _, args, kwargs = gluon_ws.launch_args(p, cfg, 132)
         sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
