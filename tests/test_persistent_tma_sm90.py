@@ -160,17 +160,11 @@ def test_every_candidate_is_right_on_the_gpu(dtype, layout, shape):
 _COMPILE_DESCRIPTORS = SM90 + textwrap.dedent(
     """
     import json, re, sys
-    import torch
     from tilegemm.ops.matmul import persistent_tma
-    from tilegemm.ops.matmul.problem import make_problems
 
     report = {}
     for name, v in json.loads(sys.argv[1]).items():
-        M, N, K = 512, 384, 256
-        a = torch.empty(K, M, dtype=torch.float16).T if v["layout"][0] == "T" else torch.empty(M, K, dtype=torch.float16)
-        b = torch.empty(N, K, dtype=torch.float16).T if v["layout"][1] == "T" else torch.empty(K, N, dtype=torch.float16)
-        p = make_problems(a, b, torch.empty(M, N, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee",
-                          False)[0]
+        p = cpu_problem("float16", v["layout"], False)
         cfg = persistent_tma._cfg(128, 64, 64, 4, 4, host_desc=v["host"])
         kernel, _, args, kwargs = persistent_tma.triton_launch_args(p, cfg, 132)
         warps, stages = kwargs.pop("num_warps"), kwargs.pop("num_stages")

@@ -236,10 +236,12 @@ def matmul_f16_coop_kernel(
 
 # --- host side ---------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N): a consumer warp group holds 128 accumulator registers a thread in the first two, 64
-# in the 128x128 tile (for problems of one to two such tiles per SM, where it ran 0.95x-0.96x of cuBLAS at
-# 2048^3; a 128x64 tile ran 0.91x-0.94x at 1024^3, behind autotuned, and is not offered).
-TILES = ((256, 128), (128, 256), (128, 128))
+# (BLOCK_M, BLOCK_N) -> its (ring depth, SHARED_OUT) configs. A consumer warp group holds 128 accumulator
+# registers a thread in the first two tiles, 64 in the 128x128 one (for problems of one to two such tiles
+# per SM, where it ran 0.95x-0.96x of cuBLAS at 2048^3; a 128x64 tile ran 0.91x-0.94x at 1024^3, behind
+# autotuned, and is not offered). A 256x128 tile has 3 stages of 48 KB beside two output buffers, 4 beside
+# one the warp groups take turns at; the 128x128 tile 6 of 32 KB beside two.
+TILES = {(256, 128): ((3, False), (4, True)), (128, 256): ((3, False), (4, True)), (128, 128): ((6, False),)}
 
 
 def _fits(bm: int, bn: int, stages: int, shared_out: bool) -> bool:
@@ -248,19 +250,9 @@ def _fits(bm: int, bn: int, stages: int, shared_out: bool) -> bool:
 
 
 def configs(out_element_size: int = 2) -> list[dict]:
-    """Tiles and ring depths that fit beside the output buffers: a 256x128 tile has 3 stages of 48 KB
-    beside two output buffers, 4 beside one the warp groups take turns at (``SHARED_OUT``); the smaller
-    tiles take the deepest ring that fits beside two."""
-    out = []
-    for bm, bn in TILES:
-        if bm * bn == 256 * 128:
-            depths = ((3, False), (4, True))
-        else:
-            deepest = max(s for s in range(2, 13) if _fits(bm, bn, s, False))
-            depths = ((deepest, False),)
-        out += [dict(GLUON_F16=True, BLOCK_M=bm, BLOCK_N=bn, STAGES=s, SHARED_OUT=so, num_warps=NUM_WARPS)
-                for s, so in depths if _fits(bm, bn, s, so)]
-    return out
+    """The :data:`TILES` configs (each the deepest ring that fits beside its output buffers)."""
+    return [dict(GLUON_F16=True, BLOCK_M=bm, BLOCK_N=bn, STAGES=s, SHARED_OUT=so, num_warps=NUM_WARPS)
+            for (bm, bn), depths in TILES.items() for s, so in depths if _fits(bm, bn, s, so)]
 
 
 def usable(p: GemmProblem) -> str | None:
@@ -280,11 +272,8 @@ def descriptors(p: GemmProblem, cfg: dict):
     """Host-side TMA descriptors of A, B and the output for config ``cfg``, as the operands lie
     (:attr:`GemmProblem.tma_view`); the output in [BLOCK_M / 2, BLOCK_N] blocks, one per consumer."""
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    a_t, b_t, stride_a, stride_b = p.tma_view
-    desc = host_descriptor
-    a = desc(p.a, [p.K, p.M], stride_a, [BLOCK_K, bm]) if a_t else desc(p.a, [p.M, p.K], stride_a, [bm, BLOCK_K])
-    b = desc(p.b, [p.N, p.K], stride_b, [bn, BLOCK_K]) if b_t else desc(p.b, [p.K, p.N], stride_b, [BLOCK_K, bn])
-    return a, b, desc(p.out, [p.M, p.N], p.out_strides[1], [bm // 2, bn])
+    a, b = (host_descriptor(*box) for box in p.tma_boxes(bm, bn, BLOCK_K))
+    return a, b, host_descriptor(p.out, [p.M, p.N], p.out_strides[1], [bm // 2, bn])
 
 
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):

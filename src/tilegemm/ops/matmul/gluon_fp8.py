@@ -329,35 +329,23 @@ def descriptors(p: GemmProblem):
     """Host-side TMA descriptors for the warp-specialized kernel: A as [M, K], B as its transpose [N, K]
     (both K-major, :func:`usable`), the output as [M, N] in [BLOCK_M / 2, BLOCK_N] blocks (one per consumer
     warp group)."""
-    return (host_descriptor(p.a, [p.M, p.K], p.a_strides[1], [BLOCK_M, BLOCK_K]),
-            host_descriptor(p.b, [p.N, p.K], p.b_strides[2], [BLOCK_N, BLOCK_K]),
-            host_descriptor(p.out, [p.M, p.N], p.out_strides[1], [BLOCK_M // 2, BLOCK_N]))
+    a, b = (host_descriptor(*box) for box in p.tma_boxes(BLOCK_M, BLOCK_N, BLOCK_K))
+    return a, b, host_descriptor(p.out, [p.M, p.N], p.out_strides[1], [BLOCK_M // 2, BLOCK_N])
 
 
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.launch.launch`."""
-    tiles = triton.cdiv(p.M, BLOCK_M) * triton.cdiv(p.N, BLOCK_N)
+    grid = (min(num_sms, triton.cdiv(p.M, BLOCK_M) * triton.cdiv(p.N, BLOCK_N)),)
     flags = p.kernel_flags()
-    if cfg.get("WS"):
-        c, bias, scale_a, scale_b = p.epilogue_pointers()
-        args = (*descriptors(p), c, bias, scale_a, scale_b, p.M, p.N, p.K,
-                p.c_strides[1], p.c_strides[2], p.bias_stride, p.scale_a_stride, p.scale_b_stride, p.alpha, p.beta)
-        kwargs = dict(HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
-                      HAS_SCALE_A=flags["HAS_SCALE_A"], HAS_SCALE_B=flags["HAS_SCALE_B"],
-                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=8,
-                      NUM_SMS=num_sms, PRODUCER_WARPS=4, CONSUMER_REGS=WS_CONSUMER_REGS,
-                      PRODUCER_REGS=WS_PRODUCER_REGS, num_warps=cfg["num_warps"])
-        return matmul_fp8_ws_kernel, (min(num_sms, tiles),), args, kwargs
-    args = (
-        p.a, p.b, p.out, *p.epilogue_pointers(),
-        p.M, p.N, p.K,
-        p.a_strides[1], p.b_strides[2], p.out_strides[1],
-        p.c_strides[1], p.c_strides[2], p.bias_stride,
-        p.scale_a_stride, p.scale_b_stride,
-        p.alpha, p.beta,
-    )
+    epilogue = (p.c_strides[1], p.c_strides[2], p.bias_stride, p.scale_a_stride, p.scale_b_stride, p.alpha, p.beta)
     kwargs = dict(HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                   HAS_SCALE_A=flags["HAS_SCALE_A"], HAS_SCALE_B=flags["HAS_SCALE_B"],
                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=8,
                   NUM_SMS=num_sms, num_warps=cfg["num_warps"])
-    return matmul_fp8_overlap_kernel, (min(num_sms, tiles),), args, kwargs
+    if cfg.get("WS"):
+        args = (*descriptors(p), *p.epilogue_pointers(), p.M, p.N, p.K, *epilogue)
+        kwargs.update(PRODUCER_WARPS=4, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
+        return matmul_fp8_ws_kernel, grid, args, kwargs
+    args = (p.a, p.b, p.out, *p.epilogue_pointers(), p.M, p.N, p.K,
+            p.a_strides[1], p.b_strides[2], p.out_strides[1], *epilogue)
+    return matmul_fp8_overlap_kernel, grid, args, kwargs

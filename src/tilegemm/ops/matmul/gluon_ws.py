@@ -214,11 +214,8 @@ def descriptors(p: GemmProblem, cfg: dict):
     """Host-side TMA descriptors of A, B and the output for config ``cfg``, as the operands lie
     (:attr:`GemmProblem.tma_view`)."""
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    a_t, b_t, stride_a, stride_b = p.tma_view
-    desc = host_descriptor
-    a = desc(p.a, [p.K, p.M], stride_a, [BLOCK_K, bm]) if a_t else desc(p.a, [p.M, p.K], stride_a, [bm, BLOCK_K])
-    b = desc(p.b, [p.N, p.K], stride_b, [bn, BLOCK_K]) if b_t else desc(p.b, [p.K, p.N], stride_b, [BLOCK_K, bn])
-    return a, b, desc(p.out, [p.M, p.N], p.out_strides[1], [bm, bn])
+    a, b = (host_descriptor(*box) for box in p.tma_boxes(bm, bn, BLOCK_K))
+    return a, b, host_descriptor(p.out, [p.M, p.N], p.out_strides[1], [bm, bn])
 
 
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):

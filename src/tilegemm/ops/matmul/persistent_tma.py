@@ -263,12 +263,9 @@ def host_descriptors(p: GemmProblem, cfg: dict):
     output (in [BLOCK_M, BLOCK_N / 2] blocks) for config ``cfg``."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    a_t, b_t, stride_a, stride_b = p.tma_view
-    a = (TensorDescriptor(p.a, [p.K, p.M], [stride_a, 1], [bk, bm]) if a_t
-         else TensorDescriptor(p.a, [p.M, p.K], [stride_a, 1], [bm, bk]))
-    b = (TensorDescriptor(p.b, [p.N, p.K], [stride_b, 1], [bn, bk]) if b_t
-         else TensorDescriptor(p.b, [p.K, p.N], [stride_b, 1], [bk, bn]))
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    a, b = (TensorDescriptor(t, shape, [stride, 1], block)
+            for t, shape, stride, block in p.tma_boxes(bm, bn, cfg["BLOCK_K"]))
     return a, b, TensorDescriptor(p.out, [p.M, p.N], [p.out_strides[1], 1], [bm, bn // 2])
 
 

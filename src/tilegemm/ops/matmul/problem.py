@@ -94,6 +94,14 @@ class GemmProblem:
         a_t, b_t = sak != 1, sbn != 1
         return a_t, b_t, sak if a_t else sam, sbn if b_t else sbk
 
+    def tma_boxes(self, bm: int, bn: int, bk: int) -> tuple[tuple, tuple]:
+        """(tensor, shape, row stride, block) of A and of B as :attr:`tma_view` describes them, for tiles of
+        ``bm`` x ``bn`` output and ``bk`` K: what a host-side TMA descriptor of each is made from."""
+        a_t, b_t, stride_a, stride_b = self.tma_view
+        a = (self.a, [self.K, self.M], stride_a, [bk, bm]) if a_t else (self.a, [self.M, self.K], stride_a, [bm, bk])
+        b = (self.b, [self.N, self.K], stride_b, [bn, bk]) if b_t else (self.b, [self.K, self.N], stride_b, [bk, bn])
+        return a, b
+
     @property
     def tuning_dtype(self) -> str:
         """The operand dtypes as tuned configs are keyed: ``tf32`` apart from IEEE fp32, fp8 pairs joined."""
