@@ -31,8 +31,17 @@ from tilegemm.ops.matmul import gluon_fp8, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 
 
+KNOBS = {}  # --knobs: extra warp-specialized variants, e.g. {"p1": {"PRODUCER_WARPS": 1}, "g16": {"GROUP_M": 16}}
+
+
 def variants(out_element_size: int) -> dict[str, dict]:
-    return {f"{'ws' if c.get('WS') else 'pers'}_s{c['STAGES']}": c for c in gluon_fp8.configs(out_element_size)}
+    found = {f"{'ws' if c.get('WS') else 'pers'}_s{c['STAGES']}": c for c in gluon_fp8.configs(out_element_size)}
+    if KNOBS:  # only the warp-specialized kernel, plain and with each knob
+        found = {k: c for k, c in found.items() if c.get("WS")}
+        for k, c in list(found.items()):
+            for tag, knob in KNOBS.items():
+                found[f"{k}_{tag}"] = dict(c, **knob)
+    return found
 
 
 def call(a, w, out, sa, sb, cfg, c=None, bias=None, alpha=1.0, beta=0.0, act="none"):
@@ -98,8 +107,20 @@ def main():
     ap.add_argument("--sizes", default="1024,2048,4096,8192,16384")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--knobs", default="", help='e.g. p1:PRODUCER_WARPS=1,g16:GROUP_M=16,p1g16:PRODUCER_WARPS=1+GROUP_M=16')
+    ap.add_argument("--stages", default="", help="only these ring depths, e.g. 5")
     ap.add_argument("--no-plain", action="store_true", help="time the Gluon configs only as replays")
     args = ap.parse_args()
+    for item in filter(None, args.knobs.split(",")):
+        tag, sets = item.split(":")
+        KNOBS[tag] = {k: int(v) for k, v in (kv.split("=") for kv in sets.split("+"))}
+    if args.stages:
+        keep = {int(x) for x in args.stages.split(",")}
+        base = gluon_fp8.configs
+
+        def only(size, base=base):
+            return [c for c in base(size) if c["STAGES"] in keep]
+        gluon_fp8.configs = only
     persistent_tma._ensure_allocator()
     results = []
     if not args.no_check:

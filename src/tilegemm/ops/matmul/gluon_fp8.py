@@ -340,11 +340,11 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     epilogue = (p.c_strides[1], p.c_strides[2], p.bias_stride, p.scale_a_stride, p.scale_b_stride, p.alpha, p.beta)
     kwargs = dict(HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                   HAS_SCALE_A=flags["HAS_SCALE_A"], HAS_SCALE_B=flags["HAS_SCALE_B"],
-                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=8,
+                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=cfg.get("GROUP_M", 8),
                   NUM_SMS=num_sms, num_warps=cfg["num_warps"])
     if cfg.get("WS"):
         args = (*descriptors(p), *p.epilogue_pointers(), p.M, p.N, p.K, *epilogue)
-        kwargs.update(PRODUCER_WARPS=4, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
+        kwargs.update(PRODUCER_WARPS=cfg.get("PRODUCER_WARPS", 4), CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
         return matmul_fp8_ws_kernel, grid, args, kwargs
     args = (p.a, p.b, p.out, *p.epilogue_pointers(), p.M, p.N, p.K,
             p.a_strides[1], p.b_strides[2], p.out_strides[1], *epilogue)
