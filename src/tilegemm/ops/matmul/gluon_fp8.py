@@ -81,6 +81,22 @@ def _issue_mma(count, partial, ready, a_bufs, b_bufs, STAGES: gl.constexpr, ROW0
 
 
 @gluon.jit
+def _scalar_scales(alpha, scale_a_ptr, scale_b_ptr, SCALAR_A: gl.constexpr, SCALAR_B: gl.constexpr):
+    """alpha times the per-tensor scales (``SCALAR_A`` / ``SCALAR_B``), loaded once per program.
+
+    A per-tensor scale reaches the shared epilogue as a stride-0 vector, which every tile's epilogue
+    loaded again (34 loads a warp, their latency between the tile's last MMA and its store). Folded into
+    alpha here, the epilogue does one multiply; on the H200 that took promoted fp8 at 2048^3 from 0.93x to
+    1.00x of ``torch._scaled_mm`` (``scripts/profile_counters.py``, ``scripts/explore_fp8_ws.py``)."""
+    scale = alpha
+    if SCALAR_A:
+        scale = scale * gl.load(scale_a_ptr).to(gl.float32)
+    if SCALAR_B:
+        scale = scale * gl.load(scale_b_ptr).to(gl.float32)
+    return scale
+
+
+@gluon.jit
 def matmul_fp8_overlap_kernel(
     a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
     M, N, K,
@@ -88,7 +104,7 @@ def matmul_fp8_overlap_kernel(
     stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
     alpha, beta,
     HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
-    HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr,
+    HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr, SCALAR_A: gl.constexpr, SCALAR_B: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -117,6 +133,7 @@ def matmul_fp8_overlap_kernel(
     tiles_n = gl.cdiv(N, BLOCK_N)
     tiles = tiles_m * tiles_n
     steps = gl.cdiv(K, BLOCK_K)
+    scale = _scalar_scales(alpha, scale_a_ptr, scale_b_ptr, SCALAR_A, SCALAR_B)
     # Loads run AHEAD K steps in front of the MMAs. The slot a load fills was last read by the MMAs of
     # two steps back, which have been waited for by then (at most one step's MMAs are in flight).
     AHEAD: gl.constexpr = STAGES - 2
@@ -169,7 +186,7 @@ def matmul_fp8_overlap_kernel(
         offs_m = out_m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         offs_n = out_n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         acc = epilogue_tile(acc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
-                            stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                            stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, scale, beta,
                             HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
         tma.store_wait(pendings=0)  # the previous tile's store has left o_smem
         o_smem.store(acc.to(o_ty))
@@ -191,8 +208,9 @@ def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, 
     """Warp group ``WG`` (0 or 1): the MMAs, promotion and epilogue of rows WG * BLOCK_M / 2 ... of every
     tile of this program; ``o_desc`` describes the output in [BLOCK_M / 2, BLOCK_N] blocks.
 
-    ``SCALAR_A`` / ``SCALAR_B``: that scale is one number (per tensor), loaded once and folded into alpha
-    (``HAS_SCALE_A`` / ``HAS_SCALE_B`` then say whether a per-row / per-column vector is left to apply).
+    ``SCALAR_A`` / ``SCALAR_B``: that scale is one number (per tensor), folded into alpha
+    (:func:`_scalar_scales`); ``HAS_SCALE_A`` / ``HAS_SCALE_B`` say whether a per-row / per-column vector
+    is left to apply.
     ``EPI_OVERLAP``: the next tile's first K step is issued to the tensor cores before this tile's epilogue,
     so the epilogue runs while they work instead of leaving them idle."""
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -204,11 +222,7 @@ def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, 
     tiles_n = gl.cdiv(N, BLOCK_N)
     tiles = tiles_m * tiles_n
     steps = gl.cdiv(K, BLOCK_K)
-    scale = alpha
-    if SCALAR_A:
-        scale = scale * gl.load(scale_a_ptr).to(gl.float32)
-    if SCALAR_B:
-        scale = scale * gl.load(scale_b_ptr).to(gl.float32)
+    scale = _scalar_scales(alpha, scale_a_ptr, scale_b_ptr, SCALAR_A, SCALAR_B)
     count = 0
     acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
     for tile in range(gl.program_id(0), tiles, NUM_SMS):
@@ -381,19 +395,17 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     grid = (min(num_sms, triton.cdiv(p.M, BLOCK_M) * triton.cdiv(p.N, BLOCK_N)),)
     flags = p.kernel_flags()
     epilogue = (p.c_strides[1], p.c_strides[2], p.bias_stride, p.scale_a_stride, p.scale_b_stride, p.alpha, p.beta)
+    # A per-tensor scale (stride 0) is folded into alpha in the kernel (_scalar_scales); only vectors are
+    # left for the epilogue.
+    scalar_a = flags["HAS_SCALE_A"] and p.scale_a_stride == 0
+    scalar_b = flags["HAS_SCALE_B"] and p.scale_b_stride == 0
     kwargs = dict(HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
-                  HAS_SCALE_A=flags["HAS_SCALE_A"], HAS_SCALE_B=flags["HAS_SCALE_B"],
-                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=cfg.get("GROUP_M", 8),
-                  NUM_SMS=num_sms, num_warps=cfg["num_warps"])
+                  HAS_SCALE_A=flags["HAS_SCALE_A"] and not scalar_a, SCALAR_A=scalar_a,
+                  HAS_SCALE_B=flags["HAS_SCALE_B"] and not scalar_b, SCALAR_B=scalar_b,
+                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
+                  GROUP_M=cfg.get("GROUP_M", 8), NUM_SMS=num_sms, num_warps=cfg["num_warps"])
     if cfg.get("WS"):
         args = (*descriptors(p), *p.epilogue_pointers(), p.M, p.N, p.K, *epilogue)
-        scalar_a = flags["HAS_SCALE_A"] and p.scale_a_stride == 0
-        scalar_b = flags["HAS_SCALE_B"] and p.scale_b_stride == 0
-        if cfg.get("SCALAR_SCALES", 0):
-            kwargs.update(HAS_SCALE_A=flags["HAS_SCALE_A"] and not scalar_a, SCALAR_A=scalar_a,
-                          HAS_SCALE_B=flags["HAS_SCALE_B"] and not scalar_b, SCALAR_B=scalar_b)
-        else:
-            kwargs.update(SCALAR_A=False, SCALAR_B=False)
         kwargs.update(EPI_OVERLAP=bool(cfg.get("EPI_OVERLAP", 0)))
         kwargs.update(PRODUCER_WARPS=cfg.get("PRODUCER_WARPS", 4), CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
         return matmul_fp8_ws_kernel, grid, args, kwargs
