@@ -159,6 +159,47 @@ def test_warp_specialized_kernel_compiles_for_both_consumers_without_spills(tmp_
         assert r["shared"] >= stages * 32 * 1024, f"{name}: {r['shared']} bytes of shared memory"
 
 
+_COMPILE_SCALES = SM90 + textwrap.dedent(
+    """
+    import json, re, sys
+    import torch
+    from tilegemm.ops.matmul import gluon_fp8
+    from tilegemm.ops.matmul.problem import make_problems
+
+    report = {}
+    n = 512
+    for kind in ("tensor", "row_col"):
+        a = torch.empty(n, n, dtype=torch.float8_e4m3fn)
+        b = torch.empty(n, n, dtype=torch.float8_e4m3fn).T
+        out = torch.empty(n, n, dtype=torch.bfloat16)
+        scales = (torch.empty(()), 0, torch.empty(()), 0) if kind == "tensor" else \\
+            (torch.empty(n), 1, torch.empty(n), 1)
+        p = make_problems(a, b, out, None, None, 0.5, 0.0, "none", "ieee", False, scales=scales)[0]
+        for ws in (False, True):
+            cfg = [c for c in gluon_fp8.configs(2) if bool(c.get("WS")) == ws][0]
+            kernel, _, args, kwargs = gluon_fp8.launch_args(p, cfg, 132)
+            sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
+            compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, cfg["num_warps"])
+            report[f"{kind}-{'ws' if ws else 'one'}"] = dict(
+                loads=len(re.findall(r"ld\\.global", ptx)), scalar=[kwargs["SCALAR_A"], kwargs["SCALAR_B"]],
+                spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)])
+    print(json.dumps(report))
+    """
+)
+
+
+def test_per_tensor_scales_are_loaded_once_not_in_every_epilogue(tmp_path):
+    """A per-tensor scale is one number: the kernels fold it into alpha once per program (each consumer
+    warp group loads the two scalars), where vector scales are loaded in every tile's epilogue."""
+    r = compile_offline(tmp_path, _COMPILE_SCALES, {}, timeout=600)
+    for kernel, consumers in (("one", 1), ("ws", 2)):
+        tensor, row_col = r[f"tensor-{kernel}"], r[f"row_col-{kernel}"]
+        assert tensor["scalar"] == [True, True] and row_col["scalar"] == [False, False]
+        assert tensor["loads"] == 2 * consumers, f"{kernel}: {tensor['loads']} global loads"
+        assert row_col["loads"] > 8 * tensor["loads"], f"{kernel}: {row_col['loads']} global loads"
+        assert max(tensor["spills"] + row_col["spills"]) == 0
+
+
 # --- on a GPU ---------------------------------------------------------------------------------------------
 
 
@@ -207,6 +248,25 @@ def test_gluon_fp8_epilogue(out_dtype, ws):
     persistent_tma.run(p, [c for c in gluon_fp8.configs(out.element_size()) if bool(c.get("WS")) == ws][-1])
     ref = dequantized_reference(a, b, scale_a, scale_b, c=c, bias=bias, alpha=0.5, beta=-1.0, activation="gelu")
     assert_rel_close(out, ref, tolerance(E4M3, out_dtype=out_dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ws", [False, True], ids=["one-partition", "ws"])
+def test_gluon_fp8_per_tensor_scales_fold_into_alpha(ws):
+    """Both scales per tensor (folded into alpha in the kernel), alpha != 1, C, bias and an activation."""
+    if not _hopper():
+        pytest.skip("the Gluon kernel is written for sm_90")
+    M, N, K = 300, 264, 1000
+    a = fp8_operand(M, K, False, E4M3, "cuda")
+    b = fp8_operand(K, N, True, E5M2, "cuda")
+    scale_a, scale_b = torch.tensor(1.5, device="cuda"), torch.tensor(0.75, device="cuda")
+    c = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    p = make_problems(a, b, out, c, bias, 0.5, 2.0, "relu", "ieee", False, scales=(scale_a, 0, scale_b, 0))[0]
+    persistent_tma.run(p, [c for c in gluon_fp8.configs(out.element_size()) if bool(c.get("WS")) == ws][0])
+    ref = dequantized_reference(a, b, scale_a, scale_b, c=c, bias=bias, alpha=0.5, beta=2.0, activation="relu")
+    assert_rel_close(out, ref, tolerance(E4M3, out_dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu

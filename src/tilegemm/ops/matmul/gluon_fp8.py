@@ -202,7 +202,7 @@ def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, 
                  M, N, K, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                  HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
                  HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr, SCALAR_A: gl.constexpr,
-                 SCALAR_B: gl.constexpr, EPI_OVERLAP: gl.constexpr,
+                 SCALAR_B: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                  GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WG: gl.constexpr):
     """Warp group ``WG`` (0 or 1): the MMAs, promotion and epilogue of rows WG * BLOCK_M / 2 ... of every
@@ -210,9 +210,7 @@ def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, 
 
     ``SCALAR_A`` / ``SCALAR_B``: that scale is one number (per tensor), folded into alpha
     (:func:`_scalar_scales`); ``HAS_SCALE_A`` / ``HAS_SCALE_B`` say whether a per-row / per-column vector
-    is left to apply.
-    ``EPI_OVERLAP``: the next tile's first K step is issued to the tensor cores before this tile's epilogue,
-    so the epilogue runs while they work instead of leaving them idle."""
+    is left to apply."""
     ROWS: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = WG * ROWS
     o_smem = o_bufs.index(WG)
@@ -224,20 +222,12 @@ def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, 
     steps = gl.cdiv(K, BLOCK_K)
     scale = _scalar_scales(alpha, scale_a_ptr, scale_b_ptr, SCALAR_A, SCALAR_B)
     count = 0
-    acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
     for tile in range(gl.program_id(0), tiles, NUM_SMS):
+        acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         p0 = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        p1 = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         prev = count % STAGES
         count, q0 = _issue_mma(count, p0, ready, a_bufs, b_bufs, STAGES, ROW0, ROWS)
-        if EPI_OVERLAP:
-            # The previous tile's epilogue runs here, while this tile's first K step is on the tensor cores.
-            if tile != gl.program_id(0):
-                _ws_epilogue(acc, tile - NUM_SMS, tiles_m, tiles_n, o_smem, o_desc, c_ptr, bias_ptr,
-                             scale_a_ptr, scale_b_ptr, M, N, stride_cm, stride_cn, stride_bias, stride_sa,
-                             stride_sb, scale, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
-                             BLOCK_M, BLOCK_N, GROUP_M, WG)
-        acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-        p1 = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         # As in the one-partition kernel: two K steps an iteration, so each partial keeps its registers.
         # Once step k's MMAs are issued, step k - 1's are waited for, its slot is released to the producer
         # (both warp groups arrive) and its partial is added while step k runs.
@@ -267,17 +257,9 @@ def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, 
             p0 = warpgroup_mma_wait(0, deps=(q0,))
             mbarrier.arrive(empty.index(prev), count=1)
             acc += p0
-        if not EPI_OVERLAP:
-            _ws_epilogue(acc, tile, tiles_m, tiles_n, o_smem, o_desc, c_ptr, bias_ptr,
-                         scale_a_ptr, scale_b_ptr, M, N, stride_cm, stride_cn, stride_bias, stride_sa,
-                         stride_sb, scale, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
-                         BLOCK_M, BLOCK_N, GROUP_M, WG)
-    if EPI_OVERLAP:  # this program's last tile
-        last = gl.program_id(0) + (gl.cdiv(tiles - gl.program_id(0), NUM_SMS) - 1) * NUM_SMS
-        _ws_epilogue(acc, last, tiles_m, tiles_n, o_smem, o_desc, c_ptr, bias_ptr,
-                     scale_a_ptr, scale_b_ptr, M, N, stride_cm, stride_cn, stride_bias, stride_sa,
-                     stride_sb, scale, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B,
-                     BLOCK_M, BLOCK_N, GROUP_M, WG)
+        _ws_epilogue(acc, tile, tiles_m, tiles_n, o_smem, o_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                     M, N, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, scale, beta,
+                     HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N, GROUP_M, WG)
     tma.store_wait(pendings=0)
 
 
@@ -312,7 +294,6 @@ def matmul_fp8_ws_kernel(
     alpha, beta,
     HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
     HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr, SCALAR_A: gl.constexpr, SCALAR_B: gl.constexpr,
-    EPI_OVERLAP: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
@@ -332,11 +313,11 @@ def matmul_fp8_ws_kernel(
     gl.warp_specialize([
         (_ws_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                         M, N, K, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                        HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, SCALAR_A, SCALAR_B, EPI_OVERLAP,
+                        HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, SCALAR_A, SCALAR_B,
                         BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 0)),
         (_ws_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                         M, N, K, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                        HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, SCALAR_A, SCALAR_B, EPI_OVERLAP,
+                        HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, SCALAR_A, SCALAR_B,
                         BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 1)),
         # The producer warp group: gluon_f16's loop, with A as [M, K] and B as [N, K] (B_T).
         (fill_ring, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS,
@@ -406,7 +387,6 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
                   GROUP_M=cfg.get("GROUP_M", 8), NUM_SMS=num_sms, num_warps=cfg["num_warps"])
     if cfg.get("WS"):
         args = (*descriptors(p), *p.epilogue_pointers(), p.M, p.N, p.K, *epilogue)
-        kwargs.update(EPI_OVERLAP=bool(cfg.get("EPI_OVERLAP", 0)))
         kwargs.update(PRODUCER_WARPS=cfg.get("PRODUCER_WARPS", 4), CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
         return matmul_fp8_ws_kernel, grid, args, kwargs
     args = (p.a, p.b, p.out, *p.epilogue_pointers(), p.M, p.N, p.K,
