@@ -30,8 +30,9 @@ from tilegemm.ops.matmul import persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 
 
-def calls(case: str, stages: int):
-    """{name: zero-argument call} for one case, each checked against an fp32 reference first."""
+def calls(case: str, stages: int, knobs: dict | None = None):
+    """{name: zero-argument call} for one case, each checked against an fp32 reference first. For fp8,
+    ``knobs`` ({tag: config changes}) adds the warp-specialized kernel with those changes as ``tilegemm_<tag>``."""
     kind, size = case.split(":")
     n = int(size)
     if kind == "fp8":
@@ -43,6 +44,8 @@ def calls(case: str, stages: int):
         cfg = dict(GLUON_FP8=True, WS=True, STAGES=stages, num_warps=4)
         fns = {"cublas": lambda: torch._scaled_mm(a, w.T, sa, sb, out_dtype=torch.bfloat16),
                "tilegemm": lambda: persistent_tma.run(p, cfg)}
+        for tag, change in (knobs or {}).items():
+            fns[f"tilegemm_{tag}"] = lambda c=dict(cfg, **change): persistent_tma.run(p, c)
         ref = (a.float() @ w.float().T) * (0.75 * 1.25)
     else:
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[kind]
@@ -59,6 +62,12 @@ def calls(case: str, stages: int):
     torch.cuda.synchronize()
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, (case, err)
+    for name in [k for k in fns if k.startswith("tilegemm_")]:
+        out.fill_(float("nan"))
+        fns[name]()
+        torch.cuda.synchronize()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (case, name, err)
     return fns
 
 
@@ -110,11 +119,16 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--json")
+    ap.add_argument("--knobs", default="", help="fp8 variants, e.g. g4:GROUP_M=4,s6:STAGES=6,p1:PRODUCER_WARPS=1")
     args = ap.parse_args()
+    knobs = {}
+    for item in filter(None, args.knobs.split(",")):
+        tag, sets = item.split(":")
+        knobs[tag] = {k: int(v) for k, v in (kv.split("=") for kv in sets.split("+"))}
     persistent_tma._ensure_allocator()
     rows = []
     for case in args.cases.split(","):
-        fns = calls(case, args.stages)
+        fns = calls(case, args.stages, knobs)
         if args.mode == "ncu":
             for fn in fns.values():
                 for _ in range(3):
@@ -129,7 +143,7 @@ def main() -> None:
             torch.cuda.cudart().cudaProfilerStop()
             continue
         for rnd in range(2):  # both orders, so neither kernel always runs on a warmer GPU
-            for name in (("cublas", "tilegemm") if rnd == 0 else ("tilegemm", "cublas")):
+            for name in (list(fns) if rnd == 0 else list(fns)[::-1]):
                 r = sustained(fns[name], args.seconds)
                 rows.append(dict(case=case, kernel=name, round=rnd, **r))
                 print(f"{case:10s} {name:9s} round {rnd}: {r['us_per_call']:9.2f} us/call  "
