@@ -88,25 +88,30 @@ def tile_row_major(tile_id, num_tiles_n):
 
 
 @triton.jit
-def tile_grouped(tile_id, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
+def tile_grouped(tile_id, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr, SERPENTINE: tl.constexpr = False):
     """Grouped order: consecutive programs walk a band of GROUP_M tile rows column by column.
 
     Programs running at the same time then touch GROUP_M panels of A and a few panels of B, instead of
-    one panel of A and every panel of B, so more of what they read is still in L2.
+    one panel of A and every panel of B, so more of what they read is still in L2. With ``SERPENTINE``
+    every other band walks its columns right to left, so a band starts on the panels of B that the band
+    before it finished with (still in L2).
     """
     tiles_per_band = GROUP_M * num_tiles_n
     band = tile_id // tiles_per_band
     first_m = band * GROUP_M
     band_height = tl.minimum(num_tiles_m - first_m, GROUP_M)
     in_band = tile_id % tiles_per_band
-    return first_m + in_band % band_height, in_band // band_height
+    col = in_band // band_height
+    if SERPENTINE:
+        col = tl.where(band % 2 == 1, num_tiles_n - 1 - col, col)
+    return first_m + in_band % band_height, col
 
 
 @triton.jit
 def tile_origin(tile_id, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+                BLOCK_N: tl.constexpr, SERPENTINE: tl.constexpr = False):
     """Row and column of the top-left element of tile ``tile_id`` in grouped order (:func:`tile_grouped`)."""
-    pid_m, pid_n = tile_grouped(tile_id, num_tiles_m, num_tiles_n, GROUP_M)
+    pid_m, pid_n = tile_grouped(tile_id, num_tiles_m, num_tiles_n, GROUP_M, SERPENTINE)
     return pid_m * BLOCK_M, pid_n * BLOCK_N
 
 

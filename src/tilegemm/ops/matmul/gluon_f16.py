@@ -71,18 +71,19 @@ def host_descriptor(base: torch.Tensor, shape: list[int], stride: int, block: li
 @gluon.jit
 def fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr):
     """A producer's loop (also :mod:`gluon_ws`'s): every K step of every tile of this program (tiles
     program_id, program_id + programs, ... in grouped order) into ring slot ``count % STAGES``, once the
     slot's "empty" barrier says its previous contents were read; its "ready" barrier counts the bytes in.
-    A is described as [M, K] or (A_T) [K, M], B as [K, N] or (B_T) [N, K]."""
+    A is described as [M, K] or (A_T) [K, M], B as [K, N] or (B_T) [N, K]; ``SERPENTINE`` as in
+    :func:`tilegemm.jit_helpers.tile_grouped` (the consumers must walk the same order)."""
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     steps = gl.cdiv(K, BLOCK_K)
     count = 0
     for tile in range(gl.program_id(0), tiles_m * tiles_n, programs):
-        m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
+        m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N, SERPENTINE)
         for ks in range(steps):
             slot = count % STAGES
             # The slot's previous contents (step count - STAGES) were read. A new barrier counts as having
@@ -225,7 +226,7 @@ def matmul_f16_coop_kernel(
                      HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS,
                      SHARED_OUT, 1)),
         (fill_ring, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS,
-                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)),
+                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, False)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))

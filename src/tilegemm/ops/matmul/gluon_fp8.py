@@ -204,7 +204,7 @@ def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, 
                  HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr, SCALAR_A: gl.constexpr,
                  SCALAR_B: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                 GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, WG: gl.constexpr):
+                 GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr, NUM_SMS: gl.constexpr, WG: gl.constexpr):
     """Warp group ``WG`` (0 or 1): the MMAs, promotion and epilogue of rows WG * BLOCK_M / 2 ... of every
     tile of this program; ``o_desc`` describes the output in [BLOCK_M / 2, BLOCK_N] blocks.
 
@@ -259,7 +259,8 @@ def _ws_consumer(a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, 
             acc += p0
         _ws_epilogue(acc, tile, tiles_m, tiles_n, o_smem, o_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                      M, N, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, scale, beta,
-                     HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N, GROUP_M, WG)
+                     HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N, GROUP_M,
+                     SERPENTINE, WG)
     tma.store_wait(pendings=0)
 
 
@@ -268,13 +269,14 @@ def _ws_epilogue(acc, tile, tiles_m, tiles_n, o_smem, o_desc, c_ptr, bias_ptr, s
                  stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, scale, beta,
                  HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
                  HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr,
+                 WG: gl.constexpr):
     """A consumer warp group's rows of tile ``tile``: the epilogue on ``acc``, stored through TMA."""
     ROWS: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = WG * ROWS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
-    m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
+    m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N, SERPENTINE)
     offs_m = m0 + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
     acc = epilogue_tile(acc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
@@ -295,7 +297,7 @@ def matmul_fp8_ws_kernel(
     HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
     HAS_SCALE_A: gl.constexpr, HAS_SCALE_B: gl.constexpr, SCALAR_A: gl.constexpr, SCALAR_B: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-    GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr, NUM_SMS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     # The descriptors are made on the host (:func:`descriptors`) and arrive as kernel parameters: A as
@@ -314,14 +316,14 @@ def matmul_fp8_ws_kernel(
         (_ws_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                         M, N, K, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                         HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, SCALAR_A, SCALAR_B,
-                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 0)),
+                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE, NUM_SMS, 0)),
         (_ws_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, o_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                         M, N, K, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                         HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, SCALAR_A, SCALAR_B,
-                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 1)),
+                        BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE, NUM_SMS, 1)),
         # The producer warp group: gluon_f16's loop, with A as [M, K] and B as [N, K] (B_T).
         (fill_ring, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS,
-                     False, True, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)),
+                     False, True, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -387,6 +389,7 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
                   GROUP_M=cfg.get("GROUP_M", 8), NUM_SMS=num_sms, num_warps=cfg["num_warps"])
     if cfg.get("WS"):
         args = (*descriptors(p), *p.epilogue_pointers(), p.M, p.N, p.K, *epilogue)
+        kwargs.update(SERPENTINE=bool(cfg.get("SERPENTINE", False)))
         kwargs.update(PRODUCER_WARPS=cfg.get("PRODUCER_WARPS", 4), CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
         return matmul_fp8_ws_kernel, grid, args, kwargs
     args = (p.a, p.b, p.out, *p.epilogue_pointers(), p.M, p.N, p.K,

@@ -167,7 +167,7 @@ def matmul_ws_kernel(
                      c_ptr, bias_ptr, stride_cm, stride_cn, stride_bias, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
                      A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, 1)),
         (fill_ring, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
-                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)),
+                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, False)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
