@@ -32,10 +32,21 @@ from tilegemm.ops.matmul.problem import make_problems
 
 
 KNOBS = {}  # --knobs: extra warp-specialized variants, e.g. {"p1": {"PRODUCER_WARPS": 1}, "g16": {"GROUP_M": 16}}
+STAGES = set()  # --stages: only these ring depths (empty: all)
+
+
+def parse_knobs(text: str) -> dict[str, dict]:
+    """``"p1:PRODUCER_WARPS=1,g16sp:GROUP_M=16+SERPENTINE=1"`` -> {tag: {config key: int}}."""
+    knobs = {}
+    for item in filter(None, text.split(",")):
+        tag, sets = item.split(":")
+        knobs[tag] = {k: int(v) for k, v in (kv.split("=") for kv in sets.split("+"))}
+    return knobs
 
 
 def variants(out_element_size: int) -> dict[str, dict]:
-    found = {f"{'ws' if c.get('WS') else 'pers'}_s{c['STAGES']}": c for c in gluon_fp8.configs(out_element_size)}
+    found = {f"{'ws' if c.get('WS') else 'pers'}_s{c['STAGES']}": c for c in gluon_fp8.configs(out_element_size)
+             if not STAGES or c["STAGES"] in STAGES}
     if KNOBS:  # only the warp-specialized kernel, plain and with each knob
         found = {k: c for k, c in found.items() if c.get("WS")}
         for k, c in list(found.items()):
@@ -111,16 +122,8 @@ def main():
     ap.add_argument("--stages", default="", help="only these ring depths, e.g. 5")
     ap.add_argument("--no-plain", action="store_true", help="time the Gluon configs only as replays")
     args = ap.parse_args()
-    for item in filter(None, args.knobs.split(",")):
-        tag, sets = item.split(":")
-        KNOBS[tag] = {k: int(v) for k, v in (kv.split("=") for kv in sets.split("+"))}
-    if args.stages:
-        keep = {int(x) for x in args.stages.split(",")}
-        base = gluon_fp8.configs
-
-        def only(size, base=base):
-            return [c for c in base(size) if c["STAGES"] in keep]
-        gluon_fp8.configs = only
+    KNOBS.update(parse_knobs(args.knobs))
+    STAGES.update(int(x) for x in filter(None, args.stages.split(",")))
     persistent_tma._ensure_allocator()
     results = []
     if not args.no_check:

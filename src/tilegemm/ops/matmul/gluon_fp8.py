@@ -397,8 +397,8 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
                   GROUP_M=cfg.get("GROUP_M", WS_GROUP_M if ws else 8), NUM_SMS=num_sms, num_warps=cfg["num_warps"])
     if ws:
         args = (*descriptors(p), *p.epilogue_pointers(), p.M, p.N, p.K, *epilogue)
-        kwargs.update(SERPENTINE=bool(cfg.get("SERPENTINE", True)))
-        kwargs.update(PRODUCER_WARPS=cfg.get("PRODUCER_WARPS", 4), CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
+        kwargs.update(SERPENTINE=bool(cfg.get("SERPENTINE", True)), PRODUCER_WARPS=cfg.get("PRODUCER_WARPS", 4),
+                      CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
         return matmul_fp8_ws_kernel, grid, args, kwargs
     args = (p.a, p.b, p.out, *p.epilogue_pointers(), p.M, p.N, p.K,
             p.a_strides[1], p.b_strides[2], p.out_strides[1], *epilogue)
