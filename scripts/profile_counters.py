@@ -1,11 +1,13 @@
 """Diagnosis: where a kernel's time goes next to cuBLAS's, from the clocks and hardware counters (GPU machine).
 
-Two modes, each over cases such as ``fp8:8192`` (promoted e4m3: the warp-specialized Gluon kernel against
+Three modes, each over cases such as ``fp8:8192`` (promoted e4m3: the warp-specialized Gluon kernel against
 ``torch._scaled_mm``) or ``fp16:4096`` (``tilegemm.matmul``'s ``auto`` against ``torch.matmul``):
 
 - ``clocks``: each kernel alone in a loop for ``--seconds``, the SM clock and board power sampled through
   NVML every 20 ms meanwhile; prints time per call, median clock and power. A kernel that draws more power
   (say, more L2 traffic) can run at a lower clock than its baseline under sustained load.
+- ``bench``: ``triton.testing.do_bench`` medians (L2 cleared before each call, as ``tilegemm bench`` times),
+  ``--rounds`` rounds in alternating order; prints each kernel's median and its ratio to the baseline.
 - ``ncu``: each kernel once after warm-up, between ``cudaProfilerStart`` and ``cudaProfilerStop``, so that
   ``ncu --profile-from-start off`` reads the counters of those launches only.
 
@@ -24,8 +26,10 @@ import time
 
 import torch
 import triton
+import triton.testing
 
 import tilegemm
+from tilegemm import tuning
 from tilegemm.ops.matmul import persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 
@@ -33,8 +37,10 @@ from explore_fp8_ws import parse_knobs
 
 
 def calls(case: str, stages: int, knobs: dict | None = None):
-    """{name: zero-argument call} for one case, each checked against an fp32 reference first. For fp8,
-    ``knobs`` ({tag: config changes}) adds the warp-specialized kernel with those changes as ``tilegemm_<tag>``."""
+    """{name: zero-argument call} for one case, each checked against an fp32 reference first. ``knobs``
+    ({tag: config changes}) adds variants named ``tilegemm_<tag>``: for fp8 the warp-specialized kernel with
+    those changes; for 16-bit cases ``persistent_tma``'s config for the shape with them (and that config
+    unchanged as ``tilegemm_base``)."""
     kind, size = case.split(":")
     n = int(size)
     if kind == "fp8":
@@ -53,10 +59,20 @@ def calls(case: str, stages: int, knobs: dict | None = None):
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[kind]
         a = torch.randn(n, n, device="cuda", dtype=dtype)
         b = torch.randn(n, n, device="cuda", dtype=dtype)
+        out = torch.empty(n, n, device="cuda", dtype=dtype)
         fns = {"cublas": lambda: torch.matmul(a, b),
                "tilegemm": lambda: tilegemm.matmul(a, b)}
+        if knobs:
+            # The variants change persistent_tma's config for this shape (the tuned one, or the first
+            # candidate): run straight through the rung, into ``out``.
+            p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+            k = tuning.key("persistent_tma", n, n, n, p.tuning_dtype, p.out.dtype, p.layout)
+            base = tuning.lookup(k) or persistent_tma.candidates(p)[0]
+            print(f"{case}: persistent_tma base config {base}")
+            fns["tilegemm_base"] = lambda: persistent_tma.run(p, base)
+            for tag, change in knobs.items():
+                fns[f"tilegemm_{tag}"] = lambda c=dict(base, **change): persistent_tma.run(p, c)
         ref = a.float() @ b.float()
-        out = None
     for name in [k for k in fns if k.startswith("tilegemm")]:
         if out is not None:
             out.fill_(float("nan"))
@@ -111,12 +127,13 @@ def sustained(fn, seconds: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("clocks", "ncu"))
+    ap.add_argument("mode", choices=("clocks", "ncu", "bench"))
+    ap.add_argument("--rounds", type=int, default=6, help="bench mode: do_bench rounds, alternating orders")
     ap.add_argument("--cases", default="fp8:4096,fp8:16384")
     ap.add_argument("--stages", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--json")
-    ap.add_argument("--knobs", default="", help="fp8 variants, e.g. g4:GROUP_M=4,s6:STAGES=6,p1:PRODUCER_WARPS=1")
+    ap.add_argument("--knobs", default="", help="variants, e.g. g4:GROUP_M=4,s6:STAGES=6,p1:PRODUCER_WARPS=1 (fp8), g12s:GROUP_M=12+SERPENTINE=1")
     args = ap.parse_args()
     knobs = parse_knobs(args.knobs)
     persistent_tma._ensure_allocator()
@@ -136,6 +153,18 @@ def main() -> None:
                 torch.cuda.nvtx.range_pop()
             torch.cuda.cudart().cudaProfilerStop()
             continue
+        if args.mode == "bench":
+            times = {name: [] for name in fns}
+            for rnd in range(args.rounds):
+                for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
+                    times[name].append(triton.testing.do_bench(fns[name], warmup=25, rep=200, return_mode="median"))
+            base = statistics.median(times["cublas"])
+            for name, ts in times.items():
+                ms = statistics.median(ts)
+                rows.append(dict(case=case, kernel=name, us=ms * 1e3, ratio=base / ms, runs=ts))
+                print(f"{case:10s} {name:16s} {ms * 1e3:9.2f} us  {base / ms:6.3f}x cuBLAS  "
+                      f"(rounds {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})", flush=True)
+            continue
         for rnd in range(2):  # both orders, so neither kernel always runs on a warmer GPU
             for name in (list(fns) if rnd == 0 else list(fns)[::-1]):
                 r = sustained(fns[name], args.seconds)
@@ -146,7 +175,8 @@ def main() -> None:
         from tilegemm.hardware import git_commit
 
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                    cuda=torch.version.cuda, git_commit=git_commit(), stages=args.stages, seconds=args.seconds)
+                    cuda=torch.version.cuda, git_commit=git_commit(), mode=args.mode, stages=args.stages,
+                    seconds=args.seconds, rounds=args.rounds)
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, results=rows), f, indent=1)
 

@@ -10,7 +10,10 @@ fastest first.
         [--rungs split_k,persistent_tma] [--extra '{"split_k": [[128, 128, 64, 4, 6, 4]], "grouped": [[64, 64, 64, 4, 8]]}']
 
 Extra tuples: split_k ``(bm, bn, bk, warps, stages, split)``; persistent_tma ``(bm, bn, bk, warps, stages
-[, flatten, warp_specialize])``; grouped ``(bm, bn, bk, warps, stages)`` (the pointer kernel that ``autotuned``
+[, flatten, warp_specialize])`` or a whole config as a JSON object (a Gluon kernel's too, e.g.
+``{"GLUON_F16": true, "BLOCK_M": 128, "BLOCK_N": 256, "STAGES": 4, "SHARED_OUT": true, "num_warps": 4,
+"GROUP_M": 12, "SERPENTINE": 1}``); persistent_tma's field includes the Gluon kernel's configs where one
+takes the problem; grouped ``(bm, bn, bk, warps, stages)`` (the pointer kernel that ``autotuned``
 tunes). ``--dtype tf32`` runs fp32 operands in tf32 on both sides (cuBLAS with TF32 allowed).
 """
 
@@ -36,7 +39,7 @@ def candidates(rung: str, p, extra: list) -> list[dict]:
     if rung == "split_k":
         return split_k.configs(p) + [split_k._cfg(*e) for e in extra]
     if rung == "persistent_tma":
-        return persistent_tma.configs(p.a.element_size(), p.mma_operands) + [persistent_tma._cfg(*e) for e in extra]
+        return persistent_tma.candidates(p) + [e if isinstance(e, dict) else persistent_tma._cfg(*e) for e in extra]
     if rung == "grouped":
         return prune_for(autotune_configs(), p.a.element_size()) + [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s)
                       for bm, bn, bk, w, s in extra]
@@ -76,7 +79,7 @@ def main() -> None:
                                                    1.0, 0.0, "none", precision, False)[0], extra.get(rung, [])):
             out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
             p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", precision, False)[0]
-            name = rung + " " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "GROUP_M")
+            name = rung + " " + " ".join(f"{k}={v}" for k, v in cfg.items() if (k, v) != ("GROUP_M", 8))
             fn = launcher(rung, p, cfg)
             try:
                 fn()

@@ -121,8 +121,8 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_pt
               M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta,
               HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
-              SHARED_OUT: gl.constexpr, WG: gl.constexpr):
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr,
+              NUM_SMS: gl.constexpr, SHARED_OUT: gl.constexpr, WG: gl.constexpr):
     """Warp group ``WG`` (0 or 1): the MMAs and epilogue of rows WG * BLOCK_M / 2 ... of every tile. With
     ``SHARED_OUT`` the two warp groups take turns at one output buffer (``turn`` barriers), which leaves
     room for a fourth ring slot. ``o_desc`` describes the output in [BLOCK_M / 2, BLOCK_N] blocks."""
@@ -158,7 +158,7 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_pt
         mbarrier.arrive(empty.index(slot), count=1)
         count += 1
 
-        m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
+        m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N, SERPENTINE)
         offs_m = m0 + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         acc = epilogue_tile(acc, c_ptr, bias_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N,
@@ -191,7 +191,7 @@ def matmul_f16_coop_kernel(
     A_T: gl.constexpr, B_T: gl.constexpr,
     HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-    GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, SHARED_OUT: gl.constexpr,
+    GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr, NUM_SMS: gl.constexpr, SHARED_OUT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     # The descriptors are made on the host (:func:`descriptors`): A as [M, K] or (A_T) [K, M], B as [K, N]
@@ -219,14 +219,14 @@ def matmul_f16_coop_kernel(
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
                      M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta,
-                     HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS,
-                     SHARED_OUT, 0)),
+                     HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE,
+                     NUM_SMS, SHARED_OUT, 0)),
         (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
                      M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta,
-                     HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS,
-                     SHARED_OUT, 1)),
+                     HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE,
+                     NUM_SMS, SHARED_OUT, 1)),
         (fill_ring, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS,
-                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, False)),
+                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -287,7 +287,8 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     args = descriptors(p, cfg) + (c, bias, p.M, p.N, p.K, p.c_strides[1], p.c_strides[2], p.bias_stride,
                                   p.alpha, p.beta)
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
-                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=8, NUM_SMS=num_sms,
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=cfg.get("GROUP_M", 8),
+                  SERPENTINE=bool(cfg.get("SERPENTINE", False)), NUM_SMS=num_sms,
                   SHARED_OUT=cfg.get("SHARED_OUT", False), CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
     return matmul_f16_coop_kernel, (min(num_sms, tiles),), args, kwargs

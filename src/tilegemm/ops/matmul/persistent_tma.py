@@ -69,7 +69,7 @@ def matmul_persistent_tma_kernel(
     HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    HOST_DESC: tl.constexpr,
+    HOST_DESC: tl.constexpr, SERPENTINE: tl.constexpr,
 ):
     # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1;
     # the output [M, N] in [BLOCK_M, BLOCK_N / 2] blocks. HOST_DESC: a_ptr, b_ptr and out_ptr are those
@@ -103,7 +103,7 @@ def matmul_persistent_tma_kernel(
     WS_TILES: tl.constexpr = WARP_SPECIALIZE == 2
     WS_K: tl.constexpr = WARP_SPECIALIZE == 1
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_TILES):
-        pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
+        pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M, SERPENTINE)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         acc = _zero_tile(BLOCK_M, BLOCK_N, MMA_OPERANDS)
@@ -286,7 +286,8 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                   INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
                   HAS_SCALE_B=flags["HAS_SCALE_B"], MMA_OPERANDS=flags["MMA_OPERANDS"], NUM_SMS=num_sms,
-                  FAST_ACCUM=flags["FAST_ACCUM"], **{"WARP_SPECIALIZE": 0, "HOST_DESC": False, **cfg})
+                  FAST_ACCUM=flags["FAST_ACCUM"], **{"WARP_SPECIALIZE": 0, "HOST_DESC": False, **cfg,
+                                                        "SERPENTINE": bool(cfg.get("SERPENTINE", False))})
     return matmul_persistent_tma_kernel, (min(num_sms, tiles),), args, kwargs
 
 
