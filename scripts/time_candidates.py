@@ -2,7 +2,8 @@
 
 The tuners keep only the winner; this prints the whole field, so one can see whether a rung loses by a
 little or a lot, and which tiles, splits and stage counts are close. Each config is checked against
-cuBLAS's result, then timed (do_bench median, two rounds alternating with cuBLAS). Extra configs beyond a
+cuBLAS's result, then timed (do_bench median, two rounds alternating with cuBLAS) as replays of its
+recorded launch, as the tuners time it. Extra configs beyond a
 rung's own list can be given as JSON. Writes ``$OUT/candidates-<shape>-<dtype>.json``; prints a table,
 fastest first.
 
@@ -27,6 +28,7 @@ import statistics
 import torch
 import triton.testing
 
+from tilegemm import tuning
 from tilegemm.hardware import machine_info
 from tilegemm.ops.matmul import grouped, persistent_tma, split_k
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
@@ -80,7 +82,9 @@ def main() -> None:
             out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
             p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", precision, False)[0]
             name = rung + " " + " ".join(f"{k}={v}" for k, v in cfg.items() if (k, v) != ("GROUP_M", 8))
-            fn = launcher(rung, p, cfg)
+            # Timed as the tuners time (tuning._replaying): replays of a recorded launch, so that the host's
+            # launch path (15-60 us) does not hide a small kernel's time.
+            fn = tuning._replaying(lambda c, rung=rung, p=p: launcher(rung, p, c)(), cfg)
             try:
                 fn()
                 torch.cuda.synchronize()
