@@ -129,6 +129,7 @@ _COMPILE = SM90 + textwrap.dedent(
         p = cpu_problem(v["dtype"], v["layout"], v["epilogue"])
         cfg = dict(GLUON_F16=True, BLOCK_M=v["bm"], BLOCK_N=v["bn"], STAGES=v["stages"],
                    SHARED_OUT=v["shared_out"], num_warps=4)
+        cfg.update(zip(("GROUP_M", "SERPENTINE"), gluon_f16.ORDER.get((v["bm"], v["bn"]), (8, False))))
         _, _, args, kwargs = gluon_f16.launch_args(p, cfg, 132)
         sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
         compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, 4)
@@ -205,12 +206,14 @@ def test_gluon_f16_matches_the_reference(layout, shape, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 2304, 256), (3000, 2000, 192)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_gluon_f16_epilogue_and_many_tiles(dtype):
-    """alpha, beta * C, bias, activation; several tiles per program (more tiles than SMs)."""
+def test_gluon_f16_epilogue_and_many_tiles(dtype, shape):
+    """alpha, beta * C, bias, activation; several tiles per program (more tiles than SMs), in whole bands of
+    tile rows and (3000 rows: 24 of 128) with a last band shorter than GROUP_M, walked right to left."""
     if not _hopper():
         pytest.skip("the Gluon kernel is written for sm_90")
-    M, N, K = 4096, 2304, 256
+    M, N, K = shape
     a, b = _operands(M, N, K, "TN", dtype, "cuda")
     c = torch.randn(M, N, device="cuda", dtype=dtype)
     bias = torch.randn(N, device="cuda", dtype=dtype)

@@ -35,6 +35,21 @@ def test_persistent_tma_path(layout, dtype, shape, device):
     assert_rel_close(got, matmul_reference(a, b, bias=bias, c=c, beta=0.5, activation="silu"), tolerance(dtype))
 
 
+@pytest.mark.parametrize("group_m", [2, 3])
+def test_persistent_tma_serpentine_order(group_m, device):
+    """Every tile written once in serpentine bands (5 tile rows: the last band is shorter when GROUP_M is 2
+    or 3), with more tiles than programs."""
+    M, N, K = 5 * 32 - 7, 4 * 32, 48
+    a = torch.randn(M, K, device=device)
+    b = torch.randn(K, N, device=device)
+    out = torch.full((M, N), float("nan"), device=device)
+    p = _problem(a, b, out, beta=0.0)
+    cfg = dict(persistent_tma.configs(4)[0], GROUP_M=group_m, SERPENTINE=True)  # 32x32 tiles in the interpreter
+    assert persistent_tma.describable(p) is None, "this shape should take the TMA path"
+    persistent_tma.run(p, cfg)
+    assert_rel_close(out, matmul_reference(a, b), 1e-5)
+
+
 @pytest.mark.parametrize(
     "make,reason",
     [
