@@ -2,7 +2,7 @@
 
 The tuners keep only the winner; this prints the whole field, so one can see whether a rung loses by a
 little or a lot, and which tiles, splits and stage counts are close. Each config is checked against
-cuBLAS's result, then timed (do_bench median, two rounds alternating with cuBLAS) as replays of its
+cuBLAS's result, then timed (do_bench median, ``--rounds``, two by default, alternating with cuBLAS) as replays of its
 recorded launch, as the tuners time it. Extra configs beyond a
 rung's own list can be given as JSON. Writes ``$OUT/candidates-<shape>-<dtype>.json``; prints a table,
 fastest first.
@@ -65,6 +65,7 @@ def main() -> None:
                     help="T: that operand is a transposed view of a contiguous tensor")
     ap.add_argument("--rungs", default="split_k,persistent_tma,grouped")
     ap.add_argument("--extra", default="{}")
+    ap.add_argument("--rounds", type=int, default=2, help="timing rounds, cuBLAS and each config in turn")
     args = ap.parse_args()
     M, N, K = (int(x) for x in args.shape.split("x"))
     dtype = DTYPES[args.dtype]
@@ -97,7 +98,7 @@ def main() -> None:
                 continue
             field.append((name, rung, cfg, fn))
     times = {"cuBLAS": []} | {name: [] for name, *_ in field}
-    for _ in range(2):
+    for _ in range(args.rounds):
         times["cuBLAS"].append(triton.testing.do_bench(lambda: torch.matmul(a, b), warmup=20, rep=150,
                                                        return_mode="median"))
         for name, _, _, fn in field:
