@@ -2,7 +2,7 @@
 
 The tuners keep only the winner; this prints the whole field, so one can see whether a rung loses by a
 little or a lot, and which tiles, splits and stage counts are close. Each config is checked against
-cuBLAS's result, then timed (do_bench median, ``--rounds``, two by default, alternating with cuBLAS) as replays of its
+cuBLAS's result, then timed (do_bench median, ``--rounds``, two by default, alternating with cuBLAS; the median of the rounds) as replays of its
 recorded launch, as the tuners time it. Extra configs beyond a
 rung's own list can be given as JSON. Writes ``$OUT/candidates-<shape>-<dtype>.json``; prints a table,
 fastest first.
@@ -103,10 +103,10 @@ def main() -> None:
                                                        return_mode="median"))
         for name, _, _, fn in field:
             times[name].append(triton.testing.do_bench(fn, warmup=20, rep=150, return_mode="median"))
-    base = statistics.mean(times["cuBLAS"])
+    base = statistics.median(times["cuBLAS"])
     rows.append(dict(kernel="cuBLAS", us=base * 1e3, runs=times["cuBLAS"]))
     for name, rung, cfg, _ in field:
-        ms = statistics.mean(times[name])
+        ms = statistics.median(times[name])
         rows.append(dict(kernel=name, rung=rung, config=cfg, us=ms * 1e3, runs=times[name], ratio=base / ms))
     path = os.path.join(os.environ.get("OUT", "."), f"candidates-{args.shape}-{args.dtype}-{args.layout}.json")
     with open(path, "w") as f:
