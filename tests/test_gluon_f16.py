@@ -91,9 +91,9 @@ def test_persistent_tma_offers_it_for_16_bit_outputs_on_sm90(monkeypatch):
                    persistent_tma.candidates(_problem(a, b, torch.empty(256, 128, dtype=torch.float16))))
 
 
-def test_auto_times_the_two_rungs_from_half_a_tile_per_sm_to_two(monkeypatch):
+def test_auto_times_the_two_rungs_from_a_quarter_tile_per_sm_to_two(monkeypatch):
     """Where the Gluon kernel takes a 16-bit problem, auto takes persistent_tma from two 128x128 tiles per
-    SM, times it against autotuned from half a tile per SM to two, and keeps autotuned below."""
+    SM, times it against autotuned from a quarter of a tile per SM to two, and keeps autotuned below."""
     import tilegemm.hardware
     from tilegemm.ops.matmul import op
 
@@ -112,8 +112,9 @@ def test_auto_times_the_two_rungs_from_half_a_tile_per_sm_to_two(monkeypatch):
 
     assert op.choose_kernel(problem(4096)) == "persistent_tma"  # 1024 tiles
     assert op.choose_kernel(problem(2048)) == "timed" and timed == [("autotuned", "persistent_tma")]  # 256
-    assert op.choose_kernel(problem(1024)) == "autotuned" and len(timed) == 1  # 64 tiles
-    assert op.choose_kernel(problem(1152)) == "timed"  # 81 tiles: more than half a tile per SM
+    assert op.choose_kernel(problem(1024)) == "timed" and len(timed) == 2  # 64 tiles
+    assert op.choose_kernel(problem(768)) == "timed" and len(timed) == 3  # 36 tiles: over a quarter per SM
+    assert op.choose_kernel(problem(640)) == "autotuned" and len(timed) == 3  # 25 tiles: under a quarter
 
 
 # Compiles the kernel for sm_90 (the descriptors as the host would pass them) and reports the MMA waits,

@@ -191,7 +191,7 @@ def choose_kernel(p: GemmProblem) -> str:
       ``autotuned`` ran 1.00x / 0.93x), except tf32 with an operand through registers, which goes to
       ``autotuned`` unless it is NN or TT and ``persistent_tma``'s Gluon kernel takes it. Where a Gluon
       kernel takes the problem (that tf32, promoted K-major fp8, 16-bit with a 16-bit output), the two
-      rungs are timed from half a tile per SM to two (see the code).
+      rungs are timed from half a tile per SM to two (16-bit: a quarter; see the code).
     - Otherwise ``autotuned``.
     """
     if interpreting():
@@ -229,8 +229,11 @@ def choose_kernel(p: GemmProblem) -> str:
             # kernel: 0.85x torch._scaled_mm at 2048^3, 256 tiles, where autotuned ran 0.80x) or 16-bit with
             # a 16-bit output (gluon_f16; at 2048^3 persistent_tma's candidates, with host-made descriptors,
             # ran 0.99x cuBLAS where autotuned ran 0.95x-0.96x, scripts/explore_host_desc.py). From two
-            # tiles per SM persistent_tma; from half a tile to two, the two rungs are timed once.
-            if 2 * tiles < sms:
+            # tiles per SM persistent_tma; from half a tile to two, the two rungs are timed once. For 16-bit
+            # operands from a quarter of a tile: at 1024^3 (64 tiles) persistent_tma's 64x128x128 tile ran
+            # 1.01x / 1.03x cuBLAS in fp16 / bf16 where autotuned's best ran 0.95x-0.96x / 0.99x (H200,
+            # scripts/time_candidates.py, 12 rounds; benchmarks/results/2026-11-22-h200/5d1f6a3/).
+            if (4 if p.a.element_size() == 2 else 2) * tiles < sms:
                 return "autotuned"
             if tiles >= 2 * sms:
                 return "persistent_tma"

@@ -165,6 +165,9 @@ def hopper_configs(dtype_bytes: int, mma_operands: str) -> list[dict]:
             _cfg(128, 128, 64, 4, 4),
             _cfg(128, 64, 64, 4, 4),
             _cfg(64, 128, 64, 4, 4),
+            # 1024^3: 128 tiles, 128-wide K steps (1.01x / 1.03x cuBLAS in fp16 / bf16 on the H200, where the
+            # 64-wide steps of the tile above ran 0.85x-0.94x; scripts/time_candidates.py).
+            _cfg(64, 128, 128, 4, 4),
             # Small M (64..128): about one 64x64 tile per SM, fed by a 6-deep pipeline of 128-wide K steps
             # (0.95x cuBLAS at 128x4096x14336; scripts/explore_tma_small_m.py).
             _cfg(64, 64, 128, 4, 6, flatten=False),
