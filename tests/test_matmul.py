@@ -214,6 +214,62 @@ def test_replay_cache_keeps_aliased_calls_only_when_the_key_says_so():
     assert cache.get("k").slots == [(0, 0, None), (1, 0, None), (2, 2, None), (3, 3, None), (4, 3, None)]
 
 
+def test_replays_encode_host_descriptors_once_per_base_address(monkeypatch):
+    """Under Triton 3.6's descriptor wrapper a replay expands the parameters itself, as the wrapper would,
+    and encodes a descriptor once per base address: the C launch gets what Triton's own path would pass."""
+    from triton.backends.nvidia import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from tilegemm import launch as tl_launch
+    from tilegemm.launch import Launch, Replay, _rebased
+
+    encodes = []
+
+    def fake_encode(arg, meta):  # stands for cuTensorMapEncodeTiled (no GPU here)
+        if meta is None:
+            return [arg.base, *arg.shape, *arg.strides, arg.padding == "nan", *arg.shape, *arg.strides]
+        encodes.append(arg.base.data_ptr())
+        return [("map", arg.base.data_ptr(), tuple(meta["block_size"])), *arg.shape, *arg.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", fake_encode)
+    monkeypatch.setattr(tl_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(tl_launch, "_raw_stream", lambda device: 0)
+    calls = []
+    signature = {"a": "tensordesc<fp16[64, 32]>", "out": "*fp16", "b": "tensordesc<fp16[32, 64]>", "n": "i32"}
+    metas = [dict(block_size=[64, 32]), None]  # a descriptor encoded on the host, one passed unencoded
+    inner = driver.wrap_handle_tensordesc(lambda *args: calls.append(args), signature, metas)
+
+    class Launcher:
+        launch, global_scratch_size, profile_scratch_size, num_ctas = inner, 0, 0, 1
+        launch_cooperative_grid = launch_pdl = False
+
+    class FakeCompiled:
+        run, function, packed_metadata = Launcher(), "fn", "packed"
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: None
+
+    def tensors():
+        return (torch.randn(64, 32, dtype=torch.float16), torch.empty(64, 64, dtype=torch.float16),
+                torch.randn(32, 64, dtype=torch.float16))
+
+    a, out, b = tensors()
+    da, db = TensorDescriptor(a, [64, 32], [32, 1], [64, 32]), TensorDescriptor(b, [32, 64], [64, 1], [32, 64])
+    replay = Replay(Launch(FakeCompiled(), (3, 1, 1), [da, out, db, 7], device=0), (a, out, b))
+    assert replay.expanded is not None
+    a2, out2, b2 = tensors()
+    for _ in range(3):
+        assert replay(a2, out2, b2)
+    ours = calls[-1]
+    # Triton's own wrapper, given the rebased descriptors, passes the same parameters.
+    inner(*ours[:13], _rebased(da, a2), out2, _rebased(db, b2), 7)
+    assert calls[-1] == ours and ours[:4] == (3, 1, 1, 0)
+    assert ours[13] == ("map", a2.data_ptr(), (64, 32)) and ours[18] is out2 and ours[19] is b2 and ours[-1] == 7
+    assert encodes.count(a2.data_ptr()) == 2, "encoded once by the replay (three calls), once by Triton's wrapper"
+    replay(a, out, b)
+    assert calls[-1][13] == ("map", a.data_ptr(), (64, 32)) and calls[-1][18] is out
+
+
 def test_replay_slots_take_host_descriptors_over_the_new_tensors():
     """A host-side TMA descriptor among a launch's parameters gets a slot by its base's data pointer; a
     replay passes a copy over the new tensor, with the recorded shape, strides, block and layout."""

@@ -13,8 +13,9 @@ of ``torch.matmul`` (from about 1.7x).
 
 Host-side TMA descriptors (Gluon's or Triton's ``TensorDescriptor``, kernel parameters) replay too: the
 descriptor's shape, strides and block are the call's (they are in the op's replay key), so a replay
-passes a copy of the recorded descriptor with the new tensor as its base, and Triton's launcher encodes
-it as it does for any launch.
+passes a copy of the recorded descriptor with the new tensor as its base. Triton 3.6's launcher would
+encode every descriptor again on every launch (about 8 us for three); a replay encodes one once per
+base address and passes the C launch the expanded parameters itself (:func:`_descriptor_launcher`).
 """
 
 from __future__ import annotations
@@ -112,6 +113,29 @@ def _direct_launcher(launcher):
     return launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
 
 
+def _descriptor_launcher(launch_fn):
+    """(C launch, {parameter index: tensordesc metadata}) under Triton 3.6's wrapper of a launcher whose
+    kernel takes host-side TMA descriptors, or None.
+
+    That wrapper (``wrap_handle_tensordesc`` in Triton's NVIDIA driver) walks every parameter on every
+    launch and encodes each descriptor afresh (``cuTensorMapEncodeTiled``): about 8 us of host time a
+    launch for three descriptors on an H200, more than the whole launch of a kernel without them. A
+    :class:`Replay` of such a launch instead passes the C launch the expanded parameters itself and
+    encodes a descriptor once per base address (:meth:`Replay._encoded`)."""
+    import inspect
+
+    import triton
+
+    if not triton.__version__.startswith("3.6.") or getattr(launch_fn, "__name__", "") != "inner":
+        return None
+    try:
+        names = inspect.getclosurevars(launch_fn).nonlocals
+        raw, indices, metas = names["launcher"], names["tensordesc_indices"], names["tensordesc_meta"]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return raw, dict(zip(sorted(indices), metas))
+
+
 def _is_host_descriptor(value) -> bool:
     """A host-side TMA descriptor: Gluon's or Triton's ``TensorDescriptor`` (both hold ``base``, the tensor
     whose address they encode, and ``block_shape``). Any object like that gets a slot by its base, so a
@@ -139,7 +163,9 @@ class Replay:
     """One recorded launch, replayable with new tensors in the same parameter slots."""
 
     __slots__ = ("runner", "run", "direct", "function", "packed", "grid", "params", "slots", "shape", "stream",
-                 "device")
+                 "device", "expanded", "encoded")
+
+    ENCODED_PER_REPLAY = 64  # descriptors kept encoded (by slot and base address) before the cache is cleared
 
     def __init__(self, launch_: Launch, tensors: tuple, shape=None):
         global _runtime_knobs
@@ -172,6 +198,47 @@ class Replay:
                 if ptr not in ptrs:
                     raise LookupError("a tensor parameter is not one of the call's tensors")
                 self.slots.append((i, ptrs.index(ptr), desc))
+        self.expanded = self._expand()
+        self.encoded = {}
+
+    def _expand(self):
+        """For a direct launch through Triton 3.6's descriptor wrapper: (C launch, the parameters as that
+        wrapper would expand them, [(position there, position in ``tensors``, descriptor, its metadata)]);
+        otherwise None. A descriptor with metadata expands to (encoded map, shape..., strides...), its map
+        at the position; one without to (base, shape..., strides..., ...), its base at the position."""
+        found = _descriptor_launcher(self.direct[0]) if self.direct is not None else None
+        if found is None:
+            return None
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        raw, metas = found
+        where = {i: (j, desc) for i, j, desc in self.slots}
+        flat, slots = [], []
+        for i, value in enumerate(self.params):
+            if i in metas:
+                if i not in where or where[i][1] is None:
+                    return None  # a descriptor parameter that is not a host descriptor of the call's tensors
+                j, desc = where[i]
+                slots.append((len(flat), j, desc, metas[i]))
+                flat.extend(make_tensordesc_arg(desc, metas[i]))
+            else:
+                if i in where:
+                    slots.append((len(flat), where[i][0], None, None))
+                flat.append(value)
+        return raw, flat, slots
+
+    def _encoded(self, pos: int, desc, meta, tensor):
+        """The encoded TMA map of ``desc`` over ``tensor``: made once per (slot, base address). The replay
+        key fixes everything else the map holds (shape, strides, block, element type, swizzle)."""
+        key = (pos, tensor.data_ptr())
+        found = self.encoded.get(key)
+        if found is None:
+            from triton.backends.nvidia.driver import make_tensordesc_arg
+
+            if len(self.encoded) >= self.ENCODED_PER_REPLAY:
+                self.encoded.clear()
+            found = self.encoded[key] = make_tensordesc_arg(_rebased(desc, tensor), meta)[0]
+        return found
 
     def __call__(self, *tensors) -> bool:
         """Launch with ``tensors`` in the recorded ones' slots; False (nothing launched) on a foreign stream,
@@ -182,14 +249,27 @@ class Replay:
         stream = _raw_stream(device)  # as current_stream()
         if self.stream is not None and stream != self.stream:
             return False
+        hooked = not _hooks_idle()
+        g = self.grid
+        if self.expanded is not None and not hooked:
+            raw, flat, slots = self.expanded
+            params = flat.copy()
+            for pos, j, desc, meta in slots:
+                if meta is None:
+                    params[pos] = tensors[j]  # a tensor, or the base of a descriptor passed unencoded
+                else:
+                    params[pos] = self._encoded(pos, desc, meta, tensors[j])
+            _, cooperative, pdl = self.direct
+            raw(g[0], g[1], g[2], stream, self.function, cooperative, pdl, None, None, self.packed, None, None,
+                None, *params)
+            return True
         params = self.params.copy()
         for i, j, desc in self.slots:
             params[i] = tensors[j] if desc is None else _rebased(desc, tensors[j])
-        if not _hooks_idle():
+        if hooked:
             self.runner(*params, stream=stream)  # a profiler listens: Triton's path gives its hooks metadata
             return True
         # Triton's runner would build launch metadata and call two empty hook chains (about 2 us).
-        g = self.grid
         if self.direct is not None:
             launch_, cooperative, pdl = self.direct
             launch_(g[0], g[1], g[2], stream, self.function, cooperative, pdl, None, None, self.packed, None, None,
