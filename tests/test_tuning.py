@@ -323,18 +323,22 @@ def test_auto_times_split_k_against_persistent_tma_once_per_shape_class(cache, m
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
 
-    def problem(M):
-        a, b = torch.randn(M, 64), torch.randn(64, 48)
-        return make_problems(a, b, torch.empty(M, 48), None, None, 1.0, 1.0, "none", "ieee", False)[0]
+    def problem(M, N=4096, K=1024):
+        a, b = torch.empty(M, K, device="meta"), torch.empty(K, N, device="meta")
+        return make_problems(a, b, torch.empty(M, N, device="meta"), None, None, 1.0, 1.0, "none", "ieee",
+                             False)[0]
 
     assert op.choose_kernel(problem(100)) == "persistent_tma"
     # Each rung ran once untimed (its own tuning happens there), then once in the timing.
     assert calls == ["split_k", "split_k", "persistent_tma", "persistent_tma"]
-    key = tuning.key("auto", 100, 48, 64, "float32", torch.float32, "NN")
+    key = tuning.key("auto", 100, 4096, 1024, "float32", torch.float32, "NN")
     assert tuning.lookup(key) == {"rung": "persistent_tma"}
-    # Same bucket (M 65..128): no timing again. M <= 16 goes to split_k without timing.
+    # Same bucket (M 65..128): no timing again. M <= 16 goes to split_k without timing, and so does a
+    # problem too small for its rung to matter next to the host's launch (64 x 64 x 64).
     assert op.choose_kernel(problem(120)) == "persistent_tma"
     assert op.choose_kernel(problem(16)) == "split_k"
+    assert op.choose_kernel(problem(64, 64, 64)) == "split_k"
+    assert op.choose_kernel(problem(64, 512, 256)) == "split_k"  # under op.TIMED_MIN_MNK
     assert len(calls) == 4
     # Where TMA cannot go, split_k without timing.
     monkeypatch.setattr(persistent_tma, "describable", lambda p: "not 16-byte aligned")
@@ -361,8 +365,8 @@ def test_auto_timed_choice_skips_a_rung_that_fails(cache, monkeypatch):
 
     monkeypatch.setattr(op, "launcher", launch)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or 1.0)
-    a, b = torch.randn(100, 64), torch.randn(64, 48)
-    p = make_problems(a, b, torch.empty(100, 48), None, None, 1.0, 1.0, "none", "ieee", False)[0]
+    a, b = torch.empty(100, 1024, device="meta"), torch.empty(1024, 4096, device="meta")
+    p = make_problems(a, b, torch.empty(100, 4096, device="meta"), None, None, 1.0, 1.0, "none", "ieee", False)[0]
     assert op.choose_kernel(p) == "split_k"
 
 

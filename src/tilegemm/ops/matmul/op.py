@@ -175,6 +175,14 @@ def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, k
 # --- the choice of rung ---------------------------------------------------------------------------------
 
 
+# Below this M * N * K a problem is over in a few microseconds on any rung, so timing the rungs picks by noise,
+# while their host costs differ: at 64^3 fp16 on the H200 a call through split_k cost 19-22 us of host
+# time and one through persistent_tma (three TMA descriptors) 24-31 us; when the timing had picked
+# persistent_tma the bench's tiny-problem probe read 2.1x torch.matmul's host time instead of 1.4x
+# (benchmarks/results/2026-11-22-h200/4998843/). Such problems with M <= 128 go to split_k untimed.
+TIMED_MIN_MNK = 1 << 24
+
+
 def choose_kernel(p: GemmProblem) -> str:
     """``auto``: the rung measured fastest for this class of problem (H200, benchmarks/results/2026-11-21-h200).
 
@@ -183,7 +191,7 @@ def choose_kernel(p: GemmProblem) -> str:
       llm shapes (fp16, H200) the best split-K configs ran 1.05x-1.07x cuBLAS at M=1 and 16 with N=4096,
       where ``autotuned`` ran 0.73x-0.88x (scripts/explore_skinny.py). Where TMA can describe the problem,
       ``split_k`` and ``persistent_tma`` (each with its own tuned config) are timed against each other once
-      per shape class and the faster is kept. With its 6-stage 64x64x128 tile ``split_k`` wins all four
+      per shape class and the faster is kept (from :data:`TIMED_MIN_MNK` up; below it ``split_k``). With its 6-stage 64x64x128 tile ``split_k`` wins all four
       M=128 llm shapes on the H200 (0.96x-0.98x cuBLAS); before that tile, ``persistent_tma``'s 64x64
       tiles had won 128x4096x14336 (0.95x against 0.88x, scripts/explore_tma_small_m.py).
     - Larger problems on Hopper that TMA can describe, with at least two 128x128 tiles per SM (four for
@@ -197,7 +205,7 @@ def choose_kernel(p: GemmProblem) -> str:
     if interpreting():
         return "grouped"
     if p.M <= 128:
-        if p.M > 16 and _has_tma():
+        if p.M > 16 and p.M * p.N * p.K >= TIMED_MIN_MNK and _has_tma():
             from tilegemm.ops.matmul.persistent_tma import describable
 
             if describable(p) is None:
