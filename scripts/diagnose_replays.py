@@ -61,7 +61,7 @@ def main():
                 out = torch.empty(s, s, device="cuda", dtype=torch.bfloat16)
                 p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False,
                                   (one, 0, one, 0))[0]
-                cfg = tuning.lookup(tuning.key("persistent_tma", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout))
+                cfg = persistent_tma.tuned_config(p)
                 print("   tuned persistent_tma config:", cfg)
                 if cfg:
                     fns["tuner_replay"] = tuning._replaying(lambda c: persistent_tma._launch(p, c), cfg)

@@ -17,12 +17,13 @@ import statistics
 
 import torch
 import triton
-import triton.testing
 
 from tilegemm import tuning
 from tilegemm.hardware import machine_info, sm_count
 from tilegemm.ops.matmul import persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
+
+from profile_counters import base_config, do_bench_rounds
 
 
 def main() -> None:
@@ -36,8 +37,7 @@ def main() -> None:
     persistent_tma._ensure_allocator()
     probe = make_problems(torch.empty(M, K, device="cuda", dtype=dtype), torch.empty(K, N, device="cuda", dtype=dtype),
                           torch.empty(M, N, device="cuda", dtype=dtype), None, None, 1.0, 0.0, "none", "ieee", False)[0]
-    cfg = tuning.lookup(tuning.key("persistent_tma", M, N, K, probe.tuning_dtype, dtype, probe.layout)) \
-        or persistent_tma.candidates(probe)[0]
+    cfg = base_config(probe)
     bm, bn, sms = cfg["BLOCK_M"], cfg["BLOCK_N"], sm_count(torch.device("cuda"))
     tiles_n = triton.cdiv(N, bn)
     tiles = triton.cdiv(M, bm) * tiles_n
@@ -62,10 +62,7 @@ def main() -> None:
         assert err < 1e-2, (m, err)
         fns[(m, "tilegemm")] = fn
         fns[(m, "cublas")] = lambda a=a, b=b: torch.matmul(a, b)
-    times = {k: [] for k in fns}
-    for r in range(args.rounds):
-        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            times[k].append(triton.testing.do_bench(fns[k], warmup=25, rep=200, return_mode="median"))
+    times = do_bench_rounds(fns, args.rounds)
     rows = []
     for (m, name), ts in times.items():
         us = statistics.median(ts) * 1e3

@@ -36,6 +36,20 @@ from tilegemm.ops.matmul.problem import make_problems
 from explore_fp8_ws import parse_knobs
 
 
+def base_config(p) -> dict:
+    """``persistent_tma``'s config for ``p``: the tuned (or shipped) one, else its first candidate."""
+    return persistent_tma.tuned_config(p) or persistent_tma.candidates(p)[0]
+
+
+def do_bench_rounds(fns: dict, rounds: int, rep: int = 200) -> dict[str, list[float]]:
+    """``do_bench`` medians (ms) of each call, ``rounds`` rounds in alternating order."""
+    times = {name: [] for name in fns}
+    for rnd in range(rounds):
+        for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
+            times[name].append(triton.testing.do_bench(fns[name], warmup=25, rep=rep, return_mode="median"))
+    return times
+
+
 def calls(case: str, stages: int, knobs: dict | None = None):
     """{name: zero-argument call} for one case, each checked against an fp32 reference first. ``knobs``
     ({tag: config changes}) adds variants named ``tilegemm_<tag>``: for fp8 the warp-specialized kernel with
@@ -66,8 +80,7 @@ def calls(case: str, stages: int, knobs: dict | None = None):
             # The variants change persistent_tma's config for this shape (the tuned one, or the first
             # candidate): run straight through the rung, into ``out``.
             p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
-            k = tuning.key("persistent_tma", n, n, n, p.tuning_dtype, p.out.dtype, p.layout)
-            base = tuning.lookup(k) or persistent_tma.candidates(p)[0]
+            base = base_config(p)
             print(f"{case}: persistent_tma base config {base}")
             # Replays of each recorded launch (as the tuners time), so the host's launch path does not count.
             fns["tilegemm_base"] = tuning._replaying(lambda c: persistent_tma.run(p, c), base)
@@ -155,10 +168,7 @@ def main() -> None:
             torch.cuda.cudart().cudaProfilerStop()
             continue
         if args.mode == "bench":
-            times = {name: [] for name in fns}
-            for rnd in range(args.rounds):
-                for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
-                    times[name].append(triton.testing.do_bench(fns[name], warmup=25, rep=200, return_mode="median"))
+            times = do_bench_rounds(fns, args.rounds)
             base = statistics.median(times["cublas"])
             for name, ts in times.items():
                 ms = statistics.median(ts)

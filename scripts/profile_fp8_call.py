@@ -45,8 +45,7 @@ def main():
         }
         p = make_problems(a, b, out, None, None, 1.0, 1.0, "none", "ieee", False, (sa, 0, sb, 0))[0]
         tilegemm.matmul(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, kernel="persistent_tma")
-        from tilegemm import tuning
-        cfg = tuning.lookup(tuning.key("persistent_tma", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout))
+        cfg = pt.tuned_config(p)
         calls["pt._launch direct"] = lambda: pt._launch(p, cfg)
         print(f"--- {s}^3  tuned config {cfg}")
         for name, fn in calls.items():

@@ -107,6 +107,12 @@ def tile_grouped(tile_id, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr, SERPE
     return first_m + in_band % band_height, col
 
 
+def tile_order(cfg: dict, group_m: int = 8, serpentine: bool = False) -> dict:
+    """The tile-order constexprs of :func:`tile_grouped` (``GROUP_M``, ``SERPENTINE``) from a config, with
+    these defaults where the config has none (host side)."""
+    return dict(GROUP_M=cfg.get("GROUP_M", group_m), SERPENTINE=bool(cfg.get("SERPENTINE", serpentine)))
+
+
 @triton.jit
 def tile_origin(tile_id, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, SERPENTINE: tl.constexpr = False):

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
-from tilegemm.jit_helpers import epilogue_tile, tile_origin
+from tilegemm.jit_helpers import epilogue_tile, tile_order, tile_origin
 from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_K = 64
@@ -298,8 +298,7 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     args = descriptors(p, cfg) + (c, bias, p.M, p.N, p.K, p.c_strides[1], p.c_strides[2], p.bias_stride,
                                   p.alpha, p.beta)
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
-                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], GROUP_M=cfg.get("GROUP_M", 8),
-                  SERPENTINE=bool(cfg.get("SERPENTINE", False)), NUM_SMS=num_sms,
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], **tile_order(cfg), NUM_SMS=num_sms,
                   SHARED_OUT=cfg.get("SHARED_OUT", False), CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
     return matmul_f16_coop_kernel, (min(num_sms, tiles),), args, kwargs

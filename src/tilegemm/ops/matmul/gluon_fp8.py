@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
-from tilegemm.jit_helpers import epilogue_tile, tile_origin
+from tilegemm.jit_helpers import epilogue_tile, tile_order, tile_origin
 from tilegemm.ops.matmul.gluon_f16 import fill_ring, host_descriptor
 from tilegemm.ops.matmul.problem import GemmProblem
 
@@ -394,10 +394,10 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
                   HAS_SCALE_A=flags["HAS_SCALE_A"] and not scalar_a, SCALAR_A=scalar_a,
                   HAS_SCALE_B=flags["HAS_SCALE_B"] and not scalar_b, SCALAR_B=scalar_b,
                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
-                  GROUP_M=cfg.get("GROUP_M", WS_GROUP_M if ws else 8), NUM_SMS=num_sms, num_warps=cfg["num_warps"])
+                  GROUP_M=cfg.get("GROUP_M", 8), NUM_SMS=num_sms, num_warps=cfg["num_warps"])
     if ws:
         args = (*descriptors(p), *p.epilogue_pointers(), p.M, p.N, p.K, *epilogue)
-        kwargs.update(SERPENTINE=bool(cfg.get("SERPENTINE", True)), PRODUCER_WARPS=cfg.get("PRODUCER_WARPS", 4),
+        kwargs.update(**tile_order(cfg, WS_GROUP_M, True), PRODUCER_WARPS=cfg.get("PRODUCER_WARPS", 4),
                       CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
         return matmul_fp8_ws_kernel, grid, args, kwargs
     args = (p.a, p.b, p.out, *p.epilogue_pointers(), p.M, p.N, p.K,

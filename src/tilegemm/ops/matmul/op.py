@@ -191,9 +191,10 @@ def choose_kernel(p: GemmProblem) -> str:
       llm shapes (fp16, H200) the best split-K configs ran 1.05x-1.07x cuBLAS at M=1 and 16 with N=4096,
       where ``autotuned`` ran 0.73x-0.88x (scripts/explore_skinny.py). Where TMA can describe the problem,
       ``split_k`` and ``persistent_tma`` (each with its own tuned config) are timed against each other once
-      per shape class and the faster is kept (from :data:`TIMED_MIN_MNK` up; below it ``split_k``). With its 6-stage 64x64x128 tile ``split_k`` wins all four
-      M=128 llm shapes on the H200 (0.96x-0.98x cuBLAS); before that tile, ``persistent_tma``'s 64x64
-      tiles had won 128x4096x14336 (0.95x against 0.88x, scripts/explore_tma_small_m.py).
+      per shape class and the faster is kept (from :data:`TIMED_MIN_MNK` up; below it ``split_k``). With its
+      6-stage 64x64x128 tile ``split_k`` wins all four M=128 llm shapes on the H200 (0.96x-0.98x cuBLAS);
+      before that tile, ``persistent_tma``'s 64x64 tiles had won 128x4096x14336 (0.95x against 0.88x,
+      scripts/explore_tma_small_m.py).
     - Larger problems on Hopper that TMA can describe, with at least two 128x128 tiles per SM (four for
       fp8 that no Gluon kernel takes): ``persistent_tma`` (fp16 1.02x / 1.03x at 8192^3 / 16384^3, where
       ``autotuned`` ran 1.00x / 0.93x), except tf32 with an operand through registers, which goes to

@@ -22,7 +22,7 @@ import triton
 
 from tilegemm import tuning
 from tilegemm.hardware import compute_capability, sm_count
-from tilegemm.jit_helpers import epilogue_tile, mma_ordered, tile_grouped
+from tilegemm.jit_helpers import epilogue_tile, mma_ordered, tile_grouped, tile_order
 from tilegemm.launch import launch
 from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.runtime import interpreting
@@ -289,8 +289,7 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                   INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
                   HAS_SCALE_B=flags["HAS_SCALE_B"], MMA_OPERANDS=flags["MMA_OPERANDS"], NUM_SMS=num_sms,
-                  FAST_ACCUM=flags["FAST_ACCUM"], **{"WARP_SPECIALIZE": 0, "HOST_DESC": False, **cfg,
-                                                        "SERPENTINE": bool(cfg.get("SERPENTINE", False))})
+                  FAST_ACCUM=flags["FAST_ACCUM"], **{"WARP_SPECIALIZE": 0, "HOST_DESC": False, **cfg, **tile_order(cfg)})
     return matmul_persistent_tma_kernel, (min(num_sms, tiles),), args, kwargs
 
 
@@ -305,6 +304,16 @@ def _launch(p: GemmProblem, cfg: dict) -> None:
     launch(*triton_launch_args(p, cfg, num_sms))
 
 
+def tuning_key(p: GemmProblem) -> str:
+    """The key this rung's tuned config for ``p`` is kept under."""
+    return tuning.key("persistent_tma", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
+
+
+def tuned_config(p: GemmProblem) -> dict | None:
+    """The config this rung has for ``p``'s shape class (tuned, or shipped), or None before it is tuned."""
+    return tuning.lookup(tuning_key(p))
+
+
 def run(p: GemmProblem, config: dict | None = None) -> None:
     reason = describable(p)
     if reason is not None:
@@ -314,6 +323,5 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
         return
     _ensure_allocator()
     if config is None:
-        k = tuning.key("persistent_tma", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
-        config = tuning.lookup_or_tune(k, lambda: candidates(p), lambda cfg: _launch(p, cfg))
+        config = tuning.lookup_or_tune(tuning_key(p), lambda: candidates(p), lambda cfg: _launch(p, cfg))
     _launch(p, config)
