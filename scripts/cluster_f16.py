@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from tilegemm.jit_helpers import epilogue_tile, tile_origin
+from tilegemm.jit.helpers import epilogue_tile, tile_origin
 from tilegemm.ops.matmul.gluon_f16 import _operands, host_descriptor  # (A row-major here: A_T False)
 
 BLOCK_K = 64

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from tilegemm.jit_helpers import epilogue_tile, tile_origin
+from tilegemm.jit.helpers import epilogue_tile, tile_origin
 
 from cluster_f16 import (  # the inline-PTX pieces, the barrier offsets and the host descriptor, as there
     _arrive_cluster, _cluster_sync, _fence_init, _multicast_load, _offsets, _smem_base, encode_descriptor,

@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import tilegemm
-from tilegemm.hardware import machine_info
+from tilegemm.core.hardware import machine_info
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8fast": torch.float8_e4m3fn}
 DEFAULT = ("fp16:1024,fp16:2048,fp16:4096,fp16:8192,bf16:1024,bf16:2048,bf16:4096,"

@@ -131,7 +131,7 @@ def main():
             rows.append(dict(M=mn, N=mn, variant=name, fit_fixed_us=fixed, fit_per_step_us=step))
             print(f"{mn} {name:10s} fixed {fixed:6.2f} us + {step:6.3f} us per 128-wide K step", flush=True)
     if args.json:
-        from tilegemm.hardware import git_commit
+        from tilegemm.core.hardware import git_commit
 
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     cuda=torch.version.cuda, git_commit=git_commit(), stages=args.stages)

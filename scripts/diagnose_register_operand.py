@@ -18,8 +18,8 @@ import os
 
 import torch
 
-from tilegemm.checks import tile_errors
-from tilegemm.hardware import machine_info
+from tilegemm.core.checks import tile_errors
+from tilegemm.core.hardware import machine_info
 from tilegemm.ops.matmul import persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference

@@ -14,7 +14,7 @@ import torch
 import triton.testing
 
 import tilegemm
-from tilegemm import tuning
+from tilegemm.core import tuning
 from tilegemm.ops.matmul import op, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 

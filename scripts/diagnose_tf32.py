@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.launch import launch
+from tilegemm.core.launch import launch
 from tilegemm.ops.matmul.grouped import grid, matmul_grouped_kernel
 from tilegemm.ops.matmul.problem import make_problems
 

@@ -1,6 +1,6 @@
 """Diagnosis on the GPU: what a tuner times for each candidate, as it times it (not a test).
 
-``tilegemm.tuning.lookup_or_tune`` keeps only its winner. This runs it for one rung and shape with a fresh,
+``tilegemm.core.tuning.lookup_or_tune`` keeps only its winner. This runs it for one rung and shape with a fresh,
 memory-only table (``TILEGEMM_TUNING_CACHE=0``, shipped entries dropped) and logs every ``do_bench`` call
 it makes: the config, the rep and the median, or the exception that ruled a config out. Promoted fp8 e4m3
 NT with per-tensor scales (as the bench runs it), or fp16/bf16 NN.
@@ -20,7 +20,7 @@ os.environ["TILEGEMM_TUNING_CACHE"] = "0"
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
-from tilegemm import tuning  # noqa: E402
+from tilegemm.core import tuning  # noqa: E402
 from tilegemm.ops.matmul import op  # noqa: E402
 from tilegemm.ops.matmul.problem import make_problems  # noqa: E402
 
@@ -99,7 +99,7 @@ def main():
         with open(args.json, "w") as f:
             from dataclasses import asdict
 
-            from tilegemm.hardware import machine_info
+            from tilegemm.core.hardware import machine_info
 
             json.dump(dict(machine=asdict(machine_info()), log=log), f, indent=1, default=str)
 

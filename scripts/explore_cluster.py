@@ -19,9 +19,9 @@ import torch
 import triton
 
 import tilegemm
-from tilegemm import tuning
-from tilegemm.hardware import sm_count
-from tilegemm.launch import launch
+from tilegemm.core import tuning
+from tilegemm.core.hardware import sm_count
+from tilegemm.core.launch import launch
 from tilegemm.ops.matmul import gluon_f16, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 
@@ -141,7 +141,7 @@ def main():
                 if bad:
                     print("  WRONG", bad, {k: errs[k] for k in bad}, flush=True)
     if args.json:
-        from tilegemm.hardware import git_commit
+        from tilegemm.core.hardware import git_commit
 
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     cuda=torch.version.cuda, git_commit=git_commit())

@@ -22,7 +22,7 @@ import torch
 import triton
 
 import tilegemm
-from tilegemm import tuning
+from tilegemm.core import tuning
 from tilegemm.ops.matmul import persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 
@@ -139,7 +139,7 @@ def main():
     for s in dict.fromkeys(r["shape"][0] for r in table):
         print(f"{s:6d} " + " ".join(f"{r['ratio']:12.3f}" for r in table if r["shape"][0] == s))
     if args.json:
-        from tilegemm.hardware import git_commit
+        from tilegemm.core.hardware import git_commit
 
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     cuda=torch.version.cuda, git_commit=git_commit())

@@ -4,7 +4,7 @@
 consumer warp groups share each tile (256x128: 128 rows each, the shape cuBLAS runs at 2048^3-4096^3;
 or 128x256: 64 rows each). First every config is checked (output poisoned with NaN) on odd shapes in all
 four layouts, both dtypes, and with the full epilogue; then timed against ``torch.matmul`` in rounds, its
-launches replayed (``tilegemm.tuning._replaying``, as the tuner and a repeated call launch them), beside
+launches replayed (``tilegemm.core.tuning._replaying``, as the tuner and a repeated call launch them), beside
 ``persistent_tma`` and ``auto`` with their shipped configs. Ratios are cuBLAS time / kernel time (medians
 of do_bench).
 
@@ -21,9 +21,9 @@ import torch
 import triton
 
 import tilegemm
-from tilegemm import tuning
-from tilegemm.hardware import sm_count
-from tilegemm.launch import launch
+from tilegemm.core import tuning
+from tilegemm.core.hardware import sm_count
+from tilegemm.core.launch import launch
 from tilegemm.ops.matmul import gluon_f16, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 
@@ -150,7 +150,7 @@ def main():
                 print(f"{dname} {layout} {s:6d} " + " ".join(f"{k}={base / ms[k]:.3f}" for k in fns)
                       + f"  (cuBLAS {2 * s**3 / base / 1e9:.0f} TFLOPS)", flush=True)
     if args.json:
-        from tilegemm.hardware import git_commit
+        from tilegemm.core.hardware import git_commit
 
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     cuda=torch.version.cuda, git_commit=git_commit())

@@ -179,7 +179,7 @@ def main():
             print(f"{s:6d} {k:22s} {row.get('ratio', 0):6.3f} {row.get('tflops', 0):8.1f} err={errs[k] if isinstance(errs[k], str) else f'{errs[k]:.2e}'}",
                   flush=True)
     if args.json:
-        from tilegemm.hardware import git_commit
+        from tilegemm.core.hardware import git_commit
 
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     cuda=torch.version.cuda, git_commit=git_commit())

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from tilegemm.hardware import machine_info
+from tilegemm.core.hardware import machine_info
 
 
 @triton.jit

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from tilegemm.jit_helpers import epilogue_tile, tile_origin
+from tilegemm.jit.helpers import epilogue_tile, tile_origin
 from tilegemm.ops.matmul.gluon_f16 import host_descriptor
 
 BLOCK_M, BLOCK_N, BLOCK_K = 192, 128, 128
@@ -166,9 +166,9 @@ def launch_args(a, w, out, sa, sb, stages=4, num_sms=132):
 
 def main():
     import tilegemm
-    from tilegemm import tuning
-    from tilegemm.hardware import sm_count
-    from tilegemm.launch import launch
+    from tilegemm.core import tuning
+    from tilegemm.core.hardware import sm_count
+    from tilegemm.core.launch import launch
 
     from explore_f16_coop import timed
 
@@ -227,7 +227,7 @@ def main():
         print(f"{s:6d} " + " ".join(f"{k}={v:.3f}" for k, v in row.items())
               + "  errs " + " ".join(f"{k}={e:.1e}" for k, e in errs.items()), flush=True)
     if args.json:
-        from tilegemm.hardware import git_commit
+        from tilegemm.core.hardware import git_commit
 
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     cuda=torch.version.cuda, git_commit=git_commit())

@@ -9,7 +9,7 @@ mbarriers, so one can add its partial tile while the other's MMAs run.
 First every config of both kernels is checked (output poisoned with NaN) on odd shapes and with the full
 epilogue; then both are timed against ``torch._scaled_mm`` (promoted, and with fast accumulation) in rounds.
 Ratios are ``_scaled_mm`` time / kernel time (medians of do_bench). Rows ending in ``_r`` time the same
-launches replayed (``tilegemm.tuning._replaying``: a few microseconds of host time a launch, as the tuner
+launches replayed (``tilegemm.core.tuning._replaying``: a few microseconds of host time a launch, as the tuner
 and a repeated ``tilegemm.matmul`` call launch them); the others go through ``persistent_tma.run`` and
 Triton's launch path each time, which is host-bound below about 4096^3.
 
@@ -26,7 +26,7 @@ import torch
 import triton
 
 import tilegemm
-from tilegemm import tuning
+from tilegemm.core import tuning
 from tilegemm.ops.matmul import gluon_fp8, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 
@@ -176,7 +176,7 @@ def main():
     for s in dict.fromkeys(r["shape"][0] for r in table):
         print(f"{s:6d} " + " ".join(f"{r['ratio']:9.3f}" for r in table if r["shape"][0] == s))
     if args.json:
-        from tilegemm.hardware import git_commit
+        from tilegemm.core.hardware import git_commit
 
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     cuda=torch.version.cuda, git_commit=git_commit())

@@ -20,7 +20,7 @@ import torch
 import triton
 
 import tilegemm
-from tilegemm.launch import launch
+from tilegemm.core.launch import launch
 from tilegemm.ops.matmul import gluon_ws, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.testing
 
-from tilegemm.hardware import machine_info
-from tilegemm.launch import launch
+from tilegemm.core.hardware import machine_info
+from tilegemm.core.launch import launch
 from tilegemm.ops.matmul import persistent_tma as pt
 from tilegemm.ops.matmul.grouped import grid, matmul_grouped_kernel
 from tilegemm.ops.matmul.problem import make_problems

@@ -21,7 +21,7 @@ import torch
 import triton
 
 import tilegemm
-from tilegemm import tuning
+from tilegemm.core import tuning
 from tilegemm.ops.matmul import gluon_f16, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 
@@ -104,7 +104,7 @@ def main():
             print("   host vs device: " + " ".join(f"{n}:{d:.3f}->{h:.3f}" for n, d, h in pairs), flush=True)
     print(f"wrong: {wrong}")
     if args.json:
-        from tilegemm.hardware import git_commit
+        from tilegemm.core.hardware import git_commit
 
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     cuda=torch.version.cuda, git_commit=git_commit())

@@ -133,7 +133,7 @@ def main() -> int:
     import torch
     import triton.testing
 
-    from tilegemm.hardware import machine_info
+    from tilegemm.core.hardware import machine_info
 
     rows = []
     for shape in shapes:

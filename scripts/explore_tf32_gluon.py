@@ -21,9 +21,9 @@ import torch
 import triton.testing
 
 import tilegemm
-from tilegemm.checks import worst_tile_error
-from tilegemm.hardware import machine_info, sm_count
-from tilegemm.launch import launch
+from tilegemm.core.checks import worst_tile_error
+from tilegemm.core.hardware import machine_info, sm_count
+from tilegemm.core.launch import launch
 from tilegemm.ops.matmul import gluon_tf32, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference

@@ -17,7 +17,7 @@ import torch
 import triton.testing
 
 import tilegemm
-from tilegemm.hardware import machine_info
+from tilegemm.core.hardware import machine_info
 from tilegemm.ops.matmul import persistent_tma as pt
 from tilegemm.ops.matmul.problem import make_problems
 

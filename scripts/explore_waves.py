@@ -18,8 +18,8 @@ import statistics
 import torch
 import triton
 
-from tilegemm import tuning
-from tilegemm.hardware import machine_info, sm_count
+from tilegemm.core import tuning
+from tilegemm.core.hardware import machine_info, sm_count
 from tilegemm.ops.matmul import persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 

@@ -29,7 +29,7 @@ import triton
 import triton.testing
 
 import tilegemm
-from tilegemm import tuning
+from tilegemm.core import tuning
 from tilegemm.ops.matmul import persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 
@@ -183,7 +183,7 @@ def main() -> None:
                 print(f"{case:10s} {name:9s} round {rnd}: {r['us_per_call']:9.2f} us/call  "
                       f"SM {r['sm_mhz']:6.0f} MHz (min {r['sm_mhz_min']:.0f})  {r['power_w']:6.1f} W", flush=True)
     if args.json and rows:
-        from tilegemm.hardware import git_commit
+        from tilegemm.core.hardware import git_commit
 
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     cuda=torch.version.cuda, git_commit=git_commit(), mode=args.mode, stages=args.stages,

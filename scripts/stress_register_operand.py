@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from tilegemm.launch import launch
+from tilegemm.core.launch import launch
 from tilegemm.ops.matmul import persistent_tma as pt
 from tilegemm.ops.matmul.configs import autotune_configs, fixed_config, prune_for
 from tilegemm.ops.matmul.grouped import grid, matmul_grouped_kernel

@@ -28,8 +28,8 @@ import statistics
 import torch
 import triton.testing
 
-from tilegemm import tuning
-from tilegemm.hardware import machine_info
+from tilegemm.core import tuning
+from tilegemm.core.hardware import machine_info
 from tilegemm.ops.matmul import grouped, persistent_tma, split_k
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.problem import make_problems

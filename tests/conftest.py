@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from tilegemm.runtime import interpreting, set_poisoning
+from tilegemm.core.runtime import interpreting, set_poisoning
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +33,7 @@ def seeded():
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    from tilegemm.checks import relative_error
+    from tilegemm.core.checks import relative_error
 
     return relative_error(out, ref)
 

@@ -1,4 +1,4 @@
-"""tilegemm.debug: pid conditions, conditional print/breakpoint, readiness checks, jit helpers."""
+"""tilegemm.learn.debug: pid conditions, conditional print/breakpoint, readiness checks, jit helpers."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tilegemm import debug, runtime
-from tilegemm.runtime import interpreting
+from tilegemm.core import runtime
+from tilegemm.learn import debug
+from tilegemm.core.runtime import interpreting
 
 interp_only = pytest.mark.skipif(not interpreting(), reason="runs Python inside a kernel: interpreter only")
 

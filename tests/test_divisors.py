@@ -1,7 +1,7 @@
 """Divisibility hints: strides and sizes that are multiples of 2, 4 or 8 elements but not of 16.
 
 Triton only learns "a multiple of 16" from its launch specialization; the kernels get the rest from
-``GemmProblem.divisors`` (see ``tilegemm.jit_helpers.below``). A wrong hint would not fail loudly: the
+``GemmProblem.divisors`` (see ``tilegemm.jit.helpers.below``). A wrong hint would not fail loudly: the
 compiler would vectorize accesses that are not aligned. So: the divisors must be right, results must be
 right on shapes that use every divisor, and the compiled code must actually be vectorized (checked by
 compiling for sm_90 without a GPU, in a subprocess).

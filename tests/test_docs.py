@@ -41,7 +41,7 @@ def test_examples_run(page, expected, tmp_path):
 
 
 def _gpu() -> bool:
-    from tilegemm.runtime import interpreting
+    from tilegemm.core.runtime import interpreting
 
     return not interpreting()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tilegemm
-from tilegemm import runtime
+from tilegemm.core import runtime
 
 
 def _ab(device, dtype=torch.float16):

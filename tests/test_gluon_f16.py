@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
+from tilegemm.core.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.ops.matmul import gluon_f16, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
@@ -94,13 +94,13 @@ def test_persistent_tma_offers_it_for_16_bit_outputs_on_sm90(monkeypatch):
 def test_auto_times_the_two_rungs_from_a_quarter_tile_per_sm_to_two(monkeypatch):
     """Where the Gluon kernel takes a 16-bit problem, auto takes persistent_tma from two 128x128 tiles per
     SM, times it against autotuned from a quarter of a tile per SM to two, and keeps autotuned below."""
-    import tilegemm.hardware
+    import tilegemm.core.hardware
     from tilegemm.ops.matmul import op
 
     monkeypatch.setattr(op, "interpreting", lambda: False)
     monkeypatch.setattr(op, "_has_tma", lambda: True)
     monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
-    monkeypatch.setattr(tilegemm.hardware, "sm_count", lambda device: 132)
+    monkeypatch.setattr(tilegemm.core.hardware, "sm_count", lambda device: 132)
     monkeypatch.setattr(persistent_tma, "gluon_kernel_for", lambda p: gluon_f16)
     timed = []
     monkeypatch.setattr(op, "_timed_choice", lambda p, rungs: timed.append(rungs) or "timed")

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from tilegemm.checks import worst_tile_error
+from tilegemm.core.checks import worst_tile_error
 from tilegemm.ops.matmul import gluon_tf32, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
+from tilegemm.core.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.ops.matmul import gluon_ws, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
@@ -133,8 +133,8 @@ def _hopper() -> bool:
 
 
 def _run(p, cfg):
-    from tilegemm.hardware import sm_count
-    from tilegemm.launch import launch
+    from tilegemm.core.hardware import sm_count
+    from tilegemm.core.launch import launch
 
     launch(*gluon_ws.launch_args(p, cfg, sm_count(p.out.device)))
 
@@ -179,11 +179,11 @@ def test_gluon_ws_epilogue_and_many_tiles():
 
 @pytest.mark.gpu
 def test_launches_with_host_descriptors_replay_with_new_tensors():
-    """A replay passes each host descriptor again over the new call's tensor (tilegemm.launch): recorded
+    """A replay passes each host descriptor again over the new call's tensor (tilegemm.core.launch): recorded
     from one call, replayed with other operands and a poisoned output, it computes the new product."""
     if not _hopper():
         pytest.skip("the Gluon kernel is written for sm_90")
-    from tilegemm.launch import Replay, recording
+    from tilegemm.core.launch import Replay, recording
 
     a, b = _operands(256, 256, 128, "NN", torch.float16, "cuda")
     out = torch.full((256, 256), float("nan"), device="cuda", dtype=torch.float16)

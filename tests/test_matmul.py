@@ -176,7 +176,7 @@ def test_large_values_do_not_overflow_activation(device):
 def test_tile_errors_see_one_bad_tile_and_unwritten_elements():
     """The per-tile check the GPU tests use: one spoiled tile of 28 stands out, a NaN makes its tile inf,
     edge tiles are judged on what is left of the matrix."""
-    from tilegemm.checks import relative_error, tile_errors, worst_tile_error
+    from tilegemm.core.checks import relative_error, tile_errors, worst_tile_error
 
     ref = torch.randn(1000, 776, dtype=torch.float64)
     out = (ref + 1e-5 * torch.randn_like(ref)).float()
@@ -197,7 +197,7 @@ def test_tile_errors_see_one_bad_tile_and_unwritten_elements():
 def test_replay_cache_keeps_aliased_calls_only_when_the_key_says_so():
     """Tensors sharing a data pointer take the first one's slots in a replay; the cache keeps such a call
     only when its key records the aliasing (tilegemm.matmul's does)."""
-    from tilegemm.launch import Launch, ReplayCache
+    from tilegemm.core.launch import Launch, ReplayCache
 
     class FakeCompiled:  # what Replay reads from a compiled Triton kernel
         run = function = packed_metadata = None
@@ -220,8 +220,8 @@ def test_replays_encode_host_descriptors_once_per_base_address(monkeypatch):
     from triton.backends.nvidia import driver
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from tilegemm import launch as tl_launch
-    from tilegemm.launch import Launch, Replay, _rebased
+    from tilegemm.core import launch as tl_launch
+    from tilegemm.core.launch import Launch, Replay, _rebased
 
     encodes = []
 
@@ -276,7 +276,7 @@ def test_replay_slots_take_host_descriptors_over_the_new_tensors():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from tilegemm.launch import Launch, Replay, _rebased
+    from tilegemm.core.launch import Launch, Replay, _rebased
 
     class FakeCompiled:
         run = function = packed_metadata = None

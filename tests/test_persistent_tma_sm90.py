@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from tilegemm.checks import worst_tile_error
+from tilegemm.core.checks import worst_tile_error
 from tilegemm.ops.matmul import persistent_tma
 
 from conftest import SM90, compile_offline
@@ -213,11 +213,11 @@ def test_host_descriptors_match_the_operands():
 @pytest.mark.parametrize("dtype", ["fp16", "tf32"])
 def test_host_descriptor_configs_are_right_and_replay_on_the_gpu(dtype, layout):
     """Triton's host-side descriptors (HOST_DESC configs): right on edge tiles in every layout, and a
-    replay of the recorded launch over new tensors (tilegemm.launch rebases each descriptor) computes the
+    replay of the recorded launch over new tensors (tilegemm.core.launch rebases each descriptor) computes the
     new product into a poisoned output."""
     import torch
 
-    from tilegemm.launch import Replay, recording
+    from tilegemm.core.launch import Replay, recording
     from tilegemm.ops.matmul.problem import make_problems
     from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 

@@ -7,10 +7,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tilegemm import puzzles
+from tilegemm.learn import puzzles
 from tilegemm.cli import main
-from tilegemm.debug import OutOfBoundsError, bounds_checked
-from tilegemm.runtime import interpreting
+from tilegemm.learn.debug import OutOfBoundsError, bounds_checked
+from tilegemm.core.runtime import interpreting
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="the puzzles' harness runs under the interpreter")
 

@@ -1,4 +1,4 @@
-"""The order in which persistent programs walk output tiles (``tilegemm.jit_helpers.tile_grouped``).
+"""The order in which persistent programs walk output tiles (``tilegemm.jit.helpers.tile_grouped``).
 
 Producer and consumers of the warp-specialized kernels each compute it, so it must be a bijection from tile
 ids to tiles for any band height, including a last band shorter than the rest; run under the interpreter.
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tilegemm.jit_helpers import tile_grouped
+from tilegemm.jit.helpers import tile_grouped
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tilegemm
-from tilegemm import tuning
+from tilegemm.core import tuning
 from tilegemm.cli import main
 from tilegemm.ops.matmul import autotuned
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
@@ -186,7 +186,7 @@ def test_lookup_or_tune_times_once_and_keeps_the_fastest(cache, monkeypatch):
 
 def test_timed_launches_are_replays_of_the_candidates_own(monkeypatch):
     """do_bench's first call launches (compiles, may tune), the second is recorded, the rest replay it."""
-    import tilegemm.launch as launch_mod
+    import tilegemm.core.launch as launch_mod
 
     launched, replayed = [], []
 
@@ -226,7 +226,7 @@ def test_tuner_replays_launches_with_host_descriptors(monkeypatch):
     """A launch whose operands are host-side TMA descriptors (Gluon's or Triton's) is replayed like any
     other: the tuner's replay takes each descriptor's base as the call's tensor (it used to find no tensor
     for them, and then launched every timed call through Triton's slow path)."""
-    import tilegemm.launch as launch_mod
+    import tilegemm.core.launch as launch_mod
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a, out = torch.randn(64, 32), torch.empty(64, 64)
@@ -261,7 +261,7 @@ def test_tuner_replays_launches_with_host_descriptors(monkeypatch):
 
 
 def test_unreplayable_launches_are_launched_every_time(monkeypatch):
-    import tilegemm.launch as launch_mod
+    import tilegemm.core.launch as launch_mod
 
     class Spoiled:  # what recording gives under the interpreter
         def __enter__(self):
@@ -378,14 +378,14 @@ def test_auto_sends_large_problems_to_persistent_tma_unless_an_operand_goes_thro
     through registers: that rung's Triton loops for it must stay flattened (serialized) to be right, so
     autotuned is faster, unless the Gluon tf32 kernel takes the problem (NN or TT, sm_90); from
     one to two tiles per SM auto then times the two rungs, below it keeps autotuned."""
-    import tilegemm.hardware
+    import tilegemm.core.hardware
     from tilegemm.ops.matmul import gluon_tf32, op, persistent_tma
     from tilegemm.ops.matmul.problem import make_problems
 
     monkeypatch.setattr(op, "interpreting", lambda: False)
     monkeypatch.setattr(op, "_has_tma", lambda: True)
     monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
-    monkeypatch.setattr(tilegemm.hardware, "sm_count", lambda device: 132)
+    monkeypatch.setattr(tilegemm.core.hardware, "sm_count", lambda device: 132)
     monkeypatch.setattr(persistent_tma, "gluon_kernel_for",
                         lambda p: gluon_tf32 if gluon and gluon_tf32.usable(p) is None else None)
     timed = []
@@ -417,14 +417,14 @@ def test_auto_times_the_rungs_for_promoted_fp8_from_half_a_tile_per_sm(monkeypat
     """Promoted fp8 that gluon_fp8 takes: persistent_tma from two 128x128 tiles per SM, a timed choice from
     half a tile to two (2048^3), autotuned below. Without it (fast accumulation, another layout) Triton's
     persistent kernel still needs four tiles per SM."""
-    import tilegemm.hardware
+    import tilegemm.core.hardware
     from tilegemm.ops.matmul import gluon_fp8, op, persistent_tma
     from tilegemm.ops.matmul.problem import make_problems
 
     monkeypatch.setattr(op, "interpreting", lambda: False)
     monkeypatch.setattr(op, "_has_tma", lambda: True)
     monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
-    monkeypatch.setattr(tilegemm.hardware, "sm_count", lambda device: 132)
+    monkeypatch.setattr(tilegemm.core.hardware, "sm_count", lambda device: 132)
     monkeypatch.setattr(persistent_tma, "gluon_kernel_for", lambda p: gluon_fp8 if gluon else None)
     timed = []
     monkeypatch.setattr(op, "_timed_choice", lambda p, rungs: timed.append(rungs) or rungs[-1])

@@ -4,15 +4,28 @@ Importing tilegemm does no GPU work and compiles nothing: kernels are imported, 
 Triton's compiler and its interpreter is made, when a kernel first runs.
 """
 
-from tilegemm.runtime import preselect
+from tilegemm.core.runtime import preselect
 
 preselect()
 
+from tilegemm import ops  # noqa: E402
+
+ops.load()
+
+from tilegemm.core.registry import kernels  # noqa: E402
+from tilegemm.core.runtime import interpreting  # noqa: E402
 from tilegemm.ops.guide import copy, rgb_to_grey  # noqa: E402
 from tilegemm.ops.matmul import ACTIVATIONS, matmul  # noqa: E402
-from tilegemm.registry import kernels  # noqa: E402
-from tilegemm.runtime import interpreting  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = ["ACTIVATIONS", "__version__", "copy", "interpreting", "kernels", "matmul", "rgb_to_grey"]
+
+
+def __getattr__(name: str):
+    # The learning kit's modules, importable as tilegemm.puzzles and tilegemm.debug too; loaded on first use.
+    if name in ("puzzles", "debug"):
+        import importlib
+
+        return importlib.import_module(f"tilegemm.learn.{name}")
+    raise AttributeError(f"module 'tilegemm' has no attribute {name!r}")

@@ -27,6 +27,17 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _op_help() -> tuple[str, str, str]:
+    """What the registered ops offer, for --help: their names, dtypes and sweeps."""
+    from tilegemm.bench.base import bench_op, bench_ops
+
+    names = bench_ops()
+    adapters = [bench_op(name) for name in names]
+    dtypes = "; ".join(f"{a.name}: {', '.join(a.dtypes)}" for a in adapters)
+    sweeps = "; ".join(f"{a.name}: {', '.join(a.sweeps)}" for a in adapters)
+    return ", ".join(names), dtypes, sweeps
+
+
 def _add_bench(sub) -> None:
     p = sub.add_parser(
         "bench", help="check and time kernels against their baseline over a sweep of shapes",
@@ -34,10 +45,11 @@ def _add_bench(sub) -> None:
                     "triton.testing.do_bench (median), and compare it with the baseline (cuBLAS for matmul).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--op", default="matmul", help="op family: matmul, copy, grey; default matmul")
-    p.add_argument("--dtype", help="input dtype; matmul: fp16 (default), bf16, fp32 (IEEE), tf32; copy: fp32 (default), fp16, bf16, uint8; grey: uint8 (default), fp32, fp16")
-    p.add_argument("--sweep", help="named sweep; matmul: square, llm, skinny, tiny; copy: sizes, tiny; grey: images, tiny; default: the first on a GPU, "
-                                   "tiny under the interpreter")
+    ops, dtypes, sweeps = _op_help()
+    p.add_argument("--op", default="matmul", help=f"op: {ops}; default matmul")
+    p.add_argument("--dtype", help=f"input dtype (the first is the default); {dtypes}")
+    p.add_argument("--sweep", help=f"named sweep; {sweeps}; default: the op's GPU sweep on a GPU, its tiny one "
+                                   "under the interpreter")
     p.add_argument("--shape", action="append", default=[], metavar="M,N,K",
                    help="a shape to run instead of a sweep (repeatable)")
     p.add_argument("--shapes", metavar="FILE", help="a file of shapes, one per line ('#' starts a comment)")
@@ -72,16 +84,17 @@ def _add_info(sub) -> None:
 
 def _add_tune(sub) -> None:
     p = sub.add_parser(
-        "tune", help="tune matmul ahead of time for a sweep of shapes and save the configs",
-        description="Run each shape once through the tuned rungs so that their configs are timed and saved to "
+        "tune", help="tune an op ahead of time for a sweep of shapes and save the configs",
+        description="Run each shape once through the tuned kernels so that their configs are timed and saved to "
                     "the tuning cache (see `tilegemm info`); later calls and processes then tune nothing.",
     )
-    p.add_argument("--dtype", default="fp16", help="fp16 (default), bf16, fp32, tf32")
-    p.add_argument("--sweep", help="a matmul sweep: square, llm (default), skinny, tiny")
-    p.add_argument("--shape", action="append", default=[], metavar="M,N,K", help="a shape (repeatable)")
-    p.add_argument("--rungs", default="auto",
-                   help="'auto' (default: the rung auto picks per shape), or comma-separated tuned rungs "
-                        "(autotuned, persistent_tma, split_k)")
+    p.add_argument("--op", default="matmul", help="the op to tune (default matmul)")
+    p.add_argument("--dtype", help="input dtype (default: the op's first, fp16 for matmul)")
+    p.add_argument("--sweep", help="one of the op's sweeps (default: llm for matmul)")
+    p.add_argument("--shape", action="append", default=[], metavar="SHAPE", help="a shape (repeatable)")
+    p.add_argument("--kernels", "--rungs", default="auto",
+                   help="'auto' (default: the kernel auto picks per shape), or comma-separated tuned kernels "
+                        "(matmul: autotuned, persistent_tma, split_k, gluon_f16, gluon_fp8, gluon_tf32)")
 
 
 def _add_puzzles(sub) -> None:
@@ -111,11 +124,11 @@ def _read_shapes_file(path: str) -> list[str]:
 def cmd_bench(args, console, err_console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tilegemm.bench.ops import BenchError, bench_op
+    from tilegemm.bench.base import BenchError, bench_op
     from tilegemm.bench.report import print_report, write_csv, write_json, write_plot
     from tilegemm.bench.runner import run_bench
-    from tilegemm.hardware import compute_capability
-    from tilegemm.runtime import interpreting
+    from tilegemm.core.hardware import compute_capability
+    from tilegemm.core.runtime import interpreting
 
     if args.batch < 1:
         raise UsageError(f"--batch must be >= 1, got {args.batch}")
@@ -138,7 +151,7 @@ def cmd_bench(args, console, err_console) -> int:
             sweep = args.sweep or (op.cpu_sweep if interpreting() else op.gpu_sweep)
             cases = op.cases(sweep)
         if args.kernels.strip() == "all":
-            kernels = op.kernel_names()
+            kernels = op.kernel_names(dtype)
         else:
             kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
             if not kernels:
@@ -147,10 +160,11 @@ def cmd_bench(args, console, err_console) -> int:
                 op.check_kernel(k)
     except BenchError as err:
         raise UsageError(str(err)) from None
-    if op.name != "matmul" and (args.layout is not None or args.batch != 1):
-        raise UsageError("--layout and --batch apply to --op matmul only")
-    if args.fast_accum and not (op.name == "matmul" and dtype.startswith("fp8")):
-        raise UsageError("--fast-accum applies to --op matmul with an fp8 --dtype only")
+    options = dict(layout=args.layout, batch=args.batch, fast_accum=args.fast_accum)
+    try:
+        op.check_options(options, dtype)
+    except BenchError as err:
+        raise UsageError(str(err)) from None
 
     total = len(cases) * (len(kernels) + (0 if args.no_baseline else 1))
     progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -163,7 +177,7 @@ def cmd_bench(args, console, err_console) -> int:
 
         result = run_bench(op, cases, dtype, kernels, baseline=not args.no_baseline, warmup_ms=args.warmup,
                            rep_ms=args.rep, cuda_graph=args.cuda_graph, rounds=args.rounds,
-                           options=dict(layout=args.layout, batch=args.batch, fast_accum=args.fast_accum),
+                           options=options,
                            sweep=sweep, on_step=on_step)
     print_report(result, console)
 
@@ -190,8 +204,8 @@ def cmd_bench(args, console, err_console) -> int:
 def cmd_info(args, console) -> int:
     from rich.table import Table
 
-    from tilegemm import registry
-    from tilegemm.hardware import machine_info, peaks_for
+    from tilegemm.core import registry
+    from tilegemm.core.hardware import machine_info, peaks_for
 
     info = machine_info()
     table = Table(title="tilegemm info", show_header=False)
@@ -236,7 +250,7 @@ def _peaks_text(peaks: dict) -> str:
 
 
 def _tuning_text() -> str:
-    from tilegemm import tuning
+    from tilegemm.core import tuning
 
     where = str(tuning.cache_file()) if tuning._disk_enabled() else "memory only"
     shipped = tuning.shipped_file()
@@ -255,35 +269,35 @@ def _triton_cache_dir() -> str:
 
 
 def cmd_tune(args, console) -> int:
-    import torch
     from rich.table import Table
 
-    from tilegemm import matmul, tuning
-    from tilegemm.bench.ops import BenchError, bench_op
-    from tilegemm.runtime import interpreting
+    from tilegemm.bench.base import BenchError, bench_op
+    from tilegemm.core import registry, tuning
+    from tilegemm.core.registry import resolve
+    from tilegemm.core.runtime import interpreting
 
-    op = bench_op("matmul")
     try:
-        op.check_dtype(args.dtype, None)
+        spec = registry.op(args.op)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if spec.tune is None:
+        tunable_ops = [o for o in registry.ops() if registry.op(o).tune]
+        raise UsageError(f"op {args.op!r} has nothing to tune; tunable ops: {', '.join(tunable_ops)}")
+    op = bench_op(args.op)
+    dtype = args.dtype or op.default_dtype()
+    try:
+        op.check_dtype(dtype, None)
         if args.shape and args.sweep:
             raise UsageError("give either --sweep or --shape, not both")
-        cases = [op.parse_shape(t) for t in args.shape] if args.shape else op.cases(args.sweep or "llm")
+        cases = [op.parse_shape(t) for t in args.shape] if args.shape else op.cases(args.sweep or op.tune_sweep)
     except BenchError as err:
         raise UsageError(str(err)) from None
-    rungs = [r.strip() for r in args.rungs.split(",") if r.strip()]
-    for rung in rungs:
-        if rung not in ("auto", "autotuned", "persistent_tma", "split_k"):
-            raise UsageError(f"--rungs takes auto, autotuned, persistent_tma or split_k, not {rung!r}")
-    device = "cpu" if interpreting() else "cuda"
-    dtype = op.dtypes[args.dtype]
-    precision = "tf32" if args.dtype == "tf32" else "ieee"
+    kernels = [r.strip() for r in args.kernels.split(",") if r.strip()]
+    for kernel in kernels:
+        if kernel not in spec.tunable:
+            raise UsageError(f"--kernels takes {', '.join(spec.tunable)} for op {args.op}, not {kernel!r}")
     before = set(tuning.entries())
-    for case in cases:
-        a = torch.randn(case.dims["M"], case.dims["K"], device=device, dtype=dtype)
-        b = torch.randn(case.dims["K"], case.dims["N"], device=device, dtype=dtype)
-        for rung in rungs:
-            matmul(a, b, kernel=rung, precision=precision)
-        del a, b
+    resolve(spec.tune)(op, cases, dtype, kernels)
     added = {k: v for k, v in tuning.entries().items() if k not in before}
     table = Table(title=f"tuned {len(added)} new shape class(es)")
     table.add_column("key", no_wrap=True)
@@ -292,7 +306,7 @@ def cmd_tune(args, console) -> int:
         table.add_row(k, ", ".join(f"{n}={x}" for n, x in v.items()))
     console.print(table)
     if interpreting():
-        console.print("[yellow]Under the interpreter there is one config per rung: nothing was timed.[/]")
+        console.print("[yellow]Under the interpreter there is one config per kernel: nothing was timed.[/]")
     where = tuning.cache_file() if tuning._disk_enabled() else "memory only (disk cache off)"
     console.print(f"tuning cache: {where}")
     return 0
@@ -302,7 +316,7 @@ def cmd_puzzles(args, console) -> int:
     import os
     import subprocess
 
-    from tilegemm import runtime
+    from tilegemm.core import runtime
 
     if args.trials < 1:
         raise UsageError(f"--trials must be >= 1, got {args.trials}")
@@ -313,7 +327,7 @@ def cmd_puzzles(args, console) -> int:
         env = dict(os.environ, TILEGEMM_INTERPRET="1", TRITON_INTERPRET="1")
         cmd = [sys.executable, "-m", "tilegemm.cli", "puzzles", "--trials", str(args.trials)]
         return subprocess.run(cmd, env=env).returncode
-    from tilegemm.puzzles import run_all
+    from tilegemm.learn.puzzles import run_all
 
     return run_all(trials=args.trials, console=console)
 
@@ -323,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import warnings
 
-    from tilegemm.runtime import InterpreterWarning
+    from tilegemm.core.runtime import InterpreterWarning
 
     # The bench and info output say plainly when the interpreter runs; the warning would repeat it.
     warnings.simplefilter("ignore", InterpreterWarning)

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tilegemm.bench.runner import BASELINE, BenchResult
-from tilegemm.files import atomic_write
+from tilegemm.core.files import atomic_write
 
 CSV_FIELDS = ["op", "kernel", "shape", "dtype", "layout", "batch", "status", "rel_err", "tolerance", "ms", "ms_p20",
               "ms_p80", "metric", "value", "ratio", "pct_peak", "message"]

@@ -11,9 +11,10 @@ from typing import Callable
 
 import torch
 
-from tilegemm.bench.ops import BenchOp, Case, geomean
-from tilegemm.hardware import MachineInfo, machine_info
-from tilegemm.runtime import interpreting
+from tilegemm.bench.base import BenchOp, Case, geomean
+from tilegemm.core.hardware import MachineInfo, machine_info
+from tilegemm.core.registry import NotApplicable
+from tilegemm.core.runtime import interpreting
 
 BASELINE = "baseline"
 SCHEMA = "tilegemm-bench/1"
@@ -312,12 +313,14 @@ def _check(op, case, dtype, kernel, prepared, tol, options) -> "_Checked | Row":
             err = _rel_err(out, prepared.reference)
             status = "ok" if err <= tol else "wrong"
         del out
+    except NotApplicable as exc:
+        return _row(op, case, dtype, kernel, options, "unavailable", message=_message(exc))
     except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile or launch is reported, not fatal
         return _row(op, case, dtype, kernel, options, "error", message=_message(exc))
     return _Checked(call, context, status, err)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    from tilegemm.checks import relative_error
+    from tilegemm.core.checks import relative_error
 
     return relative_error(out, ref)

@@ -1,1 +1,16 @@
-"""Op families, one package each (matmul now; w4a16 and conv2d slot in beside it)."""
+"""Op families, one package each. Importing a family's package registers its ops and kernels.
+
+Adding a family is one folder under ``tilegemm/ops/`` whose ``__init__`` calls
+:func:`tilegemm.core.registry.register_op` and :func:`~tilegemm.core.registry.register`, and one entry here.
+Family packages import no triton: kernel modules are imported when a kernel first runs.
+"""
+
+import importlib
+
+FAMILIES = ("guide", "matmul")
+
+
+def load() -> None:
+    """Import every family's package (each registers itself once)."""
+    for family in FAMILIES:
+        importlib.import_module(f"tilegemm.ops.{family}")

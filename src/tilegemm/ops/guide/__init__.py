@@ -4,7 +4,16 @@ Both are memory-bound: their measure is GB/s against torch's own copy. Registere
 ``copy`` and ``grey`` so that the bench reads them like any other kernel.
 """
 
-from tilegemm.registry import KernelSpec, register
+from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
+
+register_op(OpSpec(
+    name="copy", summary="copy a tensor (the guide's first kernel), GB/s against torch's copy",
+    bench="tilegemm.ops.guide.bench:CopyBench",
+))
+register_op(OpSpec(
+    name="grey", summary="RGB to grey conversion, GB/s against a torch copy of the same bytes",
+    bench="tilegemm.ops.guide.bench:GreyBench",
+))
 
 register(KernelSpec(
     op="copy", name="flat", order=10, target="tilegemm.ops.guide.kernels:copy_flat",

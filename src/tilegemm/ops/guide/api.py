@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm import registry
-from tilegemm.launch import ReplayCache, recording
-from tilegemm.runtime import check_device, interpreting, new_output, on_device
+from tilegemm.core import registry
+from tilegemm.core.launch import ReplayCache, recording
+from tilegemm.core.runtime import check_device, interpreting, new_output, on_device
 
 GREY_WEIGHTS = (0.2989, 0.5870, 0.1140)
 MAX_DIMS = 6

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from tilegemm.jit_helpers import mask_1d, offsets_1d
-from tilegemm.launch import launch
+from tilegemm.jit.helpers import mask_1d, offsets_1d
+from tilegemm.core.launch import launch
 
 import triton.language as tl  # noqa: E402
 

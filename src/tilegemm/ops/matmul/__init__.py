@@ -1,10 +1,11 @@
 """Dense GEMM: ``activation(alpha * (a @ b) + beta * c + bias)``.
 
-The rungs of the ladder, each a file beside this one, registered here by name. Nothing here imports
-triton: a kernel module is imported when its kernel first runs.
+The rungs of the ladder, each a file beside this one, registered here by name, with the Gluon kernels that
+``persistent_tma`` launches on Hopper (each also selectable alone). Nothing here imports triton: a kernel
+module is imported when its kernel first runs.
 """
 
-from tilegemm.registry import KernelSpec, register, register_pseudo
+from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
 
 
 def _tma_requirement() -> str | None:
@@ -14,6 +15,18 @@ def _tma_requirement() -> str | None:
     return requires()
 
 
+def _gluon_requirement() -> str | None:
+    from tilegemm.ops.matmul.persistent_tma import gluon_requires
+
+    return gluon_requires()
+
+
+register_op(OpSpec(
+    name="matmul", summary="dense GEMM with a fused epilogue: fp16, bf16, fp32/tf32, fp8; any layout; batched",
+    bench="tilegemm.ops.matmul.bench:MatmulBench", tune="tilegemm.ops.matmul.tune:tune",
+    tunable=("auto", "autotuned", "persistent_tma", "split_k", "gluon_f16", "gluon_fp8", "gluon_tf32"),
+    pseudo={"auto": "picks the best rung for the problem (the default)"},
+))
 register(KernelSpec(
     op="matmul", name="naive", order=10, target="tilegemm.ops.matmul.naive:run",
     summary="textbook tile kernel: one program per output tile, row-major launch order, fixed blocks",
@@ -28,14 +41,29 @@ register(KernelSpec(
 ))
 register(KernelSpec(
     op="matmul", name="split_k", order=40, target="tilegemm.ops.matmul.split_k:run",
-    summary="for skinny problems: several programs split one tile's K loop and reduce with atomics",
+    summary="for skinny problems: K split over several programs whose partial tiles are summed in a fixed order",
 ))
 register(KernelSpec(
     op="matmul", name="persistent_tma", order=50, target="tilegemm.ops.matmul.persistent_tma:run",
-    requires=lambda: _tma_requirement(),
+    requires=_tma_requirement, tags=("sm_90",),
     summary="Hopper: one program per SM over tiles in grouped order, TMA tile loads/stores, split epilogue",
 ))
-register_pseudo("matmul", "auto", "picks the best rung for the problem (the default)")
+register(KernelSpec(
+    op="matmul", name="gluon_f16", order=51, target="tilegemm.ops.matmul.persistent_tma:run_gluon_f16",
+    requires=_gluon_requirement, tags=("sm_90", "gluon", "variant of persistent_tma"), dtypes=("fp16", "bf16"),
+    summary="persistent_tma's Gluon kernel for 16-bit operands: a TMA producer, two cooperative wgmma consumers",
+))
+register(KernelSpec(
+    op="matmul", name="gluon_fp8", order=52, target="tilegemm.ops.matmul.persistent_tma:run_gluon_fp8",
+    requires=_gluon_requirement, tags=("sm_90", "gluon", "variant of persistent_tma"),
+    dtypes=("fp8_e4m3", "fp8_e5m2"),
+    summary="persistent_tma's Gluon kernels for promoted fp8 (A row-major, B column-major), warp-specialized",
+))
+register(KernelSpec(
+    op="matmul", name="gluon_tf32", order=53, target="tilegemm.ops.matmul.persistent_tma:run_gluon_tf32",
+    requires=_gluon_requirement, tags=("sm_90", "gluon", "variant of persistent_tma"), dtypes=("tf32",),
+    summary="persistent_tma's Gluon kernel for tf32 NN/TT: one operand through registers, wgmma",
+))
 
 from tilegemm.ops.matmul.op import ACTIVATIONS, matmul  # noqa: E402
 

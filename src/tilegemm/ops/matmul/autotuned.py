@@ -3,13 +3,13 @@
 On the first call for a new shape class (M bucketed to a power of two, N, K, dtypes), Triton's autotuner times
 every candidate in :func:`tilegemm.ops.matmul.configs.autotune_configs` that suits the dtype (layout and
 tf32 are part of the key); the fastest is
-kept by :mod:`tilegemm.tuning` (memory, then disk), so later calls and later processes do not tune again.
+kept by :mod:`tilegemm.core.tuning` (memory, then disk), so later calls and later processes do not tune again.
 """
 
 import triton
 
-from tilegemm import tuning
-from tilegemm.launch import launch
+from tilegemm.core import tuning
+from tilegemm.core.launch import launch
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.grouped import grid, matmul_grouped_kernel
 from tilegemm.ops.matmul.problem import GemmProblem

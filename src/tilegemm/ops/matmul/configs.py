@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.runtime import interpreting
+from tilegemm.core.runtime import interpreting
 
 
 def _cfg(bm, bn, bk, warps, stages, group_m=8) -> dict:

@@ -16,7 +16,7 @@ reads (what ``persistent_tma``'s Triton kernel runs).
 
 The TMA descriptors are made on the host (:func:`descriptors`) and passed as kernel parameters; made
 by each partition on the device (as until c56e370) they cost about 2 us a launch. A repeated call
-replays its launch over the new tensors (:mod:`tilegemm.launch`). 16-bit wgmma reads either operand order
+replays its launch over the new tensors (:mod:`tilegemm.core.launch`). 16-bit wgmma reads either operand order
 from shared memory, so A and B may each be row- or column-major (NN/NT/TN/TT), described to TMA as they lie
 (:attr:`GemmProblem.tma_view`). Outputs are 16-bit (the output buffers sit beside the ring).
 
@@ -42,8 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
-from tilegemm.jit_helpers import epilogue_tile, tile_order, tile_origin
+from tilegemm.core.hardware import HOPPER_SMEM_PER_BLOCK
+from tilegemm.jit.helpers import epilogue_tile, tile_order, tile_origin
 from tilegemm.ops.matmul.problem import GemmProblem
 
 BLOCK_K = 64
@@ -76,7 +76,7 @@ def fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
     program_id, program_id + programs, ... in grouped order) into ring slot ``count % STAGES``, once the
     slot's "empty" barrier says its previous contents were read; its "ready" barrier counts the bytes in.
     A is described as [M, K] or (A_T) [K, M], B as [K, N] or (B_T) [N, K]; ``SERPENTINE`` as in
-    :func:`tilegemm.jit_helpers.tile_grouped` (the consumers must walk the same order)."""
+    :func:`tilegemm.jit.helpers.tile_grouped` (the consumers must walk the same order)."""
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
@@ -289,7 +289,7 @@ def descriptors(p: GemmProblem, cfg: dict):
 
 
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
-    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.launch.launch`."""
+    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.core.launch.launch`."""
     a_t, b_t, _, _ = p.tma_view
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)

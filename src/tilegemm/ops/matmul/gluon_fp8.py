@@ -45,8 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
-from tilegemm.jit_helpers import epilogue_tile, tile_order, tile_origin
+from tilegemm.core.hardware import HOPPER_SMEM_PER_BLOCK
+from tilegemm.jit.helpers import epilogue_tile, tile_order, tile_origin
 from tilegemm.ops.matmul.gluon_f16 import fill_ring, host_descriptor
 from tilegemm.ops.matmul.problem import GemmProblem
 
@@ -381,7 +381,7 @@ def descriptors(p: GemmProblem):
 
 
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
-    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.launch.launch`."""
+    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.core.launch.launch`."""
     grid = (min(num_sms, triton.cdiv(p.M, BLOCK_M) * triton.cdiv(p.N, BLOCK_N)),)
     flags = p.kernel_flags()
     epilogue = (p.c_strides[1], p.c_strides[2], p.bias_stride, p.scale_a_stride, p.scale_b_stride, p.alpha, p.beta)

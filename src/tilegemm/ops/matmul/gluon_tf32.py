@@ -41,8 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 import torch
 
-from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
-from tilegemm.jit_helpers import apply_activation, tile_origin
+from tilegemm.core.hardware import HOPPER_SMEM_PER_BLOCK
+from tilegemm.jit.helpers import apply_activation, tile_origin
 from tilegemm.ops.matmul.problem import GemmProblem
 
 # The accumulator tile is [BLOCK_R, BLOCK_S]: R rows from the operand in registers, S columns from the one
@@ -217,7 +217,7 @@ def usable(p: GemmProblem) -> str | None:
 
 
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
-    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.launch.launch`."""
+    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.core.launch.launch`."""
     swapped = _layout(p) == "NN"
     if swapped:  # Y = A [M, K], X = B [K, N]
         y, stride_y, x, stride_x = p.a, p.a_strides[1], p.b, p.b_strides[1]

@@ -38,8 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from tilegemm.hardware import HOPPER_SMEM_PER_BLOCK
-from tilegemm.jit_helpers import epilogue_tile, tile_grouped
+from tilegemm.core.hardware import HOPPER_SMEM_PER_BLOCK
+from tilegemm.jit.helpers import epilogue_tile, tile_grouped
 from tilegemm.ops.matmul.gluon_f16 import fill_ring, host_descriptor
 from tilegemm.ops.matmul.problem import GemmProblem
 
@@ -219,7 +219,7 @@ def descriptors(p: GemmProblem, cfg: dict):
 
 
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
-    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.launch.launch`."""
+    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.core.launch.launch`."""
     a_t, b_t, _, _ = p.tma_view
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
     flags = p.kernel_flags()

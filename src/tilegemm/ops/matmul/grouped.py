@@ -1,13 +1,13 @@
 """Rung 2, ``grouped``: the naive kernel with an L2-friendly launch order.
 
 Same blocks and K loop as ``naive``; only the map from program id to tile changes (see
-:func:`tilegemm.jit_helpers.tile_grouped`): programs that run together share panels of A and B in L2.
+:func:`tilegemm.jit.helpers.tile_grouped`): programs that run together share panels of A and B in L2.
 """
 
 import triton
 
-from tilegemm.jit_helpers import epilogue_store, tile_grouped
-from tilegemm.launch import launch
+from tilegemm.jit.helpers import epilogue_store, tile_grouped
+from tilegemm.core.launch import launch
 from tilegemm.ops.matmul.configs import fixed_config
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem

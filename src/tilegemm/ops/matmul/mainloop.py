@@ -6,8 +6,8 @@ layout) and accumulating their product in fp32. The rungs differ in which tile a
 part of K (``split_k`` takes a slice) and how they are tuned, not in this loop.
 """
 
-from tilegemm.jit_helpers import below, mma_ordered, offsets_2d_div
-from tilegemm.runtime import ensure_backend
+from tilegemm.jit.helpers import below, mma_ordered, offsets_2d_div
+from tilegemm.core.runtime import ensure_backend
 
 ensure_backend()
 

@@ -7,8 +7,8 @@ against this one.
 
 import triton
 
-from tilegemm.jit_helpers import epilogue_store, tile_row_major
-from tilegemm.launch import launch
+from tilegemm.jit.helpers import epilogue_store, tile_row_major
+from tilegemm.core.launch import launch
 from tilegemm.ops.matmul.configs import fixed_config
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem

@@ -7,11 +7,11 @@ from typing import Optional
 
 import torch
 
-from tilegemm import registry
-from tilegemm.launch import ReplayCache, recording
+from tilegemm.core import registry
+from tilegemm.core.launch import ReplayCache, recording
 from tilegemm.ops.matmul.problem import GemmProblem, make_problems
-from tilegemm.runtime import check_device, interpreting, new_output, on_device
-from tilegemm.tuning import dtype_name
+from tilegemm.core.runtime import check_device, interpreting, new_output, on_device
+from tilegemm.core.tuning import dtype_name
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "leaky_relu")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # inputs and outputs
@@ -167,7 +167,7 @@ def check_inputs(a, b, bias, c, alpha, beta, activation, out_dtype, precision, k
         spec = registry.get("matmul", kernel)
         reason = spec.unavailable_reason()
         if reason:
-            raise ValueError(f"matmul kernel {kernel!r} cannot run here: {reason}")
+            raise registry.NotApplicable(f"matmul kernel {kernel!r} cannot run here: {reason}")
     _check_devices(named)
     return shape
 
@@ -213,7 +213,7 @@ def choose_kernel(p: GemmProblem) -> str:
                 return _timed_choice(p, ("split_k", "persistent_tma"))
         return "split_k"
     if _has_tma():
-        from tilegemm.hardware import sm_count
+        from tilegemm.core.hardware import sm_count
         from tilegemm.ops.matmul.persistent_tma import describable, gluon_kernel_for
 
         # With few tiles per SM a persistent grid has little to balance: at 1024^3 it ran 0.69x cuBLAS where
@@ -256,9 +256,9 @@ def _timed_choice(p: GemmProblem, rungs: tuple[str, ...]) -> str:
     """The faster of ``rungs`` for this shape class: timed once, then remembered.
 
     A rung that tunes its own config does so in its first launch, which ``do_bench`` makes before it times
-    anything; a rung that fails there is not chosen (see :func:`tilegemm.tuning.lookup_or_tune`).
+    anything; a rung that fails there is not chosen (see :func:`tilegemm.core.tuning.lookup_or_tune`).
     """
-    from tilegemm import tuning
+    from tilegemm.core import tuning
 
     k = tuning.key("auto", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
     return tuning.lookup_or_tune(k, lambda: [{"rung": r} for r in rungs], lambda cfg: launcher(cfg["rung"])(p))["rung"]

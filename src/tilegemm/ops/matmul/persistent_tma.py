@@ -20,12 +20,13 @@ from __future__ import annotations
 import torch
 import triton
 
-from tilegemm import tuning
-from tilegemm.hardware import compute_capability, sm_count
-from tilegemm.jit_helpers import epilogue_tile, mma_ordered, tile_grouped, tile_order
-from tilegemm.launch import launch
+from tilegemm.core import tuning
+from tilegemm.core.hardware import compute_capability, sm_count
+from tilegemm.jit.helpers import epilogue_tile, mma_ordered, tile_grouped, tile_order
+from tilegemm.core.launch import launch
+from tilegemm.core.registry import NotApplicable
 from tilegemm.ops.matmul.problem import GemmProblem
-from tilegemm.runtime import interpreting
+from tilegemm.core.runtime import interpreting
 
 import triton.language as tl  # noqa: E402
 
@@ -238,13 +239,24 @@ def _ensure_allocator() -> None:
 GLUON_CONFIG_KEYS = ("GLUON_FP8", "GLUON_TF32", "GLUON_F16")
 
 
+def gluon_requires() -> str | None:
+    """None where the Gluon kernels can run: an sm_90 GPU under Triton 3.6 (Gluon has no interpreter)."""
+    if interpreting():
+        return "Gluon kernels have no interpreter: they need an sm_90 GPU"
+    if compute_capability() != (9, 0):
+        return "needs an sm_90 (Hopper) GPU: the Gluon kernels are written for it"
+    if not triton.__version__.startswith("3.6."):
+        return f"written against Triton 3.6's Gluon API, found Triton {triton.__version__}"
+    return None
+
+
 def gluon_kernel_for(p: GemmProblem):
     """The module of the Gluon kernel that takes ``p``, else None: :mod:`tilegemm.ops.matmul.gluon_fp8` for
     promoted fp8 (A row-major, B column-major), :mod:`tilegemm.ops.matmul.gluon_tf32` for tf32 NN and TT
     (an operand through registers), :mod:`tilegemm.ops.matmul.gluon_f16` for 16-bit operands with a 16-bit
     output. They are written for sm_90 against Triton 3.6's Gluon API (experimental, it moves between
     versions), and Gluon has no interpreter."""
-    if interpreting() or compute_capability() != (9, 0) or not triton.__version__.startswith("3.6."):
+    if gluon_requires() is not None:
         return None
     from tilegemm.ops.matmul import gluon_f16, gluon_fp8, gluon_tf32
 
@@ -273,7 +285,7 @@ def host_descriptors(p: GemmProblem, cfg: dict):
 
 
 def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int):
-    """(kernel, grid, args, constexpr kwargs) of the Triton kernel for :func:`tilegemm.launch.launch`."""
+    """(kernel, grid, args, constexpr kwargs) of the Triton kernel for :func:`tilegemm.core.launch.launch`."""
     a_t, b_t, stride_a, stride_b = p.tma_view
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
     flags = p.kernel_flags()
@@ -325,3 +337,35 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
     if config is None:
         config = tuning.lookup_or_tune(tuning_key(p), lambda: candidates(p), lambda cfg: _launch(p, cfg))
     _launch(p, config)
+
+
+def _run_gluon(p: GemmProblem, name: str, module) -> None:
+    """Launch one Gluon kernel alone (``kernel="gluon_f16"`` etc.): the configs of that kernel only, tuned
+    under a key of its own; a problem it does not take raises instead of falling back."""
+    reason = describable(p) or module.usable(p)
+    if reason is not None:
+        raise NotApplicable(f"matmul kernel {name!r} does not take this problem: {reason}")
+    _ensure_allocator()
+    num_sms = sm_count(p.out.device)
+    k = tuning.key(name, p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
+    config = tuning.lookup_or_tune(k, lambda: module.configs(p.out.element_size()),
+                                   lambda cfg: launch(*module.launch_args(p, cfg, num_sms)))
+    launch(*module.launch_args(p, config, num_sms))
+
+
+def run_gluon_f16(p: GemmProblem) -> None:
+    from tilegemm.ops.matmul import gluon_f16
+
+    _run_gluon(p, "gluon_f16", gluon_f16)
+
+
+def run_gluon_fp8(p: GemmProblem) -> None:
+    from tilegemm.ops.matmul import gluon_fp8
+
+    _run_gluon(p, "gluon_fp8", gluon_fp8)
+
+
+def run_gluon_tf32(p: GemmProblem) -> None:
+    from tilegemm.ops.matmul import gluon_tf32
+
+    _run_gluon(p, "gluon_tf32", gluon_tf32)

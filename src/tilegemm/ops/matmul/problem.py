@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tilegemm.tuning import dtype_name
+from tilegemm.core.tuning import dtype_name
 
 # Largest grid extent on CUDA's y axis, where the batch goes.
 MAX_GRID_Y = 65535
@@ -129,7 +129,7 @@ class GemmProblem:
         """What kernels may assume divides each stride and size: the largest power of two, at most 16.
 
         In this order (the kernels' ``DIVISORS`` constexpr): A's row and column strides, B's, out's, c's,
-        then M, N, K. Triton itself only knows "a multiple of 16"; see :func:`tilegemm.jit_helpers.below`.
+        then M, N, K. Triton itself only knows "a multiple of 16"; see :func:`tilegemm.jit.helpers.below`.
         M's entry is 1 unless out or c is column-major, the only place it helps: M is the batch size in
         LLM inference, and each new value would otherwise compile the kernels again.
         """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.checks import relative_error  # noqa: F401  (re-exported: tests and docs import it here)
+from tilegemm.core.checks import relative_error  # noqa: F401  (re-exported: tests and docs import it here)
 from tilegemm.ops.matmul.op import _torch_activation
 
 

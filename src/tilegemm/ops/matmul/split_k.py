@@ -20,13 +20,13 @@ from __future__ import annotations
 import torch
 import triton
 
-from tilegemm import tuning
-from tilegemm.hardware import sm_count
-from tilegemm.jit_helpers import below, epilogue_store, offsets_2d_div, tile_grouped
-from tilegemm.launch import current_stream, launch
+from tilegemm.core import tuning
+from tilegemm.core.hardware import sm_count
+from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div, tile_grouped
+from tilegemm.core.launch import current_stream, launch
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem
-from tilegemm.runtime import interpreting
+from tilegemm.core.runtime import interpreting
 
 import triton.language as tl  # noqa: E402
 

@@ -22,8 +22,8 @@ import sys
 
 import torch
 
-from tilegemm.jit_helpers import mask_1d, mask_2d, offsets_1d, offsets_2d
-from tilegemm.runtime import interpreting, set_poisoning
+from tilegemm.jit.helpers import mask_1d, mask_2d, offsets_1d, offsets_2d
+from tilegemm.core.runtime import interpreting, set_poisoning
 
 __all__ = [
     "OutOfBoundsError", "bounds_checked", "breakpoint_if", "cdiv", "check_tensors_gpu_ready", "mask_1d",

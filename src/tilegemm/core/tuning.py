@@ -28,7 +28,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from tilegemm.files import atomic_write
+from tilegemm.core.files import atomic_write
 
 SCHEMA = "tilegemm-tuned/1"
 _lock = threading.Lock()
@@ -61,7 +61,7 @@ def _device_tag() -> tuple[str, str]:
     import torch
     import triton
 
-    from tilegemm.runtime import interpreting
+    from tilegemm.core.runtime import interpreting
 
     gpu = "interpreter" if interpreting() else torch.cuda.get_device_name()
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
@@ -83,7 +83,7 @@ def shipped_file() -> Path:
 
 
 def _disk_enabled() -> bool:
-    from tilegemm.runtime import interpreting
+    from tilegemm.core.runtime import interpreting
 
     if os.environ.get("TILEGEMM_TUNING_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
@@ -175,12 +175,12 @@ def lookup_or_tune(k: str, candidates, launch) -> dict:
 def _replaying(launch, cfg: dict):
     """A function for ``do_bench`` that launches what ``launch(cfg)`` launches. Its first call is
     ``launch(cfg)`` itself (it compiles, and a rung may tune its own config there); its second is recorded
-    (:class:`tilegemm.launch.recording`); later calls replay those launches, which costs the host a few
+    (:class:`tilegemm.core.launch.recording`); later calls replay those launches, which costs the host a few
     microseconds where Triton's launch path costs 15 or more (a Gluon kernel's, with its constexprs, 30 to
     60): on a kernel of 10-30 us, between L2 clears, that path made timings host-bound, and the tuner then
     preferred a kernel that launches quickly to a faster one. Launches that cannot be replayed (under the
     interpreter) are launched through ``launch(cfg)`` every time."""
-    from tilegemm.launch import Replay, call_tensors, recording
+    from tilegemm.core.launch import Replay, call_tensors, recording
 
     state = {"calls": 0, "replays": None}
 

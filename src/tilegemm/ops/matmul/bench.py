@@ -1,128 +1,12 @@
-"""What the bench knows about each op family: its sweeps, inputs, baseline, reference and work.
-
-The bench is a thin layer over the public ops and the registry: a kernel is run through the same
-function a user calls (``tilegemm.matmul(..., kernel=name)``), never through a copy of it.
-"""
+"""The bench adapter of dense GEMM: sweeps, inputs, cuBLAS / ``torch._scaled_mm`` baselines, work in FLOPs."""
 
 from __future__ import annotations
 
-import contextlib
-import math
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 
-from tilegemm import registry
-from tilegemm.hardware import peak_gbps, peak_tflops
-
-
-class BenchError(ValueError):
-    """A bad bench request (unknown op, kernel, dtype, malformed shape): one line for the user."""
-
-
-@dataclass(frozen=True)
-class Case:
-    """One point of a sweep."""
-
-    label: str
-    dims: dict[str, int]
-    x: float  # position on the plot's x axis
-
-
-@dataclass
-class Prepared:
-    """Inputs for one case: ``sets`` are interchangeable input sets (rotated to defeat L2 in graph mode)."""
-
-    sets: list[dict[str, Any]]
-    reference: torch.Tensor
-    bytes_per_set: int
-    extra: dict = field(default_factory=dict)
-
-
-class BenchOp:
-    name: str = ""
-    metric: str = "TFLOPS"  # or "GB/s"
-    baseline_name: str = ""
-    cpu_baseline_name: str = "torch (CPU)"
-    # False where the baseline moves the same bytes but does not compute the op (grey vs a copy): its
-    # output is then not checked against the reference.
-    baseline_computes_result: bool = True
-    dtypes: dict[str, torch.dtype] = {}
-    sweeps: dict[str, Callable[[], list[Case]]] = {}
-    gpu_sweep: str = ""
-    cpu_sweep: str = ""
-    shape_help: str = ""
-
-    def default_dtype(self) -> str:
-        return next(iter(self.dtypes))
-
-    def kernel_names(self) -> list[str]:
-        """The default set: every registered kernel, then ``auto`` where the family has it."""
-        names = [s.name for s in registry.specs(self.name)]
-        return names + (["auto"] if "auto" in registry.kernels(self.name) else [])
-
-    def overhead_probe(self, device: str):
-        """(tilegemm call, baseline call) on a tiny problem, for host time per call; None if not measured."""
-        return None
-
-    def check_kernel(self, name: str) -> None:
-        if name == "auto" and "auto" in registry.kernels(self.name):
-            return
-        try:
-            registry.get(self.name, name)
-        except ValueError as err:
-            raise BenchError(str(err)) from None
-
-    def check_dtype(self, dtype: str, capability: tuple[int, int] | None) -> None:
-        if dtype not in self.dtypes:
-            raise BenchError(f"op {self.name} has no dtype {dtype!r}; choose one of: {', '.join(self.dtypes)}")
-
-    def default_layout(self, dtype: str) -> str:
-        return "NN"
-
-    def baseline_label(self, dtype: str) -> str:
-        return self.baseline_name
-
-    def parse_shape(self, text: str) -> Case:
-        raise NotImplementedError
-
-    def cases(self, sweep: str) -> list[Case]:
-        if sweep not in self.sweeps:
-            raise BenchError(f"op {self.name} has no sweep {sweep!r}; choose one of: {', '.join(self.sweeps)}")
-        return self.sweeps[sweep]()
-
-    def prepare(self, case: Case, dtype: str, device: str, n_sets: int, options: dict) -> Prepared:
-        raise NotImplementedError
-
-    def run(self, kernel: str, inputs: dict, dtype: str) -> torch.Tensor:
-        raise NotImplementedError
-
-    def baseline(self, inputs: dict, dtype: str) -> torch.Tensor:
-        raise NotImplementedError
-
-    def baseline_context(self, dtype: str):
-        return contextlib.nullcontext()
-
-    def work(self, case: Case, dtype: str, options: dict) -> float:
-        """FLOPs (metric TFLOPS) or bytes moved (metric GB/s) of one call."""
-        raise NotImplementedError
-
-    def tolerance(self, dtype: str) -> float:
-        raise NotImplementedError
-
-    def peak(self, gpu: str | None, dtype: str) -> float | None:
-        return peak_gbps(gpu) if self.metric == "GB/s" else peak_tflops(gpu, dtype)
-
-    def rate(self, case: Case, dtype: str, ms: float, options: dict) -> float:
-        """TFLOPS or GB/s at a time of ``ms`` milliseconds."""
-        scale = 1e-12 if self.metric == "TFLOPS" else 1e-9  # work in FLOPs or bytes
-        return self.work(case, dtype, options) * scale / (ms * 1e-3)
-
-
-# --- dense GEMM -----------------------------------------------------------------------------------------
-
+from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
 
 def _mnk(m: int, n: int, k: int, x: float | None = None) -> Case:
     return Case(f"{m}x{n}x{k}", dict(M=m, N=n, K=k), float(x if x is not None else m))
@@ -154,6 +38,8 @@ class MatmulBench(BenchOp):
     }
     gpu_sweep = "square"
     cpu_sweep = "tiny"
+    tune_sweep = "llm"
+    options = ("layout", "batch", "fast_accum")
     shape_help = "M,N,K (e.g. 4096,4096,4096)"
 
     def parse_shape(self, text: str) -> Case:
@@ -178,6 +64,11 @@ class MatmulBench(BenchOp):
 
     def baseline_label(self, dtype: str) -> str:
         return "torch._scaled_mm" if self._fp8(dtype) else self.baseline_name
+
+    def check_options(self, options, dtype):
+        super().check_options(options, dtype)
+        if options.get("fast_accum") and not self._fp8(dtype):
+            raise BenchError("--fast-accum applies to --op matmul with an fp8 --dtype only")
 
     def check_dtype(self, dtype: str, capability: tuple[int, int] | None) -> None:
         super().check_dtype(dtype, capability)
@@ -271,34 +162,3 @@ class _Tf32Mode:
         torch.backends.cuda.matmul.allow_tf32 = self.old
 
 
-_OPS: dict[str, Callable[[], BenchOp]] = {"matmul": MatmulBench}
-
-
-def register_bench_op(name: str, factory: Callable[[], BenchOp]) -> None:
-    _OPS[name] = factory
-
-
-def bench_op(name: str) -> BenchOp:
-    _load()
-    if name not in _OPS:
-        raise BenchError(f"unknown op {name!r}; choose one of: {', '.join(sorted(_OPS))}")
-    return _OPS[name]()
-
-
-def bench_ops() -> list[str]:
-    _load()
-    return sorted(_OPS)
-
-
-def _load() -> None:
-    from tilegemm.bench.guide_ops import CopyBench, GreyBench
-
-    _OPS.setdefault("copy", CopyBench)
-    _OPS.setdefault("grey", GreyBench)
-
-
-def geomean(values: list[float]) -> float | None:
-    values = [v for v in values if v and v > 0 and math.isfinite(v)]
-    if not values:
-        return None
-    return math.exp(sum(math.log(v) for v in values) / len(values))

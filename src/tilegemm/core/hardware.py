@@ -10,7 +10,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tilegemm.runtime import interpreting
+from tilegemm.core.runtime import interpreting
 
 # Dense (no sparsity) vendor datasheet peaks: TFLOPS per dtype and memory bandwidth in TB/s.
 # fp16/bf16/fp8 rates are with fp32 accumulation; "fp32" is plain CUDA-core fp32.

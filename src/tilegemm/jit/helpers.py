@@ -1,10 +1,10 @@
 """``@triton.jit`` helpers that tilegemm's kernels share: offsets, masks, tile order, epilogue.
 
-Importing this module settles the backend first (see :mod:`tilegemm.runtime`), because Triton picks
+Importing this module settles the backend first (see :mod:`tilegemm.core.runtime`), because Triton picks
 compiler or interpreter when these functions are decorated.
 """
 
-from tilegemm.runtime import ensure_backend
+from tilegemm.core.runtime import ensure_backend
 
 ensure_backend()
 

@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from tilegemm.runtime import interpreting
+from tilegemm.core.runtime import interpreting
 
 _state = threading.local()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.runtime import ensure_backend
+from tilegemm.core.runtime import ensure_backend
 
 ensure_backend()
 
@@ -191,7 +191,7 @@ def grid_for(puzzle: str, B: dict, nelem: dict) -> tuple[int, int, int]:
 
 def check_puzzle(puzzle: str, seed: int = 0, int_dtype=torch.int64) -> tuple[bool, str]:
     """Run one puzzle as its harness would, under the bounds checker; compare with its spec."""
-    from tilegemm.debug import OutOfBoundsError, bounds_checked
+    from tilegemm.learn.debug import OutOfBoundsError, bounds_checked
 
     gen = torch.Generator().manual_seed(seed)
     kernel, spec, tensors, z, B, nelem = make_case(puzzle, gen, int_dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.bench.ops import BenchError, BenchOp, Case, Prepared
+from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
 
 
 def _size_case(n: int) -> Case:

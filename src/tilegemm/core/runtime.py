@@ -3,7 +3,7 @@
 Triton decides between its compiler and its interpreter when a function is decorated with
 ``@triton.jit``, by reading ``TRITON_INTERPRET``. tilegemm therefore imports no kernel module at
 import time; :func:`ensure_backend` settles the choice once, sets ``TRITON_INTERPRET`` to match, and
-only then are kernel modules imported (see :mod:`tilegemm.registry`).
+only then are kernel modules imported (see :mod:`tilegemm.core.registry`).
 
 The choice, in order:
 

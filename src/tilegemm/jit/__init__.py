@@ -1,0 +1,1 @@
+"""``@triton.jit`` building blocks shared by the families' kernels (tile order, offsets and masks, epilogue)."""
