@@ -45,6 +45,42 @@ def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     assert err <= tol, f"relative error {err:.3e} > {tol:.1e}"
 
 
+def kernels(op: str, dtype=None, pseudo: bool = True) -> list:
+    """The registered kernels of ``op`` that take ``dtype`` (a torch dtype or a bench name such as "tf32"),
+    as pytest params, then its pseudo kernels (``auto``): a newly registered kernel is tested without editing
+    a list. A kernel that cannot run on this machine (a Gluon kernel under the interpreter) carries a skip
+    mark saying why; it runs where it can (``pytest -m gpu`` on an sm_90 GPU)."""
+    from tilegemm.core import registry
+    from tilegemm.core.dtypes import dtype_name
+
+    name = None if dtype is None else dtype_name(dtype)
+    params = []
+    for spec in registry.specs(op):
+        if not spec.takes(name):
+            continue
+        reason = spec.unavailable_reason()
+        params.append(pytest.param(spec.name, marks=pytest.mark.skip(reason=reason)) if reason else spec.name)
+    return params + (list(registry.op(op).pseudo) if pseudo else [])
+
+
+def run_kernel(fn):
+    """``fn()``, or a skip where a kernel variant says it does not take this problem (a Gluon kernel and a
+    layout or shape TMA cannot describe): such variants are checked on the problems they take elsewhere."""
+    from tilegemm.core.registry import NotApplicable
+
+    try:
+        return fn()
+    except NotApplicable as err:
+        pytest.skip(str(err))
+
+
+def mm(*args, **kwargs):
+    """``tilegemm.matmul`` through :func:`run_kernel`: for tests parametrized over every registered kernel."""
+    import tilegemm
+
+    return run_kernel(lambda: tilegemm.matmul(*args, **kwargs))
+
+
 def pytest_collection_modifyitems(config, items):
     if not interpreting():
         return

@@ -17,7 +17,7 @@ from tilegemm.core.runtime import interpreting  # noqa: E402
 from tilegemm.ops.guide import copy, rgb_to_grey  # noqa: E402
 from tilegemm.ops.matmul import ACTIVATIONS, matmul  # noqa: E402
 
-__version__ = "0.1.0"
+from tilegemm.core import __version__  # noqa: E402
 
 __all__ = ["ACTIVATIONS", "__version__", "copy", "interpreting", "kernels", "matmul", "rgb_to_grey"]
 

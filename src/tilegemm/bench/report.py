@@ -49,6 +49,8 @@ def results_table(result: BenchResult) -> Table:
     for column in columns:
         table.add_column(column, justify="left" if column in ("shape", "kernel") else "right", no_wrap=True)
     shapes = result.cases()
+    # Under the interpreter a rate or ratio would be a CPU timing dressed as a GPU number: show "-" instead.
+    gpu = not result.meta["machine"]["interpreter"]
     for i, shape in enumerate(shapes):
         rows = [r for r in result.rows if r.shape == shape]
         best = summary["best_per_shape"].get(shape)
@@ -59,13 +61,18 @@ def results_table(result: BenchResult) -> Table:
             if row.status == "error":
                 cells = [Text(f"error: {row.message[:50]}", style="red")] + [""] * (len(columns) - 3)
             else:
-                ratio = "" if row.kernel == BASELINE or row.ratio is None else f"{row.ratio:.2f}x"
-                if ratio and row.status == "ok":
+                ratio = "" if row.kernel == BASELINE else "-" if row.ratio is None or not gpu else f"{row.ratio:.2f}x"
+                if gpu and ratio and row.status == "ok":
                     ratio = Text(ratio, style="green" if row.ratio >= 1.0 else ("yellow" if row.ratio >= 0.9 else ""))
                 err = "-" if row.rel_err is None else f"{row.rel_err:.0e}"
                 if row.status == "wrong":
                     err = Text(f"WRONG {err}", style="bold red")
-                cells = [_fmt_time(row.ms), f"{row.value:.3g}" if row.value is not None else "-", ratio]
+                if row.status == "unavailable":
+                    cells = [Text(f"unavailable: {row.message[:50]}", style="dim")] + [""] * (len(columns) - 3)
+                    table.add_row(shape if j == 0 else "", name, *cells,
+                                  end_section=j == len(rows) - 1 and i < len(shapes) - 1)
+                    continue
+                cells = [_fmt_time(row.ms), f"{row.value:.3g}" if row.value is not None and gpu else "-", ratio]
                 if with_peak:
                     cells.append(f"{row.pct_peak:.0f}%" if row.pct_peak is not None else "-")
                 cells.append(err)
@@ -80,13 +87,14 @@ def summary_table(result: BenchResult) -> Table:
     table = Table(title=f"summary: ratio = {base} time / kernel time")
     for column in ("kernel", "geomean", "worst (shape)", "best", "% peak", "correct"):
         table.add_column(column, justify="left" if column == "kernel" else "right", no_wrap=True)
+    gpu = not result.meta["machine"]["interpreter"]
     for kernel, s in summary["kernels"].items():
-        fmt = lambda v, spec=".2f", suffix="x": f"{v:{spec}}{suffix}" if v is not None else "-"  # noqa: E731
+        fmt = lambda v, spec=".2f", suffix="x": f"{v:{spec}}{suffix}" if v is not None and gpu else "-"  # noqa: E731
         correct = f"{s['correct']}/{s['cases']}"
         style = "bold red" if s["wrong"] or s["errors"] else ""
         table.add_row(
             kernel, fmt(s["geomean_ratio"]),
-            f"{fmt(s['worst_ratio'])} ({s['worst_shape']})" if s["worst_ratio"] else "-",
+            f"{fmt(s['worst_ratio'])} ({s['worst_shape']})" if s["worst_ratio"] and gpu else "-",
             fmt(s["best_ratio"]), fmt(s["mean_pct_peak"], ".0f", "%"), Text(correct, style=style),
         )
     return table

@@ -15,15 +15,15 @@ from tilegemm.core.runtime import interpreting
 # Dense (no sparsity) vendor datasheet peaks: TFLOPS per dtype and memory bandwidth in TB/s.
 # fp16/bf16/fp8 rates are with fp32 accumulation; "fp32" is plain CUDA-core fp32.
 _PEAKS: list[tuple[str, dict[str, float]]] = [
-    (r"H200", dict(fp16=989.4, bf16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9, tbps=4.8)),
-    (r"H100.*NVL", dict(fp16=835.0, bf16=835.0, tf32=417.5, fp32=60.0, fp8=1670.5, tbps=3.9)),
-    (r"H100.*PCIe", dict(fp16=756.5, bf16=756.5, tf32=378.0, fp32=51.2, fp8=1513.0, tbps=2.0)),
-    (r"H100", dict(fp16=989.4, bf16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9, tbps=3.35)),
+    (r"H200", dict(fp16=989.4, bf16=989.4, tf32=494.7, fp32=66.9, fp8_e4m3=1978.9, fp8_e5m2=1978.9, tbps=4.8)),
+    (r"H100.*NVL", dict(fp16=835.0, bf16=835.0, tf32=417.5, fp32=60.0, fp8_e4m3=1670.5, fp8_e5m2=1670.5, tbps=3.9)),
+    (r"H100.*PCIe", dict(fp16=756.5, bf16=756.5, tf32=378.0, fp32=51.2, fp8_e4m3=1513.0, fp8_e5m2=1513.0, tbps=2.0)),
+    (r"H100", dict(fp16=989.4, bf16=989.4, tf32=494.7, fp32=66.9, fp8_e4m3=1978.9, fp8_e5m2=1978.9, tbps=3.35)),
     (r"A100.*80GB.*PCIe", dict(fp16=312.0, bf16=312.0, tf32=156.0, fp32=19.5, tbps=1.935)),
     (r"A100.*80GB", dict(fp16=312.0, bf16=312.0, tf32=156.0, fp32=19.5, tbps=2.039)),
     (r"A100", dict(fp16=312.0, bf16=312.0, tf32=156.0, fp32=19.5, tbps=1.555)),
-    (r"\bL4\b", dict(fp16=121.0, bf16=121.0, tf32=60.0, fp32=30.3, fp8=242.5, tbps=0.3)),
-    (r"RTX 4090", dict(fp16=165.2, bf16=165.2, tf32=82.6, fp32=82.6, fp8=330.3, tbps=1.008)),
+    (r"\bL4\b", dict(fp16=121.0, bf16=121.0, tf32=60.0, fp32=30.3, fp8_e4m3=242.5, fp8_e5m2=242.5, tbps=0.3)),
+    (r"RTX 4090", dict(fp16=165.2, bf16=165.2, tf32=82.6, fp32=82.6, fp8_e4m3=330.3, fp8_e5m2=330.3, tbps=1.008)),
 ]
 
 
@@ -106,7 +106,7 @@ def machine_info() -> MachineInfo:
     import torch
     import triton
 
-    import tilegemm
+    from tilegemm.core import __version__
 
     interp = interpreting()
     info = MachineInfo(
@@ -115,7 +115,7 @@ def machine_info() -> MachineInfo:
         torch=torch.__version__,
         triton=triton.__version__,
         numpy=numpy.__version__,
-        tilegemm=tilegemm.__version__,
+        tilegemm=__version__,
         git_commit=git_commit(),
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         cuda=torch.version.cuda,

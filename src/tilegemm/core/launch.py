@@ -2,7 +2,7 @@
 
 Launching through ``kernel[grid](...)`` costs about 16 us of host time in Triton 3.6 (argument binding,
 specialization, cache key, knobs); calling the compiled kernel directly costs about 7 us (measured on an
-H200, scripts/launch_profile.py). For a small GEMM that difference is most of the call.
+H200, tools/launch_profile.py). For a small GEMM that difference is most of the call.
 
 So every tilegemm launcher goes through :func:`launch`. While :func:`recording` is active, each launch is
 remembered as (compiled kernel, grid, full parameter list). An op that sees a call whose shapes, strides,

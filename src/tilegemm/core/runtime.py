@@ -107,6 +107,21 @@ def _check_triton_mode(interpret: bool) -> None:
 _warned = False
 
 
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning raised in this module's caller at the user's code: the first
+    frame outside tilegemm, torch and triton (so the warning names the line that called tilegemm)."""
+    import sys
+
+    skip = tuple(os.path.dirname(os.path.dirname(m.__file__)) + os.sep
+                 for m in (sys.modules.get("tilegemm.core"),) if m is not None)
+    skip += tuple(os.path.dirname(m.__file__) + os.sep
+                  for m in (sys.modules.get("torch"), sys.modules.get("triton")) if m is not None)
+    frame, level = sys._getframe(2), 2  # level 1: ensure_backend, which calls warnings.warn
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def ensure_backend() -> bool:
     """Settle the backend once (before any kernel module is imported); return True if interpreting."""
     global _interpret, _warned
@@ -125,7 +140,7 @@ def ensure_backend() -> bool:
                 "results are checked the same way, but timings are not GPU performance."
             )
             log.info(message)
-            warnings.warn(message, InterpreterWarning, stacklevel=3)
+            warnings.warn(message, InterpreterWarning, stacklevel=_caller_level())
     return _interpret
 
 

@@ -28,9 +28,10 @@ import threading
 import warnings
 from pathlib import Path
 
+from tilegemm.core.dtypes import dtype_name, rename_old
 from tilegemm.core.files import atomic_write
 
-SCHEMA = "tilegemm-tuned/1"
+SCHEMA = "tilegemm-tuned/2"  # 2: dtype labels in tilegemm's vocabulary (fp16, fp8_e4m3); 1 had torch's names
 _lock = threading.Lock()
 _memory: dict[str, dict] = {}
 _tuned: dict[str, dict] = {}  # what the user's file holds: its own entries and this process's tunings
@@ -45,11 +46,6 @@ def m_bucket(m: int) -> int:
     while bucket < m:
         bucket *= 2
     return bucket
-
-
-def dtype_name(dtype) -> str:
-    """``float16`` for ``torch.float16``; a string passes through (``"tf32"``, fp8 pair labels)."""
-    return str(dtype).replace("torch.", "")
 
 
 def key(rung: str, M: int, N: int, K: int, dtype, out_dtype, layout: str = "") -> str:
@@ -82,6 +78,17 @@ def shipped_file() -> Path:
     return Path(__file__).resolve().parent / "tuned" / f"{slug}.json"
 
 
+_SCHEMA_1 = "tilegemm-tuned/1"
+
+
+def migrate_key(k: str) -> str:
+    """A key of a ``tilegemm-tuned/1`` file as ``tilegemm-tuned/2`` writes it: its two dtype labels renamed."""
+    parts = k.split("|")
+    if len(parts) == 7:
+        parts[4], parts[5] = rename_old(parts[4]), rename_old(parts[5])
+    return "|".join(parts)
+
+
 def _disk_enabled() -> bool:
     from tilegemm.core.runtime import interpreting
 
@@ -98,9 +105,12 @@ def _read(path: Path) -> tuple[dict[str, dict], bool]:
         return {}, True
     try:
         data = json.loads(path.read_text())
-        if data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
+        if data.get("schema") not in (SCHEMA, _SCHEMA_1) or not isinstance(data.get("entries"), dict):
             raise ValueError(f"schema {data.get('schema')!r}")
-        return {k: dict(v) for k, v in data["entries"].items()}, data.get("tuned_only") is True
+        entries = {k: dict(v) for k, v in data["entries"].items()}
+        if data["schema"] == _SCHEMA_1:
+            entries = {migrate_key(k): v for k, v in entries.items()}
+        return entries, data.get("tuned_only") is True
     except (OSError, ValueError, TypeError, AttributeError) as err:
         warnings.warn(f"tilegemm: ignoring damaged tuning file {path} ({err}); it will be rebuilt", stacklevel=3)
         return {}, True
@@ -141,7 +151,7 @@ def lookup_or_tune(k: str, candidates, launch) -> dict:
     fails to compile or launch is simply not chosen. A short first pass finds the field; the candidates
     within 10% of its best (at most three) are then timed again, longer and in two alternating rounds, so
     that run-to-run noise of the short pass does not decide between near ties. The timed launches are
-    replays of the candidate's own (:func:`_replaying`), as a repeated call of the op would make them.
+    replays of the candidate's own (:func:`replaying`), as a repeated call of the op would make them.
     """
     config = lookup(k)
     if config is not None:
@@ -154,7 +164,7 @@ def lookup_or_tune(k: str, candidates, launch) -> dict:
 
         def median_ms(cfg: dict, rep: int) -> float:
             try:
-                return triton.testing.do_bench(_replaying(launch, cfg), warmup=5, rep=rep, return_mode="median")
+                return triton.testing.do_bench(replaying(launch, cfg), warmup=5, rep=rep, return_mode="median")
             except Exception:  # noqa: BLE001 - a config that does not compile or fit is not chosen
                 return float("inf")
 
@@ -172,7 +182,7 @@ def lookup_or_tune(k: str, candidates, launch) -> dict:
     return config
 
 
-def _replaying(launch, cfg: dict):
+def replaying(launch, cfg: dict):
     """A function for ``do_bench`` that launches what ``launch(cfg)`` launches. Its first call is
     ``launch(cfg)`` itself (it compiles, and a rung may tune its own config there); its second is recorded
     (:class:`tilegemm.core.launch.recording`); later calls replay those launches, which costs the host a few

@@ -65,6 +65,7 @@ register(KernelSpec(
     summary="persistent_tma's Gluon kernel for tf32 NN/TT: one operand through registers, wgmma",
 ))
 
-from tilegemm.ops.matmul.op import ACTIVATIONS, matmul  # noqa: E402
+from tilegemm.ops.matmul.api import matmul  # noqa: E402
+from tilegemm.ops.matmul.call import ACTIVATIONS  # noqa: E402
 
 __all__ = ["ACTIVATIONS", "matmul"]

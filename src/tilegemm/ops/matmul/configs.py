@@ -10,7 +10,7 @@ import torch
 from tilegemm.core.runtime import interpreting
 
 
-def _cfg(bm, bn, bk, warps, stages, group_m=8) -> dict:
+def make_config(bm, bn, bk, warps, stages, group_m=8) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
 
 
@@ -18,48 +18,48 @@ def fixed_config(dtype: torch.dtype) -> dict:
     """The one config of ``naive`` and ``grouped``: a sound textbook choice, not a tuned one."""
     if interpreting():
         # Small tiles: the interpreter runs each program in numpy, and tests then cross many tile edges.
-        return _cfg(32, 32, 16, 4, 1)
+        return make_config(32, 32, 16, 4, 1)
     if dtype == torch.float32:
         # Not 8 warps and 3 stages: with tf32 operands swapped (B^T through registers) that config gave a
         # wrong tile (3% of max|C|) twice at 4096^3 right after persistent_tma launches, in
-        # scripts/explore_hopper.py on an H200; it did not recur in isolation (scripts/diagnose_tf32.py,
-        # scripts/stress_register_operand.py), so the cause is unknown and the config is left out.
-        return _cfg(128, 128, 32, 4, 4)
-    return _cfg(128, 128, 64, 4, 4)
+        # research/explore_hopper.py on an H200; it did not recur in isolation (research/diagnose_tf32.py,
+        # research/stress_register_operand.py), so the cause is unknown and the config is left out.
+        return make_config(128, 128, 32, 4, 4)
+    return make_config(128, 128, 64, 4, 4)
 
 
 def autotune_configs() -> list[dict]:
     """Candidates for ``autotuned``; :func:`prune_for` keeps those that suit the dtype."""
     if interpreting():
-        return [_cfg(32, 32, 16, 4, 1)]
+        return [make_config(32, 32, 16, 4, 1)]
     return [
         # 16-bit operands: large tiles with 64-wide K steps feed the tensor cores best.
-        _cfg(128, 256, 64, 8, 3),
-        _cfg(256, 128, 64, 8, 3),
-        _cfg(128, 128, 64, 8, 4),
-        _cfg(128, 128, 64, 4, 4),
-        _cfg(128, 64, 64, 4, 4),
-        _cfg(64, 128, 64, 4, 4),
-        _cfg(64, 128, 64, 4, 5),  # 1024^3 fp16: 0.94x cuBLAS, the best of 54 configs (scripts/explore_hopper.py)
-        _cfg(64, 64, 64, 4, 4),
-        _cfg(128, 32, 64, 4, 4),
-        _cfg(64, 32, 64, 4, 5),
-        _cfg(32, 64, 64, 4, 5),
-        _cfg(16, 64, 128, 4, 4),
+        make_config(128, 256, 64, 8, 3),
+        make_config(256, 128, 64, 8, 3),
+        make_config(128, 128, 64, 8, 4),
+        make_config(128, 128, 64, 4, 4),
+        make_config(128, 64, 64, 4, 4),
+        make_config(64, 128, 64, 4, 4),
+        make_config(64, 128, 64, 4, 5),  # 1024^3 fp16: 0.94x cuBLAS, the best of 54 configs (research/explore_hopper.py)
+        make_config(64, 64, 64, 4, 4),
+        make_config(128, 32, 64, 4, 4),
+        make_config(64, 32, 64, 4, 5),
+        make_config(32, 64, 64, 4, 5),
+        make_config(16, 64, 128, 4, 4),
         # fp8 operands: half the bytes of 16-bit ones, so twice the K per step.
-        _cfg(128, 256, 128, 8, 3),
-        _cfg(128, 128, 128, 8, 4),
-        _cfg(128, 128, 128, 4, 4),
-        _cfg(64, 128, 128, 4, 4),
-        _cfg(64, 64, 128, 4, 4),
+        make_config(128, 256, 128, 8, 3),
+        make_config(128, 128, 128, 8, 4),
+        make_config(128, 128, 128, 4, 4),
+        make_config(64, 128, 128, 4, 4),
+        make_config(64, 64, 128, 4, 4),
         # fp32 operands take twice the shared memory per element: shorter K steps. (128x128x32 with 8 warps
         # and 3 stages is left out; see fixed_config.)
-        _cfg(128, 128, 32, 4, 4),  # tf32 with swapped operands: 316 TFLOPS at 4096^3 on H200, the best seen
-        _cfg(128, 256, 32, 8, 3),
-        _cfg(128, 64, 32, 4, 4),
-        _cfg(64, 128, 32, 4, 4),
-        _cfg(64, 64, 32, 4, 4),
-        _cfg(32, 64, 32, 4, 4),
+        make_config(128, 128, 32, 4, 4),  # tf32 with swapped operands: 316 TFLOPS at 4096^3 on H200, the best seen
+        make_config(128, 256, 32, 8, 3),
+        make_config(128, 64, 32, 4, 4),
+        make_config(64, 128, 32, 4, 4),
+        make_config(64, 64, 32, 4, 4),
+        make_config(32, 64, 32, 4, 4),
     ]
 
 

@@ -2,7 +2,7 @@
 consumer warp groups share each output tile.
 
 The layout cuBLAS runs for fp16/bf16 at 2048^3 and 4096^3 on an H200 (its kernel names, read with
-``scripts/cublas_kernels.py``: ``..._256x128_64x4_1x2_h_bz_coopA_NNT``) is a 256x128 tile whose two
+``tools/cublas_kernels.py``: ``..._256x128_64x4_1x2_h_bz_coopA_NNT``) is a 256x128 tile whose two
 consumer warp groups take 128 rows each. Per K step a warp group then reads a 128x64 slice of A and the
 64x128 tile of B from shared memory, a fifth less than the 64x64 + 64x256 a warp group of a 128x256 tile
 reads (what ``persistent_tma``'s Triton kernel runs).
@@ -20,12 +20,12 @@ replays its launch over the new tensors (:mod:`tilegemm.core.launch`). 16-bit wg
 from shared memory, so A and B may each be row- or column-major (NN/NT/TN/TT), described to TMA as they lie
 (:attr:`GemmProblem.tma_view`). Outputs are 16-bit (the output buffers sit beside the ring).
 
-Measured on an H200 (``scripts/explore_f16_coop.py``): 128x256 tiles ran 0.96x-0.97x of cuBLAS at
+Measured on an H200 (``research/explore_f16_coop.py``): 128x256 tiles ran 0.96x-0.97x of cuBLAS at
 4096^3 where ``persistent_tma``'s Triton kernel ran 0.93x-0.96x, about even from 8192^3 up, and behind
 ``autotuned`` at 2048^3; cuBLAS's own 256x128 tile was slower here. ``persistent_tma`` times its configs
 beside Triton's for 16-bit problems (the H200 ships it at 4096^3). What cuBLAS has that this lacks: its
 two-CTA clusters, which share operand loads through TMA multicast (not in Triton 3.6). Written by hand in
-PTX (``scripts/cluster_f16.py``), multicast of A ran even with this kernel without clusters.
+PTX (``research/cluster_f16.py``), multicast of A ran even with this kernel without clusters.
 
 Written against Triton 3.6's Gluon API, for sm_90. Gluon has no interpreter: the suite compiles it for
 sm_90 without a GPU, the GPU tests run it.

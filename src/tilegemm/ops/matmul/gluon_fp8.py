@@ -10,7 +10,7 @@ Gluon (Triton's lower-level dialect) lets the kernel say which MMAs it waits for
 between two partial tiles: step k's MMAs are issued into one, then the kernel waits only for step k-1's
 (``warpgroup_mma_wait(1)``) and adds that partial while step k runs. Same arithmetic, same order of adds.
 On an H200 that took the same kernel from 0.69x to 0.85x at 8192^3, and a persistent version to 0.86x-0.92x
-from 4096^3 up (``scripts/explore_fp8_gluon.py``).
+from 4096^3 up (``research/explore_fp8_gluon.py``).
 
 Two kernels, both persistent grids walking 128x128 tiles in grouped order, tiles loaded by TMA into a
 ring of ``STAGES`` shared-memory slots, the output stored through TMA, two warp groups of 64 rows each
@@ -25,10 +25,10 @@ accumulator (about 205 registers, no spills); a 128x256 tile would not.
   consumers arrive on once their MMAs have read a slot), so one can add its partial while the other's MMAs
   run. Its TMA descriptors are made on the host (:func:`descriptors`) and passed as kernel parameters:
   made by each partition on the device, they cost about 2 us a launch before the first load, which was
-  most of what it trailed ``torch._scaled_mm`` by at 2048^3 (``scripts/diagnose_fp8_overhead.py``). On an
+  most of what it trailed ``torch._scaled_mm`` by at 2048^3 (``research/diagnose_fp8_overhead.py``). On an
   H200 it ran 0.96x-0.97x of ``torch._scaled_mm`` at 4096^3..16384^3 where the one-partition kernel ran
-  0.87x-0.90x (``scripts/explore_fp8_ws.py``). In two-CTA clusters sharing B's tile through TMA
-  multicast (cuBLAS's schedule; ``scripts/cluster_fp8.py``) it ran slower, 0.80x-0.89x.
+  0.87x-0.90x (``research/explore_fp8_ws.py``). In two-CTA clusters sharing B's tile through TMA
+  multicast (cuBLAS's schedule; ``research/cluster_fp8.py``) it ran slower, 0.80x-0.89x.
 
 Both take A row-major and B column-major (both K-major, the layout ``torch._scaled_mm`` takes),
 TMA-aligned, 2-D; :func:`usable` says when. The ``persistent_tma`` rung times both among its candidates for
@@ -87,7 +87,7 @@ def _scalar_scales(alpha, scale_a_ptr, scale_b_ptr, SCALAR_A: gl.constexpr, SCAL
     A per-tensor scale reaches the shared epilogue as a stride-0 vector, which every tile's epilogue
     loaded again (34 loads a warp, their latency between the tile's last MMA and its store). Folded into
     alpha here, the epilogue does one multiply; on the H200 that took promoted fp8 at 2048^3 from 0.93x to
-    1.00x of ``torch._scaled_mm`` (``scripts/profile_counters.py``, ``scripts/explore_fp8_ws.py``)."""
+    1.00x of ``torch._scaled_mm`` (``tools/profile_counters.py``, ``research/explore_fp8_ws.py``)."""
     scale = alpha
     if SCALAR_A:
         scale = scale * gl.load(scale_a_ptr).to(gl.float32)
@@ -303,7 +303,7 @@ def matmul_fp8_ws_kernel(
     # The descriptors are made on the host (:func:`descriptors`) and arrive as kernel parameters: A as
     # [M, K], B as its transpose [N, K], the output as [M, N] in half-tile blocks. Made on the device
     # instead (each partition its own: a device-made descriptor is fenced for the warp that made it),
-    # they cost each launch about 2 us before the first load (scripts/diagnose_fp8_overhead.py).
+    # they cost each launch about 2 us before the first load (research/diagnose_fp8_overhead.py).
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], o_desc.layout)
@@ -354,7 +354,7 @@ WS_PRODUCER_REGS = 40
 # The warp-specialized kernel's tile order: bands of 12 tile rows, every other band walked right to left
 # (jit_helpers.tile_grouped). Under sustained load the H200 holds these GEMMs at its 700 W limit, and the
 # SM clock falls with the DRAM and L2 traffic a tile order causes: against bands of 8 walked one way, this
-# order ran 1.6% faster at 8192^3 and 0.3% at 16384^3 (bands of 32: 6% slower); scripts/profile_counters.py.
+# order ran 1.6% faster at 8192^3 and 0.3% at 16384^3 (bands of 32: 6% slower); tools/profile_counters.py.
 # A config may still set GROUP_M and SERPENTINE (explorations do).
 WS_GROUP_M = 12
 

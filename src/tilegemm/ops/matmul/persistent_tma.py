@@ -7,7 +7,7 @@ What changes against ``autotuned``:
   and shared memory, so no thread computes addresses or masks (out-of-range parts of a tile read as zeros
   and are not written). Configs with ``HOST_DESC`` (every candidate since c56e370) take descriptors made on
   the host (:func:`host_descriptors`), which saves each launch about 2 us on the GPU (0.92x to 0.99x of
-  cuBLAS at fp16 2048^3, scripts/explore_host_desc.py); without it each program makes its own;
+  cuBLAS at fp16 2048^3, research/explore_host_desc.py); without it each program makes its own;
 - the epilogue is split in two halves along N, so fewer registers are live while storing.
 
 TMA needs a unit stride in the last dim and 16-byte aligned base and strides. A transposed operand is
@@ -132,7 +132,7 @@ def matmul_persistent_tma_kernel(
 # --- host side ---------------------------------------------------------------------------------------------
 
 
-def _cfg(bm, bn, bk, warps, stages, flatten=True, ws=0, host_desc=True) -> dict:
+def make_config(bm, bn, bk, warps, stages, flatten=True, ws=0, host_desc=True) -> dict:
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLATTEN=flatten, WARP_SPECIALIZE=ws,
                num_warps=warps, num_stages=stages)
     if host_desc:
@@ -144,41 +144,41 @@ def configs(dtype_bytes: int, mma_operands: str = "ab") -> list[dict]:
     """Candidate configs for operands of ``dtype_bytes`` bytes meeting the MMA as ``mma_operands`` says
     (:func:`tilegemm.ops.matmul.problem.mma_operands`); one small config under the interpreter."""
     if interpreting():
-        return [_cfg(32, 32, 16, 4, 1, flatten=False)]
+        return [make_config(32, 32, 16, 4, 1, flatten=False)]
     return hopper_configs(dtype_bytes, mma_operands)
 
 
 def hopper_configs(dtype_bytes: int, mma_operands: str) -> list[dict]:
     """The configs :func:`configs` gives on a GPU."""
     if dtype_bytes == 1:  # fp8
-        out = [_cfg(128, 256, 128, 8, 3), _cfg(128, 256, 128, 8, 4), _cfg(256, 128, 128, 8, 3),
-               _cfg(128, 128, 128, 8, 4), _cfg(128, 128, 128, 4, 4), _cfg(128, 256, 128, 8, 3, flatten=False)]
+        out = [make_config(128, 256, 128, 8, 3), make_config(128, 256, 128, 8, 4), make_config(256, 128, 128, 8, 3),
+               make_config(128, 128, 128, 8, 4), make_config(128, 128, 128, 4, 4), make_config(128, 256, 128, 8, 3, flatten=False)]
     elif dtype_bytes >= 4:  # tf32 / fp32 operands
         # The warp-specialized, unflattened config is for K-major operands only (see below).
-        out = [_cfg(128, 128, 32, 8, 3), _cfg(128, 128, 32, 4, 4), _cfg(128, 256, 32, 8, 3), _cfg(256, 128, 32, 8, 3),
-               _cfg(128, 64, 32, 4, 4), _cfg(64, 128, 32, 4, 4), _cfg(128, 256, 32, 8, 3, flatten=False, ws=1)]
+        out = [make_config(128, 128, 32, 8, 3), make_config(128, 128, 32, 4, 4), make_config(128, 256, 32, 8, 3), make_config(256, 128, 32, 8, 3),
+               make_config(128, 64, 32, 4, 4), make_config(64, 128, 32, 4, 4), make_config(128, 256, 32, 8, 3, flatten=False, ws=1)]
     else:
         out = [
-            _cfg(128, 256, 64, 8, 3),
-            _cfg(128, 256, 64, 8, 3, flatten=False),
-            _cfg(256, 128, 64, 8, 3),
-            _cfg(128, 128, 64, 8, 4),
-            _cfg(128, 128, 64, 4, 4),
-            _cfg(128, 64, 64, 4, 4),
-            _cfg(64, 128, 64, 4, 4),
+            make_config(128, 256, 64, 8, 3),
+            make_config(128, 256, 64, 8, 3, flatten=False),
+            make_config(256, 128, 64, 8, 3),
+            make_config(128, 128, 64, 8, 4),
+            make_config(128, 128, 64, 4, 4),
+            make_config(128, 64, 64, 4, 4),
+            make_config(64, 128, 64, 4, 4),
             # 1024^3: 128 tiles, 128-wide K steps (1.01x / 1.03x cuBLAS in fp16 / bf16 on the H200, where the
-            # 64-wide steps of the tile above ran 0.85x-0.94x; scripts/time_candidates.py).
-            _cfg(64, 128, 128, 4, 4),
+            # 64-wide steps of the tile above ran 0.85x-0.94x; tools/time_candidates.py).
+            make_config(64, 128, 128, 4, 4),
             # Small M (64..128): about one 64x64 tile per SM, fed by a 6-deep pipeline of 128-wide K steps
-            # (0.95x cuBLAS at 128x4096x14336; scripts/explore_tma_small_m.py).
-            _cfg(64, 64, 128, 4, 6, flatten=False),
+            # (0.95x cuBLAS at 128x4096x14336; research/explore_tma_small_m.py).
+            make_config(64, 64, 128, 4, 6, flatten=False),
         ]
     if mma_operands != "ab":
         # An operand through registers (tf32/fp8 with B not K-major, or A not K-major): the tile loop stays
         # flattened into the K loop and without warp specialization. Unflattened, these loops ran faster
         # (tf32 NN 4096^3: 0.84x-0.95x cuBLAS on a 256x128 tile against 0.55x-0.70x) because ptxas no longer
         # serializes their wgmma (its info C7515), but on the H200 they computed wrong tiles, now and then
-        # for NN and for every tile of some TT configs (scripts/diagnose_register_operand.py,
+        # for NN and for every tile of some TT configs (research/diagnose_register_operand.py,
         # benchmarks/results/2026-11-21-h200/54ccfd1/); flattened and serialized, every tile was right.
         # tests/test_persistent_tma_sm90.py forces each of these candidates on the GPU.
         unique = []
@@ -227,7 +227,7 @@ def requires() -> str | None:
 _allocator_set = False
 
 
-def _ensure_allocator() -> None:
+def ensure_allocator() -> None:
     # Device-side descriptors live in a scratch buffer that Triton asks the host to allocate.
     global _allocator_set
     if not _allocator_set and not interpreting():
@@ -305,7 +305,7 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     return matmul_persistent_tma_kernel, (min(num_sms, tiles),), args, kwargs
 
 
-def _launch(p: GemmProblem, cfg: dict) -> None:
+def launch_config(p: GemmProblem, cfg: dict) -> None:
     num_sms = sm_count(p.out.device)
     if any(cfg.get(key) for key in GLUON_CONFIG_KEYS):
         gluon = gluon_kernel_for(p)
@@ -333,10 +333,10 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
 
         autotuned.run(p)
         return
-    _ensure_allocator()
+    ensure_allocator()
     if config is None:
-        config = tuning.lookup_or_tune(tuning_key(p), lambda: candidates(p), lambda cfg: _launch(p, cfg))
-    _launch(p, config)
+        config = tuning.lookup_or_tune(tuning_key(p), lambda: candidates(p), lambda cfg: launch_config(p, cfg))
+    launch_config(p, config)
 
 
 def _run_gluon(p: GemmProblem, name: str, module) -> None:
@@ -345,7 +345,7 @@ def _run_gluon(p: GemmProblem, name: str, module) -> None:
     reason = describable(p) or module.usable(p)
     if reason is not None:
         raise NotApplicable(f"matmul kernel {name!r} does not take this problem: {reason}")
-    _ensure_allocator()
+    ensure_allocator()
     num_sms = sm_count(p.out.device)
     k = tuning.key(name, p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
     config = tuning.lookup_or_tune(k, lambda: module.configs(p.out.element_size()),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tilegemm.core.tuning import dtype_name
+from tilegemm.core.dtypes import dtype_name
 
 # Largest grid extent on CUDA's y axis, where the batch goes.
 MAX_GRID_Y = 65535
@@ -107,7 +107,7 @@ class GemmProblem:
         """The operand dtypes as tuned configs are keyed: ``tf32`` apart from IEEE fp32, fp8 pairs joined."""
         a, b = dtype_name(self.a.dtype), dtype_name(self.b.dtype)
         label = a if a == b else f"{a}x{b}"
-        if label == "float32" and self.input_precision == "tf32":
+        if label == "fp32" and self.input_precision == "tf32":
             return "tf32"
         return label + "+fast" if self.fast_accum else label
 
@@ -171,7 +171,7 @@ def mma_operands(dtype, input_precision: str, a_strides, b_strides) -> str:
     So: A and B both K-major, or 16-bit, or IEEE fp32 (no tensor cores): as they are. Only A not
     K-major: A through registers. B not K-major: swap, so that B^T is the first operand and goes
     through registers, and A^T (K-major when A is) is the second. On H200, tf32 8192^3 with B
-    row-major ran 89 TFLOPS as loaded and 299 swapped (scripts/explore_tf32_grey.py).
+    row-major ran 89 TFLOPS as loaded and 299 swapped (research/explore_tf32_grey.py).
     """
     if dtype in (torch.float16, torch.bfloat16) or (dtype == torch.float32 and input_precision == "ieee"):
         return "ab"

@@ -141,13 +141,13 @@ def _workspace(device: torch.device, floats: int, counters: int, planes: bool) -
     return ws, count
 
 
-def _cfg(bm, bn, bk, warps, stages, split, slices=True) -> dict:
+def make_config(bm, bn, bk, warps, stages, split, slices=True) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, SLICES=slices, num_warps=warps,
                 num_stages=stages)
 
 
 # Tiles per M bucket for 16-bit operands (BLOCK_K is rescaled for other element sizes). From
-# scripts/explore_skinny.py on an H200 (llm shapes, fp16): with M <= 16, 16x128x128 tiles in 3-4 K slices
+# research/explore_skinny.py on an H200 (llm shapes, fp16): with M <= 16, 16x128x128 tiles in 3-4 K slices
 # ran 1.05x-1.07x cuBLAS at N=4096 (no split reached 0.95x-0.98x); at M=128, N=4096, 64x64 tiles were best
 # (0.85x unsplit at K=4096, 0.94x in 3 slices at K=14336) and at N=14336 64x128 unsplit (0.97x). With N of
 # 8192 and more at M=128, autotuned's 128x128 / 128x256 tiles were faster (bench, skinny and llm sweeps).
@@ -155,7 +155,7 @@ _TILES = {
     16: [(16, 128, 128, 4, 4), (16, 64, 256, 4, 3)],
     32: [(32, 128, 128, 4, 4), (32, 64, 128, 4, 4)],
     # 64x64 tiles with a 6-deep pipeline: 128x4096x4096 fp16 0.99x cuBLAS against 0.87x with 4 stages
-    # (H200, scripts/time_candidates.py).
+    # (H200, tools/time_candidates.py).
     64: [(64, 64, 128, 4, 4), (64, 64, 128, 4, 6), (64, 128, 64, 4, 4)],
     128: [(64, 64, 128, 4, 4), (64, 64, 128, 4, 6), (64, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 128, 64, 4, 4),
           (128, 256, 64, 8, 3)],
@@ -172,7 +172,7 @@ def configs(p: GemmProblem) -> list[dict]:
     the tuner says so.
     """
     if interpreting():
-        return [_cfg(16, 32, 16, 4, 1, 3)]
+        return [make_config(16, 32, 16, 4, 1, 3)]
     size = p.a.element_size()
     bucket = next((m for m in (16, 32, 64, 128) if p.M <= m), None)
     sms = sm_count(p.out.device)
@@ -185,7 +185,7 @@ def configs(p: GemmProblem) -> list[dict]:
         k_steps = triton.cdiv(p.K, bk)
         for split in _SPLITS:
             if split == 1 or (k_steps >= 4 * split and tiles * split <= 4 * sms):
-                out.append(_cfg(bm, bn, bk, warps, stages, split))
+                out.append(make_config(bm, bn, bk, warps, stages, split))
     return out
 
 
@@ -209,11 +209,11 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
             config = pick_config(p)
         else:
             k = tuning.key("split_k", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
-            config = tuning.lookup_or_tune(k, lambda: configs(p), lambda cfg: _launch(p, cfg))
-    _launch(p, config)
+            config = tuning.lookup_or_tune(k, lambda: configs(p), lambda cfg: launch_config(p, cfg))
+    launch_config(p, config)
 
 
-def _launch(p: GemmProblem, config: dict) -> None:
+def launch_config(p: GemmProblem, config: dict) -> None:
     cfg = dict(config)
     if cfg["SPLIT_K"] == 1 and not interpreting():
         # One slice: exactly the grouped kernel (the split kernel's slice bookkeeping cost up to ~5% there).

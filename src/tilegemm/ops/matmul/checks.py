@@ -1,0 +1,160 @@
+"""Checks of ``tilegemm.matmul``'s arguments: each bad input raises TypeError/ValueError naming the problem."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from tilegemm.core import registry
+from tilegemm.core.dtypes import dtype_name
+from tilegemm.core.runtime import check_device, interpreting
+from tilegemm.ops.matmul.call import ACTIVATIONS, DTYPES, FP8_DTYPES, INPUT_DTYPES, MatmulCall
+
+_PRECISIONS = {"ieee": "ieee", "highest": "ieee", "tf32": "tf32", "high": "tf32", "medium": "tf32"}
+
+
+def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in allowed:
+        kind = "integer" if not (t.dtype.is_floating_point or t.dtype.is_complex) else "unsupported"
+        names = ", ".join(dtype_name(d) for d in allowed)
+        raise TypeError(f"{name} has {kind} dtype {dtype_name(t.dtype)}; tilegemm.matmul supports {names} here")
+
+
+def _check_devices(named: dict[str, torch.Tensor]) -> None:
+    devices = {name: t.device for name, t in named.items()}
+    first_name, first = next(iter(devices.items()))
+    for name, device in devices.items():
+        if device != first:
+            raise ValueError(f"tensors are on different devices: {first_name} on {first}, {name} on {device}")
+    check_device(first_name, first)
+
+
+def resolve_precision(precision: str | None, dtype: torch.dtype) -> str:
+    """``ieee`` or ``tf32``: how fp32 operands enter the dot. Only fp32 has a choice.
+
+    ``None`` (or ``"default"``) reads ``torch.get_float32_matmul_precision()``; the op does that when it
+    runs, not when torch.compile traces it, so a compiled graph follows the setting at run time.
+    """
+    if precision is None or precision == "default":
+        if dtype != torch.float32:
+            return "ieee"
+        precision = torch.get_float32_matmul_precision()
+    _check_precision(precision)
+    return _PRECISIONS[precision.lower()] if dtype == torch.float32 else "ieee"
+
+
+def _check_precision(precision) -> None:
+    if not isinstance(precision, str) or precision.lower() not in _PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(_PRECISIONS)}")
+
+
+def broadcast(x, y) -> tuple[int, ...] | None:
+    """torch's broadcasting of two shapes, or None where they clash (plain Python: this is on the hot path)."""
+    if len(x) < len(y):
+        x, y = y, x
+    lead = len(x) - len(y)
+    out = list(x[:lead])
+    for p, q in zip(x[lead:], y):
+        if p == q or q == 1:
+            out.append(p)
+        elif p == 1:
+            out.append(q)
+        else:
+            return None
+    return tuple(out)
+
+
+def output_shape(a_shape, b_shape) -> tuple[int, ...]:
+    if len(a_shape) < 2 or len(b_shape) < 2:
+        raise ValueError(
+            f"matmul needs operands with at least 2 dims, got a.shape={tuple(a_shape)}, b.shape={tuple(b_shape)}"
+        )
+    if a_shape[-1] != b_shape[-2]:
+        raise ValueError(
+            f"inner dimensions differ: a.shape={tuple(a_shape)} has K={a_shape[-1]}, "
+            f"b.shape={tuple(b_shape)} has K={b_shape[-2]}"
+        )
+    batch = broadcast(a_shape[:-2], b_shape[:-2])
+    if batch is None:
+        raise ValueError(f"batch dimensions do not broadcast: a.shape={tuple(a_shape)}, b.shape={tuple(b_shape)}")
+    return (*batch, a_shape[-2], b_shape[-1])
+
+
+def _check_scale(name: str, scale, dim_name: str, vector_shapes) -> None:
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(scale).__name__}")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {dtype_name(scale.dtype)}")
+    if scale.dim() <= 2 and scale.numel() == 1:
+        return  # one scale for the whole operand
+    if tuple(scale.shape) not in vector_shapes:
+        shapes = " or ".join(str(list(s)) for s in vector_shapes)
+        raise ValueError(
+            f"{name} must hold one scale (shape [] or [1]) or one per {dim_name} (shape {shapes}), "
+            f"got {list(scale.shape)}"
+        )
+
+
+def check_inputs(call: MatmulCall) -> tuple[int, ...]:
+    """Raise TypeError/ValueError naming the problem; return the output shape."""
+    a, b, bias, c, alpha, beta = call.a, call.b, call.bias, call.c, call.alpha, call.beta
+    activation, out_dtype, precision, kernel = call.activation, call.out_dtype, call.precision, call.kernel
+    scale_a, scale_b, fast_accum = call.scale_a, call.scale_b, call.fast_accum
+    _check_float("a", a, INPUT_DTYPES)
+    _check_float("b", b, INPUT_DTYPES)
+    fp8 = a.dtype in FP8_DTYPES
+    if a.dtype != b.dtype and not (fp8 and b.dtype in FP8_DTYPES):
+        raise TypeError(f"dtypes differ: a is {dtype_name(a.dtype)}, b is {dtype_name(b.dtype)} "
+                        "(only float8 e4m3fn and e5m2 mix)")
+    shape = output_shape(a.shape, b.shape)
+    named = {"a": a, "b": b}
+    for name, scale, dim_name, vector_shapes in (
+        ("scale_a", scale_a, "row of a", ((shape[-2],), (shape[-2], 1))),
+        ("scale_b", scale_b, "column of b", ((shape[-1],), (1, shape[-1]))),
+    ):
+        if scale is None:
+            continue
+        if not fp8:
+            raise ValueError(f"{name} applies to float8 inputs only; a is {dtype_name(a.dtype)}")
+        _check_scale(name, scale, dim_name, vector_shapes)
+        named[name] = scale
+    if not isinstance(fast_accum, bool):
+        raise TypeError(f"fast_accum must be a bool, got {type(fast_accum).__name__}")
+    if fast_accum and not fp8:
+        raise ValueError(f"fast_accum applies to float8 inputs only; a is {dtype_name(a.dtype)}")
+    if fp8 and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        raise TypeError("float8 matmul has no backward; call it under torch.no_grad() or detach the inputs")
+    if bias is not None:
+        _check_float("bias", bias)
+        if bias.dim() != 1 or bias.shape[0] != shape[-1]:
+            raise ValueError(f"bias must have shape [N] = [{shape[-1]}], got {list(bias.shape)}")
+        named["bias"] = bias
+    if c is not None:
+        _check_float("c", c)
+        if broadcast(tuple(c.shape), shape) != shape:
+            raise ValueError(f"c of shape {list(c.shape)} does not broadcast to the output shape {list(shape)}")
+        named["c"] = c
+    for name, value in (("alpha", alpha), ("beta", beta)):
+        if type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; choose one of: {', '.join(ACTIVATIONS)}")
+    if fp8 and a.device.type == "cuda" and not interpreting():
+        cc = torch.cuda.get_device_capability(a.device)
+        if cc < (8, 9):
+            raise ValueError(f"float8 matmul needs a GPU of compute capability 8.9 or newer; {a.device} is "
+                             f"{cc[0]}.{cc[1]}")
+    if out_dtype is not None and out_dtype not in DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} is not supported; choose one of: float16, bfloat16, float32")
+    if precision is not None and precision != "default":
+        _check_precision(precision)
+    if kernel != "auto":
+        spec = registry.get("matmul", kernel)
+        reason = spec.unavailable_reason()
+        if reason:
+            raise registry.NotApplicable(f"matmul kernel {kernel!r} cannot run here: {reason}")
+    _check_devices(named)
+    return shape

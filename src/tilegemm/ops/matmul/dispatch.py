@@ -1,0 +1,148 @@
+"""``auto``'s choice of rung per problem, the rungs' launchers, and the launch of one checked call."""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core import registry
+from tilegemm.core.runtime import interpreting, new_output, on_device
+from tilegemm.ops.matmul.call import MatmulCall
+from tilegemm.ops.matmul.checks import output_shape, resolve_precision
+from tilegemm.ops.matmul.problem import GemmProblem, make_problems
+
+
+# Below this M * N * K a problem is over in a few microseconds on any rung, so timing the rungs picks by noise,
+# while their host costs differ: at 64^3 fp16 on the H200 a call through split_k cost 19-22 us of host
+# time and one through persistent_tma (three TMA descriptors) 24-31 us; when the timing had picked
+# persistent_tma the bench's tiny-problem probe read 2.1x torch.matmul's host time instead of 1.4x
+# (benchmarks/results/2026-11-22-h200/4998843/). Such problems with M <= 128 go to split_k untimed.
+TIMED_MIN_MNK = 1 << 24
+
+
+def choose_kernel(p: GemmProblem) -> str:
+    """``auto``: the rung measured fastest for this class of problem (H200, benchmarks/results/2026-11-21-h200).
+
+    - Under the interpreter: ``grouped`` (autotuning has nothing to time there).
+    - M <= 128: ``split_k``, which tunes its tile and number of K slices (1 included) per shape class. On the
+      llm shapes (fp16, H200) the best split-K configs ran 1.05x-1.07x cuBLAS at M=1 and 16 with N=4096,
+      where ``autotuned`` ran 0.73x-0.88x (research/explore_skinny.py). Where TMA can describe the problem,
+      ``split_k`` and ``persistent_tma`` (each with its own tuned config) are timed against each other once
+      per shape class and the faster is kept (from :data:`TIMED_MIN_MNK` up; below it ``split_k``). With its
+      6-stage 64x64x128 tile ``split_k`` wins all four M=128 llm shapes on the H200 (0.96x-0.98x cuBLAS);
+      before that tile, ``persistent_tma``'s 64x64 tiles had won 128x4096x14336 (0.95x against 0.88x,
+      research/explore_tma_small_m.py).
+    - Larger problems on Hopper that TMA can describe, with at least two 128x128 tiles per SM (four for
+      fp8 that no Gluon kernel takes): ``persistent_tma`` (fp16 1.02x / 1.03x at 8192^3 / 16384^3, where
+      ``autotuned`` ran 1.00x / 0.93x), except tf32 with an operand through registers, which goes to
+      ``autotuned`` unless it is NN or TT and ``persistent_tma``'s Gluon kernel takes it. Where a Gluon
+      kernel takes the problem (that tf32, promoted K-major fp8, 16-bit with a 16-bit output), the two
+      rungs are timed from half a tile per SM to two (16-bit: a quarter; see the code).
+    - Otherwise ``autotuned``.
+    """
+    if interpreting():
+        return "grouped"
+    if p.M <= 128:
+        if p.M > 16 and p.M * p.N * p.K >= TIMED_MIN_MNK and _has_tma():
+            from tilegemm.ops.matmul.persistent_tma import describable
+
+            if describable(p) is None:
+                return _timed_choice(p, ("split_k", "persistent_tma"))
+        return "split_k"
+    if _has_tma():
+        from tilegemm.core.hardware import sm_count
+        from tilegemm.ops.matmul.persistent_tma import describable, gluon_kernel_for
+
+        # With few tiles per SM a persistent grid has little to balance: at 1024^3 it ran 0.69x cuBLAS where
+        # autotuned's smaller tiles reached 0.87x; at 2048^3 (1.9 tiles per SM) 0.93x against 1.00x, and at
+        # 4096^3 (7.8 per SM) 0.94x against 0.88x (fp16, research/explore_hopper.py).
+        tiles = -(-p.M // 128) * -(-p.N // 128)
+        # fp8 in Triton's kernels needs more tiles per SM before the persistent grid pays: at 2048^3 (2 tiles
+        # per SM) it ran 0.43x torch._scaled_mm where autotuned ran 0.63x; at 4096^3 (8 per SM) 0.79x
+        # against 0.73x.
+        sms = sm_count(p.out.device)
+        min_tiles = sms * (4 if p.a.element_size() == 1 else 2)
+        described = describable(p) is None
+        gluon = gluon_kernel_for(p) if described else None
+        if gluon is None and p.dtype == torch.float32 and p.mma_operands != "ab":
+            # tf32 with an operand that is not K-major. persistent_tma's Triton loops for it must stay
+            # serialized to be right (0.55x-0.70x cuBLAS, see persistent_tma.hopper_configs), and autotuned
+            # ran 0.80x-0.92x.
+            return "autotuned"
+        if gluon is not None:
+            # A Gluon kernel takes it: tf32 NN/TT (gluon_tf32, NN: 0.94x-0.99x from 2048^3 up, 0.58x at
+            # 1024^3 with 32 of its tiles for 132 SMs), promoted K-major fp8 (gluon_fp8's warp-specialized
+            # kernel: 0.85x torch._scaled_mm at 2048^3, 256 tiles, where autotuned ran 0.80x) or 16-bit with
+            # a 16-bit output (gluon_f16; at 2048^3 persistent_tma's candidates, with host-made descriptors,
+            # ran 0.99x cuBLAS where autotuned ran 0.95x-0.96x, research/explore_host_desc.py). From two
+            # tiles per SM persistent_tma; from half a tile to two, the two rungs are timed once. For 16-bit
+            # operands from a quarter of a tile: at 1024^3 (64 tiles) persistent_tma's 64x128x128 tile ran
+            # 1.01x / 1.03x cuBLAS in fp16 / bf16 where autotuned's best ran 0.95x-0.96x / 0.99x (H200,
+            # tools/time_candidates.py, 12 rounds; benchmarks/results/2026-11-22-h200/5d1f6a3/).
+            if (4 if p.a.element_size() == 2 else 2) * tiles < sms:
+                return "autotuned"
+            if tiles >= 2 * sms:
+                return "persistent_tma"
+            return _timed_choice(p, ("autotuned", "persistent_tma"))
+        if tiles >= min_tiles and described:
+            return "persistent_tma"
+    return "autotuned"
+
+
+def _timed_choice(p: GemmProblem, rungs: tuple[str, ...]) -> str:
+    """The faster of ``rungs`` for this shape class: timed once, then remembered.
+
+    A rung that tunes its own config does so in its first launch, which ``do_bench`` makes before it times
+    anything; a rung that fails there is not chosen (see :func:`tilegemm.core.tuning.lookup_or_tune`).
+    """
+    from tilegemm.core import tuning
+
+    k = tuning.key("auto", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
+    return tuning.lookup_or_tune(k, lambda: [{"rung": r} for r in rungs], lambda cfg: launcher(cfg["rung"])(p))["rung"]
+
+
+_tma: bool | None = None
+
+
+def _has_tma() -> bool:
+    global _tma
+    if _tma is None:
+        _tma = registry.get("matmul", "persistent_tma").unavailable_reason() is None
+    return _tma
+
+
+_LAUNCHERS: dict[str, object] = {}
+
+
+def launcher(name: str):
+    """The launch function of a registered rung, imported once and cached."""
+    fn = _LAUNCHERS.get(name)
+    if fn is None:
+        fn = _LAUNCHERS[name] = registry.get("matmul", name).launcher()
+    return fn
+
+
+def _scale_stride(scale: torch.Tensor | None) -> int:
+    """Stride along M (scale_a) or N (scale_b): 0 for one scale, else the stride of its long dim."""
+    if scale is None or scale.numel() == 1:
+        return 0
+    return scale.stride(0) if scale.dim() == 1 or scale.shape[0] != 1 else scale.stride(1)
+
+
+def forward(call: MatmulCall) -> torch.Tensor:
+    """Launch the kernels of one checked call and return its output."""
+    a, b, kernel = call.a, call.b, call.kernel
+    if a.dim() == 2 and b.dim() == 2:
+        shape = (a.shape[0], b.shape[1])
+    else:
+        shape = output_shape(a.shape, b.shape)
+    out = new_output(shape, call.output_dtype, a.device)
+    if out.numel() == 0:
+        return out
+    upcast = a.dtype == torch.bfloat16 and interpreting()
+    precision = resolve_precision(call.precision, a.dtype)
+    scales = (call.scale_a, _scale_stride(call.scale_a), call.scale_b, _scale_stride(call.scale_b))
+    with on_device(a.device):
+        for p in make_problems(a, b, out, call.c, call.bias, call.alpha, call.beta, call.activation, precision, upcast,
+                               scales, call.fast_accum):
+            launcher(choose_kernel(p) if kernel == "auto" else kernel)(p)
+    return out

@@ -1,0 +1,94 @@
+"""``torch.ops.tilegemm.matmul``: the ``torch.library`` op, its fake (meta) implementation and its autograd.
+
+The op's schema is flat (tensors, floats, strings); inside, the arguments travel as one
+:class:`~tilegemm.ops.matmul.call.MatmulCall`. The backward pass recomputes the pre-activation and
+differentiates the activation with torch; its two GEMMs run through the op again.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tilegemm.ops.matmul.call import MatmulCall
+from tilegemm.ops.matmul.checks import output_shape
+from tilegemm.ops.matmul.dispatch import forward
+from tilegemm.ops.matmul.reference import torch_activation
+
+
+@torch.library.custom_op("tilegemm::matmul", mutates_args=())
+def matmul_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    c: Optional[torch.Tensor],
+    alpha: float,
+    beta: float,
+    activation: str,
+    out_dtype: Optional[torch.dtype],
+    precision: str,
+    kernel: str,
+    scale_a: Optional[torch.Tensor] = None,
+    scale_b: Optional[torch.Tensor] = None,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    return forward(MatmulCall(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a, scale_b,
+                              fast_accum))
+
+
+@matmul_op.register_fake
+def _matmul_fake(*args):
+    call = MatmulCall(*args)
+    return call.a.new_empty(output_shape(call.a.shape, call.b.shape), dtype=call.output_dtype)
+
+
+def call_op(call: MatmulCall) -> torch.Tensor:
+    """Run ``call`` through the registered op (what tracers, dispatch modes and autograd see)."""
+    return matmul_op(*call.op_args())
+
+
+# --- autograd: recompute the pre-activation, differentiate the activation with torch ----------------------
+
+
+def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
+    """Undo broadcasting: sum ``t`` down to ``shape``."""
+    shape = tuple(shape)
+    lead = t.dim() - len(shape)
+    if lead:
+        t = t.sum(dim=tuple(range(lead)))
+    dims = tuple(i for i, size in enumerate(shape) if size == 1 and t.shape[i] != 1)
+    return t.sum(dim=dims, keepdim=True) if dims else t
+
+
+def _setup_context(ctx, inputs, output):
+    call = MatmulCall(*inputs)
+    ctx.save_for_backward(call.a, call.b, call.bias, call.c)
+    ctx.call = call.replace(a=None, b=None, bias=None, c=None, scale_a=None, scale_b=None)
+
+
+def _backward(ctx, grad_out):
+    a, b, bias, c = ctx.saved_tensors
+    call: MatmulCall = ctx.call
+    grad = grad_out.float()
+    if call.activation != "none":
+        pre = call_op(MatmulCall(a, b, bias, c, call.alpha, call.beta, "none", torch.float32, call.precision, "auto"))
+        with torch.enable_grad():
+            pre = pre.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(torch_activation(pre, call.activation), pre, grad)
+    grad_a = grad_b = grad_bias = grad_c = None
+    want_a, want_b, want_bias, want_c = ctx.needs_input_grad[:4]
+    # The two GEMMs of the backward pass run in the operands' dtype, like torch's own.
+    g = grad.to(a.dtype)
+    if want_a:
+        grad_a = _sum_to(call_op(MatmulCall(g, b.mT, alpha=call.alpha, precision=call.precision)), a.shape)
+    if want_b:
+        grad_b = _sum_to(call_op(MatmulCall(a.mT, g, alpha=call.alpha, precision=call.precision)), b.shape)
+    if want_bias and bias is not None:
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype)
+    if want_c and c is not None:
+        grad_c = _sum_to(grad * call.beta, c.shape).to(c.dtype)
+    return (grad_a, grad_b, grad_bias, grad_c) + (None,) * 9
+
+
+matmul_op.register_autograd(_backward, setup_context=_setup_context)

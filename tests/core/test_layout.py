@@ -1,0 +1,111 @@
+"""The house's rules, checked: no import cycles among tilegemm's modules, the registry imports nothing above
+it, every family registers itself, and every registered kernel and adapter resolves."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+import tilegemm
+from tilegemm.core import registry
+from tilegemm.ops import FAMILIES
+
+PACKAGE = Path(tilegemm.__file__).resolve().parent
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The tilegemm modules ``name`` imports anywhere in its body (function-level imports included)."""
+    is_package = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                target = f"{source}.{alias.name}"
+                if target in modules:
+                    out.add(target)
+                elif source in modules:
+                    out.add(source)
+    out.discard(name)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_cycle(tmp_path):
+    """The checker itself: two modules importing each other (one inside a function) form a cycle."""
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import x\n")
+    modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+    assert _imports("a", modules["a"], modules) == {"b"} and _imports("b", modules["b"], modules) == {"a"}
+
+
+def test_core_imports_nothing_above_it():
+    graph = _graph()
+    for name, deps in graph.items():
+        if name.startswith("tilegemm.core"):
+            above = {d for d in deps if not d.startswith("tilegemm.core")}
+            assert not above, f"{name} imports {sorted(above)}: core must not import the layers above it"
+    assert graph["tilegemm.core.registry"] <= {"tilegemm.core.runtime"}
+
+
+def test_every_family_registers_an_op_with_a_bench_adapter():
+    for family in FAMILIES:
+        module = importlib.import_module(f"tilegemm.ops.{family}")
+        assert module.__name__ == f"tilegemm.ops.{family}"
+    assert set(registry.ops()) >= {"matmul", "copy", "grey"}
+    for op in registry.ops():
+        spec = registry.op(op)
+        assert spec.bench is not None, f"op {op} has no bench adapter"
+        assert spec.bench_adapter()().name == op
+
+
+@pytest.mark.parametrize("op", registry.ops())
+def test_every_registered_kernel_resolves(op):
+    for spec in registry.specs(op):
+        module_name, _, attr = spec.target.partition(":")
+        assert callable(getattr(importlib.import_module(module_name), attr)), spec.target
+    if registry.op(op).tune:
+        assert callable(registry.resolve(registry.op(op).tune))

@@ -1,0 +1,473 @@
+"""Tuned configs persist per GPU and Triton version: buckets, atomic files, damaged files, shipped defaults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.core import tuning
+from tilegemm.cli import main
+from tilegemm.ops.matmul import autotuned
+from tilegemm.ops.matmul.reference import matmul_reference, tolerance
+
+from conftest import assert_rel_close
+
+CFG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=4, num_warps=4, num_stages=1)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tuning, "shipped_file", lambda: tmp_path / "shipped.json")
+    tuning.forget()
+    yield tmp_path
+    tuning.forget()
+
+
+def test_m_buckets():
+    assert [tuning.m_bucket(m) for m in (1, 2, 3, 5, 16, 17, 100, 4096, 8192, 8193)] == \
+        [1, 2, 4, 8, 16, 32, 128, 4096, 8192, 8193]
+    assert tuning.key("autotuned", 3, 7, 9, torch.float16, torch.float32) == "autotuned|M4|N7|K9|float16|float32|"
+
+
+def test_record_writes_atomically_and_survives_the_process(cache):
+    k = tuning.key("autotuned", 20, 30, 40, torch.float16, torch.float16)
+    tuning.record(k, CFG)
+    files = list((cache / "cache").iterdir())
+    assert [f.suffix for f in files] == [".json"], "no temporary file may be left behind"
+    data = json.loads(files[0].read_text())
+    assert data["schema"] == tuning.SCHEMA and data["entries"][k] == CFG
+    tuning.forget()
+    assert tuning.lookup(k) == CFG  # read back from disk
+    assert tuning.lookup(tuning.key("autotuned", 31, 30, 40, torch.float16, torch.float16)) == CFG  # same bucket
+    assert tuning.lookup(tuning.key("autotuned", 33, 30, 40, torch.float16, torch.float16)) is None
+
+
+@pytest.mark.parametrize("damage", ["{ not json", '{"schema": "other/9", "entries": {}}', '["a list"]', ""])
+def test_damaged_file_is_ignored_with_a_warning_and_rebuilt(cache, damage):
+    path = tuning.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(damage)
+    with pytest.warns(UserWarning, match="ignoring damaged tuning file"):
+        assert tuning.lookup("autotuned|M1|N1|K1|float16|float16|") is None
+    tuning.record("autotuned|M1|N1|K1|float16|float16|", CFG)
+    assert json.loads(path.read_text())["entries"]["autotuned|M1|N1|K1|float16|float16|"] == CFG
+
+
+def test_shipped_defaults_are_used_and_user_entries_win(cache):
+    k = tuning.key("persistent_tma", 8192, 8192, 8192, torch.float16, torch.float16, "NN")
+    shipped = dict(CFG, BLOCK_M=128)
+    (cache / "shipped.json").write_text(json.dumps({"schema": tuning.SCHEMA, "entries": {k: shipped}}))
+    assert tuning.lookup(k) == shipped
+    tuning.record(k, CFG)
+    tuning.forget()
+    assert tuning.lookup(k) == CFG
+
+
+def test_the_cache_file_holds_only_tuned_entries(cache):
+    """Shipped entries stay out of the user's file, so a later release's shipped configs are not shadowed."""
+    shipped_key = tuning.key("persistent_tma", 8192, 8192, 8192, torch.float16, torch.float16, "NN")
+    (cache / "shipped.json").write_text(json.dumps({"schema": tuning.SCHEMA, "entries": {shipped_key: CFG}}))
+    k = tuning.key("autotuned", 20, 30, 40, torch.float16, torch.float16)
+    assert tuning.lookup(shipped_key) == CFG
+    tuning.record(k, CFG)
+    data = json.loads(tuning.cache_file().read_text())
+    assert data["tuned_only"] is True and list(data["entries"]) == [k]
+    # A release that ships a new config for the key: the user gets it.
+    newer = dict(CFG, BLOCK_M=128)
+    (cache / "shipped.json").write_text(json.dumps({"schema": tuning.SCHEMA, "entries": {shipped_key: newer}}))
+    tuning.forget()
+    assert tuning.lookup(shipped_key) == newer and tuning.lookup(k) == CFG
+
+
+def test_an_older_cache_file_does_not_shadow_todays_shipped_entries(cache):
+    """Files written before ``tuned_only`` held copies of the shipped entries of their day: those keys now
+    come from the shipped file; the file's other (tuned) entries still count, and are kept on the next save."""
+    shipped_key = tuning.key("persistent_tma", 4096, 4096, 4096, torch.float16, torch.float16, "NN")
+    tuned_key = tuning.key("autotuned", 20, 30, 40, torch.float16, torch.float16)
+    stale, today = dict(CFG, BLOCK_M=64), dict(CFG, BLOCK_M=128)
+    (cache / "shipped.json").write_text(json.dumps({"schema": tuning.SCHEMA, "entries": {shipped_key: today}}))
+    path = tuning.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"schema": tuning.SCHEMA, "entries": {shipped_key: stale, tuned_key: CFG}}))
+    assert tuning.lookup(shipped_key) == today
+    assert tuning.lookup(tuned_key) == CFG
+    tuning.record(tuning.key("autotuned", 1, 2, 3, torch.float16, torch.float16), CFG)
+    data = json.loads(path.read_text())
+    assert data["tuned_only"] is True and shipped_key not in data["entries"] and tuned_key in data["entries"]
+
+
+def test_disk_can_be_turned_off(cache, monkeypatch):
+    monkeypatch.setenv("TILEGEMM_TUNING_CACHE", "0")
+    tuning.record("autotuned|M1|N2|K3|float16|float16|", CFG)
+    assert not (cache / "cache").exists()
+    assert tuning.lookup("autotuned|M1|N2|K3|float16|float16|") == CFG  # memory still works
+
+
+def test_autotuned_launches_the_stored_config(cache, monkeypatch, device):
+    a = torch.randn(20, 48, dtype=torch.float16, device=device)
+    b = torch.randn(48, 40, dtype=torch.float16, device=device)
+    tuning.record(tuning.key("autotuned", 20, 40, 48, torch.float16, torch.float16, "NN"), CFG)
+    used = []
+    real_launch = autotuned.launch
+    monkeypatch.setattr(autotuned, "launch", lambda k, g, args, kw: used.append(kw) or real_launch(k, g, args, kw))
+    out = tilegemm.matmul(a, b, kernel="autotuned")
+    assert used and all(used[0][name] == value for name, value in CFG.items())
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
+
+
+def test_layout_and_tf32_are_part_of_the_key(cache, device):
+    a = torch.randn(20, 48, device=device)
+    b = torch.randn(40, 48, device=device).T
+    tilegemm.matmul(a, b, kernel="autotuned", precision="tf32")
+    tilegemm.matmul(a, b, kernel="autotuned", precision="ieee")
+    keys = set(tuning._memory)
+    assert "autotuned|M32|N40|K48|tf32|float32|NT" in keys
+    assert "autotuned|M32|N40|K48|float32|float32|NT" in keys
+
+
+def test_autotuned_times_afresh_for_each_key(cache, device, monkeypatch):
+    """Triton's autotuner keys its winners by M, N, K and dtypes only; a winner timed for tf32 must not be
+    taken (and recorded) for IEEE fp32 of the same sizes, nor one for NN for NT."""
+    kernel = autotuned.matmul_autotuned_kernel
+    real_run = kernel.run
+    remembered = []
+    monkeypatch.setattr(kernel, "run", lambda *a, **kw: remembered.append(len(kernel.cache)) or real_run(*a, **kw))
+    a = torch.randn(20, 48, device=device)
+    b = torch.randn(40, 48, device=device)
+    for bt, precision in ((b.T, "tf32"), (b.T, "ieee"), (b.T.contiguous(), "ieee")):
+        # (Under the interpreter there is one candidate, which Triton does not remember: stand one in.)
+        kernel.cache[(32, 40, 48, "torch.float32")] = kernel.configs[0]
+        tilegemm.matmul(a, bt, kernel="autotuned", precision=precision)
+    assert remembered == [0, 0, 0], "each new key starts with nothing remembered"
+
+
+def test_tune_command(cache, capsys):
+    assert main(["tune", "--shape", "24,40,56", "--rungs", "autotuned,persistent_tma"]) == 0
+    out = capsys.readouterr().out
+    assert "autotuned|M32|N40|K56" in out and "persistent_tma|M32|N40|K56" in out
+    saved = json.loads(tuning.cache_file().read_text())["entries"]
+    assert "autotuned|M32|N40|K56|float16|float16|NN" in saved
+    assert main(["tune", "--rungs", "naive"]) == 2
+    assert "--rungs takes auto, autotuned, persistent_tma or split_k" in capsys.readouterr().err
+
+
+def test_lookup_or_tune_times_once_and_keeps_the_fastest(cache, monkeypatch):
+    import triton.testing
+
+    speed = {1: 3.0, 2: 1.0, 3: float("nan")}  # candidate 3 "fails": it raises below
+    launched = []
+
+    def fake_do_bench(fn, **kwargs):
+        assert kwargs.get("return_mode") == "median"
+        fn()
+        if launched[-1] == 3:
+            raise RuntimeError("does not compile")
+        return speed[launched[-1]]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    k = tuning.key("split_k", 16, 64, 4096, torch.float16, torch.float16)
+    options = lambda: [dict(id=1), dict(id=2), dict(id=3)]  # noqa: E731
+    assert tuning.lookup_or_tune(k, options, lambda cfg: launched.append(cfg["id"])) == dict(id=2)
+    assert launched == [1, 2, 3]
+    # Known now: nothing is timed again, in this process or (from the file) in the next.
+    assert tuning.lookup_or_tune(k, options, lambda cfg: launched.append(cfg["id"])) == dict(id=2)
+    tuning.forget()
+    assert tuning.lookup_or_tune(k, options, lambda cfg: launched.append(cfg["id"])) == dict(id=2)
+    assert launched == [1, 2, 3]
+    # A single candidate is taken without timing.
+    k1 = tuning.key("split_k", 1, 8, 8, torch.float16, torch.float16)
+    assert tuning.lookup_or_tune(k1, lambda: [dict(id=9)], lambda cfg: launched.append(cfg["id"])) == dict(id=9)
+    assert launched == [1, 2, 3]
+
+
+def test_timed_launches_are_replays_of_the_candidates_own(monkeypatch):
+    """do_bench's first call launches (compiles, may tune), the second is recorded, the rest replay it."""
+    import tilegemm.core.launch as launch_mod
+
+    launched, replayed = [], []
+
+    class FakeRecording:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.launches = [launch_mod.Launch(compiled=None, grid=(1, 1, 1), params=["w", 3])]
+            return False
+
+    class FakeReplay:
+        def __init__(self, recorded, tensors):
+            assert recorded.params == ["w", 3] and tensors == ()  # no tensor parameters in this fake
+            self.ok = True
+
+        def __call__(self, *tensors):
+            replayed.append(tensors)
+            return self.ok
+
+    monkeypatch.setattr(launch_mod, "recording", FakeRecording)
+    monkeypatch.setattr(launch_mod, "Replay", FakeReplay)
+    run = tuning.replaying(lambda cfg: launched.append(cfg["id"]), dict(id=7))
+    for _ in range(5):
+        run()
+    assert launched == [7, 7] and len(replayed) == 3
+
+    # A replay that declines (another stream) makes every later call launch afresh.
+    run = tuning.replaying(lambda cfg: launched.append(cfg["id"]), dict(id=8))
+    run(), run()
+    monkeypatch.setattr(FakeReplay, "__call__", lambda self, *t: replayed.append(t) or False)
+    run(), run()
+    assert launched[-4:] == [8, 8, 8, 8] and len(replayed) == 4
+
+
+def test_tuner_replays_launches_with_host_descriptors(monkeypatch):
+    """A launch whose operands are host-side TMA descriptors (Gluon's or Triton's) is replayed like any
+    other: the tuner's replay takes each descriptor's base as the call's tensor (it used to find no tensor
+    for them, and then launched every timed call through Triton's slow path)."""
+    import tilegemm.core.launch as launch_mod
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a, out = torch.randn(64, 32), torch.empty(64, 64)
+    desc = TensorDescriptor(a, [64, 32], [32, 1], [64, 32])
+    assert launch_mod.call_tensors([desc, out, 3, 0.5]) == (a, out)
+
+    class FakeRecording:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.launches = [launch_mod.Launch(compiled=None, grid=(1, 1, 1), params=[desc, out, 3])]
+            return False
+
+    made = []
+
+    class FakeReplay:
+        def __init__(self, recorded, tensors):
+            made.append(tensors)
+
+        def __call__(self, *tensors):
+            return True
+
+    monkeypatch.setattr(launch_mod, "recording", FakeRecording)
+    monkeypatch.setattr(launch_mod, "Replay", FakeReplay)
+    launched = []
+    run = tuning.replaying(lambda cfg: launched.append(1), {})
+    for _ in range(5):
+        run()
+    assert launched == [1, 1] and len(made) == 1
+    assert made[0][0] is a and made[0][1] is out
+
+
+def test_unreplayable_launches_are_launched_every_time(monkeypatch):
+    import tilegemm.core.launch as launch_mod
+
+    class Spoiled:  # what recording gives under the interpreter
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.launches = None
+            return False
+
+    monkeypatch.setattr(launch_mod, "recording", Spoiled)
+    launched = []
+    run = tuning.replaying(lambda cfg: launched.append(cfg["id"]), dict(id=1))
+    for _ in range(4):
+        run()
+    assert launched == [1, 1, 1, 1]
+
+
+def test_lookup_or_tune_retimes_near_ties_longer(cache, monkeypatch):
+    """The short first pass only finds the field: candidates within 10% of its best are timed again."""
+    import triton.testing
+
+    first = {1: 1.00, 2: 1.05, 3: 1.08, 4: 1.09, 5: 2.0}  # the short pass: 1 looks fastest, 4 is fourth
+    longer = {1: 1.20, 2: 1.00, 3: 1.10}  # longer timing: 2 is
+    timed = []
+
+    def fake_do_bench(fn, **kwargs):
+        fn()
+        timed.append((launched[-1], kwargs["rep"]))
+        return (first if kwargs["rep"] == 20 else longer)[launched[-1]]
+
+    launched = []
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    k = tuning.key("split_k", 16, 64, 4096, torch.float16, torch.float16)
+    got = tuning.lookup_or_tune(k, lambda: [dict(id=i) for i in range(1, 6)], lambda cfg: launched.append(cfg["id"]))
+    assert got == dict(id=2)
+    assert [i for i, rep in timed if rep == 20] == [1, 2, 3, 4, 5]
+    # The three best of the first pass (4 is within 10% but fourth), two alternating rounds each.
+    assert [i for i, rep in timed if rep != 20] == [1, 2, 3, 1, 2, 3]
+
+
+def test_auto_times_split_k_against_persistent_tma_once_per_shape_class(cache, monkeypatch):
+    """M in (16, 128] on a TMA GPU: auto times both rungs (each tuned first) and remembers the winner."""
+    import triton.testing
+
+    from tilegemm.ops.matmul import dispatch, persistent_tma
+    from tilegemm.ops.matmul.problem import make_problems
+
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(dispatch, "_has_tma", lambda: True)
+    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+    calls = []
+    monkeypatch.setattr(dispatch, "launcher", lambda name: lambda p: calls.append(name))
+    speed = {"split_k": 2.0, "persistent_tma": 1.0}
+
+    def fake_do_bench(fn, **kwargs):
+        fn()  # like do_bench: one untimed launch first (where a rung tunes itself), then the timed ones
+        fn()
+        return speed[calls[-1]]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+
+    def problem(M, N=4096, K=1024):
+        a, b = torch.empty(M, K, device="meta"), torch.empty(K, N, device="meta")
+        return make_problems(a, b, torch.empty(M, N, device="meta"), None, None, 1.0, 1.0, "none", "ieee",
+                             False)[0]
+
+    assert dispatch.choose_kernel(problem(100)) == "persistent_tma"
+    # Each rung ran once untimed (its own tuning happens there), then once in the timing.
+    assert calls == ["split_k", "split_k", "persistent_tma", "persistent_tma"]
+    key = tuning.key("auto", 100, 4096, 1024, "float32", torch.float32, "NN")
+    assert tuning.lookup(key) == {"rung": "persistent_tma"}
+    # Same bucket (M 65..128): no timing again. M <= 16 goes to split_k without timing, and so does a
+    # problem too small for its rung to matter next to the host's launch (64 x 64 x 64).
+    assert dispatch.choose_kernel(problem(120)) == "persistent_tma"
+    assert dispatch.choose_kernel(problem(16)) == "split_k"
+    assert dispatch.choose_kernel(problem(64, 64, 64)) == "split_k"
+    assert dispatch.choose_kernel(problem(64, 512, 256)) == "split_k"  # under dispatch.TIMED_MIN_MNK
+    assert len(calls) == 4
+    # Where TMA cannot go, split_k without timing.
+    monkeypatch.setattr(persistent_tma, "describable", lambda p: "not 16-byte aligned")
+    assert dispatch.choose_kernel(problem(40)) == "split_k"
+    assert len(calls) == 4
+
+
+def test_auto_timed_choice_skips_a_rung_that_fails(cache, monkeypatch):
+    """A rung that raises while being timed (e.g. does not compile) is not chosen, and the call goes on."""
+    import triton.testing
+
+    from tilegemm.ops.matmul import dispatch, persistent_tma
+    from tilegemm.ops.matmul.problem import make_problems
+
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(dispatch, "_has_tma", lambda: True)
+    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+
+    def launch(name):
+        def run(p):
+            if name == "persistent_tma":
+                raise RuntimeError("out of resource: shared memory")
+        return run
+
+    monkeypatch.setattr(dispatch, "launcher", launch)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or 1.0)
+    a, b = torch.empty(100, 1024, device="meta"), torch.empty(1024, 4096, device="meta")
+    p = make_problems(a, b, torch.empty(100, 4096, device="meta"), None, None, 1.0, 1.0, "none", "ieee", False)[0]
+    assert dispatch.choose_kernel(p) == "split_k"
+
+
+@pytest.mark.parametrize("gluon", [False, True], ids=["no-gluon", "gluon-tf32"])
+@pytest.mark.parametrize("precision,layout", [("ieee", "NN"), ("tf32", "NN"), ("tf32", "TT"), ("tf32", "NT")])
+def test_auto_sends_large_problems_to_persistent_tma_unless_an_operand_goes_through_registers(
+        monkeypatch, precision, layout, gluon):
+    """From two 128x128 tiles per SM up, auto takes persistent_tma on a TMA GPU, except tf32 with an operand
+    through registers: that rung's Triton loops for it must stay flattened (serialized) to be right, so
+    autotuned is faster, unless the Gluon tf32 kernel takes the problem (NN or TT, sm_90); from
+    one to two tiles per SM auto then times the two rungs, below it keeps autotuned."""
+    import tilegemm.core.hardware
+    from tilegemm.ops.matmul import gluon_tf32, dispatch, persistent_tma
+    from tilegemm.ops.matmul.problem import make_problems
+
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(dispatch, "_has_tma", lambda: True)
+    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+    monkeypatch.setattr(tilegemm.core.hardware, "sm_count", lambda device: 132)
+    monkeypatch.setattr(persistent_tma, "gluon_kernel_for",
+                        lambda p: gluon_tf32 if gluon and gluon_tf32.usable(p) is None else None)
+    timed = []
+    monkeypatch.setattr(dispatch, "_timed_choice", lambda p, rungs: timed.append(rungs) or rungs[-1])
+
+    def problem(M, N, K=256):
+        a = torch.empty(K, M, device="meta").mT if layout[0] == "T" else torch.empty(M, K, device="meta")
+        b = torch.empty(N, K, device="meta").mT if layout[1] == "T" else torch.empty(K, N, device="meta")
+        return make_problems(a, b, torch.empty(M, N, device="meta"), None, None, 1.0, 0.0, "none", precision,
+                             False)[0]
+
+    big = problem(4096, 4096)
+    expected_operands = {"ieee": "ab", "tf32": {"NN": "swap", "TT": "reg_a", "NT": "ab"}[layout]}[precision]
+    assert big.mma_operands == expected_operands
+    takes_gluon = gluon and precision == "tf32" and layout in ("NN", "TT")
+    expected = "persistent_tma" if expected_operands == "ab" or takes_gluon else "autotuned"
+    assert dispatch.choose_kernel(big) == expected
+    assert not timed
+    # 2048^3: 256 tiles, under two per SM: autotuned, or (Gluon tf32) a timed choice between the two rungs.
+    assert dispatch.choose_kernel(problem(2048, 2048)) == ("persistent_tma" if takes_gluon else "autotuned")
+    assert timed == ([("autotuned", "persistent_tma")] if takes_gluon else [])
+    # 1024^3: 64 tiles, under half a tile per SM: autotuned.
+    assert dispatch.choose_kernel(problem(1024, 1024)) == "autotuned"
+    assert len(timed) == (1 if takes_gluon else 0)
+
+
+@pytest.mark.parametrize("gluon", [False, True], ids=["no-gluon", "gluon-fp8"])
+def test_auto_times_the_rungs_for_promoted_fp8_from_half_a_tile_per_sm(monkeypatch, gluon):
+    """Promoted fp8 that gluon_fp8 takes: persistent_tma from two 128x128 tiles per SM, a timed choice from
+    half a tile to two (2048^3), autotuned below. Without it (fast accumulation, another layout) Triton's
+    persistent kernel still needs four tiles per SM."""
+    import tilegemm.core.hardware
+    from tilegemm.ops.matmul import gluon_fp8, dispatch, persistent_tma
+    from tilegemm.ops.matmul.problem import make_problems
+
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(dispatch, "_has_tma", lambda: True)
+    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+    monkeypatch.setattr(tilegemm.core.hardware, "sm_count", lambda device: 132)
+    monkeypatch.setattr(persistent_tma, "gluon_kernel_for", lambda p: gluon_fp8 if gluon else None)
+    timed = []
+    monkeypatch.setattr(dispatch, "_timed_choice", lambda p, rungs: timed.append(rungs) or rungs[-1])
+
+    def problem(M, N, K=256):
+        a = torch.empty(M, K, device="meta", dtype=torch.float8_e4m3fn)
+        b = torch.empty(N, K, device="meta", dtype=torch.float8_e4m3fn).mT
+        out = torch.empty(M, N, device="meta", dtype=torch.bfloat16)
+        return make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+
+    assert dispatch.choose_kernel(problem(4096, 4096)) == "persistent_tma"  # 1024 tiles: either way
+    assert dispatch.choose_kernel(problem(2816, 2816)) == ("persistent_tma" if gluon else "autotuned")  # 484 < 4 * 132
+    assert not timed
+    assert dispatch.choose_kernel(problem(2048, 2048)) == ("persistent_tma" if gluon else "autotuned")
+    assert timed == ([("autotuned", "persistent_tma")] if gluon else [])
+    assert dispatch.choose_kernel(problem(1024, 1024)) == "autotuned"  # 64 tiles
+    assert len(timed) == (1 if gluon else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rung", ["persistent_tma", "autotuned", "split_k"])
+def test_timed_replays_compute_the_candidates_product_on_the_gpu(rung):
+    """The tuner's replays launch the candidate's kernels on the same tensors: poisoned between calls, the
+    output is whole again after a replayed call (and the replays were made: a third call launches nothing
+    through the launcher)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from tilegemm.ops.matmul import dispatch
+    from tilegemm.ops.matmul.problem import make_problems
+
+    M, N = 96, 136
+    K = 4096 if rung == "split_k" else 520
+    a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+    out = torch.empty(M, N, device="cuda", dtype=torch.float16)
+    p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+    launched = []
+    rung_launcher = dispatch.launcher(rung)
+    run = tuning.replaying(lambda cfg: launched.append(1) or rung_launcher(p), {})
+    run(), run()
+    assert len(launched) == 2
+    out.fill_(float("nan"))
+    run()
+    torch.cuda.synchronize()
+    assert len(launched) == 2, "the third call was not a replay"
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))

@@ -1,0 +1,326 @@
+"""GPU-only checks (`pytest -m gpu` on the GPU machine): bf16, tf32, larger shapes, 64-bit indexing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.ops.matmul.reference import matmul_reference, relative_error, tolerance
+
+from conftest import assert_rel_close, kernels, mm
+
+pytestmark = pytest.mark.gpu
+RUNGS = kernels("matmul")  # every registered kernel, then "auto"
+
+
+@pytest.mark.parametrize("kernel", RUNGS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
+@pytest.mark.parametrize("shape", [(1, 4096, 4096), (257, 1000, 513), (2048, 2048, 2048), (4095, 129, 3000)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_large_shapes(kernel, dtype, layout, shape):
+    M, N, K = shape
+    a = torch.randn(K, M, device="cuda", dtype=dtype).mT if layout[0] == "T" else torch.randn(M, K, device="cuda", dtype=dtype)
+    b = torch.randn(N, K, device="cuda", dtype=dtype).mT if layout[1] == "T" else torch.randn(K, N, device="cuda", dtype=dtype)
+    out = mm(a, b, kernel=kernel)
+    assert_rel_close(out, matmul_reference(a, b), tolerance(dtype))
+
+
+@pytest.mark.parametrize("kernel", RUNGS)
+@pytest.mark.parametrize("activation", tilegemm.ACTIVATIONS)
+def test_bf16_epilogue(kernel, activation):
+    a = torch.randn(3, 300, 200, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(200, 170, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(170, device="cuda", dtype=torch.bfloat16)
+    c = torch.randn(300, 170, device="cuda", dtype=torch.bfloat16)
+    kw = dict(bias=bias, c=c, alpha=0.5, beta=2.0, activation=activation)
+    out = mm(a, b, kernel=kernel, **kw)
+    assert_rel_close(out, matmul_reference(a, b, **kw), tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kernel", RUNGS)
+def test_fp32_ieee_and_tf32(kernel):
+    a = torch.randn(777, 1025, device="cuda")
+    b = torch.randn(1025, 333, device="cuda")
+    ref = matmul_reference(a, b)
+    ieee = mm(a, b, kernel=kernel, precision="ieee")
+    tf32 = mm(a, b, kernel=kernel, precision="tf32")
+    assert relative_error(ieee, ref) < 1e-5
+    err = relative_error(tf32, ref)
+    assert 1e-5 < err < tolerance(torch.float32, "tf32"), "tf32 should be looser than IEEE but within bound"
+
+
+def test_large_batch_beyond_grid_limit():
+    a = torch.randn(70000, 4, 8, device="cuda", dtype=torch.float16)
+    b = torch.randn(70000, 8, 4, device="cuda", dtype=torch.float16)
+    out = tilegemm.matmul(a, b, kernel="grouped")
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
+
+
+def test_offsets_past_int32():
+    # A has 2^31 + 2^20 elements: offsets past 2^31 need 64-bit index arithmetic.
+    M, K, N = 65536 + 32, 32768, 16
+    a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+    out = tilegemm.matmul(a, b, kernel="grouped")
+    for rows in (slice(0, 256), slice(M - 256, M)):
+        assert_rel_close(out[rows], matmul_reference(a[rows], b), tolerance(torch.float16))
+
+
+def test_cuda_graph_capture():
+    a = torch.randn(512, 512, device="cuda", dtype=torch.float16)
+    b = torch.randn(512, 512, device="cuda", dtype=torch.float16)
+    tilegemm.matmul(a, b, kernel="grouped")  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tilegemm.matmul(a, b, kernel="grouped")
+    a.copy_(torch.randn_like(a))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
+
+
+def test_torch_compile_inductor():
+    def f(x, w):
+        return torch.relu(tilegemm.matmul(x, w, activation="gelu")) + 1.0
+
+    x = torch.randn(256, 512, device="cuda", dtype=torch.float16)
+    w = torch.randn(512, 128, device="cuda", dtype=torch.float16)
+    out = torch.compile(f, fullgraph=True)(x, w)
+    ref = torch.relu(matmul_reference(x, w, activation="gelu")) + 1.0
+    assert_rel_close(out, ref, tolerance(torch.float16))
+
+
+def test_import_does_not_touch_cuda_on_a_gpu_machine():
+    import subprocess
+    import sys
+
+    code = "import torch, tilegemm, sys; print(torch.cuda.is_initialized(), 'triton' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "False False", done.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8, torch.bool])
+def test_copy_on_gpu(dtype):
+    x = (torch.randn(3, 1000, 1001, device="cuda") * 100).to(dtype)
+    assert torch.equal(tilegemm.copy(x), x)
+    assert torch.equal(tilegemm.copy(x.transpose(0, 2)), x.transpose(0, 2))
+
+
+def test_copy_past_int32_elements():
+    x = torch.empty(2**31 + 1000, dtype=torch.uint8, device="cuda").random_()
+    out = tilegemm.copy(x)
+    assert torch.equal(out[-4096:], x[-4096:]) and torch.equal(out[:4096], x[:4096])
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.float16])
+def test_grey_on_gpu(dtype):
+    img = torch.randint(0, 256, (2, 3, 1080, 1920), device="cuda", dtype=torch.uint8)
+    img = img if dtype == torch.uint8 else img.to(dtype) / 255
+    f = img.float()
+    ref = 0.2989 * f[:, 0] + 0.5870 * f[:, 1] + 0.1140 * f[:, 2]
+    ref = (ref + 0.5).clamp(0, 255).to(torch.uint8) if dtype == torch.uint8 else ref.to(dtype)
+    out = tilegemm.rgb_to_grey(img)
+    atol = 1 if dtype == torch.uint8 else 1e-3
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=atol)
+    torch.testing.assert_close(tilegemm.rgb_to_grey(img[..., ::2]), ref[..., ::2], rtol=1e-3, atol=atol)
+
+
+def test_replayed_launches_compute_with_the_new_tensors():
+    from tilegemm.ops.matmul import replay
+
+    replay.clear()
+    shapes = [(96, 80, 64), (1, 4096, 512), (300, 200, 1000), (2048, 2048, 2048)]
+    kernels = ("grouped", "auto", "persistent_tma")
+    for M, N, K in shapes:
+        for kernel in kernels:
+            for trial in range(3):  # the first call records, later ones replay
+                a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+                b = torch.randn(N, K, device="cuda", dtype=torch.float16).mT
+                out = mm(a, b, kernel=kernel)
+                assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
+    # Every (shape, kernel) is recorded once, whatever its launch passes (pointers or host descriptors).
+    assert replay.count() == len(shapes) * len(kernels), "plain repeated calls should be replayed"
+
+
+def test_fp8_calls_with_scales_replay_with_the_new_scales():
+    from tilegemm.ops.matmul import replay
+
+    replay.clear()
+    e4m3 = torch.float8_e4m3fn
+    for kernel in ("auto", "persistent_tma", "autotuned"):
+        for out_dtype in (None, torch.float32):
+            for fast in (False, True):
+                for trial in range(3):  # the first call records, later ones replay with new data and scales
+                    a = torch.randn(256, 512, device="cuda").to(e4m3)
+                    b = torch.randn(384, 512, device="cuda").to(e4m3).mT
+                    scale_a = torch.rand(256, device="cuda") + 0.5  # per row
+                    scale_b = torch.tensor(0.25 * (trial + 1), device="cuda")
+                    out = mm(a, b, kernel=kernel, scale_a=scale_a, scale_b=scale_b,
+                                          out_dtype=out_dtype, fast_accum=fast)
+                    assert out.dtype == (out_dtype or torch.bfloat16)
+                    ref = (a.double() * scale_a.double()[:, None]) @ b.double() * scale_b.item()
+                    bound = tolerance(e4m3, out_dtype=out_dtype or torch.bfloat16, fast_accum=fast)
+                    assert_rel_close(out, ref, bound)
+    assert replay.count() >= 6, "fp8 calls with scales should be replayed"
+
+
+def test_replay_keys_separate_what_triton_specializes():
+    from tilegemm.ops.matmul import replay
+
+    replay.clear()
+    a = torch.randn(64, 64, device="cuda")
+    b = torch.randn(64, 64, device="cuda")
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert relative_error(tilegemm.matmul(a, b), matmul_reference(a, b)) < 1e-5
+        torch.set_float32_matmul_precision("high")
+        tilegemm.matmul(a, b)
+        assert 1e-5 < relative_error(tilegemm.matmul(a, b), matmul_reference(a, b)) < 1e-2
+    finally:
+        torch.set_float32_matmul_precision(old)
+    # a misaligned view and a transposed one are other keys
+    base = torch.randn(64 * 64 + 1, device="cuda")
+    a_off = base[1:].view(64, 64)
+    assert_rel_close(tilegemm.matmul(a_off, b, precision="ieee"), matmul_reference(a_off, b), 1e-5)
+    assert_rel_close(tilegemm.matmul(a.t(), b, precision="ieee"), matmul_reference(a.t(), b), 1e-5)
+    assert_rel_close(tilegemm.matmul(a, a, precision="ieee"), matmul_reference(a, a), 1e-5)  # aliased
+    assert_rel_close(tilegemm.matmul(a, b, alpha=3.0, precision="ieee"), matmul_reference(a, b, alpha=3.0), 1e-5)
+
+
+def test_calls_whose_tensors_alias_replay_only_for_calls_that_alias_the_same_way():
+    """x @ x.mT and one scale tensor passed as both scales are replayed (they were launched afresh every
+    time, 115-135 us of host time for an fp8 call); a later call of the same shapes that does not alias
+    must not take the aliased launch's slots."""
+    from tilegemm.ops.matmul import replay
+
+    replay.clear()
+    for trial in range(3):
+        x = torch.randn(256, 512, device="cuda", dtype=torch.float16)
+        assert_rel_close(tilegemm.matmul(x, x.mT), matmul_reference(x, x.mT), tolerance(torch.float16))
+    assert replay.count() == 1, "x @ x.mT should be replayed"
+    x, y = (torch.randn(256, 512, device="cuda", dtype=torch.float16) for _ in range(2))
+    assert_rel_close(tilegemm.matmul(x, y.mT), matmul_reference(x, y.mT), tolerance(torch.float16))
+    assert replay.count() == 2, "not aliased: another key"
+
+    replay.clear()
+    e4m3 = torch.float8_e4m3fn
+    for fast in (False, True):
+        for trial in range(3):
+            a = torch.randn(256, 512, device="cuda").to(e4m3)
+            b = torch.randn(384, 512, device="cuda").to(e4m3).mT
+            one = torch.tensor([0.5 * (trial + 1)], device="cuda")
+            out = tilegemm.matmul(a, b, scale_a=one, scale_b=one, fast_accum=fast)
+            ref = a.double() @ b.double() * one.item() ** 2
+            assert_rel_close(out, ref, tolerance(e4m3, out_dtype=torch.bfloat16, fast_accum=fast))
+        scale_a, scale_b = torch.tensor([2.0], device="cuda"), torch.tensor([0.25], device="cuda")
+        out = tilegemm.matmul(a, b, scale_a=scale_a, scale_b=scale_b, fast_accum=fast)
+        assert_rel_close(out, a.double() @ b.double() * 0.5, tolerance(e4m3, out_dtype=torch.bfloat16,
+                                                                          fast_accum=fast))
+    assert replay.count() == 4, "one shared scale and two scales are recorded apart"
+
+
+def test_replayed_copy_and_grey():
+    for _ in range(3):
+        x = torch.randn(1000, 37, device="cuda")
+        assert torch.equal(tilegemm.copy(x), x)
+        img = torch.randint(0, 256, (3, 64, 80), device="cuda", dtype=torch.uint8)
+        f = img.float()
+        ref = (0.2989 * f[0] + 0.5870 * f[1] + 0.1140 * f[2] + 0.5).to(torch.uint8)
+        torch.testing.assert_close(tilegemm.rgb_to_grey(img), ref, rtol=0, atol=1)
+
+
+def test_split_k_is_exact_on_the_shapes_that_raced():
+    # 16xNxK with K slices reduced by atomics: once wrong by up to 22% without a barrier.
+    for N, K in ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)):
+        a = torch.randn(16, K, device="cuda", dtype=torch.float16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+        ref = matmul_reference(a, b)
+        for _ in range(5):
+            assert_rel_close(tilegemm.matmul(a, b, kernel="split_k"), ref, tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("slices", [False, True], ids=["atomic", "slices"])
+def test_split_k_reductions_are_exact_and_slices_deterministic(slices):
+    from tilegemm.ops.matmul import split_k
+    from tilegemm.ops.matmul.problem import make_problems
+
+    for M, N, K, split in ((1, 4096, 4096, 4), (16, 1000, 3000, 3), (128, 4096, 4096, 8), (100, 257, 2049, 2)):
+        a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+        ref = matmul_reference(a, b)
+        cfg = dict(BLOCK_M=16 if M <= 16 else 64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4,
+                   SPLIT_K=split, SLICES=slices)
+        outs = []
+        for _ in range(4):
+            out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
+            split_k.run(make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0], cfg)
+            assert_rel_close(out, ref, tolerance(torch.float16))
+            outs.append(out)
+        if slices:  # the planes are added in slice order, whichever program came last
+            assert all(torch.equal(outs[0], o) for o in outs[1:])
+    for ws, count in split_k._workspaces.values():
+        assert not count.any(), "split_k must leave its counters at zero"
+
+
+def test_split_k_replays_on_its_stream_and_launches_afresh_on_another():
+    from tilegemm.ops.matmul import replay
+
+    replay.clear()
+    a = torch.randn(16, 4096, device="cuda", dtype=torch.float16)
+    b = torch.randn(4096, 1024, device="cuda", dtype=torch.float16)
+    ref = matmul_reference(a, b)
+    for _ in range(3):
+        assert_rel_close(tilegemm.matmul(a, b, kernel="split_k"), ref, tolerance(torch.float16))
+    assert replay.count() == 1, "split_k calls should be replayed"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        outs = [tilegemm.matmul(a, b, kernel="split_k") for _ in range(3)]
+    torch.cuda.current_stream().wait_stream(side)
+    for out in outs:
+        assert_rel_close(out, ref, tolerance(torch.float16))
+
+
+def test_replays_call_triton_launch_hooks():
+    from triton import knobs
+
+    a = torch.randn(64, 64, device="cuda", dtype=torch.float16)
+    b = torch.randn(64, 64, device="cuda", dtype=torch.float16)
+    tilegemm.matmul(a, b, kernel="grouped")  # recorded
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731 (a LazyDict)
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        out = tilegemm.matmul(a, b, kernel="grouped")  # replayed, through Triton's path for the hook
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen and "matmul" in seen[0]
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
+
+
+def test_tensors_on_another_gpu_than_the_current_one():
+    """Triton launches on the current device: tilegemm makes the tensors' device current for the call."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (ran on the 2-GPU machine kind)")
+    other = torch.device("cuda", 1)
+    a = torch.randn(300, 200, device=other, dtype=torch.float16)
+    b = torch.randn(200, 176, device=other, dtype=torch.float16)
+    ref = matmul_reference(a, b)
+    for current in (0, 1, 0):  # a replay recorded with one device current must not launch with another
+        with torch.cuda.device(current):
+            for kernel in RUNGS:
+                for _ in range(2):  # the second call takes the replay path
+                    out = mm(a, b, kernel=kernel)
+                    assert out.device == other
+                    torch.cuda.synchronize(other)
+                    assert_rel_close(out, ref, tolerance(torch.float16))
+            x = torch.randn(1000, 33, device=other).mT
+            assert torch.equal(tilegemm.copy(x), x)
+            img = torch.rand(2, 3, 64, 48, device=other)
+            grey = tilegemm.rgb_to_grey(img)
+            want = 0.2989 * img[:, 0] + 0.5870 * img[:, 1] + 0.1140 * img[:, 2]
+            assert grey.device == other and torch.allclose(grey, want, atol=1e-5)
+    assert torch.cuda.current_device() == 0

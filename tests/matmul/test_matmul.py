@@ -1,0 +1,305 @@
+"""Every rung x layout x odd shape x dtype x epilogue against a float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.ops.matmul.reference import matmul_reference, tolerance
+
+from conftest import assert_rel_close, kernels, mm
+
+RUNGS = kernels("matmul")  # every registered kernel, then "auto"
+SHAPES = [(1, 1, 1), (1, 17, 33), (17, 1, 5), (33, 65, 17), (100, 70, 129), (257, 31, 40)]
+LAYOUTS = ["NN", "NT", "TN", "TT"]
+
+
+def make_operand(rows: int, cols: int, transposed: bool, dtype, device, batch=()):
+    """A [*batch, rows, cols] operand; transposed ones are views of a [*batch, cols, rows] tensor."""
+    if transposed:
+        return torch.randn(*batch, cols, rows, dtype=dtype, device=device).mT
+    return torch.randn(*batch, rows, cols, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("kernel", RUNGS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_layouts_and_odd_shapes(kernel, layout, shape, dtype, device):
+    M, N, K = shape
+    a = make_operand(M, K, layout[0] == "T", dtype, device)
+    b = make_operand(K, N, layout[1] == "T", dtype, device)
+    a0, b0 = a.clone(), b.clone()
+    out = mm(a, b, kernel=kernel, precision="ieee")
+    assert out.dtype == dtype and out.device == a.device
+    assert_rel_close(out, matmul_reference(a, b), tolerance(dtype))
+    assert torch.equal(a, a0) and torch.equal(b, b0), "inputs were modified"
+
+
+@pytest.mark.parametrize("kernel", RUNGS)
+@pytest.mark.parametrize("activation", tilegemm.ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_fused_epilogue(kernel, activation, dtype, device):
+    M, N, K = 45, 37, 50
+    a = torch.randn(M, K, dtype=dtype, device=device)
+    b = torch.randn(K, N, dtype=dtype, device=device)
+    bias = torch.randn(N, dtype=dtype, device=device)
+    c = torch.randn(M, N, dtype=dtype, device=device)
+    kwargs = dict(bias=bias, c=c, alpha=0.5, beta=-1.5, activation=activation)
+    out = mm(a, b, kernel=kernel, precision="ieee", **kwargs)
+    assert_rel_close(out, matmul_reference(a, b, **kwargs), tolerance(dtype))
+
+
+@pytest.mark.parametrize("kernel", ["naive", "grouped", "autotuned"])
+def test_epilogue_parts_alone(kernel, device):
+    a = torch.randn(19, 23, device=device)
+    b = torch.randn(23, 29, device=device)
+    c = torch.randn(19, 29, device=device)
+    bias = torch.randn(29, device=device)
+    for kwargs in (dict(alpha=2.0), dict(bias=bias), dict(c=c), dict(c=c, beta=0.0), dict(activation="relu")):
+        out = mm(a, b, kernel=kernel, precision="ieee", **kwargs)
+        assert_rel_close(out, matmul_reference(a, b, **kwargs), 1e-5)
+
+
+@pytest.mark.parametrize("c_shape", [(37,), (1, 37), (45, 1), (1, 1), (3, 45, 37), (3, 1, 37)])
+def test_c_broadcasts(c_shape, device):
+    a = torch.randn(3, 45, 20, device=device)
+    b = torch.randn(20, 37, device=device)
+    c = torch.randn(*c_shape, device=device)
+    out = tilegemm.matmul(a, b, c=c, beta=0.75, precision="ieee")
+    assert_rel_close(out, matmul_reference(a, b, c=c, beta=0.75), 1e-5)
+
+
+@pytest.mark.parametrize("kernel", RUNGS)
+@pytest.mark.parametrize(
+    "a_shape,b_shape",
+    [
+        ((4, 33, 20), (4, 20, 17)),  # plain batch
+        ((4, 33, 20), (20, 17)),  # 2-D b shared by the batch
+        ((33, 20), (3, 20, 17)),  # 2-D a shared by the batch
+        ((2, 1, 33, 20), (3, 20, 17)),  # broadcast to [2, 3]
+        ((2, 3, 5, 9, 7), (1, 3, 1, 7, 4)),  # several batch dims
+    ],
+)
+def test_batched_broadcast(kernel, a_shape, b_shape, device):
+    a = torch.randn(*a_shape, dtype=torch.float16, device=device)
+    b = torch.randn(*b_shape, dtype=torch.float16, device=device)
+    out = mm(a, b, kernel=kernel)
+    assert out.shape == torch.matmul(a.float(), b.float()).shape
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
+
+
+def test_sliced_and_strided_views_read_in_place(device):
+    base_a = torch.randn(6, 80, 90, device=device, dtype=torch.float16)
+    base_b = torch.randn(90, 200, device=device, dtype=torch.float16)
+    a = base_a[::2, 5:70:3, 1:80]  # strided batch, rows and columns
+    b = base_b[1:80, ::4]  # non-unit column stride
+    assert not a.is_contiguous() and not b.is_contiguous()
+    out = tilegemm.matmul(a, b, kernel="grouped")
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
+
+
+def test_batch_dims_that_cannot_merge(device):
+    # The batch dims of a permuted tensor do not merge into one stride: the op loops over the outer one.
+    a = torch.randn(5, 3, 16, 24, device=device).permute(1, 0, 2, 3)
+    b = torch.randn(3, 5, 24, 8, device=device)
+    out = tilegemm.matmul(a, b, precision="ieee")
+    assert_rel_close(out, matmul_reference(a, b), 1e-5)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_out_dtype(out_dtype, device):
+    a = torch.randn(30, 40, dtype=torch.float16, device=device)
+    b = torch.randn(40, 20, dtype=torch.float16, device=device)
+    out = tilegemm.matmul(a, b, out_dtype=out_dtype)
+    assert out.dtype == out_dtype
+    assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16, out_dtype=out_dtype))
+
+
+@pytest.mark.parametrize("kernel", ["naive", "grouped", "autotuned"])
+def test_bf16(kernel, device):
+    a = torch.randn(2, 70, 33, dtype=torch.bfloat16, device=device)
+    b = torch.randn(33, 45, dtype=torch.bfloat16, device=device).mT.contiguous().mT
+    bias = torch.randn(45, dtype=torch.bfloat16, device=device)
+    out = mm(a, b, bias=bias, activation="silu", kernel=kernel)
+    assert out.dtype == torch.bfloat16
+    assert_rel_close(out, matmul_reference(a, b, bias=bias, activation="silu"), tolerance(torch.bfloat16))
+
+
+def test_fp32_precision_follows_torch_setting(device):
+    a = torch.randn(64, 64, device=device)
+    b = torch.randn(64, 64, device=device)
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        out = tilegemm.matmul(a, b)
+        assert_rel_close(out, matmul_reference(a, b), 1e-5)
+        torch.set_float32_matmul_precision("high")
+        out = tilegemm.matmul(a, b)  # tf32 on a GPU: a looser bound
+        assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float32, "tf32"))
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+@pytest.mark.parametrize("kernel", ["naive", "grouped", "autotuned"])
+def test_empty_dims(kernel, device):
+    a = torch.randn(0, 5, device=device)
+    b = torch.randn(5, 7, device=device)
+    assert mm(a, b, kernel=kernel).shape == (0, 7)
+    assert tilegemm.matmul(torch.randn(4, 5, device=device), torch.randn(5, 0, device=device)).shape == (4, 0)
+    assert tilegemm.matmul(torch.randn(0, 4, 5, device=device), b).shape == (0, 4, 7)
+
+
+@pytest.mark.parametrize("kernel", ["naive", "grouped", "autotuned"])
+def test_k_zero_gives_the_epilogue_of_zero(kernel, device):
+    a = torch.randn(9, 0, device=device)
+    b = torch.randn(0, 11, device=device)
+    c = torch.randn(9, 11, device=device)
+    bias = torch.randn(11, device=device)
+    out = mm(a, b, c=c, beta=2.0, bias=bias, activation="relu", kernel=kernel)
+    torch.testing.assert_close(out, torch.relu(2.0 * c + bias))
+    assert torch.equal(mm(a, b, kernel=kernel), torch.zeros(9, 11, device=device))
+
+
+def test_large_values_do_not_overflow_activation(device):
+    # gelu_tanh and silu go through exp(); huge inputs must give x or 0, not NaN.
+    a = torch.tensor([[1.0e4], [-1.0e4]], device=device)
+    b = torch.ones(1, 3, device=device)
+    for act, want_pos, want_neg in (("silu", 1.0e4, 0.0), ("gelu_tanh", 1.0e4, 0.0), ("gelu", 1.0e4, 0.0)):
+        out = tilegemm.matmul(a, b, activation=act, precision="ieee")
+        assert torch.isfinite(out).all(), act
+        torch.testing.assert_close(out[0], torch.full((3,), want_pos, device=device))
+        torch.testing.assert_close(out[1], torch.full((3,), want_neg, device=device), atol=1e-6, rtol=0)
+
+
+def test_tile_errors_see_one_bad_tile_and_unwritten_elements():
+    """The per-tile check the GPU tests use: one spoiled tile of 28 stands out, a NaN makes its tile inf,
+    edge tiles are judged on what is left of the matrix."""
+    from tilegemm.core.checks import relative_error, tile_errors, worst_tile_error
+
+    ref = torch.randn(1000, 776, dtype=torch.float64)
+    out = (ref + 1e-5 * torch.randn_like(ref)).float()
+    assert worst_tile_error(out, ref, 256, 128) < 1e-4
+    out[800:900, 10:20] += 1.0  # tile (3, 0), the ragged last row of tiles
+    out[300, 700] = float("nan")  # tile (1, 5)
+    errs = tile_errors(out, ref, 256, 128)
+    assert errs.shape == (4, 7)
+    assert errs[1, 5].item() == float("inf")
+    assert errs[3, 0].item() == pytest.approx(relative_error(out[768:, :128], ref[768:, :128]))
+    assert errs[3, 0] > 1e-2
+    bad = (errs > 1e-3).nonzero().tolist()
+    assert bad == [[1, 5], [3, 0]]
+    with pytest.raises(ValueError, match="2-D"):
+        tile_errors(out[0], ref[0], 256, 128)
+
+
+def test_replay_cache_keeps_aliased_calls_only_when_the_key_says_so():
+    """Tensors sharing a data pointer take the first one's slots in a replay; the cache keeps such a call
+    only when its key records the aliasing (tilegemm.matmul's does)."""
+    from tilegemm.core.launch import Launch, ReplayCache
+
+    class FakeCompiled:  # what Replay reads from a compiled Triton kernel
+        run = function = packed_metadata = None
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: None
+
+    x, out, scale = torch.randn(4, 4), torch.empty(4, 4), torch.ones(1)
+    params = [x, x.mT, out, scale, scale, 7]
+    cache = ReplayCache()
+    cache.store("k", [Launch(FakeCompiled(), (1, 1, 1), params)], (x, x.mT, out, scale, scale))
+    assert cache.get("k") is None, "aliased tensors are refused unless the key says how they alias"
+    cache.store("k", [Launch(FakeCompiled(), (1, 1, 1), params)], (x, x.mT, out, scale, scale), aliases_in_key=True)
+    assert cache.get("k").slots == [(0, 0, None), (1, 0, None), (2, 2, None), (3, 3, None), (4, 3, None)]
+
+
+def test_replays_encode_host_descriptors_once_per_base_address(monkeypatch):
+    """Under Triton 3.6's descriptor wrapper a replay expands the parameters itself, as the wrapper would,
+    and encodes a descriptor once per base address: the C launch gets what Triton's own path would pass."""
+    from triton.backends.nvidia import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from tilegemm.core import launch as tl_launch
+    from tilegemm.core.launch import Launch, Replay, _rebased
+
+    encodes = []
+
+    def fake_encode(arg, meta):  # stands for cuTensorMapEncodeTiled (no GPU here)
+        if meta is None:
+            return [arg.base, *arg.shape, *arg.strides, arg.padding == "nan", *arg.shape, *arg.strides]
+        encodes.append(arg.base.data_ptr())
+        return [("map", arg.base.data_ptr(), tuple(meta["block_size"])), *arg.shape, *arg.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", fake_encode)
+    monkeypatch.setattr(tl_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(tl_launch, "_raw_stream", lambda device: 0)
+    calls = []
+    signature = {"a": "tensordesc<fp16[64, 32]>", "out": "*fp16", "b": "tensordesc<fp16[32, 64]>", "n": "i32"}
+    metas = [dict(block_size=[64, 32]), None]  # a descriptor encoded on the host, one passed unencoded
+    inner = driver.wrap_handle_tensordesc(lambda *args: calls.append(args), signature, metas)
+
+    class Launcher:
+        launch, global_scratch_size, profile_scratch_size, num_ctas = inner, 0, 0, 1
+        launch_cooperative_grid = launch_pdl = False
+
+    class FakeCompiled:
+        run, function, packed_metadata = Launcher(), "fn", "packed"
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: None
+
+    def tensors():
+        return (torch.randn(64, 32, dtype=torch.float16), torch.empty(64, 64, dtype=torch.float16),
+                torch.randn(32, 64, dtype=torch.float16))
+
+    a, out, b = tensors()
+    da, db = TensorDescriptor(a, [64, 32], [32, 1], [64, 32]), TensorDescriptor(b, [32, 64], [64, 1], [32, 64])
+    replay = Replay(Launch(FakeCompiled(), (3, 1, 1), [da, out, db, 7], device=0), (a, out, b))
+    assert replay.expanded is not None
+    a2, out2, b2 = tensors()
+    for _ in range(3):
+        assert replay(a2, out2, b2)
+    ours = calls[-1]
+    # Triton's own wrapper, given the rebased descriptors, passes the same parameters.
+    inner(*ours[:13], _rebased(da, a2), out2, _rebased(db, b2), 7)
+    assert calls[-1] == ours and ours[:4] == (3, 1, 1, 0)
+    assert ours[13] == ("map", a2.data_ptr(), (64, 32)) and ours[18] is out2 and ours[19] is b2 and ours[-1] == 7
+    assert encodes.count(a2.data_ptr()) == 2, "encoded once by the replay (three calls), once by Triton's wrapper"
+    replay(a, out, b)
+    assert calls[-1][13] == ("map", a.data_ptr(), (64, 32)) and calls[-1][18] is out
+
+
+def test_replay_slots_take_host_descriptors_over_the_new_tensors():
+    """A host-side TMA descriptor among a launch's parameters gets a slot by its base's data pointer; a
+    replay passes a copy over the new tensor, with the recorded shape, strides, block and layout."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from tilegemm.core.launch import Launch, Replay, _rebased
+
+    class FakeCompiled:
+        run = function = packed_metadata = None
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: None
+
+    a, out, other = torch.randn(64, 32), torch.empty(64, 64), torch.randn(64, 32)
+    layout = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32)
+    desc = TensorDescriptor(a, [64, 32], [32, 1], [64, 32], layout)
+    replay = Replay(Launch(FakeCompiled(), (1, 1, 1), [desc, out, 5]), (a, out))
+    assert replay.slots == [(0, 0, desc), (1, 1, None)]
+    copy = _rebased(desc, other)
+    assert copy.base is other and desc.base is a
+    assert (copy.shape, copy.strides, copy.block_shape, copy.layout, copy.padding) == \
+        (desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding)
+    stranger = TensorDescriptor(torch.randn(64, 32), [64, 32], [32, 1], [64, 32], layout)
+    with pytest.raises(LookupError):
+        Replay(Launch(FakeCompiled(), (1, 1, 1), [stranger, out]), (a, out))
+    # Triton's own host descriptor (no layout) is taken the same way, never passed as recorded.
+    from triton.tools.tensor_descriptor import TensorDescriptor as TritonDescriptor
+
+    tdesc = TritonDescriptor(a, [64, 32], [32, 1], [64, 32])
+    replay = Replay(Launch(FakeCompiled(), (1, 1, 1), [out, tdesc]), (a, out))
+    assert replay.slots == [(0, 1, None), (1, 0, tdesc)]
+    assert _rebased(tdesc, other).base is other and _rebased(tdesc, other).block_shape == [64, 32]
