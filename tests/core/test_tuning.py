@@ -20,7 +20,9 @@ CFG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=4, num_warps=4, num_stage
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
+    """An empty tuning cache, with timing on (the call path times nothing unless asked: see the untimed tests)."""
     monkeypatch.setenv("TILEGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TILEGEMM_TUNE", "1")
     monkeypatch.setattr(tuning, "shipped_file", lambda: tmp_path / "shipped.json")
     tuning.forget()
     yield tmp_path
@@ -30,7 +32,7 @@ def cache(tmp_path, monkeypatch):
 def test_m_buckets():
     assert [tuning.m_bucket(m) for m in (1, 2, 3, 5, 16, 17, 100, 4096, 8192, 8193)] == \
         [1, 2, 4, 8, 16, 32, 128, 4096, 8192, 8193]
-    assert tuning.key("autotuned", 3, 7, 9, torch.float16, torch.float32) == "autotuned|M4|N7|K9|float16|float32|"
+    assert tuning.key("autotuned", 3, 7, 9, torch.float16, torch.float32) == "autotuned|M4|N7|K9|fp16|fp32|"
 
 
 def test_record_writes_atomically_and_survives_the_process(cache):
@@ -52,9 +54,9 @@ def test_damaged_file_is_ignored_with_a_warning_and_rebuilt(cache, damage):
     path.parent.mkdir(parents=True)
     path.write_text(damage)
     with pytest.warns(UserWarning, match="ignoring damaged tuning file"):
-        assert tuning.lookup("autotuned|M1|N1|K1|float16|float16|") is None
-    tuning.record("autotuned|M1|N1|K1|float16|float16|", CFG)
-    assert json.loads(path.read_text())["entries"]["autotuned|M1|N1|K1|float16|float16|"] == CFG
+        assert tuning.lookup("autotuned|M1|N1|K1|fp16|fp16|") is None
+    tuning.record("autotuned|M1|N1|K1|fp16|fp16|", CFG)
+    assert json.loads(path.read_text())["entries"]["autotuned|M1|N1|K1|fp16|fp16|"] == CFG
 
 
 def test_shipped_defaults_are_used_and_user_entries_win(cache):
@@ -102,9 +104,9 @@ def test_an_older_cache_file_does_not_shadow_todays_shipped_entries(cache):
 
 def test_disk_can_be_turned_off(cache, monkeypatch):
     monkeypatch.setenv("TILEGEMM_TUNING_CACHE", "0")
-    tuning.record("autotuned|M1|N2|K3|float16|float16|", CFG)
+    tuning.record("autotuned|M1|N2|K3|fp16|fp16|", CFG)
     assert not (cache / "cache").exists()
-    assert tuning.lookup("autotuned|M1|N2|K3|float16|float16|") == CFG  # memory still works
+    assert tuning.lookup("autotuned|M1|N2|K3|fp16|fp16|") == CFG  # memory still works
 
 
 def test_autotuned_launches_the_stored_config(cache, monkeypatch, device):
@@ -125,8 +127,8 @@ def test_layout_and_tf32_are_part_of_the_key(cache, device):
     tilegemm.matmul(a, b, kernel="autotuned", precision="tf32")
     tilegemm.matmul(a, b, kernel="autotuned", precision="ieee")
     keys = set(tuning._memory)
-    assert "autotuned|M32|N40|K48|tf32|float32|NT" in keys
-    assert "autotuned|M32|N40|K48|float32|float32|NT" in keys
+    assert "autotuned|M32|N40|K48|tf32|fp32|NT" in keys
+    assert "autotuned|M32|N40|K48|fp32|fp32|NT" in keys
 
 
 def test_autotuned_times_afresh_for_each_key(cache, device, monkeypatch):
@@ -150,9 +152,9 @@ def test_tune_command(cache, capsys):
     out = capsys.readouterr().out
     assert "autotuned|M32|N40|K56" in out and "persistent_tma|M32|N40|K56" in out
     saved = json.loads(tuning.cache_file().read_text())["entries"]
-    assert "autotuned|M32|N40|K56|float16|float16|NN" in saved
+    assert "autotuned|M32|N40|K56|fp16|fp16|NN" in saved
     assert main(["tune", "--rungs", "naive"]) == 2
-    assert "--rungs takes auto, autotuned, persistent_tma or split_k" in capsys.readouterr().err
+    assert "--kernels takes auto, autotuned, persistent_tma, split_k" in capsys.readouterr().err
 
 
 def test_lookup_or_tune_times_once_and_keeps_the_fastest(cache, monkeypatch):
@@ -331,7 +333,7 @@ def test_auto_times_split_k_against_persistent_tma_once_per_shape_class(cache, m
     assert dispatch.choose_kernel(problem(100)) == "persistent_tma"
     # Each rung ran once untimed (its own tuning happens there), then once in the timing.
     assert calls == ["split_k", "split_k", "persistent_tma", "persistent_tma"]
-    key = tuning.key("auto", 100, 4096, 1024, "float32", torch.float32, "NN")
+    key = tuning.key("auto", 100, 4096, 1024, "fp32", torch.float32, "NN")
     assert tuning.lookup(key) == {"rung": "persistent_tma"}
     # Same bucket (M 65..128): no timing again. M <= 16 goes to split_k without timing, and so does a
     # problem too small for its rung to matter next to the host's launch (64 x 64 x 64).
@@ -471,3 +473,58 @@ def test_timed_replays_compute_the_candidates_product_on_the_gpu(rung):
     torch.cuda.synchronize()
     assert len(launched) == 2, "the third call was not a replay"
     assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
+
+
+# --- no timing on the call path unless asked -----------------------------------------------------------------
+
+
+def test_untimed_calls_take_the_nearest_tuned_shape_class(cache, monkeypatch):
+    monkeypatch.setenv("TILEGEMM_TUNE", "0")
+    a, b, c = dict(id=1), dict(id=2), dict(id=3)
+    tuning.record("split_k|M16|N4096|K4096|fp16|fp16|NN", a)
+    tuning.record("split_k|M16|N28672|K8192|fp16|fp16|NN", b)
+    tuning.record("split_k|M16|N4096|K4096|bf16|bf16|NN", c)  # another dtype: never a neighbour
+    launched = []
+    got = tuning.lookup_or_tune("split_k|M16|N5000|K4000|fp16|fp16|NN", lambda: [a, b, c],
+                                lambda cfg: launched.append(cfg))
+    assert got == a and launched == [], "nothing is timed; the nearest class (N4096, K4096) wins"
+    assert tuning.lookup_or_tune("split_k|M16|N30000|K8000|fp16|fp16|NN", lambda: [a, b, c], None) == b
+    # A neighbour whose config this problem cannot use (not among its candidates) is passed over.
+    assert tuning.lookup_or_tune("split_k|M16|N4100|K4100|fp16|fp16|NN", lambda: [b, c], None) == b
+    # Nothing near: the fallback, then the first candidate.
+    assert tuning.lookup_or_tune("split_k|M16|N64|K64|fp32|fp32|NN", lambda: [c, b], None, lambda o: o[1]) == b
+    assert tuning.lookup_or_tune("split_k|M16|N64|K64|tf32|fp32|NN", lambda: [c, b], None) == c
+    # The untimed choice is remembered for the process but not written as tuned.
+    assert "split_k|M16|N5000|K4000|fp16|fp16|NN" not in json.loads(tuning.cache_file().read_text())["entries"]
+
+
+def test_timing_context_turns_timing_on(cache, monkeypatch):
+    monkeypatch.setenv("TILEGEMM_TUNE", "0")
+    assert not tuning.timing_enabled()
+    with tuning.timing():
+        assert tuning.timing_enabled()
+    assert not tuning.timing_enabled()
+
+
+def test_version_one_files_are_read_with_todays_dtype_names(cache):
+    old = {"schema": "tilegemm-tuned/1", "gpu": "x", "triton": "3.6.0", "entries": {
+        "autotuned|M16|N64|K64|float16|float16|NN": {"BLOCK_M": 16},
+        "persistent_tma|M16|N64|K64|float8_e4m3fnxfloat8_e5m2+fast|bfloat16|NT": {"BLOCK_M": 32}}}
+    (cache / "shipped.json").write_text(json.dumps(old))
+    tuning.forget()
+    assert tuning.lookup("autotuned|M16|N64|K64|fp16|fp16|NN") == {"BLOCK_M": 16}
+    assert tuning.lookup("persistent_tma|M16|N64|K64|fp8_e4m3xfp8_e5m2+fast|bf16|NT") == {"BLOCK_M": 32}
+
+
+def test_shipped_files_use_one_dtype_vocabulary():
+    import pathlib
+
+    import tilegemm
+
+    names = {"fp16", "bf16", "fp32", "tf32", "fp8_e4m3", "fp8_e5m2"}
+    for path in (pathlib.Path(tilegemm.__file__).parent / "tuned").glob("*.json"):
+        data = json.loads(path.read_text())
+        assert data["schema"] == tuning.SCHEMA
+        for k in data["entries"]:
+            dtype, out = k.split("|")[4:6]
+            assert set(dtype.split("+")[0].split("x")) <= names and out in names, k

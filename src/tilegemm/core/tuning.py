@@ -143,9 +143,78 @@ def lookup(k: str) -> dict | None:
     return dict(config) if config is not None else None
 
 
-def lookup_or_tune(k: str, candidates, launch) -> dict:
-    """The config known for key ``k``; else the fastest of ``candidates()``, timed through ``launch(config)``
-    and recorded, so that it is timed once per shape class.
+_timing = threading.local()
+
+
+def timing_enabled() -> bool:
+    """Whether a call on an unseen shape class may time candidates: only when asked, through
+    ``TILEGEMM_TUNE=1``, :func:`timing` (what ``tilegemm tune`` uses) or the tuner's own tests."""
+    if getattr(_timing, "on", False):
+        return True
+    return os.environ.get("TILEGEMM_TUNE", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+class timing:
+    """``with tuning.timing(): ...``: calls inside time the candidates of unseen shape classes and record the
+    fastest (this thread only)."""
+
+    def __enter__(self):
+        self.old = getattr(_timing, "on", False)
+        _timing.on = True
+        return self
+
+    def __exit__(self, *exc):
+        _timing.on = self.old
+
+
+def _parse(k: str):
+    """(rung, M, N, K, dtype, out dtype, layout) of a key, or None for a key of another form."""
+    parts = k.split("|")
+    if len(parts) != 7 or not all(p[:1] == c and p[1:].isdigit() for p, c in zip(parts[1:4], "MNK")):
+        return None
+    return parts[0], int(parts[1][1:]), int(parts[2][1:]), int(parts[3][1:]), parts[4], parts[5], parts[6]
+
+
+def nearest(k: str, options: list[dict]) -> dict | None:
+    """The config of the known shape class nearest to ``k`` that is one of ``options``, or None.
+
+    Near means: the same rung, operand and output dtypes; the smallest sum of |log2| ratios of M (bucketed),
+    N and K, half a step more for another layout. A config is taken only if it is among ``options`` (the
+    candidates valid for this problem), so a neighbour's choice that this problem cannot use is skipped.
+    """
+    import math
+
+    me = _parse(k)
+    if me is None:
+        return None
+    _load()
+    best, best_d = None, math.inf
+    for other, config in _memory.items():
+        them = _parse(other)
+        if them is None or them[0] != me[0] or them[4:6] != me[4:6] or config not in options:
+            continue
+        d = sum(abs(math.log2(x / y)) for x, y in zip(me[1:4], them[1:4])) + (0.5 if them[6] != me[6] else 0.0)
+        if d < best_d:
+            best, best_d = config, d
+    return dict(best) if best is not None else None
+
+
+def choose_untimed(k: str, options: list[dict], fallback=None) -> dict:
+    """A config for ``k`` without timing: the nearest known shape class's (:func:`nearest`), else
+    ``fallback(options)``, else the first option. Kept in memory for this process (not on disk: it was
+    not measured)."""
+    config = nearest(k, options)
+    if config is None:
+        config = fallback(options) if fallback is not None else options[0]
+    with _lock:
+        _memory[k] = dict(config)
+    return dict(config)
+
+
+def lookup_or_tune(k: str, candidates, launch, fallback=None) -> dict:
+    """The config known for key ``k``. Else, by default, the nearest known shape class's untimed
+    (:func:`choose_untimed`). Where timing is enabled (:func:`timing_enabled`), the fastest of
+    ``candidates()``, timed through ``launch(config)`` and recorded, so that it is timed once per shape class.
 
     Each candidate is timed by ``triton.testing.do_bench`` (median, L2 cleared before each call); one that
     fails to compile or launch is simply not chosen. A short first pass finds the field; the candidates
@@ -157,6 +226,8 @@ def lookup_or_tune(k: str, candidates, launch) -> dict:
     if config is not None:
         return config
     options = list(candidates())
+    if not timing_enabled():
+        return choose_untimed(k, options, fallback)
     if len(options) == 1:
         config = options[0]
     else:

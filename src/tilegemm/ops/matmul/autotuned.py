@@ -1,9 +1,11 @@
 """Rung 3, ``autotuned``: the grouped kernel with its block sizes, warps and stages chosen by timing.
 
-On the first call for a new shape class (M bucketed to a power of two, N, K, dtypes), Triton's autotuner times
-every candidate in :func:`tilegemm.ops.matmul.configs.autotune_configs` that suits the dtype (layout and
-tf32 are part of the key); the fastest is
-kept by :mod:`tilegemm.core.tuning` (memory, then disk), so later calls and later processes do not tune again.
+A shape class (M bucketed to a power of two, N, K, dtypes, layout) takes its tuned config, shipped or kept
+from an earlier tuning. An unseen one takes, untimed, the config of the nearest tuned class
+(:func:`tilegemm.core.tuning.nearest`), else :func:`filling_config`. Where timing is asked for
+(``tilegemm tune``, ``TILEGEMM_TUNE=1``), Triton's autotuner times every candidate in
+:func:`tilegemm.ops.matmul.configs.autotune_configs` that suits the dtype, and the fastest is kept by
+:mod:`tilegemm.core.tuning` (memory, then disk), so later calls and later processes do not tune again.
 """
 
 import triton
@@ -31,12 +33,32 @@ matmul_autotuned_kernel = triton.autotune(
 )(matmul_grouped_kernel)
 
 
+def filling_config(options: list[dict], p: GemmProblem) -> dict:
+    """With nothing tuned near ``p``: the largest tile that still gives every SM one, else the smallest tile
+    (a wave model: fewer, larger tiles reuse more of each load, as long as no SM idles)."""
+    from tilegemm.core.hardware import sm_count
+
+    sms = sm_count(p.out.device) if p.out.is_cuda else 1
+
+    def tiles(c):
+        return triton.cdiv(p.M, c["BLOCK_M"]) * triton.cdiv(p.N, c["BLOCK_N"]) * p.batch
+
+    filling = [c for c in options if tiles(c) >= sms]
+    if filling:
+        return max(filling, key=lambda c: (c["BLOCK_M"] * c["BLOCK_N"], c["BLOCK_K"]))
+    return min(options, key=lambda c: (c["BLOCK_M"] * c["BLOCK_N"], -c["BLOCK_K"]))
+
+
 def run(p: GemmProblem, config: dict | None = None) -> None:
     k = None
     if config is None:
         # A config tuned earlier for this shape class (M bucketed), in memory, on disk or shipped.
         k = tuning.key("autotuned", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
         config = tuning.lookup(k)
+        if config is None and not tuning.timing_enabled():
+            # Not timed unless asked: the nearest tuned shape class's config, else one that fills the GPU.
+            options = prune_for(autotune_configs(), p.a.element_size())
+            config = tuning.choose_untimed(k, options, lambda opts: filling_config(opts, p))
     if config is not None:
         flags = {**p.kernel_flags(), **config}
         launch(matmul_grouped_kernel, grid(p), p.kernel_args(), flags)

@@ -209,7 +209,8 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
             config = pick_config(p)
         else:
             k = tuning.key("split_k", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
-            config = tuning.lookup_or_tune(k, lambda: configs(p), lambda cfg: launch_config(p, cfg))
+            config = tuning.lookup_or_tune(k, lambda: configs(p), lambda cfg: launch_config(p, cfg),
+                                            fallback=lambda options: pick_config(p))
     launch_config(p, config)
 
 
