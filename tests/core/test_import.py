@@ -83,3 +83,21 @@ def test_torch_compile_after_tilegemm_still_interprets():
         """
     )
     assert out in ("30.0", "skip")
+
+
+def test_interpreter_warning_points_at_the_callers_line():
+    out = _run(
+        """
+        import os, warnings
+        os.environ["TILEGEMM_INTERPRET"] = "1"
+        import torch, tilegemm
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tilegemm.matmul(torch.randn(2, 3), torch.randn(3, 4))
+        found = [w for w in caught if w.category.__name__ == "InterpreterWarning"]
+        print(len(found), os.path.basename(found[0].filename), found[0].lineno)
+        """
+    )
+    count, filename, line = out.split()
+    assert count == "1" and filename not in ("runtime.py", "api.py", "dispatch.py"), out
+    assert int(line) == 7, f"the warning should name the line calling tilegemm.matmul: {out}"

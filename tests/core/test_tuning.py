@@ -126,7 +126,7 @@ def test_layout_and_tf32_are_part_of_the_key(cache, device):
     b = torch.randn(40, 48, device=device).T
     tilegemm.matmul(a, b, kernel="autotuned", precision="tf32")
     tilegemm.matmul(a, b, kernel="autotuned", precision="ieee")
-    keys = set(tuning._memory)
+    keys = set(tuning.entries())
     assert "autotuned|M32|N40|K48|tf32|fp32|NT" in keys
     assert "autotuned|M32|N40|K48|fp32|fp32|NT" in keys
 

@@ -195,7 +195,7 @@ def test_fp8_fast_accum_has_its_own_tuning_key(device):
     out = torch.empty(16, 16, device=device, dtype=torch.bfloat16)
     precise, fast = (make_problems(a, b, out, None, None, 1.0, 1.0, "none", "ieee", False, fast_accum=f)[0]
                      for f in (False, True))
-    assert precise.tuning_dtype == "float8_e4m3fn" and fast.tuning_dtype == "float8_e4m3fn+fast"
+    assert precise.tuning_dtype == "fp8_e4m3" and fast.tuning_dtype == "fp8_e4m3+fast"
     assert precise.kernel_flags()["FAST_ACCUM"] is False and fast.kernel_flags()["FAST_ACCUM"] is True
 
 
@@ -220,9 +220,9 @@ def test_fp8_bad_inputs_name_the_problem(device):
     a = fp8_operand(8, 16, False, E4M3, device)
     b = fp8_operand(16, 8, True, E4M3, device)
     half = torch.randn(16, 8, device=device, dtype=torch.float16)
-    with pytest.raises(TypeError, match="dtypes differ.*only float8"):
+    with pytest.raises(TypeError, match="dtypes differ.*only fp8"):
         tilegemm.matmul(a, half)
-    with pytest.raises(ValueError, match="scale_a applies to float8 inputs only"):
+    with pytest.raises(ValueError, match="scale_a applies to fp8 inputs only"):
         tilegemm.matmul(half.T.contiguous(), half, scale_a=torch.tensor(1.0, device=device))
     with pytest.raises(TypeError, match="scale_b must be float32"):
         tilegemm.matmul(a, b, scale_b=torch.ones(8, device=device, dtype=torch.float16))
@@ -234,11 +234,11 @@ def test_fp8_bad_inputs_name_the_problem(device):
         tilegemm.matmul(a, b, scale_a=2.0)
     with pytest.raises(TypeError, match="out_dtype"):
         tilegemm.matmul(a, b, out_dtype=E4M3)
-    with pytest.raises(TypeError, match="bias has unsupported dtype float8_e4m3fn"):
+    with pytest.raises(TypeError, match="bias has unsupported dtype fp8_e4m3"):
         tilegemm.matmul(a, b, bias=torch.zeros(8, device=device).to(E4M3))
     with pytest.raises(TypeError, match="no backward"):
         tilegemm.matmul(a.float().requires_grad_().to(E4M3), b)
-    with pytest.raises(ValueError, match="fast_accum applies to float8 inputs only; a is float16"):
+    with pytest.raises(ValueError, match="fast_accum applies to fp8 inputs only; a is fp16"):
         tilegemm.matmul(half.T.contiguous(), half, fast_accum=True)
     with pytest.raises(TypeError, match="fast_accum must be a bool, got str"):
         tilegemm.matmul(a, b, fast_accum="yes")

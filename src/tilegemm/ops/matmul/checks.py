@@ -108,7 +108,7 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
     fp8 = a.dtype in FP8_DTYPES
     if a.dtype != b.dtype and not (fp8 and b.dtype in FP8_DTYPES):
         raise TypeError(f"dtypes differ: a is {dtype_name(a.dtype)}, b is {dtype_name(b.dtype)} "
-                        "(only float8 e4m3fn and e5m2 mix)")
+                        "(only fp8_e4m3 and fp8_e5m2 mix)")
     shape = output_shape(a.shape, b.shape)
     named = {"a": a, "b": b}
     for name, scale, dim_name, vector_shapes in (
@@ -118,15 +118,15 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
         if scale is None:
             continue
         if not fp8:
-            raise ValueError(f"{name} applies to float8 inputs only; a is {dtype_name(a.dtype)}")
+            raise ValueError(f"{name} applies to fp8 inputs only; a is {dtype_name(a.dtype)}")
         _check_scale(name, scale, dim_name, vector_shapes)
         named[name] = scale
     if not isinstance(fast_accum, bool):
         raise TypeError(f"fast_accum must be a bool, got {type(fast_accum).__name__}")
     if fast_accum and not fp8:
-        raise ValueError(f"fast_accum applies to float8 inputs only; a is {dtype_name(a.dtype)}")
+        raise ValueError(f"fast_accum applies to fp8 inputs only; a is {dtype_name(a.dtype)}")
     if fp8 and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        raise TypeError("float8 matmul has no backward; call it under torch.no_grad() or detach the inputs")
+        raise TypeError("fp8 matmul has no backward; call it under torch.no_grad() or detach the inputs")
     if bias is not None:
         _check_float("bias", bias)
         if bias.dim() != 1 or bias.shape[0] != shape[-1]:
@@ -145,7 +145,7 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
     if fp8 and a.device.type == "cuda" and not interpreting():
         cc = torch.cuda.get_device_capability(a.device)
         if cc < (8, 9):
-            raise ValueError(f"float8 matmul needs a GPU of compute capability 8.9 or newer; {a.device} is "
+            raise ValueError(f"fp8 matmul needs a GPU of compute capability 8.9 or newer; {a.device} is "
                              f"{cc[0]}.{cc[1]}")
     if out_dtype is not None and out_dtype not in DTYPES:
         raise TypeError(f"out_dtype {out_dtype} is not supported; choose one of: float16, bfloat16, float32")
