@@ -84,7 +84,7 @@ def store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
 
 @triton.jit
 def reduce_and_store(acc, out_ptr, bias_ptr, ws_ptr, count_ptr, tile, split, offs_m, offs_n, M, N, stride_om,
-                     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SPLIT_K):
     """Split-K: hand this slice's partial tile over; the program that arrives last at the tile adds the
     slices in order (deterministic) and stores the result. Without split, store at once."""
     if SPLIT_K == 1:

@@ -29,7 +29,9 @@ def w4a16_dequant_kernel(qw_ptr, s_ptr, z_ptr, wt_ptr, K, N, group_k,
     z = tl.load(z_ptr + g[:, None] * N + n[None, :], mask=mask, other=0.0)
     dt = s.dtype
     for i in tl.static_range(8):
-        w = (((q >> (4 * i)) & 15).to(dt) - z) * s
+        # in fp32 (exact), rounded once: the same values as 16-bit arithmetic, and the interpreter's
+        # int-to-bf16 cast is wrong
+        w = ((((q >> (4 * i)) & 15).to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)).to(dt)
         tl.store(wt_ptr + (8 * r + i)[:, None].to(tl.int64) * N + n[None, :], w, mask=mask)
 
 

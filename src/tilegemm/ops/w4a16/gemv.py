@@ -34,7 +34,8 @@ def w4a16_gemv_kernel(
     M, N, K, group_k,
     stride_xm, stride_om,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K,
+    MAGIC: tl.constexpr = False,
 ):
     # This program: columns pid_n, rows pid_m, one slice of K (whole BLOCK_K steps).
     pid_n = tl.program_id(0)
@@ -66,7 +67,11 @@ def w4a16_gemv_kernel(
         x_ok = m_ok[:, None] & r_ok[None, :]
         for i in tl.static_range(8):
             xi = tl.load(x_rows + (8 * r + i)[None, :], mask=x_ok, other=0.0).to(tl.float32)  # [BM, BK/8]
-            qi = ((q >> (4 * i)) & 15).to(tl.float32)  # [BK/8, BN]
+            if MAGIC:
+                # 2^23 + v as fp32 bits, minus 2^23: integer ops and an FADD instead of a slower I2F.
+                qi = (((q >> (4 * i)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            else:
+                qi = ((q >> (4 * i)) & 15).to(tl.float32)  # [BK/8, BN]
             t += xi[:, :, None] * qi[None, :, :]
             u += xi
         acc += t * s[None, None, :] - u[:, :, None] * zs[None, None, :]

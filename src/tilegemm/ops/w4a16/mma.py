@@ -35,7 +35,7 @@ def w4a16_mma_kernel(
     stride_xm, stride_om,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K, UNPACK: tl.constexpr = "reshape", SWAP: tl.constexpr = False,
 ):
     # Which output tile (grouped order, so programs running together share x rows and weight columns in L2)
     # and which slice of K.
@@ -59,17 +59,32 @@ def w4a16_mma_kernel(
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # [BM, BK]
-        r = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8]
-        q = tl.load(qw_ptr + r[:, None].to(tl.int64) * N + offs_n[None, :],
-                    mask=(r[:, None] < K // 8) & n_ok[None, :], other=0)  # [BK/8, BN]
+        if UNPACK == "gather":
+            # Each of the eight rows of a packed row loads the same int32 (L1 serves the repeats).
+            q = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=(offs_k[:, None] < K) & n_ok[None, :], other=0)  # [BK, BN]
+            q = (q >> ((offs_k % 8) * 4)[:, None]) & 15
+        else:
+            r = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8]
+            q = tl.load(qw_ptr + r[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=(r[:, None] < K // 8) & n_ok[None, :], other=0)  # [BK/8, BN]
+            q = unpack_tile(q, BLOCK_K, BLOCK_N)
         g = k0 // group_k
         s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)  # [BN]
         z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0)
-        w = (unpack_tile(q, BLOCK_K, BLOCK_N).to(dt) - z[None, :]) * s[None, :]  # [BK, BN], dequantized
-        if UPCAST:  # bf16 under the interpreter: its dot is wrong for bf16, exact for fp32
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        if UPCAST:
+            # bf16 under the interpreter, whose int-to-bf16 casts and bf16 dots are wrong: dequantize in fp32
+            # (exact), round to bf16 as the GPU path does, multiply in fp32 (exact for bf16 values).
+            w = ((q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]).to(dt).to(tl.float32)
+            x = x.to(tl.float32)
         else:
-            acc = tl.dot(x, w.to(dt), acc)
+            w = (q.to(dt) - z[None, :]) * s[None, :]  # [BK, BN], dequantized
+        if SWAP:
+            # out.T = W @ x.T: the dequantized weights are wgmma's A operand, taken from registers.
+            acc_t = tl.dot(tl.trans(w), tl.trans(x), tl.trans(acc), input_precision="ieee" if UPCAST else None)
+            acc = tl.trans(acc_t)
+        else:
+            acc = tl.dot(x, w, acc, input_precision="ieee" if UPCAST else None)
 
     reduce_and_store(acc, out_ptr, bias_ptr, ws_ptr, count_ptr, tile, split, offs_m, offs_n, M, N, stride_om,
                      HAS_BIAS, ACTIVATION, SPLIT_K)
