@@ -23,38 +23,48 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# gemv: (BLOCK_N, BLOCK_K, num_warps, programs per SM, min steps per slice) by M bucket.
-_GEMV = {1: (128, 128, 4, 8, 2), 2: (128, 128, 4, 8, 2), 4: (128, 128, 4, 8, 2)}
+# gemv (M = 1): 128 columns x 64 K per step, 4 warps, K split to about 4 programs per SM. On an H100 at
+# 8192 x 8192 g128 that ran 45 us against 46-47 us for 256 columns or 8 or 16 programs per SM, and BLOCK_K=128
+# did not reach the top six (tools/w4a16_gpu_check.py, benchmarks/results/2026-11-23-h100/w4a16-f93179c).
+_GEMV = (128, 64, 4, 4, 2)  # BLOCK_N, BLOCK_K, num_warps, programs per SM, min steps per slice
 
 
 def gemv_config(M: int, N: int, K: int, device) -> dict:
-    bm = min(m_bucket(M), 4)
-    bn, bk, warps, per_sm, min_steps = _GEMV[bm]
-    tiles = _cdiv(N, bn) * _cdiv(M, bm)
+    bn, bk, warps, per_sm, min_steps = _GEMV
+    tiles = _cdiv(N, bn) * M
     split = split_for(tiles, _cdiv(K, bk), sm_count(device), per_sm, min_steps)
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=1)
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=1)
 
 
-# mma: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, programs per SM, min steps per slice) by M bucket.
+# mma: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP, programs per SM, min steps per slice) by M
+# bucket. H100, 8192 x 8192 g128 fp16 (same results): M=16 best 16x64x128, 3 stages, the weights as the MMA's
+# A operand (SWAP), 4 slices: 42.5 us (1.41x cuBLAS; 43.6 us without SWAP); M=64 64x128x128, 3 stages, 4
+# slices: 53.8 us (1.13x); M=256 128x128x128, 8 warps, 2 slices: 156 us (0.42x); M=4096 256x128x64: 0.43x.
+# The gather unpacking (eight loads of each int32) never won; BLOCK_N=256 and 128x128x128 with 4 stages run
+# out of shared memory.
 _MMA = {
-    16: (16, 64, 128, 4, 4, 4, 2),
-    32: (32, 64, 128, 4, 4, 4, 2),
-    64: (64, 64, 128, 4, 4, 2, 4),
-    128: (64, 128, 64, 4, 4, 2, 4),
-    256: (128, 128, 64, 8, 4, 1, 8),
+    16: (16, 64, 128, 4, 3, True, 4, 2),
+    32: (32, 64, 128, 4, 3, True, 4, 2),
+    64: (64, 128, 128, 4, 3, False, 2, 4),
+    128: (64, 128, 128, 4, 3, False, 2, 4),
+    256: (128, 128, 128, 8, 3, False, 1, 8),
+    1024: (128, 128, 64, 8, 4, False, 1, 8),
 }
 
 
 def mma_config(M: int, N: int, K: int, device) -> dict:
-    bm, bn, bk, warps, stages, per_sm, min_steps = _MMA[min(max(m_bucket(M), 16), 256)]
+    bucket = max(b for b in _MMA if b <= max(m_bucket(M), 16))
+    bm, bn, bk, warps, stages, swap, per_sm, min_steps = _MMA[bucket]
     tiles = _cdiv(M, bm) * _cdiv(N, bn)
     split = split_for(tiles, _cdiv(K, bk), sm_count(device), per_sm, min_steps)
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, num_warps=warps, num_stages=stages)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, SWAP=swap, num_warps=warps,
+                num_stages=stages)
 
 
-# auto: the kernel per M bucket (up to and including the bound).
-GEMV_MAX_M = 4
-MMA_MAX_M = 1 << 30  # dequant_cublas is not picked unless measured faster
+# auto, by M: gemv for one row, mma up to MMA_MAX_M, dequant_cublas above. On the H100 (f93179c) at M >= 1024
+# dequant_cublas ran 0.86x-0.90x cuBLAS where mma ran 0.38x-0.43x; at M=256 it won 3 of 5 llm shapes.
+GEMV_MAX_M = 1
+MMA_MAX_M = 128
 
 
 def choose(M: int) -> str:

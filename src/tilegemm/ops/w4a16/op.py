@@ -9,6 +9,7 @@ import torch
 
 from tilegemm.core import registry
 from tilegemm.core.runtime import check_device, interpreting, new_output, on_device
+from tilegemm.ops.matmul.op import _plain_call
 from tilegemm.ops.w4a16 import configs
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, validate
 
@@ -169,5 +170,8 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     x2 = x.reshape(-1, x.shape[-1])
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)  # act-order: the stored weight rows are sorted by group
-    out = _w4a16_op(x2, w.qweight, w.scales, w.zeros, bias, w.group_k, activation, kernel)
+    args = (x2, w.qweight, w.scales, w.zeros, bias, w.group_k, activation, kernel)
+    # Dispatch through torch.ops costs tens of microseconds of host time, more than an M=1 kernel; a call that
+    # no tracer, mode or autograd needs to see skips it (as tilegemm.matmul does).
+    out = _forward(*args) if _plain_call(x2, bias) else _w4a16_op(*args)
     return out.reshape(*lead, w.shape[0])
