@@ -20,9 +20,9 @@ def test_adapter():
     llm = op.cases("llm")
     assert len(llm) == 55 and llm[0].dims == dict(M=1, N=4096, K=4096)
     case = op.parse_shape("1,8192,8192")
-s/s
+    # 8192 x 8192 g128: 32 MiB of nibbles + 2 MiB of scales and zeros; 8 us is about 4.5 TB/s
     assert op.weight_bytes(8192, 8192) == 8192 * 8192 // 2 + 2 * 64 * 8192 * 2
-    assert abs(op.weight_gbps(case, 0.008) - 4325) < 5
+    assert abs(op.weight_gbps(case, 0.008) - 4456.4) < 1
 
 
 def test_import_needs_no_triton():
