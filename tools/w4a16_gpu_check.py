@@ -66,7 +66,7 @@ def problem(x, w, out=None):
 def section_check() -> None:
     rows = []
     for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1e-2)):
-        for (N, K, g) in ((4096, 4096, 128), (1032, 512, -1), (264, 768, 32)):
+        for (N, K, g) in ((4096, 4096, 128), (264, 768, 32)):
             W = torch.randn(N, K, device="cuda", dtype=dtype)
             w = w4a16.quantize(W, g)
             dq = w4a16.dequantize(w).double()
@@ -92,7 +92,7 @@ def section_check() -> None:
 def per_sm_splits(mod, p, cfg, sms, per_sm_list):
     from tilegemm.ops.w4a16.configs import split_for
 
-    tiles = -(-p.N // cfg["BLOCK_N"]) * -(-p.M // cfg["BLOCK_M"])
+    tiles = -(-p.N // cfg["BLOCK_N"]) * -(-p.M // cfg.get("BLOCK_M", 1))
     steps = -(-p.K // cfg["BLOCK_K"])
     return sorted({split_for(tiles, steps, sms, ps, 1) for ps in per_sm_list})
 
@@ -135,11 +135,10 @@ def section_gemv(budget) -> None:
     from tilegemm.ops.w4a16 import gemv
 
     def cfgs(M):
-        bm = min(4, 1 << (M - 1).bit_length())
         for bn, bk, warps, magic in itertools.product((64, 128, 256), (64, 128), (4, 8), (False, True)):
-            yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, MAGIC=magic)
+            yield dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, MAGIC=magic)
 
-    RESULTS["gemv"] = explore("gemv", gemv, [(8192, 8192), (4096, 4096)], [1], cfgs, (2, 4, 8, 16, 32), budget)
+    RESULTS["gemv"] = explore("gemv", gemv, [(8192, 8192), (4096, 4096)], [1], cfgs, (2, 4, 8, 16), budget)
     save()
 
 
@@ -229,7 +228,7 @@ def main() -> None:
     RESULTS["meta"]["triton"] = triton.__version__
     print(RESULTS["meta"], flush=True)
     sections = args.sections.split(",")
-    budgets = {"gemv": 0.35, "mma": 0.7, "table": 1.0}
+    budgets = {"gemv": 0.45, "mma": 0.7, "table": 1.0}
     for name in sections:
         t = time.time()
         try:
