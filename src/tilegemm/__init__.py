@@ -16,10 +16,11 @@ from tilegemm.core.registry import kernels  # noqa: E402
 from tilegemm.core.runtime import interpreting  # noqa: E402
 from tilegemm.ops.guide import copy, rgb_to_grey  # noqa: E402
 from tilegemm.ops.matmul import ACTIVATIONS, matmul  # noqa: E402
+from tilegemm.ops import w4a16  # noqa: E402
 
 from tilegemm.core import __version__  # noqa: E402
 
-__all__ = ["ACTIVATIONS", "__version__", "copy", "interpreting", "kernels", "matmul", "rgb_to_grey"]
+__all__ = ["ACTIVATIONS", "__version__", "copy", "interpreting", "kernels", "matmul", "rgb_to_grey", "w4a16"]
 
 
 def __getattr__(name: str):

@@ -1,0 +1,46 @@
+"""W4A16: fp16/bf16 activations times 4-bit weights (``activation(x @ dequantize(w).T + bias)``).
+
+The format (:class:`Int4Weight`, quantize, importers) is in :mod:`.format`, the public op in :mod:`.op`, one
+file per kernel (:mod:`.gemv`, :mod:`.mma`, :mod:`.dequant_cublas`), their configs in :mod:`.configs`.
+Nothing here imports triton: a kernel module is imported when its kernel first runs.
+"""
+
+import torch as _torch
+
+from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
+
+register_op(OpSpec(
+    name="w4a16", summary="4-bit weights (group-wise scales and zeros) times fp16/bf16 activations",
+    bench="tilegemm.ops.w4a16.bench:W4A16Bench",
+    pseudo={"auto": "picks the kernel by M: gemv for a few rows, mma above (the default)"},
+))
+register(KernelSpec(
+    op="w4a16", name="gemv", order=10, target="tilegemm.ops.w4a16.gemv:run",
+    summary="CUDA cores, split-K: wide loads of packed weights, zero/scale out of the inner loop (small M)",
+))
+register(KernelSpec(
+    op="w4a16", name="mma", order=20, target="tilegemm.ops.w4a16.mma:run",
+    summary="tensor cores: weights dequantized in registers before tl.dot, split-K when tiles are few",
+))
+register(KernelSpec(
+    op="w4a16", name="dequant_cublas", order=30, target="tilegemm.ops.w4a16.dequant_cublas:run",
+    summary="dequantize the weight to 16-bit (one Triton pass), then torch.matmul (cuBLAS): a large-M candidate",
+))
+
+from tilegemm.ops.w4a16.format import (  # noqa: E402
+    GROUP_SIZES,
+    Int4Weight,
+    dequantize,
+    from_awq,
+    from_gptq,
+    quantize,
+)
+from tilegemm.ops.w4a16.op import ACTIVATIONS, matmul  # noqa: E402
+
+# torch.load(weights_only=True), torch's default, rebuilds an Int4Weight from tensors and ints only.
+_torch.serialization.add_safe_globals([Int4Weight])
+from tilegemm.ops.w4a16.format import _rebuild  # noqa: E402
+
+_torch.serialization.add_safe_globals([_rebuild])
+
+__all__ = ["ACTIVATIONS", "GROUP_SIZES", "Int4Weight", "dequantize", "from_awq", "from_gptq", "matmul", "quantize"]

@@ -1,0 +1,98 @@
+"""The bench adapter of W4A16: llm sweeps, cuBLAS fp16/bf16 (F.linear with the dense weight) as the baseline,
+work in FLOPs (``2 M N K``); the weight traffic in GB/s is :meth:`W4A16Bench.weight_gbps`.
+
+torch's own int4 kernel (tinygemm, bf16) is the second baseline, recorded by tools/w4a16_gpu_check.py (the
+bench table has one baseline column).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
+
+_LLM_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 8192)]
+_LLM_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+GROUP_SIZE = 128
+
+
+def _case(m: int, n: int, k: int, x: float | None = None) -> Case:
+    return Case(f"{m}x{n}x{k}", dict(M=m, N=n, K=k), float(x if x is not None else m))
+
+
+def _llm_cases() -> list[Case]:
+    return [_case(m, n, k, x=i * len(_LLM_M) + j) for i, (n, k) in enumerate(_LLM_NK) for j, m in enumerate(_LLM_M)]
+
+
+class W4A16Bench(BenchOp):
+    name = "w4a16"
+    metric = "TFLOPS"
+    baseline_name = "cuBLAS (dense 16-bit weight)"
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    sweeps = {
+        "llm": _llm_cases,
+        "decode": lambda: [_case(m, 8192, 8192) for m in (1, 2, 4, 8, 16, 32, 64)],
+        "tiny": lambda: [_case(m, n, k) for m, n, k in ((1, 64, 128), (3, 96, 256), (17, 64, 128))],
+    }
+    gpu_sweep = "llm"
+    cpu_sweep = "tiny"
+    shape_help = "M,N,K (e.g. 16,8192,8192; K a multiple of 128)"
+
+    def parse_shape(self, text: str) -> Case:
+        parts = re.split(r"[,x\s]+", text.strip())
+        try:
+            m, n, k = (int(p) for p in parts)
+        except ValueError:
+            raise BenchError(f"malformed w4a16 shape {text!r}: expected {self.shape_help}") from None
+        if min(m, n, k) < 1 or k % GROUP_SIZE:
+            raise BenchError(f"malformed w4a16 shape {text!r}: sizes must be >= 1 and K a multiple of {GROUP_SIZE}")
+        return _case(m, n, k)
+
+    def prepare(self, case, dtype, device, n_sets, options):
+        from tilegemm import w4a16
+
+        M, N, K = case.dims["M"], case.dims["N"], case.dims["K"]
+        tdtype = self.dtypes[dtype]
+        sets = []
+        for _ in range(n_sets):
+            dense = torch.randn(N, K, device=device, dtype=tdtype) * 0.02
+            w = w4a16.quantize(dense, GROUP_SIZE)
+            # The baseline multiplies by the dequantized weight, so it computes the same result.
+            sets.append(dict(x=torch.randn(M, K, device=device, dtype=tdtype), w=w, dense=w4a16.dequantize(w)))
+        first = sets[0]
+        reference = first["x"].double() @ first["dense"].double().T
+        return Prepared(sets, reference, bytes_per_set=first["w"].nbytes + (M * K + M * N) * tdtype.itemsize)
+
+    def run(self, kernel, inputs, dtype):
+        from tilegemm import w4a16
+
+        return w4a16.matmul(inputs["x"], inputs["w"], kernel=kernel)
+
+    def baseline(self, inputs, dtype):
+        return torch.nn.functional.linear(inputs["x"], inputs["dense"])
+
+    def overhead_probe(self, device):
+        from tilegemm import w4a16
+
+        dense = torch.randn(64, 128, device=device, dtype=torch.float16)
+        w = w4a16.quantize(dense, GROUP_SIZE)
+        x = torch.randn(1, 128, device=device, dtype=torch.float16)
+        return (lambda: w4a16.matmul(x, w)), (lambda: torch.nn.functional.linear(x, dense))
+
+    def work(self, case, dtype, options):
+        d = case.dims
+        return 2.0 * d["M"] * d["N"] * d["K"]
+
+    @staticmethod
+    def weight_bytes(N: int, K: int, dtype_size: int = 2) -> int:
+        """Bytes of a g128 4-bit weight: packed values plus scales and zeros."""
+        return N * K // 2 + 2 * (K // GROUP_SIZE) * N * dtype_size
+
+    def weight_gbps(self, case: Case, ms: float) -> float:
+        """GB/s of weight traffic at a time of ``ms`` milliseconds (the M=1 roofline's measure)."""
+        return self.weight_bytes(case.dims["N"], case.dims["K"]) / (ms * 1e-3) / 1e9
+
+    def tolerance(self, dtype):
+        return {"fp16": 2e-3, "bf16": 1e-2}[dtype]

@@ -1,0 +1,76 @@
+"""Launch configs of the W4A16 kernels: a small table keyed by M bucket, the number of K slices computed
+from the grid and the GPU's SM count. No timing on the call path.
+
+The tables come from tools/w4a16_gpu_check.py runs (see docs/w4a16.md for the measurements).
+"""
+
+from __future__ import annotations
+
+from tilegemm.core.hardware import sm_count
+from tilegemm.core.tuning import m_bucket
+
+
+def split_for(tiles: int, steps: int, sms: int, programs_per_sm: int, min_steps: int) -> int:
+    """K slices (a power of two) so that ``tiles * split`` reaches ``programs_per_sm * sms`` programs while
+    each slice keeps at least ``min_steps`` BLOCK_K steps."""
+    split = 1
+    while tiles * split < programs_per_sm * sms and steps // (2 * split) >= min_steps:
+        split *= 2
+    return split
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# gemv (M = 1): 64 columns x 128 K per step, 4 warps, the int-to-float trick, K split to about 8 programs per
+# SM. On an H100 (g128 fp16, kernel launched directly) that ran 29.6 us at 8192 x 8192 (2.02x cuBLAS; 128
+# columns: 31.4 us) and 12.4 us at 4096 x 4096 (1.85x); MAGIC bought 1-3% (tools/w4a16_gpu_check.py,
+# benchmarks/results/2026-11-23-h100/w4a16-6cb233e). The first, 3-D form of this kernel ran 45 us (f93179c).
+_GEMV = (64, 128, 4, 8, 2, True)  # BLOCK_N, BLOCK_K, num_warps, programs per SM, min steps per slice, MAGIC
+
+
+def gemv_config(M: int, N: int, K: int, device) -> dict:
+    bn, bk, warps, per_sm, min_steps, magic = _GEMV
+    tiles = _cdiv(N, bn) * M
+    split = split_for(tiles, _cdiv(K, bk), sm_count(device), per_sm, min_steps)
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, MAGIC=magic, num_warps=warps, num_stages=1)
+
+
+# mma: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP, programs per SM, min steps per slice) by M
+# bucket. H100, 8192 x 8192 g128 fp16 (same results): M=16 best 16x64x128, 3 stages, the weights as the MMA's
+# A operand (SWAP), 4 slices: 42.5 us (1.41x cuBLAS; 43.6 us without SWAP); M=64 64x128x128, 3 stages, 4
+# slices: 53.8 us (1.13x); M=256 128x128x128, 8 warps, 2 slices: 156 us (0.42x); M=4096 256x128x64: 0.43x.
+# The gather unpacking (eight loads of each int32) never won; BLOCK_N=256 and 128x128x128 with 4 stages run
+# out of shared memory.
+_MMA = {
+    16: (16, 64, 128, 4, 3, True, 4, 2),
+    32: (32, 64, 128, 4, 3, True, 4, 2),
+    64: (64, 128, 128, 4, 3, False, 2, 4),
+    128: (64, 128, 128, 4, 3, False, 2, 4),
+    256: (128, 128, 128, 8, 3, False, 1, 8),
+    1024: (128, 128, 64, 8, 4, False, 1, 8),
+}
+
+
+def mma_config(M: int, N: int, K: int, device) -> dict:
+    bucket = max(b for b in _MMA if b <= max(m_bucket(M), 16))
+    bm, bn, bk, warps, stages, swap, per_sm, min_steps = _MMA[bucket]
+    tiles = _cdiv(M, bm) * _cdiv(N, bn)
+    split = split_for(tiles, _cdiv(K, bk), sm_count(device), per_sm, min_steps)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, SWAP=swap, num_warps=warps,
+                num_stages=stages)
+
+
+# auto, by M: gemv for one row, mma up to MMA_MAX_M, dequant_cublas above. On the H100 (f93179c) at M >= 1024
+# dequant_cublas ran 0.86x-0.90x cuBLAS where mma ran 0.38x-0.43x; at M=256 it won 3 of 5 llm shapes.
+GEMV_MAX_M = 1
+MMA_MAX_M = 128
+
+
+def choose(M: int) -> str:
+    if M <= GEMV_MAX_M:
+        return "gemv"
+    if M <= MMA_MAX_M:
+        return "mma"
+    return "dequant_cublas"

@@ -1,0 +1,366 @@
+"""The house's 4-bit weight format, :class:`Int4Weight`: quantize, dequantize, and import GPTQ / AWQ checkpoints.
+
+A linear weight ``W`` is ``[N, K]`` (``y = x @ W.T``), cut along K into ``G = K / group_size`` groups. Held as:
+
+- ``qweight`` int32 ``[K/8, N]``: packed along K, nibble ``i`` of ``qweight[r, n]`` is ``q[k = 8r + i, n]``
+  (GPTQ v1's own layout, so a GPTQ checkpoint imports without repacking). K-major because the kernels
+  walk K for a block of N columns: a warp reads a row of ``qweight`` as 16-byte vectors along N (coalesced),
+  and every int32 it holds is eight K steps of one output column, so no thread needs another's nibbles.
+- ``scales`` and ``zeros`` ``[G, N]`` in the weight's dtype (fp16 or bf16), contiguous along N like the
+  packed rows. The zero point is an integer (0..16: GPTQ v1's stored zero plus one reaches 16) held as a
+  float, so a kernel dequantizes with one subtraction and one multiplication in 16-bit, bit for bit like
+  :func:`dequantize`: ``W.T[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]``, ``g = k // group_size``.
+- ``perm`` int64 ``[K]`` or None: act-order GPTQ checkpoints quantized the rows of ``W.T`` in another order; they
+  are stored sorted by group, and ``x[..., perm]`` is what multiplies them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP_SIZES = (32, 64, 128, 256, -1)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
+_SHIFTS = torch.arange(8, dtype=torch.int32) * 4
+
+
+# --- packing: eight 4-bit values per int32 ----------------------------------------------------------------
+
+
+def pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """``q`` ``[K, N]`` of values 0..15 -> int32 ``[K/8, N]``, nibble ``i`` of row ``r`` holding ``q[8r + i]``."""
+    K, N = q.shape
+    q = q.to(torch.int64).reshape(K // 8, 8, N)
+    word = (q << _SHIFTS.to(q.device, torch.int64)[None, :, None]).sum(dim=1)  # [K/8, N], 0 .. 2^32 - 1
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)  # the same bits as int32
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_rows`: int32 ``[R, N]`` -> uint8 ``[8R, N]``."""
+    R, N = packed.shape
+    shifts = _SHIFTS.to(packed.device)[None, :, None]
+    return ((packed[:, None, :] >> shifts) & 15).reshape(8 * R, N).to(torch.uint8)
+
+
+def pack_cols(q: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    """``q`` ``[R, N]`` of values 0..15 -> int32 ``[R, N/8]``, nibble ``i`` of word ``c`` holding
+    ``q[:, 8c + order[i]]`` (GPTQ's qzeros: the plain order; AWQ: :data:`AWQ_ORDER`)."""
+    R, N = q.shape
+    q = q.to(torch.int32).reshape(R, N // 8, 8)[:, :, list(order)]
+    return pack_rows(q.permute(2, 0, 1).reshape(8, R * (N // 8))).reshape(R, N // 8)
+
+
+def unpack_cols(packed: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    """Inverse of :func:`pack_cols`: int32 ``[R, C]`` -> uint8 ``[R, 8C]``."""
+    R, C = packed.shape
+    nibbles = unpack_rows(packed.reshape(1, R * C)).reshape(8, R, C).permute(1, 2, 0)  # [R, C, 8] by nibble
+    out = torch.empty_like(nibbles)
+    out[:, :, list(order)] = nibbles
+    return out.reshape(R, 8 * C)
+
+
+# --- the weight --------------------------------------------------------------------------------------------
+
+
+class Int4Weight:
+    """A 4-bit weight of logical shape ``[N, K]``; see the module docstring for the layout.
+
+    Make one with :func:`quantize`, :func:`from_gptq` or :func:`from_awq`. ``.to(device)`` / ``.to(dtype)``
+    move it or change the dtype of its scales; :meth:`state_dict` / :meth:`from_state_dict` and ``torch.save``
+    keep it; ``nbytes`` is what it occupies.
+    """
+
+    __slots__ = ("qweight", "scales", "zeros", "perm", "group_size", "shape")
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, shape: tuple[int, int], perm: torch.Tensor | None = None):
+        self.qweight = qweight  # int32 [K/8, N]
+        self.scales = scales  # [G, N], fp16 or bf16
+        self.zeros = zeros  # [G, N], scales' dtype, integer values
+        self.perm = perm  # int64 [K] or None
+        self.group_size = int(group_size)  # as asked: 32..256, or -1 for all of K
+        self.shape = (int(shape[0]), int(shape[1]))  # (N, K)
+        validate(self)
+
+    # The group length along K that the kernels step by (group_size, or K for -1).
+    @property
+    def group_k(self) -> int:
+        return self.shape[1] if self.group_size == -1 else self.group_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        return dict(qweight=self.qweight, scales=self.scales, zeros=self.zeros, perm=self.perm)
+
+    def to(self, *args, **kwargs) -> "Int4Weight":
+        """Like ``Tensor.to``: a device moves every tensor; a float dtype converts scales and zeros only."""
+        device, dtype = _to_args(args, kwargs)
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise TypeError(f"an Int4Weight's scales are float16 or bfloat16, not {dtype}")
+        move = (lambda t: None if t is None else t.to(device)) if device is not None else (lambda t: t)
+        scales, zeros = move(self.scales), move(self.zeros)
+        if dtype is not None:
+            scales, zeros = scales.to(dtype), zeros.to(dtype)
+        return Int4Weight(move(self.qweight), scales, zeros, self.group_size, self.shape, move(self.perm))
+
+    def cuda(self, device=None) -> "Int4Weight":
+        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device)
+                       if isinstance(device, int) else device)
+
+    def cpu(self) -> "Int4Weight":
+        return self.to("cpu")
+
+    def state_dict(self) -> dict:
+        d = {k: v for k, v in self.tensors().items() if v is not None}
+        d["group_size"] = torch.tensor(self.group_size)
+        d["shape"] = torch.tensor(self.shape)
+        return d
+
+    @classmethod
+    def from_state_dict(cls, d: dict) -> "Int4Weight":
+        perm = d.get("perm")
+        perm = perm if perm is not None and perm.numel() else None
+        return cls(d["qweight"], d["scales"], d["zeros"], int(d["group_size"]), tuple(int(v) for v in d["shape"]),
+                   perm)
+
+    def __reduce__(self):
+        # Rebuilt from tensors and ints only, so torch.load(weights_only=True) takes it (see safe globals).
+        return (_rebuild, (self.qweight, self.scales, self.zeros, self.group_size, self.shape, self.perm))
+
+    def __repr__(self) -> str:
+        N, K = self.shape
+        order = ", act-order" if self.perm is not None else ""
+        return (f"Int4Weight(shape=[{N}, {K}], group_size={self.group_size}, dtype={self.dtype}, "
+                f"device={self.device}{order}, nbytes={self.nbytes})")
+
+
+def _rebuild(qweight, scales, zeros, group_size, shape, perm):
+    return Int4Weight(qweight, scales, zeros, group_size, shape, perm)
+
+
+def _to_args(args, kwargs) -> tuple[torch.device | None, torch.dtype | None]:
+    device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif isinstance(a, (str, torch.device, int)):
+            device = a
+        else:
+            raise TypeError(f"Int4Weight.to takes a device and/or a dtype, got {type(a).__name__}")
+    return (torch.device(device) if device is not None else None), dtype
+
+
+# --- checks ------------------------------------------------------------------------------------------------
+
+
+def check_group_size(group_size, K: int) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))} (-1: all of K), "
+                         f"got {group_size!r}")
+    if K % 8:
+        raise ValueError(f"K = in_features = {K} must be a multiple of 8 (eight 4-bit weights per int32)")
+    if group_size != -1 and K % group_size:
+        raise ValueError(f"K = in_features = {K} is not divisible by group_size = {group_size}")
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{name} has non-finite values (inf or NaN)")
+
+
+def validate(w: Int4Weight) -> None:
+    """Raise TypeError/ValueError when the parts of an :class:`Int4Weight` do not fit together."""
+    N, K = w.shape
+    check_group_size(w.group_size, K)
+    G = 1 if w.group_size == -1 else K // w.group_size
+    if w.qweight.dtype != torch.int32 or tuple(w.qweight.shape) != (K // 8, N):
+        raise ValueError(f"qweight must be int32 [K/8, N] = [{K // 8}, {N}], got {w.qweight.dtype} "
+                         f"{list(w.qweight.shape)}")
+    for name in ("scales", "zeros"):
+        t = getattr(w, name)
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if tuple(t.shape) != (G, N):
+            raise ValueError(f"{name} must be [G, N] = [{G}, {N}], got {list(t.shape)}")
+    if w.zeros.dtype != w.scales.dtype:
+        raise TypeError(f"zeros ({w.zeros.dtype}) and scales ({w.scales.dtype}) must share a dtype")
+    tensors = {"qweight": w.qweight, "scales": w.scales, "zeros": w.zeros}
+    if w.perm is not None:
+        if w.perm.dtype != torch.int64 or tuple(w.perm.shape) != (K,):
+            raise ValueError(f"perm must be int64 [K] = [{K}], got {w.perm.dtype} {list(w.perm.shape)}")
+        tensors["perm"] = w.perm
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"the parts of an Int4Weight are on different devices: {devices}")
+    for name in ("qweight", "scales", "zeros"):
+        if not tensors[name].is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+# --- quantize / dequantize ---------------------------------------------------------------------------------
+
+
+def quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = False) -> Int4Weight:
+    """Round-to-nearest min-max 4-bit quantization of a linear weight ``[N, K]`` (fp16, bf16 or fp32).
+
+    Per group of ``group_size`` consecutive inputs (K) of each output row: asymmetric (the default) maps the
+    group's range, widened to hold 0, onto 0..15 with an integer zero point; ``symmetric=True`` uses zero 8 and
+    scale ``max|w| / 7``. The scales take the weight's dtype (fp32 weights: fp16), and values are rounded
+    against the stored (rounded) scale, so ``dequantize`` is the weight the kernels multiply by.
+    """
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K] (out_features, in_features), got {list(weight.shape)}")
+    if weight.dtype not in (*FLOAT_DTYPES, torch.float32):
+        raise TypeError(f"weight must be float16, bfloat16 or float32, got {weight.dtype}")
+    N, K = weight.shape
+    check_group_size(group_size, K)
+    _check_finite("weight", weight)
+    dtype = weight.dtype if weight.dtype in FLOAT_DTYPES else torch.float16
+    gk = K if group_size == -1 else group_size
+    w = weight.detach().float().reshape(N, K // gk, gk)  # [N, G, gk]
+    if symmetric:
+        scale = w.abs().amax(dim=2) / 7.0
+        zero = torch.full_like(scale, 8.0)
+    else:
+        lo = w.amin(dim=2).clamp(max=0.0)
+        hi = w.amax(dim=2).clamp(min=0.0)
+        scale = (hi - lo) / 15.0
+    # An all-zero group has scale 0; any positive scale represents it exactly.
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(dtype)
+    scale = torch.where(scale.float() > 0, scale, torch.ones_like(scale))  # tiny scales that underflowed
+    s = scale.float()
+    if not symmetric:
+        zero = torch.round(-lo / s).clamp(0, 15)
+    q = torch.clamp(torch.round(w / s[:, :, None]) + zero[:, :, None], 0, 15)  # [N, G, gk]
+    qweight = pack_rows(q.reshape(N, K).T.contiguous())
+    scales = scale.T.contiguous()  # [G, N]
+    zeros = zero.T.contiguous().to(dtype)
+    _check_finite("scales", scales)
+    return Int4Weight(qweight, scales, zeros, group_size, (N, K))
+
+
+def unpacked(w: Int4Weight) -> torch.Tensor:
+    """The 4-bit values ``q`` as uint8 ``[K, N]`` in stored order (sorted by group when act-order)."""
+    return unpack_rows(w.qweight)
+
+
+def dequantize(w: Int4Weight) -> torch.Tensor:
+    """The weight ``[N, K]`` the 4-bit one stands for, in the scales' dtype: the reference of every kernel.
+
+    ``W.T[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]``, computed exactly in fp32 and rounded once.
+    """
+    if not isinstance(w, Int4Weight):
+        raise TypeError(f"dequantize takes an Int4Weight, got {type(w).__name__}")
+    K = w.shape[1]
+    g = torch.arange(K, device=w.device) // w.group_k  # [K] group of each stored row
+    wt = (unpacked(w).float() - w.zeros.float()[g]) * w.scales.float()[g]  # [K, N]
+    wt = wt.to(w.dtype)
+    if w.perm is not None:
+        out = torch.empty_like(wt)
+        out[w.perm] = wt  # stored row j is input k = perm[j]
+        wt = out
+    return wt.T.contiguous()
+
+
+# --- importers --------------------------------------------------------------------------------------------
+
+
+def _check_int32(name: str, t, shape_text: str, dims: int = 2) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 {shape_text}, got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {shape_text}, got {list(t.shape)}")
+
+
+def _check_scales(scales, G: int, N: int) -> None:
+    if not isinstance(scales, torch.Tensor):
+        raise TypeError(f"scales must be a torch.Tensor, got {type(scales).__name__}")
+    if scales.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"scales must be float16 or bfloat16, got {scales.dtype}")
+    if tuple(scales.shape) != (G, N):
+        raise ValueError(f"scales must be [G, N] = [{G}, {N}], got {list(scales.shape)}")
+    _check_finite("scales", scales)
+
+
+def _group_size_of(G: int, K: int) -> int:
+    if G < 1 or K % G:
+        raise ValueError(f"{G} groups do not divide K = {K} evenly")
+    gs = K // G
+    if G == 1 and gs not in GROUP_SIZES:
+        return -1
+    if gs not in GROUP_SIZES:
+        raise ValueError(f"group size K / G = {K} / {G} = {gs} is not one of {', '.join(map(str, GROUP_SIZES))}")
+    return gs
+
+
+def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+              g_idx: torch.Tensor | None = None) -> Int4Weight:
+    """Import a 4-bit GPTQ checkpoint (format v1: AutoGPTQ / GPTQModel's saved one).
+
+    ``qweight`` int32 ``[K/8, N]`` packed along K; ``qzeros`` int32 ``[G, N/8]`` packed along N, holding
+    ``zero - 1``; ``scales`` ``[G, N]``; ``g_idx`` int ``[K]`` (optional): the group of each input. With
+    act-order (``desc_act=True``) the inputs are sorted by group once here, and the kernels read
+    ``x[..., perm]``. ``W.T[k, n] = scales[g_idx[k], n] * (q[k, n] - (qzeros[g_idx[k], n] + 1))``.
+    """
+    _check_int32("qweight", qweight, "[K/8, N]")
+    _check_int32("qzeros", qzeros, "[G, N/8]")
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    G = qzeros.shape[0]
+    if N % 8 or qzeros.shape[1] * 8 != N:
+        raise ValueError(f"qzeros must be [G, N/8] with N = {N} a multiple of 8, got {list(qzeros.shape)}")
+    _check_scales(scales, G, N)
+    group_size = _group_size_of(G, K)
+    zeros = (unpack_cols(qzeros).float() + 1).to(scales.dtype)  # [G, N]; v1 stores zero - 1
+    perm = None
+    q = qweight
+    if g_idx is not None:
+        if not isinstance(g_idx, torch.Tensor) or g_idx.dtype.is_floating_point or tuple(g_idx.shape) != (K,):
+            raise ValueError(f"g_idx must be an integer tensor [K] = [{K}]")
+        g_idx = g_idx.to(torch.int64)
+        if int(g_idx.min()) < 0 or int(g_idx.max()) >= G:
+            raise ValueError(f"g_idx holds groups outside 0..{G - 1}")
+        natural = torch.arange(K, device=g_idx.device) // (K // G)
+        if not torch.equal(g_idx, natural):
+            # Act-order: sort the inputs by group (stable), so groups are contiguous again.
+            perm = torch.sort(g_idx, stable=True).indices
+            if not torch.equal(g_idx[perm], natural):
+                raise ValueError(f"g_idx must put exactly K / G = {K // G} inputs in each group")
+            q = pack_rows(unpack_rows(qweight)[perm.to(qweight.device)])
+            perm = perm.to(qweight.device)
+    return Int4Weight(q.contiguous(), scales.contiguous(), zeros.contiguous(), group_size, (N, K), perm)
+
+
+def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> Int4Weight:
+    """Import a 4-bit AutoAWQ checkpoint of the "GEMM" version (not "GEMV", which packs along K).
+
+    ``qweight`` int32 ``[K, N/8]`` and ``qzeros`` int32 ``[G, N/8]``, packed along N with the interleaved
+    nibble order ``[0, 2, 4, 6, 1, 3, 5, 7]``; ``scales`` ``[G, N]``.
+    ``W.T[k, n] = scales[k // group_size, n] * (q[k, n] - zero[k // group_size, n])``.
+    """
+    _check_int32("qweight", qweight, "[K, N/8]")
+    _check_int32("qzeros", qzeros, "[G, N/8]")
+    K, N = qweight.shape[0], qweight.shape[1] * 8
+    G = qzeros.shape[0]
+    if qzeros.shape[1] != qweight.shape[1]:
+        raise ValueError(f"qzeros must be [G, N/8] = [G, {N // 8}], got {list(qzeros.shape)}")
+    if K % 8:
+        raise ValueError(f"K = {K} must be a multiple of 8")
+    _check_scales(scales, G, N)
+    group_size = _group_size_of(G, K)
+    q = unpack_cols(qweight, AWQ_ORDER)  # [K, N]
+    zeros = unpack_cols(qzeros, AWQ_ORDER).to(scales.dtype)
+    return Int4Weight(pack_rows(q), scales.contiguous(), zeros.contiguous(), group_size, (N, K))

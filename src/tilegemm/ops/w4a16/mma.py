@@ -1,0 +1,113 @@
+"""Kernel ``mma``: tensor-core GEMM with the 4-bit weight dequantized in registers, split along K when the
+output has too few tiles to fill the GPU.
+
+Per K step a program loads ``x`` ``[BLOCK_M, BLOCK_K]`` and packed weights ``[BLOCK_K/8, BLOCK_N]`` (16-byte
+vectors along N), unpacks each int32 into its eight K rows (``[BLOCK_K/8, 8, BLOCK_N]`` reshaped to
+``[BLOCK_K, BLOCK_N]``: row ``8r + i`` is nibble ``i`` of packed row ``r``), dequantizes in the activations'
+dtype, ``(q - z) * s`` (exactly :func:`~tilegemm.ops.w4a16.format.dequantize`'s rounding), and feeds
+``tl.dot``. BLOCK_K divides the group length, so a step needs one row of scales and zeros.
+"""
+
+from __future__ import annotations
+
+import triton
+
+from tilegemm.core.launch import launch
+from tilegemm.jit.helpers import tile_grouped
+from tilegemm.ops.w4a16.common import W4A16Problem, block_k_for, reduce_and_store, workspace
+from tilegemm.ops.w4a16.configs import mma_config
+
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def unpack_tile(q, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int32 [BK/8, BN] -> int32 [BK, BN] of 4-bit values, row 8r + i being nibble i of row r."""
+    shifts = tl.arange(0, 8) * 4  # [8]
+    nibbles = (q[:, None, :] >> shifts[None, :, None]) & 15  # [BK/8, 8, BN]
+    return tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def w4a16_mma_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr,
+    M, N, K, group_k,
+    stride_xm, stride_om,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K, UNPACK: tl.constexpr = "reshape", SWAP: tl.constexpr = False,
+):
+    # Which output tile (grouped order, so programs running together share x rows and weight columns in L2)
+    # and which slice of K.
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0)
+    pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M)
+    split = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    k_begin = split * per_split * BLOCK_K
+    k_end = tl.minimum(K, k_begin + per_split * BLOCK_K)
+    dt = x_ptr.dtype.element_ty
+
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BM, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # [BM, BK]
+        if UNPACK == "gather":
+            # Each of the eight rows of a packed row loads the same int32 (L1 serves the repeats).
+            q = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=(offs_k[:, None] < K) & n_ok[None, :], other=0)  # [BK, BN]
+            q = (q >> ((offs_k % 8) * 4)[:, None]) & 15
+        else:
+            r = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8]
+            q = tl.load(qw_ptr + r[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=(r[:, None] < K // 8) & n_ok[None, :], other=0)  # [BK/8, BN]
+            q = unpack_tile(q, BLOCK_K, BLOCK_N)
+        g = k0 // group_k
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)  # [BN]
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0)
+        if UPCAST:
+            # bf16 under the interpreter, whose int-to-bf16 casts and bf16 dots are wrong: dequantize in fp32
+            # (exact), round to bf16 as the GPU path does, multiply in fp32 (exact for bf16 values).
+            w = ((q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]).to(dt).to(tl.float32)
+            x = x.to(tl.float32)
+        else:
+            w = (q.to(dt) - z[None, :]) * s[None, :]  # [BK, BN], dequantized
+        if SWAP:
+            # out.T = W @ x.T: the dequantized weights are wgmma's A operand, taken from registers.
+            acc_t = tl.dot(tl.trans(w), tl.trans(x), tl.trans(acc), input_precision="ieee" if UPCAST else None)
+            acc = tl.trans(acc_t)
+        else:
+            acc = tl.dot(x, w, acc, input_precision="ieee" if UPCAST else None)
+
+    reduce_and_store(acc, out_ptr, bias_ptr, ws_ptr, count_ptr, tile, split, offs_m, offs_n, M, N, stride_om,
+                     HAS_BIAS, ACTIVATION, SPLIT_K)
+
+
+def launch_args(p: W4A16Problem, cfg: dict | None = None) -> tuple[tuple, tuple, dict]:
+    """(grid, args, kwargs) of the launch for problem ``p`` (``cfg``: a config to use instead of the table's)."""
+    cfg = dict(cfg or mma_config(p.M, p.N, p.K, p.x.device))
+    cfg["BLOCK_K"] = block_k_for(cfg["BLOCK_K"], p.group_k, p.K)
+    tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
+    split = max(1, min(cfg["SPLIT_K"], triton.cdiv(p.K, cfg["BLOCK_K"])))
+    cfg["SPLIT_K"] = split
+    if split > 1:
+        ws, count = workspace(p.x.device, split * p.M * p.N, tiles)
+    else:
+        ws, count = p.out, p.out  # unused
+    bias = p.bias if p.bias is not None else p.out
+    args = (p.x, p.qweight, p.scales, p.zeros, bias, p.out, ws, count, p.M, p.N, p.K, p.group_k,
+            p.x.stride(0), p.out.stride(0))
+    kwargs = dict(HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, UPCAST=p.upcast, **cfg)
+    return (tiles, split), args, kwargs
+
+
+def run(p: W4A16Problem, cfg: dict | None = None) -> None:
+    grid, args, kwargs = launch_args(p, cfg)
+    launch(w4a16_mma_kernel, grid, args, kwargs)

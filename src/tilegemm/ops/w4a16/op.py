@@ -1,0 +1,177 @@
+"""``tilegemm.w4a16.matmul``: checks, the ``torch.library`` op ``tilegemm::w4a16_matmul``, autograd for x, and
+the choice of kernel."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tilegemm.core import registry
+from tilegemm.core.runtime import check_device, interpreting, new_output, on_device
+from tilegemm.ops.matmul.op import _plain_call
+from tilegemm.ops.w4a16 import configs
+from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, validate
+
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "leaky_relu")  # as tilegemm.matmul's
+
+
+# --- checks -------------------------------------------------------------------------------------------
+
+
+def check_inputs(x, w, bias, activation, kernel) -> None:
+    """Raise TypeError/ValueError naming the problem."""
+    if not isinstance(w, Int4Weight):
+        raise TypeError(f"w must be an Int4Weight (tilegemm.w4a16.quantize / from_gptq / from_awq), "
+                        f"got {type(w).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; w4a16.matmul takes float16 or bfloat16 activations")
+    if x.dtype != w.dtype:
+        raise TypeError(f"x is {x.dtype} but the weight's scales are {w.dtype}: convert one (w.to({x.dtype}))")
+    N, K = w.shape
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"x must be [..., K] with K = in_features = {K}, got {list(x.shape)}")
+    validate(w)
+    named = {"x": x, "w": w.qweight}
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
+        if bias.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"bias has dtype {bias.dtype}; expected float16 or bfloat16")
+        if bias.dim() != 1 or bias.shape[0] != N:
+            raise ValueError(f"bias must have shape [N] = [{N}], got {list(bias.shape)}")
+        named["bias"] = bias
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; choose one of: {', '.join(ACTIVATIONS)}")
+    if kernel != "auto":
+        spec = registry.get("w4a16", kernel)
+        reason = spec.unavailable_reason()
+        if reason:
+            raise registry.NotApplicable(f"w4a16 kernel {kernel!r} cannot run here: {reason}")
+    devices = {name: t.device for name, t in named.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors are on different devices: {devices}")
+    check_device("x", x.device)
+
+
+# --- the op ---------------------------------------------------------------------------------------------
+
+
+_LAUNCHERS: dict[str, object] = {}
+
+
+def launcher(name: str):
+    """The launch function of a registered kernel, imported once and cached."""
+    fn = _LAUNCHERS.get(name)
+    if fn is None:
+        fn = _LAUNCHERS[name] = registry.get("w4a16", name).launcher()
+    return fn
+
+
+def choose_kernel(M: int) -> str:
+    """``auto``: by M bucket (:func:`tilegemm.ops.w4a16.configs.choose`)."""
+    return configs.choose(M)
+
+
+def _forward(x, qweight, scales, zeros, bias, group_k, activation, kernel) -> torch.Tensor:
+    from tilegemm.ops.w4a16.common import W4A16Problem
+
+    M, N = x.shape[0], qweight.shape[1]
+    out = new_output((M, N), x.dtype, x.device)
+    if M == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    p = W4A16Problem(x, qweight, scales, zeros, bias, out, group_k, activation,
+                     upcast=x.dtype == torch.bfloat16 and interpreting())
+    with on_device(x.device):
+        launcher(choose_kernel(M) if kernel == "auto" else kernel)(p)
+    return out
+
+
+@torch.library.custom_op("tilegemm::w4a16_matmul", mutates_args=())
+def _w4a16_op(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    group_k: int,
+    activation: str,
+    kernel: str,
+) -> torch.Tensor:
+    return _forward(x, qweight, scales, zeros, bias, group_k, activation, kernel)
+
+
+@_w4a16_op.register_fake
+def _w4a16_fake(x, qweight, scales, zeros, bias, group_k, activation, kernel):
+    return x.new_empty((x.shape[0], qweight.shape[1]))
+
+
+# --- autograd: the weight is frozen; x's gradient through the dequantized weight ---------------------------
+
+
+def _setup_context(ctx, inputs, output):
+    x, qweight, scales, zeros, bias, group_k, activation, kernel = inputs
+    ctx.save_for_backward(x, qweight, scales, zeros, bias)
+    ctx.group_k, ctx.activation = group_k, activation
+
+
+def _backward(ctx, grad_out):
+    from tilegemm.ops.matmul.op import _torch_activation
+
+    x, qweight, scales, zeros, bias = ctx.saved_tensors
+    grad = grad_out.float()
+    if ctx.activation != "none":
+        pre = _w4a16_op(x, qweight, scales, zeros, bias, ctx.group_k, "none", "auto").float()
+        with torch.enable_grad():
+            pre = pre.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(_torch_activation(pre, ctx.activation), pre, grad)
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        K = x.shape[1]
+        g = torch.arange(K, device=x.device) // ctx.group_k
+        shifts = torch.arange(8, device=x.device, dtype=torch.int32) * 4
+        q = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(K, -1)
+        wt = ((q.float() - zeros.float()[g]) * scales.float()[g]).to(x.dtype)  # [K, N]
+        grad_x = (grad.to(x.dtype) @ wt.T).to(x.dtype)
+    if bias is not None and ctx.needs_input_grad[4]:
+        grad_bias = grad.sum(0).to(bias.dtype)
+    return grad_x, None, None, None, grad_bias, None, None, None
+
+
+_w4a16_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- the public function --------------------------------------------------------------------------------
+
+
+def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, activation: str | None = None,
+           *, kernel: str = "auto") -> torch.Tensor:
+    """``activation(x @ dequantize(w).T + bias)``, accumulated in fp32, with the 4-bit weight read as is.
+
+    Args:
+        x: ``[..., K]``, float16 or bfloat16 (the weight's scales' dtype); any number of rows, from 1.
+        w: an :class:`~tilegemm.ops.w4a16.format.Int4Weight` of shape ``[N, K]``.
+        bias: ``[N]``, float16 or bfloat16.
+        activation: ``None``/``"none"``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``, ``"leaky_relu"``.
+        kernel: ``"auto"`` (by the number of rows M) or a name from ``tilegemm.kernels("w4a16")``.
+
+    Returns ``[..., N]`` in x's dtype. Differentiable in x and bias (the weight is frozen).
+
+    Raises:
+        TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
+    """
+    activation = "none" if activation is None else activation
+    check_inputs(x, w, bias, activation, kernel)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if w.perm is not None:
+        x2 = x2.index_select(1, w.perm)  # act-order: the stored weight rows are sorted by group
+    args = (x2, w.qweight, w.scales, w.zeros, bias, w.group_k, activation, kernel)
+    # Dispatch through torch.ops costs tens of microseconds of host time, more than an M=1 kernel; a call that
+    # no tracer, mode or autograd needs to see skips it (as tilegemm.matmul does).
+    out = _forward(*args) if _plain_call(x2, bias) else _w4a16_op(*args)
+    return out.reshape(*lead, w.shape[0])

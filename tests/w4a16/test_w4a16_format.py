@@ -1,0 +1,103 @@
+"""The Int4Weight format: packing round trips (property tests), quantize/dequantize, moving and saving."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tilegemm import w4a16
+from tilegemm.ops.w4a16.format import AWQ_ORDER, pack_cols, pack_rows, unpack_cols, unpack_rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 9), st.integers(0, 2**31 - 1))
+def test_pack_rows_round_trip(rows, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (8 * rows, n), generator=g)
+    packed = pack_rows(q)
+    assert packed.dtype == torch.int32 and packed.shape == (rows, n)
+    assert torch.equal(unpack_rows(packed).long(), q)
+    # nibble i of word r is q[8r + i] (the documented layout, bit by bit)
+    r, i, c = seed % rows, seed % 8, seed % n
+    assert ((int(packed[r, c]) >> (4 * i)) & 15) == int(q[8 * r + i, c])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 4), st.booleans(), st.integers(0, 2**31 - 1))
+def test_pack_cols_round_trip(rows, words, awq, seed):
+    g = torch.Generator().manual_seed(seed)
+    order = AWQ_ORDER if awq else tuple(range(8))
+    q = torch.randint(0, 16, (rows, 8 * words), generator=g)
+    packed = pack_cols(q, order)
+    assert packed.shape == (rows, words)
+    assert torch.equal(unpack_cols(packed, order).long(), q)
+    r, i, c = seed % rows, seed % 8, seed % words
+    assert ((int(packed[r, c]) >> (4 * i)) & 15) == int(q[r, 8 * c + order[i]])
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256, -1])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_quantize_error_bound(group_size, symmetric, dtype):
+    N, K = 24, 512
+    W = torch.randn(N, K, dtype=dtype)
+    w = w4a16.quantize(W, group_size, symmetric)
+    G = 1 if group_size == -1 else K // group_size
+    assert w.qweight.shape == (K // 8, N) and w.scales.shape == (G, N) and w.zeros.shape == (G, N)
+    assert w.scales.dtype == dtype and w.group_k == (K if group_size == -1 else group_size)
+    q = unpack_rows(w.qweight)
+    assert int(q.max()) <= 15
+    d = w4a16.dequantize(w)
+    assert d.shape == (N, K) and d.dtype == dtype
+    # round to nearest: each weight is within half a step (plus the 16-bit roundings) of its value
+    g = torch.arange(K) // w.group_k
+    step = w.scales.float()[g].T  # [N, K]
+    err = (d.float() - W.float()).abs()
+    slack = 0.51 if not symmetric else 1.01  # symmetric clamps the one value -max/7 * 8 can't reach
+    assert bool((err <= slack * step + 1e-2 * W.float().abs() + 1e-6).all())
+
+
+def test_quantize_exact_grid_and_zero_groups():
+    # weights already on a 4-bit grid come back exactly; an all-zero group stays zero
+    K = 128
+    q = torch.randint(0, 16, (8, K)).float()
+    W = ((q - 3) * 0.25).half()
+    W[:, :64] = 0
+    w = w4a16.quantize(W, 64)
+    assert torch.equal(w4a16.dequantize(w), W)
+
+
+def test_to_save_load_and_nbytes(tmp_path):
+    W = torch.randn(16, 256, dtype=torch.float16)
+    w = w4a16.quantize(W, 128)
+    assert w.nbytes == 256 // 8 * 16 * 4 + 2 * (2 * 16 * 2)
+    wb = w.to(torch.bfloat16)
+    assert wb.scales.dtype == torch.bfloat16 and wb.qweight is w.qweight
+    buf = io.BytesIO()
+    torch.save({"w": w}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)["w"]  # weights_only=True, torch's default
+    assert torch.equal(w4a16.dequantize(loaded), w4a16.dequantize(w))
+    again = w4a16.Int4Weight.from_state_dict(w.state_dict())
+    assert torch.equal(w4a16.dequantize(again), w4a16.dequantize(w))
+    assert "shape=[16, 256]" in repr(w)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: w4a16.quantize(torch.randn(8, 100, dtype=torch.float16)), ValueError, "multiple of 8"),
+    (lambda: w4a16.quantize(torch.randn(8, 96, dtype=torch.float16), 64), ValueError, "not divisible"),
+    (lambda: w4a16.quantize(torch.randn(8, 128, dtype=torch.float16), 48), ValueError, "group_size"),
+    (lambda: w4a16.quantize(torch.randn(8, 128, dtype=torch.float16), True), ValueError, "group_size"),
+    (lambda: w4a16.quantize(torch.randn(8, 128).double()), TypeError, "float16"),
+    (lambda: w4a16.quantize(torch.randn(2, 8, 128).half()), ValueError, "2-D"),
+    (lambda: w4a16.quantize(torch.full((8, 128), float("inf")).half()), ValueError, "non-finite"),
+    (lambda: w4a16.dequantize(torch.zeros(3)), TypeError, "Int4Weight"),
+    (lambda: w4a16.quantize(torch.randn(8, 128).half()).to(torch.float32), TypeError, "float16"),
+])
+def test_errors(call, error, words):
+    with pytest.raises(error, match=words):
+        call()

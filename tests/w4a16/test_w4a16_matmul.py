@@ -1,0 +1,143 @@
+"""tilegemm.w4a16.matmul against x.double() @ dequantize(w).double().T, every kernel, odd shapes, errors,
+the torch.library op (opcheck, autograd)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_rel_close
+
+import tilegemm
+from tilegemm import w4a16
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+KERNELS = [name for name in tilegemm.kernels("w4a16")]  # the registered ones, then auto
+
+
+def reference(x, w, bias=None, activation="none"):
+    y = x.double() @ w4a16.dequantize(w).double().T
+    if bias is not None:
+        y = y + bias.double()
+    return {"none": lambda t: t, "silu": F.silu, "relu": F.relu, "gelu": F.gelu}[activation](y)
+
+
+def test_registered():
+    assert {"gemv", "mma", "dequant_cublas", "auto"} <= set(KERNELS)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("M", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernels(device, kernel, M, dtype):
+    N, K = 72, 256  # N not a multiple of the blocks; K split into several slices
+    w = w4a16.quantize(torch.randn(N, K, dtype=dtype, device=device), 64)
+    x = torch.randn(M, K, dtype=dtype, device=device)
+    assert_rel_close(w4a16.matmul(x, w, kernel=kernel), reference(x, w), TOL[dtype])
+
+
+@pytest.mark.parametrize("group_size", [32, 128, 256, -1])
+def test_group_sizes(device, group_size):
+    w = w4a16.quantize(torch.randn(40, 512, dtype=torch.float16, device=device), group_size)
+    for M in (1, 5):
+        x = torch.randn(M, 512, dtype=torch.float16, device=device)
+        assert_rel_close(w4a16.matmul(x, w), reference(x, w), 2e-3)
+
+
+def test_whole_k_group_with_k_not_a_block_multiple(device):
+    # group_size -1 with K = 200: the last K step is partial (masked)
+    w = w4a16.quantize(torch.randn(16, 200, dtype=torch.float16, device=device), -1)
+    for kernel in ("gemv", "mma"):
+        for M in (1, 4):
+            x = torch.randn(M, 200, dtype=torch.float16, device=device)
+            assert_rel_close(w4a16.matmul(x, w, kernel=kernel), reference(x, w), 2e-3)
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "mma", "auto"])
+def test_bias_activation_and_batch(device, kernel):
+    w = w4a16.quantize(torch.randn(64, 128, dtype=torch.float16, device=device), 128)
+    bias = torch.randn(64, dtype=torch.float16, device=device)
+    x = torch.randn(2, 3, 128, dtype=torch.float16, device=device)  # any leading shape
+    for activation in ("silu", "relu"):
+        out = w4a16.matmul(x, w, bias=bias, activation=activation, kernel=kernel)
+        assert out.shape == (2, 3, 64)
+        assert_rel_close(out, reference(x, w, bias, activation), 2e-3)
+
+
+def test_strided_x_and_one_dim(device):
+    w = w4a16.quantize(torch.randn(32, 128, dtype=torch.float16, device=device), 64)
+    big = torch.randn(5, 256, dtype=torch.float16, device=device)
+    x = big[:, ::2]  # stride 2 along K
+    assert_rel_close(w4a16.matmul(x, w), reference(x, w), 2e-3)
+    v = torch.randn(128, dtype=torch.float16, device=device)
+    assert w4a16.matmul(v, w).shape == (32,)
+    assert w4a16.matmul(torch.empty(0, 128, dtype=torch.float16, device=device), w).shape == (0, 32)
+
+
+def test_kernels_agree_with_split_k(device):
+    # large enough K for several slices under the interpreter's 4 "SMs"; gemv and mma see the same weight
+    w = w4a16.quantize(torch.randn(48, 1024, dtype=torch.float16, device=device), 128)
+    x = torch.randn(2, 1024, dtype=torch.float16, device=device)
+    ref = reference(x, w)
+    for kernel in ("gemv", "mma"):
+        assert_rel_close(w4a16.matmul(x, w, kernel=kernel), ref, 2e-3)
+
+
+def test_errors(device):
+    w = w4a16.quantize(torch.randn(32, 128, dtype=torch.float16, device=device), 64)
+    x = torch.randn(2, 128, dtype=torch.float16, device=device)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        w4a16.matmul(x.float(), w)
+    with pytest.raises(TypeError, match="scales are"):
+        w4a16.matmul(x.bfloat16(), w)
+    with pytest.raises(ValueError, match="K = in_features = 128"):
+        w4a16.matmul(torch.randn(2, 64, dtype=torch.float16, device=device), w)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        w4a16.matmul(x, w, bias=torch.zeros(31, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match="unknown activation"):
+        w4a16.matmul(x, w, activation="swish")
+    with pytest.raises(ValueError, match="unknown w4a16 kernel"):
+        w4a16.matmul(x, w, kernel="marlin")
+    with pytest.raises(TypeError, match="Int4Weight"):
+        w4a16.matmul(x, torch.zeros(32, 128))
+
+
+def test_opcheck(device):
+    w = w4a16.quantize(torch.randn(32, 128, dtype=torch.float16, device=device), 64)
+    x = torch.randn(3, 128, dtype=torch.float16, device=device)
+    bias = torch.randn(32, dtype=torch.float16, device=device)
+    torch.library.opcheck(torch.ops.tilegemm.w4a16_matmul.default,
+                          (x, w.qweight, w.scales, w.zeros, bias, w.group_k, "silu", "auto"),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_autograd_x_and_bias(device):
+    w = w4a16.quantize(torch.randn(16, 64, dtype=torch.float16, device=device), 32)
+    x = torch.randn(3, 64, dtype=torch.float16, device=device, requires_grad=True)
+    bias = torch.randn(16, dtype=torch.float16, device=device, requires_grad=True)
+    out = w4a16.matmul(x, w, bias=bias, activation="relu")
+    g = torch.randn_like(out)
+    out.backward(g)
+    xd = x.detach().double().requires_grad_(True)
+    bd = bias.detach().double().requires_grad_(True)
+    ref = F.relu(xd @ w4a16.dequantize(w).double().T + bd)
+    ref.backward(g.double())
+    assert_rel_close(x.grad, xd.grad, 5e-3)
+    assert_rel_close(bias.grad, bd.grad, 5e-3)
+
+
+def test_compile_fullgraph(device):
+    w = w4a16.quantize(torch.randn(32, 128, dtype=torch.float16, device=device), 64)
+    x = torch.randn(2, 128, dtype=torch.float16, device=device)
+
+    def f(x):
+        return w4a16.matmul(x, w, activation="silu") * 2
+
+    try:
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+        out = compiled(x)
+    except Exception as exc:  # noqa: BLE001 - a CPU torch without a working compiler
+        if "compile" in type(exc).__name__.lower() and "Unsupported" not in type(exc).__name__:
+            pytest.skip(f"torch.compile unavailable here: {exc}")
+        raise
+    assert_rel_close(out, reference(x, w, activation="silu") * 2, 2e-3)

@@ -1,0 +1,74 @@
+"""tilegemm.nn: Int4Linear as a drop-in nn.Linear, its state_dict, and quantize_ on a small model."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+from conftest import assert_rel_close
+
+from tilegemm import w4a16
+from tilegemm.nn import Int4Linear, quantize_
+
+
+def test_from_linear_forward(device):
+    lin = nn.Linear(128, 40, dtype=torch.float16, device=device)
+    q = Int4Linear.from_linear(lin, group_size=64)
+    x = torch.randn(2, 3, 128, dtype=torch.float16, device=device)
+    ref = x.double() @ q.dequantize().double().T + lin.bias.double()
+    assert_rel_close(q(x), ref, 2e-3)
+    # close to the float layer too (4-bit error only)
+    assert_rel_close(q(x), lin(x).double(), 0.2)
+    assert "group_size=64" in repr(q)
+
+
+def test_state_dict_round_trip_and_save(device):
+    lin = nn.Linear(256, 24, bias=False, dtype=torch.bfloat16, device=device)
+    q = Int4Linear.from_linear(lin, group_size=128)
+    fresh = Int4Linear(256, 24, bias=False, group_size=32, dtype=torch.bfloat16, device=device)
+    fresh.load_state_dict(q.state_dict())  # another group size: shapes come from the checkpoint
+    assert fresh.group_size == 128
+    x = torch.randn(5, 256, dtype=torch.bfloat16, device=device)
+    assert torch.equal(fresh(x), q(x))
+    buf = io.BytesIO()
+    torch.save(q.state_dict(), buf)
+    buf.seek(0)
+    again = Int4Linear(256, 24, bias=False, dtype=torch.bfloat16, device=device)
+    again.load_state_dict(torch.load(buf))
+    assert torch.equal(again(x), q(x))
+
+
+def test_act_order_state_dict(device):
+    from test_w4a16_import import random_gptq
+
+    qweight, qzeros, scales, g_idx = random_gptq(16, 128, 32, act_order=True)
+    q = Int4Linear.from_gptq(qweight, qzeros, scales, g_idx).to(device)
+    assert q.perm.numel() == 128
+    plain = Int4Linear(128, 16, bias=False, group_size=32, device=device)
+    plain.load_state_dict(q.state_dict())
+    x = torch.randn(2, 128, dtype=torch.float16, device=device)
+    assert torch.equal(plain(x), q(x))
+    assert_rel_close(q(x), x.double() @ q.dequantize().double().T, 2e-3)
+
+
+def test_quantize_model_in_place(device):
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.Linear(64, 10)).half().to(device)
+    x = torch.randn(4, 64, dtype=torch.float16, device=device)
+    before = model(x).double()
+    out = quantize_(model, group_size=32, filter=lambda name, m: m.out_features != 10)
+    assert out is model
+    assert isinstance(model[0], Int4Linear) and isinstance(model[2], Int4Linear)
+    assert type(model[3]) is nn.Linear
+    after = model(x)
+    assert_rel_close(after, before, 0.25)
+    sd = model.state_dict()
+    assert "0.qweight" in sd and "3.weight" in sd
+
+
+def test_from_linear_rejects_other_modules():
+    with pytest.raises(TypeError, match="nn.Linear"):
+        Int4Linear.from_linear(nn.Conv1d(8, 8, 1))
+    with pytest.raises(ValueError, match="not divisible"):
+        Int4Linear.from_linear(nn.Linear(96, 8).half(), group_size=64)
