@@ -7,7 +7,7 @@ Family packages import no triton: kernel modules are imported when a kernel firs
 
 import importlib
 
-FAMILIES = ("guide", "matmul")
+FAMILIES = ("guide", "matmul", "conv2d")
 
 
 def load() -> None:
