@@ -45,7 +45,11 @@ def forward_config(g: Geometry, dtype: torch.dtype) -> dict:
     if interpreting():
         return _cfg(64, 32, 16, 4, 1, FLAT_K=flat)
     M = g.N * g.P * g.Q
-    cfg = _gemm_tile(M, g.Kg, 64 if flat else g.Cg, dtype)
+    cfg = _gemm_tile(M, g.Kg, 32 if flat else g.Cg, dtype)
+    if flat:
+        # every element of the [BM, BK] tile computes its own (r, s, c) and address: with 4 warps the 7x7x3
+        # stem spilled 1.2 KB a thread (ptxas, sm_90, 128x64x64 fp16); 8 warps and BK=32 halve the per-thread share
+        cfg["num_warps"] = 8
     cfg["FLAT_K"] = flat
     return cfg
 
@@ -66,7 +70,9 @@ def wgrad_config(g: Geometry, dtype: torch.dtype, sms: int) -> dict:
         wide = 2 if dtype == torch.float32 else 1
         bm = _pow2_at_least(g.Kg, 16, 128)
         bn = _pow2_at_least(g.Cg, 16, 128)
-        cfg = _cfg(bm, bn, 64 // wide, 8 if bm * bn >= 128 * 128 else 4, 3 if wide == 2 else 4)
+        # 8 warps: its pointer tiles run along the pixels (no contiguity), and with 4 warps the 64x64 fp16 tile
+        # spilled (ptxas, sm_90)
+        cfg = _cfg(bm, bn, 64 // wide, 8, 3 if wide == 2 else 4)
     tiles = -(-g.Kg // cfg["BLOCK_M"]) * -(-g.Cg // cfg["BLOCK_N"]) * g.R * g.S * g.groups
     pixels = g.N * g.P * g.Q
     # Enough programs for two waves, but each slice at least 8 K steps long (fewer and the partial sums cost
