@@ -24,7 +24,10 @@ import triton.language as tl  # noqa: E402
 from tilegemm.jit.helpers import apply_activation  # noqa: E402
 
 
-@triton.jit
+_SIZES = ["H", "W", "P", "Q", "K", "M", "pad_h", "pad_w"]  # not specialized on: see implicit_gemm._SIZES
+
+
+@triton.jit(do_not_specialize=_SIZES)
 def depthwise_fwd_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr,
     H, W, P, Q, K, M, MULT,
@@ -72,7 +75,7 @@ def depthwise_fwd_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "C", "M", "pad_h", "pad_w"])
 def depthwise_dgrad_kernel(
     dy_ptr, w_ptr, dx_ptr,
     H, W, P, Q, C, M, MULT,
@@ -116,7 +119,7 @@ def depthwise_dgrad_kernel(
              mask=m_ok[:, None] & c_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "K", "NPQ", "slice_len", "pad_h", "pad_w"])
 def depthwise_wgrad_kernel(
     dy_ptr, x_ptr, dw_ptr,
     H, W, P, Q, K, NPQ, MULT, slice_len,

@@ -38,7 +38,12 @@ def _tap_mma(a, b, acc, UPCAST: tl.constexpr, MMA_OPERANDS: tl.constexpr, INPUT_
     return mma_ordered(a, b, acc, MMA_OPERANDS, INPUT_PRECISION, False)
 
 
-@triton.jit
+# Sizes are not specialized on (divisible by 16, equal to 1): each new image size would compile the kernels
+# again, and the loads' vector width comes from the strides and the DIV_* constexprs instead.
+_SIZES = ["H", "W", "Cg", "P", "Q", "Kg", "M", "pad_h", "pad_w"]
+
+
+@triton.jit(do_not_specialize=_SIZES)
 def conv2d_fwd_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr,
     H, W, Cg, P, Q, Kg, M,
@@ -119,7 +124,7 @@ def conv2d_fwd_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def conv2d_dgrad_kernel(
     dy_ptr, w_ptr, dx_ptr,
     H, W, Cg, P, Q, Kg, M,
@@ -180,7 +185,7 @@ def conv2d_dgrad_kernel(
              mask=m_ok[:, None] & (offs_n < Cg)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES[:6] + ["NPQ", "slice_len", "pad_h", "pad_w"])
 def conv2d_wgrad_kernel(
     dy_ptr, x_ptr, dw_ptr,
     H, W, Cg, P, Q, Kg, NPQ, slice_len,
