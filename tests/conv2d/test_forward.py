@@ -158,3 +158,17 @@ def test_gpu_shapes(N, C, H, W, K, R, S, stride, padding, groups, dtype, channel
     x, w, b = _inputs(device, dtype, N, C, H, W, K, R, S, groups, channels_last)
     out = tilegemm.conv2d(x, w, b, stride, padding, 1, groups, activation="relu")
     _check(out, x, w, b, tolerance(dtype), stride=stride, padding=padding, groups=groups, activation="relu")
+
+
+def test_index_64_when_a_tensor_reaches_2_31_elements():
+    # meta tensors: shapes without memory
+    from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
+
+    def problem(x_shape, w_shape, padding=0):
+        x, w = torch.empty(x_shape, device="meta"), torch.empty(w_shape, device="meta")
+        g = Geometry(*x_shape, w_shape[0], *w_shape[2:], 1, (1, 1), (padding,) * 4, (1, 1))
+        return ConvProblem(x, w, None, g, torch.float16, torch.channels_last, "none", "ieee", False)
+
+    assert not problem((32, 64, 56, 56), (64, 64, 3, 3), 1).index_64
+    assert problem((256, 256, 192, 192), (64, 256, 3, 3), 1).index_64  # x: 2.4e9 elements
+    assert problem((256, 64, 192, 192), (256, 64, 1, 1)).index_64  # only the output passes 2^31
