@@ -55,12 +55,12 @@ class BenchOp:
     gpu_sweep: str = ""
     cpu_sweep: str = ""
     tune_sweep: str = ""  # what `tilegemm tune` runs when no sweep is given
-    options: tuple[str, ...] = ()  # the bench options this op takes (layout, batch, fast_accum)
+    options: tuple[str, ...] = ()  # the bench options this op takes (layout, batch, fast_accum, mode)
     shape_help: str = ""
 
     def check_options(self, options: dict, dtype: str) -> None:
         """Raise BenchError for an option this op does not take (``layout``, ``batch``, ``fast_accum``)."""
-        unset = dict(layout=None, batch=1, fast_accum=False)
+        unset = dict(layout=None, batch=1, fast_accum=False, mode="fwd")
         for name, value in options.items():
             if name not in self.options and value != unset.get(name):
                 flag = "--" + name.replace("_", "-")
@@ -125,6 +125,14 @@ class BenchOp:
 
     def peak(self, gpu: str | None, dtype: str) -> float | None:
         return peak_gbps(gpu) if self.metric == "GB/s" else peak_tflops(gpu, dtype)
+
+    # A second rate shown beside the first, e.g. "GB/s" of weight traffic for a bandwidth-bound op; its % of
+    # the GPU's memory bandwidth is shown too. Empty: none.
+    secondary_metric: str = ""
+
+    def secondary_rate(self, case: Case, dtype: str, ms: float, options: dict) -> float | None:
+        """The :attr:`secondary_metric` at a time of ``ms`` milliseconds."""
+        return None
 
     def rate(self, case: Case, dtype: str, ms: float, options: dict) -> float:
         """TFLOPS or GB/s at a time of ``ms`` milliseconds."""

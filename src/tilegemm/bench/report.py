@@ -14,7 +14,7 @@ from tilegemm.bench.runner import BASELINE, BenchResult
 from tilegemm.core.files import atomic_write
 
 CSV_FIELDS = ["op", "kernel", "shape", "dtype", "layout", "batch", "status", "rel_err", "tolerance", "ms", "ms_p20",
-              "ms_p80", "metric", "value", "ratio", "pct_peak", "message"]
+              "ms_p80", "metric", "value", "ratio", "pct_peak", "secondary", "secondary_pct_peak", "message"]
 
 
 def _title(result: BenchResult) -> str:
@@ -45,7 +45,9 @@ def results_table(result: BenchResult) -> Table:
     base_name = result.meta.get("baseline") or "baseline"
     table = Table(title=_title(result))
     with_peak = result.meta.get("peak") is not None
-    columns = ["shape", "kernel", "time", result.meta["metric"], "ratio"] + (["% peak"] if with_peak else []) + ["error"]
+    second = result.meta.get("secondary_metric")
+    columns = (["shape", "kernel", "time", result.meta["metric"]] + ([second, f"% {second} peak"] if second else [])
+               + ["ratio"] + (["% peak"] if with_peak else []) + ["error"])
     for column in columns:
         table.add_column(column, justify="left" if column in ("shape", "kernel") else "right", no_wrap=True)
     shapes = result.cases()
@@ -72,7 +74,11 @@ def results_table(result: BenchResult) -> Table:
                     table.add_row(shape if j == 0 else "", name, *cells,
                                   end_section=j == len(rows) - 1 and i < len(shapes) - 1)
                     continue
-                cells = [_fmt_time(row.ms), f"{row.value:.3g}" if row.value is not None and gpu else "-", ratio]
+                cells = [_fmt_time(row.ms), f"{row.value:.3g}" if row.value is not None and gpu else "-"]
+                if second:
+                    cells += [f"{row.secondary:.0f}" if row.secondary is not None and gpu else "-",
+                              f"{row.secondary_pct_peak:.0f}%" if row.secondary_pct_peak is not None and gpu else "-"]
+                cells.append(ratio)
                 if with_peak:
                     cells.append(f"{row.pct_peak:.0f}%" if row.pct_peak is not None else "-")
                 cells.append(err)

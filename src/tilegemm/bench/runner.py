@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from tilegemm.bench.base import BenchOp, Case, geomean
-from tilegemm.core.hardware import MachineInfo, machine_info
+from tilegemm.core.hardware import MachineInfo, machine_info, peak_gbps
 from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import interpreting
 
@@ -40,6 +40,8 @@ class Row:
     value: float | None = None  # TFLOPS or GB/s at the median time
     ratio: float | None = None  # baseline time / this time (>1: faster than the baseline)
     pct_peak: float | None = None
+    secondary: float | None = None  # the op's secondary metric (e.g. GB/s of weight traffic), if it has one
+    secondary_pct_peak: float | None = None  # ... as % of the GPU's memory bandwidth
     message: str = ""
 
     @property
@@ -207,11 +209,12 @@ def run_bench(
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     peak = op.peak(machine.gpu, dtype)
+    bandwidth = peak_gbps(machine.gpu) if op.secondary_metric == "GB/s" else None
     baseline_name = op.baseline_label(dtype) if not machine.interpreter else op.cpu_baseline_name
     meta = dict(
-        op=op.name, dtype=dtype, metric=op.metric, sweep=sweep, baseline=baseline_name if baseline else None,
+        op=op.name, dtype=dtype, metric=op.metric, secondary_metric=op.secondary_metric or None, sweep=sweep, baseline=baseline_name if baseline else None,
         kernels=kernels, layout=options["layout"], batch=options["batch"],
-        fast_accum=bool(options.get("fast_accum")), warmup_ms=warmup_ms, rep_ms=rep_ms,
+        fast_accum=bool(options.get("fast_accum")), mode=options.get("mode", "fwd"), warmup_ms=warmup_ms, rep_ms=rep_ms,
         cuda_graph=cuda_graph, rounds=rounds, peak=peak, machine=machine.to_dict(),
         timing=("interpreter: host wall-clock, NOT GPU performance" if machine.interpreter else
                 "triton.testing.do_bench_cudagraph (graph replays, inputs rotated past L2)" if cuda_graph else
@@ -260,9 +263,12 @@ def run_bench(
             if isinstance(c, _Checked):
                 ms, p20, p80 = summarize(samples[kernel])
                 value = op.rate(case, dtype, ms, options)
+                second = op.secondary_rate(case, dtype, ms, options) if kernel != BASELINE else None
                 rows[kernel] = _row(op, case, dtype, kernel, options, c.status, rel_err=c.err,
                                     tolerance=None if c.err is None else tol, ms=ms, ms_p20=p20, ms_p80=p80,
-                                    value=value, pct_peak=(100.0 * value / peak) if peak else None)
+                                    value=value, pct_peak=(100.0 * value / peak) if peak else None,
+                                    secondary=second,
+                                    secondary_pct_peak=(100.0 * second / bandwidth) if second and bandwidth else None)
             else:
                 rows[kernel] = c
         base = rows.get(BASELINE)

@@ -35,3 +35,26 @@ def rename_old(name: str) -> str:
     parts = [_OLD_NAMES.get(part, part) for part in label.split("x")] if label.startswith("float8") else \
         [_OLD_NAMES.get(label, label)]
     return "x".join(parts) + plus + suffix
+
+
+# How fp32 operands enter a dot, by the names torch.set_float32_matmul_precision takes, and two of our own.
+_PRECISIONS = {"ieee": "ieee", "highest": "ieee", "tf32": "tf32", "high": "tf32", "medium": "tf32"}
+
+
+def resolve_precision(precision: str | None, dtype: torch.dtype) -> str:
+    """``ieee`` or ``tf32``: how fp32 operands enter the dot. Only fp32 has a choice.
+
+    ``None`` (or ``"default"``) reads ``torch.get_float32_matmul_precision()``; the op does that when it
+    runs, not when torch.compile traces it, so a compiled graph follows the setting at run time.
+    """
+    if precision is None or precision == "default":
+        if dtype != torch.float32:
+            return "ieee"
+        precision = torch.get_float32_matmul_precision()
+    check_precision(precision)
+    return _PRECISIONS[precision.lower()] if dtype == torch.float32 else "ieee"
+
+
+def check_precision(precision) -> None:
+    if not isinstance(precision, str) or precision.lower() not in _PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(_PRECISIONS)}")

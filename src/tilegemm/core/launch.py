@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from tilegemm.core.runtime import interpreting
 
 _state = threading.local()
@@ -307,3 +309,23 @@ class ReplayCache:
 
     def clear(self) -> None:
         self.entries.clear()
+
+
+def plain_call(*tensors) -> bool:
+    """True when no tracer, mode or autograd needs to see the op, so dispatch through it can be skipped.
+
+    Going through a registered op (``torch.ops.tilegemm.*``) costs tens of microseconds of host time; for small
+    problems that is more than the kernel. Under torch.compile, export, fake tensors, dispatch modes or
+    autograd the call always goes through the registered op.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor or (grad and t.requires_grad):
+            return False
+    return True

@@ -1,5 +1,8 @@
-"""Drop-in modules built on tilegemm's ops."""
+"""Drop-in ``torch.nn`` modules whose forward and backward run tilegemm's kernels, and in-place conversion."""
 
+from tilegemm.nn.conv import Conv2d
+from tilegemm.nn.convert import convert_
 from tilegemm.nn.int4 import Int4Linear, quantize_
+from tilegemm.nn.linear import Linear
 
-__all__ = ["Int4Linear", "quantize_"]
+__all__ = ["Conv2d", "Int4Linear", "Linear", "convert_", "quantize_"]

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "leaky_relu")
+from tilegemm.core.activations import ACTIVATIONS  # noqa: F401 (re-exported: tilegemm.ACTIVATIONS)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # inputs and outputs
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # inputs only; the output is 16- or 32-bit
 INPUT_DTYPES = DTYPES + FP8_DTYPES

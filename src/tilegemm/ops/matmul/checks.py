@@ -7,12 +7,9 @@ import numbers
 import torch
 
 from tilegemm.core import registry
-from tilegemm.core.dtypes import dtype_name
+from tilegemm.core.dtypes import check_precision, dtype_name, resolve_precision  # noqa: F401 (re-exported)
 from tilegemm.core.runtime import check_device, interpreting
 from tilegemm.ops.matmul.call import ACTIVATIONS, DTYPES, FP8_DTYPES, INPUT_DTYPES, MatmulCall
-
-_PRECISIONS = {"ieee": "ieee", "highest": "ieee", "tf32": "tf32", "high": "tf32", "medium": "tf32"}
-
 
 def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
     if not isinstance(t, torch.Tensor):
@@ -30,25 +27,6 @@ def _check_devices(named: dict[str, torch.Tensor]) -> None:
         if device != first:
             raise ValueError(f"tensors are on different devices: {first_name} on {first}, {name} on {device}")
     check_device(first_name, first)
-
-
-def resolve_precision(precision: str | None, dtype: torch.dtype) -> str:
-    """``ieee`` or ``tf32``: how fp32 operands enter the dot. Only fp32 has a choice.
-
-    ``None`` (or ``"default"``) reads ``torch.get_float32_matmul_precision()``; the op does that when it
-    runs, not when torch.compile traces it, so a compiled graph follows the setting at run time.
-    """
-    if precision is None or precision == "default":
-        if dtype != torch.float32:
-            return "ieee"
-        precision = torch.get_float32_matmul_precision()
-    _check_precision(precision)
-    return _PRECISIONS[precision.lower()] if dtype == torch.float32 else "ieee"
-
-
-def _check_precision(precision) -> None:
-    if not isinstance(precision, str) or precision.lower() not in _PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(_PRECISIONS)}")
 
 
 def broadcast(x, y) -> tuple[int, ...] | None:
@@ -150,7 +128,7 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
     if out_dtype is not None and out_dtype not in DTYPES:
         raise TypeError(f"out_dtype {out_dtype} is not supported; choose one of: float16, bfloat16, float32")
     if precision is not None and precision != "default":
-        _check_precision(precision)
+        check_precision(precision)
     if kernel != "auto":
         spec = registry.get("matmul", kernel)
         reason = spec.unavailable_reason()

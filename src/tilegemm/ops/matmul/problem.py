@@ -1,6 +1,6 @@
 """The host side of a GEMM launch: ``[B, M, K] @ [B, K, N]`` described by base tensors and stride tuples.
 
-:func:`tilegemm.ops.matmul.op.matmul` validates user input and cuts it into :class:`GemmProblem` pieces; every
+:func:`tilegemm.ops.matmul.api.matmul` validates user input and cuts it into :class:`GemmProblem` pieces; every
 kernel launcher takes one piece. Batch dims that broadcast get stride 0; dims that merge become one batch
 axis; only what cannot merge (or more than MAX_GRID_Y batches) becomes several pieces, each an
 ``as_strided`` view. Nothing is copied.

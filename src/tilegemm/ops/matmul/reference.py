@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tilegemm.core.activations import torch_activation
 from tilegemm.core.checks import relative_error  # noqa: F401  (re-exported: tests and docs import it here)
 
 
@@ -44,18 +45,3 @@ def tolerance(dtype: torch.dtype, precision: str = "ieee", out_dtype: torch.dtyp
     if out_dtype is not None:
         bound = max(bound, bounds.get(out_dtype, bound))
     return bound
-
-
-def torch_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
-    F = torch.nn.functional
-    if activation == "relu":
-        return F.relu(x)
-    if activation == "gelu":
-        return F.gelu(x)
-    if activation == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if activation == "silu":
-        return F.silu(x)
-    if activation == "leaky_relu":
-        return F.leaky_relu(x, 0.01)
-    return x

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import ReplayCache
+from tilegemm.core.launch import ReplayCache, plain_call
 from tilegemm.core.runtime import interpreting
-from tilegemm.ops.matmul.checks import resolve_precision
+from tilegemm.core.dtypes import resolve_precision
 
 # Replays of earlier calls without bias, c or activation, keyed by everything Triton specializes a launch on.
 _cache = ReplayCache()
@@ -58,26 +58,6 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
     aliases = tuple(ptrs.index(p) for p in ptrs)  # for each tensor, the first one sharing its data pointer
     return (kernel, alpha, resolved, out_dtype, fast_accum, a.dtype, b.dtype, a.shape, b.shape, a.stride(),
             b.stride(), a.device, ptrs[0] % 16 == 0, ptrs[1] % 16 == 0, aliases, scale_keys)
-
-
-def plain_call(*tensors) -> bool:
-    """True when no tracer, mode or autograd needs to see the op, so dispatch through it can be skipped.
-
-    Going through ``torch.ops.tilegemm.matmul`` costs tens of microseconds of host time; for small
-    problems that is more than the kernel. Under torch.compile, export, fake tensors, dispatch modes or
-    autograd the call always goes through the registered op.
-    """
-    if torch.compiler.is_compiling():
-        return False
-    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
-        return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t is None:
-            continue
-        if type(t) is not torch.Tensor or (grad and t.requires_grad):
-            return False
-    return True
 
 
 def lookup(key):

@@ -90,6 +90,11 @@ class W4A16Bench(BenchOp):
         """Bytes of a g128 4-bit weight: packed values plus scales and zeros."""
         return N * K // 2 + 2 * (K // GROUP_SIZE) * N * dtype_size
 
+    secondary_metric = "GB/s"  # of weight traffic (packed weights, scales, zeros): the small-M roofline's measure
+
+    def secondary_rate(self, case, dtype, ms, options):
+        return self.weight_gbps(case, ms)
+
     def weight_gbps(self, case: Case, ms: float) -> float:
         """GB/s of weight traffic at a time of ``ms`` milliseconds (the M=1 roofline's measure)."""
         return self.weight_bytes(case.dims["N"], case.dims["K"]) / (ms * 1e-3) / 1e9

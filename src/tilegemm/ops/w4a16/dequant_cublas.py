@@ -47,7 +47,7 @@ def dequantize_t(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 
 def run(p: W4A16Problem, cfg: dict | None = None) -> None:
-    from tilegemm.ops.matmul.op import _torch_activation
+    from tilegemm.core.activations import torch_activation
 
     wt = dequantize_t(p.qweight, p.scales, p.zeros, p.group_k)
     if p.upcast:  # CPU bf16 matmul is slow and not what the GPU does; fp32 holds every product exactly
@@ -57,5 +57,5 @@ def run(p: W4A16Problem, cfg: dict | None = None) -> None:
     if p.bias is not None:
         y = y + p.bias
     if p.activation != "none":
-        y = _torch_activation(y.float(), p.activation)
+        y = torch_activation(y.float(), p.activation)
     p.out.copy_(y)

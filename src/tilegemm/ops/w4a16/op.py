@@ -9,7 +9,7 @@ import torch
 
 from tilegemm.core import registry
 from tilegemm.core.runtime import check_device, interpreting, new_output, on_device
-from tilegemm.ops.matmul.op import _plain_call
+from tilegemm.core.launch import plain_call
 from tilegemm.ops.w4a16 import configs
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, validate
 
@@ -120,7 +120,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out):
-    from tilegemm.ops.matmul.op import _torch_activation
+    from tilegemm.core.activations import torch_activation
 
     x, qweight, scales, zeros, bias = ctx.saved_tensors
     grad = grad_out.float()
@@ -128,7 +128,7 @@ def _backward(ctx, grad_out):
         pre = _w4a16_op(x, qweight, scales, zeros, bias, ctx.group_k, "none", "auto").float()
         with torch.enable_grad():
             pre = pre.detach().requires_grad_(True)
-            (grad,) = torch.autograd.grad(_torch_activation(pre, ctx.activation), pre, grad)
+            (grad,) = torch.autograd.grad(torch_activation(pre, ctx.activation), pre, grad)
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
         K = x.shape[1]
@@ -173,5 +173,5 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     args = (x2, w.qweight, w.scales, w.zeros, bias, w.group_k, activation, kernel)
     # Dispatch through torch.ops costs tens of microseconds of host time, more than an M=1 kernel; a call that
     # no tracer, mode or autograd needs to see skips it (as tilegemm.matmul does).
-    out = _forward(*args) if _plain_call(x2, bias) else _w4a16_op(*args)
+    out = _forward(*args) if plain_call(x2, bias) else _w4a16_op(*args)
     return out.reshape(*lead, w.shape[0])

@@ -1,0 +1,112 @@
+"""ResNet-50 on tilegemm's convolutions: ``tilegemm.nn.convert_`` on torchvision's model (random weights).
+
+    python examples/resnet50.py                 # GPU: fp16 channels-last inference at batch 32 and 256
+    python examples/resnet50.py --tiny          # CI: a two-block ResNet under Triton's interpreter, no timing
+
+Prints (1) output agreement with the cuDNN model, (2) inference images/s of tilegemm eager, cuDNN eager and
+cuDNN under torch.compile, and (3) one training step's gradients against cuDNN's (fp32, tf32 off on both sides,
+worst relative error over the parameters). Needs ``pip install tilegemm[models]`` (torchvision) except --tiny.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+import tilegemm  # first: it settles Triton's backend (compiler or interpreter) before triton is imported
+
+import torch
+from torch import nn
+
+
+def tiny_resnet(num_classes: int = 10) -> nn.Module:
+    """ResNet-50's stem and one bottleneck (with its downsample shortcut), at toy width: for the interpreter."""
+
+    class Bottleneck(nn.Module):
+        def __init__(self, c_in, width, stride):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(c_in, width, 1, bias=False), nn.BatchNorm2d(width)
+            self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
+            self.conv3, self.bn3 = nn.Conv2d(width, 4 * width, 1, bias=False), nn.BatchNorm2d(4 * width)
+            self.downsample = nn.Sequential(nn.Conv2d(c_in, 4 * width, 1, stride, bias=False), nn.BatchNorm2d(4 * width))
+
+        def forward(self, x):
+            y = torch.relu(self.bn1(self.conv1(x)))
+            y = torch.relu(self.bn2(self.conv2(y)))
+            return torch.relu(self.bn3(self.conv3(y)) + self.downsample(x))
+
+    return nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                         Bottleneck(8, 4, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes))
+
+
+def relative_error(out, ref) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def make_model(tiny: bool) -> nn.Module:
+    if tiny:
+        return tiny_resnet()
+    try:
+        import torchvision
+    except ImportError:
+        sys.exit("this example needs torchvision: pip install 'tilegemm[models]' (or run with --tiny)")
+    return torchvision.models.resnet50(weights=None)
+
+
+def inference(args, device) -> None:
+    torch.manual_seed(0)
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    ref = make_model(args.tiny).eval().to(device=device, dtype=dtype, memory_format=torch.channels_last)
+    ours = tilegemm.nn.convert_(copy.deepcopy(ref))
+    side = 32 if args.tiny else 224
+    x = torch.randn(2 if args.tiny else 32, 3, side, side, device=device, dtype=dtype)
+    x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        err = relative_error(ours(x), ref(x))
+    print(f"inference output vs cuDNN ({str(dtype)[6:]}, channels-last): relative error {err:.2e}")
+    if args.tiny:
+        return
+    from triton.testing import do_bench
+
+    torch.backends.cudnn.benchmark = True
+    compiled = torch.compile(ref)
+    print(f"{'batch':>6s} {'tilegemm':>12s} {'cuDNN eager':>12s} {'cuDNN compiled':>15s}   (images/s)")
+    for batch in args.batches:
+        xb = torch.randn(batch, 3, side, side, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
+        with torch.no_grad():
+            rates = [batch / (do_bench(lambda m=m: m(xb), warmup=50, rep=300) * 1e-3) for m in (ours, ref, compiled)]
+        print(f"{batch:>6d} {rates[0]:>12.0f} {rates[1]:>12.0f} {rates[2]:>15.0f}")
+
+
+def training_step(args, device) -> None:
+    torch.manual_seed(1)
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")  # fp32 on both sides: the comparison is about the kernels
+    ref = make_model(args.tiny).train().to(device=device, memory_format=torch.channels_last)
+    ours = tilegemm.nn.convert_(copy.deepcopy(ref))
+    side = 32 if args.tiny else 224
+    x = torch.randn(2 if args.tiny else 8, 3, side, side, device=device).contiguous(memory_format=torch.channels_last)
+    target = torch.randint(0, 10, (x.shape[0],), device=device)
+    for model in (ref, ours):
+        nn.functional.cross_entropy(model(x), target).backward()
+    worst = max((relative_error(p.grad, q.grad), name) for (name, p), q in zip(ours.named_parameters(), ref.parameters()))
+    print(f"training step, fp32: worst gradient relative error {worst[0]:.2e} ({worst[1]})")
+    if worst[0] > 1e-3:
+        sys.exit("gradients disagree with cuDNN's")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="a two-block ResNet at 32x32, batch 2, no timing")
+    parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[32, 256])
+    args = parser.parse_args()
+    device = "cpu" if tilegemm.interpreting() else "cuda"
+    if device == "cpu" and not args.tiny:
+        sys.exit("no CUDA GPU: kernels would run under Triton's interpreter; use --tiny")
+    inference(args, device)
+    training_step(args, device)
+
+
+if __name__ == "__main__":
+    main()

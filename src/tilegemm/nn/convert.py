@@ -1,0 +1,75 @@
+"""``tilegemm.nn.convert_``: swap a model's ``nn.Conv2d`` and ``nn.Linear`` modules for tilegemm's, in place."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+from tilegemm.nn.conv import Conv2d
+from tilegemm.nn.linear import Linear
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class ConversionNote(UserWarning):
+    """Some modules were left as they were by :func:`convert_`; the message says which and why."""
+
+
+def _why_not(module: torch.nn.Module) -> str | None:
+    """None when ``module`` can be swapped, else the reason it is kept."""
+    if type(module) not in (torch.nn.Conv2d, torch.nn.Linear):
+        return f"{type(module).__name__} subclasses {'Conv2d' if isinstance(module, torch.nn.Conv2d) else 'Linear'} " \
+               "(its forward may differ)"
+    dtype = module.weight.dtype
+    if dtype not in _DTYPES:
+        return f"weight dtype {str(dtype).replace('torch.', '')} (tilegemm takes float16, bfloat16, float32)"
+    if isinstance(module, torch.nn.Conv2d) and isinstance(module.padding, str) and module.padding == "same" \
+            and tuple(module.stride) != (1, 1):
+        return "padding='same' with stride > 1"
+    return None
+
+
+def convert_(
+    model: torch.nn.Module,
+    *,
+    conv: bool = True,
+    linear: bool = True,
+    filter_fn: Callable[[str, torch.nn.Module], bool] | None = None,
+    warn: bool = True,
+) -> torch.nn.Module:
+    """Replace ``model``'s ``torch.nn.Conv2d`` (``conv=True``) and ``torch.nn.Linear`` (``linear=True``) modules
+    by :class:`tilegemm.nn.Conv2d` / :class:`tilegemm.nn.Linear` sharing their parameters; return ``model``.
+
+    ``filter_fn(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
+    swapped (subclasses with their own forward, float64 weights, ...) are kept, and one
+    :class:`ConversionNote` warning names them with the reason (``warn=False`` silences it). The list is also
+    left in ``model.tilegemm_skipped`` as ``[(name, reason)]``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"convert_ takes a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, (torch.nn.Conv2d, torch.nn.Linear)):
+        raise ValueError("convert_ swaps the children of a model; to convert one layer, use "
+                         "tilegemm.nn.Conv2d.from_conv / tilegemm.nn.Linear.from_linear")
+    skipped: list[tuple[str, str]] = []
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, (Conv2d, Linear)):
+                continue  # converted already
+            want = (conv and isinstance(child, torch.nn.Conv2d)) or (linear and isinstance(child, torch.nn.Linear))
+            if not want or (filter_fn is not None and not filter_fn(name, child)):
+                continue
+            reason = _why_not(child)
+            if reason is not None:
+                skipped.append((name, reason))
+                continue
+            new = Conv2d.from_conv(child) if isinstance(child, torch.nn.Conv2d) else Linear.from_linear(child)
+            setattr(parent, child_name, new)
+    model.tilegemm_skipped = skipped
+    if skipped and warn:
+        listing = "; ".join(f"{n}: {r}" for n, r in skipped)
+        warnings.warn(f"tilegemm.nn.convert_ kept {len(skipped)} module(s) as they were: {listing}", ConversionNote,
+                      stacklevel=2)
+    return model

@@ -1,0 +1,42 @@
+"""``tilegemm.nn.Linear``: ``torch.nn.Linear`` through ``tilegemm.matmul``, with an optional fused activation."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tilegemm.ops.matmul import matmul
+
+
+class Linear(torch.nn.Linear):
+    """A drop-in ``torch.nn.Linear`` (same arguments, parameters and state dict), plus ``activation``: one of
+    ``tilegemm.ACTIVATIONS`` applied in the GEMM's epilogue after the bias. Autograd runs through
+    ``tilegemm.matmul`` (its backward GEMMs are tilegemm's too)."""
+
+    def __init__(self, *args, activation: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.activation = activation
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, activation: str | None = None) -> "Linear":
+        """A ``Linear`` sharing ``linear``'s parameters (no copy)."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"from_linear takes a torch.nn.Linear, got {type(linear).__name__}")
+        new = copy.copy(linear)
+        new.__class__ = cls
+        new._parameters = dict(linear._parameters)
+        new._buffers = dict(linear._buffers)
+        new._modules = dict(linear._modules)
+        new.activation = activation
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, x.shape[-1])  # [*, in] -> [M, in]: one GEMM, whatever the leading dims
+        out = matmul(x2d, self.weight.t(), bias=self.bias, activation=self.activation)  # [M, out]
+        return out.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        extra = super().extra_repr()
+        return extra + (f", activation={self.activation}" if self.activation else "")

@@ -1,0 +1,30 @@
+"""2-D convolution: ``activation(conv2d(x, weight) + bias)``, forward and backward, as implicit GEMMs.
+
+Kernels, each a file beside this one, registered here by name; nothing here imports triton (a kernel module
+is imported when its kernel first runs). The backward (data and weight gradients) runs from
+:mod:`tilegemm.ops.conv2d.op` with the same kernel files.
+"""
+
+from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
+
+register_op(OpSpec(
+    name="conv2d", summary="2-D convolution (F.conv2d semantics) with fused bias and activation; fwd and bwd",
+    bench="tilegemm.ops.conv2d.bench:Conv2dBench",
+    pseudo={"auto": "gemm_1x1 for pointwise, depthwise for depthwise, implicit_gemm otherwise (the default)"},
+))
+register(KernelSpec(
+    op="conv2d", name="implicit_gemm", order=10, target="tilegemm.ops.conv2d.implicit_gemm:run",
+    summary="implicit GEMM over channels-last pixels: K loop over filter taps, then channels; any conv",
+))
+register(KernelSpec(
+    op="conv2d", name="gemm_1x1", order=20, target="tilegemm.ops.conv2d.gemm_1x1:run",
+    summary="1x1, stride 1, unpadded, one group: tilegemm.matmul on the channels-last view",
+))
+register(KernelSpec(
+    op="conv2d", name="depthwise", order=30, target="tilegemm.ops.conv2d.depthwise:run",
+    summary="direct kernel for groups = C: taps summed elementwise over [pixels, channels] tiles",
+))
+
+from tilegemm.ops.conv2d.op import conv2d  # noqa: E402
+
+__all__ = ["conv2d"]

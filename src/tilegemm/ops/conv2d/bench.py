@@ -1,0 +1,213 @@
+"""The bench adapter of conv2d: ResNet-50 and MobileNetV2 layers, cuDNN (channels-last, benchmark mode) as the
+baseline, work in FLOPs. Option ``mode``: ``fwd`` (the forward) or ``bwd`` (data and weight gradients).
+
+Inputs are channels-last. In ``bwd`` mode both sides compute grad x and grad weight from one output gradient
+and return them concatenated (flattened) so that one tensor is checked: the concatenation is in both timings.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
+
+
+def _case(N, C, H, W, K, R, S, stride=1, pad=0, groups=1, x=0.0) -> Case:
+    label = f"n{N}c{C}h{H}w{W}k{K}r{R}s{S}/{stride}" + (f"g{groups}" if groups > 1 else "")
+    dims = dict(N=N, C=C, H=H, W=W, K=K, R=R, S=S, stride=stride, pad=pad, groups=groups)
+    return Case(label, dims, float(x))
+
+
+def _distinct(layers, N) -> list[Case]:
+    seen, cases = set(), []
+    for layer in layers:
+        if layer not in seen:
+            seen.add(layer)
+            C, H, K, R, stride, groups = layer
+            cases.append(_case(N, C, H, H, K, R, R, stride, R // 2, groups, x=len(cases)))
+    return cases
+
+
+def resnet50_layers() -> list[tuple]:
+    """(C, H, K, R, stride, groups) of every convolution of torchvision's ResNet-50 at 224x224, in order."""
+    layers = [(3, 224, 64, 7, 2, 1)]
+    c, h = 64, 56
+    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for b in range(blocks):
+            s = stride if b == 0 else 1
+            layers += [(c, h, width, 1, 1, 1), (width, h, width, 3, s, 1)]
+            h_out = h // s
+            layers.append((width, h_out, 4 * width, 1, 1, 1))
+            if b == 0:
+                layers.append((c, h, 4 * width, 1, s, 1))  # the downsample shortcut
+            c, h = 4 * width, h_out
+    return layers
+
+
+def mobilenet_v2_layers() -> list[tuple]:
+    """(C, H, K, R, stride, groups) of MobileNetV2's depthwise and pointwise convolutions at 224x224."""
+    layers, c, h = [], 32, 112
+    for t, out, n, stride in ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+                              (6, 160, 3, 2), (6, 320, 1, 1)):
+        for i in range(n):
+            s = stride if i == 0 else 1
+            hidden = c * t
+            if t != 1:
+                layers.append((c, h, hidden, 1, 1, 1))  # expand
+            layers.append((hidden, h, hidden, 3, s, hidden))  # depthwise
+            h //= s
+            layers.append((hidden, h, out, 1, 1, 1))  # project
+            c = out
+    layers.append((c, h, 1280, 1, 1, 1))
+    return layers
+
+
+class Conv2dBench(BenchOp):
+    name = "conv2d"
+    metric = "TFLOPS"
+    baseline_name = "cuDNN"
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
+    sweeps = {
+        "resnet50": lambda: _distinct(resnet50_layers(), 32),
+        "mobilenet": lambda: _distinct(mobilenet_v2_layers(), 64),
+        "tiny": lambda: [_case(2, 8, 9, 9, 16, 3, 3, 1, 1, x=0), _case(2, 16, 6, 6, 16, 1, 1, x=1),
+                         _case(2, 8, 8, 8, 8, 3, 3, 2, 1, groups=8, x=2)],
+    }
+    gpu_sweep = "resnet50"
+    cpu_sweep = "tiny"
+    options = ("mode",)
+    shape_help = "N,C,H,W,K,R,S[,stride[,pad[,groups]]] (e.g. 32,64,56,56,64,3,3,1,1)"
+
+    @staticmethod
+    def _mode(options) -> str:
+        mode = options.get("mode") or "fwd"
+        if mode not in ("fwd", "bwd"):
+            raise BenchError(f"--mode must be fwd or bwd, got {mode!r}")
+        return mode
+
+    def check_options(self, options, dtype):
+        super().check_options(options, dtype)
+        self._mode(options)
+
+    def parse_shape(self, text: str) -> Case:
+        parts = re.split(r"[,x\s]+", text.strip())
+        try:
+            values = [int(p) for p in parts]
+        except ValueError:
+            raise BenchError(f"malformed conv2d shape {text!r}: expected {self.shape_help}") from None
+        if not 7 <= len(values) <= 10:
+            raise BenchError(f"malformed conv2d shape {text!r}: expected {self.shape_help}")
+        N, C, H, W, K, R, S = values[:7]
+        stride, pad, groups = (values[7:] + [1, 0, 1][len(values) - 7:])[:3]
+        if min(N, C, H, W, K, R, S, stride, groups) < 1 or pad < 0 or C % groups or K % groups:
+            raise BenchError(f"malformed conv2d shape {text!r}: sizes must be >= 1 and C, K divisible by groups")
+        if H + 2 * pad < R or W + 2 * pad < S:
+            raise BenchError(f"malformed conv2d shape {text!r}: the filter is larger than the padded input")
+        return _case(N, C, H, W, K, R, S, stride, pad, groups)
+
+    @staticmethod
+    def _conv(d) -> dict:
+        return dict(stride=d["stride"], padding=d["pad"], groups=d["groups"])
+
+    def _precision(self, dtype: str) -> str:
+        return "tf32" if dtype == "tf32" else "ieee"
+
+    def prepare(self, case, dtype, device, n_sets, options):
+        d = case.dims
+        mode = self._mode(options)
+        tdtype = self.dtypes[dtype]
+        conv = self._conv(d)
+        fan_in = d["C"] // d["groups"] * d["R"] * d["S"]
+        P = (d["H"] + 2 * d["pad"] - d["R"]) // d["stride"] + 1
+        Q = (d["W"] + 2 * d["pad"] - d["S"]) // d["stride"] + 1
+        sets = []
+        for _ in range(n_sets):
+            x = torch.randn(d["N"], d["C"], d["H"], d["W"], device=device, dtype=tdtype)
+            w = torch.randn(d["K"], d["C"] // d["groups"], d["R"], d["S"], device=device, dtype=tdtype) / fan_in**0.5
+            inputs = dict(x=x.contiguous(memory_format=torch.channels_last),
+                          w=w.to(tdtype).contiguous(memory_format=torch.channels_last), conv=conv, mode=mode)
+            if mode == "bwd":
+                dy = torch.randn(d["N"], d["K"], P, Q, device=device, dtype=tdtype)
+                inputs["dy"] = dy.contiguous(memory_format=torch.channels_last)
+            sets.append(inputs)
+        first = sets[0]
+        x64, w64 = first["x"].double(), first["w"].double()
+        if mode == "fwd":
+            reference = torch.nn.functional.conv2d(x64, w64, None, **conv)
+        else:
+            dx, dw, _ = torch.ops.aten.convolution_backward(
+                first["dy"].double(), x64, w64, None, [conv["stride"]] * 2, [conv["padding"]] * 2, [1, 1], False,
+                [0, 0], conv["groups"], [True, True, False])
+            reference = torch.cat([dx.permute(0, 2, 3, 1).flatten(), dw.permute(0, 2, 3, 1).flatten()])
+        size = tdtype.itemsize
+        x_bytes, w_bytes, y_bytes = (d["N"] * d["C"] * d["H"] * d["W"], d["K"] * fan_in, d["N"] * d["K"] * P * Q)
+        nbytes = (x_bytes + w_bytes + y_bytes) * size * (2 if mode == "bwd" else 1)
+        return Prepared(sets, reference, bytes_per_set=nbytes)
+
+    @staticmethod
+    def _flat_grads(dx, dw):
+        # channels-last order on both sides, whatever layout each returned
+        return torch.cat([dx.permute(0, 2, 3, 1).flatten(), dw.permute(0, 2, 3, 1).flatten()])
+
+    def run(self, kernel, inputs, dtype):
+        from tilegemm import conv2d
+        from tilegemm.ops.conv2d.op import _dgrad_op, _wgrad_op
+        from tilegemm.ops.conv2d.problem import check_conv
+
+        x, w, conv = inputs["x"], inputs["w"], inputs["conv"]
+        precision = self._precision(dtype)
+        if inputs["mode"] == "fwd":
+            return conv2d(x, w, None, **conv, kernel=kernel, precision=precision)
+        if kernel != "auto":
+            from tilegemm.core.registry import NotApplicable
+
+            raise NotApplicable("the backward picks its kernels by geometry: bench it as kernel auto")
+        g = check_conv(x, w, None, conv["stride"], conv["padding"], 1, conv["groups"])
+        args = (list(g.stride), list(g.padding), list(g.dilation), g.groups, precision)
+        dx = _dgrad_op(inputs["dy"], w, list(x.shape), True, *args)
+        dw = _wgrad_op(inputs["dy"], x, list(w.shape), *args)
+        return self._flat_grads(dx, dw)
+
+    def baseline(self, inputs, dtype):
+        x, w, conv = inputs["x"], inputs["w"], inputs["conv"]
+        if inputs["mode"] == "fwd":
+            return torch.nn.functional.conv2d(x, w, None, **conv)
+        s, p = [conv["stride"]] * 2, [conv["padding"]] * 2
+        dx, dw, _ = torch.ops.aten.convolution_backward(inputs["dy"], x, w, None, s, p, [1, 1], False, [0, 0],
+                                                        conv["groups"], [True, True, False])
+        return self._flat_grads(dx, dw)
+
+    def baseline_context(self, dtype):
+        return _CudnnMode(dtype)
+
+    def work(self, case, dtype, options):
+        d = case.dims
+        P = (d["H"] + 2 * d["pad"] - d["R"]) // d["stride"] + 1
+        Q = (d["W"] + 2 * d["pad"] - d["S"]) // d["stride"] + 1
+        flops = 2.0 * d["N"] * P * Q * d["K"] * (d["C"] // d["groups"]) * d["R"] * d["S"]
+        return flops * (2 if self._mode(options) == "bwd" else 1)
+
+    def tolerance(self, dtype):
+        from tilegemm.ops.conv2d.reference import tolerance
+
+        return tolerance(self.dtypes[dtype], self._precision(dtype))
+
+
+class _CudnnMode:
+    """cuDNN in benchmark mode (it times its algorithms per shape first), tf32 only for the ``tf32`` dtype.
+    ``None`` (tilegemm's own rows) changes nothing."""
+
+    def __init__(self, dtype: str | None):
+        self.dtype = dtype
+
+    def __enter__(self):
+        cudnn = torch.backends.cudnn
+        self.old = cudnn.benchmark, cudnn.allow_tf32
+        if self.dtype is not None:
+            cudnn.benchmark = True
+            cudnn.allow_tf32 = self.dtype == "tf32"
+
+    def __exit__(self, *exc):
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = self.old

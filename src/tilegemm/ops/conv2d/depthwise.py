@@ -1,0 +1,232 @@
+"""Depthwise convolution (groups = C, one input channel per group) as a direct kernel, with its gradients.
+
+A depthwise filter has C/groups = 1, so its GEMM view is a K=R*S dot per channel: too thin for tensor cores.
+Instead a program owns [BLOCK_M pixels, BLOCK_N channels] of channels-last activations and adds up the R*S
+taps elementwise in fp32, each tap one coalesced [BM, BN] load. Output channel k reads input channel
+k // MULT (MULT = K / C, the channel multiplier; 1 in MobileNet).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core.launch import launch
+from tilegemm.core.runtime import ensure_backend, new_output
+from tilegemm.ops.conv2d.configs import depthwise_config
+from tilegemm.ops.conv2d.implicit_gemm import _conv_args, _nhwc, _nhwc_strides, allocate_out, empty_4d
+from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
+
+ensure_backend()
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tilegemm.jit.helpers import apply_activation  # noqa: E402
+
+
+_SIZES = ["H", "W", "P", "Q", "K", "M", "pad_h", "pad_w"]  # not specialized on: see implicit_gemm._SIZES
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def depthwise_fwd_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr,
+    H, W, P, Q, K, M, MULT,
+    stride_xn, stride_xh, stride_xw, stride_xc,
+    stride_wk, stride_wr, stride_ws,
+    stride_on, stride_op, stride_oq, stride_ok,
+    stride_bias,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    R: tl.constexpr, S: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # This program: output pixels [BM] x output channels [BN].
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+    q = offs_m % Q
+    p = (offs_m // Q) % P
+    n = offs_m // (P * Q)
+    h0 = p * str_h - pad_h
+    w0 = q * str_w - pad_w
+    m_ok = offs_m < M
+    n_ok = offs_n < K
+    x_rows = x_ptr + n * stride_xn  # [BM]
+    x_cols = (offs_n // MULT) * stride_xc  # [BN] the input channel of each output channel
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for rs in range(0, R * S):
+        r = rs // S
+        s = rs - r * S
+        h = h0 + r * dil_h
+        w = w0 + s * dil_w
+        ok = m_ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)  # [BM] zero padding
+        xv = tl.load(x_rows[:, None] + (h * stride_xh + w * stride_xw)[:, None] + x_cols[None, :],
+                     mask=ok[:, None] & n_ok[None, :], other=0.0)  # [BM, BN]
+        wv = tl.load(w_ptr + offs_n * stride_wk + r * stride_wr + s * stride_ws, mask=n_ok, other=0.0)  # [BN]
+        acc += xv.to(tl.float32) * wv.to(tl.float32)[None, :]
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    acc = apply_activation(acc, ACTIVATION)
+    out_rows = n * stride_on + p * stride_op + q * stride_oq
+    tl.store(out_ptr + out_rows[:, None] + (offs_n * stride_ok)[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "C", "M", "pad_h", "pad_w"])
+def depthwise_dgrad_kernel(
+    dy_ptr, w_ptr, dx_ptr,
+    H, W, P, Q, C, M, MULT,
+    stride_yn, stride_yp, stride_yq, stride_yk,
+    stride_wk, stride_wr, stride_ws,
+    stride_xn, stride_xh, stride_xw, stride_xc,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    R: tl.constexpr, S: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # This program: input pixels [BM] x input channels [BN]; each gathers the output pixels covering it.
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+    wx = offs_m % W
+    hx = (offs_m // W) % H
+    n = offs_m // (H * W)
+    m_ok = offs_m < M
+    c_ok = offs_n < C
+    dy_rows = dy_ptr + n * stride_yn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for rs in range(0, R * S):
+        r = rs // S
+        s = rs - r * S
+        ph = hx + pad_h - r * dil_h  # = p * str_h where this tap of output pixel (p, q) reads (hx, wx)
+        pw = wx + pad_w - s * dil_w
+        p = ph // str_h
+        q = pw // str_w
+        ok = m_ok & (ph >= 0) & (pw >= 0) & (p * str_h == ph) & (q * str_w == pw) & (p < P) & (q < Q)
+        for j in range(0, MULT):
+            k = offs_n * MULT + j  # [BN] the output channels fed by input channel offs_n
+            dyv = tl.load(dy_rows[:, None] + (p * stride_yp + q * stride_yq)[:, None] + (k * stride_yk)[None, :],
+                          mask=ok[:, None] & c_ok[None, :], other=0.0)  # [BM, BN]
+            wv = tl.load(w_ptr + k * stride_wk + r * stride_wr + s * stride_ws, mask=c_ok, other=0.0)  # [BN]
+            acc += dyv.to(tl.float32) * wv.to(tl.float32)[None, :]
+
+    x_rows = n * stride_xn + hx * stride_xh + wx * stride_xw
+    tl.store(dx_ptr + x_rows[:, None] + (offs_n * stride_xc)[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "K", "NPQ", "slice_len", "pad_h", "pad_w"])
+def depthwise_wgrad_kernel(
+    dy_ptr, x_ptr, dw_ptr,
+    H, W, P, Q, K, NPQ, MULT, slice_len,
+    stride_yn, stride_yp, stride_yq, stride_yk,
+    stride_xn, stride_xh, stride_xw, stride_xc,
+    stride_ds, stride_dk, stride_dr, stride_dss,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    R: tl.constexpr, S: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # This program: channels [BN] of one tap (axis 1), summed over one slice of output pixels (axis 2).
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tap = tl.program_id(1)
+    part = tl.program_id(2)
+    r = tap // S
+    s = tap - r * S
+    offs_m = tl.arange(0, BLOCK_M)
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+    n_ok = offs_n < K
+    begin = part * slice_len
+    end = tl.minimum(begin + slice_len, NPQ)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for m0 in range(begin, end, BLOCK_M):
+        pix = m0 + offs_m  # [BM]
+        q = pix % Q
+        p = (pix // Q) % P
+        n = pix // (P * Q)
+        h = p * str_h - pad_h + r * dil_h
+        w = q * str_w - pad_w + s * dil_w
+        in_slice = pix < end
+        ok = in_slice & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+        dyv = tl.load(dy_ptr + (n * stride_yn + p * stride_yp + q * stride_yq)[:, None] + (offs_n * stride_yk)[None, :],
+                      mask=in_slice[:, None] & n_ok[None, :], other=0.0)  # [BM, BN]
+        xv = tl.load(x_ptr + (n * stride_xn + h * stride_xh + w * stride_xw)[:, None]
+                     + ((offs_n // MULT) * stride_xc)[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0)
+        acc += dyv.to(tl.float32) * xv.to(tl.float32)
+    total = tl.sum(acc, axis=0)  # [BN]
+    tl.store(dw_ptr + part * stride_ds + offs_n * stride_dk + r * stride_dr + s * stride_dss, total, mask=n_ok)
+
+
+# --- launchers ------------------------------------------------------------------------------------------
+
+
+def _w_strides(w: torch.Tensor) -> tuple:
+    """(k, r, s) strides of a [K, 1, R, S] weight."""
+    return w.stride(0), w.stride(2), w.stride(3)
+
+
+def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
+    """Forward; the output in ``p.out_format``."""
+    g = p.geo
+    if not g.is_depthwise:
+        from tilegemm.core.registry import NotApplicable
+
+        raise NotApplicable(f"the depthwise kernel takes groups = C with one input channel per group; got "
+                            f"C={g.C}, groups={g.groups}")
+    x = _nhwc(p.x)
+    out = allocate_out(p)
+    cfg = dict(config or depthwise_config(g, p.dtype))
+    M = g.N * g.P * g.Q
+    bias = p.bias if p.bias is not None else out
+    args = (x, p.weight, out, bias, g.H, g.W, g.P, g.Q, g.K, M, g.K // g.C, *_nhwc_strides(x), *_w_strides(p.weight),
+            out.stride(0), out.stride(2), out.stride(3), out.stride(1),
+            p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
+    flags = dict(R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, INDEX_64=p.index_64)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(g.K, cfg["BLOCK_N"]))
+    launch(depthwise_fwd_kernel, grid, args, {**flags, **cfg})
+    return out
+
+
+def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry,
+          config: dict | None = None) -> torch.Tensor:
+    """grad of x for a depthwise convolution: ``[N, C, H, W]`` in ``x_format``."""
+    dy = _nhwc(dy)
+    dx = empty_4d(x_shape, dy.dtype, dy.device, x_format)
+    cfg = dict(config or depthwise_config(g, dy.dtype))
+    M = g.N * g.H * g.W
+    index_64 = max(dx.numel(), dy.numel()) >= 2**31 - 1
+    args = (dy, weight, dx, g.H, g.W, g.P, g.Q, g.C, M, g.K // g.C, *_nhwc_strides(dy), *_w_strides(weight),
+            *_nhwc_strides(dx), *_conv_args(g))
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(g.C, cfg["BLOCK_N"]))
+    launch(depthwise_dgrad_kernel, grid, args, dict(R=g.R, S=g.S, INDEX_64=index_64, **cfg))
+    return dx
+
+
+def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype,
+          config: dict | None = None) -> torch.Tensor:
+    """grad of the weight for a depthwise convolution: ``[K, 1, R, S]``."""
+    dy, x = _nhwc(dy), _nhwc(x)
+    cfg = dict(config or depthwise_config(g, dy.dtype))
+    npq = g.N * g.P * g.Q
+    blocks = triton.cdiv(g.K, cfg["BLOCK_N"]) * g.R * g.S
+    sms = 4
+    if dy.is_cuda:
+        from tilegemm.core.hardware import sm_count
+
+        sms = sm_count(dy.device)
+    # Enough slices of the pixels for two waves of programs, each slice at least 8 BLOCK_M steps long.
+    split = max(1, min(-(-2 * sms // blocks), npq // (8 * cfg["BLOCK_M"]), 256))
+    slice_len = triton.cdiv(triton.cdiv(npq, split), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
+    split = triton.cdiv(npq, slice_len)
+    parts = new_output((split, g.K, g.R, g.S), torch.float32, dy.device)  # fp32 partial sums, added below
+    index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
+    args = (dy, x, parts, g.H, g.W, g.P, g.Q, g.K, npq, g.K // g.C, slice_len, *_nhwc_strides(dy),
+            *_nhwc_strides(x), *parts.stride(), *_conv_args(g))
+    grid = (triton.cdiv(g.K, cfg["BLOCK_N"]), g.R * g.S, split)
+    launch(depthwise_wgrad_kernel, grid, args, dict(R=g.R, S=g.S, INDEX_64=index_64, **cfg))
+    dw = parts[0] if split == 1 else parts.sum(0)  # [K, R, S]
+    return dw.to(out_dtype).unsqueeze(1)  # [K, 1, R, S]

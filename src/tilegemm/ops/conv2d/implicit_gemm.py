@@ -1,0 +1,351 @@
+"""Implicit-GEMM convolution: forward, data gradient and weight gradient, never materialising im2col.
+
+Per group, the forward pass is the GEMM ``out[M, K] = A[M, C*R*S] @ B[C*R*S, K]`` with M = N*P*Q output
+pixels; a row of A is the input patch under one output pixel, gathered on the fly. Activations are read
+channels-last (NHWC) and the weight as [K, R, S, C] (``torch.channels_last`` on the [K, C, R, S] tensor), so
+the K loop walks C contiguously for each filter tap (r, s): 16-byte loads, padding handled by masks.
+
+The data gradient is the same pattern over input pixels (M = N*H*W, N = C/groups, K loop over (r, s) and
+K/groups): each input pixel gathers the output-gradient pixels whose window covers it. The weight gradient is
+a GEMM per tap and group, ``dw[K, C] = dy^T[K, NPQ] @ x_tap[NPQ, C]``, its pixel reduction split over programs.
+All three accumulate in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core.launch import launch
+from tilegemm.core.runtime import ensure_backend, new_output
+from tilegemm.ops.conv2d.configs import dgrad_config, forward_config, wgrad_config
+from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
+
+ensure_backend()
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tilegemm.jit.helpers import apply_activation, below, mma_ordered, tile_grouped  # noqa: E402
+
+
+@triton.jit
+def _tap_mma(a, b, acc, UPCAST: tl.constexpr, MMA_OPERANDS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` for [BM, BK] and [BK, BN] tiles (see :func:`tilegemm.jit.helpers.mma_ordered`)."""
+    if UPCAST:
+        # Triton 3.6's interpreter computes bf16 dots wrongly; fp32 dots there are exact.
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return mma_ordered(a, b, acc, MMA_OPERANDS, INPUT_PRECISION, False)
+
+
+# Sizes are not specialized on (divisible by 16, equal to 1): each new image size would compile the kernels
+# again, and the loads' vector width comes from the strides and the DIV_* constexprs instead.
+_SIZES = ["H", "W", "Cg", "P", "Q", "Kg", "M", "pad_h", "pad_w"]
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def conv2d_fwd_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr,
+    H, W, Cg, P, Q, Kg, M,
+    stride_xn, stride_xh, stride_xw, stride_xc,
+    stride_wk, stride_wr, stride_ws, stride_wc,
+    stride_on, stride_op, stride_oq, stride_ok,
+    stride_bias,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    R: tl.constexpr, S: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    INDEX_64: tl.constexpr, FLAT_K: tl.constexpr, DIV_C: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Which tile: grouped order over [pixels, output channels of this group]; axis 1 is the group.
+    pid_m, pid_n = tile_grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(Kg, BLOCK_N), GROUP_M)
+    grp = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] output pixels
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels within the group
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+        grp = grp.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    # Output pixel m = (n * P + p) * Q + q; its window starts at (h0, w0) in the unpadded input.
+    q = offs_m % Q
+    p = (offs_m // Q) % P
+    n = offs_m // (P * Q)
+    h0 = p * str_h - pad_h  # [BM]
+    w0 = q * str_w - pad_w
+    m_ok = offs_m < M
+    x_rows = x_ptr + grp * Cg * stride_xc + n * stride_xn  # [BM] pointers to each pixel's image
+    # Columns past Kg wrap into the group (loads stay unmasked along N; the store drops them).
+    w_cols = w_ptr + (grp * Kg + offs_n % Kg) * stride_wk  # [BN] pointers to each output channel's filter
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FLAT_K:
+        # Few channels (the stem's C=3): K walks (r, s, c) as one index, every element gathered.
+        KK = R * S * Cg
+        for k0 in range(0, KK, BLOCK_K):
+            kk = k0 + offs_k  # [BK]
+            c = kk % Cg
+            r = kk // (S * Cg)
+            s = (kk // Cg) % S
+            h = h0[:, None] + (r * dil_h)[None, :]  # [BM, BK]
+            w = w0[:, None] + (s * dil_w)[None, :]
+            a_ok = m_ok[:, None] & (kk < KK)[None, :] & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+            a = tl.load(x_rows[:, None] + h * stride_xh + w * stride_xw + (c * stride_xc)[None, :], mask=a_ok,
+                        other=0.0)  # [BM, BK]
+            tap = r * stride_wr + s * stride_ws + c * stride_wc  # [BK]
+            b = tl.load(w_cols[None, :] + tap[:, None], mask=(kk < KK)[:, None], other=0.0)  # [BK, BN]
+            acc = _tap_mma(a, b, acc, UPCAST, "ab", INPUT_PRECISION)
+    else:
+        # K loop: each tap (r, s), then C in BLOCK_K steps; one flat loop so Triton pipelines it.
+        c_steps = tl.cdiv(Cg, BLOCK_K)
+        for it in range(0, R * S * c_steps):
+            rs = it // c_steps
+            c = (it - rs * c_steps) * BLOCK_K + offs_k  # [BK] channels within the group
+            r = rs // S
+            s = rs - r * S
+            h = h0 + r * dil_h  # [BM]
+            w = w0 + s * dil_w
+            pix_ok = m_ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)  # zero padding
+            c_ok = below(c, Cg, DIV_C)
+            a = tl.load(x_rows[:, None] + (h * stride_xh + w * stride_xw)[:, None] + (c * stride_xc)[None, :],
+                        mask=pix_ok[:, None] & c_ok[None, :], other=0.0)  # [BM, BK]
+            b = tl.load(w_cols[None, :] + (r * stride_wr + s * stride_ws) + (c * stride_wc)[:, None],
+                        mask=c_ok[:, None], other=0.0)  # [BK, BN]
+            acc = _tap_mma(a, b, acc, UPCAST, "ab", INPUT_PRECISION)
+
+    # Epilogue: bias, activation, store through the output's strides (NCHW or channels-last).
+    k_out = grp * Kg + offs_n  # [BN] channel in the whole output
+    n_ok = offs_n < Kg
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + k_out * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    acc = apply_activation(acc, ACTIVATION)
+    out_rows = n * stride_on + p * stride_op + q * stride_oq  # [BM]
+    tl.store(out_ptr + out_rows[:, None] + (k_out * stride_ok)[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def conv2d_dgrad_kernel(
+    dy_ptr, w_ptr, dx_ptr,
+    H, W, Cg, P, Q, Kg, M,
+    stride_yn, stride_yp, stride_yq, stride_yk,
+    stride_wk, stride_wr, stride_ws, stride_wc,
+    stride_xn, stride_xh, stride_xw, stride_xc,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    R: tl.constexpr, S: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
+    DIV_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Which tile: grouped order over [input pixels, input channels of this group]; axis 1 is the group.
+    pid_m, pid_n = tile_grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(Cg, BLOCK_N), GROUP_M)
+    grp = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] input pixels m = (n * H + h) * W + w
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] input channels within the group
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+        grp = grp.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    wx = offs_m % W
+    hx = (offs_m // W) % H
+    n = offs_m // (H * W)
+    m_ok = offs_m < M
+    dy_rows = dy_ptr + grp * Kg * stride_yk + n * stride_yn  # [BM]
+    w_cols = w_ptr + grp * Kg * stride_wk + (offs_n % Cg) * stride_wc  # [BN]
+
+    # dx[h, w] = sum over taps (r, s) and channels k of dy[p, q, k] * w[k, r, s], where the tap maps output
+    # pixel (p, q) onto (h, w): p * str_h - pad_h + r * dil_h = h (only where that p is a whole number).
+    if MMA_OPERANDS == "swap":
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_steps = tl.cdiv(Kg, BLOCK_K)
+    for it in range(0, R * S * k_steps):
+        rs = it // k_steps
+        k = (it - rs * k_steps) * BLOCK_K + offs_k  # [BK] output channels within the group
+        r = rs // S
+        s = rs - r * S
+        ph = hx + pad_h - r * dil_h  # [BM] = p * str_h where the tap lands on a whole output row
+        pw = wx + pad_w - s * dil_w
+        p = ph // str_h
+        q = pw // str_w
+        ok = m_ok & (ph >= 0) & (pw >= 0) & (p * str_h == ph) & (q * str_w == pw) & (p < P) & (q < Q)
+        k_ok = below(k, Kg, DIV_K)
+        a = tl.load(dy_rows[:, None] + (p * stride_yp + q * stride_yq)[:, None] + (k * stride_yk)[None, :],
+                    mask=ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+        b = tl.load(w_cols[None, :] + (r * stride_wr + s * stride_ws) + (k * stride_wk)[:, None],
+                    mask=k_ok[:, None], other=0.0)  # [BK, BN]
+        acc = _tap_mma(a, b, acc, UPCAST, MMA_OPERANDS, INPUT_PRECISION)
+    if MMA_OPERANDS == "swap":
+        acc = tl.trans(acc)
+
+    x_rows = n * stride_xn + hx * stride_xh + wx * stride_xw  # [BM]
+    c_all = grp * Cg + offs_n
+    tl.store(dx_ptr + x_rows[:, None] + (c_all * stride_xc)[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & (offs_n < Cg)[None, :])
+
+
+@triton.jit(do_not_specialize=_SIZES[:6] + ["NPQ", "slice_len", "pad_h", "pad_w"])
+def conv2d_wgrad_kernel(
+    dy_ptr, x_ptr, dw_ptr,
+    H, W, Cg, P, Q, Kg, NPQ, slice_len,
+    stride_yn, stride_yp, stride_yq, stride_yk,
+    stride_xn, stride_xh, stride_xw, stride_xc,
+    stride_ds, stride_dk, stride_dr, stride_dss, stride_dc,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    R: tl.constexpr, S: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    # Which tile: [output channels, input channels] of one tap and group (axis 1), one pixel slice (axis 2).
+    pid_m, pid_n = tile_grouped(tl.program_id(0), tl.cdiv(Kg, BLOCK_M), tl.cdiv(Cg, BLOCK_N), GROUP_M)
+    tap = tl.program_id(1)
+    part = tl.program_id(2)
+    grp = tap // (R * S)
+    r = (tap % (R * S)) // S
+    s = tap % S
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] output channels within the group
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] input channels within the group
+    offs_k = tl.arange(0, BLOCK_K)  # [BK] pixels
+    if INDEX_64:
+        offs_k = offs_k.to(tl.int64)
+        grp = grp.to(tl.int64)
+    dy_cols = dy_ptr + (grp * Kg + offs_m % Kg) * stride_yk  # [BM]
+    x_cols = x_ptr + (grp * Cg + offs_n % Cg) * stride_xc  # [BN]
+
+    # dw[k, c] (this tap) = sum over output pixels (n, p, q) of dy[n, p, q, k] * x[n, h, w, c], with (h, w) the
+    # input pixel the tap reads for (p, q); this program sums pixels [begin, end).
+    begin = part * slice_len
+    end = tl.minimum(begin + slice_len, NPQ)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(begin, end, BLOCK_K):
+        pix = k0 + offs_k  # [BK]
+        q = pix % Q
+        p = (pix // Q) % P
+        n = pix // (P * Q)
+        h = p * str_h - pad_h + r * dil_h
+        w = q * str_w - pad_w + s * dil_w
+        in_slice = pix < end
+        x_ok = in_slice & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+        a = tl.load(dy_cols[:, None] + (n * stride_yn + p * stride_yp + q * stride_yq)[None, :],
+                    mask=in_slice[None, :], other=0.0)  # [BM, BK]
+        b = tl.load(x_cols[None, :] + (n * stride_xn + h * stride_xh + w * stride_xw)[:, None],
+                    mask=x_ok[:, None], other=0.0)  # [BK, BN]
+        acc = _tap_mma(a, b, acc, UPCAST, MMA_OPERANDS, INPUT_PRECISION)
+
+    k_all = grp * Kg + offs_m
+    out = dw_ptr + part * stride_ds + r * stride_dr + s * stride_dss
+    tl.store(out + (k_all * stride_dk)[:, None] + (offs_n * stride_dc)[None, :], acc,
+             mask=(offs_m < Kg)[:, None] & (offs_n < Cg)[None, :])
+
+
+# --- launchers ------------------------------------------------------------------------------------------
+
+
+def _divisor(n: int) -> int:
+    """The largest power of two dividing n, at most 16 (what ``below`` may assume about a bound)."""
+    d = 1
+    while d < 16 and n % (2 * d) == 0:
+        d *= 2
+    return d
+
+
+def _nhwc(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its channels at stride 1 (a copy unless it already is): the layout the K loops walk."""
+    return t if t.stride(1) == 1 else t.contiguous(memory_format=torch.channels_last)
+
+
+def _conv_args(g: Geometry) -> tuple:
+    return (g.stride[0], g.stride[1], g.padding[0], g.padding[2], g.dilation[0], g.dilation[1])
+
+
+def _nhwc_strides(t: torch.Tensor) -> tuple:
+    """(n, h, w, c) strides of a [N, C, H, W] tensor; also [K, C, R, S] as (k, r, s, c)."""
+    return t.stride(0), t.stride(2), t.stride(3), t.stride(1)
+
+
+def empty_4d(shape, dtype, device, memory_format) -> torch.Tensor:
+    """A new ``[N, C, H, W]`` kernel output in ``memory_format`` (NaN while tests poison outputs)."""
+    N, C, H, W = shape
+    if memory_format == torch.channels_last:
+        return new_output((N, H, W, C), dtype, device).permute(0, 3, 1, 2)
+    return new_output((N, C, H, W), dtype, device)
+
+
+def allocate_out(p: ConvProblem) -> torch.Tensor:
+    """The output ``[N, K, P, Q]`` in ``p.out_format``."""
+    return empty_4d(p.geo.out_shape, p.out_dtype, p.x.device, p.out_format)
+
+
+def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
+    """Forward: ``activation(conv2d(p.x, p.weight) + p.bias)``."""
+    g = p.geo
+    x, w = _nhwc(p.x), _nhwc(p.weight)
+    out = allocate_out(p)
+    cfg = dict(config or forward_config(g, p.dtype))
+    M = g.N * g.P * g.Q
+    bias = p.bias if p.bias is not None else out
+    args = (x, w, out, bias, g.H, g.W, g.Cg, g.P, g.Q, g.Kg, M, *_nhwc_strides(x), *_nhwc_strides(w),
+            out.stride(0), out.stride(2), out.stride(3), out.stride(1),
+            p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
+    flags = dict(R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, INPUT_PRECISION=p.precision,
+                 UPCAST=p.upcast, INDEX_64=p.index_64, DIV_C=_divisor(g.Cg))
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(g.Kg, cfg["BLOCK_N"]), g.groups)
+    launch(conv2d_fwd_kernel, grid, args, {**flags, **cfg})
+    return out
+
+
+def _operand_order(dtype: torch.dtype, precision: str, a_k_major: bool, b_k_major: bool) -> str:
+    """As :func:`tilegemm.ops.matmul.problem.mma_operands`: tf32 operands must reach wgmma K-major."""
+    if dtype != torch.float32 or precision == "ieee" or (a_k_major and b_k_major):
+        return "ab"
+    return "swap" if a_k_major else "reg_a"
+
+
+def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry, precision: str, upcast: bool,
+          config: dict | None = None) -> torch.Tensor:
+    """grad of x: ``[N, C, H, W]`` in ``x_format``, from ``dy`` ``[N, K, P, Q]`` and the weight."""
+    dy, w = _nhwc(dy), _nhwc(weight)
+    dx = empty_4d(x_shape, dy.dtype, dy.device, x_format)
+    if dx.numel() == 0:
+        return dx
+    cfg = dict(config or dgrad_config(g, dy.dtype))
+    M = g.N * g.H * g.W
+    index_64 = max(dx.numel(), dy.numel()) >= 2**31 - 1
+    args = (dy, w, dx, g.H, g.W, g.Cg, g.P, g.Q, g.Kg, M, *_nhwc_strides(dy), *_nhwc_strides(w),
+            *_nhwc_strides(dx), *_conv_args(g))
+    # A (dy, channels at stride 1) is K-major; B (w as [K, C], C at stride 1) is not.
+    flags = dict(R=g.R, S=g.S, INPUT_PRECISION=precision, UPCAST=upcast, INDEX_64=index_64,
+                 MMA_OPERANDS=_operand_order(dy.dtype, precision, True, False), DIV_K=_divisor(g.Kg))
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(g.Cg, cfg["BLOCK_N"]), g.groups)
+    launch(conv2d_dgrad_kernel, grid, args, {**flags, **cfg})
+    return dx
+
+
+def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, precision: str, upcast: bool, out_dtype: torch.dtype,
+          config: dict | None = None) -> torch.Tensor:
+    """grad of the weight: ``[K, C/groups, R, S]`` (channels-last), from ``dy`` ``[N, K, P, Q]`` and ``x``."""
+    dy, x = _nhwc(dy), _nhwc(x)
+    if config is None:
+        from tilegemm.core.hardware import sm_count
+
+        sms = sm_count(dy.device) if dy.is_cuda else 4
+        config = wgrad_config(g, dy.dtype, sms)
+    cfg = dict(config)
+    split = cfg["SPLIT"]
+    npq = g.N * g.P * g.Q
+    # Slices are whole BLOCK_K steps, so every program but the last starts and ends on a step.
+    slice_len = triton.cdiv(triton.cdiv(npq, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split = cfg["SPLIT"] = max(1, triton.cdiv(npq, slice_len))
+    # fp32 partial sums, one [K, R, S, C/groups] block per slice, added in a fixed order below.
+    parts = new_output((split, g.K, g.R, g.S, g.Cg), torch.float32, dy.device)
+    index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
+    args = (dy, x, parts, g.H, g.W, g.Cg, g.P, g.Q, g.Kg, npq, slice_len, *_nhwc_strides(dy), *_nhwc_strides(x),
+            *parts.stride(), *_conv_args(g))
+    flags = dict(R=g.R, S=g.S, INPUT_PRECISION=precision, UPCAST=upcast, INDEX_64=index_64,
+                 MMA_OPERANDS=_operand_order(dy.dtype, precision, False, False))
+    grid = (triton.cdiv(g.Kg, cfg["BLOCK_M"]) * triton.cdiv(g.Cg, cfg["BLOCK_N"]), g.R * g.S * g.groups, split)
+    launch(conv2d_wgrad_kernel, grid, args, {**flags, **cfg})
+    dw = parts[0] if split == 1 else parts.sum(0)  # [K, R, S, C/groups]
+    return dw.to(out_dtype).permute(0, 3, 1, 2)  # [K, C/groups, R, S], channels-last

@@ -1,0 +1,274 @@
+"""``tilegemm.conv2d``: checks, the ``torch.library`` ops (forward, data and weight gradients), autograd, and
+the choice of kernel.
+
+Three custom ops in the ``tilegemm`` namespace, each with a fake (meta) implementation, so torch.compile
+traces the forward and the backward without graph breaks: ``tilegemm::conv2d`` (forward with bias and
+activation fused), ``tilegemm::conv2d_dgrad`` (grad of x) and ``tilegemm::conv2d_wgrad`` (grad of the weight).
+The backward never calls cuDNN: it runs tilegemm's kernels (implicit GEMM, the depthwise kernels, or
+``tilegemm.matmul`` for 1x1 convolutions).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from tilegemm.core import registry
+from tilegemm.core.runtime import interpreting, on_device
+from tilegemm.ops.conv2d.problem import (
+    ConvProblem, Geometry, channels_last, check_conv, geometry_of, memory_format_of,
+)
+from tilegemm.core.activations import ACTIVATIONS
+from tilegemm.core.activations import torch_activation
+from tilegemm.core.dtypes import check_precision
+from tilegemm.core.dtypes import resolve_precision
+from tilegemm.core.launch import plain_call
+
+
+# --- the choice of kernel -------------------------------------------------------------------------------
+
+
+def choose_kernel(g: Geometry) -> str:
+    """``auto``: 1x1 stride-1 unpadded single-group convolutions go to ``gemm_1x1`` (tilegemm's GEMM on the
+    channels-last view), depthwise ones to ``depthwise``, everything else to ``implicit_gemm``."""
+    if g.is_pointwise:
+        return "gemm_1x1"
+    if g.is_depthwise:
+        return "depthwise"
+    return "implicit_gemm"
+
+
+_LAUNCHERS: dict[str, object] = {}
+
+
+def launcher(name: str):
+    fn = _LAUNCHERS.get(name)
+    if fn is None:
+        fn = _LAUNCHERS[name] = registry.get("conv2d", name).launcher()
+    return fn
+
+
+def _forward(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel,
+             out_dtype=None) -> torch.Tensor:
+    g = geometry_of(x.shape, weight.shape, stride, padding, dilation, groups)
+    p = ConvProblem(x, weight, bias, g, out_dtype or x.dtype, memory_format_of(x), activation,
+                    resolve_precision(precision, x.dtype), x.dtype == torch.bfloat16 and interpreting())
+    if x.numel() == 0 or g.N * g.P * g.Q == 0:
+        from tilegemm.ops.conv2d.implicit_gemm import empty_4d
+
+        out = empty_4d(g.out_shape, p.out_dtype, x.device, p.out_format)
+        return out.zero_() if out.numel() else out
+    with on_device(x.device):
+        return launcher(choose_kernel(g) if kernel == "auto" else kernel)(p)
+
+
+@torch.library.custom_op("tilegemm::conv2d", mutates_args=())
+def _conv2d_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stride: List[int],
+    padding: List[int],
+    dilation: List[int],
+    groups: int,
+    activation: str,
+    precision: str,
+    kernel: str,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    return _forward(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel, out_dtype)
+
+
+@_conv2d_op.register_fake
+def _conv2d_fake(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel, out_dtype=None):
+    g = geometry_of(x.shape, weight.shape, stride, padding, dilation, groups)
+    return torch.empty(g.out_shape, dtype=out_dtype or x.dtype, device=x.device, memory_format=memory_format_of(x))
+
+
+# --- backward ops ---------------------------------------------------------------------------------------
+
+
+def _upcast(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16 and interpreting()
+
+
+def _as_nhwc_2d(t: torch.Tensor) -> torch.Tensor:
+    """``[N, C, H, W]`` as the row-major ``[N*H*W, C]`` matrix of its channels-last layout (a view when it is)."""
+    N, C, H, W = t.shape
+    return t.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(N * H * W, C)
+
+
+@torch.library.custom_op("tilegemm::conv2d_dgrad", mutates_args=())
+def _dgrad_op(
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    x_shape: List[int],
+    x_channels_last: bool,
+    stride: List[int],
+    padding: List[int],
+    dilation: List[int],
+    groups: int,
+    precision: str,
+) -> torch.Tensor:
+    from tilegemm.ops.conv2d.implicit_gemm import empty_4d
+
+    g = geometry_of(x_shape, weight.shape, stride, padding, dilation, groups)
+    fmt = torch.channels_last if x_channels_last else torch.contiguous_format
+    if dy.numel() == 0:
+        return empty_4d(x_shape, dy.dtype, dy.device, fmt).zero_()
+    precision = resolve_precision(precision, dy.dtype)
+    with on_device(dy.device):
+        if g.is_pointwise:
+            from tilegemm import matmul
+
+            w2d = weight.reshape(g.K, g.C)  # [K, C]
+            if x_channels_last:
+                dx = matmul(_as_nhwc_2d(dy), w2d, precision=precision)  # [NHW, C]
+                return dx.view(g.N, g.H, g.W, g.C).permute(0, 3, 1, 2)
+            dx = matmul(w2d.t(), dy.reshape(g.N, g.K, g.H * g.W), precision=precision)  # [N, C, HW]
+            return dx.view(g.N, g.C, g.H, g.W)
+        if g.is_depthwise:
+            from tilegemm.ops.conv2d import depthwise
+
+            return depthwise.dgrad(dy, weight, x_shape, fmt, g)
+        from tilegemm.ops.conv2d import implicit_gemm
+
+        return implicit_gemm.dgrad(dy, weight, x_shape, fmt, g, precision, _upcast(dy))
+
+
+@_dgrad_op.register_fake
+def _dgrad_fake(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision):
+    fmt = torch.channels_last if x_channels_last else torch.contiguous_format
+    return torch.empty(x_shape, dtype=dy.dtype, device=dy.device, memory_format=fmt)
+
+
+@torch.library.custom_op("tilegemm::conv2d_wgrad", mutates_args=())
+def _wgrad_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w_shape: List[int],
+    stride: List[int],
+    padding: List[int],
+    dilation: List[int],
+    groups: int,
+    precision: str,
+) -> torch.Tensor:
+    g = geometry_of(x.shape, w_shape, stride, padding, dilation, groups)
+    if dy.numel() == 0:
+        return torch.zeros(w_shape, dtype=x.dtype, device=x.device)
+    precision = resolve_precision(precision, x.dtype)
+    with on_device(x.device):
+        if g.is_pointwise:
+            from tilegemm import matmul
+
+            dw = matmul(_as_nhwc_2d(dy).t(), _as_nhwc_2d(x), precision=precision)  # [K, NHW] @ [NHW, C]
+            return dw.view(w_shape)
+        if g.is_depthwise:
+            from tilegemm.ops.conv2d import depthwise
+
+            return depthwise.wgrad(dy, x, g, x.dtype).contiguous()
+        from tilegemm.ops.conv2d import implicit_gemm
+
+        return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype).contiguous()
+
+
+@_wgrad_op.register_fake
+def _wgrad_fake(dy, x, w_shape, stride, padding, dilation, groups, precision):
+    return torch.empty(w_shape, dtype=x.dtype, device=x.device)
+
+
+# --- autograd: recompute the pre-activation, differentiate the activation with torch ----------------------
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel = inputs[:10]
+    ctx.save_for_backward(x, weight, bias)
+    ctx.conv = (list(stride), list(padding), list(dilation), groups)
+    ctx.activation, ctx.precision = activation, precision
+    ctx.x_channels_last = channels_last(x)
+
+
+def _backward(ctx, grad_out):
+    x, weight, bias = ctx.saved_tensors
+    stride, padding, dilation, groups = ctx.conv
+    grad = grad_out
+    if ctx.activation != "none":
+        pre = _conv2d_op(x, weight, bias, stride, padding, dilation, groups, "none", ctx.precision, "auto",
+                         torch.float32)
+        with torch.enable_grad():
+            pre = pre.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(torch_activation(pre, ctx.activation), pre, grad_out.float())
+    want_x, want_w, want_bias = ctx.needs_input_grad[:3]
+    g = grad.to(x.dtype)  # the two convolutions of the backward pass run in the operands' dtype, like torch's
+    grad_x = grad_w = grad_bias = None
+    if want_x:
+        grad_x = _dgrad_op(g, weight, list(x.shape), ctx.x_channels_last, stride, padding, dilation, groups,
+                           ctx.precision)
+    if want_w:
+        grad_w = _wgrad_op(g, x, list(weight.shape), stride, padding, dilation, groups, ctx.precision)
+    if want_bias and bias is not None:
+        grad_bias = grad.sum(dim=(0, 2, 3), dtype=torch.float32).to(bias.dtype)
+    return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None
+
+
+_conv2d_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- the public function --------------------------------------------------------------------------------
+
+
+def check_kernel(kernel) -> None:
+    if not isinstance(kernel, str):
+        raise TypeError(f"kernel must be a str, got {type(kernel).__name__}")
+    if kernel != "auto":
+        registry.get("conv2d", kernel)  # raises ValueError naming the choices
+
+
+def conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride=1,
+    padding=0,
+    dilation=1,
+    groups: int = 1,
+    activation: str | None = None,
+    *,
+    precision: str | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """``activation(F.conv2d(x, weight, bias, stride, padding, dilation, groups))`` in one kernel.
+
+    Args:
+        x: ``[N, C, H, W]``, float16, bfloat16 or float32; NCHW or channels-last (the fast path). The output
+            ``[N, K, P, Q]`` has the memory format of ``x``.
+        weight: ``[K, C/groups, R, S]``, the dtype of ``x``.
+        bias: ``[K]``, added in the epilogue.
+        stride, dilation: an int or a pair (>= 1).
+        padding: an int, a pair, ``"same"`` (stride 1 only; an odd total pads bottom/right more, as torch) or
+            ``"valid"``. Zero padding.
+        groups: any divisor of C and K; ``groups = C`` is a depthwise convolution.
+        activation: ``None``/``"none"``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``, ``"leaky_relu"``
+            (slope 0.01), applied after the bias.
+        precision: for float32 inputs, ``"ieee"``/``"highest"`` or ``"tf32"``/``"high"``/``"medium"``; by default
+            ``torch.get_float32_matmul_precision()`` (read when the op runs).
+        kernel: ``"auto"`` or a name from ``tilegemm.kernels("conv2d")``.
+
+    Differentiable in x, weight and bias (the backward runs tilegemm's kernels too).
+
+    Raises:
+        TypeError, ValueError: naming the bad argument (ranks, dtypes, devices, channel counts, sizes).
+    """
+    activation = "none" if activation is None else activation
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; choose one of: {', '.join(ACTIVATIONS)}")
+    if precision is not None:
+        check_precision(precision)
+    check_kernel(kernel)
+    g = check_conv(x, weight, bias, stride, padding, dilation, groups)
+    args = (x, weight, bias, list(g.stride), list(g.padding), list(g.dilation), g.groups, activation,
+            precision or "default", kernel)
+    if plain_call(x, weight, bias):
+        return _forward(*args)
+    return _conv2d_op(*args)

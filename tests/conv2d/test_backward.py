@@ -1,0 +1,135 @@
+"""Autograd of tilegemm.conv2d against F.conv2d's in float64; the torch.library ops under opcheck and
+torch.compile(fullgraph=True)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
+
+from conftest import assert_rel_close
+
+CL = torch.channels_last
+
+
+def _grads(device, dtype, shape, conv, activation, channels_last, tol):
+    N, C, H, W, K, R, S = shape
+    groups = conv.get("groups", 1)
+    x = torch.randn(N, C, H, W, device=device).to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=CL)
+    w = (torch.randn(K, C // groups, R, S, device=device) / (C // groups * R * S) ** 0.5).to(dtype)
+    b = torch.randn(K, device=device).to(dtype)
+    xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    out = tilegemm.conv2d(xs, ws, bs, **conv, activation=activation, precision="ieee")
+    dy = torch.randn(out.shape, device=device).to(dtype)
+    got = torch.autograd.grad(out, (xs, ws, bs), dy)
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = conv2d_reference(xr, wr, br, **conv, activation=activation)
+    want = torch.autograd.grad(ref, (xr, wr, br), dy.double())
+    assert_rel_close(out, ref.detach(), tol)
+    for name, g, r in zip(("x", "weight", "bias"), got, want):
+        assert g.dtype == dtype, name
+        assert_rel_close(g, r, tol)
+    if channels_last:
+        assert got[0].is_contiguous(memory_format=CL), "grad of x keeps x's memory format"
+    else:
+        assert got[0].is_contiguous()
+
+
+@pytest.mark.parametrize("shape,conv", [
+    pytest.param((2, 8, 7, 7, 12, 3, 3), dict(padding=1), id="3x3"),
+    pytest.param((2, 6, 9, 8, 8, 3, 3), dict(stride=2, padding=1), id="3x3-stride2"),
+    pytest.param((1, 3, 9, 9, 8, 5, 5), dict(stride=2, padding=2), id="5x5-C3-stride2"),
+    pytest.param((2, 8, 7, 6, 8, 3, 2), dict(padding="same", dilation=(2, 1), groups=2), id="same-dilated-groups2"),
+    pytest.param((2, 16, 5, 5, 24, 1, 1), dict(), id="pointwise"),
+    pytest.param((2, 16, 5, 5, 8, 1, 1), dict(stride=2), id="1x1-stride2"),
+    pytest.param((2, 8, 7, 7, 8, 3, 3), dict(padding=1, groups=8), id="depthwise"),
+    pytest.param((1, 4, 7, 6, 8, 3, 3), dict(stride=2, padding=1, groups=4), id="depthwise-mult2-stride2"),
+    pytest.param((1, 4, 4, 4, 4, 3, 3), dict(padding=3), id="padding-wider-than-filter"),
+])
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+def test_gradients_fp32(shape, conv, channels_last, device):
+    _grads(device, torch.float32, shape, conv, "none", channels_last, 1e-5)
+
+
+@pytest.mark.parametrize("activation", ["relu", "silu"])
+def test_gradients_through_the_fused_activation(activation, device):
+    _grads(device, torch.float32, (2, 8, 6, 6, 8, 3, 3), dict(padding=1), activation, True, 1e-5)
+
+
+def test_gradients_fp16(device):
+    _grads(device, torch.float16, (2, 16, 6, 6, 16, 3, 3), dict(padding=1), "relu", True, tolerance(torch.float16))
+
+
+def test_backward_runs_no_torch_convolution(device):
+    # every convolution of forward and backward is tilegemm's: no aten convolution op is dispatched
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(1, 4, 5, 5, device=device, requires_grad=True)
+    w = torch.randn(4, 4, 3, 3, device=device, requires_grad=True)
+    with Recorder() as rec:
+        out = tilegemm.conv2d(x, w, padding=1, precision="ieee")
+        out.sum().backward()
+    assert "tilegemm.conv2d_dgrad.default" in rec.names and "tilegemm.conv2d_wgrad.default" in rec.names
+    assert not [n for n in rec.names if "convolution" in n or "conv2d." in n and not n.startswith("tilegemm")]
+    assert x.grad is not None and w.grad is not None
+
+
+def test_opcheck(device):
+    x = torch.randn(2, 4, 5, 6, device=device).contiguous(memory_format=CL)
+    w = torch.randn(6, 2, 3, 3, device=device)
+    b = torch.randn(6, device=device)
+    args = (x, w, b, [2, 1], [1, 1, 0, 0], [1, 1], 2, "relu", "ieee", "auto")
+    torch.library.opcheck(torch.ops.tilegemm.conv2d.default, args)
+    dy = torch.randn(2, 6, 3, 4, device=device)
+    torch.library.opcheck(torch.ops.tilegemm.conv2d_dgrad.default,
+                          (dy, w, [2, 4, 5, 6], True, [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.tilegemm.conv2d_wgrad.default,
+                          (dy, x, [6, 2, 3, 3], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_torch_compile_fullgraph_forward_and_backward(device):
+    def f(x, w, b):
+        return tilegemm.conv2d(x, w, b, stride=1, padding=1, activation="gelu", precision="ieee") * 2.0
+
+    x = torch.randn(2, 4, 5, 5, device=device).contiguous(memory_format=CL).requires_grad_()
+    w = torch.randn(8, 4, 3, 3, device=device, requires_grad=True)
+    b = torch.randn(8, device=device, requires_grad=True)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out = compiled(x, w, b)
+    ref = 2.0 * conv2d_reference(x.detach(), w.detach(), b.detach(), padding=1, activation="gelu")
+    assert_rel_close(out, ref, 1e-5)
+    out.sum().backward()
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    (2.0 * conv2d_reference(xr, wr, br, padding=1, activation="gelu")).sum().backward()
+    for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert_rel_close(got, want, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+@pytest.mark.parametrize("shape,conv", [
+    ((4, 64, 28, 28, 64, 3, 3), dict(padding=1)),
+    ((4, 128, 28, 28, 256, 3, 3), dict(stride=2, padding=1)),
+    ((4, 3, 64, 64, 64, 7, 7), dict(stride=2, padding=3)),
+    ((4, 256, 14, 14, 512, 1, 1), dict()),
+    ((4, 96, 28, 28, 96, 3, 3), dict(padding=1, groups=96)),
+    ((4, 64, 15, 17, 64, 3, 3), dict(padding=1, groups=4)),
+])
+def test_gpu_gradients(shape, conv, dtype, channels_last, device):
+    _grads(device, dtype, shape, conv, "relu", channels_last, tolerance(dtype))

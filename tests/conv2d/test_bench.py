@@ -1,0 +1,53 @@
+"""The conv2d bench adapter: the CLI runs it under the interpreter; forward and backward modes check out."""
+
+from __future__ import annotations
+
+import pytest
+
+from tilegemm.bench.base import BenchError, bench_op
+from tilegemm.bench.runner import run_bench
+from tilegemm.cli import main
+from tilegemm.ops.conv2d.bench import mobilenet_v2_layers, resnet50_layers
+
+
+def test_cli_bench_conv2d_runs():
+    assert main(["bench", "--op", "conv2d", "--quiet", "--no-save"]) == 0
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_modes_check_out(mode):
+    op = bench_op("conv2d")
+    cases = [op.parse_shape("2,8,7,7,8,3,3,2,1"), op.parse_shape("1,8,6,6,8,3,3,1,1,8")]
+    result = run_bench(op, cases, "fp16", ["implicit_gemm", "auto"], rep_ms=1.0, warmup_ms=0.0,
+                       options=dict(mode=mode))
+    rows = {(r.shape, r.kernel): r for r in result.rows}
+    for case in cases:
+        assert rows[(case.label, "auto")].status == "ok", rows[(case.label, "auto")].message
+        # the backward has no kernel choice: only auto runs
+        assert rows[(case.label, "implicit_gemm")].status == ("ok" if mode == "fwd" else "unavailable")
+    flops = op.work(cases[0], "fp16", dict(mode=mode))
+    assert flops == 2.0 * 2 * 4 * 4 * 8 * 8 * 9 * (2 if mode == "bwd" else 1)
+
+
+def test_sweeps_hold_the_real_layers():
+    op = bench_op("conv2d")
+    # ResNet-50: 53 convolutions, 23 distinct ones; the stem is 7x7/2 over 3 channels
+    assert len(resnet50_layers()) == 53
+    resnet = op.cases("resnet50")
+    assert len(resnet) == 23 and resnet[0].dims == dict(N=32, C=3, H=224, W=224, K=64, R=7, S=7, stride=2, pad=3,
+                                                         groups=1)
+    # MobileNetV2: 17 depthwise convolutions, each 3x3 over all of its channels
+    depthwise = [layer for layer in mobilenet_v2_layers() if layer[5] > 1]
+    assert len(depthwise) == 17 and all(layer[0] == layer[2] == layer[5] and layer[3] == 3 for layer in depthwise)
+    assert all(c.dims["N"] == 64 for c in op.cases("mobilenet"))
+
+
+@pytest.mark.parametrize("text", ["1,2,3", "2,8,7,7,8,3,3,1,1,3", "2,8,2,2,8,5,5", "a,b,c,d,e,f,g"])
+def test_bad_shapes(text):
+    with pytest.raises(BenchError, match="malformed conv2d shape"):
+        bench_op("conv2d").parse_shape(text)
+
+
+def test_bad_mode():
+    with pytest.raises(BenchError, match="--mode must be fwd or bwd"):
+        bench_op("conv2d").check_options(dict(mode="both"), "fp16")

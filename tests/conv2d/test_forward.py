@@ -1,0 +1,174 @@
+"""tilegemm.conv2d against F.conv2d in float64: strides, paddings, dilations, groups, odd sizes, both memory
+formats, every kernel and every activation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
+
+from conftest import assert_rel_close
+
+CL = torch.channels_last
+
+
+def _inputs(device, dtype, N, C, H, W, K, R, S, groups=1, channels_last=True, bias=True):
+    x = torch.randn(N, C, H, W, device=device, dtype=torch.float32).to(dtype)
+    w = (torch.randn(K, C // groups, R, S, device=device) / (C // groups * R * S) ** 0.5).to(dtype)
+    b = torch.randn(K, device=device).to(dtype) if bias else None
+    if channels_last:
+        x = x.contiguous(memory_format=CL)
+    return x, w, b
+
+
+def _check(out, x, w, b, tol, **conv):
+    ref = conv2d_reference(x, w, b, **conv)
+    assert_rel_close(out, ref, tol)
+    # the output keeps the input's memory format
+    if x.is_contiguous(memory_format=CL) and not x.is_contiguous():
+        assert out.is_contiguous(memory_format=CL)
+    else:
+        assert out.is_contiguous()
+
+
+# (N, C, H, W, K, R, S, stride, padding, dilation, groups)
+CASES = [
+    pytest.param(2, 8, 9, 9, 16, 3, 3, 1, 1, 1, 1, id="3x3-same-size"),
+    pytest.param(2, 8, 9, 7, 12, 3, 3, 2, 1, 1, 1, id="3x3-stride2-nonsquare"),
+    pytest.param(2, 3, 9, 9, 16, 7, 7, 2, 3, 1, 1, id="stem-7x7-C3"),
+    pytest.param(1, 5, 8, 9, 6, 5, 5, 1, 2, 1, 1, id="5x5-odd-channels"),
+    pytest.param(2, 16, 1, 1, 8, 1, 1, 1, 0, 1, 1, id="1x1-image"),
+    pytest.param(2, 16, 1, 1, 8, 3, 3, 1, 1, 1, 1, id="1x1-image-3x3-padded"),
+    pytest.param(2, 6, 7, 8, 9, 3, 2, (2, 1), (1, 0), (2, 1), 1, id="nonsquare-filter-mixed"),
+    pytest.param(1, 8, 9, 9, 12, 3, 3, 1, "same", 2, 2, id="same-dilated-groups2"),
+    pytest.param(1, 8, 8, 7, 8, 4, 2, 1, "same", 1, 1, id="same-even-filter"),
+    pytest.param(2, 8, 6, 6, 8, 3, 3, 1, "valid", 1, 4, id="valid-groups4"),
+    pytest.param(2, 16, 5, 5, 32, 1, 1, 2, 0, 1, 1, id="1x1-stride2"),
+    pytest.param(2, 16, 6, 6, 16, 1, 1, 1, 0, 1, 1, id="pointwise"),
+    pytest.param(2, 12, 7, 7, 12, 3, 3, 1, 1, 1, 12, id="depthwise"),
+    pytest.param(1, 8, 9, 8, 16, 5, 5, 2, 2, 1, 8, id="depthwise-mult2-5x5-stride2"),
+    pytest.param(1, 4, 3, 3, 4, 3, 3, 1, 4, 1, 1, id="padding-wider-than-filter"),
+]
+
+
+@pytest.mark.parametrize("N,C,H,W,K,R,S,stride,padding,dilation,groups", CASES)
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+def test_matches_f_conv2d_fp32(N, C, H, W, K, R, S, stride, padding, dilation, groups, channels_last, device):
+    x, w, b = _inputs(device, torch.float32, N, C, H, W, K, R, S, groups, channels_last)
+    conv = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    out = tilegemm.conv2d(x, w, b, **conv, precision="ieee")
+    _check(out, x, w, b, 1e-5, **conv)
+
+
+@pytest.mark.parametrize("kernel,shape,groups", [
+    ("implicit_gemm", (2, 8, 7, 7, 16, 3, 3), 1),
+    ("implicit_gemm", (2, 16, 5, 6, 24, 1, 1), 1),
+    ("implicit_gemm", (2, 8, 7, 7, 8, 3, 3), 8),
+    ("gemm_1x1", (2, 16, 5, 6, 24, 1, 1), 1),
+    ("depthwise", (2, 8, 7, 7, 8, 3, 3), 8),
+])
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+def test_each_kernel_fp16(kernel, shape, groups, channels_last, device):
+    N, C, H, W, K, R, S = shape
+    pad = R // 2
+    x, w, b = _inputs(device, torch.float16, N, C, H, W, K, R, S, groups, channels_last)
+    out = tilegemm.conv2d(x, w, b, padding=pad, groups=groups, activation="relu", kernel=kernel)
+    assert out.dtype == torch.float16
+    _check(out, x, w, b, tolerance(torch.float16), padding=pad, groups=groups, activation="relu")
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "leaky_relu"])
+def test_fused_activations(activation, device):
+    x, w, b = _inputs(device, torch.float32, 2, 8, 6, 6, 16, 3, 3)
+    out = tilegemm.conv2d(x, w, b, padding=1, activation=activation, precision="ieee")
+    _check(out, x, w, b, 1e-5, padding=1, activation=activation)
+
+
+def test_no_bias_and_strided_input_views(device):
+    # a channel slice of a bigger channels-last tensor and a spatially strided NCHW view: read in place or
+    # copied, never wrong
+    big = torch.randn(2, 20, 9, 9, device=device).contiguous(memory_format=CL)
+    w = torch.randn(8, 6, 3, 3, device=device)
+    x = big[:, 4:10]
+    out = tilegemm.conv2d(x, w, None, padding=1, precision="ieee")
+    assert_rel_close(out, conv2d_reference(x, w, padding=1), 1e-5)
+    y = torch.randn(2, 6, 18, 9, device=device)[:, :, ::2]
+    out = tilegemm.conv2d(y, w, None, stride=2, precision="ieee")
+    assert_rel_close(out, conv2d_reference(y, w, stride=2), 1e-5)
+
+
+def test_auto_picks_by_geometry():
+    from tilegemm.ops.conv2d.op import choose_kernel
+    from tilegemm.ops.conv2d.problem import check_conv
+
+    def pick(x_shape, w_shape, **conv):
+        return choose_kernel(check_conv(torch.empty(x_shape), torch.empty(w_shape), None, conv.get("stride", 1),
+                                        conv.get("padding", 0), 1, conv.get("groups", 1)))
+
+    assert pick((1, 16, 4, 4), (8, 16, 1, 1)) == "gemm_1x1"
+    assert pick((1, 16, 4, 4), (8, 16, 1, 1), stride=2) == "implicit_gemm"
+    assert pick((1, 16, 4, 4), (8, 16, 1, 1), padding=1) == "implicit_gemm"
+    assert pick((1, 16, 4, 4), (16, 1, 3, 3), groups=16) == "depthwise"
+    assert pick((1, 16, 4, 4), (16, 2, 3, 3), groups=8) == "implicit_gemm"
+
+
+def test_a_kernel_that_does_not_take_the_problem_says_so(device):
+    from tilegemm.core.registry import NotApplicable
+
+    x, w, _ = _inputs(device, torch.float32, 1, 8, 5, 5, 8, 3, 3)
+    with pytest.raises(NotApplicable, match="gemm_1x1 takes 1x1"):
+        tilegemm.conv2d(x, w, kernel="gemm_1x1")
+    with pytest.raises(NotApplicable, match="depthwise kernel takes groups = C"):
+        tilegemm.conv2d(x, w, kernel="depthwise")
+
+
+def test_tf32_follows_torch_setting(device):
+    # Under the interpreter tf32 dots are exact; on the GPU they round the operands (bound 1e-2).
+    x, w, b = _inputs(device, torch.float32, 2, 16, 6, 6, 16, 3, 3)
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        out = tilegemm.conv2d(x, w, b, padding=1)
+    finally:
+        torch.set_float32_matmul_precision(old)
+    _check(out, x, w, b, tolerance(torch.float32, "tf32"), padding=1)
+
+
+def test_empty_batch(device):
+    x = torch.randn(0, 4, 5, 5, device=device)
+    w = torch.randn(6, 4, 3, 3, device=device)
+    out = tilegemm.conv2d(x, w, padding=1)
+    assert out.shape == (0, 6, 5, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+@pytest.mark.parametrize("N,C,H,W,K,R,S,stride,padding,groups", [
+    (8, 64, 56, 56, 64, 3, 3, 1, 1, 1),
+    (8, 3, 224, 224, 64, 7, 7, 2, 3, 1),
+    (8, 256, 56, 56, 128, 1, 1, 1, 0, 1),
+    (8, 512, 28, 28, 256, 1, 1, 2, 0, 1),
+    (8, 144, 56, 56, 144, 3, 3, 2, 1, 144),
+    (4, 100, 17, 23, 36, 3, 5, 1, 2, 4),
+])
+def test_gpu_shapes(N, C, H, W, K, R, S, stride, padding, groups, dtype, channels_last, device):
+    x, w, b = _inputs(device, dtype, N, C, H, W, K, R, S, groups, channels_last)
+    out = tilegemm.conv2d(x, w, b, stride, padding, 1, groups, activation="relu")
+    _check(out, x, w, b, tolerance(dtype), stride=stride, padding=padding, groups=groups, activation="relu")
+
+
+def test_index_64_when_a_tensor_reaches_2_31_elements():
+    # meta tensors: shapes without memory
+    from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
+
+    def problem(x_shape, w_shape, padding=0):
+        x, w = torch.empty(x_shape, device="meta"), torch.empty(w_shape, device="meta")
+        g = Geometry(*x_shape, w_shape[0], *w_shape[2:], 1, (1, 1), (padding,) * 4, (1, 1))
+        return ConvProblem(x, w, None, g, torch.float16, torch.channels_last, "none", "ieee", False)
+
+    assert not problem((32, 64, 56, 56), (64, 64, 3, 3), 1).index_64
+    assert problem((256, 256, 192, 192), (64, 256, 3, 3), 1).index_64  # x: 2.4e9 elements
+    assert problem((256, 64, 192, 192), (256, 64, 1, 1)).index_64  # only the output passes 2^31

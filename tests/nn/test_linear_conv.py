@@ -1,0 +1,136 @@
+"""tilegemm.nn: Conv2d and Linear as drop-ins for torch's, and convert_ swapping them into a model."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.nn import Conv2d, Linear, convert_
+from tilegemm.nn.convert import ConversionNote
+
+from conftest import assert_rel_close
+
+
+def _ref_module(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The module's torch forward in float64 (its parameters copied)."""
+    import copy
+
+    ref = copy.deepcopy(m).double()
+    ref.__class__ = torch.nn.Conv2d if isinstance(m, torch.nn.Conv2d) else torch.nn.Linear
+    return ref(x.double())
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(in_channels=4, out_channels=6, kernel_size=3, padding=1),
+    dict(in_channels=4, out_channels=8, kernel_size=(3, 2), stride=2, padding="valid", groups=2, bias=False),
+    dict(in_channels=4, out_channels=4, kernel_size=3, padding=1, groups=4, padding_mode="reflect"),
+    dict(in_channels=4, out_channels=6, kernel_size=3, padding="same", padding_mode="circular"),
+])
+def test_conv2d_matches_torch(kwargs, device):
+    torch.manual_seed(0)
+    m = Conv2d(**kwargs).to(device)
+    x = torch.randn(2, 4, 7, 6, device=device)
+    assert_rel_close(m(x).detach(), _ref_module(m, x).detach(), 1e-5)
+    assert set(m.state_dict()) == set(torch.nn.Conv2d(**kwargs).state_dict())
+
+
+def test_conv2d_from_conv_shares_parameters_and_trains(device):
+    conv = torch.nn.Conv2d(3, 5, 3, padding=1).to(device)
+    m = Conv2d.from_conv(conv, activation="relu")
+    assert m.weight is conv.weight and m.bias is conv.bias
+    x = torch.randn(2, 3, 6, 6, device=device).contiguous(memory_format=torch.channels_last)
+    out = m(x)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert_rel_close(out.detach(), torch.relu(_ref_module(conv, x)).detach(), 1e-5)
+    out.square().sum().backward()
+    xr = x.double()
+    wr, br = conv.weight.detach().double().requires_grad_(), conv.bias.detach().double().requires_grad_()
+    torch.nn.functional.conv2d(xr, wr, br, padding=1).relu().square().sum().backward()
+    assert_rel_close(conv.weight.grad, wr.grad, 1e-5)
+    assert_rel_close(conv.bias.grad, br.grad, 1e-5)
+    assert "activation=relu" in repr(m)
+
+
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_linear_matches_torch_with_leading_dims(activation, device):
+    lin = Linear(12, 7, activation=activation).to(device)
+    x = torch.randn(2, 3, 12, device=device, requires_grad=True)
+    out = lin(x)
+    assert out.shape == (2, 3, 7)
+    ref = _ref_module(lin, x)
+    if activation:
+        ref = torch.nn.functional.gelu(ref)
+    assert_rel_close(out.detach(), ref.detach(), 2e-5)
+    out.sum().backward()
+    xr = x.detach().double().requires_grad_()
+    wr, br = lin.weight.detach().double().requires_grad_(), lin.bias.detach().double().requires_grad_()
+    y = torch.nn.functional.linear(xr, wr, br)
+    (torch.nn.functional.gelu(y) if activation else y).sum().backward()
+    for got, want in ((x.grad, xr.grad), (lin.weight.grad, wr.grad), (lin.bias.grad, br.grad)):
+        assert_rel_close(got, want, 2e-5)
+
+
+def test_linear_from_linear_shares_parameters(device):
+    base = torch.nn.Linear(5, 3, bias=False).to(device)
+    lin = Linear.from_linear(base)
+    assert lin.weight is base.weight and lin.bias is None
+    x = torch.randn(4, 5, device=device)
+    assert_rel_close(lin(x).detach(), _ref_module(base, x).detach(), 2e-5)
+    with pytest.raises(TypeError, match="from_linear takes a torch.nn.Linear"):
+        Linear.from_linear(torch.nn.Conv2d(1, 1, 1))
+    with pytest.raises(TypeError, match="from_conv takes a torch.nn.Conv2d"):
+        Conv2d.from_conv(base)
+
+
+class _MyConv(torch.nn.Conv2d):
+    pass
+
+
+def _model(device):
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, groups=8), _MyConv(8, 8, 1)),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4),
+    ).to(device)
+
+
+def test_convert_swaps_in_place_and_keeps_outputs(device):
+    torch.manual_seed(0)
+    model = _model(device)
+    x = torch.randn(2, 3, 7, 7, device=device)
+    want = model(x).detach()
+    with pytest.warns(ConversionNote, match=r"2.1: _MyConv subclasses Conv2d"):
+        assert convert_(model) is model
+    assert isinstance(model[0], Conv2d) and isinstance(model[2][0], Conv2d) and isinstance(model[5], Linear)
+    assert type(model[2][1]) is _MyConv
+    assert model.tilegemm_skipped == [("2.1", "_MyConv subclasses Conv2d (its forward may differ)")]
+    assert_rel_close(model(x).detach(), want, 1e-5)
+
+
+def test_convert_options(device):
+    model = _model(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_(model, linear=False, warn=False)
+    assert isinstance(model[0], Conv2d) and type(model[5]) is torch.nn.Linear
+    model = _model(device)
+    convert_(model, conv=False, warn=False)
+    assert type(model[0]) is torch.nn.Conv2d and isinstance(model[5], Linear)
+    model = _model(device)
+    convert_(model, filter_fn=lambda name, m: name != "0", warn=False)
+    assert type(model[0]) is torch.nn.Conv2d and isinstance(model[2][0], Conv2d)
+    model = _model(device).double()
+    convert_(model, warn=False)
+    skipped = dict(model.tilegemm_skipped)
+    assert set(skipped) == {"0", "2.0", "2.1", "5"}
+    assert skipped["0"].startswith("weight dtype float64") and skipped["5"].startswith("weight dtype float64")
+    with pytest.raises(TypeError, match="convert_ takes a torch.nn.Module"):
+        convert_([1])
+
+
+def test_exported_at_top_level():
+    assert tilegemm.nn.Conv2d is Conv2d and tilegemm.conv2d is not None
+    assert set(tilegemm.kernels("conv2d")) == {"implicit_gemm", "gemm_1x1", "depthwise", "auto"}
