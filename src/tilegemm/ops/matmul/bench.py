@@ -8,6 +8,7 @@ import torch
 
 from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
 
+
 def _mnk(m: int, n: int, k: int, x: float | None = None) -> Case:
     return Case(f"{m}x{n}x{k}", dict(M=m, N=n, K=k), float(x if x is not None else m))
 
@@ -18,6 +19,37 @@ def _llm_cases() -> list[Case]:
         for j, m in enumerate([1, 16, 128, 2048, 8192]):
             cases.append(_mnk(m, n, k, x=i * 5 + j))
     return cases
+
+
+def _random_cases(count: int = 200, seed: int = 2026) -> list[Case]:
+    """``count`` shapes from a fixed seed: M log-uniform in 1..16384, N and K log-uniform in 64..28672, a third of
+    them with every dimension above 8 moved off a multiple of 8 (rows not 16-byte aligned in 16-bit). They
+    measure how ``auto``'s choice generalises: nothing shipped is tuned on them."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+
+    def log_uniform(lo: int, hi: int) -> int:
+        return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+    cases = []
+    for i in range(count):
+        m, n, k = log_uniform(1, 16384), log_uniform(64, 28672), log_uniform(64, 28672)
+        if i % 3 == 2:  # misaligned: no dimension a multiple of 8 (M, N, K > 8)
+            m, n, k = (d + 1 if d > 8 and d % 8 == 0 else d for d in (m, n, k))
+        else:  # aligned: multiples of 8, as most model shapes are
+            m, n, k = (max(8, d - d % 8) if d > 8 else d for d in (m, n, k))
+        cases.append(_mnk(m, n, k, x=i))
+    return cases
+
+
+def _model_cases() -> list[Case]:
+    """Linear layers of popular models not in ``llm``: hidden/intermediate sizes 3072, 5120, 6144, 11008,
+    13824, 18944 as N or K, at decode (M=1, 16) and prefill (M=512, 4096) sizes."""
+    pairs = [(11008, 4096), (4096, 11008), (13824, 5120), (5120, 13824), (18944, 3584), (3584, 18944),
+             (6144, 6144), (3072, 3072), (8192, 3072), (3072, 8192)]
+    return [_mnk(m, n, k, x=i * 4 + j) for i, (n, k) in enumerate(pairs) for j, m in enumerate((1, 16, 512, 4096))]
 
 
 class MatmulBench(BenchOp):
@@ -35,6 +67,8 @@ class MatmulBench(BenchOp):
         "llm": _llm_cases,
         "skinny": lambda: [_mnk(m, 8192, 8192) for m in (1, 2, 4, 8, 16, 32, 64, 128)],
         "tiny": lambda: [_mnk(s, s, s) for s in (32, 64, 96, 128)],
+        "random": _random_cases,
+        "models": _model_cases,
     }
     gpu_sweep = "square"
     cpu_sweep = "tiny"

@@ -92,7 +92,7 @@ def _write_garbage(p):
 def broken_kernel():
     """A registered matmul kernel that writes ones: the bench must flag it, never rank it."""
     spec = registry.KernelSpec(op="matmul", name="broken", summary="test only: writes ones",
-                               target="test_bench:_write_garbage", order=99)
+                               target="test_bench_cli:_write_garbage", order=99)
     registry.register(spec)
     yield "broken"
     registry.unregister("matmul", "broken")

@@ -1,0 +1,86 @@
+"""First-call wall time of ``tilegemm.matmul`` on shapes no tuned table holds, in fresh processes.
+
+For every shape and dtype, two fresh Python processes each time their first call (import excluded, the
+result synchronized): one with an empty Triton cache (everything compiles) and one with a warm one (the
+kernels compiled by an earlier process are on disk). ``torch.matmul``'s first call is timed beside them.
+
+    PYTHONPATH=src python3 tools/first_call.py [--shapes 333x333x8192,1x12345x4096] [--dtypes fp16,bf16] \
+        [--out first-call.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+DEFAULT_SHAPES = "333x333x8192,777x5000x3000,1x12345x4096,257x11008x4096,4000x4000x4000,37x2999x1001,8190x128x4104"
+
+CHILD = r"""
+import json, sys, time
+import torch
+m, n, k, dtype, which = sys.argv[1:]
+m, n, k = int(m), int(n), int(k)
+dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+a = torch.randn(m, k, device="cuda", dtype=dt)
+b = torch.randn(k, n, device="cuda", dtype=dt)
+torch.cuda.synchronize()
+if which == "torch":
+    f = torch.matmul
+else:
+    import tilegemm
+    f = tilegemm.matmul
+times = []
+for _ in range(2):
+    start = time.perf_counter()
+    f(a, b)
+    torch.cuda.synchronize()
+    times.append(time.perf_counter() - start)
+print(json.dumps(times))
+"""
+
+
+def run(shape, dtype, which, cache_dir) -> list[float]:
+    env = dict(os.environ, TRITON_CACHE_DIR=cache_dir)
+    env.pop("TILEGEMM_TUNE", None)
+    done = subprocess.run([sys.executable, "-c", CHILD, *shape, dtype, which], env=env, capture_output=True,
+                          text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--dtypes", default="fp16,bf16")
+    ap.add_argument("--out", help="write the rows as JSON")
+    args = ap.parse_args()
+    rows = []
+    for text in args.shapes.split(","):
+        shape = text.split("x")
+        for dtype in args.dtypes.split(","):
+            with tempfile.TemporaryDirectory() as cold:
+                empty = run(shape, dtype, "tilegemm", cold)  # compiles into `cold`
+                warm = run(shape, dtype, "tilegemm", cold)  # a new process; the compiled kernels are on disk
+            with tempfile.TemporaryDirectory() as d:
+                torch_first = run(shape, dtype, "torch", d)
+            rows.append(dict(shape=text, dtype=dtype, empty_cache_s=empty[0], warm_cache_s=warm[0],
+                             second_call_s=warm[1], torch_first_s=torch_first[0]))
+            print(f"{text:>18} {dtype}: empty cache {empty[0]:7.3f} s, warm cache {warm[0] * 1e3:8.1f} ms, "
+                  f"second call {warm[1] * 1e3:6.2f} ms, torch.matmul first {torch_first[0] * 1e3:7.1f} ms",
+                  flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(rows=rows), f, indent=1)
+    worst_empty = max(r["empty_cache_s"] for r in rows)
+    worst_warm = max(r["warm_cache_s"] for r in rows)
+    print(f"worst first call: empty cache {worst_empty:.2f} s (target <= 1.5 s), warm {worst_warm * 1e3:.0f} ms "
+          f"(target < 50 ms)")
+
+
+if __name__ == "__main__":
+    main()
