@@ -528,3 +528,15 @@ def test_shipped_files_use_one_dtype_vocabulary():
         for k in data["entries"]:
             dtype, out = k.split("|")[4:6]
             assert set(dtype.split("+")[0].split("x")) <= names and out in names, k
+
+
+@pytest.mark.parametrize("slug", ["nvidia-h200", "nvidia-h100-80gb-hbm3"])
+def test_the_shipped_table_is_found_for_each_gpu_it_names(slug, monkeypatch):
+    monkeypatch.setattr(tuning, "_device_tag", lambda: (slug, "3.6.0"))
+    monkeypatch.setenv("TILEGEMM_TUNING_CACHE", "0")
+    tuning.forget()
+    try:
+        assert tuning.shipped_file().exists(), tuning.shipped_file()
+        assert len(tuning.entries()) > 50, "the shipped entries should load"
+    finally:
+        tuning.forget()

@@ -75,7 +75,7 @@ def cache_file() -> Path:
 
 def shipped_file() -> Path:
     slug, _ = _device_tag()
-    return Path(__file__).resolve().parent / "tuned" / f"{slug}.json"
+    return Path(__file__).resolve().parent.parent / "tuned" / f"{slug}.json"
 
 
 _SCHEMA_1 = "tilegemm-tuned/1"
