@@ -40,7 +40,7 @@ def test_bad_arguments(x_shape, w_shape, kwargs, error, match, device):
 
 def test_bad_dtypes_and_bias(device):
     x, w = _xw(device)
-    with pytest.raises(TypeError, match="dtypes differ: x is float32, weight is float16"):
+    with pytest.raises(TypeError, match="dtypes differ: x is fp32, weight is fp16"):
         tilegemm.conv2d(x, w.half())
     with pytest.raises(TypeError, match="x has unsupported dtype float64"):
         tilegemm.conv2d(x.double(), w.double())
@@ -50,7 +50,7 @@ def test_bad_dtypes_and_bias(device):
         tilegemm.conv2d(x.tolist(), w)
     with pytest.raises(ValueError, match=r"bias must have shape \[K\] = \[8\], got \[7\]"):
         tilegemm.conv2d(x, w, torch.randn(7, device=device))
-    with pytest.raises(TypeError, match="dtypes differ: x is float32, bias is float16"):
+    with pytest.raises(TypeError, match="dtypes differ: x is fp32, bias is fp16"):
         tilegemm.conv2d(x, w, torch.randn(8, device=device, dtype=torch.float16))
 
 

@@ -193,7 +193,8 @@ def nearest(k: str, options: list[dict]) -> dict | None:
         them = _parse(other)
         if them is None or them[0] != me[0] or them[4:6] != me[4:6] or config not in options:
             continue
-        d = sum(abs(math.log2(x / y)) for x, y in zip(me[1:4], them[1:4])) + (0.5 if them[6] != me[6] else 0.0)
+        d = sum(abs(math.log2(max(x, 1) / max(y, 1))) for x, y in zip(me[1:4], them[1:4]))  # K may be 0
+        d += 0.5 if them[6] != me[6] else 0.0
         if d < best_d:
             best, best_d = config, d
     return dict(best) if best is not None else None

@@ -152,7 +152,7 @@ class Conv2dBench(BenchOp):
         return torch.cat([dx.permute(0, 2, 3, 1).flatten(), dw.permute(0, 2, 3, 1).flatten()])
 
     def run(self, kernel, inputs, dtype):
-        from tilegemm import conv2d
+        from tilegemm.ops.conv2d import conv2d
         from tilegemm.ops.conv2d.op import _dgrad_op, _wgrad_op
         from tilegemm.ops.conv2d.problem import check_conv
 

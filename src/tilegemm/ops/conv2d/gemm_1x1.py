@@ -21,7 +21,7 @@ def applies(p: ConvProblem) -> str | None:
 
 
 def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
-    from tilegemm import matmul
+    from tilegemm.ops.matmul.api import matmul
 
     reason = applies(p)
     if reason:

@@ -120,7 +120,7 @@ def _dgrad_op(
     precision = resolve_precision(precision, dy.dtype)
     with on_device(dy.device):
         if g.is_pointwise:
-            from tilegemm import matmul
+            from tilegemm.ops.matmul.api import matmul
 
             w2d = weight.reshape(g.K, g.C)  # [K, C]
             if x_channels_last:
@@ -160,7 +160,7 @@ def _wgrad_op(
     precision = resolve_precision(precision, x.dtype)
     with on_device(x.device):
         if g.is_pointwise:
-            from tilegemm import matmul
+            from tilegemm.ops.matmul.api import matmul
 
             dw = matmul(_as_nhwc_2d(dy).t(), _as_nhwc_2d(x), precision=precision)  # [K, NHW] @ [NHW, C]
             return dw.view(w_shape)
