@@ -1,18 +1,23 @@
-"""One GPU session for W4A16: check every kernel, explore configs, time against cuBLAS fp16 and torch's int4.
+"""One GPU session for W4A16: check every kernel, time every candidate config, compare with cuBLAS and tinygemm.
 
-    PYTHONPATH=src python tools/w4a16_gpu_check.py [--sections check,gemv,mma,table] [--budget 280]
+    PYTHONPATH=src python3 tools/w4a16_gpu_check.py --out w4a16_gpu.json [--quick] [--budget 210]
 
-Writes ``$OUT/w4a16_gpu.json`` (or ./w4a16_gpu.json) after every section. Times are
-``triton.testing.do_bench`` medians (L2 cleared before each call) on random data, all in one process; ratio =
-cuBLAS fp16 time / the kernel's time.
+Sections, in order: ``check`` (every kernel, fp16/bf16, odd shapes, bias + silu, through the public op), then for
+each shape (4096x4096, 8192x8192, 14336x4096, 28672x8192, as N x K, g128 fp16) and M (1, 2, 4, 8, 16, 32, 64,
+256, 4096): cuBLAS fp16 ``F.linear``, torch's int4 kernel (tinygemm, bf16), the public ``w4a16.matmul`` (its
+replay fast path included: ``api``), the shipped ``auto`` choice launched directly, and every candidate config
+of ``gemv`` (M <= 16) and ``mma`` (M >= 2) launched directly; each candidate is checked against an fp32
+reference before it is timed. Times are ``triton.testing.do_bench`` medians (L2 cleared before each call), in
+microseconds; ratio = cuBLAS time / time. The JSON is written after every shape; the table comes last.
+``--quick`` takes fewer candidates and M values (under 2 minutes on an H100).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
+import subprocess
 import time
 
 import torch
@@ -22,227 +27,259 @@ import tilegemm
 from tilegemm import w4a16
 
 T0 = time.time()
-OUT = os.environ.get("OUT", ".")
-RESULTS: dict = {"meta": {}}
+SHAPES = [(4096, 4096), (8192, 8192), (14336, 4096), (28672, 8192)]  # N x K
+MS = [1, 2, 4, 8, 16, 32, 64, 256, 4096]
+QUICK_MS = [1, 4, 16, 64, 4096]
+TARGET = {(4096, 4096): 2.5}  # cuBLAS / time wanted for M = 1..16; 3.5 on the other shapes
 
 
-def save() -> None:
-    with open(os.path.join(OUT, "w4a16_gpu.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
-
-
-def bench(fn, rep=40) -> float:
+def bench(fn, rep=20) -> float:
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")) * 1e3  # us
+    return float(triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")) * 1e3  # us
 
 
 def rel(out, ref) -> float:
-    from tilegemm.core.checks import relative_error
-
-    return relative_error(out, ref)
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-_weights: dict = {}
-
-
-def weight(N, K, dtype, g=128):
-    key = (N, K, dtype, g)
-    if key not in _weights:
-        _weights.clear()
-        torch.cuda.empty_cache()
-        W = torch.randn(N, K, device="cuda", dtype=dtype) * 0.02
-        _weights[key] = (W, w4a16.quantize(W, g))
-    return _weights[key]
-
-
-def problem(x, w, out=None):
+def problem(x, w, bias=None, activation="none"):
     from tilegemm.ops.w4a16.common import W4A16Problem
 
-    out = torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=x.dtype) if out is None else out
-    return W4A16Problem(x, w.qweight, w.scales, w.zeros, None, out, w.group_k, "none", False)
+    out = torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=x.dtype)
+    return W4A16Problem(x, w.qweight, w.scales, w.zeros, bias, out, w.group_k, activation, False)
 
 
-def section_check() -> None:
+# --- candidates -----------------------------------------------------------------------------------------
+
+
+def gemv_candidates(M: int, quick: bool):
+    """(name, cfg without SPLIT_K, programs per SM to try) for the gemv kernel at M rows."""
+    if M > 16:
+        return []
+    # (BLOCK_N, BLOCK_K, num_warps, DEQ, PREFETCH); the first is the shipped config (29.6 us at 8192^2 M=1)
+    tiles = [(64, 128, 4, "magic", False), (64, 128, 4, "exp16asm", True), (128, 128, 4, "exp16asm", True)]
+    if not quick:
+        tiles += [(64, 128, 4, "exp16asm", False), (64, 128, 4, "magic", True), (64, 128, 4, "exp16", True),
+                  (64, 128, 2, "exp16asm", True), (256, 128, 8, "exp16asm", True), (128, 64, 4, "exp16asm", True)]
+    rows_list = [min(M, 4)] + ([2] if M >= 4 and not quick else [])
+    per_sm = (8,) if quick else (4, 8, 16)
+    for (bn, bk, warps, deq, pf) in tiles:
+        for rows in rows_list:
+            name = f"gemv {deq} pf{int(pf)} r{rows} {bn}x{bk} w{warps}"
+            yield name, dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, DEQ=deq, PREFETCH=pf,
+                             ROWS=rows), per_sm
+
+
+def mma_candidates(M: int, quick: bool):
+    """(name, cfg without SPLIT_K, programs per SM to try) for the mma kernel: the shipped table's entry first."""
+    if M < 2:
+        return []
+    if M <= 16:
+        tiles = [(16, 64, 128, 4, 3, True), (16, 128, 128, 4, 3, True), (16, 64, 64, 4, 4, True)]
+    elif M <= 32:
+        tiles = [(32, 64, 128, 4, 3, True), (32, 128, 128, 4, 3, True), (32, 64, 128, 4, 3, False)]
+    elif M <= 64:
+        tiles = [(64, 128, 128, 4, 3, False), (64, 64, 128, 4, 4, False), (64, 64, 128, 4, 3, True)]
+    elif M <= 256:
+        tiles = [(128, 128, 128, 8, 3, False), (64, 128, 64, 4, 4, False), (128, 128, 64, 8, 4, False)]
+    else:
+        tiles = [(128, 128, 64, 8, 4, False), (128, 256, 64, 8, 3, False)]
+    if quick:
+        tiles = tiles[:1]
+    per_sm = (4,) if quick else (1, 2, 4, 8)
+    for (bm, bn, bk, warps, stages, swap) in tiles:
+        name = f"mma {bm}x{bn}x{bk} w{warps} s{stages}{' swap' if swap else ''}"
+        yield name, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
+                         SWAP=swap), per_sm
+
+
+def splits(p, cfg, per_sm_list) -> list[int]:
+    from tilegemm.ops.w4a16.configs import split_for
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = cfg.get("BLOCK_M", cfg.get("ROWS", 1))
+    tiles = -(-p.N // cfg["BLOCK_N"]) * -(-p.M // rows)
+    steps = -(-p.K // cfg["BLOCK_K"])
+    return sorted({split_for(tiles, steps, sms, ps, 1) for ps in per_sm_list})
+
+
+# --- sections -------------------------------------------------------------------------------------------
+
+
+def section_check(results) -> None:
     rows = []
     for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1e-2)):
         for (N, K, g) in ((4096, 4096, 128), (264, 768, 32)):
-            W = torch.randn(N, K, device="cuda", dtype=dtype)
-            w = w4a16.quantize(W, g)
+            w = w4a16.quantize(torch.randn(N, K, device="cuda", dtype=dtype), g)
             dq = w4a16.dequantize(w).double()
             bias = torch.randn(N, device="cuda", dtype=dtype)
             for M in (1, 3, 17, 300):
                 x = torch.randn(2, M, K, device="cuda", dtype=dtype)[1]
                 for kernel in ("auto", "gemv", "mma", "dequant_cublas"):
                     for act in (("none", "silu") if kernel == "auto" else ("none",)):
-                        y = w4a16.matmul(x, w, bias=bias if act == "silu" else None, activation=act, kernel=kernel)
-                        ref = x.double() @ dq.T
-                        if act == "silu":
-                            ref = F.silu(ref + bias.double())
-                        err = rel(y, ref)
-                        rows.append(dict(dtype=str(dtype), N=N, K=K, g=g, M=M, kernel=kernel, act=act, err=err,
-                                         ok=err <= tol))
+                        for trial in range(2):  # the second auto call replays the first's launch
+                            y = w4a16.matmul(x, w, bias=bias if act == "silu" else None, activation=act,
+                                             kernel=kernel)
+                            ref = x.double() @ dq.T
+                            if act == "silu":
+                                ref = F.silu(ref + bias.double())
+                            err = rel(y, ref.float())
+                            rows.append(dict(dtype=str(dtype), N=N, K=K, g=g, M=M, kernel=kernel, act=act,
+                                             trial=trial, err=err, ok=err <= tol))
+    # every gemv option on an odd shape (bf16 too)
+    from tilegemm.ops.w4a16 import gemv
+
+    for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1e-2)):
+        w = w4a16.quantize(torch.randn(200, 1024, device="cuda", dtype=dtype), 64)
+        dq = w4a16.dequantize(w).float()
+        for M in (1, 2, 3, 5):
+            x = torch.randn(M, 1024, device="cuda", dtype=dtype)
+            for deq in ("magic", "exp16", "exp16asm"):
+                for pf in (False, True):
+                    for n_rows in (1, 2, 4):
+                        p = problem(x, w)
+                        gemv.run(p, dict(BLOCK_N=64, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=1, DEQ=deq,
+                                         PREFETCH=pf, ROWS=n_rows))
+                        err = rel(p.out, x.float() @ dq.T)
+                        rows.append(dict(dtype=str(dtype), N=200, K=1024, M=M, kernel=f"gemv {deq} pf{pf} r{n_rows}",
+                                         err=err, ok=err <= tol))
     bad = [r for r in rows if not r["ok"]]
     print(f"check: {len(rows) - len(bad)}/{len(rows)} within tolerance", flush=True)
     for r in bad[:20]:
         print("  WRONG", r, flush=True)
-    RESULTS["check"] = dict(total=len(rows), bad=bad)
+    results["check"] = dict(total=len(rows), bad=bad)
 
 
-def per_sm_splits(mod, p, cfg, sms, per_sm_list):
-    from tilegemm.ops.w4a16.configs import split_for
-
-    tiles = -(-p.N // cfg["BLOCK_N"]) * -(-p.M // cfg.get("BLOCK_M", 1))
-    steps = -(-p.K // cfg["BLOCK_K"])
-    return sorted({split_for(tiles, steps, sms, ps, 1) for ps in per_sm_list})
-
-
-def explore(name, mod, shapes, Ms, cfgs, per_sm_list, budget, top=6):
-    """Time every (config, split) on the shapes and Ms; return rows sorted per (shape, M)."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = []
-    for (N, K), M in itertools.product(shapes, Ms):
-        W, w = weight(N, K, torch.float16)
-        x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-        base = bench(lambda: F.linear(x, W))
-        ref = x.double() @ w4a16.dequantize(w).double().T
-        p = problem(x, w)
-        results = []
-        for cfg in cfgs(M):
-            if time.time() - T0 > budget:
-                print(f"{name}: budget reached", flush=True)
-                break
-            for split in per_sm_splits(mod, p, cfg, sms, per_sm_list):
-                c = dict(cfg, SPLIT_K=split)
-                try:
-                    mod.run(p, c)
-                    err = rel(p.out, ref)
-                    us = bench(lambda: mod.run(p, c), rep=25) if err < 2e-3 else None
-                except Exception as exc:  # noqa: BLE001
-                    print(f"  {name} {c} failed: {str(exc)[:200]}", flush=True)
-                    continue
-                results.append(dict(N=N, K=K, M=M, cfg=c, us=us, err=err, cublas_us=base,
-                                    ratio=base / us if us else None))
-        results.sort(key=lambda r: r["us"] or 1e9)
-        rows += results
-        print(f"{name} M={M} {N}x{K}: cuBLAS {base:.1f} us; best:", flush=True)
-        for r in results[:top]:
-            print(f"   {r['us']:.1f} us {r['ratio']:.2f}x {r['cfg']}", flush=True)
-    return rows
-
-
-def section_gemv(budget) -> None:
-    from tilegemm.ops.w4a16 import gemv
-
-    def cfgs(M):
-        for bn, bk, warps, magic in itertools.product((64, 128, 256), (64, 128), (4, 8), (False, True)):
-            yield dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, MAGIC=magic)
-
-    RESULTS["gemv"] = explore("gemv", gemv, [(8192, 8192), (4096, 4096)], [1], cfgs, (2, 4, 8, 16), budget)
-    save()
-
-
-def section_mma(budget) -> None:
-    from tilegemm.ops.w4a16 import mma
-
-    def cfgs(M):
-        if M <= 16:
-            tiles = [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3)]
-        elif M <= 64:
-            tiles = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 128, 128, 4, 3)]
-        elif M <= 256:
-            tiles = [(64, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 256, 64, 8, 4),
-                     (128, 64, 128, 4, 4)]
-        else:
-            tiles = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)]
-        for (bm, bn, bk, warps, stages), unpack in itertools.product(tiles, ("reshape", "gather")):
-            for swap in ((False, True) if M <= 64 else (False,)):
-                yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
-                           UNPACK=unpack, SWAP=swap)
-
-    RESULTS["mma"] = explore("mma", mma, [(8192, 8192)], [16, 64, 256, 4096], cfgs, (1, 2, 4, 8), budget)
-    save()
-
-
-SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 8192)]
-MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
-
-
-def section_table(budget) -> None:
+def time_shape(N, K, Ms, quick, budget, results) -> None:
+    from tilegemm.ops.w4a16 import configs, gemv, mma, op
     from tilegemm.ops.w4a16.baselines import tinygemm_mm, tinygemm_weight
 
-    rows = []
-    for N, K in SHAPES:
-        W, w = weight(N, K, torch.float16)
+    torch.cuda.empty_cache()
+    W = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+    w = w4a16.quantize(W, 128)
+    dq = w4a16.dequantize(w).float()
+    try:
         wb = w.to(torch.bfloat16)
-        Wb = W.to(torch.bfloat16)
-        try:
-            tg = tinygemm_weight(wb)
-        except Exception as exc:  # noqa: BLE001
-            print("tinygemm unavailable:", str(exc)[:200], flush=True)
-            tg = None
-        for M in MS:
-            if time.time() - T0 > budget:
-                print("table: budget reached", flush=True)
-                break
-            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        tg = tinygemm_weight(wb)
+    except Exception as exc:  # noqa: BLE001
+        print("tinygemm unavailable:", str(exc)[:200], flush=True)
+        tg = None
+    for M in Ms:
+        x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        ref = x.float() @ dq.T
+        row = dict(N=N, K=K, M=M, g=128, candidates=[])
+        row["cublas_us"] = bench(lambda: F.linear(x, W))
+        if tg is not None:
             xb = x.to(torch.bfloat16)
-            row = dict(N=N, K=K, M=M, g=128)
-            row["cublas_us"] = bench(lambda: F.linear(x, W))
-            row["cublas_bf16_us"] = bench(lambda: F.linear(xb, Wb))
-            kernels = ["auto", "mma"] + (["gemv"] if M <= 16 else []) + (["dequant_cublas"] if M >= 256 else [])
-            for k in kernels:
-                row[f"{k}_us"] = bench(lambda: w4a16.matmul(x, w, kernel=k))
-            row["auto_bf16_us"] = bench(lambda: w4a16.matmul(xb, wb))
-            if tg is not None:
-                try:
-                    ref = xb.double() @ w4a16.dequantize(wb).double().T
-                    row["tinygemm_err"] = rel(tinygemm_mm(xb, *tg), ref)
-                    row["tinygemm_us"] = bench(lambda: tinygemm_mm(xb, *tg))
-                except Exception as exc:  # noqa: BLE001
-                    row["tinygemm_error"] = str(exc)[:200]
-            row["ratio"] = row["cublas_us"] / row["auto_us"]
-            if "tinygemm_us" in row:
-                row["vs_tinygemm_bf16"] = row["tinygemm_us"] / row["auto_bf16_us"]
-            # weight traffic: packed weights + scales + zeros
-            row["weight_GBps"] = w.nbytes / (row["auto_us"] * 1e-6) / 1e9
-            rows.append(row)
-            extra = " ".join(f"{k}={row[k + '_us']:.1f}" for k in kernels)
-            tgs = f" tinygemm={row.get('tinygemm_us', float('nan')):.1f} bf16auto={row['auto_bf16_us']:.1f}"
-            print(f"{N}x{K} M={M}: cuBLAS {row['cublas_us']:.1f} us, {extra}{tgs} -> {row['ratio']:.2f}x "
-                  f"({row['weight_GBps']:.0f} GB/s)", flush=True)
-        RESULTS["table"] = rows
-        save()
+            row["tinygemm_us"] = bench(lambda: tinygemm_mm(xb, *tg))
+        w4a16.matmul(x, w)  # records the replay
+        row["api_us"] = bench(lambda: w4a16.matmul(x, w))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(100):
+            w4a16.matmul(x, w)
+        torch.cuda.synchronize()
+        row["api_loop_us"] = (time.perf_counter() - t) / 100 * 1e6  # back to back: max(host, GPU) per call
+        kernel = configs.choose(M)
+        row["auto_kernel"] = kernel
+        p = problem(x, w)
+        run = op.launcher(kernel)
+        run(p)
+        row["auto_err"] = rel(p.out, ref)
+        row["auto_us"] = bench(lambda: run(p))
+        for fam, mod, cands in (("gemv", gemv, gemv_candidates(M, quick)), ("mma", mma, mma_candidates(M, quick))):
+            for name, cfg, per_sm in cands:
+                if time.time() - T0 > budget:
+                    row["budget_reached"] = True
+                    break
+                for split in splits(p, cfg, per_sm):
+                    c = dict(cfg, SPLIT_K=split)
+                    try:
+                        mod.run(p, c)
+                        err = rel(p.out, ref)
+                        us = bench(lambda: mod.run(p, c)) if err <= 2e-3 else None
+                    except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
+                        row["candidates"].append(dict(name=name, split=split, cfg=c, error=str(exc)[:300]))
+                        continue
+                    row["candidates"].append(dict(name=name, split=split, cfg=c, us=us, err=err))
+        timed = [c for c in row["candidates"] if c.get("us")]
+        if timed:
+            best = min(timed, key=lambda c: c["us"])
+            row["best"] = dict(name=f"{best['name']} split{best['split']}", us=best["us"], cfg=best["cfg"])
+            row["best_ratio"] = row["cublas_us"] / best["us"]
+        failed = [c for c in row["candidates"] if not c.get("us")]
+        print(f"{N}x{K} M={M}: cuBLAS {row['cublas_us']:.1f} tinygemm {row.get('tinygemm_us', float('nan')):.1f} "
+              f"api {row['api_us']:.1f} (loop {row['api_loop_us']:.1f}) auto[{kernel}] {row['auto_us']:.1f}"
+              + (f" best {row['best']['us']:.1f} ({row['best']['name']}) {row['best_ratio']:.2f}x" if timed else "")
+              + (f"; {len(failed)} candidates failed or wrong" if failed else ""), flush=True)
+        results["rows"].append(row)
+    del W, w, dq
+
+
+def print_table(results) -> None:
+    print("\n| N x K | M | cuBLAS | tinygemm | api | auto (kernel) | best candidate | best/cuBLAS | target |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results["rows"]:
+        best = r.get("best")
+        target = TARGET.get((r["N"], r["K"]), 3.5) if r["M"] <= 16 else None
+        ratio = r.get("best_ratio")
+        mark = "" if target is None or ratio is None else (" ok" if ratio >= target else " MISS")
+        print(f"| {r['N']}x{r['K']} | {r['M']} | {r['cublas_us']:.1f} | {r.get('tinygemm_us', float('nan')):.1f} | "
+              f"{r['api_us']:.1f} | {r['auto_us']:.1f} ({r['auto_kernel']}) | "
+              f"{best['us']:.1f} {best['name']} | {ratio:.2f}x | {target or '-'}{mark} |" if best else
+              f"| {r['N']}x{r['K']} | {r['M']} | {r['cublas_us']:.1f} | - | {r['api_us']:.1f} | "
+              f"{r['auto_us']:.1f} | - | - | - |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sections", default="check,gemv,mma,table")
-    parser.add_argument("--budget", type=float, default=280.0, help="seconds; exploration stops after it")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "w4a16_gpu.json"))
+    parser.add_argument("--quick", action="store_true", help="fewer candidates and M values (< 2 min)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds after which candidates are skipped (baselines still run); 200 or 90 quick")
+    parser.add_argument("--shapes", default=None, help="e.g. 8192x8192,4096x4096 (N x K)")
     args = parser.parse_args()
+    budget = args.budget or (90.0 if args.quick else 200.0)
     props = torch.cuda.get_device_properties(0)
-    RESULTS["meta"] = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__,
-                           tilegemm=tilegemm.__version__, sections=args.sections)
     import triton
 
-    RESULTS["meta"]["triton"] = triton.__version__
-    print(RESULTS["meta"], flush=True)
-    sections = args.sections.split(",")
-    budgets = {"gemv": 0.45, "mma": 0.7, "table": 1.0}
-    for name in sections:
-        t = time.time()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    results = dict(meta=dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+                             triton=triton.__version__, cuda=torch.version.cuda, tilegemm=tilegemm.__version__,
+                             commit=commit, quick=args.quick), rows=[])
+    print(results["meta"], flush=True)
+
+    def save():
+        results["meta"]["seconds"] = round(time.time() - T0, 1)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    try:
+        section_check(results)
+    except Exception as exc:  # noqa: BLE001 - a broken check must not cost the timings
+        import traceback
+
+        traceback.print_exc()
+        results["check_error"] = repr(exc)[:500]
+    print(f"[check: {time.time() - T0:.0f} s]", flush=True)
+    save()
+    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    for N, K in shapes:
         try:
-            if name == "check":
-                section_check()
-            else:
-                globals()[f"section_{name}"](args.budget * budgets.get(name, 1.0))
-        except Exception as exc:  # noqa: BLE001 - one broken section must not cost the others
+            time_shape(N, K, QUICK_MS if args.quick else MS, args.quick, budget, results)
+        except Exception as exc:  # noqa: BLE001
             import traceback
 
             traceback.print_exc()
-            RESULTS[f"{name}_error"] = repr(exc)[:500]
-        print(f"[{name}: {time.time() - t:.0f} s, total {time.time() - T0:.0f} s]", flush=True)
+            results.setdefault("errors", []).append(f"{N}x{K}: {exc!r}"[:500])
+        print(f"[{N}x{K}: total {time.time() - T0:.0f} s]", flush=True)
         save()
+    print_table(results)
+    save()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import triton
 
-from tilegemm.core.launch import launch
+from tilegemm.core.launch import current_stream, launch
 from tilegemm.jit.helpers import tile_grouped
 from tilegemm.ops.w4a16.common import W4A16Problem, block_k_for, reduce_and_store, workspace
 from tilegemm.ops.w4a16.configs import mma_config
@@ -110,4 +110,8 @@ def launch_args(p: W4A16Problem, cfg: dict | None = None) -> tuple[tuple, tuple,
 
 def run(p: W4A16Problem, cfg: dict | None = None) -> None:
     grid, args, kwargs = launch_args(p, cfg)
-    launch(w4a16_mma_kernel, grid, args, kwargs)
+    # With split-K, the workspace (args 6, 7) is the launcher's, made for the current stream: a replay passes it
+    # as recorded and declines on another stream.
+    split = kwargs["SPLIT_K"] > 1
+    launch(w4a16_mma_kernel, grid, args, kwargs, keep=args[6:8] if split else (),
+           stream=current_stream() if split and p.x.is_cuda else None)

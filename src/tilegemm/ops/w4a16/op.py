@@ -9,8 +9,8 @@ import torch
 
 from tilegemm.core import registry
 from tilegemm.core.runtime import check_device, interpreting, new_output, on_device
-from tilegemm.core.launch import plain_call
-from tilegemm.ops.w4a16 import configs
+from tilegemm.core.launch import plain_call, recording
+from tilegemm.ops.w4a16 import configs, replay
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, validate
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "leaky_relu")  # as tilegemm.matmul's
@@ -165,6 +165,19 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
     activation = "none" if activation is None else activation
+    # The fast path: a replay of an earlier plain call with the same key (tilegemm.ops.w4a16.replay).
+    key = None
+    if type(w) is Int4Weight and w.perm is None and type(x) is torch.Tensor and x.dim() >= 1 \
+            and x.shape[-1] == w.shape[1]:
+        x2 = x.reshape(-1, x.shape[-1])
+        key = replay.replay_key(x2, w, bias, activation, kernel)
+        if key is not None:
+            hit = replay.lookup(key)
+            if hit is not None:
+                out = new_output(hit.shape, x.dtype, x.device)
+                if hit(*replay.call_tensors(x2, w, bias, out)):
+                    return out.reshape(*x.shape[:-1], w.shape[0])
+                # (False: recorded for another stream or device; launched afresh below)
     check_inputs(x, w, bias, activation, kernel)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -173,5 +186,11 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     args = (x2, w.qweight, w.scales, w.zeros, bias, w.group_k, activation, kernel)
     # Dispatch through torch.ops costs tens of microseconds of host time, more than an M=1 kernel; a call that
     # no tracer, mode or autograd needs to see skips it (as tilegemm.matmul does).
-    out = _forward(*args) if plain_call(x2, bias) else _w4a16_op(*args)
+    if not plain_call(x2, bias):
+        return _w4a16_op(*args).reshape(*lead, w.shape[0])
+    if key is None or (choose_kernel(x2.shape[0]) if kernel == "auto" else kernel) not in replay.REPLAYED_KERNELS:
+        return _forward(*args).reshape(*lead, w.shape[0])
+    with recording() as rec:
+        out = _forward(*args)
+    replay.store(key, rec.launches, replay.call_tensors(x2, w, bias, out), shape=out.shape)
     return out.reshape(*lead, w.shape[0])

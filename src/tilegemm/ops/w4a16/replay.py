@@ -1,0 +1,73 @@
+"""The host fast path of ``tilegemm.w4a16.matmul``: replays of earlier plain calls.
+
+A plain call (no tracer, dispatch mode or autograd watching; CUDA, not the interpreter) is keyed by everything
+Triton specializes its launch on: the activations' dtype, shape, strides and 16-byte alignment, the same for
+the weight's ``qweight``, ``scales`` and ``zeros``, the group length, whether there is a bias (and its
+layout), the activation, the kernel asked for and the device. The first such call records its one launch
+(:func:`tilegemm.core.launch.recording`); later calls with the same key replay it with their own tensors,
+skipping the checks, the choice of kernel and config, and Triton's launch wrapper.
+
+Only ``gemv`` and ``mma`` launches are kept: ``dequant_cublas`` also calls cuBLAS, which a replay of its one
+Triton launch would skip. Split-K launches use a workspace of the launcher's own, recorded as kept for the
+stream it was made for; a replay on another stream declines and the call launches afresh.
+
+:func:`clear` and :func:`count` are the documented hooks to observe the cache (tests use them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core.launch import ReplayCache, plain_call
+from tilegemm.core.runtime import interpreting
+
+_cache = ReplayCache()
+
+REPLAYED_KERNELS = ("gemv", "mma")  # whole calls that are one Triton launch
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0)
+
+
+def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str) -> tuple:
+    """The replay key of a call with 2-D activations ``x2`` (already reshaped and, for act-order, permuted):
+    the layouts of every tensor the launch takes and the call's named options."""
+    return (kernel, activation, x2.device, _layout(x2), _layout(w.qweight), _layout(w.scales), _layout(w.zeros),
+            w.group_k, None if bias is None else _layout(bias))
+
+
+def replay_key(x2, w, bias, activation: str, kernel: str):
+    """The replay key of a call, or None when the call may not be replayed (CPU, the interpreter, a tensor
+    subclass, autograd or a tracer watching, a bias that is not a tensor on x's device)."""
+    if type(x2) is not torch.Tensor or not x2.is_cuda or interpreting():
+        return None
+    if bias is not None and (type(bias) is not torch.Tensor or bias.device != x2.device):
+        return None
+    if w.qweight.device != x2.device or not plain_call(x2, bias, w.qweight, w.scales, w.zeros):
+        return None
+    return key_of(x2, w, bias, activation, kernel)
+
+
+def lookup(key):
+    """The replay recorded under ``key``, or None."""
+    return _cache.get(key)
+
+
+def call_tensors(x2, w, bias, out) -> tuple:
+    """The tensors a replay takes, in the order :func:`store` recorded them."""
+    return (x2, w.qweight, w.scales, w.zeros, out) if bias is None else (x2, w.qweight, w.scales, w.zeros, bias, out)
+
+
+def store(key, launches, tensors, shape) -> None:
+    _cache.store(key, launches, tensors, shape=shape)
+
+
+def clear() -> None:
+    """Forget every recorded replay."""
+    _cache.clear()
+
+
+def count() -> int:
+    """How many calls' launches are recorded."""
+    return len(_cache.entries)
