@@ -76,10 +76,32 @@ def launch(kernel, grid, args: tuple, kwargs: dict, keep: tuple = (), stream: in
         else:
             g = tuple(grid(kwargs) if callable(grid) else grid)
             g = g + (1,) * (3 - len(g))
-            names = kernel.arg_names
-            params = list(args) + [kwargs[name] for name in names[len(args):]]
-            record.append(Launch(compiled, g, params, tuple(keep), stream, _current_device()))
+            params = _all_params(kernel, args, kwargs)
+            if params is None:
+                _state.spoiled = True
+            else:
+                record.append(Launch(compiled, g, params, tuple(keep), stream, _current_device()))
     return compiled
+
+
+def _all_params(kernel, args: tuple, kwargs: dict) -> list | None:
+    """Every parameter of a launch in order: the positional ones, then each named one from ``kwargs`` or, left
+    out there, the kernel's default (a constexpr such as ``UNPACK="reshape"``); None if one has neither."""
+    import inspect
+
+    params = list(args)
+    fn = kernel
+    while hasattr(fn, "fn"):  # an autotuner or JIT function around the Python function
+        fn = fn.fn
+    defaults = {name: p.default for name, p in inspect.signature(fn).parameters.items()}
+    for name in kernel.arg_names[len(args):]:
+        if name in kwargs:
+            params.append(kwargs[name])
+        elif defaults.get(name, inspect.Parameter.empty) is not inspect.Parameter.empty:
+            params.append(defaults[name])
+        else:
+            return None
+    return params
 
 
 class recording:
