@@ -540,3 +540,23 @@ def test_the_shipped_table_is_found_for_each_gpu_it_names(slug, monkeypatch):
         assert len(tuning.entries()) > 50, "the shipped entries should load"
     finally:
         tuning.forget()
+
+
+def test_auto_sends_small_m_problems_with_misaligned_rows_to_autotuned(monkeypatch):
+    """split_k read rows that are not 16-byte aligned about 15x slower than autotuned (H200,
+    results/2026-11-23-h200/0186598/): such small-M problems go to autotuned; aligned ones stay on split_k."""
+    from tilegemm.ops.matmul import dispatch
+    from tilegemm.ops.matmul.problem import make_problems
+
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(dispatch, "_has_tma", lambda: False)
+
+    def problem(M, N, K):
+        a, b = torch.empty(M, K, device="meta", dtype=torch.float16), torch.empty(K, N, device="meta", dtype=torch.float16)
+        return make_problems(a, b, torch.empty(M, N, device="meta", dtype=torch.float16), None, None, 1.0, 1.0,
+                             "none", "ieee", False)[0]
+
+    assert dispatch.choose_kernel(problem(5, 423, 2047)) == "autotuned"
+    assert dispatch.choose_kernel(problem(2, 3792, 19287)) == "autotuned"  # A's rows 19287 elements apart
+    assert dispatch.choose_kernel(problem(2, 3791, 19288)) == "autotuned"  # B's rows 3791 elements apart
+    assert dispatch.choose_kernel(problem(8, 424, 2048)) == "split_k"

@@ -42,6 +42,11 @@ def choose_kernel(p: GemmProblem) -> str:
     if interpreting():
         return "grouped"
     if p.M <= 128:
+        if not rows_aligned(p):
+            # split_k's loads of rows that are not 16-byte aligned ran far behind autotuned's: 2x3791x19287
+            # fp16 4.29 ms against 223 us (its aligned twin 2x3792x19288: 56 us), 5x423x2047 311 us against
+            # 28 us (H200, benchmarks/results/2026-11-23-h200/0186598/misaligned-small-m.json).
+            return "autotuned"
         if p.M > 16 and p.M * p.N * p.K >= TIMED_MIN_MNK and _has_tma():
             from tilegemm.ops.matmul.persistent_tma import describable
 
@@ -86,6 +91,14 @@ def choose_kernel(p: GemmProblem) -> str:
         if tiles >= min_tiles and described:
             return "persistent_tma"
     return "autotuned"
+
+
+def rows_aligned(p: GemmProblem) -> bool:
+    """Whether every row (or column) A and B are read along starts 16 bytes apart: their strides other than the
+    unit one are multiples of 16 bytes."""
+    size = p.a.element_size()
+    strides = [p.a_strides[2], *p.b_strides[1:]] + ([p.a_strides[1]] if p.M > 1 else [])  # one row: no stride
+    return all((s * size) % 16 == 0 for s in strides if s not in (0, 1))
 
 
 def _timed_choice(p: GemmProblem, rungs: tuple[str, ...]) -> str:
