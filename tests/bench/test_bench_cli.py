@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import pytest
 import torch
@@ -22,6 +23,10 @@ def test_bench_writes_json_csv_png(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "INTERPRETER" in out and "33x17x40" in out and "summary" in out and "geomean" in out
 
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in paths.values():  # like any file the user writes: 0666 less the umask, not a private 0600
+        assert path.stat().st_mode & 0o777 == 0o666 & ~mask, oct(path.stat().st_mode)
     data = json.loads(paths["json"].read_text())
     assert data["schema"] == "tilegemm-bench/1"
     machine = data["meta"]["machine"]

@@ -92,11 +92,11 @@ def test_to_save_load_and_nbytes(tmp_path):
     (lambda: w4a16.quantize(torch.randn(8, 96, dtype=torch.float16), 64), ValueError, "not divisible"),
     (lambda: w4a16.quantize(torch.randn(8, 128, dtype=torch.float16), 48), ValueError, "group_size"),
     (lambda: w4a16.quantize(torch.randn(8, 128, dtype=torch.float16), True), ValueError, "group_size"),
-    (lambda: w4a16.quantize(torch.randn(8, 128).double()), TypeError, "float16"),
+    (lambda: w4a16.quantize(torch.randn(8, 128).double()), TypeError, "fp16, bf16 or fp32, got float64"),
     (lambda: w4a16.quantize(torch.randn(2, 8, 128).half()), ValueError, "2-D"),
     (lambda: w4a16.quantize(torch.full((8, 128), float("inf")).half()), ValueError, "non-finite"),
     (lambda: w4a16.dequantize(torch.zeros(3)), TypeError, "Int4Weight"),
-    (lambda: w4a16.quantize(torch.randn(8, 128).half()).to(torch.float32), TypeError, "float16"),
+    (lambda: w4a16.quantize(torch.randn(8, 128).half()).to(torch.float32), TypeError, "fp16 or bf16, not fp32"),
 ])
 def test_errors(call, error, words):
     with pytest.raises(error, match=words):

@@ -86,7 +86,7 @@ def test_kernels_agree_with_split_k(device):
 def test_errors(device):
     w = w4a16.quantize(torch.randn(32, 128, dtype=torch.float16, device=device), 64)
     x = torch.randn(2, 128, dtype=torch.float16, device=device)
-    with pytest.raises(TypeError, match="float16 or bfloat16"):
+    with pytest.raises(TypeError, match="fp16 or bf16"):
         w4a16.matmul(x.float(), w)
     with pytest.raises(TypeError, match="scales are"):
         w4a16.matmul(x.bfloat16(), w)

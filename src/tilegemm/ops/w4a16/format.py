@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from tilegemm.core.dtypes import dtype_name
+
 GROUP_SIZES = (32, 64, 128, 256, -1)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
@@ -106,7 +108,7 @@ class Int4Weight:
         """Like ``Tensor.to``: a device moves every tensor; a float dtype converts scales and zeros only."""
         device, dtype = _to_args(args, kwargs)
         if dtype is not None and dtype not in FLOAT_DTYPES:
-            raise TypeError(f"an Int4Weight's scales are float16 or bfloat16, not {dtype}")
+            raise TypeError(f"an Int4Weight's scales are fp16 or bf16, not {dtype_name(dtype)}")
         move = (lambda t: None if t is None else t.to(device)) if device is not None else (lambda t: t)
         scales, zeros = move(self.scales), move(self.zeros)
         if dtype is not None:
@@ -189,7 +191,7 @@ def validate(w: Int4Weight) -> None:
     for name in ("scales", "zeros"):
         t = getattr(w, name)
         if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+            raise TypeError(f"{name} must be fp16 or bf16, got {dtype_name(t.dtype)}")
         if tuple(t.shape) != (G, N):
             raise ValueError(f"{name} must be [G, N] = [{G}, {N}], got {list(t.shape)}")
     if w.zeros.dtype != w.scales.dtype:
@@ -223,7 +225,7 @@ def quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K] (out_features, in_features), got {list(weight.shape)}")
     if weight.dtype not in (*FLOAT_DTYPES, torch.float32):
-        raise TypeError(f"weight must be float16, bfloat16 or float32, got {weight.dtype}")
+        raise TypeError(f"weight must be fp16, bf16 or fp32, got {dtype_name(weight.dtype)}")
     N, K = weight.shape
     check_group_size(group_size, K)
     _check_finite("weight", weight)
@@ -290,7 +292,7 @@ def _check_scales(scales, G: int, N: int) -> None:
     if not isinstance(scales, torch.Tensor):
         raise TypeError(f"scales must be a torch.Tensor, got {type(scales).__name__}")
     if scales.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"scales must be float16 or bfloat16, got {scales.dtype}")
+        raise TypeError(f"scales must be fp16 or bf16, got {dtype_name(scales.dtype)}")
     if tuple(scales.shape) != (G, N):
         raise ValueError(f"scales must be [G, N] = [{G}, {N}], got {list(scales.shape)}")
     _check_finite("scales", scales)

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from tilegemm.core import registry
+from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.runtime import check_device, interpreting, new_output, on_device
 from tilegemm.core.launch import plain_call, recording
 from tilegemm.ops.w4a16 import configs, replay
@@ -27,9 +28,10 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; w4a16.matmul takes float16 or bfloat16 activations")
+        raise TypeError(f"x has dtype {dtype_name(x.dtype)}; w4a16.matmul takes fp16 or bf16 activations")
     if x.dtype != w.dtype:
-        raise TypeError(f"x is {x.dtype} but the weight's scales are {w.dtype}: convert one (w.to({x.dtype}))")
+        raise TypeError(f"x is {dtype_name(x.dtype)} but the weight's scales are {dtype_name(w.dtype)}: convert one "
+                        f"(w.to({x.dtype}))")
     N, K = w.shape
     if x.dim() < 1 or x.shape[-1] != K:
         raise ValueError(f"x must be [..., K] with K = in_features = {K}, got {list(x.shape)}")
@@ -39,7 +41,7 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
         if bias.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"bias has dtype {bias.dtype}; expected float16 or bfloat16")
+            raise TypeError(f"bias has dtype {dtype_name(bias.dtype)}; expected fp16 or bf16")
         if bias.dim() != 1 or bias.shape[0] != N:
             raise ValueError(f"bias must have shape [N] = [{N}], got {list(bias.shape)}")
         named["bias"] = bias
