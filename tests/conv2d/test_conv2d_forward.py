@@ -62,13 +62,24 @@ def test_matches_f_conv2d_fp32(N, C, H, W, K, R, S, stride, padding, dilation, g
     _check(out, x, w, b, 1e-5, **conv)
 
 
-@pytest.mark.parametrize("kernel,shape,groups", [
+# Each registered kernel on problems it takes (kernels take different classes of convolution, so the cases
+# are listed per kernel; test_every_registered_kernel_has_cases fails for a kernel registered without any).
+EACH_KERNEL = [
     ("implicit_gemm", (2, 8, 7, 7, 16, 3, 3), 1),
     ("implicit_gemm", (2, 16, 5, 6, 24, 1, 1), 1),
     ("implicit_gemm", (2, 8, 7, 7, 8, 3, 3), 8),
     ("gemm_1x1", (2, 16, 5, 6, 24, 1, 1), 1),
     ("depthwise", (2, 8, 7, 7, 8, 3, 3), 8),
-])
+]
+
+
+def test_every_registered_kernel_has_cases():
+    from tilegemm.core import registry
+
+    assert {k for k, _, _ in EACH_KERNEL} == {s.name for s in registry.specs("conv2d")}
+
+
+@pytest.mark.parametrize("kernel,shape,groups", EACH_KERNEL)
 @pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
 def test_each_kernel_fp16(kernel, shape, groups, channels_last, device):
     N, C, H, W, K, R, S = shape
