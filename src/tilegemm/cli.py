@@ -1,4 +1,4 @@
-"""The ``tilegemm`` command: ``bench``, ``info``, ``tune``, ``puzzles``."""
+"""The ``tilegemm`` command: ``bench``, ``info``, ``tune``, ``warmup``, ``puzzles``."""
 
 from __future__ import annotations
 
@@ -99,6 +99,15 @@ def _add_tune(sub) -> None:
                         "(matmul: autotuned, persistent_tma, split_k, gluon_f16, gluon_fp8, gluon_tf32)")
 
 
+def _add_warmup(sub) -> None:
+    p = sub.add_parser(
+        "warmup", help="compile the kernels of every shipped or tuned shape class ahead of time",
+        description="Call each kernel that has a config for this GPU once, on its shape class, so Triton compiles "
+                    "it into its disk cache; a later process's first call on such a shape then compiles nothing.",
+    )
+    p.add_argument("--op", default="matmul", help="the op to warm up (default matmul)")
+
+
 def _add_puzzles(sub) -> None:
     p = sub.add_parser("puzzles", help="run the puzzle kernels under the interpreter against their specs")
     p.add_argument("--trials", type=int, default=3, help="random sizes per puzzle (default 3)")
@@ -110,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_info(sub)
     _add_tune(sub)
+    _add_warmup(sub)
     _add_puzzles(sub)
     return parser
 
@@ -315,6 +325,31 @@ def cmd_tune(args, console) -> int:
     return 0
 
 
+def cmd_warmup(args, console) -> int:
+    import time
+
+    from tilegemm.core import registry
+    from tilegemm.core.registry import resolve
+    from tilegemm.core.runtime import interpreting
+
+    try:
+        spec = registry.op(args.op)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if spec.warmup is None:
+        ops = [o for o in registry.ops() if registry.op(o).warmup]
+        raise UsageError(f"op {args.op!r} has nothing to warm up; ops with a warmup: {', '.join(ops)}")
+    if interpreting():
+        console.print("[yellow]No GPU in use: under Triton's interpreter nothing is compiled, so there is nothing "
+                      "to warm up.[/]")
+        return 0
+    start = time.perf_counter()
+    warmed = resolve(spec.warmup)(on_key=lambda key: console.print(f"compiling {key}", highlight=False))
+    console.print(f"warmed {len(warmed)} shape classes of {args.op} in {time.perf_counter() - start:.1f} s; "
+                  f"Triton's cache: {_triton_cache_dir()}")
+    return 0
+
+
 def cmd_puzzles(args, console) -> int:
     import os
     import subprocess
@@ -360,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_puzzles(args, console)
         if args.command == "tune":
             return cmd_tune(args, console)
+        if args.command == "warmup":
+            return cmd_warmup(args, console)
         raise UsageError(f"unknown command {args.command!r}")
     except UsageError as err:
         print(f"tilegemm: error: {err}", file=sys.stderr)

@@ -560,3 +560,40 @@ def test_auto_sends_small_m_problems_with_misaligned_rows_to_autotuned(monkeypat
     assert dispatch.choose_kernel(problem(2, 3792, 19287)) == "autotuned"  # A's rows 19287 elements apart
     assert dispatch.choose_kernel(problem(2, 3791, 19288)) == "autotuned"  # B's rows 3791 elements apart
     assert dispatch.choose_kernel(problem(8, 424, 2048)) == "split_k"
+
+
+def test_warmup_calls_each_known_shape_class_once(cache, monkeypatch):
+    """``tilegemm warmup``'s matmul entry: every entry of a registered kernel is called on its shape class
+    (dtype, out dtype, layout, fp8 scales and fast accumulation as the key says); auto and odd layouts skipped."""
+    from tilegemm.ops.matmul import tune
+
+    for key in ("autotuned|M16|N24|K40|fp16|fp16|NT", "split_k|M8|N16|K32|fp32|fp32|TN",
+                "grouped|M4|N16|K32|tf32|fp32|NN", "naive|M4|N16|K32|fp8_e5m2xfp8_e4m3+fast|bf16|NT",
+                "auto|M16|N24|K40|fp16|fp16|NN", "autotuned|M16|N24|K40|fp16|fp16|SN"):
+        tuning.record(key, {})
+    calls = []
+    real = tilegemm.matmul
+
+    def spy(a, b, **kw):
+        calls.append((tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, a.stride(1) == 1, b.stride(1) == 1, kw))
+        return real(a, b, **{k: v for k, v in kw.items() if k != "kernel"}, kernel="grouped")
+
+    monkeypatch.setattr("tilegemm.ops.matmul.api.matmul", spy)
+    warmed = tune.warmup()
+    assert warmed == ["autotuned|M16|N24|K40|fp16|fp16|NT", "grouped|M4|N16|K32|tf32|fp32|NN",
+                      "naive|M4|N16|K32|fp8_e5m2xfp8_e4m3+fast|bf16|NT", "split_k|M8|N16|K32|fp32|fp32|TN"]
+    by_kernel = {c[6]["kernel"]: c for c in calls}
+    assert by_kernel["autotuned"][:6] == ((16, 40), (40, 24), torch.float16, torch.float16, True, False)
+    assert by_kernel["split_k"][4:6] == (False, True) and by_kernel["split_k"][6]["precision"] == "ieee"
+    assert by_kernel["grouped"][6]["precision"] == "tf32"
+    fp8 = by_kernel["naive"]
+    assert fp8[2:4] == (torch.float8_e5m2, torch.float8_e4m3fn) and fp8[6]["fast_accum"] is True
+    assert fp8[6]["out_dtype"] == torch.bfloat16
+
+
+def test_warmup_command_under_the_interpreter_compiles_nothing(capsys):
+    from tilegemm.cli import main
+
+    assert main(["warmup"]) == 0
+    assert "nothing to warm up" in capsys.readouterr().out
+    assert main(["warmup", "--op", "copy"]) == 2

@@ -37,7 +37,8 @@ class OpSpec:
 
     ``bench`` names the bench adapter class (a :class:`tilegemm.bench.base.BenchOp`); ``tune`` names the
     function ``tilegemm tune`` calls, ``tune(op_adapter, cases, dtype, kernels) -> list[row]``, and
-    ``tunable`` the kernels it can tune. ``pseudo`` holds names accepted as ``kernel=`` that pick a
+    ``tunable`` the kernels it can tune; ``warmup`` names ``warmup(on_key=None) -> list[str]``, which
+    ``tilegemm warmup`` calls to compile the kernels of every known shape class ahead of time. ``pseudo`` holds names accepted as ``kernel=`` that pick a
     registered kernel per call (``auto``).
     """
 
@@ -46,6 +47,7 @@ class OpSpec:
     bench: str | None = None
     tune: str | None = None
     tunable: tuple[str, ...] = ()
+    warmup: str | None = None
     pseudo: dict[str, str] = field(default_factory=dict)
 
     def bench_adapter(self):

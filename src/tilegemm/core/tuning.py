@@ -167,7 +167,7 @@ class timing:
         _timing.on = self.old
 
 
-def _parse(k: str):
+def parse_key(k: str):
     """(rung, M, N, K, dtype, out dtype, layout) of a key, or None for a key of another form."""
     parts = k.split("|")
     if len(parts) != 7 or not all(p[:1] == c and p[1:].isdigit() for p, c in zip(parts[1:4], "MNK")):
@@ -184,13 +184,13 @@ def nearest(k: str, options: list[dict]) -> dict | None:
     """
     import math
 
-    me = _parse(k)
+    me = parse_key(k)
     if me is None:
         return None
     _load()
     best, best_d = None, math.inf
     for other, config in _memory.items():
-        them = _parse(other)
+        them = parse_key(other)
         if them is None or them[0] != me[0] or them[4:6] != me[4:6] or config not in options:
             continue
         d = sum(abs(math.log2(max(x, 1) / max(y, 1))) for x, y in zip(me[1:4], them[1:4]))  # K may be 0

@@ -24,6 +24,7 @@ def _gluon_requirement() -> str | None:
 register_op(OpSpec(
     name="matmul", summary="dense GEMM with a fused epilogue: fp16, bf16, fp32/tf32, fp8; any layout; batched",
     bench="tilegemm.ops.matmul.bench:MatmulBench", tune="tilegemm.ops.matmul.tune:tune",
+    warmup="tilegemm.ops.matmul.tune:warmup",
     tunable=("auto", "autotuned", "persistent_tma", "split_k", "gluon_f16", "gluon_fp8", "gluon_tf32"),
     pseudo={"auto": "picks the best rung for the problem (the default)"},
 ))

@@ -1,14 +1,12 @@
 """``tilegemm tune --op matmul``: run each shape once through the tuned kernels, so their configs are timed
-and kept in the tuning cache (:mod:`tilegemm.core.tuning`)."""
+and kept in the tuning cache (:mod:`tilegemm.core.tuning`). ``tilegemm warmup --op matmul``: compile the kernel
+variant of every known shape class ahead of time, so a first call finds it in Triton's disk cache."""
 
 from __future__ import annotations
 
 import torch
 
 from tilegemm.core.runtime import interpreting
-
-TUNABLE = ("autotuned", "persistent_tma", "split_k", "gluon_f16", "gluon_fp8", "gluon_tf32")
-
 
 def tune(bench, cases, dtype: str, kernels) -> None:
     """Call ``tilegemm.matmul`` once per case and kernel (``auto`` tunes what it would pick)."""
@@ -26,3 +24,46 @@ def tune(bench, cases, dtype: str, kernels) -> None:
             else:
                 matmul(inputs["a"], inputs["b"], kernel=kernel, precision=precision)
         del inputs
+
+
+_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32,
+          "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def warmup(on_key=None) -> list[str]:
+    """Call every kernel that has a known config (shipped or tuned, this GPU) once on random data of its shape
+    class (M at its bucket), so Triton compiles the variant and keeps it on disk. Returns the keys warmed;
+    ``on_key(key)`` is called before each. Entries of ``auto`` and layouts with no unit stride are skipped."""
+    from tilegemm.core import registry, tuning
+    from tilegemm.ops.matmul.api import matmul
+
+    device = "cpu" if interpreting() else "cuda"
+    names = {s.name for s in registry.specs("matmul") if s.unavailable_reason() is None}
+    warmed = []
+    for key in sorted(tuning.entries()):
+        parsed = tuning.parse_key(key)
+        if parsed is None or parsed[0] not in names or len(parsed[6]) != 2 or set(parsed[6]) - set("NT"):
+            continue
+        rung, M, N, K, dtype, out, layout = parsed
+        label, _, fast = dtype.partition("+")
+        a_name, _, b_name = label.partition("x")
+        if a_name not in _TORCH or (b_name or a_name) not in _TORCH or out not in _TORCH:
+            continue
+        if on_key is not None:
+            on_key(key)
+
+        def operand(rows, cols, transposed, name):
+            t = torch.randn(cols, rows, device=device) if transposed else torch.randn(rows, cols, device=device)
+            t = t.to(_TORCH[name])
+            return t.T if transposed else t
+
+        a = operand(M, K, layout[0] == "T", a_name)
+        b = operand(K, N, layout[1] == "T", b_name or a_name)
+        if a_name.startswith("fp8"):
+            one = torch.ones((), device=device)
+            matmul(a, b, kernel=rung, scale_a=one, scale_b=one, out_dtype=_TORCH[out], fast_accum=bool(fast))
+        else:
+            matmul(a, b, kernel=rung, out_dtype=_TORCH[out], precision="tf32" if label == "tf32" else "ieee")
+        warmed.append(key)
+        del a, b
+    return warmed
