@@ -222,3 +222,24 @@ def test_peaks_table():
     assert peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == pytest.approx(312)
     assert peak_tflops("Some Future GPU", "fp16") is None
     assert torch.float16.itemsize == 2
+
+
+def test_a_second_baseline_gets_its_own_row_and_ratio(monkeypatch):
+    """An op with a second baseline (w4a16: torch's int4 kernel on CUDA) times it as a row of its own and
+    gives every kernel a second ratio; here matmul is given one (torch.matmul in fp32) for the test."""
+    from tilegemm.bench.report import results_table, summary_table
+    from tilegemm.bench.runner import BASELINE2
+
+    op = bench_op("matmul")
+    monkeypatch.setattr(type(op), "second_baseline_name", "fp32 torch", raising=False)
+    monkeypatch.setattr(type(op), "second_baseline_reason", lambda self, device: None)
+    monkeypatch.setattr(type(op), "second_baseline",
+                        lambda self, inputs, dtype: torch.matmul(inputs["a"].float(), inputs["b"].float()))
+    result = run_bench(op, [op.parse_shape("24,40,56")], "fp16", ["grouped"], rep_ms=1)
+    rows = {r.kernel: r for r in result.rows}
+    assert [r.kernel for r in result.rows] == [BASELINE, BASELINE2, "grouped"]
+    assert rows[BASELINE2].status == "ok" and rows["grouped"].ratio2 is not None
+    assert result.meta["second_baseline"] == "fp32 torch"
+    assert result.summary()["kernels"]["grouped"]["geomean_ratio2"] is not None
+    assert "x fp32 torch" in [c.header for c in results_table(result).columns]
+    assert "geomean x fp32 torch" in [c.header for c in summary_table(result).columns]

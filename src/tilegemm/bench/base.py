@@ -113,6 +113,20 @@ class BenchOp:
     def baseline(self, inputs: dict, dtype: str) -> torch.Tensor:
         raise NotImplementedError
 
+    # A second baseline timed beside the first (its own row; every kernel gets a second ratio against it).
+    second_baseline_name: str = ""
+
+    def second_baseline_reason(self, device: str) -> str | None:
+        """None where the second baseline can run on ``device``, else why not."""
+        return "this op has no second baseline"
+
+    def second_baseline(self, inputs: dict, dtype: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def second_baseline_tolerance(self, dtype: str) -> float:
+        """Its bound against the reference (it may compute in another precision than the op)."""
+        return self.tolerance(dtype)
+
     def baseline_context(self, dtype: str):
         return contextlib.nullcontext()
 

@@ -10,11 +10,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from tilegemm.bench.runner import BASELINE, BenchResult
+from tilegemm.bench.runner import BASELINE, BASELINE2, BASELINES, BenchResult
 from tilegemm.core.files import atomic_write
 
 CSV_FIELDS = ["op", "kernel", "shape", "dtype", "layout", "batch", "status", "rel_err", "tolerance", "ms", "ms_p20",
-              "ms_p80", "metric", "value", "ratio", "pct_peak", "secondary", "secondary_pct_peak", "message"]
+              "ms_p80", "metric", "value", "ratio", "ratio2", "pct_peak", "secondary", "secondary_pct_peak", "message"]
 
 
 def _title(result: BenchResult) -> str:
@@ -46,8 +46,9 @@ def results_table(result: BenchResult) -> Table:
     table = Table(title=_title(result))
     with_peak = result.meta.get("peak") is not None
     second = result.meta.get("secondary_metric")
+    base2 = result.meta.get("second_baseline")
     columns = (["shape", "kernel", "time", result.meta["metric"]] + ([second, f"% {second} peak"] if second else [])
-               + ["ratio"] + (["% peak"] if with_peak else []) + ["error"])
+               + ["ratio"] + ([f"x {base2}"] if base2 else []) + (["% peak"] if with_peak else []) + ["error"])
     for column in columns:
         table.add_column(column, justify="left" if column in ("shape", "kernel") else "right", no_wrap=True)
     shapes = result.cases()
@@ -57,7 +58,7 @@ def results_table(result: BenchResult) -> Table:
         rows = [r for r in result.rows if r.shape == shape]
         best = summary["best_per_shape"].get(shape)
         for j, row in enumerate(rows):
-            name = base_name if row.kernel == BASELINE else row.kernel
+            name = base_name if row.kernel == BASELINE else base2 if row.kernel == BASELINE2 else row.kernel
             if row.kernel == best:
                 name += " *"
             if row.status == "error":
@@ -79,6 +80,9 @@ def results_table(result: BenchResult) -> Table:
                     cells += [f"{row.secondary:.0f}" if row.secondary is not None and gpu else "-",
                               f"{row.secondary_pct_peak:.0f}%" if row.secondary_pct_peak is not None and gpu else "-"]
                 cells.append(ratio)
+                if base2:
+                    cells.append("" if row.kernel in BASELINES else "-" if row.ratio2 is None or not gpu
+                                 else f"{row.ratio2:.2f}x")
                 if with_peak:
                     cells.append(f"{row.pct_peak:.0f}%" if row.pct_peak is not None else "-")
                 cells.append(err)
@@ -91,24 +95,28 @@ def summary_table(result: BenchResult) -> Table:
     summary = result.summary()
     base = result.meta.get("baseline") or "baseline"
     table = Table(title=f"summary: ratio = {base} time / kernel time")
-    for column in ("kernel", "geomean", "worst (shape)", "best", "% peak", "correct"):
+    base2 = result.meta.get("second_baseline")
+    columns = ("kernel", "geomean", "worst (shape)", "best") + ((f"geomean x {base2}",) if base2 else ()) + (
+        "% peak", "correct")
+    for column in columns:
         table.add_column(column, justify="left" if column == "kernel" else "right", no_wrap=True)
     gpu = not result.meta["machine"]["interpreter"]
     for kernel, s in summary["kernels"].items():
         fmt = lambda v, spec=".2f", suffix="x": f"{v:{spec}}{suffix}" if v is not None and gpu else "-"  # noqa: E731
         correct = f"{s['correct']}/{s['cases']}"
         style = "bold red" if s["wrong"] or s["errors"] else ""
-        table.add_row(
-            kernel, fmt(s["geomean_ratio"]),
-            f"{fmt(s['worst_ratio'])} ({s['worst_shape']})" if s["worst_ratio"] and gpu else "-",
-            fmt(s["best_ratio"]), fmt(s["mean_pct_peak"], ".0f", "%"), Text(correct, style=style),
-        )
+        cells = [kernel, fmt(s["geomean_ratio"]),
+                 f"{fmt(s['worst_ratio'])} ({s['worst_shape']})" if s["worst_ratio"] and gpu else "-",
+                 fmt(s["best_ratio"])]
+        if base2:
+            cells.append(fmt(s["geomean_ratio2"]))
+        table.add_row(*cells, fmt(s["mean_pct_peak"], ".0f", "%"), Text(correct, style=style))
     return table
 
 
 def print_report(result: BenchResult, console: Console) -> None:
     console.print(results_table(result))
-    if any(k != BASELINE for k in result.kernels()) and result.meta.get("baseline"):
+    if any(k not in BASELINES for k in result.kernels()) and result.meta.get("baseline"):
         console.print(summary_table(result))
     host = result.meta.get("host_us_per_call")
     if host:

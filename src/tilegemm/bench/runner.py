@@ -17,6 +17,8 @@ from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import interpreting
 
 BASELINE = "baseline"
+BASELINE2 = "baseline2"  # an op's second baseline (w4a16: torch's int4 kernel), where it has one
+BASELINES = (BASELINE, BASELINE2)
 SCHEMA = "tilegemm-bench/1"
 
 
@@ -39,6 +41,7 @@ class Row:
     metric: str = "TFLOPS"
     value: float | None = None  # TFLOPS or GB/s at the median time
     ratio: float | None = None  # baseline time / this time (>1: faster than the baseline)
+    ratio2: float | None = None  # second baseline's time / this time, where the op has a second baseline
     pct_peak: float | None = None
     secondary: float | None = None  # the op's secondary metric (e.g. GB/s of weight traffic), if it has one
     secondary_pct_peak: float | None = None  # ... as % of the GPU's memory bandwidth
@@ -64,13 +67,15 @@ class BenchResult:
         """Per kernel: geometric-mean and worst ratio to the baseline over the correct cases; best per shape."""
         per_kernel = {}
         for kernel in self.kernels():
-            if kernel == BASELINE:
+            if kernel in BASELINES:
                 continue
             rows = [r for r in self.rows if r.kernel == kernel]
             good = [r for r in rows if r.ok and r.ratio]
+            good2 = [r.ratio2 for r in rows if r.ok and r.ratio2]
             worst = min(good, key=lambda r: r.ratio) if good else None
             per_kernel[kernel] = dict(
                 geomean_ratio=geomean([r.ratio for r in good]),
+                geomean_ratio2=geomean(good2),
                 worst_ratio=worst.ratio if worst else None,
                 worst_shape=worst.shape if worst else None,
                 best_ratio=max((r.ratio for r in good), default=None),
@@ -225,7 +230,10 @@ def run_bench(
     if not machine.interpreter:
         meta["host_us_per_call"] = host_overhead(op, device)
     result = BenchResult(meta)
-    names = ([BASELINE] if baseline else []) + kernels
+    second = baseline and op.second_baseline_name and op.second_baseline_reason(device) is None
+    if second:
+        meta["second_baseline"] = op.second_baseline_name
+    names = ([BASELINE] if baseline else []) + ([BASELINE2] if second else []) + kernels
 
     for case in cases:
         step = lambda kernel: on_step(f"{case.label} {kernel}") if on_step else None  # noqa: E731
@@ -263,9 +271,9 @@ def run_bench(
             if isinstance(c, _Checked):
                 ms, p20, p80 = summarize(samples[kernel])
                 value = op.rate(case, dtype, ms, options)
-                second = op.secondary_rate(case, dtype, ms, options) if kernel != BASELINE else None
+                second = op.secondary_rate(case, dtype, ms, options) if kernel not in BASELINES else None
                 rows[kernel] = _row(op, case, dtype, kernel, options, c.status, rel_err=c.err,
-                                    tolerance=None if c.err is None else tol, ms=ms, ms_p20=p20, ms_p80=p80,
+                                    tolerance=None if c.err is None else c.tol, ms=ms, ms_p20=p20, ms_p80=p80,
                                     value=value, pct_peak=(100.0 * value / peak) if peak else None,
                                     secondary=second,
                                     secondary_pct_peak=(100.0 * second / bandwidth) if second and bandwidth else None)
@@ -273,10 +281,14 @@ def run_bench(
                 rows[kernel] = c
         base = rows.get(BASELINE)
         base_ms = base.ms if base is not None and base.ok else None
+        base2 = rows.get(BASELINE2)
+        base2_ms = base2.ms if base2 is not None and base2.ok else None
         for kernel in names:
             row = rows[kernel]
             if row.ms and base_ms:
                 row.ratio = base_ms / row.ms
+            if row.ms and base2_ms and row.kernel not in BASELINES:
+                row.ratio2 = base2_ms / row.ms
             result.rows.append(row)
         del prepared, first
         gc.collect()
@@ -296,6 +308,7 @@ class _Checked:
     context: Callable[[], object]  # the precision context (tf32 or not) to call it in
     status: str
     err: float | None
+    tol: float | None = None  # the bound err was held to
 
 
 def _message(exc: Exception) -> str:
@@ -308,6 +321,9 @@ def _check(op, case, dtype, kernel, prepared, tol, options) -> "_Checked | Row":
     """Run ``kernel`` once and compare with the reference: a :class:`_Checked`, or an error row."""
     if kernel == BASELINE:
         call, context = (lambda inputs: op.baseline(inputs, dtype)), (lambda: op.baseline_context(dtype))
+    elif kernel == BASELINE2:
+        call, context = (lambda inputs: op.second_baseline(inputs, dtype)), (lambda: op.baseline_context(dtype))
+        tol = op.second_baseline_tolerance(dtype)
     else:
         call, context = (lambda inputs: op.run(kernel, inputs, dtype)), (lambda: op.baseline_context(None))
     try:
@@ -324,7 +340,7 @@ def _check(op, case, dtype, kernel, prepared, tol, options) -> "_Checked | Row":
         return _row(op, case, dtype, kernel, options, "unavailable", message=_message(exc))
     except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile or launch is reported, not fatal
         return _row(op, case, dtype, kernel, options, "error", message=_message(exc))
-    return _Checked(call, context, status, err)
+    return _Checked(call, context, status, err, tol)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

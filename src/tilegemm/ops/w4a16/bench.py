@@ -60,7 +60,12 @@ class W4A16Bench(BenchOp):
             dense = torch.randn(N, K, device=device, dtype=tdtype) * 0.02
             w = w4a16.quantize(dense, GROUP_SIZE)
             # The baseline multiplies by the dequantized weight, so it computes the same result.
-            sets.append(dict(x=torch.randn(M, K, device=device, dtype=tdtype), w=w, dense=w4a16.dequantize(w)))
+            inputs = dict(x=torch.randn(M, K, device=device, dtype=tdtype), w=w, dense=w4a16.dequantize(w))
+            if self.second_baseline_reason(device) is None:  # torch's int4 kernel's packing, made once here
+                from tilegemm.ops.w4a16.baselines import tinygemm_weight
+
+                inputs["tinygemm"] = tinygemm_weight(w)
+            sets.append(inputs)
         first = sets[0]
         reference = first["x"].double() @ first["dense"].double().T
         return Prepared(sets, reference, bytes_per_set=first["w"].nbytes + (M * K + M * N) * tdtype.itemsize)
@@ -72,6 +77,20 @@ class W4A16Bench(BenchOp):
 
     def baseline(self, inputs, dtype):
         return torch.nn.functional.linear(inputs["x"], inputs["dense"])
+
+    # torch's own int4 kernel (tinygemm): bf16 activations only, CUDA only; the same weight repacked for it.
+    second_baseline_name = "torch int4"
+
+    def second_baseline_reason(self, device):
+        return None if device == "cuda" else "torch's int4 kernel (tinygemm) runs on CUDA only"
+
+    def second_baseline(self, inputs, dtype):
+        from tilegemm.ops.w4a16.baselines import tinygemm_mm
+
+        return tinygemm_mm(inputs["x"].to(torch.bfloat16), *inputs["tinygemm"])
+
+    def second_baseline_tolerance(self, dtype):
+        return 2e-2  # bf16 activations and output, whatever the op's dtype
 
     def overhead_probe(self, device):
         from tilegemm import w4a16
