@@ -597,3 +597,28 @@ def test_warmup_command_under_the_interpreter_compiles_nothing(capsys):
     assert main(["warmup"]) == 0
     assert "nothing to warm up" in capsys.readouterr().out
     assert main(["warmup", "--op", "copy"]) == 2
+
+
+def test_untimed_guesses_are_neither_neighbours_nor_in_the_way_of_timing(cache, monkeypatch):
+    monkeypatch.setenv("TILEGEMM_TUNE", "0")
+    a, b = dict(id=1), dict(id=2)
+    # Nothing known: the fallback's guess for one class must not become the neighbour of the next.
+    assert tuning.lookup_or_tune("split_k|M16|N64|K64|fp32|fp32|NN", lambda: [a, b], None, lambda o: o[1]) == b
+    assert tuning.lookup_or_tune("split_k|M16|N80|K64|fp32|fp32|NN", lambda: [a, b], None, lambda o: o[0]) == a
+    assert "split_k|M16|N64|K64|fp32|fp32|NN" not in tuning.entries()
+    # Asked to time later in the same process, the guessed class is timed and recorded.
+    import triton.testing
+
+    monkeypatch.setenv("TILEGEMM_TUNE", "1")
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep, return_mode: fn() or 1.0)
+    launched = []
+    got = tuning.lookup_or_tune("split_k|M16|N64|K64|fp32|fp32|NN", lambda: [a, b], lambda cfg: launched.append(cfg))
+    assert launched and tuning.lookup("split_k|M16|N64|K64|fp32|fp32|NN") == got
+
+
+def test_an_entry_tuned_before_a_config_key_existed_still_matches_its_candidate(cache, monkeypatch):
+    monkeypatch.setenv("TILEGEMM_TUNE", "0")
+    old = dict(BLOCK_M=64, num_warps=4)  # tuned before HOST_DESC existed
+    tuning.record("persistent_tma|M1024|N1024|K1024|fp16|fp16|NN", old)
+    options = [dict(BLOCK_M=128, num_warps=8, HOST_DESC=True), dict(BLOCK_M=64, num_warps=4, HOST_DESC=True)]
+    assert tuning.nearest("persistent_tma|M1024|N1100|K1024|fp16|fp16|NN", options) == old

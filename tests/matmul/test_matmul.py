@@ -288,7 +288,12 @@ def test_replay_slots_take_host_descriptors_over_the_new_tensors():
     layout = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32)
     desc = TensorDescriptor(a, [64, 32], [32, 1], [64, 32], layout)
     replay = Replay(Launch(FakeCompiled(), (1, 1, 1), [desc, out, 5]), (a, out))
-    assert replay.slots == [(0, 0, desc), (1, 1, None)]
+    (i0, j0, kept), second = replay.slots
+    assert (i0, j0) == (0, 0) and second == (1, 1, None)
+    # The recording call's tensors are not kept alive: their slots are empty, the descriptor covers no memory.
+    assert replay.params == [None, None, 5] and kept.base is None
+    assert (kept.shape, kept.strides, kept.block_shape, kept.layout) == (desc.shape, desc.strides, desc.block_shape,
+                                                                         desc.layout)
     copy = _rebased(desc, other)
     assert copy.base is other and desc.base is a
     assert (copy.shape, copy.strides, copy.block_shape, copy.layout, copy.padding) == \
@@ -301,5 +306,6 @@ def test_replay_slots_take_host_descriptors_over_the_new_tensors():
 
     tdesc = TritonDescriptor(a, [64, 32], [32, 1], [64, 32])
     replay = Replay(Launch(FakeCompiled(), (1, 1, 1), [out, tdesc]), (a, out))
-    assert replay.slots == [(0, 1, None), (1, 0, tdesc)]
+    assert [(i, j, d is None) for i, j, d in replay.slots] == [(0, 1, True), (1, 0, False)]
+    assert replay.slots[1][2].block_shape == [64, 32] and replay.slots[1][2].base is None
     assert _rebased(tdesc, other).base is other and _rebased(tdesc, other).block_shape == [64, 32]

@@ -84,24 +84,29 @@ def launch(kernel, grid, args: tuple, kwargs: dict, keep: tuple = (), stream: in
     return compiled
 
 
+_DEFAULTS: dict[int, tuple] = {}  # id(kernel) -> (kernel, {parameter name: default}); the kernel keeps the id
+
+
 def _all_params(kernel, args: tuple, kwargs: dict) -> list | None:
     """Every parameter of a launch in order: the positional ones, then each named one from ``kwargs`` or, left
     out there, the kernel's default (a constexpr such as ``UNPACK="reshape"``); None if one has neither."""
-    import inspect
+    names = kernel.arg_names[len(args):]
+    if all(name in kwargs for name in names):  # the common case, kept cheap: recording is on a call's path
+        return list(args) + [kwargs[name] for name in names]
+    found = _DEFAULTS.get(id(kernel))
+    if found is None or found[0] is not kernel:
+        import inspect
 
-    params = list(args)
-    fn = kernel
-    while hasattr(fn, "fn"):  # an autotuner or JIT function around the Python function
-        fn = fn.fn
-    defaults = {name: p.default for name, p in inspect.signature(fn).parameters.items()}
-    for name in kernel.arg_names[len(args):]:
-        if name in kwargs:
-            params.append(kwargs[name])
-        elif defaults.get(name, inspect.Parameter.empty) is not inspect.Parameter.empty:
-            params.append(defaults[name])
-        else:
-            return None
-    return params
+        fn = kernel
+        while hasattr(fn, "fn"):  # an autotuner or JIT function around the Python function
+            fn = fn.fn
+        defaults = {name: p.default for name, p in inspect.signature(fn).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        found = _DEFAULTS[id(kernel)] = (kernel, defaults)
+    defaults = found[1]
+    if any(name not in kwargs and name not in defaults for name in names):
+        return None
+    return list(args) + [kwargs[name] if name in kwargs else defaults[name] for name in names]
 
 
 class recording:
@@ -224,6 +229,23 @@ class Replay:
                 self.slots.append((i, ptrs.index(ptr), desc))
         self.expanded = self._expand()
         self.encoded = {}
+        self._release_call_tensors()
+
+    def _release_call_tensors(self) -> None:
+        """Drop the recording call's tensors (every replay puts its own in their slots): a cache of replays
+        must not keep each first call's inputs and output alive. Descriptors keep their shape, strides and
+        block, over no memory."""
+        for n, (i, j, desc) in enumerate(self.slots):
+            self.params[i] = None
+            if desc is not None:
+                self.slots[n] = (i, j, _rebased(desc, None))
+        if self.expanded is not None:
+            raw, flat, slots = self.expanded
+            for n, (pos, j, desc, meta) in enumerate(slots):
+                if meta is None:
+                    flat[pos] = None
+                if desc is not None:
+                    slots[n] = (pos, j, _rebased(desc, None), meta)
 
     def _expand(self):
         """For a direct launch through Triton 3.6's descriptor wrapper: (C launch, the parameters as that

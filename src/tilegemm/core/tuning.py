@@ -35,6 +35,7 @@ SCHEMA = "tilegemm-tuned/2"  # 2: dtype labels in tilegemm's vocabulary (fp16, f
 _lock = threading.Lock()
 _memory: dict[str, dict] = {}
 _tuned: dict[str, dict] = {}  # what the user's file holds: its own entries and this process's tunings
+_guessed: dict[str, dict] = {}  # untimed choices of this process (choose_untimed): never neighbours, never saved
 _loaded_for: str | None = None
 
 
@@ -126,6 +127,7 @@ def _load() -> None:
             return
         _memory.clear()
         _tuned.clear()
+        _guessed.clear()
         shipped, _ = _read(shipped_file())
         _memory.update(shipped)
         if _disk_enabled():
@@ -175,12 +177,19 @@ def parse_key(k: str):
     return parts[0], int(parts[1][1:]), int(parts[2][1:]), int(parts[3][1:]), parts[4], parts[5], parts[6]
 
 
+def _valid(config: dict, options: list[dict]) -> bool:
+    """Whether ``config`` is one of ``options`` on the keys both have (an entry tuned before a key existed,
+    such as ``HOST_DESC``, still matches the candidate it was)."""
+    return any(all(option.get(key, value) == value for key, value in config.items()) for option in options)
+
+
 def nearest(k: str, options: list[dict]) -> dict | None:
-    """The config of the known shape class nearest to ``k`` that is one of ``options``, or None.
+    """The config of the shipped or measured shape class nearest to ``k`` that ``options`` allow, or None.
 
     Near means: the same rung, operand and output dtypes; the smallest sum of |log2| ratios of M (bucketed),
     N and K, half a step more for another layout. A config is taken only if it is among ``options`` (the
-    candidates valid for this problem), so a neighbour's choice that this problem cannot use is skipped.
+    candidates valid for this problem, :func:`_valid`), so a neighbour's choice this problem cannot use is
+    skipped. Untimed choices (:func:`choose_untimed`) are never neighbours.
     """
     import math
 
@@ -188,10 +197,12 @@ def nearest(k: str, options: list[dict]) -> dict | None:
     if me is None:
         return None
     _load()
+    with _lock:
+        known = list(_memory.items())
     best, best_d = None, math.inf
-    for other, config in _memory.items():
+    for other, config in known:
         them = parse_key(other)
-        if them is None or them[0] != me[0] or them[4:6] != me[4:6] or config not in options:
+        if them is None or them[0] != me[0] or them[4:6] != me[4:6] or not _valid(config, options):
             continue
         d = sum(abs(math.log2(max(x, 1) / max(y, 1))) for x, y in zip(me[1:4], them[1:4]))  # K may be 0
         d += 0.5 if them[6] != me[6] else 0.0
@@ -202,13 +213,16 @@ def nearest(k: str, options: list[dict]) -> dict | None:
 
 def choose_untimed(k: str, options: list[dict], fallback=None) -> dict:
     """A config for ``k`` without timing: the nearest known shape class's (:func:`nearest`), else
-    ``fallback(options)``, else the first option. Kept in memory for this process (not on disk: it was
-    not measured)."""
+    ``fallback(options)``, else the first option. Remembered for this process apart from the measured
+    entries: not on disk, never a neighbour, and not in the way of a later timing."""
+    config = _guessed.get(k)
+    if config is not None:
+        return dict(config)
     config = nearest(k, options)
     if config is None:
         config = fallback(options) if fallback is not None else options[0]
     with _lock:
-        _memory[k] = dict(config)
+        _guessed[k] = dict(config)
     return dict(config)
 
 
@@ -323,4 +337,5 @@ def forget() -> None:
     with _lock:
         _memory.clear()
         _tuned.clear()
+        _guessed.clear()
         _loaded_for = None

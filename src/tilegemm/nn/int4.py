@@ -27,7 +27,10 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         w = quantize(torch.zeros(out_features, in_features, dtype=dtype, device=device), group_size)
         self._set_weight(w)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        # Frozen like the weight (an inference layer), as from_weight makes it: a trainable bias would keep every
+        # call off the replay fast path under grad mode.
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
+            if bias else None
 
     def _set_weight(self, w: Int4Weight) -> None:
         for name, t in w.tensors().items():

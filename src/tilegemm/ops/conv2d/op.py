@@ -19,7 +19,7 @@ from tilegemm.core.runtime import interpreting, on_device
 from tilegemm.ops.conv2d.problem import (
     ConvProblem, Geometry, channels_last, check_conv, geometry_of, memory_format_of,
 )
-from tilegemm.core.activations import ACTIVATIONS
+from tilegemm.core.activations import ACTIVATIONS, check_activation  # noqa: F401
 from tilegemm.core.activations import torch_activation
 from tilegemm.core.dtypes import check_precision
 from tilegemm.core.dtypes import resolve_precision
@@ -261,8 +261,7 @@ def conv2d(
         TypeError, ValueError: naming the bad argument (ranks, dtypes, devices, channel counts, sizes).
     """
     activation = "none" if activation is None else activation
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; choose one of: {', '.join(ACTIVATIONS)}")
+    check_activation(activation)
     if precision is not None:
         check_precision(precision)
     check_kernel(kernel)

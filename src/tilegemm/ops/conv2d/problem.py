@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tilegemm.core.tuning import dtype_name
+from tilegemm.core.dtypes import dtype_name
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -19,13 +17,14 @@ def default_out_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype in FP8_DTYPES else dtype
 
 
-@dataclass(frozen=True)
-class MatmulCall:
-    """``activation(alpha * scale_a * scale_b * (a @ b) + beta * c + bias)``, one call's worth.
+class MatmulCall(NamedTuple):
+    """``activation(alpha * scale_a * scale_b * (a @ b) + beta * c + bias)``, one call's worth: an immutable
+    record (a NamedTuple rather than a frozen dataclass: it is built on every call that is not replayed, and
+    a frozen dataclass costs several microseconds more there).
 
     The fields are in the order of the ``torch.ops.tilegemm.matmul`` schema, so :meth:`op_args` and
     ``MatmulCall(*args)`` convert between the two. ``precision`` is ``"default"`` until the op runs and
-    reads torch's setting (:func:`tilegemm.ops.matmul.checks.resolve_precision`).
+    reads torch's setting (:func:`tilegemm.core.dtypes.resolve_precision`).
     """
 
     a: torch.Tensor
@@ -44,10 +43,10 @@ class MatmulCall:
 
     def op_args(self) -> tuple:
         """The positional arguments of ``torch.ops.tilegemm.matmul``."""
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        return tuple(self)
 
     def replace(self, **changes) -> "MatmulCall":
-        return dataclasses.replace(self, **changes)
+        return self._replace(**changes)
 
     @property
     def output_dtype(self) -> torch.dtype:

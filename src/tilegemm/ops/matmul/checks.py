@@ -7,9 +7,10 @@ import numbers
 import torch
 
 from tilegemm.core import registry
+from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import check_precision, dtype_name, resolve_precision  # noqa: F401 (re-exported)
 from tilegemm.core.runtime import check_device, interpreting
-from tilegemm.ops.matmul.call import ACTIVATIONS, DTYPES, FP8_DTYPES, INPUT_DTYPES, MatmulCall
+from tilegemm.ops.matmul.call import DTYPES, FP8_DTYPES, INPUT_DTYPES, MatmulCall
 
 def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
     if not isinstance(t, torch.Tensor):
@@ -118,8 +119,7 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
     for name, value in (("alpha", alpha), ("beta", beta)):
         if type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; choose one of: {', '.join(ACTIVATIONS)}")
+    check_activation(activation)
     if fp8 and a.device.type == "cuda" and not interpreting():
         cc = torch.cuda.get_device_capability(a.device)
         if cc < (8, 9):

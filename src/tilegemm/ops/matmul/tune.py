@@ -35,6 +35,7 @@ def warmup(on_key=None) -> list[str]:
     class (M at its bucket), so Triton compiles the variant and keeps it on disk. Returns the keys warmed;
     ``on_key(key)`` is called before each. Entries of ``auto`` and layouts with no unit stride are skipped."""
     from tilegemm.core import registry, tuning
+    from tilegemm.ops.matmul import replay
     from tilegemm.ops.matmul.api import matmul
 
     device = "cpu" if interpreting() else "cuda"
@@ -66,4 +67,5 @@ def warmup(on_key=None) -> list[str]:
             matmul(a, b, kernel=rung, out_dtype=_TORCH[out], precision="tf32" if label == "tf32" else "ieee")
         warmed.append(key)
         del a, b
+        replay.clear()  # the compiled kernel is what warmup is for; the replays need not stay
     return warmed

@@ -65,6 +65,7 @@ class W4A16Bench(BenchOp):
                 from tilegemm.ops.w4a16.baselines import tinygemm_weight
 
                 inputs["tinygemm"] = tinygemm_weight(w)
+                inputs["x_bf16"] = inputs["x"].to(torch.bfloat16)  # its activations, cast outside the timing
             sets.append(inputs)
         first = sets[0]
         reference = first["x"].double() @ first["dense"].double().T
@@ -87,7 +88,7 @@ class W4A16Bench(BenchOp):
     def second_baseline(self, inputs, dtype):
         from tilegemm.ops.w4a16.baselines import tinygemm_mm
 
-        return tinygemm_mm(inputs["x"].to(torch.bfloat16), *inputs["tinygemm"])
+        return tinygemm_mm(inputs["x_bf16"], *inputs["tinygemm"])
 
     def second_baseline_tolerance(self, dtype):
         return 2e-2  # bf16 activations and output, whatever the op's dtype

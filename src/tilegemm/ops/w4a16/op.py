@@ -8,13 +8,13 @@ from typing import Optional
 import torch
 
 from tilegemm.core import registry
+from tilegemm.core.activations import ACTIVATIONS, check_activation  # noqa: F401 (ACTIVATIONS re-exported)
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.runtime import check_device, interpreting, new_output, on_device
 from tilegemm.core.launch import plain_call, recording
 from tilegemm.ops.w4a16 import configs, replay
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, validate
 
-ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "leaky_relu")  # as tilegemm.matmul's
 
 
 # --- checks -------------------------------------------------------------------------------------------
@@ -45,8 +45,7 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
         if bias.dim() != 1 or bias.shape[0] != N:
             raise ValueError(f"bias must have shape [N] = [{N}], got {list(bias.shape)}")
         named["bias"] = bias
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; choose one of: {', '.join(ACTIVATIONS)}")
+    check_activation(activation)
     if kernel != "auto":
         spec = registry.get("w4a16", kernel)
         reason = spec.unavailable_reason()
