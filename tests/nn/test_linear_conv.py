@@ -120,7 +120,7 @@ def test_convert_options(device):
     convert_(model, conv=False, warn=False)
     assert type(model[0]) is torch.nn.Conv2d and isinstance(model[5], Linear)
     model = _model(device)
-    convert_(model, filter_fn=lambda name, m: name != "0", warn=False)
+    convert_(model, filter=lambda name, m: name != "0", warn=False)
     assert type(model[0]) is torch.nn.Conv2d and isinstance(model[2][0], Conv2d)
     model = _model(device).double()
     convert_(model, warn=False)

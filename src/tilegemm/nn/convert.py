@@ -7,6 +7,8 @@ from typing import Callable
 
 import torch
 
+from tilegemm.core.dtypes import dtype_name
+
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.linear import Linear
 
@@ -24,7 +26,7 @@ def _why_not(module: torch.nn.Module) -> str | None:
                "(its forward may differ)"
     dtype = module.weight.dtype
     if dtype not in _DTYPES:
-        return f"weight dtype {str(dtype).replace('torch.', '')} (tilegemm takes float16, bfloat16, float32)"
+        return f"weight dtype {dtype_name(dtype)} (tilegemm takes fp16, bf16, fp32)"
     if isinstance(module, torch.nn.Conv2d) and isinstance(module.padding, str) and module.padding == "same" \
             and tuple(module.stride) != (1, 1):
         return "padding='same' with stride > 1"
@@ -36,13 +38,13 @@ def convert_(
     *,
     conv: bool = True,
     linear: bool = True,
-    filter_fn: Callable[[str, torch.nn.Module], bool] | None = None,
+    filter: Callable[[str, torch.nn.Module], bool] | None = None,  # noqa: A002 (as quantize_ names it)
     warn: bool = True,
 ) -> torch.nn.Module:
     """Replace ``model``'s ``torch.nn.Conv2d`` (``conv=True``) and ``torch.nn.Linear`` (``linear=True``) modules
     by :class:`tilegemm.nn.Conv2d` / :class:`tilegemm.nn.Linear` sharing their parameters; return ``model``.
 
-    ``filter_fn(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
+    ``filter(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
     swapped (subclasses with their own forward, float64 weights, ...) are kept, and one
     :class:`ConversionNote` warning names them with the reason (``warn=False`` silences it). The list is also
     left in ``model.tilegemm_skipped`` as ``[(name, reason)]``.
@@ -59,7 +61,7 @@ def convert_(
             if isinstance(child, (Conv2d, Linear)):
                 continue  # converted already
             want = (conv and isinstance(child, torch.nn.Conv2d)) or (linear and isinstance(child, torch.nn.Linear))
-            if not want or (filter_fn is not None and not filter_fn(name, child)):
+            if not want or (filter is not None and not filter(name, child)):
                 continue
             reason = _why_not(child)
             if reason is not None:

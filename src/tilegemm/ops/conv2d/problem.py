@@ -105,8 +105,8 @@ def _check_tensor(name: str, t, ranks: tuple[int, ...]) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in DTYPES:
         kind = "integer" if not (t.dtype.is_floating_point or t.dtype.is_complex) else "unsupported"
-        raise TypeError(f"{name} has {kind} dtype {dtype_name(t.dtype)}; tilegemm.conv2d supports float16, "
-                        "bfloat16, float32")
+        raise TypeError(f"{name} has {kind} dtype {dtype_name(t.dtype)}; tilegemm.conv2d supports fp16, bf16, "
+                        "fp32")
     if t.dim() not in ranks:
         want = " or ".join(str(r) for r in ranks)
         raise ValueError(f"{name} must have {want} dims, got shape {list(t.shape)}")

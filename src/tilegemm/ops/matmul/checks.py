@@ -126,7 +126,7 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
             raise ValueError(f"fp8 matmul needs a GPU of compute capability 8.9 or newer; {a.device} is "
                              f"{cc[0]}.{cc[1]}")
     if out_dtype is not None and out_dtype not in DTYPES:
-        raise TypeError(f"out_dtype {out_dtype} is not supported; choose one of: float16, bfloat16, float32")
+        raise TypeError(f"out_dtype {dtype_name(out_dtype)} is not supported; choose one of: fp16, bf16, fp32")
     if precision is not None and precision != "default":
         check_precision(precision)
     if kernel != "auto":

@@ -185,9 +185,10 @@ def validate(w: Int4Weight) -> None:
     N, K = w.shape
     check_group_size(w.group_size, K)
     G = 1 if w.group_size == -1 else K // w.group_size
-    if w.qweight.dtype != torch.int32 or tuple(w.qweight.shape) != (K // 8, N):
-        raise ValueError(f"qweight must be int32 [K/8, N] = [{K // 8}, {N}], got {w.qweight.dtype} "
-                         f"{list(w.qweight.shape)}")
+    if w.qweight.dtype != torch.int32:  # a wrong dtype is a TypeError, as everywhere else
+        raise TypeError(f"qweight must be int32 [K/8, N] = [{K // 8}, {N}], got {dtype_name(w.qweight.dtype)}")
+    if tuple(w.qweight.shape) != (K // 8, N):
+        raise ValueError(f"qweight must be int32 [K/8, N] = [{K // 8}, {N}], got {list(w.qweight.shape)}")
     for name in ("scales", "zeros"):
         t = getattr(w, name)
         if t.dtype not in FLOAT_DTYPES:
@@ -283,7 +284,7 @@ def _check_int32(name: str, t, shape_text: str, dims: int = 2) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32 {shape_text}, got {t.dtype}")
+        raise TypeError(f"{name} must be int32 {shape_text}, got {dtype_name(t.dtype)}")
     if t.dim() != dims:
         raise ValueError(f"{name} must be {shape_text}, got {list(t.shape)}")
 
