@@ -309,3 +309,36 @@ def test_replay_slots_take_host_descriptors_over_the_new_tensors():
     assert [(i, j, d is None) for i, j, d in replay.slots] == [(0, 1, True), (1, 0, False)]
     assert replay.slots[1][2].block_shape == [64, 32] and replay.slots[1][2].base is None
     assert _rebased(tdesc, other).base is other and _rebased(tdesc, other).block_shape == [64, 32]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float8_e4m3fn], ids=["fp16", "fp32", "fp8"])
+def test_auto_realigns_operands_whose_rows_are_not_16_byte_aligned(layout, dtype, device, monkeypatch):
+    """auto copies an operand with misaligned rows into an aligned buffer (on a GPU; forced on here): the
+    same result, and the copy has 16-byte aligned rows in the operand's own layout."""
+    from tilegemm.ops.matmul import dispatch
+
+    monkeypatch.setattr(dispatch, "REALIGN", True)
+    M, N, K = 5, 23, 37  # no dimension a multiple of 8
+    src = torch.float32 if dtype == torch.float8_e4m3fn else dtype
+    a = make_operand(M, K, layout[0] == "T", src, device).to(dtype)
+    b = make_operand(K, N, layout[1] == "T", src, device).to(dtype)
+    a = a.mT.contiguous().mT if layout[0] == "T" else a
+    b = b.mT.contiguous().mT if layout[1] == "T" else b
+    for t in (a, b):
+        assert dispatch._misaligned(t)
+        copy = dispatch.realigned(t)
+        assert torch.equal(copy.float(), t.float()) and not dispatch._misaligned(copy)
+        assert (copy.stride(0) == 1) == (t.stride(0) == 1 and t.stride(1) != 1), "the layout is kept"
+    kw = dict(scale_a=torch.tensor(1.0, device=device), scale_b=torch.tensor(1.0, device=device)) \
+        if dtype == torch.float8_e4m3fn else dict(precision="ieee")
+    copied = []
+    real = dispatch.realigned
+    monkeypatch.setattr(dispatch, "realigned", lambda t: copied.append(t) or real(t))
+    out = tilegemm.matmul(a, b, **kw)
+    assert len(copied) == 2, "both misaligned operands should be copied"
+    tilegemm.matmul(a, b, kernel="grouped", **kw)
+    assert len(copied) == 2, "a rung asked for by name reads its operands as given"
+    ref = matmul_reference(a.float(), b.float())
+    assert_rel_close(out.float(), ref, tolerance(dtype, out_dtype=out.dtype) if dtype == torch.float8_e4m3fn
+                     else tolerance(dtype))

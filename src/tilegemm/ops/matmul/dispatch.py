@@ -141,8 +141,57 @@ def _scale_stride(scale: torch.Tensor | None) -> int:
     return scale.stride(0) if scale.dim() == 1 or scale.shape[0] != 1 else scale.stride(1)
 
 
+# Whether auto copies an operand whose rows are not 16-byte aligned into an aligned buffer first (see
+# realigned): on a GPU, yes; under the interpreter only when a test turns it on (no vectorization to gain).
+REALIGN = None  # None: on a GPU only; True / False: always / never
+
+
+def _misaligned(t: torch.Tensor) -> bool:
+    """A 2-D operand read along a unit stride whose other stride is not a multiple of 16 bytes."""
+    size = t.element_size()
+    if t.stride(1) == 1 and t.shape[0] > 1:
+        return (t.stride(0) * size) % 16 != 0
+    if t.stride(0) == 1 and t.shape[1] > 1:
+        return (t.stride(1) * size) % 16 != 0
+    return False
+
+
+def realigned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into a buffer whose rows (or columns, for a column-major ``t``) start 16 bytes apart: the
+    same values, the same layout, the leading dimension padded. One pass over the operand; without it the
+    pointer kernels read such rows two bytes at a time and Triton cannot pipeline the loads (no cp.async:
+    the misaligned split_k at 2x3791x19287 fp16 ran 4.29 ms against 56 us for its aligned twin, H200,
+    benchmarks/results/2026-11-23-h200/0186598/; the PTX, compiled offline, shows 144 ld.global.b16 a K step
+    and no cp.async where the aligned one has 72 16-byte cp.async)."""
+    per = 16 // t.element_size()
+    rows, cols = t.shape
+    column_major = t.stride(0) == 1 and t.stride(1) != 1
+    if column_major:
+        ld = -(-rows // per) * per
+        buf = torch.empty_strided((rows, cols), (1, ld), dtype=t.dtype, device=t.device)
+    else:
+        ld = -(-cols // per) * per
+        buf = torch.empty_strided((rows, cols), (ld, 1), dtype=t.dtype, device=t.device)
+    buf.copy_(t)
+    return buf
+
+
+def _realign(call: MatmulCall) -> MatmulCall:
+    """For ``auto`` on 2-D operands: misaligned operands replaced by aligned copies (:func:`realigned`)."""
+    on = REALIGN if REALIGN is not None else not interpreting()
+    a, b = call.a, call.b
+    if not on or call.kernel != "auto" or a.dim() != 2 or b.dim() != 2:
+        return call
+    if _misaligned(a):
+        a = realigned(a)
+    if _misaligned(b):
+        b = realigned(b)
+    return call if a is call.a and b is call.b else call.replace(a=a, b=b)
+
+
 def forward(call: MatmulCall) -> torch.Tensor:
     """Launch the kernels of one checked call and return its output."""
+    call = _realign(call)
     a, b, kernel = call.a, call.b, call.kernel
     if a.dim() == 2 and b.dim() == 2:
         shape = (a.shape[0], b.shape[1])
