@@ -342,3 +342,15 @@ def test_auto_realigns_operands_whose_rows_are_not_16_byte_aligned(layout, dtype
     ref = matmul_reference(a.float(), b.float())
     assert_rel_close(out.float(), ref, tolerance(dtype, out_dtype=out.dtype) if dtype == torch.float8_e4m3fn
                      else tolerance(dtype))
+
+
+def test_vectors_and_aligned_operands_are_not_copied():
+    from tilegemm.ops.matmul import dispatch
+
+    assert not dispatch._misaligned(torch.randn(1, 37, dtype=torch.float16))
+    assert not dispatch._misaligned(torch.randn(37, 1, dtype=torch.float16))
+    assert not dispatch._misaligned(torch.randn(5, 40, dtype=torch.float16))
+    assert not dispatch._misaligned(torch.randn(40, 8, dtype=torch.float16).T)  # column-major, ld 8
+    assert dispatch._misaligned(torch.randn(40, 5, dtype=torch.float16).T)  # column-major, ld 5: 10 bytes
+    assert dispatch._misaligned(torch.randn(5, 37, dtype=torch.float16))
+    assert not dispatch._misaligned(torch.randn(5, 37, dtype=torch.float32)[:, :36].contiguous())

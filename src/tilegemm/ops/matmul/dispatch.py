@@ -147,11 +147,14 @@ REALIGN = None  # None: on a GPU only; True / False: always / never
 
 
 def _misaligned(t: torch.Tensor) -> bool:
-    """A 2-D operand read along a unit stride whose other stride is not a multiple of 16 bytes."""
+    """A 2-D operand read along a unit stride whose other stride is not a multiple of 16 bytes (a vector is
+    never: it has no second stride that matters)."""
     size = t.element_size()
-    if t.stride(1) == 1 and t.shape[0] > 1:
+    if t.shape[0] == 1 or t.shape[1] == 1:
+        return False
+    if t.stride(1) == 1:
         return (t.stride(0) * size) % 16 != 0
-    if t.stride(0) == 1 and t.shape[1] > 1:
+    if t.stride(0) == 1:
         return (t.stride(1) * size) % 16 != 0
     return False
 
