@@ -355,6 +355,12 @@ class ReplayCache:
         self.entries.clear()
 
 
+def tensor_key(t) -> tuple:
+    """What Triton specializes a launch on for one tensor argument: dtype, shape, strides, device and 16-byte
+    alignment of its data pointer (a part of a replay key)."""
+    return (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16 == 0)
+
+
 def plain_call(*tensors) -> bool:
     """True when no tracer, mode or autograd needs to see the op, so dispatch through it can be skipped.
 

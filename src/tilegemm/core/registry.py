@@ -88,6 +88,7 @@ class KernelSpec:
 
 _OPS: dict[str, OpSpec] = {}
 _KERNELS: dict[str, dict[str, KernelSpec]] = {}
+_LAUNCHERS: dict[tuple[str, str], Callable[..., Any]] = {}  # (op, kernel) -> its launch function, once imported
 
 
 def register_op(spec: OpSpec) -> OpSpec:
@@ -105,6 +106,7 @@ def register(spec: KernelSpec) -> KernelSpec:
     if spec.name in family or spec.name in _OPS[spec.op].pseudo:
         raise ValueError(f"kernel {spec.op}/{spec.name} is registered twice")
     family[spec.name] = spec
+    _LAUNCHERS.pop((spec.op, spec.name), None)
     return spec
 
 
@@ -113,6 +115,7 @@ def unregister(op_name: str, name: str) -> KernelSpec:
     family = _KERNELS.get(op_name, {})
     if name not in family:
         raise ValueError(f"no {op_name} kernel {name!r} is registered")
+    _LAUNCHERS.pop((op_name, name), None)
     return family.pop(name)
 
 
@@ -141,6 +144,14 @@ def get(op_name: str, name: str) -> KernelSpec:
         choices = [s.name for s in specs(op_name)] + list(_OPS[op_name].pseudo)
         raise ValueError(f"unknown {op_name} kernel {name!r}; choose one of: {', '.join(choices)}")
     return family[name]
+
+
+def launcher(op_name: str, name: str) -> Callable[..., Any]:
+    """The launch function of a registered kernel, imported on first use and kept (the families' hot path)."""
+    fn = _LAUNCHERS.get((op_name, name))
+    if fn is None:
+        fn = _LAUNCHERS[op_name, name] = get(op_name, name).launcher()
+    return fn
 
 
 def kernels(op_name: str = "matmul") -> dict[str, str]:

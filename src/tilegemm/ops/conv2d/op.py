@@ -39,14 +39,9 @@ def choose_kernel(g: Geometry) -> str:
     return "implicit_gemm"
 
 
-_LAUNCHERS: dict[str, object] = {}
-
-
 def launcher(name: str):
-    fn = _LAUNCHERS.get(name)
-    if fn is None:
-        fn = _LAUNCHERS[name] = registry.get("conv2d", name).launcher()
-    return fn
+    """The launch function of a registered conv2d kernel (:func:`tilegemm.core.registry.launcher`)."""
+    return registry.launcher("conv2d", name)
 
 
 def _forward(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel,

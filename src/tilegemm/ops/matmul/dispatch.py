@@ -123,15 +123,9 @@ def _has_tma() -> bool:
     return _tma
 
 
-_LAUNCHERS: dict[str, object] = {}
-
-
 def launcher(name: str):
-    """The launch function of a registered rung, imported once and cached."""
-    fn = _LAUNCHERS.get(name)
-    if fn is None:
-        fn = _LAUNCHERS[name] = registry.get("matmul", name).launcher()
-    return fn
+    """The launch function of a registered matmul kernel (:func:`tilegemm.core.registry.launcher`)."""
+    return registry.launcher("matmul", name)
 
 
 def _scale_stride(scale: torch.Tensor | None) -> int:

@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import ReplayCache, plain_call
+from tilegemm.core.launch import ReplayCache, plain_call, tensor_key
 from tilegemm.core.runtime import interpreting
 from tilegemm.core.dtypes import resolve_precision
 
 # Replays of earlier calls without bias, c or activation, keyed by everything Triton specializes a launch on.
 _cache = ReplayCache()
-
-
-def _tensor_key(t):
-    return (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16 == 0)
 
 
 def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, scale_b=None, fast_accum=False):
@@ -43,7 +39,7 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
         scales = [s for s in (scale_a, scale_b) if s is not None]
         if any(type(s) is not torch.Tensor or s.device != a.device for s in scales) or not plain_call(a, b, *scales):
             return None
-        scale_keys = tuple(None if s is None else _tensor_key(s) for s in (scale_a, scale_b))
+        scale_keys = tuple(None if s is None else tensor_key(s) for s in (scale_a, scale_b))
     if fast_accum is not False and fast_accum is not True:
         return None
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):

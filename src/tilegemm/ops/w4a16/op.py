@@ -60,15 +60,9 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
 # --- the op ---------------------------------------------------------------------------------------------
 
 
-_LAUNCHERS: dict[str, object] = {}
-
-
 def launcher(name: str):
-    """The launch function of a registered kernel, imported once and cached."""
-    fn = _LAUNCHERS.get(name)
-    if fn is None:
-        fn = _LAUNCHERS[name] = registry.get("w4a16", name).launcher()
-    return fn
+    """The launch function of a registered w4a16 kernel (:func:`tilegemm.core.registry.launcher`)."""
+    return registry.launcher("w4a16", name)
 
 
 def choose_kernel(M: int) -> str:

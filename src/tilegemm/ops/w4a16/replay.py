@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import ReplayCache, plain_call
+from tilegemm.core.launch import ReplayCache, plain_call, tensor_key
 from tilegemm.core.runtime import interpreting
 
 _cache = ReplayCache()
@@ -26,15 +26,11 @@ _cache = ReplayCache()
 REPLAYED_KERNELS = ("gemv", "mma")  # whole calls that are one Triton launch
 
 
-def _layout(t: torch.Tensor) -> tuple:
-    return (t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0)
-
-
 def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str) -> tuple:
     """The replay key of a call with 2-D activations ``x2`` (already reshaped and, for act-order, permuted):
     the layouts of every tensor the launch takes and the call's named options."""
-    return (kernel, activation, x2.device, _layout(x2), _layout(w.qweight), _layout(w.scales), _layout(w.zeros),
-            w.group_k, None if bias is None else _layout(bias))
+    return (kernel, activation, x2.device, tensor_key(x2), tensor_key(w.qweight), tensor_key(w.scales), tensor_key(w.zeros),
+            w.group_k, None if bias is None else tensor_key(bias))
 
 
 def replay_key(x2, w, bias, activation: str, kernel: str):
