@@ -158,6 +158,16 @@ def check_device(name: str, device) -> None:
         )
 
 
+def check_same_device(named: dict) -> None:
+    """Raise ValueError naming two tensors of ``named`` (name -> tensor) on different devices, or, via
+    :func:`check_device`, tensors that are not on the GPU in use."""
+    first_name, first = next(iter(named.items()))
+    for name, t in named.items():
+        if t.device != first.device:
+            raise ValueError(f"tensors are on different devices: {first_name} on {first.device}, {name} on {t.device}")
+    check_device(first_name, first.device)
+
+
 def on_device(device):
     """A context in which ``device`` is the current CUDA device, for the launches (and tuning) of one call.
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tilegemm.core.dtypes import dtype_name
+from tilegemm.core.runtime import check_same_device
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -152,18 +153,8 @@ def check_conv(x, weight, bias, stride, padding, dilation, groups) -> Geometry:
         if bias.shape[0] != K:
             raise ValueError(f"bias must have shape [K] = [{K}], got {list(bias.shape)}")
         named["bias"] = bias
-    _check_devices(named)
+    check_same_device(named)
     return g
-
-
-def _check_devices(named: dict) -> None:
-    from tilegemm.core.runtime import check_device
-
-    first_name, first = next(iter(named.items()))
-    for name, t in named.items():
-        if t.device != first.device:
-            raise ValueError(f"tensors are on different devices: {first_name} on {first.device}, {name} on {t.device}")
-    check_device(first_name, first.device)
 
 
 def geometry_of(x_shape, w_shape, stride, padding, dilation, groups) -> Geometry:

@@ -9,7 +9,7 @@ import torch
 from tilegemm.core import registry
 from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import check_precision, dtype_name, resolve_precision  # noqa: F401 (re-exported)
-from tilegemm.core.runtime import check_device, interpreting
+from tilegemm.core.runtime import check_same_device, interpreting
 from tilegemm.ops.matmul.call import DTYPES, FP8_DTYPES, INPUT_DTYPES, MatmulCall
 
 def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
@@ -19,15 +19,6 @@ def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
         kind = "integer" if not (t.dtype.is_floating_point or t.dtype.is_complex) else "unsupported"
         names = ", ".join(dtype_name(d) for d in allowed)
         raise TypeError(f"{name} has {kind} dtype {dtype_name(t.dtype)}; tilegemm.matmul supports {names} here")
-
-
-def _check_devices(named: dict[str, torch.Tensor]) -> None:
-    devices = {name: t.device for name, t in named.items()}
-    first_name, first = next(iter(devices.items()))
-    for name, device in devices.items():
-        if device != first:
-            raise ValueError(f"tensors are on different devices: {first_name} on {first}, {name} on {device}")
-    check_device(first_name, first)
 
 
 def broadcast(x, y) -> tuple[int, ...] | None:
@@ -134,5 +125,5 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
         reason = spec.unavailable_reason()
         if reason:
             raise registry.NotApplicable(f"matmul kernel {kernel!r} cannot run here: {reason}")
-    _check_devices(named)
+    check_same_device(named)
     return shape

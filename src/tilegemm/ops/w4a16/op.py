@@ -10,7 +10,7 @@ import torch
 from tilegemm.core import registry
 from tilegemm.core.activations import ACTIVATIONS, check_activation  # noqa: F401 (ACTIVATIONS re-exported)
 from tilegemm.core.dtypes import dtype_name
-from tilegemm.core.runtime import check_device, interpreting, new_output, on_device
+from tilegemm.core.runtime import check_same_device, interpreting, new_output, on_device
 from tilegemm.core.launch import plain_call, recording
 from tilegemm.ops.w4a16 import configs, replay
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, validate
@@ -51,10 +51,7 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
         reason = spec.unavailable_reason()
         if reason:
             raise registry.NotApplicable(f"w4a16 kernel {kernel!r} cannot run here: {reason}")
-    devices = {name: t.device for name, t in named.items()}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"tensors are on different devices: {devices}")
-    check_device("x", x.device)
+    check_same_device(named)
 
 
 # --- the op ---------------------------------------------------------------------------------------------
