@@ -29,6 +29,17 @@ from tilegemm.jit.helpers import apply_activation, below, mma_ordered, tile_grou
 
 
 @triton.jit
+def _below_unspecialized(offs, bound, DIV: tl.constexpr):
+    """``offs < bound`` where ``bound`` is a kernel argument Triton does not specialize on (sizes are left
+    unspecialized so a new image size compiles nothing) but the host knows ``DIV`` divides it: written as
+    ``offs // DIV < bound // DIV`` the mask is visibly constant over aligned runs of DIV, so masked loads
+    stay 16 bytes wide (compiled for sm_90, the forward's loads were all two bytes wide without it)."""
+    if DIV > 1:
+        return (offs // DIV) < (bound // DIV)
+    return offs < bound
+
+
+@triton.jit
 def _tap_mma(a, b, acc, UPCAST: tl.constexpr, MMA_OPERANDS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """``acc + a @ b`` for [BM, BK] and [BK, BN] tiles (see :func:`tilegemm.jit.helpers.mma_ordered`)."""
     if UPCAST:
@@ -74,7 +85,11 @@ def conv2d_fwd_kernel(
     h0 = p * str_h - pad_h  # [BM]
     w0 = q * str_w - pad_w
     m_ok = offs_m < M
-    x_rows = x_ptr + grp * Cg * stride_xc + n * stride_xn  # [BM] pointers to each pixel's image
+    # The group's first channel: Cg is not specialized on, so say what the host knows of it (DIV_C divides
+    # it); without that no row of A is provably 16-byte aligned and every load is two bytes wide.
+    # The group's first channel: Cg is not specialized on, so say what the host knows of it (DIV_C divides
+    # it); without that no row of A is provably 16-byte aligned and its loads are two bytes wide.
+    x_rows = x_ptr + tl.multiple_of(grp * Cg, DIV_C) * stride_xc + n * stride_xn  # [BM] each pixel's image
     # Columns past Kg wrap into the group (loads stay unmasked along N; the store drops them).
     w_cols = w_ptr + (grp * Kg + offs_n % Kg) * stride_wk  # [BN] pointers to each output channel's filter
 
@@ -106,7 +121,7 @@ def conv2d_fwd_kernel(
             h = h0 + r * dil_h  # [BM]
             w = w0 + s * dil_w
             pix_ok = m_ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)  # zero padding
-            c_ok = below(c, Cg, DIV_C)
+            c_ok = _below_unspecialized(c, Cg, DIV_C)
             a = tl.load(x_rows[:, None] + (h * stride_xh + w * stride_xw)[:, None] + (c * stride_xc)[None, :],
                         mask=pix_ok[:, None] & c_ok[None, :], other=0.0)  # [BM, BK]
             b = tl.load(w_cols[None, :] + (r * stride_wr + s * stride_ws) + (c * stride_wc)[:, None],
@@ -134,7 +149,7 @@ def conv2d_dgrad_kernel(
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
-    DIV_K: tl.constexpr,
+    DIV_K: tl.constexpr, DIV_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Which tile: grouped order over [input pixels, input channels of this group]; axis 1 is the group.
@@ -150,8 +165,10 @@ def conv2d_dgrad_kernel(
     hx = (offs_m // W) % H
     n = offs_m // (H * W)
     m_ok = offs_m < M
-    dy_rows = dy_ptr + grp * Kg * stride_yk + n * stride_yn  # [BM]
-    w_cols = w_ptr + grp * Kg * stride_wk + (offs_n % Cg) * stride_wc  # [BN]
+    # Offsets the host knows the divisors of (Kg, Cg are not specialized on): 16-byte loads need them seen.
+    dy_rows = dy_ptr + tl.multiple_of(grp * Kg, DIV_K) * stride_yk + n * stride_yn  # [BM]
+    w_cols = w_ptr + tl.multiple_of(grp * Kg, DIV_K) * stride_wk + offs_n * stride_wc  # [BN]
+    c_ok = _below_unspecialized(offs_n, Cg, DIV_C)  # [BN] (masked, not wrapped: a wrap hides contiguity)
 
     # dx[h, w] = sum over taps (r, s) and channels k of dy[p, q, k] * w[k, r, s], where the tap maps output
     # pixel (p, q) onto (h, w): p * str_h - pad_h + r * dil_h = h (only where that p is a whole number).
@@ -170,11 +187,11 @@ def conv2d_dgrad_kernel(
         p = ph // str_h
         q = pw // str_w
         ok = m_ok & (ph >= 0) & (pw >= 0) & (p * str_h == ph) & (q * str_w == pw) & (p < P) & (q < Q)
-        k_ok = below(k, Kg, DIV_K)
+        k_ok = _below_unspecialized(k, Kg, DIV_K)
         a = tl.load(dy_rows[:, None] + (p * stride_yp + q * stride_yq)[:, None] + (k * stride_yk)[None, :],
                     mask=ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
         b = tl.load(w_cols[None, :] + (r * stride_wr + s * stride_ws) + (k * stride_wk)[:, None],
-                    mask=k_ok[:, None], other=0.0)  # [BK, BN]
+                    mask=k_ok[:, None] & c_ok[None, :], other=0.0)  # [BK, BN]
         acc = _tap_mma(a, b, acc, UPCAST, MMA_OPERANDS, INPUT_PRECISION)
     if MMA_OPERANDS == "swap":
         acc = tl.trans(acc)
@@ -195,6 +212,7 @@ def conv2d_wgrad_kernel(
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
+    DIV_K: tl.constexpr, DIV_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
@@ -211,8 +229,11 @@ def conv2d_wgrad_kernel(
     if INDEX_64:
         offs_k = offs_k.to(tl.int64)
         grp = grp.to(tl.int64)
-    dy_cols = dy_ptr + (grp * Kg + offs_m % Kg) * stride_yk  # [BM]
-    x_cols = x_ptr + (grp * Cg + offs_n % Cg) * stride_xc  # [BN]
+    # Channels masked, not wrapped, from offsets whose divisors the host knows: 16-byte loads along channels.
+    dy_cols = dy_ptr + (tl.multiple_of(grp * Kg, DIV_K) + offs_m) * stride_yk  # [BM]
+    x_cols = x_ptr + (tl.multiple_of(grp * Cg, DIV_C) + offs_n) * stride_xc  # [BN]
+    k_ok = _below_unspecialized(offs_m, Kg, DIV_K)  # [BM]
+    c_ok = _below_unspecialized(offs_n, Cg, DIV_C)  # [BN]
 
     # dw[k, c] (this tap) = sum over output pixels (n, p, q) of dy[n, p, q, k] * x[n, h, w, c], with (h, w) the
     # input pixel the tap reads for (p, q); this program sums pixels [begin, end).
@@ -229,9 +250,9 @@ def conv2d_wgrad_kernel(
         in_slice = pix < end
         x_ok = in_slice & (h >= 0) & (h < H) & (w >= 0) & (w < W)
         a = tl.load(dy_cols[:, None] + (n * stride_yn + p * stride_yp + q * stride_yq)[None, :],
-                    mask=in_slice[None, :], other=0.0)  # [BM, BK]
+                    mask=k_ok[:, None] & in_slice[None, :], other=0.0)  # [BM, BK]
         b = tl.load(x_cols[None, :] + (n * stride_xn + h * stride_xh + w * stride_xw)[:, None],
-                    mask=x_ok[:, None], other=0.0)  # [BK, BN]
+                    mask=x_ok[:, None] & c_ok[None, :], other=0.0)  # [BK, BN]
         acc = _tap_mma(a, b, acc, UPCAST, MMA_OPERANDS, INPUT_PRECISION)
 
     k_all = grp * Kg + offs_m
@@ -317,7 +338,8 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
             *_nhwc_strides(dx), *_conv_args(g))
     # A (dy, channels at stride 1) is K-major; B (w as [K, C], C at stride 1) is not.
     flags = dict(R=g.R, S=g.S, INPUT_PRECISION=precision, UPCAST=upcast, INDEX_64=index_64,
-                 MMA_OPERANDS=_operand_order(dy.dtype, precision, True, False), DIV_K=_divisor(g.Kg))
+                 MMA_OPERANDS=_operand_order(dy.dtype, precision, True, False), DIV_K=_divisor(g.Kg),
+                 DIV_C=_divisor(g.Cg))
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(g.Cg, cfg["BLOCK_N"]), g.groups)
     launch(conv2d_dgrad_kernel, grid, args, {**flags, **cfg})
     return dx
@@ -344,7 +366,8 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, precision: str, upcast
     args = (dy, x, parts, g.H, g.W, g.Cg, g.P, g.Q, g.Kg, npq, slice_len, *_nhwc_strides(dy), *_nhwc_strides(x),
             *parts.stride(), *_conv_args(g))
     flags = dict(R=g.R, S=g.S, INPUT_PRECISION=precision, UPCAST=upcast, INDEX_64=index_64,
-                 MMA_OPERANDS=_operand_order(dy.dtype, precision, False, False))
+                 MMA_OPERANDS=_operand_order(dy.dtype, precision, False, False), DIV_K=_divisor(g.Kg),
+                 DIV_C=_divisor(g.Cg))
     grid = (triton.cdiv(g.Kg, cfg["BLOCK_M"]) * triton.cdiv(g.Cg, cfg["BLOCK_N"]), g.R * g.S * g.groups, split)
     launch(conv2d_wgrad_kernel, grid, args, {**flags, **cfg})
     dw = parts[0] if split == 1 else parts.sum(0)  # [K, R, S, C/groups]

@@ -1,0 +1,66 @@
+"""Load widths of the conv2d kernels compiled offline for sm_90 (a ResNet-50 3x3 layer, fp16, channels-last)."""
+import re, sys, collections
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import tilegemm
+from tilegemm.ops.conv2d import implicit_gemm as ig
+from tilegemm.ops.conv2d import configs as cfgs
+from tilegemm.ops.conv2d.problem import ConvProblem, geometry_of, memory_format_of
+
+captured = []
+ig.launch = lambda kernel, grid, args, kwargs, **kw: captured.append((kernel, grid, args, kwargs))
+cfgs.interpreting = lambda: False
+
+def signature(kernel, args, kwargs):
+    dns_names = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in kwargs:
+            sig[name], constexprs[(i,)] = "constexpr", kwargs[name]
+            continue
+        v = args[i]
+        if isinstance(v, torch.Tensor):
+            sig[name] = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        elif name in dns_names:
+            sig[name] = "i32"
+        elif v == 1:
+            sig[name], constexprs[(i,)] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, constexprs, attrs
+
+N, C, H, W, K, R = 32, 64, 56, 56, 64, 3
+x = torch.empty(N, C, H, W, dtype=torch.float16).to(memory_format=torch.channels_last)
+w = torch.empty(K, C, R, R, dtype=torch.float16).to(memory_format=torch.channels_last)
+g = geometry_of(x.shape, w.shape, (1, 1), (1, 1, 1, 1), (1, 1), 1)
+p = ConvProblem(x, w, None, g, torch.float16, memory_format_of(x), "none", "ieee", False)
+ig.run(p)
+kernel, grid, args, kwargs = captured[-1]
+kw = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+sig, ce, at = signature(kernel, args, kw)
+ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))).asm["ptx"]
+ops = collections.Counter(re.findall(r"\b(cp\.async\.\S+|ld\.global\.\S+|mma\.\S+|wgmma\.\S+)", ptx))
+fwd = dict(ops)
+
+def count(kernel, args, kwargs):
+    kw = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+    sig, ce, at = signature(kernel, args, kw)
+    ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))).asm["ptx"]
+    return dict(collections.Counter(re.findall(r"\b(cp\.async\.cg\S+|ld\.global\.\S+|wgmma\.mma\S+|mma\.sync\S+)", ptx)))
+
+dy = torch.empty(N, K, H, W, dtype=torch.float16).to(memory_format=torch.channels_last)
+ig.dgrad(dy, w, x.shape, torch.channels_last, g, "ieee", False)
+dgrad = count(captured[-1][0], captured[-1][2], captured[-1][3])
+ig.wgrad(dy, x, g, "ieee", False, torch.float16)
+wgrad = count(captured[-1][0], captured[-1][2], captured[-1][3])
+import json
+print(json.dumps(dict(fwd=fwd, dgrad=dgrad, wgrad=wgrad)))
