@@ -62,5 +62,12 @@ ig.dgrad(dy, w, x.shape, torch.channels_last, g, "ieee", False)
 dgrad = count(captured[-1][0], captured[-1][2], captured[-1][3])
 ig.wgrad(dy, x, g, "ieee", False, torch.float16)
 wgrad = count(captured[-1][0], captured[-1][2], captured[-1][3])
+from tilegemm.ops.conv2d import depthwise as dw
+dw.launch = ig.launch
+xd = torch.empty(64, 192, 28, 28, dtype=torch.float16).to(memory_format=torch.channels_last)
+wd = torch.empty(192, 1, 3, 3, dtype=torch.float16).to(memory_format=torch.channels_last)
+gd = geometry_of(xd.shape, wd.shape, (1, 1), (1, 1, 1, 1), (1, 1), 192)
+dw.run(ConvProblem(xd, wd, None, gd, torch.float16, memory_format_of(xd), "none", "ieee", False))
+depthwise = count(captured[-1][0], captured[-1][2], captured[-1][3])
 import json
-print(json.dumps(dict(fwd=fwd, dgrad=dgrad, wgrad=wgrad)))
+print(json.dumps(dict(fwd=fwd, dgrad=dgrad, wgrad=wgrad, depthwise=depthwise)))

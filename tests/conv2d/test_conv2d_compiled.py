@@ -1,23 +1,35 @@
-"""The conv2d kernels' loads, compiled for sm_90 without a GPU: 16-byte asynchronous copies, no 2-byte loads.
+"""The conv2d kernels' loads, compiled for sm_90 without a GPU: 16-byte loads, no 2-byte ones.
 
 Sizes are not specialized on (a new image size compiles nothing), so the kernels must say what the host
-knows of them (DIV_C / DIV_K, masks written as ``offs // DIV < bound // DIV``); without that every load of
-a ResNet-50 3x3 layer was a 2-byte ``ld.global.b16`` with no ``cp.async`` pipelining.
+knows of them (DIV_C / DIV_K / DIV, masks written as ``offs // DIV < bound // DIV``, group offsets with
+``tl.multiple_of``); without that every load of a ResNet-50 3x3 layer was a 2-byte ``ld.global.b16`` with no
+``cp.async`` pipelining, and the depthwise kernel's too.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from conftest import compile_offline
 
 SCRIPT = (Path(__file__).parent / "_load_widths.py").read_text()
 
 
-def test_forward_and_both_gradients_load_16_bytes_at_a_time(tmp_path):
-    counts = compile_offline(tmp_path, SCRIPT, [], timeout=600)
-    for kernel in ("fwd", "dgrad", "wgrad"):
-        ops = counts[kernel]
-        assert ops.get("cp.async.cg.shared.global", 0) > 0, f"{kernel}: no 16-byte cp.async: {ops}"
-        assert not any(op.startswith("ld.global.b16") for op in ops), f"{kernel}: 2-byte loads: {ops}"
-        assert any(op.startswith("wgmma") for op in ops), f"{kernel}: no wgmma: {ops}"
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory):
+    return compile_offline(tmp_path_factory.mktemp("conv2d-ptx"), SCRIPT, [], timeout=600)
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dgrad", "wgrad"])
+def test_implicit_gemm_kernels_load_16_bytes_at_a_time(counts, kernel):
+    ops = counts[kernel]
+    assert ops.get("cp.async.cg.shared.global", 0) > 0, f"{kernel}: no 16-byte cp.async: {ops}"
+    assert not any(op.startswith("ld.global.b16") for op in ops), f"{kernel}: 2-byte loads: {ops}"
+    assert any(op.startswith("wgmma") for op in ops), f"{kernel}: no wgmma: {ops}"
+
+
+def test_depthwise_loads_its_channels_16_bytes_at_a_time(counts):
+    ops = counts["depthwise"]
+    assert ops.get("ld.global.v4.b32", 0) > 0, f"no 16-byte loads of the activations: {ops}"

@@ -13,7 +13,15 @@ import torch
 from tilegemm.core.launch import launch
 from tilegemm.core.runtime import ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import depthwise_config
-from tilegemm.ops.conv2d.implicit_gemm import _conv_args, _nhwc, _nhwc_strides, allocate_out, empty_4d
+from tilegemm.ops.conv2d.implicit_gemm import (
+    _below_unspecialized,
+    _conv_args,
+    _divisor,
+    _nhwc,
+    _nhwc_strides,
+    allocate_out,
+    empty_4d,
+)
 from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
 
 ensure_backend()
@@ -37,7 +45,7 @@ def depthwise_fwd_kernel(
     stride_bias,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr, DIV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # This program: output pixels [BM] x output channels [BN].
@@ -51,7 +59,7 @@ def depthwise_fwd_kernel(
     h0 = p * str_h - pad_h
     w0 = q * str_w - pad_w
     m_ok = offs_m < M
-    n_ok = offs_n < K
+    n_ok = _below_unspecialized(offs_n, K, DIV)  # constant over aligned runs: 16-byte loads along channels
     x_rows = x_ptr + n * stride_xn  # [BM]
     x_cols = (offs_n // MULT) * stride_xc  # [BN] the input channel of each output channel
 
@@ -83,7 +91,7 @@ def depthwise_dgrad_kernel(
     stride_wk, stride_wr, stride_ws,
     stride_xn, stride_xh, stride_xw, stride_xc,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
-    R: tl.constexpr, S: tl.constexpr, INDEX_64: tl.constexpr,
+    R: tl.constexpr, S: tl.constexpr, INDEX_64: tl.constexpr, DIV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # This program: input pixels [BM] x input channels [BN]; each gathers the output pixels covering it.
@@ -95,7 +103,7 @@ def depthwise_dgrad_kernel(
     hx = (offs_m // W) % H
     n = offs_m // (H * W)
     m_ok = offs_m < M
-    c_ok = offs_n < C
+    c_ok = _below_unspecialized(offs_n, C, DIV)
     dy_rows = dy_ptr + n * stride_yn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -127,7 +135,7 @@ def depthwise_wgrad_kernel(
     stride_xn, stride_xh, stride_xw, stride_xc,
     stride_ds, stride_dk, stride_dr, stride_dss,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
-    R: tl.constexpr, S: tl.constexpr, INDEX_64: tl.constexpr,
+    R: tl.constexpr, S: tl.constexpr, INDEX_64: tl.constexpr, DIV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # This program: channels [BN] of one tap (axis 1), summed over one slice of output pixels (axis 2).
@@ -139,7 +147,7 @@ def depthwise_wgrad_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     if INDEX_64:
         offs_m = offs_m.to(tl.int64)
-    n_ok = offs_n < K
+    n_ok = _below_unspecialized(offs_n, K, DIV)
     begin = part * slice_len
     end = tl.minimum(begin + slice_len, NPQ)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -185,7 +193,8 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     args = (x, p.weight, out, bias, g.H, g.W, g.P, g.Q, g.K, M, g.K // g.C, *_nhwc_strides(x), *_w_strides(p.weight),
             out.stride(0), out.stride(2), out.stride(3), out.stride(1),
             p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
-    flags = dict(R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, INDEX_64=p.index_64)
+    flags = dict(R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, INDEX_64=p.index_64,
+                 DIV=_divisor(g.K))
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(g.K, cfg["BLOCK_N"]))
     launch(depthwise_fwd_kernel, grid, args, {**flags, **cfg})
     return out
@@ -202,7 +211,7 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
     args = (dy, weight, dx, g.H, g.W, g.P, g.Q, g.C, M, g.K // g.C, *_nhwc_strides(dy), *_w_strides(weight),
             *_nhwc_strides(dx), *_conv_args(g))
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(g.C, cfg["BLOCK_N"]))
-    launch(depthwise_dgrad_kernel, grid, args, dict(R=g.R, S=g.S, INDEX_64=index_64, **cfg))
+    launch(depthwise_dgrad_kernel, grid, args, dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.C), **cfg))
     return dx
 
 
@@ -227,6 +236,6 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     args = (dy, x, parts, g.H, g.W, g.P, g.Q, g.K, npq, g.K // g.C, slice_len, *_nhwc_strides(dy),
             *_nhwc_strides(x), *parts.stride(), *_conv_args(g))
     grid = (triton.cdiv(g.K, cfg["BLOCK_N"]), g.R * g.S, split)
-    launch(depthwise_wgrad_kernel, grid, args, dict(R=g.R, S=g.S, INDEX_64=index_64, **cfg))
+    launch(depthwise_wgrad_kernel, grid, args, dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.K), **cfg))
     dw = parts[0] if split == 1 else parts.sum(0)  # [K, R, S]
     return dw.to(out_dtype).unsqueeze(1)  # [K, 1, R, S]
