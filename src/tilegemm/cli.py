@@ -280,21 +280,29 @@ def _triton_cache_dir() -> str:
         return os.environ.get("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache"))
 
 
+def _op_entry(name: str, entry: str, what: str):
+    """(the op's spec, the function its ``entry`` (``tune``, ``warmup``) names), or a UsageError naming the ops
+    that have one."""
+    from tilegemm.core import registry
+
+    try:
+        spec = registry.op(name)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if getattr(spec, entry) is None:
+        having = [o for o in registry.ops() if getattr(registry.op(o), entry)]
+        raise UsageError(f"op {name!r} has nothing to {what}; ops that do: {', '.join(having)}")
+    return spec, registry.resolve(getattr(spec, entry))
+
+
 def cmd_tune(args, console) -> int:
     from rich.table import Table
 
     from tilegemm.bench.base import BenchError, bench_op
-    from tilegemm.core import registry, tuning
-    from tilegemm.core.registry import resolve
+    from tilegemm.core import tuning
     from tilegemm.core.runtime import interpreting
 
-    try:
-        spec = registry.op(args.op)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    if spec.tune is None:
-        tunable_ops = [o for o in registry.ops() if registry.op(o).tune]
-        raise UsageError(f"op {args.op!r} has nothing to tune; tunable ops: {', '.join(tunable_ops)}")
+    spec, tune = _op_entry(args.op, "tune", "tune")
     op = bench_op(args.op)
     dtype = args.dtype or op.default_dtype()
     try:
@@ -310,7 +318,7 @@ def cmd_tune(args, console) -> int:
             raise UsageError(f"--kernels takes {', '.join(spec.tunable)} for op {args.op}, not {kernel!r}")
     before = set(tuning.entries())
     with tuning.timing():  # the call path times nothing unless asked; here it is asked
-        resolve(spec.tune)(op, cases, dtype, kernels)
+        tune(op, cases, dtype, kernels)
     added = {k: v for k, v in tuning.entries().items() if k not in before}
     table = Table(title=f"tuned {len(added)} new shape class(es)")
     table.add_column("key", no_wrap=True)
@@ -328,23 +336,15 @@ def cmd_tune(args, console) -> int:
 def cmd_warmup(args, console) -> int:
     import time
 
-    from tilegemm.core import registry
-    from tilegemm.core.registry import resolve
     from tilegemm.core.runtime import interpreting
 
-    try:
-        spec = registry.op(args.op)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    if spec.warmup is None:
-        ops = [o for o in registry.ops() if registry.op(o).warmup]
-        raise UsageError(f"op {args.op!r} has nothing to warm up; ops with a warmup: {', '.join(ops)}")
+    _, warmup = _op_entry(args.op, "warmup", "warm up")
     if interpreting():
         console.print("[yellow]No GPU in use: under Triton's interpreter nothing is compiled, so there is nothing "
                       "to warm up.[/]")
         return 0
     start = time.perf_counter()
-    warmed = resolve(spec.warmup)(on_key=lambda key: console.print(f"compiling {key}", highlight=False))
+    warmed = warmup(on_key=lambda key: console.print(f"compiling {key}", highlight=False))
     console.print(f"warmed {len(warmed)} shape classes of {args.op} in {time.perf_counter() - start:.1f} s; "
                   f"Triton's cache: {_triton_cache_dir()}")
     return 0
