@@ -66,9 +66,12 @@ def gemv_candidates(M: int, quick: bool):
     per_sm = (8,) if quick else (4, 8, 16)
     for (bn, bk, warps, deq, pf) in tiles:
         for rows in rows_list:
-            name = f"gemv {deq} pf{int(pf)} r{rows} {bn}x{bk} w{warps}"
-            yield name, dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, DEQ=deq, PREFETCH=pf,
-                             ROWS=rows), per_sm
+            # XVEC: x's eight values of a packed row in one load (ROWS=1 only; offline sm_90: one 2-byte load a
+            # step instead of sixteen)
+            for xvec in ((False, True) if rows == 1 else (False,)):
+                name = f"gemv {deq} pf{int(pf)} r{rows} {bn}x{bk} w{warps}" + (" xvec" if xvec else "")
+                yield name, dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, DEQ=deq, PREFETCH=pf,
+                                 ROWS=rows, XVEC=xvec), per_sm
 
 
 def mma_candidates(M: int, quick: bool):

@@ -58,6 +58,23 @@ def nibble_value(q, i: tl.constexpr, DEQ: tl.constexpr):
 
 
 @triton.jit
+def x_columns(x0, kx, x_ok, R: tl.constexpr):
+    """``x[8r + i]`` for i = 0..7 and every packed row r of a step, as eight [R] vectors, from one 16-byte load
+    a row (``[R, 8]``, split in registers) instead of eight strided 2-byte gathers. K is a multiple of 8, so a
+    row is whole or absent (``x_ok``)."""
+    k = kx[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
+    x8 = tl.load(x0 + k, mask=x_ok[:, None], other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(x8, (R, 4, 2)))  # [R, 4]: columns 0, 2, 4, 6 and 1, 3, 5, 7
+    c04, c26 = tl.split(tl.reshape(even, (R, 2, 2)))  # [R, 2]: columns 0, 4 and 2, 6
+    c15, c37 = tl.split(tl.reshape(odd, (R, 2, 2)))
+    c0, c4 = tl.split(c04)
+    c2, c6 = tl.split(c26)
+    c1, c5 = tl.split(c15)
+    c3, c7 = tl.split(c37)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
 def load_step(qw_ptr, s_ptr, z_ptr, k0, k_end, rows, offs_n, n_ok, N, K, group_k,
               BLOCK_K: tl.constexpr, DEQ: tl.constexpr):
     """One K step's packed weights [BK/8, BN], scales s [BN] and zero term zs [BN] (all zero past k_end)."""
@@ -82,6 +99,7 @@ def w4a16_gemv_kernel(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K,
     DEQ: tl.constexpr = "magic", PREFETCH: tl.constexpr = False, ROWS: tl.constexpr = 1,
+    XVEC: tl.constexpr = False,
 ):
     # This program: columns pid_n of rows m0 .. m0 + ROWS - 1, one slice of K (whole BLOCK_K steps).
     pid_n = tl.program_id(0)
@@ -133,9 +151,14 @@ def w4a16_gemv_kernel(
             u2 = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
             t3 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
             u3 = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+        if XVEC:  # one 16-byte load of x a packed row (first row only), not eight 2-byte gathers
+            xs = x_columns(x0, kx, x_ok & ok0, BLOCK_K // 8)
         for i in tl.static_range(8):
             w = nibble_value(q, i, DEQ)  # [BK/8, BN]
-            xi = tl.load(x0 + kx + i, mask=x_ok & ok0, other=0.0).to(tl.float32)  # [BK/8]
+            if XVEC:
+                xi = xs[i]
+            else:
+                xi = tl.load(x0 + kx + i, mask=x_ok & ok0, other=0.0).to(tl.float32)  # [BK/8]
             t0 += xi[:, None] * w
             u0 += xi
             if ROWS > 1:
