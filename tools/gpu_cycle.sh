@@ -8,6 +8,9 @@
 #   square-auto   square fp16 and bf16, auto and persistent_tma only (the behaviour check after a refactor)
 #   learn         copy and grey;  profile  host time of one launch (tools/launch_profile.py)
 #   w4a16|conv2d  the family's bench on its GPU sweep;  family-tests: tests/w4a16 tests/conv2d tests/nn on the GPU
+#   random        the random sweep (fp16, auto only; \$RANDOM_DTYPES for others)
+#   conv2d-check  tools/conv2d_gpu_check.py (every layer checked, timed within \$CONV_BUDGET seconds, fp16)
+#   w4a16-check   tools/w4a16_gpu_check.py --quick;  first-call  tools/first_call.py
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -31,6 +34,10 @@ for step in "$@"; do
     bf16) for s in square llm; do bench --sweep $s --dtype bf16 --json "$OUT/$s-bf16.json"; done ;;
     learn) bench --op copy --json "$OUT/copy.json"; bench --op grey --json "$OUT/grey.json" ;;
     profile) python3 tools/launch_profile.py 2>&1 | tee "$OUT/launch-profile.txt" ;;
+    random) for d in ${RANDOM_DTYPES:-fp16}; do bench --sweep random --dtype $d --kernels auto --json "$OUT/random-$d.json" 2>&1 | tail -n 6; done ;;
+    conv2d-check) python3 tools/conv2d_gpu_check.py --dtypes "${CONV_DTYPES:-fp16}" --budget "${CONV_BUDGET:-180}" --out "$OUT/conv2d-check.json" 2>&1 | tee "$OUT/conv2d-check.log" | tail -n 8 ;;
+    w4a16-check) python3 tools/w4a16_gpu_check.py --quick --out "$OUT/w4a16-quick.json" 2>&1 | tee "$OUT/w4a16-quick.log" | tail -n 25 ;;
+    first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
     w4a16|conv2d) bench --op "$step" --json "$OUT/$step.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
