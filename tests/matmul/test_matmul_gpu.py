@@ -28,6 +28,23 @@ def test_large_shapes(kernel, dtype, layout, shape):
 
 
 @pytest.mark.parametrize("kernel", RUNGS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn], ids=["fp16", "fp8"])
+@pytest.mark.parametrize("M,N", [(257, 1000), (1000, 257), (33, 95)])
+def test_odd_sizes_along_an_aligned_unit_stride(kernel, dtype, M, N):
+    """A contiguous along M and B along N with 16-byte aligned leading dimensions but odd M / N: a tile
+    that wraps past the last row must not be read as one contiguous run (a misaligned vector load)."""
+    K, per = 520, 16 // dtype.itemsize
+    ld = lambda n: -(-(n + 1) // per) * per  # noqa: E731  (a multiple of 16 bytes, past n)
+    make = lambda *s: torch.randn(*s, device="cuda").to(dtype)  # noqa: E731
+    a = make(K, ld(M))[:, :M].mT  # [M, K], strides (1, ld(M))
+    b = make(K, ld(N))[:, :N]  # [K, N], strides (ld(N), 1)
+    out_dtype = torch.float16
+    out = mm(a, b, kernel=kernel, out_dtype=out_dtype)
+    assert_rel_close(out.float(), matmul_reference(a, b).float(), tolerance(dtype, out_dtype=out_dtype))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("kernel", RUNGS)
 @pytest.mark.parametrize("activation", tilegemm.ACTIVATIONS)
 def test_bf16_epilogue(kernel, activation):
     a = torch.randn(3, 300, 200, device="cuda", dtype=torch.bfloat16)

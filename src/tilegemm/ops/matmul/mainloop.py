@@ -16,19 +16,26 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_64: tl.constexpr):
+def tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_64: tl.constexpr,
+                   DIVISORS: tl.constexpr):
     """Row and column indices of a tile: exact ones for the store, wrapped ones for the loads.
 
     Wrapping out-of-range rows/columns back into the matrix keeps A/B loads unmasked along M and N (the
-    extra rows are computed and then dropped by the store's mask).
+    extra rows are computed and then dropped by the store's mask). A wrapped tile is contiguous only in
+    runs that end where M (or N) ends: the hints claim runs of the largest power of two dividing M (N), at
+    most the tile. Claiming whole tiles is wrong when an operand is contiguous along M (N) and M (N) is not
+    a multiple of the vector width: at 257 rows the run [256, 0, 1, ...] would be read as 256..263 and
+    the next vector would start at row 7, a misaligned 16-byte load on the GPU.
     """
+    RUN_M: tl.constexpr = min(BLOCK_M, DIVISORS[8])
+    RUN_N: tl.constexpr = min(BLOCK_N, DIVISORS[9])
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     if INDEX_64:
         offs_m = offs_m.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
-    load_m = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
-    load_n = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    load_m = tl.max_contiguous(tl.multiple_of(offs_m % M, RUN_M), RUN_M)
+    load_n = tl.max_contiguous(tl.multiple_of(offs_n % N, RUN_N), RUN_N)
     return offs_m, offs_n, load_m, load_n
 
 

@@ -41,7 +41,7 @@ def matmul_naive_kernel(
     c_ptr += pid_b * stride_cb
 
     # Accumulate A[rows, :] @ B[:, cols] in fp32.
-    offs_m, offs_n, load_m, load_n = tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
+    offs_m, offs_n, load_m, load_n = tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INDEX_64, DIVISORS)
     acc = dot_k_loop(a_ptr, b_ptr, 0, K, stride_am, stride_ak, stride_bk, stride_bn, load_m, load_n,
                      BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST, MMA_OPERANDS, FAST_ACCUM, DIVISORS)
 

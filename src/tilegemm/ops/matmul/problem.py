@@ -130,11 +130,13 @@ class GemmProblem:
 
         In this order (the kernels' ``DIVISORS`` constexpr): A's row and column strides, B's, out's, c's,
         then M, N, K. Triton itself only knows "a multiple of 16"; see :func:`tilegemm.jit.helpers.below`.
-        M's entry is 1 unless out or c is column-major, the only place it helps: M is the batch size in
-        LLM inference, and each new value would otherwise compile the kernels again.
+        M's entry is 1 unless A, out or c is column-major, the only places it matters: M is the batch size
+        in LLM inference, and each new value would otherwise compile the kernels again. Where A is
+        contiguous along M, its loads may be vectorized only in runs that M's divisor allows (see
+        :func:`tilegemm.ops.matmul.mainloop.tile_rows_cols`); N's divisor plays that part for B.
         """
         a, b, o, c = self.a_strides, self.b_strides, self.out_strides, self.c_strides
-        m_matters = o[1] == 1 or (self.c is not None and c[1] == 1)
+        m_matters = a[1] == 1 or o[1] == 1 or (self.c is not None and c[1] == 1)
         return (
             _divisor(a[1]), _divisor(a[2]), _divisor(b[1]), _divisor(b[2]),
             _divisor(o[1]), _divisor(o[2]), _divisor(c[1]), _divisor(c[2]),

@@ -72,7 +72,7 @@ def matmul_split_k_kernel(
     k_begin = split * steps_per_split * BLOCK_K
     k_end = tl.minimum(K, k_begin + steps_per_split * BLOCK_K)
 
-    offs_m, offs_n, load_m, load_n = tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
+    offs_m, offs_n, load_m, load_n = tile_rows_cols(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INDEX_64, DIVISORS)
     acc = dot_k_loop(a_ptr, b_ptr, k_begin, k_end, stride_am, stride_ak, stride_bk, stride_bn, load_m, load_n,
                      BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST, MMA_OPERANDS, FAST_ACCUM, DIVISORS)
 
