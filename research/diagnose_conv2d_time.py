@@ -29,7 +29,7 @@ def main() -> None:
     import torch.nn.functional as F
     import triton.testing as tt
     from tilegemm.bench.base import bench_op
-    from tilegemm.ops.conv2d.op import _conv2d_op, _dgrad_op, _wgrad_op, choose_kernel
+    from tilegemm.ops.conv2d.op import backward_data, backward_weight, choose_kernel
     from tilegemm.ops.conv2d.problem import geometry_of
 
     torch.backends.cudnn.benchmark = True
@@ -58,15 +58,15 @@ def main() -> None:
         d = case.dims
         s, p = [d["stride"]] * 2, [d["pad"]] * 2
         x = torch.randn(d["N"], d["C"], d["H"], d["W"], device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
-        w = (torch.randn(d["K"], d["C"] // d["groups"], d["R"], d["S"], device="cuda") * 0.05).half()
+        w = (torch.randn(d["K"], d["C"] // d["groups"], d["R"], d["S"], device="cuda") * 0.05).half().contiguous(memory_format=cl)
         g = geometry_of(x.shape, w.shape, s, [d["pad"]] * 4, [1, 1], d["groups"])
         y = F.conv2d(x, w, None, s, p, 1, d["groups"])
         dy = torch.randn_like(y).contiguous(memory_format=cl)
         common = (s, [d["pad"]] * 4, [1, 1], d["groups"], "default")
         ours = {
-            "fwd": lambda: _conv2d_op(x, w, None, s, [d["pad"]] * 4, [1, 1], d["groups"], "none", "default", "auto"),
-            "dgrad": lambda: _dgrad_op(dy, w, list(x.shape), True, *common),
-            "wgrad": lambda: _wgrad_op(dy, x, list(w.shape), *common),
+            "fwd": lambda: tilegemm.conv2d(x, w, None, s, p, 1, d["groups"]),
+            "dgrad": lambda: backward_data(dy, w, list(x.shape), True, *common),
+            "wgrad": lambda: backward_weight(dy, x, list(w.shape), *common),
         }
         cudnn = {
             "fwd": lambda: F.conv2d(x, w, None, s, p, 1, d["groups"]),

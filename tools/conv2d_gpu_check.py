@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
     from tilegemm.bench.base import bench_op
     from tilegemm.core.checks import relative_error
-    from tilegemm.ops.conv2d.op import _dgrad_op, _wgrad_op
+    from tilegemm.ops.conv2d.op import backward_data, backward_weight
     from tilegemm.ops.conv2d.reference import tolerance
 
     device = "cpu" if args.dry_run else "cuda"
@@ -57,8 +57,8 @@ def main(argv=None) -> int:
 
     def ours_bwd(dy, x, w, conv):
         common = ([conv["stride"]] * 2, [conv["padding"]] * 4, [1, 1], conv["groups"], "default")
-        dx = _dgrad_op(dy, w, list(x.shape), x.is_contiguous(memory_format=cl) and not x.is_contiguous(), *common)
-        return dx, _wgrad_op(dy, x, list(w.shape), *common)
+        dx = backward_data(dy, w, list(x.shape), x.is_contiguous(memory_format=cl) and not x.is_contiguous(), *common)
+        return dx, backward_weight(dy, x, list(w.shape), *common)
 
     for sweep in args.sweeps.split(","):
         for case in op.cases(sweep):
@@ -72,6 +72,7 @@ def main(argv=None) -> int:
                 x = torch.randn(d["N"], d["C"], d["H"], d["W"], device=device, dtype=dtype).contiguous(memory_format=cl)
                 fan_in = d["C"] // d["groups"] * d["R"] * d["S"]
                 w = (torch.randn(d["K"], d["C"] // d["groups"], d["R"], d["S"], device=device) / fan_in**0.5).to(dtype)
+                w = w.contiguous(memory_format=cl)  # as model.to(memory_format=channels_last) leaves it (and the bench)
                 torch.backends.cudnn.allow_tf32 = False
                 ref = F.conv2d(x.float(), w.float(), None, **conv)
                 dy = torch.randn(ref.shape, device=device, dtype=dtype).contiguous(memory_format=cl)

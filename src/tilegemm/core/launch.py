@@ -119,9 +119,18 @@ class recording:
 
     def __exit__(self, *exc):
         launches, spoiled = _state.launches, _state.spoiled
-        _state.launches, _state.spoiled = self._outer
+        outer, outer_spoiled = self._outer
+        if outer is not None:  # nested (conv2d's 1x1 path calls matmul): the launches belong to both
+            outer.extend(launches)
+            outer_spoiled = outer_spoiled or spoiled or exc[0] is not None
+        _state.launches, _state.spoiled = outer, outer_spoiled
         self.launches = None if (spoiled or exc[0] is not None) else launches
         return False
+
+
+def recording_active() -> bool:
+    """True inside a :class:`recording` (a caller's replay would hide its launch from the recording)."""
+    return getattr(_state, "launches", None) is not None
 
 
 def _direct_launcher(launcher):

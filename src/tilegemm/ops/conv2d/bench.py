@@ -153,7 +153,7 @@ class Conv2dBench(BenchOp):
 
     def run(self, kernel, inputs, dtype):
         from tilegemm.ops.conv2d import conv2d
-        from tilegemm.ops.conv2d.op import _dgrad_op, _wgrad_op
+        from tilegemm.ops.conv2d.op import backward_data, backward_weight
         from tilegemm.ops.conv2d.problem import check_conv
 
         x, w, conv = inputs["x"], inputs["w"], inputs["conv"]
@@ -166,8 +166,8 @@ class Conv2dBench(BenchOp):
             raise NotApplicable("the backward picks its kernels by geometry: bench it as kernel auto")
         g = check_conv(x, w, None, conv["stride"], conv["padding"], 1, conv["groups"])
         args = (list(g.stride), list(g.padding), list(g.dilation), g.groups, precision)
-        dx = _dgrad_op(inputs["dy"], w, list(x.shape), True, *args)
-        dw = _wgrad_op(inputs["dy"], x, list(w.shape), *args)
+        dx = backward_data(inputs["dy"], w, list(x.shape), True, *args)
+        dw = backward_weight(inputs["dy"], x, list(w.shape), *args)
         return self._flat_grads(dx, dw)
 
     def baseline(self, inputs, dtype):

@@ -15,6 +15,7 @@ from typing import List, Optional
 import torch
 
 from tilegemm.core import registry
+from tilegemm.ops.conv2d import replay
 from tilegemm.core.runtime import interpreting, on_device
 from tilegemm.ops.conv2d.problem import (
     ConvProblem, Geometry, channels_last, check_conv, geometry_of, memory_format_of,
@@ -94,18 +95,8 @@ def _as_nhwc_2d(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(N * H * W, C)
 
 
-@torch.library.custom_op("tilegemm::conv2d_dgrad", mutates_args=())
-def _dgrad_op(
-    dy: torch.Tensor,
-    weight: torch.Tensor,
-    x_shape: List[int],
-    x_channels_last: bool,
-    stride: List[int],
-    padding: List[int],
-    dilation: List[int],
-    groups: int,
-    precision: str,
-) -> torch.Tensor:
+def _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision) -> torch.Tensor:
+    """The data gradient (what ``tilegemm::conv2d_dgrad`` runs)."""
     from tilegemm.ops.conv2d.implicit_gemm import empty_4d
 
     g = geometry_of(x_shape, weight.shape, stride, padding, dilation, groups)
@@ -132,23 +123,29 @@ def _dgrad_op(
         return implicit_gemm.dgrad(dy, weight, x_shape, fmt, g, precision, _upcast(dy))
 
 
-@_dgrad_op.register_fake
-def _dgrad_fake(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision):
-    fmt = torch.channels_last if x_channels_last else torch.contiguous_format
-    return torch.empty(x_shape, dtype=dy.dtype, device=dy.device, memory_format=fmt)
-
-
-@torch.library.custom_op("tilegemm::conv2d_wgrad", mutates_args=())
-def _wgrad_op(
+@torch.library.custom_op("tilegemm::conv2d_dgrad", mutates_args=())
+def _dgrad_op(
     dy: torch.Tensor,
-    x: torch.Tensor,
-    w_shape: List[int],
+    weight: torch.Tensor,
+    x_shape: List[int],
+    x_channels_last: bool,
     stride: List[int],
     padding: List[int],
     dilation: List[int],
     groups: int,
     precision: str,
 ) -> torch.Tensor:
+    return _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision)
+
+
+@_dgrad_op.register_fake
+def _dgrad_fake(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision):
+    fmt = torch.channels_last if x_channels_last else torch.contiguous_format
+    return torch.empty(x_shape, dtype=dy.dtype, device=dy.device, memory_format=fmt)
+
+
+def backward_weight(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torch.Tensor:
+    """The weight gradient (what ``tilegemm::conv2d_wgrad`` runs)."""
     g = geometry_of(x.shape, w_shape, stride, padding, dilation, groups)
     if dy.numel() == 0:
         return torch.zeros(w_shape, dtype=x.dtype, device=x.device)
@@ -166,6 +163,34 @@ def _wgrad_op(
         from tilegemm.ops.conv2d import implicit_gemm
 
         return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype).contiguous()
+
+
+def backward_data(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision):
+    """:func:`_dgrad` for a plain call, replayed when an earlier call with the same key was recorded."""
+    key = replay.replay_key("dgrad", dy, weight, None, (stride, padding, dilation, groups), tuple(x_shape),
+                            x_channels_last, precision)
+    if key is None:
+        return _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision)
+    out = replay.replayed(key, (dy, weight))
+    if out is not None:
+        return out
+    fmt = torch.channels_last if x_channels_last else torch.contiguous_format
+    return replay.record(key, lambda: _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation,
+                                             groups, precision), (dy, weight), fmt)
+
+
+@torch.library.custom_op("tilegemm::conv2d_wgrad", mutates_args=())
+def _wgrad_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w_shape: List[int],
+    stride: List[int],
+    padding: List[int],
+    dilation: List[int],
+    groups: int,
+    precision: str,
+) -> torch.Tensor:
+    return backward_weight(dy, x, w_shape, stride, padding, dilation, groups, precision)
 
 
 @_wgrad_op.register_fake
@@ -197,11 +222,15 @@ def _backward(ctx, grad_out):
     want_x, want_w, want_bias = ctx.needs_input_grad[:3]
     g = grad.to(x.dtype)  # the two convolutions of the backward pass run in the operands' dtype, like torch's
     grad_x = grad_w = grad_bias = None
+    # Outside tracing the gradients' ops are called as functions: dispatch through a registered op costs
+    # tens of microseconds of host time a call (see tilegemm.core.launch.plain_call).
+    plain = plain_call(g, weight, x)
     if want_x:
-        grad_x = _dgrad_op(g, weight, list(x.shape), ctx.x_channels_last, stride, padding, dilation, groups,
-                           ctx.precision)
+        args = (g, weight, list(x.shape), ctx.x_channels_last, stride, padding, dilation, groups, ctx.precision)
+        grad_x = backward_data(*args) if plain else _dgrad_op(*args)
     if want_w:
-        grad_w = _wgrad_op(g, x, list(weight.shape), stride, padding, dilation, groups, ctx.precision)
+        args = (g, x, list(weight.shape), stride, padding, dilation, groups, ctx.precision)
+        grad_w = backward_weight(*args) if plain else _wgrad_op(*args)
     if want_bias and bias is not None:
         grad_bias = grad.sum(dim=(0, 2, 3), dtype=torch.float32).to(bias.dtype)
     return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None
@@ -256,6 +285,12 @@ def conv2d(
         TypeError, ValueError: naming the bad argument (ranks, dtypes, devices, channel counts, sizes).
     """
     activation = "none" if activation is None else activation
+    key = replay.replay_key("fwd", x, weight, bias, (stride, padding, dilation, groups), activation, precision,
+                            kernel)
+    if key is not None:
+        out = replay.replayed(key, (x, weight) if bias is None else (x, weight, bias))
+        if out is not None:
+            return out
     check_activation(activation)
     if precision is not None:
         check_precision(precision)
@@ -263,6 +298,9 @@ def conv2d(
     g = check_conv(x, weight, bias, stride, padding, dilation, groups)
     args = (x, weight, bias, list(g.stride), list(g.padding), list(g.dilation), g.groups, activation,
             precision or "default", kernel)
+    if key is not None:
+        return replay.record(key, lambda: _forward(*args), (x, weight) if bias is None else (x, weight, bias),
+                             memory_format_of(x))
     if plain_call(x, weight, bias):
         return _forward(*args)
     return _conv2d_op(*args)

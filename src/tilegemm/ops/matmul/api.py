@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import recording
+from tilegemm.core.launch import recording, recording_active
 from tilegemm.core.runtime import new_output
 from tilegemm.ops.matmul import replay
 from tilegemm.ops.matmul.call import MatmulCall, default_out_dtype
@@ -55,7 +55,8 @@ def matmul(
     Raises:
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
-    plain = bias is None and c is None and activation is None
+    # (Inside another op's recording the launch must happen, to be recorded: no replay then.)
+    plain = bias is None and c is None and activation is None and not recording_active()
     key = replay.replay_key(a, b, alpha, precision, kernel, out_dtype, scale_a, scale_b, fast_accum) if plain else None
     if key is not None:
         # The tensors a replay takes after a, b and out (fp8 scales, where given).

@@ -1,0 +1,88 @@
+"""The host fast path of ``tilegemm.conv2d`` and of its data gradient: replays of earlier plain calls.
+
+A call's Python path (checks, geometry, config, layout of the operands, Triton's launch wrapper) cost 100-300
+us of host time on the H200's host, more than most of ResNet-50's layers take on the GPU
+(benchmarks/results/2026-11-23-h200/61a6669/). A plain call (CUDA, no tracer, dispatch mode or autograd
+watching) is keyed by everything its launch depends on: the layouts of x, the weight and the bias (dtype,
+shape, strides, device, 16-byte alignment), the geometry, the activation, the precision and the kernel asked
+for. The first call records its launches; when they are exactly one Triton launch whose tensors are all the
+call's own (no layout copy made on the way, no torch op after it), later calls with the same key replay it
+with their own tensors. Anything else (a weight that had to be copied channels-last, a split reduction, a
+GEMM that went through a workspace) is simply not kept, and such calls take the full path every time.
+
+:func:`clear` and :func:`count` are the documented hooks to observe the cache (tests use them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core.launch import ReplayCache, plain_call, recording, tensor_key
+from tilegemm.core.runtime import interpreting
+
+_cache = ReplayCache()
+
+
+def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tuple, *options):
+    """The key of a call, or None when it may not be replayed. ``part``: ``"fwd"`` or ``"dgrad"``; ``x`` is the
+    activation the kernel reads (dy for the data gradient); ``conv``: (stride, padding, dilation, groups) as
+    lists; ``options``: whatever else selects the launch (activation, precision, kernel, output layout)."""
+    if type(x) is not torch.Tensor or type(weight) is not torch.Tensor or not x.is_cuda or interpreting():
+        return None
+    if weight.device != x.device:
+        return None
+    if bias is not None and (type(bias) is not torch.Tensor or bias.device != x.device):
+        return None
+    if not plain_call(x, weight, bias):
+        return None
+    return key_of(part, x, weight, bias, conv, *options)
+
+
+def key_of(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tuple, *options):
+    """The key itself (see :func:`replay_key`), or None if an argument cannot be part of one."""
+    geometry = []
+    for c in conv:  # ints, strings ("same") and sequences of ints, as the public function takes them
+        if type(c) in (list, tuple) and all(type(v) is int for v in c):
+            c = tuple(c)
+        elif type(c) not in (int, str):
+            return None  # something the checks will reject, naming it, on the full path
+        geometry.append(c)
+    if any(type(o) not in (str, int, bool, tuple, type(None)) for o in options):
+        return None
+    precision = torch.get_float32_matmul_precision() if x.dtype == torch.float32 else None
+    return (part, tensor_key(x), tensor_key(weight), None if bias is None else tensor_key(bias), tuple(geometry),
+            precision, options)
+
+
+def replayed(key, tensors: tuple):
+    """The output of a replay of the call recorded under ``key`` with ``tensors`` (the call's inputs), or None
+    when there is none (or it declined: another stream or device)."""
+    hit = _cache.get(key)
+    if hit is None:
+        return None
+    from tilegemm.ops.conv2d.implicit_gemm import empty_4d
+
+    shape, fmt, dtype = hit.shape
+    x = tensors[0]
+    out = empty_4d(shape, dtype, x.device, fmt)
+    return out if hit(*tensors, out) else None
+
+
+def record(key, run, tensors: tuple, out_format) -> torch.Tensor:
+    """``run()``, its launches kept under ``key`` when they can be replayed with ``tensors`` and the output."""
+    with recording() as rec:
+        out = run()
+    # The replay allocates its output like empty_4d; a result laid out otherwise is not kept.
+    if out.dim() == 4 and out.is_contiguous(memory_format=out_format):
+        _cache.store(key, rec.launches, (*tensors, out), shape=(tuple(out.shape), out_format, out.dtype))
+    return out
+
+
+def clear() -> None:
+    """Forget every recorded replay."""
+    _cache.clear()
+
+
+def count() -> int:
+    """How many calls' launches are recorded."""
+    return len(_cache.entries)

@@ -1,0 +1,125 @@
+"""The host fast path of conv2d and its data gradient (tilegemm.ops.conv2d.replay): keys on the CPU, replays
+on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_rel_close
+
+import tilegemm
+from tilegemm.core.launch import recording, recording_active
+from tilegemm.ops.conv2d import replay
+
+CL = torch.channels_last
+
+
+def key(x, w, bias=None, conv=(1, 1, 1, 1), *options):
+    return replay.key_of("fwd", x, w, bias, conv, *options)
+
+
+def test_keys_differ_where_the_launch_does():
+    x = torch.randn(2, 16, 9, 9, dtype=torch.float16).contiguous(memory_format=CL)
+    w = torch.randn(32, 16, 3, 3, dtype=torch.float16).contiguous(memory_format=CL)
+    # (replay_key itself declines on the CPU)
+    assert replay.replay_key("fwd", x, w, None, (1, 1, 1, 1), "none", None, "auto") is None
+    base = key(x, w)
+    others = [
+        key(x.contiguous(), w), key(x, w.contiguous()), key(x[:1], w), key(x, w, torch.randn(32, dtype=torch.float16)),
+        key(x, w, None, (2, 1, 1, 1)), key(x, w, None, (1, 1, 1, 1), "relu"), key(x.float(), w.float()),
+    ]
+    assert all(k != base for k in others) and len(set(others)) == len(others)
+    assert key(torch.randn_like(x), torch.randn_like(w)) == base  # new tensors of the same layouts: one key
+    assert key(x, w, None, ([1, 1], "same", 1, 1)) == key(x, w, None, ((1, 1), "same", 1, 1))
+    assert key(x, w, None, (torch.ones(2), 1, 1, 1)) is None  # not a geometry: no key (the checks will say why)
+    assert key(x, w, None, (1, 1, 1, 1), ["relu"]) is None  # an unhashable option: no key, no TypeError
+
+
+def test_nested_recordings_pass_their_launches_out():
+    with recording() as outer:
+        assert recording_active()
+        with recording() as inner:
+            pass
+        assert inner.launches == []
+    assert not recording_active() and outer.launches == []
+
+
+def test_no_replay_on_the_cpu():
+    replay.clear()
+    x = torch.randn(1, 8, 6, 6).contiguous(memory_format=CL)
+    w = torch.randn(8, 8, 3, 3)
+    out = tilegemm.conv2d(x, w, padding=1)
+    assert replay.count() == 0
+    assert_rel_close(out, F.conv2d(x.double(), w.double(), padding=1), 1e-4)
+
+
+# --- replays (GPU) -----------------------------------------------------------------------------------------
+
+LAYERS = [  # (C, K, R, stride, pad, groups): implicit GEMM, 1x1 (through matmul), strided, depthwise
+    (64, 128, 3, 1, 1, 1), (64, 96, 1, 1, 0, 1), (32, 64, 1, 2, 0, 1), (48, 48, 3, 1, 1, 48),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", LAYERS, ids=lambda l: "c{}k{}r{}s{}p{}g{}".format(*l))
+@pytest.mark.parametrize("fmt", ["cl", "nchw"])
+def test_replayed_calls_equal_fresh_ones(layer, fmt):
+    C, K, R, stride, pad, groups = layer
+    replay.clear()
+    memory_format = CL if fmt == "cl" else torch.contiguous_format
+    w = (torch.randn(K, C // groups, R, R, device="cuda") / (C * R) ** 0.5).half().contiguous(memory_format=CL)
+    bias = torch.randn(K, device="cuda", dtype=torch.float16)
+    for act, b in (("none", None), ("relu", bias)):
+        outs = []
+        for trial in range(3):  # the first call records, later ones replay with new tensors
+            x = torch.randn(3, C, 17, 19, device="cuda", dtype=torch.float16).contiguous(memory_format=memory_format)
+            out = tilegemm.conv2d(x, w, b, stride, pad, 1, groups, act)
+            ref = F.conv2d(x.double(), w.double(), None if b is None else b.double(), stride, pad, 1, groups)
+            assert_rel_close(out, ref.relu() if act == "relu" else ref, 4e-3)
+            assert out.is_contiguous(memory_format=memory_format)
+            outs.append(out)
+        assert outs[1].data_ptr() != outs[2].data_ptr()
+    assert replay.count() >= (2 if fmt == "cl" else 0)  # channels-last calls are one launch each: kept
+
+
+@pytest.mark.gpu
+def test_a_weight_that_needs_a_copy_is_not_replayed_but_stays_right():
+    replay.clear()
+    x = torch.randn(2, 32, 10, 10, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+    for _ in range(3):
+        w = torch.randn(64, 32, 3, 3, device="cuda", dtype=torch.float16)  # NCHW weight: copied channels-last
+        out = tilegemm.conv2d(x, w, padding=1)
+        assert_rel_close(out, F.conv2d(x.double(), w.double(), padding=1), 4e-3)
+    assert replay.count() == 0
+
+
+@pytest.mark.gpu
+def test_backward_data_gradient_replays_and_matches_torch():
+    replay.clear()
+    w = (torch.randn(64, 32, 3, 3, device="cuda") * 0.05).half().contiguous(memory_format=CL).requires_grad_()
+    for _ in range(3):
+        x = torch.randn(2, 32, 12, 12, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+        x.requires_grad_()
+        dy = torch.randn(2, 64, 12, 12, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+        tilegemm.conv2d(x, w, padding=1).backward(dy)
+        xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        F.conv2d(xr, wr, padding=1).backward(dy.double())
+        assert_rel_close(x.grad, xr.grad, 4e-3)
+        assert_rel_close(w.grad, wr.grad, 4e-3)
+        w.grad = None
+    assert replay.count() >= 1
+
+
+@pytest.mark.gpu
+def test_replay_declines_on_another_stream():
+    replay.clear()
+    w = torch.randn(32, 16, 3, 3, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+    x = torch.randn(2, 16, 8, 8, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+    first = tilegemm.conv2d(x, w, padding=1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        again = tilegemm.conv2d(x, w, padding=1)
+    torch.cuda.current_stream().wait_stream(side)
+    assert_rel_close(again, first.double(), 1e-3)
