@@ -136,8 +136,11 @@ def _scale_stride(scale: torch.Tensor | None) -> int:
 
 
 # Whether auto copies an operand whose rows are not 16-byte aligned into an aligned buffer first (see
-# realigned): on a GPU, yes; under the interpreter only when a test turns it on (no vectorization to gain).
-REALIGN = None  # None: on a GPU only; True / False: always / never
+# realigned). Off: measured on the random sweep (fp16, H200) it made misaligned shapes slower, 0.13x cuBLAS
+# against 0.47x without it (aligned ones 0.74x either way; benchmarks/results/2026-11-23-h200/a4fa0d3/). A
+# copy is not a launch a replay can repeat, so every such call paid the full host path (tiny problems ran
+# 140-200 us), and odd K still masks every K step element by element, so the copy bought no wider loads.
+REALIGN = False
 
 
 def _misaligned(t: torch.Tensor) -> bool:
@@ -175,9 +178,8 @@ def realigned(t: torch.Tensor) -> torch.Tensor:
 
 def _realign(call: MatmulCall) -> MatmulCall:
     """For ``auto`` on 2-D operands: misaligned operands replaced by aligned copies (:func:`realigned`)."""
-    on = REALIGN if REALIGN is not None else not interpreting()
     a, b = call.a, call.b
-    if not on or call.kernel != "auto" or a.dim() != 2 or b.dim() != 2:
+    if not REALIGN or call.kernel != "auto" or a.dim() != 2 or b.dim() != 2:
         return call
     if _misaligned(a):
         a = realigned(a)
