@@ -119,6 +119,46 @@ def test_split_k_candidates_are_sound(monkeypatch, dtype, shape):
         assert picked["SPLIT_K"] > 1
 
 
+@pytest.mark.parametrize("shape", [(64, 64, 100352), (256, 64, 100352), (8, 96, 50000), (100, 4096, 4096)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_untimed_split_k_fills_a_wave_for_small_outputs_with_long_k(monkeypatch, shape):
+    """A 1x1 convolution's weight gradient (64x64 over 100352 pixels) ran in 8 slices on 132 SMs; an untimed
+    config now splits K into about one wave, each slice at least 4 K steps, whatever its neighbour split."""
+    monkeypatch.setattr(split_k, "interpreting", lambda: False)
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 132)
+    M, N, K = shape
+    p = make_problems(torch.empty(M, K, dtype=torch.float16), torch.empty(K, N, dtype=torch.float16),
+                      torch.empty(M, N, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee", False)[0]
+    for cfg in [split_k.pick_config(p), *split_k.configs(p)]:
+        got = split_k.filled(p, cfg)
+        tiles = -(-M // got["BLOCK_M"]) * -(-N // got["BLOCK_N"])
+        steps = -(-K // got["BLOCK_K"])
+        assert tiles * got["SPLIT_K"] <= 132 or got == cfg, "never past one wave unless the config was kept"
+        assert steps >= 4 * got["SPLIT_K"] or got == cfg
+        assert got["SPLIT_K"] >= cfg["SPLIT_K"]
+        if tiles * cfg["SPLIT_K"] * 2 <= 132 and steps >= 8 * cfg["SPLIT_K"]:
+            assert tiles * got["SPLIT_K"] * 2 > 132 or steps < 4 * (got["SPLIT_K"] + 1) or got["SPLIT_K"] == 256
+    assert split_k.wave_split(1, 1568, 132) == 132 and split_k.wave_split(200, 1000, 132) == 1
+    assert split_k.wave_split(1, 40, 132) == 10 and split_k.wave_split(1, 10**6, 1000) == 256
+
+
+def test_auto_sends_few_tiles_with_long_k_to_split_k(monkeypatch):
+    from tilegemm.ops.matmul import dispatch
+
+    monkeypatch.setattr("tilegemm.core.hardware.sm_count", lambda device: 132)
+
+    def few(M, N, K, ld=None):
+        a = torch.empty(M, ld or K, dtype=torch.float16)[:, :K]
+        p = make_problems(a, torch.empty(K, N, dtype=torch.float16), torch.empty(M, N, dtype=torch.float16), None,
+                          None, 1.0, 0.0, "none", "ieee", False)[0]
+        return dispatch._few_tiles_long_k(p)
+
+    assert few(256, 64, 100352) and few(2048, 256, 8192)  # 2 and 32 tiles of 128x128
+    assert not few(4096, 4096, 8192)  # 1024 tiles
+    assert not few(256, 64, 2048)  # short K: one program per tile walks it quickly
+    assert not few(256, 64, 100352, ld=100353)  # rows not 16-byte aligned: split_k's loads would crawl
+
+
 def test_split_k_picks_more_splits_for_fewer_tiles(device):
     a = torch.randn(16, 8192, dtype=torch.float16, device=device)
     b = torch.randn(8192, 4096, dtype=torch.float16, device=device)

@@ -37,6 +37,8 @@ def choose_kernel(p: GemmProblem) -> str:
       ``autotuned`` unless it is NN or TT and ``persistent_tma``'s Gluon kernel takes it. Where a Gluon
       kernel takes the problem (that tf32, promoted K-major fp8, 16-bit with a 16-bit output), the two
       rungs are timed from half a tile per SM to two (16-bit: a quarter; see the code).
+    - M > 128 with too few 128x128 tiles for a quarter of the SMs and K of 4096 and up: ``split_k``, whose
+      untimed choice splits K into about one wave (:func:`_few_tiles_long_k`).
     - Otherwise ``autotuned``.
     """
     if interpreting():
@@ -52,6 +54,8 @@ def choose_kernel(p: GemmProblem) -> str:
 
             if describable(p) is None:
                 return _timed_choice(p, ("split_k", "persistent_tma"))
+        return "split_k"
+    if _few_tiles_long_k(p):
         return "split_k"
     if _has_tma():
         from tilegemm.core.hardware import sm_count
@@ -91,6 +95,19 @@ def choose_kernel(p: GemmProblem) -> str:
         if tiles >= min_tiles and described:
             return "persistent_tma"
     return "autotuned"
+
+
+def _few_tiles_long_k(p: GemmProblem) -> bool:
+    """Whether 128x128 tiles would leave three quarters of the SMs idle while each walks a long K (4096 and
+    up): then only a K split fills the GPU (see :func:`tilegemm.ops.matmul.split_k.wave_split`). A 1x1
+    convolution's weight gradient is such a product: 256x64 over 100352 pixels. Rows must be 16-byte
+    aligned (split_k's misaligned loads ran far behind autotuned's, see :func:`choose_kernel`)."""
+    if p.K < 4096 or not rows_aligned(p):
+        return False
+    from tilegemm.core.hardware import sm_count
+
+    tiles = -(-p.M // 128) * -(-p.N // 128) * p.batch
+    return 4 * tiles <= sm_count(p.out.device)
 
 
 def rows_aligned(p: GemmProblem) -> bool:
