@@ -23,21 +23,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# gemv (M = 1): 64 columns x 128 K per step, 4 warps, the int-to-float trick, K split to about 8 programs per
-# SM. On an H100 (g128 fp16, kernel launched directly) that ran 29.6 us at 8192 x 8192 (2.02x cuBLAS; 128
-# columns: 31.4 us) and 12.4 us at 4096 x 4096 (1.85x); the int-to-float trick (DEQ="magic") bought 1-3% (tools/w4a16_gpu_check.py,
-# benchmarks/results/2026-11-23-h100/w4a16-6cb233e). The first, 3-D form of this kernel ran 45 us (f93179c).
-# The kernel's other options (DEQ="exp16", PREFETCH, ROWS > 1) are candidates not yet timed on a GPU:
-# tools/w4a16_gpu_check.py times them against this config.
-_GEMV = (64, 128, 4, 8, 2, "magic", False)  # BN, BK, num_warps, programs per SM, min steps per slice, DEQ, PREFETCH
+# gemv (M = 1): 64 columns x 128 K per step, 4 warps, the exponent trick in inline assembly (DEQ="exp16asm"),
+# the next step's weights loaded before this step's arithmetic (PREFETCH), x's eight values of a packed row in
+# one load (XVEC), K split to at least 6 programs per SM. Timed from CUDA graphs on an H200 (g128 fp16,
+# tools/w4a16_gpu_check.py, benchmarks/results/2026-11-23-h200/418c944/), GPU time alone: 19.2 us at 8192 x
+# 8192 against 26.0 us for the earlier default (magic, no prefetch, no XVEC, 8 programs per SM) and 39.0 us
+# for cuBLAS; 16.5 / 22.3 us at 14336 x 4096; 8.4 / 9.3 us at 4096 x 4096. At 28672 x 8192 128 columns ran
+# 53.3 us against 59.1 us for this tile (and 80.8 us before). The first, 3-D form of this kernel ran 45 us
+# at 8192 x 8192 (f93179c).
+_GEMV = (64, 128, 4, 6, 2, "exp16asm", True)  # BN, BK, num_warps, programs per SM, min steps per slice, DEQ, PREFETCH
 
 
 def gemv_config(M: int, N: int, K: int, device, rows: int = 1) -> dict:
     bn, bk, warps, per_sm, min_steps, deq, prefetch = _GEMV
     tiles = _cdiv(N, bn) * _cdiv(M, rows)
     split = split_for(tiles, _cdiv(K, bk), sm_count(device), per_sm, min_steps)
-    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, DEQ=deq, PREFETCH=prefetch, ROWS=rows, num_warps=warps,
-                num_stages=1)
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, DEQ=deq, PREFETCH=prefetch, ROWS=rows, XVEC=rows == 1,
+                num_warps=warps, num_stages=1)
 
 
 # mma: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP, programs per SM, min steps per slice) by M
