@@ -161,6 +161,31 @@ def test_replayed_launches_compute_with_the_new_tensors():
     assert replay.count() == len(shapes) * len(kernels), "plain repeated calls should be replayed"
 
 
+@pytest.mark.parametrize("kernel", ["auto", "split_k", "persistent_tma", "gluon_f16"])
+def test_calls_with_bias_and_activation_replay_with_the_new_bias(kernel):
+    """nn.Linear's call (a bias, maybe an activation) takes the fast path too: each replay must read its own
+    bias, apply the recorded activation, and a call with another activation or without bias is another key."""
+    from tilegemm.ops.matmul import replay
+
+    replay.clear()
+    M, N, K = (8, 1024, 2048) if kernel == "split_k" else (512, 384, 256)
+    for act in ("none", "gelu", None):
+        for trial in range(3):
+            a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            b = torch.randn(N, K, device="cuda", dtype=torch.float16).mT
+            bias = None if act is None else torch.randn(N, device="cuda", dtype=torch.float16) * (trial + 1)
+            out = mm(a, b, bias=bias, activation=act, kernel=kernel)
+            ref = matmul_reference(a, b, bias=bias, activation=None if act == "none" else act)
+            assert_rel_close(out, ref, tolerance(torch.float16))
+    assert replay.count() == 3, "one record per (bias, activation) key, replayed afterwards"
+    # a bias that is itself a slice of a: aliases are in the key, so this is yet another key, right too
+    a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+    bias = a.view(-1)[:N]
+    for _ in range(2):
+        assert_rel_close(mm(a, b, bias=bias, kernel=kernel), matmul_reference(a, b, bias=bias), tolerance(torch.float16))
+
+
 def test_fp8_calls_with_scales_replay_with_the_new_scales():
     from tilegemm.ops.matmul import replay
 

@@ -56,15 +56,18 @@ def matmul(
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
     # (Inside another op's recording the launch must happen, to be recorded: no replay then.)
-    plain = bias is None and c is None and activation is None and not recording_active()
-    key = replay.replay_key(a, b, alpha, precision, kernel, out_dtype, scale_a, scale_b, fast_accum) if plain else None
+    plain = c is None and not recording_active()
+    key = replay.replay_key(a, b, alpha, precision, kernel, out_dtype, scale_a, scale_b, fast_accum, bias,
+                            activation) if plain else None
     if key is not None:
-        # The tensors a replay takes after a, b and out (fp8 scales, where given).
-        scales = () if scale_a is None and scale_b is None else tuple(s for s in (scale_a, scale_b) if s is not None)
+        # The tensors a replay takes after a, b and out (fp8 scales and the bias, where given).
+        extra = () if scale_a is None and scale_b is None else tuple(s for s in (scale_a, scale_b) if s is not None)
+        if bias is not None:
+            extra += (bias,)
         hit = replay.lookup(key)
         if hit is not None:
             out = new_output(hit.shape, out_dtype or default_out_dtype(a.dtype), a.device)
-            if hit(a, b, out, *scales):
+            if hit(a, b, out, *extra):
                 return out  # (False: recorded for another stream; launched afresh below)
     call = MatmulCall(a, b, bias, c, alpha, beta, "none" if activation is None else activation, out_dtype,
                       precision or "default", kernel, scale_a, scale_b, fast_accum)
@@ -76,5 +79,5 @@ def matmul(
         return forward(call)
     with recording() as rec:
         out = forward(call)
-    replay.store(key, rec.launches, (a, b, out, *scales), shape=out.shape)
+    replay.store(key, rec.launches, (a, b, out, *extra), shape=out.shape)
     return out

@@ -1,7 +1,7 @@
 """The host fast path of ``tilegemm.matmul``: replays of earlier plain calls.
 
-A plain call (no bias, c or activation; no tracer, dispatch mode or autograd watching) is keyed by everything
-Triton specializes a launch on; its launches are recorded the first time and replayed on later calls with
+A plain call (no ``c``; no tracer, dispatch mode or autograd watching; a bias and an activation are part of
+the key) is keyed by everything Triton specializes a launch on; its launches are recorded the first time and replayed on later calls with
 the same key, skipping the checks, the ``auto`` choice and Triton's launch wrapper.
 
 :func:`clear` and :func:`count` are the documented hooks to observe the cache (tests use them).
@@ -15,11 +15,12 @@ from tilegemm.core.launch import ReplayCache, plain_call, tensor_key
 from tilegemm.core.runtime import interpreting
 from tilegemm.core.dtypes import resolve_precision
 
-# Replays of earlier calls without bias, c or activation, keyed by everything Triton specializes a launch on.
+# Replays of earlier calls without c, keyed by everything Triton specializes a launch on.
 _cache = ReplayCache()
 
 
-def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, scale_b=None, fast_accum=False):
+def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, scale_b=None, fast_accum=False,
+               bias=None, activation=None):
     """The replay key of a call, or None when the call may not be replayed.
 
     Calls with scales (fp8) replay too: their shapes, strides, dtypes and alignment are in the key, and
@@ -28,6 +29,11 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
     aliases replays a launch recorded from a call that aliased the same way.
     """
     if type(a) is not torch.Tensor or type(b) is not torch.Tensor or not a.is_cuda or interpreting():
+        return None
+    if bias is not None:  # the bias: its layout in the key, its pointer among the aliases, a slot of its own
+        if type(bias) is not torch.Tensor or bias.device != a.device or bias.requires_grad and torch.is_grad_enabled():
+            return None
+    if activation is not None and type(activation) is not str:
         return None
     if a.device != b.device or type(alpha) not in (float, int):
         return None
@@ -51,9 +57,12 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
     ptrs = [a.data_ptr(), b.data_ptr()]
     if scale_keys is not None:
         ptrs += [s.data_ptr() for s in (scale_a, scale_b) if s is not None]
+    if bias is not None:
+        ptrs.append(bias.data_ptr())
     aliases = tuple(ptrs.index(p) for p in ptrs)  # for each tensor, the first one sharing its data pointer
     return (kernel, alpha, resolved, out_dtype, fast_accum, a.dtype, b.dtype, a.shape, b.shape, a.stride(),
-            b.stride(), a.device, ptrs[0] % 16 == 0, ptrs[1] % 16 == 0, aliases, scale_keys)
+            b.stride(), a.device, ptrs[0] % 16 == 0, ptrs[1] % 16 == 0, aliases, scale_keys,
+            None if bias is None else tensor_key(bias), activation)
 
 
 def lookup(key):
