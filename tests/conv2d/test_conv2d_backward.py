@@ -133,3 +133,31 @@ def test_torch_compile_fullgraph_forward_and_backward(device):
 ])
 def test_gpu_gradients(shape, conv, dtype, channels_last, device):
     _grads(device, dtype, shape, conv, "relu", channels_last, tolerance(dtype))
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 7])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_weight_gradient_split_reduction_is_right_and_leaves_counters_at_zero(split, groups, device):
+    """The weight gradient's pixel slices hand partial tiles to the last program to arrive, which adds them in
+    order and stores: any number of slices (uneven last slice included) gives F.conv2d's gradient, and every
+    launch leaves the shared counters at zero for the next one."""
+    from tilegemm.core import workspace
+    from tilegemm.ops.conv2d import implicit_gemm
+    from tilegemm.ops.conv2d.configs import wgrad_config
+    from tilegemm.ops.conv2d.problem import geometry_of
+
+    N, C, H, W, K, R = 2, 6 * groups, 7, 5, 10 * groups, 3
+    x = torch.randn(N, C, H, W, device=device).contiguous(memory_format=CL)
+    w_shape = (K, C // groups, R, R)
+    dy = torch.randn(N, K, H, W, device=device).contiguous(memory_format=CL)
+    g = geometry_of(x.shape, w_shape, [1, 1], [1, 1, 1, 1], [1, 1], groups)
+    cfg = dict(wgrad_config(g, x.dtype, 4), SPLIT=split, BLOCK_K=16)
+    for _ in range(2):  # the second launch starts from the counters the first left
+        dw = implicit_gemm.wgrad(dy, x, g, "ieee", False, x.dtype, cfg)
+        assert dw.shape == w_shape and dw.is_contiguous()
+        xr = x.double().requires_grad_()
+        wr = torch.zeros(w_shape, dtype=torch.float64, device=device, requires_grad=True)
+        torch.nn.functional.conv2d(xr, wr, None, 1, 1, 1, groups).backward(dy.double())
+        assert_rel_close(dw, wr.grad, 1e-5)
+        for _, count in workspace._workspaces.values():
+            assert not count.any(), "every launch must leave the arrival counters at zero"

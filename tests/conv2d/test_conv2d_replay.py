@@ -95,7 +95,7 @@ def test_a_weight_that_needs_a_copy_is_not_replayed_but_stays_right():
 
 
 @pytest.mark.gpu
-def test_backward_data_gradient_replays_and_matches_torch():
+def test_backward_gradients_replay_and_match_torch():
     replay.clear()
     w = (torch.randn(64, 32, 3, 3, device="cuda") * 0.05).half().contiguous(memory_format=CL).requires_grad_()
     for _ in range(3):
@@ -108,7 +108,7 @@ def test_backward_data_gradient_replays_and_matches_torch():
         assert_rel_close(x.grad, xr.grad, 4e-3)
         assert_rel_close(w.grad, wr.grad, 4e-3)
         w.grad = None
-    assert replay.count() >= 1
+    assert replay.count() >= 2  # the data and the weight gradient (the forward under autograd is not plain)
 
 
 @pytest.mark.gpu

@@ -144,7 +144,7 @@ def _dgrad_fake(dy, weight, x_shape, x_channels_last, stride, padding, dilation,
     return torch.empty(x_shape, dtype=dy.dtype, device=dy.device, memory_format=fmt)
 
 
-def backward_weight(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torch.Tensor:
+def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torch.Tensor:
     """The weight gradient (what ``tilegemm::conv2d_wgrad`` runs)."""
     g = geometry_of(x.shape, w_shape, stride, padding, dilation, groups)
     if dy.numel() == 0:
@@ -162,7 +162,7 @@ def backward_weight(dy, x, w_shape, stride, padding, dilation, groups, precision
             return depthwise.wgrad(dy, x, g, x.dtype).contiguous()
         from tilegemm.ops.conv2d import implicit_gemm
 
-        return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype).contiguous()
+        return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype)
 
 
 def backward_data(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision):
@@ -179,6 +179,18 @@ def backward_data(dy, weight, x_shape, x_channels_last, stride, padding, dilatio
                                              groups, precision), (dy, weight), fmt)
 
 
+def backward_weight(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torch.Tensor:
+    """:func:`_wgrad` for a plain call, replayed when an earlier call with the same key was recorded."""
+    key = replay.replay_key("wgrad", dy, x, None, (stride, padding, dilation, groups), tuple(w_shape), precision)
+    if key is None:
+        return _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision)
+    out = replay.replayed(key, (dy, x))
+    if out is not None:
+        return out
+    return replay.record(key, lambda: _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision),
+                         (dy, x), torch.contiguous_format)
+
+
 @torch.library.custom_op("tilegemm::conv2d_wgrad", mutates_args=())
 def _wgrad_op(
     dy: torch.Tensor,
@@ -190,7 +202,7 @@ def _wgrad_op(
     groups: int,
     precision: str,
 ) -> torch.Tensor:
-    return backward_weight(dy, x, w_shape, stride, padding, dilation, groups, precision)
+    return _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision)
 
 
 @_wgrad_op.register_fake

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from tilegemm.core.launch import current_stream
+from tilegemm.core.workspace import split_workspace
 from tilegemm.jit.helpers import apply_activation
 
 import triton.language as tl  # noqa: E402
@@ -50,24 +50,9 @@ def block_k_for(block_k: int, group_k: int, K: int) -> int:
     return block_k
 
 
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def workspace(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 partial-sum planes and int32 arrival counters for split-K, one pair per (device, stream).
-
-    Launches on one stream run in order, so they can share it; every launch leaves the counters zeroed
-    and the planes need no zeroing (each slice writes all of its own).
-    """
-    key = (device, current_stream() if device.type == "cuda" else 0)
-    ws, count = _workspaces.get(key, (None, None))
-    if ws is None or ws.numel() < floats or count.numel() < counters:
-        floats = max(floats, ws.numel() if ws is not None else 0, 1 << 20)
-        counters = max(counters, count.numel() if count is not None else 0, 1 << 12)
-        ws = torch.empty(floats, dtype=torch.float32, device=device)
-        count = torch.zeros(counters, dtype=torch.int32, device=device)
-        _workspaces[key] = (ws, count)
-    return ws, count
+    """fp32 partial-sum planes and int32 arrival counters for split-K (:mod:`tilegemm.core.workspace`)."""
+    return split_workspace(device, floats, counters)
 
 
 @triton.jit

@@ -1,0 +1,30 @@
+"""Split reductions' scratch memory: fp32 partial-sum planes and int32 arrival counters, one pair per
+(device, stream), shared by the kernels that hand partial tiles to the last program to arrive (the W4A16
+kernels, conv2d's weight gradient).
+
+Launches on one stream run in order, so they can share it: every launch leaves the counters at zero, and the
+planes need no zeroing (each slice writes all of its own before it counts itself in). A call that needs more
+replaces the stream's pair with a larger one; replays recorded with the old pair keep it alive and keep using
+it (it is large enough for them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core.launch import current_stream
+
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_workspace(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(planes, counters) with room for at least ``floats`` fp32 values and ``counters`` int32 counters."""
+    key = (device, current_stream() if device.type == "cuda" else 0)
+    ws, count = _workspaces.get(key, (None, None))
+    if ws is None or ws.numel() < floats or count.numel() < counters:
+        floats = max(floats, ws.numel() if ws is not None else 0, 1 << 20)
+        counters = max(counters, count.numel() if count is not None else 0, 1 << 12)
+        ws = torch.empty(floats, dtype=torch.float32, device=device)
+        count = torch.zeros(counters, dtype=torch.int32, device=device)
+        _workspaces[key] = (ws, count)
+    return ws, count
