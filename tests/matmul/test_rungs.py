@@ -80,7 +80,7 @@ def test_split_k_any_split_and_clean_workspace(split, slices, device):
         p = make_problems(a, b, out, None, bias, 2.0, 1.0, "relu", "ieee", False)[0]
         split_k.run(p, cfg)
         assert_rel_close(out, matmul_reference(a, b, bias=bias, alpha=2.0, activation="relu"), 1e-5)
-    for (_, _, planes), (ws, count) in split_k._workspaces.items():
+    for (_, _, planes), (ws, count) in split_k.workspaces().items():
         assert not count.any(), "split_k must leave its counters at zero"
         assert planes or not ws.any(), "the atomic reduction must leave its workspace at zero"
 
@@ -173,7 +173,7 @@ def test_split_k_config_without_slices_uses_the_default_planes(device):
     b = torch.randn(150, 45, device=device)
     out = torch.full((20, 45), float("nan"), device=device)
     p = make_problems(a, b, out, None, None, 1.0, 1.0, "none", "ieee", False)[0]
-    split_k._workspaces.clear()
+    split_k.clear_workspaces()
     split_k.run(p, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, SPLIT_K=3, num_warps=4, num_stages=1))
     assert_rel_close(out, matmul_reference(a, b), 1e-5)
-    assert [planes for (_, _, planes) in split_k._workspaces] == [True]
+    assert [planes for (_, _, planes) in split_k.workspaces()] == [True]

@@ -17,14 +17,18 @@ from tilegemm.core.launch import current_stream
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def split_workspace(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(planes, counters) with room for at least ``floats`` fp32 values and ``counters`` int32 counters."""
-    key = (device, current_stream() if device.type == "cuda" else 0)
+def split_workspace(device: torch.device, floats: int, counters: int, tag=None,
+                    zeroed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(planes, counters) with room for at least ``floats`` fp32 values and ``counters`` int32 counters.
+
+    ``tag`` keeps users apart whose planes hold different contracts; ``zeroed``: the planes start at zero
+    (for a reduction that adds into them with atomics and leaves them zeroed again)."""
+    key = (device, current_stream() if device.type == "cuda" else 0, tag)
     ws, count = _workspaces.get(key, (None, None))
     if ws is None or ws.numel() < floats or count.numel() < counters:
         floats = max(floats, ws.numel() if ws is not None else 0, 1 << 20)
         counters = max(counters, count.numel() if count is not None else 0, 1 << 12)
-        ws = torch.empty(floats, dtype=torch.float32, device=device)
+        ws = (torch.zeros if zeroed else torch.empty)(floats, dtype=torch.float32, device=device)
         count = torch.zeros(counters, dtype=torch.int32, device=device)
         _workspaces[key] = (ws, count)
     return ws, count

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from tilegemm.core import tuning
+from tilegemm.core import tuning, workspace
+from tilegemm.core.workspace import split_workspace
 from tilegemm.core.hardware import sm_count
 from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div, tile_grouped
 from tilegemm.core.launch import current_stream, launch
@@ -118,27 +119,24 @@ def matmul_split_k_kernel(
 
 # --- workspace: zeroed once, left zeroed by every launch --------------------------------------------------
 
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+def workspaces() -> dict:
+    """split_k's workspaces in this process, ``{(device, stream, planes): (planes, counters)}`` (the
+    documented hook tests observe them through)."""
+    return {(k[0], k[1], k[2][1]): v for k, v in workspace._workspaces.items()
+            if isinstance(k[2], tuple) and k[2][0] == "split_k"}
+
+
+def clear_workspaces() -> None:
+    """Forget split_k's workspaces (replays recorded with them keep theirs)."""
+    for k in [k for k in workspace._workspaces if isinstance(k[2], tuple) and k[2][0] == "split_k"]:
+        del workspace._workspaces[k]
 
 
 def _workspace(device: torch.device, floats: int, counters: int, planes: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (device, stream, reduction): launches on one stream run in order, so they can share one workspace.
-
-    The atomic reduction needs its workspace zeroed (every launch leaves it so); the per-slice planes
-    leave partial sums behind, so they get a workspace of their own.
-
-    A larger call replaces a stream's workspace with a larger one; replays recorded with the old one
-    keep it alive and keep using it, which is safe because every launch leaves it zeroed.
-    """
-    key = (device, current_stream() if device.type == "cuda" else 0, planes)
-    ws, count = _workspaces.get(key, (None, None))
-    if ws is None or ws.numel() < floats or count.numel() < counters:
-        floats = max(floats, ws.numel() if ws is not None else 0, 1 << 20)
-        counters = max(counters, count.numel() if count is not None else 0, 1 << 12)
-        ws = torch.zeros(floats, dtype=torch.float32, device=device)
-        count = torch.zeros(counters, dtype=torch.int32, device=device)
-        _workspaces[key] = (ws, count)
-    return ws, count
+    """Per (device, stream, reduction) (:func:`tilegemm.core.workspace.split_workspace`). The atomic reduction
+    needs its workspace zeroed (every launch leaves it so); the per-slice planes leave partial sums behind, so
+    they get a workspace of their own."""
+    return split_workspace(device, floats, counters, tag=("split_k", planes), zeroed=not planes)
 
 
 def make_config(bm, bn, bk, warps, stages, split, slices=True) -> dict:
