@@ -20,3 +20,23 @@ def test_named_parameters_left_out_take_the_kernels_defaults():
 
 def test_a_parameter_with_neither_value_nor_default_cannot_be_recorded():
     assert _all_params(_kernel, ("x", 7), {}) is None
+
+
+def test_parameters_are_plain_tensors_outside_autograd():
+    """A module's weights are nn.Parameters: outside autograd their calls take the fast paths like tensors."""
+    import torch
+
+    from tilegemm.core.launch import plain_call, plain_tensor
+
+    w = torch.nn.Parameter(torch.randn(3, 3))
+    t = torch.randn(3)
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert plain_tensor(w) and plain_tensor(t) and not plain_tensor(None)
+    assert not plain_tensor(t.as_subclass(Sub))
+    with torch.no_grad():
+        assert plain_call(t, w, None)
+    assert not plain_call(t, w)  # grad enabled and w requires it: autograd must see the op
+    assert plain_call(t, w.detach())

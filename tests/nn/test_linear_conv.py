@@ -134,3 +134,44 @@ def test_convert_options(device):
 def test_exported_at_top_level():
     assert tilegemm.nn.Conv2d is Conv2d and tilegemm.conv2d is not None
     assert set(tilegemm.kernels("conv2d")) == {"implicit_gemm", "gemm_1x1", "depthwise", "auto"}
+
+
+def test_conv2d_module_backward_calls_the_gradient_functions_directly(monkeypatch):
+    """Outside tracing the backward of a tilegemm.nn.Conv2d (Parameters as weight and bias) skips the
+    registered gradient ops, whose dispatch costs host time, and calls the gradient functions."""
+    from tilegemm.ops.conv2d import op
+
+    called = []
+    for name in ("backward_data", "backward_weight"):
+        real = getattr(op, name)
+        monkeypatch.setattr(op, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
+    conv = tilegemm.nn.Conv2d(4, 8, 3, padding=1)
+    x = torch.randn(2, 4, 6, 6, requires_grad=True)
+    conv(x).square().sum().backward()
+    assert called == ["backward_data", "backward_weight"]
+    ref = torch.nn.Conv2d(4, 8, 3, padding=1)
+    ref.load_state_dict(conv.state_dict())
+    xr = x.detach().clone().requires_grad_()
+    ref(xr).square().sum().backward()
+    assert_rel_close(x.grad, xr.grad, 1e-4)
+    assert_rel_close(conv.weight.grad, ref.weight.grad, 1e-4)
+
+
+@pytest.mark.gpu
+def test_modules_replay_their_inference_calls():
+    """nn.Linear with a bias and nn.Conv2d (Parameters) under no_grad record once and replay afterwards."""
+    from tilegemm.ops.conv2d import replay as conv_replay
+    from tilegemm.ops.matmul import replay as mm_replay
+
+    lin = tilegemm.nn.Linear(256, 384).cuda().half()
+    conv = tilegemm.nn.Conv2d(32, 64, 3, padding=1).cuda().half().to(memory_format=torch.channels_last)
+    mm_replay.clear()
+    conv_replay.clear()
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(5, 256, device="cuda", dtype=torch.float16)
+            assert_rel_close(lin(x), torch.nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double()), 4e-3)
+            xc = torch.randn(2, 32, 9, 9, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+            ref = torch.nn.functional.conv2d(xc.double(), conv.weight.double(), conv.bias.double(), padding=1)
+            assert_rel_close(conv(xc), ref, 4e-3)
+    assert mm_replay.count() == 1 and conv_replay.count() == 1

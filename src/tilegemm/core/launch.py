@@ -370,6 +370,16 @@ def tensor_key(t) -> tuple:
     return (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16 == 0)
 
 
+# Plain tensors: torch.Tensor itself and nn.Parameter (a module's weights and biases; it disables
+# __torch_function__, so dispatch through it is a plain tensor's). Subclasses beyond these go through the op.
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_tensor(t) -> bool:
+    """True for a ``torch.Tensor`` or an ``nn.Parameter`` (not another subclass, not None)."""
+    return type(t) in PLAIN_TENSOR_TYPES
+
+
 def plain_call(*tensors) -> bool:
     """True when no tracer, mode or autograd needs to see the op, so dispatch through it can be skipped.
 
@@ -385,6 +395,6 @@ def plain_call(*tensors) -> bool:
     for t in tensors:
         if t is None:
             continue
-        if type(t) is not torch.Tensor or (grad and t.requires_grad):
+        if type(t) not in PLAIN_TENSOR_TYPES or (grad and t.requires_grad):
             return False
     return True

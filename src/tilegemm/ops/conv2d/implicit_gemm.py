@@ -265,9 +265,9 @@ def conv2d_wgrad_kernel(
         # at the tile adds the slices in order (deterministic) and stores the result: one launch, replayable.
         tile = tap * tl.num_programs(0) + tl.program_id(0)
         local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        plane = tl.num_programs(0) * tl.num_programs(1) * (BLOCK_M * BLOCK_N)
+        plane = (tl.num_programs(0) * tl.num_programs(1)).to(tl.int64) * (BLOCK_M * BLOCK_N)  # 64-bit offsets
         ws_tile = ws_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N) + local
-        tl.store(ws_tile + part.to(tl.int64) * plane, acc)
+        tl.store(ws_tile + part * plane, acc)
         # A scalar atomic runs on one thread: the barrier puts every thread's stores before its release.
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")

@@ -1,14 +1,16 @@
-"""The host fast path of ``tilegemm.conv2d`` and of its data gradient: replays of earlier plain calls.
+"""The host fast path of ``tilegemm.conv2d`` and of its gradients: replays of earlier plain calls.
 
 A call's Python path (checks, geometry, config, layout of the operands, Triton's launch wrapper) cost 100-300
 us of host time on the H200's host, more than most of ResNet-50's layers take on the GPU
 (benchmarks/results/2026-11-23-h200/61a6669/). A plain call (CUDA, no tracer, dispatch mode or autograd
-watching) is keyed by everything its launch depends on: the layouts of x, the weight and the bias (dtype,
+watching; tensors or ``nn.Parameter``s) is keyed by everything its launch depends on: the layouts of x, the weight and the bias (dtype,
 shape, strides, device, 16-byte alignment), the geometry, the activation, the precision and the kernel asked
-for. The first call records its launches; when they are exactly one Triton launch whose tensors are all the
-call's own (no layout copy made on the way, no torch op after it), later calls with the same key replay it
-with their own tensors. Anything else (a weight that had to be copied channels-last, a split reduction, a
-GEMM that went through a workspace) is simply not kept, and such calls take the full path every time.
+for. The first call records its launches; when they are exactly one Triton launch whose tensors are the
+call's own (no layout copy made on the way, no torch op after it) or the launcher's workspace (kept with the
+replay, which then runs only on the stream it was recorded on), later calls with the same key replay it with
+their own tensors. Anything else (a weight that had to be copied channels-last, the depthwise weight
+gradient's torch sum) is simply not kept, and such calls take the full path every time. Inside another op's
+recording nothing replays (the launch must happen to be recorded).
 
 :func:`clear` and :func:`count` are the documented hooks to observe the cache (tests use them).
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import ReplayCache, plain_call, recording, tensor_key
+from tilegemm.core.launch import ReplayCache, plain_call, plain_tensor, recording, recording_active, tensor_key
 from tilegemm.core.runtime import interpreting
 
 _cache = ReplayCache()
@@ -27,11 +29,11 @@ def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tup
     """The key of a call, or None when it may not be replayed. ``part``: ``"fwd"`` or ``"dgrad"``; ``x`` is the
     activation the kernel reads (dy for the data gradient); ``conv``: (stride, padding, dilation, groups) as
     lists; ``options``: whatever else selects the launch (activation, precision, kernel, output layout)."""
-    if type(x) is not torch.Tensor or type(weight) is not torch.Tensor or not x.is_cuda or interpreting():
+    if not plain_tensor(x) or not plain_tensor(weight) or not x.is_cuda or interpreting() or recording_active():
         return None
     if weight.device != x.device:
         return None
-    if bias is not None and (type(bias) is not torch.Tensor or bias.device != x.device):
+    if bias is not None and (not plain_tensor(bias) or bias.device != x.device):
         return None
     if not plain_call(x, weight, bias):
         return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import ReplayCache, plain_call, tensor_key
+from tilegemm.core.launch import ReplayCache, plain_call, plain_tensor, tensor_key
 from tilegemm.core.runtime import interpreting
 from tilegemm.core.dtypes import resolve_precision
 
@@ -28,10 +28,10 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
     a data pointer is in the key too (``x @ x.mT``; one scale tensor passed for both), so a call that
     aliases replays a launch recorded from a call that aliased the same way.
     """
-    if type(a) is not torch.Tensor or type(b) is not torch.Tensor or not a.is_cuda or interpreting():
+    if not plain_tensor(a) or not plain_tensor(b) or not a.is_cuda or interpreting():
         return None
     if bias is not None:  # the bias: its layout in the key, its pointer among the aliases, a slot of its own
-        if type(bias) is not torch.Tensor or bias.device != a.device or bias.requires_grad and torch.is_grad_enabled():
+        if not plain_tensor(bias) or bias.device != a.device or bias.requires_grad and torch.is_grad_enabled():
             return None
     if activation is not None and type(activation) is not str:
         return None
@@ -43,7 +43,7 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
         scale_keys = None
     else:
         scales = [s for s in (scale_a, scale_b) if s is not None]
-        if any(type(s) is not torch.Tensor or s.device != a.device for s in scales) or not plain_call(a, b, *scales):
+        if any(not plain_tensor(s) or s.device != a.device for s in scales) or not plain_call(a, b, *scales):
             return None
         scale_keys = tuple(None if s is None else tensor_key(s) for s in (scale_a, scale_b))
     if fast_accum is not False and fast_accum is not True:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import ReplayCache, plain_call, tensor_key
+from tilegemm.core.launch import ReplayCache, plain_call, plain_tensor, tensor_key
 from tilegemm.core.runtime import interpreting
 
 _cache = ReplayCache()
@@ -36,9 +36,9 @@ def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str) -> tuple:
 def replay_key(x2, w, bias, activation: str, kernel: str):
     """The replay key of a call, or None when the call may not be replayed (CPU, the interpreter, a tensor
     subclass, autograd or a tracer watching, a bias that is not a tensor on x's device)."""
-    if type(x2) is not torch.Tensor or not x2.is_cuda or interpreting():
+    if not plain_tensor(x2) or not x2.is_cuda or interpreting():
         return None
-    if bias is not None and (type(bias) is not torch.Tensor or bias.device != x2.device):
+    if bias is not None and (not plain_tensor(bias) or bias.device != x2.device):
         return None
     if w.qweight.device != x2.device or not plain_call(x2, bias, w.qweight, w.scales, w.zeros):
         return None
