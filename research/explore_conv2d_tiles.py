@@ -21,18 +21,20 @@ import time
 
 
 def candidates(part: str, C: int, K: int):
-    """Configs to try: block sizes no larger than the channel counts warrant, 4 or 8 warps, 2-5 stages."""
+    """Configs to try: block sizes no larger than the channel counts warrant, 3-5 stages, 4 warps up to
+    64x128 tiles and 8 above."""
     def p2(n, lo, hi):
         v = lo
         while v < n and v < hi:
             v *= 2
         return v
 
-    bms = (64, 128, 256) if part != "wgrad" else (64, 128)
+    bms = (64, 128)
     bns = sorted({min(64, p2(K if part != "dgrad" else C, 16, 256)), p2(K if part != "dgrad" else C, 16, 256)})
-    bks = (32, 64) if part != "wgrad" else (32, 64, 128)
-    for bm, bn, bk, warps, stages in itertools.product(bms, bns, bks, (4, 8), (2, 3, 4, 5)):
-        if (bm + bn) * bk * 2 * stages > 220 * 1024 or (warps == 4 and bm * bn > 128 * 128):
+    bks = (32, 64) if part != "wgrad" else (64, 128)
+    for bm, bn, bk, stages in itertools.product(bms, bns, bks, (3, 4, 5)):
+        warps = 4 if bm * bn <= 64 * 128 else 8  # (a kernel is compiled once per config, for every layer size)
+        if (bm + bn) * bk * 2 * stages > 220 * 1024:
             continue
         if part == "wgrad":
             bm_, bn_ = min(bm, p2(K, 16, 128)), min(bn, p2(C, 16, 128))
