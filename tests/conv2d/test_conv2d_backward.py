@@ -161,3 +161,28 @@ def test_weight_gradient_split_reduction_is_right_and_leaves_counters_at_zero(sp
         assert_rel_close(dw, wr.grad, 1e-5)
         for _, count in workspace._workspaces.values():
             assert not count.any(), "every launch must leave the arrival counters at zero"
+
+
+@pytest.mark.parametrize("mult", [1, 2])
+def test_depthwise_weight_gradient_in_one_launch_over_any_split(mult, device):
+    """The depthwise weight gradient's slices reduce in the kernel too (last arrival adds them in order)."""
+    from tilegemm.core import workspace
+    from tilegemm.ops.conv2d import depthwise
+    from tilegemm.ops.conv2d.configs import depthwise_config
+    from tilegemm.ops.conv2d.problem import geometry_of
+
+    N, C, H, W, R = 3, 20, 9, 7, 3
+    K = C * mult
+    x = torch.randn(N, C, H, W, device=device).contiguous(memory_format=CL)
+    dy = torch.randn(N, K, H, W, device=device).contiguous(memory_format=CL)
+    g = geometry_of(x.shape, (K, 1, R, R), [1, 1], [1, 1, 1, 1], [1, 1], C)
+    for block_m, split in ((16, 7), (16, 12), (64, 2), (256, 1)):  # 189 pixels: many slices, a few, one
+        cfg = dict(depthwise_config(g, x.dtype), BLOCK_M=block_m, SPLIT=split)
+        dw = depthwise.wgrad(dy, x, g, x.dtype, cfg)
+        assert dw.shape == (K, 1, R, R) and dw.is_contiguous()
+        xr = x.double().requires_grad_()
+        wr = torch.zeros(K, 1, R, R, dtype=torch.float64, device=device, requires_grad=True)
+        torch.nn.functional.conv2d(xr, wr, None, 1, 1, 1, C).backward(dy.double())
+        assert_rel_close(dw, wr.grad, 1e-5)
+        for _, count in workspace._workspaces.values():
+            assert not count.any()
