@@ -169,26 +169,17 @@ def backward_data(dy, weight, x_shape, x_channels_last, stride, padding, dilatio
     """:func:`_dgrad` for a plain call, replayed when an earlier call with the same key was recorded."""
     key = replay.replay_key("dgrad", dy, weight, None, (stride, padding, dilation, groups), tuple(x_shape),
                             x_channels_last, precision)
-    if key is None:
-        return _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision)
-    out = replay.replayed(key, (dy, weight))
-    if out is not None:
-        return out
     fmt = torch.channels_last if x_channels_last else torch.contiguous_format
-    return replay.record(key, lambda: _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation,
-                                             groups, precision), (dy, weight), fmt)
+    return replay.replay_or_record(key, (dy, weight), fmt, lambda: _dgrad(
+        dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision))
 
 
 def backward_weight(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torch.Tensor:
-    """:func:`_wgrad` for a plain call, replayed when an earlier call with the same key was recorded."""
+    """:func:`_wgrad` for a plain call, replayed when an earlier call with the same key was recorded (the 1x1
+    path's one GEMM launch; the implicit-GEMM and depthwise paths sum their slices with torch: not kept)."""
     key = replay.replay_key("wgrad", dy, x, None, (stride, padding, dilation, groups), tuple(w_shape), precision)
-    if key is None:
-        return _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision)
-    out = replay.replayed(key, (dy, x))
-    if out is not None:
-        return out
-    return replay.record(key, lambda: _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision),
-                         (dy, x), torch.contiguous_format)
+    return replay.replay_or_record(key, (dy, x), torch.contiguous_format, lambda: _wgrad(
+        dy, x, w_shape, stride, padding, dilation, groups, precision))
 
 
 @torch.library.custom_op("tilegemm::conv2d_wgrad", mutates_args=())

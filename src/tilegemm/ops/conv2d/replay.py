@@ -80,6 +80,16 @@ def record(key, run, tensors: tuple, out_format) -> torch.Tensor:
     return out
 
 
+
+def replay_or_record(key, tensors: tuple, out_format, run) -> torch.Tensor:
+    """The call's output: a replay of the launch recorded under ``key`` with ``tensors``, else ``run()``,
+    recorded (:func:`record`); with no key (not a plain call), just ``run()``."""
+    if key is None:
+        return run()
+    out = replayed(key, tensors)
+    return out if out is not None else record(key, run, tensors, out_format)
+
+
 def clear() -> None:
     """Forget every recorded replay."""
     _cache.clear()
