@@ -1,6 +1,6 @@
 """Split reductions' scratch memory: fp32 partial-sum planes and int32 arrival counters, one pair per
-(device, stream), shared by the kernels that hand partial tiles to the last program to arrive (the W4A16
-kernels, conv2d's weight gradient).
+(device, stream) and reduction, for the kernels that hand partial tiles to the last program to arrive (the
+W4A16 kernels, split_k).
 
 Launches on one stream run in order, so they can share it: every launch leaves the counters at zero, and the
 planes need no zeroing (each slice writes all of its own before it counts itself in). A call that needs more

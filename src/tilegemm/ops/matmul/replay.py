@@ -1,8 +1,9 @@
 """The host fast path of ``tilegemm.matmul``: replays of earlier plain calls.
 
 A plain call (no ``c``; no tracer, dispatch mode or autograd watching; a bias and an activation are part of
-the key) is keyed by everything Triton specializes a launch on; its launches are recorded the first time and replayed on later calls with
-the same key, skipping the checks, the ``auto`` choice and Triton's launch wrapper.
+the key) is keyed by everything Triton specializes a launch on; its launches are recorded the first time and
+replayed on later calls with the same key, skipping the checks, the ``auto`` choice and Triton's launch
+wrapper.
 
 :func:`clear` and :func:`count` are the documented hooks to observe the cache (tests use them).
 """
