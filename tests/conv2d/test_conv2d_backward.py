@@ -137,9 +137,11 @@ def test_gpu_gradients(shape, conv, dtype, channels_last, device):
 
 @pytest.mark.parametrize("split", [1, 2, 3, 7])
 @pytest.mark.parametrize("groups", [1, 2])
-def test_weight_gradient_over_any_number_of_pixel_slices(split, groups, device):
-    """The weight gradient's pixel reduction split over any number of slices (an uneven last one included)
-    gives F.conv2d's gradient, launch after launch."""
+def test_weight_gradient_split_reduction_is_right_and_leaves_counters_at_zero(split, groups, device):
+    """The weight gradient's pixel slices hand partial tiles to the last program to arrive, which adds them in
+    order and stores: any number of slices (uneven last slice included) gives F.conv2d's gradient, and every
+    launch leaves the shared counters at zero for the next one."""
+    from tilegemm.core import workspace
     from tilegemm.ops.conv2d import implicit_gemm
     from tilegemm.ops.conv2d.configs import wgrad_config
     from tilegemm.ops.conv2d.problem import geometry_of
@@ -150,10 +152,37 @@ def test_weight_gradient_over_any_number_of_pixel_slices(split, groups, device):
     dy = torch.randn(N, K, H, W, device=device).contiguous(memory_format=CL)
     g = geometry_of(x.shape, w_shape, [1, 1], [1, 1, 1, 1], [1, 1], groups)
     cfg = dict(wgrad_config(g, x.dtype, 4), SPLIT=split, BLOCK_K=16)
-    for _ in range(2):
+    for _ in range(2):  # the second launch starts from the counters the first left
         dw = implicit_gemm.wgrad(dy, x, g, "ieee", False, x.dtype, cfg)
-        assert dw.shape == w_shape
+        assert dw.shape == w_shape and dw.is_contiguous()
         xr = x.double().requires_grad_()
         wr = torch.zeros(w_shape, dtype=torch.float64, device=device, requires_grad=True)
         torch.nn.functional.conv2d(xr, wr, None, 1, 1, 1, groups).backward(dy.double())
         assert_rel_close(dw, wr.grad, 1e-5)
+        for _, count in workspace._workspaces.values():
+            assert not count.any(), "every launch must leave the arrival counters at zero"
+
+
+@pytest.mark.parametrize("mult", [1, 2])
+def test_depthwise_weight_gradient_in_one_launch_over_any_split(mult, device):
+    """The depthwise weight gradient's slices reduce in the kernel too (last arrival adds them in order)."""
+    from tilegemm.core import workspace
+    from tilegemm.ops.conv2d import depthwise
+    from tilegemm.ops.conv2d.configs import depthwise_config
+    from tilegemm.ops.conv2d.problem import geometry_of
+
+    N, C, H, W, R = 3, 20, 9, 7, 3
+    K = C * mult
+    x = torch.randn(N, C, H, W, device=device).contiguous(memory_format=CL)
+    dy = torch.randn(N, K, H, W, device=device).contiguous(memory_format=CL)
+    g = geometry_of(x.shape, (K, 1, R, R), [1, 1], [1, 1, 1, 1], [1, 1], C)
+    for block_m, split in ((16, 7), (16, 12), (64, 2), (256, 1)):  # 189 pixels: many slices, a few, one
+        cfg = dict(depthwise_config(g, x.dtype), BLOCK_M=block_m, SPLIT=split)
+        dw = depthwise.wgrad(dy, x, g, x.dtype, cfg)
+        assert dw.shape == (K, 1, R, R) and dw.is_contiguous()
+        xr = x.double().requires_grad_()
+        wr = torch.zeros(K, 1, R, R, dtype=torch.float64, device=device, requires_grad=True)
+        torch.nn.functional.conv2d(xr, wr, None, 1, 1, 1, C).backward(dy.double())
+        assert_rel_close(dw, wr.grad, 1e-5)
+        for _, count in workspace._workspaces.values():
+            assert not count.any()

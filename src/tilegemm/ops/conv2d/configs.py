@@ -63,7 +63,8 @@ def dgrad_config(g: Geometry, dtype: torch.dtype) -> dict:
 
 def wgrad_config(g: Geometry, dtype: torch.dtype, sms: int) -> dict:
     """Weight gradient: a [K/groups, C/groups] tile per (r, s, group), the K loop over N*P*Q pixels, split
-    over ``SPLIT`` programs (partial sums in fp32, added afterwards) so that small filters still fill the GPU."""
+    over ``SPLIT`` programs (fp32 partial tiles, added in order by the last to arrive) so that small filters
+    still fill the GPU."""
     if interpreting():
         cfg = _cfg(32, 32, 64, 4, 1)
     else:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import launch
+from tilegemm.core.launch import current_stream, launch
+from tilegemm.core.workspace import split_workspace
 from tilegemm.core.runtime import ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import depthwise_config
 from tilegemm.ops.conv2d.implicit_gemm import (
@@ -129,14 +130,14 @@ def depthwise_dgrad_kernel(
 
 @triton.jit(do_not_specialize=["H", "W", "P", "Q", "K", "NPQ", "slice_len", "pad_h", "pad_w"])
 def depthwise_wgrad_kernel(
-    dy_ptr, x_ptr, dw_ptr,
+    dy_ptr, x_ptr, dw_ptr, ws_ptr, count_ptr,
     H, W, P, Q, K, NPQ, MULT, slice_len,
     stride_yn, stride_yp, stride_yq, stride_yk,
     stride_xn, stride_xh, stride_xw, stride_xc,
-    stride_ds, stride_dk, stride_dr, stride_dss,
+    stride_dk, stride_dr, stride_dss,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr, INDEX_64: tl.constexpr, DIV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # This program: channels [BN] of one tap (axis 1), summed over one slice of output pixels (axis 2).
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -166,7 +167,25 @@ def depthwise_wgrad_kernel(
                      + ((offs_n // MULT) * stride_xc)[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0)
         acc += dyv.to(tl.float32) * xv.to(tl.float32)
     total = tl.sum(acc, axis=0)  # [BN]
-    tl.store(dw_ptr + part * stride_ds + offs_n * stride_dk + r * stride_dr + s * stride_dss, total, mask=n_ok)
+    dw = dw_ptr + offs_n * stride_dk + r * stride_dr + s * stride_dss
+    if SPLIT == 1:
+        tl.store(dw, total.to(dw_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        # The last slice to arrive at this (channels, tap) block adds the slices' sums in order and stores
+        # (as the implicit-GEMM weight gradient): the whole gradient is one launch.
+        tile = tap * tl.num_programs(0) + tl.program_id(0)
+        plane = (tl.num_programs(0) * tl.num_programs(1)).to(tl.int64) * BLOCK_N
+        ws = ws_ptr + tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(ws + part * plane, total)
+        tl.debug_barrier()  # every thread's stores before the (one-thread) release
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.debug_barrier()  # and every thread's loads after the acquire
+            summed = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for sl in range(0, SPLIT):
+                summed += tl.load(ws + sl * plane, cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)
+            tl.store(dw, summed.to(dw_ptr.dtype.element_ty), mask=n_ok)
 
 
 # --- launchers ------------------------------------------------------------------------------------------
@@ -217,7 +236,7 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
 
 def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype,
           config: dict | None = None) -> torch.Tensor:
-    """grad of the weight for a depthwise convolution: ``[K, 1, R, S]``."""
+    """grad of the weight for a depthwise convolution: ``[K, 1, R, S]`` (contiguous), in one launch."""
     dy, x = _nhwc(dy), _nhwc(x)
     cfg = dict(config or depthwise_config(g, dy.dtype))
     npq = g.N * g.P * g.Q
@@ -227,15 +246,23 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
         from tilegemm.core.hardware import sm_count
 
         sms = sm_count(dy.device)
-    # Enough slices of the pixels for two waves of programs, each slice at least 8 BLOCK_M steps long.
-    split = max(1, min(-(-2 * sms // blocks), npq // (8 * cfg["BLOCK_M"]), 256))
+    # Enough slices of the pixels for two waves of programs, each slice at least 8 BLOCK_M steps long (a
+    # config may name its own SPLIT).
+    split = cfg.pop("SPLIT", None) or max(1, min(-(-2 * sms // blocks), npq // (8 * cfg["BLOCK_M"]), 256))
     slice_len = triton.cdiv(triton.cdiv(npq, split), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
     split = triton.cdiv(npq, slice_len)
-    parts = new_output((split, g.K, g.R, g.S), torch.float32, dy.device)  # fp32 partial sums, added below
-    index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
-    args = (dy, x, parts, g.H, g.W, g.P, g.Q, g.K, npq, g.K // g.C, slice_len, *_nhwc_strides(dy),
-            *_nhwc_strides(x), *parts.stride(), *_conv_args(g))
+    dw = new_output((g.K, 1, g.R, g.S), out_dtype, dy.device)
     grid = (triton.cdiv(g.K, cfg["BLOCK_N"]), g.R * g.S, split)
-    launch(depthwise_wgrad_kernel, grid, args, dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.K), **cfg))
-    dw = parts[0] if split == 1 else parts.sum(0)  # [K, R, S]
-    return dw.to(out_dtype).unsqueeze(1)  # [K, 1, R, S]
+    tiles = grid[0] * grid[1]
+    if split > 1:  # fp32 partial sums and arrival counters (tilegemm.core.workspace)
+        ws, count = split_workspace(dy.device, split * tiles * cfg["BLOCK_N"], tiles)
+    else:
+        ws, count = dw, dw  # unused
+    index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
+    args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, npq, g.K // g.C, slice_len, *_nhwc_strides(dy),
+            *_nhwc_strides(x), dw.stride(0), dw.stride(2), dw.stride(3), *_conv_args(g))
+    flags = dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.K), SPLIT=split, **cfg)
+    # The workspace is this stream's: a replay passes it as recorded and declines on another stream.
+    launch(depthwise_wgrad_kernel, grid, args, flags, keep=(ws, count) if split > 1 else (),
+           stream=current_stream() if split > 1 and dy.is_cuda else None)
+    return dw  # [K, 1, R, S]

@@ -204,11 +204,11 @@ def conv2d_dgrad_kernel(
 
 @triton.jit(do_not_specialize=_SIZES[:6] + ["NPQ", "slice_len", "pad_h", "pad_w"])
 def conv2d_wgrad_kernel(
-    dy_ptr, x_ptr, dw_ptr,
+    dy_ptr, x_ptr, dw_ptr, ws_ptr, count_ptr,
     H, W, Cg, P, Q, Kg, NPQ, slice_len,
     stride_yn, stride_yp, stride_yq, stride_yk,
     stride_xn, stride_xh, stride_xw, stride_xc,
-    stride_ds, stride_dk, stride_dr, stride_dss, stride_dc,
+    stride_dk, stride_dc, stride_dr, stride_dss,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
@@ -256,9 +256,28 @@ def conv2d_wgrad_kernel(
         acc = _tap_mma(a, b, acc, UPCAST, MMA_OPERANDS, INPUT_PRECISION)
 
     k_all = grp * Kg + offs_m
-    out = dw_ptr + part * stride_ds + r * stride_dr + s * stride_dss
-    tl.store(out + (k_all * stride_dk)[:, None] + (offs_n * stride_dc)[None, :], acc,
-             mask=(offs_m < Kg)[:, None] & (offs_n < Cg)[None, :])
+    inside = (offs_m < Kg)[:, None] & (offs_n < Cg)[None, :]
+    dw_tile = dw_ptr + r * stride_dr + s * stride_dss + (k_all * stride_dk)[:, None] + (offs_n * stride_dc)[None, :]
+    if SPLIT == 1:
+        tl.store(dw_tile, acc.to(dw_ptr.dtype.element_ty), mask=inside)
+    else:
+        # Hand this slice's partial tile over (planes [SPLIT, tiles, BM, BN]); the program that arrives last
+        # at the tile adds the slices in order (deterministic) and stores the result: one launch, replayable.
+        tile = tap * tl.num_programs(0) + tl.program_id(0)
+        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        plane = (tl.num_programs(0) * tl.num_programs(1)).to(tl.int64) * (BLOCK_M * BLOCK_N)  # 64-bit offsets
+        ws_tile = ws_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N) + local
+        tl.store(ws_tile + part * plane, acc)
+        # A scalar atomic runs on one thread: the barrier puts every thread's stores before its release.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.debug_barrier()  # and every thread's loads after the acquire
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sl in range(0, SPLIT):
+                total += tl.load(ws_tile + sl * plane, cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)
+            tl.store(dw_tile, total.to(dw_ptr.dtype.element_ty), mask=inside)
 
 
 # --- launchers ------------------------------------------------------------------------------------------
@@ -347,7 +366,14 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
 
 def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, precision: str, upcast: bool, out_dtype: torch.dtype,
           config: dict | None = None) -> torch.Tensor:
-    """grad of the weight: ``[K, C/groups, R, S]`` (channels-last), from ``dy`` ``[N, K, P, Q]`` and ``x``."""
+    """grad of the weight: ``[K, C/groups, R, S]`` (contiguous), from ``dy`` ``[N, K, P, Q]`` and ``x``.
+
+    The pixel reduction is split over ``SPLIT`` programs per tile; the last to arrive adds the fp32 partial
+    tiles in a fixed order and stores the result (:mod:`tilegemm.core.workspace`), so the whole gradient is
+    one launch that a replay can repeat."""
+    from tilegemm.core.launch import current_stream
+    from tilegemm.core.workspace import split_workspace
+
     dy, x = _nhwc(dy), _nhwc(x)
     if config is None:
         from tilegemm.core.hardware import sm_count
@@ -355,20 +381,24 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, precision: str, upcast
         sms = sm_count(dy.device) if dy.is_cuda else 4
         config = wgrad_config(g, dy.dtype, sms)
     cfg = dict(config)
-    split = cfg["SPLIT"]
     npq = g.N * g.P * g.Q
     # Slices are whole BLOCK_K steps, so every program but the last starts and ends on a step.
-    slice_len = triton.cdiv(triton.cdiv(npq, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    slice_len = triton.cdiv(triton.cdiv(npq, cfg["SPLIT"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = cfg["SPLIT"] = max(1, triton.cdiv(npq, slice_len))
-    # fp32 partial sums, one [K, R, S, C/groups] block per slice, added in a fixed order below.
-    parts = new_output((split, g.K, g.R, g.S, g.Cg), torch.float32, dy.device)
+    dw = new_output((g.K, g.Cg, g.R, g.S), out_dtype, dy.device)
+    grid = (triton.cdiv(g.Kg, cfg["BLOCK_M"]) * triton.cdiv(g.Cg, cfg["BLOCK_N"]), g.R * g.S * g.groups, split)
+    tiles = grid[0] * grid[1]
+    if split > 1:
+        ws, count = split_workspace(dy.device, split * tiles * cfg["BLOCK_M"] * cfg["BLOCK_N"], tiles)
+    else:
+        ws, count = dw, dw  # unused
     index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
-    args = (dy, x, parts, g.H, g.W, g.Cg, g.P, g.Q, g.Kg, npq, slice_len, *_nhwc_strides(dy), *_nhwc_strides(x),
-            *parts.stride(), *_conv_args(g))
+    args = (dy, x, dw, ws, count, g.H, g.W, g.Cg, g.P, g.Q, g.Kg, npq, slice_len, *_nhwc_strides(dy),
+            *_nhwc_strides(x), *dw.stride(), *_conv_args(g))
     flags = dict(R=g.R, S=g.S, INPUT_PRECISION=precision, UPCAST=upcast, INDEX_64=index_64,
                  MMA_OPERANDS=_operand_order(dy.dtype, precision, False, False), DIV_K=_divisor(g.Kg),
                  DIV_C=_divisor(g.Cg))
-    grid = (triton.cdiv(g.Kg, cfg["BLOCK_M"]) * triton.cdiv(g.Cg, cfg["BLOCK_N"]), g.R * g.S * g.groups, split)
-    launch(conv2d_wgrad_kernel, grid, args, {**flags, **cfg})
-    dw = parts[0] if split == 1 else parts.sum(0)  # [K, R, S, C/groups]
-    return dw.to(out_dtype).permute(0, 3, 1, 2)  # [K, C/groups, R, S], channels-last
+    # The workspace is this stream's: a replay passes it as recorded and declines on another stream.
+    launch(conv2d_wgrad_kernel, grid, args, {**flags, **cfg}, keep=(ws, count) if split > 1 else (),
+           stream=current_stream() if split > 1 and dy.is_cuda else None)
+    return dw

@@ -159,10 +159,10 @@ def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torc
         if g.is_depthwise:
             from tilegemm.ops.conv2d import depthwise
 
-            return depthwise.wgrad(dy, x, g, x.dtype).contiguous()
+            return depthwise.wgrad(dy, x, g, x.dtype)
         from tilegemm.ops.conv2d import implicit_gemm
 
-        return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype).contiguous()
+        return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype)
 
 
 def backward_data(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision):
