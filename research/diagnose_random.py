@@ -1,0 +1,114 @@
+"""Diagnosis on the GPU: why ``auto`` loses on shapes of the random sweep (not a test).
+
+For each shape: cuBLAS, ``auto`` (and the rung it chose), every rung named by ``kernel=``, and ``auto`` on
+operands zero-padded so that K and every leading dimension is a multiple of 8 elements (the pad's own time
+included: ``F.pad`` of both operands, then the product of the padded ones; zeros along K add nothing). Each
+result is checked against an fp64 product first. Times are do_bench medians, cuBLAS and the variants
+alternating over ``--rounds`` rounds. Writes ``$OUT/diagnose-random-<dtype>.json``; prints a table.
+
+    PYTHONPATH=src:research python3 research/diagnose_random.py 184x168x14400 526x773x7638 [--dtype fp16]
+    PYTHONPATH=src:research python3 research/diagnose_random.py --worst FILE.json --count 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+import tilegemm
+from tilegemm.core.hardware import machine_info
+from tilegemm.ops.matmul import dispatch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+RUNGS = ("autotuned", "split_k", "persistent_tma", "grouped")
+
+
+def padded_product(a, b):
+    """a @ b through operands padded to multiples of 8 along K and the leading dimensions (row-major both)."""
+    M, K = a.shape
+    N = b.shape[1]
+    kp, np_ = -(-K // 8) * 8, -(-N // 8) * 8
+    ap = F.pad(a, (0, kp - K)) if kp != K else a
+    bp = F.pad(b, (0, np_ - N, 0, kp - K)) if (kp, np_) != (K, N) else b
+    return tilegemm.matmul(ap, bp[:, :N])
+
+
+def worst_shapes(path: str, count: int) -> list[str]:
+    rows = json.load(open(path))["rows"]
+    auto = sorted((r for r in rows if r["kernel"] == "auto" and r.get("ratio")), key=lambda r: r["ratio"])
+    return [r["shape"] for r in auto[:count]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shapes", nargs="*")
+    ap.add_argument("--worst", help="a bench JSON: take its worst auto shapes")
+    ap.add_argument("--count", type=int, default=20)
+    ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    shapes = list(args.shapes) + (worst_shapes(args.worst, args.count) if args.worst else [])
+    dtype = DTYPES[args.dtype]
+    chosen = []
+    original = dispatch.choose_kernel
+
+    def spy(p):
+        rung = original(p)
+        chosen.append(rung)
+        return rung
+
+    dispatch.choose_kernel = spy
+    results = []
+    for shape in shapes:
+        M, N, K = (int(x) for x in shape.split("x"))
+        torch.manual_seed(0)
+        a = torch.randn(M, K, device="cuda", dtype=dtype)
+        b = torch.randn(K, N, device="cuda", dtype=dtype)
+        ref = (a.double() @ b.double()).float()
+        variants = {"cuBLAS": lambda: torch.matmul(a, b), "auto": lambda: tilegemm.matmul(a, b),
+                    "padded": lambda: padded_product(a, b)}
+        for rung in RUNGS:
+            variants[rung] = lambda rung=rung: tilegemm.matmul(a, b, kernel=rung)
+        row = dict(shape=shape, aligned=K % 8 == 0 and N % 8 == 0, variants={})
+        ok = {}
+        for name, fn in variants.items():
+            chosen.clear()
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+            except Exception as e:  # noqa: BLE001 - diagnosis: record and go on
+                row["variants"][name] = dict(error=str(e)[:200])
+                continue
+            if name == "auto":
+                row["auto_rung"] = chosen[0] if chosen else None
+            if not err < 1e-2:
+                row["variants"][name] = dict(error=f"wrong: rel err {err}")
+                continue
+            ok[name] = fn
+        times = {name: [] for name in ok}
+        for _ in range(args.rounds):
+            for name, fn in ok.items():
+                times[name].append(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+        base = statistics.median(times["cuBLAS"]) if "cuBLAS" in times else float("nan")
+        for name, t in times.items():
+            ms = statistics.median(t)
+            row["variants"][name] = dict(us=ms * 1e3, ratio=base / ms)
+        results.append(row)
+        v = row["variants"]
+        cells = " ".join(f"{n}={v[n]['ratio']:.2f}" if "ratio" in v.get(n, {}) else f"{n}=ERR" for n in variants if n != "cuBLAS")
+        print(f"{shape:>20} cuBLAS {base * 1e3:8.1f} us  auto->{row.get('auto_rung')}  {cells}", flush=True)
+    path = os.path.join(os.environ.get("OUT", "."), f"diagnose-random-{args.dtype}.json")
+    with open(path, "w") as f:
+        json.dump(dict(machine=machine_info().to_dict(), git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"),
+                       dtype=args.dtype, rows=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
