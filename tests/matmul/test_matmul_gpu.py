@@ -284,10 +284,14 @@ def test_split_k_is_exact_on_the_shapes_that_raced():
             assert_rel_close(tilegemm.matmul(a, b, kernel="split_k"), ref, tolerance(torch.float16))
 
 
-@pytest.mark.parametrize("slices", [False, True], ids=["atomic", "slices"])
-def test_split_k_reductions_are_exact_and_slices_deterministic(slices):
+@pytest.mark.parametrize("slices", [False, True, "apart"], ids=["atomic", "slices", "apart"])
+def test_split_k_reductions_are_exact_and_slices_deterministic(slices, monkeypatch):
     from tilegemm.ops.matmul import split_k
     from tilegemm.ops.matmul.problem import make_problems
+
+    if slices == "apart":  # the planes added by the second launch
+        monkeypatch.setattr("tilegemm.ops.matmul.split_reduce.APART_BYTES", 0)
+        slices = True
 
     for M, N, K, split in ((1, 4096, 4096, 4), (16, 1000, 3000, 3), (128, 4096, 4096, 8), (100, 257, 2049, 2)):
         a = torch.randn(M, K, device="cuda", dtype=torch.float16)
@@ -305,6 +309,21 @@ def test_split_k_reductions_are_exact_and_slices_deterministic(slices):
             assert all(torch.equal(outs[0], o) for o in outs[1:])
     for ws, count in split_k.workspaces().values():
         assert not count.any(), "split_k must leave its counters at zero"
+
+
+def test_wave_splits_of_few_tiles_reduce_apart_and_replay():
+    """Few output tiles with a long K: split into about a wave, the planes added by the second launch, and
+    both launches replayed (a 1x1 convolution's weight gradient is such a product)."""
+    from tilegemm.ops.matmul import replay, split_k
+
+    replay.clear()
+    for M, N, K in ((184, 168, 14400), (64, 64, 100352), (264, 72, 4904)):
+        a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+        ref = matmul_reference(a, b)
+        for _ in range(3):
+            assert_rel_close(tilegemm.matmul(a, b, kernel="split_k"), ref, tolerance(torch.float16))
+    assert replay.count() == 3
 
 
 def test_split_k_replays_on_its_stream_and_launches_afresh_on_another():

@@ -67,9 +67,12 @@ def test_persistent_tma_falls_back_where_tma_cannot_go(make, reason, device):
     assert_rel_close(got, matmul_reference(a, b), 1e-5)
 
 
-@pytest.mark.parametrize("slices", [False, True], ids=["atomic", "slices"])
+@pytest.mark.parametrize("slices", [False, True, "apart"], ids=["atomic", "slices", "apart"])
 @pytest.mark.parametrize("split", [1, 2, 3, 7])
-def test_split_k_any_split_and_clean_workspace(split, slices, device):
+def test_split_k_any_split_and_clean_workspace(split, slices, device, monkeypatch):
+    if slices == "apart":  # every split's planes added by the second launch
+        monkeypatch.setattr("tilegemm.ops.matmul.split_reduce.APART_BYTES", 0)
+        slices = True
     a = torch.randn(3, 20, 150, device=device)
     b = torch.randn(150, 45, device=device)
     bias = torch.randn(45, device=device)
@@ -142,21 +145,68 @@ def test_untimed_split_k_fills_a_wave_for_small_outputs_with_long_k(monkeypatch,
     assert split_k.wave_split(1, 40, 132) == 10 and split_k.wave_split(1, 10**6, 1000) == 256
 
 
-def test_auto_sends_few_tiles_with_long_k_to_split_k(monkeypatch):
+def test_auto_splits_k_where_the_cost_model_says_it_pays(monkeypatch):
+    """M > 128: few output tiles with a long K go to split_k; many tiles, or a short K, do not."""
     from tilegemm.ops.matmul import dispatch
 
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(split_k, "interpreting", lambda: False)
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 132)
     monkeypatch.setattr("tilegemm.core.hardware.sm_count", lambda device: 132)
 
-    def few(M, N, K, ld=None):
+    def pays(M, N, K, ld=None):
         a = torch.empty(M, ld or K, dtype=torch.float16)[:, :K]
         p = make_problems(a, torch.empty(K, N, dtype=torch.float16), torch.empty(M, N, dtype=torch.float16), None,
                           None, 1.0, 0.0, "none", "ieee", False)[0]
-        return dispatch._few_tiles_long_k(p)
+        return dispatch._split_pays(p)
 
-    assert few(256, 64, 100352) and few(2048, 256, 8192)  # 2 and 32 tiles of 128x128
-    assert not few(4096, 4096, 8192)  # 1024 tiles
-    assert not few(256, 64, 2048)  # short K: one program per tile walks it quickly
-    assert not few(256, 64, 100352, ld=100353)  # rows not 16-byte aligned: split_k's loads would crawl
+    assert pays(256, 64, 100352) and pays(184, 168, 14400) and pays(2048, 256, 8192)
+    assert pays(256, 64, 100352, ld=100353)  # rows not 16-byte aligned: the loads crawl, parallelism helps
+    assert not pays(4096, 4096, 8192)  # 1024 tiles of 128x128 fill the GPU many times over
+    assert not pays(256, 64, 512)  # short K: nothing to split
+
+
+def test_cost_model_ranks_by_waves_and_tiles():
+    from tilegemm.ops.matmul.cost import estimate_us
+
+    def est(M, N, K, bm, bn, bk=64, split=1, stages=3, aligned=True):
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SLICES=True, num_stages=stages)
+        return estimate_us(M, N, K, 1, 2, 2, cfg, sms=132, peak_tflops=989.0, hbm_gbps=4800.0, aligned=aligned)
+
+    assert est(4096, 4096, 4096, 128, 256) < est(4096, 4096, 4096, 64, 64)  # big tiles where they fill the GPU
+    assert est(512, 512, 4096, 64, 64) < est(512, 512, 4096, 128, 256)  # 64 tiles against 8: fill the SMs
+    assert est(128, 128, 65536, 128, 128, split=64) < est(128, 128, 65536, 128, 128)  # one tile: split K
+    assert est(256, 256, 4096, 128, 128, aligned=False) > est(256, 256, 4096, 128, 128)
+    m, n, k = 4096, 8192, 1024
+    assert est(m, n, k, 128, 256) >= ((m * k + k * n) * 2 + m * n * 2) / 4.8e6  # never under the HBM floor
+
+
+@pytest.mark.parametrize("shape", [(1, 45, 300), (37, 5, 500), (20, 45, 150)], ids=lambda s: "x".join(map(str, s)))
+def test_split_k_reduction_apart_with_batches_and_an_epilogue(shape, device, monkeypatch):
+    """Planes added by the second launch: batched, with c, bias, alpha/beta and an activation, poisoned output."""
+    monkeypatch.setattr("tilegemm.ops.matmul.split_reduce.APART_BYTES", 0)
+    M, N, K = shape
+    a = torch.randn(2, M, K, device=device)
+    b = torch.randn(2, K, N, device=device)
+    c = torch.randn(2, M, N, device=device)
+    bias = torch.randn(N, device=device)
+    out = torch.full((2, M, N), float("nan"), device=device)
+    p = make_problems(a, b, out, c, bias, 0.5, 2.0, "gelu", "ieee", False)[0]
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, SPLIT_K=5, SLICES=True, num_warps=4, num_stages=1)
+    assert split_k.reduce_apart(cfg)
+    split_k.run(p, cfg)
+    ref = matmul_reference(a, b, c=c, bias=bias, alpha=0.5, beta=2.0, activation="gelu")
+    assert_rel_close(out, ref, 1e-5)
+
+
+def test_split_k_reduces_apart_only_past_its_byte_bound():
+    cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=2, SLICES=True)
+    assert not split_k.reduce_apart(cfg)  # 128 KB of planes a tile: the last program adds them
+    assert split_k.reduce_apart(dict(cfg, SPLIT_K=3))
+    assert not split_k.reduce_apart(dict(cfg, SPLIT_K=3, SLICES=False))  # atomics: one plane
+    assert not split_k.reduce_apart(dict(cfg, SPLIT_K=1))
+    assert split_k.reduce_block(4096, 4096, 1, 132) == (64, 64)
+    assert split_k.reduce_block(184, 168, 1, 132) == (16, 32)
 
 
 def test_split_k_picks_more_splits_for_fewer_tiles(device):

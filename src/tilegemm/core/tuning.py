@@ -183,13 +183,20 @@ def _valid(config: dict, options: list[dict]) -> bool:
     return any(all(option.get(key, value) == value for key, value in config.items()) for option in options)
 
 
-def nearest(k: str, options: list[dict]) -> dict | None:
+# How far a tuned shape class may be for its config to be taken untimed (see nearest): a sum of |log2|
+# ratios of M (bucketed), N and K, so 1.0 is, say, N twice as large. Farther, a rung's own model decides
+# (autotuned and split_k: tilegemm.ops.matmul.cost), since a neighbour's tile was chosen for its number of
+# tiles and its K, not this problem's.
+NEAR = 1.0
+
+
+def nearest(k: str, options: list[dict], max_distance: float = float("inf")) -> dict | None:
     """The config of the shipped or measured shape class nearest to ``k`` that ``options`` allow, or None.
 
     Near means: the same rung, operand and output dtypes; the smallest sum of |log2| ratios of M (bucketed),
-    N and K, half a step more for another layout. A config is taken only if it is among ``options`` (the
-    candidates valid for this problem, :func:`_valid`), so a neighbour's choice this problem cannot use is
-    skipped. Untimed choices (:func:`choose_untimed`) are never neighbours.
+    N and K, half a step more for another layout, at most ``max_distance``. A config is taken only if it is
+    among ``options`` (the candidates valid for this problem, :func:`_valid`), so a neighbour's choice this
+    problem cannot use is skipped. Untimed choices (:func:`choose_untimed`) are never neighbours.
     """
     import math
 
@@ -206,19 +213,19 @@ def nearest(k: str, options: list[dict]) -> dict | None:
             continue
         d = sum(abs(math.log2(max(x, 1) / max(y, 1))) for x, y in zip(me[1:4], them[1:4]))  # K may be 0
         d += 0.5 if them[6] != me[6] else 0.0
-        if d < best_d:
+        if d < best_d and d <= max_distance:
             best, best_d = config, d
     return dict(best) if best is not None else None
 
 
-def choose_untimed(k: str, options: list[dict], fallback=None) -> dict:
-    """A config for ``k`` without timing: the nearest known shape class's (:func:`nearest`), else
-    ``fallback(options)``, else the first option. Remembered for this process apart from the measured
-    entries: not on disk, never a neighbour, and not in the way of a later timing."""
+def choose_untimed(k: str, options: list[dict], fallback=None, max_distance: float = float("inf")) -> dict:
+    """A config for ``k`` without timing: the nearest known shape class's (:func:`nearest`, within
+    ``max_distance``), else ``fallback(options)``, else the first option. Remembered for this process apart
+    from the measured entries: not on disk, never a neighbour, and not in the way of a later timing."""
     config = _guessed.get(k)
     if config is not None:
         return dict(config)
-    config = nearest(k, options)
+    config = nearest(k, options, max_distance)
     if config is None:
         config = fallback(options) if fallback is not None else options[0]
     with _lock:

@@ -2,7 +2,8 @@
 
 A shape class (M bucketed to a power of two, N, K, dtypes, layout) takes its tuned config, shipped or kept
 from an earlier tuning. An unseen one takes, untimed, the config of the nearest tuned class
-(:func:`tilegemm.core.tuning.nearest`), else :func:`filling_config`. Where timing is asked for
+(:func:`tilegemm.core.tuning.nearest`) if one is near, else the config
+:mod:`tilegemm.ops.matmul.cost` estimates fastest. Where timing is asked for
 (``tilegemm tune``, ``TILEGEMM_TUNE=1``), Triton's autotuner times every candidate in
 :func:`tilegemm.ops.matmul.configs.autotune_configs` that suits the dtype, and the fastest is kept by
 :mod:`tilegemm.core.tuning` (memory, then disk), so later calls and later processes do not tune again.
@@ -33,20 +34,11 @@ matmul_autotuned_kernel = triton.autotune(
 )(matmul_grouped_kernel)
 
 
-def filling_config(options: list[dict], p: GemmProblem) -> dict:
-    """With nothing tuned near ``p``: the largest tile that still gives every SM one, else the smallest tile
-    (a wave model: fewer, larger tiles reuse more of each load, as long as no SM idles)."""
-    from tilegemm.core.hardware import sm_count
+def modelled_config(options: list[dict], p: GemmProblem) -> dict:
+    """The option :mod:`tilegemm.ops.matmul.cost` estimates fastest on ``p``."""
+    from tilegemm.ops.matmul.cost import problem_estimator
 
-    sms = sm_count(p.out.device) if p.out.is_cuda else 1
-
-    def tiles(c):
-        return triton.cdiv(p.M, c["BLOCK_M"]) * triton.cdiv(p.N, c["BLOCK_N"]) * p.batch
-
-    filling = [c for c in options if tiles(c) >= sms]
-    if filling:
-        return max(filling, key=lambda c: (c["BLOCK_M"] * c["BLOCK_N"], c["BLOCK_K"]))
-    return min(options, key=lambda c: (c["BLOCK_M"] * c["BLOCK_N"], -c["BLOCK_K"]))
+    return min(options, key=problem_estimator(p))
 
 
 def run(p: GemmProblem, config: dict | None = None) -> None:
@@ -56,9 +48,10 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
         k = tuning.key("autotuned", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
         config = tuning.lookup(k)
         if config is None and not tuning.timing_enabled():
-            # Not timed unless asked: the nearest tuned shape class's config, else one that fills the GPU.
+            # Not timed unless asked: a near tuned shape class's config, else the one the cost model ranks
+            # fastest (tilegemm.ops.matmul.cost).
             options = prune_for(autotune_configs(), p.a.element_size())
-            config = tuning.choose_untimed(k, options, lambda opts: filling_config(opts, p))
+            config = tuning.choose_untimed(k, options, lambda opts: modelled_config(opts, p), tuning.NEAR)
     if config is not None:
         flags = {**p.kernel_flags(), **config}
         launch(matmul_grouped_kernel, grid(p), p.kernel_args(), flags)

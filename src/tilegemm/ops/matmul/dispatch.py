@@ -8,7 +8,7 @@ from tilegemm.core import registry
 from tilegemm.core.runtime import interpreting, new_output, on_device
 from tilegemm.ops.matmul.call import MatmulCall
 from tilegemm.ops.matmul.checks import output_shape, resolve_precision
-from tilegemm.ops.matmul.problem import GemmProblem, make_problems
+from tilegemm.ops.matmul.problem import GemmProblem, make_problems, rows_aligned
 
 
 # Below this M * N * K a problem is over in a few microseconds on any rung, so timing the rungs picks by noise,
@@ -37,25 +37,23 @@ def choose_kernel(p: GemmProblem) -> str:
       ``autotuned`` unless it is NN or TT and ``persistent_tma``'s Gluon kernel takes it. Where a Gluon
       kernel takes the problem (that tf32, promoted K-major fp8, 16-bit with a 16-bit output), the two
       rungs are timed from half a tile per SM to two (16-bit: a quarter; see the code).
-    - M > 128 with too few 128x128 tiles for a quarter of the SMs and K of 4096 and up: ``split_k``, whose
-      untimed choice splits K into about one wave (:func:`_few_tiles_long_k`).
+    - M > 128 where splitting K pays by the cost model (few output tiles with a long K; :func:`_split_pays`):
+      ``split_k``.
     - Otherwise ``autotuned``.
     """
     if interpreting():
         return "grouped"
     if p.M <= 128:
-        if not rows_aligned(p):
-            # split_k's loads of rows that are not 16-byte aligned ran far behind autotuned's: 2x3791x19287
-            # fp16 4.29 ms against 223 us (its aligned twin 2x3792x19288: 56 us), 5x423x2047 311 us against
-            # 28 us (H200, benchmarks/results/2026-11-23-h200/0186598/misaligned-small-m.json).
-            return "autotuned"
+        # Rows not 16-byte aligned go to split_k too: since the wrapped-tile hint fix its misaligned loads ran
+        # ahead of autotuned's on all nine such shapes of the random sweep's worst (7x340x10945: 1.00x cuBLAS
+        # against 0.17x; H200, benchmarks/results/2026-11-23-h200/4e789c1/diagnose-random-fp16.json).
         if p.M > 16 and p.M * p.N * p.K >= TIMED_MIN_MNK and _has_tma():
             from tilegemm.ops.matmul.persistent_tma import describable
 
             if describable(p) is None:
                 return _timed_choice(p, ("split_k", "persistent_tma"))
         return "split_k"
-    if _few_tiles_long_k(p):
+    if _split_pays(p):
         return "split_k"
     if _has_tma():
         from tilegemm.core.hardware import sm_count
@@ -97,25 +95,29 @@ def choose_kernel(p: GemmProblem) -> str:
     return "autotuned"
 
 
-def _few_tiles_long_k(p: GemmProblem) -> bool:
-    """Whether 128x128 tiles would leave three quarters of the SMs idle while each walks a long K (4096 and
-    up): then only a K split fills the GPU (see :func:`tilegemm.ops.matmul.split_k.wave_split`). A 1x1
-    convolution's weight gradient is such a product: 256x64 over 100352 pixels. Rows must be 16-byte
-    aligned (split_k's misaligned loads ran far behind autotuned's, see :func:`choose_kernel`)."""
-    if p.K < 4096 or not rows_aligned(p):
+# Below this K a split does not pay whatever the tiles: each slice would be a handful of K steps.
+SPLIT_MIN_K = 1024
+
+
+def _split_pays(p: GemmProblem) -> bool:
+    """Whether ``split_k`` should take a problem with M > 128: where the shape class was not tuned and the cost
+    model (:mod:`tilegemm.ops.matmul.cost`) ranks the best K split at least 15% faster than the best unsplit
+    config of ``autotuned``. That is a product with too few output tiles to fill the GPU and a long K: a 1x1
+    convolution's weight gradient (256x64 over 100352 pixels), or 526x773x7638, which ran 0.12x cuBLAS
+    unsplit (H200, benchmarks/results/2026-11-23-h200/4e789c1/)."""
+    if p.K < SPLIT_MIN_K or interpreting():
         return False
-    from tilegemm.core.hardware import sm_count
+    from tilegemm.core import tuning
+    from tilegemm.ops.matmul import split_k
+    from tilegemm.ops.matmul.configs import autotune_configs, prune_for
+    from tilegemm.ops.matmul.cost import problem_estimator
 
-    tiles = -(-p.M // 128) * -(-p.N // 128) * p.batch
-    return 4 * tiles <= sm_count(p.out.device)
-
-
-def rows_aligned(p: GemmProblem) -> bool:
-    """Whether every row (or column) A and B are read along starts 16 bytes apart: their strides other than the
-    unit one are multiples of 16 bytes."""
-    size = p.a.element_size()
-    strides = [p.a_strides[2], *p.b_strides[1:]] + ([p.a_strides[1]] if p.M > 1 else [])  # one row: no stride
-    return all((s * size) % 16 == 0 for s in strides if s not in (0, 1))
+    if tuning.lookup(tuning.key("autotuned", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)) is not None:
+        return False  # a tuned class: its measured config stands
+    estimate = problem_estimator(p)
+    splits = [estimate(c) for c in split_k.configs(p) if c["SPLIT_K"] > 1]
+    whole = [estimate(c) for c in prune_for(autotune_configs(), p.a.element_size())]
+    return bool(splits) and min(splits) < 0.85 * min(whole)
 
 
 def _timed_choice(p: GemmProblem, rungs: tuple[str, ...]) -> str:

@@ -275,3 +275,11 @@ def _unflatten(flat: int, sizes: list[int]) -> list[int]:
         index.append(flat % size)
         flat //= size
     return list(reversed(index))
+
+
+def rows_aligned(p: GemmProblem) -> bool:
+    """Whether every row (or column) A and B are read along starts 16 bytes apart: their strides other than the
+    unit one are multiples of 16 bytes."""
+    size = p.a.element_size()
+    strides = [p.a_strides[2], *p.b_strides[1:]] + ([p.a_strides[1]] if p.M > 1 else [])  # one row: no stride
+    return all((s * size) % 16 == 0 for s in strides if s not in (0, 1))

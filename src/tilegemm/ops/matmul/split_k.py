@@ -27,6 +27,7 @@ from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div, tile_gro
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem
+from tilegemm.ops.matmul.split_reduce import reduce_apart, reduce_block, split_k_reduce_kernel
 from tilegemm.core.runtime import interpreting
 
 import triton.language as tl  # noqa: E402
@@ -48,7 +49,7 @@ def matmul_split_k_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     FAST_ACCUM: tl.constexpr, DIVISORS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K, SLICES: tl.constexpr, ATOMIC_READ: tl.constexpr,
+    SPLIT_K, SLICES: tl.constexpr, ATOMIC_READ: tl.constexpr, APART: tl.constexpr = False,
 ):
     # Which tile and which slice of K: axis 0 tiles, axis 1 the K slice, axis 2 the batch.
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -81,6 +82,12 @@ def matmul_split_k_kernel(
         epilogue_store(acc, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
                        stride_om, stride_on, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
                        alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, DIVISORS)
+    elif APART:
+        # The planes are added by split_k_reduce_kernel, launched after this one: store this slice's plane.
+        DIV_M: tl.constexpr = DIVISORS[8]
+        DIV_N: tl.constexpr = DIVISORS[9]
+        inside = below(offs_m, M, DIV_M)[:, None] & below(offs_n, N, DIV_N)[None, :]
+        tl.store(ws_ptr + offsets_2d_div(offs_m, offs_n, N, 1, DIV_N, 1) + split * M * N, acc, mask=inside)
     else:
         # Reduce across the K slices: hand this partial tile over, then count arrivals at this tile.
         DIV_M: tl.constexpr = DIVISORS[8]
@@ -157,7 +164,8 @@ _TILES = {
     64: [(64, 64, 128, 4, 4), (64, 64, 128, 4, 6), (64, 128, 64, 4, 4)],
     128: [(64, 64, 128, 4, 4), (64, 64, 128, 4, 6), (64, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 128, 64, 4, 4),
           (128, 256, 64, 8, 3)],
-    None: [(128, 128, 64, 4, 4)],  # M > 128: split_k is rarely the right rung there
+    # M > 128: split_k takes few output tiles with a long K there (tilegemm.ops.matmul.cost ranks these).
+    None: [(128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4)],
 }
 _SPLITS = (1, 2, 3, 4, 8)
 
@@ -210,6 +218,16 @@ def filled(p: GemmProblem, config: dict) -> dict:
     return dict(config, SPLIT_K=wave) if wave > config["SPLIT_K"] else config
 
 
+def modelled_config(options: list[dict], p: GemmProblem) -> dict:
+    """The option :mod:`tilegemm.ops.matmul.cost` estimates fastest on ``p`` (the interpreter's one
+    candidate there)."""
+    if interpreting():
+        return options[0]
+    from tilegemm.ops.matmul.cost import problem_estimator
+
+    return min(options, key=problem_estimator(p))
+
+
 def pick_config(p: GemmProblem) -> dict:
     """A config without timing: the first tile of the M bucket, in enough K slices for about one wave."""
     cands = configs(p)
@@ -231,11 +249,14 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
         else:
             k = tuning.key("split_k", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
             config = tuning.lookup(k)
-            if config is None:
-                config = tuning.lookup_or_tune(k, lambda: configs(p), lambda cfg: launch_config(p, cfg),
-                                                fallback=lambda options: pick_config(p))
-                if not tuning.timing_enabled():
-                    config = filled(p, config)
+            if config is None and not tuning.timing_enabled():
+                # Untimed: a near tuned shape class's config, its split raised to fill a wave, else the
+                # config the cost model ranks fastest (tilegemm.ops.matmul.cost).
+                config = tuning.choose_untimed(k, configs(p), lambda options: modelled_config(options, p),
+                                               tuning.NEAR)
+                config = filled(p, config)
+            elif config is None:
+                config = tuning.lookup_or_tune(k, lambda: configs(p), lambda cfg: launch_config(p, cfg))
     launch_config(p, config)
 
 
@@ -251,11 +272,20 @@ def launch_config(p: GemmProblem, config: dict) -> None:
     cfg.setdefault("SLICES", True)
     if cfg["SLICES"] and cfg["SPLIT_K"] * p.M * p.N >= 2**31:
         cfg["SLICES"] = False  # plane offsets are 32-bit in the kernel; one atomic plane still fits
+    apart = reduce_apart(cfg)
+    cfg["APART"] = apart
     tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
     planes = cfg["SPLIT_K"] if cfg["SLICES"] else 1
     ws, count = _workspace(p.out.device, p.batch * planes * p.M * p.N, p.batch * tiles, cfg["SLICES"])
     grid = (tiles, cfg["SPLIT_K"], p.batch)
+    args = (*p.kernel_args(), ws, count)
+    stream = current_stream() if p.out.is_cuda else 0
     # Replayable, but only on this stream: another stream's launches could use the workspace meanwhile.
-    launch(matmul_split_k_kernel, grid, (*p.kernel_args(), ws, count),
-           {**p.kernel_flags(), **cfg, "ATOMIC_READ": not interpreting()},
-           keep=(ws, count), stream=current_stream() if p.out.is_cuda else 0)
+    launch(matmul_split_k_kernel, grid, args, {**p.kernel_flags(), **cfg, "ATOMIC_READ": not interpreting()},
+           keep=(ws, count), stream=stream)
+    if apart:
+        bm, bn = reduce_block(p.M, p.N, p.batch, sm_count(p.out.device))
+        grid = (triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn), 1, p.batch)
+        launch(split_k_reduce_kernel, grid, args,
+               {**p.kernel_flags(), "SPLIT_K": cfg["SPLIT_K"], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4},
+               keep=(ws, count), stream=stream)

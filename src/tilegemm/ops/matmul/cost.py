@@ -1,0 +1,98 @@
+"""An untimed estimate of a pointer-kernel config's time on a problem, for shapes nothing was tuned near.
+
+``auto`` picks a config without timing on the call path. Where a tuned shape class is near (the shipped
+tables hold the sweeps' shapes), its config is taken (:func:`tilegemm.core.tuning.nearest`). Elsewhere a
+neighbour's choice was made for another number of tiles: a 128x256 tile that fills the GPU at 4096^3 leaves
+most SMs idle at 526x773, and no tuned neighbour splits K for such a product. There the configs of
+``autotuned`` and ``split_k`` are ranked by this model instead (docs/rungs/auto.md, "Untimed choices"):
+
+- **Waves.** ``programs = tiles x SPLIT_K`` run in ``ceil(programs / slots)`` waves, where ``slots`` is
+  the SMs times the programs one SM holds (shared memory: the pipelined tiles).
+- **A program** walks its K slice one step at a time; a step costs the slower of its MMA work at the
+  tile's share of the SM's peak (:func:`mma_fraction`: small tiles use the tensor cores worse) and its
+  operand bytes at the SM's share of L2 bandwidth, plus a fixed cost for the pipeline's fill and the
+  epilogue. Programs that share an SM share its rates.
+- **Rows not 16-byte aligned** load two bytes at a time without asynchronous copies: their load term is
+  multiplied by :data:`MISALIGNED_LOADS`.
+- **A K split** adds its planes' traffic: written by every slice, read back by the last-arriving program
+  (one SM) or by a second launch spread over the GPU
+  (:func:`tilegemm.ops.matmul.split_reduce.reduce_apart`).
+- **A floor**: the operands and the output cross HBM at least once.
+
+The constants are round numbers for an H100/H200-class GPU, scaled by the device's SMs, its vendor peak
+rate for the dtype and its HBM bandwidth (:mod:`tilegemm.core.hardware`): what the model must get right is
+the order of configs, not their times.
+"""
+
+from __future__ import annotations
+
+import triton
+
+from tilegemm.ops.matmul.split_reduce import reduce_apart
+
+# Fraction of the SM's vendor peak one program sustains by tile area (BLOCK_M x BLOCK_N), pointer kernels:
+# from 128x256 (the tile that reaches about 650 TFLOPS of the H200's 989 at 4096^3) down to 16x64.
+_MMA_FRACTION = ((32768, 0.66), (16384, 0.55), (8192, 0.42), (4096, 0.28), (2048, 0.17), (0, 0.08))
+L2_PER_HBM = 2.2  # L2-to-SM bandwidth of the whole GPU, as a multiple of its HBM bandwidth
+SM_GBPS = 110.0  # what one SM can pull from L2 when few SMs compete for it
+LAST_ARRIVAL_GBPS = 12.0  # one program adding planes alone (184x168x14400: 33 planes of 64 KB in ~190 us)
+PROGRAM_US = 1.0  # a program's fixed cost: the pipeline's fill and the epilogue
+LAUNCH_US = 2.5  # a second launch (the split's reduction)
+MISALIGNED_LOADS = 4.0  # load-term factor for operands whose rows are not 16-byte aligned
+SMEM_BYTES = 227 * 1024
+
+
+def mma_fraction(bm: int, bn: int) -> float:
+    area = bm * bn
+    return next(f for a, f in _MMA_FRACTION if area >= a)
+
+
+def estimate_us(M: int, N: int, K: int, batch: int, elem: int, out_elem: int, cfg: dict, *, sms: int,
+                peak_tflops: float, hbm_gbps: float, aligned: bool = True) -> float:
+    """Estimated microseconds of ``cfg`` (a grouped or split_k config) on an ``M x N x K`` product."""
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    split = cfg.get("SPLIT_K", 1)
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn) * batch
+    programs = tiles * split
+    smem = (bm + bn) * bk * elem * max(cfg.get("num_stages", 3) - 1, 1)
+    per_sm = max(1, min(4, SMEM_BYTES // max(smem, 1)))
+    slots = sms * per_sm
+    sharing = min(per_sm, triton.cdiv(programs, sms))  # programs that run side by side on one SM
+    active = min(programs, sms)
+    steps = triton.cdiv(triton.cdiv(K, bk), split)
+    mma_us = 2.0 * bm * bn * bk / (peak_tflops * 1e6 / sms * mma_fraction(bm, bn))
+    sm_gbps = min(SM_GBPS, L2_PER_HBM * hbm_gbps / active)
+    load_us = (bm + bn) * bk * elem / (sm_gbps * 1e3) * (1.0 if aligned else MISALIGNED_LOADS)
+    program_us = steps * max(mma_us, load_us) * sharing + PROGRAM_US
+    total = triton.cdiv(programs, slots) * program_us
+    if split > 1:
+        plane_bytes = 4.0 * split * M * N * batch
+        if reduce_apart(dict(cfg, SPLIT_K=split)):
+            total += 2 * plane_bytes / (L2_PER_HBM * hbm_gbps * 1e3) + LAUNCH_US
+        else:
+            total += split * bm * bn * 4.0 / (LAST_ARRIVAL_GBPS * 1e3)
+    floor = ((M * K + K * N) * elem + M * N * out_elem) * batch / (hbm_gbps * 1e3)
+    return max(total, floor)
+
+
+def problem_estimator(p):
+    """``estimate(cfg) -> us`` for a :class:`tilegemm.ops.matmul.problem.GemmProblem` on its device."""
+    import torch
+
+    from tilegemm.core.hardware import peak_gbps, peak_tflops, sm_count
+    from tilegemm.ops.matmul.problem import rows_aligned
+
+    name = torch.cuda.get_device_name(p.out.device) if p.out.is_cuda else None
+    key = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "tf32"}.get(p.dtype, "fp8_e4m3")
+    if p.dtype == torch.float32 and p.input_precision == "ieee":
+        key = "fp32"
+    peak = peak_tflops(name, key) or (989.0 if key in ("fp16", "bf16") else 495.0)
+    hbm = peak_gbps(name) or 3350.0
+    sms = sm_count(p.out.device)
+    aligned = rows_aligned(p)
+    dims = (p.M, p.N, p.K, p.batch, p.a.element_size(), p.out.element_size())
+
+    def estimate(cfg: dict) -> float:
+        return estimate_us(*dims, cfg, sms=sms, peak_tflops=peak, hbm_gbps=hbm, aligned=aligned)
+
+    return estimate

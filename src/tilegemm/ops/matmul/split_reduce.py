@@ -1,0 +1,86 @@
+"""The second launch of a K split whose planes are too many for one program to add: ``split_k``'s
+reduction apart, and the rule for when it is used (imported by ``split_k`` and by the cost model)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div
+
+
+@triton.jit
+def split_k_reduce_kernel(
+    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+    M, N, K,
+    stride_ab, stride_am, stride_ak,
+    stride_bb, stride_bk, stride_bn,
+    stride_ob, stride_om, stride_on,
+    stride_cb, stride_cm, stride_cn,
+    stride_bias, stride_sa, stride_sb,
+    alpha, beta,
+    ws_ptr, count_ptr,
+    HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
+    FAST_ACCUM: tl.constexpr, DIVISORS: tl.constexpr,
+    SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The second launch of a split with ``APART``: each program adds one block's SPLIT_K planes in slice
+    order (deterministic), four planes' loads in flight at a time, and applies the epilogue. It takes the
+    split kernel's parameter list as it is (A and B unused), so both launches are made from one argument
+    tuple. Many small blocks spread the planes' reads over the SMs; the last-arriving program of the
+    in-launch reduction reads a whole tile's planes alone."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    pid_m = pid // tiles_n
+    pid_n = pid % tiles_n
+    pid_b = tl.program_id(2).to(tl.int64)
+    out_ptr += pid_b * stride_ob
+    c_ptr += pid_b * stride_cb
+    ws_ptr += pid_b * SPLIT_K * M * N
+    DIV_M: tl.constexpr = DIVISORS[8]
+    DIV_N: tl.constexpr = DIVISORS[9]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    inside = below(offs_m, M, DIV_M)[:, None] & below(offs_n, N, DIV_N)[None, :]
+    planes = ws_ptr + offsets_2d_div(offs_m, offs_n, N, 1, DIV_N, 1)
+    plane = M * N
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, SPLIT_K, 4):
+        p0 = tl.load(planes + s * plane, mask=inside, other=0.0, cache_modifier=".cg")
+        p1 = tl.load(planes + (s + 1) * plane, mask=inside & (s + 1 < SPLIT_K), other=0.0, cache_modifier=".cg")
+        p2 = tl.load(planes + (s + 2) * plane, mask=inside & (s + 2 < SPLIT_K), other=0.0, cache_modifier=".cg")
+        p3 = tl.load(planes + (s + 3) * plane, mask=inside & (s + 3 < SPLIT_K), other=0.0, cache_modifier=".cg")
+        total += p0
+        total += p1
+        total += p2
+        total += p3
+    epilogue_store(total, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
+                   stride_om, stride_on, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
+                   alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, DIVISORS)
+
+
+# Above this many bytes of fp32 planes for one tile (SPLIT_K x BLOCK_M x BLOCK_N x 4), the planes are added
+# by a second launch (split_k_reduce_kernel) instead of the last-arriving program alone. That program reads
+# them one after another: 184x168x14400 fp16 in 33 slices of 128x128 tiles took 196 us where cuBLAS took
+# 13 us (H200, benchmarks/results/2026-11-23-h200/4e789c1/). Every shipped tuned split reads 64 KB or less.
+APART_BYTES = 128 * 1024
+
+
+def reduce_apart(cfg: dict) -> bool:
+    """Whether a split config's planes are added by the second launch (:data:`APART_BYTES`)."""
+    return (cfg["SPLIT_K"] > 1 and cfg.get("SLICES", True)
+            and cfg["SPLIT_K"] * cfg["BLOCK_M"] * cfg["BLOCK_N"] * 4 > APART_BYTES)
+
+
+def reduce_block(M: int, N: int, batch: int, sms: int) -> tuple[int, int]:
+    """The reduction's block: the largest of 64x64, 32x64, 16x64 and 16x32 that still gives every SM two
+    blocks, else the smallest."""
+    for bm, bn in ((64, 64), (32, 64), (16, 64)):
+        if triton.cdiv(M, bm) * triton.cdiv(N, bn) * batch >= 2 * sms:
+            return bm, bn
+    return 16, 32
