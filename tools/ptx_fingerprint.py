@@ -101,7 +101,7 @@ ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "leaky_relu")  # besides "no
 CONFIG_PARAMS = {
     "naive": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"),
     "grouped": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"),
-    "split_k": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SLICES", "num_warps", "num_stages"),
+    "split_k": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SLICES", "APART", "num_warps", "num_stages"),
     "persistent_tma": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SERPENTINE", "FLATTEN", "WARP_SPECIALIZE",
                        "HOST_DESC", "num_warps", "num_stages"),
     "gluon_f16": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "SHARED_OUT", "GROUP_M", "SERPENTINE", "num_warps"),

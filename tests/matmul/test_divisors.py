@@ -92,7 +92,7 @@ _COMPILE = textwrap.dedent(
                 stride_sa=0, stride_sb=0, SPLIT_K=2)
     flags = dict(HAS_C=False, HAS_BIAS=False, ACTIVATION="none", HAS_SCALE_A=False, HAS_SCALE_B=False,
                  INPUT_PRECISION="ieee", UPCAST=False, INDEX_64=False, MMA_OPERANDS="ab", FAST_ACCUM=False,
-                 BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SLICES=True, ATOMIC_READ=True)
+                 BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SLICES=True, ATOMIC_READ=True, APART=False)
 
     def count(kernel, divisors):
         sig, constexprs, attrs = {}, {}, {}

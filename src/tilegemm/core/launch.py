@@ -334,6 +334,29 @@ class Replay:
         return True
 
 
+class ReplaySequence:
+    """A call's few recorded launches, replayed in order with the same tensors (:class:`Replay` each)."""
+
+    __slots__ = ("replays", "shape")
+    MAX_LAUNCHES = 4
+
+    def __init__(self, replays: list, shape=None):
+        if len({(r.device, r.stream) for r in replays}) != 1:
+            raise LookupError("the launches were made on different devices or streams")
+        self.replays = replays
+        self.shape = shape
+
+    def __call__(self, *tensors) -> bool:
+        """Launch them all; False (nothing launched) where the first declines (another stream or device: all
+        were recorded on the same one, so all would)."""
+        first, *rest = self.replays
+        if not first(*tensors):
+            return False
+        for replay in rest:
+            replay(*tensors)
+        return True
+
+
 class ReplayCache:
     """Replays keyed by everything Triton specializes on; bounded, cleared when full."""
 
@@ -345,15 +368,19 @@ class ReplayCache:
         return self.entries.get(key)
 
     def store(self, key, launches, tensors, shape=None, aliases_in_key: bool = False) -> None:
-        """Remember the one launch of a call under ``key``. Tensors sharing a data pointer (``x @ x.mT``, one
-        scale tensor for both operands) take the slots of the first of them; that replays right only for
-        calls that alias the same way, so such calls are kept only if the key says how they alias."""
-        if launches is None or len(launches) != 1:
+        """Remember the launches of a call under ``key`` (one, or a few in order: a K split reduced by a second
+        launch). Tensors sharing a data pointer (``x @ x.mT``, one scale tensor for both operands) take the
+        slots of the first of them; that replays right only for calls that alias the same way, so such calls
+        are kept only if the key says how they alias."""
+        if not launches or len(launches) > ReplaySequence.MAX_LAUNCHES:
             return
         if not aliases_in_key and len({t.data_ptr() for t in tensors}) < len(tensors):
             return  # aliased tensors: their slots could not be told apart on replay
         try:
-            replay = Replay(launches[0], tensors, shape)
+            if len(launches) == 1:
+                replay = Replay(launches[0], tensors, shape)
+            else:
+                replay = ReplaySequence([Replay(one, tensors, shape) for one in launches], shape)
         except LookupError:
             return
         if len(self.entries) >= self.maxsize:

@@ -22,6 +22,12 @@ import warnings
 
 log = logging.getLogger("tilegemm")
 
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of Python ints on the host. ``triton.cdiv`` is a JIT function: calling it from Python
+    costs microseconds (its argument handling), and a call's host path makes dozens of such divisions."""
+    return -(-a // b)
+
 _lock = threading.Lock()
 _interpret: bool | None = None
 

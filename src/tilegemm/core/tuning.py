@@ -218,13 +218,16 @@ def nearest(k: str, options: list[dict], max_distance: float = float("inf")) -> 
     return dict(best) if best is not None else None
 
 
-def choose_untimed(k: str, options: list[dict], fallback=None, max_distance: float = float("inf")) -> dict:
+def choose_untimed(k: str, options, fallback=None, max_distance: float = float("inf")) -> dict:
     """A config for ``k`` without timing: the nearest known shape class's (:func:`nearest`, within
-    ``max_distance``), else ``fallback(options)``, else the first option. Remembered for this process apart
+    ``max_distance``), else ``fallback(options)``, else the first option. ``options``: the candidate list,
+    or a function making it (called only when ``k`` was not chosen before). Remembered for this process apart
     from the measured entries: not on disk, never a neighbour, and not in the way of a later timing."""
     config = _guessed.get(k)
     if config is not None:
         return dict(config)
+    if callable(options):
+        options = options()
     config = nearest(k, options, max_distance)
     if config is None:
         config = fallback(options) if fallback is not None else options[0]

@@ -12,7 +12,7 @@ import torch
 
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.workspace import split_workspace
-from tilegemm.core.runtime import ensure_backend, new_output
+from tilegemm.core.runtime import cdiv, ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import depthwise_config
 from tilegemm.ops.conv2d.implicit_gemm import (
     _below_unspecialized,
@@ -214,7 +214,7 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
             p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
     flags = dict(R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, INDEX_64=p.index_64,
                  DIV=_divisor(g.K))
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(g.K, cfg["BLOCK_N"]))
+    grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.K, cfg["BLOCK_N"]))
     launch(depthwise_fwd_kernel, grid, args, {**flags, **cfg})
     return out
 
@@ -229,7 +229,7 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
     index_64 = max(dx.numel(), dy.numel()) >= 2**31 - 1
     args = (dy, weight, dx, g.H, g.W, g.P, g.Q, g.C, M, g.K // g.C, *_nhwc_strides(dy), *_w_strides(weight),
             *_nhwc_strides(dx), *_conv_args(g))
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(g.C, cfg["BLOCK_N"]))
+    grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.C, cfg["BLOCK_N"]))
     launch(depthwise_dgrad_kernel, grid, args, dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.C), **cfg))
     return dx
 
@@ -240,7 +240,7 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     dy, x = _nhwc(dy), _nhwc(x)
     cfg = dict(config or depthwise_config(g, dy.dtype))
     npq = g.N * g.P * g.Q
-    blocks = triton.cdiv(g.K, cfg["BLOCK_N"]) * g.R * g.S
+    blocks = cdiv(g.K, cfg["BLOCK_N"]) * g.R * g.S
     sms = 4
     if dy.is_cuda:
         from tilegemm.core.hardware import sm_count
@@ -249,10 +249,10 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     # Enough slices of the pixels for two waves of programs, each slice at least 8 BLOCK_M steps long (a
     # config may name its own SPLIT).
     split = cfg.pop("SPLIT", None) or max(1, min(-(-2 * sms // blocks), npq // (8 * cfg["BLOCK_M"]), 256))
-    slice_len = triton.cdiv(triton.cdiv(npq, split), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
-    split = triton.cdiv(npq, slice_len)
+    slice_len = cdiv(cdiv(npq, split), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
+    split = cdiv(npq, slice_len)
     dw = new_output((g.K, 1, g.R, g.S), out_dtype, dy.device)
-    grid = (triton.cdiv(g.K, cfg["BLOCK_N"]), g.R * g.S, split)
+    grid = (cdiv(g.K, cfg["BLOCK_N"]), g.R * g.S, split)
     tiles = grid[0] * grid[1]
     if split > 1:  # fp32 partial sums and arrival counters (tilegemm.core.workspace)
         ws, count = split_workspace(dy.device, split * tiles * cfg["BLOCK_N"], tiles)

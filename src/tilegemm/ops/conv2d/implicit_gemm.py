@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core.launch import launch
-from tilegemm.core.runtime import ensure_backend, new_output
+from tilegemm.core.runtime import cdiv, ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import dgrad_config, forward_config, wgrad_config
 from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
 
@@ -331,7 +331,7 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
             p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
     flags = dict(R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, INPUT_PRECISION=p.precision,
                  UPCAST=p.upcast, INDEX_64=p.index_64, DIV_C=_divisor(g.Cg))
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(g.Kg, cfg["BLOCK_N"]), g.groups)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.Kg, cfg["BLOCK_N"]), g.groups)
     launch(conv2d_fwd_kernel, grid, args, {**flags, **cfg})
     return out
 
@@ -359,7 +359,7 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
     flags = dict(R=g.R, S=g.S, INPUT_PRECISION=precision, UPCAST=upcast, INDEX_64=index_64,
                  MMA_OPERANDS=_operand_order(dy.dtype, precision, True, False), DIV_K=_divisor(g.Kg),
                  DIV_C=_divisor(g.Cg))
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(g.Cg, cfg["BLOCK_N"]), g.groups)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.Cg, cfg["BLOCK_N"]), g.groups)
     launch(conv2d_dgrad_kernel, grid, args, {**flags, **cfg})
     return dx
 
@@ -383,10 +383,10 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, precision: str, upcast
     cfg = dict(config)
     npq = g.N * g.P * g.Q
     # Slices are whole BLOCK_K steps, so every program but the last starts and ends on a step.
-    slice_len = triton.cdiv(triton.cdiv(npq, cfg["SPLIT"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    split = cfg["SPLIT"] = max(1, triton.cdiv(npq, slice_len))
+    slice_len = cdiv(cdiv(npq, cfg["SPLIT"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split = cfg["SPLIT"] = max(1, cdiv(npq, slice_len))
     dw = new_output((g.K, g.Cg, g.R, g.S), out_dtype, dy.device)
-    grid = (triton.cdiv(g.Kg, cfg["BLOCK_M"]) * triton.cdiv(g.Cg, cfg["BLOCK_N"]), g.R * g.S * g.groups, split)
+    grid = (cdiv(g.Kg, cfg["BLOCK_M"]) * cdiv(g.Cg, cfg["BLOCK_N"]), g.R * g.S * g.groups, split)
     tiles = grid[0] * grid[1]
     if split > 1:
         ws, count = split_workspace(dy.device, split * tiles * cfg["BLOCK_M"] * cfg["BLOCK_N"], tiles)

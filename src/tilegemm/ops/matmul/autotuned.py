@@ -50,8 +50,8 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
         if config is None and not tuning.timing_enabled():
             # Not timed unless asked: a near tuned shape class's config, else the one the cost model ranks
             # fastest (tilegemm.ops.matmul.cost).
-            options = prune_for(autotune_configs(), p.a.element_size())
-            config = tuning.choose_untimed(k, options, lambda opts: modelled_config(opts, p), tuning.NEAR)
+            config = tuning.choose_untimed(k, lambda: prune_for(autotune_configs(), p.a.element_size()),
+                                           lambda opts: modelled_config(opts, p), tuning.NEAR)
     if config is not None:
         flags = {**p.kernel_flags(), **config}
         launch(matmul_grouped_kernel, grid(p), p.kernel_args(), flags)

@@ -26,9 +26,9 @@ the order of configs, not their times.
 
 from __future__ import annotations
 
-import triton
 
 from tilegemm.ops.matmul.split_reduce import reduce_apart
+from tilegemm.core.runtime import cdiv
 
 # Fraction of the SM's vendor peak one program sustains by tile area (BLOCK_M x BLOCK_N), pointer kernels:
 # from 128x256 (the tile that reaches about 650 TFLOPS of the H200's 989 at 4096^3) down to 16x64.
@@ -52,19 +52,19 @@ def estimate_us(M: int, N: int, K: int, batch: int, elem: int, out_elem: int, cf
     """Estimated microseconds of ``cfg`` (a grouped or split_k config) on an ``M x N x K`` product."""
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     split = cfg.get("SPLIT_K", 1)
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn) * batch
+    tiles = cdiv(M, bm) * cdiv(N, bn) * batch
     programs = tiles * split
     smem = (bm + bn) * bk * elem * max(cfg.get("num_stages", 3) - 1, 1)
     per_sm = max(1, min(4, SMEM_BYTES // max(smem, 1)))
     slots = sms * per_sm
-    sharing = min(per_sm, triton.cdiv(programs, sms))  # programs that run side by side on one SM
+    sharing = min(per_sm, cdiv(programs, sms))  # programs that run side by side on one SM
     active = min(programs, sms)
-    steps = triton.cdiv(triton.cdiv(K, bk), split)
+    steps = cdiv(cdiv(K, bk), split)
     mma_us = 2.0 * bm * bn * bk / (peak_tflops * 1e6 / sms * mma_fraction(bm, bn))
     sm_gbps = min(SM_GBPS, L2_PER_HBM * hbm_gbps / active)
     load_us = (bm + bn) * bk * elem / (sm_gbps * 1e3) * (1.0 if aligned else MISALIGNED_LOADS)
     program_us = steps * max(mma_us, load_us) * sharing + PROGRAM_US
-    total = triton.cdiv(programs, slots) * program_us
+    total = cdiv(programs, slots) * program_us
     if split > 1:
         plane_bytes = 4.0 * split * M * N * batch
         if reduce_apart(dict(cfg, SPLIT_K=split)):

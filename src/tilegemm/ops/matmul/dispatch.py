@@ -107,6 +107,19 @@ def _split_pays(p: GemmProblem) -> bool:
     unsplit (H200, benchmarks/results/2026-11-23-h200/4e789c1/)."""
     if p.K < SPLIT_MIN_K or interpreting():
         return False
+    key = (p.M, p.N, p.K, p.batch, p.tuning_dtype, p.out.dtype, p.layout, rows_aligned(p), p.out.device)
+    found = _split_decisions.get(key)
+    if found is None:
+        if len(_split_decisions) >= 4096:
+            _split_decisions.clear()
+        found = _split_decisions[key] = _split_estimated_faster(p)
+    return found
+
+
+_split_decisions: dict[tuple, bool] = {}  # _split_pays's answers: the estimates cost the host ~100 us
+
+
+def _split_estimated_faster(p: GemmProblem) -> bool:
     from tilegemm.core import tuning
     from tilegemm.ops.matmul import split_k
     from tilegemm.ops.matmul.configs import autotune_configs, prune_for

@@ -45,6 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from tilegemm.core.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.jit.helpers import epilogue_tile, tile_order, tile_origin
 from tilegemm.ops.matmul.problem import GemmProblem
+from tilegemm.core.runtime import cdiv
 
 BLOCK_K = 64
 CONFIG_KEY = "GLUON_F16"  # marks this kernel's configs among persistent_tma's candidates
@@ -292,7 +293,7 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.core.launch.launch`."""
     a_t, b_t, _, _ = p.tma_view
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
+    tiles = cdiv(p.M, bm) * cdiv(p.N, bn)
     flags = p.kernel_flags()
     c, bias, _, _ = p.epilogue_pointers()
     args = descriptors(p, cfg) + (c, bias, p.M, p.N, p.K, p.c_strides[1], p.c_strides[2], p.bias_stride,

@@ -49,6 +49,7 @@ from tilegemm.core.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.jit.helpers import epilogue_tile, tile_order, tile_origin
 from tilegemm.ops.matmul.gluon_f16 import fill_ring, host_descriptor
 from tilegemm.ops.matmul.problem import GemmProblem
+from tilegemm.core.runtime import cdiv
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
 NUM_WARPS = 8  # two warp groups, 64 rows of the tile each
@@ -382,7 +383,7 @@ def descriptors(p: GemmProblem):
 
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.core.launch.launch`."""
-    grid = (min(num_sms, triton.cdiv(p.M, BLOCK_M) * triton.cdiv(p.N, BLOCK_N)),)
+    grid = (min(num_sms, cdiv(p.M, BLOCK_M) * cdiv(p.N, BLOCK_N)),)
     flags = p.kernel_flags()
     epilogue = (p.c_strides[1], p.c_strides[2], p.bias_stride, p.scale_a_stride, p.scale_b_stride, p.alpha, p.beta)
     # A per-tensor scale (stride 0) is folded into alpha in the kernel (_scalar_scales); only vectors are

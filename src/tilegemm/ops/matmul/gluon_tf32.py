@@ -44,6 +44,7 @@ import torch
 from tilegemm.core.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.jit.helpers import apply_activation, tile_origin
 from tilegemm.ops.matmul.problem import GemmProblem
+from tilegemm.core.runtime import cdiv
 
 # The accumulator tile is [BLOCK_R, BLOCK_S]: R rows from the operand in registers, S columns from the one
 # in shared memory (NN: R runs along N and S along M, the tile being C^T's; TT: R along M, S along N).
@@ -223,7 +224,7 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
         y, stride_y, x, stride_x = p.a, p.a_strides[1], p.b, p.b_strides[1]
     else:  # Y = B^T [N, K], X = A^T [K, M], as they lie
         y, stride_y, x, stride_x = p.b, p.b_strides[2], p.a, p.a_strides[2]
-    tiles = triton.cdiv(p.M, BLOCK_S if swapped else BLOCK_R) * triton.cdiv(p.N, BLOCK_R if swapped else BLOCK_S)
+    tiles = cdiv(p.M, BLOCK_S if swapped else BLOCK_R) * cdiv(p.N, BLOCK_R if swapped else BLOCK_S)
     flags = p.kernel_flags()
     c, bias, _, _ = p.epilogue_pointers()
     args = (

@@ -13,6 +13,7 @@ from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem
 
 import triton.language as tl  # noqa: E402
+from tilegemm.core.runtime import cdiv
 
 
 @triton.jit
@@ -51,7 +52,7 @@ def matmul_grouped_kernel(
 
 
 def grid(p: GemmProblem):
-    return lambda meta: (triton.cdiv(p.M, meta["BLOCK_M"]) * triton.cdiv(p.N, meta["BLOCK_N"]), p.batch)
+    return lambda meta: (cdiv(p.M, meta["BLOCK_M"]) * cdiv(p.N, meta["BLOCK_N"]), p.batch)
 
 
 def run(p: GemmProblem, config: dict | None = None) -> None:

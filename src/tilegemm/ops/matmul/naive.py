@@ -14,6 +14,7 @@ from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem
 
 import triton.language as tl  # noqa: E402
+from tilegemm.core.runtime import cdiv
 
 
 @triton.jit
@@ -54,5 +55,5 @@ def matmul_naive_kernel(
 def run(p: GemmProblem, config: dict | None = None) -> None:
     cfg = dict(config or fixed_config(p.dtype))
     cfg.pop("GROUP_M", None)
-    grid = (triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"]), p.batch)
+    grid = (cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"]), p.batch)
     launch(matmul_naive_kernel, grid, p.kernel_args(), {**p.kernel_flags(), **cfg})

@@ -26,7 +26,7 @@ from tilegemm.jit.helpers import epilogue_tile, mma_ordered, tile_grouped, tile_
 from tilegemm.core.launch import launch
 from tilegemm.core.registry import NotApplicable
 from tilegemm.ops.matmul.problem import GemmProblem
-from tilegemm.core.runtime import interpreting
+from tilegemm.core.runtime import cdiv, interpreting
 
 import triton.language as tl  # noqa: E402
 
@@ -287,7 +287,7 @@ def host_descriptors(p: GemmProblem, cfg: dict):
 def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     """(kernel, grid, args, constexpr kwargs) of the Triton kernel for :func:`tilegemm.core.launch.launch`."""
     a_t, b_t, stride_a, stride_b = p.tma_view
-    tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
+    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
     flags = p.kernel_flags()
     operands = host_descriptors(p, cfg) if cfg.get("HOST_DESC") else (p.a, p.b, p.out)
     args = (

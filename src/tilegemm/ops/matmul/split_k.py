@@ -28,7 +28,7 @@ from tilegemm.core.launch import current_stream, launch
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.ops.matmul.split_reduce import reduce_apart, reduce_block, split_k_reduce_kernel
-from tilegemm.core.runtime import interpreting
+from tilegemm.core.runtime import cdiv, interpreting
 
 import triton.language as tl  # noqa: E402
 
@@ -187,8 +187,8 @@ def configs(p: GemmProblem) -> list[dict]:
         bk = max(32, min(256, bk * 2 // size))  # the same bytes per K step for fp8 and fp32
         if (bm + bn) * bk * size * stages > 200 * 1024:
             continue
-        tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn) * p.batch
-        k_steps = triton.cdiv(p.K, bk)
+        tiles = cdiv(p.M, bm) * cdiv(p.N, bn) * p.batch
+        k_steps = cdiv(p.K, bk)
         for split in _SPLITS:
             if split == 1 or (k_steps >= 4 * split and tiles * split <= 4 * sms):
                 out.append(make_config(bm, bn, bk, warps, stages, split))
@@ -210,11 +210,11 @@ def filled(p: GemmProblem, config: dict) -> dict:
     """An untimed ``config`` (a neighbouring shape class's, or the default) with its K split raised to
     :func:`wave_split` when its own leaves more than half of the SMs idle: a neighbour's split was chosen
     for its K and its number of tiles, not this problem's."""
-    tiles = triton.cdiv(p.M, config["BLOCK_M"]) * triton.cdiv(p.N, config["BLOCK_N"]) * p.batch
+    tiles = cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"]) * p.batch
     sms = sm_count(p.out.device)
     if tiles * config["SPLIT_K"] * 2 > sms:
         return config
-    wave = wave_split(tiles, triton.cdiv(p.K, config["BLOCK_K"]), sms)
+    wave = wave_split(tiles, cdiv(p.K, config["BLOCK_K"]), sms)
     return dict(config, SPLIT_K=wave) if wave > config["SPLIT_K"] else config
 
 
@@ -235,7 +235,7 @@ def pick_config(p: GemmProblem) -> dict:
         return cands[0]
     first = [c for c in cands if (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) ==
              (cands[0]["BLOCK_M"], cands[0]["BLOCK_N"], cands[0]["BLOCK_K"])]
-    tiles = triton.cdiv(p.M, first[0]["BLOCK_M"]) * triton.cdiv(p.N, first[0]["BLOCK_N"]) * p.batch
+    tiles = cdiv(p.M, first[0]["BLOCK_M"]) * cdiv(p.N, first[0]["BLOCK_N"]) * p.batch
     sms = sm_count(p.out.device)
     fits = [c for c in first if tiles * c["SPLIT_K"] <= sms]
     return fits[-1] if fits else first[0]
@@ -252,7 +252,7 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
             if config is None and not tuning.timing_enabled():
                 # Untimed: a near tuned shape class's config, its split raised to fill a wave, else the
                 # config the cost model ranks fastest (tilegemm.ops.matmul.cost).
-                config = tuning.choose_untimed(k, configs(p), lambda options: modelled_config(options, p),
+                config = tuning.choose_untimed(k, lambda: configs(p), lambda options: modelled_config(options, p),
                                                tuning.NEAR)
                 config = filled(p, config)
             elif config is None:
@@ -266,15 +266,15 @@ def launch_config(p: GemmProblem, config: dict) -> None:
         # One slice: exactly the grouped kernel (the split kernel's slice bookkeeping cost up to ~5% there).
         from tilegemm.ops.matmul import grouped
 
-        grouped.run(p, {k: v for k, v in cfg.items() if k not in ("SPLIT_K", "SLICES")})
+        grouped.run(p, {k: v for k, v in cfg.items() if k not in ("SPLIT_K", "SLICES", "APART")})
         return
     # A config without the key (tuned before it existed) gets the default reduction, as candidates do.
     cfg.setdefault("SLICES", True)
     if cfg["SLICES"] and cfg["SPLIT_K"] * p.M * p.N >= 2**31:
         cfg["SLICES"] = False  # plane offsets are 32-bit in the kernel; one atomic plane still fits
-    apart = reduce_apart(cfg)
+    apart = cfg["SPLIT_K"] > 1 and cfg["SLICES"] and cfg.get("APART", reduce_apart(cfg))  # a config may say
     cfg["APART"] = apart
-    tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
+    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
     planes = cfg["SPLIT_K"] if cfg["SLICES"] else 1
     ws, count = _workspace(p.out.device, p.batch * planes * p.M * p.N, p.batch * tiles, cfg["SLICES"])
     grid = (tiles, cfg["SPLIT_K"], p.batch)
@@ -285,7 +285,7 @@ def launch_config(p: GemmProblem, config: dict) -> None:
            keep=(ws, count), stream=stream)
     if apart:
         bm, bn = reduce_block(p.M, p.N, p.batch, sm_count(p.out.device))
-        grid = (triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn), 1, p.batch)
+        grid = (cdiv(p.M, bm) * cdiv(p.N, bn), 1, p.batch)
         launch(split_k_reduce_kernel, grid, args,
                {**p.kernel_flags(), "SPLIT_K": cfg["SPLIT_K"], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4},
                keep=(ws, count), stream=stream)

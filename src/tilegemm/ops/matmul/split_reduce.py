@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div
+from tilegemm.core.runtime import cdiv
 
 
 @triton.jit
@@ -81,6 +82,6 @@ def reduce_block(M: int, N: int, batch: int, sms: int) -> tuple[int, int]:
     """The reduction's block: the largest of 64x64, 32x64, 16x64 and 16x32 that still gives every SM two
     blocks, else the smallest."""
     for bm, bn in ((64, 64), (32, 64), (16, 64)):
-        if triton.cdiv(M, bm) * triton.cdiv(N, bn) * batch >= 2 * sms:
+        if cdiv(M, bm) * cdiv(N, bn) * batch >= 2 * sms:
             return bm, bn
     return 16, 32

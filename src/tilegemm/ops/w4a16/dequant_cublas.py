@@ -10,7 +10,7 @@ import torch
 import triton
 
 from tilegemm.core.launch import launch
-from tilegemm.core.runtime import new_output
+from tilegemm.core.runtime import cdiv, new_output
 from tilegemm.ops.w4a16.common import W4A16Problem
 
 import triton.language as tl  # noqa: E402
@@ -40,7 +40,7 @@ def dequantize_t(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     K, N = qweight.shape[0] * 8, qweight.shape[1]
     wt = new_output((K, N), scales.dtype, qweight.device)
     BLOCK_R, BLOCK_N = 16, 128
-    grid = (triton.cdiv(K // 8, BLOCK_R), triton.cdiv(N, BLOCK_N))
+    grid = (cdiv(K // 8, BLOCK_R), cdiv(N, BLOCK_N))
     launch(w4a16_dequant_kernel, grid, (qweight, scales, zeros, wt, K, N, group_k),
            dict(BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=4))
     return wt

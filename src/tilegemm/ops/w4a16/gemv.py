@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 
 from tilegemm.core.launch import current_stream, launch
-from tilegemm.core.runtime import interpreting
+from tilegemm.core.runtime import cdiv, interpreting
 from tilegemm.ops.w4a16.common import W4A16Problem, block_k_for, reduce_and_store, workspace
 from tilegemm.ops.w4a16.configs import gemv_config
 
@@ -203,12 +203,12 @@ def launch_args(p: W4A16Problem, cfg: dict | None = None) -> tuple[tuple, tuple,
     """(grid, args, kwargs) of the launch for problem ``p`` (``cfg``: a config to use instead of the table's)."""
     cfg = dict(cfg or gemv_config(p.M, p.N, p.K, p.x.device))
     cfg["BLOCK_K"] = block_k_for(cfg["BLOCK_K"], p.group_k, p.K)
-    tiles_n = triton.cdiv(p.N, cfg["BLOCK_N"])
+    tiles_n = cdiv(p.N, cfg["BLOCK_N"])
     rows = cfg.setdefault("ROWS", 1)
     if cfg.get("DEQ") == "exp16asm" and interpreting():
         cfg["DEQ"] = "exp16"  # the same arithmetic without inline PTX
-    tiles_m = triton.cdiv(p.M, rows) * rows  # the counters cover the rows past M of the last program too
-    split = max(1, min(cfg["SPLIT_K"], triton.cdiv(p.K, cfg["BLOCK_K"])))
+    tiles_m = cdiv(p.M, rows) * rows  # the counters cover the rows past M of the last program too
+    split = max(1, min(cfg["SPLIT_K"], cdiv(p.K, cfg["BLOCK_K"])))
     cfg["SPLIT_K"] = split
     if split > 1:
         ws, count = workspace(p.x.device, split * p.M * p.N, tiles_m * tiles_n)

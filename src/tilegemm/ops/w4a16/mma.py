@@ -18,6 +18,7 @@ from tilegemm.ops.w4a16.common import W4A16Problem, block_k_for, reduce_and_stor
 from tilegemm.ops.w4a16.configs import mma_config
 
 import triton.language as tl  # noqa: E402
+from tilegemm.core.runtime import cdiv
 
 
 @triton.jit
@@ -94,8 +95,8 @@ def launch_args(p: W4A16Problem, cfg: dict | None = None) -> tuple[tuple, tuple,
     """(grid, args, kwargs) of the launch for problem ``p`` (``cfg``: a config to use instead of the table's)."""
     cfg = dict(cfg or mma_config(p.M, p.N, p.K, p.x.device))
     cfg["BLOCK_K"] = block_k_for(cfg["BLOCK_K"], p.group_k, p.K)
-    tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
-    split = max(1, min(cfg["SPLIT_K"], triton.cdiv(p.K, cfg["BLOCK_K"])))
+    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
+    split = max(1, min(cfg["SPLIT_K"], cdiv(p.K, cfg["BLOCK_K"])))
     cfg["SPLIT_K"] = split
     if split > 1:
         ws, count = workspace(p.x.device, split * p.M * p.N, tiles)
