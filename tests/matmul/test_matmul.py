@@ -312,45 +312,62 @@ def test_replay_slots_take_host_descriptors_over_the_new_tensors():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float8_e4m3fn], ids=["fp16", "fp32", "fp8"])
-def test_auto_realigns_operands_whose_rows_are_not_16_byte_aligned(layout, dtype, device, monkeypatch):
-    """auto copies an operand with misaligned rows into an aligned buffer (on a GPU; forced on here): the
-    same result, and the copy has 16-byte aligned rows in the operand's own layout."""
-    from tilegemm.ops.matmul import dispatch
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("shape", [(5, 23, 37), (17, 9, 1), (40, 33, 64)], ids=lambda s: "x".join(map(str, s)))
+def test_auto_pads_operands_whose_rows_are_not_16_byte_aligned(layout, dtype, shape, device, monkeypatch):
+    """Where auto pads (forced here; on a GPU the cost model decides), both operands are copied into aligned
+    buffers, K grown with zeros, in their own layouts; the result is the product's, with a bias and c."""
+    from tilegemm.ops.matmul import dispatch, padding
 
-    monkeypatch.setattr(dispatch, "REALIGN", True)
-    M, N, K = 5, 23, 37  # no dimension a multiple of 8
-    src = torch.float32 if dtype == torch.float8_e4m3fn else dtype
-    a = make_operand(M, K, layout[0] == "T", src, device).to(dtype)
-    b = make_operand(K, N, layout[1] == "T", src, device).to(dtype)
+    M, N, K = shape
+    a = make_operand(M, K, layout[0] == "T", dtype, device)
+    b = make_operand(K, N, layout[1] == "T", dtype, device)
     a = a.mT.contiguous().mT if layout[0] == "T" else a
     b = b.mT.contiguous().mT if layout[1] == "T" else b
-    for t in (a, b):
-        assert dispatch._misaligned(t)
-        copy = dispatch.realigned(t)
-        assert torch.equal(copy.float(), t.float()) and not dispatch._misaligned(copy)
-        assert (copy.stride(0) == 1) == (t.stride(0) == 1 and t.stride(1) != 1), "the layout is kept"
-    kw = dict(scale_a=torch.tensor(1.0, device=device), scale_b=torch.tensor(1.0, device=device)) \
-        if dtype == torch.float8_e4m3fn else dict(precision="ieee")
-    copied = []
-    real = dispatch.realigned
-    monkeypatch.setattr(dispatch, "realigned", lambda t: copied.append(t) or real(t))
-    out = tilegemm.matmul(a, b, **kw)
-    assert len(copied) == 2, "both misaligned operands should be copied"
-    tilegemm.matmul(a, b, kernel="grouped", **kw)
-    assert len(copied) == 2, "a rung asked for by name reads its operands as given"
-    ref = matmul_reference(a.float(), b.float())
-    assert_rel_close(out.float(), ref, tolerance(dtype, out_dtype=out.dtype) if dtype == torch.float8_e4m3fn
-                     else tolerance(dtype))
+    seen = []
+    real = padding.padded_pair
+
+    def spy(x, y):
+        x2, y2 = real(x, y)
+        seen.append((x2, y2))
+        return x2, y2
+
+    monkeypatch.setattr(dispatch, "_pads", lambda p, a, b: True)
+    monkeypatch.setattr(padding, "padded_pair", spy)
+    bias = torch.randn(N, dtype=dtype, device=device)
+    c = torch.randn(M, N, dtype=dtype, device=device)
+    out = tilegemm.matmul(a, b, bias=bias, c=c, beta=0.5, precision="ieee")
+    assert_rel_close(out, matmul_reference(a, b, bias=bias, c=c, beta=0.5), tolerance(dtype))
+    (a2, b2), = seen
+    k_to = -(-K // (16 // a.element_size())) * (16 // a.element_size())
+    assert a2.shape == (M, k_to) and b2.shape == (k_to, N)
+    assert (a2.stride(0) == 1) == (a.stride(0) == 1 and a.stride(1) != 1), "A's layout is kept"
+    assert (b2.stride(0) == 1) == (b.stride(0) == 1 and b.stride(1) != 1), "B's layout is kept"
+    for t in (a2, b2):
+        assert max(t.stride()) * t.element_size() % 16 == 0, "rows start 16 bytes apart"
+    assert torch.equal(a2[:, :K], a) and torch.equal(b2[:K], b)
+    assert not a2[:, K:].any() and not b2[K:].any(), "the new K columns and rows are zero"
+    tilegemm.matmul(a, b, kernel="grouped", precision="ieee")
+    assert len(seen) == 1, "a rung asked for by name reads its operands as given"
 
 
-def test_vectors_and_aligned_operands_are_not_copied():
-    from tilegemm.ops.matmul import dispatch
+def test_padding_is_priced_by_the_cost_model(monkeypatch):
+    """Large misaligned products pad; small ones, and aligned ones, do not (132 SMs, as on an H100/H200)."""
+    from tilegemm.ops.matmul import dispatch, padding
+    from tilegemm.ops.matmul.problem import make_problems
 
-    assert not dispatch._misaligned(torch.randn(1, 37, dtype=torch.float16))
-    assert not dispatch._misaligned(torch.randn(37, 1, dtype=torch.float16))
-    assert not dispatch._misaligned(torch.randn(5, 40, dtype=torch.float16))
-    assert not dispatch._misaligned(torch.randn(40, 8, dtype=torch.float16).T)  # column-major, ld 8
-    assert dispatch._misaligned(torch.randn(40, 5, dtype=torch.float16).T)  # column-major, ld 5: 10 bytes
-    assert dispatch._misaligned(torch.randn(5, 37, dtype=torch.float16))
-    assert not dispatch._misaligned(torch.randn(5, 37, dtype=torch.float32)[:, :36].contiguous())
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr("tilegemm.core.hardware.sm_count", lambda device: 132)
+
+    def pads(M, N, K):
+        a = torch.empty(M, K, dtype=torch.float16)
+        b = torch.empty(K, N, dtype=torch.float16)
+        p = make_problems(a, b, torch.empty(M, N, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee",
+                          False)[0]
+        return dispatch._pads(p, a, b)
+
+    assert pads(1723, 449, 15855) and pads(4000, 4001, 4003)
+    assert not pads(4000, 4000, 4000)  # aligned
+    assert not pads(5, 23, 37)  # a few microseconds: two more launches would cost more than they win
+    assert not padding.can_pad(torch.empty(3, 4, 5), torch.empty(5, 6))  # batched
+    assert not padding.can_pad(torch.empty(4, 10)[:, ::2], torch.empty(5, 6))  # no unit stride

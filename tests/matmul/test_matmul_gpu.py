@@ -326,6 +326,26 @@ def test_wave_splits_of_few_tiles_reduce_apart_and_replay():
     assert replay.count() == 3
 
 
+def test_auto_pads_misaligned_products_and_replays_the_copies_with_the_product():
+    from tilegemm.ops.matmul import dispatch, replay
+    from tilegemm.ops.matmul.problem import make_problems
+
+    replay.clear()
+    for M, N, K, bt in ((1723, 449, 15855, False), (341, 1913, 7641, True), (600, 601, 4003, False)):
+        a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        b = torch.randn(N, K, device="cuda", dtype=torch.float16).T if bt else torch.randn(K, N, device="cuda",
+                                                                                           dtype=torch.float16)
+        p = make_problems(a, b, torch.empty(M, N, device="cuda", dtype=torch.float16), None, None, 1.0, 0.0,
+                          "none", "ieee", False)[0]
+        assert dispatch._pads(p, a, b), f"{M}x{N}x{K} should be padded"
+        ref = matmul_reference(a, b)
+        for _ in range(3):
+            out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
+            assert_rel_close(tilegemm.matmul(a, b, out_dtype=torch.float16) if out is None else tilegemm.matmul(a, b),
+                             ref, tolerance(torch.float16))
+    assert replay.count() == 3, "each padded call (two copies and the product) should be replayed"
+
+
 def test_split_k_replays_on_its_stream_and_launches_afresh_on_another():
     from tilegemm.ops.matmul import replay
 

@@ -69,6 +69,10 @@ def launch(kernel, grid, args: tuple, kwargs: dict, keep: tuple = (), stream: in
     workspace is meant for; a replay on any other stream declines (the caller then launches afresh).
     """
     compiled = kernel[grid](*args, **kwargs)
+    kept = getattr(_state, "keeping", ())
+    if kept:  # per-stream buffers of the call's: a replay belongs to this stream too
+        keep = tuple(keep) + kept
+        stream = current_stream() if stream is None else stream
     record = getattr(_state, "launches", None)
     if record is not None:
         if compiled is None or interpreting() or getattr(_state, "spoiled", False):
@@ -125,6 +129,24 @@ class recording:
             outer_spoiled = outer_spoiled or spoiled or exc[0] is not None
         _state.launches, _state.spoiled = outer, outer_spoiled
         self.launches = None if (spoiled or exc[0] is not None) else launches
+        return False
+
+
+class keeping:
+    """Context manager: launches inside it keep ``tensors`` as their own (as :func:`launch`'s ``keep``), for
+    buffers that a call's earlier launches filled and that a replay must pass as recorded (matmul's padded
+    operands)."""
+
+    def __init__(self, *tensors):
+        self.tensors = tensors
+
+    def __enter__(self):
+        self._outer = getattr(_state, "keeping", ())
+        _state.keeping = self._outer + self.tensors
+        return self
+
+    def __exit__(self, *exc):
+        _state.keeping = self._outer
         return False
 
 

@@ -32,3 +32,18 @@ def split_workspace(device: torch.device, floats: int, counters: int, tag=None,
         count = torch.zeros(counters, dtype=torch.int32, device=device)
         _workspaces[key] = (ws, count)
     return ws, count
+
+
+_buffers: dict[tuple, torch.Tensor] = {}
+
+
+def buffer(device: torch.device, dtype: torch.dtype, numel: int, tag) -> torch.Tensor:
+    """A flat scratch tensor of at least ``numel`` elements, one per (device, stream, dtype, tag): for
+    copies a call makes and its kernels read (matmul's padded operands). Launches on one stream run in order,
+    so calls on it can share it; a call that needs more replaces it, and replays recorded with the old one
+    keep it alive."""
+    key = (device, current_stream() if device.type == "cuda" else 0, dtype, tag)
+    buf = _buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _buffers[key] = torch.empty(max(numel, 1 << 16), dtype=dtype, device=device)
+    return buf

@@ -38,7 +38,10 @@ SM_GBPS = 110.0  # what one SM can pull from L2 when few SMs compete for it
 LAST_ARRIVAL_GBPS = 12.0  # one program adding planes alone (184x168x14400: 33 planes of 64 KB in ~190 us)
 PROGRAM_US = 1.0  # a program's fixed cost: the pipeline's fill and the epilogue
 LAUNCH_US = 2.5  # a second launch (the split's reduction)
-MISALIGNED_LOADS = 4.0  # load-term factor for operands whose rows are not 16-byte aligned
+# Load-term factor for operands whose rows are not 16-byte aligned: such products ran 10x-30x slower than
+# their aligned estimate (H200, random sweep, benchmarks/results/2026-11-23-h200/a764849/: 1723x449x15855
+# 1.9 ms, 161x1271x17757 1.2 ms).
+MISALIGNED_LOADS = 16.0
 SMEM_BYTES = 227 * 1024
 
 
@@ -75,21 +78,28 @@ def estimate_us(M: int, N: int, K: int, batch: int, elem: int, out_elem: int, cf
     return max(total, floor)
 
 
-def problem_estimator(p):
-    """``estimate(cfg) -> us`` for a :class:`tilegemm.ops.matmul.problem.GemmProblem` on its device."""
+def device_rates(p) -> tuple[int, float, float]:
+    """(SMs, vendor peak TFLOPS for the problem's dtype, HBM GB/s) of the problem's device (round H100-class
+    numbers for a GPU the table lacks, and on the CPU)."""
     import torch
 
     from tilegemm.core.hardware import peak_gbps, peak_tflops, sm_count
-    from tilegemm.ops.matmul.problem import rows_aligned
 
     name = torch.cuda.get_device_name(p.out.device) if p.out.is_cuda else None
     key = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "tf32"}.get(p.dtype, "fp8_e4m3")
     if p.dtype == torch.float32 and p.input_precision == "ieee":
         key = "fp32"
     peak = peak_tflops(name, key) or (989.0 if key in ("fp16", "bf16") else 495.0)
-    hbm = peak_gbps(name) or 3350.0
-    sms = sm_count(p.out.device)
-    aligned = rows_aligned(p)
+    return sm_count(p.out.device), peak, peak_gbps(name) or 3350.0
+
+
+def problem_estimator(p, aligned: bool | None = None):
+    """``estimate(cfg) -> us`` for a :class:`tilegemm.ops.matmul.problem.GemmProblem` on its device;
+    ``aligned`` overrides whether its rows are 16-byte aligned (to price a padded copy of it)."""
+    from tilegemm.ops.matmul.problem import rows_aligned
+
+    sms, peak, hbm = device_rates(p)
+    aligned = rows_aligned(p) if aligned is None else aligned
     dims = (p.M, p.N, p.K, p.batch, p.a.element_size(), p.out.element_size())
 
     def estimate(cfg: dict) -> float:

@@ -116,7 +116,7 @@ def _split_pays(p: GemmProblem) -> bool:
     return found
 
 
-_split_decisions: dict[tuple, bool] = {}  # _split_pays's answers: the estimates cost the host ~100 us
+_split_decisions: dict[tuple, bool] = {}  # _split_pays's and _pads's answers: the estimates cost the host ~100 us
 
 
 def _split_estimated_faster(p: GemmProblem) -> bool:
@@ -167,62 +167,27 @@ def _scale_stride(scale: torch.Tensor | None) -> int:
     return scale.stride(0) if scale.dim() == 1 or scale.shape[0] != 1 else scale.stride(1)
 
 
-# Whether auto copies an operand whose rows are not 16-byte aligned into an aligned buffer first (see
-# realigned). Off: measured on the random sweep (fp16, H200) it made misaligned shapes slower, 0.13x cuBLAS
-# against 0.47x without it (aligned ones 0.74x either way; benchmarks/results/2026-11-23-h200/a4fa0d3/). A
-# copy is not a launch a replay can repeat, so every such call paid the full host path (tiny problems ran
-# 140-200 us), and odd K still masks every K step element by element, so the copy bought no wider loads.
-REALIGN = False
-
-
-def _misaligned(t: torch.Tensor) -> bool:
-    """A 2-D operand read along a unit stride whose other stride is not a multiple of 16 bytes (a vector is
-    never: it has no second stride that matters)."""
-    size = t.element_size()
-    if t.shape[0] == 1 or t.shape[1] == 1:
+def _pads(p: GemmProblem, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``auto`` runs this problem over zero-padded, aligned copies of its operands
+    (:mod:`tilegemm.ops.matmul.padding`): rows not 16-byte aligned, operands it can copy, and the cost model
+    says it pays. Answered once per shape class and alignment (the estimates cost the host ~100 us)."""
+    if interpreting() or p.batch != 1 or rows_aligned(p):
         return False
-    if t.stride(1) == 1:
-        return (t.stride(0) * size) % 16 != 0
-    if t.stride(0) == 1:
-        return (t.stride(1) * size) % 16 != 0
-    return False
+    from tilegemm.ops.matmul import padding
 
-
-def realigned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` copied into a buffer whose rows (or columns, for a column-major ``t``) start 16 bytes apart: the
-    same values, the same layout, the leading dimension padded. One pass over the operand; without it the
-    pointer kernels read such rows two bytes at a time and Triton cannot pipeline the loads (no cp.async:
-    the misaligned split_k at 2x3791x19287 fp16 ran 4.29 ms against 56 us for its aligned twin, H200,
-    benchmarks/results/2026-11-23-h200/0186598/; the PTX, compiled offline, shows 144 ld.global.b16 a K step
-    and no cp.async where the aligned one has 72 16-byte cp.async)."""
-    per = 16 // t.element_size()
-    rows, cols = t.shape
-    column_major = t.stride(0) == 1 and t.stride(1) != 1
-    if column_major:
-        ld = -(-rows // per) * per
-        buf = torch.empty_strided((rows, cols), (1, ld), dtype=t.dtype, device=t.device)
-    else:
-        ld = -(-cols // per) * per
-        buf = torch.empty_strided((rows, cols), (ld, 1), dtype=t.dtype, device=t.device)
-    buf.copy_(t)
-    return buf
-
-
-def _realign(call: MatmulCall) -> MatmulCall:
-    """For ``auto`` on 2-D operands: misaligned operands replaced by aligned copies (:func:`realigned`)."""
-    a, b = call.a, call.b
-    if not REALIGN or call.kernel != "auto" or a.dim() != 2 or b.dim() != 2:
-        return call
-    if _misaligned(a):
-        a = realigned(a)
-    if _misaligned(b):
-        b = realigned(b)
-    return call if a is call.a and b is call.b else call.replace(a=a, b=b)
+    if not padding.can_pad(a, b):
+        return False
+    key = ("pad", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout, a.stride(), b.stride(), p.out.device)
+    found = _split_decisions.get(key)
+    if found is None:
+        if len(_split_decisions) >= 4096:
+            _split_decisions.clear()
+        found = _split_decisions[key] = padding.padding_pays(p)
+    return found
 
 
 def forward(call: MatmulCall) -> torch.Tensor:
     """Launch the kernels of one checked call and return its output."""
-    call = _realign(call)
     a, b, kernel = call.a, call.b, call.kernel
     if a.dim() == 2 and b.dim() == 2:
         shape = (a.shape[0], b.shape[1])
@@ -234,8 +199,17 @@ def forward(call: MatmulCall) -> torch.Tensor:
     upcast = a.dtype == torch.bfloat16 and interpreting()
     precision = resolve_precision(call.precision, a.dtype)
     scales = (call.scale_a, _scale_stride(call.scale_a), call.scale_b, _scale_stride(call.scale_b))
+    rest = (call.c, call.bias, call.alpha, call.beta, call.activation, precision, upcast, scales, call.fast_accum)
     with on_device(a.device):
-        for p in make_problems(a, b, out, call.c, call.bias, call.alpha, call.beta, call.activation, precision, upcast,
-                               scales, call.fast_accum):
+        for p in make_problems(a, b, out, *rest):
+            if kernel == "auto" and _pads(p, a, b):
+                from tilegemm.ops.matmul.padding import run_padded
+
+                def aligned(a2, b2):
+                    for q in make_problems(a2, b2, out, *rest):
+                        launcher(choose_kernel(q))(q)
+
+                run_padded(a, b, aligned)
+                continue
             launcher(choose_kernel(p) if kernel == "auto" else kernel)(p)
     return out
