@@ -315,8 +315,9 @@ def test_replay_slots_take_host_descriptors_over_the_new_tensors():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("shape", [(5, 23, 37), (17, 9, 1), (40, 33, 64)], ids=lambda s: "x".join(map(str, s)))
 def test_auto_pads_operands_whose_rows_are_not_16_byte_aligned(layout, dtype, shape, device, monkeypatch):
-    """Where auto pads (forced here; on a GPU the cost model decides), both operands are copied into aligned
-    buffers, K grown with zeros, in their own layouts; the result is the product's, with a bias and c."""
+    """Where auto pads (forced here; on a GPU the cost model decides), the product runs as its aligned twin:
+    operands and bias copied into zero-padded, aligned buffers in their own layouts, the product's corner
+    copied into the (poisoned) output; with a bias and an activation."""
     from tilegemm.ops.matmul import dispatch, padding
 
     M, N, K = shape
@@ -325,30 +326,34 @@ def test_auto_pads_operands_whose_rows_are_not_16_byte_aligned(layout, dtype, sh
     a = a.mT.contiguous().mT if layout[0] == "T" else a
     b = b.mT.contiguous().mT if layout[1] == "T" else b
     seen = []
-    real = padding.padded_pair
+    real = padding.padded_operand
 
-    def spy(x, y):
-        x2, y2 = real(x, y)
-        seen.append((x2, y2))
-        return x2, y2
+    def spy(t, rows_to, cols_to, slot):
+        got = real(t, rows_to, cols_to, slot)
+        seen.append((t, got))
+        return got
 
-    monkeypatch.setattr(dispatch, "_pads", lambda p, a, b: True)
-    monkeypatch.setattr(padding, "padded_pair", spy)
+    monkeypatch.setattr(dispatch, "_pads", lambda p, a, b, c=None, bias=None: True)
+    monkeypatch.setattr(padding, "padded_operand", spy)
     bias = torch.randn(N, dtype=dtype, device=device)
-    c = torch.randn(M, N, dtype=dtype, device=device)
-    out = tilegemm.matmul(a, b, bias=bias, c=c, beta=0.5, precision="ieee")
-    assert_rel_close(out, matmul_reference(a, b, bias=bias, c=c, beta=0.5), tolerance(dtype))
-    (a2, b2), = seen
-    k_to = -(-K // (16 // a.element_size())) * (16 // a.element_size())
-    assert a2.shape == (M, k_to) and b2.shape == (k_to, N)
+    out = tilegemm.matmul(a, b, bias=bias, activation="relu", precision="ieee")
+    assert_rel_close(out, matmul_reference(a, b, bias=bias, activation="relu"), tolerance(dtype))
+    assert out.is_contiguous() and out.shape == (M, N)
+    per = 16 // a.element_size()
+    Mp, Np, Kp = (-(-x // per) * per for x in (M, N, K))
+    (_, a2), (_, b2), (_, bias2) = seen
+    bias2 = bias2[0]  # padded as a one-row matrix
+    assert a2.shape == (Mp, Kp) and b2.shape == (Kp, Np) and bias2.shape == (Np,)
     assert (a2.stride(0) == 1) == (a.stride(0) == 1 and a.stride(1) != 1), "A's layout is kept"
     assert (b2.stride(0) == 1) == (b.stride(0) == 1 and b.stride(1) != 1), "B's layout is kept"
     for t in (a2, b2):
         assert max(t.stride()) * t.element_size() % 16 == 0, "rows start 16 bytes apart"
-    assert torch.equal(a2[:, :K], a) and torch.equal(b2[:K], b)
-    assert not a2[:, K:].any() and not b2[K:].any(), "the new K columns and rows are zero"
+    assert torch.equal(a2[:M, :K], a) and torch.equal(b2[:K, :N], b) and torch.equal(bias2[:N], bias)
+    assert not a2[:, K:].any() and not a2[M:].any() and not b2[K:].any() and not b2[:, N:].any()
     tilegemm.matmul(a, b, kernel="grouped", precision="ieee")
-    assert len(seen) == 1, "a rung asked for by name reads its operands as given"
+    assert len(seen) == 3, "a rung asked for by name reads its operands as given"
+    c = torch.randn(M, N, dtype=dtype, device=device)
+    assert not padding.can_pad(a, b, c, None, out), "a call with c is never padded"
 
 
 def test_padding_is_priced_by_the_cost_model(monkeypatch):
@@ -368,6 +373,8 @@ def test_padding_is_priced_by_the_cost_model(monkeypatch):
 
     assert pads(1723, 449, 15855) and pads(4000, 4001, 4003)
     assert not pads(4000, 4000, 4000)  # aligned
-    assert not pads(5, 23, 37)  # a few microseconds: two more launches would cost more than they win
-    assert not padding.can_pad(torch.empty(3, 4, 5), torch.empty(5, 6))  # batched
-    assert not padding.can_pad(torch.empty(4, 10)[:, ::2], torch.empty(5, 6))  # no unit stride
+    assert not pads(5, 23, 37)  # a few microseconds: four more launches would cost more than they win
+    out = torch.empty(4, 6)
+    assert not padding.can_pad(torch.empty(3, 4, 5), torch.empty(5, 6), None, None, out)  # batched
+    assert not padding.can_pad(torch.empty(4, 10)[:, ::2], torch.empty(5, 6), None, None, out)  # no unit stride
+    assert not padding.can_pad(torch.empty(4, 5), torch.empty(5, 6), None, torch.empty(12)[::2], out)

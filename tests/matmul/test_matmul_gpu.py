@@ -338,12 +338,11 @@ def test_auto_pads_misaligned_products_and_replays_the_copies_with_the_product()
         p = make_problems(a, b, torch.empty(M, N, device="cuda", dtype=torch.float16), None, None, 1.0, 0.0,
                           "none", "ieee", False)[0]
         assert dispatch._pads(p, a, b), f"{M}x{N}x{K} should be padded"
-        ref = matmul_reference(a, b)
+        bias = torch.randn(N, device="cuda", dtype=torch.float16)
+        ref = matmul_reference(a, b, bias=bias, activation="silu")
         for _ in range(3):
-            out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
-            assert_rel_close(tilegemm.matmul(a, b, out_dtype=torch.float16) if out is None else tilegemm.matmul(a, b),
-                             ref, tolerance(torch.float16))
-    assert replay.count() == 3, "each padded call (two copies and the product) should be replayed"
+            assert_rel_close(tilegemm.matmul(a, b, bias=bias, activation="silu"), ref, tolerance(torch.float16))
+    assert replay.count() == 3, "each padded call (copies in, the product, the copy out) should be replayed"
 
 
 def test_split_k_replays_on_its_stream_and_launches_afresh_on_another():

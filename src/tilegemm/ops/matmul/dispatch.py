@@ -167,15 +167,14 @@ def _scale_stride(scale: torch.Tensor | None) -> int:
     return scale.stride(0) if scale.dim() == 1 or scale.shape[0] != 1 else scale.stride(1)
 
 
-def _pads(p: GemmProblem, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``auto`` runs this problem over zero-padded, aligned copies of its operands
-    (:mod:`tilegemm.ops.matmul.padding`): rows not 16-byte aligned, operands it can copy, and the cost model
-    says it pays. Answered once per shape class and alignment (the estimates cost the host ~100 us)."""
+def _pads(p: GemmProblem, a: torch.Tensor, b: torch.Tensor, c=None, bias=None) -> bool:
+    """Whether ``auto`` runs this problem as its aligned twin (:mod:`tilegemm.ops.matmul.padding`): rows not
+    16-byte aligned, a call it can pad, and the cost model says it pays. Answered once per shape class and alignment (the estimates cost the host ~100 us)."""
     if interpreting() or p.batch != 1 or rows_aligned(p):
         return False
     from tilegemm.ops.matmul import padding
 
-    if not padding.can_pad(a, b):
+    if not padding.can_pad(a, b, c, bias, p.out):
         return False
     key = ("pad", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout, a.stride(), b.stride(), p.out.device)
     found = _split_decisions.get(key)
@@ -202,14 +201,14 @@ def forward(call: MatmulCall) -> torch.Tensor:
     rest = (call.c, call.bias, call.alpha, call.beta, call.activation, precision, upcast, scales, call.fast_accum)
     with on_device(a.device):
         for p in make_problems(a, b, out, *rest):
-            if kernel == "auto" and _pads(p, a, b):
+            if kernel == "auto" and _pads(p, a, b, call.c, call.bias):
                 from tilegemm.ops.matmul.padding import run_padded
 
-                def aligned(a2, b2):
-                    for q in make_problems(a2, b2, out, *rest):
+                def twin(a2, b2, bias2, out2):
+                    for q in make_problems(a2, b2, out2, None, bias2, *rest[2:]):
                         launcher(choose_kernel(q))(q)
 
-                run_padded(a, b, aligned)
+                run_padded(a, b, call.bias, out, twin)
                 continue
             launcher(choose_kernel(p) if kernel == "auto" else kernel)(p)
     return out
