@@ -40,3 +40,25 @@ def test_parameters_are_plain_tensors_outside_autograd():
         assert plain_call(t, w, None)
     assert not plain_call(t, w)  # grad enabled and w requires it: autograd must see the op
     assert plain_call(t, w.detach())
+
+
+def test_spoil_and_keeping_act_only_inside_their_contexts():
+    """spoil() marks the active recording (and the one around it) unusable and does nothing outside one;
+    keeping's tensors are the launches' own only inside it, and are dropped on the way out."""
+    from tilegemm.core import launch as L
+
+    L.spoil()  # no recording: nothing to mark
+    with L.recording() as outer:
+        with L.recording() as inner:
+            L.spoil()
+        assert inner.launches is None
+    assert outer.launches is None, "a spoiled inner recording spoils the outer one"
+    with L.recording() as clean:
+        pass
+    assert clean.launches == []
+    marker = object()
+    with L.keeping(marker):
+        with L.keeping("second"):
+            assert L._state.keeping == (marker, "second")
+        assert L._state.keeping == (marker,)
+    assert L._state.keeping == ()

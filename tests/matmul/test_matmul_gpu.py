@@ -345,6 +345,28 @@ def test_auto_pads_misaligned_products_and_replays_the_copies_with_the_product()
     assert replay.count() == 3, "each padded call (copies in, the product, the copy out) should be replayed"
 
 
+def test_padded_calls_timed_then_replayed_give_each_calls_product(tmp_path, monkeypatch):
+    """A call that times candidates (here inside the aligned twin) is not kept as a replay: its recording held
+    launches that are not the call's (or none of the product's), and a replay of it returned an older
+    product. Each call, timed or replayed, must give its own inputs' product."""
+    from tilegemm.core import tuning
+    from tilegemm.ops.matmul import replay
+
+    monkeypatch.setenv("TILEGEMM_CACHE_DIR", str(tmp_path))
+    replay.clear()
+    M, N, K = 300, 301, 1001
+    with tuning.timing():
+        for _ in range(2):
+            a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+            assert_rel_close(tilegemm.matmul(a, b), matmul_reference(a, b), tolerance(torch.float16))
+    for _ in range(3):
+        a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+        assert_rel_close(tilegemm.matmul(a, b), matmul_reference(a, b), tolerance(torch.float16))
+    tuning.forget()
+
+
 def test_split_k_replays_on_its_stream_and_launches_afresh_on_another():
     from tilegemm.ops.matmul import replay
 

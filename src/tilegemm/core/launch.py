@@ -150,6 +150,20 @@ class keeping:
         return False
 
 
+def spoil() -> None:
+    """Mark the active recording unusable (no-op outside one): for launches made outside :func:`launch`
+    (Triton's autotuner) or launches that are not the call's own (a tuner timing candidates), which a replay
+    must not repeat or leave out."""
+    if getattr(_state, "launches", None) is not None:
+        _state.spoiled = True
+
+
+# Held while a call launches a sequence that shares per-stream buffers between its launches (matmul's aligned
+# twin, a K split reduced apart) and while a replay repeats one: Triton releases the GIL around a launch, so
+# two threads on one stream could otherwise interleave their launches over the same buffers.
+sequence_lock = threading.RLock()
+
+
 def recording_active() -> bool:
     """True inside a :class:`recording` (a caller's replay would hide its launch from the recording)."""
     return getattr(_state, "launches", None) is not None
@@ -369,13 +383,14 @@ class ReplaySequence:
         self.shape = shape
 
     def __call__(self, *tensors) -> bool:
-        """Launch them all; False (nothing launched) where the first declines (another stream or device: all
-        were recorded on the same one, so all would)."""
+        """Launch them all (under :data:`sequence_lock`); False (nothing launched) where the first declines
+        (another stream or device: all were recorded on the same one, so all would)."""
         first, *rest = self.replays
-        if not first(*tensors):
-            return False
-        for replay in rest:
-            replay(*tensors)
+        with sequence_lock:
+            if not first(*tensors):
+                return False
+            for replay in rest:
+                replay(*tensors)
         return True
 
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tilegemm.core.launch import current_stream, keeping, launch
+from tilegemm.core.launch import current_stream, keeping, launch, sequence_lock
 from tilegemm.core.runtime import cdiv
 from tilegemm.core.workspace import buffer
 
@@ -31,8 +31,10 @@ from tilegemm.core.workspace import buffer
 def pad_copy_kernel(src_ptr, dst_ptr, R, C, stride_r, stride_c, RP, CP, BLOCK_R: tl.constexpr,
                     BLOCK_C: tl.constexpr):
     """dst[r, c] = src[r, c] inside R x C, 0 elsewhere in RP x CP; dst is row-major, rows CP elements apart."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    blocks_c = tl.cdiv(CP, BLOCK_C)
+    pid = tl.program_id(0).to(tl.int64)  # one flat grid: a second grid axis would cap at 65535 blocks
+    offs_r = (pid // blocks_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = (pid % blocks_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     r = offs_r.to(tl.int64)[:, None]
     c = offs_c.to(tl.int64)[None, :]
     inside = (r < R) & (c < C)
@@ -48,7 +50,7 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, keep: tuple) -> None:
     """``dst`` (row-major, rows ``dst.stride(0)`` apart) = ``src`` where it has values, 0 elsewhere."""
     rows_to, ld = dst.shape[0], dst.stride(0)
     block_r, block_c = 32, 128
-    grid = (cdiv(rows_to, block_r), cdiv(ld, block_c))
+    grid = (cdiv(rows_to, block_r) * cdiv(ld, block_c),)
     launch(pad_copy_kernel, grid, (src, dst, src.shape[0], src.shape[1], src.stride(0), src.stride(1), rows_to, ld),
            dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4), keep=keep, stream=current_stream())
 
@@ -121,6 +123,11 @@ def run_padded(a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, gemm) 
     """``out = gemm(a2, b2, bias2, out2)[:M, :N]`` over the aligned twin: ``gemm`` computes the product of the
     padded operands into ``out2`` with the padded bias; its launches keep the buffers as their own (a replay
     passes them as recorded)."""
+    with sequence_lock:  # the buffers are shared by the calls on this stream: no other thread in between
+        _run_padded(a, b, bias, out, gemm)
+
+
+def _run_padded(a, b, bias, out, gemm) -> None:
     M, K = a.shape
     N = b.shape[1]
     Mp, Np, Kp = twin_shape(M, N, K, a.element_size())

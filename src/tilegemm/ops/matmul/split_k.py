@@ -24,7 +24,7 @@ from tilegemm.core import tuning, workspace
 from tilegemm.core.workspace import split_workspace
 from tilegemm.core.hardware import sm_count
 from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div, tile_grouped
-from tilegemm.core.launch import current_stream, launch
+from tilegemm.core.launch import current_stream, launch, sequence_lock
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.ops.matmul.split_reduce import reduce_apart, reduce_block, split_k_reduce_kernel
@@ -280,12 +280,14 @@ def launch_config(p: GemmProblem, config: dict) -> None:
     grid = (tiles, cfg["SPLIT_K"], p.batch)
     args = (*p.kernel_args(), ws, count)
     stream = current_stream() if p.out.is_cuda else 0
+    flags = {**p.kernel_flags(), **cfg, "ATOMIC_READ": not interpreting()}
     # Replayable, but only on this stream: another stream's launches could use the workspace meanwhile.
-    launch(matmul_split_k_kernel, grid, args, {**p.kernel_flags(), **cfg, "ATOMIC_READ": not interpreting()},
-           keep=(ws, count), stream=stream)
-    if apart:
-        bm, bn = reduce_block(p.M, p.N, p.batch, sm_count(p.out.device))
-        grid = (cdiv(p.M, bm) * cdiv(p.N, bn), 1, p.batch)
-        launch(split_k_reduce_kernel, grid, args,
+    if not apart:
+        launch(matmul_split_k_kernel, grid, args, flags, keep=(ws, count), stream=stream)
+        return
+    bm, bn = reduce_block(p.M, p.N, p.batch, sm_count(p.out.device))
+    with sequence_lock:  # the planes are the stream's: no other thread's launches between the two
+        launch(matmul_split_k_kernel, grid, args, flags, keep=(ws, count), stream=stream)
+        launch(split_k_reduce_kernel, (cdiv(p.M, bm) * cdiv(p.N, bn), 1, p.batch), args,
                {**p.kernel_flags(), "SPLIT_K": cfg["SPLIT_K"], "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4},
                keep=(ws, count), stream=stream)
