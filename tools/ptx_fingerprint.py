@@ -37,6 +37,7 @@ KERNELS = {
     "naive": "tilegemm.ops.matmul.naive:matmul_naive_kernel",
     "grouped": "tilegemm.ops.matmul.grouped:matmul_grouped_kernel",  # also autotuned's, and split_k's at SPLIT_K=1
     "split_k": "tilegemm.ops.matmul.split_k:matmul_split_k_kernel",
+    "split_k_reduce": "tilegemm.ops.matmul.split_reduce:split_k_reduce_kernel",  # a wide split's second launch
     "persistent_tma": "tilegemm.ops.matmul.persistent_tma:matmul_persistent_tma_kernel",
     "gluon_f16": "tilegemm.ops.matmul.gluon_f16:matmul_f16_coop_kernel",
     "gluon_fp8_overlap": "tilegemm.ops.matmul.gluon_fp8:matmul_fp8_overlap_kernel",
@@ -102,6 +103,7 @@ CONFIG_PARAMS = {
     "naive": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"),
     "grouped": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"),
     "split_k": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SLICES", "APART", "num_warps", "num_stages"),
+    "split_k_reduce": ("BLOCK_M", "BLOCK_N", "num_warps"),
     "persistent_tma": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SERPENTINE", "FLATTEN", "WARP_SPECIALIZE",
                        "HOST_DESC", "num_warps", "num_stages"),
     "gluon_f16": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "SHARED_OUT", "GROUP_M", "SERPENTINE", "num_warps"),
