@@ -164,6 +164,11 @@ def test_auto_splits_k_where_the_cost_model_says_it_pays(monkeypatch):
     assert pays(256, 64, 100352, ld=100353)  # rows not 16-byte aligned: the loads crawl, parallelism helps
     assert not pays(4096, 4096, 8192)  # 1024 tiles of 128x128 fill the GPU many times over
     assert not pays(256, 64, 512)  # short K: nothing to split
+    from tilegemm.core import tuning
+
+    real = tuning.lookup
+    monkeypatch.setattr(tuning, "lookup", lambda k: {"tuned": True} if k.startswith("autotuned|") else real(k))
+    assert not pays(184, 168, 14400), "a class tuned since (even after a cached answer) keeps its measured config"
 
 
 def test_cost_model_ranks_by_waves_and_tiles():

@@ -107,6 +107,10 @@ def _split_pays(p: GemmProblem) -> bool:
     unsplit (H200, benchmarks/results/2026-11-23-h200/4e789c1/)."""
     if p.K < SPLIT_MIN_K or interpreting():
         return False
+    from tilegemm.core import tuning
+
+    if tuning.lookup(tuning.key("autotuned", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)) is not None:
+        return False  # a tuned class (perhaps tuned since a cached answer): its measured config stands
     key = (p.M, p.N, p.K, p.batch, p.tuning_dtype, p.out.dtype, p.layout, rows_aligned(p), p.out.device)
     found = _split_decisions.get(key)
     if found is None:
@@ -120,13 +124,10 @@ _split_decisions: dict[tuple, bool] = {}  # _split_pays's and _pads's answers: t
 
 
 def _split_estimated_faster(p: GemmProblem) -> bool:
-    from tilegemm.core import tuning
     from tilegemm.ops.matmul import split_k
     from tilegemm.ops.matmul.configs import autotune_configs, prune_for
     from tilegemm.ops.matmul.cost import problem_estimator
 
-    if tuning.lookup(tuning.key("autotuned", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)) is not None:
-        return False  # a tuned class: its measured config stands
     estimate = problem_estimator(p)
     splits = [estimate(c) for c in split_k.configs(p) if c["SPLIT_K"] > 1]
     whole = [estimate(c) for c in prune_for(autotune_configs(), p.a.element_size())]
