@@ -175,8 +175,9 @@ def backward_data(dy, weight, x_shape, x_channels_last, stride, padding, dilatio
 
 
 def backward_weight(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torch.Tensor:
-    """:func:`_wgrad` for a plain call, replayed when an earlier call with the same key was recorded (the 1x1
-    path's one GEMM launch; the implicit-GEMM and depthwise paths sum their slices with torch: not kept)."""
+    """:func:`_wgrad` for a plain call, replayed when an earlier call with the same key was recorded (each path
+    launches only kernels: the 1x1 path's GEMM, the implicit-GEMM and depthwise kernels that add their slices
+    in one launch)."""
     key = replay.replay_key("wgrad", dy, x, None, (stride, padding, dilation, groups), tuple(w_shape), precision)
     return replay.replay_or_record(key, (dy, x), torch.contiguous_format, lambda: _wgrad(
         dy, x, w_shape, stride, padding, dilation, groups, precision))

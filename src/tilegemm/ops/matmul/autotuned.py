@@ -14,6 +14,7 @@ import triton
 from tilegemm.core import tuning
 from tilegemm.core.launch import launch, spoil
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
+from tilegemm.ops.matmul.cost import fastest
 from tilegemm.ops.matmul.grouped import grid, matmul_grouped_kernel
 from tilegemm.ops.matmul.problem import GemmProblem
 
@@ -34,13 +35,6 @@ matmul_autotuned_kernel = triton.autotune(
 )(matmul_grouped_kernel)
 
 
-def modelled_config(options: list[dict], p: GemmProblem) -> dict:
-    """The option :mod:`tilegemm.ops.matmul.cost` estimates fastest on ``p``."""
-    from tilegemm.ops.matmul.cost import problem_estimator
-
-    return min(options, key=problem_estimator(p))
-
-
 def run(p: GemmProblem, config: dict | None = None) -> None:
     k = None
     if config is None:
@@ -51,7 +45,7 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
             # Not timed unless asked: a near tuned shape class's config, else the one the cost model ranks
             # fastest (tilegemm.ops.matmul.cost).
             config = tuning.choose_untimed(k, lambda: prune_for(autotune_configs(), p.a.element_size()),
-                                           lambda opts: modelled_config(opts, p), tuning.NEAR)
+                                           lambda opts: fastest(opts, p), tuning.NEAR)
     if config is not None:
         flags = {**p.kernel_flags(), **config}
         launch(matmul_grouped_kernel, grid(p), p.kernel_args(), flags)

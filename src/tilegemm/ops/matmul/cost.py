@@ -106,3 +106,8 @@ def problem_estimator(p, aligned: bool | None = None):
         return estimate_us(*dims, cfg, sms=sms, peak_tflops=peak, hbm_gbps=hbm, aligned=aligned)
 
     return estimate
+
+
+def fastest(options: list[dict], p) -> dict:
+    """The option this model estimates fastest on problem ``p`` (autotuned's and split_k's untimed choice)."""
+    return min(options, key=problem_estimator(p))

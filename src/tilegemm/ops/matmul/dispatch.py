@@ -111,16 +111,21 @@ def _split_pays(p: GemmProblem) -> bool:
 
     if tuning.lookup(tuning.key("autotuned", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)) is not None:
         return False  # a tuned class (perhaps tuned since a cached answer): its measured config stands
-    key = (p.M, p.N, p.K, p.batch, p.tuning_dtype, p.out.dtype, p.layout, rows_aligned(p), p.out.device)
-    found = _split_decisions.get(key)
+    key = ("split", p.M, p.N, p.K, p.batch, p.tuning_dtype, p.out.dtype, p.layout, rows_aligned(p), p.out.device)
+    return _decided(key, lambda: _split_estimated_faster(p))
+
+
+_decisions: dict[tuple, bool] = {}  # _split_pays's and _pads's answers: the estimates cost the host ~100 us
+
+
+def _decided(key: tuple, decide) -> bool:
+    """``decide()``, made once per ``key`` (bounded: cleared when full)."""
+    found = _decisions.get(key)
     if found is None:
-        if len(_split_decisions) >= 4096:
-            _split_decisions.clear()
-        found = _split_decisions[key] = _split_estimated_faster(p)
+        if len(_decisions) >= 4096:
+            _decisions.clear()
+        found = _decisions[key] = decide()
     return found
-
-
-_split_decisions: dict[tuple, bool] = {}  # _split_pays's and _pads's answers: the estimates cost the host ~100 us
 
 
 def _split_estimated_faster(p: GemmProblem) -> bool:
@@ -178,12 +183,7 @@ def _pads(p: GemmProblem, a: torch.Tensor, b: torch.Tensor, c=None, bias=None) -
     if not padding.can_pad(a, b, c, bias, p.out):
         return False
     key = ("pad", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout, a.stride(), b.stride(), p.out.device)
-    found = _split_decisions.get(key)
-    if found is None:
-        if len(_split_decisions) >= 4096:
-            _split_decisions.clear()
-        found = _split_decisions[key] = padding.padding_pays(p)
-    return found
+    return _decided(key, lambda: padding.padding_pays(p))
 
 
 def forward(call: MatmulCall) -> torch.Tensor:

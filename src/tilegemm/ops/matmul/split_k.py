@@ -26,6 +26,7 @@ from tilegemm.core.hardware import sm_count
 from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div, tile_grouped
 from tilegemm.core.launch import current_stream, launch, sequence_lock
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
+from tilegemm.ops.matmul.cost import fastest
 from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.ops.matmul.split_reduce import reduce_apart, reduce_block, split_k_reduce_kernel
 from tilegemm.core.runtime import cdiv, interpreting
@@ -218,16 +219,6 @@ def filled(p: GemmProblem, config: dict) -> dict:
     return dict(config, SPLIT_K=wave) if wave > config["SPLIT_K"] else config
 
 
-def modelled_config(options: list[dict], p: GemmProblem) -> dict:
-    """The option :mod:`tilegemm.ops.matmul.cost` estimates fastest on ``p`` (the interpreter's one
-    candidate there)."""
-    if interpreting():
-        return options[0]
-    from tilegemm.ops.matmul.cost import problem_estimator
-
-    return min(options, key=problem_estimator(p))
-
-
 def pick_config(p: GemmProblem) -> dict:
     """A config without timing: the first tile of the M bucket, in enough K slices for about one wave."""
     cands = configs(p)
@@ -252,7 +243,7 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
             if config is None and not tuning.timing_enabled():
                 # Untimed: a near tuned shape class's config, its split raised to fill a wave, else the
                 # config the cost model ranks fastest (tilegemm.ops.matmul.cost).
-                config = tuning.choose_untimed(k, lambda: configs(p), lambda options: modelled_config(options, p),
+                config = tuning.choose_untimed(k, lambda: configs(p), lambda options: fastest(options, p),
                                                tuning.NEAR)
                 config = filled(p, config)
             elif config is None:
