@@ -11,6 +11,7 @@
 #   random        the random sweep (fp16, auto only; \$RANDOM_DTYPES for others)
 #   conv2d-check  tools/conv2d_gpu_check.py (every layer checked, timed within \$CONV_BUDGET seconds, fp16)
 #   w4a16-check   tools/w4a16_gpu_check.py --quick;  first-call  tools/first_call.py
+#   w4a16-small   research/explore_w4a16_small_m.py (cold-L2 times of the small-M candidates, \$W4_BUDGET s)
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -37,6 +38,8 @@ for step in "$@"; do
     random) for d in ${RANDOM_DTYPES:-fp16}; do bench --sweep random --dtype $d --kernels auto --json "$OUT/random-$d.json" 2>&1 | tail -n 6; done ;;
     conv2d-check) python3 tools/conv2d_gpu_check.py --dtypes "${CONV_DTYPES:-fp16}" --budget "${CONV_BUDGET:-180}" --out "$OUT/conv2d-check.json" 2>&1 | tee "$OUT/conv2d-check.log" | tail -n 8 ;;
     w4a16-check) python3 tools/w4a16_gpu_check.py --quick --out "$OUT/w4a16-quick.json" 2>&1 | tee "$OUT/w4a16-quick.log" | tail -n 25 ;;
+    w4a16-small) python3 research/explore_w4a16_small_m.py --out "$OUT" --budget "${W4_BUDGET:-240}" \
+                   ${W4_ARGS:-} 2>&1 | tee "$OUT/small-m.log" | tail -n 20 ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
     w4a16|conv2d) bench --op "$step" --json "$OUT/$step.json" ;;
     *) echo "unknown step $step"; exit 2 ;;

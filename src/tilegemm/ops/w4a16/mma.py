@@ -30,13 +30,81 @@ def unpack_tile(q, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def dequant_nibble(q, i: tl.constexpr, zm, s, dt: tl.constexpr, UPCAST: tl.constexpr, DEQ16: tl.constexpr):
+    """Nibble ``i`` of every int32 of ``q`` dequantized, ``(q_i - z) * s``, rounded once to ``dt`` as
+    :func:`~tilegemm.ops.w4a16.format.dequantize` rounds it. ``zm`` is the zero point, plus the magic base for
+    ``DEQ16="magic"``: the nibble OR-ed under the exponent bits of 1024 (fp16) or 128 (bf16) is the 16-bit
+    float ``base + q_i`` exactly, with no int-to-float conversion (a quarter-rate instruction on Hopper);
+    ``(base + q_i) - (base + z)`` is then exact too."""
+    qi = (q >> (4 * i)) & 15
+    if UPCAST:
+        # bf16 under the interpreter: in fp32 (exact), rounded to bf16 as the GPU does, returned as fp32.
+        w = ((qi.to(tl.float32) - zm.to(tl.float32)) * s.to(tl.float32)).to(dt).to(tl.float32)
+    elif DEQ16 == "magic":
+        if dt == tl.float16:
+            v = (qi | 0x6400).to(tl.int16).to(dt, bitcast=True)
+        else:
+            v = (qi | 0x4300).to(tl.int16).to(dt, bitcast=True)
+        w = (v - zm) * s
+    else:
+        w = (qi.to(dt) - zm) * s
+    return w
+
+
+@triton.jit
+def mma_perm_loop(acc, x_rows, m_ok, qw_ptr, s_ptr, z_ptr, offs_n, n_ok, N, K, group_k, k_begin, k_end,
+                  UPCAST: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, DEQ16: tl.constexpr,
+                  GROUP_ROWS: tl.constexpr):
+    """The K loop of ``UNPACK="perm"``: no unpacking at all. A dot does not care in which order it walks K,
+    so a step of packed rows ``r`` is eight dots of K = BLOCK_K/8, one per nibble ``i``: the weights
+    ``w[8r + i, n]`` (nibble ``i`` of ``q[r, n]``, dequantized where the int32 already sits) against the
+    activations ``x[m, 8r + i]`` (columns 8 apart). The ``[BK/8, 8, BN] -> [BK, BN]`` reshape, and the
+    layout conversion it costs, never happen. ``GROUP_ROWS``: a step spans several groups (group shorter
+    than BLOCK_K), so scales and zeros are loaded per packed row."""
+    dt = x_rows.dtype.element_ty
+    rows = tl.arange(0, BLOCK_K // 8)  # [BK/8]
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        r = k0 // 8 + rows
+        r_ok = r < K // 8
+        q = tl.load(qw_ptr + r[:, None].to(tl.int64) * N + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :],
+                    other=0)  # [BK/8, BN]
+        if GROUP_ROWS:
+            sz = (8 * r // group_k)[:, None] * N + offs_n[None, :]  # [BK/8, BN]
+            s = tl.load(s_ptr + sz, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            zm = tl.load(z_ptr + sz, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        else:
+            g = k0 // group_k
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)[None, :]  # [1, BN]
+            zm = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0)[None, :]
+        if DEQ16 == "magic" and not UPCAST:
+            if dt == tl.float16:
+                zm = zm + 1024.0  # exact: zeros are integers 0..16
+            else:
+                zm = zm + 128.0
+        kx = 8 * r  # [BK/8] the first K index of each packed row
+        x_ok = m_ok[:, None] & r_ok[None, :]
+        for i in tl.static_range(8):
+            xi = tl.load(x_rows + (kx + i)[None, :], mask=x_ok, other=0.0)  # [BM, BK/8]
+            wi = dequant_nibble(q, i, zm, s, dt, UPCAST, DEQ16)  # [BK/8, BN]
+            if UPCAST:
+                acc = tl.dot(xi.to(tl.float32), wi, acc, input_precision="ieee")
+            elif SWAP:
+                # out.T = W @ x.T: the dequantized weights are wgmma's A operand, taken from registers.
+                acc = tl.trans(tl.dot(tl.trans(wi), tl.trans(xi), tl.trans(acc)))
+            else:
+                acc = tl.dot(xi, wi, acc)
+    return acc
+
+
+@triton.jit
 def w4a16_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr,
     M, N, K, group_k,
     stride_xm, stride_om,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K, UNPACK: tl.constexpr = "reshape", SWAP: tl.constexpr = False,
+    SPLIT_K, UNPACK: tl.constexpr = "reshape", SWAP: tl.constexpr = False, DEQ16: tl.constexpr = "cvt",
+    GROUP_ROWS: tl.constexpr = False,
 ):
     # Which output tile (grouped order, so programs running together share x rows and weight columns in L2)
     # and which slice of K.
@@ -57,35 +125,39 @@ def w4a16_mma_kernel(
 
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BM, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
-        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # [BM, BK]
-        if UNPACK == "gather":
-            # Each of the eight rows of a packed row loads the same int32 (L1 serves the repeats).
-            q = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
-                        mask=(offs_k[:, None] < K) & n_ok[None, :], other=0)  # [BK, BN]
-            q = (q >> ((offs_k % 8) * 4)[:, None]) & 15
-        else:
-            r = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8]
-            q = tl.load(qw_ptr + r[:, None].to(tl.int64) * N + offs_n[None, :],
-                        mask=(r[:, None] < K // 8) & n_ok[None, :], other=0)  # [BK/8, BN]
-            q = unpack_tile(q, BLOCK_K, BLOCK_N)
-        g = k0 // group_k
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)  # [BN]
-        z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0)
-        if UPCAST:
-            # bf16 under the interpreter, whose int-to-bf16 casts and bf16 dots are wrong: dequantize in fp32
-            # (exact), round to bf16 as the GPU path does, multiply in fp32 (exact for bf16 values).
-            w = ((q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]).to(dt).to(tl.float32)
-            x = x.to(tl.float32)
-        else:
-            w = (q.to(dt) - z[None, :]) * s[None, :]  # [BK, BN], dequantized
-        if SWAP:
-            # out.T = W @ x.T: the dequantized weights are wgmma's A operand, taken from registers.
-            acc_t = tl.dot(tl.trans(w), tl.trans(x), tl.trans(acc), input_precision="ieee" if UPCAST else None)
-            acc = tl.trans(acc_t)
-        else:
-            acc = tl.dot(x, w, acc, input_precision="ieee" if UPCAST else None)
+    if UNPACK == "perm":
+        acc = mma_perm_loop(acc, x_rows, m_ok, qw_ptr, s_ptr, z_ptr, offs_n, n_ok, N, K, group_k, k_begin, k_end,
+                            UPCAST, BLOCK_K, SWAP, DEQ16, GROUP_ROWS)
+    else:
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+            x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # [BM, BK]
+            if UNPACK == "gather":
+                # Each of the eight rows of a packed row loads the same int32 (L1 serves the repeats).
+                q = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
+                            mask=(offs_k[:, None] < K) & n_ok[None, :], other=0)  # [BK, BN]
+                q = (q >> ((offs_k % 8) * 4)[:, None]) & 15
+            else:
+                r = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8]
+                q = tl.load(qw_ptr + r[:, None].to(tl.int64) * N + offs_n[None, :],
+                            mask=(r[:, None] < K // 8) & n_ok[None, :], other=0)  # [BK/8, BN]
+                q = unpack_tile(q, BLOCK_K, BLOCK_N)
+            g = k0 // group_k
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)  # [BN]
+            z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0)
+            if UPCAST:
+                # bf16 under the interpreter, whose int-to-bf16 casts and bf16 dots are wrong: dequantize in fp32
+                # (exact), round to bf16 as the GPU path does, multiply in fp32 (exact for bf16 values).
+                w = ((q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]).to(dt).to(tl.float32)
+                x = x.to(tl.float32)
+            else:
+                w = (q.to(dt) - z[None, :]) * s[None, :]  # [BK, BN], dequantized
+            if SWAP:
+                # out.T = W @ x.T: the dequantized weights are wgmma's A operand, taken from registers.
+                acc_t = tl.dot(tl.trans(w), tl.trans(x), tl.trans(acc), input_precision="ieee" if UPCAST else None)
+                acc = tl.trans(acc_t)
+            else:
+                acc = tl.dot(x, w, acc, input_precision="ieee" if UPCAST else None)
 
     reduce_and_store(acc, out_ptr, bias_ptr, ws_ptr, count_ptr, tile, split, offs_m, offs_n, M, N, stride_om,
                      HAS_BIAS, ACTIVATION, SPLIT_K)
@@ -94,7 +166,11 @@ def w4a16_mma_kernel(
 def launch_args(p: W4A16Problem, cfg: dict | None = None) -> tuple[tuple, tuple, dict]:
     """(grid, args, kwargs) of the launch for problem ``p`` (``cfg``: a config to use instead of the table's)."""
     cfg = dict(cfg or mma_config(p.M, p.N, p.K, p.x.device))
-    cfg["BLOCK_K"] = block_k_for(cfg["BLOCK_K"], p.group_k, p.K)
+    if cfg.get("UNPACK") == "perm":
+        # Eight dots of K = BLOCK_K/8 a step (at least 16); a step that spans groups reads scales per row.
+        cfg["GROUP_ROWS"] = p.group_k < p.K and p.group_k % cfg["BLOCK_K"] != 0
+    else:
+        cfg["BLOCK_K"] = block_k_for(cfg["BLOCK_K"], p.group_k, p.K)
     tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
     split = max(1, min(cfg["SPLIT_K"], cdiv(p.K, cfg["BLOCK_K"])))
     cfg["SPLIT_K"] = split
