@@ -115,7 +115,14 @@ def candidates(M, N, K, sms):
     if M >= 2:
         from tilegemm.ops.w4a16.configs import mma_config
 
-        out.append(("mma", "mma shipped", "mma", mma_config(M, N, K, torch.device("cuda"))))
+        cfg = mma_config(M, N, K, torch.device("cuda"))
+        out.append(("mma", "mma shipped", "mma", cfg))
+        out.append(("mma-magic", "mma shipped magic", "mma", dict(cfg, DEQ16="magic")))
+        for bn, stages in ((128, 3), (64, 4)):
+            out.append(("mma-magic", f"mma magic bn{bn} s{stages}", "mma",
+                        dict(cfg, DEQ16="magic", BLOCK_N=bn, num_stages=stages)))
+            out.append(("mma-magic", f"mma magic gather bn{bn} s{stages}", "mma",
+                        dict(cfg, DEQ16="magic", BLOCK_N=bn, num_stages=stages, UNPACK="gather")))
     return out
 
 
@@ -125,6 +132,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--ms", default="1,4,16,64")
     ap.add_argument("--shapes", default="")
+    ap.add_argument("--families", default="", help="only these candidate families (comma-separated)")
     args = ap.parse_args()
     from tilegemm.ops.w4a16 import gemv, mma
 
@@ -151,6 +159,8 @@ def main() -> None:
             row = dict(N=N, K=K, M=M, read_us=read_us, weight_bytes=wbytes, cands=[])
             row["cublas_us"] = cold(lambda: F.linear(x, W))
             for fam, name, mod, cfg in candidates(M, N, K, sms):
+                if args.families and fam not in args.families.split(","):
+                    continue
                 p = problem(x, w)
                 run = mods[mod].run
                 try:

@@ -150,6 +150,9 @@ def w4a16_mma_kernel(
                 # (exact), round to bf16 as the GPU path does, multiply in fp32 (exact for bf16 values).
                 w = ((q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]).to(dt).to(tl.float32)
                 x = x.to(tl.float32)
+            elif DEQ16 == "magic":
+                zm = z + (1024.0 if dt == tl.float16 else 128.0)  # exact: zeros are integers 0..16
+                w = dequant_nibble(q, 0, zm[None, :], s[None, :], dt, UPCAST, DEQ16)  # [BK, BN]
             else:
                 w = (q.to(dt) - z[None, :]) * s[None, :]  # [BK, BN], dequantized
             if SWAP:
