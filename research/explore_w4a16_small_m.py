@@ -99,6 +99,21 @@ def candidates(M, N, K, sms):
                 cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, DEQ="exp16asm", PREFETCH=True,
                            ROWS=1, XVEC=True, SPLIT_K=split)
                 out.append(("gemv", f"gemv {bn}x{bk} w{warps} s{split}", "gemv", cfg))
+        for bn, bk, warps in ((64, 128, 4), (128, 128, 4), (64, 256, 4), (128, 256, 8)):
+            tiles, steps = -(-N // bn), -(-K // bk)
+            for stages in (3, 4):
+                for split in split_list(tiles, steps, sms, (2, 4, 8, 12)):
+                    cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, DEQ="exp16asm",
+                               PREFETCH=False, ROWS=1, XVEC=True, SPLIT_K=split, STAGES=stages)
+                    out.append(("gemv-stages", f"gemv {bn}x{bk} w{warps} stages{stages} s{split}", "gemv", cfg))
+    if 2 <= M <= 4:
+        for bn, bk, warps, stages in ((64, 128, 4, 3), (128, 128, 4, 3), (64, 128, 4, None)):
+            tiles, steps = -(-N // bn) * -(-M // M), -(-K // bk)
+            for split in split_list(tiles, steps, sms, (2, 4, 8)):
+                cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, DEQ="exp16asm",
+                           PREFETCH=stages is None, ROWS=M if M != 3 else 4, XVEC=False, SPLIT_K=split,
+                           STAGES=stages)
+                out.append(("gemv-rows", f"gemv rows{cfg['ROWS']} {bn}x{bk} stages{stages} s{split}", "gemv", cfg))
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     tiles_list = [(64, 128, 3, 4, "magic", True), (64, 128, 4, 4, "magic", True), (64, 256, 3, 4, "magic", True),
                   (128, 128, 3, 4, "magic", True), (128, 256, 3, 8, "magic", True), (64, 128, 3, 4, "cvt", True),

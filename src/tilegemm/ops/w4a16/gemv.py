@@ -99,7 +99,7 @@ def w4a16_gemv_kernel(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K,
     DEQ: tl.constexpr = "magic", PREFETCH: tl.constexpr = False, ROWS: tl.constexpr = 1,
-    XVEC: tl.constexpr = False,
+    XVEC: tl.constexpr = False, STAGES: tl.constexpr = None,
 ):
     # This program: columns pid_n of rows m0 .. m0 + ROWS - 1, one slice of K (whole BLOCK_K steps).
     pid_n = tl.program_id(0)
@@ -132,7 +132,10 @@ def w4a16_gemv_kernel(
         # Non-dot loads are not software-pipelined by Triton (num_stages has no effect here): the next step's
         # weights are loaded into registers before this step's arithmetic, so HBM latency overlaps it.
         q, s, zs = load_step(qw_ptr, s_ptr, z_ptr, k_begin, k_end, rows, offs_n, n_ok, N, K, group_k, BLOCK_K, DEQ)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    # STAGES > 1: Triton's pipeliner copies the loads of the next STAGES - 1 steps into shared memory
+    # (cp.async) while this step computes: more bytes in flight than PREFETCH's registers hold, and no
+    # registers spent on them (None: the loop as written, loads waited for in place).
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
         if PREFETCH:
             q_next, s_next, zs_next = load_step(qw_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k_end, rows, offs_n, n_ok, N,
                                                 K, group_k, BLOCK_K, DEQ)
