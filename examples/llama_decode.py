@@ -7,8 +7,8 @@
 Builds ``transformers.LlamaForCausalLM`` from a ``LlamaConfig`` (hidden 4096, intermediate 14336, 32 heads, 8 KV
 heads, vocab 128256), in fp16 with random weights; a copy gets ``tilegemm.nn.quantize_`` (g128, every Linear
 but lm_head). Prints, for batch 1 and 16: prefill time of the prompt and decode tokens/s of the greedy loop
-(``past_key_values``, eager PyTorch: no CUDA graphs, no torch.compile) for the fp16 model and the int4 one;
-then the logits' agreement of the int4 model with the same model dequantized to fp16 (relative error of the
+(a static KV cache; the decode step run eagerly and replayed from a CUDA graph, ``--modes``) for the fp16 model
+and the int4 one, and their ratio; then the logits' agreement of the int4 model with the same model dequantized to fp16 (relative error of the
 last position's logits, share of positions whose argmax agrees, and the step where the greedy tokens first
 differ). Needs ``pip install tilegemm[models]`` (transformers).
 """
@@ -55,9 +55,11 @@ def layers_that_fit(args) -> int:
     return max(1, min(32, int((free / 2**30 - 4.2 - 8.0) / 0.9)))  # deepcopy holds two fp16 layers at once
 
 
-def forward(model, ids, past=None):
-    """(logits of the last position [B, V], the new cache); full logits only where asked (see ``--tiny``)."""
+def forward(model, ids, past=None, position=None):
+    """(logits of the last position [B, V], the cache); only the last position's logits are computed."""
     kwargs = dict(input_ids=ids, past_key_values=past, use_cache=True)
+    if position is not None:
+        kwargs["cache_position"] = position
     params = inspect.signature(model.forward).parameters
     if "logits_to_keep" in params:  # transformers >= 4.50
         kwargs["logits_to_keep"] = 1
@@ -72,22 +74,83 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-@torch.no_grad()
-def greedy(model, prompt, new_tokens, device):
-    """(prefill seconds, decode seconds, generated tokens [B, new_tokens])."""
-    sync(device)
-    t0 = time.perf_counter()
-    logits, past = forward(model, prompt)
-    tok = logits.argmax(-1, keepdim=True)
-    sync(device)
-    t1 = time.perf_counter()
-    out = [tok]
-    for _ in range(new_tokens - 1):
-        logits, past = forward(model, tok, past)
+def static_cache(model, batch: int, max_len: int, device):
+    """A ``transformers.StaticCache`` of ``max_len`` positions, allocated now (fixed addresses: a CUDA graph of
+    the decode step reads and writes the same tensors at every replay)."""
+    from transformers import StaticCache
+
+    cfg = model.config
+    params = inspect.signature(StaticCache.__init__).parameters
+    if "max_batch_size" in params:  # transformers 4.x
+        return StaticCache(config=cfg, max_batch_size=batch, max_cache_len=max_len, device=device,
+                           dtype=torch.float16)
+    cache = StaticCache(config=cfg, max_cache_len=max_len)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache.early_initialization(batch, cfg.num_key_value_heads, head_dim, torch.float16, torch.device(device))
+    return cache
+
+
+class Decoder:
+    """Greedy decoding with a static KV cache. ``graph=True`` replays the one-token step from a CUDA graph
+    (captured once per batch size), so the host's Python (transformers, tilegemm's wrappers) costs nothing
+    per token; ``graph=False`` runs it eagerly."""
+
+    def __init__(self, model, batch: int, max_len: int, device, graph: bool):
+        self.model, self.device, self.graph = model, device, graph
+        self.cache = static_cache(model, batch, max_len, device)
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.logits = None
+        self.cuda_graph = None
+
+    def step(self):
+        return forward(self.model, self.ids, self.cache, self.pos)[0]
+
+    def capture(self):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm-up on a side stream, as torch.cuda.graphs asks
+                self.step()
+        torch.cuda.current_stream().wait_stream(s)
+        self.cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.cuda_graph):
+            self.logits = self.step()
+
+    @torch.no_grad()
+    def run(self, prompt, new_tokens):
+        """(prefill seconds, decode seconds, generated tokens [B, new_tokens])."""
+        P = prompt.shape[1]
+        if self.graph and self.cuda_graph is None:
+            forward(self.model, prompt, self.cache, torch.arange(P, device=self.device))
+            self.pos.fill_(P)
+            self.capture()
+        self.cache.reset()
+        sync(self.device)
+        t0 = time.perf_counter()
+        logits, _ = forward(self.model, prompt, self.cache, torch.arange(P, device=self.device))
         tok = logits.argmax(-1, keepdim=True)
-        out.append(tok)
-    sync(device)
-    return t1 - t0, time.perf_counter() - t1, torch.cat(out, 1)
+        sync(self.device)
+        t1 = time.perf_counter()
+        out = [tok]
+        for i in range(new_tokens - 1):
+            self.ids.copy_(tok)
+            self.pos.fill_(P + i)
+            if self.graph:
+                self.cuda_graph.replay()
+                logits = self.logits
+            else:
+                logits = self.step()
+            tok = logits.argmax(-1, keepdim=True)
+            out.append(tok)
+        sync(self.device)
+        return t1 - t0, time.perf_counter() - t1, torch.cat(out, 1)
+
+
+@torch.no_grad()
+def greedy(model, prompt, new_tokens, device, graph=False):
+    """(prefill seconds, decode seconds, generated tokens [B, new_tokens]) of one greedy run."""
+    return Decoder(model, prompt.shape[0], prompt.shape[1] + new_tokens, device, graph).run(prompt, new_tokens)
 
 
 @torch.no_grad()
@@ -120,6 +183,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new", type=int, default=None, help="generated tokens (default 128; --tiny 4)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16; --tiny 1,2)")
     parser.add_argument("--group-size", type=int, default=None, help="quantization group (default 128; --tiny 32)")
+    parser.add_argument("--modes", default=None, help="eager,graph (GPU default: both; the CPU: eager)")
     args = parser.parse_args(argv)
     try:
         import transformers
@@ -154,19 +218,30 @@ def main(argv=None) -> int:
     fp16_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     int4_bytes = sum(t.numel() * t.element_size() for t in list(qmodel.parameters()) + list(qmodel.buffers()))
     print(f"weights: fp16 {fp16_bytes / 2**30:.2f} GiB, int4 ({n_int4} Linears, g{group}; lm_head, embedding fp16) "
-          f"{int4_bytes / 2**30:.2f} GiB; mode: eager PyTorch (no CUDA graphs, no torch.compile)")
+          f"{int4_bytes / 2**30:.2f} GiB")
 
-    print(f"greedy decode: {prompt_len}-token prompt, {new_tokens} new tokens")
+    modes = ["eager"] if device == "cpu" else ["eager", "graph"]
+    if device == "cuda" and args.modes:
+        modes = args.modes.split(",")
+    print(f"greedy decode: {prompt_len}-token prompt, {new_tokens} new tokens, static KV cache; modes: "
+          + ", ".join({"eager": "eager PyTorch", "graph": "decode step replayed from a CUDA graph"}[m] for m in modes))
+    results = []
     for batch in batches:
         prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
-        line = [f"batch {batch:3d}:"]
-        for name, m in (("fp16", model), ("int4", qmodel)):
-            if device == "cuda":
-                greedy(m, prompt[:, :16], 4, device)  # warm-up: compiles, replays recorded, cuBLAS handles
-            pre, dec, _ = greedy(m, prompt, new_tokens, device)
-            tps = batch * (new_tokens - 1) / dec
-            line.append(f"{name} prefill {pre * 1e3:8.1f} ms, decode {tps:9.1f} tok/s")
-        print("  ".join(line), flush=True)
+        for mode in modes:
+            line = [f"batch {batch:3d} {mode:5s}:"]
+            tps = {}
+            for name, m in (("fp16", model), ("int4", qmodel)):
+                dec = Decoder(m, batch, prompt_len + new_tokens, device, graph=mode == "graph")
+                if device == "cuda":
+                    dec.run(prompt, 4)  # warm-up: compiles, replays recorded, cuBLAS handles, the graph
+                pre, secs, _ = dec.run(prompt, new_tokens)
+                tps[name] = batch * (new_tokens - 1) / secs
+                line.append(f"{name} prefill {pre * 1e3:8.1f} ms, decode {tps[name]:9.1f} tok/s")
+                del dec
+            line.append(f"int4/fp16 {tps['int4'] / tps['fp16']:.2f}x")
+            results.append(dict(batch=batch, mode=mode, **{f"{k}_tok_s": v for k, v in tps.items()}))
+            print("  ".join(line), flush=True)
 
     # Agreement with the same weights dequantized to fp16 (the fp16 model's Linears overwritten in place).
     dequantized_copy_into(model, qmodel)

@@ -99,6 +99,12 @@ def candidates(M, N, K, sms):
                 cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, DEQ="exp16asm", PREFETCH=True,
                            ROWS=1, XVEC=True, SPLIT_K=split)
                 out.append(("gemv", f"gemv {bn}x{bk} w{warps} s{split}", "gemv", cfg))
+        for bn, bk, warps in ((256, 64, 4), (256, 128, 4), (128, 64, 4), (128, 128, 2), (256, 64, 8)):
+            tiles, steps = -(-N // bn), -(-K // bk)
+            for split in split_list(tiles, steps, sms, (2, 4, 8)):
+                cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, DEQ="exp16asm", PREFETCH=True,
+                           ROWS=1, XVEC=True, SPLIT_K=split)
+                out.append(("gemv-wide", f"gemv {bn}x{bk} w{warps} s{split}", "gemv", cfg))
         for bn, bk, warps in ((64, 128, 4), (128, 128, 4), (64, 256, 4), (128, 256, 8)):
             tiles, steps = -(-N // bn), -(-K // bk)
             for stages in (3, 4):
