@@ -16,7 +16,8 @@ from conftest import assert_rel_close
 VARIANTS = [
     dict(DEQ="i2f"), dict(DEQ="magic"), dict(DEQ="exp16"), dict(DEQ="magic", PREFETCH=True),
     dict(DEQ="exp16", XVEC=True), dict(DEQ="magic", XVEC=True, PREFETCH=True, SPLIT_K=3),
-    dict(DEQ="magic", ROWS=2), dict(DEQ="exp16", ROWS=4, SPLIT_K=2),
+    dict(DEQ="magic", ROWS=2), dict(DEQ="exp16", ROWS=4, SPLIT_K=2), dict(DEQ="exp16", STAGES=3, XVEC=True),
+    dict(DEQ="magic", ROWS=2, STAGES=2, SPLIT_K=3),
 ]
 
 

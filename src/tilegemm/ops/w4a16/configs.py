@@ -23,21 +23,38 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# gemv (M = 1): 64 columns x 128 K per step, 4 warps, the exponent trick in inline assembly (DEQ="exp16asm"),
-# the next step's weights loaded before this step's arithmetic (PREFETCH), x's eight values of a packed row in
-# one load (XVEC), K split to at least 6 programs per SM. Timed from CUDA graphs on an H200 (g128 fp16,
-# tools/w4a16_gpu_check.py, benchmarks/results/2026-11-23-h200/418c944/), GPU time alone: 19.2 us at 8192 x
-# 8192 against 26.0 us for the earlier default (magic, no prefetch, no XVEC, 8 programs per SM) and 39.0 us
-# for cuBLAS; 16.5 / 22.3 us at 14336 x 4096; 8.4 / 9.3 us at 4096 x 4096. At 28672 x 8192 128 columns ran
-# 53.3 us against 59.1 us for this tile (and 80.8 us before). The first, 3-D form of this kernel ran 45 us
-# at 8192 x 8192 (f93179c).
-_GEMV = (64, 128, 4, 6, 2, "exp16asm", True)  # BN, BK, num_warps, programs per SM, min steps per slice, DEQ, PREFETCH
+# gemv (M = 1): 128 K per step, 4 warps, the exponent trick in inline assembly (DEQ="exp16asm"), the next step's
+# weights loaded before this step's arithmetic (PREFETCH), x's eight values of a packed row in one load (XVEC).
+# Timed with the L2 cleared before each call (research/explore_w4a16_small_m.py, H200, g128 fp16,
+# benchmarks/results/2026-11-24-h200/066a2a5/): the kernel issues about six instructions per weight, so it is
+# bound by issue slots rather than HBM (ncu: 55% issue, 33% DRAM at 8192 x 8192), and two things set its speed:
+# - columns per thread: 128-column tiles spread the per-row work (x, its sums) over twice the weights of 64;
+#   they win where N gives at least 64 of them (8192 x 8192: 19.8 us against 21.6; 28672 x 8192: 55.0 / 58.3),
+#   64 columns below (4096 x 4096: 8.1 us against 9.4);
+# - one wave: a split that makes more programs than the SMs hold at once (7 of these per SM at 72 registers)
+#   leaves a partial second wave (8192 x 8192, 64 columns, 1024 programs: 22.7 us; 512 programs: 21.6 us).
+#   K is split in powers of two up to GEMV_PROGRAMS_PER_SM programs per SM, each slice at least two steps.
+# cuBLAS fp16 at M=1 on the same runs: 47.0, 124.0, 16.4 us. Before this rule (64 columns, 6 programs per SM)
+# 8192 x 8192 and 4096 x 4096 ran 22.7 and 10.6 us; the first, 3-D form of this kernel 45 us (f93179c).
+GEMV_WIDE_N = 8192  # from this N on, 128-column tiles
+GEMV_PROGRAMS_PER_SM = 7
+_GEMV = (128, 4, 2, "exp16asm", True)  # BK, num_warps, min steps per slice, DEQ, PREFETCH
+
+
+def split_within(tiles: int, steps: int, capacity: int, min_steps: int) -> int:
+    """The largest power-of-two K split with ``tiles * split <= capacity`` programs and at least ``min_steps``
+    steps a slice (1 if even that is too many)."""
+    split = 1
+    while tiles * split * 2 <= capacity and steps // (2 * split) >= min_steps:
+        split *= 2
+    return split
 
 
 def gemv_config(M: int, N: int, K: int, device, rows: int = 1) -> dict:
-    bn, bk, warps, per_sm, min_steps, deq, prefetch = _GEMV
+    bk, warps, min_steps, deq, prefetch = _GEMV
+    bn = 128 if N >= GEMV_WIDE_N else 64
     tiles = _cdiv(N, bn) * _cdiv(M, rows)
-    split = split_for(tiles, _cdiv(K, bk), sm_count(device), per_sm, min_steps)
+    split = split_within(tiles, _cdiv(K, bk), GEMV_PROGRAMS_PER_SM * sm_count(device), min_steps)
     return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, DEQ=deq, PREFETCH=prefetch, ROWS=rows, XVEC=rows == 1,
                 num_warps=warps, num_stages=1)
 
@@ -47,9 +64,10 @@ def gemv_config(M: int, N: int, K: int, device, rows: int = 1) -> dict:
 # A operand (SWAP), 4 slices: 42.5 us (1.41x cuBLAS; 43.6 us without SWAP); M=64 64x128x128, 3 stages, 4
 # slices: 53.8 us (1.13x); M=256 128x128x128, 8 warps, 2 slices: 156 us (0.42x); M=4096 256x128x64: 0.43x.
 # The gather unpacking (eight loads of each int32) never won; BLOCK_N=256 and 128x128x128 with 4 stages run
-# out of shared memory.
+# out of shared memory. H200 with the L2 cleared (2026-11-24-h200/b1bfe98/): at M=4 and 16, 128 columns (the
+# same 512 programs: 2 per SM) ran 38.0 / 39.2 us at 8192 x 8192 against 40.9 / 41.9 for 64 columns.
 _MMA = {
-    16: (16, 64, 128, 4, 3, True, 4, 2),
+    16: (16, 128, 128, 4, 3, True, 2, 2),
     32: (32, 64, 128, 4, 3, True, 4, 2),
     64: (64, 128, 128, 4, 3, False, 2, 4),
     128: (64, 128, 128, 4, 3, False, 2, 4),
