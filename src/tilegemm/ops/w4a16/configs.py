@@ -64,30 +64,35 @@ def gemv_config(M: int, N: int, K: int, device, rows: int = 1) -> dict:
 # A operand (SWAP), 4 slices: 42.5 us (1.41x cuBLAS; 43.6 us without SWAP); M=64 64x128x128, 3 stages, 4
 # slices: 53.8 us (1.13x); M=256 128x128x128, 8 warps, 2 slices: 156 us (0.42x); M=4096 256x128x64: 0.43x.
 # The gather unpacking (eight loads of each int32) never won; BLOCK_N=256 and 128x128x128 with 4 stages run
-# out of shared memory. H200 with the L2 cleared (2026-11-24-h200/b1bfe98/): at M=4 and 16, 128 columns (the
-# same 512 programs: 2 per SM) ran 38.0 / 39.2 us at 8192 x 8192 against 40.9 / 41.9 for 64 columns.
+# out of shared memory. H200 with the L2 cleared (2026-11-24-h200/b1bfe98/): at M=4 and 16, 128 columns with the
+# magic-exponent dequantization (DEQ16, the same 512 programs: 2 per SM) ran 38.0 / 39.2 us at 8192 x 8192 and
+# 123.4 / 124.0 at 28672 x 8192, against 40.9 / 41.9 and 125.0 / 125.6 for the 64-column conversion config;
+# 128 columns with the conversion ran 156 us at 28672 x 8192 (2026-11-24-h200/b305fb8/): the two go together.
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP, programs per SM, min steps per slice, DEQ16)
 _MMA = {
-    16: (16, 128, 128, 4, 3, True, 2, 2),
-    32: (32, 64, 128, 4, 3, True, 4, 2),
-    64: (64, 128, 128, 4, 3, False, 2, 4),
-    128: (64, 128, 128, 4, 3, False, 2, 4),
-    256: (128, 128, 128, 8, 3, False, 1, 8),
-    1024: (128, 128, 64, 8, 4, False, 1, 8),
+    16: (16, 128, 128, 4, 3, True, 2, 2, "magic"),
+    32: (32, 64, 128, 4, 3, True, 4, 2, "cvt"),
+    64: (64, 128, 128, 4, 3, False, 2, 4, "cvt"),
+    128: (64, 128, 128, 4, 3, False, 2, 4, "cvt"),
+    256: (128, 128, 128, 8, 3, False, 1, 8, "cvt"),
+    1024: (128, 128, 64, 8, 4, False, 1, 8, "cvt"),
 }
 
 
 def mma_config(M: int, N: int, K: int, device) -> dict:
     bucket = max(b for b in _MMA if b <= max(m_bucket(M), 16))
-    bm, bn, bk, warps, stages, swap, per_sm, min_steps = _MMA[bucket]
+    bm, bn, bk, warps, stages, swap, per_sm, min_steps, deq16 = _MMA[bucket]
     tiles = _cdiv(M, bm) * _cdiv(N, bn)
     split = split_for(tiles, _cdiv(K, bk), sm_count(device), per_sm, min_steps)
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, SWAP=swap, num_warps=warps,
-                num_stages=stages)
+                num_stages=stages, DEQ16=deq16)
 
 
-# auto, by M: gemv for one row, mma up to MMA_MAX_M, dequant_cublas above. On the H100 (f93179c) at M >= 1024
-# dequant_cublas ran 0.86x-0.90x cuBLAS where mma ran 0.38x-0.43x; at M=256 it won 3 of 5 llm shapes.
-GEMV_MAX_M = 1
+# auto, by M: gemv up to GEMV_MAX_M rows, mma up to MMA_MAX_M, dequant_cublas above. On the H100 (f93179c) at
+# M >= 1024 dequant_cublas ran 0.86x-0.90x cuBLAS where mma ran 0.38x-0.43x; at M=256 it won 3 of 5 llm shapes.
+# At M=2 the gemv (one program per row, the second reading the weight from L2) beat mma on all five llm shapes
+# on the H200 (1.18x-1.35x cuBLAS against 0.80x-1.00x); at M=4 mma won all five (2026-11-24-h200/b305fb8/).
+GEMV_MAX_M = 2
 MMA_MAX_M = 128
 
 
