@@ -119,10 +119,38 @@ def test_auto_picks_by_geometry():
                                         conv.get("padding", 0), 1, conv.get("groups", 1)))
 
     assert pick((1, 16, 4, 4), (8, 16, 1, 1)) == "gemm_1x1"
-    assert pick((1, 16, 4, 4), (8, 16, 1, 1), stride=2) == "implicit_gemm"
+    assert pick((1, 16, 4, 4), (8, 16, 1, 1), stride=2) == "gemm_1x1"  # channels-last input assumed
+    g = check_conv(torch.empty(1, 16, 4, 4), torch.empty(8, 16, 1, 1), None, 2, 0, 1, 1)
+    assert choose_kernel(g, x_channels_last=False) == "implicit_gemm"
     assert pick((1, 16, 4, 4), (8, 16, 1, 1), padding=1) == "implicit_gemm"
     assert pick((1, 16, 4, 4), (16, 1, 3, 3), groups=16) == "depthwise"
     assert pick((1, 16, 4, 4), (16, 2, 3, 3), groups=8) == "implicit_gemm"
+
+
+@pytest.mark.parametrize("stride", [2, (2, 3), 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_strided_1x1_channels_last_as_a_gemm(stride, dtype, device):
+    # ResNet's downsampling projection: the kept pixels gathered into a matrix, then tilegemm.matmul; odd sizes
+    # (H, W not multiples of the stride), bias and activation fused, output channels-last
+    x, w, b = _inputs(device, dtype, 2, 24, 7, 9, 40, 1, 1)
+    for kernel in ("auto", "gemm_1x1"):
+        out = tilegemm.conv2d(x, w, b, stride=stride, activation="relu", kernel=kernel, precision="ieee")
+        _check(out, x, w, b, 1e-5 if dtype == torch.float32 else tolerance(dtype), stride=stride,
+               activation="relu")
+    # a second call with other values reads its own input (no stale workspace)
+    x2 = torch.randn_like(x).contiguous(memory_format=CL)
+    out = tilegemm.conv2d(x2, w, b, stride=stride, precision="ieee")
+    _check(out, x2, w, b, 1e-5 if dtype == torch.float32 else tolerance(dtype), stride=stride)
+
+
+def test_strided_1x1_nchw_takes_the_implicit_gemm(device):
+    from tilegemm.core.registry import NotApplicable
+
+    x, w, b = _inputs(device, torch.float32, 2, 8, 6, 6, 8, 1, 1, channels_last=False)
+    out = tilegemm.conv2d(x, w, b, stride=2, precision="ieee")
+    _check(out, x, w, b, 1e-5, stride=2)
+    with pytest.raises(NotApplicable, match="channels-last input only"):
+        tilegemm.conv2d(x, w, b, stride=2, kernel="gemm_1x1")
 
 
 def test_a_kernel_that_does_not_take_the_problem_says_so(device):

@@ -1,23 +1,74 @@
-"""1x1 convolutions with stride 1 and no padding: a plain GEMM, run by :func:`tilegemm.matmul`.
+"""1x1 convolutions without padding: a plain GEMM, run by :func:`tilegemm.matmul`.
 
 Channels-last, the input ``[N, C, H, W]`` is a row-major ``[N*H*W, C]`` matrix in place, and the output
 ``[N*H*W, K] = x @ w^T`` is the channels-last output. NCHW, each image is a ``[C, H*W]`` matrix and
 ``out[n] = w @ x[n]`` is the NCHW output, one batched GEMM with the weight broadcast; the bias then runs along
 rows, so it enters as matmul's ``c`` (``[K, 1]``, added before the activation like a bias).
+
+With a stride (ResNet's downsampling projections, 1x1 stride 2), channels-last only: the pixels the stride
+keeps are gathered first into a row-major ``[N*P*Q, C]`` matrix (:func:`subsample_kernel`, a quarter of the
+input's bytes at stride 2, into a per-stream workspace), then the same GEMM. The implicit-GEMM kernel ran these
+layers at 0.22x-0.33x of cuDNN on the H200 (GPU time) (`benchmarks/results/2026-11-24-h200/ea09bc4/`), reading each pixel
+through a gathered address where the GEMM reads whole rows.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 
 from tilegemm.ops.conv2d.problem import ConvProblem, channels_last
+
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def subsample_kernel(src_ptr, dst_ptr, rows, C, P, Q, stride_n, stride_p, stride_q,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``dst[(n*P + p)*Q + q, c] = src[n*stride_n + p*stride_p + q*stride_q + c]``: the pixels a strided 1x1
+    convolution reads (channels contiguous), as the rows of a row-major ``[N*P*Q, C]`` matrix."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR] output rows: pixels (n, p, q)
+    n = r // (P * Q)
+    p = (r // Q) % P
+    q = r % Q
+    src_row = n.to(tl.int64) * stride_n + p.to(tl.int64) * stride_p + q.to(tl.int64) * stride_q
+    dst_row = r.to(tl.int64) * C
+    r_ok = r < rows
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        mask = r_ok[:, None] & (c < C)[None, :]
+        v = tl.load(src_ptr + src_row[:, None] + c[None, :], mask=mask)
+        tl.store(dst_ptr + dst_row[:, None] + c[None, :], v, mask=mask)
 
 
 def applies(p: ConvProblem) -> str | None:
     """None when this kernel takes the problem, else why not."""
-    if not p.geo.is_pointwise:
-        return "gemm_1x1 takes 1x1 filters with stride 1, no padding and groups=1 only"
-    return None
+    g = p.geo
+    if g.is_pointwise:
+        return None
+    if g.is_strided_pointwise:
+        if p.x.stride(1) != 1 or not channels_last(p.x):
+            return "gemm_1x1 takes strided 1x1 filters with a channels-last input only"
+        return None
+    return "gemm_1x1 takes 1x1 filters with no padding and groups=1 only"
+
+
+def subsampled(x: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the kept pixels of channels-last ``x`` as a row-major ``[N*P*Q, C]`` matrix, the workspace holding it)."""
+    from tilegemm.core.launch import current_stream, launch
+    from tilegemm.core.runtime import cdiv
+    from tilegemm.core.workspace import buffer
+
+    rows = g.N * g.P * g.Q
+    buf = buffer(x.device, x.dtype, rows * g.C, "conv2d-subsample")
+    xs = buf[: rows * g.C].view(rows, g.C)
+    sn, _, sh, sw = x.stride()
+    block_r, block_c = 32, 64
+    launch(subsample_kernel, (cdiv(rows, block_r),),
+           (x, xs, rows, g.C, g.P, g.Q, sn, sh * g.stride[0], sw * g.stride[1]),
+           dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4), keep=(buf,),
+           stream=current_stream() if x.is_cuda else None)
+    return xs, buf
 
 
 def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
@@ -31,7 +82,16 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     g = p.geo
     w2d = p.weight.reshape(g.K, g.C)  # [K, C]
     act = None if p.activation == "none" else p.activation
-    if p.out_format == torch.channels_last or channels_last(p.x):
+    if g.is_strided_pointwise:
+        from tilegemm.core.launch import keeping, sequence_lock
+
+        with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
+            xs, buf = subsampled(p.x, g)
+            with keeping(buf):
+                out = matmul(xs, w2d.t(), bias=p.bias, activation=act, out_dtype=p.out_dtype,
+                             precision=p.precision)
+        out = out.view(g.N, g.P, g.Q, g.K).permute(0, 3, 1, 2)  # [N, K, P, Q], channels-last
+    elif p.out_format == torch.channels_last or channels_last(p.x):
         x2d = p.x.permute(0, 2, 3, 1).reshape(g.N * g.H * g.W, g.C)  # [NHW, C], a view when channels-last
         out = matmul(x2d, w2d.t(), bias=p.bias, activation=act, out_dtype=p.out_dtype, precision=p.precision)
         out = out.view(g.N, g.H, g.W, g.K).permute(0, 3, 1, 2)  # [N, K, H, W], channels-last

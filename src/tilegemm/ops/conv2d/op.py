@@ -30,10 +30,11 @@ from tilegemm.core.launch import plain_call
 # --- the choice of kernel -------------------------------------------------------------------------------
 
 
-def choose_kernel(g: Geometry) -> str:
+def choose_kernel(g: Geometry, x_channels_last: bool = True) -> str:
     """``auto``: 1x1 stride-1 unpadded single-group convolutions go to ``gemm_1x1`` (tilegemm's GEMM on the
-    channels-last view), depthwise ones to ``depthwise``, everything else to ``implicit_gemm``."""
-    if g.is_pointwise:
+    channels-last view), and so do strided ones with a channels-last input (the kept pixels gathered into a
+    matrix first); depthwise ones to ``depthwise``, everything else to ``implicit_gemm``."""
+    if g.is_pointwise or (g.is_strided_pointwise and x_channels_last):
         return "gemm_1x1"
     if g.is_depthwise:
         return "depthwise"
@@ -56,7 +57,7 @@ def _forward(x, weight, bias, stride, padding, dilation, groups, activation, pre
         out = empty_4d(g.out_shape, p.out_dtype, x.device, p.out_format)
         return out.zero_() if out.numel() else out
     with on_device(x.device):
-        return launcher(choose_kernel(g) if kernel == "auto" else kernel)(p)
+        return launcher(choose_kernel(g, channels_last(x)) if kernel == "auto" else kernel)(p)
 
 
 @torch.library.custom_op("tilegemm::conv2d", mutates_args=())

@@ -81,6 +81,12 @@ class Geometry:
         return (self.R == 1 and self.S == 1 and self.stride == (1, 1) and self.padding == (0, 0, 0, 0)
                 and self.groups == 1)
 
+    @property
+    def is_strided_pointwise(self) -> bool:
+        """1x1 with a stride above 1, no padding, one group: a plain GEMM over the pixels the stride keeps."""
+        return (self.R == 1 and self.S == 1 and self.stride != (1, 1) and self.padding == (0, 0, 0, 0)
+                and self.groups == 1)
+
 
 def resolve_padding(padding, R: int, S: int, stride: tuple[int, int], dilation: tuple[int, int]):
     """(top, bottom, left, right) from an int, a pair, "same" or "valid", as F.conv2d reads them."""
