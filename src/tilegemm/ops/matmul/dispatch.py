@@ -39,6 +39,7 @@ def choose_kernel(p: GemmProblem) -> str:
       rungs are timed from half a tile per SM to two (16-bit: a quarter; see the code).
     - M > 128 where splitting K pays by the cost model (few output tiles with a long K; :func:`_split_pays`):
       ``split_k``.
+    - M > 128 with N < :data:`NARROW_N`: ``autotuned``.
     - Otherwise ``autotuned``.
     """
     if interpreting():
@@ -55,6 +56,8 @@ def choose_kernel(p: GemmProblem) -> str:
         return "split_k"
     if _split_pays(p):
         return "split_k"
+    if p.N < NARROW_N:
+        return "autotuned"
     if _has_tma():
         from tilegemm.core.hardware import sm_count
         from tilegemm.ops.matmul.persistent_tma import describable, gluon_kernel_for
@@ -97,6 +100,14 @@ def choose_kernel(p: GemmProblem) -> str:
 
 # Below this K a split does not pay whatever the tiles: each slice would be a handful of K steps.
 SPLIT_MIN_K = 1024
+
+# Narrower outputs (M > 128) go to autotuned, not persistent_tma: its tiles are 128 or 256 wide along N. On
+# ResNet-50's 1x1 convolutions as GEMMs (fp16, H200, research/diagnose_random.py,
+# benchmarks/results/2026-11-24-h200/a61b6ed/diagnose-random-fp16.json) autotuned's untimed config beat
+# persistent_tma on all six with N <= 256 (100352x64x64: 0.82x cuBLAS against 0.61x; 6272x256x1024: 0.84x
+# against 0.60x; 25088x128x512: 0.96x against 0.80x), and persistent_tma stayed ahead at N = 512 and 2048
+# (6272x512x1024: 0.95x against 0.87x; 1568x2048x512: 0.93x against 0.90x).
+NARROW_N = 512
 
 
 def _split_pays(p: GemmProblem) -> bool:
