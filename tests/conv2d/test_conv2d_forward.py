@@ -112,15 +112,15 @@ def test_no_bias_and_strided_input_views(device):
 
 def test_auto_picks_by_geometry():
     from tilegemm.ops.conv2d.op import choose_kernel
-    from tilegemm.ops.conv2d.problem import check_conv
+    from tilegemm.ops.conv2d.problem import geometry_of
 
-    def pick(x_shape, w_shape, **conv):
-        return choose_kernel(check_conv(torch.empty(x_shape), torch.empty(w_shape), None, conv.get("stride", 1),
-                                        conv.get("padding", 0), 1, conv.get("groups", 1)))
+    def pick(x_shape, w_shape, **conv):  # shapes only: no tensor, so no device check
+        s, pad = conv.get("stride", 1), conv.get("padding", 0)
+        return choose_kernel(geometry_of(x_shape, w_shape, [s, s], [pad] * 4, [1, 1], conv.get("groups", 1)))
 
     assert pick((1, 16, 4, 4), (8, 16, 1, 1)) == "gemm_1x1"
     assert pick((1, 16, 4, 4), (8, 16, 1, 1), stride=2) == "gemm_1x1"  # channels-last input assumed
-    g = check_conv(torch.empty(1, 16, 4, 4), torch.empty(8, 16, 1, 1), None, 2, 0, 1, 1)
+    g = geometry_of((1, 16, 4, 4), (8, 16, 1, 1), [2, 2], [0] * 4, [1, 1], 1)
     assert choose_kernel(g, x_channels_last=False) == "implicit_gemm"
     assert pick((1, 16, 4, 4), (8, 16, 1, 1), padding=1) == "implicit_gemm"
     assert pick((1, 16, 4, 4), (16, 1, 3, 3), groups=16) == "depthwise"

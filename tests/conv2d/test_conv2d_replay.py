@@ -123,3 +123,22 @@ def test_replay_declines_on_another_stream():
         again = tilegemm.conv2d(x, w, padding=1)
     torch.cuda.current_stream().wait_stream(side)
     assert_rel_close(again, first.double(), 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grads", ["none", "x", "x and weight"])
+def test_strided_1x1_after_a_bigger_call_reads_its_own_pixels(grads):
+    # The kept pixels are gathered into a per-stream workspace that a bigger call replaces; every replay (the
+    # inner matmul's own too, kept where autograd watches the conv2d call) must read the current one.
+    from tilegemm.ops.matmul import replay as matmul_replay
+
+    replay.clear()
+    matmul_replay.clear()
+    w = (torch.randn(64, 64, 1, 1, device="cuda") / 8).half().contiguous(memory_format=CL)
+    w.requires_grad_(grads == "x and weight")
+    for shape in [(2, 64, 16, 16)] * 3 + [(2, 64, 64, 64)] + [(2, 64, 16, 16)] * 2:
+        x = torch.randn(shape, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+        x.requires_grad_(grads != "none")
+        out = tilegemm.conv2d(x, w, stride=2)
+        ref = F.conv2d(x.detach().double(), w.detach().double(), stride=2)
+        assert_rel_close(out.detach(), ref, 4e-3)

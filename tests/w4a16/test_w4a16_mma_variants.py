@@ -56,3 +56,13 @@ def test_gemv_config_fills_one_wave(monkeypatch):
         tiles = -(-N // cfg["BLOCK_N"])
         assert cfg["BLOCK_N"] == (128 if N >= configs.GEMV_WIDE_N else 64)
         assert tiles * cfg["SPLIT_K"] <= configs.GEMV_PROGRAMS_PER_SM * 132 or cfg["SPLIT_K"] == 1
+
+
+def test_perm_needs_steps_of_128(device):
+    w = tilegemm.w4a16.quantize(torch.randn(32, 256, device=device, dtype=torch.float16), 64)
+    x = torch.randn(2, 256, device=device, dtype=torch.float16)
+    p = W4A16Problem(x, w.qweight, w.scales, w.zeros, None, new_output((2, 32), x.dtype, x.device), w.group_k,
+                     "none", upcast=False)
+    with pytest.raises(ValueError, match="BLOCK_K >= 128"):
+        mma.run(p, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, UNPACK="perm", num_warps=4,
+                        num_stages=2))

@@ -267,11 +267,14 @@ class Replay:
             tensor = value.base if desc is not None else value
             if hasattr(tensor, "data_ptr"):
                 ptr = tensor.data_ptr()
-                if ptr in kept:
+                if ptr in ptrs:
+                    # A call's tensor first, even where it lies in a kept workspace (a caller's matrix gathered
+                    # into one, then passed to a public op): the next call may gather into another buffer.
+                    self.slots.append((i, ptrs.index(ptr), desc))
+                elif ptr in kept:
                     continue  # the launcher's workspace: passed as recorded
-                if ptr not in ptrs:
+                else:
                     raise LookupError("a tensor parameter is not one of the call's tensors")
-                self.slots.append((i, ptrs.index(ptr), desc))
         self.expanded = self._expand()
         self.encoded = {}
         self._release_call_tensors()

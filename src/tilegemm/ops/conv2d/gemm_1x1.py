@@ -47,8 +47,9 @@ def applies(p: ConvProblem) -> str | None:
     if g.is_pointwise:
         return None
     if g.is_strided_pointwise:
-        if p.x.stride(1) != 1 or not channels_last(p.x):
-            return "gemm_1x1 takes strided 1x1 filters with a channels-last input only"
+        if not channels_last(p.x):
+            return ("gemm_1x1 takes strided 1x1 filters with a channels-last input only (NCHW inputs and channel "
+                    "slices go to implicit_gemm)")
         return None
     return "gemm_1x1 takes 1x1 filters with no padding and groups=1 only"
 

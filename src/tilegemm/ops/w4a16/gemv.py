@@ -134,7 +134,8 @@ def w4a16_gemv_kernel(
         q, s, zs = load_step(qw_ptr, s_ptr, z_ptr, k_begin, k_end, rows, offs_n, n_ok, N, K, group_k, BLOCK_K, DEQ)
     # STAGES > 1: Triton's pipeliner copies the loads of the next STAGES - 1 steps into shared memory
     # (cp.async) while this step computes: more bytes in flight than PREFETCH's registers hold, and no
-    # registers spent on them (None: the loop as written, loads waited for in place).
+    # registers spent on them (None: the kernel's num_stages decides, which the configs set to 1: the loop as
+    # written, loads waited for in place).
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
         if PREFETCH:
             q_next, s_next, zs_next = load_step(qw_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k_end, rows, offs_n, n_ok, N,

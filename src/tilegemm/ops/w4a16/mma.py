@@ -5,7 +5,8 @@ Per K step a program loads ``x`` ``[BLOCK_M, BLOCK_K]`` and packed weights ``[BL
 vectors along N), unpacks each int32 into its eight K rows (``[BLOCK_K/8, 8, BLOCK_N]`` reshaped to
 ``[BLOCK_K, BLOCK_N]``: row ``8r + i`` is nibble ``i`` of packed row ``r``), dequantizes in the activations'
 dtype, ``(q - z) * s`` (exactly :func:`~tilegemm.ops.w4a16.format.dequantize`'s rounding), and feeds
-``tl.dot``. BLOCK_K divides the group length, so a step needs one row of scales and zeros.
+``tl.dot``. BLOCK_K divides the group length, so a step needs one row of scales and zeros (``UNPACK="perm"``
+excepted: its steps are 128 or more, and a step that spans groups reads them per packed row).
 """
 
 from __future__ import annotations
@@ -171,6 +172,9 @@ def launch_args(p: W4A16Problem, cfg: dict | None = None) -> tuple[tuple, tuple,
     cfg = dict(cfg or mma_config(p.M, p.N, p.K, p.x.device))
     if cfg.get("UNPACK") == "perm":
         # Eight dots of K = BLOCK_K/8 a step (at least 16); a step that spans groups reads scales per row.
+        if cfg["BLOCK_K"] < 128:
+            raise ValueError(f"UNPACK='perm' needs BLOCK_K >= 128 (eight dots of K = BLOCK_K/8 >= 16), got "
+                             f"{cfg['BLOCK_K']}")
         cfg["GROUP_ROWS"] = p.group_k < p.K and p.group_k % cfg["BLOCK_K"] != 0
     else:
         cfg["BLOCK_K"] = block_k_for(cfg["BLOCK_K"], p.group_k, p.K)
