@@ -39,7 +39,7 @@ def choose_kernel(p: GemmProblem) -> str:
       rungs are timed from half a tile per SM to two (16-bit: a quarter; see the code).
     - M > 128 where splitting K pays by the cost model (few output tiles with a long K; :func:`_split_pays`):
       ``split_k``.
-    - M > 128 with N < :data:`NARROW_N`: ``autotuned``.
+    - M > 128, 16-bit, with N < :data:`NARROW_N`: ``autotuned``.
     - Otherwise ``autotuned``.
     """
     if interpreting():
@@ -56,7 +56,7 @@ def choose_kernel(p: GemmProblem) -> str:
         return "split_k"
     if _split_pays(p):
         return "split_k"
-    if p.N < NARROW_N:
+    if p.N < NARROW_N and p.a.element_size() == 2:
         return "autotuned"
     if _has_tma():
         from tilegemm.core.hardware import sm_count
@@ -101,7 +101,8 @@ def choose_kernel(p: GemmProblem) -> str:
 # Below this K a split does not pay whatever the tiles: each slice would be a handful of K steps.
 SPLIT_MIN_K = 1024
 
-# Narrower outputs (M > 128) go to autotuned, not persistent_tma: its tiles are 128 or 256 wide along N. On
+# Narrower 16-bit outputs (M > 128) go to autotuned, not persistent_tma: its tiles are 128 or 256 wide along N
+# (fp8 and tf32, not measured there, keep their rules). On
 # ResNet-50's 1x1 convolutions as GEMMs (fp16, H200, research/diagnose_random.py,
 # benchmarks/results/2026-11-24-h200/a61b6ed/diagnose-random-fp16.json) autotuned's untimed config beat
 # persistent_tma on all six with N <= 256 (100352x64x64: 0.82x cuBLAS against 0.61x; 6272x256x1024: 0.84x
