@@ -53,6 +53,18 @@ def dequant_nibble(q, i: tl.constexpr, zm, s, dt: tl.constexpr, UPCAST: tl.const
 
 
 @triton.jit
+def magic_zeros(z, dt: tl.constexpr, UPCAST: tl.constexpr, DEQ16: tl.constexpr):
+    """The zero points as :func:`dequant_nibble` takes them: plus the magic base (1024 for fp16, 128 for bf16;
+    exact, zeros are integers 0..16) where it dequantizes by the magic exponent, as they are otherwise."""
+    if DEQ16 == "magic" and not UPCAST:
+        if dt == tl.float16:
+            z = z + 1024.0
+        else:
+            z = z + 128.0
+    return z
+
+
+@triton.jit
 def mma_perm_loop(acc, x_rows, m_ok, qw_ptr, s_ptr, z_ptr, offs_n, n_ok, N, K, group_k, k_begin, k_end,
                   UPCAST: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, DEQ16: tl.constexpr,
                   GROUP_ROWS: tl.constexpr):
@@ -77,11 +89,7 @@ def mma_perm_loop(acc, x_rows, m_ok, qw_ptr, s_ptr, z_ptr, offs_n, n_ok, N, K, g
             g = k0 // group_k
             s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)[None, :]  # [1, BN]
             zm = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0)[None, :]
-        if DEQ16 == "magic" and not UPCAST:
-            if dt == tl.float16:
-                zm = zm + 1024.0  # exact: zeros are integers 0..16
-            else:
-                zm = zm + 128.0
+        zm = magic_zeros(zm, dt, UPCAST, DEQ16)
         kx = 8 * r  # [BK/8] the first K index of each packed row
         x_ok = m_ok[:, None] & r_ok[None, :]
         for i in tl.static_range(8):
@@ -146,16 +154,12 @@ def w4a16_mma_kernel(
             g = k0 // group_k
             s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)  # [BN]
             z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0)
+            # [BK, BN], dequantized (q holds one nibble per element: nibble 0)
+            w = dequant_nibble(q, 0, magic_zeros(z, dt, UPCAST, DEQ16)[None, :], s[None, :], dt, UPCAST, DEQ16)
             if UPCAST:
-                # bf16 under the interpreter, whose int-to-bf16 casts and bf16 dots are wrong: dequantize in fp32
-                # (exact), round to bf16 as the GPU path does, multiply in fp32 (exact for bf16 values).
-                w = ((q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]).to(dt).to(tl.float32)
+                # bf16 under the interpreter, whose int-to-bf16 casts and bf16 dots are wrong: dequantized in fp32
+                # (exact) and rounded to bf16 as the GPU path does, multiplied in fp32 (exact for bf16 values).
                 x = x.to(tl.float32)
-            elif DEQ16 == "magic":
-                zm = z + (1024.0 if dt == tl.float16 else 128.0)  # exact: zeros are integers 0..16
-                w = dequant_nibble(q, 0, zm[None, :], s[None, :], dt, UPCAST, DEQ16)  # [BK, BN]
-            else:
-                w = (q.to(dt) - z[None, :]) * s[None, :]  # [BK, BN], dequantized
             if SWAP:
                 # out.T = W @ x.T: the dequantized weights are wgmma's A operand, taken from registers.
                 acc_t = tl.dot(tl.trans(w), tl.trans(x), tl.trans(acc), input_precision="ieee" if UPCAST else None)
