@@ -7,6 +7,14 @@ is imported when its kernel first runs). The backward (data and weight gradients
 
 from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
 
+
+
+def _hopper() -> str | None:
+    from tilegemm.ops.matmul.persistent_tma import gluon_requires
+
+    return gluon_requires()
+
+
 register_op(OpSpec(
     name="conv2d", summary="2-D convolution (F.conv2d semantics) with fused bias and activation; fwd and bwd",
     bench="tilegemm.ops.conv2d.bench:Conv2dBench",
@@ -15,6 +23,11 @@ register_op(OpSpec(
 register(KernelSpec(
     op="conv2d", name="implicit_gemm", order=10, target="tilegemm.ops.conv2d.implicit_gemm:run",
     summary="implicit GEMM over channels-last pixels: K loop over filter taps, then channels; any conv",
+))
+register(KernelSpec(
+    op="conv2d", name="tma_implicit_gemm", order=15, target="tilegemm.ops.conv2d.tma_fwd:run",
+    requires=_hopper, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
+    summary="implicit GEMM whose input tiles are TMA boxes of a strided 5-D view (padding by TMA's zero fill)",
 ))
 register(KernelSpec(
     op="conv2d", name="gemm_1x1", order=20, target="tilegemm.ops.conv2d.gemm_1x1:run",

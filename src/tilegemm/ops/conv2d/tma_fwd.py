@@ -1,0 +1,253 @@
+"""Implicit-GEMM forward on Hopper in Gluon: every operand tile moved by TMA, padding included.
+
+The pointer kernel (:mod:`tilegemm.ops.conv2d.implicit_gemm`) computes an address and a mask for every
+element of every A tile; on ResNet-50's 3x3 layers its main loop ran at about half of cuDNN. Here the
+output tile is a ``BH x BW`` patch of output pixels of one image, and for each filter tap (r, s) and
+channel step the input it needs is one TMA box of the channels-last input seen as the 5-D tensor
+
+    [N, H / SH, SH, W / SW, SW * C]   (strides n, SH * h, h, SW * C, 1)
+
+which splits each spatial index into (index / stride, index % stride): pixel ``p * SH + dh`` of image row
+space is element ``(p + dh // SH, dh % SH)``. A box ``[1, BH, 1, BW, BK]`` at ``(n, p0 + dh // SH, dh % SH,
+q0 + dw // SW, (dw % SW) * C + c)`` is then exactly the ``BH x BW`` input pixels the tap reads for the
+patch, strided by (SH, SW); coordinates may be negative or run past the edge, and TMA fills those elements
+with zeros: the convolution's zero padding costs nothing. The box lands in shared memory as ``BH * BW`` rows
+of ``BK`` channels, which is the [BM, BK] operand wgmma reads (the same bytes, viewed as 2-D).
+
+The weight, channels-last ``[K, R, S, C/groups]``, is the row-major matrix ``[K, R*S*C/groups]``; its
+[BN, BK] box at ``(k0, (r*S + s) * C/groups + c)``. A ring of ``STAGES`` slots keeps TMA ahead of the MMAs;
+one MMA group stays in flight. The epilogue adds bias, applies the activation and stores through the
+output's strides, masking pixels outside the P x Q image.
+
+It takes what TMA can describe: 16-bit channels-last input, C/groups a multiple of 16 (a channel step
+never crosses into the next tap or stride phase), H divisible by the vertical stride and W by the
+horizontal one (so the split view covers the image exactly), pixels packed (pixel stride = C) where the
+horizontal stride is above 1. Written against Triton 3.6's Gluon API for sm_90; Gluon has no interpreter,
+so the suite compiles it for sm_90 without a GPU and the GPU tests run it.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tilegemm.core.runtime import cdiv
+from tilegemm.jit.helpers import apply_activation
+
+_GL = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+@gluon.jit
+def _issue(x_desc, w_desc, a_slot, b_slot, bar, it, c_steps, n, p0, q0, k_row, c_base, Cg, C_ROW,
+           off_h, off_w, pad_h, pad_w, dil_h, dil_w,
+           S: gl.constexpr, SH: gl.constexpr, SW: gl.constexpr, BLOCK_K: gl.constexpr):
+    """The TMA copies of K step ``it`` (tap ``it // c_steps``, channel step ``it % c_steps``) into one slot."""
+    rs = it // c_steps
+    c = (it - rs * c_steps) * BLOCK_K
+    r = rs // S
+    s = rs - r * S
+    # The tap's offset from the window origin, made non-negative (off_* are multiples of the stride at
+    # least the padding) so that // and % split it as floor division does.
+    eh = r * dil_h - pad_h + off_h
+    ew = s * dil_w - pad_w + off_w
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(
+        x_desc, [n, p0 + eh // SH - off_h // SH, eh % SH, q0 + ew // SW - off_w // SW, (ew % SW) * C_ROW + c_base + c],
+        bar, a_slot)
+    tma.async_copy_global_to_shared(w_desc, [k_row, rs * Cg + c], bar, b_slot)
+
+
+@gluon.jit
+def conv2d_fwd_tma_kernel(
+    x_desc, w_desc, out_ptr, bias_ptr,
+    N, P, Q, Kg, Cg, C_ROW, tiles_p, tiles_q,
+    stride_on, stride_op, stride_oq, stride_ok, stride_bias,
+    pad_h, pad_w, dil_h, dil_w, off_h, off_w,
+    R: gl.constexpr, S: gl.constexpr, SH: gl.constexpr, SW: gl.constexpr,
+    HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+    BI: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    BM: gl.constexpr = BI * BH * BW
+    # Which tile: the channel tile varies fastest, so the programs reading one input patch run together
+    # (the weight, read by every patch, stays in L2).
+    tiles_n = gl.cdiv(Kg, BLOCK_N)
+    pid = gl.program_id(0)
+    pid_n = pid % tiles_n
+    pix = pid // tiles_n
+    tq = pix % tiles_q
+    tp = (pix // tiles_q) % tiles_p
+    n = pix // (tiles_q * tiles_p) * BI  # the tile's first image
+    grp = gl.program_id(1)
+    p0 = tp * BH
+    q0 = tq * BW
+    k_row = grp * Kg + pid_n * BLOCK_N  # first weight row (output channel) of the tile
+    c_base = grp * Cg
+
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BI, BH, 1, BW, BLOCK_K], x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    # The A slot as wgmma reads it: the box's BH * BW rows of BLOCK_K channels (same swizzle, same bytes).
+    a_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=x_desc.layout.swizzle_byte_width,
+                                                  element_bitwidth=16, rank=2)
+
+    c_steps = Cg // BLOCK_K
+    steps = R * S * c_steps
+    for i in gl.static_range(STAGES - 1):
+        if i < steps:
+            _issue(x_desc, w_desc, a_bufs.index(i), b_bufs.index(i), ready.index(i), i, c_steps, n, p0, q0,
+                   k_row, c_base, Cg, C_ROW, off_h, off_w, pad_h, pad_w, dil_h, dil_w, S, SH, SW, BLOCK_K)
+
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    acc = gl.zeros((BM, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+    for it in range(steps):
+        slot = it % STAGES
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        a = a_bufs.index(slot)._reinterpret(x_desc.dtype, [BM, BLOCK_K], a_layout)
+        b = b_bufs.index(slot).permute((1, 0))
+        acc = warpgroup_mma(a, b, acc, is_async=True)
+        # At most this step's MMAs in flight: step it - 1's slot has been read; refill it with step
+        # it + STAGES - 1.
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        nxt = it + STAGES - 1
+        if nxt < steps:
+            fill = nxt % STAGES
+            _issue(x_desc, w_desc, a_bufs.index(fill), b_bufs.index(fill), ready.index(fill), nxt, c_steps, n,
+                   p0, q0, k_row, c_base, Cg, C_ROW, off_h, off_w, pad_h, pad_w, dil_h, dil_w, S, SH, SW, BLOCK_K)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    # Epilogue in a layout whose threads hold 8 consecutive channels (16-byte stores along K).
+    TN: gl.constexpr = BLOCK_N // 8 if BLOCK_N // 8 < 32 else 32
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TN, TN], [num_warps, 1], [1, 0])
+    acc = gl.convert_layout(acc, out_layout)
+    offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+    n_ok = offs_n < Kg
+    k_out = grp * Kg + offs_n
+    if HAS_BIAS:
+        acc += gl.load(bias_ptr + k_out * stride_bias, mask=n_ok, other=0.0).to(gl.float32)[None, :]
+    acc = apply_activation(acc, ACTIVATION)
+    img = n + offs_m // (BH * BW)
+    p = p0 + (offs_m // BW) % BH
+    q = q0 + offs_m % BW
+    rows = img.to(gl.int64) * stride_on + p * stride_op + q * stride_oq
+    ptrs = out_ptr + rows[:, None] + (k_out * stride_ok)[None, :]
+    ok = (img < N) & (p < P) & (q < Q)
+    gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
+
+
+# --- host side ---------------------------------------------------------------------------------------------
+
+
+def unusable(x: torch.Tensor, weight: torch.Tensor, g) -> str | None:
+    """None when this kernel takes the convolution; otherwise why not (in words)."""
+    if x.dtype not in _GL:
+        return "not 16-bit"
+    if not x.is_cuda:
+        return "not on a GPU"
+    if torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "not Hopper"
+    if x.stride(1) != 1:
+        return "input not channels-last"
+    if g.Cg % 16:
+        return "C/groups not a multiple of 16"
+    sh, sw = g.stride
+    if g.H % sh or g.W % sw:
+        return "image size not divisible by the stride"
+    if sw > 1 and x.stride(3) != g.C:
+        return "pixels not packed"
+    if any((st * x.element_size()) % 16 for st in (x.stride(0), x.stride(2), x.stride(3))):
+        return "strides not 16-byte aligned"
+    if x.data_ptr() % 16:
+        return "input not 16-byte aligned"
+    if g.N * g.K * g.P * g.Q >= 2**31 or x.numel() >= 2**31:
+        return "too large for 32-bit TMA coordinates"
+    return None
+
+
+def _patch(g, rows: int) -> tuple[int, int, int, float]:
+    """(BI, BH, BW, useful fraction) of the patch of ``rows`` output pixels (BI images of BH x BW, powers of
+    two) that wastes least on the P x Q images: the tiles cover ``ceil(P / BH) * BH`` rows and so on."""
+    best = None
+    bw = 1
+    while bw <= min(rows, 64):
+        bh = 1
+        while bw * bh <= rows:
+            bi = rows // (bw * bh)
+            covered = cdiv(g.N, bi) * bi * cdiv(g.P, bh) * bh * cdiv(g.Q, bw) * bw
+            useful = g.N * g.P * g.Q / covered
+            key = (round(useful, 3), bw, -bi)  # ties: the wider patch (longer runs of contiguous pixels)
+            if best is None or key > best[0]:
+                best = (key, (bi, bh, bw, useful))
+            bh *= 2
+        bw *= 2
+    return best[1]
+
+
+def config(g, dtype: torch.dtype, sms: int = 132) -> dict:
+    """A tile for the geometry: 128 output pixels (64 where that wastes much less of the image, or where 128
+    would leave SMs idle) by 128 or 64 output channels, the widest channel step dividing C/groups."""
+    bk = 64 if g.Cg % 64 == 0 else 32 if g.Cg % 32 == 0 else 16
+    bn = 128 if g.Kg >= 128 else 64 if g.Kg > 32 else 32
+    bi, bh, bw, useful = _patch(g, 128)
+    small = _patch(g, 64)
+    tiles = cdiv(g.N, bi) * cdiv(g.P, bh) * cdiv(g.Q, bw) * cdiv(g.Kg, bn) * g.groups
+    if small[3] > useful * 1.1 or tiles < sms:
+        bi, bh, bw, _ = small
+    # 3 ring slots at 128 channels (96 KB: two programs an SM), 4 at 64
+    return dict(BI=bi, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, STAGES=3 if bn == 128 else 4, num_warps=4)
+
+
+def run(p, config_: dict | None = None) -> torch.Tensor:
+    """The forward through this kernel, or :class:`NotApplicable` saying why it does not take ``p``."""
+    from tilegemm.core.hardware import sm_count
+    from tilegemm.core.launch import launch
+    from tilegemm.core.registry import NotApplicable
+    from tilegemm.ops.conv2d.implicit_gemm import allocate_out
+
+    g = p.geo
+    reason = unusable(p.x, p.weight, g)
+    if reason:
+        raise NotApplicable(f"tma_implicit_gemm does not take this convolution: {reason}")
+    w = p.weight.contiguous(memory_format=torch.channels_last)
+    out = allocate_out(p)
+    cfg = config_ or config(g, p.dtype, sm_count(p.x.device))
+    kernel, grid, args, kwargs = launch_args(p.x, w, out, p.bias, g, p.activation, cfg)
+    launch(kernel, grid, args, kwargs)
+    return out
+
+
+def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, g, activation: str, cfg: dict):
+    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.core.launch.launch`. ``weight`` is
+    channels-last contiguous; ``x`` satisfies :func:`unusable`."""
+    sh, sw = g.stride
+    bi, bh, bw, bn, bk = cfg["BI"], cfg["BH"], cfg["BW"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    swz = min(128, bk * x.element_size())
+    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=5)
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=2)
+    sn, sy, sx = x.stride(0), x.stride(2), x.stride(3)
+    # [N, H/SH, SH, W/SW, SW*C]; with SW = 1 the last dim is the C channels at stride 1 and sx is free.
+    x_desc = TensorDescriptor(x, [g.N, g.H // sh, sh, g.W // sw, sw * g.C], [sn, sh * sy, sy, sw * sx, 1],
+                              [bi, bh, 1, bw, bk], x_layout)
+    kk = g.R * g.S * g.Cg
+    w_desc = TensorDescriptor(weight, [g.K, kk], [kk, 1], [bn, bk], w_layout)
+    tiles_p, tiles_q = cdiv(g.P, bh), cdiv(g.Q, bw)
+    # Offsets that make every tap's shift non-negative: multiples of the stride at least the padding.
+    off_h = cdiv(g.padding[0], sh) * sh
+    off_w = cdiv(g.padding[2], sw) * sw
+    args = (x_desc, w_desc, out, bias if bias is not None else out,
+            g.N, g.P, g.Q, g.Kg, g.Cg, g.C, tiles_p, tiles_q,
+            out.stride(0), out.stride(2), out.stride(3), out.stride(1), bias.stride(0) if bias is not None else 0,
+            g.padding[0], g.padding[2], g.dilation[0], g.dilation[1], off_h, off_w)
+    kwargs = dict(R=g.R, S=g.S, SH=sh, SW=sw, HAS_BIAS=bias is not None, ACTIVATION=activation,
+                  BI=bi, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["STAGES"], num_warps=cfg["num_warps"])
+    grid = (cdiv(g.N, bi) * tiles_p * tiles_q * cdiv(g.Kg, bn), g.groups)
+    return conv2d_fwd_tma_kernel, grid, args, kwargs
