@@ -70,6 +70,7 @@ EACH_KERNEL = [
     ("implicit_gemm", (2, 8, 7, 7, 8, 3, 3), 8),
     ("gemm_1x1", (2, 16, 5, 6, 24, 1, 1), 1),
     ("depthwise", (2, 8, 7, 7, 8, 3, 3), 8),
+    ("tma_implicit_gemm", (2, 16, 7, 7, 24, 3, 3), 1),  # a Hopper GPU's, channels-last only
 ]
 
 
@@ -82,6 +83,13 @@ def test_every_registered_kernel_has_cases():
 @pytest.mark.parametrize("kernel,shape,groups", EACH_KERNEL)
 @pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
 def test_each_kernel_fp16(kernel, shape, groups, channels_last, device):
+    from tilegemm.core import registry
+
+    reason = registry.get("conv2d", kernel).unavailable_reason()
+    if reason:
+        pytest.skip(reason)  # a GPU-only kernel: its GPU tests run it (tests/conv2d/test_tma_fwd.py)
+    if kernel == "tma_implicit_gemm" and not channels_last:
+        pytest.skip("tma_implicit_gemm takes channels-last inputs only (auto sends NCHW ones elsewhere)")
     N, C, H, W, K, R, S = shape
     pad = R // 2
     x, w, b = _inputs(device, torch.float16, N, C, H, W, K, R, S, groups, channels_last)

@@ -90,3 +90,73 @@ def depthwise_config(g: Geometry, dtype: torch.dtype) -> dict:
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
     bn = _pow2_at_least(g.K, 16, 64)
     return dict(BLOCK_M=64 if bn == 64 else 128, BLOCK_N=bn, num_warps=4, num_stages=2)
+
+
+# --- tma_implicit_gemm (ops/conv2d/tma_fwd.py) ----------------------------------------------------------------
+#
+# A cost model rather than a table: the layers of a network differ in image size, channels and filter, and the
+# time of a tile choice follows from a few counts. Fitted to ResNet-50's 22 non-stem layers on an H100 (every
+# config of 64/128 pixels x 64/128 channels x 3-8 ring slots timed from CUDA graphs,
+# research/explore_conv2d_tma.py, benchmarks/results/2026-11-24-h100/tma-configs/): the model's picks ran
+# 0.93x of cuDNN in geomean where the best config of each layer ran 0.97x and one fixed 128x128 tile 0.89x.
+# What it says: a program holds an SM's tensor cores better the bigger its tile (128x128 reads the fewest
+# operand bytes per MMA); one program alone on an SM waits on TMA latency, two mostly hide it; and tiles come
+# in waves of SMs x programs-per-SM.
+_TILE_EFFICIENCY = {(128, 128): 1.0, (128, 64): 0.6, (64, 128): 0.6, (64, 64): 0.4}
+_ALONE = {1: 0.5, 2: 0.7}  # throughput of an SM running 1 or 2 programs (3 or more: 1.0)
+_SMEM = 228 * 1024
+
+
+def _patch(g: Geometry, rows: int) -> tuple[int, int, int, int]:
+    """(BI, BH, BW, tiles) of the patch of ``rows`` output pixels (BI images of BH x BW, powers of two) that
+    covers the N images of P x Q output pixels in the fewest tiles; ties go to the wider patch (longer runs
+    of contiguous pixels), then to fewer images."""
+    best = None
+    bw = 1
+    while bw <= min(rows, 64):
+        bh = 1
+        while bw * bh <= rows:
+            bi = rows // (bw * bh)
+            tiles = -(-g.N // bi) * -(-g.P // bh) * -(-g.Q // bw)
+            key = (tiles, -bw, bi)
+            if best is None or key < best[0]:
+                best = (key, (bi, bh, bw, tiles))
+            bh *= 2
+        bw *= 2
+    return best[1]
+
+
+def tma_estimate(g: Geometry, rows: int, bn: int, bk: int, stages: int, sms: int) -> float:
+    """Relative time of a ``rows`` x ``bn`` tile with ``stages`` ring slots of ``bk`` channels (see above)."""
+    tiles = _patch(g, rows)[3] * -(-g.Kg // bn) * g.groups
+    steps = g.R * g.S * (g.Cg // bk)
+    smem = stages * (rows + bn) * bk * 2 + 1024
+    per_sm = max(1, min(_SMEM // smem, 2 if rows * bn >= 128 * 128 else 4))  # registers: 2 programs of 128x128
+    together = min(per_sm, -(-tiles // sms))
+    waves = -(-tiles // (sms * per_sm))
+    eff = _TILE_EFFICIENCY.get((rows, bn), 0.4) * _ALONE.get(together, 1.0)
+    return waves * together * steps * bk * rows * bn / eff
+
+
+def tma_forward_config(g: Geometry, sms: int) -> dict:
+    """``tma_implicit_gemm``'s config: patch of 64 or 128 pixels, 64 or 128 channels (fewer when the layer has
+    fewer), three ring slots, the widest channel step (64, 32, 16) dividing C/groups; by :func:`tma_estimate`."""
+    bk = 64 if g.Cg % 64 == 0 else 32 if g.Cg % 32 == 0 else 16
+    bns = (64, 128) if g.Kg > 64 else (_pow2_at_least(g.Kg, 16, 64),)
+    best = None
+    for rows in (64, 128):  # ties: a taller channel tile (the weight's boxes are the smaller operand)
+        for bn in sorted(bns, reverse=True):
+            t = tma_estimate(g, rows, bn, bk, 3, sms)
+            if best is None or t < best[0]:
+                best = (t, rows, bn)
+    _, rows, bn = best
+    bi, bh, bw, _ = _patch(g, rows)
+    return dict(BI=bi, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, num_warps=4)
+
+
+def tma_few_tiles(g: Geometry, sms: int) -> bool:
+    """True when the TMA kernel's chosen tiles leave SMs idle over a long reduction (32 steps or more): there a
+    1x1 convolution does better as a GEMM, whose split-K fills the GPU (ResNet-50's 2048 -> 512 at 7x7)."""
+    cfg = tma_forward_config(g, sms)
+    tiles = _patch(g, cfg["BI"] * cfg["BH"] * cfg["BW"])[3] * -(-g.Kg // cfg["BLOCK_N"]) * g.groups
+    return tiles < sms and g.R * g.S * (g.Cg // cfg["BLOCK_K"]) >= 32

@@ -30,15 +30,33 @@ from tilegemm.core.launch import plain_call
 # --- the choice of kernel -------------------------------------------------------------------------------
 
 
-def choose_kernel(g: Geometry, x_channels_last: bool = True) -> str:
-    """``auto``: 1x1 stride-1 unpadded single-group convolutions go to ``gemm_1x1`` (tilegemm's GEMM on the
+def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, sms: int = 132) -> str:
+    """``auto``. ``tma``: ``tma_implicit_gemm`` can take the call (a 16-bit channels-last input TMA can describe,
+    on Hopper; :func:`tilegemm.ops.conv2d.tma_fwd.unusable`). Then it runs every such convolution but 1x1 ones
+    whose tiles would leave SMs idle over a long reduction (:func:`tilegemm.ops.conv2d.configs.tma_few_tiles`).
+    Otherwise: 1x1 stride-1 unpadded single-group convolutions go to ``gemm_1x1`` (tilegemm's GEMM on the
     channels-last view), and so do strided ones with a channels-last input (the kept pixels gathered into a
     matrix first); depthwise ones to ``depthwise``, everything else to ``implicit_gemm``."""
-    if g.is_pointwise or (g.is_strided_pointwise and x_channels_last):
+    pointwise = g.is_pointwise or (g.is_strided_pointwise and x_channels_last)
+    if tma and not g.is_depthwise:
+        from tilegemm.ops.conv2d.configs import tma_few_tiles
+
+        if not (pointwise and tma_few_tiles(g, sms)):
+            return "tma_implicit_gemm"
+    if pointwise:
         return "gemm_1x1"
     if g.is_depthwise:
         return "depthwise"
     return "implicit_gemm"
+
+
+def _tma_usable(x: torch.Tensor, weight: torch.Tensor, g: Geometry) -> bool:
+    """Whether ``tma_implicit_gemm`` takes the call (imports its module only for a 16-bit CUDA input)."""
+    if not x.is_cuda or x.dtype == torch.float32 or x.stride(1) != 1 or interpreting():
+        return False
+    from tilegemm.ops.conv2d import tma_fwd
+
+    return tma_fwd.unusable(x, weight, g) is None
 
 
 def launcher(name: str):
@@ -57,7 +75,11 @@ def _forward(x, weight, bias, stride, padding, dilation, groups, activation, pre
         out = empty_4d(g.out_shape, p.out_dtype, x.device, p.out_format)
         return out.zero_() if out.numel() else out
     with on_device(x.device):
-        return launcher(choose_kernel(g, channels_last(x)) if kernel == "auto" else kernel)(p)
+        if kernel == "auto":
+            from tilegemm.core.hardware import sm_count
+
+            kernel = choose_kernel(g, channels_last(x), _tma_usable(x, weight, g), sm_count(x.device))
+        return launcher(kernel)(p)
 
 
 @torch.library.custom_op("tilegemm::conv2d", mutates_args=())
@@ -119,6 +141,12 @@ def _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation, grou
             from tilegemm.ops.conv2d import depthwise
 
             return depthwise.dgrad(dy, weight, x_shape, fmt, g)
+        if g.stride == (1, 1) and x_channels_last and _tma_usable(dy, weight, g):
+            from tilegemm.ops.conv2d import tma_fwd
+
+            dx = tma_fwd.dgrad_stride1(dy, weight, g)
+            if dx is not None:
+                return dx
         from tilegemm.ops.conv2d import implicit_gemm
 
         return implicit_gemm.dgrad(dy, weight, x_shape, fmt, g, precision, _upcast(dy))

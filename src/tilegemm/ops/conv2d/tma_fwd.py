@@ -29,6 +29,8 @@ so the suite compiles it for sm_90 without a GPU and the GPU tests run it.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -173,37 +175,11 @@ def unusable(x: torch.Tensor, weight: torch.Tensor, g) -> str | None:
     return None
 
 
-def _patch(g, rows: int) -> tuple[int, int, int, float]:
-    """(BI, BH, BW, useful fraction) of the patch of ``rows`` output pixels (BI images of BH x BW, powers of
-    two) that wastes least on the P x Q images: the tiles cover ``ceil(P / BH) * BH`` rows and so on."""
-    best = None
-    bw = 1
-    while bw <= min(rows, 64):
-        bh = 1
-        while bw * bh <= rows:
-            bi = rows // (bw * bh)
-            covered = cdiv(g.N, bi) * bi * cdiv(g.P, bh) * bh * cdiv(g.Q, bw) * bw
-            useful = g.N * g.P * g.Q / covered
-            key = (round(useful, 3), bw, -bi)  # ties: the wider patch (longer runs of contiguous pixels)
-            if best is None or key > best[0]:
-                best = (key, (bi, bh, bw, useful))
-            bh *= 2
-        bw *= 2
-    return best[1]
-
-
 def config(g, dtype: torch.dtype, sms: int = 132) -> dict:
-    """A tile for the geometry: 128 output pixels (64 where that wastes much less of the image, or where 128
-    would leave SMs idle) by 128 or 64 output channels, the widest channel step dividing C/groups."""
-    bk = 64 if g.Cg % 64 == 0 else 32 if g.Cg % 32 == 0 else 16
-    bn = 128 if g.Kg >= 128 else 64 if g.Kg > 32 else 32
-    bi, bh, bw, useful = _patch(g, 128)
-    small = _patch(g, 64)
-    tiles = cdiv(g.N, bi) * cdiv(g.P, bh) * cdiv(g.Q, bw) * cdiv(g.Kg, bn) * g.groups
-    if small[3] > useful * 1.1 or tiles < sms:
-        bi, bh, bw, _ = small
-    # 3 ring slots at 128 channels (96 KB: two programs an SM), 4 at 64
-    return dict(BI=bi, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, STAGES=3 if bn == 128 else 4, num_warps=4)
+    """The config :func:`tilegemm.ops.conv2d.configs.tma_forward_config` picks (its cost model)."""
+    from tilegemm.ops.conv2d.configs import tma_forward_config
+
+    return tma_forward_config(g, sms)
 
 
 def run(p, config_: dict | None = None) -> torch.Tensor:
@@ -223,6 +199,68 @@ def run(p, config_: dict | None = None) -> torch.Tensor:
     kernel, grid, args, kwargs = launch_args(p.x, w, out, p.bias, g, p.activation, cfg)
     launch(kernel, grid, args, kwargs)
     return out
+
+
+def dgrad_stride1(dy: torch.Tensor, weight: torch.Tensor, g):
+    """The data gradient of a stride-1 convolution as a forward one through this kernel, or None where this
+    kernel does not take that convolution. With stride 1, ``dx = conv2d(dy, w')`` where ``w'[c, k, r, s] =
+    w[k, c, R-1-r, S-1-s]`` (per group) and the padding is ``dilation * (R - 1) - padding`` on each side; the
+    flipped weight is a copy of the (small) weight a call. Returns ``dx`` channels-last."""
+    from tilegemm.core.hardware import sm_count
+    from tilegemm.core.launch import current_stream, launch, sequence_lock
+    from tilegemm.core.runtime import new_output
+    from tilegemm.ops.conv2d.problem import Geometry
+
+    top, bottom, left, right = g.padding
+    (dh, dw), R, S, G = g.dilation, g.R, g.S, g.groups
+    pad = (dh * (R - 1) - top, dh * (R - 1) - bottom, dw * (S - 1) - left, dw * (S - 1) - right)
+    if min(pad) < 0:
+        return None
+    # dy [N, K, P, Q] is the input of the transposed convolution: C' = K, K' = C, image P x Q, output H x W.
+    gt = Geometry(g.N, g.K, g.P, g.Q, g.C, R, S, G, (1, 1), pad, g.dilation)
+    if (gt.P, gt.Q) != (g.H, g.W) or unusable(dy, weight, gt):
+        return None
+    dx = new_output((g.N, g.H, g.W, g.C), dy.dtype, dy.device).permute(0, 3, 1, 2)
+    with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
+        wt, buf = flipped_weight(weight, g)
+        kernel, grid, args, kwargs = launch_args(dy, wt, dx, None, gt, "none",
+                                                 config(gt, dy.dtype, sm_count(dy.device)))
+        launch(kernel, grid, args, kwargs, keep=(buf,), stream=current_stream())
+    return dx
+
+
+@triton.jit
+def flip_weight_kernel(w_ptr, out_ptr, total, Kg, Cg, R, S, stride_wk, stride_wc, stride_wr, stride_ws,
+                       BLOCK: tl.constexpr):
+    """``out[c, r, s, k] = w[grp * Kg + k, c - grp * Cg, R-1-r, S-1-s]`` with ``grp = c // Cg``: the weight of the
+    transposed convolution, row-major ``[C, R, S, K/groups]`` (channels-last ``[C, K/groups, R, S]``)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    k = i % Kg
+    t = i // Kg
+    s = t % S
+    t = t // S
+    r = t % R
+    c = t // R
+    grp = c // Cg
+    src = (grp * Kg + k) * stride_wk + (c - grp * Cg) * stride_wc + (R - 1 - r) * stride_wr + (S - 1 - s) * stride_ws
+    ok = i < total
+    tl.store(out_ptr + i, tl.load(w_ptr + src, mask=ok), mask=ok)
+
+
+def flipped_weight(weight: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the transposed convolution's weight ``[C, K/groups, R, S]``, channels-last, in a per-stream workspace;
+    the workspace): one launch that a replay repeats, so a weight updated in place is flipped afresh."""
+    from tilegemm.core.launch import current_stream, launch
+    from tilegemm.core.workspace import buffer
+
+    total = weight.numel()
+    buf = buffer(weight.device, weight.dtype, total, "conv2d-flipped-weight")
+    block = 1024
+    launch(flip_weight_kernel, (cdiv(total, block),),
+           (weight, buf, total, g.Kg, g.Cg, g.R, g.S, *weight.stride()), dict(BLOCK=block, num_warps=4),
+           keep=(buf,), stream=current_stream())
+    wt = buf[:total].view(g.C, g.R, g.S, g.Kg).permute(0, 3, 1, 2)
+    return wt, buf
 
 
 def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, g, activation: str, cfg: dict):

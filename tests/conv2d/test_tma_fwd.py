@@ -1,0 +1,196 @@
+"""``tma_implicit_gemm`` (Gluon, sm_90): the strided 5-D TMA view of the input, its cost-model configs, its use
+by ``auto`` and by the stride-1 data gradient. Compiled for sm_90 here without a GPU; run by the GPU tests."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.ops.conv2d.configs import _patch, tma_few_tiles, tma_forward_config
+from tilegemm.ops.conv2d.problem import Geometry
+from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
+
+from conftest import SM90, assert_rel_close, compile_offline
+
+CL = torch.channels_last
+
+
+def _geo(N, C, H, K, R, stride, pad, groups=1, W=None):
+    return Geometry(N, C, H, W or H, K, R, R, groups, (stride, stride), (pad,) * 4, (1, 1))
+
+
+@pytest.mark.parametrize("N,C,H,K,R,stride", [
+    (32, 64, 56, 64, 3, 1), (32, 256, 28, 256, 3, 2), (32, 512, 7, 512, 3, 1), (3, 16, 5, 40, 1, 1),
+    (1, 32, 1, 8, 3, 1), (7, 48, 17, 100, 5, 2),
+])
+def test_config_covers_the_output_with_a_patch_that_fits(N, C, H, K, R, stride):
+    g = _geo(N, C, H, K, R, stride, R // 2)
+    cfg = tma_forward_config(g, 132)
+    rows = cfg["BI"] * cfg["BH"] * cfg["BW"]
+    assert rows in (64, 128)
+    assert g.Cg % cfg["BLOCK_K"] == 0 and cfg["BLOCK_K"] in (16, 32, 64)
+    assert cfg["BLOCK_N"] in (16, 32, 64, 128)
+    assert cfg["STAGES"] * (rows + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2 <= 100 * 1024  # two programs an SM
+    # the patch wastes no more than the best power-of-two patch of that size
+    bi, bh, bw, tiles = _patch(g, rows)
+    assert tiles * rows >= N * g.P * g.Q
+    assert tiles == min(-(-N // (rows // (h * w))) * -(-g.P // h) * -(-g.Q // w)
+                        for h in (1, 2, 4, 8, 16, 32, 64, 128) for w in (1, 2, 4, 8, 16, 32, 64)
+                        if h * w <= rows and w <= 64)
+
+
+def test_cost_model_prefers_big_tiles_when_they_fill_the_gpu_and_small_ones_when_they_do_not():
+    big = tma_forward_config(_geo(32, 64, 56, 256, 1, 1, 0), 132)  # 100352 pixels: 784 big tiles
+    assert (big["BI"] * big["BH"] * big["BW"], big["BLOCK_N"]) == (128, 128)
+    small = tma_forward_config(_geo(32, 256, 14, 256, 3, 1, 1), 132)  # 6272 pixels x 256: 98 big tiles
+    assert (small["BI"] * small["BH"] * small["BW"], small["BLOCK_N"]) == (64, 64)
+    # a 1x1 with few tiles and a long reduction is left to the GEMM (split-K fills the GPU)
+    assert tma_few_tiles(_geo(32, 2048, 7, 512, 1, 1, 0), 132)
+    assert not tma_few_tiles(_geo(32, 64, 56, 256, 1, 1, 0), 132)
+
+
+def test_auto_takes_the_tma_kernel_where_it_can():
+    from tilegemm.ops.conv2d.op import choose_kernel
+
+    g3 = _geo(32, 64, 56, 64, 3, 1, 1)
+    assert choose_kernel(g3, True, tma=True) == "tma_implicit_gemm"
+    assert choose_kernel(g3, True, tma=False) == "implicit_gemm"
+    g1 = _geo(32, 256, 56, 512, 1, 2, 0)  # strided projection: read in place through the stride-2 view
+    assert choose_kernel(g1, True, tma=True) == "tma_implicit_gemm"
+    assert choose_kernel(_geo(32, 2048, 7, 512, 1, 1, 0), True, tma=True) == "gemm_1x1"
+    dw = Geometry(2, 32, 8, 8, 32, 3, 3, 32, (1, 1), (1,) * 4, (1, 1))
+    assert choose_kernel(dw, True, tma=True) == "depthwise"
+
+
+_COMPILE = SM90 + textwrap.dedent(
+    """
+    import json, re, sys
+    import torch
+    from tilegemm.ops.conv2d import tma_fwd
+    from tilegemm.ops.conv2d.problem import Geometry
+
+    report = {}
+    for name, v in json.loads(sys.argv[1]).items():
+        N, C, H, K, R, st, pad, groups = v["geo"]
+        g = Geometry(N, C, H, H, K, R, R, groups, (st, st), (pad,) * 4, (1, 1))
+        dt = getattr(torch, v["dtype"])
+        x = torch.empty(N, H, H, C, dtype=dt).permute(0, 3, 1, 2)
+        w = torch.empty(K, R, R, C // groups, dtype=dt).permute(0, 3, 1, 2)
+        out = torch.empty(N, g.P, g.Q, K, dtype=dt).permute(0, 3, 1, 2)
+        bias = torch.empty(K, dtype=dt) if v["bias"] else None
+        cfg = tma_fwd.config(g, dt, 132)
+        kernel, grid, args, kwargs = tma_fwd.launch_args(x, w, out, bias, g, v["act"], cfg)
+        sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
+        compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, kwargs["num_warps"])
+        report[name] = dict(
+            mmas=len(re.findall(r"wgmma\\.mma_async", ptx)),
+            waits=sorted({int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)}),
+            tma_loads=len(re.findall(r"cp\\.async\\.bulk\\.tensor\\.5d", ptx)),
+            spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
+            box=list(args[0].block_shape), shared=compiled.metadata.shared,
+        )
+    print(json.dumps(report))
+    """
+)
+
+_VARIANTS = {
+    "3x3-fp16": dict(geo=[32, 64, 56, 64, 3, 1, 1, 1], dtype="float16", bias=False, act="none"),
+    "3x3-stride2-bf16-bias-relu": dict(geo=[32, 256, 28, 256, 3, 2, 1, 1], dtype="bfloat16", bias=True, act="relu"),
+    "1x1-stride2-groups2-gelu": dict(geo=[8, 64, 14, 128, 1, 2, 0, 2], dtype="float16", bias=True, act="gelu"),
+    "5x5-C16": dict(geo=[4, 16, 9, 24, 5, 1, 2, 1], dtype="float16", bias=False, act="none"),
+}
+
+
+def test_compiles_for_sm90_with_5d_tma_loads_and_async_mmas(tmp_path):
+    report = compile_offline(tmp_path, _COMPILE, _VARIANTS, timeout=600)
+    for name, r in report.items():
+        assert r["tma_loads"] >= 2, name  # the input's 5-D boxes: the prologue's and the loop's
+        assert r["mmas"] >= 1 and r["waits"] == [0, 1], f"{name}: {r['waits']}"  # one MMA group in flight
+        assert r["spills"] in ([], [0]), f"{name}: spills {r['spills']}"
+        assert r["box"][2] == 1 and r["box"][0] * r["box"][1] * r["box"][3] in (64, 128), name
+        assert r["shared"] <= 100 * 1024, name  # two programs an SM
+
+
+# --- on the GPU ------------------------------------------------------------------------------------------
+
+
+def _inputs(dtype, N, C, H, W, K, R, S, groups=1, bias=True):
+    x = torch.randn(N, C, H, W, device="cuda").to(dtype).contiguous(memory_format=CL)
+    w = (torch.randn(K, C // groups, R, S, device="cuda") / (C // groups * R * S) ** 0.5).to(dtype)
+    b = torch.randn(K, device="cuda").to(dtype) if bias else None
+    return x, w, b
+
+
+GPU_CASES = [  # (N, C, H, W, K, R, S, stride, padding, dilation, groups)
+    pytest.param(3, 64, 56, 56, 64, 3, 3, 1, 1, 1, 1, id="resnet-3x3"),
+    pytest.param(5, 32, 17, 23, 40, 3, 3, 1, 1, 1, 1, id="odd-image-K40-C32"),
+    pytest.param(2, 16, 9, 9, 24, 5, 5, 1, 2, 1, 1, id="5x5-C16"),
+    pytest.param(3, 48, 16, 14, 72, 3, 3, 2, 1, 1, 1, id="stride2-odd-channels"),
+    pytest.param(2, 64, 12, 20, 96, 1, 1, 2, 0, 1, 1, id="1x1-stride2"),
+    pytest.param(2, 64, 12, 20, 96, 3, 3, (2, 1), (0, 2), 1, 1, id="mixed-stride-padding"),
+    pytest.param(1, 32, 11, 13, 32, 3, 3, 1, "same", 2, 1, id="same-dilated"),
+    pytest.param(2, 32, 10, 10, 16, 4, 2, 1, "same", 1, 1, id="same-even-filter"),
+    pytest.param(2, 64, 9, 9, 64, 3, 3, 1, 1, 1, 2, id="groups2"),
+    pytest.param(37, 128, 7, 7, 200, 3, 3, 1, 1, 1, 1, id="7x7-images-many-per-tile"),
+    pytest.param(2, 16, 1, 1, 8, 3, 3, 1, 1, 1, 1, id="1x1-image"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N,C,H,W,K,R,S,stride,padding,dilation,groups", GPU_CASES)
+def test_gpu_forward_matches_f_conv2d(N, C, H, W, K, R, S, stride, padding, dilation, groups, dtype):
+    x, w, b = _inputs(dtype, N, C, H, W, K, R, S, groups)
+    conv = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    out = tilegemm.conv2d(x, w, b, **conv, activation="relu", kernel="tma_implicit_gemm")  # outputs poisoned
+    assert out.is_contiguous(memory_format=CL)
+    assert_rel_close(out, conv2d_reference(x, w, b, **conv, activation="relu"), tolerance(dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_auto_routes_and_declines_with_reasons():
+    x, w, _ = _inputs(torch.float16, 2, 24, 8, 8, 16, 3, 3, bias=False)  # C=24: not a multiple of 16
+    from tilegemm.core.registry import NotApplicable
+
+    with pytest.raises(NotApplicable, match="C/groups not a multiple of 16"):
+        tilegemm.conv2d(x, w, padding=1, kernel="tma_implicit_gemm")
+    x2, w2, _ = _inputs(torch.float16, 2, 32, 9, 9, 16, 1, 1, bias=False)
+    with pytest.raises(NotApplicable, match="not divisible by the stride"):
+        tilegemm.conv2d(x2, w2, stride=2, kernel="tma_implicit_gemm")
+    # auto falls back to the pointer kernels there, and stays right
+    for xx, ww, conv in ((x, w, dict(padding=1)), (x2, w2, dict(stride=2))):
+        assert_rel_close(tilegemm.conv2d(xx, ww, **conv), conv2d_reference(xx, ww, **conv), tolerance(torch.float16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,conv", [
+    ((3, 64, 14, 14, 96, 3, 3), dict(padding=1)),
+    ((2, 32, 11, 9, 48, 3, 3), dict(padding="same", dilation=2)),
+    ((2, 64, 10, 10, 64, 3, 3), dict(padding=1, groups=2)),
+    ((2, 32, 8, 8, 32, 3, 3), dict(padding=0)),
+])
+def test_gpu_stride1_data_gradient_through_the_tma_kernel(shape, conv):
+    from tilegemm.ops.conv2d.op import backward_data
+    from tilegemm.ops.conv2d import replay
+
+    N, C, H, W, K, R, S = shape
+    groups = conv.get("groups", 1)
+    x, w, _ = _inputs(torch.float16, N, C, H, W, K, R, S, groups, bias=False)
+    xr, wr = x.double().requires_grad_(), w.double()
+    ref = conv2d_reference(xr, wr, **conv)
+    dy = torch.randn(ref.shape, device="cuda").half().contiguous(memory_format=CL)
+    (want,) = torch.autograd.grad(ref, xr, dy.double())
+    from tilegemm.ops.conv2d.problem import check_conv
+
+    g = check_conv(x, w, None, 1, conv["padding"], conv.get("dilation", 1), groups)
+    args = (dy, w, list(x.shape), True, list(g.stride), list(g.padding), list(g.dilation), groups, "ieee")
+    replay.clear()
+    first = backward_data(*args)
+    assert_rel_close(first, want, tolerance(torch.float16))
+    # a replay with a weight changed in place flips the new weight
+    w.mul_(-2.0)
+    again = backward_data(*args)
+    assert_rel_close(again, -2.0 * want, tolerance(torch.float16))
