@@ -149,6 +149,15 @@ def conv2d_fwd_tma_kernel(
 # --- host side ---------------------------------------------------------------------------------------------
 
 
+def _strides(x: torch.Tensor, g) -> tuple[int, int, int]:
+    """(n, h, w) strides of channels-last ``x``, those of size-1 dims made what a packed tensor would have (torch
+    leaves them arbitrary, and TMA never steps along them)."""
+    sx = x.stride(3) if g.W > 1 else g.C
+    sy = x.stride(2) if g.H > 1 else sx * g.W
+    sn = x.stride(0) if g.N > 1 else sy * g.H
+    return sn, sy, sx
+
+
 def unusable(x: torch.Tensor, weight: torch.Tensor, g) -> str | None:
     """None when this kernel takes the convolution; otherwise why not (in words)."""
     if x.dtype not in _GL:
@@ -164,9 +173,10 @@ def unusable(x: torch.Tensor, weight: torch.Tensor, g) -> str | None:
     sh, sw = g.stride
     if g.H % sh or g.W % sw:
         return "image size not divisible by the stride"
-    if sw > 1 and x.stride(3) != g.C:
+    strides = _strides(x, g)
+    if sw > 1 and strides[2] != g.C:
         return "pixels not packed"
-    if any((st * x.element_size()) % 16 for st in (x.stride(0), x.stride(2), x.stride(3))):
+    if any((st * x.element_size()) % 16 for st in strides):
         return "strides not 16-byte aligned"
     if x.data_ptr() % 16:
         return "input not 16-byte aligned"
@@ -271,7 +281,7 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, 
     swz = min(128, bk * x.element_size())
     x_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=5)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=2)
-    sn, sy, sx = x.stride(0), x.stride(2), x.stride(3)
+    sn, sy, sx = _strides(x, g)
     # [N, H/SH, SH, W/SW, SW*C]; with SW = 1 the last dim is the C channels at stride 1 and sx is free.
     x_desc = TensorDescriptor(x, [g.N, g.H // sh, sh, g.W // sw, sw * g.C], [sn, sh * sy, sy, sw * sx, 1],
                               [bi, bh, 1, bw, bk], x_layout)
