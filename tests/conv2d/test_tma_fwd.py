@@ -33,7 +33,8 @@ def test_config_covers_the_output_with_a_patch_that_fits(N, C, H, K, R, stride):
     assert rows in (64, 128)
     assert g.Cg % cfg["BLOCK_K"] == 0 and cfg["BLOCK_K"] in (16, 32, 64)
     assert cfg["BLOCK_N"] in (16, 32, 64, 128)
-    assert cfg["STAGES"] * (rows + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2 <= 100 * 1024  # two programs an SM
+    ring = cfg["STAGES"] * (rows + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    assert ring <= (100 if cfg["STAGES"] == 3 else 200) * 1024  # two programs an SM, or one with a deep ring
     # the patch wastes no more than the best power-of-two patch of that size
     bi, bh, bw, tiles = _patch(g, rows)
     assert tiles * rows >= N * g.P * g.Q
@@ -111,7 +112,7 @@ def test_compiles_for_sm90_with_5d_tma_loads_and_async_mmas(tmp_path):
         assert r["mmas"] >= 1 and r["waits"] == [0, 1], f"{name}: {r['waits']}"  # one MMA group in flight
         assert r["spills"] in ([], [0]), f"{name}: spills {r['spills']}"
         assert r["box"][2] == 1 and r["box"][0] * r["box"][1] * r["box"][3] in (64, 128), name
-        assert r["shared"] <= 100 * 1024, name  # two programs an SM
+        assert r["shared"] <= 200 * 1024, name
 
 
 # --- on the GPU ------------------------------------------------------------------------------------------
