@@ -1,5 +1,6 @@
 """``tma_implicit_gemm`` (Gluon, sm_90): the strided 5-D TMA view of the input, its cost-model configs, its use
-by ``auto`` and by the stride-1 data gradient. Compiled for sm_90 here without a GPU; run by the GPU tests."""
+by ``auto`` and by the stride-1 data gradient; the TMA weight-gradient kernel. Compiled for sm_90 here without a
+GPU; run by the GPU tests."""
 
 from __future__ import annotations
 
@@ -105,6 +106,49 @@ _VARIANTS = {
 }
 
 
+_COMPILE_WGRAD = SM90 + textwrap.dedent(
+    """
+    import json, re, sys
+    import torch
+    from tilegemm.core import launch as launch_module
+    from tilegemm.core import workspace
+    from tilegemm.ops.conv2d import tma_wgrad
+    from tilegemm.ops.conv2d.problem import Geometry
+
+    seen = {}
+    launch_module.launch = lambda kernel, grid, args, kwargs, **_: seen.update(kernel=kernel, args=args, kwargs=kwargs)
+    workspace.split_workspace = lambda device, floats, counters, *a, **k: (
+        torch.empty(floats), torch.empty(counters, dtype=torch.int32))
+    report = {}
+    for name, v in json.loads(sys.argv[1]).items():
+        N, C, H, K, R, st, pad = v
+        g = Geometry(N, C, H, H, K, R, R, 1, (st, st), (pad,) * 4, (1, 1))
+        x = torch.empty(N, H, H, C, dtype=torch.float16).permute(0, 3, 1, 2)
+        dy = torch.empty(N, g.P, g.Q, K, dtype=torch.float16).permute(0, 3, 1, 2)
+        cfg = tma_wgrad.config(g, 132)
+        tma_wgrad.run(dy, x, g, torch.float16, cfg)
+        sig, constexprs, attrs = launch_signature(seen["kernel"], seen["args"], seen["kwargs"])
+        compiled, ptx, info = compile_sm90(seen["kernel"], sig, constexprs, attrs, 4)
+        report[name] = dict(split=seen["kwargs"]["SPLIT"], mmas=len(re.findall(r"wgmma\\.mma_async", ptx)),
+                            tma_loads=len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)),
+                            atomics=len(re.findall(r"atom\\.", ptx)), shared=compiled.metadata.shared,
+                            spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)])
+    print(json.dumps(report))
+    """
+)
+
+
+def test_weight_gradient_kernel_compiles_for_sm90(tmp_path):
+    cases = {"3x3-split": [32, 64, 56, 64, 3, 1, 1], "3x3-stride2": [32, 256, 28, 256, 3, 2, 1],
+             "odd-one-slice": [4, 40, 9, 24, 3, 1, 1]}
+    report = compile_offline(tmp_path, _COMPILE_WGRAD, cases, timeout=600)
+    assert report["3x3-split"]["split"] > 1 and report["odd-one-slice"]["split"] == 1
+    for name, r in report.items():
+        assert r["tma_loads"] >= 4 and r["mmas"] >= 1, name  # two boxes a step, prologue and loop
+        assert (r["atomics"] > 0) == (r["split"] > 1), name  # the last-arrival counter only when split
+        assert r["shared"] <= 100 * 1024 and r["spills"] in ([], [0]), name
+
+
 def test_compiles_for_sm90_with_5d_tma_loads_and_async_mmas(tmp_path):
     report = compile_offline(tmp_path, _COMPILE, _VARIANTS, timeout=600)
     for name, r in report.items():
@@ -195,3 +239,35 @@ def test_gpu_stride1_data_gradient_through_the_tma_kernel(shape, conv):
     w.mul_(-2.0)
     again = backward_data(*args)
     assert_rel_close(again, -2.0 * want, tolerance(torch.float16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape,conv", [
+    ((4, 64, 28, 28, 64, 3, 3), dict(padding=1)),
+    ((3, 48, 14, 16, 40, 3, 3), dict(stride=2, padding=1)),
+    ((2, 32, 11, 9, 24, 3, 3), dict(padding="same", dilation=2)),
+    ((2, 64, 10, 10, 96, 3, 3), dict(padding=1, groups=2)),
+    ((2, 64, 12, 12, 128, 1, 1), dict(stride=2)),
+    ((16, 512, 7, 7, 512, 3, 3), dict(padding=1)),
+])
+def test_gpu_weight_gradient_through_the_tma_kernel(shape, conv, dtype):
+    from tilegemm.ops.conv2d import replay, tma_wgrad
+    from tilegemm.ops.conv2d.op import backward_weight
+    from tilegemm.ops.conv2d.problem import check_conv
+
+    N, C, H, W, K, R, S = shape
+    groups = conv.get("groups", 1)
+    x, w, _ = _inputs(dtype, N, C, H, W, K, R, S, groups, bias=False)
+    xr, wr = x.double(), w.double().requires_grad_()
+    ref = conv2d_reference(xr, wr, **conv)
+    dy = torch.randn(ref.shape, device="cuda").to(dtype).contiguous(memory_format=CL)
+    (want,) = torch.autograd.grad(ref, wr, dy.double())
+    g = check_conv(x, w, None, conv.get("stride", 1), conv.get("padding", 0), conv.get("dilation", 1), groups)
+    assert tma_wgrad.unusable(dy, x, g) is None
+    args = (dy, x, list(w.shape), list(g.stride), list(g.padding), list(g.dilation), groups, "ieee")
+    replay.clear()
+    for _ in range(2):  # recorded, then replayed (the split's counters must be back at zero)
+        got = backward_weight(*args)
+        assert got.dtype == dtype and got.is_contiguous()
+        assert_rel_close(got, want, tolerance(dtype))

@@ -50,10 +50,20 @@ def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, 
     return "implicit_gemm"
 
 
-def _tma_usable(x: torch.Tensor, weight: torch.Tensor, g: Geometry) -> bool:
-    """Whether ``tma_implicit_gemm`` takes the call (imports its module only for a 16-bit CUDA input)."""
-    if not x.is_cuda or x.dtype == torch.float32 or x.stride(1) != 1 or interpreting():
+def _tma_candidate(t: torch.Tensor) -> bool:
+    """The cheap part of :func:`_tma_usable`: a 16-bit channels-last CUDA tensor, not under the interpreter."""
+    return t.is_cuda and t.dtype != torch.float32 and t.stride(1) == 1 and not interpreting()
+
+
+def _tma_usable(x: torch.Tensor, weight, g: Geometry, dy: torch.Tensor | None = None) -> bool:
+    """Whether ``tma_implicit_gemm`` takes the forward call, or (``dy`` given) the TMA weight-gradient kernel
+    the weight gradient (each module imported only for a 16-bit channels-last CUDA input)."""
+    if not _tma_candidate(x):
         return False
+    if dy is not None:
+        from tilegemm.ops.conv2d import tma_wgrad
+
+        return tma_wgrad.unusable(dy, x, g) is None
     from tilegemm.ops.conv2d import tma_fwd
 
     return tma_fwd.unusable(x, weight, g) is None
@@ -141,7 +151,7 @@ def _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation, grou
             from tilegemm.ops.conv2d import depthwise
 
             return depthwise.dgrad(dy, weight, x_shape, fmt, g)
-        if g.stride == (1, 1) and x_channels_last and _tma_usable(dy, weight, g):
+        if g.stride == (1, 1) and x_channels_last and _tma_candidate(dy):
             from tilegemm.ops.conv2d import tma_fwd
 
             dx = tma_fwd.dgrad_stride1(dy, weight, g)
@@ -189,6 +199,10 @@ def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torc
             from tilegemm.ops.conv2d import depthwise
 
             return depthwise.wgrad(dy, x, g, x.dtype)
+        if _tma_usable(x, None, g, dy):
+            from tilegemm.ops.conv2d import tma_wgrad
+
+            return tma_wgrad.run(dy, x, g, x.dtype)
         from tilegemm.ops.conv2d import implicit_gemm
 
         return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype)

@@ -158,8 +158,10 @@ def _strides(x: torch.Tensor, g) -> tuple[int, int, int]:
     return sn, sy, sx
 
 
-def unusable(x: torch.Tensor, weight: torch.Tensor, g) -> str | None:
-    """None when this kernel takes the convolution; otherwise why not (in words)."""
+def unusable(x: torch.Tensor, weight, g, channel_step: int = 16) -> str | None:
+    """None when this kernel takes the convolution; otherwise why not (in words). ``channel_step``: what
+    C/groups must be a multiple of (16: a K step of the forward never crosses a tap; the weight gradient, whose
+    channels are an output dim, needs only 8: TMA's 16-byte strides)."""
     if x.dtype not in _GL:
         return "not 16-bit"
     if not x.is_cuda:
@@ -168,8 +170,8 @@ def unusable(x: torch.Tensor, weight: torch.Tensor, g) -> str | None:
         return "not Hopper"
     if x.stride(1) != 1:
         return "input not channels-last"
-    if g.Cg % 16:
-        return "C/groups not a multiple of 16"
+    if g.Cg % channel_step:
+        return f"C/groups not a multiple of {channel_step}"
     sh, sw = g.stride
     if g.H % sh or g.W % sw:
         return "image size not divisible by the stride"

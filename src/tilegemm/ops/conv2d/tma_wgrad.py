@@ -1,0 +1,213 @@
+"""Weight gradient on Hopper in Gluon: both operands moved by TMA, the pixel reduction split over programs.
+
+Per filter tap (r, s) and group the weight gradient is the GEMM ``dw[K, C] = dy^T[K, pixels] @ x_tap[pixels, C]``
+over the N*P*Q output pixels, where row ``(n, p, q)`` of ``x_tap`` is the input pixel the tap reads for output
+pixel (p, q). A program owns a [BLOCK_M output channels, BLOCK_N input channels] tile of one tap and walks
+patches of output pixels (the forward's patches, :func:`tilegemm.ops.conv2d.configs._patch`): each step
+loads the patch's output gradients, a box of the channels-last ``dy`` seen as ``[N, P, Q, K]``, and the input
+pixels under it, a box of the strided 5-D view of ``x`` (:mod:`tilegemm.ops.conv2d.tma_fwd`: padding and
+stride by TMA coordinates, zeros outside the image). Both land as [pixels, channels] tiles; wgmma reads the
+first transposed (output channels contiguous) and the second as it lies. Pixels past the image's edge in a
+patch have zero output gradients (TMA's fill), so they add nothing.
+
+The pixels are split into ``SPLIT`` slices over programs; each stores its fp32 partial tile and the last to
+arrive at the tile adds them in order and stores the result (as the pointer kernel does,
+:func:`tilegemm.ops.conv2d.implicit_gemm.conv2d_wgrad_kernel`): one launch, deterministic, replayable.
+Takes 16-bit channels-last ``x`` and ``dy`` with channel counts multiples of 8 (16-byte TMA strides),
+image sizes divisible by the stride. Written against Triton 3.6's Gluon API for sm_90.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tilegemm.core.runtime import cdiv
+from tilegemm.ops.conv2d.tma_fwd import _strides
+
+BLOCK = 64  # output and input channels of a tile: one 128-byte swizzled box row each
+
+
+@gluon.jit
+def _issue(dy_desc, x_desc, a_slot, b_slot, bar, j, tiles_p, tiles_q, k_col, c_col, dh, ah, dw, aw, C_ROW,
+           BI: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr):
+    """The TMA copies of pixel patch ``j``: its output gradients and the input pixels the tap reads for it."""
+    tq = j % tiles_q
+    tp = (j // tiles_q) % tiles_p
+    n = j // (tiles_q * tiles_p) * BI
+    p0 = tp * BH
+    q0 = tq * BW
+    mbarrier.expect(bar, dy_desc.block_type.nbytes + x_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(dy_desc, [n, p0, q0, k_col], bar, a_slot)
+    tma.async_copy_global_to_shared(x_desc, [n, p0 + dh, ah, q0 + dw, aw * C_ROW + c_col], bar, b_slot)
+
+
+@gluon.jit
+def conv2d_wgrad_tma_kernel(
+    dy_desc, x_desc, dw_ptr, ws_ptr, count_ptr,
+    Kg, Cg, C_ROW, tiles_p, tiles_q, slice_len, patches,
+    stride_dk, stride_dc, stride_dr, stride_ds,
+    pad_h, pad_w, dil_h, dil_w, off_h, off_w,
+    R: gl.constexpr, S: gl.constexpr, SH: gl.constexpr, SW: gl.constexpr,
+    BI: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
+):
+    PIX: gl.constexpr = BI * BH * BW
+    # Which tile: [output channels, input channels] (axis 0) of one tap and group (axis 1), one pixel slice
+    # (axis 2).
+    tiles_n = gl.cdiv(Cg, BLOCK_N)
+    pid = gl.program_id(0)
+    pid_m = pid // tiles_n
+    pid_n = pid % tiles_n
+    tap = gl.program_id(1)
+    part = gl.program_id(2)
+    grp = tap // (R * S)
+    r = (tap % (R * S)) // S
+    s = tap % S
+    # The tap's shift split by the stride (off_* make it non-negative first; see tma_fwd._issue).
+    eh = r * dil_h - pad_h + off_h
+    ew = s * dil_w - pad_w + off_w
+    dh = eh // SH - off_h // SH
+    ah = eh % SH
+    dw = ew // SW - off_w // SW
+    aw = ew % SW
+    k_col = grp * Kg + pid_m * BLOCK_M
+    c_col = grp * Cg + pid_n * BLOCK_N
+    begin = part * slice_len
+    steps = gl.minimum(begin + slice_len, patches) - begin
+
+    a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BI, BH, BW, BLOCK_M], dy_desc.layout)
+    b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BI, BH, 1, BW, BLOCK_N], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    flat: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    for i in gl.static_range(STAGES - 1):
+        if i < steps:
+            _issue(dy_desc, x_desc, a_bufs.index(i), b_bufs.index(i), ready.index(i), begin + i, tiles_p, tiles_q,
+                   k_col, c_col, dh, ah, dw, aw, C_ROW, BI, BH, BW)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+    for it in range(steps):
+        slot = it % STAGES
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        a = a_bufs.index(slot)._reinterpret(dy_desc.dtype, [PIX, BLOCK_M], flat).permute((1, 0))
+        b = b_bufs.index(slot)._reinterpret(x_desc.dtype, [PIX, BLOCK_N], flat)
+        acc = warpgroup_mma(a, b, acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        nxt = it + STAGES - 1
+        if nxt < steps:
+            fill = nxt % STAGES
+            _issue(dy_desc, x_desc, a_bufs.index(fill), b_bufs.index(fill), ready.index(fill), begin + nxt,
+                   tiles_p, tiles_q, k_col, c_col, dh, ah, dw, aw, C_ROW, BI, BH, BW)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))  # output channels
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))  # input channels
+    inside = (offs_m < Kg)[:, None] & (offs_n < Cg)[None, :]
+    k_all = grp * Kg + offs_m
+    dw_tile = dw_ptr + r * stride_dr + s * stride_ds + (k_all * stride_dk)[:, None] + (offs_n * stride_dc)[None, :]
+    if SPLIT == 1:
+        gl.store(dw_tile, acc.to(dw_ptr.dtype.element_ty), mask=inside)
+    else:
+        # This slice's partial tile into plane ``part`` of [SPLIT, tiles, BM, BN]; the program that arrives last
+        # at the tile adds the planes in order and stores the result, then resets the tile's counter.
+        tile = tap * gl.num_programs(0) + pid
+        local = (gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))[:, None] * BLOCK_N
+                 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))[None, :])
+        plane = (gl.num_programs(0) * gl.num_programs(1)).to(gl.int64) * (BLOCK_M * BLOCK_N)
+        ws_tile = ws_ptr + tile.to(gl.int64) * (BLOCK_M * BLOCK_N) + local
+        gl.store(ws_tile + part * plane, acc)
+        gl.thread_barrier()  # every thread's stores before the (one-thread) release
+        arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            gl.thread_barrier()  # and every thread's loads after the acquire
+            total = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            for sl in range(0, SPLIT):
+                total += gl.load(ws_tile + sl * plane, cache_modifier=".cg")
+            gl.store(count_ptr + tile, 0)
+            gl.store(dw_tile, total.to(dw_ptr.dtype.element_ty), mask=inside)
+
+
+# --- host side ---------------------------------------------------------------------------------------------
+
+
+def unusable(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
+    """None when this kernel takes the weight gradient; otherwise why not (in words)."""
+    from tilegemm.ops.conv2d import tma_fwd
+
+    if dy.dtype != x.dtype:
+        return "dtypes differ"
+    if g.Cg % 8 or g.Kg % 8:
+        return "channels per group not multiples of 8"
+    if dy.stride(1) != 1:
+        return "output gradient not channels-last"
+    if any((st * dy.element_size()) % 16 for st in _dy_strides(dy, g)) or dy.data_ptr() % 16:
+        return "output gradient not 16-byte aligned"
+    if g.N * g.K * g.P * g.Q >= 2**31:
+        return "too large for 32-bit TMA coordinates"
+    return tma_fwd.unusable(x, None, g, channel_step=8)
+
+
+def _dy_strides(dy: torch.Tensor, g) -> tuple[int, int, int]:
+    """(n, p, q) strides of channels-last ``dy``, size-1 dims' made what a packed tensor's would be."""
+    sq = dy.stride(3) if g.Q > 1 else g.K
+    sp = dy.stride(2) if g.P > 1 else sq * g.Q
+    sn = dy.stride(0) if g.N > 1 else sp * g.P
+    return sn, sp, sq
+
+
+def config(g, sms: int) -> dict:
+    """Patches of 128 output pixels, 64x64 channel tiles, 3 ring slots (32 KB each: two programs an SM), and
+    enough pixel slices for two waves of those (each slice at least 8 patches long)."""
+    from tilegemm.ops.conv2d.configs import _patch
+
+    bi, bh, bw, patches = _patch(g, 128)
+    tiles = cdiv(g.Kg, BLOCK) * cdiv(g.Cg, BLOCK) * g.R * g.S * g.groups
+    split = max(1, min(cdiv(4 * sms, tiles), patches // 8, 64))
+    return dict(BI=bi, BH=bh, BW=bw, STAGES=3, SPLIT=split, num_warps=4)
+
+
+def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict | None = None) -> torch.Tensor:
+    """grad of the weight, ``[K, C/groups, R, S]`` contiguous, for ``dy`` and ``x`` that :func:`unusable` takes."""
+    from tilegemm.core.hardware import sm_count
+    from tilegemm.core.launch import current_stream, launch
+    from tilegemm.core.runtime import new_output
+    from tilegemm.core.workspace import split_workspace
+
+    cfg = dict(cfg or config(g, sm_count(dy.device)))
+    bi, bh, bw = cfg["BI"], cfg["BH"], cfg["BW"]
+    patches = cdiv(g.N, bi) * cdiv(g.P, bh) * cdiv(g.Q, bw)
+    slice_len = cdiv(patches, cfg["SPLIT"])
+    split = cdiv(patches, slice_len)
+    dw = new_output((g.K, g.Cg, g.R, g.S), out_dtype, dy.device)
+    grid = (cdiv(g.Kg, BLOCK) * cdiv(g.Cg, BLOCK), g.R * g.S * g.groups, split)
+    tiles = grid[0] * grid[1]
+    if split > 1:
+        ws, count = split_workspace(dy.device, split * tiles * BLOCK * BLOCK, tiles)
+    else:
+        ws, count = dw, dw  # unused
+    sh, sw = g.stride
+    layout4 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    layout5 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=5)
+    sn, sp, sq = _dy_strides(dy, g)
+    dy_desc = TensorDescriptor(dy, [g.N, g.P, g.Q, g.K], [sn, sp, sq, 1], [bi, bh, bw, BLOCK], layout4)
+    xn, xy, xx = _strides(x, g)
+    x_desc = TensorDescriptor(x, [g.N, g.H // sh, sh, g.W // sw, sw * g.C], [xn, sh * xy, xy, sw * xx, 1],
+                              [bi, bh, 1, bw, BLOCK], layout5)
+    off_h = cdiv(g.padding[0], sh) * sh
+    off_w = cdiv(g.padding[2], sw) * sw
+    args = (dy_desc, x_desc, dw, ws, count, g.Kg, g.Cg, g.C, cdiv(g.P, bh), cdiv(g.Q, bw), slice_len, patches,
+            *dw.stride(), g.padding[0], g.padding[2], g.dilation[0], g.dilation[1], off_h, off_w)
+    kwargs = dict(R=g.R, S=g.S, SH=sh, SW=sw, BI=bi, BH=bh, BW=bw, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
+                  STAGES=cfg["STAGES"], SPLIT=split, num_warps=cfg["num_warps"])
+    launch(conv2d_wgrad_tma_kernel, grid, args, kwargs, keep=(ws, count) if split > 1 else (),
+           stream=current_stream() if split > 1 else None)
+    return dw
