@@ -129,9 +129,12 @@ def conv2d_wgrad_tma_kernel(
         arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
             gl.thread_barrier()  # and every thread's loads after the acquire
+            # Two planes' loads at a time (one at a time waits out SPLIT memory latencies in a row; four spilled).
             total = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-            for sl in range(0, SPLIT):
-                total += gl.load(ws_tile + sl * plane, cache_modifier=".cg")
+            for sl0 in range(0, SPLIT, 2):
+                for j in gl.static_range(2):
+                    more = (local < BLOCK_M * BLOCK_N) & (sl0 + j < SPLIT)  # (a whole-tile mask, true or false)
+                    total += gl.load(ws_tile + (sl0 + j) * plane, mask=more, other=0.0, cache_modifier=".cg")
             gl.store(count_ptr + tile, 0)
             gl.store(dw_tile, total.to(dw_ptr.dtype.element_ty), mask=inside)
 
@@ -166,12 +169,14 @@ def _dy_strides(dy: torch.Tensor, g) -> tuple[int, int, int]:
 
 def config(g, sms: int) -> dict:
     """Patches of 128 output pixels, 64x64 channel tiles, 3 ring slots (32 KB each: two programs an SM), and
-    enough pixel slices for two waves of those (each slice at least 8 patches long)."""
+    enough pixel slices for one wave of those (each slice at least 8 patches long). Timed on ResNet-50's layers
+    (H100, research/compare_conv2d_grads.py): slices for two waves ran 0.51x cuDNN in geomean, for one 0.62x,
+    for four 0.35x (the partial tiles' traffic and their sum)."""
     from tilegemm.ops.conv2d.configs import _patch
 
     bi, bh, bw, patches = _patch(g, 128)
     tiles = cdiv(g.Kg, BLOCK) * cdiv(g.Cg, BLOCK) * g.R * g.S * g.groups
-    split = max(1, min(cdiv(4 * sms, tiles), patches // 8, 64))
+    split = max(1, min(cdiv(2 * sms, tiles), patches // 8, 64))
     return dict(BI=bi, BH=bh, BW=bw, STAGES=3, SPLIT=split, num_warps=4)
 
 
