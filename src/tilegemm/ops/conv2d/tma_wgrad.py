@@ -169,14 +169,14 @@ def _dy_strides(dy: torch.Tensor, g) -> tuple[int, int, int]:
 
 def config(g, sms: int) -> dict:
     """Patches of 128 output pixels, 64x64 channel tiles, 3 ring slots (32 KB each: two programs an SM), and
-    enough pixel slices for one wave of those (each slice at least 8 patches long). Timed on ResNet-50's layers
-    (H100, research/compare_conv2d_grads.py): slices for two waves ran 0.51x cuDNN in geomean, for one 0.62x,
-    for four 0.35x (the partial tiles' traffic and their sum)."""
+    about one program an SM in all (each slice at least 8 patches long). Timed on ResNet-50's non-1x1 layers
+    (H100, research/compare_conv2d_grads.py, CUDA graphs): slices for four programs an SM ran 0.51x cuDNN in
+    geomean, for two 0.54x-0.62x, for one 0.58x-0.62x (fewer partial tiles to write and add)."""
     from tilegemm.ops.conv2d.configs import _patch
 
     bi, bh, bw, patches = _patch(g, 128)
     tiles = cdiv(g.Kg, BLOCK) * cdiv(g.Cg, BLOCK) * g.R * g.S * g.groups
-    split = max(1, min(cdiv(2 * sms, tiles), patches // 8, 64))
+    split = max(1, min(cdiv(sms, tiles), patches // 8, 64))
     return dict(BI=bi, BH=bh, BW=bw, STAGES=3, SPLIT=split, num_warps=4)
 
 
