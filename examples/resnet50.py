@@ -4,8 +4,9 @@
     python examples/resnet50.py --tiny          # CI: a two-block ResNet under Triton's interpreter, no timing
 
 Prints (1) output agreement with the cuDNN model, (2) inference images/s of tilegemm eager, cuDNN eager and
-cuDNN under torch.compile, and (3) one training step's gradients against cuDNN's (fp32, tf32 off on both sides,
-worst relative error over the parameters). Needs ``pip install tilegemm[models]`` (torchvision) except --tiny.
+cuDNN under torch.compile, and (3) one training step's gradients, tilegemm's and cuDNN's (fp32, tf32 off) against
+the same model's in fp64 (worst relative errors over the parameters). Needs ``pip install tilegemm[models]``
+(torchvision) except --tiny.
 """
 
 from __future__ import annotations
@@ -80,19 +81,27 @@ def inference(args, device) -> None:
 
 
 def training_step(args, device) -> None:
+    """One training step's gradients, tilegemm against cuDNN, both in fp32 (tf32 off) and both against the same
+    model in fp64: a random ResNet-50's batch-norm gradients are ill-conditioned enough that cuDNN's own fp32
+    gradients miss fp64 by about 2e-2 (research/diagnose_resnet_grads.py), so tilegemm's are held to within
+    twice cuDNN's error of the fp64 ones (plus 1e-4), not to cuDNN's fp32 values."""
     torch.manual_seed(1)
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")  # fp32 on both sides: the comparison is about the kernels
     ref = make_model(args.tiny).train().to(device=device, memory_format=torch.channels_last)
     ours = tilegemm.nn.convert_(copy.deepcopy(ref))
+    exact = copy.deepcopy(ref).double()
     side = 32 if args.tiny else 224
     x = torch.randn(2 if args.tiny else 8, 3, side, side, device=device).contiguous(memory_format=torch.channels_last)
     target = torch.randint(0, 10, (x.shape[0],), device=device)
-    for model in (ref, ours):
-        nn.functional.cross_entropy(model(x), target).backward()
-    worst = max((relative_error(p.grad, q.grad), name) for (name, p), q in zip(ours.named_parameters(), ref.parameters()))
-    print(f"training step, fp32: worst gradient relative error {worst[0]:.2e} ({worst[1]})")
-    if worst[0] > 1e-3:
+    for model, inp in ((ref, x), (ours, x), (exact, x.double())):
+        nn.functional.cross_entropy(model(inp), target).backward()
+    rows = [(relative_error(p.grad, e.grad), relative_error(q.grad, e.grad), name)
+            for (name, p), q, e in zip(ours.named_parameters(), ref.parameters(), exact.parameters())]
+    worst = max(rows, key=lambda r: r[0] - 2 * r[1])
+    print(f"training step, fp32 against fp64: worst gradient relative error tilegemm {max(r[0] for r in rows):.2e}, "
+          f"cuDNN {max(r[1] for r in rows):.2e}; closest call {worst[2]} ({worst[0]:.2e} against cuDNN's {worst[1]:.2e})")
+    if any(ours_err > 2 * cudnn_err + 1e-4 for ours_err, cudnn_err, _ in rows):
         sys.exit("gradients disagree with cuDNN's")
 
 

@@ -196,6 +196,36 @@ def test_gpu_forward_matches_f_conv2d(N, C, H, W, K, R, S, stride, padding, dila
 
 
 @pytest.mark.gpu
+def test_gpu_fp32_output_channel_slices_and_a_misaligned_weight():
+    from tilegemm.ops.conv2d import tma_fwd
+    from tilegemm.ops.conv2d.op import _conv2d_op
+    from tilegemm.ops.conv2d.problem import check_conv
+
+    # an fp32 output (what the backward's recomputed pre-activation asks for)
+    x, w, b = _inputs(torch.float16, 2, 32, 9, 9, 24, 3, 3)
+    out = _conv2d_op(x, w, b, [1, 1], [1, 1, 1, 1], [1, 1], 1, "gelu", "default", "tma_implicit_gemm", torch.float32)
+    assert out.dtype == torch.float32
+    assert_rel_close(out, conv2d_reference(x, w, b, padding=1, activation="gelu"), tolerance(torch.float16))
+    # a channel slice of a bigger channels-last tensor: pixels 96 channels apart, 32 read
+    big = torch.randn(2, 96, 10, 10, device="cuda").half().contiguous(memory_format=CL)
+    xs = big[:, 16:48]
+    assert tma_fwd.unusable(xs, w, check_conv(xs, w, None, 1, 1, 1, 1)) is None
+    out = tilegemm.conv2d(xs, w, padding=1, kernel="tma_implicit_gemm")
+    assert_rel_close(out, conv2d_reference(xs, w, padding=1), tolerance(torch.float16))
+    # with stride 2 the phase view needs packed pixels: declined by name, auto falls back
+    g2 = check_conv(xs, w, None, 2, 1, 1, 1)
+    assert tma_fwd.unusable(xs, w, g2) == "pixels not packed"
+    assert_rel_close(tilegemm.conv2d(xs, w, stride=2, padding=1), conv2d_reference(xs, w, stride=2, padding=1),
+                     tolerance(torch.float16))
+    # a 1x1 weight that is a view at an odd element offset of a flat buffer: channels-last already, misaligned
+    flat = torch.randn(24 * 32 + 1, device="cuda").half()
+    w1 = flat[1:].view(24, 32, 1, 1)
+    assert w1.data_ptr() % 16 and w1.is_contiguous(memory_format=CL)
+    out = tilegemm.conv2d(x, w1, stride=1, kernel="tma_implicit_gemm")
+    assert_rel_close(out, conv2d_reference(x, w1), tolerance(torch.float16))
+
+
+@pytest.mark.gpu
 def test_gpu_auto_routes_and_declines_with_reasons():
     x, w, _ = _inputs(torch.float16, 2, 24, 8, 8, 16, 3, 3, bias=False)  # C=24: not a multiple of 16
     from tilegemm.core.registry import NotApplicable
@@ -232,6 +262,11 @@ def test_gpu_stride1_data_gradient_through_the_tma_kernel(shape, conv):
 
     g = check_conv(x, w, None, 1, conv["padding"], conv.get("dilation", 1), groups)
     args = (dy, w, list(x.shape), True, list(g.stride), list(g.padding), list(g.dilation), groups, "ieee")
+    from tilegemm.ops.conv2d import tma_fwd
+
+    direct = tma_fwd.dgrad_stride1(dy, w, g)  # the TMA path takes it (None would mean a fallback)
+    assert direct is not None
+    assert_rel_close(direct, want, tolerance(torch.float16))
     replay.clear()
     first = backward_data(*args)
     assert_rel_close(first, want, tolerance(torch.float16))

@@ -8,7 +8,6 @@ is imported when its kernel first runs). The backward (data and weight gradients
 from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
 
 
-
 def _hopper() -> str | None:
     from tilegemm.ops.matmul.persistent_tma import gluon_requires
 
@@ -18,7 +17,8 @@ def _hopper() -> str | None:
 register_op(OpSpec(
     name="conv2d", summary="2-D convolution (F.conv2d semantics) with fused bias and activation; fwd and bwd",
     bench="tilegemm.ops.conv2d.bench:Conv2dBench",
-    pseudo={"auto": "gemm_1x1 for pointwise, depthwise for depthwise, implicit_gemm otherwise (the default)"},
+    pseudo={"auto": "tma_implicit_gemm where TMA can describe the call (Hopper, 16-bit, channels-last), else "
+                    "gemm_1x1 for pointwise, depthwise for depthwise, implicit_gemm otherwise (the default)"},
 ))
 register(KernelSpec(
     op="conv2d", name="implicit_gemm", order=10, target="tilegemm.ops.conv2d.implicit_gemm:run",

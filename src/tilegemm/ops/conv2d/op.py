@@ -4,8 +4,10 @@ the choice of kernel.
 Three custom ops in the ``tilegemm`` namespace, each with a fake (meta) implementation, so torch.compile
 traces the forward and the backward without graph breaks: ``tilegemm::conv2d`` (forward with bias and
 activation fused), ``tilegemm::conv2d_dgrad`` (grad of x) and ``tilegemm::conv2d_wgrad`` (grad of the weight).
-The backward never calls cuDNN: it runs tilegemm's kernels (implicit GEMM, the depthwise kernels, or
-``tilegemm.matmul`` for 1x1 convolutions).
+The backward never calls cuDNN: it runs tilegemm's kernels (on Hopper, for 16-bit channels-last tensors, the
+TMA kernels: the stride-1 data gradient as a forward convolution, the weight gradient by ``tma_wgrad``;
+otherwise the implicit-GEMM pointer kernels, the depthwise kernels, or ``tilegemm.matmul`` for 1x1
+convolutions).
 """
 
 from __future__ import annotations
@@ -50,9 +52,17 @@ def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, 
     return "implicit_gemm"
 
 
+_TMA_REASON: list = []  # why the TMA kernels cannot run in this process (None: they can), once asked
+
+
 def _tma_candidate(t: torch.Tensor) -> bool:
-    """The cheap part of :func:`_tma_usable`: a 16-bit channels-last CUDA tensor, not under the interpreter."""
-    return t.is_cuda and t.dtype != torch.float32 and t.stride(1) == 1 and not interpreting()
+    """The cheap part of :func:`_tma_usable`: a 16-bit channels-last CUDA tensor, not under the interpreter, in a
+    process whose GPU and Triton run the Gluon kernels (the registered kernel's requirement, asked once)."""
+    if not (t.is_cuda and t.dtype != torch.float32 and t.stride(1) == 1) or interpreting():
+        return False
+    if not _TMA_REASON:
+        _TMA_REASON.append(registry.get("conv2d", "tma_implicit_gemm").unavailable_reason())
+    return _TMA_REASON[0] is None
 
 
 def _tma_usable(x: torch.Tensor, weight, g: Geometry, dy: torch.Tensor | None = None) -> bool:
@@ -293,7 +303,9 @@ def check_kernel(kernel) -> None:
     if not isinstance(kernel, str):
         raise TypeError(f"kernel must be a str, got {type(kernel).__name__}")
     if kernel != "auto":
-        registry.get("conv2d", kernel)  # raises ValueError naming the choices
+        reason = registry.get("conv2d", kernel).unavailable_reason()  # ValueError naming the choices if unknown
+        if reason:
+            raise registry.NotApplicable(f"conv2d kernel {kernel!r} cannot run here: {reason}")
 
 
 def conv2d(

@@ -162,10 +162,14 @@ def unusable(x: torch.Tensor, weight, g, channel_step: int = 16) -> str | None:
     """None when this kernel takes the convolution; otherwise why not (in words). ``channel_step``: what
     C/groups must be a multiple of (16: a K step of the forward never crosses a tap; the weight gradient, whose
     channels are an output dim, needs only 8: TMA's 16-byte strides)."""
+    from tilegemm.core.runtime import interpreting
+
     if x.dtype not in _GL:
         return "not 16-bit"
-    if not x.is_cuda:
-        return "not on a GPU"
+    if weight is not None and weight.dtype != x.dtype:
+        return "dtypes differ"
+    if not x.is_cuda or interpreting():
+        return "not on a GPU (or under the interpreter)"
     if torch.cuda.get_device_capability(x.device)[0] != 9:
         return "not Hopper"
     if x.stride(1) != 1:
@@ -178,12 +182,14 @@ def unusable(x: torch.Tensor, weight, g, channel_step: int = 16) -> str | None:
     strides = _strides(x, g)
     if sw > 1 and strides[2] != g.C:
         return "pixels not packed"
+    if min(strides) <= 0:
+        return "broadcast or negative strides"
     if any((st * x.element_size()) % 16 for st in strides):
         return "strides not 16-byte aligned"
     if x.data_ptr() % 16:
         return "input not 16-byte aligned"
     if g.N * g.K * g.P * g.Q >= 2**31 or x.numel() >= 2**31:
-        return "too large for 32-bit TMA coordinates"
+        return "2^31 elements or more (the pointer kernels take those, with 64-bit offsets)"
     return None
 
 
@@ -206,6 +212,8 @@ def run(p, config_: dict | None = None) -> torch.Tensor:
     if reason:
         raise NotApplicable(f"tma_implicit_gemm does not take this convolution: {reason}")
     w = p.weight.contiguous(memory_format=torch.channels_last)
+    if w.data_ptr() % 16:  # already channels-last but not 16-byte aligned (a view into a flat buffer): TMA needs it
+        w = torch.empty_like(w, memory_format=torch.channels_last).copy_(w)
     out = allocate_out(p)
     cfg = config_ or config(g, p.dtype, sm_count(p.x.device))
     kernel, grid, args, kwargs = launch_args(p.x, w, out, p.bias, g, p.activation, cfg)

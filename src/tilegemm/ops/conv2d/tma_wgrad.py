@@ -8,7 +8,8 @@ loads the patch's output gradients, a box of the channels-last ``dy`` seen as ``
 pixels under it, a box of the strided 5-D view of ``x`` (:mod:`tilegemm.ops.conv2d.tma_fwd`: padding and
 stride by TMA coordinates, zeros outside the image). Both land as [pixels, channels] tiles; wgmma reads the
 first transposed (output channels contiguous) and the second as it lies. Pixels past the image's edge in a
-patch have zero output gradients (TMA's fill), so they add nothing.
+patch have zero output gradients (TMA's fill), so they add nothing; but ``0 * inf`` is NaN: an inf or NaN in the
+input under such a pixel makes the tap's whole gradient NaN where ``F.conv2d``'s would be NaN in part.
 
 The pixels are split into ``SPLIT`` slices over programs; each stores its fp32 partial tile and the last to
 arrive at the tile adds them in order and stores the result (as the pointer kernel does,
@@ -152,10 +153,12 @@ def unusable(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
         return "channels per group not multiples of 8"
     if dy.stride(1) != 1:
         return "output gradient not channels-last"
+    if min(_dy_strides(dy, g)) <= 0:
+        return "broadcast or negative strides"
     if any((st * dy.element_size()) % 16 for st in _dy_strides(dy, g)) or dy.data_ptr() % 16:
         return "output gradient not 16-byte aligned"
     if g.N * g.K * g.P * g.Q >= 2**31:
-        return "too large for 32-bit TMA coordinates"
+        return "2^31 elements or more (the pointer kernels take those, with 64-bit offsets)"
     return tma_fwd.unusable(x, None, g, channel_step=8)
 
 
