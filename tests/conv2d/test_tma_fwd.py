@@ -67,6 +67,32 @@ def test_auto_takes_the_tma_kernel_where_it_can():
     assert choose_kernel(dw, True, tma=True) == "depthwise"
 
 
+@pytest.mark.parametrize("C,H,W,R,S,stride_h,padding", [
+    (3, 14, 16, 7, 7, 2, (3, 3, 3, 3)),  # ResNet's stem, small
+    (1, 9, 10, 3, 3, 1, (1, 1, 1, 1)),
+    (8, 8, 6, 5, 4, 2, (2, 1, 0, 2)),  # even filter, no left padding, asymmetric
+    (5, 7, 12, 1, 2, 1, (0, 0, 1, 0)),
+    (2, 6, 8, 3, 5, 1, (0, 1, 4, 1)),  # padding wider than half the filter
+])
+def test_stem_as_a_merged_pairs_convolution(C, H, W, R, S, stride_h, padding, device):
+    # conv(x, w) with a horizontal stride of 2 over few channels equals conv(x'', w'') over pixel pairs with a
+    # horizontal stride of 1: the two operand kernels (plain Triton) and the merged geometry, checked with
+    # F.conv2d on both sides (the TMA kernel that then runs it is tested on the GPU)
+    import torch.nn.functional as F
+    from tilegemm.ops.conv2d.tma_fwd import stem_operands
+
+    top, bottom, left, right = padding
+    x = torch.randn(2, C, H, W, device=device)
+    w = torch.randn(6, C, R, S, device=device)
+    g = Geometry(2, C, H, W, 6, R, S, 1, (stride_h, 2), padding, (1, 1))
+    want = F.conv2d(F.pad(x.double(), (left, right, top, bottom)), w.double(), stride=(stride_h, 2))
+    xm, wm, _, _, gm = stem_operands(x, w, g)
+    assert (gm.C, gm.W, gm.stride) == (16, W // 2, (stride_h, 1)) and (gm.P, gm.Q) == (g.P, g.Q)
+    t, b, l, r = gm.padding
+    got = F.conv2d(F.pad(xm.double(), (l, r, t, b)), wm.double(), stride=(stride_h, 1))
+    assert_rel_close(got, want, 1e-12)
+
+
 _COMPILE = SM90 + textwrap.dedent(
     """
     import json, re, sys
@@ -181,6 +207,8 @@ GPU_CASES = [  # (N, C, H, W, K, R, S, stride, padding, dilation, groups)
     pytest.param(2, 64, 9, 9, 64, 3, 3, 1, 1, 1, 2, id="groups2"),
     pytest.param(37, 128, 7, 7, 200, 3, 3, 1, 1, 1, 1, id="7x7-images-many-per-tile"),
     pytest.param(2, 16, 1, 1, 8, 3, 3, 1, 1, 1, 1, id="1x1-image"),
+    pytest.param(3, 3, 32, 32, 64, 7, 7, 2, 3, 1, 1, id="stem-C3"),
+    pytest.param(2, 5, 18, 10, 24, 4, 3, (1, 2), (2, 1), 1, 1, id="stem-C5-even-filter"),
 ]
 
 

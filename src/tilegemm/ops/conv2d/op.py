@@ -76,7 +76,7 @@ def _tma_usable(x: torch.Tensor, weight, g: Geometry, dy: torch.Tensor | None = 
         return tma_wgrad.unusable(dy, x, g) is None
     from tilegemm.ops.conv2d import tma_fwd
 
-    return tma_fwd.unusable(x, weight, g) is None
+    return tma_fwd.reason_not(x, weight, g) is None
 
 
 def launcher(name: str):

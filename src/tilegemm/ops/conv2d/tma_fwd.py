@@ -201,7 +201,8 @@ def config(g, dtype: torch.dtype, sms: int = 132) -> dict:
 
 
 def run(p, config_: dict | None = None) -> torch.Tensor:
-    """The forward through this kernel, or :class:`NotApplicable` saying why it does not take ``p``."""
+    """The forward through this kernel, or :class:`NotApplicable` saying why it does not take ``p``. A stem
+    (:func:`stem_unusable`) runs as the merged-pairs convolution of :func:`run_stem`."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import launch
     from tilegemm.core.registry import NotApplicable
@@ -209,6 +210,8 @@ def run(p, config_: dict | None = None) -> torch.Tensor:
 
     g = p.geo
     reason = unusable(p.x, p.weight, g)
+    if reason and stem_unusable(p.x, p.weight, g) is None:
+        return run_stem(p)
     if reason:
         raise NotApplicable(f"tma_implicit_gemm does not take this convolution: {reason}")
     w = p.weight.contiguous(memory_format=torch.channels_last)
@@ -218,6 +221,134 @@ def run(p, config_: dict | None = None) -> torch.Tensor:
     cfg = config_ or config(g, p.dtype, sm_count(p.x.device))
     kernel, grid, args, kwargs = launch_args(p.x, w, out, p.bias, g, p.activation, cfg)
     launch(kernel, grid, args, kwargs)
+    return out
+
+
+def reason_not(x: torch.Tensor, weight, g) -> str | None:
+    """None when :func:`run` takes the convolution (directly or as a stem); otherwise why not."""
+    reason = unusable(x, weight, g)
+    if reason and stem_unusable(x, weight, g) is None:
+        return None
+    return reason
+
+
+# --- stems: few channels, horizontal stride 2 ------------------------------------------------------------
+#
+# A network's first layer (ResNet-50's 7x7 stride-2 over C=3) has too few channels for a TMA box (16 bytes at
+# least) and for a K step (16 for wgmma). With a horizontal stride of 2 it is another convolution in disguise:
+# pad the channels to 8 and read each pair of neighbouring pixels (2j, 2j+1) as one pixel j of 16 channels.
+# Column 2q + s - left of the input is pixel q + t - t0 of the pair image, half phi, where s - left + 2 t0 =
+# 2 t + phi (t0 = ceil(left / 2) keeps t >= 0). So conv(x, w) with stride (SH, 2) equals conv(x'', w'') with
+# stride (SH, 1), kernel R x S'' (S'' = (S - 1 - left + 2 t0) // 2 + 1), left padding t0, over C'' = 16 channels:
+# w''[k, phi * 8 + c, r, t] = w[k, c, r, 2 t + phi - 2 t0 + left] (zero outside the filter and for c >= C).
+# The padded input (copied once a call into a per-stream workspace: a read of the input and a write of 8/C
+# times its bytes) and the rearranged weight are made by two small kernels that a replay repeats; the MMA
+# then multiplies about 3x more zeros than the 147-deep dot (7 x 4 x 16 = 448), at tensor-core speed.
+
+_STEM_C = 8  # channels each pixel is padded to (16 bytes in 16-bit)
+
+
+def stem_unusable(x: torch.Tensor, weight, g) -> str | None:
+    """None when the stem route takes the convolution; otherwise why not."""
+    from tilegemm.core.runtime import interpreting
+
+    if x.dtype not in _GL or (weight is not None and weight.dtype != x.dtype):
+        return "not 16-bit"
+    if not x.is_cuda or interpreting() or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "not on a Hopper GPU"
+    if g.groups != 1 or g.C > _STEM_C:
+        return "more than 8 channels or groups"
+    if g.stride[1] != 2 or g.dilation[1] != 1 or g.W % 2 or g.H % g.stride[0]:
+        return "not a horizontal stride of 2 over an even width (and a height divisible by the vertical stride)"
+    if g.N * g.H * g.W * _STEM_C >= 2**31 or g.N * g.K * g.P * g.Q >= 2**31:
+        return "2^31 elements or more"
+    return None
+
+
+def stem_geometry(g):
+    """(the merged-pairs convolution's geometry, t0): see the comment above."""
+    from tilegemm.ops.conv2d.problem import Geometry
+
+    top, bottom, left, _ = g.padding
+    t0 = -(-left // 2)
+    s2 = (g.S - 1 - left + 2 * t0) // 2 + 1
+    w2 = g.W // 2
+    right = g.Q - 1 + s2 - w2 - t0  # so that the merged convolution has Q output columns
+    gm = Geometry(g.N, 2 * _STEM_C, g.H, w2, g.K, g.R, s2, 1, (g.stride[0], 1), (top, bottom, t0, right),
+                  (g.dilation[0], 1))
+    return gm, t0
+
+
+@triton.jit
+def stem_input_kernel(x_ptr, out_ptr, pixels, C, H, W, stride_n, stride_c, stride_h, stride_w,
+                      CP: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[pixel, c] = x[n, c, h, w]`` for c < C, 0 up to CP: channels-last with CP channels."""
+    pix = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.arange(0, CP)
+    w = pix % W
+    h = (pix // W) % H
+    n = pix // (W * H)
+    src = n.to(tl.int64) * stride_n + h * stride_h + w * stride_w
+    ok = (pix < pixels)[:, None]
+    v = tl.load(x_ptr + src[:, None] + (c * stride_c)[None, :], mask=ok & (c < C)[None, :], other=0.0)
+    tl.store(out_ptr + pix.to(tl.int64)[:, None] * CP + c[None, :], v, mask=ok)
+
+
+@triton.jit
+def stem_weight_kernel(w_ptr, out_ptr, total, C, R, S, S2, t0, left, stride_k, stride_c, stride_r, stride_s,
+                       CP: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[k, r, t, phi * CP + c] = w[k, c, r, 2 t + phi - 2 t0 + left]`` (0 outside): row-major
+    ``[K, R, S2, 2 CP]``, the merged convolution's weight channels-last."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cc = i % (2 * CP)
+    t = (i // (2 * CP)) % S2
+    r = (i // (2 * CP * S2)) % R
+    k = i // (2 * CP * S2 * R)
+    c = cc % CP
+    s = 2 * t + cc // CP - 2 * t0 + left
+    ok = i < total
+    real = ok & (c < C) & (s >= 0) & (s < S)
+    v = tl.load(w_ptr + k * stride_k + c * stride_c + r * stride_r + s * stride_s, mask=real, other=0.0)
+    tl.store(out_ptr + i, v, mask=ok)
+
+
+def stem_operands(x: torch.Tensor, weight: torch.Tensor, g):
+    """(x'' ``[N, 16, H, W/2]`` and w'' ``[K, 16, R, S2]``, both channels-last in per-stream workspaces, the two
+    workspaces, the merged geometry): the two launches of a stem's operands (plain Triton; the interpreter runs
+    them too). Call under :data:`tilegemm.core.launch.sequence_lock`."""
+    from tilegemm.core.launch import current_stream, launch
+    from tilegemm.core.workspace import buffer
+
+    gm, t0 = stem_geometry(g)
+    stream = current_stream() if x.is_cuda else None
+    pixels = g.N * g.H * g.W
+    wsize = g.K * gm.R * gm.S * gm.C
+    xbuf = buffer(x.device, x.dtype, pixels * _STEM_C, "conv2d-stem-input")
+    wbuf = buffer(x.device, x.dtype, wsize, "conv2d-stem-weight")
+    block = 128
+    launch(stem_input_kernel, (cdiv(pixels, block),),
+           (x, xbuf, pixels, g.C, g.H, g.W, x.stride(0), x.stride(1), x.stride(2), x.stride(3)),
+           dict(CP=_STEM_C, BLOCK=block, num_warps=4), keep=(xbuf,), stream=stream)
+    launch(stem_weight_kernel, (cdiv(wsize, 1024),),
+           (weight, wbuf, wsize, g.C, g.R, g.S, gm.S, t0, g.padding[2], *weight.stride()),
+           dict(CP=_STEM_C, BLOCK=1024, num_warps=4), keep=(wbuf,), stream=stream)
+    xm = xbuf[: pixels * _STEM_C].view(g.N, g.H, gm.W, gm.C).permute(0, 3, 1, 2)
+    wm = wbuf[:wsize].view(g.K, gm.R, gm.S, gm.C).permute(0, 3, 1, 2)
+    return xm, wm, xbuf, wbuf, gm
+
+
+def run_stem(p) -> torch.Tensor:
+    """The forward of a stem (:func:`stem_unusable` is None) through the merged-pairs convolution."""
+    from tilegemm.core.hardware import sm_count
+    from tilegemm.core.launch import current_stream, launch, sequence_lock
+    from tilegemm.ops.conv2d.implicit_gemm import allocate_out
+
+    out = allocate_out(p)
+    with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
+        xm, wm, xbuf, wbuf, gm = stem_operands(p.x, p.weight, p.geo)
+        kernel, grid, args, kwargs = launch_args(xm, wm, out, p.bias, gm, p.activation,
+                                                 config(gm, p.dtype, sm_count(p.x.device)))
+        launch(kernel, grid, args, kwargs, keep=(xbuf, wbuf), stream=current_stream())
     return out
 
 
