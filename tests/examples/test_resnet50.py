@@ -17,5 +17,7 @@ def test_tiny_resnet_agrees_with_torch():
     out = done.stdout
     err = float(out.split("relative error ")[1].split()[0])
     assert err < 1e-2, out
-    grad = float(out.split("worst gradient relative error ")[1].split()[0])
-    assert grad < 1e-2, out
+    # gradients against the fp64 model's: tilegemm's and torch's own fp32 ones
+    line = out.split("worst gradient relative error ")[1].splitlines()[0]  # "tilegemm A, cuDNN B; ..."
+    ours, theirs = (float(line.split(f"{side} ")[1].split()[0].rstrip(",;")) for side in ("tilegemm", "cuDNN"))
+    assert ours < 1e-2 and ours <= 2 * theirs + 1e-4, out
