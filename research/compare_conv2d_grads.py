@@ -1,7 +1,7 @@
 """Gradients of the non-1x1 layers, per layer, from CUDA graphs (GPU time alone), against cuDNN's:
 
-- ``--part dgrad`` (stride-1 layers): the pointer kernel (implicit_gemm.dgrad) against the TMA forward kernel run
-  as a transposed convolution (tma_fwd.dgrad_stride1, flipped weight included);
+- ``--part dgrad``: the pointer kernel (implicit_gemm.dgrad) against the TMA forward kernel run
+  as transposed convolutions (tma_fwd.dgrad_tma: one per stride phase, the phase weights included);
 - ``--part wgrad``: the pointer kernel (implicit_gemm.wgrad) against the TMA kernel (tma_wgrad.run) with its
   shipped config and variants (ring depth, pixel slices).
 
@@ -34,7 +34,7 @@ def main() -> None:
     for case in bench_op("conv2d").cases(args.sweep):
         d = case.dims
         st = d["stride"]
-        if (st != 1 and args.part == "dgrad") or (d["R"] == 1 and st == 1) or d["groups"] != 1 or d["C"] < 16:
+        if (d["R"] == 1 and st == 1) or d["groups"] != 1 or d["C"] < 16:
             continue
         pad = d["pad"]
         g = geometry_of((d["N"], d["C"], d["H"], d["W"]), (d["K"], d["C"], d["R"], d["S"]), [st, st], [pad] * 4,
@@ -49,7 +49,7 @@ def main() -> None:
         cudnn = lambda: torch.ops.aten.convolution_backward(dy, x, w, None, *conv_args, which)  # noqa: E731
         if args.part == "dgrad":
             ptr = lambda: implicit_gemm.dgrad(dy, w, x.shape, cl, g, "ieee", False)  # noqa: E731
-            variants = {"tma": lambda: tma_fwd.dgrad_stride1(dy, w, g)}
+            variants = {"tma": lambda: tma_fwd.dgrad_tma(dy, w, g)}
         else:
             ptr = lambda: implicit_gemm.wgrad(dy, x, g, "ieee", False, torch.float16)  # noqa: E731
             shipped = tma_wgrad.config(g, sm_count(x.device))

@@ -93,6 +93,42 @@ def test_stem_as_a_merged_pairs_convolution(C, H, W, R, S, stride_h, padding, de
     assert_rel_close(got, want, 1e-12)
 
 
+@pytest.mark.parametrize("H,W,R,S,stride,padding,dilation", [
+    (9, 9, 3, 3, (1, 1), (1, 1, 1, 1), (1, 1)),
+    (8, 7, 3, 2, (1, 1), (1, 2, 0, 1), (2, 1)),  # stride 1: one phase, dilation kept
+    (9, 11, 3, 3, (2, 2), (1, 1, 1, 1), (1, 1)),
+    (12, 12, 1, 1, (2, 2), (0, 0, 0, 0), (1, 1)),  # three empty phases
+    (12, 9, 5, 4, (3, 2), (2, 2, 1, 1), (1, 1)),
+    (7, 8, 2, 3, (2, 3), (0, 1, 2, 0), (1, 1)),
+])
+def test_data_gradient_phases_reassemble_the_transposed_convolution(H, W, R, S, stride, padding, dilation):
+    # each stride phase of dx is conv2d(dy, w_ab) with the geometry and weight indices dgrad_phases gives;
+    # assembled, the phases equal autograd's data gradient (float64, CPU, torch on both sides)
+    import torch.nn.functional as F
+    from tilegemm.ops.conv2d.tma_fwd import dgrad_phases
+
+    N, C, K = 2, 3, 4
+    g = Geometry(N, C, H, W, K, R, S, 1, stride, padding, dilation)
+    x = torch.randn(N, C, H, W, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(K, C, R, S, dtype=torch.float64)
+    top, bottom, left, right = padding
+    y = F.conv2d(F.pad(x, (left, right, top, bottom)), w, stride=stride, dilation=dilation)
+    dy = torch.randn_like(y)
+    (want,) = torch.autograd.grad(y, x, dy)
+    got = torch.full_like(want, float("nan"))
+    for a, b, gt, r0, s0 in dgrad_phases(g):
+        part = got[:, :, a::stride[0], b::stride[1]]
+        if gt is None:
+            part.zero_()
+            continue
+        step = stride if stride != (1, 1) else (1, 1)
+        u, v = torch.arange(gt.R), torch.arange(gt.S)
+        wt = w[:, :, r0 - step[0] * u][:, :, :, s0 - step[1] * v].transpose(0, 1)  # [C, K, U, V]
+        t, bt, lt, rt = gt.padding
+        part.copy_(F.conv2d(F.pad(dy, (lt, rt, t, bt)), wt, dilation=gt.dilation))
+    assert_rel_close(got, want, 1e-12)
+
+
 _COMPILE = SM90 + textwrap.dedent(
     """
     import json, re, sys
@@ -270,12 +306,17 @@ def test_gpu_auto_routes_and_declines_with_reasons():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,conv", [
+    ((3, 64, 14, 14, 96, 3, 3), dict(stride=2, padding=1)),
+    ((2, 32, 9, 11, 48, 3, 3), dict(stride=2, padding=1)),  # odd sizes: phases of unequal size
+    ((2, 64, 12, 12, 32, 1, 1), dict(stride=2)),  # three phases no tap reaches: zeroed
+    ((2, 32, 12, 9, 16, 5, 4), dict(stride=(3, 2), padding=(2, 1))),
+    ((2, 64, 10, 10, 64, 3, 3), dict(stride=2, padding=1, groups=2)),
     ((3, 64, 14, 14, 96, 3, 3), dict(padding=1)),
     ((2, 32, 11, 9, 48, 3, 3), dict(padding="same", dilation=2)),
     ((2, 64, 10, 10, 64, 3, 3), dict(padding=1, groups=2)),
     ((2, 32, 8, 8, 32, 3, 3), dict(padding=0)),
 ])
-def test_gpu_stride1_data_gradient_through_the_tma_kernel(shape, conv):
+def test_gpu_data_gradient_through_the_tma_kernel(shape, conv):
     from tilegemm.ops.conv2d.op import backward_data
     from tilegemm.ops.conv2d import replay
 
@@ -288,11 +329,11 @@ def test_gpu_stride1_data_gradient_through_the_tma_kernel(shape, conv):
     (want,) = torch.autograd.grad(ref, xr, dy.double())
     from tilegemm.ops.conv2d.problem import check_conv
 
-    g = check_conv(x, w, None, 1, conv["padding"], conv.get("dilation", 1), groups)
+    g = check_conv(x, w, None, conv.get("stride", 1), conv.get("padding", 0), conv.get("dilation", 1), groups)
     args = (dy, w, list(x.shape), True, list(g.stride), list(g.padding), list(g.dilation), groups, "ieee")
     from tilegemm.ops.conv2d import tma_fwd
 
-    direct = tma_fwd.dgrad_stride1(dy, w, g)  # the TMA path takes it (None would mean a fallback)
+    direct = tma_fwd.dgrad_tma(dy, w, g)  # the TMA path takes it (None would mean a fallback)
     assert direct is not None
     assert_rel_close(direct, want, tolerance(torch.float16))
     replay.clear()

@@ -161,10 +161,10 @@ def _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation, grou
             from tilegemm.ops.conv2d import depthwise
 
             return depthwise.dgrad(dy, weight, x_shape, fmt, g)
-        if g.stride == (1, 1) and x_channels_last and _tma_candidate(dy):
+        if x_channels_last and _tma_candidate(dy):
             from tilegemm.ops.conv2d import tma_fwd
 
-            dx = tma_fwd.dgrad_stride1(dy, weight, g)
+            dx = tma_fwd.dgrad_tma(dy, weight, g)
             if dx is not None:
                 return dx
         from tilegemm.ops.conv2d import implicit_gemm

@@ -65,7 +65,7 @@ def _issue(x_desc, w_desc, a_slot, b_slot, bar, it, c_steps, n, p0, q0, k_row, c
 @gluon.jit
 def conv2d_fwd_tma_kernel(
     x_desc, w_desc, out_ptr, bias_ptr,
-    N, P, Q, Kg, Cg, C_ROW, tiles_p, tiles_q,
+    N, P, Q, Kg, Cg, C_ROW, tiles_p, tiles_q, out_offset,
     stride_on, stride_op, stride_oq, stride_ok, stride_bias,
     pad_h, pad_w, dil_h, dil_w, off_h, off_w,
     R: gl.constexpr, S: gl.constexpr, SH: gl.constexpr, SW: gl.constexpr,
@@ -140,7 +140,7 @@ def conv2d_fwd_tma_kernel(
     img = n + offs_m // (BH * BW)
     p = p0 + (offs_m // BW) % BH
     q = q0 + offs_m % BW
-    rows = img.to(gl.int64) * stride_on + p * stride_op + q * stride_oq
+    rows = out_offset + img.to(gl.int64) * stride_on + p * stride_op + q * stride_oq
     ptrs = out_ptr + rows[:, None] + (k_out * stride_ok)[None, :]
     ok = (img < N) & (p < P) & (q < Q)
     gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
@@ -352,71 +352,135 @@ def run_stem(p) -> torch.Tensor:
     return out
 
 
-def dgrad_stride1(dy: torch.Tensor, weight: torch.Tensor, g):
-    """The data gradient of a stride-1 convolution as a forward one through this kernel, or None where this
-    kernel does not take that convolution. With stride 1, ``dx = conv2d(dy, w')`` where ``w'[c, k, r, s] =
-    w[k, c, R-1-r, S-1-s]`` (per group) and the padding is ``dilation * (R - 1) - padding`` on each side; the
-    flipped weight is a copy of the (small) weight a call. Returns ``dx`` channels-last."""
-    from tilegemm.core.hardware import sm_count
-    from tilegemm.core.launch import current_stream, launch, sequence_lock
-    from tilegemm.core.runtime import new_output
+def dgrad_phases(g) -> list | None:
+    """The data gradient as forward convolutions over ``dy``, one per stride phase, or None where the split does
+    not apply (a stride above 1 with a dilation above 1). Each entry is ``(a, b, geometry or None, r0, s0)``:
+    the output pixels ``(SH*i + a, SW*j + b)`` of dx are ``conv2d(dy, w_ab)`` with that geometry, where
+    ``w_ab[c, k, u, v] = w[k, c, r0 - step_h*u, s0 - step_w*v]`` (step = stride, or the dilation at stride 1:
+    one phase, the weight flipped); None: no tap reaches the phase, which is zero.
+
+    Derivation (rows; columns alike): output row p reads input row ``p*SH - top + r*dil``. At stride 1 each
+    input row h gets ``r`` taps from rows ``p = h + top - r*dil``: a convolution of dy with the flipped weight,
+    dilation ``dil``, padding ``dil*(R-1) - top``. At stride SH (dilation 1), row ``h = SH*i + a`` gets the taps
+    ``r = a + top - SH*m`` from rows ``p = i + m``, m from ``m0 = floor((a + top - R) / SH) + 1`` to
+    ``floor((a + top) / SH)``: a convolution with U = that many taps, ``u = m - m0``, padding ``-m0``."""
     from tilegemm.ops.conv2d.problem import Geometry
 
     top, bottom, left, right = g.padding
-    (dh, dw), R, S, G = g.dilation, g.R, g.S, g.groups
-    pad = (dh * (R - 1) - top, dh * (R - 1) - bottom, dw * (S - 1) - left, dw * (S - 1) - right)
-    if min(pad) < 0:
+    (sh, sw), (dh, dw) = g.stride, g.dilation
+    if (sh, sw) == (1, 1):
+        pad = (dh * (g.R - 1) - top, dh * (g.R - 1) - bottom, dw * (g.S - 1) - left, dw * (g.S - 1) - right)
+        gt = Geometry(g.N, g.K, g.P, g.Q, g.C, g.R, g.S, g.groups, (1, 1), pad, g.dilation)
+        return [(0, 0, gt, g.R - 1, g.S - 1)]
+    if (dh, dw) != (1, 1):
         return None
-    # dy [N, K, P, Q] is the input of the transposed convolution: C' = K, K' = C, image P x Q, output H x W.
-    gt = Geometry(g.N, g.K, g.P, g.Q, g.C, R, S, G, (1, 1), pad, g.dilation)
-    if (gt.P, gt.Q) != (g.H, g.W) or unusable(dy, weight, gt):
+
+    def taps(a, pad, size, stride, n_out):
+        m0 = (a + pad - size) // stride + 1
+        count = (a + pad) // stride - m0 + 1
+        rows = -(-(n_out - a) // stride)  # output rows of this phase
+        return m0, count, rows
+
+    phases = []
+    for a in range(sh):
+        for b in range(sw):
+            mh, U, Ha = taps(a, top, g.R, sh, g.H)
+            mw, V, Wb = taps(b, left, g.S, sw, g.W)
+            if Ha <= 0 or Wb <= 0:
+                continue  # no output pixel in this phase (stride larger than the image)
+            if U <= 0 or V <= 0:
+                phases.append((a, b, None, Ha, Wb))
+                continue
+            # padding (top, bottom): -mh, and what makes the output Ha rows: Ha = P + top + bottom - U + 1
+            pad = (-mh, Ha - 1 + U - g.P + mh, -mw, Wb - 1 + V - g.Q + mw)
+            gt = Geometry(g.N, g.K, g.P, g.Q, g.C, U, V, g.groups, (1, 1), pad, (1, 1))
+            phases.append((a, b, gt, a + top - sh * mh, b + left - sw * mw))
+    return phases
+
+
+def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g):
+    """The data gradient through this kernel (:func:`dgrad_phases`: one forward convolution per stride phase),
+    or None where it does not take it. Each phase's weight is written by :func:`phase_weight_kernel` into a
+    per-stream workspace of its own (a replay writes it again, so a weight updated in place is read afresh);
+    phases no tap reaches are zeroed by :func:`zero_phase_kernel`. Returns ``dx`` channels-last."""
+    from tilegemm.core.hardware import sm_count
+    from tilegemm.core.launch import current_stream, launch, sequence_lock
+    from tilegemm.core.runtime import new_output
+    from tilegemm.core.workspace import buffer
+
+    phases = dgrad_phases(g)
+    if phases is None:
         return None
+    for a, b, gt, *_ in phases:
+        if gt is not None and (min(gt.padding) < 0 and g.stride == (1, 1) or unusable(dy, weight, gt)):
+            return None
+    sh, sw = g.stride
     dx = new_output((g.N, g.H, g.W, g.C), dy.dtype, dy.device).permute(0, 3, 1, 2)
-    with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
-        wt, buf = flipped_weight(weight, g)
-        kernel, grid, args, kwargs = launch_args(dy, wt, dx, None, gt, "none",
-                                                 config(gt, dy.dtype, sm_count(dy.device)))
-        launch(kernel, grid, args, kwargs, keep=(buf,), stream=current_stream())
+    stream = current_stream()
+    with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
+        for a, b, gt, r0, s0 in phases:
+            part = dx[:, :, a::sh, b::sw]
+            if gt is None:
+                rows = g.N * part.shape[2] * part.shape[3]
+                offset = (part.data_ptr() - dx.data_ptr()) // part.element_size()
+                launch(zero_phase_kernel, (cdiv(rows, 32),),
+                       (dx, offset, rows, g.C, part.shape[2], part.shape[3], part.stride(0), part.stride(2),
+                        part.stride(3)), dict(BLOCK_R=32, BLOCK_C=64, num_warps=4))
+                continue
+            total = g.C * gt.R * gt.S * g.Kg
+            buf = buffer(dy.device, dy.dtype, total, ("conv2d-phase-weight", a, b))
+            launch(phase_weight_kernel, (cdiv(total, 1024),),
+                   (weight, buf, total, g.Kg, g.Cg, gt.R, gt.S, r0, s0, sh, sw, *weight.stride()),
+                   dict(BLOCK=1024, num_warps=4), keep=(buf,), stream=stream)
+            wt = buf[:total].view(g.C, gt.R, gt.S, g.Kg).permute(0, 3, 1, 2)
+            kernel, grid, args, kwargs = launch_args(dy, wt, part, None, gt, "none",
+                                                     config(gt, dy.dtype, sm_count(dy.device)), within=dx)
+            launch(kernel, grid, args, kwargs, keep=(buf,), stream=stream)
     return dx
 
 
 @triton.jit
-def flip_weight_kernel(w_ptr, out_ptr, total, Kg, Cg, R, S, stride_wk, stride_wc, stride_wr, stride_ws,
-                       BLOCK: tl.constexpr):
-    """``out[c, r, s, k] = w[grp * Kg + k, c - grp * Cg, R-1-r, S-1-s]`` with ``grp = c // Cg``: the weight of the
-    transposed convolution, row-major ``[C, R, S, K/groups]`` (channels-last ``[C, K/groups, R, S]``)."""
+def phase_weight_kernel(w_ptr, out_ptr, total, Kg, Cg, U, V, r0, s0, step_h, step_w,
+                        stride_wk, stride_wc, stride_wr, stride_ws, BLOCK: tl.constexpr):
+    """``out[c, u, v, k] = w[grp * Kg + k, c - grp * Cg, r0 - step_h*u, s0 - step_w*v]`` with ``grp = c // Cg``:
+    one stride phase's weight of the data gradient (at stride 1 the whole weight flipped), row-major
+    ``[C, U, V, K/groups]`` (channels-last ``[C, K/groups, U, V]``)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     k = i % Kg
     t = i // Kg
-    s = t % S
-    t = t // S
-    r = t % R
-    c = t // R
+    v = t % V
+    t = t // V
+    u = t % U
+    c = t // U
     grp = c // Cg
-    src = (grp * Kg + k) * stride_wk + (c - grp * Cg) * stride_wc + (R - 1 - r) * stride_wr + (S - 1 - s) * stride_ws
+    src = ((grp * Kg + k) * stride_wk + (c - grp * Cg) * stride_wc + (r0 - step_h * u) * stride_wr
+           + (s0 - step_w * v) * stride_ws)
     ok = i < total
     tl.store(out_ptr + i, tl.load(w_ptr + src, mask=ok), mask=ok)
 
 
-def flipped_weight(weight: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the transposed convolution's weight ``[C, K/groups, R, S]``, channels-last, in a per-stream workspace;
-    the workspace): one launch that a replay repeats, so a weight updated in place is flipped afresh."""
-    from tilegemm.core.launch import current_stream, launch
-    from tilegemm.core.workspace import buffer
+@triton.jit
+def zero_phase_kernel(out_ptr, offset, rows, C, Hb, Wb, stride_n, stride_h, stride_w,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Zeros into the pixels ``[N, Hb, Wb]`` (channels at stride 1) of the view at element ``offset`` of
+    ``out``: a phase no tap reaches."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    n = r // (Hb * Wb)
+    h = (r // Wb) % Hb
+    w = r % Wb
+    row = offset + n.to(tl.int64) * stride_n + h * stride_h + w * stride_w
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        tl.store(out_ptr + row[:, None] + c[None, :], tl.zeros((BLOCK_R, BLOCK_C), out_ptr.dtype.element_ty),
+                 mask=(r < rows)[:, None] & (c < C)[None, :])
 
-    total = weight.numel()
-    buf = buffer(weight.device, weight.dtype, total, "conv2d-flipped-weight")
-    block = 1024
-    launch(flip_weight_kernel, (cdiv(total, block),),
-           (weight, buf, total, g.Kg, g.Cg, g.R, g.S, *weight.stride()), dict(BLOCK=block, num_warps=4),
-           keep=(buf,), stream=current_stream())
-    wt = buf[:total].view(g.C, g.R, g.S, g.Kg).permute(0, 3, 1, 2)
-    return wt, buf
 
-
-def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, g, activation: str, cfg: dict):
+def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, g, activation: str, cfg: dict,
+                within: torch.Tensor | None = None):
     """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.core.launch.launch`. ``weight`` is
-    channels-last contiguous; ``x`` satisfies :func:`unusable`."""
+    channels-last contiguous; ``x`` satisfies :func:`unusable`. ``within``: a tensor ``out`` is a view into; the
+    kernel is then passed ``within`` and the element offset of ``out`` in it (a replay maps the call's tensors
+    by their data pointers, and a view at an offset has a pointer of its own)."""
     sh, sw = g.stride
     bi, bh, bw, bn, bk = cfg["BI"], cfg["BH"], cfg["BW"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     swz = min(128, bk * x.element_size())
@@ -432,8 +496,10 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, 
     # Offsets that make every tap's shift non-negative: multiples of the stride at least the padding.
     off_h = cdiv(g.padding[0], sh) * sh
     off_w = cdiv(g.padding[2], sw) * sw
-    args = (x_desc, w_desc, out, bias if bias is not None else out,
-            g.N, g.P, g.Q, g.Kg, g.Cg, g.C, tiles_p, tiles_q,
+    base = out if within is None else within
+    offset = (out.data_ptr() - base.data_ptr()) // out.element_size()
+    args = (x_desc, w_desc, base, bias if bias is not None else base,
+            g.N, g.P, g.Q, g.Kg, g.Cg, g.C, tiles_p, tiles_q, offset,
             out.stride(0), out.stride(2), out.stride(3), out.stride(1), bias.stride(0) if bias is not None else 0,
             g.padding[0], g.padding[2], g.dilation[0], g.dilation[1], off_h, off_w)
     kwargs = dict(R=g.R, S=g.S, SH=sh, SW=sw, HAS_BIAS=bias is not None, ACTIVATION=activation,
