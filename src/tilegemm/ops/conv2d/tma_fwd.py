@@ -399,18 +399,24 @@ def dgrad_phases(g) -> list | None:
 
 
 def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g):
-    """The data gradient through this kernel (:func:`dgrad_phases`: one forward convolution per stride phase),
-    or None where it does not take it. Each phase's weight is written by :func:`phase_weight_kernel` into a
-    per-stream workspace of its own (a replay writes it again, so a weight updated in place is read afresh);
-    phases no tap reaches are zeroed by :func:`zero_phase_kernel`. Returns ``dx`` channels-last."""
+    """The data gradient of a stride-1 convolution through this kernel (:func:`dgrad_phases`: one forward
+    convolution over the flipped weight), or None where it does not take it. The weight is written by
+    :func:`phase_weight_kernel` into a per-stream workspace (a replay writes it again, so a weight updated in
+    place is read afresh). Returns ``dx`` channels-last."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import current_stream, launch, sequence_lock
     from tilegemm.core.runtime import new_output
     from tilegemm.core.workspace import buffer
 
-    phases = dgrad_phases(g)
-    if phases is None:
+    if g.stride != (1, 1):
+        # Strided data gradients split into stride^2 phase convolutions ran 3x-4x faster on the GPU than the
+        # pointer kernel (ResNet-50's stride-2 layers, CUDA graphs: 0.26x -> 0.66x cuDNN over the non-1x1
+        # layers, 2026-11-24-h100/cd4226f/), but a call is then up to 8 launches (phase weights, convolutions,
+        # zeroed phases) whose replays re-encode their TMA descriptors: 190 us of host time a call at stride 2,
+        # more than the GPU time saved in eager use. They stay on the pointer kernel until a replay's
+        # descriptors over kept workspaces are encoded once.
         return None
+    phases = dgrad_phases(g)
     for a, b, gt, *_ in phases:
         if gt is not None and (min(gt.padding) < 0 and g.stride == (1, 1) or unusable(dy, weight, gt)):
             return None
@@ -420,13 +426,6 @@ def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g):
     with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
         for a, b, gt, r0, s0 in phases:
             part = dx[:, :, a::sh, b::sw]
-            if gt is None:
-                rows = g.N * part.shape[2] * part.shape[3]
-                offset = (part.data_ptr() - dx.data_ptr()) // part.element_size()
-                launch(zero_phase_kernel, (cdiv(rows, 32),),
-                       (dx, offset, rows, g.C, part.shape[2], part.shape[3], part.stride(0), part.stride(2),
-                        part.stride(3)), dict(BLOCK_R=32, BLOCK_C=64, num_warps=4))
-                continue
             total = g.C * gt.R * gt.S * g.Kg
             buf = buffer(dy.device, dy.dtype, total, ("conv2d-phase-weight", a, b))
             launch(phase_weight_kernel, (cdiv(total, 1024),),
@@ -457,22 +456,6 @@ def phase_weight_kernel(w_ptr, out_ptr, total, Kg, Cg, U, V, r0, s0, step_h, ste
            + (s0 - step_w * v) * stride_ws)
     ok = i < total
     tl.store(out_ptr + i, tl.load(w_ptr + src, mask=ok), mask=ok)
-
-
-@triton.jit
-def zero_phase_kernel(out_ptr, offset, rows, C, Hb, Wb, stride_n, stride_h, stride_w,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Zeros into the pixels ``[N, Hb, Wb]`` (channels at stride 1) of the view at element ``offset`` of
-    ``out``: a phase no tap reaches."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    n = r // (Hb * Wb)
-    h = (r // Wb) % Hb
-    w = r % Wb
-    row = offset + n.to(tl.int64) * stride_n + h * stride_h + w * stride_w
-    for c0 in range(0, C, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        tl.store(out_ptr + row[:, None] + c[None, :], tl.zeros((BLOCK_R, BLOCK_C), out_ptr.dtype.element_ty),
-                 mask=(r < rows)[:, None] & (c < C)[None, :])
 
 
 def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, g, activation: str, cfg: dict,
