@@ -149,13 +149,31 @@ def conv2d_fwd_tma_kernel(
 # --- host side ---------------------------------------------------------------------------------------------
 
 
-def _strides(x: torch.Tensor, g) -> tuple[int, int, int]:
-    """(n, h, w) strides of channels-last ``x``, those of size-1 dims made what a packed tensor would have (torch
-    leaves them arbitrary, and TMA never steps along them)."""
-    sx = x.stride(3) if g.W > 1 else g.C
-    sy = x.stride(2) if g.H > 1 else sx * g.W
-    sn = x.stride(0) if g.N > 1 else sy * g.H
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(n, h, w) strides of a channels-last ``[N, C, H, W]`` tensor, those of size-1 dims made what a packed
+    tensor would have (torch leaves them arbitrary, and TMA never steps along them)."""
+    N, C, H, W = t.shape
+    sx = t.stride(3) if W > 1 else C
+    sy = t.stride(2) if H > 1 else sx * W
+    sn = t.stride(0) if N > 1 else sy * H
     return sn, sy, sx
+
+
+def input_descriptor(x: torch.Tensor, g, block: list, layout) -> TensorDescriptor:
+    """The TMA descriptor of channels-last ``x`` as the strided 5-D view ``[N, H/SH, SH, W/SW, SW*C]`` (see the
+    module's docstring), in ``block`` boxes: the forward's and the weight gradient's input tiles. With SW = 1
+    the last dim is the C channels at stride 1 and the pixel stride is free."""
+    sh, sw = g.stride
+    sn, sy, sx = _strides(x)
+    return TensorDescriptor(x, [g.N, g.H // sh, sh, g.W // sw, sw * g.C], [sn, sh * sy, sy, sw * sx, 1], block,
+                            layout)
+
+
+def tap_offsets(g) -> tuple[int, int]:
+    """(off_h, off_w): multiples of the stride at least the padding, which make every tap's shift from the
+    window origin non-negative, so the kernels split it by the stride as floor division does."""
+    sh, sw = g.stride
+    return cdiv(g.padding[0], sh) * sh, cdiv(g.padding[2], sw) * sw
 
 
 def unusable(x: torch.Tensor, weight, g, channel_step: int = 16) -> str | None:
@@ -179,7 +197,7 @@ def unusable(x: torch.Tensor, weight, g, channel_step: int = 16) -> str | None:
     sh, sw = g.stride
     if g.H % sh or g.W % sw:
         return "image size not divisible by the stride"
-    strides = _strides(x, g)
+    strides = _strides(x)
     if sw > 1 and strides[2] != g.C:
         return "pixels not packed"
     if min(strides) <= 0:
@@ -416,25 +434,20 @@ def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g):
         # more than the GPU time saved in eager use. They stay on the pointer kernel until a replay's
         # descriptors over kept workspaces are encoded once.
         return None
-    phases = dgrad_phases(g)
-    for a, b, gt, *_ in phases:
-        if gt is not None and (min(gt.padding) < 0 and g.stride == (1, 1) or unusable(dy, weight, gt)):
-            return None
-    sh, sw = g.stride
+    ((_, _, gt, r0, s0),) = dgrad_phases(g)
+    if min(gt.padding) < 0 or unusable(dy, weight, gt):
+        return None
     dx = new_output((g.N, g.H, g.W, g.C), dy.dtype, dy.device).permute(0, 3, 1, 2)
+    total = g.C * g.R * g.S * g.Kg
     stream = current_stream()
-    with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
-        for a, b, gt, r0, s0 in phases:
-            part = dx[:, :, a::sh, b::sw]
-            total = g.C * gt.R * gt.S * g.Kg
-            buf = buffer(dy.device, dy.dtype, total, ("conv2d-phase-weight", a, b))
-            launch(phase_weight_kernel, (cdiv(total, 1024),),
-                   (weight, buf, total, g.Kg, g.Cg, gt.R, gt.S, r0, s0, sh, sw, *weight.stride()),
-                   dict(BLOCK=1024, num_warps=4), keep=(buf,), stream=stream)
-            wt = buf[:total].view(g.C, gt.R, gt.S, g.Kg).permute(0, 3, 1, 2)
-            kernel, grid, args, kwargs = launch_args(dy, wt, part, None, gt, "none",
-                                                     config(gt, dy.dtype, sm_count(dy.device)), within=dx)
-            launch(kernel, grid, args, kwargs, keep=(buf,), stream=stream)
+    with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
+        buf = buffer(dy.device, dy.dtype, total, ("conv2d-phase-weight", 0, 0))
+        launch(phase_weight_kernel, (cdiv(total, 1024),),
+               (weight, buf, total, g.Kg, g.Cg, g.R, g.S, r0, s0, 1, 1, *weight.stride()),
+               dict(BLOCK=1024, num_warps=4), keep=(buf,), stream=stream)
+        wt = buf[:total].view(g.C, g.R, g.S, g.Kg).permute(0, 3, 1, 2)
+        kernel, grid, args, kwargs = launch_args(dy, wt, dx, None, gt, "none", config(gt, dy.dtype, sm_count(dy.device)))
+        launch(kernel, grid, args, kwargs, keep=(buf,), stream=stream)
     return dx
 
 
@@ -469,16 +482,11 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, 
     swz = min(128, bk * x.element_size())
     x_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=5)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=2)
-    sn, sy, sx = _strides(x, g)
-    # [N, H/SH, SH, W/SW, SW*C]; with SW = 1 the last dim is the C channels at stride 1 and sx is free.
-    x_desc = TensorDescriptor(x, [g.N, g.H // sh, sh, g.W // sw, sw * g.C], [sn, sh * sy, sy, sw * sx, 1],
-                              [bi, bh, 1, bw, bk], x_layout)
+    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, bk], x_layout)
     kk = g.R * g.S * g.Cg
     w_desc = TensorDescriptor(weight, [g.K, kk], [kk, 1], [bn, bk], w_layout)
     tiles_p, tiles_q = cdiv(g.P, bh), cdiv(g.Q, bw)
-    # Offsets that make every tap's shift non-negative: multiples of the stride at least the padding.
-    off_h = cdiv(g.padding[0], sh) * sh
-    off_w = cdiv(g.padding[2], sw) * sw
+    off_h, off_w = tap_offsets(g)
     base = out if within is None else within
     offset = (out.data_ptr() - base.data_ptr()) // out.element_size()
     args = (x_desc, w_desc, base, bias if bias is not None else base,

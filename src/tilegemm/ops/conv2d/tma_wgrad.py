@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tilegemm.core.runtime import cdiv
-from tilegemm.ops.conv2d.tma_fwd import _strides
+from tilegemm.ops.conv2d.tma_fwd import _strides, input_descriptor, tap_offsets
 
 BLOCK = 64  # output and input channels of a tile: one 128-byte swizzled box row each
 
@@ -153,21 +153,13 @@ def unusable(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
         return "channels per group not multiples of 8"
     if dy.stride(1) != 1:
         return "output gradient not channels-last"
-    if min(_dy_strides(dy, g)) <= 0:
+    if min(_strides(dy)) <= 0:
         return "broadcast or negative strides"
-    if any((st * dy.element_size()) % 16 for st in _dy_strides(dy, g)) or dy.data_ptr() % 16:
+    if any((st * dy.element_size()) % 16 for st in _strides(dy)) or dy.data_ptr() % 16:
         return "output gradient not 16-byte aligned"
     if g.N * g.K * g.P * g.Q >= 2**31:
         return "2^31 elements or more (the pointer kernels take those, with 64-bit offsets)"
     return tma_fwd.unusable(x, None, g, channel_step=8)
-
-
-def _dy_strides(dy: torch.Tensor, g) -> tuple[int, int, int]:
-    """(n, p, q) strides of channels-last ``dy``, size-1 dims' made what a packed tensor's would be."""
-    sq = dy.stride(3) if g.Q > 1 else g.K
-    sp = dy.stride(2) if g.P > 1 else sq * g.Q
-    sn = dy.stride(0) if g.N > 1 else sp * g.P
-    return sn, sp, sq
 
 
 def config(g, sms: int) -> dict:
@@ -205,13 +197,10 @@ def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict 
     sh, sw = g.stride
     layout4 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     layout5 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=5)
-    sn, sp, sq = _dy_strides(dy, g)
+    sn, sp, sq = _strides(dy)
     dy_desc = TensorDescriptor(dy, [g.N, g.P, g.Q, g.K], [sn, sp, sq, 1], [bi, bh, bw, BLOCK], layout4)
-    xn, xy, xx = _strides(x, g)
-    x_desc = TensorDescriptor(x, [g.N, g.H // sh, sh, g.W // sw, sw * g.C], [xn, sh * xy, xy, sw * xx, 1],
-                              [bi, bh, 1, bw, BLOCK], layout5)
-    off_h = cdiv(g.padding[0], sh) * sh
-    off_w = cdiv(g.padding[2], sw) * sw
+    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, BLOCK], layout5)
+    off_h, off_w = tap_offsets(g)
     args = (dy_desc, x_desc, dw, ws, count, g.Kg, g.Cg, g.C, cdiv(g.P, bh), cdiv(g.Q, bw), slice_len, patches,
             *dw.stride(), g.padding[0], g.padding[2], g.dilation[0], g.dilation[1], off_h, off_w)
     kwargs = dict(R=g.R, S=g.S, SH=sh, SW=sw, BI=bi, BH=bh, BW=bw, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
