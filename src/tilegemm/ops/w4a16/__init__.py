@@ -9,14 +9,27 @@ import torch as _torch
 
 from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
 
+
+def _hopper() -> str | None:
+    from tilegemm.ops.matmul.persistent_tma import gluon_requires
+
+    return gluon_requires()
+
+
 register_op(OpSpec(
     name="w4a16", summary="4-bit weights (group-wise scales and zeros) times fp16/bf16 activations",
     bench="tilegemm.ops.w4a16.bench:W4A16Bench",
-    pseudo={"auto": "picks the kernel by M: gemv for a few rows, mma above (the default)"},
+    pseudo={"auto": "picks the kernel by M: frag up to 16 rows on Hopper (gemv for a few rows elsewhere), mma "
+                    "above, dequant_cublas from 256 (the default)"},
 ))
 register(KernelSpec(
     op="w4a16", name="gemv", order=10, target="tilegemm.ops.w4a16.gemv:run",
     summary="CUDA cores, split-K: wide loads of packed weights, zero/scale out of the inner loop (small M)",
+))
+register(KernelSpec(
+    op="w4a16", name="frag", order=15, target="tilegemm.ops.w4a16.frag:run",
+    requires=_hopper, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
+    summary="tensor cores fed from weights pre-shuffled into MMA fragments: two nibbles per LOP3 (small M)",
 ))
 register(KernelSpec(
     op="w4a16", name="mma", order=20, target="tilegemm.ops.w4a16.mma:run",

@@ -26,6 +26,8 @@ class W4A16Problem:
     group_k: int  # inputs per group (K for group_size -1)
     activation: str
     upcast: bool  # bf16 under the interpreter: dot in fp32
+    fweight: torch.Tensor | None = None  # the frag kernel's layout (Int4Weight.fragments()), when it runs
+    fzs: torch.Tensor | None = None
 
     @property
     def M(self) -> int:

@@ -88,15 +88,37 @@ def mma_config(M: int, N: int, K: int, device) -> dict:
                 num_stages=stages, DEQ16=deq16)
 
 
+# frag (weights pre-shuffled into MMA fragments): 4 warps, 64 x RH rows a program, K steps of 64, one step of
+# weights in flight, x's rows in 8 (M <= 8) or 16 columns. H200, g128 fp16, the L2 cleared before each call
+# (research/explore_w4a16_frag.py, benchmarks/results/2026-11-24-h200/<frag run>/): the best configs keep about
+# four programs per SM at M <= 8 (3.4-3.9; 7 was 3-20% slower, 2 up to 25% slower at M=1) and about two at
+# M=16 (8192^2: 31.5 us against 38+ with four), 256-row programs from N = 8192 on (128 below); a second step
+# in flight (DEPTH=2) or 128-long steps (KH=2) were within 5% either way. Measured at M = 1, 4, 16 on 4096^2,
+# 8192^2 and 28672 x 8192.
+FRAG_WIDE_N = 8192
+FRAG_PROGRAMS_PER_SM = (4, 2)  # M <= 8, M > 8
+
+
+def frag_config(M: int, N: int, K: int, device) -> dict:
+    rh = 4 if N >= FRAG_WIDE_N else 2
+    tiles = _cdiv(N, 64 * rh) * _cdiv(M, 8 if M <= 8 else 16)
+    split = split_within(tiles, _cdiv(K, 64), FRAG_PROGRAMS_PER_SM[M > 8] * sm_count(device), 4)
+    return dict(RH=rh, BM=8 if M <= 8 else 16, KH=1, DEPTH=1, SPLIT_K=split)
+
+
 # auto, by M: gemv up to GEMV_MAX_M rows, mma up to MMA_MAX_M, dequant_cublas above. On the H100 (f93179c) at
 # M >= 1024 dequant_cublas ran 0.86x-0.90x cuBLAS where mma ran 0.38x-0.43x; at M=256 it won 3 of 5 llm shapes.
 # At M=2 the gemv (one program per row, the second reading the weight from L2) beat mma on all five llm shapes
 # on the H200 (1.18x-1.35x cuBLAS against 0.80x-1.00x); at M=4 mma won all five (2026-11-24-h200/b305fb8/).
 GEMV_MAX_M = 2
 MMA_MAX_M = 128
+FRAG_MAX_M = 16
 
 
-def choose(M: int) -> str:
+def choose(M: int, frag: bool = False) -> str:
+    """The kernel for M rows; ``frag``: the fragment kernel can run (Hopper, group length a multiple of 64)."""
+    if frag and M <= FRAG_MAX_M:
+        return "frag"
     if M <= GEMV_MAX_M:
         return "gemv"
     if M <= MMA_MAX_M:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core.dtypes import dtype_name
+from tilegemm.core.runtime import cdiv
 
 GROUP_SIZES = (32, 64, 128, 256, -1)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16)
@@ -61,6 +62,38 @@ def unpack_cols(packed: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
     return out.reshape(R, 8 * C)
 
 
+# --- the tensor-core fragment layout (kernel ``frag``) ----------------------------------------------
+
+
+# --- the offline shuffle --------------------------------------------------------------------------------
+
+
+def pack_fragments(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_k: int):
+    """The layout of the ``frag`` kernel (:mod:`tilegemm.ops.w4a16.frag`, whose docstring describes it).
+
+    ``q`` ``[K, N]`` (values 0..15, ``W.T``), ``scales``/``zeros`` ``[G, N]`` -> (int32 ``[N16, K64, 32, 4]``,
+    ``[G', N16, 8, 4]`` in the scales' dtype), padded to N16 = 16 ceil(N / 256) and K64 = 2 ceil(K / 128); G' covers the
+    padded K."""
+    K, N = q.shape
+    n16, k64 = cdiv(N, 256) * 16, cdiv(K, 128) * 2  # whole programs of up to 256 rows, steps of up to 128
+    qp = torch.zeros((k64 * 64, n16 * 16), dtype=torch.int64, device=q.device)
+    qp[:K, :N] = q.to(torch.int64)
+    # [row, k] -> (t, j0, rl) x (c, l, j1, km, h)
+    t = qp.T.reshape(n16, 2, 8, k64, 4, 2, 4, 2)
+    t = t.permute(0, 3, 2, 6, 4, 7, 5, 1)  # (t, c, rl, km, l, h, j1, j0): nibble i = 4h + 2j1 + j0
+    t = t.reshape(n16, k64, 32, 4, 8)
+    shifts = torch.arange(8, device=q.device, dtype=torch.int64) * 4
+    words = (t << shifts).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    groups = cdiv(k64 * 64, group_k)
+    zs = torch.zeros((groups, n16 * 16, 2), dtype=scales.dtype, device=q.device)
+    zs[: scales.shape[0], :N, 0] = zeros
+    zs[: scales.shape[0], :N, 1] = scales
+    zs = zs.reshape(groups, n16, 2, 8, 2).permute(0, 1, 3, 4, 2).reshape(groups, n16, 8, 4)  # z, z8, s, s8
+    return words.contiguous(), zs.contiguous()
+
+
+
 # --- the weight --------------------------------------------------------------------------------------------
 
 
@@ -72,16 +105,17 @@ class Int4Weight:
     keep it; ``nbytes`` is what it occupies.
     """
 
-    __slots__ = ("qweight", "scales", "zeros", "perm", "group_size", "shape")
+    __slots__ = ("qweight", "scales", "zeros", "perm", "group_size", "shape", "_frag")
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, shape: tuple[int, int], perm: torch.Tensor | None = None):
+                 group_size: int, shape: tuple[int, int], perm: torch.Tensor | None = None, frag=None):
         self.qweight = qweight  # int32 [K/8, N]
         self.scales = scales  # [G, N], fp16 or bf16
         self.zeros = zeros  # [G, N], scales' dtype, integer values
         self.perm = perm  # int64 [K] or None
         self.group_size = int(group_size)  # as asked: 32..256, or -1 for all of K
         self.shape = (int(shape[0]), int(shape[1]))  # (N, K)
+        self._frag = frag  # (fweight, fzs) of the frag kernel, made by fragments() when first needed
         validate(self)
 
     # The group length along K that the kernels step by (group_size, or K for -1).
@@ -99,7 +133,17 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)
+        """Bytes held: the parts, plus the fragment layout once made."""
+        parts = list(self.tensors().values()) + list(self._frag or ())
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def fragments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fweight, fzs)``: the weight shuffled for the ``frag`` kernel (:func:`pack_fragments`), made on the
+        weight's device the first time it is asked for and kept (about the size of ``qweight`` and the scales
+        again). ``tilegemm.nn.Int4Linear`` makes it once and keeps it as buffers."""
+        if self._frag is None:
+            self._frag = pack_fragments(unpack_rows(self.qweight), self.scales, self.zeros, self.group_k)
+        return self._frag
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
         return dict(qweight=self.qweight, scales=self.scales, zeros=self.zeros, perm=self.perm)

@@ -62,12 +62,32 @@ def launcher(name: str):
     return registry.launcher("w4a16", name)
 
 
-def choose_kernel(M: int) -> str:
-    """``auto``: by M bucket (:func:`tilegemm.ops.w4a16.configs.choose`)."""
-    return configs.choose(M)
+def choose_kernel(M: int, frag: bool = False) -> str:
+    """``auto``: by M bucket (:func:`tilegemm.ops.w4a16.configs.choose`); ``frag``: the fragment kernel can run."""
+    return configs.choose(M, frag)
 
 
-def _forward(x, qweight, scales, zeros, bias, group_k, activation, kernel) -> torch.Tensor:
+_FRAG_REASON: dict = {}  # device -> why the frag kernel cannot run there ("" when it can), asked once
+
+
+def frag_usable(group_k: int, device: torch.device) -> bool:
+    """Whether ``auto`` may use the ``frag`` kernel on ``device`` for a weight of group length ``group_k``: a
+    Hopper GPU with Gluon (not the interpreter) and a group length that is a multiple of 64 (its K step)."""
+    if device.type != "cuda" or group_k % 64:
+        return False
+    reason = _FRAG_REASON.get(device)
+    if reason is None:
+        reason = _FRAG_REASON[device] = registry.get("w4a16", "frag").unavailable_reason() or ""
+    return not reason
+
+
+def _wants_frag(kernel: str, x2: torch.Tensor, w: Int4Weight) -> bool:
+    """Whether a call runs, or under ``auto`` may run, the frag kernel (which takes the fragment layout)."""
+    return kernel == "frag" or (kernel == "auto" and x2.shape[0] <= configs.FRAG_MAX_M
+                                and frag_usable(w.group_k, x2.device))
+
+
+def _forward(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel) -> torch.Tensor:
     from tilegemm.ops.w4a16.common import W4A16Problem
 
     M, N = x.shape[0], qweight.shape[1]
@@ -77,9 +97,10 @@ def _forward(x, qweight, scales, zeros, bias, group_k, activation, kernel) -> to
     if x.stride(-1) != 1:
         x = x.contiguous()
     p = W4A16Problem(x, qweight, scales, zeros, bias, out, group_k, activation,
-                     upcast=x.dtype == torch.bfloat16 and interpreting())
+                     upcast=x.dtype == torch.bfloat16 and interpreting(), fweight=fweight, fzs=fzs)
     with on_device(x.device):
-        launcher(choose_kernel(M) if kernel == "auto" else kernel)(p)
+        frag = fweight is not None and frag_usable(group_k, x.device)
+        launcher(choose_kernel(M, frag) if kernel == "auto" else kernel)(p)
     return out
 
 
@@ -89,16 +110,18 @@ def _w4a16_op(
     qweight: torch.Tensor,
     scales: torch.Tensor,
     zeros: torch.Tensor,
+    fweight: Optional[torch.Tensor],
+    fzs: Optional[torch.Tensor],
     bias: Optional[torch.Tensor],
     group_k: int,
     activation: str,
     kernel: str,
 ) -> torch.Tensor:
-    return _forward(x, qweight, scales, zeros, bias, group_k, activation, kernel)
+    return _forward(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel)
 
 
 @_w4a16_op.register_fake
-def _w4a16_fake(x, qweight, scales, zeros, bias, group_k, activation, kernel):
+def _w4a16_fake(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel):
     return x.new_empty((x.shape[0], qweight.shape[1]))
 
 
@@ -106,7 +129,7 @@ def _w4a16_fake(x, qweight, scales, zeros, bias, group_k, activation, kernel):
 
 
 def _setup_context(ctx, inputs, output):
-    x, qweight, scales, zeros, bias, group_k, activation, kernel = inputs
+    x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel = inputs
     ctx.save_for_backward(x, qweight, scales, zeros, bias)
     ctx.group_k, ctx.activation = group_k, activation
 
@@ -117,7 +140,7 @@ def _backward(ctx, grad_out):
     x, qweight, scales, zeros, bias = ctx.saved_tensors
     grad = grad_out.float()
     if ctx.activation != "none":
-        pre = _w4a16_op(x, qweight, scales, zeros, bias, ctx.group_k, "none", "auto").float()
+        pre = _w4a16_op(x, qweight, scales, zeros, None, None, bias, ctx.group_k, "none", "auto").float()
         with torch.enable_grad():
             pre = pre.detach().requires_grad_(True)
             (grad,) = torch.autograd.grad(torch_activation(pre, ctx.activation), pre, grad)
@@ -129,9 +152,9 @@ def _backward(ctx, grad_out):
         q = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(K, -1)
         wt = ((q.float() - zeros.float()[g]) * scales.float()[g]).to(x.dtype)  # [K, N]
         grad_x = (grad.to(x.dtype) @ wt.T).to(x.dtype)
-    if bias is not None and ctx.needs_input_grad[4]:
+    if bias is not None and ctx.needs_input_grad[6]:
         grad_bias = grad.sum(0).to(bias.dtype)
-    return grad_x, None, None, None, grad_bias, None, None, None
+    return grad_x, None, None, None, None, None, grad_bias, None, None, None
 
 
 _w4a16_op.register_autograd(_backward, setup_context=_setup_context)
@@ -162,6 +185,8 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     if type(w) is Int4Weight and w.perm is None and type(x) is torch.Tensor and x.dim() >= 1 \
             and x.shape[-1] == w.shape[1]:
         x2 = x.reshape(-1, x.shape[-1])
+        if w._frag is None and _wants_frag(kernel, x2, w):
+            w.fragments()  # before the key, which holds the fragments' layouts
         key = replay.replay_key(x2, w, bias, activation, kernel)
         if key is not None:
             hit = replay.lookup(key)
@@ -175,12 +200,15 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     x2 = x.reshape(-1, x.shape[-1])
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)  # act-order: the stored weight rows are sorted by group
-    args = (x2, w.qweight, w.scales, w.zeros, bias, w.group_k, activation, kernel)
+    # The fragment layout goes along when the frag kernel is asked for, or may be chosen by auto.
+    frag = _wants_frag(kernel, x2, w)
+    fweight, fzs = w.fragments() if frag else (None, None)
+    args = (x2, w.qweight, w.scales, w.zeros, fweight, fzs, bias, w.group_k, activation, kernel)
     # Dispatch through torch.ops costs tens of microseconds of host time, more than an M=1 kernel; a call that
     # no tracer, mode or autograd needs to see skips it (as tilegemm.matmul does).
     if not plain_call(x2, bias):
         return _w4a16_op(*args).reshape(*lead, w.shape[0])
-    if key is None or (choose_kernel(x2.shape[0]) if kernel == "auto" else kernel) not in replay.REPLAYED_KERNELS:
+    if key is None or (choose_kernel(x2.shape[0], frag) if kernel == "auto" else kernel) not in replay.REPLAYED_KERNELS:
         return _forward(*args).reshape(*lead, w.shape[0])
     with recording() as rec:
         out = _forward(*args)

@@ -23,14 +23,15 @@ from tilegemm.core.runtime import interpreting
 
 _cache = ReplayCache()
 
-REPLAYED_KERNELS = ("gemv", "mma")  # whole calls that are one Triton launch
+REPLAYED_KERNELS = ("gemv", "mma", "frag")  # whole calls that are one Triton launch
 
 
 def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str) -> tuple:
     """The replay key of a call with 2-D activations ``x2`` (already reshaped and, for act-order, permuted):
     the layouts of every tensor the launch takes and the call's named options."""
+    frag = None if w._frag is None else tuple(tensor_key(t) for t in w._frag)
     return (kernel, activation, x2.device, tensor_key(x2), tensor_key(w.qweight), tensor_key(w.scales), tensor_key(w.zeros),
-            w.group_k, None if bias is None else tensor_key(bias))
+            frag, w.group_k, None if bias is None else tensor_key(bias))
 
 
 def replay_key(x2, w, bias, activation: str, kernel: str):
@@ -51,8 +52,9 @@ def lookup(key):
 
 
 def call_tensors(x2, w, bias, out) -> tuple:
-    """The tensors a replay takes, in the order :func:`store` recorded them."""
-    return (x2, w.qweight, w.scales, w.zeros, out) if bias is None else (x2, w.qweight, w.scales, w.zeros, bias, out)
+    """The tensors a replay takes, in the order :func:`store` recorded them (the fragment layout, when made)."""
+    parts = (x2, w.qweight, w.scales, w.zeros) + tuple(w._frag or ())
+    return parts + (out,) if bias is None else parts + (bias, out)
 
 
 def store(key, launches, tensors, shape) -> None:
