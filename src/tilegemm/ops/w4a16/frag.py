@@ -185,9 +185,11 @@ def _x_step(x_ptr, x_offs, kk, k0, K, live, EVEN_K: gl.constexpr):
 
 
 @gluon.jit
-def frag_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_xm, stride_om, K64, N16, group_k, steps_per_split,
-                BM: gl.constexpr, RH: gl.constexpr, KH: gl.constexpr, QL: gl.constexpr, BF16: gl.constexpr, EVEN_K: gl.constexpr, DEPTH: gl.constexpr,
-                SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr):
+def frag_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_xm, stride_om, K64, N16,
+                group_k, steps_per_split, k_stop,
+                BM: gl.constexpr, RH: gl.constexpr, KH: gl.constexpr, QL: gl.constexpr, BF16: gl.constexpr,
+                EVEN_K: gl.constexpr, DEPTH: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr,
+                ACTIVATION: gl.constexpr):
     RHT: gl.constexpr = 4 * RH
     BN: gl.constexpr = 16 * RHT
     BK: gl.constexpr = 64 * KH
@@ -221,7 +223,7 @@ def frag_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, 
 
     acc = gl.zeros([BN, BM], gl.float32, mma)
     k_begin = split * steps_per_split * BK
-    k_end = gl.minimum(k_begin + steps_per_split * BK, K64 * 64)
+    k_end = gl.minimum(k_begin + steps_per_split * BK, k_stop)
     # DEPTH steps of weights in flight ahead of the arithmetic, and the next step's x. (Unrolled by two with a
     # buffer per half instead, to spare the loop-carried copies, it ran 5-20% slower: more registers.)
     w = gl.load(wf_ptr + w_offs, mask=k_begin < k_end)
@@ -293,7 +295,7 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
     rh, bm, split, kh = cfg["RH"], cfg["BM"], cfg["SPLIT_K"], cfg.get("KH", 1)
     if group_k % (64 * kh):
         raise ValueError(f"frag: the group length {group_k} must be a multiple of the K step {64 * kh}")
-    steps = k64 // kh
+    steps = cdiv(K, 64 * kh)  # the padding past them holds zero weights only
     per_split = cdiv(steps, max(1, min(split, steps)))
     split = cdiv(steps, per_split)
     tiles_n, tiles_m = cdiv(n16 * 16, 64 * rh), cdiv(M, bm)
@@ -302,7 +304,7 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
     else:
         ws, count = out, out  # unused
     args = (x, fw, fzs.view(torch.int32), bias if bias is not None else out, out, ws, count, M, N, K, x.stride(0),
-            out.stride(0), k64, n16, group_k, per_split)
+            out.stride(0), k64, n16, group_k, per_split, steps * 64 * kh)
     kwargs = dict(BM=bm, RH=rh, KH=kh, QL=q_layout(rh, kh), BF16=x.dtype == torch.bfloat16,
                   EVEN_K=K % (64 * kh) == 0, DEPTH=cfg.get("DEPTH", 1), SPLIT_K=split, HAS_BIAS=bias is not None,
                   ACTIVATION=activation, num_warps=4)
