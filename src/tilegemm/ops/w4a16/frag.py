@@ -94,30 +94,21 @@ mov.b32 {$3, $7}, l;
 
 
 _DEQ16 = gl.constexpr(_deq("f16x2", "0x64006400", "0x2C002C00"))
-# bf16 has 7 mantissa bits: a nibble at bits 4..7 would reach the exponent, so every pair is shifted down first
-# (prep gives (128 + z[r + 8]) for the odd pairs here).
-_DEQBF = gl.constexpr("""{
-.reg .b32 l, q;
-lop3.b32 l, $8, 0x000f000f, 0x43004300, 0xEA;
-sub.rn.bf16x2 l, l, $9;
-mul.rn.bf16x2 l, l, $11;
-mov.b32 {$0, $4}, l;
-shr.u32 q, $8, 4;
-lop3.b32 l, q, 0x000f000f, 0x43004300, 0xEA;
-sub.rn.bf16x2 l, l, $10;
-mul.rn.bf16x2 l, l, $12;
-mov.b32 {$1, $5}, l;
-shr.u32 q, $8, 8;
-lop3.b32 l, q, 0x000f000f, 0x43004300, 0xEA;
-sub.rn.bf16x2 l, l, $9;
-mul.rn.bf16x2 l, l, $11;
-mov.b32 {$2, $6}, l;
-shr.u32 q, $8, 12;
-lop3.b32 l, q, 0x000f000f, 0x43004300, 0xEA;
-sub.rn.bf16x2 l, l, $10;
-mul.rn.bf16x2 l, l, $12;
-mov.b32 {$3, $7}, l;
-}""")
+
+
+def _deq_bf16() -> str:
+    """bf16 has 7 mantissa bits: a nibble at bits 4..7 would reach the exponent, so every pair is shifted down
+    first (prep gives 128 + z[r + 8] for the odd pairs here)."""
+    lines = []
+    for j, (shift, z, sc) in enumerate(((0, 9, 11), (4, 10, 12), (8, 9, 11), (12, 10, 12))):
+        if shift:
+            lines.append(f"shr.u32 q, $8, {shift};")
+        lines += [f"lop3.b32 l, {'q' if shift else '$8'}, 0x000f000f, 0x43004300, 0xEA;",
+                  f"sub.rn.bf16x2 l, l, ${z};", f"mul.rn.bf16x2 l, l, ${sc};", f"mov.b32 {{${j}, ${j + 4}}}, l;"]
+    return "{\n.reg .b32 l, q;\n" + "\n".join(lines) + "\n}"
+
+
+_DEQBF = gl.constexpr(_deq_bf16())
 
 
 @gluon.jit
