@@ -7,21 +7,16 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from tilegemm import w4a16
 from tilegemm.ops.w4a16 import frag
-from tilegemm.ops.w4a16.format import unpack_rows
 
 from explore_w4a16_small_m import Cold  # GPU time in CUDA graphs, the L2 cleared before each call
-
-
-def fragments(w):
-    return frag.pack_fragments(unpack_rows(w.qweight), w.scales, w.zeros, w.group_k)
 
 
 def run_frag(x, fw, fzs, w, cfg, bias=None, activation="none"):
@@ -54,13 +49,13 @@ def main():
     # correctness first, odd shapes and both dtypes
     for (N, K, g, M, dt) in [] if a.no_check else [(256, 512, 128, 1, torch.float16), (272, 320, 64, 3, torch.float16),
                              (1000, 4096, 128, 17, torch.float16), (4096, 4096, -1, 5, torch.float16),
-                             (4096, 4096, 128, 16, torch.bfloat16), (300, 1000, 200 if False else 128, 2, torch.float16),
+                             (4096, 4096, 128, 16, torch.bfloat16), (320, 1024, 128, 2, torch.float16),
                              (4096, 4096, 256, 33, torch.bfloat16)]:
         if K % 8 or (g != -1 and K % g):
             continue
         wd = torch.randn(N, K, device="cuda", dtype=dt)
         w = w4a16.quantize(wd, group_size=g)
-        fw, fzs = fragments(w)
+        fw, fzs = w.fragments()
         x = torch.randn(M, K, device="cuda", dtype=dt)
         bias = torch.randn(N, device="cuda", dtype=dt)
         ref = (x.float() @ w4a16.dequantize(w).float().T + bias.float())
@@ -78,25 +73,23 @@ def main():
         N, K = map(int, shape.split("x"))
         wd = torch.randn(N, K, device="cuda", dtype=torch.float16)
         w = w4a16.quantize(wd, group_size=128)
-        fw, fzs = fragments(w)
+        fw, fzs = w.fragments()
         for M in map(int, a.ms.split(",")):
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)
             t_cublas = cold(lambda: F.linear(x, wd)) * 1e-3
             t_auto = cold(lambda: w4a16.matmul(x, w)) * 1e-3
             best = None
-            import itertools
             bm = 8 if M <= 8 else 16
             for rh, kh, split in itertools.product((1, 2, 4), (1, 2), (2, 4, 8, 16)):
-                    tiles = -(-fw.shape[0] * 16 // (64 * rh))
-                    if True:
-                        if tiles * split > 8 * sms or fw.shape[1] // kh // split < 2:
-                            continue
-                        cfg = dict(RH=rh, BM=bm, SPLIT_K=split, KH=kh)
-                        t = cold(launcher(x, fw, fzs, w, cfg)) * 1e-3
-                        rows.append(dict(kind="time", N=N, K=K, M=M, cfg=cfg, us=t * 1e3, cublas_us=t_cublas * 1e3,
-                                         auto_us=t_auto * 1e3))
-                        if best is None or t < best[0]:
-                            best = (t, cfg)
+                tiles = -(-fw.shape[0] * 16 // (64 * rh))
+                if tiles * split > 8 * sms or fw.shape[1] // kh // split < 2:
+                    continue
+                cfg = dict(RH=rh, BM=bm, SPLIT_K=split, KH=kh)
+                t = cold(launcher(x, fw, fzs, w, cfg)) * 1e-3
+                rows.append(dict(kind="time", N=N, K=K, M=M, cfg=cfg, us=t * 1e3, cublas_us=t_cublas * 1e3,
+                                 auto_us=t_auto * 1e3))
+                if best is None or t < best[0]:
+                    best = (t, cfg)
             print(f"{N}x{K} M={M}: cuBLAS {t_cublas*1e3:.1f} us, auto {t_auto*1e3:.1f} us "
                   f"({t_cublas/t_auto:.2f}x), frag best {best[0]*1e3:.1f} us {best[1]} "
                   f"({t_cublas/best[0]:.2f}x)", flush=True)

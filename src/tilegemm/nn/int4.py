@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tilegemm.ops.w4a16.format import Int4Weight, from_awq, from_gptq, quantize
+from tilegemm.ops.w4a16.format import Int4Weight, fits_fragments, from_awq, from_gptq, quantize
 
 _BUFFERS = ("qweight", "scales", "zeros", "perm")
 
@@ -44,15 +44,17 @@ class Int4Linear(nn.Module):
         # The frag kernel's layout of the weight (Int4Weight.fragments()), made once, kept as buffers that move
         # with the module and are not saved (they follow from the others); empty where that kernel cannot run
         # (a group length that is not a multiple of 64).
-        fw, fzs = w.fragments() if w.group_k % 64 == 0 else (torch.empty(0, dtype=torch.int32, device=w.device),) * 2
+        fw, fzs = w.fragments() if fits_fragments(w.group_k) else (torch.empty(0, dtype=torch.int32, device=w.device),) * 2
         self.register_buffer("fweight", fw, persistent=False)
         self.register_buffer("fzs", fzs, persistent=False)
 
     @property
     def weight(self) -> Int4Weight:
         """The 4-bit weight, a view on the buffers (no copy)."""
+        return self._weight((self.fweight, self.fzs) if self.fweight.numel() else None)
+
+    def _weight(self, frag=None) -> Int4Weight:
         perm = self.perm if self.perm.numel() else None
-        frag = (self.fweight, self.fzs) if self.fweight.numel() else None
         return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size,
                           (self.out_features, self.in_features), perm, frag)
 
@@ -105,9 +107,7 @@ class Int4Linear(nn.Module):
         G = self.scales.shape[0]
         self.group_size = -1 if G == 1 else self.in_features // G
         if not error_msgs:
-            perm = self.perm if self.perm.numel() else None
-            self._set_fragments(Int4Weight(self.qweight, self.scales, self.zeros, self.group_size,
-                                           (self.out_features, self.in_features), perm))
+            self._set_fragments(self._weight())
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

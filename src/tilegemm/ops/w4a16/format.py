@@ -68,6 +68,14 @@ def unpack_cols(packed: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
 # --- the offline shuffle --------------------------------------------------------------------------------
 
 
+FRAG_K_STEP = 64  # the frag kernel's K step: its scales change between steps only
+
+
+def fits_fragments(group_k: int) -> bool:
+    """Whether the ``frag`` kernel can take a weight of group length ``group_k`` (a multiple of its K step)."""
+    return group_k % FRAG_K_STEP == 0
+
+
 def pack_fragments(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_k: int):
     """The layout of the ``frag`` kernel (:mod:`tilegemm.ops.w4a16.frag`, whose docstring describes it).
 

@@ -23,7 +23,6 @@ Scales and zeros (``[G, N16, 8, 4]`` in the weights' dtype): ``(z[r], z[r + 8], 
 from __future__ import annotations
 
 import torch
-import triton
 
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.runtime import cdiv
@@ -36,8 +35,8 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
 
 
-def q_layout(rh: int, kh: int) -> gl.BlockedLayout:
-    """Layout of a step's words ``[4 * RH, KH, 32, 4]`` (row tile, 64-chunk, lane, 16-chunk): the four 16-chunks
+def q_layout() -> gl.BlockedLayout:
+    """Layout of a step's words ``[4 * RH, KH, 32, 4]`` (any RH, KH) (row tile, 64-chunk, lane, 16-chunk): the four 16-chunks
     of a lane in one thread (a 16-byte load), lanes across the warp, row tiles across the warps then repeated."""
     return gl.BlockedLayout([1, 1, 1, 4], [1, 1, 32, 1], [4, 1, 1, 1], [3, 2, 1, 0])
 
@@ -296,7 +295,7 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
         ws, count = out, out  # unused
     args = (x, fw, fzs.view(torch.int32), bias if bias is not None else out, out, ws, count, M, N, K, x.stride(0),
             out.stride(0), k64, n16, group_k, per_split, steps * 64 * kh)
-    kwargs = dict(BM=bm, RH=rh, KH=kh, QL=q_layout(rh, kh), BF16=x.dtype == torch.bfloat16,
+    kwargs = dict(BM=bm, RH=rh, KH=kh, QL=q_layout(), BF16=x.dtype == torch.bfloat16,
                   EVEN_K=K % (64 * kh) == 0, DEPTH=cfg.get("DEPTH", 1), SPLIT_K=split, HAS_BIAS=bias is not None,
                   ACTIVATION=activation, num_warps=4)
     return frag_kernel, (tiles_n, tiles_m, split), args, kwargs

@@ -13,7 +13,7 @@ from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.runtime import check_same_device, interpreting, new_output, on_device
 from tilegemm.core.launch import plain_call, recording
 from tilegemm.ops.w4a16 import configs, replay
-from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, validate
+from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, fits_fragments, validate
 
 
 
@@ -73,7 +73,7 @@ _FRAG_REASON: dict = {}  # device -> why the frag kernel cannot run there ("" wh
 def frag_usable(group_k: int, device: torch.device) -> bool:
     """Whether ``auto`` may use the ``frag`` kernel on ``device`` for a weight of group length ``group_k``: a
     Hopper GPU with Gluon (not the interpreter) and a group length that is a multiple of 64 (its K step)."""
-    if device.type != "cuda" or group_k % 64:
+    if device.type != "cuda" or not fits_fragments(group_k):
         return False
     reason = _FRAG_REASON.get(device)
     if reason is None:
