@@ -106,6 +106,21 @@ def frag_config(M: int, N: int, K: int, device) -> dict:
     return dict(RH=rh, BM=8 if M <= 8 else 16, KH=1, DEPTH=1, SPLIT_K=split)
 
 
+# frag_wgmma (the fragments through wgmma, x from shared memory): x's rows in BM = 32, 64, 128 or 256 columns,
+# 128 weight rows a program (4 warps x 2 row tiles, or 8 x 1 at BM = 256, so the accumulator stays at 64-128
+# registers a thread), a ring of STAGES slots; K split so that about FRAG_WGMMA_PROGRAMS_PER_SM programs run
+# on every SM, each slice at least 4 steps of 64.
+FRAG_WGMMA_PROGRAMS_PER_SM = 2
+
+
+def frag_wgmma_config(M: int, N: int, K: int, device) -> dict:
+    bm = next((b for b in (32, 64, 128) if M <= b), 256)
+    warps, rh = (8, 1) if bm == 256 else (4, 2)
+    tiles = _cdiv(N, 16 * rh * warps) * _cdiv(M, bm)
+    split = split_within(tiles, _cdiv(K, 64), FRAG_WGMMA_PROGRAMS_PER_SM * sm_count(device), 4)
+    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=3 if bm == 256 else 4, SPLIT_K=split)
+
+
 # auto, by M: gemv up to GEMV_MAX_M rows, mma up to MMA_MAX_M, dequant_cublas above. On the H100 (f93179c) at
 # M >= 1024 dequant_cublas ran 0.86x-0.90x cuBLAS where mma ran 0.38x-0.43x; at M=256 it won 3 of 5 llm shapes.
 # At M=2 the gemv (one program per row, the second reading the weight from L2) beat mma on all five llm shapes

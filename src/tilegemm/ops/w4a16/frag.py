@@ -245,20 +245,27 @@ def frag_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, 
 
     nn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    _finish(acc, out_ptr, bias_ptr, ws_ptr, count_ptr, nn, om, M, N, stride_om, pid_m * gl.num_programs(0) + pid_n,
+            split, SPLIT_K, HAS_BIAS, ACTIVATION)
+
+
+@gluon.jit
+def _finish(acc, out_ptr, bias_ptr, ws_ptr, count_ptr, nn, om, M, N, stride_om, tile, split, SPLIT_K: gl.constexpr,
+            HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr):
+    """Store the transposed tile ``acc`` ([features nn, rows om] of the output), or with SPLIT_K > 1 hand it
+    over: every slice leaves its partial tile in the workspace; the last to arrive at the tile adds them in
+    slice order (deterministic) and stores."""
     inside = gl.expand_dims(nn < N, 1) & gl.expand_dims(om < M, 0)
     if SPLIT_K == 1:
         _store(acc, out_ptr, bias_ptr, nn, om, inside, N, stride_om, HAS_BIAS, ACTIVATION)
     else:
-        # Last arrival: every slice leaves its partial tile in the workspace; the last to arrive at the tile
-        # adds them in slice order (deterministic) and stores.
-        tile = pid_m * gl.num_programs(0) + pid_n
         ws_tile = ws_ptr + gl.expand_dims(om, 0) * N + gl.expand_dims(nn, 1)
         gl.store(ws_tile + split * M * N, acc, mask=inside)
         gl.thread_barrier()
         arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             gl.thread_barrier()
-            total = gl.zeros([BN, BM], gl.float32, mma)
+            total = gl.zeros_like(acc)
             for s in range(0, SPLIT_K):
                 total += gl.load(ws_tile + s * M * N, mask=inside, other=0.0, cache_modifier=".cg")
             gl.store(count_ptr + tile, 0)

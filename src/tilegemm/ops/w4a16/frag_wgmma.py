@@ -1,0 +1,205 @@
+"""Kernel ``frag_wgmma``: Hopper's warp-group MMAs (``wgmma``) fed from the pre-shuffled fragments, for M from
+about 17 to a few hundred rows (Gluon, sm_90).
+
+:mod:`~tilegemm.ops.w4a16.frag` covers M <= 16 with ``mma.sync``. From there the weights are still the MMA's A
+operand, but of ``wgmma``, whose A may come from registers in the same per-warp fragment layout as
+``mma.sync``'s: the words of :func:`~tilegemm.ops.w4a16.format.pack_fragments` serve both, dequantized by the
+same PTX. The activations ``x`` (``[BM, 64]`` a step, ``BM`` = 32 .. 256 rows) are ``wgmma``'s B operand, read
+from shared memory as they lie (K contiguous). Each warp owns ``RH`` tiles of 16 weight rows, a program
+``16 * RH * num_warps`` rows (the output's features) and ``BM`` rows of x; its accumulator is the output tile
+transposed.
+
+Both operands go through a ring of ``STAGES`` shared-memory slots filled by ``cp.async`` (no registers held
+for loads in flight): a slot holds one step's x tile (swizzled for ``wgmma``) and its packed weight words,
+which each thread reads back exactly as it copied them (16 bytes, one wavefront a quarter-warp). A step waits
+for its slot, dequantizes its words into registers and issues the MMA; the MMA is waited for before the next
+step writes those registers (the other programs on the SM fill the gap). K slices meet in the same
+last-arrival reduction as ``frag``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core.launch import current_stream, launch
+from tilegemm.core.runtime import cdiv
+from tilegemm.ops.w4a16.common import W4A16Problem, workspace
+from tilegemm.ops.w4a16.configs import frag_wgmma_config
+from tilegemm.ops.w4a16.frag import _a_tile, _finish, _prep
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
+
+
+@gluon.jit
+def _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, step, k_first, k_end, K,
+           STAGES: gl.constexpr, EVEN_K: gl.constexpr):
+    """cp.async the x tile and weight words of K step ``step`` (counted from the slice's first) into its slot;
+    nothing past the slice, zeros past K and past M."""
+    k0 = k_first + step * 64
+    live = k0 < k_end
+    slot = step % STAGES
+    if EVEN_K:
+        x_mask = x_ok & live
+    else:
+        x_mask = x_ok & live & (k0 + gl.expand_dims(kk, 0) < K)
+    async_copy.async_copy_global_to_shared(x_bufs.index(slot), x_ptr + x_offs + k0, mask=x_mask)
+    async_copy.async_copy_global_to_shared(w_bufs.index(slot), wf_ptr + w_offs + step * 128, mask=live)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, left, g, k0, k_end, group_k, group_steps, BF16: gl.constexpr):
+    """The prepared scales and zeros for the step at ``k0``: (re)loaded when it starts a group (none past the
+    slice: the overlapped loop prepares one step more than it runs)."""
+    if left == 0:
+        zp = zs_ptr + (g * N16 * 8 + zs_row) * 2
+        live = k0 < k_end
+        za, zb, sa, sb = _prep(gl.load(zp, mask=live), gl.load(zp + 1, mask=live), BF16)
+        left = group_steps - (k0 - g * group_k) // 64
+        g += 1
+    return za, zb, sa, sb, left - 1, g
+
+
+@gluon.jit
+def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x8, stride_om,
+                      K64, N16, group_k, steps_per_split, k_stop,
+                      BM: gl.constexpr, RH: gl.constexpr, STAGES: gl.constexpr, BF16: gl.constexpr,
+                      EVEN_K: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      ACTIVATION: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+    RHT: gl.constexpr = num_warps * RH  # 16-row tiles of weights
+    BN: gl.constexpr = 16 * RHT
+    dt: gl.constexpr = x_ptr.dtype.element_ty
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, BM, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    # words [RHT, 1, 32, 4]: a lane's four words in one thread (16 bytes), row tiles across the warps
+    ql: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 32, 1], [num_warps, 1, 1, 1], [3, 2, 1, 0])
+    # x [BM, 64]: 16 bytes a thread along K
+    xl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 64], dt)
+    w_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    split = gl.program_id(2)
+
+    # word offsets of the slice's first step, [RHT, 1, 32, 4]
+    i0 = gl.arange(0, RHT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ql))))
+    i2 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, ql))))
+    i3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, ql))))
+    t0 = pid_n * RHT + i0
+    c0 = split * steps_per_split
+    w_offs = gl.expand_dims(gl.expand_dims(gl.expand_dims((t0 * K64 + c0) * 128, 1), 2), 3) + \
+        gl.expand_dims(gl.expand_dims(gl.expand_dims(i2 * 4, 0), 1), 3) + \
+        gl.expand_dims(gl.expand_dims(gl.expand_dims(i3, 0), 1), 2)
+    zs_row = gl.expand_dims(gl.expand_dims(gl.expand_dims(t0 * 8, 1), 2), 3) + \
+        gl.expand_dims(gl.expand_dims(gl.expand_dims(i2 // 4, 0), 1), 3)  # [RHT, 1, 32, 1]
+
+    # x tile offsets [BM, 64]; rows past M are zero-filled (their output columns are not stored)
+    mm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, xl))
+    kk = gl.arange(0, 64, layout=gl.SliceLayout(0, xl))
+    x_offs = gl.expand_dims(mm.to(gl.int64) * stride_x8 * 8, 1) + gl.expand_dims(kk, 0)
+    x_ok = gl.expand_dims(mm < M, 1)
+
+    x_bufs = gl.allocate_shared_memory(dt, [STAGES, BM, 64], x_sl)
+    w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, RHT, 1, 32, 4], w_sl)
+
+    k_first = split * steps_per_split * 64
+    k_end = gl.minimum(k_first + steps_per_split * 64, k_stop)
+    steps = gl.cdiv(k_end - k_first, 64)
+    for i in gl.static_range(STAGES - 1):
+        _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, i, k_first, k_end, K, STAGES, EVEN_K)
+
+    group_steps = group_k // 64
+    left = 0
+    g = k_first // group_k
+    za = gl.zeros([RHT, 1, 32, 1], gl.int32, ql)
+    zb = za
+    sa = za
+    sb = za
+    acc = gl.zeros([BN, BM], gl.float32, acc_l)
+    if OVERLAP:
+        # Step s + 1 is dequantized while step s's MMA runs; its registers stay live (a dependency of the wait)
+        # until that MMA is retired. The slot loaded at step s is the one step s - 1 read: every warp retired
+        # that MMA before the barrier.
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        za, zb, sa, sb, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, left, g, k_first, k_end, group_k,
+                                          group_steps, BF16)
+        a = _a_tile(w_bufs.index(0).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
+        fence_async_shared()
+        for s in range(steps):
+            acc = warpgroup_mma(a, x_bufs.index(s % STAGES).permute((1, 0)), acc, is_async=True)
+            async_copy.wait_group(STAGES - 3)  # step s + 1 has landed (this thread's copies) ...
+            gl.thread_barrier()  # ... and every thread's; every warp retired step s - 1's MMA
+            _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first, k_end, K,
+                   STAGES, EVEN_K)
+            za, zb, sa, sb, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, left, g,
+                                              k_first + (s + 1) * 64, k_end, group_k, group_steps, BF16)
+            a_next = _a_tile(w_bufs.index((s + 1) % STAGES).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
+            fence_async_shared()
+            acc, a = warpgroup_mma_wait(0, deps=(acc, a))
+            a = a_next
+    else:
+        for s in range(steps):
+            za, zb, sa, sb, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, left, g, k_first + s * 64,
+                                              k_end, group_k, group_steps, BF16)
+            async_copy.wait_group(STAGES - 2)  # step s has landed (this thread's copies) ...
+            gl.thread_barrier()  # ... and every thread's; every warp is done with step s - 1's slot
+            fence_async_shared()
+            _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first, k_end, K,
+                   STAGES, EVEN_K)
+            slot = s % STAGES
+            a = _a_tile(w_bufs.index(slot).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
+            acc = warpgroup_mma(a, x_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+    async_copy.wait_group(0)
+
+    nn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
+    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
+    _finish(acc, out_ptr, bias_ptr, ws_ptr, count_ptr, nn, om, M, N, stride_om, pid_m * gl.num_programs(0) + pid_n,
+            split, SPLIT_K, HAS_BIAS, ACTIVATION)
+
+
+# --- launch ----------------------------------------------------------------------------------------------
+
+
+def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation: str, cfg: dict):
+    """(kernel, grid, args, kwargs) for ``out = activation(x @ W.T + bias)`` from the fragments of W."""
+    M = x.shape[0]
+    n16, k64 = fw.shape[0], fw.shape[1]
+    rh, bm, split, warps = cfg["RH"], cfg["BM"], cfg["SPLIT_K"], cfg["num_warps"]
+    if group_k % 64:
+        raise ValueError(f"frag_wgmma: the group length {group_k} must be a multiple of the K step 64")
+    if x.stride(0) % 8:
+        raise ValueError(f"frag_wgmma: x's row stride {x.stride(0)} must be a multiple of 8 elements (16 bytes)")
+    if cfg.get("OVERLAP", True) and cfg["STAGES"] < 3:
+        raise ValueError("frag_wgmma: OVERLAP needs STAGES >= 3 (a step in the MMA, the next landed, one loading)")
+    steps = cdiv(K, 64)  # the padding past them holds zero weights only
+    per_split = cdiv(steps, max(1, min(split, steps)))
+    split = cdiv(steps, per_split)
+    tiles_n, tiles_m = cdiv(n16 * 16, 16 * rh * warps), cdiv(M, bm)
+    if split > 1:
+        ws, count = workspace(x.device, split * M * N, tiles_n * tiles_m)
+    else:
+        ws, count = out, out  # unused
+    args = (x, fw, fzs.view(torch.int32), bias if bias is not None else out, out, ws, count, M, N, K,
+            x.stride(0) // 8, out.stride(0), k64, n16, group_k, per_split, steps * 64)
+    kwargs = dict(BM=bm, RH=rh, STAGES=cfg["STAGES"], BF16=x.dtype == torch.bfloat16, EVEN_K=K % 64 == 0,
+                  SPLIT_K=split, HAS_BIAS=bias is not None, ACTIVATION=activation,
+                  OVERLAP=cfg.get("OVERLAP", True), num_warps=warps)
+    return frag_wgmma_kernel, (tiles_n, tiles_m, split), args, kwargs
+
+
+def run(p: W4A16Problem, cfg: dict | None = None) -> None:
+    if p.fweight is None:
+        raise ValueError("the frag_wgmma kernel needs the weight's fragment layout (Int4Weight.fragments())")
+    cfg = cfg or frag_wgmma_config(p.M, p.N, p.K, p.x.device)
+    kernel, grid, args, kwargs = launch_args(p.x, p.fweight, p.fzs, p.bias, p.out, p.N, p.K, p.group_k,
+                                             p.activation, cfg)
+    split = kwargs["SPLIT_K"] > 1
+    launch(kernel, grid, args, kwargs, keep=args[5:7] if split else (),
+           stream=current_stream() if split else None)
