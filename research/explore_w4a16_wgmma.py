@@ -33,9 +33,9 @@ def launch(x, fw, fzs, w, cfg, bias=None, activation="none", out=None):
 def configs(M, N, K, sms):
     """BM the smallest of 32..256 that holds M (and the next smaller from 256 rows on), three warp shapes,
     two ring depths, the K split of the shipped rule and its neighbours."""
-    bms = sorted({next((b for b in (32, 64, 128) if M <= b), 256)} | ({128} if M >= 256 else set())
+    bms = sorted({next((b for b in (8, 16, 32, 64, 128) if M <= b), 256)} | ({128} if M >= 256 else set())
                  | ({64} if M >= 128 else set()))
-    for bm, (warps, rh), stages in itertools.product(bms, ((4, 2), (8, 1), (4, 1), (8, 2)), (3, 4)):
+    for bm, (warps, rh), stages in itertools.product(bms, ((4, 2), (8, 1), (4, 1)), (3, 4, 6)):
         if bm * 64 * 2 * stages + 16 * rh * warps * 32 * stages > 200 * 1024 or rh * bm > 256 or (rh == 2 and bm >= 128):
             continue  # shared memory; an accumulator over 128 registers a thread spills
         base = frag_wgmma_config(M, N, K, "cuda")["SPLIT_K"] if (bm, warps, rh) == (
@@ -43,7 +43,7 @@ def configs(M, N, K, sms):
         tiles = -(-N // (16 * rh * warps)) * -(-M // bm)
         splits = {1}
         s = 1
-        while tiles * s < 4 * sms and K // 64 // s >= 8:
+        while tiles * s < (8 if bm <= 16 else 4) * sms and K // 64 // s >= 8:
             s *= 2
             splits.add(s)
         if base:
@@ -76,7 +76,8 @@ def main():
         ref = F.silu(x.double() @ w4a16.dequantize(w).double().T + bias.double())
         for bm, warps, rh, stages, split, overlap in (
                 (32, 4, 2, 4, 1, True), (64, 4, 2, 3, 3, True), (128, 8, 1, 4, 2, True), (256, 8, 1, 3, 1, True),
-                (64, 4, 1, 4, 5, True), (256, 8, 1, 2, 2, False), (64, 8, 2, 3, 1, True), (32, 4, 1, 3, 7, False)):
+                (64, 4, 1, 4, 5, True), (256, 8, 1, 2, 2, False), (64, 8, 2, 3, 1, True), (32, 4, 1, 3, 7, False), (8, 4, 1, 4, 3, True),
+                (16, 8, 1, 4, 2, True), (16, 4, 2, 6, 1, True)):
             cfg = dict(BM=bm, RH=rh, num_warps=warps, STAGES=stages, SPLIT_K=split, OVERLAP=overlap)
             fn, out = launch(x, fw, fzs, w, cfg, bias, "silu")
             fn()
@@ -94,7 +95,7 @@ def main():
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)
             t_cublas = cold(lambda: F.linear(x, wd))
             t_mma = cold(lambda: w4a16.matmul(x, w, kernel="mma"))
-            t_deq = cold(lambda: w4a16.matmul(x, w, kernel="dequant_cublas"))
+            t_deq = cold(lambda: w4a16.matmul(x, w, kernel="frag" if M <= 16 else "dequant_cublas"))
             shipped = frag_wgmma_config(M, N, K, "cuda")
             t_ship = cold(launch(x, fw, fzs, w, shipped)[0])
             best = (t_ship, shipped)
@@ -108,7 +109,7 @@ def main():
             rows.append(dict(kind="time", N=N, K=K, M=M, cfg=serial, us=t_serial, cublas_us=t_cublas))
             rows.append(dict(kind="summary", N=N, K=K, M=M, cublas_us=t_cublas, mma_us=t_mma, dequant_us=t_deq,
                              shipped=shipped, shipped_us=t_ship, best=best[1], best_us=best[0]))
-            print(f"{N}x{K} M={M}: cuBLAS {t_cublas:.1f} us, mma {t_mma:.1f} ({t_cublas/t_mma:.2f}x), dequant "
+            print(f"{N}x{K} M={M}: cuBLAS {t_cublas:.1f} us, mma {t_mma:.1f} ({t_cublas/t_mma:.2f}x), {'frag' if M <= 16 else 'dequant'} "
                   f"{t_deq:.1f} ({t_cublas/t_deq:.2f}x), wgmma shipped {t_ship:.1f} ({t_cublas/t_ship:.2f}x) "
                   f"best {best[0]:.1f} ({t_cublas/best[0]:.2f}x) {best[1]}; it without OVERLAP {t_serial:.1f}", flush=True)
     if a.json:

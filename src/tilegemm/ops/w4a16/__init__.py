@@ -1,7 +1,8 @@
 """W4A16: fp16/bf16 activations times 4-bit weights (``activation(x @ dequantize(w).T + bias)``).
 
 The format (:class:`Int4Weight`, quantize, importers) is in :mod:`.format`, the public op in :mod:`.op`, one
-file per kernel (:mod:`.gemv`, :mod:`.mma`, :mod:`.dequant_cublas`), their configs in :mod:`.configs`.
+file per kernel (:mod:`.gemv`, :mod:`.frag`, :mod:`.frag_wgmma`, :mod:`.mma`, :mod:`.dequant_cublas`), their
+configs in :mod:`.configs`.
 Nothing here imports triton: a kernel module is imported when its kernel first runs.
 """
 
@@ -19,8 +20,8 @@ def _hopper() -> str | None:
 register_op(OpSpec(
     name="w4a16", summary="4-bit weights (group-wise scales and zeros) times fp16/bf16 activations",
     bench="tilegemm.ops.w4a16.bench:W4A16Bench",
-    pseudo={"auto": "picks the kernel by M: frag up to 16 rows on Hopper (gemv for a few rows elsewhere), mma "
-                    "above, dequant_cublas from 256 (the default)"},
+    pseudo={"auto": "picks the kernel by M: frag_wgmma up to 1024 rows on Hopper (elsewhere gemv for a few rows, "
+                    "mma up to 128), dequant_cublas above (the default)"},
 ))
 register(KernelSpec(
     op="w4a16", name="gemv", order=10, target="tilegemm.ops.w4a16.gemv:run",
@@ -30,6 +31,11 @@ register(KernelSpec(
     op="w4a16", name="frag", order=15, target="tilegemm.ops.w4a16.frag:run",
     requires=_hopper, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
     summary="tensor cores fed from weights pre-shuffled into MMA fragments: two nibbles per LOP3 (small M)",
+))
+register(KernelSpec(
+    op="w4a16", name="frag_wgmma", order=16, target="tilegemm.ops.w4a16.frag_wgmma:run",
+    requires=_hopper, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
+    summary="the fragments through Hopper's wgmma, x from a cp.async ring in shared memory (M up to 1024)",
 ))
 register(KernelSpec(
     op="w4a16", name="mma", order=20, target="tilegemm.ops.w4a16.mma:run",

@@ -106,34 +106,57 @@ def frag_config(M: int, N: int, K: int, device) -> dict:
     return dict(RH=rh, BM=8 if M <= 8 else 16, KH=1, DEPTH=1, SPLIT_K=split)
 
 
-# frag_wgmma (the fragments through wgmma, x from shared memory): x's rows in BM = 32, 64, 128 or 256 columns,
-# 128 weight rows a program (4 warps x 2 row tiles, or 8 x 1 at BM = 256, so the accumulator stays at 64-128
-# registers a thread), a ring of STAGES slots; K split so that about FRAG_WGMMA_PROGRAMS_PER_SM programs run
-# on every SM, each slice at least 4 steps of 64.
-FRAG_WGMMA_PROGRAMS_PER_SM = 2
+# frag_wgmma (the fragments through wgmma, x from shared memory). Measured on the H200 with the L2 cleared
+# before each call (research/explore_w4a16_wgmma.py, g128 fp16, M = 1 .. 1024 on 4096^2, 8192^2 and 28672 x 8192,
+# every config of BM x warps x RH x STAGES x split; benchmarks/results/2026-11-24-h200/<wgmma run>/):
+# - BM, x's rows a program: the smallest of 8 .. 64 that holds M; above 64 rows the largest of 256 / 128 (up to
+#   M rounded to a power of two) that still gives about a wave of tiles, else 64 (fewer rows a program, more
+#   programs: 4096^2 at M=256 ran 26.7 us with 64 against 29+ with 128);
+# - 128 weight rows a program for BM >= 128 (8 warps x 1 row tile: the accumulator at 64-128 registers a
+#   thread); below, 4 warps and 2 row tiles when that still makes a wave of tiles, else 1 (more programs);
+# - a ring of 4 slots (3 was 3-15% slower, 6 no faster);
+# - K split in powers of two up to 8 / 4 / 1 programs an SM (BM <= 16 / <= 64 / above), slices of 8 steps or
+#   more; over the 24 measured cases this rule ran 5% slower than the best config of each (geomean; worst 19%);
+# - OVERLAP (the next step dequantized during this step's MMA) from M = 64 on: 4-25% faster there, up to 5%
+#   slower below (where the kernel waits on memory, not on the MMA).
+FRAG_WGMMA_PROGRAMS_PER_SM = (8, 4, 1)  # BM <= 16, <= 64, above
+FRAG_WGMMA_OVERLAP_M = 64
 
 
 def frag_wgmma_config(M: int, N: int, K: int, device) -> dict:
-    bm = next((b for b in (32, 64, 128) if M <= b), 256)
-    warps, rh = (8, 1) if bm == 256 else (4, 2)
+    sms = sm_count(device)
+    if M <= 64:
+        bm = next(b for b in (8, 16, 32, 64) if M <= b)
+    else:
+        bm = next((b for b in (256, 128) if b <= 1 << (M - 1).bit_length() and
+                   _cdiv(N, 128) * _cdiv(M, b) >= 0.9 * sms), 64)
+    if bm >= 128:
+        warps, rh = 8, 1
+    else:
+        warps, rh = 4, 2 if _cdiv(N, 128) * _cdiv(M, bm) >= sms else 1
     tiles = _cdiv(N, 16 * rh * warps) * _cdiv(M, bm)
-    split = split_within(tiles, _cdiv(K, 64), FRAG_WGMMA_PROGRAMS_PER_SM * sm_count(device), 4)
-    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=3 if bm == 256 else 4, SPLIT_K=split)
+    per_sm = FRAG_WGMMA_PROGRAMS_PER_SM[0 if bm <= 16 else 1 if bm <= 64 else 2]
+    split = split_within(tiles, _cdiv(K, 64), per_sm * sms, 8)
+    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=4, SPLIT_K=split, OVERLAP=M >= FRAG_WGMMA_OVERLAP_M)
 
 
-# auto, by M: gemv up to GEMV_MAX_M rows, mma up to MMA_MAX_M, dequant_cublas above. On the H100 (f93179c) at
-# M >= 1024 dequant_cublas ran 0.86x-0.90x cuBLAS where mma ran 0.38x-0.43x; at M=256 it won 3 of 5 llm shapes.
-# At M=2 the gemv (one program per row, the second reading the weight from L2) beat mma on all five llm shapes
-# on the H200 (1.18x-1.35x cuBLAS against 0.80x-1.00x); at M=4 mma won all five (2026-11-24-h200/b305fb8/).
+# auto, by M. On Hopper, where the weight's group length is a multiple of 64, frag_wgmma up to
+# FRAG_WGMMA_MAX_M rows: on the H200 it beat frag at M = 1..16 (8192^2: 17.5 / 17.9 / 19.9 us at M = 1 / 4 / 16
+# against 18.8 / 23.4 / 31.7), mma everywhere, and dequant_cublas up to M = 1024 on 4096^2 and 8192^2
+# (58 / 217 us against 63 / 229; 870 / 829 us at 28672 x 8192). Elsewhere: gemv up to GEMV_MAX_M rows, mma up
+# to MMA_MAX_M, dequant_cublas above. On the H100 (f93179c) at M >= 1024 dequant_cublas ran 0.86x-0.90x cuBLAS
+# where mma ran 0.38x-0.43x; at M=256 it won 3 of 5 llm shapes. At M=2 the gemv (one program per row, the second
+# reading the weight from L2) beat mma on all five llm shapes on the H200 (1.18x-1.35x cuBLAS against
+# 0.80x-1.00x); at M=4 mma won all five (2026-11-24-h200/b305fb8/).
 GEMV_MAX_M = 2
 MMA_MAX_M = 128
-FRAG_MAX_M = 16
+FRAG_WGMMA_MAX_M = 1024
 
 
 def choose(M: int, frag: bool = False) -> str:
-    """The kernel for M rows; ``frag``: the fragment kernel can run (Hopper, group length a multiple of 64)."""
-    if frag and M <= FRAG_MAX_M:
-        return "frag"
+    """The kernel for M rows; ``frag``: the fragment kernels can run (Hopper, group length a multiple of 64)."""
+    if frag and M <= FRAG_WGMMA_MAX_M:
+        return "frag_wgmma"
     if M <= GEMV_MAX_M:
         return "gemv"
     if M <= MMA_MAX_M:

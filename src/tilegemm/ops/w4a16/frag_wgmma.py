@@ -52,16 +52,25 @@ def _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, step, k_firs
 
 
 @gluon.jit
-def _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, left, g, k0, k_end, group_k, group_steps, BF16: gl.constexpr):
-    """The prepared scales and zeros for the step at ``k0``: (re)loaded when it starts a group (none past the
-    slice: the overlapped loop prepares one step more than it runs)."""
+def _zs_load(zs_ptr, zs_row, N16, g, group_k, k_end):
+    """The raw zero and scale pairs of group ``g`` (none past the slice)."""
+    zp = zs_ptr + (g * N16 * 8 + zs_row) * 2
+    live = g * group_k < k_end
+    return gl.load(zp, mask=live), gl.load(zp + 1, mask=live)
+
+
+@gluon.jit
+def _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k0, k_end, group_k, group_steps,
+            BF16: gl.constexpr):
+    """The prepared scales and zeros for the step at ``k0``. When it starts group ``g``, they are made from
+    ``zz, ss`` (group g's, loaded a group ahead) and group g + 1's are loaded, so their latency hides behind
+    this group's steps."""
     if left == 0:
-        zp = zs_ptr + (g * N16 * 8 + zs_row) * 2
-        live = k0 < k_end
-        za, zb, sa, sb = _prep(gl.load(zp, mask=live), gl.load(zp + 1, mask=live), BF16)
+        za, zb, sa, sb = _prep(zz, ss, BF16)
         left = group_steps - (k0 - g * group_k) // 64
         g += 1
-    return za, zb, sa, sb, left - 1, g
+        zz, ss = _zs_load(zs_ptr, zs_row, N16, g, group_k, k_end)
+    return za, zb, sa, sb, zz, ss, left - 1, g
 
 
 @gluon.jit
@@ -120,6 +129,7 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
     zb = za
     sa = za
     sb = za
+    zz, ss = _zs_load(zs_ptr, zs_row, N16, g, group_k, k_end)
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
     if OVERLAP:
         # Step s + 1 is dequantized while step s's MMA runs; its registers stay live (a dependency of the wait)
@@ -127,7 +137,7 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
         # that MMA before the barrier.
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
-        za, zb, sa, sb, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, left, g, k_first, k_end, group_k,
+        za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first, k_end, group_k,
                                           group_steps, BF16)
         a = _a_tile(w_bufs.index(0).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
         fence_async_shared()
@@ -137,7 +147,7 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
             gl.thread_barrier()  # ... and every thread's; every warp retired step s - 1's MMA
             _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first, k_end, K,
                    STAGES, EVEN_K)
-            za, zb, sa, sb, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, left, g,
+            za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
                                               k_first + (s + 1) * 64, k_end, group_k, group_steps, BF16)
             a_next = _a_tile(w_bufs.index((s + 1) % STAGES).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
             fence_async_shared()
@@ -145,7 +155,7 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
             a = a_next
     else:
         for s in range(steps):
-            za, zb, sa, sb, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, left, g, k_first + s * 64,
+            za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first + s * 64,
                                               k_end, group_k, group_steps, BF16)
             async_copy.wait_group(STAGES - 2)  # step s has landed (this thread's copies) ...
             gl.thread_barrier()  # ... and every thread's; every warp is done with step s - 1's slot
@@ -198,7 +208,10 @@ def run(p: W4A16Problem, cfg: dict | None = None) -> None:
     if p.fweight is None:
         raise ValueError("the frag_wgmma kernel needs the weight's fragment layout (Int4Weight.fragments())")
     cfg = cfg or frag_wgmma_config(p.M, p.N, p.K, p.x.device)
-    kernel, grid, args, kwargs = launch_args(p.x, p.fweight, p.fzs, p.bias, p.out, p.N, p.K, p.group_k,
+    # 16-byte copies need rows 16-byte aligned: copy x if they are not (a launch on the copy is not replayed:
+    # the copy is no tensor of the call).
+    x = p.x if p.x.stride(0) % 8 == 0 else p.x.contiguous()
+    kernel, grid, args, kwargs = launch_args(x, p.fweight, p.fzs, p.bias, p.out, p.N, p.K, p.group_k,
                                              p.activation, cfg)
     split = kwargs["SPLIT_K"] > 1
     launch(kernel, grid, args, kwargs, keep=args[5:7] if split else (),

@@ -70,9 +70,12 @@ def choose_kernel(M: int, frag: bool = False) -> str:
 _FRAG_REASON: dict = {}  # device -> why the frag kernel cannot run there ("" when it can), asked once
 
 
+FRAG_KERNELS = ("frag", "frag_wgmma")  # the kernels that read the weight's fragment layout
+
+
 def frag_usable(group_k: int, device: torch.device) -> bool:
-    """Whether ``auto`` may use the ``frag`` kernel on ``device`` for a weight of group length ``group_k``: a
-    Hopper GPU with Gluon (not the interpreter) and a group length that is a multiple of 64 (its K step)."""
+    """Whether ``auto`` may use the fragment kernels on ``device`` for a weight of group length ``group_k``: a
+    Hopper GPU with Gluon (not the interpreter) and a group length that is a multiple of 64 (their K step)."""
     if device.type != "cuda" or not fits_fragments(group_k):
         return False
     reason = _FRAG_REASON.get(device)
@@ -82,9 +85,9 @@ def frag_usable(group_k: int, device: torch.device) -> bool:
 
 
 def _wants_frag(kernel: str, x2: torch.Tensor, w: Int4Weight) -> bool:
-    """Whether a call runs, or under ``auto`` may run, the frag kernel (which takes the fragment layout)."""
-    return kernel == "frag" or (kernel == "auto" and x2.shape[0] <= configs.FRAG_MAX_M
-                                and frag_usable(w.group_k, x2.device))
+    """Whether a call runs, or under ``auto`` may run, a kernel that takes the fragment layout."""
+    return kernel in FRAG_KERNELS or (kernel == "auto" and x2.shape[0] <= configs.FRAG_WGMMA_MAX_M
+                                      and frag_usable(w.group_k, x2.device))
 
 
 def _forward(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel) -> torch.Tensor:

@@ -7,7 +7,7 @@ layout), the activation, the kernel asked for and the device. The first such cal
 (:func:`tilegemm.core.launch.recording`); later calls with the same key replay it with their own tensors,
 skipping the checks, the choice of kernel and config, and Triton's launch wrapper.
 
-Only ``gemv`` and ``mma`` launches are kept: ``dequant_cublas`` also calls cuBLAS, which a replay of its one
+Only the one-launch kernels' calls are kept (``gemv``, ``mma``, ``frag``, ``frag_wgmma``): ``dequant_cublas`` also calls cuBLAS, which a replay of its one
 Triton launch would skip. Split-K launches use a workspace of the launcher's own, recorded as kept for the
 stream it was made for; a replay on another stream declines and the call launches afresh.
 
@@ -23,7 +23,7 @@ from tilegemm.core.runtime import interpreting
 
 _cache = ReplayCache()
 
-REPLAYED_KERNELS = ("gemv", "mma", "frag")  # whole calls that are one Triton launch
+REPLAYED_KERNELS = ("gemv", "mma", "frag", "frag_wgmma")  # whole calls that are one Triton launch
 
 
 def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str) -> tuple:

@@ -1,0 +1,195 @@
+"""The ``frag_wgmma`` kernel: its config rule and routing under ``auto`` on the CPU, its argument checks, an
+offline sm_90 compile (wgmma from registers without serialization, cp.async, no spills), and on the GPU against
+``x @ dequantize(w).T`` over odd shapes, group sizes, dtypes, tiles, splits, epilogues and strided x."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import SM90, assert_rel_close, compile_offline
+from hypothesis import given, settings, strategies as st
+
+from tilegemm import w4a16
+from tilegemm.core import registry
+from tilegemm.core.runtime import interpreting
+from tilegemm.nn import Int4Linear
+from tilegemm.ops.w4a16 import configs
+from tilegemm.ops.w4a16.format import fits_fragments
+
+SMEM = 227 * 1024  # shared memory a block may use on Hopper
+
+
+def test_auto_routes_up_to_1024_rows_to_frag_wgmma_where_it_runs():
+    for M in (1, 16, 17, 256, 1024):
+        assert configs.choose(M, frag=True) == "frag_wgmma"
+    assert configs.choose(1025, frag=True) == "dequant_cublas"
+    assert configs.choose(1) == "gemv" and configs.choose(64) == "mma" and configs.choose(1025) == "dequant_cublas"
+    if interpreting():
+        w = w4a16.quantize(torch.randn(16, 128, dtype=torch.float16), 64)
+        with pytest.raises(registry.NotApplicable, match="frag_wgmma"):
+            w4a16.matmul(torch.randn(1, 128, dtype=torch.float16), w, kernel="frag_wgmma")
+
+
+@settings(max_examples=200, deadline=None)
+@given(M=st.integers(1, 4096), N=st.integers(1, 40000), K64=st.integers(1, 600), sms=st.sampled_from([78, 114, 132]))
+def test_config_rule_gives_launchable_configs(M, N, K64, sms):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(configs, "sm_count", lambda device: sms)
+        cfg = configs.frag_wgmma_config(M, N, 64 * K64, "cuda")
+    bm, rh, warps = cfg["BM"], cfg["RH"], cfg["num_warps"]
+    assert bm in (8, 16, 32, 64, 128, 256) and (bm >= M or bm >= 64)
+    assert rh * bm <= 256  # the accumulator: at most 128 fp32 registers a thread
+    assert warps == 4 or (warps == 8 and bm >= 128)
+    assert cfg["STAGES"] * (bm * 64 * 2 + 16 * rh * warps * 32) <= SMEM
+    assert cfg["SPLIT_K"] == 1 or K64 // cfg["SPLIT_K"] >= 8  # slices of at least 8 steps
+    assert cfg["OVERLAP"] == (M >= configs.FRAG_WGMMA_OVERLAP_M)
+
+
+def test_launch_args_name_what_they_cannot_take():
+    from tilegemm.ops.w4a16 import frag_wgmma
+
+    x = torch.empty(4, 256, dtype=torch.float16)
+    fw = torch.empty(16, 2, 32, 4, dtype=torch.int32)
+    fzs = torch.empty(8, 16, 8, 4, dtype=torch.float16)
+    out = torch.empty(4, 200, dtype=torch.float16)
+    cfg = dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=1)
+    with pytest.raises(ValueError, match="group length 96"):
+        frag_wgmma.launch_args(x, fw, fzs, None, out, 200, 256, 96, "none", cfg)
+    with pytest.raises(ValueError, match="row stride 260"):
+        frag_wgmma.launch_args(torch.empty(4, 260, dtype=torch.float16)[:, :256], fw, fzs, None, out, 200, 256, 128,
+                               "none", cfg)
+    with pytest.raises(ValueError, match="STAGES >= 3"):
+        frag_wgmma.launch_args(x, fw, fzs, None, out, 200, 256, 128, "none", dict(cfg, STAGES=2, OVERLAP=True))
+
+
+# --- offline compile for sm_90 ------------------------------------------------------------------------------
+
+_COMPILE = SM90 + textwrap.dedent(
+    """
+    import json, re, sys
+    import torch
+    from tilegemm.ops.w4a16 import frag_wgmma
+
+    report = {}
+    for name, v in json.loads(sys.argv[1]).items():
+        dt = getattr(torch, v["dtype"])
+        M, N, K = v["mnk"]
+        x = torch.empty(M, K, dtype=dt)
+        fw = torch.empty(-(-N // 256) * 16, -(-K // 128) * 2, 32, 4, dtype=torch.int32)
+        fzs = torch.empty(8, fw.shape[0], 8, 4, dtype=dt)
+        out = torch.empty(M, N, dtype=dt)
+        bias = torch.empty(N, dtype=dt) if v["bias"] else None
+        kernel, grid, args, kwargs = frag_wgmma.launch_args(x, fw, fzs, bias, out, N, K, 128, v["act"], v["cfg"])
+        sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
+        compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, kwargs["num_warps"])
+        report[name] = dict(
+            wgmma=len(re.findall(r"wgmma\\.mma_async", ptx)),
+            cp_async=len(re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global \\[[^]]+\\], \\[[^]]+\\], 0x10", ptx)),
+            lop3=len(re.findall(r"lop3\\.b32", ptx)),
+            shared=compiled.metadata.shared,
+            serialized="serialized" in info,
+            spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
+        )
+    print(json.dumps(report))
+    """
+)
+
+_VARIANTS = {
+    "m1-fp16-split": dict(dtype="float16", mnk=[1, 8192, 8192], bias=False, act="none",
+                          cfg=dict(BM=8, RH=2, num_warps=4, STAGES=4, SPLIT_K=8, OVERLAP=False)),
+    "m64-bf16-bias-silu": dict(dtype="bfloat16", mnk=[64, 4096, 4096], bias=True, act="silu",
+                               cfg=dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=2, OVERLAP=True)),
+    "m256-odd-k": dict(dtype="float16", mnk=[300, 1000, 4160], bias=False, act="none",
+                       cfg=dict(BM=256, RH=1, num_warps=8, STAGES=4, SPLIT_K=1, OVERLAP=True)),
+}
+
+
+def test_compiles_for_sm90_with_async_mma_and_copies(tmp_path):
+    # wgmma reads the dequantized tile from registers (assert_trivial: no layout conversion); ptxas would
+    # serialize the MMAs if the loop wrote registers an MMA in flight still reads.
+    report = compile_offline(tmp_path, _COMPILE, _VARIANTS, timeout=600)
+    for name, r in report.items():
+        assert r["wgmma"] >= 4, name
+        assert r["cp_async"] >= 2, name  # 16-byte copies of x and of the packed words
+        assert r["lop3"] >= 16, name  # the dequantization's nibble pairs
+        assert not r["serialized"], name
+        assert r["spills"] in ([], [0]), name
+        assert r["shared"] <= SMEM, name
+
+
+# --- on the GPU ---------------------------------------------------------------------------------------------
+
+
+def reference(x, w, bias=None, activation="none"):
+    y = x.double() @ w4a16.dequantize(w).double().T
+    if bias is not None:
+        y = y + bias.double()
+    return {"none": lambda t: t, "silu": F.silu, "relu": F.relu}[activation](y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N,K,group", [(72, 256, 64), (1000, 4160, 64), (4096, 4096, 128), (257, 1024, 256),
+                                       (8192, 1024, -1), (300, 200, -1)])
+@pytest.mark.parametrize("M", [1, 9, 33, 64, 130, 300])
+def test_frag_wgmma_matches_the_reference(dtype, N, K, group, M):
+    w = w4a16.quantize(torch.randn(N, K, dtype=dtype, device="cuda"), group)
+    x = torch.randn(M, K, dtype=dtype, device="cuda")
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    if not fits_fragments(w.group_k):
+        with pytest.raises(ValueError, match="multiple"):
+            w4a16.matmul(x, w, kernel="frag_wgmma")
+        return
+    bias = torch.randn(N, dtype=dtype, device="cuda")
+    assert_rel_close(w4a16.matmul(x, w, kernel="frag_wgmma"), reference(x, w), tol)
+    assert_rel_close(w4a16.matmul(x, w, bias=bias, activation="silu", kernel="frag_wgmma"),
+                     reference(x, w, bias, "silu"), tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=1, OVERLAP=False),
+                                 dict(BM=16, RH=2, num_warps=4, STAGES=3, SPLIT_K=7, OVERLAP=True),
+                                 dict(BM=32, RH=1, num_warps=8, STAGES=6, SPLIT_K=3, OVERLAP=False),
+                                 dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=5, OVERLAP=True),
+                                 dict(BM=128, RH=1, num_warps=8, STAGES=3, SPLIT_K=2, OVERLAP=True),
+                                 dict(BM=256, RH=1, num_warps=8, STAGES=2, SPLIT_K=1, OVERLAP=False)])
+def test_frag_wgmma_configs_and_uneven_splits(cfg):
+    from tilegemm.ops.w4a16 import frag_wgmma
+
+    w = w4a16.quantize(torch.randn(520, 2048, dtype=torch.float16, device="cuda"), 128)
+    x = torch.randn(150, 2048, dtype=torch.float16, device="cuda")
+    out = torch.full((150, 520), float("nan"), dtype=torch.float16, device="cuda")
+    fw, fzs = w.fragments()
+    kernel, grid, args, kwargs = frag_wgmma.launch_args(x, fw, fzs, None, out, 520, 2048, 128, "none", cfg)
+    kernel[grid](*args, **kwargs)
+    assert_rel_close(out, reference(x, w), 2e-3)
+    kernel[grid](*args, **kwargs)  # the split-K counters were reset by the last arrival
+    assert_rel_close(out, reference(x, w), 2e-3)
+
+
+@pytest.mark.gpu
+def test_frag_wgmma_takes_strided_x():
+    w = w4a16.quantize(torch.randn(384, 1024, dtype=torch.float16, device="cuda"), 128)
+    wide = torch.randn(70, 1030, dtype=torch.float16, device="cuda")
+    x = wide[:, 3:1027]  # rows 2060 bytes apart, not 16-byte aligned: copied
+    assert_rel_close(w4a16.matmul(x, w, kernel="frag_wgmma"), reference(x, w), 2e-3)
+    y = torch.randn(2, 40, 1024, dtype=torch.float16, device="cuda")[:, ::2]  # rows 4096 bytes apart
+    assert_rel_close(w4a16.matmul(y, w, kernel="frag_wgmma").reshape(-1, 384), reference(y.reshape(-1, 1024), w),
+                     2e-3)
+
+
+@pytest.mark.gpu
+def test_auto_uses_frag_wgmma_and_replays_it():
+    from tilegemm.ops.w4a16 import replay
+
+    replay.clear()
+    lin = Int4Linear.from_linear(torch.nn.Linear(4096, 1024).half().cuda(), group_size=128)
+    for M in (1, 9, 100, 700):
+        for _ in range(3):
+            x = torch.randn(M, 4096, dtype=torch.float16, device="cuda")
+            assert_rel_close(lin(x), reference(x, lin.weight, lin.bias), 2e-3)
+    assert replay.count() == 4
+    assert registry.get("w4a16", "frag_wgmma").unavailable_reason() is None
