@@ -2,11 +2,12 @@
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
         --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
-        python3 research/profile_w4a16.py [--shape 8192x8192]
+        python3 research/profile_w4a16.py [--shape 8192x8192] [--set small|wgmma]
 
-Kernels, in launch order (ncu numbers them so): gemv at M=1 (the shipped config), mma at M=16 (shipped,
-16-bit dequantization by conversion), mma at M=16 with ``DEQ16="magic"``, mma ``UNPACK="perm"`` at M=16,
-then cuBLAS fp16 at M=1 and M=16. Each is run five times first (compile, warm caches), then once profiled.
+Kernels, in launch order (ncu numbers them so). ``--set small``: gemv at M=1 (the shipped config), mma at M=16
+(shipped, 16-bit dequantization by conversion), mma at M=16 with ``DEQ16="magic"``, mma ``UNPACK="perm"`` at
+M=16, then cuBLAS fp16 at M=1 and M=16. ``--set wgmma``: frag_wgmma's shipped configs at M = 1, 64, 256, then
+cuBLAS at M = 64 and 256. Each is run five times first (compile, warm caches), then once profiled.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from tilegemm import w4a16
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8192x8192")
+    ap.add_argument("--set", default="small", choices=("small", "wgmma"))
     args = ap.parse_args()
     N, K = (int(v) for v in args.shape.split("x"))
-    from tilegemm.ops.w4a16 import gemv, mma
+    from tilegemm.ops.w4a16 import frag_wgmma, gemv, mma
     from tilegemm.ops.w4a16.common import W4A16Problem
     from tilegemm.ops.w4a16.configs import mma_config
 
@@ -32,10 +34,19 @@ def main() -> None:
     W = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
     w = w4a16.quantize(W, 128)
 
+    fw, fzs = w.fragments()
+
     def problem(M):
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
         out = torch.empty(M, N, device="cuda", dtype=x.dtype)
-        return W4A16Problem(x, w.qweight, w.scales, w.zeros, None, out, w.group_k, "none", False)
+        return W4A16Problem(x, w.qweight, w.scales, w.zeros, None, out, w.group_k, "none", False, fw, fzs)
+
+    if args.set == "wgmma":
+        ps = {M: problem(M) for M in (1, 64, 256)}
+        cases = [(f"frag_wgmma M={M}", lambda p=p: frag_wgmma.run(p)) for M, p in ps.items()]
+        cases += [(f"cuBLAS M={M}", lambda p=ps[M]: F.linear(p.x, W)) for M in (64, 256)]
+        profile(cases)
+        return
 
     p1, p16 = problem(1), problem(16)
     ship16 = mma_config(16, N, K, torch.device("cuda"))
@@ -47,6 +58,10 @@ def main() -> None:
         ("cuBLAS M=1", lambda: F.linear(p1.x, W)),
         ("cuBLAS M=16", lambda: F.linear(p16.x, W)),
     ]
+    profile(cases)
+
+
+def profile(cases) -> None:
     for _, fn in cases:
         for _ in range(5):
             fn()
