@@ -90,7 +90,7 @@ def mma_config(M: int, N: int, K: int, device) -> dict:
 
 # frag (weights pre-shuffled into MMA fragments): 4 warps, 64 x RH rows a program, K steps of 64, one step of
 # weights in flight, x's rows in 8 (M <= 8) or 16 columns. H200, g128 fp16, the L2 cleared before each call
-# (research/explore_w4a16_frag.py, benchmarks/results/2026-11-24-h200/<frag run>/): the best configs keep about
+# (research/explore_w4a16_frag.py, benchmarks/results/2026-11-24-h200/8fb94d3/): the best configs keep about
 # four programs per SM at M <= 8 (3.4-3.9; 7 was 3-20% slower, 2 up to 25% slower at M=1) and about two at
 # M=16 (8192^2: 31.5 us against 38+ with four), 256-row programs from N = 8192 on (128 below); a second step
 # in flight (DEPTH=2) or 128-long steps (KH=2) were within 5% either way. Measured at M = 1, 4, 16 on 4096^2,
@@ -108,7 +108,7 @@ def frag_config(M: int, N: int, K: int, device) -> dict:
 
 # frag_wgmma (the fragments through wgmma, x from shared memory). Measured on the H200 with the L2 cleared
 # before each call (research/explore_w4a16_wgmma.py, g128 fp16, M = 1 .. 1024 on 4096^2, 8192^2 and 28672 x 8192,
-# every config of BM x warps x RH x STAGES x split; benchmarks/results/2026-11-24-h200/<wgmma run>/):
+# every config of BM x warps x RH x STAGES x split; benchmarks/results/2026-11-24-h200/d813fbc/):
 # - BM, x's rows a program: the smallest of 8 .. 64 that holds M; above 64 rows the largest of 256 / 128 (up to
 #   M rounded to a power of two) that still gives about a wave of tiles, else 64 (fewer rows a program, more
 #   programs: 4096^2 at M=256 ran 26.7 us with 64 against 29+ with 128);
