@@ -76,8 +76,8 @@ def main():
         ref = F.silu(x.double() @ w4a16.dequantize(w).double().T + bias.double())
         for bm, warps, rh, stages, split, overlap in (
                 (32, 4, 2, 4, 1, True), (64, 4, 2, 3, 3, True), (128, 8, 1, 4, 2, True), (256, 8, 1, 3, 1, True),
-                (64, 4, 1, 4, 5, True), (256, 8, 1, 2, 2, False), (64, 8, 2, 3, 1, True), (32, 4, 1, 3, 7, False), (8, 4, 1, 4, 3, True),
-                (16, 8, 1, 4, 2, True), (16, 4, 2, 6, 1, True)):
+                (64, 4, 1, 4, 5, True), (256, 8, 1, 2, 2, False), (64, 8, 2, 3, 1, True), (32, 4, 1, 3, 7, False),
+                (8, 4, 1, 4, 3, True), (16, 8, 1, 4, 2, True), (16, 4, 2, 6, 1, True)):
             cfg = dict(BM=bm, RH=rh, num_warps=warps, STAGES=stages, SPLIT_K=split, OVERLAP=overlap)
             fn, out = launch(x, fw, fzs, w, cfg, bias, "silu")
             fn()
@@ -109,9 +109,11 @@ def main():
             rows.append(dict(kind="time", N=N, K=K, M=M, cfg=serial, us=t_serial, cublas_us=t_cublas))
             rows.append(dict(kind="summary", N=N, K=K, M=M, cublas_us=t_cublas, mma_us=t_mma, dequant_us=t_deq,
                              shipped=shipped, shipped_us=t_ship, best=best[1], best_us=best[0]))
-            print(f"{N}x{K} M={M}: cuBLAS {t_cublas:.1f} us, mma {t_mma:.1f} ({t_cublas/t_mma:.2f}x), {'frag' if M <= 16 else 'dequant'} "
+            other = "frag" if M <= 16 else "dequant"
+            print(f"{N}x{K} M={M}: cuBLAS {t_cublas:.1f} us, mma {t_mma:.1f} ({t_cublas/t_mma:.2f}x), {other} "
                   f"{t_deq:.1f} ({t_cublas/t_deq:.2f}x), wgmma shipped {t_ship:.1f} ({t_cublas/t_ship:.2f}x) "
-                  f"best {best[0]:.1f} ({t_cublas/best[0]:.2f}x) {best[1]}; it without OVERLAP {t_serial:.1f}", flush=True)
+                  f"best {best[0]:.1f} ({t_cublas/best[0]:.2f}x) {best[1]}; it without OVERLAP {t_serial:.1f}",
+                  flush=True)
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)
 

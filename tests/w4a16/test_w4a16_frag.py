@@ -4,12 +4,11 @@ the GPU against ``x @ dequantize(w).T`` over odd shapes, group sizes, dtypes, sp
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SM90, assert_rel_close, compile_offline
+from conftest import assert_rel_close
+from fragment_compile import compile_report
 from hypothesis import given, settings, strategies as st
 
 from tilegemm import w4a16
@@ -91,35 +90,6 @@ def test_frag_configs_and_unavailability():
 
 # --- offline compile for sm_90 ------------------------------------------------------------------------------
 
-_COMPILE = SM90 + textwrap.dedent(
-    """
-    import json, re, sys
-    import torch
-    from tilegemm.ops.w4a16 import frag
-
-    report = {}
-    for name, v in json.loads(sys.argv[1]).items():
-        dt = getattr(torch, v["dtype"])
-        M, N, K = v["mnk"]
-        x = torch.empty(M, K, dtype=dt)
-        fw = torch.empty(-(-N // 256) * 16, -(-K // 128) * 2, 32, 4, dtype=torch.int32)
-        fzs = torch.empty(8, fw.shape[0], 8, 4, dtype=dt)
-        out = torch.empty(M, N, dtype=dt)
-        bias = torch.empty(N, dtype=dt) if v["bias"] else None
-        kernel, grid, args, kwargs = frag.launch_args(x, fw, fzs, bias, out, N, K, 128, v["act"], v["cfg"])
-        sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
-        compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, kwargs["num_warps"])
-        report[name] = dict(
-            mmas=len(re.findall(r"mma\\.sync\\.aligned\\.m16n8k16", ptx)),
-            lop3=len(re.findall(r"lop3\\.b32", ptx)),
-            wide_loads=len(re.findall(r"ld\\.global(?:\\.[a-z0-9]+)*\\.v4\\.b32", ptx)),
-            shared=compiled.metadata.shared,
-            spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
-        )
-    print(json.dumps(report))
-    """
-)
-
 _VARIANTS = {
     "m1-fp16-split": dict(dtype="float16", mnk=[1, 8192, 8192], bias=False, act="none",
                           cfg=dict(RH=4, BM=8, SPLIT_K=16)),
@@ -133,9 +103,9 @@ _VARIANTS = {
 def test_compiles_for_sm90_without_layout_conversions_or_spills(tmp_path):
     # The dequantized tile is converted to the MMA operand layout with assert_trivial: a compile that got
     # here moved no data between threads for it.
-    report = compile_offline(tmp_path, _COMPILE, _VARIANTS, timeout=600)
+    report = compile_report(tmp_path, "frag", _VARIANTS)
     for name, r in report.items():
-        assert r["mmas"] >= 4, name
+        assert r["mma_sync"] >= 4, name
         assert r["lop3"] >= 4, name  # the dequantization's nibble pairs
         assert r["wide_loads"] >= 1, name  # 16-byte loads of the packed words
         assert r["shared"] <= 16, f"{name}: shared memory {r['shared']} (a layout conversion?)"  # the atomic's 4 B

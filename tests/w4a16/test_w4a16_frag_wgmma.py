@@ -4,12 +4,11 @@ offline sm_90 compile (wgmma from registers without serialization, cp.async, no 
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SM90, assert_rel_close, compile_offline
+from conftest import assert_rel_close
+from fragment_compile import compile_report
 from hypothesis import given, settings, strategies as st
 
 from tilegemm import w4a16
@@ -67,36 +66,6 @@ def test_launch_args_name_what_they_cannot_take():
 
 # --- offline compile for sm_90 ------------------------------------------------------------------------------
 
-_COMPILE = SM90 + textwrap.dedent(
-    """
-    import json, re, sys
-    import torch
-    from tilegemm.ops.w4a16 import frag_wgmma
-
-    report = {}
-    for name, v in json.loads(sys.argv[1]).items():
-        dt = getattr(torch, v["dtype"])
-        M, N, K = v["mnk"]
-        x = torch.empty(M, K, dtype=dt)
-        fw = torch.empty(-(-N // 256) * 16, -(-K // 128) * 2, 32, 4, dtype=torch.int32)
-        fzs = torch.empty(8, fw.shape[0], 8, 4, dtype=dt)
-        out = torch.empty(M, N, dtype=dt)
-        bias = torch.empty(N, dtype=dt) if v["bias"] else None
-        kernel, grid, args, kwargs = frag_wgmma.launch_args(x, fw, fzs, bias, out, N, K, 128, v["act"], v["cfg"])
-        sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
-        compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, kwargs["num_warps"])
-        report[name] = dict(
-            wgmma=len(re.findall(r"wgmma\\.mma_async", ptx)),
-            cp_async=len(re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global \\[[^]]+\\], \\[[^]]+\\], 0x10", ptx)),
-            lop3=len(re.findall(r"lop3\\.b32", ptx)),
-            shared=compiled.metadata.shared,
-            serialized="serialized" in info,
-            spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
-        )
-    print(json.dumps(report))
-    """
-)
-
 _VARIANTS = {
     "m1-fp16-split": dict(dtype="float16", mnk=[1, 8192, 8192], bias=False, act="none",
                           cfg=dict(BM=8, RH=2, num_warps=4, STAGES=4, SPLIT_K=8, OVERLAP=False)),
@@ -110,7 +79,7 @@ _VARIANTS = {
 def test_compiles_for_sm90_with_async_mma_and_copies(tmp_path):
     # wgmma reads the dequantized tile from registers (assert_trivial: no layout conversion); ptxas would
     # serialize the MMAs if the loop wrote registers an MMA in flight still reads.
-    report = compile_offline(tmp_path, _COMPILE, _VARIANTS, timeout=600)
+    report = compile_report(tmp_path, "frag_wgmma", _VARIANTS)
     for name, r in report.items():
         assert r["wgmma"] >= 4, name
         assert r["cp_async"] >= 2, name  # 16-byte copies of x and of the packed words

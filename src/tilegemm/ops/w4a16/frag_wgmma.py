@@ -137,8 +137,8 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
         # that MMA before the barrier.
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
-        za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first, k_end, group_k,
-                                          group_steps, BF16)
+        za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first,
+                                                  k_end, group_k, group_steps, BF16)
         a = _a_tile(w_bufs.index(0).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
         fence_async_shared()
         for s in range(steps):
@@ -148,15 +148,15 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
             _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first, k_end, K,
                    STAGES, EVEN_K)
             za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
-                                              k_first + (s + 1) * 64, k_end, group_k, group_steps, BF16)
+                                                      k_first + (s + 1) * 64, k_end, group_k, group_steps, BF16)
             a_next = _a_tile(w_bufs.index((s + 1) % STAGES).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
             fence_async_shared()
             acc, a = warpgroup_mma_wait(0, deps=(acc, a))
             a = a_next
     else:
         for s in range(steps):
-            za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first + s * 64,
-                                              k_end, group_k, group_steps, BF16)
+            za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
+                                                      k_first + s * 64, k_end, group_k, group_steps, BF16)
             async_copy.wait_group(STAGES - 2)  # step s has landed (this thread's copies) ...
             gl.thread_barrier()  # ... and every thread's; every warp is done with step s - 1's slot
             fence_async_shared()

@@ -7,9 +7,10 @@ layout), the activation, the kernel asked for and the device. The first such cal
 (:func:`tilegemm.core.launch.recording`); later calls with the same key replay it with their own tensors,
 skipping the checks, the choice of kernel and config, and Triton's launch wrapper.
 
-Only the one-launch kernels' calls are kept (``gemv``, ``mma``, ``frag``, ``frag_wgmma``): ``dequant_cublas`` also calls cuBLAS, which a replay of its one
-Triton launch would skip. Split-K launches use a workspace of the launcher's own, recorded as kept for the
-stream it was made for; a replay on another stream declines and the call launches afresh.
+Only the one-launch kernels' calls are kept (``gemv``, ``mma``, ``frag``, ``frag_wgmma``): ``dequant_cublas``
+also calls cuBLAS, which a replay of its one Triton launch would skip. Split-K launches use a workspace of the
+launcher's own, recorded as kept for the stream it was made for; a replay on another stream declines and the
+call launches afresh.
 
 :func:`clear` and :func:`count` are the documented hooks to observe the cache (tests use them).
 """
@@ -30,8 +31,8 @@ def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str) -> tuple:
     """The replay key of a call with 2-D activations ``x2`` (already reshaped and, for act-order, permuted):
     the layouts of every tensor the launch takes and the call's named options."""
     frag = None if w._frag is None else tuple(tensor_key(t) for t in w._frag)
-    return (kernel, activation, x2.device, tensor_key(x2), tensor_key(w.qweight), tensor_key(w.scales), tensor_key(w.zeros),
-            frag, w.group_k, None if bias is None else tensor_key(bias))
+    return (kernel, activation, x2.device, tensor_key(x2), tensor_key(w.qweight), tensor_key(w.scales),
+            tensor_key(w.zeros), frag, w.group_k, None if bias is None else tensor_key(bias))
 
 
 def replay_key(x2, w, bias, activation: str, kernel: str):
