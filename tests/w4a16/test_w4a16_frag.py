@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import assert_rel_close
-from fragment_compile import compile_report
+from w4a16_kit import check_fragment_kernel, check_launch_twice, compile_report, reference
 from hypothesis import given, settings, strategies as st
 
 from tilegemm import w4a16
@@ -16,7 +15,7 @@ from tilegemm.core import registry
 from tilegemm.core.runtime import interpreting
 from tilegemm.nn import Int4Linear
 from tilegemm.ops.w4a16 import configs
-from tilegemm.ops.w4a16.format import fits_fragments, pack_fragments, unpack_rows
+from tilegemm.ops.w4a16.format import pack_fragments, unpack_rows
 
 
 def decode(words: torch.Tensor) -> torch.Tensor:
@@ -115,30 +114,13 @@ def test_compiles_for_sm90_without_layout_conversions_or_spills(tmp_path):
 # --- on the GPU ---------------------------------------------------------------------------------------------
 
 
-def reference(x, w, bias=None, activation="none"):
-    y = x.double() @ w4a16.dequantize(w).double().T
-    if bias is not None:
-        y = y + bias.double()
-    return {"none": lambda t: t, "silu": F.silu, "relu": F.relu}[activation](y)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("N,K,group", [(72, 256, 64), (1000, 4160, 64), (4096, 4096, 128), (257, 1024, 256),
                                        (8192, 1024, -1), (300, 200, -1)])
 @pytest.mark.parametrize("M", [1, 7, 16, 33])
 def test_frag_matches_the_reference(dtype, N, K, group, M):
-    w = w4a16.quantize(torch.randn(N, K, dtype=dtype, device="cuda"), group)
-    x = torch.randn(M, K, dtype=dtype, device="cuda")
-    tol = 2e-3 if dtype == torch.float16 else 1e-2
-    if not fits_fragments(w.group_k):
-        with pytest.raises(ValueError, match="multiple"):
-            w4a16.matmul(x, w, kernel="frag")
-        return
-    bias = torch.randn(N, dtype=dtype, device="cuda")
-    assert_rel_close(w4a16.matmul(x, w, kernel="frag"), reference(x, w), tol)
-    assert_rel_close(w4a16.matmul(x, w, bias=bias, activation="silu", kernel="frag"),
-                     reference(x, w, bias, "silu"), tol)
+    check_fragment_kernel("frag", dtype, N, K, group, M)
 
 
 @pytest.mark.gpu
@@ -147,15 +129,7 @@ def test_frag_matches_the_reference(dtype, N, K, group, M):
 def test_frag_configs_and_uneven_splits(cfg):
     from tilegemm.ops.w4a16 import frag
 
-    w = w4a16.quantize(torch.randn(520, 2048, dtype=torch.float16, device="cuda"), 128)
-    x = torch.randn(11, 2048, dtype=torch.float16, device="cuda")
-    out = torch.full((11, 520), float("nan"), dtype=torch.float16, device="cuda")
-    fw, fzs = w.fragments()
-    kernel, grid, args, kwargs = frag.launch_args(x, fw, fzs, None, out, 520, 2048, 128, "none", cfg)
-    kernel[grid](*args, **kwargs)
-    assert_rel_close(out, reference(x, w), 2e-3)
-    kernel[grid](*args, **kwargs)  # the split-K counters were reset by the last arrival
-    assert_rel_close(out, reference(x, w), 2e-3)
+    check_launch_twice(frag, cfg, 11)
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_rel_close
+from w4a16_kit import reference
 
 import tilegemm
 from tilegemm import w4a16
@@ -14,13 +15,6 @@ from tilegemm.core import registry
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 KERNELS = [name for name in tilegemm.kernels("w4a16")]  # the registered ones, then auto
-
-
-def reference(x, w, bias=None, activation="none"):
-    y = x.double() @ w4a16.dequantize(w).double().T
-    if bias is not None:
-        y = y + bias.double()
-    return {"none": lambda t: t, "silu": F.silu, "relu": F.relu, "gelu": F.gelu}[activation](y)
 
 
 def test_registered():

@@ -7,6 +7,7 @@ import torch
 
 from tilegemm.core.runtime import interpreting
 from conftest import assert_rel_close
+from w4a16_kit import reference
 
 from tilegemm import w4a16
 from tilegemm.ops.w4a16 import replay
@@ -14,13 +15,6 @@ from tilegemm.ops.w4a16 import replay
 
 def weight(N=64, K=256, g=64, dtype=torch.float16, device="cpu"):
     return w4a16.quantize(torch.randn(N, K, dtype=dtype, device=device), g)
-
-
-def reference(x, w, bias=None, activation="none"):
-    y = x.double() @ w4a16.dequantize(w).double().T
-    if bias is not None:
-        y = y + bias.double()
-    return torch.nn.functional.silu(y) if activation == "silu" else y
 
 
 # --- keys (CPU) -------------------------------------------------------------------------------------------
