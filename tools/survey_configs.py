@@ -1,0 +1,148 @@
+"""Survey on the GPU: every candidate config of every dense-GEMM rung on many shapes, against cuBLAS (not a test).
+
+The shapes are drawn like the bench's ``random`` sweep (M log-uniform in 1..16384, N and K in 64..28672) but
+from another seed (``--seed``, never the sweep's 2026), aligned only, N and K rounded to multiples of 16 (fewer
+kernel variants to compile). ``auto``'s untimed choice is a rule fitted on data like this, and the shipped
+tables take entries from it (``tools/fit_table.py``): the sweep's own shapes stay unseen.
+
+For each shape: cuBLAS, ``auto`` as it chooses untimed, and each config of ``autotuned`` (the pointer kernel),
+``persistent_tma`` (its Triton configs and the Gluon kernel's) and ``split_k`` (its K splits above one; every
+config for M <= 128), each checked against an fp32 product, then timed as the tuners time (do_bench median,
+L2 cleared, replays of the recorded launch). The JSON is rewritten after every shape, so a run stopped by
+``--budget`` (seconds) keeps what it measured; ``--start`` resumes a set.
+
+    PYTHONPATH=src python3 tools/survey_configs.py --count 120 --start 0 --budget 520 [--dtype fp16] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import tilegemm  # first: it chooses the interpreter or the GPU before torch and triton load
+import torch
+import triton.testing
+from tilegemm.core import tuning
+from tilegemm.core.hardware import machine_info
+from tilegemm.ops.matmul import autotuned, dispatch, persistent_tma, split_k
+from tilegemm.ops.matmul.bench import _random_cases
+from tilegemm.ops.matmul.configs import autotune_configs, prune_for
+from tilegemm.ops.matmul.problem import make_problems
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+SWEEP_SEED = 2026  # the bench's random sweep: never surveyed
+
+
+def survey_shapes(count: int, seed: int) -> list[tuple[int, int, int]]:
+    """The aligned shapes of a random-sweep-like draw from ``seed``, N and K rounded up to multiples of 16."""
+    if seed == SWEEP_SEED:
+        raise SystemExit("seed 2026 is the bench's random sweep, which must stay unseen")
+    unseen = {tuple(c.dims.values()) for c in _random_cases()}
+    shapes = []
+    for i, case in enumerate(_random_cases(3 * count, seed)):
+        if i % 3 == 2:
+            continue  # the draw's misaligned third
+        m, n, k = case.dims["M"], case.dims["N"], case.dims["K"]
+        n, k = -(-n // 16) * 16, -(-k // 16) * 16
+        if (m, n, k) not in unseen:
+            shapes.append((m, n, k))
+    return shapes[:count]
+
+
+def field(p) -> list[tuple[str, dict]]:
+    """(rung, config) of every candidate for problem ``p``."""
+    out = [("autotuned", c) for c in prune_for(autotune_configs(), p.a.element_size())]
+    if persistent_tma.describable(p) is None:
+        out += [("persistent_tma", c) for c in persistent_tma.candidates(p)]
+    out += [("split_k", c) for c in split_k.configs(p) if p.M <= 128 or c["SPLIT_K"] > 1]
+    return out
+
+
+def launch(rung: str, p, cfg: dict) -> None:
+    if rung == "autotuned":
+        autotuned.run(p, cfg)
+    elif rung == "persistent_tma":
+        persistent_tma.ensure_allocator()
+        persistent_tma.launch_config(p, cfg)
+    else:
+        split_k.launch_config(p, cfg)
+
+
+def survey(M: int, N: int, K: int, dtype, rep: int) -> dict:
+    torch.manual_seed(M * 31 + N * 7 + K)
+    a = torch.randn(M, K, device="cuda", dtype=dtype)
+    b = torch.randn(K, N, device="cuda", dtype=dtype)
+    ref = torch.matmul(a.float(), b.float())
+    scale = ref.norm().item()
+    row = dict(M=M, N=N, K=K)
+    row["cublas_us"] = triton.testing.do_bench(lambda: torch.matmul(a, b), warmup=5, rep=3 * rep,
+                                               return_mode="median") * 1e3
+    chosen = []
+    original = dispatch.choose_kernel
+    dispatch.choose_kernel = lambda p: chosen.append(original(p)) or chosen[-1]
+    try:
+        tilegemm.matmul(a, b)
+    finally:
+        dispatch.choose_kernel = original
+    row["auto_rung"] = chosen[0] if chosen else None
+    row["auto_us"] = triton.testing.do_bench(lambda: tilegemm.matmul(a, b), warmup=5, rep=3 * rep,
+                                             return_mode="median") * 1e3
+    configs = []
+    p0 = make_problems(a, b, torch.empty(M, N, device="cuda", dtype=dtype), None, None, 1.0, 0.0, "none",
+                       "ieee", False)[0]
+    for rung, cfg in field(p0):
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+        p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+        entry = dict(rung=rung, config=cfg)
+        fn = tuning.replaying(lambda c, rung=rung, p=p: launch(rung, p, c), cfg)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            err = ((out.float() - ref).norm() / scale).item()
+            if not err < 1e-2:
+                raise RuntimeError(f"wrong: rel err {err:.3g}")
+            entry["us"] = triton.testing.do_bench(fn, warmup=3, rep=rep, return_mode="median") * 1e3
+        except Exception as e:  # noqa: BLE001 - a survey: record and go on
+            entry["error"] = str(e)[:160]
+        configs.append(entry)
+    row["configs"] = configs
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--count", type=int, default=120)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--stop", type=int, default=None)
+    ap.add_argument("--budget", type=float, default=520.0, help="seconds; stop before starting a shape past it")
+    ap.add_argument("--rep", type=int, default=10, help="do_bench ms per config")
+    ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    os.environ.setdefault("TILEGEMM_TUNING_CACHE", "0")  # shipped entries only: what a fresh user has
+    shapes = survey_shapes(args.count, args.seed)[args.start:args.stop]
+    path = os.path.join(args.out, f"survey-{args.dtype}-s{args.seed}-{args.start}.json")
+    doc = dict(machine=machine_info().to_dict(), git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"),
+               dtype=args.dtype, seed=args.seed, start=args.start, rep_ms=args.rep, rows=[])
+    t0 = time.time()
+    for i, (M, N, K) in enumerate(shapes):
+        if time.time() - t0 > args.budget:
+            print(f"budget spent: stopped before shape {args.start + i}", flush=True)
+            break
+        row = survey(M, N, K, DTYPES[args.dtype], args.rep)
+        doc["rows"].append(row)
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        timed = [c for c in row["configs"] if "us" in c]
+        best = min(timed, key=lambda c: c["us"]) if timed else None
+        print(f"{args.start + i:4d} {M:>6}x{N:<6}x{K:<6} cuBLAS {row['cublas_us']:8.1f} us  auto({row['auto_rung']}) "
+              f"{row['cublas_us'] / row['auto_us']:.2f}x  best {best['rung'] if best else '-'} "
+              f"{row['cublas_us'] / best['us'] if best else 0:.2f}x  ({len(timed)}/{len(row['configs'])} ok, "
+              f"{time.time() - t0:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
