@@ -37,6 +37,13 @@ _memory: dict[str, dict] = {}
 _tuned: dict[str, dict] = {}  # what the user's file holds: its own entries and this process's tunings
 _guessed: dict[str, dict] = {}  # untimed choices of this process (choose_untimed): never neighbours, never saved
 _loaded_for: str | None = None
+_generation = 0  # bumped when entries are recorded or dropped: answers derived from the entries go stale
+
+
+def generation() -> int:
+    """A counter that changes whenever this process records or drops entries (for caches of answers that
+    depend on which entries exist)."""
+    return _generation
 
 
 def m_bucket(m: int) -> int:
@@ -322,8 +329,10 @@ def replaying(launch, cfg: dict):
 
 def record(k: str, config: dict) -> None:
     """Remember a tuned config, and save the cache file (atomically) unless the disk is off."""
+    global _generation
     _load()
     with _lock:
+        _generation += 1
         _memory[k] = dict(config)
         _tuned[k] = dict(config)
         if _disk_enabled():
@@ -346,8 +355,9 @@ def entries() -> dict[str, dict]:
 
 def forget() -> None:
     """Drop what this process holds (the files stay); the next lookup reads them again."""
-    global _loaded_for
+    global _loaded_for, _generation
     with _lock:
+        _generation += 1
         _memory.clear()
         _tuned.clear()
         _guessed.clear()

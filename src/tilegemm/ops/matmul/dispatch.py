@@ -219,9 +219,47 @@ def forward(call: MatmulCall) -> torch.Tensor:
 
                 def twin(a2, b2, bias2, out2):
                     for q in make_problems(a2, b2, out2, None, bias2, *rest[2:]):
-                        launcher(choose_kernel(q))(q)
+                        launch_auto(q)
 
                 run_padded(a, b, call.bias, out, twin)
                 continue
-            launcher(choose_kernel(p) if kernel == "auto" else kernel)(p)
+            if kernel == "auto":
+                launch_auto(p)
+            else:
+                launcher(kernel)(p)
     return out
+
+
+def launch_auto(p: GemmProblem) -> None:
+    """Launch ``auto``'s choice for one problem: where the survey speaks for it (:func:`surveyed`), the
+    rung and config it ranks best; otherwise the rung :func:`choose_kernel` names, with that rung's config."""
+    picked = surveyed(p)
+    if picked is not None:
+        rung, config = picked
+        launcher(rung)(p, config)
+    else:
+        launcher(choose_kernel(p))(p)
+
+
+_RUNGS_TUNED = ("auto", "autotuned", "persistent_tma", "split_k")
+
+
+def surveyed(p: GemmProblem) -> tuple[str, dict] | None:
+    """(rung, config) from the GPU's survey table (:mod:`tilegemm.ops.matmul.survey`) for a 16-bit problem
+    whose shape class has no tuned entry (shipped or tuned: those keep their measured choice) while timing is
+    off; else None."""
+    if interpreting():
+        return None
+    from tilegemm.ops.matmul import survey
+
+    if not survey.applies(p):
+        return None
+    from tilegemm.core import tuning
+
+    if tuning.timing_enabled():
+        return None
+    key = ("tuned", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout, p.out.device, tuning.generation())
+    if _decided(key, lambda: any(tuning.lookup(tuning.key(r, p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout))
+                                 is not None for r in _RUNGS_TUNED)):
+        return None
+    return survey.choose(p)

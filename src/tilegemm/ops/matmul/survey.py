@@ -1,0 +1,149 @@
+"""``auto``'s untimed choice for unseen 16-bit shapes: the candidates that ran best on the nearest surveyed shapes.
+
+``tools/survey_configs.py`` times every config of every rung (``autotuned``, ``persistent_tma`` with its Gluon
+kernel, ``split_k``) on a few hundred shapes drawn like the bench's ``random`` sweep from other seeds, on one
+GPU; ``tools/fit_survey.py`` keeps, per surveyed shape, each candidate's efficiency (that shape's best time over
+the candidate's) in ``tuned/survey/<gpu>.json``. For a problem whose shape class has no tuned entry, ``auto``
+ranks the candidates valid for it by their efficiency on the :data:`NEIGHBOURS` surveyed shapes nearest to it
+(the sum of |log2| ratios of M, N and K), weighted by ``1 / (DISTANCE_SOFTENING + distance)``, averaging logs;
+a candidate a neighbour did not keep counts as :data:`FLOOR`. It launches the best-ranked one.
+
+On the H200's and H100's surveys (480 shapes each, fp16), this choice made for each shape from the other shapes'
+data ran 0.92x / 0.91x cuBLAS (geomean), where the rules it replaces ran 0.85x / 0.88x and the best candidate of
+each shape 0.96x / 0.99x (``tools/fit_survey.py --check``; docs/rungs/auto.md).
+
+:func:`identity`, :func:`rank` and the constants are plain Python (the fitting tool uses them without a GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+SCHEMA = "tilegemm-survey/1"
+NEIGHBOURS = 3
+DISTANCE_SOFTENING = 0.25
+FLOOR = 0.5  # efficiency assumed for a candidate a neighbour ran slower than this (or not at all)
+FIXED_SPLITS = (1, 2, 3, 4, 8)  # split_k's fixed splits; larger ones are the wave-filling split of the shape
+
+
+def identity(rung: str, config: dict) -> tuple[str, str]:
+    """A candidate as the table names it: (rung, config as sorted JSON), a wave-filling split as ``"wave"``."""
+    config = dict(config)
+    if rung == "split_k" and config.get("SPLIT_K") not in FIXED_SPLITS:
+        config["SPLIT_K"] = "wave"
+    return rung, json.dumps(config, sort_keys=True)
+
+
+def distance(a, b) -> float:
+    return sum(abs(math.log2(max(x, 1) / max(y, 1))) for x, y in zip(a, b))
+
+
+def rank(shapes: list, target: tuple[int, int, int], candidates: list[int]) -> list[int]:
+    """``candidates`` (indices into the table's configs) best first for an ``(M, N, K)`` target, from the
+    :data:`NEIGHBOURS` nearest of ``shapes`` (``[M, N, K, [[index, efficiency], ...]]``)."""
+    near = sorted(shapes, key=lambda s: distance(s[:3], target))[:NEIGHBOURS]
+    score = dict.fromkeys(candidates, 0.0)
+    for shape in near:
+        weight = 1.0 / (DISTANCE_SOFTENING + distance(shape[:3], target))
+        kept = dict((i, e) for i, e in shape[3])
+        for i in candidates:
+            score[i] += weight * math.log(kept.get(i, FLOOR))
+    return sorted(candidates, key=lambda i: (-score[i], i))
+
+
+# --- on the GPU ------------------------------------------------------------------------------------------------
+
+_tables: dict[str, dict | None] = {}
+_choices: dict[tuple, tuple[str, dict] | None] = {}
+
+
+def table_path(gpu_name: str) -> Path:
+    import re
+
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
+    return Path(__file__).resolve().parent.parent.parent / "tuned" / "survey" / f"{slug}.json"
+
+
+def table_for(gpu_name: str) -> dict | None:
+    """The survey table shipped for this GPU, or None (read once)."""
+    if gpu_name not in _tables:
+        path = table_path(gpu_name)
+        doc = None
+        if path.exists():
+            doc = json.loads(path.read_text())
+            if doc.get("schema") != SCHEMA:
+                doc = None
+        _tables[gpu_name] = doc
+    return _tables[gpu_name]
+
+
+def applies(p) -> bool:
+    """Whether the survey speaks for ``p``: 16-bit operands of one dtype, one product (no batch), rows 16-byte
+    aligned (the surveyed shapes' were; a misaligned product is padded to its aligned twin first, or left to
+    the rules), on a GPU with a table."""
+    import torch
+
+    from tilegemm.ops.matmul.problem import rows_aligned
+
+    return (p.a.dtype in (torch.float16, torch.bfloat16) and p.b.dtype == p.a.dtype and p.batch == 1
+            and p.scale_a is None and p.scale_b is None and p.out.is_cuda and rows_aligned(p))
+
+
+def choose(p) -> tuple[str, dict] | None:
+    """(rung, config) for problem ``p`` from its GPU's table; None without a table or a valid candidate.
+    Answered once per shape, dtypes, layout and alignment (bounded)."""
+    import torch
+
+    from tilegemm.ops.matmul.persistent_tma import describable
+
+    described = describable(p) is None
+    key = (p.M, p.N, p.K, p.a.dtype, p.out.dtype, p.layout, described, p.out.device)
+    if key in _choices:
+        return _choices[key]
+    table = table_for(torch.cuda.get_device_name(p.out.device))
+    picked = None
+    if table is not None:
+        configs = table["configs"]
+        valid = _valid_candidates(p, configs, described)
+        if valid:
+            best = rank(table["shapes"], (p.M, p.N, p.K), valid)[0]
+            rung, config = configs[best]
+            picked = rung, _resolved(p, rung, config)
+    if len(_choices) >= 4096:
+        _choices.clear()
+    _choices[key] = picked
+    return picked
+
+
+def _valid_candidates(p, configs: list, described: bool) -> list[int]:
+    from tilegemm.core.runtime import cdiv
+    from tilegemm.ops.matmul import persistent_tma
+
+    tma = persistent_tma.candidates(p) if described else []
+    valid = []
+    for i, (rung, config) in enumerate(configs):
+        if rung == "persistent_tma":
+            ok = config in tma
+        elif rung == "split_k":
+            split = config["SPLIT_K"]
+            ok = split == "wave" or split == 1 or cdiv(p.K, config["BLOCK_K"]) >= 4 * split
+        else:
+            ok = rung == "autotuned"
+        if ok:
+            valid.append(i)
+    return valid
+
+
+def _resolved(p, rung: str, config: dict) -> dict:
+    """The config to launch: a wave-filling split computed for ``p``."""
+    config = dict(config)
+    if rung == "split_k" and config["SPLIT_K"] == "wave":
+        from tilegemm.core.hardware import sm_count
+        from tilegemm.core.runtime import cdiv
+        from tilegemm.ops.matmul.split_k import wave_split
+
+        tiles = cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"])
+        config["SPLIT_K"] = wave_split(tiles, cdiv(p.K, config["BLOCK_K"]), sm_count(p.out.device))
+    return config

@@ -1,0 +1,204 @@
+"""``auto``'s survey-based choice for unseen 16-bit shapes (tilegemm.ops.matmul.survey): the ranking, the shipped
+tables, when dispatch consults them, and (on the GPU) that what they choose runs and is right."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.ops.matmul import dispatch, survey
+from tilegemm.ops.matmul.problem import make_problems
+from tilegemm.ops.matmul.reference import matmul_reference, tolerance
+
+from conftest import assert_rel_close
+
+TABLES = sorted((Path(survey.__file__).resolve().parent.parent.parent / "tuned" / "survey").glob("*.json"))
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def problem(M, N, K, dtype=torch.float16, device="cpu"):
+    a = torch.empty(M, K, dtype=dtype, device=device)
+    b = torch.empty(K, N, dtype=dtype, device=device)
+    return make_problems(a, b, torch.empty(M, N, dtype=dtype, device=device), None, None, 1.0, 0.0, "none",
+                         "ieee", False)[0]
+
+
+def test_identity_names_wave_splits_and_keeps_fixed_ones():
+    cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=11)
+    assert json.loads(survey.identity("split_k", cfg)[1])["SPLIT_K"] == "wave"
+    assert json.loads(survey.identity("split_k", dict(cfg, SPLIT_K=8))[1])["SPLIT_K"] == 8
+    assert json.loads(survey.identity("autotuned", dict(cfg, SPLIT_K=11))[1])["SPLIT_K"] == 11
+    assert survey.identity("autotuned", {"b": 1, "a": 2}) == survey.identity("autotuned", {"a": 2, "b": 1})
+
+
+def test_rank_follows_the_nearest_shapes_and_counts_missing_candidates_at_the_floor():
+    shapes = [[1024, 1024, 1024, [[0, 1.0], [1, 0.6]]],
+              [2048, 1024, 1024, [[0, 0.7], [1, 1.0]]],
+              [1024, 2048, 1024, [[0, 1.0], [2, 0.95]]],
+              [16, 64, 64, [[1, 1.0], [2, 1.0]]]]  # far away: not among the three nearest
+    assert survey.rank(shapes, (1024, 1024, 1024), [0, 1, 2]) == [0, 1, 2]
+    assert survey.rank(shapes, (2048, 1024, 1024), [0, 1, 2])[0] == 1
+    assert survey.rank(shapes, (16, 64, 64), [0, 1, 2])[0] in (1, 2)
+    assert survey.rank(shapes, (1024, 1024, 1024), [2, 1]) == [1, 2]  # only the candidates asked for
+    assert survey.distance((1, 1, 1), (2, 4, 1)) == 3.0
+
+
+@pytest.mark.parametrize("path", TABLES, ids=lambda p: p.stem)
+def test_shipped_tables_hold_only_candidates_of_their_rungs(path, monkeypatch):
+    from tilegemm.ops.matmul import configs, gluon_f16, persistent_tma, split_k
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)  # the GPU's candidate lists
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == survey.SCHEMA and doc["shapes"] and doc["configs"]
+    pointer = configs.prune_for(configs.autotune_configs(), 2)
+    tma = persistent_tma.hopper_configs(2, "ab") + gluon_f16.configs(2)
+    tiles = {tile for bucket in split_k._TILES.values() for tile in bucket}
+    for rung, cfg in doc["configs"]:
+        if rung == "autotuned":
+            assert cfg in pointer, cfg
+        elif rung == "persistent_tma":
+            assert cfg in tma, cfg
+        else:
+            assert rung == "split_k", rung
+            tile = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
+            assert tile in tiles and (cfg["SPLIT_K"] == "wave" or cfg["SPLIT_K"] in survey.FIXED_SPLITS), cfg
+    for M, N, K, kept in doc["shapes"]:
+        assert min(M, N, K) >= 1 and kept
+        effs = [e for i, e in kept]
+        assert max(effs) == 1.0 and min(effs) >= survey.FLOOR
+        assert all(0 <= i < len(doc["configs"]) for i, _ in kept)
+
+
+@pytest.mark.parametrize("path", TABLES, ids=lambda p: p.stem)
+def test_on_a_surveyed_shape_the_choice_runs_near_that_shapes_best(path):
+    """The ranking uses the stored efficiencies: on each surveyed shape itself (its own data included, as a
+    later call of that shape would have), the candidate ranked first ran at 0.8 or more of its best."""
+    doc = json.loads(path.read_text())
+    everything = list(range(len(doc["configs"])))
+    for M, N, K, kept in doc["shapes"]:
+        first = survey.rank(doc["shapes"], (M, N, K), everything)[0]
+        assert dict((i, e) for i, e in kept).get(first, 0.0) >= 0.8, (M, N, K)
+
+
+def test_choose_picks_valid_candidates_and_resolves_wave_splits(monkeypatch):
+    """On the CPU, with the H200's table: no Gluon config (the Gluon kernels need the GPU), a persistent_tma
+    config only where TMA can describe the problem, a wave split made a number."""
+    if not (Path(survey.table_path("NVIDIA H200"))).exists():
+        pytest.skip("no H200 table shipped")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr("tilegemm.core.hardware.sm_count", lambda device: 132)
+    monkeypatch.setattr(survey, "_choices", {})
+    for M, N, K in [(1, 4096, 11008), (37, 640, 24000), (300, 1000, 4000), (4000, 264, 520), (9000, 9000, 72)]:
+        p = problem(M, N, K)
+        rung, cfg = survey.choose(p)
+        assert rung in ("autotuned", "persistent_tma", "split_k")
+        assert not cfg.get("GLUON_F16")
+        assert isinstance(cfg.get("SPLIT_K", 1), int) and cfg.get("SPLIT_K", 1) >= 1
+        assert survey.choose(p) == (rung, cfg)  # answered once, the same
+
+
+def test_dispatch_consults_the_survey_only_for_untuned_classes_with_timing_off(monkeypatch, tmp_path):
+    from tilegemm.core import tuning
+
+    monkeypatch.setenv("TILEGEMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(survey, "applies", lambda p: True)
+    monkeypatch.setattr(survey, "choose", lambda p: ("autotuned", {"picked": True}))
+    p = problem(333, 4440, 1000)
+    assert dispatch.surveyed(p) == ("autotuned", {"picked": True})
+    with tuning.timing():
+        assert dispatch.surveyed(p) is None, "tuning asked for: the candidates are timed instead"
+    try:
+        tuning.record(tuning.key("persistent_tma", 333, 4440, 1000, p.tuning_dtype, p.out.dtype, p.layout),
+                      {"BLOCK_M": 128})
+        assert dispatch.surveyed(p) is None, "a tuned class (even after a cached answer) keeps its measured choice"
+    finally:
+        tuning.forget()
+    monkeypatch.setattr(survey, "applies", lambda p: False)
+    assert dispatch.surveyed(problem(334, 4440, 1000)) is None
+
+
+def test_applies_to_aligned_single_16_bit_products_on_a_gpu_only():
+    assert survey.applies(problem(64, 64, 64)) is False  # CPU tensors: no GPU table speaks for them
+    assert survey.applies(problem(64, 64, 64, torch.float32)) is False
+    if torch.cuda.is_available() and not tilegemm.core.runtime.interpreting():
+        assert survey.applies(problem(64, 64, 64, device="cuda")) is True
+        a = torch.empty(64, 65, dtype=torch.float16, device="cuda")[:, :64]  # rows 130 bytes apart
+        p = make_problems(a, torch.empty(64, 64, dtype=torch.float16, device="cuda"),
+                          torch.empty(64, 64, dtype=torch.float16, device="cuda"), None, None, 1.0, 0.0, "none",
+                          "ieee", False)[0]
+        assert survey.applies(p) is False
+
+
+def test_fit_tool_round_trips_a_survey(tmp_path):
+    rows = [dict(M=m, N=256, K=512, cublas_us=10.0, auto_us=12.0,
+                 configs=[dict(rung="autotuned", config=dict(BLOCK_M=64), us=10.0 + m),
+                          dict(rung="split_k", config=dict(BLOCK_M=16, SPLIT_K=16), us=20.0),
+                          dict(rung="persistent_tma", config=dict(BLOCK_M=128), error="no")])
+            for m in (3, 30, 300)]
+    src = tmp_path / "survey.json"
+    src.write_text(json.dumps(dict(machine=dict(gpu="Test GPU"), rows=rows)))
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import fit_survey
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    gpu, loaded = fit_survey.load([str(src)])
+    doc = fit_survey.table(gpu, [str(src)], loaded)
+    assert gpu == "Test GPU" and [s[:3] for s in doc["shapes"]] == [[3, 256, 512], [30, 256, 512], [300, 256, 512]]
+    names = [(r, c.get("SPLIT_K")) for r, c in doc["configs"]]
+    assert names == [("autotuned", None), ("split_k", "wave")]  # the failed candidate is not kept
+    assert doc["shapes"][0][3] == [[0, 1.0], [1, 0.65]]  # 13 us best against 20 us
+    assert doc["shapes"][2][3] == [[1, 1.0]]  # 310 us is below the floor against 20 us
+
+
+# --- GPU -----------------------------------------------------------------------------------------------------
+
+
+def _spy(monkeypatch):
+    picks = []
+    real = dispatch.surveyed
+    monkeypatch.setattr(dispatch, "surveyed", lambda p: picks.append(real(p)) or picks[-1])
+    return picks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
+@pytest.mark.parametrize("shape", [(3, 7000, 2600), (90, 520, 9000), (700, 3000, 1800), (5000, 200, 4400)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_unseen_shapes_run_the_surveyed_choice_correctly(dtype, layout, shape, monkeypatch):
+    if not survey.table_path(torch.cuda.get_device_name()).exists():
+        pytest.skip("no survey table for this GPU: auto uses its rules")
+    M, N, K = shape
+    a = torch.randn(K, M, device="cuda", dtype=dtype).mT if layout[0] == "T" else torch.randn(M, K, device="cuda", dtype=dtype)
+    b = torch.randn(N, K, device="cuda", dtype=dtype).mT if layout[1] == "T" else torch.randn(K, N, device="cuda", dtype=dtype)
+    bias = torch.randn(N, device="cuda", dtype=dtype)
+    picks = _spy(monkeypatch)
+    out = tilegemm.matmul(a, b, bias=bias, activation="relu")
+    assert picks and picks[0] is not None, "an unseen aligned 16-bit shape takes the survey's choice"
+    ref = torch.relu(matmul_reference(a, b) + bias.double())
+    assert_rel_close(out, ref, tolerance(dtype))
+
+
+@pytest.mark.gpu
+def test_every_candidate_of_the_gpus_table_launches_correctly():
+    """Each config the table can name, launched as auto launches it, on one shape it is valid for."""
+    path = survey.table_path(torch.cuda.get_device_name())
+    if not path.exists():
+        pytest.skip("no survey table for this GPU")
+    doc = json.loads(path.read_text())
+    M, N, K = 200, 520, 2064
+    a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+    ref = matmul_reference(a, b)
+    for rung, cfg in doc["configs"]:
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
+        p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+        dispatch.launcher(rung)(p, survey._resolved(p, rung, cfg))
+        assert_rel_close(out, ref, tolerance(torch.float16))

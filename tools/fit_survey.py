@@ -1,0 +1,96 @@
+"""Build the shipped survey table of one GPU from ``tools/survey_configs.py`` runs (offline, no GPU needed).
+
+``auto`` takes an unseen 16-bit shape's rung and config from this table (:mod:`tilegemm.ops.matmul.survey`):
+the candidates that ran best on the surveyed shapes nearest to it. The table keeps, per surveyed shape, each
+candidate's efficiency (the shape's best time over the candidate's time), rounded, for candidates within
+:data:`tilegemm.ops.matmul.survey.FLOOR` of the best; the others count as that floor. ``split_k`` configs whose
+split was the one that fills a wave (above 8) are kept as ``"wave"``, recomputed for each problem.
+
+``--check`` prints the leave-one-out score of the choice on the surveyed shapes (each shape chosen from the
+others' data), against the shape's best candidate and ``auto``'s choice when surveyed.
+
+    python3 tools/fit_survey.py benchmarks/results/2026-11-24-h200/b3a0245/survey-fp16-s*.json [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from tilegemm.ops.matmul.survey import FLOOR, SCHEMA, identity, rank  # noqa: E402  (pure Python, no GPU)
+
+
+def load(paths: list[str]):
+    """(gpu name, sources, rows) where each row is (M, N, K, cublas_us, auto_us, {candidate: us})."""
+    gpu, rows = None, []
+    for path in paths:
+        doc = json.load(open(path))
+        name = doc["machine"]["gpu"]
+        if gpu not in (None, name):
+            raise SystemExit(f"{path} is from {name}, the others from {gpu}")
+        gpu = name
+        for r in doc["rows"]:
+            timed = {identity(c["rung"], c["config"]): c["us"] for c in r["configs"] if "us" in c}
+            if timed:
+                rows.append((r["M"], r["N"], r["K"], r["cublas_us"], r["auto_us"], timed))
+    return gpu, rows
+
+
+def table(gpu: str, sources: list[str], rows) -> dict:
+    configs = sorted({c for *_, timed in rows for c in timed})
+    index = {c: i for i, c in enumerate(configs)}
+    shapes = []
+    for M, N, K, _, _, timed in rows:
+        best = min(timed.values())
+        kept = sorted((index[c], round(best / us, 3)) for c, us in timed.items() if best / us >= FLOOR)
+        shapes.append([M, N, K, [list(x) for x in kept]])
+    return dict(schema=SCHEMA, gpu=gpu, sources=sources, dtype="fp16", layout="NN",
+                configs=[[rung, json.loads(cfg)] for rung, cfg in configs], shapes=shapes)
+
+
+def check(doc: dict, rows) -> None:
+    def gm(xs):
+        return math.exp(sum(map(math.log, xs)) / len(xs))
+
+    configs = [(r, json.dumps(c, sort_keys=True)) for r, c in doc["configs"]]
+    picked, best, auto = [], [], []
+    for i, (M, N, K, cublas, auto_us, timed) in enumerate(rows):
+        others = doc["shapes"][:i] + doc["shapes"][i + 1:]
+        order = rank(others, (M, N, K), [configs.index(c) for c in timed])
+        picked.append(cublas / timed[configs[order[0]]])
+        best.append(cublas / min(timed.values()))
+        auto.append(cublas / auto_us)
+    print(f"{len(rows)} shapes; against cuBLAS, geomean (worst): best candidate {gm(best):.3f} ({min(best):.2f}), "
+          f"leave-one-out choice {gm(picked):.3f} ({min(picked):.2f}), auto when surveyed {gm(auto):.3f} "
+          f"({min(auto):.2f})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("surveys", nargs="+")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--write", action="store_true", help="write src/tilegemm/tuned/survey/<gpu>.json")
+    args = ap.parse_args()
+    gpu, rows = load(args.surveys)
+    sources = [str(Path(p).resolve().relative_to(ROOT)) if Path(p).resolve().is_relative_to(ROOT) else p
+               for p in args.surveys]
+    doc = table(gpu, sources, rows)
+    if args.check:
+        check(doc, rows)
+    if args.write:
+        slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+        path = ROOT / "src" / "tilegemm" / "tuned" / "survey" / f"{slug}.json"
+        path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+        print(f"wrote {path.relative_to(ROOT)}: {len(doc['shapes'])} shapes, {len(doc['configs'])} configs, "
+              f"{path.stat().st_size // 1024} KB")
+
+
+if __name__ == "__main__":
+    main()
