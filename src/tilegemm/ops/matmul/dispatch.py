@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core import registry
+from tilegemm.core import registry, tuning
 from tilegemm.core.runtime import interpreting, new_output, on_device
 from tilegemm.ops.matmul.call import MatmulCall
 from tilegemm.ops.matmul.checks import output_shape, resolve_precision
+from tilegemm.ops.matmul import survey
 from tilegemm.ops.matmul.problem import GemmProblem, make_problems, rows_aligned
 
 
@@ -245,21 +246,14 @@ _RUNGS_TUNED = ("auto", "autotuned", "persistent_tma", "split_k")
 
 
 def surveyed(p: GemmProblem) -> tuple[str, dict] | None:
-    """(rung, config) from the GPU's survey table (:mod:`tilegemm.ops.matmul.survey`) for a 16-bit problem
-    whose shape class has no tuned entry (shipped or tuned: those keep their measured choice) while timing is
-    off; else None."""
-    if interpreting():
+    """(rung, config) from the GPU's survey table (:mod:`tilegemm.ops.matmul.survey`) for an aligned 16-bit
+    problem with enough work (:func:`tilegemm.ops.matmul.survey.worth`) whose shape class has no tuned entry
+    (shipped or tuned: those keep their measured choice), while timing is off; else None."""
+    if interpreting() or not survey.applies(p) or tuning.timing_enabled():
         return None
-    from tilegemm.ops.matmul import survey
-
-    if not survey.applies(p):
-        return None
-    from tilegemm.core import tuning
-
-    if tuning.timing_enabled():
-        return None
-    key = ("tuned", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout, p.out.device, tuning.generation())
-    if _decided(key, lambda: any(tuning.lookup(tuning.key(r, p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout))
-                                 is not None for r in _RUNGS_TUNED)):
+    key = ("survey", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout, p.out.device, tuning.generation())
+    if not _decided(key, lambda: survey.worth(p) and not any(
+            tuning.lookup(tuning.key(r, p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)) is not None
+            for r in _RUNGS_TUNED)):
         return None
     return survey.choose(p)

@@ -79,16 +79,40 @@ def table_for(gpu_name: str) -> dict | None:
     return _tables[gpu_name]
 
 
+# Below this many microseconds of work at the GPU's vendor peak (the slower of its FLOPs and its operands' and
+# output's bytes through HBM), the rules decide. The survey timed replayed launches, so it ranks kernel time
+# alone; in a few-microsecond product the call's host path weighs as much, and the rules were written with it
+# (split_k's one light launch for small products, see dispatch.TIMED_MIN_MNK). On the H200's random sweep the
+# survey's choice ran 2-4% faster than the rules' from about this much work up, and 1-10% slower below it
+# (benchmarks/results/2026-11-24-h200/37dcb4b/).
+MIN_WORK_US = 3.5
+
+
 def applies(p) -> bool:
     """Whether the survey speaks for ``p``: 16-bit operands of one dtype, one product (no batch), rows 16-byte
     aligned (the surveyed shapes' were; a misaligned product is padded to its aligned twin first, or left to
-    the rules), on a GPU with a table."""
+    the rules), on a GPU. (Whether it is large enough, :func:`worth`, is asked once per shape class.)"""
     import torch
 
     from tilegemm.ops.matmul.problem import rows_aligned
 
     return (p.a.dtype in (torch.float16, torch.bfloat16) and p.b.dtype == p.a.dtype and p.batch == 1
             and p.scale_a is None and p.scale_b is None and p.out.is_cuda and rows_aligned(p))
+
+
+def worth(p) -> bool:
+    """Whether ``p`` has at least :data:`MIN_WORK_US` of work (:func:`work_us`)."""
+    return work_us(p) >= MIN_WORK_US
+
+
+def work_us(p) -> float:
+    """Microseconds of ``p`` at its GPU's vendor peak rate and HBM bandwidth (the slower of the two)."""
+    from tilegemm.ops.matmul.cost import device_rates
+
+    _, peak_tflops, hbm_gbps = device_rates(p)
+    flops = 2.0 * p.M * p.N * p.K
+    nbytes = (p.M * p.K + p.K * p.N) * p.a.element_size() + p.M * p.N * p.out.element_size()
+    return max(flops / (peak_tflops * 1e6), nbytes / (hbm_gbps * 1e3))
 
 
 def choose(p) -> tuple[str, dict] | None:
