@@ -35,8 +35,9 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SWEEP_SEED = 2026  # the bench's random sweep: never surveyed
 
 
-def survey_shapes(count: int, seed: int) -> list[tuple[int, int, int]]:
-    """The aligned shapes of a random-sweep-like draw from ``seed``, N and K rounded up to multiples of 16."""
+def survey_shapes(count: int, seed: int, multiple: int = 16) -> list[tuple[int, int, int]]:
+    """The aligned shapes of a random-sweep-like draw from ``seed``, N and K rounded up to multiples of
+    ``multiple`` (8: as the sweep's, which compiles more kernel variants)."""
     if seed == SWEEP_SEED:
         raise SystemExit("seed 2026 is the bench's random sweep, which must stay unseen")
     unseen = {tuple(c.dims.values()) for c in _random_cases()}
@@ -45,7 +46,7 @@ def survey_shapes(count: int, seed: int) -> list[tuple[int, int, int]]:
         if i % 3 == 2:
             continue  # the draw's misaligned third
         m, n, k = case.dims["M"], case.dims["N"], case.dims["K"]
-        n, k = -(-n // 16) * 16, -(-k // 16) * 16
+        n, k = -(-n // multiple) * multiple, -(-k // multiple) * multiple
         if (m, n, k) not in unseen:
             shapes.append((m, n, k))
     return shapes[:count]
@@ -120,13 +121,15 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=520.0, help="seconds; stop before starting a shape past it")
     ap.add_argument("--rep", type=int, default=10, help="do_bench ms per config")
     ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
+    ap.add_argument("--multiple", type=int, default=16, choices=(8, 16), help="N and K rounded up to this")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     os.environ.setdefault("TILEGEMM_TUNING_CACHE", "0")  # shipped entries only: what a fresh user has
-    shapes = survey_shapes(args.count, args.seed)[args.start:args.stop]
-    path = os.path.join(args.out, f"survey-{args.dtype}-s{args.seed}-{args.start}.json")
+    shapes = survey_shapes(args.count, args.seed, args.multiple)[args.start:args.stop]
+    tag = "" if args.multiple == 16 else f"-m{args.multiple}"
+    path = os.path.join(args.out, f"survey-{args.dtype}-s{args.seed}{tag}-{args.start}.json")
     doc = dict(machine=machine_info().to_dict(), git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"),
-               dtype=args.dtype, seed=args.seed, start=args.start, rep_ms=args.rep, rows=[])
+               dtype=args.dtype, seed=args.seed, multiple=args.multiple, start=args.start, rep_ms=args.rep, rows=[])
     t0 = time.time()
     for i, (M, N, K) in enumerate(shapes):
         if time.time() - t0 > args.budget:
