@@ -8,9 +8,10 @@ ranks the candidates valid for it by their efficiency on the :data:`NEIGHBOURS` 
 (the sum of |log2| ratios of M, N and K), weighted by ``1 / (DISTANCE_SOFTENING + distance)``, averaging logs;
 a candidate a neighbour did not keep counts as :data:`FLOOR`. It launches the best-ranked one.
 
-On the H200's and H100's surveys (480 shapes each, fp16), this choice made for each shape from the other shapes'
-data ran 0.92x / 0.91x cuBLAS (geomean), where the rules it replaces ran 0.85x / 0.88x and the best candidate of
-each shape 0.96x / 0.99x (``tools/fit_survey.py --check``; docs/rungs/auto.md).
+It applies from :data:`MIN_WORK_US` of work up. On the H200's and H100's surveys (480 shapes each, fp16), this
+choice made for each shape from the other shapes' data ran 0.92x / 0.91x cuBLAS (geomean) as replayed launches,
+against 0.96x / 0.99x for the best candidate of each shape (``tools/fit_survey.py --check``). On the bench's
+random sweep the shapes it takes ran 3% (H200) and 1% (H100) faster than with the rules (docs/rungs/auto.md).
 
 :func:`identity`, :func:`rank` and the constants are plain Python (the fitting tool uses them without a GPU).
 """
