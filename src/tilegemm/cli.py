@@ -106,6 +106,9 @@ def _add_warmup(sub) -> None:
                     "it into its disk cache; a later process's first call on such a shape then compiles nothing.",
     )
     p.add_argument("--op", default="matmul", help="the op to warm up (default matmul)")
+    p.add_argument("--shape", action="append", default=[], metavar="SHAPE",
+                   help="instead, compile what auto picks for this shape (repeatable; matmul: M,N,K)")
+    p.add_argument("--dtype", help="with --shape: the dtype (default fp16)")
 
 
 def _add_puzzles(sub) -> None:
@@ -339,13 +342,27 @@ def cmd_warmup(args, console) -> int:
     from tilegemm.core.runtime import interpreting
 
     _, warmup = _op_entry(args.op, "warmup", "warm up")
+    extra = {}
+    if args.shape or args.dtype:
+        from tilegemm.bench.base import BenchError, bench_op
+
+        if not args.shape:
+            raise UsageError("--dtype applies with --shape only (the shipped classes carry their own dtypes)")
+        op = bench_op(args.op)
+        dtype = args.dtype or op.default_dtype()
+        try:
+            op.check_dtype(dtype, None)
+            extra = dict(cases=[op.parse_shape(t) for t in args.shape], dtype=dtype)
+        except BenchError as err:
+            raise UsageError(str(err)) from None
     if interpreting():
         console.print("[yellow]No GPU in use: under Triton's interpreter nothing is compiled, so there is nothing "
                       "to warm up.[/]")
         return 0
     start = time.perf_counter()
-    warmed = warmup(on_key=lambda key: console.print(f"compiling {key}", highlight=False))
-    console.print(f"warmed {len(warmed)} shape classes of {args.op} in {time.perf_counter() - start:.1f} s; "
+    warmed = warmup(on_key=lambda key: console.print(f"compiling {key}", highlight=False), **extra)
+    what = "shapes" if extra else "shape classes"
+    console.print(f"warmed {len(warmed)} {what} of {args.op} in {time.perf_counter() - start:.1f} s; "
                   f"Triton's cache: {_triton_cache_dir()}")
     return 0
 

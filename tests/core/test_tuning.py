@@ -596,6 +596,35 @@ def test_warmup_command_under_the_interpreter_compiles_nothing(capsys):
     assert main(["warmup"]) == 0
     assert "nothing to warm up" in capsys.readouterr().out
     assert main(["warmup", "--op", "copy"]) == 2
+    assert main(["warmup", "--shape", "7,9,11", "--dtype", "bf16"]) == 0
+    assert "nothing to warm up" in capsys.readouterr().out
+    assert main(["warmup", "--dtype", "bf16"]) == 2, "--dtype without --shape"
+    assert "--dtype applies with --shape only" in capsys.readouterr().err
+    assert main(["warmup", "--shape", "7,9"]) == 2
+    assert "malformed matmul shape" in capsys.readouterr().err
+    assert main(["warmup", "--shape", "7,9,11", "--dtype", "fp5"]) == 2
+
+
+def test_warmup_of_given_shapes_calls_auto_once_on_each(monkeypatch):
+    """``tilegemm warmup --shape``: auto on exactly those shapes, in the dtype asked (fp8 with its scales)."""
+    from tilegemm.ops.matmul import tune
+    from tilegemm.ops.matmul.bench import MatmulBench
+
+    calls = []
+    real = tilegemm.matmul
+
+    def spy(a, b, **kw):
+        calls.append((tuple(a.shape), tuple(b.shape), a.dtype, kw.get("kernel"), "scale_a" in kw))
+        return real(a.float(), b.float(), kernel="grouped")
+
+    monkeypatch.setattr("tilegemm.matmul", spy)
+    cases = [MatmulBench().parse_shape(t) for t in ("5,7,9", "16x24x40")]
+    assert tune.warmup(cases=cases, dtype="fp32") == ["auto|5x7x9|fp32", "auto|16x24x40|fp32"]
+    assert calls == [((5, 9), (9, 7), torch.float32, "auto", False), ((16, 40), (40, 24), torch.float32, "auto", False)]
+    calls.clear()
+    seen = []
+    assert tune.warmup(on_key=seen.append, cases=cases[:1], dtype="fp8_e4m3") == ["auto|5x7x9|fp8_e4m3"]
+    assert seen == ["auto|5x7x9|fp8_e4m3"] and calls[0][2] == torch.float8_e4m3fn and calls[0][4]
 
 
 def test_untimed_guesses_are_neither_neighbours_nor_in_the_way_of_timing(cache, monkeypatch):

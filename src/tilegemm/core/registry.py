@@ -37,9 +37,10 @@ class OpSpec:
 
     ``bench`` names the bench adapter class (a :class:`tilegemm.bench.base.BenchOp`); ``tune`` names the
     function ``tilegemm tune`` calls, ``tune(op_adapter, cases, dtype, kernels) -> list[row]``, and
-    ``tunable`` the kernels it can tune; ``warmup`` names ``warmup(on_key=None) -> list[str]``, which
-    ``tilegemm warmup`` calls to compile the kernels of every known shape class ahead of time. ``pseudo`` holds names accepted as ``kernel=`` that pick a
-    registered kernel per call (``auto``).
+    ``tunable`` the kernels it can tune; ``warmup`` names ``warmup(on_key=None, cases=None, dtype=None) ->
+    list[str]``, which ``tilegemm warmup`` calls to compile the kernels of every known shape class ahead of
+    time (or, given ``cases``, what ``auto`` picks for those). ``pseudo`` holds names accepted as ``kernel=``
+    that pick a registered kernel per call (``auto``).
     """
 
     name: str

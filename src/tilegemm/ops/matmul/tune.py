@@ -30,15 +30,23 @@ _TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, 
           "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def warmup(on_key=None) -> list[str]:
+def warmup(on_key=None, cases=None, dtype: str | None = None) -> list[str]:
     """Call every kernel that has a known config (shipped or tuned, this GPU) once on random data of its shape
     class (M at its bucket), so Triton compiles the variant and keeps it on disk. Returns the keys warmed;
-    ``on_key(key)`` is called before each. Entries of ``auto`` and layouts with no unit stride are skipped."""
+    ``on_key(key)`` is called before each. Entries of ``auto`` and layouts with no unit stride are skipped.
+
+    With ``cases`` (bench cases, e.g. a model's shapes given as ``tilegemm warmup --shape``), instead call
+    ``auto`` once on each in ``dtype`` (default fp16), so what it picks for exactly those shapes, untimed, is
+    compiled; returns ``"auto|MxNxK|dtype"`` labels."""
     from tilegemm.core import registry, tuning
     from tilegemm.ops.matmul import replay
     from tilegemm.ops.matmul.api import matmul
 
     device = "cpu" if interpreting() else "cuda"
+    if cases is not None:
+        from tilegemm.ops.matmul.bench import MatmulBench
+
+        return _warm_cases(MatmulBench(), cases, dtype or "fp16", device, on_key)
     names = {s.name for s in registry.specs("matmul") if s.unavailable_reason() is None}
     warmed = []
     for key in sorted(tuning.entries()):
@@ -68,4 +76,21 @@ def warmup(on_key=None) -> list[str]:
         warmed.append(key)
         del a, b
         replay.clear()  # the compiled kernel is what warmup is for; the replays need not stay
+    return warmed
+
+
+def _warm_cases(bench, cases, dtype: str, device: str, on_key) -> list[str]:
+    """``auto`` once on each case (its inputs made as the bench makes them), then its replays dropped."""
+    from tilegemm.ops.matmul import replay
+
+    warmed = []
+    for case in cases:
+        label = f"auto|{case.label}|{dtype}"
+        if on_key is not None:
+            on_key(label)
+        inputs = bench.prepare(case, dtype, device, 1, {}).sets[0]
+        bench.run("auto", inputs, dtype)
+        warmed.append(label)
+        del inputs
+        replay.clear()
     return warmed
