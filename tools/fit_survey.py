@@ -7,7 +7,8 @@ candidate's efficiency (the shape's best time over the candidate's time), rounde
 split was the one that fills a wave (above 8) are kept as ``"wave"``, recomputed for each problem.
 
 ``--check`` prints the leave-one-out score of the choice on the surveyed shapes (each shape chosen from the
-others' data), against the shape's best candidate and ``auto``'s choice when surveyed.
+others' data), against the shape's best candidate and ``auto`` as the survey ran it through the op (its rules, when the
+survey ran before a table shipped or with it turned off: the op's time includes its host path).
 
     python3 tools/fit_survey.py benchmarks/results/2026-11-24-h200/b3a0245/survey-fp16-s*.json [--check]
 """
@@ -68,7 +69,7 @@ def check(doc: dict, rows) -> None:
         best.append(cublas / min(timed.values()))
         auto.append(cublas / auto_us)
     print(f"{len(rows)} shapes; against cuBLAS, geomean (worst): best candidate {gm(best):.3f} ({min(best):.2f}), "
-          f"leave-one-out choice {gm(picked):.3f} ({min(picked):.2f}), auto when surveyed {gm(auto):.3f} "
+          f"leave-one-out choice {gm(picked):.3f} ({min(picked):.2f}), auto through the op {gm(auto):.3f} "
           f"({min(auto):.2f})")
 
 

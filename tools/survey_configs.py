@@ -2,10 +2,10 @@
 
 The shapes are drawn like the bench's ``random`` sweep (M log-uniform in 1..16384, N and K in 64..28672) but
 from another seed (``--seed``, never the sweep's 2026), aligned only, N and K rounded to multiples of 16 (fewer
-kernel variants to compile). ``auto``'s untimed choice is a rule fitted on data like this, and the shipped
-tables take entries from it (``tools/fit_table.py``): the sweep's own shapes stay unseen.
+kernel variants to compile). ``auto``'s untimed choice for larger 16-bit products ranks candidates by data like
+this (``tools/fit_survey.py`` builds the shipped tables from it): the sweep's own shapes stay unseen.
 
-For each shape: cuBLAS, ``auto`` as it chooses untimed, and each config of ``autotuned`` (the pointer kernel),
+For each shape: cuBLAS, ``auto`` by its rules alone (the survey's own table turned off), and each config of ``autotuned`` (the pointer kernel),
 ``persistent_tma`` (its Triton configs and the Gluon kernel's) and ``split_k`` (its K splits above one; every
 config for M <= 128), each checked against an fp32 product, then timed as the tuners time (do_bench median,
 L2 cleared, replays of the recorded launch). The JSON is rewritten after every shape, so a run stopped by
@@ -26,7 +26,7 @@ import torch
 import triton.testing
 from tilegemm.core import tuning
 from tilegemm.core.hardware import machine_info
-from tilegemm.ops.matmul import autotuned, dispatch, persistent_tma, split_k
+from tilegemm.ops.matmul import autotuned, dispatch, persistent_tma, replay, split_k
 from tilegemm.ops.matmul.bench import _random_cases
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.problem import make_problems
@@ -81,15 +81,17 @@ def survey(M: int, N: int, K: int, dtype, rep: int) -> dict:
     row["cublas_us"] = triton.testing.do_bench(lambda: torch.matmul(a, b), warmup=5, rep=3 * rep,
                                                return_mode="median") * 1e3
     chosen = []
-    original = dispatch.choose_kernel
+    original, surveyed = dispatch.choose_kernel, dispatch.surveyed
     dispatch.choose_kernel = lambda p: chosen.append(original(p)) or chosen[-1]
+    dispatch.surveyed = lambda p: None  # the rules' choice: what the survey is measured against
     try:
         tilegemm.matmul(a, b)
+        row["auto_rung"] = chosen[0] if chosen else None
+        row["auto_us"] = triton.testing.do_bench(lambda: tilegemm.matmul(a, b), warmup=5, rep=3 * rep,
+                                                 return_mode="median") * 1e3
     finally:
-        dispatch.choose_kernel = original
-    row["auto_rung"] = chosen[0] if chosen else None
-    row["auto_us"] = triton.testing.do_bench(lambda: tilegemm.matmul(a, b), warmup=5, rep=3 * rep,
-                                             return_mode="median") * 1e3
+        dispatch.choose_kernel, dispatch.surveyed = original, surveyed
+        replay.clear()  # the rules' recorded launches must not stand in for a later call
     configs = []
     p0 = make_problems(a, b, torch.empty(M, N, device="cuda", dtype=dtype), None, None, 1.0, 0.0, "none",
                        "ieee", False)[0]

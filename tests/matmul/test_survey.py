@@ -108,6 +108,7 @@ def test_dispatch_consults_the_survey_only_for_untuned_classes_with_timing_off(m
     monkeypatch.setenv("TILEGEMM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
     monkeypatch.setattr(survey, "applies", lambda p: True)
+    monkeypatch.setattr(survey, "has_table", lambda device: True)
     monkeypatch.setattr(survey, "worth", lambda p: p.M != 335)
     monkeypatch.setattr(survey, "choose", lambda p: ("autotuned", {"picked": True}))
     p = problem(333, 4440, 1000)
@@ -121,8 +122,40 @@ def test_dispatch_consults_the_survey_only_for_untuned_classes_with_timing_off(m
     finally:
         tuning.forget()
     assert dispatch.surveyed(problem(335, 4440, 1000)) is None, "too little work: the rules decide"
+    a = torch.empty(336, 1001, dtype=torch.float16)[:, :1000]  # rows 2002 bytes apart
+    misaligned = make_problems(a, torch.empty(1000, 4440, dtype=torch.float16),
+                               torch.empty(336, 4440, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee",
+                               False)[0]
+    assert dispatch.surveyed(misaligned) is None, "rows not 16-byte aligned: padded first, or the rules"
+    monkeypatch.setattr(survey, "has_table", lambda device: False)
+    assert dispatch.surveyed(problem(337, 4440, 1000)) is None, "a GPU without a table: the rules"
+    monkeypatch.setattr(survey, "has_table", lambda device: True)
     monkeypatch.setattr(survey, "applies", lambda p: False)
     assert dispatch.surveyed(problem(334, 4440, 1000)) is None
+
+
+def test_launch_auto_launches_the_surveyed_rung_with_its_config_else_the_rules_rung(monkeypatch):
+    launched = []
+    monkeypatch.setattr(dispatch, "launcher", lambda rung: lambda p, *config: launched.append((rung, *config)))
+    monkeypatch.setattr(dispatch, "surveyed", lambda p: ("split_k", {"SPLIT_K": 3}))
+    dispatch.launch_auto(problem(300, 300, 3000))
+    monkeypatch.setattr(dispatch, "surveyed", lambda p: None)
+    monkeypatch.setattr(dispatch, "choose_kernel", lambda p: "autotuned")
+    dispatch.launch_auto(problem(300, 300, 3000))
+    assert launched == [("split_k", {"SPLIT_K": 3}), ("autotuned",)]
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"schema": "tilegemm-survey/0"}', '{"schema": "tilegemm-survey/1"}',
+                                  '{"schema": "tilegemm-survey/1", "configs": [], "shapes": [[1, 2, 3, [[0, 1.0]]]]}',
+                                  "[1, 2]"])
+def test_a_damaged_table_is_ignored_with_a_warning(text, tmp_path, monkeypatch):
+    path = tmp_path / "gpu.json"
+    path.write_text(text)
+    monkeypatch.setattr(survey, "table_path", lambda name: path)
+    monkeypatch.setattr(survey, "_tables", {})
+    with pytest.warns(UserWarning, match="damaged survey table"):
+        assert survey.table_for("Some GPU") is None
+    assert survey.table_for("Some GPU") is None  # read once: no second warning, no error
 
 
 def test_work_is_the_slower_of_flops_and_bytes_at_the_vendor_peaks(monkeypatch):
@@ -135,16 +168,12 @@ def test_work_is_the_slower_of_flops_and_bytes_at_the_vendor_peaks(monkeypatch):
     assert survey.worth(big) and survey.worth(skinny) and not survey.worth(tiny)
 
 
-def test_applies_to_aligned_single_16_bit_products_on_a_gpu_only():
+def test_applies_to_single_16_bit_products_on_a_gpu_only():
     assert survey.applies(problem(64, 64, 64)) is False  # CPU tensors: no GPU table speaks for them
     assert survey.applies(problem(64, 64, 64, torch.float32)) is False
     if torch.cuda.is_available() and not tilegemm.core.runtime.interpreting():
         assert survey.applies(problem(64, 64, 64, device="cuda")) is True
-        a = torch.empty(64, 65, dtype=torch.float16, device="cuda")[:, :64]  # rows 130 bytes apart
-        p = make_problems(a, torch.empty(64, 64, dtype=torch.float16, device="cuda"),
-                          torch.empty(64, 64, dtype=torch.float16, device="cuda"), None, None, 1.0, 0.0, "none",
-                          "ieee", False)[0]
-        assert survey.applies(p) is False
+        assert survey.applies(problem(64, 64, 64, torch.float32, device="cuda")) is False
 
 
 def test_fit_tool_round_trips_a_survey(tmp_path):
@@ -215,3 +244,20 @@ def test_every_candidate_of_the_gpus_table_launches_correctly():
         p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
         dispatch.launcher(rung)(p, survey._resolved(p, rung, cfg))
         assert_rel_close(out, ref, tolerance(torch.float16))
+
+
+@pytest.mark.gpu
+def test_no_tma_config_where_tma_cannot_describe_the_problem():
+    """A's base 8 bytes off a 16-byte boundary (rows still aligned): persistent_tma cannot take it, so the
+    survey must pick among the pointer kernels, and the product stays right."""
+    if not survey.table_path(torch.cuda.get_device_name()).exists():
+        pytest.skip("no survey table for this GPU")
+    M, N, K = 2000, 3000, 2048
+    base = torch.randn(M, K + 8, device="cuda", dtype=torch.float16)
+    a = base[:, 4:K + 4]
+    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
+    p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+    picked = dispatch.surveyed(p)
+    assert picked is not None and picked[0] != "persistent_tma", picked
+    assert_rel_close(tilegemm.matmul(a, b), matmul_reference(a, b), tolerance(torch.float16))

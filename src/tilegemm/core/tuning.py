@@ -42,7 +42,8 @@ _generation = 0  # bumped when entries are recorded or dropped: answers derived 
 
 def generation() -> int:
     """A counter that changes whenever this process records or drops entries (for caches of answers that
-    depend on which entries exist)."""
+    depend on which entries exist). Entries read again for another GPU do not change it: the caches that use
+    it key their answers by device too."""
     return _generation
 
 
@@ -332,9 +333,9 @@ def record(k: str, config: dict) -> None:
     global _generation
     _load()
     with _lock:
-        _generation += 1
         _memory[k] = dict(config)
         _tuned[k] = dict(config)
+        _generation += 1  # after the entry is in: an answer cached under the new count has seen it
         if _disk_enabled():
             save(cache_file())
 
@@ -357,8 +358,8 @@ def forget() -> None:
     """Drop what this process holds (the files stay); the next lookup reads them again."""
     global _loaded_for, _generation
     with _lock:
-        _generation += 1
         _memory.clear()
         _tuned.clear()
         _guessed.clear()
         _loaded_for = None
+        _generation += 1

@@ -248,12 +248,22 @@ _RUNGS_TUNED = ("auto", "autotuned", "persistent_tma", "split_k")
 def surveyed(p: GemmProblem) -> tuple[str, dict] | None:
     """(rung, config) from the GPU's survey table (:mod:`tilegemm.ops.matmul.survey`) for an aligned 16-bit
     problem with enough work (:func:`tilegemm.ops.matmul.survey.worth`) whose shape class has no tuned entry
-    (shipped or tuned: those keep their measured choice), while timing is off; else None."""
-    if interpreting() or not survey.applies(p) or tuning.timing_enabled():
+    (shipped or tuned: those keep their measured choice), while timing is off; else None. What depends on
+    the shape alone is answered once per shape (a dict lookup on later calls); a no costs nothing more."""
+    if interpreting():
         return None
-    key = ("survey", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout, p.out.device, tuning.generation())
-    if not _decided(key, lambda: survey.worth(p) and not any(
-            tuning.lookup(tuning.key(r, p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)) is not None
-            for r in _RUNGS_TUNED)):
+    key = ("survey", p.M, p.N, p.K, p.a.dtype, p.b.dtype, p.out.dtype, p.layout, p.batch, p.scale_a is None,
+           p.scale_b is None, p.out.device, tuning.generation())
+    if not _decided(key, lambda: _survey_speaks(p)):
+        return None
+    if not rows_aligned(p) or tuning.timing_enabled():
         return None
     return survey.choose(p)
+
+
+def _survey_speaks(p: GemmProblem) -> bool:
+    """Whether the survey may choose for ``p``'s shape, dtypes and layout (alignment and timing aside)."""
+    if not survey.applies(p) or not survey.has_table(p.out.device) or not survey.worth(p):
+        return False
+    keys = (tuning.key(r, p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout) for r in _RUNGS_TUNED)
+    return not any(tuning.lookup(k) is not None for k in keys)

@@ -18,6 +18,7 @@ random sweep the shapes it takes ran 3% (H200) and 1% (H100) faster than with th
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 from pathlib import Path
@@ -44,11 +45,24 @@ def distance(a, b) -> float:
 def rank(shapes: list, target: tuple[int, int, int], candidates: list[int]) -> list[int]:
     """``candidates`` (indices into the table's configs) best first for an ``(M, N, K)`` target, from the
     :data:`NEIGHBOURS` nearest of ``shapes`` (``[M, N, K, [[index, efficiency], ...]]``)."""
-    near = sorted(shapes, key=lambda s: distance(s[:3], target))[:NEIGHBOURS]
+    return _rank(_indexed(shapes), target, candidates)
+
+
+def _indexed(shapes: list) -> list[tuple[float, float, float, dict]]:
+    """The shapes as (log2 M, log2 N, log2 K, {candidate: efficiency}): what ranking reads."""
+    return [(*(math.log2(max(d, 1)) for d in shape[:3]), dict((i, e) for i, e in shape[3])) for shape in shapes]
+
+
+def _rank(indexed: list, target, candidates: list[int]) -> list[int]:
+    logs = [math.log2(max(d, 1)) for d in target]
+
+    def away(shape) -> float:
+        return abs(shape[0] - logs[0]) + abs(shape[1] - logs[1]) + abs(shape[2] - logs[2])
+
     score = dict.fromkeys(candidates, 0.0)
-    for shape in near:
-        weight = 1.0 / (DISTANCE_SOFTENING + distance(shape[:3], target))
-        kept = dict((i, e) for i, e in shape[3])
+    for shape in heapq.nsmallest(NEIGHBOURS, indexed, key=away):
+        weight = 1.0 / (DISTANCE_SOFTENING + away(shape))
+        kept = shape[3]
         for i in candidates:
             score[i] += weight * math.log(kept.get(i, FLOOR))
     return sorted(candidates, key=lambda i: (-score[i], i))
@@ -58,6 +72,7 @@ def rank(shapes: list, target: tuple[int, int, int], candidates: list[int]) -> l
 
 _tables: dict[str, dict | None] = {}
 _choices: dict[tuple, tuple[str, dict] | None] = {}
+_MISSING = object()
 
 
 def table_path(gpu_name: str) -> Path:
@@ -68,16 +83,36 @@ def table_path(gpu_name: str) -> Path:
 
 
 def table_for(gpu_name: str) -> dict | None:
-    """The survey table shipped for this GPU, or None (read once)."""
-    if gpu_name not in _tables:
+    """The survey table shipped for this GPU, or None (read once). A damaged table is ignored with a warning:
+    the rules decide, as on a GPU without one."""
+    table = _tables.get(gpu_name, _MISSING)
+    if table is _MISSING:
+        table = None
         path = table_path(gpu_name)
-        doc = None
         if path.exists():
-            doc = json.loads(path.read_text())
-            if doc.get("schema") != SCHEMA:
-                doc = None
-        _tables[gpu_name] = doc
-    return _tables[gpu_name]
+            try:
+                doc = json.loads(path.read_text())
+                if doc.get("schema") != SCHEMA:
+                    raise ValueError(f"schema {doc.get('schema')!r}, expected {SCHEMA!r}")
+                configs = [(str(rung), dict(config)) for rung, config in doc["configs"]]
+                table = dict(configs=configs, shapes=_indexed(doc["shapes"]))
+                if not all(0 <= i < len(configs) for *_, kept in table["shapes"] for i in kept):
+                    raise ValueError("a shape names a config the table lacks")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+                import warnings
+
+                warnings.warn(f"tilegemm: ignoring the damaged survey table {path} ({err}); auto's rules decide",
+                              stacklevel=2)
+                table = None
+        _tables[gpu_name] = table
+    return table
+
+
+def has_table(device) -> bool:
+    """Whether ``device``'s GPU has a (readable) survey table."""
+    import torch
+
+    return table_for(torch.cuda.get_device_name(device)) is not None
 
 
 # Below this many microseconds of work at the GPU's vendor peak (the slower of its FLOPs and its operands' and
@@ -90,15 +125,13 @@ MIN_WORK_US = 3.5
 
 
 def applies(p) -> bool:
-    """Whether the survey speaks for ``p``: 16-bit operands of one dtype, one product (no batch), rows 16-byte
-    aligned (the surveyed shapes' were; a misaligned product is padded to its aligned twin first, or left to
-    the rules), on a GPU. (Whether it is large enough, :func:`worth`, is asked once per shape class.)"""
+    """Whether the survey speaks for ``p`` whatever its size: 16-bit operands of one dtype, one product (no
+    batch), no scales, on a GPU. (Its rows must also be 16-byte aligned, as the surveyed shapes' were, and it
+    must be large enough, :func:`worth`: ``dispatch.surveyed`` asks both.)"""
     import torch
 
-    from tilegemm.ops.matmul.problem import rows_aligned
-
     return (p.a.dtype in (torch.float16, torch.bfloat16) and p.b.dtype == p.a.dtype and p.batch == 1
-            and p.scale_a is None and p.scale_b is None and p.out.is_cuda and rows_aligned(p))
+            and p.scale_a is None and p.scale_b is None and p.out.is_cuda)
 
 
 def worth(p) -> bool:
@@ -118,22 +151,24 @@ def work_us(p) -> float:
 
 def choose(p) -> tuple[str, dict] | None:
     """(rung, config) for problem ``p`` from its GPU's table; None without a table or a valid candidate.
-    Answered once per shape, dtypes, layout and alignment (bounded)."""
+    Answered once per shape, dtypes, layout and TMA-describability (bounded; a wave split is computed for
+    the exact shape)."""
     import torch
 
     from tilegemm.ops.matmul.persistent_tma import describable
 
     described = describable(p) is None
     key = (p.M, p.N, p.K, p.a.dtype, p.out.dtype, p.layout, described, p.out.device)
-    if key in _choices:
-        return _choices[key]
+    picked = _choices.get(key, _MISSING)
+    if picked is not _MISSING:
+        return picked
     table = table_for(torch.cuda.get_device_name(p.out.device))
     picked = None
     if table is not None:
         configs = table["configs"]
         valid = _valid_candidates(p, configs, described)
         if valid:
-            best = rank(table["shapes"], (p.M, p.N, p.K), valid)[0]
+            best = _rank(table["shapes"], (p.M, p.N, p.K), valid)[0]
             rung, config = configs[best]
             picked = rung, _resolved(p, rung, config)
     if len(_choices) >= 4096:
@@ -146,14 +181,18 @@ def _valid_candidates(p, configs: list, described: bool) -> list[int]:
     from tilegemm.core.runtime import cdiv
     from tilegemm.ops.matmul import persistent_tma
 
+    from tilegemm.core.hardware import sm_count
+
     tma = persistent_tma.candidates(p) if described else []
+    sms = sm_count(p.out.device)
     valid = []
     for i, (rung, config) in enumerate(configs):
         if rung == "persistent_tma":
             ok = config in tma
-        elif rung == "split_k":
+        elif rung == "split_k":  # as split_k.configs: 4 K steps a slice, at most 4 programs an SM
             split = config["SPLIT_K"]
-            ok = split == "wave" or split == 1 or cdiv(p.K, config["BLOCK_K"]) >= 4 * split
+            tiles = cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"])
+            ok = split in ("wave", 1) or (cdiv(p.K, config["BLOCK_K"]) >= 4 * split and tiles * split <= 4 * sms)
         else:
             ok = rung == "autotuned"
         if ok:
