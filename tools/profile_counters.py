@@ -1,7 +1,8 @@
 """Diagnosis: where a kernel's time goes next to cuBLAS's, from the clocks and hardware counters (GPU machine).
 
 Three modes, each over cases such as ``fp8:8192`` (promoted e4m3: the warp-specialized Gluon kernel against
-``torch._scaled_mm``) or ``fp16:4096`` (``tilegemm.matmul``'s ``auto`` against ``torch.matmul``):
+``torch._scaled_mm``) or ``fp16:4096`` / ``fp16:2048x4104x4096`` (``tilegemm.matmul``'s ``auto`` against
+``torch.matmul``; M x N x K):
 
 - ``clocks``: each kernel alone in a loop for ``--seconds``, the SM clock and board power sampled through
   NVML every 20 ms meanwhile; prints time per call, median clock and power. A kernel that draws more power
@@ -64,8 +65,10 @@ def calls(case: str, stages: int, knobs: dict | None = None):
     those changes; for 16-bit cases ``persistent_tma``'s config for the shape with them (and that config
     unchanged as ``tilegemm_base``)."""
     kind, size = case.split(":")
-    n = int(size)
+    m, n, k = (int(d) for d in size.split("x")) if "x" in size else (int(size),) * 3
     if kind == "fp8":
+        if not m == n == k:
+            raise SystemExit(f"{case}: fp8 cases are square (fp8:N)")
         a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
         w = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
         sa, sb = torch.tensor(0.75, device="cuda"), torch.tensor(1.25, device="cuda")
@@ -79,9 +82,9 @@ def calls(case: str, stages: int, knobs: dict | None = None):
         ref = (a.float() @ w.float().T) * (0.75 * 1.25)
     else:
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[kind]
-        a = torch.randn(n, n, device="cuda", dtype=dtype)
-        b = torch.randn(n, n, device="cuda", dtype=dtype)
-        out = torch.empty(n, n, device="cuda", dtype=dtype)
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        b = torch.randn(k, n, device="cuda", dtype=dtype)
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
         fns = {"cublas": lambda: torch.matmul(a, b),
                "tilegemm": lambda: tilegemm.matmul(a, b)}
         if knobs:
