@@ -29,22 +29,22 @@ from tilegemm.ops.matmul.survey import FLOOR, SCHEMA, identity, rank  # noqa: E4
 
 
 def load(paths: list[str]):
-    """(gpu name, sources, rows) where each row is (M, N, K, cublas_us, auto_us, {candidate: us})."""
-    gpu, rows = None, []
+    """(gpu name, layout, rows) where each row is (M, N, K, cublas_us, auto_us, {candidate: us})."""
+    gpu, layout, rows = None, None, []
     for path in paths:
         doc = json.load(open(path))
-        name = doc["machine"]["gpu"]
-        if gpu not in (None, name):
-            raise SystemExit(f"{path} is from {name}, the others from {gpu}")
-        gpu = name
+        name, lay = doc["machine"]["gpu"], doc.get("layout", "NN")
+        if gpu not in (None, name) or layout not in (None, lay):
+            raise SystemExit(f"{path} is from {name}, layout {lay}; the others from {gpu}, layout {layout}")
+        gpu, layout = name, lay
         for r in doc["rows"]:
             timed = {identity(c["rung"], c["config"]): c["us"] for c in r["configs"] if "us" in c}
             if timed:
                 rows.append((r["M"], r["N"], r["K"], r["cublas_us"], r["auto_us"], timed))
-    return gpu, rows
+    return gpu, layout, rows
 
 
-def table(gpu: str, sources: list[str], rows) -> dict:
+def table(gpu: str, sources: list[str], rows, layout: str = "NN") -> dict:
     configs = sorted({c for *_, timed in rows for c in timed})
     index = {c: i for i, c in enumerate(configs)}
     shapes = []
@@ -52,7 +52,7 @@ def table(gpu: str, sources: list[str], rows) -> dict:
         best = min(timed.values())
         kept = sorted((index[c], round(best / us, 3)) for c, us in timed.items() if best / us >= FLOOR)
         shapes.append([M, N, K, [list(x) for x in kept]])
-    return dict(schema=SCHEMA, gpu=gpu, sources=sources, dtype="fp16", layout="NN",
+    return dict(schema=SCHEMA, gpu=gpu, sources=sources, dtype="fp16", layouts=[layout],
                 configs=[[rung, json.loads(cfg)] for rung, cfg in configs], shapes=shapes)
 
 
@@ -79,10 +79,10 @@ def main() -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--write", action="store_true", help="write src/tilegemm/tuned/survey/<gpu>.json")
     args = ap.parse_args()
-    gpu, rows = load(args.surveys)
+    gpu, layout, rows = load(args.surveys)
     sources = [str(Path(p).resolve().relative_to(ROOT)) if Path(p).resolve().is_relative_to(ROOT) else p
                for p in args.surveys]
-    doc = table(gpu, sources, rows)
+    doc = table(gpu, sources, rows, layout)
     if args.check:
         check(doc, rows)
     if args.write:

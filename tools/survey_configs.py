@@ -71,10 +71,10 @@ def launch(rung: str, p, cfg: dict) -> None:
         split_k.launch_config(p, cfg)
 
 
-def survey(M: int, N: int, K: int, dtype, rep: int) -> dict:
+def survey(M: int, N: int, K: int, dtype, rep: int, layout: str = "NN") -> dict:
     torch.manual_seed(M * 31 + N * 7 + K)
-    a = torch.randn(M, K, device="cuda", dtype=dtype)
-    b = torch.randn(K, N, device="cuda", dtype=dtype)
+    a = torch.randn(K, M, device="cuda", dtype=dtype).T if layout[0] == "T" else torch.randn(M, K, device="cuda", dtype=dtype)
+    b = torch.randn(N, K, device="cuda", dtype=dtype).T if layout[1] == "T" else torch.randn(K, N, device="cuda", dtype=dtype)
     ref = torch.matmul(a.float(), b.float())
     scale = ref.norm().item()
     row = dict(M=M, N=N, K=K)
@@ -124,20 +124,22 @@ def main() -> None:
     ap.add_argument("--rep", type=int, default=10, help="do_bench ms per config")
     ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     ap.add_argument("--multiple", type=int, default=16, choices=(8, 16), help="N and K rounded up to this")
+    ap.add_argument("--layout", default="NN", choices=("NN", "NT", "TN", "TT"),
+                    help="T: that operand is a transposed view (NT: nn.Linear's x @ W.T)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     os.environ.setdefault("TILEGEMM_TUNING_CACHE", "0")  # shipped entries only: what a fresh user has
     shapes = survey_shapes(args.count, args.seed, args.multiple)[args.start:args.stop]
-    tag = "" if args.multiple == 16 else f"-m{args.multiple}"
+    tag = ("" if args.multiple == 16 else f"-m{args.multiple}") + ("" if args.layout == "NN" else f"-{args.layout}")
     path = os.path.join(args.out, f"survey-{args.dtype}-s{args.seed}{tag}-{args.start}.json")
     doc = dict(machine=machine_info().to_dict(), git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"),
-               dtype=args.dtype, seed=args.seed, multiple=args.multiple, start=args.start, rep_ms=args.rep, rows=[])
+               dtype=args.dtype, seed=args.seed, multiple=args.multiple, layout=args.layout, start=args.start, rep_ms=args.rep, rows=[])
     t0 = time.time()
     for i, (M, N, K) in enumerate(shapes):
         if time.time() - t0 > args.budget:
             print(f"budget spent: stopped before shape {args.start + i}", flush=True)
             break
-        row = survey(M, N, K, DTYPES[args.dtype], args.rep)
+        row = survey(M, N, K, DTYPES[args.dtype], args.rep, args.layout)
         doc["rows"].append(row)
         with open(path, "w") as f:
             json.dump(doc, f)

@@ -108,7 +108,7 @@ def test_dispatch_consults_the_survey_only_for_untuned_classes_with_timing_off(m
     monkeypatch.setenv("TILEGEMM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
     monkeypatch.setattr(survey, "applies", lambda p: True)
-    monkeypatch.setattr(survey, "has_table", lambda device: True)
+    monkeypatch.setattr(survey, "covers", lambda p: True)
     monkeypatch.setattr(survey, "worth", lambda p: p.M != 335)
     monkeypatch.setattr(survey, "choose", lambda p: ("autotuned", {"picked": True}))
     p = problem(333, 4440, 1000)
@@ -127,11 +127,25 @@ def test_dispatch_consults_the_survey_only_for_untuned_classes_with_timing_off(m
                                torch.empty(336, 4440, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee",
                                False)[0]
     assert dispatch.surveyed(misaligned) is None, "rows not 16-byte aligned: padded first, or the rules"
-    monkeypatch.setattr(survey, "has_table", lambda device: False)
-    assert dispatch.surveyed(problem(337, 4440, 1000)) is None, "a GPU without a table: the rules"
-    monkeypatch.setattr(survey, "has_table", lambda device: True)
+    monkeypatch.setattr(survey, "covers", lambda p: False)
+    assert dispatch.surveyed(problem(337, 4440, 1000)) is None, "no table (or not of this layout): the rules"
+    monkeypatch.setattr(survey, "covers", lambda p: True)
     monkeypatch.setattr(survey, "applies", lambda p: False)
     assert dispatch.surveyed(problem(334, 4440, 1000)) is None
+
+
+def test_tables_cover_the_layouts_they_surveyed(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(survey, "_tables", {})
+    if not survey.table_path("NVIDIA H200").exists():
+        pytest.skip("no H200 table shipped")
+    nn = problem(300, 400, 500)
+    nt = make_problems(torch.empty(300, 500, dtype=torch.float16), torch.empty(400, 500, dtype=torch.float16).T,
+                       torch.empty(300, 400, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee", False)[0]
+    assert nn.layout == "NN" and nt.layout == "NT"
+    assert survey.covers(nn) and not survey.covers(nt)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Other GPU")
+    assert not survey.covers(nn)
 
 
 def test_launch_auto_launches_the_surveyed_rung_with_its_config_else_the_rules_rung(monkeypatch):
@@ -189,8 +203,9 @@ def test_fit_tool_round_trips_a_survey(tmp_path):
         import fit_survey
     finally:
         sys.path.remove(str(ROOT / "tools"))
-    gpu, loaded = fit_survey.load([str(src)])
-    doc = fit_survey.table(gpu, [str(src)], loaded)
+    gpu, layout, loaded = fit_survey.load([str(src)])
+    doc = fit_survey.table(gpu, [str(src)], loaded, layout)
+    assert layout == "NN" and doc["layouts"] == ["NN"]
     assert gpu == "Test GPU" and [s[:3] for s in doc["shapes"]] == [[3, 256, 512], [30, 256, 512], [300, 256, 512]]
     names = [(r, c.get("SPLIT_K")) for r, c in doc["configs"]]
     assert names == [("autotuned", None), ("split_k", "wave")]  # the failed candidate is not kept
@@ -222,8 +237,8 @@ def test_unseen_shapes_run_the_surveyed_choice_correctly(dtype, layout, shape, m
     bias = torch.randn(N, device="cuda", dtype=dtype)
     picks = _spy(monkeypatch)
     out = tilegemm.matmul(a, b, bias=bias, activation="relu")
-    if layout[0] == "N" or M % 8 == 0:  # else A^T's rows are not 16-byte aligned: padded first, or the rules
-        assert picks and picks[0] is not None, "an unseen aligned 16-bit shape takes the survey's choice"
+    if layout == "NN":  # the surveyed layout; the others keep the rules (or a padded NN twin takes the survey)
+        assert picks and picks[0] is not None, "an unseen aligned 16-bit NN shape takes the survey's choice"
     ref = torch.relu(matmul_reference(a, b) + bias.double())
     assert_rel_close(out, ref, tolerance(dtype))
 

@@ -3,7 +3,8 @@
 ``tools/survey_configs.py`` times every config of every rung (``autotuned``, ``persistent_tma`` with its Gluon
 kernel, ``split_k``) on a few hundred shapes drawn like the bench's ``random`` sweep from other seeds, on one
 GPU; ``tools/fit_survey.py`` keeps, per surveyed shape, each candidate's efficiency (that shape's best time over
-the candidate's) in ``tuned/survey/<gpu>.json``. For a problem whose shape class has no tuned entry, ``auto``
+the candidate's) in ``tuned/survey/<gpu>.json``, for the layouts surveyed (NN). For a problem of such a layout
+whose shape class has no tuned entry, ``auto``
 ranks the candidates valid for it by their efficiency on the :data:`NEIGHBOURS` surveyed shapes nearest to it
 (the sum of |log2| ratios of M, N and K), weighted by ``1 / (DISTANCE_SOFTENING + distance)``, averaging logs;
 a candidate a neighbour did not keep counts as :data:`FLOOR`. It launches the best-ranked one.
@@ -95,7 +96,8 @@ def table_for(gpu_name: str) -> dict | None:
                 if doc.get("schema") != SCHEMA:
                     raise ValueError(f"schema {doc.get('schema')!r}, expected {SCHEMA!r}")
                 configs = [(str(rung), dict(config)) for rung, config in doc["configs"]]
-                table = dict(configs=configs, shapes=_indexed(doc["shapes"]))
+                layouts = frozenset(doc.get("layouts") or [doc.get("layout", "NN")])
+                table = dict(configs=configs, shapes=_indexed(doc["shapes"]), layouts=layouts)
                 if not all(0 <= i < len(configs) for *_, kept in table["shapes"] for i in kept):
                     raise ValueError("a shape names a config the table lacks")
             except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
@@ -108,11 +110,13 @@ def table_for(gpu_name: str) -> dict | None:
     return table
 
 
-def has_table(device) -> bool:
-    """Whether ``device``'s GPU has a (readable) survey table."""
+def covers(p) -> bool:
+    """Whether ``p``'s GPU has a (readable) survey table of ``p``'s layout. The shipped tables surveyed NN
+    products; other layouts (``nn.Linear``'s NT among them) keep the rules until a survey measures them."""
     import torch
 
-    return table_for(torch.cuda.get_device_name(device)) is not None
+    table = table_for(torch.cuda.get_device_name(p.out.device))
+    return table is not None and p.layout in table["layouts"]
 
 
 # Below this many microseconds of work at the GPU's vendor peak (the slower of its FLOPs and its operands' and
