@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from tilegemm.ops.matmul.survey import FLOOR, SCHEMA, identity, rank  # noqa: E402  (pure Python, no GPU)
+from tilegemm.ops.matmul.survey import FLOOR, SCHEMA, identity, rank, table_path  # noqa: E402  (no GPU needed)
 
 
 def load(paths: list[str]):
@@ -86,8 +85,7 @@ def main() -> None:
     if args.check:
         check(doc, rows)
     if args.write:
-        slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-        path = ROOT / "src" / "tilegemm" / "tuned" / "survey" / f"{slug}.json"
+        path = table_path(gpu)
         path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
         print(f"wrote {path.relative_to(ROOT)}: {len(doc['shapes'])} shapes, {len(doc['configs'])} configs, "
               f"{path.stat().st_size // 1024} KB")

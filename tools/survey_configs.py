@@ -26,7 +26,7 @@ import torch
 import triton.testing
 from tilegemm.core import tuning
 from tilegemm.core.hardware import machine_info
-from tilegemm.ops.matmul import autotuned, dispatch, persistent_tma, replay, split_k
+from tilegemm.ops.matmul import dispatch, persistent_tma, replay, split_k
 from tilegemm.ops.matmul.bench import _random_cases
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.problem import make_problems
@@ -61,16 +61,6 @@ def field(p) -> list[tuple[str, dict]]:
     return out
 
 
-def launch(rung: str, p, cfg: dict) -> None:
-    if rung == "autotuned":
-        autotuned.run(p, cfg)
-    elif rung == "persistent_tma":
-        persistent_tma.ensure_allocator()
-        persistent_tma.launch_config(p, cfg)
-    else:
-        split_k.launch_config(p, cfg)
-
-
 def survey(M: int, N: int, K: int, dtype, rep: int, layout: str = "NN") -> dict:
     torch.manual_seed(M * 31 + N * 7 + K)
     a = torch.randn(K, M, device="cuda", dtype=dtype).T if layout[0] == "T" else torch.randn(M, K, device="cuda", dtype=dtype)
@@ -99,7 +89,7 @@ def survey(M: int, N: int, K: int, dtype, rep: int, layout: str = "NN") -> dict:
         out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
         p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
         entry = dict(rung=rung, config=cfg)
-        fn = tuning.replaying(lambda c, rung=rung, p=p: launch(rung, p, c), cfg)
+        fn = tuning.replaying(lambda c, rung=rung, p=p: dispatch.launcher(rung)(p, c), cfg)  # as auto launches it
         try:
             fn()
             torch.cuda.synchronize()

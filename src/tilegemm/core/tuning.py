@@ -61,6 +61,11 @@ def key(rung: str, M: int, N: int, K: int, dtype, out_dtype, layout: str = "") -
     return f"{rung}|M{m_bucket(M)}|N{N}|K{K}|{dtype_name(dtype)}|{dtype_name(out_dtype)}|{layout}"
 
 
+def gpu_slug(gpu_name: str) -> str:
+    """A GPU's name as the shipped tables' file names spell it (``NVIDIA H200`` -> ``nvidia-h200``)."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
+
+
 def _device_tag() -> tuple[str, str]:
     """(gpu slug, triton version) of the current device."""
     import torch
@@ -69,8 +74,7 @@ def _device_tag() -> tuple[str, str]:
     from tilegemm.core.runtime import interpreting
 
     gpu = "interpreter" if interpreting() else torch.cuda.get_device_name()
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    return slug, triton.__version__
+    return gpu_slug(gpu), triton.__version__
 
 
 def cache_dir() -> Path:

@@ -77,10 +77,9 @@ _MISSING = object()
 
 
 def table_path(gpu_name: str) -> Path:
-    import re
+    from tilegemm.core.tuning import gpu_slug
 
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
-    return Path(__file__).resolve().parent.parent.parent / "tuned" / "survey" / f"{slug}.json"
+    return Path(__file__).resolve().parent.parent.parent / "tuned" / "survey" / f"{gpu_slug(gpu_name)}.json"
 
 
 def table_for(gpu_name: str) -> dict | None:

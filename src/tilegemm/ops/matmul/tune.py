@@ -9,20 +9,13 @@ import torch
 from tilegemm.core.runtime import interpreting
 
 def tune(bench, cases, dtype: str, kernels) -> None:
-    """Call ``tilegemm.matmul`` once per case and kernel (``auto`` tunes what it would pick)."""
-    from tilegemm.ops.matmul.api import matmul
-
+    """Call ``tilegemm.matmul`` once per case and kernel, as the bench calls it (``auto`` tunes what it would
+    pick)."""
     device = "cpu" if interpreting() else "cuda"
-    fp8 = dtype.startswith("fp8")
-    precision = "tf32" if dtype == "tf32" else "ieee"
     for case in cases:
         inputs = bench.prepare(case, dtype, device, 1, {}).sets[0]
         for kernel in kernels:
-            if fp8:
-                matmul(inputs["a"], inputs["b"], kernel=kernel, scale_a=inputs["scale_a"], scale_b=inputs["scale_b"],
-                       out_dtype=torch.bfloat16)
-            else:
-                matmul(inputs["a"], inputs["b"], kernel=kernel, precision=precision)
+            bench.run(kernel, inputs, dtype)
         del inputs
 
 
@@ -46,7 +39,7 @@ def warmup(on_key=None, cases=None, dtype: str | None = None) -> list[str]:
     if cases is not None:
         from tilegemm.ops.matmul.bench import MatmulBench
 
-        return _warm_cases(MatmulBench(), cases, dtype or "fp16", device, on_key)
+        return _warm_cases(MatmulBench(), cases, dtype or "fp16", on_key)
     names = {s.name for s in registry.specs("matmul") if s.unavailable_reason() is None}
     warmed = []
     for key in sorted(tuning.entries()):
@@ -79,8 +72,9 @@ def warmup(on_key=None, cases=None, dtype: str | None = None) -> list[str]:
     return warmed
 
 
-def _warm_cases(bench, cases, dtype: str, device: str, on_key) -> list[str]:
-    """``auto`` once on each case (its inputs made as the bench makes them), then its replays dropped."""
+
+def _warm_cases(bench, cases, dtype: str, on_key) -> list[str]:
+    """``auto`` once on each case (:func:`tune`'s call), then its replays dropped."""
     from tilegemm.ops.matmul import replay
 
     warmed = []
@@ -88,9 +82,7 @@ def _warm_cases(bench, cases, dtype: str, device: str, on_key) -> list[str]:
         label = f"auto|{case.label}|{dtype}"
         if on_key is not None:
             on_key(label)
-        inputs = bench.prepare(case, dtype, device, 1, {}).sets[0]
-        bench.run("auto", inputs, dtype)
+        tune(bench, [case], dtype, ["auto"])
         warmed.append(label)
-        del inputs
         replay.clear()
     return warmed
