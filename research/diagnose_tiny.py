@@ -2,8 +2,8 @@
 
 For each shape with under ``--max-work`` us of work at the vendor peak (default: the random sweep's own, or
 shapes given): cuBLAS; ``tilegemm.matmul`` (auto by the rules) through do_bench (what the bench measures) and
-as a CUDA graph of one call (GPU time alone); the survey's pick for the shape (``survey.MIN_WORK_US`` set to 0,
-aligned shapes only) the same two ways; the host time of one call in a loop. Then a cProfile of the replay
+as a CUDA graph of one call (GPU time alone); the survey's pick for the shape (aligned shapes only; at
+10080c3 the survey spoke from 3.5 us of work up, and the script lowered that bar to 0) the same two ways; the host time of one call in a loop. Then a cProfile of the replay
 path on one shape. Writes ``$OUT/diagnose-tiny-<dtype>.json``.
 
     PYTHONPATH=src python3 research/diagnose_tiny.py [--shapes 104x88x320 ...] [--max-work 3.5] [--limit 60]
@@ -23,7 +23,7 @@ import time
 import tilegemm
 import torch
 import triton.testing
-from tilegemm.ops.matmul import bench as mbench, dispatch, replay, survey
+from tilegemm.ops.matmul import bench as mbench, dispatch, replay
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -74,7 +74,7 @@ def main() -> None:
                 shapes.append((M, N, K))
         shapes = shapes[:args.limit]
     rows = []
-    real_min = survey.MIN_WORK_US
+    real = dispatch.surveyed
     t_start = time.time()
     for M, N, K in shapes:
         a = torch.randn(M, K, device="cuda", dtype=dtype)
@@ -84,11 +84,13 @@ def main() -> None:
         row["cublas_graph_us"] = graph_us(lambda: torch.matmul(a, b))
         row["cublas_host_us"] = host_us(lambda: torch.matmul(a, b))
         replay.clear()
-        row["rules_us"] = bench(lambda: tilegemm.matmul(a, b))
-        row["rules_graph_us"] = graph_us(lambda: tilegemm.matmul(a, b))
-        row["rules_host_us"] = host_us(lambda: tilegemm.matmul(a, b))
-        survey.MIN_WORK_US = 0.0
-        dispatch._decisions.clear()
+        dispatch.surveyed = lambda p: None  # the rules alone
+        try:
+            row["rules_us"] = bench(lambda: tilegemm.matmul(a, b))
+            row["rules_graph_us"] = graph_us(lambda: tilegemm.matmul(a, b))
+            row["rules_host_us"] = host_us(lambda: tilegemm.matmul(a, b))
+        finally:
+            dispatch.surveyed = real
         replay.clear()
         try:
             out = torch.empty(M, N, device="cuda", dtype=dtype)
@@ -100,8 +102,6 @@ def main() -> None:
                 row["survey_us"] = bench(lambda: tilegemm.matmul(a, b))
                 row["survey_graph_us"] = graph_us(lambda: tilegemm.matmul(a, b))
         finally:
-            survey.MIN_WORK_US = real_min
-            dispatch._decisions.clear()
             replay.clear()
         rows.append(row)
         print(f"{row['shape']:>16} cuBLAS {row['cublas_us']:6.1f} g {row['cublas_graph_us']:6.1f} h "

@@ -2,7 +2,7 @@
 
 The shapes are drawn like the bench's ``random`` sweep (M log-uniform in 1..16384, N and K in 64..28672) but
 from another seed (``--seed``, never the sweep's 2026), aligned only, N and K rounded to multiples of 16 (fewer
-kernel variants to compile). ``auto``'s untimed choice for larger 16-bit products ranks candidates by data like
+kernel variants to compile). ``auto``'s untimed choice for 16-bit products ranks candidates by data like
 this (``tools/fit_survey.py`` builds the shipped tables from it): the sweep's own shapes stay unseen.
 
 For each shape: cuBLAS, ``auto`` by its rules alone (the survey's own table turned off), and each config of ``autotuned`` (the pointer kernel),

@@ -247,9 +247,9 @@ _RUNGS_TUNED = ("auto", "autotuned", "persistent_tma", "split_k")
 
 def surveyed(p: GemmProblem) -> tuple[str, dict] | None:
     """(rung, config) from the GPU's survey table (:mod:`tilegemm.ops.matmul.survey`) for an aligned 16-bit
-    problem of a surveyed layout with enough work (:func:`tilegemm.ops.matmul.survey.worth`) whose shape class has no tuned entry
-    (shipped or tuned: those keep their measured choice), while timing is off; else None. What depends on
-    the shape alone is answered once per shape (a dict lookup on later calls); a no costs nothing more."""
+    problem of a surveyed layout whose shape class has no tuned entry (shipped or tuned: those keep their
+    measured choice), while timing is off; else None. What depends on the shape alone is answered once per
+    shape (a dict lookup on later calls); a no costs nothing more."""
     if interpreting():
         return None
     key = ("survey", p.M, p.N, p.K, p.a.dtype, p.b.dtype, p.out.dtype, p.layout, p.batch, p.scale_a is None,
@@ -263,7 +263,7 @@ def surveyed(p: GemmProblem) -> tuple[str, dict] | None:
 
 def _survey_speaks(p: GemmProblem) -> bool:
     """Whether the survey may choose for ``p``'s shape, dtypes and layout (alignment and timing aside)."""
-    if not survey.applies(p) or not survey.covers(p) or not survey.worth(p):
+    if not survey.applies(p) or not survey.covers(p):
         return False
     keys = (tuning.key(r, p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout) for r in _RUNGS_TUNED)
     return not any(tuning.lookup(k) is not None for k in keys)

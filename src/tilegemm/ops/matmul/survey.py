@@ -9,10 +9,14 @@ ranks the candidates valid for it by their efficiency on the :data:`NEIGHBOURS` 
 (the sum of |log2| ratios of M, N and K), weighted by ``1 / (DISTANCE_SOFTENING + distance)``, averaging logs;
 a candidate a neighbour did not keep counts as :data:`FLOOR`. It launches the best-ranked one.
 
-It applies from :data:`MIN_WORK_US` of work up. On the H200's and H100's surveys (480 shapes each, fp16), this
-choice made for each shape from the other shapes' data ran 0.92x / 0.91x cuBLAS (geomean) as replayed launches,
-against 0.96x / 0.99x for the best candidate of each shape (``tools/fit_survey.py --check``). On the bench's
-random sweep the shapes it takes ran 3% (H200) and 1% (H100) faster than with the rules (docs/rungs/auto.md).
+It applies at every size. On the H200's and H100's surveys (480 shapes each, fp16), this choice made for each
+shape from the other shapes' data ran 0.92x / 0.91x cuBLAS (geomean) as replayed launches, against 0.96x / 0.99x
+for the best candidate of each shape (``tools/fit_survey.py --check``). Small products gain most: made from one
+seed's survey for another seed's shapes under 1 us of work, it ran 0.945x / 0.995x cuBLAS where the rules ran
+0.883x / 0.914x (H200 / H100; 1-3.5 us: 0.854x / 0.900x against 0.784x / 0.866x). On the bench's random sweep's
+products under 3.5 us (H200) it ran 3.8% faster than the rules, with the same time through the op as in a CUDA
+graph (``research/diagnose_tiny.py``, benchmarks/results/2026-11-24-h200/10080c3/): the host path is hidden
+there. See docs/rungs/auto.md.
 
 :func:`identity`, :func:`rank` and the constants are plain Python (the fitting tool uses them without a GPU).
 """
@@ -118,38 +122,14 @@ def covers(p) -> bool:
     return table is not None and p.layout in table["layouts"]
 
 
-# Below this many microseconds of work at the GPU's vendor peak (the slower of its FLOPs and its operands' and
-# output's bytes through HBM), the rules decide. The survey timed replayed launches, so it ranks kernel time
-# alone; in a few-microsecond product the call's host path weighs as much, and the rules were written with it
-# (split_k's one light launch for small products, see dispatch.TIMED_MIN_MNK). On the H200's random sweep the
-# survey's choice ran 2-4% faster than the rules' from about this much work up, and 1-10% slower below it
-# (benchmarks/results/2026-11-24-h200/37dcb4b/).
-MIN_WORK_US = 3.5
-
-
 def applies(p) -> bool:
     """Whether the survey speaks for ``p`` whatever its size: 16-bit operands of one dtype, one product (no
-    batch), no scales, on a GPU. (Its rows must also be 16-byte aligned, as the surveyed shapes' were, and it
-    must be large enough, :func:`worth`: ``dispatch.surveyed`` asks both.)"""
+    batch), no scales, on a GPU. (Its rows must also be 16-byte aligned, as the surveyed shapes' were:
+    ``dispatch.surveyed`` asks that.)"""
     import torch
 
     return (p.a.dtype in (torch.float16, torch.bfloat16) and p.b.dtype == p.a.dtype and p.batch == 1
             and p.scale_a is None and p.scale_b is None and p.out.is_cuda)
-
-
-def worth(p) -> bool:
-    """Whether ``p`` has at least :data:`MIN_WORK_US` of work (:func:`work_us`)."""
-    return work_us(p) >= MIN_WORK_US
-
-
-def work_us(p) -> float:
-    """Microseconds of ``p`` at its GPU's vendor peak rate and HBM bandwidth (the slower of the two)."""
-    from tilegemm.ops.matmul.cost import device_rates
-
-    _, peak_tflops, hbm_gbps = device_rates(p)
-    flops = 2.0 * p.M * p.N * p.K
-    nbytes = (p.M * p.K + p.K * p.N) * p.a.element_size() + p.M * p.N * p.out.element_size()
-    return max(flops / (peak_tflops * 1e6), nbytes / (hbm_gbps * 1e3))
 
 
 def choose(p) -> tuple[str, dict] | None:
