@@ -76,7 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("surveys", nargs="+")
     ap.add_argument("--check", action="store_true")
-    ap.add_argument("--write", action="store_true", help="write src/tilegemm/tuned/survey/<gpu>.json")
+    ap.add_argument("--write", action="store_true", help="write src/tilegemm/tuned/survey/<gpu>[-<layout>].json")
     args = ap.parse_args()
     gpu, layout, rows = load(args.surveys)
     sources = [str(Path(p).resolve().relative_to(ROOT)) if Path(p).resolve().is_relative_to(ROOT) else p
@@ -85,7 +85,7 @@ def main() -> None:
     if args.check:
         check(doc, rows)
     if args.write:
-        path = table_path(gpu)
+        path = table_path(gpu, layout)
         path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
         print(f"wrote {path.relative_to(ROOT)}: {len(doc['shapes'])} shapes, {len(doc['configs'])} configs, "
               f"{path.stat().st_size // 1024} KB")

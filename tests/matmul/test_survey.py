@@ -141,8 +141,12 @@ def test_tables_cover_the_layouts_they_surveyed(monkeypatch):
     nn = problem(300, 400, 500)
     nt = make_problems(torch.empty(300, 500, dtype=torch.float16), torch.empty(400, 500, dtype=torch.float16).T,
                        torch.empty(300, 400, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee", False)[0]
-    assert nn.layout == "NN" and nt.layout == "NT"
-    assert survey.covers(nn) and not survey.covers(nt)
+    tn = make_problems(torch.empty(500, 300, dtype=torch.float16).T, torch.empty(500, 400, dtype=torch.float16),
+                       torch.empty(300, 400, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee", False)[0]
+    assert (nn.layout, nt.layout, tn.layout) == ("NN", "NT", "TN")
+    assert survey.covers(nn)
+    assert survey.covers(nt) == survey.table_path("NVIDIA H200", "NT").exists()  # nn.Linear's x @ W.T
+    assert not survey.table_path("NVIDIA H200", "TN").exists() and not survey.covers(tn)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Other GPU")
     assert not survey.covers(nn)
 
@@ -164,7 +168,7 @@ def test_launch_auto_launches_the_surveyed_rung_with_its_config_else_the_rules_r
 def test_a_damaged_table_is_ignored_with_a_warning(text, tmp_path, monkeypatch):
     path = tmp_path / "gpu.json"
     path.write_text(text)
-    monkeypatch.setattr(survey, "table_path", lambda name: path)
+    monkeypatch.setattr(survey, "table_path", lambda name, layout="NN": path)
     monkeypatch.setattr(survey, "_tables", {})
     with pytest.warns(UserWarning, match="damaged survey table"):
         assert survey.table_for("Some GPU") is None
@@ -226,22 +230,25 @@ def test_unseen_shapes_run_the_surveyed_choice_correctly(dtype, layout, shape, m
     bias = torch.randn(N, device="cuda", dtype=dtype)
     picks = _spy(monkeypatch)
     out = tilegemm.matmul(a, b, bias=bias, activation="relu")
-    if layout == "NN":  # the surveyed layout; the others keep the rules (or a padded NN twin takes the survey)
-        assert picks and picks[0] is not None, "an unseen aligned 16-bit NN shape takes the survey's choice"
+    if survey.table_path(torch.cuda.get_device_name(), layout).exists():  # a surveyed layout (NN, NT)
+        assert picks and picks[0] is not None, f"an unseen aligned 16-bit {layout} shape takes the survey's choice"
     ref = torch.relu(matmul_reference(a, b) + bias.double())
     assert_rel_close(out, ref, tolerance(dtype))
 
 
 @pytest.mark.gpu
-def test_every_candidate_of_the_gpus_table_launches_correctly():
-    """Each config the table can name, launched as auto launches it, on one shape it is valid for."""
-    path = survey.table_path(torch.cuda.get_device_name())
+@pytest.mark.parametrize("layout", ["NN", "NT"])
+def test_every_candidate_of_the_gpus_table_launches_correctly(layout):
+    """Each config the layout's table can name, launched as auto launches it, on one shape it is valid for."""
+    path = survey.table_path(torch.cuda.get_device_name(), layout)
     if not path.exists():
-        pytest.skip("no survey table for this GPU")
+        pytest.skip(f"no {layout} survey table for this GPU")
     doc = json.loads(path.read_text())
     M, N, K = 200, 520, 2064
     a = torch.randn(M, K, device="cuda", dtype=torch.float16)
     b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+    if layout == "NT":
+        b = torch.randn(N, K, device="cuda", dtype=torch.float16).T
     ref = matmul_reference(a, b)
     for rung, cfg in doc["configs"]:
         out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)

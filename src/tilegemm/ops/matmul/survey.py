@@ -3,8 +3,8 @@
 ``tools/survey_configs.py`` times every config of every rung (``autotuned``, ``persistent_tma`` with its Gluon
 kernel, ``split_k``) on a few hundred shapes drawn like the bench's ``random`` sweep from other seeds, on one
 GPU; ``tools/fit_survey.py`` keeps, per surveyed shape, each candidate's efficiency (that shape's best time over
-the candidate's) in ``tuned/survey/<gpu>.json``, for the layouts surveyed (NN). For a problem of such a layout
-whose shape class has no tuned entry, ``auto``
+the candidate's) in ``tuned/survey/<gpu>.json`` (NN) and ``<gpu>-<layout>.json`` (each other layout surveyed:
+NT, ``nn.Linear``'s ``x @ W.T``). For a problem of such a layout whose shape class has no tuned entry, ``auto``
 ranks the candidates valid for it by their efficiency on the :data:`NEIGHBOURS` surveyed shapes nearest to it
 (the sum of |log2| ratios of M, N and K), weighted by ``1 / (DISTANCE_SOFTENING + distance)``, averaging logs;
 a candidate a neighbour did not keep counts as :data:`FLOOR`. It launches the best-ranked one.
@@ -75,24 +75,27 @@ def _rank(indexed: list, target, candidates: list[int]) -> list[int]:
 
 # --- on the GPU ------------------------------------------------------------------------------------------------
 
-_tables: dict[str, dict | None] = {}
+_tables: dict[tuple[str, str], dict | None] = {}
 _choices: dict[tuple, tuple[str, dict] | None] = {}
 _MISSING = object()
 
 
-def table_path(gpu_name: str) -> Path:
+def table_path(gpu_name: str, layout: str = "NN") -> Path:
+    """Where the table of a GPU and an operand layout ships: ``<gpu>.json`` for NN, ``<gpu>-<layout>.json``
+    for the others."""
     from tilegemm.core.tuning import gpu_slug
 
-    return Path(__file__).resolve().parent.parent.parent / "tuned" / "survey" / f"{gpu_slug(gpu_name)}.json"
+    name = gpu_slug(gpu_name) + ("" if layout == "NN" else f"-{layout}")
+    return Path(__file__).resolve().parent.parent.parent / "tuned" / "survey" / f"{name}.json"
 
 
-def table_for(gpu_name: str) -> dict | None:
-    """The survey table shipped for this GPU, or None (read once). A damaged table is ignored with a warning:
-    the rules decide, as on a GPU without one."""
-    table = _tables.get(gpu_name, _MISSING)
+def table_for(gpu_name: str, layout: str = "NN") -> dict | None:
+    """The survey table shipped for this GPU and layout, or None (read once). A damaged table is ignored with a
+    warning: the rules decide, as on a GPU without one."""
+    table = _tables.get((gpu_name, layout), _MISSING)
     if table is _MISSING:
         table = None
-        path = table_path(gpu_name)
+        path = table_path(gpu_name, layout)
         if path.exists():
             try:
                 doc = json.loads(path.read_text())
@@ -100,6 +103,8 @@ def table_for(gpu_name: str) -> dict | None:
                     raise ValueError(f"schema {doc.get('schema')!r}, expected {SCHEMA!r}")
                 configs = [(str(rung), dict(config)) for rung, config in doc["configs"]]
                 layouts = frozenset(doc.get("layouts") or [doc.get("layout", "NN")])
+                if layout not in layouts:
+                    raise ValueError(f"it surveyed {sorted(layouts)}, not {layout}")
                 table = dict(configs=configs, shapes=_indexed(doc["shapes"]), layouts=layouts)
                 if not all(0 <= i < len(configs) for *_, kept in table["shapes"] for i in kept):
                     raise ValueError("a shape names a config the table lacks")
@@ -109,17 +114,16 @@ def table_for(gpu_name: str) -> dict | None:
                 warnings.warn(f"tilegemm: ignoring the damaged survey table {path} ({err}); auto's rules decide",
                               stacklevel=2)
                 table = None
-        _tables[gpu_name] = table
+        _tables[(gpu_name, layout)] = table
     return table
 
 
 def covers(p) -> bool:
-    """Whether ``p``'s GPU has a (readable) survey table of ``p``'s layout. The shipped tables surveyed NN
-    products; other layouts (``nn.Linear``'s NT among them) keep the rules until a survey measures them."""
+    """Whether ``p``'s GPU has a (readable) survey table of ``p``'s layout (one file per layout surveyed;
+    a layout without one keeps the rules)."""
     import torch
 
-    table = table_for(torch.cuda.get_device_name(p.out.device))
-    return table is not None and p.layout in table["layouts"]
+    return table_for(torch.cuda.get_device_name(p.out.device), p.layout) is not None
 
 
 def applies(p) -> bool:
@@ -145,7 +149,7 @@ def choose(p) -> tuple[str, dict] | None:
     picked = _choices.get(key, _MISSING)
     if picked is not _MISSING:
         return picked
-    table = table_for(torch.cuda.get_device_name(p.out.device))
+    table = table_for(torch.cuda.get_device_name(p.out.device), p.layout)
     picked = None
     if table is not None:
         configs = table["configs"]
