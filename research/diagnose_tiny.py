@@ -18,6 +18,7 @@ import json
 import math
 import os
 import pstats
+import sys
 import time
 
 import tilegemm
@@ -25,18 +26,10 @@ import torch
 import triton.testing
 from tilegemm.ops.matmul import bench as mbench, dispatch, replay
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from diagnose_survey import host_us  # noqa: E402  (one call's host time in a loop)
+
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def host_us(fn, n=300):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
 
 
 def graph_us(fn):
