@@ -1,11 +1,16 @@
-"""A/B on the GPU, in one process: ``auto`` with the survey against ``auto`` by its rules alone, on unseen shapes of
-one layout (not a test).
+"""A/B on the GPU, in one process: ``auto`` with a choice of its against ``auto`` without it, on unseen shapes
+(not a test).
 
-The shapes are drawn like ``tools/survey_configs.py`` draws them, from a seed no table was built from. For each
-shape: cuBLAS, auto (the survey speaking), auto with the survey turned off; do_bench medians, alternating.
-Writes ``$OUT/ab-survey-<dtype>-<layout>-s<seed>.json``.
+- default: the survey against the rules alone, on shapes of one layout drawn like ``tools/survey_configs.py``
+  draws them, from a seed no table was built from;
+- ``--misaligned``: ``split_k.misaligned_config`` against the rules before it, on the misaligned third of a
+  random-sweep-like draw (another seed than the sweep's) with M <= 16.
+
+For each shape: cuBLAS, auto, auto with the choice turned off; do_bench medians, alternating, the better of
+two rounds. Writes ``$OUT/ab-<survey|misaligned>-<dtype>-<layout>-s<seed>.json``.
 
     PYTHONPATH=src python3 research/ab_survey.py --layout NT --seed 29 --count 80 [--dtype fp16] [--budget 300]
+    PYTHONPATH=src python3 research/ab_survey.py --misaligned --seed 31 --count 60
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import time
 import tilegemm
 import torch
 import triton.testing
-from tilegemm.ops.matmul import dispatch, replay
+from tilegemm.ops.matmul import dispatch, replay, split_k
+from tilegemm.ops.matmul.bench import _random_cases
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 from survey_configs import survey_shapes  # noqa: E402
@@ -41,45 +47,56 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=80)
     ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     ap.add_argument("--budget", type=float, default=300.0)
+    ap.add_argument("--misaligned", action="store_true")
     a_ = ap.parse_args()
+    if a_.misaligned:
+        if a_.seed == 2026:
+            raise SystemExit("seed 2026 is the bench's random sweep")
+        cases = _random_cases(30 * a_.count, a_.seed)
+        shapes = [tuple(c.dims.values()) for i, c in enumerate(cases) if i % 3 == 2 and c.dims["M"] <= 16][:a_.count]
+        owner, name, off = split_k, "misaligned_config", lambda p: None
+    else:
+        shapes = survey_shapes(a_.count, a_.seed)
+        owner, name, off = dispatch, "surveyed", lambda p: None
     dtype = DTYPES[a_.dtype]
     bench = lambda fn: triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3  # noqa: E731
-    real = dispatch.surveyed
+    real = getattr(owner, name)
     rows, t0 = [], time.time()
-    for M, N, K in survey_shapes(a_.count, a_.seed):
+    for M, N, K in shapes:
         a, b = operands(M, N, K, a_.layout, dtype)
         ref = torch.matmul(a.float(), b.float())
         row = dict(shape=f"{M}x{N}x{K}")
         picks = []
-        dispatch.surveyed = lambda p: picks.append(real(p)) or picks[-1]
+        setattr(owner, name, lambda p: picks.append(real(p)) or picks[-1])
         replay.clear()
         out = tilegemm.matmul(a, b)
         row["pick"] = picks[0] if picks else None
         row["err"] = float(((out.float() - ref).norm() / ref.norm()).item())
-        dispatch.surveyed = real
-        cub, sur, rul = [], [], []
+        setattr(owner, name, real)
+        cub, on, off_ = [], [], []
         for _ in range(2):
             cub.append(bench(lambda: torch.matmul(a, b)))
             replay.clear()
-            sur.append(bench(lambda: tilegemm.matmul(a, b)))
-            dispatch.surveyed = lambda p: None
+            on.append(bench(lambda: tilegemm.matmul(a, b)))
+            setattr(owner, name, off)
             replay.clear()
             try:
-                rul.append(bench(lambda: tilegemm.matmul(a, b)))
+                off_.append(bench(lambda: tilegemm.matmul(a, b)))
             finally:
-                dispatch.surveyed = real
+                setattr(owner, name, real)
                 replay.clear()
-        row.update(cublas_us=min(cub), survey_us=min(sur), rules_us=min(rul))
+        row.update(cublas_us=min(cub), with_us=min(on), without_us=min(off_))
         rows.append(row)
-        print(f"{row['shape']:>18} cuBLAS {row['cublas_us']:7.1f}  survey {row['survey_us']:7.1f}  rules "
-              f"{row['rules_us']:7.1f}  err {row['err']:.1e}  {row['pick'][0] if row['pick'] else '-'}", flush=True)
+        print(f"{row['shape']:>18} cuBLAS {row['cublas_us']:7.1f}  with {row['with_us']:7.1f}  without "
+              f"{row['without_us']:7.1f}  err {row['err']:.1e}  {row['pick'] or '-'}", flush=True)
         if time.time() - t0 > a_.budget:
             break
     gm = lambda k: math.exp(sum(math.log(r["cublas_us"] / r[k]) for r in rows) / len(rows))  # noqa: E731
-    summary = dict(shapes=len(rows), survey=gm("survey_us"), rules=gm("rules_us"),
+    summary = dict(shapes=len(rows), with_choice=gm("with_us"), without=gm("without_us"),
                    picked=sum(1 for r in rows if r["pick"]), max_err=max(r["err"] for r in rows))
     print(json.dumps(summary))
-    path = os.path.join(os.environ.get("OUT", "."), f"ab-survey-{a_.dtype}-{a_.layout}-s{a_.seed}.json")
+    kind = "misaligned" if a_.misaligned else "survey"
+    path = os.path.join(os.environ.get("OUT", "."), f"ab-{kind}-{a_.dtype}-{a_.layout}-s{a_.seed}.json")
     with open(path, "w") as f:
         json.dump(dict(git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"), layout=a_.layout, seed=a_.seed,
                        summary=summary, rows=rows), f, indent=1)

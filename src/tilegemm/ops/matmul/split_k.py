@@ -27,7 +27,7 @@ from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div, tile_gro
 from tilegemm.core.launch import current_stream, launch, sequence_lock
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.cost import fastest
-from tilegemm.ops.matmul.problem import GemmProblem
+from tilegemm.ops.matmul.problem import GemmProblem, rows_aligned
 from tilegemm.ops.matmul.split_reduce import reduce_apart, reduce_block, split_k_reduce_kernel
 from tilegemm.core.runtime import cdiv, interpreting
 
@@ -219,6 +219,33 @@ def filled(p: GemmProblem, config: dict) -> dict:
     return dict(config, SPLIT_K=wave) if wave > config["SPLIT_K"] else config
 
 
+# Rows not 16-byte aligned with few rows of A (M <= 16, NN, 16-bit): the kernel loads them two bytes at a time,
+# so one program keeps few bytes in flight and the product is bound by how many loads the GPU has out. Narrow
+# tiles in many K slices (down to one K step a slice) put more programs, and more loads, on each SM. On six such
+# products of the random sweep (H100, tools/time_candidates.py over 16 x {32, 64, 128} x {32, 64, 128} tiles and
+# splits 1..64, benchmarks/results/2026-11-24-h100/e1ed5fa/), 16x32x64 tiles in up to 16 programs an SM ran
+# 0.91x of each product's best config (worst 0.83x) and 0.90x cuBLAS, where auto's choice had run 0.44x-0.70x
+# cuBLAS (5x423x2047: 10.9 us against 26; 6x5661x26729: 301 against 457).
+MISALIGNED_TILE = (16, 32, 64, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
+MISALIGNED_PROGRAMS_PER_SM = 16
+MISALIGNED_MAX_SPLIT = 64
+
+
+def misaligned_config(p: GemmProblem) -> dict | None:
+    """The config for a small-M NN 16-bit product whose rows are not 16-byte aligned (see
+    :data:`MISALIGNED_TILE`), or None for any other problem."""
+    if p.M > 16 or p.layout != "NN" or p.a.element_size() != 2 or interpreting() or rows_aligned(p):
+        return None
+    bm, bn, bk, warps, stages = MISALIGNED_TILE
+    tiles = cdiv(p.M, bm) * cdiv(p.N, bn) * p.batch
+    slots = MISALIGNED_PROGRAMS_PER_SM * sm_count(p.out.device)
+    steps = cdiv(p.K, bk)
+    split = 1
+    while split * 2 <= min(MISALIGNED_MAX_SPLIT, steps) and tiles * split * 2 <= slots:
+        split *= 2
+    return make_config(bm, bn, bk, warps, stages, split)
+
+
 def pick_config(p: GemmProblem) -> dict:
     """A config without timing: the first tile of the M bucket, in enough K slices for about one wave."""
     cands = configs(p)
@@ -241,11 +268,13 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
             k = tuning.key("split_k", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
             config = tuning.lookup(k)
             if config is None and not tuning.timing_enabled():
-                # Untimed: a near tuned shape class's config, its split raised to fill a wave, else the
-                # config the cost model ranks fastest (tilegemm.ops.matmul.cost).
-                config = tuning.choose_untimed(k, lambda: configs(p), lambda options: fastest(options, p),
-                                               tuning.NEAR)
-                config = filled(p, config)
+                # Untimed: a small misaligned product's rule; else a near tuned shape class's config, its split
+                # raised to fill a wave, else the config the cost model ranks fastest (tilegemm.ops.matmul.cost).
+                config = misaligned_config(p)
+                if config is None:
+                    config = tuning.choose_untimed(k, lambda: configs(p), lambda options: fastest(options, p),
+                                                   tuning.NEAR)
+                    config = filled(p, config)
             elif config is None:
                 config = tuning.lookup_or_tune(k, lambda: configs(p), lambda cfg: launch_config(p, cfg))
     launch_config(p, config)
