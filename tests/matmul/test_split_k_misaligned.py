@@ -14,8 +14,9 @@ from conftest import assert_rel_close
 
 
 def problem(M, N, K, dtype=torch.float16, layout="NN", device="cpu", out=None):
-    a = torch.randn(M, K, dtype=dtype, device=device)
-    b = torch.randn(N, K, dtype=dtype, device=device).T if layout == "NT" else torch.randn(K, N, dtype=dtype,
+    a = torch.randn(K, M, dtype=dtype, device=device).T if layout[0] == "T" else torch.randn(M, K, dtype=dtype,
+                                                                                             device=device)
+    b = torch.randn(N, K, dtype=dtype, device=device).T if layout[1] == "T" else torch.randn(K, N, dtype=dtype,
                                                                                             device=device)
     out = torch.full((M, N), float("nan"), dtype=dtype, device=device) if out is None else out
     return make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
@@ -42,7 +43,8 @@ def test_narrow_tiles_in_many_slices_for_small_misaligned_products(gpu_like):
 def test_the_rule_keeps_to_its_class(gpu_like):
     assert split_k.misaligned_config(problem(5, 424, 2048)) is None, "rows aligned"
     assert split_k.misaligned_config(problem(17, 423, 2047)) is None, "M above 16"
-    assert split_k.misaligned_config(problem(5, 423, 2047, layout="NT")) is None, "not measured for NT"
+    assert split_k.misaligned_config(problem(5, 423, 2047, layout="NT")) is not None, "nn.Linear's layout too"
+    assert split_k.misaligned_config(problem(5, 423, 2047, layout="TN")) is None, "not measured for TN"
     assert split_k.misaligned_config(problem(5, 423, 2047, dtype=torch.float32)) is None, "16-bit only"
 
 
@@ -65,10 +67,12 @@ def test_its_configs_compute_the_product(shape, gpu_like, monkeypatch):
 @pytest.mark.parametrize("shape", [(5, 423, 2047), (2, 4385, 1718), (1, 630, 605), (8, 134, 11609), (16, 77, 9)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_small_misaligned_products_through_auto(shape, dtype):
+@pytest.mark.parametrize("layout", ["NN", "NT"])
+def test_small_misaligned_products_through_auto(shape, dtype, layout):
     M, N, K = shape
     a = torch.randn(M, K, device="cuda", dtype=dtype)
-    b = torch.randn(K, N, device="cuda", dtype=dtype)
+    b = torch.randn(N, K, device="cuda", dtype=dtype).T if layout == "NT" else torch.randn(K, N, device="cuda",
+                                                                                           dtype=dtype)
     bias = torch.randn(N, device="cuda", dtype=dtype)
     p = make_problems(a, b, torch.empty(M, N, device="cuda", dtype=dtype), None, None, 1.0, 0.0, "none", "ieee",
                       False)[0]

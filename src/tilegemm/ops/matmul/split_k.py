@@ -219,22 +219,26 @@ def filled(p: GemmProblem, config: dict) -> dict:
     return dict(config, SPLIT_K=wave) if wave > config["SPLIT_K"] else config
 
 
-# Rows not 16-byte aligned with few rows of A (M <= 16, NN, 16-bit): the kernel loads them two bytes at a time,
+# Rows not 16-byte aligned with few rows of A (M <= 16, NN or NT, 16-bit): the kernel loads them two bytes at a time,
 # so one program keeps few bytes in flight and the product is bound by how many loads the GPU has out. Narrow
 # tiles in many K slices (down to one K step a slice) put more programs, and more loads, on each SM. On six such
 # products of the random sweep (H100, tools/time_candidates.py over 16 x {32, 64, 128} x {32, 64, 128} tiles and
 # splits 1..64, benchmarks/results/2026-11-24-h100/e1ed5fa/), 16x32x64 tiles in up to 16 programs an SM ran
 # 0.91x of each product's best config (worst 0.83x) and 0.90x cuBLAS, where auto's choice had run 0.44x-0.70x
-# cuBLAS (5x423x2047: 10.9 us against 26; 6x5661x26729: 301 against 457).
+# cuBLAS (5x423x2047: 10.9 us against 26; 6x5661x26729: 301 against 457). Those six are shapes of the bench's
+# random sweep; on 60 unseen ones (another seed, H200, research/ab_survey.py --misaligned,
+# benchmarks/results/2026-11-24-h200/019962f/) auto ran 0.976x cuBLAS with the rule and 0.702x without. NT (an
+# nn.Linear with an odd in_features) fared worse before it: 1x874x5873 90 us against cuBLAS's 12, where the best
+# of these configs ran 15 us and the rule's others 1.09x-1.12x cuBLAS on 3x1111x2087 and 2x625x9997.
 MISALIGNED_TILE = (16, 32, 64, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
 MISALIGNED_PROGRAMS_PER_SM = 16
 MISALIGNED_MAX_SPLIT = 64
 
 
 def misaligned_config(p: GemmProblem) -> dict | None:
-    """The config for a small-M NN 16-bit product whose rows are not 16-byte aligned (see
+    """The config for a small-M NN or NT 16-bit product whose rows are not 16-byte aligned (see
     :data:`MISALIGNED_TILE`), or None for any other problem."""
-    if p.M > 16 or p.layout != "NN" or p.a.element_size() != 2 or interpreting() or rows_aligned(p):
+    if p.M > 16 or p.layout not in ("NN", "NT") or p.a.element_size() != 2 or interpreting() or rows_aligned(p):
         return None
     bm, bn, bk, warps, stages = MISALIGNED_TILE
     tiles = cdiv(p.M, bm) * cdiv(p.N, bn) * p.batch
