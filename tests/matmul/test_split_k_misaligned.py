@@ -48,6 +48,11 @@ def test_the_rule_keeps_to_its_class(gpu_like):
     assert split_k.misaligned_config(problem(5, 423, 2047, dtype=torch.float32)) is None, "16-bit only"
 
 
+def test_timing_weighs_the_rules_config_too(gpu_like):
+    p = problem(5, 423, 2047)
+    assert split_k.misaligned_config(p) in split_k.configs(p)
+
+
 def test_off_under_the_interpreter():
     assert split_k.misaligned_config(problem(5, 423, 2047)) is None
 

@@ -196,6 +196,9 @@ def configs(p: GemmProblem) -> list[dict]:
         wave = wave_split(tiles, k_steps, sms)
         if wave > _SPLITS[-1]:
             out.append(make_config(bm, bn, bk, warps, stages, wave))
+    rule = misaligned_config(p)
+    if rule is not None and rule not in out:
+        out.append(rule)  # so that timing (tilegemm tune) weighs the untimed rule's config too
     return out
 
 
