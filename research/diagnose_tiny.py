@@ -1,10 +1,11 @@
 """Diagnosis on the GPU: where the random sweep's small products lose to cuBLAS (not a test).
 
 For each shape with under ``--max-work`` us of work at the vendor peak (default: the random sweep's own, or
-shapes given): cuBLAS; ``tilegemm.matmul`` (auto by the rules) through do_bench (what the bench measures) and
-as a CUDA graph of one call (GPU time alone); the survey's pick for the shape (aligned shapes only; at
-10080c3 the survey spoke from 3.5 us of work up, and the script lowered that bar to 0) the same two ways; the host time of one call in a loop. Then a cProfile of the replay
-path on one shape. Writes ``$OUT/diagnose-tiny-<dtype>.json``.
+shapes given): cuBLAS; ``tilegemm.matmul`` with the survey turned off (auto by the rules) through do_bench
+(what the bench measures) and as a CUDA graph of one call (GPU time alone); auto as it is (the survey's pick,
+aligned shapes only; at 10080c3 the survey spoke from 3.5 us of work up, and the script lowered that bar to
+0) the same two ways; the host time of one call in a loop. Then a cProfile of the replay path on one shape.
+Writes ``$OUT/diagnose-tiny-<dtype>.json``.
 
     PYTHONPATH=src python3 research/diagnose_tiny.py [--shapes 104x88x320 ...] [--max-work 3.5] [--limit 60]
 """
