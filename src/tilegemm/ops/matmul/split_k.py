@@ -171,6 +171,12 @@ _TILES = {
 _SPLITS = (1, 2, 3, 4, 8)
 
 
+def sensible_split(split: int, tiles: int, k_steps: int, sms: int) -> bool:
+    """Whether ``split`` K slices of ``tiles`` output tiles are a candidate: one slice, or every slice at least 4
+    K steps long and the grid within 4 programs per SM (:func:`configs`, and the survey's choices)."""
+    return split == 1 or (k_steps >= 4 * split and tiles * split <= 4 * sms)
+
+
 def configs(p: GemmProblem) -> list[dict]:
     """The candidates ``split_k`` times for a problem: tiles for its M, each with every sensible split.
 
@@ -191,7 +197,7 @@ def configs(p: GemmProblem) -> list[dict]:
         tiles = cdiv(p.M, bm) * cdiv(p.N, bn) * p.batch
         k_steps = cdiv(p.K, bk)
         for split in _SPLITS:
-            if split == 1 or (k_steps >= 4 * split and tiles * split <= 4 * sms):
+            if sensible_split(split, tiles, k_steps, sms):
                 out.append(make_config(bm, bn, bk, warps, stages, split))
         wave = wave_split(tiles, k_steps, sms)
         if wave > _SPLITS[-1]:

@@ -102,10 +102,10 @@ def table_for(gpu_name: str, layout: str = "NN") -> dict | None:
                 if doc.get("schema") != SCHEMA:
                     raise ValueError(f"schema {doc.get('schema')!r}, expected {SCHEMA!r}")
                 configs = [(str(rung), dict(config)) for rung, config in doc["configs"]]
-                layouts = frozenset(doc.get("layouts") or [doc.get("layout", "NN")])
-                if layout not in layouts:
-                    raise ValueError(f"it surveyed {sorted(layouts)}, not {layout}")
-                table = dict(configs=configs, shapes=_indexed(doc["shapes"]), layouts=layouts)
+                surveyed = doc.get("layouts") or [doc.get("layout", "NN")]
+                if layout not in surveyed:
+                    raise ValueError(f"it surveyed {sorted(surveyed)}, not {layout}")
+                table = dict(configs=configs, shapes=_indexed(doc["shapes"]))
                 if not all(0 <= i < len(configs) for *_, kept in table["shapes"] for i in kept):
                     raise ValueError("a shape names a config the table lacks")
             except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
@@ -165,10 +165,10 @@ def choose(p) -> tuple[str, dict] | None:
 
 
 def _valid_candidates(p, configs: list, described: bool) -> list[int]:
+    from tilegemm.core.hardware import sm_count
     from tilegemm.core.runtime import cdiv
     from tilegemm.ops.matmul import persistent_tma
-
-    from tilegemm.core.hardware import sm_count
+    from tilegemm.ops.matmul.split_k import sensible_split
 
     tma = persistent_tma.candidates(p) if described else []
     sms = sm_count(p.out.device)
@@ -176,10 +176,10 @@ def _valid_candidates(p, configs: list, described: bool) -> list[int]:
     for i, (rung, config) in enumerate(configs):
         if rung == "persistent_tma":
             ok = config in tma
-        elif rung == "split_k":  # as split_k.configs: 4 K steps a slice, at most 4 programs an SM
+        elif rung == "split_k":  # as split_k.configs
             split = config["SPLIT_K"]
             tiles = cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"])
-            ok = split in ("wave", 1) or (cdiv(p.K, config["BLOCK_K"]) >= 4 * split and tiles * split <= 4 * sms)
+            ok = split == "wave" or sensible_split(split, tiles, cdiv(p.K, config["BLOCK_K"]), sms)
         else:
             ok = rung == "autotuned"
         if ok:

@@ -72,7 +72,6 @@ def warmup(on_key=None, cases=None, dtype: str | None = None) -> list[str]:
     return warmed
 
 
-
 def _warm_cases(bench, cases, dtype: str, on_key) -> list[str]:
     """``auto`` once on each case (:func:`tune`'s call), then its replays dropped."""
     from tilegemm.ops.matmul import replay
