@@ -149,22 +149,42 @@ def conv2d_dgrad_kernel(
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
-    DIV_K: tl.constexpr, DIV_C: tl.constexpr,
+    DIV_K: tl.constexpr, DIV_C: tl.constexpr, PHASED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Which tile: grouped order over [input pixels, input channels of this group]; axis 1 is the group.
+    # Which tile: grouped order over [input pixels, input channels of this group]; axis 1 is the group (and,
+    # PHASED, the stride phase: group * str_h * str_w + phase).
     pid_m, pid_n = tile_grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(Cg, BLOCK_N), GROUP_M)
     grp = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] input pixels m = (n * H + h) * W + w
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] input channels within the group
+    if PHASED:
+        # Stride phase (ph_h, ph_w): this program's pixels are h = ph_h + i * str_h, w = ph_w + j * str_w
+        # (m = (n * Hs + i) * Ws + j over the phase's Hs x Ws grid, cut to the image). With dilation 1 the
+        # taps that land on a whole output pixel are r = r0, r0 + str_h, ... (r = ph_h + pad_h mod str_h),
+        # the same for every pixel of the phase: the K loop runs those alone, none masked off.
+        phase = grp % (str_h * str_w)
+        grp = grp // (str_h * str_w)
+        ph_h = phase // str_w
+        ph_w = phase % str_w
+        Hs = tl.cdiv(H, str_h)
+        Ws = tl.cdiv(W, str_w)
     if INDEX_64:
         offs_m = offs_m.to(tl.int64)
         grp = grp.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    wx = offs_m % W
-    hx = (offs_m // W) % H
-    n = offs_m // (H * W)
-    m_ok = offs_m < M
+    if PHASED:
+        jx = offs_m % Ws
+        ix = (offs_m // Ws) % Hs
+        n = offs_m // (Hs * Ws)
+        hx = ph_h + ix * str_h
+        wx = ph_w + jx * str_w
+        m_ok = (offs_m < M) & (hx < H) & (wx < W)
+    else:
+        wx = offs_m % W
+        hx = (offs_m // W) % H
+        n = offs_m // (H * W)
+        m_ok = offs_m < M
     # Offsets the host knows the divisors of (Kg, Cg are not specialized on): 16-byte loads need them seen.
     dy_rows = dy_ptr + tl.multiple_of(grp * Kg, DIV_K) * stride_yk + n * stride_yn  # [BM]
     w_cols = w_ptr + tl.multiple_of(grp * Kg, DIV_K) * stride_wk + offs_n * stride_wc  # [BN]
@@ -177,16 +197,33 @@ def conv2d_dgrad_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_steps = tl.cdiv(Kg, BLOCK_K)
-    for it in range(0, R * S * k_steps):
+    if PHASED:
+        r0 = (ph_h + pad_h) % str_h
+        s0 = (ph_w + pad_w) % str_w
+        Rp = (R - r0 + str_h - 1) // str_h  # this phase's taps (0 when r0 >= R: dx is zero there)
+        Sp = (S - s0 + str_w - 1) // str_w
+        taps = Rp * Sp
+    else:
+        taps = R * S
+    for it in range(0, taps * k_steps):
         rs = it // k_steps
         k = (it - rs * k_steps) * BLOCK_K + offs_k  # [BK] output channels within the group
-        r = rs // S
-        s = rs - r * S
-        ph = hx + pad_h - r * dil_h  # [BM] = p * str_h where the tap lands on a whole output row
-        pw = wx + pad_w - s * dil_w
-        p = ph // str_h
-        q = pw // str_w
-        ok = m_ok & (ph >= 0) & (pw >= 0) & (p * str_h == ph) & (q * str_w == pw) & (p < P) & (q < Q)
+        if PHASED:
+            ri = rs // Sp
+            r = r0 + ri * str_h
+            s = s0 + (rs - ri * Sp) * str_w
+            # h + pad_h - r = (ix + (ph_h + pad_h - r) / str_h) * str_h: the division is exact
+            p = ix + (ph_h + pad_h - r) // str_h
+            q = jx + (ph_w + pad_w - s) // str_w
+            ok = m_ok & (p >= 0) & (q >= 0) & (p < P) & (q < Q)
+        else:
+            r = rs // S
+            s = rs - r * S
+            ph = hx + pad_h - r * dil_h  # [BM] = p * str_h where the tap lands on a whole output row
+            pw = wx + pad_w - s * dil_w
+            p = ph // str_h
+            q = pw // str_w
+            ok = m_ok & (ph >= 0) & (pw >= 0) & (p * str_h == ph) & (q * str_w == pw) & (p < P) & (q < Q)
         k_ok = _below_unspecialized(k, Kg, DIV_K)
         a = tl.load(dy_rows[:, None] + (p * stride_yp + q * stride_yq)[:, None] + (k * stride_yk)[None, :],
                     mask=ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
@@ -343,23 +380,35 @@ def _operand_order(dtype: torch.dtype, precision: str, a_k_major: bool, b_k_majo
     return "swap" if a_k_major else "reg_a"
 
 
+def phases_apply(g: Geometry) -> bool:
+    """Whether the data gradient runs per stride phase (``PHASED``): strided, dilation 1. At stride 2 a pixel's
+    taps are masked off three times in four otherwise; per phase, each program runs only the taps that land on
+    whole output pixels (a 3x3 stride-2 filter: 1, 2, 2 or 4 taps; a 1x1 one: 1 tap or none)."""
+    return g.stride != (1, 1) and g.dilation == (1, 1)
+
+
 def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry, precision: str, upcast: bool,
-          config: dict | None = None) -> torch.Tensor:
-    """grad of x: ``[N, C, H, W]`` in ``x_format``, from ``dy`` ``[N, K, P, Q]`` and the weight."""
+          config: dict | None = None, phased: bool | None = None) -> torch.Tensor:
+    """grad of x: ``[N, C, H, W]`` in ``x_format``, from ``dy`` ``[N, K, P, Q]`` and the weight. ``phased``
+    (default :func:`phases_apply`) runs one stride phase per program along grid axis 1."""
     dy, w = _nhwc(dy), _nhwc(weight)
     dx = empty_4d(x_shape, dy.dtype, dy.device, x_format)
     if dx.numel() == 0:
         return dx
     cfg = dict(config or dgrad_config(g, dy.dtype))
-    M = g.N * g.H * g.W
+    if phased is None:
+        phased = phases_apply(g)
+    sh, sw = g.stride
+    # Phased, the pixels are enumerated per stride phase over its cdiv(H, sh) x cdiv(W, sw) grid.
+    M = g.N * cdiv(g.H, sh) * cdiv(g.W, sw) if phased else g.N * g.H * g.W
     index_64 = max(dx.numel(), dy.numel()) >= 2**31 - 1
     args = (dy, w, dx, g.H, g.W, g.Cg, g.P, g.Q, g.Kg, M, *_nhwc_strides(dy), *_nhwc_strides(w),
             *_nhwc_strides(dx), *_conv_args(g))
     # A (dy, channels at stride 1) is K-major; B (w as [K, C], C at stride 1) is not.
     flags = dict(R=g.R, S=g.S, INPUT_PRECISION=precision, UPCAST=upcast, INDEX_64=index_64,
                  MMA_OPERANDS=_operand_order(dy.dtype, precision, True, False), DIV_K=_divisor(g.Kg),
-                 DIV_C=_divisor(g.Cg))
-    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.Cg, cfg["BLOCK_N"]), g.groups)
+                 DIV_C=_divisor(g.Cg), PHASED=phased)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.Cg, cfg["BLOCK_N"]), g.groups * (sh * sw if phased else 1))
     launch(conv2d_dgrad_kernel, grid, args, {**flags, **cfg})
     return dx
 
