@@ -47,7 +47,7 @@ kw = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
 sig, ce, at = signature(kernel, args, kw)
 ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
                      options=dict(num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))).asm["ptx"]
-ops = collections.Counter(re.findall(r"\b(cp\.async\.\S+|ld\.global\.\S+|mma\.\S+|wgmma\.\S+)", ptx))
+ops = collections.Counter(re.findall(r"\b(cp\.async\.\S+|ld\.global\.\S+|st\.global\.\S+|mma\.\S+|wgmma\.\S+)", ptx))
 fwd = dict(ops)
 
 def count(kernel, args, kwargs):
@@ -55,11 +55,17 @@ def count(kernel, args, kwargs):
     sig, ce, at = signature(kernel, args, kw)
     ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))).asm["ptx"]
-    return dict(collections.Counter(re.findall(r"\b(cp\.async\.cg\S+|ld\.global\.\S+|wgmma\.mma\S+|mma\.sync\S+)", ptx)))
+    return dict(collections.Counter(re.findall(r"\b(cp\.async\.cg\S+|ld\.global\.\S+|st\.global\.\S+|wgmma\.mma\S+|mma\.sync\S+)", ptx)))
 
 dy = torch.empty(N, K, H, W, dtype=torch.float16).to(memory_format=torch.channels_last)
 ig.dgrad(dy, w, x.shape, torch.channels_last, g, "ieee", False)
 dgrad = count(captured[-1][0], captured[-1][2], captured[-1][3])
+# the stride-2 data gradient, per stride phase (a ResNet-50 downsampling 3x3 layer)
+gs = geometry_of(x.shape, w.shape, (2, 2), (1, 1, 1, 1), (1, 1), 1)
+dys = torch.empty(N, K, gs.P, gs.Q, dtype=torch.float16).to(memory_format=torch.channels_last)
+ig.dgrad(dys, w, x.shape, torch.channels_last, gs, "ieee", False)
+assert captured[-1][3]["PHASED"]
+dgrad_phased = count(captured[-1][0], captured[-1][2], captured[-1][3])
 ig.wgrad(dy, x, g, "ieee", False, torch.float16)
 wgrad = count(captured[-1][0], captured[-1][2], captured[-1][3])
 from tilegemm.ops.conv2d import depthwise as dw
@@ -70,4 +76,4 @@ gd = geometry_of(xd.shape, wd.shape, (1, 1), (1, 1, 1, 1), (1, 1), 192)
 dw.run(ConvProblem(xd, wd, None, gd, torch.float16, memory_format_of(xd), "none", "ieee", False))
 depthwise = count(captured[-1][0], captured[-1][2], captured[-1][3])
 import json
-print(json.dumps(dict(fwd=fwd, dgrad=dgrad, wgrad=wgrad, depthwise=depthwise)))
+print(json.dumps(dict(fwd=fwd, dgrad=dgrad, dgrad_phased=dgrad_phased, wgrad=wgrad, depthwise=depthwise)))

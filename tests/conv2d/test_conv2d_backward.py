@@ -163,6 +163,31 @@ def test_weight_gradient_split_reduction_is_right_and_leaves_counters_at_zero(sp
             assert not count.any(), "every launch must leave the arrival counters at zero"
 
 
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("C,groups,R,S,stride", [(3, 1, 7, 7, 2), (2, 1, 3, 5, 1), (6, 2, 3, 3, 2)])
+def test_few_channel_weight_gradient_runs_the_filter_as_one_row_of_columns(C, groups, R, S, stride, split, device):
+    """Fewer than 16 channels a group (the stem's C=3): the weight gradient's columns are (r, s, c) as one index
+    (FLAT), its tiles crossing taps; every element of dw lands where F.conv2d's gradient has it."""
+    from tilegemm.ops.conv2d import implicit_gemm
+    from tilegemm.ops.conv2d.configs import wgrad_config
+    from tilegemm.ops.conv2d.problem import geometry_of
+
+    N, H, W, K = 2, 11, 9, 5 * groups
+    x = torch.randn(N, C, H, W, device=device).contiguous(memory_format=CL)
+    w_shape = (K, C // groups, R, S)
+    pad = [R // 2, R // 2, S // 2, S // 2]
+    g = geometry_of(x.shape, w_shape, [stride, stride], pad, [1, 1], groups)
+    cfg = wgrad_config(g, x.dtype, 4)
+    assert cfg["FLAT"]
+    dy = torch.randn(N, K, g.P, g.Q, device=device).contiguous(memory_format=CL)
+    dw = implicit_gemm.wgrad(dy, x, g, "ieee", False, x.dtype, dict(cfg, SPLIT=split, BLOCK_K=16))
+    xr = x.double()
+    wr = torch.zeros(w_shape, dtype=torch.float64, device=device, requires_grad=True)
+    xp = torch.nn.functional.pad(xr, (pad[2], pad[3], pad[0], pad[1]))
+    torch.nn.functional.conv2d(xp, wr, None, stride, 0, 1, groups).backward(dy.double())
+    assert_rel_close(dw, wr.grad, 1e-5)
+
+
 @pytest.mark.parametrize("mult", [1, 2])
 def test_depthwise_weight_gradient_in_one_launch_over_any_split(mult, device):
     """The depthwise weight gradient's slices reduce in the kernel too (last arrival adds them in order)."""

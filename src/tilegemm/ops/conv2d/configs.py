@@ -65,16 +65,21 @@ def wgrad_config(g: Geometry, dtype: torch.dtype, sms: int) -> dict:
     """Weight gradient: a [K/groups, C/groups] tile per (r, s, group), the K loop over N*P*Q pixels, split
     over ``SPLIT`` programs (fp32 partial tiles, added in order by the last to arrive) so that small filters
     still fill the GPU."""
+    # Fewer than 16 channels a group (the stem's C=3): the tile's columns are (r, s, c) as one index (FLAT), so
+    # dy is read once for the whole filter instead of once a tap for 3 useful columns in 16.
+    flat = g.Cg < 16 and g.R * g.S > 1
+    cols = g.R * g.S * g.Cg if flat else g.Cg
     if interpreting():
         cfg = _cfg(32, 32, 64, 4, 1)
     else:
         wide = 2 if dtype == torch.float32 else 1
         bm = _pow2_at_least(g.Kg, 16, 128)
-        bn = _pow2_at_least(g.Cg, 16, 128)
+        bn = _pow2_at_least(cols, 16, 64 if flat else 128)
         # 8 warps: its pointer tiles run along the pixels (no contiguity), and with 4 warps the 64x64 fp16 tile
         # spilled (ptxas, sm_90)
         cfg = _cfg(bm, bn, 64 // wide, 8, 3 if wide == 2 else 4)
-    tiles = -(-g.Kg // cfg["BLOCK_M"]) * -(-g.Cg // cfg["BLOCK_N"]) * g.R * g.S * g.groups
+    cfg["FLAT"] = flat
+    tiles = -(-g.Kg // cfg["BLOCK_M"]) * -(-cols // cfg["BLOCK_N"]) * (1 if flat else g.R * g.S) * g.groups
     pixels = g.N * g.P * g.Q
     # Enough programs for two waves, but each slice at least 8 K steps long (fewer and the partial sums cost
     # more memory traffic than they save).

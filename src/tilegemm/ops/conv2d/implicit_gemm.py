@@ -65,7 +65,7 @@ def conv2d_fwd_kernel(
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    INDEX_64: tl.constexpr, FLAT_K: tl.constexpr, DIV_C: tl.constexpr,
+    INDEX_64: tl.constexpr, FLAT_K: tl.constexpr, DIV_C: tl.constexpr, DIV_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Which tile: grouped order over [pixels, output channels of this group]; axis 1 is the group.
@@ -129,8 +129,9 @@ def conv2d_fwd_kernel(
             acc = _tap_mma(a, b, acc, UPCAST, "ab", INPUT_PRECISION)
 
     # Epilogue: bias, activation, store through the output's strides (NCHW or channels-last).
-    k_out = grp * Kg + offs_n  # [BN] channel in the whole output
-    n_ok = offs_n < Kg
+    # Masks and offsets whose divisors the host knows (Kg is not specialized on): 16-byte stores, not 2-byte.
+    k_out = tl.multiple_of(grp * Kg, DIV_K) + offs_n  # [BN] channel in the whole output
+    n_ok = _below_unspecialized(offs_n, Kg, DIV_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + k_out * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     acc = apply_activation(acc, ACTIVATION)
@@ -234,9 +235,9 @@ def conv2d_dgrad_kernel(
         acc = tl.trans(acc)
 
     x_rows = n * stride_xn + hx * stride_xh + wx * stride_xw  # [BM]
-    c_all = grp * Cg + offs_n
+    c_all = tl.multiple_of(grp * Cg, DIV_C) + offs_n  # (masked by c_ok: 16-byte stores along channels)
     tl.store(dx_ptr + x_rows[:, None] + (c_all * stride_xc)[None, :], acc.to(dx_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & (offs_n < Cg)[None, :])
+             mask=m_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit(do_not_specialize=_SIZES[:6] + ["NPQ", "slice_len", "pad_h", "pad_w"])
@@ -249,28 +250,41 @@ def conv2d_wgrad_kernel(
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, INDEX_64: tl.constexpr, MMA_OPERANDS: tl.constexpr,
-    DIV_K: tl.constexpr, DIV_C: tl.constexpr,
+    DIV_K: tl.constexpr, DIV_C: tl.constexpr, FLAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
     # Which tile: [output channels, input channels] of one tap and group (axis 1), one pixel slice (axis 2).
-    pid_m, pid_n = tile_grouped(tl.program_id(0), tl.cdiv(Kg, BLOCK_M), tl.cdiv(Cg, BLOCK_N), GROUP_M)
+    # FLAT (few channels: the stem's C=3): [output channels, (r, s, c) as one index] of one group (axis 1), so
+    # a 7x7x3 filter is 147 columns of one tile row, not 49 taps of 3 useful columns in 16, each re-reading dy.
+    n_cols = R * S * Cg if FLAT else Cg
+    pid_m, pid_n = tile_grouped(tl.program_id(0), tl.cdiv(Kg, BLOCK_M), tl.cdiv(n_cols, BLOCK_N), GROUP_M)
     tap = tl.program_id(1)
     part = tl.program_id(2)
-    grp = tap // (R * S)
-    r = (tap % (R * S)) // S
-    s = tap % S
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] output channels within the group
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] input channels within the group
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] input channels within the group (FLAT: r, s, c)
+    if FLAT:
+        grp = tap
+        c = offs_n % Cg
+        r = offs_n // (S * Cg)  # [BN]
+        s = (offs_n // Cg) % S
+    else:
+        grp = tap // (R * S)
+        r = (tap % (R * S)) // S
+        s = tap % S
+        c = offs_n
     offs_k = tl.arange(0, BLOCK_K)  # [BK] pixels
     if INDEX_64:
         offs_k = offs_k.to(tl.int64)
         grp = grp.to(tl.int64)
     # Channels masked, not wrapped, from offsets whose divisors the host knows: 16-byte loads along channels.
     dy_cols = dy_ptr + (tl.multiple_of(grp * Kg, DIV_K) + offs_m) * stride_yk  # [BM]
-    x_cols = x_ptr + (tl.multiple_of(grp * Cg, DIV_C) + offs_n) * stride_xc  # [BN]
+    x_cols = x_ptr + (tl.multiple_of(grp * Cg, DIV_C) + c) * stride_xc  # [BN]
     k_ok = _below_unspecialized(offs_m, Kg, DIV_K)  # [BM]
-    c_ok = _below_unspecialized(offs_n, Cg, DIV_C)  # [BN]
+    if FLAT:
+        c_ok = offs_n < n_cols
+    else:
+        c_ok = _below_unspecialized(offs_n, Cg, DIV_C)  # [BN]
 
     # dw[k, c] (this tap) = sum over output pixels (n, p, q) of dy[n, p, q, k] * x[n, h, w, c], with (h, w) the
     # input pixel the tap reads for (p, q); this program sums pixels [begin, end).
@@ -282,19 +296,30 @@ def conv2d_wgrad_kernel(
         q = pix % Q
         p = (pix // Q) % P
         n = pix // (P * Q)
-        h = p * str_h - pad_h + r * dil_h
-        w = q * str_w - pad_w + s * dil_w
         in_slice = pix < end
-        x_ok = in_slice & (h >= 0) & (h < H) & (w >= 0) & (w < W)
         a = tl.load(dy_cols[:, None] + (n * stride_yn + p * stride_yp + q * stride_yq)[None, :],
                     mask=k_ok[:, None] & in_slice[None, :], other=0.0)  # [BM, BK]
-        b = tl.load(x_cols[None, :] + (n * stride_xn + h * stride_xh + w * stride_xw)[:, None],
-                    mask=x_ok[:, None] & c_ok[None, :], other=0.0)  # [BK, BN]
+        if FLAT:
+            h = (p * str_h - pad_h)[:, None] + (r * dil_h)[None, :]  # [BK, BN]
+            w = (q * str_w - pad_w)[:, None] + (s * dil_w)[None, :]
+            x_ok = in_slice[:, None] & c_ok[None, :] & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+            b = tl.load(x_cols[None, :] + (n * stride_xn)[:, None] + h * stride_xh + w * stride_xw, mask=x_ok,
+                        other=0.0)  # [BK, BN]
+        else:
+            h = p * str_h - pad_h + r * dil_h
+            w = q * str_w - pad_w + s * dil_w
+            x_ok = in_slice & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+            b = tl.load(x_cols[None, :] + (n * stride_xn + h * stride_xh + w * stride_xw)[:, None],
+                        mask=x_ok[:, None] & c_ok[None, :], other=0.0)  # [BK, BN]
         acc = _tap_mma(a, b, acc, UPCAST, MMA_OPERANDS, INPUT_PRECISION)
 
-    k_all = grp * Kg + offs_m
-    inside = (offs_m < Kg)[:, None] & (offs_n < Cg)[None, :]
-    dw_tile = dw_ptr + r * stride_dr + s * stride_dss + (k_all * stride_dk)[:, None] + (offs_n * stride_dc)[None, :]
+    k_all = tl.multiple_of(grp * Kg, DIV_K) + offs_m
+    inside = k_ok[:, None] & c_ok[None, :]
+    if FLAT:
+        dw_tile = dw_ptr + (k_all * stride_dk)[:, None] + (c * stride_dc + r * stride_dr + s * stride_dss)[None, :]
+    else:
+        dw_tile = (dw_ptr + r * stride_dr + s * stride_dss + (k_all * stride_dk)[:, None]
+                   + (offs_n * stride_dc)[None, :])
     if SPLIT == 1:
         tl.store(dw_tile, acc.to(dw_ptr.dtype.element_ty), mask=inside)
     else:
@@ -367,7 +392,7 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
             out.stride(0), out.stride(2), out.stride(3), out.stride(1),
             p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
     flags = dict(R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, INPUT_PRECISION=p.precision,
-                 UPCAST=p.upcast, INDEX_64=p.index_64, DIV_C=_divisor(g.Cg))
+                 UPCAST=p.upcast, INDEX_64=p.index_64, DIV_C=_divisor(g.Cg), DIV_K=_divisor(g.Kg))
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.Kg, cfg["BLOCK_N"]), g.groups)
     launch(conv2d_fwd_kernel, grid, args, {**flags, **cfg})
     return out
@@ -435,7 +460,11 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, precision: str, upcast
     slice_len = cdiv(cdiv(npq, cfg["SPLIT"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = cfg["SPLIT"] = max(1, cdiv(npq, slice_len))
     dw = new_output((g.K, g.Cg, g.R, g.S), out_dtype, dy.device)
-    grid = (cdiv(g.Kg, cfg["BLOCK_M"]) * cdiv(g.Cg, cfg["BLOCK_N"]), g.R * g.S * g.groups, split)
+    flat = cfg.pop("FLAT", False)
+    if flat:
+        grid = (cdiv(g.Kg, cfg["BLOCK_M"]) * cdiv(g.R * g.S * g.Cg, cfg["BLOCK_N"]), g.groups, split)
+    else:
+        grid = (cdiv(g.Kg, cfg["BLOCK_M"]) * cdiv(g.Cg, cfg["BLOCK_N"]), g.R * g.S * g.groups, split)
     tiles = grid[0] * grid[1]
     if split > 1:
         ws, count = split_workspace(dy.device, split * tiles * cfg["BLOCK_M"] * cfg["BLOCK_N"], tiles)
@@ -446,7 +475,7 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, precision: str, upcast
             *_nhwc_strides(x), *dw.stride(), *_conv_args(g))
     flags = dict(R=g.R, S=g.S, INPUT_PRECISION=precision, UPCAST=upcast, INDEX_64=index_64,
                  MMA_OPERANDS=_operand_order(dy.dtype, precision, False, False), DIV_K=_divisor(g.Kg),
-                 DIV_C=_divisor(g.Cg))
+                 DIV_C=_divisor(g.Cg), FLAT=flat)
     # The workspace is this stream's: a replay passes it as recorded and declines on another stream.
     launch(conv2d_wgrad_kernel, grid, args, {**flags, **cfg}, keep=(ws, count) if split > 1 else (),
            stream=current_stream() if split > 1 and dy.is_cuda else None)
