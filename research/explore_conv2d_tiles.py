@@ -31,7 +31,9 @@ def candidates(part: str, C: int, K: int):
 
     bms = (64, 128)
     bns = sorted({min(64, p2(K if part != "dgrad" else C, 16, 256)), p2(K if part != "dgrad" else C, 16, 256)})
-    bks = (32, 64) if part != "wgrad" else (64, 128)
+    if part == "dgrad":
+        bns = sorted({*bns, min(128, p2(C, 16, 256))})
+    bks = (32, 64) if part != "wgrad" else (32, 64, 128)
     for bm, bn, bk, stages in itertools.product(bms, bns, bks, (3, 4, 5)):
         warps = 4 if bm * bn <= 64 * 128 else 8  # (a kernel is compiled once per config, for every layer size)
         if (bm + bn) * bk * 2 * stages > 220 * 1024:
@@ -76,7 +78,7 @@ def main() -> None:
         s, pad = [d["stride"]] * 2, d["pad"]
         g = geometry_of((d["N"], d["C"], d["H"], d["W"]), (d["K"], d["C"] // d["groups"], d["R"], d["S"]), s,
                         [pad] * 4, [1, 1], d["groups"])
-        if part_skipped(args.part, choose_kernel(g)):
+        if part_skipped(args.part, choose_kernel(g), g):
             continue
         x = torch.randn(d["N"], d["C"], d["H"], d["W"], device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
         w = (torch.randn(d["K"], d["C"] // d["groups"], d["R"], d["S"], device="cuda") * 0.05).half()
@@ -104,10 +106,16 @@ def main() -> None:
                                                                [False, True, False])
             shipped = configs.wgrad_config(g, torch.float16, sm_count(x.device))
             run = lambda cfg: implicit_gemm.wgrad(dy, x, g, "ieee", False, torch.float16,  # noqa: E731
-                                                  dict(cfg, SPLIT=cfg.get("SPLIT", shipped["SPLIT"])))
+                                                  dict(cfg, SPLIT=cfg.get("SPLIT", shipped["SPLIT"]),
+                                                       FLAT=shipped["FLAT"]))
         row = dict(shape=case.label, part=args.part, cudnn_us=tt.do_bench_cudagraph(cudnn, rep=40) * 1e3,
                    shipped=shipped, candidates=[])
-        for cfg in [dict(shipped), *candidates(args.part, g.Cg, g.Kg)]:
+        cols = g.R * g.S * g.Cg if args.part == "wgrad" and shipped.get("FLAT") else g.Cg
+        extra = []
+        if args.part == "wgrad":  # the pixel split too
+            for cfg in candidates(args.part, cols, g.Kg):
+                extra += [dict(cfg, SPLIT=sp) for sp in (shipped["SPLIT"] // 2, shipped["SPLIT"] * 2) if sp >= 1]
+        for cfg in [dict(shipped), *candidates(args.part, cols, g.Kg), *extra]:
             entry = dict(cfg=cfg)
             try:
                 out = run(cfg)
@@ -138,9 +146,18 @@ def main() -> None:
           f"over {len(rows)} layers (GPU time, CUDA graphs)")
 
 
-def part_skipped(part: str, kernel: str) -> bool:
-    """Only layers that reach the implicit-GEMM kernels for this part (1x1 stride-1 layers go to matmul;
-    depthwise ones to the direct kernels)."""
+def part_skipped(part: str, kernel: str, g) -> bool:
+    """Only layers that reach the implicit-GEMM kernels for this part on Hopper: forward, those auto sends
+    there; data gradient, the strided ones too (per stride phase); weight gradient, the few-channel ones (FLAT)
+    too. (1x1 stride-1 layers go to matmul; depthwise ones to the direct kernels.)"""
+    from tilegemm.ops.conv2d.implicit_gemm import phases_apply
+
+    if g.is_depthwise or g.is_pointwise:
+        return True
+    if part == "dgrad" and phases_apply(g):
+        return False
+    if part == "wgrad" and g.Cg < 16:
+        return False
     return kernel != "implicit_gemm"
 
 
