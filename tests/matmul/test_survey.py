@@ -146,7 +146,10 @@ def test_tables_cover_the_layouts_they_surveyed(monkeypatch):
     assert (nn.layout, nt.layout, tn.layout) == ("NN", "NT", "TN")
     assert survey.covers(nn)
     assert survey.covers(nt) == survey.table_path("NVIDIA H200", "NT").exists()  # nn.Linear's x @ W.T
-    assert not survey.table_path("NVIDIA H200", "TN").exists() and not survey.covers(tn)
+    assert survey.covers(tn) == survey.table_path("NVIDIA H200", "TN").exists()  # its weight gradient dy.T @ x
+    tt = make_problems(torch.empty(500, 300, dtype=torch.float16).T, torch.empty(400, 500, dtype=torch.float16).T,
+                       torch.empty(300, 400, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee", False)[0]
+    assert tt.layout == "TT" and not survey.table_path("NVIDIA H200", "TT").exists() and not survey.covers(tt)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Other GPU")
     assert not survey.covers(nn)
 
@@ -230,14 +233,14 @@ def test_unseen_shapes_run_the_surveyed_choice_correctly(dtype, layout, shape, m
     bias = torch.randn(N, device="cuda", dtype=dtype)
     picks = _spy(monkeypatch)
     out = tilegemm.matmul(a, b, bias=bias, activation="relu")
-    if survey.table_path(torch.cuda.get_device_name(), layout).exists():  # a surveyed layout (NN, NT)
+    if survey.table_path(torch.cuda.get_device_name(), layout).exists():  # a surveyed layout (NN, NT, TN)
         assert picks and picks[0] is not None, f"an unseen aligned 16-bit {layout} shape takes the survey's choice"
     ref = torch.relu(matmul_reference(a, b) + bias.double())
     assert_rel_close(out, ref, tolerance(dtype))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["NN", "NT"])
+@pytest.mark.parametrize("layout", ["NN", "NT", "TN"])
 def test_every_candidate_of_the_gpus_table_launches_correctly(layout):
     """Each config the layout's table can name, launched as auto launches it, on one shape it is valid for."""
     path = survey.table_path(torch.cuda.get_device_name(), layout)
@@ -249,6 +252,8 @@ def test_every_candidate_of_the_gpus_table_launches_correctly(layout):
     b = torch.randn(K, N, device="cuda", dtype=torch.float16)
     if layout == "NT":
         b = torch.randn(N, K, device="cuda", dtype=torch.float16).T
+    if layout == "TN":
+        a = torch.randn(K, M, device="cuda", dtype=torch.float16).T
     ref = matmul_reference(a, b)
     for rung, cfg in doc["configs"]:
         out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)

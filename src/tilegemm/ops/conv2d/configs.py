@@ -58,12 +58,14 @@ def dgrad_config(g: Geometry, dtype: torch.dtype) -> dict:
     """Data gradient: M = N*H*W input pixels, N = C/groups, the K loop over (r, s, K/groups)."""
     if interpreting():
         return _cfg(64, 32, 16, 4, 1)
-    if dtype == torch.float32:
+    if dtype == torch.float32 or g.R * g.S == 1:
         return _gemm_tile(g.N * g.H * g.W, g.Cg, g.Kg, dtype)
-    # 16-bit: 64 x 128 tiles with 4 warps and 3 stages (128 pixels where the channels are few: the stem's 3).
-    # Over ResNet-50's eleven layers that reach this kernel on Hopper (the strided ones per phase), each
-    # layer's best of 54 configs ran 0.64x cuDNN and the former 128 x 128 x 8-warp rule 0.54x; this one was
+    # 16-bit with several taps: 64 x 128 tiles with 4 warps and 3 stages (128 pixels where the channels are
+    # few: the stem's 3). Over ResNet-50's layers that reach this kernel on Hopper (the strided ones per phase),
+    # each layer's best of 54 configs ran 0.64x cuDNN and the 128 x 128 x 8-warp rule 0.54x; this one was
     # within 5% of each best on the 3x3 layers (H200, CUDA graphs; benchmarks/results/2026-11-24-h200/b128749/).
+    # The strided 1x1 layers (one tap, a long K loop over the channels) keep 128 x 128: 64 x 128 ran 20-30%
+    # slower there (cd4832f/).
     bn = _pow2_at_least(g.Cg, 16, 128)
     return _cfg(128 if bn <= 32 else 64, bn, _pow2_at_least(g.Kg, 16, 64), 4, 3)
 
