@@ -12,7 +12,7 @@ import torch
 
 import tilegemm
 from tilegemm.ops.matmul import dispatch, survey
-from tilegemm.ops.matmul.problem import make_problems
+from tilegemm.ops.matmul.problem import make_problems, rows_aligned
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
 from conftest import assert_rel_close
@@ -150,8 +150,18 @@ def test_tables_cover_the_layouts_they_surveyed(monkeypatch):
     tt = make_problems(torch.empty(500, 300, dtype=torch.float16).T, torch.empty(400, 500, dtype=torch.float16).T,
                        torch.empty(300, 400, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee", False)[0]
     assert tt.layout == "TT" and not survey.table_path("NVIDIA H200", "TT").exists() and not survey.covers(tt)
+    assert not survey.covers(problem(300, 400, 100352)), "K far past the surveyed box: the rules"
+    assert not survey.covers(problem(300, 65536, 500)), "N far past the surveyed box: the rules"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Other GPU")
     assert not survey.covers(nn)
+
+
+def test_within_takes_the_surveyed_box_and_a_margin():
+    table = dict(bounds=[(0.0, 14.0), (6.0, 14.8), (6.0, 14.8)])  # M 1..16384, N and K 64..28672
+    assert survey.within(table, (1, 64, 64)) and survey.within(table, (16384, 28672, 28672))
+    assert survey.within(table, (1, 48, 36000))  # inside the margin (a factor of about 1.4)
+    assert not survey.within(table, (1, 40, 4096)) and not survey.within(table, (1, 4096, 100352))
+    assert not survey.within(table, (32768, 4096, 4096))
 
 
 def test_launch_auto_launches_the_surveyed_rung_with_its_config_else_the_rules_rung(monkeypatch):
@@ -233,7 +243,10 @@ def test_unseen_shapes_run_the_surveyed_choice_correctly(dtype, layout, shape, m
     bias = torch.randn(N, device="cuda", dtype=dtype)
     picks = _spy(monkeypatch)
     out = tilegemm.matmul(a, b, bias=bias, activation="relu")
-    if survey.table_path(torch.cuda.get_device_name(), layout).exists():  # a surveyed layout (NN, NT, TN)
+    p = make_problems(a, b, torch.empty(M, N, device="cuda", dtype=dtype), None, None, 1.0, 0.0, "none", "ieee",
+                      False)[0]
+    if survey.table_path(torch.cuda.get_device_name(), layout).exists() and rows_aligned(p):
+        # a surveyed layout (NN, NT, TN) and rows 16-byte aligned (TN with M = 3: A's rows are 6 bytes apart)
         assert picks and picks[0] is not None, f"an unseen aligned 16-bit {layout} shape takes the survey's choice"
     ref = torch.relu(matmul_reference(a, b) + bias.double())
     assert_rel_close(out, ref, tolerance(dtype))

@@ -105,7 +105,10 @@ def table_for(gpu_name: str, layout: str = "NN") -> dict | None:
                 surveyed = doc.get("layouts") or [doc.get("layout", "NN")]
                 if layout not in surveyed:
                     raise ValueError(f"it surveyed {sorted(surveyed)}, not {layout}")
-                table = dict(configs=configs, shapes=_indexed(doc["shapes"]))
+                shapes = _indexed(doc["shapes"])
+                # the surveyed box (log2 of M, N, K): the neighbours say nothing of shapes far outside it
+                bounds = [(min(sh[d] for sh in shapes), max(sh[d] for sh in shapes)) for d in range(3)]
+                table = dict(configs=configs, shapes=shapes, bounds=bounds)
                 if not all(0 <= i < len(configs) for *_, kept in table["shapes"] for i in kept):
                     raise ValueError("a shape names a config the table lacks")
             except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
@@ -118,12 +121,25 @@ def table_for(gpu_name: str, layout: str = "NN") -> dict | None:
     return table
 
 
+# How far past the surveyed box (in log2 of each of M, N, K) a shape may lie and still be ranked from its
+# neighbours: a factor of about 1.4. A 1x1 convolution's weight gradient (K = 100352 pixels, against the
+# surveyed K <= 28672) ran 2.5x slower from the nearest surveyed shapes' choice than by the rules (split_k),
+# H200, benchmarks/results/2026-11-24-h200/3c8cdd9/wgrad-1x1.json.
+OUTSIDE = 0.5
+
+
 def covers(p) -> bool:
     """Whether ``p``'s GPU has a (readable) survey table of ``p``'s layout (one file per layout surveyed;
-    a layout without one keeps the rules)."""
+    a layout without one keeps the rules) and ``p``'s shape lies within the surveyed box (:data:`OUTSIDE`)."""
     import torch
 
-    return table_for(torch.cuda.get_device_name(p.out.device), p.layout) is not None
+    table = table_for(torch.cuda.get_device_name(p.out.device), p.layout)
+    return table is not None and within(table, (p.M, p.N, p.K))
+
+
+def within(table: dict, shape: tuple[int, int, int]) -> bool:
+    """Whether ``shape`` lies within ``table``'s surveyed box, :data:`OUTSIDE` included."""
+    return all(lo - OUTSIDE <= math.log2(max(d, 1)) <= hi + OUTSIDE for d, (lo, hi) in zip(shape, table["bounds"]))
 
 
 def applies(p) -> bool:
