@@ -203,7 +203,11 @@ def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torc
         if g.is_pointwise:
             from tilegemm.ops.matmul.api import matmul
 
-            dw = matmul(_as_nhwc_2d(dy).t(), _as_nhwc_2d(x), precision=precision)  # [K, NHW] @ [NHW, C]
+            # [K, NHW] @ [NHW, C]: a few output tiles over a reduction as long as the pixels, split_k's class.
+            # On ResNet-50's twelve 1x1 layers split_k ran 0.85x cuDNN's weight gradient where auto's general
+            # choice ran 0.74x (H200, CUDA graphs; benchmarks/results/2026-11-24-h200/f063e9f/wgrad-1x1.json).
+            dw = matmul(_as_nhwc_2d(dy).t(), _as_nhwc_2d(x), precision=precision,
+                        kernel="split_k" if dy.is_cuda else "auto")
             return dw.view(w_shape)
         if g.is_depthwise:
             from tilegemm.ops.conv2d import depthwise
