@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--sweep", default="resnet50")
     parser.add_argument("--budget", type=float, default=150.0)
+    parser.add_argument("--layers", default=None, help="comma-separated case labels (default: all)")
     args = parser.parse_args()
 
     import tilegemm  # noqa: F401  (settles the backend first)
@@ -55,6 +56,8 @@ def main() -> None:
     for case in op.cases(args.sweep):
         if time.time() - t0 > args.budget:
             break
+        if args.layers and case.label not in args.layers.split(","):
+            continue
         d = case.dims
         s, p = [d["stride"]] * 2, [d["pad"]] * 2
         x = torch.randn(d["N"], d["C"], d["H"], d["W"], device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
