@@ -7,11 +7,15 @@ call (``Conv2dOp.run`` in bwd mode) against its parts, do_bench (L2 cleared) and
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
+import time
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", action="append", default=[])
+    parser.add_argument("--profile", action="store_true", help="cProfile 200 calls of both gradients")
     args = parser.parse_args()
 
     import tilegemm  # noqa: F401
@@ -41,7 +45,22 @@ def main() -> None:
             fn()
             ev = tt.do_bench(fn, rep=80) * 1e3
             gr = tt.do_bench_cudagraph(fn, rep=80) * 1e3
-            print(f"{case.label:28s} {name:12s} events {ev:7.1f} us  graph {gr:7.1f} us", flush=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fn()
+            host = (time.perf_counter() - t0) / 200 * 1e6
+            torch.cuda.synchronize()
+            print(f"{case.label:28s} {name:12s} events {ev:7.1f} us  graph {gr:7.1f} us  host {host:7.1f} us",
+                  flush=True)
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                parts["dgrad+wgrad"]()
+            prof.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("cumtime").print_stats(18)
 
 
 if __name__ == "__main__":
