@@ -70,6 +70,12 @@ def dgrad_config(g: Geometry, dtype: torch.dtype) -> dict:
     return _cfg(128 if bn <= 32 else 64, bn, _pow2_at_least(g.Kg, 16, 64), 4, 3)
 
 
+def wgrad_columns(g: Geometry, flat: bool) -> tuple[int, int]:
+    """(the weight gradient's tile columns, its taps along grid axis 1 a group): C/groups and R*S, or, FLAT,
+    (r, s, c) as one index and one tap."""
+    return (g.R * g.S * g.Cg, 1) if flat else (g.Cg, g.R * g.S)
+
+
 def wgrad_config(g: Geometry, dtype: torch.dtype, sms: int) -> dict:
     """Weight gradient: a [K/groups, C/groups] tile per (r, s, group), the K loop over N*P*Q pixels, split
     over ``SPLIT`` programs (fp32 partial tiles, added in order by the last to arrive) so that small filters
@@ -77,7 +83,7 @@ def wgrad_config(g: Geometry, dtype: torch.dtype, sms: int) -> dict:
     # Fewer than 16 channels a group (the stem's C=3): the tile's columns are (r, s, c) as one index (FLAT), so
     # dy is read once for the whole filter instead of once a tap for 3 useful columns in 16.
     flat = g.Cg < 16 and g.R * g.S > 1
-    cols = g.R * g.S * g.Cg if flat else g.Cg
+    cols, taps = wgrad_columns(g, flat)
     if interpreting():
         cfg = _cfg(32, 32, 64, 4, 1)
     else:
@@ -88,7 +94,7 @@ def wgrad_config(g: Geometry, dtype: torch.dtype, sms: int) -> dict:
         # spilled (ptxas, sm_90)
         cfg = _cfg(bm, bn, 64 // wide, 8, 3 if wide == 2 else 4)
     cfg["FLAT"] = flat
-    tiles = -(-g.Kg // cfg["BLOCK_M"]) * -(-cols // cfg["BLOCK_N"]) * (1 if flat else g.R * g.S) * g.groups
+    tiles = -(-g.Kg // cfg["BLOCK_M"]) * -(-cols // cfg["BLOCK_N"]) * taps * g.groups
     pixels = g.N * g.P * g.Q
     # Enough programs for two waves, but each slice at least 8 K steps long (fewer and the partial sums cost
     # more memory traffic than they save).

@@ -17,7 +17,7 @@ import torch
 
 from tilegemm.core.launch import launch
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
-from tilegemm.ops.conv2d.configs import dgrad_config, forward_config, wgrad_config
+from tilegemm.ops.conv2d.configs import dgrad_config, forward_config, wgrad_columns, wgrad_config
 from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
 
 ensure_backend()
@@ -461,10 +461,8 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, precision: str, upcast
     split = cfg["SPLIT"] = max(1, cdiv(npq, slice_len))
     dw = new_output((g.K, g.Cg, g.R, g.S), out_dtype, dy.device)
     flat = cfg.pop("FLAT", False)
-    if flat:
-        grid = (cdiv(g.Kg, cfg["BLOCK_M"]) * cdiv(g.R * g.S * g.Cg, cfg["BLOCK_N"]), g.groups, split)
-    else:
-        grid = (cdiv(g.Kg, cfg["BLOCK_M"]) * cdiv(g.Cg, cfg["BLOCK_N"]), g.R * g.S * g.groups, split)
+    cols, taps = wgrad_columns(g, flat)
+    grid = (cdiv(g.Kg, cfg["BLOCK_M"]) * cdiv(cols, cfg["BLOCK_N"]), taps * g.groups, split)
     tiles = grid[0] * grid[1]
     if split > 1:
         ws, count = split_workspace(dy.device, split * tiles * cfg["BLOCK_M"] * cfg["BLOCK_N"], tiles)
