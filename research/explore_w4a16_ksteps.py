@@ -6,6 +6,10 @@ fp16 over row tiles, step depths, GSCALE and K splits.
     PYTHONPATH=src:research python research/explore_w4a16_ksteps.py --json $OUT/ksteps.json
 
 Offline, ``research/sass_w4a16.py --set KH=2 --set GSCALE=1`` counts the loop's instructions per weight.
+
+The two options lived in ``frag_wgmma`` at commit feff4a7 only (check it out to run this): halving the
+instructions per weight (M=1: 4.4 -> 2.2) left the times within a few percent (H200,
+benchmarks/results/2026-11-24-h200/feff4a7/), so they were taken out again.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def main() -> int:
         open(a.dump, "w").write(sass)
     body = loop_body(sass)
     hist = collections.Counter(opcode(i) for i in body)
-    per_step = 64 * kwargs["KH"] * 16 * kwargs["RH"] * kwargs["num_warps"]  # weights a program dequantizes per K step
+    per_step = 64 * kwargs.get("KH", 1) * 16 * kwargs["RH"] * kwargs["num_warps"]  # weights a program dequantizes per K step
     threads = 32 * kwargs["num_warps"]
     print(f"config {cfg} grid {grid} shared {compiled.metadata.shared}")
     print(f"loop: {len(body)} instructions a thread a step, {len(body) * threads / per_step:.2f} per weight")

@@ -68,28 +68,34 @@ prmt.b32 $3, $5, 0, 0x3232;
 }""")
 
 
-def _deq(typ: str, base: str, sixteenth: str, scaled: bool = True) -> str:
-    """Per int32 ``$8``: eight 16-bit weights ``(q - z) * s`` (``scaled``) or ``q - z`` (the scale is applied to the
-    accumulator instead); zero pairs in ``$9, $10``, scale pairs in ``$11, $12``."""
-    lines = ["{", ".reg .b32 l, q, c;", f"mov.b32 c, {sixteenth};"]
-    for j in range(4):
-        src = "$8" if j < 2 else "q"
-        if j == 2:
-            lines.append("shr.u32 q, $8, 8;")
-        mask = "0x000f000f" if j % 2 == 0 else "0x00f000f0"
-        lines.append(f"lop3.b32 l, {src}, {mask}, {base}, 0xEA;")
-        lines.append(f"sub.rn.{typ} l, l, $9;" if j % 2 == 0 else f"fma.rn.{typ} l, l, c, $10;")
-        if scaled:
-            lines.append(f"mul.rn.{typ} l, l, ${11 + j % 2};")
-        lines.append(f"mov.b32 {{${j}, ${j + 4}}}, l;")
-    return "\n".join(lines + ["}"])
+def _deq(typ: str, base: str, sixteenth: str) -> str:
+    return """{
+.reg .b32 l, q, c;
+mov.b32 c, %s;
+lop3.b32 l, $8, 0x000f000f, %s, 0xEA;
+sub.rn.%s l, l, $9;
+mul.rn.%s l, l, $11;
+mov.b32 {$0, $4}, l;
+lop3.b32 l, $8, 0x00f000f0, %s, 0xEA;
+fma.rn.%s l, l, c, $10;
+mul.rn.%s l, l, $12;
+mov.b32 {$1, $5}, l;
+shr.u32 q, $8, 8;
+lop3.b32 l, q, 0x000f000f, %s, 0xEA;
+sub.rn.%s l, l, $9;
+mul.rn.%s l, l, $11;
+mov.b32 {$2, $6}, l;
+lop3.b32 l, q, 0x00f000f0, %s, 0xEA;
+fma.rn.%s l, l, c, $10;
+mul.rn.%s l, l, $12;
+mov.b32 {$3, $7}, l;
+}""" % (sixteenth, base, typ, typ, base, typ, typ, base, typ, typ, base, typ, typ)
 
 
 _DEQ16 = gl.constexpr(_deq("f16x2", "0x64006400", "0x2C002C00"))
-_DEQ16_RAW = gl.constexpr(_deq("f16x2", "0x64006400", "0x2C002C00", scaled=False))
 
 
-def _deq_bf16(scaled: bool = True) -> str:
+def _deq_bf16() -> str:
     """bf16 has 7 mantissa bits: a nibble at bits 4..7 would reach the exponent, so every pair is shifted down
     first (prep gives 128 + z[r + 8] for the odd pairs here)."""
     lines = []
@@ -97,13 +103,11 @@ def _deq_bf16(scaled: bool = True) -> str:
         if shift:
             lines.append(f"shr.u32 q, $8, {shift};")
         lines += [f"lop3.b32 l, {'q' if shift else '$8'}, 0x000f000f, 0x43004300, 0xEA;",
-                  f"sub.rn.bf16x2 l, l, ${z};"] + ([f"mul.rn.bf16x2 l, l, ${sc};"] if scaled else []) + \
-                 [f"mov.b32 {{${j}, ${j + 4}}}, l;"]
+                  f"sub.rn.bf16x2 l, l, ${z};", f"mul.rn.bf16x2 l, l, ${sc};", f"mov.b32 {{${j}, ${j + 4}}}, l;"]
     return "{\n.reg .b32 l, q;\n" + "\n".join(lines) + "\n}"
 
 
 _DEQBF = gl.constexpr(_deq_bf16())
-_DEQBF_RAW = gl.constexpr(_deq_bf16(scaled=False))
 
 
 @gluon.jit
@@ -119,28 +123,19 @@ def _prep(zz, ss, BF16: gl.constexpr):
 
 
 @gluon.jit
-def _dequant(w, za, zb, sa, sb, BF16: gl.constexpr, SCALED: gl.constexpr = True):
-    """Eight 16-bit weights of each word, ``o[4h + 2j1 + j0]``: ``(q - z) * s``, or ``q - z`` unless ``SCALED``."""
+def _dequant(w, za, zb, sa, sb, BF16: gl.constexpr):
+    """Eight 16-bit weights of each word, ``o[4h + 2j1 + j0]``."""
     if BF16:
-        if SCALED:
-            asm: gl.constexpr = _DEQBF
-        else:
-            asm: gl.constexpr = _DEQBF_RAW
-        return gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [w, za, zb, sa, sb],
+        return gl.inline_asm_elementwise(_DEQBF, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [w, za, zb, sa, sb],
                                          dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
-        if SCALED:
-            asm: gl.constexpr = _DEQ16
-        else:
-            asm: gl.constexpr = _DEQ16_RAW
-        return gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [w, za, zb, sa, sb],
+        return gl.inline_asm_elementwise(_DEQ16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [w, za, zb, sa, sb],
                                          dtype=(gl.float16,) * 8, is_pure=True, pack=1)
 
 
 @gluon.jit
-def _a_tile(w, za, zb, sa, sb, RHT: gl.constexpr, KH: gl.constexpr, A_LAYOUT: gl.constexpr, BF16: gl.constexpr,
-            SCALED: gl.constexpr = True):
-    o0, o1, o2, o3, o4, o5, o6, o7 = _dequant(w, za, zb, sa, sb, BF16, SCALED)
+def _a_tile(w, za, zb, sa, sb, RHT: gl.constexpr, KH: gl.constexpr, A_LAYOUT: gl.constexpr, BF16: gl.constexpr):
+    o0, o1, o2, o3, o4, o5, o6, o7 = _dequant(w, za, zb, sa, sb, BF16)
     # dims (.., j1, j0, h): join over j1 first, h last
     v00 = gl.join(o0, o2)
     v10 = gl.join(o1, o3)
