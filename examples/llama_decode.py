@@ -7,7 +7,8 @@
 Builds ``transformers.LlamaForCausalLM`` from a ``LlamaConfig`` (hidden 4096, intermediate 14336, 32 heads, 8 KV
 heads, vocab 128256), in fp16 with random weights; a copy gets ``tilegemm.nn.quantize_`` (g128, every Linear
 but lm_head). Prints, for batch 1 and 16: prefill time of the prompt and decode tokens/s of the greedy loop
-(a static KV cache; the decode step run eagerly and replayed from a CUDA graph, ``--modes``) for the fp16 model
+(a static KV cache; the decode step run eagerly, replayed from a CUDA graph, or compiled by ``torch.compile`` and
+replayed from a CUDA graph, ``--modes``) for the fp16 model
 and the int4 one, and their ratio; then the logits' agreement of the int4 model with the same model dequantized to fp16 (relative error of the
 last position's logits, share of positions whose argmax agrees, and the step where the greedy tokens first
 differ). Needs ``pip install tilegemm[models]`` (transformers).
@@ -93,18 +94,27 @@ def static_cache(model, batch: int, max_len: int, device):
 class Decoder:
     """Greedy decoding with a static KV cache. ``graph=True`` replays the one-token step from a CUDA graph
     (captured once per batch size), so the host's Python (transformers, tilegemm's wrappers) costs nothing
-    per token; ``graph=False`` runs it eagerly."""
+    per token; ``graph=False`` runs it eagerly. ``compiled=True`` (with ``graph``) runs the step through
+    ``torch.compile`` first (fixed shapes): Inductor fuses the norms, rotary embedding and elementwise work
+    around the Linears, which stay calls of their ops (cuBLAS, or ``tilegemm::w4a16_matmul``); the prompt's
+    prefill stays eager."""
 
-    def __init__(self, model, batch: int, max_len: int, device, graph: bool):
-        self.model, self.device, self.graph = model, device, graph
+    def __init__(self, model, batch: int, max_len: int, device, graph: bool, compiled: bool = False):
+        self.model, self.device, self.graph = model, device, graph or compiled
         self.cache = static_cache(model, batch, max_len, device)
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.logits = None
         self.cuda_graph = None
+        self.step_fn = self._step
+        if compiled:
+            self.step_fn = torch.compile(self._step, dynamic=False)
+
+    def _step(self, ids, pos):
+        return forward(self.model, ids, self.cache, pos)[0]
 
     def step(self):
-        return forward(self.model, self.ids, self.cache, self.pos)[0]
+        return self.step_fn(self.ids, self.pos)
 
     def capture(self):
         s = torch.cuda.Stream()
@@ -183,7 +193,8 @@ def main(argv=None) -> int:
     parser.add_argument("--new", type=int, default=None, help="generated tokens (default 128; --tiny 4)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16; --tiny 1,2)")
     parser.add_argument("--group-size", type=int, default=None, help="quantization group (default 128; --tiny 32)")
-    parser.add_argument("--modes", default=None, help="eager,graph (GPU default: both; the CPU: eager)")
+    parser.add_argument("--modes", default=None,
+                        help="eager,graph,compile (GPU default: all three; the CPU: eager)")
     args = parser.parse_args(argv)
     try:
         import transformers
@@ -220,19 +231,26 @@ def main(argv=None) -> int:
     print(f"weights: fp16 {fp16_bytes / 2**30:.2f} GiB, int4 ({n_int4} Linears, g{group}; lm_head, embedding fp16) "
           f"{int4_bytes / 2**30:.2f} GiB")
 
-    modes = ["eager"] if device == "cpu" else ["eager", "graph"]
+    described = {"eager": "eager PyTorch", "graph": "decode step replayed from a CUDA graph",
+                 "compile": "decode step compiled by torch.compile, replayed from a CUDA graph"}
+    modes = ["eager"] if device == "cpu" else ["eager", "graph", "compile"]
     if device == "cuda" and args.modes:
         modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in described]
+    if unknown:
+        print(f"unknown mode(s) {unknown}: choose from {', '.join(described)}", file=sys.stderr)
+        return 2
     print(f"greedy decode: {prompt_len}-token prompt, {new_tokens} new tokens, static KV cache; modes: "
-          + ", ".join({"eager": "eager PyTorch", "graph": "decode step replayed from a CUDA graph"}[m] for m in modes))
+          + ", ".join(described[m] for m in modes))
     results = []
     for batch in batches:
         prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
         for mode in modes:
-            line = [f"batch {batch:3d} {mode:5s}:"]
+            line = [f"batch {batch:3d} {mode:7s}:"]
             tps = {}
             for name, m in (("fp16", model), ("int4", qmodel)):
-                dec = Decoder(m, batch, prompt_len + new_tokens, device, graph=mode == "graph")
+                dec = Decoder(m, batch, prompt_len + new_tokens, device, graph=mode == "graph",
+                              compiled=mode == "compile")
                 if device == "cuda":
                     dec.run(prompt, 4)  # warm-up: compiles, replays recorded, cuBLAS handles, the graph
                 pre, secs, _ = dec.run(prompt, new_tokens)

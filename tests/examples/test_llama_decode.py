@@ -23,7 +23,7 @@ def test_tiny_decode_runs_and_agrees(capsys):
     assert load_example().main(["--tiny"]) == 0
     out = capsys.readouterr().out
     assert "14 Linears" in out  # 2 layers x (q, k, v, o, gate, up, down); lm_head kept
-    assert "batch   2 eager:" in out and "int4 prefill" in out
+    assert "batch   2 eager" in out and "int4 prefill" in out
     line = next(l for l in out.splitlines() if l.startswith("int4 vs fp16-dequantized"))
     err = float(line.split("rel. error ")[1].split(",")[0])
     assert err < 1e-2, line
