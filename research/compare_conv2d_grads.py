@@ -3,7 +3,7 @@
 - ``--part dgrad``: the pointer kernel (implicit_gemm.dgrad) against the TMA forward kernel run
   as transposed convolutions (tma_fwd.dgrad_tma: one per stride phase, the phase weights included);
 - ``--part wgrad``: the pointer kernel (implicit_gemm.wgrad) against the TMA kernel (tma_wgrad.run) with its
-  shipped config and variants (ring depth, pixel slices).
+  shipped config and variants (ring depth, pixel slices, 64- or 128-wide channel tiles).
 
     PYTHONPATH=src:research python3 research/compare_conv2d_grads.py [--part wgrad] [--sweep resnet50]
 """
@@ -18,6 +18,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", default="resnet50")
     parser.add_argument("--part", default="dgrad", choices=("dgrad", "wgrad"))
+    parser.add_argument("--splits", action="store_true",
+                        help="wgrad: time every pixel split from 1 to 64 (64x64 and 64x128 tiles) instead of the variants")
+    parser.add_argument("--json", help="write every layer's times here")
     args = parser.parse_args()
 
     import tilegemm  # noqa: F401
@@ -31,6 +34,7 @@ def main() -> None:
     torch.backends.cudnn.benchmark = True
     cl = torch.channels_last
     ratios = {}
+    layers = []
     for case in bench_op("conv2d").cases(args.sweep):
         d = case.dims
         st = d["stride"]
@@ -58,16 +62,36 @@ def main() -> None:
                                  ("split/2", dict(SPLIT=max(1, shipped["SPLIT"] // 2))),
                                  ("split*2", dict(SPLIT=min(128, shipped["SPLIT"] * 2)))):
                 variants[name] = (lambda cfg: lambda: tma_wgrad.run(dy, x, g, torch.float16, cfg))({**shipped, **change})
+            if args.splits:
+                variants = {}
+                for bm, bn in ((64, 64), (64, 128)):
+                    tile = tma_wgrad.config(g, sm_count(x.device), bm, bn)
+                    for split in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 29, 32, 40, 48, 64):
+                        variants[f"{bm}x{bn} s{split}"] = (lambda cfg: lambda: tma_wgrad.run(
+                            dy, x, g, torch.float16, cfg))({**tile, "SPLIT": split})
+            for bm, bn in () if args.splits else ((64, 64), (64, 128), (128, 64), (128, 128)):
+                tile = tma_wgrad.config(g, sm_count(x.device), bm, bn)
+                for name, change in ((f"{bm}x{bn}", {}), (f"{bm}x{bn}/2", dict(SPLIT=max(1, tile["SPLIT"] // 2)))):
+                    variants[name] = (lambda cfg: lambda: tma_wgrad.run(dy, x, g, torch.float16, cfg))({**tile, **change})
         line = []
         us0 = tt.do_bench_cudagraph(cudnn, rep=30) * 1e3
+        layer = dict(layer=case.label, cudnn_us=us0, shipped=tma_wgrad.config(g, sm_count(x.device))
+                     if args.part == "wgrad" else None, us={})
         for name, f in (("pointer", ptr), *variants.items()):
             err = float((f().float() - ref).norm() / ref.norm())
             us = tt.do_bench_cudagraph(f, rep=30) * 1e3
             ratios.setdefault(name, []).append(us0 / us)
+            layer["us"][name] = us
             line.append(f"{name} {us:6.1f} ({err:.0e})")
+            assert err < 1e-2, (case.label, name, err)
+        layers.append(layer)
         print(f"{case.label:28s} cuDNN {us0:6.1f}  " + "  ".join(line), flush=True)
     for k, v in ratios.items():
         print(f"{k}: cuDNN / it geomean {math.exp(sum(map(math.log, v)) / len(v)):.2f} over {len(v)} layers")
+    if args.json:
+        import json
+
+        json.dump(layers, open(args.json, "w"), indent=1)
 
 
 if __name__ == "__main__":

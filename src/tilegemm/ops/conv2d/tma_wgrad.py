@@ -29,7 +29,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from tilegemm.core.runtime import cdiv
 from tilegemm.ops.conv2d.tma_fwd import _strides, input_descriptor, tap_offsets
 
-BLOCK = 64  # output and input channels of a tile: one 128-byte swizzled box row each
+BLOCK = 64  # output and input channels of the default tile: one 128-byte swizzled box row each
 
 
 @gluon.jit
@@ -162,7 +162,7 @@ def unusable(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
     return tma_fwd.unusable(x, None, g, channel_step=8)
 
 
-def config(g, sms: int) -> dict:
+def config(g, sms: int, bm: int = BLOCK, bn: int = BLOCK) -> dict:
     """Patches of 128 output pixels, 64x64 channel tiles, 3 ring slots (32 KB each: two programs an SM), and
     about one program an SM in all (each slice at least 8 patches long). Timed on ResNet-50's non-1x1 layers
     (H100, research/compare_conv2d_grads.py, CUDA graphs): slices for four programs an SM ran 0.51x cuDNN in
@@ -170,9 +170,9 @@ def config(g, sms: int) -> dict:
     from tilegemm.ops.conv2d.configs import _patch
 
     bi, bh, bw, patches = _patch(g, 128)
-    tiles = cdiv(g.Kg, BLOCK) * cdiv(g.Cg, BLOCK) * g.R * g.S * g.groups
+    tiles = cdiv(g.Kg, bm) * cdiv(g.Cg, bn) * g.R * g.S * g.groups
     split = max(1, min(cdiv(sms, tiles), patches // 8, 64))
-    return dict(BI=bi, BH=bh, BW=bw, STAGES=3, SPLIT=split, num_warps=4)
+    return dict(BI=bi, BH=bh, BW=bw, BM=bm, BN=bn, STAGES=3, SPLIT=split, num_warps=8 if bm >= 128 else 4)
 
 
 def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict | None = None) -> torch.Tensor:
@@ -184,26 +184,27 @@ def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict 
 
     cfg = dict(cfg or config(g, sm_count(dy.device)))
     bi, bh, bw = cfg["BI"], cfg["BH"], cfg["BW"]
+    bm, bn = cfg.get("BM", BLOCK), cfg.get("BN", BLOCK)
     patches = cdiv(g.N, bi) * cdiv(g.P, bh) * cdiv(g.Q, bw)
     slice_len = cdiv(patches, cfg["SPLIT"])
     split = cdiv(patches, slice_len)
     dw = new_output((g.K, g.Cg, g.R, g.S), out_dtype, dy.device)
-    grid = (cdiv(g.Kg, BLOCK) * cdiv(g.Cg, BLOCK), g.R * g.S * g.groups, split)
+    grid = (cdiv(g.Kg, bm) * cdiv(g.Cg, bn), g.R * g.S * g.groups, split)
     tiles = grid[0] * grid[1]
     if split > 1:
-        ws, count = split_workspace(dy.device, split * tiles * BLOCK * BLOCK, tiles)
+        ws, count = split_workspace(dy.device, split * tiles * bm * bn, tiles)
     else:
         ws, count = dw, dw  # unused
     sh, sw = g.stride
     layout4 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     layout5 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=5)
     sn, sp, sq = _strides(dy)
-    dy_desc = TensorDescriptor(dy, [g.N, g.P, g.Q, g.K], [sn, sp, sq, 1], [bi, bh, bw, BLOCK], layout4)
-    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, BLOCK], layout5)
+    dy_desc = TensorDescriptor(dy, [g.N, g.P, g.Q, g.K], [sn, sp, sq, 1], [bi, bh, bw, bm], layout4)
+    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, bn], layout5)
     off_h, off_w = tap_offsets(g)
     args = (dy_desc, x_desc, dw, ws, count, g.Kg, g.Cg, g.C, cdiv(g.P, bh), cdiv(g.Q, bw), slice_len, patches,
             *dw.stride(), g.padding[0], g.padding[2], g.dilation[0], g.dilation[1], off_h, off_w)
-    kwargs = dict(R=g.R, S=g.S, SH=sh, SW=sw, BI=bi, BH=bh, BW=bw, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
+    kwargs = dict(R=g.R, S=g.S, SH=sh, SW=sw, BI=bi, BH=bh, BW=bw, BLOCK_M=bm, BLOCK_N=bn,
                   STAGES=cfg["STAGES"], SPLIT=split, num_warps=cfg["num_warps"])
     launch(conv2d_wgrad_tma_kernel, grid, args, kwargs, keep=(ws, count) if split > 1 else (),
            stream=current_stream() if split > 1 else None)
