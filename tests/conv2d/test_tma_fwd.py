@@ -344,6 +344,21 @@ def test_gpu_data_gradient_through_the_tma_kernel(shape, conv):
     assert_rel_close(again, -2.0 * want, tolerance(torch.float16))
 
 
+def _wgrad_case(shape, conv, dtype):
+    """(dy, x, w, geometry, the float64 weight gradient) for a channels-last convolution ``conv`` of ``shape``."""
+    from tilegemm.ops.conv2d.problem import check_conv
+
+    N, C, H, W, K, R, S = shape
+    groups = conv.get("groups", 1)
+    x, w, _ = _inputs(dtype, N, C, H, W, K, R, S, groups, bias=False)
+    xr, wr = x.double(), w.double().requires_grad_()
+    ref = conv2d_reference(xr, wr, **conv)
+    dy = torch.randn(ref.shape, device="cuda").to(dtype).contiguous(memory_format=CL)
+    (want,) = torch.autograd.grad(ref, wr, dy.double())
+    g = check_conv(x, w, None, conv.get("stride", 1), conv.get("padding", 0), conv.get("dilation", 1), groups)
+    return dy, x, w, g, want
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape,conv", [
@@ -357,18 +372,10 @@ def test_gpu_data_gradient_through_the_tma_kernel(shape, conv):
 def test_gpu_weight_gradient_through_the_tma_kernel(shape, conv, dtype):
     from tilegemm.ops.conv2d import replay, tma_wgrad
     from tilegemm.ops.conv2d.op import backward_weight
-    from tilegemm.ops.conv2d.problem import check_conv
 
-    N, C, H, W, K, R, S = shape
-    groups = conv.get("groups", 1)
-    x, w, _ = _inputs(dtype, N, C, H, W, K, R, S, groups, bias=False)
-    xr, wr = x.double(), w.double().requires_grad_()
-    ref = conv2d_reference(xr, wr, **conv)
-    dy = torch.randn(ref.shape, device="cuda").to(dtype).contiguous(memory_format=CL)
-    (want,) = torch.autograd.grad(ref, wr, dy.double())
-    g = check_conv(x, w, None, conv.get("stride", 1), conv.get("padding", 0), conv.get("dilation", 1), groups)
+    dy, x, w, g, want = _wgrad_case(shape, conv, dtype)
     assert tma_wgrad.unusable(dy, x, g) is None
-    args = (dy, x, list(w.shape), list(g.stride), list(g.padding), list(g.dilation), groups, "ieee")
+    args = (dy, x, list(w.shape), list(g.stride), list(g.padding), list(g.dilation), g.groups, "ieee")
     replay.clear()
     for _ in range(2):  # recorded, then replayed (the split's counters must be back at zero)
         got = backward_weight(*args)
@@ -388,16 +395,8 @@ def test_gpu_weight_gradient_through_the_tma_kernel(shape, conv, dtype):
 def test_gpu_weight_gradient_wide_tiles(shape, conv, split, tile, dtype):
     """128-wide channel tiles: boxes wider than the 128-byte swizzle, copied in two messages."""
     from tilegemm.ops.conv2d import tma_wgrad
-    from tilegemm.ops.conv2d.problem import check_conv
 
-    N, C, H, W, K, R, S = shape
-    groups = conv.get("groups", 1)
-    x, w, _ = _inputs(dtype, N, C, H, W, K, R, S, groups, bias=False)
-    xr, wr = x.double(), w.double().requires_grad_()
-    ref = conv2d_reference(xr, wr, **conv)
-    dy = torch.randn(ref.shape, device="cuda").to(dtype).contiguous(memory_format=CL)
-    (want,) = torch.autograd.grad(ref, wr, dy.double())
-    g = check_conv(x, w, None, conv.get("stride", 1), conv.get("padding", 0), conv.get("dilation", 1), groups)
+    dy, x, _, g, want = _wgrad_case(shape, conv, dtype)
     cfg = dict(tma_wgrad.config(g, 132, *tile), SPLIT=split)
     for _ in range(2):  # the split's counters must be back at zero
         assert_rel_close(tma_wgrad.run(dy, x, g, dtype, cfg), want, tolerance(dtype))
