@@ -21,11 +21,10 @@ import json
 import torch
 import torch.nn.functional as F
 
-from tilegemm import w4a16
 from tilegemm.ops.w4a16.configs import frag_wgmma_config, split_within
 
 from explore_w4a16_small_m import Cold
-from explore_w4a16_wgmma import launch
+from explore_w4a16_wgmma import check_problem, fp16_weights, launch, record_check
 
 CHECKS = [  # N, K, group, M, dtype, cfg changes
     (256, 512, 128, 1, torch.float16, dict(KH=2)),
@@ -60,27 +59,15 @@ def main():
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for N, K, g, M, dt, change in CHECKS:
-        wd = torch.randn(N, K, device="cuda", dtype=dt)
-        w = w4a16.quantize(wd, group_size=g)
-        fw, fzs = w.fragments()
-        x = torch.randn(M, K, device="cuda", dtype=dt)
-        bias = torch.randn(N, device="cuda", dtype=dt)
-        ref = F.silu(x.double() @ w4a16.dequantize(w).double().T + bias.double())
+        w, fw, fzs, x, bias, ref = check_problem(N, K, g, M, dt)
         cfg = dict(frag_wgmma_config(M, N, K, "cuda"), OVERLAP=False, **change)
         fn, out = launch(x, fw, fzs, w, cfg, bias, "silu")
         fn()
         fn()  # twice: the split-K counters are reset by the last arrival
-        err = ((out.double() - ref).norm() / ref.norm()).item()
-        ok = bool(torch.isfinite(out).all()) and err < (2e-3 if dt == torch.float16 else 1e-2)
-        rows.append(dict(kind="check", N=N, K=K, g=g, M=M, dtype=str(dt), cfg=cfg, err=err, ok=ok))
-        print(f"check {N}x{K} g{g} M={M} {dt} {cfg}: err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+        record_check(rows, out, ref, dt, cfg, N=N, K=K, g=g, M=M)
     cold = Cold()
     table = []
-    for shape in a.shapes.split(","):
-        N, K = map(int, shape.split("x"))
-        wd = torch.randn(N, K, device="cuda", dtype=torch.float16)
-        w = w4a16.quantize(wd, group_size=128)
-        fw, fzs = w.fragments()
+    for N, K, wd, w, fw, fzs in fp16_weights(a.shapes):
         for M in map(int, a.ms.split(",")):
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)
             t_cublas = cold(lambda: F.linear(x, wd))

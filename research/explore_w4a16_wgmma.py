@@ -30,6 +30,35 @@ def launch(x, fw, fzs, w, cfg, bias=None, activation="none", out=None):
     return (lambda: kernel[grid](*args, **kwargs)), out
 
 
+def record_check(rows, out, ref, dt, cfg, **where):
+    """Append (and print) one correctness check of ``out`` against the float64 ``ref``: finite, and within
+    2e-3 (fp16) / 1e-2 (bf16) relative error."""
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    ok = bool(torch.isfinite(out).all()) and err < (2e-3 if dt == torch.float16 else 1e-2)
+    rows.append(dict(kind="check", **where, dtype=str(dt), cfg=cfg, err=err, ok=ok))
+    print(f"check {where['N']}x{where['K']} g{where['g']} M={where['M']} {dt} {cfg}: err {err:.2e} "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
+
+
+def check_problem(N, K, g, M, dt):
+    """(Int4Weight of a random [N, K] weight in groups of ``g``, its fragments and fragment scales, x [M, K], a
+    bias, the float64 reference of silu(x @ W.T + bias)) for a correctness check."""
+    w = w4a16.quantize(torch.randn(N, K, device="cuda", dtype=dt), group_size=g)
+    x = torch.randn(M, K, device="cuda", dtype=dt)
+    bias = torch.randn(N, device="cuda", dtype=dt)
+    ref = F.silu(x.double() @ w4a16.dequantize(w).double().T + bias.double())
+    return (w, *w.fragments(), x, bias, ref)
+
+
+def fp16_weights(shapes: str):
+    """(N, K, dense fp16 weight, its g128 Int4Weight, fragments, fragment scales) per ``NxK`` in ``shapes``."""
+    for shape in shapes.split(","):
+        N, K = map(int, shape.split("x"))
+        wd = torch.randn(N, K, device="cuda", dtype=torch.float16)
+        w = w4a16.quantize(wd, group_size=128)
+        yield (N, K, wd, w, *w.fragments())
+
+
 def configs(M, N, K, sms):
     """BM the smallest of 32..256 that holds M (and the next smaller from 256 rows on), three warp shapes,
     two ring depths, the K split of the shipped rule and its neighbours."""
@@ -68,12 +97,7 @@ def main():
             (1000, 4160, 64, 70, torch.float16), (4096, 4096, -1, 129, torch.float16),
             (4096, 4096, 128, 256, torch.bfloat16), (320, 1024, 128, 300, torch.float16),
             (4096, 4096, 256, 40, torch.bfloat16), (8192, 1024, 128, 1000, torch.float16)]:
-        wd = torch.randn(N, K, device="cuda", dtype=dt)
-        w = w4a16.quantize(wd, group_size=g)
-        fw, fzs = w.fragments()
-        x = torch.randn(M, K, device="cuda", dtype=dt)
-        bias = torch.randn(N, device="cuda", dtype=dt)
-        ref = F.silu(x.double() @ w4a16.dequantize(w).double().T + bias.double())
+        w, fw, fzs, x, bias, ref = check_problem(N, K, g, M, dt)
         for bm, warps, rh, stages, split, overlap in (
                 (32, 4, 2, 4, 1, True), (64, 4, 2, 3, 3, True), (128, 8, 1, 4, 2, True), (256, 8, 1, 3, 1, True),
                 (64, 4, 1, 4, 5, True), (256, 8, 1, 2, 2, False), (64, 8, 2, 3, 1, True), (32, 4, 1, 3, 7, False),
@@ -81,16 +105,9 @@ def main():
             cfg = dict(BM=bm, RH=rh, num_warps=warps, STAGES=stages, SPLIT_K=split, OVERLAP=overlap)
             fn, out = launch(x, fw, fzs, w, cfg, bias, "silu")
             fn()
-            err = ((out.double() - ref).norm() / ref.norm()).item()
-            ok = bool(torch.isfinite(out).all()) and err < (2e-3 if dt == torch.float16 else 1e-2)
-            rows.append(dict(kind="check", N=N, K=K, g=g, M=M, dtype=str(dt), cfg=cfg, err=err, ok=ok))
-            print(f"check {N}x{K} g{g} M={M} {dt} {cfg}: err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+            record_check(rows, out, ref, dt, cfg, N=N, K=K, g=g, M=M)
     cold = Cold()
-    for shape in a.shapes.split(","):
-        N, K = map(int, shape.split("x"))
-        wd = torch.randn(N, K, device="cuda", dtype=torch.float16)
-        w = w4a16.quantize(wd, group_size=128)
-        fw, fzs = w.fragments()
+    for N, K, wd, w, fw, fzs in fp16_weights(a.shapes):
         for M in map(int, a.ms.split(",")):
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)
             t_cublas = cold(lambda: F.linear(x, wd))

@@ -163,8 +163,9 @@ def unusable(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
 
 
 def config(g, sms: int, bm: int = BLOCK, bn: int = BLOCK) -> dict:
-    """Patches of 128 output pixels, 64x64 channel tiles, 3 ring slots (32 KB each: two programs an SM), and
-    about one program an SM in all (each slice at least 8 patches long). Timed on ResNet-50's non-1x1 layers
+    """Patches of 128 output pixels, ``bm`` x ``bn`` channel tiles (64x64 unless asked: 128-wide ones ran slower
+    at this split, docs/conv2d.md; 8 warps from 128 output channels), 3 ring slots (32 KB each at 64x64: two
+    programs an SM), and about one program an SM in all (each slice at least 8 patches long). Timed on ResNet-50's non-1x1 layers
     (H100, research/compare_conv2d_grads.py, CUDA graphs): slices for four programs an SM ran 0.51x cuDNN in
     geomean, for two 0.54x-0.62x, for one 0.58x-0.62x (fewer partial tiles to write and add)."""
     from tilegemm.ops.conv2d.configs import _patch
