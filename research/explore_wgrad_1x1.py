@@ -13,6 +13,20 @@ import math
 import os
 
 
+def auto_pick(a, b) -> str:
+    """What ``auto`` runs for ``a @ b`` (fp16): the survey's (rung, config), or the rules' rung."""
+    import torch
+    from tilegemm.ops.matmul import dispatch
+    from tilegemm.ops.matmul.problem import make_problems
+
+    out = torch.empty(a.shape[0], b.shape[1], device=a.device, dtype=a.dtype)
+    p = make_problems(a, b, out, None, None, 1.0, 1.0, "none", "ieee", False)[0]
+    picked = dispatch.surveyed(p)
+    if picked is not None:
+        return f"survey {picked[0]} {picked[1]}"
+    return f"rules {dispatch.choose_kernel(p)} (split pays: {dispatch._split_pays(p) if p.M > 128 else '-'})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", default="resnet50")
@@ -42,7 +56,8 @@ def main() -> None:
         conv_args = ([1, 1], [0, 0], [1, 1], False, [0, 0], 1)
         cudnn = lambda: torch.ops.aten.convolution_backward(dy, x, w, None, *conv_args,  # noqa: E731
                                                            [False, True, False])[1]
-        row = dict(layer=case.label, mnk=[K, C, N * H * W], cudnn_us=tt.do_bench_cudagraph(cudnn, rep=40) * 1e3,
+        row = dict(layer=case.label, mnk=[K, C, N * H * W], auto_picks=auto_pick(a, b),
+                   cudnn_us=tt.do_bench_cudagraph(cudnn, rep=40) * 1e3,
                    torch_us=tt.do_bench_cudagraph(lambda: a @ b, rep=40) * 1e3)
         for rung in rungs:
             try:
@@ -54,7 +69,8 @@ def main() -> None:
                 row[rung] = dict(error=str(exc)[:120])
         rows.append(row)
         line = "  ".join(f"{r} {row[r]['us']:6.1f}" if "us" in row[r] else f"{r} -" for r in rungs)
-        print(f"{case.label:28s} {K}x{C}x{N * H * W:<7d} cuDNN {row['cudnn_us']:6.1f} torch {row['torch_us']:6.1f}  "
+        print(f"{case.label:28s} {K}x{C}x{N * H * W:<7d} auto: {row['auto_picks']}", flush=True)
+        print(f"{'':28s} {'':20s} cuDNN {row['cudnn_us']:6.1f} torch {row['torch_us']:6.1f}  "
               f"{line}", flush=True)
     for r in rungs:
         v = [row["cudnn_us"] / row[r]["us"] for row in rows if "us" in row[r]]
