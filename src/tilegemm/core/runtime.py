@@ -214,8 +214,11 @@ def new_output(shape, dtype, device):
     """``torch.empty`` for kernel outputs; filled with NaN while poisoning, so unwritten elements show."""
     import torch
 
-    if not poisoning():
-        return torch.empty(shape, dtype=dtype, device=device)
+    if not getattr(_poison, "on", False):
+        # The sizes as separate ints: torch parses those in about 1.5 us of host time, a tuple in 2.2 and a
+        # torch.Size in 3.0 (a replayed call's allocation is a sizable part of its host time).
+        return torch.empty(*shape, dtype=dtype, device=device) if len(shape) else \
+            torch.empty((), dtype=dtype, device=device)
     if dtype.is_floating_point:
         fill = float("nan")
     elif dtype == torch.bool:
