@@ -104,7 +104,7 @@ def test_stem_as_a_merged_pairs_convolution(C, H, W, R, S, stride_h, padding, de
 def test_data_gradient_phases_reassemble_the_transposed_convolution(H, W, R, S, stride, padding, dilation):
     # each stride phase of dx is conv2d(dy, w_ab) with the geometry and weight indices dgrad_phases gives;
     # assembled, the phases equal autograd's data gradient (float64, CPU, torch on both sides). The GPU path
-    # takes stride 1 only (one phase); the strided split is kept for when its replays are cheap (tma_fwd.dgrad_tma)
+    # takes stride 1 only (one phase): strided splits cost more host time than they save (tma_fwd.dgrad_tma)
     import torch.nn.functional as F
     from tilegemm.ops.conv2d.tma_fwd import dgrad_phases
 
@@ -324,21 +324,25 @@ def test_gpu_data_gradient_through_the_tma_kernel(shape, conv):
     xr, wr = x.double().requires_grad_(), w.double()
     ref = conv2d_reference(xr, wr, **conv)
     dy = torch.randn(ref.shape, device="cuda").half().contiguous(memory_format=CL)
-    (want,) = torch.autograd.grad(ref, xr, dy.double())
+    (want,) = torch.autograd.grad(ref, xr, dy.double(), retain_graph=True)
     from tilegemm.ops.conv2d.problem import check_conv
+    from tilegemm.ops.conv2d import tma_fwd
 
     g = check_conv(x, w, None, conv.get("stride", 1), conv.get("padding", 0), conv.get("dilation", 1), groups)
     args = (dy, w, list(x.shape), True, list(g.stride), list(g.padding), list(g.dilation), groups, "ieee")
-    from tilegemm.ops.conv2d import tma_fwd
-
     direct = tma_fwd.dgrad_tma(dy, w, g)  # the TMA path takes it (None would mean a fallback)
     assert tma_fwd.dgrad_tma(dy, w, check_conv(x, w, None, 2, 1, 1, groups)) is None  # strided: pointer kernel
     assert direct is not None
     assert_rel_close(direct, want, tolerance(torch.float16))
     replay.clear()
+    dy2 = torch.randn_like(dy)  # a replay reads the call's dy, not the recorded one
+    (want2,) = torch.autograd.grad(ref, xr, dy2.double())
     first = backward_data(*args)
     assert_rel_close(first, want, tolerance(torch.float16))
-    # a replay with a weight changed in place flips the new weight
+    assert_rel_close(backward_data(dy2, *args[1:]), want2, tolerance(torch.float16))
+    assert replay.count() == 1, "the weight's flip and the convolution are replayed together"
+    # a replay with a weight changed in place flips the new weight (into the workspace its descriptor was
+    # encoded over once)
     w.mul_(-2.0)
     again = backward_data(*args)
     assert_rel_close(again, -2.0 * want, tolerance(torch.float16))

@@ -275,7 +275,7 @@ class Replay:
                     continue  # the launcher's workspace: passed as recorded
                 else:
                     raise LookupError("a tensor parameter is not one of the call's tensors")
-        self.expanded = self._expand()
+        self.expanded = self._expand(kept)
         self.encoded = {}
         self._release_call_tensors()
 
@@ -295,11 +295,12 @@ class Replay:
                 if desc is not None:
                     slots[n] = (pos, j, _rebased(desc, None), meta)
 
-    def _expand(self):
+    def _expand(self, kept: set):
         """For a direct launch through Triton 3.6's descriptor wrapper: (C launch, the parameters as that
         wrapper would expand them, [(position there, position in ``tensors``, descriptor, its metadata)]);
         otherwise None. A descriptor with metadata expands to (encoded map, shape..., strides...), its map
-        at the position; one without to (base, shape..., strides..., ...), its base at the position."""
+        at the position; one without to (base, shape..., strides..., ...), its base at the position.
+        ``kept``: the data pointers of the launcher's workspaces (descriptors over them are encoded now)."""
         found = _descriptor_launcher(self.direct[0]) if self.direct is not None else None
         if found is None:
             return None
@@ -310,6 +311,12 @@ class Replay:
         flat, slots = [], []
         for i, value in enumerate(self.params):
             if i in metas:
+                if i not in where and _is_host_descriptor(value) and value.base is not None \
+                        and value.base.data_ptr() in kept:
+                    # A descriptor over the launcher's workspace: the replay holds that tensor (the recorded
+                    # descriptor stays in ``params``), so its map is encoded once, here.
+                    flat.extend(make_tensordesc_arg(value, metas[i]))
+                    continue
                 if i not in where or where[i][1] is None:
                     return None  # a descriptor parameter that is not a host descriptor of the call's tensors
                 j, desc = where[i]

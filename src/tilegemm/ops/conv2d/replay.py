@@ -5,9 +5,9 @@ us of host time on the H200's host, more than most of ResNet-50's layers take on
 (benchmarks/results/2026-11-23-h200/61a6669/). A plain call (CUDA, no tracer, dispatch mode or autograd
 watching; tensors or ``nn.Parameter``s) is keyed by everything its launch depends on: the layouts of x, the weight and the bias (dtype,
 shape, strides, device, 16-byte alignment), the geometry, the activation, the precision and the kernel asked
-for. The first call records its launches; when they are exactly one Triton launch whose tensors are the
-call's own (no layout copy made on the way, no torch op after it) or the launcher's workspace (kept with the
-replay, which then runs only on the stream it was recorded on), later calls with the same key replay it with
+for. The first call records its launches; when they are up to eight Triton launches whose tensors are the
+call's own (no layout copy made on the way, no torch op after it) or the launchers' workspaces (kept with the
+replay, which then runs only on the stream it was recorded on), later calls with the same key replay them with
 their own tensors. Anything else (a weight that had to be copied channels-last, the depthwise weight
 gradient's torch sum) is simply not kept, and such calls take the full path every time. Inside another op's
 recording nothing replays (the launch must happen to be recorded).

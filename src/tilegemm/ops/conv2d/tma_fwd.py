@@ -430,9 +430,11 @@ def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g):
         # Strided data gradients split into stride^2 phase convolutions ran 3x-4x faster on the GPU than the
         # pointer kernel (ResNet-50's stride-2 layers, CUDA graphs: 0.26x -> 0.66x cuDNN over the non-1x1
         # layers, 2026-11-24-h100/cd4226f/), but a call is then up to 8 launches (phase weights, convolutions,
-        # zeroed phases) whose replays re-encode their TMA descriptors: 190 us of host time a call at stride 2,
-        # more than the GPU time saved in eager use. They stay on the pointer kernel until a replay's
-        # descriptors over kept workspaces are encoded once.
+        # zeroed phases) whose replays re-encoded their TMA descriptors: 190 us of host time a call at stride 2,
+        # more than the GPU time saved in eager use. With the descriptors over the phase weights' workspaces
+        # encoded once per replay, a replayed stride-2 call still cost 155 us of host time (eight launches of
+        # 10-17 us each, H100), and the bench's backward fell from 0.67x to 0.64x cuDNN, its strided layers to
+        # 0.3x (2026-11-24-h100/...). They stay on the pointer kernel until the phases take fewer launches.
         return None
     ((_, _, gt, r0, s0),) = dgrad_phases(g)
     if min(gt.padding) < 0 or unusable(dy, weight, gt):
