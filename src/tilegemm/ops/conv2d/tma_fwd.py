@@ -434,7 +434,7 @@ def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g):
         # more than the GPU time saved in eager use. With the descriptors over the phase weights' workspaces
         # encoded once per replay, a replayed stride-2 call still cost 155 us of host time (eight launches of
         # 10-17 us each, H100), and the bench's backward fell from 0.67x to 0.64x cuDNN, its strided layers to
-        # 0.3x (2026-11-24-h100/...). They stay on the pointer kernel until the phases take fewer launches.
+        # 0.3x (2026-11-24-h100/c0aa70c/). They stay on the pointer kernel until the phases take fewer launches.
         return None
     ((_, _, gt, r0, s0),) = dgrad_phases(g)
     if min(gt.padding) < 0 or unusable(dy, weight, gt):
