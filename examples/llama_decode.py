@@ -11,178 +11,21 @@ but lm_head). Prints, for batch 1 and 16: prefill time of the prompt and decode 
 replayed from a CUDA graph, ``--modes``) for the fp16 model
 and the int4 one, and their ratio; then the logits' agreement of the int4 model with the same model dequantized to fp16 (relative error of the
 last position's logits, share of positions whose argmax agrees, and the step where the greedy tokens first
-differ). Needs ``pip install tilegemm[models]`` (transformers).
+differ). Needs ``pip install tilegemm[models]`` (transformers). The model and the decoder are
+``tilegemm.models.llama``'s; ``tilegemm bench --op w4a16 --model llama`` times one decode step of the same pair.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import inspect
 import sys
-import time
 
 import tilegemm  # first: it settles Triton's backend (compiler or interpreter) before triton is imported
 
 import torch
 
-
-def build(args, device):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if args.tiny:
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                          num_hidden_layers=args.layers or 2, vocab_size=256, max_position_embeddings=256)
-    else:
-        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                          num_hidden_layers=args.layers or 32, vocab_size=128256, max_position_embeddings=8192,
-                          rope_theta=500000.0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)  # random init (normal, std = initializer_range)
-    finally:
-        torch.set_default_dtype(old)
-    return model.eval()
-
-
-def layers_that_fit(args) -> int:
-    """Llama-3-8B layers that fit: an fp16 layer (436 MB) twice while the copy is made (then its int4 form,
-    about 125 MB), the embedding and lm_head in fp16 twice (4.2 GB) and room for the KV cache and activations."""
-    if args.layers:
-        return args.layers
-    free, _ = torch.cuda.mem_get_info()
-    return max(1, min(32, int((free / 2**30 - 4.2 - 8.0) / 0.9)))  # deepcopy holds two fp16 layers at once
-
-
-def forward(model, ids, past=None, position=None):
-    """(logits of the last position [B, V], the cache); only the last position's logits are computed."""
-    kwargs = dict(input_ids=ids, past_key_values=past, use_cache=True)
-    if position is not None:
-        kwargs["cache_position"] = position
-    params = inspect.signature(model.forward).parameters
-    if "logits_to_keep" in params:  # transformers >= 4.50
-        kwargs["logits_to_keep"] = 1
-    elif "num_logits_to_keep" in params:
-        kwargs["num_logits_to_keep"] = 1
-    out = model(**kwargs)
-    return out.logits[:, -1], out.past_key_values
-
-
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def static_cache(model, batch: int, max_len: int, device):
-    """A ``transformers.StaticCache`` of ``max_len`` positions, allocated now (fixed addresses: a CUDA graph of
-    the decode step reads and writes the same tensors at every replay)."""
-    from transformers import StaticCache
-
-    cfg = model.config
-    params = inspect.signature(StaticCache.__init__).parameters
-    if "max_batch_size" in params:  # transformers 4.x
-        return StaticCache(config=cfg, max_batch_size=batch, max_cache_len=max_len, device=device,
-                           dtype=torch.float16)
-    cache = StaticCache(config=cfg, max_cache_len=max_len)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    cache.early_initialization(batch, cfg.num_key_value_heads, head_dim, torch.float16, torch.device(device))
-    return cache
-
-
-class Decoder:
-    """Greedy decoding with a static KV cache. ``graph=True`` replays the one-token step from a CUDA graph
-    (captured once per batch size), so the host's Python (transformers, tilegemm's wrappers) costs nothing
-    per token; ``graph=False`` runs it eagerly. ``compiled=True`` (with ``graph``) runs the step through
-    ``torch.compile`` first (fixed shapes): Inductor fuses the norms, rotary embedding and elementwise work
-    around the Linears, which stay calls of their ops (cuBLAS, or ``tilegemm::w4a16_matmul``); the prompt's
-    prefill stays eager."""
-
-    def __init__(self, model, batch: int, max_len: int, device, graph: bool, compiled: bool = False):
-        self.model, self.device, self.graph = model, device, graph or compiled
-        self.cache = static_cache(model, batch, max_len, device)
-        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.pos = torch.zeros(1, dtype=torch.long, device=device)
-        self.logits = None
-        self.cuda_graph = None
-        self.step_fn = self._step
-        if compiled:
-            self.step_fn = torch.compile(self._step, dynamic=False)
-
-    def _step(self, ids, pos):
-        return forward(self.model, ids, self.cache, pos)[0]
-
-    def step(self):
-        return self.step_fn(self.ids, self.pos)
-
-    def capture(self):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):  # warm-up on a side stream, as torch.cuda.graphs asks
-                self.step()
-        torch.cuda.current_stream().wait_stream(s)
-        self.cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.cuda_graph):
-            self.logits = self.step()
-
-    @torch.no_grad()
-    def run(self, prompt, new_tokens):
-        """(prefill seconds, decode seconds, generated tokens [B, new_tokens])."""
-        P = prompt.shape[1]
-        if self.graph and self.cuda_graph is None:
-            forward(self.model, prompt, self.cache, torch.arange(P, device=self.device))
-            self.pos.fill_(P)
-            self.capture()
-        self.cache.reset()
-        sync(self.device)
-        t0 = time.perf_counter()
-        logits, _ = forward(self.model, prompt, self.cache, torch.arange(P, device=self.device))
-        tok = logits.argmax(-1, keepdim=True)
-        sync(self.device)
-        t1 = time.perf_counter()
-        out = [tok]
-        for i in range(new_tokens - 1):
-            self.ids.copy_(tok)
-            self.pos.fill_(P + i)
-            if self.graph:
-                self.cuda_graph.replay()
-                logits = self.logits
-            else:
-                logits = self.step()
-            tok = logits.argmax(-1, keepdim=True)
-            out.append(tok)
-        sync(self.device)
-        return t1 - t0, time.perf_counter() - t1, torch.cat(out, 1)
-
-
-@torch.no_grad()
-def greedy(model, prompt, new_tokens, device, graph=False):
-    """(prefill seconds, decode seconds, generated tokens [B, new_tokens]) of one greedy run."""
-    return Decoder(model, prompt.shape[0], prompt.shape[1] + new_tokens, device, graph).run(prompt, new_tokens)
-
-
-@torch.no_grad()
-def dequantized_copy_into(fp16_model, int4_model) -> None:
-    """Overwrite ``fp16_model``'s quantized Linears with the int4 model's weights, dequantized (in place: no third
-    copy of the model)."""
-    from tilegemm.nn import Int4Linear
-
-    int4 = dict(int4_model.named_modules())
-    for name, module in fp16_model.named_modules():
-        if isinstance(int4.get(name), Int4Linear):
-            module.weight.copy_(int4[name].dequantize().to(module.weight.dtype))
-
-
-@torch.no_grad()
-def agreement(int4_model, ref_model, prompt) -> dict:
-    """Logits of every prompt position from both models: relative error (last position), argmax agreement."""
-    a = int4_model(input_ids=prompt).logits.float()
-    b = ref_model(input_ids=prompt).logits.float()
-    last = float((a[:, -1] - b[:, -1]).norm() / b[:, -1].norm())
-    same = float((a.argmax(-1) == b.argmax(-1)).float().mean())
-    return dict(rel_err_last=last, argmax_agree=same)
+from tilegemm.models.llama import (Decoder, agreement, build, dequantized_copy_into, greedy, layers_that_fit,
+                                   quantized_copy)
 
 
 def main(argv=None) -> int:
@@ -210,10 +53,10 @@ def main(argv=None) -> int:
     batches = [int(b) for b in (args.batches or ("1,2" if args.tiny else "1,16")).split(",")]
     group = args.group_size or (32 if args.tiny else 128)
     if device == "cuda":
-        args.layers = layers_that_fit(args)
+        args.layers = layers_that_fit(args.layers)
     torch.manual_seed(0)
 
-    model = build(args, device)
+    model = build(tiny=args.tiny, layers=args.layers, device=device)
     cfg = model.config
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, device "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu (Triton interpreter)'}")
@@ -221,8 +64,7 @@ def main(argv=None) -> int:
           f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} KV, vocab {cfg.vocab_size}, "
           f"{cfg.num_hidden_layers} layers{'' if args.tiny or cfg.num_hidden_layers == 32 else ' (of 32: what fits)'}"
           f", random fp16 weights")
-    qmodel = copy.deepcopy(model)
-    tilegemm.nn.quantize_(qmodel, group_size=group, filter=lambda name, m: "lm_head" not in name)
+    qmodel = quantized_copy(model, group)
     from tilegemm.nn import Int4Linear
 
     n_int4 = sum(isinstance(m, Int4Linear) for m in qmodel.modules())

@@ -6,7 +6,8 @@
 Prints (1) output agreement with the cuDNN model, (2) inference images/s of tilegemm eager, cuDNN eager and
 cuDNN under torch.compile, and (3) one training step's gradients, tilegemm's and cuDNN's (fp32, tf32 off) against
 the same model's in fp64 (worst relative errors over the parameters). Needs ``pip install tilegemm[models]``
-(torchvision) except --tiny.
+(torchvision) except --tiny. The models are ``tilegemm.models.resnet``'s; ``tilegemm bench --op conv2d --model
+resnet50`` times the same inference, eager and compiled.
 """
 
 from __future__ import annotations
@@ -20,39 +21,15 @@ import tilegemm  # first: it settles Triton's backend (compiler or interpreter) 
 import torch
 from torch import nn
 
-
-def tiny_resnet(num_classes: int = 10) -> nn.Module:
-    """ResNet-50's stem and one bottleneck (with its downsample shortcut), at toy width: for the interpreter."""
-
-    class Bottleneck(nn.Module):
-        def __init__(self, c_in, width, stride):
-            super().__init__()
-            self.conv1, self.bn1 = nn.Conv2d(c_in, width, 1, bias=False), nn.BatchNorm2d(width)
-            self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
-            self.conv3, self.bn3 = nn.Conv2d(width, 4 * width, 1, bias=False), nn.BatchNorm2d(4 * width)
-            self.downsample = nn.Sequential(nn.Conv2d(c_in, 4 * width, 1, stride, bias=False), nn.BatchNorm2d(4 * width))
-
-        def forward(self, x):
-            y = torch.relu(self.bn1(self.conv1(x)))
-            y = torch.relu(self.bn2(self.conv2(y)))
-            return torch.relu(self.bn3(self.conv3(y)) + self.downsample(x))
-
-    return nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
-                         Bottleneck(8, 4, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes))
-
-
-def relative_error(out, ref) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+from tilegemm.models import resnet
+from tilegemm.models.resnet import relative_error
 
 
 def make_model(tiny: bool) -> nn.Module:
-    if tiny:
-        return tiny_resnet()
     try:
-        import torchvision
+        return resnet.make_model(tiny)
     except ImportError:
         sys.exit("this example needs torchvision: pip install 'tilegemm[models]' (or run with --tiny)")
-    return torchvision.models.resnet50(weights=None)
 
 
 def inference(args, device) -> None:

@@ -13,6 +13,8 @@ examples:
   tilegemm bench --sweep llm --dtype bf16 --plot llm.png
   tilegemm bench --shape 4096,4096,4096 --shape 16,28672,8192 --kernels grouped,autotuned
   tilegemm bench --layout TN --batch 8 --sweep square
+  tilegemm bench --op w4a16 --model llama         decode tokens/s of a 4-bit Llama against the same model in fp16
+  tilegemm bench --op conv2d --model resnet50 --shape 64,compile
   tilegemm tune --sweep llm --dtype bf16          tune ahead of time; configs saved per GPU
   tilegemm info
 """
@@ -27,15 +29,17 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _op_help() -> tuple[str, str, str]:
-    """What the registered ops offer, for --help: their names, dtypes and sweeps."""
+def _op_help() -> tuple[str, str, str, str]:
+    """What the registered ops offer, for --help: their names, dtypes, sweeps and model entries."""
     from tilegemm.bench.base import bench_op, bench_ops
 
     names = bench_ops()
     adapters = [bench_op(name) for name in names]
     dtypes = "; ".join(f"{a.name}: {', '.join(a.dtypes)}" for a in adapters)
     sweeps = "; ".join(f"{a.name}: {', '.join(a.sweeps)}" for a in adapters)
-    return ", ".join(names), dtypes, sweeps
+    models = ", ".join(f"{a.name}:{model} (sweeps {', '.join(a.model_bench(model).sweeps)})"
+                       for a in adapters for model in a.models)
+    return ", ".join(names), dtypes, sweeps, models
 
 
 def _add_bench(sub) -> None:
@@ -45,8 +49,12 @@ def _add_bench(sub) -> None:
                     "triton.testing.do_bench (median), and compare it with the baseline (cuBLAS for matmul).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ops, dtypes, sweeps = _op_help()
+    ops, dtypes, sweeps, models = _op_help()
     p.add_argument("--op", default="matmul", help=f"op: {ops}; default matmul")
+    p.add_argument("--model", metavar="NAME",
+                   help=f"time a whole model on the op's kernels against the same model on the baseline's, instead "
+                        f"of the op's kernels; op:model: {models}; --shape then takes BATCH[,MODE]; "
+                        f"docs/bench.md says what each times")
     p.add_argument("--dtype", help=f"input dtype (the first is the default); {dtypes}")
     p.add_argument("--sweep", help=f"named sweep; {sweeps}; default: the op's GPU sweep on a GPU, its tiny one "
                                    "under the interpreter")
@@ -155,6 +163,11 @@ def cmd_bench(args, console, err_console) -> int:
         raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
     try:
         op = bench_op(args.op)
+        if args.model:
+            op = op.model_bench(args.model)  # from here on the model's adapter: its sweeps, dtypes, kernel, rows
+            if args.cuda_graph:
+                raise UsageError(f"--cuda-graph does not apply to --model {args.model}: its cases say how each "
+                                 "model runs (eager, graph, compile)")
         dtype = args.dtype or op.default_dtype()
         op.check_dtype(dtype, compute_capability())
         texts = list(args.shape) + (_read_shapes_file(args.shapes) if args.shapes else [])
@@ -199,7 +212,7 @@ def cmd_bench(args, console, err_console) -> int:
     paths = dict(json=args.json, csv=args.csv, plot=args.plot)
     if not args.no_save:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        stem = Path(args.out) / f"{op.name}-{dtype}-{sweep}-{stamp}"
+        stem = Path(args.out) / f"{op.name.replace(':', '-')}-{dtype}-{sweep}-{stamp}"
         for key, suffix in (("json", ".json"), ("csv", ".csv"), ("plot", ".png")):
             paths[key] = paths[key] or str(stem) + suffix
     writers = dict(json=write_json, csv=write_csv, plot=lambda r, p: write_plot(r, p, topk=args.topk))

@@ -9,6 +9,7 @@ copy of it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -17,6 +18,7 @@ import torch
 
 from tilegemm.core import registry
 from tilegemm.core.hardware import peak_gbps, peak_tflops
+from tilegemm.core.runtime import interpreting
 
 
 class BenchError(ValueError):
@@ -57,6 +59,22 @@ class BenchOp:
     tune_sweep: str = ""  # what `tilegemm tune` runs when no sweep is given
     options: tuple[str, ...] = ()  # the bench options this op takes (layout, batch, fast_accum, mode)
     shape_help: str = ""
+    # Model entries (``tilegemm bench --op OP --model NAME``): a whole model on this op's kernels, timed against
+    # the same model on the baseline's; name -> its adapter, a :class:`ModelBench` as ``"module:Class"``.
+    models: dict[str, str] = {}
+
+    def model_bench(self, name: str, **kwargs) -> "ModelBench":
+        """The adapter of this op's model entry ``name`` (built with ``kwargs``); BenchError if there is none."""
+        if not self.models:
+            entries = ", ".join(f"--op {op} --model {model}" for op, model in model_entries()) or "none"
+            raise BenchError(f"op {self.name} has no model entries; those there are: {entries}")
+        if name not in self.models:
+            raise BenchError(f"op {self.name} has no model {name!r}; choose one of: {', '.join(self.models)}")
+        return registry.resolve(self.models[name])(**kwargs)
+
+    def run_meta(self, cases: list[Case]) -> dict:
+        """Fields the run's result header gets besides the runner's own (a model entry describes its model)."""
+        return {}
 
     def check_options(self, options: dict, dtype: str) -> None:
         """Raise BenchError for an option this op does not take (``layout``, ``batch``, ``fast_accum``)."""
@@ -168,6 +186,93 @@ def bench_op(name: str) -> BenchOp:
 def bench_ops() -> list[str]:
     """The registered ops that have a bench adapter."""
     return [name for name in registry.ops() if registry.op(name).bench is not None]
+
+
+def model_entries() -> list[tuple[str, str]]:
+    """(op, model) of every model entry of the registered ops' bench adapters."""
+    return [(name, model) for name in bench_ops() for model in registry.op(name).bench_adapter().models]
+
+
+class ModelBench(BenchOp):
+    """A model entry: a whole model on tilegemm's layers (row ``auto``: each layer's op picks its kernel per
+    call), timed end to end against the same model on the baseline's kernels; the rate is the batch's items
+    (tokens, images) per second of one call.
+
+    A case is a batch size and a mode, both in its ``dims`` (``batch``, ``mode``), with what else the model
+    needs. The model is built once per adapter and kept across cases; what a case builds around it (caches,
+    CUDA graphs, compiled code) lives in its :class:`Prepared` and is released before the next case.
+    """
+
+    model: str = ""  # its name under --model (``name`` is "op:model")
+    metric = "items/s"
+    gpu_modes: tuple[str, ...] = ()  # the modes a --shape may name on a GPU; under the interpreter: eager
+
+    def __init__(self):
+        self._compiled = False  # a case ran torch.compile: its compiled code is dropped before the next case
+
+    def kernel_names(self, dtype=None):
+        return ["auto"]
+
+    def check_kernel(self, name):
+        if name != "auto":
+            raise BenchError(f"--model {self.model} times tilegemm's model as a whole (its layers pick their kernels: "
+                             f"auto): --kernels takes all or auto, not {name!r}")
+
+    def check_options(self, options, dtype):
+        unset = dict(layout=None, batch=1, fast_accum=False, mode="fwd")
+        for name, value in options.items():
+            if value != unset.get(name):
+                flag = "--" + name.replace("_", "-")
+                raise BenchError(f"{flag} {value if value is not True else ''}".rstrip()
+                                 + f" does not apply to --model {self.model}")
+
+    def peak(self, gpu, dtype):
+        return None
+
+    def work(self, case, dtype, options):
+        """Items (tokens, images) of one call: the batch."""
+        return float(case.dims["batch"])
+
+    def rate(self, case, dtype, ms, options):
+        return self.work(case, dtype, options) / (ms * 1e-3)
+
+    def modes(self) -> tuple[str, ...]:
+        """The modes this machine runs: CUDA graphs and torch.compile need a GPU."""
+        return ("eager",) if interpreting() else self.gpu_modes
+
+    def parse_shape(self, text: str) -> Case:
+        """``BATCH[,MODE]``: the batch size and mode (default: the first this machine runs), of the model the
+        machine's default sweep runs."""
+        parts = [p for p in text.replace(" ", ",").split(",") if p]
+        modes = self.modes()
+        if not 1 <= len(parts) <= 2 or not parts[0].isdigit() or int(parts[0]) < 1:
+            raise BenchError(f"malformed --model {self.model} shape {text!r}: expected {self.shape_help}")
+        mode = parts[1] if len(parts) == 2 else modes[0]
+        if mode not in ("eager", *self.gpu_modes):
+            raise BenchError(f"malformed --model {self.model} shape {text!r}: expected {self.shape_help}")
+        if mode not in modes:
+            raise BenchError(f"--model {self.model} runs in mode {', '.join(modes)} here, not {mode!r}")
+        return self.custom_case(int(parts[0]), mode)
+
+    def custom_case(self, batch: int, mode: str) -> Case:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Free what the previous case left (its caches, graphs and compiled code; the model stays)."""
+        if self._compiled:
+            # Compiled code may hold the last case's objects; a later case compiles its own, and old entries
+            # would count toward dynamo's recompilation limit.
+            torch._dynamo.reset()
+            self._compiled = False
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def description(self, cases: list[Case]) -> str:
+        raise NotImplementedError
+
+    def run_meta(self, cases):
+        return dict(model=self.model, model_description=self.description(cases))
 
 
 def geomean(values: list[float]) -> float | None:

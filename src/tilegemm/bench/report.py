@@ -115,6 +115,8 @@ def summary_table(result: BenchResult) -> Table:
 
 
 def print_report(result: BenchResult, console: Console) -> None:
+    if result.meta.get("model_description"):
+        console.print(f"model {result.meta['model']}: {result.meta['model_description']}", highlight=False)
     console.print(results_table(result))
     if any(k not in BASELINES for k in result.kernels()) and result.meta.get("baseline"):
         console.print(summary_table(result))
@@ -137,7 +139,7 @@ def write_csv(result: BenchResult, path) -> None:
         for key in ("gpu", "sm_count", "driver", "cuda", "torch", "triton", "tilegemm", "git_commit", "timestamp",
                     "backend"):
             f.write(f"# {key}: {machine.get(key)}\n")
-        for key in ("op", "dtype", "sweep", "timing", "note"):
+        for key in ("op", "dtype", "sweep", "model", "model_description", "timing", "note"):
             if result.meta.get(key) is not None:
                 f.write(f"# {key}: {result.meta[key]}\n")
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
@@ -177,7 +179,8 @@ def write_plot(result: BenchResult, path, topk: int = 4) -> None:
     ax.set_xticklabels(shapes, rotation=45 if len(shapes) > 6 else 0, ha="right" if len(shapes) > 6 else "center",
                        fontsize=8)
     ax.set_ylabel(result.meta["metric"])
-    ax.set_xlabel("shape (M x N x K)" if result.meta["op"] == "matmul" else "size")
+    ax.set_xlabel("shape (M x N x K)" if result.meta["op"] == "matmul" else
+                  "case (batch, mode)" if result.meta.get("model") else "size")
     machine = result.meta["machine"]
     title = f"tilegemm {result.meta['op']} {result.meta['dtype']} on {machine['gpu'] or machine['backend']}"
     if result.meta.get("sweep"):

@@ -225,6 +225,7 @@ def run_bench(
                 "triton.testing.do_bench_cudagraph (graph replays, inputs rotated past L2)" if cuda_graph else
                 "triton.testing.do_bench (L2 cleared before each call), median of events"),
     )
+    meta.update(op.run_meta(cases))
     if machine.interpreter:
         meta["note"] = "Kernels ran under Triton's interpreter on the CPU: timings are NOT GPU performance."
     if not machine.interpreter:

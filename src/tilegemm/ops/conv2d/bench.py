@@ -79,6 +79,7 @@ class Conv2dBench(BenchOp):
     cpu_sweep = "tiny"
     options = ("mode",)
     shape_help = "N,C,H,W,K,R,S[,stride[,pad[,groups]]] (e.g. 32,64,56,56,64,3,3,1,1)"
+    models = {"resnet50": "tilegemm.models.bench:ResNet50Bench"}  # images/s of a converted ResNet-50 vs cuDNN
 
     @staticmethod
     def _mode(options) -> str:

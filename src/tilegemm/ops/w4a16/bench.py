@@ -39,6 +39,7 @@ class W4A16Bench(BenchOp):
     gpu_sweep = "llm"
     cpu_sweep = "tiny"
     shape_help = "M,N,K (e.g. 16,8192,8192; K a multiple of 128)"
+    models = {"llama": "tilegemm.models.bench:LlamaDecodeBench"}  # decode tokens/s of a 4-bit Llama vs fp16
 
     def parse_shape(self, text: str) -> Case:
         parts = re.split(r"[,x\s]+", text.strip())

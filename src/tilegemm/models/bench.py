@@ -1,0 +1,312 @@
+"""The bench's model entries: Llama decoding on tilegemm's 4-bit Linears (``--op w4a16 --model llama``) and
+ResNet-50 inference on tilegemm's convolutions (``--op conv2d --model resnet50``).
+
+Each is a :class:`~tilegemm.bench.base.ModelBench` that the op's adapter names in its ``models``; the runner
+checks and times it like any op, one row for the baseline model and one (``auto``) for tilegemm's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from tilegemm.bench.base import BenchError, Case, ModelBench, Prepared
+from tilegemm.core.runtime import interpreting
+from tilegemm.models import llama, resnet
+
+MODES = {
+    "eager": "eager PyTorch",
+    "graph": "the step replayed from a CUDA graph",
+    "compile": "torch.compile (fixed shapes), the step replayed from a CUDA graph",
+}
+
+
+@contextlib.contextmanager
+def _seeded(device: str):
+    """torch's generators seeded with 0 inside and restored after: the same random model on every run, the
+    caller's random state untouched."""
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
+        torch.manual_seed(0)
+        yield
+
+
+def _nbytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+class LlamaDecodeBench(ModelBench):
+    """Greedy decoding of a Llama-architecture model whose Linears, all but lm_head, are 4-bit
+    (``tilegemm.nn.quantize_``), against the same model in fp16 with those int4 weights dequantized into it: the
+    fp16 model then computes exactly what the int4 one should, at fp16's speed, so its logits are both the
+    baseline's result and the reference.
+
+    Timed: one decode step (one token per sequence) at the prompt's length, its last-position logits [B, V]
+    the result. The step writes the same KV slot on every call (``Decoder(repeat=True)``), so it can be
+    repeated as often as the timing wants.
+    """
+
+    name = "w4a16:llama"
+    model = "llama"
+    metric = "tokens/s"
+    baseline_name = "fp16 (dequantized int4)"
+    cpu_baseline_name = "fp16 (dequantized int4), CPU"
+    dtypes = {"fp16": torch.float16}
+    gpu_sweep, cpu_sweep = "decode", "tiny"
+    gpu_modes = ("graph", "compile", "eager")
+    shape_help = "BATCH[,MODE] (MODE: graph, compile or eager on a GPU; eager under the interpreter)"
+
+    GPU_PROMPT, TINY_PROMPT = 512, 8
+
+    def __init__(self, layers: int | None = None):
+        """``layers``: Llama-3-8B decoder layers on the GPU; default as many of its 32 as fit
+        (:func:`~tilegemm.models.llama.layers_that_fit`), decided when the cases are made."""
+        super().__init__()
+        self.layers = layers
+        self._fitted = layers is None  # the layer count is what fits, not what was asked for
+        self.sweeps = {"decode": self._decode_cases, "tiny": self._tiny_cases}
+        self._built = None  # (key, fp16 model, int4 model): kept across cases
+
+    # --- cases
+
+    def _require(self, tiny: bool) -> None:
+        try:
+            llama.require_transformers()
+        except ImportError as err:
+            raise BenchError(str(err)) from None
+        if not tiny and interpreting():
+            raise BenchError("--model llama at Llama-3-8B's shapes needs a CUDA GPU; under the interpreter run "
+                             "--sweep tiny")
+
+    def _case(self, batch: int, mode: str, tiny: bool, x: float) -> Case:
+        if tiny:
+            layers, prompt, config = llama.TINY_LAYERS, self.TINY_PROMPT, "tiny"
+        else:
+            self.layers = llama.layers_that_fit(self.layers)
+            layers, prompt, config = self.layers, self.GPU_PROMPT, "llama3-8b"
+        dims = dict(batch=batch, prompt=prompt, layers=layers, mode=mode, config=config)
+        return Case(f"b{batch} {mode}", dims, float(x))
+
+    def _decode_cases(self) -> list[Case]:
+        self._require(tiny=False)
+        points = [(batch, mode) for batch in (1, 16) for mode in ("graph", "compile")]
+        return [self._case(batch, mode, False, i) for i, (batch, mode) in enumerate(points)]
+
+    def _tiny_cases(self) -> list[Case]:
+        self._require(tiny=True)
+        return [self._case(batch, "eager", True, i) for i, batch in enumerate((1, 2))]
+
+    def custom_case(self, batch, mode):
+        tiny = interpreting()
+        self._require(tiny)
+        return self._case(batch, mode, tiny, batch)
+
+    def description(self, cases):
+        d = cases[0].dims
+        tiny = d["config"] == "tiny"
+        shapes, full = (llama.TINY, llama.TINY_LAYERS) if tiny else (llama.LLAMA3_8B, llama.LLAMA3_8B_LAYERS)
+        layers = f"{d['layers']} layers" + ("" if tiny or d["layers"] == full else
+                                            f" (of {full}{': what fits' if self._fitted else ''})")
+        modes = "; ".join(f"{m} = {MODES[m]}" for m in dict.fromkeys(c.dims["mode"] for c in cases))
+        return (f"{'a tiny Llama' if tiny else 'Llama-3-8B shapes'} (hidden {shapes['hidden_size']}, intermediate "
+                f"{shapes['intermediate_size']}, heads {shapes['num_attention_heads']}/"
+                f"{shapes['num_key_value_heads']} KV, vocab {shapes['vocab_size']}), {layers}, random fp16 weights; "
+                f"int4: tilegemm.nn.quantize_ g{self._group(tiny)}, every Linear but lm_head; baseline and reference: "
+                f"the same model in fp16 with the int4 weights dequantized. Timed: one greedy decode step at "
+                f"position {d['prompt']}, after the {d['prompt']}-token prompt; {modes}")
+
+    @staticmethod
+    def _group(tiny: bool) -> int:
+        return llama.TINY_GROUP if tiny else llama.LLAMA3_8B_GROUP
+
+    # --- models and inputs
+
+    def _models(self, dims: dict, device: str):
+        """(fp16 model, int4 model), built on the first case and kept: building Llama-3-8B takes seconds and
+        half the GPU's memory."""
+        key = (dims["config"], dims["layers"], device)
+        if self._built is None or self._built[0] != key:
+            self._built = None
+            self.release()
+            tiny = dims["config"] == "tiny"
+            with _seeded(device):
+                fp16 = llama.build(tiny=tiny, layers=dims["layers"], device=device)
+            int4 = llama.quantized_copy(fp16, self._group(tiny))
+            llama.dequantized_copy_into(fp16, int4)
+            self._built = (key, fp16, int4)
+        return self._built[1:]
+
+    def prepare(self, case, dtype, device, n_sets, options):
+        self.release()  # the previous case's decoders: static caches, graphs, compiled steps
+        d = case.dims
+        fp16, int4 = self._models(d, device)
+        batch, prompt_len, mode = d["batch"], d["prompt"], d["mode"]
+        prompt = torch.randint(0, fp16.config.vocab_size, (batch, prompt_len),
+                               generator=torch.Generator().manual_seed(0)).to(device)
+        self._compiled = self._compiled or mode == "compile"
+        decoders = {}
+        for name, model in (("fp16", fp16), ("int4", int4)):
+            dec = llama.Decoder(model, batch, prompt_len + 1, device, graph=mode == "graph",
+                                compiled=mode == "compile", repeat=True)
+            dec.prefill(prompt)
+            if dec.graph:
+                dec.capture()
+            decoders[name] = dec
+        reference = decoders["fp16"].next_logits().float()
+        return Prepared([decoders], reference, bytes_per_set=_nbytes(int4))
+
+    def run(self, kernel, inputs, dtype):
+        return inputs["int4"].next_logits()
+
+    def baseline(self, inputs, dtype):
+        return inputs["fp16"].next_logits()
+
+    def tolerance(self, dtype):
+        # The int4 kernels and cuBLAS sum the same products in other orders, and the layers pass fp16 activations
+        # on: 6.5e-3 over 32 layers of Llama-3-8B shapes on an H100. The tiny model (2 layers, the interpreter):
+        # 6.3e-4 at batch 1, 5.8e-4 at batch 2; its bound leaves the same margin (~3x) as the GPU's.
+        return 2e-2 if not interpreting() else 2e-3
+
+
+class _Precise:
+    """cuDNN in benchmark mode (it times its algorithms per shape first), when asked, and fp32 as IEEE fp32: no
+    tf32 in cuDNN, cuBLAS or tilegemm's fp32 kernels (they follow ``torch.get_float32_matmul_precision``)."""
+
+    def __init__(self, benchmark: bool):
+        self.benchmark = benchmark
+
+    def __enter__(self):
+        cudnn = torch.backends.cudnn
+        self.old = cudnn.benchmark, cudnn.allow_tf32, torch.get_float32_matmul_precision()
+        cudnn.benchmark = self.benchmark or cudnn.benchmark
+        cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+
+    def __exit__(self, *exc):
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, precision = self.old
+        torch.set_float32_matmul_precision(precision)
+
+
+class ResNet50Bench(ModelBench):
+    """Inference of torchvision's ResNet-50 (random weights, fixed seed, eval mode), channels-last, its
+    convolutions and fc on tilegemm's kernels (``tilegemm.nn.convert_``) against the same model on cuDNN;
+    both eager or both under ``torch.compile``. Timed: one forward of the batch, its logits the result.
+
+    The reference is the same model, with the same (rounded) weights, in fp32 with tf32 off for fp16 (in fp64
+    for fp32), computed once per case. Under the interpreter the tiny sweep runs a two-block ResNet instead
+    (no torchvision needed).
+    """
+
+    name = "conv2d:resnet50"
+    model = "resnet50"
+    metric = "images/s"
+    baseline_name = "cuDNN"
+    cpu_baseline_name = "torch (CPU)"
+    dtypes = {"fp16": torch.float16, "fp32": torch.float32}
+    gpu_sweep, cpu_sweep = "inference", "tiny"
+    gpu_modes = ("eager", "compile")
+    shape_help = "BATCH[,MODE] (MODE: eager or compile on a GPU; eager under the interpreter)"
+
+    GPU_IMAGE, TINY_IMAGE = 224, 32
+
+    def __init__(self, batches: tuple[int, ...] = (32, 256)):
+        """``batches``: the batch sizes of the GPU sweep."""
+        super().__init__()
+        self.batches = tuple(batches)
+        self.sweeps = {"inference": self._inference_cases, "tiny": self._tiny_cases}
+        self._built = None  # (key, model on the baseline's kernels, on tilegemm's, the reference's)
+
+    def default_dtype(self):
+        return "fp32" if interpreting() else "fp16"  # fp16 convolutions on the CPU are slow and no one's use
+
+    # --- cases
+
+    def _require(self, tiny: bool) -> None:
+        if tiny:
+            return
+        if not resnet.has_torchvision():
+            raise BenchError(f"--model resnet50 needs torchvision: {resnet.INSTALL} (the tiny sweep runs without it)")
+        if interpreting():
+            raise BenchError("--model resnet50 at 224x224 needs a CUDA GPU; under the interpreter run --sweep tiny")
+
+    def _case(self, batch: int, mode: str, tiny: bool, x: float) -> Case:
+        dims = dict(batch=batch, image=self.TINY_IMAGE if tiny else self.GPU_IMAGE, mode=mode,
+                    config="tiny" if tiny else "resnet50")
+        return Case(f"b{batch} {mode}", dims, float(x))
+
+    def _inference_cases(self) -> list[Case]:
+        self._require(tiny=False)
+        points = [(batch, mode) for batch in self.batches for mode in ("eager", "compile")]
+        return [self._case(batch, mode, False, i) for i, (batch, mode) in enumerate(points)]
+
+    def _tiny_cases(self) -> list[Case]:
+        return [self._case(2, "eager", True, 0)]
+
+    def custom_case(self, batch, mode):
+        tiny = interpreting()
+        self._require(tiny)
+        return self._case(batch, mode, tiny, batch)
+
+    def description(self, cases):
+        d = cases[0].dims
+        what = ("a two-block ResNet (ResNet-50's stem and one bottleneck, toy widths)" if d["config"] == "tiny"
+                else "torchvision's ResNet-50")
+        modes = "; ".join(f"{m} = both {'under torch.compile (fixed shapes)' if m == 'compile' else 'eager'}"
+                          for m in dict.fromkeys(c.dims["mode"] for c in cases))
+        baseline = "torch's CPU convolutions" if interpreting() else "cuDNN (benchmark mode)"
+        return (f"{what}, random weights (seed 0), eval mode, {d['image']}x{d['image']} channels-last images; "
+                f"tilegemm.nn.convert_ (every convolution and the fc on tilegemm's kernels) against the same model "
+                f"on {baseline}. Reference: the same model in fp32, tf32 off (fp64 for an fp32 run). Timed: one "
+                f"forward of the batch; {modes}")
+
+    # --- models and inputs
+
+    def _models(self, dims: dict, dtype: str, device: str):
+        """(baseline model, tilegemm's, the reference's), built on the first case and kept."""
+        key = (dims["config"], dtype, device)
+        if self._built is None or self._built[0] != key:
+            import tilegemm.nn
+
+            self._built = None
+            self.release()
+            with _seeded("cpu"):
+                base = resnet.make_model(dims["config"] == "tiny").eval()
+            ref = base.to(device=device, dtype=self.dtypes[dtype], memory_format=torch.channels_last)
+            ours = tilegemm.nn.convert_(copy.deepcopy(ref))
+            exact = copy.deepcopy(ref).to(torch.float32 if dtype == "fp16" else torch.float64)
+            self._built = (key, ref, ours, exact)
+        return self._built[1:]
+
+    def prepare(self, case, dtype, device, n_sets, options):
+        self.release()  # the previous case's compiled models
+        d = case.dims
+        ref, ours, exact = self._models(d, dtype, device)
+        x = torch.randn(d["batch"], 3, d["image"], d["image"], generator=torch.Generator().manual_seed(0))
+        x = x.to(device=device, dtype=self.dtypes[dtype]).contiguous(memory_format=torch.channels_last)
+        with torch.no_grad(), _Precise(benchmark=False):
+            reference = exact(x.to(next(exact.parameters()).dtype))
+        compiled = d["mode"] == "compile"
+        self._compiled = self._compiled or compiled
+        wrap = (lambda m: torch.compile(m, dynamic=False)) if compiled else (lambda m: m)  # noqa: E731
+        inputs = dict(x=x, ours=wrap(ours), ref=wrap(ref))
+        return Prepared([inputs], reference, bytes_per_set=x.numel() * x.element_size() + _nbytes(ref))
+
+    def run(self, kernel, inputs, dtype):
+        with torch.no_grad():
+            return inputs["ours"](inputs["x"])
+
+    def baseline(self, inputs, dtype):
+        with torch.no_grad():
+            return inputs["ref"](inputs["x"])
+
+    def baseline_context(self, dtype):
+        # The same for tilegemm's rows (dtype None): its model keeps torch's batch norms, pooling and adds.
+        return _Precise(benchmark=True)
+
+    def tolerance(self, dtype):
+        # fp16: each of the 53 convolutions rounds its output to fp16 and the residual adds carry the errors on.
+        # Against the fp32 model: tilegemm's 9.6e-4 (the interpreter, 32x32, batch 1), torch's CPU convolutions
+        # 3.6e-4 to 8.7e-4 (224x224 batch 4, 32x32); the bound leaves cuDNN's algorithm choices ~20x. fp32
+        # against fp64: 6e-8 (the tiny model), 4e-7 (torch's, 224x224); matmul's fp32 bound.
+        return {"fp16": 2e-2, "fp32": 1e-4}[dtype]

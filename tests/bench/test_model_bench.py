@@ -1,0 +1,207 @@
+"""`tilegemm bench --model`: a whole model on tilegemm's layers against the same model on torch's. The tiny sweeps
+run here under the interpreter; the GPU sweeps' cases at a reduced size run with ``-m gpu``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tilegemm.bench.base import BenchError, bench_op, model_entries
+from tilegemm.bench.runner import BASELINE, run_bench
+from tilegemm.cli import main
+from tilegemm.core.runtime import interpreting
+
+interpreter_only = pytest.mark.skipif(not interpreting(), reason="what the interpreter runs differs on a GPU")
+
+
+def _bench_json(tmp_path, *argv) -> dict:
+    path = tmp_path / "r.json"
+    assert main(["bench", *argv, "--quiet", "--no-save", "--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def _check_rows(data: dict, metric: str, labels: list[str]) -> dict:
+    """Every row correct and in the model's metric; the tilegemm row has a ratio; the rate is the batch per second."""
+    rows = data["rows"]
+    assert [(r["shape"], r["kernel"]) for r in rows] == [(s, k) for s in labels for k in (BASELINE, "auto")]
+    for r in rows:
+        assert r["status"] == "ok" and r["rel_err"] <= r["tolerance"], r
+        assert r["metric"] == metric and r["value"] == pytest.approx(r["dims"]["batch"] / (r["ms"] * 1e-3))
+    assert all(r["ratio"] is not None and r["ratio"] > 0 for r in rows if r["kernel"] == "auto")
+    assert data["summary"]["kernels"]["auto"]["correct"] == len(labels)
+    return {(r["shape"], r["kernel"]): r for r in rows}
+
+
+def test_llama_tiny_sweep(tmp_path, capsys):
+    pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
+    data = _bench_json(tmp_path, "--op", "w4a16", "--model", "llama", "--sweep", "tiny")
+    meta = data["meta"]
+    assert meta["op"] == "w4a16:llama" and meta["metric"] == "tokens/s" and meta["model"] == "llama"
+    assert "2 layers" in meta["model_description"] and "quantize_ g32" in meta["model_description"]
+    rows = _check_rows(data, "tokens/s", ["b1 eager", "b2 eager"])
+    for label in ("b1 eager", "b2 eager"):
+        assert rows[(label, BASELINE)]["rel_err"] == 0  # the fp16 model's logits are the reference
+        assert rows[(label, "auto")]["rel_err"] > 0  # the int4 kernels sum in another order than torch's Linear
+        assert rows[(label, "auto")]["dims"]["layers"] == 2
+    assert "model llama: a tiny Llama" in capsys.readouterr().out
+
+
+def test_resnet_tiny_sweep(tmp_path, capsys):
+    data = _bench_json(tmp_path, "--op", "conv2d", "--model", "resnet50", "--sweep", "tiny")
+    meta = data["meta"]
+    assert meta["op"] == "conv2d:resnet50" and meta["metric"] == "images/s" and meta["model"] == "resnet50"
+    assert "two-block ResNet" in meta["model_description"] and "convert_" in meta["model_description"]
+    rows = _check_rows(data, "images/s", ["b2 eager"])
+    assert rows[("b2 eager", "auto")]["dims"] == dict(batch=2, image=32, mode="eager", config="tiny")
+    assert "model resnet50:" in capsys.readouterr().out
+
+
+@interpreter_only
+def test_shapes_are_batch_sizes(tmp_path):
+    data = _bench_json(tmp_path, "--op", "conv2d", "--model", "resnet50", "--shape", "1", "--shape", "3,eager")
+    assert data["meta"]["sweep"] == "custom" and data["meta"]["dtype"] == "fp32"  # fp32 under the interpreter
+    _check_rows(data, "images/s", ["b1 eager", "b3 eager"])
+
+
+def test_files_are_named_after_the_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--op", "conv2d", "--model", "resnet50", "--sweep", "tiny", "--quiet"]) == 0
+    written = sorted(p.name for p in (tmp_path / "tilegemm-bench").iterdir())
+    assert len(written) == 3 and all(name.startswith("conv2d-resnet50-") for name in written), written
+    csv_text = next((tmp_path / "tilegemm-bench").glob("*.csv")).read_text()
+    assert "# model: resnet50" in csv_text and "# model_description: a two-block ResNet" in csv_text
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--op", "w4a16", "--model", "gpt"], "op w4a16 has no model 'gpt'; choose one of: llama"),
+        (["--model", "llama"], "op matmul has no model entries; those there are: --op conv2d --model resnet50, "
+                               "--op w4a16 --model llama"),
+        (["--op", "w4a16", "--model", "llama", "--kernels", "grouped"], "--kernels takes all or auto, not 'grouped'"),
+        (["--op", "conv2d", "--model", "resnet50", "--layout", "TN"], "--layout TN does not apply to --model resnet50"),
+        (["--op", "conv2d", "--model", "resnet50", "--mode", "bwd"], "--mode bwd does not apply to --model resnet50"),
+        (["--op", "w4a16", "--model", "llama", "--batch", "4"], "--batch 4 does not apply to --model llama"),
+        (["--op", "w4a16", "--model", "llama", "--fast-accum"], "--fast-accum does not apply to --model llama"),
+        (["--op", "w4a16", "--model", "llama", "--cuda-graph"], "--cuda-graph does not apply to --model llama"),
+        (["--op", "w4a16", "--model", "llama", "--dtype", "bf16"], "op w4a16:llama has no dtype 'bf16'"),
+        (["--op", "conv2d", "--model", "resnet50", "--sweep", "huge"], "has no sweep 'huge'; choose one of: inference, tiny"),
+        (["--op", "conv2d", "--model", "resnet50", "--shape", "0"], "malformed --model resnet50 shape '0'"),
+        (["--op", "conv2d", "--model", "resnet50", "--shape", "8,32"], "malformed --model resnet50 shape '8,32'"),
+    ],
+)
+def test_bad_model_arguments_exit_2_with_one_line(argv, needle, capsys):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("tilegemm: error:") and needle in err, err
+
+
+@interpreter_only
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--op", "conv2d", "--model", "resnet50", "--shape", "2,compile"], "runs in mode eager here, not 'compile'"),
+        (["--op", "w4a16", "--model", "llama", "--sweep", "decode"], "needs a CUDA GPU; under the interpreter run "
+                                                                     "--sweep tiny"),
+    ],
+)
+def test_gpu_only_cases_are_refused_under_the_interpreter(argv, needle, capsys):
+    pytest.importorskip("transformers")
+    assert main(["bench", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_missing_libraries_name_the_extra(monkeypatch, capsys):
+    from tilegemm.models import resnet
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    assert main(["bench", "--op", "w4a16", "--model", "llama", "--sweep", "tiny"]) == 2
+    assert "needs transformers: pip install 'tilegemm[models]'" in capsys.readouterr().err
+    assert main(["bench", "--op", "conv2d", "--model", "resnet50", "--sweep", "inference"]) == 2
+    assert "needs torchvision: pip install 'tilegemm[models]'" in capsys.readouterr().err
+    with pytest.raises(ImportError, match=r"pip install 'tilegemm\[models\]'"):
+        resnet.make_model(tiny=False)
+    assert isinstance(resnet.make_model(tiny=True), torch.nn.Module)  # the tiny one needs no torchvision
+
+
+def test_model_entries_are_listed_and_built():
+    assert sorted(model_entries()) == [("conv2d", "resnet50"), ("w4a16", "llama")]
+    op = bench_op("w4a16").model_bench("llama", layers=3)
+    assert op.name == "w4a16:llama" and op.layers == 3 and op.kernel_names() == ["auto"]
+    with pytest.raises(BenchError, match="no model 'llama'"):
+        bench_op("conv2d").model_bench("llama")
+
+
+def test_importing_the_models_imports_no_model_library():
+    code = """
+        import sys, torch
+        import tilegemm
+        lazy = "tilegemm.models" not in sys.modules
+        import tilegemm.cli, tilegemm.models.bench, tilegemm.models.llama, tilegemm.models.resnet
+        from tilegemm.bench.base import model_entries
+        model_entries()
+        print(lazy, "transformers" in sys.modules, "torchvision" in sys.modules, torch.cuda.is_initialized())
+    """
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "False", "False", "False"]
+
+
+def test_a_repeated_decode_step_writes_the_same_slot():
+    """Decoder(repeat=True): every step is the first step after the prompt (the bench times it many times);
+    without it, transformers >= 5 writes each step one slot further on."""
+    pytest.importorskip("transformers")
+    from tilegemm.models import llama
+
+    torch.manual_seed(0)
+    model = llama.build(tiny=True, device="cpu")
+    prompt = torch.randint(0, llama.TINY["vocab_size"], (2, 5))
+    dec = llama.Decoder(model, 2, 6, "cpu", graph=False, repeat=True)
+    dec.prefill(prompt)
+    first = dec.next_logits().clone()
+    for _ in range(3):
+        assert torch.equal(dec.next_logits(), first)
+    assert all(int(c) == 6 for c in dec.counters)  # slot 5 written each time: the counter ends one past it
+    # the same step from a fresh cache, with the prompt and its next token in one forward: the same logits
+    with torch.no_grad():
+        full = model(input_ids=torch.cat([prompt, dec.ids], 1)).logits[:, -1].float()
+    assert float((first.float() - full).norm() / full.norm()) < 1e-2
+
+
+# --- the GPU cases, at a reduced size (the full sweeps are for `tilegemm bench`)
+
+
+@pytest.mark.gpu
+def test_llama_gpu_cases_two_layers():
+    pytest.importorskip("transformers")
+    from tilegemm.models.bench import LlamaDecodeBench
+
+    op = LlamaDecodeBench(layers=2)
+    cases = op.cases("decode")
+    assert [c.label for c in cases] == ["b1 graph", "b1 compile", "b16 graph", "b16 compile"]
+    assert all(c.dims["layers"] == 2 and c.dims["prompt"] == 512 for c in cases)
+    result = run_bench(op, cases, "fp16", ["auto"], warmup_ms=5, rep_ms=30, sweep="decode")
+    assert "2 layers (of 32)" in result.meta["model_description"]
+    for row in result.rows:
+        assert row.status == "ok", (row.shape, row.kernel, row.status, row.rel_err, row.message)
+        assert row.kernel == BASELINE or (row.ratio and row.rel_err > 0)
+
+
+@pytest.mark.gpu
+def test_resnet50_gpu_cases_batch_8():
+    pytest.importorskip("torchvision")
+    from tilegemm.models.bench import ResNet50Bench
+
+    op = ResNet50Bench(batches=(8,))
+    cases = op.cases("inference")
+    assert [c.label for c in cases] == ["b8 eager", "b8 compile"]
+    result = run_bench(op, cases, "fp16", ["auto"], warmup_ms=5, rep_ms=30, sweep="inference")
+    for row in result.rows:  # both sides within fp16's bound of the fp32 model, tf32 off
+        assert row.status == "ok", (row.shape, row.kernel, row.status, row.rel_err, row.message)
+        assert row.kernel == BASELINE or row.ratio
