@@ -116,7 +116,15 @@ def _conv2d_op(
     kernel: str,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    return _forward(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel, out_dtype)
+    # Replayed like a plain public call: a graph compiled by torch.compile calls this op for every convolution,
+    # and its full path (geometry, config, Triton's launch wrapper) cost about 300 us of host a call, which made a
+    # compiled ResNet-50 at batch 32 run 20.4 ms where the eager one ran 4.4 (H200,
+    # benchmarks/results/2026-11-24-h200/ef944b8/).
+    key = replay.replay_key("fwd", x, weight, bias, (stride, padding, dilation, groups), activation, precision,
+                            kernel, "op", None if out_dtype is None else str(out_dtype))
+    return replay.replay_or_record(key, (x, weight) if bias is None else (x, weight, bias), memory_format_of(x),
+                                   lambda: _forward(x, weight, bias, stride, padding, dilation, groups, activation,
+                                                    precision, kernel, out_dtype))
 
 
 @_conv2d_op.register_fake
