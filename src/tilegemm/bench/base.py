@@ -255,6 +255,19 @@ class ModelBench(BenchOp):
         return self.custom_case(int(parts[0]), mode)
 
     def custom_case(self, batch: int, mode: str) -> Case:
+        """The case of a ``--shape BATCH[,MODE]``: the full-size model on a GPU, the tiny one under the
+        interpreter (:meth:`_require` refuses what cannot run here)."""
+        from tilegemm.core.runtime import interpreting
+
+        tiny = interpreting()
+        self._require(tiny)
+        return self._case(batch, mode, tiny, batch)
+
+    def _require(self, tiny: bool) -> None:
+        """Raise BenchError where the model (tiny or full-size) cannot run here."""
+        raise NotImplementedError
+
+    def _case(self, batch: int, mode: str, tiny: bool, x: float) -> Case:
         raise NotImplementedError
 
     def release(self) -> None:

@@ -97,11 +97,6 @@ class LlamaDecodeBench(ModelBench):
         self._require(tiny=True)
         return [self._case(batch, "eager", True, i) for i, batch in enumerate((1, 2))]
 
-    def custom_case(self, batch, mode):
-        tiny = interpreting()
-        self._require(tiny)
-        return self._case(batch, mode, tiny, batch)
-
     def description(self, cases):
         d = cases[0].dims
         tiny = d["config"] == "tiny"
@@ -242,11 +237,6 @@ class ResNet50Bench(ModelBench):
 
     def _tiny_cases(self) -> list[Case]:
         return [self._case(2, "eager", True, 0)]
-
-    def custom_case(self, batch, mode):
-        tiny = interpreting()
-        self._require(tiny)
-        return self._case(batch, mode, tiny, batch)
 
     def description(self, cases):
         d = cases[0].dims
