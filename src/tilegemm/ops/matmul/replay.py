@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import PLAIN_TENSOR_TYPES, ReplayCache, plain_call, plain_tensor, tensor_key
-from tilegemm.core.runtime import interpreting
+from tilegemm.core.launch import PLAIN_TENSOR_TYPES, ReplayCache, plain_call, plain_tensor, recording, tensor_key
+from tilegemm.core.runtime import interpreting, new_output
+from tilegemm.ops.matmul.call import default_out_dtype
 from tilegemm.core.dtypes import resolve_precision
 
 # Replays of earlier calls without c, keyed by everything Triton specializes a launch on.
@@ -31,7 +32,7 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
     a data pointer is in the key too (``x @ x.mT``; one scale tensor passed for both), so a call that
     aliases replays a launch recorded from a call that aliased the same way.
 
-    Written for host time (about 2 us on an H100's host for a plain 16-bit call): both devices are in the key
+    Written for host time (about 2 us on the H200's host for a plain 16-bit call): both devices are in the key
     rather than compared (a call whose operands are on two devices is refused on the full path, so it is
     never recorded), and the plain-call test of :func:`plain_call` is spelled out for the two operands.
     """
@@ -89,6 +90,24 @@ def lookup(key):
 
 def store(key, launches, tensors, shape) -> None:
     _cache.store(key, launches, tensors, shape=shape, aliases_in_key=True)
+
+
+def replayed(key, a, b, extra: tuple, out_dtype):
+    """The output of a replay of the call recorded under ``key`` with ``a``, ``b`` and ``extra`` (the fp8
+    scales given, then the bias), or None: none recorded, or it declined (recorded for another stream)."""
+    hit = _cache.get(key)
+    if hit is None:
+        return None
+    out = new_output(hit.shape, out_dtype or default_out_dtype(a.dtype), a.device)
+    return out if hit(a, b, out, *extra) else None
+
+
+def recorded(key, a, b, extra: tuple, run):
+    """``run()``'s output, its launches kept under ``key`` for later calls (:func:`replayed`)."""
+    with recording() as rec:
+        out = run()
+    store(key, rec.launches, (a, b, out, *extra), shape=out.shape)
+    return out
 
 
 def clear() -> None:
