@@ -2,9 +2,10 @@
 
 Runs one fresh process to fill a Triton cache for the shape, then a second one that profiles its first call
 (cProfile, import of tilegemm excluded as in tools/first_call.py), and prints the entries with the most
-cumulative time. Writes ``$OUT/profile-first-call-<shape>.txt``.
+cumulative time. With ``--empty`` the profiled process starts from an empty Triton cache (what compiles, and
+for how long). Writes ``$OUT/profile-first-call-<shape>[-empty].txt``.
 
-    PYTHONPATH=src python3 research/profile_first_call.py 777x5000x3000
+    PYTHONPATH=src python3 research/profile_first_call.py 777x5000x3000 [--empty]
 """
 
 from __future__ import annotations
@@ -39,14 +40,19 @@ print(s.getvalue()[-6000:])
 
 
 def main() -> None:
-    shape = sys.argv[1] if len(sys.argv) > 1 else "777x5000x3000"
+    args = [a for a in sys.argv[1:] if a != "--empty"]
+    empty = "--empty" in sys.argv[1:]
+    shape = args[0] if args else "777x5000x3000"
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache, TILEGEMM_TUNING_CACHE="0")
-        subprocess.run([sys.executable, "-c", CHILD, shape], env=env, capture_output=True, text=True, timeout=600)
+        if not empty:
+            subprocess.run([sys.executable, "-c", CHILD, shape], env=env, capture_output=True, text=True,
+                           timeout=600)
         done = subprocess.run([sys.executable, "-c", CHILD, shape], env=env, capture_output=True, text=True,
                               timeout=600)
     text = done.stdout + done.stderr[-3000:]
-    with open(os.path.join(os.environ.get("OUT", "."), f"profile-first-call-{shape}.txt"), "w") as f:
+    name = f"profile-first-call-{shape}{'-empty' if empty else ''}.txt"
+    with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:
         f.write(text)
     print(text[:6000])
 
