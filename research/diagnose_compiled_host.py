@@ -98,6 +98,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--explain", action="store_true", help="only compile and run tilegemm's model (for TORCH_LOGS)")
     args = ap.parse_args()
     torch.manual_seed(0)
     ref = resnet.resnet50().eval().to(device="cuda", dtype=torch.float16, memory_format=torch.channels_last)
@@ -105,6 +106,13 @@ def main():
     x = torch.randn(args.batch, 3, 224, 224, device="cuda", dtype=torch.float16).contiguous(
         memory_format=torch.channels_last)
     torch.backends.cudnn.benchmark = True
+    if args.explain:
+        # run with TORCH_LOGS=graph_breaks,recompiles to see why
+        fn = torch.compile(ours, dynamic=False)
+        with torch.no_grad():
+            for _ in range(3):
+                fn(x)
+        return
     instrument()
     report = {}
     for name, model, compiled in (("tilegemm eager", ours, False), ("cudnn eager", ref, False),

@@ -155,6 +155,15 @@ def interpreting() -> bool:
     return ensure_backend()
 
 
+# Constants of the process to torch.compile: Dynamo calls them while tracing and keeps the result. Traced as
+# code, ensure_backend's lock and warning broke the graph at a model's first convolution or matmul when no call
+# had settled the backend before, and every layer then ran as a graph of its own. The mark is what
+# torch.compiler.assume_constant_result sets; that function imports torch._dynamo, which imports triton, and
+# this module must not (TRITON_INTERPRET is set first). tests/core/test_compile_first.py fails if it stops working.
+for _fn in (ensure_backend, interpreting):
+    _fn._dynamo_marked_constant = True
+
+
 def check_device(name: str, device) -> None:
     """Raise ValueError when a tensor is not on a CUDA device while kernels are compiled for the GPU."""
     if not interpreting() and device.type != "cuda":

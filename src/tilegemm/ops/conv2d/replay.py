@@ -29,6 +29,8 @@ def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tup
     """The key of a call, or None when it may not be replayed. ``part``: ``"fwd"`` or ``"dgrad"``; ``x`` is the
     activation the kernel reads (dy for the data gradient); ``conv``: (stride, padding, dilation, groups) as
     lists; ``options``: whatever else selects the launch (activation, precision, kernel, output layout)."""
+    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest (guards on thread state)
+        return None
     if not plain_tensor(x) or not plain_tensor(weight) or not x.is_cuda or interpreting() or recording_active():
         return None
     if weight.device != x.device:

@@ -36,9 +36,11 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
     rather than compared (a call whose operands are on two devices is refused on the full path, so it is
     never recorded), and the plain-call test of :func:`plain_call` is spelled out for the two operands.
     """
+    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest
+        return None
     if type(a) not in PLAIN_TENSOR_TYPES or type(b) not in PLAIN_TENSOR_TYPES or not a.is_cuda or interpreting():
         return None
-    if torch.compiler.is_compiling() or _dispatch_stack() or _function_mode():
+    if _dispatch_stack() or _function_mode():
         return None
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return None

@@ -38,6 +38,8 @@ def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str) -> tuple:
 def replay_key(x2, w, bias, activation: str, kernel: str):
     """The replay key of a call, or None when the call may not be replayed (CPU, the interpreter, a tensor
     subclass, autograd or a tracer watching, a bias that is not a tensor on x's device)."""
+    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest
+        return None
     if not plain_tensor(x2) or not x2.is_cuda or interpreting():
         return None
     if bias is not None and (not plain_tensor(bias) or bias.device != x2.device):
