@@ -3,7 +3,7 @@
 Builds torchvision's ResNet-50 (random weights, fp16, channels-last), converts a copy with
 ``tilegemm.nn.convert_``, compiles both with ``torch.compile(dynamic=False)`` and for each reports the host
 time of one forward (calls queued back to back, the GPU never waited on), the GPU time (CUDA events over
-the same calls), how many conv2d op calls were keyed / replayed / recorded / ran their full path, and the
+the same calls), the host time of one forward issued into an empty queue, do_bench's median (as the bench), how many conv2d op calls were keyed / replayed / recorded / ran their full path, and the
 top of a cProfile of a few forwards.
 
     PYTHONPATH=src python3 research/diagnose_compiled_host.py [--batch 32] [--eager] [--out DIR]
@@ -81,6 +81,26 @@ def measure(fn, x, calls=20):
         return host, start.elapsed_time(end) / calls
 
 
+def host_alone(fn, x, calls=20):
+    """Median host time of one forward issued into an idle GPU's empty queue (launches never block), ms."""
+    times = []
+    with torch.no_grad():
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn(x)
+            times.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+def bench_ms(fn, x):
+    import triton.testing
+
+    with torch.no_grad():
+        return triton.testing.do_bench(lambda: fn(x))
+
+
 def profile(fn, x, calls=5):
     pr = cProfile.Profile()
     with torch.no_grad():
@@ -127,11 +147,14 @@ def main():
         host, gpu = measure(fn, x)
         per_call = dict(counts)
         counts.clear()
+        alone, timed = host_alone(fn, x), bench_ms(fn, x)
         prof = profile(fn, x)
-        report[name] = dict(host_ms=round(host, 3), gpu_ms=round(gpu, 3), counts_per_23_calls=per_call)
+        report[name] = dict(host_ms=round(host, 3), gpu_ms=round(gpu, 3), host_alone_ms=round(alone, 3),
+                            do_bench_ms=round(timed, 3), counts_per_23_calls=per_call)
         with open(os.path.join(args.out, f"profile-{name.replace(' ', '-')}.txt"), "w") as f:
             f.write(prof)
-        print(f"{name:18s} host {host:7.2f} ms  gpu {gpu:7.2f} ms  {per_call}", flush=True)
+        print(f"{name:18s} back to back: host {host:6.2f} ms gpu {gpu:6.2f} ms; one call's host {alone:6.2f} ms; "
+              f"do_bench {timed:6.2f} ms  {per_call}", flush=True)
     with open(os.path.join(args.out, "compiled-host.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
 
