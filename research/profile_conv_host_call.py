@@ -31,9 +31,9 @@ def main() -> None:
     cl = torch.channels_last
     x = torch.randn(1, 64, 14, 14, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
     w = torch.nn.Parameter(torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.float16).contiguous(memory_format=cl))
-    op_args = (x, w, None, [1, 1], [1, 1], [1, 1], 1, "none", "default", "auto")
+    op_args = (x, w, None, [1, 1], [1, 1, 1, 1], [1, 1], 1, "none", "default", "auto")
     raw = conv_op._conv2d_op._init_fn  # the decorated Python function itself
-    key = replay.replay_key("fwd", x, w, None, ([1, 1], [1, 1], [1, 1], 1), "none", "default", "auto", "op", None)
+    key = replay.replay_key("fwd", x, w, None, ([1, 1], [1, 1, 1, 1], [1, 1], 1), "none", "default", "auto", "op", None)
 
     def per_call(fn):
         return host_us_per_call(fn, calls=2000)
