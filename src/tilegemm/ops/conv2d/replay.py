@@ -19,40 +19,53 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import ReplayCache, plain_call, plain_tensor, recording, recording_active, tensor_key
+from tilegemm.core.launch import PLAIN_TENSOR_TYPES, ReplayCache, recording, recording_active, tensor_key
 from tilegemm.core.runtime import interpreting
 
 _cache = ReplayCache()
+_dispatch_stack = torch._C._len_torch_dispatch_stack
+_function_mode = torch._C._is_torch_function_mode_enabled
 
 
 def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tuple, *options):
     """The key of a call, or None when it may not be replayed. ``part``: ``"fwd"`` or ``"dgrad"``; ``x`` is the
     activation the kernel reads (dy for the data gradient); ``conv``: (stride, padding, dilation, groups) as
-    lists; ``options``: whatever else selects the launch (activation, precision, kernel, output layout)."""
+    lists; ``options``: whatever else selects the launch (activation, precision, kernel, output layout).
+
+    Written for host time, as matmul's: the tests of :func:`plain_call` spelled out, and the devices in the key
+    rather than compared (a call on two devices is refused on the full path, so it is never recorded)."""
     if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest (guards on thread state)
         return None
-    if not plain_tensor(x) or not plain_tensor(weight) or not x.is_cuda or interpreting() or recording_active():
+    if type(x) not in PLAIN_TENSOR_TYPES or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
         return None
-    if weight.device != x.device:
+    if interpreting() or recording_active() or _dispatch_stack() or _function_mode():
         return None
-    if bias is not None and (not plain_tensor(bias) or bias.device != x.device):
+    if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
         return None
-    if not plain_call(x, weight, bias):
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias is not None and bias.requires_grad):
         return None
     return key_of(part, x, weight, bias, conv, *options)
+
+
+_OPTION_TYPES = (str, int, bool, tuple, type(None))
 
 
 def key_of(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tuple, *options):
     """The key itself (see :func:`replay_key`), or None if an argument cannot be part of one."""
     geometry = []
     for c in conv:  # ints, strings ("same") and sequences of ints, as the public function takes them
-        if type(c) in (list, tuple) and all(type(v) is int for v in c):
+        t = type(c)
+        if t is list or t is tuple:
+            for v in c:
+                if type(v) is not int:
+                    return None  # something the checks will reject, naming it, on the full path
             c = tuple(c)
-        elif type(c) not in (int, str):
-            return None  # something the checks will reject, naming it, on the full path
+        elif t is not int and t is not str:
+            return None
         geometry.append(c)
-    if any(type(o) not in (str, int, bool, tuple, type(None)) for o in options):
-        return None
+    for o in options:
+        if type(o) not in _OPTION_TYPES:
+            return None
     precision = torch.get_float32_matmul_precision() if x.dtype == torch.float32 else None
     return (part, tensor_key(x), tensor_key(weight), None if bias is None else tensor_key(bias), tuple(geometry),
             precision, options)

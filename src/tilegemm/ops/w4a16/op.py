@@ -12,6 +12,7 @@ from tilegemm.core.activations import ACTIVATIONS, check_activation  # noqa: F40
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.runtime import check_same_device, interpreting, new_output, on_device
 from tilegemm.core.launch import plain_call, recording
+from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.w4a16 import configs, replay
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, fits_fragments, validate
 
@@ -161,6 +162,7 @@ def _backward(ctx, grad_out):
 
 
 _w4a16_op.register_autograd(_backward, setup_context=_setup_context)
+lean_autograd(_w4a16_op)  # a compiled graph's calls skip the custom op's Python layers (core/torch_ops.py)
 
 
 # --- the public function --------------------------------------------------------------------------------

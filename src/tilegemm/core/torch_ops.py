@@ -1,0 +1,65 @@
+"""What every family's registered op (``torch.library.custom_op``) shares: a lean autograd-key kernel.
+
+A graph compiled by ``torch.compile`` calls ``torch.ops.tilegemm.*`` for every convolution and matmul. A
+``custom_op``'s call runs three Python layers before the op's own function: the autograd kernel (even with no
+gradient to record), a redispatch below autograd, and the backend kernel's aliasing check inside a wrapper
+that turns Dynamo off and on. On the H100 machine's host that was 60 us of a 104 us call of a replayed
+convolution (research/profile_conv_host_call.py), and a compiled ResNet-50 at batch 32 spent more time on
+its host than its GPU.
+
+:func:`lean_autograd` gives such an op an autograd kernel that calls the op's function at once when nothing
+needs to see the call (no gradient, plain tensors, no dispatch or function mode, not tracing): what the
+redispatch would have reached with the same arguments. Any other call takes the custom op's own autograd
+kernel (gradients, fake and functional tensors, subclasses, modes).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from tilegemm.core.launch import PLAIN_TENSOR_TYPES
+
+_dispatch_stack = torch._C._len_torch_dispatch_stack
+_function_mode = torch._C._is_torch_function_mode_enabled
+
+
+def plain_args(args: tuple) -> bool:
+    """True when no tracer, mode, subclass or gradient needs to see an op called with ``args`` (positional,
+    as the dispatcher passes them): tensors plain and not requiring a gradient while grad mode is on."""
+    if _dispatch_stack() or _function_mode() or torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) not in PLAIN_TENSOR_TYPES or (grad and a.requires_grad):
+                return False
+        elif type(a) in (list, tuple) and any(isinstance(t, torch.Tensor) for t in a):
+            return False  # tensor lists: left to the custom op's own kernel
+    return True
+
+
+def lean_autograd(op) -> bool:
+    """Install the lean autograd kernel on ``op`` (a ``torch.library.custom_op`` whose autograd, if any, is
+    registered already); True when installed. Built on torch internals (``make_autograd_impl``, the custom
+    op's library and function): where they are missing, the op keeps its own kernel and this returns False
+    (tests/core/test_torch_ops.py fails then, so the loss does not go unnoticed)."""
+    try:
+        from torch._library.autograd import make_autograd_impl
+
+        full = make_autograd_impl(op._opoverload, op)  # the custom op's own kernel (reads op's autograd info)
+        fn, lib, name = op._init_fn, op._lib, op._name
+    except (ImportError, AttributeError, TypeError):
+        return False
+
+    def kernel(keyset, *args, **kwargs):
+        if not kwargs and plain_args(args):
+            return fn(*args)
+        return full(keyset, *args, **kwargs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": the point
+        lib.impl(name, kernel, "Autograd", with_keyset=True)
+    op._tilegemm_lean_autograd = True
+    return True

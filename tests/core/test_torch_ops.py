@@ -1,0 +1,73 @@
+"""The registered ops' lean autograd kernel (tilegemm.core.torch_ops): installed on every op, taken only by
+calls that nothing needs to see, and the same answer as the custom op's own path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tilegemm
+from tilegemm.core.torch_ops import plain_args
+from tilegemm.ops.conv2d import op as conv_op
+from tilegemm.ops.matmul import torch_op as matmul_torch_op
+from tilegemm.ops.w4a16 import op as w4a16_op
+
+
+class PassThrough(TorchDispatchMode):
+    """A mode that changes nothing: calls under it must take the custom op's own path."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("op", [conv_op._conv2d_op, conv_op._dgrad_op, conv_op._wgrad_op, matmul_torch_op.matmul_op,
+                                w4a16_op._w4a16_op], ids=lambda o: o._name)
+def test_every_op_has_the_lean_kernel(op):
+    # False means torch's internals moved and compiled graphs pay the custom op's Python layers again
+    assert getattr(op, "_tilegemm_lean_autograd", False)
+
+
+def test_plain_args():
+    x, p = torch.randn(3), torch.nn.Parameter(torch.randn(3))
+    assert plain_args((x, [1, 2], 3, "relu", None))
+    assert not plain_args((x, p))  # grad mode on and a parameter: autograd must see it
+    with torch.no_grad():
+        assert plain_args((x, p))
+    assert not plain_args((x, [x]))  # a tensor list
+    with torch.no_grad(), PassThrough():
+        assert not plain_args((x,))
+
+    class Sub(torch.Tensor):
+        pass
+
+    with torch.no_grad():
+        assert not plain_args((x.as_subclass(Sub),))
+
+
+def test_conv2d_op_lean_and_full_paths_agree(device):
+    x = torch.randn(2, 4, 7, 6, device=device)
+    w = torch.nn.Parameter(torch.randn(8, 4, 3, 3, device=device))
+    args = (x, w, None, [1, 1], [1, 1, 1, 1], [1, 1], 1, "relu", "ieee", "auto")
+    with torch.no_grad():
+        lean = torch.ops.tilegemm.conv2d.default(*args)
+        with PassThrough():
+            full = torch.ops.tilegemm.conv2d.default(*args)
+    ref = torch.relu(torch.nn.functional.conv2d(x, w.detach(), padding=1))
+    torch.testing.assert_close(lean, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
+    assert not lean.requires_grad
+    out = torch.ops.tilegemm.conv2d.default(*args)  # grad mode: the custom op's kernel records the graph
+    out.sum().backward()
+    assert w.grad is not None and w.grad.shape == w.shape
+
+
+def test_matmul_under_no_grad_and_with_grad(device):
+    a = torch.randn(17, 9, device=device)
+    b = torch.nn.Parameter(torch.randn(9, 5, device=device))
+    with torch.no_grad():
+        y = tilegemm.nn.Linear(9, 5).to(device)(a)
+    assert y.shape == (17, 5) and not y.requires_grad
+    out = tilegemm.matmul(a, b, precision="ieee")
+    out.sum().backward()
+    torch.testing.assert_close(b.grad, a.sum(0)[:, None].expand(9, 5), rtol=1e-5, atol=1e-5)
