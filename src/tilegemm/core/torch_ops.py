@@ -43,8 +43,9 @@ def plain_args(args: tuple) -> bool:
 def lean_autograd(op) -> bool:
     """Install the lean autograd kernel on ``op`` (a ``torch.library.custom_op`` whose autograd, if any, is
     registered already); True when installed. Built on torch internals (``make_autograd_impl``, the custom
-    op's library and function): where they are missing, the op keeps its own kernel and this returns False
-    (tests/core/test_torch_ops.py fails then, so the loss does not go unnoticed)."""
+    op's library and function) and ``Library.impl(..., allow_override=True)``: where they are missing or
+    refuse, the op keeps its own kernel and this returns False (tests/core/test_torch_ops.py fails then, so
+    the loss does not go unnoticed)."""
     try:
         from torch._library.autograd import make_autograd_impl
 
@@ -58,8 +59,11 @@ def lean_autograd(op) -> bool:
             return fn(*args)
         return full(keyset, *args, **kwargs)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": the point
-        lib.impl(name, kernel, "Autograd", with_keyset=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": the point
+            lib.impl(name, kernel, "Autograd", with_keyset=True, allow_override=True)
+    except (RuntimeError, TypeError):
+        return False
     op._tilegemm_lean_autograd = True
     return True
