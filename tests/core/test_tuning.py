@@ -593,6 +593,8 @@ def test_warmup_calls_each_known_shape_class_once(cache, monkeypatch):
 def test_warmup_command_under_the_interpreter_compiles_nothing(capsys):
     from tilegemm.cli import main
 
+    if not tilegemm.interpreting():
+        pytest.skip("the interpreter's behaviour (on a GPU, warmup compiles the shipped classes)")
     assert main(["warmup"]) == 0
     assert "nothing to warm up" in capsys.readouterr().out
     assert main(["warmup", "--op", "copy"]) == 2
