@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tilegemm
-from tilegemm.core.torch_ops import plain_args
+from tilegemm.core.torch_ops import _tensor_positions, plain_args
 from tilegemm.ops.conv2d import op as conv_op
 from tilegemm.ops.matmul import torch_op as matmul_torch_op
 from tilegemm.ops.w4a16 import op as w4a16_op
@@ -28,6 +28,14 @@ def test_every_op_has_the_lean_kernel(op):
     assert getattr(op, "_tilegemm_lean_autograd", False)
 
 
+def test_tensor_positions_come_from_the_schema():
+    assert _tensor_positions(conv_op._conv2d_op._opoverload._schema) == (0, 1, 2)  # x, weight, bias (optional)
+    assert _tensor_positions(conv_op._dgrad_op._opoverload._schema) == (0, 1)
+    lib = torch.library.Library("tilegemm_test_positions", "FRAGMENT")
+    lib.define("f(Tensor[] xs, int n) -> Tensor")
+    assert _tensor_positions(torch.ops.tilegemm_test_positions.f.default._schema) is None  # a list: look at all
+
+
 def test_plain_args():
     x, p = torch.randn(3), torch.nn.Parameter(torch.randn(3))
     assert plain_args((x, [1, 2], 3, "relu", None))
@@ -43,6 +51,10 @@ def test_plain_args():
 
     with torch.no_grad():
         assert not plain_args((x.as_subclass(Sub),))
+        assert not plain_args((x, x.as_subclass(Sub)), (0, 1))
+        assert plain_args((x, x.as_subclass(Sub)), (0,))  # only the positions asked about
+        assert plain_args((x, None, 3), (0, 1))  # an optional tensor left out
+    assert not plain_args((x, p, None), (0, 1, 2))
 
 
 def test_conv2d_op_lean_and_full_paths_agree(device):
