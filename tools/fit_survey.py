@@ -55,7 +55,7 @@ def table(gpu: str, sources: list[str], rows, layout: str = "NN") -> dict:
                 configs=[[rung, json.loads(cfg)] for rung, cfg in configs], shapes=shapes)
 
 
-def check(doc: dict, rows) -> None:
+def check(doc: dict, rows, sms: int) -> None:
     def gm(xs):
         return math.exp(sum(map(math.log, xs)) / len(xs))
 
@@ -63,7 +63,7 @@ def check(doc: dict, rows) -> None:
     picked, best, auto = [], [], []
     for i, (M, N, K, cublas, auto_us, timed) in enumerate(rows):
         others = doc["shapes"][:i] + doc["shapes"][i + 1:]
-        order = rank(others, (M, N, K), [configs.index(c) for c in timed])
+        order = rank(others, (M, N, K), [configs.index(c) for c in timed], doc["configs"], sms)  # as auto ranks
         picked.append(cublas / timed[configs[order[0]]])
         best.append(cublas / min(timed.values()))
         auto.append(cublas / auto_us)
@@ -83,7 +83,7 @@ def main() -> None:
                for p in args.surveys]
     doc = table(gpu, sources, rows, layout)
     if args.check:
-        check(doc, rows)
+        check(doc, rows, json.load(open(args.surveys[0]))["machine"]["sm_count"])
     if args.write:
         path = table_path(gpu, layout)
         path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")

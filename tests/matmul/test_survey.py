@@ -48,6 +48,32 @@ def test_rank_follows_the_nearest_shapes_and_counts_missing_candidates_at_the_fl
     assert survey.distance((1, 1, 1), (2, 4, 1)) == 3.0
 
 
+def test_utilization_counts_waves_and_padding():
+    tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
+    assert survey.utilization(tile, (1024, 1024, 4096), 64) == 1.0  # 64 tiles on 64 SMs, nothing padded
+    assert survey.utilization(tile, (1024, 1024, 4096), 132) == pytest.approx(64 / 132)  # one part-filled wave
+    assert survey.utilization(tile, (1000, 1024, 4096), 64) == pytest.approx(1000 / 1024)  # edge rows padded
+    split = dict(tile, SPLIT_K=2)  # 128 programs of 32 K steps each
+    assert survey.utilization(split, (1024, 1024, 4096), 132) == pytest.approx(128 / 132)
+    assert survey.utilization(dict(tile, SPLIT_K="wave"), (1000, 1024, 4096), 132) == pytest.approx(1000 / 1024)
+    gluon = dict(BLOCK_M=128, BLOCK_N=128)  # no BLOCK_K: the Gluon kernel's 64
+    assert survey.utilization(gluon, (128, 128, 96), 1) == pytest.approx(96 / 128)
+
+
+def test_rank_with_configs_moves_a_candidate_by_its_fill_of_the_gpu():
+    # one neighbour (8 tiles) where the unsplit candidate ran best: at the neighbour's own shape the order stays
+    configs = [["autotuned", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)],
+               ["split_k", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K="wave")]]
+    shapes = [[512, 256, 4096, [[0, 1.0], [1, 0.9]]]]
+    assert survey.rank(shapes, (512, 256, 4096), [0, 1], configs, 132) == [0, 1]
+    # a target with 16x the tiles: the unsplit kernel fills the GPU there, as the wave split did already
+    assert survey.rank(shapes, (2048, 1024, 4096), [0, 1], configs, 132) == [0, 1]
+    # the neighbour had 132 tiles (a full wave); the target has 8: the unsplit candidate leaves 124 SMs idle
+    shapes = [[128 * 12, 128 * 11, 512, [[0, 1.0], [1, 0.9]]]]
+    assert survey.rank(shapes, (512, 256, 512), [0, 1], configs, 132) == [1, 0]
+    assert survey.rank(shapes, (512, 256, 512), [0, 1]) == [0, 1]  # without configs: as before
+
+
 @pytest.mark.parametrize("path", TABLES, ids=lambda p: p.stem)
 def test_shipped_tables_hold_only_candidates_of_their_rungs(path, monkeypatch):
     from tilegemm.ops.matmul import configs, gluon_f16, persistent_tma, split_k

@@ -7,11 +7,14 @@ the candidate's) in ``tuned/survey/<gpu>.json`` (NN) and ``<gpu>-<layout>.json``
 NT, ``nn.Linear``'s ``x @ W.T``). For a problem of such a layout whose shape class has no tuned entry, ``auto``
 ranks the candidates valid for it by their efficiency on the :data:`NEIGHBOURS` surveyed shapes nearest to it
 (the sum of |log2| ratios of M, N and K), weighted by ``1 / (DISTANCE_SOFTENING + distance)``, averaging logs;
-a candidate a neighbour did not keep counts as :data:`FLOOR`. It launches the best-ranked one.
+a candidate a neighbour did not keep counts as :data:`FLOOR`. Each neighbour's log-efficiency is moved by how
+the candidate's launch fills the GPU at the target rather than there (:func:`utilization`, :data:`WAVE_WEIGHT`).
+It launches the best-ranked one.
 
 It applies at every size. On the H200's and H100's surveys (480 shapes each, fp16), this choice made for each
-shape from the other shapes' data ran 0.92x / 0.91x cuBLAS (geomean) as replayed launches, against 0.96x / 0.99x
-for the best candidate of each shape (``tools/fit_survey.py --check``). Small products gain most: made from one
+shape from the other shapes' data ran 0.927x / 0.922x cuBLAS (geomean) as replayed launches, against 0.96x / 0.99x
+for the best candidate of each shape (``tools/fit_survey.py --check``; 0.915x / 0.905x without the utilization
+correction, research/explore_survey_waves.py). Small products gain most: made (before that correction) from one
 seed's survey for another seed's shapes under 1 us of work, it ran 0.945x / 0.995x cuBLAS where the rules ran
 0.883x / 0.914x (H200 / H100; 1-3.5 us: 0.854x / 0.900x against 0.784x / 0.866x). On the bench's random sweep's
 products under 3.5 us (H200) it ran 3.8% faster than the rules, with the same time through the op as in a CUDA
@@ -33,6 +36,12 @@ NEIGHBOURS = 3
 DISTANCE_SOFTENING = 0.25
 FLOOR = 0.5  # efficiency assumed for a candidate a neighbour ran slower than this (or not at all)
 FIXED_SPLITS = (1, 2, 3, 4, 8)  # split_k's fixed splits; larger ones are the wave-filling split of the shape
+# How much a change of utilization (:func:`utilization`) from a neighbour to the target moves a candidate's
+# log-efficiency. Fitted: leave-one-out on the H200's and H100's NN, NT and TN surveys and cross-seed, choices
+# 1.3-2.9% faster (geomean) than without (0); any weight from 0.25 to 1 beats 0 on every survey
+# (research/explore_survey_waves.py).
+WAVE_WEIGHT = 0.5
+GLUON_BLOCK_K = 64  # gluon_f16's K step (its configs do not name one)
 
 
 def identity(rung: str, config: dict) -> tuple[str, str]:
@@ -47,29 +56,56 @@ def distance(a, b) -> float:
     return sum(abs(math.log2(max(x, 1) / max(y, 1))) for x, y in zip(a, b))
 
 
-def rank(shapes: list, target: tuple[int, int, int], candidates: list[int]) -> list[int]:
+def utilization(config: dict, shape, sms: int) -> float:
+    """The share of what ``config``'s launch at ``shape`` (M, N, K) could compute in the waves it takes that is the
+    product's own: the padding of edge tiles and of K slices times the fill of the last wave of programs (one an
+    SM: ``autotuned`` and ``split_k``'s tiles times SPLIT_K, ``persistent_tma``'s tiles on as many SMs). A
+    wave-filling split (``"wave"``) fills the GPU by construction: its tiles' padding only."""
+    M, N, K = (max(d, 1) for d in shape)
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config.get("BLOCK_K", GLUON_BLOCK_K)
+    tiles = -(-M // bm) * -(-N // bn)
+    split = config.get("SPLIT_K", 1)
+    if split == "wave":
+        return M * N / (tiles * bm * bn)
+    programs, steps = tiles * split, -(-K // (bk * split))  # steps: a program's K steps (at most)
+    return M * N * K / (-(-programs // sms) * sms * bm * bn * steps * bk)
+
+
+def rank(shapes: list, target: tuple[int, int, int], candidates: list[int], configs: list | None = None,
+         sms: int | None = None) -> list[int]:
     """``candidates`` (indices into the table's configs) best first for an ``(M, N, K)`` target, from the
-    :data:`NEIGHBOURS` nearest of ``shapes`` (``[M, N, K, [[index, efficiency], ...]]``)."""
-    return _rank(_indexed(shapes), target, candidates)
+    :data:`NEIGHBOURS` nearest of ``shapes`` (``[M, N, K, [[index, efficiency], ...]]``); with the table's
+    ``configs`` (``[rung, config]``) and the GPU's ``sms``, corrected for utilization as ``auto`` ranks."""
+    return _rank(_indexed(shapes), target, candidates, configs, sms)
 
 
-def _indexed(shapes: list) -> list[tuple[float, float, float, dict]]:
-    """The shapes as (log2 M, log2 N, log2 K, {candidate: efficiency}): what ranking reads."""
-    return [(*(math.log2(max(d, 1)) for d in shape[:3]), dict((i, e) for i, e in shape[3])) for shape in shapes]
+def _indexed(shapes: list) -> list[tuple[float, float, float, dict, tuple]]:
+    """The shapes as (log2 M, log2 N, log2 K, {candidate: efficiency}, (M, N, K)): what ranking reads."""
+    return [(*(math.log2(max(d, 1)) for d in shape[:3]), dict((i, e) for i, e in shape[3]), tuple(shape[:3]))
+            for shape in shapes]
 
 
-def _rank(indexed: list, target, candidates: list[int]) -> list[int]:
+def _rank(indexed: list, target, candidates: list[int], configs: list | None = None,
+          sms: int | None = None) -> list[int]:
     logs = [math.log2(max(d, 1)) for d in target]
 
     def away(shape) -> float:
         return abs(shape[0] - logs[0]) + abs(shape[1] - logs[1]) + abs(shape[2] - logs[2])
 
+    # A neighbour's efficiency of a candidate partly reflects how its grid filled the GPU there: a partial last
+    # wave, edge tiles and K slices padded (a long-K product with few tiles leaves most SMs idle without a K
+    # split). Each neighbour's log-efficiency is moved by WAVE_WEIGHT x the log of the candidate's utilization
+    # at the target over that at the neighbour (floors too: a candidate slow there may fill the GPU here).
+    def filled(i, shape) -> float:
+        return WAVE_WEIGHT * math.log(utilization(configs[i][1], shape, sms)) if configs is not None else 0.0
+
+    here = {i: filled(i, target) for i in candidates}
     score = dict.fromkeys(candidates, 0.0)
     for shape in heapq.nsmallest(NEIGHBOURS, indexed, key=away):
         weight = 1.0 / (DISTANCE_SOFTENING + away(shape))
         kept = shape[3]
         for i in candidates:
-            score[i] += weight * math.log(kept.get(i, FLOOR))
+            score[i] += weight * (math.log(kept.get(i, FLOOR)) + here[i] - filled(i, shape[4]))
     return sorted(candidates, key=lambda i: (-score[i], i))
 
 
@@ -109,8 +145,10 @@ def table_for(gpu_name: str, layout: str = "NN") -> dict | None:
                 # the surveyed box (log2 of M, N, K): the neighbours say nothing of shapes far outside it
                 bounds = [(min(sh[d] for sh in shapes), max(sh[d] for sh in shapes)) for d in range(3)]
                 table = dict(configs=configs, shapes=shapes, bounds=bounds)
-                if not all(0 <= i < len(configs) for *_, kept in table["shapes"] for i in kept):
+                if not all(0 <= i < len(configs) for shape in shapes for i in shape[3]):
                     raise ValueError("a shape names a config the table lacks")
+                if not all("BLOCK_M" in config and "BLOCK_N" in config for _, config in configs):
+                    raise ValueError("a config without its tile")  # utilization() reads it
             except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
                 import warnings
 
@@ -171,7 +209,9 @@ def choose(p) -> tuple[str, dict] | None:
         configs = table["configs"]
         valid = _valid_candidates(p, configs, described)
         if valid:
-            best = _rank(table["shapes"], (p.M, p.N, p.K), valid)[0]
+            from tilegemm.core.hardware import sm_count
+
+            best = _rank(table["shapes"], (p.M, p.N, p.K), valid, configs, sm_count(p.out.device))[0]
             rung, config = configs[best]
             picked = rung, _resolved(p, rung, config)
     if len(_choices) >= 4096:
