@@ -4,13 +4,16 @@
 - default: the survey against the rules alone, on shapes of one layout drawn like ``tools/survey_configs.py``
   draws them, from a seed no table was built from;
 - ``--misaligned``: ``split_k.misaligned_config`` against the rules before it, on the misaligned third of a
-  random-sweep-like draw (another seed than the sweep's) with M <= 16.
+  random-sweep-like draw (another seed than the sweep's) with M <= 16;
+- ``--utilization``: the survey's ranking with its utilization correction (``survey.WAVE_WEIGHT``) against
+  without it (0), on shapes drawn as by default.
 
 For each shape: cuBLAS, auto, auto with the choice turned off; do_bench medians, alternating, the better of
 two rounds. Writes ``$OUT/ab-<survey|misaligned>-<dtype>-<layout>-s<seed>.json``.
 
     PYTHONPATH=src python3 research/ab_survey.py --layout NT --seed 29 --count 80 [--dtype fp16] [--budget 300]
     PYTHONPATH=src python3 research/ab_survey.py --misaligned --seed 31 --count 60
+    PYTHONPATH=src python3 research/ab_survey.py --utilization --layout NN --seed 37 --count 80
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 import tilegemm
 import torch
 import triton.testing
-from tilegemm.ops.matmul import dispatch, replay, split_k
+from tilegemm.ops.matmul import dispatch, replay, split_k, survey
 from tilegemm.ops.matmul.bench import _random_cases
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
@@ -48,6 +51,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--misaligned", action="store_true")
+    ap.add_argument("--utilization", action="store_true")
     a_ = ap.parse_args()
     if a_.misaligned:
         if a_.seed == 2026:
@@ -55,6 +59,9 @@ def main() -> None:
         cases = _random_cases(30 * a_.count, a_.seed)
         shapes = [tuple(c.dims.values()) for i, c in enumerate(cases) if i % 3 == 2 and c.dims["M"] <= 16][:a_.count]
         owner, name, off = split_k, "misaligned_config", lambda p: None
+    elif a_.utilization:
+        shapes = survey_shapes(a_.count, a_.seed)
+        owner, name, off = survey, "WAVE_WEIGHT", 0.0
     else:
         shapes = survey_shapes(a_.count, a_.seed)
         owner, name, off = dispatch, "surveyed", lambda p: None
@@ -67,8 +74,10 @@ def main() -> None:
         ref = torch.matmul(a.float(), b.float())
         row = dict(shape=f"{M}x{N}x{K}")
         picks = []
-        setattr(owner, name, lambda p: picks.append(real(p)) or picks[-1])
+        if not a_.utilization:
+            setattr(owner, name, lambda p: picks.append(real(p)) or picks[-1])
         replay.clear()
+        survey._choices.clear()
         out = tilegemm.matmul(a, b)
         row["pick"] = picks[0] if picks else None
         row["err"] = float(((out.float() - ref).norm() / ref.norm()).item())
@@ -77,14 +86,17 @@ def main() -> None:
         for _ in range(2):
             cub.append(bench(lambda: torch.matmul(a, b)))
             replay.clear()
+            survey._choices.clear()
             on.append(bench(lambda: tilegemm.matmul(a, b)))
             setattr(owner, name, off)
             replay.clear()
+            survey._choices.clear()
             try:
                 off_.append(bench(lambda: tilegemm.matmul(a, b)))
             finally:
                 setattr(owner, name, real)
                 replay.clear()
+                survey._choices.clear()
         row.update(cublas_us=min(cub), with_us=min(on), without_us=min(off_))
         rows.append(row)
         print(f"{row['shape']:>18} cuBLAS {row['cublas_us']:7.1f}  with {row['with_us']:7.1f}  without "
@@ -95,7 +107,7 @@ def main() -> None:
     summary = dict(shapes=len(rows), with_choice=gm("with_us"), without=gm("without_us"),
                    picked=sum(1 for r in rows if r["pick"]), max_err=max(r["err"] for r in rows))
     print(json.dumps(summary))
-    kind = "misaligned" if a_.misaligned else "survey"
+    kind = "misaligned" if a_.misaligned else "utilization" if a_.utilization else "survey"
     path = os.path.join(os.environ.get("OUT", "."), f"ab-{kind}-{a_.dtype}-{a_.layout}-s{a_.seed}.json")
     with open(path, "w") as f:
         json.dump(dict(git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"), layout=a_.layout, seed=a_.seed,
