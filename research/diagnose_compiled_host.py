@@ -3,8 +3,9 @@
 Builds torchvision's ResNet-50 (random weights, fp16, channels-last), converts a copy with
 ``tilegemm.nn.convert_``, compiles both with ``torch.compile(dynamic=False)`` and for each reports the host
 time of one forward (calls queued back to back, the GPU never waited on), the GPU time (CUDA events over
-the same calls), the host time of one forward issued into an empty queue, do_bench's median (as the bench), how many conv2d op calls were keyed / replayed / recorded / ran their full path, and the
-top of a cProfile of a few forwards.
+the same calls), the host time of one forward issued into an empty queue, do_bench's median (as the bench),
+how many conv2d op calls were keyed / replayed / recorded / ran their full path, and the top of a cProfile of
+a few forwards.
 
     PYTHONPATH=src python3 research/diagnose_compiled_host.py [--batch 32] [--eager] [--out DIR]
 """

@@ -42,7 +42,8 @@ def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tup
         return None
     if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias is not None and bias.requires_grad):
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or bias is not None and bias.requires_grad):
         return None
     return key_of(part, x, weight, bias, conv, *options)
 
