@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tilegemm
 from tilegemm.ops.matmul import dispatch, survey
@@ -58,6 +60,25 @@ def test_utilization_counts_waves_and_padding():
     assert survey.utilization(dict(tile, SPLIT_K="wave"), (1000, 1024, 4096), 132) == pytest.approx(1000 / 1024)
     gluon = dict(BLOCK_M=128, BLOCK_N=128)  # no BLOCK_K: the Gluon kernel's 64
     assert survey.utilization(gluon, (128, 128, 96), 1) == pytest.approx(96 / 128)
+
+
+@settings(max_examples=300, deadline=None)
+@given(M=st.integers(1, 20000), N=st.integers(1, 30000), K=st.integers(1, 30000),
+       bm=st.sampled_from([16, 32, 64, 128, 256]), bn=st.sampled_from([32, 64, 128, 256]),
+       bk=st.sampled_from([None, 32, 64, 128]), split=st.sampled_from([None, 1, 2, 3, 4, 8, 16, "wave"]),
+       sms=st.sampled_from([1, 78, 114, 132]))
+def test_utilization_is_a_share(M, N, K, bm, bn, bk, split, sms):
+    config = dict(BLOCK_M=bm, BLOCK_N=bn)
+    if bk is not None:
+        config["BLOCK_K"] = bk
+    if split is not None:
+        config["SPLIT_K"] = split
+    u = survey.utilization(config, (M, N, K), sms)
+    assert 0.0 < u <= 1.0 + 1e-12
+    if M % bm == 0 and N % bn == 0 and split in (None, 1, "wave") and K % (bk or survey.GLUON_BLOCK_K) == 0:
+        tiles = (M // bm) * (N // bn)
+        expected = 1.0 if split == "wave" else tiles / (-(-tiles // sms) * sms)
+        assert u == pytest.approx(expected)
 
 
 def test_rank_with_configs_moves_a_candidate_by_its_fill_of_the_gpu():
