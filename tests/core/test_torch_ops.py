@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tilegemm
-from tilegemm.core.torch_ops import _tensor_positions, plain_args
+from tilegemm.core.torch_ops import _tensor_positions, lean_autograd, plain_args
 from tilegemm.ops.conv2d import op as conv_op
 from tilegemm.ops.matmul import torch_op as matmul_torch_op
 from tilegemm.ops.w4a16 import op as w4a16_op
@@ -38,23 +38,33 @@ def test_tensor_positions_come_from_the_schema():
 
 def test_plain_args():
     x, p = torch.randn(3), torch.nn.Parameter(torch.randn(3))
-    assert plain_args((x, [1, 2], 3, "relu", None))
-    assert not plain_args((x, p))  # grad mode on and a parameter: autograd must see it
+    assert plain_args((x, [1, 2], 3, "relu", None), (0, 4))
+    assert not plain_args((x, p), (0, 1))  # grad mode on and a parameter: autograd must see it
     with torch.no_grad():
-        assert plain_args((x, p))
-    assert not plain_args((x, [x]))  # a tensor list
+        assert plain_args((x, p), (0, 1))
     with torch.no_grad(), PassThrough():
-        assert not plain_args((x,))
+        assert not plain_args((x,), (0,))
 
     class Sub(torch.Tensor):
         pass
 
     with torch.no_grad():
-        assert not plain_args((x.as_subclass(Sub),))
+        assert not plain_args((x.as_subclass(Sub),), (0,))
         assert not plain_args((x, x.as_subclass(Sub)), (0, 1))
         assert plain_args((x, x.as_subclass(Sub)), (0,))  # only the positions asked about
         assert plain_args((x, None, 3), (0, 1))  # an optional tensor left out
+        assert plain_args((x,), (0, 1))  # a trailing argument the dispatcher left at its default
     assert not plain_args((x, p, None), (0, 1, 2))
+
+
+def test_an_op_with_a_tensor_list_keeps_its_own_kernel():
+    @torch.library.custom_op("tilegemm_test_lean::stack_sum", mutates_args=())
+    def stack_sum(xs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(xs).sum(0)
+
+    assert not lean_autograd(stack_sum)
+    with torch.no_grad():
+        torch.testing.assert_close(stack_sum([torch.ones(2), torch.ones(2)]), torch.full((2,), 2.0))
 
 
 def test_conv2d_op_lean_and_full_paths_agree(device):

@@ -447,6 +447,9 @@ def tensor_key(t) -> tuple:
 # Plain tensors: torch.Tensor itself and nn.Parameter (a module's weights and biases; it disables
 # __torch_function__, so dispatch through it is a plain tensor's). Subclasses beyond these go through the op.
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+# Whether a dispatch mode or a torch function mode is on: bound once, the replay keys call them on every call.
+dispatch_stack_depth = torch._C._len_torch_dispatch_stack
+function_mode_on = torch._C._is_torch_function_mode_enabled
 
 
 def plain_tensor(t) -> bool:
@@ -463,7 +466,7 @@ def plain_call(*tensors) -> bool:
     """
     if torch.compiler.is_compiling():
         return False
-    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+    if dispatch_stack_depth() or function_mode_on():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:

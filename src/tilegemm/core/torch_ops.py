@@ -19,40 +19,28 @@ import warnings
 
 import torch
 
-from tilegemm.core.launch import PLAIN_TENSOR_TYPES
-
-_dispatch_stack = torch._C._len_torch_dispatch_stack
-_function_mode = torch._C._is_torch_function_mode_enabled
+from tilegemm.core.launch import PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on
 
 
-def plain_args(args: tuple, tensor_positions=None) -> bool:
-    """True when no tracer, mode, subclass or gradient needs to see an op called with ``args`` (positional,
-    as the dispatcher passes them): tensors plain and not requiring a gradient while grad mode is on.
-    ``tensor_positions``: where the schema has a tensor (``Tensor`` or ``Tensor?``); None: look at every
-    argument (a tensor list makes it False)."""
-    if _dispatch_stack() or _function_mode() or torch.compiler.is_compiling():
+def plain_args(args: tuple, tensor_positions: tuple[int, ...]) -> bool:
+    """True when no tracer, mode, subclass or gradient needs to see an op called with ``args`` (positional, as
+    the dispatcher passes them; ``tensor_positions``: where the schema has a ``Tensor`` or ``Tensor?``): those
+    tensors plain and not requiring a gradient while grad mode is on."""
+    if dispatch_stack_depth() or function_mode_on() or torch.compiler.is_compiling():
         return False
     grad = torch.is_grad_enabled()
-    if tensor_positions is not None:
-        n = len(args)
-        for i in tensor_positions:
-            if i < n:
-                a = args[i]
-                if a is not None and (type(a) not in PLAIN_TENSOR_TYPES or (grad and a.requires_grad)):
-                    return False
-        return True
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if type(a) not in PLAIN_TENSOR_TYPES or (grad and a.requires_grad):
+    n = len(args)
+    for i in tensor_positions:
+        if i < n:  # the dispatcher may leave out trailing arguments at their defaults
+            a = args[i]
+            if a is not None and (type(a) not in PLAIN_TENSOR_TYPES or (grad and a.requires_grad)):
                 return False
-        elif type(a) in (list, tuple) and any(isinstance(t, torch.Tensor) for t in a):
-            return False  # tensor lists: left to the custom op's own kernel
     return True
 
 
 def _tensor_positions(schema) -> tuple[int, ...] | None:
     """Positions of a schema's ``Tensor`` and ``Tensor?`` arguments; None if it has tensor lists or
-    keyword-only arguments (then every argument is looked at)."""
+    keyword-only arguments (such an op keeps its own kernel)."""
     positions = []
     for i, arg in enumerate(schema.arguments):
         kind = str(arg.type)
@@ -76,6 +64,8 @@ def lean_autograd(op) -> bool:
         fn, lib, name = op._init_fn, op._lib, op._name
         positions = _tensor_positions(op._opoverload._schema)
     except (ImportError, AttributeError, TypeError):
+        return False
+    if positions is None:
         return False
 
     def kernel(keyset, *args, **kwargs):

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import PLAIN_TENSOR_TYPES, ReplayCache, recording, recording_active, tensor_key
+from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, ReplayCache, dispatch_stack_depth, function_mode_on, recording,
+                                  recording_active, tensor_key)
 from tilegemm.core.runtime import interpreting
 
 _cache = ReplayCache()
-_dispatch_stack = torch._C._len_torch_dispatch_stack
-_function_mode = torch._C._is_torch_function_mode_enabled
 
 
 def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tuple, *options):
@@ -38,7 +37,7 @@ def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tup
         return None
     if type(x) not in PLAIN_TENSOR_TYPES or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
         return None
-    if interpreting() or recording_active() or _dispatch_stack() or _function_mode():
+    if interpreting() or recording_active() or dispatch_stack_depth() or function_mode_on():
         return None
     if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
         return None

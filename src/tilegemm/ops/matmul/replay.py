@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import PLAIN_TENSOR_TYPES, ReplayCache, plain_call, plain_tensor, recording, tensor_key
+from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, ReplayCache, dispatch_stack_depth, function_mode_on, plain_call,
+                                  plain_tensor, recording, tensor_key)
 from tilegemm.core.runtime import interpreting, new_output
 from tilegemm.ops.matmul.call import default_out_dtype
 from tilegemm.core.dtypes import resolve_precision
 
 # Replays of earlier calls without c, keyed by everything Triton specializes a launch on.
 _cache = ReplayCache()
-_dispatch_stack = torch._C._len_torch_dispatch_stack
-_function_mode = torch._C._is_torch_function_mode_enabled
 
 
 def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, scale_b=None, fast_accum=False,
@@ -40,7 +39,7 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
         return None
     if type(a) not in PLAIN_TENSOR_TYPES or type(b) not in PLAIN_TENSOR_TYPES or not a.is_cuda or interpreting():
         return None
-    if _dispatch_stack() or _function_mode():
+    if dispatch_stack_depth() or function_mode_on():
         return None
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return None

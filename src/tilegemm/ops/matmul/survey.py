@@ -206,12 +206,12 @@ def choose(p) -> tuple[str, dict] | None:
     table = table_for(torch.cuda.get_device_name(p.out.device), p.layout)
     picked = None
     if table is not None:
-        configs = table["configs"]
-        valid = _valid_candidates(p, configs, described)
-        if valid:
-            from tilegemm.core.hardware import sm_count
+        from tilegemm.core.hardware import sm_count
 
-            best = _rank(table["shapes"], (p.M, p.N, p.K), valid, configs, sm_count(p.out.device))[0]
+        configs, sms = table["configs"], sm_count(p.out.device)
+        valid = _valid_candidates(p, configs, described, sms)
+        if valid:
+            best = _rank(table["shapes"], (p.M, p.N, p.K), valid, configs, sms)[0]
             rung, config = configs[best]
             picked = rung, _resolved(p, rung, config)
     if len(_choices) >= 4096:
@@ -220,14 +220,12 @@ def choose(p) -> tuple[str, dict] | None:
     return picked
 
 
-def _valid_candidates(p, configs: list, described: bool) -> list[int]:
-    from tilegemm.core.hardware import sm_count
+def _valid_candidates(p, configs: list, described: bool, sms: int) -> list[int]:
     from tilegemm.core.runtime import cdiv
     from tilegemm.ops.matmul import persistent_tma
     from tilegemm.ops.matmul.split_k import sensible_split
 
     tma = persistent_tma.candidates(p) if described else []
-    sms = sm_count(p.out.device)
     valid = []
     for i, (rung, config) in enumerate(configs):
         if rung == "persistent_tma":
