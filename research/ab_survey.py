@@ -6,7 +6,10 @@
 - ``--misaligned``: ``split_k.misaligned_config`` against the rules before it, on the misaligned third of a
   random-sweep-like draw (another seed than the sweep's) with M <= 16;
 - ``--utilization``: the survey's ranking with its utilization correction (``survey.WAVE_WEIGHT``) against
-  without it (0), on shapes drawn as by default.
+  without it (0), on shapes drawn as by default;
+- ``--restride``: operands whose rows straddle 128-byte lines copied first (``dispatch._restrides``) against
+  read as they are, on the aligned shapes of a random-sweep-like draw (another seed than the sweep's) with N or
+  K not a multiple of 64.
 
 For each shape: cuBLAS, auto, auto with the choice turned off; do_bench medians, alternating, the better of
 two rounds. Writes ``$OUT/ab-<survey|misaligned>-<dtype>-<layout>-s<seed>.json``.
@@ -14,6 +17,7 @@ two rounds. Writes ``$OUT/ab-<survey|misaligned>-<dtype>-<layout>-s<seed>.json``
     PYTHONPATH=src python3 research/ab_survey.py --layout NT --seed 29 --count 80 [--dtype fp16] [--budget 300]
     PYTHONPATH=src python3 research/ab_survey.py --misaligned --seed 31 --count 60
     PYTHONPATH=src python3 research/ab_survey.py --utilization --layout NN --seed 37 --count 80
+    PYTHONPATH=src python3 research/ab_survey.py --restride --layout NN --seed 41 --count 60
 """
 
 from __future__ import annotations
@@ -52,8 +56,16 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--misaligned", action="store_true")
     ap.add_argument("--utilization", action="store_true")
+    ap.add_argument("--restride", action="store_true")
     a_ = ap.parse_args()
-    if a_.misaligned:
+    if a_.restride:
+        if a_.seed == 2026:
+            raise SystemExit("seed 2026 is the bench's random sweep")
+        cases = _random_cases(30 * a_.count, a_.seed)
+        shapes = [tuple(c.dims.values()) for i, c in enumerate(cases) if i % 3 != 2
+                  and all(d % 8 == 0 for d in c.dims.values()) and (c.dims["N"] % 64 or c.dims["K"] % 64)][:a_.count]
+        owner, name, off = dispatch, "_restrides", lambda p, a, b: ""
+    elif a_.misaligned:
         if a_.seed == 2026:
             raise SystemExit("seed 2026 is the bench's random sweep")
         cases = _random_cases(30 * a_.count, a_.seed)
@@ -75,7 +87,7 @@ def main() -> None:
         row = dict(shape=f"{M}x{N}x{K}")
         picks = []
         if not a_.utilization:
-            setattr(owner, name, lambda p: picks.append(real(p)) or picks[-1])
+            setattr(owner, name, lambda *args: picks.append(real(*args)) or picks[-1])
         replay.clear()
         survey._choices.clear()
         out = tilegemm.matmul(a, b)
@@ -103,11 +115,16 @@ def main() -> None:
               f"{row['without_us']:7.1f}  err {row['err']:.1e}  {row['pick'] or '-'}", flush=True)
         if time.time() - t0 > a_.budget:
             break
-    gm = lambda k: math.exp(sum(math.log(r["cublas_us"] / r[k]) for r in rows) / len(rows))  # noqa: E731
-    summary = dict(shapes=len(rows), with_choice=gm("with_us"), without=gm("without_us"),
-                   picked=sum(1 for r in rows if r["pick"]), max_err=max(r["err"] for r in rows))
+    def gm(k, among):
+        return math.exp(sum(math.log(r["cublas_us"] / r[k]) for r in among) / len(among)) if among else None
+
+    chose = [r for r in rows if r["pick"]]
+    summary = dict(shapes=len(rows), with_choice=gm("with_us", rows), without=gm("without_us", rows),
+                   picked=len(chose), picked_with=gm("with_us", chose), picked_without=gm("without_us", chose),
+                   max_err=max(r["err"] for r in rows))
     print(json.dumps(summary))
-    kind = "misaligned" if a_.misaligned else "utilization" if a_.utilization else "survey"
+    kind = ("restride" if a_.restride else "misaligned" if a_.misaligned else "utilization" if a_.utilization
+            else "survey")
     path = os.path.join(os.environ.get("OUT", "."), f"ab-{kind}-{a_.dtype}-{a_.layout}-s{a_.seed}.json")
     with open(path, "w") as f:
         json.dump(dict(git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"), layout=a_.layout, seed=a_.seed,

@@ -63,7 +63,16 @@ def main() -> None:
         chosen.append(rung)
         return rung
 
+    surveyed = dispatch.surveyed
+
+    def spy_survey(p):
+        picked = surveyed(p)
+        if picked is not None:
+            chosen.append(f"{picked[0]} {picked[1]}")
+        return picked
+
     dispatch.choose_kernel = spy
+    dispatch.surveyed = spy_survey
     results = []
     for shape in shapes:
         M, N, K = (int(x) for x in shape.split("x"))

@@ -356,6 +356,76 @@ def test_auto_pads_operands_whose_rows_are_not_16_byte_aligned(layout, dtype, sh
     assert not padding.can_pad(a, b, c, None, out), "a call with c is never padded"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("plan", ["a", "b", "ab"])
+def test_auto_restrides_operands_whose_rows_straddle_lines(layout, plan, device, monkeypatch):
+    """Where auto restrides (forced here; on a GPU the cost model decides), the operands it names are copied
+    into buffers of the same shape and layout whose rows start 128 bytes apart, the others read as given, and
+    the product (with a bias and an activation) is written straight into the poisoned output."""
+    from tilegemm.ops.matmul import dispatch, padding
+
+    M, N, K = 19, 24, 40  # 16-byte aligned rows (K, N multiples of 8), not 128-byte ones
+    dtype = torch.float16
+    a = make_operand(M, K, layout[0] == "T", dtype, device)
+    b = make_operand(K, N, layout[1] == "T", dtype, device)
+    a = a.mT.contiguous().mT if layout[0] == "T" else a
+    b = b.mT.contiguous().mT if layout[1] == "T" else b
+    seen = []
+    real = padding.padded_operand
+
+    def spy(t, rows_to, cols_to, slot):
+        got = real(t, rows_to, cols_to, slot)
+        seen.append((slot, t, got))
+        return got
+
+    monkeypatch.setattr(dispatch, "_restrides", lambda p, a, b: plan)
+    monkeypatch.setattr(padding, "padded_operand", spy)
+    bias = torch.randn(N, dtype=dtype, device=device)
+    out = tilegemm.matmul(a, b, bias=bias, activation="relu")
+    assert_rel_close(out, matmul_reference(a, b, bias=bias, activation="relu"), tolerance(dtype))
+    assert out.is_contiguous() and out.shape == (M, N)
+    assert [slot for slot, _, _ in seen] == list(plan)
+    for _, t, got in seen:
+        assert got.shape == t.shape and torch.equal(got, t)
+        assert (got.stride(0) == 1) == (t.stride(0) == 1 and t.stride(1) != 1), "the layout is kept"
+        assert max(got.stride()) * got.element_size() % 128 == 0, "rows start 128 bytes apart"
+        assert got.data_ptr() % 128 == 0 or not got.is_cuda  # (the CPU allocator aligns to 64 bytes)
+
+
+def test_restriding_is_priced_by_the_cost_model(monkeypatch):
+    """Large products copy an operand whose rows straddle 128-byte lines, B (N-major in NN) sooner than A;
+    small products, rows on whole lines and batches do not (132 SMs, H100-class rates)."""
+    from tilegemm.ops.matmul import dispatch, padding
+    from tilegemm.ops.matmul.problem import make_problems
+
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr("tilegemm.ops.matmul.cost.device_rates", lambda p: (132, 989.0, 3350.0))
+
+    def empty(rows, cols, offset=0):  # rows x cols fp16 starting `offset` elements past a 128-byte boundary
+        flat = torch.empty(rows * cols + 64 + offset, dtype=torch.float16)
+        start = (-flat.data_ptr() % 128) // 2 + offset
+        return flat[start: start + rows * cols].view(rows, cols)
+
+    def plan(M, N, K, a=None, b=None):
+        a = empty(M, K) if a is None else a
+        b = empty(K, N) if b is None else b
+        p = make_problems(a, b, torch.empty(M, N, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee",
+                          False)[0]
+        return padding.restride_plan(p, a, b)
+
+    assert plan(6744, 11288, 21480) == "ab"
+    assert plan(3032, 8872, 1928) == "ab"
+    assert plan(4096, 2056, 4104) == "b"  # A's copy costs more than a narrow N loses on its rows
+    assert plan(6720, 11264, 21504) == ""  # rows on whole lines
+    assert plan(576, 2448, 1048) == ""  # microseconds: a copy costs what it could win
+    assert plan(6744, 11288, 21504, b=empty(21504, 11328)[:, :11288]) == ""  # 128-byte rows, sliced
+    assert plan(6720, 11264, 21504, b=empty(21504, 11264, offset=8)) == "b"  # whole lines, the first not
+    batched = torch.empty(2, 3032, 1928, dtype=torch.float16)
+    p = make_problems(batched, torch.empty(1928, 8872, dtype=torch.float16),
+                      torch.empty(2, 3032, 8872, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee", False)[0]
+    assert dispatch._restrides(p, batched, torch.empty(1928, 8872, dtype=torch.float16)) == ""
+
+
 def test_padding_is_priced_by_the_cost_model(monkeypatch):
     """Large misaligned products pad; small ones, and aligned ones, do not (132 SMs, as on an H100/H200)."""
     from tilegemm.ops.matmul import dispatch, padding

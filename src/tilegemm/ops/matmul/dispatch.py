@@ -128,10 +128,10 @@ def _split_pays(p: GemmProblem) -> bool:
     return _decided(key, lambda: _split_estimated_faster(p))
 
 
-_decisions: dict[tuple, bool] = {}  # _split_pays's and _pads's answers: the estimates cost the host ~100 us
+_decisions: dict[tuple, object] = {}  # _split_pays's, _pads's and _restrides's answers: the estimates cost the host ~100 us
 
 
-def _decided(key: tuple, decide) -> bool:
+def _decided(key: tuple, decide):
     """``decide()``, made once per ``key`` (bounded: cleared when full)."""
     found = _decisions.get(key)
     if found is None:
@@ -199,6 +199,18 @@ def _pads(p: GemmProblem, a: torch.Tensor, b: torch.Tensor, c=None, bias=None) -
     return _decided(key, lambda: padding.padding_pays(p))
 
 
+def _restrides(p: GemmProblem, a: torch.Tensor, b: torch.Tensor) -> str:
+    """Which operands ``auto`` copies into buffers with 128-byte rows first (:func:`tilegemm.ops.matmul.padding.
+    restride_plan`): answered once per shape class, strides and the operands' offsets within 128 bytes."""
+    if interpreting() or p.batch != 1 or not rows_aligned(p):
+        return ""
+    from tilegemm.ops.matmul import padding
+
+    key = ("restride", p.M, p.N, p.K, a.dtype, b.dtype, a.stride(), b.stride(), a.data_ptr() % padding.ROW_BYTES,
+           b.data_ptr() % padding.ROW_BYTES, p.out.device)
+    return _decided(key, lambda: padding.restride_plan(p, a, b))
+
+
 def forward(call: MatmulCall) -> torch.Tensor:
     """Launch the kernels of one checked call and return its output."""
     a, b, kernel = call.a, call.b, call.kernel
@@ -223,6 +235,15 @@ def forward(call: MatmulCall) -> torch.Tensor:
                         launch_auto(q)
 
                 run_padded(a, b, call.bias, out, twin)
+                continue
+            if kernel == "auto" and (plan := _restrides(p, a, b)):
+                from tilegemm.ops.matmul.padding import run_restrided
+
+                def restrided(a2, b2):
+                    for q in make_problems(a2, b2, out, *rest):
+                        launch_auto(q)
+
+                run_restrided(a, b, plan, restrided)
                 continue
             if kernel == "auto":
                 launch_auto(p)

@@ -14,6 +14,13 @@ plain call's launches (copies, product, copy back) are recorded and replayed lik
 copies cost passes over the operands and the output, so ``auto`` pads only where the cost model
 (:mod:`tilegemm.ops.matmul.cost`) says the twin plus the copies beats the misaligned product by a margin
 (:func:`padding_pays`), and never a call with ``c`` (it would be read past N).
+
+Rows 16 bytes apart but not 128 (a leading dimension a multiple of 8 elements but not of 64 in 16-bit) are read
+at full width, yet a tile's rows then straddle 128-byte lines, and large products ran 0.6x-0.8x cuBLAS on the
+H100 where the same operands with 128-byte rows ran 0.9x-1.0x; cuBLAS itself moved by a few percent
+(research/explore_stride_alignment.py, ``benchmarks/results/2026-11-24-h100/ae1c846/``). ``auto`` copies such
+an operand into a buffer whose rows are 128 bytes apart, same shape and layout, where the cost model prices the
+copy below what it wins (:func:`restride_plan`); the twin's buffers are laid out the same way.
 """
 
 from __future__ import annotations
@@ -55,10 +62,13 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, keep: tuple) -> None:
            dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4), keep=keep, stream=current_stream())
 
 
+ROW_BYTES = 128  # the copies' rows (or columns) start this many bytes apart: whole 128-byte lines
+
+
 def padded_operand(t: torch.Tensor, rows_to: int, cols_to: int, slot) -> torch.Tensor:
     """``t`` (2-D, one unit stride) as a ``rows_to x cols_to`` zero-padded copy in an aligned workspace buffer,
-    in ``t``'s own layout (rows or columns 16 bytes apart). ``slot`` keeps the operands' buffers apart."""
-    per = 16 // t.element_size()
+    in ``t``'s own layout (rows or columns :data:`ROW_BYTES` apart). ``slot`` keeps the operands' buffers apart."""
+    per = ROW_BYTES // t.element_size()
     column_major = t.stride(0) == 1 and t.stride(1) != 1
     s = t.mT if column_major else t  # the storage view: rows apart by its leading dimension, unit columns
     r, c = (cols_to, rows_to) if column_major else (rows_to, cols_to)
@@ -138,10 +148,74 @@ def _run_padded(a, b, bias, out, gemm) -> None:
     if bias is not None:
         bias2 = padded_operand(bias.view(1, -1), 1, Np, "bias")[0]
         kept.append(bias2)
-    ld = _round_up(Np, 16 // out.element_size())
+    ld = _round_up(Np, ROW_BYTES // out.element_size())
     obuf = buffer(out.device, out.dtype, Mp * ld, ("pad", "out"))
     out2 = obuf[: Mp * ld].view(Mp, ld)[:, :Np]
     kept.append(out2)
     with keeping(*kept):
         gemm(a2, b2, bias2, out2)
     _copy(out2[:M, :N], out.view(M, N), (obuf,))
+
+
+# Restriding (see the module's docstring). Share of a product's time that an operand whose rows are 16 bytes
+# apart but not 128 costs, by how its tiles are read: K-major (A row-major, B column-major) or M/N-major. On the
+# H100 (fp16, NN; research/explore_stride_alignment.py): A's rows alone cost 9%-12% of the time
+# (6744x11288x21480: 0.67x -> 0.75x cuBLAS with A's copy laid out, 3032x8872x1928: 0.76x -> 0.83x), B's
+# 20%-26% (0.67x -> 0.90x, 0.76x -> 0.95x), both 0.95x-1.00x.
+# On 60 unseen aligned shapes (another seed, research/ab_survey.py --restride) A's rows cost 11%-14% of the
+# time where K >= 5464.
+RESTRIDE_SHARE = {"k": 0.11, "mn": 0.22}
+RESTRIDE_MARGIN = 0.7  # a copy must cost at most this fraction of what it is estimated to win
+RESTRIDE_COPY_US = 5.0  # a copy's launch and its ramp, on top of its bytes
+# Not below this K: a program's loop is then a few steps and its time the prologue and the output's stores
+# (K = 280 and 400 lost 7%-9% with copies that the estimate priced as paying).
+RESTRIDE_MIN_K = 512
+RESTRIDE_MAX_BYTES = 1 << 30  # operands larger than this are read as they are (the copy's buffer is kept)
+RESTRIDE_DTYPES = (torch.float16, torch.bfloat16)  # measured there only
+# The product's time, for the estimate: at this fraction of the dtype's vendor peak (cuBLAS's large 16-bit
+# products on the H100: about 0.6; only large products pay).
+RESTRIDE_PEAK_FRACTION = 0.6
+
+
+def _line_misaligned(t: torch.Tensor, lines_along: int) -> bool:
+    """Whether ``t``'s rows (or columns: its non-unit stride) start other than 128 bytes apart, or its first
+    does; ``lines_along`` is how many of them there are (one: only the base counts)."""
+    size = t.element_size()
+    lead = max(t.stride())
+    return (t.data_ptr() % ROW_BYTES != 0) or (lines_along > 1 and lead * size % ROW_BYTES != 0)
+
+
+def restride_plan(p, a: torch.Tensor, b: torch.Tensor) -> str:
+    """Which of A and B (``""``, ``"a"``, ``"b"`` or ``"ab"``) ``auto`` copies into buffers whose rows are
+    128 bytes apart before a 2-D 16-bit product whose rows are 16-byte aligned: each operand whose rows are
+    not, where its copy (a read and a write, one launch) costs under :data:`RESTRIDE_MARGIN` of its share
+    (:data:`RESTRIDE_SHARE`) of the product's estimated time, from K = :data:`RESTRIDE_MIN_K`."""
+    if p.batch != 1 or a.dim() != 2 or b.dim() != 2 or a.dtype not in RESTRIDE_DTYPES or b.dtype != a.dtype:
+        return ""
+    if 1 not in a.stride() or 1 not in b.stride() or p.K < RESTRIDE_MIN_K:
+        return ""
+    from tilegemm.ops.matmul.cost import device_rates
+
+    sms, peak, hbm = device_rates(p)
+    product_us = 2.0 * p.M * p.N * p.K / (peak * RESTRIDE_PEAK_FRACTION * 1e6)
+    plan = ""
+    # (name, tensor, K-major, how many rows or columns its non-unit stride spaces)
+    for name, t, k_major, lines in (("a", a, a.stride(1) == 1, p.M if a.stride(1) == 1 else p.K),
+                                    ("b", b, b.stride(0) == 1, p.N if b.stride(0) == 1 else p.K)):
+        nbytes = t.shape[0] * t.shape[1] * t.element_size()
+        if nbytes > RESTRIDE_MAX_BYTES or not _line_misaligned(t, lines):
+            continue
+        copy_us = 2.0 * nbytes / (hbm * 1e3) + RESTRIDE_COPY_US
+        if copy_us < RESTRIDE_MARGIN * RESTRIDE_SHARE["k" if k_major else "mn"] * product_us:
+            plan += name
+    return plan
+
+
+def run_restrided(a: torch.Tensor, b: torch.Tensor, plan: str, gemm) -> None:
+    """``gemm(a2, b2)`` where ``a2`` / ``b2`` are ``a`` / ``b`` copied into buffers whose rows are 128 bytes
+    apart when ``plan`` names them (:func:`restride_plan`), else the tensors as given."""
+    with sequence_lock:  # the buffers are shared by the calls on this stream: no other thread in between
+        a2 = padded_operand(a, a.shape[0], a.shape[1], "a") if "a" in plan else a
+        b2 = padded_operand(b, b.shape[0], b.shape[1], "b") if "b" in plan else b
+        with keeping(*(t for t, name in ((a2, "a"), (b2, "b")) if name in plan)):
+            gemm(a2, b2)
