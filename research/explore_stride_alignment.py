@@ -81,7 +81,6 @@ def main() -> None:
             for name, t in times.items():
                 ms = statistics.median(t)
                 row["variants"][f"{vname}/{name}"] = dict(us=ms * 1e3, ratio=base / ms)
-            del a, b, ref
         rows.append(row)
         v = row["variants"]
         cells = "  ".join(f"{k}={x['ratio']:.2f}" for k, x in v.items() if "ratio" in x and not k.endswith("cuBLAS"))
