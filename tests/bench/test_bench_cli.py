@@ -243,3 +243,27 @@ def test_a_second_baseline_gets_its_own_row_and_ratio(monkeypatch):
     assert result.summary()["kernels"]["grouped"]["geomean_ratio2"] is not None
     assert "x fp32 torch" in [c.header for c in results_table(result).columns]
     assert "geomean x fp32 torch" in [c.header for c in summary_table(result).columns]
+
+
+def test_results_table_renders_rows_without_a_ratio(monkeypatch):
+    """A kernel row that ran where its baseline did not (torch._scaled_mm refuses K not a multiple of 16)
+    has no ratio: the GPU table shows "-" for it instead of failing after the whole sweep ran."""
+    from rich.console import Console
+
+    from tilegemm.bench.report import results_table
+
+    op = bench_op("matmul")
+
+    def refuse(self, inputs, dtype):
+        raise RuntimeError("the baseline does not take this shape")
+
+    monkeypatch.setattr(type(op), "baseline", refuse)
+    result = run_bench(op, [op.parse_shape("24,40,56")], "fp16", ["grouped"], rep_ms=1)
+    rows = {r.kernel: r for r in result.rows}
+    assert rows["grouped"].status == "ok" and rows["grouped"].ratio is None
+    result.meta["machine"]["interpreter"] = False  # render as on a GPU, where ratios are shown
+    table = results_table(result)
+    Console(record=True, width=200).print(table)
+    kernels = next(c for c in table.columns if c.header == "kernel")._cells
+    ratios = next(c for c in table.columns if c.header == "ratio")._cells
+    assert str(ratios[[str(k).rstrip(" *") for k in kernels].index("grouped")]) == "-"

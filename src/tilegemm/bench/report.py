@@ -65,7 +65,7 @@ def results_table(result: BenchResult) -> Table:
                 cells = [Text(f"error: {row.message[:50]}", style="red")] + [""] * (len(columns) - 3)
             else:
                 ratio = "" if row.kernel == BASELINE else "-" if row.ratio is None or not gpu else f"{row.ratio:.2f}x"
-                if gpu and ratio and row.status == "ok":
+                if gpu and row.ratio is not None and row.kernel != BASELINE and row.status == "ok":
                     ratio = Text(ratio, style="green" if row.ratio >= 1.0 else ("yellow" if row.ratio >= 0.9 else ""))
                 err = "-" if row.rel_err is None else f"{row.rel_err:.0e}"
                 if row.status == "wrong":
