@@ -348,6 +348,30 @@ def test_auto_times_split_k_against_persistent_tma_once_per_shape_class(cache, m
     assert len(calls) == 4
 
 
+def test_untimed_small_m_rung_comes_from_a_near_tuned_class_else_split_k(cache, monkeypatch):
+    """Timing off: an M <= 128 problem that TMA can describe takes the rung of a tuned shape class within
+    dispatch.UNTIMED_RUNG_DISTANCE, else split_k (a far class, e.g. 2048^3's persistent_tma, once ran
+    24x128x20968 tf32 in a single unsplit tile at 0.05x cuBLAS)."""
+    from tilegemm.ops.matmul import dispatch, persistent_tma
+    from tilegemm.ops.matmul.problem import make_problems
+
+    monkeypatch.setenv("TILEGEMM_TUNE", "0")
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(dispatch, "_has_tma", lambda: True)
+    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+    monkeypatch.setattr(dispatch, "launcher", lambda name: pytest.fail("untimed: nothing is launched"))
+
+    def problem(M, N, K):
+        a, b = torch.empty(M, K, device="meta"), torch.empty(K, N, device="meta")
+        return make_problems(a, b, torch.empty(M, N, device="meta"), None, None, 1.0, 1.0, "none", "tf32",
+                             False)[0]
+
+    tuning.record(tuning.key("auto", 2048, 2048, 2048, "tf32", torch.float32, "NN"), {"rung": "persistent_tma"})
+    assert dispatch.choose_kernel(problem(24, 128, 20968)) == "split_k"
+    tuning.record(tuning.key("auto", 100, 4096, 1024, "tf32", torch.float32, "NN"), {"rung": "persistent_tma"})
+    assert dispatch.choose_kernel(problem(110, 4096, 2048)) == "persistent_tma"  # distance 1 from M100 N4096 K1024
+
+
 def test_auto_timed_choice_skips_a_rung_that_fails(cache, monkeypatch):
     """A rung that raises while being timed (e.g. does not compile) is not chosen, and the call goes on."""
     import triton.testing
@@ -391,7 +415,7 @@ def test_auto_sends_large_problems_to_persistent_tma_unless_an_operand_goes_thro
     monkeypatch.setattr(persistent_tma, "gluon_kernel_for",
                         lambda p: gluon_tf32 if gluon and gluon_tf32.usable(p) is None else None)
     timed = []
-    monkeypatch.setattr(dispatch, "_timed_choice", lambda p, rungs: timed.append(rungs) or rungs[-1])
+    monkeypatch.setattr(dispatch, "_timed_choice", lambda p, rungs, **kw: timed.append(rungs) or rungs[-1])
 
     def problem(M, N, K=256):
         a = torch.empty(K, M, device="meta").mT if layout[0] == "T" else torch.empty(M, K, device="meta")
@@ -429,7 +453,7 @@ def test_auto_times_the_rungs_for_promoted_fp8_from_half_a_tile_per_sm(monkeypat
     monkeypatch.setattr(tilegemm.core.hardware, "sm_count", lambda device: 132)
     monkeypatch.setattr(persistent_tma, "gluon_kernel_for", lambda p: gluon_fp8 if gluon else None)
     timed = []
-    monkeypatch.setattr(dispatch, "_timed_choice", lambda p, rungs: timed.append(rungs) or rungs[-1])
+    monkeypatch.setattr(dispatch, "_timed_choice", lambda p, rungs, **kw: timed.append(rungs) or rungs[-1])
 
     def problem(M, N, K=256):
         a = torch.empty(M, K, device="meta", dtype=torch.float8_e4m3fn)

@@ -103,7 +103,7 @@ def test_auto_times_the_two_rungs_from_a_quarter_tile_per_sm_to_two(monkeypatch)
     monkeypatch.setattr(tilegemm.core.hardware, "sm_count", lambda device: 132)
     monkeypatch.setattr(persistent_tma, "gluon_kernel_for", lambda p: gluon_f16)
     timed = []
-    monkeypatch.setattr(dispatch, "_timed_choice", lambda p, rungs: timed.append(rungs) or "timed")
+    monkeypatch.setattr(dispatch, "_timed_choice", lambda p, rungs, **kw: timed.append(rungs) or "timed")
 
     def problem(n):
         a = torch.empty(n, 256, device="meta", dtype=torch.float16)

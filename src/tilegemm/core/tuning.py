@@ -248,9 +248,9 @@ def choose_untimed(k: str, options, fallback=None, max_distance: float = float("
     return dict(config)
 
 
-def lookup_or_tune(k: str, candidates, launch, fallback=None) -> dict:
-    """The config known for key ``k``. Else, by default, the nearest known shape class's untimed
-    (:func:`choose_untimed`). Where timing is enabled (:func:`timing_enabled`), the fastest of
+def lookup_or_tune(k: str, candidates, launch, fallback=None, max_distance: float = float("inf")) -> dict:
+    """The config known for key ``k``. Else, by default, the nearest known shape class's untimed, within
+    ``max_distance`` (:func:`choose_untimed`). Where timing is enabled (:func:`timing_enabled`), the fastest of
     ``candidates()``, timed through ``launch(config)`` and recorded, so that it is timed once per shape class.
 
     Each candidate is timed by ``triton.testing.do_bench`` (median, L2 cleared before each call); one that
@@ -264,7 +264,7 @@ def lookup_or_tune(k: str, candidates, launch, fallback=None) -> dict:
         return config
     options = list(candidates())
     if not timing_enabled():
-        return choose_untimed(k, options, fallback)
+        return choose_untimed(k, options, fallback, max_distance)
     from tilegemm.core.launch import spoil
 
     spoil()  # timing launches candidates that a replay of the call being recorded must not repeat

@@ -53,7 +53,7 @@ def choose_kernel(p: GemmProblem) -> str:
             from tilegemm.ops.matmul.persistent_tma import describable
 
             if describable(p) is None:
-                return _timed_choice(p, ("split_k", "persistent_tma"))
+                return _timed_choice(p, ("split_k", "persistent_tma"), max_distance=UNTIMED_RUNG_DISTANCE)
         return "split_k"
     if _split_pays(p):
         return "split_k"
@@ -152,8 +152,16 @@ def _split_estimated_faster(p: GemmProblem) -> bool:
     return bool(splits) and min(splits) < 0.85 * min(whole)
 
 
-def _timed_choice(p: GemmProblem, rungs: tuple[str, ...]) -> str:
-    """The faster of ``rungs`` for this shape class: timed once, then remembered.
+# Untimed, a small-M problem takes the rung of a tuned shape class at most this far (:func:`tilegemm.core.tuning.
+# nearest`), else split_k: tf32's nearest "auto" entry was 2048^3's persistent_tma, which ran 24x128x20968 in one
+# unsplit tile at 0.05x cuBLAS (the random sweep's M = 17..128 tf32 products: 0.38x; H200,
+# benchmarks/results/2026-11-24-h200/c4fcbea/).
+UNTIMED_RUNG_DISTANCE = 2.0
+
+
+def _timed_choice(p: GemmProblem, rungs: tuple[str, ...], max_distance: float = float("inf")) -> str:
+    """The faster of ``rungs`` for this shape class: timed once, then remembered. Untimed (the default), the
+    choice of the nearest tuned shape class within ``max_distance``, else the first of ``rungs``.
 
     A rung that tunes its own config does so in its first launch, which ``do_bench`` makes before it times
     anything; a rung that fails there is not chosen (see :func:`tilegemm.core.tuning.lookup_or_tune`).
@@ -161,7 +169,8 @@ def _timed_choice(p: GemmProblem, rungs: tuple[str, ...]) -> str:
     from tilegemm.core import tuning
 
     k = tuning.key("auto", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
-    return tuning.lookup_or_tune(k, lambda: [{"rung": r} for r in rungs], lambda cfg: launcher(cfg["rung"])(p))["rung"]
+    return tuning.lookup_or_tune(k, lambda: [{"rung": r} for r in rungs], lambda cfg: launcher(cfg["rung"])(p),
+                                 max_distance=max_distance)["rung"]
 
 
 _tma: bool | None = None
