@@ -311,6 +311,31 @@ def test_replay_slots_take_host_descriptors_over_the_new_tensors():
     assert _rebased(tdesc, other).base is other and _rebased(tdesc, other).block_shape == [64, 32]
 
 
+def _laid_out(M, N, K, layout, dtype, device):
+    """A [M, K] and B [K, N] in ``layout``'s storage orders (T: column-major, its own storage)."""
+    a = make_operand(M, K, layout[0] == "T", dtype, device)
+    b = make_operand(K, N, layout[1] == "T", dtype, device)
+    a = a.mT.contiguous().mT if layout[0] == "T" else a
+    b = b.mT.contiguous().mT if layout[1] == "T" else b
+    return a, b
+
+
+def _spy_on_copies(monkeypatch) -> list:
+    """(slot, source, copy) of every operand ``padding.padded_operand`` copies from now on."""
+    from tilegemm.ops.matmul import padding
+
+    seen = []
+    real = padding.padded_operand
+
+    def spy(t, rows_to, cols_to, slot):
+        got = real(t, rows_to, cols_to, slot)
+        seen.append((slot, t, got))
+        return got
+
+    monkeypatch.setattr(padding, "padded_operand", spy)
+    return seen
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("shape", [(5, 23, 37), (17, 9, 1), (40, 33, 64)], ids=lambda s: "x".join(map(str, s)))
@@ -321,27 +346,16 @@ def test_auto_pads_operands_whose_rows_are_not_16_byte_aligned(layout, dtype, sh
     from tilegemm.ops.matmul import dispatch, padding
 
     M, N, K = shape
-    a = make_operand(M, K, layout[0] == "T", dtype, device)
-    b = make_operand(K, N, layout[1] == "T", dtype, device)
-    a = a.mT.contiguous().mT if layout[0] == "T" else a
-    b = b.mT.contiguous().mT if layout[1] == "T" else b
-    seen = []
-    real = padding.padded_operand
-
-    def spy(t, rows_to, cols_to, slot):
-        got = real(t, rows_to, cols_to, slot)
-        seen.append((t, got))
-        return got
-
+    a, b = _laid_out(M, N, K, layout, dtype, device)
+    seen = _spy_on_copies(monkeypatch)
     monkeypatch.setattr(dispatch, "_pads", lambda p, a, b, c=None, bias=None: True)
-    monkeypatch.setattr(padding, "padded_operand", spy)
     bias = torch.randn(N, dtype=dtype, device=device)
     out = tilegemm.matmul(a, b, bias=bias, activation="relu", precision="ieee")
     assert_rel_close(out, matmul_reference(a, b, bias=bias, activation="relu"), tolerance(dtype))
     assert out.is_contiguous() and out.shape == (M, N)
     per = 16 // a.element_size()
     Mp, Np, Kp = (-(-x // per) * per for x in (M, N, K))
-    (_, a2), (_, b2), (_, bias2) = seen
+    (_, _, a2), (_, _, b2), (_, _, bias2) = seen
     bias2 = bias2[0]  # padded as a one-row matrix
     assert a2.shape == (Mp, Kp) and b2.shape == (Kp, Np) and bias2.shape == (Np,)
     assert (a2.stride(0) == 1) == (a.stride(0) == 1 and a.stride(1) != 1), "A's layout is kept"
@@ -362,24 +376,13 @@ def test_auto_restrides_operands_whose_rows_straddle_lines(layout, plan, device,
     """Where auto restrides (forced here; on a GPU the cost model decides), the operands it names are copied
     into buffers of the same shape and layout whose rows start 128 bytes apart, the others read as given, and
     the product (with a bias and an activation) is written straight into the poisoned output."""
-    from tilegemm.ops.matmul import dispatch, padding
+    from tilegemm.ops.matmul import dispatch
 
     M, N, K = 19, 24, 40  # 16-byte aligned rows (K, N multiples of 8), not 128-byte ones
     dtype = torch.float16
-    a = make_operand(M, K, layout[0] == "T", dtype, device)
-    b = make_operand(K, N, layout[1] == "T", dtype, device)
-    a = a.mT.contiguous().mT if layout[0] == "T" else a
-    b = b.mT.contiguous().mT if layout[1] == "T" else b
-    seen = []
-    real = padding.padded_operand
-
-    def spy(t, rows_to, cols_to, slot):
-        got = real(t, rows_to, cols_to, slot)
-        seen.append((slot, t, got))
-        return got
-
+    a, b = _laid_out(M, N, K, layout, dtype, device)
+    seen = _spy_on_copies(monkeypatch)
     monkeypatch.setattr(dispatch, "_restrides", lambda p, a, b: plan)
-    monkeypatch.setattr(padding, "padded_operand", spy)
     bias = torch.randn(N, dtype=dtype, device=device)
     out = tilegemm.matmul(a, b, bias=bias, activation="relu")
     assert_rel_close(out, matmul_reference(a, b, bias=bias, activation="relu"), tolerance(dtype))
