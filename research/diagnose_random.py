@@ -39,6 +39,24 @@ def padded_product(a, b):
     return tilegemm.matmul(ap, bp[:, :N])
 
 
+def timed_against_cublas(fns: dict, rounds: int, rep: int) -> dict:
+    """{name: {us, ratio}} for callables ``fns`` (one named "cuBLAS", the baseline): do_bench medians taken
+    alternating over ``rounds`` rounds, the median of the rounds."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+    base = statistics.median(times["cuBLAS"]) if "cuBLAS" in times else float("nan")
+    return {name: dict(us=statistics.median(t) * 1e3, ratio=base / statistics.median(t)) for name, t in times.items()}
+
+
+def write_rows(name: str, dtype: str, rows: list) -> None:
+    """``rows`` with the machine and commit, as ``$OUT/<name>``."""
+    with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:
+        json.dump(dict(machine=machine_info().to_dict(), git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"),
+                       dtype=dtype, rows=rows), f, indent=1)
+
+
 def worst_shapes(path: str, count: int) -> list[str]:
     rows = json.load(open(path))["rows"]
     auto = sorted((r for r in rows if r["kernel"] == "auto" and r.get("ratio")), key=lambda r: r["ratio"])
@@ -101,22 +119,13 @@ def main() -> None:
                 row["variants"][name] = dict(error=f"wrong: rel err {err}")
                 continue
             ok[name] = fn
-        times = {name: [] for name in ok}
-        for _ in range(args.rounds):
-            for name, fn in ok.items():
-                times[name].append(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
-        base = statistics.median(times["cuBLAS"]) if "cuBLAS" in times else float("nan")
-        for name, t in times.items():
-            ms = statistics.median(t)
-            row["variants"][name] = dict(us=ms * 1e3, ratio=base / ms)
+        row["variants"].update(timed_against_cublas(ok, args.rounds, rep=60))
+        base = row["variants"].get("cuBLAS", {}).get("us", float("nan")) / 1e3
         results.append(row)
         v = row["variants"]
         cells = " ".join(f"{n}={v[n]['ratio']:.2f}" if "ratio" in v.get(n, {}) else f"{n}=ERR" for n in variants if n != "cuBLAS")
         print(f"{shape:>20} cuBLAS {base * 1e3:8.1f} us  auto->{row.get('auto_rung')}  {cells}", flush=True)
-    path = os.path.join(os.environ.get("OUT", "."), f"diagnose-random-{args.dtype}.json")
-    with open(path, "w") as f:
-        json.dump(dict(machine=machine_info().to_dict(), git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"),
-                       dtype=args.dtype, rows=results), f, indent=1)
+    write_rows(f"diagnose-random-{args.dtype}.json", args.dtype, results)
 
 
 if __name__ == "__main__":

@@ -17,15 +17,15 @@ Writes ``$OUT/stride-alignment-<dtype>.json``; prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
+import sys
 
 import torch
-import triton.testing
 
 import tilegemm
-from tilegemm.core.hardware import machine_info
+
+sys.path.insert(0, os.path.dirname(__file__))
+from diagnose_random import timed_against_cublas, write_rows  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -73,23 +73,14 @@ def main() -> None:
                     ok[name] = fn
                 else:
                     row["variants"][f"{vname}/{name}"] = dict(error=f"rel err {err}")
-            times = {name: [] for name in ok}
-            for _ in range(args.rounds):
-                for name, fn in ok.items():
-                    times[name].append(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
-            base = statistics.median(times["cuBLAS"])
-            for name, t in times.items():
-                ms = statistics.median(t)
-                row["variants"][f"{vname}/{name}"] = dict(us=ms * 1e3, ratio=base / ms)
+            for name, timed in timed_against_cublas(ok, args.rounds, rep=50).items():
+                row["variants"][f"{vname}/{name}"] = timed
         rows.append(row)
         v = row["variants"]
         cells = "  ".join(f"{k}={x['ratio']:.2f}" for k, x in v.items() if "ratio" in x and not k.endswith("cuBLAS"))
         base = v.get("exact/cuBLAS", {}).get("us", float("nan"))
         print(f"{shape:>18} cuBLAS {base:9.1f} us  {cells}", flush=True)
-    path = os.path.join(os.environ.get("OUT", "."), f"stride-alignment-{args.dtype}.json")
-    with open(path, "w") as f:
-        json.dump(dict(machine=machine_info().to_dict(), git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"),
-                       dtype=args.dtype, rows=rows), f, indent=1)
+    write_rows(f"stride-alignment-{args.dtype}.json", args.dtype, rows)
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ def restride_plan(p, a: torch.Tensor, b: torch.Tensor) -> str:
         return ""
     from tilegemm.ops.matmul.cost import device_rates
 
-    sms, peak, hbm = device_rates(p)
+    _, peak, hbm = device_rates(p)
     product_us = 2.0 * p.M * p.N * p.K / (peak * RESTRIDE_PEAK_FRACTION * 1e6)
     plan = ""
     # (name, tensor, K-major, how many rows or columns its non-unit stride spaces)
