@@ -4,7 +4,10 @@ For each shape: cuBLAS, ``auto`` (and the rung it chose), every rung named by ``
 operands zero-padded so that K and every leading dimension is a multiple of 8 elements (the pad's own time
 included: ``F.pad`` of both operands, then the product of the padded ones; zeros along K add nothing). Each
 result is checked against an fp64 product first. Times are do_bench medians, cuBLAS and the variants
-alternating over ``--rounds`` rounds. Writes ``$OUT/diagnose-random-<dtype>.json``; prints a table.
+alternating over ``--rounds`` rounds. For tf32 and fp8 (``--dtype tf32`` / ``fp8_e4m3``) the baseline is the bench's (cuBLAS with TF32 on;
+``torch._scaled_mm`` with per-tensor scales, A row-major and B column-major, bf16 out) and there is no padded
+variant. Each row also names how many launches ``auto``'s replay holds and its host time per call (100 calls
+back to back, no sync). Writes ``$OUT/diagnose-random-<dtype>.json``; prints a table.
 
     PYTHONPATH=src:research python3 research/diagnose_random.py 184x168x14400 526x773x7638 [--dtype fp16]
     PYTHONPATH=src:research python3 research/diagnose_random.py --worst FILE.json --count 20
@@ -25,7 +28,7 @@ import tilegemm
 from tilegemm.core.hardware import machine_info
 from tilegemm.ops.matmul import dispatch
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "tf32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 RUNGS = ("autotuned", "split_k", "persistent_tma", "grouped")
 
 
@@ -57,6 +60,63 @@ def write_rows(name: str, dtype: str, rows: list) -> None:
                        dtype=dtype, rows=rows), f, indent=1)
 
 
+def make_variants(dtype: str, M: int, N: int, K: int) -> tuple[dict, torch.Tensor]:
+    """({name: callable}, fp64-derived reference) for one shape in ``dtype`` as the bench makes its inputs."""
+    if dtype == "fp8_e4m3":
+        a = torch.randn(M, K, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(N, K, device="cuda").to(torch.float8_e4m3fn).T  # column-major: what _scaled_mm takes
+        sa, sb = torch.tensor(0.5, device="cuda"), torch.tensor(2.0, device="cuda")
+        ref = (a.double() @ b.double()).float()
+        variants = {"cuBLAS": lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16),
+                    "auto": lambda: tilegemm.matmul(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)}
+        for rung in RUNGS:
+            variants[rung] = lambda rung=rung: tilegemm.matmul(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                                               kernel=rung)
+        return variants, ref
+    a = torch.randn(M, K, device="cuda", dtype=DTYPES[dtype])
+    b = torch.randn(K, N, device="cuda", dtype=DTYPES[dtype])
+    ref = (a.double() @ b.double()).float()
+    if dtype == "tf32":
+        def cublas():
+            torch.backends.cuda.matmul.allow_tf32 = True
+            return torch.matmul(a, b)
+
+        variants = {"cuBLAS": cublas, "auto": lambda: tilegemm.matmul(a, b, precision="tf32")}
+        for rung in RUNGS:
+            variants[rung] = lambda rung=rung: tilegemm.matmul(a, b, precision="tf32", kernel=rung)
+        return variants, ref
+    variants = {"cuBLAS": lambda: torch.matmul(a, b), "auto": lambda: tilegemm.matmul(a, b),
+                "padded": lambda: padded_product(a, b)}
+    for rung in RUNGS:
+        variants[rung] = lambda rung=rung: tilegemm.matmul(a, b, kernel=rung)
+    return variants, ref
+
+
+def recorded_launches():
+    """How many launches the newest replay entry holds (the call just made), or None where none was kept."""
+    from tilegemm.ops.matmul import replay
+
+    entries = replay._cache.entries
+    if not entries:
+        return None
+    newest = next(reversed(entries.values()))
+    return len(getattr(newest, "replays", [newest]))
+
+
+def host_us(fn, calls: int = 100) -> float:
+    """Host time per call of ``fn``, ``calls`` back to back without a sync (after one warm call)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
 def worst_shapes(path: str, count: int) -> list[str]:
     rows = json.load(open(path))["rows"]
     auto = sorted((r for r in rows if r["kernel"] == "auto" and r.get("ratio")), key=lambda r: r["ratio"])
@@ -72,7 +132,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     shapes = list(args.shapes) + (worst_shapes(args.worst, args.count) if args.worst else [])
-    dtype = DTYPES[args.dtype]
     chosen = []
     original = dispatch.choose_kernel
 
@@ -95,13 +154,7 @@ def main() -> None:
     for shape in shapes:
         M, N, K = (int(x) for x in shape.split("x"))
         torch.manual_seed(0)
-        a = torch.randn(M, K, device="cuda", dtype=dtype)
-        b = torch.randn(K, N, device="cuda", dtype=dtype)
-        ref = (a.double() @ b.double()).float()
-        variants = {"cuBLAS": lambda: torch.matmul(a, b), "auto": lambda: tilegemm.matmul(a, b),
-                    "padded": lambda: padded_product(a, b)}
-        for rung in RUNGS:
-            variants[rung] = lambda rung=rung: tilegemm.matmul(a, b, kernel=rung)
+        variants, ref = make_variants(args.dtype, M, N, K)
         row = dict(shape=shape, aligned=K % 8 == 0 and N % 8 == 0, variants={})
         ok = {}
         for name, fn in variants.items():
@@ -115,6 +168,8 @@ def main() -> None:
                 continue
             if name == "auto":
                 row["auto_rung"] = chosen[0] if chosen else None
+                row["auto_launches"] = recorded_launches()
+                row["auto_host_us"] = host_us(fn)
             if not err < 1e-2:
                 row["variants"][name] = dict(error=f"wrong: rel err {err}")
                 continue
@@ -124,7 +179,8 @@ def main() -> None:
         results.append(row)
         v = row["variants"]
         cells = " ".join(f"{n}={v[n]['ratio']:.2f}" if "ratio" in v.get(n, {}) else f"{n}=ERR" for n in variants if n != "cuBLAS")
-        print(f"{shape:>20} cuBLAS {base * 1e3:8.1f} us  auto->{row.get('auto_rung')}  {cells}", flush=True)
+        print(f"{shape:>20} cuBLAS {base * 1e3:8.1f} us  auto->{row.get('auto_rung')} "
+              f"[{row.get('auto_launches')} launches, host {row.get('auto_host_us', 0):.1f} us]  {cells}", flush=True)
     write_rows(f"diagnose-random-{args.dtype}.json", args.dtype, results)
 
 
