@@ -430,12 +430,15 @@ def test_restriding_is_priced_by_the_cost_model(monkeypatch):
 
 
 def test_padding_is_priced_by_the_cost_model(monkeypatch):
-    """Large misaligned products pad; small ones, and aligned ones, do not (132 SMs, as on an H100/H200)."""
-    from tilegemm.ops.matmul import dispatch, padding
+    """Large misaligned products with a long K pad; short-K ones, small ones and aligned ones do not (132 SMs,
+    the GPU's configs, as on an H100/H200)."""
+    from tilegemm.ops.matmul import configs, dispatch, padding, split_k
     from tilegemm.ops.matmul.problem import make_problems
 
-    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    for module in (dispatch, configs, split_k):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
     monkeypatch.setattr("tilegemm.core.hardware.sm_count", lambda device: 132)
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 132)
 
     def pads(M, N, K):
         a = torch.empty(M, K, dtype=torch.float16)
@@ -444,8 +447,11 @@ def test_padding_is_priced_by_the_cost_model(monkeypatch):
                           False)[0]
         return dispatch._pads(p, a, b)
 
-    assert pads(1723, 449, 15855) and pads(4000, 4001, 4003)
+    assert pads(1723, 449, 15855) and pads(4000, 4001, 4003) and pads(593, 69, 25089)
     assert not pads(4000, 4000, 4000)  # aligned
+    # Short K: a few steps a program, whose waits on misaligned loads cost less than the copies (H200, tf32:
+    # 146x8038x334 ran 19.2 us direct and 39.9 us as the twin; 142x473x409 9.8 against 17.7)
+    assert not pads(146, 8038, 334) and not pads(142, 473, 409) and not pads(651, 1798, 231)
     assert not pads(5, 23, 37)  # a few microseconds: four more launches would cost more than they win
     out = torch.empty(4, 6)
     assert not padding.can_pad(torch.empty(3, 4, 5), torch.empty(5, 6), None, None, out)  # batched

@@ -12,8 +12,9 @@ most SMs idle at 526x773, and no tuned neighbour splits K for such a product. Th
   tile's share of the SM's peak (:func:`mma_fraction`: small tiles use the tensor cores worse) and its
   operand bytes at the SM's share of L2 bandwidth, plus a fixed cost for the pipeline's fill and the
   epilogue. Programs that share an SM share its rates.
-- **Rows not 16-byte aligned** load two bytes at a time without asynchronous copies: their load term is
-  multiplied by :data:`MISALIGNED_LOADS`.
+- **Rows not 16-byte aligned** are loaded without asynchronous copies, a step at a time into registers: a
+  program then waits on each step's loads, and moves at most :data:`MISALIGNED_PROGRAM_GBPS` whatever else
+  its SM runs (a rate per program, not per SM: several programs on an SM overlap their waits).
 - **A K split** adds its planes' traffic: written by every slice, read back by the last-arriving program
   (one SM) or by a second launch spread over the GPU
   (:func:`tilegemm.ops.matmul.split_reduce.reduce_apart`).
@@ -38,10 +39,14 @@ SM_GBPS = 110.0  # what one SM can pull from L2 when few SMs compete for it
 LAST_ARRIVAL_GBPS = 12.0  # one program adding planes alone (184x168x14400: 33 planes of 64 KB in ~190 us)
 PROGRAM_US = 1.0  # a program's fixed cost: the pipeline's fill and the epilogue
 LAUNCH_US = 2.5  # a second launch (the split's reduction)
-# Load-term factor for operands whose rows are not 16-byte aligned: such products ran 10x-30x slower than
-# their aligned estimate (H200, random sweep, benchmarks/results/2026-11-23-h200/a764849/: 1723x449x15855
-# 1.9 ms, 161x1271x17757 1.2 ms).
-MISALIGNED_LOADS = 16.0
+# What one program moves per step, at most, when its rows are not 16-byte aligned (loads a step at a time,
+# latency-bound). Fitted on 17 misaligned products, fp16/bf16 and tf32, the twin's and the direct kernels'
+# measured times: 128x128 tiles ran 2.2-2.5 us a 64-deep step, 64x64 ones 1.2 us (H200 / H100,
+# benchmarks/results/2026-11-24-h100/ae1c846/diagnose-random-bf16.json and 2026-11-24-h200/f36febd/). The
+# former model, the load term times 16 (from before the kernels' wrapped-tile hints, when such products ran
+# 10x-30x slower than aligned), priced short-K products 5x-10x too slow and padded them where the direct
+# kernels win (146x8038x334: 39.9 us as the twin, 19.2 direct, tf32).
+MISALIGNED_PROGRAM_GBPS = 8.0
 SMEM_BYTES = 227 * 1024
 
 
@@ -65,8 +70,11 @@ def estimate_us(M: int, N: int, K: int, batch: int, elem: int, out_elem: int, cf
     steps = cdiv(cdiv(K, bk), split)
     mma_us = 2.0 * bm * bn * bk / (peak_tflops * 1e6 / sms * mma_fraction(bm, bn))
     sm_gbps = min(SM_GBPS, L2_PER_HBM * hbm_gbps / active)
-    load_us = (bm + bn) * bk * elem / (sm_gbps * 1e3) * (1.0 if aligned else MISALIGNED_LOADS)
-    program_us = steps * max(mma_us, load_us) * sharing + PROGRAM_US
+    step_bytes = (bm + bn) * bk * elem
+    step_us = max(mma_us, step_bytes / (sm_gbps * 1e3)) * sharing
+    if not aligned:
+        step_us = max(step_us, step_bytes / (MISALIGNED_PROGRAM_GBPS * 1e3))
+    program_us = steps * step_us + PROGRAM_US
     total = cdiv(programs, slots) * program_us
     if split > 1:
         plane_bytes = 4.0 * split * M * N * batch

@@ -110,13 +110,15 @@ PAD_MIN_MN = 16
 def padding_pays(p) -> bool:
     """Whether ``auto`` should run problem ``p`` (rows not aligned) as its aligned twin: the cost model's best
     config of the twin plus the copies (a read and a write of both operands and of the output, four
-    launches) against its best config of the product as it is."""
+    launches) against its best config of the product as it is (``autotuned``'s configs and ``split_k``'s
+    splits, each way)."""
+    from tilegemm.ops.matmul import split_k
     from tilegemm.ops.matmul.configs import autotune_configs, prune_for
     from tilegemm.ops.matmul.cost import LAUNCH_US, device_rates, estimate_us, problem_estimator
 
     if min(p.M, p.N) <= PAD_MIN_MN:
         return False
-    options = prune_for(autotune_configs(), p.a.element_size())
+    options = prune_for(autotune_configs(), p.a.element_size()) + split_k.configs(p)
     misaligned = min(map(problem_estimator(p, aligned=False), options))
     if misaligned < PAD_MIN_US:
         return False
