@@ -440,18 +440,22 @@ def test_padding_is_priced_by_the_cost_model(monkeypatch):
     monkeypatch.setattr("tilegemm.core.hardware.sm_count", lambda device: 132)
     monkeypatch.setattr(split_k, "sm_count", lambda device: 132)
 
-    def pads(M, N, K):
-        a = torch.empty(M, K, dtype=torch.float16)
-        b = torch.empty(K, N, dtype=torch.float16)
-        p = make_problems(a, b, torch.empty(M, N, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee",
-                          False)[0]
+    def pads(M, N, K, dtype=torch.float16):
+        a = torch.empty(M, K, dtype=dtype)
+        b = torch.empty(K, N, dtype=dtype)
+        p = make_problems(a, b, torch.empty(M, N, dtype=dtype), None, None, 1.0, 0.0, "none",
+                          "tf32" if dtype == torch.float32 else "ieee", False)[0]
         return dispatch._pads(p, a, b)
 
     assert pads(1723, 449, 15855) and pads(4000, 4001, 4003) and pads(593, 69, 25089)
     assert not pads(4000, 4000, 4000)  # aligned
-    # Short K: a few steps a program, whose waits on misaligned loads cost less than the copies (H200, tf32:
-    # 146x8038x334 ran 19.2 us direct and 39.9 us as the twin; 142x473x409 9.8 against 17.7)
-    assert not pads(146, 8038, 334) and not pads(142, 473, 409) and not pads(651, 1798, 231)
+    # Short K: a few steps a program, whose waits on misaligned loads cost less than the copies. Measured on the
+    # H200 (benchmarks/results/2026-11-24-h200/cdd76fc/, f36febd/): fp16 10129x572x106 17.6 us direct, 29.8 as
+    # the twin; 74x16779x6317 409 direct, 184 as the twin; tf32 146x8038x334 19.2 against 39.9, 142x473x409 9.8
+    # against 17.7 (a tf32 load carries twice an fp16 one's bytes: its direct kernels lose less).
+    assert not pads(10129, 572, 106) and pads(74, 16779, 6317)
+    assert not pads(146, 8038, 334, torch.float32) and not pads(142, 473, 409, torch.float32)
+    assert pads(641, 7731, 5689, torch.float32)
     assert not pads(5, 23, 37)  # a few microseconds: four more launches would cost more than they win
     out = torch.empty(4, 6)
     assert not padding.can_pad(torch.empty(3, 4, 5), torch.empty(5, 6), None, None, out)  # batched

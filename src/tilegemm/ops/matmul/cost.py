@@ -39,14 +39,15 @@ SM_GBPS = 110.0  # what one SM can pull from L2 when few SMs compete for it
 LAST_ARRIVAL_GBPS = 12.0  # one program adding planes alone (184x168x14400: 33 planes of 64 KB in ~190 us)
 PROGRAM_US = 1.0  # a program's fixed cost: the pipeline's fill and the epilogue
 LAUNCH_US = 2.5  # a second launch (the split's reduction)
-# What one program moves per step, at most, when its rows are not 16-byte aligned (loads a step at a time,
-# latency-bound). Fitted on 17 misaligned products, fp16/bf16 and tf32, the twin's and the direct kernels'
-# measured times: 128x128 tiles ran 2.2-2.5 us a 64-deep step, 64x64 ones 1.2 us (H200 / H100,
-# benchmarks/results/2026-11-24-h100/ae1c846/diagnose-random-bf16.json and 2026-11-24-h200/f36febd/). The
-# former model, the load term times 16 (from before the kernels' wrapped-tile hints, when such products ran
-# 10x-30x slower than aligned), priced short-K products 5x-10x too slow and padded them where the direct
-# kernels win (146x8038x334: 39.9 us as the twin, 19.2 direct, tf32).
-MISALIGNED_PROGRAM_GBPS = 8.0
+# What one program moves per step, at most, when its rows are not 16-byte aligned, by element size: such
+# loads go a step at a time into registers, one element per load, so the program waits on them
+# (latency-bound) and moves more where each load carries more bytes. Fitted on 60 unseen misaligned products
+# per dtype (H200, research/ab_padding.py, benchmarks/results/2026-11-24-h200/cdd76fc/): the twin-or-direct
+# choice was right on 54 of 60 in fp16 (at 4 GB/s) and tf32 (at 11 GB/s); one rate for both (8) got 44 and
+# 51. The former model, the load term times 16 (from before the kernels' wrapped-tile hints, when such
+# products ran 10x-30x slower than aligned), priced short-K products 5x-10x too slow and padded them where
+# the direct kernels win (146x8038x334 tf32: 39.9 us as the twin, 19.2 direct).
+MISALIGNED_PROGRAM_GBPS = {1: 2.0, 2: 4.0, 4: 11.0}
 SMEM_BYTES = 227 * 1024
 
 
@@ -73,7 +74,7 @@ def estimate_us(M: int, N: int, K: int, batch: int, elem: int, out_elem: int, cf
     step_bytes = (bm + bn) * bk * elem
     step_us = max(mma_us, step_bytes / (sm_gbps * 1e3)) * sharing
     if not aligned:
-        step_us = max(step_us, step_bytes / (MISALIGNED_PROGRAM_GBPS * 1e3))
+        step_us = max(step_us, step_bytes / (MISALIGNED_PROGRAM_GBPS[elem] * 1e3))
     program_us = steps * step_us + PROGRAM_US
     total = cdiv(programs, slots) * program_us
     if split > 1:
