@@ -1,6 +1,6 @@
 """Build the shipped survey table of one GPU from ``tools/survey_configs.py`` runs (offline, no GPU needed).
 
-``auto`` takes an unseen 16-bit shape's rung and config from this table (:mod:`tilegemm.ops.matmul.survey`):
+``auto`` takes an unseen shape's rung and config from the table of its dtype family and layout (:mod:`tilegemm.ops.matmul.survey`):
 the candidates that ran best on the surveyed shapes nearest to it. The table keeps, per surveyed shape, each
 candidate's efficiency (the shape's best time over the candidate's time), rounded, for candidates within
 :data:`tilegemm.ops.matmul.survey.FLOOR` of the best; the others count as that floor. ``split_k`` configs whose
@@ -24,26 +24,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from tilegemm.ops.matmul.survey import FLOOR, SCHEMA, identity, rank, table_path  # noqa: E402  (no GPU needed)
+from tilegemm.ops.matmul.survey import FLOOR, SCHEMA, family, identity, rank, table_path  # noqa: E402  (no GPU needed)
 
 
 def load(paths: list[str]):
-    """(gpu name, layout, rows) where each row is (M, N, K, cublas_us, auto_us, {candidate: us})."""
-    gpu, layout, rows = None, None, []
+    """(gpu name, layout, dtype, rows) where each row is (M, N, K, cublas_us, auto_us, {candidate: us}). The
+    surveys must share their GPU, layout and dtype family (fp16 and bf16 share one)."""
+    gpu, layout, dtype, rows = None, None, None, []
     for path in paths:
         doc = json.load(open(path))
-        name, lay = doc["machine"]["gpu"], doc.get("layout", "NN")
-        if gpu not in (None, name) or layout not in (None, lay):
-            raise SystemExit(f"{path} is from {name}, layout {lay}; the others from {gpu}, layout {layout}")
-        gpu, layout = name, lay
+        name, lay, dt = doc["machine"]["gpu"], doc.get("layout", "NN"), doc.get("dtype", "fp16")
+        if family(dt) is None:
+            raise SystemExit(f"{path} surveyed {dt}, which no table speaks for")
+        if gpu not in (None, name) or layout not in (None, lay) or (dtype is not None and family(dt) != family(dtype)):
+            raise SystemExit(f"{path} is from {name}, layout {lay}, {dt}; the others from {gpu}, layout {layout}, "
+                             f"{dtype}")
+        gpu, layout, dtype = name, lay, dtype or dt
         for r in doc["rows"]:
             timed = {identity(c["rung"], c["config"]): c["us"] for c in r["configs"] if "us" in c}
             if timed:
                 rows.append((r["M"], r["N"], r["K"], r["cublas_us"], r["auto_us"], timed))
-    return gpu, layout, rows
+    return gpu, layout, dtype, rows
 
 
-def table(gpu: str, sources: list[str], rows, layout: str = "NN") -> dict:
+def table(gpu: str, sources: list[str], rows, layout: str = "NN", dtype: str = "fp16") -> dict:
     configs = sorted({c for *_, timed in rows for c in timed})
     index = {c: i for i, c in enumerate(configs)}
     shapes = []
@@ -51,7 +55,7 @@ def table(gpu: str, sources: list[str], rows, layout: str = "NN") -> dict:
         best = min(timed.values())
         kept = sorted((index[c], round(best / us, 3)) for c, us in timed.items() if best / us >= FLOOR)
         shapes.append([M, N, K, [list(x) for x in kept]])
-    return dict(schema=SCHEMA, gpu=gpu, sources=sources, dtype="fp16", layouts=[layout],
+    return dict(schema=SCHEMA, gpu=gpu, sources=sources, dtype=dtype, family=family(dtype), layouts=[layout],
                 configs=[[rung, json.loads(cfg)] for rung, cfg in configs], shapes=shapes)
 
 
@@ -76,16 +80,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("surveys", nargs="+")
     ap.add_argument("--check", action="store_true")
-    ap.add_argument("--write", action="store_true", help="write src/tilegemm/tuned/survey/<gpu>[-<layout>].json")
+    ap.add_argument("--write", action="store_true",
+                    help="write src/tilegemm/tuned/survey/<gpu>[-<family>][-<layout>].json")
     args = ap.parse_args()
-    gpu, layout, rows = load(args.surveys)
+    gpu, layout, dtype, rows = load(args.surveys)
     sources = [str(Path(p).resolve().relative_to(ROOT)) if Path(p).resolve().is_relative_to(ROOT) else p
                for p in args.surveys]
-    doc = table(gpu, sources, rows, layout)
+    doc = table(gpu, sources, rows, layout, dtype)
     if args.check:
         check(doc, rows, json.load(open(args.surveys[0]))["machine"]["sm_count"])
     if args.write:
-        path = table_path(gpu, layout)
+        path = table_path(gpu, layout, doc["family"])
         path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
         print(f"wrote {path.relative_to(ROOT)}: {len(doc['shapes'])} shapes, {len(doc['configs'])} configs, "
               f"{path.stat().st_size // 1024} KB")

@@ -12,6 +12,8 @@ L2 cleared, replays of the recorded launch). The JSON is rewritten after every s
 ``--budget`` (seconds) keeps what it measured; ``--start`` resumes a set.
 
     PYTHONPATH=src python3 tools/survey_configs.py --count 120 --start 0 --budget 520 [--dtype fp16] [--out DIR]
+    PYTHONPATH=src python3 tools/survey_configs.py --dtype fp8_e4m3 --layout NT ...   (fp8: NT only, against
+        torch._scaled_mm with per-tensor scales and a bf16 output; tf32: against cuBLAS with TF32 on)
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from tilegemm.ops.matmul.bench import _random_cases
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.problem import make_problems
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "tf32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
+FP8_SCALES = (0.5, 2.0)  # per-tensor scales of fp8 operands (their product 1: the reference needs no rescaling)
 SWEEP_SEED = 2026  # the bench's random sweep: never surveyed
 
 
@@ -61,39 +64,73 @@ def field(p) -> list[tuple[str, dict]]:
     return out
 
 
-def survey(M: int, N: int, K: int, dtype, rep: int, layout: str = "NN") -> dict:
-    torch.manual_seed(M * 31 + N * 7 + K)
-    a = torch.randn(K, M, device="cuda", dtype=dtype).T if layout[0] == "T" else torch.randn(M, K, device="cuda", dtype=dtype)
-    b = torch.randn(N, K, device="cuda", dtype=dtype).T if layout[1] == "T" else torch.randn(K, N, device="cuda", dtype=dtype)
-    ref = torch.matmul(a.float(), b.float())
-    scale = ref.norm().item()
+class Operands:
+    """A shape's operands in a surveyed dtype and layout, with how cuBLAS (``torch._scaled_mm`` for fp8, TF32
+    on for tf32), ``tilegemm.matmul`` and a problem of the product are called on them."""
+
+    def __init__(self, M: int, N: int, K: int, dtype: str, layout: str):
+        torch.manual_seed(M * 31 + N * 7 + K)
+        tdtype = DTYPES[dtype]
+        made = torch.float32 if dtype.startswith("fp8") else tdtype
+
+        def operand(rows, cols, transposed):
+            x = torch.randn(*((cols, rows) if transposed else (rows, cols)), device="cuda", dtype=made).to(tdtype)
+            return x.T if transposed else x
+
+        self.a, self.b = operand(M, K, layout[0] == "T"), operand(K, N, layout[1] == "T")
+        self.fp8 = dtype.startswith("fp8")
+        if self.fp8 and layout != "NT":
+            raise SystemExit("fp8 is surveyed NT only: torch._scaled_mm takes A row-major and B column-major")
+        self.precision = "tf32" if dtype == "tf32" else "ieee"
+        self.out_dtype = torch.bfloat16 if self.fp8 else tdtype
+        self.scales = tuple(torch.tensor(s, device="cuda") for s in FP8_SCALES) if self.fp8 else (None, None)
+        self.ref = torch.matmul(self.a.float(), self.b.float())
+        torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+
+    def cublas(self):
+        if self.fp8:
+            return torch._scaled_mm(self.a, self.b, *self.scales, out_dtype=torch.bfloat16)
+        return torch.matmul(self.a, self.b)
+
+    def tilegemm(self):
+        if self.fp8:
+            sa, sb = self.scales
+            return tilegemm.matmul(self.a, self.b, scale_a=sa, scale_b=sb, out_dtype=self.out_dtype)
+        return tilegemm.matmul(self.a, self.b, precision=self.precision)
+
+    def problem(self, out):
+        sa, sb = self.scales
+        return make_problems(self.a, self.b, out, None, None, 1.0, 0.0, "none", self.precision, False,
+                             (sa, 0, sb, 0))[0]
+
+
+def survey(M: int, N: int, K: int, dtype: str, rep: int, layout: str = "NN") -> dict:
+    ops = Operands(M, N, K, dtype, layout)
+    scale = ops.ref.norm().item()
     row = dict(M=M, N=N, K=K)
-    row["cublas_us"] = triton.testing.do_bench(lambda: torch.matmul(a, b), warmup=5, rep=3 * rep,
-                                               return_mode="median") * 1e3
+    row["cublas_us"] = triton.testing.do_bench(ops.cublas, warmup=5, rep=3 * rep, return_mode="median") * 1e3
     chosen = []
     original, surveyed = dispatch.choose_kernel, dispatch.surveyed
     dispatch.choose_kernel = lambda p: chosen.append(original(p)) or chosen[-1]
     dispatch.surveyed = lambda p: None  # the rules' choice: what the survey is measured against
     try:
-        tilegemm.matmul(a, b)
+        ops.tilegemm()
         row["auto_rung"] = chosen[0] if chosen else None
-        row["auto_us"] = triton.testing.do_bench(lambda: tilegemm.matmul(a, b), warmup=5, rep=3 * rep,
-                                                 return_mode="median") * 1e3
+        row["auto_us"] = triton.testing.do_bench(ops.tilegemm, warmup=5, rep=3 * rep, return_mode="median") * 1e3
     finally:
         dispatch.choose_kernel, dispatch.surveyed = original, surveyed
         replay.clear()  # the rules' recorded launches must not stand in for a later call
     configs = []
-    p0 = make_problems(a, b, torch.empty(M, N, device="cuda", dtype=dtype), None, None, 1.0, 0.0, "none",
-                       "ieee", False)[0]
+    p0 = ops.problem(torch.empty(M, N, device="cuda", dtype=ops.out_dtype))
     for rung, cfg in field(p0):
-        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-        p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=ops.out_dtype)
+        p = ops.problem(out)
         entry = dict(rung=rung, config=cfg)
         fn = tuning.replaying(lambda c, rung=rung, p=p: dispatch.launcher(rung)(p, c), cfg)  # as auto launches it
         try:
             fn()
             torch.cuda.synchronize()
-            err = ((out.float() - ref).norm() / scale).item()
+            err = ((out.float() - ops.ref).norm() / scale).item()
             if not err < 1e-2:
                 raise RuntimeError(f"wrong: rel err {err:.3g}")
             entry["us"] = triton.testing.do_bench(fn, warmup=3, rep=rep, return_mode="median") * 1e3
@@ -129,7 +166,7 @@ def main() -> None:
         if time.time() - t0 > args.budget:
             print(f"budget spent: stopped before shape {args.start + i}", flush=True)
             break
-        row = survey(M, N, K, DTYPES[args.dtype], args.rep, args.layout)
+        row = survey(M, N, K, args.dtype, args.rep, args.layout)
         doc["rows"].append(row)
         with open(path, "w") as f:
             json.dump(doc, f)

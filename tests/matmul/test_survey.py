@@ -1,5 +1,6 @@
-"""``auto``'s survey-based choice for unseen 16-bit shapes (tilegemm.ops.matmul.survey): the ranking, the shipped
-tables, when dispatch consults them, and (on the GPU) that what they choose runs and is right."""
+"""``auto``'s survey-based choice for unseen shapes (tilegemm.ops.matmul.survey): the ranking, the shipped tables of
+each dtype family and layout, when dispatch consults them, and (on the GPU) that what they choose runs and is
+right."""
 
 from __future__ import annotations
 
@@ -97,13 +98,17 @@ def test_rank_with_configs_moves_a_candidate_by_its_fill_of_the_gpu():
 
 @pytest.mark.parametrize("path", TABLES, ids=lambda p: p.stem)
 def test_shipped_tables_hold_only_candidates_of_their_rungs(path, monkeypatch):
-    from tilegemm.ops.matmul import configs, gluon_f16, persistent_tma, split_k
+    from tilegemm.ops.matmul import configs, gluon_f16, gluon_fp8, gluon_tf32, persistent_tma, split_k
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)  # the GPU's candidate lists
     doc = json.loads(path.read_text())
     assert doc["schema"] == survey.SCHEMA and doc["shapes"] and doc["configs"]
-    pointer = configs.prune_for(configs.autotune_configs(), 2)
-    tma = persistent_tma.hopper_configs(2, "ab") + gluon_f16.configs(2)
+    family = doc.get("family", "")
+    assert path == survey.table_path(doc["gpu"], doc["layouts"][0], family), "named by its GPU, layout and family"
+    size = {"": 2, "tf32": 4, "fp8": 1}[family]
+    gluon = {"": gluon_f16.configs(2), "tf32": gluon_tf32.configs(4), "fp8": gluon_fp8.configs(2)}[family]
+    pointer = configs.prune_for(configs.autotune_configs(), size)
+    tma = persistent_tma.hopper_configs(size, "ab") + gluon
     tiles = {tile for bucket in split_k._TILES.values() for tile in bucket}
     for rung, cfg in doc["configs"]:
         if rung == "autotuned":
@@ -228,19 +233,54 @@ def test_launch_auto_launches_the_surveyed_rung_with_its_config_else_the_rules_r
 def test_a_damaged_table_is_ignored_with_a_warning(text, tmp_path, monkeypatch):
     path = tmp_path / "gpu.json"
     path.write_text(text)
-    monkeypatch.setattr(survey, "table_path", lambda name, layout="NN": path)
+    monkeypatch.setattr(survey, "table_path", lambda name, layout="NN", family="": path)
     monkeypatch.setattr(survey, "_tables", {})
     with pytest.warns(UserWarning, match="damaged survey table"):
         assert survey.table_for("Some GPU") is None
     assert survey.table_for("Some GPU") is None  # read once: no second warning, no error
 
 
-def test_applies_to_single_16_bit_products_on_a_gpu_only():
+def test_applies_to_single_products_of_a_surveyed_family_on_a_gpu_only():
+    assert [survey.family(d) for d in ("fp16", "bf16", "tf32", "fp8_e4m3", "fp8_e5m2xfp8_e4m3", "fp8_e4m3+fast")] \
+        == ["", "", "tf32", "fp8", "fp8", "fp8"]
+    assert survey.family("fp32") is None and survey.family("fp16xbf16") is None  # IEEE fp32, mixed 16-bit
     assert survey.applies(problem(64, 64, 64)) is False  # CPU tensors: no GPU table speaks for them
     assert survey.applies(problem(64, 64, 64, torch.float32)) is False
     if torch.cuda.is_available() and not tilegemm.core.runtime.interpreting():
         assert survey.applies(problem(64, 64, 64, device="cuda")) is True
-        assert survey.applies(problem(64, 64, 64, torch.float32, device="cuda")) is False
+        assert survey.applies(problem(64, 64, 64, torch.float32, device="cuda")) is False  # IEEE
+        a = torch.empty(64, 64, device="cuda")
+        tf32 = make_problems(a, a, torch.empty_like(a), None, None, 1.0, 0.0, "none", "tf32", False)[0]
+        assert survey.applies(tf32) is True
+        batched = make_problems(a.expand(2, 64, 64), a, torch.empty(2, 64, 64, device="cuda"), None, None, 1.0,
+                                0.0, "none", "tf32", False)[0]
+        assert batched.batch == 2 and survey.applies(batched) is False
+
+
+def test_tables_are_named_by_gpu_family_and_layout(tmp_path, monkeypatch):
+    assert survey.table_path("NVIDIA H200").name == "nvidia-h200.json"
+    assert survey.table_path("NVIDIA H200", "NT").name == "nvidia-h200-NT.json"
+    assert survey.table_path("NVIDIA H200", "NT", "fp8").name == "nvidia-h200-fp8-NT.json"
+    assert survey.table_path("NVIDIA H200", "NN", "tf32").name == "nvidia-h200-tf32.json"
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(dict(schema=survey.SCHEMA, family="tf32", layouts=["NN"], configs=[],
+                                    shapes=[])))
+    monkeypatch.setattr(survey, "table_path", lambda name, layout="NN", family="": path)
+    monkeypatch.setattr(survey, "_tables", {})
+    with pytest.warns(UserWarning, match="tf32 family, not fp8"):
+        assert survey.table_for("Some GPU", "NN", "fp8") is None  # a table misplaced is refused, not misread
+
+
+def test_gluon_tiles_are_the_kernels_own():
+    from tilegemm.ops.matmul import gluon_fp8, gluon_tf32
+
+    assert survey.GLUON_FP8_TILE == (gluon_fp8.BLOCK_M, gluon_fp8.BLOCK_N, gluon_fp8.BLOCK_K)
+    assert survey.GLUON_TF32_NN_TILE == (gluon_tf32.BLOCK_S, gluon_tf32.BLOCK_R, gluon_tf32.BLOCK_K)  # C^T's tile
+    assert survey.tile(gluon_fp8.configs(2)[0]) == survey.GLUON_FP8_TILE
+    assert survey.tile(gluon_tf32.configs(4)[0]) == survey.GLUON_TF32_NN_TILE
+    assert survey.tile({"GLUON_F16": True, "BLOCK_M": 128, "BLOCK_N": 256}) == (128, 256, survey.GLUON_BLOCK_K)
+    with pytest.raises(KeyError):
+        survey.tile({"num_warps": 4})
 
 
 def test_fit_tool_round_trips_a_survey(tmp_path):
@@ -256,14 +296,24 @@ def test_fit_tool_round_trips_a_survey(tmp_path):
         import fit_survey
     finally:
         sys.path.remove(str(ROOT / "tools"))
-    gpu, layout, loaded = fit_survey.load([str(src)])
-    doc = fit_survey.table(gpu, [str(src)], loaded, layout)
-    assert layout == "NN" and doc["layouts"] == ["NN"]
+    gpu, layout, dtype, loaded = fit_survey.load([str(src)])
+    doc = fit_survey.table(gpu, [str(src)], loaded, layout, dtype)
+    assert layout == "NN" and doc["layouts"] == ["NN"] and dtype == "fp16" and doc["family"] == ""
     assert gpu == "Test GPU" and [s[:3] for s in doc["shapes"]] == [[3, 256, 512], [30, 256, 512], [300, 256, 512]]
     names = [(r, c.get("SPLIT_K")) for r, c in doc["configs"]]
     assert names == [("autotuned", None), ("split_k", "wave")]  # the failed candidate is not kept
     assert doc["shapes"][0][3] == [[0, 1.0], [1, 0.65]]  # 13 us best against 20 us
     assert doc["shapes"][2][3] == [[1, 1.0]]  # 310 us is below the floor against 20 us
+    tf32 = tmp_path / "survey-tf32.json"
+    tf32.write_text(json.dumps(dict(machine=dict(gpu="Test GPU"), dtype="tf32", rows=rows)))
+    gpu, layout, dtype, loaded = fit_survey.load([str(tf32)])
+    assert fit_survey.table(gpu, [str(tf32)], loaded, layout, dtype)["family"] == "tf32"
+    with pytest.raises(SystemExit, match="tf32"):
+        fit_survey.load([str(src), str(tf32)])  # one table per family: fp16 and tf32 do not mix
+    ieee = tmp_path / "survey-fp32.json"
+    ieee.write_text(json.dumps(dict(machine=dict(gpu="Test GPU"), dtype="fp32", rows=rows)))
+    with pytest.raises(SystemExit, match="no table speaks for"):
+        fit_survey.load([str(ieee)])
 
 
 # --- GPU -----------------------------------------------------------------------------------------------------
@@ -299,27 +349,60 @@ def test_unseen_shapes_run_the_surveyed_choice_correctly(dtype, layout, shape, m
     assert_rel_close(out, ref, tolerance(dtype))
 
 
+def _family_operands(family: str, M: int, N: int, K: int, layout: str = "NN"):
+    """(a, b, matmul kwargs, output dtype, tolerance) for a product of ``family`` ("" 16-bit, "tf32", "fp8")."""
+    dtype = {"": torch.float16, "tf32": torch.float32, "fp8": torch.float8_e4m3fn}[family]
+
+    def operand(rows, cols, transposed):
+        x = torch.randn(*((cols, rows) if transposed else (rows, cols)), device="cuda").to(dtype)
+        return x.T if transposed else x
+
+    a, b = operand(M, K, layout[0] == "T"), operand(K, N, layout[1] == "T")
+    if family == "fp8":
+        kwargs = dict(scale_a=torch.tensor(0.5, device="cuda"), scale_b=torch.tensor(2.0, device="cuda"),
+                      out_dtype=torch.bfloat16)
+        return a, b, kwargs, torch.bfloat16, tolerance(torch.float8_e4m3fn, "ieee", torch.bfloat16)
+    precision = "tf32" if family == "tf32" else "ieee"
+    return a, b, dict(precision=precision), dtype, tolerance(dtype, precision)
+
+
+def _problem(a, b, out, kwargs):
+    scales = (kwargs.get("scale_a"), 0, kwargs.get("scale_b"), 0)
+    return make_problems(a, b, out, None, None, 1.0, 0.0, "none", kwargs.get("precision", "ieee"), False, scales)[0]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["NN", "NT", "TN"])
-def test_every_candidate_of_the_gpus_table_launches_correctly(layout):
-    """Each config the layout's table can name, launched as auto launches it, on one shape it is valid for."""
-    path = survey.table_path(torch.cuda.get_device_name(), layout)
+@pytest.mark.parametrize("family,layout", [("", "NN"), ("", "NT"), ("", "TN"), ("tf32", "NN"), ("fp8", "NT")])
+def test_every_candidate_of_the_gpus_table_launches_correctly(family, layout):
+    """Each config the table of a family and layout can name, launched as auto launches it, on one shape it is
+    valid for."""
+    path = survey.table_path(torch.cuda.get_device_name(), layout, family)
     if not path.exists():
-        pytest.skip(f"no {layout} survey table for this GPU")
+        pytest.skip(f"no {family or '16-bit'} {layout} survey table for this GPU")
     doc = json.loads(path.read_text())
-    M, N, K = 200, 520, 2064
-    a = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
-    if layout == "NT":
-        b = torch.randn(N, K, device="cuda", dtype=torch.float16).T
-    if layout == "TN":
-        a = torch.randn(K, M, device="cuda", dtype=torch.float16).T
-    ref = matmul_reference(a, b)
+    M, N, K = 200, 528, 2064
+    a, b, kwargs, out_dtype, tol = _family_operands(family, M, N, K, layout)
+    ref = matmul_reference(a, b)  # the fp8 scales multiply to 1
     for rung, cfg in doc["configs"]:
-        out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
-        p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=out_dtype)
+        p = _problem(a, b, out, kwargs)
         dispatch.launcher(rung)(p, survey._resolved(p, rung, cfg))
-        assert_rel_close(out, ref, tolerance(torch.float16))
+        assert_rel_close(out, ref, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,layout", [("tf32", "NN"), ("fp8", "NT")])
+@pytest.mark.parametrize("shape", [(5, 3000, 4000), (700, 1500, 2000), (3000, 200, 6000)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_unseen_tf32_and_fp8_shapes_take_their_familys_table(family, layout, shape, monkeypatch):
+    if not survey.table_path(torch.cuda.get_device_name(), layout, family).exists():
+        pytest.skip(f"no {family} {layout} survey table for this GPU: auto uses its rules")
+    M, N, K = shape
+    a, b, kwargs, _, tol = _family_operands(family, M, N, K, layout)
+    picks = _spy(monkeypatch)
+    out = tilegemm.matmul(a, b, **kwargs)
+    assert picks and picks[0] is not None, f"an unseen aligned {family} {layout} shape takes its table's choice"
+    assert_rel_close(out, matmul_reference(a, b), tol)
 
 
 @pytest.mark.gpu

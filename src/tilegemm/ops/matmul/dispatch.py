@@ -276,13 +276,13 @@ _RUNGS_TUNED = ("auto", "autotuned", "persistent_tma", "split_k")
 
 
 def surveyed(p: GemmProblem) -> tuple[str, dict] | None:
-    """(rung, config) from the GPU's survey table (:mod:`tilegemm.ops.matmul.survey`) for an aligned 16-bit
-    problem of a surveyed layout whose shape class has no tuned entry (shipped or tuned: those keep their
+    """(rung, config) from the GPU's survey table (:mod:`tilegemm.ops.matmul.survey`) for an aligned problem of a
+    surveyed dtype family and layout whose shape class has no tuned entry (shipped or tuned: those keep their
     measured choice), while timing is off; else None. What depends on the shape alone is answered once per
     shape (a dict lookup on later calls); a no costs nothing more."""
     if interpreting():
         return None
-    key = ("survey", p.M, p.N, p.K, p.a.dtype, p.b.dtype, p.out.dtype, p.layout, p.batch, p.scale_a is None,
+    key = ("survey", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout, p.batch, p.scale_a is None,
            p.scale_b is None, p.out.device, tuning.generation())
     if not _decided(key, lambda: _survey_speaks(p)):
         return None

@@ -1,10 +1,11 @@
-"""``auto``'s untimed choice for unseen 16-bit shapes: the candidates that ran best on the nearest surveyed shapes.
+"""``auto``'s untimed choice for unseen shapes: the candidates that ran best on the nearest surveyed shapes.
 
 ``tools/survey_configs.py`` times every config of every rung (``autotuned``, ``persistent_tma`` with its Gluon
 kernel, ``split_k``) on a few hundred shapes drawn like the bench's ``random`` sweep from other seeds, on one
 GPU; ``tools/fit_survey.py`` keeps, per surveyed shape, each candidate's efficiency (that shape's best time over
-the candidate's) in ``tuned/survey/<gpu>.json`` (NN) and ``<gpu>-<layout>.json`` (each other layout surveyed:
-NT, ``nn.Linear``'s ``x @ W.T``). For a problem of such a layout whose shape class has no tuned entry, ``auto``
+the candidate's) in ``tuned/survey/<gpu>.json`` (16-bit, NN) and ``<gpu>[-<family>][-<layout>].json`` (each other
+layout surveyed: NT, ``nn.Linear``'s ``x @ W.T``; each other dtype family: ``tf32``, ``fp8``, see :func:`family`).
+For a problem of such a family and layout whose shape class has no tuned entry, ``auto``
 ranks the candidates valid for it by their efficiency on the :data:`NEIGHBOURS` surveyed shapes nearest to it
 (the sum of |log2| ratios of M, N and K), weighted by ``1 / (DISTANCE_SOFTENING + distance)``, averaging logs;
 a candidate a neighbour did not keep counts as :data:`FLOOR`. Each neighbour's log-efficiency is moved by how
@@ -42,6 +43,11 @@ FIXED_SPLITS = (1, 2, 3, 4, 8)  # split_k's fixed splits; larger ones are the wa
 # (research/explore_survey_waves.py).
 WAVE_WEIGHT = 0.5
 GLUON_BLOCK_K = 64  # gluon_f16's K step (its configs do not name one)
+# The tiles (M, N, K step) of the Gluon kernels whose configs do not name one: gluon_fp8's, and gluon_tf32's as
+# it lies for NN operands (its accumulator is C^T's 128 x 256 there; tf32 is surveyed NN only). Plain Python, so
+# that the fitting tool needs no GPU; a test holds them to the kernels' own constants.
+GLUON_FP8_TILE = (128, 128, 128)
+GLUON_TF32_NN_TILE = (256, 128, 32)
 
 
 def identity(rung: str, config: dict) -> tuple[str, str]:
@@ -56,13 +62,22 @@ def distance(a, b) -> float:
     return sum(abs(math.log2(max(x, 1) / max(y, 1))) for x, y in zip(a, b))
 
 
+def tile(config: dict) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of a candidate's launch (KeyError for a config that names no tile)."""
+    if config.get("GLUON_FP8"):
+        return GLUON_FP8_TILE
+    if config.get("GLUON_TF32"):
+        return GLUON_TF32_NN_TILE
+    return config["BLOCK_M"], config["BLOCK_N"], config.get("BLOCK_K", GLUON_BLOCK_K)
+
+
 def utilization(config: dict, shape, sms: int) -> float:
     """The share of what ``config``'s launch at ``shape`` (M, N, K) could compute in the waves it takes that is the
     product's own: the padding of edge tiles and of K slices times the fill of the last wave of programs (one an
     SM: ``autotuned`` and ``split_k``'s tiles times SPLIT_K, ``persistent_tma``'s tiles on as many SMs). A
     wave-filling split (``"wave"``) fills the GPU by construction: its tiles' padding only."""
     M, N, K = (max(d, 1) for d in shape)
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config.get("BLOCK_K", GLUON_BLOCK_K)
+    bm, bn, bk = tile(config)
     tiles = -(-M // bm) * -(-N // bn)
     split = config.get("SPLIT_K", 1)
     if split == "wave":
@@ -116,27 +131,42 @@ _choices: dict[tuple, tuple[str, dict] | None] = {}
 _MISSING = object()
 
 
-def table_path(gpu_name: str, layout: str = "NN") -> Path:
-    """Where the table of a GPU and an operand layout ships: ``<gpu>.json`` for NN, ``<gpu>-<layout>.json``
-    for the others."""
+# The dtype families a table speaks for, by the operands' dtype names (:func:`family`): one table serves fp16 and
+# bf16 (they run the same kernels at the same speed), one tf32, one every pair of fp8 operands.
+FAMILIES = {"fp16": "", "bf16": "", "tf32": "tf32", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8",
+            "fp8_e5m2xfp8_e4m3": "fp8", "fp8_e4m3xfp8_e5m2": "fp8"}
+
+
+def family(dtype_name: str) -> str | None:
+    """The table family of a :attr:`GemmProblem.tuning_dtype` (``fast`` accumulation aside): ``""`` for 16-bit,
+    ``"tf32"``, ``"fp8"``; None for what no table speaks for (IEEE fp32, mixed 16-bit dtypes)."""
+    return FAMILIES.get(dtype_name.removesuffix("+fast"))
+
+
+def table_path(gpu_name: str, layout: str = "NN", family: str = "") -> Path:
+    """Where the table of a GPU, an operand layout and a dtype family ships: ``<gpu>.json`` for 16-bit NN,
+    ``<gpu>[-<family>][-<layout>].json`` for the others (``nvidia-h200-NT.json``, ``nvidia-h200-fp8-NT.json``)."""
     from tilegemm.core.tuning import gpu_slug
 
-    name = gpu_slug(gpu_name) + ("" if layout == "NN" else f"-{layout}")
+    name = gpu_slug(gpu_name) + (f"-{family}" if family else "") + ("" if layout == "NN" else f"-{layout}")
     return Path(__file__).resolve().parent.parent.parent / "tuned" / "survey" / f"{name}.json"
 
 
-def table_for(gpu_name: str, layout: str = "NN") -> dict | None:
-    """The survey table shipped for this GPU and layout, or None (read once). A damaged table is ignored with a
-    warning: the rules decide, as on a GPU without one."""
-    table = _tables.get((gpu_name, layout), _MISSING)
+def table_for(gpu_name: str, layout: str = "NN", family: str = "") -> dict | None:
+    """The survey table shipped for this GPU, layout and dtype family, or None (read once). A damaged table is
+    ignored with a warning: the rules decide, as on a GPU without one."""
+    table = _tables.get((gpu_name, layout, family), _MISSING)
     if table is _MISSING:
         table = None
-        path = table_path(gpu_name, layout)
+        path = table_path(gpu_name, layout, family)
         if path.exists():
             try:
                 doc = json.loads(path.read_text())
                 if doc.get("schema") != SCHEMA:
                     raise ValueError(f"schema {doc.get('schema')!r}, expected {SCHEMA!r}")
+                if doc.get("family", "") != family:
+                    raise ValueError(f"it surveyed the {doc.get('family') or '16-bit'} family, not "
+                                     f"{family or '16-bit'}")
                 configs = [(str(rung), dict(config)) for rung, config in doc["configs"]]
                 surveyed = doc.get("layouts") or [doc.get("layout", "NN")]
                 if layout not in surveyed:
@@ -147,15 +177,15 @@ def table_for(gpu_name: str, layout: str = "NN") -> dict | None:
                 table = dict(configs=configs, shapes=shapes, bounds=bounds)
                 if not all(0 <= i < len(configs) for shape in shapes for i in shape[3]):
                     raise ValueError("a shape names a config the table lacks")
-                if not all("BLOCK_M" in config and "BLOCK_N" in config for _, config in configs):
-                    raise ValueError("a config without its tile")  # utilization() reads it
+                for _, config in configs:
+                    tile(config)  # utilization() reads it: a KeyError names a config without its tile
             except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
                 import warnings
 
                 warnings.warn(f"tilegemm: ignoring the damaged survey table {path} ({err}); auto's rules decide",
                               stacklevel=2)
                 table = None
-        _tables[(gpu_name, layout)] = table
+        _tables[(gpu_name, layout, family)] = table
     return table
 
 
@@ -167,11 +197,11 @@ OUTSIDE = 0.5
 
 
 def covers(p) -> bool:
-    """Whether ``p``'s GPU has a (readable) survey table of ``p``'s layout (one file per layout surveyed;
-    a layout without one keeps the rules) and ``p``'s shape lies within the surveyed box (:data:`OUTSIDE`)."""
+    """Whether ``p``'s GPU has a (readable) survey table of ``p``'s layout and dtype family (one file each;
+    what has none keeps the rules) and ``p``'s shape lies within the surveyed box (:data:`OUTSIDE`)."""
     import torch
 
-    table = table_for(torch.cuda.get_device_name(p.out.device), p.layout)
+    table = table_for(torch.cuda.get_device_name(p.out.device), p.layout, family(p.tuning_dtype) or "")
     return table is not None and within(table, (p.M, p.N, p.K))
 
 
@@ -181,13 +211,13 @@ def within(table: dict, shape: tuple[int, int, int]) -> bool:
 
 
 def applies(p) -> bool:
-    """Whether the survey speaks for ``p`` whatever its size: 16-bit operands of one dtype, one product (no
-    batch), no scales, on a GPU. (Its rows must also be 16-byte aligned, as the surveyed shapes' were:
-    ``dispatch.surveyed`` asks that.)"""
-    import torch
-
-    return (p.a.dtype in (torch.float16, torch.bfloat16) and p.b.dtype == p.a.dtype and p.batch == 1
-            and p.scale_a is None and p.scale_b is None and p.out.is_cuda)
+    """Whether the survey speaks for ``p`` whatever its size: operands of a dtype family that has tables
+    (:func:`family`: 16-bit of one dtype, tf32, fp8 with its scales), one product (no batch), on a GPU. (Its
+    rows must also be 16-byte aligned, as the surveyed shapes' were: ``dispatch.surveyed`` asks that.)"""
+    fam = family(p.tuning_dtype)
+    if fam is None or p.batch != 1 or not p.out.is_cuda:
+        return False
+    return fam == "fp8" or (p.scale_a is None and p.scale_b is None)
 
 
 def choose(p) -> tuple[str, dict] | None:
@@ -199,11 +229,11 @@ def choose(p) -> tuple[str, dict] | None:
     from tilegemm.ops.matmul.persistent_tma import describable
 
     described = describable(p) is None
-    key = (p.M, p.N, p.K, p.a.dtype, p.out.dtype, p.layout, described, p.out.device)
+    key = (p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout, described, p.out.device)
     picked = _choices.get(key, _MISSING)
     if picked is not _MISSING:
         return picked
-    table = table_for(torch.cuda.get_device_name(p.out.device), p.layout)
+    table = table_for(torch.cuda.get_device_name(p.out.device), p.layout, family(p.tuning_dtype) or "")
     picked = None
     if table is not None:
         from tilegemm.core.hardware import sm_count
