@@ -84,8 +84,9 @@ class Operands:
         self.precision = "tf32" if dtype == "tf32" else "ieee"
         self.out_dtype = torch.bfloat16 if self.fp8 else tdtype
         self.scales = tuple(torch.tensor(s, device="cuda") for s in FP8_SCALES) if self.fp8 else (None, None)
+        torch.backends.cuda.matmul.allow_tf32 = False  # an IEEE fp32 reference
         self.ref = torch.matmul(self.a.float(), self.b.float())
-        torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"  # cuBLAS's tf32 baseline
 
     def cublas(self):
         if self.fp8:
