@@ -109,7 +109,8 @@ def test_shipped_tables_hold_only_candidates_of_their_rungs(path, monkeypatch):
     gluon = {"": gluon_f16.configs(2), "tf32": gluon_tf32.configs(4), "fp8": gluon_fp8.configs(2)}[family]
     pointer = configs.prune_for(configs.autotune_configs(), size)
     tma = persistent_tma.hopper_configs(size, "ab") + gluon
-    tiles = {tile for bucket in split_k._TILES.values() for tile in bucket}
+    tiles = {(bm, bn, max(32, min(256, bk * 2 // size)), warps, stages)  # K steps of the same bytes, as configs()
+             for bucket in split_k._TILES.values() for bm, bn, bk, warps, stages in bucket}
     for rung, cfg in doc["configs"]:
         if rung == "autotuned":
             assert cfg in pointer, cfg
