@@ -50,14 +50,14 @@ from tilegemm.ops.matmul.split_k import sensible_split, wave_split  # noqa: E402
 
 RES = ROOT / "benchmarks" / "results"
 SETS = {
-    "H200 NN": [RES / "2026-11-24-h200/b3a0245/survey-fp16-s7-0.json",
-                RES / "2026-11-24-h200/b3a0245/survey-fp16-s11-0.json"],
-    "H200 NT": [RES / "2026-11-24-h200/db70881/survey-fp16-s7-NT-0.json"],
-    "H200 TN": [RES / "2026-11-24-h200/cd4832f/survey-fp16-s7-TN-0.json"],
-    "H100 NN": [RES / "2026-11-24-h100/b3a0245/survey-fp16-s7-0.json",
-                RES / "2026-11-24-h100/b3a0245/survey-fp16-s11-0.json"],
-    "H100 NT": [RES / "2026-11-24-h100/db70881/survey-fp16-s7-NT-0.json"],
-    "H100 TN": [RES / "2026-11-24-h100/bd835e0/survey-fp16-s7-TN-0.json"],
+    "H200 NN": [RES / "2026-11-24-h200/b3a0245/survey-fp16-s7-0.json.xz",
+                RES / "2026-11-24-h200/b3a0245/survey-fp16-s11-0.json.xz"],
+    "H200 NT": [RES / "2026-11-24-h200/db70881/survey-fp16-s7-NT-0.json.xz"],
+    "H200 TN": [RES / "2026-11-24-h200/cd4832f/survey-fp16-s7-TN-0.json.xz"],
+    "H100 NN": [RES / "2026-11-24-h100/b3a0245/survey-fp16-s7-0.json.xz",
+                RES / "2026-11-24-h100/b3a0245/survey-fp16-s11-0.json.xz"],
+    "H100 NT": [RES / "2026-11-24-h100/db70881/survey-fp16-s7-NT-0.json.xz"],
+    "H100 TN": [RES / "2026-11-24-h100/bd835e0/survey-fp16-s7-TN-0.json.xz"],
 }
 SMS = 132  # H200 and H100 SXM
 SMEM = 228 * 1024  # shared memory per SM (sm_90)
@@ -150,9 +150,9 @@ class Set:
     """A GPU's survey of one layout: its files' rows, the table built from all of them, and the candidates."""
 
     def __init__(self, paths, held_out=None):
-        self.gpu, self.layout, self.rows = load([str(p) for p in paths])
-        self.seeds = [load([str(p)])[2] for p in paths]  # rows per file (one seed each)
-        self.held_out = load([str(held_out)])[2] if held_out else None
+        self.gpu, self.layout, _, self.rows = load([str(p) for p in paths])
+        self.seeds = [load([str(p)])[3] for p in paths]  # rows per file (one seed each)
+        self.held_out = load([str(held_out)])[3] if held_out else None
         everything = self.rows + (self.held_out or [])
         self.names = sorted({c for *_, timed in everything for c in timed})
         self.index = {n: i for i, n in enumerate(self.names)}
@@ -213,7 +213,7 @@ VARIANTS = {
 SENSITIVITY = {f"{kind} 1/SM a={a}": dict(kind=kind, per_sm=1, alpha=a)
                for kind in ("util", "util filled", "wave", "pad") for a in (0.25, 0.5, 0.75, 1.0, 1.25)}
 # The H200's survey of seed 23 with N and K multiples of 8 (not 16): never in the shipped tables, held out.
-HELD_OUT = RES / "2026-11-24-h200/e2b0011/survey-fp16-s23-m8-0.json"
+HELD_OUT = RES / "2026-11-24-h200/e2b0011/survey-fp16-s23-m8-0.json.xz"
 
 
 def main() -> None:

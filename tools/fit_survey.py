@@ -10,7 +10,7 @@ split was the one that fills a wave (above 8) are kept as ``"wave"``, recomputed
 others' data), against the shape's best candidate and ``auto`` as the survey ran it through the op (its rules, when the
 survey ran before a table shipped or with it turned off: the op's time includes its host path).
 
-    python3 tools/fit_survey.py benchmarks/results/2026-11-24-h200/b3a0245/survey-fp16-s*.json [--check]
+    python3 tools/fit_survey.py benchmarks/results/2026-11-24-h200/b3a0245/survey-fp16-s*.json.xz [--check]
 """
 
 from __future__ import annotations
@@ -27,12 +27,20 @@ sys.path.insert(0, str(ROOT / "src"))
 from tilegemm.ops.matmul.survey import FLOOR, SCHEMA, family, identity, rank, table_path  # noqa: E402  (no GPU needed)
 
 
+def read(path: str) -> dict:
+    """A survey's JSON, plain or xz-compressed (``.json.xz``, as the committed surveys are stored)."""
+    import lzma
+
+    with (lzma.open(path, "rt") if str(path).endswith(".xz") else open(path)) as f:
+        return json.load(f)
+
+
 def load(paths: list[str]):
     """(gpu name, layout, dtype, rows) where each row is (M, N, K, cublas_us, auto_us, {candidate: us}). The
     surveys must share their GPU, layout and dtype family (fp16 and bf16 share one)."""
     gpu, layout, dtype, rows = None, None, None, []
     for path in paths:
-        doc = json.load(open(path))
+        doc = read(path)
         name, lay, dt = doc["machine"]["gpu"], doc.get("layout", "NN"), doc.get("dtype", "fp16")
         if family(dt) is None:
             raise SystemExit(f"{path} surveyed {dt}, which no table speaks for")
@@ -88,7 +96,7 @@ def main() -> None:
                for p in args.surveys]
     doc = table(gpu, sources, rows, layout, dtype)
     if args.check:
-        check(doc, rows, json.load(open(args.surveys[0]))["machine"]["sm_count"])
+        check(doc, rows, read(args.surveys[0])["machine"]["sm_count"])
     if args.write:
         path = table_path(gpu, layout, doc["family"])
         path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
