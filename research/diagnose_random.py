@@ -28,6 +28,8 @@ import tilegemm
 from tilegemm.core.hardware import machine_info
 from tilegemm.ops.matmul import dispatch
 
+from diagnose_survey import host_us  # noqa: E402  (host time per call, back to back without a sync)
+
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "tf32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 RUNGS = ("autotuned", "split_k", "persistent_tma", "grouped")
 
@@ -103,20 +105,6 @@ def recorded_launches():
     return len(getattr(newest, "replays", [newest]))
 
 
-def host_us(fn, calls: int = 100) -> float:
-    """Host time per call of ``fn``, ``calls`` back to back without a sync (after one warm call)."""
-    import time
-
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
-
-
 def worst_shapes(path: str, count: int) -> list[str]:
     rows = json.load(open(path))["rows"]
     auto = sorted((r for r in rows if r["kernel"] == "auto" and r.get("ratio")), key=lambda r: r["ratio"])
@@ -169,7 +157,7 @@ def main() -> None:
             if name == "auto":
                 row["auto_rung"] = chosen[0] if chosen else None
                 row["auto_launches"] = recorded_launches()
-                row["auto_host_us"] = host_us(fn)
+                row["auto_host_us"] = host_us(fn, 100)
             if not err < 1e-2:
                 row["variants"][name] = dict(error=f"wrong: rel err {err}")
                 continue

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tilegemm
 from tilegemm.ops.matmul import persistent_tma, split_k
@@ -184,6 +186,31 @@ def test_cost_model_ranks_by_waves_and_tiles():
     assert est(256, 256, 4096, 128, 128, aligned=False) > est(256, 256, 4096, 128, 128)
     m, n, k = 4096, 8192, 1024
     assert est(m, n, k, 128, 256) >= ((m * k + k * n) * 2 + m * n * 2) / 4.8e6  # never under the HBM floor
+
+
+@settings(max_examples=200, deadline=None)
+@given(M=st.integers(1, 16384), N=st.integers(1, 28672), K=st.integers(1, 28672),
+       tile=st.sampled_from([(16, 32, 64), (64, 64, 64), (128, 128, 64), (128, 256, 64), (64, 128, 128)]),
+       split=st.sampled_from([1, 2, 4, 8, 33]), elem=st.sampled_from([1, 2, 4]))
+def test_misaligned_rows_cost_at_least_their_steps_at_the_per_program_rate(M, N, K, tile, split, elem):
+    """A program of misaligned rows moves at most its element size's per-program rate: never faster than the
+    same product aligned, and never under its K steps at that rate."""
+    from tilegemm.ops.matmul import cost
+
+    bm, bn, bk = tile
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SLICES=True, num_stages=3)
+
+    def est(aligned):
+        return cost.estimate_us(M, N, K, 1, elem, 2, cfg, sms=132, peak_tflops=989.0, hbm_gbps=4800.0,
+                                aligned=aligned)
+
+    aligned, misaligned = est(True), est(False)
+    assert misaligned >= aligned > 0
+    program_rate = cost.MISALIGNED_PROGRAM_GBPS[elem]
+    assert program_rate < cost.SM_GBPS  # the cap binds below what an aligned program pulls
+    # with K steps to walk, a program's waits on its loads show: at least its steps at the capped rate
+    steps = -(-(-(-K // bk)) // split)
+    assert misaligned >= steps * (bm + bn) * bk * elem / (program_rate * 1e3)
 
 
 @pytest.mark.parametrize("shape", [(1, 45, 300), (37, 5, 500), (20, 45, 150)], ids=lambda s: "x".join(map(str, s)))

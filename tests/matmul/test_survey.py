@@ -155,6 +155,50 @@ def test_choose_picks_valid_candidates_and_resolves_wave_splits(monkeypatch):
         assert survey.choose(p) == (rung, cfg)  # answered once, the same
 
 
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_tf32_and_fp8_tables_choose_their_own_familys_candidates(gpu, monkeypatch):
+    """On the CPU with a GPU's tf32 and fp8 tables (Gluon taken as available): valid candidates of the family;
+    no Gluon fp8 config where fast accumulation asks for none; IEEE fp32 has no table."""
+    from tilegemm.ops.matmul import configs, persistent_tma, split_k
+
+    if not survey.table_path(gpu, "NN", "tf32").exists() or not survey.table_path(gpu, "NT", "fp8").exists():
+        pytest.skip(f"no tf32 and fp8 tables shipped for {gpu}")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    monkeypatch.setattr("tilegemm.core.hardware.sm_count", lambda device: 132)
+    for module in (configs, split_k):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 132)
+    monkeypatch.setattr(persistent_tma, "gluon_requires", lambda: None)
+    monkeypatch.setattr(survey, "_choices", {})
+    monkeypatch.setattr(survey, "_tables", {})
+
+    def fp8(M, N, K, fast=False):
+        a = torch.empty(M, K, dtype=torch.float8_e4m3fn)
+        b = torch.empty(N, K, dtype=torch.float8_e4m3fn).T
+        one = torch.tensor(1.0)
+        return make_problems(a, b, torch.empty(M, N, dtype=torch.bfloat16), None, None, 1.0, 0.0, "none", "ieee",
+                             False, (one, 0, one, 0), fast)[0]
+
+    def fp32(M, N, K, precision):
+        a, b = torch.empty(M, K), torch.empty(K, N)
+        return make_problems(a, b, torch.empty(M, N), None, None, 1.0, 0.0, "none", precision, False)[0]
+
+    for M, N, K in [(5, 3000, 4000), (700, 1500, 2000), (3000, 200, 6000), (6000, 6000, 512)]:
+        p = fp32(M, N, K, "tf32")
+        assert p.layout == "NN" and survey.covers(p)
+        rung, cfg = survey.choose(p)
+        assert rung in ("autotuned", "persistent_tma", "split_k") and not cfg.get("GLUON_FP8")
+        assert not survey.covers(fp32(M, N, K, "ieee")) and not survey.applies(fp32(M, N, K, "ieee"))
+        q = fp8(M, N, K)
+        assert q.layout == "NT" and survey.covers(q)
+        rung, cfg = survey.choose(q)
+        assert rung in ("autotuned", "persistent_tma", "split_k") and not cfg.get("GLUON_TF32")
+        rung, cfg = survey.choose(fp8(M, N, K, fast=True))
+        assert not cfg.get("GLUON_FP8"), "fast accumulation: no Gluon fp8 kernel takes it"
+    gluon_picks = {survey.choose(fp8(M, 8192, 4096))[1].get("GLUON_FP8", False) for M in (2048, 4096, 8192)}
+    assert True in gluon_picks, "large promoted fp8 products: the Gluon kernel the surveys ranked best"
+
+
 def test_dispatch_consults_the_survey_only_for_untuned_classes_with_timing_off(monkeypatch, tmp_path):
     from tilegemm.core import tuning
 

@@ -201,7 +201,10 @@ def covers(p) -> bool:
     what has none keeps the rules) and ``p``'s shape lies within the surveyed box (:data:`OUTSIDE`)."""
     import torch
 
-    table = table_for(torch.cuda.get_device_name(p.out.device), p.layout, family(p.tuning_dtype) or "")
+    fam = family(p.tuning_dtype)
+    if fam is None:
+        return False  # IEEE fp32, mixed 16-bit dtypes: no table of theirs
+    table = table_for(torch.cuda.get_device_name(p.out.device), p.layout, fam)
     return table is not None and within(table, (p.M, p.N, p.K))
 
 
@@ -233,7 +236,8 @@ def choose(p) -> tuple[str, dict] | None:
     picked = _choices.get(key, _MISSING)
     if picked is not _MISSING:
         return picked
-    table = table_for(torch.cuda.get_device_name(p.out.device), p.layout, family(p.tuning_dtype) or "")
+    fam = family(p.tuning_dtype)
+    table = table_for(torch.cuda.get_device_name(p.out.device), p.layout, fam) if fam is not None else None
     picked = None
     if table is not None:
         from tilegemm.core.hardware import sm_count
