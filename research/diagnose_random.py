@@ -143,7 +143,8 @@ def main() -> None:
         M, N, K = (int(x) for x in shape.split("x"))
         torch.manual_seed(0)
         variants, ref = make_variants(args.dtype, M, N, K)
-        row = dict(shape=shape, aligned=K % 8 == 0 and N % 8 == 0, variants={})
+        per = 16 // (1 if args.dtype.startswith("fp8") else DTYPES[args.dtype].itemsize)  # elements in 16 bytes
+        row = dict(shape=shape, aligned=K % per == 0 and N % per == 0, variants={})
         ok = {}
         for name, fn in variants.items():
             chosen.clear()

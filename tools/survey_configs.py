@@ -156,6 +156,8 @@ def main() -> None:
                     help="T: that operand is a transposed view (NT: nn.Linear's x @ W.T)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.dtype.startswith("fp8") and args.multiple != 16:
+        raise SystemExit("fp8 rows are 16-byte aligned only at multiples of 16 elements: --multiple 16")
     os.environ.setdefault("TILEGEMM_TUNING_CACHE", "0")  # shipped entries only: what a fresh user has
     shapes = survey_shapes(args.count, args.seed, args.multiple)[args.start:args.stop]
     tag = ("" if args.multiple == 16 else f"-m{args.multiple}") + ("" if args.layout == "NN" else f"-{args.layout}")

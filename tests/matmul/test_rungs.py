@@ -213,6 +213,23 @@ def test_misaligned_rows_cost_at_least_their_steps_at_the_per_program_rate(M, N,
     assert misaligned >= steps * (bm + bn) * bk * elem / (program_rate * 1e3)
 
 
+def test_misaligned_rate_is_per_program_so_programs_sharing_an_sm_overlap_their_waits():
+    """Twice the programs (two an SM instead of one) take about twice as long aligned, where the SM's bandwidth
+    is shared, but about as long misaligned, where each program waits on its own loads."""
+    from tilegemm.ops.matmul import cost
+
+    cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=3)  # 64 KB of ring: three programs an SM
+
+    def est(M, aligned):
+        return cost.estimate_us(M, 128, 8192, 1, 2, 2, cfg, sms=132, peak_tflops=989.0, hbm_gbps=4800.0,
+                                aligned=aligned)
+
+    one, two = 128 * 132, 128 * 264  # one tile an SM, then two
+    assert est(two, True) > 1.8 * est(one, True)
+    assert est(two, False) < 1.1 * est(one, False)
+    assert est(one, False) > 5 * est(one, True)  # 4 GB/s a program against the SM's 110 GB/s
+
+
 @pytest.mark.parametrize("shape", [(1, 45, 300), (37, 5, 500), (20, 45, 150)], ids=lambda s: "x".join(map(str, s)))
 def test_split_k_reduction_apart_with_batches_and_an_epilogue(shape, device, monkeypatch):
     """Planes added by the second launch: batched, with c, bias, alpha/beta and an activation, poisoned output."""

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import tilegemm
 from tilegemm.ops.matmul import dispatch, survey
-from tilegemm.ops.matmul.problem import make_problems, rows_aligned
+from tilegemm.ops.matmul.problem import make_problems, mma_operands, rows_aligned
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
 from conftest import assert_rel_close
@@ -108,7 +108,12 @@ def test_shipped_tables_hold_only_candidates_of_their_rungs(path, monkeypatch):
     size = {"": 2, "tf32": 4, "fp8": 1}[family]
     gluon = {"": gluon_f16.configs(2), "tf32": gluon_tf32.configs(4), "fp8": gluon_fp8.configs(2)}[family]
     pointer = configs.prune_for(configs.autotune_configs(), size)
-    tma = persistent_tma.hopper_configs(size, "ab") + gluon
+    # how the table's layout meets the tensor cores (tf32 NN: an operand through registers, "swap")
+    dtype = {"": torch.float16, "tf32": torch.float32, "fp8": torch.float8_e4m3fn}[family]
+    a_strides = (0, 1, 64) if doc["layouts"][0][0] == "T" else (0, 64, 1)
+    b_strides = (0, 1, 64) if doc["layouts"][0][1] == "T" else (0, 64, 1)
+    mma = mma_operands(dtype, "tf32" if family == "tf32" else "ieee", a_strides, b_strides)
+    tma = persistent_tma.hopper_configs(size, mma) + gluon
     tiles = {(bm, bn, max(32, min(256, bk * 2 // size)), warps, stages)  # K steps of the same bytes, as configs()
              for bucket in split_k._TILES.values() for bm, bn, bk, warps, stages in bucket}
     for rung, cfg in doc["configs"]:
@@ -183,17 +188,21 @@ def test_tf32_and_fp8_tables_choose_their_own_familys_candidates(gpu, monkeypatc
         a, b = torch.empty(M, K), torch.empty(K, N)
         return make_problems(a, b, torch.empty(M, N), None, None, 1.0, 0.0, "none", precision, False)[0]
 
+    def named(family, layout):  # the candidates of that family's table, as identities
+        return {survey.identity(r, c) for r, c in survey.table_for(gpu, layout, family)["configs"]}
+
+    tf32_table, fp8_table = named("tf32", "NN"), named("fp8", "NT")
+    assert tf32_table != fp8_table and tf32_table != named("", "NN")
     for M, N, K in [(5, 3000, 4000), (700, 1500, 2000), (3000, 200, 6000), (6000, 6000, 512)]:
         p = fp32(M, N, K, "tf32")
         assert p.layout == "NN" and survey.covers(p)
-        rung, cfg = survey.choose(p)
-        assert rung in ("autotuned", "persistent_tma", "split_k") and not cfg.get("GLUON_FP8")
-        assert not survey.covers(fp32(M, N, K, "ieee")) and not survey.applies(fp32(M, N, K, "ieee"))
+        assert survey.identity(*survey.choose(p)) in tf32_table, "a tf32 problem is chosen for from the tf32 table"
+        assert not survey.covers(fp32(M, N, K, "ieee")), "IEEE fp32 has no table"
         q = fp8(M, N, K)
         assert q.layout == "NT" and survey.covers(q)
-        rung, cfg = survey.choose(q)
-        assert rung in ("autotuned", "persistent_tma", "split_k") and not cfg.get("GLUON_TF32")
+        assert survey.identity(*survey.choose(q)) in fp8_table
         rung, cfg = survey.choose(fp8(M, N, K, fast=True))
+        assert survey.identity(rung, cfg) in fp8_table
         assert not cfg.get("GLUON_FP8"), "fast accumulation: no Gluon fp8 kernel takes it"
     gluon_picks = {survey.choose(fp8(M, 8192, 4096))[1].get("GLUON_FP8", False) for M in (2048, 4096, 8192)}
     assert True in gluon_picks, "large promoted fp8 products: the Gluon kernel the surveys ranked best"
@@ -314,6 +323,8 @@ def test_tables_are_named_by_gpu_family_and_layout(tmp_path, monkeypatch):
     monkeypatch.setattr(survey, "_tables", {})
     with pytest.warns(UserWarning, match="tf32 family, not fp8"):
         assert survey.table_for("Some GPU", "NN", "fp8") is None  # a table misplaced is refused, not misread
+    with pytest.warns(UserWarning, match="NN only"):
+        assert survey.table_for("Some GPU", "TT", "tf32") is None  # tile() knows gluon_tf32's NN tile only
 
 
 def test_gluon_tiles_are_the_kernels_own():

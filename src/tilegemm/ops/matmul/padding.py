@@ -110,8 +110,10 @@ PAD_MIN_MN = 16
 def padding_pays(p) -> bool:
     """Whether ``auto`` should run problem ``p`` (rows not aligned) as its aligned twin: the cost model's best
     config of the twin plus the copies (a read and a write of both operands and of the output, four
-    launches) against its best config of the product as it is (``autotuned``'s configs and ``split_k``'s
-    splits, each way)."""
+    launches) against its best config of the product as it is, each over ``autotuned``'s configs and
+    ``split_k``'s (its unsplit ones too). For the product as it is that is a lower bound: ``auto`` runs
+    ``split_k`` alone for M <= 128, and splits K for larger M only where the split is estimated 15% faster
+    (the A/B of ``research/ab_padding.py`` measured the choice as written here)."""
     from tilegemm.ops.matmul import split_k
     from tilegemm.ops.matmul.configs import autotune_configs, prune_for
     from tilegemm.ops.matmul.cost import LAUNCH_US, device_rates, estimate_us, problem_estimator

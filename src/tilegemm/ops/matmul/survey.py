@@ -126,7 +126,7 @@ def _rank(indexed: list, target, candidates: list[int], configs: list | None = N
 
 # --- on the GPU ------------------------------------------------------------------------------------------------
 
-_tables: dict[tuple[str, str], dict | None] = {}
+_tables: dict[tuple[str, str, str], dict | None] = {}
 _choices: dict[tuple, tuple[str, dict] | None] = {}
 _MISSING = object()
 
@@ -167,6 +167,8 @@ def table_for(gpu_name: str, layout: str = "NN", family: str = "") -> dict | Non
                 if doc.get("family", "") != family:
                     raise ValueError(f"it surveyed the {doc.get('family') or '16-bit'} family, not "
                                      f"{family or '16-bit'}")
+                if family == "tf32" and layout != "NN":
+                    raise ValueError("tf32 tables are NN only: tile() gives gluon_tf32's tile as it lies for NN")
                 configs = [(str(rung), dict(config)) for rung, config in doc["configs"]]
                 surveyed = doc.get("layouts") or [doc.get("layout", "NN")]
                 if layout not in surveyed:
