@@ -670,6 +670,22 @@ def test_untimed_guesses_are_neither_neighbours_nor_in_the_way_of_timing(cache, 
     assert launched and tuning.lookup("split_k|M16|N64|K64|fp32|fp32|NN") == got
 
 
+def test_untimed_guesses_keep_variants_of_one_key_apart(cache, monkeypatch):
+    """Aligned and misaligned rows of one key (TN: A's row stride is M, which the key buckets) are priced apart
+    by the cost model, so each keeps its own guess; the same variant is answered from memory."""
+    monkeypatch.setenv("TILEGEMM_TUNE", "0")
+    a, b = dict(id=1), dict(id=2)
+    k = "autotuned|M1024|N512|K512|fp16|fp16|TN"
+    asked = []
+
+    def pick(choice):
+        return lambda options: asked.append(choice) or options[choice]
+
+    assert tuning.choose_untimed(k, [a, b], pick(0), variant=True) == a
+    assert tuning.choose_untimed(k, [a, b], pick(1), variant=False) == b, "the misaligned problem's own guess"
+    assert tuning.choose_untimed(k, [a, b], pick(1), variant=True) == a and asked == [0, 1], "remembered"
+
+
 def test_an_entry_tuned_before_a_config_key_existed_still_matches_its_candidate(cache, monkeypatch):
     monkeypatch.setenv("TILEGEMM_TUNE", "0")
     old = dict(BLOCK_M=64, num_warps=4)  # tuned before HOST_DESC existed

@@ -35,7 +35,7 @@ SCHEMA = "tilegemm-tuned/2"  # 2: dtype labels in tilegemm's vocabulary (fp16, f
 _lock = threading.Lock()
 _memory: dict[str, dict] = {}
 _tuned: dict[str, dict] = {}  # what the user's file holds: its own entries and this process's tunings
-_guessed: dict[str, dict] = {}  # untimed choices of this process (choose_untimed): never neighbours, never saved
+_guessed: dict[tuple, dict] = {}  # untimed choices of this process (choose_untimed): never neighbours, never saved
 _loaded_for: str | None = None
 _generation = 0  # bumped when entries are recorded or dropped: answers derived from the entries go stale
 
@@ -230,12 +230,14 @@ def nearest(k: str, options: list[dict], max_distance: float = float("inf")) -> 
     return dict(best) if best is not None else None
 
 
-def choose_untimed(k: str, options, fallback=None, max_distance: float = float("inf")) -> dict:
+def choose_untimed(k: str, options, fallback=None, max_distance: float = float("inf"), variant=None) -> dict:
     """A config for ``k`` without timing: the nearest known shape class's (:func:`nearest`, within
     ``max_distance``), else ``fallback(options)``, else the first option. ``options``: the candidate list,
     or a function making it (called only when ``k`` was not chosen before). Remembered for this process apart
-    from the measured entries: not on disk, never a neighbour, and not in the way of a later timing."""
-    config = _guessed.get(k)
+    from the measured entries: not on disk, never a neighbour, and not in the way of a later timing.
+    ``variant`` keeps apart, in that memory, problems of one key that ``fallback`` prices differently (rows
+    16-byte aligned or not: a key buckets M, which is A's row stride in the TN and TT layouts)."""
+    config = _guessed.get((k, variant))
     if config is not None:
         return dict(config)
     if callable(options):
@@ -244,7 +246,7 @@ def choose_untimed(k: str, options, fallback=None, max_distance: float = float("
     if config is None:
         config = fallback(options) if fallback is not None else options[0]
     with _lock:
-        _guessed[k] = dict(config)
+        _guessed[(k, variant)] = dict(config)
     return dict(config)
 
 

@@ -16,7 +16,7 @@ from tilegemm.core.launch import launch, spoil
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.cost import fastest
 from tilegemm.ops.matmul.grouped import grid, matmul_grouped_kernel
-from tilegemm.ops.matmul.problem import GemmProblem
+from tilegemm.ops.matmul.problem import GemmProblem, rows_aligned
 
 
 def _prune(configs, named_args, **kwargs):
@@ -45,7 +45,7 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
             # Not timed unless asked: a near tuned shape class's config, else the one the cost model ranks
             # fastest (tilegemm.ops.matmul.cost).
             config = tuning.choose_untimed(k, lambda: prune_for(autotune_configs(), p.a.element_size()),
-                                           lambda opts: fastest(opts, p), tuning.NEAR)
+                                           lambda opts: fastest(opts, p), tuning.NEAR, variant=rows_aligned(p))
     if config is not None:
         flags = {**p.kernel_flags(), **config}
         launch(matmul_grouped_kernel, grid(p), p.kernel_args(), flags)

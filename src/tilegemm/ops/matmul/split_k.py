@@ -286,7 +286,7 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
                 config = misaligned_config(p)
                 if config is None:
                     config = tuning.choose_untimed(k, lambda: configs(p), lambda options: fastest(options, p),
-                                                   tuning.NEAR)
+                                                   tuning.NEAR, variant=rows_aligned(p))
                     config = filled(p, config)
             elif config is None:
                 config = tuning.lookup_or_tune(k, lambda: configs(p), lambda cfg: launch_config(p, cfg))
