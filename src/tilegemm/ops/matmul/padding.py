@@ -194,7 +194,7 @@ def restride_plan(p, a: torch.Tensor, b: torch.Tensor) -> str:
     128 bytes apart before a 2-D 16-bit product whose rows are 16-byte aligned: each operand whose rows are
     not, where its copy (a read and a write, one launch) costs under :data:`RESTRIDE_MARGIN` of its share
     (:data:`RESTRIDE_SHARE`) of the product's estimated time, from K = :data:`RESTRIDE_MIN_K`."""
-    if p.batch != 1 or a.dim() != 2 or b.dim() != 2 or a.dtype not in RESTRIDE_DTYPES or b.dtype != a.dtype:
+    if a.dim() != 2 or b.dim() != 2 or a.dtype not in RESTRIDE_DTYPES or b.dtype != a.dtype:  # 2-D: one product
         return ""
     if 1 not in a.stride() or 1 not in b.stride() or p.K < RESTRIDE_MIN_K:
         return ""

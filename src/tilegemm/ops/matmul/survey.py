@@ -198,15 +198,19 @@ def table_for(gpu_name: str, layout: str = "NN", family: str = "") -> dict | Non
 OUTSIDE = 0.5
 
 
-def covers(p) -> bool:
-    """Whether ``p``'s GPU has a (readable) survey table of ``p``'s layout and dtype family (one file each;
-    what has none keeps the rules) and ``p``'s shape lies within the surveyed box (:data:`OUTSIDE`)."""
+def table_of(p) -> dict | None:
+    """The table of ``p``'s GPU, layout and dtype family (:func:`table_for`); None where it has none (IEEE fp32
+    and mixed 16-bit dtypes have no family)."""
     import torch
 
     fam = family(p.tuning_dtype)
-    if fam is None:
-        return False  # IEEE fp32, mixed 16-bit dtypes: no table of theirs
-    table = table_for(torch.cuda.get_device_name(p.out.device), p.layout, fam)
+    return None if fam is None else table_for(torch.cuda.get_device_name(p.out.device), p.layout, fam)
+
+
+def covers(p) -> bool:
+    """Whether ``p``'s GPU has a (readable) survey table of ``p``'s layout and dtype family (one file each;
+    what has none keeps the rules) and ``p``'s shape lies within the surveyed box (:data:`OUTSIDE`)."""
+    table = table_of(p)
     return table is not None and within(table, (p.M, p.N, p.K))
 
 
@@ -229,8 +233,6 @@ def choose(p) -> tuple[str, dict] | None:
     """(rung, config) for problem ``p`` from its GPU's table; None without a table or a valid candidate.
     Answered once per shape, dtypes, layout and TMA-describability (bounded; a wave split is computed for
     the exact shape)."""
-    import torch
-
     from tilegemm.ops.matmul.persistent_tma import describable
 
     described = describable(p) is None
@@ -238,8 +240,7 @@ def choose(p) -> tuple[str, dict] | None:
     picked = _choices.get(key, _MISSING)
     if picked is not _MISSING:
         return picked
-    fam = family(p.tuning_dtype)
-    table = table_for(torch.cuda.get_device_name(p.out.device), p.layout, fam) if fam is not None else None
+    table = table_of(p)
     picked = None
     if table is not None:
         from tilegemm.core.hardware import sm_count
