@@ -53,10 +53,11 @@ def test_whole_k_group_with_k_not_a_block_multiple(device):
             assert_rel_close(w4a16.matmul(x, w, kernel=kernel), reference(x, w), 2e-3)
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "mma", "auto"])
-def test_bias_activation_and_batch(device, kernel):
+@pytest.mark.parametrize("bias_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ["gemv", "mma", "dequant_cublas", "auto"])
+def test_bias_activation_and_batch(device, kernel, bias_dtype):
     w = w4a16.quantize(torch.randn(64, 128, dtype=torch.float16, device=device), 128)
-    bias = torch.randn(64, dtype=torch.float16, device=device)
+    bias = torch.randn(64, dtype=bias_dtype, device=device)
     x = torch.randn(2, 3, 128, dtype=torch.float16, device=device)  # any leading shape
     for activation in ("silu", "relu"):
         out = w4a16.matmul(x, w, bias=bias, activation=activation, kernel=kernel)
