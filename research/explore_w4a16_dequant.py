@@ -1,7 +1,8 @@
 """``dequant_cublas`` at large M: where its time goes (cold-L2 GPU times, CUDA graphs), against cuBLAS fp16.
 
 Times, per (N, K) and M: ``F.linear`` with the dense weight (the baseline), the dequantization kernel alone
-over block shapes, ``torch.matmul`` of x with the dequantized ``W.T`` into a preallocated output, the whole
+over block shapes, ``torch.matmul`` of x with the dequantized weight (as ``W.T`` [K, N] and as a view of W [N, K]) into a
+preallocated output, the whole
 ``w4a16.matmul(kernel="dequant_cublas")`` call and ``frag_wgmma`` where it runs (M <= 1024). Checks the
 dequantized weight against ``w4a16.dequantize`` for every block shape first.
 
@@ -18,11 +19,11 @@ import torch.nn.functional as F
 
 from tilegemm import w4a16
 from tilegemm.core.hardware import machine_info
-from tilegemm.ops.w4a16.dequant_cublas import dequantize_t
+from tilegemm.ops.w4a16.dequant_cublas import dequantize_w
 
 from explore_w4a16_small_m import Cold  # GPU time in CUDA graphs, the L2 cleared before each call
 
-BLOCKS = [(16, 128, 4), (32, 128, 4), (8, 256, 4), (16, 256, 4), (16, 256, 8), (32, 256, 8), (64, 128, 8)]
+BLOCKS = [(16, 128, 4), (8, 128, 4), (16, 64, 4), (32, 64, 4), (8, 256, 8)]
 
 
 def main() -> None:
@@ -37,20 +38,23 @@ def main() -> None:
         N, K = map(int, shape.split("x"))
         wd = torch.randn(N, K, device="cuda", dtype=torch.float16)
         w = w4a16.quantize(wd, group_size=128)
-        ref_t = w4a16.dequantize(w).T
-        for br, bn, warps in BLOCKS:
-            wt = dequantize_t(w.qweight, w.scales, w.zeros, w.group_k, br, bn, warps)
-            assert torch.equal(wt, ref_t), (shape, br, bn, warps)
-            us = cold(lambda: dequantize_t(w.qweight, w.scales, w.zeros, w.group_k, br, bn, warps))
-            gbs = (w.qweight.numel() * 4 + 2 * w.scales.numel() * 2 + N * K * 2) / us / 1e3
-            rows.append(dict(N=N, K=K, what="dequant", block=[br, bn, warps], us=us, gbs=gbs))
-            print(f"{N}x{K} dequant {br}x{bn} w{warps}: {us:.1f} us {gbs:.0f} GB/s", flush=True)
-        wt = ref_t.contiguous()
+        ref = w4a16.dequantize(w)
+        for rows_n in (True, False):
+            for br, bn, warps in BLOCKS:
+                got = dequantize_w(w.qweight, w.scales, w.zeros, w.group_k, rows_n, br, bn, warps)
+                assert torch.equal(got, ref if rows_n else ref.T), (shape, rows_n, br, bn, warps)
+                us = cold(lambda: dequantize_w(w.qweight, w.scales, w.zeros, w.group_k, rows_n, br, bn, warps))
+                gbs = (w.qweight.numel() * 4 + 2 * w.scales.numel() * 2 + N * K * 2) / us / 1e3
+                rows.append(dict(N=N, K=K, what="dequant", rows_n=rows_n, block=[br, bn, warps], us=us, gbs=gbs))
+                print(f"{N}x{K} dequant {'W' if rows_n else 'W.T'} {br}x{bn} w{warps}: {us:.1f} us {gbs:.0f} GB/s",
+                      flush=True)
+        wt = ref.T.contiguous()
         for M in map(int, args.ms.split(",")):
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)
             out = torch.empty(M, N, device="cuda", dtype=torch.float16)
             base = cold(lambda: F.linear(x, wd))
-            t = dict(mm_out=cold(lambda: torch.matmul(x, wt, out=out)),
+            t = dict(mm_nn=cold(lambda: torch.matmul(x, wt, out=out)),
+                     mm_tn=cold(lambda: torch.matmul(x, ref.t(), out=out)),
                      dequant_cublas=cold(lambda: w4a16.matmul(x, w, kernel="dequant_cublas")))
             if M <= 1024:
                 t["frag_wgmma"] = cold(lambda: w4a16.matmul(x, w, kernel="frag_wgmma"))

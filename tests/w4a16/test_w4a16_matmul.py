@@ -143,3 +143,14 @@ def test_compile_fullgraph(device):
             pytest.skip(f"torch.compile unavailable here: {exc}")
         raise
     assert_rel_close(out, reference(x, w, activation="silu") * 2, 2e-3)
+
+
+@pytest.mark.parametrize("rows_n", [True, False])
+@pytest.mark.parametrize("N, K, group_size", [(200, 1024, 64), (17, 256, 128), (136, 96, 32)])
+def test_dequant_kernel_both_layouts(device, rows_n, N, K, group_size):
+    from tilegemm.ops.w4a16.dequant_cublas import dequantize_w
+
+    w = w4a16.quantize(torch.randn(N, K, dtype=torch.float16, device=device), group_size)
+    got = dequantize_w(w.qweight, w.scales, w.zeros, w.group_k, rows_n=rows_n, block_r=4, block_n=64)
+    want = w4a16.dequantize(w)
+    assert torch.equal(got, want if rows_n else want.T)
