@@ -321,18 +321,18 @@ def _laid_out(M, N, K, layout, dtype, device):
 
 
 def _spy_on_copies(monkeypatch) -> list:
-    """(slot, source, copy) of every operand ``padding.padded_operand`` copies from now on."""
+    """(slot, source, copy) of every operand ``padding.padded_operands`` copies from now on."""
     from tilegemm.ops.matmul import padding
 
     seen = []
-    real = padding.padded_operand
+    real = padding.padded_operands
 
-    def spy(t, rows_to, cols_to, slot):
-        got = real(t, rows_to, cols_to, slot)
-        seen.append((slot, t, got))
+    def spy(*specs):
+        got = real(*specs)
+        seen.extend((slot, t, copy) for (t, _, _, slot), copy in zip(specs, got))
         return got
 
-    monkeypatch.setattr(padding, "padded_operand", spy)
+    monkeypatch.setattr(padding, "padded_operands", spy)
     return seen
 
 
@@ -368,6 +368,29 @@ def test_auto_pads_operands_whose_rows_are_not_16_byte_aligned(layout, dtype, sh
     assert len(seen) == 3, "a rung asked for by name reads its operands as given"
     c = torch.randn(M, N, dtype=dtype, device=device)
     assert not padding.can_pad(a, b, c, None, out), "a call with c is never padded"
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_twin_copies_both_operands_in_one_launch(with_bias, device, monkeypatch):
+    """The aligned twin's launches: A and B padded by one copy launch (the bias by its own), the product, the
+    corner copied back."""
+    from tilegemm.ops.matmul import dispatch, padding
+
+    launched = []
+    real = padding.launch
+
+    def spy(kernel, *args, **kwargs):
+        launched.append(kernel)
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(padding, "launch", spy)
+    monkeypatch.setattr(dispatch, "_pads", lambda p, a, b, c=None, bias=None: True)
+    a, b = _laid_out(21, 13, 35, "NT", torch.float16, device)
+    bias = torch.randn(13, dtype=torch.float16, device=device) if with_bias else None
+    out = tilegemm.matmul(a, b, bias=bias)
+    assert_rel_close(out, matmul_reference(a, b, bias=bias), tolerance(torch.float16))
+    want = [padding.pad_copy2_kernel] + [padding.pad_copy_kernel] * (2 if with_bias else 1)
+    assert launched == want
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

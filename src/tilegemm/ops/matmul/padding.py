@@ -10,7 +10,7 @@ product written into an aligned buffer, and its M x N corner copied into the out
 nothing; the rows and columns past M and N are dropped. The twin takes the aligned paths, TMA included.
 
 The copies are Triton launches over per-stream workspaces (:func:`tilegemm.core.workspace.buffer`), so a
-plain call's launches (copies, product, copy back) are recorded and replayed like any other call's. The
+plain call's launches (both operands' copies in one, the product, the copy back) are recorded and replayed like any other call's. The
 copies cost passes over the operands and the output, so ``auto`` pads only where the cost model
 (:mod:`tilegemm.ops.matmul.cost`) says the twin plus the copies beats the misaligned product by a margin
 (:func:`padding_pays`), and never a call with ``c`` (it would be read past N).
@@ -35,13 +35,13 @@ from tilegemm.core.workspace import buffer
 
 
 @triton.jit
-def pad_copy_kernel(src_ptr, dst_ptr, R, C, stride_r, stride_c, RP, CP, BLOCK_R: tl.constexpr,
-                    BLOCK_C: tl.constexpr):
-    """dst[r, c] = src[r, c] inside R x C, 0 elsewhere in RP x CP; dst is row-major, rows CP elements apart."""
+def _copy_block(src_ptr, dst_ptr, R, C, stride_r, stride_c, RP, CP, block, BLOCK_R: tl.constexpr,
+                BLOCK_C: tl.constexpr):
+    """Block ``block`` (row-major over the blocks of RP x CP) of dst[r, c] = src[r, c] inside R x C, 0 elsewhere
+    in RP x CP; dst is row-major, rows CP elements apart."""
     blocks_c = tl.cdiv(CP, BLOCK_C)
-    pid = tl.program_id(0).to(tl.int64)  # one flat grid: a second grid axis would cap at 65535 blocks
-    offs_r = (pid // blocks_c) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = (pid % blocks_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_r = (block // blocks_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = (block % blocks_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     r = offs_r.to(tl.int64)[:, None]
     c = offs_c.to(tl.int64)[None, :]
     inside = (r < R) & (c < C)
@@ -49,35 +49,88 @@ def pad_copy_kernel(src_ptr, dst_ptr, R, C, stride_r, stride_c, RP, CP, BLOCK_R:
     tl.store(dst_ptr + r * CP + c, values, mask=(r < RP) & (c < CP))
 
 
+@triton.jit
+def pad_copy_kernel(src_ptr, dst_ptr, R, C, stride_r, stride_c, RP, CP, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    """dst[r, c] = src[r, c] inside R x C, 0 elsewhere in RP x CP; dst is row-major, rows CP elements apart."""
+    pid = tl.program_id(0).to(tl.int64)  # one flat grid: a second grid axis would cap at 65535 blocks
+    _copy_block(src_ptr, dst_ptr, R, C, stride_r, stride_c, RP, CP, pid, BLOCK_R, BLOCK_C)
+
+
+@triton.jit
+def pad_copy2_kernel(src_ptr, dst_ptr, R, C, stride_r, stride_c, RP, CP, blocks,
+                     src2_ptr, dst2_ptr, R2, C2, stride2_r, stride2_c, RP2, CP2,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Two of :func:`pad_copy_kernel`'s copies in one launch: its first ``blocks`` programs the first."""
+    pid = tl.program_id(0).to(tl.int64)
+    if pid < blocks:
+        _copy_block(src_ptr, dst_ptr, R, C, stride_r, stride_c, RP, CP, pid, BLOCK_R, BLOCK_C)
+    else:
+        _copy_block(src2_ptr, dst2_ptr, R2, C2, stride2_r, stride2_c, RP2, CP2, pid - blocks, BLOCK_R, BLOCK_C)
+
+
 def _round_up(n: int, to: int) -> int:
     return cdiv(n, to) * to
 
 
+COPY_BLOCK = (32, 128)  # rows x columns a copy's program
+
+
+def _copy_args(src: torch.Tensor, dst: torch.Tensor) -> tuple[tuple, int]:
+    """(the copy kernel's arguments for ``dst`` = ``src`` padded, how many programs it takes)."""
+    rows_to, ld = dst.shape[0], dst.stride(0)
+    blocks = cdiv(rows_to, COPY_BLOCK[0]) * cdiv(ld, COPY_BLOCK[1])
+    return (src, dst, src.shape[0], src.shape[1], src.stride(0), src.stride(1), rows_to, ld), blocks
+
+
 def _copy(src: torch.Tensor, dst: torch.Tensor, keep: tuple) -> None:
     """``dst`` (row-major, rows ``dst.stride(0)`` apart) = ``src`` where it has values, 0 elsewhere."""
-    rows_to, ld = dst.shape[0], dst.stride(0)
-    block_r, block_c = 32, 128
-    grid = (cdiv(rows_to, block_r) * cdiv(ld, block_c),)
-    launch(pad_copy_kernel, grid, (src, dst, src.shape[0], src.shape[1], src.stride(0), src.stride(1), rows_to, ld),
-           dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4), keep=keep, stream=current_stream())
+    args, blocks = _copy_args(src, dst)
+    launch(pad_copy_kernel, (blocks,), args, dict(BLOCK_R=COPY_BLOCK[0], BLOCK_C=COPY_BLOCK[1], num_warps=4),
+           keep=keep, stream=current_stream())
+
+
+def _copy2(first: tuple, second: tuple, keep: tuple) -> None:
+    """Two :func:`_copy`\ s, each ``(src, dst)``, in one launch (same dtype)."""
+    args, blocks = _copy_args(*first)
+    args2, blocks2 = _copy_args(*second)
+    launch(pad_copy2_kernel, (blocks + blocks2,), args + (blocks,) + args2,
+           dict(BLOCK_R=COPY_BLOCK[0], BLOCK_C=COPY_BLOCK[1], num_warps=4), keep=keep, stream=current_stream())
 
 
 ROW_BYTES = 128  # the copies' rows (or columns) start this many bytes apart: whole 128-byte lines
 
 
+def padded_operands(*specs: tuple) -> list[torch.Tensor]:
+    """Each ``(t, rows_to, cols_to, slot)``: ``t`` (2-D, one unit stride) as a ``rows_to x cols_to``
+    zero-padded copy in an aligned workspace buffer, in ``t``'s own layout (rows or columns :data:`ROW_BYTES`
+    apart); ``slot`` keeps the operands' buffers apart. Copies of one dtype go two to a launch."""
+    copies, views = [], []
+    for t, rows_to, cols_to, slot in specs:
+        per = ROW_BYTES // t.element_size()
+        column_major = t.stride(0) == 1 and t.stride(1) != 1
+        s = t.mT if column_major else t  # the storage view: rows apart by its leading dimension, unit columns
+        r, c = (cols_to, rows_to) if column_major else (rows_to, cols_to)
+        ld = _round_up(c, per)
+        buf = buffer(t.device, t.dtype, r * ld, ("pad", slot))
+        dst = buf[: r * ld].view(r, ld)
+        copies.append((s, dst, buf))
+        view = dst[:, :c]
+        views.append(view.mT if column_major else view)
+    while copies:
+        s, dst, buf = copies.pop(0)
+        mate = next((i for i, other in enumerate(copies) if other[0].dtype == s.dtype), None)
+        if mate is None:
+            _copy(s, dst, (buf,))
+        else:
+            s2, dst2, buf2 = copies.pop(mate)
+            _copy2((s, dst), (s2, dst2), (buf, buf2))
+    return views
+
+
 def padded_operand(t: torch.Tensor, rows_to: int, cols_to: int, slot) -> torch.Tensor:
-    """``t`` (2-D, one unit stride) as a ``rows_to x cols_to`` zero-padded copy in an aligned workspace buffer,
-    in ``t``'s own layout (rows or columns :data:`ROW_BYTES` apart). ``slot`` keeps the operands' buffers apart."""
-    per = ROW_BYTES // t.element_size()
-    column_major = t.stride(0) == 1 and t.stride(1) != 1
-    s = t.mT if column_major else t  # the storage view: rows apart by its leading dimension, unit columns
-    r, c = (cols_to, rows_to) if column_major else (rows_to, cols_to)
-    ld = _round_up(c, per)
-    buf = buffer(t.device, t.dtype, r * ld, ("pad", slot))
-    dst = buf[: r * ld].view(r, ld)
-    _copy(s, dst, (buf,))
-    view = dst[:, :c]
-    return view.mT if column_major else view
+    """One of :func:`padded_operands`."""
+    return padded_operands((t, rows_to, cols_to, slot))[0]
 
 
 def twin_shape(M: int, N: int, K: int, elem: int) -> tuple[int, int, int]:
@@ -109,8 +162,8 @@ PAD_MIN_MN = 16
 
 def padding_pays(p) -> bool:
     """Whether ``auto`` should run problem ``p`` (rows not aligned) as its aligned twin: the cost model's best
-    config of the twin plus the copies (a read and a write of both operands and of the output, four
-    launches) against its best config of the product as it is, each over ``autotuned``'s configs and
+    config of the twin plus the copies (a read and a write of both operands and of the output, three
+    launches: the operands' copies, the product, the copy back) against its best config of the product as it is, each over ``autotuned``'s configs and
     ``split_k``'s (its unsplit ones too). For the product as it is that is a lower bound: ``auto`` runs
     ``split_k`` alone for M <= 128, and splits K for larger M only where the split is estimated 15% faster
     (the A/B of ``research/ab_padding.py`` measured the choice as written here)."""
@@ -129,7 +182,7 @@ def padding_pays(p) -> bool:
     sms, peak, hbm = device_rates(p)
     twin = min(estimate_us(Mp, Np, Kp, 1, elem, out_elem, cfg, sms=sms, peak_tflops=peak, hbm_gbps=hbm)
                for cfg in options)
-    copies = 2.0 * ((p.M * p.K + p.K * p.N) * elem + p.M * p.N * out_elem) / (hbm * 1e3) + 4 * LAUNCH_US
+    copies = 2.0 * ((p.M * p.K + p.K * p.N) * elem + p.M * p.N * out_elem) / (hbm * 1e3) + 3 * LAUNCH_US
     return twin + copies < PAD_GAIN * misaligned
 
 
@@ -145,13 +198,14 @@ def _run_padded(a, b, bias, out, gemm) -> None:
     M, K = a.shape
     N = b.shape[1]
     Mp, Np, Kp = twin_shape(M, N, K, a.element_size())
-    a2 = padded_operand(a, Mp, Kp, "a")
-    b2 = padded_operand(b, Kp, Np, "b")
-    kept = [a2, b2]
+    specs = [(a, Mp, Kp, "a"), (b, Kp, Np, "b")]
+    if bias is not None:
+        specs.append((bias.view(1, -1), 1, Np, "bias"))
+    kept = padded_operands(*specs)  # A and B in one launch
+    a2, b2 = kept[:2]
     bias2 = None
     if bias is not None:
-        bias2 = padded_operand(bias.view(1, -1), 1, Np, "bias")[0]
-        kept.append(bias2)
+        bias2 = kept[2] = kept[2][0]
     ld = _round_up(Np, ROW_BYTES // out.element_size())
     obuf = buffer(out.device, out.dtype, Mp * ld, ("pad", "out"))
     out2 = obuf[: Mp * ld].view(Mp, ld)[:, :Np]
@@ -219,7 +273,9 @@ def run_restrided(a: torch.Tensor, b: torch.Tensor, plan: str, gemm) -> None:
     """``gemm(a2, b2)`` where ``a2`` / ``b2`` are ``a`` / ``b`` copied into buffers whose rows are 128 bytes
     apart when ``plan`` names them (:func:`restride_plan`), else the tensors as given."""
     with sequence_lock:  # the buffers are shared by the calls on this stream: no other thread in between
-        a2 = padded_operand(a, a.shape[0], a.shape[1], "a") if "a" in plan else a
-        b2 = padded_operand(b, b.shape[0], b.shape[1], "b") if "b" in plan else b
+        specs = [(t, t.shape[0], t.shape[1], name) for t, name in ((a, "a"), (b, "b")) if name in plan]
+        copies = iter(padded_operands(*specs))  # both in one launch where both are copied
+        a2 = next(copies) if "a" in plan else a
+        b2 = next(copies) if "b" in plan else b
         with keeping(*(t for t, name in ((a2, "a"), (b2, "b")) if name in plan)):
             gemm(a2, b2)
