@@ -91,7 +91,7 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, keep: tuple) -> None:
 
 
 def _copy2(first: tuple, second: tuple, keep: tuple) -> None:
-    """Two :func:`_copy`\ s, each ``(src, dst)``, in one launch (same dtype)."""
+    """Two :func:`_copy` calls, each ``(src, dst)``, in one launch (same dtype)."""
     args, blocks = _copy_args(*first)
     args2, blocks2 = _copy_args(*second)
     launch(pad_copy2_kernel, (blocks + blocks2,), args + (blocks,) + args2,
