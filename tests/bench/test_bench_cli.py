@@ -47,6 +47,10 @@ def test_bench_writes_json_csv_png(tmp_path, capsys):
     assert len(table) == len(rows) and table[0]["op"] == "matmul"
 
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(paths["png"]) as im:
+        assert im.mode == "P" and im.size[0] > 500, "a palette image of the plot"
 
 
 def test_default_bench_saves_files(tmp_path, monkeypatch):

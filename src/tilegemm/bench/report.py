@@ -194,6 +194,18 @@ def write_plot(result: BenchResult, path, topk: int = 4) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    if str(path).lower().endswith(".png"):
+        _to_palette(path)
+
+
+def _to_palette(path) -> None:
+    """Rewrite a PNG plot with a 256-colour palette: a third of its RGBA size, the same picture to the eye (a
+    sweep of 200 shapes makes an image 12000 pixels wide)."""
+    from PIL import Image  # matplotlib's own dependency
+
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=256)
+    small.save(path, optimize=True)
 
 
 def _mean_value(result: BenchResult, kernel: str) -> float:
