@@ -1,10 +1,9 @@
 """``dequant_cublas`` at large M: where its time goes (cold-L2 GPU times, CUDA graphs), against cuBLAS fp16.
 
-Times, per (N, K) and M: ``F.linear`` with the dense weight (the baseline), the dequantization kernel alone
-over block shapes, ``torch.matmul`` of x with the dequantized weight (as ``W.T`` [K, N] and as a view of W [N, K]) into a
-preallocated output, the whole
-``w4a16.matmul(kernel="dequant_cublas")`` call and ``frag_wgmma`` where it runs (M <= 1024). Checks the
-dequantized weight against ``w4a16.dequantize`` for every block shape first.
+Times, per (N, K) and M: ``F.linear`` with the dense weight (the baseline), the dequantization kernel alone over
+block shapes, ``torch.matmul`` of x with the dequantized weight (as ``W.T`` [K, N] and as a view of W [N, K]) into
+a preallocated output, the whole ``w4a16.matmul(kernel="dequant_cublas")`` call and ``frag_wgmma`` where it runs
+(M <= 1024). Checks the dequantized weight against ``w4a16.dequantize`` for every block shape first.
 
     PYTHONPATH=src:research python3 research/explore_w4a16_dequant.py --json $OUT/dequant.json
 """

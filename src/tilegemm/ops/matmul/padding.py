@@ -9,9 +9,9 @@ bytes of elements: A and B copied into zeroed, aligned buffers in their own layo
 product written into an aligned buffer, and its M x N corner copied into the output. Zeros along K add
 nothing; the rows and columns past M and N are dropped. The twin takes the aligned paths, TMA included.
 
-The copies are Triton launches over per-stream workspaces (:func:`tilegemm.core.workspace.buffer`), so a
-plain call's launches (both operands' copies in one, the product, the copy back) are recorded and replayed like any other call's. The
-copies cost passes over the operands and the output, so ``auto`` pads only where the cost model
+The copies are Triton launches over per-stream workspaces (:func:`tilegemm.core.workspace.buffer`), so a plain
+call's launches (both operands' copies in one, the product, the copy back) are recorded and replayed like any
+other call's. The copies cost passes over the operands and the output, so ``auto`` pads only where the cost model
 (:mod:`tilegemm.ops.matmul.cost`) says the twin plus the copies beats the misaligned product by a margin
 (:func:`padding_pays`), and never a call with ``c`` (it would be read past N).
 
@@ -128,11 +128,6 @@ def padded_operands(*specs: tuple) -> list[torch.Tensor]:
     return views
 
 
-def padded_operand(t: torch.Tensor, rows_to: int, cols_to: int, slot) -> torch.Tensor:
-    """One of :func:`padded_operands`."""
-    return padded_operands((t, rows_to, cols_to, slot))[0]
-
-
 def twin_shape(M: int, N: int, K: int, elem: int) -> tuple[int, int, int]:
     """M, N and K rounded up to 16 bytes of elements."""
     per = 16 // elem
@@ -162,11 +157,11 @@ PAD_MIN_MN = 16
 
 def padding_pays(p) -> bool:
     """Whether ``auto`` should run problem ``p`` (rows not aligned) as its aligned twin: the cost model's best
-    config of the twin plus the copies (a read and a write of both operands and of the output, three
-    launches: the operands' copies, the product, the copy back) against its best config of the product as it is, each over ``autotuned``'s configs and
-    ``split_k``'s (its unsplit ones too). For the product as it is that is a lower bound: ``auto`` runs
-    ``split_k`` alone for M <= 128, and splits K for larger M only where the split is estimated 15% faster
-    (the A/B of ``research/ab_padding.py`` measured the choice as written here)."""
+    config of the twin plus the copies (a read and a write of both operands and of the output, three launches: the
+    operands' copies, the product, the copy back) against its best config of the product as it is, each over
+    ``autotuned``'s configs and ``split_k``'s (its unsplit ones too). For the product as it is that is a lower
+    bound: ``auto`` runs ``split_k`` alone for M <= 128, and splits K for larger M only where the split is
+    estimated 15% faster (the A/B of ``research/ab_padding.py`` measured the choice as written here)."""
     from tilegemm.ops.matmul import split_k
     from tilegemm.ops.matmul.configs import autotune_configs, prune_for
     from tilegemm.ops.matmul.cost import LAUNCH_US, device_rates, estimate_us, problem_estimator
