@@ -5,6 +5,7 @@ per-thread copies. Checked against ``x @ dequantize(w).T``, then cold-L2 GPU tim
 shipped ``frag_wgmma`` (not a test; the kernel is not shipped).
 
     PYTHONPATH=src:research python3 research/explore_w4a16_tma.py --json $OUT/w4a16-tma.json
+    ncu --kernel-name regex:frag python3 research/explore_w4a16_tma.py --once 8192x8192x1
 """
 
 from __future__ import annotations
@@ -174,7 +175,22 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x8192,28672x8192,4096x4096")
     ap.add_argument("--ms", default="1,4,16,64,256")
     ap.add_argument("--json", default="w4a16-tma.json")
+    ap.add_argument("--once", metavar="NxKxM", help="only launch this problem a few times (for ncu)")
     args = ap.parse_args()
+    if args.once:
+        N, K, M = map(int, args.once.split("x"))
+        w = w4a16.quantize(torch.randn(N, K, device="cuda", dtype=torch.float16), group_size=128)
+        fw, fzs = w.fragments()
+        x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        out = torch.empty(M, N, device="cuda", dtype=torch.float16)
+        cfg = frag_wgmma_config(M, N, K, x.device)
+        kern, grid, a_, kw = frag_wgmma.launch_args(x, fw, fzs, None, out, N, K, 128, "none", cfg)
+        fn = launch(x, fw, fzs, None, out, N, K, 128, "none", cfg)
+        for _ in range(3):
+            kern[grid](*a_, **kw)
+            fn()
+        torch.cuda.synchronize()
+        return
     cold = Cold()
     rows = []
     # correctness first: odd M, bias, activation, a split, both dtypes
