@@ -166,6 +166,8 @@ def launch(x, fw, fzs, bias, out, N, K, group_k, activation, cfg):
     kwargs = dict(BM=bm, RH=rh, STAGES=stages, BF16=x.dtype == torch.bfloat16, SPLIT_K=split,
                   HAS_BIAS=bias is not None, ACTIVATION=activation, PRODUCER_REGS=cfg.get("PRODUCER_REGS", 40),
                   num_warps=warps)
+    if cfg.get("MAXNREG"):  # cap the registers a thread (else the consumers take 255: one program an SM)
+        kwargs["maxnreg"] = cfg["MAXNREG"]
     grid = (tiles_n, tiles_m, split)
     return lambda: frag_tma_kernel[grid](*args, **kwargs)
 
@@ -224,9 +226,9 @@ def main() -> None:
             line = f"{N}x{K} M={M}: cuBLAS {base:.1f} | frag_wgmma {shipped:.1f} ({base / shipped:.2f}x)"
             rows.append(dict(kind="time", N=N, K=K, M=M, what="frag_wgmma", cfg=cfg, us=shipped, cublas_us=base))
             best = None
-            for stages in (4, 6, 8):
+            for stages, maxnreg in ((4, 0), (4, 64), (4, 96), (6, 64), (6, 96), (8, 96)):
                 for split_mul in (1, 2):
-                    c = dict(cfg, STAGES=stages, SPLIT_K=max(1, cfg["SPLIT_K"] * split_mul))
+                    c = dict(cfg, STAGES=stages, MAXNREG=maxnreg, SPLIT_K=max(1, cfg["SPLIT_K"] * split_mul))
                     try:
                         us = cold(launch(x, fw, fzs, None, out, N, K, 128, "none", c))
                     except Exception as e:  # noqa: BLE001 (a config that does not fit: recorded)
@@ -236,7 +238,8 @@ def main() -> None:
                     if best is None or us < best[0]:
                         best = (us, c)
             if best:
-                line += f" | frag_tma {best[0]:.1f} ({base / best[0]:.2f}x) S{best[1]['STAGES']} k{best[1]['SPLIT_K']}"
+                line += (f" | frag_tma {best[0]:.1f} ({base / best[0]:.2f}x) S{best[1]['STAGES']} k{best[1]['SPLIT_K']}"
+                         f" r{best[1]['MAXNREG']}")
             print(line, flush=True)
     with open(args.json, "w") as f:
         json.dump(dict(machine=machine_info().to_dict(), rows=rows), f, indent=1)
