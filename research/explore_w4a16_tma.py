@@ -28,7 +28,7 @@ from tilegemm.ops.w4a16 import frag_wgmma
 from tilegemm.ops.w4a16.common import workspace
 from tilegemm.ops.w4a16.configs import frag_wgmma_config
 from tilegemm.ops.w4a16.frag import _a_tile, _finish
-from tilegemm.ops.w4a16.frag_wgmma import _scales, _zs_load
+from tilegemm.ops.w4a16.frag_wgmma import _scales, _zs_start
 
 from explore_w4a16_small_m import Cold  # GPU time in CUDA graphs, the L2 cleared before each call
 
@@ -68,17 +68,11 @@ def _consumer(x_bufs, w_bufs, ready, empty, zs_ptr, bias_ptr, out_ptr, ws_ptr, c
     i0 = gl.arange(0, RHT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ql))))
     i2 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, ql))))
     t0 = pid_n * RHT + i0
-    zs_row = gl.expand_dims(gl.expand_dims(gl.expand_dims(t0 * 8, 1), 2), 3) + \
-        gl.expand_dims(gl.expand_dims(gl.expand_dims(i2 // 4, 0), 1), 3)  # [RHT, 1, 32, 1]
 
     group_steps = group_k // 64
     left = 0
     g = k_first // group_k
-    za = gl.zeros([RHT, 1, 32, 1], gl.int32, ql)
-    zb = za
-    sa = za
-    sb = za
-    zz, ss = _zs_load(zs_ptr, zs_row, N16, g, group_k, k_end)
+    zs_row, za, zb, sa, sb, zz, ss = _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT, ql)
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
 
     za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first,

@@ -74,6 +74,17 @@ def _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k0, k_end, gro
 
 
 @gluon.jit
+def _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT: gl.constexpr, ql: gl.constexpr):
+    """(the zero and scale rows of row tiles ``t0`` by lanes ``i2``, [RHT, 1, 32, 1]; four zero tensors to
+    start the prepared pairs from; group ``g``'s raw pairs, loaded): what :func:`_scales` starts a slice with."""
+    zs_row = gl.expand_dims(gl.expand_dims(gl.expand_dims(t0 * 8, 1), 2), 3) + \
+        gl.expand_dims(gl.expand_dims(gl.expand_dims(i2 // 4, 0), 1), 3)
+    zz, ss = _zs_load(zs_ptr, zs_row, N16, g, group_k, k_end)
+    z = gl.zeros([RHT, 1, 32, 1], gl.int32, ql)
+    return zs_row, z, z, z, z, zz, ss
+
+
+@gluon.jit
 def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x8, stride_om,
                       K64, N16, group_k, steps_per_split, k_stop,
                       BM: gl.constexpr, RH: gl.constexpr, STAGES: gl.constexpr, BF16: gl.constexpr,
@@ -104,8 +115,6 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
     w_offs = gl.expand_dims(gl.expand_dims(gl.expand_dims((t0 * K64 + c0) * 128, 1), 2), 3) + \
         gl.expand_dims(gl.expand_dims(gl.expand_dims(i2 * 4, 0), 1), 3) + \
         gl.expand_dims(gl.expand_dims(gl.expand_dims(i3, 0), 1), 2)
-    zs_row = gl.expand_dims(gl.expand_dims(gl.expand_dims(t0 * 8, 1), 2), 3) + \
-        gl.expand_dims(gl.expand_dims(gl.expand_dims(i2 // 4, 0), 1), 3)  # [RHT, 1, 32, 1]
 
     # x tile offsets [BM, 64]; rows past M are zero-filled (their output columns are not stored)
     mm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, xl))
@@ -125,11 +134,7 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
     group_steps = group_k // 64
     left = 0
     g = k_first // group_k
-    za = gl.zeros([RHT, 1, 32, 1], gl.int32, ql)
-    zb = za
-    sa = za
-    sb = za
-    zz, ss = _zs_load(zs_ptr, zs_row, N16, g, group_k, k_end)
+    zs_row, za, zb, sa, sb, zz, ss = _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT, ql)
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
     if OVERLAP:
         # Step s + 1 is dequantized while step s's MMA runs; its registers stay live (a dependency of the wait)
