@@ -40,6 +40,7 @@ def test_config_rule_gives_launchable_configs(M, N, K64, sms):
     assert bm in (8, 16, 32, 64, 128, 256) and (bm >= M or bm >= 64)
     assert rh * bm <= 256  # the accumulator: at most 128 fp32 registers a thread
     assert warps == 4 or (warps == 8 and bm >= 128)
+    assert rh == 1 or 32 <= bm <= 64  # small M: one row tile a warp, the K split makes the programs
     assert cfg["STAGES"] * (bm * 64 * 2 + 16 * rh * warps * 32) <= SMEM
     assert cfg["SPLIT_K"] == 1 or K64 // cfg["SPLIT_K"] >= 8  # slices of at least 8 steps
     assert cfg["OVERLAP"] == (M >= configs.FRAG_WGMMA_OVERLAP_M)

@@ -113,7 +113,11 @@ def frag_config(M: int, N: int, K: int, device) -> dict:
 #   M rounded to a power of two) that still gives about a wave of tiles, else 64 (fewer rows a program, more
 #   programs: 4096^2 at M=256 ran 26.7 us with 64 against 29+ with 128);
 # - 128 weight rows a program for BM >= 128 (8 warps x 1 row tile: the accumulator at 64-128 registers a
-#   thread); below, 4 warps and 2 row tiles when that still makes a wave of tiles, else 1 (more programs);
+#   thread); at BM = 32, 64, 4 warps and 2 row tiles when that still makes a wave of tiles, else 1 (more
+#   programs); at BM <= 16 always 1 row tile a warp, the K split making up the programs. Two row tiles there
+#   had run 28672 x 8192 (M = 1, 4, 16) at 64-74 us on the H100 against 55-56 us with one and the split
+#   doubled, and 52-55 against 50-54 us on the H200; on the other llm shapes the rule already gave one
+#   (H100 2026-11-25-h100/514e465/wgmma-sweep-small-h100.json, H200 d813fbc/wgmma-sweep-small.json);
 # - a ring of 4 slots (3 was 3-15% slower, 6 no faster);
 # - K split in powers of two up to 8 / 4 / 1 programs an SM (BM <= 16 / <= 64 / above), slices of 8 steps or
 #   more; over the 24 measured cases this rule ran 5% slower than the best config of each (geomean; worst 19%);
@@ -132,6 +136,8 @@ def frag_wgmma_config(M: int, N: int, K: int, device) -> dict:
                    _cdiv(N, 128) * _cdiv(M, b) >= 0.9 * sms), 64)
     if bm >= 128:
         warps, rh = 8, 1
+    elif bm <= 16:
+        warps, rh = 4, 1
     else:
         warps, rh = 4, 2 if _cdiv(N, 128) * _cdiv(M, bm) >= sms else 1
     tiles = _cdiv(N, 16 * rh * warps) * _cdiv(M, bm)
