@@ -163,16 +163,27 @@ def unusable(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
 
 
 def config(g, sms: int, bm: int = BLOCK, bn: int = BLOCK) -> dict:
-    """Patches of 128 output pixels, ``bm`` x ``bn`` channel tiles (64x64 unless asked: 128-wide ones ran slower
-    at this split, docs/conv2d.md; 8 warps from 128 output channels), 3 ring slots (32 KB each at 64x64: two
-    programs an SM), and about one program an SM in all (each slice at least 8 patches long). Timed on ResNet-50's non-1x1 layers
-    (H100, research/compare_conv2d_grads.py, CUDA graphs): slices for four programs an SM ran 0.51x cuDNN in
-    geomean, for two 0.54x-0.62x, for one 0.58x-0.62x (fewer partial tiles to write and add)."""
-    from tilegemm.ops.conv2d.configs import _patch
+    """Patches of 128 output pixels, ``bm`` x ``bn`` channel tiles (64x64 unless asked: 128-wide ones ran slower,
+    docs/conv2d.md; 8 warps from 128 output channels), 3 ring slots (32 KB each at 64x64: two programs an SM, one
+    at wider tiles), and the pixel split (1..64, slices of 8 patches or more) of least modelled cost: rounds of
+    programs at once (a round just overfilled costs a whole slice) against the partial tiles each slice adds.
+    Timed at every split on ResNet-50's ten non-1x1-stride-1 layers (H100, CUDA graphs, `2026-11-24-h100/7b424ad/`,
+    research/fit_wgrad_split.py), its splits ran 0.99x of each layer's best in geomean at 64x64 (0.96x-0.99x with
+    the two constants refitted leaving the layer out) and at 64x128 tiles, where the former rule,
+    ``min(cdiv(sms, tiles), patches // 8)``, which overfilled a round by a few programs, ran 0.95x and 0.86x
+    (36 tiles of 64x64: split 4, 41 us, against 6, 35 us)."""
+    from tilegemm.ops.conv2d.configs import _SMEM, _patch
 
     bi, bh, bw, patches = _patch(g, 128)
     tiles = cdiv(g.Kg, bm) * cdiv(g.Cg, bn) * g.R * g.S * g.groups
-    split = max(1, min(cdiv(sms, tiles), patches // 8, 64))
+    slots = sms * max(1, _SMEM // (3 * 128 * (bm + bn) * 2 + 1024))  # programs at once, by their rings
+
+    def cost(split):  # in patch steps: rounds of programs, each its slice and 4 steps more (ring fill, epilogue),
+        steps = cdiv(patches, split)  # and 6 a slice past the first (its partial tile stored, then added)
+        parts = cdiv(patches, steps)  # the slices run() launches
+        return cdiv(tiles * parts, slots) * (steps + 4) + 6 * (parts - 1)
+
+    split = min(range(1, max(1, min(64, patches // 8)) + 1), key=cost)  # ties: fewer slices
     return dict(BI=bi, BH=bh, BW=bw, BM=bm, BN=bn, STAGES=3, SPLIT=split, num_warps=8 if bm >= 128 else 4)
 
 
