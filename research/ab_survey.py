@@ -7,6 +7,9 @@
   random-sweep-like draw (another seed than the sweep's) with M <= 16;
 - ``--utilization``: the survey's ranking with its utilization correction (``survey.WAVE_WEIGHT``) against
   without it (0), on shapes drawn as by default;
+- ``--rung-entries``: the survey speaking for a shape class whose shipped entries are configs of single rungs
+  (no ``auto`` entry: no measured choice between rungs) against those entries keeping it out, on those classes
+  of the GPU's shipped table (``--dtype``, NN);
 - ``--restride``: operands whose rows straddle 128-byte lines copied first (``dispatch._restrides``) against
   read as they are, on the aligned shapes of a random-sweep-like draw (another seed than the sweep's) with N or
   K not a multiple of 64.
@@ -18,6 +21,7 @@ two rounds. Writes ``$OUT/ab-<survey|misaligned>-<dtype>-<layout>-s<seed>.json``
     PYTHONPATH=src python3 research/ab_survey.py --misaligned --seed 31 --count 60
     PYTHONPATH=src python3 research/ab_survey.py --utilization --layout NN --seed 37 --count 80
     PYTHONPATH=src python3 research/ab_survey.py --restride --layout NN --seed 41 --count 60
+    PYTHONPATH=src python3 research/ab_survey.py --rung-entries --layout NN --dtype bf16
 """
 
 from __future__ import annotations
@@ -47,6 +51,27 @@ def operands(M, N, K, layout, dtype):
     return a, b
 
 
+def rung_entry_classes(dtype: str, layout: str):
+    """(shapes, owner, name, off) for ``--rung-entries``: the shape classes of the shipped table with entries
+    for single rungs and none for ``auto``; ``dispatch._survey_speaks`` replaced by one that ignores the
+    single-rung entries (``off``: the shipped function)."""
+    from tilegemm.core import tuning
+
+    tuning._load()
+    keys = [tuning.parse_key(k) for k in list(tuning._memory)]
+    classes = {k[1:4] for k in keys if k and k[0] != "auto" and k[4] == dtype and k[5] == dtype and k[6] == layout}
+    decided = {k[1:4] for k in keys if k and k[0] == "auto" and k[4] == dtype and k[6] == layout}
+    shapes = sorted(classes - decided)
+    shipped = dispatch._survey_speaks
+
+    def speaks(p):
+        key = tuning.key("auto", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
+        return survey.applies(p) and survey.covers(p) and tuning.lookup(key) is None
+
+    dispatch._survey_speaks = speaks
+    return shapes, dispatch, "_survey_speaks", shipped
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layout", default="NT")
@@ -57,8 +82,11 @@ def main() -> None:
     ap.add_argument("--misaligned", action="store_true")
     ap.add_argument("--utilization", action="store_true")
     ap.add_argument("--restride", action="store_true")
+    ap.add_argument("--rung-entries", action="store_true")
     a_ = ap.parse_args()
-    if a_.restride:
+    if a_.rung_entries:
+        shapes, owner, name, off = rung_entry_classes(a_.dtype, a_.layout)
+    elif a_.restride:
         if a_.seed == 2026:
             raise SystemExit("seed 2026 is the bench's random sweep")
         cases = _random_cases(30 * a_.count, a_.seed)
@@ -90,6 +118,7 @@ def main() -> None:
             setattr(owner, name, lambda *args: picks.append(real(*args)) or picks[-1])
         replay.clear()
         survey._choices.clear()
+        dispatch._decisions.clear()
         out = tilegemm.matmul(a, b)
         row["pick"] = picks[0] if picks else None
         row["err"] = float(((out.float() - ref).norm() / ref.norm()).item())
@@ -109,6 +138,7 @@ def main() -> None:
                 setattr(owner, name, real)
                 replay.clear()
                 survey._choices.clear()
+                dispatch._decisions.clear()
         row.update(cublas_us=min(cub), with_us=min(on), without_us=min(off_))
         rows.append(row)
         print(f"{row['shape']:>18} cuBLAS {row['cublas_us']:7.1f}  with {row['with_us']:7.1f}  without "
@@ -123,7 +153,7 @@ def main() -> None:
                    picked=len(chose), picked_with=gm("with_us", chose), picked_without=gm("without_us", chose),
                    max_err=max(r["err"] for r in rows))
     print(json.dumps(summary))
-    kind = ("restride" if a_.restride else "misaligned" if a_.misaligned else "utilization" if a_.utilization
+    kind = ("rung-entries" if a_.rung_entries else "restride" if a_.restride else "misaligned" if a_.misaligned else "utilization" if a_.utilization
             else "survey")
     path = os.path.join(os.environ.get("OUT", "."), f"ab-{kind}-{a_.dtype}-{a_.layout}-s{a_.seed}.json")
     with open(path, "w") as f:

@@ -36,10 +36,17 @@ SHAPES = [(8192, 8192), (28672, 8192), (14336, 4096), (4096, 4096)]  # N x K
 class Cold:
     """GPU microseconds of ``fn`` with the L2 cleared before each call (see the module docstring)."""
 
-    def __init__(self, reps: int = 20):
+    def __init__(self, reps: int = 20, flush: str = "write"):
+        """``flush``: "write" zeroes the buffer (as ``do_bench`` does: the L2 is left full of dirty lines, which
+        the timed call writes back as it reads); "read" reads it (clean lines, nothing to write back)."""
         self.reps = reps
-        self.buf = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+        self.buf = torch.zeros(256 * 2**20, dtype=torch.int8, device="cuda")
+        self.sink = torch.empty(1, dtype=torch.int32, device="cuda")
+        self.flush = {"write": self.buf.zero_, "read": self._read}[flush]
         self.base = self._graph_ms(None)
+
+    def _read(self):
+        torch.amax(self.buf.view(torch.int32), 0, keepdim=True, out=self.sink)
 
     def _graph_ms(self, fn) -> float:
         g = torch.cuda.CUDAGraph()
@@ -51,7 +58,7 @@ class Cold:
             torch.cuda.synchronize()
             with torch.cuda.graph(g, stream=s):
                 for _ in range(self.reps):
-                    self.buf.zero_()
+                    self.flush()
                     if fn is not None:
                         fn()
         torch.cuda.current_stream().wait_stream(s)
