@@ -226,6 +226,22 @@ def test_dispatch_consults_the_survey_only_for_untuned_classes_with_timing_off(m
         assert dispatch.surveyed(p) is None, "a tuned class (even after a cached answer) keeps its measured choice"
     finally:
         tuning.forget()
+    q = problem(335, 4440, 1000)
+    shipped = {tuning.key("persistent_tma", 335, 4440, 1000, q.tuning_dtype, q.out.dtype, q.layout): {"BLOCK_M": 64}}
+    read = tuning._read
+    monkeypatch.setattr(tuning, "_read", lambda path: (shipped, True) if path == tuning.shipped_file() else ({}, True))
+    tuning.forget()
+    try:
+        assert tuning.lookup(next(iter(shipped))) == {"BLOCK_M": 64} and not tuning.measured(next(iter(shipped)))
+        assert dispatch.surveyed(q) == ("autotuned", {"picked": True}), "a shipped single-rung config: the survey"
+        shipped[tuning.key("auto", 335, 4440, 1000, q.tuning_dtype, q.out.dtype, q.layout)] = {"rung": "split_k"}
+        tuning.forget()
+        dispatch._decisions.clear()
+        assert dispatch.surveyed(q) is None, "a shipped choice of rung keeps the survey out"
+    finally:
+        monkeypatch.setattr(tuning, "_read", read)
+        tuning.forget()
+        dispatch._decisions.clear()
     assert dispatch.surveyed(problem(3, 40, 48)) == ("autotuned", {"picked": True}), "small products too"
     a = torch.empty(336, 1001, dtype=torch.float16)[:, :1000]  # rows 2002 bytes apart
     misaligned = make_problems(a, torch.empty(1000, 4440, dtype=torch.float16),

@@ -157,6 +157,13 @@ def lookup(k: str) -> dict | None:
     return dict(config) if config is not None else None
 
 
+def measured(k: str) -> bool:
+    """Whether ``k`` was tuned on this machine (recorded here or read from the user's cache file), not only
+    shipped with the package."""
+    _load()
+    return k in _tuned
+
+
 _timing = threading.local()
 
 

@@ -292,8 +292,16 @@ def surveyed(p: GemmProblem) -> tuple[str, dict] | None:
 
 
 def _survey_speaks(p: GemmProblem) -> bool:
-    """Whether the survey may choose for ``p``'s shape, dtypes and layout (alignment and timing aside)."""
+    """Whether the survey may choose for ``p``'s shape, dtypes and layout (alignment and timing aside): not for a
+    shape class with a measured choice of rung (an ``auto`` entry, shipped or tuned here) or any entry tuned on
+    this machine. A shipped config of a single rung does not keep it out: it says how that rung runs the class,
+    not which rung to run. Over the shipped tables' classes with such entries only (fp16 / bf16, NN) the survey's
+    picks ran 0.996x / 0.992x cuBLAS on the H200 and 0.993x / 0.986x on the H100, where the rules with those
+    entries ran 0.981x / 0.988x and 0.977x / 0.982x (research/ab_survey.py --rung-entries,
+    benchmarks/results/2026-11-25-h200/00a4928/, 2026-11-25-h100/9ed2d01/)."""
     if not survey.applies(p) or not survey.covers(p):
         return False
-    keys = (tuning.key(r, p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout) for r in _RUNGS_TUNED)
-    return not any(tuning.lookup(k) is not None for k in keys)
+    keys = {r: tuning.key(r, p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout) for r in _RUNGS_TUNED}
+    if tuning.lookup(keys["auto"]) is not None:
+        return False
+    return not any(tuning.measured(k) for k in keys.values())
