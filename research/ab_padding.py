@@ -13,9 +13,7 @@ product. Writes ``$OUT/ab-padding-<dtype>-s<seed>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import time
 
 import tilegemm
@@ -24,6 +22,8 @@ import triton.testing
 from tilegemm.core import tuning
 from tilegemm.ops.matmul import dispatch, padding, replay
 from tilegemm.ops.matmul.bench import _random_cases
+
+from ab_survey import save  # research/ is the script's folder
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "tf32": torch.float32}
 
@@ -98,11 +98,7 @@ def main() -> None:
                    best_of_both=gm("best", best), padded=sum(r["padded"] for r in rows),
                    right=sum((r["times"]["twin"] < r["times"]["direct"]) == r["padded"] for r in rows),
                    max_err=max(r["err"] for r in rows))
-    print(json.dumps(summary))
-    path = os.path.join(os.environ.get("OUT", "."), f"ab-padding-{args.dtype}-s{args.seed}.json")
-    with open(path, "w") as f:
-        json.dump(dict(git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"), dtype=args.dtype, seed=args.seed,
-                       summary=summary, rows=rows), f, indent=1)
+    save(f"ab-padding-{args.dtype}-s{args.seed}.json", summary, rows, dtype=args.dtype, seed=args.seed)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@
 - ``--utilization``: the survey's ranking with its utilization correction (``survey.WAVE_WEIGHT``) against
   without it (0), on shapes drawn as by default;
 - ``--rung-entries``: the survey speaking for a shape class whose shipped entries are configs of single rungs
-  (no ``auto`` entry: no measured choice between rungs) against those entries keeping it out, on those classes
-  of the GPU's shipped table (``--dtype``, NN);
+  (no ``auto`` entry: no measured choice between rungs; shipped since e5e991f) against those entries keeping it
+  out (the former rule), on those classes of the GPU's shipped table (``--dtype``, ``--layout``);
 - ``--restride``: operands whose rows straddle 128-byte lines copied first (``dispatch._restrides``) against
   read as they are, on the aligned shapes of a random-sweep-like draw (another seed than the sweep's) with N or
   K not a multiple of 64.
@@ -53,23 +53,21 @@ def operands(M, N, K, layout, dtype):
 
 def rung_entry_classes(dtype: str, layout: str):
     """(shapes, owner, name, off) for ``--rung-entries``: the shape classes of the shipped table with entries
-    for single rungs and none for ``auto``; ``dispatch._survey_speaks`` replaced by one that ignores the
-    single-rung entries (``off``: the shipped function)."""
+    for single rungs and none for ``auto``; ``off`` replaces ``dispatch._survey_speaks`` by the former rule,
+    under which an entry of any rung kept the survey out."""
     from tilegemm.core import tuning
 
     tuning._load()
     keys = [tuning.parse_key(k) for k in list(tuning._memory)]
     classes = {k[1:4] for k in keys if k and k[0] != "auto" and k[4] == dtype and k[5] == dtype and k[6] == layout}
     decided = {k[1:4] for k in keys if k and k[0] == "auto" and k[4] == dtype and k[6] == layout}
-    shapes = sorted(classes - decided)
-    shipped = dispatch._survey_speaks
 
-    def speaks(p):
-        key = tuning.key("auto", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
-        return survey.applies(p) and survey.covers(p) and tuning.lookup(key) is None
+    def former(p):
+        return survey.applies(p) and survey.covers(p) and not any(
+            tuning.lookup(tuning.key(r, p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)) is not None
+            for r in dispatch._RUNGS_TUNED)
 
-    dispatch._survey_speaks = speaks
-    return shapes, dispatch, "_survey_speaks", shipped
+    return sorted(classes - decided), dispatch, "_survey_speaks", former
 
 
 def main() -> None:
@@ -152,13 +150,17 @@ def main() -> None:
     summary = dict(shapes=len(rows), with_choice=gm("with_us", rows), without=gm("without_us", rows),
                    picked=len(chose), picked_with=gm("with_us", chose), picked_without=gm("without_us", chose),
                    max_err=max(r["err"] for r in rows))
+    kind = ("rung-entries" if a_.rung_entries else "restride" if a_.restride else "misaligned" if a_.misaligned
+            else "utilization" if a_.utilization else "survey")
+    save(f"ab-{kind}-{a_.dtype}-{a_.layout}-s{a_.seed}.json", summary, rows, layout=a_.layout, seed=a_.seed)
+
+
+def save(name: str, summary: dict, rows: list, **meta) -> None:
+    """Print an A/B's summary and write it with its rows and the commit to ``$OUT/name``."""
     print(json.dumps(summary))
-    kind = ("rung-entries" if a_.rung_entries else "restride" if a_.restride else "misaligned" if a_.misaligned else "utilization" if a_.utilization
-            else "survey")
-    path = os.path.join(os.environ.get("OUT", "."), f"ab-{kind}-{a_.dtype}-{a_.layout}-s{a_.seed}.json")
-    with open(path, "w") as f:
-        json.dump(dict(git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"), layout=a_.layout, seed=a_.seed,
-                       summary=summary, rows=rows), f, indent=1)
+    with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:
+        json.dump(dict(git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"), **meta, summary=summary, rows=rows), f,
+                  indent=1)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Which pixel split should the TMA weight gradient (``tma_wgrad.config``) take? Fitted on the timings of every
 split 1..64 of ResNet-50's non-1x1-stride-1 layers (``research/compare_conv2d_grads.py --part wgrad --splits``,
 H100, CUDA graphs) with no GPU: per layer and tile (64x64, 64x128) the former rule ``min(cdiv(sms, tiles),
-patches // 8, 64)``, the shipped cost model (``tma_wgrad.config``, :func:`split_for` here: ``rounds * (slice +
+patches // 8, 64)``, the shipped cost model (``tma_wgrad.config``, ``tma_wgrad.split_for``: ``rounds * (slice +
 FILL) + PER_SLICE * (split - 1)``, a round being the programs that run at once), and the best split timed; geomeans
 of best / rule, the model's constants also refitted leaving each layer out.
 
@@ -19,7 +19,8 @@ import math
 import os
 import re
 
-FILL, PER_SLICE = 4, 6  # as shipped in tma_wgrad.config (checked against it below)
+from tilegemm.ops.conv2d.tma_wgrad import FILL, PER_SLICE, slots, split_for
+
 FILLS = (0, 2, 4, 8, 16)
 PER_SLICES = (0.5, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 
@@ -28,23 +29,11 @@ def gm(xs) -> float:
     return math.exp(sum(map(math.log, xs)) / len(xs))
 
 
-def split_for(tiles: int, patches: int, slots: int, fill: float = FILL, per_slice: float = PER_SLICE) -> int:
-    """tma_wgrad.config's split with other constants: the least cost, slices of 8 patches or more, ties fewer."""
-    from tilegemm.core.runtime import cdiv
-
-    def cost(split):
-        steps = cdiv(patches, split)
-        parts = cdiv(patches, steps)
-        return cdiv(tiles * parts, slots) * (steps + fill) + per_slice * (parts - 1)
-
-    return min(range(1, max(1, min(64, patches // 8)) + 1), key=cost)
-
-
 def load(directory: str, sms: int) -> list[dict]:
     """Per layer and tile: geometry, tiles, patches, slots and the times by effective split."""
     from tilegemm.core.runtime import cdiv
     from tilegemm.ops.conv2d import tma_wgrad
-    from tilegemm.ops.conv2d.configs import _SMEM, _patch
+    from tilegemm.ops.conv2d.configs import _patch
     from tilegemm.ops.conv2d.problem import geometry_of
 
     shipped = {}  # the shipped config's time (64x64 at the former rule), from the variants' run
@@ -69,7 +58,7 @@ def load(directory: str, sms: int) -> list[dict]:
                     times[split] = min(us, times.get(split, us))
             lay = dict(layer=rec["layer"], tile=f"{bm}x{bn}", cudnn=rec["cudnn_us"], patches=patches, sms=sms,
                        tiles=cdiv(g.Kg, bm) * cdiv(g.Cg, bn) * g.R * g.S,
-                       slots=sms * max(1, _SMEM // (3 * 128 * (bm + bn) * 2 + 1024)), times=times,
+                       slots=slots(sms, bm, bn), times=times,
                        shipped=shipped.get(rec["layer"]) if (bm, bn) == (64, 64) else None)
             assert split_for(lay["tiles"], patches, lay["slots"]) == tma_wgrad.config(g, sms, bm, bn)["SPLIT"]
             out.append(lay)

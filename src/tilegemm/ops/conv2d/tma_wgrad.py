@@ -172,19 +172,35 @@ def config(g, sms: int, bm: int = BLOCK, bn: int = BLOCK) -> dict:
     the two constants refitted leaving the layer out) and at 64x128 tiles, where the former rule,
     ``min(cdiv(sms, tiles), patches // 8)``, which overfilled a round by a few programs, ran 0.95x and 0.86x
     (36 tiles of 64x64: split 4, 41 us, against 6, 35 us)."""
-    from tilegemm.ops.conv2d.configs import _SMEM, _patch
+    from tilegemm.ops.conv2d.configs import _patch
 
     bi, bh, bw, patches = _patch(g, 128)
     tiles = cdiv(g.Kg, bm) * cdiv(g.Cg, bn) * g.R * g.S * g.groups
-    slots = sms * max(1, _SMEM // (3 * 128 * (bm + bn) * 2 + 1024))  # programs at once, by their rings
-
-    def cost(split):  # in patch steps: rounds of programs, each its slice and 4 steps more (ring fill, epilogue),
-        steps = cdiv(patches, split)  # and 6 a slice past the first (its partial tile stored, then added)
-        parts = cdiv(patches, steps)  # the slices run() launches
-        return cdiv(tiles * parts, slots) * (steps + 4) + 6 * (parts - 1)
-
-    split = min(range(1, max(1, min(64, patches // 8)) + 1), key=cost)  # ties: fewer slices
+    split = split_for(tiles, patches, slots(sms, bm, bn))
     return dict(BI=bi, BH=bh, BW=bw, BM=bm, BN=bn, STAGES=3, SPLIT=split, num_warps=8 if bm >= 128 else 4)
+
+
+# The split's cost model, in 128-pixel steps: each round of programs costs its slice and FILL steps more (ring
+# fill, epilogue), and each slice past the first PER_SLICE (its partial tile stored, then added by the last).
+FILL, PER_SLICE = 4, 6
+
+
+def slots(sms: int, bm: int, bn: int) -> int:
+    """Programs that run at once: as many a SM as their 3-slot rings of 128-pixel boxes fit in shared memory."""
+    from tilegemm.ops.conv2d.configs import _SMEM
+
+    return sms * max(1, _SMEM // (3 * 128 * (bm + bn) * 2 + 1024))
+
+
+def split_for(tiles: int, patches: int, slots: int, fill: float = FILL, per_slice: float = PER_SLICE) -> int:
+    """The pixel split of least modelled cost (1..64, slices of 8 patches or more; ties: fewer slices)."""
+
+    def cost(split):
+        steps = cdiv(patches, split)
+        parts = cdiv(patches, steps)  # the slices run() launches
+        return cdiv(tiles * parts, slots) * (steps + fill) + per_slice * (parts - 1)
+
+    return min(range(1, max(1, min(64, patches // 8)) + 1), key=cost)
 
 
 def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict | None = None) -> torch.Tensor:
