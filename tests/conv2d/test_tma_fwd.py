@@ -67,30 +67,43 @@ def test_auto_takes_the_tma_kernel_where_it_can():
     assert choose_kernel(dw, True, tma=True) == "depthwise"
 
 
-@pytest.mark.parametrize("C,H,W,R,S,stride_h,padding", [
-    (3, 14, 16, 7, 7, 2, (3, 3, 3, 3)),  # ResNet's stem, small
-    (1, 9, 10, 3, 3, 1, (1, 1, 1, 1)),
-    (8, 8, 6, 5, 4, 2, (2, 1, 0, 2)),  # even filter, no left padding, asymmetric
-    (5, 7, 12, 1, 2, 1, (0, 0, 1, 0)),
-    (2, 6, 8, 3, 5, 1, (0, 1, 4, 1)),  # padding wider than half the filter
+@pytest.mark.parametrize("C,H,W,R,S,stride,padding,dilation_h", [
+    (3, 14, 16, 7, 7, (2, 2), (3, 3, 3, 3), 1),  # ResNet's stem, small
+    (3, 15, 17, 7, 7, (2, 2), (3, 3, 3, 3), 1),  # odd image: the copy's extra row and columns
+    (1, 9, 10, 3, 3, (1, 2), (1, 1, 1, 1), 1),
+    (8, 8, 6, 5, 4, (2, 2), (2, 1, 0, 2), 1),  # even filter, no left padding, asymmetric
+    (5, 7, 12, 1, 2, (1, 2), (0, 0, 1, 0), 1),
+    (2, 6, 8, 3, 5, (1, 2), (0, 1, 4, 1), 1),  # padding wider than half the filter
+    (3, 12, 11, 3, 3, (1, 1), (1, 1, 1, 1), 1),  # stride 1 (VGG's first layer): 8 channels a pixel
+    (4, 13, 19, 3, 5, (3, 3), (2, 0, 2, 1), 2),  # stride 3, dilated rows
+    (2, 10, 23, 4, 11, (2, 4), (1, 2, 5, 5), 1),  # stride 4: 2 channels a pixel, a window of 3 K steps
 ])
-def test_stem_as_a_merged_pairs_convolution(C, H, W, R, S, stride_h, padding, device):
-    # conv(x, w) with a horizontal stride of 2 over few channels equals conv(x'', w'') over pixel pairs with a
-    # horizontal stride of 1: the two operand kernels (plain Triton) and the merged geometry, checked with
-    # F.conv2d on both sides (the TMA kernel that then runs it is tested on the GPU)
+def test_stem_as_a_window_convolution(C, H, W, R, S, stride, padding, dilation_h, device):
+    # conv(x, w) over few channels equals a convolution over overlapping windows of the padded input (one tap
+    # along the width, horizontal stride 1): the two operand kernels (plain Triton) and the window geometry,
+    # checked with F.conv2d on both sides (the TMA kernel that then runs it is tested on the GPU)
     import torch.nn.functional as F
-    from tilegemm.ops.conv2d.tma_fwd import stem_operands
+    from tilegemm.ops.conv2d.tma_fwd import stem_layout, stem_operands
 
     top, bottom, left, right = padding
     x = torch.randn(2, C, H, W, device=device)
     w = torch.randn(6, C, R, S, device=device)
-    g = Geometry(2, C, H, W, 6, R, S, 1, (stride_h, 2), padding, (1, 1))
-    want = F.conv2d(F.pad(x.double(), (left, right, top, bottom)), w.double(), stride=(stride_h, 2))
-    xm, wm, _, _, gm = stem_operands(x, w, g)
-    assert (gm.C, gm.W, gm.stride) == (16, W // 2, (stride_h, 1)) and (gm.P, gm.Q) == (g.P, g.Q)
-    t, b, l, r = gm.padding
-    got = F.conv2d(F.pad(xm.double(), (l, r, t, b)), wm.double(), stride=(stride_h, 1))
+    g = Geometry(2, C, H, W, 6, R, S, 1, stride, padding, (dilation_h, 1))
+    want = F.conv2d(F.pad(x.double(), (left, right, top, bottom)), w.double(), stride=stride,
+                    dilation=(dilation_h, 1))
+    cp, cv, hp, wp = stem_layout(g)
+    assert (stride[1] * cp) % 8 == 0 and cp >= C and cv % 16 == 0 and cv >= S * cp and hp % stride[0] == 0
+    xv, wv, xbuf, _, gv = stem_operands(x, w, g)
+    # the window image is a view into the copy whose pixels overlap, and every window ends inside the copy
+    assert xv.stride() == (hp * wp * cp, 1, wp * cp, stride[1] * cp) and xbuf.numel() >= 2 * hp * wp * cp
+    assert (gv.C, gv.W, gv.S, gv.stride) == (cv, g.Q, 1, (stride[0], 1)) and (gv.P, gv.Q) == (g.P, g.Q)
+    t, b, l, r = gv.padding
+    got = F.conv2d(F.pad(xv.double(), (l, r, t, b)), wv.double(), stride=gv.stride, dilation=gv.dilation)
     assert_rel_close(got, want, 1e-12)
+    # a channels-last input (read pixel by pixel, where NCHW is read plane by plane) makes the same windows
+    planar = xv.clone()
+    xv2, *_ = stem_operands(x.contiguous(memory_format=CL), w, g)
+    assert torch.equal(xv2.clone(), planar)
 
 
 @pytest.mark.parametrize("H,W,R,S,stride,padding,dilation", [
@@ -248,6 +261,9 @@ GPU_CASES = [  # (N, C, H, W, K, R, S, stride, padding, dilation, groups)
     pytest.param(2, 16, 1, 1, 8, 3, 3, 1, 1, 1, 1, id="1x1-image"),
     pytest.param(3, 3, 32, 32, 64, 7, 7, 2, 3, 1, 1, id="stem-C3"),
     pytest.param(2, 5, 18, 10, 24, 4, 3, (1, 2), (2, 1), 1, 1, id="stem-C5-even-filter"),
+    pytest.param(2, 3, 33, 31, 64, 3, 3, 1, 1, 1, 1, id="stem-C3-stride1"),
+    pytest.param(3, 3, 31, 29, 32, 3, 3, 2, 1, 1, 1, id="stem-C3-odd-image"),
+    pytest.param(2, 4, 29, 27, 40, 5, 11, (3, 4), (2, 5), (2, 1), 1, id="stem-C4-stride3x4-dilated-rows"),
 ]
 
 
@@ -290,6 +306,23 @@ def test_gpu_fp32_output_channel_slices_and_a_misaligned_weight():
     assert w1.data_ptr() % 16 and w1.is_contiguous(memory_format=CL)
     out = tilegemm.conv2d(x, w1, stride=1, kernel="tma_implicit_gemm")
     assert_rel_close(out, conv2d_reference(x, w1), tolerance(torch.float16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_stem_with_an_nchw_input_takes_the_window_route(dtype):
+    # the window route copies the input whatever its layout: an NCHW stem is taken by the TMA kernel under
+    # auto too, and its output stays NCHW
+    from tilegemm.ops.conv2d.op import _tma_usable
+    from tilegemm.ops.conv2d.problem import check_conv
+
+    x, w, b = _inputs(dtype, 2, 3, 30, 34, 16, 7, 7)
+    xn = x.contiguous()
+    assert _tma_usable(xn, w, check_conv(xn, w, b, 2, 3, 1, 1))
+    for kernel in ("tma_implicit_gemm", "auto"):
+        out = tilegemm.conv2d(xn, w, b, stride=2, padding=3, kernel=kernel)
+        assert out.is_contiguous()
+        assert_rel_close(out, conv2d_reference(xn, w, b, stride=2, padding=3), tolerance(dtype))
 
 
 @pytest.mark.gpu

@@ -178,6 +178,21 @@ def tma_forward_config(g: Geometry, sms: int) -> dict:
     return dict(BI=bi, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, STAGES=6 if alone else 3, num_warps=4)
 
 
+def tma_stem_config(g: Geometry, sms: int) -> dict:
+    """The config of a stem's window convolution (:func:`tilegemm.ops.conv2d.tma_fwd.stem_geometry`): a short
+    reduction (one to three K steps a filter row) over many pixels and few output channels, where a program's
+    fixed costs weigh most. With at most 64 output channels and two waves of them, 256-pixel patches on 8 warps
+    and 4 ring slots: on the H200 (CUDA graphs, `research/explore_conv2d_stem.py`) ResNet-50's stem ran
+    57.9 us against 66.8 us for the cost model's 128-pixel tile on 4 warps (batch 32; 415 against 509 at 256),
+    MobileNetV2's 3x3 stride-2 stem 42.1 against 57.0, VGG's 3x3 stride 1 (256 pixels as 8 x 32) 125 against 137."""
+    cfg = tma_forward_config(g, sms)
+    if g.Kg <= 64:
+        bi, bh, bw, tiles = _patch(g, 256)
+        if tiles * -(-g.Kg // cfg["BLOCK_N"]) >= 2 * sms:
+            cfg.update(BI=bi, BH=bh, BW=bw, STAGES=4, num_warps=8)
+    return cfg
+
+
 def tma_few_tiles(g: Geometry, sms: int) -> bool:
     """True when the TMA kernel's chosen tiles leave SMs idle over a long reduction (32 steps or more): there a
     1x1 convolution does better as a GEMM, whose split-K fills the GPU (ResNet-50's 2048 -> 512 at 7x7)."""

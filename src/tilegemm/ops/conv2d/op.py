@@ -57,9 +57,10 @@ _TMA_REASON: list = []  # why the TMA kernels cannot run in this process (None: 
 
 
 def _tma_candidate(t: torch.Tensor) -> bool:
-    """The cheap part of :func:`_tma_usable`: a 16-bit channels-last CUDA tensor, not under the interpreter, in a
-    process whose GPU and Triton run the Gluon kernels (the registered kernel's requirement, asked once)."""
-    if not (t.is_cuda and t.dtype != torch.float32 and t.stride(1) == 1) or interpreting():
+    """The cheap part of :func:`_tma_usable`: a 16-bit CUDA tensor, channels-last or of at most 8 channels (a stem,
+    which the window route copies whatever its layout), not under the interpreter, in a process whose GPU and
+    Triton run the Gluon kernels (the registered kernel's requirement, asked once)."""
+    if not (t.is_cuda and t.dtype != torch.float32 and (t.stride(1) == 1 or t.shape[1] <= 8)) or interpreting():
         return False
     if not _TMA_REASON:
         _TMA_REASON.append(registry.get("conv2d", "tma_implicit_gemm").unavailable_reason())

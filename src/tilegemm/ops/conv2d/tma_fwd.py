@@ -250,20 +250,41 @@ def reason_not(x: torch.Tensor, weight, g) -> str | None:
     return reason
 
 
-# --- stems: few channels, horizontal stride 2 ------------------------------------------------------------
+# --- stems: few channels ----------------------------------------------------------------------------------
 #
 # A network's first layer (ResNet-50's 7x7 stride-2 over C=3) has too few channels for a TMA box (16 bytes at
-# least) and for a K step (16 for wgmma). With a horizontal stride of 2 it is another convolution in disguise:
-# pad the channels to 8 and read each pair of neighbouring pixels (2j, 2j+1) as one pixel j of 16 channels.
-# Column 2q + s - left of the input is pixel q + t - t0 of the pair image, half phi, where s - left + 2 t0 =
-# 2 t + phi (t0 = ceil(left / 2) keeps t >= 0). So conv(x, w) with stride (SH, 2) equals conv(x'', w'') with
-# stride (SH, 1), kernel R x S'' (S'' = (S - 1 - left + 2 t0) // 2 + 1), left padding t0, over C'' = 16 channels:
-# w''[k, phi * 8 + c, r, t] = w[k, c, r, 2 t + phi - 2 t0 + left] (zero outside the filter and for c >= C).
-# The padded input (copied once a call into a per-stream workspace: a read of the input and a write of 8/C
-# times its bytes) and the rearranged weight are made by two small kernels that a replay repeats; the MMA
-# then multiplies about 3x more zeros than the 147-deep dot (7 x 4 x 16 = 448), at tensor-core speed.
+# least) and for a K step (16 for wgmma). Padded to CP channels, the S pixels one output pixel's filter row
+# covers are S*CP consecutive elements of an input row, and the window of output column q starts SW*CP
+# elements after that of column q - 1. So the convolution is another one over a "window image" whose pixel q
+# is the CV >= S*CP elements from that start, read through a view whose pixels overlap (pixel stride SW*CP <
+# CV): horizontal stride 1, one tap (S = 1) over CV channels, the same rows, vertical stride and padding. The
+# weight becomes wv[k, r, j*CP + c] = w[k, c, r, j] (zero for c >= C and for j >= S). CP is the least power of
+# two >= C that makes the window step SW*CP a multiple of 8 elements (TMA's 16-byte strides): 4 for ResNet's
+# stem, whose 7 x 4 = 28 window elements take one 32-wide K step per filter row (K = 7 x 32 = 224 against the
+# 147 of the filter). A copy kernel writes the input channels-last with CP channels and explicit zero columns
+# for the left and right padding (TMA's zero fill works per window pixel, not per element); the rows keep
+# TMA's fill for the top and bottom padding. The elements of a window past its S pixels (28..31 here) are the
+# next pixel's, multiplied by zero weights: an input holding inf or NaN there makes that output NaN, where
+# F.conv2d's output pixel would not have read it.
 
-_STEM_C = 8  # channels each pixel is padded to (16 bytes in 16-bit)
+_STEM_MAX_C = 8
+
+
+def stem_layout(g) -> tuple[int, int, int, int]:
+    """(CP, CV, Hp, Wp): channels each input pixel is padded to, window channels, and the rows and columns of
+    the padded copy (rows a multiple of the vertical stride; columns the left padding, the image and enough
+    zeros that the last window ends inside its row, in whole 16-byte rows)."""
+    sw = g.stride[1]
+    cp = 1
+    while cp < g.C or (sw * cp) % 8:
+        cp *= 2
+    cv = -(-g.S * cp // 16) * 16
+    hp = -(-g.H // g.stride[0]) * g.stride[0]
+    left = g.padding[2]
+    wp = max(left + g.W, (g.Q - 1) * sw + -(-cv // cp))
+    while (wp * cp) % 8:
+        wp += 1
+    return cp, cv, hp, wp
 
 
 def stem_unusable(x: torch.Tensor, weight, g) -> str | None:
@@ -274,98 +295,108 @@ def stem_unusable(x: torch.Tensor, weight, g) -> str | None:
         return "not 16-bit"
     if not x.is_cuda or interpreting() or torch.cuda.get_device_capability(x.device)[0] != 9:
         return "not on a Hopper GPU"
-    if g.groups != 1 or g.C > _STEM_C:
+    if g.groups != 1 or g.C > _STEM_MAX_C:
         return "more than 8 channels or groups"
-    if g.stride[1] != 2 or g.dilation[1] != 1 or g.W % 2 or g.H % g.stride[0]:
-        return "not a horizontal stride of 2 over an even width (and a height divisible by the vertical stride)"
-    if g.N * g.H * g.W * _STEM_C >= 2**31 or g.N * g.K * g.P * g.Q >= 2**31:
+    if g.dilation[1] != 1:
+        return "a horizontal dilation"
+    cp, cv, hp, wp = stem_layout(g)
+    if g.N * hp * wp * cp >= 2**31 or g.N * g.K * g.P * g.Q >= 2**31:
         return "2^31 elements or more"
     return None
 
 
 def stem_geometry(g):
-    """(the merged-pairs convolution's geometry, t0): see the comment above."""
+    """The window convolution's geometry (see the comment above): CV channels, Q window pixels a row, one tap
+    along the width, stride (SH, 1); the bottom padding counts the copy's extra rows so that P is the same."""
     from tilegemm.ops.conv2d.problem import Geometry
 
-    top, bottom, left, _ = g.padding
-    t0 = -(-left // 2)
-    s2 = (g.S - 1 - left + 2 * t0) // 2 + 1
-    w2 = g.W // 2
-    right = g.Q - 1 + s2 - w2 - t0  # so that the merged convolution has Q output columns
-    gm = Geometry(g.N, 2 * _STEM_C, g.H, w2, g.K, g.R, s2, 1, (g.stride[0], 1), (top, bottom, t0, right),
-                  (g.dilation[0], 1))
-    return gm, t0
+    cp, cv, hp, wp = stem_layout(g)
+    top, bottom, _, _ = g.padding
+    return Geometry(g.N, cv, hp, g.Q, g.K, g.R, 1, 1, (g.stride[0], 1), (top, bottom - (hp - g.H), 0, 0),
+                    (g.dilation[0], 1))
 
 
 @triton.jit
-def stem_input_kernel(x_ptr, out_ptr, pixels, C, H, W, stride_n, stride_c, stride_h, stride_w,
-                      CP: tl.constexpr, BLOCK: tl.constexpr):
-    """``out[pixel, c] = x[n, c, h, w]`` for c < C, 0 up to CP: channels-last with CP channels."""
+def stem_input_kernel(x_ptr, out_ptr, pixels, C, H, W, Hp, Wp, left, stride_n, stride_c, stride_h, stride_w,
+                      CP: tl.constexpr, BLOCK: tl.constexpr, PLANAR: tl.constexpr):
+    """``out[n, h, j, c] = x[n, c, h, j - left]`` inside the image and c < C, else 0: ``[N, Hp, Wp, CP]``.
+    PLANAR (an NCHW input): loaded as ``[CP, BLOCK]`` so that the threads of a warp read consecutive pixels of
+    one channel, then transposed for the store."""
     pix = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     c = tl.arange(0, CP)
-    w = pix % W
-    h = (pix // W) % H
-    n = pix // (W * H)
+    j = pix % Wp
+    h = (pix // Wp) % Hp
+    n = pix // (Wp * Hp)
+    w = j - left
     src = n.to(tl.int64) * stride_n + h * stride_h + w * stride_w
-    ok = (pix < pixels)[:, None]
-    v = tl.load(x_ptr + src[:, None] + (c * stride_c)[None, :], mask=ok & (c < C)[None, :], other=0.0)
-    tl.store(out_ptr + pix.to(tl.int64)[:, None] * CP + c[None, :], v, mask=ok)
+    inside = (pix < pixels) & (h < H) & (w >= 0) & (w < W)
+    if PLANAR:
+        v = tl.trans(tl.load(x_ptr + src[None, :] + (c * stride_c)[:, None],
+                             mask=inside[None, :] & (c < C)[:, None], other=0.0))
+    else:
+        v = tl.load(x_ptr + src[:, None] + (c * stride_c)[None, :], mask=inside[:, None] & (c < C)[None, :],
+                    other=0.0)
+    tl.store(out_ptr + pix.to(tl.int64)[:, None] * CP + c[None, :], v, mask=(pix < pixels)[:, None])
 
 
 @triton.jit
-def stem_weight_kernel(w_ptr, out_ptr, total, C, R, S, S2, t0, left, stride_k, stride_c, stride_r, stride_s,
+def stem_weight_kernel(w_ptr, out_ptr, total, C, R, S, CV, stride_k, stride_c, stride_r, stride_s,
                        CP: tl.constexpr, BLOCK: tl.constexpr):
-    """``out[k, r, t, phi * CP + c] = w[k, c, r, 2 t + phi - 2 t0 + left]`` (0 outside): row-major
-    ``[K, R, S2, 2 CP]``, the merged convolution's weight channels-last."""
+    """``out[k, r, j * CP + c] = w[k, c, r, j]`` (0 for c >= C or j >= S): row-major ``[K, R, CV]``, the window
+    convolution's weight channels-last."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    cc = i % (2 * CP)
-    t = (i // (2 * CP)) % S2
-    r = (i // (2 * CP * S2)) % R
-    k = i // (2 * CP * S2 * R)
-    c = cc % CP
-    s = 2 * t + cc // CP - 2 * t0 + left
+    e = i % CV
+    r = (i // CV) % R
+    k = i // (CV * R)
+    c = e % CP
+    j = e // CP
     ok = i < total
-    real = ok & (c < C) & (s >= 0) & (s < S)
-    v = tl.load(w_ptr + k * stride_k + c * stride_c + r * stride_r + s * stride_s, mask=real, other=0.0)
+    real = ok & (c < C) & (j < S)
+    v = tl.load(w_ptr + k * stride_k + c * stride_c + r * stride_r + j * stride_s, mask=real, other=0.0)
     tl.store(out_ptr + i, v, mask=ok)
 
 
 def stem_operands(x: torch.Tensor, weight: torch.Tensor, g):
-    """(x'' ``[N, 16, H, W/2]`` and w'' ``[K, 16, R, S2]``, both channels-last in per-stream workspaces, the two
-    workspaces, the merged geometry): the two launches of a stem's operands (plain Triton; the interpreter runs
-    them too). Call under :data:`tilegemm.core.launch.sequence_lock`."""
+    """(the window image ``[N, CV, Hp, Q]`` as an overlapping channels-last view of the padded copy, the
+    window weight ``[K, CV, R, 1]`` channels-last, the two workspaces, the window geometry): the two launches
+    of a stem's operands (plain Triton; the interpreter runs them too). Call under
+    :data:`tilegemm.core.launch.sequence_lock`."""
     from tilegemm.core.launch import current_stream, launch
     from tilegemm.core.workspace import buffer
 
-    gm, t0 = stem_geometry(g)
+    cp, cv, hp, wp = stem_layout(g)
+    gv = stem_geometry(g)
     stream = current_stream() if x.is_cuda else None
-    pixels = g.N * g.H * g.W
-    wsize = g.K * gm.R * gm.S * gm.C
-    xbuf = buffer(x.device, x.dtype, pixels * _STEM_C, "conv2d-stem-input")
+    pixels = g.N * hp * wp
+    wsize = g.K * g.R * cv
+    xbuf = buffer(x.device, x.dtype, pixels * cp, "conv2d-stem-input")
     wbuf = buffer(x.device, x.dtype, wsize, "conv2d-stem-weight")
-    block = 128
+    block = 4096 // cp  # 8 KB written a program
     launch(stem_input_kernel, (cdiv(pixels, block),),
-           (x, xbuf, pixels, g.C, g.H, g.W, x.stride(0), x.stride(1), x.stride(2), x.stride(3)),
-           dict(CP=_STEM_C, BLOCK=block, num_warps=4), keep=(xbuf,), stream=stream)
+           (x, xbuf, pixels, g.C, g.H, g.W, hp, wp, g.padding[2], x.stride(0), x.stride(1), x.stride(2),
+            x.stride(3)),
+           dict(CP=cp, BLOCK=block, PLANAR=x.stride(3) == 1 and g.C > 1, num_warps=4), keep=(xbuf,), stream=stream)
     launch(stem_weight_kernel, (cdiv(wsize, 1024),),
-           (weight, wbuf, wsize, g.C, g.R, g.S, gm.S, t0, g.padding[2], *weight.stride()),
-           dict(CP=_STEM_C, BLOCK=1024, num_warps=4), keep=(wbuf,), stream=stream)
-    xm = xbuf[: pixels * _STEM_C].view(g.N, g.H, gm.W, gm.C).permute(0, 3, 1, 2)
-    wm = wbuf[:wsize].view(g.K, gm.R, gm.S, gm.C).permute(0, 3, 1, 2)
-    return xm, wm, xbuf, wbuf, gm
+           (weight, wbuf, wsize, g.C, g.R, g.S, cv, *weight.stride()),
+           dict(CP=cp, BLOCK=1024, num_warps=4), keep=(wbuf,), stream=stream)
+    row = wp * cp
+    xv = xbuf.as_strided((g.N, cv, hp, g.Q), (hp * row, 1, row, g.stride[1] * cp))
+    wv = wbuf[:wsize].view(g.K, g.R, 1, cv).permute(0, 3, 1, 2)
+    return xv, wv, xbuf, wbuf, gv
 
 
 def run_stem(p) -> torch.Tensor:
-    """The forward of a stem (:func:`stem_unusable` is None) through the merged-pairs convolution."""
+    """The forward of a stem (:func:`stem_unusable` is None) through the window convolution."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import current_stream, launch, sequence_lock
+    from tilegemm.ops.conv2d.configs import tma_stem_config
     from tilegemm.ops.conv2d.implicit_gemm import allocate_out
 
     out = allocate_out(p)
     with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
-        xm, wm, xbuf, wbuf, gm = stem_operands(p.x, p.weight, p.geo)
-        kernel, grid, args, kwargs = launch_args(xm, wm, out, p.bias, gm, p.activation,
-                                                 config(gm, p.dtype, sm_count(p.x.device)))
+        xv, wv, xbuf, wbuf, gv = stem_operands(p.x, p.weight, p.geo)
+        kernel, grid, args, kwargs = launch_args(xv, wv, out, p.bias, gv, p.activation,
+                                                 tma_stem_config(gv, sm_count(p.x.device)))
         launch(kernel, grid, args, kwargs, keep=(xbuf, wbuf), stream=current_stream())
     return out
 
