@@ -17,20 +17,26 @@ import math
 import time
 
 
-def candidates(g, sms):
+def candidates(g, sms, short=False):
+    """The grid of configs; ``short``: ring depths from 1 (a short reduction, e.g. a 1x1 layer over 64
+    channels, uses one or two slots, and a shallower ring lets more programs share an SM) and 8 warps on
+    128 x 128 tiles."""
     from tilegemm.ops.conv2d import tma_fwd
 
     bk = 64 if g.Cg % 64 == 0 else 32 if g.Cg % 32 == 0 else 16
+    steps = g.R * g.S * (g.Cg // bk)
     out = []
     for rows in (64, 128):
         bi, bh, bw, _ = tma_fwd._patch(g, rows)
         for bn in (64, 128):
             if bn > 64 and g.Kg <= 64:
                 continue
-            for stages in (3, 4, 6, 8):
-                if stages * (rows + bn) * bk * 2 > 200 * 1024:
+            for stages in ((1, 2, 3, 4) if short else (3, 4, 6, 8)):
+                if stages * (rows + bn) * bk * 2 > 200 * 1024 or (short and stages > max(2, steps)):
                     continue
-                out.append(dict(BI=bi, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=4))
+                warps = (4, 8) if short and rows * bn == 128 * 128 else (4,)
+                for w in warps:
+                    out.append(dict(BI=bi, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=w))
     return out
 
 
@@ -40,6 +46,8 @@ def main() -> None:
     parser.add_argument("--sweep", default="resnet50")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds; layers past it are skipped")
     parser.add_argument("--layers", default=None, help="indices of the sweep's layers, e.g. 2,6,10")
+    parser.add_argument("--short", action="store_true",
+                        help="shallow rings and 8 warps (short reductions); gemm_1x1 timed on 1x1 layers")
     args = parser.parse_args()
 
     import tilegemm  # noqa: F401  (settles the backend first)
@@ -77,7 +85,10 @@ def main() -> None:
         row = dict(shape=case.label, cudnn_us=tt.do_bench_cudagraph(lambda: F.conv2d(x, w, None, s, pad, 1, d["groups"]), rep=30) * 1e3,
                    auto_us=tt.do_bench_cudagraph(lambda: tilegemm.conv2d(x, w, None, s, pad), rep=30) * 1e3,
                    shipped=tma_fwd.config(g, torch.float16, sms), candidates=[])
-        for cfg in [dict(row["shipped"]), *candidates(g, sms)]:
+        if args.short and g.is_pointwise:
+            row["gemm_1x1_us"] = tt.do_bench_cudagraph(
+                lambda: tilegemm.conv2d(x, w, None, s, pad, kernel="gemm_1x1"), rep=30) * 1e3
+        for cfg in [dict(row["shipped"]), *candidates(g, sms, args.short)]:
             entry = dict(cfg=cfg)
             try:
                 out = tma_fwd.run(p, cfg)
@@ -93,7 +104,8 @@ def main() -> None:
         if timed:
             best = min(timed, key=lambda c: c["us"])
             row["best"] = best
-            print(f"{case.label:28s} cuDNN {row['cudnn_us']:6.1f} auto {row['auto_us']:6.1f} shipped "
+            print(f"{case.label:28s} cuDNN {row['cudnn_us']:6.1f} auto {row['auto_us']:6.1f} "
+                  f"gemm_1x1 {row.get('gemm_1x1_us', float('nan')):6.1f} shipped "
                   f"{row['shipped_us'] or float('nan'):6.1f} best {best['us']:6.1f} {best['cfg']}", flush=True)
         rows.append(row)
         with open(args.out, "w") as fh:
