@@ -18,20 +18,20 @@ import time
 
 
 def candidates(g, sms, short=False):
-    """The grid of configs; ``short``: ring depths from 1 (a short reduction, e.g. a 1x1 layer over 64
+    """The grid of configs; ``short``: ring depths from 2 (a short reduction, e.g. a 1x1 layer over 64
     channels, uses one or two slots, and a shallower ring lets more programs share an SM) and 8 warps on
     128 x 128 tiles."""
-    from tilegemm.ops.conv2d import tma_fwd
+    from tilegemm.ops.conv2d.configs import _patch
 
     bk = 64 if g.Cg % 64 == 0 else 32 if g.Cg % 32 == 0 else 16
     steps = g.R * g.S * (g.Cg // bk)
     out = []
     for rows in (64, 128):
-        bi, bh, bw, _ = tma_fwd._patch(g, rows)
+        bi, bh, bw, _ = _patch(g, rows)
         for bn in (64, 128):
             if bn > 64 and g.Kg <= 64:
                 continue
-            for stages in ((1, 2, 3, 4) if short else (3, 4, 6, 8)):
+            for stages in ((2, 3, 4) if short else (3, 4, 6, 8)):  # the kernel's ring needs 2 slots at least
                 if stages * (rows + bn) * bk * 2 > 200 * 1024 or (short and stages > max(2, steps)):
                     continue
                 warps = (4, 8) if short and rows * bn == 128 * 128 else (4,)
