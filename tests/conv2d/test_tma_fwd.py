@@ -45,13 +45,20 @@ def test_config_covers_the_output_with_a_patch_that_fits(N, C, H, K, R, stride):
 
 
 def test_cost_model_prefers_big_tiles_when_they_fill_the_gpu_and_small_ones_when_they_do_not():
-    big = tma_forward_config(_geo(32, 64, 56, 256, 1, 1, 0), 132)  # 100352 pixels: 784 big tiles
+    big = tma_forward_config(_geo(32, 64, 56, 256, 3, 1, 1), 132)  # 100352 pixels: 784 big tiles
     assert (big["BI"] * big["BH"] * big["BW"], big["BLOCK_N"]) == (128, 128)
+    # one or two K steps: 64-pixel patches on a ring of two slots (more programs an SM)
+    short = tma_forward_config(_geo(32, 64, 56, 256, 1, 1, 0), 132)
+    assert (short["BI"] * short["BH"] * short["BW"], short["BLOCK_N"], short["STAGES"]) == (64, 128, 2)
     small = tma_forward_config(_geo(32, 256, 14, 256, 3, 1, 1), 132)  # 6272 pixels x 256: 98 big tiles
     assert (small["BI"] * small["BH"] * small["BW"], small["BLOCK_N"]) == (64, 64)
     # a 1x1 with few tiles and a long reduction is left to the GEMM (split-K fills the GPU)
     assert tma_few_tiles(_geo(32, 2048, 7, 512, 1, 1, 0), 132)
     assert not tma_few_tiles(_geo(32, 64, 56, 256, 1, 1, 0), 132)
+    # stride-1 1x1 layers over few pixels (14x14 at batch 32) go to the GEMM too; not at 28x28, nor strided
+    assert tma_few_tiles(_geo(32, 256, 14, 1024, 1, 1, 0), 132)
+    assert not tma_few_tiles(_geo(32, 512, 28, 256, 1, 1, 0), 132)
+    assert not tma_few_tiles(_geo(32, 512, 28, 1024, 1, 2, 0), 132)
 
 
 def test_auto_takes_the_tma_kernel_where_it_can():

@@ -171,6 +171,15 @@ def tma_forward_config(g: Geometry, sms: int) -> dict:
             if best is None or t < best[0]:
                 best = (t, rows, bn)
     _, rows, bn = best
+    if g.R * g.S * (g.Cg // bk) <= 2:
+        # One or two K steps (a 1x1 layer over 64 or 128 channels): the program is a load, an MMA and a store
+        # of its output tile, and a ring of two slots on 64-pixel patches puts twice as many programs on an SM
+        # to overlap one's store with another's loads. On ResNet-50's three such layers (CUDA graphs,
+        # research/explore_conv2d_tma.py --short, 2026-11-25-{h200,h100}/f7d14e6/) 64 pixels with 2 slots ran
+        # 7.7 / 28.1 / 14.9 us on the H200 where the model's 128-pixel tile with 3 ran 8.6 / 31.3 / 15.8
+        # (H100: 7.6 / 31.0 / 15.9 against 8.8 / 33.7 / 17.1).
+        bi, bh, bw, _ = _patch(g, 64)
+        return dict(BI=bi, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, STAGES=2, num_warps=4)
     bi, bh, bw, pixel_tiles = _patch(g, rows)
     # One program an SM at most: nothing to share the SM with, so a deeper ring hides TMA's latency instead
     # (6 slots ran 5-7% faster than 3 on ResNet-50's 7x7 layers, H100).
@@ -193,9 +202,21 @@ def tma_stem_config(g: Geometry, sms: int) -> dict:
     return cfg
 
 
+# Stride-1 1x1 convolutions over at most this many output pixels run as GEMMs (gemm_1x1): the dense GEMM's
+# tuned and surveyed tiles beat the TMA convolution's on ResNet-50's 1x1 layers at 14x14 and 7x7, batch 32
+# (6272 and 1568 pixels; CUDA graphs, research/explore_conv2d_tma.py --short): H200 256 -> 1024 8.9 against
+# 11.7 us, 1024 -> 256 8.5 / 9.4, 1024 -> 512 13.4 / 14.6, 512 -> 2048 8.8 / 9.6 (H100 alike: 9.6 / 12.0,
+# 8.5 / 9.8, 13.8 / 14.1), while at 28x28 (25088 pixels) 512 -> 256 ran 23.1 us as a GEMM against 16.0.
+GEMM_1X1_PIXELS = 8192
+
+
 def tma_few_tiles(g: Geometry, sms: int) -> bool:
-    """True when the TMA kernel's chosen tiles leave SMs idle over a long reduction (32 steps or more): there a
-    1x1 convolution does better as a GEMM, whose split-K fills the GPU (ResNet-50's 2048 -> 512 at 7x7)."""
+    """True when a 1x1 convolution does better as a GEMM than through the TMA kernel: stride 1 over at most
+    :data:`GEMM_1X1_PIXELS` output pixels, or (any stride) when the TMA kernel's chosen tiles leave SMs idle
+    over a long reduction (32 steps or more), where the GEMM's split-K fills the GPU (ResNet-50's 2048 -> 512
+    at 7x7)."""
+    if g.is_pointwise and g.N * g.P * g.Q <= GEMM_1X1_PIXELS:
+        return True
     cfg = tma_forward_config(g, sms)
     tiles = _patch(g, cfg["BI"] * cfg["BH"] * cfg["BW"])[3] * -(-g.Kg // cfg["BLOCK_N"]) * g.groups
     return tiles < sms and g.R * g.S * (g.Cg // cfg["BLOCK_K"]) >= 32
