@@ -24,7 +24,6 @@ def candidates(g, sms, short=False):
     from tilegemm.ops.conv2d.configs import _patch
 
     bk = 64 if g.Cg % 64 == 0 else 32 if g.Cg % 32 == 0 else 16
-    steps = g.R * g.S * (g.Cg // bk)
     out = []
     for rows in (64, 128):
         bi, bh, bw, _ = _patch(g, rows)
@@ -32,7 +31,7 @@ def candidates(g, sms, short=False):
             if bn > 64 and g.Kg <= 64:
                 continue
             for stages in ((2, 3, 4) if short else (3, 4, 6, 8)):  # the kernel's ring needs 2 slots at least
-                if stages * (rows + bn) * bk * 2 > 200 * 1024 or (short and stages > max(2, steps)):
+                if stages * (rows + bn) * bk * 2 > 200 * 1024:
                     continue
                 warps = (4, 8) if short and rows * bn == 128 * 128 else (4,)
                 for w in warps:

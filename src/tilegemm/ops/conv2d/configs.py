@@ -172,13 +172,17 @@ def tma_forward_config(g: Geometry, sms: int) -> dict:
                 best = (t, rows, bn)
     _, rows, bn = best
     if g.R * g.S * (g.Cg // bk) <= 2:
-        # One or two K steps (a 1x1 layer over 64 or 128 channels): the program is a load, an MMA and a store
-        # of its output tile, and a ring of two slots on 64-pixel patches puts twice as many programs on an SM
-        # to overlap one's store with another's loads. On ResNet-50's three such layers (CUDA graphs,
-        # research/explore_conv2d_tma.py --short, 2026-11-25-{h200,h100}/f7d14e6/) 64 pixels with 2 slots ran
-        # 7.7 / 28.1 / 14.9 us on the H200 where the model's 128-pixel tile with 3 ran 8.6 / 31.3 / 15.8
-        # (H100: 7.6 / 31.0 / 15.9 against 8.8 / 33.7 / 17.1).
-        bi, bh, bw, _ = _patch(g, 64)
+        # One or two K steps (a 1x1 layer over few channels): the program is a load, an MMA and a store of its
+        # output tile, and a ring of two slots holds all it can use. With full 64-channel steps the ring's
+        # shared memory limits the programs an SM holds, and 64-pixel patches on two slots fit twice as many,
+        # overlapping one's store with another's loads: on ResNet-50's three such layers (CUDA graphs,
+        # research/explore_conv2d_tma.py --short, 2026-11-25-{h200,h100}/f7d14e6/) they ran 7.7 / 28.1 /
+        # 14.9 us on the H200 where the model's 128-pixel tile with 3 slots ran 8.6 / 31.3 / 15.8 (H100: 7.6 /
+        # 31.0 / 15.9 against 8.8 / 33.7 / 17.1). With 16-wide steps (MobileNetV2's 16 -> 96) the ring is small
+        # at any depth and the smaller patch only cost more programs: 104.6 us against 80.1 for 128 pixels.
+        if bk == 64:
+            rows = 64
+        bi, bh, bw, _ = _patch(g, rows)
         return dict(BI=bi, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, STAGES=2, num_warps=4)
     bi, bh, bw, pixel_tiles = _patch(g, rows)
     # One program an SM at most: nothing to share the SM with, so a deeper ring hides TMA's latency instead
