@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tilegemm
-from tilegemm.ops.conv2d.configs import _patch, tma_few_tiles, tma_forward_config
+from tilegemm.ops.conv2d.configs import _patch, pointwise_as_gemm, tma_forward_config
 from tilegemm.ops.conv2d.problem import Geometry
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
 
@@ -53,12 +53,16 @@ def test_cost_model_prefers_big_tiles_when_they_fill_the_gpu_and_small_ones_when
     small = tma_forward_config(_geo(32, 256, 14, 256, 3, 1, 1), 132)  # 6272 pixels x 256: 98 big tiles
     assert (small["BI"] * small["BH"] * small["BW"], small["BLOCK_N"]) == (64, 64)
     # a 1x1 with few tiles and a long reduction is left to the GEMM (split-K fills the GPU)
-    assert tma_few_tiles(_geo(32, 2048, 7, 512, 1, 1, 0), 132)
-    assert not tma_few_tiles(_geo(32, 64, 56, 256, 1, 1, 0), 132)
+    assert pointwise_as_gemm(_geo(32, 2048, 7, 512, 1, 1, 0), 132)
+    assert not pointwise_as_gemm(_geo(32, 64, 56, 256, 1, 1, 0), 132)
     # stride-1 1x1 layers over few pixels (14x14 at batch 32) go to the GEMM too; not at 28x28, nor strided
-    assert tma_few_tiles(_geo(32, 256, 14, 1024, 1, 1, 0), 132)
-    assert not tma_few_tiles(_geo(32, 512, 28, 256, 1, 1, 0), 132)
-    assert not tma_few_tiles(_geo(32, 512, 28, 1024, 1, 2, 0), 132)
+    assert pointwise_as_gemm(_geo(32, 256, 14, 1024, 1, 1, 0), 132)
+    assert not pointwise_as_gemm(_geo(32, 512, 28, 256, 1, 1, 0), 132)
+    assert not pointwise_as_gemm(_geo(32, 512, 28, 1024, 1, 2, 0), 132)
+    # channels not a multiple of 64 stepped more than twice go to the GEMM; one narrow step or 64-wide steps not
+    assert pointwise_as_gemm(_geo(64, 144, 56, 24, 1, 1, 0), 132)
+    assert not pointwise_as_gemm(_geo(64, 32, 112, 16, 1, 1, 0), 132)
+    assert not pointwise_as_gemm(_geo(64, 192, 28, 32, 1, 1, 0), 132)
 
 
 def test_auto_takes_the_tma_kernel_where_it_can():

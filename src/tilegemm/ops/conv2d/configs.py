@@ -206,21 +206,29 @@ def tma_stem_config(g: Geometry, sms: int) -> dict:
     return cfg
 
 
-# Stride-1 1x1 convolutions over at most this many output pixels run as GEMMs (gemm_1x1): the dense GEMM's
-# tuned and surveyed tiles beat the TMA convolution's on ResNet-50's 1x1 layers at 14x14 and 7x7, batch 32
-# (6272 and 1568 pixels; CUDA graphs, research/explore_conv2d_tma.py --short): H200 256 -> 1024 8.9 against
-# 11.7 us, 1024 -> 256 8.5 / 9.4, 1024 -> 512 13.4 / 14.6, 512 -> 2048 8.8 / 9.6 (H100 alike: 9.6 / 12.0,
-# 8.5 / 9.8, 13.8 / 14.1), while at 28x28 (25088 pixels) 512 -> 256 ran 23.1 us as a GEMM against 16.0.
-GEMM_1X1_PIXELS = 8192
+# Stride-1 1x1 convolutions run as GEMMs (gemm_1x1) over at most this many output pixels, or when the TMA
+# kernel would step through the channels in more than two steps narrower than 64. CUDA graphs,
+# research/explore_conv2d_tma.py --short: on ResNet-50's 1x1 layers at 14x14 and 7x7, batch 32 (6272 and 1568
+# pixels) the GEMM ran 256 -> 1024 in 8.9 us against the TMA kernel's 11.7, 1024 -> 256 8.5 / 9.4, 1024 -> 512
+# 13.4 / 14.6, 512 -> 2048 8.8 / 9.6 (H200; H100 alike), and on MobileNetV2's at 14x14, batch 64 (12544
+# pixels) 192 -> 64 3.7 / 4.5, 384 -> 64 4.3 / 5.9, 384 -> 96 5.4 / 6.2, 576 -> 96 6.7 / 8.4; at 28x28, batch 32
+# (25088) it lost 512 -> 256 (23.1 against 16.0). With 16- or 32-channel steps (C not a multiple of 64) and a
+# longer loop the GEMM ran 144 -> 24 at 56x56 in 22.9 us against 47.6, 96 -> 24 18.3 / 26.7, 144 -> 32 7.3 /
+# 8.8, while with one such step the TMA kernel kept 32 -> 16 at 112x112 (43 against 50) and 16 -> 96 (80
+# against 98), and with 64-channel steps 192 -> 32 at 28x28 (5.3 against 8.4)
+# (2026-11-25-h200/f27e92f/tma-1x1-short-mobilenet-narrow.json, c6c0067/, f7d14e6/).
+GEMM_1X1_PIXELS = 16384
 
 
-def tma_few_tiles(g: Geometry, sms: int) -> bool:
-    """True when a 1x1 convolution does better as a GEMM than through the TMA kernel: stride 1 over at most
-    :data:`GEMM_1X1_PIXELS` output pixels, or (any stride) when the TMA kernel's chosen tiles leave SMs idle
-    over a long reduction (32 steps or more), where the GEMM's split-K fills the GPU (ResNet-50's 2048 -> 512
-    at 7x7)."""
-    if g.is_pointwise and g.N * g.P * g.Q <= GEMM_1X1_PIXELS:
-        return True
+def pointwise_as_gemm(g: Geometry, sms: int) -> bool:
+    """True when a 1x1 convolution does better as a GEMM than through the TMA kernel (see above): stride 1 over
+    at most :data:`GEMM_1X1_PIXELS` output pixels or with more than two channel steps narrower than 64; or (any
+    stride) when the TMA kernel's chosen tiles leave SMs idle over a long reduction (32 steps or more), where
+    the GEMM's split-K fills the GPU (ResNet-50's 2048 -> 512 at 7x7)."""
+    if g.is_pointwise:
+        bk = 64 if g.Cg % 64 == 0 else 32 if g.Cg % 32 == 0 else 16
+        if g.N * g.P * g.Q <= GEMM_1X1_PIXELS or (bk < 64 and g.Cg // bk > 2):
+            return True
     cfg = tma_forward_config(g, sms)
     tiles = _patch(g, cfg["BI"] * cfg["BH"] * cfg["BW"])[3] * -(-g.Kg // cfg["BLOCK_N"]) * g.groups
     return tiles < sms and g.R * g.S * (g.Cg // cfg["BLOCK_K"]) >= 32

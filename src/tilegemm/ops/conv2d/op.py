@@ -35,16 +35,17 @@ from tilegemm.core.torch_ops import lean_autograd
 
 def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, sms: int = 132) -> str:
     """``auto``. ``tma``: ``tma_implicit_gemm`` can take the call (a 16-bit channels-last input TMA can describe,
-    on Hopper; :func:`tilegemm.ops.conv2d.tma_fwd.unusable`). Then it runs every such convolution but 1x1 ones
-    whose tiles would leave SMs idle over a long reduction (:func:`tilegemm.ops.conv2d.configs.tma_few_tiles`).
+    on Hopper; :func:`tilegemm.ops.conv2d.tma_fwd.unusable`). Then it runs every such convolution but the 1x1 ones
+    that run faster as GEMMs (few pixels, narrow channel steps, or few tiles over a long reduction:
+    :func:`tilegemm.ops.conv2d.configs.pointwise_as_gemm`).
     Otherwise: 1x1 stride-1 unpadded single-group convolutions go to ``gemm_1x1`` (tilegemm's GEMM on the
     channels-last view), and so do strided ones with a channels-last input (the kept pixels gathered into a
     matrix first); depthwise ones to ``depthwise``, everything else to ``implicit_gemm``."""
     pointwise = g.is_pointwise or (g.is_strided_pointwise and x_channels_last)
     if tma and not g.is_depthwise:
-        from tilegemm.ops.conv2d.configs import tma_few_tiles
+        from tilegemm.ops.conv2d.configs import pointwise_as_gemm
 
-        if not (pointwise and tma_few_tiles(g, sms)):
+        if not (pointwise and pointwise_as_gemm(g, sms)):
             return "tma_implicit_gemm"
     if pointwise:
         return "gemm_1x1"
