@@ -78,6 +78,15 @@ def test_auto_takes_the_tma_kernel_where_it_can():
     assert choose_kernel(dw, True, tma=True) == "depthwise"
 
 
+def test_a_one_slot_ring_is_refused_before_anything_launches():
+    # the kernel refills the slot of the step before the one in flight: one slot would hang the GPU
+    from tilegemm.ops.conv2d.tma_fwd import launch_args
+
+    cfg = dict(BI=1, BH=8, BW=8, BLOCK_N=16, BLOCK_K=16, STAGES=1, num_warps=4)
+    with pytest.raises(ValueError, match="2 slots at least"):
+        launch_args(None, None, None, None, _geo(2, 16, 8, 16, 3, 1, 1), "none", cfg)
+
+
 @pytest.mark.parametrize("C,H,W,R,S,stride,padding,dilation_h", [
     (3, 14, 16, 7, 7, (2, 2), (3, 3, 3, 3), 1),  # ResNet's stem, small
     (3, 15, 17, 7, 7, (2, 2), (3, 3, 3, 3), 1),  # odd image: the copy's extra row and columns

@@ -512,6 +512,9 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, 
     by their data pointers, and a view at an offset has a pointer of its own)."""
     sh, sw = g.stride
     bi, bh, bw, bn, bk = cfg["BI"], cfg["BH"], cfg["BW"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if cfg["STAGES"] < 2:
+        # the ring refills the slot of the step before the one in flight: with one slot it would wait forever
+        raise ValueError(f"tma_implicit_gemm needs a ring of 2 slots at least, got STAGES={cfg['STAGES']}")
     swz = min(128, bk * x.element_size())
     x_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=5)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=2)
