@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tilegemm import w4a16
 from tilegemm.ops.w4a16 import frag
 
-from explore_w4a16_small_m import Cold  # GPU time in CUDA graphs, the L2 cleared before each call
+from explore_w4a16_small_m import Cold, checked, silu_case, timing_cases  # Cold: GPU time in CUDA graphs, the L2 cleared before each call
 
 
 def run_frag(x, fw, fzs, w, cfg, bias=None, activation="none"):
@@ -53,46 +53,33 @@ def main():
                              (4096, 4096, 256, 33, torch.bfloat16)]:
         if K % 8 or (g != -1 and K % g):
             continue
-        wd = torch.randn(N, K, device="cuda", dtype=dt)
-        w = w4a16.quantize(wd, group_size=g)
-        fw, fzs = w.fragments()
-        x = torch.randn(M, K, device="cuda", dtype=dt)
-        bias = torch.randn(N, device="cuda", dtype=dt)
-        ref = (x.float() @ w4a16.dequantize(w).float().T + bias.float())
-        ref = F.silu(ref)
+        w, fw, fzs, x, bias, ref, bound = silu_case(M, N, K, g, dt)
         for cfg in (dict(RH=4, BM=8, SPLIT_K=1), dict(RH=2, BM=16, SPLIT_K=3, DEPTH=2),
                     dict(RH=1, BM=16, SPLIT_K=2, KH=2, DEPTH=2), dict(RH=4, BM=8, SPLIT_K=5, KH=2)):
             if cfg.get("KH", 1) == 2 and (g if g != -1 else K) % 128:
                 continue
             out = run_frag(x, fw, fzs, w, cfg, bias, "silu")
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-            ok = bool(torch.isfinite(out).all()) and err < (2e-3 if dt == torch.float16 else 1e-2)
+            err, ok = checked(out, ref, bound)
             rows.append(dict(kind="check", N=N, K=K, g=g, M=M, dtype=str(dt), cfg=cfg, err=err, ok=ok))
             print(f"check {N}x{K} g{g} M={M} {dt} {cfg}: err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
-    for shape in a.shapes.split(","):
-        N, K = map(int, shape.split("x"))
-        wd = torch.randn(N, K, device="cuda", dtype=torch.float16)
-        w = w4a16.quantize(wd, group_size=128)
-        fw, fzs = w.fragments()
-        for M in map(int, a.ms.split(",")):
-            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-            t_cublas = cold(lambda: F.linear(x, wd)) * 1e-3
-            t_auto = cold(lambda: w4a16.matmul(x, w)) * 1e-3
-            best = None
-            bm = 8 if M <= 8 else 16
-            for rh, kh, split in itertools.product((1, 2, 4), (1, 2), (2, 4, 8, 16)):
-                tiles = -(-fw.shape[0] * 16 // (64 * rh))
-                if tiles * split > 8 * sms or fw.shape[1] // kh // split < 2:
-                    continue
-                cfg = dict(RH=rh, BM=bm, SPLIT_K=split, KH=kh)
-                t = cold(launcher(x, fw, fzs, w, cfg)) * 1e-3
-                rows.append(dict(kind="time", N=N, K=K, M=M, cfg=cfg, us=t * 1e3, cublas_us=t_cublas * 1e3,
-                                 auto_us=t_auto * 1e3))
-                if best is None or t < best[0]:
-                    best = (t, cfg)
-            print(f"{N}x{K} M={M}: cuBLAS {t_cublas*1e3:.1f} us, auto {t_auto*1e3:.1f} us "
-                  f"({t_cublas/t_auto:.2f}x), frag best {best[0]*1e3:.1f} us {best[1]} "
-                  f"({t_cublas/best[0]:.2f}x)", flush=True)
+    for N, K, M, wd, w, fw, fzs, x in timing_cases(a.shapes, a.ms):
+        t_cublas = cold(lambda: F.linear(x, wd)) * 1e-3
+        t_auto = cold(lambda: w4a16.matmul(x, w)) * 1e-3
+        best = None
+        bm = 8 if M <= 8 else 16
+        for rh, kh, split in itertools.product((1, 2, 4), (1, 2), (2, 4, 8, 16)):
+            tiles = -(-fw.shape[0] * 16 // (64 * rh))
+            if tiles * split > 8 * sms or fw.shape[1] // kh // split < 2:
+                continue
+            cfg = dict(RH=rh, BM=bm, SPLIT_K=split, KH=kh)
+            t = cold(launcher(x, fw, fzs, w, cfg)) * 1e-3
+            rows.append(dict(kind="time", N=N, K=K, M=M, cfg=cfg, us=t * 1e3, cublas_us=t_cublas * 1e3,
+                             auto_us=t_auto * 1e3))
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        print(f"{N}x{K} M={M}: cuBLAS {t_cublas*1e3:.1f} us, auto {t_auto*1e3:.1f} us "
+              f"({t_cublas/t_auto:.2f}x), frag best {best[0]*1e3:.1f} us {best[1]} "
+              f"({t_cublas/best[0]:.2f}x)", flush=True)
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)
 

@@ -83,6 +83,35 @@ def rel(out, ref) -> float:
     return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def silu_case(M, N, K, g, dtype):
+    """A random correctness case of the fragment kernels: (w, its fragments, their zero/scale words, x, bias, the
+    fp64 reference of silu(x @ dequantize(w).T + bias)), and the relative error bound of ``dtype``."""
+    w = w4a16.quantize(torch.randn(N, K, device="cuda", dtype=dtype), group_size=g)
+    fw, fzs = w.fragments()
+    x = torch.randn(M, K, device="cuda", dtype=dtype)
+    bias = torch.randn(N, device="cuda", dtype=dtype)
+    ref = F.silu(x.double() @ w4a16.dequantize(w).double().T + bias.double())
+    return w, fw, fzs, x, bias, ref, (2e-3 if dtype == torch.float16 else 1e-2)
+
+
+def timing_cases(shapes: str, ms: str):
+    """(N, K, M, the fp16 weight, its int4 quantization (group 128), the fragments and their zero/scale words,
+    x) for each ``NxK`` of ``shapes`` and each M of ``ms`` (comma-separated), each weight made once."""
+    for shape in shapes.split(","):
+        N, K = map(int, shape.split("x"))
+        wd = torch.randn(N, K, device="cuda", dtype=torch.float16)
+        w = w4a16.quantize(wd, group_size=128)
+        fw, fzs = w.fragments()
+        for M in map(int, ms.split(",")):
+            yield N, K, M, wd, w, fw, fzs, torch.randn(M, K, device="cuda", dtype=torch.float16)
+
+
+def checked(out, ref, bound) -> tuple[float, bool]:
+    """(relative error, finite and within ``bound``)."""
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    return err, bool(torch.isfinite(out).all()) and err < bound
+
+
 def problem(x, w):
     from tilegemm.ops.w4a16.common import W4A16Problem
 

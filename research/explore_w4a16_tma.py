@@ -30,7 +30,7 @@ from tilegemm.ops.w4a16.configs import frag_wgmma_config
 from tilegemm.ops.w4a16.frag import _a_tile, _finish
 from tilegemm.ops.w4a16.frag_wgmma import _scales, _zs_start
 
-from explore_w4a16_small_m import Cold  # GPU time in CUDA graphs, the L2 cleared before each call
+from explore_w4a16_small_m import Cold, checked, silu_case, timing_cases  # Cold: GPU time in CUDA graphs, the L2 cleared before each call
 
 
 @gluon.jit
@@ -192,49 +192,38 @@ def main() -> None:
     # correctness first: odd M, bias, activation, a split, both dtypes
     for dt in (torch.float16, torch.bfloat16):
         for M, N, K, g in ((1, 256, 1024, 128), (5, 512, 2048, 64), (37, 384, 1536, 128), (130, 256, 4096, 128)):
-            w = w4a16.quantize(torch.randn(N, K, device="cuda", dtype=dt), group_size=g)
-            fw, fzs = w.fragments()
-            x = torch.randn(M, K, device="cuda", dtype=dt)
-            bias = torch.randn(N, device="cuda", dtype=dt)
-            ref = F.silu(x.double() @ w4a16.dequantize(w).double().T + bias.double())
+            w, fw, fzs, x, bias, ref, bound = silu_case(M, N, K, g, dt)
             for split in (1, 4):
                 cfg = dict(frag_wgmma_config(M, N, K, x.device), SPLIT_K=split, STAGES=4)
                 out = torch.full((M, N), float("nan"), device="cuda", dtype=dt)
                 launch(x, fw, fzs, bias, out, N, K, g, "silu", cfg)()
-                err = ((out.double() - ref).norm() / ref.norm()).item()
-                ok = bool(torch.isfinite(out).all()) and err < (2e-3 if dt == torch.float16 else 1e-2)
+                err, ok = checked(out, ref, bound)
                 rows.append(dict(kind="check", M=M, N=N, K=K, g=g, dtype=str(dt), split=split, err=err, ok=ok))
                 print(f"check {M}x{N}x{K} g{g} {dt} split {split}: err {err:.1e} {'ok' if ok else 'FAIL'}", flush=True)
-    for shape in args.shapes.split(","):
-        N, K = map(int, shape.split("x"))
-        wd = torch.randn(N, K, device="cuda", dtype=torch.float16)
-        w = w4a16.quantize(wd, group_size=128)
-        fw, fzs = w.fragments()
-        for M in map(int, args.ms.split(",")):
-            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-            base = cold(lambda: F.linear(x, wd))
-            cfg = frag_wgmma_config(M, N, K, x.device)
-            out = torch.empty(M, N, device="cuda", dtype=torch.float16)
-            kern, grid, a_, kw = frag_wgmma.launch_args(x, fw, fzs, None, out, N, K, 128, "none", cfg)
-            shipped = cold(lambda: kern[grid](*a_, **kw))
-            line = f"{N}x{K} M={M}: cuBLAS {base:.1f} | frag_wgmma {shipped:.1f} ({base / shipped:.2f}x)"
-            rows.append(dict(kind="time", N=N, K=K, M=M, what="frag_wgmma", cfg=cfg, us=shipped, cublas_us=base))
-            best = None
-            for stages, maxnreg in ((4, 0), (4, 64), (4, 96), (6, 64), (6, 96), (8, 96)):
-                for split_mul in (1, 2):
-                    c = dict(cfg, STAGES=stages, MAXNREG=maxnreg, SPLIT_K=max(1, cfg["SPLIT_K"] * split_mul))
-                    try:
-                        us = cold(launch(x, fw, fzs, None, out, N, K, 128, "none", c))
-                    except Exception as e:  # noqa: BLE001 (a config that does not fit: recorded)
-                        rows.append(dict(kind="time", N=N, K=K, M=M, what="frag_tma", cfg=c, error=str(e)[:200]))
-                        continue
-                    rows.append(dict(kind="time", N=N, K=K, M=M, what="frag_tma", cfg=c, us=us, cublas_us=base))
-                    if best is None or us < best[0]:
-                        best = (us, c)
-            if best:
-                line += (f" | frag_tma {best[0]:.1f} ({base / best[0]:.2f}x) S{best[1]['STAGES']} k{best[1]['SPLIT_K']}"
-                         f" r{best[1]['MAXNREG']}")
-            print(line, flush=True)
+    for N, K, M, wd, w, fw, fzs, x in timing_cases(args.shapes, args.ms):
+        base = cold(lambda: F.linear(x, wd))
+        cfg = frag_wgmma_config(M, N, K, x.device)
+        out = torch.empty(M, N, device="cuda", dtype=torch.float16)
+        kern, grid, a_, kw = frag_wgmma.launch_args(x, fw, fzs, None, out, N, K, 128, "none", cfg)
+        shipped = cold(lambda: kern[grid](*a_, **kw))
+        line = f"{N}x{K} M={M}: cuBLAS {base:.1f} | frag_wgmma {shipped:.1f} ({base / shipped:.2f}x)"
+        rows.append(dict(kind="time", N=N, K=K, M=M, what="frag_wgmma", cfg=cfg, us=shipped, cublas_us=base))
+        best = None
+        for stages, maxnreg in ((4, 0), (4, 64), (4, 96), (6, 64), (6, 96), (8, 96)):
+            for split_mul in (1, 2):
+                c = dict(cfg, STAGES=stages, MAXNREG=maxnreg, SPLIT_K=max(1, cfg["SPLIT_K"] * split_mul))
+                try:
+                    us = cold(launch(x, fw, fzs, None, out, N, K, 128, "none", c))
+                except Exception as e:  # noqa: BLE001 (a config that does not fit: recorded)
+                    rows.append(dict(kind="time", N=N, K=K, M=M, what="frag_tma", cfg=c, error=str(e)[:200]))
+                    continue
+                rows.append(dict(kind="time", N=N, K=K, M=M, what="frag_tma", cfg=c, us=us, cublas_us=base))
+                if best is None or us < best[0]:
+                    best = (us, c)
+        if best:
+            line += (f" | frag_tma {best[0]:.1f} ({base / best[0]:.2f}x) S{best[1]['STAGES']} k{best[1]['SPLIT_K']}"
+                     f" r{best[1]['MAXNREG']}")
+        print(line, flush=True)
     with open(args.json, "w") as f:
         json.dump(dict(machine=machine_info().to_dict(), rows=rows), f, indent=1)
 
