@@ -43,3 +43,6 @@ def test_implicit_gemm_outputs_store_16_bytes_at_a_time(counts, kernel):
 def test_depthwise_loads_its_channels_16_bytes_at_a_time(counts):
     ops = counts["depthwise"]
     assert ops.get("ld.global.v4.b32", 0) > 0, f"no 16-byte loads of the activations: {ops}"
+    # the weight too: read tap-major, a tap's channels are consecutive (in [K, 1, R, S] order each channel's
+    # weight was its own 2-byte load, more load instructions than the activations' and the forward's limit)
+    assert not any(op.startswith("ld.global.b16") for op in ops), f"2-byte loads: {ops}"

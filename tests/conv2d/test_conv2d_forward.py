@@ -49,6 +49,7 @@ CASES = [
     pytest.param(2, 16, 6, 6, 16, 1, 1, 1, 0, 1, 1, id="pointwise"),
     pytest.param(2, 12, 7, 7, 12, 3, 3, 1, 1, 1, 12, id="depthwise"),
     pytest.param(1, 8, 9, 8, 16, 5, 5, 2, 2, 1, 8, id="depthwise-mult2-5x5-stride2"),
+    pytest.param(1, 8, 11, 10, 8, 9, 9, 1, 4, 1, 8, id="depthwise-9x9-taps-in-a-loop"),  # 81 taps: not unrolled
     pytest.param(1, 4, 3, 3, 4, 3, 3, 1, 4, 1, 1, id="padding-wider-than-filter"),
 ]
 

@@ -144,3 +144,23 @@ def test_strided_1x1_after_a_bigger_call_reads_its_own_pixels(grads):
         out = tilegemm.conv2d(x, w, stride=2)
         ref = F.conv2d(x.detach().double(), w.detach().double(), stride=2)
         assert_rel_close(out.detach(), ref, 4e-3)
+
+
+@pytest.mark.gpu
+def test_depthwise_replays_read_the_weight_as_it_is_now():
+    # The forward rewrites the weight tap-major into a per-stream workspace on every call, replays included:
+    # a weight changed in place, or a bigger depthwise call in between (which may replace the workspace),
+    # must not leave a replay reading stale weights.
+    replay.clear()
+    w = (torch.randn(48, 1, 3, 3, device="cuda") / 3).half()
+    x = torch.randn(2, 48, 15, 13, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+    big_w = torch.randn(960, 1, 5, 5, device="cuda", dtype=torch.float16)
+    big_x = torch.randn(1, 960, 9, 9, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+    for trial in range(4):
+        out = tilegemm.conv2d(x, w, padding=1, groups=48)
+        assert_rel_close(out, F.conv2d(x.double(), w.double(), padding=1, groups=48), 4e-3)
+        w.mul_(-1.5)
+        if trial == 1:
+            big = tilegemm.conv2d(big_x, big_w, padding=2, groups=960)
+            assert_rel_close(big, F.conv2d(big_x.double(), big_w.double(), padding=2, groups=960), 4e-3)
+    assert replay.count() >= 1

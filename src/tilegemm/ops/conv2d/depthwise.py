@@ -3,7 +3,9 @@
 A depthwise filter has C/groups = 1, so its GEMM view is a K=R*S dot per channel: too thin for tensor cores.
 Instead a program owns [BLOCK_M pixels, BLOCK_N channels] of channels-last activations and adds up the R*S
 taps elementwise in fp32, each tap one coalesced [BM, BN] load. Output channel k reads input channel
-k // MULT (MULT = K / C, the channel multiplier; 1 in MobileNet).
+k // MULT (MULT = K / C, the channel multiplier; 1 in MobileNet). The forward reads the weight tap-major
+(``[R, S, K]``, rewritten each call by a small kernel), so that a tap's weights are one 16-byte load too, and
+unrolls the taps: it is bound by load instructions more than by DRAM (``configs.depthwise_fwd_config``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.workspace import split_workspace
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
-from tilegemm.ops.conv2d.configs import depthwise_config
+from tilegemm.ops.conv2d.configs import depthwise_config, depthwise_fwd_config
 from tilegemm.ops.conv2d.implicit_gemm import (
     _below_unspecialized,
     _conv_args,
@@ -36,6 +38,21 @@ from tilegemm.jit.helpers import apply_activation  # noqa: E402
 _SIZES = ["H", "W", "P", "Q", "K", "M", "pad_h", "pad_w"]  # not specialized on: see implicit_gemm._SIZES
 
 
+@triton.jit
+def _depthwise_tap(acc, rs, x_rows, x_cols, w_ptr, offs_n, h0, w0, m_ok, n_ok, H, W,
+                   stride_xh, stride_xw, stride_wk, stride_wr, stride_ws, dil_h, dil_w, S: tl.constexpr):
+    """``acc`` plus tap ``rs`` of the filter over the tile's pixels."""
+    r = rs // S
+    s = rs - r * S
+    h = h0 + r * dil_h
+    w = w0 + s * dil_w
+    ok = m_ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)  # [BM] zero padding
+    xv = tl.load(x_rows[:, None] + (h * stride_xh + w * stride_xw)[:, None] + x_cols[None, :],
+                 mask=ok[:, None] & n_ok[None, :], other=0.0)  # [BM, BN]
+    wv = tl.load(w_ptr + offs_n * stride_wk + r * stride_wr + s * stride_ws, mask=n_ok, other=0.0)  # [BN]
+    return acc + xv.to(tl.float32) * wv.to(tl.float32)[None, :]
+
+
 @triton.jit(do_not_specialize=_SIZES)
 def depthwise_fwd_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr,
@@ -47,7 +64,7 @@ def depthwise_fwd_kernel(
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr, DIV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # This program: output pixels [BM] x output channels [BN].
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -65,16 +82,14 @@ def depthwise_fwd_kernel(
     x_cols = (offs_n // MULT) * stride_xc  # [BN] the input channel of each output channel
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for rs in range(0, R * S):
-        r = rs // S
-        s = rs - r * S
-        h = h0 + r * dil_h
-        w = w0 + s * dil_w
-        ok = m_ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)  # [BM] zero padding
-        xv = tl.load(x_rows[:, None] + (h * stride_xh + w * stride_xw)[:, None] + x_cols[None, :],
-                     mask=ok[:, None] & n_ok[None, :], other=0.0)  # [BM, BN]
-        wv = tl.load(w_ptr + offs_n * stride_wk + r * stride_wr + s * stride_ws, mask=n_ok, other=0.0)  # [BN]
-        acc += xv.to(tl.float32) * wv.to(tl.float32)[None, :]
+    if UNROLL:
+        for rs in tl.static_range(0, R * S):
+            acc = _depthwise_tap(acc, rs, x_rows, x_cols, w_ptr, offs_n, h0, w0, m_ok, n_ok, H, W,
+                                 stride_xh, stride_xw, stride_wk, stride_wr, stride_ws, dil_h, dil_w, S)
+    else:
+        for rs in range(0, R * S):
+            acc = _depthwise_tap(acc, rs, x_rows, x_cols, w_ptr, offs_n, h0, w0, m_ok, n_ok, H, W,
+                                 stride_xh, stride_xw, stride_wk, stride_wr, stride_ws, dil_h, dil_w, S)
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -82,6 +97,20 @@ def depthwise_fwd_kernel(
     out_rows = n * stride_on + p * stride_op + q * stride_oq
     tl.store(out_ptr + out_rows[:, None] + (offs_n * stride_ok)[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def depthwise_weight_kernel(w_ptr, out_ptr, total, K, S, stride_wk, stride_wr, stride_ws, BLOCK: tl.constexpr):
+    """``out[(r*S + s)*K + k] = w[k, 0, r, s]``: a ``[K, 1, R, S]`` weight as row-major ``[R, S, K]``, where one
+    tap's weights are consecutive (the forward loads them 16 bytes at a time; in ``[K, R, S]`` order the
+    channels of a tap lie R*S elements apart and each is its own 2-byte load)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    k = i % K
+    rs = i // K
+    r = rs // S
+    s = rs - r * S
+    ok = i < total
+    tl.store(out_ptr + i, tl.load(w_ptr + k * stride_wk + r * stride_wr + s * stride_ws, mask=ok), mask=ok)
 
 
 @triton.jit(do_not_specialize=["H", "W", "P", "Q", "C", "M", "pad_h", "pad_w"])
@@ -197,7 +226,12 @@ def _w_strides(w: torch.Tensor) -> tuple:
 
 
 def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
-    """Forward; the output in ``p.out_format``."""
+    """Forward; the output in ``p.out_format``. Two launches: the weight rearranged tap-major
+    (:func:`depthwise_weight_kernel`, into a per-stream workspace: a replay writes it again, so a weight
+    updated in place is read afresh), then the convolution."""
+    from tilegemm.core.launch import sequence_lock
+    from tilegemm.core.workspace import buffer
+
     g = p.geo
     if not g.is_depthwise:
         from tilegemm.core.registry import NotApplicable
@@ -206,16 +240,23 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
                             f"C={g.C}, groups={g.groups}")
     x = _nhwc(p.x)
     out = allocate_out(p)
-    cfg = dict(config or depthwise_config(g, p.dtype))
+    cfg = dict(config or depthwise_fwd_config(g, p.dtype))
     M = g.N * g.P * g.Q
+    taps = g.R * g.S * g.K
     bias = p.bias if p.bias is not None else out
-    args = (x, p.weight, out, bias, g.H, g.W, g.P, g.Q, g.K, M, g.K // g.C, *_nhwc_strides(x), *_w_strides(p.weight),
-            out.stride(0), out.stride(2), out.stride(3), out.stride(1),
-            p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
     flags = dict(R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, INDEX_64=p.index_64,
                  DIV=_divisor(g.K))
-    grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.K, cfg["BLOCK_N"]))
-    launch(depthwise_fwd_kernel, grid, args, {**flags, **cfg})
+    stream = current_stream() if x.is_cuda else None
+    with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
+        wt = buffer(x.device, p.weight.dtype, taps, "conv2d-depthwise-weight")
+        launch(depthwise_weight_kernel, (cdiv(taps, 1024),),
+               (p.weight, wt, taps, g.K, g.S, *_w_strides(p.weight)), dict(BLOCK=1024, num_warps=4),
+               keep=(wt,), stream=stream)
+        args = (x, wt, out, bias, g.H, g.W, g.P, g.Q, g.K, M, g.K // g.C, *_nhwc_strides(x), 1, g.S * g.K, g.K,
+                out.stride(0), out.stride(2), out.stride(3), out.stride(1),
+                p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
+        grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.K, cfg["BLOCK_N"]))
+        launch(depthwise_fwd_kernel, grid, args, {**flags, **cfg}, keep=(wt,), stream=stream)
     return out
 
 
