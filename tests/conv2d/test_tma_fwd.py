@@ -54,15 +54,35 @@ def test_cost_model_prefers_big_tiles_when_they_fill_the_gpu_and_small_ones_when
     assert (small["BI"] * small["BH"] * small["BW"], small["BLOCK_N"]) == (64, 64)
     # a 1x1 with few tiles and a long reduction is left to the GEMM (split-K fills the GPU)
     assert pointwise_as_gemm(_geo(32, 2048, 7, 512, 1, 1, 0), 132)
-    assert not pointwise_as_gemm(_geo(32, 64, 56, 256, 1, 1, 0), 132)
-    # stride-1 1x1 layers over few pixels (14x14 at batch 32) go to the GEMM too; not at 28x28, nor strided
+    # stride-1 1x1 layers over few pixels (14x14 at batch 32) go to the GEMM too; strided ones not
     assert pointwise_as_gemm(_geo(32, 256, 14, 1024, 1, 1, 0), 132)
-    assert not pointwise_as_gemm(_geo(32, 512, 28, 256, 1, 1, 0), 132)
     assert not pointwise_as_gemm(_geo(32, 512, 28, 1024, 1, 2, 0), 132)
     # channels not a multiple of 64 stepped more than twice go to the GEMM; one narrow step or 64-wide steps not
     assert pointwise_as_gemm(_geo(64, 144, 56, 24, 1, 1, 0), 132)
     assert not pointwise_as_gemm(_geo(64, 32, 112, 16, 1, 1, 0), 132)
     assert not pointwise_as_gemm(_geo(64, 192, 28, 32, 1, 1, 0), 132)
+    # over many pixels with 96 output channels or more and 2.5 waves of 128x128 tiles: gluon_f16's GEMM
+    assert pointwise_as_gemm(_geo(32, 64, 56, 256, 1, 1, 0), 132)
+    assert pointwise_as_gemm(_geo(32, 512, 28, 256, 1, 1, 0), 132)
+    assert not pointwise_as_gemm(_geo(32, 512, 28, 128, 1, 1, 0), 132)  # 196 tiles: the TMA kernel
+
+
+def test_wide_1x1_layers_over_many_pixels_take_gluon_f16_with_a_tile_that_fills_the_last_round():
+    from tilegemm.ops.conv2d.configs import pointwise_gluon_config
+
+    def tile(*geo, sms=132):
+        cfg = pointwise_gluon_config(_geo(*geo), sms)
+        return None if cfg is None else (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"])
+
+    assert tile(32, 64, 56, 256, 1, 1, 0) == (256, 128, 3)  # 784 wide tiles: the rounds full
+    assert tile(64, 16, 112, 96, 1, 1, 0) == (256, 128, 3)  # one K step: 256 rows a tile whatever the rounds
+    # 512 -> 256 at 28x28: 196 wide tiles for 132 SMs leave most of the second round idle; 392 narrow ones not
+    assert tile(32, 512, 28, 256, 1, 1, 0) == (128, 128, 6)
+    assert tile(32, 512, 28, 256, 1, 1, 0, sms=98) == (256, 128, 3)  # with 98 SMs: two full rounds
+    assert tile(32, 256, 56, 64, 1, 1, 0) is None  # 64 output channels
+    assert tile(32, 1024, 14, 512, 1, 1, 0) is None  # 6272 pixels
+    assert tile(32, 512, 28, 256, 1, 2, 0) is None  # strided
+    assert tile(32, 64, 56, 256, 3, 1, 1) is None  # not a 1x1
 
 
 def test_auto_takes_the_tma_kernel_where_it_can():
@@ -343,6 +363,32 @@ def test_gpu_stem_with_an_nchw_input_takes_the_window_route(dtype):
         out = tilegemm.conv2d(xn, w, b, stride=2, padding=3, kernel=kernel)
         assert out.is_contiguous()
         assert_rel_close(out, conv2d_reference(xn, w, b, stride=2, padding=3), tolerance(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias,act", [(False, "none"), (True, "relu")])
+def test_gpu_wide_1x1_through_gluon_f16(dtype, bias, act, monkeypatch):
+    from tilegemm.core.hardware import sm_count
+    from tilegemm.ops.conv2d import replay
+    from tilegemm.ops.conv2d.configs import pointwise_gluon_config
+    from tilegemm.ops.conv2d.problem import geometry_of
+    from tilegemm.ops.matmul import gluon_f16
+
+    launched = []
+    real = gluon_f16.launch_args
+    monkeypatch.setattr(gluon_f16, "launch_args", lambda *a, **k: launched.append(a[1]) or real(*a, **k))
+    replay.clear()
+
+    # 4 x 96 x 96 pixels, 24 -> 144 channels (neither a multiple of 64; K one padded step): the gluon route
+    x, w, b = _inputs(dtype, 4, 24, 96, 96, 144, 1, 1, bias=bias)
+    g = geometry_of(x.shape, w.shape, (1, 1), (0,) * 4, (1, 1), 1)
+    assert pointwise_gluon_config(g, sm_count(x.device)) is not None
+    out = tilegemm.conv2d(x, w, b, activation=act)
+    assert launched and launched[0]["GLUON_F16"]
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    ref = conv2d_reference(x, w, b)
+    assert_rel_close(out, ref.relu() if act == "relu" else ref, tolerance(dtype))
 
 
 @pytest.mark.gpu

@@ -236,11 +236,45 @@ def tma_stem_config(g: Geometry, sms: int) -> dict:
 GEMM_1X1_PIXELS = 16384
 
 
+# Stride-1 1x1 layers over more pixels, with at least 96 output channels and 2.5 waves of 128x128 output
+# tiles, run as GEMMs through gluon_f16 (persistent, warp-specialized: the epilogue's TMA stores of one tile
+# overlap the next tile's loads and MMAs; the TMA convolution kernel stores through registers after its last
+# MMA, and these layers are output-bound). H200, CUDA graphs, research/explore_pointwise_narrow.py
+# (2026-11-25-h200/cec87aa/pointwise.json), gluon_f16 against the route before: ResNet-50 (batch 32)
+# 64 -> 256 at 56x56 19.4 us against 27.9 (cuDNN 24.3), 256 -> 128 22.6 / 26.4, 128 -> 512 at 28x28 10.5 /
+# 14.9, 512 -> 256 13.0 / 16.5; MobileNetV2 (batch 64) 16 -> 96 at 112x112 73.2 / 80.6, 24 -> 144 at 56x56
+# 42.7 / 53.1, 32 -> 192 at 28x28 9.6 / 12.0. It lost or tied with fewer tiles (512 -> 128 at 28x28: 9.6
+# against 8.7; 512 -> 2048 at 7x7: 9.3 / 8.7), with at most 64 output channels (256 -> 64 at 56x56: 20.5 /
+# 19.9; 144 -> 24: 28.7 / 23.0) and at 14x14 and below. Its 256x128 tile ran best but where its tiles fill
+# the SMs' last round poorly (512 -> 256 at 28x28: 196 tiles for 132 SMs, 16.7 us against 13.0 for 128x128
+# on six ring slots); 128x128 lost where K is a single step (16 -> 96: 101 us against 73).
+GLUON_1X1_MIN_CHANNELS = 96
+
+
+def pointwise_gluon_config(g: Geometry, sms: int) -> dict | None:
+    """The gluon_f16 config a stride-1 1x1 layer runs as a GEMM with (see above), or None where it does not."""
+    if not g.is_pointwise or g.K < GLUON_1X1_MIN_CHANNELS:
+        return None
+    m = g.N * g.P * g.Q
+    if m <= GEMM_1X1_PIXELS or 2 * (-(-m // 128) * -(-g.K // 128)) < 5 * sms:
+        return None
+    from tilegemm.ops.matmul import gluon_f16
+
+    wide = -(-m // 256) * -(-g.K // 128)
+    filled = wide / (-(-wide // sms) * sms)  # the share of the last round's SMs the 256x128 tiles keep busy
+    bm, stages = (256, 3) if g.C <= 64 or filled >= 0.85 else (128, 6)
+    return next(c for c in gluon_f16.configs()
+                if (c["BLOCK_M"], c["BLOCK_N"], c["STAGES"], c["SHARED_OUT"]) == (bm, 128, stages, False))
+
+
 def pointwise_as_gemm(g: Geometry, sms: int) -> bool:
     """True when a 1x1 convolution does better as a GEMM than through the TMA kernel (see above): stride 1 over
-    at most :data:`GEMM_1X1_PIXELS` output pixels or with more than two channel steps narrower than 64; or (any
-    stride) when the TMA kernel's chosen tiles leave SMs idle over a long reduction (32 steps or more), where
-    the GEMM's split-K fills the GPU (ResNet-50's 2048 -> 512 at 7x7)."""
+    at most :data:`GEMM_1X1_PIXELS` output pixels or with more than two channel steps narrower than 64, or
+    where :func:`pointwise_gluon_config` gives a config; or (any stride) when the TMA kernel's chosen tiles
+    leave SMs idle over a long reduction (32 steps or more), where the GEMM's split-K fills the GPU (ResNet-50's
+    2048 -> 512 at 7x7)."""
+    if pointwise_gluon_config(g, sms) is not None:
+        return True
     if g.is_pointwise:
         bk = 64 if g.Cg % 64 == 0 else 32 if g.Cg % 32 == 0 else 16
         if g.N * g.P * g.Q <= GEMM_1X1_PIXELS or (bk < 64 and g.Cg // bk > 2):
