@@ -392,6 +392,28 @@ def test_gpu_wide_1x1_through_gluon_f16(dtype, bias, act, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_wide_1x1_data_gradient_through_gluon_f16(dtype, monkeypatch):
+    # 144 -> 24 channels forward: its data gradient is the 24 -> 144 GEMM over 36864 pixels, gluon_f16's class
+    from tilegemm.ops.conv2d import replay
+    from tilegemm.ops.matmul import gluon_f16
+
+    launched = []
+    real = gluon_f16.launch_args
+    monkeypatch.setattr(gluon_f16, "launch_args", lambda *a, **k: launched.append(a[1]) or real(*a, **k))
+    replay.clear()
+    x, w, _ = _inputs(dtype, 4, 144, 96, 96, 24, 1, 1, bias=False)
+    x.requires_grad_()
+    dy = torch.randn(4, 24, 96, 96, device="cuda").to(dtype).contiguous(memory_format=CL)
+    tilegemm.conv2d(x, w).backward(dy)
+    assert launched and launched[-1]["GLUON_F16"]
+    xr = x.detach().double().requires_grad_()
+    torch.nn.functional.conv2d(xr, w.double()).backward(dy.double())
+    assert x.grad.is_contiguous(memory_format=CL)
+    assert_rel_close(x.grad, xr.grad, tolerance(dtype))
+
+
+@pytest.mark.gpu
 def test_gpu_auto_routes_and_declines_with_reasons():
     x, w, _ = _inputs(torch.float16, 2, 24, 8, 8, 16, 3, 3, bias=False)  # C=24: not a multiple of 16
     from tilegemm.core.registry import NotApplicable

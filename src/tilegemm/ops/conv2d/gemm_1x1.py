@@ -72,20 +72,21 @@ def subsampled(x: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor]:
     return xs, buf
 
 
-def _gluon(p: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """``a @ b`` (the layer as a GEMM) through gluon_f16 with the config
-    :func:`tilegemm.ops.conv2d.configs.pointwise_gluon_config` gives, or None where that rule or the kernel does
-    not take the call (then :func:`tilegemm.matmul` runs it)."""
+def gluon_1x1(a: torch.Tensor, b: torch.Tensor, g, bias=None, activation: str = "none") -> torch.Tensor | None:
+    """``a @ b`` (``[M, C] @ [C, K]``: 1x1 layer ``g`` as a GEMM, or its data gradient's) through gluon_f16 with
+    the config :func:`tilegemm.ops.conv2d.configs.pointwise_gluon_config` gives for ``g``, a new 16-bit
+    ``[M, K]`` output; or None where that rule or the kernel does not take the call (then
+    :func:`tilegemm.matmul` runs it)."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.runtime import interpreting, new_output
     from tilegemm.ops.conv2d.configs import pointwise_gluon_config
 
-    if interpreting() or not a.is_cuda or p.out_dtype != a.dtype or a.dtype not in (torch.float16, torch.bfloat16):
+    if interpreting() or not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype:
         return None
-    if p.bias is not None and (p.bias.dtype != a.dtype or p.bias.stride(0) != 1):
+    if bias is not None and (bias.dtype != a.dtype or bias.stride(0) != 1):
         return None
     sms = sm_count(a.device)
-    cfg = pointwise_gluon_config(p.geo, sms)
+    cfg = pointwise_gluon_config(g, sms)
     if cfg is None:
         return None
     from tilegemm.core.launch import launch
@@ -96,7 +97,7 @@ def _gluon(p: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | N
     if gluon_requires() is not None:
         return None
     out = new_output((a.shape[0], b.shape[1]), a.dtype, a.device)
-    (gp,) = make_problems(a, b, out, None, p.bias, 1.0, 0.0, p.activation, "ieee", False)
+    (gp,) = make_problems(a, b, out, None, bias, 1.0, 0.0, activation, "ieee", False)
     if describable(gp) or gluon_f16.usable(gp):
         return None
     ensure_allocator()
@@ -126,7 +127,7 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
         out = out.view(g.N, g.P, g.Q, g.K).permute(0, 3, 1, 2)  # [N, K, P, Q], channels-last
     elif p.out_format == torch.channels_last or channels_last(p.x):
         x2d = p.x.permute(0, 2, 3, 1).reshape(g.N * g.H * g.W, g.C)  # [NHW, C], a view when channels-last
-        out = _gluon(p, x2d, w2d.t())
+        out = gluon_1x1(x2d, w2d.t(), g, p.bias, p.activation) if p.out_dtype == p.x.dtype else None
         if out is None:
             out = matmul(x2d, w2d.t(), bias=p.bias, activation=act, out_dtype=p.out_dtype, precision=p.precision)
         out = out.view(g.N, g.H, g.W, g.K).permute(0, 3, 1, 2)  # [N, K, H, W], channels-last
