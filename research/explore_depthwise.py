@@ -6,7 +6,8 @@ CUDA graphs (GPU time alone: the variants launched from Python here cost more ho
 time): cuDNN channels-last, ``tilegemm.conv2d`` (``auto``), and ``depthwise_fwd_kernel`` with the taps in a
 loop over the ``[K, 1, R, S]`` weight (the kernel before tap-major weights), then unrolled over that weight
 ("KRS") and over the tap-major ``[R, S, K]`` weight ("RSK") for 64/128/256 pixels x 32/64 channels x 4/8
-warps. Every variant is checked against cuDNN in fp32 first; a wrong or failing one is recorded, never
+warps; and ``research/depthwise_cols.py`` (each loaded input column reused across the horizontal taps:
+2 or 4 output columns a group, 16-64 groups x 32/64 channels). Every variant is checked against cuDNN in fp32 first; a wrong or failing one is recorded, never
 ranked. Prints each layer's best per weight layout with its DRAM rate (input + output bytes over the time);
 writes ``--out`` after every layer.
 
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; layers after it are skipped")
     args = ap.parse_args()
 
+    import depthwise_cols
     import tilegemm
     import torch
     import torch.nn.functional as F
@@ -113,13 +115,23 @@ def main() -> None:
                         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=2, UNROLL=True)
                         row["pixel"].append(dict(config=dict(cfg, weight=wname),
                                                  **timed(lambda cfg=cfg, wv=wv: pixel(cfg, wv))))
+        row["cols"] = []
+        rsk = wt.permute(2, 3, 0, 1)  # [R, S, C, 1], contiguous
+        for cols in (2, 4):
+            for bm in (16, 32, 64):
+                for bn in (32, 64):
+                    if bm * cols > 128:
+                        continue
+                    cfg = dict(BLOCK_M=bm, COLS=cols, BLOCK_N=bn, num_warps=4)
+                    row["cols"].append(dict(config=dict(cfg, weight="RSK"),
+                                            **timed(lambda cfg=cfg: depthwise_cols.run(x, w, g, cfg, tap_major=rsk))))
         results.append(row)
         base = row["variants"]["cuDNN"].get("us")
         print(f"== {name} ({moved / 1e6:.1f} MB), shipped {row['shipped']}")
         for label, v in row["variants"].items():
             print(f"  {label:10s} " + (f"{v['us']:8.1f} us {base / v['us']:5.2f}x {moved / v['us'] / 1e6:5.2f} TB/s"
                                        if "us" in v else v["error"]))
-        for kind in ("pixel",):
+        for kind in ("pixel", "cols"):
             ok = sorted((c for c in row[kind] if "us" in c), key=lambda c: c["us"])
             picks = [row[kind][0]] if kind == "pixel" else []
             for wname in ("KRS", "RSK"):
