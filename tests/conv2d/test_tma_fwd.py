@@ -7,6 +7,8 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import tilegemm
@@ -83,6 +85,29 @@ def test_wide_1x1_layers_over_many_pixels_take_gluon_f16_with_a_tile_that_fills_
     assert tile(32, 1024, 14, 512, 1, 1, 0) is None  # 6272 pixels
     assert tile(32, 512, 28, 256, 1, 2, 0) is None  # strided
     assert tile(32, 64, 56, 256, 3, 1, 1) is None  # not a 1x1
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 128), c=st.integers(1, 2048), hw=st.integers(1, 128), k=st.integers(1, 2048),
+       sms=st.sampled_from([78, 114, 132, 144]))
+def test_the_gluon_1x1_rule_gives_a_shipped_config_only_where_its_conditions_hold(n, c, hw, k, sms):
+    from tilegemm.ops.conv2d.configs import GEMM_1X1_PIXELS, GLUON_1X1_MIN_CHANNELS, pointwise_gluon_config
+    from tilegemm.ops.matmul import gluon_f16
+
+    g = _geo(n, c, hw, k, 1, 1, 0)
+    cfg = pointwise_gluon_config(g, sms)
+    pixels = n * hw * hw
+    waves = -(-pixels // 128) * -(-k // 128) / sms
+    if k < GLUON_1X1_MIN_CHANNELS or pixels <= GEMM_1X1_PIXELS or waves < 2.5:
+        assert cfg is None
+        return
+    assert cfg in gluon_f16.configs() and cfg["BLOCK_N"] == 128
+    assert pointwise_as_gemm(g, sms)  # auto sends it to gemm_1x1
+    if cfg["BLOCK_M"] == 128:  # the narrow tile only over more than one K step, when it fills the last round better
+        wide = -(-pixels // 256) * -(-k // 128)
+        assert c > 64 and wide / (-(-wide // sms) * sms) < 0.85
+    assert pointwise_gluon_config(_geo(n, c, hw, k, 3, 1, 1), sms) is None  # a 3x3: never
+    assert pointwise_gluon_config(_geo(n, c, hw, k, 1, 2, 0), sms) is None  # strided: never
 
 
 def test_auto_takes_the_tma_kernel_where_it_can():
