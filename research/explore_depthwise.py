@@ -49,10 +49,10 @@ def main() -> None:
     args = ap.parse_args()
 
     import depthwise_cols
+    from graph_timing import checked_graph_us, print_variants
     import tilegemm
     import torch
     import torch.nn.functional as F
-    import triton.testing as tt
     from tilegemm.core.hardware import machine_info
     from tilegemm.core.launch import launch
     from tilegemm.core.runtime import cdiv
@@ -80,15 +80,7 @@ def main() -> None:
         row = dict(layer=name, dims=LAYERS[name], bytes=moved, variants={}, pixel=[])
 
         def timed(fn):
-            try:
-                out = fn()
-                torch.cuda.synchronize()
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                if not err < 2e-3:
-                    return dict(error=f"rel err {err:.2e}")
-                return dict(us=tt.do_bench_cudagraph(fn, rep=30) * 1e3)
-            except Exception as e:  # noqa: BLE001 - exploration: record and go on
-                return dict(error=str(e)[:200])
+            return checked_graph_us(fn, ref)
 
         row["variants"]["cuDNN"] = timed(lambda: F.conv2d(x, w, None, s, pad, d, C))
         row["variants"]["auto"] = timed(lambda: tilegemm.conv2d(x, w, None, s, pad, d, C))
@@ -128,9 +120,7 @@ def main() -> None:
         results.append(row)
         base = row["variants"]["cuDNN"].get("us")
         print(f"== {name} ({moved / 1e6:.1f} MB), shipped {row['shipped']}")
-        for label, v in row["variants"].items():
-            print(f"  {label:10s} " + (f"{v['us']:8.1f} us {base / v['us']:5.2f}x {moved / v['us'] / 1e6:5.2f} TB/s"
-                                       if "us" in v else v["error"]))
+        print_variants(row["variants"], moved)
         for kind in ("pixel", "cols"):
             ok = sorted((c for c in row[kind] if "us" in c), key=lambda c: c["us"])
             picks = [row[kind][0]] if kind == "pixel" else []

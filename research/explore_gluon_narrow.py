@@ -124,7 +124,7 @@ def main() -> None:
     import tilegemm
     import torch
     import torch.nn.functional as F
-    import triton.testing as tt
+    from graph_timing import checked_graph_us, pointwise_case, print_variants
     from tilegemm.core.hardware import machine_info, sm_count
     from tilegemm.core.launch import launch
     from tilegemm.ops.matmul.persistent_tma import ensure_allocator
@@ -132,29 +132,13 @@ def main() -> None:
 
     torch.backends.cudnn.benchmark = True
     ensure_allocator()
-    cl = torch.channels_last
     sms = sm_count(torch.device("cuda"))
     results = []
     for name, (N, C, H, K) in layers.items():
-        x = torch.randn(N, C, H, H, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
-        w = (torch.randn(K, C, 1, 1, device="cuda") / C**0.5).half().contiguous(memory_format=cl)
-        ref = F.conv2d(x.float(), w.float())
-        moved = (x.numel() + ref.numel()) * 2
-        x2d = x.permute(0, 2, 3, 1).reshape(-1, C)
-        w2d = w.reshape(K, C).t()
-        ref2d = ref.permute(0, 2, 3, 1).reshape(-1, K)
+        x, w, ref, moved, x2d, w2d, ref2d = pointwise_case(N, C, H, K)
         row = dict(layer=name, dims=[N, C, H, K], bytes=moved, variants={}, gluon=[])
 
-        def timed(fn, want):
-            try:
-                out = fn()
-                torch.cuda.synchronize()
-                err = ((out.float() - want).norm() / want.norm()).item()
-                if not err < 2e-3:
-                    return dict(error=f"rel err {err:.2e}")
-                return dict(us=tt.do_bench_cudagraph(fn, rep=30) * 1e3)
-            except Exception as e:  # noqa: BLE001 - exploration: record and go on
-                return dict(error=f"{type(e).__name__}: {str(e)[:160]}")
+        timed = checked_graph_us
 
         row["variants"]["cuDNN"] = timed(lambda: F.conv2d(x, w), ref)
         row["variants"]["auto"] = timed(lambda: tilegemm.conv2d(x, w), ref)
@@ -170,8 +154,7 @@ def main() -> None:
         results.append(row)
         base = row["variants"]["cuDNN"].get("us")
         print(f"== {name} ({moved / 1e6:.1f} MB)")
-        for label, v in row["variants"].items():
-            print(f"  {label:8s} " + (f"{v['us']:8.1f} us {base / v['us']:5.2f}x" if "us" in v else v["error"]))
+        print_variants(row["variants"], moved, width=8)
         ok = sorted((c for c in row["gluon"] if "us" in c), key=lambda c: c["us"])
         for c in ok[:5]:
             cf = c["config"]

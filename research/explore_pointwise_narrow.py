@@ -41,11 +41,10 @@ def main() -> None:
     import tilegemm
     import torch
     import torch.nn.functional as F
-    import triton.testing as tt
+    from graph_timing import checked_graph_us, pointwise_case, print_variants
     from tilegemm.core.hardware import machine_info
 
     torch.backends.cudnn.benchmark = True
-    cl = torch.channels_last
     results = []
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import launch
@@ -55,25 +54,10 @@ def main() -> None:
     sms = sm_count(torch.device("cuda"))
     for name in (args.layers.split(",") if args.layers else LAYERS):
         N, C, H, K = LAYERS[name]
-        x = torch.randn(N, C, H, H, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
-        w = (torch.randn(K, C, 1, 1, device="cuda") / C**0.5).half().contiguous(memory_format=cl)
-        ref = F.conv2d(x.float(), w.float())
-        moved = (x.numel() + ref.numel()) * 2
-        x2d = x.permute(0, 2, 3, 1).reshape(-1, C)
-        w2d = w.reshape(K, C).t()
-        ref2d = ref.permute(0, 2, 3, 1).reshape(-1, K)
+        x, w, ref, moved, x2d, w2d, ref2d = pointwise_case(N, C, H, K)
         row = dict(layer=name, dims=LAYERS[name], bytes=moved, variants={})
 
-        def timed(fn, want):
-            try:
-                out = fn()
-                torch.cuda.synchronize()
-                err = ((out.float() - want).norm() / want.norm()).item()
-                if not err < 2e-3:
-                    return dict(error=f"rel err {err:.2e}")
-                return dict(us=tt.do_bench_cudagraph(fn, rep=30) * 1e3)
-            except Exception as e:  # noqa: BLE001 - exploration: record and go on
-                return dict(error=f"{type(e).__name__}: {str(e)[:160]}")
+        timed = checked_graph_us
 
         row["variants"]["cuDNN"] = timed(lambda: F.conv2d(x, w), ref)
         for kernel in ("auto", "tma_implicit_gemm", "gemm_1x1"):
@@ -91,11 +75,8 @@ def main() -> None:
             label = "gluon {BLOCK_M}x{BLOCK_N} s{STAGES}{o}".format(o=" shared" if cfg["SHARED_OUT"] else "", **cfg)
             row["variants"][label] = timed(gluon, ref2d)
         results.append(row)
-        base = row["variants"]["cuDNN"].get("us")
         print(f"== {name} ({moved / 1e6:.1f} MB)")
-        for label, v in row["variants"].items():
-            print(f"  {label:26s} " + (f"{v['us']:8.1f} us {base / v['us']:5.2f}x {moved / v['us'] / 1e6:5.2f} TB/s"
-                                       if "us" in v else v["error"]))
+        print_variants(row["variants"], moved, width=26)
         with open(args.out, "w") as f:
             json.dump(dict(machine=machine_info().to_dict(), rows=results), f, indent=1)
 
