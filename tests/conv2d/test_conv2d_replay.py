@@ -154,13 +154,14 @@ def test_depthwise_replays_read_the_weight_as_it_is_now():
     replay.clear()
     w = (torch.randn(48, 1, 3, 3, device="cuda") / 3).half()
     x = torch.randn(2, 48, 15, 13, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
-    big_w = torch.randn(960, 1, 5, 5, device="cuda", dtype=torch.float16)
-    big_x = torch.randn(1, 960, 9, 9, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+    # 2048 channels x 7 x 7 taps: more than the workspace's first 65536 elements, so it is replaced
+    big_w = torch.randn(2048, 1, 7, 7, device="cuda", dtype=torch.float16)
+    big_x = torch.randn(1, 2048, 9, 9, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
     for trial in range(4):
         out = tilegemm.conv2d(x, w, padding=1, groups=48)
         assert_rel_close(out, F.conv2d(x.double(), w.double(), padding=1, groups=48), 4e-3)
         w.mul_(-1.5)
         if trial == 1:
-            big = tilegemm.conv2d(big_x, big_w, padding=2, groups=960)
-            assert_rel_close(big, F.conv2d(big_x.double(), big_w.double(), padding=2, groups=960), 4e-3)
+            big = tilegemm.conv2d(big_x, big_w, padding=3, groups=2048)
+            assert_rel_close(big, F.conv2d(big_x.double(), big_w.double(), padding=3, groups=2048), 4e-3)
     assert replay.count() >= 1

@@ -70,11 +70,11 @@ def test_cost_model_prefers_big_tiles_when_they_fill_the_gpu_and_small_ones_when
 
 
 def test_wide_1x1_layers_over_many_pixels_take_gluon_f16_with_a_tile_that_fills_the_last_round():
-    from tilegemm.ops.conv2d.configs import pointwise_gluon_config
+    from tilegemm.ops.conv2d.configs import pointwise_gluon_tile
+    from tilegemm.ops.conv2d.gemm_1x1 import gluon_config
 
     def tile(*geo, sms=132):
-        cfg = pointwise_gluon_config(_geo(*geo), sms)
-        return None if cfg is None else (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"])
+        return pointwise_gluon_tile(_geo(*geo), sms)
 
     assert tile(32, 64, 56, 256, 1, 1, 0) == (256, 128, 3)  # 784 wide tiles: the rounds full
     assert tile(64, 16, 112, 96, 1, 1, 0) == (256, 128, 3)  # one K step: 256 rows a tile whatever the rounds
@@ -85,29 +85,36 @@ def test_wide_1x1_layers_over_many_pixels_take_gluon_f16_with_a_tile_that_fills_
     assert tile(32, 1024, 14, 512, 1, 1, 0) is None  # 6272 pixels
     assert tile(32, 512, 28, 256, 1, 2, 0) is None  # strided
     assert tile(32, 64, 56, 256, 3, 1, 1) is None  # not a 1x1
+    assert tile(32, 64, 56, 260, 1, 1, 0) is None and tile(32, 60, 56, 256, 1, 1, 0) is None  # rows TMA can't step
+    for t in ((256, 128, 3), (128, 128, 6)):  # shipped gluon_f16 configs, output buffer unshared
+        cfg = gluon_config(t)
+        assert cfg["GLUON_F16"] and (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"], cfg["SHARED_OUT"]) == (*t, False)
+    # auto leaves such a layer to the TMA kernel when the call's tensors do not let gluon_f16 run it
+    assert pointwise_as_gemm(_geo(32, 64, 56, 256, 1, 1, 0), 132, gluon=True)
+    assert not pointwise_as_gemm(_geo(32, 64, 56, 256, 1, 1, 0), 132, gluon=False)
 
 
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 128), c=st.integers(1, 2048), hw=st.integers(1, 128), k=st.integers(1, 2048),
        sms=st.sampled_from([78, 114, 132, 144]))
 def test_the_gluon_1x1_rule_gives_a_shipped_config_only_where_its_conditions_hold(n, c, hw, k, sms):
-    from tilegemm.ops.conv2d.configs import GEMM_1X1_PIXELS, GLUON_1X1_MIN_CHANNELS, pointwise_gluon_config
-    from tilegemm.ops.matmul import gluon_f16
+    from tilegemm.ops.conv2d.configs import GEMM_1X1_PIXELS, GLUON_1X1_MIN_CHANNELS, pointwise_gluon_tile
+    from tilegemm.ops.conv2d.gemm_1x1 import gluon_config
 
     g = _geo(n, c, hw, k, 1, 1, 0)
-    cfg = pointwise_gluon_config(g, sms)
+    tile = pointwise_gluon_tile(g, sms)
     pixels = n * hw * hw
     waves = -(-pixels // 128) * -(-k // 128) / sms
-    if k < GLUON_1X1_MIN_CHANNELS or pixels <= GEMM_1X1_PIXELS or waves < 2.5:
-        assert cfg is None
+    if k < GLUON_1X1_MIN_CHANNELS or pixels <= GEMM_1X1_PIXELS or waves < 2.5 or c % 8 or k % 8:
+        assert tile is None
         return
-    assert cfg in gluon_f16.configs() and cfg["BLOCK_N"] == 128
+    assert gluon_config(tile)["BLOCK_N"] == 128  # one of gluon_f16's shipped configs
     assert pointwise_as_gemm(g, sms)  # auto sends it to gemm_1x1
-    if cfg["BLOCK_M"] == 128:  # the narrow tile only over more than one K step, when it fills the last round better
+    if tile[0] == 128:  # the narrow tile only over more than one K step, when it fills the last round better
         wide = -(-pixels // 256) * -(-k // 128)
         assert c > 64 and wide / (-(-wide // sms) * sms) < 0.85
-    assert pointwise_gluon_config(_geo(n, c, hw, k, 3, 1, 1), sms) is None  # a 3x3: never
-    assert pointwise_gluon_config(_geo(n, c, hw, k, 1, 2, 0), sms) is None  # strided: never
+    assert pointwise_gluon_tile(_geo(n, c, hw, k, 3, 1, 1), sms) is None  # a 3x3: never
+    assert pointwise_gluon_tile(_geo(n, c, hw, k, 1, 2, 0), sms) is None  # strided: never
 
 
 def test_auto_takes_the_tma_kernel_where_it_can():
@@ -396,7 +403,8 @@ def test_gpu_stem_with_an_nchw_input_takes_the_window_route(dtype):
 def test_gpu_wide_1x1_through_gluon_f16(dtype, bias, act, monkeypatch):
     from tilegemm.core.hardware import sm_count
     from tilegemm.ops.conv2d import replay
-    from tilegemm.ops.conv2d.configs import pointwise_gluon_config
+    from tilegemm.ops.conv2d.configs import pointwise_gluon_tile
+    from tilegemm.ops.conv2d.gemm_1x1 import gluon_config
     from tilegemm.ops.conv2d.problem import geometry_of
     from tilegemm.ops.matmul import gluon_f16
 
@@ -404,16 +412,39 @@ def test_gpu_wide_1x1_through_gluon_f16(dtype, bias, act, monkeypatch):
     real = gluon_f16.launch_args
     monkeypatch.setattr(gluon_f16, "launch_args", lambda *a, **k: launched.append(a[1]) or real(*a, **k))
     replay.clear()
-
     # 4 x 96 x 96 pixels, 24 -> 144 channels (neither a multiple of 64; K one padded step): the gluon route
     x, w, b = _inputs(dtype, 4, 24, 96, 96, 144, 1, 1, bias=bias)
     g = geometry_of(x.shape, w.shape, (1, 1), (0,) * 4, (1, 1), 1)
-    assert pointwise_gluon_config(g, sm_count(x.device)) is not None
-    out = tilegemm.conv2d(x, w, b, activation=act)
-    assert launched and launched[0]["GLUON_F16"]
-    assert out.is_contiguous(memory_format=torch.channels_last)
-    ref = conv2d_reference(x, w, b)
-    assert_rel_close(out, ref.relu() if act == "relu" else ref, tolerance(dtype))
+    want = gluon_config(pointwise_gluon_tile(g, sm_count(x.device)))
+    for trial in range(3):  # the first call records, later ones replay over new inputs and a changed weight
+        out = tilegemm.conv2d(x, w, b, activation=act)
+        assert out.is_contiguous(memory_format=torch.channels_last)
+        ref = conv2d_reference(x, w, b)
+        assert_rel_close(out, ref.relu() if act == "relu" else ref, tolerance(dtype))
+        x = torch.randn_like(x)
+        w.mul_(-1.5)
+    assert launched == [want]  # launched once through the Python path, then replayed
+
+
+@pytest.mark.gpu
+def test_gpu_wide_1x1_leaves_gluon_f16_where_the_tensors_do_not_let_it(monkeypatch):
+    # the layer of the test above with an NCHW input, or an fp32 output: the TMA kernel (or the GEMM) as before
+    from tilegemm.ops.conv2d import replay
+    from tilegemm.ops.matmul import gluon_f16
+
+    launched = []
+    real = gluon_f16.launch_args
+    monkeypatch.setattr(gluon_f16, "launch_args", lambda *a, **k: launched.append(a[1]) or real(*a, **k))
+    replay.clear()
+    x, w, _ = _inputs(torch.float16, 4, 24, 96, 96, 144, 1, 1, bias=False)
+    out = tilegemm.conv2d(x.contiguous(), w)
+    assert_rel_close(out, conv2d_reference(x, w), tolerance(torch.float16))
+    from tilegemm.ops.conv2d.op import _conv2d_op
+
+    out = _conv2d_op(x, w, None, [1, 1], [0, 0, 0, 0], [1, 1], 1, "none", "default", "auto", torch.float32)
+    assert out.dtype == torch.float32
+    assert_rel_close(out, conv2d_reference(x, w), tolerance(torch.float16))
+    assert not launched
 
 
 @pytest.mark.gpu
@@ -430,8 +461,16 @@ def test_gpu_wide_1x1_data_gradient_through_gluon_f16(dtype, monkeypatch):
     x, w, _ = _inputs(dtype, 4, 144, 96, 96, 24, 1, 1, bias=False)
     x.requires_grad_()
     dy = torch.randn(4, 24, 96, 96, device="cuda").to(dtype).contiguous(memory_format=CL)
-    tilegemm.conv2d(x, w).backward(dy)
-    assert launched and launched[-1]["GLUON_F16"]
+    out = tilegemm.conv2d(x, w)
+    launched.clear()  # the forward's launches (the GEMM it runs may take gluon_f16's configs too)
+    out.backward(dy)
+    from tilegemm.core.hardware import sm_count
+    from tilegemm.ops.conv2d.configs import pointwise_gluon_tile
+    from tilegemm.ops.conv2d.gemm_1x1 import gluon_config
+    from tilegemm.ops.conv2d.problem import Geometry
+
+    transposed = Geometry(4, 24, 96, 96, 144, 1, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1))
+    assert launched == [gluon_config(pointwise_gluon_tile(transposed, sm_count(x.device)))]
     xr = x.detach().double().requires_grad_()
     torch.nn.functional.conv2d(xr, w.double()).backward(dy.double())
     assert x.grad.is_contiguous(memory_format=CL)

@@ -114,10 +114,10 @@ _DEPTHWISE_UNROLL_TAPS = 49  # up to 7x7 filters unrolled; larger ones loop (com
 
 def depthwise_fwd_config(g: Geometry, dtype: torch.dtype) -> dict:
     """The depthwise forward's tile (see above)."""
+    unroll = g.R * g.S <= _DEPTHWISE_UNROLL_TAPS  # the interpreter too: the suite runs both forms
     if interpreting():
-        return dict(BLOCK_M=32, BLOCK_N=16, UNROLL=False, num_warps=4, num_stages=1)
-    return dict(BLOCK_M=64, BLOCK_N=_pow2_at_least(g.K, 16, 32), UNROLL=g.R * g.S <= _DEPTHWISE_UNROLL_TAPS,
-                num_warps=4, num_stages=2)
+        return dict(BLOCK_M=32, BLOCK_N=16, UNROLL=unroll, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=64, BLOCK_N=_pow2_at_least(g.K, 16, 32), UNROLL=unroll, num_warps=4, num_stages=2)
 
 
 def depthwise_config(g: Geometry, dtype: torch.dtype) -> dict:
@@ -228,7 +228,7 @@ def tma_stem_config(g: Geometry, sms: int) -> dict:
 # pixels) the GEMM ran 256 -> 1024 in 8.9 us against the TMA kernel's 11.7, 1024 -> 256 8.5 / 9.4, 1024 -> 512
 # 13.4 / 14.6, 512 -> 2048 8.8 / 9.6 (H200; H100 alike), and on MobileNetV2's at 14x14, batch 64 (12544
 # pixels) 192 -> 64 3.7 / 4.5, 384 -> 64 4.3 / 5.9, 384 -> 96 5.4 / 6.2, 576 -> 96 6.7 / 8.4; at 28x28, batch 32
-# (25088) it lost 512 -> 256 (23.1 against 16.0). With 16- or 32-channel steps (C not a multiple of 64) and a
+# (25088) tilegemm.matmul's choice lost 512 -> 256 (23.1 against 16.0; gluon_f16 wins it, below). With 16- or 32-channel steps (C not a multiple of 64) and a
 # longer loop the GEMM ran 144 -> 24 at 56x56 in 22.9 us against 47.6, 96 -> 24 18.3 / 26.7, 144 -> 32 7.3 /
 # 8.8, while with one such step the TMA kernel kept 32 -> 16 at 112x112 (43 against 50) and 16 -> 96 (80
 # against 98), and with 64-channel steps 192 -> 32 at 28x28 (5.3 against 8.4)
@@ -251,29 +251,27 @@ GEMM_1X1_PIXELS = 16384
 GLUON_1X1_MIN_CHANNELS = 96
 
 
-def pointwise_gluon_config(g: Geometry, sms: int) -> dict | None:
-    """The gluon_f16 config a stride-1 1x1 layer runs as a GEMM with (see above), or None where it does not."""
-    if not g.is_pointwise or g.K < GLUON_1X1_MIN_CHANNELS:
+def pointwise_gluon_tile(g: Geometry, sms: int) -> tuple[int, int, int] | None:
+    """(BLOCK_M, BLOCK_N, STAGES) of the gluon_f16 config a stride-1 1x1 layer runs as a GEMM with (see above),
+    or None where it does not. Channel counts must be multiples of 8 (16-bit rows TMA can describe). Geometry
+    only: :func:`tilegemm.ops.conv2d.gemm_1x1.gluon_usable` says whether a call's tensors let it run."""
+    if not g.is_pointwise or g.K < GLUON_1X1_MIN_CHANNELS or g.C % 8 or g.K % 8:
         return None
     m = g.N * g.P * g.Q
     if m <= GEMM_1X1_PIXELS or 2 * (-(-m // 128) * -(-g.K // 128)) < 5 * sms:
         return None
-    from tilegemm.ops.matmul import gluon_f16
-
     wide = -(-m // 256) * -(-g.K // 128)
     filled = wide / (-(-wide // sms) * sms)  # the share of the last round's SMs the 256x128 tiles keep busy
-    bm, stages = (256, 3) if g.C <= 64 or filled >= 0.85 else (128, 6)
-    return next(c for c in gluon_f16.configs()
-                if (c["BLOCK_M"], c["BLOCK_N"], c["STAGES"], c["SHARED_OUT"]) == (bm, 128, stages, False))
+    return (256, 128, 3) if g.C <= 64 or filled >= 0.85 else (128, 128, 6)
 
 
-def pointwise_as_gemm(g: Geometry, sms: int) -> bool:
+def pointwise_as_gemm(g: Geometry, sms: int, gluon: bool = True) -> bool:
     """True when a 1x1 convolution does better as a GEMM than through the TMA kernel (see above): stride 1 over
     at most :data:`GEMM_1X1_PIXELS` output pixels or with more than two channel steps narrower than 64, or
-    where :func:`pointwise_gluon_config` gives a config; or (any stride) when the TMA kernel's chosen tiles
-    leave SMs idle over a long reduction (32 steps or more), where the GEMM's split-K fills the GPU (ResNet-50's
-    2048 -> 512 at 7x7)."""
-    if pointwise_gluon_config(g, sms) is not None:
+    (``gluon``: the call's tensors let gluon_f16 run it) where :func:`pointwise_gluon_tile` gives a tile; or
+    (any stride) when the TMA kernel's chosen tiles leave SMs idle over a long reduction (32 steps or more),
+    where the GEMM's split-K fills the GPU (ResNet-50's 2048 -> 512 at 7x7)."""
+    if gluon and pointwise_gluon_tile(g, sms) is not None:
         return True
     if g.is_pointwise:
         bk = 64 if g.Cg % 64 == 0 else 32 if g.Cg % 32 == 0 else 16

@@ -1,4 +1,5 @@
-"""1x1 convolutions without padding: a plain GEMM, run by :func:`tilegemm.matmul`.
+"""1x1 convolutions without padding: a plain GEMM, run by :func:`tilegemm.matmul`, or straight through
+gluon_f16 with a config by rule for wide layers over many pixels (:func:`gluon_1x1`).
 
 Channels-last, the input ``[N, C, H, W]`` is a row-major ``[N*H*W, C]`` matrix in place, and the output
 ``[N*H*W, K] = x @ w^T`` is the channels-last output. NCHW, each image is a ``[C, H*W]`` matrix and
@@ -72,30 +73,50 @@ def subsampled(x: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor]:
     return xs, buf
 
 
+def gluon_usable(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> bool:
+    """Whether the tensors of a 1x1 call let :func:`gluon_1x1` run it (the geometry's side is
+    :func:`tilegemm.ops.conv2d.configs.pointwise_gluon_tile`): 16-bit channels-last ``x`` and a weight of its
+    dtype, both 16-byte aligned, a 16-bit output of that dtype, a bias of that dtype at unit stride, and an
+    sm_90 GPU under Triton 3.6 (whose Gluon the kernel is written in)."""
+    from tilegemm.core.runtime import interpreting
+
+    if interpreting() or not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if weight.dtype != x.dtype or out_dtype != x.dtype or x.stride(1) != 1:
+        return False
+    if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1):
+        return False
+    if x.data_ptr() % 16 or weight.data_ptr() % 16:
+        return False
+    from tilegemm.ops.matmul.persistent_tma import gluon_requires
+
+    return gluon_requires() is None
+
+
 def gluon_1x1(a: torch.Tensor, b: torch.Tensor, g, bias=None, activation: str = "none") -> torch.Tensor | None:
     """``a @ b`` (``[M, C] @ [C, K]``: 1x1 layer ``g`` as a GEMM, or its data gradient's) through gluon_f16 with
-    the config :func:`tilegemm.ops.conv2d.configs.pointwise_gluon_config` gives for ``g``, a new 16-bit
-    ``[M, K]`` output; or None where that rule or the kernel does not take the call (then
-    :func:`tilegemm.matmul` runs it)."""
+    the tile :func:`tilegemm.ops.conv2d.configs.pointwise_gluon_tile` gives for ``g``, a new 16-bit ``[M, K]``
+    output; or None where that rule or the kernel does not take the call (then :func:`tilegemm.matmul` runs
+    it)."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.runtime import interpreting, new_output
-    from tilegemm.ops.conv2d.configs import pointwise_gluon_config
+    from tilegemm.ops.conv2d.configs import pointwise_gluon_tile
 
     if interpreting() or not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype:
         return None
     if bias is not None and (bias.dtype != a.dtype or bias.stride(0) != 1):
         return None
     sms = sm_count(a.device)
-    cfg = pointwise_gluon_config(g, sms)
-    if cfg is None:
+    tile = pointwise_gluon_tile(g, sms)
+    from tilegemm.ops.matmul.persistent_tma import describable, ensure_allocator, gluon_requires
+
+    if tile is None or gluon_requires() is not None:  # first: an older Triton has no Gluon to import
         return None
     from tilegemm.core.launch import launch
     from tilegemm.ops.matmul import gluon_f16
-    from tilegemm.ops.matmul.persistent_tma import describable, ensure_allocator, gluon_requires
     from tilegemm.ops.matmul.problem import make_problems
 
-    if gluon_requires() is not None:
-        return None
+    cfg = gluon_config(tile)
     out = new_output((a.shape[0], b.shape[1]), a.dtype, a.device)
     (gp,) = make_problems(a, b, out, None, bias, 1.0, 0.0, activation, "ieee", False)
     if describable(gp) or gluon_f16.usable(gp):
@@ -103,6 +124,14 @@ def gluon_1x1(a: torch.Tensor, b: torch.Tensor, g, bias=None, activation: str = 
     ensure_allocator()
     launch(*gluon_f16.launch_args(gp, cfg, sms))
     return out
+
+
+def gluon_config(tile: tuple[int, int, int]) -> dict:
+    """gluon_f16's shipped config of tile (BLOCK_M, BLOCK_N, STAGES), its output buffer unshared."""
+    from tilegemm.ops.matmul import gluon_f16
+
+    return next(c for c in gluon_f16.configs()
+                if (c["BLOCK_M"], c["BLOCK_N"], c["STAGES"], c["SHARED_OUT"]) == (*tile, False))
 
 
 def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:

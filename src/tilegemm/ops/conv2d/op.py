@@ -7,7 +7,7 @@ activation fused), ``tilegemm::conv2d_dgrad`` (grad of x) and ``tilegemm::conv2d
 The backward never calls cuDNN: it runs tilegemm's kernels (on Hopper, for 16-bit channels-last tensors, the
 TMA kernels: the stride-1 data gradient as a forward convolution, the weight gradient by ``tma_wgrad``;
 otherwise the implicit-GEMM pointer kernels, the depthwise kernels, or ``tilegemm.matmul`` for 1x1
-convolutions).
+convolutions, gluon_f16 directly for the data gradient of wide ones over many pixels).
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ from tilegemm.core.torch_ops import lean_autograd
 # --- the choice of kernel -------------------------------------------------------------------------------
 
 
-def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, sms: int = 132) -> str:
+def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, sms: int = 132,
+                  gluon: bool = True) -> str:
     """``auto``. ``tma``: ``tma_implicit_gemm`` can take the call (a 16-bit channels-last input TMA can describe,
     on Hopper; :func:`tilegemm.ops.conv2d.tma_fwd.unusable`). Then it runs every such convolution but the 1x1 ones
-    that run faster as GEMMs (few pixels, narrow channel steps, or few tiles over a long reduction:
+    that run faster as GEMMs (few pixels, narrow channel steps, few tiles over a long reduction, or, where
+    ``gluon`` says the call's tensors let gluon_f16 run it, wide layers over many pixels:
     :func:`tilegemm.ops.conv2d.configs.pointwise_as_gemm`).
     Otherwise: 1x1 stride-1 unpadded single-group convolutions go to ``gemm_1x1`` (tilegemm's GEMM on the
     channels-last view), and so do strided ones with a channels-last input (the kept pixels gathered into a
@@ -45,7 +47,7 @@ def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, 
     if tma and not g.is_depthwise:
         from tilegemm.ops.conv2d.configs import pointwise_as_gemm
 
-        if not (pointwise and pointwise_as_gemm(g, sms)):
+        if not (pointwise and pointwise_as_gemm(g, sms, gluon)):
             return "tma_implicit_gemm"
     if pointwise:
         return "gemm_1x1"
@@ -100,8 +102,11 @@ def _forward(x, weight, bias, stride, padding, dilation, groups, activation, pre
     with on_device(x.device):
         if kernel == "auto":
             from tilegemm.core.hardware import sm_count
+            from tilegemm.ops.conv2d.gemm_1x1 import gluon_usable
 
-            kernel = choose_kernel(g, channels_last(x), _tma_usable(x, weight, g), sm_count(x.device))
+            tma = _tma_usable(x, weight, g)
+            kernel = choose_kernel(g, channels_last(x), tma, sm_count(x.device),
+                                   tma and gluon_usable(x, weight, bias, p.out_dtype))
         return launcher(kernel)(p)
 
 
