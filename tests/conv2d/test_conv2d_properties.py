@@ -70,3 +70,28 @@ def test_backward_matches_f_conv2d(c, device):
     want = torch.autograd.grad(conv2d_reference(xr, wr, br, **conv), ref_leaves, dy.double())
     for g, r in zip(got, want):
         assert_rel_close(g, r, 1e-5)
+
+
+@st.composite
+def depthwise_convs(draw):
+    """Depthwise layers over more channels than one channel tile (the forward's weight rewritten tap-major,
+    its taps unrolled up to 7x7 and looped above)."""
+    C = draw(st.integers(1, 40))
+    mult = draw(st.integers(1, 3))
+    R, S = draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    dil = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    stride = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    padding = (draw(st.integers(0, 3)), draw(st.integers(0, 3)))
+    H = draw(st.integers(max(1, dil[0] * (R - 1) + 1 - 2 * padding[0]), 16))
+    W = draw(st.integers(max(1, dil[1] * (S - 1) + 1 - 2 * padding[1]), 16))
+    return dict(N=draw(st.integers(1, 2)), C=C, H=H, W=W, K=C * mult, R=R, S=S, groups=C, stride=stride,
+                padding=padding, dilation=dil, channels_last=draw(st.booleans()), bias=draw(st.booleans()),
+                activation=draw(st.sampled_from([None, "relu"])))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(c=depthwise_convs())
+def test_depthwise_forward_matches_f_conv2d(c, device):
+    x, w, b, conv = _make(c, device)
+    out = tilegemm.conv2d(x, w, b, **conv, precision="ieee")
+    assert_rel_close(out, conv2d_reference(x, w, b, **conv), 1e-5)
