@@ -12,6 +12,11 @@
 #   conv2d-check  tools/conv2d_gpu_check.py (every layer checked, timed within \$CONV_BUDGET seconds, fp16)
 #   w4a16-check   tools/w4a16_gpu_check.py --quick;  first-call  tools/first_call.py
 #   w4a16-small   research/explore_w4a16_small_m.py (cold-L2 times of the small-M candidates, \$W4_BUDGET s)
+#   conv2d-fwd    the conv2d bench's forward sweeps (resnet50, mobilenet; auto only)
+#   conv2d-explore  research/explore_depthwise.py (with research/depthwise_cols.py) and
+#                 research/explore_gluon_narrow.py, \$EXPLORE_BUDGET s for the first
+# Put bench steps before `tests`: right after the test workers a bench read unchanged layers up to 2x slower
+# (a busy host; benchmarks/results/2026-11-25-h200/8f6320b/*-after-tests-noisy.json).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -40,6 +45,11 @@ for step in "$@"; do
     w4a16-check) python3 tools/w4a16_gpu_check.py --quick --out "$OUT/w4a16-quick.json" 2>&1 | tee "$OUT/w4a16-quick.log" | tail -n 25 ;;
     w4a16-small) python3 research/explore_w4a16_small_m.py --out "$OUT" --budget "${W4_BUDGET:-240}" \
                    ${W4_ARGS:-} 2>&1 | tee "$OUT/small-m.log" | tail -n 20 ;;
+    conv2d-fwd) for s in resnet50 mobilenet; do bench --op conv2d --sweep $s --kernels auto --json "$OUT/conv2d-$s-fwd.json" 2>&1 | tail -n 3; done ;;
+    conv2d-explore) PYTHONPATH=src:research python3 research/explore_depthwise.py --out "$OUT/depthwise.json" \
+                      --budget "${EXPLORE_BUDGET:-240}" 2>&1 | grep -v Warning | tail -n 60
+                    PYTHONPATH=src:research python3 research/explore_gluon_narrow.py --out "$OUT/gluon-narrow.json" \
+                      2>&1 | grep -v Warning | tail -n 60 ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
     w4a16|conv2d) bench --op "$step" --json "$OUT/$step.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
