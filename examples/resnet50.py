@@ -53,7 +53,8 @@ def inference(args, device) -> None:
     for batch in args.batches:
         xb = torch.randn(batch, 3, side, side, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
         with torch.no_grad():
-            rates = [batch / (do_bench(lambda m=m: m(xb), warmup=50, rep=300) * 1e-3) for m in (ours, ref, compiled)]
+            rates = [batch / (do_bench(lambda m=m: m(xb), warmup=50, rep=300, return_mode="median") * 1e-3)
+                     for m in (ours, ref, compiled)]
         print(f"{batch:>6d} {rates[0]:>12.0f} {rates[1]:>12.0f} {rates[2]:>15.0f}")
 
 
