@@ -48,12 +48,16 @@ def _make(c, device):
     return x, w, b, conv
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(c=convs())
-def test_forward_matches_f_conv2d(c, device):
+def _forward_matches(c, device):
     x, w, b, conv = _make(c, device)
     out = tilegemm.conv2d(x, w, b, **conv, precision="ieee")
     assert_rel_close(out, conv2d_reference(x, w, b, **conv), 1e-5)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(c=convs())
+def test_forward_matches_f_conv2d(c, device):
+    _forward_matches(c, device)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -92,6 +96,4 @@ def depthwise_convs(draw):
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(c=depthwise_convs())
 def test_depthwise_forward_matches_f_conv2d(c, device):
-    x, w, b, conv = _make(c, device)
-    out = tilegemm.conv2d(x, w, b, **conv, precision="ieee")
-    assert_rel_close(out, conv2d_reference(x, w, b, **conv), 1e-5)
+    _forward_matches(c, device)
