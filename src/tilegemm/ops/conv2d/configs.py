@@ -228,10 +228,11 @@ def tma_stem_config(g: Geometry, sms: int) -> dict:
 # pixels) the GEMM ran 256 -> 1024 in 8.9 us against the TMA kernel's 11.7, 1024 -> 256 8.5 / 9.4, 1024 -> 512
 # 13.4 / 14.6, 512 -> 2048 8.8 / 9.6 (H200; H100 alike), and on MobileNetV2's at 14x14, batch 64 (12544
 # pixels) 192 -> 64 3.7 / 4.5, 384 -> 64 4.3 / 5.9, 384 -> 96 5.4 / 6.2, 576 -> 96 6.7 / 8.4; at 28x28, batch 32
-# (25088) tilegemm.matmul's choice lost 512 -> 256 (23.1 against 16.0; gluon_f16 wins it, below). With 16- or 32-channel steps (C not a multiple of 64) and a
-# longer loop the GEMM ran 144 -> 24 at 56x56 in 22.9 us against 47.6, 96 -> 24 18.3 / 26.7, 144 -> 32 7.3 /
-# 8.8, while with one such step the TMA kernel kept 32 -> 16 at 112x112 (43 against 50) and 16 -> 96 (80
-# against 98), and with 64-channel steps 192 -> 32 at 28x28 (5.3 against 8.4)
+# (25088) tilegemm.matmul's choice lost 512 -> 256 (23.1 against 16.0; gluon_f16 wins it, below). With 16- or
+# 32-channel steps (C not a multiple of 64) and a longer loop the GEMM ran 144 -> 24 at 56x56 in 22.9 us against
+# 47.6, 96 -> 24 18.3 / 26.7, 144 -> 32 7.3 / 8.8, while with one such step the TMA kernel kept 32 -> 16 at
+# 112x112 (43 against 50) and 16 -> 96 (80 against 98), and with 64-channel steps 192 -> 32 at 28x28 (5.3
+# against 8.4)
 # (2026-11-25-h200/f27e92f/tma-1x1-short-mobilenet-narrow.json, c6c0067/, f7d14e6/).
 GEMM_1X1_PIXELS = 16384
 

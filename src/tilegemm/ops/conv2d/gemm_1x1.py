@@ -73,24 +73,28 @@ def subsampled(x: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor]:
     return xs, buf
 
 
-def gluon_usable(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> bool:
-    """Whether the tensors of a 1x1 call let :func:`gluon_1x1` run it (the geometry's side is
-    :func:`tilegemm.ops.conv2d.configs.pointwise_gluon_tile`): 16-bit channels-last ``x`` and a weight of its
-    dtype, both 16-byte aligned, a 16-bit output of that dtype, a bias of that dtype at unit stride, and an
-    sm_90 GPU under Triton 3.6 (whose Gluon the kernel is written in)."""
+def _gluon_operands(a: torch.Tensor, b: torch.Tensor, bias) -> bool:
+    """What gluon_f16 needs of a GEMM's operands and of the process: 16-bit CUDA tensors of one dtype, a bias of
+    that dtype at unit stride, and an sm_90 GPU under Triton 3.6 (whose Gluon the kernel is written in; asked
+    before anything imports it)."""
     from tilegemm.core.runtime import interpreting
 
-    if interpreting() or not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
+    if interpreting() or not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype:
         return False
-    if weight.dtype != x.dtype or out_dtype != x.dtype or x.stride(1) != 1:
-        return False
-    if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1):
-        return False
-    if x.data_ptr() % 16 or weight.data_ptr() % 16:
+    if bias is not None and (bias.dtype != a.dtype or bias.stride(0) != 1):
         return False
     from tilegemm.ops.matmul.persistent_tma import gluon_requires
 
     return gluon_requires() is None
+
+
+def gluon_usable(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> bool:
+    """Whether the tensors of a 1x1 call let :func:`gluon_1x1` run it (the geometry's side is
+    :func:`tilegemm.ops.conv2d.configs.pointwise_gluon_tile`): :func:`_gluon_operands`, and a channels-last
+    ``x``, ``x`` and the weight 16-byte aligned, an output of ``x``'s dtype."""
+    if out_dtype != x.dtype or x.stride(1) != 1 or x.data_ptr() % 16 or weight.data_ptr() % 16:
+        return False
+    return _gluon_operands(x, weight, bias)
 
 
 def gluon_1x1(a: torch.Tensor, b: torch.Tensor, g, bias=None, activation: str = "none") -> torch.Tensor | None:
@@ -99,30 +103,26 @@ def gluon_1x1(a: torch.Tensor, b: torch.Tensor, g, bias=None, activation: str = 
     output; or None where that rule or the kernel does not take the call (then :func:`tilegemm.matmul` runs
     it)."""
     from tilegemm.core.hardware import sm_count
-    from tilegemm.core.runtime import interpreting, new_output
     from tilegemm.ops.conv2d.configs import pointwise_gluon_tile
 
-    if interpreting() or not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype:
-        return None
-    if bias is not None and (bias.dtype != a.dtype or bias.stride(0) != 1):
+    if not _gluon_operands(a, b, bias):
         return None
     sms = sm_count(a.device)
     tile = pointwise_gluon_tile(g, sms)
-    from tilegemm.ops.matmul.persistent_tma import describable, ensure_allocator, gluon_requires
-
-    if tile is None or gluon_requires() is not None:  # first: an older Triton has no Gluon to import
+    if tile is None:
         return None
     from tilegemm.core.launch import launch
+    from tilegemm.core.runtime import new_output
     from tilegemm.ops.matmul import gluon_f16
+    from tilegemm.ops.matmul.persistent_tma import describable, ensure_allocator
     from tilegemm.ops.matmul.problem import make_problems
 
-    cfg = gluon_config(tile)
     out = new_output((a.shape[0], b.shape[1]), a.dtype, a.device)
     (gp,) = make_problems(a, b, out, None, bias, 1.0, 0.0, activation, "ieee", False)
     if describable(gp) or gluon_f16.usable(gp):
         return None
     ensure_allocator()
-    launch(*gluon_f16.launch_args(gp, cfg, sms))
+    launch(*gluon_f16.launch_args(gp, gluon_config(tile), sms))
     return out
 
 
