@@ -60,35 +60,46 @@ def test_cost_model_prefers_big_tiles_when_they_fill_the_gpu_and_small_ones_when
     assert pointwise_as_gemm(_geo(32, 256, 14, 1024, 1, 1, 0), 132)
     assert not pointwise_as_gemm(_geo(32, 512, 28, 1024, 1, 2, 0), 132)
     # channels not a multiple of 64 stepped more than twice go to the GEMM; one narrow step or 64-wide steps not
-    assert pointwise_as_gemm(_geo(64, 144, 56, 24, 1, 1, 0), 132)
-    assert not pointwise_as_gemm(_geo(64, 32, 112, 16, 1, 1, 0), 132)
+    # (where gluon_f16 cannot run them)
+    assert pointwise_as_gemm(_geo(64, 144, 56, 24, 1, 1, 0), 132, gluon=False)
+    assert not pointwise_as_gemm(_geo(64, 32, 112, 16, 1, 1, 0), 132, gluon=False)
     assert not pointwise_as_gemm(_geo(64, 192, 28, 32, 1, 1, 0), 132)
-    # over many pixels with 96 output channels or more and 2.5 waves of 128x128 tiles: gluon_f16's GEMM
+    # over many pixels with 2.5 waves of gluon_f16's tiles: its GEMM
     assert pointwise_as_gemm(_geo(32, 64, 56, 256, 1, 1, 0), 132)
     assert pointwise_as_gemm(_geo(32, 512, 28, 256, 1, 1, 0), 132)
     assert not pointwise_as_gemm(_geo(32, 512, 28, 128, 1, 1, 0), 132)  # 196 tiles: the TMA kernel
 
 
-def test_wide_1x1_layers_over_many_pixels_take_gluon_f16_with_a_tile_that_fills_the_last_round():
+def test_1x1_layers_over_many_pixels_take_gluon_f16_with_a_tile_cut_to_them():
     from tilegemm.ops.conv2d.configs import pointwise_gluon_tile
     from tilegemm.ops.conv2d.gemm_1x1 import gluon_config
+    from tilegemm.ops.matmul import gluon_f16
 
     def tile(*geo, sms=132):
         return pointwise_gluon_tile(_geo(*geo), sms)
 
-    assert tile(32, 64, 56, 256, 1, 1, 0) == (256, 128, 3)  # 784 wide tiles: the rounds full
-    assert tile(64, 16, 112, 96, 1, 1, 0) == (256, 128, 3)  # one K step: 256 rows a tile whatever the rounds
+    # wide layers: 64-deep K steps over 64 channels or more, the shipped tiles and rings
+    assert tile(32, 64, 56, 256, 1, 1, 0) == (256, 128, 64, 3)  # 784 wide tiles: the rounds full
     # 512 -> 256 at 28x28: 196 wide tiles for 132 SMs leave most of the second round idle; 392 narrow ones not
-    assert tile(32, 512, 28, 256, 1, 1, 0) == (128, 128, 6)
-    assert tile(32, 512, 28, 256, 1, 1, 0, sms=98) == (256, 128, 3)  # with 98 SMs: two full rounds
-    assert tile(32, 256, 56, 64, 1, 1, 0) is None  # 64 output channels
+    assert tile(32, 512, 28, 256, 1, 1, 0) == (128, 128, 64, 6)
+    assert tile(32, 512, 28, 256, 1, 1, 0, sms=98) == (256, 128, 64, 3)  # with 98 SMs: two full rounds
+    # fewer input channels: a K step of their power of two, the ring deeper
+    assert tile(64, 16, 112, 96, 1, 1, 0) == (256, 128, 16, 8)
+    assert tile(64, 24, 56, 144, 1, 1, 0) == (256, 128, 32, 6)
+    # fewer output channels: 256 rows by their power of two
+    assert tile(64, 32, 112, 16, 1, 1, 0) == (256, 16, 32, 8)
+    assert tile(64, 144, 56, 24, 1, 1, 0) == (256, 32, 64, 5)
+    assert tile(64, 192, 28, 32, 1, 1, 0) is None  # 196 such tiles: under 2.5 waves
     assert tile(32, 1024, 14, 512, 1, 1, 0) is None  # 6272 pixels
     assert tile(32, 512, 28, 256, 1, 2, 0) is None  # strided
     assert tile(32, 64, 56, 256, 3, 1, 1) is None  # not a 1x1
     assert tile(32, 64, 56, 260, 1, 1, 0) is None and tile(32, 60, 56, 256, 1, 1, 0) is None  # rows TMA can't step
-    for t in ((256, 128, 3), (128, 128, 6)):  # shipped gluon_f16 configs, output buffer unshared
+    for t in ((256, 128, 64, 3), (128, 128, 64, 6)):  # gluon_f16's shipped configs, output buffer unshared
+        shipped = [{k: c[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "SHARED_OUT", "num_warps")}
+                   for c in gluon_f16.configs()]
         cfg = gluon_config(t)
-        assert cfg["GLUON_F16"] and (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"], cfg["SHARED_OUT"]) == (*t, False)
+        assert cfg["GLUON_F16"] and cfg["BLOCK_K"] == gluon_f16.BLOCK_K
+        assert {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "SHARED_OUT", "num_warps")} in shipped
     # auto leaves such a layer to the TMA kernel when the call's tensors do not let gluon_f16 run it
     assert pointwise_as_gemm(_geo(32, 64, 56, 256, 1, 1, 0), 132, gluon=True)
     assert not pointwise_as_gemm(_geo(32, 64, 56, 256, 1, 1, 0), 132, gluon=False)
@@ -97,20 +108,26 @@ def test_wide_1x1_layers_over_many_pixels_take_gluon_f16_with_a_tile_that_fills_
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 128), c=st.integers(1, 2048), hw=st.integers(1, 128), k=st.integers(1, 2048),
        sms=st.sampled_from([78, 114, 132, 144]))
-def test_the_gluon_1x1_rule_gives_a_shipped_config_only_where_its_conditions_hold(n, c, hw, k, sms):
-    from tilegemm.ops.conv2d.configs import GEMM_1X1_PIXELS, GLUON_1X1_MIN_CHANNELS, pointwise_gluon_tile
-    from tilegemm.ops.conv2d.gemm_1x1 import gluon_config
+def test_the_gluon_1x1_rule_gives_a_fitting_config_only_where_its_conditions_hold(n, c, hw, k, sms):
+    from tilegemm.ops.conv2d.configs import (GEMM_1X1_PIXELS, GLUON_1X1_MIN_CHANNELS, GLUON_1X1_WAVES,
+                                             pointwise_gluon_tile)
+    from tilegemm.ops.matmul import gluon_f16
 
     g = _geo(n, c, hw, k, 1, 1, 0)
     tile = pointwise_gluon_tile(g, sms)
     pixels = n * hw * hw
-    waves = -(-pixels // 128) * -(-k // 128) / sms
-    if k < GLUON_1X1_MIN_CHANNELS or pixels <= GEMM_1X1_PIXELS or waves < 2.5 or c % 8 or k % 8:
+    bm, bn = (128, 128) if k >= GLUON_1X1_MIN_CHANNELS else (256, min(128, max(16, 1 << (k - 1).bit_length())))
+    waves = -(-pixels // bm) * -(-k // bn) / sms
+    if pixels <= GEMM_1X1_PIXELS or waves < GLUON_1X1_WAVES or c % 8 or k % 8:
         assert tile is None
         return
-    assert gluon_config(tile)["BLOCK_N"] == 128  # one of gluon_f16's shipped configs
+    bm, bn, bk, stages = tile
     assert pointwise_as_gemm(g, sms)  # auto sends it to gemm_1x1
-    if tile[0] == 128:  # the narrow tile only over more than one K step, when it fills the last round better
+    assert bk == min(64, max(16, 1 << (c - 1).bit_length()))  # the channels' power of two: one step or 64s
+    assert bn >= min(k, 128) and (bn == 128 or bn < 2 * k)  # no wider than the output channels need
+    assert gluon_f16._fits(bm, bn, stages, False, bk) and (stages == 8 or not gluon_f16._fits(bm, bn, stages + 1,
+                                                                                                False, bk))
+    if bm == 128:  # the narrow tile only over more than one K step, when it fills the last round better
         wide = -(-pixels // 256) * -(-k // 128)
         assert c > 64 and wide / (-(-wide // sms) * sms) < 0.85
     assert pointwise_gluon_tile(_geo(n, c, hw, k, 3, 1, 1), sms) is None  # a 3x3: never

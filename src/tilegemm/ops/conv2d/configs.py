@@ -250,20 +250,59 @@ GEMM_1X1_PIXELS = 16384
 # the SMs' last round poorly (512 -> 256 at 28x28: 196 tiles for 132 SMs, 16.7 us against 13.0 for 128x128
 # on six ring slots); 128x128 lost where K is a single step (16 -> 96: 101 us against 73).
 GLUON_1X1_MIN_CHANNELS = 96
+# Narrower layers (fewer output channels, or fewer input channels than a 64-deep K step) take gluon_f16 with
+# its tile cut to them: a K step of the input channels' power of two (16, 32, at most 64) and, under 96 output
+# channels, 256 rows by their power of two (16 to 128), where such tiles make 2.5 waves; the ring as deep as
+# fits (at most 8 slots). H200, CUDA graphs, research/explore_gluon_narrow.py (2026-11-25-h200/ee2f5a0/
+# gluon-narrow.json), against the route before: MobileNetV2 (batch 64) 32 -> 16 at 112x112 30.0 us against
+# 43.3 (cuDNN 26.6; 256x16 in 32-deep steps), 96 -> 24 at 56x56 13.3 / 18.6 (14.5), 144 -> 24 21.6 / 23.4,
+# 16 -> 96 at 112x112 63.6 / 73.1 (58.4; 16-deep steps), 24 -> 144 at 56x56 33.6 / 38.8 (28.8), 32 -> 192 at
+# 28x28 8.5 / 9.1; 16-deep steps over more channels ran up to 1.5x slower. With 196 tiles (192 -> 32 at
+# 28x28) the GEMM before stayed ahead (5.3 against 6.1).
+GLUON_1X1_WAVES = 2.5
 
 
-def pointwise_gluon_tile(g: Geometry, sms: int) -> tuple[int, int, int] | None:
-    """(BLOCK_M, BLOCK_N, STAGES) of the gluon_f16 config a stride-1 1x1 layer runs as a GEMM with (see above),
-    or None where it does not. Channel counts must be multiples of 8 (16-bit rows TMA can describe). Geometry
-    only: :func:`tilegemm.ops.conv2d.gemm_1x1.gluon_usable` says whether a call's tensors let it run."""
-    if not g.is_pointwise or g.K < GLUON_1X1_MIN_CHANNELS or g.C % 8 or g.K % 8:
+def _pow2_at_least(n: int, low: int, high: int) -> int:
+    p = low
+    while p < min(n, high):
+        p *= 2
+    return p
+
+
+def gluon_ring(bm: int, bn: int, bk: int, most: int = 8) -> int:
+    """Ring slots (at most ``most``, at least 2) of a ``bm x bn`` gluon_f16 tile in ``bk``-deep K steps that
+    fit beside its unshared output buffer: 3 for 256x128 and 6 for 128x128 in 64-deep steps (its shipped
+    rings), 6 for 256x128 in 32-deep steps."""
+    from tilegemm.core.hardware import HOPPER_SMEM_PER_BLOCK
+
+    stages = most
+    while stages > 2 and stages * (bm + bn) * bk * 2 + bm * bn * 2 + 1024 > HOPPER_SMEM_PER_BLOCK:
+        stages -= 1
+    return stages
+
+
+def pointwise_gluon_tile(g: Geometry, sms: int) -> tuple[int, int, int, int] | None:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, STAGES) of the gluon_f16 config a stride-1 1x1 layer runs as a GEMM with
+    (see above), or None where it does not. Channel counts must be multiples of 8 (16-bit rows TMA can
+    describe). Geometry only: :func:`tilegemm.ops.conv2d.gemm_1x1.gluon_usable` says whether a call's tensors
+    let it run."""
+    if not g.is_pointwise or g.C % 8 or g.K % 8:
         return None
     m = g.N * g.P * g.Q
-    if m <= GEMM_1X1_PIXELS or 2 * (-(-m // 128) * -(-g.K // 128)) < 5 * sms:
+    if m <= GEMM_1X1_PIXELS:
         return None
-    wide = -(-m // 256) * -(-g.K // 128)
-    filled = wide / (-(-wide // sms) * sms)  # the share of the last round's SMs the 256x128 tiles keep busy
-    return (256, 128, 3) if g.C <= 64 or filled >= 0.85 else (128, 128, 6)
+    bk = _pow2_at_least(g.C, 16, 64)
+    if g.K >= GLUON_1X1_MIN_CHANNELS:
+        if -(-m // 128) * -(-g.K // 128) < GLUON_1X1_WAVES * sms:
+            return None
+        wide = -(-m // 256) * -(-g.K // 128)
+        filled = wide / (-(-wide // sms) * sms)  # the share of the last round's SMs the 256x128 tiles keep busy
+        bm, bn = (256, 128) if g.C <= 64 or filled >= 0.85 else (128, 128)
+    else:
+        bm, bn = 256, _pow2_at_least(g.K, 16, 128)
+        if -(-m // bm) * -(-g.K // bn) < GLUON_1X1_WAVES * sms:
+            return None
+    return bm, bn, bk, gluon_ring(bm, bn, bk)
 
 
 def pointwise_as_gemm(g: Geometry, sms: int, gluon: bool = True) -> bool:

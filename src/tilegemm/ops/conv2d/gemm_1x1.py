@@ -126,12 +126,13 @@ def gluon_1x1(a: torch.Tensor, b: torch.Tensor, g, bias=None, activation: str = 
     return out
 
 
-def gluon_config(tile: tuple[int, int, int]) -> dict:
-    """gluon_f16's shipped config of tile (BLOCK_M, BLOCK_N, STAGES), its output buffer unshared."""
-    from tilegemm.ops.matmul import gluon_f16
+def gluon_config(tile: tuple[int, int, int, int]) -> dict:
+    """The gluon_f16 config of ``tile`` (BLOCK_M, BLOCK_N, BLOCK_K, STAGES), its output buffer unshared."""
+    from tilegemm.ops.matmul.gluon_f16 import NUM_WARPS
 
-    return next(c for c in gluon_f16.configs()
-                if (c["BLOCK_M"], c["BLOCK_N"], c["STAGES"], c["SHARED_OUT"]) == (*tile, False))
+    bm, bn, bk, stages = tile
+    return dict(GLUON_F16=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SHARED_OUT=False,
+                num_warps=NUM_WARPS)
 
 
 def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:

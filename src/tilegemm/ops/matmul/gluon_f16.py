@@ -253,9 +253,10 @@ TILES = {(256, 128): ((3, False), (4, True)), (128, 256): ((3, False), (4, True)
 ORDER = {(128, 256): (16, True)}
 
 
-def _fits(bm: int, bn: int, stages: int, shared_out: bool) -> bool:
+def _fits(bm: int, bn: int, stages: int, shared_out: bool, bk: int = BLOCK_K) -> bool:
     out = bm * bn * 2 // (2 if shared_out else 1)
-    return stages * (bm + bn) * BLOCK_K * 2 + out + 1024 <= HOPPER_SMEM_PER_BLOCK
+    return stages * (bm + bn) * bk * 2 + out + 1024 <= HOPPER_SMEM_PER_BLOCK
+
 
 
 def configs(out_element_size: int = 2) -> list[dict]:
@@ -283,9 +284,10 @@ def usable(p: GemmProblem) -> str | None:
 
 def descriptors(p: GemmProblem, cfg: dict):
     """Host-side TMA descriptors of A, B and the output for config ``cfg``, as the operands lie
-    (:attr:`GemmProblem.tma_view`); the output in [BLOCK_M / 2, BLOCK_N] blocks, one per consumer."""
+    (:attr:`GemmProblem.tma_view`); the output in [BLOCK_M / 2, BLOCK_N] blocks, one per consumer. A config
+    may name its own K step (``BLOCK_K``, a power of two from 16: narrow operands); the shipped ones take 64."""
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    a, b = (host_descriptor(*box) for box in p.tma_boxes(bm, bn, BLOCK_K))
+    a, b = (host_descriptor(*box) for box in p.tma_boxes(bm, bn, cfg.get("BLOCK_K", BLOCK_K)))
     return a, b, host_descriptor(p.out, [p.M, p.N], p.out_strides[1], [bm // 2, bn])
 
 
@@ -299,7 +301,8 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     args = descriptors(p, cfg) + (c, bias, p.M, p.N, p.K, p.c_strides[1], p.c_strides[2], p.bias_stride,
                                   p.alpha, p.beta)
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
-                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"], **tile_order(cfg), NUM_SMS=num_sms,
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.get("BLOCK_K", BLOCK_K), STAGES=cfg["STAGES"],
+                  **tile_order(cfg), NUM_SMS=num_sms,
                   SHARED_OUT=cfg.get("SHARED_OUT", False), CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
     return matmul_f16_coop_kernel, (min(num_sms, tiles),), args, kwargs
