@@ -6,13 +6,42 @@ Launches on one stream run in order, so they can share it: every launch leaves t
 planes need no zeroing (each slice writes all of its own before it counts itself in). A call that needs more
 replaces the stream's pair with a larger one; replays recorded with the old pair keep it alive and keep using
 it (it is large enough for them).
+
+Under ``torch.compile(mode="reduce-overhead")`` torch's CUDA graph trees warm a compiled function up and
+record it on a stream of their own with every allocation routed into the graphs' private pool, then require
+that nothing in that pool outlives the call but the function's outputs. A kept workspace would; so there
+(:func:`in_graph_tree`) each call gets its own scratch, freed when it returns (the graph keeps its memory),
+and no call is recorded for replay.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from tilegemm.core.launch import current_stream
+
+
+def in_graph_tree() -> bool:
+    """True while torch's CUDA graph trees warm up or record a function on this thread: the current stream is
+    a tree manager's own. Cheap when they were never used (torch._inductor's module not imported, or no
+    manager made)."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return False
+    try:
+        containers = trees.get_obj(trees.local, "tree_manager_containers")
+        if not containers:
+            return False
+        stream = current_stream()
+        for container in containers.values():
+            manager = container.tree_manager
+            if manager is not None and manager.stream.cuda_stream == stream:
+                return True
+    except Exception:  # noqa: BLE001 - torch's internals moved: behave as before they were known
+        return False
+    return False
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -23,6 +52,9 @@ def split_workspace(device: torch.device, floats: int, counters: int, tag=None,
 
     ``tag`` keeps users apart whose planes hold different contracts; ``zeroed``: the planes start at zero
     (for a reduction that adds into them with atomics and leaves them zeroed again)."""
+    if device.type == "cuda" and in_graph_tree():  # this call's own (see the module's notes)
+        planes = (torch.zeros if zeroed else torch.empty)(max(floats, 1), dtype=torch.float32, device=device)
+        return planes, torch.zeros(max(counters, 1), dtype=torch.int32, device=device)
     key = (device, current_stream() if device.type == "cuda" else 0, tag)
     ws, count = _workspaces.get(key, (None, None))
     if ws is None or ws.numel() < floats or count.numel() < counters:
@@ -42,6 +74,8 @@ def buffer(device: torch.device, dtype: torch.dtype, numel: int, tag) -> torch.T
     copies a call makes and its kernels read (matmul's padded operands). Launches on one stream run in order,
     so calls on it can share it; a call that needs more replaces it, and replays recorded with the old one
     keep it alive."""
+    if device.type == "cuda" and in_graph_tree():  # this call's own (see the module's notes)
+        return torch.empty(max(numel, 1), dtype=dtype, device=device)
     key = (device, current_stream() if device.type == "cuda" else 0, dtype, tag)
     buf = _buffers.get(key)
     if buf is None or buf.numel() < numel:

@@ -22,6 +22,7 @@ import torch
 from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, ReplayCache, dispatch_stack_depth, function_mode_on, recording,
                                   recording_active, tensor_key)
 from tilegemm.core.runtime import interpreting
+from tilegemm.core.workspace import in_graph_tree
 
 _cache = ReplayCache()
 
@@ -37,7 +38,7 @@ def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tup
         return None
     if type(x) not in PLAIN_TENSOR_TYPES or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
         return None
-    if interpreting() or recording_active() or dispatch_stack_depth() or function_mode_on():
+    if interpreting() or recording_active() or dispatch_stack_depth() or function_mode_on() or in_graph_tree():
         return None
     if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
         return None

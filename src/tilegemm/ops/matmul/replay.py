@@ -17,6 +17,7 @@ from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, ReplayCache, dispatch_stac
 from tilegemm.core.runtime import interpreting, new_output
 from tilegemm.ops.matmul.call import default_out_dtype
 from tilegemm.core.dtypes import resolve_precision
+from tilegemm.core.workspace import in_graph_tree
 
 # Replays of earlier calls without c, keyed by everything Triton specializes a launch on.
 _cache = ReplayCache()
@@ -39,7 +40,7 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
         return None
     if type(a) not in PLAIN_TENSOR_TYPES or type(b) not in PLAIN_TENSOR_TYPES or not a.is_cuda or interpreting():
         return None
-    if dispatch_stack_depth() or function_mode_on():
+    if dispatch_stack_depth() or function_mode_on() or in_graph_tree():
         return None
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return None

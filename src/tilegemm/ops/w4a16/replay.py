@@ -21,6 +21,7 @@ import torch
 
 from tilegemm.core.launch import ReplayCache, plain_call, plain_tensor, tensor_key
 from tilegemm.core.runtime import interpreting
+from tilegemm.core.workspace import in_graph_tree
 
 _cache = ReplayCache()
 
@@ -40,7 +41,7 @@ def replay_key(x2, w, bias, activation: str, kernel: str):
     subclass, autograd or a tracer watching, a bias that is not a tensor on x's device)."""
     if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest
         return None
-    if not plain_tensor(x2) or not x2.is_cuda or interpreting():
+    if not plain_tensor(x2) or not x2.is_cuda or interpreting() or in_graph_tree():
         return None
     if bias is not None and (not plain_tensor(bias) or bias.device != x2.device):
         return None
