@@ -200,8 +200,10 @@ def test_resnet50_gpu_cases_batch_8():
 
     op = ResNet50Bench(batches=(8,))
     cases = op.cases("inference")
-    assert [c.label for c in cases] == ["b8 eager", "b8 compile"]
+    assert [c.label for c in cases] == ["b8 eager", "b8 graph", "b8 compile", "b8 compile-graph"]
     result = run_bench(op, cases, "fp16", ["auto"], warmup_ms=5, rep_ms=30, sweep="inference")
+    assert 'torch.compile(mode="reduce-overhead")' in result.meta["model_description"]
+    assert len(result.rows) == 8
     for row in result.rows:  # both sides within fp16's bound of the fp32 model, tf32 off
         assert row.status == "ok", (row.shape, row.kernel, row.status, row.rel_err, row.message)
         assert row.kernel == BASELINE or row.ratio

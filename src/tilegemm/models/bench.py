@@ -164,6 +164,41 @@ class LlamaDecodeBench(ModelBench):
         return 2e-2 if not interpreting() else 2e-3
 
 
+def _forward(model, x: torch.Tensor, mode: str):
+    """A function computing ``model(x)`` in ``mode`` (:attr:`ResNet50Bench.MODES`). ``graph``: three eager
+    warm-up runs on a side stream, then one CUDA graph captured and replayed (x is its static input);
+    ``compile-graph``: each call starts a new step of torch's CUDA graph trees (the last output may be
+    overwritten)."""
+    if mode == "eager":
+        return lambda: model(x)
+    if mode == "graph":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(3):
+                model(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            out = model(x)
+
+        def replay():
+            graph.replay()
+            return out
+
+        return replay
+    if mode == "compile":
+        fn = torch.compile(model, dynamic=False)
+        return lambda: fn(x)
+    fn = torch.compile(model, dynamic=False, mode="reduce-overhead")
+
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()
+        return fn(x)
+
+    return step
+
+
 class _Precise:
     """cuDNN in benchmark mode (it times its algorithms per shape first), when asked, and fp32 as IEEE fp32: no
     tf32 in cuDNN, cuBLAS or tilegemm's fp32 kernels (they follow ``torch.get_float32_matmul_precision``)."""
@@ -200,8 +235,15 @@ class ResNet50Bench(ModelBench):
     cpu_baseline_name = "torch (CPU)"
     dtypes = {"fp16": torch.float16, "fp32": torch.float32}
     gpu_sweep, cpu_sweep = "inference", "tiny"
-    gpu_modes = ("eager", "compile")
-    shape_help = "BATCH[,MODE] (MODE: eager or compile on a GPU; eager under the interpreter)"
+    gpu_modes = ("eager", "graph", "compile", "compile-graph")
+    shape_help = ("BATCH[,MODE] (MODE: eager, graph, compile or compile-graph on a GPU; eager under the "
+                  "interpreter)")
+    MODES = {
+        "eager": "both eager",
+        "graph": "both eager, the forward replayed from one CUDA graph",
+        "compile": "both under torch.compile (fixed shapes)",
+        "compile-graph": 'both under torch.compile(mode="reduce-overhead") (fixed shapes, CUDA graph trees)',
+    }
 
     GPU_IMAGE, TINY_IMAGE = 224, 32
 
@@ -232,7 +274,7 @@ class ResNet50Bench(ModelBench):
 
     def _inference_cases(self) -> list[Case]:
         self._require(tiny=False)
-        points = [(batch, mode) for batch in self.batches for mode in ("eager", "compile")]
+        points = [(batch, mode) for batch in self.batches for mode in self.gpu_modes]
         return [self._case(batch, mode, False, i) for i, (batch, mode) in enumerate(points)]
 
     def _tiny_cases(self) -> list[Case]:
@@ -242,8 +284,7 @@ class ResNet50Bench(ModelBench):
         d = cases[0].dims
         what = ("a two-block ResNet (ResNet-50's stem and one bottleneck, toy widths)" if d["config"] == "tiny"
                 else "torchvision's ResNet-50")
-        modes = "; ".join(f"{m} = both {'under torch.compile (fixed shapes)' if m == 'compile' else 'eager'}"
-                          for m in dict.fromkeys(c.dims["mode"] for c in cases))
+        modes = "; ".join(f"{m} = {self.MODES[m]}" for m in dict.fromkeys(c.dims["mode"] for c in cases))
         baseline = "torch's CPU convolutions" if interpreting() else "cuDNN (benchmark mode)"
         return (f"{what}, random weights (seed 0), eval mode, {d['image']}x{d['image']} channels-last images; "
                 f"tilegemm.nn.convert_ (every convolution and the fc on tilegemm's kernels) against the same model "
@@ -276,19 +317,19 @@ class ResNet50Bench(ModelBench):
         x = x.to(device=device, dtype=self.dtypes[dtype]).contiguous(memory_format=torch.channels_last)
         with torch.no_grad(), _Precise(benchmark=False):
             reference = exact(x.to(next(exact.parameters()).dtype))
-        compiled = d["mode"] == "compile"
-        self._compiled = self._compiled or compiled
-        wrap = (lambda m: torch.compile(m, dynamic=False)) if compiled else (lambda m: m)  # noqa: E731
-        inputs = dict(x=x, ours=wrap(ours), ref=wrap(ref))
+        mode = d["mode"]
+        self._compiled = self._compiled or mode.startswith("compile")
+        with _Precise(benchmark=True):  # cuDNN picks its algorithms in the warm-up runs a graph replays
+            inputs = dict(ours=_forward(ours, x, mode), ref=_forward(ref, x, mode))
         return Prepared([inputs], reference, bytes_per_set=x.numel() * x.element_size() + _nbytes(ref))
 
     def run(self, kernel, inputs, dtype):
         with torch.no_grad():
-            return inputs["ours"](inputs["x"])
+            return inputs["ours"]()
 
     def baseline(self, inputs, dtype):
         with torch.no_grad():
-            return inputs["ref"](inputs["x"])
+            return inputs["ref"]()
 
     def baseline_context(self, dtype):
         # The same for tilegemm's rows (dtype None): its model keeps torch's batch norms, pooling and adds.
