@@ -94,6 +94,7 @@ def test_1x1_layers_over_many_pixels_take_gluon_f16_with_a_tile_cut_to_them():
     assert tile(32, 512, 28, 256, 1, 2, 0) is None  # strided
     assert tile(32, 64, 56, 256, 3, 1, 1) is None  # not a 1x1
     assert tile(32, 64, 56, 260, 1, 1, 0) is None and tile(32, 60, 56, 256, 1, 1, 0) is None  # rows TMA can't step
+    assert tile(64, 8, 112, 96, 1, 1, 0) is None and tile(64, 96, 112, 8, 1, 1, 0) is None  # under 16 channels
     for t in ((256, 128, 64, 3), (128, 128, 64, 6)):  # gluon_f16's shipped configs, output buffer unshared
         shipped = [{k: c[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "SHARED_OUT", "num_warps")}
                    for c in gluon_f16.configs()]
@@ -118,7 +119,7 @@ def test_the_gluon_1x1_rule_gives_a_fitting_config_only_where_its_conditions_hol
     pixels = n * hw * hw
     bm, bn = (128, 128) if k >= GLUON_1X1_MIN_CHANNELS else (256, min(128, max(16, 1 << (k - 1).bit_length())))
     waves = -(-pixels // bm) * -(-k // bn) / sms
-    if pixels <= GEMM_1X1_PIXELS or waves < GLUON_1X1_WAVES or c % 8 or k % 8:
+    if pixels <= GEMM_1X1_PIXELS or waves < GLUON_1X1_WAVES or c % 8 or k % 8 or c < 16 or k < 16:
         assert tile is None
         return
     bm, bn, bk, stages = tile

@@ -90,12 +90,16 @@ def _conv_cases():
 
 
 def _run_compiled(model, inputs):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
     outs = []
     with torch.no_grad():
         for x in inputs:  # warm-up, recording, then replays of the graph over new inputs
             torch.compiler.cudagraph_mark_step_begin()
             outs.append(fn(x).clone())
+    assert not counters["inductor"]["cudagraph_skips"]  # the graphs ran: none skipped
     return outs
 
 

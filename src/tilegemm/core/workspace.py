@@ -25,8 +25,11 @@ from tilegemm.core.launch import current_stream
 
 def in_graph_tree() -> bool:
     """True while torch's CUDA graph trees warm up or record a function on this thread: the current stream is
-    a tree manager's own. Cheap when they were never used (torch._inductor's module not imported, or no
-    manager made)."""
+    a tree manager's own. Cheap on torch's default stream and where they were never used (torch._inductor's
+    module not imported, or no manager made)."""
+    stream = current_stream()
+    if not stream:  # torch's default stream: never a tree manager's (each has a stream of its own)
+        return False
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
     if trees is None:
         return False
@@ -34,7 +37,6 @@ def in_graph_tree() -> bool:
         containers = trees.get_obj(trees.local, "tree_manager_containers")
         if not containers:
             return False
-        stream = current_stream()
         for container in containers.values():
             manager = container.tree_manager
             if manager is not None and manager.stream.cuda_stream == stream:

@@ -245,8 +245,8 @@ GEMM_1X1_PIXELS = 16384
 # 64 -> 256 at 56x56 19.4 us against 27.9 (cuDNN 24.3), 256 -> 128 22.6 / 26.4, 128 -> 512 at 28x28 10.5 /
 # 14.9, 512 -> 256 13.0 / 16.5; MobileNetV2 (batch 64) 16 -> 96 at 112x112 73.2 / 80.6, 24 -> 144 at 56x56
 # 42.7 / 53.1, 32 -> 192 at 28x28 9.6 / 12.0. It lost or tied with fewer tiles (512 -> 128 at 28x28: 9.6
-# against 8.7; 512 -> 2048 at 7x7: 9.3 / 8.7), with at most 64 output channels (256 -> 64 at 56x56: 20.5 /
-# 19.9; 144 -> 24: 28.7 / 23.0) and at 14x14 and below. Its 256x128 tile ran best but where its tiles fill
+# against 8.7; 512 -> 2048 at 7x7: 9.3 / 8.7), with its 128-wide tile over at most 64 output channels
+# (256 -> 64 at 56x56: 20.5 / 19.9; 144 -> 24: 28.7 / 23.0; the narrower tiles below) and at 14x14 and below. Its 256x128 tile ran best but where its tiles fill
 # the SMs' last round poorly (512 -> 256 at 28x28: 196 tiles for 132 SMs, 16.7 us against 13.0 for 128x128
 # on six ring slots); 128x128 lost where K is a single step (16 -> 96: 101 us against 73).
 GLUON_1X1_MIN_CHANNELS = 96
@@ -258,15 +258,10 @@ GLUON_1X1_MIN_CHANNELS = 96
 # 43.3 (cuDNN 26.6; 256x16 in 32-deep steps), 96 -> 24 at 56x56 13.3 / 18.6 (14.5), 144 -> 24 21.6 / 23.4,
 # 16 -> 96 at 112x112 63.6 / 73.1 (58.4; 16-deep steps), 24 -> 144 at 56x56 33.6 / 38.8 (28.8), 32 -> 192 at
 # 28x28 8.5 / 9.1; 16-deep steps over more channels ran up to 1.5x slower. With 196 tiles (192 -> 32 at
-# 28x28) the GEMM before stayed ahead (5.3 against 6.1).
+# 28x28) the GEMM before stayed ahead (5.3 against 6.1). ResNet-50's 64 -> 64 and 256 -> 64 at 56x56 tied
+# (6.9 / 6.8, 19.5 / 19.4 us; 2026-11-25-h200/b3d1e3b/gluon-narrow-resnet.json; the bench, with the L2
+# cleared: 64 -> 64 11.7 against 12.6).
 GLUON_1X1_WAVES = 2.5
-
-
-def _pow2_at_least(n: int, low: int, high: int) -> int:
-    p = low
-    while p < min(n, high):
-        p *= 2
-    return p
 
 
 def gluon_ring(bm: int, bn: int, bk: int, most: int = 8) -> int:
@@ -284,9 +279,9 @@ def gluon_ring(bm: int, bn: int, bk: int, most: int = 8) -> int:
 def pointwise_gluon_tile(g: Geometry, sms: int) -> tuple[int, int, int, int] | None:
     """(BLOCK_M, BLOCK_N, BLOCK_K, STAGES) of the gluon_f16 config a stride-1 1x1 layer runs as a GEMM with
     (see above), or None where it does not. Channel counts must be multiples of 8 (16-bit rows TMA can
-    describe). Geometry only: :func:`tilegemm.ops.conv2d.gemm_1x1.gluon_usable` says whether a call's tensors
+    describe) and at least 16. Geometry only: :func:`tilegemm.ops.conv2d.gemm_1x1.gluon_usable` says whether a call's tensors
     let it run."""
-    if not g.is_pointwise or g.C % 8 or g.K % 8:
+    if not g.is_pointwise or g.C % 8 or g.K % 8 or g.C < 16 or g.K < 16:  # gluon_f16's TMA needs 16 of each
         return None
     m = g.N * g.P * g.Q
     if m <= GEMM_1X1_PIXELS:

@@ -1,5 +1,5 @@
 """1x1 convolutions without padding: a plain GEMM, run by :func:`tilegemm.matmul`, or straight through
-gluon_f16 with a config by rule for wide layers over many pixels (:func:`gluon_1x1`).
+gluon_f16 with a config by rule for layers over many pixels (:func:`gluon_1x1`).
 
 Channels-last, the input ``[N, C, H, W]`` is a row-major ``[N*H*W, C]`` matrix in place, and the output
 ``[N*H*W, K] = x @ w^T`` is the channels-last output. NCHW, each image is a ``[C, H*W]`` matrix and

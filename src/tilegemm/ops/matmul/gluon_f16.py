@@ -258,7 +258,6 @@ def _fits(bm: int, bn: int, stages: int, shared_out: bool, bk: int = BLOCK_K) ->
     return stages * (bm + bn) * bk * 2 + out + 1024 <= HOPPER_SMEM_PER_BLOCK
 
 
-
 def configs(out_element_size: int = 2) -> list[dict]:
     """The :data:`TILES` configs (the rings that fit beside their output buffers), in :data:`ORDER`'s tile order."""
     out = []
