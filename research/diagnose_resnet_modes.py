@@ -25,37 +25,11 @@ import tilegemm.nn
 from tilegemm.models import resnet
 
 
-def graphed(model, x):
-    """A function replaying one CUDA graph of ``model(x)`` (x's storage is the graph's input)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        for _ in range(3):
-            model(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(g):
-        out = model(x)
-
-    def run():
-        g.replay()
-        return out
-
-    return run
-
-
 def runner(model, x, mode):
-    if mode == "eager":
-        return lambda: model(x)
-    if mode == "graph":
-        return graphed(model, x)
-    fn = torch.compile(model, dynamic=False, mode="reduce-overhead" if mode == "compile-graph" else None)
-    if mode == "compile-graph":
-        def run():
-            torch.compiler.cudagraph_mark_step_begin()
-            return fn(x)
-        return run
-    return lambda: fn(x)
+    """The bench's own forward of ``model(x)`` in ``mode`` (:func:`tilegemm.models.bench._forward`)."""
+    from tilegemm.models.bench import _forward
+
+    return _forward(model, x, mode)
 
 
 def rel(a, b):
