@@ -31,6 +31,12 @@ _PEAKS: list[tuple[str, dict[str, float]]] = [
 HOPPER_SMEM_PER_BLOCK = 227 * 1024
 
 
+def ring_fits(bm: int, bn: int, bk: int, stages: int, out_bytes: int) -> bool:
+    """Whether a ring of ``stages`` 16-bit operand slots (``[bm, bk]`` and ``[bn, bk]`` each) fits in a Hopper
+    block's shared memory beside ``out_bytes`` of output buffer and 1 KB for the barriers."""
+    return stages * (bm + bn) * bk * 2 + out_bytes + 1024 <= HOPPER_SMEM_PER_BLOCK
+
+
 def peaks_for(gpu_name: str | None) -> dict[str, float]:
     """Datasheet peaks for a GPU name as torch reports it; empty when the GPU is not in the table."""
     if not gpu_name:

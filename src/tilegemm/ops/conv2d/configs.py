@@ -246,9 +246,10 @@ GEMM_1X1_PIXELS = 16384
 # 14.9, 512 -> 256 13.0 / 16.5; MobileNetV2 (batch 64) 16 -> 96 at 112x112 73.2 / 80.6, 24 -> 144 at 56x56
 # 42.7 / 53.1, 32 -> 192 at 28x28 9.6 / 12.0. It lost or tied with fewer tiles (512 -> 128 at 28x28: 9.6
 # against 8.7; 512 -> 2048 at 7x7: 9.3 / 8.7), with its 128-wide tile over at most 64 output channels
-# (256 -> 64 at 56x56: 20.5 / 19.9; 144 -> 24: 28.7 / 23.0; the narrower tiles below) and at 14x14 and below. Its 256x128 tile ran best but where its tiles fill
-# the SMs' last round poorly (512 -> 256 at 28x28: 196 tiles for 132 SMs, 16.7 us against 13.0 for 128x128
-# on six ring slots); 128x128 lost where K is a single step (16 -> 96: 101 us against 73).
+# (256 -> 64 at 56x56: 20.5 / 19.9; 144 -> 24: 28.7 / 23.0; the narrower tiles below) and at 14x14 and below.
+# Its 256x128 tile ran best but where its tiles fill the SMs' last round poorly (512 -> 256 at 28x28: 196
+# tiles for 132 SMs, 16.7 us against 13.0 for 128x128 on six ring slots); 128x128 lost where K is a single
+# step (16 -> 96: 101 us against 73).
 GLUON_1X1_MIN_CHANNELS = 96
 # Narrower layers (fewer output channels, or fewer input channels than a 64-deep K step) take gluon_f16 with
 # its tile cut to them: a K step of the input channels' power of two (16, 32, at most 64) and, under 96 output
@@ -268,10 +269,10 @@ def gluon_ring(bm: int, bn: int, bk: int, most: int = 8) -> int:
     """Ring slots (at most ``most``, at least 2) of a ``bm x bn`` gluon_f16 tile in ``bk``-deep K steps that
     fit beside its unshared output buffer: 3 for 256x128 and 6 for 128x128 in 64-deep steps (its shipped
     rings), 6 for 256x128 in 32-deep steps."""
-    from tilegemm.core.hardware import HOPPER_SMEM_PER_BLOCK
+    from tilegemm.core.hardware import ring_fits
 
     stages = most
-    while stages > 2 and stages * (bm + bn) * bk * 2 + bm * bn * 2 + 1024 > HOPPER_SMEM_PER_BLOCK:
+    while stages > 2 and not ring_fits(bm, bn, bk, stages, bm * bn * 2):
         stages -= 1
     return stages
 
@@ -279,8 +280,8 @@ def gluon_ring(bm: int, bn: int, bk: int, most: int = 8) -> int:
 def pointwise_gluon_tile(g: Geometry, sms: int) -> tuple[int, int, int, int] | None:
     """(BLOCK_M, BLOCK_N, BLOCK_K, STAGES) of the gluon_f16 config a stride-1 1x1 layer runs as a GEMM with
     (see above), or None where it does not. Channel counts must be multiples of 8 (16-bit rows TMA can
-    describe) and at least 16. Geometry only: :func:`tilegemm.ops.conv2d.gemm_1x1.gluon_usable` says whether a call's tensors
-    let it run."""
+    describe) and at least 16. Geometry only: :func:`tilegemm.ops.conv2d.gemm_1x1.gluon_usable` says whether
+    a call's tensors let it run."""
     if not g.is_pointwise or g.C % 8 or g.K % 8 or g.C < 16 or g.K < 16:  # gluon_f16's TMA needs 16 of each
         return None
     m = g.N * g.P * g.Q

@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tilegemm.core.hardware import HOPPER_SMEM_PER_BLOCK
+from tilegemm.core.hardware import ring_fits
 from tilegemm.jit.helpers import epilogue_tile, tile_order, tile_origin
 from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.core.runtime import cdiv
@@ -254,8 +254,7 @@ ORDER = {(128, 256): (16, True)}
 
 
 def _fits(bm: int, bn: int, stages: int, shared_out: bool, bk: int = BLOCK_K) -> bool:
-    out = bm * bn * 2 // (2 if shared_out else 1)
-    return stages * (bm + bn) * bk * 2 + out + 1024 <= HOPPER_SMEM_PER_BLOCK
+    return ring_fits(bm, bn, bk, stages, bm * bn * 2 // (2 if shared_out else 1))
 
 
 def configs(out_element_size: int = 2) -> list[dict]:
