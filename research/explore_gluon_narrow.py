@@ -70,7 +70,7 @@ def launch_args(p, cfg: dict, num_sms: int):
     """``gluon_f16.launch_args`` with the K step of ``cfg`` (the shipped one fixes 64)."""
     from tilegemm.ops.matmul import gluon_f16
 
-    kernel, grid, args, kwargs, *_ = gluon_f16.launch_args(p, cfg, num_sms)
+    kernel, grid, args, kwargs = gluon_f16.launch_args(p, cfg, num_sms)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     a, b = (gluon_f16.host_descriptor(*box) for box in p.tma_boxes(bm, bn, bk))
     return kernel, grid, (a, b) + tuple(args[2:]), dict(kwargs, BLOCK_K=bk)

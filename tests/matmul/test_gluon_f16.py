@@ -129,9 +129,9 @@ _COMPILE = SM90 + textwrap.dedent(
     for name, v in json.loads(sys.argv[1]).items():
         p = cpu_problem(v["dtype"], v["layout"], v["epilogue"])
         cfg = dict(GLUON_F16=True, BLOCK_M=v["bm"], BLOCK_N=v["bn"], STAGES=v["stages"],
-                   SHARED_OUT=v["shared_out"], num_warps=4, SPLIT=v.get("split", 1))
+                   SHARED_OUT=v["shared_out"], num_warps=4)
         cfg.update(zip(("GROUP_M", "SERPENTINE"), gluon_f16.ORDER.get((v["bm"], v["bn"]), (8, False))))
-        _, _, args, kwargs, *_ = gluon_f16.launch_args(p, cfg, 132)
+        _, _, args, kwargs = gluon_f16.launch_args(p, cfg, 132)
         sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
         compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, 4)
         report[name] = dict(
@@ -139,7 +139,6 @@ _COMPILE = SM90 + textwrap.dedent(
             mmas=len(re.findall(r"wgmma\\.mma_async", ptx)),
             setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
             tensormaps_made=len(re.findall(r"tensormap\\.replace", ptx)),
-            atomics=len(re.findall(r"atom\\.global\\.gpu\\.acq_rel", ptx)),
             spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
             warps=compiled.metadata.num_warps,
             shared=compiled.metadata.shared,
@@ -154,8 +153,6 @@ _VARIANTS = {
                                    shared_out=True),
     "tn-256x128-s4": dict(dtype="float16", layout="TN", epilogue=False, bm=256, bn=128, stages=4, shared_out=True),
     "nt-128x128-s6": dict(dtype="float16", layout="NT", epilogue=False, bm=128, bn=128, stages=6, shared_out=False),
-    "tn-128x128-s6-split": dict(dtype="float16", layout="TN", epilogue=True, bm=128, bn=128, stages=6,
-                                shared_out=False, split=4),
 }
 
 
@@ -173,8 +170,6 @@ def test_compiled_code(tmp_path):
             assert regs in r["setmaxnreg"], f"{name}: {regs} not among {r['setmaxnreg']}"
         # The descriptors come from the host: nothing made on the device.
         assert r["tensormaps_made"] == 0, f"{name}: {r['tensormaps_made']} descriptor edits"
-        # A split config counts arrivals once a unit in each consumer warp group; the others never.
-        assert r["atomics"] == (2 if v.get("split") else 0), f"{name}: {r['atomics']} arrival atomics"
         if not v["epilogue"]:  # a C tile and GELU on 64x256 a warp group spill (about 2 KB); plain ones must not
             assert r["spills"] and max(r["spills"]) == 0, f"{name}: spills {r['spills']}"
         ring = v["stages"] * (v["bm"] + v["bn"]) * gluon_f16.BLOCK_K * 2
@@ -228,80 +223,6 @@ def test_gluon_f16_epilogue_and_many_tiles(dtype, shape):
         out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
         persistent_tma.run(_problem(a, b, out, c, bias, 0.5, -1.0, "gelu"), cfg)
         assert_rel_close(out, ref, tolerance(dtype))
-
-
-SPLIT_CFG = dict(GLUON_F16=True, BLOCK_M=128, BLOCK_N=128, STAGES=6, SHARED_OUT=False, num_warps=4)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["NN", "TN", "NT"])
-@pytest.mark.parametrize("split", [2, 3, 7, 40])
-@pytest.mark.parametrize("shape", [(264, 200, 2000), (17, 1040, 4104), (1000, 136, 760)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_gluon_f16_split_matches_the_reference(shape, split, layout):
-    """K split over work units: edge tiles, a last slice shorter than the others (K not a multiple of the
-    slices), more slices than K steps (reduced to one step each), more units than SMs; called three times
-    (the arrival counters must be reset for the next call), the epilogue on the last call."""
-    if not _hopper():
-        pytest.skip("the Gluon kernel is written for sm_90")
-    M, N, K = shape
-    if layout[0] == "T":
-        M += -M % 8
-    dtype = torch.float16
-    a, b = _operands(M, N, K, layout, dtype, "cuda")
-    cfg = dict(SPLIT_CFG, SPLIT=split)
-    ref = matmul_reference(a, b)
-    for _ in range(2):
-        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-        p = _problem(a, b, out)
-        persistent_tma.run(p, cfg)
-        assert_rel_close(out, ref, tolerance(dtype))
-    c = torch.randn(M, N, device="cuda", dtype=dtype)
-    bias = torch.randn(N, device="cuda", dtype=dtype)
-    ref = matmul_reference(a, b, c=c, bias=bias, alpha=0.5, beta=-1.0, activation="relu")
-    out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-    persistent_tma.run(_problem(a, b, out, c, bias, 0.5, -1.0, "relu"), cfg)
-    assert_rel_close(out, ref, tolerance(dtype))
-
-
-@pytest.mark.gpu
-def test_gluon_f16_split_bf16_and_replay():
-    """bf16, and the split launch replayed by tilegemm.matmul's fast path with new operands."""
-    if not _hopper():
-        pytest.skip("the Gluon kernel is written for sm_90")
-    from tilegemm.core import tuning
-
-    M, N, K = 200, 264, 6000
-    for dtype in (torch.bfloat16, torch.float16):
-        outs = []
-        for _ in range(3):
-            a, b = _operands(M, N, K, "NN", dtype, "cuda")
-            out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-            p = _problem(a, b, out)
-            run = tuning.replaying(lambda c, p=p: persistent_tma.launch_config(p, c), dict(SPLIT_CFG, SPLIT=5))
-            outs.append((run, out, matmul_reference(a, b)))
-        for run, out, ref in outs:
-            run()
-            run()
-            run()  # the third call replays the recorded launch
-            assert_rel_close(out, ref, tolerance(dtype))
-
-
-def test_split_of_keeps_every_slice_non_empty():
-    from tilegemm.ops.matmul.problem import make_problems
-
-    def problem(K):
-        a = torch.empty(256, K, device="meta", dtype=torch.float16)
-        b = torch.empty(K, 256, device="meta", dtype=torch.float16)
-        return make_problems(a, b, torch.empty(256, 256, device="meta", dtype=torch.float16), None, None, 1.0, 0.0,
-                             "none", "ieee", False)[0]
-
-    for K in (64, 65, 640, 1000, 4096, 7816):
-        steps = -(-K // 64)
-        for split in (1, 2, 3, 5, 7, 16, 64, 200):
-            s = gluon_f16.split_of(problem(K), dict(SPLIT_CFG, SPLIT=split))
-            per = -(-steps // s)
-            assert 1 <= s <= min(split, steps) and (s - 1) * per < steps, (K, split, s)
 
 
 @pytest.mark.gpu

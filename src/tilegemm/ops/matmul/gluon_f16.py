@@ -72,24 +72,20 @@ def host_descriptor(base: torch.Tensor, shape: list[int], stride: int, block: li
 @gluon.jit
 def fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr,
-              split=1):
-    """A producer's loop (also :mod:`gluon_ws`'s): every K step of every work unit of this program (units
-    program_id, program_id + programs, ...; a unit is one of a tile's ``split`` slices of K, tiles in
-    grouped order) into ring slot ``count % STAGES``, once the slot's "empty" barrier says its previous
-    contents were read; its "ready" barrier counts the bytes in. A is described as [M, K] or (A_T) [K, M],
-    B as [K, N] or (B_T) [N, K]; ``SERPENTINE`` as in :func:`tilegemm.jit.helpers.tile_grouped` (the
-    consumers must walk the same order)."""
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr):
+    """A producer's loop (also :mod:`gluon_ws`'s): every K step of every tile of this program (tiles
+    program_id, program_id + programs, ... in grouped order) into ring slot ``count % STAGES``, once the
+    slot's "empty" barrier says its previous contents were read; its "ready" barrier counts the bytes in.
+    A is described as [M, K] or (A_T) [K, M], B as [K, N] or (B_T) [N, K]; ``SERPENTINE`` as in
+    :func:`tilegemm.jit.helpers.tile_grouped` (the consumers must walk the same order)."""
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     steps = gl.cdiv(K, BLOCK_K)
-    per = gl.cdiv(steps, split)
     count = 0
-    for unit in range(gl.program_id(0), tiles_m * tiles_n * split, programs):
-        m0, n0 = tile_origin(unit // split, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N, SERPENTINE)
-        first = (unit % split) * per
-        for ks in range(first, gl.minimum(steps, first + per)):
+    for tile in range(gl.program_id(0), tiles_m * tiles_n, programs):
+        m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N, SERPENTINE)
+        for ks in range(steps):
             slot = count % STAGES
             # The slot's previous contents (step count - STAGES) were read. A new barrier counts as having
             # completed the phase before its first, so the first lap does not wait.
@@ -122,44 +118,34 @@ def _operands(a_bufs, b_bufs, slot, ROW0: gl.constexpr, ROWS: gl.constexpr, A_T:
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr, ws_ptr, count_ptr, split,
+def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
               M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta,
               HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr,
-              NUM_SMS: gl.constexpr, SHARED_OUT: gl.constexpr, SPLIT_K: gl.constexpr, WG: gl.constexpr):
+              NUM_SMS: gl.constexpr, SHARED_OUT: gl.constexpr, WG: gl.constexpr):
     """Warp group ``WG`` (0 or 1): the MMAs and epilogue of rows WG * BLOCK_M / 2 ... of every tile. With
     ``SHARED_OUT`` the two warp groups take turns at one output buffer (``turn`` barriers), which leaves
-    room for a fourth ring slot. ``o_desc`` describes the output in [BLOCK_M / 2, BLOCK_N] blocks.
-
-    With ``SPLIT_K`` each unit is one of ``split`` slices of a tile's K steps: the warp group stores its fp32
-    partial half-tile in the slice's plane of ``ws_ptr`` ([split, tiles, 2, BLOCK_M / 2, BLOCK_N]) and counts its
-    arrival at the half-tile; the last to arrive adds the planes in slice order (the same sum whichever came
-    last: deterministic), resets the counter and runs the epilogue."""
+    room for a fourth ring slot. ``o_desc`` describes the output in [BLOCK_M / 2, BLOCK_N] blocks."""
     ROWS: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = WG * ROWS
+    o_ty: gl.constexpr = o_desc.dtype
     o_smem = o_bufs.index(0 if SHARED_OUT else WG)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     steps = gl.cdiv(K, BLOCK_K)
-    if not SPLIT_K:
-        split = 1
-    per = gl.cdiv(steps, split)
     count = 0
     j = 0  # tiles done
-    for unit in range(gl.program_id(0), tiles_m * tiles_n * split, NUM_SMS):
-        tile = unit // split
-        part = unit % split
-        my_steps = gl.minimum(steps - part * per, per)
+    for tile in range(gl.program_id(0), tiles_m * tiles_n, NUM_SMS):
         acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         slot = count % STAGES
         mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
         a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T)
         acc = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc,))  # waits for nothing (one group in flight): a tensor again
-        for ks in range(1, my_steps):
+        for ks in range(1, steps):
             prev = slot
             count += 1
             slot = count % STAGES
@@ -173,65 +159,33 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_pt
         mbarrier.arrive(empty.index(slot), count=1)
         count += 1
 
-        last = True
-        if SPLIT_K:
-            half = tile * 2 + WG
-            local = (gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))[:, None] * BLOCK_N
-                     + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))[None, :])
-            plane = (tiles_m * tiles_n).to(gl.int64) * (BLOCK_M * BLOCK_N)
-            ws_half = ws_ptr + half.to(gl.int64) * (ROWS * BLOCK_N) + local
-            gl.store(ws_half + part * plane, acc)
-            gl.thread_barrier()  # this warp group's stores before the (one-thread) release
-            arrived = gl.atomic_add(count_ptr + half, 1, sem="acq_rel", scope="gpu")
-            last = arrived == split - 1
-            if last:
-                gl.thread_barrier()  # and its loads after the acquire
-                acc = gl.load(ws_half, cache_modifier=".cg")
-                for sl in range(1, split):
-                    acc += gl.load(ws_half + sl * plane, cache_modifier=".cg")
-                gl.store(count_ptr + half, 0)
-        if last:
-            _finish(acc, o_smem, turn, o_desc, c_ptr, bias_ptr, M, N, stride_cm, stride_cn, stride_bias, alpha, beta,
-                    tile, tiles_m, tiles_n, j, HAS_C, HAS_BIAS, ACTIVATION, BLOCK_M, BLOCK_N, GROUP_M, SERPENTINE,
-                    SHARED_OUT, WG, acc_layout)
-            j += 1
+        m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N, SERPENTINE)
+        offs_m = m0 + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        acc = epilogue_tile(acc, c_ptr, bias_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N,
+                            stride_cm, stride_cn, stride_bias, 0, 0, alpha, beta,
+                            HAS_C, HAS_BIAS, ACTIVATION, False, False)
+        if SHARED_OUT:
+            # Warp group 0 goes first in every tile (its first wait passes: a new barrier counts the phase
+            # before its first); each hands the buffer on once its store has read it.
+            mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
+            o_smem.store(acc.to(o_ty))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+        else:
+            tma.store_wait(pendings=0)  # this warp group's previous store has left its buffer
+            o_smem.store(acc.to(o_ty))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
+        j += 1
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _finish(acc, o_smem, turn, o_desc, c_ptr, bias_ptr, M, N, stride_cm, stride_cn, stride_bias, alpha, beta,
-            tile, tiles_m, tiles_n, j, HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr,
-            SHARED_OUT: gl.constexpr, WG: gl.constexpr, acc_layout: gl.constexpr):
-    """Warp group ``WG``'s epilogue of tile ``tile`` (its ``j``-th): fused ops, then a TMA store of its half."""
-    ROWS: gl.constexpr = BLOCK_M // 2
-    ROW0: gl.constexpr = WG * ROWS
-    o_ty: gl.constexpr = o_desc.dtype
-    m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N, SERPENTINE)
-    offs_m = m0 + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-    acc = epilogue_tile(acc, c_ptr, bias_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N,
-                        stride_cm, stride_cn, stride_bias, 0, 0, alpha, beta,
-                        HAS_C, HAS_BIAS, ACTIVATION, False, False)
-    if SHARED_OUT:
-        # Warp group 0 goes first in every tile (its first wait passes: a new barrier counts the phase
-        # before its first); each hands the buffer on once its store has read it.
-        mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
-        o_smem.store(acc.to(o_ty))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
-        tma.store_wait(pendings=0)
-        mbarrier.arrive(turn.index(1 - WG), count=1)
-    else:
-        tma.store_wait(pendings=0)  # this warp group's previous store has left its buffer
-        o_smem.store(acc.to(o_ty))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
-
-
-@gluon.jit
 def matmul_f16_coop_kernel(
-    a_desc, b_desc, o_desc, c_ptr, bias_ptr, ws_ptr, count_ptr, split,
+    a_desc, b_desc, o_desc, c_ptr, bias_ptr,
     M, N, K,
     stride_cm, stride_cn, stride_bias,
     alpha, beta,
@@ -239,7 +193,7 @@ def matmul_f16_coop_kernel(
     HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr, NUM_SMS: gl.constexpr, SHARED_OUT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, SPLIT_K: gl.constexpr = False,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     # The descriptors are made on the host (:func:`descriptors`): A as [M, K] or (A_T) [K, M], B as [K, N]
     # or (B_T) [N, K], the output as [M, N] in [BLOCK_M / 2, BLOCK_N] blocks. The ring's slots take the
@@ -264,16 +218,16 @@ def matmul_f16_coop_kernel(
     # (The argument tuples are written out in the call: a tuple assigned to a name would turn its
     # constexprs into tensors.)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr, ws_ptr, count_ptr, split,
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
                      M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta,
                      HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE,
-                     NUM_SMS, SHARED_OUT, SPLIT_K, 0)),
-        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr, ws_ptr, count_ptr, split,
+                     NUM_SMS, SHARED_OUT, 0)),
+        (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
                      M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta,
                      HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE,
-                     NUM_SMS, SHARED_OUT, SPLIT_K, 1)),
+                     NUM_SMS, SHARED_OUT, 1)),
         (fill_ring, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS,
-                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE, split)),
+                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -335,44 +289,18 @@ def descriptors(p: GemmProblem, cfg: dict):
     return a, b, host_descriptor(p.out, [p.M, p.N], p.out_strides[1], [bm // 2, bn])
 
 
-def split_of(p: GemmProblem, cfg: dict) -> int:
-    """The K split config ``cfg`` runs ``p`` with: its ``SPLIT`` (1 by default), reduced so that every slice
-    has at least one K step (slices of ``cdiv(steps, SPLIT)`` steps)."""
-    split = cfg.get("SPLIT", 1)
-    if split <= 1:
-        return 1
-    steps = cdiv(p.K, cfg.get("BLOCK_K", BLOCK_K))
-    return cdiv(steps, cdiv(steps, split))
-
-
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
-    """(kernel, grid, args, constexpr kwargs, kept tensors, stream) for :func:`tilegemm.core.launch.launch`.
-
-    A config with ``SPLIT`` > 1 (128x128 tiles, two output buffers) splits each tile's K steps over that
-    many work units, reduced through the per-stream split workspace (:func:`tilegemm.core.workspace.
-    split_workspace`), which the launch keeps."""
-    from tilegemm.core.launch import current_stream
-    from tilegemm.core.workspace import split_workspace
-
+    """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.core.launch.launch`."""
     a_t, b_t, _, _ = p.tma_view
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tiles = cdiv(p.M, bm) * cdiv(p.N, bn)
-    split = split_of(p, cfg)
     flags = p.kernel_flags()
     c, bias, _, _ = p.epilogue_pointers()
-    keep, stream = (), None
-    if split > 1:
-        if cfg.get("SHARED_OUT") or bm * bn > 128 * 128:
-            raise ValueError(f"a split gluon_f16 config needs two output buffers and at most 128x128 tiles: {cfg}")
-        ws, count = keep = split_workspace(p.out.device, split * tiles * bm * bn, 2 * tiles)
-        stream = current_stream()
-    else:
-        ws = count = p.out  # unused
-    args = descriptors(p, cfg) + (c, bias, ws, count, split, p.M, p.N, p.K, p.c_strides[1], p.c_strides[2],
-                                  p.bias_stride, p.alpha, p.beta)
+    args = descriptors(p, cfg) + (c, bias, p.M, p.N, p.K, p.c_strides[1], p.c_strides[2], p.bias_stride,
+                                  p.alpha, p.beta)
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.get("BLOCK_K", BLOCK_K), STAGES=cfg["STAGES"],
                   **tile_order(cfg), NUM_SMS=num_sms,
                   SHARED_OUT=cfg.get("SHARED_OUT", False), CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"], SPLIT_K=split > 1)
-    return matmul_f16_coop_kernel, (min(num_sms, tiles * split),), args, kwargs, keep, stream
+                  PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
+    return matmul_f16_coop_kernel, (min(num_sms, tiles),), args, kwargs
