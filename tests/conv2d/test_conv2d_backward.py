@@ -128,11 +128,44 @@ def test_torch_compile_fullgraph_forward_and_backward(device):
     ((4, 128, 28, 28, 256, 3, 3), dict(stride=2, padding=1)),
     ((4, 3, 64, 64, 64, 7, 7), dict(stride=2, padding=3)),
     ((4, 256, 14, 14, 512, 1, 1), dict()),
+    ((4, 256, 14, 14, 512, 1, 1), dict(stride=2)),
     ((4, 96, 28, 28, 96, 3, 3), dict(padding=1, groups=96)),
     ((4, 64, 15, 17, 64, 3, 3), dict(padding=1, groups=4)),
 ])
 def test_gpu_gradients(shape, conv, dtype, channels_last, device):
     _grads(device, dtype, shape, conv, "relu", channels_last, tolerance(dtype))
+
+
+@pytest.mark.parametrize("shape,stride", [
+    pytest.param((2, 70, 7, 5, 12), (2, 2), id="odd-image-C70"),
+    pytest.param((1, 8, 9, 8, 16), (3, 2), id="stride3x2"),
+    pytest.param((3, 16, 1, 6, 8), (2, 2), id="one-row"),
+])
+def test_strided_pointwise_data_gradient_is_the_product_spread_out(shape, stride, device, monkeypatch):
+    """A strided 1x1 layer's data gradient (channels-last): the product over the kept pixels, then every input
+    pixel written, the product's row where the stride kept it and zeros elsewhere (outputs poisoned first, C
+    wider than one channel block, images not stride multiples); and the spread kernel is what ran."""
+    from tilegemm.core import runtime
+    from tilegemm.ops.conv2d import gemm_1x1, op
+
+    N, C, H, W, K = shape
+    ran = []
+    spread = gemm_1x1.strided_dgrad
+    monkeypatch.setattr(gemm_1x1, "strided_dgrad", lambda *a: ran.append(1) or spread(*a))
+    real_new = runtime.new_output
+    monkeypatch.setattr(runtime, "new_output", lambda *a, **k: real_new(*a, **k).fill_(float("nan")))
+    x = torch.randn(N, C, H, W, device=device).contiguous(memory_format=CL)
+    w = torch.randn(K, C, 1, 1, device=device)
+    P, Q = (H - 1) // stride[0] + 1, (W - 1) // stride[1] + 1
+    dy = torch.randn(N, K, P, Q, device=device).contiguous(memory_format=CL)
+    dx = op.backward_data(dy, w, list(x.shape), True, list(stride), [0, 0, 0, 0], [1, 1], 1, "ieee")
+    assert ran and dx.is_contiguous(memory_format=CL) and dx.shape == x.shape
+    xr = x.double().requires_grad_()
+    torch.nn.functional.conv2d(xr, w.double(), None, stride).backward(dy.double())
+    assert_rel_close(dx, xr.grad, 1e-5)
+    kept = torch.zeros(H, W, dtype=torch.bool)
+    kept[::stride[0], ::stride[1]] = True
+    assert (dx[:, :, ~kept] == 0).all()
 
 
 @pytest.mark.parametrize("split", [1, 2, 3, 7])

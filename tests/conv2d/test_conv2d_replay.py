@@ -147,6 +147,26 @@ def test_strided_1x1_after_a_bigger_call_reads_its_own_pixels(grads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_strided_1x1_data_gradient_replays_through_its_workspace(dtype):
+    # The product over the kept pixels lands in a per-stream workspace that the spread kernel reads; a bigger
+    # call in between replaces the workspace, and the replays must keep reading the one they were recorded with.
+    from tilegemm.ops.conv2d import op
+
+    replay.clear()
+    w = (torch.randn(128, 64, 1, 1, device="cuda") / 8).to(dtype).contiguous(memory_format=CL)
+    for size in (16, 16, 16, 40, 16, 16):
+        x_shape = [2, 64, size, size]
+        dy = torch.randn(2, 128, size // 2, size // 2, device="cuda", dtype=dtype).contiguous(memory_format=CL)
+        dx = op.backward_data(dy, w, x_shape, True, [2, 2], [0, 0, 0, 0], [1, 1], 1, "ieee")
+        xr = torch.zeros(x_shape, dtype=torch.float64, device="cuda", requires_grad=True)
+        F.conv2d(xr, w.double(), stride=2).backward(dy.double())
+        assert dx.is_contiguous(memory_format=CL)
+        assert_rel_close(dx, xr.grad, 4e-3 if dtype == torch.float16 else 2e-2)
+    assert replay.count() == 2  # one recording a size
+
+
+@pytest.mark.gpu
 def test_depthwise_replays_read_the_weight_as_it_is_now():
     # The forward rewrites the weight tap-major into a per-stream workspace on every call, replays included:
     # a weight changed in place, or a bigger depthwise call in between (which may replace the workspace),

@@ -11,6 +11,10 @@ keeps are gathered first into a row-major ``[N*P*Q, C]`` matrix (:func:`subsampl
 input's bytes at stride 2, into a per-stream workspace), then the same GEMM. The implicit-GEMM kernel ran these
 layers at 0.22x-0.33x of cuDNN on the H200 (GPU time) (`benchmarks/results/2026-11-24-h200/ea09bc4/`), reading each pixel
 through a gathered address where the GEMM reads whole rows.
+
+The data gradient of such a layer is the transposed product spread out again (:func:`strided_dgrad`): the GEMM
+``dy[N*P*Q, K] @ w[K, C]`` into a per-stream workspace, then :func:`spread_kernel` writes every input pixel's
+gradient, that row where the stride kept the pixel and zeros elsewhere, in one pass over ``dx``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,66 @@ def subsample_kernel(src_ptr, dst_ptr, rows, C, P, Q, stride_n, stride_p, stride
         mask = r_ok[:, None] & (c < C)[None, :]
         v = tl.load(src_ptr + src_row[:, None] + c[None, :], mask=mask)
         tl.store(dst_ptr + dst_row[:, None] + c[None, :], v, mask=mask)
+
+
+@triton.jit
+def spread_kernel(src_ptr, dst_ptr, pixels, C, H, W, P, Q, SH: tl.constexpr, SW: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``dst[(n*H + h)*W + w, c] = src[(n*P + h/SH)*Q + w/SW, c]`` where SH divides h and SW divides w, else 0:
+    a strided 1x1 convolution's data gradient from its row-major ``[N*P*Q, C]`` product, every row of the
+    row-major ``[N*H*W, C]`` output written (the inverse of :func:`subsample_kernel`, zeros between)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR] output rows: input pixels (n, h, w)
+    w = r % W
+    h = (r // W) % H
+    n = r // (H * W)
+    r_ok = r < pixels
+    # A kept pixel's row of the product (h // SH < P holds for every h < H when SH divides h).
+    hit = r_ok & (h % SH == 0) & (w % SW == 0) & (w // SW < Q)
+    src_row = ((n.to(tl.int64) * P + h // SH) * Q + w // SW) * C
+    dst_row = r.to(tl.int64) * C
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = (c < C)[None, :]
+        v = tl.load(src_ptr + src_row[:, None] + c[None, :], mask=hit[:, None] & c_ok, other=0.0)
+        tl.store(dst_ptr + dst_row[:, None] + c[None, :], v, mask=r_ok[:, None] & c_ok)
+
+
+def strided_dgrad(dy: torch.Tensor, weight: torch.Tensor, g, precision: str) -> torch.Tensor:
+    """The data gradient of strided 1x1 layer ``g`` (:attr:`Geometry.is_strided_pointwise`) for a channels-last
+    ``dy``: ``[N, C, H, W]``, channels-last. The product ``dy @ w`` over the kept pixels runs as the transposed
+    layer's forward would (:func:`gluon_1x1` by its rule, else ``auto``'s choice), into a per-stream workspace
+    that the launches keep (the call replays); :func:`spread_kernel` then writes ``dx``.
+
+    ResNet-50's projections ran their data gradients on the phased implicit-GEMM kernel at 0.29x-0.45x of
+    cuDNN's GPU time (e.g. 1024 -> 2048 at 14x14: 69.8 against 21.4 us; H200,
+    `benchmarks/results/2026-11-24-h200/cd4832f/`), each output pixel gathered through its own address."""
+    from tilegemm.core.launch import current_stream, keeping, launch, sequence_lock
+    from tilegemm.core.runtime import cdiv, interpreting, new_output
+    from tilegemm.core.workspace import buffer
+    from tilegemm.ops.conv2d.problem import Geometry
+    from tilegemm.ops.matmul.dispatch import launch_auto
+    from tilegemm.ops.matmul.problem import make_problems
+
+    rows = g.N * g.P * g.Q
+    dy2d = dy.permute(0, 2, 3, 1).reshape(rows, g.K)  # a view of a channels-last dy
+    w2d = weight.reshape(g.K, g.C)
+    dx = new_output((g.N, g.H, g.W, g.C), dy.dtype, dy.device)
+    with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
+        buf = buffer(dy.device, dy.dtype, rows * g.C, "conv2d-dgrad-spread")
+        small = buf[: rows * g.C].view(rows, g.C)
+        with keeping(buf):
+            # the transposed layer (K -> C channels over the kept pixels), by the forward's rule for gluon_f16
+            gt = Geometry(g.N, g.K, g.P, g.Q, g.C, 1, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1))
+            if gluon_1x1(dy2d, w2d, gt, out=small) is None:
+                upcast = dy.dtype == torch.bfloat16 and interpreting()
+                for gp in make_problems(dy2d, w2d, small, None, None, 1.0, 0.0, "none", precision, upcast):
+                    launch_auto(gp)
+        block_r, block_c = 64, 64
+        pixels = g.N * g.H * g.W
+        launch(spread_kernel, (cdiv(pixels, block_r),), (small, dx, pixels, g.C, g.H, g.W, g.P, g.Q),
+               dict(SH=g.stride[0], SW=g.stride[1], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4), keep=(buf,),
+               stream=current_stream() if dy.is_cuda else None)
+    return dx.permute(0, 3, 1, 2)
 
 
 def applies(p: ConvProblem) -> str | None:
@@ -97,11 +161,12 @@ def gluon_usable(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> bool
     return _gluon_operands(x, weight, bias)
 
 
-def gluon_1x1(a: torch.Tensor, b: torch.Tensor, g, bias=None, activation: str = "none") -> torch.Tensor | None:
+def gluon_1x1(a: torch.Tensor, b: torch.Tensor, g, bias=None, activation: str = "none",
+              out: torch.Tensor | None = None) -> torch.Tensor | None:
     """``a @ b`` (``[M, C] @ [C, K]``: 1x1 layer ``g`` as a GEMM, or its data gradient's) through gluon_f16 with
-    the tile :func:`tilegemm.ops.conv2d.configs.pointwise_gluon_tile` gives for ``g``, a new 16-bit ``[M, K]``
-    output; or None where that rule or the kernel does not take the call (then :func:`tilegemm.matmul` runs
-    it)."""
+    the tile :func:`tilegemm.ops.conv2d.configs.pointwise_gluon_tile` gives for ``g``, into ``out`` (a
+    row-major 16-bit ``[M, K]``; a new one by default); or None where that rule or the kernel does not take
+    the call (then :func:`tilegemm.matmul` runs it)."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.ops.conv2d.configs import pointwise_gluon_tile
 
@@ -117,7 +182,8 @@ def gluon_1x1(a: torch.Tensor, b: torch.Tensor, g, bias=None, activation: str = 
     from tilegemm.ops.matmul.persistent_tma import describable, ensure_allocator
     from tilegemm.ops.matmul.problem import make_problems
 
-    out = new_output((a.shape[0], b.shape[1]), a.dtype, a.device)
+    if out is None:
+        out = new_output((a.shape[0], b.shape[1]), a.dtype, a.device)
     (gp,) = make_problems(a, b, out, None, bias, 1.0, 0.0, activation, "ieee", False)
     if describable(gp) or gluon_f16.usable(gp):
         return None

@@ -180,6 +180,10 @@ def _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation, grou
                 return dx.view(g.N, g.H, g.W, g.C).permute(0, 3, 1, 2)
             dx = matmul(w2d.t(), dy.reshape(g.N, g.K, g.H * g.W), precision=precision)  # [N, C, HW]
             return dx.view(g.N, g.C, g.H, g.W)
+        if g.is_strided_pointwise and x_channels_last and dy.is_contiguous(memory_format=torch.channels_last):
+            from tilegemm.ops.conv2d.gemm_1x1 import strided_dgrad
+
+            return strided_dgrad(dy, weight, g, precision)
         if g.is_depthwise:
             from tilegemm.ops.conv2d import depthwise
 
