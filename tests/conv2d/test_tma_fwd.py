@@ -607,3 +607,26 @@ def test_gpu_weight_gradient_wide_tiles(shape, conv, split, tile, dtype):
     cfg = dict(tma_wgrad.config(g, 132, *tile), SPLIT=split)
     for _ in range(2):  # the split's counters must be back at zero
         assert_rel_close(tma_wgrad.run(dy, x, g, dtype, cfg), want, tolerance(dtype))
+
+
+@pytest.mark.parametrize("groups,channels_last", [(1, True), (2, True), (2, False)], ids=["g1-cl", "g2-cl", "g2-nchw"])
+def test_flipped_weight_is_every_tap_turned_around(groups, channels_last, device):
+    """The stride-1 data gradient's weight, ``out[c, u, v, k] = w[grp*Kg + k, c - grp*Cg, R-1-u, S-1-v]``, made
+    in [64, 64] tiles of one tap: channel counts past one tile and not tile multiples, groups, either layout of
+    the weight, every element written (the buffer poisoned first)."""
+    from tilegemm.core.runtime import cdiv
+    from tilegemm.ops.conv2d.tma_fwd import phase_weight_kernel
+
+    Kg, Cg, R, S = 70, 66, 3, 2
+    K, C = Kg * groups, Cg * groups
+    w = torch.randn(K, Cg, R, S, device=device)
+    if channels_last:
+        w = w.contiguous(memory_format=torch.channels_last)
+    out = torch.full((C * R * S * Kg,), float("nan"), device=device)
+    phase_weight_kernel[(cdiv(Kg, 64), cdiv(C, 64), R * S)](w, out, C, Kg, Cg, S, R - 1, S - 1, 1, 1, *w.stride(),
+                                                             BLOCK_C=64, BLOCK_K=64)
+    want = torch.empty(C, R, S, Kg, device=device)
+    for c in range(C):
+        grp = c // Cg
+        want[c] = w[grp * Kg:(grp + 1) * Kg, c - grp * Cg].flip(1, 2).permute(1, 2, 0)
+    assert torch.equal(out.view(C, R, S, Kg), want)
