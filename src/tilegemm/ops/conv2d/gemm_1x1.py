@@ -106,6 +106,43 @@ def strided_dgrad(dy: torch.Tensor, weight: torch.Tensor, g, precision: str) -> 
     return dx.permute(0, 3, 1, 2)
 
 
+# The weight gradient of a stride-1 1x1 layer, ``dw[K, C] = dy^T @ x`` over the N*H*W pixels: few output tiles over
+# a long reduction. split_k's untimed choice ranked big tiles in a wave of slices first (128x256x100352, 256 -> 128
+# at 56x56: 128x256 tiles in 132 slices, slower than any of the five configs timed fastest), where 64x64x128
+# tiles on a 6-deep pipeline in one wave of slices ran best or within 4% of best on the four such layers with up
+# to 16 of those tiles (35.2 us against 33.3 for cuBLAS there; H200, tools/time_candidates.py,
+# benchmarks/results/2026-11-25-h200/7e2b5b8/candidates-*-TN.json). Layers with more tiles keep split_k's choice
+# (2048x512x1568: 64x128 tiles unsplit, its best).
+WGRAD_TILE = (64, 64, 128, 4, 6)  # BLOCK_M, BLOCK_N, BLOCK_K (16-bit), warps, stages
+
+
+def pointwise_wgrad(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
+    """``a @ b`` for a 1x1 layer's weight gradient (``a = dy^T`` ``[K, NHW]``, ``b = x`` ``[NHW, C]``), through
+    ``split_k`` on a GPU: for 16-bit operands with at most one 64x64 tile an SM, :data:`WGRAD_TILE` in one wave of
+    K slices; otherwise split_k's own choice (on ResNet-50's twelve 1x1 layers split_k ran 0.85x cuDNN's weight
+    gradient where auto's general choice ran 0.74x; H200, CUDA graphs,
+    ``benchmarks/results/2026-11-24-h200/f063e9f/wgrad-1x1.json``). Elsewhere ``auto``."""
+    from tilegemm.core.hardware import sm_count
+    from tilegemm.core.runtime import cdiv, interpreting, new_output
+    from tilegemm.ops.matmul import split_k
+    from tilegemm.ops.matmul.api import matmul
+    from tilegemm.ops.matmul.problem import make_problems
+
+    if not a.is_cuda or interpreting():
+        return matmul(a, b, precision=precision)
+    bm, bn, bk, warps, stages = WGRAD_TILE
+    (M, K), N = a.shape, b.shape[1]
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    sms = sm_count(a.device)
+    if a.element_size() != 2 or b.dtype != a.dtype or tiles > sms:
+        return matmul(a, b, precision=precision, kernel="split_k")
+    cfg = split_k.make_config(bm, bn, bk, warps, stages, split_k.wave_split(tiles, cdiv(K, bk), sms))
+    out = new_output((M, N), a.dtype, a.device)
+    for p in make_problems(a, b, out, None, None, 1.0, 0.0, "none", precision, False):
+        split_k.run(p, cfg)
+    return out
+
+
 def applies(p: ConvProblem) -> str | None:
     """None when this kernel takes the problem, else why not."""
     g = p.geo

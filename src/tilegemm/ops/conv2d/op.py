@@ -228,14 +228,10 @@ def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torc
     precision = resolve_precision(precision, x.dtype)
     with on_device(x.device):
         if g.is_pointwise:
-            from tilegemm.ops.matmul.api import matmul
+            from tilegemm.ops.conv2d.gemm_1x1 import pointwise_wgrad
 
-            # [K, NHW] @ [NHW, C]: a few output tiles over a reduction as long as the pixels, split_k's class.
-            # On ResNet-50's twelve 1x1 layers split_k ran 0.85x cuDNN's weight gradient where auto's general
-            # choice ran 0.74x (H200, CUDA graphs; benchmarks/results/2026-11-24-h200/f063e9f/wgrad-1x1.json).
-            dw = matmul(_as_nhwc_2d(dy).t(), _as_nhwc_2d(x), precision=precision,
-                        kernel="split_k" if dy.is_cuda else "auto")
-            return dw.view(w_shape)
+            # [K, NHW] @ [NHW, C]: a few output tiles over a reduction as long as the pixels, split_k's class
+            return pointwise_wgrad(_as_nhwc_2d(dy).t(), _as_nhwc_2d(x), precision).view(w_shape)
         if g.is_depthwise:
             from tilegemm.ops.conv2d import depthwise
 
