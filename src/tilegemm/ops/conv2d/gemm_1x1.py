@@ -32,7 +32,7 @@ def subsample_kernel(src_ptr, dst_ptr, rows, C, P, Q, stride_n, stride_p, stride
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """``dst[(n*P + p)*Q + q, c] = src[n*stride_n + p*stride_p + q*stride_q + c]``: the pixels a strided 1x1
     convolution reads (channels contiguous), as the rows of a row-major ``[N*P*Q, C]`` matrix."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR] output rows: pixels (n, p, q)
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR] output rows: pixels (n, p, q)
     n = r // (P * Q)
     p = (r // Q) % P
     q = r % Q
@@ -52,15 +52,15 @@ def spread_kernel(src_ptr, dst_ptr, pixels, C, H, W, P, Q, SH: tl.constexpr, SW:
     """``dst[(n*H + h)*W + w, c] = src[(n*P + h/SH)*Q + w/SW, c]`` where SH divides h and SW divides w, else 0:
     a strided 1x1 convolution's data gradient from its row-major ``[N*P*Q, C]`` product, every row of the
     row-major ``[N*H*W, C]`` output written (the inverse of :func:`subsample_kernel`, zeros between)."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR] output rows: input pixels (n, h, w)
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR] output rows: pixels (n, h, w)
     w = r % W
     h = (r // W) % H
     n = r // (H * W)
     r_ok = r < pixels
     # A kept pixel's row of the product (h // SH < P holds for every h < H when SH divides h).
     hit = r_ok & (h % SH == 0) & (w % SW == 0) & (w // SW < Q)
-    src_row = ((n.to(tl.int64) * P + h // SH) * Q + w // SW) * C
-    dst_row = r.to(tl.int64) * C
+    src_row = ((n * P + h // SH) * Q + w // SW) * C
+    dst_row = r * C
     for c0 in range(0, C, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         c_ok = (c < C)[None, :]

@@ -6,8 +6,9 @@ traces the forward and the backward without graph breaks: ``tilegemm::conv2d`` (
 activation fused), ``tilegemm::conv2d_dgrad`` (grad of x) and ``tilegemm::conv2d_wgrad`` (grad of the weight).
 The backward never calls cuDNN: it runs tilegemm's kernels (on Hopper, for 16-bit channels-last tensors, the
 TMA kernels: the stride-1 data gradient as a forward convolution, the weight gradient by ``tma_wgrad``;
-otherwise the implicit-GEMM pointer kernels, the depthwise kernels, or ``tilegemm.matmul`` for 1x1
-convolutions, gluon_f16 directly for the data gradient of wide ones over many pixels).
+otherwise the implicit-GEMM pointer kernels, the depthwise kernels, or GEMMs for 1x1 convolutions: ``split_k``
+for the weight gradient, gluon_f16 or ``auto``'s choice for the data gradient, spread out by
+``gemm_1x1.strided_dgrad`` for strided ones).
 """
 
 from __future__ import annotations
