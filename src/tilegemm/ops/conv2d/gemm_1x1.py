@@ -68,6 +68,31 @@ def spread_kernel(src_ptr, dst_ptr, pixels, C, H, W, P, Q, SH: tl.constexpr, SW:
         tl.store(dst_ptr + dst_row[:, None] + c[None, :], v, mask=r_ok[:, None] & c_ok)
 
 
+def dgrad_product(dy2d: torch.Tensor, w2d: torch.Tensor, image: tuple[int, int, int], precision: str,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``dy2d @ w2d`` (``[N*P*Q, K] @ [K, C]``): a 1x1 layer's data gradient over the ``image`` (N, P, Q) of
+    output pixels, run as the transposed layer's forward (K -> C channels) would be: :func:`gluon_1x1` by its
+    rule, else ``auto``'s choice (:func:`tilegemm.matmul`, or launched straight into ``out`` when given)."""
+    from tilegemm.core.runtime import interpreting
+    from tilegemm.ops.conv2d.problem import Geometry
+
+    (K, C), (n, p, q) = w2d.shape, image
+    done = gluon_1x1(dy2d, w2d, Geometry(n, K, p, q, C, 1, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1)), out=out)
+    if done is not None:
+        return done
+    if out is None:
+        from tilegemm.ops.matmul.api import matmul
+
+        return matmul(dy2d, w2d, precision=precision)
+    from tilegemm.ops.matmul.dispatch import launch_auto
+    from tilegemm.ops.matmul.problem import make_problems
+
+    upcast = dy2d.dtype == torch.bfloat16 and interpreting()
+    for gp in make_problems(dy2d, w2d, out, None, None, 1.0, 0.0, "none", precision, upcast):
+        launch_auto(gp)
+    return out
+
+
 def strided_dgrad(dy: torch.Tensor, weight: torch.Tensor, g, precision: str) -> torch.Tensor:
     """The data gradient of strided 1x1 layer ``g`` (:attr:`Geometry.is_strided_pointwise`) for a channels-last
     ``dy``: ``[N, C, H, W]``, channels-last. The product ``dy @ w`` over the kept pixels runs as the transposed
@@ -78,11 +103,8 @@ def strided_dgrad(dy: torch.Tensor, weight: torch.Tensor, g, precision: str) -> 
     cuDNN's GPU time (e.g. 1024 -> 2048 at 14x14: 69.8 against 21.4 us; H200,
     `benchmarks/results/2026-11-24-h200/cd4832f/`), each output pixel gathered through its own address."""
     from tilegemm.core.launch import current_stream, keeping, launch, sequence_lock
-    from tilegemm.core.runtime import cdiv, interpreting, new_output
+    from tilegemm.core.runtime import cdiv, new_output
     from tilegemm.core.workspace import buffer
-    from tilegemm.ops.conv2d.problem import Geometry
-    from tilegemm.ops.matmul.dispatch import launch_auto
-    from tilegemm.ops.matmul.problem import make_problems
 
     rows = g.N * g.P * g.Q
     dy2d = dy.permute(0, 2, 3, 1).reshape(rows, g.K)  # a view of a channels-last dy
@@ -92,12 +114,7 @@ def strided_dgrad(dy: torch.Tensor, weight: torch.Tensor, g, precision: str) -> 
         buf = buffer(dy.device, dy.dtype, rows * g.C, "conv2d-dgrad-spread")
         small = buf[: rows * g.C].view(rows, g.C)
         with keeping(buf):
-            # the transposed layer (K -> C channels over the kept pixels), by the forward's rule for gluon_f16
-            gt = Geometry(g.N, g.K, g.P, g.Q, g.C, 1, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1))
-            if gluon_1x1(dy2d, w2d, gt, out=small) is None:
-                upcast = dy.dtype == torch.bfloat16 and interpreting()
-                for gp in make_problems(dy2d, w2d, small, None, None, 1.0, 0.0, "none", precision, upcast):
-                    launch_auto(gp)
+            dgrad_product(dy2d, w2d, (g.N, g.P, g.Q), precision, out=small)
         block_r, block_c = 64, 64
         pixels = g.N * g.H * g.W
         launch(spread_kernel, (cdiv(pixels, block_r),), (small, dx, pixels, g.C, g.H, g.W, g.P, g.Q),

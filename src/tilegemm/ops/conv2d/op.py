@@ -170,14 +170,9 @@ def _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation, grou
 
             w2d = weight.reshape(g.K, g.C)  # [K, C]
             if x_channels_last:
-                from tilegemm.ops.conv2d.gemm_1x1 import gluon_1x1
+                from tilegemm.ops.conv2d.gemm_1x1 import dgrad_product
 
-                dy2d = _as_nhwc_2d(dy)
-                # the transposed layer (K -> C channels), by the forward's rule for gluon_f16
-                gt = Geometry(g.N, g.K, g.H, g.W, g.C, 1, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1))
-                dx = gluon_1x1(dy2d, w2d, gt)
-                if dx is None:
-                    dx = matmul(dy2d, w2d, precision=precision)  # [NHW, C]
+                dx = dgrad_product(_as_nhwc_2d(dy), w2d, (g.N, g.H, g.W), precision)  # [NHW, C]
                 return dx.view(g.N, g.H, g.W, g.C).permute(0, 3, 1, 2)
             dx = matmul(w2d.t(), dy.reshape(g.N, g.K, g.H * g.W), precision=precision)  # [N, C, HW]
             return dx.view(g.N, g.C, g.H, g.W)
