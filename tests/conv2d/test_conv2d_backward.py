@@ -102,6 +102,32 @@ def test_opcheck(device):
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+@pytest.mark.parametrize("w_shape,groups,cl", [((6, 4, 3, 3), 1, True), ((6, 4, 3, 3), 1, False),
+                                               ((6, 2, 3, 1), 2, True), ((6, 4, 1, 1), 1, True),
+                                               ((8, 1, 3, 3), 4, True)])
+def test_weight_gradient_follows_the_activations_layout(w_shape, groups, cl, device):
+    """A channels-last activation gets a channels-last weight gradient (as torch's cuDNN path returns it), a
+    contiguous one a contiguous gradient; 1x1 and one-channel filters, where the two layouts are the same
+    memory, contiguous ones. The fake says the same strides, and the values are F.conv2d's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(2, 4, 7, 6, device=device)
+    x = x.contiguous(memory_format=CL) if cl else x
+    K, _, R, S = w_shape
+    dy = torch.randn(2, K, 7 - R + 3, 6 - S + 3, device=device).contiguous(memory_format=CL)
+    args = (dy, x, list(w_shape), [1, 1], [1, 1, 1, 1], [1, 1], groups, "ieee")
+    dw = torch.ops.tilegemm.conv2d_wgrad(*args)
+    want = torch.channels_last if cl and R * S > 1 and w_shape[1] > 1 else torch.contiguous_format
+    assert dw.is_contiguous(memory_format=want)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = torch.ops.tilegemm.conv2d_wgrad(mode.from_tensor(dy), mode.from_tensor(x), *args[2:])
+    assert fake.shape == dw.shape and fake.stride() == dw.stride()
+    xr = x.double().requires_grad_()
+    wr = torch.zeros(w_shape, dtype=torch.float64, device=device, requires_grad=True)
+    torch.nn.functional.conv2d(xr, wr, None, 1, 1, 1, groups).backward(dy.double())
+    assert_rel_close(dw, wr.grad, 1e-5)
+
+
 def test_torch_compile_fullgraph_forward_and_backward(device):
     def f(x, w, b):
         return tilegemm.conv2d(x, w, b, stride=1, padding=1, activation="gelu", precision="ieee") * 2.0

@@ -439,8 +439,8 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
 
 
 def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, precision: str, upcast: bool, out_dtype: torch.dtype,
-          config: dict | None = None) -> torch.Tensor:
-    """grad of the weight: ``[K, C/groups, R, S]`` (contiguous), from ``dy`` ``[N, K, P, Q]`` and ``x``.
+          config: dict | None = None, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    """grad of the weight: ``[K, C/groups, R, S]`` in ``memory_format``, from ``dy`` ``[N, K, P, Q]`` and ``x``.
 
     The pixel reduction is split over ``SPLIT`` programs per tile; the last to arrive adds the fp32 partial
     tiles in a fixed order and stores the result (:mod:`tilegemm.core.workspace`), so the whole gradient is
@@ -459,7 +459,7 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, precision: str, upcast
     # Slices are whole BLOCK_K steps, so every program but the last starts and ends on a step.
     slice_len = cdiv(cdiv(npq, cfg["SPLIT"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = cfg["SPLIT"] = max(1, cdiv(npq, slice_len))
-    dw = new_output((g.K, g.Cg, g.R, g.S), out_dtype, dy.device)
+    dw = empty_4d((g.K, g.Cg, g.R, g.S), out_dtype, dy.device, memory_format)
     flat = cfg.pop("FLAT", False)
     cols, taps = wgrad_columns(g, flat)
     grid = (cdiv(g.Kg, cfg["BLOCK_M"]) * cdiv(cols, cfg["BLOCK_N"]), taps * g.groups, split)

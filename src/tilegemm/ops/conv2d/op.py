@@ -216,11 +216,20 @@ def _dgrad_fake(dy, weight, x_shape, x_channels_last, stride, padding, dilation,
     return torch.empty(x_shape, dtype=dy.dtype, device=dy.device, memory_format=fmt)
 
 
+def wgrad_format(x: torch.Tensor, w_shape) -> torch.memory_format:
+    """The weight gradient's memory format: channels-last where ``x`` is channels-last and the filter has more than
+    one tap and channel (where the two differ), as torch's cuDNN path returns it; else contiguous. The kernels
+    store a tile of one tap as whole rows then, not one element every R*S."""
+    _, cg, r, s = w_shape
+    return torch.channels_last if r * s > 1 and cg > 1 and channels_last(x) else torch.contiguous_format
+
+
 def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torch.Tensor:
-    """The weight gradient (what ``tilegemm::conv2d_wgrad`` runs)."""
+    """The weight gradient (what ``tilegemm::conv2d_wgrad`` runs), in :func:`wgrad_format`."""
     g = geometry_of(x.shape, w_shape, stride, padding, dilation, groups)
+    fmt = wgrad_format(x, w_shape)
     if dy.numel() == 0:
-        return torch.zeros(w_shape, dtype=x.dtype, device=x.device)
+        return torch.zeros(w_shape, dtype=x.dtype, device=x.device).contiguous(memory_format=fmt)
     precision = resolve_precision(precision, x.dtype)
     with on_device(x.device):
         if g.is_pointwise:
@@ -235,10 +244,10 @@ def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torc
         if _tma_usable(x, None, g, dy):
             from tilegemm.ops.conv2d import tma_wgrad
 
-            return tma_wgrad.run(dy, x, g, x.dtype)
+            return tma_wgrad.run(dy, x, g, x.dtype, memory_format=fmt)
         from tilegemm.ops.conv2d import implicit_gemm
 
-        return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype)
+        return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype, memory_format=fmt)
 
 
 def backward_data(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision):
@@ -255,7 +264,7 @@ def backward_weight(dy, x, w_shape, stride, padding, dilation, groups, precision
     launches only kernels: the 1x1 path's GEMM, the implicit-GEMM and depthwise kernels that add their slices
     in one launch)."""
     key = replay.replay_key("wgrad", dy, x, None, (stride, padding, dilation, groups), tuple(w_shape), precision)
-    return replay.replay_or_record(key, (dy, x), torch.contiguous_format, lambda: _wgrad(
+    return replay.replay_or_record(key, (dy, x), wgrad_format(x, w_shape), lambda: _wgrad(
         dy, x, w_shape, stride, padding, dilation, groups, precision))
 
 
@@ -275,7 +284,7 @@ def _wgrad_op(
 
 @_wgrad_op.register_fake
 def _wgrad_fake(dy, x, w_shape, stride, padding, dilation, groups, precision):
-    return torch.empty(w_shape, dtype=x.dtype, device=x.device)
+    return torch.empty(w_shape, dtype=x.dtype, device=x.device, memory_format=wgrad_format(x, w_shape))
 
 
 # --- autograd: recompute the pre-activation, differentiate the activation with torch ----------------------

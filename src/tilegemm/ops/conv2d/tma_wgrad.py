@@ -203,12 +203,15 @@ def split_for(tiles: int, patches: int, slots: int, fill: float = FILL, per_slic
     return min(range(1, max(1, min(64, patches // 8)) + 1), key=cost)
 
 
-def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict | None = None) -> torch.Tensor:
-    """grad of the weight, ``[K, C/groups, R, S]`` contiguous, for ``dy`` and ``x`` that :func:`unusable` takes."""
+def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict | None = None,
+        memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    """grad of the weight, ``[K, C/groups, R, S]`` in ``memory_format``, for ``dy`` and ``x`` that :func:`unusable`
+    takes. Channels-last is the fast one: a tile's rows (one output channel, one tap) are then contiguous, where
+    contiguous ones scatter every element R*S elements apart (512 -> 512 3x3 at 7x7: 29 against 45 us, H200)."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import current_stream, launch
-    from tilegemm.core.runtime import new_output
     from tilegemm.core.workspace import split_workspace
+    from tilegemm.ops.conv2d.implicit_gemm import empty_4d
 
     cfg = dict(cfg or config(g, sm_count(dy.device)))
     bi, bh, bw = cfg["BI"], cfg["BH"], cfg["BW"]
@@ -216,7 +219,7 @@ def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict 
     patches = cdiv(g.N, bi) * cdiv(g.P, bh) * cdiv(g.Q, bw)
     slice_len = cdiv(patches, cfg["SPLIT"])
     split = cdiv(patches, slice_len)
-    dw = new_output((g.K, g.Cg, g.R, g.S), out_dtype, dy.device)
+    dw = empty_4d((g.K, g.Cg, g.R, g.S), out_dtype, dy.device, memory_format)
     grid = (cdiv(g.Kg, bm) * cdiv(g.Cg, bn), g.R * g.S * g.groups, split)
     tiles = grid[0] * grid[1]
     if split > 1:
