@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tilegemm
-from tilegemm.ops.matmul import persistent_tma, split_k
+from tilegemm.ops.matmul import persistent_tma, split_k, split_reduce
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
@@ -255,7 +255,10 @@ def test_split_k_reduces_apart_only_past_its_byte_bound():
     assert not split_k.reduce_apart(dict(cfg, SPLIT_K=3, SLICES=False))  # atomics: one plane
     assert not split_k.reduce_apart(dict(cfg, SPLIT_K=1))
     assert split_k.reduce_block(4096, 4096, 1, 132) == (64, 64)
-    assert split_k.reduce_block(184, 168, 1, 132) == (16, 32)
+    assert split_k.reduce_block(184, 168, 1, 132) == (4, 32)  # 276 blocks
+    assert split_k.reduce_block(64, 64, 1, 132) == (4, 32)  # the smallest: few blocks, planes loaded 32 at once
+    assert split_reduce.reduce_planes(132, 4, 32) == 32 and split_reduce.reduce_planes(3, 4, 32) == 4
+    assert split_reduce.reduce_planes(132, 64, 64) == 2  # at most 64 values a thread
 
 
 def test_split_k_picks_more_splits_for_fewer_tiles(device):
