@@ -204,7 +204,8 @@ def launch_args(dy, x, g, dw, ws, count, pix: int, bn: int, stages: int, program
     args = (dy_desc, x_desc, dw, ws, count, g.Kg, g.Cg, g.C, cdiv(g.P, bh), cdiv(g.Q, bw), patches, tiles_n,
             tiles_mn, work, *dw.stride(), g.padding[0], g.padding[2], g.dilation[0], g.dilation[1], off_h, off_w)
     kwargs = dict(R=g.R, S=g.S, SH=g.stride[0], SW=g.stride[1], BI=bi, BH=bh, BW=bw, BLOCK_M=BLOCK_M,
-                  BLOCK_N=bn, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, **flags)
+                  BLOCK_N=bn, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    kwargs.update(flags)  # CONSUMER_REGS=104 lets two programs share an SM (research)
     return conv2d_wgrad_ws_kernel, (programs,), args, kwargs
 
 

@@ -5,7 +5,9 @@ result synchronized): one with an empty Triton cache (everything compiles), one 
 compiled by an earlier process are on disk), and one with a warm cache that made a call on another shape
 first (a 64^3 product): the per-shape cost without the once-per-process ones (importing Triton and the
 kernel modules, Triton hashing its own sources for its cache keys: about 0.3 + 0.2 + 0.4 s on the H100,
-research/profile_first_call.py). ``torch.matmul``'s first call is timed beside them.
+research/profile_first_call.py). ``torch.matmul``'s first call is timed beside them, and once, the first call
+of a trivial Triton kernel (empty and warm cache): what Triton alone costs a fresh process, the floor of any
+Triton library's first call.
 
     PYTHONPATH=src python3 tools/first_call.py [--shapes 333x333x8192,1x12345x4096] [--dtypes fp16,bf16] \
         [--out first-call.json]
@@ -33,6 +35,17 @@ b = torch.randn(k, n, device="cuda", dtype=dt)
 torch.cuda.synchronize()
 if which == "torch":
     f = torch.matmul
+elif which == "triton":  # the floor of any Triton library: a trivial kernel's first call (Triton's own costs)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _twice(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+    out = torch.empty_like(a)
+    f = lambda a, b: _twice[(triton.cdiv(a.numel(), 1024),)](a, out, a.numel(), BLOCK=1024)
 else:
     import tilegemm
     f = tilegemm.matmul
@@ -53,8 +66,12 @@ def run(shape, dtype, which, cache_dir) -> list[float]:
     # No user tuning cache either: an "unseen" shape must be unseen by tilegemm's tables too, shipped ones aside.
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, TILEGEMM_TUNING_CACHE="0")
     env.pop("TILEGEMM_TUNE", None)
-    done = subprocess.run([sys.executable, "-c", CHILD, *shape, dtype, which], env=env, capture_output=True,
-                          text=True, timeout=600)
+    with tempfile.TemporaryDirectory() as d:  # a file, not -c: Triton reads a kernel's source from its file
+        script = os.path.join(d, "first_call_child.py")
+        with open(script, "w") as f:
+            f.write(CHILD)
+        done = subprocess.run([sys.executable, script, *shape, dtype, which], env=env, capture_output=True,
+                              text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -67,6 +84,11 @@ def main() -> None:
     ap.add_argument("--out", help="write the rows as JSON")
     args = ap.parse_args()
     rows = []
+    with tempfile.TemporaryDirectory() as cold:  # Triton's own floor, once: a trivial kernel on 64x64 fp16
+        floor = dict(empty_cache_s=run(["64", "64", "64"], "fp16", "triton", cold)[0],
+                     warm_cache_s=run(["64", "64", "64"], "fp16", "triton", cold)[0])
+    print(f"a trivial Triton kernel's first call: empty cache {floor['empty_cache_s']:.3f} s, warm cache "
+          f"{floor['warm_cache_s'] * 1e3:.1f} ms", flush=True)
     for text in args.shapes.split(","):
         shape = text.split("x")
         for dtype in args.dtypes.split(","):
@@ -83,7 +105,7 @@ def main() -> None:
                   f"torch.matmul first {torch_first[0] * 1e3:7.1f} ms", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(rows=rows), f, indent=1)
+            json.dump(dict(triton_floor=floor, rows=rows), f, indent=1)
     worst_empty = max(r["empty_cache_s"] for r in rows)
     worst_warm = max(r["warm_cache_s"] for r in rows)
     worst_after = max(r["warm_cache_after_a_call_s"] for r in rows)
