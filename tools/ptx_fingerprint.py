@@ -103,7 +103,7 @@ CONFIG_PARAMS = {
     "naive": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"),
     "grouped": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"),
     "split_k": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SLICES", "APART", "num_warps", "num_stages"),
-    "split_k_reduce": ("BLOCK_M", "BLOCK_N", "num_warps"),
+    "split_k_reduce": ("BLOCK_M", "BLOCK_N", "PLANES", "num_warps"),
     "persistent_tma": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SERPENTINE", "FLATTEN", "WARP_SPECIALIZE",
                        "HOST_DESC", "num_warps", "num_stages"),
     "gluon_f16": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "SHARED_OUT", "GROUP_M", "SERPENTINE", "num_warps"),

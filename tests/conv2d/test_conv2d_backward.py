@@ -102,10 +102,10 @@ def test_opcheck(device):
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
-@pytest.mark.parametrize("w_shape,groups,cl", [((6, 4, 3, 3), 1, True), ((6, 4, 3, 3), 1, False),
-                                               ((6, 2, 3, 1), 2, True), ((6, 4, 1, 1), 1, True),
-                                               ((8, 1, 3, 3), 4, True)])
-def test_weight_gradient_follows_the_activations_layout(w_shape, groups, cl, device):
+@pytest.mark.parametrize("w_shape,groups,cl,pad", [((6, 4, 3, 3), 1, True, 1), ((6, 4, 3, 3), 1, False, 1),
+                                                   ((6, 2, 3, 1), 2, True, 1), ((6, 4, 1, 1), 1, True, 1),
+                                                   ((6, 4, 1, 1), 1, True, 0), ((8, 1, 3, 3), 4, True, 1)])
+def test_weight_gradient_follows_the_activations_layout(w_shape, groups, cl, pad, device):
     """A channels-last activation gets a channels-last weight gradient (as torch's cuDNN path returns it), a
     contiguous one a contiguous gradient; 1x1 and one-channel filters, where the two layouts are the same
     memory, contiguous ones. The fake says the same strides, and the values are F.conv2d's."""
@@ -114,8 +114,8 @@ def test_weight_gradient_follows_the_activations_layout(w_shape, groups, cl, dev
     x = torch.randn(2, 4, 7, 6, device=device)
     x = x.contiguous(memory_format=CL) if cl else x
     K, _, R, S = w_shape
-    dy = torch.randn(2, K, 7 - R + 3, 6 - S + 3, device=device).contiguous(memory_format=CL)
-    args = (dy, x, list(w_shape), [1, 1], [1, 1, 1, 1], [1, 1], groups, "ieee")
+    dy = torch.randn(2, K, 7 - R + 1 + 2 * pad, 6 - S + 1 + 2 * pad, device=device).contiguous(memory_format=CL)
+    args = (dy, x, list(w_shape), [1, 1], [pad] * 4, [1, 1], groups, "ieee")  # pad 0 1x1: the GEMM path
     dw = torch.ops.tilegemm.conv2d_wgrad(*args)
     want = torch.channels_last if cl and R * S > 1 and w_shape[1] > 1 else torch.contiguous_format
     assert dw.is_contiguous(memory_format=want)
@@ -124,7 +124,7 @@ def test_weight_gradient_follows_the_activations_layout(w_shape, groups, cl, dev
     assert fake.shape == dw.shape and fake.stride() == dw.stride()
     xr = x.double().requires_grad_()
     wr = torch.zeros(w_shape, dtype=torch.float64, device=device, requires_grad=True)
-    torch.nn.functional.conv2d(xr, wr, None, 1, 1, 1, groups).backward(dy.double())
+    torch.nn.functional.conv2d(xr, wr, None, 1, pad, 1, groups).backward(dy.double())
     assert_rel_close(dw, wr.grad, 1e-5)
 
 

@@ -292,7 +292,7 @@ _COMPILE_WGRAD = SM90 + textwrap.dedent(
         x = torch.empty(N, H, H, C, dtype=torch.float16).permute(0, 3, 1, 2)
         dy = torch.empty(N, g.P, g.Q, K, dtype=torch.float16).permute(0, 3, 1, 2)
         cfg = dict(tma_wgrad.config(g, 132), **(v[7] if len(v) > 7 else {}))
-        tma_wgrad.run(dy, x, g, torch.float16, cfg)
+        tma_wgrad.run(dy, x, g, torch.float16, cfg, memory_format=torch.channels_last)  # as op._wgrad runs it
         sig, constexprs, attrs = launch_signature(seen["kernel"], seen["args"], seen["kwargs"])
         compiled, ptx, info = compile_sm90(seen["kernel"], sig, constexprs, attrs, seen["kwargs"]["num_warps"])
         report[name] = dict(split=seen["kwargs"]["SPLIT"], boxes=re.findall(r"cp\\.async\\.bulk\\.tensor\\.(\\d)d", ptx), mmas=len(re.findall(r"wgmma\\.mma_async", ptx)),

@@ -257,8 +257,29 @@ def test_split_k_reduces_apart_only_past_its_byte_bound():
     assert split_k.reduce_block(4096, 4096, 1, 132) == (64, 64)
     assert split_k.reduce_block(184, 168, 1, 132) == (4, 32)  # 276 blocks
     assert split_k.reduce_block(64, 64, 1, 132) == (4, 32)  # the smallest: few blocks, planes loaded 32 at once
-    assert split_reduce.reduce_planes(132, 4, 32) == 32 and split_reduce.reduce_planes(3, 4, 32) == 4
-    assert split_reduce.reduce_planes(132, 64, 64) == 2  # at most 64 values a thread
+    assert split_reduce.reduce_planes(132, 4, 32) == 32 and split_reduce.reduce_planes(3, 4, 32) == 8
+    assert split_reduce.reduce_planes(132, 16, 64) == 8  # at most 64 values a thread
+    assert split_reduce.reduce_planes(132, 64, 64) == 4 == split_reduce.reduce_planes(9, 32, 64)  # four-load loop
+
+
+@pytest.mark.parametrize("block,split", [((4, 32), 33), ((4, 32), 70), ((16, 64), 9), ((64, 64), 6)])
+def test_split_k_reduction_apart_over_chunks_of_planes(block, split, device, monkeypatch):
+    """The second launch's chunks of planes: several chunks, a last one cut short (its planes masked), and the
+    four-load loop of large blocks; batched, poisoned output, and the same bits from a second call."""
+    monkeypatch.setattr("tilegemm.ops.matmul.split_reduce.APART_BYTES", 0)
+    monkeypatch.setattr(split_k, "reduce_block", lambda *args: block)
+    M, N, K = 21, 70, 16 * split
+    a = torch.randn(2, M, K, device=device)
+    b = torch.randn(2, K, N, device=device)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, SPLIT_K=split, SLICES=True, num_warps=4,
+               num_stages=1)
+    outs = []
+    for _ in range(2):
+        out = torch.full((2, M, N), float("nan"), device=device)
+        split_k.run(make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0], cfg)
+        outs.append(out)
+    assert_rel_close(outs[0], matmul_reference(a, b), 1e-5)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_split_k_picks_more_splits_for_fewer_tiles(device):

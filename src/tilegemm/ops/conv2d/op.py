@@ -218,8 +218,9 @@ def _dgrad_fake(dy, weight, x_shape, x_channels_last, stride, padding, dilation,
 
 def wgrad_format(x: torch.Tensor, w_shape) -> torch.memory_format:
     """The weight gradient's memory format: channels-last where ``x`` is channels-last and the filter has more than
-    one tap and channel (where the two differ), as torch's cuDNN path returns it; else contiguous. The kernels
-    store a tile of one tap as whole rows then, not one element every R*S."""
+    one tap and channel (where the two differ), as torch's cuDNN path returns it for a channels-last ``x``; else
+    contiguous (cuDNN also returns channels-last for an NCHW ``x`` with a channels-last weight; here the layout
+    follows ``x`` alone). The kernels store a tile of one tap as whole rows then, not one element every R*S."""
     _, cg, r, s = w_shape
     return torch.channels_last if r * s > 1 and cg > 1 and channels_last(x) else torch.contiguous_format
 
@@ -229,7 +230,9 @@ def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torc
     g = geometry_of(x.shape, w_shape, stride, padding, dilation, groups)
     fmt = wgrad_format(x, w_shape)
     if dy.numel() == 0:
-        return torch.zeros(w_shape, dtype=x.dtype, device=x.device).contiguous(memory_format=fmt)
+        from tilegemm.ops.conv2d.implicit_gemm import empty_4d
+
+        return empty_4d(w_shape, x.dtype, x.device, fmt).zero_()
     precision = resolve_precision(precision, x.dtype)
     with on_device(x.device):
         if g.is_pointwise:

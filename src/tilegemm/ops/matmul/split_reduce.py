@@ -27,12 +27,14 @@ def split_k_reduce_kernel(
     FAST_ACCUM: tl.constexpr, DIVISORS: tl.constexpr,
     SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PLANES: tl.constexpr = 4,
 ):
-    """The second launch of a split with ``APART``: each program adds one block's SPLIT_K planes, ``PLANES``
-    of them loaded at once and summed as a fixed tree, the chunks in slice order (deterministic), and applies
-    the epilogue. It takes the split kernel's parameter list as it is (A and B unused), so both launches are
-    made from one argument tuple. Many small blocks spread the planes' reads over the SMs, and many planes in
-    flight keep a long split from waiting out one load latency after another; the last-arriving program of
-    the in-launch reduction reads a whole tile's planes alone."""
+    """The second launch of a split with ``APART``: each program adds one block's SPLIT_K planes and applies
+    the epilogue; a small block ``PLANES`` (8 or more) at once, each chunk summed as a fixed tree and the chunks
+    in slice order; a large one (``PLANES`` 4) four planes' loads in flight, added in slice order. Either order
+    is fixed for a given block and split (deterministic), but the last bits may differ from the in-launch
+    reduction's strict slice order. It takes the split kernel's parameter list as it is (A and B unused), so
+    both launches are made from one argument tuple. Many small blocks spread the planes' reads over the SMs,
+    and many planes in flight keep a long split from waiting out one load latency after another; the
+    last-arriving program of the in-launch reduction reads a whole tile's planes alone."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
     pid_m = pid // tiles_n
@@ -52,12 +54,26 @@ def split_k_reduce_kernel(
     planes = ws_ptr + offsets_2d_div(offs_m, offs_n, N, 1, DIV_N, 1)
     plane = M * N
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    chunk = tl.arange(0, PLANES)
-    for s in range(0, SPLIT_K, PLANES):
-        idx = s + chunk  # [PLANES] slices
-        part = tl.load(planes[None, :, :] + (idx * plane)[:, None, None],
-                       mask=inside[None, :, :] & (idx < SPLIT_K)[:, None, None], other=0.0, cache_modifier=".cg")
-        total += tl.sum(part, axis=0)
+    if PLANES >= 8:
+        # Small blocks: PLANES planes as one [PLANES, BM, BN] load, summed as a fixed tree.
+        chunk = tl.arange(0, PLANES)
+        for s in range(0, SPLIT_K, PLANES):
+            idx = s + chunk  # [PLANES] slices
+            part = tl.load(planes[None, :, :] + (idx * plane)[:, None, None],
+                           mask=inside[None, :, :] & (idx < SPLIT_K)[:, None, None], other=0.0, cache_modifier=".cg")
+            total += tl.sum(part, axis=0)
+    else:
+        # Large blocks (their 3-D chunk would hold too many values and addresses): four planes' loads in
+        # flight, added one after another.
+        for s in range(0, SPLIT_K, 4):
+            p0 = tl.load(planes + s * plane, mask=inside, other=0.0, cache_modifier=".cg")
+            p1 = tl.load(planes + (s + 1) * plane, mask=inside & (s + 1 < SPLIT_K), other=0.0, cache_modifier=".cg")
+            p2 = tl.load(planes + (s + 2) * plane, mask=inside & (s + 2 < SPLIT_K), other=0.0, cache_modifier=".cg")
+            p3 = tl.load(planes + (s + 3) * plane, mask=inside & (s + 3 < SPLIT_K), other=0.0, cache_modifier=".cg")
+            total += p0
+            total += p1
+            total += p2
+            total += p3
     epilogue_store(total, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_n, M, N,
                    stride_om, stride_on, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
                    alpha, beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, DIVISORS)
@@ -92,5 +108,7 @@ REDUCE_VALUES = 64 * 128
 
 def reduce_planes(split: int, bm: int, bn: int) -> int:
     """How many planes the reduction loads at once for a ``bm`` x ``bn`` block: as many as the split has (a
-    power of two), up to 32 and :data:`REDUCE_VALUES` values in flight."""
-    return max(1, min(triton.next_power_of_2(split), 32, REDUCE_VALUES // (bm * bn)))
+    power of two, 8 or more), up to 32 and :data:`REDUCE_VALUES` values in flight; 4 (the four-load loop)
+    where fewer than 8 would fit (blocks of 32x64 and 64x64)."""
+    planes = min(triton.next_power_of_2(split), 32, REDUCE_VALUES // (bm * bn))
+    return max(planes, 8) if REDUCE_VALUES // (bm * bn) >= 8 else 4
