@@ -114,6 +114,27 @@ def test_backward_gradients_replay_and_match_torch():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # the TMA kernel, and the pointer kernel
+def test_channels_last_weight_gradient_replays_in_its_layout(dtype):
+    """A channels-last activation's weight gradient is recorded and replayed channels-last, new values each
+    call."""
+    from tilegemm.ops.conv2d.op import backward_weight
+
+    replay.clear()
+    args = ([1, 1], [1, 1, 1, 1], [1, 1], 1, "ieee")
+    for _ in range(3):
+        x = torch.randn(2, 16, 9, 10, device="cuda", dtype=dtype).contiguous(memory_format=CL)
+        dy = torch.randn(2, 24, 9, 10, device="cuda", dtype=dtype).contiguous(memory_format=CL)
+        dw = backward_weight(dy, x, [24, 16, 3, 3], *args)
+        assert dw.is_contiguous(memory_format=CL) and not dw.is_contiguous()
+        xr = x.double().requires_grad_()
+        wr = torch.zeros(24, 16, 3, 3, dtype=torch.float64, device="cuda", requires_grad=True)
+        F.conv2d(xr, wr, padding=1).backward(dy.double())
+        assert_rel_close(dw, wr.grad, 4e-3 if dtype == torch.float16 else 1e-5)
+    assert replay.count() == 1  # recorded once, replayed twice
+
+
+@pytest.mark.gpu
 def test_replay_declines_on_another_stream():
     replay.clear()
     w = torch.randn(32, 16, 3, 3, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
