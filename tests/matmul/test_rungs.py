@@ -262,6 +262,24 @@ def test_split_k_reduces_apart_only_past_its_byte_bound():
     assert split_reduce.reduce_planes(132, 64, 64) == 4 == split_reduce.reduce_planes(9, 32, 64)  # four-load loop
 
 
+@settings(max_examples=300, deadline=None)
+@given(M=st.integers(1, 20000), N=st.integers(1, 30000), batch=st.integers(1, 8), sms=st.sampled_from([78, 114, 132]),
+       split=st.integers(2, 256))
+def test_reduction_apart_block_and_planes_stay_in_budget(M, N, batch, sms, split):
+    """Any product: the reduction's block is one of its six, two blocks an SM where any block gives that, and
+    its chunk of planes a power of two (8-32) within 64 values a thread, or the four-load loop for large blocks."""
+    bm, bn = split_k.reduce_block(M, N, batch, sms)
+    assert (bm, bn) in ((64, 64), (32, 64), (16, 64), (16, 32), (8, 32), (4, 32))
+    assert (bm, bn) == (4, 32) or -(-M // bm) * -(-N // bn) * batch >= 2 * sms
+    planes = split_reduce.reduce_planes(split, bm, bn)
+    if bm * bn >= 32 * 64:
+        assert planes == 4
+    else:
+        cap = min(32, 64 * 128 // (bm * bn))  # 32 planes, 64 values a thread
+        assert planes in (8, 16, 32) and planes <= cap
+        assert planes >= min(split, cap) and (planes < 2 * split or planes == 8)  # one chunk where it fits
+
+
 @pytest.mark.parametrize("block,split", [((4, 32), 33), ((4, 32), 70), ((16, 64), 9), ((64, 64), 6)])
 def test_split_k_reduction_apart_over_chunks_of_planes(block, split, device, monkeypatch):
     """The second launch's chunks of planes: several chunks, a last one cut short (its planes masked), and the
