@@ -55,7 +55,7 @@ def count(kernel, args, kwargs):
     sig, ce, at = signature(kernel, args, kw)
     ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))).asm["ptx"]
-    return dict(collections.Counter(re.findall(r"\b(cp\.async\.cg\S+|ld\.global\.\S+|st\.global\.\S+|wgmma\.mma\S+|mma\.sync\S+)", ptx)))
+    return dict(collections.Counter(re.findall(r"\b(cp\.async\.c[ag]\S+|ld\.global\.\S+|st\.global\.\S+|wgmma\.mma\S+|mma\.sync\S+)", ptx)))
 
 dy = torch.empty(N, K, H, W, dtype=torch.float16).to(memory_format=torch.channels_last)
 ig.dgrad(dy, w, x.shape, torch.channels_last, g, "ieee", False)
@@ -72,8 +72,15 @@ from tilegemm.ops.conv2d import depthwise as dw
 dw.launch = ig.launch
 xd = torch.empty(64, 192, 28, 28, dtype=torch.float16).to(memory_format=torch.channels_last)
 wd = torch.empty(192, 1, 3, 3, dtype=torch.float16).to(memory_format=torch.channels_last)
-gd = geometry_of(xd.shape, wd.shape, (1, 1), (1, 1, 1, 1), (1, 1), 192)
+gd = geometry_of(xd.shape, wd.shape, (2, 2), (1, 1, 1, 1), (1, 1), 192)  # strided: the pixel kernel
 dw.run(ConvProblem(xd, wd, None, gd, torch.float16, memory_format_of(xd), "none", "ieee", False))
 depthwise = count(captured[-1][0], captured[-1][2], captured[-1][3])
+rows = {}
+for size in (28, 56):  # stride 1: the row kernel, loads held in registers (28 rows) and pipelined (56)
+    xd = torch.empty(64, 192, size, size, dtype=torch.float16).to(memory_format=torch.channels_last)
+    gd = geometry_of(xd.shape, wd.shape, (1, 1), (1, 1, 1, 1), (1, 1), 192)
+    dw.run(ConvProblem(xd, wd, None, gd, torch.float16, memory_format_of(xd), "none", "ieee", False))
+    rows[size] = count(captured[-1][0], captured[-1][2], captured[-1][3])
 import json
-print(json.dumps(dict(fwd=fwd, dgrad=dgrad, dgrad_phased=dgrad_phased, wgrad=wgrad, depthwise=depthwise)))
+print(json.dumps(dict(fwd=fwd, dgrad=dgrad, dgrad_phased=dgrad_phased, wgrad=wgrad, depthwise=depthwise,
+                      depthwise_rows=rows[28], depthwise_rows_pipelined=rows[56])))

@@ -46,3 +46,17 @@ def test_depthwise_loads_its_channels_16_bytes_at_a_time(counts):
     # the weight too: read tap-major, a tap's channels are consecutive (in [K, 1, R, S] order each channel's
     # weight was its own 2-byte load, more load instructions than the activations' and the forward's limit)
     assert not any(op.startswith("ld.global.b16") for op in ops), f"2-byte loads: {ops}"
+
+
+@pytest.mark.parametrize("kernel", ["depthwise_rows", "depthwise_rows_pipelined"])
+def test_depthwise_rows_load_and_store_each_threads_run_at_once(counts, kernel):
+    # depthwise_rows_kernel: four elements a thread (8 bytes of fp16) per load and store in its loop; the only
+    # 2-byte loads are the weights, once a program (R*S taps x 4 elements), gathered from [K, 1, R, S]
+    ops = counts[kernel]
+    vector = ops.get("ld.global.v2.b32", 0) + ops.get("cp.async.ca.shared.global", 0)
+    assert vector > 0, f"{kernel}: no 8-byte loads of the activations: {ops}"
+    assert ops.get("ld.global.b16", 0) <= 9 * 4, f"{kernel}: 2-byte loads beyond the weights: {ops}"
+    assert any(op.startswith("st.global.v2") for op in ops), f"{kernel}: no 8-byte stores: {ops}"
+    assert not any(op.startswith("st.global.b16") for op in ops), f"{kernel}: 2-byte stores: {ops}"
+    if kernel.endswith("pipelined"):
+        assert ops.get("cp.async.ca.shared.global", 0) > 0, f"{kernel}: not pipelined through cp.async: {ops}"

@@ -120,6 +120,31 @@ def depthwise_fwd_config(g: Geometry, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=_pow2_at_least(g.K, 16, 32), UNROLL=unroll, num_warps=4, num_stages=2)
 
 
+# Stride-1 depthwise forwards run depthwise_rows_kernel: a program owns BLOCK elements of flattened
+# channels-last output rows and rolls down ROWS_PER rows, the weights of its elements in registers (R*S * BLOCK
+# / threads fp32 values a thread: hence the cap on taps; larger filters take the pixel kernel). Timed on
+# MobileNetV2's six stride-1 layers at batch 64 and a 5x5 layer (H200, CUDA graphs,
+# research/explore_depthwise_flat.py, benchmarks/results/2026-11-25-h200/ed547a3/): four elements a thread
+# (BLOCK 256 on 2 warps, 72-92 registers) ran best or within 5% of best almost everywhere, eight (150+
+# registers, a third of the programs an SM) up to 1.5x slower on the small images; 16-64 rows a program within
+# a few percent of each other, 4-8 up to 1.6x slower (halo rows and per-program setup). The loop's form by
+# image height: from 48 rows Triton's pipeliner with 3 stages (cp.async through shared memory: more bytes in
+# flight) ran 1.2x-1.25x faster than loads held a row ahead in registers (32 channels at 112x112: 39.8 against
+# 49.2 us; 144 at 56x56 48.4 against 60.8), below it the register form, with fewer instructions a row, ran
+# 1.05x-1.1x faster (384 at 14x14: 9.0 against 10.0 us; 960 at 7x7 8.2 against 8.7; 5x5 240 at 28x28 26.1
+# against 28.1); 192 at 28x28 tied (15.6 / 15.7). Against the pixel kernel: 1.2x-1.6x on each of them.
+DEPTHWISE_ROWS_MAX_TAPS = 25
+_DEPTHWISE_PIPELINE_ROWS = 48
+
+
+def depthwise_rows_config(g: Geometry, dtype: torch.dtype) -> dict:
+    """depthwise_rows_kernel's config (see above); small blocks under the interpreter."""
+    pipeline = g.P >= _DEPTHWISE_PIPELINE_ROWS
+    if interpreting():
+        return dict(BLOCK=32, ROWS_PER=4, PIPELINE=pipeline, STAGES=1, num_warps=4)
+    return dict(BLOCK=256, ROWS_PER=32, PIPELINE=pipeline, STAGES=3 if pipeline else 1, num_warps=2)
+
+
 def depthwise_config(g: Geometry, dtype: torch.dtype) -> dict:
     """The depthwise gradients' tile: [BLOCK_M pixels, BLOCK_N channels], channels contiguous."""
     if interpreting():

@@ -1,11 +1,18 @@
-"""Depthwise convolution (groups = C, one input channel per group) as a direct kernel, with its gradients.
+"""Depthwise convolution (groups = C, one input channel per group) as direct kernels, with its gradients.
 
 A depthwise filter has C/groups = 1, so its GEMM view is a K=R*S dot per channel: too thin for tensor cores.
-Instead a program owns [BLOCK_M pixels, BLOCK_N channels] of channels-last activations and adds up the R*S
-taps elementwise in fp32, each tap one coalesced [BM, BN] load. Output channel k reads input channel
-k // MULT (MULT = K / C, the channel multiplier; 1 in MobileNet). The forward reads the weight tap-major
-(``[R, S, K]``, rewritten each call by a small kernel), so that a tap's weights are one 16-byte load too, and
-unrolls the taps: it is bound by load instructions more than by DRAM (``configs.depthwise_fwd_config``).
+The taps are added up elementwise in fp32 over channels-last activations. Output channel k reads input
+channel k // MULT (MULT = K / C, the channel multiplier; 1 in MobileNet).
+
+- Stride 1 (:func:`depthwise_rows_kernel`): in channels-last memory an image row is one run of W*C elements,
+  and horizontal tap s of output element ``o = q*K + k`` is input element ``o + (s - pad_w)*C`` of a row (for
+  MULT = 1): a shift. A program owns BLOCK consecutive elements of output rows, whatever mix of pixels and
+  channels (no channel block is padded), loads its weights, bias and masks once, and rolls down its rows:
+  each input row is loaded once (S shifted vectors) and added into the R output rows it feeds.
+- Otherwise (:func:`depthwise_fwd_kernel`): a program owns [BLOCK_M pixels, BLOCK_N channels] and loads each
+  tap's [BM, BN] tile; the weight is read tap-major (``[R, S, K]``, rewritten each call by a small kernel) so
+  that a tap's weights are one 16-byte load, and the taps are unrolled. Both are bound by load and issue
+  slots more than by DRAM (``configs.depthwise_rows_config``, ``configs.depthwise_fwd_config``).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import torch
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.workspace import split_workspace
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
-from tilegemm.ops.conv2d.configs import depthwise_config, depthwise_fwd_config
+from tilegemm.ops.conv2d.configs import depthwise_config, depthwise_fwd_config, depthwise_rows_config
 from tilegemm.ops.conv2d.implicit_gemm import (
     _below_unspecialized,
     _conv_args,
@@ -111,6 +118,140 @@ def depthwise_weight_kernel(w_ptr, out_ptr, total, K, S, stride_wk, stride_wr, s
     s = rs - r * S
     ok = i < total
     tl.store(out_ptr + i, tl.load(w_ptr + k * stride_wk + r * stride_wr + s * stride_ws, mask=ok), mask=ok)
+
+
+@triton.jit
+def _roll_down(accs, R: tl.constexpr, BLOCK: tl.constexpr):
+    """The accumulators one row on: a fresh zero row first, the last (finished) one dropped."""
+    out = (tl.zeros((BLOCK,), dtype=tl.float32),)
+    for r in tl.static_range(R - 1):
+        out = out + (accs[r],)
+    return out
+
+
+@triton.jit
+def _finish_row(acc, p, p0, out_el, stride_op, o_ok, bias, ACTIVATION: tl.constexpr):
+    """Store output row ``p`` (bias and activation applied) if it is one of this program's (p >= p0)."""
+    if p >= p0:
+        y = apply_activation(acc + bias, ACTIVATION)
+        tl.store(out_el + p * stride_op, y.to(out_el.dtype.element_ty), mask=o_ok)
+
+
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "row_groups", "xn_d", "xh_d", "on_d", "op_d", "pad_h",
+                               "pad_w"])
+def depthwise_rows_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr,
+    H, W, P, Q, CD, row_groups,
+    xn_d, xh_d, on_d, op_d,
+    stride_on, stride_op, stride_oq, stride_ok,
+    stride_wk, stride_wr, stride_ws, pad_h, pad_w,
+    MULT: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DIV: tl.constexpr, CL_OUT: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS_PER: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr,
+):
+    # Stride 1, dilation 1. This program: BLOCK consecutive elements o = q*K + k of output rows p0 .. p1-1 of
+    # image n (channels-last, a row of Q*K elements is one run), whatever mix of pixels and channels that is.
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    n = tl.program_id(1) // row_groups
+    p0 = (tl.program_id(1) - n * row_groups) * ROWS_PER
+    p1 = tl.minimum(p0 + ROWS_PER, P)
+    # Sizes and strides in units of DIV elements (C = CD * DIV input channels, K = C * MULT output channels):
+    # products with the constant DIV are known multiples of it, and what is computed from o // DIV is
+    # constant over aligned runs of DIV, so the masks are too and the loads stay contiguous (16 bytes).
+    C = CD * DIV
+    KD = CD * MULT
+    K = KD * DIV
+    od = o // DIV
+    o_ok = od < Q * KD
+    q = od // KD
+    k = o - q * K
+    # Tap (r, s) of element o reads input element (q - pad_w + s)*C + k // MULT of input row p - pad_h + r:
+    # where MULT = 1, element o of the row shifted by (s - pad_w)*C.
+    if MULT == 1:
+        x_el = q * C + k - pad_w * C
+    else:
+        x_el = q * C + k // MULT - pad_w * C
+    ok_s = ()  # tap s's input column inside the image
+    for s in tl.static_range(S):
+        ok_s = ok_s + (o_ok & (q + s >= pad_w) & (q + s < W + pad_w),)
+    ws = ()  # the weights of this program's elements, every tap, once: from the [K, 1, R, S] weight as it lies
+    for rs in tl.static_range(R * S):
+        w_off = k * stride_wk + (rs // S) * stride_wr + (rs % S) * stride_ws
+        ws = ws + (tl.load(w_ptr + w_off, mask=o_ok, other=0.0).to(tl.float32),)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + k, mask=o_ok, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK,), dtype=tl.float32)
+    stride_xh = xh_d * DIV
+    x_img = x_ptr + n.to(tl.int64) * xn_d * DIV + x_el
+    if CL_OUT:
+        out_el = out_ptr + n.to(tl.int64) * on_d * DIV + o
+        stride_op = op_d * DIV
+    else:
+        out_el = out_ptr + n.to(tl.int64) * stride_on + q * stride_oq + k * stride_ok
+
+    # Rows roll through R accumulators: iteration t reads input row h = p0 - pad_h + t once (S shifted
+    # vectors) and adds it into the output rows p0 + t - r it feeds (accs[r]); row p0 + t - (R - 1) is then
+    # complete. S loads an input row instead of R*S an output row.
+    T = p1 - p0 + R - 1
+    accs = ()
+    for r in tl.static_range(R):
+        accs = accs + (tl.zeros((BLOCK,), dtype=tl.float32),)
+    if PIPELINE:
+        # Triton's pipeliner keeps STAGES - 1 rows of loads in flight (cp.async through shared memory): the
+        # larger images' form (research/explore_depthwise_flat.py).
+        for t in tl.range(0, T, num_stages=STAGES):
+            h = p0 - pad_h + t
+            row_ok = (h >= 0) & (h < H)
+            src = x_img + h * stride_xh
+            xs = ()
+            for s in tl.static_range(S):
+                xs = xs + (tl.load(src + s * C, mask=ok_s[s] & row_ok, other=0.0).to(tl.float32),)
+            new = ()
+            for r in tl.static_range(R):
+                a = accs[r]
+                for s in tl.static_range(S):
+                    a += xs[s] * ws[r * S + s]
+                new = new + (a,)
+            _finish_row(new[R - 1], p0 + t - (R - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
+            accs = _roll_down(new, R, BLOCK)
+    else:
+        # Fewer instructions an iteration: the loads STAGES rows ahead in registers and no row mask. The
+        # iterations before t_lo read rows above the image (they add nothing; those from R - 1 on finish rows),
+        # those from t_hi rows below it (a drain without loads).
+        t_lo = tl.maximum(pad_h - p0, 0)
+        t_hi = tl.maximum(tl.minimum(T, H + pad_h - p0), t_lo)
+        for t in range(tl.minimum(t_lo, R - 1), t_lo):
+            _finish_row(accs[R - 1], p0 + t - (R - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
+            accs = _roll_down(accs, R, BLOCK)
+        ring = ()
+        for j in tl.static_range(STAGES):
+            src = x_img + tl.minimum(p0 - pad_h + t_lo + j, H - 1) * stride_xh
+            for s in tl.static_range(S):
+                ring = ring + (tl.load(src + s * C, mask=ok_s[s], other=0.0),)
+        for t in range(t_lo, t_hi):
+            xs = ()
+            rest = ()
+            for j in tl.static_range(STAGES * S):
+                if j < S:
+                    xs = xs + (ring[j].to(tl.float32),)
+                else:
+                    rest = rest + (ring[j],)
+            src = x_img + tl.minimum(p0 - pad_h + t + STAGES, H - 1) * stride_xh  # clamped: a row of the image
+            for s in tl.static_range(S):
+                rest = rest + (tl.load(src + s * C, mask=ok_s[s], other=0.0),)
+            ring = rest
+            new = ()
+            for r in tl.static_range(R):
+                a = accs[r]
+                for s in tl.static_range(S):
+                    a += xs[s] * ws[r * S + s]
+                new = new + (a,)
+            _finish_row(new[R - 1], p0 + t - (R - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
+            accs = _roll_down(new, R, BLOCK)
+        for t in range(t_hi, T):
+            _finish_row(accs[R - 1], p0 + t - (R - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
+            accs = _roll_down(accs, R, BLOCK)
 
 
 @triton.jit(do_not_specialize=["H", "W", "P", "Q", "C", "M", "pad_h", "pad_w"])
@@ -225,10 +366,43 @@ def _w_strides(w: torch.Tensor) -> tuple:
     return w.stride(0), w.stride(2), w.stride(3)
 
 
+def rows_apply(g: Geometry, x: torch.Tensor) -> bool:
+    """Whether :func:`depthwise_rows_kernel` takes the forward: stride and dilation 1, at most
+    :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_ROWS_MAX_TAPS` taps (each takes registers), an input whose
+    image rows are runs of W*C elements (channels-last, not a view with gaps between pixels) and images with
+    32-bit offsets."""
+    from tilegemm.ops.conv2d.configs import DEPTHWISE_ROWS_MAX_TAPS
+
+    return (g.stride == (1, 1) and g.dilation == (1, 1) and g.R * g.S <= DEPTHWISE_ROWS_MAX_TAPS
+            and x.stride(1) == 1 and (x.stride(3) == g.C or g.W == 1)
+            and max(g.H * g.W * g.C, g.P * g.Q * g.K) < 2**31)
+
+
+def _run_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The forward by :func:`depthwise_rows_kernel`: one launch, the weight read as it lies."""
+    g = p.geo
+    rows_per = min(cfg.pop("ROWS_PER"), g.P)
+    groups = cdiv(g.P, rows_per)
+    cl_out = out.stride(1) == 1 and (out.stride(3) == g.K or g.Q == 1)
+    div = 8
+    for v in (g.C, x.stride(0), x.stride(2)) + ((out.stride(0), out.stride(2)) if cl_out else ()):
+        div = min(div, _divisor(v))
+    args = (x, p.weight, out, p.bias if p.bias is not None else out, g.H, g.W, g.P, g.Q, g.C // div, groups,
+            x.stride(0) // div, x.stride(2) // div, out.stride(0) // div, out.stride(2) // div,
+            out.stride(0), out.stride(2), out.stride(3), out.stride(1), *_w_strides(p.weight),
+            g.padding[0], g.padding[2])
+    flags = dict(MULT=g.K // g.C, R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, DIV=div,
+                 CL_OUT=cl_out, ROWS_PER=rows_per, **cfg)
+    launch(depthwise_rows_kernel, (cdiv(g.Q * g.K, cfg["BLOCK"]), g.N * groups), args, flags)
+    return out
+
+
 def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
-    """Forward; the output in ``p.out_format``. Two launches: the weight rearranged tap-major
+    """Forward; the output in ``p.out_format``. Stride-1 layers (:func:`rows_apply`) in one launch of
+    :func:`depthwise_rows_kernel`; the others in two: the weight rearranged tap-major
     (:func:`depthwise_weight_kernel`, into a per-stream workspace: a replay writes it again, so a weight
-    updated in place is read afresh), then the convolution."""
+    updated in place is read afresh), then :func:`depthwise_fwd_kernel`. A ``config`` names its kernel by
+    its keys (``ROWS_PER``: the row kernel)."""
     from tilegemm.core.launch import sequence_lock
     from tilegemm.core.workspace import buffer
 
@@ -240,6 +414,12 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
                             f"C={g.C}, groups={g.groups}")
     x = _nhwc(p.x)
     out = allocate_out(p)
+    if config is None and rows_apply(g, x):
+        config = depthwise_rows_config(g, p.dtype)
+    if config is not None and "ROWS_PER" in config:
+        if not rows_apply(g, x):
+            raise ValueError(f"depthwise_rows_kernel does not take this convolution ({g}); see rows_apply")
+        return _run_rows(p, x, out, dict(config))
     cfg = dict(config or depthwise_fwd_config(g, p.dtype))
     M = g.N * g.P * g.Q
     taps = g.R * g.S * g.K

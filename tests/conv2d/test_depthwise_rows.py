@@ -1,0 +1,120 @@
+"""The stride-1 depthwise forward over flattened channels-last rows (``depthwise_rows_kernel``): both loop forms
+(Triton's pipeliner, loads held rows ahead in registers) over filters up to 5x5, channel multipliers, padding
+taller than the filter's reach, rows per program that do and do not divide the image, blocks that straddle
+pixels and rows, both output layouts; which forwards take it; configs it refuses. Against ``F.conv2d`` in
+float64 with outputs poisoned (NaN) so an unwritten element fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tilegemm
+from tilegemm.ops.conv2d import depthwise
+from tilegemm.ops.conv2d.problem import ConvProblem, geometry_of
+
+from conftest import assert_rel_close
+
+
+def _problem(x, w, b, padding, out_format, activation="none", stride=(1, 1), dilation=(1, 1)):
+    g = geometry_of(x.shape, w.shape, list(stride), [padding[0], padding[0], padding[1], padding[1]],
+                    list(dilation), x.shape[1])
+    return ConvProblem(x, w, b, g, x.dtype, out_format, activation, "ieee", False)
+
+
+@st.composite
+def rows_cases(draw):
+    C = draw(st.integers(2, 40))  # one channel is a plain convolution (groups = 1)
+    R, S = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    padding = (draw(st.integers(0, 3)), draw(st.integers(0, 3)))
+    H = draw(st.integers(max(1, R - 2 * padding[0]), 12))
+    W = draw(st.integers(max(1, S - 2 * padding[1]), 12))
+    config = dict(BLOCK=draw(st.sampled_from([16, 32, 64])), ROWS_PER=draw(st.integers(1, 9)),
+                  PIPELINE=draw(st.booleans()), STAGES=draw(st.integers(1, 3)), num_warps=4)
+    return dict(N=draw(st.integers(1, 2)), C=C, mult=draw(st.integers(1, 3)), H=H, W=W, R=R, S=S,
+                padding=padding, bias=draw(st.booleans()), channels_last_out=draw(st.booleans()),
+                activation=draw(st.sampled_from(["none", "relu"])), config=config)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(c=rows_cases())
+def test_rows_kernel_matches_f_conv2d(c, device):
+    x = torch.randn(c["N"], c["C"], c["H"], c["W"], device=device).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(c["C"] * c["mult"], 1, c["R"], c["S"], device=device)
+    b = torch.randn(c["C"] * c["mult"], device=device) if c["bias"] else None
+    fmt = torch.channels_last if c["channels_last_out"] else torch.contiguous_format
+    p = _problem(x, w, b, c["padding"], fmt, c["activation"])
+    assert depthwise.rows_apply(p.geo, x)
+    out = depthwise.run(p, c["config"])
+    ref = F.conv2d(x.double(), w.double(), None if b is None else b.double(), 1, c["padding"], 1, c["C"])
+    if c["activation"] == "relu":
+        ref = F.relu(ref)
+    assert out.is_contiguous(memory_format=fmt)
+    assert_rel_close(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rows_kernel_both_forms_over_a_taller_image(pipeline, dtype, device):
+    # more rows than a program's, padding 3 around a 3x3 filter (rows above and below that add nothing), a
+    # block that straddles pixels; fp16 accumulates in fp32 like the reference's rounding allows
+    x = torch.randn(2, 24, 19, 9, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(24, 1, 3, 3, device=device, dtype=dtype)
+    b = torch.randn(24, device=device, dtype=dtype)
+    p = _problem(x, w, b, (3, 1), torch.channels_last)
+    out = depthwise.run(p, dict(BLOCK=32, ROWS_PER=5, PIPELINE=pipeline, STAGES=2, num_warps=4))
+    ref = F.conv2d(x.double(), w.double(), b.double(), 1, (3, 1), 1, 24)
+    assert_rel_close(out, ref, 2e-3 if dtype == torch.float16 else 1e-5)
+
+
+def _launched_kernels(monkeypatch):
+    names = []
+    real = depthwise.launch
+
+    def spy(kernel, *args, **kwargs):
+        names.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(depthwise, "launch", spy)
+    return names
+
+
+@pytest.mark.parametrize("stride, dilation, layout, expect", [
+    ((1, 1), (1, 1), "channels_last", ["depthwise_rows_kernel"]),
+    ((1, 1), (1, 1), "nchw", ["depthwise_rows_kernel"]),  # the input made channels-last first, as before
+    ((2, 2), (1, 1), "channels_last", ["depthwise_weight_kernel", "depthwise_fwd_kernel"]),
+    ((1, 1), (2, 2), "channels_last", ["depthwise_weight_kernel", "depthwise_fwd_kernel"]),
+    ((1, 1), (1, 1), "gapped", ["depthwise_weight_kernel", "depthwise_fwd_kernel"]),  # pixels not adjacent
+])
+def test_which_forwards_take_the_rows_kernel(stride, dilation, layout, expect, device, monkeypatch):
+    x = torch.randn(2, 16, 9, 18, device=device).contiguous(memory_format=torch.channels_last)
+    if layout == "nchw":
+        x = x.contiguous()
+    elif layout == "gapped":
+        x = x[:, :, :, ::2]  # channels at stride 1, pixels 2*C apart
+    w = torch.randn(16, 1, 3, 3, device=device)
+    launched = _launched_kernels(monkeypatch)
+    out = tilegemm.conv2d(x, w, None, stride, 1, dilation, 16, kernel="depthwise")
+    assert launched == expect
+    assert_rel_close(out, F.conv2d(x.double(), w.double(), None, stride, 1, dilation, 16), 1e-5)
+
+
+def test_a_larger_filter_takes_the_pixel_kernel(device, monkeypatch):
+    # 7x7: 49 taps of weights in registers a thread is past DEPTHWISE_ROWS_MAX_TAPS
+    x = torch.randn(1, 8, 10, 10, device=device).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 1, 7, 7, device=device)
+    launched = _launched_kernels(monkeypatch)
+    out = tilegemm.conv2d(x, w, None, 1, 3, 1, 8, kernel="depthwise")
+    assert launched == ["depthwise_weight_kernel", "depthwise_fwd_kernel"]
+    assert_rel_close(out, F.conv2d(x.double(), w.double(), None, 1, 3, 1, 8), 1e-5)
+
+
+def test_a_rows_config_for_a_strided_layer_is_refused(device):
+    x = torch.randn(1, 8, 9, 9, device=device).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 1, 3, 3, device=device)
+    p = _problem(x, w, None, (1, 1), torch.channels_last, stride=(2, 2))
+    with pytest.raises(ValueError, match="depthwise_rows_kernel does not take"):
+        depthwise.run(p, dict(BLOCK=32, ROWS_PER=4, PIPELINE=False, STAGES=1, num_warps=4))
