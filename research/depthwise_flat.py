@@ -1,20 +1,17 @@
-"""A stride-1 depthwise forward over flattened channels-last rows (exploration kernel).
+"""A depthwise forward over flattened channels-last rows, per output row (exploration kernel).
 
-In channels-last memory an image row is one contiguous run of W*C elements, and for a stride-1 depthwise
-filter (one input channel per output channel) horizontal tap s of output element ``o = q*C + c`` of a row is
-input element ``o + (s*DW - pad_w)*C`` of an input row: a plain shift. So a program here owns BLOCK
-consecutive elements of output rows (any mix of pixels and channels: no channel block is padded, whatever C)
-and walks ROWS_PER output rows of one image:
+In channels-last memory an image row is one run of W*C elements. A program owns BLOCK consecutive elements
+``o = q*K + k`` of output rows (any mix of pixels and channels: no channel block is padded, whatever C), loads
+the weights of its elements (a tuple of R*S vectors), the bias and the masks once, and walks ROWS_PER output
+rows of one image, each from R*S [BLOCK] loads (for stride 1 a horizontal tap is a shift of the row by C; for
+stride SW the input element is ``q*SW*C + k // MULT``, runs of C with gaps). Any stride, dilation and channel
+multiplier.
 
-- the weights of its elements, ``w[r, s, o % C]`` for every tap, are loaded once (a tuple of R*S vectors), as
-  are the bias and the masks (they depend on the position in the row, not on the row);
-- ``ROLL=False``: each output row loads R*S shifted [BLOCK] vectors (the rows above and below from L1/L2);
-- ``ROLL=True`` (dilation 1 along H): each input row is loaded once as S shifted vectors and added into the R
-  output rows it feeds, whose accumulators (a tuple) roll down one row an iteration: S loads an input row
-  instead of R*S an output row.
-
-Every load is a contiguous [BLOCK] vector of 16-byte pieces (C a multiple of 8). Not shipped:
-``research/explore_depthwise_flat.py`` times it beside the shipped kernel and cuDNN.
+The stride-1 forms that roll each input row through R accumulators (S loads an input row instead of R*S an
+output row) were explored here too and ship as ``tilegemm.ops.conv2d.depthwise.depthwise_rows_kernel``
+(``research/explore_depthwise_flat.py`` times them through it, ``--rolls 1,2``). This per-row form is not
+shipped: on strided 3x3 layers it beat the pixel kernel on the larger images but lost on 5x5 filters
+(``benchmarks/results/2026-11-25-h200/ed547a3/``).
 """
 
 from __future__ import annotations
@@ -24,16 +21,6 @@ import triton
 import triton.language as tl
 
 from tilegemm.jit.helpers import apply_activation
-
-
-@triton.jit
-def _store_row(acc, p, p0, out_el, stride_op, o_ok, bias, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
-    """Output row ``p`` from its accumulator, if it is one of this program's (p >= p0)."""
-    if p >= p0:
-        if HAS_BIAS:
-            acc += bias
-        acc = apply_activation(acc, ACTIVATION)
-        tl.store(out_el + p * stride_op, acc.to(out_el.dtype.element_ty), mask=o_ok)
 
 
 @triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "row_groups", "xn_d", "xh_d", "on_d", "op_d",
@@ -46,7 +33,7 @@ def depthwise_flat_kernel(
     stride_wk, stride_wr, stride_ws, pad_h, pad_w,
     MULT: tl.constexpr, R: tl.constexpr, S: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DIV: tl.constexpr, CL_OUT: tl.constexpr,
-    BLOCK: tl.constexpr, ROWS_PER: tl.constexpr, ROLL: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS_PER: tl.constexpr, STAGES: tl.constexpr,
 ):
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # element of an output row: q * K + k
     n = tl.program_id(1) // row_groups
@@ -86,98 +73,19 @@ def depthwise_flat_kernel(
     else:
         out_el = out_ptr + n.to(tl.int64) * stride_on + q * stride_oq + k * stride_ok
 
-    if ROLL == 2:
-        # As ROLL = 1, with the loads STAGES rows ahead in registers (a ring of raw 16-bit vectors) instead of
-        # Triton's pipeliner, and no row mask: the iterations run over the rows inside the image (earlier
-        # ones add nothing to this program's rows), then a drain without loads finishes the last rows.
-        T = p1 - p0 + R - 1
-        t_lo = tl.maximum(pad_h - p0, 0)
-        t_hi = tl.maximum(tl.minimum(T, H + pad_h - p0), t_lo)
-        accs = ()
+    for p in tl.range(p0, p1, num_stages=STAGES):
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for r in tl.static_range(R):
-            accs = accs + (tl.zeros((BLOCK,), dtype=tl.float32),)
-        # Rows above the image (padding taller than the filter's reach): nothing to add, but rows to finish.
-        for t in range(tl.minimum(t_lo, R - 1), t_lo):
-            _store_row(accs[R - 1], p0 + t - (R - 1), p0, out_el, stride_op, o_ok, bias, HAS_BIAS, ACTIVATION)
-            new = (tl.zeros((BLOCK,), dtype=tl.float32),)
-            for r in tl.static_range(R - 1):
-                new = new + (accs[r],)
-            accs = new
-        ring = ()
-        for j in tl.static_range(STAGES):
-            src = x_img + tl.minimum(p0 - pad_h + t_lo + j, H - 1) * stride_xh
-            for s in tl.static_range(S):
-                ring = ring + (tl.load(src + (s * DW) * C, mask=ok_s[s], other=0.0),)
-        for t in range(t_lo, t_hi):
-            src = x_img + tl.minimum(p0 - pad_h + t + STAGES, H - 1) * stride_xh  # clamped: a valid row
-            xs = ()
-            for s in tl.static_range(S):
-                xs = xs + (ring[s].to(tl.float32),)
-            rest = ()
-            for j in tl.static_range(S, STAGES * S):
-                rest = rest + (ring[j],)
-            for s in tl.static_range(S):
-                rest = rest + (tl.load(src + (s * DW) * C, mask=ok_s[s], other=0.0),)
-            ring = rest
-            new = ()
-            for r in tl.static_range(R):
-                a = accs[r]
-                for s in tl.static_range(S):
-                    a += xs[s] * ws[r * S + s]
-                new = new + (a,)
-            _store_row(new[R - 1], p0 + t - (R - 1), p0, out_el, stride_op, o_ok, bias, HAS_BIAS, ACTIVATION)
-            accs = (tl.zeros((BLOCK,), dtype=tl.float32),)
-            for r in tl.static_range(R - 1):
-                accs = accs + (new[r],)
-        for t in range(t_hi, T):
-            _store_row(accs[R - 1], p0 + t - (R - 1), p0, out_el, stride_op, o_ok, bias, HAS_BIAS, ACTIVATION)
-            new = (tl.zeros((BLOCK,), dtype=tl.float32),)
-            for r in tl.static_range(R - 1):
-                new = new + (accs[r],)
-            accs = new
-    elif ROLL:
-        # Iteration t reads input row h = p0 - pad_h + t, which feeds output rows p0 + t - r (r < R).
-        # accs[r] is output row p0 + t - r; row p0 + t - (R - 1) is complete after it.
-        accs = ()
-        for r in tl.static_range(R):
-            accs = accs + (tl.zeros((BLOCK,), dtype=tl.float32),)
-        for t in tl.range(0, p1 - p0 + R - 1, num_stages=STAGES):
-            h = p0 - pad_h + t
+            h = p * SH - pad_h + r * DH
             row_ok = (h >= 0) & (h < H)
             src = x_img + h * stride_xh
-            xs = ()
             for s in tl.static_range(S):
-                xs = xs + (tl.load(src + (s * DW) * C, mask=ok_s[s] & row_ok, other=0.0).to(tl.float32),)
-            new = ()
-            for r in tl.static_range(R):
-                a = accs[r]
-                for s in tl.static_range(S):
-                    a += xs[s] * ws[r * S + s]
-                new = new + (a,)
-            done = p0 + t - (R - 1)
-            if done >= p0:
-                y = new[R - 1]
-                if HAS_BIAS:
-                    y += bias
-                y = apply_activation(y, ACTIVATION)
-                tl.store(out_el + done * stride_op, y.to(out_ptr.dtype.element_ty), mask=o_ok)
-            accs = (tl.zeros((BLOCK,), dtype=tl.float32),)
-            for r in tl.static_range(R - 1):
-                accs = accs + (new[r],)
-    else:
-        for p in tl.range(p0, p1, num_stages=STAGES):
-            acc = tl.zeros((BLOCK,), dtype=tl.float32)
-            for r in tl.static_range(R):
-                h = p * SH - pad_h + r * DH
-                row_ok = (h >= 0) & (h < H)
-                src = x_img + h * stride_xh
-                for s in tl.static_range(S):
-                    xv = tl.load(src + (s * DW) * C, mask=ok_s[s] & row_ok, other=0.0)
-                    acc += xv.to(tl.float32) * ws[r * S + s]
-            if HAS_BIAS:
-                acc += bias
-            acc = apply_activation(acc, ACTIVATION)
-            tl.store(out_el + p * stride_op, acc.to(out_ptr.dtype.element_ty), mask=o_ok)
+                xv = tl.load(src + (s * DW) * C, mask=ok_s[s] & row_ok, other=0.0)
+                acc += xv.to(tl.float32) * ws[r * S + s]
+        if HAS_BIAS:
+            acc += bias
+        acc = apply_activation(acc, ACTIVATION)
+        tl.store(out_el + p * stride_op, acc.to(out_ptr.dtype.element_ty), mask=o_ok)
 
 
 def run(x: torch.Tensor, w: torch.Tensor, bias, stride, padding, dilation, cfg: dict, activation: str = "none",
@@ -189,6 +97,7 @@ def run(x: torch.Tensor, w: torch.Tensor, bias, stride, padding, dilation, cfg: 
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     assert x.stride(1) == 1 and (x.stride(3) == C or W == 1), "channels-last x: each row a run of W*C elements"
     assert K % C == 0 and w.shape[1] == 1
+    assert bias is None or bias.stride(0) == 1, "a contiguous bias"
     P = (H + 2 * ph - dh * (R - 1) - 1) // sh + 1
     Q = (W + 2 * pw - dw * (S - 1) - 1) // sw + 1
     assert max(H * W * C, P * Q * K) < 2**31, "one image's offsets are 32-bit"
@@ -198,7 +107,6 @@ def run(x: torch.Tensor, w: torch.Tensor, bias, stride, padding, dilation, cfg: 
     groups = triton.cdiv(P, rows_per)
     div = 8 if C % 8 == 0 else (4 if C % 4 == 0 else (2 if C % 2 == 0 else 1))
     grid = (triton.cdiv(Q * K, cfg["BLOCK"]), N * groups)
-    roll = int(cfg.get("ROLL", False)) if sh == 1 and dh == 1 else 0
     depthwise_flat_kernel[grid](
         x, w, out, bias if bias is not None else out,
         H, W, P, Q, C // div, groups, x.stride(0) // div, x.stride(2) // div, out.stride(0) // div,
@@ -206,6 +114,6 @@ def run(x: torch.Tensor, w: torch.Tensor, bias, stride, padding, dilation, cfg: 
         w.stride(0), w.stride(2), w.stride(3), ph, pw,
         MULT=K // C, R=R, S=S, SH=sh, SW=sw, DH=dh, DW=dw, HAS_BIAS=bias is not None, ACTIVATION=activation,
         DIV=div, CL_OUT=out.stride(1) == 1 and (out.stride(3) == K or Q == 1),
-        BLOCK=cfg["BLOCK"], ROWS_PER=rows_per, ROLL=roll, STAGES=cfg.get("STAGES", 1),
+        BLOCK=cfg["BLOCK"], ROWS_PER=rows_per, STAGES=cfg.get("STAGES", 1),
         num_warps=cfg.get("num_warps", 4))
     return out

@@ -1,12 +1,13 @@
-"""The flattened-row depthwise forward (``research/depthwise_flat.py``) against cuDNN and the shipped kernel.
+"""The flattened-row depthwise forwards against cuDNN and the pixel kernel: the per-row form
+(``research/depthwise_flat.py``, any stride) and the rolled forms (stride 1; shipped as
+``tilegemm.ops.conv2d.depthwise.depthwise_rows_kernel``, timed through it with a config forced).
 
-For each layer (MobileNetV2's depthwise layers at batch 64, plus 5x5 and dilated ones no sweep holds) this times
-from CUDA graphs (GPU time alone): cuDNN channels-last, ``tilegemm.conv2d`` (``auto``: today the pixel kernel
-after its weight rewrite), and every flat config of BLOCK x warps x ROWS_PER x ROLL x STAGES (``--blocks``, ``--rows``, ``--rolls``,
-``--stages``). Each variant is
-checked against an fp32 ``F.conv2d`` first; a wrong or failing one is recorded, never ranked. Prints each
-layer's five best flat configs with their DRAM rate (input + output bytes over the time) and writes ``--out``
-after every layer.
+For each layer (MobileNetV2's depthwise layers at batch 64, plus 5x5 and dilated ones no sweep holds) this
+times from CUDA graphs (GPU time alone): cuDNN channels-last, ``tilegemm.conv2d`` (``auto``), and every config
+of BLOCK x warps x ROWS_PER x ROLL x STAGES (``--blocks``, ``--rows``, ``--rolls``, ``--stages``; ROLL 0 the
+per-row form, 1 and 2 the rolled ones, stride-1 undilated layers only). Each variant is checked against an
+fp32 ``F.conv2d`` first; a wrong or failing one is recorded, never ranked. Prints each layer's five best configs
+with their DRAM rate (input + output bytes over the time) and writes ``--out`` after every layer.
 
     PYTHONPATH=src:research python3 research/explore_depthwise_flat.py --out depthwise-flat.json
 """
@@ -53,6 +54,8 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
     from tilegemm.core.hardware import machine_info
+    from tilegemm.ops.conv2d import depthwise
+    from tilegemm.ops.conv2d.problem import ConvProblem, geometry_of
 
     torch.backends.cudnn.benchmark = True
     cl = torch.channels_last
@@ -76,13 +79,19 @@ def main() -> None:
         def timed(fn):
             return checked_graph_us(fn, ref)
 
+        g = geometry_of(x.shape, w.shape, [st, st], [pad] * 4, [d, d], C)
+        problem = ConvProblem(x, w, None, g, torch.float16, cl, "none", "ieee", False)
         row["variants"]["cuDNN"] = timed(lambda: F.conv2d(x, w, None, st, pad, d, C))
         row["variants"]["auto"] = timed(lambda: tilegemm.conv2d(x, w, None, st, pad, d, C))
         rolls = [int(v) for v in args.rolls.split(",")] if st == 1 and d == 1 else [0]
         for (block, warps), rows, roll, stages in itertools.product(blocks, rows_list, rolls, stages_list):
             cfg = dict(BLOCK=block, num_warps=warps, ROWS_PER=rows, ROLL=roll, STAGES=stages)
-            row["flat"].append(dict(config=cfg, **timed(
-                lambda cfg=cfg: depthwise_flat.run(x, w, None, (st, st), (pad, pad), (d, d), cfg))))
+            if roll:  # the rolled forms: the shipped kernel (1: Triton's pipeliner, 2: loads held in registers)
+                shipped = dict(BLOCK=block, num_warps=warps, ROWS_PER=rows, PIPELINE=roll == 1, STAGES=stages)
+                fn = (lambda cfg=shipped: depthwise.run(problem, cfg))
+            else:
+                fn = (lambda cfg=cfg: depthwise_flat.run(x, w, None, (st, st), (pad, pad), (d, d), cfg))
+            row["flat"].append(dict(config=cfg, **timed(fn)))
         results.append(row)
         base = row["variants"]["cuDNN"].get("us")
         print(f"== {name} ({moved / 1e6:.1f} MB)")

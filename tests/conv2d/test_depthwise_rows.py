@@ -70,16 +70,118 @@ def test_rows_kernel_both_forms_over_a_taller_image(pipeline, dtype, device):
     assert_rel_close(out, ref, 2e-3 if dtype == torch.float16 else 1e-5)
 
 
-def _launched_kernels(monkeypatch):
+def _launched_kernels(monkeypatch, grids=None):
     names = []
     real = depthwise.launch
 
-    def spy(kernel, *args, **kwargs):
+    def spy(kernel, grid, *args, **kwargs):
         names.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
-        return real(kernel, *args, **kwargs)
+        if grids is not None:
+            grids.append(grid)
+        return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(depthwise, "launch", spy)
     return names
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("channels_last_out", [True, False])
+@pytest.mark.parametrize("pipeline", [True, False])
+@pytest.mark.parametrize("mult", [1, 3])
+def test_rows_kernel_forms_multipliers_and_layouts(mult, pipeline, channels_last_out, stages, device):
+    # padding 4 above and below a 3-tall filter (rows of pure padding, some programs' rows all padding), 3 rows
+    # a program (not dividing the 17 output rows), 5 channels (no 2-, 4- or 8-element runs)
+    x = torch.randn(2, 5, 11, 6, device=device).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(5 * mult, 1, 3, 2, device=device)
+    b = torch.randn(5 * mult, device=device)
+    fmt = torch.channels_last if channels_last_out else torch.contiguous_format
+    p = _problem(x, w, b, (4, 1), fmt, "relu")
+    out = depthwise.run(p, dict(BLOCK=16, ROWS_PER=3, PIPELINE=pipeline, STAGES=stages, num_warps=4))
+    ref = F.relu(F.conv2d(x.double(), w.double(), b.double(), 1, (4, 1), 1, 5))
+    assert out.is_contiguous(memory_format=fmt)
+    assert_rel_close(out, ref, 1e-5)
+
+
+def _gapped_rows(device):  # channels-last rows 3 pixels apart: admitted (each row is still one run)
+    return torch.randn(2, 8, 7, 9, device=device).contiguous(memory_format=torch.channels_last)[..., :6]
+
+
+def _misaligned(device):  # 3 channels, the first image row dropped: a data pointer 15 elements in
+    return torch.randn(1, 3, 8, 5, device=device).contiguous(memory_format=torch.channels_last)[:, :, 1:]
+
+
+def _one_column(device):  # W = 1 with a pixel stride that is not C
+    base = torch.randn(2 * 6 * 7 * 4, device=device)
+    return base.as_strided((2, 4, 6, 1), (6 * 7 * 4, 1, 7 * 4, 5))
+
+
+@pytest.mark.parametrize("make", [_gapped_rows, _misaligned, _one_column], ids=["gapped-rows", "misaligned",
+                                                                                "one-column"])
+def test_rows_kernel_takes_input_views(make, device, monkeypatch):
+    x = make(device)
+    C = x.shape[1]
+    w = torch.randn(C, 1, 3, 3, device=device)
+    launched = _launched_kernels(monkeypatch)
+    out = tilegemm.conv2d(x, w, None, 1, 1, 1, C, kernel="depthwise")
+    assert launched == ["depthwise_rows_kernel"]
+    assert_rel_close(out, F.conv2d(x.double(), w.double(), None, 1, 1, 1, C), 1e-5)
+
+
+@pytest.mark.parametrize("bias", ["strided", "expanded"])
+def test_rows_kernel_reads_the_bias_through_its_stride(bias, device):
+    x = torch.randn(1, 8, 5, 5, device=device).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 1, 3, 3, device=device)
+    b = torch.randn(16, device=device)[::2] if bias == "strided" else torch.tensor([0.5], device=device).expand(8)
+    out = tilegemm.conv2d(x, w, b, 1, 1, 1, 8, kernel="depthwise")
+    assert_rel_close(out, F.conv2d(x.double(), w.double(), b.double(), 1, 1, 1, 8), 1e-5)
+
+
+@pytest.mark.parametrize("R, S", [(1, 25), (3, 7), (5, 5)])
+def test_rows_kernel_filters_up_to_25_taps(R, S, device, monkeypatch):
+    x = torch.randn(1, 8, 9, 30, device=device).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 1, R, S, device=device)
+    launched = _launched_kernels(monkeypatch)
+    out = tilegemm.conv2d(x, w, None, 1, (R // 2, S // 2), 1, 8, kernel="depthwise")
+    assert launched == ["depthwise_rows_kernel"]
+    assert_rel_close(out, F.conv2d(x.double(), w.double(), None, 1, (R // 2, S // 2), 1, 8), 1e-5)
+
+
+def test_rows_kernel_bf16(device):
+    x = torch.randn(2, 16, 9, 7, device=device, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(16, 1, 3, 3, device=device, dtype=torch.bfloat16)
+    b = torch.randn(16, device=device, dtype=torch.bfloat16)
+    out = tilegemm.conv2d(x, w, b, 1, 1, 1, 16, kernel="depthwise")
+    assert out.dtype == torch.bfloat16
+    assert_rel_close(out, F.conv2d(x.double(), w.double(), b.double(), 1, 1, 1, 16), 1e-2)
+
+
+def test_rows_kernel_launches_one_grid_axis(device, monkeypatch):
+    # a second grid axis is capped at 65535 programs: images x row groups must not go there
+    x = torch.randn(3, 8, 9, 9, device=device).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 1, 3, 3, device=device)
+    grids = []
+    _launched_kernels(monkeypatch, grids)
+    tilegemm.conv2d(x, w, None, 1, 1, 1, 8, kernel="depthwise")
+    assert len(grids) == 1 and len(grids[0]) == 1
+
+
+@pytest.mark.gpu
+def test_rows_kernel_over_more_than_65535_images_and_row_groups(device):
+    x = torch.randn(70000, 8, 4, 4, device=device, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 1, 3, 3, device=device, dtype=torch.float16)
+    out = tilegemm.conv2d(x, w, None, 1, 1, 1, 8, kernel="depthwise")
+    assert_rel_close(out, F.conv2d(x.float(), w.float(), None, 1, 1, 1, 8), 2e-3)
+
+
+def test_an_input_whose_rows_span_past_32_bit_offsets_takes_the_pixel_kernel():
+    # rows 2^29 pixels apart: a view of a few elements whose in-image offsets pass 2^31 (no memory behind it)
+    from tilegemm.ops.conv2d.problem import geometry_of as geo
+
+    x = torch.empty_strided((1, 3, 4, 2), (3 * 2**30, 1, 3 * 2**29, 3), device="meta")
+    g = geo(x.shape, (3, 1, 3, 3), [1, 1], [1, 1, 1, 1], [1, 1], 3)
+    assert not depthwise.rows_apply(g, x)
+    small = torch.empty(1, 3, 4, 2).contiguous(memory_format=torch.channels_last)
+    assert depthwise.rows_apply(g, small)
 
 
 @pytest.mark.parametrize("stride, dilation, layout, expect", [

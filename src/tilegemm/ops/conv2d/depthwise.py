@@ -32,7 +32,7 @@ from tilegemm.ops.conv2d.implicit_gemm import (
     allocate_out,
     empty_4d,
 )
-from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
+from tilegemm.ops.conv2d.problem import ConvProblem, Geometry, _span
 
 ensure_backend()
 
@@ -137,23 +137,26 @@ def _finish_row(acc, p, p0, out_el, stride_op, o_ok, bias, ACTIVATION: tl.conste
         tl.store(out_el + p * stride_op, y.to(out_el.dtype.element_ty), mask=o_ok)
 
 
-@triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "row_groups", "xn_d", "xh_d", "on_d", "op_d", "pad_h",
-                               "pad_w"])
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "chunks", "row_groups", "xn_d", "xh_d", "on_d", "op_d",
+                               "pad_h", "pad_w"])
 def depthwise_rows_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr,
-    H, W, P, Q, CD, row_groups,
+    H, W, P, Q, CD, chunks, row_groups,
     xn_d, xh_d, on_d, op_d,
     stride_on, stride_op, stride_oq, stride_ok,
-    stride_wk, stride_wr, stride_ws, pad_h, pad_w,
+    stride_wk, stride_wr, stride_ws, stride_b, pad_h, pad_w,
     MULT: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DIV: tl.constexpr, CL_OUT: tl.constexpr,
     BLOCK: tl.constexpr, ROWS_PER: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Stride 1, dilation 1. This program: BLOCK consecutive elements o = q*K + k of output rows p0 .. p1-1 of
     # image n (channels-last, a row of Q*K elements is one run), whatever mix of pixels and channels that is.
-    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    n = tl.program_id(1) // row_groups
-    p0 = (tl.program_id(1) - n * row_groups) * ROWS_PER
+    # One grid axis (a second is capped at 65535 programs): the row's chunks fastest, then row groups, images.
+    pid = tl.program_id(0)
+    rows = pid // chunks
+    o = (pid - rows * chunks) * BLOCK + tl.arange(0, BLOCK)
+    n = rows // row_groups
+    p0 = (rows - n * row_groups) * ROWS_PER
     p1 = tl.minimum(p0 + ROWS_PER, P)
     # Sizes and strides in units of DIV elements (C = CD * DIV input channels, K = C * MULT output channels):
     # products with the constant DIV are known multiples of it, and what is computed from o // DIV is
@@ -179,7 +182,7 @@ def depthwise_rows_kernel(
         w_off = k * stride_wk + (rs // S) * stride_wr + (rs % S) * stride_ws
         ws = ws + (tl.load(w_ptr + w_off, mask=o_ok, other=0.0).to(tl.float32),)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + k, mask=o_ok, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + k * stride_b, mask=o_ok, other=0.0).to(tl.float32)
     else:
         bias = tl.zeros((BLOCK,), dtype=tl.float32)
     stride_xh = xh_d * DIV
@@ -221,7 +224,7 @@ def depthwise_rows_kernel(
         # those from t_hi rows below it (a drain without loads).
         t_lo = tl.maximum(pad_h - p0, 0)
         t_hi = tl.maximum(tl.minimum(T, H + pad_h - p0), t_lo)
-        for t in range(tl.minimum(t_lo, R - 1), t_lo):
+        for t in range(tl.minimum(t_lo, R - 1), tl.minimum(t_lo, T)):  # not past this program's rows
             _finish_row(accs[R - 1], p0 + t - (R - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
             accs = _roll_down(accs, R, BLOCK)
         ring = ()
@@ -369,31 +372,32 @@ def _w_strides(w: torch.Tensor) -> tuple:
 def rows_apply(g: Geometry, x: torch.Tensor) -> bool:
     """Whether :func:`depthwise_rows_kernel` takes the forward: stride and dilation 1, at most
     :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_ROWS_MAX_TAPS` taps (each takes registers), an input whose
-    image rows are runs of W*C elements (channels-last, not a view with gaps between pixels) and images with
-    32-bit offsets."""
+    image rows are runs of W*C elements (channels-last, pixels adjacent; the rows may lie apart), and images
+    whose element offsets fit 32 bits (an input view with gaps between rows included; the output is new)."""
     from tilegemm.ops.conv2d.configs import DEPTHWISE_ROWS_MAX_TAPS
 
     return (g.stride == (1, 1) and g.dilation == (1, 1) and g.R * g.S <= DEPTHWISE_ROWS_MAX_TAPS
             and x.stride(1) == 1 and (x.stride(3) == g.C or g.W == 1)
-            and max(g.H * g.W * g.C, g.P * g.Q * g.K) < 2**31)
+            and max(_span(x[:1]) + 1, g.P * g.Q * g.K) < 2**31)
 
 
 def _run_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> torch.Tensor:
     """The forward by :func:`depthwise_rows_kernel`: one launch, the weight read as it lies."""
     g = p.geo
-    rows_per = min(cfg.pop("ROWS_PER"), g.P)
-    groups = cdiv(g.P, rows_per)
+    groups = cdiv(g.P, cfg["ROWS_PER"])  # ROWS_PER not clamped to P: a new image height compiles nothing
+    chunks = cdiv(g.Q * g.K, cfg["BLOCK"])
     cl_out = out.stride(1) == 1 and (out.stride(3) == g.K or g.Q == 1)
     div = 8
     for v in (g.C, x.stride(0), x.stride(2)) + ((out.stride(0), out.stride(2)) if cl_out else ()):
         div = min(div, _divisor(v))
-    args = (x, p.weight, out, p.bias if p.bias is not None else out, g.H, g.W, g.P, g.Q, g.C // div, groups,
+    bias = p.bias if p.bias is not None else out
+    args = (x, p.weight, out, bias, g.H, g.W, g.P, g.Q, g.C // div, chunks, groups,
             x.stride(0) // div, x.stride(2) // div, out.stride(0) // div, out.stride(2) // div,
             out.stride(0), out.stride(2), out.stride(3), out.stride(1), *_w_strides(p.weight),
-            g.padding[0], g.padding[2])
+            p.bias.stride(0) if p.bias is not None else 0, g.padding[0], g.padding[2])
     flags = dict(MULT=g.K // g.C, R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, DIV=div,
-                 CL_OUT=cl_out, ROWS_PER=rows_per, **cfg)
-    launch(depthwise_rows_kernel, (cdiv(g.Q * g.K, cfg["BLOCK"]), g.N * groups), args, flags)
+                 CL_OUT=cl_out, **cfg)
+    launch(depthwise_rows_kernel, (chunks * g.N * groups,), args, flags)
     return out
 
 
