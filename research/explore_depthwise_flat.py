@@ -19,27 +19,12 @@ import itertools
 import json
 import time
 
-LAYERS = {  # name: (N, C, H, W, R, stride, dilation)
-    "mbv2-32x112": (64, 32, 112, 112, 3, 1, 1),
-    "mbv2-96x112/2": (64, 96, 112, 112, 3, 2, 1),
-    "mbv2-144x56": (64, 144, 56, 56, 3, 1, 1),
-    "mbv2-144x56/2": (64, 144, 56, 56, 3, 2, 1),
-    "mbv2-192x28": (64, 192, 28, 28, 3, 1, 1),
-    "mbv2-192x28/2": (64, 192, 28, 28, 3, 2, 1),
-    "mbv2-384x14": (64, 384, 14, 14, 3, 1, 1),
-    "mbv2-576x14": (64, 576, 14, 14, 3, 1, 1),
-    "mbv2-576x14/2": (64, 576, 14, 14, 3, 2, 1),
-    "mbv2-960x7": (64, 960, 7, 7, 3, 1, 1),
-    "5x5-240x28": (32, 240, 28, 28, 5, 1, 1),
-    "5x5-672x14/2": (32, 672, 14, 14, 5, 2, 1),
-    "dil2-128x33": (16, 128, 33, 33, 3, 1, 2),
-}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--layers", default=",".join(LAYERS))
+    ap.add_argument("--layers", default=None, help="names from research/explore_depthwise.py (default: all)")
     ap.add_argument("--rows", default="8,16,32,64")
     ap.add_argument("--stages", default="1,3")
     ap.add_argument("--rolls", default="0,1,2", help="ROLL forms for stride-1 layers (0: per row, 1: rolled "
@@ -49,6 +34,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import depthwise_flat
+    from explore_depthwise import LAYERS  # name: (N, C, H, W, R, stride, dilation)
     from graph_timing import checked_graph_us, print_variants
     import tilegemm
     import torch
@@ -64,7 +50,7 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     stages_list = [int(s) for s in args.stages.split(",")]
     blocks = [tuple(int(v) for v in b.split("x")) for b in args.blocks.split(",")]
-    for name in args.layers.split(","):
+    for name in (args.layers.split(",") if args.layers else LAYERS):
         if time.time() - start > args.budget:
             print(f"budget spent: {name} and after skipped")
             break

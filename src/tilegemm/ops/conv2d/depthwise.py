@@ -137,6 +137,21 @@ def _finish_row(acc, p, p0, out_el, stride_op, o_ok, bias, ACTIVATION: tl.conste
         tl.store(out_el + p * stride_op, y.to(out_el.dtype.element_ty), mask=o_ok)
 
 
+@triton.jit
+def _add_row(accs, xs, ws, p, p0, out_el, stride_op, o_ok, bias, ACTIVATION: tl.constexpr, R: tl.constexpr,
+             S: tl.constexpr, BLOCK: tl.constexpr):
+    """An input row's S shifted vectors ``xs`` added into the R output rows it feeds (``accs[r]`` takes filter
+    row r), the completed one (row ``p``) stored, and the accumulators rolled down."""
+    new = ()
+    for r in tl.static_range(R):
+        a = accs[r]
+        for s in tl.static_range(S):
+            a += xs[s] * ws[r * S + s]
+        new = new + (a,)
+    _finish_row(new[R - 1], p, p0, out_el, stride_op, o_ok, bias, ACTIVATION)
+    return _roll_down(new, R, BLOCK)
+
+
 @triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "chunks", "row_groups", "xn_d", "xh_d", "on_d", "op_d",
                                "pad_h", "pad_w"])
 def depthwise_rows_kernel(
@@ -210,14 +225,8 @@ def depthwise_rows_kernel(
             xs = ()
             for s in tl.static_range(S):
                 xs = xs + (tl.load(src + s * C, mask=ok_s[s] & row_ok, other=0.0).to(tl.float32),)
-            new = ()
-            for r in tl.static_range(R):
-                a = accs[r]
-                for s in tl.static_range(S):
-                    a += xs[s] * ws[r * S + s]
-                new = new + (a,)
-            _finish_row(new[R - 1], p0 + t - (R - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
-            accs = _roll_down(new, R, BLOCK)
+            accs = _add_row(accs, xs, ws, p0 + t - (R - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION, R, S,
+                            BLOCK)
     else:
         # Fewer instructions an iteration: the loads STAGES rows ahead in registers and no row mask. The
         # iterations before t_lo read rows above the image (they add nothing; those from R - 1 on finish rows),
@@ -244,14 +253,8 @@ def depthwise_rows_kernel(
             for s in tl.static_range(S):
                 rest = rest + (tl.load(src + s * C, mask=ok_s[s], other=0.0),)
             ring = rest
-            new = ()
-            for r in tl.static_range(R):
-                a = accs[r]
-                for s in tl.static_range(S):
-                    a += xs[s] * ws[r * S + s]
-                new = new + (a,)
-            _finish_row(new[R - 1], p0 + t - (R - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
-            accs = _roll_down(new, R, BLOCK)
+            accs = _add_row(accs, xs, ws, p0 + t - (R - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION, R, S,
+                            BLOCK)
         for t in range(t_hi, T):
             _finish_row(accs[R - 1], p0 + t - (R - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
             accs = _roll_down(accs, R, BLOCK)
