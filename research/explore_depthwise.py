@@ -49,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import depthwise_cols
-    from graph_timing import checked_graph_us, print_variants
+    from graph_timing import checked_graph_us, depthwise_case, print_variants
     import tilegemm
     import torch
     import torch.nn.functional as F
@@ -59,10 +59,8 @@ def main() -> None:
     from tilegemm.ops.conv2d import depthwise
     from tilegemm.ops.conv2d.configs import depthwise_fwd_config
     from tilegemm.ops.conv2d.implicit_gemm import _conv_args, _divisor, _nhwc_strides, allocate_out
-    from tilegemm.ops.conv2d.problem import ConvProblem, geometry_of
 
     torch.backends.cudnn.benchmark = True
-    cl = torch.channels_last
     start = time.time()
     results = []
     for name in args.layers.split(","):
@@ -70,13 +68,8 @@ def main() -> None:
             print(f"budget spent: {name} and after skipped")
             break
         N, C, H, W, R, s, d = LAYERS[name]
-        pad = d * (R - 1) // 2
-        x = torch.randn(N, C, H, W, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
-        w = (torch.randn(C, 1, R, R, device="cuda") * 0.3).half()
-        ref = F.conv2d(x.float(), w.float(), None, s, pad, d, C)
-        g = geometry_of(x.shape, w.shape, [s, s], [pad] * 4, [d, d], C)
-        p = ConvProblem(x, w, None, g, torch.float16, cl, "none", "ieee", False)
-        moved = (x.numel() + ref.numel()) * 2
+        x, w, ref, moved, pad, p = depthwise_case(LAYERS[name])
+        g = p.geo
         row = dict(layer=name, dims=LAYERS[name], bytes=moved, variants={}, pixel=[])
 
         def timed(fn):

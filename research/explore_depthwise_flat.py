@@ -35,16 +35,14 @@ def main() -> None:
 
     import depthwise_flat
     from explore_depthwise import LAYERS  # name: (N, C, H, W, R, stride, dilation)
-    from graph_timing import checked_graph_us, print_variants
+    from graph_timing import checked_graph_us, depthwise_case, print_variants
     import tilegemm
     import torch
     import torch.nn.functional as F
     from tilegemm.core.hardware import machine_info
     from tilegemm.ops.conv2d import depthwise
-    from tilegemm.ops.conv2d.problem import ConvProblem, geometry_of
 
     torch.backends.cudnn.benchmark = True
-    cl = torch.channels_last
     start = time.time()
     results = []
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -55,18 +53,12 @@ def main() -> None:
             print(f"budget spent: {name} and after skipped")
             break
         N, C, H, W, R, st, d = LAYERS[name]
-        pad = d * (R - 1) // 2
-        x = torch.randn(N, C, H, W, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
-        w = (torch.randn(C, 1, R, R, device="cuda") * 0.3).half()
-        ref = F.conv2d(x.float(), w.float(), None, st, pad, d, C)
-        moved = (x.numel() + ref.numel()) * 2
+        x, w, ref, moved, pad, problem = depthwise_case(LAYERS[name])
         row = dict(layer=name, dims=LAYERS[name], bytes=moved, variants={}, flat=[])
 
         def timed(fn):
             return checked_graph_us(fn, ref)
 
-        g = geometry_of(x.shape, w.shape, [st, st], [pad] * 4, [d, d], C)
-        problem = ConvProblem(x, w, None, g, torch.float16, cl, "none", "ieee", False)
         row["variants"]["cuDNN"] = timed(lambda: F.conv2d(x, w, None, st, pad, d, C))
         row["variants"]["auto"] = timed(lambda: tilegemm.conv2d(x, w, None, st, pad, d, C))
         rolls = [int(v) for v in args.rolls.split(",")] if st == 1 and d == 1 else [0]

@@ -47,3 +47,21 @@ def pointwise_case(N: int, C: int, H: int, K: int):
     moved = (x.numel() + ref.numel()) * 2
     return (x, w, ref, moved, x.permute(0, 2, 3, 1).reshape(-1, C), w.reshape(K, C).t(),
             ref.permute(0, 2, 3, 1).reshape(-1, K))
+
+
+def depthwise_case(dims):
+    """A depthwise layer ``dims`` = (N, C, H, W, R, stride, dilation), padded to keep its size at stride 1 (fp16,
+    channels-last, on the GPU): (x, w, its fp32 output, the bytes in and out, the padding, its ConvProblem)."""
+    import torch
+    import torch.nn.functional as F
+    from tilegemm.ops.conv2d.problem import ConvProblem, geometry_of
+
+    N, C, H, W, R, s, d = dims
+    cl = torch.channels_last
+    pad = d * (R - 1) // 2
+    x = torch.randn(N, C, H, W, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
+    w = (torch.randn(C, 1, R, R, device="cuda") * 0.3).half()
+    ref = F.conv2d(x.float(), w.float(), None, s, pad, d, C)
+    g = geometry_of(x.shape, w.shape, [s, s], [pad] * 4, [d, d], C)
+    problem = ConvProblem(x, w, None, g, torch.float16, cl, "none", "ieee", False)
+    return x, w, ref, (x.numel() + ref.numel()) * 2, pad, problem
