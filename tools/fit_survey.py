@@ -11,6 +11,7 @@ others' data), against the shape's best candidate and ``auto`` as the survey ran
 survey ran before a table shipped or with it turned off: the op's time includes its host path).
 
     python3 tools/fit_survey.py benchmarks/results/2026-11-24-h200/b3a0245/survey-fp16-s*.json.xz [--check]
+        [--supplement SPLITS.json ...]
 """
 
 from __future__ import annotations
@@ -55,6 +56,31 @@ def load(paths: list[str]):
     return gpu, layout, dtype, rows
 
 
+def supplement(rows, paths: list[str], gpu: str, layout: str, dtype: str):
+    """``rows`` with the candidates of ``--splits-only`` surveys (``tools/survey_configs.py``) of the same shapes
+    added. A supplement ran in another process, so its times are put on the full survey's scale by the two
+    runs' cuBLAS times of the shape (its candidates' time x full cuBLAS / supplement cuBLAS)."""
+    by_shape = {(M, N, K): i for i, (M, N, K, *_) in enumerate(rows)}
+    rows = list(rows)
+    added = 0
+    for path in paths:
+        doc = read(path)
+        name, lay, dt = doc["machine"]["gpu"], doc.get("layout", "NN"), doc.get("dtype", "fp16")
+        if name != gpu or lay != layout or family(dt) != family(dtype):
+            raise SystemExit(f"{path} is from {name}, layout {lay}, {dt}; the surveys from {gpu}, {layout}, {dtype}")
+        for r in doc["rows"]:
+            i = by_shape.get((r["M"], r["N"], r["K"]))
+            if i is None:
+                continue  # a shape the full surveys lack (another seed or range)
+            M, N, K, cublas, auto, timed = rows[i]
+            scale = cublas / r["cublas_us"]
+            extra = {identity(c["rung"], c["config"]): c["us"] * scale for c in r["configs"] if "us" in c}
+            rows[i] = (M, N, K, cublas, auto, {**timed, **extra})
+            added += len(extra)
+    print(f"supplements: {added} timed candidates added")
+    return rows
+
+
 def table(gpu: str, sources: list[str], rows, layout: str = "NN", dtype: str = "fp16") -> dict:
     configs = sorted({c for *_, timed in rows for c in timed})
     index = {c: i for i, c in enumerate(configs)}
@@ -88,12 +114,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("surveys", nargs="+")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--supplement", nargs="*", default=[],
+                    help="--splits-only surveys of the same shapes, their candidates added to the table")
     ap.add_argument("--write", action="store_true",
                     help="write src/tilegemm/tuned/survey/<gpu>[-<family>][-<layout>].json")
     args = ap.parse_args()
     gpu, layout, dtype, rows = load(args.surveys)
+    if args.supplement:
+        rows = supplement(rows, args.supplement, gpu, layout, dtype)
     sources = [str(Path(p).resolve().relative_to(ROOT)) if Path(p).resolve().is_relative_to(ROOT) else p
-               for p in args.surveys]
+               for p in args.surveys + args.supplement]
     doc = table(gpu, sources, rows, layout, dtype)
     if args.check:
         check(doc, rows, read(args.surveys[0])["machine"]["sm_count"])

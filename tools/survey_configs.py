@@ -12,6 +12,8 @@ L2 cleared, replays of the recorded launch). The JSON is rewritten after every s
 ``--budget`` (seconds) keeps what it measured; ``--start`` resumes a set.
 
     PYTHONPATH=src python3 tools/survey_configs.py --count 120 --start 0 --budget 520 [--dtype fp16] [--out DIR]
+    PYTHONPATH=src python3 tools/survey_configs.py --count 240 --seed 7 --splits-only   (persistent_tma's K splits
+        and cuBLAS on the shapes of a full survey of that seed: tools/fit_survey.py --supplement adds them)
     PYTHONPATH=src python3 tools/survey_configs.py --dtype fp8_e4m3 --layout NT ...   (fp8: NT only, against
         torch._scaled_mm with per-tensor scales and a bf16 output; tf32: against cuBLAS with TF32 on)
 """
@@ -55,8 +57,10 @@ def survey_shapes(count: int, seed: int, multiple: int = 16) -> list[tuple[int, 
     return shapes[:count]
 
 
-def field(p) -> list[tuple[str, dict]]:
-    """(rung, config) of every candidate for problem ``p``."""
+def field(p, splits_only: bool = False) -> list[tuple[str, dict]]:
+    """(rung, config) of every candidate for problem ``p``; ``splits_only``: ``persistent_tma``'s K splits only."""
+    if splits_only:
+        return [("persistent_tma", c) for c in persistent_tma.split_configs(p)] if persistent_tma.describable(p) is None else []
     out = [("autotuned", c) for c in prune_for(autotune_configs(), p.a.element_size())]
     if persistent_tma.describable(p) is None:
         out += [("persistent_tma", c) for c in persistent_tma.candidates(p)]
@@ -105,11 +109,14 @@ class Operands:
                              (sa, 0, sb, 0))[0]
 
 
-def survey(M: int, N: int, K: int, dtype: str, rep: int, layout: str = "NN") -> dict:
+def survey(M: int, N: int, K: int, dtype: str, rep: int, layout: str = "NN", splits_only: bool = False) -> dict:
     ops = Operands(M, N, K, dtype, layout)
     scale = ops.ref.norm().item()
     row = dict(M=M, N=N, K=K)
     row["cublas_us"] = triton.testing.do_bench(ops.cublas, warmup=5, rep=3 * rep, return_mode="median") * 1e3
+    if splits_only:
+        row["configs"] = measure(ops, splits_only, rep, scale)
+        return row
     chosen = []
     original, surveyed = dispatch.choose_kernel, dispatch.surveyed
     dispatch.choose_kernel = lambda p: chosen.append(original(p)) or chosen[-1]
@@ -121,9 +128,16 @@ def survey(M: int, N: int, K: int, dtype: str, rep: int, layout: str = "NN") -> 
     finally:
         dispatch.choose_kernel, dispatch.surveyed = original, surveyed
         replay.clear()  # the rules' recorded launches must not stand in for a later call
+    row["configs"] = measure(ops, False, rep, scale)
+    return row
+
+
+def measure(ops: Operands, splits_only: bool, rep: int, scale: float) -> list[dict]:
+    """Each candidate of :func:`field` checked and timed on ``ops``: ``{rung, config, us}`` or ``{..., error}``."""
+    M, N = ops.ref.shape
     configs = []
     p0 = ops.problem(torch.empty(M, N, device="cuda", dtype=ops.out_dtype))
-    for rung, cfg in field(p0):
+    for rung, cfg in field(p0, splits_only):
         out = torch.full((M, N), float("nan"), device="cuda", dtype=ops.out_dtype)
         p = ops.problem(out)
         entry = dict(rung=rung, config=cfg)
@@ -138,8 +152,7 @@ def survey(M: int, N: int, K: int, dtype: str, rep: int, layout: str = "NN") -> 
         except Exception as e:  # noqa: BLE001 - a survey: record and go on
             entry["error"] = str(e)[:160]
         configs.append(entry)
-    row["configs"] = configs
-    return row
+    return configs
 
 
 def main() -> None:
@@ -155,12 +168,19 @@ def main() -> None:
     ap.add_argument("--layout", default="NN", choices=("NN", "NT", "TN", "TT"),
                     help="T: that operand is a transposed view (NT: nn.Linear's x @ W.T)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--splits-only", action="store_true",
+                    help="cuBLAS and persistent_tma's K splits only, on the shapes with M > 16 where they are offered: "
+                         "a supplement to a full survey of the same seed (tools/fit_survey.py --supplement)")
     args = ap.parse_args()
     if args.dtype.startswith("fp8") and args.multiple != 16:
         raise SystemExit("fp8 rows are 16-byte aligned only at multiples of 16 elements: --multiple 16")
     os.environ.setdefault("TILEGEMM_TUNING_CACHE", "0")  # shipped entries only: what a fresh user has
     shapes = survey_shapes(args.count, args.seed, args.multiple)[args.start:args.stop]
+    if args.splits_only:
+        shapes = [s for s in shapes if s[0] > 16 and field(Operands(*s, args.dtype, args.layout).problem(
+            torch.empty(s[0], s[1], device="cuda", dtype=DTYPES[args.dtype])), True)]
     tag = ("" if args.multiple == 16 else f"-m{args.multiple}") + ("" if args.layout == "NN" else f"-{args.layout}")
+    tag += "-splits" if args.splits_only else ""
     path = os.path.join(args.out, f"survey-{args.dtype}-s{args.seed}{tag}-{args.start}.json")
     doc = dict(machine=machine_info().to_dict(), git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"),
                dtype=args.dtype, seed=args.seed, multiple=args.multiple, layout=args.layout, start=args.start, rep_ms=args.rep, rows=[])
@@ -169,12 +189,17 @@ def main() -> None:
         if time.time() - t0 > args.budget:
             print(f"budget spent: stopped before shape {args.start + i}", flush=True)
             break
-        row = survey(M, N, K, args.dtype, args.rep, args.layout)
+        row = survey(M, N, K, args.dtype, args.rep, args.layout, args.splits_only)
         doc["rows"].append(row)
         with open(path, "w") as f:
             json.dump(doc, f)
         timed = [c for c in row["configs"] if "us" in c]
         best = min(timed, key=lambda c: c["us"]) if timed else None
+        if args.splits_only:
+            print(f"{args.start + i:4d} {M:>6}x{N:<6}x{K:<6} cuBLAS {row['cublas_us']:8.1f} us  best split "
+                  f"{row['cublas_us'] / best['us'] if best else 0:.2f}x ({len(timed)}/{len(row['configs'])} ok, "
+                  f"{time.time() - t0:.0f} s)", flush=True)
+            continue
         print(f"{args.start + i:4d} {M:>6}x{N:<6}x{K:<6} cuBLAS {row['cublas_us']:8.1f} us  auto({row['auto_rung']}) "
               f"{row['cublas_us'] / row['auto_us']:.2f}x  best {best['rung'] if best else '-'} "
               f"{row['cublas_us'] / best['us'] if best else 0:.2f}x  ({len(timed)}/{len(row['configs'])} ok, "

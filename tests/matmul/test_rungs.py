@@ -52,6 +52,41 @@ def test_persistent_tma_serpentine_order(group_m, device):
     assert_rel_close(out, matmul_reference(a, b), 1e-5)
 
 
+@pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
+@pytest.mark.parametrize("split,K", [(2, 64), (3, 112), (4, 80), (5, 80)], ids=lambda v: str(v))
+def test_persistent_tma_split_k(layout, split, K, device, monkeypatch):
+    """A K split of the persistent kernel: each slice's partial tile to its plane, the planes added by the
+    reduction with the epilogue (bias, c, beta, activation applied once); slices of uneven length (7 steps of
+    16 in slices of 3, 3 and 1) and an empty one (5 steps in 4 slices of 2, 2, 1 and 0: it stores zeros), and
+    more work units than programs."""
+    monkeypatch.setattr(persistent_tma, "sm_count", lambda device: 3)
+    M, N = 70, 90
+    a = torch.randn(K, M, device=device).mT if layout[0] == "T" else torch.randn(M, K, device=device)
+    b = torch.randn(N, K, device=device).mT if layout[1] == "T" else torch.randn(K, N, device=device)
+    bias = torch.randn(N, device=device)
+    c = torch.randn(M, N, device=device)
+    out = torch.full((M, N), float("nan"), device=device)
+    p = _problem(a, b, out, c=c, bias=bias, beta=0.5, activation="gelu")
+    cfg = dict(persistent_tma.configs(4)[0], SPLIT_K=split, BLOCK_K=16)  # 16-wide K steps on the GPU too
+    assert persistent_tma.split_of(p, cfg) == split
+    persistent_tma.run(p, cfg)
+    assert_rel_close(out, matmul_reference(a, b, bias=bias, c=c, beta=0.5, activation="gelu"), 1e-5)
+
+
+def test_persistent_tma_split_k_lowered_where_it_cannot_run(device):
+    """A split with fewer K steps than slices, or planes past 32-bit offsets, launches unsplit."""
+    a, b = torch.randn(64, 32, device=device), torch.randn(32, 64, device=device)
+    out = torch.full((64, 64), float("nan"), device=device)
+    p = _problem(a, b, out)
+    cfg = dict(persistent_tma.configs(4)[0], SPLIT_K=3)  # K = 32: two 16-wide steps
+    assert persistent_tma.split_of(p, cfg) == 1
+    persistent_tma.run(p, cfg)
+    assert_rel_close(out, matmul_reference(a, b), 1e-5)
+    big = _problem(torch.randn(65536, 16, device="meta"), torch.randn(16, 32768, device="meta"),
+                   torch.empty(65536, 32768, device="meta"))
+    assert persistent_tma.split_of(big, dict(cfg, BLOCK_K=1)) == 1  # 3 x 2^31 floats of planes
+
+
 @pytest.mark.parametrize(
     "make,reason",
     [
@@ -254,10 +289,11 @@ def test_split_k_reduces_apart_only_past_its_byte_bound():
     assert split_k.reduce_apart(dict(cfg, SPLIT_K=3))
     assert not split_k.reduce_apart(dict(cfg, SPLIT_K=3, SLICES=False))  # atomics: one plane
     assert not split_k.reduce_apart(dict(cfg, SPLIT_K=1))
-    assert split_k.reduce_block(4096, 4096, 1, 132) == (64, 64)
-    assert split_k.reduce_block(184, 168, 1, 132) == (4, 32)  # 276 blocks
-    assert split_k.reduce_block(64, 64, 1, 132) == (4, 32)  # the smallest: few blocks, planes loaded 32 at once
-    assert split_reduce.reduce_planes(132, 4, 32) == 32 and split_reduce.reduce_planes(3, 4, 32) == 8
+    assert split_reduce.reduce_block(4096, 4096, 1, 132) == (64, 64)
+    assert split_reduce.reduce_block(184, 168, 1, 132) == (4, 32)  # 276 blocks
+    assert split_reduce.reduce_block(64, 64, 1, 132) == (4, 32)  # the smallest: few blocks, planes loaded 32 at once
+    assert split_reduce.reduce_planes(132, 4, 32) == 32 and split_reduce.reduce_planes(5, 4, 32) == 8
+    assert split_reduce.reduce_planes(3, 4, 32) == 4  # up to four planes: the four-load loop, nothing masked
     assert split_reduce.reduce_planes(132, 16, 64) == 8  # at most 64 values a thread
     assert split_reduce.reduce_planes(132, 64, 64) == 4 == split_reduce.reduce_planes(9, 32, 64)  # four-load loop
 
@@ -267,12 +303,13 @@ def test_split_k_reduces_apart_only_past_its_byte_bound():
        split=st.integers(2, 256))
 def test_reduction_apart_block_and_planes_stay_in_budget(M, N, batch, sms, split):
     """Any product: the reduction's block is one of its six, two blocks an SM where any block gives that, and
-    its chunk of planes a power of two (8-32) within 64 values a thread, or the four-load loop for large blocks."""
-    bm, bn = split_k.reduce_block(M, N, batch, sms)
+    its chunk of planes a power of two (8-32) within 64 values a thread, or the four-load loop for large blocks
+    and splits of up to four planes."""
+    bm, bn = split_reduce.reduce_block(M, N, batch, sms)
     assert (bm, bn) in ((64, 64), (32, 64), (16, 64), (16, 32), (8, 32), (4, 32))
     assert (bm, bn) == (4, 32) or -(-M // bm) * -(-N // bn) * batch >= 2 * sms
     planes = split_reduce.reduce_planes(split, bm, bn)
-    if bm * bn >= 32 * 64:
+    if bm * bn >= 32 * 64 or split <= 4:
         assert planes == 4
     else:
         cap = min(32, 64 * 128 // (bm * bn))  # 32 planes, 64 values a thread
@@ -280,12 +317,12 @@ def test_reduction_apart_block_and_planes_stay_in_budget(M, N, batch, sms, split
         assert planes >= min(split, cap) and (planes < 2 * split or planes == 8)  # one chunk where it fits
 
 
-@pytest.mark.parametrize("block,split", [((4, 32), 33), ((4, 32), 70), ((16, 64), 9), ((64, 64), 6)])
+@pytest.mark.parametrize("block,split", [((4, 32), 33), ((4, 32), 70), ((16, 64), 9), ((64, 64), 6), ((16, 64), 3)])
 def test_split_k_reduction_apart_over_chunks_of_planes(block, split, device, monkeypatch):
     """The second launch's chunks of planes: several chunks, a last one cut short (its planes masked), and the
     four-load loop of large blocks; batched, poisoned output, and the same bits from a second call."""
     monkeypatch.setattr("tilegemm.ops.matmul.split_reduce.APART_BYTES", 0)
-    monkeypatch.setattr(split_k, "reduce_block", lambda *args: block)
+    monkeypatch.setattr(split_reduce, "reduce_block", lambda *args: block)
     M, N, K = 21, 70, 16 * split
     a = torch.randn(2, M, K, device=device)
     b = torch.randn(2, K, N, device=device)

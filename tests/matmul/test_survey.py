@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tilegemm
-from tilegemm.ops.matmul import dispatch, survey
+from tilegemm.ops.matmul import dispatch, persistent_tma, survey
 from tilegemm.ops.matmul.problem import make_problems, mma_operands, rows_aligned
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
@@ -37,6 +37,20 @@ def test_identity_names_wave_splits_and_keeps_fixed_ones():
     assert json.loads(survey.identity("split_k", dict(cfg, SPLIT_K=8))[1])["SPLIT_K"] == 8
     assert json.loads(survey.identity("autotuned", dict(cfg, SPLIT_K=11))[1])["SPLIT_K"] == 11
     assert survey.identity("autotuned", {"b": 1, "a": 2}) == survey.identity("autotuned", {"a": 2, "b": 1})
+    assert json.loads(survey.identity("persistent_tma", dict(cfg, SPLIT_K=2))[1])["SPLIT_K"] == "wave"
+    assert "SPLIT_K" not in json.loads(survey.identity("persistent_tma", dict(BLOCK_M=64))[1])
+
+
+def test_persistent_tma_wave_splits_are_worked_out_for_the_shape():
+    """persistent_tma's "wave" split: the split of one wave of work units at the target (its fill of the GPU
+    counted), where split_k's counts as filling the GPU; resolved to the same number when launched."""
+    tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K="wave")
+    # 800 x 536: 35 tiles, 3 slices of 41 K steps a tile on 132 SMs: 105 units, 800 x 536 of 896 x 640 computed
+    u = survey.utilization(tile, (800, 536, 7816), 132, "persistent_tma")
+    assert u == pytest.approx(800 * 536 * 7816 / (132 * 128 * 128 * 41 * 64))
+    assert survey.utilization(tile, (800, 536, 7816), 132) == pytest.approx(800 * 536 / (896 * 640))  # split_k's
+    p = problem(800, 536, 7816, dtype=torch.float16, device="meta")
+    assert persistent_tma.wave_split(p, tile) == 1  # four "SMs" off the GPU: 35 tiles fill them
 
 
 def test_rank_follows_the_nearest_shapes_and_counts_missing_candidates_at_the_floor():
@@ -382,6 +396,23 @@ def test_fit_tool_round_trips_a_survey(tmp_path):
     assert fit_survey.table(gpu, [str(tf32)], loaded, layout, dtype)["family"] == "tf32"
     with pytest.raises(SystemExit, match="tf32"):
         fit_survey.load([str(src), str(tf32)])  # one table per family: fp16 and tf32 do not mix
+    # A --splits-only supplement of the same shapes: its candidates join, put on the full survey's scale by the
+    # two runs' cuBLAS times (5 us there against 10 here: its 7 us counts as 14 against 10 + m).
+    sup = tmp_path / "survey-splits.json"
+    sup.write_text(json.dumps(dict(machine=dict(gpu="Test GPU"), rows=[
+        dict(M=3, N=256, K=512, cublas_us=5.0, configs=[dict(rung="persistent_tma", config=dict(BLOCK_M=128, SPLIT_K=4),
+                                                              us=7.0)])])))
+    gpu, layout, dtype, loaded = fit_survey.load([str(src)])
+    merged = fit_survey.supplement(loaded, [str(sup)], gpu, layout, dtype)
+    doc = fit_survey.table(gpu, [str(src), str(sup)], merged, layout, dtype)
+    assert [(r, c.get("SPLIT_K")) for r, c in doc["configs"]] == [("autotuned", None), ("persistent_tma", "wave"),
+                                                                  ("split_k", "wave")]
+    assert doc["shapes"][0][3] == [[0, 1.0], [1, 0.929], [2, 0.65]]  # 13 us best; 7 us x 2 = 14 us; 20 us
+    assert doc["shapes"][1][3] == [[0, 0.5], [2, 1.0]]  # another shape: as it was (40 and 20 us)
+    other = tmp_path / "survey-other.json"
+    other.write_text(json.dumps(dict(machine=dict(gpu="Other GPU"), rows=[])))
+    with pytest.raises(SystemExit, match="Other GPU"):
+        fit_survey.supplement(loaded, [str(other)], gpu, layout, dtype)
     ieee = tmp_path / "survey-fp32.json"
     ieee.write_text(json.dumps(dict(machine=dict(gpu="Test GPU"), dtype="fp32", rows=rows)))
     with pytest.raises(SystemExit, match="no table speaks for"):

@@ -23,9 +23,11 @@ import triton
 from tilegemm.core import tuning
 from tilegemm.core.hardware import compute_capability, sm_count
 from tilegemm.jit.helpers import epilogue_tile, mma_ordered, tile_grouped, tile_order
-from tilegemm.core.launch import launch
+from tilegemm.core.launch import current_stream, launch, sequence_lock
+from tilegemm.core.workspace import split_workspace
 from tilegemm.core.registry import NotApplicable
 from tilegemm.ops.matmul.problem import GemmProblem
+from tilegemm.ops.matmul.split_reduce import launch_reduction
 from tilegemm.core.runtime import cdiv, interpreting
 
 import triton.language as tl  # noqa: E402
@@ -64,13 +66,13 @@ def matmul_persistent_tma_kernel(
     M, N, K,
     stride_a, stride_b, stride_om,
     stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
-    alpha, beta,
+    alpha, beta, ws_ptr, SPLIT_K,
     A_T: tl.constexpr, B_T: tl.constexpr,
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    HOST_DESC: tl.constexpr, SERPENTINE: tl.constexpr,
+    HOST_DESC: tl.constexpr, SERPENTINE: tl.constexpr, SPLIT: tl.constexpr = False,
 ):
     # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1;
     # the output [M, N] in [BLOCK_M, BLOCK_N / 2] blocks. HOST_DESC: a_ptr, b_ptr and out_ptr are those
@@ -98,35 +100,56 @@ def matmul_persistent_tma_kernel(
 
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles = tiles_m * tiles_n
     k_steps = tl.cdiv(K, BLOCK_K)
-    # Each program takes every NUM_SMS-th tile, in grouped order.
+    slice_steps = tl.cdiv(k_steps, SPLIT_K)
+    # Each program takes every NUM_SMS-th work unit: a tile (in grouped order) and, with SPLIT, one of SPLIT_K
+    # slices of its K steps (SPLIT_K is 1 without). Units are numbered slice-major, so the programs at work at
+    # once read the same K range of neighbouring tiles (shared in L2) as they would unsplit.
     # WARP_SPECIALIZE: 0 off; 1 on the K loop; 2 on the tile loop (Triton splits loads and MMAs into warp groups).
     WS_TILES: tl.constexpr = WARP_SPECIALIZE == 2
     WS_K: tl.constexpr = WARP_SPECIALIZE == 1
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_TILES):
+    for unit in tl.range(tl.program_id(0), tiles * SPLIT_K, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_TILES):
+        if not SPLIT:
+            tile = unit
+            k_first = 0
+            k_last = k_steps
+        else:
+            part = unit // tiles
+            tile = unit - part * tiles
+            k_first = part * slice_steps
+            k_last = tl.minimum(k_first + slice_steps, k_steps)
         pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M, SERPENTINE)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         acc = _zero_tile(BLOCK_M, BLOCK_N, MMA_OPERANDS)
-        for ks in tl.range(k_steps, warp_specialize=WS_K):
+        for ks in tl.range(k_first, k_last, warp_specialize=WS_K):
             k0 = ks * BLOCK_K
             acc = mma_ordered(_load_tile(a_desc, m0, k0, A_T), _load_tile(b_desc, k0, n0, B_T), acc,
                               MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
         acc = _as_tile(acc, MMA_OPERANDS)
-
-        # Epilogue in two [BM, BN/2] halves.
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        halves = tl.reshape(acc, (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
-        left, right = tl.split(halves)
-        offs_l = n0 + tl.arange(0, HALF_N)
-        left = epilogue_tile(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
-                             stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                             HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-        out_desc.store([m0, n0], left.to(out_desc.dtype))
-        right = epilogue_tile(right, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l + HALF_N, M, N,
-                              stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                              HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-        out_desc.store([m0, n0 + HALF_N], right.to(out_desc.dtype))
+
+        if SPLIT:
+            # A slice's partial tile goes to its fp32 plane of the workspace ([SPLIT_K, M, N], row-major; an
+            # empty slice stores zeros); split_k_reduce_kernel, launched next, adds the planes and applies the
+            # epilogue.
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            inside = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+            tl.store(ws_ptr + part * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=inside)
+        else:
+            # Epilogue in two [BM, BN/2] halves.
+            halves = tl.reshape(acc, (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
+            left, right = tl.split(halves)
+            offs_l = n0 + tl.arange(0, HALF_N)
+            left = epilogue_tile(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
+                                 stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                                 HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+            out_desc.store([m0, n0], left.to(out_desc.dtype))
+            right = epilogue_tile(right, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l + HALF_N, M, N,
+                                  stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                                  HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+            out_desc.store([m0, n0 + HALF_N], right.to(out_desc.dtype))
 
 
 # --- host side ---------------------------------------------------------------------------------------------
@@ -267,10 +290,51 @@ def gluon_kernel_for(p: GemmProblem):
 
 
 def candidates(p: GemmProblem) -> list[dict]:
-    """The configs timed for ``p``: Triton's, plus a Gluon kernel's where one applies."""
+    """The configs timed for ``p``: Triton's, a Gluon kernel's where one applies, and the K splits
+    (:func:`split_configs`)."""
     gluon = gluon_kernel_for(p)
     extra = gluon.configs(p.out.element_size()) if gluon is not None else []
-    return configs(p.a.element_size(), p.mma_operands) + extra
+    return configs(p.a.element_size(), p.mma_operands) + extra + split_configs(p)
+
+
+# 16-bit tiles offered with a K split (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). For products with few output
+# tiles and a long K: 800x536x7816 fp16 ran 0.89x cuBLAS in 3 slices of 128x128 tiles, where the best unsplit
+# candidate of any rung ran 0.65x; which tile wins depends on the shape (64x128 for 136x480x16256, 0.84x; 128x64
+# for 288x104x7440, 0.81x against auto's 0.52x; H200, research/explore_tma_split.py). ``auto`` ranks them with
+# the other candidates by the survey (:mod:`tilegemm.ops.matmul.survey`), where their split is ``"wave"``.
+SPLIT_TILES = ((128, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 64, 64, 4, 4), (128, 256, 64, 8, 3),
+               (256, 128, 64, 8, 3))
+
+
+def wave_split(p: GemmProblem, cfg: dict) -> int:
+    """The K split that makes ``cfg``'s tiles of ``p`` about one wave of work units, each slice at least 4 K steps
+    (:func:`tilegemm.ops.matmul.split_k.wave_split`)."""
+    from tilegemm.ops.matmul.split_k import wave_split as units_wave_split
+
+    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
+    return units_wave_split(tiles, cdiv(p.K, cfg["BLOCK_K"]), sm_count(p.out.device))
+
+
+def split_configs(p: GemmProblem) -> list[dict]:
+    """:data:`SPLIT_TILES` with the K split of one wave (:func:`wave_split`) where that split is above one: for
+    16-bit operands meeting the MMA from shared memory, on a GPU."""
+    if interpreting() or p.a.element_size() != 2 or p.mma_operands != "ab":
+        return []
+    out = []
+    for tile in SPLIT_TILES:
+        cfg = make_config(*tile)
+        split = wave_split(p, cfg)
+        if split > 1:
+            out.append(dict(cfg, SPLIT_K=split))
+    return out
+
+
+def offers_split(p: GemmProblem, cfg: dict) -> bool:
+    """Whether ``cfg`` (its SPLIT_K aside) is one of :func:`split_configs`'s tiles for a problem like ``p``."""
+    if interpreting() or p.a.element_size() != 2 or p.mma_operands != "ab":
+        return False
+    plain = {k: v for k, v in cfg.items() if k != "SPLIT_K"}
+    return any(plain == make_config(*tile) for tile in SPLIT_TILES)
 
 
 def host_descriptors(p: GemmProblem, cfg: dict):
@@ -284,10 +348,11 @@ def host_descriptors(p: GemmProblem, cfg: dict):
     return a, b, TensorDescriptor(p.out, [p.M, p.N], [p.out_strides[1], 1], [bm, bn // 2])
 
 
-def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int):
-    """(kernel, grid, args, constexpr kwargs) of the Triton kernel for :func:`tilegemm.core.launch.launch`."""
+def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor | None = None):
+    """(kernel, grid, args, constexpr kwargs) of the Triton kernel for :func:`tilegemm.core.launch.launch`;
+    ``ws``: the planes of a config with ``SPLIT_K`` > 1 (:func:`launch_config` makes them)."""
     a_t, b_t, stride_a, stride_b = p.tma_view
-    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
+    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"]) * cfg.get("SPLIT_K", 1)
     flags = p.kernel_flags()
     operands = host_descriptors(p, cfg) if cfg.get("HOST_DESC") else (p.a, p.b, p.out)
     args = (
@@ -296,12 +361,14 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int):
         stride_a, stride_b, p.out_strides[1],
         p.c_strides[1], p.c_strides[2], p.bias_stride,
         p.scale_a_stride, p.scale_b_stride,
-        p.alpha, p.beta,
+        p.alpha, p.beta, p.out if ws is None else ws, cfg.get("SPLIT_K", 1),
     )
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                   INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
                   HAS_SCALE_B=flags["HAS_SCALE_B"], MMA_OPERANDS=flags["MMA_OPERANDS"], NUM_SMS=num_sms,
-                  FAST_ACCUM=flags["FAST_ACCUM"], **{"WARP_SPECIALIZE": 0, "HOST_DESC": False, **cfg, **tile_order(cfg)})
+                  FAST_ACCUM=flags["FAST_ACCUM"], SPLIT=ws is not None,
+                  **{"WARP_SPECIALIZE": 0, "HOST_DESC": False, **cfg, **tile_order(cfg)})
+    kwargs.pop("SPLIT_K", None)  # a runtime argument: one compiled kernel serves every split
     return matmul_persistent_tma_kernel, (min(num_sms, tiles),), args, kwargs
 
 
@@ -313,7 +380,26 @@ def launch_config(p: GemmProblem, cfg: dict) -> None:
             launch(*gluon.launch_args(p, cfg, num_sms))
             return
         cfg = configs(p.a.element_size(), p.mma_operands)[0]  # a config tuned for another problem under the same key
-    launch(*triton_launch_args(p, cfg, num_sms))
+    split = split_of(p, cfg)
+    if split == 1:
+        launch(*triton_launch_args(p, dict(cfg, SPLIT_K=1), num_sms))
+        return
+    cfg = dict(cfg, SPLIT_K=split)
+    ws, count = split_workspace(p.out.device, split * p.M * p.N, 1, tag="persistent_tma_split")
+    stream = current_stream() if p.out.is_cuda else 0
+    with sequence_lock:  # the planes are the stream's: no other thread's launches between the two
+        kernel, grid, args, kwargs = triton_launch_args(p, cfg, num_sms, ws)
+        launch(kernel, grid, args, kwargs, keep=(ws,), stream=stream)
+        launch_reduction(p, ws, count, split, stream)
+
+
+def split_of(p: GemmProblem, cfg: dict) -> int:
+    """The K split a config launches with: its ``SPLIT_K`` (1 without), lowered to 1 where the planes' offsets
+    would pass 32 bits or a slice would have no K step."""
+    split = cfg.get("SPLIT_K", 1)
+    if split > 1 and (split * p.M * p.N >= 2**31 or cdiv(p.K, cfg["BLOCK_K"]) < split):
+        return 1
+    return split
 
 
 def tuning_key(p: GemmProblem) -> str:

@@ -28,7 +28,7 @@ from tilegemm.core.launch import current_stream, launch, sequence_lock
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.cost import fastest
 from tilegemm.ops.matmul.problem import GemmProblem, rows_aligned
-from tilegemm.ops.matmul.split_reduce import reduce_apart, reduce_block, reduce_planes, split_k_reduce_kernel
+from tilegemm.ops.matmul.split_reduce import launch_reduction, reduce_apart
 from tilegemm.core.runtime import cdiv, interpreting
 
 import triton.language as tl  # noqa: E402
@@ -318,10 +318,6 @@ def launch_config(p: GemmProblem, config: dict) -> None:
     if not apart:
         launch(matmul_split_k_kernel, grid, args, flags, keep=(ws, count), stream=stream)
         return
-    bm, bn = reduce_block(p.M, p.N, p.batch, sm_count(p.out.device))
     with sequence_lock:  # the planes are the stream's: no other thread's launches between the two
         launch(matmul_split_k_kernel, grid, args, flags, keep=(ws, count), stream=stream)
-        launch(split_k_reduce_kernel, (cdiv(p.M, bm) * cdiv(p.N, bn), 1, p.batch), args,
-               {**p.kernel_flags(), "SPLIT_K": cfg["SPLIT_K"], "BLOCK_M": bm, "BLOCK_N": bn,
-                "PLANES": reduce_planes(cfg["SPLIT_K"], bm, bn), "num_warps": 4},
-               keep=(ws, count), stream=stream)
+        launch_reduction(p, ws, count, cfg["SPLIT_K"], stream)

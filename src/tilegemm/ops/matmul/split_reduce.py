@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tilegemm.core.hardware import sm_count
+from tilegemm.core.launch import launch
 from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div
 from tilegemm.core.runtime import cdiv
 
@@ -109,6 +111,21 @@ REDUCE_VALUES = 64 * 128
 def reduce_planes(split: int, bm: int, bn: int) -> int:
     """How many planes the reduction loads at once for a ``bm`` x ``bn`` block: as many as the split has (a
     power of two, 8 or more), up to 32 and :data:`REDUCE_VALUES` values in flight; 4 (the four-load loop)
-    where fewer than 8 would fit (blocks of 32x64 and 64x64)."""
+    where fewer than 8 would fit (blocks of 32x64 and 64x64) and for splits of at most 4 planes. Those took one
+    chunk of 8 planes, 5 of them masked: 800x536 in 3 planes and 16x64 blocks took 14.4 us (H200, ncu), where
+    cuBLAS's reduction of its own split took 6.2."""
+    if split <= 4:
+        return 4
     planes = min(triton.next_power_of_2(split), 32, REDUCE_VALUES // (bm * bn))
     return max(planes, 8) if REDUCE_VALUES // (bm * bn) >= 8 else 4
+
+
+def launch_reduction(p, ws, count, split: int, stream) -> None:
+    """Launch :func:`split_k_reduce_kernel` over problem ``p``'s ``split`` planes in ``ws`` (its block by
+    :func:`reduce_block`), on ``stream``; the caller holds :data:`tilegemm.core.launch.sequence_lock` across
+    the split's two launches."""
+    bm, bn = reduce_block(p.M, p.N, p.batch, sm_count(p.out.device))
+    launch(split_k_reduce_kernel, (cdiv(p.M, bm) * cdiv(p.N, bn), 1, p.batch), (*p.kernel_args(), ws, count),
+           {**p.kernel_flags(), "SPLIT_K": split, "BLOCK_M": bm, "BLOCK_N": bn,
+            "PLANES": reduce_planes(split, bm, bn), "num_warps": 4},
+           keep=(ws, count), stream=stream)

@@ -51,9 +51,11 @@ GLUON_TF32_NN_TILE = (256, 128, 32)
 
 
 def identity(rung: str, config: dict) -> tuple[str, str]:
-    """A candidate as the table names it: (rung, config as sorted JSON), a wave-filling split as ``"wave"``."""
+    """A candidate as the table names it: (rung, config as sorted JSON), a wave-filling split as ``"wave"``
+    (``split_k``'s above :data:`FIXED_SPLITS`, every split of ``persistent_tma``)."""
     config = dict(config)
-    if rung == "split_k" and config.get("SPLIT_K") not in FIXED_SPLITS:
+    if (rung == "split_k" and config.get("SPLIT_K") not in FIXED_SPLITS) or (rung == "persistent_tma"
+                                                                          and "SPLIT_K" in config):
         config["SPLIT_K"] = "wave"
     return rung, json.dumps(config, sort_keys=True)
 
@@ -71,16 +73,19 @@ def tile(config: dict) -> tuple[int, int, int]:
     return config["BLOCK_M"], config["BLOCK_N"], config.get("BLOCK_K", GLUON_BLOCK_K)
 
 
-def utilization(config: dict, shape, sms: int) -> float:
+def utilization(config: dict, shape, sms: int, rung: str = "split_k") -> float:
     """The share of what ``config``'s launch at ``shape`` (M, N, K) could compute in the waves it takes that is the
     product's own: the padding of edge tiles and of K slices times the fill of the last wave of programs (one an
-    SM: ``autotuned`` and ``split_k``'s tiles times SPLIT_K, ``persistent_tma``'s tiles on as many SMs). A
-    wave-filling split (``"wave"``) fills the GPU by construction: its tiles' padding only."""
+    SM: ``autotuned`` and ``split_k``'s tiles times SPLIT_K, ``persistent_tma``'s tiles (and K slices) on as many
+    SMs). ``split_k``'s wave-filling split (``"wave"``) fills the GPU by construction: its tiles' padding only;
+    ``persistent_tma``'s is worked out for the shape (one wave of work units, as the kernel launches it)."""
     M, N, K = (max(d, 1) for d in shape)
     bm, bn, bk = tile(config)
     tiles = -(-M // bm) * -(-N // bn)
     split = config.get("SPLIT_K", 1)
-    if split == "wave":
+    if split == "wave" and rung == "persistent_tma":
+        split = max(1, min(sms // tiles, -(-K // bk) // 4, 256))  # as split_k.wave_split
+    elif split == "wave":
         return M * N / (tiles * bm * bn)
     programs, steps = tiles * split, -(-K // (bk * split))  # steps: a program's K steps (at most)
     return M * N * K / (-(-programs // sms) * sms * bm * bn * steps * bk)
@@ -112,7 +117,8 @@ def _rank(indexed: list, target, candidates: list[int], configs: list | None = N
     # split). Each neighbour's log-efficiency is moved by WAVE_WEIGHT x the log of the candidate's utilization
     # at the target over that at the neighbour (floors too: a candidate slow there may fill the GPU here).
     def filled(i, shape) -> float:
-        return WAVE_WEIGHT * math.log(utilization(configs[i][1], shape, sms)) if configs is not None else 0.0
+        return (WAVE_WEIGHT * math.log(utilization(configs[i][1], shape, sms, configs[i][0])) if configs is not None
+                else 0.0)
 
     here = {i: filled(i, target) for i in candidates}
     score = dict.fromkeys(candidates, 0.0)
@@ -265,7 +271,9 @@ def _valid_candidates(p, configs: list, described: bool, sms: int) -> list[int]:
     tma = persistent_tma.candidates(p) if described else []
     valid = []
     for i, (rung, config) in enumerate(configs):
-        if rung == "persistent_tma":
+        if rung == "persistent_tma" and config.get("SPLIT_K") == "wave":
+            ok = described and persistent_tma.offers_split(p, config)
+        elif rung == "persistent_tma":
             ok = config in tma
         elif rung == "split_k":  # as split_k.configs
             split = config["SPLIT_K"]
@@ -281,7 +289,11 @@ def _valid_candidates(p, configs: list, described: bool, sms: int) -> list[int]:
 def _resolved(p, rung: str, config: dict) -> dict:
     """The config to launch: a wave-filling split computed for ``p``."""
     config = dict(config)
-    if rung == "split_k" and config["SPLIT_K"] == "wave":
+    if rung == "persistent_tma" and config.get("SPLIT_K") == "wave":
+        from tilegemm.ops.matmul.persistent_tma import wave_split
+
+        config["SPLIT_K"] = wave_split(p, config)
+    elif rung == "split_k" and config["SPLIT_K"] == "wave":
         from tilegemm.core.hardware import sm_count
         from tilegemm.core.runtime import cdiv
         from tilegemm.ops.matmul.split_k import wave_split
