@@ -12,14 +12,14 @@ import torch
 import triton.testing as tt
 
 import tilegemm  # noqa: F401  (the backend choice before triton)
-from tilegemm.ops.matmul import split_k
+from tilegemm.ops.matmul import split_k, split_reduce
 from tilegemm.ops.matmul.problem import make_problems
 
 SHAPES = ((24, 128, 20968), (184, 168, 14400), (64, 64, 100352), (96, 200, 30000), (128, 256, 100352))
 VARIANTS = (((16, 32), 4), ((16, 32), 16), ((8, 32), 16), ((8, 32), 32), ((4, 32), 4), ((4, 32), 32), ((16, 64), 8),
             ((32, 64), 4), ((64, 64), 2))
 rows = []
-orig_block, orig_planes = split_k.reduce_block, split_k.reduce_planes  # forced per variant below
+orig_block, orig_planes = split_reduce.reduce_block, split_reduce.reduce_planes  # forced per variant below
 for M, N, K in SHAPES:
     a = torch.randn(M, K, device="cuda", dtype=torch.float16)
     b = torch.randn(K, N, device="cuda", dtype=torch.float16)
@@ -30,14 +30,14 @@ for M, N, K in SHAPES:
     row = dict(shape=f"{M}x{N}x{K}", cublas_us=cublas)
     split_k.run(p)  # the untimed choice, recorded below
     for (bm, bn), planes in VARIANTS:
-        split_k.reduce_block = lambda *args, bm=bm, bn=bn: (bm, bn)
-        split_k.reduce_planes = lambda *args, planes=planes: planes
+        split_reduce.reduce_block = lambda *args, bm=bm, bn=bn: (bm, bn)
+        split_reduce.reduce_planes = lambda *args, planes=planes: planes
         fn = lambda: split_k.run(p)
         fn()
         err = float((out.float() - ref).norm() / ref.norm())
         row[f"{bm}x{bn}p{planes}"] = dict(graph_us=tt.do_bench_cudagraph(fn, rep=30) * 1e3,
                                           do_bench_us=tt.do_bench(fn, rep=30) * 1e3, rel_err=err)
-    split_k.reduce_block, split_k.reduce_planes = orig_block, orig_planes
+    split_reduce.reduce_block, split_reduce.reduce_planes = orig_block, orig_planes
     rows.append(row)
     print(row["shape"], f"cuBLAS {cublas:.1f}", " ".join(
         f"{k} {v['graph_us']:.1f}/{v['do_bench_us']:.1f}" + ("" if v["rel_err"] < 1e-2 else "ERR")

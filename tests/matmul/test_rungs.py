@@ -53,12 +53,12 @@ def test_persistent_tma_serpentine_order(group_m, device):
 
 
 @pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
-@pytest.mark.parametrize("split,K", [(2, 64), (3, 112), (4, 80), (5, 80)], ids=lambda v: str(v))
-def test_persistent_tma_split_k(layout, split, K, device, monkeypatch):
+@pytest.mark.parametrize("split,K,slices", [(2, 64, 2), (3, 112, 3), (4, 80, 3), (5, 80, 5)], ids=lambda v: str(v))
+def test_persistent_tma_split_k(layout, split, K, slices, device, monkeypatch):
     """A K split of the persistent kernel: each slice's partial tile to its plane, the planes added by the
     reduction with the epilogue (bias, c, beta, activation applied once); slices of uneven length (7 steps of
-    16 in slices of 3, 3 and 1) and an empty one (5 steps in 4 slices of 2, 2, 1 and 0: it stores zeros), and
-    more work units than programs."""
+    16 in slices of 3, 3 and 1), a split asked for with more slices than its slice length fills (5 steps in 4:
+    3 slices of 2, 2 and 1, none left empty), and more work units than programs."""
     monkeypatch.setattr(persistent_tma, "sm_count", lambda device: 3)
     M, N = 70, 90
     a = torch.randn(K, M, device=device).mT if layout[0] == "T" else torch.randn(M, K, device=device)
@@ -68,23 +68,40 @@ def test_persistent_tma_split_k(layout, split, K, device, monkeypatch):
     out = torch.full((M, N), float("nan"), device=device)
     p = _problem(a, b, out, c=c, bias=bias, beta=0.5, activation="gelu")
     cfg = dict(persistent_tma.configs(4)[0], SPLIT_K=split, BLOCK_K=16)  # 16-wide K steps on the GPU too
-    assert persistent_tma.split_of(p, cfg) == split
+    assert persistent_tma.split_of(p, cfg) == slices
     persistent_tma.run(p, cfg)
     assert_rel_close(out, matmul_reference(a, b, bias=bias, c=c, beta=0.5, activation="gelu"), 1e-5)
 
 
 def test_persistent_tma_split_k_lowered_where_it_cannot_run(device):
-    """A split with fewer K steps than slices, or planes past 32-bit offsets, launches unsplit."""
+    """A split with more slices than K steps launches one slice a step; planes past 32-bit offsets, unsplit."""
     a, b = torch.randn(64, 32, device=device), torch.randn(32, 64, device=device)
     out = torch.full((64, 64), float("nan"), device=device)
     p = _problem(a, b, out)
-    cfg = dict(persistent_tma.configs(4)[0], SPLIT_K=3)  # K = 32: two 16-wide steps
-    assert persistent_tma.split_of(p, cfg) == 1
+    cfg = dict(persistent_tma.configs(4)[0], SPLIT_K=3, BLOCK_K=16)  # K = 32: two 16-wide steps
+    assert persistent_tma.split_of(p, cfg) == 2
     persistent_tma.run(p, cfg)
     assert_rel_close(out, matmul_reference(a, b), 1e-5)
+    assert persistent_tma.split_of(p, dict(cfg, SPLIT_K=1)) == 1 and persistent_tma.split_of(p, cfg | {"BLOCK_K": 32}) == 1
     big = _problem(torch.randn(65536, 16, device="meta"), torch.randn(16, 32768, device="meta"),
                    torch.empty(65536, 32768, device="meta"))
     assert persistent_tma.split_of(big, dict(cfg, BLOCK_K=1)) == 1  # 3 x 2^31 floats of planes
+
+
+def test_persistent_tma_tuned_split_is_the_wave_split_of_the_problem(device, monkeypatch):
+    """A split config found by the tuner (a neighbour class's, say) launches with this problem's wave split,
+    not the split it was tuned with; an explicit config keeps its own."""
+    a, b = torch.randn(64, 256, device=device), torch.randn(256, 64, device=device)
+    out = torch.full((64, 64), float("nan"), device=device)
+    p = _problem(a, b, out)
+    tuned = dict(persistent_tma.configs(4)[0], SPLIT_K=7, BLOCK_K=16)
+    monkeypatch.setattr(persistent_tma.tuning, "lookup_or_tune", lambda *args, **kw: tuned)
+    launched = []
+    monkeypatch.setattr(persistent_tma, "launch_config", lambda p, cfg: launched.append(cfg))
+    persistent_tma.run(p)
+    assert launched[-1]["SPLIT_K"] == persistent_tma.wave_split(p, tuned) != 7
+    persistent_tma.run(p, tuned)
+    assert launched[-1]["SPLIT_K"] == 7
 
 
 @pytest.mark.parametrize(

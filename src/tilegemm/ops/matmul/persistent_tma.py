@@ -330,11 +330,11 @@ def split_configs(p: GemmProblem) -> list[dict]:
 
 
 def offers_split(p: GemmProblem, cfg: dict) -> bool:
-    """Whether ``cfg`` (its SPLIT_K aside) is one of :func:`split_configs`'s tiles for a problem like ``p``."""
+    """Whether ``cfg`` (its SPLIT_K aside) is one of :func:`split_configs`'s tiles for ``p``, split there."""
     if interpreting() or p.a.element_size() != 2 or p.mma_operands != "ab":
         return False
     plain = {k: v for k, v in cfg.items() if k != "SPLIT_K"}
-    return any(plain == make_config(*tile) for tile in SPLIT_TILES)
+    return any(plain == make_config(*tile) for tile in SPLIT_TILES) and wave_split(p, plain) > 1
 
 
 def host_descriptors(p: GemmProblem, cfg: dict):
@@ -352,7 +352,8 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor
     """(kernel, grid, args, constexpr kwargs) of the Triton kernel for :func:`tilegemm.core.launch.launch`;
     ``ws``: the planes of a config with ``SPLIT_K`` > 1 (:func:`launch_config` makes them)."""
     a_t, b_t, stride_a, stride_b = p.tma_view
-    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"]) * cfg.get("SPLIT_K", 1)
+    split = cfg.get("SPLIT_K", 1) if ws is not None else 1  # no planes, no split
+    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"]) * split
     flags = p.kernel_flags()
     operands = host_descriptors(p, cfg) if cfg.get("HOST_DESC") else (p.a, p.b, p.out)
     args = (
@@ -361,7 +362,7 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor
         stride_a, stride_b, p.out_strides[1],
         p.c_strides[1], p.c_strides[2], p.bias_stride,
         p.scale_a_stride, p.scale_b_stride,
-        p.alpha, p.beta, p.out if ws is None else ws, cfg.get("SPLIT_K", 1),
+        p.alpha, p.beta, p.out if ws is None else ws, split,
     )
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                   INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
@@ -394,12 +395,15 @@ def launch_config(p: GemmProblem, cfg: dict) -> None:
 
 
 def split_of(p: GemmProblem, cfg: dict) -> int:
-    """The K split a config launches with: its ``SPLIT_K`` (1 without), lowered to 1 where the planes' offsets
-    would pass 32 bits or a slice would have no K step."""
+    """The K split a config launches with: its ``SPLIT_K`` (1 without) as the number of slices its slice length
+    makes (``cdiv(steps, cdiv(steps, SPLIT_K))``: no slice left without a K step), and 1 where the planes'
+    offsets would pass 32 bits."""
     split = cfg.get("SPLIT_K", 1)
-    if split > 1 and (split * p.M * p.N >= 2**31 or cdiv(p.K, cfg["BLOCK_K"]) < split):
+    if split <= 1:
         return 1
-    return split
+    steps = cdiv(p.K, cfg["BLOCK_K"])
+    split = cdiv(steps, cdiv(steps, split))
+    return 1 if split * p.M * p.N >= 2**31 else split
 
 
 def tuning_key(p: GemmProblem) -> str:
@@ -422,6 +426,10 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
     ensure_allocator()
     if config is None:
         config = tuning.lookup_or_tune(tuning_key(p), lambda: candidates(p), lambda cfg: launch_config(p, cfg))
+        if config.get("SPLIT_K", 1) > 1:
+            # A K split tuned for its own class (perhaps a neighbour's: tuning.nearest): the wave split of its
+            # tile here, as the candidates are made.
+            config = dict(config, SPLIT_K=wave_split(p, config))
     launch_config(p, config)
 
 

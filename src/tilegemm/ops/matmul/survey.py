@@ -85,6 +85,8 @@ def utilization(config: dict, shape, sms: int, rung: str = "split_k") -> float:
     split = config.get("SPLIT_K", 1)
     if split == "wave" and rung == "persistent_tma":
         split = max(1, min(sms // tiles, -(-K // bk) // 4, 256))  # as split_k.wave_split
+        steps = -(-K // bk)
+        split = -(-steps // -(-steps // split))  # the slices launched (persistent_tma.split_of)
     elif split == "wave":
         return M * N / (tiles * bm * bn)
     programs, steps = tiles * split, -(-K // (bk * split))  # steps: a program's K steps (at most)
