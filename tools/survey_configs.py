@@ -109,8 +109,11 @@ class Operands:
                              (sa, 0, sb, 0))[0]
 
 
-def survey(M: int, N: int, K: int, dtype: str, rep: int, layout: str = "NN", splits_only: bool = False) -> dict:
+def survey(M: int, N: int, K: int, dtype: str, rep: int, layout: str = "NN", splits_only: bool = False) -> dict | None:
+    """One shape's row; with ``splits_only``, None where M <= 16 or no K split is offered."""
     ops = Operands(M, N, K, dtype, layout)
+    if splits_only and (M <= 16 or not field(ops.problem(torch.empty(M, N, device="cuda", dtype=ops.out_dtype)), True)):
+        return None
     scale = ops.ref.norm().item()
     row = dict(M=M, N=N, K=K)
     row["cublas_us"] = triton.testing.do_bench(ops.cublas, warmup=5, rep=3 * rep, return_mode="median") * 1e3
@@ -176,9 +179,6 @@ def main() -> None:
         raise SystemExit("fp8 rows are 16-byte aligned only at multiples of 16 elements: --multiple 16")
     os.environ.setdefault("TILEGEMM_TUNING_CACHE", "0")  # shipped entries only: what a fresh user has
     shapes = survey_shapes(args.count, args.seed, args.multiple)[args.start:args.stop]
-    if args.splits_only:
-        shapes = [s for s in shapes if s[0] > 16 and field(Operands(*s, args.dtype, args.layout).problem(
-            torch.empty(s[0], s[1], device="cuda", dtype=DTYPES[args.dtype])), True)]
     tag = ("" if args.multiple == 16 else f"-m{args.multiple}") + ("" if args.layout == "NN" else f"-{args.layout}")
     tag += "-splits" if args.splits_only else ""
     path = os.path.join(args.out, f"survey-{args.dtype}-s{args.seed}{tag}-{args.start}.json")
@@ -190,6 +190,8 @@ def main() -> None:
             print(f"budget spent: stopped before shape {args.start + i}", flush=True)
             break
         row = survey(M, N, K, args.dtype, args.rep, args.layout, args.splits_only)
+        if row is None:
+            continue  # --splits-only: none offered for this shape
         doc["rows"].append(row)
         with open(path, "w") as f:
             json.dump(doc, f)

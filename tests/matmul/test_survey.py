@@ -53,6 +53,19 @@ def test_persistent_tma_wave_splits_are_worked_out_for_the_shape():
     assert persistent_tma.wave_split(p, tile) == 1  # four "SMs" off the GPU: 35 tiles fill them
 
 
+def test_split_candidates_are_offered_where_they_split(monkeypatch):
+    """As on a 132-SM GPU: a split tile is valid for the survey where its wave split is above one, not for a
+    product whose tiles fill the GPU, and no other tile is."""
+    monkeypatch.setattr(persistent_tma, "interpreting", lambda: False)
+    monkeypatch.setattr(persistent_tma, "sm_count", lambda device: 132)
+    wave = dict(persistent_tma.make_config(128, 128, 64, 4, 4), SPLIT_K="wave")
+    assert persistent_tma.offers_split(problem(800, 536, 7816, device="meta"), wave)
+    assert persistent_tma.split_configs(problem(800, 536, 7816, device="meta"))[0] == dict(wave, SPLIT_K=3)
+    assert not persistent_tma.offers_split(problem(8192, 8192, 8192, device="meta"), wave)  # 4096 tiles: no split
+    assert not persistent_tma.offers_split(problem(800, 536, 7816, device="meta"), dict(wave, BLOCK_K=32))
+    assert not persistent_tma.offers_split(problem(800, 536, 7816, dtype=torch.float32, device="meta"), wave)  # 16-bit only
+
+
 def test_rank_follows_the_nearest_shapes_and_counts_missing_candidates_at_the_floor():
     shapes = [[1024, 1024, 1024, [[0, 1.0], [1, 0.6]]],
               [2048, 1024, 1024, [[0, 0.7], [1, 1.0]]],

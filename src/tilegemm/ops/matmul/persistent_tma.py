@@ -330,11 +330,11 @@ def split_configs(p: GemmProblem) -> list[dict]:
 
 
 def offers_split(p: GemmProblem, cfg: dict) -> bool:
-    """Whether ``cfg`` (its SPLIT_K aside) is one of :func:`split_configs`'s tiles for ``p``, split there."""
-    if interpreting() or p.a.element_size() != 2 or p.mma_operands != "ab":
-        return False
-    plain = {k: v for k, v in cfg.items() if k != "SPLIT_K"}
-    return any(plain == make_config(*tile) for tile in SPLIT_TILES) and wave_split(p, plain) > 1
+    """Whether ``cfg`` (its SPLIT_K aside) is one of :func:`split_configs`'s for ``p``."""
+    def plain(c: dict) -> dict:
+        return {k: v for k, v in c.items() if k != "SPLIT_K"}
+
+    return any(plain(cfg) == plain(c) for c in split_configs(p))
 
 
 def host_descriptors(p: GemmProblem, cfg: dict):
