@@ -7,6 +7,7 @@ tests beside this one cover the fp32 and interpreter side on small layers."""
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -62,6 +63,7 @@ def check(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(c=layers())
 def test_auto_and_gradients_match_f_conv2d(c):
+    torch.manual_seed(zlib.crc32(repr(sorted(c.items())).encode()))  # the same values each time it is drawn
     dtype, tol = c["dtype"], tolerance(c["dtype"])
     conv = dict(stride=c["stride"], padding=c["padding"], dilation=c["dilation"], groups=c["groups"])
     fmt = torch.channels_last if c["channels_last"] else torch.contiguous_format

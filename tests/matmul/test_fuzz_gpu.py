@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 
 import pytest
 import torch
@@ -87,6 +88,7 @@ def check(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(p=products())
 def test_auto_matches_the_reference(p):
+    torch.manual_seed(zlib.crc32(repr(sorted(p.items())).encode()))  # the same values each time it is drawn
     dtype = DTYPES[p["name"]]
     precision = {"tf32": "tf32", "ieee": "ieee"}.get(p["name"])
     fp8 = dtype == FP8

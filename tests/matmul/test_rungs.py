@@ -73,6 +73,26 @@ def test_persistent_tma_split_k(layout, split, K, slices, device, monkeypatch):
     assert_rel_close(out, matmul_reference(a, b, bias=bias, c=c, beta=0.5, activation="gelu"), 1e-5)
 
 
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast_accum"])
+def test_persistent_tma_split_k_fp8(fast_accum, device, monkeypatch):
+    """fp8 (both operands K-major) in K slices: the partial sums stay unscaled in the planes, and the reduction
+    applies the per-row and per-tensor scales with the epilogue once."""
+    monkeypatch.setattr(persistent_tma, "sm_count", lambda device: 3)
+    M, N, K = 70, 90, 7 * 32
+    e4m3 = torch.float8_e4m3fn
+    a = torch.randn(M, K, device=device).to(e4m3)
+    b = torch.randn(N, K, device=device).to(e4m3).T
+    scale_a, scale_b = torch.rand(M, device=device) + 0.5, torch.tensor(0.25, device=device)
+    bias = torch.randn(N, device=device).to(torch.bfloat16)
+    out = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
+    (p,) = make_problems(a, b, out, None, bias, 1.0, 0.0, "relu", "ieee", False, (scale_a, 1, scale_b, 0), fast_accum)
+    cfg = dict(persistent_tma.configs(1)[0], SPLIT_K=3, BLOCK_K=32)  # 32-deep K steps: fp8's smallest wgmma
+    assert persistent_tma.split_of(p, cfg) == 3
+    persistent_tma.run(p, cfg)
+    ref = matmul_reference(a.double() * scale_a.double()[:, None], b.double() * 0.25, bias=bias, activation="relu")
+    assert_rel_close(out, ref, tolerance(e4m3, out_dtype=torch.bfloat16))
+
+
 def test_persistent_tma_split_k_lowered_where_it_cannot_run(device):
     """A split with more slices than K steps launches one slice a step; planes past 32-bit offsets, unsplit."""
     a, b = torch.randn(64, 32, device=device), torch.randn(32, 64, device=device)

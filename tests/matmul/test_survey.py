@@ -63,7 +63,16 @@ def test_split_candidates_are_offered_where_they_split(monkeypatch):
     assert persistent_tma.split_configs(problem(800, 536, 7816, device="meta"))[0] == dict(wave, SPLIT_K=3)
     assert not persistent_tma.offers_split(problem(8192, 8192, 8192, device="meta"), wave)  # 4096 tiles: no split
     assert not persistent_tma.offers_split(problem(800, 536, 7816, device="meta"), dict(wave, BLOCK_K=32))
-    assert not persistent_tma.offers_split(problem(800, 536, 7816, dtype=torch.float32, device="meta"), wave)  # 16-bit only
+    assert not persistent_tma.offers_split(problem(800, 536, 7816, dtype=torch.float32, device="meta"), wave)  # no tf32
+    # fp8: the same tiles with K steps of the same bytes, where both operands are K-major (B given as [N, K].T)
+    fp8 = torch.float8_e4m3fn
+    a, b = torch.empty(800, 7816, dtype=fp8, device="meta"), torch.empty(536, 7816, dtype=fp8, device="meta").T
+    out = torch.empty(800, 536, dtype=torch.bfloat16, device="meta")
+    (nt,) = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)
+    assert persistent_tma.offers_split(nt, dict(wave, BLOCK_K=128)) and not persistent_tma.offers_split(nt, wave)
+    assert persistent_tma.split_configs(nt)[0] == dict(wave, BLOCK_K=128, SPLIT_K=3)
+    (nn,) = make_problems(a, b.T.contiguous().T.contiguous(), out, None, None, 1.0, 0.0, "none", "ieee", False)
+    assert not persistent_tma.split_configs(nn)  # B row-major: through registers, not offered
 
 
 def test_rank_follows_the_nearest_shapes_and_counts_missing_candidates_at_the_floor():
@@ -146,10 +155,10 @@ def test_shipped_tables_hold_only_candidates_of_their_rungs(path, monkeypatch):
     for rung, cfg in doc["configs"]:
         if rung == "autotuned":
             assert cfg in pointer, cfg
-        elif rung == "persistent_tma" and "SPLIT_K" in cfg:  # a K split of one wave, 16-bit only
+        elif rung == "persistent_tma" and "SPLIT_K" in cfg:  # a K split of one wave, 16-bit and fp8 only
             plain = {k: v for k, v in cfg.items() if k != "SPLIT_K"}
-            assert family == "" and cfg["SPLIT_K"] == "wave", cfg
-            assert plain in [persistent_tma.make_config(*t) for t in persistent_tma.SPLIT_TILES], cfg
+            assert family in ("", "fp8") and cfg["SPLIT_K"] == "wave", cfg
+            assert plain in [persistent_tma.make_config(*t) for t in persistent_tma.split_tiles(size)], cfg
         elif rung == "persistent_tma":
             assert cfg in tma, cfg
         else:

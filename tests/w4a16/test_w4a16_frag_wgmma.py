@@ -61,6 +61,9 @@ def test_launch_args_name_what_they_cannot_take():
                                "none", cfg)
     with pytest.raises(ValueError, match="STAGES >= 3"):
         frag_wgmma.launch_args(x, fw, fzs, None, out, 200, 256, 128, "none", dict(cfg, STAGES=2, OVERLAP=True))
+    shifted = torch.empty(4 * 256 + 1, dtype=torch.float16)[1:].view(4, 256)  # rows 16-byte apart, start not
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        frag_wgmma.launch_args(shifted, fw, fzs, None, out, 200, 256, 128, "none", cfg)
 
 
 # --- offline compile for sm_90 ------------------------------------------------------------------------------
@@ -122,6 +125,10 @@ def test_frag_wgmma_takes_strided_x():
     y = torch.randn(2, 40, 1024, dtype=torch.float16, device="cuda")[:, ::2]  # rows 4096 bytes apart
     assert_rel_close(w4a16.matmul(y, w, kernel="frag_wgmma").reshape(-1, 384), reference(y.reshape(-1, 1024), w),
                      2e-3)
+    z = torch.randn(70 * 1024 + 1, dtype=torch.float16, device="cuda")[1:].view(70, 1024)  # starts 2 bytes off
+    assert_rel_close(w4a16.matmul(z, w, kernel="frag_wgmma"), reference(z, w), 2e-3)
+    assert_rel_close(w4a16.matmul(z, w), reference(z, w), 2e-3)  # and auto (frag_wgmma here), replayed below
+    assert_rel_close(w4a16.matmul(z, w), reference(z, w), 2e-3)
 
 
 @pytest.mark.gpu

@@ -297,13 +297,19 @@ def candidates(p: GemmProblem) -> list[dict]:
     return configs(p.a.element_size(), p.mma_operands) + extra + split_configs(p)
 
 
-# 16-bit tiles offered with a K split (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). For products with few output
+# 16-bit tiles offered with a K split (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; fp8 takes them with K steps
+# of the same bytes). For products with few output
 # tiles and a long K: 800x536x7816 fp16 ran 0.89x cuBLAS in 3 slices of 128x128 tiles, where the best unsplit
 # candidate of any rung ran 0.65x; which tile wins depends on the shape (64x128 for 136x480x16256, 0.84x; 128x64
 # for 288x104x7440, 0.81x against auto's 0.52x; H200, research/explore_tma_split.py). ``auto`` ranks them with
 # the other candidates by the survey (:mod:`tilegemm.ops.matmul.survey`), where their split is ``"wave"``.
 SPLIT_TILES = ((128, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 64, 64, 4, 4), (128, 256, 64, 8, 3),
                (256, 128, 64, 8, 3))
+
+
+def split_tiles(elem: int) -> tuple:
+    """:data:`SPLIT_TILES` for operands of ``elem`` bytes: fp8 steps twice as deep in K (the same bytes a step)."""
+    return SPLIT_TILES if elem == 2 else tuple((bm, bn, bk * 2 // elem, w, s) for bm, bn, bk, w, s in SPLIT_TILES)
 
 
 def wave_split(p: GemmProblem, cfg: dict) -> int:
@@ -316,12 +322,13 @@ def wave_split(p: GemmProblem, cfg: dict) -> int:
 
 
 def split_configs(p: GemmProblem) -> list[dict]:
-    """:data:`SPLIT_TILES` with the K split of one wave (:func:`wave_split`) where that split is above one: for
-    16-bit operands meeting the MMA from shared memory, on a GPU."""
-    if interpreting() or p.a.element_size() != 2 or p.mma_operands != "ab":
+    """:func:`split_tiles` with the K split of one wave (:func:`wave_split`) where that split is above one: for
+    16-bit and fp8 operands meeting the MMA from shared memory, on a GPU."""
+    elem = p.a.element_size()
+    if interpreting() or elem > 2 or p.b.element_size() != elem or p.mma_operands != "ab":
         return []
     out = []
-    for tile in SPLIT_TILES:
+    for tile in split_tiles(elem):
         cfg = make_config(*tile)
         split = wave_split(p, cfg)
         if split > 1:

@@ -191,6 +191,8 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
         raise ValueError(f"frag_wgmma: the group length {group_k} must be a multiple of the K step 64")
     if x.stride(0) % 8:
         raise ValueError(f"frag_wgmma: x's row stride {x.stride(0)} must be a multiple of 8 elements (16 bytes)")
+    if x.data_ptr() % 16:
+        raise ValueError(f"frag_wgmma: x must start 16-byte aligned (its address is {x.data_ptr() % 16} bytes past)")
     if cfg.get("OVERLAP", True) and cfg["STAGES"] < 3:
         raise ValueError("frag_wgmma: OVERLAP needs STAGES >= 3 (a step in the MMA, the next landed, one loading)")
     steps = cdiv(K, 64)  # the padding past them holds zero weights only
@@ -213,9 +215,9 @@ def run(p: W4A16Problem, cfg: dict | None = None) -> None:
     if p.fweight is None:
         raise ValueError("the frag_wgmma kernel needs the weight's fragment layout (Int4Weight.fragments())")
     cfg = cfg or frag_wgmma_config(p.M, p.N, p.K, p.x.device)
-    # 16-byte copies need rows 16-byte aligned: copy x if they are not (a launch on the copy is not replayed:
-    # the copy is no tensor of the call).
-    x = p.x if p.x.stride(0) % 8 == 0 else p.x.contiguous()
+    # 16-byte copies need rows 16-byte aligned: copy x if they are not, its start included (a launch on the copy
+    # is not replayed: the copy is no tensor of the call).
+    x = p.x if p.x.stride(0) % 8 == 0 and p.x.data_ptr() % 16 == 0 else p.x.clone(memory_format=torch.contiguous_format)
     kernel, grid, args, kwargs = launch_args(x, p.fweight, p.fzs, p.bias, p.out, p.N, p.K, p.group_k,
                                              p.activation, cfg)
     split = kwargs["SPLIT_K"] > 1
