@@ -76,13 +76,18 @@ def operand(rows: int, cols: int, batch: tuple, transposed: bool, pad: int, offs
     return t.mT if transposed else t
 
 
-def check(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+def check(out: torch.Tensor, ref: torch.Tensor, terms: torch.Tensor, K: int, tol: float, what: str) -> None:
+    """``out`` within ``tol`` of ``ref`` relative to its norm, or where the sums cancel (a few outputs, tf32's
+    rounded operands) to half the norm their terms' magnitudes give (``terms / sqrt(K)``); and no 32x32 tile of
+    a larger output more than four times off."""
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
     assert not torch.isnan(out).any(), f"{what}: NaN in the output (an element never written)"
-    err = relative_error(out, ref)
+    norm = ref.norm().item()
+    err = relative_error(out, ref) * norm / max(norm, 0.5 * terms.norm().item() / math.sqrt(K), 1e-30)
     assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.1e}"
-    worst = tile_errors(out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1]), 32, 32).max().item()
-    assert worst <= 4 * tol, f"{what}: a 32x32 tile's relative error {worst:.2e} > {4 * tol:.1e}"
+    if out.numel() >= 4096:
+        worst = tile_errors(out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1]), 32, 32).max().item()
+        assert worst <= 4 * tol, f"{what}: a 32x32 tile's relative error {worst:.2e} > {4 * tol:.1e}"
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -112,6 +117,8 @@ def test_auto_matches_the_reference(p):
             ra = ra * scales["scale_a"].double()[:, None]
             rb = rb * scales["scale_b"].double()
         ref = matmul_reference(ra, rb, bias=bias, c=c, alpha=p["alpha"], beta=0.5, activation=p["activation"])
-        check(out.float(), ref, tol, f"call {call} ({'replay' if call == 1 else 'record'}) of {p}")
+        terms = matmul_reference(ra.abs(), rb.abs(), bias=None if bias is None else bias.abs(),
+                                 c=None if c is None else c.abs(), alpha=p["alpha"], beta=0.5)
+        check(out.float(), ref, terms, K, tol, f"call {call} ({'replay' if call == 1 else 'record'}) of {p}")
     if DEVICE == "cuda":
         torch.cuda.synchronize()

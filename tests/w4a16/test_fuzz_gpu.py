@@ -3,7 +3,7 @@ auto routes to), N, K and group sizes, fp16 and bf16, symmetric or not, bias and
 or rows sliced out of a wider buffer; each weight called twice with fresh activations (the second call replays
 the first's launch) and once from rows at another offset, against ``x @ dequantize(w).T`` in float64.
 
-The error is relative to the output's norm, or where a sum cancels (a handful of outputs, N = 1), to a tenth of
+The error is relative to the output's norm, or where a sum cancels (a handful of outputs, N = 1), to half
 the norm its terms' magnitudes give (``|x| @ |W|.T / sqrt(K)``): the kernels that do not round each weight to
 16 bits as ``dequantize`` does (``gemv``) differ by that rounding, which cancellation magnifies in one output."""
 
@@ -59,6 +59,6 @@ def test_auto_matches_the_dequantized_reference(c):
         assert not torch.isnan(out).any(), f"call {call} of {c}: NaN (an element never written)"
         x2 = x.reshape(rows, K).double()
         terms = (x2.abs() @ w4a16.dequantize(w).double().abs().T).norm().item() / math.sqrt(K)
-        err = relative_error(out, ref) * ref.norm().item() / max(ref.norm().item(), 0.1 * terms)
+        err = relative_error(out, ref) * ref.norm().item() / max(ref.norm().item(), 0.5 * terms)
         assert err <= tol, f"call {call} of {c}: relative error {err:.2e} > {tol:.1e}"
     torch.cuda.synchronize()
