@@ -1,7 +1,8 @@
 """Fuzz `tilegemm.conv2d` (``auto``) and its gradients on the GPU (`pytest -m gpu`) with the layers the TMA and
 Gluon kernels take: 16-bit activations, channel counts of real CNNs and odd ones, 1x1 to 7x7 filters, strides,
 paddings, dilations, groups (depthwise included), both memory formats, bias and activation. Each layer runs
-twice with fresh tensors (the second call replays the first's launches) against F.conv2d in fp32; the property
+twice with fresh tensors (the second call replays the first's launches), then from an input that is a view
+(channels sliced out of a wider tensor, storage starting 2 bytes in, or a batch slice), against F.conv2d in fp32; the property
 tests beside this one cover the fp32 and interpreter side on small layers."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
 
 pytestmark = pytest.mark.gpu
 
+DEVICE = "cuda"
 EXAMPLES = int(os.environ.get("TILEGEMM_FUZZ_EXAMPLES", "40"))
 CHANNELS = [1, 3, 8, 16, 17, 24, 32, 48, 64, 96, 128, 144, 160, 256, 320, 512]
 
@@ -50,7 +52,22 @@ def layers(draw):
     return dict(N=N, C=C, H=H, W=W, K=K, R=R, S=S, groups=groups, stride=stride, padding=pad, dilation=dilation,
                 dtype=draw(st.sampled_from([torch.float16, torch.bfloat16])),
                 channels_last=draw(st.integers(0, 3)) > 0, bias=draw(st.booleans()),
-                activation=draw(st.sampled_from([None, None, "relu", "silu"])), backward=draw(st.integers(0, 2)) == 0)
+                activation=draw(st.sampled_from([None, None, "relu", "silu"])), backward=draw(st.integers(0, 2)) == 0,
+                view=draw(st.sampled_from(["channels", "offset", "batch"])))
+
+
+def make_input(c: dict, fmt, view: str | None) -> torch.Tensor:
+    """The layer's input in memory format ``fmt``: a tensor of its own, or (``view``) its channels sliced out of
+    a wider tensor, its storage starting one element (2 bytes) in, or a batch sliced out of a larger one."""
+    N, C, H, W, dtype = c["N"], c["C"], c["H"], c["W"], c["dtype"]
+    if view == "channels":
+        return torch.randn(N, C + 8, H, W, device=DEVICE, dtype=dtype).contiguous(memory_format=fmt)[:, 3:3 + C]
+    if view == "offset":
+        flat = torch.randn(N * C * H * W + 1, device=DEVICE, dtype=dtype)[1:]
+        return flat.view(N, H, W, C).permute(0, 3, 1, 2) if fmt == torch.channels_last else flat.view(N, C, H, W)
+    if view == "batch":
+        return torch.randn(N + 1, C, H, W, device=DEVICE, dtype=dtype).contiguous(memory_format=fmt)[1:]
+    return torch.randn(N, C, H, W, device=DEVICE, dtype=dtype).contiguous(memory_format=fmt)
 
 
 def check(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
@@ -70,11 +87,11 @@ def test_auto_and_gradients_match_f_conv2d(c):
     old = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
-        for call in range(2):
-            x = torch.randn(c["N"], c["C"], c["H"], c["W"], device="cuda", dtype=dtype).contiguous(memory_format=fmt)
-            w = torch.randn(c["K"], c["C"] // c["groups"], c["R"], c["S"], device="cuda", dtype=dtype)
+        for call, view in enumerate((None, None, c["view"])):  # recorded, replayed, then from a view
+            x = make_input(c, fmt, view)
+            w = torch.randn(c["K"], c["C"] // c["groups"], c["R"], c["S"], device=DEVICE, dtype=dtype)
             w = (w / (w[0].numel() ** 0.5)).contiguous(memory_format=fmt)
-            b = torch.randn(c["K"], device="cuda", dtype=dtype) if c["bias"] else None
+            b = torch.randn(c["K"], device=DEVICE, dtype=dtype) if c["bias"] else None
             leaves = [t.requires_grad_() for t in (x, w, b) if t is not None] if c["backward"] else []
             out = tilegemm.conv2d(x, w, b, activation=c["activation"], **conv)
             refs = [t.detach().float().requires_grad_() for t in (x, w, b) if t is not None]
@@ -83,7 +100,7 @@ def test_auto_and_gradients_match_f_conv2d(c):
             what = f"call {call} of {c}"
             check(out.float(), ref.detach(), tol, what)
             other = torch.contiguous_format if c["channels_last"] else torch.channels_last
-            if not x.is_contiguous(memory_format=other):  # else the input's format is ambiguous (C = 1, 1x1 images)
+            if x.is_contiguous(memory_format=fmt) and not x.is_contiguous(memory_format=other):  # else ambiguous
                 assert out.is_contiguous(memory_format=fmt), f"{what}: output not in the input's memory format"
             if not leaves:
                 continue
@@ -94,4 +111,5 @@ def test_auto_and_gradients_match_f_conv2d(c):
                 check(g.float(), r, tol, f"{what}, grad {name}")
     finally:
         torch.backends.cudnn.allow_tf32 = old
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
