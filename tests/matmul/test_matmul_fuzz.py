@@ -1,5 +1,5 @@
 """The matmul fuzz (`fuzz_kit.py`) on small products, where the suite runs: under Triton's interpreter in CI (no
-bf16: its dot is wrong there), on the GPU with `pytest` unmarked. `test_fuzz_gpu.py` draws large ones."""
+bf16: its dot is wrong there), on the GPU with `pytest` unmarked. `test_matmul_fuzz_gpu.py` draws large ones."""
 
 from __future__ import annotations
 

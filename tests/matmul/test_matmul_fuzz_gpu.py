@@ -2,7 +2,7 @@
 transposed, padded and offset operands, batches, and epilogues, each called twice with fresh tensors of the
 same layout (the second call replays the first's launch) and once more from tensors whose storage starts at
 another offset (another alignment: another key). The shapes are drawn across the rules' regimes (M or N of 1..8,
-long K, sizes just off multiples of 8/16/64) rather than from any sweep (`fuzz_kit.py`); `test_fuzz.py` runs
+long K, sizes just off multiples of 8/16/64) rather than from any sweep (`fuzz_kit.py`); `test_matmul_fuzz.py` runs
 small ones under the interpreter.
 
 Every output is NaN-poisoned before the kernel writes it; the check is per tile (32 x 32) as well as overall,
