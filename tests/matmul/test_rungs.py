@@ -60,7 +60,7 @@ def test_persistent_tma_split_k(layout, split, K, slices, device, monkeypatch):
     16 in slices of 3, 3 and 1), a split asked for with more slices than its slice length fills (5 steps in 4:
     3 slices of 2, 2 and 1, none left empty), and more work units than programs."""
     monkeypatch.setattr(persistent_tma, "sm_count", lambda device: 3)
-    M, N = 70, 90
+    M, N = 72, 96  # rows 16-byte aligned in every layout: the TMA path, not a fallback (asserted below)
     a = torch.randn(K, M, device=device).mT if layout[0] == "T" else torch.randn(M, K, device=device)
     b = torch.randn(N, K, device=device).mT if layout[1] == "T" else torch.randn(K, N, device=device)
     bias = torch.randn(N, device=device)
@@ -68,7 +68,7 @@ def test_persistent_tma_split_k(layout, split, K, slices, device, monkeypatch):
     out = torch.full((M, N), float("nan"), device=device)
     p = _problem(a, b, out, c=c, bias=bias, beta=0.5, activation="gelu")
     cfg = dict(persistent_tma.configs(4)[0], SPLIT_K=split, BLOCK_K=16)  # 16-wide K steps on the GPU too
-    assert persistent_tma.split_of(p, cfg) == slices
+    assert persistent_tma.describable(p) is None and persistent_tma.split_of(p, cfg) == slices
     persistent_tma.run(p, cfg)
     assert_rel_close(out, matmul_reference(a, b, bias=bias, c=c, beta=0.5, activation="gelu"), 1e-5)
 
@@ -78,7 +78,7 @@ def test_persistent_tma_split_k_fp8(fast_accum, device, monkeypatch):
     """fp8 (both operands K-major) in K slices: the partial sums stay unscaled in the planes, and the reduction
     applies the per-row and per-tensor scales with the epilogue once."""
     monkeypatch.setattr(persistent_tma, "sm_count", lambda device: 3)
-    M, N, K = 70, 90, 7 * 32
+    M, N, K = 70, 96, 7 * 32
     e4m3 = torch.float8_e4m3fn
     a = torch.randn(M, K, device=device).to(e4m3)
     b = torch.randn(N, K, device=device).to(e4m3).T
@@ -87,7 +87,7 @@ def test_persistent_tma_split_k_fp8(fast_accum, device, monkeypatch):
     out = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
     (p,) = make_problems(a, b, out, None, bias, 1.0, 0.0, "relu", "ieee", False, (scale_a, 1, scale_b, 0), fast_accum)
     cfg = dict(persistent_tma.configs(1)[0], SPLIT_K=3, BLOCK_K=32)  # 32-deep K steps: fp8's smallest wgmma
-    assert persistent_tma.split_of(p, cfg) == 3
+    assert persistent_tma.describable(p) is None and persistent_tma.split_of(p, cfg) == 3
     persistent_tma.run(p, cfg)
     ref = matmul_reference(a.double() * scale_a.double()[:, None], b.double() * 0.25, bias=bias, activation="relu")
     assert_rel_close(out, ref, tolerance(e4m3, out_dtype=torch.bfloat16))

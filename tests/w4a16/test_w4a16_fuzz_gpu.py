@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from w4a16_kit import reference
 
 from tilegemm import w4a16
-from tilegemm.core.checks import relative_error
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +37,7 @@ def calls(draw):
                 symmetric=draw(st.booleans()), bias=draw(st.booleans()),
                 activation=draw(st.sampled_from(["none", "none", "silu", "relu"])),
                 lead=draw(st.sampled_from([(), (), (2,)])), pad=draw(st.sampled_from([0, 0, 8, 3])),
-                offset=draw(st.sampled_from([1, 8])))
+                offset=draw(st.sampled_from([1, 3])))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -59,6 +58,6 @@ def test_auto_matches_the_dequantized_reference(c):
         assert not torch.isnan(out).any(), f"call {call} of {c}: NaN (an element never written)"
         x2 = x.reshape(rows, K).double()
         terms = (x2.abs() @ w4a16.dequantize(w).double().abs().T).norm().item() / math.sqrt(K)
-        err = relative_error(out, ref) * ref.norm().item() / max(ref.norm().item(), 0.5 * terms)
+        err = (out.double() - ref).norm().item() / max(ref.norm().item(), 0.5 * terms, 1e-30)
         assert err <= tol, f"call {call} of {c}: relative error {err:.2e} > {tol:.1e}"
     torch.cuda.synchronize()
