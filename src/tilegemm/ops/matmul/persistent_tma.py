@@ -297,12 +297,12 @@ def candidates(p: GemmProblem) -> list[dict]:
     return configs(p.a.element_size(), p.mma_operands) + extra + split_configs(p)
 
 
-# 16-bit tiles offered with a K split (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; fp8 takes them with K steps
-# of the same bytes). For products with few output
-# tiles and a long K: 800x536x7816 fp16 ran 0.89x cuBLAS in 3 slices of 128x128 tiles, where the best unsplit
-# candidate of any rung ran 0.65x; which tile wins depends on the shape (64x128 for 136x480x16256, 0.84x; 128x64
-# for 288x104x7440, 0.81x against auto's 0.52x; H200, research/explore_tma_split.py). ``auto`` ranks them with
-# the other candidates by the survey (:mod:`tilegemm.ops.matmul.survey`), where their split is ``"wave"``.
+# 16-bit tiles offered with a K split (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; fp8 takes them with K steps of
+# the same bytes, :func:`split_tiles`). For products with few output tiles and a long K: 800x536x7816 fp16 ran
+# 0.89x cuBLAS in 3 slices of 128x128 tiles, where the best unsplit candidate of any rung ran 0.65x; which tile
+# wins depends on the shape (64x128 for 136x480x16256, 0.84x; 128x64 for 288x104x7440, 0.81x against auto's
+# 0.52x; H200, research/explore_tma_split.py). ``auto`` ranks them with the other candidates by the survey
+# (:mod:`tilegemm.ops.matmul.survey`), where their split is ``"wave"``.
 SPLIT_TILES = ((128, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 64, 64, 4, 4), (128, 256, 64, 8, 3),
                (256, 128, 64, 8, 3))
 
