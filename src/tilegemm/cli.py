@@ -68,6 +68,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--batch", type=int, default=1, help="matmul: batch count (default 1)")
     p.add_argument("--mode", default="fwd", choices=["fwd", "bwd"],
                    help="conv2d: time the forward pass (default) or the backward pass (data + weight gradients)")
+    p.add_argument("--memory-format", default="channels_last", choices=["channels_last", "nchw"],
+                   help="conv2d: the activations' and weights' layout on both sides (default channels_last; "
+                        "nchw: contiguous, as torch makes them)")
     p.add_argument("--fast-accum", action="store_true",
                    help="matmul fp8: accumulate without fp32 promotion, tilegemm and torch._scaled_mm "
                         "(use_fast_accum=True) alike")
@@ -188,7 +191,8 @@ def cmd_bench(args, console, err_console) -> int:
                 op.check_kernel(k)
     except BenchError as err:
         raise UsageError(str(err)) from None
-    options = dict(layout=args.layout, batch=args.batch, fast_accum=args.fast_accum, mode=args.mode)
+    options = dict(layout=args.layout, batch=args.batch, fast_accum=args.fast_accum, mode=args.mode,
+                   memory_format=args.memory_format)
     try:
         op.check_options(options, dtype)
     except BenchError as err:

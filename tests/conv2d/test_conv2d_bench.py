@@ -1,4 +1,5 @@
-"""The conv2d bench adapter: the CLI runs it under the interpreter; forward and backward modes check out."""
+"""The conv2d bench adapter: the CLI runs it under the interpreter; forward and backward modes check out, in
+both memory formats."""
 
 from __future__ import annotations
 
@@ -14,12 +15,21 @@ def test_cli_bench_conv2d_runs():
     assert main(["bench", "--op", "conv2d", "--quiet", "--no-save"]) == 0
 
 
+@pytest.mark.parametrize("memory_format", ["channels_last", "nchw"])
 @pytest.mark.parametrize("mode", ["fwd", "bwd"])
-def test_modes_check_out(mode):
+def test_modes_check_out(mode, memory_format, monkeypatch):
+    from tilegemm.ops.conv2d import bench as conv_bench
+
     op = bench_op("conv2d")
     cases = [op.parse_shape("2,8,7,7,8,3,3,2,1"), op.parse_shape("1,8,6,6,8,3,3,1,1,8")]
+    seen = []  # the layouts the baseline was handed
+    baseline = conv_bench.Conv2dBench.baseline
+    monkeypatch.setattr(conv_bench.Conv2dBench, "baseline", lambda self, inputs, dtype:
+                        seen.append(inputs["x"].stride(1) == 1) or baseline(self, inputs, dtype))
     result = run_bench(op, cases, "fp16", ["implicit_gemm", "auto"], rep_ms=1.0, warmup_ms=0.0,
-                       options=dict(mode=mode))
+                       options=dict(mode=mode, memory_format=memory_format))
+    assert result.meta["memory_format"] == memory_format
+    assert seen and set(seen) == {memory_format == "channels_last"}  # C = 8 channels: the two layouts differ
     rows = {(r.shape, r.kernel): r for r in result.rows}
     for case in cases:
         assert rows[(case.label, "auto")].status == "ok", rows[(case.label, "auto")].message
@@ -51,3 +61,15 @@ def test_bad_shapes(text):
 def test_bad_mode():
     with pytest.raises(BenchError, match="--mode must be fwd or bwd"):
         bench_op("conv2d").check_options(dict(mode="both"), "fp16")
+    with pytest.raises(BenchError, match="--memory-format must be channels_last or nchw"):
+        bench_op("conv2d").check_options(dict(memory_format="nhwc"), "fp16")
+    with pytest.raises(BenchError, match="--memory-format does not apply to --op matmul"):
+        bench_op("matmul").check_options(dict(memory_format="nchw"), "fp16")
+
+
+def test_cli_bench_conv2d_nchw_runs(tmp_path):
+    import json
+
+    out = tmp_path / "nchw.json"
+    assert main(["bench", "--op", "conv2d", "--quiet", "--no-save", "--memory-format", "nchw", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["meta"]["memory_format"] == "nchw"

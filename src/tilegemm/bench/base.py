@@ -78,7 +78,7 @@ class BenchOp:
 
     def check_options(self, options: dict, dtype: str) -> None:
         """Raise BenchError for an option this op does not take (``layout``, ``batch``, ``fast_accum``)."""
-        unset = dict(layout=None, batch=1, fast_accum=False, mode="fwd")
+        unset = dict(layout=None, batch=1, fast_accum=False, mode="fwd", memory_format="channels_last")
         for name, value in options.items():
             if name not in self.options and value != unset.get(name):
                 flag = "--" + name.replace("_", "-")
@@ -219,7 +219,7 @@ class ModelBench(BenchOp):
                              f"auto): --kernels takes all or auto, not {name!r}")
 
     def check_options(self, options, dtype):
-        unset = dict(layout=None, batch=1, fast_accum=False, mode="fwd")
+        unset = dict(layout=None, batch=1, fast_accum=False, mode="fwd", memory_format="channels_last")
         for name, value in options.items():
             if value != unset.get(name):
                 flag = "--" + name.replace("_", "-")

@@ -139,7 +139,7 @@ def write_csv(result: BenchResult, path) -> None:
         for key in ("gpu", "sm_count", "driver", "cuda", "torch", "triton", "tilegemm", "git_commit", "timestamp",
                     "backend"):
             f.write(f"# {key}: {machine.get(key)}\n")
-        for key in ("op", "dtype", "sweep", "model", "model_description", "timing", "note"):
+        for key in ("op", "dtype", "sweep", "model", "model_description", "memory_format", "timing", "note"):
             if result.meta.get(key) is not None:
                 f.write(f"# {key}: {result.meta[key]}\n")
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")

@@ -225,6 +225,8 @@ def run_bench(
                 "triton.testing.do_bench_cudagraph (graph replays, inputs rotated past L2)" if cuda_graph else
                 "triton.testing.do_bench (L2 cleared before each call), median of events"),
     )
+    if "memory_format" in op.options:
+        meta["memory_format"] = options.get("memory_format") or "channels_last"
     meta.update(op.run_meta(cases))
     if machine.interpreter:
         meta["note"] = "Kernels ran under Triton's interpreter on the CPU: timings are NOT GPU performance."

@@ -1,8 +1,10 @@
-"""The bench adapter of conv2d: ResNet-50 and MobileNetV2 layers, cuDNN (channels-last, benchmark mode) as the
-baseline, work in FLOPs. Option ``mode``: ``fwd`` (the forward) or ``bwd`` (data and weight gradients).
+"""The bench adapter of conv2d: ResNet-50 and MobileNetV2 layers, cuDNN (benchmark mode) as the baseline, work in
+FLOPs. Options: ``mode``, ``fwd`` (the forward) or ``bwd`` (data and weight gradients); ``memory_format``,
+``channels_last`` (the default, tilegemm's fast path) or ``nchw``: the layout of x, the weight and the output
+gradient on both sides.
 
-Inputs are channels-last. In ``bwd`` mode both sides compute grad x and grad weight from one output gradient
-and return them concatenated (flattened) so that one tensor is checked: the concatenation is in both timings.
+In ``bwd`` mode both sides compute grad x and grad weight from one output gradient and return them concatenated
+(flattened) so that one tensor is checked: the concatenation is in both timings.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class Conv2dBench(BenchOp):
     }
     gpu_sweep = "resnet50"
     cpu_sweep = "tiny"
-    options = ("mode",)
+    options = ("mode", "memory_format")
     shape_help = "N,C,H,W,K,R,S[,stride[,pad[,groups]]] (e.g. 32,64,56,56,64,3,3,1,1)"
     models = {"resnet50": "tilegemm.models.bench:ResNet50Bench"}  # images/s of a converted ResNet-50 vs cuDNN
 
@@ -88,9 +90,17 @@ class Conv2dBench(BenchOp):
             raise BenchError(f"--mode must be fwd or bwd, got {mode!r}")
         return mode
 
+    @staticmethod
+    def _format(options) -> torch.memory_format:
+        name = options.get("memory_format") or "channels_last"
+        if name not in ("channels_last", "nchw"):
+            raise BenchError(f"--memory-format must be channels_last or nchw, got {name!r}")
+        return torch.channels_last if name == "channels_last" else torch.contiguous_format
+
     def check_options(self, options, dtype):
         super().check_options(options, dtype)
         self._mode(options)
+        self._format(options)
 
     def parse_shape(self, text: str) -> Case:
         parts = re.split(r"[,x\s]+", text.strip())
@@ -120,6 +130,7 @@ class Conv2dBench(BenchOp):
 
         d = case.dims
         mode = self._mode(options)
+        fmt = self._format(options)
         tdtype = self.dtypes[dtype]
         conv = self._conv(d)
         fan_in = d["C"] // d["groups"] * d["R"] * d["S"]
@@ -129,11 +140,11 @@ class Conv2dBench(BenchOp):
         for _ in range(n_sets):
             x = torch.randn(d["N"], d["C"], d["H"], d["W"], device=device, dtype=tdtype)
             w = torch.randn(d["K"], d["C"] // d["groups"], d["R"], d["S"], device=device, dtype=tdtype) / fan_in**0.5
-            inputs = dict(x=x.contiguous(memory_format=torch.channels_last),
-                          w=w.to(tdtype).contiguous(memory_format=torch.channels_last), conv=conv, mode=mode)
+            inputs = dict(x=x.contiguous(memory_format=fmt), w=w.to(tdtype).contiguous(memory_format=fmt), conv=conv,
+                          mode=mode, channels_last=fmt == torch.channels_last)
             if mode == "bwd":
                 dy = torch.randn(d["N"], d["K"], P, Q, device=device, dtype=tdtype)
-                inputs["dy"] = dy.contiguous(memory_format=torch.channels_last)
+                inputs["dy"] = dy.contiguous(memory_format=fmt)
                 # The gradients' arguments as autograd's backward passes them (the forward checked the call):
                 # checking them again on every timed call would bill tilegemm for host work a backward pass
                 # does not do.
@@ -173,7 +184,7 @@ class Conv2dBench(BenchOp):
 
             raise NotApplicable("the backward picks its kernels by geometry: bench it as kernel auto")
         args = inputs["grad_args"]
-        dx = backward_data(inputs["dy"], w, list(x.shape), True, *args)
+        dx = backward_data(inputs["dy"], w, list(x.shape), inputs["channels_last"], *args)
         dw = backward_weight(inputs["dy"], x, list(w.shape), *args)
         return self._flat_grads(dx, dw)
 
