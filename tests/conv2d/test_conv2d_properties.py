@@ -1,5 +1,5 @@
-"""Property tests: random small convolutions (any stride, padding, dilation, groups, memory format) against
-F.conv2d in float64, forward and, for fewer draws, backward."""
+"""Property tests: random small convolutions (any stride, padding, dilation, groups, memory format, inputs that
+are views of other tensors) against F.conv2d in float64, forward and, for fewer draws, backward."""
 
 from __future__ import annotations
 
@@ -34,13 +34,28 @@ def convs(draw):
     N = draw(st.integers(1, 2))
     return dict(N=N, C=cg * groups, H=H, W=W, K=kg * groups, R=R, S=S, groups=groups, stride=stride,
                 padding=padding, dilation=dil, channels_last=draw(st.booleans()), bias=draw(st.booleans()),
-                activation=draw(st.sampled_from([None, "relu", "silu"])))
+                activation=draw(st.sampled_from([None, "relu", "silu"])),
+                view=draw(st.sampled_from([None, None, "channels", "offset", "batch"])))
+
+
+def _input(c, device):
+    """x in its drawn memory format: a tensor of its own, or (``view``) its channels sliced out of a wider tensor,
+    its storage starting one element in, or a batch sliced out of a larger one."""
+    N, C, H, W = c["N"], c["C"], c["H"], c["W"]
+    fmt = torch.channels_last if c["channels_last"] else torch.contiguous_format
+    view = c.get("view")
+    if view == "channels":
+        return torch.randn(N, C + 3, H, W, device=device).contiguous(memory_format=fmt)[:, 2:2 + C]
+    if view == "offset":
+        flat = torch.randn(N * C * H * W + 1, device=device)[1:]
+        return flat.view(N, H, W, C).permute(0, 3, 1, 2) if c["channels_last"] else flat.view(N, C, H, W)
+    if view == "batch":
+        return torch.randn(N + 1, C, H, W, device=device).contiguous(memory_format=fmt)[1:]
+    return torch.randn(N, C, H, W, device=device).contiguous(memory_format=fmt)
 
 
 def _make(c, device):
-    x = torch.randn(c["N"], c["C"], c["H"], c["W"], device=device)
-    if c["channels_last"]:
-        x = x.contiguous(memory_format=torch.channels_last)
+    x = _input(c, device)
     w = torch.randn(c["K"], c["C"] // c["groups"], c["R"], c["S"], device=device)
     b = torch.randn(c["K"], device=device) if c["bias"] else None
     conv = dict(stride=c["stride"], padding=c["padding"], dilation=c["dilation"], groups=c["groups"],
