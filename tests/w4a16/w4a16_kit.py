@@ -3,11 +3,14 @@ offline sm_90 compiles (no GPU needed)."""
 
 from __future__ import annotations
 
+import math
 import textwrap
+import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import strategies as st
 from conftest import SM90, assert_rel_close, compile_offline
 
 from tilegemm import w4a16
@@ -88,3 +91,47 @@ def compile_report(tmp_path, module: str, variants: dict) -> dict:
     """Per variant (dtype, mnk, bias, act, cfg), what the sm_90 compile of ``module``'s kernel holds: MMA and
     LOP3 counts, 16-byte loads and cp.async copies, shared memory, serialized wgmma, spills."""
     return compile_offline(tmp_path, _SCRIPT, {k: dict(v, module=module) for k, v in variants.items()}, timeout=600)
+
+
+@st.composite
+def fuzz_calls(draw, dtypes=(torch.float16, torch.bfloat16), max_m: int = 2048, max_n: int = 12000,
+               max_k: int = 8192):
+    """A drawn W4A16 call: M (log-uniform up to ``max_m``), N, K, group size, dtype, symmetry, epilogue, and how
+    x lies (leading dims, rows ``pad`` elements apart, storage ``offset`` elements in on the third call)."""
+    group = draw(st.sampled_from([32, 64, 128, 128, 256, -1]))
+    unit = 8 if group == -1 else group
+    K = unit * draw(st.integers(1, max(1, max_k // unit)))
+    N = draw(st.sampled_from([draw(st.integers(1, max_n)), 8 * draw(st.integers(1, max(1, max_n // 8)))]))
+    M = max(1, int(math.exp(draw(st.floats(0.0, math.log(max_m))))))
+    return dict(M=M, N=N, K=K, group=group, dtype=draw(st.sampled_from(dtypes)),
+                symmetric=draw(st.booleans()), bias=draw(st.booleans()),
+                activation=draw(st.sampled_from(["none", "none", "silu", "relu"])),
+                lead=draw(st.sampled_from([(), (), (2,)])), pad=draw(st.sampled_from([0, 0, 8, 3])),
+                offset=draw(st.sampled_from([1, 3])))
+
+
+def run_fuzz_call(c: dict, device: str) -> None:
+    """Call ``c`` through ``auto`` three times (recorded, replayed, then from x at another offset), each against
+    ``x @ dequantize(w).T`` in float64: relative to the output's norm, or where a sum cancels (a handful of
+    outputs, N = 1) to half the norm its terms' magnitudes give (``|x| @ |W|.T / sqrt(K)``): the kernels that do
+    not round each weight to 16 bits as ``dequantize`` does (``gemv``) differ by that rounding, which
+    cancellation magnifies in one output."""
+    torch.manual_seed(zlib.crc32(repr(sorted(c.items())).encode()))  # the same values each time it is drawn
+    dtype, M, N, K = c["dtype"], c["M"], c["N"], c["K"]
+    w = w4a16.quantize(torch.randn(N, K, device=device, dtype=dtype), c["group"], symmetric=c["symmetric"])
+    bias = torch.randn(N, device=device, dtype=dtype) if c["bias"] else None
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    rows = math.prod(c["lead"]) * M
+    for call, offset in enumerate((0, 0, c["offset"])):
+        buf = torch.randn(offset + rows * (K + c["pad"]), device=device, dtype=dtype)
+        x = buf[offset:].view(rows, K + c["pad"])[:, :K].reshape(*c["lead"], M, K)
+        out = w4a16.matmul(x, w, bias=bias, activation=c["activation"])
+        ref = reference(x.reshape(rows, K), w, bias, c["activation"]).reshape(*c["lead"], M, N)
+        assert out.dtype == dtype, f"call {call} of {c}: output dtype {out.dtype}"
+        assert not torch.isnan(out).any(), f"call {call} of {c}: NaN (an element never written)"
+        x2 = x.reshape(rows, K).double()
+        terms = (x2.abs() @ w4a16.dequantize(w).double().abs().T).norm().item() / math.sqrt(K)
+        err = (out.double() - ref).norm().item() / max(ref.norm().item(), 0.5 * terms, 1e-30)
+        assert err <= tol, f"call {call} of {c}: relative error {err:.2e} > {tol:.1e}"
+    if device == "cuda":
+        torch.cuda.synchronize()
