@@ -1,5 +1,5 @@
-"""What the W4A16 tests share: the float64 reference, the GPU checks both fragment kernels get, and their
-offline sm_90 compiles (no GPU needed)."""
+"""What the W4A16 tests share: the float64 reference, the GPU checks both fragment kernels get, their offline
+sm_90 compiles (no GPU needed), and the fuzz's drawn calls and check."""
 
 from __future__ import annotations
 
