@@ -410,9 +410,13 @@ def split_of(p: GemmProblem, cfg: dict) -> int:
     split = cfg.get("SPLIT_K", 1)
     if split <= 1:
         return 1
-    steps = cdiv(p.K, cfg["BLOCK_K"])
-    split = cdiv(steps, cdiv(steps, split))
+    split = slices(cdiv(p.K, cfg["BLOCK_K"]), split)
     return 1 if split * p.M * p.N >= 2**31 else split
+
+
+def slices(steps: int, split: int) -> int:
+    """The slices a split of ``steps`` K steps in ``split`` launches: as many as its slice length makes."""
+    return cdiv(steps, cdiv(steps, split))
 
 
 def tuning_key(p: GemmProblem) -> str:

@@ -84,9 +84,11 @@ def utilization(config: dict, shape, sms: int, rung: str = "split_k") -> float:
     tiles = -(-M // bm) * -(-N // bn)
     split = config.get("SPLIT_K", 1)
     if split == "wave" and rung == "persistent_tma":
-        split = max(1, min(sms // tiles, -(-K // bk) // 4, 256))  # as split_k.wave_split
+        from tilegemm.ops.matmul.persistent_tma import slices
+        from tilegemm.ops.matmul.split_k import wave_split
+
         steps = -(-K // bk)
-        split = -(-steps // -(-steps // split))  # the slices launched (persistent_tma.split_of)
+        split = slices(steps, wave_split(tiles, steps, sms))  # as persistent_tma.split_of launches it
     elif split == "wave":
         return M * N / (tiles * bm * bn)
     programs, steps = tiles * split, -(-K // (bk * split))  # steps: a program's K steps (at most)
