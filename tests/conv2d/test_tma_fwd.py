@@ -248,6 +248,8 @@ _COMPILE = SM90 + textwrap.dedent(
         x = torch.empty(N, H, H, C, dtype=dt).permute(0, 3, 1, 2)
         w = torch.empty(K, R, R, C // groups, dtype=dt).permute(0, 3, 1, 2)
         out = torch.empty(N, g.P, g.Q, K, dtype=dt).permute(0, 3, 1, 2)
+        if v.get("nchw_out"):
+            out = torch.empty(N, K, g.P, g.Q, dtype=dt)
         bias = torch.empty(K, dtype=dt) if v["bias"] else None
         cfg = tma_fwd.config(g, dt, 132)
         kernel, grid, args, kwargs = tma_fwd.launch_args(x, w, out, bias, g, v["act"], cfg)
@@ -258,7 +260,7 @@ _COMPILE = SM90 + textwrap.dedent(
             waits=sorted({int(n) for n in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)}),
             tma_loads=len(re.findall(r"cp\\.async\\.bulk\\.tensor\\.5d", ptx)),
             spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
-            box=list(args[0].block_shape), shared=compiled.metadata.shared,
+            box=list(args[0].block_shape), shared=compiled.metadata.shared, pixel_stores=kwargs["PIXEL_STORES"],
         )
     print(json.dumps(report))
     """
@@ -269,6 +271,8 @@ _VARIANTS = {
     "3x3-stride2-bf16-bias-relu": dict(geo=[32, 256, 28, 256, 3, 2, 1, 1], dtype="bfloat16", bias=True, act="relu"),
     "1x1-stride2-groups2-gelu": dict(geo=[8, 64, 14, 128, 1, 2, 0, 2], dtype="float16", bias=True, act="gelu"),
     "5x5-C16": dict(geo=[4, 16, 9, 24, 5, 1, 2, 1], dtype="float16", bias=False, act="none"),
+    "3x3-nchw-out-bias": dict(geo=[8, 64, 28, 96, 3, 1, 1, 1], dtype="bfloat16", bias=True, act="none",
+                              nchw_out=True),
 }
 
 
@@ -325,6 +329,7 @@ def test_compiles_for_sm90_with_5d_tma_loads_and_async_mmas(tmp_path):
         assert r["spills"] in ([], [0]), f"{name}: spills {r['spills']}"
         assert r["box"][2] == 1 and r["box"][0] * r["box"][1] * r["box"][3] in (64, 128), name
         assert r["shared"] <= 200 * 1024, name
+        assert r["pixel_stores"] == name.startswith("3x3-nchw-out"), name  # the epilogue's layout follows the output
 
 
 # --- on the GPU ------------------------------------------------------------------------------------------

@@ -277,7 +277,8 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
         out = out.view(g.N, g.P, g.Q, g.K).permute(0, 3, 1, 2)  # [N, K, P, Q], channels-last
     elif p.out_format == torch.channels_last or channels_last(p.x):
         x2d = p.x.permute(0, 2, 3, 1).reshape(g.N * g.H * g.W, g.C)  # [NHW, C], a view when channels-last
-        out = gluon_1x1(x2d, w2d.t(), g, p.bias, p.activation) if p.out_dtype == p.x.dtype else None
+        into = None if p.out is None else p.out.permute(0, 2, 3, 1).reshape(g.N * g.H * g.W, g.K)
+        out = gluon_1x1(x2d, w2d.t(), g, p.bias, p.activation, into) if p.out_dtype == p.x.dtype else None
         if out is None:
             out = matmul(x2d, w2d.t(), bias=p.bias, activation=act, out_dtype=p.out_dtype, precision=p.precision)
         out = out.view(g.N, g.H, g.W, g.K).permute(0, 3, 1, 2)  # [N, K, H, W], channels-last

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import launch
+from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import dgrad_config, forward_config, wgrad_columns, wgrad_config
 from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
@@ -376,14 +376,25 @@ def empty_4d(shape, dtype, device, memory_format) -> torch.Tensor:
 
 
 def allocate_out(p: ConvProblem) -> torch.Tensor:
-    """The output ``[N, K, P, Q]`` in ``p.out_format``."""
+    """The output ``[N, K, P, Q]`` in ``p.out_format``: ``p.out`` when given, else a new tensor."""
+    if p.out is not None:
+        return p.out
     return empty_4d(p.geo.out_shape, p.out_dtype, p.x.device, p.out_format)
 
 
 def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     """Forward: ``activation(conv2d(p.x, p.weight) + p.bias)``."""
+    from tilegemm.core.launch import sequence_lock
+    from tilegemm.ops.conv2d.layout import weight_channels_last
+
     g = p.geo
-    x, w = _nhwc(p.x), _nhwc(p.weight)
+    with sequence_lock:  # a weight's workspace is shared by the calls on this stream
+        w, keep = weight_channels_last(p.weight) if p.weight.stride(1) != 1 else (p.weight, ())
+        return _run_forward(p, _nhwc(p.x), w, keep, config)
+
+
+def _run_forward(p: ConvProblem, x: torch.Tensor, w: torch.Tensor, keep: tuple, config: dict | None):
+    g = p.geo
     out = allocate_out(p)
     cfg = dict(config or forward_config(g, p.dtype))
     M = g.N * g.P * g.Q
@@ -394,7 +405,8 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     flags = dict(R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, INPUT_PRECISION=p.precision,
                  UPCAST=p.upcast, INDEX_64=p.index_64, DIV_C=_divisor(g.Cg), DIV_K=_divisor(g.Kg))
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.Kg, cfg["BLOCK_N"]), g.groups)
-    launch(conv2d_fwd_kernel, grid, args, {**flags, **cfg})
+    launch(conv2d_fwd_kernel, grid, args, {**flags, **cfg}, keep=keep,
+           stream=current_stream() if keep else None)
     return out
 
 

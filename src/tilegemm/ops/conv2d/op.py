@@ -102,13 +102,71 @@ def _forward(x, weight, bias, stride, padding, dilation, groups, activation, pre
         return out.zero_() if out.numel() else out
     with on_device(x.device):
         if kernel == "auto":
-            from tilegemm.core.hardware import sm_count
-            from tilegemm.ops.conv2d.gemm_1x1 import gluon_usable
-
-            tma = _tma_usable(x, weight, g)
-            kernel = choose_kernel(g, channels_last(x), tma, sm_count(x.device),
-                                   tma and gluon_usable(x, weight, bias, p.out_dtype))
+            if _nchw_route(x):
+                return _forward_nchw(p)
+            kernel = _auto_kernel(p)
         return launcher(kernel)(p)
+
+
+def _auto_kernel(p: ConvProblem) -> str:
+    from tilegemm.core.hardware import sm_count
+    from tilegemm.ops.conv2d.gemm_1x1 import gluon_usable
+
+    tma = _tma_usable(p.x, p.weight, p.geo)
+    return choose_kernel(p.geo, channels_last(p.x), tma, sm_count(p.x.device),
+                         tma and gluon_usable(p.x, p.weight, p.bias, p.out_dtype))
+
+
+def _nchw_route(x: torch.Tensor) -> bool:
+    """Whether ``auto`` runs an NCHW input through a channels-last copy (:mod:`tilegemm.ops.conv2d.layout`): a
+    plain contiguous 16-bit CUDA input of more than 8 channels (stems read any layout) in a process where the
+    TMA kernels run, so that the copy lets them take the call."""
+    from tilegemm.ops.conv2d.layout import planar
+
+    if not planar(x) or x.shape[1] <= 8 or x.dtype == torch.float32 or not x.is_cuda or interpreting():
+        return False
+    if not _TMA_REASON:
+        _TMA_REASON.append(registry.get("conv2d", "tma_implicit_gemm").unavailable_reason())
+    return _TMA_REASON[0] is None
+
+
+def _forward_nchw(p: ConvProblem) -> torch.Tensor:
+    """The forward of an NCHW input (:func:`_nchw_route`). 1x1 stride-1 layers stay one batched GEMM over the NCHW
+    tensors as they are (:mod:`~tilegemm.ops.conv2d.gemm_1x1`, no copy: through the TMA kernel with NCHW stores
+    they ran 0.3x-2.8x of it, H200, ``benchmarks/results/2026-11-25-h200/f63b5a8-nchw/``). The others: x transposed
+    channels-last into a workspace, then the TMA kernel where it takes the copy (storing the NCHW output from its
+    epilogue), the depthwise or the pointer kernel (into a second workspace, channels-last, then transposed into
+    the output: :func:`tilegemm.ops.conv2d.layout.to_nchw`). Every launch is Triton's, so the call replays."""
+    from dataclasses import replace
+
+    from tilegemm.core.launch import keeping, sequence_lock
+    from tilegemm.core.workspace import buffer
+    from tilegemm.ops.conv2d import layout
+    from tilegemm.ops.conv2d.implicit_gemm import empty_4d
+
+    g = p.geo
+    if g.is_pointwise:
+        return launcher("gemm_1x1")(p)
+    with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
+        xc, xbuf = layout.workspace_view(p.x, "conv2d-nchw-input")
+        if g.is_depthwise:
+            kernel = "depthwise"
+        elif _tma_usable(xc, p.weight, g):
+            kernel = "tma_implicit_gemm"
+        else:
+            kernel = "implicit_gemm"
+        layout.fill(p.x, xc, xbuf)
+        with keeping(xbuf):
+            pc = replace(p, x=xc)
+            if kernel == "tma_implicit_gemm":
+                return launcher(kernel)(pc)  # NCHW stores from its epilogue
+            out = empty_4d(g.out_shape, p.out_dtype, p.x.device, torch.contiguous_format)
+            n = out.numel()
+            obuf = buffer(p.x.device, p.out_dtype, n, "conv2d-nchw-output")
+            oc = obuf[:n].as_strided(g.out_shape, (g.P * g.Q * g.K, 1, g.Q * g.K, g.K))
+            with keeping(obuf):
+                launcher(kernel)(replace(pc, out_format=torch.channels_last, out=oc))
+                return layout.to_nchw(oc, out, keep=(obuf,))
 
 
 @torch.library.custom_op("tilegemm::conv2d", mutates_args=())

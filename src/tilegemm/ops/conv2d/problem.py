@@ -197,6 +197,7 @@ class ConvProblem:
     activation: str
     precision: str  # "ieee" or "tf32" (fp32 only)
     upcast: bool  # interpreter only: bf16 tiles go to fp32 before tl.dot
+    out: torch.Tensor | None = None  # where the output goes (``[N, K, P, Q]`` in out_format); None: a new tensor
 
     @property
     def dtype(self) -> torch.dtype:

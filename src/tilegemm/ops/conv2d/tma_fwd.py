@@ -71,7 +71,7 @@ def conv2d_fwd_tma_kernel(
     R: gl.constexpr, S: gl.constexpr, SH: gl.constexpr, SW: gl.constexpr,
     HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
     BI: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, num_warps: gl.constexpr, PIXEL_STORES: gl.constexpr = False,
 ):
     BM: gl.constexpr = BI * BH * BW
     # Which tile: the channel tile varies fastest, so the programs reading one input patch run together
@@ -126,9 +126,13 @@ def conv2d_fwd_tma_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
-    # Epilogue in a layout whose threads hold 8 consecutive channels (16-byte stores along K).
-    TN: gl.constexpr = BLOCK_N // 8 if BLOCK_N // 8 < 32 else 32
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TN, TN], [num_warps, 1], [1, 0])
+    # Epilogue in a layout whose threads hold 8 consecutive channels (16-byte stores along K); for an NCHW output
+    # (PIXEL_STORES) one whose warps store 32 consecutive pixels of one channel (64-byte runs along a row).
+    if PIXEL_STORES:
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, num_warps], [0, 1])
+    else:
+        TN: gl.constexpr = BLOCK_N // 8 if BLOCK_N // 8 < 32 else 32
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TN, TN], [num_warps, 1], [1, 0])
     acc = gl.convert_layout(acc, out_layout)
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
@@ -222,9 +226,10 @@ def run(p, config_: dict | None = None) -> torch.Tensor:
     """The forward through this kernel, or :class:`NotApplicable` saying why it does not take ``p``. A stem
     (:func:`stem_unusable`) runs as the merged-pairs convolution of :func:`run_stem`."""
     from tilegemm.core.hardware import sm_count
-    from tilegemm.core.launch import launch
+    from tilegemm.core.launch import current_stream, launch, sequence_lock
     from tilegemm.core.registry import NotApplicable
     from tilegemm.ops.conv2d.implicit_gemm import allocate_out
+    from tilegemm.ops.conv2d.layout import weight_channels_last
 
     g = p.geo
     reason = unusable(p.x, p.weight, g)
@@ -232,13 +237,12 @@ def run(p, config_: dict | None = None) -> torch.Tensor:
         return run_stem(p)
     if reason:
         raise NotApplicable(f"tma_implicit_gemm does not take this convolution: {reason}")
-    w = p.weight.contiguous(memory_format=torch.channels_last)
-    if w.data_ptr() % 16:  # already channels-last but not 16-byte aligned (a view into a flat buffer): TMA needs it
-        w = torch.empty_like(w, memory_format=torch.channels_last).copy_(w)
     out = allocate_out(p)
     cfg = config_ or config(g, p.dtype, sm_count(p.x.device))
-    kernel, grid, args, kwargs = launch_args(p.x, w, out, p.bias, g, p.activation, cfg)
-    launch(kernel, grid, args, kwargs)
+    with sequence_lock:  # a weight's workspace is shared by the calls on this stream
+        w, keep = weight_channels_last(p.weight)
+        kernel, grid, args, kwargs = launch_args(p.x, w, out, p.bias, g, p.activation, cfg)
+        launch(kernel, grid, args, kwargs, keep=keep, stream=current_stream() if keep else None)
     return out
 
 
@@ -532,6 +536,7 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, 
             out.stride(0), out.stride(2), out.stride(3), out.stride(1), bias.stride(0) if bias is not None else 0,
             g.padding[0], g.padding[2], g.dilation[0], g.dilation[1], off_h, off_w)
     kwargs = dict(R=g.R, S=g.S, SH=sh, SW=sw, HAS_BIAS=bias is not None, ACTIVATION=activation,
-                  BI=bi, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["STAGES"], num_warps=cfg["num_warps"])
+                  BI=bi, BH=bh, BW=bw, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["STAGES"], num_warps=cfg["num_warps"],
+                  PIXEL_STORES=out.stride(1) != 1 and out.stride(3) == 1)
     grid = (cdiv(g.N, bi) * tiles_p * tiles_q * cdiv(g.Kg, bn), g.groups)
     return conv2d_fwd_tma_kernel, grid, args, kwargs

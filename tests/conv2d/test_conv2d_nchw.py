@@ -1,0 +1,119 @@
+"""NCHW inputs through the channels-last kernels: the transposition into workspaces (interpreter) and the
+forward's NCHW route on Hopper (GPU): values, output layout, replays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tilegemm
+from tilegemm.ops.conv2d import layout, replay
+from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
+
+from conftest import assert_rel_close
+
+CL = torch.channels_last
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 5, 7), (3, 70, 9, 13), (1, 130, 1, 67), (2, 64, 8, 8)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_to_channels_last_and_back(shape, dtype, device):
+    t = torch.randn(shape, device=device).to(dtype)
+    assert layout.planar(t) == (t.stride(1) != 1)
+    if not layout.planar(t):
+        return
+    c, buf = layout.to_channels_last(t, "test-nchw")
+    assert c.stride(1) == 1 and layout.packed_channels_last(c)
+    assert c.data_ptr() == buf.data_ptr()
+    assert torch.equal(c, t)
+    out = torch.full_like(t, float("nan"))
+    assert layout.to_nchw(c, out) is out
+    assert torch.equal(out, t)
+
+
+def test_a_weight_becomes_k_r_s_c(device):
+    w = torch.randn(24, 18, 3, 5, device=device)
+    c, _ = layout.to_channels_last(w, "test-weight")
+    assert c.is_contiguous(memory_format=CL)
+    assert torch.equal(c.permute(0, 2, 3, 1).reshape(24, -1), w.permute(0, 2, 3, 1).reshape(24, -1))
+
+
+def test_what_the_route_takes():
+    x = torch.randn(2, 16, 5, 5)
+    assert layout.planar(x) and not layout.planar(x.contiguous(memory_format=CL))
+    assert not layout.planar(x[:, :, 1:])  # a view: not transposed here
+    assert not layout.planar(torch.randn(2, 16, 1, 1))  # channels at unit stride already
+    assert layout.packed_channels_last(x.contiguous(memory_format=CL))
+    assert not layout.packed_channels_last(x.contiguous(memory_format=CL)[:, :, :, 1:])
+
+
+# --- on the GPU ------------------------------------------------------------------------------------------
+
+LAYERS = [  # (N, C, H, W, K, R, stride, pad, groups): what auto picks for the channels-last copy varies
+    pytest.param(2, 64, 28, 28, 96, 3, 1, 1, 1, id="3x3"),
+    pytest.param(3, 32, 17, 23, 40, 3, 2, 1, 1, id="3x3-stride2-odd-image"),
+    pytest.param(2, 128, 7, 7, 256, 1, 1, 0, 1, id="1x1-7x7"),
+    pytest.param(2, 64, 56, 56, 64, 1, 1, 0, 1, id="1x1-56x56"),
+    pytest.param(2, 64, 14, 14, 128, 1, 2, 0, 1, id="1x1-stride2"),
+    pytest.param(2, 96, 19, 21, 96, 3, 1, 1, 96, id="depthwise"),
+    pytest.param(2, 144, 28, 28, 144, 3, 2, 1, 144, id="depthwise-stride2"),
+    pytest.param(2, 24, 15, 15, 40, 3, 1, 1, 1, id="C24-not-tma"),
+    pytest.param(2, 64, 9, 11, 64, 3, 1, 1, 2, id="groups2"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weight_format", ["nchw", "cl"])
+@pytest.mark.parametrize("N,C,H,W,K,R,stride,pad,groups", LAYERS)
+def test_gpu_nchw_forward_through_the_route(N, C, H, W, K, R, stride, pad, groups, weight_format, dtype,
+                                            monkeypatch):
+    from tilegemm.ops.conv2d import op
+
+    taken = []
+    real = layout.workspace_view
+    monkeypatch.setattr(layout, "workspace_view", lambda t, tag: taken.append(tag) or real(t, tag))
+    replay.clear()
+    w = (torch.randn(K, C // groups, R, R, device="cuda") / (C // groups * R * R) ** 0.5).to(dtype)
+    if weight_format == "cl":
+        w = w.contiguous(memory_format=CL)
+    b = torch.randn(K, device="cuda").to(dtype)
+    conv = dict(stride=stride, padding=pad, groups=groups)
+    assert op._nchw_route(torch.empty(N, C, H, W, device="cuda", dtype=dtype))
+    outs = []
+    for trial in range(3):  # the first call records, the later ones replay with new tensors
+        x = torch.randn(N, C, H, W, device="cuda").to(dtype)
+        out = tilegemm.conv2d(x, w, b, **conv, activation="relu")
+        assert out.is_contiguous() and out.dtype == dtype
+        assert_rel_close(out, conv2d_reference(x, w, b, **conv, activation="relu"), tolerance(dtype))
+        outs.append(out)
+    assert outs[1].data_ptr() != outs[2].data_ptr()
+    if R == 1 and stride == 1:  # one batched GEMM over the NCHW tensors, no copy
+        assert "conv2d-nchw-input" not in taken
+    else:  # transposed, then a kernel of the channels-last input; every launch Triton's, so the call replays
+        assert "conv2d-nchw-input" in taken
+        assert replay.count() == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C,K,R,stride,groups", [(32, 48, 3, 1, 1), (32, 48, 3, 2, 1), (48, 48, 3, 1, 48),
+                                                 (64, 64, 3, 2, 2), (32, 64, 1, 2, 1)],
+                         ids=["3x3", "3x3-stride2", "depthwise", "groups2-stride2", "1x1-stride2"])
+def test_gpu_nchw_gradients_and_an_fp32_pre_activation(C, K, R, stride, groups):
+    # the backward of a fused activation recomputes the pre-activation in fp32 through the forward's route; the
+    # gradients of an NCHW input come back NCHW
+    x = torch.randn(2, C, 12, 14, device="cuda", dtype=torch.float16, requires_grad=True)
+    w = (torch.randn(K, C // groups, R, R, device="cuda") / (C // groups * R * R) ** 0.5).half().requires_grad_(True)
+    conv = dict(stride=stride, padding=R // 2, groups=groups)
+    out = tilegemm.conv2d(x, w, **conv, activation="gelu")
+    assert out.is_contiguous()
+    ref = F.gelu(F.conv2d(x.double(), w.double(), **conv))
+    assert_rel_close(out, ref, tolerance(torch.float16))
+    g = torch.randn_like(out)
+    out.backward(g)
+    xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    F.gelu(F.conv2d(xd, wd, **conv)).backward(g.double())
+    assert x.grad.is_contiguous() and w.grad.is_contiguous()
+    assert_rel_close(x.grad, xd.grad, 2e-2)
+    assert_rel_close(w.grad, wd.grad, 2e-2)
