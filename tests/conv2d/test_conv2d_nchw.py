@@ -102,18 +102,22 @@ def test_gpu_nchw_forward_through_the_route(N, C, H, W, K, R, stride, pad, group
                          ids=["3x3", "3x3-stride2", "depthwise", "groups2-stride2", "1x1-stride2"])
 def test_gpu_nchw_gradients_and_an_fp32_pre_activation(C, K, R, stride, groups):
     # the backward of a fused activation recomputes the pre-activation in fp32 through the forward's route; the
-    # gradients of an NCHW input come back NCHW
-    x = torch.randn(2, C, 12, 14, device="cuda", dtype=torch.float16, requires_grad=True)
+    # gradients of an NCHW input take the route too, come back NCHW and replay on the second step
+    replay.clear()
     w = (torch.randn(K, C // groups, R, R, device="cuda") / (C // groups * R * R) ** 0.5).half().requires_grad_(True)
     conv = dict(stride=stride, padding=R // 2, groups=groups)
-    out = tilegemm.conv2d(x, w, **conv, activation="gelu")
-    assert out.is_contiguous()
-    ref = F.gelu(F.conv2d(x.double(), w.double(), **conv))
-    assert_rel_close(out, ref, tolerance(torch.float16))
-    g = torch.randn_like(out)
-    out.backward(g)
-    xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
-    F.gelu(F.conv2d(xd, wd, **conv)).backward(g.double())
-    assert x.grad.is_contiguous() and w.grad.is_contiguous()
-    assert_rel_close(x.grad, xd.grad, 2e-2)
-    assert_rel_close(w.grad, wd.grad, 2e-2)
+    for step in range(2):
+        w.grad = None
+        x = torch.randn(2, C, 12, 14, device="cuda", dtype=torch.float16, requires_grad=True)
+        out = tilegemm.conv2d(x, w, **conv, activation="gelu")
+        assert out.is_contiguous()
+        ref = F.gelu(F.conv2d(x.double(), w.double(), **conv))
+        assert_rel_close(out, ref, tolerance(torch.float16))
+        g = torch.randn_like(out)
+        out.backward(g)
+        xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+        F.gelu(F.conv2d(xd, wd, **conv)).backward(g.double())
+        assert x.grad.is_contiguous() and w.grad.is_contiguous()
+        assert_rel_close(x.grad, xd.grad, 2e-2)
+        assert_rel_close(w.grad, wd.grad, 2e-2)
+    assert replay.count() >= 2  # the recomputed pre-activation and the data gradient at least

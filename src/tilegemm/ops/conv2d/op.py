@@ -120,7 +120,8 @@ def _auto_kernel(p: ConvProblem) -> str:
 def _nchw_route(x: torch.Tensor) -> bool:
     """Whether ``auto`` runs an NCHW input through a channels-last copy (:mod:`tilegemm.ops.conv2d.layout`): a
     plain contiguous 16-bit CUDA input of more than 8 channels (stems read any layout) in a process where the
-    TMA kernels run, so that the copy lets them take the call."""
+    TMA kernels run, so that the copy lets them take the call. The gradients of such layers (but 1x1 stride-1
+    ones: GEMMs) take the same route (:func:`_dgrad_nchw`, :func:`_wgrad_nchw`)."""
     from tilegemm.ops.conv2d.layout import planar
 
     if not planar(x) or x.shape[1] <= 8 or x.dtype == torch.float32 or not x.is_cuda or interpreting():
@@ -234,6 +235,8 @@ def _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation, grou
                 return dx.view(g.N, g.H, g.W, g.C).permute(0, 3, 1, 2)
             dx = matmul(w2d.t(), dy.reshape(g.N, g.K, g.H * g.W), precision=precision)  # [N, C, HW]
             return dx.view(g.N, g.C, g.H, g.W)
+        if not x_channels_last and _nchw_route(dy):
+            return _dgrad_nchw(dy, weight, x_shape, g, precision)
         if g.is_strided_pointwise and x_channels_last and dy.is_contiguous(memory_format=torch.channels_last):
             from tilegemm.ops.conv2d.gemm_1x1 import strided_dgrad
 
@@ -251,6 +254,32 @@ def _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation, grou
         from tilegemm.ops.conv2d import implicit_gemm
 
         return implicit_gemm.dgrad(dy, weight, x_shape, fmt, g, precision, _upcast(dy))
+
+
+def _dgrad_nchw(dy, weight, x_shape, g, precision) -> torch.Tensor:
+    """The data gradient of an NCHW layer (:func:`_nchw_route` of ``dy``) but a 1x1 stride-1 one, as the forward's
+    route: ``dy`` transposed channels-last into a workspace, then the TMA kernel (stride 1; NCHW stores), the
+    depthwise or the pointer kernel, each writing the NCHW ``dx``; every launch Triton's, so the call replays."""
+    from tilegemm.core.launch import keeping, sequence_lock
+    from tilegemm.ops.conv2d import implicit_gemm, layout
+
+    nchw = torch.contiguous_format
+    with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
+        dyc, buf = layout.to_channels_last(dy, "conv2d-nchw-dy")
+        with keeping(buf):
+            if g.is_depthwise:
+                from tilegemm.ops.conv2d import depthwise
+
+                return depthwise.dgrad(dyc, weight, x_shape, nchw, g)
+            if _tma_candidate(dyc):
+                from tilegemm.ops.conv2d import tma_fwd
+
+                dx = tma_fwd.dgrad_tma(dyc, weight, g, out_format=nchw)
+                if dx is not None:
+                    return dx
+            w, keep = layout.weight_channels_last(weight) if weight.stride(1) != 1 else (weight, ())
+            with keeping(*keep):
+                return implicit_gemm.dgrad(dyc, w, x_shape, nchw, g, precision, _upcast(dyc))
 
 
 @torch.library.custom_op("tilegemm::conv2d_dgrad", mutates_args=())
@@ -298,6 +327,10 @@ def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torc
 
             # [K, NHW] @ [NHW, C]: a few output tiles over a reduction as long as the pixels, split_k's class
             return pointwise_wgrad(_as_nhwc_2d(dy).t(), _as_nhwc_2d(x), precision).view(w_shape)
+        from tilegemm.ops.conv2d.layout import planar
+
+        if _nchw_route(x) and planar(dy):
+            return _wgrad_nchw(dy, x, g, precision, fmt)
         if g.is_depthwise:
             from tilegemm.ops.conv2d import depthwise
 
@@ -309,6 +342,28 @@ def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torc
         from tilegemm.ops.conv2d import implicit_gemm
 
         return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype, memory_format=fmt)
+
+
+def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
+    """The weight gradient of an NCHW layer (:func:`_nchw_route` of ``x``) but a 1x1 stride-1 one: ``x`` and ``dy``
+    transposed channels-last into workspaces, then the kernel a channels-last call takes, the gradient in ``fmt``
+    (:func:`wgrad_format` of the NCHW ``x``); every launch Triton's, so the call replays (but the depthwise one)."""
+    from tilegemm.core.launch import keeping, sequence_lock
+    from tilegemm.ops.conv2d import implicit_gemm, layout
+
+    with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
+        xc, xbuf = layout.to_channels_last(x, "conv2d-nchw-x")
+        dyc, dybuf = layout.to_channels_last(dy, "conv2d-nchw-dy")
+        with keeping(xbuf, dybuf):
+            if g.is_depthwise:
+                from tilegemm.ops.conv2d import depthwise
+
+                return depthwise.wgrad(dyc, xc, g, x.dtype)
+            if _tma_usable(xc, None, g, dyc):
+                from tilegemm.ops.conv2d import tma_wgrad
+
+                return tma_wgrad.run(dyc, xc, g, x.dtype, memory_format=fmt)
+            return implicit_gemm.wgrad(dyc, xc, g, precision, _upcast(x), x.dtype, memory_format=fmt)
 
 
 def backward_data(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision):

@@ -451,11 +451,11 @@ def dgrad_phases(g) -> list | None:
     return phases
 
 
-def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g):
+def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g, out_format: torch.memory_format = torch.channels_last):
     """The data gradient of a stride-1 convolution through this kernel (:func:`dgrad_phases`: one forward
     convolution over the flipped weight), or None where it does not take it. The weight is written by
     :func:`phase_weight_kernel` into a per-stream workspace (a replay writes it again, so a weight updated in
-    place is read afresh). Returns ``dx`` channels-last."""
+    place is read afresh). Returns ``dx`` in ``out_format`` (NCHW: stored so by the epilogue)."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import current_stream, launch, sequence_lock
     from tilegemm.core.runtime import new_output
@@ -474,7 +474,10 @@ def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g):
     ((_, _, gt, r0, s0),) = dgrad_phases(g)
     if min(gt.padding) < 0 or unusable(dy, weight, gt):
         return None
-    dx = new_output((g.N, g.H, g.W, g.C), dy.dtype, dy.device).permute(0, 3, 1, 2)
+    if out_format == torch.channels_last:
+        dx = new_output((g.N, g.H, g.W, g.C), dy.dtype, dy.device).permute(0, 3, 1, 2)
+    else:
+        dx = new_output((g.N, g.C, g.H, g.W), dy.dtype, dy.device)
     total = g.C * g.R * g.S * g.Kg
     stream = current_stream()
     with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
