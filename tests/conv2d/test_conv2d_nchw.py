@@ -98,8 +98,8 @@ def test_gpu_nchw_forward_through_the_route(N, C, H, W, K, R, stride, pad, group
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("C,K,R,stride,groups", [(32, 48, 3, 1, 1), (32, 48, 3, 2, 1), (48, 48, 3, 1, 48),
-                                                 (64, 64, 3, 2, 2), (32, 64, 1, 2, 1)],
-                         ids=["3x3", "3x3-stride2", "depthwise", "groups2-stride2", "1x1-stride2"])
+                                                 (64, 64, 3, 2, 2), (32, 64, 1, 2, 1), (32, 64, 1, 1, 1)],
+                         ids=["3x3", "3x3-stride2", "depthwise", "groups2-stride2", "1x1-stride2", "1x1"])
 def test_gpu_nchw_gradients_and_an_fp32_pre_activation(C, K, R, stride, groups):
     # the backward of a fused activation recomputes the pre-activation in fp32 through the forward's route; the
     # gradients of an NCHW input take the route too, come back NCHW and replay on the second step

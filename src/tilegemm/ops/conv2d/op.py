@@ -120,8 +120,8 @@ def _auto_kernel(p: ConvProblem) -> str:
 def _nchw_route(x: torch.Tensor) -> bool:
     """Whether ``auto`` runs an NCHW input through a channels-last copy (:mod:`tilegemm.ops.conv2d.layout`): a
     plain contiguous 16-bit CUDA input of more than 8 channels (stems read any layout) in a process where the
-    TMA kernels run, so that the copy lets them take the call. The gradients of such layers (but 1x1 stride-1
-    ones: GEMMs) take the same route (:func:`_dgrad_nchw`, :func:`_wgrad_nchw`)."""
+    TMA kernels run, so that the copy lets them take the call. The gradients of such layers take the same route
+    (:func:`_dgrad_nchw` but for 1x1 stride-1 layers, :func:`_wgrad_nchw`)."""
     from tilegemm.ops.conv2d.layout import planar
 
     if not planar(x) or x.shape[1] <= 8 or x.dtype == torch.float32 or not x.is_cuda or interpreting():
@@ -322,15 +322,15 @@ def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torc
         return empty_4d(w_shape, x.dtype, x.device, fmt).zero_()
     precision = resolve_precision(precision, x.dtype)
     with on_device(x.device):
+        from tilegemm.ops.conv2d.layout import planar
+
+        if _nchw_route(x) and planar(dy):
+            return _wgrad_nchw(dy, x, g, precision, fmt)
         if g.is_pointwise:
             from tilegemm.ops.conv2d.gemm_1x1 import pointwise_wgrad
 
             # [K, NHW] @ [NHW, C]: a few output tiles over a reduction as long as the pixels, split_k's class
             return pointwise_wgrad(_as_nhwc_2d(dy).t(), _as_nhwc_2d(x), precision).view(w_shape)
-        from tilegemm.ops.conv2d.layout import planar
-
-        if _nchw_route(x) and planar(dy):
-            return _wgrad_nchw(dy, x, g, precision, fmt)
         if g.is_depthwise:
             from tilegemm.ops.conv2d import depthwise
 
@@ -345,9 +345,10 @@ def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torc
 
 
 def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
-    """The weight gradient of an NCHW layer (:func:`_nchw_route` of ``x``) but a 1x1 stride-1 one: ``x`` and ``dy``
-    transposed channels-last into workspaces, then the kernel a channels-last call takes, the gradient in ``fmt``
-    (:func:`wgrad_format` of the NCHW ``x``); every launch Triton's, so the call replays (but the depthwise one)."""
+    """The weight gradient of an NCHW layer (:func:`_nchw_route` of ``x``): ``x`` and ``dy`` transposed
+    channels-last into workspaces, then the kernel a channels-last call takes (a 1x1 stride-1 layer's GEMM too),
+    the gradient in ``fmt`` (:func:`wgrad_format` of the NCHW ``x``); every launch Triton's, so the call replays
+    (but the depthwise one)."""
     from tilegemm.core.launch import keeping, sequence_lock
     from tilegemm.ops.conv2d import implicit_gemm, layout
 
@@ -355,6 +356,10 @@ def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
         xc, xbuf = layout.to_channels_last(x, "conv2d-nchw-x")
         dyc, dybuf = layout.to_channels_last(dy, "conv2d-nchw-dy")
         with keeping(xbuf, dybuf):
+            if g.is_pointwise:
+                from tilegemm.ops.conv2d.gemm_1x1 import pointwise_wgrad
+
+                return pointwise_wgrad(_as_nhwc_2d(dyc).t(), _as_nhwc_2d(xc), precision).view(g.K, g.C, 1, 1)
             if g.is_depthwise:
                 from tilegemm.ops.conv2d import depthwise
 
