@@ -9,9 +9,10 @@ too, is made ``[K, R, S, C/groups]`` the same way. Being Triton launches into ke
 copies), these calls are recorded and replayed like channels-last ones
 (:mod:`tilegemm.ops.conv2d.replay`).
 
-Before this route an NCHW input ran the pointer kernels with the copy made by torch and the output stored
-through NCHW strides: ResNet-50's 3x3 layers at 0.17x-0.37x and MobileNetV2's depthwise layers at 0.13x-0.25x
-of cuDNN given the same NCHW tensors (H200, ``benchmarks/results/2026-11-25-h200/f63b5a8/``); with it, 0.60x-1.26x (``explore-nchw.json`` beside).
+Before this route an NCHW input ran the pointer kernels over torch's copies, with the output stored through
+NCHW strides: ResNet-50's forward at 0.50x and MobileNetV2's at 0.49x of cuDNN given the same NCHW tensors (3x3
+and depthwise layers 0.08x-0.49x), the backward at 0.37x; with it 0.93x, 0.81x and 0.88x (H200,
+``benchmarks/results/2026-11-25-h200/{f63b5a8,e6b6c92,7123770}/``; docs/conv2d.md, "NCHW inputs").
 """
 
 from __future__ import annotations
