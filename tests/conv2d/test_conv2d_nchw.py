@@ -26,7 +26,7 @@ def test_to_channels_last_and_back(shape, dtype, device):
     if not layout.planar(t):
         return
     c, buf = layout.to_channels_last(t, "test-nchw")
-    assert c.stride(1) == 1 and layout.packed_channels_last(c)
+    assert c.is_contiguous(memory_format=CL)
     assert c.data_ptr() == buf.data_ptr()
     assert torch.equal(c, t)
     out = torch.full_like(t, float("nan"))
@@ -43,7 +43,7 @@ def test_transposes_round_trip_any_shape(n, c, h, w, dtype, device):
         assert h * w == 1
         return
     view, buf = layout.to_channels_last(t, "test-nchw-property")
-    assert torch.equal(view, t) and layout.packed_channels_last(view)
+    assert torch.equal(view, t) and view.is_contiguous(memory_format=CL)
     out = torch.full_like(t, float("nan"))
     assert torch.equal(layout.to_nchw(view, out), t)
 
@@ -60,8 +60,6 @@ def test_what_the_route_takes():  # layout predicates only: no launch
     assert layout.planar(x) and not layout.planar(x.contiguous(memory_format=CL))
     assert not layout.planar(x[:, :, 1:])  # a view: not transposed here
     assert not layout.planar(torch.randn(2, 16, 1, 1))  # channels at unit stride already
-    assert layout.packed_channels_last(x.contiguous(memory_format=CL))
-    assert not layout.packed_channels_last(x.contiguous(memory_format=CL)[:, :, :, 1:])
 
 
 # --- on the GPU ------------------------------------------------------------------------------------------
@@ -108,7 +106,7 @@ def test_gpu_nchw_forward_through_the_route(N, C, H, W, K, R, stride, pad, group
     if R == 1 and stride == 1:  # one batched GEMM over the NCHW tensors, no copy
         assert "conv2d-nchw-input" not in taken
     else:  # transposed, then a kernel of the channels-last input; every launch Triton's, so the call replays
-        assert "conv2d-nchw-input" in taken
+        assert taken.count("conv2d-nchw-input") == 1  # trials 2 and 3 replayed: no second full path
         assert replay.count() == 1
 
 
@@ -116,9 +114,12 @@ def test_gpu_nchw_forward_through_the_route(N, C, H, W, K, R, stride, pad, group
 @pytest.mark.parametrize("C,K,R,stride,groups", [(32, 48, 3, 1, 1), (32, 48, 3, 2, 1), (48, 48, 3, 1, 48),
                                                  (64, 64, 3, 2, 2), (32, 64, 1, 2, 1), (32, 64, 1, 1, 1)],
                          ids=["3x3", "3x3-stride2", "depthwise", "groups2-stride2", "1x1-stride2", "1x1"])
-def test_gpu_nchw_gradients_and_an_fp32_pre_activation(C, K, R, stride, groups):
+def test_gpu_nchw_gradients_and_an_fp32_pre_activation(C, K, R, stride, groups, monkeypatch):
     # the backward of a fused activation recomputes the pre-activation in fp32 through the forward's route; the
     # gradients of an NCHW input take the route too, come back NCHW and replay on the second step
+    taken = []
+    real = layout.workspace_view
+    monkeypatch.setattr(layout, "workspace_view", lambda t, tag: taken.append(tag) or real(t, tag))
     replay.clear()
     w = (torch.randn(K, C // groups, R, R, device="cuda") / (C // groups * R * R) ** 0.5).half().requires_grad_(True)
     conv = dict(stride=stride, padding=R // 2, groups=groups)
@@ -136,4 +137,69 @@ def test_gpu_nchw_gradients_and_an_fp32_pre_activation(C, K, R, stride, groups):
         assert x.grad.is_contiguous() and w.grad.is_contiguous()
         assert_rel_close(x.grad, xd.grad, 2e-2)
         assert_rel_close(w.grad, wd.grad, 2e-2)
-    assert replay.count() >= 2  # the recomputed pre-activation and the data gradient at least
+    # each gradient took the full path once, the second step replayed it: the weight gradient's copies of x and
+    # dy, the data gradient's copy of dy (1x1 stride-1 layers: a batched GEMM over dy as it is)
+    pointwise = R == 1 and stride == 1
+    assert taken.count("conv2d-nchw-x") == 1
+    assert taken.count("conv2d-nchw-dy") == (1 if pointwise else 2)
+
+
+@pytest.mark.gpu
+def test_gpu_a_weight_torch_must_copy_is_not_replayed_but_stays_right():
+    replay.clear()
+    for _ in range(3):
+        x = torch.randn(2, 32, 10, 10, device="cuda", dtype=torch.float16)
+        w = torch.randn(64, 32, 3, 3, device="cuda", dtype=torch.float16).transpose(2, 3)  # neither NCHW nor CL
+        out = tilegemm.conv2d(x, w, padding=1)
+        assert_rel_close(out, F.conv2d(x.double(), w.double(), padding=1), 4e-3)
+    assert replay.count() == 0
+
+
+# --- the route under the interpreter: forced on, the pointer and depthwise kernels take the copies -------------
+
+ROUTED = [  # (N, C, H, W, K, R, stride, pad, dilation, groups)
+    (1, 16, 7, 1, 24, 3, 1, 1, 1, 1), (2, 12, 1, 9, 12, 3, 2, 1, 1, 12), (2, 16, 9, 8, 16, 3, 1, 2, 2, 2),
+    (1, 24, 6, 5, 20, 1, 2, 0, 1, 1), (2, 16, 5, 6, 24, 1, 1, 0, 1, 1),
+]
+
+
+@pytest.mark.parametrize("N,C,H,W,K,R,stride,pad,dilation,groups", ROUTED,
+                         ids=["w1", "h1-depthwise-stride2", "dilated-groups2", "1x1-stride2", "1x1"])
+def test_route_forced_on_matches_f_conv2d_with_gradients(N, C, H, W, K, R, stride, pad, dilation, groups,
+                                                          monkeypatch):
+    from tilegemm.ops.conv2d import op
+
+    monkeypatch.setattr(op, "_nchw_route", lambda t: layout.planar(t) and t.shape[1] > 8)
+    taken = []
+    real = layout.workspace_view
+    monkeypatch.setattr(layout, "workspace_view", lambda t, tag: taken.append(tag) or real(t, tag))
+    x = torch.randn(N, C, H, W, requires_grad=True)
+    w = (torch.randn(K, C // groups, R, R) / (C // groups * R * R) ** 0.5).requires_grad_(True)
+    b = torch.randn(K, requires_grad=True)
+    conv = dict(stride=stride, padding=pad, dilation=dilation, groups=groups)
+    out = tilegemm.conv2d(x, w, b, **conv, activation="relu")
+    ref = F.relu(F.conv2d(x.double(), w.double(), b.double(), **conv))
+    assert out.is_contiguous() and out.dtype == x.dtype
+    assert_rel_close(out, ref, 1e-4)
+    g = torch.randn_like(out)
+    out.backward(g)
+    xd, wd, bd = (t.detach().double().requires_grad_(True) for t in (x, w, b))
+    F.relu(F.conv2d(xd, wd, bd, **conv)).backward(g.double())
+    assert x.grad.is_contiguous() and w.grad.is_contiguous()
+    for got, want in ((x.grad, xd.grad), (w.grad, wd.grad), (b.grad, bd.grad)):
+        assert_rel_close(got, want, 1e-4)
+    pointwise = R == 1 and stride == 1
+    assert ("conv2d-nchw-input" in taken) != pointwise  # 1x1 stride-1 forwards stay the batched GEMM
+    assert "conv2d-nchw-x" in taken
+
+
+def test_workspaces_grow_by_half_and_can_be_released():
+    from tilegemm.core import workspace
+
+    a = workspace.buffer(torch.device("cpu"), torch.float32, 100_000, "test-grow")
+    b = workspace.buffer(torch.device("cpu"), torch.float32, 100_001, "test-grow")
+    assert b.numel() >= 150_000 and workspace.buffer(torch.device("cpu"), torch.float32, 120_000, "test-grow") is b
+    workspace.release()
+    c = workspace.buffer(torch.device("cpu"), torch.float32, 10, "test-grow")
+    assert c is not b and c.numel() == 1 << 16
+    assert a.numel() == 100_000

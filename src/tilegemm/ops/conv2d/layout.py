@@ -105,10 +105,3 @@ def to_nchw(src: torch.Tensor, out: torch.Tensor, keep: tuple = ()) -> torch.Ten
     # src[n, pq, k] -> out[n, k, pq]: rows are pixels, columns channels
     _transpose(src, out, N, P * Q, K, (src.stride(0), K, out.stride(0), out.stride(1)), keep=keep)
     return out
-
-
-def packed_channels_last(t: torch.Tensor) -> bool:
-    """True when ``t`` ``[N, C, H, W]`` is channels-last with its pixels packed (``[N, H*W, C]`` row-major per
-    image): what :func:`to_nchw` reads."""
-    N, C, H, W = t.shape
-    return t.stride(1) == 1 and (W == 1 or t.stride(3) == C) and (H == 1 or t.stride(2) == W * C)

@@ -347,8 +347,7 @@ def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torc
 def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
     """The weight gradient of an NCHW layer (:func:`_nchw_route` of ``x``): ``x`` and ``dy`` transposed
     channels-last into workspaces, then the kernel a channels-last call takes (a 1x1 stride-1 layer's GEMM too),
-    the gradient in ``fmt`` (:func:`wgrad_format` of the NCHW ``x``); every launch Triton's, so the call replays
-    (but the depthwise one)."""
+    the gradient in ``fmt`` (:func:`wgrad_format` of the NCHW ``x``); every launch Triton's, so the call replays."""
     from tilegemm.core.launch import keeping, sequence_lock
     from tilegemm.ops.conv2d import implicit_gemm, layout
 

@@ -8,8 +8,8 @@ shape, strides, device, 16-byte alignment), the geometry, the activation, the pr
 for. The first call records its launches; when they are up to eight Triton launches whose tensors are the
 call's own (no layout copy made on the way, no torch op after it) or the launchers' workspaces (kept with the
 replay, which then runs only on the stream it was recorded on), later calls with the same key replay them with
-their own tensors. Anything else (a weight that had to be copied channels-last, the depthwise weight
-gradient's torch sum) is simply not kept, and such calls take the full path every time. Inside another op's
+their own tensors. Anything else (a weight torch had to copy channels-last: one neither NCHW nor channels-last;
+a GEMM that made its own output) is simply not kept, and such calls take the full path every time. Inside another op's
 recording nothing replays (the launch must happen to be recorded).
 
 :func:`clear` and :func:`count` are the documented hooks to observe the cache (tests use them).
