@@ -134,10 +134,11 @@ def _nchw_route(x: torch.Tensor) -> bool:
 def _forward_nchw(p: ConvProblem) -> torch.Tensor:
     """The forward of an NCHW input (:func:`_nchw_route`). 1x1 stride-1 layers stay one batched GEMM over the NCHW
     tensors as they are (:mod:`~tilegemm.ops.conv2d.gemm_1x1`, no copy: through the TMA kernel with NCHW stores
-    they ran 0.3x-2.8x of it, H200, ``benchmarks/results/2026-11-25-h200/f63b5a8-nchw/``). The others: x transposed
-    channels-last into a workspace, then the TMA kernel where it takes the copy (storing the NCHW output from its
-    epilogue), the depthwise or the pointer kernel (into a second workspace, channels-last, then transposed into
-    the output: :func:`tilegemm.ops.conv2d.layout.to_nchw`). Every launch is Triton's, so the call replays."""
+    they ran 0.3x-2.8x of it, H200, ``benchmarks/results/2026-11-25-h200/e6b6c92/wip-explore-nchw.json``). The
+    others: x transposed channels-last into a workspace, then the TMA kernel where it takes the copy (storing
+    the NCHW output from its epilogue), the depthwise or the pointer kernel (into a second workspace,
+    channels-last, then transposed into the output: :func:`tilegemm.ops.conv2d.layout.to_nchw`). Every launch is
+    Triton's, so the call replays."""
     from dataclasses import replace
 
     from tilegemm.core.launch import keeping, sequence_lock
