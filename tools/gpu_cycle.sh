@@ -12,8 +12,8 @@
 #   conv2d-check  tools/conv2d_gpu_check.py (every layer checked, timed within \$CONV_BUDGET seconds, fp16)
 #   w4a16-check   tools/w4a16_gpu_check.py --quick;  first-call  tools/first_call.py
 #   w4a16-small   research/explore_w4a16_small_m.py (cold-L2 times of the small-M candidates, \$W4_BUDGET s)
-#   conv2d-fwd    the conv2d bench's forward sweeps (resnet50, mobilenet; auto only);  conv2d-nchw  the same on
-#                 NCHW tensors, both sides (--memory-format nchw)
+#   conv2d-fwd    the conv2d bench's forward sweeps (resnet50, mobilenet; auto only);  conv2d-nchw  forward and
+#                 backward on NCHW tensors, both sides (--memory-format nchw)
 #   fuzz          the public ops' GPU fuzz (tests/*/test_*_fuzz_gpu.py; \$TILEGEMM_FUZZ_EXAMPLES draws per op)
 #   conv2d-explore  research/explore_depthwise.py (with research/depthwise_cols.py) and
 #                 research/explore_gluon_narrow.py, \$EXPLORE_BUDGET s for the first
@@ -52,8 +52,8 @@ for step in "$@"; do
                       --budget "${EXPLORE_BUDGET:-240}" 2>&1 | grep -v Warning | tail -n 60
                     PYTHONPATH=src:research python3 research/explore_gluon_narrow.py --out "$OUT/gluon-narrow.json" \
                       2>&1 | grep -v Warning | tail -n 60 ;;
-    conv2d-nchw) for s in resnet50 mobilenet; do bench --op conv2d --sweep $s --kernels auto --memory-format nchw \
-                   --json "$OUT/conv2d-$s-fwd-nchw.json" 2>&1 | tail -n 3; done ;;
+    conv2d-nchw) for s in resnet50 mobilenet; do for m in fwd bwd; do bench --op conv2d --sweep $s --kernels auto \
+                   --mode $m --memory-format nchw --json "$OUT/conv2d-$s-$m-nchw.json" 2>&1 | tail -n 3; done; done ;;
     fuzz) for t in matmul conv2d w4a16; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
