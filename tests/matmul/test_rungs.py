@@ -52,13 +52,15 @@ def test_persistent_tma_serpentine_order(group_m, device):
     assert_rel_close(out, matmul_reference(a, b), 1e-5)
 
 
+@pytest.mark.parametrize("reduce", ["apart", "last"])
 @pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
 @pytest.mark.parametrize("split,K,slices", [(2, 64, 2), (3, 112, 3), (4, 80, 3), (5, 80, 5)], ids=lambda v: str(v))
-def test_persistent_tma_split_k(layout, split, K, slices, device, monkeypatch):
+def test_persistent_tma_split_k(layout, split, K, slices, reduce, device, monkeypatch):
     """A K split of the persistent kernel: each slice's partial tile to its plane, the planes added by the
     reduction with the epilogue (bias, c, beta, activation applied once); slices of uneven length (7 steps of
     16 in slices of 3, 3 and 1), a split asked for with more slices than its slice length fills (5 steps in 4:
-    3 slices of 2, 2 and 1, none left empty), and more work units than programs."""
+    3 slices of 2, 2 and 1, none left empty), and more work units than programs. ``reduce="last"``
+    (``REDUCE_LAST``): one launch, the planes added by each tile's last slice to arrive, the counters left at zero."""
     monkeypatch.setattr(persistent_tma, "sm_count", lambda device: 3)
     M, N = 72, 96  # rows 16-byte aligned in every layout: the TMA path, not a fallback (asserted below)
     a = torch.randn(K, M, device=device).mT if layout[0] == "T" else torch.randn(M, K, device=device)
@@ -68,9 +70,21 @@ def test_persistent_tma_split_k(layout, split, K, slices, device, monkeypatch):
     out = torch.full((M, N), float("nan"), device=device)
     p = _problem(a, b, out, c=c, bias=bias, beta=0.5, activation="gelu")
     cfg = dict(persistent_tma.configs(4)[0], SPLIT_K=split, BLOCK_K=16)  # 16-wide K steps on the GPU too
+    if reduce == "last":
+        cfg["REDUCE_LAST"] = True
     assert persistent_tma.describable(p) is None and persistent_tma.split_of(p, cfg) == slices
+    launches = []
+    real = persistent_tma.launch
+    monkeypatch.setattr(persistent_tma, "launch", lambda *a, **k: launches.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(split_reduce, "launch", lambda *a, **k: launches.append(a[0]) or real(*a, **k))
     persistent_tma.run(p, cfg)
     assert_rel_close(out, matmul_reference(a, b, bias=bias, c=c, beta=0.5, activation="gelu"), 1e-5)
+    assert len(launches) == (1 if reduce == "last" else 2)
+    if reduce == "last":
+        from tilegemm.core import workspace
+
+        (_, count), = [v for k, v in workspace._workspaces.items() if k[2] == "persistent_tma_split_last"]
+        assert not count.any(), "each launch leaves its counters at zero"
 
 
 @pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast_accum"])
@@ -87,6 +101,8 @@ def test_persistent_tma_split_k_fp8(fast_accum, device, monkeypatch):
     out = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
     (p,) = make_problems(a, b, out, None, bias, 1.0, 0.0, "relu", "ieee", False, (scale_a, 1, scale_b, 0), fast_accum)
     cfg = dict(persistent_tma.configs(1)[0], SPLIT_K=3, BLOCK_K=32)  # 32-deep K steps: fp8's smallest wgmma
+    if fast_accum:  # and the one-launch reduction (REDUCE_LAST), the same planes
+        cfg["REDUCE_LAST"] = True
     assert persistent_tma.describable(p) is None and persistent_tma.split_of(p, cfg) == 3
     persistent_tma.run(p, cfg)
     ref = matmul_reference(a.double() * scale_a.double()[:, None], b.double() * 0.25, bias=bias, activation="relu")

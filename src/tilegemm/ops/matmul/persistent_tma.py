@@ -66,13 +66,14 @@ def matmul_persistent_tma_kernel(
     M, N, K,
     stride_a, stride_b, stride_om,
     stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
-    alpha, beta, ws_ptr, SPLIT_K,
+    alpha, beta, ws_ptr, SPLIT_K, count_ptr,
     A_T: tl.constexpr, B_T: tl.constexpr,
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_ACCUM: tl.constexpr,
     HOST_DESC: tl.constexpr, SERPENTINE: tl.constexpr, SPLIT: tl.constexpr = False,
+    REDUCE_LAST: tl.constexpr = False,
 ):
     # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1;
     # the output [M, N] in [BLOCK_M, BLOCK_N / 2] blocks. HOST_DESC: a_ptr, b_ptr and out_ptr are those
@@ -133,23 +134,57 @@ def matmul_persistent_tma_kernel(
         if SPLIT:
             # A slice's partial tile goes to its fp32 plane of the workspace ([SPLIT_K, M, N], row-major; an
             # empty slice stores zeros); split_k_reduce_kernel, launched next, adds the planes and applies the
-            # epilogue.
+            # epilogue. REDUCE_LAST: no second launch; the last slice of a tile to arrive adds the planes in
+            # slice order (the same sum whichever comes last) and runs the epilogue itself.
             offs_n = n0 + tl.arange(0, BLOCK_N)
             inside = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-            tl.store(ws_ptr + part * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=inside)
+            ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+            tl.store(ws_tile + part * M * N, acc, mask=inside)
+            if REDUCE_LAST:
+                # A scalar atomic runs on one thread: the barrier puts every thread's stores before its release.
+                tl.debug_barrier()
+                arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT_K - 1:
+                    tl.debug_barrier()  # and every thread's loads after the acquire
+                    tl.store(count_ptr + tile, 0)  # left at zero for the next launch
+                    # Half a tile at a time (a whole one's sum beside the epilogue spilled registers)
+                    for h in tl.static_range(2):
+                        offs_h = n0 + h * HALF_N + tl.arange(0, HALF_N)
+                        inside_h = (offs_m < M)[:, None] & (offs_h < N)[None, :]
+                        half = ws_ptr + offs_m[:, None] * N + offs_h[None, :]
+                        total = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+                        for s in range(0, SPLIT_K):  # ".cg": from L2, past this SM's L1
+                            total += tl.load(half + s * M * N, mask=inside_h, other=0.0, cache_modifier=".cg")
+                        total = epilogue_tile(total, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_h, M,
+                                              N, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha,
+                                              beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+                        out_desc.store([m0, n0 + h * HALF_N], total.to(out_desc.dtype))
         else:
-            # Epilogue in two [BM, BN/2] halves.
-            halves = tl.reshape(acc, (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
-            left, right = tl.split(halves)
-            offs_l = n0 + tl.arange(0, HALF_N)
-            left = epilogue_tile(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
-                                 stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                                 HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-            out_desc.store([m0, n0], left.to(out_desc.dtype))
-            right = epilogue_tile(right, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l + HALF_N, M, N,
-                                  stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                                  HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-            out_desc.store([m0, n0 + HALF_N], right.to(out_desc.dtype))
+            _store_halves(acc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, m0, n0, offs_m, M, N,
+                          stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                          HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _store_halves(acc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, m0, n0, offs_m, M, N,
+                  stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                  HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                  HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """The epilogue of one output tile in two [BM, BN/2] halves (fewer registers live while storing), each
+    stored through the output's descriptor."""
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    halves = tl.reshape(acc, (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
+    left, right = tl.split(halves)
+    offs_l = n0 + tl.arange(0, HALF_N)
+    left = epilogue_tile(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
+                         stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                         HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+    out_desc.store([m0, n0], left.to(out_desc.dtype))
+    right = epilogue_tile(right, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l + HALF_N, M, N,
+                          stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                          HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+    out_desc.store([m0, n0 + HALF_N], right.to(out_desc.dtype))
 
 
 # --- host side ---------------------------------------------------------------------------------------------
@@ -357,9 +392,11 @@ def host_descriptors(p: GemmProblem, cfg: dict):
     return a, b, TensorDescriptor(p.out, [p.M, p.N], [p.out_strides[1], 1], [bm, bn // 2])
 
 
-def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor | None = None):
+def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor | None = None,
+                       count: torch.Tensor | None = None):
     """(kernel, grid, args, constexpr kwargs) of the Triton kernel for :func:`tilegemm.core.launch.launch`;
-    ``ws``: the planes of a config with ``SPLIT_K`` > 1 (:func:`launch_config` makes them)."""
+    ``ws``: the planes of a config with ``SPLIT_K`` > 1 (:func:`launch_config` makes them); ``count``: a counter
+    a tile, at zero, for a config with ``REDUCE_LAST``."""
     a_t, b_t, stride_a, stride_b = p.tma_view
     split = cfg.get("SPLIT_K", 1) if ws is not None else 1  # no planes, no split
     tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"]) * split
@@ -371,7 +408,7 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor
         stride_a, stride_b, p.out_strides[1],
         p.c_strides[1], p.c_strides[2], p.bias_stride,
         p.scale_a_stride, p.scale_b_stride,
-        p.alpha, p.beta, p.out if ws is None else ws, split,
+        p.alpha, p.beta, p.out if ws is None else ws, split, p.out if count is None else count,
     )
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                   INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
@@ -379,6 +416,7 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor
                   FAST_ACCUM=flags["FAST_ACCUM"], SPLIT=ws is not None,
                   **{"WARP_SPECIALIZE": 0, "HOST_DESC": False, **cfg, **tile_order(cfg)})
     kwargs.pop("SPLIT_K", None)  # a runtime argument: one compiled kernel serves every split
+    kwargs["REDUCE_LAST"] = bool(kwargs.get("REDUCE_LAST")) and ws is not None
     return matmul_persistent_tma_kernel, (min(num_sms, tiles),), args, kwargs
 
 
@@ -395,8 +433,16 @@ def launch_config(p: GemmProblem, cfg: dict) -> None:
         launch(*triton_launch_args(p, dict(cfg, SPLIT_K=1), num_sms))
         return
     cfg = dict(cfg, SPLIT_K=split)
-    ws, count = split_workspace(p.out.device, split * p.M * p.N, 1, tag="persistent_tma_split")
     stream = current_stream() if p.out.is_cuda else 0
+    if cfg.get("REDUCE_LAST"):
+        # One launch: its last-arriving slices add the planes (counters per tile, left at zero by each launch)
+        tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
+        ws, count = split_workspace(p.out.device, split * p.M * p.N, tiles, tag="persistent_tma_split_last")
+        with sequence_lock:  # the planes and counters are the stream's
+            kernel, grid, args, kwargs = triton_launch_args(p, cfg, num_sms, ws, count)
+            launch(kernel, grid, args, kwargs, keep=(ws, count), stream=stream)
+        return
+    ws, count = split_workspace(p.out.device, split * p.M * p.N, 1, tag="persistent_tma_split")
     with sequence_lock:  # the planes are the stream's: no other thread's launches between the two
         kernel, grid, args, kwargs = triton_launch_args(p, cfg, num_sms, ws)
         launch(kernel, grid, args, kwargs, keep=(ws,), stream=stream)
