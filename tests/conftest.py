@@ -144,11 +144,15 @@ SM90 = textwrap.dedent(
         from triton.runtime.jit import mangle_type
         sig, constexprs, attrs = {}, {}, {}
         for i, name in enumerate(kernel.arg_names):
-            if name in kwargs:
-                sig[name], constexprs[(i,)] = "constexpr", kwargs[name]
+            param = kernel.params[i]
+            if param.is_constexpr:  # given, or its default
+                sig[name], constexprs[(i,)] = "constexpr", kwargs[name] if name in kwargs else param.default
                 continue
-            val = args[i]
-            if isinstance(val, float):
+            # a runtime parameter: positional, by keyword, or left at its default (None: a constexpr then)
+            val = kwargs[name] if name in kwargs else args[i] if i < len(args) else param.default
+            if val is None:
+                sig[name], constexprs[(i,)] = "constexpr", None
+            elif isinstance(val, float):
                 sig[name] = "fp32"
             elif isinstance(val, int):
                 sig[name] = "i32"

@@ -66,14 +66,14 @@ def matmul_persistent_tma_kernel(
     M, N, K,
     stride_a, stride_b, stride_om,
     stride_cm, stride_cn, stride_bias, stride_sa, stride_sb,
-    alpha, beta, ws_ptr, SPLIT_K, count_ptr,
+    alpha, beta, ws_ptr, SPLIT_K,
     A_T: tl.constexpr, B_T: tl.constexpr,
     HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_ACCUM: tl.constexpr,
     HOST_DESC: tl.constexpr, SERPENTINE: tl.constexpr, SPLIT: tl.constexpr = False,
-    REDUCE_LAST: tl.constexpr = False,
+    REDUCE_LAST: tl.constexpr = False, count_ptr=None,
 ):
     # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1;
     # the output [M, N] in [BLOCK_M, BLOCK_N / 2] blocks. HOST_DESC: a_ptr, b_ptr and out_ptr are those
@@ -408,7 +408,7 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor
         stride_a, stride_b, p.out_strides[1],
         p.c_strides[1], p.c_strides[2], p.bias_stride,
         p.scale_a_stride, p.scale_b_stride,
-        p.alpha, p.beta, p.out if ws is None else ws, split, p.out if count is None else count,
+        p.alpha, p.beta, p.out if ws is None else ws, split,
     )
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                   INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
@@ -417,6 +417,8 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor
                   **{"WARP_SPECIALIZE": 0, "HOST_DESC": False, **cfg, **tile_order(cfg)})
     kwargs.pop("SPLIT_K", None)  # a runtime argument: one compiled kernel serves every split
     kwargs["REDUCE_LAST"] = bool(kwargs.get("REDUCE_LAST")) and ws is not None
+    if kwargs["REDUCE_LAST"]:  # the counters: a parameter of this variant only (None, a constexpr, otherwise)
+        kwargs["count_ptr"] = count
     return matmul_persistent_tma_kernel, (min(num_sms, tiles),), args, kwargs
 
 
