@@ -145,11 +145,18 @@ SM90 = textwrap.dedent(
         sig, constexprs, attrs = {}, {}, {}
         for i, name in enumerate(kernel.arg_names):
             param = kernel.params[i]
-            if param.is_constexpr:  # given, or its default
-                sig[name], constexprs[(i,)] = "constexpr", kwargs[name] if name in kwargs else param.default
+            # by keyword, positional, or left at its default (as Triton binds them); a runtime None is a constexpr
+            if name in kwargs:
+                val = kwargs[name]
+            elif i < len(args):
+                val = args[i]
+            elif param.has_default:
+                val = param.default
+            else:
+                raise TypeError(f"{kernel.__name__}: no value for parameter {name}")
+            if param.is_constexpr:
+                sig[name], constexprs[(i,)] = "constexpr", val
                 continue
-            # a runtime parameter: positional, by keyword, or left at its default (None: a constexpr then)
-            val = kwargs[name] if name in kwargs else args[i] if i < len(args) else param.default
             if val is None:
                 sig[name], constexprs[(i,)] = "constexpr", None
             elif isinstance(val, float):

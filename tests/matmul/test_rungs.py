@@ -87,8 +87,9 @@ def test_persistent_tma_split_k(layout, split, K, slices, reduce, device, monkey
         assert not count.any(), "each launch leaves its counters at zero"
 
 
+@pytest.mark.parametrize("reduce", ["apart", "last"])
 @pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast_accum"])
-def test_persistent_tma_split_k_fp8(fast_accum, device, monkeypatch):
+def test_persistent_tma_split_k_fp8(fast_accum, reduce, device, monkeypatch):
     """fp8 (both operands K-major) in K slices: the partial sums stay unscaled in the planes, and the reduction
     applies the per-row and per-tensor scales with the epilogue once."""
     monkeypatch.setattr(persistent_tma, "sm_count", lambda device: 3)
@@ -101,10 +102,15 @@ def test_persistent_tma_split_k_fp8(fast_accum, device, monkeypatch):
     out = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
     (p,) = make_problems(a, b, out, None, bias, 1.0, 0.0, "relu", "ieee", False, (scale_a, 1, scale_b, 0), fast_accum)
     cfg = dict(persistent_tma.configs(1)[0], SPLIT_K=3, BLOCK_K=32)  # 32-deep K steps: fp8's smallest wgmma
-    if fast_accum:  # and the one-launch reduction (REDUCE_LAST), the same planes
+    if reduce == "last":  # the one-launch reduction (REDUCE_LAST), the same planes
         cfg["REDUCE_LAST"] = True
     assert persistent_tma.describable(p) is None and persistent_tma.split_of(p, cfg) == 3
+    launches = []
+    real = persistent_tma.launch
+    monkeypatch.setattr(persistent_tma, "launch", lambda *a, **k: launches.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(split_reduce, "launch", lambda *a, **k: launches.append(a[0]) or real(*a, **k))
     persistent_tma.run(p, cfg)
+    assert len(launches) == (1 if reduce == "last" else 2)
     ref = matmul_reference(a.double() * scale_a.double()[:, None], b.double() * 0.25, bias=bias, activation="relu")
     assert_rel_close(out, ref, tolerance(e4m3, out_dtype=torch.bfloat16))
 

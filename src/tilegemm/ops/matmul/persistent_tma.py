@@ -138,8 +138,7 @@ def matmul_persistent_tma_kernel(
             # slice order (the same sum whichever comes last) and runs the epilogue itself.
             offs_n = n0 + tl.arange(0, BLOCK_N)
             inside = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-            ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-            tl.store(ws_tile + part * M * N, acc, mask=inside)
+            tl.store(ws_ptr + part * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=inside)
             if REDUCE_LAST:
                 # A scalar atomic runs on one thread: the barrier puts every thread's stores before its release.
                 tl.debug_barrier()
@@ -418,6 +417,8 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor
     kwargs.pop("SPLIT_K", None)  # a runtime argument: one compiled kernel serves every split
     kwargs["REDUCE_LAST"] = bool(kwargs.get("REDUCE_LAST")) and ws is not None
     if kwargs["REDUCE_LAST"]:  # the counters: a parameter of this variant only (None, a constexpr, otherwise)
+        if count is None:
+            raise ValueError("a REDUCE_LAST split needs its arrival counters (count)")
         kwargs["count_ptr"] = count
     return matmul_persistent_tma_kernel, (min(num_sms, tiles),), args, kwargs
 
