@@ -385,12 +385,19 @@ def allocate_out(p: ConvProblem) -> torch.Tensor:
 def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     """Forward: ``activation(conv2d(p.x, p.weight) + p.bias)``."""
     from tilegemm.core.launch import sequence_lock
+
+    with sequence_lock:  # a weight's workspace is shared by the calls on this stream
+        w, keep = pointer_weight(p.weight)
+        return _run_forward(p, _nhwc(p.x), w, keep, config)
+
+
+def pointer_weight(weight: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """(the weight as the pointer kernels read it: its channels at stride 1, the workspaces to keep): as it is
+    when they are, else :func:`tilegemm.ops.conv2d.layout.weight_channels_last`. Call under
+    :data:`tilegemm.core.launch.sequence_lock`."""
     from tilegemm.ops.conv2d.layout import weight_channels_last
 
-    g = p.geo
-    with sequence_lock:  # a weight's workspace is shared by the calls on this stream
-        w, keep = weight_channels_last(p.weight) if p.weight.stride(1) != 1 else (p.weight, ())
-        return _run_forward(p, _nhwc(p.x), w, keep, config)
+    return (weight, ()) if weight.stride(1) == 1 else weight_channels_last(weight)
 
 
 def _run_forward(p: ConvProblem, x: torch.Tensor, w: torch.Tensor, keep: tuple, config: dict | None):

@@ -278,7 +278,7 @@ def _dgrad_nchw(dy, weight, x_shape, g, precision) -> torch.Tensor:
                 dx = tma_fwd.dgrad_tma(dyc, weight, g, out_format=nchw)
                 if dx is not None:
                     return dx
-            w, keep = layout.weight_channels_last(weight) if weight.stride(1) != 1 else (weight, ())
+            w, keep = implicit_gemm.pointer_weight(weight)
             with keeping(*keep):
                 return implicit_gemm.dgrad(dyc, w, x_shape, nchw, g, precision, _upcast(dyc))
 

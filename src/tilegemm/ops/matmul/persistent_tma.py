@@ -159,31 +159,18 @@ def matmul_persistent_tma_kernel(
                                               beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
                         out_desc.store([m0, n0 + h * HALF_N], total.to(out_desc.dtype))
         else:
-            _store_halves(acc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, m0, n0, offs_m, M, N,
-                          stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                          HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def _store_halves(acc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, m0, n0, offs_m, M, N,
-                  stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                  HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-                  HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """The epilogue of one output tile in two [BM, BN/2] halves (fewer registers live while storing), each
-    stored through the output's descriptor."""
-    HALF_N: tl.constexpr = BLOCK_N // 2
-    halves = tl.reshape(acc, (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
-    left, right = tl.split(halves)
-    offs_l = n0 + tl.arange(0, HALF_N)
-    left = epilogue_tile(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
-                         stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                         HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-    out_desc.store([m0, n0], left.to(out_desc.dtype))
-    right = epilogue_tile(right, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l + HALF_N, M, N,
-                          stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                          HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-    out_desc.store([m0, n0 + HALF_N], right.to(out_desc.dtype))
+            # Epilogue in two [BM, BN/2] halves.
+            halves = tl.reshape(acc, (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
+            left, right = tl.split(halves)
+            offs_l = n0 + tl.arange(0, HALF_N)
+            left = epilogue_tile(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
+                                 stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                                 HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+            out_desc.store([m0, n0], left.to(out_desc.dtype))
+            right = epilogue_tile(right, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l + HALF_N, M, N,
+                                  stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
+                                  HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
+            out_desc.store([m0, n0 + HALF_N], right.to(out_desc.dtype))
 
 
 # --- host side ---------------------------------------------------------------------------------------------
