@@ -200,7 +200,10 @@ def _pads(p: GemmProblem, a: torch.Tensor, b: torch.Tensor, c=None, bias=None) -
     16-byte aligned, a call it can pad, and the cost model says it pays. Answered once per shape class and alignment (the estimates cost the host ~100 us)."""
     if interpreting() or p.batch != 1 or rows_aligned(p):
         return False
-    from tilegemm.ops.matmul import padding
+    from tilegemm.ops.matmul import padding, residue
+
+    if residue.applies(p):
+        return False  # split_k reads B as it lies, by residue class: no copies
 
     if not padding.can_pad(a, b, c, bias, p.out):
         return False

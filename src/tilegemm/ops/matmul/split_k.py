@@ -25,6 +25,7 @@ from tilegemm.core.workspace import split_workspace
 from tilegemm.core.hardware import sm_count
 from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div, tile_grouped
 from tilegemm.core.launch import current_stream, launch, sequence_lock
+from tilegemm.ops.matmul import residue
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.cost import fastest
 from tilegemm.ops.matmul.problem import GemmProblem, rows_aligned
@@ -275,6 +276,11 @@ def pick_config(p: GemmProblem) -> dict:
 def run(p: GemmProblem, config: dict | None = None) -> None:
     """Launch with ``config``; else with the tuned config of this shape class (timing the candidates once)."""
     if config is None:
+        if residue.applies(p):
+            # Few rows of A, B's rows not 16 bytes apart: B read in whole vectors by residue class, whatever
+            # was tuned for the shape class (tuned on aligned rows, or not at all).
+            residue.run(p)
+            return
         if interpreting():
             config = pick_config(p)
         else:
