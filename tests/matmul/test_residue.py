@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tilegemm
@@ -97,20 +97,33 @@ def test_residue_neighbours_values_never_reach_the_output(layout, device, taken)
 
 
 @pytest.mark.parametrize("layout", ["NN", "NT"])
-def test_residue_b_ending_its_storage(layout, device, taken):
-    """B's last row ends where its storage ends: that row is read with exact masks, never past it."""
+@pytest.mark.parametrize("slices", [1, 3])
+def test_residue_b_ending_its_storage(layout, slices, device, taken):
+    """B's last row ends where its storage ends: that row is read with exact masks, never past it (under the
+    interpreter every load is bounds-checked against the storages of the call's tensors and workspace)."""
+    from tilegemm.core import workspace
+    from tilegemm.learn.debug import bounds_checked
+
     M, N, K = 3, 23, 35
     storage = torch.randn(8 + N * K, dtype=torch.float16, device=device)  # B at offset 8: 16-byte aligned
     b = storage[8:].view(K, N) if layout == "NN" else storage[8:].view(N, K).mT
     a = torch.randn(M, K, dtype=torch.float16, device=device)
-    assert_rel_close(tilegemm.matmul(a, b, kernel="split_k"), matmul_reference(a, b), tolerance(a.dtype))
-    assert len(taken) == 1
+    out = torch.full((M, N), float("nan"), dtype=a.dtype, device=device)
+    p = problem(a, b, out)
+    residue.run(p, dict(SLICES=slices))
+    assert_rel_close(out, matmul_reference(a, b), tolerance(a.dtype))
+    if device == "cpu":
+        ws = [t for k, v in workspace._workspaces.items() if k[2] == "residue" for t in v]
+        out.fill_(float("nan"))
+        with bounds_checked(a, storage, out, *ws):
+            residue.run(p, dict(SLICES=slices))
+        assert_rel_close(out, matmul_reference(a, b), tolerance(a.dtype))
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(M=st.integers(1, 16), N=st.integers(8, 70), K=st.integers(8, 70), layout=st.sampled_from(["NN", "NT"]),
        slices=st.integers(1, 4))
-def test_residue_drawn_shapes(M, N, K, layout, slices):
+def test_residue_drawn_shapes(M, N, K, layout, slices, device):
     """Drawn shapes whose B rows are misaligned (the other dimension made odd where it was not)."""
     residue.TAKE_UNDER_INTERPRETER = True
     try:
@@ -118,8 +131,8 @@ def test_residue_drawn_shapes(M, N, K, layout, slices):
             N |= 1
         else:
             K |= 1
-        a, b = operands(M, N, K, layout)
-        out = torch.full((M, N), float("nan"), dtype=a.dtype)
+        a, b = operands(M, N, K, layout, device=device)
+        out = torch.full((M, N), float("nan"), dtype=a.dtype, device=device)
         p = problem(a, b, out)
         assert residue.applies(p)
         residue.run(p, dict(SLICES=slices))
@@ -173,7 +186,7 @@ def test_auto_takes_residue_over_padding(monkeypatch):
 
 def test_residue_compiles_to_vector_copies_for_sm90(tmp_path):
     """On sm_90 every load of B is a 16-byte ``cp.async`` (pipelined), whatever B's odd leading dimension: the
-    point of reading by residue class (the path before loaded two bytes at a time)."""
+    point of reading by residue class (the path before loaded two bytes at a time); with 64-bit offsets too."""
     import textwrap
 
     from conftest import SM90, compile_offline
@@ -186,7 +199,8 @@ def test_residue_compiles_to_vector_copies_for_sm90(tmp_path):
         from tilegemm.ops.matmul.problem import make_problems
 
         report = {}
-        for layout in json.loads(sys.argv[1]):
+        for name in json.loads(sys.argv[1]):
+            layout, index_64 = name[:2], name.endswith("64")
             M, N, K = 6, 5661, 2673
             a = torch.empty(M, K, dtype=torch.float16)
             b = torch.empty(K, N, dtype=torch.float16) if layout == "NN" else torch.empty(N, K, dtype=torch.float16).T
@@ -196,23 +210,25 @@ def test_residue_compiles_to_vector_copies_for_sm90(tmp_path):
                        num_warps=residue.TILES[layout][2], num_stages=residue.TILES[layout][3], SLICES=2)
             kernel, _, args, kw = residue.launch_args(p, cfg, torch.empty(16), torch.zeros(4, dtype=torch.int32))
             warps, stages = kw.pop("num_warps"), kw.pop("num_stages")
+            kw["INDEX_64"] = index_64  # as for a B past 2^31 elements
             sig, constexprs, attrs = launch_signature(kernel, args, kw)
-            for i, name in enumerate(kernel.arg_names):  # Triton specializes integers equal to 1, as launched
-                if sig.get(name) == "i32" and i < len(args) and args[i] == 1:
-                    sig[name], constexprs[(i,)] = "constexpr", 1
+            for i, arg in enumerate(kernel.arg_names):  # Triton specializes integers equal to 1, as launched
+                if sig.get(arg) == "i32" and i < len(args) and args[i] == 1:
+                    sig[arg], constexprs[(i,)] = "constexpr", 1
             compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, warps, num_stages=stages, gluon=False)
-            report[layout] = dict(cp16=len(re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global[^;]*, 0x10", ptx)),
+            report[name] = dict(cp16=len(re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global[^;]*, 0x10", ptx)),
                                   cp=len(re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global", ptx)),
                                   spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)])
         print(json.dumps(report))
         """
     )
-    report = compile_offline(tmp_path, source, ["NN", "NT"])
-    for layout, r in report.items():
-        bo, bi, warps, stages = residue.TILES[layout]
+    report = compile_offline(tmp_path, source, ["NN", "NT", "NN-index64", "NT-index64"])
+    assert len(report) == 4
+    for name, r in report.items():
+        bo, bi, warps, stages = residue.TILES[name[:2]]
         # a [BO, BI] tile a stage, eight 2-byte values a copy, every thread's copies
-        assert r["cp16"] == r["cp"] == bo * bi // 8 // (32 * warps) * stages, f"{layout}: {r}"
-        assert r["spills"] in ([], [0]), f"{layout}: {r}"
+        assert r["cp16"] == r["cp"] == bo * bi // 8 // (32 * warps) * stages, f"{name}: {r}"
+        assert r["spills"] in ([], [0]), f"{name}: {r}"
 
 
 @pytest.mark.gpu

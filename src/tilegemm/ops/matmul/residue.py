@@ -41,10 +41,13 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _load_a(a_ptr, offs_m, cols, M, bound, stride_am, stride_ak, UPCAST: tl.constexpr):
+def _load_a(a_ptr, offs_m, cols, M, bound, stride_am, stride_ak, UPCAST: tl.constexpr, INDEX_64: tl.constexpr):
     """A[rows, cols] for cols in [0, bound), zero elsewhere (an fp32 tile under the interpreter's bf16)."""
-    a = tl.load(a_ptr + offs_m[:, None] * stride_am + cols[None, :] * stride_ak,
-                mask=(offs_m < M)[:, None] & ((cols >= 0) & (cols < bound))[None, :], other=0.0)
+    mask = (offs_m < M)[:, None] & ((cols >= 0) & (cols < bound))[None, :]
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+        cols = cols.to(tl.int64)
+    a = tl.load(a_ptr + offs_m[:, None] * stride_am + cols[None, :] * stride_ak, mask=mask, other=0.0)
     if UPCAST:
         a = a.to(tl.float32)
     return a
@@ -92,12 +95,12 @@ def matmul_residue_kernel(
     if INDEX_64:
         LD = LD.to(tl.int64)  # row offsets past 32 bits
     shift = (base + cls * LD) % VEC  # how far this class's rows start past a 16-byte boundary
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)  # (A's offsets are made 64-bit in _load_a where INDEX_64)
     j = tl.arange(0, BLOCK_I)
     u = tl.arange(0, BLOCK_O)
     # Columns past the row's end are read up to the next 16 bytes (whole vectors); mask in whole vectors.
     vectors = (INNER + shift + VEC - 1) // VEC
-    last = OUTER - 1  # B's last row, read apart
+    last = OUTER - 1 + 0 * pid_b  # B's last row, read apart (64-bit: an int64 tensor even where OUTER is 1)
     if INNER_N:
         # Rows are K's: this class's rows in this slice, BLOCK_O a step; columns the window's, shifted.
         rows = (OUTER - cls + VEC - 1) // VEC
@@ -115,7 +118,7 @@ def matmul_residue_kernel(
             row_off = tl.multiple_of(base + o * LD - shift, VEC)
             b = tl.load(b_ptr + row_off[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                         other=0.0)
-            a = _load_a(a_ptr, offs_m, tl.where(row_ok, o, -1), M, K, stride_am, stride_ak, UPCAST)
+            a = _load_a(a_ptr, offs_m, tl.where(row_ok, o, -1), M, K, stride_am, stride_ak, UPCAST, INDEX_64)
             if UPCAST:
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
@@ -132,6 +135,8 @@ def matmul_residue_kernel(
         # Rows are N's (output columns): BLOCK_O of this class's rows, all of this slice's K in steps.
         t = window * BLOCK_O + u
         o = cls + VEC * t
+        if INDEX_64:
+            o = o.to(tl.int64)  # output columns, in the epilogue's offsets too
         row_ok = o < last
         row_off = tl.multiple_of(base + o * LD - shift, VEC)
         steps = tl.cdiv(INNER + VEC - 1, BLOCK_I)
@@ -146,7 +151,7 @@ def matmul_residue_kernel(
             b = tl.load(b_ptr + row_off[:, None] + cols[None, :],
                         mask=row_ok[:, None] & ((cols // VEC) < vectors)[None, :], other=0.0)
             b = tl.where(k_ok[None, :], b, 0.0)  # a neighbouring row's values: zero, whatever they are
-            a = _load_a(a_ptr, offs_m, k, M, K, stride_am, stride_ak, UPCAST)
+            a = _load_a(a_ptr, offs_m, k, M, K, stride_am, stride_ak, UPCAST, INDEX_64)
             if UPCAST:
                 b = b.to(tl.float32)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=INPUT_PRECISION)
@@ -157,7 +162,7 @@ def matmul_residue_kernel(
                 k = i0 + j - shift
                 k_ok = (k >= 0) & (k < K)
                 b = tl.load(b_ptr + base + last * LD + k, mask=k_ok, other=0.0)
-                a = _load_a(a_ptr, offs_m, k, M, K, stride_am, stride_ak, True)
+                a = _load_a(a_ptr, offs_m, k, M, K, stride_am, stride_ak, True, INDEX_64)
                 tail += tl.sum(a * b.to(tl.float32)[None, :], axis=1)
             acc += tl.where((t == t_last)[None, :], tail[:, None], 0.0)
         if DIRECT:
@@ -273,12 +278,15 @@ def run(p, cfg: dict | None = None) -> None:
     """Launch the product (and, where it has planes, their reduction) on the current stream."""
     cfg = dict(config(p), **(cfg or {}))
     planes = planes_of(p, cfg)
-    ws, count = split_workspace(p.out.device, max(1, p.batch * planes * p.M * p.N), 1, tag="residue")
+    if planes * p.M * p.N >= 2**31:
+        raise ValueError(f"residue: {planes} planes of {p.M}x{p.N} pass 32-bit offsets; use fewer K slices")
+    if planes == 0:  # the epilogue stores directly: no workspace (the output stands in for its pointers)
+        kernel, grid, args, flags = launch_args(p, cfg, p.out, p.out)
+        launch(kernel, grid, args, flags)
+        return
+    ws, count = split_workspace(p.out.device, p.batch * planes * p.M * p.N, 1, tag="residue")
     kernel, grid, args, flags = launch_args(p, cfg, ws, count)
     stream = current_stream() if p.out.is_cuda else 0
-    if planes == 0:
-        launch(kernel, grid, args, flags, keep=(ws, count), stream=stream)
-        return
     with sequence_lock:  # the planes are the stream's: no other thread's launches between the two
         launch(kernel, grid, args, flags, keep=(ws, count), stream=stream)
         launch_reduction(p, ws, count, planes, stream)
