@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tilegemm
+from tilegemm.core.runtime import interpreting
 from tilegemm.ops.matmul import split_k
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
@@ -53,15 +54,17 @@ def test_timing_weighs_the_rules_config_too(gpu_like):
     assert split_k.misaligned_config(p) in split_k.configs(p)
 
 
+@pytest.mark.skipif(not interpreting(), reason="checks the interpreter's side of the rule")
 def test_off_under_the_interpreter():
     assert split_k.misaligned_config(problem(5, 423, 2047)) is None
 
 
 @pytest.mark.parametrize("shape", [(5, 43, 203), (1, 33, 129), (16, 70, 65)], ids=lambda s: "x".join(map(str, s)))
-def test_its_configs_compute_the_product(shape, gpu_like, monkeypatch):
-    """The rule's config (one K step a slice, partial planes added in order) launched under the interpreter."""
+def test_its_configs_compute_the_product(shape, gpu_like, monkeypatch, device):
+    """The rule's config (one K step a slice, partial planes added in order) launched as it is (under the
+    interpreter too)."""
     M, N, K = shape
-    p = problem(M, N, K)
+    p = problem(M, N, K, device=device)
     cfg = split_k.misaligned_config(p)
     monkeypatch.undo()  # launch the way the interpreter launches
     split_k.launch_config(p, dict(cfg, BLOCK_K=32))  # the interpreter's dot wants K steps of 16 or more
