@@ -16,7 +16,7 @@ last few past the row's end the next row's first ones.
   of its own, at its shifted columns, and :func:`tilegemm.ops.matmul.split_reduce.launch_reduction` adds the
   ``VEC x slices`` planes and applies the epilogue. The values read from a neighbouring row land in columns
   outside the output and are dropped.
-- **NT** (B = W.T with W's rows along K, an ``nn.Linear`` with an odd ``in_features``): a program's tile rows
+- **NT** (B = W.T with W's rows along K: an ``nn.Linear`` whose ``in_features`` is not a multiple of 8): a program's tile rows
   are output columns of one class, and it reads A from ``r_c`` columns before each step, so that A's and
   B's columns meet; values from a neighbouring row are set to zero (they could be infinite) and meet zeros
   of A. One K slice stores through the epilogue directly; more go through the planes.
