@@ -399,11 +399,12 @@ def test_auto_restrides_operands_whose_rows_straddle_lines(layout, plan, device,
     """Where auto restrides (forced here; on a GPU the cost model decides), the operands it names are copied
     into buffers of the same shape and layout whose rows start 128 bytes apart, the others read as given, and
     the product (with a bias and an activation) is written straight into the poisoned output."""
-    from tilegemm.ops.matmul import dispatch
+    from tilegemm.ops.matmul import dispatch, replay
 
     M, N, K = 19, 24, 40  # 16-byte aligned rows (K, N multiples of 8), not 128-byte ones
     dtype = torch.float16
     a, b = _laid_out(M, N, K, layout, dtype, device)
+    replay.clear()  # on a GPU an earlier plan's call would replay, copies and all, past the spies
     seen = _spy_on_copies(monkeypatch)
     monkeypatch.setattr(dispatch, "_restrides", lambda p, a, b: plan)
     bias = torch.randn(N, dtype=dtype, device=device)
