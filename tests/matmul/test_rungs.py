@@ -414,3 +414,45 @@ def test_split_k_config_without_slices_uses_the_default_planes(device):
     split_k.run(p, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, SPLIT_K=3, num_warps=4, num_stages=1))
     assert_rel_close(out, matmul_reference(a, b), 1e-5)
     assert [planes for (_, _, planes) in split_k.workspaces()] == [True]
+
+
+def test_persistent_tma_falls_back_to_a_config_that_fits(device, monkeypatch):
+    """An untimed choice that does not fit the SM's shared memory (OutOfResources at launch) gives way to the
+    first candidate that does, which is kept for the shape class; a config asked for raises instead; and
+    ``auto``'s survey pick that does not fit falls back to the rung's own choice."""
+    from triton.runtime.errors import OutOfResources
+
+    from tilegemm.core import tuning
+    from tilegemm.ops.matmul import dispatch
+
+    monkeypatch.setattr(tuning, "_guessed", {})
+    M, N, K = 40, 72, 48
+    a, b = torch.randn(M, K, device=device), torch.randn(K, N, device=device)
+    out = torch.full((M, N), float("nan"), device=device)
+    p = _problem(a, b, out)
+    assert persistent_tma.describable(p) is None
+    big = dict(persistent_tma.configs(4)[0], GROUP_M=4)  # stands for a config too large for the SM
+    fits = persistent_tma.configs(4)[0]
+    monkeypatch.setattr(persistent_tma, "candidates", lambda p: [big, fits])
+    monkeypatch.setattr(tuning, "lookup_or_tune", lambda k, cands, launch, *a, **kw: cands()[0])
+    launched = []
+    real = persistent_tma.launch_config
+
+    def launch_config(p, cfg):
+        if cfg == big:
+            raise OutOfResources(278552, 232448, "shared memory")
+        launched.append(cfg)
+        real(p, cfg)
+
+    monkeypatch.setattr(persistent_tma, "launch_config", launch_config)
+    persistent_tma.run(p)
+    assert launched == [fits]
+    assert_rel_close(out, matmul_reference(a, b), 1e-5)
+    assert tuning._guessed[(persistent_tma.tuning_key(p), None)] == fits, "kept for the shape class"
+    with pytest.raises(OutOfResources):
+        persistent_tma.run(p, big)  # asked for: its error, not another config
+    out.fill_(float("nan"))
+    monkeypatch.setattr(dispatch, "surveyed", lambda p: ("persistent_tma", big))
+    dispatch.launch_auto(p)
+    assert launched == [fits, fits]
+    assert_rel_close(out, matmul_reference(a, b), 1e-5)

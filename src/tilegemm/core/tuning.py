@@ -257,6 +257,13 @@ def choose_untimed(k: str, options, fallback=None, max_distance: float = float("
     return dict(config)
 
 
+def remember_untimed(k: str, config: dict, variant=None) -> None:
+    """Make ``config`` this process's untimed choice for ``k`` (:func:`choose_untimed`), as when the one chosen
+    there could not run here (a kernel that does not fit the SM)."""
+    with _lock:
+        _guessed[(k, variant)] = dict(config)
+
+
 def lookup_or_tune(k: str, candidates, launch, fallback=None, max_distance: float = float("inf")) -> dict:
     """The config known for key ``k``. Else, by default, the nearest known shape class's untimed, within
     ``max_distance`` (:func:`choose_untimed`). Where timing is enabled (:func:`timing_enabled`), the fastest of

@@ -270,7 +270,14 @@ def launch_auto(p: GemmProblem) -> None:
     picked = surveyed(p)
     if picked is not None:
         rung, config = picked
-        launcher(rung)(p, config)
+        from triton.runtime.errors import OutOfResources
+
+        try:
+            launcher(rung)(p, config)
+        except OutOfResources:
+            # The survey ranked the config with another output dtype or epilogue, and here it does not fit
+            # the SM's shared memory: the rung's own untimed choice, which falls back to a config that fits.
+            launcher(rung)(p)
     else:
         launcher(choose_kernel(p))(p)
 
