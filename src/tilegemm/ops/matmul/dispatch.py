@@ -276,7 +276,7 @@ def launch_auto(p: GemmProblem) -> None:
             launcher(rung)(p, config)
         except OutOfResources:
             # The survey ranked the config with another output dtype or epilogue, and here it does not fit
-            # the SM's shared memory: the rung's own untimed choice, which falls back to a config that fits.
+            # the SM's shared memory: the rung's own choice (persistent_tma's falls back to a config that fits).
             launcher(rung)(p)
     else:
         launcher(choose_kernel(p))(p)

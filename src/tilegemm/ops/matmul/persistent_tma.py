@@ -484,17 +484,18 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
         config = dict(config, SPLIT_K=wave_split(p, config))
     try:
         launch_config(p, config)
-    except OutOfResources:
-        launch_first_fitting(p, config)
+    except OutOfResources as err:
+        launch_first_fitting(p, config, err)
 
 
-def launch_first_fitting(p: GemmProblem, failed: dict) -> None:
+def launch_first_fitting(p: GemmProblem, failed: dict, error: OutOfResources) -> None:
     """Launch the first of ``p``'s candidates, other than ``failed``, whose kernel fits the SM's shared memory,
     and keep it for the shape class (untimed, this process). A config chosen without timing (a neighbouring
     class's, the first candidate, a survey's pick) can need more than the SM has with this output dtype and
     epilogue: fp8 33x40x64 with an fp16 or fp32 output, c, bias and GELU asked 278552 bytes of 232448 on the
-    H200 (benchmarks/results/2026-11-25-h200/34a25e5/gpu-suite-matmul.log). Raises the last error if none fits."""
-    error = None
+    H200 (benchmarks/results/2026-11-25-h200/34a25e5/gpu-suite-matmul.log). Raises the last error if none fits.
+    (A measured entry of the class, tuned without this epilogue, stays the class's first choice: a call that is
+    not replayed tries it again.)"""
     for cfg in candidates(p):
         if cfg == failed:
             continue
@@ -505,7 +506,7 @@ def launch_first_fitting(p: GemmProblem, failed: dict) -> None:
             continue
         tuning.remember_untimed(tuning_key(p), cfg)
         return
-    raise error if error is not None else OutOfResources(0, 0, "shared memory")
+    raise error
 
 
 def _run_gluon(p: GemmProblem, name: str, module) -> None:
