@@ -190,7 +190,8 @@ SM90 = textwrap.dedent(
         options = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = compiled.asm["ptx"]
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = get_ptxas(90).path  # the one Triton chose its PTX version for (a GPU machine may name its own)
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "k.ptx")
             with open(path, "w") as f:
