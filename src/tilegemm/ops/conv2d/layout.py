@@ -62,11 +62,18 @@ def planar(t: torch.Tensor) -> bool:
 def workspace_view(t: torch.Tensor, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(a channels-last view ``[B, C, H, W]`` of the per-stream workspace ``tag``, the workspace): where
     :func:`fill` puts ``t``'s values. Nothing launched yet."""
+    return channels_last_workspace(tuple(t.shape), t.dtype, t.device, tag)
+
+
+def channels_last_workspace(shape: tuple, dtype: torch.dtype, device: torch.device,
+                            tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a channels-last view of ``shape`` ``[B, C, H, W]`` of the per-stream workspace ``tag``, the workspace)."""
     from tilegemm.core.workspace import buffer
 
-    B, C, H, W = t.shape
-    buf = buffer(t.device, t.dtype, t.numel(), tag)
-    return buf[: t.numel()].as_strided((B, C, H, W), (H * W * C, 1, W * C, C)), buf
+    B, C, H, W = shape
+    n = B * C * H * W
+    buf = buffer(device, dtype, n, tag)
+    return buf[:n].as_strided((B, C, H, W), (H * W * C, 1, W * C, C)), buf
 
 
 def fill(t: torch.Tensor, view: torch.Tensor, buf: torch.Tensor) -> None:

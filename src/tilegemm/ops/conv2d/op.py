@@ -142,7 +142,6 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
     from dataclasses import replace
 
     from tilegemm.core.launch import keeping, sequence_lock
-    from tilegemm.core.workspace import buffer
     from tilegemm.ops.conv2d import layout
     from tilegemm.ops.conv2d.implicit_gemm import empty_4d
 
@@ -163,9 +162,7 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
             if kernel == "tma_implicit_gemm":
                 return launcher(kernel)(pc)  # NCHW stores from its epilogue
             out = empty_4d(g.out_shape, p.out_dtype, p.x.device, torch.contiguous_format)
-            n = out.numel()
-            obuf = buffer(p.x.device, p.out_dtype, n, "conv2d-nchw-output")
-            oc = obuf[:n].as_strided(g.out_shape, (g.P * g.Q * g.K, 1, g.Q * g.K, g.K))
+            oc, obuf = layout.channels_last_workspace(g.out_shape, p.out_dtype, p.x.device, "conv2d-nchw-output")
             with keeping(obuf):
                 launcher(kernel)(replace(pc, out_format=torch.channels_last, out=oc))
                 return layout.to_nchw(oc, out, keep=(obuf,))

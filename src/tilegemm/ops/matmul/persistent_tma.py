@@ -30,7 +30,7 @@ from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.ops.matmul.split_reduce import launch_reduction
 from tilegemm.core.runtime import cdiv, interpreting
 
-import triton.language as tl
+import triton.language as tl  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 

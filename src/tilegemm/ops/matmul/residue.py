@@ -237,14 +237,12 @@ def config(p) -> dict:
     vec = 16 // p.b.element_size()
     bo, bi, warps, stages = TILES[layout]
     if layout == "NN":
-        windows = cdiv(p.N + vec - 1, bi)
         steps = cdiv(cdiv(p.K, vec), bo)
         planes_per_slice = vec
     else:
-        windows = cdiv(cdiv(p.N, vec), bo)
         steps = cdiv(p.K + vec - 1, bi)
         planes_per_slice = 1
-    programs = windows * vec * p.batch
+    programs = _windows(p, layout, bo, bi) * vec * p.batch
     target = PROGRAMS_PER_SM[layout] * (1 if interpreting() else sm_count(p.out.device))
     b_bytes = p.K * p.N * p.b.element_size()
     slices = 1
@@ -260,12 +258,19 @@ def launch_args(p, cfg: dict, ws: torch.Tensor, count: torch.Tensor):
     layout, slices = cfg["LAYOUT"], cfg["SLICES"]
     vec = 16 // p.b.element_size()
     bo, bi = cfg["BLOCK_O"], cfg["BLOCK_I"]
-    windows = cdiv(p.N + vec - 1, bi) if layout == "NN" else cdiv(cdiv(p.N, vec), bo)
+    windows = _windows(p, layout, bo, bi)
     planes = planes_of(p, cfg)
     flags = dict(p.kernel_flags(), INNER_N=layout == "NN", VEC=vec, BLOCK_M=16, BLOCK_O=bo, BLOCK_I=bi,
                  DIRECT=planes == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     args = (*p.kernel_args(), ws, count, slices, planes)
     return matmul_residue_kernel, (windows * vec, slices, p.batch), args, flags
+
+
+def _windows(p, layout: str, bo: int, bi: int) -> int:
+    """Programs a class and K slice: NN's windows of BLOCK_I columns over N and the up to VEC - 1 columns a
+    class is shifted by; NT's BLOCK_O of the class's N / VEC rows each."""
+    vec = 16 // p.b.element_size()
+    return cdiv(p.N + vec - 1, bi) if layout == "NN" else cdiv(cdiv(p.N, vec), bo)
 
 
 def planes_of(p, cfg: dict) -> int:
