@@ -61,8 +61,9 @@ def field(a, b, dtype):
     out = []
     for cfg in persistent_tma.candidates(p):
         out.append(("split" if cfg.get("SPLIT_K", 1) > 1 else "whole", cfg))
-    for tile in STREAM_TILES:
-        out.append(("stream", dict(persistent_tma.make_config(*tile, flatten=False), STREAM_K=True)))
+    for i, tile in enumerate(STREAM_TILES):
+        for flatten in (False, True) if i < 2 else (False,):
+            out.append(("stream", dict(persistent_tma.make_config(*tile, flatten=flatten), STREAM_K=True)))
     return out
 
 

@@ -89,7 +89,8 @@ def test_persistent_tma_split_k(layout, split, K, slices, reduce, device, monkey
 
 @pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
 @pytest.mark.parametrize("programs", [2, 4, 5, 13, 63, 200], ids=lambda v: f"programs{v}")
-def test_persistent_tma_stream_k(layout, programs, device, monkeypatch):
+@pytest.mark.parametrize("flatten", [False, True], ids=["unflat", "flat"])
+def test_persistent_tma_stream_k(layout, programs, flatten, device, monkeypatch):
     """Stream-K: 9 tiles x 7 K steps (63 steps) cut into one run a program. With 2 programs a run spans whole
     tiles and parts; with 4, 5 or 13 runs start and end inside tiles, a tile's parts coming from up to three
     programs; with 63 a program a step; 200 programs are capped at 63. Every element written once (NaN
@@ -102,7 +103,8 @@ def test_persistent_tma_stream_k(layout, programs, device, monkeypatch):
     c = torch.randn(M, N, device=device)
     out = torch.full((M, N), float("nan"), device=device)
     p = _problem(a, b, out, c=c, bias=bias, beta=0.5, activation="gelu")
-    cfg = dict(persistent_tma.configs(4)[0], BLOCK_K=16, STREAM_K=True)
+    # 32 x 32 tiles on any device (configs() gives the GPU larger ones), unflattened and flattened
+    cfg = dict(persistent_tma.make_config(32, 32, 16, 4, 2, flatten=flatten), STREAM_K=True)
     assert persistent_tma.describable(p) is None
     assert persistent_tma.stream_k_programs(p, cfg, programs) == min(programs, 63)
     launches = []
@@ -123,7 +125,7 @@ def test_persistent_tma_stream_k_falls_back_to_whole_tiles(device, monkeypatch):
     a, b = torch.randn(40, 48, device=device), torch.randn(48, 56, device=device)
     out = torch.full((40, 56), float("nan"), device=device)
     p = _problem(a, b, out)
-    cfg = dict(persistent_tma.configs(4)[0], BLOCK_K=16, STREAM_K=True)
+    cfg = dict(persistent_tma.make_config(32, 32, 16, 4, 2), STREAM_K=True)
     assert persistent_tma.stream_k_programs(p, cfg, 1) == 1
     persistent_tma.run(p, cfg)
     assert_rel_close(out, matmul_reference(a, b), 1e-5)

@@ -89,7 +89,8 @@ def _stream_k(a_desc, b_desc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_pt
               A_T: tl.constexpr, B_T: tl.constexpr, HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr,
               ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_SCALE_A: tl.constexpr,
               HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FAST_ACCUM: tl.constexpr, SERPENTINE: tl.constexpr):
+              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FAST_ACCUM: tl.constexpr, SERPENTINE: tl.constexpr,
+              FLATTEN: tl.constexpr):
     """Stream-K: the product's ``tiles x k_steps`` MMA steps (tile-major, tiles in grouped order) cut into one
     contiguous run per program, as even as whole steps allow, so every SM does the same work whatever the
     number of tiles. A program's run covers at most a tail of one tile, whole tiles (stored directly), and a
@@ -106,12 +107,13 @@ def _stream_k(a_desc, b_desc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_pt
     start = pid * total // programs
     end = (pid + 1) * total // programs
     first_tile = start // k_steps
+    last_tile = (end - 1) // k_steps
     local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    it = start
-    while it < end:
-        tile = it // k_steps
-        k_first = it - tile * k_steps
-        k_last = tl.minimum(k_steps, k_first + (end - it))
+    # A for loop over the run's tiles, each with its K range (as the split's units have): a while loop over
+    # steps ran its K loops unpipelined, 0.8x the whole tiles' rate where tails did not matter.
+    for tile in tl.range(first_tile, last_tile + 1, flatten=FLATTEN):
+        k_first = tl.maximum(start - tile * k_steps, 0)
+        k_last = tl.minimum(end - tile * k_steps, k_steps)
         pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M, SERPENTINE)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
@@ -151,7 +153,6 @@ def _stream_k(a_desc, b_desc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_pt
                                           stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                                           HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
                     out_desc.store([m0, n0 + h * HALF_N], sum_h.to(out_desc.dtype))
-        it += k_last - k_first
 
 
 @triton.jit
@@ -208,7 +209,7 @@ def matmul_persistent_tma_kernel(
         _stream_k(a_desc, b_desc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, tiles_m, tiles_n,
                   k_steps, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta, ws_ptr, count_ptr,
                   A_T, B_T, HAS_C, HAS_BIAS, ACTIVATION, INPUT_PRECISION, HAS_SCALE_A, HAS_SCALE_B, MMA_OPERANDS,
-                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FAST_ACCUM, SERPENTINE)
+                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FAST_ACCUM, SERPENTINE, FLATTEN)
     else:
         for unit in tl.range(tl.program_id(0), tiles * SPLIT_K, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_TILES):
             if not SPLIT:
