@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import torch.nn.functional as F
 
 import tilegemm
+from tilegemm.core.runtime import interpreting
 from tilegemm.ops.conv2d import layout, replay
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
 
@@ -163,6 +164,8 @@ ROUTED = [  # (N, C, H, W, K, R, stride, pad, dilation, groups)
 ]
 
 
+@pytest.mark.skipif(not interpreting(), reason="the interpreter's side: on a GPU the route is taken as it is "
+                    "(test_gpu_nchw_forward_through_the_route, test_gpu_nchw_gradients_and_an_fp32_pre_activation)")
 @pytest.mark.parametrize("N,C,H,W,K,R,stride,pad,dilation,groups", ROUTED,
                          ids=["w1", "h1-depthwise-stride2", "dilated-groups2", "1x1-stride2", "1x1"])
 def test_route_forced_on_matches_f_conv2d_with_gradients(N, C, H, W, K, R, stride, pad, dilation, groups,
