@@ -88,13 +88,15 @@ def test_persistent_tma_split_k(layout, split, K, slices, reduce, device, monkey
 
 
 @pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
-@pytest.mark.parametrize("programs", [2, 4, 5, 13, 63, 200], ids=lambda v: f"programs{v}")
+@pytest.mark.parametrize("programs", [2, 3, 4, 5, 13, 63, 200], ids=lambda v: f"programs{v}")
 @pytest.mark.parametrize("flatten", [False, True], ids=["unflat", "flat"])
 def test_persistent_tma_stream_k(layout, programs, flatten, device, monkeypatch):
-    """Stream-K: 9 tiles x 7 K steps (63 steps) cut into one run a program. With 2 programs a run spans whole
-    tiles and parts; with 4, 5 or 13 runs start and end inside tiles, a tile's parts coming from up to three
-    programs; with 63 a program a step; 200 programs are capped at 63. Every element written once (NaN
-    poison), the epilogue applied once to the sum, the counters left at zero, one launch."""
+    """Stream-K: 9 tiles x 7 K steps (63 steps). With 2 programs 6 tiles go round whole (three waves less one)
+    and the last 3 tiles' 21 steps are cut into two runs; with 4, 4 whole and 5 tiles cut into 4 runs starting
+    and ending inside tiles; with 3 (a whole number of waves) no tile is cut; with 5, 13 or 63 every tile is
+    cut, a tile's parts coming from up to seven programs (63: a program a step); 200 programs are capped at 63.
+    Every element written once (NaN poison), the epilogue applied once to the sum, the counters left at zero,
+    one launch."""
     monkeypatch.setattr(persistent_tma, "sm_count", lambda device: programs)
     M, N, K = 72, 96, 112  # 3 x 3 tiles of 32 x 32 (the interpreter's config), 7 steps of 16
     a = torch.randn(K, M, device=device).mT if layout[0] == "T" else torch.randn(M, K, device=device)

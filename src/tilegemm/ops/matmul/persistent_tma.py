@@ -91,29 +91,43 @@ def _stream_k(a_desc, b_desc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_pt
               HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FAST_ACCUM: tl.constexpr, SERPENTINE: tl.constexpr,
               FLATTEN: tl.constexpr):
-    """Stream-K: the product's ``tiles x k_steps`` MMA steps (tile-major, tiles in grouped order) cut into one
-    contiguous run per program, as even as whole steps allow, so every SM does the same work whatever the
-    number of tiles. A program's run covers at most a tail of one tile, whole tiles (stored directly), and a
-    head of another. A part of a tile goes to the program's fp32 slot in ``ws_ptr`` (``[programs, 2, BM, BN]``:
-    slot 0 for the tile the run starts in, 1 for the one it ends in); the last of a tile's programs to arrive
-    (``count_ptr``, a counter a tile, left at zero) adds the slots in program order (the same sum whoever
-    arrives last) and runs the epilogue. No program waits on another. The host keeps ``programs`` at most the
-    steps and ``programs x steps`` under 2^31."""
+    """Stream-K after whole waves: where the output tiles are not a whole number of waves of ``programs``, all
+    but the last one or two waves' tiles go round as whole tiles (program p takes tiles p, p + programs, ...: the
+    programs at work at once share A and B panels in L2), and the rest, ``sk_tiles x k_steps`` MMA steps
+    (tile-major, tiles in grouped order), are cut into one contiguous run per program, as even as whole steps
+    allow, so no SM idles in a partial last wave. A run covers at most a tail of one tile, whole tiles (stored
+    directly), and a head of another. A part of a tile goes to the program's fp32 slot in ``ws_ptr``
+    (``[programs, 2, BM, BN]``: slot 0 for the tile the run starts in, 1 for the one it ends in); the last of
+    a tile's programs to arrive (``count_ptr``, a counter a tile, left at zero) adds the slots in program order
+    (the same sum whoever arrives last) and runs the epilogue. No program waits on another. The host keeps
+    ``programs`` at most the steps and ``programs x steps`` under 2^31."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    total = tiles_m * tiles_n * k_steps
+    tiles = tiles_m * tiles_n
+    dp_tiles = tl.where(tiles % programs == 0, tiles, tl.maximum(tiles // programs - 1, 0) * programs)
+    for tile in tl.range(pid, dp_tiles, programs, flatten=FLATTEN):
+        pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M, SERPENTINE)
+        acc = _zero_tile(BLOCK_M, BLOCK_N, MMA_OPERANDS)
+        for ks in tl.range(0, k_steps):
+            acc = mma_ordered(_load_tile(a_desc, pid_m * BLOCK_M, ks * BLOCK_K, A_T),
+                              _load_tile(b_desc, ks * BLOCK_K, pid_n * BLOCK_N, B_T), acc,
+                              MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
+        _store_tile(_as_tile(acc, MMA_OPERANDS), out_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, c_ptr, bias_ptr,
+                    scale_a_ptr, scale_b_ptr, M, N, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha,
+                    beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N)
+    total = (tiles - dp_tiles) * k_steps  # the stream-K steps; tile t of them is tile dp_tiles + t
     start = pid * total // programs
     end = (pid + 1) * total // programs
     first_tile = start // k_steps
-    last_tile = (end - 1) // k_steps
+    last_tile = tl.where(end > start, (end - 1) // k_steps, first_tile - 1)  # no steps (whole waves): no tile
     local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    # A for loop over the run's tiles, each with its K range (as the split's units have): a while loop over
-    # steps ran its K loops unpipelined, 0.8x the whole tiles' rate where tails did not matter.
-    for tile in tl.range(first_tile, last_tile + 1, flatten=FLATTEN):
-        k_first = tl.maximum(start - tile * k_steps, 0)
-        k_last = tl.minimum(end - tile * k_steps, k_steps)
+    # A for loop over the run's tiles, each with its K range (as the split's units have).
+    for t in tl.range(first_tile, last_tile + 1, flatten=FLATTEN):
+        tile = dp_tiles + t
+        k_first = tl.maximum(start - t * k_steps, 0)
+        k_last = tl.minimum(end - t * k_steps, k_steps)
         pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M, SERPENTINE)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
@@ -128,12 +142,12 @@ def _stream_k(a_desc, b_desc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_pt
                         stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
                         HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N)
         else:
-            slot = (2 * pid + (tile != first_tile).to(tl.int32)).to(tl.int64) * TILE
+            slot = (2 * pid + (t != first_tile).to(tl.int32)).to(tl.int64) * TILE
             tl.store(ws_ptr + slot + local, acc)
             # The programs whose runs hold this tile's first and last steps (the run of program p starts at
             # p * total // programs).
-            p_first = ((tile * k_steps + 1) * programs - 1) // total
-            p_last = ((tile + 1) * k_steps * programs - 1) // total
+            p_first = ((t * k_steps + 1) * programs - 1) // total
+            p_last = ((t + 1) * k_steps * programs - 1) // total
             # A scalar atomic runs on one thread: the barrier puts every thread's stores before its release.
             tl.debug_barrier()
             arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -147,7 +161,7 @@ def _stream_k(a_desc, b_desc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_pt
                     sum_h = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
                     for q in range(p_first, p_last + 1):
                         q_first_tile = (q * total // programs) // k_steps
-                        q_slot = (2 * q + (tile != q_first_tile).to(tl.int32)).to(tl.int64) * TILE
+                        q_slot = (2 * q + (t != q_first_tile).to(tl.int32)).to(tl.int64) * TILE
                         sum_h += tl.load(ws_ptr + q_slot + part, cache_modifier=".cg")  # from L2, past L1
                     sum_h = epilogue_tile(sum_h, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_h, M, N,
                                           stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
