@@ -115,16 +115,16 @@ def test_check_tensors_gpu_ready(monkeypatch, device):
         debug.check_tensors_gpu_ready(torch.zeros(3))
 
 
-def test_poison_outputs():
+def test_poison_outputs(device):
     import tilegemm
 
     old = runtime.set_poisoning(False)
     try:
         assert not runtime.poisoning()
         with debug.poison_outputs():
-            assert torch.isnan(runtime.new_output((4,), torch.float32, "cpu")).all()
-            assert (runtime.new_output((4,), torch.int32, "cpu") == 2**31 - 1).all()
-            x = torch.randn(8)
+            assert torch.isnan(runtime.new_output((4,), torch.float32, device)).all()
+            assert (runtime.new_output((4,), torch.int32, device) == 2**31 - 1).all()
+            x = torch.randn(8, device=device)
             assert torch.equal(tilegemm.copy(x), x)
         assert not runtime.poisoning()
     finally:
