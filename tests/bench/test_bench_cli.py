@@ -38,10 +38,14 @@ def test_bench_writes_json_csv_png(tmp_path, capsys):
     rows = data["rows"]
     default = bench_op("matmul").kernel_names("fp16")  # what runs here: the Gluon kernels need an sm_90 GPU
     assert {r["kernel"] for r in rows} == {BASELINE, *default}
-    assert all(r["status"] == "ok" and r["rel_err"] <= r["tolerance"] for r in rows)
-    assert all(r["ms"] > 0 and r["ms_p20"] <= r["ms"] <= r["ms_p80"] for r in rows)
-    assert all(r["ratio"] is not None for r in rows if r["kernel"] != BASELINE)
-    assert set(data["summary"]["kernels"]) == set(default)
+    # on a GPU a kernel that does not take a shape (the Gluon kernels: 33x17x40's rows are not 16-byte aligned,
+    # or not their dtype) shows as unavailable; the interpreter runs every default kernel on both
+    ran = [r for r in rows if r["status"] != "unavailable" or interpreting()]
+    assert all(r["status"] == "ok" and r["rel_err"] <= r["tolerance"] for r in ran)
+    assert {r["kernel"] for r in ran} >= {BASELINE, "naive", "grouped", "auto"}
+    assert all(r["ms"] > 0 and r["ms_p20"] <= r["ms"] <= r["ms_p80"] for r in ran)
+    assert all(r["ratio"] is not None for r in ran if r["kernel"] != BASELINE)
+    assert set(data["summary"]["kernels"]) == {r["kernel"] for r in ran} - {BASELINE}
 
     text = paths["csv"].read_text()
     assert "# triton:" in text and "# git_commit:" in text
