@@ -87,6 +87,55 @@ def test_persistent_tma_split_k(layout, split, K, slices, reduce, device, monkey
         assert not count.any(), "each launch leaves its counters at zero"
 
 
+@pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
+@pytest.mark.parametrize("programs", [2, 3, 4, 5, 8, 13], ids=lambda v: f"programs{v}")
+@pytest.mark.parametrize("flatten", [False, True], ids=["unflat", "flat"])
+@pytest.mark.parametrize("share", [2, 64], ids=lambda v: f"share{v}")
+def test_persistent_tma_stream_k(layout, programs, flatten, share, device, monkeypatch):
+    """Stream-K of the last wave: 9 tiles x 7 K steps. With 2 programs 8 tiles go whole and the last tile's 7
+    steps are shared by both; with 4, 8 whole and one tile shared by up to 4 (SK_SHARE); with 5, 5 whole and 4
+    tiles' 28 steps over 5 programs (runs starting and ending inside tiles); with 8, one tile shared by 2 or 7
+    programs; with 3 (whole waves) or 13 (under one wave) no tile is shared. Every element written once (NaN
+    poison), the epilogue applied once to the sum, the counters left at zero, one launch."""
+    monkeypatch.setattr(persistent_tma, "sm_count", lambda device: programs)
+    M, N, K = 72, 96, 112  # 3 x 3 tiles of 32 x 32 (the interpreter's config), 7 steps of 16
+    a = torch.randn(K, M, device=device).mT if layout[0] == "T" else torch.randn(M, K, device=device)
+    b = torch.randn(N, K, device=device).mT if layout[1] == "T" else torch.randn(K, N, device=device)
+    bias = torch.randn(N, device=device)
+    c = torch.randn(M, N, device=device)
+    out = torch.full((M, N), float("nan"), device=device)
+    p = _problem(a, b, out, c=c, bias=bias, beta=0.5, activation="gelu")
+    # 32 x 32 tiles on any device (configs() gives the GPU larger ones), unflattened and flattened
+    cfg = dict(persistent_tma.make_config(32, 32, 16, 4, 2, flatten=flatten), STREAM_K=True, SK_SHARE=share)
+    assert persistent_tma.describable(p) is None
+    assert persistent_tma.stream_k_programs(p, cfg, programs) == min(programs, 63)
+    launches = []
+    real = persistent_tma.launch
+    monkeypatch.setattr(persistent_tma, "launch", lambda *a, **k: launches.append(a[1]) or real(*a, **k))
+    persistent_tma.run(p, cfg)
+    assert_rel_close(out, matmul_reference(a, b, bias=bias, c=c, beta=0.5, activation="gelu"), 1e-5)
+    assert launches == [(min(programs, 63),)]
+    from tilegemm.core import workspace
+
+    (_, count), = [v for k, v in workspace._workspaces.items() if k[2] == "persistent_tma_stream_k"]
+    assert not count.any(), "each launch leaves its counters at zero"
+
+
+def test_persistent_tma_stream_k_falls_back_to_whole_tiles(device, monkeypatch):
+    """A stream-K config on one program, or where its step arithmetic would pass 32 bits, runs whole tiles."""
+    monkeypatch.setattr(persistent_tma, "sm_count", lambda device: 1)
+    a, b = torch.randn(40, 48, device=device), torch.randn(48, 56, device=device)
+    out = torch.full((40, 56), float("nan"), device=device)
+    p = _problem(a, b, out)
+    cfg = dict(persistent_tma.make_config(32, 32, 16, 4, 2), STREAM_K=True)
+    assert persistent_tma.stream_k_programs(p, cfg, 1) == 1
+    persistent_tma.run(p, cfg)
+    assert_rel_close(out, matmul_reference(a, b), 1e-5)
+    big = _problem(torch.randn(65536, 65536, device="meta"), torch.randn(65536, 65536, device="meta"),
+                   torch.empty(65536, 65536, device="meta"))
+    assert persistent_tma.stream_k_programs(big, dict(cfg, BLOCK_K=1), 132) == 1
+
+
 @pytest.mark.parametrize("reduce", ["apart", "last"])
 @pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast_accum"])
 def test_persistent_tma_split_k_fp8(fast_accum, reduce, device, monkeypatch):
