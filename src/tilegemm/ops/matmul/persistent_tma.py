@@ -91,16 +91,17 @@ def _stream_k(a_desc, b_desc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_pt
               HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FAST_ACCUM: tl.constexpr, SERPENTINE: tl.constexpr,
               FLATTEN: tl.constexpr, SK_SHARE: tl.constexpr):
-    """Stream-K after whole waves: where the output tiles are not a whole number of waves of ``programs``, all
-    but the last one or two waves' tiles go round as whole tiles (program p takes tiles p, p + programs, ...: the
-    programs at work at once share A and B panels in L2), and the rest, ``sk_tiles x k_steps`` MMA steps
-    (tile-major, tiles in grouped order), are cut into one contiguous run per program, as even as whole steps
-    allow, so no SM idles in a partial last wave. A run covers at most a tail of one tile, whole tiles (stored
-    directly), and a head of another. A part of a tile goes to the program's fp32 slot in ``ws_ptr``
-    (``[programs, 2, BM, BN]``: slot 0 for the tile the run starts in, 1 for the one it ends in); the last of
-    a tile's programs to arrive (``count_ptr``, a counter a tile, left at zero) adds the slots in program order
-    (the same sum whoever arrives last) and runs the epilogue. No program waits on another. The host keeps
-    ``programs`` at most the steps and ``programs x steps`` under 2^31."""
+    """Stream-K of the last wave (the ``STREAM_K`` config key; opt-in, not offered to ``auto``): the whole waves of
+    output tiles go round as whole tiles (program p takes tiles p, p + programs, ...), and the ``r`` tiles of a
+    last, partial wave are shared out by K steps: their ``r x k_steps`` MMA steps (tiles in grouped order) cut
+    into one contiguous run for each of ``min(programs, r * SK_SHARE)`` programs, so that last wave takes about
+    ``max(r / programs, 1 / SK_SHARE)`` of a tile's time instead of a whole one. Under one wave, or on whole
+    waves, no tile is shared. A run covers at most a tail of one tile, whole tiles (stored directly), and a head
+    of another; a part of a tile goes to the program's fp32 slot in ``ws_ptr`` (``[programs, 2, BM, BN]``: slot
+    0 for the tile the run starts in, 1 for the one it ends in), and the last of a tile's programs to arrive
+    (``count_ptr``, a counter a tile, left at zero) adds the slots in program order (the same sum whoever
+    arrives last) and runs the epilogue. No program waits on another. The host keeps ``programs`` at most the
+    steps and ``programs x steps`` under 2^31."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
     pid = tl.program_id(0)
