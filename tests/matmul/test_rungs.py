@@ -22,6 +22,17 @@ def _problem(a, b, out, **kw):
                          args["precision"], args["upcast"])[0]
 
 
+def _epilogue_problem(layout, M, N, K, device):
+    """(a, b, bias, c, out, problem): A and B in ``layout`` (T: a transposed view), a bias, C with beta 0.5 and
+    GELU, the output NaN-poisoned: every part of the epilogue in play."""
+    a = torch.randn(K, M, device=device).mT if layout[0] == "T" else torch.randn(M, K, device=device)
+    b = torch.randn(N, K, device=device).mT if layout[1] == "T" else torch.randn(K, N, device=device)
+    bias = torch.randn(N, device=device)
+    c = torch.randn(M, N, device=device)
+    out = torch.full((M, N), float("nan"), device=device)
+    return a, b, bias, c, out, _problem(a, b, out, c=c, bias=bias, beta=0.5, activation="gelu")
+
+
 @pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("shape", [(64, 64, 64), (40, 72, 48), (104, 56, 72)], ids=lambda s: "x".join(map(str, s)))
@@ -62,13 +73,8 @@ def test_persistent_tma_split_k(layout, split, K, slices, reduce, device, monkey
     3 slices of 2, 2 and 1, none left empty), and more work units than programs. ``reduce="last"``
     (``REDUCE_LAST``): one launch, the planes added by each tile's last slice to arrive, the counters left at zero."""
     monkeypatch.setattr(persistent_tma, "sm_count", lambda device: 3)
-    M, N = 72, 96  # rows 16-byte aligned in every layout: the TMA path, not a fallback (asserted below)
-    a = torch.randn(K, M, device=device).mT if layout[0] == "T" else torch.randn(M, K, device=device)
-    b = torch.randn(N, K, device=device).mT if layout[1] == "T" else torch.randn(K, N, device=device)
-    bias = torch.randn(N, device=device)
-    c = torch.randn(M, N, device=device)
-    out = torch.full((M, N), float("nan"), device=device)
-    p = _problem(a, b, out, c=c, bias=bias, beta=0.5, activation="gelu")
+    # rows 16-byte aligned in every layout: the TMA path, not a fallback (asserted below)
+    a, b, bias, c, out, p = _epilogue_problem(layout, 72, 96, K, device)
     cfg = dict(persistent_tma.configs(4)[0], SPLIT_K=split, BLOCK_K=16)  # 16-wide K steps on the GPU too
     if reduce == "last":
         cfg["REDUCE_LAST"] = True
@@ -98,13 +104,7 @@ def test_persistent_tma_stream_k(layout, programs, flatten, share, device, monke
     programs; with 3 (whole waves) or 13 (under one wave) no tile is shared. Every element written once (NaN
     poison), the epilogue applied once to the sum, the counters left at zero, one launch."""
     monkeypatch.setattr(persistent_tma, "sm_count", lambda device: programs)
-    M, N, K = 72, 96, 112  # 3 x 3 tiles of 32 x 32 (the interpreter's config), 7 steps of 16
-    a = torch.randn(K, M, device=device).mT if layout[0] == "T" else torch.randn(M, K, device=device)
-    b = torch.randn(N, K, device=device).mT if layout[1] == "T" else torch.randn(K, N, device=device)
-    bias = torch.randn(N, device=device)
-    c = torch.randn(M, N, device=device)
-    out = torch.full((M, N), float("nan"), device=device)
-    p = _problem(a, b, out, c=c, bias=bias, beta=0.5, activation="gelu")
+    a, b, bias, c, out, p = _epilogue_problem(layout, 72, 96, 112, device)  # 3 x 3 tiles of 32 x 32, 7 K steps of 16
     # 32 x 32 tiles on any device (configs() gives the GPU larger ones), unflattened and flattened
     cfg = dict(persistent_tma.make_config(32, 32, 16, 4, 2, flatten=flatten), STREAM_K=True, SK_SHARE=share)
     assert persistent_tma.describable(p) is None
