@@ -14,6 +14,7 @@ L2 cleared, replays of the recorded launch). The JSON is rewritten after every s
     PYTHONPATH=src python3 tools/survey_configs.py --count 120 --start 0 --budget 520 [--dtype fp16] [--out DIR]
     PYTHONPATH=src python3 tools/survey_configs.py --count 240 --seed 7 --splits-only   (persistent_tma's K splits
         and cuBLAS on the shapes of a full survey of that seed: tools/fit_survey.py --supplement adds them)
+    PYTHONPATH=src python3 tools/survey_configs.py --round --count 60 --seed 31 ...   (model-like round shapes)
     PYTHONPATH=src python3 tools/survey_configs.py --dtype fp8_e4m3 --layout NT ...   (fp8: NT only, against
         torch._scaled_mm with per-tensor scales and a bf16 output; tf32: against cuBLAS with TF32 on)
 """
@@ -55,6 +56,31 @@ def survey_shapes(count: int, seed: int, multiple: int = 16) -> list[tuple[int, 
         if (m, n, k) not in unseen:
             shapes.append((m, n, k))
     return shapes[:count]
+
+
+# Hidden and intermediate sizes of the kind models use (N and K of --round draws)
+ROUND_SIZES = (1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 9216, 10240, 11264, 12288, 14336,
+               16384, 20480, 24576, 28672)
+
+
+def round_shapes(count: int, seed: int) -> list[tuple[int, int, int]]:
+    """Model-like shapes: N and K drawn from :data:`ROUND_SIZES`, M log-uniform in 128..8192 rounded to a
+    multiple of 64, products up to 2^37 multiply-adds; never an (N, K) pair of the bench's ``models`` or ``llm``
+    sweeps (those measure ``auto``)."""
+    import math
+    import random
+
+    from tilegemm.ops.matmul.bench import _llm_cases, _model_cases
+
+    held_out = {(c.dims["N"], c.dims["K"]) for c in _model_cases() + _llm_cases()}
+    rng = random.Random(seed)
+    shapes = []
+    while len(shapes) < count:
+        n, k = rng.choice(ROUND_SIZES), rng.choice(ROUND_SIZES)
+        m = 64 * max(2, round(math.exp(rng.uniform(math.log(128), math.log(8192))) / 64))
+        if (n, k) not in held_out and (m, n, k) not in shapes and m * n * k <= 2**37:  # each call under ~1 ms
+            shapes.append((m, n, k))
+    return shapes
 
 
 def field(p, splits_only: bool = False) -> list[tuple[str, dict]]:
@@ -171,6 +197,8 @@ def main() -> None:
     ap.add_argument("--layout", default="NN", choices=("NN", "NT", "TN", "TT"),
                     help="T: that operand is a transposed view (NT: nn.Linear's x @ W.T)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--round", action="store_true",
+                    help="model-like round shapes (round_shapes) instead of the random-sweep-like draw")
     ap.add_argument("--splits-only", action="store_true",
                     help="cuBLAS and persistent_tma's K splits only, on the shapes with M > 16 where they are offered: "
                          "a supplement to a full survey of the same seed (tools/fit_survey.py --supplement)")
@@ -178,8 +206,10 @@ def main() -> None:
     if args.dtype.startswith("fp8") and args.multiple != 16:
         raise SystemExit("fp8 rows are 16-byte aligned only at multiples of 16 elements: --multiple 16")
     os.environ.setdefault("TILEGEMM_TUNING_CACHE", "0")  # shipped entries only: what a fresh user has
-    shapes = survey_shapes(args.count, args.seed, args.multiple)[args.start:args.stop]
-    tag = ("" if args.multiple == 16 else f"-m{args.multiple}") + ("" if args.layout == "NN" else f"-{args.layout}")
+    draw = round_shapes(args.count, args.seed) if args.round else survey_shapes(args.count, args.seed, args.multiple)
+    shapes = draw[args.start:args.stop]
+    tag = ("-round" if args.round else "") + ("" if args.multiple == 16 else f"-m{args.multiple}")
+    tag += "" if args.layout == "NN" else f"-{args.layout}"
     tag += "-splits" if args.splits_only else ""
     path = os.path.join(args.out, f"survey-{args.dtype}-s{args.seed}{tag}-{args.start}.json")
     doc = dict(machine=machine_info().to_dict(), git_commit=os.environ.get("TILEGEMM_GIT_COMMIT"),
