@@ -2,7 +2,7 @@
 # One build-check-time cycle on the GPU machine: bash tools/gpu_cycle.sh STEP... (results under $OUT).
 # Steps:
 #   tests         every GPU-marked test (pytest -m gpu), 8 xdist workers (compiling is CPU-bound)
-#   gpu-suite     the non-GPU-marked tests that compile for the GPU here too (matmul, bench, guide, core)
+#   gpu-suite     the non-GPU-marked tests that compile for the GPU here too (matmul, bench, guide, core, learn)
 #   fingerprint   sm_90 PTX fingerprints of every shipped kernel and config (tools/ptx_fingerprint.py)
 #   square|llm|skinny  bench sweeps, fp16;  bf16 (square + llm);  tf32 (square);  fp8 (square, e4m3 and e5m2)
 #   square-auto   square fp16 and bf16, auto and persistent_tma only (the behaviour check after a refactor)
@@ -34,7 +34,7 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
     tests) pytest_ -m gpu -n 8 tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 15 ;;
-    gpu-suite) pytest_ -n 8 tests/matmul tests/bench tests/guide tests/core 2>&1 | tee "$OUT/gpu-suite.log" | tail -n 15 ;;
+    gpu-suite) pytest_ -n 8 tests/matmul tests/bench tests/guide tests/core tests/learn 2>&1 | tee "$OUT/gpu-suite.log" | tail -n 15 ;;
     family-tests) pytest_ -m "" -n 8 tests/w4a16 tests/conv2d tests/nn 2>&1 | tee "$OUT/family-tests.log" | tail -n 15 ;;
     fingerprint) TRITON_INTERPRET=0 TILEGEMM_INTERPRET=0 python3 tools/ptx_fingerprint.py --out "$OUT/fingerprints.json" ;;
     square|llm|skinny) bench --sweep "$step" --dtype fp16 --json "$OUT/$step-fp16.json" ;;
