@@ -13,7 +13,7 @@ configs), its K splits of one wave, and ``STREAM_K`` on five tiles; each checked
 ``--rounds`` rounds alternating with cuBLAS. Writes ``$OUT/stream-k-<dtype>.json``; prints per shape cuBLAS's
 time and the ratio of ``auto``, the best unsplit config, the best split and the best stream-K config.
 
-    PYTHONPATH=src python3 research/explore_stream_k.py [--dtype fp16] [--shapes 6272x256x1024,...] [--budget S]
+    PYTHONPATH=src:research python3 research/explore_stream_k.py [--dtype fp16] [--shapes 6272x256x1024,...] [--budget S]
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ import statistics
 import time
 
 import torch
-import triton.testing
 
 import tilegemm
 from tilegemm.core import tuning
 from tilegemm.core.hardware import machine_info
 from tilegemm.ops.matmul import persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
+
+from diagnose_random import timed_against_cublas  # noqa: E402  (do_bench medians alternating with cuBLAS)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 STREAM_TILES = ((128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 128, 4, 4),
@@ -114,15 +115,10 @@ def main() -> None:
             kinds[name] = kind
         check = tilegemm.matmul(a, b).float()
         auto_err = ((check - ref).norm() / ref.norm()).item()
-        times = {name: [] for name in fns}
-        for _ in range(args.rounds):
-            for name, fn in fns.items():
-                times[name].append(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
-        base = statistics.median(times["cuBLAS"])
-        for name in fns:
-            ms = statistics.median(times[name])
-            rows.append(dict(kernel=name, kind=kinds.get(name, "baseline"), us=ms * 1e3, ratio=base / ms,
-                             runs=times[name]))
+        timed = timed_against_cublas(fns, args.rounds, rep=60)
+        base = timed["cuBLAS"]["us"] / 1e3
+        for name, t in timed.items():
+            rows.append(dict(kernel=name, kind=kinds.get(name, "baseline"), **t))
         best = {}
         for r in rows:
             if "ratio" in r and r["kind"] != "baseline" and r["ratio"] > best.get(r["kind"], {}).get("ratio", 0):

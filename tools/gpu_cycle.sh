@@ -58,7 +58,7 @@ for step in "$@"; do
                    --mode $m --memory-format nchw --json "$OUT/conv2d-$s-$m-nchw.json" 2>&1 | tail -n 3; done; done ;;
     fuzz) for t in matmul conv2d w4a16; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
-    stream-k) python3 research/explore_stream_k.py --budget "${EXPLORE_BUDGET:-300}" 2>&1 | tee "$OUT/stream-k.log" | tail -n 40 ;;
+    stream-k) PYTHONPATH=src:research python3 research/explore_stream_k.py --budget "${EXPLORE_BUDGET:-300}" 2>&1 | tee "$OUT/stream-k.log" | tail -n 40 ;;
     models) bench --sweep models --dtype fp16 --kernels auto --json "$OUT/models-fp16.json" 2>&1 | tail -n 6 ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
     w4a16|conv2d) bench --op "$step" --json "$OUT/$step.json" ;;
