@@ -286,7 +286,11 @@ def _tuning_text() -> str:
 
     where = str(tuning.cache_file()) if tuning._disk_enabled() else "memory only"
     shipped = tuning.shipped_file()
-    return f"{where}; shipped defaults: {shipped.name if shipped.exists() else 'none for this GPU'}"
+    if not shipped.exists():
+        return f"{where}; shipped defaults: none for this GPU (auto's rules decide)"
+    own = tuning._device_tag()[0]
+    sibling = "" if shipped.stem == own else f" (a sibling GPU's: none ship for {own})"
+    return f"{where}; shipped defaults: {shipped.name}{sibling}"
 
 
 def _triton_cache_dir() -> str:

@@ -692,3 +692,36 @@ def test_an_entry_tuned_before_a_config_key_existed_still_matches_its_candidate(
     tuning.record("persistent_tma|M1024|N1024|K1024|fp16|fp16|NN", old)
     options = [dict(BLOCK_M=128, num_warps=8, HOST_DESC=True), dict(BLOCK_M=64, num_warps=4, HOST_DESC=True)]
     assert tuning.nearest("persistent_tma|M1024|N1100|K1024|fp16|fp16|NN", options) == old
+
+
+@pytest.mark.parametrize("name, slug", [
+    ("NVIDIA H200", "nvidia-h200"), ("NVIDIA H200 NVL", "nvidia-h200"), ("NVIDIA GH200 480GB", "nvidia-h200"),
+    ("NVIDIA H100 80GB HBM3", "nvidia-h100-80gb-hbm3"), ("NVIDIA H100 PCIe", "nvidia-h100-80gb-hbm3"),
+    ("NVIDIA H100 NVL", "nvidia-h100-80gb-hbm3"), ("NVIDIA H800", "nvidia-h100-80gb-hbm3"),
+    ("NVIDIA A100-SXM4-80GB", "nvidia-a100-sxm4-80gb"), ("NVIDIA GeForce RTX 4090", "nvidia-geforce-rtx-4090"),
+])
+def test_a_gpu_without_tables_takes_a_shipped_siblings_or_none(name, slug):
+    """Hopper GPUs the package ships nothing for read their sibling's tables; other architectures keep their own
+    slug, which names no file (the rules decide there)."""
+    assert tuning.table_slug(name) == slug
+    assert tuning.table_slug(tuning.gpu_slug(name)) == slug, "a slug resolves as its name does"
+    assert tuning.ships_tables_for(slug) == slug.startswith(("nvidia-h200", "nvidia-h100"))
+
+
+def test_a_sibling_gpu_loads_the_siblings_shipped_entries_and_survey_table(monkeypatch):
+    from tilegemm.ops.matmul import survey
+
+    monkeypatch.setattr(tuning, "_device_tag", lambda: ("nvidia-h100-pcie", "3.6.0"))
+    monkeypatch.setenv("TILEGEMM_TUNING_CACHE", "0")
+    tuning.forget()
+    try:
+        assert tuning.shipped_file().name == "nvidia-h100-80gb-hbm3.json"
+        assert len(tuning.entries()) > 50, "the sibling's shipped entries should load"
+        assert tuning.cache_file().name.startswith("tuned-nvidia-h100-pcie-"), "what a user tunes stays their GPU's"
+    finally:
+        tuning.forget()
+    assert survey.table_path("NVIDIA H100 PCIe") == survey.table_path("NVIDIA H100 80GB HBM3")
+    assert survey.table_path("NVIDIA H200 NVL", "NT") == survey.table_path("NVIDIA H200", "NT")
+    monkeypatch.setattr(survey, "_tables", {})
+    assert survey.table_for("NVIDIA H800") is not None
+    assert survey.table_for("NVIDIA A100-SXM4-80GB") is None

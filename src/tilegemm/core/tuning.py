@@ -21,6 +21,7 @@ ignored (a key the user had tuned then was not shipped then, since a shipped ent
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -66,6 +67,38 @@ def gpu_slug(gpu_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
 
 
+# A GPU the package ships no tables for takes those of a shipped sibling of its architecture, by name (as a
+# slug): the H200's for the H200 NVL and the GH200 (132 SMs, HBM3e); the H100 SXM's for the H100 PCIe and NVL
+# and the H800. The tables' ranking re-counts waves with the GPU's own SM count; its measured speeds carry over.
+# On the H200, auto with the H100's tables ran the random sweep's products of 20 us or more at 1.13x cuBLAS,
+# with its own 1.15x, with none (the rules alone) 1.11x (benchmarks/results/2026-11-28-h200/6de1c49/). Other
+# GPUs (other architectures above all: the tables name Hopper-only kernels) keep the rules.
+SIBLINGS: list[tuple[str, str]] = [(r"h200", "nvidia-h200"), (r"h100|h800", "nvidia-h100-80gb-hbm3")]
+
+
+def _tuned_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "tuned"
+
+
+def ships_tables_for(slug: str) -> bool:
+    """Whether the package ships tuned entries or a (16-bit NN) survey table under exactly this GPU slug."""
+    tuned = _tuned_dir()
+    return (tuned / f"{slug}.json").exists() or (tuned / "survey" / f"{slug}.json").exists()
+
+
+@functools.lru_cache(maxsize=None)
+def table_slug(gpu: str) -> str:
+    """The slug whose shipped tables serve GPU ``gpu`` (a name as torch reports it, or its slug): its own where the
+    package ships any, else a sibling's (:data:`SIBLINGS`), else its own (no file: the rules decide)."""
+    slug = gpu_slug(gpu)
+    if ships_tables_for(slug):
+        return slug
+    for pattern, sibling in SIBLINGS:
+        if re.search(pattern, slug) and ships_tables_for(sibling):
+            return sibling
+    return slug
+
+
 def _device_tag() -> tuple[str, str]:
     """(gpu slug, triton version) of the current device."""
     import torch
@@ -87,8 +120,9 @@ def cache_file() -> Path:
 
 
 def shipped_file() -> Path:
+    """The package's tuned entries for this GPU (or its sibling's, :func:`table_slug`); it may not exist."""
     slug, _ = _device_tag()
-    return Path(__file__).resolve().parent.parent / "tuned" / f"{slug}.json"
+    return _tuned_dir() / f"{table_slug(slug)}.json"
 
 
 _SCHEMA_1 = "tilegemm-tuned/1"

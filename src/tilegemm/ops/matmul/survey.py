@@ -155,10 +155,12 @@ def family(dtype_name: str) -> str | None:
 
 def table_path(gpu_name: str, layout: str = "NN", family: str = "") -> Path:
     """Where the table of a GPU, an operand layout and a dtype family ships: ``<gpu>.json`` for 16-bit NN,
-    ``<gpu>[-<family>][-<layout>].json`` for the others (``nvidia-h200-NT.json``, ``nvidia-h200-fp8-NT.json``)."""
-    from tilegemm.core.tuning import gpu_slug
+    ``<gpu>[-<family>][-<layout>].json`` for the others (``nvidia-h200-NT.json``, ``nvidia-h200-fp8-NT.json``);
+    ``<gpu>`` is the GPU's own slug or, where the package ships nothing for it, a sibling's
+    (:func:`tilegemm.core.tuning.table_slug`)."""
+    from tilegemm.core.tuning import table_slug
 
-    name = gpu_slug(gpu_name) + (f"-{family}" if family else "") + ("" if layout == "NN" else f"-{layout}")
+    name = table_slug(gpu_name) + (f"-{family}" if family else "") + ("" if layout == "NN" else f"-{layout}")
     return Path(__file__).resolve().parent.parent.parent / "tuned" / "survey" / f"{name}.json"
 
 
