@@ -89,7 +89,8 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
                       K64, N16, group_k, steps_per_split, k_stop,
                       BM: gl.constexpr, RH: gl.constexpr, STAGES: gl.constexpr, BF16: gl.constexpr,
                       EVEN_K: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      ACTIVATION: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+                      ACTIVATION: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
+                      num_warps: gl.constexpr):
     RHT: gl.constexpr = num_warps * RH  # 16-row tiles of weights
     BN: gl.constexpr = 16 * RHT
     dt: gl.constexpr = x_ptr.dtype.element_ty
@@ -136,7 +137,33 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
     g = k_first // group_k
     zs_row, za, zb, sa, sb, zz, ss = _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT, ql)
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
-    if OVERLAP:
+    if PIPE:
+        # Two MMA groups in flight: step s + 1's MMA is issued before step s's is retired, so the tensor cores
+        # are not idle between steps. Step s + 1's fragments are made while step s's MMA runs; a slot is
+        # refilled once every warp has retired the MMA that read it (the wait, then the barrier of the next
+        # step). The slot refilled at step s is the one step s - 1 read.
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first,
+                                                  k_end, group_k, group_steps, BF16)
+        a = _a_tile(w_bufs.index(0).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
+        fence_async_shared()
+        acc = warpgroup_mma(a, x_bufs.index(0).permute((1, 0)), acc, is_async=True)
+        acc, a = warpgroup_mma_wait(1, deps=(acc, a))  # waits for nothing (one group in flight): a tensor again
+        for s in range(steps - 1):
+            async_copy.wait_group(STAGES - 3)  # step s + 1 has landed (this thread's copies) ...
+            gl.thread_barrier()  # ... and every thread's; every warp retired step s - 1's MMA
+            _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first, k_end, K,
+                   STAGES, EVEN_K)
+            za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
+                                                      k_first + (s + 1) * 64, k_end, group_k, group_steps, BF16)
+            a_next = _a_tile(w_bufs.index((s + 1) % STAGES).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
+            fence_async_shared()
+            acc = warpgroup_mma(a_next, x_bufs.index((s + 1) % STAGES).permute((1, 0)), acc, is_async=True)
+            acc, a = warpgroup_mma_wait(1, deps=(acc, a))  # step s's MMA retired
+            a = a_next
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+    elif OVERLAP:
         # Step s + 1 is dequantized while step s's MMA runs; its registers stay live (a dependency of the wait)
         # until that MMA is retired. The slot loaded at step s is the one step s - 1 read: every warp retired
         # that MMA before the barrier.
@@ -193,7 +220,7 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
         raise ValueError(f"frag_wgmma: x's row stride {x.stride(0)} must be a multiple of 8 elements (16 bytes)")
     if x.data_ptr() % 16:
         raise ValueError(f"frag_wgmma: x must start 16-byte aligned (its address is {x.data_ptr() % 16} bytes past)")
-    if cfg.get("OVERLAP", True) and cfg["STAGES"] < 3:
+    if (cfg.get("OVERLAP", True) or cfg.get("PIPE", False)) and cfg["STAGES"] < 3:
         raise ValueError("frag_wgmma: OVERLAP needs STAGES >= 3 (a step in the MMA, the next landed, one loading)")
     steps = cdiv(K, 64)  # the padding past them holds zero weights only
     per_split = cdiv(steps, max(1, min(split, steps)))
@@ -207,7 +234,7 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
             x.stride(0) // 8, out.stride(0), k64, n16, group_k, per_split, steps * 64)
     kwargs = dict(BM=bm, RH=rh, STAGES=cfg["STAGES"], BF16=x.dtype == torch.bfloat16, EVEN_K=K % 64 == 0,
                   SPLIT_K=split, HAS_BIAS=bias is not None, ACTIVATION=activation,
-                  OVERLAP=cfg.get("OVERLAP", True), num_warps=warps)
+                  OVERLAP=cfg.get("OVERLAP", True), PIPE=cfg.get("PIPE", False), num_warps=warps)
     return frag_wgmma_kernel, (tiles_n, tiles_m, split), args, kwargs
 
 

@@ -1,0 +1,103 @@
+"""Exploration on the GPU: ``frag_wgmma`` with two MMA groups in flight (``PIPE``) against its shipped form, from
+M = 64 up (not a test).
+
+With ``OVERLAP`` the kernel makes step s + 1's fragments while step s's MMA runs, then waits for that MMA before
+issuing the next: the tensor cores idle between steps. ``PIPE`` issues step s + 1's MMA before retiring step
+s's. For each case: a correctness check of every config against ``x @ dequantize(w).T`` (float64), then
+cold-L2 GPU times (CUDA graphs) of cuBLAS fp16 ``F.linear``, the shipped config, the shipped config with
+``PIPE``, and ``PIPE`` over a few tiles and ring depths. Writes ``--json``; prints a line per case.
+
+    PYTHONPATH=src:research python3 research/explore_w4a16_pipe.py --json $OUT/pipe.json [--budget S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tilegemm import w4a16
+from tilegemm.core.hardware import machine_info
+from tilegemm.ops.w4a16.configs import frag_wgmma_config
+
+from explore_w4a16_small_m import Cold  # noqa: E402  (GPU time in CUDA graphs, the L2 cleared before each call)
+from explore_w4a16_wgmma import launch  # noqa: E402  (a prebuilt frag_wgmma launch)
+
+
+def variants(M: int, N: int, K: int) -> dict[str, dict]:
+    shipped = frag_wgmma_config(M, N, K, "cuda")
+    out = {"shipped": shipped, "pipe": dict(shipped, PIPE=True)}
+    for bm in (64, 128, 256):
+        if bm > 2 * max(64, M):
+            continue
+        warps, rh = (8, 1) if bm >= 128 else (4, 2)
+        for stages in (4, 6):
+            if bm * 64 * 2 * stages + 16 * rh * warps * 32 * stages > 200 * 1024:
+                continue
+            for split in sorted({1, shipped["SPLIT_K"]}):
+                cfg = dict(BM=bm, RH=rh, num_warps=warps, STAGES=stages, SPLIT_K=split, OVERLAP=True, PIPE=True)
+                out.setdefault(f"pipe-{bm}-{stages}-s{split}", cfg)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default="pipe.json")
+    ap.add_argument("--shapes", default="8192x8192,28672x8192,4096x4096,14336x4096,4096x14336")
+    ap.add_argument("--ms", default="64,128,256,512,1024")
+    ap.add_argument("--budget", type=float, default=400.0, help="seconds: no new case is started past it")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    start = time.time()
+    rows = []
+    # correctness of PIPE: odd shapes, both dtypes, splits, short slices
+    for N, K, g, M, dt in [(256, 512, 128, 70, torch.float16), (1000, 4160, 64, 130, torch.float16),
+                           (4096, 4096, 128, 256, torch.bfloat16), (320, 1024, 128, 300, torch.float16),
+                           (8192, 1024, 128, 1000, torch.float16), (272, 320, 64, 64, torch.bfloat16)]:
+        w = w4a16.quantize(torch.randn(N, K, device="cuda", dtype=dt), group_size=g)
+        fw, fzs = w.fragments()
+        x = torch.randn(M, K, device="cuda", dtype=dt)
+        bias = torch.randn(N, device="cuda", dtype=dt)
+        ref = F.silu(x.double() @ w4a16.dequantize(w).double().T + bias.double())
+        for name, cfg in variants(M, N, K).items():
+            for split in (1, 3):
+                cfg = dict(cfg, SPLIT_K=split)
+                fn, out = launch(x, fw, fzs, w, cfg, bias, "silu")
+                fn()
+                torch.cuda.synchronize()
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                ok = bool(torch.isfinite(out).all()) and err < (2e-3 if dt == torch.float16 else 1e-2)
+                rows.append(dict(kind="check", N=N, K=K, g=g, M=M, dtype=str(dt), cfg=cfg, err=err, ok=ok))
+                if not ok:
+                    print(f"FAIL {N}x{K} g{g} M={M} {dt} {cfg}: err {err:.2e}", flush=True)
+    print(f"checks: {sum(r['ok'] for r in rows)}/{len(rows)} ok", flush=True)
+    cold = Cold()
+    for shape in a.shapes.split(","):
+        N, K = map(int, shape.split("x"))
+        wd = torch.randn(N, K, device="cuda", dtype=torch.float16)
+        w = w4a16.quantize(wd, group_size=128)
+        fw, fzs = w.fragments()
+        for M in map(int, a.ms.split(",")):
+            if time.time() - start > a.budget:
+                break
+            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            t_cublas = cold(lambda: F.linear(x, wd))
+            t_auto = cold(lambda: w4a16.matmul(x, w))
+            times = {}
+            for name, cfg in variants(M, N, K).items():
+                times[name] = cold(launch(x, fw, fzs, w, cfg)[0])
+                rows.append(dict(kind="time", N=N, K=K, M=M, name=name, cfg=cfg, us=times[name], cublas_us=t_cublas))
+            best = min(times, key=times.get)
+            rows.append(dict(kind="summary", N=N, K=K, M=M, cublas_us=t_cublas, auto_us=t_auto, shipped_us=times["shipped"],
+                             pipe_us=times["pipe"], best=best, best_us=times[best]))
+            print(f"{N}x{K} M={M}: cuBLAS {t_cublas:.1f} us, auto {t_cublas / t_auto:.2f}x, shipped "
+                  f"{t_cublas / times['shipped']:.2f}x, +PIPE {t_cublas / times['pipe']:.2f}x, best {best} "
+                  f"{t_cublas / times[best]:.2f}x", flush=True)
+    json.dump(dict(machine=machine_info().to_dict(), rows=rows), open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
