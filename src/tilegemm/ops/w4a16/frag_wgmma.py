@@ -85,6 +85,27 @@ def _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT: gl.constexpr, ql: gl.
 
 
 @gluon.jit
+def _pipe_step(t, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
+               za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql: gl.constexpr,
+               a_l: gl.constexpr, RHT: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
+               BF16: gl.constexpr):
+    """PIPE's step ``t`` (``t >= 1``; step t - 1's MMA in flight): wait until step t's copies landed (every
+    thread's; every warp has retired step t - 2's MMA), refill the slot step t - 2 read, make step t's
+    fragments, issue its MMA, retire step t - 1's."""
+    async_copy.wait_group(STAGES - 3)
+    gl.thread_barrier()
+    _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, t + STAGES - 2, k_first, k_end, K, STAGES,
+           EVEN_K)
+    za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
+                                              k_first + t * 64, k_end, group_k, group_steps, BF16)
+    a = _a_tile(w_bufs.index(t % STAGES).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
+    fence_async_shared()
+    acc = warpgroup_mma(a, x_bufs.index(t % STAGES).permute((1, 0)), acc, is_async=True)
+    acc, a = warpgroup_mma_wait(1, deps=(acc, a))
+    return acc, za, zb, sa, sb, zz, ss, left, g
+
+
+@gluon.jit
 def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x8, stride_om,
                       K64, N16, group_k, steps_per_split, k_stop,
                       BM: gl.constexpr, RH: gl.constexpr, STAGES: gl.constexpr, BF16: gl.constexpr,
@@ -138,10 +159,11 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
     zs_row, za, zb, sa, sb, zz, ss = _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT, ql)
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
     if PIPE:
-        # Two MMA groups in flight: step s + 1's MMA is issued before step s's is retired, so the tensor cores
-        # are not idle between steps. Step s + 1's fragments are made while step s's MMA runs; a slot is
-        # refilled once every warp has retired the MMA that read it (the wait, then the barrier of the next
-        # step). The slot refilled at step s is the one step s - 1 read.
+        # Two MMA groups in flight: step t's MMA is issued before step t - 1's is retired, so the tensor cores
+        # do not idle between steps; step t's fragments are made while step t - 1's MMA runs. A wgmma reads its
+        # A fragments from registers until it is retired, so a call site's registers may be rewritten only
+        # after the wait that retires it: the steps alternate between two call sites of _pipe_step (the loop
+        # is unrolled by two), and a third takes an odd step left over.
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first,
@@ -150,18 +172,20 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
         fence_async_shared()
         acc = warpgroup_mma(a, x_bufs.index(0).permute((1, 0)), acc, is_async=True)
         acc, a = warpgroup_mma_wait(1, deps=(acc, a))  # waits for nothing (one group in flight): a tensor again
-        for s in range(steps - 1):
-            async_copy.wait_group(STAGES - 3)  # step s + 1 has landed (this thread's copies) ...
-            gl.thread_barrier()  # ... and every thread's; every warp retired step s - 1's MMA
-            _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first, k_end, K,
-                   STAGES, EVEN_K)
-            za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
-                                                      k_first + (s + 1) * 64, k_end, group_k, group_steps, BF16)
-            a_next = _a_tile(w_bufs.index((s + 1) % STAGES).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
-            fence_async_shared()
-            acc = warpgroup_mma(a_next, x_bufs.index((s + 1) % STAGES).permute((1, 0)), acc, is_async=True)
-            acc, a = warpgroup_mma_wait(1, deps=(acc, a))  # step s's MMA retired
-            a = a_next
+        for t in range(1, steps - 1, 2):
+            acc, za, zb, sa, sb, zz, ss, left, g = _pipe_step(
+                t, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
+                za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
+                STAGES, EVEN_K, BF16)
+            acc, za, zb, sa, sb, zz, ss, left, g = _pipe_step(
+                t + 1, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
+                za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
+                STAGES, EVEN_K, BF16)
+        if steps % 2 == 0:
+            acc, za, zb, sa, sb, zz, ss, left, g = _pipe_step(
+                steps - 1, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
+                za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
+                STAGES, EVEN_K, BF16)
         acc = warpgroup_mma_wait(0, deps=(acc,))
     elif OVERLAP:
         # Step s + 1 is dequantized while step s's MMA runs; its registers stay live (a dependency of the wait)
