@@ -4,10 +4,12 @@ M = 64 up (not a test).
 With ``OVERLAP`` the kernel makes step s + 1's fragments while step s's MMA runs, then waits for that MMA before
 issuing the next: the tensor cores idle between steps. ``PIPE`` issues step s + 1's MMA before retiring step
 s's. For each case: a correctness check of every config against ``x @ dequantize(w).T`` (float64), then
-cold-L2 GPU times (CUDA graphs) of cuBLAS fp16 ``F.linear``, the shipped config, the shipped config with
-``PIPE``, and ``PIPE`` over a few tiles and ring depths. Writes ``--json``; prints a line per case.
+cold-L2 GPU times (CUDA graphs) of cuBLAS fp16 ``F.linear``, the shipped config and a grid of tiles and K
+splits, all with ``PIPE`` or all without (``--pipe``). ``--compare`` times the shipped rule against the one
+before on other shapes. Writes ``--json``; prints a line per case.
 
-    PYTHONPATH=src:research python3 research/explore_w4a16_pipe.py --json $OUT/pipe.json [--budget S]
+    PYTHONPATH=src:research python3 research/explore_w4a16_pipe.py --json $OUT/pipe.json [--pipe 0|1] [--budget S]
+    PYTHONPATH=src:research python3 research/explore_w4a16_pipe.py --compare --shapes 5120x5120 --ms 96,192 --json F
 """
 
 from __future__ import annotations
@@ -48,6 +50,57 @@ def variants(M: int, N: int, K: int, pipe: bool) -> dict[str, dict]:
     return out
 
 
+def old_config(M: int, N: int, K: int, sms: int) -> dict:
+    """frag_wgmma's tile rule before PIPE (fitted to 4096^2, 8192^2 and 28672 x 8192; 2026-11-24-h200/d813fbc/)."""
+    from tilegemm.ops.w4a16.configs import _cdiv, split_within
+
+    if M <= 64:
+        bm = next(b for b in (8, 16, 32, 64) if M <= b)
+    else:
+        bm = next((b for b in (256, 128) if b <= 1 << (M - 1).bit_length() and
+                   _cdiv(N, 128) * _cdiv(M, b) >= 0.9 * sms), 64)
+    if bm >= 128:
+        warps, rh = 8, 1
+    elif bm <= 16:
+        warps, rh = 4, 1
+    else:
+        warps, rh = 4, 2 if _cdiv(N, 128) * _cdiv(M, bm) >= sms else 1
+    tiles = _cdiv(N, 16 * rh * warps) * _cdiv(M, bm)
+    split = split_within(tiles, _cdiv(K, 64), (8, 4, 1)[0 if bm <= 16 else 1 if bm <= 64 else 2] * sms, 8)
+    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=4, SPLIT_K=split, OVERLAP=M >= 64)
+
+
+def compare(shapes: str, ms: str, out: str) -> None:
+    """Held-out check of the rule: cuBLAS, the rule before PIPE and the shipped rule, per (N, K) x M."""
+    import math
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cold = Cold()
+    rows = []
+    for shape in shapes.split(","):
+        N, K = map(int, shape.split("x"))
+        wd = torch.randn(N, K, device="cuda", dtype=torch.float16)
+        w = w4a16.quantize(wd, group_size=128)
+        fw, fzs = w.fragments()
+        for M in map(int, ms.split(",")):
+            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            t_cublas = cold(lambda: F.linear(x, wd))
+            old, new = old_config(M, N, K, sms), frag_wgmma_config(M, N, K, "cuda")
+            t_old = cold(launch(x, fw, fzs, w, old)[0])
+            t_new = cold(launch(x, fw, fzs, w, new)[0])
+            fn, o = launch(x, fw, fzs, w, new)
+            fn()
+            ref = x.double() @ w4a16.dequantize(w).double().T
+            err = ((o.double() - ref).norm() / ref.norm()).item()
+            rows.append(dict(N=N, K=K, M=M, cublas_us=t_cublas, old=old, old_us=t_old, new=new, new_us=t_new, err=err))
+            print(f"{N}x{K} M={M}: cuBLAS {t_cublas:.1f} us, before {t_cublas / t_old:.2f}x, now {t_cublas / t_new:.2f}x"
+                  f" (err {err:.1e})", flush=True)
+    g = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
+    print(f"geomean over {len(rows)}: before {g([r['cublas_us'] / r['old_us'] for r in rows]):.3f}x, "
+          f"now {g([r['cublas_us'] / r['new_us'] for r in rows]):.3f}x", flush=True)
+    json.dump(dict(machine=machine_info().to_dict(), rows=rows), open(out, "w"), indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="pipe.json")
@@ -56,8 +109,12 @@ def main() -> None:
     ap.add_argument("--ms", default="64,128,256,512,1024")
     ap.add_argument("--budget", type=float, default=400.0, help="seconds: no new case is started past it")
     ap.add_argument("--pipe", type=int, default=1, help="1: every config with PIPE (and the checks); 0: without")
+    ap.add_argument("--compare", action="store_true", help="only the held-out check of the shipped rule against the "
+                                                             "one before (--shapes, --ms)")
     a = ap.parse_args()
     torch.manual_seed(0)
+    if a.compare:
+        return compare(a.shapes, a.ms, a.json)
     start = time.time()
     rows = []
     # correctness of PIPE: odd shapes, both dtypes, splits, short slices

@@ -43,7 +43,24 @@ def test_config_rule_gives_launchable_configs(M, N, K64, sms):
     assert rh == 1 or 32 <= bm <= 64  # small M: one row tile a warp, the K split makes the programs
     assert cfg["STAGES"] * (bm * 64 * 2 + 16 * rh * warps * 32) <= SMEM
     assert cfg["SPLIT_K"] == 1 or K64 // cfg["SPLIT_K"] >= 8  # slices of at least 8 steps
-    assert cfg["OVERLAP"] == (M >= configs.FRAG_WGMMA_OVERLAP_M)
+    assert cfg["OVERLAP"] == cfg["PIPE"] == (M >= configs.FRAG_WGMMA_OVERLAP_M)
+    if M > 128:  # 128 weight rows a program, the split filling at most one wave
+        assert (bm, warps, rh) in ((128, 8, 1), (256, 8, 1))
+        tiles = -(-N // 128) * -(-M // bm)
+        assert cfg["SPLIT_K"] in (1, 2, 4) and (cfg["SPLIT_K"] == 1 or tiles * cfg["SPLIT_K"] <= sms)
+
+
+def test_config_rule_takes_wide_tiles_where_they_fill_most_of_a_wave(monkeypatch):
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    wide = configs.frag_wgmma_config(256, 14336, 4096, "cuda")  # 112 tiles of 256 rows: 0.85 of a wave
+    assert (wide["BM"], wide["num_warps"], wide["SPLIT_K"], wide["PIPE"]) == (256, 8, 1, True)
+    narrow = configs.frag_wgmma_config(256, 8192, 8192, "cuda")  # 64 tiles of 256 rows, 128 of 128
+    assert (narrow["BM"], narrow["SPLIT_K"]) == (128, 1)
+    split = configs.frag_wgmma_config(256, 4096, 14336, "cuda")  # 64 tiles of 128 rows: split in two
+    assert (split["BM"], split["SPLIT_K"]) == (128, 2)
+    few = configs.frag_wgmma_config(128, 4096, 4096, "cuda")  # 32 row tiles: the 4-warp rule
+    assert (few["BM"], few["num_warps"]) == (64, 4) and few["PIPE"]
+    assert not configs.frag_wgmma_config(32, 4096, 4096, "cuda")["PIPE"]
 
 
 def test_launch_args_name_what_they_cannot_take():
@@ -75,6 +92,10 @@ _VARIANTS = {
                                cfg=dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=2, OVERLAP=True)),
     "m256-odd-k": dict(dtype="float16", mnk=[300, 1000, 4160], bias=False, act="none",
                        cfg=dict(BM=256, RH=1, num_warps=8, STAGES=4, SPLIT_K=1, OVERLAP=True)),
+    "m256-pipe": dict(dtype="float16", mnk=[256, 8192, 8192], bias=True, act="none",
+                      cfg=dict(BM=256, RH=1, num_warps=8, STAGES=4, SPLIT_K=1, OVERLAP=True, PIPE=True)),
+    "m64-bf16-pipe-split": dict(dtype="bfloat16", mnk=[64, 4096, 4160], bias=False, act="silu",
+                                cfg=dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=3, OVERLAP=True, PIPE=True)),
 }
 
 
@@ -109,7 +130,10 @@ def test_frag_wgmma_matches_the_reference(dtype, N, K, group, M):
                                  dict(BM=32, RH=1, num_warps=8, STAGES=6, SPLIT_K=3, OVERLAP=False),
                                  dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=5, OVERLAP=True),
                                  dict(BM=128, RH=1, num_warps=8, STAGES=3, SPLIT_K=2, OVERLAP=True),
-                                 dict(BM=256, RH=1, num_warps=8, STAGES=2, SPLIT_K=1, OVERLAP=False)])
+                                 dict(BM=256, RH=1, num_warps=8, STAGES=2, SPLIT_K=1, OVERLAP=False),
+                                 dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=3, OVERLAP=True, PIPE=True),
+                                 dict(BM=128, RH=1, num_warps=8, STAGES=3, SPLIT_K=2, OVERLAP=True, PIPE=True),
+                                 dict(BM=256, RH=1, num_warps=8, STAGES=5, SPLIT_K=1, OVERLAP=True, PIPE=True)])
 def test_frag_wgmma_configs_and_uneven_splits(cfg):
     from tilegemm.ops.w4a16 import frag_wgmma
 

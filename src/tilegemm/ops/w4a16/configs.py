@@ -123,12 +123,32 @@ def frag_config(M: int, N: int, K: int, device) -> dict:
 #   more; over the 24 measured cases this rule ran 5% slower than the best config of each (geomean; worst 19%);
 # - OVERLAP (the next step dequantized during this step's MMA) from M = 64 on: 4-25% faster there, up to 5%
 #   slower below (where the kernel waits on memory, not on the MMA).
+# - PIPE (two MMA groups in flight) wherever OVERLAP is on; from M = 64 on the GPU time of the best config of
+#   each case went 0.845x -> 0.939x cuBLAS over 45 cases (nine (N, K) x M = 64 .. 1024; research/
+#   explore_w4a16_pipe.py, 2026-11-28-h200/1a4b3f3/), and the shipped tile rule with it 0.845x -> 0.869x.
+# - Above 64 rows (where 128 weight rows make at least FRAG_WGMMA_ROWS128_TILES of a wave, or M > 128): 8 warps
+#   x 1 row tile (128 weight rows a program), x's rows BM = 256 where those tiles make FRAG_WGMMA_WIDE_TILES of a
+#   wave, else 128, and the K split that fills at most a wave (1, 2 or 4). In that sweep a partial second wave
+#   cost more than idle SMs in the first (13824 x 5120 at M = 256: 108 tiles of 256 rows 0.90x, 216 of 128 rows
+#   0.71x), and 128 rows with a split beat 64 with more programs (4096 x 14336 at M = 256: 0.82x against 0.64x).
+#   Over the 36 cases from M = 128 with PIPE this rule ran 0.917x against the earlier rule's 0.869x (the best
+#   config of each 0.939x).
 FRAG_WGMMA_PROGRAMS_PER_SM = (8, 4, 1)  # BM <= 16, <= 64, above
 FRAG_WGMMA_OVERLAP_M = 64
+FRAG_WGMMA_WIDE_TILES = 0.65  # share of a wave: BM = 256 from here
+FRAG_WGMMA_ROWS128_TILES = 0.4  # share of a wave the 128-row tiles make for the 8-warp rule at M <= 128
 
 
 def frag_wgmma_config(M: int, N: int, K: int, device) -> dict:
     sms = sm_count(device)
+    pipe = M >= FRAG_WGMMA_OVERLAP_M
+    if M > 64 and (M > 128 or _cdiv(N, 128) >= FRAG_WGMMA_ROWS128_TILES * sms):
+        bm = 256 if M > 128 and _cdiv(N, 128) * _cdiv(M, 256) >= FRAG_WGMMA_WIDE_TILES * sms else 128
+        tiles = _cdiv(N, 128) * _cdiv(M, bm)
+        split = 1
+        while split < 4 and tiles * split * 2 <= sms and K // 64 // (split * 2) >= 8:
+            split *= 2
+        return dict(BM=bm, RH=1, num_warps=8, STAGES=4, SPLIT_K=split, OVERLAP=True, PIPE=True)
     if M <= 64:
         bm = next(b for b in (8, 16, 32, 64) if M <= b)
     else:
@@ -143,7 +163,7 @@ def frag_wgmma_config(M: int, N: int, K: int, device) -> dict:
     tiles = _cdiv(N, 16 * rh * warps) * _cdiv(M, bm)
     per_sm = FRAG_WGMMA_PROGRAMS_PER_SM[0 if bm <= 16 else 1 if bm <= 64 else 2]
     split = split_within(tiles, _cdiv(K, 64), per_sm * sms, 8)
-    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=4, SPLIT_K=split, OVERLAP=M >= FRAG_WGMMA_OVERLAP_M)
+    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=4, SPLIT_K=split, OVERLAP=pipe, PIPE=pipe)
 
 
 # auto, by M. On Hopper, where the weight's group length is a multiple of 64, frag_wgmma up to
