@@ -85,6 +85,20 @@ def _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT: gl.constexpr, ql: gl.
 
 
 @gluon.jit
+def _first_fragments(w_bufs, zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first, k_end, group_k,
+                     group_steps, ql: gl.constexpr, a_l: gl.constexpr, RHT: gl.constexpr, STAGES: gl.constexpr,
+                     BF16: gl.constexpr):
+    """OVERLAP's and PIPE's start: once step 0's copies landed (every thread's), its scales and fragments."""
+    async_copy.wait_group(STAGES - 2)
+    gl.thread_barrier()
+    za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first,
+                                              k_end, group_k, group_steps, BF16)
+    a = _a_tile(w_bufs.index(0).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
+    fence_async_shared()
+    return a, za, zb, sa, sb, zz, ss, left, g
+
+
+@gluon.jit
 def _pipe_step(t, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
                za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql: gl.constexpr,
                a_l: gl.constexpr, RHT: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
@@ -164,12 +178,9 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
         # A fragments from registers until it is retired, so a call site's registers may be rewritten only
         # after the wait that retires it: the steps alternate between two call sites of _pipe_step (the loop
         # is unrolled by two), and a third takes an odd step left over.
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
-        za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first,
-                                                  k_end, group_k, group_steps, BF16)
-        a = _a_tile(w_bufs.index(0).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
-        fence_async_shared()
+        a, za, zb, sa, sb, zz, ss, left, g = _first_fragments(w_bufs, zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss,
+                                                              left, g, k_first, k_end, group_k, group_steps, ql,
+                                                              a_l, RHT, STAGES, BF16)
         acc = warpgroup_mma(a, x_bufs.index(0).permute((1, 0)), acc, is_async=True)
         acc, a = warpgroup_mma_wait(1, deps=(acc, a))  # waits for nothing (one group in flight): a tensor again
         for t in range(1, steps - 1, 2):
@@ -191,12 +202,9 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
         # Step s + 1 is dequantized while step s's MMA runs; its registers stay live (a dependency of the wait)
         # until that MMA is retired. The slot loaded at step s is the one step s - 1 read: every warp retired
         # that MMA before the barrier.
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
-        za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first,
-                                                  k_end, group_k, group_steps, BF16)
-        a = _a_tile(w_bufs.index(0).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
-        fence_async_shared()
+        a, za, zb, sa, sb, zz, ss, left, g = _first_fragments(w_bufs, zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss,
+                                                              left, g, k_first, k_end, group_k, group_steps, ql,
+                                                              a_l, RHT, STAGES, BF16)
         for s in range(steps):
             acc = warpgroup_mma(a, x_bufs.index(s % STAGES).permute((1, 0)), acc, is_async=True)
             async_copy.wait_group(STAGES - 3)  # step s + 1 has landed (this thread's copies) ...
