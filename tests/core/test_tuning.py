@@ -48,6 +48,39 @@ def test_record_writes_atomically_and_survives_the_process(cache):
     assert tuning.lookup(tuning.key("autotuned", 33, 30, 40, torch.float16, torch.float16)) is None
 
 
+def test_a_batched_class_is_its_own_and_borrows_no_single_products_entry(cache):
+    """A batched product's key adds its bucketed batch count; it is not parsed as a neighbour, so neither it nor
+    a single product of its sizes takes the other's config untimed."""
+    single = tuning.key("autotuned", 256, 4096, 4096, torch.float16, torch.float16, "NN")
+    batched = tuning.key("autotuned", 256, 4096, 4096, torch.float16, torch.float16, "NN", batch=32)
+    assert batched == single + "|B32" and tuning.key("autotuned", 9, 9, 9, torch.float16, torch.float16, "NN",
+                                                     batch=20) .endswith("|B32")
+    assert tuning.key("autotuned", 9, 9, 9, torch.float16, torch.float16, "NN", batch=1) == \
+        tuning.key("autotuned", 9, 9, 9, torch.float16, torch.float16, "NN")
+    assert tuning.parse_key(batched) is None and tuning.parse_key(single) is not None
+    tuning.record(single, CFG)
+    assert tuning.lookup(batched) is None
+    assert tuning.nearest(batched, [CFG]) is None, "a batched class takes no single product's entry"
+    assert tuning.choose_untimed(batched, [CFG, dict(CFG, BLOCK_M=128)], lambda options: options[1]) == \
+        dict(CFG, BLOCK_M=128), "the rung's model decides"
+    tuning.record(batched, dict(CFG, BLOCK_N=256))
+    neighbour = tuning.key("autotuned", 300, 4096, 4096, torch.float16, torch.float16, "NN")
+    assert tuning.nearest(neighbour, [CFG, dict(CFG, BLOCK_N=256)]) == CFG, "nor lends its own to one"
+
+
+def test_a_batched_problem_keys_its_batch():
+    from tilegemm.ops.matmul.problem import make_problems
+
+    def problem(batch):
+        lead = (batch,) if batch > 1 else ()
+        a, b = torch.empty(*lead, 256, 512, dtype=torch.float16), torch.empty(*lead, 512, 384, dtype=torch.float16)
+        out = torch.empty(*lead, 256, 384, dtype=torch.float16)
+        return make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+
+    assert problem(1).tuning_key("autotuned") == "autotuned|M256|N384|K512|fp16|fp16|NN"
+    assert problem(6).tuning_key("split_k") == "split_k|M256|N384|K512|fp16|fp16|NN|B8"
+
+
 @pytest.mark.parametrize("damage", ["{ not json", '{"schema": "other/9", "entries": {}}', '["a list"]', ""])
 def test_damaged_file_is_ignored_with_a_warning_and_rebuilt(cache, damage):
     path = tuning.cache_file()

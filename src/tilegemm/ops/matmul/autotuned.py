@@ -39,7 +39,7 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
     k = None
     if config is None:
         # A config tuned earlier for this shape class (M bucketed), in memory, on disk or shipped.
-        k = tuning.key("autotuned", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
+        k = p.tuning_key("autotuned")
         config = tuning.lookup(k)
         if config is None and not tuning.timing_enabled():
             # Not timed unless asked: a near tuned shape class's config, else the one the cost model ranks

@@ -122,7 +122,7 @@ def _split_pays(p: GemmProblem) -> bool:
         return False
     from tilegemm.core import tuning
 
-    if tuning.lookup(tuning.key("autotuned", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)) is not None:
+    if tuning.lookup(p.tuning_key("autotuned")) is not None:
         return False  # a tuned class (perhaps tuned since a cached answer): its measured config stands
     key = ("split", p.M, p.N, p.K, p.batch, p.tuning_dtype, p.out.dtype, p.layout, rows_aligned(p), p.out.device)
     return _decided(key, lambda: _split_estimated_faster(p))
@@ -168,7 +168,7 @@ def _timed_choice(p: GemmProblem, rungs: tuple[str, ...], max_distance: float = 
     """
     from tilegemm.core import tuning
 
-    k = tuning.key("auto", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
+    k = p.tuning_key("auto")
     return tuning.lookup_or_tune(k, lambda: [{"rung": r} for r in rungs], lambda cfg: launcher(cfg["rung"])(p),
                                  max_distance=max_distance)["rung"]
 
@@ -311,7 +311,7 @@ def _survey_speaks(p: GemmProblem) -> bool:
     benchmarks/results/2026-11-25-h200/00a4928/, 2026-11-25-h100/9ed2d01/)."""
     if not survey.applies(p) or not survey.covers(p):
         return False
-    keys = {r: tuning.key(r, p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout) for r in _RUNGS_TUNED}
+    keys = {r: p.tuning_key(r) for r in _RUNGS_TUNED}
     if tuning.lookup(keys["auto"]) is not None:
         return False
     return not any(tuning.measured(k) for k in keys.values())

@@ -592,7 +592,7 @@ def slices(steps: int, split: int) -> int:
 
 def tuning_key(p: GemmProblem) -> str:
     """The key this rung's tuned config for ``p`` is kept under."""
-    return tuning.key("persistent_tma", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
+    return p.tuning_key("persistent_tma")
 
 
 def tuned_config(p: GemmProblem) -> dict | None:
@@ -651,7 +651,7 @@ def _run_gluon(p: GemmProblem, name: str, module) -> None:
         raise NotApplicable(f"matmul kernel {name!r} does not take this problem: {reason}")
     ensure_allocator()
     num_sms = sm_count(p.out.device)
-    k = tuning.key(name, p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
+    k = p.tuning_key(name)
     config = tuning.lookup_or_tune(k, lambda: module.configs(p.out.element_size()),
                                    lambda cfg: launch(*module.launch_args(p, cfg, num_sms)))
     launch(*module.launch_args(p, config, num_sms))

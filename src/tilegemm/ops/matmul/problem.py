@@ -102,6 +102,12 @@ class GemmProblem:
         b = (self.b, [self.N, self.K], stride_b, [bn, bk]) if b_t else (self.b, [self.K, self.N], stride_b, [bk, bn])
         return a, b
 
+    def tuning_key(self, rung: str) -> str:
+        """This problem's shape-class key for ``rung`` (:func:`tilegemm.core.tuning.key`, batch included)."""
+        from tilegemm.core import tuning
+
+        return tuning.key(rung, self.M, self.N, self.K, self.tuning_dtype, self.out.dtype, self.layout, self.batch)
+
     @property
     def tuning_dtype(self) -> str:
         """The operand dtypes as tuned configs are keyed: ``tf32`` apart from IEEE fp32, fp8 pairs joined."""

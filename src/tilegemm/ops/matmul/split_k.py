@@ -284,7 +284,7 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
         if interpreting():
             config = pick_config(p)
         else:
-            k = tuning.key("split_k", p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout)
+            k = p.tuning_key("split_k")
             config = tuning.lookup(k)
             if config is None and not tuning.timing_enabled():
                 # Untimed: a small misaligned product's rule; else a near tuned shape class's config, its split
