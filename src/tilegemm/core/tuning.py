@@ -64,7 +64,7 @@ def key(rung: str, M: int, N: int, K: int, dtype, out_dtype, layout: str = "", b
     it never takes a single product's entry, nor lends its own (:func:`parse_key` does not read it, so
     :func:`nearest` passes it by), since its tiles fill the GPU ``batch`` times over. Taking the single
     product's shipped config ran 32 x 256x4096x4096 at 0.33x ``torch.bmm`` and 32 x 1000^3 at 0.40x (H200,
-    benchmarks/results/2026-11-28-h200/ed0eaf2-batched/)."""
+    benchmarks/results/2026-11-28-h200/0ca27d5/)."""
     base = f"{rung}|M{m_bucket(M)}|N{N}|K{K}|{dtype_name(dtype)}|{dtype_name(out_dtype)}|{layout}"
     return base if batch <= 1 else f"{base}|B{m_bucket(batch)}"
 
