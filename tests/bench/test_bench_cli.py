@@ -229,6 +229,20 @@ def test_info_runs(capsys):
     assert ("interpreter" if interpreting() else "cuda") in out.lower() and "naive" in out and "triton" in out
 
 
+@pytest.mark.parametrize("slug, says", [("nvidia-h200", "nvidia-h200.json"),
+                                         ("nvidia-h100-pcie", "a sibling GPU's: none ship for nvidia-h100-pcie"),
+                                         ("nvidia-a100-sxm4-80gb", "none for this GPU")])
+def test_info_names_the_tuned_file_in_use(slug, says, monkeypatch):
+    from tilegemm import cli
+    from tilegemm.core import tuning
+
+    monkeypatch.setattr(tuning, "_device_tag", lambda: (slug, "3.6.0"))
+    text = cli._tuning_text()
+    assert says in text
+    if "sibling" in says:
+        assert "nvidia-h100-80gb-hbm3.json" in text
+
+
 def test_peaks_table():
     from tilegemm.core.hardware import peak_gbps, peak_tflops
 
@@ -238,6 +252,7 @@ def test_peaks_table():
     assert peak_tflops("NVIDIA L40S", "fp16") is None  # "L4" must not match L40S
     assert peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == pytest.approx(312)
     assert peak_tflops("Some Future GPU", "fp16") is None
+    assert peak_tflops("NVIDIA H800", "fp16") == pytest.approx(989.4)
     assert torch.float16.itemsize == 2
 
 
