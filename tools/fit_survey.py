@@ -128,7 +128,7 @@ def main() -> None:
     if args.check:
         check(doc, rows, read(args.surveys[0])["machine"]["sm_count"])
     if args.write:
-        path = table_path(gpu, layout, doc["family"])
+        path = table_path(gpu, layout, doc["family"], own=True)  # this GPU's file, never a sibling's it reads
         path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
         print(f"wrote {path.relative_to(ROOT)}: {len(doc['shapes'])} shapes, {len(doc['configs'])} configs, "
               f"{path.stat().st_size // 1024} KB")

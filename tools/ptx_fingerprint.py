@@ -416,6 +416,8 @@ def tuned_launches(path: str) -> list[Launch]:
     out = []
     origin = os.path.basename(path)
     for key, cfg in sorted(entries.items()):
+        if key.count("|") != 6:
+            continue  # a batched class (a |B.. field): its problem is not a 2-D one this tool builds
         rung, m = mode_of_key(key)
         if rung == "auto":
             continue  # {"rung": ...}: a choice between rungs, no kernel config

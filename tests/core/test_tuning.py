@@ -732,13 +732,16 @@ def test_an_entry_tuned_before_a_config_key_existed_still_matches_its_candidate(
     ("NVIDIA H100 80GB HBM3", "nvidia-h100-80gb-hbm3"), ("NVIDIA H100 PCIe", "nvidia-h100-80gb-hbm3"),
     ("NVIDIA H100 NVL", "nvidia-h100-80gb-hbm3"), ("NVIDIA H800", "nvidia-h100-80gb-hbm3"),
     ("NVIDIA A100-SXM4-80GB", "nvidia-a100-sxm4-80gb"), ("NVIDIA GeForce RTX 4090", "nvidia-geforce-rtx-4090"),
+    ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "nvidia-h100-80gb-hbm3-mig-1g-10gb"),  # a slice: the rules
+    ("NVIDIA H200 MIG 1g.18gb", "nvidia-h200-mig-1g-18gb"), ("NVIDIA H20", "nvidia-h20"),
+    ("NVIDIA GB200", "nvidia-gb200"), ("NVIDIA B200", "nvidia-b200"),
 ])
 def test_a_gpu_without_tables_takes_a_shipped_siblings_or_none(name, slug):
     """Hopper GPUs the package ships nothing for read their sibling's tables; other architectures keep their own
     slug, which names no file (the rules decide there)."""
     assert tuning.table_slug(name) == slug
     assert tuning.table_slug(tuning.gpu_slug(name)) == slug, "a slug resolves as its name does"
-    assert tuning.ships_tables_for(slug) == slug.startswith(("nvidia-h200", "nvidia-h100"))
+    assert tuning.ships_tables_for(slug) == (slug in ("nvidia-h200", "nvidia-h100-80gb-hbm3"))
 
 
 def test_a_sibling_gpu_loads_the_siblings_shipped_entries_and_survey_table(monkeypatch):
@@ -758,3 +761,22 @@ def test_a_sibling_gpu_loads_the_siblings_shipped_entries_and_survey_table(monke
     monkeypatch.setattr(survey, "_tables", {})
     assert survey.table_for("NVIDIA H800") is not None
     assert survey.table_for("NVIDIA A100-SXM4-80GB") is None
+    own = survey.table_path("NVIDIA H100 PCIe", "NT", "fp8", own=True)
+    assert own.name == "nvidia-h100-pcie-fp8-NT.json", "a survey of this GPU is written under its own name"
+
+
+def test_a_siblings_entries_do_not_stand_in_for_this_gpus_while_timing(monkeypatch):
+    """``tilegemm tune`` on a GPU that reads a sibling's shipped entries times their classes: while timing is
+    on those entries count as unknown; the GPU's own shipped entries still stand."""
+    monkeypatch.setenv("TILEGEMM_TUNING_CACHE", "0")
+    for slug, borrowed in (("nvidia-h100-pcie", True), ("nvidia-h100-80gb-hbm3", False)):
+        monkeypatch.setattr(tuning, "_device_tag", lambda slug=slug: (slug, "3.6.0"))
+        tuning.forget()
+        try:
+            k = next(iter(sorted(tuning.entries())))
+            assert tuning.lookup(k) is not None
+            with tuning.timing():
+                assert (tuning.lookup(k) is None) == borrowed
+            assert tuning.lookup(k) is not None
+        finally:
+            tuning.forget()

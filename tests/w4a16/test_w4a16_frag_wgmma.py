@@ -110,6 +110,10 @@ def test_compiles_for_sm90_with_async_mma_and_copies(tmp_path):
         assert not r["serialized"], name
         assert r["spills"] in ([], [0]), name
         assert r["shared"] <= SMEM, name
+        if _VARIANTS[name]["cfg"].get("PIPE"):
+            # four call sites of four k16 wgmmas (the first step, two alternating, one left over); one group
+            # left in flight by the waits between steps
+            assert r["wgmma"] >= 16 and "1" in r["waits"], name
 
 
 # --- on the GPU ---------------------------------------------------------------------------------------------
@@ -138,6 +142,17 @@ def test_frag_wgmma_configs_and_uneven_splits(cfg):
     from tilegemm.ops.w4a16 import frag_wgmma
 
     check_launch_twice(frag_wgmma, cfg, 150)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [64, 128, 192, 320])  # PIPE over 1, 2, 3, 5 steps: the first only, the leftover
+@pytest.mark.parametrize("stages", [3, 5])           # site alone, one pair, two pairs
+@pytest.mark.parametrize("bm, warps, rh", [(64, 4, 2), (256, 8, 1)])
+def test_frag_wgmma_pipe_over_few_steps(K, stages, bm, warps, rh):
+    from tilegemm.ops.w4a16 import frag_wgmma
+
+    cfg = dict(BM=bm, RH=rh, num_warps=warps, STAGES=stages, SPLIT_K=1, OVERLAP=True, PIPE=True)
+    check_launch_twice(frag_wgmma, cfg, 150, K=K, group=64)
 
 
 @pytest.mark.gpu

@@ -41,14 +41,14 @@ def check_fragment_kernel(kernel: str, dtype, N: int, K: int, group: int, M: int
                      reference(x, w, bias, "silu"), tol)
 
 
-def check_launch_twice(module, cfg: dict, M: int) -> None:
-    """``module.launch_args`` with ``cfg`` on a 520 x 2048 g128 weight, launched twice into a NaN-filled
-    output: right both times (the split-K counters were reset by the last arrival)."""
-    w = w4a16.quantize(torch.randn(520, 2048, dtype=torch.float16, device="cuda"), 128)
-    x = torch.randn(M, 2048, dtype=torch.float16, device="cuda")
+def check_launch_twice(module, cfg: dict, M: int, K: int = 2048, group: int = 128) -> None:
+    """``module.launch_args`` with ``cfg`` on a 520 x ``K`` weight in groups of ``group``, launched twice into a
+    NaN-filled output: right both times (the split-K counters were reset by the last arrival)."""
+    w = w4a16.quantize(torch.randn(520, K, dtype=torch.float16, device="cuda"), group)
+    x = torch.randn(M, K, dtype=torch.float16, device="cuda")
     out = torch.full((M, 520), float("nan"), dtype=torch.float16, device="cuda")
     fw, fzs = w.fragments()
-    kernel, grid, args, kwargs = module.launch_args(x, fw, fzs, None, out, 520, 2048, 128, "none", cfg)
+    kernel, grid, args, kwargs = module.launch_args(x, fw, fzs, None, out, 520, K, w.group_k, "none", cfg)
     kernel[grid](*args, **kwargs)
     assert_rel_close(out, reference(x, w), 2e-3)
     kernel[grid](*args, **kwargs)
@@ -75,6 +75,7 @@ _SCRIPT = SM90 + textwrap.dedent(
         report[name] = dict(
             mma_sync=len(re.findall(r"mma\\.sync\\.aligned\\.m16n8k16", ptx)),
             wgmma=len(re.findall(r"wgmma\\.mma_async", ptx)),
+            waits=re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx),
             lop3=len(re.findall(r"lop3\\.b32", ptx)),
             wide_loads=len(re.findall(r"ld\\.global(?:\\.[a-z0-9]+)*\\.v4\\.b32", ptx)),
             cp_async=len(re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global \\[[^]]+\\], \\[[^]]+\\], 0x10", ptx)),

@@ -37,6 +37,7 @@ _lock = threading.Lock()
 _memory: dict[str, dict] = {}
 _tuned: dict[str, dict] = {}  # what the user's file holds: its own entries and this process's tunings
 _guessed: dict[tuple, dict] = {}  # untimed choices of this process (choose_untimed): never neighbours, never saved
+_borrowed: set[str] = set()  # shipped keys read from a sibling GPU's file (table_slug): not this GPU's measurements
 _loaded_for: str | None = None
 _generation = 0  # bumped when entries are recorded or dropped: answers derived from the entries go stale
 
@@ -80,7 +81,10 @@ def gpu_slug(gpu_name: str) -> str:
 # On the H200, auto with the H100's tables ran the random sweep's products of 20 us or more at 1.13x cuBLAS,
 # with its own 1.15x, with none (the rules alone) 1.11x (benchmarks/results/2026-11-28-h200/6de1c49/). Other
 # GPUs (other architectures above all: the tables name Hopper-only kernels) keep the rules.
-SIBLINGS: list[tuple[str, str]] = [(r"h200", "nvidia-h200"), (r"h100|h800", "nvidia-h100-80gb-hbm3")]
+# A MIG slice (a few of the GPU's SMs) keeps the rules: the tables' entries were tuned for the whole GPU. While
+# timing is on (``tilegemm tune``), a sibling's entries do not stand in for this GPU's own: its classes are timed.
+SIBLINGS: list[tuple[str, str]] = [(r"^nvidia-g?h200(-|$)", "nvidia-h200"),
+                                   (r"^nvidia-h[18]00(-|$)", "nvidia-h100-80gb-hbm3")]
 
 
 def _tuned_dir() -> Path:
@@ -98,7 +102,7 @@ def table_slug(gpu: str) -> str:
     """The slug whose shipped tables serve GPU ``gpu`` (a name as torch reports it, or its slug): its own where the
     package ships any, else a sibling's (:data:`SIBLINGS`), else its own (no file: the rules decide)."""
     slug = gpu_slug(gpu)
-    if ships_tables_for(slug):
+    if ships_tables_for(slug) or "-mig-" in slug:
         return slug
     for pattern, sibling in SIBLINGS:
         if re.search(pattern, slug) and ships_tables_for(sibling):
@@ -181,8 +185,12 @@ def _load() -> None:
         _memory.clear()
         _tuned.clear()
         _guessed.clear()
+        _borrowed.clear()
         shipped, _ = _read(shipped_file())
         _memory.update(shipped)
+        own = _device_tag()[0]
+        if table_slug(own) != own:
+            _borrowed.update(shipped)
         if _disk_enabled():
             user, tuned_only = _read(cache_file())
             if not tuned_only:  # an older file: its copies of shipped entries must not hide today's
@@ -193,8 +201,12 @@ def _load() -> None:
 
 
 def lookup(k: str) -> dict | None:
+    """The config known for key ``k`` (tuned here, or shipped), or None. While timing is on, an entry shipped
+    for a sibling GPU only (:func:`table_slug`) counts as unknown, so that ``tilegemm tune`` times the class."""
     _load()
     config = _memory.get(k)
+    if config is not None and k in _borrowed and k not in _tuned and timing_enabled():
+        return None
     return dict(config) if config is not None else None
 
 

@@ -153,14 +153,15 @@ def family(dtype_name: str) -> str | None:
     return FAMILIES.get(dtype_name.removesuffix("+fast"))
 
 
-def table_path(gpu_name: str, layout: str = "NN", family: str = "") -> Path:
+def table_path(gpu_name: str, layout: str = "NN", family: str = "", own: bool = False) -> Path:
     """Where the table of a GPU, an operand layout and a dtype family ships: ``<gpu>.json`` for 16-bit NN,
     ``<gpu>[-<family>][-<layout>].json`` for the others (``nvidia-h200-NT.json``, ``nvidia-h200-fp8-NT.json``);
     ``<gpu>`` is the GPU's own slug or, where the package ships nothing for it, a sibling's
-    (:func:`tilegemm.core.tuning.table_slug`)."""
-    from tilegemm.core.tuning import table_slug
+    (:func:`tilegemm.core.tuning.table_slug`). ``own``: always the GPU's own slug (where a survey of it is written,
+    never over a sibling's table)."""
+    from tilegemm.core.tuning import gpu_slug, table_slug
 
-    name = table_slug(gpu_name) + (f"-{family}" if family else "") + ("" if layout == "NN" else f"-{layout}")
+    name = (gpu_slug(gpu_name) if own else table_slug(gpu_name)) + (f"-{family}" if family else "") + ("" if layout == "NN" else f"-{layout}")
     return Path(__file__).resolve().parent.parent.parent / "tuned" / "survey" / f"{name}.json"
 
 

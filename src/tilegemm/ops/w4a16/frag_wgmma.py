@@ -177,7 +177,11 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
         # do not idle between steps; step t's fragments are made while step t - 1's MMA runs. A wgmma reads its
         # A fragments from registers until it is retired, so a call site's registers may be rewritten only
         # after the wait that retires it: the steps alternate between two call sites of _pipe_step (the loop
-        # is unrolled by two), and a third takes an odd step left over.
+        # is unrolled by two), and a third takes an odd step left over. The wait names the fragments just
+        # issued (they must outlive it), not those it retires: that a site's registers are free again by its
+        # next turn rests on the two sites and on ptxas keeping a wgmma's registers until a wait retires it.
+        # A ptxas or Triton that reused them earlier would break this silently: the GPU tests run PIPE over
+        # 1 to 5 steps and rings of 3 to 5 slots (tests/w4a16/test_w4a16_frag_wgmma.py).
         a, za, zb, sa, sb, zz, ss, left, g = _first_fragments(w_bufs, zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss,
                                                               left, g, k_first, k_end, group_k, group_steps, ql,
                                                               a_l, RHT, STAGES, BF16)
