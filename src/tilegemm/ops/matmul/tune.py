@@ -43,7 +43,7 @@ def warmup(on_key=None, cases=None, dtype: str | None = None) -> list[str]:
     names = {s.name for s in registry.specs("matmul") if s.unavailable_reason() is None}
     warmed = []
     for key in sorted(tuning.entries()):
-        parsed = tuning.parse_key(key)
+        parsed = tuning.parse_key(key)  # None for a batched class (|B..): not warmed, it has no 2-D problem here
         if parsed is None or parsed[0] not in names or len(parsed[6]) != 2 or set(parsed[6]) - set("NT"):
             continue
         rung, M, N, K, dtype, out, layout = parsed
