@@ -17,6 +17,7 @@
 #   fuzz          the public ops' GPU fuzz (tests/*/test_*_fuzz_gpu.py; \$TILEGEMM_FUZZ_EXAMPLES draws per op)
 #   stream-k      research/explore_stream_k.py (persistent_tma's STREAM_K against its whole tiles and splits,
 #                 \$EXPLORE_BUDGET s);  models  the bench's models sweep, fp16, auto only
+#   batched       the bench's batched sweep, fp16 NN and NT, auto only
 #   conv2d-explore  research/explore_depthwise.py (with research/depthwise_cols.py) and
 #                 research/explore_gluon_narrow.py, \$EXPLORE_BUDGET s for the first
 # Put bench steps before `tests`: right after the test workers a bench read unchanged layers up to 2x slower
@@ -60,6 +61,8 @@ for step in "$@"; do
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
     stream-k) PYTHONPATH=src:research python3 research/explore_stream_k.py --budget "${EXPLORE_BUDGET:-300}" 2>&1 | tee "$OUT/stream-k.log" | tail -n 40 ;;
     models) bench --sweep models --dtype fp16 --kernels auto --json "$OUT/models-fp16.json" 2>&1 | tail -n 6 ;;
+    batched) for l in NN NT; do bench --sweep batched --layout $l --dtype fp16 --kernels auto \
+               --json "$OUT/batched-fp16-$l.json" 2>&1 | tail -n 4; done ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
     w4a16|conv2d) bench --op "$step" --json "$OUT/$step.json" ;;
     *) echo "unknown step $step"; exit 2 ;;

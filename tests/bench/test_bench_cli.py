@@ -173,6 +173,23 @@ def test_batched_layout_rows_count_the_batch():
     assert op.work(case, "fp16", dict(batch=3)) == 3 * 2 * 16**3
 
 
+def test_the_batched_sweeps_cases_carry_their_batch():
+    from tilegemm.bench.base import BenchError
+
+    op = bench_op("matmul")
+    cases = op.sweeps["batched"]()
+    assert len(cases) >= 10 and len({c.label for c in cases}) == len(cases)
+    assert all(c.dims["B"] >= 2 and c.label.endswith(f"/b{c.dims['B']}") for c in cases)
+    case = cases[0]
+    assert op.work(case, "fp16", dict(batch=1)) == 2.0 * case.dims["B"] * case.dims["M"] * case.dims["N"] * case.dims["K"]
+    with pytest.raises(BenchError, match="--batch 4 does not apply"):
+        op.work(case, "fp16", dict(batch=4))
+    small = type(case)("17x9x33/b3", dict(M=17, N=9, K=33, B=3), 0.0)  # a batched case, run under the interpreter
+    result = run_bench(op, [small], "fp16", ["grouped", "auto"], rep_ms=1, options=dict(layout="NT", batch=1))
+    rows = [r for r in result.rows if r.kernel in ("grouped", "auto")]
+    assert rows and all(r.status == "ok" and r.batch == 3 for r in rows)
+
+
 def test_rounds_time_every_kernel_in_alternating_order(monkeypatch):
     from tilegemm.bench import runner
 

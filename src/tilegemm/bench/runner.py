@@ -302,7 +302,8 @@ def run_bench(
 
 def _row(op, case, dtype, kernel, options, status, **kw) -> Row:
     return Row(op=op.name, kernel=kernel, shape=case.label, dims=case.dims, x=case.x, dtype=dtype,
-               layout=options["layout"], batch=options["batch"], status=status, metric=op.metric, **kw)
+               layout=options["layout"], batch=case.dims.get("B", options["batch"]), status=status, metric=op.metric,
+               **kw)
 
 
 @dataclass

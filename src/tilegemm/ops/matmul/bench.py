@@ -9,8 +9,11 @@ import torch
 from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
 
 
-def _mnk(m: int, n: int, k: int, x: float | None = None) -> Case:
-    return Case(f"{m}x{n}x{k}", dict(M=m, N=n, K=k), float(x if x is not None else m))
+def _mnk(m: int, n: int, k: int, x: float | None = None, b: int | None = None) -> Case:
+    """A product M x N x K; with ``b``, a batch of ``b`` of them (both operands batched), labelled ``MxNxK/bB``."""
+    if b is None:
+        return Case(f"{m}x{n}x{k}", dict(M=m, N=n, K=k), float(x if x is not None else m))
+    return Case(f"{m}x{n}x{k}/b{b}", dict(M=m, N=n, K=k, B=b), float(x if x is not None else m))
 
 
 def _llm_cases() -> list[Case]:
@@ -52,6 +55,19 @@ def _model_cases() -> list[Case]:
     return [_mnk(m, n, k, x=i * 4 + j) for i, (n, k) in enumerate(pairs) for j, m in enumerate((1, 16, 512, 4096))]
 
 
+def _batched_cases() -> list[Case]:
+    """Batched products, both operands batched (``torch.matmul``'s batched cuBLAS the baseline), each case with
+    its own batch: attention's two products per head (scores S x S over the head dimension d, then S x d over
+    S) at S = 512 .. 4096, a mixture-of-experts layer's experts (512 tokens each, 4096 <-> 14336), many small
+    products and a few large ones. ``--batch`` does not apply to it."""
+    cases = []
+    for s, d, b in ((512, 64, 64), (1024, 64, 32), (2048, 128, 32), (4096, 128, 8)):
+        cases += [_mnk(s, s, d, b=b), _mnk(s, d, s, b=b)]
+    cases += [_mnk(512, 14336, 4096, b=8), _mnk(512, 4096, 14336, b=8), _mnk(128, 128, 128, b=256),
+              _mnk(1000, 1000, 1000, b=4), _mnk(4096, 4096, 4096, b=2)]
+    return [Case(c.label, c.dims, float(i)) for i, c in enumerate(cases)]
+
+
 class MatmulBench(BenchOp):
     name = "matmul"
     metric = "TFLOPS"
@@ -69,6 +85,7 @@ class MatmulBench(BenchOp):
         "tiny": lambda: [_mnk(s, s, s) for s in (32, 64, 96, 128)],
         "random": _random_cases,
         "models": _model_cases,
+        "batched": _batched_cases,
     }
     gpu_sweep = "square"
     cpu_sweep = "tiny"
@@ -109,9 +126,20 @@ class MatmulBench(BenchOp):
         if self._fp8(dtype) and capability is not None and capability < (8, 9):
             raise BenchError(f"{dtype} needs a GPU of compute capability 8.9 or newer")
 
+    @staticmethod
+    def batch_of(case, options) -> int:
+        """The case's own batch (the ``batched`` sweep's), else ``--batch``'s; both at once is an error."""
+        own = case.dims.get("B")
+        if own is None:
+            return options.get("batch", 1)
+        if options.get("batch", 1) > 1:
+            raise BenchError(f"--batch {options['batch']} does not apply to {case.label}: the case carries its "
+                             "own batch (the batched sweep)")
+        return own
+
     def prepare(self, case, dtype, device, n_sets, options):
         M, N, K = case.dims["M"], case.dims["N"], case.dims["K"]
-        batch = options.get("batch", 1)
+        batch = self.batch_of(case, options)
         layout = options.get("layout") or self.default_layout(dtype)
         fp8 = self._fp8(dtype)
         tdtype = self.dtypes[dtype]
@@ -173,7 +201,7 @@ class MatmulBench(BenchOp):
 
     def work(self, case, dtype, options):
         d = case.dims
-        return 2.0 * d["M"] * d["N"] * d["K"] * options.get("batch", 1)
+        return 2.0 * d["M"] * d["N"] * d["K"] * self.batch_of(case, options)
 
     def tolerance(self, dtype):
         from tilegemm.ops.matmul.reference import tolerance
