@@ -25,7 +25,7 @@ from tilegemm import w4a16
 from tilegemm.core.hardware import machine_info
 from tilegemm.ops.w4a16.configs import frag_wgmma_config
 
-from explore_w4a16_small_m import Cold  # noqa: E402  (GPU time in CUDA graphs, the L2 cleared before each call)
+from explore_w4a16_small_m import Cold, timing_cases  # noqa: E402  (cold-L2 GPU time; weights and x per case)
 from explore_w4a16_wgmma import launch  # noqa: E402  (a prebuilt frag_wgmma launch)
 
 
@@ -51,23 +51,18 @@ def variants(M: int, N: int, K: int, pipe: bool) -> dict[str, dict]:
 
 
 def old_config(M: int, N: int, K: int, sms: int) -> dict:
-    """frag_wgmma's tile rule before PIPE (fitted to 4096^2, 8192^2 and 28672 x 8192; 2026-11-24-h200/d813fbc/)."""
+    """frag_wgmma's tile rule before PIPE (fitted to 4096^2, 8192^2 and 28672 x 8192; 2026-11-24-h200/d813fbc/): up
+    to 64 rows the shipped rule without PIPE; above, BM 256 / 128 where its tiles make 0.9 of a wave, else 64."""
     from tilegemm.ops.w4a16.configs import _cdiv, split_within
 
     if M <= 64:
-        bm = next(b for b in (8, 16, 32, 64) if M <= b)
-    else:
-        bm = next((b for b in (256, 128) if b <= 1 << (M - 1).bit_length() and
-                   _cdiv(N, 128) * _cdiv(M, b) >= 0.9 * sms), 64)
-    if bm >= 128:
-        warps, rh = 8, 1
-    elif bm <= 16:
-        warps, rh = 4, 1
-    else:
-        warps, rh = 4, 2 if _cdiv(N, 128) * _cdiv(M, bm) >= sms else 1
+        return dict(frag_wgmma_config(M, N, K, "cuda"), PIPE=False)
+    bm = next((b for b in (256, 128) if b <= 1 << (M - 1).bit_length() and
+               _cdiv(N, 128) * _cdiv(M, b) >= 0.9 * sms), 64)
+    warps, rh = (8, 1) if bm >= 128 else (4, 2 if _cdiv(N, 128) * _cdiv(M, bm) >= sms else 1)
     tiles = _cdiv(N, 16 * rh * warps) * _cdiv(M, bm)
-    split = split_within(tiles, _cdiv(K, 64), (8, 4, 1)[0 if bm <= 16 else 1 if bm <= 64 else 2] * sms, 8)
-    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=4, SPLIT_K=split, OVERLAP=M >= 64)
+    split = split_within(tiles, _cdiv(K, 64), (4 if bm <= 64 else 1) * sms, 8)
+    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=4, SPLIT_K=split, OVERLAP=True)
 
 
 def compare(shapes: str, ms: str, out: str) -> None:
@@ -77,24 +72,18 @@ def compare(shapes: str, ms: str, out: str) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cold = Cold()
     rows = []
-    for shape in shapes.split(","):
-        N, K = map(int, shape.split("x"))
-        wd = torch.randn(N, K, device="cuda", dtype=torch.float16)
-        w = w4a16.quantize(wd, group_size=128)
-        fw, fzs = w.fragments()
-        for M in map(int, ms.split(",")):
-            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-            t_cublas = cold(lambda: F.linear(x, wd))
-            old, new = old_config(M, N, K, sms), frag_wgmma_config(M, N, K, "cuda")
-            t_old = cold(launch(x, fw, fzs, w, old)[0])
-            t_new = cold(launch(x, fw, fzs, w, new)[0])
-            fn, o = launch(x, fw, fzs, w, new)
-            fn()
-            ref = x.double() @ w4a16.dequantize(w).double().T
-            err = ((o.double() - ref).norm() / ref.norm()).item()
-            rows.append(dict(N=N, K=K, M=M, cublas_us=t_cublas, old=old, old_us=t_old, new=new, new_us=t_new, err=err))
-            print(f"{N}x{K} M={M}: cuBLAS {t_cublas:.1f} us, before {t_cublas / t_old:.2f}x, now {t_cublas / t_new:.2f}x"
-                  f" (err {err:.1e})", flush=True)
+    for N, K, M, wd, w, fw, fzs, x in timing_cases(shapes, ms):
+        t_cublas = cold(lambda: F.linear(x, wd))
+        old, new = old_config(M, N, K, sms), frag_wgmma_config(M, N, K, "cuda")
+        t_old = cold(launch(x, fw, fzs, w, old)[0])
+        t_new = cold(launch(x, fw, fzs, w, new)[0])
+        fn, o = launch(x, fw, fzs, w, new)
+        fn()
+        ref = x.double() @ w4a16.dequantize(w).double().T
+        err = ((o.double() - ref).norm() / ref.norm()).item()
+        rows.append(dict(N=N, K=K, M=M, cublas_us=t_cublas, old=old, old_us=t_old, new=new, new_us=t_new, err=err))
+        print(f"{N}x{K} M={M}: cuBLAS {t_cublas:.1f} us, before {t_cublas / t_old:.2f}x, now {t_cublas / t_new:.2f}x"
+              f" (err {err:.1e})", flush=True)
     g = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
     print(f"geomean over {len(rows)}: before {g([r['cublas_us'] / r['old_us'] for r in rows]):.3f}x, "
           f"now {g([r['cublas_us'] / r['new_us'] for r in rows]):.3f}x", flush=True)
@@ -139,27 +128,21 @@ def main() -> None:
                     print(f"FAIL {N}x{K} g{g} M={M} {dt} {cfg}: err {err:.2e}", flush=True)
     print(f"checks: {sum(r['ok'] for r in rows)}/{len(rows)} ok", flush=True)
     cold = Cold()
-    for shape in a.shapes.split(","):
-        N, K = map(int, shape.split("x"))
-        wd = torch.randn(N, K, device="cuda", dtype=torch.float16)
-        w = w4a16.quantize(wd, group_size=128)
-        fw, fzs = w.fragments()
-        for M in map(int, a.ms.split(",")):
-            if time.time() - start > a.budget:
-                break
-            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-            t_cublas = cold(lambda: F.linear(x, wd))
-            t_auto = cold(lambda: w4a16.matmul(x, w))
-            times = {}
-            for name, cfg in variants(M, N, K, bool(a.pipe)).items():
-                times[name] = cold(launch(x, fw, fzs, w, cfg)[0])
-                rows.append(dict(kind="time", N=N, K=K, M=M, name=name, cfg=cfg, us=times[name], cublas_us=t_cublas))
-            best = min(times, key=times.get)
-            rows.append(dict(kind="summary", N=N, K=K, M=M, cublas_us=t_cublas, auto_us=t_auto, shipped_us=times["shipped"],
-                             pipe=bool(a.pipe), best=best, best_cfg=variants(M, N, K, bool(a.pipe))[best],
-                             best_us=times[best]))
-            print(f"{N}x{K} M={M}: cuBLAS {t_cublas:.1f} us, auto {t_cublas / t_auto:.2f}x, shipped config "
-                  f"{t_cublas / times['shipped']:.2f}x, best {best} {t_cublas / times[best]:.2f}x", flush=True)
+    for N, K, M, wd, w, fw, fzs, x in timing_cases(a.shapes, a.ms):
+        if time.time() - start > a.budget:
+            break
+        t_cublas = cold(lambda: F.linear(x, wd))
+        t_auto = cold(lambda: w4a16.matmul(x, w))
+        times = {}
+        for name, cfg in variants(M, N, K, bool(a.pipe)).items():
+            times[name] = cold(launch(x, fw, fzs, w, cfg)[0])
+            rows.append(dict(kind="time", N=N, K=K, M=M, name=name, cfg=cfg, us=times[name], cublas_us=t_cublas))
+        best = min(times, key=times.get)
+        rows.append(dict(kind="summary", N=N, K=K, M=M, cublas_us=t_cublas, auto_us=t_auto, shipped_us=times["shipped"],
+                         pipe=bool(a.pipe), best=best, best_cfg=variants(M, N, K, bool(a.pipe))[best],
+                         best_us=times[best]))
+        print(f"{N}x{K} M={M}: cuBLAS {t_cublas:.1f} us, auto {t_cublas / t_auto:.2f}x, shipped config "
+              f"{t_cublas / times['shipped']:.2f}x, best {best} {t_cublas / times[best]:.2f}x", flush=True)
     json.dump(dict(machine=machine_info().to_dict(), rows=rows), open(a.json, "w"), indent=1)
 
 
