@@ -144,10 +144,7 @@ def frag_wgmma_config(M: int, N: int, K: int, device) -> dict:
     pipe = M >= FRAG_WGMMA_OVERLAP_M
     if M > 64 and (M > 128 or _cdiv(N, 128) >= FRAG_WGMMA_ROWS128_TILES * sms):
         bm = 256 if M > 128 and _cdiv(N, 128) * _cdiv(M, 256) >= FRAG_WGMMA_WIDE_TILES * sms else 128
-        tiles = _cdiv(N, 128) * _cdiv(M, bm)
-        split = 1
-        while split < 4 and tiles * split * 2 <= sms and K // 64 // (split * 2) >= 8:
-            split *= 2
+        split = min(4, split_within(_cdiv(N, 128) * _cdiv(M, bm), K // 64, sms, 8))
         return dict(BM=bm, RH=1, num_warps=8, STAGES=4, SPLIT_K=split, OVERLAP=True, PIPE=True)
     if M <= 64:
         bm = next(b for b in (8, 16, 32, 64) if M <= b)
