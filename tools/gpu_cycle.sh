@@ -11,15 +11,11 @@
 #   random        the random sweep (fp16, auto only; \$RANDOM_DTYPES for others)
 #   conv2d-check  tools/conv2d_gpu_check.py (every layer checked, timed within \$CONV_BUDGET seconds, fp16)
 #   w4a16-check   tools/w4a16_gpu_check.py --quick;  first-call  tools/first_call.py
-#   w4a16-small   research/explore_w4a16_small_m.py (cold-L2 times of the small-M candidates, \$W4_BUDGET s)
 #   conv2d-fwd    the conv2d bench's forward sweeps (resnet50, mobilenet; auto only);  conv2d-nchw  forward and
 #                 backward on NCHW tensors, both sides (--memory-format nchw)
 #   fuzz          the public ops' GPU fuzz (tests/*/test_*_fuzz_gpu.py; \$TILEGEMM_FUZZ_EXAMPLES draws per op)
-#   stream-k      research/explore_stream_k.py (persistent_tma's STREAM_K against its whole tiles and splits,
-#                 \$EXPLORE_BUDGET s);  models  the bench's models sweep, fp16, auto only
+#   models        the bench's models sweep, fp16, auto only
 #   batched       the bench's batched sweep, fp16 NN and NT, auto only
-#   conv2d-explore  research/explore_depthwise.py (with research/depthwise_cols.py) and
-#                 research/explore_gluon_narrow.py, \$EXPLORE_BUDGET s for the first
 # Put bench steps before `tests`: right after the test workers a bench read unchanged layers up to 2x slower
 # (a busy host; benchmarks/results/2026-11-25-h200/8f6320b/*-after-tests-noisy.json).
 set -uo pipefail
@@ -48,18 +44,11 @@ for step in "$@"; do
     random) for d in ${RANDOM_DTYPES:-fp16}; do bench --sweep random --dtype $d --kernels auto --json "$OUT/random-$d.json" 2>&1 | tail -n 6; done ;;
     conv2d-check) python3 tools/conv2d_gpu_check.py --dtypes "${CONV_DTYPES:-fp16}" --budget "${CONV_BUDGET:-180}" --out "$OUT/conv2d-check.json" 2>&1 | tee "$OUT/conv2d-check.log" | tail -n 8 ;;
     w4a16-check) python3 tools/w4a16_gpu_check.py --quick --out "$OUT/w4a16-quick.json" 2>&1 | tee "$OUT/w4a16-quick.log" | tail -n 25 ;;
-    w4a16-small) python3 research/explore_w4a16_small_m.py --out "$OUT" --budget "${W4_BUDGET:-240}" \
-                   ${W4_ARGS:-} 2>&1 | tee "$OUT/small-m.log" | tail -n 20 ;;
     conv2d-fwd) for s in resnet50 mobilenet; do bench --op conv2d --sweep $s --kernels auto --json "$OUT/conv2d-$s-fwd.json" 2>&1 | tail -n 3; done ;;
-    conv2d-explore) PYTHONPATH=src:research python3 research/explore_depthwise.py --out "$OUT/depthwise.json" \
-                      --budget "${EXPLORE_BUDGET:-240}" 2>&1 | grep -v Warning | tail -n 60
-                    PYTHONPATH=src:research python3 research/explore_gluon_narrow.py --out "$OUT/gluon-narrow.json" \
-                      2>&1 | grep -v Warning | tail -n 60 ;;
     conv2d-nchw) for s in resnet50 mobilenet; do for m in fwd bwd; do bench --op conv2d --sweep $s --kernels auto \
                    --mode $m --memory-format nchw --json "$OUT/conv2d-$s-$m-nchw.json" 2>&1 | tail -n 3; done; done ;;
     fuzz) for t in matmul conv2d w4a16; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
-    stream-k) PYTHONPATH=src:research python3 research/explore_stream_k.py --budget "${EXPLORE_BUDGET:-300}" 2>&1 | tee "$OUT/stream-k.log" | tail -n 40 ;;
     models) bench --sweep models --dtype fp16 --kernels auto --json "$OUT/models-fp16.json" 2>&1 | tail -n 6 ;;
     batched) for l in NN NT; do bench --sweep batched --layout $l --dtype fp16 --kernels auto \
                --json "$OUT/batched-fp16-$l.json" 2>&1 | tail -n 4; done ;;
