@@ -59,6 +59,13 @@ def test_every_cited_run_directory_exists():
     assert not missing, "cited results directories missing from benchmarks/results:\n" + "\n".join(missing)
 
 
+def test_every_linked_result_file_exists():
+    broken = [f"{page.relative_to(ROOT)}: {m.group(1)}" for page in _pages()
+              for m in re.finditer(r"\]\(([^)#\s]*benchmarks/results/[^)#\s]*)\)", page.read_text())
+              if not (page.parent / m.group(1)).exists()]
+    assert not broken, "links into benchmarks/results that lead nowhere:\n" + "\n".join(broken)
+
+
 def test_results_stay_under_the_limit():
     size = sum(p.stat().st_size for p in RESULTS.rglob("*") if p.is_file())
     assert size <= LIMIT_BYTES, f"benchmarks/results holds {size / 1e6:.1f} MB (at most {LIMIT_BYTES / 1e6:.0f} MB)"
