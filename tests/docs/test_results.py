@@ -66,6 +66,15 @@ def test_every_linked_result_file_exists():
     assert not broken, "links into benchmarks/results that lead nowhere:\n" + "\n".join(broken)
 
 
+def test_the_shipped_survey_tables_sources_exist():
+    """tools/fit_survey.py makes each table again from the runs it names."""
+    sources = {src for table in (ROOT / "src" / "tilegemm" / "tuned").rglob("*.json")
+               for src in re.findall(r'"(benchmarks/results/[^"]+)"', table.read_text())}
+    assert sources, "no survey table names its sources"
+    missing = sorted(src for src in sources if not (ROOT / src).exists())
+    assert not missing, "survey sources missing from benchmarks/results: " + ", ".join(missing)
+
+
 def test_results_stay_under_the_limit():
     size = sum(p.stat().st_size for p in RESULTS.rglob("*") if p.is_file())
     assert size <= LIMIT_BYTES, f"benchmarks/results holds {size / 1e6:.1f} MB (at most {LIMIT_BYTES / 1e6:.0f} MB)"
