@@ -172,8 +172,8 @@ def register() -> None:
 
 def _even(what: str, size: int, world: int) -> int:
     if size % world:
-        raise ValueError(f"{what} = {size} does not split evenly over {world} ranks; tilegemm's int4 layers split "
-                         f"evenly (choose a mesh size that divides it)")
+        raise ValueError(f"{what} = {size} does not split evenly over {world} ranks; tilegemm's parallel styles "
+                         f"split evenly (a local uneven shard passed to the next layer loses its global shape)")
     return size // world
 
 
@@ -287,6 +287,16 @@ def _shard_int4_module(style, module: Int4Linear, mesh: DeviceMesh, dim: str) ->
     return module
 
 
+def _check_even(module: nn.Module, mesh: DeviceMesh, dim: str) -> None:
+    world = mesh.size()
+    if isinstance(module, nn.Conv2d):
+        _even("out_channels" if dim == "out" else "in_channels",
+              module.out_channels if dim == "out" else module.in_channels, world)
+    elif isinstance(module, nn.Linear):
+        _even("out_features N" if dim == "out" else "in_features K",
+              module.out_features if dim == "out" else module.in_features, world)
+
+
 def _check_conv(module) -> None:
     if not isinstance(module, Conv2d):
         raise NotImplementedError(f"tilegemm's parallel styles split tilegemm.nn.Conv2d (convert_ the model), "
@@ -343,7 +353,9 @@ class ColwiseParallel(_TorchColwise):
         if isinstance(module, nn.Conv2d):
             if self._default_output:
                 self.output_layouts = (Shard(1),)
+            _check_even(module, device_mesh, "out")
             return _shard_conv(module, device_mesh, "out", self)
+        _check_even(module, device_mesh, "out")
         module = super()._apply(module, device_mesh)
         module.tp_split = "out"
         return module
@@ -364,7 +376,9 @@ class RowwiseParallel(_TorchRowwise):
         if isinstance(module, nn.Conv2d):
             if self.input_layouts == (Shard(-1),):  # the default: a convolution's input split by channels
                 self.input_layouts = (Shard(1),)
+            _check_even(module, device_mesh, "in")
             return _shard_conv(module, device_mesh, "in", self)
+        _check_even(module, device_mesh, "in")
         module = super()._apply(module, device_mesh)
         module.tp_split = "in"
         return module
@@ -448,6 +462,22 @@ def _plan_split(name: str, plan: dict) -> str | None:
 _INT4_PARTS = ("qweight", "scales", "zeros", "perm")
 
 
+def _dtensor_slices(target: DTensor, shape, rank: int, world: int) -> tuple:
+    """The slice of a checkpoint tensor of ``shape`` that is this rank's local part of ``target``'s layout
+    (DTensor's chunks: ceil(size / ranks) each, the last ones shorter)."""
+    if tuple(target.shape) != tuple(shape):
+        raise ValueError(f"a tensor of shape {list(shape)} in the files, {list(target.shape)} in the model")
+    slices = [slice(None)] * len(shape)
+    for p in target.placements:
+        if isinstance(p, Shard):
+            d = p.dim % len(shape)
+            chunk = -(-shape[d] // world)
+            slices[d] = slice(min(rank * chunk, shape[d]), min((rank + 1) * chunk, shape[d]))
+        elif not isinstance(p, Replicate):
+            raise ValueError(f"a parameter placed {p} cannot be loaded from an unsharded file")
+    return tuple(slices)
+
+
 def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: DeviceMesh, strict: bool = True,
                   device=None) -> nn.Module:
     """Fill ``model`` (parallelized already with :class:`ColwiseParallel`/:class:`RowwiseParallel`, each module
@@ -467,21 +497,21 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
             for key in f.keys():
                 mod_name, _, leaf = key.rpartition(".")
                 module = modules.get(mod_name)
-                split = getattr(module, "tp_split", None)
-                int4 = isinstance(module, Int4Linear)
-                if split is None or (leaf == "bias" and split == "in" and not int4):
-                    state[key] = f.get_tensor(key)  # replicated (a DTensor bias of a row-parallel layer too)
+                if isinstance(module, Int4Linear) and getattr(module, "tp_split", None):
+                    sl = f.get_slice(key)
+                    slices = shard_slices(leaf, sl.get_shape(), module.tp_split, rank, world, module.group_size)
+                    if slices is None:
+                        loaded.add(key)  # a row-parallel int4 bias past the first rank: not held there
+                        continue
+                    state[key] = sl[slices] if slices else f.get_tensor(key)
                     continue
-                sl = f.get_slice(key)
-                shape = sl.get_shape()
-                if int4:
-                    slices = shard_slices(leaf, shape, split, rank, world, module.group_size)
+                target = None if module is None else (module._parameters.get(leaf) if leaf in module._parameters
+                                                       else module._buffers.get(leaf))
+                if isinstance(target, DTensor):  # torch's styles, ours for Linear and Conv2d: its placements say
+                    sl = f.get_slice(key)
+                    state[key] = sl[_dtensor_slices(target, sl.get_shape(), rank, world)]
                 else:
-                    slices = shard_slices("bias" if leaf == "bias" else "weight", shape[:2], split, rank, world)
-                if slices is None:
-                    loaded.add(key)  # a row-parallel int4 bias past the first rank: not held there
-                    continue
-                state[key] = sl[slices] if slices else f.get_tensor(key)
+                    state[key] = f.get_tensor(key)  # replicated: read whole
     for mod_name, module in modules.items():
         prefix = mod_name + "." if mod_name else ""
         if not (isinstance(module, Int4Linear) and getattr(module, "tp_split", None)) or prefix + "qweight" not in state:
@@ -506,11 +536,11 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
     for key in list(state):
         mod_name, _, leaf = key.rpartition(".")
         module = modules.get(mod_name)
-        if module is None or (leaf not in module._parameters and leaf not in module._buffers):
-            continue
+        is_param = module is not None and leaf in module._parameters
+        target = None if module is None else module._parameters.get(leaf) if is_param else module._buffers.get(leaf)
+        if target is None:
+            continue  # not in the model: named by the strict check below
         value = state.pop(key)
-        is_param = leaf in module._parameters
-        target = module._parameters[leaf] if is_param else module._buffers[leaf]
         dev = device if device is not None else target.device
         if isinstance(target, DTensor):
             new = DTensor.from_local(value.to(dev, target.dtype), target.device_mesh, target.placements,
