@@ -14,7 +14,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tilegemm.core.runtime import interpreting
+
 pytest.importorskip("safetensors")
+# The ranks hold CPU tensors, which tilegemm's kernels take under the interpreter only; on a GPU machine
+# tests/parallel/test_parallel_local.py runs the same shards on the GPU.
+pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU ranks: kernels under Triton's interpreter")
 
 FP16_TOL = 4e-3  # fp16 outputs: the ranks' partial sums are rounded to fp16 before the all-reduce adds them
 FP32_TOL = 1e-5
@@ -29,6 +34,7 @@ def _free_port() -> int:
 def _entry(rank: int, world: int, port: int, name: str, args: tuple) -> None:
     from tilegemm.core.runtime import interpreting, set_poisoning
 
+    torch.set_num_threads(1)
     interpreting()  # settles the backend before anything imports triton (CommDebugMode does)
     set_poisoning(True)  # every kernel output starts as NaN: an unwritten element fails
     torch.manual_seed(0)  # the same inputs on every rank (replicated activations)
@@ -45,7 +51,12 @@ def _entry(rank: int, world: int, port: int, name: str, args: tuple) -> None:
 
 def spawn(name: str, world: int, *args) -> None:
     """Run ``name(rank, world, mesh, *args)`` on ``world`` gloo ranks; an exception in any rank fails the test."""
-    mp.spawn(_entry, args=(world, _free_port(), name, args), nprocs=world, join=True)
+    import tilegemm.parallel  # noqa: F401 (imported once here, before the fork, rather than in every rank)
+
+    # fork: the ranks start with torch, triton and tilegemm imported already (spawned ones import them again,
+    # seconds each on a busy 2-core runner); one intra-op thread each, as libgomp's pool does not survive a fork.
+    mp.start_processes(_entry, args=(world, _free_port(), name, args), nprocs=world, join=True,
+                       start_method="fork")
 
 
 # --- what the ranks run -------------------------------------------------------------------------------------
