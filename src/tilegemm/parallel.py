@@ -19,6 +19,7 @@ One module for all of it: nothing else imports it, so ``import tilegemm`` never 
 from __future__ import annotations
 
 import fnmatch
+import os
 from functools import partial
 from typing import Iterable
 
@@ -34,7 +35,8 @@ from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import Int4Linear
 from tilegemm.ops.w4a16.format import Int4Weight
 
-__all__ = ["ColwiseParallel", "RowwiseParallel", "register", "shard_int4", "shard_slices", "load_sharded_"]
+__all__ = ["ColwiseParallel", "RowwiseParallel", "attach_int4", "load_quantized_sharded_", "load_sharded_", "register",
+           "resolve_plan", "shard_int4", "shard_slices"]
 
 
 # --- sharding rules of the ops ------------------------------------------------------------------------------
@@ -264,19 +266,28 @@ def _int4_output_hook(style, mesh, produced, mod, inputs, out):
 
 def _shard_int4_module(style, module: Int4Linear, mesh: DeviceMesh, dim: str) -> Int4Linear:
     rank, world = _mesh_rank(mesh)
-    w = module._weight()
-    local, index = shard_int4(w, dim, rank, world)
+    local, index = shard_int4(module._weight(), dim, rank, world)
     bias = module.bias
     if bias is not None:
-        if dim == "out":
-            bias = bias[rank * local.shape[0]:(rank + 1) * local.shape[0]]
-        elif rank != 0:
-            bias = None  # row-parallel: added once, by the first rank, before the all-reduce sums the ranks
+        bias = bias[rank * local.shape[0]:(rank + 1) * local.shape[0]] if dim == "out" else bias
     module._set_weight(local)
     module.out_features, module.in_features = local.shape
-    module.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-    module.register_buffer("tp_input_index", index if index is not None else
-                           torch.empty(0, dtype=torch.int64, device=local.device), persistent=False)
+    return attach_int4(style, module, mesh, dim, index, bias)
+
+
+def attach_int4(style, module: Int4Linear, mesh: DeviceMesh, dim: str, index: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> Int4Linear:
+    """Make ``module`` (an Int4Linear holding rank's shard already) one rank's part of a ``dim`` split (``"out"``:
+    column-parallel, ``"in"``: row-parallel) under ``style``: the bias (this rank's part; a row-parallel one is
+    kept by the first rank only), the act-order input index, and the hooks that convert its input and output."""
+    rank, _ = _mesh_rank(mesh)
+    if bias is not None and dim == "in" and rank != 0:
+        bias = None  # row-parallel: added once, by the first rank, before the all-reduce sums the ranks
+    module.bias = None if bias is None else nn.Parameter(bias.detach().to(module.scales.dtype).clone(),
+                                                         requires_grad=False)
+    device = module.qweight.device
+    module.register_buffer("tp_input_index", torch.empty(0, dtype=torch.int64, device=device) if index is None
+                           else index.to(device), persistent=False)
     module.tp_split = dim  # read by load_sharded_
     if dim == "out":
         desired, produced = (Replicate(),), (Shard(-1),)
@@ -419,8 +430,9 @@ def shard_slices(kind: str, shape, split: str, rank: int, world: int, group_size
     if split == "out":
         if kind in ("qweight", "scales", "zeros", "gptq.qweight", "gptq.scales", "awq.scales"):
             return (slice(None), part(shape[1], "out_features N"))
-        if kind in ("gptq.qzeros", "awq.qzeros", "awq.qweight"):
-            return (slice(None), part(shape[1] * 8, "out_features N", 8 * 1))
+        if kind in ("gptq.qzeros", "awq.qzeros", "awq.qweight"):  # packed along N: 8 columns a word
+            cols = part(shape[1] * 8, "out_features N", 8)
+            return (slice(None), slice(cols.start // 8, cols.stop // 8))
     else:
         # K in whole groups: rows of qweight hold 8 inputs (house, GPTQ) or 1 (AWQ); G rows of scales
         if kind in ("qweight", "gptq.qweight", "awq.qweight"):
@@ -557,6 +569,133 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
         if state or missing:
             raise ValueError(f"load_sharded_: names in the files but not in the model: {sorted(state)[:8]}; in the "
                              f"model but not in the files: {missing[:8]}")
+    return model
+
+
+# --- from_pretrained, tensor-parallel ---------------------------------------------------------------------------
+
+_STYLES = {"colwise": "out", "rowwise": "in"}
+
+
+def resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
+    """``{module name: "out" | "in"}`` for the Linears of ``model`` that ``tp_plan`` splits: ``"auto"`` reads the
+    transformers config's ``base_model_tp_plan`` (under the model's ``base_model_prefix``); a dict maps module
+    names or fnmatch patterns to ``"colwise"``/``"rowwise"`` or to :class:`ColwiseParallel`/:class:`RowwiseParallel`.
+    """
+    if isinstance(tp_plan, str) and tp_plan == "auto":
+        config = getattr(model, "config", None)
+        plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+        if not plan:
+            raise ValueError("tp_plan='auto' needs a transformers model whose config has a base_model_tp_plan; "
+                             "pass tp_plan as a dict of module names -> 'colwise' / 'rowwise'")
+        prefix = getattr(model, "base_model_prefix", "")
+        if prefix and hasattr(model, prefix):
+            plan = {f"{prefix}.{k}": v for k, v in plan.items()}
+    elif isinstance(tp_plan, dict):
+        plan = tp_plan
+    else:
+        raise TypeError(f"tp_plan must be 'auto' or a dict of module names -> styles, got {type(tp_plan).__name__}")
+    splits = {}
+    for pattern, style in plan.items():
+        if isinstance(style, _TorchColwise):
+            split = "out"
+        elif isinstance(style, _TorchRowwise):
+            split = "in"
+        elif style in _STYLES:
+            split = _STYLES[style]
+        else:
+            raise ValueError(f"tp_plan[{pattern!r}] = {style!r}: tilegemm splits Linears 'colwise' or 'rowwise' "
+                             f"(ColwiseParallel / RowwiseParallel)")
+        for name, module in model.named_modules():
+            if name == pattern or fnmatch.fnmatchcase(name, pattern):
+                if not isinstance(module, (nn.Linear, Int4Linear)):
+                    raise ValueError(f"tp_plan[{pattern!r}] names {name}, a {type(module).__name__}, not a Linear")
+                splits[name] = split
+    if not splits:
+        raise ValueError(f"tp_plan matches no Linear of the model: {list(plan)[:4]}")
+    return splits
+
+
+def _check_heads(model: nn.Module, world: int) -> None:
+    """Column-parallel attention projections give each rank whole heads: the head counts must split evenly."""
+    config = getattr(model, "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % world:
+            raise ValueError(f"{key} = {heads} does not split evenly over {world} ranks: each rank must hold whole "
+                             f"attention heads")
+
+
+def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: int, world: int, dtype):
+    """Rank ``rank``'s shard of the quantized Linear ``prefix`` (``[N, K]``) as ``(Int4Weight, input index)``,
+    reading only its slices of the packed tensors; an act-order GPTQ layer split along K reads its tensors whole
+    (its sorted rows are scattered over the stored K) and is cut after import, one layer at a time."""
+    from tilegemm.ops.w4a16.format import from_awq, from_gptq
+
+    gs = q.group_size
+    if q.method == "awq":
+        parts = {p: tensors.get_slice(f"{prefix}.{p}", shard_slices(f"awq.{p}", tensors.shape(f"{prefix}.{p}"),
+                                                                    split, rank, world, gs))
+                 for p in ("qweight", "qzeros", "scales")}
+        return from_awq(parts["qweight"], parts["qzeros"], parts["scales"].to(dtype)), None
+    g_idx = tensors.get(f"{prefix}.g_idx") if f"{prefix}.g_idx" in tensors else None
+    if g_idx is not None:
+        G = tensors.shape(f"{prefix}.scales")[0]
+        if torch.equal(g_idx.to(torch.int64).cpu(), torch.arange(K) // (K // G)):
+            g_idx = None  # the natural order: no act-order
+    if split == "in" and g_idx is not None:
+        w = from_gptq(tensors.get(f"{prefix}.qweight"), tensors.get(f"{prefix}.qzeros"),
+                      tensors.get(f"{prefix}.scales").to(dtype), g_idx)
+        w, index = shard_int4(w, "in", rank, world)
+    else:
+        parts = {p: tensors.get_slice(f"{prefix}.{p}", shard_slices(f"gptq.{p}", tensors.shape(f"{prefix}.{p}"),
+                                                                    split, rank, world, gs))
+                 for p in ("qweight", "qzeros", "scales")}
+        w, index = from_gptq(parts["qweight"], parts["qzeros"], parts["scales"].to(dtype), g_idx), None
+    if q.checkpoint_format == "gptq_v2":  # v2 stores the zero itself; from_gptq read v1's zero - 1 (exact in floats)
+        w = Int4Weight(w.qweight, w.scales, w.zeros - 1, w.group_size, w.shape, w.perm)
+    return w, index
+
+
+def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_plan="auto", dtype=None,
+                            device=None) -> nn.Module:
+    """:func:`tilegemm.models.from_pretrained`'s tensor-parallel load into ``model`` (built on the meta device):
+    each Linear that ``tp_plan`` splits becomes this rank's :class:`~tilegemm.nn.Int4Linear` shard, read slice by
+    slice from the checkpoint (:func:`shard_slices`), with the hooks of :class:`ColwiseParallel` /
+    :class:`RowwiseParallel`; every other tensor is loaded whole (replicated) by ``load_quantized_``."""
+    from tilegemm.models.pretrained import _default_device, _Tensors, load_quantized_, quant_config, read_config
+
+    rank, world = _mesh_rank(device_mesh)
+    q = quant_config(read_config(path))
+    dtype = torch.float16 if dtype is None else dtype
+    device = _default_device(device)
+    splits = resolve_plan(model, tp_plan)
+    _check_heads(model, world)
+    tensors = _Tensors(os.fspath(path), torch.device("cpu"))
+    styles = {"out": ColwiseParallel(), "in": RowwiseParallel()}
+    with torch.no_grad():
+        for name, split in splits.items():
+            if f"{name}.qweight" not in tensors:
+                raise ValueError(f"tp_plan splits {name}, which the checkpoint does not store quantized: "
+                                 f"from_pretrained splits 4-bit layers (load_sharded_ takes 16-bit ones)")
+            m = model.get_submodule(name)
+            N, K = m.out_features, m.in_features
+            try:
+                w, index = _read_int4_shard(tensors, name, q, N, K, split, rank, world, dtype)
+            except ValueError as err:
+                raise ValueError(f"{name} ({q.describe()}), split {'N' if split == 'out' else 'K'} over {world} "
+                                 f"ranks: {err}") from None
+            bias = None
+            if f"{name}.bias" in tensors:
+                sl = shard_slices("bias", tensors.shape(f"{name}.bias"), split, rank, world)
+                bias = None if sl is None else tensors.get_slice(f"{name}.bias", sl) if sl else \
+                    tensors.get(f"{name}.bias")
+            local = Int4Linear.from_weight(w.to(device), None)
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child,
+                    attach_int4(styles[split], local, device_mesh, split, index,
+                                None if bias is None else bias.to(device, dtype)))
+    load_quantized_(model, path, dtype=dtype, device=device, loaded=tuple(splits))
     return model
 
 

@@ -81,9 +81,9 @@ def test_parallel_shard_slices():
     assert shard_slices("qweight", (32, 64), "out", 1, 2) == (slice(None), slice(32, 64))
     assert shard_slices("qweight", (32, 64), "in", 1, 2, 64) == (slice(16, 32),)
     assert shard_slices("scales", (4, 64), "in", 1, 2, 64) == (slice(2, 4),)
-    assert shard_slices("gptq.qzeros", (4, 8), "out", 1, 2) == (slice(None), slice(32, 64))
+    assert shard_slices("gptq.qzeros", (4, 8), "out", 1, 2) == (slice(None), slice(4, 8))  # words of 8 columns
     assert shard_slices("awq.qweight", (256, 8), "in", 1, 2, 64) == (slice(128, 256),)
-    assert shard_slices("awq.qweight", (256, 8), "out", 1, 2) == (slice(None), slice(32, 64))
+    assert shard_slices("awq.qweight", (256, 8), "out", 1, 2) == (slice(None), slice(4, 8))
     assert shard_slices("weight", (64, 256), "in", 1, 2) == (slice(None), slice(128, 256))
     assert shard_slices("bias", (64,), "in", 1, 2) is None and shard_slices("bias", (64,), "in", 0, 2) == ()
     assert shard_slices("perm", (256,), "in", 1, 2) == ()

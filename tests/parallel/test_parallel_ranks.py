@@ -273,3 +273,55 @@ def test_parallel_two_ranks(tmp_path):
 
 def test_parallel_four_ranks(tmp_path):
     spawn("four_ranks", 4, str(tmp_path))
+
+
+# --- from_pretrained on a mesh ------------------------------------------------------------------------------
+
+
+def pretrained_ranks(rank, world, mesh, tmp, names):
+    from tilegemm.models import from_pretrained, pretrained
+    from tilegemm.nn import Int4Linear
+
+    whole = []  # tensors read whole by the sharded loads
+    get = pretrained._Tensors.get
+
+    def recording_get(self, name):
+        whole.append(name)
+        return get(self, name)
+
+    ids = torch.tensor([[3, 17, 200, 5]])
+    for name in names:
+        path = f"{tmp}/{name}"
+        want = from_pretrained(path, device="cpu")(input_ids=ids).logits
+        whole.clear()
+        pretrained._Tensors.get = recording_get
+        try:
+            model = from_pretrained(path, device="cpu", device_mesh=mesh)
+        finally:
+            pretrained._Tensors.get = get
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        assert isinstance(mlp.down_proj, Int4Linear) and mlp.down_proj.in_features == 256 // world
+        assert attn.q_proj.out_features == 128 // world and attn.o_proj.in_features == 128 // world
+        packed = [n for n in whole if n.endswith((".qweight", ".qzeros", ".scales"))]
+        if "actorder" in name:  # a row-parallel act-order layer reads its packed tensors whole (one at a time)
+            assert packed and all(n.endswith(("o_proj." + n.rpartition(".")[2], "down_proj." + n.rpartition(".")[2]))
+                                  for n in packed), packed
+        else:
+            assert packed == [], packed  # every packed tensor read as this rank's slice
+        _close(model(input_ids=ids).logits, want, FP16_TOL, f"from_pretrained on {world} ranks: {name}")
+
+
+def test_parallel_from_pretrained(tmp_path):
+    pytest.importorskip("transformers")
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
+    import ckpt_writer as cw
+
+    config = cw.tiny_config("llama", hidden=128, layers=1)
+    names = {"gptq-actorder-g32": dict(method="gptq", group_size=32, act_order=True),
+             "awq-g64": dict(method="awq", group_size=64)}
+    for name, kw in names.items():
+        cw.write_model(tmp_path / name, cw.random_model(config), **kw)
+    spawn("pretrained_ranks", 2, str(tmp_path), list(names))

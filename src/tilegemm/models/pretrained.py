@@ -173,6 +173,10 @@ class _Tensors:
     def get(self, name: str) -> torch.Tensor:
         return self._handle(name).get_tensor(name)
 
+    def get_slice(self, name: str, index: tuple) -> torch.Tensor:
+        """``tensor[index]`` read without reading the rest (a tensor-parallel rank's shard)."""
+        return self._handle(name).get_slice(name)[index]
+
 
 # --- building the model -----------------------------------------------------------------------------------
 
@@ -207,7 +211,8 @@ def _default_device(device) -> torch.device:
     return torch.device(device)
 
 
-def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None) -> nn.Module:
+def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, *, device_mesh=None,
+                    tp_plan="auto") -> nn.Module:
     """The ``transformers`` causal-LM of the quantized checkpoint directory ``path``, in eval mode on ``device``
     (default: CUDA when there is one, else the CPU): every Linear stored quantized is an
     :class:`~tilegemm.nn.Int4Linear`, every other tensor loaded as stored (floats in ``dtype``, fp16 or bf16).
@@ -236,7 +241,12 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None) -> nn
             model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(old)
-    load_quantized_(model, path, dtype=dtype, device=device)
+    if device_mesh is not None:
+        from tilegemm.parallel import load_quantized_sharded_  # imports torch.distributed.tensor: only when asked
+
+        load_quantized_sharded_(model, path, device_mesh, tp_plan, dtype=dtype, device=device)
+    else:
+        load_quantized_(model, path, dtype=dtype, device=device)
     return model.eval()
 
 
@@ -294,7 +304,8 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         module._buffers[pname] = value
 
 
-def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, device=None) -> nn.Module:
+def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, device=None, *,
+                    loaded: tuple[str, ...] = ()) -> nn.Module:
     """Load the quantized checkpoint directory ``path`` into ``model`` (a ``transformers`` model of the same
     config, or any module whose names match the checkpoint's), in place; returns ``model``.
 
@@ -304,6 +315,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     none), ``device`` to where the model is (CUDA or the CPU if it is on the meta device). Tied weights are tied
     again afterwards (``model.tie_weights()``). Linears that ``modules_to_not_convert`` names are loaded as
     plain Linears. Errors as :func:`from_pretrained`'s, and ValueError when a parameter is still missing.
+    ``loaded``: modules filled already (tensor-parallel shards), whose tensors are neither loaded nor strays.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_quantized_ takes a torch.nn.Module, got {type(model).__name__}")
@@ -352,12 +364,12 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     plain: dict[str, list[str]] = {}  # the first name of each parameter -> all its names
     by_id: dict[int, str] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
-        if pname.rpartition(".")[0] in quantized_set:
+        if pname.rpartition(".")[0] in quantized_set or pname.rpartition(".")[0] in loaded:
             continue
         first = by_id.setdefault(id(p), pname)
         plain.setdefault(first, []).append(pname)
     persistent = [n for n, _ in model.named_buffers() if n.rpartition(".")[0] not in quantized_set and n in
-                  model.state_dict(keep_vars=True)]
+                  model.state_dict(keep_vars=True) and n.rpartition(".")[0] not in loaded]
     tied = _tied_names(model)
     sources: dict[str, str] = {}
     for first, names in plain.items():
@@ -377,7 +389,8 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         expected_plain[key] = first
     used = set(sources.values()) | {f"{n}.{p}" for n in quantized for p in ("qweight", "qzeros", "scales",
                                                                              "g_idx", "bias")}
-    strays = [k for k in tensors.files if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
+    strays = [k for k in tensors.files if k not in used and not k.endswith(_IGNORED_SUFFIXES)
+              and k.rpartition(".")[0] not in loaded]
     stray_quant = [k for k in strays if k.endswith(".qweight")]
     if stray_quant:
         problems.append(f"quantized tensor(s) for modules the model has no Linear of: {', '.join(stray_quant[:8])}"
