@@ -317,7 +317,9 @@ def _check_conv(module) -> None:
                          f"split its batch instead (a Shard(0) input with a replicated weight)")
 
 
-def _shard_conv(module, mesh, dim: str, style):
+def _shard_conv(module, mesh, dim: str, given, wanted, use_local: bool):
+    """Split a Conv2d's weight by output (``dim="out"``) or input channels as DTensor parameters; its input is
+    ``given`` (placements of a local tensor), its output made ``wanted``."""
     _check_conv(module)
 
     def partition(name, mod, mesh):
@@ -332,16 +334,16 @@ def _shard_conv(module, mesh, dim: str, style):
     def input_fn(mod, inputs, mesh):
         x = inputs[0]
         if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, style.input_layouts, run_check=False)
+            x = DTensor.from_local(x, mesh, given, run_check=False)
         want = (Replicate(),) if dim == "out" else (Shard(1),)
         if x.placements != _normal(want, x.ndim):
             x = x.redistribute(placements=want)
         return (x, *inputs[1:])
 
     def output_fn(mod, out, mesh):
-        if out.placements != _normal(style.output_layouts, out.ndim):
-            out = out.redistribute(placements=_normal(style.output_layouts, out.ndim))
-        return out.to_local() if style.use_local_output else out
+        if out.placements != _normal(wanted, out.ndim):
+            out = out.redistribute(placements=_normal(wanted, out.ndim))
+        return out.to_local() if use_local else out
 
     module.tp_split = dim
     return distribute_module(module, mesh, partition, input_fn, output_fn)
@@ -362,10 +364,9 @@ class ColwiseParallel(_TorchColwise):
         if isinstance(module, Int4Linear):
             return _shard_int4_module(self, module, device_mesh, "out")
         if isinstance(module, nn.Conv2d):
-            if self._default_output:
-                self.output_layouts = (Shard(1),)
             _check_even(module, device_mesh, "out")
-            return _shard_conv(module, device_mesh, "out", self)
+            wanted = (Shard(1),) if self._default_output else self.output_layouts  # a convolution's channels
+            return _shard_conv(module, device_mesh, "out", self.input_layouts, wanted, self.use_local_output)
         _check_even(module, device_mesh, "out")
         module = super()._apply(module, device_mesh)
         module.tp_split = "out"
@@ -380,15 +381,18 @@ class RowwiseParallel(_TorchRowwise):
     convolution); each rank's partial output summed by an all-reduce (or reduce-scattered to ``output_layouts``).
     The bias is added once."""
 
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        self._default_input = input_layouts is None
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         register()
         if isinstance(module, Int4Linear):
             return _shard_int4_module(self, module, device_mesh, "in")
         if isinstance(module, nn.Conv2d):
-            if self.input_layouts == (Shard(-1),):  # the default: a convolution's input split by channels
-                self.input_layouts = (Shard(1),)
             _check_even(module, device_mesh, "in")
-            return _shard_conv(module, device_mesh, "in", self)
+            given = (Shard(1),) if self._default_input else self.input_layouts  # a convolution's channels
+            return _shard_conv(module, device_mesh, "in", given, self.output_layouts, self.use_local_output)
         _check_even(module, device_mesh, "in")
         module = super()._apply(module, device_mesh)
         module.tp_split = "in"
@@ -526,12 +530,12 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
                     state[key] = f.get_tensor(key)  # replicated: read whole
     for mod_name, module in modules.items():
         prefix = mod_name + "." if mod_name else ""
-        if not (isinstance(module, Int4Linear) and getattr(module, "tp_split", None)) or prefix + "qweight" not in state:
+        split = getattr(module, "tp_split", None) if isinstance(module, Int4Linear) else None
+        if split is None or prefix + "qweight" not in state:
             continue
         parts = {p: state.pop(prefix + p) for p in _INT4_PARTS if prefix + p in state}
         perm = parts.get("perm")
         perm = perm if perm is not None and perm.numel() else None
-        split = module.tp_split
         k = module.in_features  # local already
         w = Int4Weight(parts["qweight"].contiguous(), parts["scales"].contiguous(), parts["zeros"].contiguous(),
                        module.group_size, (module.out_features, k), perm if split == "out" else None)
