@@ -241,6 +241,16 @@ def four_ranks(rank, world, mesh, tmp):
     assert q[0].qweight.shape == (4, 32) and q[2].qweight.shape == (4, 16) and q[2].scales.shape == (1, 16)
     _close(q(x.half()), want, FP16_TOL, "quantize_ MLP over 4 ranks")
 
+    # the worked example of docs/parallel.md, on these ranks (its torchrun command runs the same main)
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tensor_parallel.py")
+    spec = importlib.util.spec_from_file_location("tensor_parallel_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main([]) == 0
+
     # K = 64 over 4 ranks is 16 inputs each: a group of 32 would be cut
     cut = tnn.quantize_(_mlp(32, 64, 16).half(), group_size=32)
     with pytest.raises(ValueError, match=r"K = 64 over 4 ranks \(16 each\) would cut quantization groups of "
