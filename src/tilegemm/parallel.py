@@ -31,9 +31,13 @@ from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
+import tilegemm.ops.conv2d.op  # noqa: F401 (defines torch.ops.tilegemm.conv2d, whose rules are registered here)
+import tilegemm.ops.matmul.torch_op  # noqa: F401 (torch.ops.tilegemm.matmul)
+import tilegemm.ops.w4a16.op  # noqa: F401 (torch.ops.tilegemm.w4a16_matmul)
+from tilegemm.models.pretrained import _default_device, _Tensors, load_quantized_, quant_config, read_config
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import Int4Linear
-from tilegemm.ops.w4a16.format import Int4Weight
+from tilegemm.ops.w4a16.format import Int4Weight, from_awq, from_gptq
 
 __all__ = ["ColwiseParallel", "RowwiseParallel", "attach_int4", "load_quantized_sharded_", "load_sharded_", "register",
            "resolve_plan", "shard_int4", "shard_slices"]
@@ -144,7 +148,7 @@ def _register(op, rule, static_argnum: int) -> None:
     register_sharding(op)(rule)
     # register_sharding keys its cache of decisions on the arguments from the schema's first int on; the rules
     # here read the activation and the group length, which come earlier or are not ints: key on those too.
-    try:
+    try:  # torch internals, imported under the guard that names what is missing
         from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 
         DTensor._op_dispatcher.sharding_propagator.op_to_schema_info[op] = RuntimeSchemaInfo(
@@ -158,10 +162,6 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    import tilegemm.ops.conv2d.op  # noqa: F401 (defines torch.ops.tilegemm.conv2d)
-    import tilegemm.ops.matmul.torch_op  # noqa: F401
-    import tilegemm.ops.w4a16.op  # noqa: F401
-
     ops = torch.ops.tilegemm
     _register(ops.matmul.default, _matmul_rule, 4)  # alpha onwards: activation among them
     _register(ops.w4a16_matmul.default, _w4a16_rule, 7)  # group_k, activation, kernel
@@ -502,7 +502,7 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
     the plan are read whole. Int4Linear layers read the house format (``Int4Linear.state_dict()``'s names), whose
     act-order rows are stored sorted by group, so a row-parallel shard is a slice too. Returns ``model``.
     """
-    from safetensors import safe_open
+    from safetensors import safe_open  # an optional dependency (the models extra), needed here only
 
     rank, world = _mesh_rank(device_mesh)
     files = [files] if isinstance(files, str) else list(files)
@@ -634,8 +634,6 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
     """Rank ``rank``'s shard of the quantized Linear ``prefix`` (``[N, K]``) as ``(Int4Weight, input index)``,
     reading only its slices of the packed tensors; an act-order GPTQ layer split along K reads its tensors whole
     (its sorted rows are scattered over the stored K) and is cut after import, one layer at a time."""
-    from tilegemm.ops.w4a16.format import from_awq, from_gptq
-
     gs = q.group_size
     if q.method == "awq":
         parts = {p: tensors.get_slice(f"{prefix}.{p}", shard_slices(f"awq.{p}", tensors.shape(f"{prefix}.{p}"),
@@ -667,8 +665,6 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
     each Linear that ``tp_plan`` splits becomes this rank's :class:`~tilegemm.nn.Int4Linear` shard, read slice by
     slice from the checkpoint (:func:`shard_slices`), with the hooks of :class:`ColwiseParallel` /
     :class:`RowwiseParallel`; every other tensor is loaded whole (replicated) by ``load_quantized_``."""
-    from tilegemm.models.pretrained import _default_device, _Tensors, load_quantized_, quant_config, read_config
-
     rank, world = _mesh_rank(device_mesh)
     q = quant_config(read_config(path))
     dtype = torch.float16 if dtype is None else dtype

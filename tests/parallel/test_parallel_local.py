@@ -112,12 +112,13 @@ def test_parallel_import_is_lazy():
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("M", [1, 16, 128])
-def test_parallel_int4_shards_gpu(world, M):
+@pytest.mark.parametrize("act_order", [False, True])
+def test_parallel_int4_shards_gpu(world, M, act_order):
     torch.manual_seed(0)
     from tilegemm.nn import Int4Linear
 
     for N, K, dim in ((14336, 4096, "out"), (4096, 14336, "in")):
-        w = quantize(torch.randn(N, K, dtype=torch.float16, device="cuda") * 0.02, 128)
+        w = _weight(N, K, 128, act_order, "cuda")
         x = torch.randn(M, K, dtype=torch.float16, device="cuda")
         ref = x.double() @ dequantize(w).double().T
         assert_rel_close(_simulated(w, x, world, dim), ref, FP16_TOL)

@@ -197,6 +197,16 @@ def two_ranks(rank, world, mesh, tmp):
     with pytest.raises(NotImplementedError, match="ColwiseParallel currently only support"):
         parallelize_module(tnn.quantize_(copy.deepcopy(ref), group_size=32), mesh, {"0": TorchColwise()})
 
+    # the worked example of docs/parallel.md, on these ranks (its torchrun command runs the same main)
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tensor_parallel.py")
+    spec = importlib.util.spec_from_file_location("tensor_parallel_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main([]) == 0
+
     # a sharded load: each rank reads its slices of the files the unsharded models wrote (the parent's)
     from tilegemm.parallel import load_sharded_
 
@@ -240,16 +250,6 @@ def four_ranks(rank, world, mesh, tmp):
     parallelize_module(q, mesh, {"0": tnn.ColwiseParallel(), "2": tnn.RowwiseParallel()})
     assert q[0].qweight.shape == (4, 32) and q[2].qweight.shape == (4, 16) and q[2].scales.shape == (1, 16)
     _close(q(x.half()), want, FP16_TOL, "quantize_ MLP over 4 ranks")
-
-    # the worked example of docs/parallel.md, on these ranks (its torchrun command runs the same main)
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tensor_parallel.py")
-    spec = importlib.util.spec_from_file_location("tensor_parallel_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    assert example.main([]) == 0
 
     # K = 64 over 4 ranks is 16 inputs each: a group of 32 would be cut
     cut = tnn.quantize_(_mlp(32, 64, 16).half(), group_size=32)
