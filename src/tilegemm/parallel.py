@@ -10,10 +10,12 @@
   :class:`~tilegemm.ops.w4a16.format.Int4Weight` of its shard (its kernels, fragment layout included, run on
   it as on any weight), split in whole quantization groups; hooks convert its input and output as torch's
   styles do.
-- :func:`load_sharded_` fills a parallelized model from safetensors files, each rank reading only its slices.
+- :func:`load_sharded_` fills a parallelized model from safetensors files, each rank reading only its slices;
+  :func:`load_quantized_sharded_` is ``tilegemm.models.from_pretrained``'s path when given a ``device_mesh``.
 
-One module for all of it: nothing else imports it, so ``import tilegemm`` never imports ``torch.distributed.tensor``
-(about a second of import time); importing this module registers the rules. docs/parallel.md is the guide.
+One module for all of it, outside the op families and ``core/``: ``import tilegemm`` does not import it (it imports
+``torch.distributed.tensor``, about a second), ``tilegemm.nn``'s styles and ``from_pretrained(device_mesh=)`` import
+it when first used, and importing it registers the rules. docs/parallel.md is the guide.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def _matmul_rule(a, b, bias, c, alpha, beta, activation, out_dtype, precision, k
     rules = [strategy(R, R, R, R, R, R, R)]
     # column-parallel: b split along N (a Linear's weight split along out_features)
     rules.append(strategy(Shard(nd - 1), R, Shard(b.ndim - 1), Shard(0), per(c, 1, N), R,
-                          Shard(scale_b.ndim - 1) if _is_spec(scale_b) and scale_b.shape[-1] == N and N > 1 else R))
+                          per(scale_b, 1, N)))
     # rows of a split (sequence or token parallel)
     rules.append(strategy(Shard(nd - 2), Shard(a.ndim - 2), R, R, per(c, 2, M),
                           Shard(0) if _is_spec(scale_a) and scale_a.ndim >= 1 and scale_a.shape[0] == M and M > 1
