@@ -18,6 +18,9 @@
 #   stream-k      research/explore_stream_k.py (persistent_tma's STREAM_K against its whole tiles and splits,
 #                 \$EXPLORE_BUDGET s);  models  the bench's models sweep, fp16, auto only
 #   batched       the bench's batched sweep, fp16 NN and NT, auto only
+#   w4-random     the w4a16 bench's held-out w4-random sweep, fp16 (second baseline: fbgemm where it imports)
+#   w4-checkpoint a Llama-3-8B-shaped GPTQ checkpoint (tools/write_w4_checkpoint.py, 32 layers, \$W4_CKPT_DIR),
+#                 then the loader's tests on the GPU and `bench --op w4a16 --model llama --checkpoint` on it
 #   conv2d-explore  research/explore_depthwise.py (with research/depthwise_cols.py) and
 #                 research/explore_gluon_narrow.py, \$EXPLORE_BUDGET s for the first
 # Put bench steps before `tests`: right after the test workers a bench read unchanged layers up to 2x slower
@@ -47,6 +50,11 @@ for step in "$@"; do
     profile) python3 tools/launch_profile.py 2>&1 | tee "$OUT/launch-profile.txt" ;;
     random) for d in ${RANDOM_DTYPES:-fp16}; do bench --sweep random --dtype $d --kernels auto --json "$OUT/random-$d.json" 2>&1 | tail -n 6; done ;;
     conv2d-check) python3 tools/conv2d_gpu_check.py --dtypes "${CONV_DTYPES:-fp16}" --budget "${CONV_BUDGET:-180}" --out "$OUT/conv2d-check.json" 2>&1 | tee "$OUT/conv2d-check.log" | tail -n 8 ;;
+    w4-random) bench --op w4a16 --sweep w4-random --dtype fp16 --json "$OUT/w4a16-w4-random-fp16.json" 2>&1 | tail -n 30 ;;
+    w4-checkpoint) ckpt=${W4_CKPT_DIR:-/tmp/llama3-8b-gptq}
+                   [ -f "$ckpt/config.json" ] || python3 tools/write_w4_checkpoint.py --out "$ckpt" 2>&1 | tail -n 2
+                   pytest_ -m "" tests/models 2>&1 | tee "$OUT/models-tests.log" | tail -n 8
+                   bench --op w4a16 --model llama --checkpoint "$ckpt" --json "$OUT/w4a16-llama-checkpoint.json" 2>&1 | tail -n 25 ;;
     w4a16-check) python3 tools/w4a16_gpu_check.py --quick --out "$OUT/w4a16-quick.json" 2>&1 | tee "$OUT/w4a16-quick.log" | tail -n 25 ;;
     w4a16-small) python3 research/explore_w4a16_small_m.py --out "$OUT" --budget "${W4_BUDGET:-240}" \
                    ${W4_ARGS:-} 2>&1 | tee "$OUT/small-m.log" | tail -n 20 ;;

@@ -4,13 +4,18 @@ from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.convert import convert_
 from tilegemm.nn.int4 import Int4Linear, quantize_
 from tilegemm.nn.linear import Linear
-from tilegemm.models.pretrained import load_quantized_  # noqa: E402 (loads a GPTQ/AWQ checkpoint into a model)
 
 __all__ = ["ColwiseParallel", "Conv2d", "Int4Linear", "Linear", "RowwiseParallel", "convert_", "load_quantized_",
            "quantize_"]
 
 
 def __getattr__(name: str):
+    # load_quantized_ (a GPTQ/AWQ checkpoint directory into a model) lives in tilegemm.models.pretrained, which
+    # `import tilegemm` leaves unimported (the models package stays lazy): imported on first use.
+    if name == "load_quantized_":
+        from tilegemm.models.pretrained import load_quantized_
+
+        return load_quantized_
     # The tensor-parallel styles live in tilegemm.parallel, imported on first use: it imports
     # torch.distributed.tensor, which `import tilegemm` must not pay for (docs/parallel.md).
     if name in ("ColwiseParallel", "RowwiseParallel"):
