@@ -263,6 +263,7 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
             writer.add(name, t)
         reference[name] = t
     config = model.config.to_dict()
+    config["architectures"] = [type(model).__name__]  # as save_pretrained writes it
     config["quantization_config"] = quantization_config(method, group_size, sym, act_order, v2, not_convert,
                                                         **(quant_extra or {}))
     config.update(config_extra or {})

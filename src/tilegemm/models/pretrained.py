@@ -447,3 +447,38 @@ def _tie(model: nn.Module) -> None:
     if isinstance(model.get_output_embeddings(), Int4Linear):
         return
     model.tie_weights()
+
+
+def dequantized_copy(model: nn.Module) -> nn.Module:
+    """The same ``transformers`` model with each :class:`~tilegemm.nn.Int4Linear` an ``nn.Linear`` holding its
+    dequantized weight (16-bit), every other parameter shared with ``model`` (no copy): the fp16 model that
+    computes what the 4-bit one should, as the bench's baseline and reference."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    dtype = _model_dtype(model)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with _parameters_on_meta():
+            dense = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(old)
+    int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    source = dict(model.named_parameters(remove_duplicate=False))
+    made: dict[int, nn.Parameter] = {}  # one shared Parameter per source tensor (tied names stay tied)
+    with torch.no_grad():
+        for name, p in list(dense.named_parameters(remove_duplicate=False)):
+            module_name, _, leaf = name.rpartition(".")
+            if module_name in int4 and leaf == "weight":
+                value = nn.Parameter(int4[module_name].dequantize(), requires_grad=False)
+            else:
+                src = source[name]
+                value = made.setdefault(id(src), src if isinstance(src, nn.Parameter) else nn.Parameter(src))
+            _set_tensor(dense, name, value)
+    device = _model_device(model) or torch.device("cpu")
+    for module in dense.modules():
+        for bname, b in module._buffers.items():
+            if b is not None and b.device != device:
+                module._buffers[bname] = b.to(device)
+    return dense.eval()
