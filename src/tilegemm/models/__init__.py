@@ -7,9 +7,9 @@
   on :class:`tilegemm.nn.Int4Linear` (needs ``transformers`` and ``safetensors``).
 - :mod:`.bench`: the bench adapters of both (``--op w4a16 --model llama``, ``--op conv2d --model resnet50``).
 
-``pip install 'tilegemm[models]'`` brings these libraries. ``import tilegemm`` imports :mod:`.pretrained` only
-(``tilegemm.nn.load_quantized_`` is its), and these modules import transformers, safetensors and torchvision only
-inside the functions that need them.
+``pip install 'tilegemm[models]'`` brings these libraries. Nothing here is imported by ``import tilegemm``
+(``tilegemm.nn.load_quantized_`` imports :mod:`.pretrained` on first use), and these modules import
+transformers, safetensors and torchvision only inside the functions that need them.
 """
 
 from tilegemm.models.pretrained import from_pretrained

@@ -11,8 +11,8 @@ Memory: the model is built with its parameters on the meta device (no storage), 
 each read straight onto the target device with ``safetensors``; a quantized Linear is built from its packed
 tensors (never as a 16-bit weight), so loading peaks at the int4 model plus one layer's conversion.
 
-``transformers`` and ``safetensors`` are imported inside the functions that use them: ``import tilegemm`` (which
-imports ``tilegemm.nn``, which names :func:`load_quantized_`) must not need the ``models`` extra.
+``transformers`` and ``safetensors`` are imported inside the functions that use them: importing this module (as
+``tilegemm.models`` and ``tilegemm.nn.load_quantized_`` do) must not need the ``models`` extra.
 """
 
 from __future__ import annotations
