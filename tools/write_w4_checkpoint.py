@@ -9,8 +9,8 @@ checkpoint writer (tests/models/ckpt_writer.py, independent of tilegemm's packer
 
 Then: ``tilegemm bench --op w4a16 --model llama --checkpoint DIR`` or
 ``python examples/llama_decode.py --checkpoint DIR``. The quantized values, scales and zeros are drawn directly (no
-float weight is quantized), so writing 32 layers takes minutes on the CPU and about 5.7 GB on disk (shards of
-``--shard-gb``). Embeddings and lm_head: fp16 normal(0, 0.02); norms: ones.
+float weight is quantized), on the GPU where there is one (``--device``); 32 layers are about 5.7 GB on disk
+(shards of ``--shard-gb``). Embeddings and lm_head: fp16 normal(0, 0.02); norms: ones.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--v2", action="store_true", help="GPTQ checkpoint_format gptq_v2 (zeros stored without - 1)")
     p.add_argument("--shard-gb", type=float, default=4.0, help="shard size (default 4 GB)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="where the random values are drawn and packed (default: cuda if "
+                                                  "there is one; the files are the same size either way)")
     args = p.parse_args(argv)
     if os.path.exists(args.out) and os.listdir(args.out):
         print(f"{args.out} exists and is not empty", file=sys.stderr)
@@ -56,7 +58,8 @@ def main(argv=None) -> int:
     with torch.device("meta"):  # names and shapes only
         meta = AutoModelForCausalLM.from_config(config)
     quantized = set(cw.linear_names(meta))
-    gen = torch.Generator().manual_seed(args.seed)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=device).manual_seed(args.seed)
     writer = cw.Writer(args.out, int(args.shard_gb * 2**30))
     t0 = time.time()
     for name, param in meta.named_parameters():
@@ -64,11 +67,11 @@ def main(argv=None) -> int:
         if module in quantized and leaf == "weight":
             N, K = param.shape
             for part, t in cw.random_linear(N, K, args.method, group, sym, args.act_order, args.v2, gen).items():
-                writer.add(f"{module}.{part}", t)
+                writer.add(f"{module}.{part}", t.cpu())
         elif name.endswith("norm.weight"):
             writer.add(name, torch.ones(param.shape, dtype=torch.float16))
         else:
-            writer.add(name, (torch.randn(param.shape, generator=gen) * 0.02).half())
+            writer.add(name, (torch.randn(param.shape, generator=gen, device=device) * 0.02).half().cpu())
         if name.endswith("input_layernorm.weight") or name == "lm_head.weight":  # a layer done
             print(f"{time.time() - t0:6.0f} s  {name.rpartition('.input_layernorm')[0] or name}", flush=True)
     cfg = config.to_dict()

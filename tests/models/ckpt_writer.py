@@ -37,7 +37,7 @@ def _as_int32(words: torch.Tensor) -> torch.Tensor:
 
 def pack_along_k(q: torch.Tensor) -> torch.Tensor:
     """``q`` ``[K, N]`` (0..15) -> int32 ``[K/8, N]``, nibble i of row r = ``q[8r + i]``."""
-    words = torch.zeros(q.shape[0] // 8, q.shape[1], dtype=torch.int64)
+    words = torch.zeros(q.shape[0] // 8, q.shape[1], dtype=torch.int64, device=q.device)
     for i in range(8):
         words |= (q[i::8].to(torch.int64) & 15) << (4 * i)
     return _as_int32(words)
@@ -46,7 +46,7 @@ def pack_along_k(q: torch.Tensor) -> torch.Tensor:
 def pack_along_n(v: torch.Tensor, awq: bool = False) -> torch.Tensor:
     """``v`` ``[R, N]`` (0..15) -> int32 ``[R, N/8]``: nibble i of word c = ``v[:, 8c + i]`` (GPTQ) or
     ``v[:, 8c + AWQ_NIBBLE_COLUMN[i]]`` (AWQ)."""
-    words = torch.zeros(v.shape[0], v.shape[1] // 8, dtype=torch.int64)
+    words = torch.zeros(v.shape[0], v.shape[1] // 8, dtype=torch.int64, device=v.device)
     for i in range(8):
         col = AWQ_NIBBLE_COLUMN[i] if awq else i
         words |= (v[:, col::8].to(torch.int64) & 15) << (4 * i)
@@ -138,16 +138,19 @@ def random_linear(N: int, K: int, method: str = "gptq", group_size: int = 128, s
                   act_order: bool = False, v2: bool = False, generator: torch.Generator | None = None,
                   std: float = 0.02) -> dict:
     """Stored tensors of a Linear with random 4-bit values (no float weight made): scales so the weight's
-    spread is about ``std``, zeros 8 (``sym``) or random in 5..10."""
+    spread is about ``std``, zeros 8 (``sym``) or random in 5..10. Made on the generator's device (a GPU draws
+    and packs Llama-sized ones faster)."""
     gs = K if group_size == -1 else group_size
     G = K // gs
-    q = torch.randint(0, 16, (K, N), generator=generator, dtype=torch.int64)
-    scale = (torch.rand(G, N, generator=generator) * 0.5 + 0.75) * (std / 4.6)
-    zero = torch.full((G, N), 8, dtype=torch.int64) if sym else torch.randint(5, 11, (G, N), generator=generator)
+    dev = generator.device if generator is not None else torch.device("cpu")
+    q = torch.randint(0, 16, (K, N), generator=generator, dtype=torch.int64, device=dev)
+    scale = (torch.rand(G, N, generator=generator, device=dev) * 0.5 + 0.75) * (std / 4.6)
+    zero = torch.full((G, N), 8, dtype=torch.int64, device=dev) if sym else \
+        torch.randint(5, 11, (G, N), generator=generator, device=dev)
     if method == "gptq":
-        order = torch.randperm(K, generator=generator) if act_order else torch.arange(K)
-        g_idx = torch.empty(K, dtype=torch.int32)
-        g_idx[order] = (torch.arange(K) // gs).to(torch.int32)
+        order = torch.randperm(K, generator=generator, device=dev) if act_order else torch.arange(K, device=dev)
+        g_idx = torch.empty(K, dtype=torch.int32, device=dev)
+        g_idx[order] = (torch.arange(K, device=dev) // gs).to(torch.int32)
         return dict(qweight=pack_along_k(q), qzeros=pack_along_n(zero if v2 else (zero - 1) & 15),
                     scales=scale.half(), g_idx=g_idx)
     return dict(qweight=pack_along_n(q, awq=True), qzeros=pack_along_n(zero, awq=True), scales=scale.half())

@@ -310,3 +310,30 @@ def test_bad_arguments(good):
         from_pretrained(good, dtype=torch.float32)
     with pytest.raises(TypeError, match="load_quantized_ takes a torch.nn.Module"):
         load_quantized_("model", good)
+
+
+class _Stored(dict):
+    def get(self, name):  # noqa: D401 - the _Tensors interface the converter reads through
+        return self[name]
+
+
+@pytest.mark.parametrize("method, act_order, v2", [("gptq", True, True), ("gptq", False, False), ("awq", False, False)])
+def test_column_slices_convert_like_the_whole(method, act_order, v2):
+    """A large Linear is converted 256-column blocks at a time: the same int4 weight and fragment layout as whole."""
+    from tilegemm import w4a16
+    from tilegemm.ops.w4a16.format import Int4Weight
+
+    N, K, group = 600, 128, 64
+    stored, deq = cw.quantize_linear(torch.randn(N, K) * 0.02, method, group, False, act_order, v2,
+                                     torch.Generator().manual_seed(3))
+    q = pretrained.QuantConfig(method, group, desc_act=act_order, checkpoint_format="gptq_v2" if v2 else "gptq")
+    tensors = _Stored({f"p.{k}": v for k, v in stored.items()})
+    whole = pretrained._int4_weight(tensors, "p", q, N, K, torch.float16, chunk_weights=10 * N * K)
+    parts = pretrained._int4_weight(tensors, "p", q, N, K, torch.float16, chunk_weights=256 * K)  # 3 slices
+    assert torch.equal(w4a16.dequantize(whole), deq)
+    for name in ("qweight", "scales", "zeros"):
+        assert torch.equal(getattr(parts, name), getattr(whole, name)), name
+    assert (parts.perm is None) == (not act_order) and (parts.perm is None or torch.equal(parts.perm, whole.perm))
+    fresh = Int4Weight(whole.qweight, whole.scales, whole.zeros, whole.group_size, whole.shape, whole.perm)
+    for a, b in zip(parts.fragments(), fresh.fragments()):
+        assert torch.equal(a, b)

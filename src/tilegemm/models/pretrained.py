@@ -29,6 +29,7 @@ from torch import nn
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.int4 import Int4Linear
 from tilegemm.ops.w4a16 import Int4Weight, from_awq, from_gptq
+from tilegemm.ops.w4a16.format import fits_fragments
 
 INSTALL = "pip install 'tilegemm[models]'"
 METHODS = ("gptq", "awq")  # the quant_method values taken
@@ -270,19 +271,48 @@ def _expected_quant_shapes(q: QuantConfig, N: int, K: int) -> dict[str, list[int
     return dict(qweight=[K, N // 8], qzeros=[G, N // 8], scales=[G, N])
 
 
-def _int4_weight(tensors: _Tensors, prefix: str, q: QuantConfig, N: int, K: int, dtype) -> Int4Weight:
-    """The :class:`Int4Weight` of the quantized Linear ``prefix`` (out ``N``, in ``K``), through the importers."""
-    parts = {p: tensors.get(f"{prefix}.{p}") for p in _QUANT_PARTS[q.method]}
-    scales = parts["scales"].to(dtype)
+# Output columns converted at a time, as a count of weights: the importers and the fragment layout make int64
+# temporaries of about 16-25 bytes a weight, so a whole Llama-sized Linear at once would cost more memory than the
+# int4 model's margin allows; column slices that are multiples of 256 convert independently (the fragment layout
+# packs whole blocks of 256 output rows).
+CHUNK_WEIGHTS = 1 << 23
+
+
+def _import_columns(parts: dict, g_idx, q: QuantConfig, a: int, b: int) -> Int4Weight:
+    """The :class:`Int4Weight` of output columns ``a:b`` of a stored quantized Linear, through the importers."""
+    cols = slice(a, b)
+    packed = slice(a // 8, b // 8)  # columns packed eight to an int32
+    scales = parts["scales"][:, cols].contiguous()
     if q.method == "awq":
-        return from_awq(parts["qweight"], parts["qzeros"], scales)
-    g_idx = tensors.get(f"{prefix}.g_idx") if f"{prefix}.g_idx" in tensors else None
-    w = from_gptq(parts["qweight"], parts["qzeros"], scales, g_idx)
+        return from_awq(parts["qweight"][:, packed].contiguous(), parts["qzeros"][:, packed].contiguous(), scales)
+    w = from_gptq(parts["qweight"][:, cols].contiguous(), parts["qzeros"][:, packed].contiguous(), scales, g_idx)
     if q.checkpoint_format == "gptq_v2":
         # from_gptq reads v1 (stored zero - 1, so it adds 1); v2 stores the zero itself. Zeros are small integers
         # held as floats: subtracting 1 is exact.
         w = Int4Weight(w.qweight, w.scales, w.zeros - 1, w.group_size, w.shape, w.perm)
     return w
+
+
+def _int4_weight(tensors: _Tensors, prefix: str, q: QuantConfig, N: int, K: int, dtype,
+                 chunk_weights: int | None = None) -> Int4Weight:
+    """The :class:`Int4Weight` of the quantized Linear ``prefix`` (out ``N``, in ``K``) with its fragment layout
+    made, converted a slice of output columns at a time (:data:`CHUNK_WEIGHTS`)."""
+    parts = {p: tensors.get(f"{prefix}.{p}") for p in _QUANT_PARTS[q.method]}
+    parts["scales"] = parts["scales"].to(dtype)
+    g_idx = tensors.get(f"{prefix}.g_idx") if q.method == "gptq" and f"{prefix}.g_idx" in tensors else None
+    step = max(256, (chunk_weights or CHUNK_WEIGHTS) // K // 256 * 256)
+    pieces, frags = [], []
+    for a in range(0, N, step):
+        w = _import_columns(parts, g_idx, q, a, min(N, a + step))
+        frags.append(w.fragments() if fits_fragments(w.group_k) else None)
+        pieces.append(w)
+    del parts
+    if len(pieces) == 1:
+        return pieces[0]
+    first = pieces[0]
+    frag = None if frags[0] is None else (torch.cat([f[0] for f in frags], 0), torch.cat([f[1] for f in frags], 1))
+    return Int4Weight(torch.cat([w.qweight for w in pieces], 1), torch.cat([w.scales for w in pieces], 1),
+                      torch.cat([w.zeros for w in pieces], 1), first.group_size, (N, K), first.perm, frag)
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
