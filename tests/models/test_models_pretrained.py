@@ -305,6 +305,24 @@ def test_shapes_that_do_not_match_are_named(tmp_path):
         from_pretrained(path2, device="cpu")
 
 
+def test_tensors_for_modules_the_model_lacks(tmp_path):
+    """A config of one layer over a two-layer checkpoint: quantized tensors without a Linear are an error; plain
+    ones a warning naming them."""
+    config = cw.tiny_config("llama", hidden=64)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32, config_extra=dict(num_hidden_layers=1))
+    with pytest.raises(ValueError, match=r"quantized tensor\(s\) for modules the model has no Linear of: "
+                                         r"model\.layers\.1\.mlp\.down_proj\.qweight"):
+        from_pretrained(path, device="cpu")
+    path2 = tmp_path / "d"
+    cw.write_model(path2, cw.random_model(config), "gptq", 32,
+                   not_convert=["model.layers.1"], config_extra=dict(num_hidden_layers=1))
+    with pytest.warns(UserWarning, match=r"tensor\(s\) of the checkpoint match nothing in the model and were "
+                                         r"skipped: model\.layers\.1\."):
+        model = from_pretrained(path2, device="cpu")
+    assert len(model.model.layers) == 1
+
+
 def test_bad_arguments(good):
     with pytest.raises(TypeError, match="dtype must be torch.float16 or torch.bfloat16"):
         from_pretrained(good, dtype=torch.float32)
