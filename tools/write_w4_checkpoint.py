@@ -6,6 +6,7 @@ checkpoint writer (tests/models/ckpt_writer.py, independent of tilegemm's packer
     python tools/write_w4_checkpoint.py --out DIR --layers 8 --act-order --v2     # act-order, format v2
     python tools/write_w4_checkpoint.py --out DIR --method awq                    # AWQ (gemm)
     python tools/write_w4_checkpoint.py --out DIR --tiny                          # a tiny Llama (seconds, any machine)
+    python tools/write_w4_checkpoint.py --out DIR --arch qwen2                    # Qwen2-7B's shapes (q/k/v biases)
 
 Then: ``tilegemm bench --op w4a16 --model llama --checkpoint DIR`` or
 ``python examples/llama_decode.py --checkpoint DIR``. The quantized values, scales and zeros are drawn directly (no
@@ -27,11 +28,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import ckpt_writer as cw  # noqa: E402
 
 
+# Qwen2-7B's shapes (its q, k and v projections have biases).
+QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+                vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False)
+QWEN2_7B_LAYERS = 28
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="the checkpoint directory to write (created)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --tiny 2)")
     p.add_argument("--tiny", action="store_true", help="tilegemm.models.llama's tiny config instead of Llama-3-8B's")
+    p.add_argument("--arch", choices=("llama", "qwen2"), default="llama",
+                   help="llama: Llama-3-8B's shapes (default); qwen2: Qwen2-7B's (28 layers)")
     p.add_argument("--method", choices=("gptq", "awq"), default="gptq")
     p.add_argument("--group-size", type=int, default=None, help="default 128 (--tiny 32)")
     p.add_argument("--asym", action="store_true", help="asymmetric zeros (default symmetric, zero 8; AWQ: always)")
@@ -46,15 +55,20 @@ def main(argv=None) -> int:
         print(f"{args.out} exists and is not empty", file=sys.stderr)
         return 2
 
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     from tilegemm.models import llama
 
-    shapes = llama.TINY if args.tiny else llama.LLAMA3_8B
-    layers = args.layers or (llama.TINY_LAYERS if args.tiny else llama.LLAMA3_8B_LAYERS)
-    group = args.group_size or (llama.TINY_GROUP if args.tiny else llama.LLAMA3_8B_GROUP)
+    if args.arch == "qwen2":
+        shapes, full, cls = QWEN2_7B, QWEN2_7B_LAYERS, Qwen2Config
+    else:
+        shapes, full, cls = llama.LLAMA3_8B, llama.LLAMA3_8B_LAYERS, LlamaConfig
+    if args.tiny:
+        shapes, full = llama.TINY, llama.TINY_LAYERS
+    layers = args.layers or full
+    group = args.group_size or (llama.TINY_GROUP if args.tiny else 128)
     sym = not args.asym and args.method == "gptq"
-    config = LlamaConfig(**shapes, num_hidden_layers=layers, torch_dtype="float16")
+    config = cls(**shapes, num_hidden_layers=layers, torch_dtype="float16")
     with torch.device("meta"):  # names and shapes only
         meta = AutoModelForCausalLM.from_config(config)
     quantized = set(cw.linear_names(meta))

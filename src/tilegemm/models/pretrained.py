@@ -394,7 +394,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         found = next((n for n in names if n in tensors), None)
         if found is not None:
             sources[first] = found
-        elif not any(n in tied for n in names):  # tie_weights fills a tied output layer
+        elif not all(n in tied for n in names):  # tie_weights fills a tied output layer (its own Parameter)
             missing.append(names[0])
     for b in persistent:
         if b in tensors:
