@@ -55,6 +55,16 @@ def test_the_tool_writes_a_loadable_checkpoint(tiny_ckpt):
     assert zeros.min() >= 5 and zeros.max() <= 10  # the tool's zeros (5..10), read as v2 (no + 1)
 
 
+def test_the_tool_writes_qwen2_with_biases(tmp_path):
+    tool = _load("tools/write_w4_checkpoint.py", "write_w4_checkpoint")
+    assert tool.main(["--out", str(tmp_path / "q"), "--tiny", "--arch", "qwen2", "--method", "awq"]) == 0
+    model = from_pretrained(tmp_path / "q", device="cpu")
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, Int4Linear) and q.bias is not None and q.bias.abs().sum() > 0
+    assert tool.main(["--out", str(tmp_path / "q"), "--tiny"]) == 2  # refuses to write over a checkpoint
+
+
 def test_dequantized_copy_shares_all_but_the_int4_weights(tiny_ckpt):
     int4 = from_pretrained(tiny_ckpt, device="cpu")
     dense = dequantized_copy(int4)
