@@ -13,6 +13,7 @@ import re
 import torch
 
 from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
+from tilegemm.core.registry import NotApplicable
 
 _LLM_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 8192)]
 _LLM_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -151,8 +152,6 @@ class W4A16Bench(BenchOp):
     def second_baseline(self, inputs, dtype):
         if "fbgemm" in inputs:
             if isinstance(inputs["fbgemm"], str):
-                from tilegemm.core.registry import NotApplicable
-
                 raise NotApplicable(inputs["fbgemm"])
             wq, (scale, zero) = inputs["fbgemm"]
             return torch.ops.fbgemm.bf16i4bf16_shuffled(inputs["x_bf16"], wq, scale, zero)
