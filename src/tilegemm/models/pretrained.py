@@ -164,7 +164,7 @@ class _Tensors:
     def _handle(self, name: str):
         file = self.files[name]
         if file not in self._handles:
-            device = "cpu" if self.device.type == "cpu" else str(self.device)
+            device = "cpu" if self.device.type == "cpu" else str(self.device)  # "cuda:0": safetensors' spelling
             self._handles[file] = self._open(os.path.join(self.path, file), framework="pt", device=device)
         return self._handles[file]
 
@@ -207,9 +207,13 @@ def _check_dtype(dtype) -> None:
 
 
 def _default_device(device) -> torch.device:
+    """``device``, or CUDA where there is one, else the CPU; a CUDA device with its index (what tensors report)."""
     if device is None:
-        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, *, device_mesh=None,

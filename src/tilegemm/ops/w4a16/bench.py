@@ -13,6 +13,7 @@ import re
 import torch
 
 from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
+from tilegemm.core.registry import NotApplicable
 
 _LLM_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 8192)]
 _LLM_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -112,9 +113,12 @@ class W4A16Bench(BenchOp):
             if self.second_baseline_reason(device) is None:  # its packing, made once here
                 if fbgemm_reason() is None:
                     # fbgemm quantizes the (already 4-bit) dequantized weight itself: its own scales and zeros
-                    # (bf16) on the same grid.
-                    inputs["fbgemm"] = _FBGEMM["quantize"](inputs["dense"].to(torch.bfloat16), group_size=GROUP_SIZE,
-                                                           dtype="bf16", use_zp=True)
+                    # (bf16) on the same grid. A shape it refuses gets an "unavailable" row, not a failed run.
+                    try:
+                        inputs["fbgemm"] = _FBGEMM["quantize"](inputs["dense"].to(torch.bfloat16),
+                                                               group_size=GROUP_SIZE, dtype="bf16", use_zp=True)
+                    except Exception as err:  # noqa: BLE001 - its own checks (asserts, RuntimeErrors)
+                        inputs["fbgemm"] = f"fbgemm's quantize_int4_preshuffle refused {N}x{K}: {err}"[:300]
                 else:
                     from tilegemm.ops.w4a16.baselines import tinygemm_weight
 
@@ -147,6 +151,8 @@ class W4A16Bench(BenchOp):
 
     def second_baseline(self, inputs, dtype):
         if "fbgemm" in inputs:
+            if isinstance(inputs["fbgemm"], str):
+                raise NotApplicable(inputs["fbgemm"])
             wq, (scale, zero) = inputs["fbgemm"]
             return torch.ops.fbgemm.bf16i4bf16_shuffled(inputs["x_bf16"], wq, scale, zero)
         from tilegemm.ops.w4a16.baselines import tinygemm_mm
