@@ -71,6 +71,7 @@ EACH_KERNEL = [
     ("implicit_gemm", (2, 8, 7, 7, 8, 3, 3), 8),
     ("gemm_1x1", (2, 16, 5, 6, 24, 1, 1), 1),
     ("depthwise", (2, 8, 7, 7, 8, 3, 3), 8),
+    ("grouped_direct", (2, 8, 7, 7, 8, 3, 3), 2),
     ("tma_implicit_gemm", (2, 16, 7, 7, 24, 3, 3), 1),  # a Hopper GPU's, channels-last only
 ]
 

@@ -1,0 +1,236 @@
+"""Grouped convolutions with few channels per group (ResNeXt's and RegNet's 3x3s: 2-8 channels a group) as
+direct kernels on CUDA cores, the forward and the data gradient.
+
+Seen as GEMMs, such a group is a product whose reduction (C/groups * R * S, walked tap by tap in C/groups
+steps) and width (K/groups) are far below a ``tl.dot`` tile's 16, so most of every tensor-core tile is padding.
+Here the arithmetic is plain fp32 multiply-adds instead: a program owns ``[BLOCK_M pixels, BLOCK_G groups x
+K/groups channels]`` of the channels-last output (a ``[BM, BG, KGP]`` accumulator, KGP = K/groups to a power
+of two) and, for each filter tap and each of a group's CG input channels, adds the outer product of the pixels'
+input value of that channel, one ``[BM, BG]`` load shared by the group's K/groups outputs, and the group's
+weights ``[BG, KGP]``. This is :func:`tilegemm.ops.conv2d.depthwise.depthwise_fwd_kernel`'s pattern with a
+group's channels for its one channel. The data gradient is the same with the roles of input and output
+channels swapped and the taps transposed (each input pixel gathers the output pixels whose window covers
+it). Which layers come here: :func:`tilegemm.ops.conv2d.configs.takes_grouped_direct` (docs/conv2d.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core.launch import launch
+from tilegemm.core.registry import NotApplicable
+from tilegemm.core.runtime import cdiv, ensure_backend, interpreting
+from tilegemm.ops.conv2d.configs import GROUPED_DIRECT_MOST_CHANNELS, _pow2_at_least
+from tilegemm.ops.conv2d.implicit_gemm import _conv_args, _nhwc_strides, allocate_out, empty_4d
+from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
+
+ensure_backend()
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tilegemm.jit.helpers import apply_activation  # noqa: E402
+
+_SIZES = ["H", "W", "P", "Q", "M", "G", "pad_h", "pad_w"]  # not specialized on: a new image compiles nothing
+_UNROLL = 72  # taps x channels unrolled up to a 3x3 filter over 8 channels; more loop (compile time)
+
+
+@triton.jit
+def _fwd_step(acc, t, x_rows, x_grp, w_kc, h0, w0, m_ok, g_ok, wk_ok, H, W, stride_xh, stride_xw, stride_xc,
+              stride_wc, stride_wr, stride_ws, dil_h, dil_w, S: tl.constexpr, CG: tl.constexpr):
+    """``acc`` plus input channel ``c`` of tap ``(r, s)`` (``t = (r * S + s) * CG + c``) of every group."""
+    c = t % CG
+    rs = t // CG
+    r = rs // S
+    s = rs - r * S
+    h = h0 + r * dil_h
+    w = w0 + s * dil_w
+    ok = m_ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)  # [BM] zero padding
+    xv = tl.load(x_rows[:, None] + (h * stride_xh + w * stride_xw)[:, None] + (x_grp + c * stride_xc)[None, :],
+                 mask=ok[:, None] & g_ok[None, :], other=0.0)  # [BM, BG] channel c of each group
+    wv = tl.load(w_kc + c * stride_wc + r * stride_wr + s * stride_ws, mask=wk_ok, other=0.0)  # [BG, KGP]
+    return acc + xv.to(tl.float32)[:, :, None] * wv.to(tl.float32)[None, :, :]
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def grouped_direct_fwd_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr,
+    H, W, P, Q, M, G,
+    stride_xn, stride_xh, stride_xw, stride_xc,
+    stride_wk, stride_wc, stride_wr, stride_ws,
+    stride_on, stride_op, stride_oq, stride_ok,
+    stride_bias,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    R: tl.constexpr, S: tl.constexpr, CG: tl.constexpr, KG: tl.constexpr, KGP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr, UNROLL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    # This program: output pixels [BM] x groups [BG] x each group's output channels [KGP].
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    grp = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # [BG]
+    kk = tl.arange(0, KGP)  # [KGP] output channel within the group
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+        grp = grp.to(tl.int64)
+    q = offs_m % Q
+    p = (offs_m // Q) % P
+    n = offs_m // (P * Q)
+    h0 = p * str_h - pad_h  # [BM] the window's corner in the unpadded input
+    w0 = q * str_w - pad_w
+    m_ok = offs_m < M
+    g_ok = grp < G
+    k = grp[:, None] * KG + kk[None, :]  # [BG, KGP] output channel
+    wk_ok = g_ok[:, None] & (kk < KG)[None, :]
+    x_rows = x_ptr + n * stride_xn  # [BM]
+    x_grp = grp * CG * stride_xc  # [BG] each group's first input channel
+    w_kc = w_ptr + k * stride_wk  # [BG, KGP] each output channel's filter
+
+    acc = tl.zeros((BLOCK_M, BLOCK_G, KGP), dtype=tl.float32)
+    if UNROLL:
+        for t in tl.static_range(0, R * S * CG):
+            acc = _fwd_step(acc, t, x_rows, x_grp, w_kc, h0, w0, m_ok, g_ok, wk_ok, H, W, stride_xh, stride_xw,
+                            stride_xc, stride_wc, stride_wr, stride_ws, dil_h, dil_w, S, CG)
+    else:
+        for t in range(0, R * S * CG):
+            acc = _fwd_step(acc, t, x_rows, x_grp, w_kc, h0, w0, m_ok, g_ok, wk_ok, H, W, stride_xh, stride_xw,
+                            stride_xc, stride_wc, stride_wr, stride_ws, dil_h, dil_w, S, CG)
+
+    # Epilogue: bias, activation, store through the output's strides (NCHW or channels-last).
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + k * stride_bias, mask=wk_ok, other=0.0).to(tl.float32)[None, :, :]
+    acc = apply_activation(acc, ACTIVATION)
+    out_rows = n * stride_on + p * stride_op + q * stride_oq  # [BM]
+    tl.store(out_ptr + out_rows[:, None, None] + (k * stride_ok)[None, :, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None, None] & wk_ok[None, :, :])
+
+
+@triton.jit
+def _dgrad_step(acc, t, dy_rows, k_grp, w_ck, hx, wx, m_ok, g_ok, wc_ok, P, Q, stride_yp, stride_yq, stride_yk,
+                stride_wk, stride_wr, stride_ws, str_h, str_w, pad_h, pad_w, dil_h, dil_w, S: tl.constexpr,
+                KG: tl.constexpr):
+    """``acc`` plus output channel ``kk`` of tap ``(r, s)`` (``t = (r * S + s) * KG + kk``) of every group."""
+    kk = t % KG
+    rs = t // KG
+    r = rs // S
+    s = rs - r * S
+    ph = hx + pad_h - r * dil_h  # [BM] = p * str_h where this tap of output pixel (p, q) reads (hx, wx)
+    pw = wx + pad_w - s * dil_w
+    p = ph // str_h
+    q = pw // str_w
+    ok = m_ok & (ph >= 0) & (pw >= 0) & (p * str_h == ph) & (q * str_w == pw) & (p < P) & (q < Q)
+    dyv = tl.load(dy_rows[:, None] + (p * stride_yp + q * stride_yq)[:, None] + (k_grp + kk * stride_yk)[None, :],
+                  mask=ok[:, None] & g_ok[None, :], other=0.0)  # [BM, BG]
+    wv = tl.load(w_ck + kk * stride_wk + r * stride_wr + s * stride_ws, mask=wc_ok, other=0.0)  # [BG, CGP]
+    return acc + dyv.to(tl.float32)[:, :, None] * wv.to(tl.float32)[None, :, :]
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def grouped_direct_dgrad_kernel(
+    dy_ptr, w_ptr, dx_ptr,
+    H, W, P, Q, M, G,
+    stride_yn, stride_yp, stride_yq, stride_yk,
+    stride_wk, stride_wc, stride_wr, stride_ws,
+    stride_xn, stride_xh, stride_xw, stride_xc,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    R: tl.constexpr, S: tl.constexpr, CG: tl.constexpr, CGP: tl.constexpr, KG: tl.constexpr,
+    INDEX_64: tl.constexpr, UNROLL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    # This program: input pixels [BM] x groups [BG] x each group's input channels [CGP].
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    grp = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    cc = tl.arange(0, CGP)
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+        grp = grp.to(tl.int64)
+    wx = offs_m % W
+    hx = (offs_m // W) % H
+    n = offs_m // (H * W)
+    m_ok = offs_m < M
+    g_ok = grp < G
+    wc_ok = g_ok[:, None] & (cc < CG)[None, :]  # [BG, CGP]
+    dy_rows = dy_ptr + n * stride_yn  # [BM]
+    k_grp = grp * KG * stride_yk  # [BG] each group's first output channel
+    w_ck = w_ptr + (grp * KG * stride_wk)[:, None] + (cc * stride_wc)[None, :]  # [BG, CGP]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_G, CGP), dtype=tl.float32)
+    if UNROLL:
+        for t in tl.static_range(0, R * S * KG):
+            acc = _dgrad_step(acc, t, dy_rows, k_grp, w_ck, hx, wx, m_ok, g_ok, wc_ok, P, Q, stride_yp, stride_yq,
+                              stride_yk, stride_wk, stride_wr, stride_ws, str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+                              S, KG)
+    else:
+        for t in range(0, R * S * KG):
+            acc = _dgrad_step(acc, t, dy_rows, k_grp, w_ck, hx, wx, m_ok, g_ok, wc_ok, P, Q, stride_yp, stride_yq,
+                              stride_yk, stride_wk, stride_wr, stride_ws, str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+                              S, KG)
+
+    c = grp[:, None] * CG + cc[None, :]  # [BG, CGP] input channel
+    x_rows = n * stride_xn + hx * stride_xh + wx * stride_xw  # [BM]
+    tl.store(dx_ptr + x_rows[:, None, None] + (c * stride_xc)[None, :, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=m_ok[:, None, None] & wc_ok[None, :, :])
+
+
+# --- launchers ------------------------------------------------------------------------------------------
+
+
+def tile_config(g: Geometry, channels: int) -> dict:
+    """The tile: BLOCK_M pixels x BLOCK_G groups of ``channels`` (a power of two) each, about 32 channels a
+    program (a [64, 32] fp32 accumulator on 4 warps: 16 values a thread); smaller under the interpreter."""
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_G=_pow2_at_least(min(g.groups, max(1, 8 // channels)), 1, 8), num_warps=4)
+    return dict(BLOCK_M=64, BLOCK_G=_pow2_at_least(min(g.groups, max(1, 32 // channels)), 1, 32), num_warps=4)
+
+
+def _index_64(*tensors) -> bool:
+    from tilegemm.ops.conv2d.problem import _span
+
+    return any(t.numel() >= 2**31 - 1 or _span(t) >= 2**31 - 1 for t in tensors)
+
+
+def check(g: Geometry) -> None:
+    """NotApplicable unless the kernels take ``g``: at most
+    :data:`~tilegemm.ops.conv2d.configs.GROUPED_DIRECT_MOST_CHANNELS` input and output channels a group (each
+    unrolled into the loop or the tile)."""
+    most = GROUPED_DIRECT_MOST_CHANNELS
+    if g.Cg > most or g.Kg > 4 * most:
+        raise NotApplicable(f"grouped_direct takes at most {most} input and {4 * most} output channels a group; "
+                            f"got C/groups={g.Cg}, K/groups={g.Kg}")
+
+
+def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
+    """Forward; the output in ``p.out_format``. x and the weight are read through their strides as they lie."""
+    g = p.geo
+    check(g)
+    out = allocate_out(p)
+    kgp = _pow2_at_least(g.Kg, 1, 1 << 20)
+    cfg = dict(config or tile_config(g, kgp))
+    M = g.N * g.P * g.Q
+    bias = p.bias if p.bias is not None else out
+    w = p.weight
+    args = (p.x, w, out, bias, g.H, g.W, g.P, g.Q, M, g.groups, *_nhwc_strides(p.x),
+            w.stride(0), w.stride(1), w.stride(2), w.stride(3),
+            out.stride(0), out.stride(2), out.stride(3), out.stride(1),
+            p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
+    flags = dict(R=g.R, S=g.S, CG=g.Cg, KG=g.Kg, KGP=kgp, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation,
+                 INDEX_64=p.index_64 or _index_64(out), UNROLL=g.R * g.S * g.Cg <= _UNROLL)
+    grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.groups, cfg["BLOCK_G"]))
+    launch(grouped_direct_fwd_kernel, grid, args, {**flags, **cfg})
+    return out
+
+
+def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry,
+          config: dict | None = None) -> torch.Tensor:
+    """grad of x for a layer the kernels take (:func:`check`): ``[N, C, H, W]`` in ``x_format``."""
+    check(g)
+    dx = empty_4d(x_shape, dy.dtype, dy.device, x_format)
+    cgp = _pow2_at_least(g.Cg, 1, 1 << 20)
+    cfg = dict(config or tile_config(g, cgp))
+    M = g.N * g.H * g.W
+    args = (dy, weight, dx, g.H, g.W, g.P, g.Q, M, g.groups, *_nhwc_strides(dy),
+            weight.stride(0), weight.stride(1), weight.stride(2), weight.stride(3), *_nhwc_strides(dx),
+            *_conv_args(g))
+    flags = dict(R=g.R, S=g.S, CG=g.Cg, CGP=cgp, KG=g.Kg, INDEX_64=_index_64(dy, dx, weight),
+                 UNROLL=g.R * g.S * g.Kg <= _UNROLL)
+    grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.groups, cfg["BLOCK_G"]))
+    launch(grouped_direct_dgrad_kernel, grid, args, {**flags, **cfg})
+    return dx

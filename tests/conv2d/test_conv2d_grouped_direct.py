@@ -1,0 +1,140 @@
+"""grouped_direct (few channels a group, CUDA-core arithmetic): the forward and the data gradient against F.conv2d
+in float64, outputs NaN-poisoned (conftest), over channels a group, odd sizes, strides, paddings, dilations,
+bias, activations and both memory formats; ``auto``'s rule; its refusal of wide groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
+
+from conftest import assert_rel_close
+
+CL = torch.channels_last
+
+# (N, C, K, H, W, R, S, stride, padding, dilation, groups): C/groups 2, 3, 4, 8; odd images (5x7)
+CASES = [
+    pytest.param(2, 8, 8, 5, 7, 3, 3, 1, 1, 1, 4, id="cg2-3x3"),
+    pytest.param(1, 9, 12, 5, 7, 3, 3, 2, 1, 1, 3, id="cg3-kg4-stride2"),
+    pytest.param(2, 16, 16, 5, 7, 3, 3, 1, 2, 2, 4, id="cg4-dilated"),
+    pytest.param(1, 16, 16, 6, 5, 1, 3, (2, 1), (0, 1), 1, 2, id="cg8-1x3-mixed-stride"),
+    pytest.param(1, 8, 24, 5, 7, 2, 2, 1, 0, 1, 2, id="cg4-kg12-even-filter"),
+]
+
+
+def _inputs(device, dtype, N, C, K, H, W, R, S, groups, channels_last):
+    x = torch.randn(N, C, H, W, device=device).to(dtype)
+    w = (torch.randn(K, C // groups, R, S, device=device) / (C // groups * R * S) ** 0.5).to(dtype)
+    b = torch.randn(K, device=device).to(dtype)
+    return (x.contiguous(memory_format=CL) if channels_last else x), w, b
+
+
+def _format_ok(out, x):
+    if x.is_contiguous(memory_format=CL) and not x.is_contiguous():
+        return out.is_contiguous(memory_format=CL)
+    return out.is_contiguous()
+
+
+@pytest.mark.parametrize("N,C,K,H,W,R,S,stride,padding,dilation,groups", CASES)
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+def test_forward_matches_f_conv2d_fp32(N, C, K, H, W, R, S, stride, padding, dilation, groups, channels_last,
+                                       device):
+    x, w, b = _inputs(device, torch.float32, N, C, K, H, W, R, S, groups, channels_last)
+    conv = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    out = tilegemm.conv2d(x, w, b, **conv, activation="silu", kernel="grouped_direct")
+    assert_rel_close(out, conv2d_reference(x, w, b, **conv, activation="silu"), 1e-5)
+    assert _format_ok(out, x)
+
+
+@pytest.mark.parametrize("N,C,K,H,W,R,S,stride,padding,dilation,groups", CASES[:3])
+def test_forward_without_bias_through_auto(N, C, K, H, W, R, S, stride, padding, dilation, groups, device):
+    x, w, _ = _inputs(device, torch.float32, N, C, K, H, W, R, S, groups, True)
+    conv = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    out = tilegemm.conv2d(x, w, None, **conv, activation="relu")  # auto: the rule picks grouped_direct
+    assert_rel_close(out, conv2d_reference(x, w, None, **conv, activation="relu"), 1e-5)
+
+
+@pytest.mark.parametrize("N,C,K,H,W,R,S,stride,padding,dilation,groups", CASES)
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+def test_data_gradient_matches_torch(N, C, K, H, W, R, S, stride, padding, dilation, groups, channels_last, device):
+    x, w, b = _inputs(device, torch.float32, N, C, K, H, W, R, S, groups, channels_last)
+    conv = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    out = tilegemm.conv2d(x, w, b, **conv, precision="ieee")
+    dy = torch.randn_like(out)
+    gx, gw = torch.autograd.grad(out, (x, w), dy)
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    ref = torch.nn.functional.conv2d(x64, w64, None, **conv)
+    rx, rw = torch.autograd.grad(ref, (x64, w64), dy.double())
+    assert_rel_close(gx, rx, 1e-5)
+    assert_rel_close(gw, rw, 1e-5)
+    assert _format_ok(gx, x)
+
+
+def test_data_gradient_direct_fp64_view():
+    # the launcher on its own, an output gradient given as a channel-sliced view (read through its strides)
+    from tilegemm.ops.conv2d import grouped_direct
+    from tilegemm.ops.conv2d.problem import check_conv
+
+    x = torch.randn(1, 12, 5, 7)
+    w = torch.randn(12, 4, 3, 3)
+    g = check_conv(x, w, None, 1, 1, 1, 3)
+    dy = torch.randn(1, 20, 5, 7).contiguous(memory_format=CL)[:, 4:16]
+    dx = grouped_direct.dgrad(dy, w, x.shape, torch.contiguous_format, g)
+    ref = torch.ops.aten.convolution_backward(dy.double(), x.double(), w.double(), None, [1, 1], [1, 1], [1, 1],
+                                              False, [0, 0], 3, [True, False, False])[0]
+    assert_rel_close(dx, ref, 1e-5)
+
+
+def test_auto_rule():
+    from tilegemm.ops.conv2d.configs import takes_grouped_direct
+    from tilegemm.ops.conv2d.op import choose_kernel
+    from tilegemm.ops.conv2d.problem import geometry_of
+
+    def geo(C, K, groups, R=3):
+        return geometry_of((32, C, 56, 56), (K, C // groups, R, R), [1, 1], [R // 2] * 4, [1, 1], groups)
+
+    resnext = geo(128, 128, 32)  # ResNeXt-50 32x4d's first 3x3: 4 channels a group
+    assert takes_grouped_direct(resnext)
+    for tma in (False, True):
+        assert choose_kernel(resnext, tma=tma) == "grouped_direct"
+    assert choose_kernel(geo(256, 256, 32), tma=True) == "grouped_direct"  # 8 a group
+    assert choose_kernel(geo(9, 12, 3)) == "grouped_direct"  # 3 in, 4 out a group
+    assert choose_kernel(geo(512, 512, 32), tma=True) == "tma_implicit_gemm"  # 16 a group: tensor cores
+    assert choose_kernel(geo(512, 512, 32)) == "implicit_gemm"
+    assert choose_kernel(geo(64, 64, 64)) == "depthwise"
+    assert choose_kernel(geo(64, 64, 1)) == "implicit_gemm"
+    assert not takes_grouped_direct(geo(64, 64, 1, R=1))
+
+
+def test_refuses_wide_groups_clearly(device):
+    from tilegemm.core.registry import NotApplicable
+
+    x = torch.randn(1, 64, 5, 5, device=device)
+    w = torch.randn(64, 32, 3, 3, device=device)
+    with pytest.raises(NotApplicable, match="grouped_direct takes at most 16 input"):
+        tilegemm.conv2d(x, w, groups=2, kernel="grouped_direct")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", [(32, 128, 128, 56, 56, 1, 32), (8, 256, 256, 28, 28, 2, 32),
+                                   (4, 48, 48, 112, 112, 2, 6), (3, 104, 104, 29, 31, 1, 13)],
+                         ids=["resnext50-4", "resnext-8-stride2", "regnet-8-stride2", "regnet-odd"])
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+def test_gpu_16bit_forward_and_gradients(dtype, shape, channels_last):
+    N, C, K, H, W, stride, groups = shape
+    x, w, b = _inputs("cuda", dtype, N, C, K, H, W, 3, 3, groups, channels_last)
+    conv = dict(stride=stride, padding=1, groups=groups)
+    out = tilegemm.conv2d(x, w, b, **conv, activation="relu")
+    assert_rel_close(out, conv2d_reference(x, w, b, **conv, activation="relu"), tolerance(dtype))
+    x.requires_grad_(True)
+    out = tilegemm.conv2d(x, w, None, **conv)
+    dy = torch.randn_like(out)
+    (gx,) = torch.autograd.grad(out, (x,), dy)
+    ref = torch.ops.aten.convolution_backward(dy.double(), x.detach().double(), w.double(), None, [stride] * 2,
+                                              [1, 1], [1, 1], False, [0, 0], groups, [True, False, False])[0]
+    assert_rel_close(gx, ref, tolerance(dtype))
