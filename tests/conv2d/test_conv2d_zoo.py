@@ -133,3 +133,39 @@ def test_tool_writes_what_the_file_holds():
     tool = _tool()
     text = Path(zoo.resources.files("tilegemm.ops.conv2d").joinpath("zoo.json")).read_text()
     assert tool.dumps(json.loads(text)) == text
+
+
+def test_model_entry_training_step_under_the_interpreter(tmp_path):
+    # --op conv2d --model NAME for a torchvision model: the tiny sweep's small ResNeXt (a grouped 3x3 of 2
+    # channels a group, on grouped_direct) runs one training step; its gradients checked against fp64's
+    from tilegemm.bench.runner import BASELINE
+    from tilegemm.cli import main
+    from tilegemm.core.runtime import interpreting
+
+    if not interpreting():
+        pytest.skip("the GPU runs the full-size models (tools/gpu_cycle.sh zoo-models)")
+    path = tmp_path / "r.json"
+    assert main(["bench", "--op", "conv2d", "--model", "resnext50_32x4d", "--shape", "2,train", "--quiet",
+                 "--no-save", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["meta"]["op"] == "conv2d:resnext50_32x4d" and data["meta"]["model"] == "resnext50_32x4d"
+    rows = data["rows"]
+    assert [(r["shape"], r["kernel"]) for r in rows] == [("b2 train", BASELINE), ("b2 train", "auto")]
+    for r in rows:
+        assert r["status"] == "ok" and r["rel_err"] <= r["tolerance"] == 1e-3, r  # fp32 (the CPU's default)
+
+
+def test_model_entry_refuses_clearly():
+    from tilegemm.bench.base import BenchError, bench_op
+    from tilegemm.core.runtime import interpreting
+
+    op = bench_op("conv2d")
+    with pytest.raises(BenchError, match="choose resnet50 or a torchvision classification model: alexnet"):
+        op.model_bench("resnext50")
+    bench = op.model_bench("inception_v3")
+    assert bench.name == "conv2d:inception_v3" and bench.GPU_IMAGE == 299
+    if interpreting() or not _torchvision_works():
+        want = "need torchvision|needs a CUDA GPU|does not import"
+        with pytest.raises(BenchError, match=want):
+            bench.cases("images")
+    assert op.model_bench("resnet50").name == "conv2d:resnet50"  # its own entry, as before

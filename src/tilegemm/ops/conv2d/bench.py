@@ -118,6 +118,19 @@ class Conv2dBench(BenchOp):
     shape_help = "N,C,H,W,K,R,S[,stride[,pad[,groups]]] (e.g. 32,64,56,56,64,3,3,1,1)"
     models = {"resnet50": "tilegemm.models.bench:ResNet50Bench"}  # images/s of a converted ResNet-50 vs cuDNN
 
+    def model_bench(self, name: str, **kwargs):
+        """``resnet50``'s entry, or any other torchvision classification model's
+        (:class:`tilegemm.models.bench.TorchvisionBench`: ``--model resnext50_32x4d``, ...)."""
+        if name in self.models:
+            return super().model_bench(name, **kwargs)
+        from tilegemm.models.bench import TorchvisionBench
+        from tilegemm.models.torchvision_models import names
+
+        if name not in names():
+            raise BenchError(f"op conv2d has no model {name!r}; choose resnet50 or a torchvision classification "
+                             f"model: {', '.join(names())}")
+        return TorchvisionBench(name, **kwargs)
+
     def cases(self, sweep: str) -> list[Case]:
         if sweep.startswith("zoo:"):
             return _zoo_cases(sweep)
