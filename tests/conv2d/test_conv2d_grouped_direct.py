@@ -1,4 +1,4 @@
-"""grouped_direct (few channels a group, CUDA-core arithmetic): the forward and the data gradient against F.conv2d
+"""grouped_direct (few channels a group, CUDA-core arithmetic): the forward and both gradients against F.conv2d
 in float64, outputs NaN-poisoned (conftest), over channels a group, odd sizes, strides, paddings, dilations,
 bias, activations and both memory formats; ``auto``'s rule; its refusal of wide groups."""
 
@@ -56,9 +56,10 @@ def test_forward_without_bias_through_auto(N, C, K, H, W, R, S, stride, padding,
     assert_rel_close(out, conv2d_reference(x, w, None, **conv, activation="relu"), 1e-5)
 
 
-@pytest.mark.parametrize("N,C,K,H,W,R,S,stride,padding,dilation,groups", CASES)
-@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
-def test_data_gradient_matches_torch(N, C, K, H, W, R, S, stride, padding, dilation, groups, channels_last, device):
+@pytest.mark.parametrize("N,C,K,H,W,R,S,stride,padding,dilation,groups,channels_last",
+                         [pytest.param(*case.values, i % 2 == 0, id=case.id + ("-nhwc" if i % 2 == 0 else "-nchw"))
+                          for i, case in enumerate(CASES)])
+def test_gradients_match_torch(N, C, K, H, W, R, S, stride, padding, dilation, groups, channels_last, device):
     x, w, b = _inputs(device, torch.float32, N, C, K, H, W, R, S, groups, channels_last)
     conv = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
     x.requires_grad_(True)
@@ -87,6 +88,28 @@ def test_data_gradient_direct_fp64_view():
     ref = torch.ops.aten.convolution_backward(dy.double(), x.double(), w.double(), None, [1, 1], [1, 1], [1, 1],
                                               False, [0, 0], 3, [True, False, False])[0]
     assert_rel_close(dx, ref, 1e-5)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+def test_weight_gradient_split_and_formats(split, channels_last):
+    # the pixel reduction in one program or split over three (the last to arrive adds them), the gradient in
+    # the format the op's fake promises (channels-last for a channels-last x)
+    from tilegemm.ops.conv2d import grouped_direct
+    from tilegemm.ops.conv2d.op import wgrad_format
+    from tilegemm.ops.conv2d.problem import check_conv
+
+    x = torch.randn(2, 9, 5, 7)
+    x = x.contiguous(memory_format=CL) if channels_last else x
+    w = torch.randn(6, 3, 3, 3)
+    g = check_conv(x, w, None, 2, 1, 1, 3)
+    dy = torch.randn(g.out_shape)
+    fmt = wgrad_format(x, w.shape)
+    dw = grouped_direct.wgrad(dy, x, g, x.dtype, fmt, config=dict(BLOCK_M=8, BLOCK_G=2, SPLIT=split, num_warps=4))
+    assert dw.is_contiguous(memory_format=fmt)
+    ref = torch.ops.aten.convolution_backward(dy.double(), x.double(), w.double(), None, [2, 2], [1, 1], [1, 1],
+                                              False, [0, 0], 3, [False, True, False])[1]
+    assert_rel_close(dw, ref, 1e-5)
 
 
 def test_auto_rule():
@@ -132,9 +155,12 @@ def test_gpu_16bit_forward_and_gradients(dtype, shape, channels_last):
     out = tilegemm.conv2d(x, w, b, **conv, activation="relu")
     assert_rel_close(out, conv2d_reference(x, w, b, **conv, activation="relu"), tolerance(dtype))
     x.requires_grad_(True)
+    w.requires_grad_(True)
     out = tilegemm.conv2d(x, w, None, **conv)
     dy = torch.randn_like(out)
-    (gx,) = torch.autograd.grad(out, (x,), dy)
-    ref = torch.ops.aten.convolution_backward(dy.double(), x.detach().double(), w.double(), None, [stride] * 2,
-                                              [1, 1], [1, 1], False, [0, 0], groups, [True, False, False])[0]
-    assert_rel_close(gx, ref, tolerance(dtype))
+    gx, gw = torch.autograd.grad(out, (x, w), dy)
+    rx, rw, _ = torch.ops.aten.convolution_backward(dy.double(), x.detach().double(), w.detach().double(), None,
+                                                    [stride] * 2, [1, 1], [1, 1], False, [0, 0], groups,
+                                                    [True, True, False])
+    assert_rel_close(gx, rx, tolerance(dtype))
+    assert_rel_close(gw, rw, tolerance(dtype))

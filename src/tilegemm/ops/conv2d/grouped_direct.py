@@ -1,5 +1,5 @@
 """Grouped convolutions with few channels per group (ResNeXt's and RegNet's 3x3s: 2-8 channels a group) as
-direct kernels on CUDA cores, the forward and the data gradient.
+direct kernels on CUDA cores: the forward and both gradients.
 
 Seen as GEMMs, such a group is a product whose reduction (C/groups * R * S, walked tap by tap in C/groups
 steps) and width (K/groups) are far below a ``tl.dot`` tile's 16, so most of every tensor-core tile is padding.
@@ -10,7 +10,8 @@ input value of that channel, one ``[BM, BG]`` load shared by the group's K/group
 weights ``[BG, KGP]``. This is :func:`tilegemm.ops.conv2d.depthwise.depthwise_fwd_kernel`'s pattern with a
 group's channels for its one channel. The data gradient is the same with the roles of input and output
 channels swapped and the taps transposed (each input pixel gathers the output pixels whose window covers
-it). Which layers come here: :func:`tilegemm.ops.conv2d.configs.takes_grouped_direct` (docs/conv2d.md).
+it). The weight gradient sums, for each tap and group, the outer products of a pixel's K/groups output
+gradients and its CG input values over the pixels, split over programs. Which layers come here: :func:`tilegemm.ops.conv2d.configs.takes_grouped_direct` (docs/conv2d.md).
 """
 
 from __future__ import annotations
@@ -170,6 +171,81 @@ def grouped_direct_dgrad_kernel(
              mask=m_ok[:, None, None] & wc_ok[None, :, :])
 
 
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "G", "NPQ", "slice_len", "pad_h", "pad_w"])
+def grouped_direct_wgrad_kernel(
+    dy_ptr, x_ptr, dw_ptr, ws_ptr, count_ptr,
+    H, W, P, Q, G, NPQ, slice_len,
+    stride_yn, stride_yp, stride_yq, stride_yk,
+    stride_xn, stride_xh, stride_xw, stride_xc,
+    stride_dk, stride_dc, stride_dr, stride_ds,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    R: tl.constexpr, S: tl.constexpr, CG: tl.constexpr, CGP: tl.constexpr, KG: tl.constexpr,
+    KGP: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    # This program: groups [BG] x their [KGP, CGP] weights of one tap (axis 1), summed over one slice of output
+    # pixels (axis 2): dw[k, c, r, s] = sum over pixels of dy[pixel, k] * x[the tap's input pixel, c].
+    grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    tap = tl.program_id(1)
+    part = tl.program_id(2)
+    r = tap // S
+    s = tap - r * S
+    kk = tl.arange(0, KGP)
+    cc = tl.arange(0, CGP)
+    offs_m = tl.arange(0, BLOCK_M)
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+        grp = grp.to(tl.int64)
+    g_ok = grp < G
+    k = grp[:, None] * KG + kk[None, :]  # [BG, KGP] output channel
+    c = grp[:, None] * CG + cc[None, :]  # [BG, CGP] input channel
+    k_ok = g_ok[:, None] & (kk < KG)[None, :]
+    c_ok = g_ok[:, None] & (cc < CG)[None, :]
+    begin = part * slice_len
+    end = tl.minimum(begin + slice_len, NPQ)
+    acc = tl.zeros((BLOCK_M, BLOCK_G, KGP, CGP), dtype=tl.float32)
+    for m0 in range(begin, end, BLOCK_M):
+        pix = m0 + offs_m  # [BM]
+        q = pix % Q
+        p = (pix // Q) % P
+        n = pix // (P * Q)
+        h = p * str_h - pad_h + r * dil_h
+        w = q * str_w - pad_w + s * dil_w
+        in_slice = pix < end
+        ok = in_slice & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+        dyv = tl.load(dy_ptr + (n * stride_yn + p * stride_yp + q * stride_yq)[:, None, None]
+                      + (k * stride_yk)[None, :, :], mask=in_slice[:, None, None] & k_ok[None, :, :],
+                      other=0.0)  # [BM, BG, KGP]
+        xv = tl.load(x_ptr + (n * stride_xn + h * stride_xh + w * stride_xw)[:, None, None]
+                     + (c * stride_xc)[None, :, :], mask=ok[:, None, None] & c_ok[None, :, :],
+                     other=0.0)  # [BM, BG, CGP]
+        acc += dyv.to(tl.float32)[:, :, :, None] * xv.to(tl.float32)[:, :, None, :]
+    total = tl.sum(acc, axis=0)  # [BG, KGP, CGP]
+    dw = (dw_ptr + (k * stride_dk)[:, :, None] + (cc * stride_dc)[None, None, :] + r * stride_dr
+          + s * stride_ds)
+    inside = k_ok[:, :, None] & (cc < CG)[None, None, :]
+    if SPLIT == 1:
+        tl.store(dw, total.to(dw_ptr.dtype.element_ty), mask=inside)
+    else:
+        # The last slice to arrive at this (groups, tap) block adds the slices' sums in order and stores (as
+        # the depthwise and implicit-GEMM weight gradients): the whole gradient is one launch.
+        tile = tap * tl.num_programs(0) + tl.program_id(0)
+        size: tl.constexpr = BLOCK_G * KGP * CGP
+        local = ((tl.arange(0, BLOCK_G)[:, None, None] * KGP + kk[None, :, None]) * CGP + cc[None, None, :])
+        plane = (tl.num_programs(0) * tl.num_programs(1)).to(tl.int64) * size
+        ws = ws_ptr + tile.to(tl.int64) * size + local
+        tl.store(ws + part * plane, total)
+        tl.debug_barrier()  # every thread's stores before the (one-thread) release
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.debug_barrier()  # and every thread's loads after the acquire
+            summed = tl.zeros((BLOCK_G, KGP, CGP), dtype=tl.float32)
+            for sl in range(0, SPLIT):
+                summed += tl.load(ws + sl * plane, cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)
+            tl.store(dw, summed.to(dw_ptr.dtype.element_ty), mask=inside)
+
+
 # --- launchers ------------------------------------------------------------------------------------------
 
 
@@ -234,3 +310,49 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
     grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.groups, cfg["BLOCK_G"]))
     launch(grouped_direct_dgrad_kernel, grid, args, {**flags, **cfg})
     return dx
+
+
+def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype,
+          memory_format: torch.memory_format = torch.contiguous_format,
+          config: dict | None = None) -> torch.Tensor:
+    """grad of the weight for a layer the kernels take (:func:`check`): ``[K, C/groups, R, S]`` in
+    ``memory_format``, in one launch (the pixel reduction split over programs, the last to arrive at a block
+    adding the slices in order)."""
+    from tilegemm.core.launch import current_stream
+    from tilegemm.core.workspace import split_workspace
+
+    check(g)
+    kgp, cgp = _pow2_at_least(g.Kg, 1, 1 << 20), _pow2_at_least(g.Cg, 1, 1 << 20)
+    if config is None:
+        bm = 8 if interpreting() else 32
+        # a [BM, BG, KGP, CGP] fp32 accumulator: about 32 values a thread on 4 warps
+        bg = _pow2_at_least(min(g.groups, max(1, 128 // (kgp * cgp))), 1, 128)
+        config = dict(BLOCK_M=bm, BLOCK_G=bg, num_warps=4)
+    cfg = dict(config)
+    npq = g.N * g.P * g.Q
+    blocks = cdiv(g.groups, cfg["BLOCK_G"]) * g.R * g.S
+    sms = 4
+    if dy.is_cuda:
+        from tilegemm.core.hardware import sm_count
+
+        sms = sm_count(dy.device)
+    # Enough slices of the pixels for two waves of programs, each at least 8 BLOCK_M steps long (a config may
+    # name its own SPLIT).
+    split = cfg.pop("SPLIT", None) or max(1, min(-(-2 * sms // blocks), npq // (8 * cfg["BLOCK_M"]), 256))
+    slice_len = cdiv(cdiv(npq, split), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
+    split = cdiv(npq, slice_len)
+    dw = empty_4d((g.K, g.Cg, g.R, g.S), out_dtype, dy.device, memory_format)
+    grid = (cdiv(g.groups, cfg["BLOCK_G"]), g.R * g.S, split)
+    tiles = grid[0] * grid[1]
+    size = cfg["BLOCK_G"] * kgp * cgp
+    if split > 1:  # fp32 partial sums and arrival counters (tilegemm.core.workspace)
+        ws, count = split_workspace(dy.device, split * tiles * size, tiles)
+    else:
+        ws, count = dw, dw  # unused
+    args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.groups, npq, slice_len, *_nhwc_strides(dy),
+            *_nhwc_strides(x), *dw.stride(), *_conv_args(g))
+    flags = dict(R=g.R, S=g.S, CG=g.Cg, CGP=cgp, KG=g.Kg, KGP=kgp, INDEX_64=_index_64(dy, x), SPLIT=split, **cfg)
+    # The workspace is this stream's: a replay passes it as recorded and declines on another stream.
+    launch(grouped_direct_wgrad_kernel, grid, args, flags, keep=(ws, count) if split > 1 else (),
+           stream=current_stream() if split > 1 and dy.is_cuda else None)
+    return dw

@@ -354,6 +354,10 @@ def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torc
             from tilegemm.ops.conv2d import depthwise
 
             return depthwise.wgrad(dy, x, g, x.dtype)
+        if _grouped_direct(g):
+            from tilegemm.ops.conv2d import grouped_direct
+
+            return grouped_direct.wgrad(dy, x, g, x.dtype, fmt)
         if _tma_usable(x, None, g, dy):
             from tilegemm.ops.conv2d import tma_wgrad
 
@@ -382,6 +386,10 @@ def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
                 from tilegemm.ops.conv2d import depthwise
 
                 return depthwise.wgrad(dyc, xc, g, x.dtype)
+            if _grouped_direct(g):
+                from tilegemm.ops.conv2d import grouped_direct
+
+                return grouped_direct.wgrad(dyc, xc, g, x.dtype, fmt)
             if _tma_usable(xc, None, g, dyc):
                 from tilegemm.ops.conv2d import tma_wgrad
 
