@@ -18,6 +18,10 @@
 #   stream-k      research/explore_stream_k.py (persistent_tma's STREAM_K against its whole tiles and splits,
 #                 \$EXPLORE_BUDGET s);  models  the bench's models sweep, fp16, auto only
 #   batched       the bench's batched sweep, fp16 NN and NT, auto only
+#   zoo           the conv2d bench's zoo sweep (every convolution of torchvision's classification models), part
+#                 \$ZOO_PART (default 0/8; each part one device call), mode \$ZOO_MODE (fwd), dtypes \$ZOO_DTYPES
+#                 (fp16), auto only;  zoo-models  --op conv2d --model NAME (sweep images) for \$ZOO_MODELS
+#                 (the models but ResNet-50, whose entry is --model resnet50), dtype \$ZOO_DTYPE (fp16)
 #   conv2d-explore  research/explore_depthwise.py (with research/depthwise_cols.py) and
 #                 research/explore_gluon_narrow.py, \$EXPLORE_BUDGET s for the first
 # Put bench steps before `tests`: right after the test workers a bench read unchanged layers up to 2x slower
@@ -64,6 +68,12 @@ for step in "$@"; do
     batched) for l in NN NT; do bench --sweep batched --layout $l --dtype fp16 --kernels auto \
                --json "$OUT/batched-fp16-$l.json" 2>&1 | tail -n 4; done ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
+    zoo) part=${ZOO_PART:-0/8}; for d in ${ZOO_DTYPES:-fp16}; do bench --op conv2d --sweep "zoo:$part" \
+           --mode "${ZOO_MODE:-fwd}" --dtype $d --kernels auto \
+           --json "$OUT/conv2d-zoo-${ZOO_MODE:-fwd}-$d-${part/\//of}.json" 2>&1 | tail -n 4; done ;;
+    zoo-models) for m in ${ZOO_MODELS:-resnext50_32x4d convnext_tiny efficientnet_b0 mobilenet_v3_large regnet_y_1_6gf}; do
+                  bench --op conv2d --model $m --dtype "${ZOO_DTYPE:-fp16}" --json "$OUT/conv2d-model-$m.json" 2>&1 | tail -n 12
+                done ;;
     w4a16|conv2d) bench --op "$step" --json "$OUT/$step.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
