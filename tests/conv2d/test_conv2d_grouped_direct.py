@@ -4,13 +4,15 @@ bias, activations and both memory formats; ``auto``'s rule; its refusal of wide 
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 
 import tilegemm
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
 
-from conftest import assert_rel_close
+from conftest import SM90, assert_rel_close, compile_offline
 
 CL = torch.channels_last
 
@@ -164,3 +166,40 @@ def test_gpu_16bit_forward_and_gradients(dtype, shape, channels_last):
                                                     [True, True, False])
     assert_rel_close(gx, rx, tolerance(dtype))
     assert_rel_close(gw, rw, tolerance(dtype))
+
+
+# Compiles the three kernels for sm_90 (no GPU needed: Triton ships ptxas) and reads ptxas's report: the kernels
+# must not spill (with every tap unrolled they did: each tap's loads were kept live at once).
+_COMPILE = SM90 + textwrap.dedent(
+    """
+    import json, re, sys
+    from tilegemm.ops.conv2d import grouped_direct as gd
+
+    def report(kernel, flags, types):
+        sig, constexprs, attrs = signature(kernel, flags, types)
+        _, _, log = compile_sm90(kernel, sig, constexprs, attrs, num_warps=4, gluon=False)
+        return dict(regs=int(re.search(r"Used (\\d+) registers", log).group(1)),
+                    spills=int(re.search(r"(\\d+) bytes spill stores", log).group(1)))
+
+    half = lambda *names: {n: "*fp16" for n in names}
+    out = dict(
+        fwd=report(gd.grouped_direct_fwd_kernel, dict(R=3, S=3, CG=4, KG=4, KGP=4, HAS_BIAS=True, ACTIVATION="relu",
+                   INDEX_64=False, BLOCK_M=64, BLOCK_G=8), half("x_ptr", "w_ptr", "out_ptr", "bias_ptr")),
+        fwd8=report(gd.grouped_direct_fwd_kernel, dict(R=3, S=3, CG=8, KG=8, KGP=8, HAS_BIAS=False,
+                    ACTIVATION="none", INDEX_64=False, BLOCK_M=64, BLOCK_G=4), half("x_ptr", "w_ptr", "out_ptr",
+                                                                                       "bias_ptr")),
+        dgrad=report(gd.grouped_direct_dgrad_kernel, dict(R=3, S=3, CG=4, CGP=4, KG=4, INDEX_64=False, BLOCK_M=64,
+                     BLOCK_G=8), half("dy_ptr", "w_ptr", "dx_ptr")),
+        wgrad=report(gd.grouped_direct_wgrad_kernel, dict(R=3, S=3, CG=4, CGP=4, KG=4, KGP=4, INDEX_64=False,
+                     BLOCK_M=32, BLOCK_G=8, SPLIT=4), dict(half("dy_ptr", "x_ptr", "dw_ptr"), ws_ptr="*fp32",
+                                                           count_ptr="*i32")),
+    )
+    print(json.dumps(out))
+    """
+)
+
+
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    report = compile_offline(tmp_path, _COMPILE, {})
+    for name, r in report.items():
+        assert r["spills"] == 0 and r["regs"] <= 128, (name, r)

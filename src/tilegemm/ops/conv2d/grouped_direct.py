@@ -33,24 +33,24 @@ import triton.language as tl  # noqa: E402
 from tilegemm.jit.helpers import apply_activation  # noqa: E402
 
 _SIZES = ["H", "W", "P", "Q", "M", "G", "pad_h", "pad_w"]  # not specialized on: a new image compiles nothing
-_UNROLL = 72  # taps x channels unrolled up to a 3x3 filter over 8 channels; more loop (compile time)
 
 
 @triton.jit
-def _fwd_step(acc, t, x_rows, x_grp, w_kc, h0, w0, m_ok, g_ok, wk_ok, H, W, stride_xh, stride_xw, stride_xc,
-              stride_wc, stride_wr, stride_ws, dil_h, dil_w, S: tl.constexpr, CG: tl.constexpr):
-    """``acc`` plus input channel ``c`` of tap ``(r, s)`` (``t = (r * S + s) * CG + c``) of every group."""
-    c = t % CG
-    rs = t // CG
+def _fwd_tap(acc, rs, x_rows, x_grp, w_kc, h0, w0, m_ok, g_ok, wk_ok, H, W, stride_xh, stride_xw, stride_xc,
+             stride_wc, stride_wr, stride_ws, dil_h, dil_w, S: tl.constexpr, CG: tl.constexpr):
+    """``acc`` plus tap ``rs = r * S + s`` of every group: its CG input channels unrolled."""
     r = rs // S
     s = rs - r * S
     h = h0 + r * dil_h
     w = w0 + s * dil_w
     ok = m_ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)  # [BM] zero padding
-    xv = tl.load(x_rows[:, None] + (h * stride_xh + w * stride_xw)[:, None] + (x_grp + c * stride_xc)[None, :],
-                 mask=ok[:, None] & g_ok[None, :], other=0.0)  # [BM, BG] channel c of each group
-    wv = tl.load(w_kc + c * stride_wc + r * stride_wr + s * stride_ws, mask=wk_ok, other=0.0)  # [BG, KGP]
-    return acc + xv.to(tl.float32)[:, :, None] * wv.to(tl.float32)[None, :, :]
+    x_tap = x_rows[:, None] + (h * stride_xh + w * stride_xw)[:, None] + x_grp[None, :]  # [BM, BG]
+    w_tap = w_kc + r * stride_wr + s * stride_ws  # [BG, KGP]
+    for c in tl.static_range(CG):
+        xv = tl.load(x_tap + c * stride_xc, mask=ok[:, None] & g_ok[None, :], other=0.0)  # [BM, BG] channel c
+        wv = tl.load(w_tap + c * stride_wc, mask=wk_ok, other=0.0)  # [BG, KGP]
+        acc += xv.to(tl.float32)[:, :, None] * wv.to(tl.float32)[None, :, :]
+    return acc
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -63,7 +63,7 @@ def grouped_direct_fwd_kernel(
     stride_bias,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr, CG: tl.constexpr, KG: tl.constexpr, KGP: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr, UNROLL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     # This program: output pixels [BM] x groups [BG] x each group's output channels [KGP].
@@ -86,15 +86,12 @@ def grouped_direct_fwd_kernel(
     x_grp = grp * CG * stride_xc  # [BG] each group's first input channel
     w_kc = w_ptr + k * stride_wk  # [BG, KGP] each output channel's filter
 
+    # Taps in a loop, a group's channels unrolled within a tap: unrolling the taps too kept every tap's loads
+    # live at once and spilled (ptxas for sm_90, 3x3 over 4 channels).
     acc = tl.zeros((BLOCK_M, BLOCK_G, KGP), dtype=tl.float32)
-    if UNROLL:
-        for t in tl.static_range(0, R * S * CG):
-            acc = _fwd_step(acc, t, x_rows, x_grp, w_kc, h0, w0, m_ok, g_ok, wk_ok, H, W, stride_xh, stride_xw,
-                            stride_xc, stride_wc, stride_wr, stride_ws, dil_h, dil_w, S, CG)
-    else:
-        for t in range(0, R * S * CG):
-            acc = _fwd_step(acc, t, x_rows, x_grp, w_kc, h0, w0, m_ok, g_ok, wk_ok, H, W, stride_xh, stride_xw,
-                            stride_xc, stride_wc, stride_wr, stride_ws, dil_h, dil_w, S, CG)
+    for rs in range(0, R * S):
+        acc = _fwd_tap(acc, rs, x_rows, x_grp, w_kc, h0, w0, m_ok, g_ok, wk_ok, H, W, stride_xh, stride_xw,
+                       stride_xc, stride_wc, stride_wr, stride_ws, dil_h, dil_w, S, CG)
 
     # Epilogue: bias, activation, store through the output's strides (NCHW or channels-last).
     if HAS_BIAS:
@@ -106,12 +103,10 @@ def grouped_direct_fwd_kernel(
 
 
 @triton.jit
-def _dgrad_step(acc, t, dy_rows, k_grp, w_ck, hx, wx, m_ok, g_ok, wc_ok, P, Q, stride_yp, stride_yq, stride_yk,
-                stride_wk, stride_wr, stride_ws, str_h, str_w, pad_h, pad_w, dil_h, dil_w, S: tl.constexpr,
-                KG: tl.constexpr):
-    """``acc`` plus output channel ``kk`` of tap ``(r, s)`` (``t = (r * S + s) * KG + kk``) of every group."""
-    kk = t % KG
-    rs = t // KG
+def _dgrad_tap(acc, rs, dy_rows, k_grp, w_ck, hx, wx, m_ok, g_ok, wc_ok, P, Q, stride_yp, stride_yq, stride_yk,
+               stride_wk, stride_wr, stride_ws, str_h, str_w, pad_h, pad_w, dil_h, dil_w, S: tl.constexpr,
+               KG: tl.constexpr):
+    """``acc`` plus tap ``rs = r * S + s`` of every group: its KG output channels unrolled."""
     r = rs // S
     s = rs - r * S
     ph = hx + pad_h - r * dil_h  # [BM] = p * str_h where this tap of output pixel (p, q) reads (hx, wx)
@@ -119,10 +114,13 @@ def _dgrad_step(acc, t, dy_rows, k_grp, w_ck, hx, wx, m_ok, g_ok, wc_ok, P, Q, s
     p = ph // str_h
     q = pw // str_w
     ok = m_ok & (ph >= 0) & (pw >= 0) & (p * str_h == ph) & (q * str_w == pw) & (p < P) & (q < Q)
-    dyv = tl.load(dy_rows[:, None] + (p * stride_yp + q * stride_yq)[:, None] + (k_grp + kk * stride_yk)[None, :],
-                  mask=ok[:, None] & g_ok[None, :], other=0.0)  # [BM, BG]
-    wv = tl.load(w_ck + kk * stride_wk + r * stride_wr + s * stride_ws, mask=wc_ok, other=0.0)  # [BG, CGP]
-    return acc + dyv.to(tl.float32)[:, :, None] * wv.to(tl.float32)[None, :, :]
+    dy_tap = dy_rows[:, None] + (p * stride_yp + q * stride_yq)[:, None] + k_grp[None, :]  # [BM, BG]
+    w_tap = w_ck + r * stride_wr + s * stride_ws  # [BG, CGP]
+    for kk in tl.static_range(KG):
+        dyv = tl.load(dy_tap + kk * stride_yk, mask=ok[:, None] & g_ok[None, :], other=0.0)  # [BM, BG]
+        wv = tl.load(w_tap + kk * stride_wk, mask=wc_ok, other=0.0)  # [BG, CGP]
+        acc += dyv.to(tl.float32)[:, :, None] * wv.to(tl.float32)[None, :, :]
+    return acc
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -134,7 +132,7 @@ def grouped_direct_dgrad_kernel(
     stride_xn, stride_xh, stride_xw, stride_xc,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr, CG: tl.constexpr, CGP: tl.constexpr, KG: tl.constexpr,
-    INDEX_64: tl.constexpr, UNROLL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+    INDEX_64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     # This program: input pixels [BM] x groups [BG] x each group's input channels [CGP].
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -154,16 +152,9 @@ def grouped_direct_dgrad_kernel(
     w_ck = w_ptr + (grp * KG * stride_wk)[:, None] + (cc * stride_wc)[None, :]  # [BG, CGP]
 
     acc = tl.zeros((BLOCK_M, BLOCK_G, CGP), dtype=tl.float32)
-    if UNROLL:
-        for t in tl.static_range(0, R * S * KG):
-            acc = _dgrad_step(acc, t, dy_rows, k_grp, w_ck, hx, wx, m_ok, g_ok, wc_ok, P, Q, stride_yp, stride_yq,
-                              stride_yk, stride_wk, stride_wr, stride_ws, str_h, str_w, pad_h, pad_w, dil_h, dil_w,
-                              S, KG)
-    else:
-        for t in range(0, R * S * KG):
-            acc = _dgrad_step(acc, t, dy_rows, k_grp, w_ck, hx, wx, m_ok, g_ok, wc_ok, P, Q, stride_yp, stride_yq,
-                              stride_yk, stride_wk, stride_wr, stride_ws, str_h, str_w, pad_h, pad_w, dil_h, dil_w,
-                              S, KG)
+    for rs in range(0, R * S):  # taps in a loop, a group's output channels unrolled (as the forward)
+        acc = _dgrad_tap(acc, rs, dy_rows, k_grp, w_ck, hx, wx, m_ok, g_ok, wc_ok, P, Q, stride_yp, stride_yq,
+                         stride_yk, stride_wk, stride_wr, stride_ws, str_h, str_w, pad_h, pad_w, dil_h, dil_w, S, KG)
 
     c = grp[:, None] * CG + cc[None, :]  # [BG, CGP] input channel
     x_rows = n * stride_xn + hx * stride_xh + wx * stride_xw  # [BM]
@@ -288,7 +279,7 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
             out.stride(0), out.stride(2), out.stride(3), out.stride(1),
             p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
     flags = dict(R=g.R, S=g.S, CG=g.Cg, KG=g.Kg, KGP=kgp, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation,
-                 INDEX_64=p.index_64 or _index_64(out), UNROLL=g.R * g.S * g.Cg <= _UNROLL)
+                 INDEX_64=p.index_64 or _index_64(out))
     grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.groups, cfg["BLOCK_G"]))
     launch(grouped_direct_fwd_kernel, grid, args, {**flags, **cfg})
     return out
@@ -305,8 +296,7 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
     args = (dy, weight, dx, g.H, g.W, g.P, g.Q, M, g.groups, *_nhwc_strides(dy),
             weight.stride(0), weight.stride(1), weight.stride(2), weight.stride(3), *_nhwc_strides(dx),
             *_conv_args(g))
-    flags = dict(R=g.R, S=g.S, CG=g.Cg, CGP=cgp, KG=g.Kg, INDEX_64=_index_64(dy, dx, weight),
-                 UNROLL=g.R * g.S * g.Kg <= _UNROLL)
+    flags = dict(R=g.R, S=g.S, CG=g.Cg, CGP=cgp, KG=g.Kg, INDEX_64=_index_64(dy, dx, weight))
     grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.groups, cfg["BLOCK_G"]))
     launch(grouped_direct_dgrad_kernel, grid, args, {**flags, **cfg})
     return dx
