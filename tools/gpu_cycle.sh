@@ -19,6 +19,10 @@
 #   w4-random     the w4a16 bench's held-out w4-random sweep, fp16 (second baseline: fbgemm where it imports)
 #   w4-checkpoint a Llama-3-8B-shaped GPTQ checkpoint (tools/write_w4_checkpoint.py, 32 layers, \$W4_CKPT_DIR),
 #                 then the loader's tests on the GPU and `bench --op w4a16 --model llama --checkpoint` on it
+#   zoo           the conv2d bench's zoo sweep (every convolution of torchvision's classification models), part
+#                 \$ZOO_PART (default 0/8; each part one device call), mode \$ZOO_MODE (fwd), dtypes \$ZOO_DTYPES
+#                 (fp16), auto only;  zoo-models  --op conv2d --model NAME (sweep images) for \$ZOO_MODELS
+#                 (the models but ResNet-50, whose entry is --model resnet50), dtype \$ZOO_DTYPE (fp16)
 # Put bench steps before `tests`: right after the test workers a bench read unchanged layers up to 2x slower
 # (a busy host; benchmarks/results/2026-11-25-h200/8f6320b/*-after-tests-noisy.json).
 set -uo pipefail
@@ -61,6 +65,12 @@ for step in "$@"; do
     batched) for l in NN NT; do bench --sweep batched --layout $l --dtype fp16 --kernels auto \
                --json "$OUT/batched-fp16-$l.json" 2>&1 | tail -n 4; done ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
+    zoo) part=${ZOO_PART:-0/8}; for d in ${ZOO_DTYPES:-fp16}; do bench --op conv2d --sweep "zoo:$part" \
+           --mode "${ZOO_MODE:-fwd}" --dtype $d --kernels auto \
+           --json "$OUT/conv2d-zoo-${ZOO_MODE:-fwd}-$d-${part/\//of}.json" 2>&1 | tail -n 4; done ;;
+    zoo-models) for m in ${ZOO_MODELS:-resnext50_32x4d convnext_tiny efficientnet_b0 mobilenet_v3_large regnet_y_1_6gf}; do
+                  bench --op conv2d --model $m --dtype "${ZOO_DTYPE:-fp16}" --json "$OUT/conv2d-model-$m.json" 2>&1 | tail -n 12
+                done ;;
     w4a16|conv2d) bench --op "$step" --json "$OUT/$step.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -225,7 +225,8 @@ def cmd_bench(args, console, err_console) -> int:
     paths = dict(json=args.json, csv=args.csv, plot=args.plot)
     if not args.no_save:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        stem = Path(args.out) / f"{op.name.replace(':', '-')}-{dtype}-{sweep}-{stamp}"
+        part = sweep.replace(":", "-").replace("/", "of")  # zoo:0/4 -> zoo-0of4: one file name
+        stem = Path(args.out) / f"{op.name.replace(':', '-')}-{dtype}-{part}-{stamp}"
         for key, suffix in (("json", ".json"), ("csv", ".csv"), ("plot", ".png")):
             paths[key] = paths[key] or str(stem) + suffix
     writers = dict(json=write_json, csv=write_csv, plot=lambda r, p: write_plot(r, p, topk=args.topk))

@@ -71,6 +71,7 @@ EACH_KERNEL = [
     ("implicit_gemm", (2, 8, 7, 7, 8, 3, 3), 8),
     ("gemm_1x1", (2, 16, 5, 6, 24, 1, 1), 1),
     ("depthwise", (2, 8, 7, 7, 8, 3, 3), 8),
+    ("grouped_direct", (2, 8, 7, 7, 8, 3, 3), 2),
     ("tma_implicit_gemm", (2, 16, 7, 7, 24, 3, 3), 1),  # a Hopper GPU's, channels-last only
 ]
 
@@ -133,7 +134,8 @@ def test_auto_picks_by_geometry():
     assert choose_kernel(g, x_channels_last=False) == "implicit_gemm"
     assert pick((1, 16, 4, 4), (8, 16, 1, 1), padding=1) == "implicit_gemm"
     assert pick((1, 16, 4, 4), (16, 1, 3, 3), groups=16) == "depthwise"
-    assert pick((1, 16, 4, 4), (16, 2, 3, 3), groups=8) == "implicit_gemm"
+    assert pick((1, 16, 4, 4), (16, 2, 3, 3), groups=8) == "grouped_direct"  # few channels a group
+    assert pick((1, 32, 4, 4), (32, 16, 3, 3), groups=2) == "implicit_gemm"
 
 
 @pytest.mark.parametrize("stride", [2, (2, 3), 3])

@@ -338,12 +338,16 @@ class ResNet50Bench(ModelBench):
             self._built = None
             self.release()
             with _seeded("cpu"):
-                base = resnet.make_model(dims["config"] == "tiny").eval()
+                base = self._build(dims["config"] == "tiny").eval()
             ref = base.to(device=device, dtype=self.dtypes[dtype], memory_format=torch.channels_last)
             ours = tilegemm.nn.convert_(copy.deepcopy(ref))
             exact = copy.deepcopy(ref).to(torch.float32 if dtype == "fp16" else torch.float64)
             self._built = (key, ref, ours, exact)
         return self._built[1:]
+
+    def _build(self, tiny: bool) -> torch.nn.Module:
+        """The model in fp32 on the CPU (seeded by the caller)."""
+        return resnet.make_model(tiny)
 
     def prepare(self, case, dtype, device, n_sets, options):
         self.release()  # the previous case's compiled models
@@ -377,3 +381,137 @@ class ResNet50Bench(ModelBench):
         # 3.6e-4 to 8.7e-4 (224x224 batch 4, 32x32); the bound leaves cuDNN's algorithm choices ~20x. fp32
         # against fp64: 6e-8 (the tiny model), 4e-7 (torch's, 224x224); matmul's fp32 bound.
         return {"fp16": 2e-2, "fp32": 1e-4}[dtype]
+
+
+def _train_deterministic(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in training mode (batch norms on the batch's statistics) but with its dropout and stochastic
+    depth off, so that two copies compute the same step."""
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) or type(m).__name__ == "StochasticDepth":
+            m.eval()
+    return model
+
+
+class TorchvisionBench(ResNet50Bench):
+    """Any torchvision classification model (``--model NAME``, :func:`tilegemm.models.torchvision_models.names`)
+    as :class:`ResNet50Bench` runs ResNet-50: random weights (seed 0), channels-last images of the size its
+    default weights expect, its convolutions and Linears on tilegemm's kernels (``tilegemm.nn.convert_``) against
+    the same model on cuDNN. The ``images`` sweep (the GPU's default): inference at batch 32 and 1, eager and
+    under ``torch.compile``, then one training step at batch 32 (``train``: both models in training mode with
+    dropout and stochastic depth off; its result is the parameters' gradients, flattened, against the same
+    model's in fp32, or fp64 for fp32). Under the interpreter the ``tiny`` sweep runs a small ResNeXt (its
+    grouped 3x3 of 2 channels a group and a depthwise 3x3), whatever NAME.
+    """
+
+    baseline_name = "cuDNN"
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    gpu_sweep, cpu_sweep = "images", "tiny"
+    gpu_modes = ("eager", "graph", "compile", "compile-graph", "train")
+    shape_help = ("BATCH[,MODE] (MODE: eager, graph, compile, compile-graph or train on a GPU; eager or train "
+                  "under the interpreter)")
+    MODES = {**ResNet50Bench.MODES,
+             "train": "both eager, one training step (batch statistics; dropout and stochastic depth off), "
+                      "its result the parameters' gradients"}
+    # Bounds on the relative error against the fp32 model (fp64 for fp32): inference as ResNet50Bench's fp16
+    # one, bf16's 8x wider (3 fewer mantissa bits); a training step's gradients pass through the backward's
+    # convolutions and batch norms in 16 bits too (the baseline's row shows cuDNN's own error beside them).
+    INFERENCE_TOLERANCE = {"fp16": 2e-2, "bf16": 1.6e-1, "fp32": 1e-4}
+    TRAIN_TOLERANCE = {"fp16": 5e-2, "bf16": 2e-1, "fp32": 1e-3}
+
+    TINY_IMAGE = 16  # the small ResNeXt's images: a training step under the interpreter in seconds
+
+    def __init__(self, model: str, batches: tuple[int, ...] = (32, 1)):
+        from tilegemm.models import torchvision_models
+
+        super().__init__(batches)
+        try:
+            torchvision_models.check_name(model)
+        except ValueError as err:
+            raise BenchError(str(err)) from None
+        self.model, self.name = model, f"conv2d:{model}"
+        self.GPU_IMAGE = torchvision_models.image_size(model)
+        self.sweeps = {"images": self._images_cases, "inference": self._inference_cases, "tiny": self._tiny_cases}
+        self._train = False  # the case prepare() made last is a training step (its tolerance)
+
+    def modes(self):
+        return ("eager", "train") if interpreting() else self.gpu_modes
+
+    def _require(self, tiny: bool) -> None:
+        from tilegemm.models import torchvision_models
+
+        if tiny:
+            return
+        try:
+            torchvision_models.require_torchvision()
+        except ImportError as err:
+            raise BenchError(f"--model {self.model}: {err} (the tiny sweep runs without it)") from None
+        if interpreting():
+            raise BenchError(f"--model {self.model} at {self.GPU_IMAGE}x{self.GPU_IMAGE} needs a CUDA GPU; under the "
+                             "interpreter run --sweep tiny")
+
+    def _case(self, batch, mode, tiny, x):
+        dims = dict(batch=batch, image=self.TINY_IMAGE if tiny else self.GPU_IMAGE, mode=mode,
+                    config="tiny" if tiny else self.model)
+        return Case(f"b{batch} {mode}", dims, float(x))
+
+    def _images_cases(self) -> list[Case]:
+        self._require(tiny=False)
+        points = [(batch, mode) for batch in self.batches for mode in ("eager", "compile")]
+        points.append((self.batches[0], "train"))
+        return [self._case(batch, mode, False, i) for i, (batch, mode) in enumerate(points)]
+
+    def _tiny_cases(self) -> list[Case]:
+        return [self._case(2, "eager", True, 0), self._case(2, "train", True, 1)]
+
+    def description(self, cases):
+        d = cases[0].dims
+        what = ("a small ResNeXt (a stem, one bottleneck with a grouped 3x3 of 2 channels a group, a depthwise "
+                "3x3)" if d["config"] == "tiny" else f"torchvision's {self.model}")
+        modes = "; ".join(f"{m} = {self.MODES[m]}" for m in dict.fromkeys(c.dims["mode"] for c in cases))
+        baseline = "torch's CPU convolutions" if interpreting() else "cuDNN (benchmark mode)"
+        return (f"{what}, random weights (seed 0), {d['image']}x{d['image']} channels-last images; "
+                f"tilegemm.nn.convert_ (every convolution and Linear on tilegemm's kernels) against the same model on "
+                f"{baseline}. Reference: the same model in fp32, tf32 off (fp64 for an fp32 run); inference compares "
+                f"the logits, a training step the parameters' gradients. {modes}")
+
+    def _build(self, tiny: bool) -> torch.nn.Module:
+        from tilegemm.models import torchvision_models
+
+        return torchvision_models.tiny_resnext() if tiny else torchvision_models.build(self.model)
+
+    def prepare(self, case, dtype, device, n_sets, options):
+        self._train = case.dims["mode"] == "train"
+        if not self._train:
+            return super().prepare(case, dtype, device, n_sets, options)
+        import tilegemm.nn
+        from tilegemm.models.torchvision_models import gradients
+
+        self.release()
+        d = case.dims
+        ref, _, exact = self._models(d, dtype, device)
+        ref = _train_deterministic(copy.deepcopy(ref))
+        ours = _train_deterministic(tilegemm.nn.convert_(copy.deepcopy(ref)))
+        exact = _train_deterministic(copy.deepcopy(exact))
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(d["batch"], 3, d["image"], d["image"], generator=gen)
+        x = x.to(device=device, dtype=self.dtypes[dtype]).contiguous(memory_format=torch.channels_last)
+        target = torch.randint(0, 10, (d["batch"],), generator=gen).to(device)
+        with _Precise(benchmark=False):
+            reference = gradients(exact, x.to(next(exact.parameters()).dtype), target)
+        inputs = dict(ours=lambda: gradients(ours, x, target), ref=lambda: gradients(ref, x, target))
+        return Prepared([inputs], reference, bytes_per_set=x.numel() * x.element_size() + _nbytes(ref))
+
+    def run(self, kernel, inputs, dtype):
+        if not self._train:
+            return super().run(kernel, inputs, dtype)
+        return inputs["ours"]()
+
+    def baseline(self, inputs, dtype):
+        if not self._train:
+            return super().baseline(inputs, dtype)
+        return inputs["ref"]()
+
+    def tolerance(self, dtype):
+        # the runner asks right after prepare(): the bound of the case it made
+        return (self.TRAIN_TOLERANCE if self._train else self.INFERENCE_TOLERANCE)[dtype]

@@ -18,7 +18,8 @@ register_op(OpSpec(
     name="conv2d", summary="2-D convolution (F.conv2d semantics) with fused bias and activation; fwd and bwd",
     bench="tilegemm.ops.conv2d.bench:Conv2dBench",
     pseudo={"auto": "tma_implicit_gemm where TMA can describe the call (Hopper, 16-bit, channels-last), else "
-                    "gemm_1x1 for pointwise, depthwise for depthwise, implicit_gemm otherwise (the default)"},
+                    "gemm_1x1 for pointwise, depthwise for depthwise, grouped_direct for groups of at most 8 channels, "
+                    "implicit_gemm otherwise (the default)"},
 ))
 register(KernelSpec(
     op="conv2d", name="implicit_gemm", order=10, target="tilegemm.ops.conv2d.implicit_gemm:run",
@@ -36,6 +37,11 @@ register(KernelSpec(
 register(KernelSpec(
     op="conv2d", name="depthwise", order=30, target="tilegemm.ops.conv2d.depthwise:run",
     summary="direct kernel for groups = C: taps summed elementwise over [pixels, channels] tiles",
+))
+
+register(KernelSpec(
+    op="conv2d", name="grouped_direct", order=35, target="tilegemm.ops.conv2d.grouped_direct:run",
+    summary="direct kernel for few channels a group (2-16): fp32 multiply-adds over [pixels, groups x channels]",
 ))
 
 from tilegemm.ops.conv2d.op import conv2d  # noqa: E402

@@ -1,4 +1,5 @@
-"""The bench adapter of conv2d: ResNet-50 and MobileNetV2 layers, cuDNN (benchmark mode) as the baseline, work in
+"""The bench adapter of conv2d: ResNet-50 and MobileNetV2 layers, every convolution of torchvision's classification
+models (``zoo``, or a part of it, ``zoo:I/N``: :mod:`tilegemm.ops.conv2d.zoo`), cuDNN (benchmark mode) as the baseline, work in
 FLOPs. Options: ``mode``, ``fwd`` (the forward) or ``bwd`` (data and weight gradients); ``memory_format``,
 ``channels_last`` (the default, tilegemm's fast path) or ``nchw``: the layout of x, the weight and the output
 gradient on both sides.
@@ -20,6 +21,39 @@ def _case(N, C, H, W, K, R, S, stride=1, pad=0, groups=1, x=0.0) -> Case:
     label = f"n{N}c{C}h{H}w{W}k{K}r{R}s{S}/{stride}" + (f"g{groups}" if groups > 1 else "")
     dims = dict(N=N, C=C, H=H, W=W, K=K, R=R, S=S, stride=stride, pad=pad, groups=groups)
     return Case(label, dims, float(x))
+
+
+def _zoo_cases(sweep: str) -> list[Case]:
+    """The ``zoo`` sweep or its part ``zoo:I/N`` (:mod:`tilegemm.ops.conv2d.zoo`): batch 32, each case's
+    ``models`` naming the torchvision models the layer comes from."""
+    from tilegemm.ops.conv2d import zoo
+
+    try:
+        part, parts = zoo.parse_part(sweep)
+    except ValueError as err:
+        raise BenchError(str(err)) from None
+    cases = []
+    for i, layer in enumerate(zoo.part_layers(part, parts)):
+        (sh, sw), (ph, pw), (dh, dw) = layer["stride"], layer["padding"], layer["dilation"]
+        C, K, H, W, R, S, groups = (layer[k] for k in ("C", "K", "H", "W", "R", "S", "groups"))
+        label = (f"n{zoo.BATCH}c{C}h{H}w{W}k{K}r{R}s{S}/{sh}x{sw}p{ph}x{pw}" + (f"d{dh}x{dw}" if (dh, dw) != (1, 1)
+                 else "") + (f"g{groups}" if groups > 1 else ""))
+        dims = dict(N=zoo.BATCH, C=C, H=H, W=W, K=K, R=R, S=S, stride=sh, pad=ph, groups=groups, stride_w=sw,
+                    pad_w=pw, dilation=dh, dilation_w=dw, models=",".join(layer["models"]))
+        cases.append(Case(label, dims, float(i)))
+    return cases
+
+
+def _pairs(d) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """(stride, padding, dilation) of a case as (h, w) pairs (the zoo's cases may differ along h and w)."""
+    return ((d["stride"], d.get("stride_w", d["stride"])), (d["pad"], d.get("pad_w", d["pad"])),
+            (d.get("dilation", 1), d.get("dilation_w", d.get("dilation", 1))))
+
+
+def _out_size(d) -> tuple[int, int]:
+    """(P, Q) of a case."""
+    (sh, sw), (ph, pw), (dh, dw) = _pairs(d)
+    return ((d["H"] + 2 * ph - dh * (d["R"] - 1) - 1) // sh + 1, (d["W"] + 2 * pw - dw * (d["S"] - 1) - 1) // sw + 1)
 
 
 def _distinct(layers, N) -> list[Case]:
@@ -76,12 +110,31 @@ class Conv2dBench(BenchOp):
         "mobilenet": lambda: _distinct(mobilenet_v2_layers(), 64),
         "tiny": lambda: [_case(2, 8, 9, 9, 16, 3, 3, 1, 1, x=0), _case(2, 16, 6, 6, 16, 1, 1, x=1),
                          _case(2, 8, 8, 8, 8, 3, 3, 2, 1, groups=8, x=2)],
+        "zoo": lambda: _zoo_cases("zoo"),  # zoo:I/N, part I of N, too (cases())
     }
     gpu_sweep = "resnet50"
     cpu_sweep = "tiny"
     options = ("mode", "memory_format")
     shape_help = "N,C,H,W,K,R,S[,stride[,pad[,groups]]] (e.g. 32,64,56,56,64,3,3,1,1)"
     models = {"resnet50": "tilegemm.models.bench:ResNet50Bench"}  # images/s of a converted ResNet-50 vs cuDNN
+
+    def model_bench(self, name: str, **kwargs):
+        """``resnet50``'s entry, or any other torchvision classification model's
+        (:class:`tilegemm.models.bench.TorchvisionBench`: ``--model resnext50_32x4d``, ...)."""
+        if name in self.models:
+            return super().model_bench(name, **kwargs)
+        from tilegemm.models.bench import TorchvisionBench
+        from tilegemm.models.torchvision_models import names
+
+        if name not in names():
+            raise BenchError(f"op conv2d has no model {name!r}; choose resnet50 or a torchvision classification "
+                             f"model: {', '.join(names())}")
+        return TorchvisionBench(name, **kwargs)
+
+    def cases(self, sweep: str) -> list[Case]:
+        if sweep.startswith("zoo:"):
+            return _zoo_cases(sweep)
+        return super().cases(sweep)
 
     @staticmethod
     def _mode(options) -> str:
@@ -120,7 +173,8 @@ class Conv2dBench(BenchOp):
 
     @staticmethod
     def _conv(d) -> dict:
-        return dict(stride=d["stride"], padding=d["pad"], groups=d["groups"])
+        stride, padding, dilation = _pairs(d)
+        return dict(stride=stride, padding=padding, dilation=dilation, groups=d["groups"])
 
     def _precision(self, dtype: str) -> str:
         return "tf32" if dtype == "tf32" else "ieee"
@@ -134,8 +188,7 @@ class Conv2dBench(BenchOp):
         tdtype = self.dtypes[dtype]
         conv = self._conv(d)
         fan_in = d["C"] // d["groups"] * d["R"] * d["S"]
-        P = (d["H"] + 2 * d["pad"] - d["R"]) // d["stride"] + 1
-        Q = (d["W"] + 2 * d["pad"] - d["S"]) // d["stride"] + 1
+        P, Q = _out_size(d)
         sets = []
         for _ in range(n_sets):
             x = torch.randn(d["N"], d["C"], d["H"], d["W"], device=device, dtype=tdtype)
@@ -148,7 +201,8 @@ class Conv2dBench(BenchOp):
                 # The gradients' arguments as autograd's backward passes them (the forward checked the call):
                 # checking them again on every timed call would bill tilegemm for host work a backward pass
                 # does not do.
-                g = check_conv(inputs["x"], inputs["w"], None, conv["stride"], conv["padding"], 1, conv["groups"])
+                g = check_conv(inputs["x"], inputs["w"], None, conv["stride"], conv["padding"], conv["dilation"],
+                               conv["groups"])
                 inputs["grad_args"] = (list(g.stride), list(g.padding), list(g.dilation), g.groups,
                                        self._precision(dtype))
             sets.append(inputs)
@@ -158,8 +212,8 @@ class Conv2dBench(BenchOp):
             reference = torch.nn.functional.conv2d(x64, w64, None, **conv)
         else:
             dx, dw, _ = torch.ops.aten.convolution_backward(
-                first["dy"].double(), x64, w64, None, [conv["stride"]] * 2, [conv["padding"]] * 2, [1, 1], False,
-                [0, 0], conv["groups"], [True, True, False])
+                first["dy"].double(), x64, w64, None, list(conv["stride"]), list(conv["padding"]),
+                list(conv["dilation"]), False, [0, 0], conv["groups"], [True, True, False])
             reference = torch.cat([dx.permute(0, 2, 3, 1).flatten(), dw.permute(0, 2, 3, 1).flatten()])
         size = tdtype.itemsize
         x_bytes, w_bytes, y_bytes = (d["N"] * d["C"] * d["H"] * d["W"], d["K"] * fan_in, d["N"] * d["K"] * P * Q)
@@ -192,8 +246,8 @@ class Conv2dBench(BenchOp):
         x, w, conv = inputs["x"], inputs["w"], inputs["conv"]
         if inputs["mode"] == "fwd":
             return torch.nn.functional.conv2d(x, w, None, **conv)
-        s, p = [conv["stride"]] * 2, [conv["padding"]] * 2
-        dx, dw, _ = torch.ops.aten.convolution_backward(inputs["dy"], x, w, None, s, p, [1, 1], False, [0, 0],
+        s, p, dil = list(conv["stride"]), list(conv["padding"]), list(conv["dilation"])
+        dx, dw, _ = torch.ops.aten.convolution_backward(inputs["dy"], x, w, None, s, p, dil, False, [0, 0],
                                                         conv["groups"], [True, True, False])
         return self._flat_grads(dx, dw)
 
@@ -202,8 +256,7 @@ class Conv2dBench(BenchOp):
 
     def work(self, case, dtype, options):
         d = case.dims
-        P = (d["H"] + 2 * d["pad"] - d["R"]) // d["stride"] + 1
-        Q = (d["W"] + 2 * d["pad"] - d["S"]) // d["stride"] + 1
+        P, Q = _out_size(d)
         flops = 2.0 * d["N"] * P * Q * d["K"] * (d["C"] // d["groups"]) * d["R"] * d["S"]
         return flops * (2 if self._mode(options) == "bwd" else 1)
 

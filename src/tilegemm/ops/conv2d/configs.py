@@ -341,3 +341,20 @@ def pointwise_as_gemm(g: Geometry, sms: int, gluon: bool = True) -> bool:
     cfg = tma_forward_config(g, sms)
     tiles = _patch(g, cfg["BI"] * cfg["BH"] * cfg["BW"])[3] * -(-g.Kg // cfg["BLOCK_N"]) * g.groups
     return tiles < sms and g.R * g.S * (g.Cg // cfg["BLOCK_K"]) >= 32
+
+
+# --- grouped_direct (ops/conv2d/grouped_direct.py) ------------------------------------------------------------
+#
+# A group of at most 8 input channels feeds a tl.dot tile (at least 16 deep and 16 wide) at most half its depth
+# and, where K/groups is as small, half its width: a quarter or less of every tensor-core operation is used.
+# On CUDA cores a 3x3 tap over 8 channels is 144 fp32 FLOPs an output element, a few times the time of the
+# element's bytes, with no padding wasted: auto sends such layers (groups > 1, not depthwise) there
+# (docs/conv2d.md, "Grouped convolutions with few channels a group").
+GROUPED_DIRECT_AUTO_CHANNELS = 8
+GROUPED_DIRECT_MOST_CHANNELS = 16  # what the kernels take: a group's channels are unrolled into the loop
+
+
+def takes_grouped_direct(g: Geometry) -> bool:
+    """Whether ``auto`` runs ``g``'s forward and data gradient by ``grouped_direct`` (see above)."""
+    return (g.groups > 1 and not g.is_depthwise and g.Cg <= GROUPED_DIRECT_AUTO_CHANNELS
+            and g.Kg <= 4 * GROUPED_DIRECT_AUTO_CHANNELS)

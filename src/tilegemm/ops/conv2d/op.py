@@ -43,7 +43,12 @@ def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, 
     :func:`tilegemm.ops.conv2d.configs.pointwise_as_gemm`).
     Otherwise: 1x1 stride-1 unpadded single-group convolutions go to ``gemm_1x1`` (tilegemm's GEMM on the
     channels-last view), and so do strided ones with a channels-last input (the kept pixels gathered into a
-    matrix first); depthwise ones to ``depthwise``, everything else to ``implicit_gemm``."""
+    matrix first); depthwise ones to ``depthwise``, everything else to ``implicit_gemm``. Before all that, grouped
+    layers of few channels a group go to ``grouped_direct`` (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`)."""
+    from tilegemm.ops.conv2d.configs import takes_grouped_direct
+
+    if takes_grouped_direct(g):  # few channels a group: CUDA cores, not mostly empty MMA tiles
+        return "grouped_direct"
     pointwise = g.is_pointwise or (g.is_strided_pointwise and x_channels_last)
     if tma and not g.is_depthwise:
         from tilegemm.ops.conv2d.configs import pointwise_as_gemm
@@ -55,6 +60,12 @@ def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, 
     if g.is_depthwise:
         return "depthwise"
     return "implicit_gemm"
+
+
+def _grouped_direct(g: Geometry) -> bool:
+    from tilegemm.ops.conv2d.configs import takes_grouped_direct
+
+    return takes_grouped_direct(g)
 
 
 _TMA_REASON: list = []  # why the TMA kernels cannot run in this process (None: they can), once asked
@@ -152,6 +163,8 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
         xc, xbuf = layout.workspace_view(p.x, "conv2d-nchw-input")
         if g.is_depthwise:
             kernel = "depthwise"
+        elif _grouped_direct(g):
+            kernel = "grouped_direct"
         elif _tma_usable(xc, p.weight, g):
             kernel = "tma_implicit_gemm"
         else:
@@ -243,6 +256,10 @@ def _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation, grou
             from tilegemm.ops.conv2d import depthwise
 
             return depthwise.dgrad(dy, weight, x_shape, fmt, g)
+        if _grouped_direct(g):
+            from tilegemm.ops.conv2d import grouped_direct
+
+            return grouped_direct.dgrad(dy, weight, x_shape, fmt, g)
         if x_channels_last and _tma_candidate(dy):
             from tilegemm.ops.conv2d import tma_fwd
 
@@ -269,6 +286,10 @@ def _dgrad_nchw(dy, weight, x_shape, g, precision) -> torch.Tensor:
                 from tilegemm.ops.conv2d import depthwise
 
                 return depthwise.dgrad(dyc, weight, x_shape, nchw, g)
+            if _grouped_direct(g):
+                from tilegemm.ops.conv2d import grouped_direct
+
+                return grouped_direct.dgrad(dyc, weight, x_shape, nchw, g)
             if _tma_candidate(dyc):
                 from tilegemm.ops.conv2d import tma_fwd
 
@@ -333,6 +354,10 @@ def _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torc
             from tilegemm.ops.conv2d import depthwise
 
             return depthwise.wgrad(dy, x, g, x.dtype)
+        if _grouped_direct(g):
+            from tilegemm.ops.conv2d import grouped_direct
+
+            return grouped_direct.wgrad(dy, x, g, x.dtype, fmt)
         if _tma_usable(x, None, g, dy):
             from tilegemm.ops.conv2d import tma_wgrad
 
@@ -361,6 +386,10 @@ def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
                 from tilegemm.ops.conv2d import depthwise
 
                 return depthwise.wgrad(dyc, xc, g, x.dtype)
+            if _grouped_direct(g):
+                from tilegemm.ops.conv2d import grouped_direct
+
+                return grouped_direct.wgrad(dyc, xc, g, x.dtype, fmt)
             if _tma_usable(xc, None, g, dyc):
                 from tilegemm.ops.conv2d import tma_wgrad
 

@@ -1,0 +1,32 @@
+"""examples/torchvision_model.py NAME --tiny: a small ResNeXt converted with tilegemm.nn.convert_, under the
+interpreter; an unknown name is refused naming the choices."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "torchvision_model.py")
+
+
+def _run(*argv):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TILEGEMM_INTERPRET")}
+    env["TILEGEMM_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, EXAMPLE, *argv], capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_tiny_resnext_agrees_with_torch():
+    done = _run("resnext50_32x4d", "--tiny")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert float(out.split("relative error ")[1].split()[0]) < 1e-5, out
+    line = out.split("worst gradient relative error ")[1].splitlines()[0]  # "tilegemm A, cuDNN B; ..."
+    ours, theirs = (float(line.split(f"{side} ")[1].split()[0].rstrip(",;")) for side in ("tilegemm", "cuDNN"))
+    assert ours < 1e-4 and ours <= 2 * theirs + 1e-4, out
+
+
+def test_unknown_model_is_refused():
+    done = _run("resnext50", "--tiny")
+    assert done.returncode != 0 and "unknown torchvision classification model 'resnext50'; choose one of: alexnet" \
+        in done.stderr, done.stderr[-2000:]
