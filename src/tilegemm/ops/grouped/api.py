@@ -1,0 +1,59 @@
+"""The public functions of the grouped family: ``tilegemm.grouped_mm`` and the batched-product entry the dense
+matmul can route 3-D operands to."""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core import registry
+from tilegemm.core.launch import plain_call
+from tilegemm.ops.grouped.checks import check_grouped
+from tilegemm.ops.grouped.op import forward, grouped_mm_op
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+               kernel: str = "auto") -> torch.Tensor:
+    """A grouped matrix product with ``torch.nn.functional.grouped_mm``'s semantics.
+
+    Layouts (G groups; ``offs`` int32 ``[G]``, the cumulative ends of the groups, on a's device):
+
+    - a ``[M, K]``, b ``[G, K, N]``, offs: rows ``offs[g-1]:offs[g]`` of a times ``b[g]`` -> ``[M, N]`` (the MoE
+      forward: tokens sorted by expert);
+    - a ``[G, M, K]``, b ``[G, K, N]``, no offs: a batched product -> ``[G, M, N]``;
+    - a ``[M, K]``, b ``[K, N]``, offs splits K: ``a[:, Kg] @ b[Kg]`` -> ``[G, M, N]`` (the weight gradient);
+    - a ``[G, M, K]``, b ``[K, N]``, offs splits b's columns: ``a[g] @ b[:, Ng]`` -> ``[M, N]``.
+
+    Rows (columns for 3-D x 2-D) past ``offs[-1]`` are zero; empty groups are allowed. Operands are read in place
+    through their strides (b row- or column-major). fp16, bf16, fp32 (tf32 where
+    ``torch.get_float32_matmul_precision()`` allows it), accumulated in fp32.
+
+    Args:
+        bias: ``[N]`` (added to every group's rows) or ``[G, N]`` (one row per group; ``[N]`` only for 3-D x 2-D).
+            torch's own grouped_mm takes no bias yet; tilegemm adds it in the epilogue.
+        out_dtype: None (a's dtype) or fp32.
+        kernel: ``"auto"`` or a name from ``tilegemm.kernels("grouped")``.
+
+    Differentiable in a, b and bias. ``offs`` stays on the device: nothing on the call's path reads it on the host
+    (so a CUDA graph captures the call and replays it with other group sizes); its values are checked only when it
+    is on the CPU.
+
+    Raises:
+        TypeError, ValueError: naming the bad argument (dtypes, shapes, offs, devices).
+    """
+    check_grouped(a, b, offs, bias, out_dtype)
+    if kernel != "auto":
+        registry.get("grouped", kernel)
+    precision = "default"
+    if plain_call(a, b, offs, bias):
+        return forward(a, b, offs, bias, out_dtype, precision, kernel)
+    return grouped_mm_op(a, b, offs, bias, out_dtype, precision, kernel)
+
+
+def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul(a, b)`` of two 3-D operands of one batch size, on the grouped family's kernel (one launch,
+    the batch on a grid axis, operands read in place through their strides). The entry the dense matmul can route
+    batched problems to; differentiable."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 3 or b.dim() != 3:
+        raise ValueError("batched_matmul takes two 3-D tensors [B, M, K] and [B, K, N]")
+    return grouped_mm(a, b)
