@@ -7,8 +7,8 @@ import torch
 
 from tilegemm.core import registry
 from tilegemm.core.launch import plain_call
-from tilegemm.ops.grouped.checks import check_grouped
-from tilegemm.ops.grouped.op import forward, grouped_mm_op
+from tilegemm.ops.grouped.checks import check_grouped, check_grouped_int4
+from tilegemm.ops.grouped.op import forward, forward_int4, grouped_mm_op, grouped_w4a16_op
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = None,
@@ -57,3 +57,27 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 3 or b.dim() != 3:
         raise ValueError("batched_matmul takes two 3-D tensors [B, M, K] and [B, K, N]")
     return grouped_mm(a, b)
+
+
+def grouped_matmul(x: torch.Tensor, w, offs: torch.Tensor, bias: torch.Tensor | None = None,
+                   activation: str | None = None, *, kernel: str = "auto") -> torch.Tensor:
+    """4-bit experts: ``activation(x[rows of g] @ dequantize(w)[g].T + bias[g])`` for each expert g.
+
+    Args:
+        x: ``[M, K]``, fp16 or bf16 (the weight's scales' dtype), rows sorted by expert.
+        w: an ``Int4Weight`` of stacked experts ``[E, N, K]`` (``tilegemm.w4a16.quantize`` of a 3-D weight).
+        offs: int32 ``[E]``, the cumulative ends of each expert's rows (on x's device; rows past ``offs[-1]``
+            come out zero).
+        bias: ``[N]`` or ``[E, N]``.
+        activation: None/``"none"``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``, ``"leaky_relu"``.
+
+    Returns ``[M, N]`` in x's dtype. Differentiable in x and bias (the weight is frozen).
+    """
+    activation = "none" if activation is None else activation
+    check_grouped_int4(x, w, offs, bias, activation)
+    if kernel != "auto":
+        registry.get("grouped_w4a16", kernel)
+    args = (x, w.qweight, w.scales, w.zeros, offs, bias, w.group_k, activation, False, kernel)
+    if plain_call(x, offs, bias):
+        return forward_int4(*args)
+    return grouped_w4a16_op(*args)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.runtime import check_same_device
+from tilegemm.ops.w4a16.format import Int4Weight, validate
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -104,3 +106,38 @@ def check_grouped(a, b, offs, bias, out_dtype) -> tuple[str, int]:
         named["bias"] = bias
     check_same_device(named)
     return layout, groups
+
+
+def check_grouped_int4(x, w, offs, bias, activation, gated: bool = False) -> None:
+    """Check a ``w4a16.grouped_matmul`` call (w: an ``Int4Weight`` of stacked experts ``[E, N, K]``)."""
+    if not isinstance(w, Int4Weight):
+        raise TypeError(f"w must be an Int4Weight of stacked experts (tilegemm.w4a16.quantize of an [E, N, K] "
+                        f"weight), got {type(w).__name__}")
+    if len(w.shape) != 3:
+        raise ValueError(f"w must hold stacked experts [E, N, K]; this Int4Weight is {list(w.shape)} (quantize "
+                         f"the 3-D weight)")
+    validate(w)
+    _tensor("x", x)
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"x has dtype {dtype_name(x.dtype)}; grouped_matmul takes fp16 or bf16 activations")
+    if x.dtype != w.dtype:
+        raise TypeError(f"x is {dtype_name(x.dtype)} but the weight's scales are {dtype_name(w.dtype)}: convert one "
+                        f"(w.to({x.dtype}))")
+    E, N, K = w.shape
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"x must be [M, K] with K = {K} (the experts' in_features), got {list(x.shape)}")
+    if offs is None:
+        raise ValueError("offs is required: the int32 cumulative ends of each expert's rows of x")
+    check_offs(offs, E, "the experts: w.shape[0]; offs splits x's rows", x.shape[0])
+    named = {"x": x, "w": w.qweight, "offs": offs}
+    if bias is not None:
+        _tensor("bias", bias)
+        if bias.dtype != x.dtype:
+            raise TypeError(f"bias has dtype {dtype_name(bias.dtype)}; expected {dtype_name(x.dtype)}")
+        if tuple(bias.shape) not in ((N,), (E, N)):
+            raise ValueError(f"bias must have shape [{N}] or [{E}, {N}], got {list(bias.shape)}")
+        named["bias"] = bias
+    if gated and N % 2:
+        raise ValueError(f"a gated product needs an even number of weight rows (gate, then up), got {N}")
+    check_activation(activation)
+    check_same_device(named)

@@ -15,11 +15,13 @@ from typing import Optional
 
 import torch
 
+from tilegemm.core import registry
+from tilegemm.core.activations import torch_activation
 from tilegemm.core.dtypes import resolve_precision
-from tilegemm.core.runtime import new_output
+from tilegemm.core.runtime import new_output, on_device
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.grouped import dispatch
-from tilegemm.ops.grouped.problem import make_problem, out_shape
+from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem, out_shape
 
 
 def _groups(layout: str, a, b, offs) -> int:
@@ -98,3 +100,77 @@ def _backward(ctx, grad):
 
 grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 lean_autograd(grouped_mm_op)  # a compiled graph's plain calls skip the custom op's Python layers
+
+
+# --- 4-bit experts: tilegemm::grouped_w4a16 ------------------------------------------------------------------
+
+
+def forward_int4(x, qweight, scales, zeros, offs, bias, group_k: int, activation: str, gated: bool,
+                 kernel: str) -> torch.Tensor:
+    E, N, K = qweight.shape[0], qweight.shape[2], x.shape[1]
+    N_out = N // 2 if gated else N
+    out = new_output((x.shape[0], N_out), x.dtype, x.device)
+    if out.numel() == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    p = GroupedInt4Problem(x, qweight, scales, zeros, offs, bias, out, E, x.shape[0], N_out, K, group_k,
+                           activation, gated)
+    with on_device(x.device):
+        registry.launcher("grouped_w4a16", "dequant_dot" if kernel == "auto" else kernel)(p)
+    return out
+
+
+@torch.library.custom_op("tilegemm::grouped_w4a16", mutates_args=())
+def grouped_w4a16_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     offs: torch.Tensor, bias: Optional[torch.Tensor], group_k: int, activation: str, gated: bool,
+                     kernel: str) -> torch.Tensor:
+    return forward_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel)
+
+
+@grouped_w4a16_op.register_fake
+def _fake_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel):
+    N = qweight.shape[2]
+    return x.new_empty((x.shape[0], N // 2 if gated else N))
+
+
+def dequantized_experts(qweight, scales, zeros, group_k: int, dtype) -> torch.Tensor:
+    """The stacked experts' weight ``[E, N, K]`` the 4-bit one stands for (as format.dequantize computes it)."""
+    E, R, N = qweight.shape
+    K = R * 8
+    shifts = torch.arange(8, device=qweight.device, dtype=torch.int32) * 4
+    q = ((qweight[:, :, None, :] >> shifts[None, None, :, None]) & 15).reshape(E, K, N)
+    g = torch.arange(K, device=qweight.device) // group_k
+    wt = ((q.float() - zeros.float()[:, g]) * scales.float()[:, g]).to(dtype)  # [E, K, N]
+    return wt.transpose(1, 2)
+
+
+def _setup_int4(ctx, inputs, output):
+    x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel = inputs
+    ctx.save_for_backward(x, qweight, scales, zeros, offs, bias)
+    ctx.group_k, ctx.activation, ctx.gated = group_k, activation, gated
+
+
+def _backward_int4(ctx, grad):
+    """Gradients of x and bias (the 4-bit weight is frozen), through the pre-activation recomputed in fp32."""
+    x, qweight, scales, zeros, offs, bias = ctx.saved_tensors
+    w = dequantized_experts(qweight, scales, zeros, ctx.group_k, x.dtype)  # [E, N, K]
+    pre = grouped_mm_op(x, w.transpose(1, 2), offs, bias, torch.float32, "ieee", "auto")  # [M, N] (2N gated)
+    with torch.enable_grad():
+        pre = pre.detach().requires_grad_(True)
+        if ctx.gated:
+            half = pre.shape[1] // 2
+            y = torch_activation(pre[:, :half], ctx.activation) * pre[:, half:]
+        else:
+            y = torch_activation(pre, ctx.activation)
+        (dpre,) = torch.autograd.grad(y, pre, grad.float())
+    gx = gbias = None
+    if ctx.needs_input_grad[0]:
+        gx = grouped_mm_op(dpre.to(x.dtype), w, offs, None, None, "ieee", "auto")
+    if bias is not None and ctx.needs_input_grad[5]:
+        gbias = _bias_grad("2d3d", dpre, offs, tuple(bias.shape), bias.dtype, "ieee")
+    return gx, None, None, None, None, gbias, None, None, None, None
+
+
+grouped_w4a16_op.register_autograd(_backward_int4, setup_context=_setup_int4)
+lean_autograd(grouped_w4a16_op)

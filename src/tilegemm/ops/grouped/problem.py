@@ -81,3 +81,30 @@ def make_problem(layout: str, groups: int, a, b, offs, bias, out, precision: str
         N //= 2
         up = N * b.stride(-1)
     return GroupedProblem(layout, a, b, offs, bias, out, groups, M, N, K, precision, activation, gated, up)
+
+
+@dataclass(frozen=True)
+class GroupedInt4Problem:
+    """One call of 4-bit experts: rows ``offs[g-1]:offs[g]`` of x ``[M, K]`` times expert g's weight, held as an
+    ``Int4Weight`` stacked over experts (qweight ``[E, K/8, N]``, scales and zeros ``[E, G_k, N]``). ``N`` is the
+    output's width; with ``gated`` the weight holds 2N rows (gate, then up) and the output is
+    ``activation(gate) * up``. bias ``[E, N]`` or ``[N]`` (2N wide when gated)."""
+
+    x: torch.Tensor
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    offs: torch.Tensor
+    bias: torch.Tensor | None
+    out: torch.Tensor
+    groups: int
+    M: int
+    N: int
+    K: int
+    group_k: int
+    activation: str = "none"
+    gated: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
