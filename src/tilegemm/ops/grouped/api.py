@@ -6,9 +6,11 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core import registry
+from tilegemm.core.activations import check_activation
 from tilegemm.core.launch import plain_call
 from tilegemm.ops.grouped.checks import check_grouped, check_grouped_int4
-from tilegemm.ops.grouped.op import forward, forward_int4, grouped_mm_op, grouped_w4a16_op
+from tilegemm.ops.grouped.op import (forward, forward_gated, forward_int4, grouped_mm_gated_op, grouped_mm_op,
+                                     grouped_w4a16_op)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = None,
@@ -81,3 +83,19 @@ def grouped_matmul(x: torch.Tensor, w, offs: torch.Tensor, bias: torch.Tensor | 
     if plain_call(x, offs, bias):
         return forward_int4(*args)
     return grouped_w4a16_op(*args)
+
+
+def moe_gate_up(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None = None,
+                activation: str = "silu") -> torch.Tensor:
+    """A MoE block's gate/up product with the activation and the gate fused: ``activation(gate) * up`` where
+    ``[gate | up] = x[rows of g] @ w[g] (+ bias[g])``, w ``[E, K, 2I]`` (gate columns first; any strides: a
+    transformers ``gate_up_proj`` ``[E, 2I, K]`` passes as ``.transpose(1, 2)``), bias ``[E, 2I]`` or ``[2I]``.
+    Returns ``[M, I]``; differentiable in x, w and bias."""
+    check_activation(activation)
+    check_grouped(x, w, offs, bias, None)
+    if x.dim() != 2 or w.dim() != 3 or w.shape[2] % 2:
+        raise ValueError(f"moe_gate_up takes x [M, K] and w [E, K, 2I] (an even number of columns), got "
+                         f"{list(x.shape)} and {list(w.shape)}")
+    if plain_call(x, w, offs, bias):
+        return forward_gated(x, w, offs, bias, activation, "default")
+    return grouped_mm_gated_op(x, w, offs, bias, activation, "default")

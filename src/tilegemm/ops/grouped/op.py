@@ -114,6 +114,8 @@ def forward_int4(x, qweight, scales, zeros, offs, bias, group_k: int, activation
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()  # the kernel reads a bias row as contiguous
     p = GroupedInt4Problem(x, qweight, scales, zeros, offs, bias, out, E, x.shape[0], N_out, K, group_k,
                            activation, gated)
     with on_device(x.device):
@@ -174,3 +176,59 @@ def _backward_int4(ctx, grad):
 
 grouped_w4a16_op.register_autograd(_backward_int4, setup_context=_setup_int4)
 lean_autograd(grouped_w4a16_op)
+
+
+# --- the MoE gate/up product with the activation and the gate fused: tilegemm::grouped_mm_gated -------------------
+
+
+def forward_gated(a, b, offs, bias, activation: str, precision: str) -> torch.Tensor:
+    """``activation(a @ b[g][:, :N] + bias[g, :N]) * (a @ b[g][:, N:] + bias[g, N:])`` for 2-D a, 3-D b of 2N
+    columns (gate, then up), rows grouped by offs; ``[M, N]``."""
+    groups, N = b.shape[0], b.shape[2] // 2
+    out = new_output((a.shape[0], N), a.dtype, a.device)
+    if out.numel() == 0:
+        return out
+    p = make_problem("2d3d", groups, a, b, offs, bias, out, resolve_precision(precision, a.dtype), activation, True)
+    dispatch.launch(p, "auto")
+    return out
+
+
+@torch.library.custom_op("tilegemm::grouped_mm_gated", mutates_args=())
+def grouped_mm_gated_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: Optional[torch.Tensor],
+                        activation: str, precision: str) -> torch.Tensor:
+    return forward_gated(a, b, offs, bias, activation, precision)
+
+
+@grouped_mm_gated_op.register_fake
+def _fake_gated(a, b, offs, bias, activation, precision):
+    return a.new_empty((a.shape[0], b.shape[2] // 2))
+
+
+def _setup_gated(ctx, inputs, output):
+    a, b, offs, bias, activation, precision = inputs
+    ctx.save_for_backward(a, b, offs, bias)
+    ctx.activation, ctx.precision = activation, precision
+
+
+def _backward_gated(ctx, grad):
+    """Through the pre-activation ``[M, 2N]``, recomputed in fp32 (one more grouped product)."""
+    a, b, offs, bias = ctx.saved_tensors
+    pre = grouped_mm_op(a, b, offs, bias, torch.float32, ctx.precision, "auto")
+    with torch.enable_grad():
+        pre = pre.detach().requires_grad_(True)
+        half = pre.shape[1] // 2
+        y = torch_activation(pre[:, :half], ctx.activation) * pre[:, half:]
+        (dpre,) = torch.autograd.grad(y, pre, grad.float())
+    dy = dpre.to(a.dtype)
+    ga = gb = gbias = None
+    if ctx.needs_input_grad[0]:
+        ga = grouped_mm_op(dy, _t(b), offs, None, None, ctx.precision, "auto")
+    if ctx.needs_input_grad[1]:
+        gb = grouped_mm_op(_t(a), dy, offs, None, None, ctx.precision, "auto")
+    if bias is not None and ctx.needs_input_grad[3]:
+        gbias = _bias_grad("2d3d", dpre, offs, tuple(bias.shape), bias.dtype, ctx.precision)
+    return ga, gb, None, gbias, None, None
+
+
+grouped_mm_gated_op.register_autograd(_backward_gated, setup_context=_setup_gated)
+lean_autograd(grouped_mm_gated_op)

@@ -14,7 +14,8 @@ The four layouts reduce to three ways of finding a program's work (``JAGGED``):
 Operands are read in place through their strides (b row- or column-major, transposed views), accumulated in
 fp32 by ``tl.dot``. Tiles of one group run next to each other, row-tile-major, so the programs resident at a
 time share the group's weight in L2. ``GATED`` (the MoE gate/up product) keeps two accumulators, the gate's
-columns and the up projection's ``UP`` elements further along b, and stores ``activation(gate) * up``.
+columns and the up projection's ``UP`` elements further along b (``UPC`` along the bias), and stores
+``activation(gate) * up``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def find_group_m(offs_ptr, tile_m, G, M, GP: tl.constexpr, BLOCK_M: tl.constexpr
 def grouped_tiled_kernel(
     a_ptr, b_ptr, out_ptr, bias_ptr, offs_ptr,
     G, M, N, K,
-    s_ag, s_am, s_ak, s_bg, s_bk, s_bn, s_og, s_om, s_on, s_cg, s_cm, s_cn, UP,
+    s_ag, s_am, s_ak, s_bg, s_bk, s_bn, s_og, s_om, s_on, s_cg, s_cm, s_cn, UP, UPC,
     JAGGED: tl.constexpr, GP: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -113,7 +114,7 @@ def grouped_tiled_kernel(
             c_ok = ok_m[:, None] & ok_n[None, :] & live
             acc += tl.load(c_ptrs, mask=c_ok, other=0.0).to(tl.float32)
             if GATED:
-                acc_up += tl.load(c_ptrs + UP, mask=c_ok, other=0.0).to(tl.float32)
+                acc_up += tl.load(c_ptrs + UPC, mask=c_ok, other=0.0).to(tl.float32)
         acc = apply_activation(acc, ACTIVATION)
         if GATED:
             acc = acc * acc_up
@@ -170,7 +171,8 @@ def run(p: GroupedProblem, config: dict | None = None) -> None:
     offs = p.offs if p.offs is not None else v["a"]  # (never read: a placeholder pointer)
     bias = p.bias if p.bias is not None else p.out
     interp = interpreting()
-    args = (v["a"], v["b"], p.out, bias, offs, p.groups, v["M"], v["N"], v["K"], *v["s"], p.up_offset)
+    up_bias = p.N * p.bias.stride(-1) if p.gated and p.bias is not None else 0  # the up half of a gated bias
+    args = (v["a"], v["b"], p.out, bias, offs, p.groups, v["M"], v["N"], v["K"], *v["s"], p.up_offset, up_bias)
     flags = dict(JAGGED=v["JAGGED"], GP=_pow2(p.groups), HAS_BIAS=p.bias is not None, GATED=p.gated,
                  ACTIVATION=p.activation, INPUT_PRECISION=p.precision,
                  UPCAST=interp and p.dtype == torch.bfloat16,
