@@ -11,12 +11,13 @@ from tilegemm.bench.base import BenchError, bench_op
 from tilegemm.ops.grouped.bench import MOE_MODELS, TOKENS, group_sizes
 
 
-@pytest.mark.parametrize("args", [[], ["--mode", "bwd", "--dtype", "fp32"], ["--dtype", "w4a16", "--shape", "4,2,64,32,9,down"]])
+@pytest.mark.parametrize("args", [["--op", "grouped"], ["--op", "grouped", "--mode", "bwd", "--dtype", "fp32"],
+                                  ["--op", "grouped_w4a16", "--shape", "4,2,64,32,9,down"]])
 def test_bench_cli_tiny_sweep(args):
     from tilegemm.cli import main
 
     # (every row checked against the float64 reference; main returns 1 if one is wrong)
-    assert main(["bench", "--op", "grouped", "--quiet", "--no-save", "--warmup", "1", "--rep", "1", *args]) == 0
+    assert main(["bench", "--quiet", "--no-save", "--warmup", "1", "--rep", "1", *args]) == 0
 
 
 def test_moe_sweep_covers_the_models():

@@ -19,6 +19,7 @@ register(KernelSpec(
 ))
 register_op(OpSpec(
     name="grouped_w4a16", summary="4-bit experts: x[rows of g] @ dequantize(w)[g].T, groups jagged as in grouped",
+    bench="tilegemm.ops.grouped.bench:GroupedW4A16Bench",
     pseudo={"auto": "picks the kernel for the problem (the default)"},
 ))
 register(KernelSpec(

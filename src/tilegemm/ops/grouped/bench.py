@@ -4,8 +4,8 @@ routing, batched products, and a tiny sweep for the interpreter; work in FLOPs.
 Baselines: a loop of cuBLAS products (``torch.mm``) over the non-empty groups, its group bounds read on the host
 while the inputs are prepared (outside the timed region), and ``torch.nn.functional.grouped_mm`` as the second
 baseline where it runs (CUDA; its ratio is the row's second one): the faster of the two is the bar. ``batched``:
-``torch.matmul``. Dtype ``w4a16``: fp16 activations times 4-bit experts (group 128), against the same 16-bit
-baselines. Option ``mode``: ``fwd``, or ``bwd`` (the gradients of a and b from one output gradient, returned
+``torch.matmul``. :class:`GroupedW4A16Bench` (``--op grouped_w4a16``): 16-bit activations times 4-bit experts
+(group 128), against the same 16-bit baselines. Option ``mode``: ``fwd``, or ``bwd`` (the gradients of a and b from one output gradient, returned
 flattened and concatenated on both sides).
 """
 
@@ -18,7 +18,9 @@ import torch
 
 from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
 from tilegemm.core.registry import NotApplicable
+from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm
 from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
+from tilegemm.ops.w4a16.format import dequantize, quantize
 
 # (name, experts, top-k, hidden, intermediate): the MoE layers of the models the sweep is named after.
 MOE_MODELS = (("mixtral", 8, 2, 4096, 14336), ("qwen3_30b_a3b", 128, 8, 2048, 768),
@@ -86,8 +88,8 @@ class GroupedBench(BenchOp):
     baseline_name = "cuBLAS loop"
     cpu_baseline_name = "torch loop (CPU)"
     second_baseline_name = "F.grouped_mm"
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32,
-              "w4a16": torch.float16}
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32}
+    int4 = False  # the experts' weight 4-bit (GroupedW4A16Bench)
     sweeps = {"moe": _moe_cases, "batched": _batched_cases, "tiny": _tiny_cases}
     gpu_sweep = "moe"
     cpu_sweep = "tiny"
@@ -104,16 +106,7 @@ class GroupedBench(BenchOp):
 
     def check_options(self, options, dtype):
         super().check_options(options, dtype)
-        if self._mode(options) == "bwd" and dtype == "w4a16":
-            raise BenchError("--mode bwd does not apply to dtype w4a16 (the 4-bit weight is frozen)")
-
-    def kernel_names(self, dtype=None):
-        if dtype == "w4a16":
-            return ["auto"]
-        return super().kernel_names(dtype)
-
-    def peak(self, gpu, dtype):
-        return super().peak(gpu, "fp16" if dtype == "w4a16" else dtype)
+        self._mode(options)
 
     def parse_shape(self, text: str) -> Case:
         parts = [p for p in re.split(r"[,x\s]+", text.strip()) if p]
@@ -163,9 +156,7 @@ class GroupedBench(BenchOp):
             bounds = [(g, lo, hi) for g, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)) if hi > lo]
             weight = r(G, N, K)  # experts stored as transformers does: [E, N, K]
             shared.update(kind="moe", offs=offs.to(device), bounds=bounds, b=weight.transpose(1, 2))
-            if dtype == "w4a16":
-                from tilegemm.ops.w4a16.format import dequantize, quantize
-
+            if self.int4:
                 shared["w4"] = quantize(weight, group_size=128 if K % 128 == 0 else -1)
                 shared["b"] = dequantize(shared["w4"]).transpose(1, 2)  # what the baselines multiply
             make_a = lambda: r(M, K) * math.sqrt(K)  # noqa: E731
@@ -191,13 +182,11 @@ class GroupedBench(BenchOp):
         return Prepared(sets, reference, bytes_per_set=nbytes * (2 if mode == "bwd" else 1))
 
     def run(self, kernel, inputs, dtype):
-        from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm
-
         a, b, offs = inputs["a"], inputs["b"], inputs.get("offs")
-        if dtype == "w4a16":
+        if self.int4:
             if inputs["kind"] != "moe":
-                raise NotApplicable("dtype w4a16 is for the moe sweep's experts")
-            return grouped_matmul(a, inputs["w4"], offs)
+                raise NotApplicable("4-bit experts: a MoE product, not a batched one")
+            return grouped_matmul(a, inputs["w4"], offs, kernel=kernel)
         with _Tf32Mode(inputs["precision"] == "tf32"):
             if inputs["mode"] == "fwd":
                 return grouped_mm(a, b, offs=offs, kernel=kernel)
@@ -253,9 +242,29 @@ class GroupedBench(BenchOp):
         return flops * (2 if self._mode(options) == "bwd" else 1)
 
     def tolerance(self, dtype):
-        if dtype == "w4a16":
-            return tolerance(torch.float16)
         return tolerance(self.dtypes[dtype], self._precision(dtype))
+
+
+class GroupedW4A16Bench(GroupedBench):
+    """4-bit experts (``tilegemm.w4a16.grouped_matmul``, group 128) on the MoE products, forward only, against the
+    16-bit baselines on the dequantized weight (the reference multiplies the dequantized weight too)."""
+
+    name = "grouped_w4a16"
+    int4 = True
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    sweeps = {"moe": _moe_cases, "tiny": lambda: _tiny_cases()[:3]}
+    options = ()
+    shape_help = "E,TOPK,HIDDEN,INTERMEDIATE,TOKENS,gate_up|down (e.g. 8,2,4096,14336,1,gate_up)"
+
+    @staticmethod
+    def _mode(options) -> str:
+        return "fwd"
+
+    def parse_shape(self, text):
+        case = super().parse_shape(text)
+        if case.dims["kind"] != 0:
+            raise BenchError(f"malformed grouped_w4a16 shape {text!r}: expected {self.shape_help}")
+        return case
 
 
 class _Tf32Mode:
