@@ -18,6 +18,8 @@
 #   stream-k      research/explore_stream_k.py (persistent_tma's STREAM_K against its whole tiles and splits,
 #                 \$EXPLORE_BUDGET s);  models  the bench's models sweep, fp16, auto only
 #   batched       the bench's batched sweep, fp16 NN and NT, auto only
+#   grouped       the grouped family's bench: moe bf16 and fp16 forward, bf16 backward, batched bf16 and fp16,
+#                 4-bit experts (grouped_w4a16) fp16 and bf16;  grouped-tests: tests/grouped on the GPU (all marks)
 #   conv2d-explore  research/explore_depthwise.py (with research/depthwise_cols.py) and
 #                 research/explore_gluon_narrow.py, \$EXPLORE_BUDGET s for the first
 # Put bench steps before `tests`: right after the test workers a bench read unchanged layers up to 2x slower
@@ -57,12 +59,17 @@ for step in "$@"; do
                       2>&1 | grep -v Warning | tail -n 60 ;;
     conv2d-nchw) for s in resnet50 mobilenet; do for m in fwd bwd; do bench --op conv2d --sweep $s --kernels auto \
                    --mode $m --memory-format nchw --json "$OUT/conv2d-$s-$m-nchw.json" 2>&1 | tail -n 3; done; done ;;
-    fuzz) for t in matmul conv2d w4a16; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
+    fuzz) for t in matmul conv2d w4a16 grouped; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
     stream-k) PYTHONPATH=src:research python3 research/explore_stream_k.py --budget "${EXPLORE_BUDGET:-300}" 2>&1 | tee "$OUT/stream-k.log" | tail -n 40 ;;
     models) bench --sweep models --dtype fp16 --kernels auto --json "$OUT/models-fp16.json" 2>&1 | tail -n 6 ;;
     batched) for l in NN NT; do bench --sweep batched --layout $l --dtype fp16 --kernels auto \
                --json "$OUT/batched-fp16-$l.json" 2>&1 | tail -n 4; done ;;
+    grouped) for d in bf16 fp16; do bench --op grouped --sweep moe --dtype $d --json "$OUT/grouped-moe-$d.json" 2>&1 | tail -n 6
+               bench --op grouped --sweep batched --dtype $d --json "$OUT/grouped-batched-$d.json" 2>&1 | tail -n 6
+               bench --op grouped_w4a16 --sweep moe --dtype $d --json "$OUT/grouped-w4a16-moe-$d.json" 2>&1 | tail -n 6; done
+             bench --op grouped --sweep moe --dtype bf16 --mode bwd --json "$OUT/grouped-moe-bf16-bwd.json" 2>&1 | tail -n 6 ;;
+    grouped-tests) pytest_ -m "" -n 8 tests/grouped 2>&1 | tee "$OUT/grouped-tests.log" | tail -n 15 ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
     w4a16|conv2d) bench --op "$step" --json "$OUT/$step.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
