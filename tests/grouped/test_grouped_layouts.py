@@ -136,3 +136,18 @@ def test_batched_matmul_entry(device):
 def test_registered():
     assert "tiled" in tilegemm.kernels("grouped")
     assert "dequant_dot" in tilegemm.kernels("grouped_w4a16")
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "3d3d", "2d2d", "3d2d"])
+def test_empty_k_gives_the_bias(layout, device):
+    a, b, offs = operands(layout, [2, 0, 3], 0, 6, torch.float32, device, tail=1)
+    bias = torch.randn(6, device=device)
+    out = tilegemm.grouped_mm(a, b, offs=offs, bias=bias)
+    assert_rel_close(out, grouped_mm_reference(a, b, offs, bias=bias), 1e-6)
+
+
+def test_no_groups(device):
+    a = torch.randn(5, 8, device=device)
+    out = tilegemm.grouped_mm(a, torch.randn(0, 8, 4, device=device), offs=torch.zeros(0, dtype=torch.int32,
+                                                                                          device=device))
+    assert torch.equal(out, torch.zeros(5, 4, device=device))

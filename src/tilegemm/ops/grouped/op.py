@@ -39,8 +39,6 @@ def forward(a, b, offs, bias, out_dtype, precision: str, kernel: str) -> torch.T
     out = new_output(out_shape(layout, a.shape, b.shape, groups), out_dtype or a.dtype, a.device)
     if out.numel() == 0:
         return out
-    if a.shape[-1] == 0 and layout != "2d2d" or layout == "2d2d" and groups == 0:
-        return out.zero_()
     p = make_problem(layout, groups, a, b, offs, bias, out, resolve_precision(precision, a.dtype))
     dispatch.launch(p, kernel)
     return out
