@@ -22,7 +22,7 @@ def block_m_for(rows_per_group: float) -> int:
 def choose_config(p) -> dict:
     """``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages`` for a :class:`GroupedProblem`."""
     if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
     if p.layout in ("2d3d", "3d2d"):
         rows = (p.M if p.layout == "2d3d" else p.N) / max(p.groups, 1)
     else:
@@ -35,4 +35,4 @@ def choose_config(p) -> dict:
     else:
         bn = 64 if wide else 128
     warps = 8 if bm * bn >= 128 * 128 else 4
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3 if bm >= 64 else 4)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=3 if bm >= 64 else 4)

@@ -21,7 +21,7 @@ from tilegemm.core.runtime import cdiv, interpreting
 from tilegemm.jit.helpers import apply_activation
 from tilegemm.ops.grouped.configs import block_m_for
 from tilegemm.ops.grouped.problem import GroupedInt4Problem
-from tilegemm.ops.grouped.tiled import _pow2, find_group_m
+from tilegemm.ops.grouped.tiled import _pow2, find_group_m, swizzle
 
 
 @triton.jit
@@ -41,15 +41,17 @@ def grouped_w4a16_kernel(
     G, M, N, K, group_k, s_xm, s_om, s_cg, UP,
     GP: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
+    pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    tile_m = tl.program_id(0) // tiles_n
-    tile_n = tl.program_id(0) % tiles_n
-    g, m_lo, m_hi = find_group_m(offs_ptr, tile_m, G, M, GP, BLOCK_M)
+    g, start, m_hi, first_tile, tiles_g = find_group_m(offs_ptr, pid // tiles_n, G, M, GP, BLOCK_M)
+    tile_m, tile_n = swizzle(pid - first_tile * tiles_n, tiles_g, tiles_n, GROUP_M)
+    m_lo = start + tile_m * BLOCK_M
     live = g < G
     k_hi = tl.where(live, K, 0)  # rows past offs[-1]: zeros
     g = tl.minimum(g, G - 1).to(tl.int64)
-    if m_lo < m_hi:
+    if (m_lo < m_hi) & (tile_n < tiles_n):
         if GATED:  # the weight's rows: the output's N, twice when gated
             width = 2 * N
         else:
@@ -96,10 +98,10 @@ def grouped_w4a16_kernel(
 
 def choose_config(p: GroupedInt4Problem) -> dict:
     if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
     bm = block_m_for(p.M / max(p.groups, 1))
     return dict(BLOCK_M=bm, BLOCK_N=64 if p.gated else 128, BLOCK_K=64,  # (scales gathered per row: any step)
-                num_warps=8 if bm >= 128 else 4, num_stages=3)
+                GROUP_M=8, num_warps=8 if bm >= 128 else 4, num_stages=3)
 
 
 def run(p: GroupedInt4Problem, config: dict | None = None) -> None:

@@ -12,8 +12,8 @@ The four layouts reduce to three ways of finding a program's work (``JAGGED``):
 - ``"none"`` (3-D x 3-D): a batched product, the batch on grid axis 1.
 
 Operands are read in place through their strides (b row- or column-major, transposed views), accumulated in
-fp32 by ``tl.dot``. Tiles of one group run next to each other, row-tile-major, so the programs resident at a
-time share the group's weight in L2. ``GATED`` (the MoE gate/up product) keeps two accumulators, the gate's
+fp32 by ``tl.dot``. Tiles of one group run next to each other, in bands of GROUP_M row tiles walked column by
+column (:func:`swizzle`), so the programs resident at a time share the group's weight and rows in L2. ``GATED`` (the MoE gate/up product) keeps two accumulators, the gate's
 columns and the up projection's ``UP`` elements further along b (``UPC`` along the bias), and stores
 ``activation(gate) * up``.
 """
@@ -32,9 +32,20 @@ from tilegemm.ops.grouped.problem import GroupedProblem
 
 
 @triton.jit
+def swizzle(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Tile ``t`` of a [tiles_m, tiles_n] grid in grouped order: bands of GROUP_M row tiles walked column by
+    column, so programs running together share both operands' panels in L2."""
+    width = GROUP_M * tiles_n
+    first_m = (t // width) * GROUP_M
+    size = tl.maximum(tl.minimum(tiles_m - first_m, GROUP_M), 1)
+    return first_m + (t % width) % size, (t % width) // size
+
+
+@triton.jit
 def find_group_m(offs_ptr, tile_m, G, M, GP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(g, first row, end row) of row tile ``tile_m`` of an M-jagged product; g == G for the rows past
-    ``offs[-1]`` (to be zeroed); first row >= end row when the tile holds nothing."""
+    """(g, first row, end row, first tile, tiles) of the group holding global row tile ``tile_m`` of an
+    M-jagged product: its rows ``[first row, end row)`` are row tiles ``first tile ..`` of the grid. g == G for
+    the rows past ``offs[-1]`` (to be zeroed)."""
     gs = tl.arange(0, GP)
     live = gs < G
     ends = tl.minimum(tl.maximum(tl.load(offs_ptr + gs, mask=live, other=0), 0), M)
@@ -47,7 +58,7 @@ def find_group_m(offs_ptr, tile_m, G, M, GP: tl.constexpr, BLOCK_M: tl.constexpr
     first_tile = tl.where(tail, tl.sum(tiles, 0), tl.sum(tl.where(here, ends_tiles - tiles, 0), 0))
     start = tl.where(tail, tl.max(tl.where(live, ends, 0), 0), tl.sum(tl.where(here, starts, 0), 0))
     end = tl.where(tail, M, tl.sum(tl.where(here, ends, 0), 0))
-    return g, start + (tile_m - first_tile) * BLOCK_M, end
+    return g, start, end, first_tile, (end - start + BLOCK_M - 1) // BLOCK_M
 
 
 @triton.jit
@@ -57,18 +68,21 @@ def grouped_tiled_kernel(
     s_ag, s_am, s_ak, s_bg, s_bk, s_bn, s_og, s_om, s_on, s_cg, s_cm, s_cn, UP, UPC,
     JAGGED: tl.constexpr, GP: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    tile_m = tl.program_id(0) // tiles_n
-    tile_n = tl.program_id(0) % tiles_n
     if JAGGED == "m":
-        g, m_lo, m_hi = find_group_m(offs_ptr, tile_m, G, M, GP, BLOCK_M)
+        # the group first (from the global row tile), then this program's tile in the group's own grid
+        g, start, m_hi, first_tile, tiles_g = find_group_m(offs_ptr, pid // tiles_n, G, M, GP, BLOCK_M)
+        tile_m, tile_n = swizzle(pid - first_tile * tiles_n, tiles_g, tiles_n, GROUP_M)
+        m_lo = start + tile_m * BLOCK_M
         live = g < G
         k_lo = 0
         k_hi = tl.where(live, K, 0)  # the tail's tiles multiply nothing: they store zeros
         g = tl.minimum(g, G - 1).to(tl.int64)  # (the tail reads no group's weight or bias)
     elif JAGGED == "k":
+        tile_m, tile_n = swizzle(pid, tl.cdiv(M, BLOCK_M), tiles_n, GROUP_M)
         g = tl.program_id(1).to(tl.int64)
         live = g >= 0
         m_lo = tile_m * BLOCK_M
@@ -76,13 +90,14 @@ def grouped_tiled_kernel(
         k_hi = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), K)
         k_lo = tl.minimum(tl.maximum(tl.load(offs_ptr + g - 1, mask=g > 0, other=0), 0), k_hi)
     else:
+        tile_m, tile_n = swizzle(pid, tl.cdiv(M, BLOCK_M), tiles_n, GROUP_M)
         g = tl.program_id(1).to(tl.int64)
         live = g >= 0
         m_lo = tile_m * BLOCK_M
         m_hi = M
         k_lo = 0
         k_hi = K
-    if m_lo < m_hi:
+    if (m_lo < m_hi) & (tile_n < tiles_n):
         a_base = a_ptr + g * s_ag
         b_base = b_ptr + g * s_bg
         offs_m = m_lo + tl.arange(0, BLOCK_M)
