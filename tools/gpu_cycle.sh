@@ -20,6 +20,8 @@
 #   batched       the bench's batched sweep, fp16 NN and NT, auto only
 #   grouped       the grouped family's bench: moe bf16 and fp16 forward, bf16 backward, batched bf16 and fp16,
 #                 4-bit experts (grouped_w4a16) fp16 and bf16;  grouped-tests: tests/grouped on the GPU (all marks)
+#   moe-model     tools/grouped_moe_model.py: Qwen3-MoE (4 layers) and Mixtral (2 layers) shapes, every experts
+#                 implementation, prefill 2048 and decode batch 1 / 16, bf16
 #   conv2d-explore  research/explore_depthwise.py (with research/depthwise_cols.py) and
 #                 research/explore_gluon_narrow.py, \$EXPLORE_BUDGET s for the first
 # Put bench steps before `tests`: right after the test workers a bench read unchanged layers up to 2x slower
@@ -69,6 +71,8 @@ for step in "$@"; do
                bench --op grouped --sweep batched --dtype $d --json "$OUT/grouped-batched-$d.json" 2>&1 | tail -n 6
                bench --op grouped_w4a16 --sweep moe --dtype $d --json "$OUT/grouped-w4a16-moe-$d.json" 2>&1 | tail -n 6; done
              bench --op grouped --sweep moe --dtype bf16 --mode bwd --json "$OUT/grouped-moe-bf16-bwd.json" 2>&1 | tail -n 6 ;;
+    moe-model) python3 tools/grouped_moe_model.py --model qwen3 --layers 4 --out "$OUT/moe-model-qwen3.json" 2>&1 | tail -n 16
+               python3 tools/grouped_moe_model.py --model mixtral --layers 2 --out "$OUT/moe-model-mixtral.json" 2>&1 | tail -n 16 ;;
     grouped-tests) pytest_ -m "" -n 8 tests/grouped 2>&1 | tee "$OUT/grouped-tests.log" | tail -n 15 ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
     w4a16|conv2d) bench --op "$step" --json "$OUT/$step.json" ;;
