@@ -3,6 +3,7 @@
     python examples/llama_decode.py                  # GPU: Llama-3-8B shapes, as many layers as fit (<= 32)
     python examples/llama_decode.py --layers 8 --prompt 512 --new 128 --batches 1,16
     python examples/llama_decode.py --tiny           # CI: a tiny config on the CPU under Triton's interpreter
+    python examples/llama_decode.py --checkpoint DIR # a 4-bit GPTQ/AWQ checkpoint directory (from_pretrained)
 
 Builds ``transformers.LlamaForCausalLM`` from a ``LlamaConfig`` (hidden 4096, intermediate 14336, 32 heads, 8 KV
 heads, vocab 128256), in fp16 with random weights; a copy gets ``tilegemm.nn.quantize_`` (g128, every Linear
@@ -13,6 +14,11 @@ and the int4 one, and their ratio; then the logits' agreement of the int4 model 
 last position's logits, share of positions whose argmax agrees, and the step where the greedy tokens first
 differ). Needs ``pip install tilegemm[models]`` (transformers). The model and the decoder are
 ``tilegemm.models.llama``'s; ``tilegemm bench --op w4a16 --model llama`` times one decode step of the same pair.
+
+``--checkpoint DIR`` loads the int4 model from a quantized checkpoint directory instead
+(``tilegemm.models.from_pretrained``; any architecture transformers knows) and compares it with the same model in
+fp16 holding its dequantized weights (``tilegemm.models.pretrained.dequantized_copy``).
+``tools/write_w4_checkpoint.py`` writes a random one at Llama-3-8B's shapes.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ def main(argv=None) -> int:
     parser.add_argument("--group-size", type=int, default=None, help="quantization group (default 128; --tiny 32)")
     parser.add_argument("--modes", default=None,
                         help="eager,graph,compile (GPU default: all three; the CPU: eager)")
+    parser.add_argument("--checkpoint", metavar="DIR", default=None,
+                        help="load the int4 model from this GPTQ/AWQ checkpoint directory (from_pretrained)")
     args = parser.parse_args(argv)
     try:
         import transformers
@@ -52,23 +60,40 @@ def main(argv=None) -> int:
     new_tokens = args.new or (4 if args.tiny else 128)
     batches = [int(b) for b in (args.batches or ("1,2" if args.tiny else "1,16")).split(",")]
     group = args.group_size or (32 if args.tiny else 128)
-    if device == "cuda":
+    if device == "cuda" and not args.checkpoint:
         args.layers = layers_that_fit(args.layers)
     torch.manual_seed(0)
 
-    model = build(tiny=args.tiny, layers=args.layers, device=device)
-    cfg = model.config
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, device "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu (Triton interpreter)'}")
-    print(f"model: Llama, hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, heads "
-          f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} KV, vocab {cfg.vocab_size}, "
-          f"{cfg.num_hidden_layers} layers{'' if args.tiny or cfg.num_hidden_layers == 32 else ' (of 32: what fits)'}"
-          f", random fp16 weights")
-    qmodel = quantized_copy(model, group)
+    if args.checkpoint:
+        from tilegemm.models import from_pretrained
+        from tilegemm.models.pretrained import dequantized_copy
+
+        try:
+            qmodel = from_pretrained(args.checkpoint, device=device)
+        except (OSError, TypeError, ValueError) as err:
+            print(f"--checkpoint: {err}", file=sys.stderr)
+            return 2
+        model = dequantized_copy(qmodel)  # the fp16 model of the same weights; the rest shared, not copied
+        cfg = model.config
+        print(f"model: {', '.join(cfg.architectures or [cfg.model_type])} from {args.checkpoint} "
+              f"({cfg.quantization_config.get('quant_method')}), hidden {cfg.hidden_size}, intermediate "
+              f"{cfg.intermediate_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} KV, vocab "
+              f"{cfg.vocab_size}, {cfg.num_hidden_layers} layers; fp16: its int4 weights dequantized")
+        group = qmodel.config.quantization_config.get("group_size")
+    else:
+        model = build(tiny=args.tiny, layers=args.layers, device=device)
+        cfg = model.config
+        print(f"model: Llama, hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, heads "
+              f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} KV, vocab {cfg.vocab_size}, "
+              f"{cfg.num_hidden_layers} layers{'' if args.tiny or cfg.num_hidden_layers == 32 else ' (of 32: what fits)'}"
+              f", random fp16 weights")
+        qmodel = quantized_copy(model, group)
     from tilegemm.nn import Int4Linear
 
     n_int4 = sum(isinstance(m, Int4Linear) for m in qmodel.modules())
-    fp16_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    fp16_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # shared tensors counted once
     int4_bytes = sum(t.numel() * t.element_size() for t in list(qmodel.parameters()) + list(qmodel.buffers()))
     print(f"weights: fp16 {fp16_bytes / 2**30:.2f} GiB, int4 ({n_int4} Linears, g{group}; lm_head, embedding fp16) "
           f"{int4_bytes / 2**30:.2f} GiB")
@@ -103,8 +128,10 @@ def main(argv=None) -> int:
             results.append(dict(batch=batch, mode=mode, **{f"{k}_tok_s": v for k, v in tps.items()}))
             print("  ".join(line), flush=True)
 
-    # Agreement with the same weights dequantized to fp16 (the fp16 model's Linears overwritten in place).
-    dequantized_copy_into(model, qmodel)
+    # Agreement with the same weights dequantized to fp16 (the fp16 model's Linears overwritten in place; a
+    # checkpoint's fp16 model holds them already).
+    if not args.checkpoint:
+        dequantized_copy_into(model, qmodel)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device)
     agree = agreement(qmodel, model, prompt)
     _, _, t_q = greedy(qmodel, prompt, new_tokens, device)

@@ -68,7 +68,7 @@ def inference(args, device) -> None:
 def training_step(args, device) -> None:
     """One training step's gradients, tilegemm against cuDNN, both in fp32 (tf32 off) and both against the same
     model in fp64: a random ResNet-50's batch-norm gradients are ill-conditioned enough that cuDNN's own fp32
-    gradients miss fp64 by about 2e-2 (research/diagnose_resnet_grads.py), so tilegemm's are held to within
+    gradients miss fp64 by about 2e-2 (docs/conv2d.md), so tilegemm's are held to within
     twice cuDNN's error of the fp64 ones (plus 1e-4), not to cuDNN's fp32 values."""
     torch.manual_seed(1)
     torch.backends.cudnn.allow_tf32 = False

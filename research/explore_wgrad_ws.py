@@ -4,8 +4,9 @@
 First checks the kernel on odd geometries (groups, strides, dilation, channel counts off the tile, one image)
 against the float32 weight gradient, twice each (the two results must be equal bit for bit: the split's
 reduction has a fixed order). Then, for each layer of a conv2d sweep that ``tma_wgrad`` takes: cuDNN's weight
-gradient, ``tma_wgrad.run`` at its shipped config and the new kernel at several (pixels a step, input-channel
-tile, ring slots) configs, each checked, timed as CUDA-graph replays (GPU time alone). fp16, channels-last.
+gradient, tilegemm's (``torch.ops.tilegemm.conv2d_wgrad``, the registered op that autograd calls: ``tma_wgrad``
+on these layers) and the new kernel at several (pixels a step, input-channel tile, ring slots) configs, each
+checked, timed as CUDA-graph replays (GPU time alone). fp16, channels-last.
 Writes ``$OUT/wgrad-ws-<sweep>.json``; prints a table.
 
     PYTHONPATH=src:research python3 research/explore_wgrad_ws.py [--sweep resnet50]
@@ -40,8 +41,6 @@ def main() -> None:
     import wgrad_ws
     from tilegemm.bench.base import bench_op
     from tilegemm.core.hardware import sm_count
-    from tilegemm.ops.conv2d import op, tma_wgrad
-    from tilegemm.ops.conv2d.problem import geometry_of
 
     torch.backends.cudnn.benchmark = True
     cl = torch.channels_last
@@ -49,7 +48,7 @@ def main() -> None:
     out = dict(commit=os.environ.get("TILEGEMM_GIT_COMMIT"), gpu=torch.cuda.get_device_name(), checks=[], rows=[])
 
     def tensors(N, C, H, W, K, R, S, st, pad, dil, groups):
-        g = geometry_of((N, C, H, W), (K, C // groups, R, S), [st, st], [pad] * 4, [dil, dil], groups)
+        g = wgrad_ws.geometry((N, C, H, W), (K, C // groups, R, S), [st, st], [pad] * 4, [dil, dil], groups)
         x = torch.randn(N, C, H, W, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
         w = torch.randn(K, C // groups, R, S, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
         dy = torch.randn(N, K, g.P, g.Q, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
@@ -84,14 +83,15 @@ def main() -> None:
             continue
         g, x, w, dy, conv_args = tensors(d["N"], d["C"], d["H"], d["W"], d["K"], d["R"], d["S"], d["stride"],
                                          d["pad"], 1, 1)
-        if not op._tma_usable(x, None, g, dy) or tma_wgrad.unusable(dy, x, g):
+        if wgrad_ws.unusable(dy, x, g):
             continue
         ref = torch.ops.aten.convolution_backward(dy.float(), x.float(), w.float(), None, *conv_args,
                                                   [False, True, False])[1]
         row = dict(layer=case.label, dims=d)
         cudnn = lambda: torch.ops.aten.convolution_backward(dy, x, w, None, *conv_args, [False, True, False])[1]
         row["cudnn"] = dict(us=tt.do_bench_cudagraph(cudnn, rep=40) * 1e3)
-        fn = lambda: tma_wgrad.run(dy, x, g, x.dtype)
+        fn = lambda: torch.ops.tilegemm.conv2d_wgrad(dy, x, list(w.shape), list(g.stride), list(g.padding),
+                                                     list(g.dilation), g.groups, "default")
         got = fn()
         row["shipped"] = dict(us=tt.do_bench_cudagraph(fn, rep=40) * 1e3,
                               rel_err=float((got.float() - ref).norm() / ref.norm()))

@@ -5,7 +5,7 @@ multiply and the reduction cost; the gap between the stream and HBM's peak is th
 Each time twice: with the L2 cleared as ``do_bench`` clears it (a written buffer: dirty lines to write back
 during the timed call) and by a read (clean lines).
 
-    PYTHONPATH=src:research python3 research/probe_w4a16_stream.py --json $OUT/w4a16-stream.json
+    PYTHONPATH=src python3 research/probe_w4a16_stream.py --json $OUT/w4a16-stream.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,52 @@ import triton.language as tl
 from tilegemm import w4a16
 from tilegemm.core.hardware import machine_info
 
-from explore_w4a16_small_m import Cold
+
+class Cold:
+    """GPU microseconds of ``fn`` with the L2 cleared before each call: a CUDA graph of ``reps`` x (clear a 256 MB
+    buffer, call) minus a graph of the clearing alone, divided by ``reps``; median of five replays."""
+
+    def __init__(self, reps: int = 20, flush: str = "write"):
+        """``flush``: "write" zeroes the buffer (as ``do_bench`` does: the L2 is left full of dirty lines, which
+        the timed call writes back as it reads); "read" reads it (clean lines, nothing to write back)."""
+        self.reps = reps
+        self.buf = torch.zeros(256 * 2**20, dtype=torch.int8, device="cuda")
+        self.sink = torch.empty(1, dtype=torch.int32, device="cuda")
+        self.flush = {"write": self.buf.zero_, "read": self._read}[flush]
+        self.base = self._graph_ms(None)
+
+    def _read(self):
+        torch.amax(self.buf.view(torch.int32), 0, keepdim=True, out=self.sink)
+
+    def _graph_ms(self, fn) -> float:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            if fn is not None:
+                fn()  # warm: compile and record outside the capture
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g, stream=s):
+                for _ in range(self.reps):
+                    self.flush()
+                    if fn is not None:
+                        fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        del g
+        return sorted(times)[2]
+
+    def __call__(self, fn) -> float:
+        return (self._graph_ms(fn) - self.base) / self.reps * 1e3
 
 
 @triton.jit
@@ -77,7 +122,7 @@ def main() -> None:
             for m in map(int, args.ms.split(",")):
                 x = torch.randn(m, k, dtype=torch.float16, device="cuda")
                 t = {"cublas": cold(lambda: F.linear(x, weight))}
-                for kern in ("frag_wgmma", "frag", "gemv"):
+                for kern in ("frag_wgmma", "gemv"):
                     try:
                         t[kern] = cold(lambda kern=kern: w4a16.matmul(x, w, kernel=kern))
                     except Exception:  # noqa: BLE001 - a kernel that does not take the case is left out

@@ -11,24 +11,148 @@ program covers is stored directly; otherwise each contributing program stores it
 own plane (one for the first unit of its range, one for the last) and the last to arrive adds the
 contributors' planes in program order: deterministic, one launch.
 
-Written against Triton 3.6's Gluon API, for sm_90.
+Self-contained: the geometry, the TMA descriptors and the patch rule are written here as the shipped kernel
+(``ops/conv2d/tma_wgrad.py``, ``tma_fwd.py``) has them, so the exploration uses only tilegemm's public API and
+documented internals (``hardware.sm_count``, ``workspace.split_workspace``). The ``LOADS`` / ``MMAS`` /
+``EPILOGUE`` flags leave a part out, for ablations. Written against Triton 3.6's Gluon API, for sm_90.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from triton import cdiv
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tilegemm.core.runtime import cdiv
-from tilegemm.ops.conv2d.tma_fwd import _strides, input_descriptor, tap_offsets
-from tilegemm.ops.conv2d.tma_wgrad import _issue
+from tilegemm.core.hardware import sm_count
+from tilegemm.core.workspace import split_workspace
 
 BLOCK_M = 128
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One convolution's sizes, padding as (top, bottom, left, right)."""
+
+    N: int
+    C: int
+    H: int
+    W: int
+    K: int
+    R: int
+    S: int
+    groups: int
+    stride: tuple[int, int]
+    padding: tuple[int, int, int, int]
+    dilation: tuple[int, int]
+
+    @property
+    def P(self) -> int:
+        return (self.H + self.padding[0] + self.padding[1] - self.dilation[0] * (self.R - 1) - 1) // self.stride[0] + 1
+
+    @property
+    def Q(self) -> int:
+        return (self.W + self.padding[2] + self.padding[3] - self.dilation[1] * (self.S - 1) - 1) // self.stride[1] + 1
+
+    @property
+    def Cg(self) -> int:
+        return self.C // self.groups
+
+    @property
+    def Kg(self) -> int:
+        return self.K // self.groups
+
+
+def geometry(x_shape, w_shape, stride, padding, dilation, groups) -> Geometry:
+    """``padding``: four sides (top, bottom, left, right)."""
+    N, C, H, W = x_shape
+    K, _, R, S = w_shape
+    return Geometry(N, C, H, W, K, R, S, groups, tuple(stride), tuple(padding), tuple(dilation))
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(n, h, w) strides of a channels-last ``[N, C, H, W]`` tensor, those of size-1 dims made a packed tensor's
+    (torch leaves them arbitrary, and TMA never steps along them)."""
+    N, C, H, W = t.shape
+    sx = t.stride(3) if W > 1 else C
+    sy = t.stride(2) if H > 1 else sx * W
+    sn = t.stride(0) if N > 1 else sy * H
+    return sn, sy, sx
+
+
+def input_descriptor(x: torch.Tensor, g: Geometry, block: list, layout) -> TensorDescriptor:
+    """Channels-last ``x`` as the strided 5-D view ``[N, H/SH, SH, W/SW, SW*C]``, in ``block`` boxes: a tap's
+    input pixels for a patch of output pixels are then one box."""
+    sh, sw = g.stride
+    sn, sy, sx = _strides(x)
+    return TensorDescriptor(x, [g.N, g.H // sh, sh, g.W // sw, sw * g.C], [sn, sh * sy, sy, sw * sx, 1], block,
+                            layout)
+
+
+def tap_offsets(g: Geometry) -> tuple[int, int]:
+    """Multiples of the stride at least the padding: every tap's shift from the window origin made non-negative."""
+    sh, sw = g.stride
+    return cdiv(g.padding[0], sh) * sh, cdiv(g.padding[2], sw) * sw
+
+
+def patch(g: Geometry, rows: int) -> tuple[int, int, int, int]:
+    """(BI, BH, BW, patches): the patch of ``rows`` output pixels (BI images of BH x BW, powers of two) covering
+    the N images of P x Q pixels in the fewest patches; ties to the wider patch, then to fewer images."""
+    best = None
+    bw = 1
+    while bw <= min(rows, 64):
+        bh = 1
+        while bw * bh <= rows:
+            bi = rows // (bw * bh)
+            tiles = cdiv(g.N, bi) * cdiv(g.P, bh) * cdiv(g.Q, bw)
+            key = (tiles, -bw, bi)
+            if best is None or key < best[0]:
+                best = (key, (bi, bh, bw, tiles))
+            bh *= 2
+        bw *= 2
+    return best[1]
+
+
+def unusable(dy: torch.Tensor, x: torch.Tensor, g: Geometry) -> str | None:
+    """None when the kernel takes the weight gradient; otherwise why not."""
+    if x.dtype not in (torch.float16, torch.bfloat16) or dy.dtype != x.dtype:
+        return "not 16-bit, or dtypes differ"
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "not Hopper"
+    if x.stride(1) != 1 or dy.stride(1) != 1:
+        return "not channels-last"
+    if g.Cg % 8 or g.Kg % 8:
+        return "channels per group not multiples of 8"
+    if g.H % g.stride[0] or g.W % g.stride[1]:
+        return "image size not divisible by the stride"
+    if g.stride[1] > 1 and _strides(x)[2] != g.C:
+        return "pixels not packed"
+    strides = _strides(x) + _strides(dy)
+    if min(strides) <= 0 or any(st * x.element_size() % 16 for st in strides) or (x.data_ptr() | dy.data_ptr()) % 16:
+        return "strides or pointers not 16-byte aligned"
+    if g.N * g.K * g.P * g.Q >= 2**31 or x.numel() >= 2**31:
+        return "2^31 elements or more"
+    return None
+
+
+@gluon.jit
+def _issue(dy_desc, x_desc, a_slot, b_slot, bar, j, tiles_p, tiles_q, k_col, c_col, dh, ah, dw, aw, C_ROW,
+           BI: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr):
+    """The TMA copies of pixel patch ``j``: its output gradients and the input pixels the tap reads for it."""
+    tq = j % tiles_q
+    tp = (j // tiles_q) % tiles_p
+    n = j // (tiles_q * tiles_p) * BI
+    p0 = tp * BH
+    q0 = tq * BW
+    mbarrier.expect(bar, dy_desc.block_type.nbytes + x_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(dy_desc, [n, p0, q0, k_col], bar, a_slot)
+    tma.async_copy_global_to_shared(x_desc, [n, p0 + dh, ah, q0 + dw, aw * C_ROW + c_col], bar, b_slot)
 
 
 @gluon.jit
@@ -188,9 +312,7 @@ def conv2d_wgrad_ws_kernel(
 
 def launch_args(dy, x, g, dw, ws, count, pix: int, bn: int, stages: int, programs: int, **flags):
     """(kernel, grid, args, kwargs) of the weight gradient ``dw`` ([K, C/groups, R, S])."""
-    from tilegemm.ops.conv2d.configs import _patch
-
-    bi, bh, bw, patches = _patch(g, pix)
+    bi, bh, bw, patches = patch(g, pix)
     tiles_n = cdiv(g.Cg, bn)
     tiles_mn = cdiv(g.Kg, BLOCK_M) * tiles_n
     work = tiles_mn * g.R * g.S * g.groups * patches
@@ -211,20 +333,18 @@ def launch_args(dy, x, g, dw, ws, count, pix: int, bn: int, stages: int, program
 
 def workspace_sizes(g, pix: int, bn: int, programs: int) -> tuple[int, int]:
     """(fp32 planes, counters) the launch needs."""
-    from tilegemm.ops.conv2d.configs import _patch
-
     units = cdiv(g.Kg, BLOCK_M) * cdiv(g.Cg, bn) * g.R * g.S * g.groups
     return programs * 4 * (BLOCK_M // 2) * bn, units * 2
 
 
 def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype, pix: int = 64, bn: int = 128, stages: int = 6,
         programs: int | None = None, memory_format=torch.contiguous_format, **flags) -> torch.Tensor:
-    from tilegemm.core.hardware import sm_count
-    from tilegemm.ops.conv2d.implicit_gemm import empty_4d
-    from tilegemm.core.workspace import split_workspace
-
+    """The weight gradient ``[K, C/groups, R, S]`` of channels-last ``dy`` and ``x``, in ``memory_format``."""
     programs = programs or sm_count(dy.device)
-    dw = empty_4d((g.K, g.Cg, g.R, g.S), out_dtype, dy.device, memory_format)
+    if memory_format == torch.channels_last:
+        dw = torch.empty((g.K, g.R, g.S, g.Cg), dtype=out_dtype, device=dy.device).permute(0, 3, 1, 2)
+    else:
+        dw = torch.empty((g.K, g.Cg, g.R, g.S), dtype=out_dtype, device=dy.device)
     ws, count = split_workspace(dy.device, *workspace_sizes(g, pix, bn, programs), tag="wgrad-ws")
     kernel, grid, args, kwargs = launch_args(dy, x, g, dw, ws, count, pix, bn, stages, programs, **flags)
     kernel[grid](*args, **kwargs)

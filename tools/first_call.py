@@ -5,7 +5,7 @@ result synchronized): one with an empty Triton cache (everything compiles), one 
 compiled by an earlier process are on disk), and one with a warm cache that made a call on another shape
 first (a 64^3 product): the per-shape cost without the once-per-process ones (importing Triton and the
 kernel modules, Triton hashing its own sources for its cache keys: about 0.3 + 0.2 + 0.4 s on the H100,
-research/profile_first_call.py). ``torch.matmul``'s first call is timed beside them, and once, the first call
+docs/performance.md). ``torch.matmul``'s first call is timed beside them, and once, the first call
 of a trivial Triton kernel (empty and warm cache): what Triton alone costs a fresh process, the floor of any
 Triton library's first call.
 

@@ -11,19 +11,18 @@
 #   random        the random sweep (fp16, auto only; \$RANDOM_DTYPES for others)
 #   conv2d-check  tools/conv2d_gpu_check.py (every layer checked, timed within \$CONV_BUDGET seconds, fp16)
 #   w4a16-check   tools/w4a16_gpu_check.py --quick;  first-call  tools/first_call.py
-#   w4a16-small   research/explore_w4a16_small_m.py (cold-L2 times of the small-M candidates, \$W4_BUDGET s)
 #   conv2d-fwd    the conv2d bench's forward sweeps (resnet50, mobilenet; auto only);  conv2d-nchw  forward and
 #                 backward on NCHW tensors, both sides (--memory-format nchw)
 #   fuzz          the public ops' GPU fuzz (tests/*/test_*_fuzz_gpu.py; \$TILEGEMM_FUZZ_EXAMPLES draws per op)
-#   stream-k      research/explore_stream_k.py (persistent_tma's STREAM_K against its whole tiles and splits,
-#                 \$EXPLORE_BUDGET s);  models  the bench's models sweep, fp16, auto only
+#   models        the bench's models sweep, fp16, auto only
 #   batched       the bench's batched sweep, fp16 NN and NT, auto only
 #   grouped       the grouped family's bench: moe bf16 and fp16 forward, bf16 backward, batched bf16 and fp16,
 #                 4-bit experts (grouped_w4a16) fp16 and bf16;  grouped-tests: tests/grouped on the GPU (all marks)
 #   moe-model     tools/grouped_moe_model.py: Qwen3-MoE (4 layers) and Mixtral (2 layers) shapes, every experts
 #                 implementation, prefill 2048 and decode batch 1 / 16, bf16
-#   conv2d-explore  research/explore_depthwise.py (with research/depthwise_cols.py) and
-#                 research/explore_gluon_narrow.py, \$EXPLORE_BUDGET s for the first
+#   w4-random     the w4a16 bench's held-out w4-random sweep, fp16 (second baseline: fbgemm where it imports)
+#   w4-checkpoint a Llama-3-8B-shaped GPTQ checkpoint (tools/write_w4_checkpoint.py, 32 layers, \$W4_CKPT_DIR),
+#                 then the loader's tests on the GPU and `bench --op w4a16 --model llama --checkpoint` on it
 # Put bench steps before `tests`: right after the test workers a bench read unchanged layers up to 2x slower
 # (a busy host; benchmarks/results/2026-11-25-h200/8f6320b/*-after-tests-noisy.json).
 set -uo pipefail
@@ -51,19 +50,17 @@ for step in "$@"; do
     profile) python3 tools/launch_profile.py 2>&1 | tee "$OUT/launch-profile.txt" ;;
     random) for d in ${RANDOM_DTYPES:-fp16}; do bench --sweep random --dtype $d --kernels auto --json "$OUT/random-$d.json" 2>&1 | tail -n 6; done ;;
     conv2d-check) python3 tools/conv2d_gpu_check.py --dtypes "${CONV_DTYPES:-fp16}" --budget "${CONV_BUDGET:-180}" --out "$OUT/conv2d-check.json" 2>&1 | tee "$OUT/conv2d-check.log" | tail -n 8 ;;
+    w4-random) bench --op w4a16 --sweep w4-random --dtype fp16 --json "$OUT/w4a16-w4-random-fp16.json" 2>&1 | tail -n 30 ;;
+    w4-checkpoint) ckpt=${W4_CKPT_DIR:-/tmp/llama3-8b-gptq}
+                   [ -f "$ckpt/config.json" ] || python3 tools/write_w4_checkpoint.py --out "$ckpt" 2>&1 | tail -n 2
+                   pytest_ -m "" tests/models 2>&1 | tee "$OUT/models-tests.log" | tail -n 8
+                   bench --op w4a16 --model llama --checkpoint "$ckpt" --json "$OUT/w4a16-llama-checkpoint.json" 2>&1 | tail -n 25 ;;
     w4a16-check) python3 tools/w4a16_gpu_check.py --quick --out "$OUT/w4a16-quick.json" 2>&1 | tee "$OUT/w4a16-quick.log" | tail -n 25 ;;
-    w4a16-small) python3 research/explore_w4a16_small_m.py --out "$OUT" --budget "${W4_BUDGET:-240}" \
-                   ${W4_ARGS:-} 2>&1 | tee "$OUT/small-m.log" | tail -n 20 ;;
     conv2d-fwd) for s in resnet50 mobilenet; do bench --op conv2d --sweep $s --kernels auto --json "$OUT/conv2d-$s-fwd.json" 2>&1 | tail -n 3; done ;;
-    conv2d-explore) PYTHONPATH=src:research python3 research/explore_depthwise.py --out "$OUT/depthwise.json" \
-                      --budget "${EXPLORE_BUDGET:-240}" 2>&1 | grep -v Warning | tail -n 60
-                    PYTHONPATH=src:research python3 research/explore_gluon_narrow.py --out "$OUT/gluon-narrow.json" \
-                      2>&1 | grep -v Warning | tail -n 60 ;;
     conv2d-nchw) for s in resnet50 mobilenet; do for m in fwd bwd; do bench --op conv2d --sweep $s --kernels auto \
                    --mode $m --memory-format nchw --json "$OUT/conv2d-$s-$m-nchw.json" 2>&1 | tail -n 3; done; done ;;
     fuzz) for t in matmul conv2d w4a16 grouped; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
-    stream-k) PYTHONPATH=src:research python3 research/explore_stream_k.py --budget "${EXPLORE_BUDGET:-300}" 2>&1 | tee "$OUT/stream-k.log" | tail -n 40 ;;
     models) bench --sweep models --dtype fp16 --kernels auto --json "$OUT/models-fp16.json" 2>&1 | tail -n 6 ;;
     batched) for l in NN NT; do bench --sweep batched --layout $l --dtype fp16 --kernels auto \
                --json "$OUT/batched-fp16-$l.json" 2>&1 | tail -n 4; done ;;

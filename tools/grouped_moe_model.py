@@ -111,7 +111,8 @@ def main() -> None:
     # ratios against the fastest built-in implementation, per case and timing
     for key in ("ms", "ms_graph"):
         for name, _ in cases:
-            best = [r[key] for r in rows if r["case"] == name and r["impl"] in BUILT_IN and isinstance(r.get(key), float)]
+            best = [r[key] for r in rows
+                    if r["case"] == name and r["impl"] in BUILT_IN and isinstance(r.get(key), float)]
             for r in rows:
                 if r["case"] == name and best and isinstance(r.get(key), float):
                     r[f"ratio_{key}"] = min(best) / r[key]
@@ -121,7 +122,8 @@ def main() -> None:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     for r in rows:
         print(f"{r['impl']:>14} {r['case']:>12}  ms {r.get('ms')!s:>22.22}  graph {r.get('ms_graph')!s:>22.22}  "
-              f"x{r.get('ratio_ms', 0):.2f} / x{r.get('ratio_ms_graph', 0) or 0:.2f}  err {r.get('rel_err_vs_eager')}")
+              f"x{r.get('ratio_ms', 0):.2f} / x{r.get('ratio_ms_graph', 0) or 0:.2f}  "
+              f"err {r.get('rel_err_vs_eager')}")
     print("wrote", args.out)
 
 

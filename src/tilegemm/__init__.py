@@ -23,8 +23,8 @@ from tilegemm import nn  # noqa: E402
 
 from tilegemm.core import __version__  # noqa: E402
 
-__all__ = ["ACTIVATIONS", "__version__", "conv2d", "copy", "grouped_mm", "interpreting", "kernels", "matmul", "nn", "rgb_to_grey",
-           "w4a16"]
+__all__ = ["ACTIVATIONS", "__version__", "conv2d", "copy", "grouped_mm", "interpreting", "kernels", "matmul", "nn",
+           "rgb_to_grey", "w4a16"]
 
 
 def __getattr__(name: str):

@@ -14,6 +14,7 @@ examples:
   tilegemm bench --shape 4096,4096,4096 --shape 16,28672,8192 --kernels grouped,autotuned
   tilegemm bench --layout TN --batch 8 --sweep square
   tilegemm bench --op w4a16 --model llama         decode tokens/s of a 4-bit Llama against the same model in fp16
+  tilegemm bench --op w4a16 --model llama --checkpoint DIR   the same, of a GPTQ/AWQ checkpoint directory
   tilegemm bench --op conv2d --model resnet50 --shape 64,compile
   tilegemm tune --sweep llm --dtype bf16          tune ahead of time; configs saved per GPU
   tilegemm info
@@ -55,6 +56,9 @@ def _add_bench(sub) -> None:
                    help=f"time a whole model on the op's kernels against the same model on the baseline's, instead "
                         f"of the op's kernels; op:model: {models}; --shape then takes BATCH[,MODE]; "
                         f"docs/bench.md says what each times")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="--op w4a16 --model llama: load the model from a 4-bit GPTQ/AWQ checkpoint directory "
+                        "(tilegemm.models.from_pretrained) instead of quantizing random weights")
     p.add_argument("--dtype", help=f"input dtype (the first is the default); {dtypes}")
     p.add_argument("--sweep", help=f"named sweep; {sweeps}; default: the op's GPU sweep on a GPU, its tiny one "
                                    "under the interpreter")
@@ -166,8 +170,13 @@ def cmd_bench(args, console, err_console) -> int:
         raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
     try:
         op = bench_op(args.op)
+        if args.checkpoint and not args.model:
+            raise UsageError("--checkpoint names the model to load: give it with --model (--op w4a16 --model llama)")
         if args.model:
-            op = op.model_bench(args.model)  # from here on the model's adapter: its sweeps, dtypes, kernel, rows
+            try:  # from here on the model's adapter: its sweeps, dtypes, kernel, rows
+                op = op.model_bench(args.model, **({"checkpoint": args.checkpoint} if args.checkpoint else {}))
+            except TypeError:
+                raise UsageError(f"--checkpoint does not apply to --model {args.model}") from None
             if args.cuda_graph:
                 raise UsageError(f"--cuda-graph does not apply to --model {args.model}: its cases say how each "
                                  "model runs (eager, graph, compile)")

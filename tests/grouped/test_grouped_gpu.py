@@ -80,7 +80,8 @@ def test_cuda_graph_replays_with_new_group_sizes():
     with torch.cuda.graph(graph):
         outs = run()
     deq = tilegemm.w4a16.dequantize(w4).transpose(1, 2)
-    for ends in ([10, 10, 50, 120, 190, 200], [0, 0, 0, 0, 0, 200], [200] * 6, [1, 2, 3, 4, 5, 6], [0, 90, 90, 91, 91, 150]):
+    for ends in ([10, 10, 50, 120, 190, 200], [0, 0, 0, 0, 0, 200], [200] * 6, [1, 2, 3, 4, 5, 6],
+                 [0, 90, 90, 91, 91, 150]):
         offs.copy_(torch.tensor(ends, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()

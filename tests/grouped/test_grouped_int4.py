@@ -100,8 +100,8 @@ def test_opcheck(device):
 
 
 CASES = [
-    ("2-D weight", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x, tilegemm.w4a16.quantize(torch.randn(8, 64).half(), 32),
-                                                                o), ValueError, "stacked experts"),
+    ("2-D weight", lambda w, x, o: tilegemm.w4a16.grouped_matmul(
+        x, tilegemm.w4a16.quantize(torch.randn(8, 64).half(), 32), o), ValueError, "stacked experts"),
     ("not an Int4Weight", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x, torch.randn(4, 24, 64), o), TypeError,
      "Int4Weight"),
     ("fp32 x", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x.float(), w, o), TypeError, "fp16 or bf16"),

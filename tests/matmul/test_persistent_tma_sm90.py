@@ -5,7 +5,7 @@ tf32 (and fp8) operands must be K-major in shared memory, so with B row-major (N
 the operands and takes B^T through registers, and with only A column-major (TT) it takes A through
 registers. There ptxas serializes every wgmma of a loop whose tile loop is flattened into the K loop (its
 info C7515). Unflattened loops are not serialized and ran up to 1.5x faster, but on the H200 they gave
-wrong tiles (all of them for some TT configs, now and then for NN; research/diagnose_register_operand.py),
+wrong tiles (all of them for some TT configs, now and then for NN; docs/rungs/persistent_tma.md),
 so :func:`persistent_tma.configs` keeps these loops flattened: slower, and right.
 """
 
@@ -69,7 +69,8 @@ _COMPILE = SM90 + textwrap.dedent(
 def test_ptxas_serializes_the_flattened_loops_and_not_the_unflattened(tmp_path):
     """What the choice costs, as Triton 3.6's ptxas says it: every candidate's MMAs are serialized; the same
     tile unflattened is not. (If a later Triton stops serializing the flattened loops, this fails: time them
-    again, and check the unflattened ones for wrong tiles with research/diagnose_register_operand.py.)"""
+    again, and check the unflattened ones for wrong tiles
+    as research/diagnose_register_operand.py did: docs/research.md.)"""
     results = compile_offline(tmp_path, _COMPILE, None, timeout=600)
     controls = {k: v for k, v in results.items() if k.endswith("control")}
     assert len(controls) == 2 and len(results) > 2 * 5

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 
 import torch
 
@@ -59,12 +60,24 @@ class LlamaDecodeBench(ModelBench):
 
     GPU_PROMPT, TINY_PROMPT = 512, 8
 
-    def __init__(self, layers: int | None = None):
+    def __init__(self, layers: int | None = None, checkpoint: str | None = None):
         """``layers``: Llama-3-8B decoder layers on the GPU; default as many of its 32 as fit
-        (:func:`~tilegemm.models.llama.layers_that_fit`), decided when the cases are made."""
+        (:func:`~tilegemm.models.llama.layers_that_fit`), decided when the cases are made. ``checkpoint``: a
+        4-bit GPTQ/AWQ checkpoint directory to load (:func:`tilegemm.models.from_pretrained`) instead of building
+        and quantizing a random model; every sweep then runs it."""
         super().__init__()
         self.layers = layers
         self._fitted = layers is None  # the layer count is what fits, not what was asked for
+        self.checkpoint = None
+        if checkpoint is not None:
+            from tilegemm.models import pretrained
+
+            try:  # refuse a directory that cannot load before any case runs
+                config = pretrained.read_config(checkpoint)
+                self._quant = pretrained.quant_config(config)
+            except (OSError, TypeError, ValueError) as err:
+                raise BenchError(f"--checkpoint: {err}") from None
+            self.checkpoint, self._ckpt_config = os.fspath(checkpoint), config
         self.sweeps = {"decode": self._decode_cases, "tiny": self._tiny_cases}
         self._built = None  # (key, fp16 model, int4 model): kept across cases
 
@@ -80,6 +93,10 @@ class LlamaDecodeBench(ModelBench):
                              "--sweep tiny")
 
     def _case(self, batch: int, mode: str, tiny: bool, x: float) -> Case:
+        if self.checkpoint is not None:
+            layers, prompt = self._ckpt_config.get("num_hidden_layers"), self.TINY_PROMPT if tiny else self.GPU_PROMPT
+            dims = dict(batch=batch, prompt=prompt, layers=layers, mode=mode, config="checkpoint")
+            return Case(f"b{batch} {mode}", dims, float(x))
         if tiny:
             layers, prompt, config = llama.TINY_LAYERS, self.TINY_PROMPT, "tiny"
         else:
@@ -99,11 +116,21 @@ class LlamaDecodeBench(ModelBench):
 
     def description(self, cases):
         d = cases[0].dims
+        modes = "; ".join(f"{m} = {MODES[m]}" for m in dict.fromkeys(c.dims["mode"] for c in cases))
+        if d["config"] == "checkpoint":
+            c = self._ckpt_config
+            name = os.path.basename(os.path.normpath(self.checkpoint))
+            arch = ", ".join(c.get("architectures") or [str(c.get("model_type", "?"))])
+            return (f"the checkpoint {name} ({arch}: hidden "
+                    f"{c.get('hidden_size')}, intermediate {c.get('intermediate_size')}, heads "
+                    f"{c.get('num_attention_heads')}/{c.get('num_key_value_heads')} KV, vocab {c.get('vocab_size')}, "
+                    f"{d['layers']} layers; {self._quant.describe()}), loaded by tilegemm.models.from_pretrained; "
+                    f"baseline and reference: the same model in fp16 with the int4 weights dequantized. Timed: one "
+                    f"greedy decode step at position {d['prompt']}, after the {d['prompt']}-token prompt; {modes}")
         tiny = d["config"] == "tiny"
         shapes, full = (llama.TINY, llama.TINY_LAYERS) if tiny else (llama.LLAMA3_8B, llama.LLAMA3_8B_LAYERS)
         layers = f"{d['layers']} layers" + ("" if tiny or d["layers"] == full else
                                             f" (of {full}{': what fits' if self._fitted else ''})")
-        modes = "; ".join(f"{m} = {MODES[m]}" for m in dict.fromkeys(c.dims["mode"] for c in cases))
         return (f"{'a tiny Llama' if tiny else 'Llama-3-8B shapes'} (hidden {shapes['hidden_size']}, intermediate "
                 f"{shapes['intermediate_size']}, heads {shapes['num_attention_heads']}/"
                 f"{shapes['num_key_value_heads']} KV, vocab {shapes['vocab_size']}), {layers}, random fp16 weights; "
@@ -124,6 +151,12 @@ class LlamaDecodeBench(ModelBench):
         if self._built is None or self._built[0] != key:
             self._built = None
             self.release()
+            if dims["config"] == "checkpoint":
+                from tilegemm.models.pretrained import dequantized_copy, from_pretrained
+
+                int4 = from_pretrained(self.checkpoint, device=device)
+                self._built = (key, dequantized_copy(int4), int4)
+                return self._built[1:]
             tiny = dims["config"] == "tiny"
             with _seeded(device):
                 fp16 = llama.build(tiny=tiny, layers=dims["layers"], device=device)

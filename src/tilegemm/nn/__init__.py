@@ -8,4 +8,21 @@ from tilegemm.nn.moe import install as _install_experts, quantize_experts_, regi
 
 _install_experts()  # the "tilegemm" experts implementation of transformers' MoE blocks (imports no transformers)
 
-__all__ = ["Conv2d", "Int4Linear", "Linear", "convert_", "quantize_", "quantize_experts_", "register_experts"]
+__all__ = ["ColwiseParallel", "Conv2d", "Int4Linear", "Linear", "RowwiseParallel", "convert_", "load_quantized_",
+           "quantize_", "quantize_experts_", "register_experts"]
+
+
+def __getattr__(name: str):
+    # load_quantized_ (a GPTQ/AWQ checkpoint directory into a model) lives in tilegemm.models.pretrained, which
+    # `import tilegemm` leaves unimported (the models package stays lazy): imported on first use.
+    if name == "load_quantized_":
+        from tilegemm.models.pretrained import load_quantized_
+
+        return load_quantized_
+    # The tensor-parallel styles live in tilegemm.parallel, imported on first use: it imports
+    # torch.distributed.tensor, which `import tilegemm` must not pay for (docs/parallel.md).
+    if name in ("ColwiseParallel", "RowwiseParallel"):
+        import tilegemm.parallel
+
+        return getattr(tilegemm.parallel, name)
+    raise AttributeError(f"module 'tilegemm.nn' has no attribute {name!r}")

@@ -7,6 +7,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from tilegemm.nn.linear import sharding_rules_for
 from tilegemm.ops.conv2d import conv2d
 
 
@@ -37,6 +38,8 @@ class Conv2d(torch.nn.Conv2d):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.weight) is not torch.nn.Parameter:
+            sharding_rules_for(self.weight)
         padding = self.padding
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)

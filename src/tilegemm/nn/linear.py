@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
 
 from tilegemm.ops.matmul import matmul
+
+
+def sharding_rules_for(weight) -> None:
+    """Register tilegemm's DTensor sharding rules when ``weight`` is a DTensor (a layer parallelized with torch's
+    own styles): imported here, not at ``import tilegemm``, because ``torch.distributed.tensor`` is slow to import."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(weight, dtensor.DTensor):
+        import tilegemm.parallel  # noqa: F401 (registers the rules)
 
 
 class Linear(torch.nn.Linear):
@@ -32,6 +41,8 @@ class Linear(torch.nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.weight) is not torch.nn.Parameter:
+            sharding_rules_for(self.weight)
         lead = x.shape[:-1]
         x2d = x.reshape(-1, x.shape[-1])  # [*, in] -> [M, in]: one GEMM, whatever the leading dims
         out = matmul(x2d, self.weight.t(), bias=self.bias, activation=self.activation)  # [M, out]

@@ -14,7 +14,8 @@ register_op(OpSpec(
     pseudo={"auto": "picks the kernel for the problem (the default)"},
 ))
 register(KernelSpec(
-    op="grouped", name="tiled", order=10, target="tilegemm.ops.grouped.tiled:run", dtypes=("fp16", "bf16", "fp32", "tf32"),
+    op="grouped", name="tiled", order=10, target="tilegemm.ops.grouped.tiled:run",
+    dtypes=("fp16", "bf16", "fp32", "tf32"),
     summary="one launch for every layout: programs find their group by scanning offs on the device",
 ))
 register_op(OpSpec(

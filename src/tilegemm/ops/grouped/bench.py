@@ -1,11 +1,11 @@
 """The bench adapter of the grouped family: MoE experts' products (gate/up and down) of three models under skewed
 routing, batched products, and a tiny sweep for the interpreter; work in FLOPs.
 
-Baselines: a loop of cuBLAS products (``torch.mm``) over the non-empty groups, its group bounds read on the host
-while the inputs are prepared (outside the timed region), and ``torch.nn.functional.grouped_mm`` as the second
-baseline where it runs (CUDA; its ratio is the row's second one): the faster of the two is the bar. ``batched``:
-``torch.matmul``. :class:`GroupedW4A16Bench` (``--op grouped_w4a16``): 16-bit activations times 4-bit experts
-(group 128), against the same 16-bit baselines. Option ``mode``: ``fwd``, or ``bwd`` (the gradients of a and b from one output gradient, returned
+Baselines: a loop of cuBLAS products (``torch.mm``) over the non-empty groups, its group bounds read on the host while
+the inputs are prepared (outside the timed region), and ``torch.nn.functional.grouped_mm`` as the second baseline where
+it runs (CUDA; its ratio is the row's second one): the faster of the two is the bar. ``batched``: ``torch.matmul``.
+:class:`GroupedW4A16Bench` (``--op grouped_w4a16``): 16-bit activations times 4-bit experts (group 128), against the
+same 16-bit baselines. Option ``mode``: ``fwd``, or ``bwd`` (the gradients of a and b from one output gradient, returned
 flattened and concatenated on both sides).
 """
 

@@ -2,20 +2,20 @@
 
 The four layouts reduce to three ways of finding a program's work (``JAGGED``):
 
-- ``"m"`` (2-D x 3-D, and 3-D x 2-D as its transpose): the rows of a are cut into groups by ``offs``. The grid
-  is an upper bound on the tiles, ``cdiv(M, BLOCK_M) + G`` along M (each group wastes less than one tile), so
-  no host ever reads ``offs``. A program loads all of ``offs`` as one vector, counts each group's tiles, and
-  finds its own group from their running sum; programs past the last group's tiles take the rows after
-  ``offs[-1]`` and write zeros there (what torch's grouped_mm leaves), and the rest exit.
-- ``"k"`` (2-D x 2-D, the weight gradient): group g is grid axis 1, its K range is ``[offs[g-1], offs[g])``;
-  an empty group writes zeros.
+- ``"m"`` (2-D x 3-D, and 3-D x 2-D as its transpose): the rows of a are cut into groups by ``offs``. The grid is an
+  upper bound on the tiles, ``cdiv(M, BLOCK_M) + G`` along M (each group wastes less than one tile), so no host ever
+  reads ``offs``. A program loads all of ``offs`` as one vector, counts each group's tiles, and finds its own group
+  from their running sum; programs past the last group's tiles take the rows after ``offs[-1]`` and write zeros there
+  (what torch's grouped_mm leaves), and the rest exit.
+- ``"k"`` (2-D x 2-D, the weight gradient): group g is grid axis 1, its K range is ``[offs[g-1], offs[g])``; an empty
+  group writes zeros.
 - ``"none"`` (3-D x 3-D): a batched product, the batch on grid axis 1.
 
-Operands are read in place through their strides (b row- or column-major, transposed views), accumulated in
-fp32 by ``tl.dot``. Tiles of one group run next to each other, in bands of GROUP_M row tiles walked column by
-column (:func:`swizzle`), so the programs resident at a time share the group's weight and rows in L2. ``GATED`` (the MoE gate/up product) keeps two accumulators, the gate's
-columns and the up projection's ``UP`` elements further along b (``UPC`` along the bias), and stores
-``activation(gate) * up``.
+Operands are read in place through their strides (b row- or column-major, transposed views), accumulated in fp32 by
+``tl.dot``. Tiles of one group run next to each other, in bands of GROUP_M row tiles walked column by column
+(:func:`swizzle`), so the programs resident at a time share the group's weight and rows in L2. ``GATED`` (the MoE
+gate/up product) keeps two accumulators, the gate's columns and the up projection's ``UP`` elements further along b
+(``UPC`` along the bias), and stores ``activation(gate) * up``.
 """
 
 from __future__ import annotations

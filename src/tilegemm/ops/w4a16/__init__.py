@@ -63,5 +63,5 @@ from tilegemm.ops.w4a16.format import _rebuild  # noqa: E402
 
 _torch.serialization.add_safe_globals([_rebuild])
 
-__all__ = ["ACTIVATIONS", "GROUP_SIZES", "Int4Weight", "dequantize", "from_awq", "from_gptq", "grouped_matmul", "matmul",
-           "quantize"]
+__all__ = ["ACTIVATIONS", "GROUP_SIZES", "Int4Weight", "dequantize", "from_awq", "from_gptq", "grouped_matmul",
+           "matmul", "quantize"]

@@ -1,8 +1,9 @@
 """The bench adapter of W4A16: llm sweeps, cuBLAS fp16/bf16 (F.linear with the dense weight) as the baseline,
 work in FLOPs (``2 M N K``); the weight traffic in GB/s is :meth:`W4A16Bench.weight_gbps`.
 
-torch's own int4 kernel (tinygemm, bf16) is the second baseline, recorded by tools/w4a16_gpu_check.py (the
-bench table has one baseline column).
+The second baseline column: fbgemm-gpu-genai's preshuffled bf16 x int4 kernel where that package imports, else
+torch's own int4 kernel (tinygemm, bf16), which tools/w4a16_gpu_check.py also records. The ``w4-random`` sweep
+holds shapes out for checking rules fitted elsewhere (:data:`W4_RANDOM_SEED`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 import torch
 
 from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
+from tilegemm.core.registry import NotApplicable
 
 _LLM_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 8192)]
 _LLM_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -26,6 +28,51 @@ def _llm_cases() -> list[Case]:
     return [_case(m, n, k, x=i * len(_LLM_M) + j) for i, (n, k) in enumerate(_LLM_NK) for j, m in enumerate(_LLM_M)]
 
 
+# The w4-random sweep: held-out shapes. No rule or config shipped may be fitted on this seed (derive rules on
+# another seed and check them here); docs/w4a16.md "The w4-random sweep".
+W4_RANDOM_SEED = 60417
+W4_RANDOM_SHAPES = 16  # (N, K) pairs
+W4_RANDOM_M = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+W4_RANDOM_RANGE = (1024, 32768)  # N and K: log-uniform in this range, multiples of 128
+
+
+def w4_random_shapes(count: int = W4_RANDOM_SHAPES, seed: int = W4_RANDOM_SEED) -> list[tuple[int, int]]:
+    """``count`` (N, K) pairs from ``seed``, each log-uniform in 1024..32768 and rounded to a multiple of 128."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    lo, hi = W4_RANDOM_RANGE
+
+    def draw() -> int:
+        v = math.exp(rng.uniform(math.log(lo), math.log(hi)))
+        return min(hi, max(lo, int(round(v / 128)) * 128))
+
+    return [(draw(), draw()) for _ in range(count)]
+
+
+def _w4_random_cases() -> list[Case]:
+    return [_case(m, n, k, x=i * len(W4_RANDOM_M) + j) for i, (n, k) in enumerate(w4_random_shapes())
+            for j, m in enumerate(W4_RANDOM_M)]
+
+
+def fbgemm_reason() -> str | None:
+    """None where fbgemm-gpu-genai's preshuffled bf16 x int4 kernel imports, else why not (asked once)."""
+    if "fbgemm" not in _FBGEMM:
+        try:
+            from fbgemm_gpu.experimental.gen_ai.quantize import quantize_int4_preshuffle  # registers torch.ops.fbgemm
+
+            _FBGEMM["quantize"] = quantize_int4_preshuffle
+            _FBGEMM["fbgemm"] = None if hasattr(torch.ops.fbgemm, "bf16i4bf16_shuffled") else \
+                "fbgemm_gpu imports but has no torch.ops.fbgemm.bf16i4bf16_shuffled"
+        except Exception as err:  # noqa: BLE001 - a missing package or a build for another torch: say which
+            _FBGEMM["fbgemm"] = f"fbgemm-gpu-genai does not import ({type(err).__name__}: {str(err)[:120]})"
+    return _FBGEMM["fbgemm"]
+
+
+_FBGEMM: dict = {}
+
+
 class W4A16Bench(BenchOp):
     name = "w4a16"
     metric = "TFLOPS"
@@ -33,6 +80,7 @@ class W4A16Bench(BenchOp):
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
     sweeps = {
         "llm": _llm_cases,
+        "w4-random": _w4_random_cases,
         "decode": lambda: [_case(m, 8192, 8192) for m in (1, 2, 4, 8, 16, 32, 64)],
         "tiny": lambda: [_case(m, n, k) for m, n, k in ((1, 64, 128), (3, 96, 256), (17, 64, 128))],
     }
@@ -62,10 +110,19 @@ class W4A16Bench(BenchOp):
             w = w4a16.quantize(dense, GROUP_SIZE)
             # The baseline multiplies by the dequantized weight, so it computes the same result.
             inputs = dict(x=torch.randn(M, K, device=device, dtype=tdtype), w=w, dense=w4a16.dequantize(w))
-            if self.second_baseline_reason(device) is None:  # torch's int4 kernel's packing, made once here
-                from tilegemm.ops.w4a16.baselines import tinygemm_weight
+            if self.second_baseline_reason(device) is None:  # its packing, made once here
+                if fbgemm_reason() is None:
+                    # fbgemm quantizes the (already 4-bit) dequantized weight itself: its own scales and zeros
+                    # (bf16) on the same grid. A shape it refuses gets an "unavailable" row, not a failed run.
+                    try:
+                        inputs["fbgemm"] = _FBGEMM["quantize"](inputs["dense"].to(torch.bfloat16),
+                                                               group_size=GROUP_SIZE, dtype="bf16", use_zp=True)
+                    except Exception as err:  # noqa: BLE001 - its own checks (asserts, RuntimeErrors)
+                        inputs["fbgemm"] = f"fbgemm's quantize_int4_preshuffle refused {N}x{K}: {err}"[:300]
+                else:
+                    from tilegemm.ops.w4a16.baselines import tinygemm_weight
 
-                inputs["tinygemm"] = tinygemm_weight(w)
+                    inputs["tinygemm"] = tinygemm_weight(w)
                 inputs["x_bf16"] = inputs["x"].to(torch.bfloat16)  # its activations, cast outside the timing
             sets.append(inputs)
         first = sets[0]
@@ -80,16 +137,31 @@ class W4A16Bench(BenchOp):
     def baseline(self, inputs, dtype):
         return torch.nn.functional.linear(inputs["x"], inputs["dense"])
 
-    # torch's own int4 kernel (tinygemm): bf16 activations only, CUDA only; the same weight repacked for it.
-    second_baseline_name = "torch int4"
+    # The second baseline: fbgemm-gpu-genai's preshuffled bf16 x int4 CUTLASS kernel (what torchao runs for int4
+    # on Hopper) where that package imports, else torch's own int4 kernel (tinygemm); both take bf16 activations,
+    # CUDA only. The run's header says which, and why fbgemm is absent.
+    @property
+    def second_baseline_name(self):
+        return "fbgemm int4 (preshuffled)" if fbgemm_reason() is None else "torch int4"
 
     def second_baseline_reason(self, device):
-        return None if device == "cuda" else "torch's int4 kernel (tinygemm) runs on CUDA only"
+        if device != "cuda":
+            return "the int4 baselines (fbgemm's preshuffled kernel, torch's tinygemm) run on CUDA only"
+        return None
 
     def second_baseline(self, inputs, dtype):
+        if "fbgemm" in inputs:
+            if isinstance(inputs["fbgemm"], str):
+                raise NotApplicable(inputs["fbgemm"])
+            wq, (scale, zero) = inputs["fbgemm"]
+            return torch.ops.fbgemm.bf16i4bf16_shuffled(inputs["x_bf16"], wq, scale, zero)
         from tilegemm.ops.w4a16.baselines import tinygemm_mm
 
         return tinygemm_mm(inputs["x_bf16"], *inputs["tinygemm"])
+
+    def run_meta(self, cases):
+        reason = fbgemm_reason()
+        return {} if reason is None else {"second_baseline_note": f"not fbgemm's kernel but torch int4 (tinygemm): {reason}"}
 
     def second_baseline_tolerance(self, dtype):
         return 2e-2  # bf16 activations and output, whatever the op's dtype

@@ -1,0 +1,531 @@
+"""Load a 4-bit GPTQ or AWQ checkpoint directory: ``from_pretrained(path)`` builds its ``transformers`` model with
+every quantized Linear a :class:`tilegemm.nn.Int4Linear`; ``load_quantized_(model, path)`` loads one into a
+model the caller built.
+
+A checkpoint directory (the Hugging Face layout, ``docs/w4a16.md`` "Loading checkpoints"): ``config.json`` with a
+``quantization_config``, tensors in ``model.safetensors`` or in shards listed by ``model.safetensors.index.json``.
+A quantized Linear ``P`` stores ``P.qweight``, ``P.qzeros``, ``P.scales`` (GPTQ: ``P.g_idx``; maybe ``P.bias``)
+instead of ``P.weight``; the rest is stored as plain tensors and loaded as stored.
+
+Memory: the model is built with its parameters on the meta device (no storage), then filled tensor by tensor,
+each read straight onto the target device with ``safetensors``; a quantized Linear is built from its packed
+tensors (never as a 16-bit weight), so loading peaks at the int4 model plus one layer's conversion.
+
+``transformers`` and ``safetensors`` are imported inside the functions that use them: importing this module (as
+``tilegemm.models`` and ``tilegemm.nn.load_quantized_`` do) must not need the ``models`` extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from tilegemm.core.dtypes import dtype_name
+from tilegemm.nn.int4 import Int4Linear
+from tilegemm.ops.w4a16 import Int4Weight, from_awq, from_gptq
+from tilegemm.ops.w4a16.format import fits_fragments
+
+INSTALL = "pip install 'tilegemm[models]'"
+METHODS = ("gptq", "awq")  # the quant_method values taken
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # GPTQ checkpoint formats: v1 (zero - 1 stored) and v2 (the zero itself)
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+_QUANT_PARTS = {"gptq": ("qweight", "qzeros", "scales"), "awq": ("qweight", "qzeros", "scales")}
+# Stored by some checkpoints but recomputed by the model (rotary tables): not an unexpected tensor.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """What a checkpoint's ``quantization_config`` says about how its Linears are stored."""
+
+    method: str  # "gptq" or "awq"
+    group_size: int  # 32 .. 256, or -1 for all of K
+    desc_act: bool = False  # GPTQ act-order (g_idx a permutation of the groups)
+    sym: bool = True
+    checkpoint_format: str = "gptq"  # GPTQ: "gptq" (v1) or "gptq_v2"
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.method == "awq":
+            what = "AWQ (gemm)"
+        else:
+            what = f"GPTQ {'v2' if self.checkpoint_format == 'gptq_v2' else 'v1'}" + (", act-order" if self.desc_act
+                                                                                    else "")
+        return f"{what}, 4-bit, group {self.group_size}"
+
+
+# --- the directory --------------------------------------------------------------------------------------
+
+
+def _check_dir(path) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike naming a checkpoint directory, got {type(path).__name__}")
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint directory at {path!r}")
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a directory: from_pretrained takes a checkpoint directory (config.json "
+                         f"and {SINGLE_FILE} or shards with {INDEX_FILE})")
+    return path
+
+
+def read_config(path) -> dict:
+    """``config.json`` of the checkpoint directory ``path`` as a dict (FileNotFoundError / ValueError naming the
+    problem)."""
+    path = _check_dir(path)
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{path!r} has no config.json (the model's transformers config)")
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
+    """The :class:`QuantConfig` of a config dict's ``quantization_config``; ValueError naming what is not taken."""
+    q = config.get("quantization_config")
+    if q is None:
+        raise ValueError(f"{where} has no quantization_config: not a quantized checkpoint (tilegemm loads 4-bit "
+                         f"{' and '.join(m.upper() for m in METHODS)} checkpoints)")
+    if not isinstance(q, dict):
+        raise ValueError(f"{where}: quantization_config must be a JSON object, got {type(q).__name__}")
+    method = str(q.get("quant_method", "")).lower()
+    if method not in METHODS:
+        raise ValueError(f"{where}: quant_method {q.get('quant_method')!r} is not supported; supported: "
+                         f"{', '.join(repr(m) for m in METHODS)}")
+    bits = q.get("bits", q.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{where}: bits = {bits!r}; tilegemm loads 4-bit checkpoints only (bits = 4)")
+    group_size = q.get("group_size", q.get("q_group_size"))
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        raise ValueError(f"{where}: group_size must be a positive integer or -1 (all of K), got {group_size!r}")
+    not_convert = q.get("modules_to_not_convert") or ()
+    if isinstance(not_convert, str) or not all(isinstance(m, str) for m in not_convert):
+        raise ValueError(f"{where}: modules_to_not_convert must be a list of module names, got {not_convert!r}")
+    if method == "awq":
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"{where}: AWQ version {q.get('version')!r} is not supported; only 'gemm' (qweight "
+                             f"packed along N): 'gemv' packs along K")
+        if q.get("zero_point", True) is False:
+            raise ValueError(f"{where}: AWQ with zero_point = false is not supported (only zero_point = true)")
+        return QuantConfig("awq", group_size, sym=False, modules_to_not_convert=tuple(not_convert))
+    fmt = str(q.get("checkpoint_format", q.get("format", "gptq")) or "gptq").lower()
+    if fmt not in GPTQ_FORMATS:
+        raise ValueError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported; supported: "
+                         f"{', '.join(repr(f) for f in GPTQ_FORMATS)}")
+    return QuantConfig("gptq", group_size, desc_act=bool(q.get("desc_act", False)), sym=bool(q.get("sym", True)),
+                       checkpoint_format=fmt, modules_to_not_convert=tuple(not_convert))
+
+
+class _Tensors:
+    """The checkpoint's tensors by name, read one at a time from ``model.safetensors`` or the shards that
+    ``model.safetensors.index.json`` lists (each shard opened once, lazily)."""
+
+    def __init__(self, path: str, device: torch.device):
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise ImportError(f"loading a checkpoint needs safetensors: {INSTALL}") from None
+        self._open, self.device, self.path = safe_open, device, path
+        index = os.path.join(path, INDEX_FILE)
+        single = os.path.join(path, SINGLE_FILE)
+        if os.path.isfile(index):
+            with open(index) as f:
+                try:
+                    weight_map = json.load(f)["weight_map"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"{index} must be JSON with a 'weight_map' of tensor name -> file") from None
+            missing = sorted({file for file in weight_map.values() if not os.path.isfile(os.path.join(path, file))})
+            if missing:
+                raise FileNotFoundError(f"{INDEX_FILE} lists shard(s) missing from {path!r}: {', '.join(missing)}")
+            self.files = dict(weight_map)
+        elif os.path.isfile(single):
+            with safe_open(single, framework="pt") as f:
+                self.files = {name: SINGLE_FILE for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"{path!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        self._handles: dict[str, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def _handle(self, name: str):
+        file = self.files[name]
+        if file not in self._handles:
+            device = "cpu" if self.device.type == "cpu" else str(self.device)  # "cuda:0": safetensors' spelling
+            self._handles[file] = self._open(os.path.join(self.path, file), framework="pt", device=device)
+        return self._handles[file]
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_slice(self, name: str, index: tuple) -> torch.Tensor:
+        """``tensor[index]`` read without reading the rest (a tensor-parallel rank's shard)."""
+        return self._handle(name).get_slice(name)[index]
+
+
+# --- building the model -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no storage) and their buffers as usual:
+    the rotary tables a model computes in ``__init__`` keep their values, and the weights are loaded later."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _check_dtype(dtype) -> None:
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16 (the 4-bit kernels' activations), got "
+                        f"{dtype_name(dtype) if isinstance(dtype, torch.dtype) else repr(dtype)}")
+
+
+def _default_device(device) -> torch.device:
+    """``device``, or CUDA where there is one, else the CPU; a CUDA device with its index (what tensors report)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, *, device_mesh=None,
+                    tp_plan="auto") -> nn.Module:
+    """The ``transformers`` causal-LM of the quantized checkpoint directory ``path``, in eval mode on ``device``
+    (default: CUDA when there is one, else the CPU): every Linear stored quantized is an
+    :class:`~tilegemm.nn.Int4Linear`, every other tensor loaded as stored (floats in ``dtype``, fp16 or bf16).
+
+    Any architecture ``transformers.AutoModelForCausalLM`` knows; ``quantization_config``: GPTQ (``checkpoint_format``
+    ``"gptq"`` (v1) or ``"gptq_v2"``; act-order ``desc_act``; symmetric or not) or AWQ (``version: "gemm"``),
+    ``bits`` 4, any group size the kernels take (32, 64, 128, 256, -1 = all of K). Raises FileNotFoundError,
+    ValueError or TypeError naming the problem (no directory, no config.json, no quantization_config, another
+    method or bit width, missing tensors, shapes that do not match the config).
+    """
+    _check_dtype(dtype)
+    device = _default_device(device)
+    config_dict = read_config(path)
+    quant_config(config_dict)  # refuse what cannot load before building anything
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ImportError(f"from_pretrained needs transformers: {INSTALL}") from None
+    config = AutoConfig.from_pretrained(os.fspath(path))
+    # Built from the config alone: transformers' own quantizers (which from_config does not run) stay out of it;
+    # the config keeps its quantization_config, which says what the model holds.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(old)
+    if device_mesh is not None:
+        from tilegemm.parallel import load_quantized_sharded_  # imports torch.distributed.tensor: only when asked
+
+        load_quantized_sharded_(model, path, device_mesh, tp_plan, dtype=dtype, device=device)
+    else:
+        load_quantized_(model, path, dtype=dtype, device=device)
+    return model.eval()
+
+
+# --- loading into a model ----------------------------------------------------------------------------------
+
+
+def _not_converted(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether module ``name`` is one ``modules_to_not_convert`` names (the name itself, or a module around it)."""
+    parts = name.split(".")
+    return any(name == p or name.endswith("." + p) or p in parts or name.startswith(p + ".") for p in patterns)
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.dtype in (torch.float16, torch.bfloat16):
+            return p.dtype
+    return torch.float16
+
+
+def _model_device(model: nn.Module) -> torch.device | None:
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "meta":
+            return t.device
+    return None
+
+
+def _expected_quant_shapes(q: QuantConfig, N: int, K: int) -> dict[str, list[int]]:
+    G = 1 if q.group_size == -1 else K // q.group_size
+    if q.method == "gptq":
+        return dict(qweight=[K // 8, N], qzeros=[G, N // 8], scales=[G, N], g_idx=[K])
+    return dict(qweight=[K, N // 8], qzeros=[G, N // 8], scales=[G, N])
+
+
+# Output columns converted at a time, as a count of weights: the importers and the fragment layout make int64
+# temporaries of about 16-25 bytes a weight, so a whole Llama-sized Linear at once would cost more memory than the
+# int4 model's margin allows; column slices that are multiples of 256 convert independently (the fragment layout
+# packs whole blocks of 256 output rows).
+CHUNK_WEIGHTS = 1 << 23
+
+
+def _import_columns(parts: dict, g_idx, q: QuantConfig, a: int, b: int) -> Int4Weight:
+    """The :class:`Int4Weight` of output columns ``a:b`` of a stored quantized Linear, through the importers."""
+    cols = slice(a, b)
+    packed = slice(a // 8, b // 8)  # columns packed eight to an int32
+    scales = parts["scales"][:, cols].contiguous()
+    if q.method == "awq":
+        return from_awq(parts["qweight"][:, packed].contiguous(), parts["qzeros"][:, packed].contiguous(), scales)
+    w = from_gptq(parts["qweight"][:, cols].contiguous(), parts["qzeros"][:, packed].contiguous(), scales, g_idx)
+    if q.checkpoint_format == "gptq_v2":
+        # from_gptq reads v1 (stored zero - 1, so it adds 1); v2 stores the zero itself. Zeros are small integers
+        # held as floats: subtracting 1 is exact.
+        w = Int4Weight(w.qweight, w.scales, w.zeros - 1, w.group_size, w.shape, w.perm)
+    return w
+
+
+def _int4_weight(tensors: _Tensors, prefix: str, q: QuantConfig, N: int, K: int, dtype,
+                 chunk_weights: int | None = None) -> Int4Weight:
+    """The :class:`Int4Weight` of the quantized Linear ``prefix`` (out ``N``, in ``K``) with its fragment layout
+    made, converted a slice of output columns at a time (:data:`CHUNK_WEIGHTS`)."""
+    parts = {p: tensors.get(f"{prefix}.{p}") for p in _QUANT_PARTS[q.method]}
+    parts["scales"] = parts["scales"].to(dtype)
+    g_idx = tensors.get(f"{prefix}.g_idx") if q.method == "gptq" and f"{prefix}.g_idx" in tensors else None
+    step = max(256, (chunk_weights or CHUNK_WEIGHTS) // K // 256 * 256)
+    pieces, frags = [], []
+    for a in range(0, N, step):
+        w = _import_columns(parts, g_idx, q, a, min(N, a + step))
+        frags.append(w.fragments() if fits_fragments(w.group_k) else None)
+        pieces.append(w)
+    del parts
+    if len(pieces) == 1:
+        return pieces[0]
+    first = pieces[0]
+    frag = None if frags[0] is None else (torch.cat([f[0] for f in frags], 0), torch.cat([f[1] for f in frags], 1))
+    return Int4Weight(torch.cat([w.qweight for w in pieces], 1), torch.cat([w.scales for w in pieces], 1),
+                      torch.cat([w.zeros for w in pieces], 1), first.group_size, (N, K), first.perm, frag)
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, pname = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    if isinstance(value, nn.Parameter):
+        module._parameters[pname] = value
+    else:
+        module._buffers[pname] = value
+
+
+def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, device=None, *,
+                    loaded: tuple[str, ...] = ()) -> nn.Module:
+    """Load the quantized checkpoint directory ``path`` into ``model`` (a ``transformers`` model of the same
+    config, or any module whose names match the checkpoint's), in place; returns ``model``.
+
+    Each ``nn.Linear`` the checkpoint stores quantized (``P.qweight``, ...) becomes a
+    :class:`~tilegemm.nn.Int4Linear` built from the packed tensors; every other parameter and stored buffer takes
+    the checkpoint's tensor (floats in ``dtype``). ``dtype`` defaults to the model's 16-bit dtype (fp16 if it has
+    none), ``device`` to where the model is (CUDA or the CPU if it is on the meta device). Tied weights are tied
+    again afterwards (``model.tie_weights()``). Linears that ``modules_to_not_convert`` names are loaded as
+    plain Linears. Errors as :func:`from_pretrained`'s, and ValueError when a parameter is still missing.
+    ``loaded``: modules filled already (tensor-parallel shards), whose tensors are neither loaded nor strays.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_quantized_ takes a torch.nn.Module, got {type(model).__name__}")
+    path = _check_dir(path)
+    q = quant_config(read_config(path))
+    dtype = _model_dtype(model) if dtype is None else dtype
+    _check_dtype(dtype)
+    device = _default_device(device if device is not None else _model_device(model))
+    tensors = _Tensors(path, device)
+
+    # Which Linears are stored quantized, and the shapes the model asks of each stored tensor.
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    quantized, problems, missing = [], [], []
+    for name, m in linears.items():
+        stored = f"{name}.qweight" in tensors
+        if _not_converted(name, q.modules_to_not_convert):
+            if stored:
+                problems.append(f"{name} is in modules_to_not_convert but the checkpoint stores it quantized "
+                                f"({name}.qweight)")
+            continue
+        if not stored:
+            continue
+        N, K = m.out_features, m.in_features
+        if N % 8 or K % 8:
+            problems.append(f"{name}: [out, in] = [{N}, {K}] is not a multiple of 8 (eight 4-bit weights per int32)")
+            continue
+        if q.group_size != -1 and K % q.group_size:
+            problems.append(f"{name}: in_features {K} is not divisible by group_size {q.group_size}")
+            continue
+        expected = _expected_quant_shapes(q, N, K)
+        for part, shape in expected.items():
+            key = f"{name}.{part}"
+            if key not in tensors:
+                if part != "g_idx" or q.desc_act:  # g_idx is optional without act-order
+                    missing.append(key)
+            elif tensors.shape(key) != shape:
+                problems.append(f"{key}: the checkpoint's shape {tensors.shape(key)} does not match {shape}, what "
+                                f"{type(m).__name__}(in_features={K}, out_features={N}) with "
+                                f"{q.describe()} stores")
+        if m.bias is not None and f"{name}.bias" not in tensors:
+            missing.append(f"{name}.bias")
+        quantized.append(name)
+    quantized_set = set(quantized)
+
+    # Every other parameter (and stored buffer) by name; a tied parameter is loaded under any of its names.
+    plain: dict[str, list[str]] = {}  # the first name of each parameter -> all its names
+    by_id: dict[int, str] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if pname.rpartition(".")[0] in quantized_set or pname.rpartition(".")[0] in loaded:
+            continue
+        first = by_id.setdefault(id(p), pname)
+        plain.setdefault(first, []).append(pname)
+    persistent = [n for n, _ in model.named_buffers() if n.rpartition(".")[0] not in quantized_set and n in
+                  model.state_dict(keep_vars=True) and n.rpartition(".")[0] not in loaded]
+    tied = _tied_names(model)
+    sources: dict[str, str] = {}
+    for first, names in plain.items():
+        found = next((n for n in names if n in tensors), None)
+        if found is not None:
+            sources[first] = found
+        elif not all(n in tied for n in names):  # tie_weights fills a tied output layer (its own Parameter)
+            missing.append(names[0])
+    for b in persistent:
+        if b in tensors:
+            sources[b] = b
+    expected_plain = {}
+    for first, key in sources.items():
+        want = list((model.get_parameter(first) if first in plain else model.get_buffer(first)).shape)
+        if tensors.shape(key) != want:
+            problems.append(f"{key}: the checkpoint's shape {tensors.shape(key)} does not match the model's {want}")
+        expected_plain[key] = first
+    used = set(sources.values()) | {f"{n}.{p}" for n in quantized for p in ("qweight", "qzeros", "scales",
+                                                                             "g_idx", "bias")}
+    strays = [k for k in tensors.files if k not in used and not k.endswith(_IGNORED_SUFFIXES)
+              and k.rpartition(".")[0] not in loaded]
+    stray_quant = [k for k in strays if k.endswith(".qweight")]
+    if stray_quant:
+        problems.append(f"quantized tensor(s) for modules the model has no Linear of: {', '.join(stray_quant[:8])}"
+                        + (" ..." if len(stray_quant) > 8 else ""))
+    if problems:
+        raise ValueError(f"the checkpoint at {path!r} does not fit the model:\n  " + "\n  ".join(problems))
+    if missing:
+        raise ValueError(f"the checkpoint at {path!r} lacks tensor(s) the model needs: {', '.join(missing)}")
+    if strays:
+        warnings.warn(f"load_quantized_: {len(strays)} tensor(s) of the checkpoint match nothing in the model and "
+                      f"were skipped: {', '.join(strays[:8])}{' ...' if len(strays) > 8 else ''}", stacklevel=2)
+
+    # Load: one quantized Linear, or one plain tensor, at a time.
+    with torch.no_grad():
+        for name in quantized:
+            m = linears[name]
+            try:
+                w = _int4_weight(tensors, name, q, m.out_features, m.in_features, dtype)
+            except (TypeError, ValueError) as err:  # the importers' checks, named by the layer
+                raise type(err)(f"{name} ({q.describe()}): {err}") from None
+            bias = tensors.get(f"{name}.bias") if f"{name}.bias" in tensors else None
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, Int4Linear.from_weight(w, None if bias is None else bias.to(dtype)))
+            del w, bias
+        for key, first in expected_plain.items():
+            t = tensors.get(key)
+            t = t.to(dtype) if t.is_floating_point() else t
+            if first in plain:
+                t = nn.Parameter(t, requires_grad=False)  # one Parameter under each of its names (tied ones)
+            for n in plain.get(first, [first]):
+                _set_tensor(model, n, t)
+            del t
+    # What the checkpoint does not hold: buffers the model computed itself (rotary tables), moved to the device.
+    for module in model.modules():
+        for bname, b in module._buffers.items():
+            if b is not None and b.device != device and b.device.type != "meta":
+                module._buffers[bname] = b.to(device)
+    _tie(model)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if left:
+        raise ValueError(f"the checkpoint at {path!r} left parameter(s) of the model unloaded: {', '.join(left[:8])}")
+    return model
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """Names of parameters that ``model.tie_weights()`` fills from another (a transformers model's output
+    embedding when ``tie_word_embeddings``)."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "tie_word_embeddings", False):
+        return set()
+    get_out = getattr(model, "get_output_embeddings", None)
+    out = get_out() if get_out is not None else None
+    if out is None:
+        return set()
+    for name, m in model.named_modules():
+        if m is out:
+            return {f"{name}.weight"}
+    return set()
+
+
+def _tie(model: nn.Module) -> None:
+    """Tie the output embedding to the input one again (loading replaced the parameters), as transformers
+    does; not when the output layer was stored quantized."""
+    if not _tied_names(model):
+        return
+    if isinstance(model.get_output_embeddings(), Int4Linear):
+        return
+    model.tie_weights()
+
+
+def dequantized_copy(model: nn.Module) -> nn.Module:
+    """The same ``transformers`` model with each :class:`~tilegemm.nn.Int4Linear` an ``nn.Linear`` holding its
+    dequantized weight (16-bit), every other parameter shared with ``model`` (no copy): the fp16 model that
+    computes what the 4-bit one should, as the bench's baseline and reference."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    dtype = _model_dtype(model)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with _parameters_on_meta():
+            dense = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(old)
+    int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    source = dict(model.named_parameters(remove_duplicate=False))
+    made: dict[int, nn.Parameter] = {}  # one shared Parameter per source tensor (tied names stay tied)
+    with torch.no_grad():
+        for name, p in list(dense.named_parameters(remove_duplicate=False)):
+            module_name, _, leaf = name.rpartition(".")
+            if module_name in int4 and leaf == "weight":
+                value = nn.Parameter(int4[module_name].dequantize(), requires_grad=False)
+            else:
+                src = source[name]
+                value = made.setdefault(id(src), src if isinstance(src, nn.Parameter) else nn.Parameter(src))
+            _set_tensor(dense, name, value)
+    device = _model_device(model) or torch.device("cpu")
+    for module in dense.modules():
+        for bname, b in module._buffers.items():
+            if b is not None and b.device != device:
+                module._buffers[bname] = b.to(device)
+    return dense.eval()

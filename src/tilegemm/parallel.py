@@ -1,0 +1,704 @@
+"""Tensor parallelism through ``torch.distributed.tensor`` (DTensor): tilegemm's ops and layers sharded over a mesh.
+
+- :func:`register` teaches DTensor the sharding rules of ``torch.ops.tilegemm.matmul``, ``tilegemm.w4a16_matmul``
+  and ``tilegemm.conv2d``, so a call whose operands are DTensors runs each rank's shard locally: column-parallel
+  (weight split along N: output split along its last dim), row-parallel (input and weight split along K: a
+  partial output that the next redistribution all-reduces), rows or batch split, replicated.
+- :class:`ColwiseParallel` / :class:`RowwiseParallel` are ``parallelize_module`` styles: torch's own for
+  ``nn.Linear`` (``tilegemm.nn.Linear`` included: it is one), and for :class:`~tilegemm.nn.Int4Linear` and
+  :class:`~tilegemm.nn.Conv2d` which torch's styles refuse. An ``Int4Linear`` keeps a plain local
+  :class:`~tilegemm.ops.w4a16.format.Int4Weight` of its shard (its kernels, fragment layout included, run on
+  it as on any weight), split in whole quantization groups; hooks convert its input and output as torch's
+  styles do.
+- :func:`load_sharded_` fills a parallelized model from safetensors files, each rank reading only its slices;
+  :func:`load_quantized_sharded_` is ``tilegemm.models.from_pretrained``'s path when given a ``device_mesh``.
+
+One module for all of it, outside the op families and ``core/``: ``import tilegemm`` does not import it (it imports
+``torch.distributed.tensor``, about a second), ``tilegemm.nn``'s styles and ``from_pretrained(device_mesh=)`` import
+it when first used, and importing it registers the rules. docs/parallel.md is the guide.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from functools import partial
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.experimental import register_sharding
+from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
+from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
+
+import tilegemm.ops.conv2d.op  # noqa: F401 (defines torch.ops.tilegemm.conv2d, whose rules are registered here)
+import tilegemm.ops.matmul.torch_op  # noqa: F401 (torch.ops.tilegemm.matmul)
+import tilegemm.ops.w4a16.op  # noqa: F401 (torch.ops.tilegemm.w4a16_matmul)
+from tilegemm.models.pretrained import _default_device, _Tensors, load_quantized_, quant_config, read_config
+from tilegemm.nn.conv import Conv2d
+from tilegemm.nn.int4 import Int4Linear
+from tilegemm.ops.w4a16.format import Int4Weight, from_awq, from_gptq
+
+__all__ = ["ColwiseParallel", "RowwiseParallel", "attach_int4", "load_quantized_sharded_", "load_sharded_", "register",
+           "resolve_plan", "shard_int4", "shard_slices"]
+
+
+# --- sharding rules of the ops ------------------------------------------------------------------------------
+
+
+def _is_spec(x) -> bool:
+    """A DTensor argument, as a sharding rule sees it (a ``DTensorSpec``)."""
+    return hasattr(x, "placements") and hasattr(x, "tensor_meta")
+
+
+def _place(args, placements) -> list:
+    """One strategy's input placements: ``placements[i]`` for each DTensor argument, None for the rest."""
+    return [p if _is_spec(a) else None for a, p in zip(args, placements)]
+
+
+def _mesh_size(*args) -> int:
+    for a in args:
+        if _is_spec(a):
+            return a.mesh.size()
+    return 1
+
+
+def _matmul_rule(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a=None, scale_b=None,
+                 fast_accum=False):
+    """``activation(alpha * scale_a * scale_b * (a @ b) + beta * c + bias)``, a ``[..., M, K]``, b ``[..., K, N]``."""
+    args = (a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a, scale_b, fast_accum)
+    R = Replicate()
+    nd = max(a.ndim, b.ndim)
+    M, N = a.shape[-2], b.shape[-1]
+
+    def per(t, dim_from_end, size):
+        # c and the fp8 scales broadcast: split the ones that hold the split dim, replicate the others
+        if not _is_spec(t) or t.ndim < dim_from_end or t.shape[-dim_from_end] != size or size == 1:
+            return R
+        return Shard(t.ndim - dim_from_end)
+
+    def strategy(out, pa, pb, pbias, pc, psa, psb):
+        return [out], _place(args, [pa, pb, pbias, pc, None, None, None, None, None, None, psa, psb, None])
+
+    rules = [strategy(R, R, R, R, R, R, R)]
+    # column-parallel: b split along N (a Linear's weight split along out_features)
+    rules.append(strategy(Shard(nd - 1), R, Shard(b.ndim - 1), Shard(0), per(c, 1, N), R,
+                          per(scale_b, 1, N)))
+    # rows of a split (sequence or token parallel)
+    rules.append(strategy(Shard(nd - 2), Shard(a.ndim - 2), R, R, per(c, 2, M),
+                          Shard(0) if _is_spec(scale_a) and scale_a.ndim >= 1 and scale_a.shape[0] == M and M > 1
+                          else R, R))
+    # row-parallel: a and b split along K, each rank's product a partial sum. Linear in the epilogue only: an
+    # activation of a partial sum is not the partial of the activation.
+    if activation == "none":
+        P = Partial()
+        rules.append(strategy(P, Shard(a.ndim - 1), Shard(b.ndim - 2), P, P, R, R))
+    # batched products: the leading batch dim split where both operands hold it
+    if nd > 2:
+        B = max(a.shape[0] if a.ndim == nd else 1, b.shape[0] if b.ndim == nd else 1)
+        pa = Shard(0) if a.ndim == nd and a.shape[0] == B else R
+        pb = Shard(0) if b.ndim == nd and b.shape[0] == B else R
+        pc = Shard(0) if _is_spec(c) and c.ndim == nd and c.shape[0] == B else R
+        if B > 1:
+            rules.append(strategy(Shard(0), pa, pb, R, pc, R, R))
+    return rules
+
+
+def _w4a16_rule(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel):
+    """``activation(x @ W.T + bias)``: x ``[M, K]``; qweight ``[K/8, N]``, scales and zeros ``[G, N]`` (K in
+    groups of ``group_k``); fweight/fzs the fragment layout of the whole weight (only replicated)."""
+    args = (x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel)
+    R = Replicate()
+    K = x.shape[1]
+
+    def strategy(out, px, pw, pbias, pfrag=R):
+        return [out], _place(args, [px, pw, pw, pw, pfrag, pfrag, pbias, None, None, None])
+
+    rules = [strategy(R, R, R, R), strategy(Shard(0), Shard(0), R, R)]
+    if not _is_spec(fweight):  # the fragment layout interleaves all of N and K: it is not split
+        rules.append(strategy(Shard(1), R, Shard(1), Shard(0)))
+        # K split in whole groups only, evenly (a shard of qweight's K/8 rows must match x's K columns)
+        world = _mesh_size(*args)
+        if activation == "none" and group_k < K and K % (world * group_k) == 0:
+            rules.append(strategy(Partial(), Shard(1), Shard(0), Partial()))
+    return rules
+
+
+def _conv2d_rule(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel, out_dtype=None):
+    """x ``[N, C, H, W]``, weight ``[K, C/groups, R, S]``: split the batch, the output channels or (groups = 1,
+    no activation) the input channels, whose partial sums the next redistribution adds."""
+    args = (x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel, out_dtype)
+    R = Replicate()
+
+    def strategy(out, px, pw, pbias):
+        return [out], _place(args, [px, pw, pbias] + [None] * 8)
+
+    rules = [strategy(R, R, R, R), strategy(Shard(0), Shard(0), R, R)]
+    if groups == 1:  # the op takes the global group count: with channels split, only groups = 1 means the same
+        rules.append(strategy(Shard(1), R, Shard(0), Shard(0)))
+        if activation == "none":
+            rules.append(strategy(Partial(), Shard(1), Shard(1), Partial()))
+    return rules
+
+
+_registered = False
+
+
+def _register(op, rule, static_argnum: int) -> None:
+    register_sharding(op)(rule)
+    # register_sharding keys its cache of decisions on the arguments from the schema's first int on; the rules
+    # here read the activation and the group length, which come earlier or are not ints: key on those too.
+    try:  # torch internals, imported under the guard that names what is missing
+        from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+
+        DTensor._op_dispatcher.sharding_propagator.op_to_schema_info[op] = RuntimeSchemaInfo(
+            static_argnum, needs_pytree=True)
+    except (ImportError, AttributeError) as err:  # a torch without these internals: refuse rather than misroute
+        raise RuntimeError(f"tilegemm.parallel needs DTensor's op_to_schema_info (torch >= 2.5): {err}") from err
+
+
+def register() -> None:
+    """Register tilegemm's sharding rules with DTensor (once; importing this module does it)."""
+    global _registered
+    if _registered:
+        return
+    ops = torch.ops.tilegemm
+    _register(ops.matmul.default, _matmul_rule, 4)  # alpha onwards: activation among them
+    _register(ops.w4a16_matmul.default, _w4a16_rule, 7)  # group_k, activation, kernel
+    _register(ops.conv2d.default, _conv2d_rule, 3)  # stride onwards
+    _registered = True
+
+
+# --- int4 weights split in whole groups -------------------------------------------------------------------
+
+
+def _even(what: str, size: int, world: int) -> int:
+    if size % world:
+        raise ValueError(f"{what} = {size} does not split evenly over {world} ranks; tilegemm's parallel styles "
+                         f"split evenly (a local uneven shard passed to the next layer loses its global shape)")
+    return size // world
+
+
+def shard_int4(w: Int4Weight, dim: str, rank: int, world: int) -> tuple[Int4Weight, torch.Tensor | None]:
+    """Rank ``rank``'s shard of ``w`` out of ``world``: ``dim="out"`` splits N (column-parallel), ``"in"`` splits
+    K (row-parallel) in whole groups. Returns ``(local weight, input index)``: the index is None, or, for an
+    act-order weight split along K, the inputs (of all of K) that the local rows multiply, in order.
+
+    Act-order weights hold their rows sorted by group (``perm``), so a K split cuts the sorted rows into whole
+    groups; the shard's inputs are then ``x[..., perm[k0:k1]]``, scattered over K (docs/parallel.md#act-order).
+
+    Raises ValueError naming the size that does not split evenly, or the group size a split would cut.
+    """
+    if not isinstance(w, Int4Weight):
+        raise TypeError(f"shard_int4 takes an Int4Weight, got {type(w).__name__}")
+    N, K = w.shape
+    if dim == "out":
+        n = _even("out_features N", N, world)
+        cols = slice(rank * n, (rank + 1) * n)
+        local = Int4Weight(w.qweight[:, cols].contiguous(), w.scales[:, cols].contiguous(),
+                           w.zeros[:, cols].contiguous(), w.group_size, (n, K), w.perm)
+        return local, None
+    if dim != "in":
+        raise ValueError(f"dim must be 'out' (split N) or 'in' (split K), got {dim!r}")
+    k = _even("in_features K", K, world)
+    if w.group_size == -1:
+        raise ValueError(f"group_size = -1 (one quantization group over all of K = {K}): a split along K would cut "
+                         f"the group; quantize with a group size that divides K / {world} = {k}")
+    if k % w.group_size:
+        raise ValueError(f"a split of K = {K} over {world} ranks ({k} each) would cut quantization groups of "
+                         f"group_size = {w.group_size}: K / ranks must be a multiple of the group size")
+    k0, k1 = rank * k, (rank + 1) * k
+    g0, g1 = k0 // w.group_size, k1 // w.group_size
+    local = Int4Weight(w.qweight[k0 // 8:k1 // 8].contiguous(), w.scales[g0:g1].contiguous(),
+                       w.zeros[g0:g1].contiguous(), w.group_size, (N, k), None)
+    return local, (None if w.perm is None else w.perm[k0:k1].contiguous())
+
+
+# --- the styles -----------------------------------------------------------------------------------------
+
+
+def _mesh_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    if mesh.ndim != 1:
+        raise ValueError(f"tilegemm's int4 and conv styles take a 1-D mesh (the tensor-parallel dim, mesh['tp']), "
+                         f"got a {mesh.ndim}-D mesh")
+    return mesh.get_local_rank(), mesh.size()
+
+
+def _normal(placements, ndim: int) -> tuple:
+    """Placements with negative shard dims made positive for a tensor of ``ndim`` dims (to compare them)."""
+    return tuple(Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements)
+
+
+def _to_local_input(x, mesh, given, desired):
+    """``x`` (a local tensor laid out as ``given``, or a DTensor) as the local tensor of layout ``desired``."""
+    if not isinstance(x, DTensor):
+        if _normal(given, x.ndim) == _normal(desired, x.ndim):
+            return x  # no conversion: skip DTensor on the decode path
+        x = DTensor.from_local(x, mesh, given, run_check=False)
+    if x.placements != _normal(desired, x.ndim):
+        x = x.redistribute(placements=_normal(desired, x.ndim))
+    return x.to_local()
+
+
+def _from_local_output(out, mesh, produced, desired, use_local):
+    """A local output laid out as ``produced`` made ``desired`` (a DTensor, or its local tensor)."""
+    if use_local and _normal(produced, out.ndim) == _normal(desired, out.ndim):
+        return out
+    dt = DTensor.from_local(out, mesh, _normal(produced, out.ndim), run_check=False)
+    if dt.placements != _normal(desired, out.ndim):
+        dt = dt.redistribute(placements=_normal(desired, out.ndim))
+    return dt.to_local() if use_local else dt
+
+
+def _int4_input_hook(style, mesh, desired, mod, inputs):
+    x = inputs[0]
+    perm = getattr(mod, "tp_input_index", None)
+    if perm is not None and perm.numel():
+        # act-order, row-parallel: the local rows multiply inputs scattered over K; gather x, then pick them
+        full = _to_local_input(x, mesh, style.input_layouts, (Replicate(),))
+        return (full.index_select(-1, perm), *inputs[1:])
+    return (_to_local_input(x, mesh, style.input_layouts, desired), *inputs[1:])
+
+
+def _int4_output_hook(style, mesh, produced, mod, inputs, out):
+    return _from_local_output(out, mesh, produced, style.output_layouts, style.use_local_output)
+
+
+def _shard_int4_module(style, module: Int4Linear, mesh: DeviceMesh, dim: str) -> Int4Linear:
+    rank, world = _mesh_rank(mesh)
+    local, index = shard_int4(module._weight(), dim, rank, world)
+    bias = module.bias
+    if bias is not None:
+        bias = bias[rank * local.shape[0]:(rank + 1) * local.shape[0]] if dim == "out" else bias
+    module._set_weight(local)
+    module.out_features, module.in_features = local.shape
+    return attach_int4(style, module, mesh, dim, index, bias)
+
+
+def attach_int4(style, module: Int4Linear, mesh: DeviceMesh, dim: str, index: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> Int4Linear:
+    """Make ``module`` (an Int4Linear holding rank's shard already) one rank's part of a ``dim`` split (``"out"``:
+    column-parallel, ``"in"``: row-parallel) under ``style``: the bias (this rank's part; a row-parallel one is
+    kept by the first rank only), the act-order input index, and the hooks that convert its input and output."""
+    rank, _ = _mesh_rank(mesh)
+    if bias is not None and dim == "in" and rank != 0:
+        bias = None  # row-parallel: added once, by the first rank, before the all-reduce sums the ranks
+    module.bias = None if bias is None else nn.Parameter(bias.detach().to(module.scales.dtype).clone(),
+                                                         requires_grad=False)
+    device = module.qweight.device
+    module.register_buffer("tp_input_index", torch.empty(0, dtype=torch.int64, device=device) if index is None
+                           else index.to(device), persistent=False)
+    module.tp_split = dim  # read by load_sharded_
+    if dim == "out":
+        desired, produced = (Replicate(),), (Shard(-1),)
+    else:
+        desired, produced = (Shard(-1),), (Partial(),)
+    module.register_forward_pre_hook(partial(_int4_input_hook, style, mesh, desired))
+    module.register_forward_hook(partial(_int4_output_hook, style, mesh, produced))
+    return module
+
+
+def _check_even(module: nn.Module, mesh: DeviceMesh, dim: str) -> None:
+    world = mesh.size()
+    if isinstance(module, nn.Conv2d):
+        _even("out_channels" if dim == "out" else "in_channels",
+              module.out_channels if dim == "out" else module.in_channels, world)
+    elif isinstance(module, nn.Linear):
+        _even("out_features N" if dim == "out" else "in_features K",
+              module.out_features if dim == "out" else module.in_features, world)
+
+
+def _check_conv(module) -> None:
+    if not isinstance(module, Conv2d):
+        raise NotImplementedError(f"tilegemm's parallel styles split tilegemm.nn.Conv2d (convert_ the model), "
+                                  f"not {type(module).__name__}")
+    if module.groups != 1:
+        raise ValueError(f"a Conv2d of groups = {module.groups} is not split by channels (groups = 1 only); "
+                         f"split its batch instead (a Shard(0) input with a replicated weight)")
+
+
+def _shard_conv(module, mesh, dim: str, given, wanted, use_local: bool):
+    """Split a Conv2d's weight by output (``dim="out"``) or input channels as DTensor parameters; its input is
+    ``given`` (placements of a local tensor), its output made ``wanted``."""
+    _check_conv(module)
+
+    def partition(name, mod, mesh):
+        weight_place = [Shard(0)] if dim == "out" else [Shard(1)]
+        bias_place = [Shard(0)] if dim == "out" else [Replicate()]
+        for pname, place in (("weight", weight_place), ("bias", bias_place)):
+            p = getattr(mod, pname, None)
+            if p is not None and not isinstance(p, DTensor):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, place),
+                                                           requires_grad=p.requires_grad))
+
+    def input_fn(mod, inputs, mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, given, run_check=False)
+        want = (Replicate(),) if dim == "out" else (Shard(1),)
+        if x.placements != _normal(want, x.ndim):
+            x = x.redistribute(placements=want)
+        return (x, *inputs[1:])
+
+    def output_fn(mod, out, mesh):
+        if out.placements != _normal(wanted, out.ndim):
+            out = out.redistribute(placements=_normal(wanted, out.ndim))
+        return out.to_local() if use_local else out
+
+    module.tp_split = dim
+    return distribute_module(module, mesh, partition, input_fn, output_fn)
+
+
+class ColwiseParallel(_TorchColwise):
+    """Column-parallel (weight split along its outputs N), like ``torch.distributed.tensor.parallel.ColwiseParallel``
+    and with its arguments, for ``nn.Linear`` (torch's own style), :class:`~tilegemm.nn.Int4Linear` (a local 4-bit
+    weight of N / ranks columns) and :class:`~tilegemm.nn.Conv2d` (output channels; the output is split along dim
+    1 unless ``output_layouts`` says otherwise). Input replicated; output split along its last dim (Linear)."""
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        self._default_output = output_layouts is None
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        register()
+        if isinstance(module, Int4Linear):
+            return _shard_int4_module(self, module, device_mesh, "out")
+        if isinstance(module, nn.Conv2d):
+            _check_even(module, device_mesh, "out")
+            wanted = (Shard(1),) if self._default_output else self.output_layouts  # a convolution's channels
+            return _shard_conv(module, device_mesh, "out", self.input_layouts, wanted, self.use_local_output)
+        _check_even(module, device_mesh, "out")
+        module = super()._apply(module, device_mesh)
+        module.tp_split = "out"
+        return module
+
+
+class RowwiseParallel(_TorchRowwise):
+    """Row-parallel (weight split along its inputs K), like ``torch.distributed.tensor.parallel.RowwiseParallel``
+    and with its arguments, for ``nn.Linear`` (torch's own style), :class:`~tilegemm.nn.Int4Linear` (a local 4-bit
+    weight of K / ranks rows, whole quantization groups; act-order weights gather their input, docs/parallel.md)
+    and :class:`~tilegemm.nn.Conv2d` (input channels). Input split along its last dim (channels, dim 1, for a
+    convolution); each rank's partial output summed by an all-reduce (or reduce-scattered to ``output_layouts``).
+    The bias is added once."""
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        self._default_input = input_layouts is None
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        register()
+        if isinstance(module, Int4Linear):
+            return _shard_int4_module(self, module, device_mesh, "in")
+        if isinstance(module, nn.Conv2d):
+            _check_even(module, device_mesh, "in")
+            given = (Shard(1),) if self._default_input else self.input_layouts  # a convolution's channels
+            return _shard_conv(module, device_mesh, "in", given, self.output_layouts, self.use_local_output)
+        _check_even(module, device_mesh, "in")
+        module = super()._apply(module, device_mesh)
+        module.tp_split = "in"
+        return module
+
+
+# --- sharded loading ----------------------------------------------------------------------------------------
+
+
+def shard_slices(kind: str, shape, split: str, rank: int, world: int, group_size: int | None = None):
+    """The slice of a checkpoint tensor that rank ``rank`` of ``world`` reads, as a tuple of slices (all of the
+    tensor: ``()``), or None where the rank reads none of it (a row-parallel bias past the first rank).
+
+    ``kind`` is the tensor's role: ``"weight"`` (``[N, K]``), ``"bias"``; the house int4 parts ``"qweight"``
+    (``[K/8, N]``), ``"scales"``, ``"zeros"`` (``[G, N]``), ``"perm"``; GPTQ's ``"gptq.qweight"``,
+    ``"gptq.qzeros"`` (``[G, N/8]``), ``"gptq.scales"``, ``"gptq.g_idx"``; AWQ's ``"awq.qweight"`` (``[K, N/8]``),
+    ``"awq.qzeros"``, ``"awq.scales"``. ``split`` is ``"out"`` (column-parallel) or ``"in"`` (row-parallel).
+    """
+    shape = tuple(int(s) for s in shape)
+    every = ()
+
+    def part(size, what, unit=1):
+        n = _even(what, size, world)
+        if n % unit:
+            raise ValueError(f"{what} = {size} over {world} ranks gives {n} each, not a multiple of {unit} "
+                             f"(the packing of this tensor)")
+        return slice(rank * n, (rank + 1) * n)
+
+    if split not in ("out", "in"):
+        raise ValueError(f"split must be 'out' or 'in', got {split!r}")
+    if kind == "weight":
+        return (part(shape[0], "out_features N"),) if split == "out" else (slice(None), part(shape[1], "in_features K"))
+    if kind == "bias":
+        if split == "out":
+            return (part(shape[0], "out_features N"),)
+        return every if rank == 0 else None
+    if kind in ("perm", "gptq.g_idx"):
+        return every  # all of K: act-order picks its inputs from it
+    if split == "out":
+        if kind in ("qweight", "scales", "zeros", "gptq.qweight", "gptq.scales", "awq.scales"):
+            return (slice(None), part(shape[1], "out_features N"))
+        if kind in ("gptq.qzeros", "awq.qzeros", "awq.qweight"):  # packed along N: 8 columns a word
+            cols = part(shape[1] * 8, "out_features N", 8)
+            return (slice(None), slice(cols.start // 8, cols.stop // 8))
+    else:
+        # K in whole groups: rows of qweight hold 8 inputs (house, GPTQ) or 1 (AWQ); G rows of scales
+        if kind in ("qweight", "gptq.qweight", "awq.qweight"):
+            K = shape[0] * (1 if kind == "awq.qweight" else 8)
+            k = _even("in_features K", K, world)
+            _check_group_cut(K, k, world, group_size)
+            per = 1 if kind == "awq.qweight" else 8
+            return (slice(rank * k // per, (rank + 1) * k // per),)
+        if kind in ("scales", "zeros", "gptq.qzeros", "gptq.scales", "awq.qzeros", "awq.scales"):
+            G = shape[0]
+            if G == 1:
+                raise ValueError("one quantization group over all of K (group_size = -1): a split along K "
+                                 "would cut it")
+            return (part(G, "quantization groups G"),)
+    raise ValueError(f"unknown tensor kind {kind!r}")
+
+
+def _check_group_cut(K: int, k: int, world: int, group_size: int | None) -> None:
+    if group_size is not None and group_size != -1 and k % group_size:
+        raise ValueError(f"a split of K = {K} over {world} ranks ({k} each) would cut quantization groups of "
+                         f"group_size = {group_size}: K / ranks must be a multiple of the group size")
+    if group_size == -1:
+        raise ValueError(f"group_size = -1 (one quantization group over all of K = {K}): a split along K would "
+                         f"cut it")
+
+
+def _plan_split(name: str, plan: dict) -> str | None:
+    """``"out"``/``"in"``/None for module ``name`` under ``plan`` (module names or fnmatch patterns -> styles or
+    the strings ``"colwise"``/``"rowwise"``)."""
+    for pattern, style in plan.items():
+        if name == pattern or fnmatch.fnmatchcase(name, pattern):
+            if isinstance(style, _TorchColwise) or style == "colwise":
+                return "out"
+            if isinstance(style, _TorchRowwise) or style == "rowwise":
+                return "in"
+    return None
+
+
+_INT4_PARTS = ("qweight", "scales", "zeros", "perm")
+
+
+def _dtensor_slices(target: DTensor, shape, rank: int, world: int) -> tuple:
+    """The slice of a checkpoint tensor of ``shape`` that is this rank's local part of ``target``'s layout
+    (DTensor's chunks: ceil(size / ranks) each, the last ones shorter)."""
+    if tuple(target.shape) != tuple(shape):
+        raise ValueError(f"a tensor of shape {list(shape)} in the files, {list(target.shape)} in the model")
+    slices = [slice(None)] * len(shape)
+    for p in target.placements:
+        if isinstance(p, Shard):
+            d = p.dim % len(shape)
+            chunk = -(-shape[d] // world)
+            slices[d] = slice(min(rank * chunk, shape[d]), min((rank + 1) * chunk, shape[d]))
+        elif not isinstance(p, Replicate):
+            raise ValueError(f"a parameter placed {p} cannot be loaded from an unsharded file")
+    return tuple(slices)
+
+
+def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: DeviceMesh, strict: bool = True,
+                  device=None) -> nn.Module:
+    """Fill ``model`` (parallelized already with :class:`ColwiseParallel`/:class:`RowwiseParallel`, each module
+    holding its local shapes) from safetensors ``files`` holding the *unsharded* state dict, each rank reading
+    only its slice of every split tensor (``safe_open(...).get_slice(name)[...]``); tensors of modules outside
+    the plan are read whole. Int4Linear layers read the house format (``Int4Linear.state_dict()``'s names), whose
+    act-order rows are stored sorted by group, so a row-parallel shard is a slice too. Returns ``model``.
+    """
+    from safetensors import safe_open  # an optional dependency (the models extra), needed here only
+
+    rank, world = _mesh_rank(device_mesh)
+    files = [files] if isinstance(files, str) else list(files)
+    modules = dict(model.named_modules())
+    state, loaded = {}, set()
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                mod_name, _, leaf = key.rpartition(".")
+                module = modules.get(mod_name)
+                if isinstance(module, Int4Linear) and getattr(module, "tp_split", None):
+                    sl = f.get_slice(key)
+                    slices = shard_slices(leaf, sl.get_shape(), module.tp_split, rank, world, module.group_size)
+                    if slices is None:
+                        loaded.add(key)  # a row-parallel int4 bias past the first rank: not held there
+                        continue
+                    state[key] = sl[slices] if slices else f.get_tensor(key)
+                    continue
+                target = None if module is None else (module._parameters.get(leaf) if leaf in module._parameters
+                                                       else module._buffers.get(leaf))
+                if isinstance(target, DTensor):  # torch's styles, ours for Linear and Conv2d: its placements say
+                    sl = f.get_slice(key)
+                    state[key] = sl[_dtensor_slices(target, sl.get_shape(), rank, world)]
+                else:
+                    state[key] = f.get_tensor(key)  # replicated: read whole
+    for mod_name, module in modules.items():
+        prefix = mod_name + "." if mod_name else ""
+        split = getattr(module, "tp_split", None) if isinstance(module, Int4Linear) else None
+        if split is None or prefix + "qweight" not in state:
+            continue
+        parts = {p: state.pop(prefix + p) for p in _INT4_PARTS if prefix + p in state}
+        perm = parts.get("perm")
+        perm = perm if perm is not None and perm.numel() else None
+        k = module.in_features  # local already
+        w = Int4Weight(parts["qweight"].contiguous(), parts["scales"].contiguous(), parts["zeros"].contiguous(),
+                       module.group_size, (module.out_features, k), perm if split == "out" else None)
+        index = perm[rank * k:(rank + 1) * k].contiguous() if split == "in" and perm is not None else None
+        dev = device if device is not None else module.qweight.device
+        w = w.to(dev)
+        module._set_weight(w)
+        module.register_buffer("tp_input_index", torch.empty(0, dtype=torch.int64, device=dev) if index is None
+                               else index.to(dev), persistent=False)
+        if prefix + "bias" in state:
+            module.bias = nn.Parameter(state.pop(prefix + "bias").to(dev, w.dtype), requires_grad=False)
+        loaded.update(prefix + p for p in (*_INT4_PARTS, "bias"))
+    # The rest: a DTensor parameter takes its slice as its local tensor; plain ones are copied.
+    for key in list(state):
+        mod_name, _, leaf = key.rpartition(".")
+        module = modules.get(mod_name)
+        is_param = module is not None and leaf in module._parameters
+        target = None if module is None else module._parameters.get(leaf) if is_param else module._buffers.get(leaf)
+        if target is None:
+            continue  # not in the model: named by the strict check below
+        value = state.pop(key)
+        dev = device if device is not None else target.device
+        if isinstance(target, DTensor):
+            new = DTensor.from_local(value.to(dev, target.dtype), target.device_mesh, target.placements,
+                                     run_check=False, shape=target.shape, stride=target.stride())
+        else:
+            new = value.to(dev, target.dtype)
+        if is_param:
+            module._parameters[leaf] = nn.Parameter(new, requires_grad=target.requires_grad)
+        else:
+            module._buffers[leaf] = new
+        loaded.add(key)
+    if strict:
+        missing = [k for k in model.state_dict() if k not in loaded]
+        if state or missing:
+            raise ValueError(f"load_sharded_: names in the files but not in the model: {sorted(state)[:8]}; in the "
+                             f"model but not in the files: {missing[:8]}")
+    return model
+
+
+# --- from_pretrained, tensor-parallel ---------------------------------------------------------------------------
+
+_STYLES = {"colwise": "out", "rowwise": "in"}
+
+
+def resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
+    """``{module name: "out" | "in"}`` for the Linears of ``model`` that ``tp_plan`` splits: ``"auto"`` reads the
+    transformers config's ``base_model_tp_plan`` (under the model's ``base_model_prefix``); a dict maps module
+    names or fnmatch patterns to ``"colwise"``/``"rowwise"`` or to :class:`ColwiseParallel`/:class:`RowwiseParallel`.
+    """
+    if isinstance(tp_plan, str) and tp_plan == "auto":
+        config = getattr(model, "config", None)
+        plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+        if not plan:
+            raise ValueError("tp_plan='auto' needs a transformers model whose config has a base_model_tp_plan; "
+                             "pass tp_plan as a dict of module names -> 'colwise' / 'rowwise'")
+        prefix = getattr(model, "base_model_prefix", "")
+        if prefix and hasattr(model, prefix):
+            plan = {f"{prefix}.{k}": v for k, v in plan.items()}
+    elif isinstance(tp_plan, dict):
+        plan = tp_plan
+    else:
+        raise TypeError(f"tp_plan must be 'auto' or a dict of module names -> styles, got {type(tp_plan).__name__}")
+    splits = {}
+    for pattern, style in plan.items():
+        if isinstance(style, _TorchColwise):
+            split = "out"
+        elif isinstance(style, _TorchRowwise):
+            split = "in"
+        elif style in _STYLES:
+            split = _STYLES[style]
+        else:
+            raise ValueError(f"tp_plan[{pattern!r}] = {style!r}: tilegemm splits Linears 'colwise' or 'rowwise' "
+                             f"(ColwiseParallel / RowwiseParallel)")
+        for name, module in model.named_modules():
+            if name == pattern or fnmatch.fnmatchcase(name, pattern):
+                if not isinstance(module, (nn.Linear, Int4Linear)):
+                    raise ValueError(f"tp_plan[{pattern!r}] names {name}, a {type(module).__name__}, not a Linear")
+                splits[name] = split
+    if not splits:
+        raise ValueError(f"tp_plan matches no Linear of the model: {list(plan)[:4]}")
+    return splits
+
+
+def _check_heads(model: nn.Module, world: int) -> None:
+    """Column-parallel attention projections give each rank whole heads: the head counts must split evenly."""
+    config = getattr(model, "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % world:
+            raise ValueError(f"{key} = {heads} does not split evenly over {world} ranks: each rank must hold whole "
+                             f"attention heads")
+
+
+def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: int, world: int, dtype):
+    """Rank ``rank``'s shard of the quantized Linear ``prefix`` (``[N, K]``) as ``(Int4Weight, input index)``,
+    reading only its slices of the packed tensors; an act-order GPTQ layer split along K reads its tensors whole
+    (its sorted rows are scattered over the stored K) and is cut after import, one layer at a time."""
+    gs = q.group_size
+    if q.method == "awq":
+        parts = {p: tensors.get_slice(f"{prefix}.{p}", shard_slices(f"awq.{p}", tensors.shape(f"{prefix}.{p}"),
+                                                                    split, rank, world, gs))
+                 for p in ("qweight", "qzeros", "scales")}
+        return from_awq(parts["qweight"], parts["qzeros"], parts["scales"].to(dtype)), None
+    g_idx = tensors.get(f"{prefix}.g_idx") if f"{prefix}.g_idx" in tensors else None
+    if g_idx is not None:
+        G = tensors.shape(f"{prefix}.scales")[0]
+        if torch.equal(g_idx.to(torch.int64).cpu(), torch.arange(K) // (K // G)):
+            g_idx = None  # the natural order: no act-order
+    if split == "in" and g_idx is not None:
+        w = from_gptq(tensors.get(f"{prefix}.qweight"), tensors.get(f"{prefix}.qzeros"),
+                      tensors.get(f"{prefix}.scales").to(dtype), g_idx)
+        w, index = shard_int4(w, "in", rank, world)
+    else:
+        parts = {p: tensors.get_slice(f"{prefix}.{p}", shard_slices(f"gptq.{p}", tensors.shape(f"{prefix}.{p}"),
+                                                                    split, rank, world, gs))
+                 for p in ("qweight", "qzeros", "scales")}
+        w, index = from_gptq(parts["qweight"], parts["qzeros"], parts["scales"].to(dtype), g_idx), None
+    if q.checkpoint_format == "gptq_v2":  # v2 stores the zero itself; from_gptq read v1's zero - 1 (exact in floats)
+        w = Int4Weight(w.qweight, w.scales, w.zeros - 1, w.group_size, w.shape, w.perm)
+    return w, index
+
+
+def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_plan="auto", dtype=None,
+                            device=None) -> nn.Module:
+    """:func:`tilegemm.models.from_pretrained`'s tensor-parallel load into ``model`` (built on the meta device):
+    each Linear that ``tp_plan`` splits becomes this rank's :class:`~tilegemm.nn.Int4Linear` shard, read slice by
+    slice from the checkpoint (:func:`shard_slices`), with the hooks of :class:`ColwiseParallel` /
+    :class:`RowwiseParallel`; every other tensor is loaded whole (replicated) by ``load_quantized_``."""
+    rank, world = _mesh_rank(device_mesh)
+    q = quant_config(read_config(path))
+    dtype = torch.float16 if dtype is None else dtype
+    device = _default_device(device)
+    splits = resolve_plan(model, tp_plan)
+    _check_heads(model, world)
+    tensors = _Tensors(os.fspath(path), torch.device("cpu"))
+    styles = {"out": ColwiseParallel(), "in": RowwiseParallel()}
+    with torch.no_grad():
+        for name, split in splits.items():
+            if f"{name}.qweight" not in tensors:
+                raise ValueError(f"tp_plan splits {name}, which the checkpoint does not store quantized: "
+                                 f"from_pretrained splits 4-bit layers (load_sharded_ takes 16-bit ones)")
+            m = model.get_submodule(name)
+            N, K = m.out_features, m.in_features
+            try:
+                w, index = _read_int4_shard(tensors, name, q, N, K, split, rank, world, dtype)
+            except ValueError as err:
+                raise ValueError(f"{name} ({q.describe()}), split {'N' if split == 'out' else 'K'} over {world} "
+                                 f"ranks: {err}") from None
+            bias = None
+            if f"{name}.bias" in tensors:
+                sl = shard_slices("bias", tensors.shape(f"{name}.bias"), split, rank, world)
+                bias = None if sl is None else tensors.get_slice(f"{name}.bias", sl) if sl else \
+                    tensors.get(f"{name}.bias")
+            local = Int4Linear.from_weight(w.to(device), None)
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child,
+                    attach_int4(styles[split], local, device_mesh, split, index,
+                                None if bias is None else bias.to(device, dtype)))
+    load_quantized_(model, path, dtype=dtype, device=device, loaded=tuple(splits))
+    return model
+
+
+register()

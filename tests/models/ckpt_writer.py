@@ -1,0 +1,312 @@
+"""The tests' own writer of 4-bit GPTQ / AWQ checkpoint directories, written from /work/shared's format notes
+(docs/w4a16.md "Loading checkpoints" restates them) and independent of tilegemm's packers: plain torch quantizes,
+packs nibbles and computes the dequantized weights that a checkpoint means.
+
+- :func:`quantize_linear`: a float weight ``[N, K]`` -> the stored tensors of one quantized Linear and the weight
+  they stand for (dequantized from the stored tensors by the format's own formula).
+- :func:`random_linear`: stored tensors of random 4-bit values, scales and zeros (no float weight: fast at
+  Llama-3-8B's shapes).
+- :class:`Writer`: tensors streamed into ``model.safetensors``, or into shards plus ``model.safetensors.index.json``
+  once they pass ``shard_bytes``; ``config.json`` with the ``quantization_config``.
+- :func:`write_model`: a transformers model's weights (random init from a config) as a checkpoint, returning the
+  reference weights (every quantized Linear's dequantized weight, the rest as stored).
+
+Packing (``W.T[k, n]`` is ``q[k, n]``; nibble ``i`` of an int32 is bits ``4i .. 4i+3``):
+GPTQ ``qweight [K/8, N]``: nibble i of row r is ``q[8r + i]``; ``qzeros [G, N/8]``: nibble i of word c is the zero of
+column ``8c + i``, v1 storing ``zero - 1`` (4 bits, wrapping), v2 the zero; ``g_idx [K]`` the group of each input.
+AWQ ``qweight [K, N/8]`` and ``qzeros [G, N/8]``: nibble i of word c is column ``8c + [0, 2, 4, 6, 1, 3, 5, 7][i]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+AWQ_NIBBLE_COLUMN = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of an AWQ word holds column 8c + this
+
+
+# --- nibbles ---------------------------------------------------------------------------------------------------
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 values 0 .. 2^32-1 -> int32 with the same 32 bits."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_along_k(q: torch.Tensor) -> torch.Tensor:
+    """``q`` ``[K, N]`` (0..15) -> int32 ``[K/8, N]``, nibble i of row r = ``q[8r + i]``."""
+    words = torch.zeros(q.shape[0] // 8, q.shape[1], dtype=torch.int64, device=q.device)
+    for i in range(8):
+        words |= (q[i::8].to(torch.int64) & 15) << (4 * i)
+    return _as_int32(words)
+
+
+def pack_along_n(v: torch.Tensor, awq: bool = False) -> torch.Tensor:
+    """``v`` ``[R, N]`` (0..15) -> int32 ``[R, N/8]``: nibble i of word c = ``v[:, 8c + i]`` (GPTQ) or
+    ``v[:, 8c + AWQ_NIBBLE_COLUMN[i]]`` (AWQ)."""
+    words = torch.zeros(v.shape[0], v.shape[1] // 8, dtype=torch.int64, device=v.device)
+    for i in range(8):
+        col = AWQ_NIBBLE_COLUMN[i] if awq else i
+        words |= (v[:, col::8].to(torch.int64) & 15) << (4 * i)
+    return _as_int32(words)
+
+
+def nibble(words: torch.Tensor, i: int) -> torch.Tensor:
+    return (words.to(torch.int64) >> (4 * i)) & 15
+
+
+def unpack_along_k(qweight: torch.Tensor) -> torch.Tensor:
+    R, N = qweight.shape
+    q = torch.empty(8 * R, N, dtype=torch.int64)
+    for i in range(8):
+        q[i::8] = nibble(qweight, i)
+    return q
+
+
+def unpack_along_n(words: torch.Tensor, awq: bool = False) -> torch.Tensor:
+    R, C = words.shape
+    v = torch.empty(R, 8 * C, dtype=torch.int64)
+    for i in range(8):
+        v[:, (AWQ_NIBBLE_COLUMN[i] if awq else i)::8] = nibble(words, i)
+    return v
+
+
+# --- one Linear ------------------------------------------------------------------------------------------------
+
+
+def dequantize_stored(t: dict, method: str, group_size: int, v2: bool = False) -> torch.Tensor:
+    """The weight ``[N, K]`` (fp16) a Linear's stored tensors stand for, by the format's formula."""
+    scales = t["scales"].float()
+    if method == "gptq":
+        q = unpack_along_k(t["qweight"])  # [K, N]
+        K = q.shape[0]
+        zeros = unpack_along_n(t["qzeros"]) + (0 if v2 else 1)  # v1 stored zero - 1
+        g = t["g_idx"].to(torch.int64) if "g_idx" in t else torch.arange(K) // (K if group_size == -1 else group_size)
+    else:
+        q = unpack_along_n(t["qweight"], awq=True)  # [K, N]
+        K = q.shape[0]
+        zeros = unpack_along_n(t["qzeros"], awq=True)
+        g = torch.arange(K) // (K if group_size == -1 else group_size)
+    wt = (q.float() - zeros.float()[g]) * scales[g]
+    return wt.T.contiguous().to(torch.float16)
+
+
+def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128, sym: bool = False,
+                    act_order: bool = False, v2: bool = False, generator: torch.Generator | None = None):
+    """Round-to-nearest 4-bit quantization of ``w`` ``[N, K]`` as a checkpoint stores it: (stored tensors, the
+    fp16 weight they stand for). GPTQ asymmetric: the group's range widened to hold 0, ``scale = range / 15``,
+    ``zero = round(-min / scale)``; symmetric: ``scale = 2 max|w| / 15``, zero 8. AWQ: the group's own min and
+    max, ``zero = round(-min / scale)`` clamped to 0..15. ``act_order``: groups are a random permutation of the
+    inputs (``g_idx``), as GPTQ's ``desc_act`` makes them."""
+    N, K = w.shape
+    gs = K if group_size == -1 else group_size
+    G = K // gs
+    wt = w.detach().float().T.contiguous()  # [K, N]
+    if act_order:
+        order = torch.randperm(K, generator=generator)  # inputs of group g: order[g*gs : (g+1)*gs]
+    else:
+        order = torch.arange(K)
+    grouped = wt[order].reshape(G, gs, N)
+    lo, hi = grouped.amin(1), grouped.amax(1)  # [G, N]
+    if method == "gptq" and sym:
+        scale = 2 * torch.maximum(lo.abs(), hi.abs()) / 15
+    elif method == "gptq":
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+        scale = (hi - lo) / 15
+    else:
+        scale = (hi - lo).clamp(min=1e-5) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).half()
+    s = scale.float()
+    zero = torch.full_like(s, 8.0) if (method == "gptq" and sym) else torch.round(-lo / s).clamp(0, 15)
+    q_grouped = torch.clamp(torch.round(grouped / s[:, None]) + zero[:, None], 0, 15)
+    q = torch.empty(K, N)
+    q[order] = q_grouped.reshape(K, N)
+    zero = zero.to(torch.int64)
+    if method == "gptq":
+        g_idx = torch.empty(K, dtype=torch.int32)
+        g_idx[order] = (torch.arange(K) // gs).to(torch.int32)
+        stored_zero = zero if v2 else (zero - 1) & 15
+        t = dict(qweight=pack_along_k(q), qzeros=pack_along_n(stored_zero), scales=scale, g_idx=g_idx)
+    else:
+        t = dict(qweight=pack_along_n(q, awq=True), qzeros=pack_along_n(zero, awq=True), scales=scale)
+    return t, dequantize_stored(t, method, group_size, v2)
+
+
+def random_linear(N: int, K: int, method: str = "gptq", group_size: int = 128, sym: bool = True,
+                  act_order: bool = False, v2: bool = False, generator: torch.Generator | None = None,
+                  std: float = 0.02) -> dict:
+    """Stored tensors of a Linear with random 4-bit values (no float weight made): scales so the weight's
+    spread is about ``std``, zeros 8 (``sym``) or random in 5..10. Made on the generator's device (a GPU draws
+    and packs Llama-sized ones faster)."""
+    gs = K if group_size == -1 else group_size
+    G = K // gs
+    dev = generator.device if generator is not None else torch.device("cpu")
+    q = torch.randint(0, 16, (K, N), generator=generator, dtype=torch.int64, device=dev)
+    scale = (torch.rand(G, N, generator=generator, device=dev) * 0.5 + 0.75) * (std / 4.6)
+    zero = torch.full((G, N), 8, dtype=torch.int64, device=dev) if sym else \
+        torch.randint(5, 11, (G, N), generator=generator, device=dev)
+    if method == "gptq":
+        order = torch.randperm(K, generator=generator, device=dev) if act_order else torch.arange(K, device=dev)
+        g_idx = torch.empty(K, dtype=torch.int32, device=dev)
+        g_idx[order] = (torch.arange(K, device=dev) // gs).to(torch.int32)
+        return dict(qweight=pack_along_k(q), qzeros=pack_along_n(zero if v2 else (zero - 1) & 15),
+                    scales=scale.half(), g_idx=g_idx)
+    return dict(qweight=pack_along_n(q, awq=True), qzeros=pack_along_n(zero, awq=True), scales=scale.half())
+
+
+# --- the directory -----------------------------------------------------------------------------------------------
+
+
+def quantization_config(method: str = "gptq", group_size: int = 128, sym: bool = False, act_order: bool = False,
+                        v2: bool = False, not_convert=None, **extra) -> dict:
+    """The ``quantization_config`` of a checkpoint, with the keys the quantizers write."""
+    if method == "gptq":
+        q = dict(quant_method="gptq", bits=4, group_size=group_size, desc_act=act_order, sym=sym,
+                 damp_percent=0.01, true_sequential=True, static_groups=False)
+        if v2:
+            q["checkpoint_format"] = "gptq_v2"
+        elif extra.pop("format_key", True):
+            q["checkpoint_format"] = "gptq"
+    else:
+        q = dict(quant_method="awq", bits=4, group_size=group_size, zero_point=True, version="gemm")
+    q["modules_to_not_convert"] = list(not_convert) if not_convert else None
+    q.update(extra)
+    return q
+
+
+class Writer:
+    """Tensors streamed into a checkpoint directory: one ``model.safetensors`` if they stay under ``shard_bytes``,
+    else shards ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``."""
+
+    def __init__(self, path, shard_bytes: int = 2 * 2**30):
+        self.path, self.shard_bytes = os.fspath(path), shard_bytes
+        os.makedirs(self.path, exist_ok=True)
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.parts: list[list[str]] = []  # the tensor names of each written part
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.shard_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, os.path.join(self.path, f"part-{len(self.parts)}.tmp"), metadata={"format": "pt"})
+        self.parts.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self, config: dict) -> None:
+        """Write the last part, name the files, and write ``config.json``."""
+        if self.pending or not self.parts:
+            self._flush()
+        n = len(self.parts)
+        if n == 1:
+            os.replace(os.path.join(self.path, "part-0.tmp"), os.path.join(self.path, "model.safetensors"))
+        else:
+            weight_map = {}
+            for i, names in enumerate(self.parts):
+                file = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                os.replace(os.path.join(self.path, f"part-{i}.tmp"), os.path.join(self.path, file))
+                weight_map.update({name: file for name in names})
+            with open(os.path.join(self.path, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, f, indent=2)
+        with open(os.path.join(self.path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+
+
+def linear_names(model, quantize_lm_head: bool = False, not_convert=()) -> list[str]:
+    """The Linears of a transformers model that a quantizer would quantize: all but the output layer and those
+    ``not_convert`` names."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and (quantize_lm_head or m is not out):
+            if not any(name == p or name.endswith("." + p) or name.startswith(p + ".") for p in not_convert):
+                names.append(name)
+    return names
+
+
+def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: bool = False,
+                act_order: bool = False, v2: bool = False, shard_bytes: int = 2**30, not_convert=(),
+                seed: int = 0, drop=(), config_extra: dict | None = None, quant_extra: dict | None = None) -> dict:
+    """Write ``model`` (a transformers model with float weights) as a 4-bit checkpoint at ``path``; return the
+    reference state dict: each quantized Linear's dequantized weight (fp16) under ``P.weight``, every other
+    tensor as stored (fp16). ``drop``: tensor names left out (to test missing tensors)."""
+    gen = torch.Generator().manual_seed(seed)
+    quantized = set(linear_names(model, not_convert=not_convert))
+    writer = Writer(path, shard_bytes)
+    reference = {}
+    state = model.state_dict()
+    tied = set()
+    if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+        tied = {n for n, p in model.named_parameters(remove_duplicate=False)
+                if p is model.get_output_embeddings().weight} - {next(
+                    n for n, p in model.named_parameters() if p is model.get_output_embeddings().weight)}
+    for name, tensor in state.items():
+        module, _, leaf = name.rpartition(".")
+        if name in tied:
+            continue  # transformers does not store the tied copy
+        if module in quantized and leaf == "weight":
+            stored, deq = quantize_linear(tensor, method, group_size, sym, act_order, v2, gen)
+            for part, t in stored.items():
+                if f"{module}.{part}" not in drop:
+                    writer.add(f"{module}.{part}", t)
+            reference[name] = deq
+            continue
+        t = tensor.detach().half() if tensor.is_floating_point() else tensor.detach()
+        if name not in drop:
+            writer.add(name, t)
+        reference[name] = t
+    config = model.config.to_dict()
+    config["architectures"] = [type(model).__name__]  # as save_pretrained writes it
+    config["quantization_config"] = quantization_config(method, group_size, sym, act_order, v2, not_convert,
+                                                        **(quant_extra or {}))
+    config.update(config_extra or {})
+    writer.close(config)
+    return reference
+
+
+# --- tiny models ----------------------------------------------------------------------------------------------
+
+
+def tiny_config(arch: str = "llama", hidden: int = 128, layers: int = 2, tie: bool = False):
+    """A small transformers config: ``llama`` or ``qwen2`` (q/k/v with biases), vocab 256."""
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}[arch]
+    return cls(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
+               vocab_size=256, num_hidden_layers=layers, max_position_embeddings=64, tie_word_embeddings=tie)
+
+
+def random_model(config, seed: int = 0):
+    """The transformers causal LM of ``config`` in fp32 with random weights (seeded), eval mode."""
+    import transformers
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return model.float().eval()
+
+
+def reference_model(config, reference: dict, dtype=torch.float32):
+    """A plain-torch transformers model of ``config`` holding the reference weights (``write_model``'s result)."""
+    model = random_model(config).to(dtype)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in reference.items()}, strict=False)
+    assert not unexpected, unexpected
+    assert all(k in _tied(model) for k in missing), missing
+    model.tie_weights()
+    return model.eval()
+
+
+def _tied(model) -> set:
+    out = model.get_output_embeddings()
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if out is not None and p is out.weight}

@@ -1,0 +1,115 @@
+"""``--checkpoint DIR`` of ``tilegemm bench --op w4a16 --model llama`` and ``examples/llama_decode.py``: the int4
+model loaded with from_pretrained, against the same model in fp16 holding its dequantized weights; and the
+Llama-3-8B checkpoint tool at a tiny size."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
+pytest.importorskip("safetensors", reason="safetensors is optional (pip install 'tilegemm[models]')")
+
+sys.path.insert(0, os.path.dirname(__file__))
+import ckpt_writer as cw  # noqa: E402
+
+from tilegemm.cli import main  # noqa: E402
+from tilegemm.core.runtime import interpreting  # noqa: E402
+from tilegemm.models.pretrained import dequantized_copy, from_pretrained  # noqa: E402
+from tilegemm.nn import Int4Linear  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def _load(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """The tool's tiny Llama: GPTQ v2, act-order, asymmetric, g32 (random 4-bit values, no float weights)."""
+    path = tmp_path_factory.mktemp("tool") / "tiny"
+    tool = _load("tools/write_w4_checkpoint.py", "write_w4_checkpoint")
+    assert tool.main(["--out", str(path), "--tiny", "--act-order", "--v2", "--asym"]) == 0
+    return path
+
+
+def test_the_tool_writes_a_loadable_checkpoint(tiny_ckpt):
+    cfg = json.loads((tiny_ckpt / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert (q["quant_method"], q["bits"], q["group_size"], q["desc_act"], q["sym"], q["checkpoint_format"]) == \
+        ("gptq", 4, 32, True, False, "gptq_v2")
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 2
+    model = from_pretrained(tiny_ckpt, device="cpu")
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 14 and all(m.perm.numel() == m.in_features for m in layers)  # act-order kept
+    zeros = torch.cat([m.zeros.flatten() for m in layers])
+    assert zeros.min() >= 5 and zeros.max() <= 10  # the tool's zeros (5..10), read as v2 (no + 1)
+
+
+def test_the_tool_writes_qwen2_with_biases(tmp_path):
+    tool = _load("tools/write_w4_checkpoint.py", "write_w4_checkpoint")
+    assert tool.main(["--out", str(tmp_path / "q"), "--tiny", "--arch", "qwen2", "--method", "awq"]) == 0
+    model = from_pretrained(tmp_path / "q", device="cpu")
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, Int4Linear) and q.bias is not None and q.bias.abs().sum() > 0
+    assert tool.main(["--out", str(tmp_path / "q"), "--tiny"]) == 2  # refuses to write over a checkpoint
+
+
+def test_dequantized_copy_shares_all_but_the_int4_weights(tiny_ckpt):
+    int4 = from_pretrained(tiny_ckpt, device="cpu")
+    dense = dequantized_copy(int4)
+    assert not any(isinstance(m, Int4Linear) for m in dense.modules())
+    assert dense.model.embed_tokens.weight is int4.model.embed_tokens.weight  # shared, not copied
+    assert dense.lm_head.weight is int4.lm_head.weight
+    q, d = int4.model.layers[1].mlp.down_proj, dense.model.layers[1].mlp.down_proj
+    assert torch.equal(d.weight, q.dequantize())
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        a, b = int4(input_ids=ids).logits.float(), dense(input_ids=ids).logits.float()
+    assert float((a - b).norm() / b.norm()) < 3e-3
+
+
+@pytest.mark.skipif(not interpreting(), reason="the interpreter's tiny sweep")
+def test_bench_model_llama_from_a_checkpoint(tiny_ckpt, tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["bench", "--op", "w4a16", "--model", "llama", "--checkpoint", str(tiny_ckpt), "--shape", "1",
+                 "--quiet", "--no-save", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert "the checkpoint tiny (LlamaForCausalLM" in data["meta"]["model_description"]
+    assert "GPTQ v2, act-order, 4-bit, group 32" in data["meta"]["model_description"]
+    rows = data["rows"]
+    assert [r["kernel"] for r in rows] == ["baseline", "auto"] and rows[0]["dims"]["config"] == "checkpoint"
+    for r in rows:
+        assert r["status"] == "ok" and r["rel_err"] <= r["tolerance"], r
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--op", "w4a16", "--checkpoint", "x"], "--checkpoint names the model to load: give it with --model"),
+    (["--op", "conv2d", "--model", "resnet50", "--checkpoint", "x"], "--checkpoint does not apply to --model resnet50"),
+    (["--op", "w4a16", "--model", "llama", "--checkpoint", "/nonexistent/dir"],
+     "--checkpoint: no checkpoint directory at '/nonexistent/dir'"),
+])
+def test_bench_checkpoint_errors(argv, needle, capsys):
+    assert main(["bench", *argv, "--quiet", "--no-save"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_example_decodes_a_checkpoint(tiny_ckpt, capsys):
+    example = _load("examples/llama_decode.py", "llama_decode")
+    assert example.main(["--tiny", "--checkpoint", str(tiny_ckpt), "--batches", "1", "--prompt", "4", "--new", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"LlamaForCausalLM from {tiny_ckpt} (gptq)" in out and "14 Linears" in out
+    line = next(l for l in out.splitlines() if l.startswith("int4 vs fp16-dequantized"))
+    assert float(line.split("rel. error ")[1].split(",")[0]) < 1e-2, line
+    assert example.main(["--tiny", "--checkpoint", "/nonexistent/dir"]) == 2
+    assert "no checkpoint directory" in capsys.readouterr().err

@@ -1,0 +1,357 @@
+"""tilegemm.models.from_pretrained and tilegemm.nn.load_quantized_: 4-bit GPTQ / AWQ checkpoint directories written by
+the tests' own writer (ckpt_writer.py), loaded and checked against a plain-torch model holding the weights they
+stand for."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
+pytest.importorskip("safetensors", reason="safetensors is optional (pip install 'tilegemm[models]')")
+
+sys.path.insert(0, os.path.dirname(__file__))
+import ckpt_writer as cw  # noqa: E402
+
+from tilegemm.models import from_pretrained  # noqa: E402
+from tilegemm.models import pretrained  # noqa: E402
+from tilegemm.nn import Int4Linear, load_quantized_  # noqa: E402
+
+IDS = torch.tensor([[3, 17, 200]])  # a forward of three tokens
+TOL = 3e-3  # fp16 activations through two layers against the fp32 model of the same weights: 7e-4 seen
+
+
+def _logits(model, device):
+    with torch.no_grad():
+        return model(input_ids=IDS.to(device)).logits.float().cpu()
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _write(tmp_path, arch="llama", tie=False, hidden=128, seed=0, **kw):
+    config = cw.tiny_config(arch, hidden=hidden, tie=tie)
+    path = tmp_path / "ckpt"
+    reference = cw.write_model(path, cw.random_model(config, seed), seed=seed, **kw)
+    return path, config, reference
+
+
+CASES = {  # name: (arch, tie, writer options)
+    "gptq-v1-asym-g32": ("llama", False, dict(method="gptq", group_size=32, sym=False)),
+    "gptq-v1-sym-g128-sharded": ("llama", False, dict(method="gptq", group_size=128, sym=True, shard_bytes=60_000)),
+    "gptq-v2-asym-actorder-g64-sharded": ("llama", False, dict(method="gptq", group_size=64, sym=False,
+                                                               act_order=True, v2=True, shard_bytes=60_000)),
+    "gptq-v1-sym-actorder-wholeK": ("llama", False, dict(method="gptq", group_size=-1, sym=True, act_order=True)),
+    "awq-g128": ("llama", False, dict(method="awq", group_size=128)),
+    "awq-g32-sharded": ("llama", False, dict(method="awq", group_size=32, shard_bytes=60_000)),
+    "qwen2-tied-bias-gptq-v2-g64": ("qwen2", True, dict(method="gptq", group_size=64, sym=True, v2=True)),
+    "qwen2-tied-bias-awq-wholeK-sharded": ("qwen2", True, dict(method="awq", group_size=-1, shard_bytes=60_000)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_loaded_model_matches_its_dequantized_weights(tmp_path, device, name):
+    arch, tie, kw = CASES[name]
+    path, config, reference = _write(tmp_path, arch, tie, **kw)
+    if kw.get("shard_bytes"):
+        assert (path / "model.safetensors.index.json").is_file() and not (path / "model.safetensors").exists()
+        assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) >= 2
+    model = from_pretrained(path, device=device)
+    assert not model.training
+    int4 = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert len(int4) == 7 * config.num_hidden_layers  # q, k, v, o, gate, up, down per layer; lm_head stays
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == torch.float16
+    assert all(m.qweight.device.type == device for m in int4.values())
+    group = 128 if kw["group_size"] == -1 else kw["group_size"]  # whole K: 128 for q/k/v/o/gate/up (hidden 128)
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.group_size == kw["group_size"] or (kw["group_size"] == -1 and q.scales.shape[0] == 1), q
+    assert q.scales.shape[0] == 128 // group
+    # act-order: the inputs sorted by group once (a single group, whole K, needs no order)
+    assert (q.perm.numel() == 128) == (kw.get("act_order", False) and kw["group_size"] != -1)
+    if arch == "qwen2":
+        assert q.bias is not None and torch.equal(q.bias.cpu(), reference["model.layers.0.self_attn.q_proj.bias"])
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # tied again after loading
+    # Each Linear computes with exactly the writer's dequantized weight.
+    for n, m in int4.items():
+        assert torch.equal(m.dequantize().cpu(), reference[f"{n}.weight"]), n
+    ref = cw.reference_model(config, reference)
+    err = _rel(_logits(model, device), _logits(ref, "cpu"))
+    assert err < TOL, f"{name}: logits rel. error {err:.2e}"
+
+
+def test_v2_and_v1_zeros_differ_by_one(tmp_path, device):
+    """A v2 checkpoint read as v1 (the zero offset of one) gives another model: the format key matters."""
+    path, config, reference = _write(tmp_path, method="gptq", group_size=64, v2=True)
+    good = from_pretrained(path, device=device)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["checkpoint_format"] = "gptq"
+    (path / "config.json").write_text(json.dumps(cfg))
+    wrong = from_pretrained(path, device=device)
+    a, b = good.model.layers[0].mlp.up_proj, wrong.model.layers[0].mlp.up_proj
+    assert torch.equal(a.zeros + 1, b.zeros)
+    assert not torch.equal(a.dequantize(), b.dequantize())
+
+
+def test_gptq_without_g_idx_and_format_key(tmp_path, device):
+    """No g_idx (optional without act-order) and no checkpoint_format key (v1, as older checkpoints say)."""
+    config = cw.tiny_config("llama", hidden=64)
+    model = cw.random_model(config)
+    drop = [f"{n}.g_idx" for n in cw.linear_names(model)]
+    reference = cw.write_model(tmp_path / "c", model, "gptq", 32, drop=drop, quant_extra=dict(format_key=False))
+    assert "checkpoint_format" not in json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]
+    loaded = from_pretrained(tmp_path / "c", device=device)
+    for n, m in loaded.named_modules():
+        if isinstance(m, Int4Linear):
+            assert torch.equal(m.dequantize().cpu(), reference[f"{n}.weight"]), n
+
+
+def test_modules_to_not_convert(tmp_path, device):
+    path, config, reference = _write(tmp_path, method="gptq", group_size=32, not_convert=["mlp.down_proj"])
+    model = from_pretrained(path, device=device)
+    for layer in model.model.layers:
+        assert type(layer.mlp.down_proj) is torch.nn.Linear and isinstance(layer.mlp.up_proj, Int4Linear)
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 6 * config.num_hidden_layers
+    assert torch.equal(model.model.layers[1].mlp.down_proj.weight.cpu(), reference["model.layers.1.mlp.down_proj.weight"])
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL
+
+
+def test_a_not_converted_module_stored_quantized_is_refused(tmp_path):
+    path, _, _ = _write(tmp_path, hidden=64, method="gptq", group_size=32)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["o_proj"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj is in modules_to_not_convert but "
+                                         r"the checkpoint stores it quantized"):
+        from_pretrained(path, device="cpu")
+
+
+def test_load_quantized_into_a_user_built_model(tmp_path, device):
+    path, config, reference = _write(tmp_path, "qwen2", True, method="awq", group_size=64)
+    import transformers
+
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(config).half().to(device).eval()  # other weights
+    out = load_quantized_(model, path)
+    assert out is model
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 14
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.model.norm.weight.cpu(), reference["model.norm.weight"])
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL
+
+
+def test_loading_streams_packed_tensors_only(tmp_path, monkeypatch):
+    """Loading reads each stored tensor once, one at a time, and makes no 16-bit weight of a quantized Linear:
+    every float tensor made while loading is smaller than those weights, and the built layers hold packed parts
+    (int32 nibbles, [G, N] scales and zeros) only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    config = cw.tiny_config("llama", hidden=128)
+    config.vocab_size = 96  # no plain tensor as large as a quantized weight (128 x 128 and up)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 64, act_order=True)
+    with pretrained._parameters_on_meta():
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_config(config).half()
+    reads = []
+    get = pretrained._Tensors.get
+    monkeypatch.setattr(pretrained._Tensors, "get", lambda self, name: reads.append(name) or get(self, name))
+    smallest = 128 * 128
+
+    class Floats(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "meta":
+                    Floats.largest = max(Floats.largest, t.numel())
+            return out
+
+    with Floats():
+        load_quantized_(model, path, device="cpu")
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "pt") as f:
+        stored = sorted(f.keys())
+    assert sorted(reads) == stored  # each once
+    assert Floats.largest < smallest, Floats.largest
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            N, K = m.out_features, m.in_features
+            for name, t in [*m.named_buffers(), *m.named_parameters()]:
+                assert not (t.is_floating_point() and t.numel() >= N * K), (name, t.shape)
+            assert m.qweight.dtype == torch.int32 and m.qweight.numel() == N * K // 8
+
+
+# --- bad input ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A small valid GPTQ checkpoint, copied by the tests that break it."""
+    path = tmp_path_factory.mktemp("good") / "ckpt"
+    cw.write_model(path, cw.random_model(cw.tiny_config("llama", hidden=64)), "gptq", 32)
+    return path
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_quant(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg["quantization_config"].pop(k, None)
+        else:
+            cfg["quantization_config"][k] = v
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_not_a_directory(tmp_path, good):
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory at"):
+        from_pretrained(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="is not a directory"):
+        from_pretrained(good / "config.json")
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
+        from_pretrained(3)
+
+
+def test_no_config_and_no_quantization_config(tmp_path, good):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        from_pretrained(empty)
+    path = _copy(good, tmp_path / "c")
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["quantization_config"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="has no quantization_config: not a quantized checkpoint"):
+        from_pretrained(path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        from_pretrained(path)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(bits=8), r"bits = 8; tilegemm loads 4-bit checkpoints only"),
+    (dict(quant_method="bitsandbytes"), r"quant_method 'bitsandbytes' is not supported; supported: 'gptq', 'awq'"),
+    (dict(quant_method="awq", version="gemv"), r"AWQ version 'gemv' is not supported; only 'gemm'"),
+    (dict(checkpoint_format="marlin"), r"GPTQ checkpoint_format 'marlin' is not supported; supported: 'gptq', "
+                                       r"'gptq_v2'"),
+    (dict(group_size=0), r"group_size must be a positive integer or -1"),
+])
+def test_unsupported_quantization_configs(tmp_path, good, changes, message):
+    path = _copy(good, tmp_path / "c")
+    _edit_quant(path, **changes)
+    with pytest.raises(ValueError, match=message):
+        from_pretrained(path, device="cpu")
+
+
+def test_a_group_size_the_kernels_do_not_take(tmp_path):
+    config = cw.tiny_config("llama", hidden=64)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 16)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj \(GPTQ v1, 4-bit, group 16\): group "
+                                         r"size K / G = 64 / 4 = 16 is not one of"):
+        from_pretrained(path, device="cpu")
+
+
+def test_missing_tensors_are_named(tmp_path):
+    config = cw.tiny_config("llama", hidden=64)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32, shard_bytes=20_000,
+                   drop=("model.layers.1.mlp.up_proj.qzeros", "model.norm.weight"))
+    with pytest.raises(ValueError, match=r"lacks tensor\(s\) the model needs: .*model\.layers\.1\.mlp\.up_proj\.qzeros"
+                                         r".*model\.norm\.weight"):
+        from_pretrained(path, device="cpu")
+    # act-order needs g_idx
+    path2 = tmp_path / "d"
+    cw.write_model(path2, cw.random_model(config), "gptq", 32, act_order=True,
+                   drop=("model.layers.0.self_attn.k_proj.g_idx",))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.g_idx"):
+        from_pretrained(path2, device="cpu")
+    # a shard the index names is gone; no tensor files at all
+    os.remove(next(path.glob("model-00001-of-*.safetensors")))
+    with pytest.raises(FileNotFoundError, match=r"lists shard\(s\) missing from .*model-00001-of-"):
+        from_pretrained(path, device="cpu")
+    os.remove(path / "model.safetensors.index.json")
+    with pytest.raises(FileNotFoundError, match="has neither model.safetensors nor model.safetensors.index.json"):
+        from_pretrained(path, device="cpu")
+
+
+def test_shapes_that_do_not_match_are_named(tmp_path):
+    config = cw.tiny_config("llama", hidden=64)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32, config_extra=dict(intermediate_size=256))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.qweight: the checkpoint's shape \[8, 128\] "
+                                         r"does not match \[8, 256\]"):
+        from_pretrained(path, device="cpu")
+    path2 = tmp_path / "d"
+    cw.write_model(path2, cw.random_model(config), "awq", 32, config_extra=dict(vocab_size=320))
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight: the checkpoint's shape \[256, 64\] does not "
+                                         r"match the model's \[320, 64\]"):
+        from_pretrained(path2, device="cpu")
+
+
+def test_tensors_for_modules_the_model_lacks(tmp_path):
+    """A config of one layer over a two-layer checkpoint: quantized tensors without a Linear are an error; plain
+    ones a warning naming them."""
+    config = cw.tiny_config("llama", hidden=64)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32, config_extra=dict(num_hidden_layers=1))
+    with pytest.raises(ValueError, match=r"quantized tensor\(s\) for modules the model has no Linear of: "
+                                         r"model\.layers\.1\.mlp\.down_proj\.qweight"):
+        from_pretrained(path, device="cpu")
+    path2 = tmp_path / "d"
+    cw.write_model(path2, cw.random_model(config), "gptq", 32,
+                   not_convert=["model.layers.1"], config_extra=dict(num_hidden_layers=1))
+    with pytest.warns(UserWarning, match=r"tensor\(s\) of the checkpoint match nothing in the model and were "
+                                         r"skipped: model\.layers\.1\."):
+        model = from_pretrained(path2, device="cpu")
+    assert len(model.model.layers) == 1
+
+
+def test_bad_arguments(good):
+    with pytest.raises(TypeError, match="dtype must be torch.float16 or torch.bfloat16"):
+        from_pretrained(good, dtype=torch.float32)
+    with pytest.raises(TypeError, match="load_quantized_ takes a torch.nn.Module"):
+        load_quantized_("model", good)
+
+
+class _Stored(dict):
+    def get(self, name):  # noqa: D401 - the _Tensors interface the converter reads through
+        return self[name]
+
+
+@pytest.mark.parametrize("method, act_order, v2", [("gptq", True, True), ("gptq", False, False), ("awq", False, False)])
+def test_column_slices_convert_like_the_whole(method, act_order, v2):
+    """A large Linear is converted 256-column blocks at a time: the same int4 weight and fragment layout as whole."""
+    from tilegemm import w4a16
+    from tilegemm.ops.w4a16.format import Int4Weight
+
+    N, K, group = 600, 128, 64
+    stored, deq = cw.quantize_linear(torch.randn(N, K) * 0.02, method, group, False, act_order, v2,
+                                     torch.Generator().manual_seed(3))
+    q = pretrained.QuantConfig(method, group, desc_act=act_order, checkpoint_format="gptq_v2" if v2 else "gptq")
+    tensors = _Stored({f"p.{k}": v for k, v in stored.items()})
+    whole = pretrained._int4_weight(tensors, "p", q, N, K, torch.float16, chunk_weights=10 * N * K)
+    parts = pretrained._int4_weight(tensors, "p", q, N, K, torch.float16, chunk_weights=256 * K)  # 3 slices
+    assert torch.equal(w4a16.dequantize(whole), deq)
+    for name in ("qweight", "scales", "zeros"):
+        assert torch.equal(getattr(parts, name), getattr(whole, name)), name
+    assert (parts.perm is None) == (not act_order) and (parts.perm is None or torch.equal(parts.perm, whole.perm))
+    fresh = Int4Weight(whole.qweight, whole.scales, whole.zeros, whole.group_size, whole.shape, whole.perm)
+    for a, b in zip(parts.fragments(), fresh.fragments()):
+        assert torch.equal(a, b)

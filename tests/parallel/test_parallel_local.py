@@ -1,0 +1,164 @@
+"""Tensor parallelism in one process: each rank's local shard run in turn (simulated ranks), on the device the
+kernels use (the CPU under the interpreter, or the GPU), the slices a sharded load reads, and the errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.ops.w4a16.format import Int4Weight, dequantize, pack_cols, pack_rows, from_gptq, quantize
+
+from conftest import assert_rel_close
+
+FP16_TOL = 4e-3
+
+
+def _weight(N: int, K: int, gs: int, act_order: bool, device) -> Int4Weight:
+    if not act_order:
+        return quantize(torch.randn(N, K, dtype=torch.float16, device=device) * 0.1, gs)
+    q = torch.randint(0, 16, (K, N))
+    zeros = torch.randint(0, 15, (K // gs, N))
+    scales = (torch.rand(K // gs, N) * 0.02 + 0.005).half()
+    g_idx = (torch.arange(K) // gs)[torch.randperm(K)].to(torch.int32)
+    return from_gptq(pack_rows(q), pack_cols(zeros), scales, g_idx).to(device)
+
+
+def _simulated(w: Int4Weight, x: torch.Tensor, world: int, dim: str) -> torch.Tensor:
+    """The sharded product, rank by rank: column shards concatenated, row shards' partial sums added."""
+    from tilegemm.parallel import shard_int4
+
+    outs = []
+    for rank in range(world):
+        local, index = shard_int4(w, dim, rank, world)
+        if dim == "out":
+            xl = x
+        elif index is not None:
+            xl = x.index_select(-1, index)  # act-order: the inputs the sorted rows multiply
+        else:
+            xl = x.chunk(world, -1)[rank]
+        assert local.shape == ((w.shape[0] // world, w.shape[1]) if dim == "out" else (w.shape[0], w.shape[1] // world))
+        outs.append(tilegemm.w4a16.matmul(xl, local))
+    return torch.cat(outs, -1) if dim == "out" else torch.stack([o.float() for o in outs]).sum(0).half()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dim", ["out", "in"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_parallel_int4_shards(device, world, dim, act_order):
+    w = _weight(32, 256, 32, act_order, device)
+    x = torch.randn(3, 256, dtype=torch.float16, device=device)
+    ref = (x.double() @ dequantize(w).double().T)
+    assert_rel_close(_simulated(w, x, world, dim), ref, FP16_TOL)
+
+
+def test_parallel_int4_refusals():
+    from tilegemm.parallel import shard_int4
+
+    w = quantize(torch.randn(12, 128), 64)
+    with pytest.raises(ValueError, match=r"cut quantization groups of group_size = 64"):
+        shard_int4(w, "in", 0, 4)  # 32 inputs each
+    with pytest.raises(ValueError, match=r"out_features N = 12 does not split evenly over 8 ranks"):
+        shard_int4(w, "out", 0, 8)
+    with pytest.raises(ValueError, match=r"in_features K = 128 does not split evenly over 3 ranks"):
+        shard_int4(w, "in", 0, 3)
+    with pytest.raises(ValueError, match=r"group_size = -1"):
+        shard_int4(quantize(torch.randn(12, 128), -1), "in", 0, 2)
+    with pytest.raises(ValueError, match=r"dim must be 'out'"):
+        shard_int4(w, "rows", 0, 2)
+    with pytest.raises(TypeError, match="Int4Weight"):
+        shard_int4(torch.zeros(4, 4), "out", 0, 2)
+
+
+def test_parallel_shard_slices():
+    from tilegemm.parallel import shard_slices
+
+    # house int4 [K/8, N] / [G, N]; GPTQ qzeros [G, N/8]; AWQ qweight [K, N/8]: rank 1 of 2, N = 64, K = 256, gs 64
+    assert shard_slices("qweight", (32, 64), "out", 1, 2) == (slice(None), slice(32, 64))
+    assert shard_slices("qweight", (32, 64), "in", 1, 2, 64) == (slice(16, 32),)
+    assert shard_slices("scales", (4, 64), "in", 1, 2, 64) == (slice(2, 4),)
+    assert shard_slices("gptq.qzeros", (4, 8), "out", 1, 2) == (slice(None), slice(4, 8))  # words of 8 columns
+    assert shard_slices("awq.qweight", (256, 8), "in", 1, 2, 64) == (slice(128, 256),)
+    assert shard_slices("awq.qweight", (256, 8), "out", 1, 2) == (slice(None), slice(4, 8))
+    assert shard_slices("weight", (64, 256), "in", 1, 2) == (slice(None), slice(128, 256))
+    assert shard_slices("bias", (64,), "in", 1, 2) is None and shard_slices("bias", (64,), "in", 0, 2) == ()
+    assert shard_slices("perm", (256,), "in", 1, 2) == ()
+    # the packed words are read whole: a split inside one (N / ranks not a multiple of 8) is refused
+    with pytest.raises(ValueError, match="multiple of 8"):
+        shard_slices("gptq.qzeros", (4, 2), "out", 0, 4)
+    with pytest.raises(ValueError, match="group_size = 128"):
+        shard_slices("qweight", (32, 64), "in", 0, 4, 128)
+    with pytest.raises(ValueError, match="unknown tensor kind"):
+        shard_slices("qscales", (4, 64), "out", 0, 2)
+
+
+def test_parallel_import_is_lazy():
+    """``import tilegemm`` (and tilegemm.nn) leaves torch.distributed.tensor unimported."""
+    code = ("import sys, tilegemm, tilegemm.nn; "
+            "print(any(m.startswith('torch.distributed.tensor') for m in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
+# --- on the GPU: Llama-3-8B's MLP shapes, the kernels a GPU picks (fragment layouts included) ------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("M", [1, 16, 128])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_parallel_int4_shards_gpu(world, M, act_order):
+    torch.manual_seed(0)
+    from tilegemm.nn import Int4Linear
+
+    for N, K, dim in ((14336, 4096, "out"), (4096, 14336, "in")):
+        w = _weight(N, K, 128, act_order, "cuda")
+        x = torch.randn(M, K, dtype=torch.float16, device="cuda")
+        ref = x.double() @ dequantize(w).double().T
+        assert_rel_close(_simulated(w, x, world, dim), ref, FP16_TOL)
+        # through the layer, as the styles leave it: a local Int4Linear with its own fragment layout
+        from tilegemm.parallel import shard_int4
+
+        local, _ = shard_int4(w, dim, 1, world)
+        xl = x if dim == "out" else x.chunk(world, -1)[1]
+        assert_rel_close(Int4Linear.from_weight(local)(xl), xl.double() @ dequantize(local).double().T, FP16_TOL)
+
+
+@pytest.mark.gpu
+def test_parallel_world_one_gpu():
+    """A one-rank NCCL mesh on the GPU: a converted and a quantized MLP parallelized equal the unsharded ones."""
+    import copy
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import tilegemm.nn as tnn
+
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(key, value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.SiLU(), torch.nn.Linear(1024, 256))
+        ref = ref.half().cuda()
+        x = torch.randn(16, 512, dtype=torch.float16, device="cuda")
+        for make in (lambda m: tnn.convert_(m), lambda m: tnn.quantize_(m, group_size=128)):
+            model = make(copy.deepcopy(ref))
+            want = model(x)
+            parallelize_module(model, mesh, {"0": tnn.ColwiseParallel(), "2": tnn.RowwiseParallel()})
+            assert_rel_close(model(x), want.double(), FP16_TOL)
+    finally:
+        dist.destroy_process_group()
