@@ -116,7 +116,8 @@ def main() -> None:
             for r in rows:
                 if r["case"] == name and best and isinstance(r.get(key), float):
                     r[f"ratio_{key}"] = min(best) / r[key]
-    meta = dict(model=args.model, layers=args.layers, dtype=args.dtype, gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else None,
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else None
+    meta = dict(model=args.model, layers=args.layers, dtype=args.dtype, gpu=gpu,
                 torch=torch.__version__, transformers=transformers.__version__, time=time.strftime("%FT%T"))
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -100,7 +100,8 @@ def test_quantize_turns_experts_int4():
     assert not hasattr(block, "gate_up_proj") and block.tilegemm_gate_up_proj_qweight.dtype == torch.int32
     assert ours.config._experts_implementation == "tilegemm"
     # the eager model on the dequantized weights is the reference (activations in fp16 on the 4-bit path)
-    blocks = zip((layer.mlp.experts for layer in eager.model.layers), (layer.mlp.experts for layer in ours.model.layers))
+    blocks = zip((layer.mlp.experts for layer in eager.model.layers),
+                 (layer.mlp.experts for layer in ours.model.layers))
     for e_block, q_block in blocks:
         for name in ("gate_up_proj", "down_proj"):
             w4 = moe._int4(q_block, name)
