@@ -112,7 +112,8 @@ def grouped_tiled_kernel(
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             ok_k = offs_k < k_hi
-            x = tl.load(a_base + rows + offs_k[None, :] * s_ak, mask=ok_m[:, None] & ok_k[None, :], other=0.0)
+            x = tl.load(a_base + rows + offs_k.to(tl.int64)[None, :] * s_ak, mask=ok_m[:, None] & ok_k[None, :],
+                        other=0.0)
             w_ptrs = b_base + offs_k[:, None].to(tl.int64) * s_bk + cols
             w = tl.load(w_ptrs, mask=ok_k[:, None] & ok_n[None, :], other=0.0)
             if UPCAST:  # the interpreter's bf16 dot is wrong: multiply fp32 copies there
@@ -140,7 +141,8 @@ def grouped_tiled_kernel(
 
 
 def _pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+    """The vector length that holds ``offs`` (a power of two, at least 2)."""
+    return 2 if n <= 2 else 1 << (n - 1).bit_length()
 
 
 def canonical(p: GroupedProblem) -> dict:
