@@ -126,3 +126,21 @@ def test_importing_tilegemm_imports_no_transformers():
     code = "import sys, tilegemm, tilegemm.nn; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_experts_block_compiles_fullgraph():
+    # sort, searchsorted, the grouped ops and the scatter back trace as one graph (no data-dependent host step)
+    _, ours = pair(qwen3_moe())
+    block = ours.model.layers[0].mlp.experts
+    x, idx, weights = torch.randn(7, 32), torch.randint(0, 8, (7, 2)), torch.rand(7, 2)
+    with torch.no_grad():
+        want = block(x, idx, weights)
+        got = torch.compile(block, fullgraph=True, backend="aot_eager")(x, idx, weights)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_registers_when_transformers_is_imported_later():
+    code = ("import tilegemm, sys; assert 'transformers' not in sys.modules\n"
+            "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS as f; print('tilegemm' in f)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
