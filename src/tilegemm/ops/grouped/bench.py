@@ -5,8 +5,8 @@ Baseline: the faster, for each case, of a loop of cuBLAS products (``torch.mm``)
 bounds read on the host while the inputs are prepared, outside the timed region) and ``torch.nn.functional.grouped_mm``
 (CUDA only; chosen by a few timed calls while preparing); F.grouped_mm is also the second baseline, its own row.
 ``batched``: ``torch.matmul``. :class:`GroupedW4A16Bench` (``--op grouped_w4a16``): 16-bit activations times 4-bit
-experts (group 128), against the same 16-bit baselines. Option ``mode``: ``fwd``, or ``bwd`` (the gradients of a and b from one output gradient, returned
-flattened and concatenated on both sides).
+experts (group 128), against the same 16-bit baselines. Option ``mode``: ``fwd``, or ``bwd`` (the gradients of a
+and b from one output gradient, returned flattened and concatenated on both sides).
 """
 
 from __future__ import annotations
