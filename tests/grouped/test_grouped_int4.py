@@ -102,6 +102,7 @@ def test_opcheck(device):
 CASES = [
     ("2-D weight", lambda w, x, o: tilegemm.w4a16.grouped_matmul(
         x, tilegemm.w4a16.quantize(torch.randn(8, 64).half(), 32), o), ValueError, "stacked experts"),
+    ("stacked weight to w4a16.matmul", lambda w, x, o: tilegemm.w4a16.matmul(x, w), ValueError, "grouped_matmul"),
     ("not an Int4Weight", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x, torch.randn(4, 24, 64), o), TypeError,
      "Int4Weight"),
     ("fp32 x", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x.float(), w, o), TypeError, "fp16 or bf16"),

@@ -151,3 +151,10 @@ def test_no_groups(device):
     out = tilegemm.grouped_mm(a, torch.randn(0, 8, 4, device=device), offs=torch.zeros(0, dtype=torch.int32,
                                                                                           device=device))
     assert torch.equal(out, torch.zeros(5, 4, device=device))
+
+
+def test_strided_offs(device):
+    a, b, _ = operands("2d3d", [3, 0, 9], 8, 8, torch.float32, device)
+    offs = torch.tensor([3, -1, 3, -1, 12, -1], dtype=torch.int32, device=device)[::2]  # a strided view
+    assert offs.stride(0) == 2
+    assert_rel_close(tilegemm.grouped_mm(a, b, offs=offs), grouped_mm_reference(a, b, offs), 1e-5)

@@ -39,6 +39,8 @@ def forward(a, b, offs, bias, out_dtype, precision: str, kernel: str) -> torch.T
     out = new_output(out_shape(layout, a.shape, b.shape, groups), out_dtype or a.dtype, a.device)
     if out.numel() == 0:
         return out
+    if offs is not None and offs.stride(0) != 1:
+        offs = offs.contiguous()  # the kernels read offs as one vector
     p = make_problem(layout, groups, a, b, offs, bias, out, resolve_precision(precision, a.dtype))
     dispatch.launch(p, kernel)
     return out
@@ -114,6 +116,7 @@ def forward_int4(x, qweight, scales, zeros, offs, bias, group_k: int, activation
         x = x.contiguous()
     if bias is not None and bias.stride(-1) != 1:
         bias = bias.contiguous()  # the kernel reads a bias row as contiguous
+    offs = offs if offs.stride(0) == 1 else offs.contiguous()
     p = GroupedInt4Problem(x, qweight, scales, zeros, offs, bias, out, E, x.shape[0], N_out, K, group_k,
                            activation, gated)
     with on_device(x.device):
@@ -186,6 +189,7 @@ def forward_gated(a, b, offs, bias, activation: str, precision: str) -> torch.Te
     out = new_output((a.shape[0], N), a.dtype, a.device)
     if out.numel() == 0:
         return out
+    offs = offs if offs.stride(0) == 1 else offs.contiguous()
     p = make_problem("2d3d", groups, a, b, offs, bias, out, resolve_precision(precision, a.dtype), activation, True)
     dispatch.launch(p, "auto")
     return out
