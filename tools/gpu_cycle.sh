@@ -16,8 +16,9 @@
 #   fuzz          the public ops' GPU fuzz (tests/*/test_*_fuzz_gpu.py; \$TILEGEMM_FUZZ_EXAMPLES draws per op)
 #   models        the bench's models sweep, fp16, auto only
 #   batched       the bench's batched sweep, fp16 NN and NT, auto only
-#   grouped       the grouped family's bench: moe bf16 and fp16 forward, bf16 backward, batched bf16 and fp16,
-#                 4-bit experts (grouped_w4a16) fp16 and bf16;  grouped-tests: tests/grouped on the GPU (all marks)
+#   grouped       the grouped family's moe sweep, bf16 and fp16 forward (auto);  grouped-bwd  its backward, bf16;
+#                 grouped-batched  the batched sweep, bf16 and fp16;  grouped-w4a16  4-bit experts on the moe sweep,
+#                 fp16 and bf16;  grouped-tests  tests/grouped on the GPU (all marks)
 #   moe-model     tools/grouped_moe_model.py: Qwen3-MoE (4 layers) and Mixtral (2 layers) shapes, every experts
 #                 implementation, prefill 2048 and decode batch 1 / 16, bf16
 #   w4-random     the w4a16 bench's held-out w4-random sweep, fp16 (second baseline: fbgemm where it imports)
@@ -64,10 +65,14 @@ for step in "$@"; do
     models) bench --sweep models --dtype fp16 --kernels auto --json "$OUT/models-fp16.json" 2>&1 | tail -n 6 ;;
     batched) for l in NN NT; do bench --sweep batched --layout $l --dtype fp16 --kernels auto \
                --json "$OUT/batched-fp16-$l.json" 2>&1 | tail -n 4; done ;;
-    grouped) for d in bf16 fp16; do bench --op grouped --sweep moe --dtype $d --json "$OUT/grouped-moe-$d.json" 2>&1 | tail -n 6
-               bench --op grouped --sweep batched --dtype $d --json "$OUT/grouped-batched-$d.json" 2>&1 | tail -n 6
-               bench --op grouped_w4a16 --sweep moe --dtype $d --json "$OUT/grouped-w4a16-moe-$d.json" 2>&1 | tail -n 6; done
-             bench --op grouped --sweep moe --dtype bf16 --mode bwd --json "$OUT/grouped-moe-bf16-bwd.json" 2>&1 | tail -n 6 ;;
+    grouped) for d in bf16 fp16; do bench --op grouped --sweep moe --dtype $d --kernels auto \
+               --json "$OUT/grouped-moe-$d.json" 2>&1 | tail -n 6; done ;;
+    grouped-bwd) bench --op grouped --sweep moe --dtype bf16 --mode bwd --kernels auto \
+                   --json "$OUT/grouped-moe-bf16-bwd.json" 2>&1 | tail -n 6 ;;
+    grouped-batched) for d in bf16 fp16; do bench --op grouped --sweep batched --dtype $d --kernels auto \
+                       --json "$OUT/grouped-batched-$d.json" 2>&1 | tail -n 6; done ;;
+    grouped-w4a16) for d in fp16 bf16; do bench --op grouped_w4a16 --sweep moe --dtype $d --kernels auto \
+                     --json "$OUT/grouped-w4a16-moe-$d.json" 2>&1 | tail -n 6; done ;;
     moe-model) python3 tools/grouped_moe_model.py --model qwen3 --layers 4 --out "$OUT/moe-model-qwen3.json" 2>&1 | tail -n 16
                python3 tools/grouped_moe_model.py --model mixtral --layers 2 --out "$OUT/moe-model-mixtral.json" 2>&1 | tail -n 16 ;;
     grouped-tests) pytest_ -m "" -n 8 tests/grouped 2>&1 | tee "$OUT/grouped-tests.log" | tail -n 15 ;;
