@@ -16,6 +16,11 @@
 #   fuzz          the public ops' GPU fuzz (tests/*/test_*_fuzz_gpu.py; \$TILEGEMM_FUZZ_EXAMPLES draws per op)
 #   models        the bench's models sweep, fp16, auto only
 #   batched       the bench's batched sweep, fp16 NN and NT, auto only
+#   grouped       the grouped family's moe sweep, bf16 and fp16 forward (auto);  grouped-bwd  its backward, bf16;
+#                 grouped-batched  the batched sweep, bf16 and fp16;  grouped-w4a16  4-bit experts on the moe sweep,
+#                 fp16 and bf16;  grouped-tests  tests/grouped on the GPU (all marks)
+#   moe-model     tools/grouped_moe_model.py: Qwen3-MoE (4 layers) and Mixtral (2 layers) shapes, every experts
+#                 implementation, prefill 2048 and decode batch 1 / 16, bf16
 #   w4-random     the w4a16 bench's held-out w4-random sweep, fp16 (second baseline: fbgemm where it imports)
 #   w4-checkpoint a Llama-3-8B-shaped GPTQ checkpoint (tools/write_w4_checkpoint.py, 32 layers, \$W4_CKPT_DIR),
 #                 then the loader's tests on the GPU and `bench --op w4a16 --model llama --checkpoint` on it
@@ -59,11 +64,22 @@ for step in "$@"; do
     conv2d-fwd) for s in resnet50 mobilenet; do bench --op conv2d --sweep $s --kernels auto --json "$OUT/conv2d-$s-fwd.json" 2>&1 | tail -n 3; done ;;
     conv2d-nchw) for s in resnet50 mobilenet; do for m in fwd bwd; do bench --op conv2d --sweep $s --kernels auto \
                    --mode $m --memory-format nchw --json "$OUT/conv2d-$s-$m-nchw.json" 2>&1 | tail -n 3; done; done ;;
-    fuzz) for t in matmul conv2d w4a16; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
+    fuzz) for t in matmul conv2d w4a16 grouped; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
     models) bench --sweep models --dtype fp16 --kernels auto --json "$OUT/models-fp16.json" 2>&1 | tail -n 6 ;;
     batched) for l in NN NT; do bench --sweep batched --layout $l --dtype fp16 --kernels auto \
                --json "$OUT/batched-fp16-$l.json" 2>&1 | tail -n 4; done ;;
+    grouped) for d in bf16 fp16; do bench --op grouped --sweep moe --dtype $d --kernels auto \
+               --json "$OUT/grouped-moe-$d.json" 2>&1 | tail -n 6; done ;;
+    grouped-bwd) bench --op grouped --sweep moe --dtype bf16 --mode bwd --kernels auto \
+                   --json "$OUT/grouped-moe-bf16-bwd.json" 2>&1 | tail -n 6 ;;
+    grouped-batched) for d in bf16 fp16; do bench --op grouped --sweep batched --dtype $d --kernels auto \
+                       --json "$OUT/grouped-batched-$d.json" 2>&1 | tail -n 6; done ;;
+    grouped-w4a16) for d in fp16 bf16; do bench --op grouped_w4a16 --sweep moe --dtype $d --kernels auto \
+                     --json "$OUT/grouped-w4a16-moe-$d.json" 2>&1 | tail -n 6; done ;;
+    moe-model) python3 tools/grouped_moe_model.py --model qwen3 --layers 4 --out "$OUT/moe-model-qwen3.json" 2>&1 | tail -n 16
+               python3 tools/grouped_moe_model.py --model mixtral --layers 2 --out "$OUT/moe-model-mixtral.json" 2>&1 | tail -n 16 ;;
+    grouped-tests) pytest_ -m "" -n 8 tests/grouped 2>&1 | tee "$OUT/grouped-tests.log" | tail -n 15 ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
     zoo) part=${ZOO_PART:-0/8}; for d in ${ZOO_DTYPES:-fp16}; do bench --op conv2d --sweep "zoo:$part" \
            --mode "${ZOO_MODE:-fwd}" --dtype $d --kernels auto \

@@ -18,12 +18,13 @@ from tilegemm.ops.guide import copy, rgb_to_grey  # noqa: E402
 from tilegemm.ops.matmul import ACTIVATIONS, matmul  # noqa: E402
 from tilegemm.ops import w4a16  # noqa: E402
 from tilegemm.ops.conv2d import conv2d  # noqa: E402
+from tilegemm.ops.grouped import grouped_mm  # noqa: E402
 from tilegemm import nn  # noqa: E402
 
 from tilegemm.core import __version__  # noqa: E402
 
-__all__ = ["ACTIVATIONS", "__version__", "conv2d", "copy", "interpreting", "kernels", "matmul", "nn", "rgb_to_grey",
-           "w4a16"]
+__all__ = ["ACTIVATIONS", "__version__", "conv2d", "copy", "grouped_mm", "interpreting", "kernels", "matmul", "nn",
+           "rgb_to_grey", "w4a16"]
 
 
 def __getattr__(name: str):

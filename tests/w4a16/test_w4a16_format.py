@@ -93,7 +93,7 @@ def test_to_save_load_and_nbytes(tmp_path):
     (lambda: w4a16.quantize(torch.randn(8, 128, dtype=torch.float16), 48), ValueError, "group_size"),
     (lambda: w4a16.quantize(torch.randn(8, 128, dtype=torch.float16), True), ValueError, "group_size"),
     (lambda: w4a16.quantize(torch.randn(8, 128).double()), TypeError, "fp16, bf16 or fp32, got float64"),
-    (lambda: w4a16.quantize(torch.randn(2, 8, 128).half()), ValueError, "2-D"),
+    (lambda: w4a16.quantize(torch.randn(2, 2, 8, 128).half()), ValueError, "2-D"),
     (lambda: w4a16.quantize(torch.full((8, 128), float("inf")).half()), ValueError, "non-finite"),
     (lambda: w4a16.dequantize(torch.zeros(3)), TypeError, "Int4Weight"),
     (lambda: w4a16.quantize(torch.randn(8, 128).half()).to(torch.float32), TypeError, "fp16 or bf16, not fp32"),

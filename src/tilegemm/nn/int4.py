@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tilegemm.nn.moe import quantize_experts_
 from tilegemm.ops.w4a16.format import Int4Weight, fits_fragments, from_awq, from_gptq, quantize
 
 _BUFFERS = ("qweight", "scales", "zeros", "perm")
@@ -117,7 +118,9 @@ class Int4Linear(nn.Module):
 def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn.Module], bool] | None = None,
               symmetric: bool = False) -> nn.Module:
     """Replace, in place, every ``nn.Linear`` of ``model`` (that ``filter(name, module)`` accepts) by an
-    :class:`Int4Linear`; returns ``model``. Layers whose in_features the group size does not divide are kept."""
+    :class:`Int4Linear`, and the experts of transformers' MoE blocks by 4-bit stacked ones
+    (:func:`tilegemm.nn.moe.quantize_experts_`); returns ``model``. Layers whose in_features the group size does
+    not divide are kept."""
     targets = []
     for name, module in model.named_modules():
         if type(module) is nn.Linear and (filter is None or filter(name, module)):
@@ -128,4 +131,5 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Int4Linear.from_linear(getattr(parent, child), group_size, symmetric))
+    quantize_experts_(model, group_size, filter, symmetric)  # transformers' MoE blocks: their 3-D experts
     return model

@@ -7,7 +7,7 @@ Family packages import no triton: kernel modules are imported when a kernel firs
 
 import importlib
 
-FAMILIES = ("guide", "matmul", "w4a16", "conv2d")
+FAMILIES = ("guide", "matmul", "w4a16", "conv2d", "grouped")
 
 
 def load() -> None:

@@ -55,6 +55,7 @@ from tilegemm.ops.w4a16.format import (  # noqa: E402
     quantize,
 )
 from tilegemm.ops.w4a16.op import ACTIVATIONS, matmul  # noqa: E402
+from tilegemm.ops.grouped.api import grouped_matmul  # noqa: E402  (4-bit experts: the grouped family's kernel)
 
 # torch.load(weights_only=True), torch's default, rebuilds an Int4Weight from tensors and ints only.
 _torch.serialization.add_safe_globals([Int4Weight])
@@ -62,4 +63,5 @@ from tilegemm.ops.w4a16.format import _rebuild  # noqa: E402
 
 _torch.serialization.add_safe_globals([_rebuild])
 
-__all__ = ["ACTIVATIONS", "GROUP_SIZES", "Int4Weight", "dequantize", "from_awq", "from_gptq", "matmul", "quantize"]
+__all__ = ["ACTIVATIONS", "GROUP_SIZES", "Int4Weight", "dequantize", "from_awq", "from_gptq", "grouped_matmul",
+           "matmul", "quantize"]

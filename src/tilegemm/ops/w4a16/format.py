@@ -106,7 +106,9 @@ def pack_fragments(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g
 
 
 class Int4Weight:
-    """A 4-bit weight of logical shape ``[N, K]``; see the module docstring for the layout.
+    """A 4-bit weight of logical shape ``[N, K]``; see the module docstring for the layout. Stacked experts
+    ``[E, N, K]`` (``quantize`` of a 3-D weight) hold every part with a leading E: qweight ``[E, K/8, N]``,
+    scales and zeros ``[E, G, N]``; ``expert(e)`` is one of them (the grouped family multiplies them).
 
     Make one with :func:`quantize`, :func:`from_gptq` or :func:`from_awq`. ``.to(device)`` / ``.to(dtype)``
     move it or change the dtype of its scales; :meth:`state_dict` / :meth:`from_state_dict` and ``torch.save``
@@ -122,14 +124,14 @@ class Int4Weight:
         self.zeros = zeros  # [G, N], scales' dtype, integer values
         self.perm = perm  # int64 [K] or None
         self.group_size = int(group_size)  # as asked: 32..256, or -1 for all of K
-        self.shape = (int(shape[0]), int(shape[1]))  # (N, K)
+        self.shape = tuple(int(s) for s in shape)  # (N, K), or (E, N, K) for stacked experts
         self._frag = frag  # (fweight, fzs) of the frag kernel, made by fragments() when first needed
         validate(self)
 
     # The group length along K that the kernels step by (group_size, or K for -1).
     @property
     def group_k(self) -> int:
-        return self.shape[1] if self.group_size == -1 else self.group_size
+        return self.shape[-1] if self.group_size == -1 else self.group_size
 
     @property
     def dtype(self) -> torch.dtype:
@@ -144,6 +146,12 @@ class Int4Weight:
         """Bytes held: the parts, plus the fragment layout once made."""
         parts = list(self.tensors().values()) + list(self._frag or ())
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def expert(self, e: int) -> "Int4Weight":
+        """Expert ``e`` of a stacked weight, as a 2-D ``Int4Weight`` (views of the stacked parts)."""
+        if len(self.shape) != 3:
+            raise ValueError(f"expert() takes a stacked [E, N, K] weight, this one is {list(self.shape)}")
+        return Int4Weight(self.qweight[e], self.scales[e], self.zeros[e], self.group_size, self.shape[1:])
 
     def fragments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fweight, fzs)``: the weight shuffled for the ``frag`` kernel (:func:`pack_fragments`), made on the
@@ -192,9 +200,8 @@ class Int4Weight:
         return (_rebuild, (self.qweight, self.scales, self.zeros, self.group_size, self.shape, self.perm))
 
     def __repr__(self) -> str:
-        N, K = self.shape
         order = ", act-order" if self.perm is not None else ""
-        return (f"Int4Weight(shape=[{N}, {K}], group_size={self.group_size}, dtype={self.dtype}, "
+        return (f"Int4Weight(shape={list(self.shape)}, group_size={self.group_size}, dtype={self.dtype}, "
                 f"device={self.device}{order}, nbytes={self.nbytes})")
 
 
@@ -234,19 +241,24 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
 
 def validate(w: Int4Weight) -> None:
     """Raise TypeError/ValueError when the parts of an :class:`Int4Weight` do not fit together."""
-    N, K = w.shape
+    if len(w.shape) not in (2, 3):
+        raise ValueError(f"an Int4Weight is [N, K] or stacked experts [E, N, K], got shape {list(w.shape)}")
+    N, K = w.shape[-2:]
+    lead = tuple(w.shape[:-2])  # (E,) for stacked experts
     check_group_size(w.group_size, K)
     G = 1 if w.group_size == -1 else K // w.group_size
     if w.qweight.dtype != torch.int32:  # a wrong dtype is a TypeError, as everywhere else
         raise TypeError(f"qweight must be int32 [K/8, N] = [{K // 8}, {N}], got {dtype_name(w.qweight.dtype)}")
-    if tuple(w.qweight.shape) != (K // 8, N):
-        raise ValueError(f"qweight must be int32 [K/8, N] = [{K // 8}, {N}], got {list(w.qweight.shape)}")
+    if tuple(w.qweight.shape) != lead + (K // 8, N):
+        raise ValueError(f"qweight must be int32 {list(lead + (K // 8, N))} ([K/8, N]), got {list(w.qweight.shape)}")
     for name in ("scales", "zeros"):
         t = getattr(w, name)
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be fp16 or bf16, got {dtype_name(t.dtype)}")
-        if tuple(t.shape) != (G, N):
-            raise ValueError(f"{name} must be [G, N] = [{G}, {N}], got {list(t.shape)}")
+        if tuple(t.shape) != lead + (G, N):
+            raise ValueError(f"{name} must be {list(lead + (G, N))} ([G, N]), got {list(t.shape)}")
+    if lead and w.perm is not None:
+        raise ValueError("stacked experts take no act-order perm (import each expert, then stack)")
     if w.zeros.dtype != w.scales.dtype:
         raise TypeError(f"zeros ({w.zeros.dtype}) and scales ({w.scales.dtype}) must share a dtype")
     tensors = {"qweight": w.qweight, "scales": w.scales, "zeros": w.zeros}
@@ -275,8 +287,14 @@ def quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
     """
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() == 3:  # stacked experts [E, N, K]: every row quantized alone, so as one [E*N, K] weight
+        E, N, K = weight.shape
+        flat = quantize(weight.reshape(E * N, K), group_size, symmetric)
+        return Int4Weight(*(t.reshape(-1, E, N).transpose(0, 1).contiguous()
+                            for t in (flat.qweight, flat.scales, flat.zeros)), group_size, (E, N, K))
     if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [N, K] (out_features, in_features), got {list(weight.shape)}")
+        raise ValueError(f"weight must be 2-D [N, K] (out_features, in_features) or 3-D [E, N, K] (experts), got "
+                         f"{list(weight.shape)}")
     if weight.dtype not in (*FLOAT_DTYPES, torch.float32):
         raise TypeError(f"weight must be fp16, bf16 or fp32, got {dtype_name(weight.dtype)}")
     N, K = weight.shape
@@ -318,6 +336,8 @@ def dequantize(w: Int4Weight) -> torch.Tensor:
     """
     if not isinstance(w, Int4Weight):
         raise TypeError(f"dequantize takes an Int4Weight, got {type(w).__name__}")
+    if len(w.shape) == 3:  # stacked experts: [E, N, K]
+        return torch.stack([dequantize(w.expert(e)) for e in range(w.shape[0])])
     K = w.shape[1]
     g = torch.arange(K, device=w.device) // w.group_k  # [K] group of each stored row
     wt = (unpacked(w).float() - w.zeros.float()[g]) * w.scales.float()[g]  # [K, N]

@@ -26,6 +26,8 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
     if not isinstance(w, Int4Weight):
         raise TypeError(f"w must be an Int4Weight (tilegemm.w4a16.quantize / from_gptq / from_awq), "
                         f"got {type(w).__name__}")
+    if len(w.shape) != 2:
+        raise ValueError(f"w holds stacked experts {list(w.shape)}: multiply them with w4a16.grouped_matmul")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:

@@ -1,0 +1,226 @@
+"""Mixture-of-experts blocks of transformers on tilegemm's grouped kernels.
+
+transformers (v5) keeps a MoE block's experts as 3-D tensors (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj``
+``[E, H, I]``) and picks their forward by name from ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``
+(``experts_implementation=`` when a model is built). :func:`register_experts` adds ``"tilegemm"`` there:
+
+1. the token-expert pairs are sorted by expert on the device (``torch.sort``), and ``offs`` is counted there too
+   (``torch.searchsorted``): no host sync, so a CUDA graph captures the block;
+2. the gate/up product is one grouped GEMM whose epilogue applies the activation and the gate product
+   (``tilegemm::grouped_mm_gated``) where the block uses transformers' default gate and a known activation, else a
+   grouped GEMM and the block's own ``_apply_gate``;
+3. the down product is a second grouped GEMM; the routing weights scale its rows, which go back to their tokens
+   (``index_copy`` by the sort's permutation) and are summed over the top-k.
+
+:func:`quantize_experts_` turns every such block's experts into 4-bit ones (:func:`tilegemm.w4a16.quantize` of the
+stacked weights), run by ``tilegemm.w4a16.grouped_matmul``'s kernel; ``tilegemm.nn.quantize_`` calls it.
+
+transformers is imported only by :func:`register_experts` and :func:`quantize_experts_` (importing tilegemm must
+not import it); ``import tilegemm`` registers at once when transformers is imported already, and otherwise when
+``transformers.integrations.moe`` is first imported (a one-shot import hook).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+
+import torch
+
+from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm, moe_gate_up
+from tilegemm.ops.grouped.op import forward_int4, grouped_w4a16_op
+from tilegemm.core.launch import plain_call
+from tilegemm.ops.w4a16.format import Int4Weight, quantize
+
+NAME = "tilegemm"
+_MOE_MODULE = "transformers.integrations.moe"
+_default_gate = None  # transformers' _default_apply_gate, taken when registering
+
+# transformers' hidden_act names whose ACT2FN module is the same function as a tilegemm epilogue activation.
+_FUSABLE = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu_pytorch_tanh": "gelu_tanh"}
+_INT4 = ("qweight", "scales", "zeros")
+
+
+def register_experts() -> bool:
+    """Register the ``"tilegemm"`` experts implementation with transformers; True when transformers has the
+    interface (``ALL_EXPERTS_FUNCTIONS``), False when the installed version lacks it. Idempotent."""
+    global _default_gate
+    try:
+        moe = importlib.import_module(_MOE_MODULE)
+    except ImportError:
+        return False
+    interface = getattr(moe, "ALL_EXPERTS_FUNCTIONS", None)
+    if interface is None:
+        return False
+    _default_gate = getattr(moe, "_default_apply_gate", None)
+    if NAME not in interface:
+        type(interface).register(NAME, experts_forward)
+    return True
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers the experts implementation right after ``transformers.integrations.moe`` is first imported."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _MOE_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        run = loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _remove_hook()
+            try:
+                sys.modules[fullname] = module
+                register_experts()
+            except Exception:  # noqa: BLE001 - a failed registration must not break importing transformers
+                pass
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_hook = _RegisterOnImport()
+
+
+def _remove_hook() -> None:
+    if _hook in sys.meta_path:
+        sys.meta_path.remove(_hook)
+
+
+def install() -> None:
+    """Called when tilegemm.nn is imported: register now if transformers' MoE module is loaded, else on its import."""
+    if _MOE_MODULE in sys.modules:
+        register_experts()
+    elif _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)  # ahead of the path finder that would otherwise find the module first
+
+
+# --- the experts forward ---------------------------------------------------------------------------------------
+
+
+def _int4(module, name: str) -> Int4Weight | None:
+    parts = [getattr(module, f"tilegemm_{name}_{p}", None) for p in _INT4]
+    if parts[0] is None:
+        return None
+    E, R, N = parts[0].shape
+    return Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8))
+
+
+def _fused_activation(module) -> str | None:
+    """The epilogue activation of a gated block whose gate can be fused, else None."""
+    if not getattr(module, "is_concatenated", True):
+        return None
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is not None and _default_gate is not None and gate is not _default_gate:
+        return None
+    act = getattr(getattr(module, "config", None), "hidden_act", None)
+    return _FUSABLE.get(act) if isinstance(act, str) else None
+
+
+def _bias(module, name: str):
+    return getattr(module, f"{name}_bias", None) if getattr(module, "has_bias", False) else None
+
+
+def _project(module, name: str, x, offs, gated_activation: str | None):
+    """One grouped product of the experts' ``name`` weight (``[E, out, in]``, or ``[E, in, out]`` when
+    ``is_transposed``); with ``gated_activation``, the gate/up product with the activation and gate fused."""
+    bias = _bias(module, name)
+    w4 = _int4(module, name)
+    if w4 is not None:
+        xq = x.to(w4.dtype)
+        b4 = None if bias is None else bias.to(w4.dtype)
+        if gated_activation is not None:
+            args = (xq, w4.qweight, w4.scales, w4.zeros, offs, b4, w4.group_k, gated_activation, True, "auto")
+            return forward_int4(*args) if plain_call(xq, offs, b4) else grouped_w4a16_op(*args)
+        return grouped_matmul(xq, w4, offs, bias=b4)
+    weight = getattr(module, name)
+    b = weight if getattr(module, "is_transposed", False) else weight.transpose(1, 2)  # [E, in, out], read in place
+    x = x.to(b.dtype)
+    if gated_activation is not None:
+        return moe_gate_up(x, b, offs, bias=bias, activation=gated_activation)
+    return grouped_mm(x, b, offs=offs, bias=bias)
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"tilegemm"`` experts implementation: ``hidden_states`` ``[T, H]``, ``top_k_index`` and
+    ``top_k_weights`` ``[T, k]`` -> ``[T, H]``."""
+    T, H = hidden_states.shape
+    k = top_k_index.shape[-1]
+    E = self.num_experts
+    ids = top_k_index.reshape(-1)
+    ids_sorted, perm = torch.sort(ids, stable=True)
+    # offs[e]: the pairs routed to experts <= e (pairs past offs[-1], ids >= E, are left out)
+    offs = torch.searchsorted(ids_sorted, torch.arange(E, device=ids.device, dtype=ids_sorted.dtype),
+                              right=True).to(torch.int32)
+    x = hidden_states[perm // k]
+    has_gate = getattr(self, "has_gate", True)
+    up_name = "gate_up_proj" if has_gate else "up_proj"
+    fused = _fused_activation(self) if has_gate else None
+    h = _project(self, up_name, x, offs, fused)
+    if fused is None:
+        h = self._apply_gate(h) if has_gate else self.act_fn(h)
+    y = _project(self, "down_proj", h, offs, None)
+    if getattr(self, "has_post_expert_norm", False):
+        y = self.post_expert_norm(y)
+    y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
+    out = torch.zeros_like(y).index_copy(0, perm, y)  # back to token-major order
+    return out.view(T, k, H).sum(dim=1).to(hidden_states.dtype)
+
+
+# --- 4-bit experts -----------------------------------------------------------------------------------------------
+
+
+def _experts_modules(model: torch.nn.Module):
+    """(name, module) of every transformers experts block: 3-D ``down_proj`` and ``gate_up_proj``/``up_proj``."""
+    for name, module in model.named_modules():
+        down = getattr(module, "down_proj", None)
+        up = getattr(module, "gate_up_proj", getattr(module, "up_proj", None))
+        if isinstance(down, torch.Tensor) and isinstance(up, torch.Tensor) and down.dim() == 3 and up.dim() == 3:
+            yield name, module
+
+
+def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None,  # noqa: A002
+                      symmetric: bool = False) -> list[str]:
+    """Quantize, in place, the experts of every MoE block of ``model`` (that ``filter(name, module)`` accepts) to
+    4 bits, and switch the model to the ``"tilegemm"`` experts implementation. Returns the blocks' names; blocks
+    whose input width the group size does not divide are kept. The 16-bit expert weights are dropped; the 4-bit
+    parts are buffers (``tilegemm_<weight>_qweight``, ``_scales``, ``_zeros``)."""
+    done = []
+    for name, module in list(_experts_modules(model)):
+        if filter is not None and not filter(name, module):
+            continue
+        names = ["gate_up_proj" if hasattr(module, "gate_up_proj") else "up_proj", "down_proj"]
+        weights = [getattr(module, n) for n in names]
+        if any(w.dtype not in (torch.float16, torch.bfloat16, torch.float32) for w in weights):
+            continue
+        if getattr(module, "is_transposed", False):
+            weights = [w.transpose(1, 2) for w in weights]
+        if any(w.shape[2] % 8 or (group_size != -1 and w.shape[2] % group_size) for w in weights):
+            continue
+        for n, w in zip(names, weights):
+            q = quantize(w.detach(), group_size, symmetric)
+            delattr(module, n)
+            for part in _INT4:
+                module.register_buffer(f"tilegemm_{n}_{part}", getattr(q, part))
+        module.tilegemm_group_size = group_size
+        done.append(name)
+    if done:
+        register_experts()
+        if hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation(NAME)
+        else:
+            for _, module in _experts_modules_all(model):
+                module.config._experts_implementation = NAME
+    return done
+
+
+def _experts_modules_all(model):
+    for name, module in model.named_modules():
+        if hasattr(module, "tilegemm_group_size") and hasattr(module, "config"):
+            yield name, module

@@ -1,0 +1,34 @@
+"""Grouped GEMM: products whose groups have data-dependent sizes (mixture-of-experts layers) and batched ones.
+
+``tilegemm.grouped_mm`` follows ``torch.nn.functional.grouped_mm``; ``tilegemm.w4a16.grouped_matmul`` runs
+4-bit experts; :mod:`tilegemm.nn.moe` plugs both into transformers' MoE blocks. The public functions are in
+:mod:`.api`, checks in :mod:`.checks`, the torch.library op in :mod:`.op`, one file per kernel (:mod:`.tiled`,
+:mod:`.int4`). Nothing here imports triton: a kernel module is imported when its kernel first runs.
+"""
+
+from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
+
+register_op(OpSpec(
+    name="grouped", summary="grouped GEMM (MoE experts, jagged groups read on the device) and batched products",
+    bench="tilegemm.ops.grouped.bench:GroupedBench",
+    pseudo={"auto": "picks the kernel for the problem (the default)"},
+))
+register(KernelSpec(
+    op="grouped", name="tiled", order=10, target="tilegemm.ops.grouped.tiled:run",
+    dtypes=("fp16", "bf16", "fp32", "tf32"),
+    summary="one launch for every layout: programs find their group by scanning offs on the device",
+))
+register_op(OpSpec(
+    name="grouped_w4a16", summary="4-bit experts: x[rows of g] @ dequantize(w)[g].T, groups jagged as in grouped",
+    bench="tilegemm.ops.grouped.bench:GroupedW4A16Bench",
+    pseudo={"auto": "picks the kernel for the problem (the default)"},
+))
+register(KernelSpec(
+    op="grouped_w4a16", name="dequant_dot", order=10, target="tilegemm.ops.grouped.int4:run",
+    dtypes=("fp16", "bf16"),
+    summary="the 4-bit weight dequantized in registers inside the K loop, then tl.dot, groups found as in tiled",
+))
+
+from tilegemm.ops.grouped.api import batched_matmul, grouped_mm  # noqa: E402
+
+__all__ = ["batched_matmul", "grouped_mm"]

@@ -1,0 +1,101 @@
+"""The public functions of the grouped family: ``tilegemm.grouped_mm`` and the batched-product entry the dense
+matmul can route 3-D operands to."""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core import registry
+from tilegemm.core.activations import check_activation
+from tilegemm.core.launch import plain_call
+from tilegemm.ops.grouped.checks import check_grouped, check_grouped_int4
+from tilegemm.ops.grouped.op import (forward, forward_gated, forward_int4, grouped_mm_gated_op, grouped_mm_op,
+                                     grouped_w4a16_op)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+               kernel: str = "auto") -> torch.Tensor:
+    """A grouped matrix product with ``torch.nn.functional.grouped_mm``'s semantics.
+
+    Layouts (G groups; ``offs`` int32 ``[G]``, the cumulative ends of the groups, on a's device):
+
+    - a ``[M, K]``, b ``[G, K, N]``, offs: rows ``offs[g-1]:offs[g]`` of a times ``b[g]`` -> ``[M, N]`` (the MoE
+      forward: tokens sorted by expert);
+    - a ``[G, M, K]``, b ``[G, K, N]``, no offs: a batched product -> ``[G, M, N]``;
+    - a ``[M, K]``, b ``[K, N]``, offs splits K: ``a[:, Kg] @ b[Kg]`` -> ``[G, M, N]`` (the weight gradient);
+    - a ``[G, M, K]``, b ``[K, N]``, offs splits b's columns: ``a[g] @ b[:, Ng]`` -> ``[M, N]``.
+
+    Rows (columns for 3-D x 2-D) past ``offs[-1]`` are zero; empty groups are allowed. Operands are read in place
+    through their strides (b row- or column-major). fp16, bf16, fp32 (tf32 where
+    ``torch.get_float32_matmul_precision()`` allows it), accumulated in fp32.
+
+    Args:
+        bias: ``[N]`` (added to every group's rows) or ``[G, N]`` (one row per group; ``[N]`` only for 3-D x 2-D).
+            torch's own grouped_mm takes no bias yet; tilegemm adds it in the epilogue.
+        out_dtype: None (a's dtype) or fp32.
+        kernel: ``"auto"`` or a name from ``tilegemm.kernels("grouped")``.
+
+    Differentiable in a, b and bias. ``offs`` stays on the device: nothing on the call's path reads it on the host
+    (so a CUDA graph captures the call and replays it with other group sizes); its values are checked only when it
+    is on the CPU.
+
+    Raises:
+        TypeError, ValueError: naming the bad argument (dtypes, shapes, offs, devices).
+    """
+    check_grouped(a, b, offs, bias, out_dtype)
+    if kernel != "auto":
+        registry.get("grouped", kernel)
+    precision = "default"
+    if plain_call(a, b, offs, bias):
+        return forward(a, b, offs, bias, out_dtype, precision, kernel)
+    return grouped_mm_op(a, b, offs, bias, out_dtype, precision, kernel)
+
+
+def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul(a, b)`` of two 3-D operands of one batch size, on the grouped family's kernel (one launch,
+    the batch on a grid axis, operands read in place through their strides). The entry the dense matmul can route
+    batched problems to; differentiable."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 3 or b.dim() != 3:
+        raise ValueError("batched_matmul takes two 3-D tensors [B, M, K] and [B, K, N]")
+    return grouped_mm(a, b)
+
+
+def grouped_matmul(x: torch.Tensor, w, offs: torch.Tensor, bias: torch.Tensor | None = None,
+                   activation: str | None = None, *, kernel: str = "auto") -> torch.Tensor:
+    """4-bit experts: ``activation(x[rows of g] @ dequantize(w)[g].T + bias[g])`` for each expert g.
+
+    Args:
+        x: ``[M, K]``, fp16 or bf16 (the weight's scales' dtype), rows sorted by expert.
+        w: an ``Int4Weight`` of stacked experts ``[E, N, K]`` (``tilegemm.w4a16.quantize`` of a 3-D weight).
+        offs: int32 ``[E]``, the cumulative ends of each expert's rows (on x's device; rows past ``offs[-1]``
+            come out zero).
+        bias: ``[N]`` or ``[E, N]``.
+        activation: None/``"none"``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``, ``"leaky_relu"``.
+
+    Returns ``[M, N]`` in x's dtype. Differentiable in x and bias (the weight is frozen).
+    """
+    activation = "none" if activation is None else activation
+    check_grouped_int4(x, w, offs, bias, activation)
+    if kernel != "auto":
+        registry.get("grouped_w4a16", kernel)
+    args = (x, w.qweight, w.scales, w.zeros, offs, bias, w.group_k, activation, False, kernel)
+    if plain_call(x, offs, bias):
+        return forward_int4(*args)
+    return grouped_w4a16_op(*args)
+
+
+def moe_gate_up(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None = None,
+                activation: str = "silu") -> torch.Tensor:
+    """A MoE block's gate/up product with the activation and the gate fused: ``activation(gate) * up`` where
+    ``[gate | up] = x[rows of g] @ w[g] (+ bias[g])``, w ``[E, K, 2I]`` (gate columns first; any strides: a
+    transformers ``gate_up_proj`` ``[E, 2I, K]`` passes as ``.transpose(1, 2)``), bias ``[E, 2I]`` or ``[2I]``.
+    Returns ``[M, I]``; differentiable in x, w and bias."""
+    check_activation(activation)
+    check_grouped(x, w, offs, bias, None)
+    if x.dim() != 2 or w.dim() != 3 or w.shape[2] % 2:
+        raise ValueError(f"moe_gate_up takes x [M, K] and w [E, K, 2I] (an even number of columns), got "
+                         f"{list(x.shape)} and {list(w.shape)}")
+    if plain_call(x, w, offs, bias):
+        return forward_gated(x, w, offs, bias, activation, "default")
+    return grouped_mm_gated_op(x, w, offs, bias, activation, "default")

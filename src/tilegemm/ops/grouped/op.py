@@ -1,0 +1,236 @@
+"""The ``torch.library`` op ``tilegemm::grouped_mm``: its forward, fake (shapes only) and autograd.
+
+Each gradient of a grouped product is itself one (the layouts are closed under the backward), so the backward
+runs the same op on transposed views, and a compiled graph's backward traces as well as its forward:
+
+- 2-D x 3-D: ``dA = grouped(dY, B^T)`` (2-D x 3-D), ``dB = grouped(A^T, dY)`` (2-D x 2-D, groups along K).
+- 3-D x 3-D: ``dA = dY @ B^T``, ``dB = A^T @ dY`` (both 3-D x 3-D).
+- 2-D x 2-D: ``dA = grouped(dY, B^T)`` (3-D x 2-D), ``dB = grouped(A^T, dY)`` (2-D x 3-D).
+- 3-D x 2-D: ``dA = grouped(dY, B^T)`` (2-D x 2-D), ``dB = grouped(A^T, dY)`` (3-D x 2-D).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tilegemm.core import registry
+from tilegemm.core.activations import torch_activation
+from tilegemm.core.dtypes import resolve_precision
+from tilegemm.core.runtime import new_output, on_device
+from tilegemm.core.torch_ops import lean_autograd
+from tilegemm.ops.grouped import dispatch
+from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem, out_shape
+
+
+def _groups(layout: str, a, b, offs) -> int:
+    if layout == "2d3d":
+        return b.shape[0]
+    if layout == "3d2d" or layout == "3d3d":
+        return a.shape[0]
+    return offs.shape[0]
+
+
+def forward(a, b, offs, bias, out_dtype, precision: str, kernel: str) -> torch.Tensor:
+    """Allocate the output and launch (arguments checked by the caller)."""
+    layout = f"{a.dim()}d{b.dim()}d"
+    groups = _groups(layout, a, b, offs)
+    out = new_output(out_shape(layout, a.shape, b.shape, groups), out_dtype or a.dtype, a.device)
+    if out.numel() == 0:
+        return out
+    if offs is not None and offs.stride(0) != 1:
+        offs = offs.contiguous()  # the kernels read offs as one vector
+    p = make_problem(layout, groups, a, b, offs, bias, out, resolve_precision(precision, a.dtype))
+    dispatch.launch(p, kernel)
+    return out
+
+
+@torch.library.custom_op("tilegemm::grouped_mm", mutates_args=())
+def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                  out_dtype: Optional[torch.dtype], precision: str, kernel: str) -> torch.Tensor:
+    return forward(a, b, offs, bias, out_dtype, precision, kernel)
+
+
+@grouped_mm_op.register_fake
+def _fake(a, b, offs, bias, out_dtype, precision, kernel):
+    layout = f"{a.dim()}d{b.dim()}d"
+    return a.new_empty(out_shape(layout, a.shape, b.shape, _groups(layout, a, b, offs)), dtype=out_dtype or a.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, offs, bias, out_dtype, precision, kernel = inputs
+    ctx.save_for_backward(a, b, offs)
+    ctx.bias_shape = None if bias is None else tuple(bias.shape)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.precision = precision
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-2, -1)
+
+
+def _bias_grad(layout: str, dy: torch.Tensor, offs, shape, dtype, precision: str) -> torch.Tensor:
+    """The bias's gradient: dY summed over each group's rows (only the rows groups hold)."""
+    if layout == "2d3d":
+        ones = dy.new_ones((1, dy.shape[0]))
+        per_group = grouped_mm_op(ones, dy, offs, None, None, precision, "auto")[:, 0, :]  # [G, N]
+        return (per_group if len(shape) == 2 else per_group.sum(0)).to(dtype)
+    if layout == "3d2d":
+        cols = torch.arange(dy.shape[1], device=dy.device) < offs[-1:].to(torch.int64)
+        return (dy.sum(0) * cols).to(dtype)
+    per_group = dy.sum(1)  # 3d3d, 2d2d: out [G, M, N]
+    return (per_group if len(shape) == 2 else per_group.sum(0)).to(dtype)
+
+
+def _backward(ctx, grad):
+    a, b, offs = ctx.saved_tensors
+    layout = f"{a.dim()}d{b.dim()}d"
+    p = ctx.precision
+    dy = grad.to(a.dtype)
+    ga = gb = gbias = None
+    if ctx.needs_input_grad[0]:
+        ga = grouped_mm_op(dy, _t(b), offs, None, None, p, "auto")
+    if ctx.needs_input_grad[1]:
+        gb = grouped_mm_op(_t(a), dy, offs, None, None, p, "auto")
+    if ctx.bias_shape is not None and ctx.needs_input_grad[3]:
+        gbias = _bias_grad(layout, grad, offs, ctx.bias_shape, ctx.bias_dtype, p)
+    return ga, gb, None, gbias, None, None, None
+
+
+grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+lean_autograd(grouped_mm_op)  # a compiled graph's plain calls skip the custom op's Python layers
+
+
+# --- 4-bit experts: tilegemm::grouped_w4a16 ------------------------------------------------------------------
+
+
+def forward_int4(x, qweight, scales, zeros, offs, bias, group_k: int, activation: str, gated: bool,
+                 kernel: str) -> torch.Tensor:
+    E, N, K = qweight.shape[0], qweight.shape[2], x.shape[1]
+    N_out = N // 2 if gated else N
+    out = new_output((x.shape[0], N_out), x.dtype, x.device)
+    if out.numel() == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()  # the kernel reads a bias row as contiguous
+    offs = offs if offs.stride(0) == 1 else offs.contiguous()
+    p = GroupedInt4Problem(x, qweight, scales, zeros, offs, bias, out, E, x.shape[0], N_out, K, group_k,
+                           activation, gated)
+    with on_device(x.device):
+        registry.launcher("grouped_w4a16", "dequant_dot" if kernel == "auto" else kernel)(p)
+    return out
+
+
+@torch.library.custom_op("tilegemm::grouped_w4a16", mutates_args=())
+def grouped_w4a16_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     offs: torch.Tensor, bias: Optional[torch.Tensor], group_k: int, activation: str, gated: bool,
+                     kernel: str) -> torch.Tensor:
+    return forward_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel)
+
+
+@grouped_w4a16_op.register_fake
+def _fake_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel):
+    N = qweight.shape[2]
+    return x.new_empty((x.shape[0], N // 2 if gated else N))
+
+
+def dequantized_experts(qweight, scales, zeros, group_k: int, dtype) -> torch.Tensor:
+    """The stacked experts' weight ``[E, N, K]`` the 4-bit one stands for (as format.dequantize computes it)."""
+    E, R, N = qweight.shape
+    K = R * 8
+    shifts = torch.arange(8, device=qweight.device, dtype=torch.int32) * 4
+    q = ((qweight[:, :, None, :] >> shifts[None, None, :, None]) & 15).reshape(E, K, N)
+    g = torch.arange(K, device=qweight.device) // group_k
+    wt = ((q.float() - zeros.float()[:, g]) * scales.float()[:, g]).to(dtype)  # [E, K, N]
+    return wt.transpose(1, 2)
+
+
+def _setup_int4(ctx, inputs, output):
+    x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel = inputs
+    ctx.save_for_backward(x, qweight, scales, zeros, offs, bias)
+    ctx.group_k, ctx.activation, ctx.gated = group_k, activation, gated
+
+
+def _backward_int4(ctx, grad):
+    """Gradients of x and bias (the 4-bit weight is frozen), through the pre-activation recomputed in fp32."""
+    x, qweight, scales, zeros, offs, bias = ctx.saved_tensors
+    w = dequantized_experts(qweight, scales, zeros, ctx.group_k, x.dtype)  # [E, N, K]
+    pre = grouped_mm_op(x, w.transpose(1, 2), offs, bias, torch.float32, "ieee", "auto")  # [M, N] (2N gated)
+    with torch.enable_grad():
+        pre = pre.detach().requires_grad_(True)
+        if ctx.gated:
+            half = pre.shape[1] // 2
+            y = torch_activation(pre[:, :half], ctx.activation) * pre[:, half:]
+        else:
+            y = torch_activation(pre, ctx.activation)
+        (dpre,) = torch.autograd.grad(y, pre, grad.float())
+    gx = gbias = None
+    if ctx.needs_input_grad[0]:
+        gx = grouped_mm_op(dpre.to(x.dtype), w, offs, None, None, "ieee", "auto")
+    if bias is not None and ctx.needs_input_grad[5]:
+        gbias = _bias_grad("2d3d", dpre, offs, tuple(bias.shape), bias.dtype, "ieee")
+    return gx, None, None, None, None, gbias, None, None, None, None
+
+
+grouped_w4a16_op.register_autograd(_backward_int4, setup_context=_setup_int4)
+lean_autograd(grouped_w4a16_op)
+
+
+# --- the MoE gate/up product with the activation and the gate fused: tilegemm::grouped_mm_gated -------------------
+
+
+def forward_gated(a, b, offs, bias, activation: str, precision: str) -> torch.Tensor:
+    """``activation(a @ b[g][:, :N] + bias[g, :N]) * (a @ b[g][:, N:] + bias[g, N:])`` for 2-D a, 3-D b of 2N
+    columns (gate, then up), rows grouped by offs; ``[M, N]``."""
+    groups, N = b.shape[0], b.shape[2] // 2
+    out = new_output((a.shape[0], N), a.dtype, a.device)
+    if out.numel() == 0:
+        return out
+    offs = offs if offs.stride(0) == 1 else offs.contiguous()
+    p = make_problem("2d3d", groups, a, b, offs, bias, out, resolve_precision(precision, a.dtype), activation, True)
+    dispatch.launch(p, "auto")
+    return out
+
+
+@torch.library.custom_op("tilegemm::grouped_mm_gated", mutates_args=())
+def grouped_mm_gated_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: Optional[torch.Tensor],
+                        activation: str, precision: str) -> torch.Tensor:
+    return forward_gated(a, b, offs, bias, activation, precision)
+
+
+@grouped_mm_gated_op.register_fake
+def _fake_gated(a, b, offs, bias, activation, precision):
+    return a.new_empty((a.shape[0], b.shape[2] // 2))
+
+
+def _setup_gated(ctx, inputs, output):
+    a, b, offs, bias, activation, precision = inputs
+    ctx.save_for_backward(a, b, offs, bias)
+    ctx.activation, ctx.precision = activation, precision
+
+
+def _backward_gated(ctx, grad):
+    """Through the pre-activation ``[M, 2N]``, recomputed in fp32 (one more grouped product)."""
+    a, b, offs, bias = ctx.saved_tensors
+    pre = grouped_mm_op(a, b, offs, bias, torch.float32, ctx.precision, "auto")
+    with torch.enable_grad():
+        pre = pre.detach().requires_grad_(True)
+        half = pre.shape[1] // 2
+        y = torch_activation(pre[:, :half], ctx.activation) * pre[:, half:]
+        (dpre,) = torch.autograd.grad(y, pre, grad.float())
+    dy = dpre.to(a.dtype)
+    ga = gb = gbias = None
+    if ctx.needs_input_grad[0]:
+        ga = grouped_mm_op(dy, _t(b), offs, None, None, ctx.precision, "auto")
+    if ctx.needs_input_grad[1]:
+        gb = grouped_mm_op(_t(a), dy, offs, None, None, ctx.precision, "auto")
+    if bias is not None and ctx.needs_input_grad[3]:
+        gbias = _bias_grad("2d3d", dpre, offs, tuple(bias.shape), bias.dtype, ctx.precision)
+    return ga, gb, None, gbias, None, None
+
+
+grouped_mm_gated_op.register_autograd(_backward_gated, setup_context=_setup_gated)
+lean_autograd(grouped_mm_gated_op)

@@ -1,0 +1,197 @@
+"""Kernel ``tiled``: every layout of a grouped product in one launch, the group sizes read on the device.
+
+The four layouts reduce to three ways of finding a program's work (``JAGGED``):
+
+- ``"m"`` (2-D x 3-D, and 3-D x 2-D as its transpose): the rows of a are cut into groups by ``offs``. The grid is an
+  upper bound on the tiles, ``cdiv(M, BLOCK_M) + G`` along M (each group wastes less than one tile), so no host ever
+  reads ``offs``. A program loads all of ``offs`` as one vector, counts each group's tiles, and finds its own group
+  from their running sum; programs past the last group's tiles take the rows after ``offs[-1]`` and write zeros there
+  (what torch's grouped_mm leaves), and the rest exit.
+- ``"k"`` (2-D x 2-D, the weight gradient): group g is grid axis 1, its K range is ``[offs[g-1], offs[g])``; an empty
+  group writes zeros.
+- ``"none"`` (3-D x 3-D): a batched product, the batch on grid axis 1.
+
+Operands are read in place through their strides (b row- or column-major, transposed views), accumulated in fp32 by
+``tl.dot``. Tiles of one group run next to each other, in bands of GROUP_M row tiles walked column by column
+(:func:`swizzle`), so the programs resident at a time share the group's weight and rows in L2. ``GATED`` (the MoE
+gate/up product) keeps two accumulators, the gate's columns and the up projection's ``UP`` elements further along b
+(``UPC`` along the bias), and stores ``activation(gate) * up``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tilegemm.core.launch import launch
+from tilegemm.core.runtime import cdiv, interpreting
+from tilegemm.jit.helpers import apply_activation
+from tilegemm.ops.grouped.configs import choose_config
+from tilegemm.ops.grouped.problem import GroupedProblem
+
+
+@triton.jit
+def swizzle(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Tile ``t`` of a [tiles_m, tiles_n] grid in grouped order: bands of GROUP_M row tiles walked column by
+    column, so programs running together share both operands' panels in L2."""
+    width = GROUP_M * tiles_n
+    first_m = (t // width) * GROUP_M
+    size = tl.maximum(tl.minimum(tiles_m - first_m, GROUP_M), 1)
+    return first_m + (t % width) % size, (t % width) // size
+
+
+@triton.jit
+def find_group_m(offs_ptr, tile_m, G, M, GP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(g, first row, end row, first tile, tiles) of the group holding global row tile ``tile_m`` of an
+    M-jagged product: its rows ``[first row, end row)`` are row tiles ``first tile ..`` of the grid. g == G for
+    the rows past ``offs[-1]`` (to be zeroed)."""
+    gs = tl.arange(0, GP)
+    live = gs < G
+    ends = tl.minimum(tl.maximum(tl.load(offs_ptr + gs, mask=live, other=0), 0), M)
+    starts = tl.minimum(tl.maximum(tl.load(offs_ptr + gs - 1, mask=live & (gs > 0), other=0), 0), M)
+    tiles = tl.where(live & (ends > starts), (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    ends_tiles = tl.cumsum(tiles, 0)  # running sum: group g's tiles are [ends_tiles[g] - tiles[g], ends_tiles[g])
+    g = tl.sum((ends_tiles <= tile_m).to(tl.int32), 0)
+    here = gs == g
+    tail = g >= G  # the rows after offs[-1]
+    first_tile = tl.where(tail, tl.sum(tiles, 0), tl.sum(tl.where(here, ends_tiles - tiles, 0), 0))
+    start = tl.where(tail, tl.max(tl.where(live, ends, 0), 0), tl.sum(tl.where(here, starts, 0), 0))
+    end = tl.where(tail, M, tl.sum(tl.where(here, ends, 0), 0))
+    return g, start, end, first_tile, (end - start + BLOCK_M - 1) // BLOCK_M
+
+
+@triton.jit
+def grouped_tiled_kernel(
+    a_ptr, b_ptr, out_ptr, bias_ptr, offs_ptr,
+    G, M, N, K,
+    s_ag, s_am, s_ak, s_bg, s_bk, s_bn, s_og, s_om, s_on, s_cg, s_cm, s_cn, UP, UPC,
+    JAGGED: tl.constexpr, GP: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    if JAGGED == "m":
+        # the group first (from the global row tile), then this program's tile in the group's own grid
+        g, start, m_hi, first_tile, tiles_g = find_group_m(offs_ptr, pid // tiles_n, G, M, GP, BLOCK_M)
+        tile_m, tile_n = swizzle(pid - first_tile * tiles_n, tiles_g, tiles_n, GROUP_M)
+        m_lo = start + tile_m * BLOCK_M
+        live = g < G
+        k_lo = 0
+        k_hi = tl.where(live, K, 0)  # the tail's tiles multiply nothing: they store zeros
+        g = tl.minimum(g, G - 1).to(tl.int64)  # (the tail reads no group's weight or bias)
+    elif JAGGED == "k":
+        tile_m, tile_n = swizzle(pid, tl.cdiv(M, BLOCK_M), tiles_n, GROUP_M)
+        g = tl.program_id(1).to(tl.int64)
+        live = g >= 0
+        m_lo = tile_m * BLOCK_M
+        m_hi = M
+        k_hi = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), K)
+        k_lo = tl.minimum(tl.maximum(tl.load(offs_ptr + g - 1, mask=g > 0, other=0), 0), k_hi)
+    else:
+        tile_m, tile_n = swizzle(pid, tl.cdiv(M, BLOCK_M), tiles_n, GROUP_M)
+        g = tl.program_id(1).to(tl.int64)
+        live = g >= 0
+        m_lo = tile_m * BLOCK_M
+        m_hi = M
+        k_lo = 0
+        k_hi = K
+    if (m_lo < m_hi) & (tile_n < tiles_n):
+        a_base = a_ptr + g * s_ag
+        b_base = b_ptr + g * s_bg
+        offs_m = m_lo + tl.arange(0, BLOCK_M)
+        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok_m = offs_m < m_hi
+        ok_n = offs_n < N
+        rows = offs_m.to(tl.int64)[:, None] * s_am
+        cols = offs_n.to(tl.int64)[None, :] * s_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GATED:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            ok_k = offs_k < k_hi
+            x = tl.load(a_base + rows + offs_k.to(tl.int64)[None, :] * s_ak, mask=ok_m[:, None] & ok_k[None, :],
+                        other=0.0)
+            w_ptrs = b_base + offs_k[:, None].to(tl.int64) * s_bk + cols
+            w = tl.load(w_ptrs, mask=ok_k[:, None] & ok_n[None, :], other=0.0)
+            if UPCAST:  # the interpreter's bf16 dot is wrong: multiply fp32 copies there
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
+            if GATED:
+                u = tl.load(w_ptrs + UP, mask=ok_k[:, None] & ok_n[None, :], other=0.0)
+                if UPCAST:
+                    u = u.to(tl.float32)
+                acc_up = tl.dot(x, u, acc_up, input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            c_ptrs = bias_ptr + g * s_cg + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn
+            c_ok = ok_m[:, None] & ok_n[None, :] & live
+            acc += tl.load(c_ptrs, mask=c_ok, other=0.0).to(tl.float32)
+            if GATED:
+                acc_up += tl.load(c_ptrs + UPC, mask=c_ok, other=0.0).to(tl.float32)
+        acc = apply_activation(acc, ACTIVATION)
+        if GATED:
+            acc = acc * acc_up
+        if JAGGED != "m":
+            out_ptr += g * s_og
+        o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * s_om + offs_n[None, :] * s_on
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok_m[:, None] & ok_n[None, :])
+
+
+def _pow2(n: int) -> int:
+    """The vector length that holds ``offs`` (a power of two, at least 2)."""
+    return 2 if n <= 2 else 1 << (n - 1).bit_length()
+
+
+def canonical(p: GroupedProblem) -> dict:
+    """The kernel's view of a problem: which dimension is jagged, the sizes and every stride (element units).
+
+    3-D x 2-D is run as its transpose, a 2-D x 3-D product: ``out.T[cols of g] = b.T[cols of g] @ a[g].T``.
+    """
+    a, b, out, bias = p.a, p.b, p.out, p.bias
+    c = [0, 0, 0]
+    if bias is not None:
+        c = [bias.stride(0), 0, bias.stride(1)] if bias.dim() == 2 else [0, 0, bias.stride(0)]
+    if p.layout == "2d3d":
+        return dict(JAGGED="m", M=p.M, N=p.N, K=p.K, a=a, b=b,
+                    s=(0, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+                       0, out.stride(0), out.stride(1), *c))
+    if p.layout == "3d3d":
+        return dict(JAGGED="none", M=p.M, N=p.N, K=p.K, a=a, b=b,
+                    s=(a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
+                       out.stride(0), out.stride(1), out.stride(2), *c))
+    if p.layout == "2d2d":
+        return dict(JAGGED="k", M=p.M, N=p.N, K=p.K, a=a, b=b,
+                    s=(0, a.stride(0), a.stride(1), 0, b.stride(0), b.stride(1),
+                       out.stride(0), out.stride(1), out.stride(2), *c))
+    # 3d2d: a' = b.T [N_total, K] grouped by rows, b'[g] = a[g].T [K, M], out' = out.T [N_total, M]
+    if bias is not None:
+        c = [0, bias.stride(0), 0]  # a bias along the columns of out is along the rows of out'
+    return dict(JAGGED="m", M=p.N, N=p.M, K=p.K, a=b, b=a,
+                s=(0, b.stride(1), b.stride(0), a.stride(0), a.stride(2), a.stride(1),
+                   0, out.stride(1), out.stride(0), *c))
+
+
+def run(p: GroupedProblem, config: dict | None = None) -> None:
+    v = canonical(p)
+    if v["M"] == 0 or v["N"] == 0 or p.groups == 0 and v["JAGGED"] != "m":
+        return
+    cfg = dict(config or choose_config(p))
+    warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
+    tiles_n = cdiv(v["N"], cfg["BLOCK_N"])
+    if v["JAGGED"] == "m":
+        grid = ((cdiv(v["M"], cfg["BLOCK_M"]) + p.groups) * tiles_n, 1)
+    else:
+        grid = (cdiv(v["M"], cfg["BLOCK_M"]) * tiles_n, p.groups)
+    offs = p.offs if p.offs is not None else v["a"]  # (never read: a placeholder pointer)
+    bias = p.bias if p.bias is not None else p.out
+    interp = interpreting()
+    up_bias = p.N * p.bias.stride(-1) if p.gated and p.bias is not None else 0  # the up half of a gated bias
+    args = (v["a"], v["b"], p.out, bias, offs, p.groups, v["M"], v["N"], v["K"], *v["s"], p.up_offset, up_bias)
+    flags = dict(JAGGED=v["JAGGED"], GP=_pow2(p.groups), HAS_BIAS=p.bias is not None, GATED=p.gated,
+                 ACTIVATION=p.activation, INPUT_PRECISION=p.precision,
+                 UPCAST=interp and p.dtype == torch.bfloat16,
+                 **cfg, num_warps=warps, num_stages=stages)
+    launch(grouped_tiled_kernel, grid, args, flags)

@@ -1,0 +1,107 @@
+"""Autograd of tilegemm.grouped_mm against the oracle's (a loop of products, differentiated by torch); the
+torch.library op under opcheck and torch.compile(fullgraph=True)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.ops.grouped.op import grouped_mm_op
+from tilegemm.ops.grouped.reference import grouped_mm_reference
+
+from conftest import assert_rel_close
+from test_grouped_layouts import operands
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "3d3d", "2d2d", "3d2d"])
+def test_gradients_match_the_reference(layout, device):
+    a, b, offs = operands(layout, [3, 0, 17, 1], 12, 10, torch.float32, device, tail=2, b_transposed=True)
+    a.requires_grad_()
+    b.requires_grad_()
+    N = b.shape[-1]
+    bias = torch.randn(N if layout == "3d2d" else (4, N), device=device, requires_grad=True)
+    out = tilegemm.grouped_mm(a, b, offs=offs, bias=bias)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (a, b, bias), grad)
+    want = torch.autograd.grad(grouped_mm_reference(a, b, offs, bias=bias, dtype=torch.float64),
+                               (a, b, bias), grad.double())
+    for name, g, w in zip(("a", "b", "bias"), got, want):
+        assert g.shape == w.shape, name
+        assert_rel_close(g, w, 1e-5)
+
+
+def test_gradients_with_a_shared_bias(device):
+    a, b, offs = operands("2d3d", [4, 0, 6], 8, 8, torch.float32, device, tail=3)
+    bias = torch.randn(8, device=device, requires_grad=True)
+    out = tilegemm.grouped_mm(a, b, offs=offs, bias=bias)
+    grad = torch.randn_like(out)
+    (got,) = torch.autograd.grad(out, (bias,), grad)
+    (want,) = torch.autograd.grad(grouped_mm_reference(a, b, offs, bias=bias), (bias,), grad.double())
+    assert_rel_close(got, want, 1e-5)
+
+
+def test_backward_is_grouped_products(device):
+    # The backward runs the op itself (one call per gradient), never a loop over groups on the host.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    a, b, offs = operands("2d3d", [5, 0, 3], 8, 8, torch.float32, device)
+    a.requires_grad_()
+    b.requires_grad_()
+    out = tilegemm.grouped_mm(a, b, offs=offs)
+    with Count() as mode:
+        out.backward(torch.ones_like(out))
+    assert sum("tilegemm.grouped_mm" in c for c in mode.calls) == 2, mode.calls
+    assert not any("item" in c or "_local_scalar_dense" in c for c in mode.calls), mode.calls
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "3d3d", "2d2d", "3d2d"])
+def test_opcheck(layout, device):
+    a, b, offs = operands(layout, [3, 0, 5], 8, 8, torch.float32, device, tail=1)
+    bias = torch.randn(8, device=device)
+    torch.library.opcheck(torch.ops.tilegemm.grouped_mm.default,
+                          (a.requires_grad_(), b.requires_grad_(), offs, bias, None, "ieee", "auto"))
+
+
+def test_fake_output_shape_needs_no_values():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = torch.empty(100, 16)
+        b = torch.empty(8, 16, 32)
+        offs = torch.empty(8, dtype=torch.int32)
+        out = grouped_mm_op(a, b, offs, None, None, "ieee", "auto")
+        assert tuple(out.shape) == (100, 32)
+        assert tuple(grouped_mm_op(a.T, a, offs, None, None, "ieee", "auto").shape) == (8, 16, 16)
+
+
+def test_torch_compile_fullgraph(device):
+    def f(x, w, offs):
+        return tilegemm.grouped_mm(x, w, offs=offs).relu() * 2.0
+
+    a, b, offs = operands("2d3d", [3, 0, 9], 8, 8, torch.float32, device, tail=2)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out = compiled(a, b, offs)
+    assert_rel_close(out, grouped_mm_reference(a, b, offs).relu() * 2.0, 1e-5)
+    # other group sizes, same shapes: the same graph
+    offs2 = torch.tensor([0, 10, 12], dtype=torch.int32, device=device)
+    assert_rel_close(compiled(a, b, offs2), grouped_mm_reference(a, b, offs2).relu() * 2.0, 1e-5)
+
+
+def test_torch_compile_backward(device):
+    a, b, offs = operands("2d3d", [3, 4], 8, 8, torch.float32, device)
+    a.requires_grad_()
+    b.requires_grad_()
+    compiled = torch.compile(lambda x, w, o: tilegemm.grouped_mm(x, w, offs=o).sum(), fullgraph=True,
+                             backend="aot_eager")
+    ga, gb = torch.autograd.grad(compiled(a, b, offs), (a, b))
+    wa, wb = torch.autograd.grad(grouped_mm_reference(a, b, offs).sum(), (a, b))
+    assert_rel_close(ga, wa, 1e-5)
+    assert_rel_close(gb, wb, 1e-5)

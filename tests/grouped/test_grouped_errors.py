@@ -1,0 +1,73 @@
+"""Bad input to tilegemm.grouped_mm gets a TypeError/ValueError naming the problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+
+O = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+
+
+def call(a, b, **kw):
+    return tilegemm.grouped_mm(a, b, **kw)
+
+
+CASES = [
+    ("offs wrong length", lambda: call(torch.randn(8, 4), torch.randn(3, 4, 5), offs=O(2, 8)), ValueError,
+     "offs has 2 entries but there are 3 groups"),
+    ("offs int64", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=torch.tensor([2, 8])), TypeError,
+     "offs must be int32"),
+    ("offs 2-D", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(2, 8)[None]), ValueError,
+     "offs must be 1-D"),
+    ("offs not a tensor", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=[2, 8]), TypeError,
+     "offs must be a torch.Tensor"),
+    ("offs decreasing", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(5, 2)), ValueError,
+     "non-decreasing"),
+    ("offs past the end", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(2, 9)), ValueError,
+     "past the end"),
+    ("offs negative", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(-1, 3)), ValueError,
+     "negative"),
+    ("missing offs 2d3d", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5)), ValueError, "offs is required"),
+    ("missing offs 2d2d", lambda: call(torch.randn(8, 4), torch.randn(4, 5)), ValueError, "offs is required"),
+    ("offs for 3d3d", lambda: call(torch.randn(2, 8, 4), torch.randn(2, 4, 5), offs=O(1, 2)), ValueError,
+     "offs must be None"),
+    ("K mismatch 2d3d", lambda: call(torch.randn(8, 4), torch.randn(2, 5, 5), offs=O(2, 8)), ValueError,
+     "K mismatch"),
+    ("K mismatch 3d3d", lambda: call(torch.randn(2, 8, 4), torch.randn(2, 5, 5)), ValueError, "K mismatch"),
+    ("K mismatch 2d2d", lambda: call(torch.randn(8, 4), torch.randn(5, 5), offs=O(2, 4)), ValueError, "K mismatch"),
+    ("K mismatch 3d2d", lambda: call(torch.randn(2, 8, 4), torch.randn(5, 5), offs=O(2, 5)), ValueError,
+     "K mismatch"),
+    ("batch mismatch", lambda: call(torch.randn(3, 8, 4), torch.randn(2, 4, 5)), ValueError,
+     "different numbers of groups"),
+    ("mixed dtypes", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5).half(), offs=O(2, 8)), TypeError,
+     "must share a dtype"),
+    ("int operands", lambda: call(torch.ones(8, 4, dtype=torch.int32), torch.ones(2, 4, 5, dtype=torch.int32),
+                                  offs=O(2, 8)), TypeError, "fp16, bf16 or fp32"),
+    ("1-D a", lambda: call(torch.randn(4), torch.randn(2, 4, 5), offs=O(2, 8)), ValueError, "2-D or 3-D"),
+    ("a not a tensor", lambda: call([[1.0]], torch.randn(2, 4, 5), offs=O(2, 8)), TypeError,
+     "a must be a torch.Tensor"),
+    ("bias shape", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(2, 8), bias=torch.randn(4)),
+     ValueError, "bias must have shape"),
+    ("bias per group for 3d2d", lambda: call(torch.randn(2, 8, 4), torch.randn(4, 6), offs=O(2, 6),
+                                             bias=torch.randn(2, 6)), ValueError, "bias must have shape"),
+    ("bias dtype", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(2, 8),
+                                bias=torch.randn(5).half()), TypeError, "bias has dtype"),
+    ("out_dtype fp16 from fp32", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(2, 8),
+                                              out_dtype=torch.float16), TypeError, "out_dtype"),
+    ("unknown kernel", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(2, 8), kernel="nope"),
+     ValueError, "unknown grouped kernel"),
+]
+
+
+@pytest.mark.parametrize("fn, err, text", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_named(fn, err, text):
+    with pytest.raises(err, match=text):
+        fn()
+
+
+def test_devices_must_match():
+    meta = torch.randn(8, 4, device="meta")
+    with pytest.raises(ValueError, match="different devices"):
+        call(meta, torch.randn(2, 4, 5), offs=O(2, 8))

@@ -1,0 +1,111 @@
+"""Fuzz tilegemm.grouped_mm on the GPU (`pytest -m gpu`): a seeded loop of random calls (500 by default,
+$TILEGEMM_FUZZ_EXAMPLES), every layout, fp16 / bf16 / fp32, 1-24 groups with empty ones, sizes from 1 to a few
+hundred, b row- or column-major, sliced operands, bias [N] or [G, N], rows past offs[-1]; each checked against
+the float64 loop of products with NaN-poisoned outputs. Also random 4-bit expert calls."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.core.checks import relative_error
+from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
+
+pytestmark = pytest.mark.gpu
+
+EXAMPLES = int(os.environ.get("TILEGEMM_FUZZ_EXAMPLES", "500"))
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _sizes(rng: random.Random, G: int, big: bool) -> list[int]:
+    top = 300 if big else 40
+    return [0 if rng.random() < 0.25 else rng.choice((1, rng.randint(1, 17), rng.randint(1, top))) for _ in range(G)]
+
+
+def _operand(rng, shape, dtype, transposed: bool):
+    """A tensor of ``shape``: contiguous, a transposed (column-major) view, or a slice of a wider buffer."""
+    kind = rng.random()
+    if transposed and len(shape) >= 2:
+        t = torch.randn(*shape[:-2], shape[-1], shape[-2], device="cuda", dtype=dtype)
+        return t.transpose(-2, -1)
+    if kind < 0.2:
+        t = torch.randn(*shape[:-1], shape[-1] + 5, device="cuda", dtype=dtype)
+        return t[..., 3:3 + shape[-1]]
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+def _case(rng: random.Random, i: int):
+    layout = rng.choice(("2d3d", "2d3d", "3d3d", "2d2d", "3d2d"))
+    dtype = rng.choice(DTYPES)
+    G = rng.choice((1, 2, rng.randint(1, 8), rng.randint(1, 24)))
+    big = rng.random() < 0.3
+    sizes = _sizes(rng, G, big)
+    tail = rng.choice((0, 0, rng.randint(1, 9)))
+    M = rng.choice((1, rng.randint(1, 17), rng.randint(1, 200)))
+    N = rng.choice((1, 8, rng.randint(1, 33), rng.randint(1, 300)))
+    K = rng.choice((1, 16, rng.randint(1, 33), rng.randint(1, 300)))
+    total = sum(sizes) + tail
+    tb = rng.random() < 0.4
+    offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+    if layout == "2d3d":
+        a, b = _operand(rng, (total, K), dtype, False), _operand(rng, (G, K, N), dtype, tb)
+    elif layout == "3d3d":
+        a, b, offs = _operand(rng, (G, M, K), dtype, rng.random() < 0.2), _operand(rng, (G, K, N), dtype, tb), None
+    elif layout == "2d2d":
+        a, b = _operand(rng, (M, total), dtype, rng.random() < 0.3), _operand(rng, (total, N), dtype, tb)
+    else:
+        a, b = _operand(rng, (G, M, K), dtype, False), _operand(rng, (K, total), dtype, tb)
+    bias = None
+    if rng.random() < 0.3:
+        n = b.shape[-1]
+        bias = torch.randn(n if layout == "3d2d" or rng.random() < 0.5 else (G, n), device="cuda", dtype=dtype)
+    return layout, dtype, a, b, offs, bias
+
+
+def test_grouped_mm_fuzz():
+    rng = random.Random(2026)
+    torch.manual_seed(2026)
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    failures = []
+    try:
+        for i in range(EXAMPLES):
+            layout, dtype, a, b, offs, bias = _case(rng, i)
+            out = tilegemm.grouped_mm(a, b, offs=offs, bias=bias)
+            ref = grouped_mm_reference(a, b, offs, bias=bias)
+            err = relative_error(out, ref)
+            if out.shape != ref.shape or not err <= tolerance(dtype):
+                failures.append((i, layout, dtype, tuple(a.shape), tuple(b.shape), tuple(b.stride()),
+                                 None if offs is None else offs.tolist(), None if bias is None else bias.dim(), err))
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert not failures, f"{len(failures)} of {EXAMPLES} wrong: {failures[:10]}"
+
+
+def test_int4_experts_fuzz():
+    rng = random.Random(7)
+    failures = []
+    for i in range(max(EXAMPLES // 5, 20)):
+        dtype = rng.choice((torch.float16, torch.bfloat16))
+        E = rng.randint(1, 16)
+        group_size = rng.choice((32, 64, 128, -1))
+        K = (group_size if group_size > 0 else 8) * rng.randint(1, 6)
+        N = rng.choice((8, rng.randint(1, 40) * 8, rng.randint(1, 300)))
+        w = tilegemm.w4a16.quantize(torch.randn(E, N, K, device="cuda", dtype=dtype), group_size=group_size)
+        sizes = _sizes(rng, E, rng.random() < 0.3)
+        x = torch.randn(sum(sizes) + rng.randint(0, 4), K, device="cuda", dtype=dtype)
+        offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+        bias = torch.randn(E, N, device="cuda", dtype=dtype) if rng.random() < 0.3 else None
+        act = rng.choice(("none", "silu", "gelu"))
+        out = tilegemm.w4a16.grouped_matmul(x, w, offs, bias=bias, activation=act)
+        ref = grouped_mm_reference(x, tilegemm.w4a16.dequantize(w).transpose(1, 2), offs, bias=bias)
+        from tilegemm.core.activations import torch_activation
+
+        err = relative_error(out, torch_activation(ref, act))
+        if not err <= tolerance(dtype):
+            failures.append((i, dtype, E, N, K, group_size, sizes, act, err))
+    assert not failures, failures[:10]

@@ -1,0 +1,146 @@
+"""transformers' MoE blocks on tilegemm: experts_implementation="tilegemm" gives the eager model's logits (fp32,
+tiny configs, random weights), gradients too, and tilegemm.nn.quantize_ turns the experts into 4-bit ones."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import tilegemm  # noqa: E402
+import tilegemm.nn.moe as moe  # noqa: E402
+
+try:  # a torchvision that does not match torch (its C ops missing) breaks transformers' model imports
+    import torchvision  # noqa: F401
+except Exception:  # noqa: BLE001
+    import transformers.utils as _tu
+    import transformers.utils.import_utils as _iu
+
+    _iu.is_torchvision_available = _tu.is_torchvision_available = lambda: False
+
+_interface = getattr(pytest.importorskip("transformers.integrations.moe"), "ALL_EXPERTS_FUNCTIONS", None)
+pytestmark = pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface "
+                                                           "(ALL_EXPERTS_FUNCTIONS, transformers >= 5)")
+
+
+def qwen3_moe(**kw):
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                                      max_position_embeddings=64, **kw)
+    return cfg
+
+
+def mixtral():
+    return transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                      num_experts_per_tok=2, max_position_embeddings=64)
+
+
+def pair(cfg):
+    """(eager model, tilegemm model) sharing weights, in eval mode."""
+    torch.manual_seed(0)
+    # (a config each: from_config sets the implementation on the config object it is given)
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), experts_implementation="eager").eval()
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), experts_implementation="tilegemm").eval()
+    assert eager.config._experts_implementation == "eager"
+    ours.load_state_dict(eager.state_dict())
+    return eager, ours
+
+
+def test_registered_under_its_name():
+    assert moe.register_experts() is True
+    assert moe.register_experts() is True  # idempotent
+    assert "tilegemm" in _interface
+
+
+@pytest.mark.parametrize("make", [qwen3_moe, mixtral], ids=["qwen3_moe", "mixtral"])
+def test_logits_match_eager(make, monkeypatch):
+    eager, ours = pair(make())
+    calls = []
+    project = moe._project
+    monkeypatch.setattr(moe, "_project", lambda *a: calls.append(a[1]) or project(*a))
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        want, got = eager(ids).logits, ours(ids).logits
+    assert calls.count("gate_up_proj") == 2 and calls.count("down_proj") == 2  # every MoE block ran on tilegemm
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_unfused_activation_matches_eager():
+    # gelu (erf) is not fused into the epilogue: the grouped GEMM, then the block's own gate
+    eager, ours = pair(qwen3_moe(hidden_act="gelu"))
+    assert moe._fused_activation(ours.model.layers[0].mlp.experts) is None
+    ids = torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, eager(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_match_eager():
+    eager, ours = pair(qwen3_moe())
+    ids = torch.randint(0, 64, (1, 6))
+    for model in (eager, ours):
+        model.train()
+        model(ids, labels=ids).loss.backward()
+    for (name, p), q in zip(eager.named_parameters(), ours.parameters()):
+        if "experts" in name:
+            assert q.grad is not None, name
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_quantize_turns_experts_int4():
+    eager, ours = pair(qwen3_moe())
+    tilegemm.nn.quantize_experts_(ours, group_size=32)
+    block = ours.model.layers[0].mlp.experts
+    assert not hasattr(block, "gate_up_proj") and block.tilegemm_gate_up_proj_qweight.dtype == torch.int32
+    assert ours.config._experts_implementation == "tilegemm"
+    # the eager model on the dequantized weights is the reference (activations in fp16 on the 4-bit path)
+    blocks = zip((layer.mlp.experts for layer in eager.model.layers),
+                 (layer.mlp.experts for layer in ours.model.layers))
+    for e_block, q_block in blocks:
+        for name in ("gate_up_proj", "down_proj"):
+            w4 = moe._int4(q_block, name)
+            getattr(e_block, name).data.copy_(tilegemm.w4a16.dequantize(w4).float())
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        want, got = eager(ids).logits, ours(ids).logits
+    assert (got - want).norm() / want.norm() < 1e-2
+
+
+def test_nn_quantize_covers_experts():
+    _, ours = pair(qwen3_moe())
+    ours = ours.half()  # (Int4Linear takes 16-bit activations)
+    tilegemm.nn.quantize_(ours, group_size=32)
+    assert isinstance(ours.model.layers[0].self_attn.q_proj, tilegemm.nn.Int4Linear)
+    assert hasattr(ours.model.layers[1].mlp.experts, "tilegemm_down_proj_qweight")
+    with torch.no_grad():
+        assert torch.isfinite(ours(torch.randint(0, 64, (1, 4))).logits).all()
+
+
+def test_importing_tilegemm_imports_no_transformers():
+    code = "import sys, tilegemm, tilegemm.nn; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_experts_block_compiles_fullgraph():
+    # sort, searchsorted, the grouped ops and the scatter back trace as one graph (no data-dependent host step)
+    _, ours = pair(qwen3_moe())
+    block = ours.model.layers[0].mlp.experts
+    x, idx, weights = torch.randn(7, 32), torch.randint(0, 8, (7, 2)), torch.rand(7, 2)
+    with torch.no_grad():
+        want = block(x, idx, weights)
+        got = torch.compile(block, fullgraph=True, backend="aot_eager")(x, idx, weights)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_registers_when_transformers_is_imported_later():
+    code = ("import tilegemm, sys; assert 'transformers' not in sys.modules\n"
+            "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS as f; print('tilegemm' in f)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
