@@ -7,9 +7,9 @@ import torch
 
 from tilegemm.core.runtime import interpreting
 from conftest import assert_rel_close
-from w4a16_kit import reference
 
 from tilegemm import w4a16
+from tilegemm.ops.w4a16.reference import reference
 from tilegemm.ops.w4a16 import replay
 
 

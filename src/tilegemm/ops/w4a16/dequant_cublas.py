@@ -11,7 +11,7 @@ import triton
 
 from tilegemm.core.launch import launch
 from tilegemm.core.runtime import cdiv, new_output
-from tilegemm.ops.w4a16.common import W4A16Problem
+from tilegemm.ops.w4a16.problem import W4A16Problem
 
 import triton.language as tl  # noqa: E402
 
