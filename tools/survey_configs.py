@@ -86,9 +86,9 @@ def round_shapes(count: int, seed: int) -> list[tuple[int, int, int]]:
 def field(p, splits_only: bool = False) -> list[tuple[str, dict]]:
     """(rung, config) of every candidate for problem ``p``; ``splits_only``: ``persistent_tma``'s K splits only."""
     if splits_only:
-        return [("persistent_tma", c) for c in persistent_tma.split_configs(p)] if persistent_tma.describable(p) is None else []
+        return [("persistent_tma", c) for c in persistent_tma.split_configs(p)] if persistent_tma.why_not(p) is None else []
     out = [("autotuned", c) for c in prune_for(autotune_configs(), p.a.element_size())]
-    if persistent_tma.describable(p) is None:
+    if persistent_tma.why_not(p) is None:
         out += [("persistent_tma", c) for c in persistent_tma.candidates(p)]
     out += [("split_k", c) for c in split_k.configs(p) if p.M <= 128 or c["SPLIT_K"] > 1]
     return out

@@ -100,7 +100,7 @@ def test_shipped_register_operand_entries_stay_flattened():
 
 
 @pytest.mark.gpu
-# Ragged against every tile, yet 16-byte aligned rows even for fp8 (TMA's rule: persistent_tma.describable).
+# Ragged against every tile, yet 16-byte aligned rows even for fp8 (TMA's rule: persistent_tma.why_not).
 @pytest.mark.parametrize("shape", [(1008, 784, 528), (1024, 1024, 1024)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype,layout", [("tf32", "NN"), ("tf32", "TN"), ("tf32", "TT"), ("tf32", "NT"),
                                           ("fp8", "NN"), ("fp8", "TT")])
@@ -136,7 +136,7 @@ def test_every_candidate_is_right_on_the_gpu(dtype, layout, shape):
         return make_problems(a, b, out, c, bias, 1.5, 0.5, "none", precision, False, scales)[0]
 
     p0 = problem(torch.empty(M, N, device="cuda", dtype=out_dtype))
-    assert persistent_tma.describable(p0) is None
+    assert persistent_tma.why_not(p0) is None
     mode = p0.mma_operands
     assert mode == ("ab" if layout == "NT" else "reg_a" if layout == "TT" else "swap")
     cands = persistent_tma.configs(a.element_size(), mode)
@@ -235,7 +235,7 @@ def test_host_descriptor_configs_are_right_and_replay_on_the_gpu(dtype, layout):
     a, b = operands()
     out = torch.full((M, N), float("nan"), device="cuda", dtype=dt)
     p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", precision, False)[0]
-    assert persistent_tma.describable(p) is None
+    assert persistent_tma.why_not(p) is None
     tol = tolerance(dt, precision)
     for cfg in persistent_tma.hopper_configs(p.a.element_size(), p.mma_operands)[:3]:
         cfg = dict(cfg, HOST_DESC=True)

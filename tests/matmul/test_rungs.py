@@ -43,7 +43,7 @@ def test_persistent_tma_path(layout, dtype, shape, device):
     bias = torch.randn(N, dtype=dtype, device=device)
     c = torch.randn(M, 1, dtype=dtype, device=device)
     out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
-    assert persistent_tma.describable(_problem(a, b, out)) is None, "this shape should take the TMA path"
+    assert persistent_tma.why_not(_problem(a, b, out)) is None, "this shape should take the TMA path"
     got = tilegemm.matmul(a, b, bias=bias, c=c, beta=0.5, activation="silu", kernel="persistent_tma", precision="ieee")
     assert_rel_close(got, matmul_reference(a, b, bias=bias, c=c, beta=0.5, activation="silu"), tolerance(dtype))
 
@@ -58,7 +58,7 @@ def test_persistent_tma_serpentine_order(group_m, device):
     out = torch.full((M, N), float("nan"), device=device)
     p = _problem(a, b, out, beta=0.0)
     cfg = dict(persistent_tma.configs(4)[0], GROUP_M=group_m, SERPENTINE=True)  # 32x32 tiles in the interpreter
-    assert persistent_tma.describable(p) is None, "this shape should take the TMA path"
+    assert persistent_tma.why_not(p) is None, "this shape should take the TMA path"
     persistent_tma.run(p, cfg)
     assert_rel_close(out, matmul_reference(a, b), 1e-5)
 
@@ -78,7 +78,7 @@ def test_persistent_tma_split_k(layout, split, K, slices, reduce, device, monkey
     cfg = dict(persistent_tma.configs(4)[0], SPLIT_K=split, BLOCK_K=16)  # 16-wide K steps on the GPU too
     if reduce == "last":
         cfg["REDUCE_LAST"] = True
-    assert persistent_tma.describable(p) is None and persistent_tma.split_of(p, cfg) == slices
+    assert persistent_tma.why_not(p) is None and persistent_tma.split_of(p, cfg) == slices
     launches = []
     real = persistent_tma.launch
     monkeypatch.setattr(persistent_tma, "launch", lambda *a, **k: launches.append(a[0]) or real(*a, **k))
@@ -107,7 +107,7 @@ def test_persistent_tma_stream_k(layout, programs, flatten, share, device, monke
     a, b, bias, c, out, p = _epilogue_problem(layout, 72, 96, 112, device)  # 3 x 3 tiles of 32 x 32, 7 K steps of 16
     # 32 x 32 tiles on any device (configs() gives the GPU larger ones), unflattened and flattened
     cfg = dict(persistent_tma.make_config(32, 32, 16, 4, 2, flatten=flatten), STREAM_K=True, SK_SHARE=share)
-    assert persistent_tma.describable(p) is None
+    assert persistent_tma.why_not(p) is None
     assert persistent_tma.stream_k_programs(p, cfg, programs) == min(programs, 63)
     launches = []
     real = persistent_tma.launch
@@ -153,7 +153,7 @@ def test_persistent_tma_split_k_fp8(fast_accum, reduce, device, monkeypatch):
     cfg = dict(persistent_tma.configs(1)[0], SPLIT_K=3, BLOCK_K=32)  # 32-deep K steps: fp8's smallest wgmma
     if reduce == "last":  # the one-launch reduction (REDUCE_LAST), the same planes
         cfg["REDUCE_LAST"] = True
-    assert persistent_tma.describable(p) is None and persistent_tma.split_of(p, cfg) == 3
+    assert persistent_tma.why_not(p) is None and persistent_tma.split_of(p, cfg) == 3
     launches = []
     real = persistent_tma.launch
     monkeypatch.setattr(persistent_tma, "launch", lambda *a, **k: launches.append(a[0]) or real(*a, **k))
@@ -207,7 +207,7 @@ def test_persistent_tma_tuned_split_is_the_wave_split_of_the_problem(device, mon
 def test_persistent_tma_falls_back_where_tma_cannot_go(make, reason, device):
     a, b = make(device)
     out = torch.empty(*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1], device=device)
-    assert reason in persistent_tma.describable(_problem(a, b, out))
+    assert reason in persistent_tma.why_not(_problem(a, b, out))
     got = tilegemm.matmul(a, b, kernel="persistent_tma", precision="ieee")
     assert_rel_close(got, matmul_reference(a, b), 1e-5)
 
@@ -479,7 +479,7 @@ def test_persistent_tma_falls_back_to_a_config_that_fits(device, monkeypatch):
     a, b = torch.randn(M, K, device=device), torch.randn(K, N, device=device)
     out = torch.full((M, N), float("nan"), device=device)
     p = _problem(a, b, out)
-    assert persistent_tma.describable(p) is None
+    assert persistent_tma.why_not(p) is None
     big = dict(persistent_tma.configs(4)[0], GROUP_M=4)  # stands for a config too large for the SM
     fits = persistent_tma.configs(4)[0]
     monkeypatch.setattr(persistent_tma, "candidates", lambda p: [big, fits])
@@ -505,3 +505,20 @@ def test_persistent_tma_falls_back_to_a_config_that_fits(device, monkeypatch):
     dispatch.launch_auto(p)
     assert launched == [fits, fits]
     assert_rel_close(out, matmul_reference(a, b), 1e-5)
+
+
+def test_entry_point_launches_auto_a_rung_or_a_rung_config(device):
+    """``tilegemm.ops.matmul.launch``, the entry point other families call: auto's choice, a named rung, a rung
+    with a config of its own; each writes every element of the (NaN-poisoned) output."""
+    from tilegemm.ops.matmul import launch, make_problems as entry_make_problems
+    from tilegemm.ops.matmul.configs import fixed_config
+
+    a, b = torch.randn(40, 24, device=device), torch.randn(24, 56, device=device)
+    want = matmul_reference(a, b)
+    for kernel, config in ((None, None), ("grouped", None), ("naive", fixed_config(a.dtype))):
+        out = torch.full((40, 56), float("nan"), device=device)
+        for p in entry_make_problems(a, b, out, precision="ieee"):
+            launch(p, kernel, config)
+        assert_rel_close(out, want, tolerance(torch.float32))
+    with pytest.raises(ValueError, match="pass kernel= with it"):
+        launch(entry_make_problems(a, b, torch.empty(40, 56, device=device))[0], None, {"BLOCK_M": 16})

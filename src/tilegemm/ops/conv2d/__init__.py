@@ -5,13 +5,8 @@ is imported when its kernel first runs). The backward (data and weight gradients
 :mod:`tilegemm.ops.conv2d.op` with the same kernel files.
 """
 
+from tilegemm.core.hardware import why_not_gluon
 from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
-
-
-def _hopper() -> str | None:
-    from tilegemm.ops.matmul.persistent_tma import gluon_requires
-
-    return gluon_requires()
 
 
 register_op(OpSpec(
@@ -26,7 +21,7 @@ register(KernelSpec(
 ))
 register(KernelSpec(
     op="conv2d", name="tma_implicit_gemm", order=15, target="tilegemm.ops.conv2d.tma_fwd:run",
-    requires=_hopper, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
+    why_not=why_not_gluon, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
     summary="implicit GEMM whose input tiles are TMA boxes of a strided 5-D view (padding by TMA's zero fill)",
 ))
 register(KernelSpec(

@@ -201,9 +201,9 @@ def _gluon_operands(a: torch.Tensor, b: torch.Tensor, bias) -> bool:
         return False
     if bias is not None and (bias.dtype != a.dtype or bias.stride(0) != 1):
         return False
-    from tilegemm.ops.matmul.persistent_tma import gluon_requires
+    from tilegemm.core.hardware import why_not_gluon
 
-    return gluon_requires() is None
+    return why_not_gluon() is None
 
 
 def gluon_usable(x: torch.Tensor, weight: torch.Tensor, bias, out_dtype) -> bool:
@@ -233,13 +233,13 @@ def gluon_1x1(a: torch.Tensor, b: torch.Tensor, g, bias=None, activation: str = 
     from tilegemm.core.launch import launch
     from tilegemm.core.runtime import new_output
     from tilegemm.ops.matmul import gluon_f16
-    from tilegemm.ops.matmul.persistent_tma import describable, ensure_allocator
+    from tilegemm.ops.matmul.persistent_tma import ensure_allocator, why_not
     from tilegemm.ops.matmul.problem import make_problems
 
     if out is None:
         out = new_output((a.shape[0], b.shape[1]), a.dtype, a.device)
     (gp,) = make_problems(a, b, out, None, bias, 1.0, 0.0, activation, "ieee", False)
-    if describable(gp) or gluon_f16.usable(gp):
+    if why_not(gp) or gluon_f16.why_not(gp):
         return None
     ensure_allocator()
     launch(*gluon_f16.launch_args(gp, gluon_config(tile), sms))

@@ -50,9 +50,9 @@ def choose_kernel(p: GemmProblem) -> str:
         # ahead of autotuned's on all nine such shapes of the random sweep's worst (7x340x10945: 1.00x cuBLAS
         # against 0.17x; H200, benchmarks/results/2026-11-23-h200/4e789c1/diagnose-random-fp16.json).
         if p.M > 16 and p.M * p.N * p.K >= TIMED_MIN_MNK and _has_tma():
-            from tilegemm.ops.matmul.persistent_tma import describable
+            from tilegemm.ops.matmul.persistent_tma import why_not
 
-            if describable(p) is None:
+            if why_not(p) is None:
                 return _timed_choice(p, ("split_k", "persistent_tma"), max_distance=UNTIMED_RUNG_DISTANCE)
         return "split_k"
     if _split_pays(p):
@@ -61,7 +61,7 @@ def choose_kernel(p: GemmProblem) -> str:
         return "autotuned"
     if _has_tma():
         from tilegemm.core.hardware import sm_count
-        from tilegemm.ops.matmul.persistent_tma import describable, gluon_kernel_for
+        from tilegemm.ops.matmul.persistent_tma import gluon_kernel_for, why_not
 
         # With few tiles per SM a persistent grid has little to balance: at 1024^3 it ran 0.69x cuBLAS where
         # autotuned's smaller tiles reached 0.87x; at 2048^3 (1.9 tiles per SM) 0.93x against 1.00x, and at
@@ -72,7 +72,7 @@ def choose_kernel(p: GemmProblem) -> str:
         # against 0.73x.
         sms = sm_count(p.out.device)
         min_tiles = sms * (4 if p.a.element_size() == 1 else 2)
-        described = describable(p) is None
+        described = why_not(p) is None
         gluon = gluon_kernel_for(p) if described else None
         if gluon is None and p.dtype == torch.float32 and p.mma_operands != "ab":
             # tf32 with an operand that is not K-major. persistent_tma's Triton loops for it must stay
@@ -202,7 +202,7 @@ def _pads(p: GemmProblem, a: torch.Tensor, b: torch.Tensor, c=None, bias=None) -
         return False
     from tilegemm.ops.matmul import padding, residue
 
-    if residue.applies(p):
+    if residue.why_not(p) is None:
         return False  # split_k reads B as it lies, by residue class: no copies
 
     if not padding.can_pad(a, b, c, bias, p.out):
@@ -264,6 +264,23 @@ def forward(call: MatmulCall) -> torch.Tensor:
     return out
 
 
+def launch(p: GemmProblem, kernel: str | None = None, config: dict | None = None) -> None:
+    """Launch one problem of :func:`make_problems` (the entry point other families call; docs/internals.md).
+
+    ``kernel`` None (or ``"auto"``): ``auto``'s choice of rung and config; a rung's name: that rung, with
+    ``config`` (one of that rung's config dicts) or its own choice. Raises :class:`~tilegemm.core.registry.
+    NotApplicable` before launching anything where a Gluon rung does not take the problem. The caller makes the
+    problem's device current (:func:`tilegemm.core.runtime.on_device`)."""
+    if kernel is None or kernel == "auto":
+        if config is not None:
+            raise ValueError("a config names a rung's parameters: pass kernel= with it")
+        launch_auto(p)
+    elif config is None:
+        launcher(kernel)(p)
+    else:
+        launcher(kernel)(p, config)
+
+
 def launch_auto(p: GemmProblem) -> None:
     """Launch ``auto``'s choice for one problem: where the survey speaks for it (:func:`surveyed`), the
     rung and config it ranks best; otherwise the rung :func:`choose_kernel` names, with that rung's config."""
@@ -309,7 +326,7 @@ def _survey_speaks(p: GemmProblem) -> bool:
     picks ran 0.996x / 0.992x cuBLAS on the H200 and 0.993x / 0.986x on the H100, where the rules with those
     entries ran 0.981x / 0.988x and 0.977x / 0.982x (research/ab_survey.py --rung-entries,
     benchmarks/results/2026-11-25-h200/00a4928/, 2026-11-25-h100/9ed2d01/)."""
-    if not survey.applies(p) or not survey.covers(p):
+    if survey.why_not(p) is not None or not survey.covers(p):
         return False
     keys = {r: p.tuning_key(r) for r in _RUNGS_TUNED}
     if tuning.lookup(keys["auto"]) is not None:

@@ -267,7 +267,7 @@ def configs(out_element_size: int = 2) -> list[dict]:
     return out
 
 
-def usable(p: GemmProblem) -> str | None:
+def why_not(p: GemmProblem) -> str | None:
     """None when this kernel takes the problem (given that TMA can describe it); otherwise why not."""
     if p.a.dtype not in (torch.float16, torch.bfloat16) or p.b.dtype != p.a.dtype:
         return "not a 16-bit problem"

@@ -31,7 +31,7 @@ accumulator (about 205 registers, no spills); a 128x256 tile would not.
   multicast (cuBLAS's schedule; ``research/cluster_fp8.py``) it ran slower, 0.80x-0.89x.
 
 Both take A row-major and B column-major (both K-major, the layout ``torch._scaled_mm`` takes),
-TMA-aligned, 2-D; :func:`usable` says when. The ``persistent_tma`` rung times both among its candidates for
+TMA-aligned, 2-D; :func:`why_not` says when. The ``persistent_tma`` rung times both among its candidates for
 such problems, on sm_90 with Triton 3.6 only (Gluon is experimental and its API moves between versions).
 Gluon has no interpreter: the suite compiles them for sm_90 without a GPU, and the GPU tests run them.
 """
@@ -360,7 +360,7 @@ WS_PRODUCER_REGS = 40
 WS_GROUP_M = 12
 
 
-def usable(p: GemmProblem) -> str | None:
+def why_not(p: GemmProblem) -> str | None:
     """None when this kernel takes the problem (given that TMA can describe it); otherwise why not."""
     if not p.dtype.is_floating_point or p.a.element_size() != 1:
         return "not an fp8 problem"
@@ -375,7 +375,7 @@ def usable(p: GemmProblem) -> str | None:
 
 def descriptors(p: GemmProblem):
     """Host-side TMA descriptors for the warp-specialized kernel: A as [M, K], B as its transpose [N, K]
-    (both K-major, :func:`usable`), the output as [M, N] in [BLOCK_M / 2, BLOCK_N] blocks (one per consumer
+    (both K-major, :func:`why_not`), the output as [M, N] in [BLOCK_M / 2, BLOCK_N] blocks (one per consumer
     warp group)."""
     a, b = (host_descriptor(*box) for box in p.tma_boxes(BLOCK_M, BLOCK_N, BLOCK_K))
     return a, b, host_descriptor(p.out, [p.M, p.N], p.out_strides[1], [BLOCK_M // 2, BLOCK_N])

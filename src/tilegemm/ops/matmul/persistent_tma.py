@@ -12,7 +12,7 @@ What changes against ``autotuned``:
 
 TMA needs a unit stride in the last dim and 16-byte aligned base and strides. A transposed operand is
 described as its transpose and the loaded tile transposed back. Problems TMA cannot describe, batched
-problems, and GPUs before Hopper go to ``autotuned`` (see :func:`describable`).
+problems, and GPUs before Hopper go to ``autotuned`` (see :func:`why_not`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import triton
 
 from tilegemm.core import tuning
-from tilegemm.core.hardware import compute_capability, sm_count
+from tilegemm.core.hardware import sm_count, why_not_gluon
 from tilegemm.jit.helpers import epilogue_tile, mma_ordered, tile_grouped, tile_order
 from tilegemm.core.launch import current_stream, launch, sequence_lock
 from tilegemm.core.workspace import split_workspace
@@ -350,7 +350,7 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
     return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides)
 
 
-def describable(p: GemmProblem) -> str | None:
+def why_not(p: GemmProblem) -> str | None:
     """None when TMA can move this problem's tiles; otherwise why not."""
     if p.batch != 1:
         return "batched problems are not handled by this rung yet"
@@ -370,15 +370,6 @@ def describable(p: GemmProblem) -> str | None:
     return None
 
 
-def requires() -> str | None:
-    if interpreting():
-        return None
-    cc = compute_capability()
-    if cc is None or cc[0] < 9:
-        return "needs a Hopper (sm_90) or newer GPU for TMA"
-    return None
-
-
 _allocator_set = False
 
 
@@ -394,29 +385,18 @@ def ensure_allocator() -> None:
 GLUON_CONFIG_KEYS = ("GLUON_FP8", "GLUON_TF32", "GLUON_F16")
 
 
-def gluon_requires() -> str | None:
-    """None where the Gluon kernels can run: an sm_90 GPU under Triton 3.6 (Gluon has no interpreter)."""
-    if interpreting():
-        return "Gluon kernels have no interpreter: they need an sm_90 GPU"
-    if compute_capability() != (9, 0):
-        return "needs an sm_90 (Hopper) GPU: the Gluon kernels are written for it"
-    if not triton.__version__.startswith("3.6."):
-        return f"written against Triton 3.6's Gluon API, found Triton {triton.__version__}"
-    return None
-
-
 def gluon_kernel_for(p: GemmProblem):
     """The module of the Gluon kernel that takes ``p``, else None: :mod:`tilegemm.ops.matmul.gluon_fp8` for
     promoted fp8 (A row-major, B column-major), :mod:`tilegemm.ops.matmul.gluon_tf32` for tf32 NN and TT
     (an operand through registers), :mod:`tilegemm.ops.matmul.gluon_f16` for 16-bit operands with a 16-bit
     output. They are written for sm_90 against Triton 3.6's Gluon API (experimental, it moves between
     versions), and Gluon has no interpreter."""
-    if gluon_requires() is not None:
+    if why_not_gluon() is not None:
         return None
     from tilegemm.ops.matmul import gluon_f16, gluon_fp8, gluon_tf32
 
     for module in (gluon_fp8, gluon_tf32, gluon_f16):
-        if module.usable(p) is None:
+        if module.why_not(p) is None:
             return module
     return None
 
@@ -601,7 +581,7 @@ def tuned_config(p: GemmProblem) -> dict | None:
 
 
 def run(p: GemmProblem, config: dict | None = None) -> None:
-    reason = describable(p)
+    reason = why_not(p)
     if reason is not None:
         from tilegemm.ops.matmul import autotuned
 
@@ -643,33 +623,33 @@ def launch_first_fitting(p: GemmProblem, failed: dict, error: OutOfResources) ->
     raise error
 
 
-def _run_gluon(p: GemmProblem, name: str, module) -> None:
-    """Launch one Gluon kernel alone (``kernel="gluon_f16"`` etc.): the configs of that kernel only, tuned
-    under a key of its own; a problem it does not take raises instead of falling back."""
-    reason = describable(p) or module.usable(p)
+def _run_gluon(p: GemmProblem, name: str, module, config: dict | None = None) -> None:
+    """Launch one Gluon kernel alone (``kernel="gluon_f16"`` etc.): ``config``, or the configs of that kernel
+    only, tuned under a key of its own; a problem it does not take raises instead of falling back."""
+    reason = why_not(p) or module.why_not(p)
     if reason is not None:
         raise NotApplicable(f"matmul kernel {name!r} does not take this problem: {reason}")
     ensure_allocator()
     num_sms = sm_count(p.out.device)
-    k = p.tuning_key(name)
-    config = tuning.lookup_or_tune(k, lambda: module.configs(p.out.element_size()),
-                                   lambda cfg: launch(*module.launch_args(p, cfg, num_sms)))
+    if config is None:
+        config = tuning.lookup_or_tune(p.tuning_key(name), lambda: module.configs(p.out.element_size()),
+                                       lambda cfg: launch(*module.launch_args(p, cfg, num_sms)))
     launch(*module.launch_args(p, config, num_sms))
 
 
-def run_gluon_f16(p: GemmProblem) -> None:
+def run_gluon_f16(p: GemmProblem, config: dict | None = None) -> None:
     from tilegemm.ops.matmul import gluon_f16
 
-    _run_gluon(p, "gluon_f16", gluon_f16)
+    _run_gluon(p, "gluon_f16", gluon_f16, config)
 
 
-def run_gluon_fp8(p: GemmProblem) -> None:
+def run_gluon_fp8(p: GemmProblem, config: dict | None = None) -> None:
     from tilegemm.ops.matmul import gluon_fp8
 
-    _run_gluon(p, "gluon_fp8", gluon_fp8)
+    _run_gluon(p, "gluon_fp8", gluon_fp8, config)
 
 
-def run_gluon_tf32(p: GemmProblem) -> None:
+def run_gluon_tf32(p: GemmProblem, config: dict | None = None) -> None:
     from tilegemm.ops.matmul import gluon_tf32
 
-    _run_gluon(p, "gluon_tf32", gluon_tf32)
+    _run_gluon(p, "gluon_tf32", gluon_tf32, config)

@@ -199,11 +199,15 @@ def _aligned_strides(t: torch.Tensor, shape: tuple[int, ...]) -> list[int]:
     return strides
 
 
-def make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast,
-                  scales=(None, 0, None, 0), fast_accum: bool = False) -> list[GemmProblem]:
-    """Cut ``out = a @ b`` (broadcast batch dims, ``out`` of shape [*batch, M, N]) into kernel launches.
+def make_problems(a, b, out, c=None, bias=None, alpha=1.0, beta=1.0, activation="none", precision="ieee",
+                  upcast=False, scales=(None, 0, None, 0), fast_accum: bool = False) -> list[GemmProblem]:
+    """Cut ``out = a @ b`` (broadcast batch dims, ``out`` of shape [*batch, M, N]) into kernel launches, each
+    one :class:`GemmProblem` for :func:`tilegemm.ops.matmul.launch` (nothing is checked or copied here).
 
-    ``scales`` is ``(scale_a, its stride along M, scale_b, its stride along N)``; the same for every batch.
+    ``c`` broadcasts to ``out`` (scaled by ``beta``), ``bias`` is ``[N]``; ``activation`` a name in
+    ``ACTIVATIONS`` or ``"none"``; ``precision`` ``"ieee"`` or ``"tf32"`` (resolved); ``upcast`` the
+    interpreter's bf16 upcast. ``scales`` is ``(scale_a, its stride along M, scale_b, its stride along N)``; the
+    same for every batch.
     """
     if out.dim() == 2:
         # The common case, kept short: one [M, K] @ [K, N] launch.

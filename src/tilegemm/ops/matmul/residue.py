@@ -22,7 +22,7 @@ last few past the row's end the next row's first ones.
   of A. One K slice stores through the epilogue directly; more go through the planes.
 
 The last row of B is read apart with exact masks (reading past it could leave the allocation). A B whose own
-first element is not 16-byte aligned (a sliced view) is not taken (:func:`applies`).
+first element is not 16-byte aligned (a sliced view) is not taken (:func:`why_not`).
 """
 
 from __future__ import annotations
@@ -192,26 +192,33 @@ PLANE_SHARE = 0.25  # the planes (written and read) may cost at most this share 
 MIN_B_BYTES = 8 << 20
 
 
-def applies(p) -> bool:
-    """Whether ``p`` is one this kernel takes: M <= 16, 16-bit, B contiguous along N (NN) or K (NT) with its
-    rows not 16 bytes apart but its first element 16-byte aligned, at least :data:`MIN_B_BYTES` of it; for NN
-    the ``VEC`` planes within :data:`PLANE_SHARE` of B's bytes (K of at least 128 M); on a GPU."""
+def why_not(p) -> str | None:
+    """None when this kernel takes ``p``: M <= 16, 16-bit, B contiguous along N (NN) or K (NT) with its rows not
+    16 bytes apart but its first element 16-byte aligned, at least :data:`MIN_B_BYTES` of it; for NN the ``VEC``
+    planes within :data:`PLANE_SHARE` of B's bytes (K of at least 128 M); on a GPU. Otherwise why not."""
     if interpreting() and not TAKE_UNDER_INTERPRETER:
-        return False
-    if p.M > 16 or p.dtype not in (torch.float16, torch.bfloat16) or p.b.dtype != p.dtype:
-        return False
+        return "a GPU path: the interpreter takes the aligned kernels"
+    if p.M > 16:
+        return "M above 16"
+    if p.dtype not in (torch.float16, torch.bfloat16) or p.b.dtype != p.dtype:
+        return "not a 16-bit problem"
     layout = _layout(p)
-    if layout is None or p.b.data_ptr() % 16:
-        return False
+    if layout is None:
+        return "B contiguous along neither N nor K"
+    if p.b.data_ptr() % 16:
+        return "B's first element is not 16-byte aligned"
     vec = 16 // p.b.element_size()
     ld = p.b_strides[1] if layout == "NN" else p.b_strides[2]
-    if ld % vec == 0 or (p.N if layout == "NN" else p.K) < vec:  # aligned, or rows shorter than a vector
-        return False
+    if ld % vec == 0 or (p.N if layout == "NN" else p.K) < vec:
+        return "B's rows are 16-byte aligned, or shorter than a vector"
     b_bytes = p.K * p.N * p.b.element_size()
-    if not TAKE_UNDER_INTERPRETER and (b_bytes < MIN_B_BYTES or  # (the rules of speed)
-                                       (layout == "NN" and vec * _plane_bytes(p) > PLANE_SHARE * b_bytes)):
-        return False
-    return p.batch * vec * p.M * p.N < 2**31  # plane offsets are 32-bit within a batch
+    if not TAKE_UNDER_INTERPRETER and b_bytes < MIN_B_BYTES:
+        return "B under MIN_B_BYTES: the aligned kernels' one launch is as fast"
+    if not TAKE_UNDER_INTERPRETER and layout == "NN" and vec * _plane_bytes(p) > PLANE_SHARE * b_bytes:
+        return "the NN planes pass PLANE_SHARE of B's bytes"
+    if p.batch * vec * p.M * p.N >= 2**31:
+        return "plane offsets pass 32 bits within a batch"
+    return None
 
 
 TAKE_UNDER_INTERPRETER = False  # tests: let the interpreter take it, and any size of product

@@ -276,7 +276,7 @@ def pick_config(p: GemmProblem) -> dict:
 def run(p: GemmProblem, config: dict | None = None) -> None:
     """Launch with ``config``; else with the tuned config of this shape class (timing the candidates once)."""
     if config is None:
-        if residue.applies(p):
+        if residue.why_not(p) is None:
             # Few rows of A, B's rows not 16 bytes apart: B read in whole vectors by residue class, whatever
             # was tuned for the shape class (tuned on aligned rows, or not at all).
             residue.run(p)

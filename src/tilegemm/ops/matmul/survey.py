@@ -232,23 +232,29 @@ def within(table: dict, shape: tuple[int, int, int]) -> bool:
     return all(lo - OUTSIDE <= math.log2(max(d, 1)) <= hi + OUTSIDE for d, (lo, hi) in zip(shape, table["bounds"]))
 
 
-def applies(p) -> bool:
-    """Whether the survey speaks for ``p`` whatever its size: operands of a dtype family that has tables
-    (:func:`family`: 16-bit of one dtype, tf32, fp8 with its scales), one product (no batch), on a GPU. (Its
-    rows must also be 16-byte aligned, as the surveyed shapes' were: ``dispatch.surveyed`` asks that.)"""
+def why_not(p) -> str | None:
+    """None when the survey speaks for ``p`` whatever its size: operands of a dtype family that has tables
+    (:func:`family`: 16-bit of one dtype, tf32, fp8 with its scales), one product (no batch), on a GPU; otherwise
+    why not. (Its rows must also be 16-byte aligned, as the surveyed shapes' were: ``dispatch.surveyed`` asks.)"""
     fam = family(p.tuning_dtype)
-    if fam is None or p.batch != 1 or not p.out.is_cuda:
-        return False
-    return fam == "fp8" or (p.scale_a is None and p.scale_b is None)
+    if fam is None:
+        return "no surveyed dtype family"
+    if p.batch != 1:
+        return "batched"
+    if not p.out.is_cuda:
+        return "not on a GPU"
+    if fam != "fp8" and (p.scale_a is not None or p.scale_b is not None):
+        return "scales outside fp8"
+    return None
 
 
 def choose(p) -> tuple[str, dict] | None:
     """(rung, config) for problem ``p`` from its GPU's table; None without a table or a valid candidate.
     Answered once per shape, dtypes, layout and TMA-describability (bounded; a wave split is computed for
     the exact shape)."""
-    from tilegemm.ops.matmul.persistent_tma import describable
+    from tilegemm.ops.matmul.persistent_tma import why_not as why_not_tma
 
-    described = describable(p) is None
+    described = why_not_tma(p) is None
     key = (p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout, described, p.out.device)
     picked = _choices.get(key, _MISSING)
     if picked is not _MISSING:

@@ -9,13 +9,8 @@ Nothing here imports triton: a kernel module is imported when its kernel first r
 
 import torch as _torch
 
+from tilegemm.core.hardware import why_not_gluon
 from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
-
-
-def _hopper() -> str | None:
-    from tilegemm.ops.matmul.persistent_tma import gluon_requires
-
-    return gluon_requires()
 
 
 register_op(OpSpec(
@@ -30,7 +25,7 @@ register(KernelSpec(
 ))
 register(KernelSpec(
     op="w4a16", name="frag_wgmma", order=16, target="tilegemm.ops.w4a16.frag_wgmma:run",
-    requires=_hopper, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
+    why_not=why_not_gluon, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
     summary="the fragments through Hopper's wgmma, x from a cp.async ring in shared memory (M up to 1024)",
 ))
 register(KernelSpec(
