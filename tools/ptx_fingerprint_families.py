@@ -53,7 +53,6 @@ HOST = {
     "mma.run": "tilegemm.ops.w4a16.mma:run",
     "frag_wgmma.run": "tilegemm.ops.w4a16.frag_wgmma:run",
     "dequantize_w": "tilegemm.ops.w4a16.dequant_cublas:dequantize_w",
-    "fragment_shapes": "tilegemm.ops.w4a16.format:pack_fragments",
     "ConvProblem": "tilegemm.ops.conv2d.problem:ConvProblem",
     "Geometry": "tilegemm.ops.conv2d.problem:Geometry",
     "implicit_gemm": "tilegemm.ops.conv2d.implicit_gemm",

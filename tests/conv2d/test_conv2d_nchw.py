@@ -84,7 +84,7 @@ LAYERS = [  # (N, C, H, W, K, R, stride, pad, groups): what auto picks for the c
 @pytest.mark.parametrize("N,C,H,W,K,R,stride,pad,groups", LAYERS)
 def test_gpu_nchw_forward_through_the_route(N, C, H, W, K, R, stride, pad, groups, weight_format, dtype,
                                             monkeypatch):
-    from tilegemm.ops.conv2d import op
+    from tilegemm.ops.conv2d import dispatch
 
     taken = []
     real = layout.workspace_view
@@ -95,7 +95,7 @@ def test_gpu_nchw_forward_through_the_route(N, C, H, W, K, R, stride, pad, group
         w = w.contiguous(memory_format=CL)
     b = torch.randn(K, device="cuda").to(dtype)
     conv = dict(stride=stride, padding=pad, groups=groups)
-    assert op._nchw_route(torch.empty(N, C, H, W, device="cuda", dtype=dtype))
+    assert dispatch._nchw_route(torch.empty(N, C, H, W, device="cuda", dtype=dtype))
     outs = []
     for trial in range(3):  # the first call records, the later ones replay with new tensors
         x = torch.randn(N, C, H, W, device="cuda").to(dtype)
@@ -170,9 +170,9 @@ ROUTED = [  # (N, C, H, W, K, R, stride, pad, dilation, groups)
                          ids=["w1", "h1-depthwise-stride2", "dilated-groups2", "1x1-stride2", "1x1"])
 def test_route_forced_on_matches_f_conv2d_with_gradients(N, C, H, W, K, R, stride, pad, dilation, groups,
                                                           monkeypatch):
-    from tilegemm.ops.conv2d import op
+    from tilegemm.ops.conv2d import dispatch
 
-    monkeypatch.setattr(op, "_nchw_route", lambda t: layout.planar(t) and t.shape[1] > 8)
+    monkeypatch.setattr(dispatch, "_nchw_route", lambda t: layout.planar(t) and t.shape[1] > 8)
     taken = []
     real = layout.workspace_view
     monkeypatch.setattr(layout, "workspace_view", lambda t, tag: taken.append(tag) or real(t, tag))

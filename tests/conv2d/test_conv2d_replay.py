@@ -118,14 +118,15 @@ def test_backward_gradients_replay_and_match_torch():
 def test_channels_last_weight_gradient_replays_in_its_layout(dtype):
     """A channels-last activation's weight gradient is recorded and replayed channels-last, new values each
     call."""
-    from tilegemm.ops.conv2d.op import backward_weight
+    from tilegemm.ops.conv2d.dispatch import backward_weight
+    from tilegemm.ops.conv2d.problem import WgradCall
 
     replay.clear()
     args = ([1, 1], [1, 1, 1, 1], [1, 1], 1, "ieee")
     for _ in range(3):
         x = torch.randn(2, 16, 9, 10, device="cuda", dtype=dtype).contiguous(memory_format=CL)
         dy = torch.randn(2, 24, 9, 10, device="cuda", dtype=dtype).contiguous(memory_format=CL)
-        dw = backward_weight(dy, x, [24, 16, 3, 3], *args)
+        dw = backward_weight(WgradCall(dy, x, [24, 16, 3, 3], *args))
         assert dw.is_contiguous(memory_format=CL) and not dw.is_contiguous()
         xr = x.double().requires_grad_()
         wr = torch.zeros(24, 16, 3, 3, dtype=torch.float64, device="cuda", requires_grad=True)
@@ -172,14 +173,15 @@ def test_strided_1x1_after_a_bigger_call_reads_its_own_pixels(grads):
 def test_strided_1x1_data_gradient_replays_through_its_workspace(dtype):
     # The product over the kept pixels lands in a per-stream workspace that the spread kernel reads; a bigger
     # call in between replaces the workspace, and the replays must keep reading the one they were recorded with.
-    from tilegemm.ops.conv2d import op
+    from tilegemm.ops.conv2d import dispatch
+    from tilegemm.ops.conv2d.problem import DgradCall
 
     replay.clear()
     w = (torch.randn(128, 64, 1, 1, device="cuda") / 8).to(dtype).contiguous(memory_format=CL)
     for size in (16, 16, 16, 64, 16, 16):  # at 64 the product (131072 elements) outgrows the first workspace
         x_shape = [2, 64, size, size]
         dy = torch.randn(2, 128, size // 2, size // 2, device="cuda", dtype=dtype).contiguous(memory_format=CL)
-        dx = op.backward_data(dy, w, x_shape, True, [2, 2], [0, 0, 0, 0], [1, 1], 1, "ieee")
+        dx = dispatch.backward_data(DgradCall(dy, w, x_shape, True, [2, 2], [0, 0, 0, 0], [1, 1], 1, "ieee"))
         xr = torch.zeros(x_shape, dtype=torch.float64, device="cuda", requires_grad=True)
         F.conv2d(xr, w.double(), stride=2).backward(dy.double())
         assert dx.is_contiguous(memory_format=CL)

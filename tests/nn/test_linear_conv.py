@@ -139,12 +139,12 @@ def test_exported_at_top_level():
 def test_conv2d_module_backward_calls_the_gradient_functions_directly(monkeypatch, device):
     """Outside tracing the backward of a tilegemm.nn.Conv2d (Parameters as weight and bias) skips the
     registered gradient ops, whose dispatch costs host time, and calls the gradient functions."""
-    from tilegemm.ops.conv2d import op
+    from tilegemm.ops.conv2d import dispatch
 
     called = []
     for name in ("backward_data", "backward_weight"):
-        real = getattr(op, name)
-        monkeypatch.setattr(op, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
+        real = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
     conv = tilegemm.nn.Conv2d(4, 8, 3, padding=1).to(device)
     x = torch.randn(2, 4, 6, 6, device=device, requires_grad=True)
     conv(x).square().sum().backward()

@@ -1,8 +1,10 @@
 """2-D convolution: ``activation(conv2d(x, weight) + bias)``, forward and backward, as implicit GEMMs.
 
+The public function in :mod:`.api`, its checks in :mod:`.checks`, the ``torch.library`` ops (forward, data and
+weight gradients) in :mod:`.op`, the records of a call in :mod:`.problem`, ``auto`` and the routes of the forward
+and the gradients in :mod:`.dispatch`, configs in :mod:`.configs`, the plain-torch oracle in :mod:`.reference`.
 Kernels, each a file beside this one, registered here by name; nothing here imports triton (a kernel module
-is imported when its kernel first runs). The backward (data and weight gradients) runs from
-:mod:`tilegemm.ops.conv2d.op` with the same kernel files.
+is imported when its kernel first runs).
 """
 
 from tilegemm.core.hardware import why_not_gluon
@@ -33,6 +35,6 @@ register(KernelSpec(
     summary="direct kernel for groups = C: taps summed elementwise over [pixels, channels] tiles",
 ))
 
-from tilegemm.ops.conv2d.op import conv2d  # noqa: E402
+from tilegemm.ops.conv2d.api import conv2d  # noqa: E402
 
 __all__ = ["conv2d"]

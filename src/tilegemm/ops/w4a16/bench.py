@@ -70,7 +70,8 @@ class W4A16Bench(BenchOp):
                 inputs["x_bf16"] = inputs["x"].to(torch.bfloat16)  # its activations, cast outside the timing
             sets.append(inputs)
         first = sets[0]
-        return Prepared(sets, reference.reference(first["x"], first["w"]), bytes_per_set=first["w"].nbytes + (M * K + M * N) * tdtype.itemsize)
+        return Prepared(sets, reference.reference(first["x"], first["w"]),
+                        bytes_per_set=first["w"].nbytes + (M * K + M * N) * tdtype.itemsize)
 
     def run(self, kernel, inputs, dtype):
         from tilegemm import w4a16

@@ -1,6 +1,6 @@
 """``auto`` for ``tilegemm.w4a16.matmul``: the kernel for a call, and the launch of the kernel a call names.
 
-auto's thresholds (the measurements behind each: docs/w4a16.md, "auto"):
+auto's thresholds, in the table below (the measurements behind each: docs/w4a16.md, "Configs and `auto`").
 """
 
 from __future__ import annotations
