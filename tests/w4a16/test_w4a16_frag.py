@@ -134,14 +134,14 @@ def test_frag_configs_and_uneven_splits(cfg):
 
 @pytest.mark.gpu
 def test_frag_replays():
-    from tilegemm.ops.w4a16 import replay
+    from tilegemm.ops.w4a16 import op as replay
 
-    replay.clear()
+    replay.REPLAYS.clear()
     lin = Int4Linear.from_linear(torch.nn.Linear(4096, 1024).half().cuda(), group_size=128)
     w = lin.weight
     for M in (1, 9):
         for _ in range(3):
             x = torch.randn(M, 4096, dtype=torch.float16, device="cuda")
             assert_rel_close(w4a16.matmul(x, w, lin.bias, kernel="frag"), reference(x, w, lin.bias), 2e-3)
-    assert replay.count() == 2
+    assert replay.REPLAYS.count() == 2
     assert registry.get("w4a16", "frag").unavailable_reason() is None

@@ -10,7 +10,7 @@ from conftest import assert_rel_close
 from w4a16_kit import reference
 
 from tilegemm import w4a16
-from tilegemm.ops.w4a16 import replay
+from tilegemm.ops.w4a16 import op as replay
 
 
 def weight(N=64, K=256, g=64, dtype=torch.float16, device="cpu"):
@@ -55,13 +55,13 @@ def test_no_replay_on_the_cpu_or_under_autograd():
     w = weight()
     x = torch.randn(2, 256, dtype=torch.float16)
     assert replay.replay_key(x, w, None, "none", "auto") is None  # CPU / interpreter
-    replay.clear()
+    replay.REPLAYS.clear()
     if not interpreting():  # a GPU is in use: CPU tensors are refused by name
         with pytest.raises(ValueError, match="CUDA GPU is in use"):
             w4a16.matmul(x, w)
         return
     y = w4a16.matmul(x, w)
-    assert replay.count() == 0
+    assert replay.REPLAYS.count() == 0
     assert_rel_close(y, reference(x, w), 2e-3)
 
 
@@ -72,7 +72,7 @@ def test_no_replay_on_the_cpu_or_under_autograd():
 @pytest.mark.parametrize("kernel", ["auto", "gemv", "mma"])
 @pytest.mark.parametrize("M", [1, 5, 16])
 def test_replayed_call_equals_a_fresh_one(kernel, M):
-    replay.clear()
+    replay.REPLAYS.clear()
     w = weight(N=4096, K=4096, g=128, device="cuda")
     bias = torch.randn(4096, dtype=torch.float16, device="cuda")
     for act, b in (("none", None), ("silu", bias)):
@@ -83,20 +83,20 @@ def test_replayed_call_equals_a_fresh_one(kernel, M):
             assert_rel_close(y, reference(x, w2, b, act), 2e-3)
             fresh = w4a16.matmul(x.clone().requires_grad_(True), w2, bias=b, activation=act, kernel=kernel)
             assert torch.equal(y, fresh.detach()), "a replay must give the bits of a fresh launch"
-    assert replay.count() == 2
+    assert replay.REPLAYS.count() == 2
 
 
 @pytest.mark.gpu
 def test_replay_declines_on_another_stream_and_dequant_cublas_is_not_recorded():
-    replay.clear()
+    replay.REPLAYS.clear()
     w = weight(N=8192, K=8192, g=128, device="cuda")  # gemv splits K here: a workspace of its own
     x = torch.randn(1, 8192, dtype=torch.float16, device="cuda")
     w4a16.matmul(x, w)
-    assert replay.count() == 1
+    assert replay.REPLAYS.count() == 1
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         y = w4a16.matmul(x, w)
     side.synchronize()
     assert_rel_close(y, reference(x, w), 2e-3)
     w4a16.matmul(torch.randn(300, 8192, dtype=torch.float16, device="cuda"), w, kernel="dequant_cublas")
-    assert replay.count() == 1
+    assert replay.REPLAYS.count() == 1

@@ -18,8 +18,11 @@ from typing import List, Optional
 import torch
 
 from tilegemm.core import registry
-from tilegemm.ops.conv2d import replay
+from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, plain_call,
+                                  recording_active, tensor_key)
+from tilegemm.core.replay import ReplayCache
 from tilegemm.core.runtime import interpreting, on_device
+from tilegemm.core.workspace import in_graph_tree
 from tilegemm.ops.conv2d.problem import (
     ConvProblem, Geometry, channels_last, check_conv, geometry_of, memory_format_of,
 )
@@ -27,8 +30,63 @@ from tilegemm.core.activations import ACTIVATIONS, check_activation  # noqa: F40
 from tilegemm.core.activations import torch_activation
 from tilegemm.core.dtypes import check_precision
 from tilegemm.core.dtypes import resolve_precision
-from tilegemm.core.launch import plain_call
 from tilegemm.core.torch_ops import lean_autograd
+
+
+# --- replay: the host fast path (tilegemm.core.replay) ----------------------------------------------
+# A call's Python path (checks, geometry, config, layouts, Triton's launch wrapper) costs more host time than most
+# of ResNet-50's layers take on the GPU (docs/conv2d.md). A plain call (CUDA, no tracer, dispatch mode or autograd
+# watching) is keyed by everything its launches depend on; the first records its launches (up to eight Triton
+# launches over the call's tensors or the launchers' workspaces) and later calls with the key replay them. A call
+# whose path makes copies or torch ops of its own is not kept. Inside another op's recording nothing replays.
+
+REPLAYS = ReplayCache("conv2d")
+
+
+def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tuple, *options):
+    """The key of a call, or None when it may not be replayed. ``part``: ``"fwd"`` or ``"dgrad"``; ``x`` is the
+    activation the kernel reads (dy for the data gradient); ``conv``: (stride, padding, dilation, groups) as
+    lists; ``options``: whatever else selects the launch (activation, precision, kernel, output layout).
+
+    Written for host time, as matmul's: the tests of :func:`plain_call` spelled out, and the devices in the key
+    rather than compared (a call on two devices is refused on the full path, so it is never recorded)."""
+    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest (guards on thread state)
+        return None
+    if type(x) not in PLAIN_TENSOR_TYPES or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
+        return None
+    if interpreting() or recording_active() or dispatch_stack_depth() or function_mode_on() or in_graph_tree():
+        return None
+    if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or bias is not None and bias.requires_grad):
+        return None
+    return key_of(part, x, weight, bias, conv, *options)
+
+
+_OPTION_TYPES = (str, int, bool, tuple, type(None))
+
+
+def key_of(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tuple, *options):
+    """The key itself (see :func:`replay_key`), or None if an argument cannot be part of one."""
+    geometry = []
+    for c in conv:  # ints, strings ("same") and sequences of ints, as the public function takes them
+        t = type(c)
+        if t is list or t is tuple:
+            for v in c:
+                if type(v) is not int:
+                    return None  # something the checks will reject, naming it, on the full path
+            c = tuple(c)
+        elif t is not int and t is not str:
+            return None
+        geometry.append(c)
+    for o in options:
+        if type(o) not in _OPTION_TYPES:
+            return None
+    precision = torch.get_float32_matmul_precision() if x.dtype == torch.float32 else None
+    return (part, tensor_key(x), tensor_key(weight), None if bias is None else tensor_key(bias), tuple(geometry),
+            precision, options)
+
 
 
 # --- the choice of kernel -------------------------------------------------------------------------------
@@ -186,11 +244,17 @@ def _conv2d_op(
     # and its full path (geometry, config, Triton's launch wrapper) cost about 300 us of host a call, which made a
     # compiled ResNet-50 at batch 32 run 20.4 ms where the eager one ran 4.4 (H200,
     # benchmarks/results/2026-11-24-h200/ef944b8/).
-    key = replay.replay_key("fwd", x, weight, bias, (stride, padding, dilation, groups), activation, precision,
-                            kernel, "op", None if out_dtype is None else str(out_dtype))
-    return replay.replay_or_record(key, (x, weight) if bias is None else (x, weight, bias), memory_format_of(x),
-                                   lambda: _forward(x, weight, bias, stride, padding, dilation, groups, activation,
-                                                    precision, kernel, out_dtype))
+    key = replay_key("fwd", x, weight, bias, (stride, padding, dilation, groups), activation, precision,
+                     kernel, "op", None if out_dtype is None else str(out_dtype))
+
+    def run():
+        return _forward(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel, out_dtype)
+
+    if key is None:
+        return run()
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    out = REPLAYS.replayed(key, tensors)
+    return out if out is not None else REPLAYS.recorded(key, tensors, run, memory_format_of(x))
 
 
 @_conv2d_op.register_fake
@@ -370,20 +434,32 @@ def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
 
 def backward_data(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision):
     """:func:`_dgrad` for a plain call, replayed when an earlier call with the same key was recorded."""
-    key = replay.replay_key("dgrad", dy, weight, None, (stride, padding, dilation, groups), tuple(x_shape),
-                            x_channels_last, precision)
+    key = replay_key("dgrad", dy, weight, None, (stride, padding, dilation, groups), tuple(x_shape),
+                     x_channels_last, precision)
+
+    def run():
+        return _dgrad(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision)
+
+    if key is None:
+        return run()
+    out = REPLAYS.replayed(key, (dy, weight))
     fmt = torch.channels_last if x_channels_last else torch.contiguous_format
-    return replay.replay_or_record(key, (dy, weight), fmt, lambda: _dgrad(
-        dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision))
+    return out if out is not None else REPLAYS.recorded(key, (dy, weight), run, fmt)
 
 
 def backward_weight(dy, x, w_shape, stride, padding, dilation, groups, precision) -> torch.Tensor:
     """:func:`_wgrad` for a plain call, replayed when an earlier call with the same key was recorded (each path
     launches only kernels: the 1x1 path's GEMM, the implicit-GEMM and depthwise kernels that add their slices
     in one launch)."""
-    key = replay.replay_key("wgrad", dy, x, None, (stride, padding, dilation, groups), tuple(w_shape), precision)
-    return replay.replay_or_record(key, (dy, x), wgrad_format(x, w_shape), lambda: _wgrad(
-        dy, x, w_shape, stride, padding, dilation, groups, precision))
+    key = replay_key("wgrad", dy, x, None, (stride, padding, dilation, groups), tuple(w_shape), precision)
+
+    def run():
+        return _wgrad(dy, x, w_shape, stride, padding, dilation, groups, precision)
+
+    if key is None:
+        return run()
+    out = REPLAYS.replayed(key, (dy, x))
+    return out if out is not None else REPLAYS.recorded(key, (dy, x), run, wgrad_format(x, w_shape))
 
 
 @torch.library.custom_op("tilegemm::conv2d_wgrad", mutates_args=())
@@ -496,10 +572,9 @@ def conv2d(
         TypeError, ValueError: naming the bad argument (ranks, dtypes, devices, channel counts, sizes).
     """
     activation = "none" if activation is None else activation
-    key = replay.replay_key("fwd", x, weight, bias, (stride, padding, dilation, groups), activation, precision,
-                            kernel)
+    key = replay_key("fwd", x, weight, bias, (stride, padding, dilation, groups), activation, precision, kernel)
     if key is not None:
-        out = replay.replayed(key, (x, weight) if bias is None else (x, weight, bias))
+        out = REPLAYS.replayed(key, (x, weight) if bias is None else (x, weight, bias))
         if out is not None:
             return out
     check_activation(activation)
@@ -510,8 +585,8 @@ def conv2d(
     args = (x, weight, bias, list(g.stride), list(g.padding), list(g.dilation), g.groups, activation,
             precision or "default", kernel)
     if key is not None:
-        return replay.record(key, lambda: _forward(*args), (x, weight) if bias is None else (x, weight, bias),
-                             memory_format_of(x))
+        return REPLAYS.recorded(key, (x, weight) if bias is None else (x, weight, bias), lambda: _forward(*args),
+                                memory_format_of(x))
     if plain_call(x, weight, bias):
         return _forward(*args)
     return _conv2d_op(*args)

@@ -11,11 +11,51 @@ from tilegemm.core import registry
 from tilegemm.core.activations import ACTIVATIONS, check_activation  # noqa: F401 (ACTIVATIONS re-exported)
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.runtime import check_same_device, interpreting, new_output, on_device
-from tilegemm.core.launch import plain_call, recording
+from tilegemm.core.launch import plain_call, plain_tensor, tensor_key
+from tilegemm.core.replay import ReplayCache
 from tilegemm.core.torch_ops import lean_autograd
-from tilegemm.ops.w4a16 import configs, replay
+from tilegemm.core.workspace import in_graph_tree
+from tilegemm.ops.w4a16 import configs
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, fits_fragments, validate
 
+
+
+# --- replay: the host fast path (tilegemm.core.replay) ----------------------------------------------
+# A plain call (no tracer, dispatch mode or autograd watching; CUDA, not the interpreter) is keyed by everything
+# Triton specializes its launch on. Only the one-launch kernels' calls are kept: dequant_cublas also calls
+# cuBLAS, which a replay of its one Triton launch would skip.
+
+REPLAYS = ReplayCache("w4a16")
+
+REPLAYED_KERNELS = ("gemv", "mma", "frag", "frag_wgmma")  # whole calls that are one Triton launch
+
+
+def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str) -> tuple:
+    """The replay key of a call with 2-D activations ``x2`` (already reshaped and, for act-order, permuted):
+    the layouts of every tensor the launch takes and the call's named options."""
+    frag = None if w._frag is None else tuple(tensor_key(t) for t in w._frag)
+    return (kernel, activation, x2.device, tensor_key(x2), tensor_key(w.qweight), tensor_key(w.scales),
+            tensor_key(w.zeros), frag, w.group_k, None if bias is None else tensor_key(bias))
+
+
+def replay_key(x2, w, bias, activation: str, kernel: str):
+    """The replay key of a call, or None when the call may not be replayed (CPU, the interpreter, a tensor
+    subclass, autograd or a tracer watching, a bias that is not a tensor on x's device)."""
+    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest
+        return None
+    if not plain_tensor(x2) or not x2.is_cuda or interpreting() or in_graph_tree():
+        return None
+    if bias is not None and (not plain_tensor(bias) or bias.device != x2.device):
+        return None
+    if w.qweight.device != x2.device or not plain_call(x2, bias, w.qweight, w.scales, w.zeros):
+        return None
+    return key_of(x2, w, bias, activation, kernel)
+
+
+def call_tensors(x2, w, bias) -> tuple:
+    """The tensors a replay takes, the output aside (the fragment layout, when made)."""
+    parts = (x2, w.qweight, w.scales, w.zeros) + tuple(w._frag or ())
+    return parts if bias is None else parts + (bias,)
 
 
 # --- checks -------------------------------------------------------------------------------------------
@@ -185,21 +225,19 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
     activation = "none" if activation is None else activation
-    # The fast path: a replay of an earlier plain call with the same key (tilegemm.ops.w4a16.replay).
+    # The fast path: a replay of an earlier plain call with the same key.
     key = None
     if type(w) is Int4Weight and w.perm is None and type(x) is torch.Tensor and x.dim() >= 1 \
             and x.shape[-1] == w.shape[1]:
         x2 = x.reshape(-1, x.shape[-1])
         if w._frag is None and _wants_frag(kernel, x2, w):
             w.fragments()  # before the key, which holds the fragments' layouts
-        key = replay.replay_key(x2, w, bias, activation, kernel)
+        key = replay_key(x2, w, bias, activation, kernel)
         if key is not None:
-            hit = replay.lookup(key)
-            if hit is not None:
-                out = new_output(hit.shape, x.dtype, x.device)
-                if hit(*replay.call_tensors(x2, w, bias, out)):
-                    return out.reshape(*x.shape[:-1], w.shape[0])
-                # (False: recorded for another stream or device; launched afresh below)
+            out = REPLAYS.replayed(key, call_tensors(x2, w, bias))
+            if out is not None:
+                return out.reshape(*x.shape[:-1], w.shape[0])
+            # (None: nothing recorded, or recorded for another stream or device; launched afresh below)
     check_inputs(x, w, bias, activation, kernel)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -213,9 +251,6 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     # no tracer, mode or autograd needs to see skips it (as tilegemm.matmul does).
     if not plain_call(x2, bias):
         return _w4a16_op(*args).reshape(*lead, w.shape[0])
-    if key is None or (choose_kernel(x2.shape[0], frag) if kernel == "auto" else kernel) not in replay.REPLAYED_KERNELS:
+    if key is None or (choose_kernel(x2.shape[0], frag) if kernel == "auto" else kernel) not in REPLAYED_KERNELS:
         return _forward(*args).reshape(*lead, w.shape[0])
-    with recording() as rec:
-        out = _forward(*args)
-    replay.store(key, rec.launches, replay.call_tensors(x2, w, bias, out), shape=out.shape)
-    return out.reshape(*lead, w.shape[0])
+    return REPLAYS.recorded(key, call_tensors(x2, w, bias), lambda: _forward(*args)).reshape(*lead, w.shape[0])
