@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
     from tilegemm.bench.base import bench_op
     from tilegemm.core.checks import relative_error
-    from tilegemm.ops.conv2d.dispatch import backward_data, backward_weight
+    from tilegemm.ops.conv2d.op import backward_data, backward_weight
     from tilegemm.ops.conv2d.problem import DgradCall, WgradCall
     from tilegemm.ops.conv2d.reference import tolerance
 

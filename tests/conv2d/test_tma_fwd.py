@@ -430,7 +430,7 @@ def test_gpu_stem_with_an_nchw_input_takes_the_window_route(dtype):
 @pytest.mark.parametrize("bias,act", [(False, "none"), (True, "relu")])
 def test_gpu_wide_1x1_through_gluon_f16(dtype, bias, act, monkeypatch):
     from tilegemm.core.hardware import sm_count
-    from tilegemm.ops.conv2d import replay
+    from tilegemm.ops.conv2d import op as replay
     from tilegemm.ops.conv2d.dispatch import pointwise_gluon_tile
     from tilegemm.ops.conv2d.gemm_1x1 import gluon_config
     from tilegemm.ops.conv2d.problem import geometry_of
@@ -439,7 +439,7 @@ def test_gpu_wide_1x1_through_gluon_f16(dtype, bias, act, monkeypatch):
     launched = []
     real = gluon_f16.launch_args
     monkeypatch.setattr(gluon_f16, "launch_args", lambda *a, **k: launched.append(a[1]) or real(*a, **k))
-    replay.clear()
+    replay.REPLAYS.clear()
     # 4 x 96 x 96 pixels, 24 -> 144 channels (neither a multiple of 64; K one padded step): the gluon route
     x, w, b = _inputs(dtype, 4, 24, 96, 96, 144, 1, 1, bias=bias)
     g = geometry_of(x.shape, w.shape, (1, 1), (0,) * 4, (1, 1), 1)
@@ -457,13 +457,13 @@ def test_gpu_wide_1x1_through_gluon_f16(dtype, bias, act, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_wide_1x1_leaves_gluon_f16_where_the_tensors_do_not_let_it(monkeypatch):
     # the layer of the test above with an NCHW input, or an fp32 output: the TMA kernel (or the GEMM) as before
-    from tilegemm.ops.conv2d import replay
+    from tilegemm.ops.conv2d import op as replay
     from tilegemm.ops.matmul import gluon_f16
 
     launched = []
     real = gluon_f16.launch_args
     monkeypatch.setattr(gluon_f16, "launch_args", lambda *a, **k: launched.append(a[1]) or real(*a, **k))
-    replay.clear()
+    replay.REPLAYS.clear()
     x, w, _ = _inputs(torch.float16, 4, 24, 96, 96, 144, 1, 1, bias=False)
     out = tilegemm.conv2d(x.contiguous(), w)
     assert_rel_close(out, conv2d_reference(x, w), tolerance(torch.float16))
@@ -479,13 +479,13 @@ def test_gpu_wide_1x1_leaves_gluon_f16_where_the_tensors_do_not_let_it(monkeypat
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_wide_1x1_data_gradient_through_gluon_f16(dtype, monkeypatch):
     # 144 -> 24 channels forward: its data gradient is the 24 -> 144 GEMM over 36864 pixels, gluon_f16's class
-    from tilegemm.ops.conv2d import replay
+    from tilegemm.ops.conv2d import op as replay
     from tilegemm.ops.matmul import gluon_f16
 
     launched = []
     real = gluon_f16.launch_args
     monkeypatch.setattr(gluon_f16, "launch_args", lambda *a, **k: launched.append(a[1]) or real(*a, **k))
-    replay.clear()
+    replay.REPLAYS.clear()
     x, w, _ = _inputs(dtype, 4, 144, 96, 96, 24, 1, 1, bias=False)
     x.requires_grad_()
     dy = torch.randn(4, 24, 96, 96, device="cuda").to(dtype).contiguous(memory_format=CL)
@@ -528,9 +528,9 @@ def test_gpu_auto_routes_and_declines_with_reasons():
     ((2, 32, 8, 8, 32, 3, 3), dict(padding=0)),
 ])
 def test_gpu_data_gradient_through_the_tma_kernel(shape, conv):
-    from tilegemm.ops.conv2d.dispatch import backward_data
+    from tilegemm.ops.conv2d import op as replay
+    from tilegemm.ops.conv2d.op import backward_data
     from tilegemm.ops.conv2d.problem import DgradCall
-    from tilegemm.ops.conv2d import replay
 
     N, C, H, W, K, R, S = shape
     groups = conv.get("groups", 1)
@@ -548,13 +548,13 @@ def test_gpu_data_gradient_through_the_tma_kernel(shape, conv):
     assert tma_fwd.dgrad_tma(dy, w, check_conv(x, w, None, 2, 1, 1, groups)) is None  # strided: pointer kernel
     assert direct is not None
     assert_rel_close(direct, want, tolerance(torch.float16))
-    replay.clear()
+    replay.REPLAYS.clear()
     dy2 = torch.randn_like(dy)  # a replay reads the call's dy, not the recorded one
     (want2,) = torch.autograd.grad(ref, xr, dy2.double())
     first = backward_data(c)
     assert_rel_close(first, want, tolerance(torch.float16))
     assert_rel_close(backward_data(replace(c, dy=dy2)), want2, tolerance(torch.float16))
-    assert replay.count() == 1, "the weight's flip and the convolution are replayed together"
+    assert replay.REPLAYS.count() == 1, "the weight's flip and the convolution are replayed together"
     # a replay with a weight changed in place flips the new weight (into the workspace its descriptor was
     # encoded over once)
     w.mul_(-2.0)
@@ -588,14 +588,15 @@ def _wgrad_case(shape, conv, dtype):
     ((16, 512, 7, 7, 512, 3, 3), dict(padding=1)),
 ])
 def test_gpu_weight_gradient_through_the_tma_kernel(shape, conv, dtype):
-    from tilegemm.ops.conv2d import replay, tma_wgrad
-    from tilegemm.ops.conv2d.dispatch import backward_weight
+    from tilegemm.ops.conv2d import op as replay
+    from tilegemm.ops.conv2d import tma_wgrad
+    from tilegemm.ops.conv2d.op import backward_weight
     from tilegemm.ops.conv2d.problem import WgradCall, wgrad_format
 
     dy, x, w, g, want = _wgrad_case(shape, conv, dtype)
     assert tma_wgrad.why_not(dy, x, g) is None
     c = WgradCall(dy, x, list(w.shape), list(g.stride), list(g.padding), list(g.dilation), g.groups, "ieee")
-    replay.clear()
+    replay.REPLAYS.clear()
     for _ in range(2):  # recorded, then replayed (the split's counters must be back at zero)
         got = backward_weight(c)
         # channels-last x: a channels-last gradient where the filter has several taps and channels

@@ -139,12 +139,12 @@ def test_exported_at_top_level():
 def test_conv2d_module_backward_calls_the_gradient_functions_directly(monkeypatch, device):
     """Outside tracing the backward of a tilegemm.nn.Conv2d (Parameters as weight and bias) skips the
     registered gradient ops, whose dispatch costs host time, and calls the gradient functions."""
-    from tilegemm.ops.conv2d import dispatch
+    from tilegemm.ops.conv2d import op
 
     called = []
     for name in ("backward_data", "backward_weight"):
-        real = getattr(dispatch, name)
-        monkeypatch.setattr(dispatch, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
+        real = getattr(op, name)
+        monkeypatch.setattr(op, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
     conv = tilegemm.nn.Conv2d(4, 8, 3, padding=1).to(device)
     x = torch.randn(2, 4, 6, 6, device=device, requires_grad=True)
     conv(x).square().sum().backward()
@@ -161,13 +161,14 @@ def test_conv2d_module_backward_calls_the_gradient_functions_directly(monkeypatc
 @pytest.mark.gpu
 def test_modules_replay_their_inference_calls():
     """nn.Linear with a bias and nn.Conv2d (Parameters) under no_grad record once and replay afterwards."""
-    from tilegemm.ops.conv2d import replay as conv_replay
-    from tilegemm.ops.matmul import replay as mm_replay
+    from tilegemm.ops.conv2d import op as conv_replay
+    from tilegemm.core.replay import cache
+    mm_replay = cache("matmul")
 
     lin = tilegemm.nn.Linear(256, 384).cuda().half()
     conv = tilegemm.nn.Conv2d(32, 64, 3, padding=1).cuda().half().to(memory_format=torch.channels_last)
     mm_replay.clear()
-    conv_replay.clear()
+    conv_replay.REPLAYS.clear()
     with torch.no_grad():
         for _ in range(3):
             x = torch.randn(5, 256, device="cuda", dtype=torch.float16)
@@ -175,4 +176,4 @@ def test_modules_replay_their_inference_calls():
             xc = torch.randn(2, 32, 9, 9, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
             ref = torch.nn.functional.conv2d(xc.double(), conv.weight.double(), conv.bias.double(), padding=1)
             assert_rel_close(conv(xc), ref, 4e-3)
-    assert mm_replay.count() == 1 and conv_replay.count() == 1
+    assert mm_replay.count() == 1 and conv_replay.REPLAYS.count() == 1

@@ -92,6 +92,6 @@ def release() -> None:
     """Drop the kept scratch tensors (:func:`buffer`'s and :func:`split_workspace`'s) of every device and stream:
     the next calls allocate afresh. The NCHW route of conv2d keeps activation-sized ones (an input's and an
     output's copy per stream and dtype). Replays recorded with them keep theirs until their caches are cleared
-    (``tilegemm.ops.conv2d.replay.clear()``, ``tilegemm.ops.matmul.replay.clear()``)."""
+    (:func:`tilegemm.core.replay.clear`)."""
     _buffers.clear()
     _workspaces.clear()

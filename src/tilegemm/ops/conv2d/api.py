@@ -7,8 +7,8 @@ import torch
 from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import check_precision
 from tilegemm.core.launch import plain_call
-from tilegemm.ops.conv2d import dispatch, op, replay
-from tilegemm.ops.conv2d.checks import check_conv, check_kernel
+from tilegemm.ops.conv2d import dispatch, op
+from tilegemm.ops.conv2d.checks import check_conv, check_kernel, replay_key
 from tilegemm.ops.conv2d.problem import ConvCall, memory_format_of
 
 
@@ -48,10 +48,9 @@ def conv2d(
         TypeError, ValueError: naming the bad argument (ranks, dtypes, devices, channel counts, sizes).
     """
     activation = "none" if activation is None else activation
-    key = replay.replay_key("fwd", x, weight, bias, (stride, padding, dilation, groups), activation, precision,
-                            kernel)
+    key = replay_key("fwd", x, weight, bias, (stride, padding, dilation, groups), activation, precision, kernel)
     if key is not None:
-        out = replay.replayed(key, (x, weight) if bias is None else (x, weight, bias))
+        out = op.REPLAYS.replayed(key, (x, weight) if bias is None else (x, weight, bias))
         if out is not None:
             return out
     check_activation(activation)
@@ -62,8 +61,8 @@ def conv2d(
     c = ConvCall(x, weight, bias, list(g.stride), list(g.padding), list(g.dilation), g.groups, activation,
                  precision or "default", kernel)
     if key is not None:
-        return replay.record(key, lambda: dispatch.forward(c), (x, weight) if bias is None else (x, weight, bias),
-                             memory_format_of(x))
+        return op.REPLAYS.recorded(key, (x, weight) if bias is None else (x, weight, bias), lambda: dispatch.forward(c),
+                                   memory_format_of(x))
     if plain_call(x, weight, bias):
         return dispatch.forward(c)
     return op.call(c)

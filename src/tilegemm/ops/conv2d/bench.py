@@ -174,7 +174,7 @@ class Conv2dBench(BenchOp):
 
     def run(self, kernel, inputs, dtype):
         from tilegemm.ops.conv2d import conv2d
-        from tilegemm.ops.conv2d.dispatch import backward_data, backward_weight
+        from tilegemm.ops.conv2d.op import backward_data, backward_weight
         from tilegemm.ops.conv2d.problem import DgradCall, WgradCall
 
         x, w, conv = inputs["x"], inputs["w"], inputs["conv"]

@@ -1,4 +1,5 @@
-"""The argument checks of ``tilegemm.conv2d``: TypeError/ValueError naming the problem (plain Python: no triton)."""
+"""The argument checks of ``tilegemm.conv2d`` (TypeError/ValueError naming the problem), and the key of a plain
+call that the replay cache (:mod:`tilegemm.core.replay`) keeps (plain Python: no triton)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import torch
 
 from tilegemm.core import registry
 from tilegemm.core.dtypes import dtype_name
-from tilegemm.core.runtime import check_same_device
+from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, recording_active,
+                                  tensor_key)
+from tilegemm.core.runtime import check_same_device, interpreting
+from tilegemm.core.workspace import in_graph_tree
 from tilegemm.ops.conv2d.problem import Geometry
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -108,3 +112,56 @@ def check_kernel(kernel) -> None:
         reason = registry.get("conv2d", kernel).unavailable_reason()  # ValueError naming the choices if unknown
         if reason:
             raise registry.NotApplicable(f"conv2d kernel {kernel!r} cannot run here: {reason}")
+
+
+# --- the replay key (tilegemm.core.replay) ---------------------------------------------------------------
+# A call's Python path (checks, geometry, config, layouts, Triton's launch wrapper) costs more host time than most
+# of ResNet-50's layers take on the GPU (docs/conv2d.md). A plain call (CUDA, no tracer, dispatch mode or autograd
+# watching) is keyed by everything its launches depend on; the first records its launches (up to eight Triton
+# launches over the call's tensors or the launchers' workspaces) and later calls with the key replay them. A call
+# whose path makes copies or torch ops of its own is not kept. Inside another op's recording nothing replays.
+
+
+def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tuple, *options):
+    """The key of a call, or None when it may not be replayed. ``part``: ``"fwd"``, ``"dgrad"`` or ``"wgrad"``;
+    ``x`` is the activation the kernel reads (dy for the gradients); ``conv``: (stride, padding, dilation, groups)
+    as given; ``options``: whatever else selects the launch (activation, precision, kernel, output layout).
+
+    Written for host time, as matmul's: the tests of :func:`plain_call` spelled out, and the devices in the key
+    rather than compared (a call on two devices is refused on the full path, so it is never recorded)."""
+    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest (guards on thread state)
+        return None
+    if type(x) not in PLAIN_TENSOR_TYPES or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
+        return None
+    if interpreting() or recording_active() or dispatch_stack_depth() or function_mode_on() or in_graph_tree():
+        return None
+    if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or bias is not None and bias.requires_grad):
+        return None
+    return key_of(part, x, weight, bias, conv, *options)
+
+
+_OPTION_TYPES = (str, int, bool, tuple, type(None))
+
+
+def key_of(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tuple, *options):
+    """The key itself (see :func:`replay_key`), or None if an argument cannot be part of one."""
+    geometry = []
+    for c in conv:  # ints, strings ("same") and sequences of ints, as the public function takes them
+        t = type(c)
+        if t is list or t is tuple:
+            for v in c:
+                if type(v) is not int:
+                    return None  # something the checks will reject, naming it, on the full path
+            c = tuple(c)
+        elif t is not int and t is not str:
+            return None
+        geometry.append(c)
+    for o in options:
+        if type(o) not in _OPTION_TYPES:
+            return None
+    precision = torch.get_float32_matmul_precision() if x.dtype == torch.float32 else None
+    return (part, tensor_key(x), tensor_key(weight), None if bias is None else tensor_key(bias), tuple(geometry),
+            precision, options)

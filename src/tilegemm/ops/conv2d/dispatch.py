@@ -19,7 +19,6 @@ from tilegemm.core.hardware import sm_count
 from tilegemm.core.launch import keeping, sequence_lock
 from tilegemm.core.runtime import interpreting, on_device
 from tilegemm.ops.matmul import matmul
-from tilegemm.ops.conv2d import replay
 from tilegemm.ops.conv2d.configs import _patch, _pow2_at_least, gluon_ring, tma_forward_config
 from tilegemm.ops.conv2d.problem import (
     ConvCall, ConvProblem, DgradCall, Geometry, WgradCall, channels_last, memory_format_of, wgrad_format,
@@ -317,13 +316,6 @@ def _dgrad_nchw(dy, weight, x_shape, g, precision) -> torch.Tensor:
                 return implicit_gemm.dgrad(dyc, w, x_shape, nchw, g, precision, _upcast(dyc))
 
 
-def backward_data(c: DgradCall) -> torch.Tensor:
-    """:func:`dgrad` for a plain call, replayed when an earlier call with the same key was recorded."""
-    key = replay.replay_key("dgrad", c.dy, c.weight, None, (c.stride, c.padding, c.dilation, c.groups),
-                            tuple(c.x_shape), c.x_channels_last, c.precision)
-    return replay.replay_or_record(key, (c.dy, c.weight), c.x_format, lambda: dgrad(c))
-
-
 # --- the weight gradient --------------------------------------------------------------------------------
 
 
@@ -383,12 +375,3 @@ def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
 
                 return tma_wgrad.run(dyc, xc, g, x.dtype, memory_format=fmt)
             return implicit_gemm.wgrad(dyc, xc, g, precision, _upcast(x), x.dtype, memory_format=fmt)
-
-
-def backward_weight(c: WgradCall) -> torch.Tensor:
-    """:func:`wgrad` for a plain call, replayed when an earlier call with the same key was recorded (each path
-    launches only kernels: the 1x1 path's GEMM, the implicit-GEMM and depthwise kernels that add their slices
-    in one launch)."""
-    key = replay.replay_key("wgrad", c.dy, c.x, None, (c.stride, c.padding, c.dilation, c.groups),
-                            tuple(c.w_shape), c.precision)
-    return replay.replay_or_record(key, (c.dy, c.x), wgrad_format(c.x, c.w_shape), lambda: wgrad(c))

@@ -3,8 +3,10 @@
 Three custom ops in the ``tilegemm`` namespace, each with a fake (meta) implementation, so torch.compile traces
 the forward and the backward without graph breaks: ``tilegemm::conv2d`` (forward with bias and activation fused),
 ``tilegemm::conv2d_dgrad`` (grad of x) and ``tilegemm::conv2d_wgrad`` (grad of the weight). The backward never
-calls cuDNN: it runs tilegemm's kernels (:mod:`tilegemm.ops.conv2d.dispatch` chooses them).
-"""
+calls cuDNN: it runs tilegemm's kernels (:mod:`tilegemm.ops.conv2d.dispatch` chooses them). :data:`REPLAYS`
+keeps plain calls' launches (:mod:`tilegemm.core.replay`; keys: :func:`tilegemm.ops.conv2d.checks.replay_key`);
+:func:`backward_data` and :func:`backward_weight` are the gradients' plain calls, which autograd makes outside
+tracing."""
 
 from __future__ import annotations
 
@@ -14,11 +16,15 @@ import torch
 
 from tilegemm.core.activations import torch_activation
 from tilegemm.core.launch import plain_call
+from tilegemm.core.replay import ReplayCache
 from tilegemm.core.torch_ops import lean_autograd
-from tilegemm.ops.conv2d import dispatch, replay
+from tilegemm.ops.conv2d import dispatch
+from tilegemm.ops.conv2d.checks import replay_key
 from tilegemm.ops.conv2d.problem import (
     ConvCall, DgradCall, WgradCall, channels_last, geometry_of, memory_format_of, wgrad_format,
 )
+
+REPLAYS = ReplayCache("conv2d")
 
 
 @torch.library.custom_op("tilegemm::conv2d", mutates_args=())
@@ -38,11 +44,18 @@ def _conv2d_op(
     # Replayed like a plain public call: a graph compiled by torch.compile calls this op for every convolution,
     # and its full path (geometry, config, Triton's launch wrapper) costs hundreds of microseconds of host a
     # call, more than a compiled network's GPU time per layer (docs/conv2d.md, "Host fast path").
-    key = replay.replay_key("fwd", x, weight, bias, (stride, padding, dilation, groups), activation, precision,
-                            kernel, "op", None if out_dtype is None else str(out_dtype))
-    return replay.replay_or_record(key, (x, weight) if bias is None else (x, weight, bias), memory_format_of(x),
-                                   lambda: dispatch.forward(ConvCall(x, weight, bias, stride, padding, dilation,
-                                                                     groups, activation, precision, kernel, out_dtype)))
+    key = replay_key("fwd", x, weight, bias, (stride, padding, dilation, groups), activation, precision,
+                     kernel, "op", None if out_dtype is None else str(out_dtype))
+
+    def run():
+        return dispatch.forward(ConvCall(x, weight, bias, stride, padding, dilation, groups, activation, precision,
+                                         kernel, out_dtype))
+
+    if key is None:
+        return run()
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    out = REPLAYS.replayed(key, tensors)
+    return out if out is not None else REPLAYS.recorded(key, tensors, run, memory_format_of(x))
 
 
 @_conv2d_op.register_fake
@@ -100,6 +113,33 @@ def _wgrad_fake(dy, x, w_shape, stride, padding, dilation, groups, precision):
     return torch.empty(w_shape, dtype=x.dtype, device=x.device, memory_format=wgrad_format(x, w_shape))
 
 
+# --- the gradients' plain calls, replayed ----------------------------------------------------------------
+
+
+def backward_data(c: DgradCall) -> torch.Tensor:
+    """:func:`tilegemm.ops.conv2d.dispatch.dgrad` for a plain call, replayed when an earlier call with the same key
+    was recorded."""
+    key = replay_key("dgrad", c.dy, c.weight, None, (c.stride, c.padding, c.dilation, c.groups),
+                     tuple(c.x_shape), c.x_channels_last, c.precision)
+    if key is None:
+        return dispatch.dgrad(c)
+    out = REPLAYS.replayed(key, (c.dy, c.weight))
+    return out if out is not None else REPLAYS.recorded(key, (c.dy, c.weight), lambda: dispatch.dgrad(c), c.x_format)
+
+
+def backward_weight(c: WgradCall) -> torch.Tensor:
+    """:func:`tilegemm.ops.conv2d.dispatch.wgrad` for a plain call, replayed when an earlier call with the same key
+    was recorded (each path launches only kernels: the 1x1 path's GEMM, the implicit-GEMM and depthwise kernels
+    that add their slices in one launch)."""
+    key = replay_key("wgrad", c.dy, c.x, None, (c.stride, c.padding, c.dilation, c.groups), tuple(c.w_shape),
+                     c.precision)
+    if key is None:
+        return dispatch.wgrad(c)
+    out = REPLAYS.replayed(key, (c.dy, c.x))
+    return out if out is not None else REPLAYS.recorded(key, (c.dy, c.x), lambda: dispatch.wgrad(c),
+                                                        wgrad_format(c.x, c.w_shape))
+
+
 # --- autograd: recompute the pre-activation, differentiate the activation with torch ----------------------
 
 
@@ -130,10 +170,10 @@ def _backward(ctx, grad_out):
     if want_x:
         c = DgradCall(g, weight, list(x.shape), ctx.x_channels_last, stride, padding, dilation, groups,
                       ctx.precision)
-        grad_x = dispatch.backward_data(c) if plain else _dgrad_op(*c.op_args())
+        grad_x = backward_data(c) if plain else _dgrad_op(*c.op_args())
     if want_w:
         c = WgradCall(g, x, list(weight.shape), stride, padding, dilation, groups, ctx.precision)
-        grad_w = dispatch.backward_weight(c) if plain else _wgrad_op(*c.op_args())
+        grad_w = backward_weight(c) if plain else _wgrad_op(*c.op_args())
     if want_bias and bias is not None:
         grad_bias = grad.sum(dim=(0, 2, 3), dtype=torch.float32).to(bias.dtype)
     return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None

@@ -32,8 +32,8 @@ def warmup(on_key=None, cases=None, dtype: str | None = None) -> list[str]:
     ``auto`` once on each in ``dtype`` (default fp16), so what it picks for exactly those shapes, untimed, is
     compiled; returns ``"auto|MxNxK|dtype"`` labels."""
     from tilegemm.core import registry, tuning
-    from tilegemm.ops.matmul import replay
     from tilegemm.ops.matmul.api import matmul
+    from tilegemm.ops.matmul.torch_op import REPLAYS
 
     device = "cpu" if interpreting() else "cuda"
     if cases is not None:
@@ -68,13 +68,13 @@ def warmup(on_key=None, cases=None, dtype: str | None = None) -> list[str]:
             matmul(a, b, kernel=rung, out_dtype=_TORCH[out], precision="tf32" if label == "tf32" else "ieee")
         warmed.append(key)
         del a, b
-        replay.clear()  # the compiled kernel is what warmup is for; the replays need not stay
+        REPLAYS.clear()  # the compiled kernel is what warmup is for; the replays need not stay
     return warmed
 
 
 def _warm_cases(bench, cases, dtype: str, on_key) -> list[str]:
     """``auto`` once on each case (:func:`tune`'s call), then its replays dropped."""
-    from tilegemm.ops.matmul import replay
+    from tilegemm.ops.matmul.torch_op import REPLAYS
 
     warmed = []
     for case in cases:
@@ -83,5 +83,5 @@ def _warm_cases(bench, cases, dtype: str, on_key) -> list[str]:
             on_key(label)
         tune(bench, [case], dtype, ["auto"])
         warmed.append(label)
-        replay.clear()
+        REPLAYS.clear()
     return warmed

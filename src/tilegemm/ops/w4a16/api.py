@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core.activations import ACTIVATIONS  # noqa: F401 (re-exported as tilegemm.w4a16.ACTIVATIONS)
-from tilegemm.core.launch import plain_call, recording
-from tilegemm.core.runtime import new_output
-from tilegemm.ops.w4a16 import dispatch, op, replay
-from tilegemm.ops.w4a16.checks import check_inputs
+from tilegemm.core.launch import plain_call
+from tilegemm.ops.w4a16 import dispatch, op
+from tilegemm.ops.w4a16.checks import call_tensors, check_inputs, replay_key
 from tilegemm.ops.w4a16.format import Int4Weight
 from tilegemm.ops.w4a16.problem import W4A16Problem
 
@@ -30,21 +29,19 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
     activation = "none" if activation is None else activation
-    # The fast path: a replay of an earlier plain call with the same key (tilegemm.ops.w4a16.replay).
+    # The fast path: a replay of an earlier plain call with the same key.
     key = None
     if type(w) is Int4Weight and w.perm is None and type(x) is torch.Tensor and x.dim() >= 1 \
             and x.shape[-1] == w.shape[1]:
         x2 = x.reshape(-1, x.shape[-1])
         if w._frag is None and dispatch.wants_frag(kernel, x2, w):
             w.fragments()  # before the key, which holds the fragments' layouts
-        key = replay.replay_key(x2, w, bias, activation, kernel)
+        key = replay_key(x2, w, bias, activation, kernel)
         if key is not None:
-            hit = replay.lookup(key)
-            if hit is not None:
-                out = new_output(hit.shape, x.dtype, x.device)
-                if hit(*replay.call_tensors(x2, w, bias, out)):
-                    return out.reshape(*x.shape[:-1], w.shape[0])
-                # (False: recorded for another stream or device; launched afresh below)
+            out = op.REPLAYS.replayed(key, call_tensors(x2, w, bias))
+            if out is not None:
+                return out.reshape(*x.shape[:-1], w.shape[0])
+            # (None: nothing recorded, or recorded for another stream or device; launched afresh below)
     check_inputs(x, w, bias, activation, kernel)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -58,9 +55,6 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     # no tracer, mode or autograd needs to see skips it (as tilegemm.matmul does).
     if not plain_call(x2, bias):
         return op.call(p).reshape(*lead, w.shape[0])
-    if key is None or dispatch.kernel_for(p) not in replay.REPLAYED_KERNELS:
+    if key is None or dispatch.kernel_for(p) not in op.REPLAYED_KERNELS:
         return dispatch.forward(p).reshape(*lead, w.shape[0])
-    with recording() as rec:
-        out = dispatch.forward(p)
-    replay.store(key, rec.launches, replay.call_tensors(x2, w, bias, out), shape=out.shape)
-    return out.reshape(*lead, w.shape[0])
+    return op.REPLAYS.recorded(key, call_tensors(x2, w, bias), lambda: dispatch.forward(p)).reshape(*lead, w.shape[0])

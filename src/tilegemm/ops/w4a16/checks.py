@@ -1,4 +1,5 @@
-"""The argument checks of ``tilegemm.w4a16.matmul``: TypeError/ValueError naming the problem."""
+"""The argument checks of ``tilegemm.w4a16.matmul`` (TypeError/ValueError naming the problem), and the key of a
+plain call that the replay cache (:mod:`tilegemm.core.replay`) keeps."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import torch
 from tilegemm.core import registry
 from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import dtype_name
-from tilegemm.core.runtime import check_same_device
+from tilegemm.core.launch import plain_call, plain_tensor, tensor_key
+from tilegemm.core.runtime import check_same_device, interpreting
+from tilegemm.core.workspace import in_graph_tree
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, validate
 
 
@@ -43,3 +46,35 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
         if reason:
             raise registry.NotApplicable(f"w4a16 kernel {kernel!r} cannot run here: {reason}")
     check_same_device(named)
+
+
+# --- the replay key: a plain call (no tracer, dispatch mode or autograd watching; CUDA, not the interpreter) is
+# keyed by everything Triton specializes its launch on ------------------------------------------------------
+
+
+def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str) -> tuple:
+    """The replay key of a call with 2-D activations ``x2`` (already reshaped and, for act-order, permuted):
+    the layouts of every tensor the launch takes and the call's named options."""
+    frag = None if w._frag is None else tuple(tensor_key(t) for t in w._frag)
+    return (kernel, activation, x2.device, tensor_key(x2), tensor_key(w.qweight), tensor_key(w.scales),
+            tensor_key(w.zeros), frag, w.group_k, None if bias is None else tensor_key(bias))
+
+
+def replay_key(x2, w, bias, activation: str, kernel: str):
+    """The replay key of a call, or None when the call may not be replayed (CPU, the interpreter, a tensor
+    subclass, autograd or a tracer watching, a bias that is not a tensor on x's device)."""
+    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest
+        return None
+    if not plain_tensor(x2) or not x2.is_cuda or interpreting() or in_graph_tree():
+        return None
+    if bias is not None and (not plain_tensor(bias) or bias.device != x2.device):
+        return None
+    if w.qweight.device != x2.device or not plain_call(x2, bias, w.qweight, w.scales, w.zeros):
+        return None
+    return key_of(x2, w, bias, activation, kernel)
+
+
+def call_tensors(x2, w, bias) -> tuple:
+    """The tensors a replay takes, the output aside (the fragment layout, when made)."""
+    parts = (x2, w.qweight, w.scales, w.zeros) + tuple(w._frag or ())
+    return parts if bias is None else parts + (bias,)

@@ -1,6 +1,6 @@
 """The ``torch.library`` op ``tilegemm::w4a16_matmul``: its fake, and autograd for x and the bias (the weight is
 frozen). torch.compile traces it; :func:`tilegemm.ops.w4a16.api.matmul` calls it when a tracer, mode or autograd
-must see the call."""
+must see the call. :data:`REPLAYS` keeps the plain calls' launches (:mod:`tilegemm.core.replay`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,15 @@ from typing import Optional
 import torch
 
 from tilegemm.core.activations import torch_activation
+from tilegemm.core.replay import ReplayCache
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.w4a16 import dispatch
 from tilegemm.ops.w4a16.problem import W4A16Problem
+
+# The host fast path: only the one-launch kernels' calls are kept (dequant_cublas also calls cuBLAS, which a
+# replay of its one Triton launch would skip); keys: tilegemm.ops.w4a16.checks.replay_key.
+REPLAYS = ReplayCache("w4a16")
+REPLAYED_KERNELS = ("gemv", "mma", "frag_wgmma")  # whole calls that are one Triton launch
 
 
 @torch.library.custom_op("tilegemm::w4a16_matmul", mutates_args=())
