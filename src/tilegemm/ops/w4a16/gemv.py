@@ -121,7 +121,7 @@ def w4a16_gemv_kernel(
     ok3 = m0 + 3 < M
 
     # 2-D throughout ([BK/8, BN] and its row vectors): a 3-D [BM, BK/8, BN] form with several rows of x per
-    # program ran 2-100x slower on an H100 (layout conversions per nibble, spills at BM=4; results of f93179c).
+    # program ran far slower (layout conversions per nibble, spills; docs/w4a16.md, "First measurements").
     # Several rows (ROWS) are separate 2-D accumulators sharing each dequantized nibble.
     acc0 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
     if ROWS > 1:
