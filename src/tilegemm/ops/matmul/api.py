@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core.launch import plain_call, recording_active
-from tilegemm.ops.matmul.call import MatmulCall
+from tilegemm.ops.matmul.problem import MatmulCall
 from tilegemm.ops.matmul.checks import check_inputs, replay_key
 from tilegemm.ops.matmul.dispatch import forward
-from tilegemm.ops.matmul.torch_op import REPLAYS, call_op
+from tilegemm.ops.matmul.op import REPLAYS, call_op
 
 
 def matmul(

@@ -33,7 +33,7 @@ def warmup(on_key=None, cases=None, dtype: str | None = None) -> list[str]:
     compiled; returns ``"auto|MxNxK|dtype"`` labels."""
     from tilegemm.core import registry, tuning
     from tilegemm.ops.matmul.api import matmul
-    from tilegemm.ops.matmul.torch_op import REPLAYS
+    from tilegemm.ops.matmul.op import REPLAYS
 
     device = "cpu" if interpreting() else "cuda"
     if cases is not None:
@@ -74,7 +74,7 @@ def warmup(on_key=None, cases=None, dtype: str | None = None) -> list[str]:
 
 def _warm_cases(bench, cases, dtype: str, on_key) -> list[str]:
     """``auto`` once on each case (:func:`tune`'s call), then its replays dropped."""
-    from tilegemm.ops.matmul.torch_op import REPLAYS
+    from tilegemm.ops.matmul.op import REPLAYS
 
     warmed = []
     for case in cases:
