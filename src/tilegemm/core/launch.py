@@ -8,8 +8,7 @@ So every tilegemm launcher goes through :func:`launch`. While :func:`recording` 
 remembered as (compiled kernel, grid, full parameter list). An op that sees a call whose shapes, strides,
 dtypes, device and 16-byte alignment all match an earlier one (everything Triton specializes on) can then
 replay it with :class:`Replay`, swapping in the new tensors (the ops' cache of them: :mod:`tilegemm.core.replay`). A replay calls Triton's C launcher itself
-unless a launch hook is registered, which brought a 64x64 ``tilegemm.matmul`` to 1.3x-1.5x the host time
-of ``torch.matmul`` (from about 1.7x).
+unless a launch hook is registered (what that saves a small call: docs/performance.md).
 
 Host-side TMA descriptors (Gluon's or Triton's ``TensorDescriptor``, kernel parameters) replay too: the
 descriptor's shape, strides and block are the call's (they are in the op's replay key), so a replay

@@ -41,13 +41,9 @@ PROGRAM_US = 1.0  # a program's fixed cost: the pipeline's fill and the epilogue
 LAUNCH_US = 2.5  # a second launch (the split's reduction)
 # What one program moves per step, at most, when its rows are not 16-byte aligned, by element size: such
 # loads go a step at a time into registers, one element per load, so the program waits on them
-# (latency-bound) and moves more where each load carries more bytes. Fitted on 60 unseen misaligned products
-# per dtype (H200, research/ab_padding.py, benchmarks/results/2026-11-24-h200/cdd76fc/): the twin-or-direct
-# choice was right on 54 of 60 in fp16 (at 4 GB/s) and tf32 (at 11 GB/s); one rate for both (8) got 44 and
-# 51. The former model, the load term times 16 (from before the kernels' wrapped-tile hints, when such
-# products ran 10x-30x slower than aligned), priced short-K products 5x-10x too slow and padded them where
-# the direct kernels win (146x8038x334 tf32: 39.9 us as the twin, 19.2 direct). The 1-byte rate (fp8, which
-# is never padded: it only ranks the direct kernels' configs) is half the 16-bit one, not measured. The keys
+# (latency-bound) and moves more where each load carries more bytes. Fitted on unseen misaligned products per
+# dtype (docs/rungs/auto.md). The 1-byte rate (fp8, which is never padded: it only ranks the direct kernels'
+# configs) is half the 16-bit one, not measured. The keys
 # are the element sizes the op takes (its checks refuse others).
 MISALIGNED_PROGRAM_GBPS = {1: 2.0, 2: 4.0, 4: 11.0}
 SMEM_BYTES = 227 * 1024

@@ -5,9 +5,9 @@ What changes against ``autotuned``:
   half-empty waves and no per-tile launch cost;
 - loads and the output store go through TMA descriptors: the TMA engine copies whole tiles between global
   and shared memory, so no thread computes addresses or masks (out-of-range parts of a tile read as zeros
-  and are not written). Configs with ``HOST_DESC`` (every candidate since c56e370) take descriptors made on
-  the host (:func:`host_descriptors`), which saves each launch about 2 us on the GPU (0.92x to 0.99x of
-  cuBLAS at fp16 2048^3, research/explore_host_desc.py); without it each program makes its own;
+  and are not written). Configs with ``HOST_DESC`` (every candidate) take descriptors made on the host
+  (:func:`host_descriptors`), which saves each launch GPU time (docs/rungs/persistent_tma.md); without it each
+  program makes its own;
 - the epilogue is split in two halves along N, so fewer registers are live while storing.
 
 TMA needs a unit stride in the last dim and 16-byte aligned base and strides. A transposed operand is
@@ -203,20 +203,17 @@ def hopper_configs(dtype_bytes: int, mma_operands: str) -> list[dict]:
             make_config(128, 128, 64, 4, 4),
             make_config(128, 64, 64, 4, 4),
             make_config(64, 128, 64, 4, 4),
-            # 1024^3: 128 tiles, 128-wide K steps (1.01x / 1.03x cuBLAS in fp16 / bf16 on the H200, where the
-            # 64-wide steps of the tile above ran 0.85x-0.94x; tools/time_candidates.py).
+            # 1024^3: 128 tiles, 128-wide K steps (ahead of the 64-wide steps above: docs/rungs/persistent_tma.md).
             make_config(64, 128, 128, 4, 4),
             # Small M (64..128): about one 64x64 tile per SM, fed by a 6-deep pipeline of 128-wide K steps
-            # (0.95x cuBLAS at 128x4096x14336; research/explore_tma_small_m.py).
+            # (docs/rungs/persistent_tma.md).
             make_config(64, 64, 128, 4, 6, flatten=False),
         ]
     if mma_operands != "ab":
         # An operand through registers (tf32/fp8 with B not K-major, or A not K-major): the tile loop stays
-        # flattened into the K loop and without warp specialization. Unflattened, these loops ran faster
-        # (tf32 NN 4096^3: 0.84x-0.95x cuBLAS on a 256x128 tile against 0.55x-0.70x) because ptxas no longer
-        # serializes their wgmma (its info C7515), but on the H200 they computed wrong tiles, now and then
-        # for NN and for every tile of some TT configs (research/diagnose_register_operand.py,
-        # benchmarks/results/2026-11-21-h200/54ccfd1/); flattened and serialized, every tile was right.
+        # flattened into the K loop and without warp specialization. Unflattened, these loops ran faster because
+        # ptxas no longer serializes their wgmma (its info C7515), but on the H200 they computed wrong tiles;
+        # flattened and serialized, every tile was right (docs/rungs/persistent_tma.md).
         # tests/test_persistent_tma_sm90.py forces each of these candidates on the GPU.
         unique = []
         for cfg in out:
@@ -292,10 +289,8 @@ def candidates(p: GemmProblem) -> list[dict]:
 
 
 # 16-bit tiles offered with a K split (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; fp8 takes them with K steps of
-# the same bytes, :func:`split_tiles`). For products with few output tiles and a long K: 800x536x7816 fp16 ran
-# 0.89x cuBLAS in 3 slices of 128x128 tiles, where the best unsplit candidate of any rung ran 0.65x; which tile
-# wins depends on the shape (64x128 for 136x480x16256, 0.84x; 128x64 for 288x104x7440, 0.81x against auto's
-# 0.52x; H200, research/explore_tma_split.py). ``auto`` ranks them with the other candidates by the survey
+# the same bytes, :func:`split_tiles`). For products with few output tiles and a long K; which tile wins depends
+# on the shape (docs/rungs/persistent_tma.md). ``auto`` ranks them with the other candidates by the survey
 # (:mod:`tilegemm.ops.matmul.survey`), where their split is ``"wave"``.
 SPLIT_TILES = ((128, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 64, 64, 4, 4), (128, 256, 64, 8, 3),
                (256, 128, 64, 8, 3))
@@ -449,8 +444,7 @@ def launch_first_fitting(p: GemmProblem, failed: dict, error: OutOfResources) ->
     """Launch the first of ``p``'s candidates, other than ``failed``, whose kernel fits the SM's shared memory,
     and keep it for the shape class (untimed, this process). A config chosen without timing (a neighbouring
     class's, the first candidate, a survey's pick) can need more than the SM has with this output dtype and
-    epilogue: fp8 33x40x64 with an fp16 or fp32 output, c, bias and GELU asked 278552 bytes of 232448 on the
-    H200 (benchmarks/results/2026-11-25-h200/34a25e5/gpu-suite-matmul.log). Raises the last error if none fits.
+    epilogue (an fp8 case: docs/rungs/persistent_tma.md). Raises the last error if none fits.
     (A measured entry of the class, tuned without this epilogue, stays the class's first choice: a call that is
     not replayed tries it again.)"""
     for cfg in candidates(p):

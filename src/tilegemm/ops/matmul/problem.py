@@ -225,8 +225,8 @@ def mma_operands(dtype, input_precision: str, a_strides, b_strides) -> str:
     K-major (K the contiguous dim). The first operand may come from registers instead, in any layout.
     So: A and B both K-major, or 16-bit, or IEEE fp32 (no tensor cores): as they are. Only A not
     K-major: A through registers. B not K-major: swap, so that B^T is the first operand and goes
-    through registers, and A^T (K-major when A is) is the second. On H200, tf32 8192^3 with B
-    row-major ran 89 TFLOPS as loaded and 299 swapped (research/explore_tf32_grey.py).
+    through registers, and A^T (K-major when A is) is the second (the swap's gain:
+    docs/rungs/persistent_tma.md).
     """
     if dtype in (torch.float16, torch.bfloat16) or (dtype == torch.float32 and input_precision == "ieee"):
         return "ab"
