@@ -19,6 +19,7 @@ base address and passes the C launch the expanded parameters itself (:func:`_des
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -98,8 +99,6 @@ def _all_params(kernel, args: tuple, kwargs: dict) -> list | None:
         return list(args) + [kwargs[name] for name in names]
     found = _DEFAULTS.get(id(kernel))
     if found is None or found[0] is not kernel:
-        import inspect
-
         fn = kernel
         while hasattr(fn, "fn"):  # an autotuner or JIT function around the Python function
             fn = fn.fn
@@ -195,8 +194,6 @@ def _descriptor_launcher(launch_fn):
     launch for three descriptors on an H200, more than the whole launch of a kernel without them. A
     :class:`Replay` of such a launch instead passes the C launch the expanded parameters itself and
     encodes a descriptor once per base address (:meth:`Replay._encoded`)."""
-    import inspect
-
     import triton
 
     if not triton.__version__.startswith("3.6.") or getattr(launch_fn, "__name__", "") != "inner":

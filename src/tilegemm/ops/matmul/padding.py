@@ -29,6 +29,9 @@ import triton.language as tl
 from tilegemm.core.launch import current_stream, keeping, launch, sequence_lock
 from tilegemm.core.runtime import cdiv
 from tilegemm.core.workspace import buffer
+from tilegemm.ops.matmul import split_k
+from tilegemm.ops.matmul.configs import autotune_configs, prune_for
+from tilegemm.ops.matmul.cost import LAUNCH_US, device_rates, estimate_us, problem_estimator
 
 
 @triton.jit
@@ -158,10 +161,6 @@ def padding_pays(p) -> bool:
     ``autotuned``'s configs and ``split_k``'s (its unsplit ones too). For the product as it is that is a lower
     bound: ``auto`` runs ``split_k`` alone for M <= 128, and splits K for larger M only where the split is
     estimated 15% faster (the A/B of the choice as written here: docs/rungs/auto.md)."""
-    from tilegemm.ops.matmul import split_k
-    from tilegemm.ops.matmul.configs import autotune_configs, prune_for
-    from tilegemm.ops.matmul.cost import LAUNCH_US, device_rates, estimate_us, problem_estimator
-
     if min(p.M, p.N) <= PAD_MIN_MN:
         return False
     options = prune_for(autotune_configs(), p.a.element_size()) + split_k.configs(p)
@@ -239,8 +238,6 @@ def restride_plan(p, a: torch.Tensor, b: torch.Tensor) -> str:
         return ""
     if 1 not in a.stride() or 1 not in b.stride() or p.K < RESTRIDE_MIN_K:
         return ""
-    from tilegemm.ops.matmul.cost import device_rates
-
     _, peak, hbm = device_rates(p)
     product_us = 2.0 * p.M * p.N * p.K / (peak * RESTRIDE_PEAK_FRACTION * 1e6)
     plan = ""

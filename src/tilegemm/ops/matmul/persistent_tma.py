@@ -26,12 +26,15 @@ from tilegemm.jit.helpers import epilogue_tile, mma_ordered, tile_grouped, tile_
 from tilegemm.core.launch import current_stream, launch, sequence_lock
 from tilegemm.core.workspace import split_workspace
 from tilegemm.core.registry import NotApplicable
+from tilegemm.ops.matmul import autotuned
 from tilegemm.ops.matmul.problem import GemmProblem
+from tilegemm.ops.matmul.split_k import wave_split as units_wave_split
 from tilegemm.ops.matmul.split_reduce import launch_reduction
 from tilegemm.core.runtime import cdiv, interpreting
 
 import triton.language as tl  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 
 @triton.jit
@@ -306,8 +309,6 @@ def split_tiles(elem: int) -> tuple:
 def wave_split(p: GemmProblem, cfg: dict) -> int:
     """The K split that makes ``cfg``'s tiles of ``p`` about one wave of work units, each slice at least 4 K steps
     (:func:`tilegemm.ops.matmul.split_k.wave_split`)."""
-    from tilegemm.ops.matmul.split_k import wave_split as units_wave_split
-
     tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
     return units_wave_split(tiles, cdiv(p.K, cfg["BLOCK_K"]), sm_count(p.out.device))
 
@@ -338,8 +339,6 @@ def offers_split(p: GemmProblem, cfg: dict) -> bool:
 def host_descriptors(p: GemmProblem, cfg: dict):
     """Triton host-side TMA descriptors of A, B (as :attr:`GemmProblem.tma_view` says they lie) and the
     output (in [BLOCK_M, BLOCK_N / 2] blocks) for config ``cfg``."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     a, b = (TensorDescriptor(t, shape, [stride, 1], block)
             for t, shape, stride, block in p.tma_boxes(bm, bn, cfg["BLOCK_K"]))
@@ -421,8 +420,6 @@ def tuned_config(p: GemmProblem) -> dict | None:
 def run(p: GemmProblem, config: dict | None = None) -> None:
     reason = why_not(p)
     if reason is not None:
-        from tilegemm.ops.matmul import autotuned
-
         autotuned.run(p)
         return
     ensure_allocator()

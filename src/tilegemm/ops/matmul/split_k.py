@@ -25,7 +25,7 @@ from tilegemm.core.workspace import split_workspace
 from tilegemm.core.hardware import sm_count
 from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div, tile_grouped
 from tilegemm.core.launch import current_stream, launch, sequence_lock
-from tilegemm.ops.matmul import residue
+from tilegemm.ops.matmul import grouped, residue
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.cost import fastest
 from tilegemm.ops.matmul.problem import GemmProblem, rows_aligned
@@ -291,8 +291,6 @@ def launch_config(p: GemmProblem, config: dict) -> None:
     cfg = dict(config)
     if cfg["SPLIT_K"] == 1 and not interpreting():
         # One slice: exactly the grouped kernel (the split kernel's slice bookkeeping cost up to ~5% there).
-        from tilegemm.ops.matmul import grouped
-
         grouped.run(p, {k: v for k, v in cfg.items() if k not in ("SPLIT_K", "SLICES", "APART")})
         return
     # A config without the key (tuned before it existed) gets the default reduction, as candidates do.

@@ -23,7 +23,14 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import warnings
 from pathlib import Path
+
+import torch
+
+from tilegemm.core import hardware
+from tilegemm.core.runtime import cdiv
+from tilegemm.core.tuning import gpu_slug, table_slug
 
 SCHEMA = "tilegemm-survey/1"
 NEIGHBOURS = 3
@@ -150,8 +157,6 @@ def table_path(gpu_name: str, layout: str = "NN", family: str = "", own: bool = 
     ``<gpu>`` is the GPU's own slug or, where the package ships nothing for it, a sibling's
     (:func:`tilegemm.core.tuning.table_slug`). ``own``: always the GPU's own slug (where a survey of it is written,
     never over a sibling's table)."""
-    from tilegemm.core.tuning import gpu_slug, table_slug
-
     name = (gpu_slug(gpu_name) if own else table_slug(gpu_name)) + (f"-{family}" if family else "") + ("" if layout == "NN" else f"-{layout}")
     return Path(__file__).resolve().parent.parent.parent / "tuned" / "survey" / f"{name}.json"
 
@@ -186,8 +191,6 @@ def table_for(gpu_name: str, layout: str = "NN", family: str = "") -> dict | Non
                 for _, config in configs:
                     tile(config)  # utilization() reads it: a KeyError names a config without its tile
             except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
-                import warnings
-
                 warnings.warn(f"tilegemm: ignoring the damaged survey table {path} ({err}); auto's rules decide",
                               stacklevel=2)
                 table = None
@@ -204,8 +207,6 @@ OUTSIDE = 0.5
 def table_of(p) -> dict | None:
     """The table of ``p``'s GPU, layout and dtype family (:func:`table_for`); None where it has none (IEEE fp32
     and mixed 16-bit dtypes have no family)."""
-    import torch
-
     fam = family(p.tuning_dtype)
     return None if fam is None else table_for(torch.cuda.get_device_name(p.out.device), p.layout, fam)
 
@@ -252,9 +253,7 @@ def choose(p) -> tuple[str, dict] | None:
     table = table_of(p)
     picked = None
     if table is not None:
-        from tilegemm.core.hardware import sm_count
-
-        configs, sms = table["configs"], sm_count(p.out.device)
+        configs, sms = table["configs"], hardware.sm_count(p.out.device)
         valid = _valid_candidates(p, configs, described, sms)
         if valid:
             best = _rank(table["shapes"], (p.M, p.N, p.K), valid, configs, sms)[0]
@@ -267,9 +266,8 @@ def choose(p) -> tuple[str, dict] | None:
 
 
 def _valid_candidates(p, configs: list, described: bool, sms: int) -> list[int]:
-    from tilegemm.core.runtime import cdiv
-    from tilegemm.ops.matmul import persistent_tma
-    from tilegemm.ops.matmul.split_k import sensible_split
+    from tilegemm.ops.matmul import persistent_tma  # (kernel modules: imported when first asked, after triton's
+    from tilegemm.ops.matmul.split_k import sensible_split  # backend is chosen; importing tilegemm imports none)
 
     tma = persistent_tma.candidates(p) if described else []
     valid = []
@@ -297,10 +295,8 @@ def _resolved(p, rung: str, config: dict) -> dict:
 
         config["SPLIT_K"] = wave_split(p, config)
     elif rung == "split_k" and config["SPLIT_K"] == "wave":
-        from tilegemm.core.hardware import sm_count
-        from tilegemm.core.runtime import cdiv
         from tilegemm.ops.matmul.split_k import wave_split
 
         tiles = cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"])
-        config["SPLIT_K"] = wave_split(tiles, cdiv(p.K, config["BLOCK_K"]), sm_count(p.out.device))
+        config["SPLIT_K"] = wave_split(tiles, cdiv(p.K, config["BLOCK_K"]), hardware.sm_count(p.out.device))
     return config
