@@ -8,8 +8,7 @@ So every tilegemm launcher goes through :func:`launch`. While :func:`recording` 
 remembered as (compiled kernel, grid, full parameter list). An op that sees a call whose shapes, strides,
 dtypes, device and 16-byte alignment all match an earlier one (everything Triton specializes on) can then
 replay it with :class:`Replay`, swapping in the new tensors (the ops' cache of them: :mod:`tilegemm.core.replay`). A replay calls Triton's C launcher itself
-unless a launch hook is registered, which brought a 64x64 ``tilegemm.matmul`` to 1.3x-1.5x the host time
-of ``torch.matmul`` (from about 1.7x).
+unless a launch hook is registered (what that saves a small call: docs/performance.md).
 
 Host-side TMA descriptors (Gluon's or Triton's ``TensorDescriptor``, kernel parameters) replay too: the
 descriptor's shape, strides and block are the call's (they are in the op's replay key), so a replay
@@ -20,6 +19,7 @@ base address and passes the C launch the expanded parameters itself (:func:`_des
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -99,8 +99,6 @@ def _all_params(kernel, args: tuple, kwargs: dict) -> list | None:
         return list(args) + [kwargs[name] for name in names]
     found = _DEFAULTS.get(id(kernel))
     if found is None or found[0] is not kernel:
-        import inspect
-
         fn = kernel
         while hasattr(fn, "fn"):  # an autotuner or JIT function around the Python function
             fn = fn.fn
@@ -196,8 +194,6 @@ def _descriptor_launcher(launch_fn):
     launch for three descriptors on an H200, more than the whole launch of a kernel without them. A
     :class:`Replay` of such a launch instead passes the C launch the expanded parameters itself and
     encodes a descriptor once per base address (:meth:`Replay._encoded`)."""
-    import inspect
-
     import triton
 
     if not triton.__version__.startswith("3.6.") or getattr(launch_fn, "__name__", "") != "inner":

@@ -81,7 +81,7 @@ def buffer(device: torch.device, dtype: torch.dtype, numel: int, tag) -> torch.T
     key = (device, current_stream() if device.type == "cuda" else 0, dtype, tag)
     buf = _buffers.get(key)
     if buf is None or buf.numel() < numel:
-        # At least 1.5x the one it replaces: a network's layers growing call by call (a backward pass from the
+        # Grown by at least half over the one it replaces: a network's layers growing call by call (a backward pass from the
         # deep layers out) replace it a few times, not once a layer, each replaced one held by its replays.
         grown = buf.numel() * 3 // 2 if buf is not None else 0
         buf = _buffers[key] = torch.empty(max(numel, grown, 1 << 16), dtype=dtype, device=device)

@@ -55,7 +55,7 @@ register(KernelSpec(
 ))
 
 from tilegemm.ops.matmul.api import matmul  # noqa: E402
-from tilegemm.ops.matmul.call import ACTIVATIONS  # noqa: E402
+from tilegemm.core.activations import ACTIVATIONS  # noqa: E402
 from tilegemm.ops.matmul.dispatch import launch  # noqa: E402
 from tilegemm.ops.matmul.problem import GemmProblem, make_problems  # noqa: E402
 

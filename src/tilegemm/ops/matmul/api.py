@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core.launch import plain_call, recording_active
-from tilegemm.ops.matmul.call import MatmulCall
+from tilegemm.ops.matmul.problem import MatmulCall
 from tilegemm.ops.matmul.checks import check_inputs, replay_key
 from tilegemm.ops.matmul.dispatch import forward
-from tilegemm.ops.matmul.torch_op import REPLAYS, call_op
+from tilegemm.ops.matmul.op import REPLAYS, call_op
 
 
 def matmul(
@@ -47,8 +47,8 @@ def matmul(
             shared by every batch. Only with fp8 inputs. fp8 products accumulate in fp32.
         fast_accum: fp8 only. By default the tensor cores' partial sums are added into an fp32
             accumulator every K step (like ``torch._scaled_mm``); True lets them accumulate all of K
-            themselves, with fewer bits (like ``use_fast_accum=True``): about 1.25x faster on an H200 at
-            4096^3 and up, less exact for long K.
+            themselves, with fewer bits (like ``use_fast_accum=True``): faster on large products
+            (docs/performance.md), less exact for long K.
 
     Raises:
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).

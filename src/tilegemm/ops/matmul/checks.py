@@ -13,7 +13,7 @@ from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, func
                                   plain_tensor, tensor_key)
 from tilegemm.core.runtime import check_same_device, interpreting
 from tilegemm.core.workspace import in_graph_tree
-from tilegemm.ops.matmul.call import DTYPES, FP8_DTYPES, INPUT_DTYPES, MatmulCall
+from tilegemm.ops.matmul.problem import DTYPES, FP8_DTYPES, INPUT_DTYPES, MatmulCall
 
 def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
     if not isinstance(t, torch.Tensor):

@@ -177,18 +177,14 @@ def matmul_residue_kernel(
 # --- host side ----------------------------------------------------------------------------------------------
 
 # (BLOCK_O, BLOCK_I, warps, stages) for 16-bit operands: NN's tile is BLOCK_O rows of K by BLOCK_I columns of
-# N; NT's BLOCK_O output columns by BLOCK_I of K. With the K split filling PROGRAMS_PER_SM programs an SM. From
-# research/explore_residue.py (H100, 16 products, 5 tiles x 2, 4, 8 programs an SM, benchmarks/results/
-# 2026-11-25-h100/8f8dd48/wip-explore-residue.json): 32x256 at 4 an SM ran NN 1.41x-1.81x cuBLAS from 42 MB
-# of B up (the path before: 0.74x-0.85x); 64x128 at 8 an SM ran NT 1.23x-1.34x from 80 MB up. On the H200,
-# 10 more products among 26 (2026-11-25-h200/6a9dba1/explore-residue.json): 1.34x geomean against 0.86x.
+# N; NT's BLOCK_O output columns by BLOCK_I of K. With the K split filling PROGRAMS_PER_SM programs an SM: the
+# best of the tiles and occupancies measured (docs/rungs/split_k.md).
 TILES = {"NN": (32, 256, 4, 3), "NT": (64, 128, 4, 3)}
 PROGRAMS_PER_SM = {"NN": 4, "NT": 8}
 MIN_STEPS = 2  # steps a K slice keeps at least
 PLANE_SHARE = 0.25  # the planes (written and read) may cost at most this share of B's bytes
 # Below this many bytes of B the product is over in a few microseconds, and the path before (split_k's
-# misaligned rule, one launch) ran as fast or faster: 8x1001x3001 (6 MB) 0.84x cuBLAS against 0.66x here,
-# NT 3x1111x2087 (4.6 MB) 1.04x against 0.91x (H100, the same run).
+# misaligned rule, one launch) ran as fast or faster (docs/rungs/split_k.md).
 MIN_B_BYTES = 8 << 20
 
 

@@ -1,7 +1,7 @@
 """``torch.ops.tilegemm.matmul``: the ``torch.library`` op, its fake (meta) implementation and its autograd.
 
 The op's schema is flat (tensors, floats, strings); inside, the arguments travel as one
-:class:`~tilegemm.ops.matmul.call.MatmulCall`. The backward pass recomputes the pre-activation and
+:class:`~tilegemm.ops.matmul.problem.MatmulCall`. The backward pass recomputes the pre-activation and
 differentiates the activation with torch; its two GEMMs run through the op again.
 """
 
@@ -14,7 +14,7 @@ import torch
 from tilegemm.core.launch import recording_active
 from tilegemm.core.replay import ReplayCache
 from tilegemm.core.torch_ops import lean_autograd
-from tilegemm.ops.matmul.call import MatmulCall
+from tilegemm.ops.matmul.problem import MatmulCall
 from tilegemm.ops.matmul.checks import output_shape, replay_key
 from tilegemm.ops.matmul.dispatch import forward
 from tilegemm.ops.matmul.reference import torch_activation
