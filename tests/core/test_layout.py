@@ -111,18 +111,9 @@ def test_every_registered_kernel_resolves(op):
         assert callable(registry.resolve(registry.op(op).tune))
 
 
-# Cross-family imports that predate the entry points, to go as those families move to them (then this set
-# shrinks to nothing): conv2d's 1x1 and gradient paths, and its reference's tolerance.
-_LEGACY_CROSS_FAMILY = {
-    ("tilegemm.ops.conv2d.gemm_1x1", "tilegemm.ops.matmul.api"),
-    ("tilegemm.ops.conv2d.gemm_1x1", "tilegemm.ops.matmul.dispatch"),
-    ("tilegemm.ops.conv2d.gemm_1x1", "tilegemm.ops.matmul.problem"),
-    ("tilegemm.ops.conv2d.gemm_1x1", "tilegemm.ops.matmul.split_k"),
-    ("tilegemm.ops.conv2d.gemm_1x1", "tilegemm.ops.matmul.gluon_f16"),
-    ("tilegemm.ops.conv2d.gemm_1x1", "tilegemm.ops.matmul.persistent_tma"),
-    ("tilegemm.ops.conv2d.op", "tilegemm.ops.matmul.api"),
-    ("tilegemm.ops.conv2d.reference", "tilegemm.ops.matmul.reference"),
-}
+# Cross-family imports that predate the entry points, to go as those families move to them: none left (conv2d's
+# 1x1 and gradient paths and its reference moved to tilegemm.ops.matmul's make_problems and launch).
+_LEGACY_CROSS_FAMILY: set = set()
 
 
 def _family(module: str) -> str | None:
