@@ -15,8 +15,7 @@
 #   conv2d-fwd    the conv2d bench's forward sweeps (resnet50, mobilenet; auto only);  conv2d-nchw  forward and
 #                 backward on NCHW tensors, both sides (--memory-format nchw)
 #   fuzz          the public ops' GPU fuzz (tests/*/test_*_fuzz_gpu.py; \$TILEGEMM_FUZZ_EXAMPLES draws per op)
-#   stream-k      research/explore_stream_k.py (persistent_tma's STREAM_K against its whole tiles and splits,
-#                 \$EXPLORE_BUDGET s);  models  the bench's models sweep, fp16, auto only
+#   models        the bench's models sweep, fp16, auto only
 #   batched       the bench's batched sweep, fp16 NN and NT, auto only
 #   conv2d-explore  research/explore_depthwise.py (with research/depthwise_cols.py) and
 #                 research/explore_gluon_narrow.py, \$EXPLORE_BUDGET s for the first
@@ -59,7 +58,6 @@ for step in "$@"; do
                    --mode $m --memory-format nchw --json "$OUT/conv2d-$s-$m-nchw.json" 2>&1 | tail -n 3; done; done ;;
     fuzz) for t in matmul conv2d w4a16; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
-    stream-k) PYTHONPATH=src:research python3 research/explore_stream_k.py --budget "${EXPLORE_BUDGET:-300}" 2>&1 | tee "$OUT/stream-k.log" | tail -n 40 ;;
     models) bench --sweep models --dtype fp16 --kernels auto --json "$OUT/models-fp16.json" 2>&1 | tail -n 6 ;;
     batched) for l in NN NT; do bench --sweep batched --layout $l --dtype fp16 --kernels auto \
                --json "$OUT/batched-fp16-$l.json" 2>&1 | tail -n 4; done ;;

@@ -29,9 +29,8 @@ import triton.language as tl
 from tilegemm.core.launch import current_stream, keeping, launch, sequence_lock
 from tilegemm.core.runtime import cdiv
 from tilegemm.core.workspace import buffer
-from tilegemm.ops.matmul import split_k
+from tilegemm.ops.matmul import cost, split_k
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
-from tilegemm.ops.matmul.cost import LAUNCH_US, device_rates, estimate_us, problem_estimator
 
 
 @triton.jit
@@ -164,15 +163,15 @@ def padding_pays(p) -> bool:
     if min(p.M, p.N) <= PAD_MIN_MN:
         return False
     options = prune_for(autotune_configs(), p.a.element_size()) + split_k.configs(p)
-    misaligned = min(map(problem_estimator(p, aligned=False), options))
+    misaligned = min(map(cost.problem_estimator(p, aligned=False), options))
     if misaligned < PAD_MIN_US:
         return False
     elem, out_elem = p.a.element_size(), p.out.element_size()
     Mp, Np, Kp = twin_shape(p.M, p.N, p.K, elem)
-    sms, peak, hbm = device_rates(p)
-    twin = min(estimate_us(Mp, Np, Kp, 1, elem, out_elem, cfg, sms=sms, peak_tflops=peak, hbm_gbps=hbm)
+    sms, peak, hbm = cost.device_rates(p)
+    twin = min(cost.estimate_us(Mp, Np, Kp, 1, elem, out_elem, cfg, sms=sms, peak_tflops=peak, hbm_gbps=hbm)
                for cfg in options)
-    copies = 2.0 * ((p.M * p.K + p.K * p.N) * elem + p.M * p.N * out_elem) / (hbm * 1e3) + 3 * LAUNCH_US
+    copies = 2.0 * ((p.M * p.K + p.K * p.N) * elem + p.M * p.N * out_elem) / (hbm * 1e3) + 3 * cost.LAUNCH_US
     return twin + copies < PAD_GAIN * misaligned
 
 
@@ -238,7 +237,7 @@ def restride_plan(p, a: torch.Tensor, b: torch.Tensor) -> str:
         return ""
     if 1 not in a.stride() or 1 not in b.stride() or p.K < RESTRIDE_MIN_K:
         return ""
-    _, peak, hbm = device_rates(p)
+    _, peak, hbm = cost.device_rates(p)
     product_us = 2.0 * p.M * p.N * p.K / (peak * RESTRIDE_PEAK_FRACTION * 1e6)
     plan = ""
     # (name, tensor, K-major, how many rows or columns its non-unit stride spaces)
