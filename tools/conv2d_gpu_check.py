@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     from tilegemm.bench.base import bench_op
     from tilegemm.core.checks import relative_error
     from tilegemm.ops.conv2d.op import backward_data, backward_weight
+    from tilegemm.ops.conv2d.problem import DgradCall, WgradCall
     from tilegemm.ops.conv2d.reference import tolerance
 
     device = "cpu" if args.dry_run else "cuda"
@@ -56,9 +57,11 @@ def main(argv=None) -> int:
                                                    [True, True, False])[:2]
 
     def ours_bwd(dy, x, w, conv):
-        common = ([conv["stride"]] * 2, [conv["padding"]] * 4, [1, 1], conv["groups"], "default")
-        dx = backward_data(dy, w, list(x.shape), x.is_contiguous(memory_format=cl) and not x.is_contiguous(), *common)
-        return dx, backward_weight(dy, x, list(w.shape), *common)
+        common = dict(stride=[conv["stride"]] * 2, padding=[conv["padding"]] * 4, dilation=[1, 1],
+                      groups=conv["groups"], precision="default")
+        x_cl = x.is_contiguous(memory_format=cl) and not x.is_contiguous()
+        dx = backward_data(DgradCall(dy=dy, weight=w, x_shape=list(x.shape), x_channels_last=x_cl, **common))
+        return dx, backward_weight(WgradCall(dy=dy, x=x, w_shape=list(w.shape), **common))
 
     for sweep in args.sweeps.split(","):
         for case in op.cases(sweep):

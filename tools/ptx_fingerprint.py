@@ -61,9 +61,9 @@ HOST = {
     "split_k.configs": "tilegemm.ops.matmul.split_k:configs",  # configs(p)
     "persistent_tma.configs": "tilegemm.ops.matmul.persistent_tma:configs",  # configs(dtype_bytes, mma_operands)
     "persistent_tma.triton_launch_args": "tilegemm.ops.matmul.persistent_tma:triton_launch_args",
-    "persistent_tma.describable": "tilegemm.ops.matmul.persistent_tma:describable",
+    "persistent_tma.why_not": "tilegemm.ops.matmul.persistent_tma:why_not",
     "persistent_tma.GLUON_CONFIG_KEYS": "tilegemm.ops.matmul.persistent_tma:GLUON_CONFIG_KEYS",
-    # Gluon kernel modules (CONFIG_KEY, configs(out_element_size), usable(p), launch_args(p, cfg, num_sms)),
+    # Gluon kernel modules (CONFIG_KEY, configs(out_element_size), why_not(p), launch_args(p, cfg, num_sms)),
     # in the order persistent_tma.gluon_kernel_for tries them.
     "gluon_fp8": "tilegemm.ops.matmul.gluon_fp8",
     "gluon_tf32": "tilegemm.ops.matmul.gluon_tf32",
@@ -318,7 +318,7 @@ def gluon_for(p):
     """The Gluon module persistent_tma offers for ``p`` (gluon_kernel_for, without asking for a GPU)."""
     for name in ("gluon_fp8", "gluon_tf32", "gluon_f16"):
         module = host(name)
-        if module.usable(p) is None:
+        if module.why_not(p) is None:
             return module
     return None
 
@@ -326,7 +326,7 @@ def gluon_for(p):
 def tma_launches(m: Mode, origin: str, first_only: bool = False) -> list[Launch]:
     """persistent_tma's candidates for mode ``m``: its Triton kernel's configs and the Gluon kernel's."""
     p = m.problem()
-    reason = host("persistent_tma.describable")(p)
+    reason = host("persistent_tma.why_not")(p)
     if reason is not None:
         raise RuntimeError(f"{m.name}: persistent_tma cannot describe it: {reason}")
     cfgs = host("persistent_tma.configs")(p.a.element_size(), p.mma_operands)
@@ -428,7 +428,7 @@ def tuned_launches(path: str) -> list[Launch]:
             gkeys = [k for k in gluon_keys if cfg.get(k)]
             if gkeys:
                 module = gluon_by_key[gkeys[0]]
-                reason = module.usable(p)
+                reason = module.why_not(p)
                 if reason is not None:
                     raise RuntimeError(f"{origin}: {key}: a {gkeys[0]} config for a problem it does not take: {reason}")
                 out.append(returned(module.launch_args(p, dict(cfg), NUM_SMS), m.name, f"{origin}:{rung}"))

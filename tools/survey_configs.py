@@ -31,7 +31,8 @@ import torch
 import triton.testing
 from tilegemm.core import tuning
 from tilegemm.core.hardware import machine_info
-from tilegemm.ops.matmul import dispatch, persistent_tma, replay, split_k
+from tilegemm.core import replay
+from tilegemm.ops.matmul import dispatch, persistent_tma, split_k
 from tilegemm.ops.matmul.bench import _random_cases
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.problem import make_problems
@@ -86,9 +87,9 @@ def round_shapes(count: int, seed: int) -> list[tuple[int, int, int]]:
 def field(p, splits_only: bool = False) -> list[tuple[str, dict]]:
     """(rung, config) of every candidate for problem ``p``; ``splits_only``: ``persistent_tma``'s K splits only."""
     if splits_only:
-        return [("persistent_tma", c) for c in persistent_tma.split_configs(p)] if persistent_tma.describable(p) is None else []
+        return [("persistent_tma", c) for c in persistent_tma.split_configs(p)] if persistent_tma.why_not(p) is None else []
     out = [("autotuned", c) for c in prune_for(autotune_configs(), p.a.element_size())]
-    if persistent_tma.describable(p) is None:
+    if persistent_tma.why_not(p) is None:
         out += [("persistent_tma", c) for c in persistent_tma.candidates(p)]
     out += [("split_k", c) for c in split_k.configs(p) if p.M <= 128 or c["SPLIT_K"] > 1]
     return out
@@ -156,7 +157,7 @@ def survey(M: int, N: int, K: int, dtype: str, rep: int, layout: str = "NN", spl
         row["auto_us"] = triton.testing.do_bench(ops.tilegemm, warmup=5, rep=3 * rep, return_mode="median") * 1e3
     finally:
         dispatch.choose_kernel, dispatch.surveyed = original, surveyed
-        replay.clear()  # the rules' recorded launches must not stand in for a later call
+        replay.cache("matmul").clear()  # the rules' recorded launches must not stand in for a later call
     row["configs"] = measure(ops, False, rep, scale)
     return row
 

@@ -55,10 +55,11 @@ def rel(out, ref) -> float:
 
 
 def problem(x, w, bias=None, activation="none"):
-    from tilegemm.ops.w4a16.common import W4A16Problem
+    from tilegemm.ops.w4a16.problem import W4A16Problem
 
     out = torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=x.dtype)
-    return W4A16Problem(x, w.qweight, w.scales, w.zeros, bias, out, w.group_k, activation, False)
+    return W4A16Problem(x=x, qweight=w.qweight, scales=w.scales, zeros=w.zeros, bias=bias, out=out, group_k=w.group_k,
+                        activation=activation)
 
 
 # --- candidates -----------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def section_check(results) -> None:
 
 
 def time_shape(N, K, Ms, quick, budget, results) -> None:
-    from tilegemm.ops.w4a16 import configs, gemv, mma, op
+    from tilegemm.ops.w4a16 import dispatch, gemv, mma
     from tilegemm.ops.w4a16.baselines import tinygemm_mm, tinygemm_weight
 
     torch.cuda.empty_cache()
@@ -197,10 +198,10 @@ def time_shape(N, K, Ms, quick, budget, results) -> None:
             w4a16.matmul(x, w)
         torch.cuda.synchronize()
         row["api_loop_us"] = (time.perf_counter() - t) / 100 * 1e6  # back to back: max(host, GPU) per call
-        kernel = configs.choose(M)
+        kernel = dispatch.choose(M)
         row["auto_kernel"] = kernel
         p = problem(x, w)
-        run = op.launcher(kernel)
+        run = dispatch.launcher(kernel)
         run(p)
         row["auto_err"] = rel(p.out, ref)
         row["auto_us"] = gbench(lambda: run(p))

@@ -173,6 +173,7 @@ def test_strided_pointwise_data_gradient_is_the_product_spread_out(shape, stride
     wider than one channel block, images not stride multiples); and the spread kernel is what ran."""
     from tilegemm.core import runtime
     from tilegemm.ops.conv2d import gemm_1x1, op
+    from tilegemm.ops.conv2d.problem import DgradCall
 
     N, C, H, W, K = shape
     ran = []
@@ -184,7 +185,7 @@ def test_strided_pointwise_data_gradient_is_the_product_spread_out(shape, stride
     w = torch.randn(K, C, 1, 1, device=device)
     P, Q = (H - 1) // stride[0] + 1, (W - 1) // stride[1] + 1
     dy = torch.randn(N, K, P, Q, device=device).contiguous(memory_format=CL)
-    dx = op.backward_data(dy, w, list(x.shape), True, list(stride), [0, 0, 0, 0], [1, 1], 1, "ieee")
+    dx = op.backward_data(DgradCall(dy, w, list(x.shape), True, list(stride), [0, 0, 0, 0], [1, 1], 1, "ieee"))
     assert ran and dx.is_contiguous(memory_format=CL) and dx.shape == x.shape
     xr = x.double().requires_grad_()
     torch.nn.functional.conv2d(xr, w.double(), None, stride).backward(dy.double())

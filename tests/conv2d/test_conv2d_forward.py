@@ -121,7 +121,7 @@ def test_no_bias_and_strided_input_views(device):
 
 
 def test_auto_picks_by_geometry():
-    from tilegemm.ops.conv2d.op import choose_kernel
+    from tilegemm.ops.conv2d.dispatch import choose_kernel
     from tilegemm.ops.conv2d.problem import geometry_of
 
     def pick(x_shape, w_shape, **conv):  # shapes only: no tensor, so no device check

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import tilegemm
 from tilegemm.core.runtime import interpreting
-from tilegemm.ops.conv2d import layout, replay
+from tilegemm.ops.conv2d import layout
+from tilegemm.ops.conv2d import op as replay
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
 
 from conftest import assert_rel_close
@@ -84,18 +85,18 @@ LAYERS = [  # (N, C, H, W, K, R, stride, pad, groups): what auto picks for the c
 @pytest.mark.parametrize("N,C,H,W,K,R,stride,pad,groups", LAYERS)
 def test_gpu_nchw_forward_through_the_route(N, C, H, W, K, R, stride, pad, groups, weight_format, dtype,
                                             monkeypatch):
-    from tilegemm.ops.conv2d import op
+    from tilegemm.ops.conv2d import dispatch
 
     taken = []
     real = layout.workspace_view
     monkeypatch.setattr(layout, "workspace_view", lambda t, tag: taken.append(tag) or real(t, tag))
-    replay.clear()
+    replay.REPLAYS.clear()
     w = (torch.randn(K, C // groups, R, R, device="cuda") / (C // groups * R * R) ** 0.5).to(dtype)
     if weight_format == "cl":
         w = w.contiguous(memory_format=CL)
     b = torch.randn(K, device="cuda").to(dtype)
     conv = dict(stride=stride, padding=pad, groups=groups)
-    assert op._nchw_route(torch.empty(N, C, H, W, device="cuda", dtype=dtype))
+    assert dispatch._nchw_route(torch.empty(N, C, H, W, device="cuda", dtype=dtype))
     outs = []
     for trial in range(3):  # the first call records, the later ones replay with new tensors
         x = torch.randn(N, C, H, W, device="cuda").to(dtype)
@@ -108,7 +109,7 @@ def test_gpu_nchw_forward_through_the_route(N, C, H, W, K, R, stride, pad, group
         assert "conv2d-nchw-input" not in taken
     else:  # transposed, then a kernel of the channels-last input; every launch Triton's, so the call replays
         assert taken.count("conv2d-nchw-input") == 1  # trials 2 and 3 replayed: no second full path
-        assert replay.count() == 1
+        assert replay.REPLAYS.count() == 1
 
 
 @pytest.mark.gpu
@@ -121,7 +122,7 @@ def test_gpu_nchw_gradients_and_an_fp32_pre_activation(C, K, R, stride, groups, 
     taken = []
     real = layout.workspace_view
     monkeypatch.setattr(layout, "workspace_view", lambda t, tag: taken.append(tag) or real(t, tag))
-    replay.clear()
+    replay.REPLAYS.clear()
     w = (torch.randn(K, C // groups, R, R, device="cuda") / (C // groups * R * R) ** 0.5).half().requires_grad_(True)
     conv = dict(stride=stride, padding=R // 2, groups=groups)
     for step in range(2):
@@ -147,13 +148,13 @@ def test_gpu_nchw_gradients_and_an_fp32_pre_activation(C, K, R, stride, groups, 
 
 @pytest.mark.gpu
 def test_gpu_a_weight_torch_must_copy_is_not_replayed_but_stays_right():
-    replay.clear()
+    replay.REPLAYS.clear()
     for _ in range(3):
         x = torch.randn(2, 32, 10, 10, device="cuda", dtype=torch.float16)
         w = torch.randn(64, 32, 3, 3, device="cuda", dtype=torch.float16).transpose(2, 3)  # neither NCHW nor CL
         out = tilegemm.conv2d(x, w, padding=1)
         assert_rel_close(out, F.conv2d(x.double(), w.double(), padding=1), 4e-3)
-    assert replay.count() == 0
+    assert replay.REPLAYS.count() == 0
 
 
 # --- the route under the interpreter: forced on, the pointer and depthwise kernels take the copies -------------
@@ -170,9 +171,9 @@ ROUTED = [  # (N, C, H, W, K, R, stride, pad, dilation, groups)
                          ids=["w1", "h1-depthwise-stride2", "dilated-groups2", "1x1-stride2", "1x1"])
 def test_route_forced_on_matches_f_conv2d_with_gradients(N, C, H, W, K, R, stride, pad, dilation, groups,
                                                           monkeypatch):
-    from tilegemm.ops.conv2d import op
+    from tilegemm.ops.conv2d import dispatch
 
-    monkeypatch.setattr(op, "_nchw_route", lambda t: layout.planar(t) and t.shape[1] > 8)
+    monkeypatch.setattr(dispatch, "_nchw_route", lambda t: layout.planar(t) and t.shape[1] > 8)
     taken = []
     real = layout.workspace_view
     monkeypatch.setattr(layout, "workspace_view", lambda t, tag: taken.append(tag) or real(t, tag))

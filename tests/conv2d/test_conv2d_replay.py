@@ -11,20 +11,21 @@ from conftest import assert_rel_close
 import tilegemm
 from tilegemm.core.launch import recording, recording_active
 from tilegemm.core.runtime import interpreting
-from tilegemm.ops.conv2d import replay
+from tilegemm.ops.conv2d import checks
+from tilegemm.ops.conv2d import op as replay
 
 CL = torch.channels_last
 
 
 def key(x, w, bias=None, conv=(1, 1, 1, 1), *options):
-    return replay.key_of("fwd", x, w, bias, conv, *options)
+    return checks.key_of("fwd", x, w, bias, conv, *options)
 
 
 def test_keys_differ_where_the_launch_does():
     x = torch.randn(2, 16, 9, 9, dtype=torch.float16).contiguous(memory_format=CL)
     w = torch.randn(32, 16, 3, 3, dtype=torch.float16).contiguous(memory_format=CL)
     # (replay_key itself declines on the CPU)
-    assert replay.replay_key("fwd", x, w, None, (1, 1, 1, 1), "none", None, "auto") is None
+    assert checks.replay_key("fwd", x, w, None, (1, 1, 1, 1), "none", None, "auto") is None
     base = key(x, w)
     others = [
         key(x.contiguous(), w), key(x, w.contiguous()), key(x[:1], w), key(x, w, torch.randn(32, dtype=torch.float16)),
@@ -48,11 +49,11 @@ def test_nested_recordings_pass_their_launches_out():
 
 @pytest.mark.skipif(not interpreting(), reason="a CPU call needs the interpreter (with a GPU in use it is refused)")
 def test_no_replay_on_the_cpu():
-    replay.clear()
+    replay.REPLAYS.clear()
     x = torch.randn(1, 8, 6, 6).contiguous(memory_format=CL)
     w = torch.randn(8, 8, 3, 3)
     out = tilegemm.conv2d(x, w, padding=1)
-    assert replay.count() == 0
+    assert replay.REPLAYS.count() == 0
     assert_rel_close(out, F.conv2d(x.double(), w.double(), padding=1), 1e-4)
 
 
@@ -68,7 +69,7 @@ LAYERS = [  # (C, K, R, stride, pad, groups): implicit GEMM, 1x1 (through matmul
 @pytest.mark.parametrize("fmt", ["cl", "nchw"])
 def test_replayed_calls_equal_fresh_ones(layer, fmt):
     C, K, R, stride, pad, groups = layer
-    replay.clear()
+    replay.REPLAYS.clear()
     memory_format = CL if fmt == "cl" else torch.contiguous_format
     w = (torch.randn(K, C // groups, R, R, device="cuda") / (C * R) ** 0.5).half().contiguous(memory_format=CL)
     bias = torch.randn(K, device="cuda", dtype=torch.float16)
@@ -82,23 +83,23 @@ def test_replayed_calls_equal_fresh_ones(layer, fmt):
             assert out.is_contiguous(memory_format=memory_format)
             outs.append(out)
         assert outs[1].data_ptr() != outs[2].data_ptr()
-    assert replay.count() >= (2 if fmt == "cl" else 0)  # channels-last calls are one launch each: kept
+    assert replay.REPLAYS.count() >= (2 if fmt == "cl" else 0)  # channels-last calls are one launch each: kept
 
 
 @pytest.mark.gpu
 def test_an_nchw_weight_is_transposed_by_a_launch_and_the_call_replays_reading_it_afresh():
-    replay.clear()
+    replay.REPLAYS.clear()
     x = torch.randn(2, 32, 10, 10, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
     for _ in range(3):
         w = torch.randn(64, 32, 3, 3, device="cuda", dtype=torch.float16)  # NCHW: made [K, R, S, C] in a workspace
         out = tilegemm.conv2d(x, w, padding=1)
         assert_rel_close(out, F.conv2d(x.double(), w.double(), padding=1), 4e-3)
-    assert replay.count() == 1
+    assert replay.REPLAYS.count() == 1
 
 
 @pytest.mark.gpu
 def test_backward_gradients_replay_and_match_torch():
-    replay.clear()
+    replay.REPLAYS.clear()
     w = (torch.randn(64, 32, 3, 3, device="cuda") * 0.05).half().contiguous(memory_format=CL).requires_grad_()
     for _ in range(3):
         x = torch.randn(2, 32, 12, 12, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
@@ -110,7 +111,7 @@ def test_backward_gradients_replay_and_match_torch():
         assert_rel_close(x.grad, xr.grad, 4e-3)
         assert_rel_close(w.grad, wr.grad, 4e-3)
         w.grad = None
-    assert replay.count() >= 2  # the data and the weight gradient (the forward under autograd is not plain)
+    assert replay.REPLAYS.count() >= 2  # the data and the weight gradient (the forward under autograd is not plain)
 
 
 @pytest.mark.gpu
@@ -119,24 +120,25 @@ def test_channels_last_weight_gradient_replays_in_its_layout(dtype):
     """A channels-last activation's weight gradient is recorded and replayed channels-last, new values each
     call."""
     from tilegemm.ops.conv2d.op import backward_weight
+    from tilegemm.ops.conv2d.problem import WgradCall
 
-    replay.clear()
+    replay.REPLAYS.clear()
     args = ([1, 1], [1, 1, 1, 1], [1, 1], 1, "ieee")
     for _ in range(3):
         x = torch.randn(2, 16, 9, 10, device="cuda", dtype=dtype).contiguous(memory_format=CL)
         dy = torch.randn(2, 24, 9, 10, device="cuda", dtype=dtype).contiguous(memory_format=CL)
-        dw = backward_weight(dy, x, [24, 16, 3, 3], *args)
+        dw = backward_weight(WgradCall(dy, x, [24, 16, 3, 3], *args))
         assert dw.is_contiguous(memory_format=CL) and not dw.is_contiguous()
         xr = x.double().requires_grad_()
         wr = torch.zeros(24, 16, 3, 3, dtype=torch.float64, device="cuda", requires_grad=True)
         F.conv2d(xr, wr, padding=1).backward(dy.double())
         assert_rel_close(dw, wr.grad, 4e-3 if dtype == torch.float16 else 1e-5)
-    assert replay.count() == 1  # recorded once, replayed twice
+    assert replay.REPLAYS.count() == 1  # recorded once, replayed twice
 
 
 @pytest.mark.gpu
 def test_replay_declines_on_another_stream():
-    replay.clear()
+    replay.REPLAYS.clear()
     w = torch.randn(32, 16, 3, 3, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
     x = torch.randn(2, 16, 8, 8, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
     first = tilegemm.conv2d(x, w, padding=1)
@@ -153,9 +155,10 @@ def test_replay_declines_on_another_stream():
 def test_strided_1x1_after_a_bigger_call_reads_its_own_pixels(grads):
     # The kept pixels are gathered into a per-stream workspace that a bigger call replaces; every replay (the
     # inner matmul's own too, kept where autograd watches the conv2d call) must read the current one.
-    from tilegemm.ops.matmul import replay as matmul_replay
+    from tilegemm.core.replay import cache
+    matmul_replay = cache("matmul")
 
-    replay.clear()
+    replay.REPLAYS.clear()
     matmul_replay.clear()
     w = (torch.randn(64, 64, 1, 1, device="cuda") / 8).half().contiguous(memory_format=CL)
     w.requires_grad_(grads == "x and weight")
@@ -173,18 +176,19 @@ def test_strided_1x1_data_gradient_replays_through_its_workspace(dtype):
     # The product over the kept pixels lands in a per-stream workspace that the spread kernel reads; a bigger
     # call in between replaces the workspace, and the replays must keep reading the one they were recorded with.
     from tilegemm.ops.conv2d import op
+    from tilegemm.ops.conv2d.problem import DgradCall
 
-    replay.clear()
+    replay.REPLAYS.clear()
     w = (torch.randn(128, 64, 1, 1, device="cuda") / 8).to(dtype).contiguous(memory_format=CL)
     for size in (16, 16, 16, 64, 16, 16):  # at 64 the product (131072 elements) outgrows the first workspace
         x_shape = [2, 64, size, size]
         dy = torch.randn(2, 128, size // 2, size // 2, device="cuda", dtype=dtype).contiguous(memory_format=CL)
-        dx = op.backward_data(dy, w, x_shape, True, [2, 2], [0, 0, 0, 0], [1, 1], 1, "ieee")
+        dx = op.backward_data(DgradCall(dy, w, x_shape, True, [2, 2], [0, 0, 0, 0], [1, 1], 1, "ieee"))
         xr = torch.zeros(x_shape, dtype=torch.float64, device="cuda", requires_grad=True)
         F.conv2d(xr, w.double(), stride=2).backward(dy.double())
         assert dx.is_contiguous(memory_format=CL)
         assert_rel_close(dx, xr.grad, 4e-3 if dtype == torch.float16 else 2e-2)
-    assert replay.count() == 2  # one recording a size
+    assert replay.REPLAYS.count() == 2  # one recording a size
 
 
 @pytest.mark.gpu
@@ -192,7 +196,7 @@ def test_depthwise_replays_read_the_weight_as_it_is_now():
     # The forward rewrites the weight tap-major into a per-stream workspace on every call, replays included:
     # a weight changed in place, or a bigger depthwise call in between (which may replace the workspace),
     # must not leave a replay reading stale weights.
-    replay.clear()
+    replay.REPLAYS.clear()
     w = (torch.randn(48, 1, 3, 3, device="cuda") / 3).half()
     x = torch.randn(2, 48, 15, 13, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
     # 2048 channels x 7 x 7 taps: more than the workspace's first 65536 elements, so it is replaced
@@ -205,4 +209,4 @@ def test_depthwise_replays_read_the_weight_as_it_is_now():
         if trial == 1:
             big = tilegemm.conv2d(big_x, big_w, padding=3, groups=2048)
             assert_rel_close(big, F.conv2d(big_x.double(), big_w.double(), padding=3, groups=2048), 4e-3)
-    assert replay.count() >= 1
+    assert replay.REPLAYS.count() >= 1

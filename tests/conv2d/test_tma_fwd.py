@@ -4,6 +4,8 @@ GPU; run by the GPU tests."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import textwrap
 
 import pytest
@@ -12,7 +14,8 @@ from hypothesis import strategies as st
 import torch
 
 import tilegemm
-from tilegemm.ops.conv2d.configs import _patch, pointwise_as_gemm, tma_forward_config
+from tilegemm.ops.conv2d.configs import _patch, tma_forward_config
+from tilegemm.ops.conv2d.dispatch import pointwise_as_gemm
 from tilegemm.ops.conv2d.problem import Geometry
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
 
@@ -71,7 +74,7 @@ def test_cost_model_prefers_big_tiles_when_they_fill_the_gpu_and_small_ones_when
 
 
 def test_1x1_layers_over_many_pixels_take_gluon_f16_with_a_tile_cut_to_them():
-    from tilegemm.ops.conv2d.configs import pointwise_gluon_tile
+    from tilegemm.ops.conv2d.dispatch import pointwise_gluon_tile
     from tilegemm.ops.conv2d.gemm_1x1 import gluon_config
     from tilegemm.ops.matmul import gluon_f16
 
@@ -110,8 +113,8 @@ def test_1x1_layers_over_many_pixels_take_gluon_f16_with_a_tile_cut_to_them():
 @given(n=st.integers(1, 128), c=st.integers(1, 2048), hw=st.integers(1, 128), k=st.integers(1, 2048),
        sms=st.sampled_from([78, 114, 132, 144]))
 def test_the_gluon_1x1_rule_gives_a_fitting_config_only_where_its_conditions_hold(n, c, hw, k, sms):
-    from tilegemm.ops.conv2d.configs import (GEMM_1X1_PIXELS, GLUON_1X1_MIN_CHANNELS, GLUON_1X1_WAVES,
-                                             pointwise_gluon_tile)
+    from tilegemm.ops.conv2d.dispatch import (GEMM_1X1_PIXELS, GLUON_1X1_MIN_CHANNELS, GLUON_1X1_WAVES,
+                                              pointwise_gluon_tile)
     from tilegemm.ops.matmul import gluon_f16
 
     g = _geo(n, c, hw, k, 1, 1, 0)
@@ -136,7 +139,7 @@ def test_the_gluon_1x1_rule_gives_a_fitting_config_only_where_its_conditions_hol
 
 
 def test_auto_takes_the_tma_kernel_where_it_can():
-    from tilegemm.ops.conv2d.op import choose_kernel
+    from tilegemm.ops.conv2d.dispatch import choose_kernel
 
     g3 = _geo(32, 64, 56, 64, 3, 1, 1)
     assert choose_kernel(g3, True, tma=True) == "tma_implicit_gemm"
@@ -376,8 +379,8 @@ def test_gpu_forward_matches_f_conv2d(N, C, H, W, K, R, S, stride, padding, dila
 @pytest.mark.gpu
 def test_gpu_fp32_output_channel_slices_and_a_misaligned_weight():
     from tilegemm.ops.conv2d import tma_fwd
+    from tilegemm.ops.conv2d.checks import check_conv
     from tilegemm.ops.conv2d.op import _conv2d_op
-    from tilegemm.ops.conv2d.problem import check_conv
 
     # an fp32 output (what the backward's recomputed pre-activation asks for)
     x, w, b = _inputs(torch.float16, 2, 32, 9, 9, 24, 3, 3)
@@ -387,12 +390,12 @@ def test_gpu_fp32_output_channel_slices_and_a_misaligned_weight():
     # a channel slice of a bigger channels-last tensor: pixels 96 channels apart, 32 read
     big = torch.randn(2, 96, 10, 10, device="cuda").half().contiguous(memory_format=CL)
     xs = big[:, 16:48]
-    assert tma_fwd.unusable(xs, w, check_conv(xs, w, None, 1, 1, 1, 1)) is None
+    assert tma_fwd.why_not_input(xs, w, check_conv(xs, w, None, 1, 1, 1, 1)) is None
     out = tilegemm.conv2d(xs, w, padding=1, kernel="tma_implicit_gemm")
     assert_rel_close(out, conv2d_reference(xs, w, padding=1), tolerance(torch.float16))
     # with stride 2 the phase view needs packed pixels: declined by name, auto falls back
     g2 = check_conv(xs, w, None, 2, 1, 1, 1)
-    assert tma_fwd.unusable(xs, w, g2) == "pixels not packed"
+    assert tma_fwd.why_not_input(xs, w, g2) == "pixels not packed"
     assert_rel_close(tilegemm.conv2d(xs, w, stride=2, padding=1), conv2d_reference(xs, w, stride=2, padding=1),
                      tolerance(torch.float16))
     # a 1x1 weight that is a view at an odd element offset of a flat buffer: channels-last already, misaligned
@@ -408,12 +411,14 @@ def test_gpu_fp32_output_channel_slices_and_a_misaligned_weight():
 def test_gpu_stem_with_an_nchw_input_takes_the_window_route(dtype):
     # the window route copies the input whatever its layout: an NCHW stem is taken by the TMA kernel under
     # auto too, and its output stays NCHW
-    from tilegemm.ops.conv2d.op import _tma_usable
-    from tilegemm.ops.conv2d.problem import check_conv
+    from tilegemm.ops.conv2d.checks import check_conv
+    from tilegemm.ops.conv2d.dispatch import _tma_usable
+    from tilegemm.ops.conv2d.problem import ConvProblem
 
     x, w, b = _inputs(dtype, 2, 3, 30, 34, 16, 7, 7)
     xn = x.contiguous()
-    assert _tma_usable(xn, w, check_conv(xn, w, b, 2, 3, 1, 1))
+    g = check_conv(xn, w, b, 2, 3, 1, 1)
+    assert _tma_usable(ConvProblem(xn, w, b, g, dtype, torch.contiguous_format, "none", "ieee", False))
     for kernel in ("tma_implicit_gemm", "auto"):
         out = tilegemm.conv2d(xn, w, b, stride=2, padding=3, kernel=kernel)
         assert out.is_contiguous()
@@ -425,8 +430,8 @@ def test_gpu_stem_with_an_nchw_input_takes_the_window_route(dtype):
 @pytest.mark.parametrize("bias,act", [(False, "none"), (True, "relu")])
 def test_gpu_wide_1x1_through_gluon_f16(dtype, bias, act, monkeypatch):
     from tilegemm.core.hardware import sm_count
-    from tilegemm.ops.conv2d import replay
-    from tilegemm.ops.conv2d.configs import pointwise_gluon_tile
+    from tilegemm.ops.conv2d import op as replay
+    from tilegemm.ops.conv2d.dispatch import pointwise_gluon_tile
     from tilegemm.ops.conv2d.gemm_1x1 import gluon_config
     from tilegemm.ops.conv2d.problem import geometry_of
     from tilegemm.ops.matmul import gluon_f16
@@ -434,7 +439,7 @@ def test_gpu_wide_1x1_through_gluon_f16(dtype, bias, act, monkeypatch):
     launched = []
     real = gluon_f16.launch_args
     monkeypatch.setattr(gluon_f16, "launch_args", lambda *a, **k: launched.append(a[1]) or real(*a, **k))
-    replay.clear()
+    replay.REPLAYS.clear()
     # 4 x 96 x 96 pixels, 24 -> 144 channels (neither a multiple of 64; K one padded step): the gluon route
     x, w, b = _inputs(dtype, 4, 24, 96, 96, 144, 1, 1, bias=bias)
     g = geometry_of(x.shape, w.shape, (1, 1), (0,) * 4, (1, 1), 1)
@@ -452,13 +457,13 @@ def test_gpu_wide_1x1_through_gluon_f16(dtype, bias, act, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_wide_1x1_leaves_gluon_f16_where_the_tensors_do_not_let_it(monkeypatch):
     # the layer of the test above with an NCHW input, or an fp32 output: the TMA kernel (or the GEMM) as before
-    from tilegemm.ops.conv2d import replay
+    from tilegemm.ops.conv2d import op as replay
     from tilegemm.ops.matmul import gluon_f16
 
     launched = []
     real = gluon_f16.launch_args
     monkeypatch.setattr(gluon_f16, "launch_args", lambda *a, **k: launched.append(a[1]) or real(*a, **k))
-    replay.clear()
+    replay.REPLAYS.clear()
     x, w, _ = _inputs(torch.float16, 4, 24, 96, 96, 144, 1, 1, bias=False)
     out = tilegemm.conv2d(x.contiguous(), w)
     assert_rel_close(out, conv2d_reference(x, w), tolerance(torch.float16))
@@ -474,13 +479,13 @@ def test_gpu_wide_1x1_leaves_gluon_f16_where_the_tensors_do_not_let_it(monkeypat
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_wide_1x1_data_gradient_through_gluon_f16(dtype, monkeypatch):
     # 144 -> 24 channels forward: its data gradient is the 24 -> 144 GEMM over 36864 pixels, gluon_f16's class
-    from tilegemm.ops.conv2d import replay
+    from tilegemm.ops.conv2d import op as replay
     from tilegemm.ops.matmul import gluon_f16
 
     launched = []
     real = gluon_f16.launch_args
     monkeypatch.setattr(gluon_f16, "launch_args", lambda *a, **k: launched.append(a[1]) or real(*a, **k))
-    replay.clear()
+    replay.REPLAYS.clear()
     x, w, _ = _inputs(dtype, 4, 144, 96, 96, 24, 1, 1, bias=False)
     x.requires_grad_()
     dy = torch.randn(4, 24, 96, 96, device="cuda").to(dtype).contiguous(memory_format=CL)
@@ -488,7 +493,7 @@ def test_gpu_wide_1x1_data_gradient_through_gluon_f16(dtype, monkeypatch):
     launched.clear()  # the forward's launches (the GEMM it runs may take gluon_f16's configs too)
     out.backward(dy)
     from tilegemm.core.hardware import sm_count
-    from tilegemm.ops.conv2d.configs import pointwise_gluon_tile
+    from tilegemm.ops.conv2d.dispatch import pointwise_gluon_tile
     from tilegemm.ops.conv2d.gemm_1x1 import gluon_config
     from tilegemm.ops.conv2d.problem import Geometry
 
@@ -523,8 +528,9 @@ def test_gpu_auto_routes_and_declines_with_reasons():
     ((2, 32, 8, 8, 32, 3, 3), dict(padding=0)),
 ])
 def test_gpu_data_gradient_through_the_tma_kernel(shape, conv):
+    from tilegemm.ops.conv2d import op as replay
     from tilegemm.ops.conv2d.op import backward_data
-    from tilegemm.ops.conv2d import replay
+    from tilegemm.ops.conv2d.problem import DgradCall
 
     N, C, H, W, K, R, S = shape
     groups = conv.get("groups", 1)
@@ -533,32 +539,32 @@ def test_gpu_data_gradient_through_the_tma_kernel(shape, conv):
     ref = conv2d_reference(xr, wr, **conv)
     dy = torch.randn(ref.shape, device="cuda").half().contiguous(memory_format=CL)
     (want,) = torch.autograd.grad(ref, xr, dy.double(), retain_graph=True)
-    from tilegemm.ops.conv2d.problem import check_conv
+    from tilegemm.ops.conv2d.checks import check_conv
     from tilegemm.ops.conv2d import tma_fwd
 
     g = check_conv(x, w, None, conv.get("stride", 1), conv.get("padding", 0), conv.get("dilation", 1), groups)
-    args = (dy, w, list(x.shape), True, list(g.stride), list(g.padding), list(g.dilation), groups, "ieee")
+    c = DgradCall(dy, w, list(x.shape), True, list(g.stride), list(g.padding), list(g.dilation), groups, "ieee")
     direct = tma_fwd.dgrad_tma(dy, w, g)  # the TMA path takes it (None would mean a fallback)
     assert tma_fwd.dgrad_tma(dy, w, check_conv(x, w, None, 2, 1, 1, groups)) is None  # strided: pointer kernel
     assert direct is not None
     assert_rel_close(direct, want, tolerance(torch.float16))
-    replay.clear()
+    replay.REPLAYS.clear()
     dy2 = torch.randn_like(dy)  # a replay reads the call's dy, not the recorded one
     (want2,) = torch.autograd.grad(ref, xr, dy2.double())
-    first = backward_data(*args)
+    first = backward_data(c)
     assert_rel_close(first, want, tolerance(torch.float16))
-    assert_rel_close(backward_data(dy2, *args[1:]), want2, tolerance(torch.float16))
-    assert replay.count() == 1, "the weight's flip and the convolution are replayed together"
+    assert_rel_close(backward_data(replace(c, dy=dy2)), want2, tolerance(torch.float16))
+    assert replay.REPLAYS.count() == 1, "the weight's flip and the convolution are replayed together"
     # a replay with a weight changed in place flips the new weight (into the workspace its descriptor was
     # encoded over once)
     w.mul_(-2.0)
-    again = backward_data(*args)
+    again = backward_data(c)
     assert_rel_close(again, -2.0 * want, tolerance(torch.float16))
 
 
 def _wgrad_case(shape, conv, dtype):
     """(dy, x, w, geometry, the float64 weight gradient) for a channels-last convolution ``conv`` of ``shape``."""
-    from tilegemm.ops.conv2d.problem import check_conv
+    from tilegemm.ops.conv2d.checks import check_conv
 
     N, C, H, W, K, R, S = shape
     groups = conv.get("groups", 1)
@@ -582,15 +588,17 @@ def _wgrad_case(shape, conv, dtype):
     ((16, 512, 7, 7, 512, 3, 3), dict(padding=1)),
 ])
 def test_gpu_weight_gradient_through_the_tma_kernel(shape, conv, dtype):
-    from tilegemm.ops.conv2d import replay, tma_wgrad
-    from tilegemm.ops.conv2d.op import backward_weight, wgrad_format
+    from tilegemm.ops.conv2d import op as replay
+    from tilegemm.ops.conv2d import tma_wgrad
+    from tilegemm.ops.conv2d.op import backward_weight
+    from tilegemm.ops.conv2d.problem import WgradCall, wgrad_format
 
     dy, x, w, g, want = _wgrad_case(shape, conv, dtype)
-    assert tma_wgrad.unusable(dy, x, g) is None
-    args = (dy, x, list(w.shape), list(g.stride), list(g.padding), list(g.dilation), g.groups, "ieee")
-    replay.clear()
+    assert tma_wgrad.why_not(dy, x, g) is None
+    c = WgradCall(dy, x, list(w.shape), list(g.stride), list(g.padding), list(g.dilation), g.groups, "ieee")
+    replay.REPLAYS.clear()
     for _ in range(2):  # recorded, then replayed (the split's counters must be back at zero)
-        got = backward_weight(*args)
+        got = backward_weight(c)
         # channels-last x: a channels-last gradient where the filter has several taps and channels
         assert got.dtype == dtype and got.is_contiguous(memory_format=wgrad_format(x, w.shape))
         assert got.is_contiguous(memory_format=torch.channels_last) or g.R * g.S == 1

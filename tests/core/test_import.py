@@ -24,7 +24,7 @@ def test_import_is_lazy():
         import tilegemm
         tilegemm.kernels("matmul")
         kernel_modules = [m for m in sys.modules if m.startswith("tilegemm.ops.matmul.") and m.rsplit(".", 1)[1] not in
-                          ("api", "call", "checks", "dispatch", "survey", "torch_op", "replay", "reference", "problem")]
+                          ("api", "checks", "configs", "dispatch", "survey", "op", "reference", "problem")]
         print(torch.cuda.is_initialized(), "triton" in sys.modules, kernel_modules)
         """
     )

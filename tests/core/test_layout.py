@@ -109,3 +109,39 @@ def test_every_registered_kernel_resolves(op):
         assert callable(getattr(importlib.import_module(module_name), attr)), spec.target
     if registry.op(op).tune:
         assert callable(registry.resolve(registry.op(op).tune))
+
+
+# Cross-family imports that predate the entry points, to go as those families move to them: none left (conv2d's
+# 1x1 and gradient paths and its reference moved to tilegemm.ops.matmul's make_problems and launch).
+_LEGACY_CROSS_FAMILY: set = set()
+
+
+def _family(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["tilegemm", "ops"] else None
+
+
+def test_families_meet_through_their_packages_only():
+    """A family imports another family's package (its public function and documented entry points, such as
+    ``tilegemm.ops.matmul.make_problems`` and ``launch``), never one of its modules; and no family imports
+    ``core`` back through another's."""
+    crossing = set()
+    for name, deps in _graph().items():
+        mine = _family(name)
+        if mine is None:
+            continue
+        for dep in deps:
+            theirs = _family(dep)
+            if theirs is not None and theirs != mine and dep != f"tilegemm.ops.{theirs}":
+                crossing.add((name, dep))
+    assert crossing <= _LEGACY_CROSS_FAMILY, f"private cross-family imports: {sorted(crossing - _LEGACY_CROSS_FAMILY)}"
+
+
+def test_matmuls_entry_points_are_names_of_its_package():
+    """The matmul entry points other families call are names of the package (tests/core/test_import.py checks
+    that importing it imports no kernel module and no triton)."""
+    import tilegemm.ops.matmul as matmul
+
+    assert callable(matmul.make_problems) and callable(matmul.launch)
+    assert matmul.make_problems.__module__ == "tilegemm.ops.matmul.problem"
+    assert matmul.launch.__module__ == "tilegemm.ops.matmul.dispatch"

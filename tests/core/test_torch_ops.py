@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tilegemm
 from tilegemm.core.torch_ops import _tensor_positions, lean_autograd, plain_args
 from tilegemm.ops.conv2d import op as conv_op
-from tilegemm.ops.matmul import torch_op as matmul_torch_op
+from tilegemm.ops.matmul import op as matmul_torch_op
 from tilegemm.ops.w4a16 import op as w4a16_op
 
 

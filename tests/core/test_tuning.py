@@ -346,7 +346,7 @@ def test_auto_times_split_k_against_persistent_tma_once_per_shape_class(cache, m
 
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
     monkeypatch.setattr(dispatch, "_has_tma", lambda: True)
-    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+    monkeypatch.setattr(persistent_tma, "why_not", lambda p: None)
     calls = []
     monkeypatch.setattr(dispatch, "launcher", lambda name: lambda p: calls.append(name))
     speed = {"split_k": 2.0, "persistent_tma": 1.0}
@@ -376,7 +376,7 @@ def test_auto_times_split_k_against_persistent_tma_once_per_shape_class(cache, m
     assert dispatch.choose_kernel(problem(64, 512, 256)) == "split_k"  # under dispatch.TIMED_MIN_MNK
     assert len(calls) == 4
     # Where TMA cannot go, split_k without timing.
-    monkeypatch.setattr(persistent_tma, "describable", lambda p: "not 16-byte aligned")
+    monkeypatch.setattr(persistent_tma, "why_not", lambda p: "not 16-byte aligned")
     assert dispatch.choose_kernel(problem(40)) == "split_k"
     assert len(calls) == 4
 
@@ -391,7 +391,7 @@ def test_untimed_small_m_rung_comes_from_a_near_tuned_class_else_split_k(cache, 
     monkeypatch.setenv("TILEGEMM_TUNE", "0")
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
     monkeypatch.setattr(dispatch, "_has_tma", lambda: True)
-    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+    monkeypatch.setattr(persistent_tma, "why_not", lambda p: None)
     monkeypatch.setattr(dispatch, "launcher", lambda name: pytest.fail("untimed: nothing is launched"))
 
     def problem(M, N, K):
@@ -414,7 +414,7 @@ def test_auto_timed_choice_skips_a_rung_that_fails(cache, monkeypatch):
 
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
     monkeypatch.setattr(dispatch, "_has_tma", lambda: True)
-    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+    monkeypatch.setattr(persistent_tma, "why_not", lambda p: None)
 
     def launch(name):
         def run(p):
@@ -443,10 +443,10 @@ def test_auto_sends_large_problems_to_persistent_tma_unless_an_operand_goes_thro
 
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
     monkeypatch.setattr(dispatch, "_has_tma", lambda: True)
-    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+    monkeypatch.setattr(persistent_tma, "why_not", lambda p: None)
     monkeypatch.setattr(tilegemm.core.hardware, "sm_count", lambda device: 132)
     monkeypatch.setattr(persistent_tma, "gluon_kernel_for",
-                        lambda p: gluon_tf32 if gluon and gluon_tf32.usable(p) is None else None)
+                        lambda p: gluon_tf32 if gluon and gluon_tf32.why_not(p) is None else None)
     timed = []
     monkeypatch.setattr(dispatch, "_timed_choice", lambda p, rungs, **kw: timed.append(rungs) or rungs[-1])
 
@@ -482,7 +482,7 @@ def test_auto_times_the_rungs_for_promoted_fp8_from_half_a_tile_per_sm(monkeypat
 
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
     monkeypatch.setattr(dispatch, "_has_tma", lambda: True)
-    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+    monkeypatch.setattr(persistent_tma, "why_not", lambda p: None)
     monkeypatch.setattr(tilegemm.core.hardware, "sm_count", lambda device: 132)
     monkeypatch.setattr(persistent_tma, "gluon_kernel_for", lambda p: gluon_fp8 if gluon else None)
     timed = []

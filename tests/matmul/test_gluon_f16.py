@@ -70,14 +70,15 @@ def test_usable(case, reason):
     out_dtype = torch.float32 if case in ("fp32", "fp32-out") else dtype
     out = torch.empty(*shape[:-1], 48, dtype=out_dtype)
     p = _problem(a, b.expand(2, 32, 48) if case == "batched" else b, out)
-    got = gluon_f16.usable(p)
+    got = gluon_f16.why_not(p)
     assert got is None if reason is None else reason in got
 
 
 def test_persistent_tma_offers_it_for_16_bit_outputs_on_sm90(monkeypatch):
     # The real gluon_kernel_for answers None off an sm_90 GPU; pretend to be one.
     monkeypatch.setattr(persistent_tma, "interpreting", lambda: False)
-    monkeypatch.setattr(persistent_tma, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr("tilegemm.core.hardware.interpreting", lambda: False)
+    monkeypatch.setattr("tilegemm.core.hardware.compute_capability", lambda: (9, 0))
     for layout in ("NN", "NT", "TN", "TT"):
         a, b = _operands(256, 128, 64, layout, torch.float16, "cpu")
         cands = persistent_tma.candidates(_problem(a, b, torch.empty(256, 128, dtype=torch.float16)))
@@ -86,7 +87,7 @@ def test_persistent_tma_offers_it_for_16_bit_outputs_on_sm90(monkeypatch):
     a, b = _operands(256, 128, 64, "NN", torch.float16, "cpu")
     fp32_out = persistent_tma.candidates(_problem(a, b, torch.empty(256, 128)))
     assert not any(c.get("GLUON_F16") for c in fp32_out)
-    monkeypatch.setattr(persistent_tma, "compute_capability", lambda: (10, 0))
+    monkeypatch.setattr("tilegemm.core.hardware.compute_capability", lambda: (10, 0))
     assert not any(c.get("GLUON_F16") for c in
                    persistent_tma.candidates(_problem(a, b, torch.empty(256, 128, dtype=torch.float16))))
 
@@ -99,7 +100,7 @@ def test_auto_times_the_two_rungs_from_a_quarter_tile_per_sm_to_two(monkeypatch)
 
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
     monkeypatch.setattr(dispatch, "_has_tma", lambda: True)
-    monkeypatch.setattr(persistent_tma, "describable", lambda p: None)
+    monkeypatch.setattr(persistent_tma, "why_not", lambda p: None)
     monkeypatch.setattr(tilegemm.core.hardware, "sm_count", lambda device: 132)
     monkeypatch.setattr(persistent_tma, "gluon_kernel_for", lambda p: gluon_f16)
     timed = []
@@ -201,7 +202,7 @@ def test_gluon_f16_matches_the_reference(layout, shape, dtype):
     for cfg in gluon_f16.configs():
         out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
         p = _problem(a, b, out)
-        assert gluon_f16.usable(p) is None and persistent_tma.describable(p) is None
+        assert gluon_f16.why_not(p) is None and persistent_tma.why_not(p) is None
         persistent_tma.run(p, cfg)
         assert_rel_close(out, ref, tolerance(dtype))
 

@@ -46,7 +46,7 @@ def test_usable_only_for_promoted_k_major_fp8(case, reason):
         a = torch.zeros(32, 64, dtype=dtype).T
     b = torch.zeros(48, 32, dtype=dtype).T if case in ("nt", "fast", "fp16") else torch.zeros(32, 48, dtype=dtype)
     p = _problem(a, b, torch.empty(64, 48, dtype=torch.bfloat16), fast_accum=case == "fast")
-    got = gluon_fp8.usable(p)
+    got = gluon_fp8.why_not(p)
     assert got is None if reason is None else reason in got
 
 
@@ -223,7 +223,7 @@ def test_gluon_fp8_matches_the_reference(shape, stages, ws):
     out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
     p = make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False,
                       scales=(scale_a, 1, scale_b, 0))[0]
-    assert persistent_tma.describable(p) is None and gluon_fp8.usable(p) is None
+    assert persistent_tma.why_not(p) is None and gluon_fp8.why_not(p) is None
     cfg = dict(GLUON_FP8=True, WS=True, STAGES=stages, num_warps=4) if ws else \
         dict(GLUON_FP8=True, STAGES=stages, num_warps=8)
     assert cfg in gluon_fp8.configs(2)

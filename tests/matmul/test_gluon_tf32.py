@@ -44,14 +44,15 @@ def test_usable_only_for_tf32_nn_and_tt(case, reason):
     b = torch.zeros(48, 32, dtype=dtype).T if case in ("nt", "tt") else torch.zeros(32, 48, dtype=dtype)
     out = torch.empty(48, 64, dtype=dtype).T if case == "out_cm" else torch.empty(64, 48, dtype=dtype)
     p = _problem(a, b, out, precision="ieee" if case == "ieee" else "tf32")
-    got = gluon_tf32.usable(p)
+    got = gluon_tf32.why_not(p)
     assert got is None if reason is None else reason in got
 
 
 def test_persistent_tma_offers_it_only_for_tf32_nn_and_tt_on_sm90(monkeypatch):
     # The real gluon_kernel_for answers None off an sm_90 GPU; pretend to be one.
     monkeypatch.setattr(persistent_tma, "interpreting", lambda: False)
-    monkeypatch.setattr(persistent_tma, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr("tilegemm.core.hardware.interpreting", lambda: False)
+    monkeypatch.setattr("tilegemm.core.hardware.compute_capability", lambda: (9, 0))
     a, b = torch.zeros(256, 64), torch.zeros(64, 128)
     out = torch.empty(256, 128)
     nn = persistent_tma.candidates(_problem(a, b, out))
@@ -60,7 +61,7 @@ def test_persistent_tma_offers_it_only_for_tf32_nn_and_tt_on_sm90(monkeypatch):
     assert [c for c in persistent_tma.candidates(_problem(a_cm, b_cm, out)) if c.get("GLUON_TF32")]
     assert not any(c.get("GLUON_TF32") for c in persistent_tma.candidates(_problem(a, b_cm, out)))
     assert not any(c.get("GLUON_TF32") for c in persistent_tma.candidates(_problem(a, b, out, precision="ieee")))
-    monkeypatch.setattr(persistent_tma, "compute_capability", lambda: (10, 0))
+    monkeypatch.setattr("tilegemm.core.hardware.compute_capability", lambda: (10, 0))
     assert not any(c.get("GLUON_TF32") for c in persistent_tma.candidates(_problem(a, b, out)))
 
 
@@ -122,8 +123,7 @@ _COMPILE = SM90 + textwrap.dedent(
         flags = dict(HAS_C=False, HAS_BIAS=False, ACTIVATION="none", INPUT_PRECISION="tf32", HAS_SCALE_A=False,
                      HAS_SCALE_B=False, MMA_OPERANDS="swap", FAST_ACCUM=False, A_T=False, B_T=False, NUM_SMS=132,
                      BLOCK_M=256, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, FLATTEN=False, WARP_SPECIALIZE=0,
-                     HOST_DESC=False, SERPENTINE=False, SPLIT=False, REDUCE_LAST=False, STREAM_K=False,
-                     count_ptr=None)  # (the control that showed the hazard; descriptors do not matter to it)
+                     HOST_DESC=False, SERPENTINE=False, SPLIT=False)  # (the control that showed the hazard; descriptors do not matter to it)
         sig = signature(triton_kernel, flags, "*fp32", unit=("stride_cn", "SPLIT_K"), aligned_ints=True)
         return compile_sm90(triton_kernel, *sig, 8, num_stages=3, gluon=False)[1]
 
@@ -201,7 +201,7 @@ def test_gluon_tf32_every_tile_matches_the_reference(shape, stages, layout):
     for _ in range(3):
         out = torch.full((M, N), float("nan"), device="cuda")
         p = _problem(a, b, out)
-        assert persistent_tma.describable(p) is None and gluon_tf32.usable(p) is None
+        assert persistent_tma.why_not(p) is None and gluon_tf32.why_not(p) is None
         persistent_tma.run(p, dict(GLUON_TF32=True, STAGES=stages, num_warps=8))
         torch.cuda.synchronize()
         assert _worst_tile_error(out, ref) <= tolerance(torch.float32, "tf32")
@@ -225,7 +225,7 @@ def test_gluon_tf32_epilogue_and_views(out_dtype, layout):
     bias = torch.randn(N, device="cuda")
     out = torch.full((M, N), float("nan"), device="cuda", dtype=out_dtype)
     p = _problem(a, b, out, c=c, bias=bias, alpha=0.5, beta=-1.0, activation="gelu")
-    assert persistent_tma.describable(p) is None and gluon_tf32.usable(p) is None
+    assert persistent_tma.why_not(p) is None and gluon_tf32.why_not(p) is None
     persistent_tma.run(p, gluon_tf32.configs()[0])
     ref = matmul_reference(a, b, c=c, bias=bias, alpha=0.5, beta=-1.0, activation="gelu")
     assert _worst_tile_error(out, ref) <= tolerance(torch.float32, "tf32", out_dtype)

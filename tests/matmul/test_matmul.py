@@ -197,7 +197,9 @@ def test_tile_errors_see_one_bad_tile_and_unwritten_elements():
 def test_replay_cache_keeps_aliased_calls_only_when_the_key_says_so():
     """Tensors sharing a data pointer take the first one's slots in a replay; the cache keeps such a call
     only when its key records the aliasing (tilegemm.matmul's does)."""
-    from tilegemm.core.launch import Launch, ReplayCache
+    from tilegemm.core import replay as replay_module
+    from tilegemm.core.launch import Launch
+    from tilegemm.core.replay import ReplayCache
 
     class FakeCompiled:  # what Replay reads from a compiled Triton kernel
         run = function = packed_metadata = None
@@ -207,11 +209,18 @@ def test_replay_cache_keeps_aliased_calls_only_when_the_key_says_so():
 
     x, out, scale = torch.randn(4, 4), torch.empty(4, 4), torch.ones(1)
     params = [x, x.mT, out, scale, scale, 7]
-    cache = ReplayCache()
-    cache.store("k", [Launch(FakeCompiled(), (1, 1, 1), params)], (x, x.mT, out, scale, scale))
-    assert cache.get("k") is None, "aliased tensors are refused unless the key says how they alias"
-    cache.store("k", [Launch(FakeCompiled(), (1, 1, 1), params)], (x, x.mT, out, scale, scale), aliases_in_key=True)
-    assert cache.get("k").slots == [(0, 0, None), (1, 0, None), (2, 2, None), (3, 3, None), (4, 3, None)]
+    plain, aliasing = ReplayCache("test-plain"), ReplayCache("test-aliasing", aliases_in_key=True)
+    try:
+        plain.store("k", [Launch(FakeCompiled(), (1, 1, 1), params)], (x, x.mT, scale, scale), out)
+        assert plain.get("k") is None, "aliased tensors are refused unless the key says how they alias"
+        aliasing.store("k", [Launch(FakeCompiled(), (1, 1, 1), params)], (x, x.mT, scale, scale), out)
+        # the output is the last of a replay's tensors
+        assert aliasing.get("k").slots == [(0, 0, None), (1, 0, None), (2, 4, None), (3, 2, None), (4, 2, None)]
+        assert aliasing.count() == 1 and replay_module.cache("test-aliasing") is aliasing
+        aliasing.store("t", [Launch(FakeCompiled(), (1, 1, 1), [x, out.mT])], (x,), out.mT)
+        assert aliasing.get("t") is None, "an output a replay would not allocate alike is not kept"
+    finally:
+        del replay_module._CACHES["test-plain"], replay_module._CACHES["test-aliasing"]
 
 
 def test_replays_encode_host_descriptors_once_per_base_address(monkeypatch):
@@ -399,7 +408,9 @@ def test_auto_restrides_operands_whose_rows_straddle_lines(layout, plan, device,
     """Where auto restrides (forced here; on a GPU the cost model decides), the operands it names are copied
     into buffers of the same shape and layout whose rows start 128 bytes apart, the others read as given, and
     the product (with a bias and an activation) is written straight into the poisoned output."""
-    from tilegemm.ops.matmul import dispatch, replay
+    from tilegemm.ops.matmul import dispatch
+    from tilegemm.core.replay import cache
+    replay = cache("matmul")
 
     M, N, K = 19, 24, 40  # 16-byte aligned rows (K, N multiples of 8), not 128-byte ones
     dtype = torch.float16

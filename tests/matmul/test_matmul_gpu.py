@@ -145,7 +145,8 @@ def test_grey_on_gpu(dtype):
 
 
 def test_replayed_launches_compute_with_the_new_tensors():
-    from tilegemm.ops.matmul import replay
+    from tilegemm.core.replay import cache
+    replay = cache("matmul")
 
     replay.clear()
     shapes = [(96, 80, 64), (1, 4096, 512), (300, 200, 1000), (2048, 2048, 2048)]
@@ -165,7 +166,8 @@ def test_replayed_launches_compute_with_the_new_tensors():
 def test_calls_with_bias_and_activation_replay_with_the_new_bias(kernel):
     """nn.Linear's call (a bias, maybe an activation) takes the fast path too: each replay must read its own
     bias, apply the recorded activation, and a call with another activation or without bias is another key."""
-    from tilegemm.ops.matmul import replay
+    from tilegemm.core.replay import cache
+    replay = cache("matmul")
 
     replay.clear()
     M, N, K = (8, 1024, 2048) if kernel == "split_k" else (512, 384, 256)
@@ -187,7 +189,8 @@ def test_calls_with_bias_and_activation_replay_with_the_new_bias(kernel):
 
 
 def test_fp8_calls_with_scales_replay_with_the_new_scales():
-    from tilegemm.ops.matmul import replay
+    from tilegemm.core.replay import cache
+    replay = cache("matmul")
 
     replay.clear()
     e4m3 = torch.float8_e4m3fn
@@ -209,7 +212,8 @@ def test_fp8_calls_with_scales_replay_with_the_new_scales():
 
 
 def test_replay_keys_separate_what_triton_specializes():
-    from tilegemm.ops.matmul import replay
+    from tilegemm.core.replay import cache
+    replay = cache("matmul")
 
     replay.clear()
     a = torch.randn(64, 64, device="cuda")
@@ -236,7 +240,8 @@ def test_calls_whose_tensors_alias_replay_only_for_calls_that_alias_the_same_way
     """x @ x.mT and one scale tensor passed as both scales are replayed (they were launched afresh every
     time, 115-135 us of host time for an fp8 call); a later call of the same shapes that does not alias
     must not take the aliased launch's slots."""
-    from tilegemm.ops.matmul import replay
+    from tilegemm.core.replay import cache
+    replay = cache("matmul")
 
     replay.clear()
     for trial in range(3):
@@ -314,7 +319,9 @@ def test_split_k_reductions_are_exact_and_slices_deterministic(slices, monkeypat
 def test_wave_splits_of_few_tiles_reduce_apart_and_replay():
     """Few output tiles with a long K: split into about a wave, the planes added by the second launch, and
     both launches replayed (a 1x1 convolution's weight gradient is such a product)."""
-    from tilegemm.ops.matmul import replay, split_k
+    from tilegemm.ops.matmul import split_k
+    from tilegemm.core.replay import cache
+    replay = cache("matmul")
 
     replay.clear()
     for M, N, K in ((184, 168, 14400), (64, 64, 100352), (264, 72, 4904)):
@@ -327,7 +334,9 @@ def test_wave_splits_of_few_tiles_reduce_apart_and_replay():
 
 
 def test_auto_pads_misaligned_products_and_replays_the_copies_with_the_product():
-    from tilegemm.ops.matmul import dispatch, replay
+    from tilegemm.ops.matmul import dispatch
+    from tilegemm.core.replay import cache
+    replay = cache("matmul")
     from tilegemm.ops.matmul.problem import make_problems
 
     replay.clear()
@@ -350,7 +359,8 @@ def test_padded_calls_timed_then_replayed_give_each_calls_product(tmp_path, monk
     launches that are not the call's (or none of the product's), and a replay of it returned an older
     product. Each call, timed or replayed, must give its own inputs' product."""
     from tilegemm.core import tuning
-    from tilegemm.ops.matmul import replay
+    from tilegemm.core.replay import cache
+    replay = cache("matmul")
 
     monkeypatch.setenv("TILEGEMM_CACHE_DIR", str(tmp_path))
     replay.clear()
@@ -368,7 +378,8 @@ def test_padded_calls_timed_then_replayed_give_each_calls_product(tmp_path, monk
 
 
 def test_split_k_replays_on_its_stream_and_launches_afresh_on_another():
-    from tilegemm.ops.matmul import replay
+    from tilegemm.core.replay import cache
+    replay = cache("matmul")
 
     replay.clear()
     a = torch.randn(16, 4096, device="cuda", dtype=torch.float16)

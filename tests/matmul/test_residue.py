@@ -51,7 +51,7 @@ def test_residue_product(layout, slices, shape, device, taken):
     bias, c = torch.randn(N, dtype=a.dtype, device=device), torch.randn(M, N, dtype=a.dtype, device=device)
     out = torch.full((M, N), float("nan"), dtype=a.dtype, device=device)
     p = problem(a, b, out, c=c, bias=bias, beta=0.5, activation="gelu")
-    assert residue.applies(p) and residue.config(p)["LAYOUT"] == layout
+    assert (residue.why_not(p) is None) and residue.config(p)["LAYOUT"] == layout
     residue.run(p, dict(SLICES=slices))
     ref = matmul_reference(a, b, c=c, bias=bias, beta=0.5, activation="gelu")
     assert_rel_close(out, ref, tolerance(a.dtype))
@@ -134,7 +134,7 @@ def test_residue_drawn_shapes(M, N, K, layout, slices, device):
         a, b = operands(M, N, K, layout, device=device)
         out = torch.full((M, N), float("nan"), dtype=a.dtype, device=device)
         p = problem(a, b, out)
-        assert residue.applies(p)
+        assert (residue.why_not(p) is None)
         residue.run(p, dict(SLICES=slices))
         assert_rel_close(out, matmul_reference(a, b), tolerance(a.dtype))
     finally:
@@ -154,14 +154,14 @@ def test_residue_rules(monkeypatch):
             b = torch.empty(N * K + offset, dtype=dtype)[offset:].view(N, K).T
         return problem(a, b, torch.empty(M, N, dtype=dtype))
 
-    assert residue.applies(p(6, 5661, 26729)) and residue.applies(p(1, 4096, 4097, "NT"))
-    assert not residue.applies(p(6, 5664, 26729)), "NN rows 16-byte aligned"
-    assert not residue.applies(p(1, 4097, 4096, "NT")), "NT rows 16-byte aligned"
-    assert not residue.applies(p(17, 5661, 26729)), "M above 16"
-    assert not residue.applies(p(6, 5661, 26729, dtype=torch.float32)), "16-bit only"
-    assert not residue.applies(p(6, 5661, 26729, offset=1)), "B's first element not 16-byte aligned"
-    assert not residue.applies(p(8, 1001, 3001)), "under MIN_B_BYTES: one launch of the path before"
-    assert not residue.applies(p(16, 8793, 1201)), "NN planes above PLANE_SHARE of B (K under 128 M)"
+    assert (residue.why_not(p(6, 5661, 26729)) is None) and (residue.why_not(p(1, 4096, 4097, "NT")) is None)
+    assert residue.why_not(p(6, 5664, 26729)) is not None, "NN rows 16-byte aligned"
+    assert residue.why_not(p(1, 4097, 4096, "NT")) is not None, "NT rows 16-byte aligned"
+    assert residue.why_not(p(17, 5661, 26729)) is not None, "M above 16"
+    assert residue.why_not(p(6, 5661, 26729, dtype=torch.float32)) is not None, "16-bit only"
+    assert residue.why_not(p(6, 5661, 26729, offset=1)) is not None, "B's first element not 16-byte aligned"
+    assert residue.why_not(p(8, 1001, 3001)) is not None, "under MIN_B_BYTES: one launch of the path before"
+    assert residue.why_not(p(16, 8793, 1201)) is not None, "NN planes above PLANE_SHARE of B (K under 128 M)"
     nn = residue.config(p(6, 5661, 26729))
     assert (nn["BLOCK_O"], nn["BLOCK_I"]) == residue.TILES["NN"][:2]
     # 23 windows x 8 classes = 184 programs: 2 slices make 368 <= 4 x 132, 4 would pass it
@@ -181,7 +181,7 @@ def test_auto_takes_residue_over_padding(monkeypatch):
     monkeypatch.setattr(residue, "TAKE_UNDER_INTERPRETER", True)
     a, b = operands(3, 37, 45, "NN")
     p = problem(a, b, torch.empty(3, 37, dtype=a.dtype))
-    assert residue.applies(p) and not dispatch._pads(p, a, b)
+    assert (residue.why_not(p) is None) and not dispatch._pads(p, a, b)
 
 
 def test_residue_compiles_to_vector_copies_for_sm90(tmp_path):

@@ -43,7 +43,7 @@ def test_persistent_tma_path(layout, dtype, shape, device):
     bias = torch.randn(N, dtype=dtype, device=device)
     c = torch.randn(M, 1, dtype=dtype, device=device)
     out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
-    assert persistent_tma.describable(_problem(a, b, out)) is None, "this shape should take the TMA path"
+    assert persistent_tma.why_not(_problem(a, b, out)) is None, "this shape should take the TMA path"
     got = tilegemm.matmul(a, b, bias=bias, c=c, beta=0.5, activation="silu", kernel="persistent_tma", precision="ieee")
     assert_rel_close(got, matmul_reference(a, b, bias=bias, c=c, beta=0.5, activation="silu"), tolerance(dtype))
 
@@ -58,87 +58,34 @@ def test_persistent_tma_serpentine_order(group_m, device):
     out = torch.full((M, N), float("nan"), device=device)
     p = _problem(a, b, out, beta=0.0)
     cfg = dict(persistent_tma.configs(4)[0], GROUP_M=group_m, SERPENTINE=True)  # 32x32 tiles in the interpreter
-    assert persistent_tma.describable(p) is None, "this shape should take the TMA path"
+    assert persistent_tma.why_not(p) is None, "this shape should take the TMA path"
     persistent_tma.run(p, cfg)
     assert_rel_close(out, matmul_reference(a, b), 1e-5)
 
 
-@pytest.mark.parametrize("reduce", ["apart", "last"])
 @pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
 @pytest.mark.parametrize("split,K,slices", [(2, 64, 2), (3, 112, 3), (4, 80, 3), (5, 80, 5)], ids=lambda v: str(v))
-def test_persistent_tma_split_k(layout, split, K, slices, reduce, device, monkeypatch):
+def test_persistent_tma_split_k(layout, split, K, slices, device, monkeypatch):
     """A K split of the persistent kernel: each slice's partial tile to its plane, the planes added by the
     reduction with the epilogue (bias, c, beta, activation applied once); slices of uneven length (7 steps of
     16 in slices of 3, 3 and 1), a split asked for with more slices than its slice length fills (5 steps in 4:
-    3 slices of 2, 2 and 1, none left empty), and more work units than programs. ``reduce="last"``
-    (``REDUCE_LAST``): one launch, the planes added by each tile's last slice to arrive, the counters left at zero."""
+    3 slices of 2, 2 and 1, none left empty), and more work units than programs."""
     monkeypatch.setattr(persistent_tma, "sm_count", lambda device: 3)
     # rows 16-byte aligned in every layout: the TMA path, not a fallback (asserted below)
     a, b, bias, c, out, p = _epilogue_problem(layout, 72, 96, K, device)
     cfg = dict(persistent_tma.configs(4)[0], SPLIT_K=split, BLOCK_K=16)  # 16-wide K steps on the GPU too
-    if reduce == "last":
-        cfg["REDUCE_LAST"] = True
-    assert persistent_tma.describable(p) is None and persistent_tma.split_of(p, cfg) == slices
+    assert persistent_tma.why_not(p) is None and persistent_tma.split_of(p, cfg) == slices
     launches = []
     real = persistent_tma.launch
     monkeypatch.setattr(persistent_tma, "launch", lambda *a, **k: launches.append(a[0]) or real(*a, **k))
     monkeypatch.setattr(split_reduce, "launch", lambda *a, **k: launches.append(a[0]) or real(*a, **k))
     persistent_tma.run(p, cfg)
     assert_rel_close(out, matmul_reference(a, b, bias=bias, c=c, beta=0.5, activation="gelu"), 1e-5)
-    assert len(launches) == (1 if reduce == "last" else 2)
-    if reduce == "last":
-        from tilegemm.core import workspace
-
-        (_, count), = [v for k, v in workspace._workspaces.items() if k[2] == "persistent_tma_split_last"]
-        assert not count.any(), "each launch leaves its counters at zero"
+    assert len(launches) == 2
 
 
-@pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
-@pytest.mark.parametrize("programs", [2, 3, 4, 5, 8, 13], ids=lambda v: f"programs{v}")
-@pytest.mark.parametrize("flatten", [False, True], ids=["unflat", "flat"])
-@pytest.mark.parametrize("share", [2, 64], ids=lambda v: f"share{v}")
-def test_persistent_tma_stream_k(layout, programs, flatten, share, device, monkeypatch):
-    """Stream-K of the last wave: 9 tiles x 7 K steps. With 2 programs 8 tiles go whole and the last tile's 7
-    steps are shared by both; with 4, 8 whole and one tile shared by up to 4 (SK_SHARE); with 5, 5 whole and 4
-    tiles' 28 steps over 5 programs (runs starting and ending inside tiles); with 8, one tile shared by 2 or 7
-    programs; with 3 (whole waves) or 13 (under one wave) no tile is shared. Every element written once (NaN
-    poison), the epilogue applied once to the sum, the counters left at zero, one launch."""
-    monkeypatch.setattr(persistent_tma, "sm_count", lambda device: programs)
-    a, b, bias, c, out, p = _epilogue_problem(layout, 72, 96, 112, device)  # 3 x 3 tiles of 32 x 32, 7 K steps of 16
-    # 32 x 32 tiles on any device (configs() gives the GPU larger ones), unflattened and flattened
-    cfg = dict(persistent_tma.make_config(32, 32, 16, 4, 2, flatten=flatten), STREAM_K=True, SK_SHARE=share)
-    assert persistent_tma.describable(p) is None
-    assert persistent_tma.stream_k_programs(p, cfg, programs) == min(programs, 63)
-    launches = []
-    real = persistent_tma.launch
-    monkeypatch.setattr(persistent_tma, "launch", lambda *a, **k: launches.append(a[1]) or real(*a, **k))
-    persistent_tma.run(p, cfg)
-    assert_rel_close(out, matmul_reference(a, b, bias=bias, c=c, beta=0.5, activation="gelu"), 1e-5)
-    assert launches == [(min(programs, 63),)]
-    from tilegemm.core import workspace
-
-    (_, count), = [v for k, v in workspace._workspaces.items() if k[2] == "persistent_tma_stream_k"]
-    assert not count.any(), "each launch leaves its counters at zero"
-
-
-def test_persistent_tma_stream_k_falls_back_to_whole_tiles(device, monkeypatch):
-    """A stream-K config on one program, or where its step arithmetic would pass 32 bits, runs whole tiles."""
-    monkeypatch.setattr(persistent_tma, "sm_count", lambda device: 1)
-    a, b = torch.randn(40, 48, device=device), torch.randn(48, 56, device=device)
-    out = torch.full((40, 56), float("nan"), device=device)
-    p = _problem(a, b, out)
-    cfg = dict(persistent_tma.make_config(32, 32, 16, 4, 2), STREAM_K=True)
-    assert persistent_tma.stream_k_programs(p, cfg, 1) == 1
-    persistent_tma.run(p, cfg)
-    assert_rel_close(out, matmul_reference(a, b), 1e-5)
-    big = _problem(torch.randn(65536, 65536, device="meta"), torch.randn(65536, 65536, device="meta"),
-                   torch.empty(65536, 65536, device="meta"))
-    assert persistent_tma.stream_k_programs(big, dict(cfg, BLOCK_K=1), 132) == 1
-
-
-@pytest.mark.parametrize("reduce", ["apart", "last"])
 @pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast_accum"])
-def test_persistent_tma_split_k_fp8(fast_accum, reduce, device, monkeypatch):
+def test_persistent_tma_split_k_fp8(fast_accum, device, monkeypatch):
     """fp8 (both operands K-major) in K slices: the partial sums stay unscaled in the planes, and the reduction
     applies the per-row and per-tensor scales with the epilogue once."""
     monkeypatch.setattr(persistent_tma, "sm_count", lambda device: 3)
@@ -151,15 +98,13 @@ def test_persistent_tma_split_k_fp8(fast_accum, reduce, device, monkeypatch):
     out = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
     (p,) = make_problems(a, b, out, None, bias, 1.0, 0.0, "relu", "ieee", False, (scale_a, 1, scale_b, 0), fast_accum)
     cfg = dict(persistent_tma.configs(1)[0], SPLIT_K=3, BLOCK_K=32)  # 32-deep K steps: fp8's smallest wgmma
-    if reduce == "last":  # the one-launch reduction (REDUCE_LAST), the same planes
-        cfg["REDUCE_LAST"] = True
-    assert persistent_tma.describable(p) is None and persistent_tma.split_of(p, cfg) == 3
+    assert persistent_tma.why_not(p) is None and persistent_tma.split_of(p, cfg) == 3
     launches = []
     real = persistent_tma.launch
     monkeypatch.setattr(persistent_tma, "launch", lambda *a, **k: launches.append(a[0]) or real(*a, **k))
     monkeypatch.setattr(split_reduce, "launch", lambda *a, **k: launches.append(a[0]) or real(*a, **k))
     persistent_tma.run(p, cfg)
-    assert len(launches) == (1 if reduce == "last" else 2)
+    assert len(launches) == 2
     ref = matmul_reference(a.double() * scale_a.double()[:, None], b.double() * 0.25, bias=bias, activation="relu")
     assert_rel_close(out, ref, tolerance(e4m3, out_dtype=torch.bfloat16))
 
@@ -207,7 +152,7 @@ def test_persistent_tma_tuned_split_is_the_wave_split_of_the_problem(device, mon
 def test_persistent_tma_falls_back_where_tma_cannot_go(make, reason, device):
     a, b = make(device)
     out = torch.empty(*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1], device=device)
-    assert reason in persistent_tma.describable(_problem(a, b, out))
+    assert reason in persistent_tma.why_not(_problem(a, b, out))
     got = tilegemm.matmul(a, b, kernel="persistent_tma", precision="ieee")
     assert_rel_close(got, matmul_reference(a, b), 1e-5)
 
@@ -479,7 +424,7 @@ def test_persistent_tma_falls_back_to_a_config_that_fits(device, monkeypatch):
     a, b = torch.randn(M, K, device=device), torch.randn(K, N, device=device)
     out = torch.full((M, N), float("nan"), device=device)
     p = _problem(a, b, out)
-    assert persistent_tma.describable(p) is None
+    assert persistent_tma.why_not(p) is None
     big = dict(persistent_tma.configs(4)[0], GROUP_M=4)  # stands for a config too large for the SM
     fits = persistent_tma.configs(4)[0]
     monkeypatch.setattr(persistent_tma, "candidates", lambda p: [big, fits])
@@ -505,3 +450,20 @@ def test_persistent_tma_falls_back_to_a_config_that_fits(device, monkeypatch):
     dispatch.launch_auto(p)
     assert launched == [fits, fits]
     assert_rel_close(out, matmul_reference(a, b), 1e-5)
+
+
+def test_entry_point_launches_auto_a_rung_or_a_rung_config(device):
+    """``tilegemm.ops.matmul.launch``, the entry point other families call: auto's choice, a named rung, a rung
+    with a config of its own; each writes every element of the (NaN-poisoned) output."""
+    from tilegemm.ops.matmul import launch, make_problems as entry_make_problems
+    from tilegemm.ops.matmul.configs import fixed_config
+
+    a, b = torch.randn(40, 24, device=device), torch.randn(24, 56, device=device)
+    want = matmul_reference(a, b)
+    for kernel, config in ((None, None), ("grouped", None), ("naive", fixed_config(a.dtype))):
+        out = torch.full((40, 56), float("nan"), device=device)
+        for p in entry_make_problems(a, b, out, precision="ieee"):
+            launch(p, kernel, config)
+        assert_rel_close(out, want, tolerance(torch.float32))
+    with pytest.raises(ValueError, match="pass kernel= with it"):
+        launch(entry_make_problems(a, b, torch.empty(40, 56, device=device))[0], None, {"BLOCK_M": 16})

@@ -215,7 +215,7 @@ def test_tf32_and_fp8_tables_choose_their_own_familys_candidates(gpu, monkeypatc
     for module in (configs, split_k):
         monkeypatch.setattr(module, "interpreting", lambda: False)
     monkeypatch.setattr(split_k, "sm_count", lambda device: 132)
-    monkeypatch.setattr(persistent_tma, "gluon_requires", lambda: None)
+    monkeypatch.setattr(persistent_tma, "why_not_gluon", lambda: None)
     monkeypatch.setattr(survey, "_choices", {})
     monkeypatch.setattr(survey, "_tables", {})
 
@@ -255,7 +255,7 @@ def test_dispatch_consults_the_survey_only_for_untuned_classes_with_timing_off(m
 
     monkeypatch.setenv("TILEGEMM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
-    monkeypatch.setattr(survey, "applies", lambda p: True)
+    monkeypatch.setattr(survey, "why_not", lambda p: None)
     monkeypatch.setattr(survey, "covers", lambda p: True)
     monkeypatch.setattr(survey, "choose", lambda p: ("autotuned", {"picked": True}))
     p = problem(333, 4440, 1000)
@@ -293,7 +293,7 @@ def test_dispatch_consults_the_survey_only_for_untuned_classes_with_timing_off(m
     monkeypatch.setattr(survey, "covers", lambda p: False)
     assert dispatch.surveyed(problem(337, 4440, 1000)) is None, "no table (or not of this layout): the rules"
     monkeypatch.setattr(survey, "covers", lambda p: True)
-    monkeypatch.setattr(survey, "applies", lambda p: False)
+    monkeypatch.setattr(survey, "why_not", lambda p: "not surveyed")
     assert dispatch.surveyed(problem(334, 4440, 1000)) is None
 
 
@@ -356,17 +356,17 @@ def test_applies_to_single_products_of_a_surveyed_family_on_a_gpu_only():
     assert [survey.family(d) for d in ("fp16", "bf16", "tf32", "fp8_e4m3", "fp8_e5m2xfp8_e4m3", "fp8_e4m3+fast")] \
         == ["", "", "tf32", "fp8", "fp8", "fp8"]
     assert survey.family("fp32") is None and survey.family("fp16xbf16") is None  # IEEE fp32, mixed 16-bit
-    assert survey.applies(problem(64, 64, 64)) is False  # CPU tensors: no GPU table speaks for them
-    assert survey.applies(problem(64, 64, 64, torch.float32)) is False
+    assert survey.why_not(problem(64, 64, 64)) is not None  # CPU tensors: no GPU table speaks for them
+    assert survey.why_not(problem(64, 64, 64, torch.float32)) is not None
     if torch.cuda.is_available() and not tilegemm.core.runtime.interpreting():
-        assert survey.applies(problem(64, 64, 64, device="cuda")) is True
-        assert survey.applies(problem(64, 64, 64, torch.float32, device="cuda")) is False  # IEEE
+        assert survey.why_not(problem(64, 64, 64, device="cuda")) is None
+        assert survey.why_not(problem(64, 64, 64, torch.float32, device="cuda")) is not None  # IEEE
         a = torch.empty(64, 64, device="cuda")
         tf32 = make_problems(a, a, torch.empty_like(a), None, None, 1.0, 0.0, "none", "tf32", False)[0]
-        assert survey.applies(tf32) is True
+        assert survey.why_not(tf32) is None
         batched = make_problems(a.expand(2, 64, 64), a, torch.empty(2, 64, 64, device="cuda"), None, None, 1.0,
                                 0.0, "none", "tf32", False)[0]
-        assert batched.batch == 2 and survey.applies(batched) is False
+        assert batched.batch == 2 and survey.why_not(batched) is not None
 
 
 def test_tables_are_named_by_gpu_family_and_layout(tmp_path, monkeypatch):

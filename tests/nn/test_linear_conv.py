@@ -162,13 +162,14 @@ def test_conv2d_module_backward_calls_the_gradient_functions_directly(monkeypatc
 @pytest.mark.gpu
 def test_modules_replay_their_inference_calls():
     """nn.Linear with a bias and nn.Conv2d (Parameters) under no_grad record once and replay afterwards."""
-    from tilegemm.ops.conv2d import replay as conv_replay
-    from tilegemm.ops.matmul import replay as mm_replay
+    from tilegemm.ops.conv2d import op as conv_replay
+    from tilegemm.core.replay import cache
+    mm_replay = cache("matmul")
 
     lin = tilegemm.nn.Linear(256, 384).cuda().half()
     conv = tilegemm.nn.Conv2d(32, 64, 3, padding=1).cuda().half().to(memory_format=torch.channels_last)
     mm_replay.clear()
-    conv_replay.clear()
+    conv_replay.REPLAYS.clear()
     with torch.no_grad():
         for _ in range(3):
             x = torch.randn(5, 256, device="cuda", dtype=torch.float16)
@@ -176,4 +177,4 @@ def test_modules_replay_their_inference_calls():
             xc = torch.randn(2, 32, 9, 9, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
             ref = torch.nn.functional.conv2d(xc.double(), conv.weight.double(), conv.bias.double(), padding=1)
             assert_rel_close(conv(xc), ref, 4e-3)
-    assert mm_replay.count() == 1 and conv_replay.count() == 1
+    assert mm_replay.count() == 1 and conv_replay.REPLAYS.count() == 1

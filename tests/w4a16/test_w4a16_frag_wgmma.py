@@ -7,23 +7,24 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_rel_close
-from w4a16_kit import check_fragment_kernel, check_launch_twice, compile_report, reference
+from w4a16_kit import check_fragment_kernel, check_launch_twice, compile_report
 from hypothesis import given, settings, strategies as st
 
 from tilegemm import w4a16
 from tilegemm.core import registry
 from tilegemm.core.runtime import interpreting
 from tilegemm.nn import Int4Linear
-from tilegemm.ops.w4a16 import configs
+from tilegemm.ops.w4a16 import configs, dispatch
+from tilegemm.ops.w4a16.reference import reference
 
 SMEM = 227 * 1024  # shared memory a block may use on Hopper
 
 
 def test_auto_routes_up_to_1024_rows_to_frag_wgmma_where_it_runs():
     for M in (1, 16, 17, 256, 1024):
-        assert configs.choose(M, frag=True) == "frag_wgmma"
-    assert configs.choose(1025, frag=True) == "dequant_cublas"
-    assert configs.choose(1) == "gemv" and configs.choose(64) == "mma" and configs.choose(1025) == "dequant_cublas"
+        assert dispatch.choose(M, frag=True) == "frag_wgmma"
+    assert dispatch.choose(1025, frag=True) == "dequant_cublas"
+    assert dispatch.choose(1) == "gemv" and dispatch.choose(64) == "mma" and dispatch.choose(1025) == "dequant_cublas"
     if interpreting():
         w = w4a16.quantize(torch.randn(16, 128, dtype=torch.float16), 64)
         with pytest.raises(registry.NotApplicable, match="frag_wgmma"):
@@ -172,13 +173,13 @@ def test_frag_wgmma_takes_strided_x():
 
 @pytest.mark.gpu
 def test_auto_uses_frag_wgmma_and_replays_it():
-    from tilegemm.ops.w4a16 import replay
+    from tilegemm.ops.w4a16 import op as replay
 
-    replay.clear()
+    replay.REPLAYS.clear()
     lin = Int4Linear.from_linear(torch.nn.Linear(4096, 1024).half().cuda(), group_size=128)
     for M in (1, 9, 100, 700):
         for _ in range(3):
             x = torch.randn(M, 4096, dtype=torch.float16, device="cuda")
             assert_rel_close(lin(x), reference(x, lin.weight, lin.bias), 2e-3)
-    assert replay.count() == 4
+    assert replay.REPLAYS.count() == 4
     assert registry.get("w4a16", "frag_wgmma").unavailable_reason() is None

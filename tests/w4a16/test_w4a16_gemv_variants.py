@@ -9,7 +9,7 @@ import torch
 import tilegemm
 from tilegemm.core.runtime import new_output
 from tilegemm.ops.w4a16 import gemv
-from tilegemm.ops.w4a16.common import W4A16Problem
+from tilegemm.ops.w4a16.problem import W4A16Problem
 
 from conftest import assert_rel_close
 

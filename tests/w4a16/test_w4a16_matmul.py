@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_rel_close
-from w4a16_kit import reference
 
 import tilegemm
 from tilegemm import w4a16
+from tilegemm.ops.w4a16.reference import reference
 from tilegemm.core import registry
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 import tilegemm
 from tilegemm.core.runtime import interpreting, new_output
 from tilegemm.ops.w4a16 import configs, mma
-from tilegemm.ops.w4a16.common import W4A16Problem
+from tilegemm.ops.w4a16.problem import W4A16Problem
 
 from conftest import assert_rel_close
 

@@ -1,4 +1,5 @@
-"""The host fast path of w4a16.matmul (tilegemm.ops.w4a16.replay): keys on the CPU, replays on a GPU."""
+"""The host fast path of w4a16.matmul (tilegemm.core.replay; keys in tilegemm.ops.w4a16.checks): keys on the CPU,
+replays on a GPU."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import torch
 
 from tilegemm.core.runtime import interpreting
 from conftest import assert_rel_close
-from w4a16_kit import reference
 
 from tilegemm import w4a16
-from tilegemm.ops.w4a16 import replay
+from tilegemm.ops.w4a16 import checks, op
+from tilegemm.ops.w4a16.reference import reference
 
 
 def weight(N=64, K=256, g=64, dtype=torch.float16, device="cpu"):
@@ -23,28 +24,28 @@ def weight(N=64, K=256, g=64, dtype=torch.float16, device="cpu"):
 def test_same_layout_same_key():
     w = weight()
     x1, x2 = torch.randn(3, 256, dtype=torch.float16), torch.randn(3, 256, dtype=torch.float16)
-    assert replay.key_of(x1, w, None, "none", "auto") == replay.key_of(x2, w, None, "none", "auto")
+    assert checks.key_of(x1, w, None, "none", "auto") == checks.key_of(x2, w, None, "none", "auto")
     # another weight of the same layout shares the key: the replay takes the call's tensors
-    assert replay.key_of(x1, w, None, "none", "auto") == replay.key_of(x1, weight(), None, "none", "auto")
+    assert checks.key_of(x1, w, None, "none", "auto") == checks.key_of(x1, weight(), None, "none", "auto")
 
 
 def test_keys_differ_where_triton_specializes():
     w = weight()
     x = torch.randn(4, 256, dtype=torch.float16)
-    base = replay.key_of(x, w, None, "none", "auto")
+    base = checks.key_of(x, w, None, "none", "auto")
     bias = torch.randn(64, dtype=torch.float16)
     offset = torch.randn(4 * 256 + 1, dtype=torch.float16)[1:].view(4, 256)  # 2-byte aligned only
     wide = torch.randn(4, 512, dtype=torch.float16)[:, :256]  # row stride 512
     others = {
-        "M": replay.key_of(torch.randn(5, 256, dtype=torch.float16), w, None, "none", "auto"),
-        "dtype": replay.key_of(x.bfloat16(), w.to(torch.bfloat16), None, "none", "auto"),
-        "strides": replay.key_of(wide, w, None, "none", "auto"),
-        "alignment": replay.key_of(offset, w, None, "none", "auto"),
-        "bias": replay.key_of(x, w, bias, "none", "auto"),
-        "activation": replay.key_of(x, w, None, "silu", "auto"),
-        "kernel": replay.key_of(x, w, None, "none", "gemv"),
-        "N": replay.key_of(x, weight(N=72), None, "none", "auto"),
-        "group": replay.key_of(x, weight(g=128), None, "none", "auto"),
+        "M": checks.key_of(torch.randn(5, 256, dtype=torch.float16), w, None, "none", "auto"),
+        "dtype": checks.key_of(x.bfloat16(), w.to(torch.bfloat16), None, "none", "auto"),
+        "strides": checks.key_of(wide, w, None, "none", "auto"),
+        "alignment": checks.key_of(offset, w, None, "none", "auto"),
+        "bias": checks.key_of(x, w, bias, "none", "auto"),
+        "activation": checks.key_of(x, w, None, "silu", "auto"),
+        "kernel": checks.key_of(x, w, None, "none", "gemv"),
+        "N": checks.key_of(x, weight(N=72), None, "none", "auto"),
+        "group": checks.key_of(x, weight(g=128), None, "none", "auto"),
     }
     for what, key in others.items():
         assert key != base, f"a call differing in {what} must not share the key"
@@ -54,14 +55,14 @@ def test_keys_differ_where_triton_specializes():
 def test_no_replay_on_the_cpu_or_under_autograd():
     w = weight()
     x = torch.randn(2, 256, dtype=torch.float16)
-    assert replay.replay_key(x, w, None, "none", "auto") is None  # CPU / interpreter
-    replay.clear()
+    assert checks.replay_key(x, w, None, "none", "auto") is None  # CPU / interpreter
+    op.REPLAYS.clear()
     if not interpreting():  # a GPU is in use: CPU tensors are refused by name
         with pytest.raises(ValueError, match="CUDA GPU is in use"):
             w4a16.matmul(x, w)
         return
     y = w4a16.matmul(x, w)
-    assert replay.count() == 0
+    assert op.REPLAYS.count() == 0
     assert_rel_close(y, reference(x, w), 2e-3)
 
 
@@ -72,7 +73,7 @@ def test_no_replay_on_the_cpu_or_under_autograd():
 @pytest.mark.parametrize("kernel", ["auto", "gemv", "mma"])
 @pytest.mark.parametrize("M", [1, 5, 16])
 def test_replayed_call_equals_a_fresh_one(kernel, M):
-    replay.clear()
+    op.REPLAYS.clear()
     w = weight(N=4096, K=4096, g=128, device="cuda")
     bias = torch.randn(4096, dtype=torch.float16, device="cuda")
     for act, b in (("none", None), ("silu", bias)):
@@ -83,20 +84,20 @@ def test_replayed_call_equals_a_fresh_one(kernel, M):
             assert_rel_close(y, reference(x, w2, b, act), 2e-3)
             fresh = w4a16.matmul(x.clone().requires_grad_(True), w2, bias=b, activation=act, kernel=kernel)
             assert torch.equal(y, fresh.detach()), "a replay must give the bits of a fresh launch"
-    assert replay.count() == 2
+    assert op.REPLAYS.count() == 2
 
 
 @pytest.mark.gpu
 def test_replay_declines_on_another_stream_and_dequant_cublas_is_not_recorded():
-    replay.clear()
+    op.REPLAYS.clear()
     w = weight(N=8192, K=8192, g=128, device="cuda")  # gemv splits K here: a workspace of its own
     x = torch.randn(1, 8192, dtype=torch.float16, device="cuda")
     w4a16.matmul(x, w)
-    assert replay.count() == 1
+    assert op.REPLAYS.count() == 1
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         y = w4a16.matmul(x, w)
     side.synchronize()
     assert_rel_close(y, reference(x, w), 2e-3)
     w4a16.matmul(torch.randn(300, 8192, dtype=torch.float16, device="cuda"), w, kernel="dequant_cublas")
-    assert replay.count() == 1
+    assert op.REPLAYS.count() == 1

@@ -1,5 +1,5 @@
-"""What the W4A16 tests share: the float64 reference, the GPU checks both fragment kernels get, their offline
-sm_90 compiles (no GPU needed), and the fuzz's drawn calls and check."""
+"""What the W4A16 tests share: the GPU checks the fragment kernel gets, its offline sm_90 compiles (no GPU needed),
+and the fuzz's drawn calls and check. The oracle is :func:`tilegemm.ops.w4a16.reference.reference`."""
 
 from __future__ import annotations
 
@@ -9,20 +9,12 @@ import zlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import strategies as st
 from conftest import SM90, assert_rel_close, compile_offline
 
 from tilegemm import w4a16
 from tilegemm.ops.w4a16.format import fits_fragments
-
-
-def reference(x, w, bias=None, activation="none"):
-    """``activation(x @ dequantize(w).T + bias)`` in float64."""
-    y = x.double() @ w4a16.dequantize(w).double().T
-    if bias is not None:
-        y = y + bias.double()
-    return {"none": lambda t: t, "silu": F.silu, "relu": F.relu, "gelu": F.gelu}[activation](y)
+from tilegemm.ops.w4a16.reference import reference
 
 
 def check_fragment_kernel(kernel: str, dtype, N: int, K: int, group: int, M: int) -> None:

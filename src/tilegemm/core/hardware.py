@@ -1,4 +1,6 @@
-"""What machine this is: GPU, peak rates, software versions, git commit. Used by ``bench`` and ``info``."""
+"""What machine this is, and what it can do: GPU, peak rates, software versions, git commit (``bench``, ``info``);
+the questions kernels ask before they run (:func:`why_not_tma`, :func:`why_not_gluon`, :func:`sm_count`,
+:func:`compute_capability`). Importing it imports neither torch's CUDA nor triton."""
 
 from __future__ import annotations
 
@@ -163,3 +165,26 @@ def compute_capability() -> tuple[int, int] | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability()
+
+
+def why_not_tma() -> str | None:
+    """None where TMA kernels can run (a Hopper or newer GPU, or the interpreter); otherwise why not."""
+    if interpreting():
+        return None
+    cc = compute_capability()
+    if cc is None or cc[0] < 9:
+        return "needs a Hopper (sm_90) or newer GPU for TMA"
+    return None
+
+
+def why_not_gluon() -> str | None:
+    """None where the Gluon kernels can run: an sm_90 GPU under Triton 3.6 (Gluon has no interpreter)."""
+    if interpreting():
+        return "Gluon kernels have no interpreter: they need an sm_90 GPU"
+    if compute_capability() != (9, 0):
+        return "needs an sm_90 (Hopper) GPU: the Gluon kernels are written for it"
+    import triton  # here, not at the top: importing tilegemm imports no triton
+
+    if not triton.__version__.startswith("3.6."):
+        return f"written against Triton 3.6's Gluon API, found Triton {triton.__version__}"
+    return None

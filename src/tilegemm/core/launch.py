@@ -7,9 +7,8 @@ H200, tools/launch_profile.py). For a small GEMM that difference is most of the 
 So every tilegemm launcher goes through :func:`launch`. While :func:`recording` is active, each launch is
 remembered as (compiled kernel, grid, full parameter list). An op that sees a call whose shapes, strides,
 dtypes, device and 16-byte alignment all match an earlier one (everything Triton specializes on) can then
-replay it with :class:`Replay`, swapping in the new tensors. A replay calls Triton's C launcher itself
-unless a launch hook is registered, which brought a 64x64 ``tilegemm.matmul`` to 1.3x-1.5x the host time
-of ``torch.matmul`` (from about 1.7x).
+replay it with :class:`Replay`, swapping in the new tensors (the ops' cache of them: :mod:`tilegemm.core.replay`). A replay calls Triton's C launcher itself
+unless a launch hook is registered (what that saves a small call: docs/performance.md).
 
 Host-side TMA descriptors (Gluon's or Triton's ``TensorDescriptor``, kernel parameters) replay too: the
 descriptor's shape, strides and block are the call's (they are in the op's replay key), so a replay
@@ -20,6 +19,7 @@ base address and passes the C launch the expanded parameters itself (:func:`_des
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -99,8 +99,6 @@ def _all_params(kernel, args: tuple, kwargs: dict) -> list | None:
         return list(args) + [kwargs[name] for name in names]
     found = _DEFAULTS.get(id(kernel))
     if found is None or found[0] is not kernel:
-        import inspect
-
         fn = kernel
         while hasattr(fn, "fn"):  # an autotuner or JIT function around the Python function
             fn = fn.fn
@@ -196,8 +194,6 @@ def _descriptor_launcher(launch_fn):
     launch for three descriptors on an H200, more than the whole launch of a kernel without them. A
     :class:`Replay` of such a launch instead passes the C launch the expanded parameters itself and
     encodes a descriptor once per base address (:meth:`Replay._encoded`)."""
-    import inspect
-
     import triton
 
     if not triton.__version__.startswith("3.6.") or getattr(launch_fn, "__name__", "") != "inner":
@@ -236,18 +232,18 @@ def _rebased(desc, tensor):
 class Replay:
     """One recorded launch, replayable with new tensors in the same parameter slots."""
 
-    __slots__ = ("runner", "run", "direct", "function", "packed", "grid", "params", "slots", "shape", "stream",
+    __slots__ = ("runner", "run", "direct", "function", "packed", "grid", "params", "slots", "output", "stream",
                  "device", "expanded", "encoded")
 
     ENCODED_PER_REPLAY = 64  # descriptors kept encoded (by slot and base address) before the cache is cleared
 
-    def __init__(self, launch_: Launch, tensors: tuple, shape=None):
+    def __init__(self, launch_: Launch, tensors: tuple, output=None):
         global _runtime_knobs
         if _runtime_knobs is None:
             from triton import knobs
 
             _runtime_knobs = knobs.runtime
-        self.shape = shape  # the output shape, for ops that allocate it
+        self.output = output  # what a replay allocates for the call's output (tilegemm.core.replay)
         compiled = launch_.compiled
         self.runner = compiled[launch_.grid]  # Triton's own launch path (also loads the module)
         # What that path ends in: the compiled launcher, called directly when no launch hook listens.
@@ -383,14 +379,14 @@ class Replay:
 class ReplaySequence:
     """A call's few recorded launches, replayed in order with the same tensors (:class:`Replay` each)."""
 
-    __slots__ = ("replays", "shape")
+    __slots__ = ("replays", "output")
     MAX_LAUNCHES = 8  # matmul's aligned twin: three copies in, a split product (two), one copy out
 
-    def __init__(self, replays: list, shape=None):
+    def __init__(self, replays: list, output=None):
         if len({(r.device, r.stream) for r in replays}) != 1:
             raise LookupError("the launches were made on different devices or streams")
         self.replays = replays
-        self.shape = shape
+        self.output = output
 
     def __call__(self, *tensors) -> bool:
         """Launch them all (under :data:`sequence_lock`); False (nothing launched) where the first declines
@@ -402,40 +398,6 @@ class ReplaySequence:
             for replay in rest:
                 replay(*tensors)
         return True
-
-
-class ReplayCache:
-    """Replays keyed by everything Triton specializes on; bounded, cleared when full."""
-
-    def __init__(self, maxsize: int = 4096):
-        self.maxsize = maxsize
-        self.entries: dict = {}
-
-    def get(self, key):
-        return self.entries.get(key)
-
-    def store(self, key, launches, tensors, shape=None, aliases_in_key: bool = False) -> None:
-        """Remember the launches of a call under ``key`` (one, or a few in order: a K split reduced by a second
-        launch). Tensors sharing a data pointer (``x @ x.mT``, one scale tensor for both operands) take the
-        slots of the first of them; that replays right only for calls that alias the same way, so such calls
-        are kept only if the key says how they alias."""
-        if not launches or len(launches) > ReplaySequence.MAX_LAUNCHES:
-            return
-        if not aliases_in_key and len({t.data_ptr() for t in tensors}) < len(tensors):
-            return  # aliased tensors: their slots could not be told apart on replay
-        try:
-            if len(launches) == 1:
-                replay = Replay(launches[0], tensors, shape)
-            else:
-                replay = ReplaySequence([Replay(one, tensors, shape) for one in launches], shape)
-        except LookupError:
-            return
-        if len(self.entries) >= self.maxsize:
-            self.entries.clear()
-        self.entries[key] = replay
-
-    def clear(self) -> None:
-        self.entries.clear()
 
 
 def tensor_key(t) -> tuple:

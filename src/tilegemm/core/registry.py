@@ -61,8 +61,9 @@ class OpSpec:
 class KernelSpec:
     """A registered kernel.
 
-    ``target`` is ``"module:function"``: the launcher, imported lazily. ``requires`` returns ``None``
-    when the kernel can run on this machine, or a sentence saying why not (e.g. "needs a Hopper GPU").
+    ``target`` is ``"module:function"``: the launcher, imported lazily. ``why_not`` returns ``None``
+    when the kernel can run on this machine, or a sentence saying why not (e.g. "needs a Hopper GPU"):
+    the machine's side of the one contract, ``why_not(...) -> str | None``, that kernels answer per problem.
     ``tags`` say more about it (``"sm_90"``, ``"gluon"``, ``"variant of persistent_tma"``). ``dtypes`` names
     the bench dtypes (:mod:`tilegemm.core.dtypes`) it takes; empty: every dtype of its op.
     """
@@ -72,7 +73,7 @@ class KernelSpec:
     summary: str
     target: str
     order: int = 0
-    requires: Callable[[], str | None] | None = None
+    why_not: Callable[[], str | None] | None = None
     tags: tuple[str, ...] = field(default_factory=tuple)
     dtypes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -80,7 +81,7 @@ class KernelSpec:
         return dtype is None or not self.dtypes or dtype in self.dtypes
 
     def unavailable_reason(self) -> str | None:
-        return self.requires() if self.requires is not None else None
+        return self.why_not() if self.why_not is not None else None
 
     def launcher(self) -> Callable[..., Any]:
         ensure_backend()

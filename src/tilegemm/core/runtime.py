@@ -199,10 +199,6 @@ def on_device(device):
     return torch.cuda.device(device)
 
 
-def backend_name() -> str:
-    return "interpreter (CPU)" if interpreting() else "CUDA GPU"
-
-
 # --- output allocation ----------------------------------------------------------------------------------
 
 _poison = threading.local()

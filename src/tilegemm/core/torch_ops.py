@@ -3,9 +3,8 @@
 A graph compiled by ``torch.compile`` calls ``torch.ops.tilegemm.*`` for every convolution and matmul. A
 ``custom_op``'s call runs three Python layers before the op's own function: the autograd kernel (even with no
 gradient to record), a redispatch below autograd, and the backend kernel's aliasing check inside a wrapper
-that turns Dynamo off and on. On the H100 machine's host that was 60 us of a 104 us call of a replayed
-convolution (research/profile_conv_host_call.py), and a compiled ResNet-50 at batch 32 spent more time on
-its host than its GPU.
+that turns Dynamo off and on: most of a replayed convolution's host time, enough for a compiled ResNet-50 to
+spend more time on its host than its GPU (docs/performance.md).
 
 :func:`lean_autograd` gives such an op an autograd kernel that calls the op's function at once when nothing
 needs to see the call (no gradient, plain tensors, no dispatch or function mode, not tracing): what the

@@ -63,9 +63,8 @@ def key(rung: str, M: int, N: int, K: int, dtype, out_dtype, layout: str = "", b
     """A shape class's key: the rung, M bucketed (:func:`m_bucket`), N, K, the dtypes and the layout; a batched
     product's (``batch`` > 1) adds its batch count bucketed the same way (``|B32``). A batched class is its own:
     it never takes a single product's entry, nor lends its own (:func:`parse_key` does not read it, so
-    :func:`nearest` passes it by), since its tiles fill the GPU ``batch`` times over. Taking the single
-    product's shipped config ran 32 x 256x4096x4096 at 0.33x ``torch.bmm`` and 32 x 1000^3 at 0.40x (H200,
-    benchmarks/results/2026-11-28-h200/0ca27d5/)."""
+    :func:`nearest` passes it by), since its tiles fill the GPU ``batch`` times over (a single product's config
+    runs a batch slowly: docs/performance.md)."""
     base = f"{rung}|M{m_bucket(M)}|N{N}|K{K}|{dtype_name(dtype)}|{dtype_name(out_dtype)}|{layout}"
     return base if batch <= 1 else f"{base}|B{m_bucket(batch)}"
 
@@ -77,10 +76,8 @@ def gpu_slug(gpu_name: str) -> str:
 
 # A GPU the package ships no tables for takes those of a shipped sibling of its architecture, by name (as a
 # slug): the H200's for the H200 NVL and the GH200 (132 SMs, HBM3e); the H100 SXM's for the H100 PCIe and NVL
-# and the H800. The tables' ranking re-counts waves with the GPU's own SM count; its measured speeds carry over.
-# On the H200, auto with the H100's tables ran the random sweep's products of 20 us or more at 1.13x cuBLAS,
-# with its own 1.15x, with none (the rules alone) 1.11x (benchmarks/results/2026-11-28-h200/6de1c49/). Other
-# GPUs (other architectures above all: the tables name Hopper-only kernels) keep the rules.
+# and the H800. The tables' ranking re-counts waves with the GPU's own SM count; its measured speeds carry over
+# (a sibling's tables beat the rules alone: docs/rungs/auto.md). Other GPUs (other architectures above all: the tables name Hopper-only kernels) keep the rules.
 # A MIG slice (a few of the GPU's SMs) keeps the rules: the tables' entries were tuned for the whole GPU. While
 # timing is on (``tilegemm tune``), a sibling's entries do not stand in for this GPU's own: its classes are timed.
 SIBLINGS: list[tuple[str, str]] = [(r"^nvidia-g?h200(-|$)", "nvidia-h200"),

@@ -81,7 +81,7 @@ def buffer(device: torch.device, dtype: torch.dtype, numel: int, tag) -> torch.T
     key = (device, current_stream() if device.type == "cuda" else 0, dtype, tag)
     buf = _buffers.get(key)
     if buf is None or buf.numel() < numel:
-        # At least 1.5x the one it replaces: a network's layers growing call by call (a backward pass from the
+        # Grown by at least half over the one it replaces: a network's layers growing call by call (a backward pass from the
         # deep layers out) replace it a few times, not once a layer, each replaced one held by its replays.
         grown = buf.numel() * 3 // 2 if buf is not None else 0
         buf = _buffers[key] = torch.empty(max(numel, grown, 1 << 16), dtype=dtype, device=device)
@@ -92,6 +92,6 @@ def release() -> None:
     """Drop the kept scratch tensors (:func:`buffer`'s and :func:`split_workspace`'s) of every device and stream:
     the next calls allocate afresh. The NCHW route of conv2d keeps activation-sized ones (an input's and an
     output's copy per stream and dtype). Replays recorded with them keep theirs until their caches are cleared
-    (``tilegemm.ops.conv2d.replay.clear()``, ``tilegemm.ops.matmul.replay.clear()``)."""
+    (:func:`tilegemm.core.replay.clear`)."""
     _buffers.clear()
     _workspaces.clear()

@@ -42,7 +42,7 @@ class Int4Linear(nn.Module):
         self._set_fragments(w)
 
     def _set_fragments(self, w: Int4Weight) -> None:
-        # The frag kernel's layout of the weight (Int4Weight.fragments()), made once, kept as buffers that move
+        # The fragment kernel's layout of the weight (Int4Weight.fragments()), made once, kept as buffers that move
         # with the module and are not saved (they follow from the others); empty where that kernel cannot run
         # (a group length that is not a multiple of 64).
         fw, fzs = w.fragments() if fits_fragments(w.group_k) else (torch.empty(0, dtype=torch.int32, device=w.device),) * 2
@@ -60,7 +60,7 @@ class Int4Linear(nn.Module):
                           (self.out_features, self.in_features), perm, frag)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from tilegemm.ops.w4a16.op import matmul
+        from tilegemm.ops.w4a16.api import matmul
 
         return matmul(x, self.weight, bias=self.bias)
 

@@ -1,17 +1,14 @@
 """2-D convolution: ``activation(conv2d(x, weight) + bias)``, forward and backward, as implicit GEMMs.
 
+The public function in :mod:`.api`, its checks in :mod:`.checks`, the ``torch.library`` ops (forward, data and
+weight gradients) in :mod:`.op`, the records of a call in :mod:`.problem`, ``auto`` and the routes of the forward
+and the gradients in :mod:`.dispatch`, configs in :mod:`.configs`, the plain-torch oracle in :mod:`.reference`.
 Kernels, each a file beside this one, registered here by name; nothing here imports triton (a kernel module
-is imported when its kernel first runs). The backward (data and weight gradients) runs from
-:mod:`tilegemm.ops.conv2d.op` with the same kernel files.
+is imported when its kernel first runs).
 """
 
+from tilegemm.core.hardware import why_not_gluon
 from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
-
-
-def _hopper() -> str | None:
-    from tilegemm.ops.matmul.persistent_tma import gluon_requires
-
-    return gluon_requires()
 
 
 register_op(OpSpec(
@@ -27,7 +24,7 @@ register(KernelSpec(
 ))
 register(KernelSpec(
     op="conv2d", name="tma_implicit_gemm", order=15, target="tilegemm.ops.conv2d.tma_fwd:run",
-    requires=_hopper, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
+    why_not=why_not_gluon, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
     summary="implicit GEMM whose input tiles are TMA boxes of a strided 5-D view (padding by TMA's zero fill)",
 ))
 register(KernelSpec(
@@ -44,6 +41,6 @@ register(KernelSpec(
     summary="direct kernel for few channels a group (2-16): fp32 multiply-adds over [pixels, groups x channels]",
 ))
 
-from tilegemm.ops.conv2d.op import conv2d  # noqa: E402
+from tilegemm.ops.conv2d.api import conv2d  # noqa: E402
 
 __all__ = ["conv2d"]

@@ -180,7 +180,8 @@ class Conv2dBench(BenchOp):
         return "tf32" if dtype == "tf32" else "ieee"
 
     def prepare(self, case, dtype, device, n_sets, options):
-        from tilegemm.ops.conv2d.problem import check_conv
+        from tilegemm.ops.conv2d.checks import check_conv
+        from tilegemm.ops.conv2d.reference import conv2d_reference
 
         d = case.dims
         mode = self._mode(options)
@@ -203,13 +204,13 @@ class Conv2dBench(BenchOp):
                 # does not do.
                 g = check_conv(inputs["x"], inputs["w"], None, conv["stride"], conv["padding"], conv["dilation"],
                                conv["groups"])
-                inputs["grad_args"] = (list(g.stride), list(g.padding), list(g.dilation), g.groups,
-                                       self._precision(dtype))
+                inputs["grad_args"] = dict(stride=list(g.stride), padding=list(g.padding), dilation=list(g.dilation),
+                                           groups=g.groups, precision=self._precision(dtype))
             sets.append(inputs)
         first = sets[0]
         x64, w64 = first["x"].double(), first["w"].double()
         if mode == "fwd":
-            reference = torch.nn.functional.conv2d(x64, w64, None, **conv)
+            reference = conv2d_reference(x64, w64, None, **conv)
         else:
             dx, dw, _ = torch.ops.aten.convolution_backward(
                 first["dy"].double(), x64, w64, None, list(conv["stride"]), list(conv["padding"]),
@@ -228,6 +229,7 @@ class Conv2dBench(BenchOp):
     def run(self, kernel, inputs, dtype):
         from tilegemm.ops.conv2d import conv2d
         from tilegemm.ops.conv2d.op import backward_data, backward_weight
+        from tilegemm.ops.conv2d.problem import DgradCall, WgradCall
 
         x, w, conv = inputs["x"], inputs["w"], inputs["conv"]
         precision = self._precision(dtype)
@@ -237,9 +239,10 @@ class Conv2dBench(BenchOp):
             from tilegemm.core.registry import NotApplicable
 
             raise NotApplicable("the backward picks its kernels by geometry: bench it as kernel auto")
-        args = inputs["grad_args"]
-        dx = backward_data(inputs["dy"], w, list(x.shape), inputs["channels_last"], *args)
-        dw = backward_weight(inputs["dy"], x, list(w.shape), *args)
+        grad = inputs["grad_args"]
+        dx = backward_data(DgradCall(dy=inputs["dy"], weight=w, x_shape=list(x.shape),
+                                     x_channels_last=inputs["channels_last"], **grad))
+        dw = backward_weight(WgradCall(dy=inputs["dy"], x=x, w_shape=list(w.shape), **grad))
         return self._flat_grads(dx, dw)
 
     def baseline(self, inputs, dtype):

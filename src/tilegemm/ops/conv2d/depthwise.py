@@ -217,7 +217,7 @@ def depthwise_rows_kernel(
         accs = accs + (tl.zeros((BLOCK,), dtype=tl.float32),)
     if PIPELINE:
         # Triton's pipeliner keeps STAGES - 1 rows of loads in flight (cp.async through shared memory): the
-        # larger images' form (research/explore_depthwise_flat.py).
+        # larger images' form (docs/conv2d.md, "Configs").
         for t in tl.range(0, T, num_stages=STAGES):
             h = p0 - pad_h + t
             row_ok = (h >= 0) & (h < H)

@@ -418,7 +418,7 @@ def _run_forward(p: ConvProblem, x: torch.Tensor, w: torch.Tensor, keep: tuple, 
 
 
 def _operand_order(dtype: torch.dtype, precision: str, a_k_major: bool, b_k_major: bool) -> str:
-    """As :func:`tilegemm.ops.matmul.problem.mma_operands`: tf32 operands must reach wgmma K-major."""
+    """As matmul's operand order (its problem's ``mma_operands``): tf32 operands must reach wgmma K-major."""
     if dtype != torch.float32 or precision == "ieee" or (a_k_major and b_k_major):
         return "ab"
     return "swap" if a_k_major else "reg_a"

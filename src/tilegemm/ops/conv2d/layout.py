@@ -1,18 +1,14 @@
 """NCHW tensors for the channels-last kernels: transposed by a Triton kernel into per-stream workspaces.
 
 The implicit-GEMM kernels walk the channels of a pixel contiguously, so an NCHW (plain contiguous) input has to
-become channels-last first. On Hopper a 16-bit NCHW forward (:func:`tilegemm.ops.conv2d.op._forward`) makes one
+become channels-last first. On Hopper a 16-bit NCHW forward (:func:`tilegemm.ops.conv2d.dispatch.forward`) makes one
 channels-last copy of ``x`` here, runs the channels-last kernel ``auto`` picks for that copy, and writes the
 NCHW output: the TMA kernel stores it directly (its epilogue switches to pixel-major stores), the others
 write channels-last into a workspace that :func:`to_nchw` transposes into the output. The weight, when it is NCHW
 too, is made ``[K, R, S, C/groups]`` the same way. Being Triton launches into kept workspaces (not torch
 copies), these calls are recorded and replayed like channels-last ones
-(:mod:`tilegemm.ops.conv2d.replay`).
-
-Before this route an NCHW input ran the pointer kernels over torch's copies, with the output stored through
-NCHW strides: ResNet-50's forward at 0.50x and MobileNetV2's at 0.49x of cuDNN given the same NCHW tensors (3x3
-and depthwise layers 0.08x-0.49x), the backward at 0.37x; with it 0.93x, 0.81x and 0.88x (H200,
-``benchmarks/results/2026-11-25-h200/{f63b5a8,e6b6c92,7123770}/``; docs/conv2d.md, "NCHW inputs").
+(:mod:`tilegemm.ops.conv2d.replay`). Before this route an NCHW input ran the pointer kernels over torch's
+copies, with the output stored through NCHW strides, far slower (docs/conv2d.md, "NCHW inputs").
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The geometry of a 2-D convolution and the checks on its arguments (plain Python: no triton here).
+"""The records of a 2-D convolution: its geometry, the calls of the three ``torch.library`` ops (their arguments
+travel in these, never as positional tuples) and the problem a kernel's launcher takes (plain Python: no
+triton here).
 
 Names follow the implicit-GEMM convention: an input ``x`` of ``[N, C, H, W]``, a weight of ``[K, C/groups, R, S]``,
 an output of ``[N, K, P, Q]``. Seen as a GEMM per group: M = N*P*Q output pixels, N_gemm = K/groups output
@@ -10,24 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from tilegemm.core.dtypes import dtype_name
-from tilegemm.core.runtime import check_same_device
-
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _pair(name: str, value) -> tuple[int, int]:
-    """An int or a pair of ints as (h, w), or TypeError naming the argument."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a pair of ints, got a bool")
-    if isinstance(value, int):
-        return value, value
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return int(value[0]), int(value[1])
-    raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
-
 
 @dataclass(frozen=True)
 class Geometry:
@@ -88,81 +72,6 @@ class Geometry:
                 and self.groups == 1)
 
 
-def resolve_padding(padding, R: int, S: int, stride: tuple[int, int], dilation: tuple[int, int]):
-    """(top, bottom, left, right) from an int, a pair, "same" or "valid", as F.conv2d reads them."""
-    if isinstance(padding, str):
-        mode = padding.lower()
-        if mode == "valid":
-            return (0, 0, 0, 0)
-        if mode == "same":
-            if stride != (1, 1):
-                raise ValueError(f"padding='same' needs stride 1 (as in torch), got stride={stride}")
-            # torch pads the extra element of an odd total at the bottom/right
-            total_h, total_w = dilation[0] * (R - 1), dilation[1] * (S - 1)
-            return (total_h // 2, total_h - total_h // 2, total_w // 2, total_w - total_w // 2)
-        raise ValueError(f"padding must be an int, a pair of ints, 'same' or 'valid', got {padding!r}")
-    ph, pw = _pair("padding", padding)
-    if ph < 0 or pw < 0:
-        raise ValueError(f"padding must be >= 0, got {padding!r}")
-    return (ph, ph, pw, pw)
-
-
-def _check_tensor(name: str, t, ranks: tuple[int, ...]) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in DTYPES:
-        kind = "integer" if not (t.dtype.is_floating_point or t.dtype.is_complex) else "unsupported"
-        raise TypeError(f"{name} has {kind} dtype {dtype_name(t.dtype)}; tilegemm.conv2d supports fp16, bf16, "
-                        "fp32")
-    if t.dim() not in ranks:
-        want = " or ".join(str(r) for r in ranks)
-        raise ValueError(f"{name} must have {want} dims, got shape {list(t.shape)}")
-
-
-def check_conv(x, weight, bias, stride, padding, dilation, groups) -> Geometry:
-    """Raise TypeError/ValueError naming the problem; return the resolved geometry."""
-    _check_tensor("x", x, (4,))
-    _check_tensor("weight", weight, (4,))
-    if weight.dtype != x.dtype:
-        raise TypeError(f"dtypes differ: x is {dtype_name(x.dtype)}, weight is {dtype_name(weight.dtype)}")
-    if isinstance(groups, bool) or not isinstance(groups, int):
-        raise TypeError(f"groups must be an int, got {type(groups).__name__}")
-    if groups < 1:
-        raise ValueError(f"groups must be >= 1, got {groups}")
-    stride, dilation = _pair("stride", stride), _pair("dilation", dilation)
-    if min(stride) < 1:
-        raise ValueError(f"stride must be >= 1, got {stride}")
-    if min(dilation) < 1:
-        raise ValueError(f"dilation must be >= 1, got {dilation}")
-    N, C, H, W = x.shape
-    K, Cg, R, S = weight.shape
-    if C % groups:
-        raise ValueError(f"input channels C={C} are not divisible by groups={groups}")
-    if K % groups:
-        raise ValueError(f"output channels K={K} (weight.shape[0]) are not divisible by groups={groups}")
-    if Cg * groups != C:
-        raise ValueError(f"channel mismatch: x has C={C} channels, weight {list(weight.shape)} expects "
-                         f"C/groups={Cg} per group, so C={Cg * groups} for groups={groups}")
-    if min(K, Cg, R, S) < 1:
-        raise ValueError(f"weight must have no empty dimension, got shape {list(weight.shape)}")
-    pad = resolve_padding(padding, R, S, stride, dilation)
-    g = Geometry(N, C, H, W, K, R, S, groups, stride, pad, dilation)
-    if g.P < 1 or g.Q < 1:
-        raise ValueError(
-            f"kernel larger than the padded input: input {H}x{W} padded by {pad} (top, bottom, left, right) "
-            f"is smaller than the dilated kernel {dilation[0] * (R - 1) + 1}x{dilation[1] * (S - 1) + 1}")
-    named = {"x": x, "weight": weight}
-    if bias is not None:
-        _check_tensor("bias", bias, (1,))
-        if bias.dtype != x.dtype:
-            raise TypeError(f"dtypes differ: x is {dtype_name(x.dtype)}, bias is {dtype_name(bias.dtype)}")
-        if bias.shape[0] != K:
-            raise ValueError(f"bias must have shape [K] = [{K}], got {list(bias.shape)}")
-        named["bias"] = bias
-    check_same_device(named)
-    return g
-
-
 def geometry_of(x_shape, w_shape, stride, padding, dilation, groups) -> Geometry:
     """Geometry from shapes and already-resolved lists (what the torch.library op receives)."""
     N, C, H, W = x_shape
@@ -180,7 +89,90 @@ def memory_format_of(t: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if channels_last(t) else torch.contiguous_format
 
 
-@dataclass
+def wgrad_format(x: torch.Tensor, w_shape) -> torch.memory_format:
+    """The weight gradient's memory format: channels-last where ``x`` is channels-last and the filter has more than
+    one tap and channel (where the two differ), as torch's cuDNN path returns it for a channels-last ``x``; else
+    contiguous (cuDNN also returns channels-last for an NCHW ``x`` with a channels-last weight; here the layout
+    follows ``x`` alone). The kernels store a tile of one tap as whole rows then, not one element every R*S."""
+    _, cg, r, s = w_shape
+    return torch.channels_last if r * s > 1 and cg > 1 and channels_last(x) else torch.contiguous_format
+
+
+# --- the calls of the three ops (tilegemm.ops.conv2d.op), in their schemas' order ---------------------------
+
+
+@dataclass(frozen=True)
+class ConvCall:
+    """One forward call (``tilegemm::conv2d``): ``activation(conv2d(x, weight) + bias)`` in ``out_dtype`` (None:
+    x's), the hyper-parameters resolved to lists (padding as top, bottom, left, right)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    stride: list
+    padding: list
+    dilation: list
+    groups: int
+    activation: str
+    precision: str  # a name check_precision takes, or "default" (torch's fp32 matmul precision when it runs)
+    kernel: str
+    out_dtype: torch.dtype | None = None
+
+    def op_args(self) -> tuple:
+        return (self.x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
+                self.activation, self.precision, self.kernel, self.out_dtype)
+
+    def geometry(self) -> Geometry:
+        return geometry_of(self.x.shape, self.weight.shape, self.stride, self.padding, self.dilation, self.groups)
+
+
+@dataclass(frozen=True)
+class DgradCall:
+    """One data gradient (``tilegemm::conv2d_dgrad``): grad of x ``x_shape`` (channels-last or not) from ``dy``."""
+
+    dy: torch.Tensor
+    weight: torch.Tensor
+    x_shape: list
+    x_channels_last: bool
+    stride: list
+    padding: list
+    dilation: list
+    groups: int
+    precision: str
+
+    def op_args(self) -> tuple:
+        return (self.dy, self.weight, self.x_shape, self.x_channels_last, self.stride, self.padding, self.dilation,
+                self.groups, self.precision)
+
+    def geometry(self) -> Geometry:
+        return geometry_of(self.x_shape, self.weight.shape, self.stride, self.padding, self.dilation, self.groups)
+
+    @property
+    def x_format(self) -> torch.memory_format:
+        return torch.channels_last if self.x_channels_last else torch.contiguous_format
+
+
+@dataclass(frozen=True)
+class WgradCall:
+    """One weight gradient (``tilegemm::conv2d_wgrad``): grad of a weight of ``w_shape`` from ``dy`` and ``x``."""
+
+    dy: torch.Tensor
+    x: torch.Tensor
+    w_shape: list
+    stride: list
+    padding: list
+    dilation: list
+    groups: int
+    precision: str
+
+    def op_args(self) -> tuple:
+        return (self.dy, self.x, self.w_shape, self.stride, self.padding, self.dilation, self.groups, self.precision)
+
+    def geometry(self) -> Geometry:
+        return geometry_of(self.x.shape, self.w_shape, self.stride, self.padding, self.dilation, self.groups)
+
+
+@dataclass(frozen=True)
 class ConvProblem:
     """One launch's worth of a convolution: the tensors as the kernels take them, and the flags.
 

@@ -18,7 +18,8 @@ def conv2d_reference(x, weight, bias=None, stride=1, padding=0, dilation=1, grou
 
 
 def tolerance(dtype: torch.dtype, precision: str = "ieee") -> float:
-    """Bound on :func:`relative_error` for a correct kernel: the operands' and output's rounding, as matmul's."""
-    from tilegemm.ops.matmul.reference import tolerance as gemm_tolerance
-
-    return gemm_tolerance(dtype, precision)
+    """Bound on :func:`relative_error` for a correct kernel, set by the operands' and output's rounding (fp32
+    accumulation; the same bounds as matmul's oracle)."""
+    if dtype == torch.float32 and precision == "tf32":
+        return 1e-2
+    return {torch.float16: 4e-3, torch.bfloat16: 2.5e-2, torch.float32: 1e-4}.get(dtype, 5e-2)

@@ -180,7 +180,7 @@ def tap_offsets(g) -> tuple[int, int]:
     return cdiv(g.padding[0], sh) * sh, cdiv(g.padding[2], sw) * sw
 
 
-def unusable(x: torch.Tensor, weight, g, channel_step: int = 16) -> str | None:
+def why_not_input(x: torch.Tensor, weight, g, channel_step: int = 16) -> str | None:
     """None when this kernel takes the convolution; otherwise why not (in words). ``channel_step``: what
     C/groups must be a multiple of (16: a K step of the forward never crosses a tap; the weight gradient, whose
     channels are an output dim, needs only 8: TMA's 16-byte strides)."""
@@ -224,7 +224,7 @@ def config(g, dtype: torch.dtype, sms: int = 132) -> dict:
 
 def run(p, config_: dict | None = None) -> torch.Tensor:
     """The forward through this kernel, or :class:`NotApplicable` saying why it does not take ``p``. A stem
-    (:func:`stem_unusable`) runs as the merged-pairs convolution of :func:`run_stem`."""
+    (:func:`why_not_stem`) runs as the merged-pairs convolution of :func:`run_stem`."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import current_stream, launch, sequence_lock
     from tilegemm.core.registry import NotApplicable
@@ -232,8 +232,8 @@ def run(p, config_: dict | None = None) -> torch.Tensor:
     from tilegemm.ops.conv2d.layout import weight_channels_last
 
     g = p.geo
-    reason = unusable(p.x, p.weight, g)
-    if reason and stem_unusable(p.x, p.weight, g) is None:
+    reason = why_not_input(p.x, p.weight, g)
+    if reason and why_not_stem(p.x, p.weight, g) is None:
         return run_stem(p)
     if reason:
         raise NotApplicable(f"tma_implicit_gemm does not take this convolution: {reason}")
@@ -246,10 +246,10 @@ def run(p, config_: dict | None = None) -> torch.Tensor:
     return out
 
 
-def reason_not(x: torch.Tensor, weight, g) -> str | None:
-    """None when :func:`run` takes the convolution (directly or as a stem); otherwise why not."""
-    reason = unusable(x, weight, g)
-    if reason and stem_unusable(x, weight, g) is None:
+def why_not(p) -> str | None:
+    """None when :func:`run` takes problem ``p`` (directly or as a stem); otherwise why not."""
+    reason = why_not_input(p.x, p.weight, p.geo)
+    if reason and why_not_stem(p.x, p.weight, p.geo) is None:
         return None
     return reason
 
@@ -291,7 +291,7 @@ def stem_layout(g) -> tuple[int, int, int, int]:
     return cp, cv, hp, wp
 
 
-def stem_unusable(x: torch.Tensor, weight, g) -> str | None:
+def why_not_stem(x: torch.Tensor, weight, g) -> str | None:
     """None when the stem route takes the convolution; otherwise why not."""
     from tilegemm.core.runtime import interpreting
 
@@ -390,7 +390,7 @@ def stem_operands(x: torch.Tensor, weight: torch.Tensor, g):
 
 
 def run_stem(p) -> torch.Tensor:
-    """The forward of a stem (:func:`stem_unusable` is None) through the window convolution."""
+    """The forward of a stem (:func:`why_not_stem` is None) through the window convolution."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import current_stream, launch, sequence_lock
     from tilegemm.ops.conv2d.configs import tma_stem_config
@@ -462,17 +462,13 @@ def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g, out_format: torch.memor
     from tilegemm.core.workspace import buffer
 
     if g.stride != (1, 1):
-        # Strided data gradients split into stride^2 phase convolutions ran 3x-4x faster on the GPU than the
-        # pointer kernel (ResNet-50's stride-2 layers, CUDA graphs: 0.26x -> 0.66x cuDNN over the non-1x1
-        # layers, 2026-11-24-h100/cd4226f/), but a call is then up to 8 launches (phase weights, convolutions,
-        # zeroed phases) whose replays re-encoded their TMA descriptors: 190 us of host time a call at stride 2,
-        # more than the GPU time saved in eager use. With the descriptors over the phase weights' workspaces
-        # encoded once per replay, a replayed stride-2 call still cost 155 us of host time (eight launches of
-        # 10-17 us each, H100), and the bench's backward fell from 0.67x to 0.64x cuDNN, its strided layers to
-        # 0.3x (2026-11-24-h100/c0aa70c/). They stay on the pointer kernel until the phases take fewer launches.
+        # Strided data gradients split into stride^2 phase convolutions run faster on the GPU than the pointer
+        # kernel, but a call is then up to 8 launches (phase weights, convolutions, zeroed phases) whose host time
+        # outweighed the GPU time saved (docs/conv2d.md, "Configs"). They stay on the pointer kernel until the
+        # phases take fewer launches.
         return None
     ((_, _, gt, r0, s0),) = dgrad_phases(g)
-    if min(gt.padding) < 0 or unusable(dy, weight, gt):
+    if min(gt.padding) < 0 or why_not_input(dy, weight, gt):
         return None
     if out_format == torch.channels_last:
         dx = new_output((g.N, g.H, g.W, g.C), dy.dtype, dy.device).permute(0, 3, 1, 2)
@@ -499,7 +495,7 @@ def phase_weight_kernel(w_ptr, out_ptr, C, Kg, Cg, V, r0, s0, step_h, step_w,
     ``[C, U, V, K/groups]`` (channels-last ``[C, K/groups, U, V]``). A program moves a ``[BLOCK_C, BLOCK_K]``
     tile of one tap (u, v: axis 2), so that both the reads (along the input channels of a channels-last weight)
     and the writes (along k) are coalesced; Triton turns the tile between the two in shared memory. One
-    element a thread with k fastest had read 2 bytes of a 32-byte sector each: 512 -> 512 3x3 took 15 us."""
+    element a thread with k fastest had read 2 bytes of a 32-byte sector each."""
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     uv = tl.program_id(2)
@@ -516,7 +512,7 @@ def phase_weight_kernel(w_ptr, out_ptr, C, Kg, Cg, V, r0, s0, step_h, step_w,
 def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, g, activation: str, cfg: dict,
                 within: torch.Tensor | None = None):
     """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.core.launch.launch`. ``weight`` is
-    channels-last contiguous; ``x`` satisfies :func:`unusable`. ``within``: a tensor ``out`` is a view into; the
+    channels-last contiguous; ``x`` satisfies :func:`why_not_input`. ``within``: a tensor ``out`` is a view into; the
     kernel is then passed ``within`` and the element offset of ``out`` in it (a replay maps the call's tensors
     by their data pointers, and a view at an offset has a pointer of its own)."""
     sh, sw = g.stride

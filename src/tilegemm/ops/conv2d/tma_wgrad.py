@@ -143,7 +143,7 @@ def conv2d_wgrad_tma_kernel(
 # --- host side ---------------------------------------------------------------------------------------------
 
 
-def unusable(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
+def why_not(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
     """None when this kernel takes the weight gradient; otherwise why not (in words)."""
     from tilegemm.ops.conv2d import tma_fwd
 
@@ -159,19 +159,15 @@ def unusable(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
         return "output gradient not 16-byte aligned"
     if g.N * g.K * g.P * g.Q >= 2**31:
         return "2^31 elements or more (the pointer kernels take those, with 64-bit offsets)"
-    return tma_fwd.unusable(x, None, g, channel_step=8)
+    return tma_fwd.why_not_input(x, None, g, channel_step=8)
 
 
 def config(g, sms: int, bm: int = BLOCK, bn: int = BLOCK) -> dict:
     """Patches of 128 output pixels, ``bm`` x ``bn`` channel tiles (64x64 unless asked: 128-wide ones ran slower,
     docs/conv2d.md; 8 warps from 128 output channels), 3 ring slots (32 KB each at 64x64: two programs an SM, one
     at wider tiles), and the pixel split (1..64, slices of 8 patches or more) of least modelled cost: rounds of
-    programs at once (a round just overfilled costs a whole slice) against the partial tiles each slice adds.
-    Timed at every split on ResNet-50's ten non-1x1-stride-1 layers (H100, CUDA graphs, `2026-11-24-h100/7b424ad/`,
-    research/fit_wgrad_split.py), its splits ran 0.99x of each layer's best in geomean at 64x64 (0.96x-0.99x with
-    the two constants refitted leaving the layer out) and at 64x128 tiles, where the former rule,
-    ``min(cdiv(sms, tiles), patches // 8)``, which overfilled a round by a few programs, ran 0.95x and 0.86x
-    (36 tiles of 64x64: split 4, 41 us, against 6, 35 us)."""
+    programs at once (a round just overfilled costs a whole slice) against the partial tiles each slice adds;
+    timed at every split, its splits ran close to each layer's best (docs/conv2d.md, "Configs")."""
     from tilegemm.ops.conv2d.configs import _patch
 
     bi, bh, bw, patches = _patch(g, 128)
@@ -205,9 +201,9 @@ def split_for(tiles: int, patches: int, slots: int, fill: float = FILL, per_slic
 
 def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict | None = None,
         memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-    """grad of the weight, ``[K, C/groups, R, S]`` in ``memory_format``, for ``dy`` and ``x`` that :func:`unusable`
+    """grad of the weight, ``[K, C/groups, R, S]`` in ``memory_format``, for ``dy`` and ``x`` that :func:`why_not`
     takes. Channels-last is the fast one: a tile's rows (one output channel, one tap) are then contiguous, where
-    contiguous ones scatter every element R*S elements apart (512 -> 512 3x3 at 7x7: 29 against 45 us, H200)."""
+    contiguous ones scatter every element R*S elements apart (slower: docs/conv2d.md, "Configs")."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import current_stream, launch
     from tilegemm.core.workspace import split_workspace

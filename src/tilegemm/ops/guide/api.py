@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core import registry
-from tilegemm.core.launch import ReplayCache, recording
+from tilegemm.core.replay import ReplayCache
 from tilegemm.core.runtime import check_device, interpreting, new_output, on_device
 
 GREY_WEIGHTS = (0.2989, 0.5870, 0.1140)
 MAX_DIMS = 6
 
 
-_replays = ReplayCache()
+_replays = ReplayCache("guide")
 
 
 def _replay_key(op: str, x) -> tuple | None:
@@ -26,21 +26,21 @@ def _replayed(key, x: torch.Tensor) -> torch.Tensor | None:
 
     Checked before validation: a hit has the shape, strides, dtype and device of a call that passed it.
     """
-    hit = _replays.get(key) if key is not None else None
-    if hit is None:
-        return None
-    out = new_output(hit.shape, x.dtype, x.device)
-    return out if hit(x, out) else None
+    return _replays.replayed(key, (x,)) if key is not None else None
 
 
 def _run(op: str, name: str, key, x: torch.Tensor, out: torch.Tensor) -> None:
+    launcher = registry.get(op, name).launcher()
+
+    def run() -> torch.Tensor:
+        launcher(x, out)
+        return out
+
     with on_device(x.device):
         if key is None:
-            registry.get(op, name).launcher()(x, out)
-            return
-        with recording() as rec:
-            registry.get(op, name).launcher()(x, out)
-    _replays.store(key, rec.launches, (x, out), shape=out.shape)
+            run()
+        else:
+            _replays.recorded(key, (x,), run)
 
 
 def copy(x: torch.Tensor) -> torch.Tensor:

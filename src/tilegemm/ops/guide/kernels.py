@@ -101,10 +101,7 @@ def grey_kernel(
     tl.store(out_ptr + offs, grey.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Launch shape, from research/explore_tf32_grey.py on an H200 (uint8, 5 interleaved runs against torch's copy of
-# the same bytes): 1024-pixel blocks of 4 warps with streaming loads gave medians of 0.99x / 0.97x / 0.96x at
-# 2048^2 / 4096^2 / 8192^2. The earlier 4096-pixel blocks of 16 warps gave 0.93x / 0.96x / 0.95x: at 2048^2
-# (a 9 us kernel) smaller programs spread the image over the SMs more evenly.
+# Launch shape: small programs with streaming loads spread an image over the SMs evenly (docs/ladder.md).
 GREY_TUNING = dict(STREAM=True, num_warps=4, block_bytes=1024)
 
 

@@ -1,25 +1,13 @@
 """Dense GEMM: ``activation(alpha * (a @ b) + beta * c + bias)``.
 
 The rungs of the ladder, each a file beside this one, registered here by name, with the Gluon kernels that
-``persistent_tma`` launches on Hopper (each also selectable alone). Nothing here imports triton: a kernel
+``persistent_tma`` launches on Hopper (each also selectable alone). Other families reach matmul through
+:func:`make_problems` and :func:`launch` only (docs/internals.md). Nothing here imports triton: a kernel
 module is imported when its kernel first runs.
 """
 
+from tilegemm.core.hardware import why_not_gluon, why_not_tma
 from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
-
-
-def _tma_requirement() -> str | None:
-    # Imported when asked: the kernel module needs triton, and this package must not import it.
-    from tilegemm.ops.matmul.persistent_tma import requires
-
-    return requires()
-
-
-def _gluon_requirement() -> str | None:
-    from tilegemm.ops.matmul.persistent_tma import gluon_requires
-
-    return gluon_requires()
-
 
 register_op(OpSpec(
     name="matmul", summary="dense GEMM with a fused epilogue: fp16, bf16, fp32/tf32, fp8; any layout; batched",
@@ -46,27 +34,31 @@ register(KernelSpec(
 ))
 register(KernelSpec(
     op="matmul", name="persistent_tma", order=50, target="tilegemm.ops.matmul.persistent_tma:run",
-    requires=_tma_requirement, tags=("sm_90",),
+    why_not=why_not_tma, tags=("sm_90",),
     summary="Hopper: one program per SM over tiles in grouped order, TMA tile loads/stores, split epilogue",
 ))
 register(KernelSpec(
     op="matmul", name="gluon_f16", order=51, target="tilegemm.ops.matmul.persistent_tma:run_gluon_f16",
-    requires=_gluon_requirement, tags=("sm_90", "gluon", "variant of persistent_tma"), dtypes=("fp16", "bf16"),
+    why_not=why_not_gluon, tags=("sm_90", "gluon", "variant of persistent_tma"), dtypes=("fp16", "bf16"),
     summary="persistent_tma's Gluon kernel for 16-bit operands: a TMA producer, two cooperative wgmma consumers",
 ))
 register(KernelSpec(
     op="matmul", name="gluon_fp8", order=52, target="tilegemm.ops.matmul.persistent_tma:run_gluon_fp8",
-    requires=_gluon_requirement, tags=("sm_90", "gluon", "variant of persistent_tma"),
+    why_not=why_not_gluon, tags=("sm_90", "gluon", "variant of persistent_tma"),
     dtypes=("fp8_e4m3", "fp8_e5m2"),
     summary="persistent_tma's Gluon kernels for promoted fp8 (A row-major, B column-major), warp-specialized",
 ))
 register(KernelSpec(
     op="matmul", name="gluon_tf32", order=53, target="tilegemm.ops.matmul.persistent_tma:run_gluon_tf32",
-    requires=_gluon_requirement, tags=("sm_90", "gluon", "variant of persistent_tma"), dtypes=("tf32",),
+    why_not=why_not_gluon, tags=("sm_90", "gluon", "variant of persistent_tma"), dtypes=("tf32",),
     summary="persistent_tma's Gluon kernel for tf32 NN/TT: one operand through registers, wgmma",
 ))
 
 from tilegemm.ops.matmul.api import matmul  # noqa: E402
-from tilegemm.ops.matmul.call import ACTIVATIONS  # noqa: E402
+from tilegemm.core.activations import ACTIVATIONS  # noqa: E402
+from tilegemm.ops.matmul.dispatch import launch  # noqa: E402
+from tilegemm.ops.matmul.problem import GemmProblem, make_problems  # noqa: E402
 
-__all__ = ["ACTIVATIONS", "matmul"]
+# The internal entry points other families call (docs/internals.md): make_problems cuts a product into
+# GemmProblems, launch runs one with auto's choice or a named rung and config.
+__all__ = ["ACTIVATIONS", "GemmProblem", "launch", "make_problems", "matmul"]

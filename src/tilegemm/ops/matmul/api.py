@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.launch import recording_active
-from tilegemm.ops.matmul import replay
-from tilegemm.ops.matmul.call import MatmulCall
-from tilegemm.ops.matmul.checks import check_inputs
+from tilegemm.core.launch import plain_call, recording_active
+from tilegemm.ops.matmul.problem import MatmulCall
+from tilegemm.ops.matmul.checks import check_inputs, replay_key
 from tilegemm.ops.matmul.dispatch import forward
-from tilegemm.ops.matmul.torch_op import call_op
+from tilegemm.ops.matmul.op import REPLAYS, call_op
 
 
 def matmul(
@@ -48,30 +47,31 @@ def matmul(
             shared by every batch. Only with fp8 inputs. fp8 products accumulate in fp32.
         fast_accum: fp8 only. By default the tensor cores' partial sums are added into an fp32
             accumulator every K step (like ``torch._scaled_mm``); True lets them accumulate all of K
-            themselves, with fewer bits (like ``use_fast_accum=True``): about 1.25x faster on an H200 at
-            4096^3 and up, less exact for long K.
+            themselves, with fewer bits (like ``use_fast_accum=True``): faster on large products
+            (docs/performance.md), less exact for long K.
 
     Raises:
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
     # (Inside another op's recording the launch must happen, to be recorded: no replay then.)
     plain = c is None and not recording_active()
-    key = replay.replay_key(a, b, alpha, precision, kernel, out_dtype, scale_a, scale_b, fast_accum, bias,
-                            activation) if plain else None
+    key = replay_key(a, b, alpha, precision, kernel, out_dtype, scale_a, scale_b, fast_accum, bias,
+                     activation) if plain else None
     if key is not None:
-        # The tensors a replay takes after a, b and out (fp8 scales and the bias, where given).
-        extra = () if scale_a is None and scale_b is None else tuple(s for s in (scale_a, scale_b) if s is not None)
+        # The tensors a replay takes: a, b, the fp8 scales and the bias where given (the output comes last).
+        tensors = (a, b) if scale_a is None and scale_b is None else \
+            (a, b, *(s for s in (scale_a, scale_b) if s is not None))
         if bias is not None:
-            extra += (bias,)
-        out = replay.replayed(key, a, b, extra, out_dtype)
+            tensors += (bias,)
+        out = REPLAYS.replayed(key, tensors)
         if out is not None:
             return out  # (None: nothing recorded, or recorded for another stream; launched afresh below)
     call = MatmulCall(a, b, bias, c, alpha, beta, "none" if activation is None else activation, out_dtype,
                       precision or "default", kernel, scale_a, scale_b, fast_accum)
     check_inputs(call)
     call = call.replace(alpha=float(alpha), beta=float(beta))
-    if not replay.plain_call(a, b, bias, c, scale_a, scale_b):
+    if not plain_call(a, b, bias, c, scale_a, scale_b):
         return call_op(call)
     if key is None:
         return forward(call)
-    return replay.recorded(key, a, b, extra, lambda: forward(call))
+    return REPLAYS.recorded(key, tensors, lambda: forward(call))

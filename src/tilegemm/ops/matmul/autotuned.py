@@ -52,9 +52,8 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
         return
     # Triton's autotuner keeps its own winners keyed by M, N, K and the tensors' dtypes only: not the layout
     # (strides), precision, fast accumulation or epilogue. Its winner for an earlier problem of the same
-    # sizes would be taken here untimed (and recorded under this key: fp8 promoted then ran 0.42x
-    # torch._scaled_mm at 2048^3 on a config timed with fast accumulation). tilegemm's key is the one that
-    # says what was timed, so the autotuner starts afresh for it.
+    # sizes would be taken here untimed and recorded under this key (docs/rungs/autotuned.md). tilegemm's key
+    # is the one that says what was timed, so the autotuner starts afresh for it.
     spoil()  # the autotuner's launches do not go through launch(): a recording of this call must not be kept
     matmul_autotuned_kernel.cache.clear()
     matmul_autotuned_kernel[grid(p)](*p.kernel_args(), **p.kernel_flags())

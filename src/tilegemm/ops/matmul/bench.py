@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import random
 import re
 
 import torch
@@ -28,9 +30,6 @@ def _random_cases(count: int = 200, seed: int = 2026) -> list[Case]:
     """``count`` shapes from a fixed seed: M log-uniform in 1..16384, N and K log-uniform in 64..28672, a third of
     them with every dimension above 8 moved off a multiple of 8 (rows not 16-byte aligned in 16-bit). They
     measure how ``auto``'s choice generalises: nothing shipped is tuned on them."""
-    import math
-    import random
-
     rng = random.Random(seed)
 
     def log_uniform(lo: int, hi: int) -> int:

@@ -20,10 +20,8 @@ def fixed_config(dtype: torch.dtype) -> dict:
         # Small tiles: the interpreter runs each program in numpy, and tests then cross many tile edges.
         return make_config(32, 32, 16, 4, 1)
     if dtype == torch.float32:
-        # Not 8 warps and 3 stages: with tf32 operands swapped (B^T through registers) that config gave a
-        # wrong tile (3% of max|C|) twice at 4096^3 right after persistent_tma launches, in
-        # research/explore_hopper.py on an H200; it did not recur in isolation (research/diagnose_tf32.py,
-        # research/stress_register_operand.py), so the cause is unknown and the config is left out.
+        # Not 8 warps and 3 stages: with tf32 operands swapped that config once gave a wrong tile, cause unknown
+        # (docs/rungs/autotuned.md).
         return make_config(128, 128, 32, 4, 4)
     return make_config(128, 128, 64, 4, 4)
 
@@ -40,7 +38,7 @@ def autotune_configs() -> list[dict]:
         make_config(128, 128, 64, 4, 4),
         make_config(128, 64, 64, 4, 4),
         make_config(64, 128, 64, 4, 4),
-        make_config(64, 128, 64, 4, 5),  # 1024^3 fp16: 0.94x cuBLAS, the best of 54 configs (research/explore_hopper.py)
+        make_config(64, 128, 64, 4, 5),  # 1024^3 fp16's best (docs/rungs/autotuned.md)
         make_config(64, 64, 64, 4, 4),
         make_config(128, 32, 64, 4, 4),
         make_config(64, 32, 64, 4, 5),
@@ -76,7 +74,7 @@ def prune_for(configs, dtype_bytes: int) -> list:
         if dtype_bytes < 4 and kw["BLOCK_K"] < 64 and len(configs) > 1:
             continue
         if dtype_bytes == 2 and kw["BLOCK_K"] >= 128 and kw["BLOCK_M"] * kw["BLOCK_N"] > 64 * 128:
-            continue  # the large fp8 configs (64x128x128 stays: 1024^3 bf16 ran 0.97x cuBLAS with it)
+            continue  # the large fp8 configs (64x128x128 stays: 1024^3 bf16's, docs/rungs/autotuned.md)
         if tile_bytes <= budget:
             kept.append(config)
     return kept or list(configs)[:1]

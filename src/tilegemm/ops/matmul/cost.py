@@ -28,8 +28,12 @@ the order of configs, not their times.
 from __future__ import annotations
 
 
-from tilegemm.ops.matmul.split_reduce import reduce_apart
+import torch
+
+from tilegemm.core import hardware
 from tilegemm.core.runtime import cdiv
+from tilegemm.ops.matmul.problem import rows_aligned
+from tilegemm.ops.matmul.split_reduce import reduce_apart
 
 # Fraction of the SM's vendor peak one program sustains by tile area (BLOCK_M x BLOCK_N), pointer kernels:
 # from 128x256 (the tile that reaches about 650 TFLOPS of the H200's 989 at 4096^3) down to 16x64.
@@ -41,13 +45,9 @@ PROGRAM_US = 1.0  # a program's fixed cost: the pipeline's fill and the epilogue
 LAUNCH_US = 2.5  # a second launch (the split's reduction)
 # What one program moves per step, at most, when its rows are not 16-byte aligned, by element size: such
 # loads go a step at a time into registers, one element per load, so the program waits on them
-# (latency-bound) and moves more where each load carries more bytes. Fitted on 60 unseen misaligned products
-# per dtype (H200, research/ab_padding.py, benchmarks/results/2026-11-24-h200/cdd76fc/): the twin-or-direct
-# choice was right on 54 of 60 in fp16 (at 4 GB/s) and tf32 (at 11 GB/s); one rate for both (8) got 44 and
-# 51. The former model, the load term times 16 (from before the kernels' wrapped-tile hints, when such
-# products ran 10x-30x slower than aligned), priced short-K products 5x-10x too slow and padded them where
-# the direct kernels win (146x8038x334 tf32: 39.9 us as the twin, 19.2 direct). The 1-byte rate (fp8, which
-# is never padded: it only ranks the direct kernels' configs) is half the 16-bit one, not measured. The keys
+# (latency-bound) and moves more where each load carries more bytes. Fitted on unseen misaligned products per
+# dtype (docs/rungs/auto.md). The 1-byte rate (fp8, which is never padded: it only ranks the direct kernels'
+# configs) is half the 16-bit one, not measured. The keys
 # are the element sizes the op takes (its checks refuse others).
 MISALIGNED_PROGRAM_GBPS = {1: 2.0, 2: 4.0, 4: 11.0}
 SMEM_BYTES = 227 * 1024
@@ -92,23 +92,17 @@ def estimate_us(M: int, N: int, K: int, batch: int, elem: int, out_elem: int, cf
 def device_rates(p) -> tuple[int, float, float]:
     """(SMs, vendor peak TFLOPS for the problem's dtype, HBM GB/s) of the problem's device (round H100-class
     numbers for a GPU the table lacks, and on the CPU)."""
-    import torch
-
-    from tilegemm.core.hardware import peak_gbps, peak_tflops, sm_count
-
     name = torch.cuda.get_device_name(p.out.device) if p.out.is_cuda else None
     key = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "tf32"}.get(p.dtype, "fp8_e4m3")
     if p.dtype == torch.float32 and p.input_precision == "ieee":
         key = "fp32"
-    peak = peak_tflops(name, key) or (989.0 if key in ("fp16", "bf16") else 495.0)
-    return sm_count(p.out.device), peak, peak_gbps(name) or 3350.0
+    peak = hardware.peak_tflops(name, key) or (989.0 if key in ("fp16", "bf16") else 495.0)
+    return hardware.sm_count(p.out.device), peak, hardware.peak_gbps(name) or 3350.0
 
 
 def problem_estimator(p, aligned: bool | None = None):
     """``estimate(cfg) -> us`` for a :class:`tilegemm.ops.matmul.problem.GemmProblem` on its device;
     ``aligned`` overrides whether its rows are 16-byte aligned (to price a padded copy of it)."""
-    from tilegemm.ops.matmul.problem import rows_aligned
-
     sms, peak, hbm = device_rates(p)
     aligned = rows_aligned(p) if aligned is None else aligned
     dims = (p.M, p.N, p.K, p.batch, p.a.element_size(), p.out.element_size())

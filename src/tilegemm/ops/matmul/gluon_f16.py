@@ -20,12 +20,9 @@ replays its launch over the new tensors (:mod:`tilegemm.core.launch`). 16-bit wg
 from shared memory, so A and B may each be row- or column-major (NN/NT/TN/TT), described to TMA as they lie
 (:attr:`GemmProblem.tma_view`). Outputs are 16-bit (the output buffers sit beside the ring).
 
-Measured on an H200 (``research/explore_f16_coop.py``): 128x256 tiles ran 0.96x-0.97x of cuBLAS at
-4096^3 where ``persistent_tma``'s Triton kernel ran 0.93x-0.96x, about even from 8192^3 up, and behind
-``autotuned`` at 2048^3; cuBLAS's own 256x128 tile was slower here. ``persistent_tma`` times its configs
-beside Triton's for 16-bit problems (the H200 ships it at 4096^3). What cuBLAS has that this lacks: its
-two-CTA clusters, which share operand loads through TMA multicast (not in Triton 3.6). Written by hand in
-PTX (``research/cluster_f16.py``), multicast of A ran even with this kernel without clusters.
+Its speed against cuBLAS and Triton's kernel: docs/rungs/persistent_tma.md. ``persistent_tma`` times its configs
+beside Triton's for 16-bit problems (the H200 ships it at 4096^3). What cuBLAS has that this lacks: its two-CTA
+clusters, which share operand loads through TMA multicast (not in Triton 3.6; measured by hand in the same doc).
 
 Written against Triton 3.6's Gluon API, for sm_90. Gluon has no interpreter: the suite compiles it for
 sm_90 without a GPU, the GPU tests run it.
@@ -240,16 +237,14 @@ def matmul_f16_coop_kernel(
 
 # (BLOCK_M, BLOCK_N) -> its (ring depth, SHARED_OUT) configs. A consumer warp group holds 128 accumulator
 # registers a thread in the first two tiles, 64 in the 128x128 one (for problems of one to two such tiles
-# per SM, where it ran 0.95x-0.96x of cuBLAS at 2048^3; a 128x64 tile ran 0.91x-0.94x at 1024^3, behind
-# autotuned, and is not offered). A 256x128 tile has 3 stages of 48 KB beside two output buffers, 4 beside
+# per SM; a 128x64 tile trailed autotuned and is not offered: docs/rungs/persistent_tma.md). A 256x128 tile has 3 stages of 48 KB beside two output buffers, 4 beside
 # one the warp groups take turns at; the 128x128 tile 6 of 32 KB beside two.
 TILES = {(256, 128): ((3, False), (4, True)), (128, 256): ((3, False), (4, True)), (128, 128): ((6, False),)}
 # Tile order of a tile shape (GROUP_M, SERPENTINE; others 8, False: jit_helpers.tile_grouped). The 132
 # programs at work at once cover about GROUP_M rows of tiles by 132 / GROUP_M columns; for 128x256 tiles 16
 # rows make that footprint square (16 x 128 rows of A, 8 x 256 columns of B: 32 MB of operands at 4096^3
-# against 41 MB in bands of 8), and serpentine bands start on the panels of B the band before left in L2.
-# At 4096^3 on the H200 it took 0.6% off the time under sustained load and 1.5% in do_bench against bands
-# of 8 (benchmarks/results/2026-11-22-h200/72cb436/).
+# against 41 MB in bands of 8), and serpentine bands start on the panels of B the band before left in L2
+# (the gain: docs/rungs/persistent_tma.md).
 ORDER = {(128, 256): (16, True)}
 
 
@@ -267,7 +262,7 @@ def configs(out_element_size: int = 2) -> list[dict]:
     return out
 
 
-def usable(p: GemmProblem) -> str | None:
+def why_not(p: GemmProblem) -> str | None:
     """None when this kernel takes the problem (given that TMA can describe it); otherwise why not."""
     if p.a.dtype not in (torch.float16, torch.bfloat16) or p.b.dtype != p.a.dtype:
         return "not a 16-bit problem"

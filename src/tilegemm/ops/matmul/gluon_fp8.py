@@ -3,14 +3,12 @@
 fp8 products on Hopper's tensor cores accumulate with fewer bits than fp32, so (like ``torch._scaled_mm``
 without ``use_fast_accum``) every 128-wide K step's MMAs go into a fresh partial tile that is then added
 into the fp32 accumulator. In Triton 3.6 ``tl.dot(..., max_num_imprecise_acc=BLOCK_K)`` makes each warp
-group wait for its MMAs before that add, so the tensor cores idle during every add: promoted fp8 ran
-0.82x of ``torch._scaled_mm`` where fast accumulation ran 1.06x.
+group wait for its MMAs before that add, so the tensor cores idle during every add (docs/rungs/persistent_tma.md).
 
 Gluon (Triton's lower-level dialect) lets the kernel say which MMAs it waits for. Here K steps alternate
 between two partial tiles: step k's MMAs are issued into one, then the kernel waits only for step k-1's
-(``warpgroup_mma_wait(1)``) and adds that partial while step k runs. Same arithmetic, same order of adds.
-On an H200 that took the same kernel from 0.69x to 0.85x at 8192^3, and a persistent version to 0.86x-0.92x
-from 4096^3 up (``research/explore_fp8_gluon.py``).
+(``warpgroup_mma_wait(1)``) and adds that partial while step k runs. Same arithmetic, same order of adds
+(the gain: docs/rungs/persistent_tma.md).
 
 Two kernels, both persistent grids walking 128x128 tiles in grouped order, tiles loaded by TMA into a
 ring of ``STAGES`` shared-memory slots, the output stored through TMA, two warp groups of 64 rows each
@@ -24,14 +22,11 @@ accumulator (about 205 registers, no spills); a 128x256 tile would not.
   full; each consumer warp group waits only on mbarriers ("ready" per slot, and an "empty" barrier both
   consumers arrive on once their MMAs have read a slot), so one can add its partial while the other's MMAs
   run. Its TMA descriptors are made on the host (:func:`descriptors`) and passed as kernel parameters:
-  made by each partition on the device, they cost about 2 us a launch before the first load, which was
-  most of what it trailed ``torch._scaled_mm`` by at 2048^3 (``research/diagnose_fp8_overhead.py``). On an
-  H200 it ran 0.96x-0.97x of ``torch._scaled_mm`` at 4096^3..16384^3 where the one-partition kernel ran
-  0.87x-0.90x (``research/explore_fp8_ws.py``). In two-CTA clusters sharing B's tile through TMA
-  multicast (cuBLAS's schedule; ``research/cluster_fp8.py``) it ran slower, 0.80x-0.89x.
+  made by each partition on the device, they cost GPU time before the first load. Its speed, and that of a
+  two-CTA cluster variant (cuBLAS's schedule, slower here): docs/rungs/persistent_tma.md.
 
 Both take A row-major and B column-major (both K-major, the layout ``torch._scaled_mm`` takes),
-TMA-aligned, 2-D; :func:`usable` says when. The ``persistent_tma`` rung times both among its candidates for
+TMA-aligned, 2-D; :func:`why_not` says when. The ``persistent_tma`` rung times both among its candidates for
 such problems, on sm_90 with Triton 3.6 only (Gluon is experimental and its API moves between versions).
 Gluon has no interpreter: the suite compiles them for sm_90 without a GPU, and the GPU tests run them.
 """
@@ -87,8 +82,7 @@ def _scalar_scales(alpha, scale_a_ptr, scale_b_ptr, SCALAR_A: gl.constexpr, SCAL
 
     A per-tensor scale reaches the shared epilogue as a stride-0 vector, which every tile's epilogue
     loaded again (34 loads a warp, their latency between the tile's last MMA and its store). Folded into
-    alpha here, the epilogue does one multiply; on the H200 that took promoted fp8 at 2048^3 from 0.93x to
-    1.00x of ``torch._scaled_mm`` (``tools/profile_counters.py``, ``research/explore_fp8_ws.py``)."""
+    alpha here, the epilogue does one multiply (the gain: docs/rungs/persistent_tma.md)."""
     scale = alpha
     if SCALAR_A:
         scale = scale * gl.load(scale_a_ptr).to(gl.float32)
@@ -304,7 +298,7 @@ def matmul_fp8_ws_kernel(
     # The descriptors are made on the host (:func:`descriptors`) and arrive as kernel parameters: A as
     # [M, K], B as its transpose [N, K], the output as [M, N] in half-tile blocks. Made on the device
     # instead (each partition its own: a device-made descriptor is fenced for the warp that made it),
-    # they cost each launch about 2 us before the first load (research/diagnose_fp8_overhead.py).
+    # they cost each launch GPU time before the first load (docs/rungs/persistent_tma.md).
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], o_desc.layout)
@@ -360,7 +354,7 @@ WS_PRODUCER_REGS = 40
 WS_GROUP_M = 12
 
 
-def usable(p: GemmProblem) -> str | None:
+def why_not(p: GemmProblem) -> str | None:
     """None when this kernel takes the problem (given that TMA can describe it); otherwise why not."""
     if not p.dtype.is_floating_point or p.a.element_size() != 1:
         return "not an fp8 problem"
@@ -375,7 +369,7 @@ def usable(p: GemmProblem) -> str | None:
 
 def descriptors(p: GemmProblem):
     """Host-side TMA descriptors for the warp-specialized kernel: A as [M, K], B as its transpose [N, K]
-    (both K-major, :func:`usable`), the output as [M, N] in [BLOCK_M / 2, BLOCK_N] blocks (one per consumer
+    (both K-major, :func:`why_not`), the output as [M, N] in [BLOCK_M / 2, BLOCK_N] blocks (one per consumer
     warp group)."""
     a, b = (host_descriptor(*box) for box in p.tma_boxes(BLOCK_M, BLOCK_N, BLOCK_K))
     return a, b, host_descriptor(p.out, [p.M, p.N], p.out_strides[1], [BLOCK_M // 2, BLOCK_N])

@@ -24,11 +24,10 @@ X [32, 128] tiles filled by TMA ``STAGES - 2`` steps ahead; the epilogue (alpha,
 activation) applied to the tile as it lies and stored straight from registers (each store instruction of
 a warp writes eight whole 32-byte sectors).
 
-On an H200 (NN) it ran 0.99x / 0.95x / 0.94x / 0.99x of cuBLAS (TF32) at 2048^3 .. 16384^3 with every tile
-checked, where ``autotuned`` ran 0.80x-0.92x (``research/explore_tf32_gluon.py``); at 1024^3, with 32
-tiles for 132 SMs, 0.58x. ``persistent_tma`` times it among its candidates for tf32 NN and TT problems.
+Its speed against cuBLAS and ``autotuned``: docs/rungs/persistent_tma.md. ``persistent_tma`` times it among its
+candidates for tf32 NN and TT problems.
 
-Written against Triton 3.6's Gluon API, for sm_90; :func:`usable` says which problems it takes. Gluon has
+Written against Triton 3.6's Gluon API, for sm_90; :func:`why_not` says which problems it takes. Gluon has
 no interpreter: the suite compiles it for sm_90 without a GPU, the GPU tests run it.
 """
 
@@ -204,7 +203,7 @@ def _layout(p: GemmProblem) -> str | None:
     return None
 
 
-def usable(p: GemmProblem) -> str | None:
+def why_not(p: GemmProblem) -> str | None:
     """None when this kernel takes the problem (given that TMA can describe it); otherwise why not."""
     if p.dtype != torch.float32 or p.input_precision != "tf32":
         return "not a tf32 problem"

@@ -1,10 +1,8 @@
 """``auto``'s aligned twin of a product whose rows are not 16-byte aligned.
 
 Triton's pointer kernels read such rows two bytes at a time, without asynchronous copies, and TMA cannot
-describe them at all: on the H200 a misaligned 1723x449x15855 fp16 product ran 1.9 ms where cuBLAS took 234
-us (``benchmarks/results/2026-11-23-h200/a764849/``). Padding K and the leading dimensions alone is not
-enough: a tile's loads along an odd N (or M) wrap at its end, so they stay two bytes wide
-(``2026-11-23-h200/f2d002d/``). So the whole product is run as its twin with M, N and K rounded up to 16
+describe them at all (how slow that ran: docs/rungs/auto.md). Padding K and the leading dimensions alone is not
+enough: a tile's loads along an odd N (or M) wrap at its end, so they stay two bytes wide. So the whole product is run as its twin with M, N and K rounded up to 16
 bytes of elements: A and B copied into zeroed, aligned buffers in their own layouts, the bias too, the
 product written into an aligned buffer, and its M x N corner copied into the output. Zeros along K add
 nothing; the rows and columns past M and N are dropped. The twin takes the aligned paths, TMA included.
@@ -16,9 +14,8 @@ other call's. The copies cost passes over the operands and the output, so ``auto
 (:func:`padding_pays`), and never a call with ``c`` (it would be read past N).
 
 Rows 16 bytes apart but not 128 (a leading dimension a multiple of 8 elements but not of 64 in 16-bit) are read
-at full width, yet a tile's rows then straddle 128-byte lines, and large products ran 0.6x-0.8x cuBLAS on the
-H100 where the same operands with 128-byte rows ran 0.9x-1.0x; cuBLAS itself moved by a few percent
-(research/explore_stride_alignment.py, ``benchmarks/results/2026-11-24-h100/ae1c846/``). ``auto`` copies such
+at full width, yet a tile's rows then straddle 128-byte lines, and large products ran slower than with 128-byte
+rows (docs/rungs/auto.md). ``auto`` copies such
 an operand into a buffer whose rows are 128 bytes apart, same shape and layout, where the cost model prices the
 copy below what it wins (:func:`restride_plan`); the twin's buffers are laid out the same way.
 """
@@ -32,6 +29,8 @@ import triton.language as tl
 from tilegemm.core.launch import current_stream, keeping, launch, sequence_lock
 from tilegemm.core.runtime import cdiv
 from tilegemm.core.workspace import buffer
+from tilegemm.ops.matmul import cost, split_k
+from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 
 
 @triton.jit
@@ -150,8 +149,7 @@ def can_pad(a: torch.Tensor, b: torch.Tensor, c, bias, out: torch.Tensor) -> boo
 PAD_MIN_US = 15.0
 PAD_GAIN = 0.7  # and the copies plus the twin at most this fraction of the misaligned product
 # Not where M or N is this small: such a product streams the other operand once, memory-bound, and a copy
-# would stream it three times. Misaligned M <= 16 products ran 0.78x cuBLAS unpadded and 0.55x padded (H200,
-# random sweep, benchmarks/results/2026-11-23-h200/a764849/ and f2d002d/).
+# would stream it three times (docs/rungs/auto.md).
 PAD_MIN_MN = 16
 
 
@@ -161,23 +159,19 @@ def padding_pays(p) -> bool:
     operands' copies, the product, the copy back) against its best config of the product as it is, each over
     ``autotuned``'s configs and ``split_k``'s (its unsplit ones too). For the product as it is that is a lower
     bound: ``auto`` runs ``split_k`` alone for M <= 128, and splits K for larger M only where the split is
-    estimated 15% faster (the A/B of ``research/ab_padding.py`` measured the choice as written here)."""
-    from tilegemm.ops.matmul import split_k
-    from tilegemm.ops.matmul.configs import autotune_configs, prune_for
-    from tilegemm.ops.matmul.cost import LAUNCH_US, device_rates, estimate_us, problem_estimator
-
+    estimated 15% faster (the A/B of the choice as written here: docs/rungs/auto.md)."""
     if min(p.M, p.N) <= PAD_MIN_MN:
         return False
     options = prune_for(autotune_configs(), p.a.element_size()) + split_k.configs(p)
-    misaligned = min(map(problem_estimator(p, aligned=False), options))
+    misaligned = min(map(cost.problem_estimator(p, aligned=False), options))
     if misaligned < PAD_MIN_US:
         return False
     elem, out_elem = p.a.element_size(), p.out.element_size()
     Mp, Np, Kp = twin_shape(p.M, p.N, p.K, elem)
-    sms, peak, hbm = device_rates(p)
-    twin = min(estimate_us(Mp, Np, Kp, 1, elem, out_elem, cfg, sms=sms, peak_tflops=peak, hbm_gbps=hbm)
+    sms, peak, hbm = cost.device_rates(p)
+    twin = min(cost.estimate_us(Mp, Np, Kp, 1, elem, out_elem, cfg, sms=sms, peak_tflops=peak, hbm_gbps=hbm)
                for cfg in options)
-    copies = 2.0 * ((p.M * p.K + p.K * p.N) * elem + p.M * p.N * out_elem) / (hbm * 1e3) + 3 * LAUNCH_US
+    copies = 2.0 * ((p.M * p.K + p.K * p.N) * elem + p.M * p.N * out_elem) / (hbm * 1e3) + 3 * cost.LAUNCH_US
     return twin + copies < PAD_GAIN * misaligned
 
 
@@ -211,12 +205,8 @@ def _run_padded(a, b, bias, out, gemm) -> None:
 
 
 # Restriding (see the module's docstring). Share of a product's time that an operand whose rows are 16 bytes
-# apart but not 128 costs, by how its tiles are read: K-major (A row-major, B column-major) or M/N-major. On the
-# H100 (fp16, NN; research/explore_stride_alignment.py): A's rows alone cost 9%-12% of the time
-# (6744x11288x21480: 0.67x -> 0.75x cuBLAS with A's copy laid out, 3032x8872x1928: 0.76x -> 0.83x), B's
-# 20%-26% (0.67x -> 0.90x, 0.76x -> 0.95x), both 0.95x-1.00x.
-# On 60 unseen aligned shapes (another seed, research/ab_survey.py --restride) A's rows cost 11%-14% of the
-# time where K >= 5464.
+# apart but not 128 costs, by how its tiles are read: K-major (A row-major, B column-major) or M/N-major
+# (measured on the H100: docs/rungs/auto.md).
 RESTRIDE_SHARE = {"k": 0.11, "mn": 0.22}
 RESTRIDE_MARGIN = 0.7  # a copy must cost at most this fraction of what it is estimated to win
 RESTRIDE_COPY_US = 5.0  # a copy's launch and its ramp, on top of its bytes
@@ -247,9 +237,7 @@ def restride_plan(p, a: torch.Tensor, b: torch.Tensor) -> str:
         return ""
     if 1 not in a.stride() or 1 not in b.stride() or p.K < RESTRIDE_MIN_K:
         return ""
-    from tilegemm.ops.matmul.cost import device_rates
-
-    _, peak, hbm = device_rates(p)
+    _, peak, hbm = cost.device_rates(p)
     product_us = 2.0 * p.M * p.N * p.K / (peak * RESTRIDE_PEAK_FRACTION * 1e6)
     plan = ""
     # (name, tensor, K-major, how many rows or columns its non-unit stride spaces)

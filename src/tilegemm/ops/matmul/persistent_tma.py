@@ -5,14 +5,14 @@ What changes against ``autotuned``:
   half-empty waves and no per-tile launch cost;
 - loads and the output store go through TMA descriptors: the TMA engine copies whole tiles between global
   and shared memory, so no thread computes addresses or masks (out-of-range parts of a tile read as zeros
-  and are not written). Configs with ``HOST_DESC`` (every candidate since c56e370) take descriptors made on
-  the host (:func:`host_descriptors`), which saves each launch about 2 us on the GPU (0.92x to 0.99x of
-  cuBLAS at fp16 2048^3, research/explore_host_desc.py); without it each program makes its own;
+  and are not written). Configs with ``HOST_DESC`` (every candidate) take descriptors made on the host
+  (:func:`host_descriptors`), which saves each launch GPU time (docs/rungs/persistent_tma.md); without it each
+  program makes its own;
 - the epilogue is split in two halves along N, so fewer registers are live while storing.
 
 TMA needs a unit stride in the last dim and 16-byte aligned base and strides. A transposed operand is
 described as its transpose and the loaded tile transposed back. Problems TMA cannot describe, batched
-problems, and GPUs before Hopper go to ``autotuned`` (see :func:`describable`).
+problems, and GPUs before Hopper go to ``autotuned`` (see :func:`why_not`).
 """
 
 from __future__ import annotations
@@ -21,17 +21,20 @@ import torch
 import triton
 
 from tilegemm.core import tuning
-from tilegemm.core.hardware import compute_capability, sm_count
+from tilegemm.core.hardware import sm_count, why_not_gluon
 from tilegemm.jit.helpers import epilogue_tile, mma_ordered, tile_grouped, tile_order
 from tilegemm.core.launch import current_stream, launch, sequence_lock
 from tilegemm.core.workspace import split_workspace
 from tilegemm.core.registry import NotApplicable
+from tilegemm.ops.matmul import autotuned
 from tilegemm.ops.matmul.problem import GemmProblem
+from tilegemm.ops.matmul.split_k import wave_split as units_wave_split
 from tilegemm.ops.matmul.split_reduce import launch_reduction
 from tilegemm.core.runtime import cdiv, interpreting
 
 import triton.language as tl  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 
 @triton.jit
@@ -84,97 +87,6 @@ def _store_tile(acc, out_desc, m0, n0, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr
 
 
 @triton.jit
-def _stream_k(a_desc, b_desc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, tiles_m, tiles_n, k_steps,
-              stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta, ws_ptr, count_ptr,
-              A_T: tl.constexpr, B_T: tl.constexpr, HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr,
-              ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_SCALE_A: tl.constexpr,
-              HAS_SCALE_B: tl.constexpr, MMA_OPERANDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FAST_ACCUM: tl.constexpr, SERPENTINE: tl.constexpr,
-              FLATTEN: tl.constexpr, SK_SHARE: tl.constexpr):
-    """Stream-K of the last wave (the ``STREAM_K`` config key; opt-in, not offered to ``auto``): the whole waves of
-    output tiles go round as whole tiles (program p takes tiles p, p + programs, ...), and the ``r`` tiles of a
-    last, partial wave are shared out by K steps: their ``r x k_steps`` MMA steps (tiles in grouped order) cut
-    into one contiguous run for each of ``min(programs, r * SK_SHARE)`` programs, so that last wave takes about
-    ``max(r / programs, 1 / SK_SHARE)`` of a tile's time instead of a whole one. Under one wave, or on whole
-    waves, no tile is shared. A run covers at most a tail of one tile, whole tiles (stored directly), and a head
-    of another; a part of a tile goes to the program's fp32 slot in ``ws_ptr`` (``[programs, 2, BM, BN]``: slot
-    0 for the tile the run starts in, 1 for the one it ends in), and the last of a tile's programs to arrive
-    (``count_ptr``, a counter a tile, left at zero) adds the slots in program order (the same sum whoever
-    arrives last) and runs the epilogue. No program waits on another. The host keeps ``programs`` at most the
-    steps and ``programs x steps`` under 2^31."""
-    HALF_N: tl.constexpr = BLOCK_N // 2
-    TILE: tl.constexpr = BLOCK_M * BLOCK_N
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    tiles = tiles_m * tiles_n
-    # Only the last, partial wave's tiles are shared out, each among at most SK_SHARE programs (fewer partial
-    # tiles to add up); under one wave, or on whole waves, every tile is whole.
-    r = tl.where(tiles < programs, 0, tiles % programs)
-    dp_tiles = tiles - r
-    sk_programs = tl.minimum(tl.minimum(programs, r * SK_SHARE), r * k_steps)  # every run at least a step
-    for tile in tl.range(pid, dp_tiles, programs, flatten=FLATTEN):
-        pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M, SERPENTINE)
-        acc = _zero_tile(BLOCK_M, BLOCK_N, MMA_OPERANDS)
-        for ks in tl.range(0, k_steps):
-            acc = mma_ordered(_load_tile(a_desc, pid_m * BLOCK_M, ks * BLOCK_K, A_T),
-                              _load_tile(b_desc, ks * BLOCK_K, pid_n * BLOCK_N, B_T), acc,
-                              MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
-        _store_tile(_as_tile(acc, MMA_OPERANDS), out_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, c_ptr, bias_ptr,
-                    scale_a_ptr, scale_b_ptr, M, N, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha,
-                    beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N)
-    total = r * k_steps  # the stream-K steps; tile t of them is tile dp_tiles + t
-    start = tl.where(pid < sk_programs, pid * total // tl.maximum(sk_programs, 1), 0)
-    end = tl.where(pid < sk_programs, (pid + 1) * total // tl.maximum(sk_programs, 1), 0)
-    first_tile = start // k_steps
-    last_tile = tl.where(end > start, (end - 1) // k_steps, first_tile - 1)  # no steps (whole waves): no tile
-    local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    # A for loop over the run's tiles, each with its K range (as the split's units have).
-    for t in tl.range(first_tile, last_tile + 1, flatten=FLATTEN):
-        tile = dp_tiles + t
-        k_first = tl.maximum(start - t * k_steps, 0)
-        k_last = tl.minimum(end - t * k_steps, k_steps)
-        pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M, SERPENTINE)
-        m0 = pid_m * BLOCK_M
-        n0 = pid_n * BLOCK_N
-        acc = _zero_tile(BLOCK_M, BLOCK_N, MMA_OPERANDS)
-        for ks in tl.range(k_first, k_last):
-            k0 = ks * BLOCK_K
-            acc = mma_ordered(_load_tile(a_desc, m0, k0, A_T), _load_tile(b_desc, k0, n0, B_T), acc,
-                              MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
-        acc = _as_tile(acc, MMA_OPERANDS)
-        if (k_first == 0) & (k_last == k_steps):
-            _store_tile(acc, out_desc, m0, n0, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_cm,
-                        stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
-                        HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N)
-        else:
-            slot = (2 * pid + (t != first_tile).to(tl.int32)).to(tl.int64) * TILE
-            tl.store(ws_ptr + slot + local, acc)
-            # The programs whose runs hold this tile's first and last steps (the run of program p starts at
-            # p * total // programs).
-            p_first = ((t * k_steps + 1) * sk_programs - 1) // total
-            p_last = ((t + 1) * k_steps * sk_programs - 1) // total
-            # A scalar atomic runs on one thread: the barrier puts every thread's stores before its release.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == p_last - p_first:
-                tl.debug_barrier()  # and every thread's loads after the acquire
-                tl.store(count_ptr + tile, 0)  # left at zero for the next launch
-                offs_m = m0 + tl.arange(0, BLOCK_M)
-                for h in tl.static_range(2):
-                    offs_h = n0 + h * HALF_N + tl.arange(0, HALF_N)
-                    part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + h * HALF_N + tl.arange(0, HALF_N)[None, :]
-                    sum_h = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-                    for q in range(p_first, p_last + 1):
-                        q_first_tile = (q * total // sk_programs) // k_steps
-                        q_slot = (2 * q + (t != q_first_tile).to(tl.int32)).to(tl.int64) * TILE
-                        sum_h += tl.load(ws_ptr + q_slot + part, cache_modifier=".cg")  # from L2, past L1
-                    sum_h = epilogue_tile(sum_h, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_h, M, N,
-                                          stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
-                                          HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-                    out_desc.store([m0, n0 + h * HALF_N], sum_h.to(out_desc.dtype))
-
-
-@triton.jit
 def matmul_persistent_tma_kernel(
     a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
     M, N, K,
@@ -187,7 +99,6 @@ def matmul_persistent_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_ACCUM: tl.constexpr,
     HOST_DESC: tl.constexpr, SERPENTINE: tl.constexpr, SPLIT: tl.constexpr = False,
-    REDUCE_LAST: tl.constexpr = False, count_ptr=None, STREAM_K: tl.constexpr = False, SK_SHARE: tl.constexpr = 4,
 ):
     # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1;
     # the output [M, N] in [BLOCK_M, BLOCK_N / 2] blocks. HOST_DESC: a_ptr, b_ptr and out_ptr are those
@@ -224,64 +135,38 @@ def matmul_persistent_tma_kernel(
     # WARP_SPECIALIZE: 0 off; 1 on the K loop; 2 on the tile loop (Triton splits loads and MMAs into warp groups).
     WS_TILES: tl.constexpr = WARP_SPECIALIZE == 2
     WS_K: tl.constexpr = WARP_SPECIALIZE == 1
-    if STREAM_K:
-        _stream_k(a_desc, b_desc, out_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, tiles_m, tiles_n,
-                  k_steps, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta, ws_ptr, count_ptr,
-                  A_T, B_T, HAS_C, HAS_BIAS, ACTIVATION, INPUT_PRECISION, HAS_SCALE_A, HAS_SCALE_B, MMA_OPERANDS,
-                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FAST_ACCUM, SERPENTINE, FLATTEN, SK_SHARE)
-    else:
-        for unit in tl.range(tl.program_id(0), tiles * SPLIT_K, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_TILES):
-            if not SPLIT:
-                tile = unit
-                k_first = 0
-                k_last = k_steps
-            else:
-                part = unit // tiles
-                tile = unit - part * tiles
-                k_first = part * slice_steps
-                k_last = tl.minimum(k_first + slice_steps, k_steps)
-            pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M, SERPENTINE)
-            m0 = pid_m * BLOCK_M
-            n0 = pid_n * BLOCK_N
-            acc = _zero_tile(BLOCK_M, BLOCK_N, MMA_OPERANDS)
-            for ks in tl.range(k_first, k_last, warp_specialize=WS_K):
-                k0 = ks * BLOCK_K
-                acc = mma_ordered(_load_tile(a_desc, m0, k0, A_T), _load_tile(b_desc, k0, n0, B_T), acc,
-                                  MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
-            acc = _as_tile(acc, MMA_OPERANDS)
-            offs_m = m0 + tl.arange(0, BLOCK_M)
+    for unit in tl.range(tl.program_id(0), tiles * SPLIT_K, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_TILES):
+        if not SPLIT:
+            tile = unit
+            k_first = 0
+            k_last = k_steps
+        else:
+            part = unit // tiles
+            tile = unit - part * tiles
+            k_first = part * slice_steps
+            k_last = tl.minimum(k_first + slice_steps, k_steps)
+        pid_m, pid_n = tile_grouped(tile, tiles_m, tiles_n, GROUP_M, SERPENTINE)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = _zero_tile(BLOCK_M, BLOCK_N, MMA_OPERANDS)
+        for ks in tl.range(k_first, k_last, warp_specialize=WS_K):
+            k0 = ks * BLOCK_K
+            acc = mma_ordered(_load_tile(a_desc, m0, k0, A_T), _load_tile(b_desc, k0, n0, B_T), acc,
+                              MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
+        acc = _as_tile(acc, MMA_OPERANDS)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
 
-            if SPLIT:
-                # A slice's partial tile goes to its fp32 plane of the workspace ([SPLIT_K, M, N], row-major; an
-                # empty slice stores zeros); split_k_reduce_kernel, launched next, adds the planes and applies the
-                # epilogue. REDUCE_LAST: no second launch; the last slice of a tile to arrive adds the planes in
-                # slice order (the same sum whichever comes last) and runs the epilogue itself.
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                inside = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-                tl.store(ws_ptr + part * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=inside)
-                if REDUCE_LAST:
-                    # A scalar atomic runs on one thread: the barrier puts every thread's stores before its release.
-                    tl.debug_barrier()
-                    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-                    if arrived == SPLIT_K - 1:
-                        tl.debug_barrier()  # and every thread's loads after the acquire
-                        tl.store(count_ptr + tile, 0)  # left at zero for the next launch
-                        # Half a tile at a time (a whole one's sum beside the epilogue spilled registers)
-                        for h in tl.static_range(2):
-                            offs_h = n0 + h * HALF_N + tl.arange(0, HALF_N)
-                            inside_h = (offs_m < M)[:, None] & (offs_h < N)[None, :]
-                            half = ws_ptr + offs_m[:, None] * N + offs_h[None, :]
-                            total = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-                            for s in range(0, SPLIT_K):  # ".cg": from L2, past this SM's L1
-                                total += tl.load(half + s * M * N, mask=inside_h, other=0.0, cache_modifier=".cg")
-                            total = epilogue_tile(total, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_h, M,
-                                                  N, stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha,
-                                                  beta, HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-                            out_desc.store([m0, n0 + h * HALF_N], total.to(out_desc.dtype))
-            else:
-                _store_tile(acc, out_desc, m0, n0, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_cm,
-                            stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
-                            HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N)
+        if SPLIT:
+            # A slice's partial tile goes to its fp32 plane of the workspace ([SPLIT_K, M, N], row-major; an
+            # empty slice stores zeros); split_k_reduce_kernel, launched next, adds the planes and applies the
+            # epilogue.
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            inside = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+            tl.store(ws_ptr + part * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=inside)
+        else:
+            _store_tile(acc, out_desc, m0, n0, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_cm,
+                        stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
+                        HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N)
 
 
 # --- host side ---------------------------------------------------------------------------------------------
@@ -321,20 +206,17 @@ def hopper_configs(dtype_bytes: int, mma_operands: str) -> list[dict]:
             make_config(128, 128, 64, 4, 4),
             make_config(128, 64, 64, 4, 4),
             make_config(64, 128, 64, 4, 4),
-            # 1024^3: 128 tiles, 128-wide K steps (1.01x / 1.03x cuBLAS in fp16 / bf16 on the H200, where the
-            # 64-wide steps of the tile above ran 0.85x-0.94x; tools/time_candidates.py).
+            # 1024^3: 128 tiles, 128-wide K steps (ahead of the 64-wide steps above: docs/rungs/persistent_tma.md).
             make_config(64, 128, 128, 4, 4),
             # Small M (64..128): about one 64x64 tile per SM, fed by a 6-deep pipeline of 128-wide K steps
-            # (0.95x cuBLAS at 128x4096x14336; research/explore_tma_small_m.py).
+            # (docs/rungs/persistent_tma.md).
             make_config(64, 64, 128, 4, 6, flatten=False),
         ]
     if mma_operands != "ab":
         # An operand through registers (tf32/fp8 with B not K-major, or A not K-major): the tile loop stays
-        # flattened into the K loop and without warp specialization. Unflattened, these loops ran faster
-        # (tf32 NN 4096^3: 0.84x-0.95x cuBLAS on a 256x128 tile against 0.55x-0.70x) because ptxas no longer
-        # serializes their wgmma (its info C7515), but on the H200 they computed wrong tiles, now and then
-        # for NN and for every tile of some TT configs (research/diagnose_register_operand.py,
-        # benchmarks/results/2026-11-21-h200/54ccfd1/); flattened and serialized, every tile was right.
+        # flattened into the K loop and without warp specialization. Unflattened, these loops ran faster because
+        # ptxas no longer serializes their wgmma (its info C7515), but on the H200 they computed wrong tiles;
+        # flattened and serialized, every tile was right (docs/rungs/persistent_tma.md).
         # tests/test_persistent_tma_sm90.py forces each of these candidates on the GPU.
         unique = []
         for cfg in out:
@@ -350,7 +232,7 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
     return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides)
 
 
-def describable(p: GemmProblem) -> str | None:
+def why_not(p: GemmProblem) -> str | None:
     """None when TMA can move this problem's tiles; otherwise why not."""
     if p.batch != 1:
         return "batched problems are not handled by this rung yet"
@@ -370,15 +252,6 @@ def describable(p: GemmProblem) -> str | None:
     return None
 
 
-def requires() -> str | None:
-    if interpreting():
-        return None
-    cc = compute_capability()
-    if cc is None or cc[0] < 9:
-        return "needs a Hopper (sm_90) or newer GPU for TMA"
-    return None
-
-
 _allocator_set = False
 
 
@@ -394,29 +267,18 @@ def ensure_allocator() -> None:
 GLUON_CONFIG_KEYS = ("GLUON_FP8", "GLUON_TF32", "GLUON_F16")
 
 
-def gluon_requires() -> str | None:
-    """None where the Gluon kernels can run: an sm_90 GPU under Triton 3.6 (Gluon has no interpreter)."""
-    if interpreting():
-        return "Gluon kernels have no interpreter: they need an sm_90 GPU"
-    if compute_capability() != (9, 0):
-        return "needs an sm_90 (Hopper) GPU: the Gluon kernels are written for it"
-    if not triton.__version__.startswith("3.6."):
-        return f"written against Triton 3.6's Gluon API, found Triton {triton.__version__}"
-    return None
-
-
 def gluon_kernel_for(p: GemmProblem):
     """The module of the Gluon kernel that takes ``p``, else None: :mod:`tilegemm.ops.matmul.gluon_fp8` for
     promoted fp8 (A row-major, B column-major), :mod:`tilegemm.ops.matmul.gluon_tf32` for tf32 NN and TT
     (an operand through registers), :mod:`tilegemm.ops.matmul.gluon_f16` for 16-bit operands with a 16-bit
     output. They are written for sm_90 against Triton 3.6's Gluon API (experimental, it moves between
     versions), and Gluon has no interpreter."""
-    if gluon_requires() is not None:
+    if why_not_gluon() is not None:
         return None
     from tilegemm.ops.matmul import gluon_f16, gluon_fp8, gluon_tf32
 
     for module in (gluon_fp8, gluon_tf32, gluon_f16):
-        if module.usable(p) is None:
+        if module.why_not(p) is None:
             return module
     return None
 
@@ -430,10 +292,8 @@ def candidates(p: GemmProblem) -> list[dict]:
 
 
 # 16-bit tiles offered with a K split (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; fp8 takes them with K steps of
-# the same bytes, :func:`split_tiles`). For products with few output tiles and a long K: 800x536x7816 fp16 ran
-# 0.89x cuBLAS in 3 slices of 128x128 tiles, where the best unsplit candidate of any rung ran 0.65x; which tile
-# wins depends on the shape (64x128 for 136x480x16256, 0.84x; 128x64 for 288x104x7440, 0.81x against auto's
-# 0.52x; H200, research/explore_tma_split.py). ``auto`` ranks them with the other candidates by the survey
+# the same bytes, :func:`split_tiles`). For products with few output tiles and a long K; which tile wins depends
+# on the shape (docs/rungs/persistent_tma.md). ``auto`` ranks them with the other candidates by the survey
 # (:mod:`tilegemm.ops.matmul.survey`), where their split is ``"wave"``.
 SPLIT_TILES = ((128, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 64, 64, 4, 4), (128, 256, 64, 8, 3),
                (256, 128, 64, 8, 3))
@@ -449,8 +309,6 @@ def split_tiles(elem: int) -> tuple:
 def wave_split(p: GemmProblem, cfg: dict) -> int:
     """The K split that makes ``cfg``'s tiles of ``p`` about one wave of work units, each slice at least 4 K steps
     (:func:`tilegemm.ops.matmul.split_k.wave_split`)."""
-    from tilegemm.ops.matmul.split_k import wave_split as units_wave_split
-
     tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
     return units_wave_split(tiles, cdiv(p.K, cfg["BLOCK_K"]), sm_count(p.out.device))
 
@@ -481,22 +339,17 @@ def offers_split(p: GemmProblem, cfg: dict) -> bool:
 def host_descriptors(p: GemmProblem, cfg: dict):
     """Triton host-side TMA descriptors of A, B (as :attr:`GemmProblem.tma_view` says they lie) and the
     output (in [BLOCK_M, BLOCK_N / 2] blocks) for config ``cfg``."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     a, b = (TensorDescriptor(t, shape, [stride, 1], block)
             for t, shape, stride, block in p.tma_boxes(bm, bn, cfg["BLOCK_K"]))
     return a, b, TensorDescriptor(p.out, [p.M, p.N], [p.out_strides[1], 1], [bm, bn // 2])
 
 
-def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor | None = None,
-                       count: torch.Tensor | None = None):
+def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor | None = None):
     """(kernel, grid, args, constexpr kwargs) of the Triton kernel for :func:`tilegemm.core.launch.launch`;
-    ``ws``: the planes of a config with ``SPLIT_K`` > 1 (:func:`launch_config` makes them); ``count``: a counter
-    a tile, at zero, for a config with ``REDUCE_LAST``."""
+    ``ws``: the planes of a config with ``SPLIT_K`` > 1 (:func:`launch_config` makes them)."""
     a_t, b_t, stride_a, stride_b = p.tma_view
-    stream_k = bool(cfg.get("STREAM_K")) and ws is not None
-    split = cfg.get("SPLIT_K", 1) if ws is not None and not stream_k else 1  # no planes, no split
+    split = cfg.get("SPLIT_K", 1) if ws is not None else 1  # no planes, no split
     tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"]) * split
     flags = p.kernel_flags()
     operands = host_descriptors(p, cfg) if cfg.get("HOST_DESC") else (p.a, p.b, p.out)
@@ -511,17 +364,9 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                   INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
                   HAS_SCALE_B=flags["HAS_SCALE_B"], MMA_OPERANDS=flags["MMA_OPERANDS"], NUM_SMS=num_sms,
-                  FAST_ACCUM=flags["FAST_ACCUM"], SPLIT=ws is not None and not stream_k,
+                  FAST_ACCUM=flags["FAST_ACCUM"], SPLIT=ws is not None,
                   **{"WARP_SPECIALIZE": 0, "HOST_DESC": False, **cfg, **tile_order(cfg)})
     kwargs.pop("SPLIT_K", None)  # a runtime argument: one compiled kernel serves every split
-    kwargs["REDUCE_LAST"] = bool(kwargs.get("REDUCE_LAST")) and kwargs["SPLIT"]
-    kwargs["STREAM_K"] = stream_k
-    if kwargs["REDUCE_LAST"] or stream_k:  # the counters: a parameter of these variants only (else None)
-        if count is None:
-            raise ValueError("a REDUCE_LAST split or a stream-K launch needs its arrival counters (count)")
-        kwargs["count_ptr"] = count
-    if stream_k:  # num_sms: the programs (stream_k_programs), each one run of steps
-        return matmul_persistent_tma_kernel, (num_sms,), args, kwargs
     return matmul_persistent_tma_kernel, (min(num_sms, tiles),), args, kwargs
 
 
@@ -533,45 +378,17 @@ def launch_config(p: GemmProblem, cfg: dict) -> None:
             launch(*gluon.launch_args(p, cfg, num_sms))
             return
         cfg = configs(p.a.element_size(), p.mma_operands)[0]  # a config tuned for another problem under the same key
-    if cfg.get("STREAM_K"):
-        programs = stream_k_programs(p, cfg, num_sms)
-        if programs > 1:
-            tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
-            slots = programs * 2 * cfg["BLOCK_M"] * cfg["BLOCK_N"]
-            ws, count = split_workspace(p.out.device, slots, tiles, tag="persistent_tma_stream_k")
-            stream = current_stream() if p.out.is_cuda else 0
-            with sequence_lock:  # the slots and counters are the stream's
-                kernel, grid, args, kwargs = triton_launch_args(p, cfg, programs, ws, count)
-                launch(kernel, grid, args, kwargs, keep=(ws, count), stream=stream)
-            return
-        cfg = {k: v for k, v in cfg.items() if k != "STREAM_K"}  # one program or past 32 bits: the tiles as they are
     split = split_of(p, cfg)
     if split == 1:
         launch(*triton_launch_args(p, dict(cfg, SPLIT_K=1), num_sms))
         return
     cfg = dict(cfg, SPLIT_K=split)
     stream = current_stream() if p.out.is_cuda else 0
-    if cfg.get("REDUCE_LAST"):
-        # One launch: its last-arriving slices add the planes (counters per tile, left at zero by each launch)
-        tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
-        ws, count = split_workspace(p.out.device, split * p.M * p.N, tiles, tag="persistent_tma_split_last")
-        with sequence_lock:  # the planes and counters are the stream's
-            kernel, grid, args, kwargs = triton_launch_args(p, cfg, num_sms, ws, count)
-            launch(kernel, grid, args, kwargs, keep=(ws, count), stream=stream)
-        return
     ws, count = split_workspace(p.out.device, split * p.M * p.N, 1, tag="persistent_tma_split")
     with sequence_lock:  # the planes are the stream's: no other thread's launches between the two
         kernel, grid, args, kwargs = triton_launch_args(p, cfg, num_sms, ws)
         launch(kernel, grid, args, kwargs, keep=(ws,), stream=stream)
         launch_reduction(p, ws, count, split, stream)
-
-
-def stream_k_programs(p: GemmProblem, cfg: dict, num_sms: int) -> int:
-    """The programs a ``STREAM_K`` config launches: one an SM, at most one a K step of the whole product, and 1
-    (no stream-K) where the kernel's step arithmetic (``programs x steps``) would pass 32 bits."""
-    steps = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"]) * cdiv(p.K, cfg["BLOCK_K"])
-    programs = min(num_sms, steps)
-    return programs if programs * (steps + 1) < 2**31 else 1
 
 
 def split_of(p: GemmProblem, cfg: dict) -> int:
@@ -601,10 +418,8 @@ def tuned_config(p: GemmProblem) -> dict | None:
 
 
 def run(p: GemmProblem, config: dict | None = None) -> None:
-    reason = describable(p)
+    reason = why_not(p)
     if reason is not None:
-        from tilegemm.ops.matmul import autotuned
-
         autotuned.run(p)
         return
     ensure_allocator()
@@ -626,8 +441,7 @@ def launch_first_fitting(p: GemmProblem, failed: dict, error: OutOfResources) ->
     """Launch the first of ``p``'s candidates, other than ``failed``, whose kernel fits the SM's shared memory,
     and keep it for the shape class (untimed, this process). A config chosen without timing (a neighbouring
     class's, the first candidate, a survey's pick) can need more than the SM has with this output dtype and
-    epilogue: fp8 33x40x64 with an fp16 or fp32 output, c, bias and GELU asked 278552 bytes of 232448 on the
-    H200 (benchmarks/results/2026-11-25-h200/34a25e5/gpu-suite-matmul.log). Raises the last error if none fits.
+    epilogue (an fp8 case: docs/rungs/persistent_tma.md). Raises the last error if none fits.
     (A measured entry of the class, tuned without this epilogue, stays the class's first choice: a call that is
     not replayed tries it again.)"""
     for cfg in candidates(p):
@@ -643,33 +457,33 @@ def launch_first_fitting(p: GemmProblem, failed: dict, error: OutOfResources) ->
     raise error
 
 
-def _run_gluon(p: GemmProblem, name: str, module) -> None:
-    """Launch one Gluon kernel alone (``kernel="gluon_f16"`` etc.): the configs of that kernel only, tuned
-    under a key of its own; a problem it does not take raises instead of falling back."""
-    reason = describable(p) or module.usable(p)
+def _run_gluon(p: GemmProblem, name: str, module, config: dict | None = None) -> None:
+    """Launch one Gluon kernel alone (``kernel="gluon_f16"`` etc.): ``config``, or the configs of that kernel
+    only, tuned under a key of its own; a problem it does not take raises instead of falling back."""
+    reason = why_not(p) or module.why_not(p)
     if reason is not None:
         raise NotApplicable(f"matmul kernel {name!r} does not take this problem: {reason}")
     ensure_allocator()
     num_sms = sm_count(p.out.device)
-    k = p.tuning_key(name)
-    config = tuning.lookup_or_tune(k, lambda: module.configs(p.out.element_size()),
-                                   lambda cfg: launch(*module.launch_args(p, cfg, num_sms)))
+    if config is None:
+        config = tuning.lookup_or_tune(p.tuning_key(name), lambda: module.configs(p.out.element_size()),
+                                       lambda cfg: launch(*module.launch_args(p, cfg, num_sms)))
     launch(*module.launch_args(p, config, num_sms))
 
 
-def run_gluon_f16(p: GemmProblem) -> None:
+def run_gluon_f16(p: GemmProblem, config: dict | None = None) -> None:
     from tilegemm.ops.matmul import gluon_f16
 
-    _run_gluon(p, "gluon_f16", gluon_f16)
+    _run_gluon(p, "gluon_f16", gluon_f16, config)
 
 
-def run_gluon_fp8(p: GemmProblem) -> None:
+def run_gluon_fp8(p: GemmProblem, config: dict | None = None) -> None:
     from tilegemm.ops.matmul import gluon_fp8
 
-    _run_gluon(p, "gluon_fp8", gluon_fp8)
+    _run_gluon(p, "gluon_fp8", gluon_fp8, config)
 
 
-def run_gluon_tf32(p: GemmProblem) -> None:
+def run_gluon_tf32(p: GemmProblem, config: dict | None = None) -> None:
     from tilegemm.ops.matmul import gluon_tf32
 
-    _run_gluon(p, "gluon_tf32", gluon_tf32)
+    _run_gluon(p, "gluon_tf32", gluon_tf32, config)

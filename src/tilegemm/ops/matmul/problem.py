@@ -1,18 +1,67 @@
-"""The host side of a GEMM launch: ``[B, M, K] @ [B, K, N]`` described by base tensors and stride tuples.
+"""The records of one ``tilegemm.matmul`` call: :class:`MatmulCall`, its arguments as they travel from the public
+function to the dispatch, and :class:`GemmProblem`, one kernel launch's ``[B, M, K] @ [B, K, N]`` described by
+base tensors and stride tuples.
 
-:func:`tilegemm.ops.matmul.api.matmul` validates user input and cuts it into :class:`GemmProblem` pieces; every
-kernel launcher takes one piece. Batch dims that broadcast get stride 0; dims that merge become one batch
-axis; only what cannot merge (or more than MAX_GRID_Y batches) becomes several pieces, each an
-``as_strided`` view. Nothing is copied.
+:func:`make_problems` cuts a checked call into :class:`GemmProblem` pieces; every rung launches one piece. Batch
+dims that broadcast get stride 0; dims that merge become one batch axis; only what cannot merge (or more than
+MAX_GRID_Y batches) becomes several pieces, each an ``as_strided`` view. Nothing is copied.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 
+from tilegemm.core import tuning
 from tilegemm.core.dtypes import dtype_name
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # inputs and outputs
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # inputs only; the output is 16- or 32-bit
+INPUT_DTYPES = DTYPES + FP8_DTYPES
+
+
+def default_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The output dtype when none is asked for: the input's, or bfloat16 for fp8 inputs."""
+    return torch.bfloat16 if dtype in FP8_DTYPES else dtype
+
+
+class MatmulCall(NamedTuple):
+    """``activation(alpha * scale_a * scale_b * (a @ b) + beta * c + bias)``, one call's worth: an immutable
+    record (a NamedTuple rather than a frozen dataclass: it is built on every call that is not replayed, and
+    a frozen dataclass costs several microseconds more there).
+
+    The fields are in the order of the ``torch.ops.tilegemm.matmul`` schema, so :meth:`op_args` and
+    ``MatmulCall(*args)`` convert between the two. ``precision`` is ``"default"`` until the op runs and
+    reads torch's setting (:func:`tilegemm.core.dtypes.resolve_precision`).
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    c: Optional[torch.Tensor] = None
+    alpha: float = 1.0
+    beta: float = 1.0
+    activation: str = "none"
+    out_dtype: Optional[torch.dtype] = None
+    precision: str = "default"
+    kernel: str = "auto"
+    scale_a: Optional[torch.Tensor] = None
+    scale_b: Optional[torch.Tensor] = None
+    fast_accum: bool = False
+
+    def op_args(self) -> tuple:
+        """The positional arguments of ``torch.ops.tilegemm.matmul``."""
+        return tuple(self)
+
+    def replace(self, **changes) -> "MatmulCall":
+        return self._replace(**changes)
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        return self.out_dtype or default_out_dtype(self.a.dtype)
+
 
 # Largest grid extent on CUDA's y axis, where the batch goes.
 MAX_GRID_Y = 65535
@@ -104,8 +153,6 @@ class GemmProblem:
 
     def tuning_key(self, rung: str) -> str:
         """This problem's shape-class key for ``rung`` (:func:`tilegemm.core.tuning.key`, batch included)."""
-        from tilegemm.core import tuning
-
         return tuning.key(rung, self.M, self.N, self.K, self.tuning_dtype, self.out.dtype, self.layout, self.batch)
 
     @property
@@ -178,8 +225,8 @@ def mma_operands(dtype, input_precision: str, a_strides, b_strides) -> str:
     K-major (K the contiguous dim). The first operand may come from registers instead, in any layout.
     So: A and B both K-major, or 16-bit, or IEEE fp32 (no tensor cores): as they are. Only A not
     K-major: A through registers. B not K-major: swap, so that B^T is the first operand and goes
-    through registers, and A^T (K-major when A is) is the second. On H200, tf32 8192^3 with B
-    row-major ran 89 TFLOPS as loaded and 299 swapped (research/explore_tf32_grey.py).
+    through registers, and A^T (K-major when A is) is the second (the swap's gain:
+    docs/rungs/persistent_tma.md).
     """
     if dtype in (torch.float16, torch.bfloat16) or (dtype == torch.float32 and input_precision == "ieee"):
         return "ab"
@@ -199,11 +246,15 @@ def _aligned_strides(t: torch.Tensor, shape: tuple[int, ...]) -> list[int]:
     return strides
 
 
-def make_problems(a, b, out, c, bias, alpha, beta, activation, precision, upcast,
-                  scales=(None, 0, None, 0), fast_accum: bool = False) -> list[GemmProblem]:
-    """Cut ``out = a @ b`` (broadcast batch dims, ``out`` of shape [*batch, M, N]) into kernel launches.
+def make_problems(a, b, out, c=None, bias=None, alpha=1.0, beta=1.0, activation="none", precision="ieee",
+                  upcast=False, scales=(None, 0, None, 0), fast_accum: bool = False) -> list[GemmProblem]:
+    """Cut ``out = a @ b`` (broadcast batch dims, ``out`` of shape [*batch, M, N]) into kernel launches, each
+    one :class:`GemmProblem` for :func:`tilegemm.ops.matmul.launch` (nothing is checked or copied here).
 
-    ``scales`` is ``(scale_a, its stride along M, scale_b, its stride along N)``; the same for every batch.
+    ``c`` broadcasts to ``out`` (scaled by ``beta``), ``bias`` is ``[N]``; ``activation`` a name in
+    ``ACTIVATIONS`` or ``"none"``; ``precision`` ``"ieee"`` or ``"tf32"`` (resolved); ``upcast`` the
+    interpreter's bf16 upcast. ``scales`` is ``(scale_a, its stride along M, scale_b, its stride along N)``; the
+    same for every batch.
     """
     if out.dim() == 2:
         # The common case, kept short: one [M, K] @ [K, N] launch.

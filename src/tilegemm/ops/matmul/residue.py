@@ -22,7 +22,7 @@ last few past the row's end the next row's first ones.
   of A. One K slice stores through the epilogue directly; more go through the planes.
 
 The last row of B is read apart with exact masks (reading past it could leave the allocation). A B whose own
-first element is not 16-byte aligned (a sliced view) is not taken (:func:`applies`).
+first element is not 16-byte aligned (a sliced view) is not taken (:func:`why_not`).
 """
 
 from __future__ import annotations
@@ -177,41 +177,44 @@ def matmul_residue_kernel(
 # --- host side ----------------------------------------------------------------------------------------------
 
 # (BLOCK_O, BLOCK_I, warps, stages) for 16-bit operands: NN's tile is BLOCK_O rows of K by BLOCK_I columns of
-# N; NT's BLOCK_O output columns by BLOCK_I of K. With the K split filling PROGRAMS_PER_SM programs an SM. From
-# research/explore_residue.py (H100, 16 products, 5 tiles x 2, 4, 8 programs an SM, benchmarks/results/
-# 2026-11-25-h100/8f8dd48/wip-explore-residue.json): 32x256 at 4 an SM ran NN 1.41x-1.81x cuBLAS from 42 MB
-# of B up (the path before: 0.74x-0.85x); 64x128 at 8 an SM ran NT 1.23x-1.34x from 80 MB up. On the H200,
-# 10 more products among 26 (2026-11-25-h200/6a9dba1/explore-residue.json): 1.34x geomean against 0.86x.
+# N; NT's BLOCK_O output columns by BLOCK_I of K. With the K split filling PROGRAMS_PER_SM programs an SM: the
+# best of the tiles and occupancies measured (docs/rungs/split_k.md).
 TILES = {"NN": (32, 256, 4, 3), "NT": (64, 128, 4, 3)}
 PROGRAMS_PER_SM = {"NN": 4, "NT": 8}
 MIN_STEPS = 2  # steps a K slice keeps at least
 PLANE_SHARE = 0.25  # the planes (written and read) may cost at most this share of B's bytes
 # Below this many bytes of B the product is over in a few microseconds, and the path before (split_k's
-# misaligned rule, one launch) ran as fast or faster: 8x1001x3001 (6 MB) 0.84x cuBLAS against 0.66x here,
-# NT 3x1111x2087 (4.6 MB) 1.04x against 0.91x (H100, the same run).
+# misaligned rule, one launch) ran as fast or faster (docs/rungs/split_k.md).
 MIN_B_BYTES = 8 << 20
 
 
-def applies(p) -> bool:
-    """Whether ``p`` is one this kernel takes: M <= 16, 16-bit, B contiguous along N (NN) or K (NT) with its
-    rows not 16 bytes apart but its first element 16-byte aligned, at least :data:`MIN_B_BYTES` of it; for NN
-    the ``VEC`` planes within :data:`PLANE_SHARE` of B's bytes (K of at least 128 M); on a GPU."""
+def why_not(p) -> str | None:
+    """None when this kernel takes ``p``: M <= 16, 16-bit, B contiguous along N (NN) or K (NT) with its rows not
+    16 bytes apart but its first element 16-byte aligned, at least :data:`MIN_B_BYTES` of it; for NN the ``VEC``
+    planes within :data:`PLANE_SHARE` of B's bytes (K of at least 128 M); on a GPU. Otherwise why not."""
     if interpreting() and not TAKE_UNDER_INTERPRETER:
-        return False
-    if p.M > 16 or p.dtype not in (torch.float16, torch.bfloat16) or p.b.dtype != p.dtype:
-        return False
+        return "a GPU path: the interpreter takes the aligned kernels"
+    if p.M > 16:
+        return "M above 16"
+    if p.dtype not in (torch.float16, torch.bfloat16) or p.b.dtype != p.dtype:
+        return "not a 16-bit problem"
     layout = _layout(p)
-    if layout is None or p.b.data_ptr() % 16:
-        return False
+    if layout is None:
+        return "B contiguous along neither N nor K"
+    if p.b.data_ptr() % 16:
+        return "B's first element is not 16-byte aligned"
     vec = 16 // p.b.element_size()
     ld = p.b_strides[1] if layout == "NN" else p.b_strides[2]
-    if ld % vec == 0 or (p.N if layout == "NN" else p.K) < vec:  # aligned, or rows shorter than a vector
-        return False
+    if ld % vec == 0 or (p.N if layout == "NN" else p.K) < vec:
+        return "B's rows are 16-byte aligned, or shorter than a vector"
     b_bytes = p.K * p.N * p.b.element_size()
-    if not TAKE_UNDER_INTERPRETER and (b_bytes < MIN_B_BYTES or  # (the rules of speed)
-                                       (layout == "NN" and vec * _plane_bytes(p) > PLANE_SHARE * b_bytes)):
-        return False
-    return p.batch * vec * p.M * p.N < 2**31  # plane offsets are 32-bit within a batch
+    if not TAKE_UNDER_INTERPRETER and b_bytes < MIN_B_BYTES:
+        return "B under MIN_B_BYTES: the aligned kernels' one launch is as fast"
+    if not TAKE_UNDER_INTERPRETER and layout == "NN" and vec * _plane_bytes(p) > PLANE_SHARE * b_bytes:
+        return "the NN planes pass PLANE_SHARE of B's bytes"
+    if p.batch * vec * p.M * p.N >= 2**31:
+        return "plane offsets pass 32 bits within a batch"
+    return None
 
 
 TAKE_UNDER_INTERPRETER = False  # tests: let the interpreter take it, and any size of product

@@ -25,7 +25,7 @@ from tilegemm.core.workspace import split_workspace
 from tilegemm.core.hardware import sm_count
 from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div, tile_grouped
 from tilegemm.core.launch import current_stream, launch, sequence_lock
-from tilegemm.ops.matmul import residue
+from tilegemm.ops.matmul import grouped, residue
 from tilegemm.ops.matmul.mainloop import dot_k_loop, tile_rows_cols
 from tilegemm.ops.matmul.cost import fastest
 from tilegemm.ops.matmul.problem import GemmProblem, rows_aligned
@@ -153,16 +153,12 @@ def make_config(bm, bn, bk, warps, stages, split, slices=True) -> dict:
                 num_stages=stages)
 
 
-# Tiles per M bucket for 16-bit operands (BLOCK_K is rescaled for other element sizes). From
-# research/explore_skinny.py on an H200 (llm shapes, fp16): with M <= 16, 16x128x128 tiles in 3-4 K slices
-# ran 1.05x-1.07x cuBLAS at N=4096 (no split reached 0.95x-0.98x); at M=128, N=4096, 64x64 tiles were best
-# (0.85x unsplit at K=4096, 0.94x in 3 slices at K=14336) and at N=14336 64x128 unsplit (0.97x). With N of
-# 8192 and more at M=128, autotuned's 128x128 / 128x256 tiles were faster (bench, skinny and llm sweeps).
+# Tiles per M bucket for 16-bit operands (BLOCK_K is rescaled for other element sizes): the best measured on the
+# llm shapes per M bucket (docs/rungs/split_k.md).
 _TILES = {
     16: [(16, 128, 128, 4, 4), (16, 64, 256, 4, 3)],
     32: [(32, 128, 128, 4, 4), (32, 64, 128, 4, 4)],
-    # 64x64 tiles with a 6-deep pipeline: 128x4096x4096 fp16 0.99x cuBLAS against 0.87x with 4 stages
-    # (H200, tools/time_candidates.py).
+    # 64x64 tiles with a 6-deep pipeline: ahead of 4 stages at M = 128 (docs/rungs/split_k.md).
     64: [(64, 64, 128, 4, 4), (64, 64, 128, 4, 6), (64, 128, 64, 4, 4)],
     128: [(64, 64, 128, 4, 4), (64, 64, 128, 4, 6), (64, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 128, 64, 4, 4),
           (128, 256, 64, 8, 3)],
@@ -211,9 +207,8 @@ def configs(p: GemmProblem) -> list[dict]:
 
 def wave_split(tiles: int, k_steps: int, sms: int) -> int:
     """The K split that makes ``tiles`` output tiles about one wave of programs, each slice at least 4 K steps
-    long (at most 256 slices). For small outputs with long K: a 64x64 output over K=100352 (a 1x1
-    convolution's weight gradient) ran 230 us in 8 slices where cuDNN took 10 us (H200,
-    benchmarks/results/2026-11-23-h200/a4fa0d3/)."""
+    long (at most 256 slices). For small outputs with long K, such as a 1x1 convolution's weight gradient
+    (docs/rungs/split_k.md)."""
     return max(1, min(sms // max(tiles, 1), k_steps // 4, 256))
 
 
@@ -231,15 +226,8 @@ def filled(p: GemmProblem, config: dict) -> dict:
 
 # Rows not 16-byte aligned with few rows of A (M <= 16, NN or NT, 16-bit): the kernel loads them two bytes at a time,
 # so one program keeps few bytes in flight and the product is bound by how many loads the GPU has out. Narrow
-# tiles in many K slices (down to one K step a slice) put more programs, and more loads, on each SM. On six such
-# products of the random sweep (H100, tools/time_candidates.py over 16 x {32, 64, 128} x {32, 64, 128} tiles and
-# splits 1..64, benchmarks/results/2026-11-24-h100/e1ed5fa/), 16x32x64 tiles in up to 16 programs an SM ran
-# 0.91x of each product's best config (worst 0.83x) and 0.90x cuBLAS, where auto's choice had run 0.44x-0.70x
-# cuBLAS (5x423x2047: 10.9 us against 26; 6x5661x26729: 301 against 457). Those six are shapes of the bench's
-# random sweep; on 60 unseen ones (another seed, H200, research/ab_survey.py --misaligned,
-# benchmarks/results/2026-11-24-h200/019962f/) auto ran 0.976x cuBLAS with the rule and 0.702x without. NT (an
-# nn.Linear with an odd in_features) fared worse before it: 1x874x5873 90 us against cuBLAS's 12, where the best
-# of these configs ran 15 us and the rule's others 1.09x-1.12x cuBLAS on 3x1111x2087 and 2x625x9997.
+# tiles in many K slices (down to one K step a slice) put more programs, and more loads, on each SM (the tiles
+# and splits measured, on seen and unseen products: docs/rungs/split_k.md).
 MISALIGNED_TILE = (16, 32, 64, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
 MISALIGNED_PROGRAMS_PER_SM = 16
 MISALIGNED_MAX_SPLIT = 64
@@ -276,7 +264,7 @@ def pick_config(p: GemmProblem) -> dict:
 def run(p: GemmProblem, config: dict | None = None) -> None:
     """Launch with ``config``; else with the tuned config of this shape class (timing the candidates once)."""
     if config is None:
-        if residue.applies(p):
+        if residue.why_not(p) is None:
             # Few rows of A, B's rows not 16 bytes apart: B read in whole vectors by residue class, whatever
             # was tuned for the shape class (tuned on aligned rows, or not at all).
             residue.run(p)
@@ -303,8 +291,6 @@ def launch_config(p: GemmProblem, config: dict) -> None:
     cfg = dict(config)
     if cfg["SPLIT_K"] == 1 and not interpreting():
         # One slice: exactly the grouped kernel (the split kernel's slice bookkeeping cost up to ~5% there).
-        from tilegemm.ops.matmul import grouped
-
         grouped.run(p, {k: v for k, v in cfg.items() if k not in ("SPLIT_K", "SLICES", "APART")})
         return
     # A config without the key (tuned before it existed) gets the default reduction, as candidates do.

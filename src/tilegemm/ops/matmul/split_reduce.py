@@ -82,9 +82,8 @@ def split_k_reduce_kernel(
 
 
 # Above this many bytes of fp32 planes for one tile (SPLIT_K x BLOCK_M x BLOCK_N x 4), the planes are added
-# by a second launch (split_k_reduce_kernel) instead of the last-arriving program alone. That program reads
-# them one after another: 184x168x14400 fp16 in 33 slices of 128x128 tiles took 196 us where cuBLAS took
-# 13 us (H200, benchmarks/results/2026-11-23-h200/4e789c1/). Every shipped tuned split reads 64 KB or less.
+# by a second launch (split_k_reduce_kernel) instead of the last-arriving program alone, which reads them one
+# after another (docs/rungs/split_k.md). Every shipped tuned split reads 64 KB or less.
 APART_BYTES = 128 * 1024
 
 

@@ -12,15 +12,8 @@ a candidate a neighbour did not keep counts as :data:`FLOOR`. Each neighbour's l
 the candidate's launch fills the GPU at the target rather than there (:func:`utilization`, :data:`WAVE_WEIGHT`).
 It launches the best-ranked one.
 
-It applies at every size. On the H200's and H100's surveys (480 shapes each, fp16), this choice made for each
-shape from the other shapes' data ran 0.927x / 0.922x cuBLAS (geomean) as replayed launches, against 0.96x / 0.99x
-for the best candidate of each shape (``tools/fit_survey.py --check``; 0.915x / 0.905x without the utilization
-correction, research/explore_survey_waves.py). Small products gain most: made (before that correction) from one
-seed's survey for another seed's shapes under 1 us of work, it ran 0.945x / 0.995x cuBLAS where the rules ran
-0.883x / 0.914x (H200 / H100; 1-3.5 us: 0.854x / 0.900x against 0.784x / 0.866x). On the bench's random sweep's
-products under 3.5 us (H200) it ran 3.8% faster than the rules, with the same time through the op as in a CUDA
-graph (``research/diagnose_tiny.py``, benchmarks/results/2026-11-24-h200/10080c3/): the host path is hidden
-there. See docs/rungs/auto.md.
+It applies at every size; how its choices compare with the best candidate and with the rules, by survey and by
+size of product: docs/rungs/auto.md.
 
 :func:`identity`, :func:`rank` and the constants are plain Python (the fitting tool uses them without a GPU).
 """
@@ -30,7 +23,14 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import warnings
 from pathlib import Path
+
+import torch
+
+from tilegemm.core import hardware
+from tilegemm.core.runtime import cdiv
+from tilegemm.core.tuning import gpu_slug, table_slug
 
 SCHEMA = "tilegemm-survey/1"
 NEIGHBOURS = 3
@@ -38,9 +38,7 @@ DISTANCE_SOFTENING = 0.25
 FLOOR = 0.5  # efficiency assumed for a candidate a neighbour ran slower than this (or not at all)
 FIXED_SPLITS = (1, 2, 3, 4, 8)  # split_k's fixed splits; larger ones are the wave-filling split of the shape
 # How much a change of utilization (:func:`utilization`) from a neighbour to the target moves a candidate's
-# log-efficiency. Fitted: leave-one-out on the H200's and H100's NN, NT and TN surveys and cross-seed, choices
-# 1.3-2.9% faster (geomean) than without (0); any weight from 0.25 to 1 beats 0 on every survey
-# (research/explore_survey_waves.py).
+# log-efficiency. Fitted leave-one-out on the surveys (docs/rungs/auto.md).
 WAVE_WEIGHT = 0.5
 GLUON_BLOCK_K = 64  # gluon_f16's K step (its configs do not name one)
 # The tiles (M, N, K step) of the Gluon kernels whose configs do not name one: gluon_fp8's, and gluon_tf32's as
@@ -159,8 +157,6 @@ def table_path(gpu_name: str, layout: str = "NN", family: str = "", own: bool = 
     ``<gpu>`` is the GPU's own slug or, where the package ships nothing for it, a sibling's
     (:func:`tilegemm.core.tuning.table_slug`). ``own``: always the GPU's own slug (where a survey of it is written,
     never over a sibling's table)."""
-    from tilegemm.core.tuning import gpu_slug, table_slug
-
     name = (gpu_slug(gpu_name) if own else table_slug(gpu_name)) + (f"-{family}" if family else "") + ("" if layout == "NN" else f"-{layout}")
     return Path(__file__).resolve().parent.parent.parent / "tuned" / "survey" / f"{name}.json"
 
@@ -195,8 +191,6 @@ def table_for(gpu_name: str, layout: str = "NN", family: str = "") -> dict | Non
                 for _, config in configs:
                     tile(config)  # utilization() reads it: a KeyError names a config without its tile
             except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
-                import warnings
-
                 warnings.warn(f"tilegemm: ignoring the damaged survey table {path} ({err}); auto's rules decide",
                               stacklevel=2)
                 table = None
@@ -205,17 +199,14 @@ def table_for(gpu_name: str, layout: str = "NN", family: str = "") -> dict | Non
 
 
 # How far past the surveyed box (in log2 of each of M, N, K) a shape may lie and still be ranked from its
-# neighbours: a factor of about 1.4. A 1x1 convolution's weight gradient (K = 100352 pixels, against the
-# surveyed K <= 28672) ran 2.5x slower from the nearest surveyed shapes' choice than by the rules (split_k),
-# H200, benchmarks/results/2026-11-24-h200/3c8cdd9/wgrad-1x1.json.
+# neighbours: a factor of about 1.4. Far outside, the nearest surveyed shapes' choice ran slower than the rules
+# (docs/rungs/auto.md).
 OUTSIDE = 0.5
 
 
 def table_of(p) -> dict | None:
     """The table of ``p``'s GPU, layout and dtype family (:func:`table_for`); None where it has none (IEEE fp32
     and mixed 16-bit dtypes have no family)."""
-    import torch
-
     fam = family(p.tuning_dtype)
     return None if fam is None else table_for(torch.cuda.get_device_name(p.out.device), p.layout, fam)
 
@@ -232,23 +223,29 @@ def within(table: dict, shape: tuple[int, int, int]) -> bool:
     return all(lo - OUTSIDE <= math.log2(max(d, 1)) <= hi + OUTSIDE for d, (lo, hi) in zip(shape, table["bounds"]))
 
 
-def applies(p) -> bool:
-    """Whether the survey speaks for ``p`` whatever its size: operands of a dtype family that has tables
-    (:func:`family`: 16-bit of one dtype, tf32, fp8 with its scales), one product (no batch), on a GPU. (Its
-    rows must also be 16-byte aligned, as the surveyed shapes' were: ``dispatch.surveyed`` asks that.)"""
+def why_not(p) -> str | None:
+    """None when the survey speaks for ``p`` whatever its size: operands of a dtype family that has tables
+    (:func:`family`: 16-bit of one dtype, tf32, fp8 with its scales), one product (no batch), on a GPU; otherwise
+    why not. (Its rows must also be 16-byte aligned, as the surveyed shapes' were: ``dispatch.surveyed`` asks.)"""
     fam = family(p.tuning_dtype)
-    if fam is None or p.batch != 1 or not p.out.is_cuda:
-        return False
-    return fam == "fp8" or (p.scale_a is None and p.scale_b is None)
+    if fam is None:
+        return "no surveyed dtype family"
+    if p.batch != 1:
+        return "batched"
+    if not p.out.is_cuda:
+        return "not on a GPU"
+    if fam != "fp8" and (p.scale_a is not None or p.scale_b is not None):
+        return "scales outside fp8"
+    return None
 
 
 def choose(p) -> tuple[str, dict] | None:
     """(rung, config) for problem ``p`` from its GPU's table; None without a table or a valid candidate.
     Answered once per shape, dtypes, layout and TMA-describability (bounded; a wave split is computed for
     the exact shape)."""
-    from tilegemm.ops.matmul.persistent_tma import describable
+    from tilegemm.ops.matmul.persistent_tma import why_not as why_not_tma
 
-    described = describable(p) is None
+    described = why_not_tma(p) is None
     key = (p.M, p.N, p.K, p.tuning_dtype, p.out.dtype, p.layout, described, p.out.device)
     picked = _choices.get(key, _MISSING)
     if picked is not _MISSING:
@@ -256,9 +253,7 @@ def choose(p) -> tuple[str, dict] | None:
     table = table_of(p)
     picked = None
     if table is not None:
-        from tilegemm.core.hardware import sm_count
-
-        configs, sms = table["configs"], sm_count(p.out.device)
+        configs, sms = table["configs"], hardware.sm_count(p.out.device)
         valid = _valid_candidates(p, configs, described, sms)
         if valid:
             best = _rank(table["shapes"], (p.M, p.N, p.K), valid, configs, sms)[0]
@@ -271,9 +266,8 @@ def choose(p) -> tuple[str, dict] | None:
 
 
 def _valid_candidates(p, configs: list, described: bool, sms: int) -> list[int]:
-    from tilegemm.core.runtime import cdiv
-    from tilegemm.ops.matmul import persistent_tma
-    from tilegemm.ops.matmul.split_k import sensible_split
+    from tilegemm.ops.matmul import persistent_tma  # (kernel modules: imported when first asked, after triton's
+    from tilegemm.ops.matmul.split_k import sensible_split  # backend is chosen; importing tilegemm imports none)
 
     tma = persistent_tma.candidates(p) if described else []
     valid = []
@@ -301,10 +295,8 @@ def _resolved(p, rung: str, config: dict) -> dict:
 
         config["SPLIT_K"] = wave_split(p, config)
     elif rung == "split_k" and config["SPLIT_K"] == "wave":
-        from tilegemm.core.hardware import sm_count
-        from tilegemm.core.runtime import cdiv
         from tilegemm.ops.matmul.split_k import wave_split
 
         tiles = cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"])
-        config["SPLIT_K"] = wave_split(tiles, cdiv(p.K, config["BLOCK_K"]), sm_count(p.out.device))
+        config["SPLIT_K"] = wave_split(tiles, cdiv(p.K, config["BLOCK_K"]), hardware.sm_count(p.out.device))
     return config

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from tilegemm.core import registry, tuning
 from tilegemm.core.runtime import interpreting
+from tilegemm.ops.matmul import api
+from tilegemm.ops.matmul.op import REPLAYS
 
 def tune(bench, cases, dtype: str, kernels) -> None:
     """Call ``tilegemm.matmul`` once per case and kernel, as the bench calls it (``auto`` tunes what it would
@@ -31,10 +34,6 @@ def warmup(on_key=None, cases=None, dtype: str | None = None) -> list[str]:
     With ``cases`` (bench cases, e.g. a model's shapes given as ``tilegemm warmup --shape``), instead call
     ``auto`` once on each in ``dtype`` (default fp16), so what it picks for exactly those shapes, untimed, is
     compiled; returns ``"auto|MxNxK|dtype"`` labels."""
-    from tilegemm.core import registry, tuning
-    from tilegemm.ops.matmul import replay
-    from tilegemm.ops.matmul.api import matmul
-
     device = "cpu" if interpreting() else "cuda"
     if cases is not None:
         from tilegemm.ops.matmul.bench import MatmulBench
@@ -63,19 +62,17 @@ def warmup(on_key=None, cases=None, dtype: str | None = None) -> list[str]:
         b = operand(K, N, layout[1] == "T", b_name or a_name)
         if a_name.startswith("fp8"):
             one = torch.ones((), device=device)
-            matmul(a, b, kernel=rung, scale_a=one, scale_b=one, out_dtype=_TORCH[out], fast_accum=bool(fast))
+            api.matmul(a, b, kernel=rung, scale_a=one, scale_b=one, out_dtype=_TORCH[out], fast_accum=bool(fast))
         else:
-            matmul(a, b, kernel=rung, out_dtype=_TORCH[out], precision="tf32" if label == "tf32" else "ieee")
+            api.matmul(a, b, kernel=rung, out_dtype=_TORCH[out], precision="tf32" if label == "tf32" else "ieee")
         warmed.append(key)
         del a, b
-        replay.clear()  # the compiled kernel is what warmup is for; the replays need not stay
+        REPLAYS.clear()  # the compiled kernel is what warmup is for; the replays need not stay
     return warmed
 
 
 def _warm_cases(bench, cases, dtype: str, on_key) -> list[str]:
     """``auto`` once on each case (:func:`tune`'s call), then its replays dropped."""
-    from tilegemm.ops.matmul import replay
-
     warmed = []
     for case in cases:
         label = f"auto|{case.label}|{dtype}"
@@ -83,5 +80,5 @@ def _warm_cases(bench, cases, dtype: str, on_key) -> list[str]:
             on_key(label)
         tune(bench, [case], dtype, ["auto"])
         warmed.append(label)
-        replay.clear()
+        REPLAYS.clear()
     return warmed

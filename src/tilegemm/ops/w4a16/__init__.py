@@ -1,20 +1,16 @@
 """W4A16: fp16/bf16 activations times 4-bit weights (``activation(x @ dequantize(w).T + bias)``).
 
-The format (:class:`Int4Weight`, quantize, importers) is in :mod:`.format`, the public op in :mod:`.op`, one
-file per kernel (:mod:`.gemv`, :mod:`.frag`, :mod:`.frag_wgmma`, :mod:`.mma`, :mod:`.dequant_cublas`), their
-configs in :mod:`.configs`.
+The format (:class:`Int4Weight`, quantize, importers) is in :mod:`.format`; the public function in :mod:`.api`,
+its checks in :mod:`.checks`, the ``torch.library`` op in :mod:`.op`, the call's record in :mod:`.problem`,
+``auto`` in :mod:`.dispatch`, one file per kernel (:mod:`.gemv`, :mod:`.frag_wgmma`, :mod:`.mma`,
+:mod:`.dequant_cublas`), their configs in :mod:`.configs`, the plain-torch oracle in :mod:`.reference`.
 Nothing here imports triton: a kernel module is imported when its kernel first runs.
 """
 
 import torch as _torch
 
+from tilegemm.core.hardware import why_not_gluon
 from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
-
-
-def _hopper() -> str | None:
-    from tilegemm.ops.matmul.persistent_tma import gluon_requires
-
-    return gluon_requires()
 
 
 register_op(OpSpec(
@@ -28,13 +24,8 @@ register(KernelSpec(
     summary="CUDA cores, split-K: wide loads of packed weights, zero/scale out of the inner loop (small M)",
 ))
 register(KernelSpec(
-    op="w4a16", name="frag", order=15, target="tilegemm.ops.w4a16.frag:run",
-    requires=_hopper, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
-    summary="tensor cores fed from weights pre-shuffled into MMA fragments: two nibbles per LOP3 (small M)",
-))
-register(KernelSpec(
     op="w4a16", name="frag_wgmma", order=16, target="tilegemm.ops.w4a16.frag_wgmma:run",
-    requires=_hopper, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
+    why_not=why_not_gluon, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
     summary="the fragments through Hopper's wgmma, x from a cp.async ring in shared memory (M up to 1024)",
 ))
 register(KernelSpec(
@@ -54,7 +45,7 @@ from tilegemm.ops.w4a16.format import (  # noqa: E402
     from_gptq,
     quantize,
 )
-from tilegemm.ops.w4a16.op import ACTIVATIONS, matmul  # noqa: E402
+from tilegemm.ops.w4a16.api import ACTIVATIONS, matmul  # noqa: E402
 from tilegemm.ops.grouped.api import grouped_matmul  # noqa: E402  (4-bit experts: the grouped family's kernel)
 
 # torch.load(weights_only=True), torch's default, rebuilds an Int4Weight from tensors and ints only.

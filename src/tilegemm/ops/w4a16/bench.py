@@ -14,6 +14,7 @@ import torch
 
 from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
 from tilegemm.core.registry import NotApplicable
+from tilegemm.ops.w4a16 import reference
 
 _LLM_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 8192)]
 _LLM_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -126,8 +127,8 @@ class W4A16Bench(BenchOp):
                 inputs["x_bf16"] = inputs["x"].to(torch.bfloat16)  # its activations, cast outside the timing
             sets.append(inputs)
         first = sets[0]
-        reference = first["x"].double() @ first["dense"].double().T
-        return Prepared(sets, reference, bytes_per_set=first["w"].nbytes + (M * K + M * N) * tdtype.itemsize)
+        return Prepared(sets, reference.reference(first["x"], first["w"]),
+                        bytes_per_set=first["w"].nbytes + (M * K + M * N) * tdtype.itemsize)
 
     def run(self, kernel, inputs, dtype):
         from tilegemm import w4a16
@@ -193,4 +194,4 @@ class W4A16Bench(BenchOp):
         return self.weight_bytes(case.dims["N"], case.dims["K"]) / (ms * 1e-3) / 1e9
 
     def tolerance(self, dtype):
-        return {"fp16": 2e-3, "bf16": 1e-2}[dtype]
+        return reference.tolerance(self.dtypes[dtype])

@@ -1,8 +1,6 @@
-"""What the W4A16 kernels share: the problem a launcher gets, the split-K workspace, the last-arrival reduction."""
+"""What the W4A16 Triton kernels share: the K step within a group, the split-K workspace, the last-arrival reduction."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -11,35 +9,6 @@ from tilegemm.core.workspace import split_workspace
 from tilegemm.jit.helpers import apply_activation
 
 import triton.language as tl  # noqa: E402
-
-
-@dataclass
-class W4A16Problem:
-    """``out [M, N] = activation(x [M, K] @ W.T + bias)`` for one call; ``x`` already permuted (act-order)."""
-
-    x: torch.Tensor  # [M, K], fp16/bf16, unit stride along K
-    qweight: torch.Tensor  # int32 [K/8, N]
-    scales: torch.Tensor  # [G, N]
-    zeros: torch.Tensor  # [G, N]
-    bias: torch.Tensor | None  # [N]
-    out: torch.Tensor  # [M, N]
-    group_k: int  # inputs per group (K for group_size -1)
-    activation: str
-    upcast: bool  # bf16 under the interpreter: dot in fp32
-    fweight: torch.Tensor | None = None  # the frag kernel's layout (Int4Weight.fragments()), when it runs
-    fzs: torch.Tensor | None = None
-
-    @property
-    def M(self) -> int:
-        return self.x.shape[0]
-
-    @property
-    def N(self) -> int:
-        return self.out.shape[1]
-
-    @property
-    def K(self) -> int:
-        return self.x.shape[1]
 
 
 def block_k_for(block_k: int, group_k: int, K: int) -> int:

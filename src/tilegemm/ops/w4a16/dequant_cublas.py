@@ -11,7 +11,7 @@ import triton
 
 from tilegemm.core.launch import launch
 from tilegemm.core.runtime import cdiv, new_output
-from tilegemm.ops.w4a16.common import W4A16Problem
+from tilegemm.ops.w4a16.problem import W4A16Problem
 
 import triton.language as tl  # noqa: E402
 
@@ -62,7 +62,7 @@ def run(p: W4A16Problem, cfg: dict | None = None) -> None:
     from tilegemm.core.activations import torch_activation
 
     # W [N, K] as F.linear takes it: cuBLAS then runs the product with the baseline's layout (from W.T [K, N]
-    # it ran 12% slower at M = 4096 on 8192 x 8192 and 4096 x 14336, H100)
+    # it ran slower: docs/w4a16.md, "dequant_cublas")
     wt = dequantize_w(p.qweight, p.scales, p.zeros, p.group_k).t()
     if p.upcast:  # CPU bf16 matmul is slow and not what the GPU does; fp32 holds every product exactly
         y = torch.matmul(p.x.float(), wt.float())

@@ -62,22 +62,22 @@ def unpack_cols(packed: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
     return out.reshape(R, 8 * C)
 
 
-# --- the tensor-core fragment layout (kernel ``frag``) ----------------------------------------------
+# --- the tensor-core fragment layout (kernel ``frag_wgmma``) -------------------------------------------
 
 
 # --- the offline shuffle --------------------------------------------------------------------------------
 
 
-FRAG_K_STEP = 64  # the frag kernel's K step: its scales change between steps only
+FRAG_K_STEP = 64  # the fragment kernel's K step: its scales change between steps only
 
 
 def fits_fragments(group_k: int) -> bool:
-    """Whether the ``frag`` kernel can take a weight of group length ``group_k`` (a multiple of its K step)."""
+    """Whether the ``frag_wgmma`` kernel can take a weight of group length ``group_k`` (a multiple of its K step)."""
     return group_k % FRAG_K_STEP == 0
 
 
 def pack_fragments(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_k: int):
-    """The layout of the ``frag`` kernel (:mod:`tilegemm.ops.w4a16.frag`, whose docstring describes it).
+    """The layout of the ``frag_wgmma`` kernel (:mod:`tilegemm.ops.w4a16.frag_wgmma`, whose docstring describes it).
 
     ``q`` ``[K, N]`` (values 0..15, ``W.T``), ``scales``/``zeros`` ``[G, N]`` -> (int32 ``[N16, K64, 32, 4]``,
     ``[G', N16, 8, 4]`` in the scales' dtype), padded to N16 = 16 ceil(N / 256) and K64 = 2 ceil(K / 128); G' covers the
@@ -125,7 +125,7 @@ class Int4Weight:
         self.perm = perm  # int64 [K] or None
         self.group_size = int(group_size)  # as asked: 32..256, or -1 for all of K
         self.shape = tuple(int(s) for s in shape)  # (N, K), or (E, N, K) for stacked experts
-        self._frag = frag  # (fweight, fzs) of the frag kernel, made by fragments() when first needed
+        self._frag = frag  # (fweight, fzs) of the fragment kernel, made by fragments() when first needed
         validate(self)
 
     # The group length along K that the kernels step by (group_size, or K for -1).
@@ -154,7 +154,7 @@ class Int4Weight:
         return Int4Weight(self.qweight[e], self.scales[e], self.zeros[e], self.group_size, self.shape[1:])
 
     def fragments(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(fweight, fzs)``: the weight shuffled for the ``frag`` kernel (:func:`pack_fragments`), made on the
+        """``(fweight, fzs)``: the weight shuffled for the ``frag_wgmma`` kernel (:func:`pack_fragments`), made on the
         weight's device the first time it is asked for and kept (about the size of ``qweight`` and the scales
         again). ``tilegemm.nn.Int4Linear`` makes it once and keeps it as buffers."""
         if self._frag is None:

@@ -1,20 +1,32 @@
-"""Kernel ``frag_wgmma``: Hopper's warp-group MMAs (``wgmma``) fed from the pre-shuffled fragments, for M from
-about 17 to a few hundred rows (Gluon, sm_90).
+"""Kernel ``frag_wgmma``: Hopper's warp-group MMAs (``wgmma``) fed from weights pre-shuffled into the MMA's register
+fragments, for M from 1 to about a thousand rows (Gluon, sm_90).
 
-:mod:`~tilegemm.ops.w4a16.frag` covers M <= 16 with ``mma.sync``. From there the weights are still the MMA's A
-operand, but of ``wgmma``, whose A may come from registers in the same per-warp fragment layout as
-``mma.sync``'s: the words of :func:`~tilegemm.ops.w4a16.format.pack_fragments` serve both, dequantized by the
-same PTX. The activations ``x`` (``[BM, 64]`` a step, ``BM`` = 32 .. 256 rows) are ``wgmma``'s B operand, read
-from shared memory as they lie (K contiguous). Each warp owns ``RH`` tiles of 16 weight rows, a program
-``16 * RH * num_warps`` rows (the output's features) and ``BM`` rows of x; its accumulator is the output tile
-transposed.
+The ``mma`` kernel spends about nine instructions per weight unpacking nibbles and moving them into the layout
+the MMA wants. Here the shuffle is done once, offline (:func:`~tilegemm.ops.w4a16.format.pack_fragments`): every
+int32 a thread reads holds exactly the eight weights of its A fragment of one ``m16n8k16`` MMA tile (the per-warp
+layout of ``mma.sync``, which ``wgmma`` takes for an A operand in registers), in the order that lets two nibbles
+become an fp16x2 (bf16x2) pair with one LOP3 (the nibbles under the exponent of 1024 / 128: the 16-bit float
+``base + q`` exactly). Per int32, in inline PTX: one shift, four LOP3s, two subtractions and two FMAs
+(``(base + q) - (base + z)`` and ``(base + 16q) / 16 - (base / 16 + z)``, both exact) and four multiplications by
+the scale: the same bits as :func:`~tilegemm.ops.w4a16.format.dequantize` rounds them, about 1.6 instructions per
+weight.
+
+The fragment layout (int32 ``[N16, K64, 32, 4]``): word ``(t, c, lane, l)`` with ``lane = 4 * rl + km`` holds,
+as nibble ``i = 4h + 2j1 + j0``, the weight of row ``16t + 8j0 + rl`` and input ``64c + 16l + 8j1 + 2km + h``.
+Scales and zeros (``[G, N16, 8, 4]`` in the weights' dtype): ``(z[r], z[r + 8], s[r], s[r + 8])`` for row
+``r = 16t + rl``. N is padded to 16 and K to 64 with zero weights (x is masked there).
+
+The weights are ``wgmma``'s A operand (rows = output features N), so small M wastes no weight bandwidth; the
+activations ``x`` (``[BM, 64]`` a step, ``BM`` = 8 .. 256 rows) its B operand, read from shared memory as they
+lie (K contiguous). Each warp owns ``RH`` tiles of 16 weight rows, a program ``16 * RH * num_warps`` rows (the
+output's features) and ``BM`` rows of x; its accumulator is the output tile transposed.
 
 Both operands go through a ring of ``STAGES`` shared-memory slots filled by ``cp.async`` (no registers held
 for loads in flight): a slot holds one step's x tile (swizzled for ``wgmma``) and its packed weight words,
 which each thread reads back exactly as it copied them (16 bytes, one wavefront a quarter-warp). A step waits
 for its slot, dequantizes its words into registers and issues the MMA; the MMA is waited for before the next
-step writes those registers (the other programs on the SM fill the gap). K slices meet in the same
-last-arrival reduction as ``frag``.
+step writes those registers (the other programs on the SM fill the gap). K slices meet in a last-arrival
+reduction (deterministic order).
 """
 
 from __future__ import annotations
@@ -23,9 +35,10 @@ import torch
 
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.runtime import cdiv
-from tilegemm.ops.w4a16.common import W4A16Problem, workspace
+from tilegemm.jit.helpers import apply_activation
+from tilegemm.ops.w4a16.common import workspace
 from tilegemm.ops.w4a16.configs import frag_wgmma_config
-from tilegemm.ops.w4a16.frag import _a_tile, _finish, _prep
+from tilegemm.ops.w4a16.problem import W4A16Problem
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
@@ -33,6 +46,117 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa:
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
 
+
+# --- dequantization of the fragments ---------------------------------------------------------------
+
+_PREP16 = gl.constexpr("""{
+.reg .b32 t, c;
+prmt.b32 t, $4, 0, 0x1010;
+mov.b32 c, 0x64006400;
+add.rn.f16x2 $0, t, c;
+prmt.b32 t, $4, 0, 0x3232;
+mov.b32 c, 0xD400D400;
+sub.rn.f16x2 $1, c, t;
+prmt.b32 $2, $5, 0, 0x1010;
+prmt.b32 $3, $5, 0, 0x3232;
+}""")
+
+_PREPBF = gl.constexpr("""{
+.reg .b32 t, c, one;
+mov.b32 one, 0x3F803F80;
+mov.b32 c, 0x43004300;
+prmt.b32 t, $4, 0, 0x1010;
+fma.rn.bf16x2 $0, t, one, c;
+prmt.b32 t, $4, 0, 0x3232;
+fma.rn.bf16x2 $1, t, one, c;
+prmt.b32 $2, $5, 0, 0x1010;
+prmt.b32 $3, $5, 0, 0x3232;
+}""")
+
+
+def _deq(typ: str, base: str, sixteenth: str) -> str:
+    return """{
+.reg .b32 l, q, c;
+mov.b32 c, %s;
+lop3.b32 l, $8, 0x000f000f, %s, 0xEA;
+sub.rn.%s l, l, $9;
+mul.rn.%s l, l, $11;
+mov.b32 {$0, $4}, l;
+lop3.b32 l, $8, 0x00f000f0, %s, 0xEA;
+fma.rn.%s l, l, c, $10;
+mul.rn.%s l, l, $12;
+mov.b32 {$1, $5}, l;
+shr.u32 q, $8, 8;
+lop3.b32 l, q, 0x000f000f, %s, 0xEA;
+sub.rn.%s l, l, $9;
+mul.rn.%s l, l, $11;
+mov.b32 {$2, $6}, l;
+lop3.b32 l, q, 0x00f000f0, %s, 0xEA;
+fma.rn.%s l, l, c, $10;
+mul.rn.%s l, l, $12;
+mov.b32 {$3, $7}, l;
+}""" % (sixteenth, base, typ, typ, base, typ, typ, base, typ, typ, base, typ, typ)
+
+
+_DEQ16 = gl.constexpr(_deq("f16x2", "0x64006400", "0x2C002C00"))
+
+
+def _deq_bf16() -> str:
+    """bf16 has 7 mantissa bits: a nibble at bits 4..7 would reach the exponent, so every pair is shifted down
+    first (prep gives 128 + z[r + 8] for the odd pairs here)."""
+    lines = []
+    for j, (shift, z, sc) in enumerate(((0, 9, 11), (4, 10, 12), (8, 9, 11), (12, 10, 12))):
+        if shift:
+            lines.append(f"shr.u32 q, $8, {shift};")
+        lines += [f"lop3.b32 l, {'q' if shift else '$8'}, 0x000f000f, 0x43004300, 0xEA;",
+                  f"sub.rn.bf16x2 l, l, ${z};", f"mul.rn.bf16x2 l, l, ${sc};", f"mov.b32 {{${j}, ${j + 4}}}, l;"]
+    return "{\n.reg .b32 l, q;\n" + "\n".join(lines) + "\n}"
+
+
+_DEQBF = gl.constexpr(_deq_bf16())
+
+
+@gluon.jit
+def _prep(zz, ss, BF16: gl.constexpr):
+    """Per row pair (r, r + 8), each value twice (a 16-bit pair): base + z[r]; -(base / 16 + z[r + 8]) (fp16) or
+    base + z[r + 8] (bf16); s[r]; s[r + 8]."""
+    if BF16:
+        return gl.inline_asm_elementwise(_PREPBF, "=r,=r,=r,=r,r,r", [zz, ss],
+                                         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+    else:
+        return gl.inline_asm_elementwise(_PREP16, "=r,=r,=r,=r,r,r", [zz, ss],
+                                         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _dequant(w, za, zb, sa, sb, BF16: gl.constexpr):
+    """Eight 16-bit weights of each word, ``o[4h + 2j1 + j0]``."""
+    if BF16:
+        return gl.inline_asm_elementwise(_DEQBF, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [w, za, zb, sa, sb],
+                                         dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+    else:
+        return gl.inline_asm_elementwise(_DEQ16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [w, za, zb, sa, sb],
+                                         dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _a_tile(w, za, zb, sa, sb, RHT: gl.constexpr, KH: gl.constexpr, A_LAYOUT: gl.constexpr, BF16: gl.constexpr):
+    o0, o1, o2, o3, o4, o5, o6, o7 = _dequant(w, za, zb, sa, sb, BF16)
+    # dims (.., j1, j0, h): join over j1 first, h last
+    v00 = gl.join(o0, o2)
+    v10 = gl.join(o1, o3)
+    v01 = gl.join(o4, o6)
+    v11 = gl.join(o5, o7)
+    w0 = gl.join(v00, v10)
+    w1 = gl.join(v01, v11)
+    t = gl.join(w0, w1)  # [RHT, KH, 32, 4, j1, j0, h]
+    t = gl.reshape(t, [RHT, KH, 8, 4, 4, 2, 2, 2])  # lane -> (rl, km)
+    t = gl.permute(t, [0, 6, 2, 1, 4, 5, 3, 7])  # (t, j0, rl) x (c, l, j1, km, h)
+    t = gl.reshape(t, [RHT * 16, KH * 64])
+    return gl.convert_layout(t, A_LAYOUT, assert_trivial=True)
+
+
+# --- the kernel ----------------------------------------------------------------------------------------
 
 @gluon.jit
 def _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, step, k_first, k_end, K,
@@ -240,6 +364,39 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
     om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
     _finish(acc, out_ptr, bias_ptr, ws_ptr, count_ptr, nn, om, M, N, stride_om, pid_m * gl.num_programs(0) + pid_n,
             split, SPLIT_K, HAS_BIAS, ACTIVATION)
+
+
+@gluon.jit
+def _finish(acc, out_ptr, bias_ptr, ws_ptr, count_ptr, nn, om, M, N, stride_om, tile, split, SPLIT_K: gl.constexpr,
+            HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr):
+    """Store the transposed tile ``acc`` ([features nn, rows om] of the output), or with SPLIT_K > 1 hand it
+    over: every slice leaves its partial tile in the workspace; the last to arrive at the tile adds them in
+    slice order (deterministic) and stores."""
+    inside = gl.expand_dims(nn < N, 1) & gl.expand_dims(om < M, 0)
+    if SPLIT_K == 1:
+        _store(acc, out_ptr, bias_ptr, nn, om, inside, N, stride_om, HAS_BIAS, ACTIVATION)
+    else:
+        ws_tile = ws_ptr + gl.expand_dims(om, 0) * N + gl.expand_dims(nn, 1)
+        gl.store(ws_tile + split * M * N, acc, mask=inside)
+        gl.thread_barrier()
+        arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            gl.thread_barrier()
+            total = gl.zeros_like(acc)
+            for s in range(0, SPLIT_K):
+                total += gl.load(ws_tile + s * M * N, mask=inside, other=0.0, cache_modifier=".cg")
+            gl.store(count_ptr + tile, 0)
+            _store(total, out_ptr, bias_ptr, nn, om, inside, N, stride_om, HAS_BIAS, ACTIVATION)
+
+
+@gluon.jit
+def _store(acc, out_ptr, bias_ptr, nn, om, inside, N, stride_om, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr):
+    """out[m, n] = activation(acc[n, m] + bias[n])."""
+    if HAS_BIAS:
+        acc += gl.expand_dims(gl.load(bias_ptr + nn, mask=nn < N, other=0.0).to(gl.float32), 1)
+    acc = apply_activation(acc, ACTIVATION)
+    gl.store(out_ptr + gl.expand_dims(om, 0) * stride_om + gl.expand_dims(nn, 1), acc.to(out_ptr.dtype.element_ty),
+             mask=inside)
 
 
 # --- launch ----------------------------------------------------------------------------------------------

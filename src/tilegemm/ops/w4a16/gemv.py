@@ -24,7 +24,8 @@ import triton
 
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.runtime import cdiv, interpreting
-from tilegemm.ops.w4a16.common import W4A16Problem, block_k_for, reduce_and_store, workspace
+from tilegemm.ops.w4a16.common import block_k_for, reduce_and_store, workspace
+from tilegemm.ops.w4a16.problem import W4A16Problem
 from tilegemm.ops.w4a16.configs import gemv_config
 
 import triton.language as tl  # noqa: E402
@@ -120,7 +121,7 @@ def w4a16_gemv_kernel(
     ok3 = m0 + 3 < M
 
     # 2-D throughout ([BK/8, BN] and its row vectors): a 3-D [BM, BK/8, BN] form with several rows of x per
-    # program ran 2-100x slower on an H100 (layout conversions per nibble, spills at BM=4; results of f93179c).
+    # program ran far slower (layout conversions per nibble, spills; docs/w4a16.md, "First measurements").
     # Several rows (ROWS) are separate 2-D accumulators sharing each dequantized nibble.
     acc0 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
     if ROWS > 1:

@@ -15,7 +15,8 @@ import triton
 
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.jit.helpers import tile_grouped
-from tilegemm.ops.w4a16.common import W4A16Problem, block_k_for, reduce_and_store, workspace
+from tilegemm.ops.w4a16.common import block_k_for, reduce_and_store, workspace
+from tilegemm.ops.w4a16.problem import W4A16Problem
 from tilegemm.ops.w4a16.configs import mma_config
 
 import triton.language as tl  # noqa: E402

@@ -1,7 +1,7 @@
 """``torch.ops.tilegemm.matmul``: the ``torch.library`` op, its fake (meta) implementation and its autograd.
 
 The op's schema is flat (tensors, floats, strings); inside, the arguments travel as one
-:class:`~tilegemm.ops.matmul.call.MatmulCall`. The backward pass recomputes the pre-activation and
+:class:`~tilegemm.ops.matmul.problem.MatmulCall`. The backward pass recomputes the pre-activation and
 differentiates the activation with torch; its two GEMMs run through the op again.
 """
 
@@ -12,12 +12,16 @@ from typing import Optional
 import torch
 
 from tilegemm.core.launch import recording_active
+from tilegemm.core.replay import ReplayCache
 from tilegemm.core.torch_ops import lean_autograd
-from tilegemm.ops.matmul import replay
-from tilegemm.ops.matmul.call import MatmulCall
-from tilegemm.ops.matmul.checks import output_shape
+from tilegemm.ops.matmul.problem import MatmulCall
+from tilegemm.ops.matmul.checks import output_shape, replay_key
 from tilegemm.ops.matmul.dispatch import forward
 from tilegemm.ops.matmul.reference import torch_activation
+
+
+# Replays of plain calls without c (the public function's and this op's): the key says how tensors alias.
+REPLAYS = ReplayCache("matmul", aliases_in_key=True)
 
 
 @torch.library.custom_op("tilegemm::matmul", mutates_args=())
@@ -43,13 +47,12 @@ def matmul_op(
     # eager ones do.
     key = None
     if c is None and not recording_active():
-        key = replay.replay_key(a, b, alpha, precision, kernel, out_dtype, scale_a, scale_b, fast_accum, bias,
-                                activation)
+        key = replay_key(a, b, alpha, precision, kernel, out_dtype, scale_a, scale_b, fast_accum, bias, activation)
     if key is None:
         return forward(call)
-    extra = tuple(t for t in (scale_a, scale_b, bias) if t is not None)  # as the public function's
-    out = replay.replayed(key, a, b, extra, out_dtype)
-    return out if out is not None else replay.recorded(key, a, b, extra, lambda: forward(call))
+    tensors = (a, b, *(t for t in (scale_a, scale_b, bias) if t is not None))  # as the public function's
+    out = REPLAYS.replayed(key, tensors)
+    return out if out is not None else REPLAYS.recorded(key, tensors, lambda: forward(call))
 
 
 @matmul_op.register_fake

@@ -1,0 +1,68 @@
+"""``tilegemm.conv2d``: the replay fast path, the checks, then the op or a plain call."""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core.activations import check_activation
+from tilegemm.core.dtypes import check_precision
+from tilegemm.core.launch import plain_call
+from tilegemm.ops.conv2d import dispatch, op
+from tilegemm.ops.conv2d.checks import check_conv, check_kernel, replay_key
+from tilegemm.ops.conv2d.problem import ConvCall, memory_format_of
+
+
+def conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride=1,
+    padding=0,
+    dilation=1,
+    groups: int = 1,
+    activation: str | None = None,
+    *,
+    precision: str | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """``activation(F.conv2d(x, weight, bias, stride, padding, dilation, groups))`` in one kernel.
+
+    Args:
+        x: ``[N, C, H, W]``, float16, bfloat16 or float32; NCHW or channels-last (the fast path). The output
+            ``[N, K, P, Q]`` has the memory format of ``x``.
+        weight: ``[K, C/groups, R, S]``, the dtype of ``x``.
+        bias: ``[K]``, added in the epilogue.
+        stride, dilation: an int or a pair (>= 1).
+        padding: an int, a pair, ``"same"`` (stride 1 only; an odd total pads bottom/right more, as torch) or
+            ``"valid"``. Zero padding.
+        groups: any divisor of C and K; ``groups = C`` is a depthwise convolution.
+        activation: ``None``/``"none"``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``, ``"leaky_relu"``
+            (slope 0.01), applied after the bias.
+        precision: for float32 inputs, ``"ieee"``/``"highest"`` or ``"tf32"``/``"high"``/``"medium"``; by default
+            ``torch.get_float32_matmul_precision()`` (read when the op runs).
+        kernel: ``"auto"`` or a name from ``tilegemm.kernels("conv2d")``.
+
+    Differentiable in x, weight and bias (the backward runs tilegemm's kernels too).
+
+    Raises:
+        TypeError, ValueError: naming the bad argument (ranks, dtypes, devices, channel counts, sizes).
+    """
+    activation = "none" if activation is None else activation
+    key = replay_key("fwd", x, weight, bias, (stride, padding, dilation, groups), activation, precision, kernel)
+    if key is not None:
+        out = op.REPLAYS.replayed(key, (x, weight) if bias is None else (x, weight, bias))
+        if out is not None:
+            return out
+    check_activation(activation)
+    if precision is not None:
+        check_precision(precision)
+    check_kernel(kernel)
+    g = check_conv(x, weight, bias, stride, padding, dilation, groups)
+    c = ConvCall(x, weight, bias, list(g.stride), list(g.padding), list(g.dilation), g.groups, activation,
+                 precision or "default", kernel)
+    if key is not None:
+        return op.REPLAYS.recorded(key, (x, weight) if bias is None else (x, weight, bias), lambda: dispatch.forward(c),
+                                   memory_format_of(x))
+    if plain_call(x, weight, bias):
+        return dispatch.forward(c)
+    return op.call(c)

@@ -1,0 +1,167 @@
+"""The argument checks of ``tilegemm.conv2d`` (TypeError/ValueError naming the problem), and the key of a plain
+call that the replay cache (:mod:`tilegemm.core.replay`) keeps (plain Python: no triton)."""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core import registry
+from tilegemm.core.dtypes import dtype_name
+from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, recording_active,
+                                  tensor_key)
+from tilegemm.core.runtime import check_same_device, interpreting
+from tilegemm.core.workspace import in_graph_tree
+from tilegemm.ops.conv2d.problem import Geometry
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _pair(name: str, value) -> tuple[int, int]:
+    """An int or a pair of ints as (h, w), or TypeError naming the argument."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a pair of ints, got a bool")
+    if isinstance(value, int):
+        return value, value
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return int(value[0]), int(value[1])
+    raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+
+
+def resolve_padding(padding, R: int, S: int, stride: tuple[int, int], dilation: tuple[int, int]):
+    """(top, bottom, left, right) from an int, a pair, "same" or "valid", as F.conv2d reads them."""
+    if isinstance(padding, str):
+        mode = padding.lower()
+        if mode == "valid":
+            return (0, 0, 0, 0)
+        if mode == "same":
+            if stride != (1, 1):
+                raise ValueError(f"padding='same' needs stride 1 (as in torch), got stride={stride}")
+            # torch pads the extra element of an odd total at the bottom/right
+            total_h, total_w = dilation[0] * (R - 1), dilation[1] * (S - 1)
+            return (total_h // 2, total_h - total_h // 2, total_w // 2, total_w - total_w // 2)
+        raise ValueError(f"padding must be an int, a pair of ints, 'same' or 'valid', got {padding!r}")
+    ph, pw = _pair("padding", padding)
+    if ph < 0 or pw < 0:
+        raise ValueError(f"padding must be >= 0, got {padding!r}")
+    return (ph, ph, pw, pw)
+
+
+def _check_tensor(name: str, t, ranks: tuple[int, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in DTYPES:
+        kind = "integer" if not (t.dtype.is_floating_point or t.dtype.is_complex) else "unsupported"
+        raise TypeError(f"{name} has {kind} dtype {dtype_name(t.dtype)}; tilegemm.conv2d supports fp16, bf16, "
+                        "fp32")
+    if t.dim() not in ranks:
+        want = " or ".join(str(r) for r in ranks)
+        raise ValueError(f"{name} must have {want} dims, got shape {list(t.shape)}")
+
+
+def check_conv(x, weight, bias, stride, padding, dilation, groups) -> Geometry:
+    """Raise TypeError/ValueError naming the problem; return the resolved geometry."""
+    _check_tensor("x", x, (4,))
+    _check_tensor("weight", weight, (4,))
+    if weight.dtype != x.dtype:
+        raise TypeError(f"dtypes differ: x is {dtype_name(x.dtype)}, weight is {dtype_name(weight.dtype)}")
+    if isinstance(groups, bool) or not isinstance(groups, int):
+        raise TypeError(f"groups must be an int, got {type(groups).__name__}")
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
+    stride, dilation = _pair("stride", stride), _pair("dilation", dilation)
+    if min(stride) < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+    if min(dilation) < 1:
+        raise ValueError(f"dilation must be >= 1, got {dilation}")
+    N, C, H, W = x.shape
+    K, Cg, R, S = weight.shape
+    if C % groups:
+        raise ValueError(f"input channels C={C} are not divisible by groups={groups}")
+    if K % groups:
+        raise ValueError(f"output channels K={K} (weight.shape[0]) are not divisible by groups={groups}")
+    if Cg * groups != C:
+        raise ValueError(f"channel mismatch: x has C={C} channels, weight {list(weight.shape)} expects "
+                         f"C/groups={Cg} per group, so C={Cg * groups} for groups={groups}")
+    if min(K, Cg, R, S) < 1:
+        raise ValueError(f"weight must have no empty dimension, got shape {list(weight.shape)}")
+    pad = resolve_padding(padding, R, S, stride, dilation)
+    g = Geometry(N, C, H, W, K, R, S, groups, stride, pad, dilation)
+    if g.P < 1 or g.Q < 1:
+        raise ValueError(
+            f"kernel larger than the padded input: input {H}x{W} padded by {pad} (top, bottom, left, right) "
+            f"is smaller than the dilated kernel {dilation[0] * (R - 1) + 1}x{dilation[1] * (S - 1) + 1}")
+    named = {"x": x, "weight": weight}
+    if bias is not None:
+        _check_tensor("bias", bias, (1,))
+        if bias.dtype != x.dtype:
+            raise TypeError(f"dtypes differ: x is {dtype_name(x.dtype)}, bias is {dtype_name(bias.dtype)}")
+        if bias.shape[0] != K:
+            raise ValueError(f"bias must have shape [K] = [{K}], got {list(bias.shape)}")
+        named["bias"] = bias
+    check_same_device(named)
+    return g
+
+
+def check_kernel(kernel) -> None:
+    """TypeError for a kernel name that is not a str, ValueError naming the choices for an unknown one,
+    :class:`~tilegemm.core.registry.NotApplicable` for one that cannot run on this machine."""
+    if not isinstance(kernel, str):
+        raise TypeError(f"kernel must be a str, got {type(kernel).__name__}")
+    if kernel != "auto":
+        reason = registry.get("conv2d", kernel).unavailable_reason()  # ValueError naming the choices if unknown
+        if reason:
+            raise registry.NotApplicable(f"conv2d kernel {kernel!r} cannot run here: {reason}")
+
+
+# --- the replay key (tilegemm.core.replay) ---------------------------------------------------------------
+# A call's Python path (checks, geometry, config, layouts, Triton's launch wrapper) costs more host time than most
+# of ResNet-50's layers take on the GPU (docs/conv2d.md). A plain call (CUDA, no tracer, dispatch mode or autograd
+# watching) is keyed by everything its launches depend on; the first records its launches (up to eight Triton
+# launches over the call's tensors or the launchers' workspaces) and later calls with the key replay them. A call
+# whose path makes copies or torch ops of its own is not kept. Inside another op's recording nothing replays.
+
+
+def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tuple, *options):
+    """The key of a call, or None when it may not be replayed. ``part``: ``"fwd"``, ``"dgrad"`` or ``"wgrad"``;
+    ``x`` is the activation the kernel reads (dy for the gradients); ``conv``: (stride, padding, dilation, groups)
+    as given; ``options``: whatever else selects the launch (activation, precision, kernel, output layout).
+
+    Written for host time, as matmul's: the tests of :func:`plain_call` spelled out, and the devices in the key
+    rather than compared (a call on two devices is refused on the full path, so it is never recorded)."""
+    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest (guards on thread state)
+        return None
+    if type(x) not in PLAIN_TENSOR_TYPES or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
+        return None
+    if interpreting() or recording_active() or dispatch_stack_depth() or function_mode_on() or in_graph_tree():
+        return None
+    if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or bias is not None and bias.requires_grad):
+        return None
+    return key_of(part, x, weight, bias, conv, *options)
+
+
+_OPTION_TYPES = (str, int, bool, tuple, type(None))
+
+
+def key_of(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tuple, *options):
+    """The key itself (see :func:`replay_key`), or None if an argument cannot be part of one."""
+    geometry = []
+    for c in conv:  # ints, strings ("same") and sequences of ints, as the public function takes them
+        t = type(c)
+        if t is list or t is tuple:
+            for v in c:
+                if type(v) is not int:
+                    return None  # something the checks will reject, naming it, on the full path
+            c = tuple(c)
+        elif t is not int and t is not str:
+            return None
+        geometry.append(c)
+    for o in options:
+        if type(o) not in _OPTION_TYPES:
+            return None
+    precision = torch.get_float32_matmul_precision() if x.dtype == torch.float32 else None
+    return (part, tensor_key(x), tensor_key(weight), None if bias is None else tensor_key(bias), tuple(geometry),
+            precision, options)

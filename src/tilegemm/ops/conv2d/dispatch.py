@@ -1,0 +1,398 @@
+"""``auto`` for ``tilegemm.conv2d`` and its gradients: which kernel takes a call, and the routes that run it (NCHW
+inputs through channels-last workspaces; the data and weight gradients through the same kernel files).
+
+On Hopper, for 16-bit channels-last tensors, the TMA kernels: the forward by ``tma_implicit_gemm``, the stride-1
+data gradient as a forward convolution, the weight gradient by ``tma_wgrad``; 1x1 layers where they run faster as
+GEMMs (tilegemm.matmul, or gluon_f16 with a tile by rule); otherwise the implicit-GEMM pointer kernels, the
+depthwise kernels, or GEMMs for 1x1 convolutions. The measurements behind each threshold: docs/conv2d.md, "auto".
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from tilegemm.core import registry
+from tilegemm.core.dtypes import resolve_precision
+from tilegemm.core.hardware import sm_count
+from tilegemm.core.launch import keeping, sequence_lock
+from tilegemm.core.runtime import interpreting, on_device
+from tilegemm.ops.matmul import matmul
+from tilegemm.ops.conv2d.configs import _patch, _pow2_at_least, gluon_ring, takes_grouped_direct, tma_forward_config
+from tilegemm.ops.conv2d.problem import (
+    ConvCall, ConvProblem, DgradCall, Geometry, WgradCall, channels_last, memory_format_of, wgrad_format,
+)
+
+# auto's thresholds: name = value  # why
+STEM_MAX_C = 8  # inputs of at most this many channels are stems: the TMA window route reads them in any layout
+GEMM_1X1_PIXELS = 16384  # stride-1 1x1 layers over at most this many output pixels: a GEMM beats the TMA kernel
+LONG_REDUCTION_STEPS = 32  # a 1x1 layer whose TMA tiles leave SMs idle over this many K steps: split-K GEMM fills them
+GLUON_1X1_MIN_CHANNELS = 96  # 1x1 layers with this many output channels take gluon_f16's 128-wide tiles
+GLUON_1X1_WAVES = 2.5  # ... where its tiles make this many waves (fewer: its persistent loop gains nothing)
+GLUON_1X1_WIDE_FILL = 0.85  # 256x128 tiles where they keep this share of the last round's SMs busy
+
+
+# --- the choice of kernel -------------------------------------------------------------------------------
+
+
+def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, sms: int = 132,
+                  gluon: bool = True) -> str:
+    """``auto``. ``tma``: ``tma_implicit_gemm`` can take the call (a 16-bit channels-last input TMA can describe,
+    on Hopper; :func:`tilegemm.ops.conv2d.tma_fwd.why_not`). Then it runs every such convolution but the 1x1 ones
+    that run faster as GEMMs (:func:`pointwise_as_gemm`; ``gluon``: the call's tensors let gluon_f16 run it).
+    Otherwise: 1x1 stride-1 unpadded single-group convolutions go to ``gemm_1x1`` (tilegemm's GEMM on the
+    channels-last view), and so do strided ones with a channels-last input (the kept pixels gathered into a
+    matrix first); depthwise ones to ``depthwise``, everything else to ``implicit_gemm``. Before all that, grouped
+    layers of few channels a group go to ``grouped_direct`` (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`)."""
+    if takes_grouped_direct(g):  # few channels a group: CUDA cores, not mostly empty MMA tiles
+        return "grouped_direct"
+    pointwise = g.is_pointwise or (g.is_strided_pointwise and x_channels_last)
+    if tma and not g.is_depthwise:
+        if not (pointwise and pointwise_as_gemm(g, sms, gluon)):
+            return "tma_implicit_gemm"
+    if pointwise:
+        return "gemm_1x1"
+    if g.is_depthwise:
+        return "depthwise"
+    return "implicit_gemm"
+
+
+def pointwise_gluon_tile(g: Geometry, sms: int) -> tuple[int, int, int, int] | None:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, STAGES) of the gluon_f16 config a stride-1 1x1 layer runs as a GEMM with, or
+    None where it does not: over more than :data:`GEMM_1X1_PIXELS` pixels, with at least
+    :data:`GLUON_1X1_MIN_CHANNELS` output channels 128-wide tiles (256 rows where they fill the last round, or
+    the input channels are few), narrower layers 256 rows by the output channels' power of two; a K step of the
+    input channels' power of two (16 to 64); in :data:`GLUON_1X1_WAVES` waves or more; the ring as deep as fits.
+    Channel counts must be multiples of 8 (16-bit rows TMA can describe) and at least 16. Geometry only:
+    :func:`tilegemm.ops.conv2d.gemm_1x1.gluon_usable` says whether a call's tensors let it run."""
+    if not g.is_pointwise or g.C % 8 or g.K % 8 or g.C < 16 or g.K < 16:  # gluon_f16's TMA needs 16 of each
+        return None
+    m = g.N * g.P * g.Q
+    if m <= GEMM_1X1_PIXELS:
+        return None
+    bk = _pow2_at_least(g.C, 16, 64)
+    if g.K >= GLUON_1X1_MIN_CHANNELS:
+        if -(-m // 128) * -(-g.K // 128) < GLUON_1X1_WAVES * sms:
+            return None
+        wide = -(-m // 256) * -(-g.K // 128)
+        filled = wide / (-(-wide // sms) * sms)  # the share of the last round's SMs the 256x128 tiles keep busy
+        bm, bn = (256, 128) if g.C <= 64 or filled >= GLUON_1X1_WIDE_FILL else (128, 128)
+    else:
+        bm, bn = 256, _pow2_at_least(g.K, 16, 128)
+        if -(-m // bm) * -(-g.K // bn) < GLUON_1X1_WAVES * sms:
+            return None
+    return bm, bn, bk, gluon_ring(bm, bn, bk)
+
+
+def pointwise_as_gemm(g: Geometry, sms: int, gluon: bool = True) -> bool:
+    """True when a 1x1 convolution does better as a GEMM than through the TMA kernel: stride 1 over at most
+    :data:`GEMM_1X1_PIXELS` output pixels or with more than two channel steps narrower than 64, or (``gluon``:
+    the call's tensors let gluon_f16 run it) where :func:`pointwise_gluon_tile` gives a tile; or (any stride)
+    when the TMA kernel's chosen tiles leave SMs idle over :data:`LONG_REDUCTION_STEPS` K steps or more, where
+    the GEMM's split-K fills the GPU (ResNet-50's 2048 -> 512 at 7x7)."""
+    if gluon and pointwise_gluon_tile(g, sms) is not None:
+        return True
+    if g.is_pointwise:
+        bk = 64 if g.Cg % 64 == 0 else 32 if g.Cg % 32 == 0 else 16
+        if g.N * g.P * g.Q <= GEMM_1X1_PIXELS or (bk < 64 and g.Cg // bk > 2):
+            return True
+    cfg = tma_forward_config(g, sms)
+    tiles = _patch(g, cfg["BI"] * cfg["BH"] * cfg["BW"])[3] * -(-g.Kg // cfg["BLOCK_N"]) * g.groups
+    return tiles < sms and g.R * g.S * (g.Cg // cfg["BLOCK_K"]) >= LONG_REDUCTION_STEPS
+
+
+def transposed_gluon_tile(w2d: torch.Tensor, image: tuple[int, int, int], device) -> tuple | None:
+    """The gluon_f16 tile of a 1x1 layer's data gradient ``dy @ w`` over the ``image`` (N, P, Q) of output
+    pixels: that of the transposed layer's forward (K -> C channels), by :func:`pointwise_gluon_tile`."""
+    (K, C), (n, p, q) = w2d.shape, image
+    return pointwise_gluon_tile(Geometry(n, K, p, q, C, 1, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1)), sm_count(device))
+
+
+_TMA_REASON: list = []  # why the TMA kernels cannot run in this process (None: they can), once asked
+
+
+def _tma_runs_here() -> bool:
+    """The GPU and Triton run the Gluon kernels (the registered kernel's requirement, asked once)."""
+    if not _TMA_REASON:
+        _TMA_REASON.append(registry.get("conv2d", "tma_implicit_gemm").unavailable_reason())
+    return _TMA_REASON[0] is None
+
+
+def _tma_candidate(t: torch.Tensor) -> bool:
+    """The cheap part of :func:`_tma_usable`: a 16-bit CUDA tensor, channels-last or a stem's (at most
+    :data:`STEM_MAX_C` channels, which the window route copies whatever its layout), not under the interpreter,
+    in a process whose GPU and Triton run the Gluon kernels."""
+    if not (t.is_cuda and t.dtype != torch.float32 and (t.stride(1) == 1 or t.shape[1] <= STEM_MAX_C)) \
+            or interpreting():
+        return False
+    return _tma_runs_here()
+
+
+def _tma_usable(p: ConvProblem) -> bool:
+    """Whether ``tma_implicit_gemm`` takes the forward problem ``p`` (its module imported only for a 16-bit
+    channels-last CUDA input)."""
+    if not _tma_candidate(p.x):
+        return False
+    from tilegemm.ops.conv2d import tma_fwd
+
+    return tma_fwd.why_not(p) is None
+
+
+def _tma_wgrad_usable(dy: torch.Tensor, x: torch.Tensor, g: Geometry) -> bool:
+    """Whether the TMA weight-gradient kernel takes the weight gradient of ``g`` for ``dy`` and ``x``."""
+    if not _tma_candidate(x):
+        return False
+    from tilegemm.ops.conv2d import tma_wgrad
+
+    return tma_wgrad.why_not(dy, x, g) is None
+
+
+def launcher(name: str):
+    """The launch function of a registered conv2d kernel (:func:`tilegemm.core.registry.launcher`)."""
+    return registry.launcher("conv2d", name)
+
+
+def _launch(kernel: str, p: ConvProblem) -> torch.Tensor:
+    """Run ``p`` on ``kernel``; ``gemm_1x1``'s config is the gluon_f16 tile of :func:`pointwise_gluon_tile`."""
+    if kernel == "gemm_1x1":
+        return launcher(kernel)(p, pointwise_gluon_tile(p.geo, sm_count(p.x.device)))
+    return launcher(kernel)(p)
+
+
+# --- the forward ----------------------------------------------------------------------------------------
+
+
+def forward(c: ConvCall) -> torch.Tensor:
+    """The output of forward call ``c`` (what ``tilegemm::conv2d`` runs)."""
+    x = c.x
+    g = c.geometry()
+    p = ConvProblem(x, c.weight, c.bias, g, c.out_dtype or x.dtype, memory_format_of(x), c.activation,
+                    resolve_precision(c.precision, x.dtype), x.dtype == torch.bfloat16 and interpreting())
+    if x.numel() == 0 or g.N * g.P * g.Q == 0:
+        from tilegemm.ops.conv2d.implicit_gemm import empty_4d
+
+        out = empty_4d(g.out_shape, p.out_dtype, x.device, p.out_format)
+        return out.zero_() if out.numel() else out
+    with on_device(x.device):
+        kernel = c.kernel
+        if kernel == "auto":
+            if _nchw_route(x):
+                return _forward_nchw(p)
+            kernel = _auto_kernel(p)
+        return _launch(kernel, p)
+
+
+def _auto_kernel(p: ConvProblem) -> str:
+    from tilegemm.ops.conv2d.gemm_1x1 import gluon_usable
+
+    tma = _tma_usable(p)
+    return choose_kernel(p.geo, channels_last(p.x), tma, sm_count(p.x.device),
+                         tma and gluon_usable(p.x, p.weight, p.bias, p.out_dtype))
+
+
+def _nchw_route(x: torch.Tensor) -> bool:
+    """Whether ``auto`` runs an NCHW input through a channels-last copy (:mod:`tilegemm.ops.conv2d.layout`): a
+    plain contiguous 16-bit CUDA input of more than :data:`STEM_MAX_C` channels (stems read any layout) in a
+    process where the TMA kernels run, so that the copy lets them take the call. The gradients of such layers
+    take the same route (:func:`_dgrad_nchw` but for 1x1 stride-1 layers, :func:`_wgrad_nchw`)."""
+    from tilegemm.ops.conv2d.layout import planar  # the module imports triton: here, when a call runs
+
+    if not planar(x) or x.shape[1] <= STEM_MAX_C or x.dtype == torch.float32 or not x.is_cuda \
+            or interpreting():
+        return False
+    return _tma_runs_here()
+
+
+def _forward_nchw(p: ConvProblem) -> torch.Tensor:
+    """The forward of an NCHW input (:func:`_nchw_route`). 1x1 stride-1 layers stay one batched GEMM over the NCHW
+    tensors as they are (:mod:`~tilegemm.ops.conv2d.gemm_1x1`, no copy: faster than through the TMA kernel with
+    NCHW stores; docs/conv2d.md, "NCHW inputs"). The others: x transposed channels-last into a workspace, then
+    the TMA kernel where it takes the copy (storing the NCHW output from its epilogue), the depthwise or the
+    pointer kernel (into a second workspace, channels-last, then transposed into the output:
+    :func:`tilegemm.ops.conv2d.layout.to_nchw`). Every launch is Triton's, so the call replays."""
+    from tilegemm.ops.conv2d import layout
+    from tilegemm.ops.conv2d.implicit_gemm import empty_4d
+
+    g = p.geo
+    if g.is_pointwise:
+        return _launch("gemm_1x1", p)
+    with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
+        xc, xbuf = layout.workspace_view(p.x, "conv2d-nchw-input")
+        pc = replace(p, x=xc)
+        if g.is_depthwise:
+            kernel = "depthwise"
+        elif takes_grouped_direct(g):
+            kernel = "grouped_direct"
+        elif _tma_usable(pc):
+            kernel = "tma_implicit_gemm"
+        else:
+            kernel = "implicit_gemm"
+        layout.fill(p.x, xc, xbuf)
+        with keeping(xbuf):
+            if kernel == "tma_implicit_gemm":
+                return launcher(kernel)(pc)  # NCHW stores from its epilogue
+            out = empty_4d(g.out_shape, p.out_dtype, p.x.device, torch.contiguous_format)
+            oc, obuf = layout.channels_last_workspace(g.out_shape, p.out_dtype, p.x.device, "conv2d-nchw-output")
+            with keeping(obuf):
+                launcher(kernel)(replace(pc, out_format=torch.channels_last, out=oc))
+                return layout.to_nchw(oc, out, keep=(obuf,))
+
+
+# --- the data gradient ----------------------------------------------------------------------------------
+
+
+def _upcast(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16 and interpreting()
+
+
+def _as_nhwc_2d(t: torch.Tensor) -> torch.Tensor:
+    """``[N, C, H, W]`` as the row-major ``[N*H*W, C]`` matrix of its channels-last layout (a view when it is)."""
+    N, C, H, W = t.shape
+    return t.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(N * H * W, C)
+
+
+def dgrad(c: DgradCall) -> torch.Tensor:
+    """The data gradient of call ``c`` (what ``tilegemm::conv2d_dgrad`` runs)."""
+    from tilegemm.ops.conv2d.implicit_gemm import empty_4d
+
+    dy, weight, x_shape = c.dy, c.weight, c.x_shape
+    g = c.geometry()
+    fmt = c.x_format
+    if dy.numel() == 0:
+        return empty_4d(x_shape, dy.dtype, dy.device, fmt).zero_()
+    precision = resolve_precision(c.precision, dy.dtype)
+    with on_device(dy.device):
+        if g.is_pointwise:
+            from tilegemm.ops.conv2d.gemm_1x1 import dgrad_product
+
+            w2d = weight.reshape(g.K, g.C)  # [K, C]
+            if c.x_channels_last:
+                image = (g.N, g.H, g.W)
+                dx = dgrad_product(_as_nhwc_2d(dy), w2d, transposed_gluon_tile(w2d, image, dy.device),
+                                   precision)  # [NHW, C]
+                return dx.view(g.N, g.H, g.W, g.C).permute(0, 3, 1, 2)
+            dx = matmul(w2d.t(), dy.reshape(g.N, g.K, g.H * g.W), precision=precision)  # [N, C, HW]
+            return dx.view(g.N, g.C, g.H, g.W)
+        if not c.x_channels_last and _nchw_route(dy):
+            return _dgrad_nchw(dy, weight, x_shape, g, precision)
+        if g.is_strided_pointwise and c.x_channels_last and dy.is_contiguous(memory_format=torch.channels_last):
+            from tilegemm.ops.conv2d.gemm_1x1 import strided_dgrad
+
+            tile = transposed_gluon_tile(weight.reshape(g.K, g.C), (g.N, g.P, g.Q), dy.device)
+            return strided_dgrad(dy, weight, g, precision, tile)
+        if g.is_depthwise:
+            from tilegemm.ops.conv2d import depthwise
+
+            return depthwise.dgrad(dy, weight, x_shape, fmt, g)
+        if takes_grouped_direct(g):
+            from tilegemm.ops.conv2d import grouped_direct
+
+            return grouped_direct.dgrad(dy, weight, x_shape, fmt, g)
+        if c.x_channels_last and _tma_candidate(dy):
+            from tilegemm.ops.conv2d import tma_fwd
+
+            dx = tma_fwd.dgrad_tma(dy, weight, g)
+            if dx is not None:
+                return dx
+        from tilegemm.ops.conv2d import implicit_gemm
+
+        return implicit_gemm.dgrad(dy, weight, x_shape, fmt, g, precision, _upcast(dy))
+
+
+def _dgrad_nchw(dy, weight, x_shape, g, precision) -> torch.Tensor:
+    """The data gradient of an NCHW layer (:func:`_nchw_route` of ``dy``) but a 1x1 stride-1 one, as the forward's
+    route: ``dy`` transposed channels-last into a workspace, then the TMA kernel (stride 1; NCHW stores), the
+    depthwise or the pointer kernel, each writing the NCHW ``dx``; every launch Triton's, so the call replays."""
+    from tilegemm.ops.conv2d import implicit_gemm, layout
+
+    nchw = torch.contiguous_format
+    with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
+        dyc, buf = layout.to_channels_last(dy, "conv2d-nchw-dy")
+        with keeping(buf):
+            if g.is_depthwise:
+                from tilegemm.ops.conv2d import depthwise
+
+                return depthwise.dgrad(dyc, weight, x_shape, nchw, g)
+            if takes_grouped_direct(g):
+                from tilegemm.ops.conv2d import grouped_direct
+
+                return grouped_direct.dgrad(dyc, weight, x_shape, nchw, g)
+            if _tma_candidate(dyc):
+                from tilegemm.ops.conv2d import tma_fwd
+
+                dx = tma_fwd.dgrad_tma(dyc, weight, g, out_format=nchw)
+                if dx is not None:
+                    return dx
+            w, keep = implicit_gemm.pointer_weight(weight)
+            with keeping(*keep):
+                return implicit_gemm.dgrad(dyc, w, x_shape, nchw, g, precision, _upcast(dyc))
+
+
+# --- the weight gradient --------------------------------------------------------------------------------
+
+
+def wgrad(c: WgradCall) -> torch.Tensor:
+    """The weight gradient of call ``c`` (what ``tilegemm::conv2d_wgrad`` runs), in :func:`wgrad_format`."""
+    dy, x, w_shape = c.dy, c.x, c.w_shape
+    g = c.geometry()
+    fmt = wgrad_format(x, w_shape)
+    if dy.numel() == 0:
+        from tilegemm.ops.conv2d.implicit_gemm import empty_4d
+
+        return empty_4d(w_shape, x.dtype, x.device, fmt).zero_()
+    precision = resolve_precision(c.precision, x.dtype)
+    with on_device(x.device):
+        from tilegemm.ops.conv2d.layout import planar
+
+        if _nchw_route(x) and planar(dy):
+            return _wgrad_nchw(dy, x, g, precision, fmt)
+        if g.is_pointwise:
+            from tilegemm.ops.conv2d.gemm_1x1 import pointwise_wgrad
+
+            # [K, NHW] @ [NHW, C]: a few output tiles over a reduction as long as the pixels, split_k's class
+            return pointwise_wgrad(_as_nhwc_2d(dy).t(), _as_nhwc_2d(x), precision).view(w_shape)
+        if g.is_depthwise:
+            from tilegemm.ops.conv2d import depthwise
+
+            return depthwise.wgrad(dy, x, g, x.dtype)
+        if takes_grouped_direct(g):
+            from tilegemm.ops.conv2d import grouped_direct
+
+            return grouped_direct.wgrad(dy, x, g, x.dtype, fmt)
+        if _tma_wgrad_usable(dy, x, g):
+            from tilegemm.ops.conv2d import tma_wgrad
+
+            return tma_wgrad.run(dy, x, g, x.dtype, memory_format=fmt)
+        from tilegemm.ops.conv2d import implicit_gemm
+
+        return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype, memory_format=fmt)
+
+
+def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
+    """The weight gradient of an NCHW layer (:func:`_nchw_route` of ``x``): ``x`` and ``dy`` transposed
+    channels-last into workspaces, then the kernel a channels-last call takes (a 1x1 stride-1 layer's GEMM too),
+    the gradient in ``fmt`` (:func:`wgrad_format` of the NCHW ``x``); every launch Triton's, so the call replays."""
+    from tilegemm.ops.conv2d import implicit_gemm, layout
+
+    with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
+        xc, xbuf = layout.to_channels_last(x, "conv2d-nchw-x")
+        dyc, dybuf = layout.to_channels_last(dy, "conv2d-nchw-dy")
+        with keeping(xbuf, dybuf):
+            if g.is_pointwise:
+                from tilegemm.ops.conv2d.gemm_1x1 import pointwise_wgrad
+
+                return pointwise_wgrad(_as_nhwc_2d(dyc).t(), _as_nhwc_2d(xc), precision).view(g.K, g.C, 1, 1)
+            if g.is_depthwise:
+                from tilegemm.ops.conv2d import depthwise
+
+                return depthwise.wgrad(dyc, xc, g, x.dtype)
+            if takes_grouped_direct(g):
+                from tilegemm.ops.conv2d import grouped_direct
+
+                return grouped_direct.wgrad(dyc, xc, g, x.dtype, fmt)
+            if _tma_wgrad_usable(dyc, xc, g):
+                from tilegemm.ops.conv2d import tma_wgrad
+
+                return tma_wgrad.run(dyc, xc, g, x.dtype, memory_format=fmt)
+            return implicit_gemm.wgrad(dyc, xc, g, precision, _upcast(x), x.dtype, memory_format=fmt)

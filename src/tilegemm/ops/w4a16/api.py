@@ -1,0 +1,60 @@
+"""``tilegemm.w4a16.matmul``: the replay fast path, the checks, then the op or a plain call."""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core.activations import ACTIVATIONS  # noqa: F401 (re-exported as tilegemm.w4a16.ACTIVATIONS)
+from tilegemm.core.launch import plain_call
+from tilegemm.ops.w4a16 import dispatch, op
+from tilegemm.ops.w4a16.checks import call_tensors, check_inputs, replay_key
+from tilegemm.ops.w4a16.format import Int4Weight
+from tilegemm.ops.w4a16.problem import W4A16Problem
+
+
+def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, activation: str | None = None,
+           *, kernel: str = "auto") -> torch.Tensor:
+    """``activation(x @ dequantize(w).T + bias)``, accumulated in fp32, with the 4-bit weight read as is.
+
+    Args:
+        x: ``[..., K]``, float16 or bfloat16 (the weight's scales' dtype); any number of rows, from 1.
+        w: an :class:`~tilegemm.ops.w4a16.format.Int4Weight` of shape ``[N, K]``.
+        bias: ``[N]``, float16 or bfloat16.
+        activation: ``None``/``"none"``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``, ``"leaky_relu"``.
+        kernel: ``"auto"`` (by the number of rows M) or a name from ``tilegemm.kernels("w4a16")``.
+
+    Returns ``[..., N]`` in x's dtype. Differentiable in x and bias (the weight is frozen).
+
+    Raises:
+        TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
+    """
+    activation = "none" if activation is None else activation
+    # The fast path: a replay of an earlier plain call with the same key.
+    key = None
+    if type(w) is Int4Weight and w.perm is None and type(x) is torch.Tensor and x.dim() >= 1 \
+            and x.shape[-1] == w.shape[1]:
+        x2 = x.reshape(-1, x.shape[-1])
+        if w._frag is None and dispatch.wants_frag(kernel, x2, w):
+            w.fragments()  # before the key, which holds the fragments' layouts
+        key = replay_key(x2, w, bias, activation, kernel)
+        if key is not None:
+            out = op.REPLAYS.replayed(key, call_tensors(x2, w, bias))
+            if out is not None:
+                return out.reshape(*x.shape[:-1], w.shape[0])
+            # (None: nothing recorded, or recorded for another stream or device; launched afresh below)
+    check_inputs(x, w, bias, activation, kernel)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if w.perm is not None:
+        x2 = x2.index_select(1, w.perm)  # act-order: the stored weight rows are sorted by group
+    # The fragment layout goes along when a fragment kernel is asked for, or may be chosen by auto.
+    fweight, fzs = w.fragments() if dispatch.wants_frag(kernel, x2, w) else (None, None)
+    p = W4A16Problem(x=x2, qweight=w.qweight, scales=w.scales, zeros=w.zeros, bias=bias, out=None,
+                     group_k=w.group_k, activation=activation, fweight=fweight, fzs=fzs, kernel=kernel)
+    # Dispatch through torch.ops costs tens of microseconds of host time, more than an M=1 kernel; a call that
+    # no tracer, mode or autograd needs to see skips it (as tilegemm.matmul does).
+    if not plain_call(x2, bias):
+        return op.call(p).reshape(*lead, w.shape[0])
+    if key is None or dispatch.kernel_for(p) not in op.REPLAYED_KERNELS:
+        return dispatch.forward(p).reshape(*lead, w.shape[0])
+    return op.REPLAYS.recorded(key, call_tensors(x2, w, bias), lambda: dispatch.forward(p)).reshape(*lead, w.shape[0])

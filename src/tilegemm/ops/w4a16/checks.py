@@ -1,0 +1,82 @@
+"""The argument checks of ``tilegemm.w4a16.matmul`` (TypeError/ValueError naming the problem), and the key of a
+plain call that the replay cache (:mod:`tilegemm.core.replay`) keeps."""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core import registry
+from tilegemm.core.activations import check_activation
+from tilegemm.core.dtypes import dtype_name
+from tilegemm.core.launch import plain_call, plain_tensor, tensor_key
+from tilegemm.core.runtime import check_same_device, interpreting
+from tilegemm.core.workspace import in_graph_tree
+from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, validate
+
+
+def check_inputs(x, w, bias, activation, kernel) -> None:
+    """Raise TypeError/ValueError naming the problem."""
+    if not isinstance(w, Int4Weight):
+        raise TypeError(f"w must be an Int4Weight (tilegemm.w4a16.quantize / from_gptq / from_awq), "
+                        f"got {type(w).__name__}")
+    if len(w.shape) != 2:
+        raise ValueError(f"w holds stacked experts {list(w.shape)}: multiply them with w4a16.grouped_matmul")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x has dtype {dtype_name(x.dtype)}; w4a16.matmul takes fp16 or bf16 activations")
+    if x.dtype != w.dtype:
+        raise TypeError(f"x is {dtype_name(x.dtype)} but the weight's scales are {dtype_name(w.dtype)}: convert one "
+                        f"(w.to({x.dtype}))")
+    N, K = w.shape
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"x must be [..., K] with K = in_features = {K}, got {list(x.shape)}")
+    validate(w)
+    named = {"x": x, "w": w.qweight}
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
+        if bias.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"bias has dtype {dtype_name(bias.dtype)}; expected fp16 or bf16")
+        if bias.dim() != 1 or bias.shape[0] != N:
+            raise ValueError(f"bias must have shape [N] = [{N}], got {list(bias.shape)}")
+        named["bias"] = bias
+    check_activation(activation)
+    if kernel != "auto":
+        spec = registry.get("w4a16", kernel)
+        reason = spec.unavailable_reason()
+        if reason:
+            raise registry.NotApplicable(f"w4a16 kernel {kernel!r} cannot run here: {reason}")
+    check_same_device(named)
+
+
+# --- the replay key: a plain call (no tracer, dispatch mode or autograd watching; CUDA, not the interpreter) is
+# keyed by everything Triton specializes its launch on ------------------------------------------------------
+
+
+def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str) -> tuple:
+    """The replay key of a call with 2-D activations ``x2`` (already reshaped and, for act-order, permuted):
+    the layouts of every tensor the launch takes and the call's named options."""
+    frag = None if w._frag is None else tuple(tensor_key(t) for t in w._frag)
+    return (kernel, activation, x2.device, tensor_key(x2), tensor_key(w.qweight), tensor_key(w.scales),
+            tensor_key(w.zeros), frag, w.group_k, None if bias is None else tensor_key(bias))
+
+
+def replay_key(x2, w, bias, activation: str, kernel: str):
+    """The replay key of a call, or None when the call may not be replayed (CPU, the interpreter, a tensor
+    subclass, autograd or a tracer watching, a bias that is not a tensor on x's device)."""
+    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest
+        return None
+    if not plain_tensor(x2) or not x2.is_cuda or interpreting() or in_graph_tree():
+        return None
+    if bias is not None and (not plain_tensor(bias) or bias.device != x2.device):
+        return None
+    if w.qweight.device != x2.device or not plain_call(x2, bias, w.qweight, w.scales, w.zeros):
+        return None
+    return key_of(x2, w, bias, activation, kernel)
+
+
+def call_tensors(x2, w, bias) -> tuple:
+    """The tensors a replay takes, the output aside (the fragment layout, when made)."""
+    parts = (x2, w.qweight, w.scales, w.zeros) + tuple(w._frag or ())
+    return parts if bias is None else parts + (bias,)

@@ -1,0 +1,79 @@
+"""``auto`` for ``tilegemm.w4a16.matmul``: the kernel for a call, and the launch of the kernel a call names.
+
+auto's thresholds, in the table below (the measurements behind each: docs/w4a16.md, "Configs and `auto`").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core import registry
+from tilegemm.core.runtime import interpreting, new_output, on_device
+from tilegemm.ops.w4a16.format import fits_fragments
+from tilegemm.ops.w4a16.problem import W4A16Problem
+
+# name: value  # why
+FRAG_WGMMA_MAX_M = 1024  # on Hopper, frag_wgmma up to here: it beats mma, gemv and dequant_cublas there
+GEMV_MAX_M = 2  # elsewhere gemv up to here: one program per row, the second reading the weight from L2
+MMA_MAX_M = 128  # then mma up to here; above, dequant_cublas (cuBLAS's GEMM hides the weight's extra pass)
+
+FRAG_KERNELS = ("frag_wgmma",)  # the kernels that read the weight's fragment layout
+
+
+def choose(M: int, frag: bool = False) -> str:
+    """The kernel for M rows; ``frag``: the fragment kernel can run (Hopper, group length a multiple of 64)."""
+    if frag and M <= FRAG_WGMMA_MAX_M:
+        return "frag_wgmma"
+    if M <= GEMV_MAX_M:
+        return "gemv"
+    if M <= MMA_MAX_M:
+        return "mma"
+    return "dequant_cublas"
+
+
+_FRAG_REASON: dict = {}  # device -> why the fragment kernel cannot run there ("" when it can), asked once
+
+
+def frag_usable(group_k: int, device: torch.device) -> bool:
+    """Whether ``auto`` may use the fragment kernel on ``device`` for a weight of group length ``group_k``: a
+    Hopper GPU with Gluon (not the interpreter) and a group length that is a multiple of 64 (its K step)."""
+    if device.type != "cuda" or not fits_fragments(group_k):
+        return False
+    reason = _FRAG_REASON.get(device)
+    if reason is None:
+        reason = _FRAG_REASON[device] = registry.get("w4a16", "frag_wgmma").unavailable_reason() or ""
+    return not reason
+
+
+def wants_frag(kernel: str, x2: torch.Tensor, w) -> bool:
+    """Whether a call with 2-D activations ``x2`` and weight ``w`` runs, or under ``auto`` may run, a kernel that
+    takes the fragment layout."""
+    return kernel in FRAG_KERNELS or (kernel == "auto" and x2.shape[0] <= FRAG_WGMMA_MAX_M
+                                      and frag_usable(w.group_k, x2.device))
+
+
+def kernel_for(p: W4A16Problem) -> str:
+    """The kernel that runs ``p``: the one it names, or ``auto``'s choice."""
+    if p.kernel != "auto":
+        return p.kernel
+    return choose(p.M, p.fweight is not None and frag_usable(p.group_k, p.x.device))
+
+
+def launcher(name: str):
+    """The launch function of a registered w4a16 kernel (:func:`tilegemm.core.registry.launcher`)."""
+    return registry.launcher("w4a16", name)
+
+
+def forward(p: W4A16Problem) -> torch.Tensor:
+    """The output of call ``p`` (``p.out`` unset): made, then written by the chosen kernel."""
+    out = new_output((p.M, p.N), p.x.dtype, p.x.device)
+    if p.M == 0:
+        return out
+    x = p.x if p.x.stride(-1) == 1 else p.x.contiguous()
+    p = W4A16Problem(x=x, qweight=p.qweight, scales=p.scales, zeros=p.zeros, bias=p.bias, out=out,
+                     group_k=p.group_k, activation=p.activation,
+                     upcast=x.dtype == torch.bfloat16 and interpreting(), fweight=p.fweight, fzs=p.fzs,
+                     kernel=p.kernel)
+    with on_device(x.device):
+        launcher(kernel_for(p))(p)
+    return out

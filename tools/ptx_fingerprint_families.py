@@ -1,0 +1,395 @@
+"""Fingerprints of the sm_90 code of the shipped w4a16 and conv2d kernels, compiled without a GPU.
+
+The companion of ``tools/ptx_fingerprint.py`` (matmul and the guide), on the same machinery: launches are built
+by the families' own host code over CPU tensors (``kernel[grid](...)`` captured instead of run; the SM count
+taken as an H200's), specialized as Triton's launcher does on a GPU, compiled for sm_90 and their PTX stripped of
+line info and comments, then hashed:
+
+    {"<kernel>/<problem>/<constexprs>": "<12 hex digits>", ...}
+
+Keys name kernels and problems by logical names, never modules, so they match across a refactor that moves
+modules. Equal hashes at two commits mean the GPU runs the same instructions.
+
+    PYTHONPATH=src python tools/ptx_fingerprint_families.py --out after.json [--jobs 2] [--filter conv2d]
+    python tools/ptx_fingerprint.py --compare before.json after.json     # exit 1 on any difference
+
+After modules move, only the two tables below (:data:`KERNELS`, :data:`HOST`) need editing; an entry may list
+alternatives separated by ``|`` (the first that resolves wins), so one copy of this tool runs at both commits.
+"""
+
+from __future__ import annotations
+
+# ======================================================================================================
+# THE ONLY PLACE THAT NAMES TILEGEMM MODULES.
+# ======================================================================================================
+
+KERNELS = {
+    "w4a16_gemv": "tilegemm.ops.w4a16.gemv:w4a16_gemv_kernel",
+    "w4a16_mma": "tilegemm.ops.w4a16.mma:w4a16_mma_kernel",
+    "w4a16_frag_wgmma": "tilegemm.ops.w4a16.frag_wgmma:frag_wgmma_kernel",
+    "w4a16_dequant": "tilegemm.ops.w4a16.dequant_cublas:w4a16_dequant_kernel",
+    "conv2d_fwd": "tilegemm.ops.conv2d.implicit_gemm:conv2d_fwd_kernel",
+    "conv2d_dgrad": "tilegemm.ops.conv2d.implicit_gemm:conv2d_dgrad_kernel",
+    "conv2d_wgrad": "tilegemm.ops.conv2d.implicit_gemm:conv2d_wgrad_kernel",
+    "depthwise_fwd": "tilegemm.ops.conv2d.depthwise:depthwise_fwd_kernel",
+    "depthwise_weight": "tilegemm.ops.conv2d.depthwise:depthwise_weight_kernel",
+    "depthwise_rows": "tilegemm.ops.conv2d.depthwise:depthwise_rows_kernel",
+    "depthwise_dgrad": "tilegemm.ops.conv2d.depthwise:depthwise_dgrad_kernel",
+    "depthwise_wgrad": "tilegemm.ops.conv2d.depthwise:depthwise_wgrad_kernel",
+    "conv2d_fwd_tma": "tilegemm.ops.conv2d.tma_fwd:conv2d_fwd_tma_kernel",
+    "stem_input": "tilegemm.ops.conv2d.tma_fwd:stem_input_kernel",
+    "stem_weight": "tilegemm.ops.conv2d.tma_fwd:stem_weight_kernel",
+    "phase_weight": "tilegemm.ops.conv2d.tma_fwd:phase_weight_kernel",
+    "conv2d_wgrad_tma": "tilegemm.ops.conv2d.tma_wgrad:conv2d_wgrad_tma_kernel",
+    "subsample": "tilegemm.ops.conv2d.gemm_1x1:subsample_kernel",
+    "spread": "tilegemm.ops.conv2d.gemm_1x1:spread_kernel",
+    "transpose": "tilegemm.ops.conv2d.layout:transpose_kernel",
+}
+
+HOST = {
+    "sm_count": "tilegemm.core.hardware:sm_count",
+    "W4A16Problem": "tilegemm.ops.w4a16.problem:W4A16Problem|tilegemm.ops.w4a16.common:W4A16Problem",
+    "gemv.run": "tilegemm.ops.w4a16.gemv:run",
+    "mma.run": "tilegemm.ops.w4a16.mma:run",
+    "frag_wgmma.run": "tilegemm.ops.w4a16.frag_wgmma:run",
+    "dequantize_w": "tilegemm.ops.w4a16.dequant_cublas:dequantize_w",
+    "ConvProblem": "tilegemm.ops.conv2d.problem:ConvProblem",
+    "Geometry": "tilegemm.ops.conv2d.problem:Geometry",
+    "implicit_gemm": "tilegemm.ops.conv2d.implicit_gemm",
+    "depthwise": "tilegemm.ops.conv2d.depthwise",
+    "tma_fwd": "tilegemm.ops.conv2d.tma_fwd",
+    "tma_wgrad": "tilegemm.ops.conv2d.tma_wgrad",
+    "conv_configs": "tilegemm.ops.conv2d.configs",
+    "gemm_1x1": "tilegemm.ops.conv2d.gemm_1x1",
+    "layout": "tilegemm.ops.conv2d.layout",
+}
+
+# ======================================================================================================
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ptx_fingerprint as pf  # noqa: E402  (sets TRITON_INTERPRET=0 before triton is imported)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+NUM_SMS = pf.NUM_SMS
+ACTS = ("none",) + pf.ACTIVATIONS
+
+
+def resolve(target: str):
+    errors = []
+    for alt in target.split("|"):
+        try:
+            return pf.resolve(alt)
+        except (ImportError, AttributeError) as e:
+            errors.append(f"{alt}: {e}")
+    raise ImportError("; ".join(errors))
+
+
+def host(name: str):
+    return resolve(HOST[name])
+
+
+def _setup() -> None:
+    """The tables into ptx_fingerprint's resolver; the SM count of an H200 wherever tilegemm bound it."""
+    pf.KERNELS.clear()
+    pf.KERNELS.update(KERNELS)
+    pf._install_capture()
+    sm_count = host("sm_count")
+
+    def h200(device=None) -> int:
+        return NUM_SMS
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("tilegemm") and getattr(module, "sm_count", None) is sm_count:
+            module.sm_count = h200
+    sys.modules["tilegemm.core.hardware"].sm_count = h200
+
+
+def _kw_text(kw: dict) -> str:
+    return ",".join(f"{k}={kw[k]}" for k in sorted(kw))
+
+
+def _launch(kernel, args, kwargs, problem: str, origin: str) -> pf.Launch:
+    return pf.Launch(pf.kernel_name(kernel), problem, tuple(args), dict(kwargs), origin)
+
+
+def captured(fn, problem: str, origin: str) -> list:
+    return pf.captured(fn, problem, origin)
+
+
+# --- w4a16 -------------------------------------------------------------------------------------------------
+
+W4_SHAPES = ((4096, 4096), (28672, 8192), (4096 + 8, 4096 + 64))
+W4_MS = (1, 2, 4, 16, 32, 64, 128, 256, 1024)
+
+
+def w4a16_problem(M, N, K, dtype, group_k, bias: bool, act: str, frag: bool):
+    import torch
+
+    x = torch.empty(M, K, dtype=dtype)
+    qweight = torch.empty(K // 8, N, dtype=torch.int32)
+    G = -(-K // group_k)
+    scales = torch.empty(G, N, dtype=dtype)
+    zeros = torch.empty(G, N, dtype=dtype)
+    fw = fzs = None
+    if frag:  # the shapes pack_fragments makes
+        n16, k64 = -(-N // 256) * 16, -(-K // 128) * 2
+        fw = torch.empty(n16, k64, 32, 4, dtype=torch.int32)
+        fzs = torch.empty(-(-(k64 * 64) // group_k), n16, 8, 4, dtype=dtype)
+    out = torch.empty(M, N, dtype=dtype)
+    b = torch.empty(N, dtype=dtype) if bias else None
+    P = host("W4A16Problem")
+    return P(x=x, qweight=qweight, scales=scales, zeros=zeros, bias=b, out=out, group_k=group_k, activation=act,
+             upcast=False, fweight=fw, fzs=fzs)
+
+
+def w4a16_launches() -> list:
+    import torch
+
+    out = []
+    for dt in (torch.float16, torch.bfloat16):
+        dn = pf.SHORT[str(dt).split(".")[1]]
+        for N, K in W4_SHAPES:
+            for M in W4_MS:
+                for gk in (128, K) if N == 4096 else (128,):
+                    name = f"{dn}-M{M}-N{N}-K{K}-g{gk}"
+                    for kernel in ("gemv", "mma", "frag_wgmma"):
+                        p = w4a16_problem(M, N, K, dt, gk, False, "none", kernel == "frag_wgmma")
+                        out += captured(lambda: host(f"{kernel}.run")(p), name, kernel)
+        # epilogues: bias and each activation, on one shape and a few M
+        for act in ACTS:
+            for M in (1, 16, 256):
+                name = f"{dn}-M{M}-N4096-K4096-g128+bias+{act}"
+                for kernel in ("gemv", "mma", "frag_wgmma"):
+                    p = w4a16_problem(M, 4096, 4096, dt, 128, True, act, kernel == "frag_wgmma")
+                    out += captured(lambda: host(f"{kernel}.run")(p), name, kernel)
+        for N, K in W4_SHAPES[:2]:
+            for gk in (128, K):
+                qw = torch.empty(K // 8, N, dtype=torch.int32)
+                s = torch.empty(-(-K // gk), N, dtype=dt)
+                out += captured(lambda: host("dequantize_w")(qw, s, s, gk), f"{dn}-N{N}-K{K}-g{gk}", "dequantize_w")
+    return out
+
+
+# --- conv2d ------------------------------------------------------------------------------------------------
+
+# (N, C, H, W, K, R, S, stride, pad, dilation, groups): ResNet-50's and MobileNetV2's layer classes, a stem,
+# odd sizes.
+CONV_CASES = (
+    (32, 3, 224, 224, 64, 7, 7, 2, 3, 1, 1),
+    (32, 64, 56, 56, 64, 3, 3, 1, 1, 1, 1),
+    (32, 128, 56, 56, 128, 3, 3, 2, 1, 1, 1),
+    (32, 256, 28, 28, 256, 3, 3, 1, 1, 1, 1),
+    (32, 512, 7, 7, 512, 3, 3, 1, 1, 1, 1),
+    (32, 64, 56, 56, 256, 1, 1, 1, 0, 1, 1),
+    (32, 256, 56, 56, 512, 1, 1, 2, 0, 1, 1),
+    (32, 1024, 14, 14, 2048, 1, 1, 2, 0, 1, 1),
+    (64, 32, 112, 112, 32, 3, 3, 1, 1, 1, 32),
+    (64, 144, 56, 56, 144, 3, 3, 2, 1, 1, 144),
+    (64, 960, 7, 7, 960, 3, 3, 1, 1, 1, 960),
+    (8, 48, 17, 19, 40, 5, 5, 1, 2, 2, 1),
+    (8, 64, 16, 16, 64, 3, 3, 1, 1, 1, 4),
+    (4, 20, 15, 13, 24, 3, 3, 1, 1, 1, 1),
+)
+
+
+def _geo(case):
+    N, C, H, W, K, R, S, st, pad, dil, groups = case
+    G = host("Geometry")
+    return G(N, C, H, W, K, R, S, groups, (st, st), (pad, pad, pad, pad), (dil, dil))
+
+
+def _t(shape, dtype, cl: bool):
+    import torch
+
+    t = torch.empty(shape, dtype=dtype)
+    return t.contiguous(memory_format=torch.channels_last) if cl and len(shape) == 4 else t
+
+
+def conv_problem(case, dtype, cl: bool, bias: bool, act: str, precision: str = "ieee"):
+    import torch
+
+    g = _geo(case)
+    x = _t((g.N, g.C, g.H, g.W), dtype, cl)
+    w = _t((g.K, g.Cg, g.R, g.S), dtype, cl)
+    b = torch.empty(g.K, dtype=dtype) if bias else None
+    fmt = torch.channels_last if cl else torch.contiguous_format
+    return host("ConvProblem")(x, w, b, g, dtype, fmt, act, precision, False), g
+
+
+def conv_launches() -> list:
+    import torch
+
+    ig, dw, tf, tw = host("implicit_gemm"), host("depthwise"), host("tma_fwd"), host("tma_wgrad")
+    cfgs, g11, lay = host("conv_configs"), host("gemm_1x1"), host("layout")
+    out = []
+    modes = [(torch.float16, True, "ieee"), (torch.bfloat16, True, "ieee"), (torch.float32, True, "ieee"),
+             (torch.float32, True, "tf32"), (torch.float16, False, "ieee")]
+    for case in CONV_CASES:
+        for dt, cl, prec in modes:
+            p, g = conv_problem(case, dt, cl, False, "none", prec)
+            name = f"{pf.SHORT[str(dt).split('.')[1]]}{'' if prec == 'ieee' else '+tf32'}-{'cl' if cl else 'nchw'}-" \
+                   + "x".join(str(v) for v in case)
+            fmt = p.out_format
+            dy = _t((g.N, g.K, g.P, g.Q), dt, cl)
+            if g.is_depthwise:
+                out += captured(lambda: dw.run(p), name, "depthwise.run")
+                out += captured(lambda: dw.dgrad(dy, p.weight, (g.N, g.C, g.H, g.W), fmt, g), name, "depthwise.dgrad")
+                out += captured(lambda: dw.wgrad(dy, p.x, g, dt), name, "depthwise.wgrad")
+            else:
+                out += captured(lambda: ig.run(p), name, "implicit_gemm.run")
+                out += captured(lambda: ig.dgrad(dy, p.weight, (g.N, g.C, g.H, g.W), fmt, g, prec, False), name,
+                                "implicit_gemm.dgrad")
+                out += captured(lambda: ig.wgrad(dy, p.x, g, prec, False, dt), name, "implicit_gemm.wgrad")
+            if dt == torch.float32 or not cl or g.is_depthwise:
+                continue
+            # the TMA kernels (host code past their GPU checks)
+            if g.C <= 8:
+                res = []
+                out += captured(lambda: res.append(tf.stem_operands(p.x, p.weight, g)), name, "stem_operands")
+                xv, wv, _, _, gv = res[0]
+                o = _t((g.N, g.K, g.P, g.Q), dt, True)
+                k, _, a, kw = tf.launch_args(xv, wv, o, None, gv, "none", cfgs.tma_stem_config(gv, NUM_SMS))
+                out.append(_launch(k, a, kw, name, "tma_stem"))
+                continue
+            if g.Cg % 16 == 0 and g.H % g.stride[0] == 0 and g.W % g.stride[1] == 0:
+                o = _t((g.N, g.K, g.P, g.Q), dt, True)
+                wcl = p.weight.contiguous(memory_format=torch.channels_last)
+                k, _, a, kw = tf.launch_args(p.x, wcl, o, None, g, "none", cfgs.tma_forward_config(g, NUM_SMS))
+                out.append(_launch(k, a, kw, name, "tma_fwd"))
+                onchw = _t((g.N, g.K, g.P, g.Q), dt, False)
+                k, _, a, kw = tf.launch_args(p.x, wcl, onchw, None, g, "none", cfgs.tma_forward_config(g, NUM_SMS))
+                out.append(_launch(k, a, kw, name + "-nchw-out", "tma_fwd"))
+            if g.Cg % 8 == 0 and g.Kg % 8 == 0 and g.H % g.stride[0] == 0 and g.W % g.stride[1] == 0:
+                out += captured(lambda: tw.run(dy, p.x, g, dt, memory_format=torch.channels_last), name,
+                                "tma_wgrad.run")
+            if g.stride == (1, 1):
+                ((_, _, gt, r0, s0),) = tf.dgrad_phases(g)
+                if min(gt.padding) >= 0 and gt.Cg % 16 == 0:
+                    out.append(_launch(tf.phase_weight_kernel, (p.weight, torch.empty(1, dtype=dt), g.C, g.Kg, g.Cg,
+                                                                 g.S, r0, s0, 1, 1, *p.weight.stride()),
+                                       dict(BLOCK_C=64, BLOCK_K=64, num_warps=4), name, "phase_weight"))
+                    wt = _t((g.C, g.Kg, g.R, g.S), dt, True)
+                    dx = _t((g.N, g.C, g.H, g.W), dt, True)
+                    k, _, a, kw = tf.launch_args(dy, wt, dx, None, gt, "none", cfgs.tma_forward_config(gt, NUM_SMS))
+                    out.append(_launch(k, a, kw, name, "dgrad_tma"))
+            if g.is_strided_pointwise:
+                out += captured(lambda: g11.subsampled(p.x, g), name, "subsampled")
+    # epilogues: bias and each activation on the main kernels
+    for act in ACTS:
+        for dt in (torch.float16, torch.bfloat16):
+            for case in (CONV_CASES[1], CONV_CASES[8]):
+                p, g = conv_problem(case, dt, True, True, act)
+                name = f"{pf.SHORT[str(dt).split('.')[1]]}-cl-" + "x".join(str(v) for v in case) + f"+bias+{act}"
+                out += captured(lambda: (dw if g.is_depthwise else ig).run(p), name, "run")
+                if not g.is_depthwise:
+                    o = _t((g.N, g.K, g.P, g.Q), dt, True)
+                    wcl = p.weight.contiguous(memory_format=torch.channels_last)
+                    k, _, a, kw = tf.launch_args(p.x, wcl, o, p.bias, g, act, cfgs.tma_forward_config(g, NUM_SMS))
+                    out.append(_launch(k, a, kw, name, "tma_fwd"))
+    # the spread kernel of a strided 1x1 data gradient, the layout transposes
+    for dt in (torch.float16, torch.bfloat16, torch.float32):
+        dn = pf.SHORT[str(dt).split('.')[1]]
+        src, dst = torch.empty(1024, 64, dtype=dt), torch.empty(4096, 64, dtype=dt)
+        for sh in (1, 2):
+            out.append(_launch(g11.spread_kernel, (src, dst, 4096, 64, 16, 16, 8, 8), dict(SH=sh, SW=sh, BLOCK_R=64,
+                               BLOCK_C=64, num_warps=4), f"{dn}-s{sh}", "spread"))
+        t = torch.empty(8, 64, 28, 28, dtype=dt)
+        out += captured(lambda: lay.to_channels_last(t, "fp"), f"{dn}-nchw", "to_channels_last")
+        t2 = torch.empty(8, 64, 28, 28, dtype=dt).contiguous(memory_format=torch.channels_last)
+        out += captured(lambda: lay.to_nchw(t2, torch.empty(8, 64, 28, 28, dtype=dt)), f"{dn}-cl", "to_nchw")
+    return out
+
+
+def all_launches() -> list:
+    return w4a16_launches() + conv_launches()
+
+
+def run(args) -> int:
+    cache = tempfile.mkdtemp(prefix="ptx_fingerprint_families_")
+    os.environ["TRITON_CACHE_DIR"] = cache
+    try:
+        return _run(args)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _run(args) -> int:
+    t0 = time.time()
+    _setup()
+    launches = all_launches()
+    keys, specs = {}, {}
+    for launch in launches:
+        key = f"{launch.kernel}/{launch.mode}/{_kw_text(launch.kwargs)}"
+        if args.filter and not any(f in key for f in args.filter):
+            continue
+        spec = pf.compile_spec(launch)
+        canon = launch.kernel + pf._canonical(spec)
+        keys[key] = canon
+        specs.setdefault(canon, (key, launch.kernel, spec))
+    import collections
+    print(dict(collections.Counter(key.split("/")[0] for key, _, _ in specs.values())), file=sys.stderr)
+    print(f"{len(launches)} launches, {len(keys)} keys, {len(specs)} distinct compiles planned in "
+          f"{time.time() - t0:.0f}s", file=sys.stderr)
+    if args.list:
+        for key in sorted(keys):
+            print(key)
+        return 0
+    work = [(key, kernel, spec, False) for key, kernel, spec in specs.values()]
+    prints, leaks = {}, {}
+    if args.jobs <= 1:
+        results = map(_compile, work)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_init)
+        results = pool.map(_compile, work, chunksize=2)
+    canon_of = {key: canon for canon, (key, _, _) in specs.items()}
+    for i, (key, h, _code, secs, leaked) in enumerate(results, 1):
+        prints[canon_of[key]] = h
+        if leaked:
+            leaks[key] = leaked
+        if i % 10 == 0 or i == len(work):
+            print(f"  {i}/{len(work)} compiled, {time.time() - t0:.0f}s", file=sys.stderr)
+    text = json.dumps({key: prints[canon] for key, canon in sorted(keys.items())}, indent=1) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    for key, lines in sorted(leaks.items()):
+        print(f"WARNING {key}: the PTX names a module or file: {lines[:3]}", file=sys.stderr)
+    print(f"{len(keys)} fingerprints ({len(specs)} compiles) in {time.time() - t0:.0f}s", file=sys.stderr)
+    return 1 if leaks else 0
+
+
+def _init() -> None:
+    pf.KERNELS.clear()
+    pf.KERNELS.update(KERNELS)
+
+
+def _compile(job):
+    if set(pf.KERNELS) != set(KERNELS):
+        _init()
+    return pf.compile_one(job)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out")
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--filter", action="append")
+    return run(ap.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
