@@ -12,6 +12,21 @@
 transformers, safetensors and torchvision only inside the functions that need them.
 """
 
-from tilegemm.models.pretrained import from_pretrained
+import torch
+
+from tilegemm.models import pretrained
 
 __all__ = ["from_pretrained"]
+
+
+def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, *, device_mesh=None, tp_plan="auto"):
+    """The ``transformers`` causal-LM of the quantized (GPTQ or AWQ) checkpoint directory ``path``, every quantized
+    Linear a :class:`tilegemm.nn.Int4Linear` (:func:`tilegemm.models.pretrained.from_pretrained` says what it takes
+    and raises). ``device_mesh`` (a 1-D ``DeviceMesh``): tensor-parallel, each rank reading only its shard of every
+    split tensor, split as ``tp_plan`` says (``"auto"``: the config's ``base_model_tp_plan``; or a dict of module
+    names or patterns to ``"colwise"`` / ``"rowwise"``; docs/parallel.md)."""
+    if device_mesh is None:
+        return pretrained.from_pretrained(path, dtype, device)
+    from tilegemm.parallel import from_pretrained_sharded  # imports torch.distributed.tensor: only when asked
+
+    return from_pretrained_sharded(path, device_mesh, tp_plan, dtype=dtype, device=device)

@@ -216,8 +216,7 @@ def _default_device(device) -> torch.device:
     return device
 
 
-def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, *, device_mesh=None,
-                    tp_plan="auto") -> nn.Module:
+def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None) -> nn.Module:
     """The ``transformers`` causal-LM of the quantized checkpoint directory ``path``, in eval mode on ``device``
     (default: CUDA when there is one, else the CPU): every Linear stored quantized is an
     :class:`~tilegemm.nn.Int4Linear`, every other tensor loaded as stored (floats in ``dtype``, fp16 or bf16).
@@ -228,6 +227,15 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, *, de
     ValueError or TypeError naming the problem (no directory, no config.json, no quantization_config, another
     method or bit width, missing tensors, shapes that do not match the config).
     """
+    model, device = empty_model(path, dtype, device)
+    load_quantized_(model, path, dtype=dtype, device=device)
+    return model.eval()
+
+
+def empty_model(path, dtype: torch.dtype = torch.float16, device=None) -> tuple[nn.Module, torch.device]:
+    """The checkpoint's ``transformers`` model built from its config with its parameters on the meta device (the
+    checkpoint's tensors fill them), and the device they go to; what :func:`from_pretrained` and the sharded load
+    (:func:`tilegemm.parallel.from_pretrained_sharded`) start from."""
     _check_dtype(dtype)
     device = _default_device(device)
     config_dict = read_config(path)
@@ -246,13 +254,7 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, *, de
             model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(old)
-    if device_mesh is not None:
-        from tilegemm.parallel import load_quantized_sharded_  # imports torch.distributed.tensor: only when asked
-
-        load_quantized_sharded_(model, path, device_mesh, tp_plan, dtype=dtype, device=device)
-    else:
-        load_quantized_(model, path, dtype=dtype, device=device)
-    return model.eval()
+    return model, device
 
 
 # --- loading into a model ----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ def sharding_rules_for(weight) -> None:
     own styles): imported here, not at ``import tilegemm``, because ``torch.distributed.tensor`` is slow to import."""
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is not None and isinstance(weight, dtensor.DTensor):
-        import tilegemm.parallel  # noqa: F401 (registers the rules)
+        import tilegemm.parallel.rules  # noqa: F401 (registers the rules)
 
 
 class Linear(torch.nn.Linear):

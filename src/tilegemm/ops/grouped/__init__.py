@@ -29,6 +29,11 @@ register(KernelSpec(
     summary="the 4-bit weight dequantized in registers inside the K loop, then tl.dot, groups found as in tiled",
 ))
 
-from tilegemm.ops.grouped.api import batched_matmul, grouped_mm  # noqa: E402
+from tilegemm.ops.grouped.api import batched_matmul, grouped_matmul, grouped_mm  # noqa: E402
+import tilegemm.ops.w4a16 as _w4a16  # noqa: E402
 
-__all__ = ["batched_matmul", "grouped_mm"]
+# The public name of the 4-bit experts is tilegemm.w4a16.grouped_matmul: set here, since w4a16 cannot import this
+# family (it imports w4a16's Int4Weight).
+_w4a16.grouped_matmul = grouped_matmul
+
+__all__ = ["batched_matmul", "grouped_matmul", "grouped_mm"]

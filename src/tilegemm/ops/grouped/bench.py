@@ -20,7 +20,7 @@ from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
 from tilegemm.core.registry import NotApplicable
 from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm
 from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
-from tilegemm.ops.w4a16.format import dequantize, quantize
+from tilegemm.ops.w4a16 import dequantize, quantize
 
 # (name, experts, top-k, hidden, intermediate): the MoE layers of the models the sweep is named after.
 MOE_MODELS = (("mixtral", 8, 2, 4096, 14336), ("qwen3_30b_a3b", 128, 8, 2048, 768),

@@ -14,7 +14,7 @@ import torch
 from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.runtime import check_same_device
-from tilegemm.ops.w4a16.format import Int4Weight, validate
+from tilegemm.ops.w4a16 import Int4Weight, validate
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

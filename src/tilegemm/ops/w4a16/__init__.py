@@ -44,9 +44,9 @@ from tilegemm.ops.w4a16.format import (  # noqa: E402
     from_awq,
     from_gptq,
     quantize,
+    validate,
 )
 from tilegemm.ops.w4a16.api import ACTIVATIONS, matmul  # noqa: E402
-from tilegemm.ops.grouped.api import grouped_matmul  # noqa: E402  (4-bit experts: the grouped family's kernel)
 
 # torch.load(weights_only=True), torch's default, rebuilds an Int4Weight from tensors and ints only.
 _torch.serialization.add_safe_globals([Int4Weight])
@@ -54,5 +54,7 @@ from tilegemm.ops.w4a16.format import _rebuild  # noqa: E402
 
 _torch.serialization.add_safe_globals([_rebuild])
 
+# grouped_matmul (4-bit experts) joins this namespace from tilegemm.ops.grouped, whose kernel it runs: that family
+# imports this package for Int4Weight, so this one cannot import it back.
 __all__ = ["ACTIVATIONS", "GROUP_SIZES", "Int4Weight", "dequantize", "from_awq", "from_gptq", "grouped_matmul",
            "matmul", "quantize"]

@@ -29,146 +29,17 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
-import tilegemm.ops.conv2d.op  # noqa: F401 (defines torch.ops.tilegemm.conv2d, whose rules are registered here)
-import tilegemm.ops.matmul.torch_op  # noqa: F401 (torch.ops.tilegemm.matmul)
-import tilegemm.ops.w4a16.op  # noqa: F401 (torch.ops.tilegemm.w4a16_matmul)
-from tilegemm.models.pretrained import _default_device, _Tensors, load_quantized_, quant_config, read_config
+from tilegemm.models.pretrained import _default_device, _Tensors, empty_model, load_quantized_, quant_config, read_config
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import Int4Linear
+from tilegemm.parallel.rules import register
 from tilegemm.ops.w4a16.format import Int4Weight, from_awq, from_gptq
 
-__all__ = ["ColwiseParallel", "RowwiseParallel", "attach_int4", "load_quantized_sharded_", "load_sharded_", "register",
+__all__ = ["ColwiseParallel", "RowwiseParallel", "attach_int4", "from_pretrained_sharded", "load_quantized_sharded_", "load_sharded_", "register",
            "resolve_plan", "shard_int4", "shard_slices"]
-
-
-# --- sharding rules of the ops ------------------------------------------------------------------------------
-
-
-def _is_spec(x) -> bool:
-    """A DTensor argument, as a sharding rule sees it (a ``DTensorSpec``)."""
-    return hasattr(x, "placements") and hasattr(x, "tensor_meta")
-
-
-def _place(args, placements) -> list:
-    """One strategy's input placements: ``placements[i]`` for each DTensor argument, None for the rest."""
-    return [p if _is_spec(a) else None for a, p in zip(args, placements)]
-
-
-def _mesh_size(*args) -> int:
-    for a in args:
-        if _is_spec(a):
-            return a.mesh.size()
-    return 1
-
-
-def _matmul_rule(a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a=None, scale_b=None,
-                 fast_accum=False):
-    """``activation(alpha * scale_a * scale_b * (a @ b) + beta * c + bias)``, a ``[..., M, K]``, b ``[..., K, N]``."""
-    args = (a, b, bias, c, alpha, beta, activation, out_dtype, precision, kernel, scale_a, scale_b, fast_accum)
-    R = Replicate()
-    nd = max(a.ndim, b.ndim)
-    M, N = a.shape[-2], b.shape[-1]
-
-    def per(t, dim_from_end, size):
-        # c and the fp8 scales broadcast: split the ones that hold the split dim, replicate the others
-        if not _is_spec(t) or t.ndim < dim_from_end or t.shape[-dim_from_end] != size or size == 1:
-            return R
-        return Shard(t.ndim - dim_from_end)
-
-    def strategy(out, pa, pb, pbias, pc, psa, psb):
-        return [out], _place(args, [pa, pb, pbias, pc, None, None, None, None, None, None, psa, psb, None])
-
-    rules = [strategy(R, R, R, R, R, R, R)]
-    # column-parallel: b split along N (a Linear's weight split along out_features)
-    rules.append(strategy(Shard(nd - 1), R, Shard(b.ndim - 1), Shard(0), per(c, 1, N), R,
-                          per(scale_b, 1, N)))
-    # rows of a split (sequence or token parallel)
-    rules.append(strategy(Shard(nd - 2), Shard(a.ndim - 2), R, R, per(c, 2, M),
-                          Shard(0) if _is_spec(scale_a) and scale_a.ndim >= 1 and scale_a.shape[0] == M and M > 1
-                          else R, R))
-    # row-parallel: a and b split along K, each rank's product a partial sum. Linear in the epilogue only: an
-    # activation of a partial sum is not the partial of the activation.
-    if activation == "none":
-        P = Partial()
-        rules.append(strategy(P, Shard(a.ndim - 1), Shard(b.ndim - 2), P, P, R, R))
-    # batched products: the leading batch dim split where both operands hold it
-    if nd > 2:
-        B = max(a.shape[0] if a.ndim == nd else 1, b.shape[0] if b.ndim == nd else 1)
-        pa = Shard(0) if a.ndim == nd and a.shape[0] == B else R
-        pb = Shard(0) if b.ndim == nd and b.shape[0] == B else R
-        pc = Shard(0) if _is_spec(c) and c.ndim == nd and c.shape[0] == B else R
-        if B > 1:
-            rules.append(strategy(Shard(0), pa, pb, R, pc, R, R))
-    return rules
-
-
-def _w4a16_rule(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel):
-    """``activation(x @ W.T + bias)``: x ``[M, K]``; qweight ``[K/8, N]``, scales and zeros ``[G, N]`` (K in
-    groups of ``group_k``); fweight/fzs the fragment layout of the whole weight (only replicated)."""
-    args = (x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel)
-    R = Replicate()
-    K = x.shape[1]
-
-    def strategy(out, px, pw, pbias, pfrag=R):
-        return [out], _place(args, [px, pw, pw, pw, pfrag, pfrag, pbias, None, None, None])
-
-    rules = [strategy(R, R, R, R), strategy(Shard(0), Shard(0), R, R)]
-    if not _is_spec(fweight):  # the fragment layout interleaves all of N and K: it is not split
-        rules.append(strategy(Shard(1), R, Shard(1), Shard(0)))
-        # K split in whole groups only, evenly (a shard of qweight's K/8 rows must match x's K columns)
-        world = _mesh_size(*args)
-        if activation == "none" and group_k < K and K % (world * group_k) == 0:
-            rules.append(strategy(Partial(), Shard(1), Shard(0), Partial()))
-    return rules
-
-
-def _conv2d_rule(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel, out_dtype=None):
-    """x ``[N, C, H, W]``, weight ``[K, C/groups, R, S]``: split the batch, the output channels or (groups = 1,
-    no activation) the input channels, whose partial sums the next redistribution adds."""
-    args = (x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel, out_dtype)
-    R = Replicate()
-
-    def strategy(out, px, pw, pbias):
-        return [out], _place(args, [px, pw, pbias] + [None] * 8)
-
-    rules = [strategy(R, R, R, R), strategy(Shard(0), Shard(0), R, R)]
-    if groups == 1:  # the op takes the global group count: with channels split, only groups = 1 means the same
-        rules.append(strategy(Shard(1), R, Shard(0), Shard(0)))
-        if activation == "none":
-            rules.append(strategy(Partial(), Shard(1), Shard(1), Partial()))
-    return rules
-
-
-_registered = False
-
-
-def _register(op, rule, static_argnum: int) -> None:
-    register_sharding(op)(rule)
-    # register_sharding keys its cache of decisions on the arguments from the schema's first int on; the rules
-    # here read the activation and the group length, which come earlier or are not ints: key on those too.
-    try:  # torch internals, imported under the guard that names what is missing
-        from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-
-        DTensor._op_dispatcher.sharding_propagator.op_to_schema_info[op] = RuntimeSchemaInfo(
-            static_argnum, needs_pytree=True)
-    except (ImportError, AttributeError) as err:  # a torch without these internals: refuse rather than misroute
-        raise RuntimeError(f"tilegemm.parallel needs DTensor's op_to_schema_info (torch >= 2.5): {err}") from err
-
-
-def register() -> None:
-    """Register tilegemm's sharding rules with DTensor (once; importing this module does it)."""
-    global _registered
-    if _registered:
-        return
-    ops = torch.ops.tilegemm
-    _register(ops.matmul.default, _matmul_rule, 4)  # alpha onwards: activation among them
-    _register(ops.w4a16_matmul.default, _w4a16_rule, 7)  # group_k, activation, kernel
-    _register(ops.conv2d.default, _conv2d_rule, 3)  # stride onwards
-    _registered = True
 
 
 # --- int4 weights split in whole groups -------------------------------------------------------------------
@@ -701,4 +572,10 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
     return model
 
 
-register()
+def from_pretrained_sharded(path, device_mesh: DeviceMesh, tp_plan="auto", dtype: torch.dtype = torch.float16,
+                            device=None) -> nn.Module:
+    """``tilegemm.models.from_pretrained(path, device_mesh=..., tp_plan=...)``: the checkpoint's model built on the
+    meta device, then each rank's shards read and placed (:func:`load_quantized_sharded_`)."""
+    model, device = empty_model(path, dtype, device)
+    load_quantized_sharded_(model, path, device_mesh, tp_plan, dtype=dtype, device=device)
+    return model.eval()
