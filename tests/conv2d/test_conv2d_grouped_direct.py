@@ -80,7 +80,7 @@ def test_gradients_match_torch(N, C, K, H, W, R, S, stride, padding, dilation, g
 def test_data_gradient_direct_fp64_view():
     # the launcher on its own, an output gradient given as a channel-sliced view (read through its strides)
     from tilegemm.ops.conv2d import grouped_direct
-    from tilegemm.ops.conv2d.problem import check_conv
+    from tilegemm.ops.conv2d.checks import check_conv
 
     x = torch.randn(1, 12, 5, 7)
     w = torch.randn(12, 4, 3, 3)
@@ -98,8 +98,8 @@ def test_weight_gradient_split_and_formats(split, channels_last):
     # the pixel reduction in one program or split over three (the last to arrive adds them), the gradient in
     # the format the op's fake promises (channels-last for a channels-last x)
     from tilegemm.ops.conv2d import grouped_direct
-    from tilegemm.ops.conv2d.op import wgrad_format
-    from tilegemm.ops.conv2d.problem import check_conv
+    from tilegemm.ops.conv2d.problem import wgrad_format
+    from tilegemm.ops.conv2d.checks import check_conv
 
     x = torch.randn(2, 9, 5, 7)
     x = x.contiguous(memory_format=CL) if channels_last else x
@@ -116,7 +116,7 @@ def test_weight_gradient_split_and_formats(split, channels_last):
 
 def test_auto_rule():
     from tilegemm.ops.conv2d.configs import takes_grouped_direct
-    from tilegemm.ops.conv2d.op import choose_kernel
+    from tilegemm.ops.conv2d.dispatch import choose_kernel
     from tilegemm.ops.conv2d.problem import geometry_of
 
     def geo(C, K, groups, R=3):

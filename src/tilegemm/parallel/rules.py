@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 import tilegemm.ops.conv2d.op  # noqa: F401 (defines torch.ops.tilegemm.conv2d, whose rules are registered here)
-import tilegemm.ops.matmul.torch_op  # noqa: F401 (torch.ops.tilegemm.matmul)
+import tilegemm.ops.matmul.op  # noqa: F401 (torch.ops.tilegemm.matmul)
 import tilegemm.ops.w4a16.op  # noqa: F401 (torch.ops.tilegemm.w4a16_matmul)
 
 __all__ = ["register"]
