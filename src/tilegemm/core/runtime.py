@@ -164,6 +164,14 @@ for _fn in (ensure_backend, interpreting):
     _fn._dynamo_marked_constant = True
 
 
+def quiet_interpreter():
+    """A context for a launch under the interpreter: numpy's floating-point warnings (overflow in exp, ...), which
+    the interpreter's arithmetic raises where a GPU computes inf or 0 silently, stay inside the launch."""
+    import numpy as np
+
+    return np.errstate(all="ignore")
+
+
 def check_device(name: str, device) -> None:
     """Raise ValueError when a tensor is not on a CUDA device while kernels are compiled for the GPU."""
     if not interpreting() and device.type != "cuda":
