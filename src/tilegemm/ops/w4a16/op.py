@@ -3,6 +3,7 @@ the choice of kernel."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -98,6 +99,11 @@ def _forward(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation,
     out = new_output((M, N), x.dtype, x.device)
     if M == 0:
         return out
+    if x.shape[1] == 0:  # K = 0: the product is zero, as torch's (Linear(0, N) returns its bias)
+        from tilegemm.core.activations import torch_activation
+
+        pre = torch.zeros(N, device=x.device) if bias is None else bias.float()
+        return out.copy_(torch_activation(pre, activation).to(out.dtype).expand(M, N))
     if x.stride(-1) != 1:
         x = x.contiguous()
     p = W4A16Problem(x, qweight, scales, zeros, bias, out, group_k, activation,
@@ -165,6 +171,12 @@ _w4a16_op.register_autograd(_backward, setup_context=_setup_context)
 lean_autograd(_w4a16_op)  # a compiled graph's calls skip the custom op's Python layers (core/torch_ops.py)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[..., K]`` -> ``[M, K]`` (reshape(-1, K) cannot infer M when K is 0)."""
+    K = x.shape[-1]
+    return x.reshape(-1, K) if K else x.reshape(math.prod(x.shape[:-1]), 0)
+
+
 # --- the public function --------------------------------------------------------------------------------
 
 
@@ -189,7 +201,7 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     key = None
     if type(w) is Int4Weight and w.perm is None and type(x) is torch.Tensor and x.dim() >= 1 \
             and x.shape[-1] == w.shape[1]:
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = _rows(x)
         if w._frag is None and _wants_frag(kernel, x2, w):
             w.fragments()  # before the key, which holds the fragments' layouts
         key = replay.replay_key(x2, w, bias, activation, kernel)
@@ -202,7 +214,7 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
                 # (False: recorded for another stream or device; launched afresh below)
     check_inputs(x, w, bias, activation, kernel)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = _rows(x)
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)  # act-order: the stored weight rows are sorted by group
     # The fragment layout goes along when the frag kernel is asked for, or may be chosen by auto.

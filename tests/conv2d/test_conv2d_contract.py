@@ -1,0 +1,70 @@
+"""``tilegemm.conv2d`` behaves like ``F.conv2d`` where torch defines the behaviour, else raises a clear
+TypeError/ValueError: unbatched input, meta tensors, then a property test over sizes, options and devices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tilegemm
+from tilegemm.core.activations import torch_activation
+from tilegemm.ops.matmul.reference import relative_error
+
+CLEAR = (TypeError, ValueError)
+
+
+def test_unbatched_input_like_f_conv2d():
+    x, w, b = torch.randn(4, 6, 5), torch.randn(8, 4, 3, 3), torch.randn(8)
+    out = tilegemm.conv2d(x, w, b, padding=1, activation="relu")
+    ref = F.relu(F.conv2d(x.double(), w.double(), b.double(), padding=1))
+    assert out.shape == ref.shape == (8, 6, 5)
+    assert relative_error(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("x_shape", [(2, 3, 7, 7), (3, 7, 7)])
+def test_meta_tensors_give_an_empty_meta_result(x_shape):
+    x = torch.empty(x_shape, device="meta", dtype=torch.float16)
+    w = torch.empty(6, 3, 3, 3, device="meta", dtype=torch.float16)
+    out = tilegemm.conv2d(x, w, stride=2, padding=1)
+    assert out.device.type == "meta" and out.shape == F.conv2d(x, w, stride=2, padding=1).shape
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(n=st.sampled_from([0, 1, 2]), c=st.sampled_from([1, 2, 4]), k=st.sampled_from([1, 2, 4]),
+       h=st.sampled_from([1, 2, 5]), w=st.sampled_from([1, 3, 6]), r=st.sampled_from([1, 2, 3]),
+       stride=st.sampled_from([1, 1, 2, 0]), padding=st.sampled_from([0, 1, 1, "same", "valid", -1]),
+       dilation=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2]), bias=st.booleans(),
+       rank=st.sampled_from([4, 4, 3, 2]), dtype=st.sampled_from([torch.float32] * 4 + [torch.float64]),
+       activation=st.sampled_from([None, None, "relu", "silu", "tanh"]), channels_last=st.booleans(),
+       device=st.sampled_from(["cpu", "cpu", "meta"]))
+def test_conv2d_equals_torch_or_raises_clearly(n, c, k, h, w, r, stride, padding, dilation, groups, bias, rank, dtype,
+                                               activation, channels_last, device):
+    x = torch.randn(n, c, h, w, dtype=dtype)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x = x[0] if rank == 3 and n else x[0, 0] if rank == 2 and n else x
+    weight = torch.randn(k, c // groups if c % groups == 0 else c, r, r, dtype=dtype)
+    b = torch.randn(k, dtype=dtype) if bias else None
+    try:
+        ref = F.conv2d(x.double(), weight.double(), None if b is None else b.double(), stride, padding, dilation,
+                       groups)
+        ref = torch_activation(ref, activation) if activation != "tanh" else ref
+        torch_refuses = False
+    except RuntimeError:
+        torch_refuses = True
+    invalid = torch_refuses or dtype == torch.float64 or activation == "tanh"
+    args = [t.to(device) if t is not None else None for t in (x, weight, b)]
+    try:
+        with torch.no_grad():
+            out = tilegemm.conv2d(*args, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                                  activation=activation)
+    except CLEAR:
+        assert invalid, "a call torch takes was refused"
+        return
+    assert not invalid, "a call torch refuses (or an unsupported option) was taken"
+    assert out.shape == ref.shape and out.dtype == dtype and out.device.type == device
+    if device == "cpu":
+        assert relative_error(out, ref) <= 1e-4
