@@ -227,8 +227,8 @@ def test_int4_linear_equals_its_dequantized_weight_or_raises_clearly(k, n, group
     assert relative_error(out, ref) <= 4e-3
 
 
-@FAST
-@given(widths=st.lists(st.sampled_from([8, 12, 32, 64, 128, 256]), min_size=2, max_size=4),
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(widths=st.lists(st.sampled_from([8, 12, 32, 64, 128]), min_size=2, max_size=3),
        group_size=st.sampled_from([32, 64, 128, 48, -1]), dtype=st.sampled_from([torch.float16, torch.float32]),
        device=st.sampled_from(["cpu", "meta"]))
 def test_quantize_and_convert_keep_the_model_working_or_raise_clearly(widths, group_size, dtype, device):
