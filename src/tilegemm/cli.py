@@ -212,8 +212,6 @@ def cmd_bench(args, console, err_console) -> int:
         raise UsageError("--warmup must be >= 0 and --rep > 0 (milliseconds)")
     if args.rounds is not None and args.rounds < 1:
         raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
-    if args.cuda_graph and interpreting():
-        raise UsageError("--cuda-graph needs a CUDA GPU: under Triton's interpreter there are no CUDA graphs to time")
     try:
         op = bench_op(args.op)
         if args.model:
@@ -221,6 +219,9 @@ def cmd_bench(args, console, err_console) -> int:
             if args.cuda_graph:
                 raise UsageError(f"--cuda-graph does not apply to --model {args.model}: its cases say how each "
                                  "model runs (eager, graph, compile)")
+        if args.cuda_graph and interpreting():
+            raise UsageError("--cuda-graph needs a CUDA GPU: under Triton's interpreter there are no CUDA graphs to "
+                             "time")
         dtype = args.dtype or op.default_dtype()
         op.check_dtype(dtype, compute_capability())
         texts = list(args.shape) + (_read_shapes_file(args.shapes) if args.shapes else [])
