@@ -397,13 +397,16 @@ def cmd_tune(args, console) -> int:
     for kernel in kernels:
         if kernel not in spec.tunable:
             raise UsageError(f"--kernels takes {', '.join(spec.tunable)} for op {args.op}, not {kernel!r}")
-    if interpreting():  # as warmup: the interpreter's one config per kernel leaves nothing to time
+    if interpreting() and not args.shape:  # as warmup: one config per kernel, and a sweep takes minutes there
         console.print("[yellow]No GPU in use: under Triton's interpreter each kernel has one config, so there is "
-                      "nothing to tune. Run `tilegemm tune` on the GPU the configs are for.[/]")
+                      "nothing to tune. Run `tilegemm tune` on the GPU the configs are for (--shape runs given "
+                      "shapes through the tuning path here, untimed).[/]")
         return 0
     before = set(tuning.entries())
     with tuning.timing():  # the call path times nothing unless asked; here it is asked
-        tune(op, cases, dtype, kernels)
+        for i, case in enumerate(cases, 1):  # one case at a time, so that a long sweep shows where it is
+            console.print(f"[{i}/{len(cases)}] tuning {case.label}", highlight=False, markup=False)
+            tune(op, [case], dtype, kernels)
     added = {k: v for k, v in tuning.entries().items() if k not in before}
     table = Table(title=f"tuned {len(added)} new shape class(es)")
     table.add_column("key", no_wrap=True)

@@ -95,8 +95,18 @@ def test_tune_under_the_interpreter_returns_at_once(monkeypatch, capsys):
 
     entry = cli._op_entry
     monkeypatch.setattr(cli, "_op_entry", lambda *a: (entry(*a)[0], lambda *_, **__: pytest.fail("tuning ran")))
-    assert main(["tune"]) == 0
-    assert "nothing to tune" in capsys.readouterr().out
+    assert main(["tune"]) == 0 and main(["tune", "--sweep", "llm"]) == 0
+    assert capsys.readouterr().out.count("nothing to tune") == 2
+
+
+def test_tune_shows_its_progress(monkeypatch, capsys):
+    import tilegemm.cli as cli
+
+    entry = cli._op_entry
+    monkeypatch.setattr(cli, "_op_entry", lambda *a: (entry(*a)[0], lambda *_, **__: None))
+    assert main(["tune", "--shape", "8,8,8", "--shape", "16,8,8"]) == 0
+    out = capsys.readouterr().out
+    assert "[1/2] tuning 8x8x8" in out and "[2/2] tuning 16x8x8" in out
 
 
 def test_every_command_describes_itself():

@@ -77,6 +77,7 @@ def test_different_devices(device):
 
 def test_cpu_tensors_when_a_gpu_is_in_use(monkeypatch):
     monkeypatch.setattr(runtime, "_interpret", False)
+    monkeypatch.setattr(runtime, "missing_gpu", lambda: None)  # (a GPU is in use: no forced backend without one)
     a, b = _ab("cpu")
     with pytest.raises(ValueError, match="a is on cpu, but a CUDA GPU is in use"):
         tilegemm.matmul(a, b)

@@ -104,7 +104,8 @@ def _check_triton_mode(interpret: bool) -> None:
     if stdlib_interpreted != interpret:
         want = "1" if interpret else "0"
         # Triton reads TRITON_INTERPRET when it is imported; TILEGEMM_INTERPRET alone came too late for it.
-        how = (f"set TRITON_INTERPRET={want} as well" if _env_flag("TILEGEMM_INTERPRET") == interpret
+        how = (f"TILEGEMM_INTERPRET={want} is set, but triton reads TRITON_INTERPRET when it is imported: set "
+               f"TRITON_INTERPRET={want} as well" if _env_flag("TILEGEMM_INTERPRET") == interpret
                else f"Set TILEGEMM_INTERPRET={want} (or TRITON_INTERPRET={want})")
         raise RuntimeError(
             f"triton was imported before tilegemm chose {'the interpreter' if interpret else 'the GPU compiler'} "
