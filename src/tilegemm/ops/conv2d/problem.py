@@ -121,7 +121,7 @@ def _check_tensor(name: str, t, ranks: tuple[int, ...]) -> None:
 
 def check_conv(x, weight, bias, stride, padding, dilation, groups) -> Geometry:
     """Raise TypeError/ValueError naming the problem; return the resolved geometry."""
-    _check_tensor("x", x, (3, 4))  # (3: unbatched, made a batch of one before this check)
+    _check_tensor("x", x, (4,))
     _check_tensor("weight", weight, (4,))
     if weight.dtype != x.dtype:
         raise TypeError(f"dtypes differ: x is {dtype_name(x.dtype)}, weight is {dtype_name(weight.dtype)}")

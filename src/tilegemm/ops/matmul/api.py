@@ -53,7 +53,8 @@ def matmul(
 
     Like ``torch.matmul``, a 1-D ``a`` (``[K]``) is read as a row and a 1-D ``b`` as a column, and that dimension
     is dropped from the result; like ``torch.addmm``, ``c`` is not read when ``beta`` is 0 (NaN or inf in it do
-    not reach the output; unlike addmm, ``c`` then gets no gradient rather than a zero one). Meta tensors give an empty meta result of the output's shape and dtype.
+    not reach the output; unlike addmm, ``c`` then gets no gradient rather than a zero one). Meta tensors give
+    an empty meta result of the output's shape and dtype, launching nothing.
 
     Raises:
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from tilegemm.core import registry
-from tilegemm.core.activations import ACTIVATIONS, check_activation  # noqa: F401 (ACTIVATIONS re-exported)
+from tilegemm.core.activations import ACTIVATIONS, check_activation, torch_activation  # noqa: F401 (re-exported)
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.runtime import check_same_device, interpreting, new_output, on_device
 from tilegemm.core.launch import plain_call, recording
@@ -100,8 +100,6 @@ def _forward(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation,
     if M == 0:
         return out
     if x.shape[1] == 0:  # K = 0: the product is zero, as torch's (Linear(0, N) returns its bias)
-        from tilegemm.core.activations import torch_activation
-
         pre = torch.zeros(N, device=x.device) if bias is None else bias.float()
         return out.copy_(torch_activation(pre, activation).to(out.dtype).expand(M, N))
     if x.stride(-1) != 1:
