@@ -209,7 +209,7 @@ def test_conv2d_module_equals_torch_or_raises_clearly(n, c, k, size, ks, stride,
         except CLEAR:
             return
         except RuntimeError as ours:  # torch's own error, raised by the same F.pad: torch's behaviour
-            assert str(ours) == str(err)
+            assert str(ours).split(" of input")[0] == str(err).split(" of input")[0]  # (meta prints the size)
             return
         pytest.fail("a call torch refuses was taken")
     out = m(x.to(device))
