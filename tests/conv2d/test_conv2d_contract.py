@@ -72,3 +72,34 @@ def test_conv2d_equals_torch_or_raises_clearly(n, c, k, h, w, r, stride, padding
         terms = F.conv2d(x.double().abs(), weight.double().abs(), None if b is None else b.double().abs(), stride,
                          padding, dilation, groups)
         assert rel_err_of_sums(out, ref, terms, weight[0].numel()) <= 1e-4
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(n=st.sampled_from([1, 2]), c=st.sampled_from([1, 2, 4]), k=st.sampled_from([1, 2, 4]), h=st.sampled_from([3, 5]),
+       r=st.sampled_from([1, 3]), stride=st.sampled_from([1, 2]), padding=st.sampled_from([0, 1]),
+       groups=st.sampled_from([1, 2]), bias=st.booleans(), activation=st.sampled_from([None, "relu", "silu"]),
+       kernel=st.sampled_from(["auto", "implicit_gemm", "depthwise", "gemm_1x1", "winograd"]),
+       precision=st.sampled_from([None, "ieee", "bogus"]))
+def test_conv2d_gradients_equal_torch_or_raise_clearly(n, c, k, h, r, stride, padding, groups, bias, activation, kernel,
+                                                       precision):
+    torch.manual_seed(0)
+    if c % groups or k % groups:
+        groups = 1
+    x = torch.randn(n, c, h, h, requires_grad=True)
+    w = torch.randn(k, c // groups, r, r, requires_grad=True)
+    b = torch.randn(k, requires_grad=True) if bias else None
+    try:
+        out = tilegemm.conv2d(x, w, b, stride, padding, 1, groups, activation, precision=precision, kernel=kernel)
+    except CLEAR:
+        assert kernel in ("winograd", "depthwise", "gemm_1x1") or precision == "bogus", "a valid call was refused"
+        return
+    assert kernel != "winograd" and precision != "bogus"
+    ref = F.conv2d(x.double(), w.double(), None if b is None else b.double(), stride, padding, 1, groups)
+    ref = torch_activation(ref, activation or "none")
+    assert out.shape == ref.shape
+    grad = torch.randn(out.shape)
+    tensors = [t for t in (x, w, b) if t is not None]
+    ours = torch.autograd.grad(out, tensors, grad)
+    theirs = torch.autograd.grad(ref, tensors, grad.double())
+    for g, t in zip(ours, theirs):
+        assert g.shape == t.shape and relative_error(g, t) <= 1e-4

@@ -144,3 +144,38 @@ def test_matmul_equals_torch_or_raises_clearly(p):
                              c=c.abs() if c is not None and p["beta"] != 0 else None, alpha=abs(float(p["alpha"])),
                              beta=abs(float(p["beta"])))
     assert rel_err_of_sums(out, ref, terms, K) <= tolerance(dtype, "ieee", out_dtype), p
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(M=SIZES, N=SIZES, K=SIZES, lead=st.sampled_from([(), (2,)]), a_t=st.booleans(), b_t=st.booleans(),
+       bias=st.booleans(), c=st.sampled_from([None, "full", "row", "scalar"]), beta=st.sampled_from([1.0, 0.5, 0.0]),
+       alpha=st.sampled_from([1.0, -2.0]), activation=st.sampled_from([None, "relu", "gelu_tanh", "silu", "leaky_relu"]),
+       precision=st.sampled_from([None, "ieee", "tf32", "highest", "double"]))
+def test_matmul_gradients_equal_torch_or_raise_clearly(M, N, K, lead, a_t, b_t, bias, c, beta, alpha, activation,
+                                                       precision):
+    torch.manual_seed(0)
+    a = _operand(M, K, a_t, torch.float32, "cpu", lead).requires_grad_()
+    b = _operand(K, N, b_t, torch.float32, "cpu").requires_grad_()
+    bias_t = torch.randn(N, requires_grad=True) if bias else None
+    c_t = {None: None, "full": torch.randn(*lead, M, N), "row": torch.randn(N), "scalar": torch.randn(())}[c]
+    if c_t is not None:
+        c_t.requires_grad_()
+    try:
+        out = tilegemm.matmul(a, b, bias=bias_t, c=c_t, alpha=alpha, beta=beta, activation=activation,
+                              precision=precision)
+    except CLEAR:
+        assert precision == "double", "a valid call was refused"
+        return
+    assert precision != "double"
+    ref = matmul_reference(a, b, bias=bias_t, c=c_t if beta != 0 else None, alpha=alpha, beta=beta,
+                           activation=activation)
+    grad = torch.randn(out.shape)
+    tensors = [t for t in (a, b, bias_t, c_t) if t is not None]
+    ours = torch.autograd.grad(out, tensors, grad, allow_unused=True)
+    theirs = torch.autograd.grad(ref, tensors, grad.double(), allow_unused=True)
+    bound = 1e-2 if precision == "tf32" else 1e-4
+    for name, g, r in zip("a b bias c".split(), ours, theirs):
+        if r is None or beta == 0 and name == "c":
+            continue
+        assert g is not None and g.shape == r.shape and g.dtype == torch.float32, name
+        assert relative_error(g, r) <= bound or (g - r).abs().max() <= bound * (1 + r.abs().max()), name
