@@ -62,6 +62,17 @@ def test_meta_tensors_still_get_checked():
         tilegemm.matmul(torch.empty(4, 8, device="meta"), torch.empty(7, 3, device="meta"))
 
 
+@pytest.mark.parametrize("M,N,K", [(0, 0, 0), (2, 0, 3), (0, 4, 3), (2, 4, 0)])
+def test_gradients_of_an_empty_product_like_torch(M, N, K):
+    a, b, bias = torch.randn(M, K, requires_grad=True), torch.randn(K, N, requires_grad=True), torch.randn(N,
+                                                                                                      requires_grad=True)
+    tilegemm.matmul(a, b, bias=bias).sum().backward()
+    ra, rb, rbias = (t.detach().clone().requires_grad_() for t in (a, b, bias))
+    torch.addmm(rbias, ra, rb).sum().backward()
+    for ours, theirs in ((a, ra), (b, rb), (bias, rbias)):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
 def test_interpreter_overflow_warnings_stay_inside():
     # silu of a large negative value overflows exp under the interpreter's numpy: not the user's business.
     a = torch.full((4, 16), -100.0)
