@@ -69,3 +69,27 @@ def test_w4a16_equals_the_dequantized_product_or_raises_clearly(n, k, group_size
         ref = x.double() @ wt + (0 if b is None else b.double())
         terms = x.double().abs() @ wt.abs() + (0 if b is None else b.double().abs())
         assert rel_err_of_sums(out, torch_activation(ref, activation or "none"), terms, k) <= 4e-3
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(n=st.sampled_from([1, 8]), k=st.sampled_from([0, 32, 64]), group_size=st.sampled_from([32, -1]),
+       lead=st.sampled_from([(1,), (3,), (2, 2), (0,)]), bias=st.booleans(),
+       activation=st.sampled_from([None, "relu", "silu"]))
+def test_w4a16_gradients_equal_the_dequantized_products(n, k, group_size, lead, bias, activation):
+    torch.manual_seed(0)
+    w = w4a16.quantize(torch.randn(n, k), group_size)
+    x = torch.randn(*lead, k, dtype=torch.float16, requires_grad=True)
+    b = torch.randn(n, dtype=torch.float16, requires_grad=True) if bias else None
+    out = w4a16.matmul(x, w, bias=b, activation=activation)
+    wt = w4a16.dequantize(w).double().T
+    xd = x.detach().double().requires_grad_()
+    bd = None if b is None else b.detach().double().requires_grad_()
+    ref = torch_activation(xd @ wt + (0 if bd is None else bd), activation or "none")
+    grad = torch.randn(out.shape, dtype=torch.float16)
+    ours = torch.autograd.grad(out, [t for t in (x, b) if t is not None], grad)
+    theirs = torch.autograd.grad(ref, [t for t in (xd, bd) if t is not None], grad.double())
+    for g, r in zip(ours, theirs):
+        assert g.shape == r.shape and g.dtype == torch.float16
+        terms = grad.double().abs() @ wt.abs().T if g.shape == x.shape else grad.double().abs().sum(
+            tuple(range(grad.ndim - 1)))
+        assert rel_err_of_sums(g, r, terms, max(n, 1)) <= 1e-2
