@@ -12,10 +12,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tilegemm
+from tilegemm.core.runtime import interpreting
 from conftest import rel_err_of_sums
 from tilegemm.ops.matmul.reference import matmul_reference, relative_error, tolerance
 
 CLEAR = (TypeError, ValueError)
+
+
+HERE = "cpu" if interpreting() else "cuda"  # where kernels run: the interpreter's CPU, or the GPU
+
+
+@pytest.fixture(autouse=True)
+def _tensors_here():
+    with torch.device(HERE):  # tensors made without a device go where the kernels run
+        yield
 
 
 @pytest.mark.parametrize("fill", [float("nan"), float("inf")])
@@ -95,7 +105,7 @@ def calls(draw):
     kind = draw(st.sampled_from(["2d", "2d", "batched", "a1d", "b1d"]))
     return dict(
         M=M, N=N, K=K, kind=kind, dtype=draw(DTYPES), b_dtype_same=draw(st.integers(0, 7)) > 0,
-        a_t=draw(st.booleans()), b_t=draw(st.booleans()), device=draw(st.sampled_from(["cpu", "cpu", "meta"])),
+        a_t=draw(st.booleans()), b_t=draw(st.booleans()), device=draw(st.sampled_from([HERE, HERE, "meta"])),
         bias=draw(st.sampled_from([None, "ok", "wrong"])), c=draw(st.sampled_from([None, "ok", "wrong", "nan"])),
         alpha=draw(st.sampled_from([1.0, 0.5, 2, "x", True])), beta=draw(st.sampled_from([1.0, 0.0, 0, -1.5])),
         activation=draw(st.sampled_from([None, "relu", "gelu", "silu", "tanh", 3])),
@@ -165,8 +175,8 @@ def test_matmul_equals_torch_or_raises_clearly(p):
 def test_matmul_gradients_equal_torch_or_raise_clearly(M, N, K, lead, a_t, b_t, bias, c, beta, alpha, activation,
                                                        precision):
     torch.manual_seed(0)
-    a = _operand(M, K, a_t, torch.float32, "cpu", lead).requires_grad_()
-    b = _operand(K, N, b_t, torch.float32, "cpu").requires_grad_()
+    a = _operand(M, K, a_t, torch.float32, HERE, lead).requires_grad_()
+    b = _operand(K, N, b_t, torch.float32, HERE).requires_grad_()
     bias_t = torch.randn(N, requires_grad=True) if bias else None
     c_t = {None: None, "full": torch.randn(*lead, M, N), "row": torch.randn(N), "scalar": torch.randn(())}[c]
     if c_t is not None:

@@ -16,12 +16,22 @@ import torch.nn.functional as F
 
 from conftest import rel_err_of_sums
 from tilegemm.core.activations import torch_activation
+from tilegemm.core.runtime import interpreting
 from tilegemm.nn import Conv2d, Int4Linear, Linear, convert_, quantize_
 from tilegemm.nn.convert import ConversionNote
 from tilegemm.ops.matmul.reference import relative_error
 from tilegemm.ops.w4a16 import dequantize
 
 CLEAR = (TypeError, ValueError)
+
+
+HERE = "cpu" if interpreting() else "cuda"  # where kernels run: the interpreter's CPU, or the GPU
+
+
+@pytest.fixture(autouse=True)
+def _tensors_here():
+    with torch.device(HERE):  # tensors made without a device go where the kernels run
+        yield
 FAST = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 
@@ -155,7 +165,7 @@ def _ref(m, x):
 @given(i=st.sampled_from([0, 1, 3, 17]), o=st.sampled_from([0, 1, 4]), lead=st.sampled_from([(), (1,), (2,), (2, 0)]),
        bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float16, torch.float64]),
        x_dtype_same=st.integers(0, 5), activation=st.sampled_from([None, "relu", "silu", "tanh"]),
-       device=st.sampled_from(["cpu", "meta"]))
+       device=st.sampled_from([HERE, "meta"]))
 def test_linear_equals_torch_or_raises_clearly(i, o, lead, bias, dtype, x_dtype_same, activation, device):
     torch.manual_seed(0)  # the same values each time hypothesis draws this example
     try:
@@ -176,7 +186,7 @@ def test_linear_equals_torch_or_raises_clearly(i, o, lead, bias, dtype, x_dtype_
         return
     assert x_dtype == dtype and dtype != torch.float64, "torch refuses this call; tilegemm took it"
     assert out.shape == (*lead, o) and out.dtype == dtype and out.device.type == device
-    if device == "cpu":
+    if device != "meta":
         ref = torch_activation(_ref(m, x), activation or "none")
         terms = x.double().abs() @ m.weight.double().abs().T + (m.bias.double().abs() if bias else 0)
         assert rel_err_of_sums(out, ref, terms, i) <= (1e-4 if dtype == torch.float32 else 4e-3)
@@ -187,7 +197,7 @@ def test_linear_equals_torch_or_raises_clearly(i, o, lead, bias, dtype, x_dtype_
        size=st.sampled_from([1, 3, 6]), ks=st.sampled_from([1, 2, 3]), stride=st.sampled_from([1, 2]),
        padding=st.sampled_from([0, 1, "same", "valid"]), groups=st.sampled_from([1, 2]),
        mode=st.sampled_from(["zeros", "reflect", "circular"]), unbatched=st.booleans(),
-       device=st.sampled_from(["cpu", "cpu", "meta"]))
+       device=st.sampled_from([HERE, HERE, "meta"]))
 def test_conv2d_module_equals_torch_or_raises_clearly(n, c, k, size, ks, stride, padding, groups, mode, unbatched,
                                                       device):
     torch.manual_seed(0)  # the same values each time hypothesis draws this example
@@ -214,7 +224,7 @@ def test_conv2d_module_equals_torch_or_raises_clearly(n, c, k, size, ks, stride,
         pytest.fail("a call torch refuses was taken")
     out = m(x.to(device))
     assert out.shape == ref.shape and out.device.type == device
-    if device == "cpu":
+    if device != "meta":
         terms = F.conv2d(F.pad(x.double(), ref_conv._reversed_padding_repeated_twice, mode=mode).abs()
                          if mode != "zeros" else x.double().abs(), ref_conv.weight.abs(), None,
                          stride, 0 if mode != "zeros" else ref_conv.padding, 1, groups)
@@ -245,7 +255,7 @@ def test_int4_linear_equals_its_dequantized_weight_or_raises_clearly(k, n, group
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(widths=st.lists(st.sampled_from([8, 12, 32, 64, 128]), min_size=2, max_size=3),
        group_size=st.sampled_from([32, 64, 128, 48, -1]), dtype=st.sampled_from([torch.float16, torch.float32]),
-       device=st.sampled_from(["cpu", "meta"]))
+       device=st.sampled_from([HERE, "meta"]))
 def test_quantize_and_convert_keep_the_model_working_or_raise_clearly(widths, group_size, dtype, device):
     torch.manual_seed(0)  # the same values each time hypothesis draws this example
     layers = [torch.nn.Linear(a, b, dtype=dtype, device=device) for a, b in zip(widths, widths[1:])]
@@ -269,5 +279,5 @@ def test_quantize_and_convert_keep_the_model_working_or_raise_clearly(widths, gr
     convert_(model, warn=False)
     again = model(x)
     assert again.shape == out.shape
-    if device == "cpu":
+    if device != "meta":
         assert relative_error(again, out) <= 1e-2
