@@ -202,3 +202,32 @@ def test_docs_cite_test_files_that_exist():
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         for cited in re.findall(r"`(tests/[\w/.-]+\.py)", page.read_text()):
             assert (ROOT / cited).exists(), f"{page.relative_to(ROOT)} cites {cited}, which does not exist"
+
+
+# --- the property: any command line runs (exit 0) or is refused in one line (exit 2), never a traceback ----------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+SHAPES = {"matmul": ["8,8,8", "1,1,1", "0,4,4", "8x8", "a,b,c"], "w4a16": ["1,8,128", "2,8,100", "1,8"],
+          "conv2d": ["1,2,4,4,2,3,3,1,1", "1,2,2,2,2,3,3", "1,2,4,4"]}
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(op=st.sampled_from(["matmul", "w4a16", "conv2d", "fft"]), data=st.data())
+def test_any_bench_command_line_runs_or_fails_in_one_line(op, data, capsys):
+    argv = ["bench", "--op", op, "--quiet", "--no-save", "--warmup", "0", "--rep", "1", "--no-baseline"]
+    argv += ["--shape", data.draw(st.sampled_from(SHAPES.get(op, ["8,8,8"])))]
+    for flag, values in (("--dtype", ["fp16", "fp32", "bf16", "fp8", "int8"]), ("--kernels", ["auto", "naive", "gemv",
+                         "implicit_gemm", "nope", ","]), ("--layout", ["NT", "TT"]), ("--batch", ["2", "0"]),
+                         ("--mode", ["bwd"]), ("--memory-format", ["nchw"]), ("--topk", ["0"]), ("--rounds", ["2"])):
+        if data.draw(st.integers(0, 3)) == 0:
+            argv += [flag, data.draw(st.sampled_from(values))]
+    rc = main(argv)
+    captured = capsys.readouterr()
+    assert rc in (0, 2), (argv, rc, captured.err[-2000:])
+    if rc == 2:
+        err = captured.err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("tilegemm: error:"), (argv, err)
+    else:
+        assert "error:" not in captured.out and "WRONG" not in captured.out, (argv, captured.out)
