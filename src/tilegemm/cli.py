@@ -1,9 +1,14 @@
-"""The ``tilegemm`` command: ``bench``, ``info``, ``tune``, ``warmup``, ``puzzles``."""
+"""The ``tilegemm`` command: ``bench``, ``info``, ``tune``, ``warmup``, ``puzzles``.
+
+Every import of the kernels, the bench and rich is inside the command that needs it, so ``--help`` answers
+without loading them (only ``bench --help`` asks the registry for its ops, dtypes and sweeps).
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import os
 import sys
 from pathlib import Path
 
@@ -43,14 +48,16 @@ def _op_help() -> tuple[str, str, str, str]:
     return ", ".join(names), dtypes, sweeps, models
 
 
-def _add_bench(sub) -> None:
+def _add_bench(sub, detailed: bool) -> None:
     p = sub.add_parser(
         "bench", help="check and time kernels against their baseline over a sweep of shapes",
         description="Check every kernel's result against a float64 reference, time it with "
                     "triton.testing.do_bench (median), and compare it with the baseline (cuBLAS for matmul).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ops, dtypes, sweeps, models = _op_help()
+    # The registered ops' names, dtypes and sweeps, for `bench --help` and bench runs only: reading them loads
+    # the bench and every op family, which other commands' --help need not wait for.
+    ops, dtypes, sweeps, models = _op_help() if detailed else ("see `tilegemm bench --help`",) * 4
     p.add_argument("--op", default="matmul", help=f"op: {ops}; default matmul")
     p.add_argument("--model", metavar="NAME",
                    help=f"time a whole model on the op's kernels against the same model on the baseline's, instead "
@@ -96,7 +103,10 @@ def _add_bench(sub) -> None:
 
 
 def _add_info(sub) -> None:
-    sub.add_parser("info", help="device, peak rates, versions, backend, caches and registered kernels")
+    sub.add_parser("info", help="device, peak rates, versions, backend, caches and registered kernels",
+                   description="Print the GPU in use (or the interpreter), its datasheet peaks, the versions of torch, "
+                               "triton and tilegemm, where compiled kernels and tuned configs are kept, and every "
+                               "registered kernel with a line on what it is.")
 
 
 def _add_tune(sub) -> None:
@@ -127,14 +137,18 @@ def _add_warmup(sub) -> None:
 
 
 def _add_puzzles(sub) -> None:
-    p = sub.add_parser("puzzles", help="run the puzzle kernels under the interpreter against their specs")
+    p = sub.add_parser("puzzles", help="run the puzzle kernels under the interpreter against their specs",
+                       description="Run the learning kit's puzzle kernels under Triton's interpreter, bounds-checked, "
+                                   "on random sizes, against their plain-torch specs (tilegemm.learn.puzzles).")
     p.add_argument("--trials", type=int, default=3, help="random sizes per puzzle (default 3)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; ``bench``'s option help lists the registered ops only when ``argv`` runs ``bench`` (or is
+    None: the whole parser, as for documentation)."""
     parser = _Parser(prog="tilegemm", description="Triton GEMM-family kernels: benchmark, inspect, learn.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    _add_bench(sub)
+    _add_bench(sub, detailed=argv is None or "bench" in argv)
     _add_info(sub)
     _add_tune(sub)
     _add_warmup(sub)
@@ -148,7 +162,41 @@ def _read_shapes_file(path: str) -> list[str]:
     except OSError as err:
         raise UsageError(f"cannot read --shapes file {path!r}: {err.strerror}") from None
     shapes = [line.split("#", 1)[0].strip() for line in lines]
-    return [s for s in shapes if s]
+    shapes = [s for s in shapes if s]
+    if not shapes:  # (not the default sweep: on a GPU that is minutes of shapes nobody asked for)
+        raise UsageError(f"no shapes in --shapes file {path!r} (one M,N,K per line; '#' starts a comment)")
+    return shapes
+
+
+def _writable_dir(path: Path, what: str) -> None:
+    """Make directory ``path`` (as the bench would, after its run) or raise a UsageError now, before the run."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot write {what} under {str(path)!r}: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"cannot write {what} under {str(path)!r}: permission denied")
+
+
+def _check_outputs(args) -> None:
+    """Every file the bench will write can be written: checked before the run, not after it."""
+    for flag in ("json", "csv", "plot"):
+        path = getattr(args, flag)
+        if path:
+            if Path(path).is_dir():
+                raise UsageError(f"--{flag} {path!r} is a directory; give a file path")
+            _writable_dir(Path(path).parent, f"--{flag} {path!r}")
+    if not args.no_save:
+        _writable_dir(Path(args.out), "the bench's files (--out)")
+
+
+def _unavailable_reason(op_name: str, kernel: str) -> str | None:
+    from tilegemm.core import registry
+
+    try:
+        return registry.get(op_name, kernel).unavailable_reason()
+    except ValueError:  # auto, or a model's entry: they run wherever the op does
+        return None
 
 
 def cmd_bench(args, console, err_console) -> int:
@@ -180,6 +228,9 @@ def cmd_bench(args, console, err_console) -> int:
             if args.cuda_graph:
                 raise UsageError(f"--cuda-graph does not apply to --model {args.model}: its cases say how each "
                                  "model runs (eager, graph, compile)")
+        if args.cuda_graph and interpreting():
+            raise UsageError("--cuda-graph needs a CUDA GPU: under Triton's interpreter there are no CUDA graphs to "
+                             "time")
         dtype = args.dtype or op.default_dtype()
         op.check_dtype(dtype, compute_capability())
         texts = list(args.shape) + (_read_shapes_file(args.shapes) if args.shapes else [])
@@ -198,6 +249,10 @@ def cmd_bench(args, console, err_console) -> int:
                 raise UsageError("--kernels is empty")
             for k in kernels:
                 op.check_kernel(k)
+            reasons = {k: _unavailable_reason(op.name, k) for k in kernels}
+            if all(reasons.values()):
+                raise UsageError("no kernel of --kernels can run here: "
+                                 + "; ".join(f"{k}: {r}" for k, r in reasons.items()))
     except BenchError as err:
         raise UsageError(str(err)) from None
     options = dict(layout=args.layout, batch=args.batch, fast_accum=args.fast_accum, mode=args.mode,
@@ -206,6 +261,7 @@ def cmd_bench(args, console, err_console) -> int:
         op.check_options(options, dtype)
     except BenchError as err:
         raise UsageError(str(err)) from None
+    _check_outputs(args)
 
     total = len(cases) * (len(kernels) + (0 if args.no_baseline else 1))
     progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -244,6 +300,7 @@ def cmd_bench(args, console, err_console) -> int:
 
 
 def cmd_info(args, console) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from tilegemm.core import registry
@@ -268,14 +325,14 @@ def cmd_info(args, console) -> int:
         ("tuned configs (tilegemm tune)", _tuning_text()),
     ]
     for what, value in rows:
-        table.add_row(what, value)
+        table.add_row(what, escape(value))
     console.print(table)
     kernels = Table(title="registered kernels")
     for column in ("op", "kernel", "what it is"):
         kernels.add_column(column)
     for op in registry.ops():
         for name, summary in registry.kernels(op).items():
-            kernels.add_row(op, name, summary)
+            kernels.add_row(op, name, escape(summary))  # "[pixels, channels]" is text, not rich markup
     console.print(kernels)
     return 0
 
@@ -350,9 +407,16 @@ def cmd_tune(args, console) -> int:
     for kernel in kernels:
         if kernel not in spec.tunable:
             raise UsageError(f"--kernels takes {', '.join(spec.tunable)} for op {args.op}, not {kernel!r}")
+    if interpreting() and not args.shape:  # as warmup: one config per kernel, and a sweep takes minutes there
+        console.print("[yellow]No GPU in use: under Triton's interpreter each kernel has one config, so there is "
+                      "nothing to tune. Run `tilegemm tune` on the GPU the configs are for (--shape runs given "
+                      "shapes through the tuning path here, untimed).[/]")
+        return 0
     before = set(tuning.entries())
     with tuning.timing():  # the call path times nothing unless asked; here it is asked
-        tune(op, cases, dtype, kernels)
+        for i, case in enumerate(cases, 1):  # one case at a time, so that a long sweep shows where it is
+            console.print(f"[{i}/{len(cases)}] tuning {case.label}", highlight=False, markup=False)
+            tune(op, [case], dtype, kernels)
     added = {k: v for k, v in tuning.entries().items() if k not in before}
     table = Table(title=f"tuned {len(added)} new shape class(es)")
     table.add_column("key", no_wrap=True)
@@ -360,8 +424,6 @@ def cmd_tune(args, console) -> int:
     for k, v in added.items():
         table.add_row(k, ", ".join(f"{n}={x}" for n, x in v.items()))
     console.print(table)
-    if interpreting():
-        console.print("[yellow]Under the interpreter there is one config per kernel: nothing was timed.[/]")
     where = tuning.cache_file() if tuning._disk_enabled() else "memory only (disk cache off)"
     console.print(f"tuning cache: {where}")
     return 0
@@ -429,12 +491,18 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("ignore", InterpreterWarning)
     console = Console()
     err_console = Console(stderr=True)
-    parser = build_parser()
+    parser = build_parser(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help()
             return 2
+        if args.command in ("bench", "info", "tune", "warmup"):
+            from tilegemm.core.runtime import missing_gpu
+
+            problem = missing_gpu()
+            if problem:
+                raise UsageError(problem)
         if args.command == "bench":
             return cmd_bench(args, console, err_console)
         if args.command == "info":

@@ -26,7 +26,7 @@ def _xw(device, x_shape=(1, 4, 6, 6), w_shape=(8, 4, 3, 3), dtype=torch.float32)
     ((1, 4, 6, 6), (8, 4, 3, 3), dict(stride=(1, 2, 3)), TypeError, "stride must be an int or a pair"),
     ((1, 4, 6, 6), (8, 4, 3, 3), dict(groups=0), ValueError, "groups must be >= 1"),
     ((1, 4, 6, 6), (8, 4, 3, 3), dict(groups=1.0), TypeError, "groups must be an int"),
-    ((4, 6, 6), (8, 4, 3, 3), {}, ValueError, r"x must have 4 dims, got shape \[4, 6, 6\]"),
+    ((6, 6), (8, 4, 3, 3), {}, ValueError, r"x must have 4 dims, got shape \[6, 6\]"),
     ((1, 4, 6, 6), (8, 4, 3), {}, ValueError, "weight must have 4 dims"),
     ((1, 4, 6, 6), (8, 4, 3, 3), dict(activation="tanh"), ValueError, "unknown activation 'tanh'"),
     ((1, 4, 6, 6), (8, 4, 3, 3), dict(kernel="winograd"), ValueError, "unknown conv2d kernel 'winograd'"),

@@ -21,8 +21,9 @@ def _ab(device, dtype=torch.float16):
         (lambda d: (torch.ones(8, 4, dtype=torch.int32, device=d),) * 2, TypeError, "integer dtype int32"),
         (lambda d: (torch.ones(8, 4, dtype=torch.int8, device=d),) * 2, TypeError, "integer dtype int8"),
         (lambda d: (torch.randn(4, 4, dtype=torch.float64, device=d),) * 2, TypeError, "unsupported dtype float64"),
-        (lambda d: (torch.randn(4, device=d), torch.randn(4, 6, device=d)), ValueError, "at least 2 dims"),
-        (lambda d: (torch.randn(8, 4, device=d), torch.randn(4, device=d)), ValueError, "at least 2 dims"),
+        (lambda d: (torch.randn((), device=d), torch.randn(4, 6, device=d)), ValueError, "at least 1 dim"),
+        (lambda d: (torch.randn(8, 4, device=d), torch.randn((), device=d)), ValueError, "at least 1 dim"),
+        (lambda d: (torch.randn(5, device=d), torch.randn(4, 6, device=d)), ValueError, "inner dimensions"),
         (lambda d: (torch.randn(2, 8, 4, device=d), torch.randn(3, 4, 6, device=d)), ValueError, "do not broadcast"),
         (lambda d: ([[1.0]], torch.randn(1, 1, device=d)), TypeError, "a must be a torch.Tensor"),
     ],
@@ -76,6 +77,7 @@ def test_different_devices(device):
 
 def test_cpu_tensors_when_a_gpu_is_in_use(monkeypatch):
     monkeypatch.setattr(runtime, "_interpret", False)
+    monkeypatch.setattr(runtime, "missing_gpu", lambda: None)  # (a GPU is in use: no forced backend without one)
     a, b = _ab("cpu")
     with pytest.raises(ValueError, match="a is on cpu, but a CUDA GPU is in use"):
         tilegemm.matmul(a, b)

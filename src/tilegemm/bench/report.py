@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -70,8 +71,8 @@ def results_table(result: BenchResult) -> Table:
                 err = "-" if row.rel_err is None else f"{row.rel_err:.0e}"
                 if row.status == "wrong":
                     err = Text(f"WRONG {err}", style="bold red")
-                if row.status == "unavailable":
-                    cells = [Text(f"unavailable: {row.message[:50]}", style="dim")] + [""] * (len(columns) - 3)
+                if row.status == "unavailable":  # (the reason goes under the table: a long cell squeezes the rest)
+                    cells = [Text("unavailable", style="dim")] + [""] * (len(columns) - 3)
                     table.add_row(shape if j == 0 else "", name, *cells,
                                   end_section=j == len(rows) - 1 and i < len(shapes) - 1)
                     continue
@@ -103,7 +104,7 @@ def summary_table(result: BenchResult) -> Table:
     gpu = not result.meta["machine"]["interpreter"]
     for kernel, s in summary["kernels"].items():
         fmt = lambda v, spec=".2f", suffix="x": f"{v:{spec}}{suffix}" if v is not None and gpu else "-"  # noqa: E731
-        correct = f"{s['correct']}/{s['cases']}"
+        correct = f"{s['correct']}/{s['cases']}" + (f" ({s['unavailable']} n/a)" if s.get("unavailable") else "")
         style = "bold red" if s["wrong"] or s["errors"] else ""
         cells = [kernel, fmt(s["geomean_ratio"]),
                  f"{fmt(s['worst_ratio'])} ({s['worst_shape']})" if s["worst_ratio"] and gpu else "-",
@@ -114,12 +115,38 @@ def summary_table(result: BenchResult) -> Table:
     return table
 
 
+def _print_whole(console: Console, renderable) -> None:
+    """Print a table at its natural width when the output is a file or a pipe: rich would otherwise fit it to
+    80 columns and cut numbers short (``13.21…``); a terminal keeps its own width."""
+    if console.is_terminal:
+        console.print(renderable)
+        return
+    need = Measurement.get(console, console.options.update_width(10_000), renderable).maximum
+    width = console.width
+    console.width = max(width, need)
+    try:
+        console.print(renderable)
+    finally:
+        console.width = width
+
+
+def unavailable_notes(result: BenchResult) -> list[str]:
+    """One line per kernel (and reason) that could not run some cases: which, on how many, and why."""
+    shapes: dict[tuple[str, str], int] = {}
+    for row in result.rows:
+        if row.status == "unavailable":
+            shapes[(row.kernel, row.message)] = shapes.get((row.kernel, row.message), 0) + 1
+    return [f"{kernel} unavailable on {n} case(s): {message}" for (kernel, message), n in shapes.items()]
+
+
 def print_report(result: BenchResult, console: Console) -> None:
     if result.meta.get("model_description"):
         console.print(f"model {result.meta['model']}: {result.meta['model_description']}", highlight=False)
-    console.print(results_table(result))
+    _print_whole(console, results_table(result))
+    for note in unavailable_notes(result):
+        console.print(Text(note, style="dim"), soft_wrap=True)
     if any(k not in BASELINES for k in result.kernels()) and result.meta.get("baseline"):
-        console.print(summary_table(result))
+        _print_whole(console, summary_table(result))
     host = result.meta.get("host_us_per_call")
     if host:
         console.print(f"host time per call on a tiny problem: tilegemm {host['tilegemm']:.1f} us, "
@@ -157,28 +184,24 @@ def write_plot(result: BenchResult, path, topk: int = 4) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary = result.summary()["kernels"]
-    ranked = sorted((k for k in summary if summary[k]["geomean_ratio"]),
-                    key=lambda k: summary[k]["geomean_ratio"], reverse=True)
-    if not ranked:  # no baseline: rank by mean rate
-        ranked = sorted(summary, key=lambda k: -_mean_value(result, k))
-    chosen = ranked[:topk] + ([BASELINE] if BASELINE in result.kernels() else [])
+    ylabel, series = plot_series(result, topk)
     shapes = result.cases()
-    position = {s: i for i, s in enumerate(shapes)}
     fig, ax = plt.subplots(figsize=(max(7.0, 0.55 * len(shapes) + 3), 4.8))
-    for kernel in chosen:
-        rows = [r for r in result.rows if r.kernel == kernel and r.ok and r.value]
+    for kernel, points in series.items():
         label = result.meta["baseline"] if kernel == BASELINE else kernel
-        ax.plot([position[r.shape] for r in rows], [r.value for r in rows], marker="o",
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o",
                 linestyle="--" if kernel == BASELINE else "-", color="black" if kernel == BASELINE else None,
                 label=label)
+    interpreter = result.meta["machine"]["interpreter"]
+    if interpreter:
+        ax.set_yscale("log")
     peak = result.meta.get("peak")
-    if peak:
+    if peak and not interpreter:
         ax.axhline(peak, color="grey", linewidth=0.8, linestyle=":", label=f"peak {peak:g}")
     ax.set_xticks(range(len(shapes)))
     ax.set_xticklabels(shapes, rotation=45 if len(shapes) > 6 else 0, ha="right" if len(shapes) > 6 else "center",
                        fontsize=8)
-    ax.set_ylabel(result.meta["metric"])
+    ax.set_ylabel(ylabel)
     ax.set_xlabel("shape (M x N x K)" if result.meta["op"] == "matmul" else
                   "case (batch, mode)" if result.meta.get("model") else "size")
     machine = result.meta["machine"]
@@ -196,6 +219,27 @@ def write_plot(result: BenchResult, path, topk: int = 4) -> None:
     plt.close(fig)
     if str(path).lower().endswith(".png"):
         _to_palette(path)
+
+
+def plot_series(result: BenchResult, topk: int = 4) -> tuple[str, dict[str, list[tuple[int, float]]]]:
+    """What :func:`write_plot` draws: the y label and, for the top-k kernels by geometric-mean ratio and the
+    baseline, ``[(case position, y)]``. y is the rate on a GPU; under the interpreter, where the table shows no
+    rate (a CPU timing is not a GPU number), it is the host time in ms, labelled as such."""
+    summary = result.summary()["kernels"]
+    ranked = sorted((k for k in summary if summary[k]["geomean_ratio"]),
+                    key=lambda k: summary[k]["geomean_ratio"], reverse=True)
+    if not ranked:  # no baseline: rank by mean rate
+        ranked = sorted(summary, key=lambda k: -_mean_value(result, k))
+    chosen = ranked[:topk] + ([BASELINE] if BASELINE in result.kernels() else [])
+    position = {s: i for i, s in enumerate(result.cases())}
+    interpreter = result.meta["machine"]["interpreter"]
+    label = "time (ms) under Triton's interpreter on the CPU: not GPU performance" if interpreter \
+        else result.meta["metric"]
+    series = {}
+    for kernel in chosen:
+        rows = [r for r in result.rows if r.kernel == kernel and r.ok and (r.ms if interpreter else r.value)]
+        series[kernel] = [(position[r.shape], r.ms if interpreter else r.value) for r in rows]
+    return label, series
 
 
 def _to_palette(path) -> None:

@@ -64,12 +64,15 @@ class BenchResult:
         return list(dict.fromkeys(r.shape for r in self.rows))
 
     def summary(self) -> dict:
-        """Per kernel: geometric-mean and worst ratio to the baseline over the correct cases; best per shape."""
+        """Per kernel: geometric-mean and worst ratio to the baseline over the correct cases; best per shape.
+        ``cases`` counts the cases the kernel ran (``correct`` of them right); ``unavailable`` those it cannot
+        take here."""
         per_kernel = {}
         for kernel in self.kernels():
             if kernel in BASELINES:
                 continue
-            rows = [r for r in self.rows if r.kernel == kernel]
+            every = [r for r in self.rows if r.kernel == kernel]
+            rows = [r for r in every if r.status != "unavailable"]  # a case it cannot take is not a wrong one
             good = [r for r in rows if r.ok and r.ratio]
             good2 = [r.ratio2 for r in rows if r.ok and r.ratio2]
             worst = min(good, key=lambda r: r.ratio) if good else None
@@ -85,6 +88,7 @@ class BenchResult:
                 wrong=sum(r.status == "wrong" for r in rows),
                 errors=sum(r.status == "error" for r in rows),
                 cases=len(rows),
+                unavailable=len(every) - len(rows),
             )
         best = {}
         for shape in self.cases():

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tilegemm.core.runtime import interpreting
+from tilegemm.core.runtime import interpreting, quiet_interpreter
 
 _state = threading.local()
 
@@ -68,7 +68,11 @@ def launch(kernel, grid, args: tuple, kwargs: dict, keep: tuple = (), stream: in
     replay passes them unchanged and holds them alive. ``stream``: the raw CUDA stream the launcher's
     workspace is meant for; a replay on any other stream declines (the caller then launches afresh).
     """
-    compiled = kernel[grid](*args, **kwargs)
+    if interpreting():
+        with quiet_interpreter():
+            compiled = kernel[grid](*args, **kwargs)
+    else:
+        compiled = kernel[grid](*args, **kwargs)
     kept = getattr(_state, "keeping", ())
     if kept:  # per-stream buffers of the call's: a replay belongs to this stream too
         keep = tuple(keep) + kept
@@ -434,6 +438,6 @@ def plain_call(*tensors) -> bool:
     for t in tensors:
         if t is None:
             continue
-        if type(t) not in PLAIN_TENSOR_TYPES or (grad and t.requires_grad):
-            return False
+        if type(t) not in PLAIN_TENSOR_TYPES or (grad and t.requires_grad) or t.is_meta:
+            return False  # (meta tensors: the op's fake gives the result's shape, launching nothing)
     return True

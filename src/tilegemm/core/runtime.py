@@ -103,10 +103,14 @@ def _check_triton_mode(interpret: bool) -> None:
     stdlib_interpreted = type(tl.cdiv).__name__ == "InterpretedFunction"
     if stdlib_interpreted != interpret:
         want = "1" if interpret else "0"
+        # Triton reads TRITON_INTERPRET when it is imported; TILEGEMM_INTERPRET alone came too late for it.
+        how = (f"TILEGEMM_INTERPRET={want} is set, but triton reads TRITON_INTERPRET when it is imported: set "
+               f"TRITON_INTERPRET={want} as well" if _env_flag("TILEGEMM_INTERPRET") == interpret
+               else f"Set TILEGEMM_INTERPRET={want} (or TRITON_INTERPRET={want})")
         raise RuntimeError(
             f"triton was imported before tilegemm chose {'the interpreter' if interpret else 'the GPU compiler'} "
-            f"(TRITON_INTERPRET was {'unset' if interpret else '1'} then). Set TILEGEMM_INTERPRET={want} "
-            f"(or TRITON_INTERPRET={want}) before importing torch, triton or tilegemm, or import tilegemm first."
+            f"(TRITON_INTERPRET was {'unset' if interpret else '1'} then). {how} before importing torch, triton or "
+            f"tilegemm, or import tilegemm first."
         )
 
 
@@ -164,9 +168,33 @@ for _fn in (ensure_backend, interpreting):
     _fn._dynamo_marked_constant = True
 
 
+def quiet_interpreter():
+    """A context for a launch under the interpreter: numpy's floating-point warnings (overflow in exp, ...), which
+    the interpreter's arithmetic raises where a GPU computes inf or 0 silently, stay inside the launch."""
+    import numpy as np
+
+    return np.errstate(all="ignore")
+
+
+def missing_gpu() -> str | None:
+    """Why no kernel can run here, or None: the GPU compiler forced (``TILEGEMM_INTERPRET=0``) where torch sees no
+    CUDA GPU."""
+    if interpreting():
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return ("TILEGEMM_INTERPRET=0 asks for Triton's GPU compiler, but torch sees no CUDA GPU: unset it, or set "
+            "TILEGEMM_INTERPRET=1 to run Triton's interpreter on the CPU")
+
+
 def check_device(name: str, device) -> None:
     """Raise ValueError when a tensor is not on a CUDA device while kernels are compiled for the GPU."""
-    if not interpreting() and device.type != "cuda":
+    if not interpreting() and device.type not in ("cuda", "meta"):  # (meta: shapes only, nothing launched)
+        problem = missing_gpu()
+        if problem:
+            raise ValueError(f"{name} is on {device}: {problem}")
         raise ValueError(
             f"{name} is on {device}, but a CUDA GPU is in use: move the tensors to the GPU "
             "(or set TILEGEMM_INTERPRET=1 to run Triton's interpreter on the CPU)"

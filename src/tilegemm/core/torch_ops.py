@@ -32,8 +32,8 @@ def plain_args(args: tuple, tensor_positions: tuple[int, ...]) -> bool:
     for i in tensor_positions:
         if i < n:  # the dispatcher may leave out trailing arguments at their defaults
             a = args[i]
-            if a is not None and (type(a) not in PLAIN_TENSOR_TYPES or (grad and a.requires_grad)):
-                return False
+            if a is not None and (type(a) not in PLAIN_TENSOR_TYPES or (grad and a.requires_grad) or a.is_meta):
+                return False  # (meta tensors go on to the op's fake)
     return True
 
 

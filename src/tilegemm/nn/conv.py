@@ -7,6 +7,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from tilegemm.core.activations import check_activation
 from tilegemm.nn.linear import sharding_rules_for
 from tilegemm.ops.conv2d import conv2d
 
@@ -20,6 +21,7 @@ class Conv2d(torch.nn.Conv2d):
     """
 
     def __init__(self, *args, activation: str | None = None, **kwargs):
+        check_activation(activation)  # before the parameters are made: a typo fails here, not at forward
         super().__init__(*args, **kwargs)
         self.activation = activation
 
@@ -29,6 +31,7 @@ class Conv2d(torch.nn.Conv2d):
         parameters keeps training it)."""
         if not isinstance(conv, torch.nn.Conv2d):
             raise TypeError(f"from_conv takes a torch.nn.Conv2d, got {type(conv).__name__}")
+        check_activation(activation)
         new = copy.copy(conv)  # shallow: the same Parameter objects
         new.__class__ = cls
         new._parameters = dict(conv._parameters)

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
 from torch import nn
 
 from tilegemm.nn.moe import quantize_experts_
-from tilegemm.ops.w4a16.format import Int4Weight, fits_fragments, from_awq, from_gptq, quantize
+from tilegemm.core.dtypes import dtype_name
+from tilegemm.nn.convert import ConversionNote
+from tilegemm.nn.linear import Linear
+from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, fits_fragments, from_awq, from_gptq, \
+    quantize
 
 _BUFFERS = ("qweight", "scales", "zeros", "perm")
+_SCALE_BUFFERS = ("scales", "zeros", "fzs")  # the kernels read these in 16 bits, whatever the module's dtype
+_MODULE_DTYPES = (*FLOAT_DTYPES, torch.float32)
 
 
 class Int4Linear(nn.Module):
@@ -20,10 +27,18 @@ class Int4Linear(nn.Module):
     weight came from an act-order GPTQ checkpoint), so ``.to()``, ``state_dict`` and ``load_state_dict`` work as
     for any module; ``bias`` is a parameter. Make one with :meth:`from_linear`, :meth:`from_gptq`,
     :meth:`from_awq`, or construct an empty one and load a state dict into it.
+
+    The module's dtype is that of its activations and bias: fp16, bf16 or fp32. The kernels take 16-bit
+    activations, so (unlike ``torch.nn.Linear``, which computes in fp32) an fp32 module rounds its input to the
+    scales' 16-bit dtype and returns the result in fp32; ``.float()`` makes such a module and keeps the scales
+    16-bit (``.half()``/``.bfloat16()`` convert them).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group_size: int = 128,
                  dtype: torch.dtype = torch.float16, device=None):
+        if dtype not in _MODULE_DTYPES:
+            raise TypeError(f"Int4Linear's dtype must be fp16, bf16 or fp32, got "
+                            f"{dtype_name(dtype) if isinstance(dtype, torch.dtype) else repr(dtype)}")
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         w = quantize(torch.zeros(out_features, in_features, dtype=dtype, device=device), group_size)
@@ -62,7 +77,21 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from tilegemm.ops.w4a16.api import matmul
 
+        if getattr(x, "dtype", None) is torch.float32:  # an fp32 module: 16-bit activations in, fp32 out
+            half = self.scales.dtype
+            bias = None if self.bias is None else self.bias.to(half)
+            return matmul(x.to(half), self.weight, bias=bias).float()
         return matmul(x, self.weight, bias=self.bias)
+
+    def _apply(self, fn, recurse=True):
+        # .float() / .to(torch.float32) make an fp32 module (bias, activations); the scales stay 16-bit.
+        before = {name: self._buffers[name].dtype for name in _SCALE_BUFFERS if name in self._buffers}
+        super()._apply(fn, recurse)
+        for name, dtype in before.items():
+            t = self._buffers[name]
+            if t.is_floating_point() and t.dtype not in FLOAT_DTYPES:
+                self._buffers[name] = t.to(dtype)
+        return self
 
     def dequantize(self) -> torch.Tensor:
         from tilegemm.ops.w4a16.format import dequantize
@@ -85,7 +114,10 @@ class Int4Linear(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear takes an nn.Linear, got {type(linear).__name__}")
         w = quantize(linear.weight.detach(), group_size, symmetric)
-        return cls.from_weight(w, linear.bias)
+        mod = cls.from_weight(w, linear.bias)
+        if mod.bias is not None and linear.bias.dtype == torch.float32:  # an fp32 layer stays an fp32 module
+            mod.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return mod
 
     @classmethod
     def from_gptq(cls, qweight, qzeros, scales, g_idx=None, bias=None) -> "Int4Linear":
@@ -106,7 +138,8 @@ class Int4Linear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         G = self.scales.shape[0]
-        self.group_size = -1 if G == 1 else self.in_features // G
+        if G:  # (no groups: in_features is 0, the group size stays as built)
+            self.group_size = -1 if G == 1 else self.in_features // G
         if not error_msgs:
             self._set_fragments(self._weight())
 
@@ -115,21 +148,57 @@ class Int4Linear(nn.Module):
                 f"group_size={self.group_size}, dtype={self.scales.dtype}")
 
 
+def _why_kept(module: nn.Module, group_size: int) -> str | None:
+    """None when ``quantize_`` can swap ``module``, else the reason it keeps it."""
+    plain = type(module) is nn.Linear or type(module) is Linear and module.activation in (None, "none")
+    if not plain:
+        return f"{type(module).__name__} subclasses Linear (its forward may differ)"
+    if module.weight.dtype not in _MODULE_DTYPES:
+        return f"weight dtype {dtype_name(module.weight.dtype)} (quantize takes fp16, bf16, fp32)"
+    K = module.in_features
+    if K % 8:
+        return f"in_features = {K} is not a multiple of 8 (eight 4-bit weights per int32)"
+    if group_size != -1 and K % group_size:
+        return f"in_features = {K} is not a multiple of group_size = {group_size}"
+    return None
+
+
 def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn.Module], bool] | None = None,
-              symmetric: bool = False) -> nn.Module:
+              symmetric: bool = False, *, warn: bool = True) -> nn.Module:
     """Replace, in place, every ``nn.Linear`` of ``model`` (that ``filter(name, module)`` accepts) by an
     :class:`Int4Linear`, and the experts of transformers' MoE blocks by 4-bit stacked ones
-    (:func:`tilegemm.nn.moe.quantize_experts_`); returns ``model``. Layers whose in_features the group size does
-    not divide are kept."""
-    targets = []
+    (:func:`tilegemm.nn.moe.quantize_experts_`); returns ``model``.
+
+    ``group_size`` is one of 32, 64, 128, 256 or -1 (all of K); anything else is a ValueError before any layer
+    changes. Layers it cannot take (in_features not a multiple of 8 or of the group size, subclasses of Linear,
+    float64 weights) are kept, and one :class:`~tilegemm.nn.convert.ConversionNote` warning names them with
+    the reason (``warn=False`` silences it), as ``convert_`` does; the list is left in ``model.tilegemm_skipped``
+    as ``[(name, reason)]``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_ takes a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.Linear):
+        raise ValueError("quantize_ swaps the layers inside a model; to quantize one layer, use "
+                         "tilegemm.nn.Int4Linear.from_linear")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in GROUP_SIZES:
+        raise ValueError(f"quantize_: group_size must be one of {', '.join(map(str, GROUP_SIZES))} (-1: all of K), "
+                         f"got {group_size!r}")
+    targets, skipped = [], []
     for name, module in model.named_modules():
-        if type(module) is nn.Linear and (filter is None or filter(name, module)):
-            K = module.in_features
-            if K % 8 == 0 and (group_size == -1 or K % group_size == 0):
+        if isinstance(module, nn.Linear) and (filter is None or filter(name, module)):
+            reason = _why_kept(module, group_size)
+            if reason is None:
                 targets.append(name)
+            else:
+                skipped.append((name, reason))
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Int4Linear.from_linear(getattr(parent, child), group_size, symmetric))
     quantize_experts_(model, group_size, filter, symmetric)  # transformers' MoE blocks: their 3-D experts
+    model.tilegemm_skipped = skipped
+    if skipped and warn:
+        listing = "; ".join(f"{n}: {r}" for n, r in skipped)
+        warnings.warn(f"tilegemm.nn.quantize_ kept {len(skipped)} Linear layer(s) as they were: {listing}",
+                      ConversionNote, stacklevel=2)
     return model

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from tilegemm.core.activations import check_activation
 from tilegemm.ops.matmul import matmul
 
 
@@ -24,6 +25,7 @@ class Linear(torch.nn.Linear):
     ``tilegemm.matmul`` (its backward GEMMs are tilegemm's too)."""
 
     def __init__(self, *args, activation: str | None = None, **kwargs):
+        check_activation(activation)  # before the parameters are made: a typo fails here, not at forward
         super().__init__(*args, **kwargs)
         self.activation = activation
 
@@ -32,6 +34,7 @@ class Linear(torch.nn.Linear):
         """A ``Linear`` sharing ``linear``'s parameters (no copy)."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"from_linear takes a torch.nn.Linear, got {type(linear).__name__}")
+        check_activation(activation)
         new = copy.copy(linear)
         new.__class__ = cls
         new._parameters = dict(linear._parameters)
@@ -43,10 +46,11 @@ class Linear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if type(self.weight) is not torch.nn.Parameter:
             sharding_rules_for(self.weight)
-        lead = x.shape[:-1]
-        x2d = x.reshape(-1, x.shape[-1])  # [*, in] -> [M, in]: one GEMM, whatever the leading dims
+        # [*, in] -> [M, in]: one GEMM, whatever the leading dims (flatten, not reshape(-1, in), which cannot
+        # infer M when in_features is 0); a 1-D x is one row, as torch.matmul takes it.
+        x2d = x.flatten(0, -2) if x.ndim > 2 else x
         out = matmul(x2d, self.weight.t(), bias=self.bias, activation=self.activation)  # [M, out]
-        return out.reshape(*lead, self.out_features)
+        return out.unflatten(0, x.shape[:-1]) if x.ndim > 2 else out
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()

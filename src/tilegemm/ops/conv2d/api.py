@@ -29,7 +29,8 @@ def conv2d(
 
     Args:
         x: ``[N, C, H, W]``, float16, bfloat16 or float32; NCHW or channels-last (the fast path). The output
-            ``[N, K, P, Q]`` has the memory format of ``x``.
+            ``[N, K, P, Q]`` has the memory format of ``x``. An unbatched ``[C, H, W]`` gives ``[K, P, Q]``, as
+            ``F.conv2d``.
         weight: ``[K, C/groups, R, S]``, the dtype of ``x``.
         bias: ``[K]``, added in the epilogue.
         stride, dilation: an int or a pair (>= 1).
@@ -47,6 +48,9 @@ def conv2d(
     Raises:
         TypeError, ValueError: naming the bad argument (ranks, dtypes, devices, channel counts, sizes).
     """
+    if getattr(x, "ndim", 4) == 3:  # unbatched [C, H, W], as F.conv2d takes it: a batch of one
+        return conv2d(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups, activation,
+                      precision=precision, kernel=kernel).squeeze(0)
     activation = "none" if activation is None else activation
     key = replay_key("fwd", x, weight, bias, (stride, padding, dilation, groups), activation, precision, kernel)
     if key is not None:

@@ -6,7 +6,7 @@ import torch
 
 from tilegemm.core.launch import plain_call, recording_active
 from tilegemm.ops.matmul.problem import MatmulCall
-from tilegemm.ops.matmul.checks import check_inputs, replay_key
+from tilegemm.ops.matmul.checks import broadcast, check_inputs, output_shape, replay_key
 from tilegemm.ops.matmul.dispatch import forward
 from tilegemm.ops.matmul.op import REPLAYS, call_op
 
@@ -50,9 +50,18 @@ def matmul(
             themselves, with fewer bits (like ``use_fast_accum=True``): faster on large products
             (docs/performance.md), less exact for long K.
 
+    Like ``torch.matmul``, a 1-D ``a`` (``[K]``) is read as a row and a 1-D ``b`` as a column, and that dimension
+    is dropped from the result; like ``torch.addmm``, ``c`` is not read when ``beta`` is 0 (NaN or inf in it do
+    not reach the output; unlike addmm, ``c`` then gets no gradient rather than a zero one). Meta tensors give
+    an empty meta result of the output's shape and dtype, launching nothing.
+
     Raises:
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
+    if getattr(a, "ndim", 2) < 2 or getattr(b, "ndim", 2) < 2:
+        return _with_vectors(a, b, bias=bias, c=c, alpha=alpha, beta=beta, activation=activation,
+                             out_dtype=out_dtype, precision=precision, kernel=kernel, scale_a=scale_a,
+                             scale_b=scale_b, fast_accum=fast_accum)
     # (Inside another op's recording the launch must happen, to be recorded: no replay then.)
     plain = c is None and not recording_active()
     key = replay_key(a, b, alpha, precision, kernel, out_dtype, scale_a, scale_b, fast_accum, bias,
@@ -69,9 +78,32 @@ def matmul(
     call = MatmulCall(a, b, bias, c, alpha, beta, "none" if activation is None else activation, out_dtype,
                       precision or "default", kernel, scale_a, scale_b, fast_accum)
     check_inputs(call)
-    call = call.replace(alpha=float(alpha), beta=float(beta))
+    call = call.replace(alpha=float(alpha), beta=float(beta), c=None if beta == 0 else c)  # addmm: beta 0 skips c
     if not plain_call(a, b, bias, c, scale_a, scale_b):
         return call_op(call)
     if key is None:
         return forward(call)
     return REPLAYS.recorded(key, tensors, lambda: forward(call))
+
+
+def _with_vectors(a, b, c=None, **kw) -> torch.Tensor:
+    """torch.matmul's rule for 1-D operands: ``a`` ``[K]`` is the row ``[1, K]``, ``b`` ``[K]`` the column
+    ``[K, 1]``; the product of those runs, and the added dimension is dropped from the result."""
+    if a.ndim == 0 or b.ndim == 0:
+        raise ValueError(f"matmul needs operands with at least 1 dim, got a.shape={tuple(a.shape)}, "
+                         f"b.shape={tuple(b.shape)}")
+    a2 = a.unsqueeze(0) if a.ndim == 1 else a
+    b2 = b.unsqueeze(-1) if b.ndim == 1 else b
+    full = output_shape(a2.shape, b2.shape)
+    shape = full[:-2] + (() if a.ndim == 1 else full[-2:-1]) + (() if b.ndim == 1 else full[-1:])
+    if c is not None and isinstance(c, torch.Tensor):
+        if broadcast(tuple(c.shape), shape) != shape:
+            raise ValueError(f"c of shape {list(c.shape)} does not broadcast to the output shape {list(shape)}")
+        if c.ndim >= 1 and b.ndim == 1:
+            c = c.unsqueeze(-1)
+        elif c.ndim >= 1 and a.ndim == 1:
+            c = c.unsqueeze(-2)
+    out = matmul(a2, b2, c=c, **kw)
+    if b.ndim == 1:
+        out = out.squeeze(-1)
+    return out.squeeze(-1 if b.ndim == 1 else -2) if a.ndim == 1 else out

@@ -103,7 +103,7 @@ def _backward(ctx, grad_out):
     if want_b:
         grad_b = _sum_to(call_op(MatmulCall(a.mT, g, alpha=call.alpha, precision=call.precision)), b.shape)
     if want_bias and bias is not None:
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype)
+        grad_bias = grad.sum(tuple(range(grad.ndim - 1))).to(bias.dtype)  # (not reshape(-1, N): N may be 0)
     if want_c and c is not None:
         grad_c = _sum_to(grad * call.beta, c.shape).to(c.dtype)
     return (grad_a, grad_b, grad_bias, grad_c) + (None,) * 9

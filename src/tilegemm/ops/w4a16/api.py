@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tilegemm.core.activations import ACTIVATIONS  # noqa: F401 (re-exported as tilegemm.w4a16.ACTIVATIONS)
@@ -33,7 +35,7 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     key = None
     if type(w) is Int4Weight and w.perm is None and type(x) is torch.Tensor and x.dim() >= 1 \
             and x.shape[-1] == w.shape[1]:
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = _rows(x)
         if w._frag is None and dispatch.wants_frag(kernel, x2, w):
             w.fragments()  # before the key, which holds the fragments' layouts
         key = replay_key(x2, w, bias, activation, kernel)
@@ -44,7 +46,7 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
             # (None: nothing recorded, or recorded for another stream or device; launched afresh below)
     check_inputs(x, w, bias, activation, kernel)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = _rows(x)
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)  # act-order: the stored weight rows are sorted by group
     # The fragment layout goes along when a fragment kernel is asked for, or may be chosen by auto.
@@ -58,3 +60,9 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     if key is None or dispatch.kernel_for(p) not in op.REPLAYED_KERNELS:
         return dispatch.forward(p).reshape(*lead, w.shape[0])
     return op.REPLAYS.recorded(key, call_tensors(x2, w, bias), lambda: dispatch.forward(p)).reshape(*lead, w.shape[0])
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[..., K]`` -> ``[M, K]`` (reshape(-1, K) cannot infer M when K is 0)."""
+    K = x.shape[-1]
+    return x.reshape(-1, K) if K else x.reshape(math.prod(x.shape[:-1]), 0)

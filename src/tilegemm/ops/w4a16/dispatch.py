@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core import registry
+from tilegemm.core.activations import torch_activation
 from tilegemm.core.runtime import interpreting, new_output, on_device
 from tilegemm.ops.w4a16.format import fits_fragments
 from tilegemm.ops.w4a16.problem import W4A16Problem
@@ -69,6 +70,9 @@ def forward(p: W4A16Problem) -> torch.Tensor:
     out = new_output((p.M, p.N), p.x.dtype, p.x.device)
     if p.M == 0:
         return out
+    if p.x.shape[1] == 0:  # K = 0: the product is zero, as torch's (Linear(0, N) returns its bias)
+        pre = torch.zeros(p.N, device=p.x.device) if p.bias is None else p.bias.float()
+        return out.copy_(torch_activation(pre, p.activation).to(out.dtype).expand(p.M, p.N))
     x = p.x if p.x.stride(-1) == 1 else p.x.contiguous()
     p = W4A16Problem(x=x, qweight=p.qweight, scales=p.scales, zeros=p.zeros, bias=p.bias, out=out,
                      group_k=p.group_k, activation=p.activation,

@@ -73,7 +73,7 @@ FRAG_K_STEP = 64  # the fragment kernel's K step: its scales change between step
 
 def fits_fragments(group_k: int) -> bool:
     """Whether the ``frag_wgmma`` kernel can take a weight of group length ``group_k`` (a multiple of its K step)."""
-    return group_k % FRAG_K_STEP == 0
+    return group_k > 0 and group_k % FRAG_K_STEP == 0
 
 
 def pack_fragments(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_k: int):
@@ -299,8 +299,13 @@ def quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
         raise TypeError(f"weight must be fp16, bf16 or fp32, got {dtype_name(weight.dtype)}")
     N, K = weight.shape
     check_group_size(group_size, K)
-    _check_finite("weight", weight)
+    if not weight.is_meta:  # (meta: a model built before loading; shapes only)
+        _check_finite("weight", weight)
     dtype = weight.dtype if weight.dtype in FLOAT_DTYPES else torch.float16
+    if K == 0:  # no inputs (torch's Linear(0, N) returns its bias): no groups, or one empty one for -1
+        G, kw = (1 if group_size == -1 else 0), dict(dtype=dtype, device=weight.device)
+        return Int4Weight(torch.zeros((0, N), dtype=torch.int32, device=weight.device), torch.ones((G, N), **kw),
+                          torch.zeros((G, N), **kw), group_size, (N, K))
     gk = K if group_size == -1 else group_size
     w = weight.detach().float().reshape(N, K // gk, gk)  # [N, G, gk]
     if symmetric:
@@ -320,7 +325,8 @@ def quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
     qweight = pack_rows(q.reshape(N, K).T.contiguous())
     scales = scale.T.contiguous()  # [G, N]
     zeros = zero.T.contiguous().to(dtype)
-    _check_finite("scales", scales)
+    if not weight.is_meta:
+        _check_finite("scales", scales)
     return Int4Weight(qweight, scales, zeros, group_size, (N, K))
 
 

@@ -67,9 +67,9 @@ def _backward(ctx, grad_out):
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
         K = x.shape[1]
-        g = torch.arange(K, device=x.device) // ctx.group_k
+        g = torch.arange(K, device=x.device) // max(ctx.group_k, 1)  # (group_k is 0 with K: no rows then)
         shifts = torch.arange(8, device=x.device, dtype=torch.int32) * 4
-        q = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(K, -1)
+        q = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(K, qweight.shape[1])
         wt = ((q.float() - zeros.float()[g]) * scales.float()[g]).to(x.dtype)  # [K, N]
         grad_x = (grad.to(x.dtype) @ wt.T).to(x.dtype)
     if bias is not None and ctx.needs_input_grad[6]:

@@ -1,0 +1,283 @@
+"""tilegemm.nn behaves like torch.nn where torch defines the behaviour, else raises a clear TypeError/ValueError at
+once: the cases a new user met (quantize_'s group sizes and skipped layers, fp32 models, empty layers, meta
+modules, unknown activations), then property tests over Linear, Conv2d, Int4Linear, convert_ and quantize_."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torch.nn.functional as F
+
+from conftest import rel_err_of_sums
+from tilegemm.core.activations import torch_activation
+from tilegemm.core.runtime import interpreting
+from tilegemm.nn import Conv2d, Int4Linear, Linear, convert_, quantize_
+from tilegemm.nn.convert import ConversionNote
+from tilegemm.ops.matmul.reference import relative_error
+from tilegemm.ops.w4a16 import dequantize
+
+CLEAR = (TypeError, ValueError)
+
+
+HERE = "cpu" if interpreting() else "cuda"  # where kernels run: the interpreter's CPU, or the GPU
+
+
+@pytest.fixture(autouse=True)
+def _tensors_here():
+    with torch.device(HERE):  # tensors made without a device go where the kernels run
+        yield
+FAST = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+# --- quantize_ -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group_size", [48, 17, 96, 0, "128", True])
+def test_quantize_refuses_a_group_size_it_cannot_use(group_size):
+    model = torch.nn.Sequential(torch.nn.Linear(256, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_(model, group_size=group_size)
+    assert type(model[0]) is torch.nn.Linear
+
+
+def test_quantize_warns_about_the_layers_it_keeps():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 12), torch.nn.Linear(12, 128),
+                                torch.nn.Linear(128, 8))
+    with pytest.warns(ConversionNote, match=r"0: in_features = 64 .* group_size = 128") as caught:
+        quantize_(model)
+    assert len(caught) == 1 and "2: in_features = 12" in str(caught[0].message)
+    assert [type(m) for m in model] == [torch.nn.Linear] * 3 + [Int4Linear]
+    assert [name for name, _ in model.tilegemm_skipped] == ["0", "1", "2"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize_(torch.nn.Sequential(torch.nn.Linear(64, 4)), warn=False)
+
+
+@pytest.mark.parametrize("thing,error", [(torch.zeros(3), TypeError), (None, TypeError),
+                                         (torch.nn.Linear(128, 4), ValueError)])
+def test_quantize_takes_a_model(thing, error):
+    with pytest.raises(error, match="quantize_"):
+        quantize_(thing)
+
+
+def test_an_fp32_model_takes_its_own_input_after_quantize():
+    model = torch.nn.Sequential(torch.nn.Linear(128, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(3, 128)
+    quantize_(model, group_size=128)
+    out = model(x)
+    assert out.dtype == torch.float32 and out.shape == (3, 4)
+    w = dequantize(model[0].weight).float()
+    ref = torch.relu(x.half().float() @ w.T + model[0].bias.float())
+    assert relative_error(model[1](model[0](x)), ref) < 4e-3
+
+
+def test_int4_linear_in_fp32_works_like_a_torch_module():
+    m = Int4Linear(128, 8, dtype=torch.float32)
+    assert m.bias.dtype == torch.float32
+    assert m(torch.randn(2, 128)).dtype == torch.float32
+    half = Int4Linear(128, 8)
+    assert half(torch.randn(2, 128, dtype=torch.float16)).dtype == torch.float16
+    f = half.float()  # scales stay 16-bit (the kernels read them so); the module now takes fp32 input
+    assert f.scales.dtype == torch.float16 and f.bias.dtype == torch.float32
+    assert f(torch.randn(2, 128)).dtype == torch.float32
+    assert f.half()(torch.randn(2, 128, dtype=torch.float16)).dtype == torch.float16
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
+def test_int4_linear_refuses_a_dtype_it_cannot_hold(dtype):
+    with pytest.raises(TypeError, match="dtype"):
+        Int4Linear(128, 8, dtype=dtype)
+
+
+# --- empty layers, as torch has them --------------------------------------------------------------------
+
+
+def test_a_converted_linear_without_inputs_returns_its_bias():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "Initializing zero-element tensors is a no-op"
+        model = torch.nn.Sequential(torch.nn.Linear(0, 4))
+    ref = model(torch.randn(2, 0))
+    convert_(model)
+    assert isinstance(model[0], Linear)
+    torch.testing.assert_close(model(torch.randn(2, 0)), ref)
+    torch.testing.assert_close(model(torch.randn(3, 2, 0)), ref[0].expand(3, 2, 4))
+
+
+@pytest.mark.parametrize("group_size", [128, -1])
+def test_int4_linear_without_inputs_returns_its_bias(group_size):
+    m = Int4Linear(0, 4, group_size=group_size)
+    with torch.no_grad():
+        m.bias.copy_(torch.arange(4.0))
+    out = m(torch.randn(2, 0, dtype=torch.float16))
+    torch.testing.assert_close(out, torch.arange(4.0, dtype=torch.float16).expand(2, 4))
+    lin = Int4Linear.from_linear(torch.nn.Linear(0, 3, bias=False), group_size)
+    assert torch.equal(lin(torch.randn(5, 0)), torch.zeros(5, 3))
+
+
+# --- activations checked when the module is made --------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [lambda: Linear(4, 4, activation="tanh"), lambda: Conv2d(2, 2, 3, activation="tanh"),
+                                  lambda: Linear.from_linear(torch.nn.Linear(4, 4), activation="tanh"),
+                                  lambda: Conv2d.from_conv(torch.nn.Conv2d(2, 2, 1), activation=1)])
+def test_an_unknown_activation_fails_at_construction(make):
+    with pytest.raises((TypeError, ValueError), match="activation"):
+        make()
+
+
+# --- the meta device: models are built there before loading or sharding ------------------------------------
+
+
+def test_modules_work_on_the_meta_device():
+    x = torch.empty(2, 3, 8, device="meta")
+    assert Linear(8, 5, device="meta", activation="relu")(x).shape == (2, 3, 5)
+    conv = Conv2d(3, 6, 3, padding=1, device="meta")
+    assert conv(torch.empty(2, 3, 7, 7, device="meta")).shape == (2, 6, 7, 7)
+    q = Int4Linear(128, 5, device="meta")
+    out = q(torch.empty(2, 128, device="meta", dtype=torch.float16))
+    assert out.device.type == "meta" and out.shape == (2, 5)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(128, 16), torch.nn.Linear(16, 4))
+    quantize_(model, warn=False)
+    assert isinstance(model[0], Int4Linear) and model[0].qweight.device.type == "meta"
+    assert model(torch.empty(3, 128, device="meta")).shape == (3, 4)
+    convert_(model)
+    assert model(torch.empty(3, 128, device="meta")).shape == (3, 4)
+
+
+# --- properties: equal to torch.nn, or a clear error --------------------------------------------------------
+
+
+def _ref(m, x):
+    ref = copy.deepcopy(m).double()
+    ref.__class__ = torch.nn.Conv2d if isinstance(m, torch.nn.Conv2d) else torch.nn.Linear
+    return ref(x.double())
+
+
+@FAST
+@given(i=st.sampled_from([0, 1, 3, 17]), o=st.sampled_from([0, 1, 4]), lead=st.sampled_from([(), (1,), (2,), (2, 0)]),
+       bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float16, torch.float64]),
+       x_dtype_same=st.integers(0, 5), activation=st.sampled_from([None, "relu", "silu", "tanh"]),
+       device=st.sampled_from([HERE, "meta"]))
+def test_linear_equals_torch_or_raises_clearly(i, o, lead, bias, dtype, x_dtype_same, activation, device):
+    torch.manual_seed(0)  # the same values each time hypothesis draws this example
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = Linear(i, o, bias=bias, dtype=dtype, device=device, activation=activation)
+    except CLEAR:
+        assert activation == "tanh", "a valid Linear was refused"
+        return
+    assert activation != "tanh"
+    x_dtype = dtype if x_dtype_same else torch.float32 if dtype != torch.float32 else torch.float16
+    x = torch.randn(*lead, i).to(device=device, dtype=x_dtype)
+    try:
+        with torch.no_grad():
+            out = m(x)
+    except CLEAR:
+        assert dtype == torch.float64 or x_dtype != dtype, "a valid call was refused"
+        return
+    assert x_dtype == dtype and dtype != torch.float64, "torch refuses this call; tilegemm took it"
+    assert out.shape == (*lead, o) and out.dtype == dtype and out.device.type == device
+    if device != "meta":
+        ref = torch_activation(_ref(m, x), activation or "none")
+        terms = x.double().abs() @ m.weight.double().abs().T + (m.bias.double().abs() if bias else 0)
+        assert rel_err_of_sums(out, ref, terms, i) <= (1e-4 if dtype == torch.float32 else 4e-3)
+
+
+@FAST
+@given(n=st.sampled_from([1, 2]), c=st.sampled_from([1, 2, 4]), k=st.sampled_from([1, 2, 4]),
+       size=st.sampled_from([1, 3, 6]), ks=st.sampled_from([1, 2, 3]), stride=st.sampled_from([1, 2]),
+       padding=st.sampled_from([0, 1, "same", "valid"]), groups=st.sampled_from([1, 2]),
+       mode=st.sampled_from(["zeros", "reflect", "circular"]), unbatched=st.booleans(),
+       device=st.sampled_from([HERE, HERE, "meta"]))
+def test_conv2d_module_equals_torch_or_raises_clearly(n, c, k, size, ks, stride, padding, groups, mode, unbatched,
+                                                      device):
+    torch.manual_seed(0)  # the same values each time hypothesis draws this example
+    kw = dict(stride=stride, padding=padding, groups=groups, padding_mode=mode)
+    try:
+        torch_conv = torch.nn.Conv2d(c, k, ks, **kw)
+    except CLEAR:
+        with pytest.raises(CLEAR):
+            Conv2d(c, k, ks, **kw)
+        return
+    ref_conv = copy.deepcopy(torch_conv).double()
+    m = Conv2d.from_conv(torch_conv).to(device)
+    x = torch.randn(c, size, size) if unbatched else torch.randn(n, c, size, size)
+    try:
+        ref = ref_conv(x.double())
+    except RuntimeError as err:  # input smaller than the kernel, reflect padding wider than the input, ...
+        try:
+            m(x.to(device))
+        except CLEAR:
+            return
+        except RuntimeError as ours:  # torch's own error, raised by the same F.pad: torch's behaviour
+            assert str(ours).split(" of input")[0] == str(err).split(" of input")[0]  # (meta prints the size)
+            return
+        pytest.fail("a call torch refuses was taken")
+    out = m(x.to(device))
+    assert out.shape == ref.shape and out.device.type == device
+    if device != "meta":
+        terms = F.conv2d(F.pad(x.double(), ref_conv._reversed_padding_repeated_twice, mode=mode).abs()
+                         if mode != "zeros" else x.double().abs(), ref_conv.weight.abs(), None,
+                         stride, 0 if mode != "zeros" else ref_conv.padding, 1, groups)
+        assert rel_err_of_sums(out, ref, terms, c // groups * ks * ks) <= 1e-4
+
+
+@FAST
+@given(k=st.sampled_from([0, 8, 64, 128, 256]), n=st.sampled_from([1, 8]), group_size=st.sampled_from([32, 128, -1]),
+       lead=st.sampled_from([(), (1,), (3,), (0,)]), dtype=st.sampled_from([torch.float16, torch.float32]),
+       bias=st.booleans())
+def test_int4_linear_equals_its_dequantized_weight_or_raises_clearly(k, n, group_size, lead, dtype, bias):
+    torch.manual_seed(0)  # the same values each time hypothesis draws this example
+    linear = torch.nn.Linear(k, n, bias=bias, dtype=dtype) if k else torch.nn.Linear(0, n, bias=bias, dtype=dtype)
+    try:
+        m = Int4Linear.from_linear(linear, group_size)
+    except CLEAR:
+        assert k and group_size != -1 and k % group_size, "a valid layer was refused"
+        return
+    x = torch.randn(*lead, k, dtype=dtype)
+    out = m(x)
+    assert out.shape == (*lead, n) and out.dtype == dtype
+    w = dequantize(m.weight).double()
+    ref = x.half().double() @ w.T + (m.bias.double() if bias else 0)
+    terms = x.half().double().abs() @ w.abs().T + (m.bias.double().abs() if bias else 0)
+    assert rel_err_of_sums(out, ref, terms, k) <= 4e-3
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(widths=st.lists(st.sampled_from([8, 12, 32, 64, 128]), min_size=2, max_size=3),
+       group_size=st.sampled_from([32, 64, 128, 48, -1]), dtype=st.sampled_from([torch.float16, torch.float32]),
+       device=st.sampled_from([HERE, "meta"]))
+def test_quantize_and_convert_keep_the_model_working_or_raise_clearly(widths, group_size, dtype, device):
+    torch.manual_seed(0)  # the same values each time hypothesis draws this example
+    layers = [torch.nn.Linear(a, b, dtype=dtype, device=device) for a, b in zip(widths, widths[1:])]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(2, widths[0], dtype=dtype).to(device)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConversionNote)
+            quantize_(model, group_size=group_size)
+    except CLEAR:
+        assert group_size == 48
+        return
+    assert group_size != 48
+    for name, layer in zip(map(str, range(len(layers))), model):
+        fits = layer.in_features % (layer.in_features if group_size == -1 else group_size) == 0 and \
+            layer.in_features % 8 == 0
+        assert isinstance(layer, Int4Linear) == fits, name
+        assert (name in dict(model.tilegemm_skipped)) == (not fits)
+    out = model(x)
+    assert out.shape == (2, widths[-1]) and out.dtype == dtype
+    convert_(model, warn=False)
+    again = model(x)
+    assert again.shape == out.shape
+    if device != "meta":
+        assert relative_error(again, out) <= 1e-2
