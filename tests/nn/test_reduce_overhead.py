@@ -40,9 +40,9 @@ def test_in_graph_tree_is_true_only_on_a_tree_managers_stream(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_replay_keys_are_refused_inside_a_graph_tree(monkeypatch):
-    from tilegemm.ops.conv2d import op as conv_replay
+    from tilegemm.ops.conv2d import checks as conv_replay
     from tilegemm.ops.matmul import checks as mm_replay
-    from tilegemm.ops.w4a16 import op as w4_replay
+    from tilegemm.ops.w4a16 import checks as w4_replay
 
     a = torch.randn(16, 256, device="cuda", dtype=torch.float16)
     x = torch.randn(2, 8, 5, 5, device="cuda", dtype=torch.float16)
