@@ -206,7 +206,8 @@ def forward(call: MatmulCall) -> torch.Tensor:
     out = new_output(shape, call.output_dtype, a.device)
     if out.numel() == 0:
         return out
-    precision = resolve_precision(call.precision, a.dtype)
+    # Only fp32 has a precision to read (core/dtypes.resolve_precision); 16-bit and fp8 dots are exact.
+    precision = resolve_precision(call.precision, a.dtype) if a.dtype is torch.float32 else "ieee"
     upcast = a.dtype == torch.bfloat16 and interpreting()
     scales = (call.scale_a, _scale_stride(call.scale_a), call.scale_b, _scale_stride(call.scale_b))
 
