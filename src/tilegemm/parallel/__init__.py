@@ -10,6 +10,9 @@
   :class:`~tilegemm.ops.w4a16.format.Int4Weight` of its shard (its kernels, fragment layout included, run on
   it as on any weight), split in whole quantization groups; hooks convert its input and output as torch's
   styles do.
+- :class:`ExpertsTensorParallel` splits a transformers MoE experts block (stacked ``gate_up_proj`` / ``down_proj``,
+  16-bit or 4-bit after ``tilegemm.nn.quantize_``) along the experts' intermediate size: every rank runs every
+  expert on its slice, gate and up halves kept paired, and one all-reduce joins the ranks.
 - :func:`load_sharded_` fills a parallelized model from safetensors files, each rank reading only its slices;
   :func:`load_quantized_sharded_` is ``tilegemm.models.from_pretrained``'s path when given a ``device_mesh``.
 
@@ -30,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
+from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from tilegemm.models.pretrained import _default_device, _Tensors, empty_model, load_quantized_, quant_config, read_config
@@ -38,7 +42,7 @@ from tilegemm.nn.int4 import Int4Linear
 from tilegemm.parallel.rules import register
 from tilegemm.ops.w4a16.format import Int4Weight, from_awq, from_gptq
 
-__all__ = ["ColwiseParallel", "RowwiseParallel", "attach_int4", "from_pretrained_sharded", "load_quantized_sharded_", "load_sharded_", "register",
+__all__ = ["ColwiseParallel", "ExpertsTensorParallel", "RowwiseParallel", "shard_experts_", "attach_int4", "from_pretrained_sharded", "load_quantized_sharded_", "load_sharded_", "register",
            "resolve_plan", "shard_int4", "shard_slices"]
 
 
@@ -269,6 +273,151 @@ class RowwiseParallel(_TorchRowwise):
         _check_even(module, device_mesh, "in")
         module = super()._apply(module, device_mesh)
         module.tp_split = "in"
+        return module
+
+
+# --- MoE experts ----------------------------------------------------------------------------------------------
+
+_INT4_EXPERT_PARTS = ("qweight", "scales", "zeros")
+
+
+def _experts_names(module: nn.Module) -> tuple[str, str]:
+    """(the up-side weight's name, ``"down_proj"``) of a transformers experts block, 16-bit or 4-bit."""
+    for up in ("gate_up_proj", "up_proj"):
+        for name in (up, f"tilegemm_{up}_qweight"):
+            t = getattr(module, name, None)
+            if isinstance(t, torch.Tensor) and t.dim() == 3:
+                down = getattr(module, "down_proj", getattr(module, "tilegemm_down_proj_qweight", None))
+                if isinstance(down, torch.Tensor) and down.dim() == 3:
+                    return up, "down_proj"
+    raise NotImplementedError(f"ExpertsTensorParallel splits a transformers MoE experts block (3-D gate_up_proj or "
+                              f"up_proj, and down_proj: Qwen3-MoE's, Mixtral's, ...), not {type(module).__name__}")
+
+
+def _up_columns(module: nn.Module, I2: int, gated: bool, rank: int, world: int) -> torch.Tensor:
+    """The up-side output columns (of ``I2``) rank ``rank`` holds: a gated, concatenated block's gate columns and
+    the matching up columns (``[gate | up]`` -> ``[gate shard | up shard]``); else a contiguous slice (an
+    interleaved block's pairs stay whole: the slice is even)."""
+    if gated and getattr(module, "is_concatenated", True):
+        i = _even("the experts' intermediate size I", I2 // 2, world)
+        own = torch.arange(rank * i, (rank + 1) * i)
+        return torch.cat([own, own + I2 // 2])
+    pairs = 2 if gated else 1
+    i = _even("the experts' intermediate size I", I2 // pairs, world) * pairs
+    return torch.arange(rank * i, (rank + 1) * i)
+
+
+def _expert_group_check(I: int, i: int, world: int, group_size: int) -> None:
+    if group_size == -1:
+        raise ValueError(f"the experts' down_proj is quantized with group_size = -1 (one group over all of I = "
+                         f"{I}): a split of I over {world} ranks would cut it; quantize with a group size that "
+                         f"divides I / {world} = {i}")
+    if i % group_size or i % 8:
+        raise ValueError(f"a split of the experts' intermediate size I = {I} over {world} ranks ({i} each) would "
+                         f"cut quantization groups of group_size = {group_size}: I / ranks must be a multiple of "
+                         f"the group size")
+
+
+def shard_experts_(module: nn.Module, rank: int, world: int) -> nn.Module:
+    """Replace, in place, the stacked weights of the experts block ``module`` by rank ``rank``'s slice along the
+    intermediate size I (of ``world``): the up side (``gate_up_proj`` ``[E, 2I, H]``: this rank's gate rows and
+    the matching up rows) column-parallel, ``down_proj`` ``[E, H, I]`` row-parallel; ``is_transposed`` blocks
+    alike; 4-bit experts (``tilegemm_<name>_qweight`` ``[E, K/8, N]``, scales and zeros ``[E, G, N]``) split N
+    anywhere and K in whole quantization groups. The down bias is kept by the first rank only (zeros elsewhere).
+
+    Raises ValueError naming the size that does not split evenly or the group size a split would cut, and
+    NotImplementedError for a block whose output is not linear in its partial sums (a post-expert norm)."""
+    up, down = _experts_names(module)
+    if getattr(module, "has_post_expert_norm", False):
+        raise NotImplementedError("ExpertsTensorParallel: this experts block normalizes each expert's output "
+                                  "(has_post_expert_norm), which a partial sum over ranks cannot take")
+    gated = up == "gate_up_proj"
+    transposed = getattr(module, "is_transposed", False)
+    int4 = hasattr(module, f"tilegemm_{up}_qweight")
+    if int4:  # [E, K/8, N] / [E, G, N]: N on dim 2 for every part
+        q_up = getattr(module, f"tilegemm_{up}_qweight")
+        q_down = getattr(module, "tilegemm_down_proj_qweight")
+        I2, I = q_up.shape[2], q_down.shape[1] * 8
+    else:
+        w_up, w_down = getattr(module, up), getattr(module, down)
+        I2 = w_up.shape[2] if transposed else w_up.shape[1]
+        I = w_down.shape[1] if transposed else w_down.shape[2]
+    if I2 != (2 * I if gated else I):
+        raise ValueError(f"the experts' {up} has {I2} outputs but down_proj {I} inputs (expected "
+                         f"{'2 * ' if gated else ''}{I})")
+    cols = _up_columns(module, I2, gated, rank, world)
+    i = I // world
+    rows = slice(rank * i, (rank + 1) * i)
+    with torch.no_grad():
+        if int4:
+            gs = module.tilegemm_group_size
+            _expert_group_check(I, i, world, gs)
+            for part in _INT4_EXPERT_PARTS:
+                name = f"tilegemm_{up}_{part}"
+                t = getattr(module, name)
+                module.register_buffer(name, t.index_select(2, cols.to(t.device)).contiguous())
+                name = f"tilegemm_down_proj_{part}"
+                t = getattr(module, name)
+                sl = slice(rows.start // 8, rows.stop // 8) if part == "qweight" else \
+                    slice(rows.start // gs, rows.stop // gs)
+                module.register_buffer(name, t[:, sl].contiguous())
+        else:
+            for name, local in ((up, w_up.index_select(2 if transposed else 1, cols.to(w_up.device))),
+                                (down, w_down[:, rows] if transposed else w_down[:, :, rows])):
+                old = getattr(module, name)
+                setattr(module, name, nn.Parameter(local.contiguous(), requires_grad=old.requires_grad))
+        if getattr(module, "has_bias", False):
+            b_up, b_down = getattr(module, f"{up}_bias", None), getattr(module, f"{down}_bias", None)
+            if b_up is not None:
+                setattr(module, f"{up}_bias", nn.Parameter(b_up.index_select(-1, cols.to(b_up.device)).contiguous(),
+                                                          requires_grad=b_up.requires_grad))
+            if b_down is not None and rank != 0:  # added once, by the first rank, before the all-reduce sums
+                setattr(module, f"{down}_bias", nn.Parameter(torch.zeros_like(b_down),
+                                                            requires_grad=b_down.requires_grad))
+    if isinstance(getattr(module, "intermediate_dim", None), int):
+        module.intermediate_dim = i
+    module.tp_split = "experts"
+    return module
+
+
+def _experts_input_hook(style, mesh, mod, args, kwargs):
+    args = list(args)
+    if args:
+        args[0] = _to_local_input(args[0], mesh, style.input_layouts, (Replicate(),))
+    elif "hidden_states" in kwargs:
+        kwargs["hidden_states"] = _to_local_input(kwargs["hidden_states"], mesh, style.input_layouts,
+                                                  (Replicate(),))
+    # the routing (top_k_index, top_k_weights): the same on every rank
+    args = [a.full_tensor() if isinstance(a, DTensor) else a for a in args]
+    kwargs = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+    return tuple(args), kwargs
+
+
+class ExpertsTensorParallel(ParallelStyle):
+    """Tensor-parallel MoE experts: a transformers experts block (Qwen3-MoE's, Mixtral's: stacked ``gate_up_proj``
+    ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``; 4-bit after ``tilegemm.nn.quantize_``) split along the
+    intermediate size I, as an MLP's column- then row-parallel pair: each rank holds I / ranks of every expert
+    (its gate rows with the matching up rows), runs every expert the router picks on its slice, and one
+    all-reduce sums the ranks' outputs. No token is exchanged; the router stays replicated.
+
+    The block keeps plain local weights (:func:`shard_experts_`), so any experts implementation (``"tilegemm"``,
+    transformers' ``"eager"``, ...) runs on them unchanged. ``input_layouts`` (default replicated) is the layout of
+    the hidden states given to the block, ``output_layouts`` (default replicated) of its output, a local tensor
+    unless ``use_local_output=False``. docs/parallel.md#moe-experts.
+    """
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
+        super().__init__()
+        self.input_layouts = (input_layouts or Replicate(),)
+        self.output_layouts = (output_layouts or Replicate(),)
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        register()
+        rank, world = _mesh_rank(device_mesh)
+        shard_experts_(module, rank, world)
+        module.register_forward_pre_hook(partial(_experts_input_hook, self, device_mesh), with_kwargs=True)
+        module.register_forward_hook(partial(_int4_output_hook, self, device_mesh, (Partial(),)))
         return module
 
 
