@@ -52,7 +52,11 @@ def _sharded_sum(block, world, x, idx, weights):
     return torch.stack(outs).sum(0)
 
 
-@pytest.mark.parametrize("impl", ["tilegemm", "eager"])
+cpu_kernels = pytest.mark.skipif(not interpreting(), reason="CPU tensors: tilegemm's kernels under the interpreter "
+                                                            "(test_parallel_moe_experts_shards_gpu on the GPU)")
+
+
+@pytest.mark.parametrize("impl", [pytest.param("tilegemm", marks=cpu_kernels), "eager"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_parallel_moe_experts_shards_sum(impl, world):
     block = experts_block(impl)
@@ -69,7 +73,7 @@ def test_parallel_moe_experts_shards_sum(impl, world):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not interpreting(), reason="CPU tensors: the interpreter's fp16 4-bit kernel")
+@cpu_kernels
 def test_parallel_moe_int4_experts_shards_sum():
     block = experts_block(dtype=torch.float16)
     model = torch.nn.Module()
@@ -100,3 +104,29 @@ def test_parallel_moe_experts_refusals():
     assert tnn.quantize_experts_(model, group_size=-1) == ["experts"]
     with pytest.raises(ValueError, match=r"group_size = -1"):
         shard_experts_(model.experts, 0, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_parallel_moe_experts_shards_gpu(world):
+    """On the GPU, fp16 experts of a wider block (H = 1024, I = 768, 16 experts, 256 tokens), 16-bit then 4-bit
+    (groups of 64): each rank's shard through the kernels a GPU picks, the partial outputs added, against the
+    unsharded block."""
+    block = experts_block(hidden_size=1024, moe_intermediate_size=768, num_experts=16)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.03)
+    block = block.half().cuda()
+    x = torch.randn(256, 1024, dtype=torch.float16, device="cuda")
+    idx = torch.randint(0, 16, (256, 2), device="cuda")
+    weights = torch.rand(256, 2, dtype=torch.float16, device="cuda")
+    for quantized in (False, True):
+        if quantized:
+            holder = torch.nn.Module()
+            holder.experts = block
+            assert tnn.quantize_experts_(holder, group_size=64) == ["experts"]
+        with torch.no_grad():
+            want = block(x, idx, weights).float()
+            got = _sharded_sum(block, world, x, idx, weights)
+        assert torch.isfinite(got).all()
+        assert (got - want).norm() / want.norm() < 4e-3, quantized
