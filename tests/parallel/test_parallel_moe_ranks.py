@@ -57,6 +57,21 @@ def moe_ranks(rank, world, mesh, models):
         assert comms == {} and (out.placements == (placed,) if placed else out.placements[0].is_partial())
         _close(out.full_tensor(), want, FP16_TOL, f"grouped_w4a16 split {pw}")
 
+    # the same call gated (gate and up columns in one weight): the rules key on `gated`, so the decision cached
+    # for the plain call is not reused, and the column split is refused
+    with pytest.raises(RuntimeError, match=r"grouped_w4a16 \(gated\): b is split along its gate/up columns"):
+        torch.ops.tilegemm.grouped_w4a16(distribute_tensor(xh, mesh, R), *[distribute_tensor(getattr(w4, k), mesh,
+                                         [Shard(2)]) for k in ("qweight", "scales", "zeros")], od, None, 32, "silu",
+                                         True, "auto")
+
+    # batched (3-D x 3-D): the batch split, then b's columns; no communication
+    a3, b3 = torch.randn(4, 5, 8), torch.randn(4, 8, 6)
+    for pa, pb, placed in ((Shard(0), Shard(0), Shard(0)), (Replicate(), Shard(2), Shard(2))):
+        ad, bd = distribute_tensor(a3, mesh, [pa]), distribute_tensor(b3, mesh, [pb])
+        out, comms = _comms(lambda: tilegemm.grouped_mm(ad, bd))
+        assert out.placements == (placed,) and comms == {}, (out.placements, comms)
+        _close(out.full_tensor(), a3 @ b3, FP32_TOL, f"batched grouped_mm split {placed}")
+
     # the fused gate/up product refuses a split of its columns (it would part gate from up columns); DTensor
     # reraises the rule's ValueError as a RuntimeError holding its message
     with pytest.raises(RuntimeError, match=r"split along its gate/up columns"):
