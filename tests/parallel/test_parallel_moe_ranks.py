@@ -20,7 +20,7 @@ from test_parallel_moe_local import moe_config  # noqa: E402 (hides a broken tor
 from test_parallel_ranks import FP16_TOL, FP32_TOL, _close, _comms, spawn  # noqa: E402
 
 
-def moe_ranks(rank, world, mesh, models):
+def moe_ranks(rank, world, mesh, models, tmp):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -95,13 +95,30 @@ def moe_ranks(rank, world, mesh, models):
         assert comms == {"all_reduce": 2}, comms  # one a MoE block
         _close(out, want, tol, f"Qwen3-MoE, {name} experts, tensor-parallel")
 
+    # a sharded load: each rank reads its slices of the experts (the gate and up ranges, I's rows, whole groups)
+    from tilegemm.parallel import load_sharded_
+
+    for name in ("load-fp32", "load-int4"):
+        full = models[name]
+        with torch.no_grad():  # the skeleton's values differ from the files': they must all be overwritten
+            skeleton = copy.deepcopy(full)
+            for key, t in skeleton.state_dict().items():
+                t.zero_() if key.endswith("qweight") else t.fill_(7.0)
+        parallelize_module(skeleton, mesh, {"model.layers.*.mlp.experts": tnn.ExpertsTensorParallel()})
+        load_sharded_(skeleton, f"{tmp}/{name}.safetensors", mesh)
+        with torch.no_grad():
+            _close(skeleton(ids).logits, full(ids).logits, FP32_TOL if name == "load-fp32" else FP16_TOL,
+                   f"sharded load, {name}")
+
     # a split that would cut the down projection's quantization groups is refused, naming the group size
     cut = copy.deepcopy(models["int4-g64"])
     with pytest.raises(ValueError, match=r"would cut quantization groups of group_size = 64"):
         parallelize_module(cut, mesh, {"model.layers.*.mlp.experts": tnn.ExpertsTensorParallel()})
 
 
-def test_parallel_moe_two_ranks():
+def test_parallel_moe_two_ranks(tmp_path):
+    from safetensors.torch import save_file
+
     import tilegemm.nn as tnn
 
     def model(**kw):
@@ -113,5 +130,16 @@ def test_parallel_moe_two_ranks():
     tnn.quantize_(int4, group_size=32)
     cut = model(hidden_size=64).half()
     assert tnn.quantize_experts_(cut, group_size=64)
+    models = {"fp32": model(), "int4": int4, "int4-g64": cut}
+    # the unsharded models the ranks load from: fp32, and 4-bit experts (the rest fp16)
+    models["load-fp32"], models["load-int4"] = model(), model().half()
+    tnn.quantize_experts_(models["load-int4"], group_size=32)
+    torch.manual_seed(5)
+    for name in ("load-fp32", "load-int4"):
+        with torch.no_grad():
+            for p in models[name].parameters():
+                p.copy_(torch.randn_like(p) * 0.5)
+        save_file({k: v.contiguous() for k, v in models[name].state_dict().items()},
+                  str(tmp_path / f"{name}.safetensors"))
     # built once here (transformers' model code imported before the fork), deep-copied in the ranks
-    spawn(moe_ranks, 2, {"fp32": model(), "int4": int4, "int4-g64": cut})
+    spawn(moe_ranks, 2, models, str(tmp_path))

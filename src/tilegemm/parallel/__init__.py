@@ -296,17 +296,20 @@ def _experts_names(module: nn.Module) -> tuple[str, str]:
                               f"up_proj, and down_proj: Qwen3-MoE's, Mixtral's, ...), not {type(module).__name__}")
 
 
-def _up_columns(module: nn.Module, I2: int, gated: bool, rank: int, world: int) -> torch.Tensor:
-    """The up-side output columns (of ``I2``) rank ``rank`` holds: a gated, concatenated block's gate columns and
-    the matching up columns (``[gate | up]`` -> ``[gate shard | up shard]``); else a contiguous slice (an
-    interleaved block's pairs stay whole: the slice is even)."""
+def _up_ranges(module: nn.Module, I2: int, gated: bool, rank: int, world: int) -> list[tuple[int, int]]:
+    """The ranges of up-side output columns (of ``I2``) rank ``rank`` holds: a gated, concatenated block's gate
+    columns and the matching up columns (``[gate | up]`` -> ``[gate shard | up shard]``); else one contiguous
+    range (an interleaved block's pairs stay whole: the range is even)."""
     if gated and getattr(module, "is_concatenated", True):
         i = _even("the experts' intermediate size I", I2 // 2, world)
-        own = torch.arange(rank * i, (rank + 1) * i)
-        return torch.cat([own, own + I2 // 2])
+        return [(rank * i, (rank + 1) * i), (I2 // 2 + rank * i, I2 // 2 + (rank + 1) * i)]
     pairs = 2 if gated else 1
     i = _even("the experts' intermediate size I", I2 // pairs, world) * pairs
-    return torch.arange(rank * i, (rank + 1) * i)
+    return [(rank * i, (rank + 1) * i)]
+
+
+def _columns(ranges) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in ranges])
 
 
 def _expert_group_check(I: int, i: int, world: int, group_size: int) -> None:
@@ -347,7 +350,7 @@ def shard_experts_(module: nn.Module, rank: int, world: int) -> nn.Module:
     if I2 != (2 * I if gated else I):
         raise ValueError(f"the experts' {up} has {I2} outputs but down_proj {I} inputs (expected "
                          f"{'2 * ' if gated else ''}{I})")
-    cols = _up_columns(module, I2, gated, rank, world)
+    cols = _columns(_up_ranges(module, I2, gated, rank, world))
     i = I // world
     rows = slice(rank * i, (rank + 1) * i)
     with torch.no_grad():
@@ -380,6 +383,42 @@ def shard_experts_(module: nn.Module, rank: int, world: int) -> nn.Module:
         module.intermediate_dim = i
     module.tp_split = "experts"
     return module
+
+
+def _experts_part(module: nn.Module, leaf: str, sl, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s part of the experts block tensor ``leaf`` read from the safetensors slice ``sl`` (of the
+    unsharded block), as :func:`shard_experts_` cuts it: the up side's columns (two ranges for a gated,
+    concatenated block), the down side's rows along I (whole quantization groups), the down bias on rank 0."""
+    shape = tuple(sl.get_shape())
+    up = "gate_up_proj" if leaf.startswith(("gate_up_proj", "tilegemm_gate_up_proj")) else \
+        "up_proj" if leaf.startswith(("up_proj", "tilegemm_up_proj")) else "down_proj"
+    transposed = getattr(module, "is_transposed", False)
+    part = leaf.rpartition("_")[2] if leaf.startswith("tilegemm_") else None
+    if leaf == "down_proj_bias":
+        t = sl[()] if shape else sl[:]
+        return t if rank == 0 else torch.zeros_like(t)
+    if up != "down_proj":  # the up side: columns
+        dim = len(shape) - 1 if leaf.endswith("_bias") or part else (2 if transposed else 1)
+        ranges = _up_ranges(module, shape[dim], up == "gate_up_proj", rank, world)
+        pieces = []
+        for a, b in ranges:
+            index = [slice(None)] * len(shape)
+            index[dim] = slice(a, b)
+            pieces.append(sl[tuple(index)])
+        return torch.cat(pieces, dim).contiguous()
+    if part is None:  # 16-bit down_proj [E, H, I] (or [E, I, H]): rows of I
+        dim = 1 if transposed else 2
+        i = _even("the experts' intermediate size I", shape[dim], world)
+        index = [slice(None)] * 3
+        index[dim] = slice(rank * i, (rank + 1) * i)
+        return sl[tuple(index)].contiguous()
+    # 4-bit down: qweight [E, I/8, H], scales and zeros [E, I/gs, H] (a block sharded already: gs != -1)
+    gs = module.tilegemm_group_size
+    per = 8 if part == "qweight" else gs
+    I = shape[1] * per
+    i = _even("the experts' intermediate size I", I, world)
+    _expert_group_check(I, i, world, gs)
+    return sl[:, rank * i // per:(rank + 1) * i // per].contiguous()  # (the kernels read the parts contiguous)
 
 
 def _experts_input_hook(style, mesh, mod, args, kwargs):
@@ -520,8 +559,8 @@ def _dtensor_slices(target: DTensor, shape, rank: int, world: int) -> tuple:
 
 def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: DeviceMesh, strict: bool = True,
                   device=None) -> nn.Module:
-    """Fill ``model`` (parallelized already with :class:`ColwiseParallel`/:class:`RowwiseParallel`, each module
-    holding its local shapes) from safetensors ``files`` holding the *unsharded* state dict, each rank reading
+    """Fill ``model`` (parallelized already with :class:`ColwiseParallel`/:class:`RowwiseParallel`/
+    :class:`ExpertsTensorParallel`, each module holding its local shapes) from safetensors ``files`` holding the *unsharded* state dict, each rank reading
     only its slice of every split tensor (``safe_open(...).get_slice(name)[...]``); tensors of modules outside
     the plan are read whole. Int4Linear layers read the house format (``Int4Linear.state_dict()``'s names), whose
     act-order rows are stored sorted by group, so a row-parallel shard is a slice too. Returns ``model``.
@@ -544,6 +583,9 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
                         loaded.add(key)  # a row-parallel int4 bias past the first rank: not held there
                         continue
                     state[key] = sl[slices] if slices else f.get_tensor(key)
+                    continue
+                if getattr(module, "tp_split", None) == "experts":  # ExpertsTensorParallel's local weights
+                    state[key] = _experts_part(module, leaf, f.get_slice(key), rank, world)
                     continue
                 target = None if module is None else (module._parameters.get(leaf) if leaf in module._parameters
                                                        else module._buffers.get(leaf))
@@ -586,6 +628,9 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
             new = DTensor.from_local(value.to(dev, target.dtype), target.device_mesh, target.placements,
                                      run_check=False, shape=target.shape, stride=target.stride())
         else:
+            if tuple(value.shape) != tuple(target.shape):  # a local shard the files' tensor does not fit
+                raise ValueError(f"load_sharded_: {key} is {list(value.shape)} in the files but "
+                                 f"{list(target.shape)} in the model")
             new = value.to(dev, target.dtype)
         if is_param:
             module._parameters[leaf] = nn.Parameter(new, requires_grad=target.requires_grad)
