@@ -92,6 +92,8 @@ def test_parallel_moe_experts_refusals():
     block = experts_block()
     with pytest.raises(ValueError, match=r"intermediate size I = 64 does not split evenly over 3 ranks"):
         shard_experts_(copy.deepcopy(block), 0, 3)
+    with pytest.raises(ValueError, match="split already"):
+        shard_experts_(shard_experts_(copy.deepcopy(block), 0, 2), 0, 2)
     with pytest.raises(NotImplementedError, match="MoE experts block"):
         shard_experts_(torch.nn.Linear(4, 4), 0, 2)
     model = torch.nn.Module()

@@ -333,6 +333,8 @@ def shard_experts_(module: nn.Module, rank: int, world: int) -> nn.Module:
     Raises ValueError naming the size that does not split evenly or the group size a split would cut, and
     NotImplementedError for a block whose output is not linear in its partial sums (a post-expert norm)."""
     up, down = _experts_names(module)
+    if getattr(module, "tp_split", None) == "experts":
+        raise ValueError(f"this experts block ({type(module).__name__}) is split already")
     if getattr(module, "has_post_expert_norm", False):
         raise NotImplementedError("ExpertsTensorParallel: this experts block normalizes each expert's output "
                                   "(has_post_expert_norm), which a partial sum over ranks cannot take")
@@ -560,10 +562,11 @@ def _dtensor_slices(target: DTensor, shape, rank: int, world: int) -> tuple:
 def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: DeviceMesh, strict: bool = True,
                   device=None) -> nn.Module:
     """Fill ``model`` (parallelized already with :class:`ColwiseParallel`/:class:`RowwiseParallel`/
-    :class:`ExpertsTensorParallel`, each module holding its local shapes) from safetensors ``files`` holding the *unsharded* state dict, each rank reading
-    only its slice of every split tensor (``safe_open(...).get_slice(name)[...]``); tensors of modules outside
-    the plan are read whole. Int4Linear layers read the house format (``Int4Linear.state_dict()``'s names), whose
-    act-order rows are stored sorted by group, so a row-parallel shard is a slice too. Returns ``model``.
+    :class:`ExpertsTensorParallel`, each module holding its local shapes) from safetensors ``files`` holding the
+    *unsharded* state dict, each rank reading only its slice of every split tensor
+    (``safe_open(...).get_slice(name)[...]``); tensors of modules outside the plan are read whole. Int4Linear
+    layers read the house format (``Int4Linear.state_dict()``'s names), whose act-order rows are stored sorted by
+    group, so a row-parallel shard is a slice too. Returns ``model``.
     """
     from safetensors import safe_open  # an optional dependency (the models extra), needed here only
 
