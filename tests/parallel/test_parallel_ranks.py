@@ -44,13 +44,15 @@ def _entry(rank: int, world: int, port: int, name: str, args: tuple) -> None:
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        globals()[name](rank, world, init_device_mesh("cpu", (world,)), *args)
+        fn = name if callable(name) else globals()[name]  # a function of another test module (fork: not pickled)
+        fn(rank, world, init_device_mesh("cpu", (world,)), *args)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(name: str, world: int, *args) -> None:
-    """Run ``name(rank, world, mesh, *args)`` on ``world`` gloo ranks; an exception in any rank fails the test."""
+def spawn(name, world: int, *args) -> None:
+    """Run ``name(rank, world, mesh, *args)`` (a function of this module by name, or any function) on ``world``
+    gloo ranks; an exception in any rank fails the test."""
     import tilegemm.parallel  # noqa: F401 (imported once here, before the fork, rather than in every rank)
 
     # fork: the ranks start with torch, triton and tilegemm imported already (spawned ones import them again,

@@ -8,7 +8,7 @@ from tilegemm.nn.moe import install as _install_experts, quantize_experts_, regi
 
 _install_experts()  # the "tilegemm" experts implementation of transformers' MoE blocks (imports no transformers)
 
-__all__ = ["ColwiseParallel", "Conv2d", "Int4Linear", "Linear", "RowwiseParallel", "convert_", "load_quantized_",
+__all__ = ["ColwiseParallel", "Conv2d", "ExpertsTensorParallel", "Int4Linear", "Linear", "RowwiseParallel", "convert_", "load_quantized_",
            "quantize_", "quantize_experts_", "register_experts"]
 
 
@@ -21,7 +21,7 @@ def __getattr__(name: str):
         return load_quantized_
     # The tensor-parallel styles live in tilegemm.parallel, imported on first use: it imports
     # torch.distributed.tensor, which `import tilegemm` must not pay for (docs/parallel.md).
-    if name in ("ColwiseParallel", "RowwiseParallel"):
+    if name in ("ColwiseParallel", "ExpertsTensorParallel", "RowwiseParallel"):
         import tilegemm.parallel
 
         return getattr(tilegemm.parallel, name)

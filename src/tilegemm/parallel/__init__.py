@@ -1,15 +1,19 @@
 """Tensor parallelism through ``torch.distributed.tensor`` (DTensor): tilegemm's ops and layers sharded over a mesh.
 
-- :func:`register` teaches DTensor the sharding rules of ``torch.ops.tilegemm.matmul``, ``tilegemm.w4a16_matmul``
-  and ``tilegemm.conv2d``, so a call whose operands are DTensors runs each rank's shard locally: column-parallel
-  (weight split along N: output split along its last dim), row-parallel (input and weight split along K: a
-  partial output that the next redistribution all-reduces), rows or batch split, replicated.
+- :func:`register` teaches DTensor the sharding rules of ``torch.ops.tilegemm.matmul``, ``tilegemm.w4a16_matmul``,
+  ``tilegemm.conv2d`` and the grouped ops (``grouped_mm``, ``grouped_w4a16``, ``grouped_mm_gated``), so a call
+  whose operands are DTensors runs each rank's shard locally: column-parallel (weight split along N: output split
+  along its last dim), row-parallel (input and weight split along K: a partial output that the next
+  redistribution all-reduces), rows or batch split, replicated.
 - :class:`ColwiseParallel` / :class:`RowwiseParallel` are ``parallelize_module`` styles: torch's own for
   ``nn.Linear`` (``tilegemm.nn.Linear`` included: it is one), and for :class:`~tilegemm.nn.Int4Linear` and
   :class:`~tilegemm.nn.Conv2d` which torch's styles refuse. An ``Int4Linear`` keeps a plain local
   :class:`~tilegemm.ops.w4a16.format.Int4Weight` of its shard (its kernels, fragment layout included, run on
   it as on any weight), split in whole quantization groups; hooks convert its input and output as torch's
   styles do.
+- :class:`ExpertsTensorParallel` splits a transformers MoE experts block (stacked ``gate_up_proj`` / ``down_proj``,
+  16-bit or 4-bit after ``tilegemm.nn.quantize_``) along the experts' intermediate size: every rank runs every
+  expert on its slice, gate and up halves kept paired, and one all-reduce joins the ranks.
 - :func:`load_sharded_` fills a parallelized model from safetensors files, each rank reading only its slices;
   :func:`load_quantized_sharded_` is ``tilegemm.models.from_pretrained``'s path when given a ``device_mesh``.
 
@@ -30,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
+from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from tilegemm.models.pretrained import _default_device, _Tensors, empty_model, load_quantized_, quant_config, read_config
@@ -38,8 +43,9 @@ from tilegemm.nn.int4 import Int4Linear
 from tilegemm.parallel.rules import register
 from tilegemm.ops.w4a16.format import Int4Weight, from_awq, from_gptq
 
-__all__ = ["ColwiseParallel", "RowwiseParallel", "attach_int4", "from_pretrained_sharded", "load_quantized_sharded_", "load_sharded_", "register",
-           "resolve_plan", "shard_int4", "shard_slices"]
+__all__ = ["ColwiseParallel", "ExpertsTensorParallel", "RowwiseParallel", "attach_int4", "from_pretrained_sharded",
+           "load_quantized_sharded_", "load_sharded_", "register", "resolve_plan", "shard_experts_", "shard_int4",
+           "shard_slices"]
 
 
 # --- int4 weights split in whole groups -------------------------------------------------------------------
@@ -272,6 +278,192 @@ class RowwiseParallel(_TorchRowwise):
         return module
 
 
+# --- MoE experts ----------------------------------------------------------------------------------------------
+
+_INT4_EXPERT_PARTS = ("qweight", "scales", "zeros")
+
+
+def _experts_names(module: nn.Module) -> tuple[str, str]:
+    """(the up-side weight's name, ``"down_proj"``) of a transformers experts block, 16-bit or 4-bit."""
+    for up in ("gate_up_proj", "up_proj"):
+        for name in (up, f"tilegemm_{up}_qweight"):
+            t = getattr(module, name, None)
+            if isinstance(t, torch.Tensor) and t.dim() == 3:
+                down = getattr(module, "down_proj", getattr(module, "tilegemm_down_proj_qweight", None))
+                if isinstance(down, torch.Tensor) and down.dim() == 3:
+                    return up, "down_proj"
+    raise NotImplementedError(f"ExpertsTensorParallel splits a transformers MoE experts block (3-D gate_up_proj or "
+                              f"up_proj, and down_proj: Qwen3-MoE's, Mixtral's, ...), not {type(module).__name__}")
+
+
+def _up_ranges(module: nn.Module, I2: int, gated: bool, rank: int, world: int) -> list[tuple[int, int]]:
+    """The ranges of up-side output columns (of ``I2``) rank ``rank`` holds: a gated, concatenated block's gate
+    columns and the matching up columns (``[gate | up]`` -> ``[gate shard | up shard]``); else one contiguous
+    range (an interleaved block's pairs stay whole: the range is even)."""
+    if gated and getattr(module, "is_concatenated", True):
+        i = _even("the experts' intermediate size I", I2 // 2, world)
+        return [(rank * i, (rank + 1) * i), (I2 // 2 + rank * i, I2 // 2 + (rank + 1) * i)]
+    pairs = 2 if gated else 1
+    i = _even("the experts' intermediate size I", I2 // pairs, world) * pairs
+    return [(rank * i, (rank + 1) * i)]
+
+
+def _columns(ranges) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in ranges])
+
+
+def _expert_group_check(I: int, i: int, world: int, group_size: int) -> None:
+    if group_size == -1:
+        raise ValueError(f"the experts' down_proj is quantized with group_size = -1 (one group over all of I = "
+                         f"{I}): a split of I over {world} ranks would cut it; quantize with a group size that "
+                         f"divides I / {world} = {i}")
+    if i % group_size or i % 8:
+        raise ValueError(f"a split of the experts' intermediate size I = {I} over {world} ranks ({i} each) would "
+                         f"cut quantization groups of group_size = {group_size}: I / ranks must be a multiple of "
+                         f"the group size")
+
+
+def shard_experts_(module: nn.Module, rank: int, world: int) -> nn.Module:
+    """Replace, in place, the stacked weights of the experts block ``module`` by rank ``rank``'s slice along the
+    intermediate size I (of ``world``): the up side (``gate_up_proj`` ``[E, 2I, H]``: this rank's gate rows and
+    the matching up rows) column-parallel, ``down_proj`` ``[E, H, I]`` row-parallel; ``is_transposed`` blocks
+    alike; 4-bit experts (``tilegemm_<name>_qweight`` ``[E, K/8, N]``, scales and zeros ``[E, G, N]``) split N
+    anywhere and K in whole quantization groups. The down bias is kept by the first rank only (zeros elsewhere).
+
+    Raises ValueError naming the size that does not split evenly or the group size a split would cut, and
+    NotImplementedError for a block whose output is not linear in its partial sums (a post-expert norm)."""
+    up, down = _experts_names(module)
+    if getattr(module, "tp_split", None) == "experts":
+        raise ValueError(f"this experts block ({type(module).__name__}) is split already")
+    if getattr(module, "has_post_expert_norm", False):
+        raise NotImplementedError("ExpertsTensorParallel: this experts block normalizes each expert's output "
+                                  "(has_post_expert_norm), which a partial sum over ranks cannot take")
+    gated = up == "gate_up_proj"
+    transposed = getattr(module, "is_transposed", False)
+    int4 = hasattr(module, f"tilegemm_{up}_qweight")
+    if int4:  # [E, K/8, N] / [E, G, N]: N on dim 2 for every part
+        q_up = getattr(module, f"tilegemm_{up}_qweight")
+        q_down = getattr(module, "tilegemm_down_proj_qweight")
+        I2, I = q_up.shape[2], q_down.shape[1] * 8
+    else:
+        w_up, w_down = getattr(module, up), getattr(module, down)
+        I2 = w_up.shape[2] if transposed else w_up.shape[1]
+        I = w_down.shape[1] if transposed else w_down.shape[2]
+    if I2 != (2 * I if gated else I):
+        raise ValueError(f"the experts' {up} has {I2} outputs but down_proj {I} inputs (expected "
+                         f"{'2 * ' if gated else ''}{I})")
+    cols = _columns(_up_ranges(module, I2, gated, rank, world))
+    i = I // world
+    rows = slice(rank * i, (rank + 1) * i)
+    with torch.no_grad():
+        if int4:
+            gs = module.tilegemm_group_size
+            _expert_group_check(I, i, world, gs)
+            for part in _INT4_EXPERT_PARTS:
+                name = f"tilegemm_{up}_{part}"
+                t = getattr(module, name)
+                module.register_buffer(name, t.index_select(2, cols.to(t.device)).contiguous())
+                name = f"tilegemm_down_proj_{part}"
+                t = getattr(module, name)
+                sl = slice(rows.start // 8, rows.stop // 8) if part == "qweight" else \
+                    slice(rows.start // gs, rows.stop // gs)
+                module.register_buffer(name, t[:, sl].contiguous())
+        else:
+            for name, local in ((up, w_up.index_select(2 if transposed else 1, cols.to(w_up.device))),
+                                (down, w_down[:, rows] if transposed else w_down[:, :, rows])):
+                old = getattr(module, name)
+                setattr(module, name, nn.Parameter(local.contiguous(), requires_grad=old.requires_grad))
+        if getattr(module, "has_bias", False):
+            b_up, b_down = getattr(module, f"{up}_bias", None), getattr(module, f"{down}_bias", None)
+            if b_up is not None:
+                setattr(module, f"{up}_bias", nn.Parameter(b_up.index_select(-1, cols.to(b_up.device)).contiguous(),
+                                                          requires_grad=b_up.requires_grad))
+            if b_down is not None and rank != 0:  # added once, by the first rank, before the all-reduce sums
+                setattr(module, f"{down}_bias", nn.Parameter(torch.zeros_like(b_down),
+                                                            requires_grad=b_down.requires_grad))
+    if isinstance(getattr(module, "intermediate_dim", None), int):
+        module.intermediate_dim = i
+    module.tp_split = "experts"
+    return module
+
+
+def _experts_part(module: nn.Module, leaf: str, sl, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s part of the experts block tensor ``leaf`` read from the safetensors slice ``sl`` (of the
+    unsharded block), as :func:`shard_experts_` cuts it: the up side's columns (two ranges for a gated,
+    concatenated block), the down side's rows along I (whole quantization groups), the down bias on rank 0."""
+    shape = tuple(sl.get_shape())
+    up = "gate_up_proj" if leaf.startswith(("gate_up_proj", "tilegemm_gate_up_proj")) else \
+        "up_proj" if leaf.startswith(("up_proj", "tilegemm_up_proj")) else "down_proj"
+    transposed = getattr(module, "is_transposed", False)
+    part = leaf.rpartition("_")[2] if leaf.startswith("tilegemm_") else None
+    if leaf == "down_proj_bias":
+        t = sl[()] if shape else sl[:]
+        return t if rank == 0 else torch.zeros_like(t)
+    if up != "down_proj":  # the up side: columns
+        dim = len(shape) - 1 if leaf.endswith("_bias") or part else (2 if transposed else 1)
+        ranges = _up_ranges(module, shape[dim], up == "gate_up_proj", rank, world)
+        pieces = []
+        for a, b in ranges:
+            index = [slice(None)] * len(shape)
+            index[dim] = slice(a, b)
+            pieces.append(sl[tuple(index)])
+        return torch.cat(pieces, dim).contiguous()
+    if part is None:  # 16-bit down_proj [E, H, I] (or [E, I, H]): rows of I
+        dim = 1 if transposed else 2
+        i = _even("the experts' intermediate size I", shape[dim], world)
+        index = [slice(None)] * 3
+        index[dim] = slice(rank * i, (rank + 1) * i)
+        return sl[tuple(index)].contiguous()
+    # 4-bit down: qweight [E, I/8, H], scales and zeros [E, I/gs, H] (a block sharded already: gs != -1)
+    gs = module.tilegemm_group_size
+    per = 8 if part == "qweight" else gs
+    I = shape[1] * per
+    i = _even("the experts' intermediate size I", I, world)
+    _expert_group_check(I, i, world, gs)
+    return sl[:, rank * i // per:(rank + 1) * i // per].contiguous()  # (the kernels read the parts contiguous)
+
+
+def _experts_input_hook(style, mesh, mod, args, kwargs):
+    args = list(args)
+    if args:
+        args[0] = _to_local_input(args[0], mesh, style.input_layouts, (Replicate(),))
+    elif "hidden_states" in kwargs:
+        kwargs["hidden_states"] = _to_local_input(kwargs["hidden_states"], mesh, style.input_layouts,
+                                                  (Replicate(),))
+    # the routing (top_k_index, top_k_weights): the same on every rank
+    args = [a.full_tensor() if isinstance(a, DTensor) else a for a in args]
+    kwargs = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+    return tuple(args), kwargs
+
+
+class ExpertsTensorParallel(ParallelStyle):
+    """Tensor-parallel MoE experts: a transformers experts block (Qwen3-MoE's, Mixtral's: stacked ``gate_up_proj``
+    ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``; 4-bit after ``tilegemm.nn.quantize_``) split along the
+    intermediate size I, as an MLP's column- then row-parallel pair: each rank holds I / ranks of every expert
+    (its gate rows with the matching up rows), runs every expert the router picks on its slice, and one
+    all-reduce sums the ranks' outputs. No token is exchanged; the router stays replicated.
+
+    The block keeps plain local weights (:func:`shard_experts_`), so any experts implementation (``"tilegemm"``,
+    transformers' ``"eager"``, ...) runs on them unchanged. ``input_layouts`` (default replicated) is the layout of
+    the hidden states given to the block, ``output_layouts`` (default replicated) of its output, a local tensor
+    unless ``use_local_output=False``. docs/parallel.md#moe-experts.
+    """
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
+        super().__init__()
+        self.input_layouts = (input_layouts or Replicate(),)
+        self.output_layouts = (output_layouts or Replicate(),)
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        register()
+        rank, world = _mesh_rank(device_mesh)
+        shard_experts_(module, rank, world)
+        module.register_forward_pre_hook(partial(_experts_input_hook, self, device_mesh), with_kwargs=True)
+        module.register_forward_hook(partial(_int4_output_hook, self, device_mesh, (Partial(),)))
+        return module
+
+
 # --- sharded loading ----------------------------------------------------------------------------------------
 
 
@@ -369,11 +561,12 @@ def _dtensor_slices(target: DTensor, shape, rank: int, world: int) -> tuple:
 
 def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: DeviceMesh, strict: bool = True,
                   device=None) -> nn.Module:
-    """Fill ``model`` (parallelized already with :class:`ColwiseParallel`/:class:`RowwiseParallel`, each module
-    holding its local shapes) from safetensors ``files`` holding the *unsharded* state dict, each rank reading
-    only its slice of every split tensor (``safe_open(...).get_slice(name)[...]``); tensors of modules outside
-    the plan are read whole. Int4Linear layers read the house format (``Int4Linear.state_dict()``'s names), whose
-    act-order rows are stored sorted by group, so a row-parallel shard is a slice too. Returns ``model``.
+    """Fill ``model`` (parallelized already with :class:`ColwiseParallel`/:class:`RowwiseParallel`/
+    :class:`ExpertsTensorParallel`, each module holding its local shapes) from safetensors ``files`` holding the
+    *unsharded* state dict, each rank reading only its slice of every split tensor
+    (``safe_open(...).get_slice(name)[...]``); tensors of modules outside the plan are read whole. Int4Linear
+    layers read the house format (``Int4Linear.state_dict()``'s names), whose act-order rows are stored sorted by
+    group, so a row-parallel shard is a slice too. Returns ``model``.
     """
     from safetensors import safe_open  # an optional dependency (the models extra), needed here only
 
@@ -393,6 +586,9 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
                         loaded.add(key)  # a row-parallel int4 bias past the first rank: not held there
                         continue
                     state[key] = sl[slices] if slices else f.get_tensor(key)
+                    continue
+                if getattr(module, "tp_split", None) == "experts":  # ExpertsTensorParallel's local weights
+                    state[key] = _experts_part(module, leaf, f.get_slice(key), rank, world)
                     continue
                 target = None if module is None else (module._parameters.get(leaf) if leaf in module._parameters
                                                        else module._buffers.get(leaf))
@@ -435,6 +631,9 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
             new = DTensor.from_local(value.to(dev, target.dtype), target.device_mesh, target.placements,
                                      run_check=False, shape=target.shape, stride=target.stride())
         else:
+            if tuple(value.shape) != tuple(target.shape):  # a local shard the files' tensor does not fit
+                raise ValueError(f"load_sharded_: {key} is {list(value.shape)} in the files but "
+                                 f"{list(target.shape)} in the model")
             new = value.to(dev, target.dtype)
         if is_param:
             module._parameters[leaf] = nn.Parameter(new, requires_grad=target.requires_grad)

@@ -1,4 +1,5 @@
-"""DTensor sharding rules of tilegemm's ops (``torch.ops.tilegemm.matmul``, ``w4a16_matmul``, ``conv2d``).
+"""DTensor sharding rules of tilegemm's ops (``torch.ops.tilegemm.matmul``, ``w4a16_matmul``, ``conv2d``,
+``grouped_mm``, ``grouped_w4a16``, ``grouped_mm_gated``).
 
 Apart from the rest of :mod:`tilegemm.parallel` so that the layers (``tilegemm.nn.Linear``, ``Conv2d``) can register
 the rules when they meet a DTensor weight without importing the styles and the loaders, which import the layers
@@ -12,6 +13,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 import tilegemm.ops.conv2d.op  # noqa: F401 (defines torch.ops.tilegemm.conv2d, whose rules are registered here)
+import tilegemm.ops.grouped.op  # noqa: F401 (tilegemm.grouped_mm, grouped_w4a16, grouped_mm_gated)
 import tilegemm.ops.matmul.op  # noqa: F401 (torch.ops.tilegemm.matmul)
 import tilegemm.ops.w4a16.op  # noqa: F401 (torch.ops.tilegemm.w4a16_matmul)
 
@@ -116,6 +118,91 @@ def _conv2d_rule(x, weight, bias, stride, padding, dilation, groups, activation,
     return rules
 
 
+# The grouped family: offs holds data-dependent group ends along the rows (2-D a) or K (2-D a and b), so the
+# grouped dimension itself is never split; the other ones split as the dense product's do.
+
+
+def _grouped_bias(bias, out, place_n, groups_split: bool = False):
+    """The bias's placement (``[N]`` or ``[G, N]``) for an output placed ``out``: split along N with it
+    (``place_n``), split along G where the groups are (``groups_split``), partial with a partial output."""
+    R = Replicate()
+    if not _is_spec(bias):
+        return R
+    if isinstance(out, Partial):
+        return Partial()
+    if place_n:
+        return Shard(bias.ndim - 1)
+    if groups_split and bias.ndim == 2:
+        return Shard(0)
+    return R
+
+
+def _grouped_mm_rule(a, b, offs, bias, out_dtype, precision, kernel):
+    """``tilegemm::grouped_mm`` (2-D x 3-D: the MoE forward; 3-D x 3-D batched; 2-D x 2-D and 3-D x 2-D, the
+    gradients' layouts): column-parallel (b split along N), row-parallel (a and b split along K: a partial
+    output; not for 2-D x 2-D, whose offs splits K) and the splits of the batch or the rows offs does not group."""
+    args = (a, b, offs, bias, out_dtype, precision, kernel)
+    R, P = Replicate(), Partial()
+    layout = f"{a.ndim}d{b.ndim}d"
+
+    def strategy(out, pa, pb, pbias):
+        return [out], _place(args, [pa, pb, R, pbias, None, None, None])
+
+    rules = [strategy(R, R, R, R)]
+    nd_out = 3 if layout in ("3d3d", "2d2d") else 2
+    # column-parallel: b split along N; the output's last dim (N) with it
+    if layout != "3d2d":  # 3-D x 2-D: offs groups b's columns
+        rules.append(strategy(Shard(nd_out - 1), R, Shard(b.ndim - 1), _grouped_bias(bias, Shard(0), True)))
+    # row-parallel: K split in both; each rank's product a partial sum (the bias added once, as a partial)
+    if layout != "2d2d":
+        rules.append(strategy(P, Shard(a.ndim - 1), Shard(b.ndim - 2), _grouped_bias(bias, P, False)))
+    if layout == "3d3d":  # batched: the batch (groups), or a's rows
+        rules.append(strategy(Shard(0), Shard(0), Shard(0), _grouped_bias(bias, Shard(0), False, True)))
+        rules.append(strategy(Shard(1), Shard(1), R, _grouped_bias(bias, Shard(1), False)))
+    elif layout == "2d2d":  # out [G, M, N]: a's rows
+        rules.append(strategy(Shard(1), Shard(0), R, R))
+    elif layout == "3d2d":  # out [M, N]: a's rows
+        rules.append(strategy(Shard(0), Shard(1), R, R))
+    return rules
+
+
+def _grouped_w4a16_rule(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel):
+    """``tilegemm::grouped_w4a16``: x ``[M, K]`` (rows grouped by offs), qweight ``[E, K/8, N]``, scales and zeros
+    ``[E, G, N]`` (stacked experts, K in groups of ``group_k``); gated: N holds the gate, then the up columns."""
+    args = (x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel)
+    R = Replicate()
+
+    def strategy(out, px, pw, pbias):
+        return [out], _place(args, [px, pw, pw, pw, R, pbias, None, None, None, None])
+
+    rules = [strategy(R, R, R, R)]
+    if gated:  # a split of N would part gate columns from their up columns: replicated only
+        _refuse_gate_split("grouped_w4a16 (gated)", qweight, 2)
+        return rules
+    rules.append(strategy(Shard(1), R, Shard(2), _grouped_bias(bias, Shard(1), True)))
+    K, world = x.shape[1], _mesh_size(*args)
+    # K split in whole groups only, evenly (a shard of qweight's K/8 rows must match x's K columns)
+    if activation == "none" and group_k < K and K % (world * group_k) == 0 and (K // world) % 8 == 0:
+        rules.append(strategy(Partial(), Shard(1), Shard(1), _grouped_bias(bias, Partial(), False)))
+    return rules
+
+
+def _refuse_gate_split(op: str, b, dim: int) -> None:
+    if _is_spec(b) and any(isinstance(p, Shard) and p.dim % b.ndim == dim for p in b.placements):
+        raise ValueError(f"{op}: b is split along its gate/up columns (dim {dim}); a shard of [gate | up] is not "
+                         f"[gate shard | up shard], so the product is not sharded this way. Shard MoE experts "
+                         f"with tilegemm.nn.ExpertsTensorParallel (it pairs the halves), or pass b replicated")
+
+
+def _grouped_mm_gated_rule(a, b, offs, bias, activation, precision):
+    """``tilegemm::grouped_mm_gated``: ``activation(gate) * up`` of b's two halves of columns. Replicated only:
+    a split of b's columns would part each gate column from its up column (refused), and the activation takes
+    no partial sums (a split of K is gathered)."""
+    args = (a, b, offs, bias, activation, precision)
+    _refuse_gate_split("grouped_mm_gated", b, 2)
+    return [([Replicate()], _place(args, [Replicate()] * 4 + [None, None]))]
+
+
 _registered = False
 
 
@@ -141,6 +228,9 @@ def register() -> None:
     _register(ops.matmul.default, _matmul_rule, 4)  # alpha onwards: activation among them
     _register(ops.w4a16_matmul.default, _w4a16_rule, 7)  # group_k, activation, kernel
     _register(ops.conv2d.default, _conv2d_rule, 3)  # stride onwards
+    _register(ops.grouped_mm.default, _grouped_mm_rule, 4)  # out_dtype, precision, kernel
+    _register(ops.grouped_w4a16.default, _grouped_w4a16_rule, 6)  # group_k, activation, gated, kernel
+    _register(ops.grouped_mm_gated.default, _grouped_mm_gated_rule, 4)  # activation, precision
     _registered = True
 
 

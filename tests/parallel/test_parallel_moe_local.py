@@ -1,0 +1,134 @@
+"""MoE experts split along their intermediate size, in one process: each rank's shard of a transformers experts
+block (tilegemm.parallel.shard_experts_) run in turn, the ranks' partial outputs added, against the unsharded
+block; 16-bit and 4-bit experts, the "tilegemm" and "eager" implementations; and the refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+try:  # a torchvision that does not match torch (its C ops missing) breaks transformers' model imports
+    import torchvision  # noqa: F401
+except Exception:  # noqa: BLE001
+    import transformers.utils as _tu
+    import transformers.utils.import_utils as _iu
+
+    _iu.is_torchvision_available = _tu.is_torchvision_available = lambda: False
+
+import tilegemm.nn as tnn  # noqa: E402
+from tilegemm.core.runtime import interpreting  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    getattr(pytest.importorskip("transformers.integrations.moe"), "ALL_EXPERTS_FUNCTIONS", None) is None,
+    reason="this transformers has no experts interface (ALL_EXPERTS_FUNCTIONS, transformers >= 5)")
+
+
+def moe_config(**kw):
+    """A tiny Qwen3-MoE: H = 32, I = 64 (gate_up_proj [8, 128, 32], down_proj [8, 32, 64])."""
+    args = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                decoder_sparse_step=1, max_position_embeddings=64)
+    args.update(kw)
+    return transformers.Qwen3MoeConfig(**args)
+
+
+def experts_block(impl: str = "tilegemm", dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(moe_config(**kw), experts_implementation=impl)
+    return model.model.layers[0].mlp.experts.to(dtype).eval()
+
+
+def _sharded_sum(block, world, x, idx, weights):
+    from tilegemm.parallel import shard_experts_
+
+    outs = []
+    for rank in range(world):
+        local = shard_experts_(copy.deepcopy(block), rank, world)
+        outs.append(local(x, idx, weights).float())
+    return torch.stack(outs).sum(0)
+
+
+cpu_kernels = pytest.mark.skipif(not interpreting(), reason="CPU tensors: tilegemm's kernels under the interpreter "
+                                                            "(test_parallel_moe_experts_shards_gpu on the GPU)")
+
+
+@pytest.mark.parametrize("impl", [pytest.param("tilegemm", marks=cpu_kernels), "eager"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_parallel_moe_experts_shards_sum(impl, world):
+    block = experts_block(impl)
+    x, idx, weights = torch.randn(5, 32), torch.randint(0, 8, (5, 2)), torch.rand(5, 2)
+    with torch.no_grad():
+        want = block(x, idx, weights)
+        got = _sharded_sum(block, world, x, idx, weights)
+    local = __import__("tilegemm.parallel", fromlist=["x"]).shard_experts_(copy.deepcopy(block), 1, world)
+    assert local.gate_up_proj.shape == (8, 128 // world, 32) and local.down_proj.shape == (8, 32, 64 // world)
+    # rank 1's gate rows are gate rows 64/world.., its up rows the matching up rows (the halves stay paired)
+    i = 64 // world
+    torch.testing.assert_close(local.gate_up_proj[:, :i], block.gate_up_proj[:, i:2 * i])
+    torch.testing.assert_close(local.gate_up_proj[:, i:], block.gate_up_proj[:, 64 + i:64 + 2 * i])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@cpu_kernels
+def test_parallel_moe_int4_experts_shards_sum():
+    block = experts_block(dtype=torch.float16)
+    model = torch.nn.Module()
+    model.experts = block
+    tnn.quantize_experts_(model, group_size=32)
+    x, idx, weights = torch.randn(6, 32).half(), torch.randint(0, 8, (6, 2)), torch.rand(6, 2).half()
+    with torch.no_grad():
+        want = block(x, idx, weights).float()
+        got = _sharded_sum(block, 2, x, idx, weights)
+    assert (got - want).norm() / want.norm() < 4e-3
+
+
+def test_parallel_moe_experts_refusals():
+    from tilegemm.parallel import shard_experts_
+
+    block = experts_block()
+    with pytest.raises(ValueError, match=r"intermediate size I = 64 does not split evenly over 3 ranks"):
+        shard_experts_(copy.deepcopy(block), 0, 3)
+    with pytest.raises(ValueError, match="split already"):
+        shard_experts_(shard_experts_(copy.deepcopy(block), 0, 2), 0, 2)
+    with pytest.raises(NotImplementedError, match="MoE experts block"):
+        shard_experts_(torch.nn.Linear(4, 4), 0, 2)
+    model = torch.nn.Module()
+    model.experts = experts_block(hidden_size=64)  # (a group of 64 fits H = 64 and I = 64, not I / 2)
+    assert tnn.quantize_experts_(model, group_size=64) == ["experts"]
+    with pytest.raises(ValueError, match=r"I = 64 over 2 ranks \(32 each\) would cut quantization groups of "
+                                         r"group_size = 64"):
+        shard_experts_(model.experts, 0, 2)
+    model.experts = copy.deepcopy(block)
+    assert tnn.quantize_experts_(model, group_size=-1) == ["experts"]
+    with pytest.raises(ValueError, match=r"group_size = -1"):
+        shard_experts_(model.experts, 0, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_parallel_moe_experts_shards_gpu(world):
+    """On the GPU, fp16 experts of a wider block (H = 1024, I = 768, 16 experts, 256 tokens), 16-bit then 4-bit
+    (groups of 64): each rank's shard through the kernels a GPU picks, the partial outputs added, against the
+    unsharded block."""
+    block = experts_block(hidden_size=1024, moe_intermediate_size=768, num_experts=16)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.03)
+    block = block.half().cuda()
+    x = torch.randn(256, 1024, dtype=torch.float16, device="cuda")
+    idx = torch.randint(0, 16, (256, 2), device="cuda")
+    weights = torch.rand(256, 2, dtype=torch.float16, device="cuda")
+    for quantized in (False, True):
+        if quantized:
+            holder = torch.nn.Module()
+            holder.experts = block
+            assert tnn.quantize_experts_(holder, group_size=64) == ["experts"]
+        with torch.no_grad():
+            want = block(x, idx, weights).float()
+            got = _sharded_sum(block, world, x, idx, weights)
+        assert torch.isfinite(got).all()
+        assert (got - want).norm() / want.norm() < 4e-3, quantized
