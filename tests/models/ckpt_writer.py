@@ -9,7 +9,11 @@ packs nibbles and computes the dequantized weights that a checkpoint means.
 - :class:`Writer`: tensors streamed into ``model.safetensors``, or into shards plus ``model.safetensors.index.json``
   once they pass ``shard_bytes``; ``config.json`` with the ``quantization_config``.
 - :func:`write_model`: a transformers model's weights (random init from a config) as a checkpoint, returning the
-  reference weights (every quantized Linear's dequantized weight, the rest as stored).
+  reference weights (every quantized Linear's dequantized weight, the rest as stored). A MoE block's 3-D experts
+  (transformers v5: ``gate_up_proj [E, 2I, H]``, gate rows then up rows, and ``down_proj [E, H, I]``) are written
+  as quantizers store them, one Linear per expert: ``<block>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``, or
+  with ``mixtral_names`` Mixtral's ``block_sparse_moe.experts.<e>.w1`` (gate) / ``w3`` (up) / ``w2`` (down)
+  (and the router under ``block_sparse_moe.gate``).
 
 Packing (``W.T[k, n]`` is ``q[k, n]``; nibble ``i`` of an int32 is bits ``4i .. 4i+3``):
 GPTQ ``qweight [K/8, N]``: nibble i of row r is ``q[8r + i]``; ``qzeros [G, N/8]``: nibble i of word c is the zero of
@@ -234,12 +238,26 @@ def linear_names(model, quantize_lm_head: bool = False, not_convert=()) -> list[
     return names
 
 
+def _expert_linears(name: str, tensor: torch.Tensor, mixtral_names: bool):
+    """A 3-D experts weight ``<block>.gate_up_proj`` / ``<block>.down_proj`` -> (its stored block prefix,
+    [(projection name, [E, N, K] rows of it)])."""
+    block, _, leaf = name.rpartition(".")
+    stored = block.replace(".mlp.", ".block_sparse_moe.") if mixtral_names else block
+    gate, up, down = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
+    if leaf == "gate_up_proj":
+        half = tensor.shape[1] // 2
+        return stored, [(gate, tensor[:, :half]), (up, tensor[:, half:])]
+    return stored, [(down, tensor)]
+
+
 def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: bool = False,
                 act_order: bool = False, v2: bool = False, shard_bytes: int = 2**30, not_convert=(),
-                seed: int = 0, drop=(), config_extra: dict | None = None, quant_extra: dict | None = None) -> dict:
+                seed: int = 0, drop=(), config_extra: dict | None = None, quant_extra: dict | None = None,
+                mixtral_names: bool = False) -> dict:
     """Write ``model`` (a transformers model with float weights) as a 4-bit checkpoint at ``path``; return the
-    reference state dict: each quantized Linear's dequantized weight (fp16) under ``P.weight``, every other
-    tensor as stored (fp16). ``drop``: tensor names left out (to test missing tensors)."""
+    reference state dict: each quantized Linear's dequantized weight (fp16) under ``P.weight`` (a MoE block's
+    experts: the 3-D weights of the dequantized experts), every other tensor as stored (fp16). ``drop``: tensor
+    names left out (to test missing tensors)."""
     gen = torch.Generator().manual_seed(seed)
     quantized = set(linear_names(model, not_convert=not_convert))
     writer = Writer(path, shard_bytes)
@@ -261,9 +279,24 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
                     writer.add(f"{module}.{part}", t)
             reference[name] = deq
             continue
+        if leaf in ("gate_up_proj", "down_proj") and module.endswith(".experts") and tensor.dim() == 3:
+            stored_block, projs = _expert_linears(name, tensor.detach(), mixtral_names)
+            deqs = []
+            for proj, w in projs:
+                per_expert = []
+                for e in range(w.shape[0]):
+                    stored, deq = quantize_linear(w[e], method, group_size, sym, act_order, v2, gen)
+                    for part, t in stored.items():
+                        key = f"{stored_block}.{e}.{proj}.{part}"
+                        if key not in drop:
+                            writer.add(key, t)
+                    per_expert.append(deq)
+                deqs.append(torch.stack(per_expert))
+            reference[name] = torch.cat(deqs, dim=1)  # gate rows, then up rows
+            continue
         t = tensor.detach().half() if tensor.is_floating_point() else tensor.detach()
         if name not in drop:
-            writer.add(name, t)
+            writer.add(name.replace(".mlp.gate.", ".block_sparse_moe.gate.") if mixtral_names else name, t)
         reference[name] = t
     config = model.config.to_dict()
     config["architectures"] = [type(model).__name__]  # as save_pretrained writes it
@@ -285,6 +318,20 @@ def tiny_config(arch: str = "llama", hidden: int = 128, layers: int = 2, tie: bo
            "mistral": transformers.MistralConfig}[arch]
     return cls(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
                vocab_size=256, num_hidden_layers=layers, max_position_embeddings=64, tie_word_embeddings=tie)
+
+
+def tiny_moe_config(arch: str = "qwen3_moe", hidden: int = 64, layers: int = 2):
+    """A small transformers MoE config: ``qwen3_moe`` (4 experts, top 2, expert width 32) or ``mixtral`` (the
+    same sizes), vocab 256."""
+    import transformers
+
+    common = dict(vocab_size=256, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_experts_per_tok=2, max_position_embeddings=64,
+                  tie_word_embeddings=False)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(intermediate_size=32, num_local_experts=4, **common)
+    return transformers.Qwen3MoeConfig(intermediate_size=2 * hidden, moe_intermediate_size=32, num_experts=4,
+                                       decoder_sparse_step=1, **common)
 
 
 def random_model(config, seed: int = 0):

@@ -28,8 +28,9 @@ from torch import nn
 
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.int4 import Int4Linear
+from tilegemm.nn.moe import _experts_modules, install_int4_experts_, use_int4_experts_
 from tilegemm.ops.w4a16 import Int4Weight, from_awq, from_gptq
-from tilegemm.ops.w4a16.format import fits_fragments
+from tilegemm.ops.w4a16.format import concat_outputs, fits_fragments, stack_experts
 
 INSTALL = "pip install 'tilegemm[models]'"
 METHODS = ("gptq", "awq")  # the quant_method values taken
@@ -331,6 +332,124 @@ def _int4_weight(tensors: _Tensors, prefix: str, q: QuantConfig, N: int, K: int,
                       torch.cat([w.zeros for w in pieces], 1), first.group_size, (N, K), first.perm, frag)
 
 
+# --- mixture-of-experts blocks stored one Linear per expert -------------------------------------------------
+
+# A checkpoint stores expert e of a block as Linears "<block>.<e>.<gate>", "<up>", "<down>": Qwen-MoE / OLMoE /
+# DeepSeek names, then Mixtral's (w1 = gate, w3 = up, w2 = down).
+_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+# Module paths of checkpoints made before transformers v5 renamed them (Mixtral's block_sparse_moe is now mlp).
+_RENAMED = ((".mlp.", ".block_sparse_moe."),)
+
+
+def _aliases(name: str) -> list[str]:
+    """``name`` and the names an older checkpoint may store it under."""
+    return [name] + [name.replace(new, old) for new, old in _RENAMED if new in name]
+
+
+@dataclasses.dataclass
+class _StoredExperts:
+    """A transformers experts block (3-D ``gate_up_proj``/``up_proj`` and ``down_proj``) whose checkpoint holds
+    each expert's projections as quantized Linears ``{prefix}.{e}.{proj}``."""
+
+    name: str
+    module: nn.Module
+    prefix: str
+    num_experts: int
+    joined: dict  # the block's weight name -> (the per-expert projections its rows join, (N of each, K))
+
+    def keys(self):
+        """(projection prefix, N, K) of every stored expert Linear."""
+        for _, (projs, (N, K)) in self.joined.items():
+            for e in range(self.num_experts):
+                for p in projs:
+                    yield f"{self.prefix}.{e}.{p}", N, K
+
+
+def _stored_experts(model: nn.Module, tensors: _Tensors) -> list[_StoredExperts]:
+    """The experts blocks of ``model`` that the checkpoint stores per expert (quantized), with their names there."""
+    found = []
+    for name, module in _experts_modules(model):
+        has_gate = getattr(module, "has_gate", True)
+        up_name = "gate_up_proj" if has_gate else "up_proj"
+        up, down = getattr(module, up_name), module.down_proj
+        E = down.shape[0]
+        # [E, out, in], or [E, in, out] when the block stores its weights transposed
+        (n_up, h), (h_out, i) = ((up.shape[2], up.shape[1]), (down.shape[2], down.shape[1])) if getattr(
+            module, "is_transposed", False) else ((up.shape[1], up.shape[2]), (down.shape[1], down.shape[2]))
+        for prefix in _aliases(name):
+            names = next((n for n in _EXPERT_NAMES if any(f"{prefix}.{e}.{p}.qweight" in tensors
+                                                          for e in range(E) for p in n)), None)
+            if names is not None:
+                gate, up_p, down_p = names
+                joined = {up_name: ((gate, up_p), (n_up // 2, h)) if has_gate else ((up_p,), (n_up, h)),
+                          "down_proj": ((down_p,), (h_out, i))}
+                found.append(_StoredExperts(name, module, prefix, E, joined))
+                break
+    return found
+
+
+def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problems: list, missing: list) -> set:
+    """Check a per-expert block's stored tensors (appending to ``problems`` / ``missing``); the names used."""
+    used = set()
+    if getattr(s.module, "has_bias", False):
+        problems.append(f"{s.name}: experts with biases are not supported by the per-expert loader")
+    for key, N, K in s.keys():
+        if N % 8 or K % 8 or (q.group_size != -1 and K % q.group_size):
+            problems.append(f"{key}: [out, in] = [{N}, {K}] does not fit 4-bit packing with group_size "
+                            f"{q.group_size}")
+            continue
+        for part, shape in _expected_quant_shapes(q, N, K).items():
+            name = f"{key}.{part}"
+            if name not in tensors:
+                if part != "g_idx" or q.desc_act:
+                    missing.append(name)
+                continue
+            used.add(name)
+            if tensors.shape(name) != shape:
+                problems.append(f"{name}: the checkpoint's shape {tensors.shape(name)} does not match {shape}, "
+                                f"what expert {s.name} ({q.describe()}) stores")
+            elif part == "g_idx" and q.group_size != -1:
+                # Stacked experts take no input permutation (one would be needed per expert).
+                natural = torch.arange(K, device=tensors.device) // q.group_size
+                if not torch.equal(tensors.get(name).to(torch.int64), natural):
+                    problems.append(f"{name}: act-order (desc_act) GPTQ experts are not supported: its g_idx "
+                                    f"reorders the inputs, and stacked 4-bit experts take no input permutation")
+        if f"{key}.bias" in tensors:
+            used.add(f"{key}.bias")
+    return used
+
+
+def _expert_weight(tensors: _Tensors, key: str, q: QuantConfig, N: int, K: int, dtype) -> Int4Weight:
+    """One stored expert Linear as an :class:`Int4Weight` (no fragment layout: the grouped kernels read the
+    stacked parts), with the checkpoint's group size (-1 stays -1 for every projection)."""
+    parts = {p: tensors.get(f"{key}.{p}") for p in _QUANT_PARTS[q.method]}
+    parts["scales"] = parts["scales"].to(dtype)
+    g_idx = tensors.get(f"{key}.g_idx") if q.method == "gptq" and f"{key}.g_idx" in tensors else None
+    w = _import_columns(parts, g_idx, q, 0, N)
+    if w.perm is not None:  # (checked before loading; kept as the last guard)
+        raise ValueError(f"{key}: act-order (desc_act) GPTQ experts are not supported")
+    if q.group_size == -1 and w.group_size != -1:
+        w = Int4Weight(w.qweight, w.scales, w.zeros, -1, w.shape)
+    return w
+
+
+def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -> None:
+    """Stack a block's per-expert Linears into its 4-bit experts (gate rows, then up rows, as ``gate_up_proj``;
+    interleaved for a block whose ``is_concatenated`` is False) and install them on the block."""
+    interleave = not getattr(s.module, "is_concatenated", True)
+    stacked = {}
+    for wname, (projs, (N, K)) in s.joined.items():
+        experts = []
+        for e in range(s.num_experts):
+            try:
+                ws = [_expert_weight(tensors, f"{s.prefix}.{e}.{p}", q, N, K, dtype) for p in projs]
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{s.prefix}.{e} ({q.describe()}): {err}") from None
+            experts.append(ws[0] if len(ws) == 1 else concat_outputs(ws, interleave=interleave))
+        stacked[wname] = stack_experts(experts)
+    install_int4_experts_(s.module, stacked)
+
+
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module_name, _, pname = name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
@@ -395,12 +514,18 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
             missing.append(f"{name}.bias")
         quantized.append(name)
     quantized_set = set(quantized)
+    # MoE blocks whose experts the checkpoint stores one quantized Linear per expert: stacked when loading.
+    experts = _stored_experts(model, tensors)
+    expert_params = {f"{s.name}.{w}" for s in experts for w in s.joined}
+    expert_keys = set()
+    for s in experts:
+        expert_keys |= _check_experts(s, q, tensors, problems, missing)
 
     # Every other parameter (and stored buffer) by name; a tied parameter is loaded under any of its names.
     plain: dict[str, list[str]] = {}  # the first name of each parameter -> all its names
     by_id: dict[int, str] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
-        if pname.rpartition(".")[0] in quantized_set or pname.rpartition(".")[0] in loaded:
+        if pname.rpartition(".")[0] in quantized_set or pname.rpartition(".")[0] in loaded or pname in expert_params:
             continue
         first = by_id.setdefault(id(p), pname)
         plain.setdefault(first, []).append(pname)
@@ -409,7 +534,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     tied = _tied_names(model)
     sources: dict[str, str] = {}
     for first, names in plain.items():
-        found = next((n for n in names if n in tensors), None)
+        found = next((k for n in names for k in _aliases(n) if k in tensors), None)
         if found is not None:
             sources[first] = found
         elif not all(n in tied for n in names):  # tie_weights fills a tied output layer (its own Parameter)
@@ -424,7 +549,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
             problems.append(f"{key}: the checkpoint's shape {tensors.shape(key)} does not match the model's {want}")
         expected_plain[key] = first
     used = set(sources.values()) | {f"{n}.{p}" for n in quantized for p in ("qweight", "qzeros", "scales",
-                                                                             "g_idx", "bias")}
+                                                                             "g_idx", "bias")} | expert_keys
     strays = [k for k in tensors.files if k not in used and not k.endswith(_IGNORED_SUFFIXES)
               and k.rpartition(".")[0] not in loaded]
     stray_quant = [k for k in strays if k.endswith(".qweight")]
@@ -452,6 +577,8 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, Int4Linear.from_weight(w, None if bias is None else bias.to(dtype)))
             del w, bias
+        for s in experts:
+            _load_experts(s, tensors, q, dtype)
         for key, first in expected_plain.items():
             t = tensors.get(key)
             t = t.to(dtype) if t.is_floating_point() else t
@@ -465,6 +592,8 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         for bname, b in module._buffers.items():
             if b is not None and b.device != device and b.device.type != "meta":
                 module._buffers[bname] = b.to(device)
+    if experts:
+        use_int4_experts_(model)  # the "tilegemm" experts implementation runs blocks holding 4-bit experts
     _tie(model)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:

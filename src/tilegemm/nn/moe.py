@@ -203,21 +203,38 @@ def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None
             weights = [w.transpose(1, 2) for w in weights]
         if any(w.shape[2] % 8 or (group_size != -1 and w.shape[2] % group_size) for w in weights):
             continue
-        for n, w in zip(names, weights):
-            q = quantize(w.detach(), group_size, symmetric)
-            delattr(module, n)
-            for part in _INT4:
-                module.register_buffer(f"tilegemm_{n}_{part}", getattr(q, part))
-        module.tilegemm_group_size = group_size
+        install_int4_experts_(module, {n: quantize(w.detach(), group_size, symmetric)
+                                       for n, w in zip(names, weights)})
         done.append(name)
     if done:
-        register_experts()
-        if hasattr(model, "set_experts_implementation"):
-            model.set_experts_implementation(NAME)
-        else:
-            for _, module in _experts_modules_all(model):
-                module.config._experts_implementation = NAME
+        use_int4_experts_(model)
     return done
+
+
+def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
+    """Put stacked 4-bit experts on a transformers experts block: ``weights`` maps its 3-D weight's name
+    (``"gate_up_proj"``/``"up_proj"``, ``"down_proj"``) to an :class:`Int4Weight` of logical shape ``[E, out, in]``
+    (even when the block stores its 16-bit weights transposed), all of one group size. The 16-bit parameter is
+    dropped; the parts become buffers ``tilegemm_<name>_qweight``, ``_scales``, ``_zeros``."""
+    sizes = {w.group_size for w in weights.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"the experts' 4-bit weights must share one group size, got {sorted(sizes)}")
+    for n, q in weights.items():
+        if n in module._parameters:
+            delattr(module, n)
+        for part in _INT4:
+            module.register_buffer(f"tilegemm_{n}_{part}", getattr(q, part))
+    module.tilegemm_group_size = sizes.pop()
+
+
+def use_int4_experts_(model: torch.nn.Module) -> None:
+    """Switch ``model`` to the ``"tilegemm"`` experts implementation (what runs blocks holding 4-bit experts)."""
+    register_experts()
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(NAME)
+    else:
+        for _, module in _experts_modules_all(model):
+            module.config._experts_implementation = NAME
 
 
 def _experts_modules_all(model):

@@ -445,3 +445,50 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) 
     q = unpack_cols(qweight, AWQ_ORDER)  # [K, N]
     zeros = unpack_cols(qzeros, AWQ_ORDER).to(scales.dtype)
     return Int4Weight(pack_rows(q), scales.contiguous(), zeros.contiguous(), group_size, (N, K))
+
+
+# --- experts -------------------------------------------------------------------------------------------------
+
+
+def _check_joinable(what: str, weights) -> list:
+    weights = list(weights)
+    if not weights or not all(isinstance(w, Int4Weight) for w in weights):
+        raise TypeError(f"{what} takes a non-empty list of Int4Weight")
+    first = weights[0]
+    for i, w in enumerate(weights):
+        if len(w.shape) != 2:
+            raise ValueError(f"{what}: weight {i} is {list(w.shape)}, not a 2-D [N, K] weight")
+        if w.perm is not None:
+            raise ValueError(f"{what}: weight {i} is act-order (an input permutation); stacked experts take none")
+        if w.group_size != first.group_size or w.shape[1] != first.shape[1]:
+            raise ValueError(f"{what}: weight {i} has K = {w.shape[1]}, group_size {w.group_size}; weight 0 has "
+                             f"K = {first.shape[1]}, group_size {first.group_size} (they must agree)")
+        if w.dtype != first.dtype or w.device != first.device:
+            raise ValueError(f"{what}: weight {i} is {w.dtype} on {w.device}, weight 0 {first.dtype} on "
+                             f"{first.device}")
+    return weights
+
+
+def stack_experts(weights) -> Int4Weight:
+    """The stacked ``[E, N, K]`` weight of ``E`` experts' ``[N, K]`` weights (same shape, group size, dtype and
+    device; no act-order): what ``quantize`` of a 3-D weight gives, for experts imported one by one."""
+    weights = _check_joinable("stack_experts", weights)
+    if any(w.shape != weights[0].shape for w in weights):
+        raise ValueError(f"stack_experts: the experts' shapes differ: {sorted({w.shape for w in weights})}")
+    parts = (torch.stack([getattr(w, p) for w in weights]) for p in ("qweight", "scales", "zeros"))
+    return Int4Weight(*parts, weights[0].group_size, (len(weights), *weights[0].shape))
+
+
+def concat_outputs(weights, interleave: bool = False) -> Int4Weight:
+    """One ``[N1 + N2 + ..., K]`` weight of weights sharing K and the group size (their output rows one after the
+    other), or, with ``interleave``, rows taken in turn from each (equal N): a MoE expert's gate and up projections
+    as transformers' ``gate_up_proj`` holds them (concatenated or interleaved)."""
+    weights = _check_joinable("concat_outputs", weights)
+    if interleave:
+        if len({w.shape[0] for w in weights}) != 1:
+            raise ValueError("concat_outputs(interleave=True) takes weights of equal N")
+        join = lambda ts: torch.stack(ts, dim=-1).flatten(-2)  # noqa: E731 - column n of weight j -> n * len + j
+    else:
+        join = lambda ts: torch.cat(ts, dim=-1)  # noqa: E731
+    parts = (join([getattr(w, p) for w in weights]).contiguous() for p in ("qweight", "scales", "zeros"))
+    return Int4Weight(*parts, weights[0].group_size, (sum(w.shape[0] for w in weights), weights[0].shape[1]))
