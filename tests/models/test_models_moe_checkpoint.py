@@ -1,0 +1,167 @@
+"""tilegemm.models.from_pretrained on 4-bit MoE checkpoints that store each expert as its own quantized Linear
+(Qwen3-MoE names, Mixtral's w1/w3/w2 under block_sparse_moe): the experts are stacked into the blocks' 4-bit
+experts and run by the "tilegemm" experts implementation; checked against an eager plain-torch model holding the
+weights the checkpoint stands for (the tests' own writer, ckpt_writer.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
+pytest.importorskip("safetensors", reason="safetensors is optional (pip install 'tilegemm[models]')")
+
+try:  # a torchvision that does not match torch (its C ops missing) breaks transformers' model imports
+    import torchvision  # noqa: F401
+except Exception:  # noqa: BLE001
+    import transformers.utils as _tu
+    import transformers.utils.import_utils as _iu
+
+    _iu.is_torchvision_available = _tu.is_torchvision_available = lambda: False
+
+_interface = getattr(pytest.importorskip("transformers.integrations.moe"), "ALL_EXPERTS_FUNCTIONS", None)
+pytestmark = pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface "
+                                                           "(ALL_EXPERTS_FUNCTIONS, transformers >= 5)")
+
+sys.path.insert(0, os.path.dirname(__file__))
+import ckpt_writer as cw  # noqa: E402
+
+import tilegemm.nn.moe as moe  # noqa: E402
+from tilegemm.models import from_pretrained  # noqa: E402
+from tilegemm.nn import Int4Linear  # noqa: E402
+from tilegemm.ops.w4a16 import dequantize, quantize  # noqa: E402
+from tilegemm.ops.w4a16.format import concat_outputs, stack_experts  # noqa: E402
+
+IDS = torch.tensor([[3, 17, 200, 5, 96]])
+TOL = 3e-3  # as the dense loader's tests: fp16 activations through two layers against the fp32 model
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _write(tmp_path, arch="qwen3_moe", **kw):
+    config = cw.tiny_moe_config(arch)
+    path = tmp_path / "ckpt"
+    reference = cw.write_model(path, cw.random_model(config), mixtral_names=arch == "mixtral", **kw)
+    return path, config, reference
+
+
+CASES = {  # name: (arch, writer options)
+    "qwen3moe-gptq-v1-sym-g32": ("qwen3_moe", dict(method="gptq", group_size=32, sym=True)),
+    "qwen3moe-awq-g32-sharded": ("qwen3_moe", dict(method="awq", group_size=32, shard_bytes=40_000)),
+    "qwen3moe-gptq-v2-asym-wholeK": ("qwen3_moe", dict(method="gptq", group_size=-1, v2=True)),
+    "mixtral-gptq-v1-sym-g32": ("mixtral", dict(method="gptq", group_size=32, sym=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_checkpoint_loads_into_stacked_experts(tmp_path, device, name, monkeypatch):
+    arch, kw = CASES[name]
+    path, config, reference = _write(tmp_path, arch, **kw)
+    stored = set()
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(str(path / f), "pt") as h:
+                stored |= set(h.keys())
+    gate = "block_sparse_moe.experts.3.w1" if arch == "mixtral" else "mlp.experts.3.gate_proj"
+    assert f"model.layers.1.{gate}.qweight" in stored and "model.layers.1.mlp.experts.gate_up_proj" not in stored
+    if arch == "mixtral":  # the router too under its pre-v5 name
+        assert "model.layers.0.block_sparse_moe.gate.weight" in stored
+        assert "model.layers.0.mlp.gate.weight" not in stored
+    if kw.get("shard_bytes"):
+        assert (path / "model.safetensors.index.json").is_file() and not (path / "model.safetensors").exists()
+    model = from_pretrained(path, device=device)
+    assert model.config._experts_implementation == "tilegemm"
+    # attention stays Int4Linear per Linear (q, k, v, o per layer); the router and lm_head stay plain
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 4 * config.num_hidden_layers
+    for i, layer in enumerate(model.model.layers):
+        block = layer.mlp.experts
+        assert "gate_up_proj" not in block._parameters and "down_proj" not in block._parameters
+        group = 32 if kw["group_size"] == 32 else -1
+        assert block.tilegemm_group_size == group
+        assert block.tilegemm_gate_up_proj_qweight.device.type == device
+        # the stacked experts are exactly the writer's dequantized experts: gate rows, then up rows
+        for w in ("gate_up_proj", "down_proj"):
+            w4 = moe._int4(block, w)
+            assert w4.shape == tuple(reference[f"model.layers.{i}.mlp.experts.{w}"].shape)
+            assert torch.equal(dequantize(w4).cpu(), reference[f"model.layers.{i}.mlp.experts.{w}"]), (i, w)
+    calls = []
+    project = moe._project
+    monkeypatch.setattr(moe, "_project", lambda *a: calls.append(a[1]) or project(*a))
+    with torch.no_grad():
+        got = model(input_ids=IDS.to(device)).logits.float().cpu()
+    assert calls.count("gate_up_proj") == 2 and calls.count("down_proj") == 2  # every block ran on tilegemm
+    ref = cw.reference_model(config, reference)
+    ref.set_experts_implementation("eager")
+    with torch.no_grad():
+        want = ref(input_ids=IDS).logits.float()
+    err = _rel(got, want)
+    assert err < TOL, f"{name}: logits rel. error {err:.2e}"
+
+
+def test_missing_expert_tensor_is_named(tmp_path, device):
+    config = cw.tiny_moe_config(layers=1)
+    path = tmp_path / "c"
+    drop = ["model.layers.0.mlp.experts.2.up_proj.qweight", "model.layers.0.mlp.experts.3.down_proj.scales"]
+    cw.write_model(path, cw.random_model(config), "gptq", 32, sym=True, drop=drop)
+    with pytest.raises(ValueError, match=r"lacks tensor.*model\.layers\.0\.mlp\.experts\.2\.up_proj\.qweight.*"
+                                         r"model\.layers\.0\.mlp\.experts\.3\.down_proj\.scales"):
+        from_pretrained(path, device=device)
+
+
+def test_whole_expert_missing_is_named(tmp_path, device):
+    config = cw.tiny_moe_config(layers=1)
+    path = tmp_path / "c"
+    drop = [f"model.layers.0.mlp.experts.1.{p}.{part}" for p in ("gate_proj", "up_proj", "down_proj")
+            for part in ("qweight", "qzeros", "scales", "g_idx")]
+    cw.write_model(path, cw.random_model(config), "gptq", 32, sym=True, drop=drop)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.1\.gate_proj\.qweight"):
+        from_pretrained(path, device=device)
+
+
+def test_act_order_experts_refused(tmp_path, device):
+    config = cw.tiny_moe_config(layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32, act_order=True)
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.g_idx: act-order \(desc_act\) GPTQ experts are "
+                                         r"not supported"):
+        from_pretrained(path, device=device)
+
+
+def test_desc_act_with_natural_order_loads(tmp_path, device):
+    """desc_act in the config but every g_idx in natural order (trivial act-order): nothing to permute."""
+    path, config, reference = _write(tmp_path, "qwen3_moe", method="gptq", group_size=32, sym=True)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["desc_act"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = from_pretrained(path, device=device)
+    w4 = moe._int4(model.model.layers[0].mlp.experts, "gate_up_proj")
+    assert torch.equal(dequantize(w4).cpu(), reference["model.layers.0.mlp.experts.gate_up_proj"])
+
+
+def test_stack_experts_and_concat_outputs():
+    torch.manual_seed(0)
+    w = torch.randn(3, 16, 64)
+    parts = [quantize(w[e], 32) for e in range(3)]
+    stacked = stack_experts(parts)
+    whole = quantize(w, 32)
+    assert stacked.shape == (3, 16, 64)
+    for p in ("qweight", "scales", "zeros"):
+        assert torch.equal(getattr(stacked, p), getattr(whole, p)), p
+    a, b = quantize(w[0], 32), quantize(w[1], 32)
+    assert torch.equal(dequantize(concat_outputs([a, b])), torch.cat([dequantize(a), dequantize(b)]))
+    inter = dequantize(concat_outputs([a, b], interleave=True))
+    assert torch.equal(inter[0::2], dequantize(a)) and torch.equal(inter[1::2], dequantize(b))
+    with pytest.raises(ValueError, match="group_size"):
+        stack_experts([quantize(w[0], 32), quantize(w[1], 64)])
+    with pytest.raises(ValueError, match="shapes differ"):
+        stack_experts([quantize(w[0], 32), quantize(w[1, :8], 32)])
+    with pytest.raises(TypeError, match="non-empty list"):
+        stack_experts([])
