@@ -32,6 +32,8 @@ import ckpt_writer as cw  # noqa: E402
 
 import tilegemm.nn.moe as moe  # noqa: E402
 from tilegemm.models import from_pretrained  # noqa: E402
+from tilegemm.models.pretrained import dequantized_copy, empty_model  # noqa: E402
+from tilegemm.nn import load_quantized_  # noqa: E402
 from tilegemm.nn import Int4Linear  # noqa: E402
 from tilegemm.ops.w4a16 import dequantize, quantize  # noqa: E402
 from tilegemm.ops.w4a16.format import concat_outputs, stack_experts  # noqa: E402
@@ -165,3 +167,26 @@ def test_stack_experts_and_concat_outputs():
         stack_experts([quantize(w[0], 32), quantize(w[1, :8], 32)])
     with pytest.raises(TypeError, match="non-empty list"):
         stack_experts([])
+
+
+def test_dequantized_copy_of_moe_model(tmp_path, device):
+    """The bench's fp16 reference of a loaded MoE model: its experts' 3-D weights are the dequantized experts."""
+    path, config, reference = _write(tmp_path, "qwen3_moe", method="awq", group_size=32)
+    model = from_pretrained(path, device=device)
+    dense = dequantized_copy(model)
+    block = dense.model.layers[1].mlp.experts
+    assert block.gate_up_proj.dtype == torch.float16 and not hasattr(block, "tilegemm_group_size")
+    assert torch.equal(block.gate_up_proj.cpu(), reference["model.layers.1.mlp.experts.gate_up_proj"])
+    assert torch.equal(block.down_proj.cpu(), reference["model.layers.1.mlp.experts.down_proj"])
+    assert dense.model.layers[0].mlp.gate.weight is model.model.layers[0].mlp.gate.weight  # shared, not copied
+
+
+def test_experts_with_biases_refused(tmp_path, device):
+    """A block whose experts have biases (has_bias) is refused by name rather than loaded without them."""
+    config = cw.tiny_moe_config(layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32, sym=True)
+    model, dev = empty_model(path, device=device)
+    model.model.layers[0].mlp.experts.has_bias = True
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: experts with biases are not supported"):
+        load_quantized_(model, path, device=dev)

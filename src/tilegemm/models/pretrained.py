@@ -28,8 +28,8 @@ from torch import nn
 
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.int4 import Int4Linear
-from tilegemm.nn.moe import _experts_modules, install_int4_experts_, use_int4_experts_
-from tilegemm.ops.w4a16 import Int4Weight, from_awq, from_gptq
+from tilegemm.nn.moe import _experts_modules, _int4, install_int4_experts_, use_int4_experts_
+from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_gptq
 from tilegemm.ops.w4a16.format import concat_outputs, fits_fragments, stack_experts
 
 INSTALL = "pip install 'tilegemm[models]'"
@@ -227,6 +227,10 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None) -> nn
     ``bits`` 4, any group size the kernels take (32, 64, 128, 256, -1 = all of K). Raises FileNotFoundError,
     ValueError or TypeError naming the problem (no directory, no config.json, no quantization_config, another
     method or bit width, missing tensors, shapes that do not match the config).
+
+    Mixture-of-experts checkpoints storing each expert as its own quantized Linear (``<block>.<e>.gate_proj`` ...,
+    Mixtral's ``block_sparse_moe.experts.<e>.w1`` ...) load into the blocks' stacked 4-bit experts, run by the
+    ``"tilegemm"`` experts implementation (``docs/w4a16.md`` "Loading checkpoints"; act-order experts refused).
     """
     model, device = empty_model(path, dtype, device)
     load_quantized_(model, path, dtype=dtype, device=device)
@@ -516,8 +520,10 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     quantized_set = set(quantized)
     # MoE blocks whose experts the checkpoint stores one quantized Linear per expert: stacked when loading.
     experts = _stored_experts(model, tensors)
+    expert_keys = {f"{key}.{p}" for s in experts if s.name in loaded for key, _, _ in s.keys()
+                   for p in ("qweight", "qzeros", "scales", "g_idx", "bias")}  # filled already: not strays
+    experts = [s for s in experts if s.name not in loaded]
     expert_params = {f"{s.name}.{w}" for s in experts for w in s.joined}
-    expert_keys = set()
     for s in experts:
         expert_keys |= _check_experts(s, q, tensors, problems, missing)
 
@@ -630,7 +636,8 @@ def _tie(model: nn.Module) -> None:
 def dequantized_copy(model: nn.Module) -> nn.Module:
     """The same ``transformers`` model with each :class:`~tilegemm.nn.Int4Linear` an ``nn.Linear`` holding its
     dequantized weight (16-bit), every other parameter shared with ``model`` (no copy): the fp16 model that
-    computes what the 4-bit one should, as the bench's baseline and reference."""
+    computes what the 4-bit one should, as the bench's baseline and reference. 4-bit stacked experts become the
+    block's 16-bit 3-D weights (dequantized)."""
     from transformers import AutoModelForCausalLM
 
     config = model.config
@@ -643,6 +650,7 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
     finally:
         torch.set_default_dtype(old)
     int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    experts = {name: m for name, m in model.named_modules() if hasattr(m, "tilegemm_group_size")}
     source = dict(model.named_parameters(remove_duplicate=False))
     made: dict[int, nn.Parameter] = {}  # one shared Parameter per source tensor (tied names stay tied)
     with torch.no_grad():
@@ -650,6 +658,10 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
             module_name, _, leaf = name.rpartition(".")
             if module_name in int4 and leaf == "weight":
                 value = nn.Parameter(int4[module_name].dequantize(), requires_grad=False)
+            elif name not in source and module_name in experts:  # 4-bit stacked experts: [E, out, in]
+                w = dequantize(_int4(experts[module_name], leaf))
+                w = w.transpose(1, 2).contiguous() if getattr(experts[module_name], "is_transposed", False) else w
+                value = nn.Parameter(w, requires_grad=False)
             else:
                 src = source[name]
                 value = made.setdefault(id(src), src if isinstance(src, nn.Parameter) else nn.Parameter(src))
