@@ -5,7 +5,8 @@ model the caller built.
 A checkpoint directory (the Hugging Face layout, ``docs/w4a16.md`` "Loading checkpoints"): ``config.json`` with a
 ``quantization_config``, tensors in ``model.safetensors`` or in shards listed by ``model.safetensors.index.json``.
 A quantized Linear ``P`` stores ``P.qweight``, ``P.qzeros``, ``P.scales`` (GPTQ: ``P.g_idx``; maybe ``P.bias``)
-instead of ``P.weight``; the rest is stored as plain tensors and loaded as stored.
+instead of ``P.weight``; the rest is stored as plain tensors and loaded as stored. A MoE block's experts, stored
+one quantized Linear per expert, are stacked into the block's 4-bit experts (``tilegemm.nn.moe``).
 
 Memory: the model is built with its parameters on the meta device (no storage), then filled tensor by tensor,
 each read straight onto the target device with ``safetensors``; a quantized Linear is built from its packed
