@@ -214,3 +214,28 @@ def rel_err_of_sums(out: torch.Tensor, ref: torch.Tensor, terms: torch.Tensor, K
         return float("inf")
     norm = max(ref.double().norm().item(), 0.5 * terms.double().norm().item() / math.sqrt(max(K, 1)), 1e-30)
     return (out.double() - ref.double()).norm().item() / norm
+
+
+# --- shared by the contract tests (tests/*/test_*_contract.py) --------------------------------------------
+
+CLEAR = (TypeError, ValueError)  # what bad input may raise: a clear error, never anything else
+HERE = "cpu" if interpreting() else "cuda"  # where kernels run: the interpreter's CPU, or the GPU
+
+
+@pytest.fixture
+def tensors_here():
+    """Tensors made without a device go where the kernels run (a contract test's inputs)."""
+    with torch.device(HERE):
+        yield
+
+
+def hide_broken_torchvision() -> None:
+    """A torchvision that does not match torch (its C ops missing: PyPI's CUDA build beside the CPU torch wheel)
+    breaks transformers' model imports; make transformers see none."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # noqa: BLE001
+        import transformers.utils as _tu
+        import transformers.utils.import_utils as _iu
+
+        _iu.is_torchvision_available = _tu.is_torchvision_available = lambda: False

@@ -15,13 +15,9 @@ transformers = pytest.importorskip("transformers")
 import tilegemm  # noqa: E402
 import tilegemm.nn.moe as moe  # noqa: E402
 
-try:  # a torchvision that does not match torch (its C ops missing) breaks transformers' model imports
-    import torchvision  # noqa: F401
-except Exception:  # noqa: BLE001
-    import transformers.utils as _tu
-    import transformers.utils.import_utils as _iu
+from conftest import hide_broken_torchvision  # noqa: E402
 
-    _iu.is_torchvision_available = _tu.is_torchvision_available = lambda: False
+hide_broken_torchvision()
 
 _interface = getattr(pytest.importorskip("transformers.integrations.moe"), "ALL_EXPERTS_FUNCTIONS", None)
 pytestmark = pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface "

@@ -14,24 +14,16 @@ from hypothesis import strategies as st
 
 import torch.nn.functional as F
 
-from conftest import rel_err_of_sums
+from conftest import CLEAR, HERE, rel_err_of_sums
 from tilegemm.core.activations import torch_activation
-from tilegemm.core.runtime import interpreting
 from tilegemm.nn import Conv2d, Int4Linear, Linear, convert_, quantize_
 from tilegemm.nn.convert import ConversionNote
 from tilegemm.ops.matmul.reference import relative_error
 from tilegemm.ops.w4a16 import dequantize
 
-CLEAR = (TypeError, ValueError)
 
 
-HERE = "cpu" if interpreting() else "cuda"  # where kernels run: the interpreter's CPU, or the GPU
-
-
-@pytest.fixture(autouse=True)
-def _tensors_here():
-    with torch.device(HERE):  # tensors made without a device go where the kernels run
-        yield
+pytestmark = pytest.mark.usefixtures("tensors_here")  # inputs made where the kernels run
 FAST = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 

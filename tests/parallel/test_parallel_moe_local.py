@@ -11,13 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-try:  # a torchvision that does not match torch (its C ops missing) breaks transformers' model imports
-    import torchvision  # noqa: F401
-except Exception:  # noqa: BLE001
-    import transformers.utils as _tu
-    import transformers.utils.import_utils as _iu
+from conftest import hide_broken_torchvision  # noqa: E402
 
-    _iu.is_torchvision_available = _tu.is_torchvision_available = lambda: False
+hide_broken_torchvision()
 
 import tilegemm.nn as tnn  # noqa: E402
 from tilegemm.core.runtime import interpreting  # noqa: E402

@@ -9,20 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tilegemm import w4a16
-from tilegemm.core.runtime import interpreting
-from conftest import rel_err_of_sums
+from conftest import CLEAR, HERE, rel_err_of_sums
 from tilegemm.core.activations import torch_activation
 
-CLEAR = (TypeError, ValueError)
 
 
-HERE = "cpu" if interpreting() else "cuda"  # where kernels run: the interpreter's CPU, or the GPU
-
-
-@pytest.fixture(autouse=True)
-def _tensors_here():
-    with torch.device(HERE):  # tensors made without a device go where the kernels run
-        yield
+pytestmark = pytest.mark.usefixtures("tensors_here")  # inputs made where the kernels run
 
 
 @pytest.mark.parametrize("group_size", [32, 128, -1])
