@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core.hardware import ring_fits
-from tilegemm.core.runtime import interpreting
+from tilegemm.core.runtime import cdiv, interpreting
 from tilegemm.ops.conv2d.problem import Geometry
 
 
@@ -257,3 +257,17 @@ def takes_grouped_direct(g: Geometry) -> bool:
     """Whether ``auto`` runs ``g``'s forward and data gradient by ``grouped_direct`` (see above)."""
     return (g.groups > 1 and not g.is_depthwise and g.Cg <= GROUPED_DIRECT_AUTO_CHANNELS
             and g.Kg <= 4 * GROUPED_DIRECT_AUTO_CHANNELS)
+
+
+def pixel_split(npq: int, blocks: int, block_m: int, device, split: int | None = None) -> tuple[int, int]:
+    """(slices, slice length) of a weight gradient's reduction over ``npq`` output pixels: enough slices for two
+    waves of ``blocks`` programs each, each slice at least 8 ``block_m`` steps long and a whole number of them
+    (``split``: a config's own count)."""
+    sms = 4
+    if device.type == "cuda":
+        from tilegemm.core.hardware import sm_count  # (a CUDA query: only for CUDA tensors)
+
+        sms = sm_count(device)
+    split = split or max(1, min(-(-2 * sms // blocks), npq // (8 * block_m), 256))
+    slice_len = cdiv(cdiv(npq, split), block_m) * block_m
+    return cdiv(npq, slice_len), slice_len

@@ -22,7 +22,7 @@ import torch
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.workspace import split_workspace
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
-from tilegemm.ops.conv2d.configs import depthwise_config, depthwise_fwd_config, depthwise_rows_config
+from tilegemm.ops.conv2d.configs import depthwise_config, depthwise_fwd_config, depthwise_rows_config, pixel_split
 from tilegemm.ops.conv2d.implicit_gemm import (
     _below_unspecialized,
     _conv_args,
@@ -469,16 +469,7 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     cfg = dict(config or depthwise_config(g, dy.dtype))
     npq = g.N * g.P * g.Q
     blocks = cdiv(g.K, cfg["BLOCK_N"]) * g.R * g.S
-    sms = 4
-    if dy.is_cuda:
-        from tilegemm.core.hardware import sm_count
-
-        sms = sm_count(dy.device)
-    # Enough slices of the pixels for two waves of programs, each slice at least 8 BLOCK_M steps long (a
-    # config may name its own SPLIT).
-    split = cfg.pop("SPLIT", None) or max(1, min(-(-2 * sms // blocks), npq // (8 * cfg["BLOCK_M"]), 256))
-    slice_len = cdiv(cdiv(npq, split), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
-    split = cdiv(npq, slice_len)
+    split, slice_len = pixel_split(npq, blocks, cfg["BLOCK_M"], dy.device, cfg.pop("SPLIT", None))
     dw = new_output((g.K, 1, g.R, g.S), out_dtype, dy.device)
     grid = (cdiv(g.K, cfg["BLOCK_N"]), g.R * g.S, split)
     tiles = grid[0] * grid[1]

@@ -21,7 +21,7 @@ import torch
 from tilegemm.core.launch import launch
 from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import cdiv, ensure_backend, interpreting
-from tilegemm.ops.conv2d.configs import GROUPED_DIRECT_MOST_CHANNELS, _pow2_at_least
+from tilegemm.ops.conv2d.configs import GROUPED_DIRECT_MOST_CHANNELS, _pow2_at_least, pixel_split
 from tilegemm.ops.conv2d.implicit_gemm import _conv_args, _nhwc_strides, allocate_out, empty_4d
 from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
 
@@ -321,16 +321,7 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     cfg = dict(config)
     npq = g.N * g.P * g.Q
     blocks = cdiv(g.groups, cfg["BLOCK_G"]) * g.R * g.S
-    sms = 4
-    if dy.is_cuda:
-        from tilegemm.core.hardware import sm_count
-
-        sms = sm_count(dy.device)
-    # Enough slices of the pixels for two waves of programs, each at least 8 BLOCK_M steps long (a config may
-    # name its own SPLIT).
-    split = cfg.pop("SPLIT", None) or max(1, min(-(-2 * sms // blocks), npq // (8 * cfg["BLOCK_M"]), 256))
-    slice_len = cdiv(cdiv(npq, split), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
-    split = cdiv(npq, slice_len)
+    split, slice_len = pixel_split(npq, blocks, cfg["BLOCK_M"], dy.device, cfg.pop("SPLIT", None))
     dw = empty_4d((g.K, g.Cg, g.R, g.S), out_dtype, dy.device, memory_format)
     grid = (cdiv(g.groups, cfg["BLOCK_G"]), g.R * g.S, split)
     tiles = grid[0] * grid[1]
