@@ -253,14 +253,19 @@ def empty_model(path, dtype: torch.dtype = torch.float16, device=None) -> tuple[
     config = AutoConfig.from_pretrained(os.fspath(path))
     # Built from the config alone: transformers' own quantizers (which from_config does not run) stay out of it;
     # the config keeps its quantization_config, which says what the model holds.
+    return _meta_model(AutoModelForCausalLM, config, dtype), device
+
+
+def _meta_model(auto_class, config, dtype: torch.dtype) -> nn.Module:
+    """``auto_class.from_config(config)`` with floats in ``dtype`` and its parameters on the meta device (filled
+    from a checkpoint or another model afterwards: nothing the size of the model is allocated here)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with _parameters_on_meta():
-            model = AutoModelForCausalLM.from_config(config)
+            return auto_class.from_config(config)
     finally:
         torch.set_default_dtype(old)
-    return model, device
 
 
 # --- loading into a model ----------------------------------------------------------------------------------
@@ -643,13 +648,7 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
 
     config = model.config
     dtype = _model_dtype(model)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with _parameters_on_meta():
-            dense = AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(old)
+    dense = _meta_model(AutoModelForCausalLM, config, dtype)
     int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
     experts = {name: m for name, m in model.named_modules() if hasattr(m, "tilegemm_group_size")}
     source = dict(model.named_parameters(remove_duplicate=False))
