@@ -80,6 +80,7 @@ for step in "$@"; do
     moe-model) python3 tools/grouped_moe_model.py --model qwen3 --layers 4 --out "$OUT/moe-model-qwen3.json" 2>&1 | tail -n 16
                python3 tools/grouped_moe_model.py --model mixtral --layers 2 --out "$OUT/moe-model-mixtral.json" 2>&1 | tail -n 16 ;;
     grouped-tests) pytest_ -m "" -n 8 tests/grouped 2>&1 | tee "$OUT/grouped-tests.log" | tail -n 15 ;;
+    route) python3 tools/call_route.py --out "$OUT/route.json" 2>&1 | grep -v Warning | tail -n 16 ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
     zoo) part=${ZOO_PART:-0/8}; for d in ${ZOO_DTYPES:-fp16}; do bench --op conv2d --sweep "zoo:$part" \
            --mode "${ZOO_MODE:-fwd}" --dtype $d --kernels auto \

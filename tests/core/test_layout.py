@@ -145,3 +145,26 @@ def test_matmuls_entry_points_are_names_of_its_package():
     assert callable(matmul.make_problems) and callable(matmul.launch)
     assert matmul.make_problems.__module__ == "tilegemm.ops.matmul.problem"
     assert matmul.launch.__module__ == "tilegemm.ops.matmul.dispatch"
+
+
+def test_a_matmul_call_runs_downward_through_few_files():
+    """The route of one ``tilegemm.matmul`` call (tools/call_route.py): the files on the stack at its launch
+    are at most 8, the files whose code runs at all (fp16 under the interpreter) at most 8, and no function of ``core/`` calls back
+    into a family."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    try:
+        import call_route
+    finally:
+        sys.path.pop(0)
+    call_route._import_everything()
+    a, b = torch.randn(17, 33).half(), torch.randn(33, 65).half()
+    r = call_route.route(lambda: tilegemm.matmul(a, b))
+    assert r["route"][0] == "ops/matmul/api.py" and r["route"][-1] == "core/launch.py", r["route"]
+    assert r["route_count"] <= 8, r["route"]
+    assert r["count"] <= 8, r["files"]
+    assert r["downward"], r["upward_calls"]
+    assert not r["imports_run"], r["imports_run"]

@@ -4,7 +4,11 @@ A family computes a call's replay key (everything Triton specializes its launche
 not be replayed: a tracer, mode or autograd watching, the interpreter, a tensor subclass) and then:
 
     out = REPLAYS.replayed(key, tensors)         # the output, or None: nothing recorded, or it declined
-    out = REPLAYS.recorded(key, tensors, run)    # run()'s output, its launches kept under key
+    with REPLAYS.recording(key, tensors) as kept:
+        out = kept(forward(call))                # the launches made in the block kept under key with out
+
+The family launches inside the block itself, so a call's route runs downward (the family calls the shared
+pipeline; the pipeline never calls back into the family).
 
 ``tensors`` are the call's tensors in a fixed order; the output is the last tensor of a replay. A replay
 allocates the output as the recorded call's was (shape, dtype, device, memory format: the key fixes them) and
@@ -18,6 +22,8 @@ an H200's host, docs/performance.md): a dict lookup, one allocation, the launch.
 from __future__ import annotations
 
 import torch
+
+from contextlib import contextmanager
 
 from tilegemm.core.launch import Replay, ReplaySequence, recording
 from tilegemm.core.runtime import new_output
@@ -54,13 +60,22 @@ class ReplayCache:
             out = new_output(shape, dtype, device)
         return out if hit(*tensors, out) else None
 
-    def recorded(self, key, tensors: tuple, run, memory_format=torch.contiguous_format) -> torch.Tensor:
-        """``run()``'s output; its launches kept under ``key`` for :meth:`replayed` when they can be replayed with
-        ``tensors`` and an output allocated in ``memory_format`` (contiguous, or channels-last for 4-D)."""
+    @contextmanager
+    def recording(self, key, tensors: tuple, memory_format=torch.contiguous_format):
+        """A block whose launches are kept under ``key`` for :meth:`replayed`, with the output the block passes
+        to the function it is given (``out = kept(out)``), when they can be replayed with ``tensors`` and an
+        output allocated in ``memory_format`` (contiguous, or channels-last for 4-D). Nothing is kept when the
+        block raises or passes no output."""
+        outputs = []
+
+        def kept(out: torch.Tensor) -> torch.Tensor:
+            outputs.append(out)
+            return out
+
         with recording() as rec:
-            out = run()
-        self.store(key, rec.launches, tensors, out, memory_format)
-        return out
+            yield kept
+        if outputs:
+            self.store(key, rec.launches, tensors, outputs[-1], memory_format)
 
     def store(self, key, launches, tensors: tuple, out: torch.Tensor, memory_format=torch.contiguous_format) -> None:
         """Keep ``launches`` (one, or a few in order) under ``key``, replayable with ``tensors`` and an output like

@@ -65,8 +65,9 @@ def conv2d(
     c = ConvCall(x, weight, bias, list(g.stride), list(g.padding), list(g.dilation), g.groups, activation,
                  precision or "default", kernel)
     if key is not None:
-        return op.REPLAYS.recorded(key, (x, weight) if bias is None else (x, weight, bias), lambda: dispatch.forward(c),
-                                   memory_format_of(x))
+        with op.REPLAYS.recording(key, (x, weight) if bias is None else (x, weight, bias),
+                                  memory_format_of(x)) as kept:
+            return kept(dispatch.forward(c))
     if plain_call(x, weight, bias):
         return dispatch.forward(c)
     return op.call(c)

@@ -55,7 +55,10 @@ def _conv2d_op(
         return run()
     tensors = (x, weight) if bias is None else (x, weight, bias)
     out = REPLAYS.replayed(key, tensors)
-    return out if out is not None else REPLAYS.recorded(key, tensors, run, memory_format_of(x))
+    if out is not None:
+        return out
+    with REPLAYS.recording(key, tensors, memory_format_of(x)) as kept:
+        return kept(run())
 
 
 @_conv2d_op.register_fake
@@ -124,7 +127,10 @@ def backward_data(c: DgradCall) -> torch.Tensor:
     if key is None:
         return dispatch.dgrad(c)
     out = REPLAYS.replayed(key, (c.dy, c.weight))
-    return out if out is not None else REPLAYS.recorded(key, (c.dy, c.weight), lambda: dispatch.dgrad(c), c.x_format)
+    if out is not None:
+        return out
+    with REPLAYS.recording(key, (c.dy, c.weight), c.x_format) as kept:
+        return kept(dispatch.dgrad(c))
 
 
 def backward_weight(c: WgradCall) -> torch.Tensor:
@@ -136,8 +142,10 @@ def backward_weight(c: WgradCall) -> torch.Tensor:
     if key is None:
         return dispatch.wgrad(c)
     out = REPLAYS.replayed(key, (c.dy, c.x))
-    return out if out is not None else REPLAYS.recorded(key, (c.dy, c.x), lambda: dispatch.wgrad(c),
-                                                        wgrad_format(c.x, c.w_shape))
+    if out is not None:
+        return out
+    with REPLAYS.recording(key, (c.dy, c.x), wgrad_format(c.x, c.w_shape)) as kept:
+        return kept(dispatch.wgrad(c))
 
 
 # --- autograd: recompute the pre-activation, differentiate the activation with torch ----------------------

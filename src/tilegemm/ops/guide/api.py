@@ -40,7 +40,8 @@ def _run(op: str, name: str, key, x: torch.Tensor, out: torch.Tensor) -> None:
         if key is None:
             run()
         else:
-            _replays.recorded(key, (x,), run)
+            with _replays.recording(key, (x,)) as kept:
+                kept(run())
 
 
 def copy(x: torch.Tensor) -> torch.Tensor:

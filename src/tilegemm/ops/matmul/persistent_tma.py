@@ -277,10 +277,9 @@ def gluon_kernel_for(p: GemmProblem):
         return None
     from tilegemm.ops.matmul import gluon_f16, gluon_fp8, gluon_tf32
 
-    for module in (gluon_fp8, gluon_tf32, gluon_f16):
-        if module.why_not(p) is None:
-            return module
-    return None
+    # One kernel per operand width (each refuses the others' dtypes): only that one is asked.
+    module = {1: gluon_fp8, 2: gluon_f16, 4: gluon_tf32}.get(p.a.element_size())
+    return module if module is not None and module.why_not(p) is None else None
 
 
 def candidates(p: GemmProblem) -> list[dict]:

@@ -59,7 +59,9 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
         return op.call(p).reshape(*lead, w.shape[0])
     if key is None or dispatch.kernel_for(p) not in op.REPLAYED_KERNELS:
         return dispatch.forward(p).reshape(*lead, w.shape[0])
-    return op.REPLAYS.recorded(key, call_tensors(x2, w, bias), lambda: dispatch.forward(p)).reshape(*lead, w.shape[0])
+    with op.REPLAYS.recording(key, call_tensors(x2, w, bias)) as kept:
+        out = kept(dispatch.forward(p))
+    return out.reshape(*lead, w.shape[0])
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
