@@ -10,7 +10,7 @@
 #   w4a16|conv2d  the family's bench on its GPU sweep;  family-tests: tests/w4a16 tests/conv2d tests/nn on the GPU
 #   random        the random sweep (fp16, auto only; \$RANDOM_DTYPES for others)
 #   conv2d-check  tools/conv2d_gpu_check.py (every layer checked, timed within \$CONV_BUDGET seconds, fp16)
-#   w4a16-check   tools/w4a16_gpu_check.py --quick;  first-call  tools/first_call.py
+#   w4a16-check   tools/w4a16_gpu_check.py --quick;  first-call  tools/first_call.py;  route  tools/call_route.py
 #   conv2d-fwd    the conv2d bench's forward sweeps (resnet50, mobilenet; auto only);  conv2d-nchw  forward and
 #                 backward on NCHW tensors, both sides (--memory-format nchw)
 #   fuzz          the public ops' GPU fuzz (tests/*/test_*_fuzz_gpu.py; \$TILEGEMM_FUZZ_EXAMPLES draws per op)
