@@ -84,7 +84,7 @@ def pack_fragments(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g
 
     ``q`` ``[K, N]`` (values 0..15, ``W.T``), ``scales``/``zeros`` ``[G, N]`` -> (int32 ``[N16, K64, 32, 4]``,
     ``[G', N16, 8, 4]`` in the scales' dtype), padded to N16 = 16 ceil(N / 256) and K64 = 2 ceil(K / 128); G' covers the
-    padded K."""
+    padded K (group 32: two groups a 64-deep step, one per half), padded groups with zero scales."""
     K, N = q.shape
     n16, k64 = cdiv(N, 256) * 16, cdiv(K, 128) * 2  # whole programs of up to 256 rows, steps of up to 128
     qp = torch.zeros((k64 * 64, n16 * 16), dtype=torch.int64, device=q.device)

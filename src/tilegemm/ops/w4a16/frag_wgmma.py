@@ -14,7 +14,9 @@ weight.
 The fragment layout (int32 ``[N16, K64, 32, 4]``): word ``(t, c, lane, l)`` with ``lane = 4 * rl + km`` holds,
 as nibble ``i = 4h + 2j1 + j0``, the weight of row ``16t + 8j0 + rl`` and input ``64c + 16l + 8j1 + 2km + h``.
 Scales and zeros (``[G, N16, 8, 4]`` in the weights' dtype): ``(z[r], z[r + 8], s[r], s[r + 8])`` for row
-``r = 16t + rl``. N is padded to 16 and K to 64 with zero weights (x is masked there).
+``r = 16t + rl``. N is padded to 16 and K to 64 with zero weights (x is masked there). Groups of 32 (``GROUP32``)
+put two groups in a K step: words ``l = 0, 1`` of step ``c`` take group ``2c``, words ``2, 3`` group ``2c + 1``;
+one group of all of K spans the padded steps.
 
 The weights are ``wgmma``'s A operand (rows = output features N), so small M wastes no weight bandwidth; the
 activations ``x`` (``[BM, 64]`` a step, ``BM`` = 8 .. 256 rows) its B operand, read from shared memory as they
@@ -196,7 +198,7 @@ def _widen(v, ql: gl.constexpr):
 
 @gluon.jit
 def _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k0, k_end, group_k, group_steps,
-            BF16: gl.constexpr, GROUP32: gl.constexpr = False, ql: gl.constexpr = None):
+            BF16: gl.constexpr, GROUP32: gl.constexpr, ql: gl.constexpr):
     """The prepared scales and zeros for the step at ``k0``. When it starts group ``g``, they are made from
     ``zz, ss`` (group g's, loaded a group ahead) and group g + 1's are loaded, so their latency hides behind
     this group's steps. GROUP32 (groups of 32 inputs, two a step): every step takes groups g, g + 1 (each
@@ -218,7 +220,7 @@ def _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k0, k_end, gro
 
 @gluon.jit
 def _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT: gl.constexpr, ql: gl.constexpr,
-              GROUP32: gl.constexpr = False, num_warps: gl.constexpr = 4):
+              GROUP32: gl.constexpr, num_warps: gl.constexpr):
     """(the zero and scale rows of row tiles ``t0`` by lanes ``i2``, [RHT, 1, 32, 1]; four zero tensors to
     start the prepared pairs from; group ``g``'s raw pairs, loaded): what :func:`_scales` starts a slice with.
     GROUP32: the rows of groups g and g + 1, [RHT, 1, 32, 2] (both halves of a step), and [RHT, 1, 32, 4]
