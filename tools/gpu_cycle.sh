@@ -22,6 +22,8 @@
 #   moe-model     tools/grouped_moe_model.py: Qwen3-MoE (4 layers) and Mixtral (2 layers) shapes, every experts
 #                 implementation, prefill 2048 and decode batch 1 / 16, bf16
 #   w4-random     the w4a16 bench's held-out w4-random sweep, fp16 (second baseline: fbgemm where it imports)
+#   w4-formats    the w4a16 bench's formats sweep (every group size, sym/asym, act-order), fp16 and bf16, auto and
+#                 frag_wgmma
 #   w4-checkpoint a Llama-3-8B-shaped GPTQ checkpoint (tools/write_w4_checkpoint.py, 32 layers, \$W4_CKPT_DIR),
 #                 then the loader's tests on the GPU and `bench --op w4a16 --model llama --checkpoint` on it
 #   zoo           the conv2d bench's zoo sweep (every convolution of torchvision's classification models), part
@@ -56,6 +58,8 @@ for step in "$@"; do
     random) for d in ${RANDOM_DTYPES:-fp16}; do bench --sweep random --dtype $d --kernels auto --json "$OUT/random-$d.json" 2>&1 | tail -n 6; done ;;
     conv2d-check) python3 tools/conv2d_gpu_check.py --dtypes "${CONV_DTYPES:-fp16}" --budget "${CONV_BUDGET:-180}" --out "$OUT/conv2d-check.json" 2>&1 | tee "$OUT/conv2d-check.log" | tail -n 8 ;;
     w4-random) bench --op w4a16 --sweep w4-random --dtype fp16 --json "$OUT/w4a16-w4-random-fp16.json" 2>&1 | tail -n 30 ;;
+    w4-formats) for d in fp16 bf16; do bench --op w4a16 --sweep formats --dtype $d --kernels auto,frag_wgmma \
+                  --json "$OUT/w4a16-formats-$d.json" 2>&1 | tail -n 8; done ;;
     w4-checkpoint) ckpt=${W4_CKPT_DIR:-/tmp/llama3-8b-gptq}
                    [ -f "$ckpt/config.json" ] || python3 tools/write_w4_checkpoint.py --out "$ckpt" 2>&1 | tail -n 2
                    pytest_ -m "" tests/models 2>&1 | tee "$OUT/models-tests.log" | tail -n 8

@@ -128,6 +128,9 @@ def captured(fn, problem: str, origin: str) -> list:
 
 W4_SHAPES = ((4096, 4096), (28672, 8192), (4096 + 8, 4096 + 64))
 W4_MS = (1, 2, 4, 16, 32, 64, 128, 256, 1024)
+# group 32 (frag_wgmma's two-groups-a-step form) and K that is no multiple of 64 (group 32 over an odd number of
+# groups, one group of all K): (N, K, group lengths)
+W4_GROUP32_SHAPES = ((5120, 5120, (32,)), (4096 + 8, 4096 + 32, (32, 4096 + 32)), (1000, 200, (200,)))
 
 
 def w4a16_problem(M, N, K, dtype, group_k, bias: bool, act: str, frag: bool):
@@ -159,6 +162,13 @@ def w4a16_launches() -> list:
         for N, K in W4_SHAPES:
             for M in W4_MS:
                 for gk in (128, K) if N == 4096 else (128,):
+                    name = f"{dn}-M{M}-N{N}-K{K}-g{gk}"
+                    for kernel in ("gemv", "mma", "frag_wgmma"):
+                        p = w4a16_problem(M, N, K, dt, gk, False, "none", kernel == "frag_wgmma")
+                        out += captured(lambda: host(f"{kernel}.run")(p), name, kernel)
+        for N, K, groups in W4_GROUP32_SHAPES:
+            for M in W4_MS:
+                for gk in groups:
                     name = f"{dn}-M{M}-N{N}-K{K}-g{gk}"
                     for kernel in ("gemv", "mma", "frag_wgmma"):
                         p = w4a16_problem(M, N, K, dt, gk, False, "none", kernel == "frag_wgmma")

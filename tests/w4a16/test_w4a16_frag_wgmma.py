@@ -1,6 +1,7 @@
-"""The ``frag_wgmma`` kernel: its config rule and routing under ``auto`` on the CPU, its argument checks, an
-offline sm_90 compile (wgmma from registers without serialization, cp.async, no spills), and on the GPU against
-``x @ dequantize(w).T`` over odd shapes, group sizes, dtypes, tiles, splits, epilogues and strided x."""
+"""The ``frag_wgmma`` kernel: its config rule and routing under ``auto`` on the CPU (every group length, act-order),
+its argument checks, an offline sm_90 compile (wgmma from registers without serialization, cp.async, no spills;
+group 32's form too), and on the GPU against ``x @ dequantize(w).T`` over odd shapes, group sizes (32: two groups a
+K step), dtypes, tiles, splits, epilogues and strided x, and bit for bit against ``dequantize`` (one-hot rows)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,38 @@ def test_auto_routes_up_to_1024_rows_to_frag_wgmma_where_it_runs():
         w = w4a16.quantize(torch.randn(16, 128, dtype=torch.float16), 64)
         with pytest.raises(registry.NotApplicable, match="frag_wgmma"):
             w4a16.matmul(torch.randn(1, 128, dtype=torch.float16), w, kernel="frag_wgmma")
+
+
+class _Rows:
+    """What dispatch reads of 2-D activations (rows, device): a CUDA tensor's stand-in on a machine without one."""
+
+    def __init__(self, M: int, K: int):
+        self.shape, self.device = (M, K), torch.device("cuda")
+
+
+@pytest.mark.parametrize("group, K", [(32, 5120), (32, 4128), (64, 4096), (128, 4096), (256, 11008), (-1, 5120),
+                                      (-1, 200), (32, 32)])
+def test_auto_takes_frag_wgmma_on_hopper_for_every_group_length(monkeypatch, group, K):
+    # on an sm_90 GPU (the registry's answer for it pretended): every format goes to the fragment kernel up to
+    # 1024 rows, group 32 (two groups a K step) and one group over a K that is no multiple of 64 included
+    monkeypatch.setitem(dispatch._FRAG_REASON, torch.device("cuda"), "")
+    w = w4a16.quantize(torch.randn(8, K, dtype=torch.float16), group)
+    assert dispatch.frag_usable(w.group_k, torch.device("cuda"), K)
+    for M in (1, 3, 48, 1024):
+        assert dispatch.wants_frag("auto", _Rows(M, K), w)
+    assert not dispatch.wants_frag("auto", _Rows(1025, K), w)
+    assert dispatch.choose(3, frag=dispatch.frag_usable(w.group_k, torch.device("cuda"), K)) == "frag_wgmma"
+    assert not dispatch.frag_usable(w.group_k, torch.device("cpu"), K)
+
+
+def test_auto_takes_frag_wgmma_for_act_order_weights(monkeypatch):
+    monkeypatch.setitem(dispatch._FRAG_REASON, torch.device("cuda"), "")
+    K, N = 256, 16
+    g_idx = (torch.arange(K) // 32)[torch.randperm(K, generator=torch.Generator().manual_seed(0))]
+    q = torch.randint(0, 16, (K // 8, N), dtype=torch.int32)
+    w = w4a16.from_gptq(q, torch.zeros(8, N // 8, dtype=torch.int32), torch.rand(8, N).half(), g_idx.to(torch.int32))
+    assert w.perm is not None and w.group_k == 32
+    assert dispatch.wants_frag("auto", _Rows(16, K), w)
 
 
 @settings(max_examples=200, deadline=None)
@@ -74,6 +107,14 @@ def test_launch_args_name_what_they_cannot_take():
     cfg = dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=1)
     with pytest.raises(ValueError, match="group length 96"):
         frag_wgmma.launch_args(x, fw, fzs, None, out, 200, 256, 96, "none", cfg)
+    # group 32: the kernel's two-groups-a-step form (named only then); one group of all K: as long as the steps
+    _, _, args, kwargs = frag_wgmma.launch_args(x, fw, fzs, None, out, 200, 256, 32, "none", cfg)
+    assert kwargs["GROUP32"] is True and args[14] == 32
+    _, _, args, kwargs = frag_wgmma.launch_args(x, fw, fzs, None, out, 200, 256, 128, "none", cfg)
+    assert "GROUP32" not in kwargs and args[14] == 128
+    x200 = torch.empty(4, 200, dtype=torch.float16)
+    _, _, args, kwargs = frag_wgmma.launch_args(x200, fw, fzs, None, out, 200, 200, 200, "none", cfg)
+    assert "GROUP32" not in kwargs and args[14] == 256 and not kwargs["EVEN_K"]
     with pytest.raises(ValueError, match="row stride 260"):
         frag_wgmma.launch_args(torch.empty(4, 260, dtype=torch.float16)[:, :256], fw, fzs, None, out, 200, 256, 128,
                                "none", cfg)
@@ -97,6 +138,15 @@ _VARIANTS = {
                       cfg=dict(BM=256, RH=1, num_warps=8, STAGES=4, SPLIT_K=1, OVERLAP=True, PIPE=True)),
     "m64-bf16-pipe-split": dict(dtype="bfloat16", mnk=[64, 4096, 4160], bias=False, act="silu",
                                 cfg=dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=3, OVERLAP=True, PIPE=True)),
+    # group 32 (two groups a K step) in each loop form, K an odd number of groups
+    "g32-m1-fp16-split": dict(dtype="float16", mnk=[1, 5120, 5120], bias=False, act="none", group=32,
+                              cfg=dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=8, OVERLAP=False)),
+    "g32-m48-bf16-overlap": dict(dtype="bfloat16", mnk=[48, 4096, 4128], bias=True, act="silu", group=32,
+                                 cfg=dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=2, OVERLAP=True)),
+    "g32-m256-pipe": dict(dtype="float16", mnk=[300, 1000, 4128], bias=False, act="none", group=32,
+                          cfg=dict(BM=256, RH=1, num_warps=8, STAGES=4, SPLIT_K=1, OVERLAP=True, PIPE=True)),
+    "g32-m64-bf16-pipe-split": dict(dtype="bfloat16", mnk=[64, 4096, 4096], bias=False, act="none", group=32,
+                                    cfg=dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=3, OVERLAP=True, PIPE=True)),
 }
 
 
@@ -111,6 +161,7 @@ def test_compiles_for_sm90_with_async_mma_and_copies(tmp_path):
         assert not r["serialized"], name
         assert r["spills"] in ([], [0]), name
         assert r["shared"] <= SMEM, name
+        assert r["group32"] == (_VARIANTS[name].get("group") == 32), name
         if _VARIANTS[name]["cfg"].get("PIPE"):
             # four call sites of four k16 wgmmas (the first step, two alternating, one left over); one group
             # left in flight by the waits between steps
@@ -123,10 +174,37 @@ def test_compiles_for_sm90_with_async_mma_and_copies(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("N,K,group", [(72, 256, 64), (1000, 4160, 64), (4096, 4096, 128), (257, 1024, 256),
-                                       (8192, 1024, -1), (300, 200, -1)])
+                                       (8192, 1024, -1), (300, 200, -1), (72, 96, 32), (1000, 4128, 32),
+                                       (257, 1056, 32), (5120, 5120, 32), (24, 32, 32)])
 @pytest.mark.parametrize("M", [1, 9, 33, 64, 130, 300])
 def test_frag_wgmma_matches_the_reference(dtype, N, K, group, M):
     check_fragment_kernel("frag_wgmma", dtype, N, K, group, M)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N,K", [(31, 96), (257, 1056), (1001, 4128), (5119, 1376)])  # odd numbers of 32-groups
+@pytest.mark.parametrize("M", [1, 3, 7, 31, 65, 129, 299])
+def test_frag_wgmma_group32_odd_shapes(dtype, N, K, M):
+    # NaN-poisoned outputs (conftest): an element left unwritten fails
+    check_fragment_kernel("frag_wgmma", dtype, N, K, 32, M)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+@pytest.mark.parametrize("M", [1, 3, 17, 75, 129, 299])
+def test_frag_wgmma_dequantizes_bit_for_bit(dtype, group, M):
+    # x's rows one-hot: each output is one weight times 1, so the kernel's dequantized weights come out as they
+    # are; they must equal dequantize's bits (exact (q - z) * s rounded once). K = 352: 11 groups of 32, the
+    # last K step half padding; N = 200 a partial row tile.
+    N, K = 200, 352 if group in (32, -1) else 384
+    w = w4a16.quantize(torch.randn(N, K, dtype=dtype, device="cuda"), group, symmetric=M % 2 == 0)
+    cols = torch.arange(M, device="cuda") * 7 % K
+    x = torch.zeros(M, K, dtype=dtype, device="cuda")
+    x[torch.arange(M, device="cuda"), cols] = 1
+    out = w4a16.matmul(x, w, kernel="frag_wgmma")
+    assert torch.equal(out, w4a16.dequantize(w).T[cols])
 
 
 @pytest.mark.gpu
@@ -154,6 +232,19 @@ def test_frag_wgmma_pipe_over_few_steps(K, stages, bm, warps, rh):
 
     cfg = dict(BM=bm, RH=rh, num_warps=warps, STAGES=stages, SPLIT_K=1, OVERLAP=True, PIPE=True)
     check_launch_twice(frag_wgmma, cfg, 150, K=K, group=64)
+    check_launch_twice(frag_wgmma, cfg, 151, K=K - 32, group=32)  # and group 32, the last step half padding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=5, OVERLAP=False),
+                                 dict(BM=16, RH=2, num_warps=4, STAGES=3, SPLIT_K=7, OVERLAP=True),
+                                 dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=3, OVERLAP=True, PIPE=True),
+                                 dict(BM=256, RH=1, num_warps=8, STAGES=4, SPLIT_K=2, OVERLAP=True, PIPE=True)])
+@pytest.mark.parametrize("M, K", [(3, 2048), (77, 2080), (257, 1312)])
+def test_frag_wgmma_group32_configs_and_splits(cfg, M, K):
+    from tilegemm.ops.w4a16 import frag_wgmma
+
+    check_launch_twice(frag_wgmma, cfg, M, K=K, group=32)  # K = 2080, 1312: odd numbers of groups
 
 
 @pytest.mark.gpu

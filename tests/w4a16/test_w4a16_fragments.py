@@ -1,5 +1,6 @@
-"""The fragment layout of ``frag_wgmma`` on the CPU: every nibble where the kernel's docstring says, made once per
-weight, kept by ``Int4Linear`` as unsaved buffers. (The kernel itself: ``test_w4a16_frag_wgmma.py``.)"""
+"""The fragment layout of ``frag_wgmma`` on the CPU: every nibble where the kernel's docstring says, every group's
+zero and scale where it reads them (group 32: one a half K step), made once per weight, kept by ``Int4Linear`` as
+unsaved buffers. (The kernel itself: ``test_w4a16_frag_wgmma.py``.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from tilegemm import w4a16
 from tilegemm.nn import Int4Linear
-from tilegemm.ops.w4a16.format import pack_fragments, unpack_rows
+from tilegemm.ops.w4a16.format import fits_fragments, pack_fragments, unpack_rows
 
 
 def decode(words: torch.Tensor) -> torch.Tensor:
@@ -27,8 +28,57 @@ def decode(words: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def dequantize_fragments(words: torch.Tensor, zs: torch.Tensor, group_k: int, N: int, K: int) -> torch.Tensor:
+    """The weight ``[N, K]`` (stored order) as the kernel makes it from its layouts: input ``k`` of row ``r`` takes
+    the zero and scale of group ``k // group_k`` at ``zs[g, r // 16, r % 8, (r % 16) // 8]`` (zero) and ``+ 2``
+    (scale); group 32's two groups a K step are its two halves. Exact in fp32, rounded once."""
+    q = decode(words)[:K, :N].double()  # [K, N]
+    r = torch.arange(N)
+    g = torch.arange(K) // group_k
+    z = zs[g][:, r // 16, r % 8, (r % 16) // 8].double()
+    s = zs[g][:, r // 16, r % 8, 2 + (r % 16) // 8].double()
+    return ((q - z) * s).to(zs.dtype).T
+
+
+@pytest.mark.parametrize("group, K", [(32, 96), (32, 352), (32, 32), (64, 192), (128, 384), (-1, 200), (-1, 96)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_fragments_dequantize_to_the_plain_weight_bit_for_bit(group, K, dtype, symmetric):
+    # K = 96, 352: an odd number of 32-groups (the last K step half padding); 200, 96 in one group: no K step
+    # multiple; N = 37: a padded row tile
+    w = w4a16.quantize(torch.randn(37, K, dtype=dtype), group, symmetric=symmetric)
+    words, zs = w.fragments()
+    assert zs.shape[0] * w.group_k >= words.shape[1] * 64  # every padded step has its groups (zero scales)
+    assert torch.equal(dequantize_fragments(words, zs, w.group_k, 37, K), w4a16.dequantize(w))
+    assert fits_fragments(w.group_k, K)
+
+
+def test_act_order_fragments_hold_the_stored_order():
+    K, N, G = 128, 24, 4  # GPTQ act-order in groups of 32: g_idx shuffled
+    g_idx = torch.arange(K) // 32
+    g_idx = g_idx[torch.randperm(K, generator=torch.Generator().manual_seed(3))].to(torch.int32)
+    q = torch.randint(0, 16, (K, N), dtype=torch.int32)
+    qweight = (q.reshape(K // 8, 8, N) << (4 * torch.arange(8)[None, :, None])).sum(1).to(torch.int32)
+    qzeros = torch.zeros(G, N // 8, dtype=torch.int32) + 0x77777777
+    w = w4a16.from_gptq(qweight, qzeros, torch.rand(G, N).half() + 0.01, g_idx)
+    assert w.perm is not None and w.group_k == 32
+    words, zs = w.fragments()
+    stored = dequantize_fragments(words, zs, 32, N, K)  # [N, K] in stored (group-sorted) order
+    assert torch.equal(stored, w4a16.dequantize(w)[:, w.perm])
+
+
+def test_the_fragment_kernel_takes_every_group_length_the_format_has():
+    for K in (32, 96, 200, 4096, 4128):
+        for group in w4a16.GROUP_SIZES:
+            if (group == -1 and K % 8) or (group != -1 and K % group):
+                continue
+            assert fits_fragments(K if group == -1 else group, K), (group, K)
+    assert not fits_fragments(0, 0)  # no inputs: nothing to lay out
+    assert not fits_fragments(96) and not fits_fragments(200)  # no K given: only 32 and multiples of 64
+
+
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 300), k8=st.integers(1, 40), group=st.sampled_from([64, 128, -1]))
+@given(n=st.integers(1, 300), k8=st.integers(1, 40), group=st.sampled_from([32, 64, 128, -1]))
 def test_fragment_layout_holds_every_weight_where_the_kernel_reads_it(n, k8, group):
     K = 8 * k8 if group == -1 else group * max(1, (8 * k8) // group)
     gk = K if group == -1 else group
@@ -69,8 +119,9 @@ def test_int4linear_keeps_fragments_as_unsaved_buffers():
     fresh = Int4Linear(256, 48, group_size=64)
     fresh.load_state_dict(mod.state_dict())
     assert torch.equal(fresh.fweight, mod.fweight) and torch.equal(fresh.fzs, mod.fzs)
-    small = Int4Linear.from_linear(torch.nn.Linear(64, 8).half(), group_size=32)  # no K step of 64 fits
-    assert small.fweight.numel() == 0 and small.weight._frag is None
+    small = Int4Linear.from_linear(torch.nn.Linear(96, 8).half(), group_size=32)  # two groups a K step
+    assert small.weight._frag is not None
+    assert torch.equal(dequantize_fragments(small.fweight, small.fzs, 32, 8, 96), w4a16.dequantize(small.weight))
 
 
 def test_only_the_shipped_kernels_are_offered():

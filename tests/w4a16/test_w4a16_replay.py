@@ -101,3 +101,20 @@ def test_replay_declines_on_another_stream_and_dequant_cublas_is_not_recorded():
     assert_rel_close(y, reference(x, w), 2e-3)
     w4a16.matmul(torch.randn(300, 8192, dtype=torch.float16, device="cuda"), w, kernel="dequant_cublas")
     assert op.REPLAYS.count() == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [32, 128])
+def test_act_order_calls_are_replayed(group):
+    # an act-order weight (inputs in another order): its calls take the fast path with x's inputs reordered first
+    op.REPLAYS.clear()
+    w = weight(N=1024, K=2048, g=group, device="cuda")
+    w = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, group, w.shape, torch.randperm(2048, device="cuda"))
+    for M in (1, 9):
+        for _ in range(3):
+            x = torch.randn(M, 2048, dtype=torch.float16, device="cuda")
+            y = w4a16.matmul(x, w)
+            assert_rel_close(y, reference(x, w), 2e-3)
+            fresh = w4a16.matmul(x.clone().requires_grad_(True), w)  # autograd: the full path
+            assert torch.equal(y, fresh.detach())
+    assert op.REPLAYS.count() == 2

@@ -19,11 +19,11 @@ from tilegemm.ops.w4a16.reference import reference
 
 def check_fragment_kernel(kernel: str, dtype, N: int, K: int, group: int, M: int) -> None:
     """``kernel`` (one that reads the fragment layout) against the reference, plain and with bias + SiLU; a
-    weight whose group length is no multiple of 64 is refused with a ValueError naming it."""
+    weight whose group length it does not take is refused with a ValueError naming it."""
     w = w4a16.quantize(torch.randn(N, K, dtype=dtype, device="cuda"), group)
     x = torch.randn(M, K, dtype=dtype, device="cuda")
     tol = 2e-3 if dtype == torch.float16 else 1e-2
-    if not fits_fragments(w.group_k):
+    if not fits_fragments(w.group_k, K):
         with pytest.raises(ValueError, match="multiple"):
             w4a16.matmul(x, w, kernel=kernel)
         return
@@ -35,16 +35,17 @@ def check_fragment_kernel(kernel: str, dtype, N: int, K: int, group: int, M: int
 
 def check_launch_twice(module, cfg: dict, M: int, K: int = 2048, group: int = 128) -> None:
     """``module.launch_args`` with ``cfg`` on a 520 x ``K`` weight in groups of ``group``, launched twice into a
-    NaN-filled output: right both times (the split-K counters were reset by the last arrival)."""
-    w = w4a16.quantize(torch.randn(520, K, dtype=torch.float16, device="cuda"), group)
-    x = torch.randn(M, K, dtype=torch.float16, device="cuda")
-    out = torch.full((M, 520), float("nan"), dtype=torch.float16, device="cuda")
-    fw, fzs = w.fragments()
-    kernel, grid, args, kwargs = module.launch_args(x, fw, fzs, None, out, 520, K, w.group_k, "none", cfg)
-    kernel[grid](*args, **kwargs)
-    assert_rel_close(out, reference(x, w), 2e-3)
-    kernel[grid](*args, **kwargs)
-    assert_rel_close(out, reference(x, w), 2e-3)
+    NaN-filled output: right both times (the split-K counters were reset by the last arrival); bf16 too."""
+    for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1e-2)):
+        w = w4a16.quantize(torch.randn(520, K, dtype=dtype, device="cuda"), group)
+        x = torch.randn(M, K, dtype=dtype, device="cuda")
+        out = torch.full((M, 520), float("nan"), dtype=dtype, device="cuda")
+        fw, fzs = w.fragments()
+        kernel, grid, args, kwargs = module.launch_args(x, fw, fzs, None, out, 520, K, w.group_k, "none", cfg)
+        kernel[grid](*args, **kwargs)
+        assert_rel_close(out, reference(x, w), tol)
+        kernel[grid](*args, **kwargs)
+        assert_rel_close(out, reference(x, w), tol)
 
 _SCRIPT = SM90 + textwrap.dedent(
     """
@@ -58,10 +59,11 @@ _SCRIPT = SM90 + textwrap.dedent(
         M, N, K = v["mnk"]
         x = torch.empty(M, K, dtype=dt)
         fw = torch.empty(-(-N // 256) * 16, -(-K // 128) * 2, 32, 4, dtype=torch.int32)
-        fzs = torch.empty(8, fw.shape[0], 8, 4, dtype=dt)
+        group = v.get("group", 128)
+        fzs = torch.empty(-(-fw.shape[1] * 64 // group), fw.shape[0], 8, 4, dtype=dt)
         out = torch.empty(M, N, dtype=dt)
         bias = torch.empty(N, dtype=dt) if v["bias"] else None
-        kernel, grid, args, kwargs = module.launch_args(x, fw, fzs, bias, out, N, K, 128, v["act"], v["cfg"])
+        kernel, grid, args, kwargs = module.launch_args(x, fw, fzs, bias, out, N, K, group, v["act"], v["cfg"])
         sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
         compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, kwargs["num_warps"])
         report[name] = dict(
@@ -72,6 +74,7 @@ _SCRIPT = SM90 + textwrap.dedent(
             wide_loads=len(re.findall(r"ld\\.global(?:\\.[a-z0-9]+)*\\.v4\\.b32", ptx)),
             cp_async=len(re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global \\[[^]]+\\], \\[[^]]+\\], 0x10", ptx)),
             shared=compiled.metadata.shared,
+            group32=bool(kwargs.get("GROUP32")),
             serialized="serialized" in info,
             spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
         )
@@ -81,7 +84,7 @@ _SCRIPT = SM90 + textwrap.dedent(
 
 
 def compile_report(tmp_path, module: str, variants: dict) -> dict:
-    """Per variant (dtype, mnk, bias, act, cfg), what the sm_90 compile of ``module``'s kernel holds: MMA and
+    """Per variant (dtype, mnk, bias, act, cfg, group: 128 unless given), what the sm_90 compile of ``module``'s kernel holds: MMA and
     LOP3 counts, 16-byte loads and cp.async copies, shared memory, serialized wgmma, spills."""
     return compile_offline(tmp_path, _SCRIPT, {k: dict(v, module=module) for k, v in variants.items()}, timeout=600)
 

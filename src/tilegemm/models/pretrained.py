@@ -331,7 +331,7 @@ def _int4_weight(tensors: _Tensors, prefix: str, q: QuantConfig, N: int, K: int,
     pieces, frags = [], []
     for a in range(0, N, step):
         w = _import_columns(parts, g_idx, q, a, min(N, a + step))
-        frags.append(w.fragments() if fits_fragments(w.group_k) else None)
+        frags.append(w.fragments() if fits_fragments(w.group_k, K) else None)
         pieces.append(w)
     del parts
     if len(pieces) == 1:

@@ -59,8 +59,8 @@ class Int4Linear(nn.Module):
     def _set_fragments(self, w: Int4Weight) -> None:
         # The fragment kernel's layout of the weight (Int4Weight.fragments()), made once, kept as buffers that move
         # with the module and are not saved (they follow from the others); empty where that kernel cannot run
-        # (a group length that is not a multiple of 64).
-        fw, fzs = w.fragments() if fits_fragments(w.group_k) else (torch.empty(0, dtype=torch.int32, device=w.device),) * 2
+        # (no inputs).
+        fw, fzs = w.fragments() if fits_fragments(w.group_k, w.shape[-1]) else (torch.empty(0, dtype=torch.int32, device=w.device),) * 2
         self.register_buffer("fweight", fw, persistent=False)
         self.register_buffer("fzs", fzs, persistent=False)
 

@@ -31,11 +31,11 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
     activation = "none" if activation is None else activation
-    # The fast path: a replay of an earlier plain call with the same key.
-    key = None
-    if type(w) is Int4Weight and w.perm is None and type(x) is torch.Tensor and x.dim() >= 1 \
-            and x.shape[-1] == w.shape[1]:
-        x2 = _rows(x)
+    # The fast path: a replay of an earlier plain call with the same key (act-order: of x's inputs reordered).
+    key = x2 = None
+    if type(w) is Int4Weight and type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == w.shape[1] \
+            and (w.perm is None or w.perm.device == x.device):
+        x2 = _ordered(_rows(x), w)
         if w._frag is None and dispatch.wants_frag(kernel, x2, w):
             w.fragments()  # before the key, which holds the fragments' layouts
         key = replay_key(x2, w, bias, activation, kernel)
@@ -46,9 +46,8 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
             # (None: nothing recorded, or recorded for another stream or device; launched afresh below)
     check_inputs(x, w, bias, activation, kernel)
     lead = x.shape[:-1]
-    x2 = _rows(x)
-    if w.perm is not None:
-        x2 = x2.index_select(1, w.perm)  # act-order: the stored weight rows are sorted by group
+    if x2 is None:
+        x2 = _ordered(_rows(x), w)
     # The fragment layout goes along when a fragment kernel is asked for, or may be chosen by auto.
     fweight, fzs = w.fragments() if dispatch.wants_frag(kernel, x2, w) else (None, None)
     p = W4A16Problem(x=x2, qweight=w.qweight, scales=w.scales, zeros=w.zeros, bias=bias, out=None,
@@ -62,6 +61,11 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     with op.REPLAYS.recording(key, call_tensors(x2, w, bias)) as kept:
         out = kept(dispatch.forward(p))
     return out.reshape(*lead, w.shape[0])
+
+
+def _ordered(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """``x2``'s inputs in the weight's stored order: act-order weights hold their rows sorted by group."""
+    return x2 if w.perm is None else x2.index_select(1, w.perm)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

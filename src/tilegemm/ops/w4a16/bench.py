@@ -1,6 +1,10 @@
 """The bench adapter of W4A16: llm sweeps, cuBLAS fp16/bf16 (F.linear with the dense weight) as the baseline,
 work in FLOPs (``2 M N K``); the weight traffic in GB/s is :meth:`W4A16Bench.weight_gbps`.
 
+A case's weight format is in its dims: ``G`` the group size (-1: all of K; 128 when absent), ``S`` 1 for symmetric,
+``A`` 1 for act-order (GPTQ ``desc_act``: a random input order). The ``formats`` sweep crosses them with M on two
+Llama shapes; ``--shape M,N,K,G[,sym][,act]`` times one.
+
 The second baseline column: fbgemm-gpu-genai's preshuffled bf16 x int4 kernel where that package imports, else
 torch's own int4 kernel (tinygemm, bf16), which tools/w4a16_gpu_check.py also records. The ``w4-random`` sweep
 holds shapes out for checking rules fitted elsewhere (:data:`W4_RANDOM_SEED`).
@@ -21,8 +25,38 @@ _LLM_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 GROUP_SIZE = 128
 
 
-def _case(m: int, n: int, k: int, x: float | None = None) -> Case:
-    return Case(f"{m}x{n}x{k}", dict(M=m, N=n, K=k), float(x if x is not None else m))
+def _case(m: int, n: int, k: int, x: float | None = None, group: int = GROUP_SIZE, symmetric: bool = False,
+          act_order: bool = False) -> Case:
+    """A case; the weight's format (dims G, S, A) named in the label where it is not group-128 asymmetric."""
+    dims = dict(M=m, N=n, K=k)
+    label = f"{m}x{n}x{k}"
+    if group != GROUP_SIZE or symmetric or act_order:
+        dims.update(G=group, S=int(symmetric), A=int(act_order))
+        label += f"-g{'K' if group == -1 else group}{'-sym' if symmetric else ''}{'-act' if act_order else ''}"
+    return Case(label, dims, float(x if x is not None else m))
+
+
+def _format(case: Case) -> tuple[int, bool, bool]:
+    """(group size, symmetric, act-order) of a case."""
+    d = case.dims
+    return d.get("G", GROUP_SIZE), bool(d.get("S", 0)), bool(d.get("A", 0))
+
+
+# The formats sweep: every group size, symmetric or not, and GPTQ act-order, against group 128 at the same M
+# (run it once per --dtype).
+FORMATS_NK = ((5120, 5120), (4096, 11008))
+FORMATS_M = (1, 3, 16, 48, 128)
+FORMATS = tuple((g, sym, False) for g in (32, 64, 128, 256, -1) for sym in (False, True)) + \
+    ((128, False, True), (32, False, True))  # (group size, symmetric, act-order)
+
+
+def _formats_cases() -> list[Case]:
+    cases = []
+    for n, k in FORMATS_NK:
+        for g, sym, act in FORMATS:
+            for m in FORMATS_M:
+                cases.append(_case(m, n, k, x=len(cases), group=g, symmetric=sym, act_order=act))
+    return cases
 
 
 def _llm_cases() -> list[Case]:
@@ -84,31 +118,47 @@ class W4A16Bench(BenchOp):
         "w4-random": _w4_random_cases,
         "decode": lambda: [_case(m, 8192, 8192) for m in (1, 2, 4, 8, 16, 32, 64)],
         "tiny": lambda: [_case(m, n, k) for m, n, k in ((1, 64, 128), (3, 96, 256), (17, 64, 128))],
+        "formats": _formats_cases,
     }
     gpu_sweep = "llm"
     cpu_sweep = "tiny"
-    shape_help = "M,N,K (e.g. 16,8192,8192; K a multiple of 128)"
+    shape_help = ("M,N,K[,G][,sym][,act] (e.g. 16,8192,8192 or 3,5120,5120,32,sym; G the group size, 128 unless "
+                  "given, -1 all of K; K a multiple of it)")
     models = {"llama": "tilegemm.models.bench:LlamaDecodeBench"}  # decode tokens/s of a 4-bit Llama vs fp16
 
     def parse_shape(self, text: str) -> Case:
-        parts = re.split(r"[,x\s]+", text.strip())
+        from tilegemm.ops.w4a16.format import GROUP_SIZES
+
+        parts = [p for p in re.split(r"[,x\s]+", text.strip()) if p]
+        flags = [p for p in parts[4:] if p in ("sym", "act")]
         try:
-            m, n, k = (int(p) for p in parts)
+            if not 3 <= len(parts) <= 6 or len(flags) != len(set(flags)) or len(flags) != len(parts[4:]):
+                raise ValueError
+            m, n, k = (int(p) for p in parts[:3])
+            group = int(parts[3]) if len(parts) > 3 else GROUP_SIZE
         except ValueError:
             raise BenchError(f"malformed w4a16 shape {text!r}: expected {self.shape_help}") from None
-        if min(m, n, k) < 1 or k % GROUP_SIZE:
-            raise BenchError(f"malformed w4a16 shape {text!r}: sizes must be >= 1 and K a multiple of {GROUP_SIZE}")
-        return _case(m, n, k)
+        if group not in GROUP_SIZES:
+            raise BenchError(f"malformed w4a16 shape {text!r}: the group size must be one of "
+                             f"{', '.join(map(str, GROUP_SIZES))}")
+        unit = 8 if group == -1 else group
+        if min(m, n, k) < 1 or k % unit:
+            raise BenchError(f"malformed w4a16 shape {text!r}: sizes must be >= 1 and K a multiple of {unit}")
+        return _case(m, n, k, group=group, symmetric="sym" in flags, act_order="act" in flags)
 
     def prepare(self, case, dtype, device, n_sets, options):
         from tilegemm import w4a16
 
         M, N, K = case.dims["M"], case.dims["N"], case.dims["K"]
+        group, symmetric, act_order = _format(case)
         tdtype = self.dtypes[dtype]
         sets = []
         for _ in range(n_sets):
             dense = torch.randn(N, K, device=device, dtype=tdtype) * 0.02
-            w = w4a16.quantize(dense, GROUP_SIZE)
+            w = w4a16.quantize(dense, group, symmetric=symmetric)
+            if act_order:  # a GPTQ desc_act weight: its stored rows are inputs in another order
+                w = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, group, (N, K),
+                                     torch.randperm(K, device=device))
             # The baseline multiplies by the dequantized weight, so it computes the same result.
             inputs = dict(x=torch.randn(M, K, device=device, dtype=tdtype), w=w, dense=w4a16.dequantize(w))
             if self.second_baseline_reason(device) is None:  # its packing, made once here
@@ -117,9 +167,12 @@ class W4A16Bench(BenchOp):
                     # (bf16) on the same grid. A shape it refuses gets an "unavailable" row, not a failed run.
                     try:
                         inputs["fbgemm"] = _FBGEMM["quantize"](inputs["dense"].to(torch.bfloat16),
-                                                               group_size=GROUP_SIZE, dtype="bf16", use_zp=True)
+                                                               group_size=K if group == -1 else group, dtype="bf16",
+                                                               use_zp=True)
                     except Exception as err:  # noqa: BLE001 - its own checks (asserts, RuntimeErrors)
                         inputs["fbgemm"] = f"fbgemm's quantize_int4_preshuffle refused {N}x{K}: {err}"[:300]
+                elif act_order or group == -1:
+                    inputs["tinygemm"] = "torch's int4 kernel takes groups of 32 .. 256 in input order only"
                 else:
                     from tilegemm.ops.w4a16.baselines import tinygemm_weight
 
@@ -158,6 +211,8 @@ class W4A16Bench(BenchOp):
             return torch.ops.fbgemm.bf16i4bf16_shuffled(inputs["x_bf16"], wq, scale, zero)
         from tilegemm.ops.w4a16.baselines import tinygemm_mm
 
+        if isinstance(inputs["tinygemm"], str):
+            raise NotApplicable(inputs["tinygemm"])
         return tinygemm_mm(inputs["x_bf16"], *inputs["tinygemm"])
 
     def run_meta(self, cases):
@@ -180,9 +235,9 @@ class W4A16Bench(BenchOp):
         return 2.0 * d["M"] * d["N"] * d["K"]
 
     @staticmethod
-    def weight_bytes(N: int, K: int, dtype_size: int = 2) -> int:
-        """Bytes of a g128 4-bit weight: packed values plus scales and zeros."""
-        return N * K // 2 + 2 * (K // GROUP_SIZE) * N * dtype_size
+    def weight_bytes(N: int, K: int, dtype_size: int = 2, group: int = GROUP_SIZE) -> int:
+        """Bytes of a 4-bit weight in groups of ``group`` (-1: all of K): packed values plus scales and zeros."""
+        return N * K // 2 + 2 * (1 if group == -1 else K // group) * N * dtype_size
 
     secondary_metric = "GB/s"  # of weight traffic (packed weights, scales, zeros): the small-M roofline's measure
 
@@ -191,7 +246,7 @@ class W4A16Bench(BenchOp):
 
     def weight_gbps(self, case: Case, ms: float) -> float:
         """GB/s of weight traffic at a time of ``ms`` milliseconds (the M=1 roofline's measure)."""
-        return self.weight_bytes(case.dims["N"], case.dims["K"]) / (ms * 1e-3) / 1e9
+        return self.weight_bytes(case.dims["N"], case.dims["K"], group=_format(case)[0]) / (ms * 1e-3) / 1e9
 
     def tolerance(self, dtype):
         return reference.tolerance(self.dtypes[dtype])

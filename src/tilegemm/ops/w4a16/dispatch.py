@@ -22,7 +22,7 @@ FRAG_KERNELS = ("frag_wgmma",)  # the kernels that read the weight's fragment la
 
 
 def choose(M: int, frag: bool = False) -> str:
-    """The kernel for M rows; ``frag``: the fragment kernel can run (Hopper, group length a multiple of 64)."""
+    """The kernel for M rows; ``frag``: the fragment kernel can run (Hopper; every group length the format takes)."""
     if frag and M <= FRAG_WGMMA_MAX_M:
         return "frag_wgmma"
     if M <= GEMV_MAX_M:
@@ -35,10 +35,10 @@ def choose(M: int, frag: bool = False) -> str:
 _FRAG_REASON: dict = {}  # device -> why the fragment kernel cannot run there ("" when it can), asked once
 
 
-def frag_usable(group_k: int, device: torch.device) -> bool:
-    """Whether ``auto`` may use the fragment kernel on ``device`` for a weight of group length ``group_k``: a
-    Hopper GPU with Gluon (not the interpreter) and a group length that is a multiple of 64 (its K step)."""
-    if device.type != "cuda" or not fits_fragments(group_k):
+def frag_usable(group_k: int, device: torch.device, K: int | None = None) -> bool:
+    """Whether ``auto`` may use the fragment kernel on ``device`` for a weight of group length ``group_k`` and ``K``
+    inputs: a Hopper GPU with Gluon (not the interpreter) and a group length it takes (:func:`fits_fragments`)."""
+    if device.type != "cuda" or not fits_fragments(group_k, K):
         return False
     reason = _FRAG_REASON.get(device)
     if reason is None:
@@ -50,14 +50,14 @@ def wants_frag(kernel: str, x2: torch.Tensor, w) -> bool:
     """Whether a call with 2-D activations ``x2`` and weight ``w`` runs, or under ``auto`` may run, a kernel that
     takes the fragment layout."""
     return kernel in FRAG_KERNELS or (kernel == "auto" and x2.shape[0] <= FRAG_WGMMA_MAX_M
-                                      and frag_usable(w.group_k, x2.device))
+                                      and frag_usable(w.group_k, x2.device, w.shape[-1]))
 
 
 def kernel_for(p: W4A16Problem) -> str:
     """The kernel that runs ``p``: the one it names, or ``auto``'s choice."""
     if p.kernel != "auto":
         return p.kernel
-    return choose(p.M, p.fweight is not None and frag_usable(p.group_k, p.x.device))
+    return choose(p.M, p.fweight is not None and frag_usable(p.group_k, p.x.device, p.K))
 
 
 def launcher(name: str):

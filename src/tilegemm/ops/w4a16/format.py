@@ -68,12 +68,15 @@ def unpack_cols(packed: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
 # --- the offline shuffle --------------------------------------------------------------------------------
 
 
-FRAG_K_STEP = 64  # the fragment kernel's K step: its scales change between steps only
+FRAG_K_STEP = 64  # the fragment kernel's K step: its scales change between steps, or between its halves
+FRAG_HALF_GROUP = 32  # the group length whose scales change at half a K step (two groups a step)
 
 
-def fits_fragments(group_k: int) -> bool:
-    """Whether the ``frag_wgmma`` kernel can take a weight of group length ``group_k`` (a multiple of its K step)."""
-    return group_k > 0 and group_k % FRAG_K_STEP == 0
+def fits_fragments(group_k: int, K: int | None = None) -> bool:
+    """Whether the ``frag_wgmma`` kernel can take a weight of group length ``group_k``: 32 (two groups a K step), a
+    multiple of its K step, or one group of all ``K`` inputs (any length: it spans the padded steps)."""
+    return group_k > 0 and (group_k % FRAG_K_STEP == 0 or group_k == FRAG_HALF_GROUP
+                            or (K is not None and group_k >= K))
 
 
 def pack_fragments(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_k: int):
@@ -81,7 +84,7 @@ def pack_fragments(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g
 
     ``q`` ``[K, N]`` (values 0..15, ``W.T``), ``scales``/``zeros`` ``[G, N]`` -> (int32 ``[N16, K64, 32, 4]``,
     ``[G', N16, 8, 4]`` in the scales' dtype), padded to N16 = 16 ceil(N / 256) and K64 = 2 ceil(K / 128); G' covers the
-    padded K."""
+    padded K (group 32: two groups a 64-deep step, one per half), padded groups with zero scales."""
     K, N = q.shape
     n16, k64 = cdiv(N, 256) * 16, cdiv(K, 128) * 2  # whole programs of up to 256 rows, steps of up to 128
     qp = torch.zeros((k64 * 64, n16 * 16), dtype=torch.int64, device=q.device)

@@ -14,7 +14,9 @@ weight.
 The fragment layout (int32 ``[N16, K64, 32, 4]``): word ``(t, c, lane, l)`` with ``lane = 4 * rl + km`` holds,
 as nibble ``i = 4h + 2j1 + j0``, the weight of row ``16t + 8j0 + rl`` and input ``64c + 16l + 8j1 + 2km + h``.
 Scales and zeros (``[G, N16, 8, 4]`` in the weights' dtype): ``(z[r], z[r + 8], s[r], s[r + 8])`` for row
-``r = 16t + rl``. N is padded to 16 and K to 64 with zero weights (x is masked there).
+``r = 16t + rl``. N is padded to 16 and K to 64 with zero weights (x is masked there). Groups of 32 (``GROUP32``)
+put two groups in a K step: words ``l = 0, 1`` of step ``c`` take group ``2c``, words ``2, 3`` group ``2c + 1``;
+one group of all of K spans the padded steps.
 
 The weights are ``wgmma``'s A operand (rows = output features N), so small M wastes no weight bandwidth; the
 activations ``x`` (``[BM, 64]`` a step, ``BM`` = 8 .. 256 rows) its B operand, read from shared memory as they
@@ -169,7 +171,8 @@ def _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, step, k_firs
     if EVEN_K:
         x_mask = x_ok & live
     else:
-        x_mask = x_ok & live & (k0 + gl.expand_dims(kk, 0) < K)
+        # by 8-element chunk (K is a multiple of 8), so the compiler sees the mask whole across each 16-byte copy
+        x_mask = x_ok & live & (k0 + gl.expand_dims(kk // 8 * 8, 0) < K)
     async_copy.async_copy_global_to_shared(x_bufs.index(slot), x_ptr + x_offs + k0, mask=x_mask)
     async_copy.async_copy_global_to_shared(w_bufs.index(slot), wf_ptr + w_offs + step * 128, mask=live)
     async_copy.commit_group()
@@ -177,46 +180,77 @@ def _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, step, k_firs
 
 @gluon.jit
 def _zs_load(zs_ptr, zs_row, N16, g, group_k, k_end):
-    """The raw zero and scale pairs of group ``g`` (none past the slice)."""
+    """The raw zero and scale pairs of group ``g`` (none past the slice); with GROUP32's ``zs_row``, of groups
+    ``g`` and ``g + 1``."""
     zp = zs_ptr + (g * N16 * 8 + zs_row) * 2
     live = g * group_k < k_end
     return gl.load(zp, mask=live), gl.load(zp + 1, mask=live)
 
 
 @gluon.jit
-def _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k0, k_end, group_k, group_steps,
-            BF16: gl.constexpr):
-    """The prepared scales and zeros for the step at ``k0``. When it starts group ``g``, they are made from
-    ``zz, ss`` (group g's, loaded a group ahead) and group g + 1's are loaded, so their latency hides behind
-    this group's steps."""
-    if left == 0:
-        za, zb, sa, sb = _prep(zz, ss, BF16)
-        left = group_steps - (k0 - g * group_k) // 64
-        g += 1
-        zz, ss = _zs_load(zs_ptr, zs_row, N16, g, group_k, k_end)
-    return za, zb, sa, sb, zz, ss, left - 1, g
+def _widen(v, ql: gl.constexpr):
+    """GROUP32: ``[RHT, 1, 32, 2]`` values by half of the K step -> ``[RHT, 1, 32, 4]`` by the lane's word ``l``
+    (words 0, 1 are the step's first 32 inputs, 2, 3 its last 32), in registers (no data moves)."""
+    v = gl.join(v, v)  # [RHT, 1, 32, half, copy]
+    v = gl.reshape(v, [v.shape[0], 1, 32, 4])
+    return gl.convert_layout(v, ql, assert_trivial=True)
 
 
 @gluon.jit
-def _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT: gl.constexpr, ql: gl.constexpr):
+def _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k0, k_end, group_k, group_steps,
+            BF16: gl.constexpr, GROUP32: gl.constexpr, ql: gl.constexpr):
+    """The prepared scales and zeros for the step at ``k0``. When it starts group ``g``, they are made from
+    ``zz, ss`` (group g's, loaded a group ahead) and group g + 1's are loaded, so their latency hides behind
+    this group's steps. GROUP32 (groups of 32 inputs, two a step): every step takes groups g, g + 1 (each
+    half of the step its own) and loads g + 2, g + 3."""
+    if GROUP32:
+        pa, pb, pc, pd = _prep(zz, ss, BF16)
+        za, zb, sa, sb = _widen(pa, ql), _widen(pb, ql), _widen(pc, ql), _widen(pd, ql)
+        g += 2
+        zz, ss = _zs_load(zs_ptr, zs_row, N16, g, group_k, k_end)
+    else:
+        if left == 0:
+            za, zb, sa, sb = _prep(zz, ss, BF16)
+            left = group_steps - (k0 - g * group_k) // 64
+            g += 1
+            zz, ss = _zs_load(zs_ptr, zs_row, N16, g, group_k, k_end)
+        left -= 1
+    return za, zb, sa, sb, zz, ss, left, g
+
+
+@gluon.jit
+def _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT: gl.constexpr, ql: gl.constexpr,
+              GROUP32: gl.constexpr, num_warps: gl.constexpr):
     """(the zero and scale rows of row tiles ``t0`` by lanes ``i2``, [RHT, 1, 32, 1]; four zero tensors to
-    start the prepared pairs from; group ``g``'s raw pairs, loaded): what :func:`_scales` starts a slice with."""
-    zs_row = gl.expand_dims(gl.expand_dims(gl.expand_dims(t0 * 8, 1), 2), 3) + \
-        gl.expand_dims(gl.expand_dims(gl.expand_dims(i2 // 4, 0), 1), 3)
+    start the prepared pairs from; group ``g``'s raw pairs, loaded): what :func:`_scales` starts a slice with.
+    GROUP32: the rows of groups g and g + 1, [RHT, 1, 32, 2] (both halves of a step), and [RHT, 1, 32, 4]
+    prepared pairs."""
+    if GROUP32:
+        zl: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 32, 1], [num_warps, 1, 1, 1], [3, 2, 1, 0])
+        r0 = gl.convert_layout(t0 * 8, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, zl))))
+        r2 = gl.convert_layout(i2 // 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, zl))))
+        h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, zl))))
+        zs_row = gl.expand_dims(gl.expand_dims(gl.expand_dims(r0, 1), 2), 3) + \
+            gl.expand_dims(gl.expand_dims(gl.expand_dims(r2, 0), 1), 3) + \
+            gl.expand_dims(gl.expand_dims(gl.expand_dims(h * (N16 * 8), 0), 1), 2)
+        z = gl.zeros([RHT, 1, 32, 4], gl.int32, ql)
+    else:
+        zs_row = gl.expand_dims(gl.expand_dims(gl.expand_dims(t0 * 8, 1), 2), 3) + \
+            gl.expand_dims(gl.expand_dims(gl.expand_dims(i2 // 4, 0), 1), 3)
+        z = gl.zeros([RHT, 1, 32, 1], gl.int32, ql)
     zz, ss = _zs_load(zs_ptr, zs_row, N16, g, group_k, k_end)
-    z = gl.zeros([RHT, 1, 32, 1], gl.int32, ql)
     return zs_row, z, z, z, z, zz, ss
 
 
 @gluon.jit
 def _first_fragments(w_bufs, zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first, k_end, group_k,
                      group_steps, ql: gl.constexpr, a_l: gl.constexpr, RHT: gl.constexpr, STAGES: gl.constexpr,
-                     BF16: gl.constexpr):
+                     BF16: gl.constexpr, GROUP32: gl.constexpr):
     """OVERLAP's and PIPE's start: once step 0's copies landed (every thread's), its scales and fragments."""
     async_copy.wait_group(STAGES - 2)
     gl.thread_barrier()
     za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k_first,
-                                              k_end, group_k, group_steps, BF16)
+                                              k_end, group_k, group_steps, BF16, GROUP32, ql)
     a = _a_tile(w_bufs.index(0).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
     fence_async_shared()
     return a, za, zb, sa, sb, zz, ss, left, g
@@ -226,7 +260,7 @@ def _first_fragments(w_bufs, zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, 
 def _pipe_step(t, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
                za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql: gl.constexpr,
                a_l: gl.constexpr, RHT: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
-               BF16: gl.constexpr):
+               BF16: gl.constexpr, GROUP32: gl.constexpr):
     """PIPE's step ``t`` (``t >= 1``; step t - 1's MMA in flight): wait until step t's copies landed (every
     thread's; every warp has retired step t - 2's MMA), refill the slot step t - 2 read, make step t's
     fragments, issue its MMA, retire step t - 1's."""
@@ -235,7 +269,7 @@ def _pipe_step(t, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, 
     _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, t + STAGES - 2, k_first, k_end, K, STAGES,
            EVEN_K)
     za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
-                                              k_first + t * 64, k_end, group_k, group_steps, BF16)
+                                              k_first + t * 64, k_end, group_k, group_steps, BF16, GROUP32, ql)
     a = _a_tile(w_bufs.index(t % STAGES).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
     fence_async_shared()
     acc = warpgroup_mma(a, x_bufs.index(t % STAGES).permute((1, 0)), acc, is_async=True)
@@ -249,7 +283,7 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
                       BM: gl.constexpr, RH: gl.constexpr, STAGES: gl.constexpr, BF16: gl.constexpr,
                       EVEN_K: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr,
                       ACTIVATION: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      num_warps: gl.constexpr, GROUP32: gl.constexpr = False):
     RHT: gl.constexpr = num_warps * RH  # 16-row tiles of weights
     BN: gl.constexpr = 16 * RHT
     dt: gl.constexpr = x_ptr.dtype.element_ty
@@ -294,7 +328,7 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
     group_steps = group_k // 64
     left = 0
     g = k_first // group_k
-    zs_row, za, zb, sa, sb, zz, ss = _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT, ql)
+    zs_row, za, zb, sa, sb, zz, ss = _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT, ql, GROUP32, num_warps)
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
     if PIPE:
         # Two MMA groups in flight: step t's MMA is issued before step t - 1's is retired, so the tensor cores
@@ -308,23 +342,23 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
         # 1 to 5 steps and rings of 3 to 5 slots (tests/w4a16/test_w4a16_frag_wgmma.py).
         a, za, zb, sa, sb, zz, ss, left, g = _first_fragments(w_bufs, zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss,
                                                               left, g, k_first, k_end, group_k, group_steps, ql,
-                                                              a_l, RHT, STAGES, BF16)
+                                                              a_l, RHT, STAGES, BF16, GROUP32)
         acc = warpgroup_mma(a, x_bufs.index(0).permute((1, 0)), acc, is_async=True)
         acc, a = warpgroup_mma_wait(1, deps=(acc, a))  # waits for nothing (one group in flight): a tensor again
         for t in range(1, steps - 1, 2):
             acc, za, zb, sa, sb, zz, ss, left, g = _pipe_step(
                 t, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
                 za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
-                STAGES, EVEN_K, BF16)
+                STAGES, EVEN_K, BF16, GROUP32)
             acc, za, zb, sa, sb, zz, ss, left, g = _pipe_step(
                 t + 1, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
                 za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
-                STAGES, EVEN_K, BF16)
+                STAGES, EVEN_K, BF16, GROUP32)
         if steps % 2 == 0:
             acc, za, zb, sa, sb, zz, ss, left, g = _pipe_step(
                 steps - 1, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
                 za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
-                STAGES, EVEN_K, BF16)
+                STAGES, EVEN_K, BF16, GROUP32)
         acc = warpgroup_mma_wait(0, deps=(acc,))
     elif OVERLAP:
         # Step s + 1 is dequantized while step s's MMA runs; its registers stay live (a dependency of the wait)
@@ -332,7 +366,7 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
         # that MMA before the barrier.
         a, za, zb, sa, sb, zz, ss, left, g = _first_fragments(w_bufs, zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss,
                                                               left, g, k_first, k_end, group_k, group_steps, ql,
-                                                              a_l, RHT, STAGES, BF16)
+                                                              a_l, RHT, STAGES, BF16, GROUP32)
         for s in range(steps):
             acc = warpgroup_mma(a, x_bufs.index(s % STAGES).permute((1, 0)), acc, is_async=True)
             async_copy.wait_group(STAGES - 3)  # step s + 1 has landed (this thread's copies) ...
@@ -340,7 +374,7 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
             _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first, k_end, K,
                    STAGES, EVEN_K)
             za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
-                                                      k_first + (s + 1) * 64, k_end, group_k, group_steps, BF16)
+                                                      k_first + (s + 1) * 64, k_end, group_k, group_steps, BF16, GROUP32, ql)
             a_next = _a_tile(w_bufs.index((s + 1) % STAGES).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
             fence_async_shared()
             acc, a = warpgroup_mma_wait(0, deps=(acc, a))
@@ -348,7 +382,7 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
     else:
         for s in range(steps):
             za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
-                                                      k_first + s * 64, k_end, group_k, group_steps, BF16)
+                                                      k_first + s * 64, k_end, group_k, group_steps, BF16, GROUP32, ql)
             async_copy.wait_group(STAGES - 2)  # step s has landed (this thread's copies) ...
             gl.thread_barrier()  # ... and every thread's; every warp is done with step s - 1's slot
             fence_async_shared()
@@ -407,15 +441,18 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
     M = x.shape[0]
     n16, k64 = fw.shape[0], fw.shape[1]
     rh, bm, split, warps = cfg["RH"], cfg["BM"], cfg["SPLIT_K"], cfg["num_warps"]
-    if group_k % 64:
-        raise ValueError(f"frag_wgmma: the group length {group_k} must be a multiple of the K step 64")
+    steps = cdiv(K, 64)  # the padding past them holds zero weights only
+    if group_k >= K:  # one group (all of K): it spans every step, the padded last one included
+        group_k = steps * 64
+    if group_k % 64 and group_k != 32:
+        raise ValueError(f"frag_wgmma: the group length {group_k} must be 32, a multiple of the K step 64, or all "
+                         f"of K")
     if x.stride(0) % 8:
         raise ValueError(f"frag_wgmma: x's row stride {x.stride(0)} must be a multiple of 8 elements (16 bytes)")
     if x.data_ptr() % 16:
         raise ValueError(f"frag_wgmma: x must start 16-byte aligned (its address is {x.data_ptr() % 16} bytes past)")
     if (cfg.get("OVERLAP", True) or cfg.get("PIPE", False)) and cfg["STAGES"] < 3:
         raise ValueError("frag_wgmma: OVERLAP needs STAGES >= 3 (a step in the MMA, the next landed, one loading)")
-    steps = cdiv(K, 64)  # the padding past them holds zero weights only
     per_split = cdiv(steps, max(1, min(split, steps)))
     split = cdiv(steps, per_split)
     tiles_n, tiles_m = cdiv(n16 * 16, 16 * rh * warps), cdiv(M, bm)
@@ -428,6 +465,8 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
     kwargs = dict(BM=bm, RH=rh, STAGES=cfg["STAGES"], BF16=x.dtype == torch.bfloat16, EVEN_K=K % 64 == 0,
                   SPLIT_K=split, HAS_BIAS=bias is not None, ACTIVATION=activation,
                   OVERLAP=cfg.get("OVERLAP", True), PIPE=cfg.get("PIPE", False), num_warps=warps)
+    if group_k == 32:  # named only here, so the other group lengths' launches are what they were
+        kwargs["GROUP32"] = True
     return frag_wgmma_kernel, (tiles_n, tiles_m, split), args, kwargs
 
 
