@@ -61,18 +61,25 @@ def dequantize_nibbles(q, s, z, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def weight_tile(qw_base, s_base, z_base, k0, offs_n, ok_n, K, width, group_k, DTYPE: tl.constexpr,
+def group_row(s_base, z_base, k0, k_hi, offs_n, ok_n, width, group_k):
+    """The scales and zeros of the group holding K step ``k0``, [1, BN] (zeros from ``k_hi`` on: never used)."""
+    g = k0 // group_k
+    ok = ok_n & (k0 < k_hi)
+    s = tl.load(s_base + g * width + offs_n, mask=ok, other=0.0)[None, :]
+    z = tl.load(z_base + g * width + offs_n, mask=ok, other=0.0)[None, :]
+    return s, z
+
+
+@triton.jit
+def weight_tile(qw_base, s_base, z_base, k0, offs_n, ok_n, K, width, group_k, s, z, DTYPE: tl.constexpr,
                 UPCAST: tl.constexpr, ONE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The dequantized tile ``W.T[k0 : k0 + BK, offs_n]`` of one expert, [BK, BN] (zero past K and N)."""
+    """The dequantized tile ``W.T[k0 : k0 + BK, offs_n]`` of one expert, [BK, BN] (zero past K and N). ONE_GROUP:
+    ``s`` and ``z`` are the step's group's row, [1, BN]; otherwise each K row's are gathered here."""
     r = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8] packed rows
     words = tl.load(qw_base + r[:, None] * width + offs_n[None, :], mask=(r < K // 8)[:, None] & ok_n[None, :],
                     other=0)  # [BK/8, BN], each word loaded once
     q = unpack_words(words, BLOCK_K, BLOCK_N)  # [BK, BN]
-    if ONE_GROUP:  # the step lies in one group: one row of scales and zeros
-        g = k0 // group_k
-        s = tl.load(s_base + g * width + offs_n, mask=ok_n, other=0.0)[None, :]  # [1, BN]
-        z = tl.load(z_base + g * width + offs_n, mask=ok_n, other=0.0)[None, :]
-    else:  # groups shorter than the step: each K row's own
+    if not ONE_GROUP:  # groups shorter than the step: each K row's own
         offs_k = k0 + tl.arange(0, BLOCK_K)
         sz = (offs_k // group_k)[:, None] * width + offs_n[None, :]  # [BK, BN]
         ok = (offs_k < K)[:, None] & ok_n[None, :]
@@ -128,16 +135,30 @@ def grouped_w4a16_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if GATED:
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The scales' row of the first step; each step then loads the next step's before its own arithmetic, so
+        # the load's latency overlaps a step (Triton pipelines the words and x through shared memory, not these).
+        s, z = group_row(s_base, z_base, k_lo, k_hi, offs_n, ok_n, width, group_k)  # [1, BN]
+        if GATED:
+            s_up, z_up = group_row(s_base, z_base, k_lo, k_hi, offs_n + UP, ok_n, width, group_k)
         for k0 in range(k_lo, k_hi, BLOCK_K):
+            if ONE_GROUP:
+                s_next, z_next = group_row(s_base, z_base, k0 + BLOCK_K, k_hi, offs_n, ok_n, width, group_k)
+                if GATED:
+                    s_up_next, z_up_next = group_row(s_base, z_base, k0 + BLOCK_K, k_hi, offs_n + UP, ok_n, width,
+                                                     group_k)
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_rows + offs_k[None, :], mask=ok_m[:, None] & (offs_k < K)[None, :], other=0.0)  # [BM, BK]
-            w = weight_tile(qw_base, s_base, z_base, k0, offs_n, ok_n, K, width, group_k, dt, UPCAST, ONE_GROUP,
-                            BLOCK_K, BLOCK_N)
+            w = weight_tile(qw_base, s_base, z_base, k0, offs_n, ok_n, K, width, group_k, s, z, dt, UPCAST,
+                            ONE_GROUP, BLOCK_K, BLOCK_N)
             acc = mma(x, w, acc, UPCAST, SWAP)
             if GATED:
-                u = weight_tile(qw_base, s_base, z_base, k0, offs_n + UP, ok_n, K, width, group_k, dt, UPCAST,
-                                ONE_GROUP, BLOCK_K, BLOCK_N)
+                u = weight_tile(qw_base, s_base, z_base, k0, offs_n + UP, ok_n, K, width, group_k, s_up, z_up, dt,
+                                UPCAST, ONE_GROUP, BLOCK_K, BLOCK_N)
                 acc_up = mma(x, u, acc_up, UPCAST, SWAP)
+            if ONE_GROUP:
+                s, z = s_next, z_next
+                if GATED:
+                    s_up, z_up = s_up_next, z_up_next
         tile_ok = ok_m[:, None] & ok_n[None, :]
         finish = m_lo < m_hi  # (true here) whether this program runs the epilogue: the last slice with SPLIT_K
         if SPLIT_K > 1:
