@@ -80,7 +80,8 @@ def test_decode_configs_split_k_on_a_large_gpu(monkeypatch):
     p = make_problem("2d3d", 8, a, b, torch.empty(8, dtype=torch.int32), None, torch.empty(2, 4096))
     cfg = configs.choose_config(p)
     assert cfg["BLOCK_M"] == 16 and cfg["SPLIT_K"] > 1
-    assert configs.row_tiles(2, 8, 16) * 4096 // cfg["BLOCK_N"] * cfg["SPLIT_K"] <= 4 * 132
+    assert configs.row_tiles(2, 8, 16) * 4096 // cfg["BLOCK_N"] * cfg["SPLIT_K"] <= \
+        configs.TILED_SPLIT_PROGRAMS_PER_SM * 132
     p = make_problem("2d3d", 8, torch.empty(16384, 14336, dtype=torch.bfloat16), b, p.offs, None,
                      torch.empty(16384, 4096))
     assert configs.choose_config(p)["SPLIT_K"] == 1  # prefill: tiles enough

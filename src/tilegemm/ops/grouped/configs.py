@@ -24,13 +24,13 @@ from tilegemm.core.runtime import cdiv, interpreting
 TILED_BLOCK_N = 128  # wide tiles: each weight byte loaded once per row tile, 16 KB a K step in flight
 TILED_BLOCK_N_NARROW = 64  # fp32 operands and the gated product: twice the bytes or two accumulators a tile
 TILED_BLOCK_K = 64  # 16-bit: 64 K a step fills the 128-byte lines of a K-contiguous weight; fp32 takes 32
-TILED_SPLIT_PROGRAMS_PER_SM = 4  # split K until about this many programs an SM: bytes in flight on every SM
+TILED_SPLIT_PROGRAMS_PER_SM = 3  # split K up to the programs an SM holds at once (shared memory): one wave
 TILED_SPLIT_MIN_STEPS = 4  # a slice keeps at least 4 K steps, so its pipeline fills before it drains
 # 4-bit experts (kernel ``dequant_dot``), by BLOCK_M:
 #   (BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP, programs per SM for the K split, min K steps a slice)
 INT4 = {
     16: (128, 128, 4, 3, True, 2, 2),  # decode: weights as the MMA's A operand from registers (SWAP), 128 K a step
-    32: (128, 128, 4, 3, True, 2, 2),  # a few rows an expert: the same, still wasting few MMA rows
+    32: (128, 128, 4, 3, True, 2, 2),  # a few rows an expert: the same (token rows are the MMA's N, 8 to 256)
     64: (128, 64, 4, 3, False, 2, 4),  # rows enough for wgmma's M of 64: x is the A operand again
     128: (128, 64, 8, 3, False, 1, 8),  # prefill: 8 warps for the 128 x 128 accumulator; tiles fill the GPU
 }
