@@ -34,6 +34,7 @@ INT4 = {
     64: (128, 64, 4, 3, False, 2, 4),  # rows enough for wgmma's M of 64: x is the A operand again
     128: (128, 64, 8, 3, False, 1, 8),  # prefill: 8 warps for the 128 x 128 accumulator; tiles fill the GPU
 }
+INT4_ROWS_FACTOR = 2  # BLOCK_M holds twice the average rows an expert: popular experts dequantize a tile once
 INT4_BLOCK_N_GATED = 64  # two weight tiles and two accumulators a program
 MAX_SPLIT = 16  # the workspace holds SPLIT_K fp32 planes of the output
 
@@ -95,7 +96,7 @@ def int4_config(p) -> dict:
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, SPLIT_K=1, SWAP=False, num_warps=4,
                     num_stages=1)
-    bm = block_m_for(p.M / max(p.groups, 1))
+    bm = block_m_for(INT4_ROWS_FACTOR * p.M / max(p.groups, 1))
     bn, bk, warps, stages, swap, per_sm, min_steps = INT4[bm]
     if p.gated:
         bn = INT4_BLOCK_N_GATED
