@@ -12,6 +12,7 @@ from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem
 captured = []
 tiled.launch = int4.launch = lambda kernel, grid, args, kwargs, **kw: captured.append((kernel, args, kwargs))
 tiled.interpreting = int4.interpreting = configs.interpreting = lambda: False  # the GPU's configs
+configs.sm_count = lambda device: 132  # an H200's, so decode problems get the K split they get there
 
 
 def signature(kernel, args, kwargs):
@@ -34,16 +35,22 @@ def signature(kernel, args, kwargs):
     return sig, constexprs, attrs
 
 
-def compile_last():
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP", "ONE_GROUP")
+configs_of = {}  # each compiled problem's launch config
+
+
+def compile_last(name):
     kernel, args, kwargs = captured[-1]
+    configs_of[name] = {k: kwargs[k] for k in CONFIG_KEYS if k in kwargs}
     kw = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
     sig, ce, at = signature(kernel, args, kw)
     ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"])).asm["ptx"]
-    return dict(collections.Counter(re.findall(r"\b(wgmma\.mma_async\S*|mma\.sync\S*|cp\.async\.c[ag]\S*)", ptx)))
+    return dict(collections.Counter(re.findall(r"\b(wgmma\.mma_async\S*|mma\.sync\S*|cp\.async\.c[ag]\S*|"
+                                               r"ld\.global\S*|atom\.\S*)", ptx)))
 
 
-def grouped(layout, dtype, M, N, K, G, precision="ieee", gated=False, b_t=True):
+def grouped(name, layout, dtype, M, N, K, G, precision="ieee", gated=False, b_t=True):
     e = lambda *s: torch.empty(*s, dtype=dtype)  # noqa: E731
     offs = torch.empty(G, dtype=torch.int32)
     if layout == "2d3d":
@@ -54,21 +61,41 @@ def grouped(layout, dtype, M, N, K, G, precision="ieee", gated=False, b_t=True):
         a, b, out, offs = e(G, M, K), e(G, K, N), e(G, M, N), None
     p = make_problem(layout, G, a, b, offs, None, out, precision, "silu" if gated else "none", gated)
     tiled.run(p)
-    return compile_last()
+    return compile_last(name)
 
 
-results = {
-    "2d3d_bf16": grouped("2d3d", torch.bfloat16, 8192, 4096, 4096, 8),
-    "2d3d_fp16_decode": grouped("2d3d", torch.float16, 16, 1536, 2048, 128, b_t=False),
-    "2d3d_bf16_gated": grouped("2d3d", torch.bfloat16, 4096, 768, 2048, 128, gated=True),
-    "2d2d_bf16": grouped("2d2d", torch.bfloat16, 4096, 1536, 32768, 128),
-    "3d3d_tf32": grouped("3d3d", torch.float32, 512, 512, 512, 8, precision="tf32"),
-}
-E, N, K = 8, 2 * 1024, 1024
-p = GroupedInt4Problem(torch.empty(64, K, dtype=torch.float16), torch.empty(E, K // 8, N, dtype=torch.int32),
-                       torch.empty(E, K // 128, N, dtype=torch.float16), torch.empty(E, K // 128, N, dtype=torch.float16),
-                       torch.empty(E, dtype=torch.int32), None, torch.empty(64, N // 2, dtype=torch.float16), E, 64,
-                       N // 2, K, 128, "silu", True)
-int4.run(p)
-results["int4_fp16_gated"] = compile_last()
+PROBLEMS = (
+    ("2d3d_bf16", "2d3d", torch.bfloat16, 8192, 4096, 4096, 8),
+    ("2d3d_fp16_decode", "2d3d", torch.float16, 16, 1536, 2048, 128, "ieee", False, False),
+    ("2d3d_bf16_gated", "2d3d", torch.bfloat16, 4096, 768, 2048, 128, "ieee", True),
+    ("2d2d_bf16", "2d2d", torch.bfloat16, 4096, 1536, 32768, 128),
+    ("3d3d_tf32", "3d3d", torch.float32, 512, 512, 512, 8, "tf32"),
+    # 16-bit decode: one token to 2 of Mixtral-8x7B's experts (down projection): K split
+    ("2d3d_bf16_decode_split", "2d3d", torch.bfloat16, 2, 4096, 14336, 8),
+)
+results = {problem[0]: grouped(*problem) for problem in PROBLEMS}
+
+
+def int4_experts(name, dtype, M, N, K, E, group=128, gated=False, config=None):
+    width = 2 * N if gated else N
+    p = GroupedInt4Problem(torch.empty(M, K, dtype=dtype), torch.empty(E, K // 8, width, dtype=torch.int32),
+                           torch.empty(E, K // group, width, dtype=dtype), torch.empty(E, K // group, width, dtype=dtype),
+                           torch.empty(E, dtype=torch.int32), None, torch.empty(M, N, dtype=dtype), E, M, N, K, group,
+                           "silu" if gated else "none", gated)
+    int4.run(p, config)
+    return compile_last(name)
+
+
+for name, args, kw in (
+    ("int4_fp16_gated", (torch.float16, 64, 1024, 1024, 8), dict(gated=True)),
+    # Mixtral-8x7B's down projection: one token (2 experts of 1 row: SWAP, K split), and 16384 tokens (128-row tiles)
+    ("int4_fp16_decode", (torch.float16, 2, 4096, 14336, 8), {}),
+    ("int4_bf16_decode", (torch.bfloat16, 2, 4096, 14336, 8), {}),
+    ("int4_bf16_prefill", (torch.bfloat16, 16384, 4096, 14336, 8), {}),
+    # groups of 32 under 64-K steps: each K row's scales gathered
+    ("int4_fp16_group_rows", (torch.float16, 256, 512, 1024, 8), dict(group=32, config=dict(
+        BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3))),
+):
+    results[name] = int4_experts(name, *args, **kw)
+results["configs"] = configs_of
 print(json.dumps(results))

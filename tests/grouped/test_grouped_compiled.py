@@ -18,15 +18,37 @@ def counts(tmp_path_factory):
     return compile_offline(tmp_path_factory.mktemp("grouped-ptx"), SCRIPT, [], timeout=900)
 
 
-@pytest.mark.parametrize("kernel", ["2d3d_bf16", "2d3d_fp16_decode", "2d3d_bf16_gated", "2d2d_bf16", "3d3d_tf32",
-                                    "int4_fp16_gated"])
+KERNELS = ["2d3d_bf16", "2d3d_fp16_decode", "2d3d_bf16_gated", "2d2d_bf16", "3d3d_tf32", "2d3d_bf16_decode_split",
+           "int4_fp16_gated", "int4_fp16_decode", "int4_bf16_decode", "int4_bf16_prefill", "int4_fp16_group_rows"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_compiles_to_tensor_core_products(counts, kernel):
     ops = counts[kernel]
     assert any(op.startswith("wgmma") or op.startswith("mma") for op in ops), f"{kernel}: no MMA: {ops}"
     assert any(op.startswith("cp.async") for op in ops), f"{kernel}: no cp.async pipelining: {ops}"
 
 
-@pytest.mark.parametrize("kernel", ["2d3d_bf16", "2d2d_bf16", "3d3d_tf32"])
+@pytest.mark.parametrize("kernel", ["2d3d_bf16", "2d2d_bf16", "3d3d_tf32", "int4_bf16_prefill", "int4_fp16_decode"])
 def test_large_tiles_use_wgmma(counts, kernel):
-    # 64+ rows a tile: Hopper's warpgroup MMA (16-32 row tiles of a decode step take mma.sync)
+    # 64+ rows a tile: Hopper's warpgroup MMA (16-32 row tiles of a decode step take mma.sync, but the 4-bit
+    # kernel's, whose weight tile is the A operand there: SWAP)
     assert any(op.startswith("wgmma") for op in counts[kernel]), counts[kernel]
+
+
+@pytest.mark.parametrize("kernel, split", [("2d3d_bf16_decode_split", True), ("int4_fp16_decode", True),
+                                           ("int4_bf16_decode", True), ("2d3d_bf16", False),
+                                           ("int4_bf16_prefill", False)])
+def test_decode_steps_split_k(counts, kernel, split):
+    # one token to 2 of Mixtral-8x7B's experts: few tiles, so K is split (slices meet through one atomic a tile)
+    assert (counts["configs"][kernel]["SPLIT_K"] > 1) == split, counts["configs"][kernel]
+    assert any(op.startswith("atom.") for op in counts[kernel]) == split, counts[kernel]
+
+
+@pytest.mark.parametrize("kernel, swap, one_group", [("int4_fp16_decode", True, True),
+                                                     ("int4_bf16_prefill", False, True),
+                                                     ("int4_fp16_group_rows", False, False)])
+def test_int4_variants(counts, kernel, swap, one_group):
+    # SWAP at decode sizes; one row of scales a K step unless groups (32) are shorter than the step (64)
+    cfg = counts["configs"][kernel]
+    assert (cfg["SWAP"], cfg["ONE_GROUP"]) == (swap, one_group), cfg

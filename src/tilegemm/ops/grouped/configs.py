@@ -3,13 +3,40 @@
 Rows per group decide BLOCK_M: a MoE decode step gives each expert a few rows, and a 128-row tile would then be
 mostly padding; the average rows per group (``M / G``, known from the shapes) picks the smallest power of two
 from 16 (tl.dot's least) up to 128 that holds it. Under the interpreter smaller tiles keep the tests fast.
+
+A decode step also leaves few tiles: 1 token routed to 8 experts makes 8 row tiles, a few hundred programs at
+most, some SMs idle and the rest streaming weights with one program each. Row-jagged products (the MoE forward)
+then split K (``SPLIT_K`` slices, grid axis 1): each slice stores its fp32 partial tile in a workspace and the
+last slice to arrive adds them in slice order (deterministic) and runs the epilogue. The number of tiles is
+estimated from shapes: at most ``cdiv(M, BLOCK_M) + G`` and at most M (a tile holds at least one row).
+Measurements: docs/grouped.md, "Measured".
 """
 
 from __future__ import annotations
 
 import torch
 
-from tilegemm.core.runtime import interpreting
+from tilegemm.core.hardware import sm_count
+from tilegemm.core.runtime import cdiv, interpreting
+
+# --- the table (why, one line each) -----------------------------------------------------------------------------
+# 16-bit and fp32 operands (kernel ``tiled``):
+TILED_BLOCK_N = 128  # wide tiles: each weight byte loaded once per row tile, 16 KB a K step in flight
+TILED_BLOCK_N_NARROW = 64  # fp32 operands and the gated product: twice the bytes or two accumulators a tile
+TILED_BLOCK_K = 64  # 16-bit: 64 K a step fills the 128-byte lines of a K-contiguous weight; fp32 takes 32
+TILED_SPLIT_PROGRAMS_PER_SM = 3  # split K up to the programs an SM holds at once (shared memory): one wave
+TILED_SPLIT_MIN_STEPS = 4  # a slice keeps at least 4 K steps, so its pipeline fills before it drains
+# 4-bit experts (kernel ``dequant_dot``), by BLOCK_M:
+#   (BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP, programs per SM for the K split, min K steps a slice)
+INT4 = {
+    16: (128, 128, 4, 3, True, 2, 2),  # decode: weights as the MMA's A operand from registers (SWAP), 128 K a step
+    32: (128, 128, 4, 3, True, 2, 2),  # a few rows an expert: the same (token rows are the MMA's N, 8 to 256)
+    64: (128, 64, 4, 3, False, 2, 4),  # rows enough for wgmma's M of 64: x is the A operand again
+    128: (128, 64, 8, 3, False, 1, 8),  # prefill: 8 warps for the 128 x 128 accumulator; tiles fill the GPU
+}
+INT4_ROWS_FACTOR = 2  # BLOCK_M holds twice the average rows an expert: popular experts dequantize a tile once
+INT4_BLOCK_N_GATED = 64  # two weight tiles and two accumulators a program
+MAX_SPLIT = 16  # the workspace holds SPLIT_K fp32 planes of the output
 
 
 def block_m_for(rows_per_group: float) -> int:
@@ -19,20 +46,61 @@ def block_m_for(rows_per_group: float) -> int:
     return 128
 
 
+def row_tiles(M: int, groups: int, block_m: int) -> int:
+    """Row tiles of a row-jagged product, at most: each non-empty group (and the rows past ``offs[-1]``) wastes
+    less than one tile, and a tile holds at least one row."""
+    return min(cdiv(M, block_m) + groups, M)
+
+
+def split_k(tiles: int, steps: int, device, programs_per_sm: int, min_steps: int) -> int:
+    """K slices (a power of two up to MAX_SPLIT) so that ``tiles * split`` reaches ``programs_per_sm`` programs an
+    SM, each slice keeping at least ``min_steps`` K steps."""
+    target = programs_per_sm * sm_count(device)
+    split = 1
+    while tiles * split * 2 <= target and steps // (2 * split) >= min_steps and split < MAX_SPLIT:
+        split *= 2
+    return split
+
+
 def choose_config(p) -> dict:
-    """``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages`` for a :class:`GroupedProblem`."""
+    """``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, ``num_warps``, ``num_stages`` for a :class:`GroupedProblem`."""
     if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
-    if p.layout in ("2d3d", "3d2d"):
-        rows = (p.M if p.layout == "2d3d" else p.N) / max(p.groups, 1)
-    else:
-        rows = p.M
-    bm = block_m_for(rows)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, SPLIT_K=1, num_warps=4, num_stages=1)
+    jagged_m = p.layout in ("2d3d", "3d2d")
+    M, N = (p.N, p.M) if p.layout == "3d2d" else (p.M, p.N)  # 3d2d runs as its transpose
+    bm = block_m_for(M / max(p.groups, 1) if jagged_m else M)
     wide = p.dtype == torch.float32
-    bk = 32 if wide else 64
-    if p.gated:
-        bn = 64
-    else:
-        bn = 64 if wide else 128
+    bk = 32 if wide else TILED_BLOCK_K
+    bn = TILED_BLOCK_N_NARROW if p.gated or wide else TILED_BLOCK_N
     warps = 8 if bm * bn >= 128 * 128 else 4
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=3 if bm >= 64 else 4)
+    split = 1
+    if jagged_m and M > 0:
+        split = split_k(row_tiles(M, p.groups, bm) * cdiv(N, bn), cdiv(p.K, bk), p.out.device,
+                        TILED_SPLIT_PROGRAMS_PER_SM, TILED_SPLIT_MIN_STEPS)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, num_warps=warps,
+                num_stages=3 if bm >= 64 else 4)
+
+
+def int4_block_k(block_k: int, group_k: int, K: int) -> int:
+    """BLOCK_K for the 4-bit kernel: at most the group length where groups are shorter than K, so that each K
+    step lies in one group and loads one row of scales and zeros."""
+    if group_k >= K:
+        return block_k
+    while block_k > 16 and group_k % block_k:
+        block_k //= 2
+    return block_k
+
+
+def int4_config(p) -> dict:
+    """The config of a :class:`GroupedInt4Problem`; ``SWAP``: the dequantized weight is the MMA's A operand."""
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, SPLIT_K=1, SWAP=False, num_warps=4,
+                    num_stages=1)
+    bm = block_m_for(INT4_ROWS_FACTOR * p.M / max(p.groups, 1))
+    bn, bk, warps, stages, swap, per_sm, min_steps = INT4[bm]
+    if p.gated:
+        bn = INT4_BLOCK_N_GATED
+    bk = int4_block_k(bk, p.group_k, p.K)
+    split = split_k(row_tiles(p.M, p.groups, bm) * cdiv(p.N, bn), cdiv(p.K, bk), p.out.device, per_sm, min_steps)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, SWAP=swap, num_warps=warps,
+                num_stages=stages)

@@ -16,6 +16,10 @@ Operands are read in place through their strides (b row- or column-major, transp
 (:func:`swizzle`), so the programs resident at a time share the group's weight and rows in L2. ``GATED`` (the MoE
 gate/up product) keeps two accumulators, the gate's columns and the up projection's ``UP`` elements further along b
 (``UPC`` along the bias), and stores ``activation(gate) * up``.
+
+``SPLIT_K`` (row-jagged products only: decode steps, whose few tiles leave SMs idle) cuts K into slices on grid
+axis 1; each slice stores its fp32 partial tile in a workspace and the last to arrive adds them in slice order
+(:func:`split_arrive`, :func:`split_sum`: deterministic) and runs the epilogue.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import triton.language as tl
 
 from tilegemm.core.launch import launch
 from tilegemm.core.runtime import cdiv, interpreting
+from tilegemm.core.workspace import split_workspace
 from tilegemm.jit.helpers import apply_activation
-from tilegemm.ops.grouped.configs import choose_config
+from tilegemm.ops.grouped.configs import choose_config, row_tiles
 from tilegemm.ops.grouped.problem import GroupedProblem
 
 
@@ -62,13 +67,51 @@ def find_group_m(offs_ptr, tile_m, G, M, GP: tl.constexpr, BLOCK_M: tl.constexpr
 
 
 @triton.jit
+def split_range(k_hi, K, split, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[k_lo, k_hi) of K slice ``split``: whole BLOCK_K steps, the last slice ending at ``k_hi`` (0 for the
+    programs that only store zeros)."""
+    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = split * per
+    return k_lo, tl.minimum(k_hi, k_lo + per)
+
+
+@triton.jit
+def split_arrive(count_ptr, tile, SPLIT_K: tl.constexpr):
+    """After this slice stored its partial tile: True for the slice that arrives last at ``tile`` (its
+    counter is then reset for the next launch)."""
+    # A scalar atomic runs on one thread: the barrier puts every thread's stores before its release.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    return arrived == SPLIT_K - 1
+
+
+@triton.jit
+def split_tile(ws_ptr, s, M, width, offs_m, offs_n):
+    """Pointers of the tile (offs_m, offs_n) in plane ``s`` of the workspace's fp32 planes ``[SPLIT_K, M, width]``."""
+    return ws_ptr + (s * M + offs_m).to(tl.int64)[:, None] * width + offs_n[None, :]
+
+
+@triton.jit
+def split_sum(ws_ptr, M, width, offs_m, offs_n, mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              SPLIT_K: tl.constexpr):
+    """The partial tiles of every slice added in slice order: [BM, BN] fp32."""
+    tl.debug_barrier()  # every thread's loads after the last arrival's acquire
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        total += tl.load(split_tile(ws_ptr, s, M, width, offs_m, offs_n), mask=mask, other=0.0,
+                         cache_modifier=".cg")
+    return total
+
+
+@triton.jit
 def grouped_tiled_kernel(
-    a_ptr, b_ptr, out_ptr, bias_ptr, offs_ptr,
+    a_ptr, b_ptr, out_ptr, bias_ptr, offs_ptr, ws_ptr, count_ptr,
     G, M, N, K,
     s_ag, s_am, s_ak, s_bg, s_bk, s_bn, s_og, s_om, s_on, s_cg, s_cm, s_cn, UP, UPC,
     JAGGED: tl.constexpr, GP: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -81,6 +124,8 @@ def grouped_tiled_kernel(
         k_lo = 0
         k_hi = tl.where(live, K, 0)  # the tail's tiles multiply nothing: they store zeros
         g = tl.minimum(g, G - 1).to(tl.int64)  # (the tail reads no group's weight or bias)
+        if SPLIT_K > 1:  # this program's slice of K (grid axis 1)
+            k_lo, k_hi = split_range(k_hi, K, tl.program_id(1), SPLIT_K, BLOCK_K)
     elif JAGGED == "k":
         tile_m, tile_n = swizzle(pid, tl.cdiv(M, BLOCK_M), tiles_n, GROUP_M)
         g = tl.program_id(1).to(tl.int64)
@@ -125,19 +170,35 @@ def grouped_tiled_kernel(
                 if UPCAST:
                     u = u.to(tl.float32)
                 acc_up = tl.dot(x, u, acc_up, input_precision=INPUT_PRECISION)
-        if HAS_BIAS:
-            c_ptrs = bias_ptr + g * s_cg + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn
-            c_ok = ok_m[:, None] & ok_n[None, :] & live
-            acc += tl.load(c_ptrs, mask=c_ok, other=0.0).to(tl.float32)
+        tile_ok = ok_m[:, None] & ok_n[None, :]
+        finish = m_lo < m_hi  # (true here) whether this program runs the epilogue: the last slice with SPLIT_K
+        if SPLIT_K > 1:
+            # fp32 planes [SPLIT_K, M, 2N if gated else N]: this slice's partial tile, then the last slice's sum
+            width = N * (2 if GATED else 1)
+            split = tl.program_id(1)
+            tl.store(split_tile(ws_ptr, split, M, width, offs_m, offs_n), acc, mask=tile_ok)
             if GATED:
-                acc_up += tl.load(c_ptrs + UPC, mask=c_ok, other=0.0).to(tl.float32)
-        acc = apply_activation(acc, ACTIVATION)
-        if GATED:
-            acc = acc * acc_up
-        if JAGGED != "m":
-            out_ptr += g * s_og
-        o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * s_om + offs_n[None, :] * s_on
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok_m[:, None] & ok_n[None, :])
+                tl.store(split_tile(ws_ptr, split, M, width, offs_m, offs_n + N), acc_up, mask=tile_ok)
+            finish = split_arrive(count_ptr, pid, SPLIT_K)
+            if finish:
+                acc = split_sum(ws_ptr, M, width, offs_m, offs_n, tile_ok, BLOCK_M, BLOCK_N, SPLIT_K)
+                if GATED:
+                    acc_up = split_sum(ws_ptr, M, width, offs_m, offs_n + N, tile_ok, BLOCK_M, BLOCK_N, SPLIT_K)
+                tl.store(count_ptr + pid, 0)
+        if finish:
+            if HAS_BIAS:
+                c_ptrs = bias_ptr + g * s_cg + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn
+                c_ok = tile_ok & live
+                acc += tl.load(c_ptrs, mask=c_ok, other=0.0).to(tl.float32)
+                if GATED:
+                    acc_up += tl.load(c_ptrs + UPC, mask=c_ok, other=0.0).to(tl.float32)
+            acc = apply_activation(acc, ACTIVATION)
+            if GATED:
+                acc = acc * acc_up
+            if JAGGED != "m":
+                out_ptr += g * s_og
+            o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * s_om + offs_n[None, :] * s_on
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
 
 def _pow2(n: int) -> int:
@@ -174,6 +235,15 @@ def canonical(p: GroupedProblem) -> dict:
                    0, out.stride(1), out.stride(0), *c))
 
 
+def workspace(out: torch.Tensor, split: int, M: int, width: int, tiles: int):
+    """(fp32 planes, arrival counters) for SPLIT_K slices of an [M, width] output over ``tiles`` tiles (the
+    launcher's own, per device and stream: :func:`tilegemm.core.workspace.split_workspace`); ``out`` stands in
+    for both without a split (never read)."""
+    if split == 1:
+        return out, out
+    return split_workspace(out.device, split * M * width, tiles, tag="grouped")
+
+
 def run(p: GroupedProblem, config: dict | None = None) -> None:
     v = canonical(p)
     if v["M"] == 0 or v["N"] == 0 or p.groups == 0 and v["JAGGED"] != "m":
@@ -181,15 +251,20 @@ def run(p: GroupedProblem, config: dict | None = None) -> None:
     cfg = dict(config or choose_config(p))
     warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
     tiles_n = cdiv(v["N"], cfg["BLOCK_N"])
+    split = cfg.setdefault("SPLIT_K", 1)
     if v["JAGGED"] == "m":
-        grid = ((cdiv(v["M"], cfg["BLOCK_M"]) + p.groups) * tiles_n, 1)
+        grid = (row_tiles(v["M"], p.groups, cfg["BLOCK_M"]) * tiles_n, split)
     else:
+        if split != 1:
+            raise ValueError(f"SPLIT_K={split}: the grouped kernel splits K of row-jagged products only")
         grid = (cdiv(v["M"], cfg["BLOCK_M"]) * tiles_n, p.groups)
+    ws, count = workspace(p.out, split, v["M"], v["N"] * (2 if p.gated else 1), grid[0])
     offs = p.offs if p.offs is not None else v["a"]  # (never read: a placeholder pointer)
     bias = p.bias if p.bias is not None else p.out
     interp = interpreting()
     up_bias = p.N * p.bias.stride(-1) if p.gated and p.bias is not None else 0  # the up half of a gated bias
-    args = (v["a"], v["b"], p.out, bias, offs, p.groups, v["M"], v["N"], v["K"], *v["s"], p.up_offset, up_bias)
+    args = (v["a"], v["b"], p.out, bias, offs, ws, count, p.groups, v["M"], v["N"], v["K"], *v["s"], p.up_offset,
+            up_bias)
     flags = dict(JAGGED=v["JAGGED"], GP=_pow2(p.groups), HAS_BIAS=p.bias is not None, GATED=p.gated,
                  ACTIVATION=p.activation, INPUT_PRECISION=p.precision,
                  UPCAST=interp and p.dtype == torch.bfloat16,
