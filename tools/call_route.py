@@ -69,7 +69,8 @@ def route(fn) -> dict:
             if rel not in modules:
                 modules.append(rel)
             return
-        if rel == "core/launch.py" and frame.f_code.co_name == "launch":  # a kernel launch: the stack is the route
+        # A kernel's launch, or a replay's: the files on the stack then are the route.
+        if rel == "core/launch.py" and frame.f_code.co_name in ("launch", "__call__"):
             chain, f = [], frame
             while f is not None:
                 name = f.f_code.co_filename
