@@ -31,6 +31,12 @@ LONG_REDUCTION_STEPS = 32  # a 1x1 layer whose TMA tiles leave SMs idle over thi
 GLUON_1X1_MIN_CHANNELS = 96  # 1x1 layers with this many output channels take gluon_f16's 128-wide tiles
 GLUON_1X1_WAVES = 2.5  # ... where its tiles make this many waves (fewer: its persistent loop gains nothing)
 GLUON_1X1_WIDE_FILL = 0.85  # 256x128 tiles where they keep this share of the last round's SMs busy
+PAD_MIN_CHANNELS = 16  # odd channel counts padded for the TMA kernel from this many a group: below, the pointer
+#   kernel's flattened (r, s, c) K steps waste less than padding every pixel's channels to 16
+PAD_MIN_TAPS = 2  # ... in filters of at least this many taps: a 1x1 layer's GEMM takes any channel count, and
+#   the input's copy would cost about as much as the layer itself (a 3x3 reads each input pixel 9 times)
+PAD_WIDE_STEP_WASTE = 0.25  # padded to a multiple of 64 (or 32) where that adds at most this share of channels:
+#   a 16-deep K step pays the same barrier wait and TMA issue as a 64-deep one for a quarter of the MMAs
 
 
 # --- the choice of kernel -------------------------------------------------------------------------------
@@ -44,11 +50,13 @@ def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, 
     Otherwise: 1x1 stride-1 unpadded single-group convolutions go to ``gemm_1x1`` (tilegemm's GEMM on the
     channels-last view), and so do strided ones with a channels-last input (the kept pixels gathered into a
     matrix first); depthwise ones to ``depthwise``, everything else to ``implicit_gemm``. Before all that, grouped
-    layers of few channels a group go to ``grouped_direct`` (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`)."""
+    layers of few channels a group go to ``grouped_direct`` (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`).
+    A ``tma`` layer whose channels the kernel would pad (:func:`pads_channels`) takes it only where
+    :func:`padding_pays`."""
     if takes_grouped_direct(g):  # few channels a group: CUDA cores, not mostly empty MMA tiles
         return "grouped_direct"
     pointwise = g.is_pointwise or (g.is_strided_pointwise and x_channels_last)
-    if tma and not g.is_depthwise:
+    if tma and not g.is_depthwise and (not pads_channels(g) or padding_pays(g)):
         if not (pointwise and pointwise_as_gemm(g, sms, gluon)):
             return "tma_implicit_gemm"
     if pointwise:
@@ -56,6 +64,18 @@ def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, 
     if g.is_depthwise:
         return "depthwise"
     return "implicit_gemm"
+
+
+def pads_channels(g: Geometry) -> bool:
+    """Whether ``tma_implicit_gemm`` runs ``g`` over zero-padded channels (:mod:`tilegemm.ops.conv2d.padded`):
+    C/groups not a multiple of 16, and not a stem (the window route)."""
+    return g.Cg % 16 != 0 and not (g.groups == 1 and g.C <= STEM_MAX_C)
+
+
+def padding_pays(g: Geometry) -> bool:
+    """``auto``'s rule for padded channels: at least :data:`PAD_MIN_CHANNELS` a group, in a filter of at least
+    :data:`PAD_MIN_TAPS` taps, not depthwise."""
+    return not g.is_depthwise and g.Cg >= PAD_MIN_CHANNELS and g.R * g.S >= PAD_MIN_TAPS
 
 
 def pointwise_gluon_tile(g: Geometry, sms: int) -> tuple[int, int, int, int] | None:
@@ -217,6 +237,11 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
     g = p.geo
     if g.is_pointwise:
         return _launch("gemm_1x1", p)
+    if pads_channels(g) and padding_pays(g) and not takes_grouped_direct(g):
+        from tilegemm.ops.conv2d import padded
+
+        if padded.why_not(p.x, p.weight, g) is None:
+            return padded.run(p)  # the padded channels-last copy made from the NCHW input; NCHW stores
     with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
         xc, xbuf = layout.workspace_view(p.x, "conv2d-nchw-input")
         pc = replace(p, x=xc)
@@ -224,7 +249,7 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
             kernel = "depthwise"
         elif takes_grouped_direct(g):
             kernel = "grouped_direct"
-        elif _tma_usable(pc):
+        elif _tma_usable(pc) and not pads_channels(g):  # padded layers that pay took the route above
             kernel = "tma_implicit_gemm"
         else:
             kernel = "implicit_gemm"

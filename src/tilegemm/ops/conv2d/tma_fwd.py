@@ -163,13 +163,15 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return sn, sy, sx
 
 
-def input_descriptor(x: torch.Tensor, g, block: list, layout) -> TensorDescriptor:
+def input_descriptor(x: torch.Tensor, g, block: list, layout, channels: int | None = None) -> TensorDescriptor:
     """The TMA descriptor of channels-last ``x`` as the strided 5-D view ``[N, H/SH, SH, W/SW, SW*C]`` (see the
     module's docstring), in ``block`` boxes: the forward's and the weight gradient's input tiles. With SW = 1
-    the last dim is the C channels at stride 1 and the pixel stride is free."""
+    the last dim is the C channels at stride 1 and the pixel stride is free. ``channels``: x's own C where ``g``
+    counts more (padded channels read as TMA's zero fill: :mod:`tilegemm.ops.conv2d.padded`)."""
     sh, sw = g.stride
     sn, sy, sx = _strides(x)
-    return TensorDescriptor(x, [g.N, g.H // sh, sh, g.W // sw, sw * g.C], [sn, sh * sy, sy, sw * sx, 1], block,
+    c = channels or g.C
+    return TensorDescriptor(x, [g.N, g.H // sh, sh, g.W // sw, sw * c], [sn, sh * sy, sy, sw * sx, 1], block,
                             layout)
 
 
@@ -231,10 +233,14 @@ def run(p, config_: dict | None = None) -> torch.Tensor:
     from tilegemm.ops.conv2d.implicit_gemm import allocate_out
     from tilegemm.ops.conv2d.layout import weight_channels_last
 
+    from tilegemm.ops.conv2d import padded
+
     g = p.geo
     reason = why_not_input(p.x, p.weight, g)
     if reason and why_not_stem(p.x, p.weight, g) is None:
         return run_stem(p)
+    if reason and padded.why_not(p.x, p.weight, g) is None:
+        return padded.run(p)
     if reason:
         raise NotApplicable(f"tma_implicit_gemm does not take this convolution: {reason}")
     out = allocate_out(p)
@@ -247,9 +253,12 @@ def run(p, config_: dict | None = None) -> torch.Tensor:
 
 
 def why_not(p) -> str | None:
-    """None when :func:`run` takes problem ``p`` (directly or as a stem); otherwise why not."""
+    """None when :func:`run` takes problem ``p`` (directly, as a stem or over padded channels); otherwise why
+    not (the direct route's reason)."""
+    from tilegemm.ops.conv2d import padded
+
     reason = why_not_input(p.x, p.weight, p.geo)
-    if reason and why_not_stem(p.x, p.weight, p.geo) is None:
+    if reason and (why_not_stem(p.x, p.weight, p.geo) is None or padded.why_not(p.x, p.weight, p.geo) is None):
         return None
     return reason
 
@@ -510,11 +519,13 @@ def phase_weight_kernel(w_ptr, out_ptr, C, Kg, Cg, V, r0, s0, step_h, step_w,
 
 
 def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, g, activation: str, cfg: dict,
-                within: torch.Tensor | None = None):
+                within: torch.Tensor | None = None, x_channels: int | None = None):
     """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.core.launch.launch`. ``weight`` is
     channels-last contiguous; ``x`` satisfies :func:`why_not_input`. ``within``: a tensor ``out`` is a view into; the
     kernel is then passed ``within`` and the element offset of ``out`` in it (a replay maps the call's tensors
-    by their data pointers, and a view at an offset has a pointer of its own)."""
+    by their data pointers, and a view at an offset has a pointer of its own). ``x_channels``: x's own channel
+    count where ``g`` (one group, horizontal stride 1) counts padded ones that only the weight holds
+    (:func:`tilegemm.ops.conv2d.padded.reads_in_place`)."""
     sh, sw = g.stride
     bi, bh, bw, bn, bk = cfg["BI"], cfg["BH"], cfg["BW"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if cfg["STAGES"] < 2:
@@ -523,7 +534,7 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, 
     swz = min(128, bk * x.element_size())
     x_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=5)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=2)
-    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, bk], x_layout)
+    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, bk], x_layout, x_channels)
     kk = g.R * g.S * g.Cg
     w_desc = TensorDescriptor(weight, [g.K, kk], [kk, 1], [bn, bk], w_layout)
     tiles_p, tiles_q = cdiv(g.P, bh), cdiv(g.Q, bw)
@@ -531,7 +542,7 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, 
     base = out if within is None else within
     offset = (out.data_ptr() - base.data_ptr()) // out.element_size()
     args = (x_desc, w_desc, base, bias if bias is not None else base,
-            g.N, g.P, g.Q, g.Kg, g.Cg, g.C, tiles_p, tiles_q, offset,
+            g.N, g.P, g.Q, g.Kg, g.Cg, x_channels or g.C, tiles_p, tiles_q, offset,
             out.stride(0), out.stride(2), out.stride(3), out.stride(1), bias.stride(0) if bias is not None else 0,
             g.padding[0], g.padding[2], g.dilation[0], g.dilation[1], off_h, off_w)
     kwargs = dict(R=g.R, S=g.S, SH=sh, SW=sw, HAS_BIAS=bias is not None, ACTIVATION=activation,

@@ -1,0 +1,207 @@
+"""Channel counts that are not multiples of 16 on the TMA kernel: the channels zero-padded to one.
+
+``tma_implicit_gemm`` steps through a group's input channels 16 (or 32, 64) at a time, and a step must not run
+into the next tap or stride phase; TMA also needs 16-byte aligned pixel strides. A layer from 57 channels meets
+neither and ran the pointer kernel with 2-byte loads. Here such a layer runs the TMA kernel over padded operands:
+
+- the weight ``[K, C/groups, R, S]`` is written as ``[K, R, S, Cgp]`` (Cgp = C/groups rounded up to 16, or to 32
+  or 64 where that costs few more channels: :func:`padded_group`; the extra channels zero) on every call: one
+  small launch that reads the weight as it is then, so a replay after an optimizer step reads the new values (a
+  cache keyed on the weight's version would go stale inside a replay, which checks no versions);
+- the input is copied once into a per-stream workspace ``[N, Hp, Wp, groups * Cgp]``, channels-last, each group's
+  channels padded with zeros and the rows and columns rounded up to multiples of the stride (zero pixels, which
+  only taps past the bottom or right edge read: padding there anyway). The weight's programs ride in the same
+  launch;
+- except where the input can be read in place (:func:`reads_in_place`: one group, horizontal stride 1, C a
+  multiple of 8, channels-last with 16-byte aligned strides): its TMA descriptor is then ``[N, H, 1, W, C]`` and a
+  channel step reaching past C reads TMA's zero fill, against the padded weight's zero columns. Only the weight
+  is written.
+
+The output is the layer's own (K channels, any K: the kernel's stores are masked), in the memory format the
+input asks for. The copy kernel is plain Triton (the interpreter runs it); docs/conv2d.md, "Odd channel counts".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from tilegemm.core.runtime import cdiv
+
+STEP = 16  # a group's channels padded to a multiple of this: the TMA kernel's narrowest K step (one wgmma's K)
+BLOCK_P = 64  # pixels a program copies (each one's channels in BLOCK_C-wide steps): 8 KB of 16-bit data a step
+BLOCK_C = 64
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a layer's padded operands are laid out: ``geo``, the geometry the TMA kernel runs (Cgp channels a
+    group, the image rounded up to the stride, the bottom and right padding less those rows so P and Q stay);
+    ``in_place``: the input is read as it is (its ``x_channels`` = C channels), else copied."""
+
+    geo: object
+    in_place: bool
+    x_channels: int
+
+
+def padded_group(cg: int) -> int:
+    """A group's channel count padded for the TMA kernel: to a multiple of 64 or 32 where that adds at most
+    :data:`~tilegemm.ops.conv2d.dispatch.PAD_WIDE_STEP_WASTE` of the channels (wider K steps), else of 16."""
+    from tilegemm.ops.conv2d.dispatch import PAD_WIDE_STEP_WASTE
+
+    for step in (64, 32):
+        if cdiv(cg, step) * step - cg <= PAD_WIDE_STEP_WASTE * cg:
+            return cdiv(cg, step) * step
+    return cdiv(cg, STEP) * STEP
+
+
+def reads_in_place(x: torch.Tensor, g) -> bool:
+    """Whether the TMA kernel reads ``x`` itself (see the module's docstring): then a channel step past C lands
+    in TMA's zero fill, never in the next pixel (one group, stride 1 along the width)."""
+    from tilegemm.ops.conv2d.tma_fwd import why_not_input
+
+    return g.groups == 1 and g.stride[1] == 1 and why_not_input(x, None, g, channel_step=8) is None
+
+
+def plan(x: torch.Tensor, g) -> Plan:
+    """The padded layout of layer ``g`` over input ``x`` (:class:`Plan`)."""
+    cgp = padded_group(g.Cg)
+    if reads_in_place(x, g):
+        return Plan(replace(g, C=cgp), True, g.C)
+    sh, sw = g.stride
+    hp, wp = cdiv(g.H, sh) * sh, cdiv(g.W, sw) * sw
+    top, bottom, left, right = g.padding
+    geo = replace(g, C=g.groups * cgp, H=hp, W=wp, padding=(top, bottom - (hp - g.H), left, right - (wp - g.W)))
+    return Plan(geo, False, g.groups * cgp)
+
+
+def why_not(x: torch.Tensor, weight, g) -> str | None:
+    """None when the TMA kernel takes layer ``g`` through padded channels; otherwise why not (in words)."""
+    from tilegemm.core.runtime import interpreting
+    from tilegemm.ops.conv2d.tma_fwd import _GL
+
+    if x.dtype not in _GL or (weight is not None and weight.dtype != x.dtype):
+        return "not 16-bit"
+    if not x.is_cuda or interpreting() or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "not on a Hopper GPU"
+    if g.Cg % STEP == 0:
+        return "C/groups a multiple of 16 already"
+    p = plan(x, g).geo
+    if g.N * p.H * p.W * p.C >= 2**31 or g.N * g.K * g.P * g.Q >= 2**31 or x.numel() >= 2**31:
+        return "2^31 elements or more"
+    return None
+
+
+@triton.jit
+def _pad_pixels(src_ptr, dst_ptr, n, q0, pixels, Wd, H, W, Cgs, Cgd, CD, stride_n, stride_c, stride_h, stride_w,
+                SAME: tl.constexpr, GROUPED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``dst[n, h, w, grp * Cgd + j] = src[n, grp * Cgs + j, h, w]`` for j < Cgs inside the source image, else 0,
+    over BLOCK_P pixels of image n from ``q0`` (``pixels`` = Hd * Wd a destination image): ``dst`` is row-major
+    ``[., Hd, Wd, CD]``. SAME: the destination image is the source's and its pixels lie in row-major order at
+    ``stride_w`` (no division: along the pixels the addresses stay contiguous for an NCHW source)."""
+    q = q0 + tl.arange(0, BLOCK_P)
+    real = q < pixels
+    if SAME:
+        src_pix = q.to(tl.int64) * stride_w
+        inside = real
+    else:
+        h = q // Wd
+        w = q - h * Wd
+        src_pix = h.to(tl.int64) * stride_h + w * stride_w
+        inside = real & (h < H) & (w < W)
+    src_row = src_ptr + n.to(tl.int64) * stride_n + src_pix  # [BLOCK_P]
+    dst_row = dst_ptr + (n.to(tl.int64) * pixels + q) * CD
+    for c0 in range(0, CD, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        if GROUPED:
+            grp = c // Cgd
+            j = c - grp * Cgd
+            cs = grp * Cgs + j
+            ok = j < Cgs
+        else:
+            cs = c
+            ok = c < Cgs
+        v = tl.load(src_row[:, None] + (cs * stride_c)[None, :], mask=inside[:, None] & ok[None, :], other=0.0)
+        tl.store(dst_row[:, None] + c[None, :], v, mask=real[:, None] & (c < CD)[None, :])  # [BLOCK_P, BLOCK_C]
+
+
+@triton.jit
+def pad_channels_kernel(x_ptr, xp_ptr, w_ptr, wp_ptr, x_programs, x_tiles, w_tiles,
+                        x_pixels, Wd, H, W, Cg, Cgp, CX, stride_xn, stride_xc, stride_xh, stride_xw,
+                        RS, R, S, stride_wk, stride_wc, stride_wr, stride_ws,
+                        X_SAME: tl.constexpr, W_SAME: tl.constexpr, GROUPED: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The padded operands in one launch: the first ``x_programs`` programs copy the input ``[N, C, H, W]`` into
+    ``[N, Hd, Wd, CX]`` (each group's Cg channels at Cgp, zeros around), the rest the weight ``[K, Cg, R, S]`` into
+    ``[K, R, S, Cgp]`` (:func:`_pad_pixels` each; a weight's "image" is its R x S taps of one output channel)."""
+    pid = tl.program_id(0)
+    if pid < x_programs:
+        n = pid // x_tiles
+        _pad_pixels(x_ptr, xp_ptr, n, (pid - n * x_tiles) * BLOCK_P, x_pixels, Wd, H, W, Cg, Cgp, CX,
+                    stride_xn, stride_xc, stride_xh, stride_xw, X_SAME, GROUPED, BLOCK_P, BLOCK_C)
+    else:
+        t = pid - x_programs
+        k = t // w_tiles
+        _pad_pixels(w_ptr, wp_ptr, k, (t - k * w_tiles) * BLOCK_P, RS, S, R, S, Cg, Cgp, Cgp,
+                    stride_wk, stride_wc, stride_wr, stride_ws, W_SAME, False, BLOCK_P, BLOCK_C)
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    """The pixels of each image of ``[B, C, H, W]`` ``t`` lie in row-major order at one stride (``_pad_pixels``'
+    SAME): NCHW tensors, packed channels-last ones."""
+    _, _, H, W = t.shape
+    return H == 1 or t.stride(2) == W * t.stride(3)
+
+
+def operands(x: torch.Tensor, weight: torch.Tensor, g) -> tuple:
+    """(the input the TMA kernel reads, the padded weight channels-last ``[K, Cgp, R, S]``, the workspaces to keep,
+    the :class:`Plan`): one launch (the weight's programs alone where the input is read in place). Call under
+    :data:`tilegemm.core.launch.sequence_lock` (the workspaces are the stream's)."""
+    from tilegemm.core.launch import current_stream, launch
+    from tilegemm.core.workspace import buffer
+
+    pl = plan(x, g)
+    gp, cgp = pl.geo, padded_group(g.Cg)
+    K, R, S = g.K, g.R, g.S
+    wbuf = buffer(x.device, x.dtype, K * R * S * cgp, "conv2d-pad-weight")
+    keep = (wbuf,)
+    if pl.in_place:
+        xp, xbuf, x_pixels, x_programs = x, wbuf, 1, 0  # xbuf: a placeholder the x programs (none) never touch
+    else:
+        x_pixels = gp.H * gp.W
+        xbuf = buffer(x.device, x.dtype, g.N * x_pixels * gp.C, "conv2d-pad-input")
+        keep = (xbuf, wbuf)
+        x_programs = g.N * cdiv(x_pixels, BLOCK_P)
+        xp = xbuf[:g.N * x_pixels * gp.C].as_strided((g.N, gp.C, gp.H, gp.W),
+                                                     (x_pixels * gp.C, 1, gp.W * gp.C, gp.C))
+    w_tiles = cdiv(R * S, BLOCK_P)
+    same = gp.H == g.H and gp.W == g.W and _row_major(x)
+    launch(pad_channels_kernel, (x_programs + K * w_tiles,),
+           (x, xbuf, weight, wbuf, x_programs, cdiv(x_pixels, BLOCK_P), w_tiles,
+            x_pixels, gp.W, g.H, g.W, g.Cg, cgp, gp.C, *x.stride(), R * S, R, S, *weight.stride()),
+           dict(X_SAME=same, W_SAME=_row_major(weight), GROUPED=g.groups > 1, BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C,
+                num_warps=4),
+           keep=keep, stream=current_stream() if x.is_cuda else None)
+    wp = wbuf[:K * R * S * cgp].view(K, R, S, cgp).permute(0, 3, 1, 2)
+    return xp, wp, keep, pl
+
+
+def run(p) -> torch.Tensor:
+    """The forward of ``p`` (:func:`why_not` is None) on the TMA kernel over padded operands, into the layer's own
+    output."""
+    from tilegemm.core.hardware import sm_count
+    from tilegemm.core.launch import current_stream, launch, sequence_lock
+    from tilegemm.ops.conv2d import tma_fwd
+    from tilegemm.ops.conv2d.implicit_gemm import allocate_out
+
+    out = allocate_out(p)
+    with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
+        xp, wp, keep, pl = operands(p.x, p.weight, p.geo)
+        cfg = tma_fwd.config(pl.geo, p.dtype, sm_count(p.x.device))
+        kernel, grid, args, kwargs = tma_fwd.launch_args(xp, wp, out, p.bias, pl.geo, p.activation, cfg,
+                                                         x_channels=pl.x_channels)
+        launch(kernel, grid, args, kwargs, keep=keep, stream=current_stream())
+    return out
