@@ -25,8 +25,8 @@ def _geo(N, C, H, W, K, R, S, stride=(1, 1), padding=(1, 1, 1, 1), dilation=(1, 
 
 def _in_place_by_geometry(x, g):
     """:func:`padded.reads_in_place` without its GPU checks (the interpreter's tensors are on the CPU)."""
-    return (g.groups == 1 and g.stride[1] == 1 and g.C % 8 == 0 and x.stride(1) == 1
-            and g.H % g.stride[0] == 0 and g.W % g.stride[1] == 0)
+    return (g.Cg % 8 == 0 and x.stride(1) == 1 and g.H % g.stride[0] == 0 and g.W % g.stride[1] == 0
+            and (g.stride[1] == 1 or x.stride(3) == g.C))
 
 
 def _poison_workspaces(x, g):
@@ -112,7 +112,7 @@ def _emulate_tma_forward(args, kwargs):
     channel, the element TMA's input box holds (zero outside the descriptor's shape, as TMA fills), times the
     weight box's, accumulated into the output through its strides, bias and activation after."""
     x_desc, w_desc, base, bias = args[:4]
-    (N, P, Q, Kg, Cg, C_ROW, _, _, offset, s_on, s_op, s_oq, s_ok, s_b,
+    (N, P, Q, Kg, Cg, C_ROW, Cg_x, _, _, offset, s_on, s_op, s_oq, s_ok, s_b,
      pad_h, pad_w, dil_h, dil_w, off_h, off_w) = args[4:]
     R, S, SH, SW, BK = (kwargs[k] for k in ("R", "S", "SH", "SW", "BLOCK_K"))
     assert Cg % BK == 0 and x_desc.block_shape[4] == BK  # channel steps tile the (padded) group exactly
@@ -127,7 +127,7 @@ def _emulate_tma_forward(args, kwargs):
             for s in range(S):
                 eh, ew = r * dil_h - pad_h + off_h, s * dil_w - pad_w + off_w
                 d1, d3 = p + eh // SH - off_h // SH, q + ew // SW - off_w // SW
-                d4 = (ew % SW) * C_ROW + grp * Cg + j
+                d4 = (ew % SW) * C_ROW + grp * Cg_x + j
                 a = x5[:, d1.clamp(0, D1 - 1)][:, :, eh % SH][:, :, d3.clamp(0, D3 - 1)][..., d4.clamp(max=D4 - 1)]
                 inside = (((d1 >= 0) & (d1 < D1))[:, None, None] & ((d3 >= 0) & (d3 < D3))[None, :, None]
                           & (d4 < D4)[None, None, :])
@@ -179,7 +179,9 @@ ODD = [  # (N, C, H, W, K, R, S, conv, in place for a channels-last input)
     pytest.param(1, 57, 6, 5, 113, 3, 3, dict(padding=2, dilation=2), False, id="57-113-dilated"),
     pytest.param(2, 24, 6, 5, 40, 3, 3, dict(padding=1), True, id="24-40-in-place"),
     pytest.param(2, 40, 8, 5, 19, 3, 3, dict(stride=(2, 1), padding=1), True, id="40-19-stride2x1-in-place"),
-    pytest.param(1, 48, 6, 6, 36, 3, 3, dict(padding=1, groups=2), False, id="48-36-groups2"),
+    pytest.param(2, 40, 8, 6, 24, 3, 3, dict(stride=2, padding=1), True, id="40-24-stride2-in-place"),
+    pytest.param(1, 48, 6, 6, 36, 3, 3, dict(padding=1, groups=2), True, id="48-36-groups2-in-place"),
+    pytest.param(1, 60, 8, 6, 36, 3, 3, dict(stride=2, padding=1, groups=3), False, id="60-36-groups3-stride2"),
     pytest.param(1, 20, 6, 7, 9, 5, 5, dict(stride=2, padding=2), False, id="20-9-5x5-stride2"),
 ]
 
@@ -220,7 +222,9 @@ GPU_ODD = [  # (N, C, H, W, K, R, S, conv, in place for a channels-last input)
     pytest.param(3, 24, 20, 20, 40, 5, 5, dict(padding=2), True, id="24-40-5x5-in-place"),
     pytest.param(2, 200, 14, 14, 72, 3, 3, dict(padding=1), True, id="200-72-in-place-past-a-64-step"),
     pytest.param(2, 40, 16, 12, 24, 3, 3, dict(stride=(2, 1), padding=1), True, id="40-24-stride2x1-in-place"),
-    pytest.param(2, 120, 14, 14, 120, 3, 3, dict(padding=1, groups=5), False, id="120-groups5-24-a-group"),
+    pytest.param(2, 120, 14, 14, 120, 3, 3, dict(padding=1, groups=5), True, id="120-groups5-24-a-group"),
+    pytest.param(2, 48, 28, 28, 48, 3, 3, dict(stride=2, padding=1, groups=2), True, id="48-groups2-stride2"),
+    pytest.param(2, 60, 12, 12, 45, 3, 3, dict(padding=1, groups=3), False, id="60-45-groups3-20-a-group"),
     pytest.param(2, 100, 9, 9, 36, 1, 7, dict(padding=(0, 3)), False, id="100-36-1x7"),
 ]
 

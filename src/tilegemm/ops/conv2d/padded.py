@@ -12,10 +12,12 @@ neither and ran the pointer kernel with 2-byte loads. Here such a layer runs the
   channels padded with zeros and the rows and columns rounded up to multiples of the stride (zero pixels, which
   only taps past the bottom or right edge read: padding there anyway). The weight's programs ride in the same
   launch;
-- except where the input can be read in place (:func:`reads_in_place`: one group, horizontal stride 1, C a
-  multiple of 8, channels-last with 16-byte aligned strides): its TMA descriptor is then ``[N, H, 1, W, C]`` and a
-  channel step reaching past C reads TMA's zero fill, against the padded weight's zero columns. Only the weight
-  is written.
+- except where the input can be read in place (:func:`reads_in_place`: C/groups a multiple of 8, channels-last
+  with 16-byte aligned strides, as TMA needs them): its descriptor is then the kernel's usual view of x's own C
+  channels, and a channel step reaching past a group's channels reads TMA's zero fill (the last group's, at
+  horizontal stride 1) or the next group's or stride phase's first channels, against the padded weight's zero
+  columns either way. Only the weight is written. As for the stems (docs/conv2d.md), an inf or NaN in those
+  next channels then makes the output NaN where F.conv2d's would not have read them.
 
 The output is the layer's own (K channels, any K: the kernel's stores are masked), in the memory format the
 input asks for. The copy kernel is plain Triton (the interpreter runs it); docs/conv2d.md, "Odd channel counts".
@@ -59,18 +61,18 @@ def padded_group(cg: int) -> int:
 
 
 def reads_in_place(x: torch.Tensor, g) -> bool:
-    """Whether the TMA kernel reads ``x`` itself (see the module's docstring): then a channel step past C lands
-    in TMA's zero fill, never in the next pixel (one group, stride 1 along the width)."""
+    """Whether the TMA kernel reads ``x`` itself (see the module's docstring): its descriptor's strides are
+    16-byte aligned, and each group's channels start on whole elements of the view."""
     from tilegemm.ops.conv2d.tma_fwd import why_not_input
 
-    return g.groups == 1 and g.stride[1] == 1 and why_not_input(x, None, g, channel_step=8) is None
+    return why_not_input(x, None, g, channel_step=8) is None
 
 
 def plan(x: torch.Tensor, g) -> Plan:
     """The padded layout of layer ``g`` over input ``x`` (:class:`Plan`)."""
     cgp = padded_group(g.Cg)
     if reads_in_place(x, g):
-        return Plan(replace(g, C=cgp), True, g.C)
+        return Plan(replace(g, C=g.groups * cgp), True, g.C)
     sh, sw = g.stride
     hp, wp = cdiv(g.H, sh) * sh, cdiv(g.W, sw) * sw
     top, bottom, left, right = g.padding

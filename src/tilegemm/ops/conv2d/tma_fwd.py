@@ -65,7 +65,7 @@ def _issue(x_desc, w_desc, a_slot, b_slot, bar, it, c_steps, n, p0, q0, k_row, c
 @gluon.jit
 def conv2d_fwd_tma_kernel(
     x_desc, w_desc, out_ptr, bias_ptr,
-    N, P, Q, Kg, Cg, C_ROW, tiles_p, tiles_q, out_offset,
+    N, P, Q, Kg, Cg, C_ROW, Cg_x, tiles_p, tiles_q, out_offset,
     stride_on, stride_op, stride_oq, stride_ok, stride_bias,
     pad_h, pad_w, dil_h, dil_w, off_h, off_w,
     R: gl.constexpr, S: gl.constexpr, SH: gl.constexpr, SW: gl.constexpr,
@@ -87,7 +87,7 @@ def conv2d_fwd_tma_kernel(
     p0 = tp * BH
     q0 = tq * BW
     k_row = grp * Kg + pid_n * BLOCK_N  # first weight row (output channel) of the tile
-    c_base = grp * Cg
+    c_base = grp * Cg_x  # the group's first channel in x (x's own channels a group, where Cg counts padded ones)
 
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BI, BH, 1, BW, BLOCK_K], x_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
@@ -524,7 +524,7 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, 
     channels-last contiguous; ``x`` satisfies :func:`why_not_input`. ``within``: a tensor ``out`` is a view into; the
     kernel is then passed ``within`` and the element offset of ``out`` in it (a replay maps the call's tensors
     by their data pointers, and a view at an offset has a pointer of its own). ``x_channels``: x's own channel
-    count where ``g`` (one group, horizontal stride 1) counts padded ones that only the weight holds
+    count where ``g`` counts padded ones that only the weight holds
     (:func:`tilegemm.ops.conv2d.padded.reads_in_place`)."""
     sh, sw = g.stride
     bi, bh, bw, bn, bk = cfg["BI"], cfg["BH"], cfg["BW"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -534,7 +534,8 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, 
     swz = min(128, bk * x.element_size())
     x_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=5)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=2)
-    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, bk], x_layout, x_channels)
+    cx = x_channels or g.C
+    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, bk], x_layout, cx)
     kk = g.R * g.S * g.Cg
     w_desc = TensorDescriptor(weight, [g.K, kk], [kk, 1], [bn, bk], w_layout)
     tiles_p, tiles_q = cdiv(g.P, bh), cdiv(g.Q, bw)
@@ -542,7 +543,7 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, 
     base = out if within is None else within
     offset = (out.data_ptr() - base.data_ptr()) // out.element_size()
     args = (x_desc, w_desc, base, bias if bias is not None else base,
-            g.N, g.P, g.Q, g.Kg, g.Cg, x_channels or g.C, tiles_p, tiles_q, offset,
+            g.N, g.P, g.Q, g.Kg, g.Cg, cx, cx // g.groups, tiles_p, tiles_q, offset,
             out.stride(0), out.stride(2), out.stride(3), out.stride(1), bias.stride(0) if bias is not None else 0,
             g.padding[0], g.padding[2], g.dilation[0], g.dilation[1], off_h, off_w)
     kwargs = dict(R=g.R, S=g.S, SH=sh, SW=sw, HAS_BIAS=bias is not None, ACTIVATION=activation,
