@@ -146,13 +146,13 @@ def _emulate_tma_forward(args, kwargs):
 @pytest.fixture
 def hopper_like(monkeypatch):
     """``auto`` as on an H200 for these layers: the TMA kernel takes them (padded), NCHW inputs go through the
-    NCHW route, and the Gluon launch is :func:`_emulate_tma_forward`. Returns the list of plans the padded route
-    ran (its ``in_place``)."""
+    NCHW route, and the Gluon launch is :func:`_emulate_tma_forward`. Returns what the padded route ran: the
+    forward's plans (``in_place``) and the data gradients it took (the layout of each ``dx``)."""
     from tilegemm.core import launch as launch_module
     from tilegemm.ops.conv2d.layout import planar
 
-    plans = []
-    real_launch, real_operands = launch_module.launch, padded.operands
+    plans = dict(fwd=[], dgrad=[])
+    real_launch, real_operands, real_dgrad = launch_module.launch, padded.operands, padded.dgrad
 
     def fake_launch(kernel, grid, args, kwargs, **kw):
         if kernel is tma_fwd.conv2d_fwd_tma_kernel:
@@ -161,11 +161,18 @@ def hopper_like(monkeypatch):
 
     def spy_operands(x, weight, g):
         out = real_operands(x, weight, g)
-        plans.append(out[3].in_place)
+        plans["fwd"].append(out[3].in_place)
         return out
+
+    def spy_dgrad(*args, **kwargs):
+        dx = real_dgrad(*args, **kwargs)
+        plans["dgrad"].append(dx is not None and dx.is_contiguous())
+        return dx
 
     monkeypatch.setattr(launch_module, "launch", fake_launch)
     monkeypatch.setattr(padded, "operands", spy_operands)
+    monkeypatch.setattr(padded, "dgrad", spy_dgrad)
+    monkeypatch.setattr(dispatch, "_tma_candidate", lambda t: True)  # the data gradient's TMA routes
     monkeypatch.setattr(padded, "reads_in_place", _in_place_by_geometry)
     monkeypatch.setattr(padded, "why_not", lambda x, weight, g: None if g.Cg % 16 else "aligned")
     monkeypatch.setattr(dispatch, "_tma_usable", lambda p: True)
@@ -196,16 +203,20 @@ def test_auto_runs_odd_channels_padded_forward_and_backward(N, C, H, W, K, R, S,
     b = torch.randn(K, device=device).requires_grad_()
     out = tilegemm.conv2d(x, w, b, activation="relu", **conv)  # outputs NaN-poisoned
     # the padded route ran (an NCHW input is copied whatever its channels), into the layer's own output
-    assert hopper_like == [in_place and layout == CL]
+    assert hopper_like["fwd"] == [in_place and layout == CL]
     assert out.shape == F.conv2d(x.detach(), w.detach(), b.detach(), **conv).shape
     assert out.is_contiguous(memory_format=layout)
     xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
     ref = conv2d_reference(xr, wr, br, **conv, activation="relu")
     assert_rel_close(out, ref, tolerance(torch.float32))
-    # the gradients (the pointer kernels' here: the route is the forward's), in the layouts torch gives
+    # the gradients, in the layouts torch gives: the data gradient of a stride-1 layer over K/groups not a
+    # multiple of 16 (at least 16) through the padded route too (its dy padded), the others the pointer kernels'
     dy = torch.randn_like(ref).float()
     out.backward(dy)
     ref.backward(dy.double())
+    kg = K // groups
+    padded_dgrad = conv.get("stride", 1) == 1 and kg >= 16 and kg % 16 != 0
+    assert hopper_like["dgrad"] == ([layout != CL] if padded_dgrad else [])
     assert x.grad.is_contiguous(memory_format=layout)
     for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert_rel_close(got, want, tolerance(torch.float32))
@@ -236,9 +247,11 @@ GPU_ODD = [  # (N, C, H, W, K, R, S, conv, in place for a channels-last input)
 def test_gpu_odd_channels_through_the_padded_route(N, C, H, W, K, R, S, conv, in_place, layout, dtype, monkeypatch):
     from tilegemm.ops.conv2d import op as replay
 
-    plans = []
-    real = padded.operands
+    plans, dgrads = [], []
+    real, real_dgrad = padded.operands, padded.dgrad
     monkeypatch.setattr(padded, "operands", lambda *a: (lambda o: plans.append(o[3].in_place) or o)(real(*a)))
+    monkeypatch.setattr(padded, "dgrad", lambda *a, **k: (lambda dx: dgrads.append(dx is not None) or dx)(
+        real_dgrad(*a, **k)))
     replay.REPLAYS.clear()
     groups = conv.get("groups", 1)
     x = torch.randn(N, C, H, W, device="cuda").to(dtype).contiguous(memory_format=layout).requires_grad_()
@@ -254,6 +267,8 @@ def test_gpu_odd_channels_through_the_padded_route(N, C, H, W, K, R, S, conv, in
     dy = torch.randn(ref.shape, device="cuda").to(dtype).contiguous(memory_format=layout)
     out.backward(dy)
     ref.backward(dy.double())
+    kg = K // groups
+    assert dgrads == ([True] if conv.get("stride", 1) == 1 and kg >= 16 and kg % 16 else [])
     for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert_rel_close(got, want, tolerance(dtype))
     # plain calls are recorded, then replayed: a replay pads the weight as it is then (updated in place)

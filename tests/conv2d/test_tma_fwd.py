@@ -639,8 +639,8 @@ def test_flipped_weight_is_every_tap_turned_around(groups, channels_last, device
     if channels_last:
         w = w.contiguous(memory_format=torch.channels_last)
     out = torch.full((C * R * S * Kg,), float("nan"), device=device)
-    phase_weight_kernel[(cdiv(Kg, 64), cdiv(C, 64), R * S)](w, out, C, Kg, Cg, S, R - 1, S - 1, 1, 1, *w.stride(),
-                                                             BLOCK_C=64, BLOCK_K=64)
+    phase_weight_kernel[(cdiv(Kg, 64), cdiv(C, 64), R * S)](w, out, C, Kg, Kg, Cg, S, R - 1, S - 1, 1, 1,
+                                                             *w.stride(), BLOCK_C=64, BLOCK_K=64)
     want = torch.empty(C, R, S, Kg, device=device)
     for c in range(C):
         grp = c // Cg

@@ -318,11 +318,23 @@ def dgrad(c: DgradCall) -> torch.Tensor:
             from tilegemm.ops.conv2d import tma_fwd
 
             dx = tma_fwd.dgrad_tma(dy, weight, g)
+            if dx is None and _dgrad_pads(g):
+                from tilegemm.ops.conv2d import padded
+
+                dx = padded.dgrad(dy, weight, g)
             if dx is not None:
                 return dx
         from tilegemm.ops.conv2d import implicit_gemm
 
         return implicit_gemm.dgrad(dy, weight, x_shape, fmt, g, precision, _upcast(dy))
+
+
+def _dgrad_pads(g: Geometry) -> bool:
+    """Whether the data gradient of ``g`` runs over padded channels of ``dy``
+    (:func:`tilegemm.ops.conv2d.padded.dgrad`): that of a forward convolution of ``dy`` (K/groups channels a
+    group) whose channels :func:`padding_pays` pads."""
+    t = Geometry(g.N, g.K, g.P, g.Q, g.C, g.R, g.S, g.groups, g.stride, g.padding, g.dilation)
+    return g.stride == (1, 1) and not g.is_depthwise and pads_channels(t) and padding_pays(t)
 
 
 def _dgrad_nchw(dy, weight, x_shape, g, precision) -> torch.Tensor:
@@ -332,6 +344,12 @@ def _dgrad_nchw(dy, weight, x_shape, g, precision) -> torch.Tensor:
     from tilegemm.ops.conv2d import implicit_gemm, layout
 
     nchw = torch.contiguous_format
+    if _dgrad_pads(g) and not takes_grouped_direct(g):
+        from tilegemm.ops.conv2d import padded
+
+        dx = padded.dgrad(dy, weight, g, out_format=nchw)  # dy padded channels-last in its one copy
+        if dx is not None:
+            return dx
     with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
         dyc, buf = layout.to_channels_last(dy, "conv2d-nchw-dy")
         with keeping(buf):

@@ -158,37 +158,50 @@ def _row_major(t: torch.Tensor) -> bool:
     return H == 1 or t.stride(2) == W * t.stride(3)
 
 
+def _pad_launch(x: torch.Tensor, g, pl: Plan, weight: torch.Tensor | None) -> tuple:
+    """(the input the TMA kernel reads, the padded weight ``[K, Cgp, R, S]`` channels-last or None, the workspaces
+    to keep): one launch of :func:`pad_channels_kernel` for the input's copy (unless read in place) and the
+    weight's (if given), none where neither is wanted."""
+    from tilegemm.core.launch import current_stream, launch
+    from tilegemm.core.workspace import buffer
+
+    gp, cgp = pl.geo, padded_group(g.Cg)
+    keep, wp = (), None
+    if weight is not None:
+        wbuf = buffer(x.device, x.dtype, g.K * g.R * g.S * cgp, "conv2d-pad-weight")
+        keep = (wbuf,)
+        wp = wbuf[:g.K * g.R * g.S * cgp].view(g.K, g.R, g.S, cgp).permute(0, 3, 1, 2)
+    if pl.in_place:
+        xp, x_pixels, x_programs = x, 1, 0
+        if weight is None:
+            return x, None, ()
+        xbuf = wbuf  # a placeholder: no x programs touch it
+    else:
+        x_pixels = gp.H * gp.W
+        xbuf = buffer(x.device, x.dtype, g.N * x_pixels * gp.C, "conv2d-pad-input")
+        keep = (xbuf,) + keep
+        x_programs = g.N * cdiv(x_pixels, BLOCK_P)
+        xp = xbuf[:g.N * x_pixels * gp.C].as_strided((g.N, gp.C, gp.H, gp.W),
+                                                     (x_pixels * gp.C, 1, gp.W * gp.C, gp.C))
+    w = weight if weight is not None else x  # a placeholder: no weight programs run without a weight
+    w_tiles = cdiv(g.R * g.S, BLOCK_P)
+    w_programs = g.K * w_tiles if weight is not None else 0
+    same = gp.H == g.H and gp.W == g.W and _row_major(x)
+    launch(pad_channels_kernel, (x_programs + w_programs,),
+           (x, xbuf, w, wbuf if weight is not None else xbuf, x_programs, cdiv(x_pixels, BLOCK_P), w_tiles,
+            x_pixels, gp.W, g.H, g.W, g.Cg, cgp, gp.C, *x.stride(), g.R * g.S, g.R, g.S, *w.stride()),
+           dict(X_SAME=same, W_SAME=_row_major(w), GROUPED=g.groups > 1, BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C,
+                num_warps=4),
+           keep=keep, stream=current_stream() if x.is_cuda else None)
+    return xp, wp, keep
+
+
 def operands(x: torch.Tensor, weight: torch.Tensor, g) -> tuple:
     """(the input the TMA kernel reads, the padded weight channels-last ``[K, Cgp, R, S]``, the workspaces to keep,
     the :class:`Plan`): one launch (the weight's programs alone where the input is read in place). Call under
     :data:`tilegemm.core.launch.sequence_lock` (the workspaces are the stream's)."""
-    from tilegemm.core.launch import current_stream, launch
-    from tilegemm.core.workspace import buffer
-
     pl = plan(x, g)
-    gp, cgp = pl.geo, padded_group(g.Cg)
-    K, R, S = g.K, g.R, g.S
-    wbuf = buffer(x.device, x.dtype, K * R * S * cgp, "conv2d-pad-weight")
-    keep = (wbuf,)
-    if pl.in_place:
-        xp, xbuf, x_pixels, x_programs = x, wbuf, 1, 0  # xbuf: a placeholder the x programs (none) never touch
-    else:
-        x_pixels = gp.H * gp.W
-        xbuf = buffer(x.device, x.dtype, g.N * x_pixels * gp.C, "conv2d-pad-input")
-        keep = (xbuf, wbuf)
-        x_programs = g.N * cdiv(x_pixels, BLOCK_P)
-        xp = xbuf[:g.N * x_pixels * gp.C].as_strided((g.N, gp.C, gp.H, gp.W),
-                                                     (x_pixels * gp.C, 1, gp.W * gp.C, gp.C))
-    w_tiles = cdiv(R * S, BLOCK_P)
-    same = gp.H == g.H and gp.W == g.W and _row_major(x)
-    launch(pad_channels_kernel, (x_programs + K * w_tiles,),
-           (x, xbuf, weight, wbuf, x_programs, cdiv(x_pixels, BLOCK_P), w_tiles,
-            x_pixels, gp.W, g.H, g.W, g.Cg, cgp, gp.C, *x.stride(), R * S, R, S, *weight.stride()),
-           dict(X_SAME=same, W_SAME=_row_major(weight), GROUPED=g.groups > 1, BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C,
-                num_warps=4),
-           keep=keep, stream=current_stream() if x.is_cuda else None)
-    wp = wbuf[:K * R * S * cgp].view(K, R, S, cgp).permute(0, 3, 1, 2)
-    return xp, wp, keep, pl
+    return (*_pad_launch(x, g, pl, weight), pl)
 
 
 def run(p) -> torch.Tensor:
@@ -207,3 +220,40 @@ def run(p) -> torch.Tensor:
                                                          x_channels=pl.x_channels)
         launch(kernel, grid, args, kwargs, keep=keep, stream=current_stream())
     return out
+
+
+def dgrad(dy: torch.Tensor, weight: torch.Tensor, g, out_format: torch.memory_format = torch.channels_last):
+    """The data gradient of a stride-1 layer whose output channels (``dy``'s) are not a multiple of 16 a group,
+    or None where this does not take it: :func:`tilegemm.ops.conv2d.tma_fwd.dgrad_tma`'s forward convolution of
+    ``dy`` with the flipped weight, ``dy`` padded as :func:`run` pads an input (or read in place) and the flipped
+    weight written with padded rows of zeros past K/groups. ``dx`` in ``out_format``."""
+    from tilegemm.core.hardware import sm_count
+    from tilegemm.core.launch import current_stream, launch, sequence_lock
+    from tilegemm.core.runtime import new_output
+    from tilegemm.core.workspace import buffer
+    from tilegemm.ops.conv2d import tma_fwd
+
+    if g.stride != (1, 1):
+        return None  # strided data gradients stay on the pointer kernel (tma_fwd.dgrad_tma says why)
+    ((_, _, gt, r0, s0),) = tma_fwd.dgrad_phases(g)
+    if min(gt.padding) < 0 or why_not(dy, weight, gt):
+        return None
+    if out_format == torch.channels_last:
+        dx = new_output((g.N, g.H, g.W, g.C), dy.dtype, dy.device).permute(0, 3, 1, 2)
+    else:
+        dx = new_output((g.N, g.C, g.H, g.W), dy.dtype, dy.device)
+    pl = plan(dy, gt)
+    kgp = padded_group(g.Kg)
+    total = g.C * g.R * g.S * kgp
+    with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
+        dyp, _, keep = _pad_launch(dy, gt, pl, None)
+        buf = buffer(dy.device, dy.dtype, total, "conv2d-pad-phase-weight")
+        launch(tma_fwd.phase_weight_kernel, (cdiv(kgp, 64), cdiv(g.C, 64), g.R * g.S),
+               (weight, buf, g.C, g.Kg, kgp, g.Cg, g.S, r0, s0, 1, 1, *weight.stride()),
+               dict(BLOCK_C=64, BLOCK_K=64, num_warps=4), keep=(buf,), stream=current_stream())
+        wt = buf[:total].view(g.C, g.R, g.S, kgp).permute(0, 3, 1, 2)
+        cfg = tma_fwd.config(pl.geo, dy.dtype, sm_count(dy.device))
+        kernel, grid, args, kwargs = tma_fwd.launch_args(dyp, wt, dx, None, pl.geo, "none", cfg,
+                                                         x_channels=pl.x_channels)
+        launch(kernel, grid, args, kwargs, keep=keep + (buf,), stream=current_stream())
+    return dx

@@ -488,20 +488,22 @@ def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g, out_format: torch.memor
     with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
         buf = buffer(dy.device, dy.dtype, total, ("conv2d-phase-weight", 0, 0))
         launch(phase_weight_kernel, (cdiv(g.Kg, 64), cdiv(g.C, 64), g.R * g.S),
-               (weight, buf, g.C, g.Kg, g.Cg, g.S, r0, s0, 1, 1, *weight.stride()),
+               (weight, buf, g.C, g.Kg, g.Kg, g.Cg, g.S, r0, s0, 1, 1, *weight.stride()),
                dict(BLOCK_C=64, BLOCK_K=64, num_warps=4), keep=(buf,), stream=stream)
         wt = buf[:total].view(g.C, g.R, g.S, g.Kg).permute(0, 3, 1, 2)
-        kernel, grid, args, kwargs = launch_args(dy, wt, dx, None, gt, "none", config(gt, dy.dtype, sm_count(dy.device)))
+        kernel, grid, args, kwargs = launch_args(dy, wt, dx, None, gt, "none",
+                                                 config(gt, dy.dtype, sm_count(dy.device)))
         launch(kernel, grid, args, kwargs, keep=(buf,), stream=stream)
     return dx
 
 
 @triton.jit
-def phase_weight_kernel(w_ptr, out_ptr, C, Kg, Cg, V, r0, s0, step_h, step_w,
+def phase_weight_kernel(w_ptr, out_ptr, C, Kg, KP, Cg, V, r0, s0, step_h, step_w,
                         stride_wk, stride_wc, stride_wr, stride_ws, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[c, u, v, k] = w[grp * Kg + k, c - grp * Cg, r0 - step_h*u, s0 - step_w*v]`` with ``grp = c // Cg``:
     one stride phase's weight of the data gradient (at stride 1 the whole weight flipped), row-major
-    ``[C, U, V, K/groups]`` (channels-last ``[C, K/groups, U, V]``). A program moves a ``[BLOCK_C, BLOCK_K]``
+    ``[C, U, V, KP]`` (channels-last ``[C, KP, U, V]``; KP = K/groups, or more: zeros past K/groups, the
+    channels of a padded ``dy``, :func:`tilegemm.ops.conv2d.padded.dgrad`). A program moves a ``[BLOCK_C, BLOCK_K]``
     tile of one tap (u, v: axis 2), so that both the reads (along the input channels of a channels-last weight)
     and the writes (along k) are coalesced; Triton turns the tile between the two in shared memory. One
     element a thread with k fastest had read 2 bytes of a 32-byte sector each."""
@@ -514,8 +516,8 @@ def phase_weight_kernel(w_ptr, out_ptr, C, Kg, Cg, V, r0, s0, step_h, step_w,
     src = (((grp * Kg)[:, None] + k[None, :]).to(tl.int64) * stride_wk + ((c - grp * Cg) * stride_wc)[:, None]
            + (r0 - step_h * u) * stride_wr + (s0 - step_w * v) * stride_ws)
     ok = (c < C)[:, None] & (k < Kg)[None, :]
-    dst = (c.to(tl.int64) * tl.num_programs(2) + uv)[:, None] * Kg + k[None, :]
-    tl.store(out_ptr + dst, tl.load(w_ptr + src, mask=ok), mask=ok)
+    dst = (c.to(tl.int64) * tl.num_programs(2) + uv)[:, None] * KP + k[None, :]
+    tl.store(out_ptr + dst, tl.load(w_ptr + src, mask=ok, other=0.0), mask=(c < C)[:, None] & (k < KP)[None, :])
 
 
 def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, g, activation: str, cfg: dict,
