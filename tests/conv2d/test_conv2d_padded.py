@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import tilegemm
-from tilegemm.ops.conv2d import dispatch, padded, tma_fwd
+from tilegemm.ops.conv2d import dispatch, padded, tma_fwd, tma_wgrad
 from tilegemm.ops.conv2d.problem import Geometry
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
 
@@ -107,6 +107,20 @@ def test_auto_pads_odd_channels_where_it_pays():
     assert choose_kernel(geo(3, 64, 7, 2), True, tma=True) == "tma_implicit_gemm"
 
 
+def _input_boxes(x_desc, P, Q, eh, ew, SH, SW, off_h, off_w, channels):
+    """The input elements the TMA kernels' boxes hold for a tap (shift ``eh``, ``ew`` past the offsets) over all
+    P x Q output pixels and the given channels of the descriptor's last dim, ``[N, P, Q, channels]`` in float64:
+    zero outside the descriptor's shape, as TMA fills."""
+    x5 = x_desc.base.as_strided(x_desc.shape, x_desc.strides).double()
+    _, D1, _, D3, D4 = x5.shape
+    d1, d3 = torch.arange(P) + eh // SH - off_h // SH, torch.arange(Q) + ew // SW - off_w // SW
+    d4 = (ew % SW) * channels[0] + channels[1]
+    a = x5[:, d1.clamp(0, D1 - 1)][:, :, eh % SH][:, :, d3.clamp(0, D3 - 1)][..., d4.clamp(max=D4 - 1)]
+    inside = (((d1 >= 0) & (d1 < D1))[:, None, None] & ((d3 >= 0) & (d3 < D3))[None, :, None]
+              & (d4 < D4)[None, None, :])
+    return a * inside
+
+
 def _emulate_tma_forward(args, kwargs):
     """What ``conv2d_fwd_tma_kernel`` computes from its launch arguments, in float64: for each group, tap and
     channel, the element TMA's input box holds (zero outside the descriptor's shape, as TMA fills), times the
@@ -116,23 +130,17 @@ def _emulate_tma_forward(args, kwargs):
      pad_h, pad_w, dil_h, dil_w, off_h, off_w) = args[4:]
     R, S, SH, SW, BK = (kwargs[k] for k in ("R", "S", "SH", "SW", "BLOCK_K"))
     assert Cg % BK == 0 and x_desc.block_shape[4] == BK  # channel steps tile the (padded) group exactly
-    x5 = x_desc.base.as_strided(x_desc.shape, x_desc.strides).double()
     w2 = w_desc.base.as_strided(w_desc.shape, w_desc.strides).double()
-    _, D1, _, D3, D4 = x5.shape
     groups = w2.shape[0] // Kg
     acc = torch.zeros(N, P, Q, groups * Kg, dtype=torch.float64)
-    p, q, j = torch.arange(P), torch.arange(Q), torch.arange(Cg)
+    j = torch.arange(Cg)
     for grp in range(groups):
         for r in range(R):
             for s in range(S):
                 eh, ew = r * dil_h - pad_h + off_h, s * dil_w - pad_w + off_w
-                d1, d3 = p + eh // SH - off_h // SH, q + ew // SW - off_w // SW
-                d4 = (ew % SW) * C_ROW + grp * Cg_x + j
-                a = x5[:, d1.clamp(0, D1 - 1)][:, :, eh % SH][:, :, d3.clamp(0, D3 - 1)][..., d4.clamp(max=D4 - 1)]
-                inside = (((d1 >= 0) & (d1 < D1))[:, None, None] & ((d3 >= 0) & (d3 < D3))[None, :, None]
-                          & (d4 < D4)[None, None, :])
+                a = _input_boxes(x_desc, P, Q, eh, ew, SH, SW, off_h, off_w, (C_ROW, grp * Cg_x + j))
                 wt = w2[grp * Kg:(grp + 1) * Kg, (r * S + s) * Cg + j]  # [Kg, Cg]
-                acc[..., grp * Kg:(grp + 1) * Kg] += torch.einsum("npqc,kc->npqk", a * inside, wt)
+                acc[..., grp * Kg:(grp + 1) * Kg] += torch.einsum("npqc,kc->npqk", a, wt)
     if kwargs["HAS_BIAS"]:
         acc += bias.double()
     if kwargs["ACTIVATION"] == "relu":
@@ -143,20 +151,60 @@ def _emulate_tma_forward(args, kwargs):
     base.as_strided((N, P, Q, K), (s_on, s_op, s_oq, s_ok), base.storage_offset() + offset).copy_(acc)
 
 
+def _emulate_tma_wgrad(args, kwargs):
+    """What ``conv2d_wgrad_tma_kernel`` computes from its launch arguments, in float64: per group and tap, the
+    output gradients' box (zero past the descriptor's K channels) times the input's boxes over every output pixel
+    (pixels past P x Q have zero output gradients there), stored for the layer's own K/groups x C/groups."""
+    dy_desc, x_desc, dw = args[:3]
+    (Kg, Cg, C_ROW, _, _, _, _, _, _, _, _, pad_h, pad_w, dil_h, dil_w, off_h, off_w) = args[5:]
+    R, S, SH, SW = (kwargs[k] for k in ("R", "S", "SH", "SW"))
+    dy4 = dy_desc.base.as_strided(dy_desc.shape, dy_desc.strides).double()  # [N, P, Q, K]
+    _, P, Q, K = dy4.shape
+    j = torch.arange(Cg)
+    for grp in range(K // Kg):
+        for r in range(R):
+            for s in range(S):
+                eh, ew = r * dil_h - pad_h + off_h, s * dil_w - pad_w + off_w
+                a = _input_boxes(x_desc, P, Q, eh, ew, SH, SW, off_h, off_w, (C_ROW, grp * Cg + j))
+                dw[grp * Kg:(grp + 1) * Kg, :, r, s] = torch.einsum(
+                    "npqk,npqc->kc", dy4[..., grp * Kg:(grp + 1) * Kg], a)
+
+
+def _why_not_input_here(x, weight, g, channel_step=16):
+    """:func:`tma_fwd.why_not_input` without its GPU checks, for 16-bit rows (the interpreter's tensors are fp32
+    on the CPU): channels-last, C/groups a multiple of ``channel_step``, the image a multiple of the stride, packed
+    pixels at a horizontal stride, strides of whole 8-element (16-byte) rows."""
+    sh, sw = g.stride
+    if x.stride(1) != 1:
+        return "input not channels-last"
+    if g.Cg % channel_step:
+        return f"C/groups not a multiple of {channel_step}"
+    if g.H % sh or g.W % sw:
+        return "image size not divisible by the stride"
+    strides = tma_fwd._strides(x)
+    if sw > 1 and strides[2] != g.C:
+        return "pixels not packed"
+    return "strides not 16-byte aligned" if any(st % 8 for st in strides) else None
+
+
 @pytest.fixture
 def hopper_like(monkeypatch):
     """``auto`` as on an H200 for these layers: the TMA kernel takes them (padded), NCHW inputs go through the
-    NCHW route, and the Gluon launch is :func:`_emulate_tma_forward`. Returns what the padded route ran: the
-    forward's plans (``in_place``) and the data gradients it took (the layout of each ``dx``)."""
+    NCHW route, and the Gluon launches are :func:`_emulate_tma_forward` and :func:`_emulate_tma_wgrad`. Returns
+    what ran: the padded forward's plans (``in_place``), the padded data gradients (whether ``dx`` was NCHW) and
+    the TMA weight gradients (their pixel splits)."""
     from tilegemm.core import launch as launch_module
     from tilegemm.ops.conv2d.layout import planar
 
-    plans = dict(fwd=[], dgrad=[])
+    plans = dict(fwd=[], dgrad=[], wgrad=[])
     real_launch, real_operands, real_dgrad = launch_module.launch, padded.operands, padded.dgrad
 
     def fake_launch(kernel, grid, args, kwargs, **kw):
         if kernel is tma_fwd.conv2d_fwd_tma_kernel:
             return _emulate_tma_forward(args, kwargs)
+        if kernel is tma_wgrad.conv2d_wgrad_tma_kernel:
+            plans["wgrad"].append(kwargs["SPLIT"])
+            return _emulate_tma_wgrad(args, kwargs)
         return real_launch(kernel, grid, args, kwargs, **kw)
 
     def spy_operands(x, weight, g):
@@ -173,8 +221,9 @@ def hopper_like(monkeypatch):
     monkeypatch.setattr(padded, "operands", spy_operands)
     monkeypatch.setattr(padded, "dgrad", spy_dgrad)
     monkeypatch.setattr(dispatch, "_tma_candidate", lambda t: True)  # the data gradient's TMA routes
-    monkeypatch.setattr(padded, "reads_in_place", _in_place_by_geometry)
+    monkeypatch.setattr(tma_fwd, "why_not_input", _why_not_input_here)
     monkeypatch.setattr(padded, "why_not", lambda x, weight, g: None if g.Cg % 16 else "aligned")
+    monkeypatch.setattr(padded, "why_not_wgrad", lambda dy, x, g: None if g.groups == 1 else "groups")
     monkeypatch.setattr(dispatch, "_tma_usable", lambda p: True)
     monkeypatch.setattr(dispatch, "_nchw_route", lambda x: planar(x) and x.shape[1] > dispatch.STEM_MAX_C)
     return plans
@@ -217,6 +266,8 @@ def test_auto_runs_odd_channels_padded_forward_and_backward(N, C, H, W, K, R, S,
     kg = K // groups
     padded_dgrad = conv.get("stride", 1) == 1 and kg >= 16 and kg % 16 != 0
     assert hopper_like["dgrad"] == ([layout != CL] if padded_dgrad else [])
+    # the weight gradient on the TMA kernel for one group (over copies where C or K is not a multiple of 8)
+    assert len(hopper_like["wgrad"]) == (groups == 1)
     assert x.grad.is_contiguous(memory_format=layout)
     for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert_rel_close(got, want, tolerance(torch.float32))
@@ -247,11 +298,12 @@ GPU_ODD = [  # (N, C, H, W, K, R, S, conv, in place for a channels-last input)
 def test_gpu_odd_channels_through_the_padded_route(N, C, H, W, K, R, S, conv, in_place, layout, dtype, monkeypatch):
     from tilegemm.ops.conv2d import op as replay
 
-    plans, dgrads = [], []
-    real, real_dgrad = padded.operands, padded.dgrad
+    plans, dgrads, wgrads = [], [], []
+    real, real_dgrad, real_wgrad = padded.operands, padded.dgrad, tma_wgrad.run
     monkeypatch.setattr(padded, "operands", lambda *a: (lambda o: plans.append(o[3].in_place) or o)(real(*a)))
     monkeypatch.setattr(padded, "dgrad", lambda *a, **k: (lambda dx: dgrads.append(dx is not None) or dx)(
         real_dgrad(*a, **k)))
+    monkeypatch.setattr(tma_wgrad, "run", lambda *a, **k: wgrads.append(1) or real_wgrad(*a, **k))
     replay.REPLAYS.clear()
     groups = conv.get("groups", 1)
     x = torch.randn(N, C, H, W, device="cuda").to(dtype).contiguous(memory_format=layout).requires_grad_()
@@ -267,8 +319,9 @@ def test_gpu_odd_channels_through_the_padded_route(N, C, H, W, K, R, S, conv, in
     dy = torch.randn(ref.shape, device="cuda").to(dtype).contiguous(memory_format=layout)
     out.backward(dy)
     ref.backward(dy.double())
-    kg = K // groups
+    kg, cg = K // groups, C // groups
     assert dgrads == ([True] if conv.get("stride", 1) == 1 and kg >= 16 and kg % 16 else [])
+    assert len(wgrads) == (groups == 1 or (cg % 8 == 0 and kg % 8 == 0))  # one group: over copies where odd
     for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert_rel_close(got, want, tolerance(dtype))
     # plain calls are recorded, then replayed: a replay pads the weight as it is then (updated in place)

@@ -407,9 +407,23 @@ def wgrad(c: WgradCall) -> torch.Tensor:
             from tilegemm.ops.conv2d import tma_wgrad
 
             return tma_wgrad.run(dy, x, g, x.dtype, memory_format=fmt)
+        if _wgrad_pads(g) and _tma_candidate(x):
+            from tilegemm.ops.conv2d import padded
+
+            dw = padded.wgrad(dy, x, g, x.dtype, fmt)
+            if dw is not None:
+                return dw
         from tilegemm.ops.conv2d import implicit_gemm
 
         return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype, memory_format=fmt)
+
+
+def _wgrad_pads(g: Geometry) -> bool:
+    """Whether the weight gradient of ``g`` runs the TMA kernel over copies of ``x`` or ``dy`` with channels
+    rounded up to 8 (:func:`tilegemm.ops.conv2d.padded.wgrad`): one group, C or K not a multiple of 8, in a layer
+    whose channels :func:`padding_pays` pads (the copies are passes over x and dy; a 3x3's gradient reads each
+    9 times)."""
+    return g.groups == 1 and (g.C % 8 != 0 or g.K % 8 != 0) and padding_pays(g)
 
 
 def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
@@ -418,6 +432,12 @@ def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
     the gradient in ``fmt`` (:func:`wgrad_format` of the NCHW ``x``); every launch Triton's, so the call replays."""
     from tilegemm.ops.conv2d import implicit_gemm, layout
 
+    if _wgrad_pads(g) and not g.is_pointwise and not takes_grouped_direct(g):
+        from tilegemm.ops.conv2d import padded
+
+        dw = padded.wgrad(dy, x, g, x.dtype, fmt)  # x and dy padded channels-last in their one copy each
+        if dw is not None:
+            return dw
     with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
         xc, xbuf = layout.to_channels_last(x, "conv2d-nchw-x")
         dyc, dybuf = layout.to_channels_last(dy, "conv2d-nchw-dy")

@@ -62,7 +62,8 @@ def padded_group(cg: int) -> int:
 
 def reads_in_place(x: torch.Tensor, g) -> bool:
     """Whether the TMA kernel reads ``x`` itself (see the module's docstring): its descriptor's strides are
-    16-byte aligned, and each group's channels start on whole elements of the view."""
+    16-byte aligned, and so is every box's first channel (a group's first, a stride phase's, plus whole K
+    steps: C/groups a multiple of 8)."""
     from tilegemm.ops.conv2d.tma_fwd import why_not_input
 
     return why_not_input(x, None, g, channel_step=8) is None
@@ -257,3 +258,73 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, g, out_format: torch.memory_fo
                                                          x_channels=pl.x_channels)
         launch(kernel, grid, args, kwargs, keep=keep + (buf,), stream=current_stream())
     return dx
+
+
+def _copy_to_8(t: torch.Tensor, g, tag: str) -> tuple:
+    """(``t`` ``[B, C, H, W]`` copied channels-last into the per-stream workspace ``tag`` with its C channels
+    rounded up to a multiple of 8 (zeros after them) and its rows and columns to multiples of ``g``'s stride
+    (zero pixels), that copy's channels, the workspace): one launch of :func:`pad_channels_kernel` (no weight)."""
+    from tilegemm.core.launch import current_stream, launch
+    from tilegemm.core.workspace import buffer
+
+    B, C, H, W = t.shape
+    c8 = cdiv(C, 8) * 8
+    sh, sw = g.stride
+    hp, wp = cdiv(H, sh) * sh, cdiv(W, sw) * sw
+    pixels = hp * wp
+    buf = buffer(t.device, t.dtype, B * pixels * c8, tag)
+    tiles = cdiv(pixels, BLOCK_P)
+    launch(pad_channels_kernel, (B * tiles,),
+           (t, buf, t, buf, B * tiles, tiles, 1, pixels, wp, H, W, C, c8, c8, *t.stride(), 1, 1, 1, *t.stride()),
+           dict(X_SAME=(hp, wp) == (H, W) and _row_major(t), W_SAME=True, GROUPED=False, BLOCK_P=BLOCK_P,
+                BLOCK_C=BLOCK_C, num_warps=4),
+           keep=(buf,), stream=current_stream() if t.is_cuda else None)
+    view = buf[:B * pixels * c8].as_strided((B, c8, hp, wp), (pixels * c8, 1, wp * c8, c8))
+    return view, c8, buf
+
+
+def wgrad(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, memory_format: torch.memory_format):
+    """The weight gradient of a one-group layer whose C or K is not a multiple of 8 (16-byte TMA strides), or None
+    where this does not take it (:func:`why_not_wgrad`): :func:`tilegemm.ops.conv2d.tma_wgrad.run` over copies of
+    ``x`` and ``dy`` (of those whose rows TMA cannot step) with their channels rounded up to a multiple of 8,
+    zeros after them, the image rounded up to the stride; ``dy``'s copy is seen with its K channels (TMA's zero
+    fill past them), ``x``'s with its C (the kernel's tiles past C are computed and not stored), and no weight is
+    padded."""
+    from tilegemm.core.launch import keeping, sequence_lock
+    from tilegemm.ops.conv2d import tma_fwd, tma_wgrad
+
+    if why_not_wgrad(dy, x, g) is not None:
+        return None
+    top, bottom, left, right = g.padding
+    with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
+        keep, gx, cx = [], g, None
+        if tma_fwd.why_not_input(x, None, g, channel_step=8) is not None:
+            x, cx, buf = _copy_to_8(x, g, "conv2d-pad-wgrad-x")
+            keep.append(buf)
+            _, _, hp, wp = x.shape
+            gx = replace(g, H=hp, W=wp, padding=(top, bottom - (hp - g.H), left, right - (wp - g.W)))
+        if tma_wgrad.why_not_dy(dy, g) is not None:
+            dyp, _, buf = _copy_to_8(dy, replace(g, stride=(1, 1)), "conv2d-pad-wgrad-dy")
+            keep.append(buf)
+            dy = dyp[:, :g.K]
+        with keeping(*keep):
+            return tma_wgrad.run(dy, x, gx, out_dtype, memory_format=memory_format, x_channels=cx)
+
+
+def why_not_wgrad(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
+    """None when :func:`wgrad` takes the weight gradient; otherwise why not. One group only: with several, a
+    group's first channel would not start a 16-byte aligned box."""
+    from tilegemm.core.runtime import interpreting
+    from tilegemm.ops.conv2d.tma_fwd import _GL
+
+    if g.groups != 1:
+        return "groups"
+    if x.dtype not in _GL or dy.dtype != x.dtype:
+        return "not 16-bit"
+    if not x.is_cuda or interpreting() or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "not on a Hopper GPU"
+    sh, sw = g.stride
+    if (g.N * cdiv(g.H, sh) * sh * cdiv(g.W, sw) * sw * cdiv(g.C, 8) * 8 >= 2**31
+            or g.N * g.P * g.Q * cdiv(g.K, 8) * 8 >= 2**31 or x.numel() >= 2**31):
+        return "2^31 elements or more"
+    return None
