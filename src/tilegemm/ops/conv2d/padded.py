@@ -20,7 +20,10 @@ neither and ran the pointer kernel with 2-byte loads. Here such a layer runs the
   next channels then makes the output NaN where F.conv2d's would not have read them.
 
 The output is the layer's own (K channels, any K: the kernel's stores are masked), in the memory format the
-input asks for. The copy kernel is plain Triton (the interpreter runs it); docs/conv2d.md, "Odd channel counts".
+input asks for. The stride-1 data gradient, a forward convolution of ``dy`` with the flipped weight, pads ``dy``
+the same way (:func:`dgrad`); the weight gradient of one group copies x or dy with channels rounded up to 8 where
+their rows are not 16-byte aligned (:func:`wgrad`). The copy kernel is plain Triton (the interpreter runs it);
+``auto``'s rule is in :mod:`~tilegemm.ops.conv2d.dispatch`; docs/conv2d.md, "Odd channel counts".
 """
 
 from __future__ import annotations
