@@ -35,8 +35,6 @@ PAD_MIN_CHANNELS = 16  # odd channel counts padded for the TMA kernel from this 
 #   kernel's flattened (r, s, c) K steps waste less than padding every pixel's channels to 16
 PAD_MIN_TAPS = 2  # ... in filters of at least this many taps: a 1x1 layer's GEMM takes any channel count, and
 #   the input's copy would cost about as much as the layer itself (a 3x3 reads each input pixel 9 times)
-PAD_WIDE_STEP_WASTE = 0.25  # padded to a multiple of 64 (or 32) where that adds at most this share of channels:
-#   a 16-deep K step pays the same barrier wait and TMA issue as a 64-deep one for a quarter of the MMAs
 
 
 # --- the choice of kernel -------------------------------------------------------------------------------
@@ -150,13 +148,13 @@ def _tma_candidate(t: torch.Tensor) -> bool:
 
 
 def _tma_usable(p: ConvProblem) -> bool:
-    """Whether ``tma_implicit_gemm`` takes the forward problem ``p`` (its module imported only for a 16-bit
-    channels-last CUDA input)."""
+    """Whether ``tma_implicit_gemm`` takes the forward problem ``p``, directly, as a stem or over padded channels
+    (:func:`_launch`; its modules imported only for a 16-bit channels-last CUDA input)."""
     if not _tma_candidate(p.x):
         return False
-    from tilegemm.ops.conv2d import tma_fwd
+    from tilegemm.ops.conv2d import padded, tma_fwd
 
-    return tma_fwd.why_not(p) is None
+    return tma_fwd.why_not(p) is None or padded.why_not(p.x, p.weight, p.geo) is None
 
 
 def _tma_wgrad_usable(dy: torch.Tensor, x: torch.Tensor, g: Geometry) -> bool:
@@ -174,9 +172,16 @@ def launcher(name: str):
 
 
 def _launch(kernel: str, p: ConvProblem) -> torch.Tensor:
-    """Run ``p`` on ``kernel``; ``gemm_1x1``'s config is the gluon_f16 tile of :func:`pointwise_gluon_tile`."""
+    """Run ``p`` on ``kernel``; ``gemm_1x1``'s config is the gluon_f16 tile of :func:`pointwise_gluon_tile`;
+    ``tma_implicit_gemm`` over padded channels (:mod:`~tilegemm.ops.conv2d.padded`) where it takes ``p``
+    neither directly nor as a stem."""
     if kernel == "gemm_1x1":
         return launcher(kernel)(p, pointwise_gluon_tile(p.geo, sm_count(p.x.device)))
+    if kernel == "tma_implicit_gemm" and p.geo.Cg % 16:
+        from tilegemm.ops.conv2d import padded, tma_fwd
+
+        if tma_fwd.why_not(p) is not None and padded.why_not(p.x, p.weight, p.geo) is None:
+            return padded.run(p)
     return launcher(kernel)(p)
 
 

@@ -5,7 +5,8 @@ into the next tap or stride phase; TMA also needs 16-byte aligned pixel strides.
 neither and ran the pointer kernel with 2-byte loads. Here such a layer runs the TMA kernel over padded operands:
 
 - the weight ``[K, C/groups, R, S]`` is written as ``[K, R, S, Cgp]`` (Cgp = C/groups rounded up to 16, or to 32
-  or 64 where that costs few more channels: :func:`padded_group`; the extra channels zero) on every call: one
+  or 64 where that costs few more channels: :func:`~tilegemm.ops.conv2d.configs.padded_group`; the extra
+  channels zero) on every call: one
   small launch that reads the weight as it is then, so a replay after an optimizer step reads the new values (a
   cache keyed on the weight's version would go stale inside a replay, which checks no versions);
 - the input is copied once into a per-stream workspace ``[N, Hp, Wp, groups * Cgp]``, channels-last, each group's
@@ -35,8 +36,9 @@ import triton
 import triton.language as tl
 
 from tilegemm.core.runtime import cdiv
+from tilegemm.ops.conv2d.configs import padded_group
 
-STEP = 16  # a group's channels padded to a multiple of this: the TMA kernel's narrowest K step (one wgmma's K)
+STEP = 16  # the TMA kernel's narrowest K step (one wgmma's depth): channels a group it divides need no padding
 BLOCK_P = 64  # pixels a program copies (each one's channels in BLOCK_C-wide steps): 8 KB of 16-bit data a step
 BLOCK_C = 64
 
@@ -50,17 +52,6 @@ class Plan:
     geo: object
     in_place: bool
     x_channels: int
-
-
-def padded_group(cg: int) -> int:
-    """A group's channel count padded for the TMA kernel: to a multiple of 64 or 32 where that adds at most
-    :data:`~tilegemm.ops.conv2d.dispatch.PAD_WIDE_STEP_WASTE` of the channels (wider K steps), else of 16."""
-    from tilegemm.ops.conv2d.dispatch import PAD_WIDE_STEP_WASTE
-
-    for step in (64, 32):
-        if cdiv(cg, step) * step - cg <= PAD_WIDE_STEP_WASTE * cg:
-            return cdiv(cg, step) * step
-    return cdiv(cg, STEP) * STEP
 
 
 def reads_in_place(x: torch.Tensor, g) -> bool:

@@ -233,14 +233,10 @@ def run(p, config_: dict | None = None) -> torch.Tensor:
     from tilegemm.ops.conv2d.implicit_gemm import allocate_out
     from tilegemm.ops.conv2d.layout import weight_channels_last
 
-    from tilegemm.ops.conv2d import padded
-
     g = p.geo
     reason = why_not_input(p.x, p.weight, g)
     if reason and why_not_stem(p.x, p.weight, g) is None:
         return run_stem(p)
-    if reason and padded.why_not(p.x, p.weight, g) is None:
-        return padded.run(p)
     if reason:
         raise NotApplicable(f"tma_implicit_gemm does not take this convolution: {reason}")
     out = allocate_out(p)
@@ -253,12 +249,10 @@ def run(p, config_: dict | None = None) -> torch.Tensor:
 
 
 def why_not(p) -> str | None:
-    """None when :func:`run` takes problem ``p`` (directly, as a stem or over padded channels); otherwise why
-    not (the direct route's reason)."""
-    from tilegemm.ops.conv2d import padded
-
+    """None when :func:`run` takes problem ``p`` (directly or as a stem); otherwise why not. (Other channel
+    counts: :mod:`tilegemm.ops.conv2d.padded`, which dispatch runs for this kernel's name.)"""
     reason = why_not_input(p.x, p.weight, p.geo)
-    if reason and (why_not_stem(p.x, p.weight, p.geo) is None or padded.why_not(p.x, p.weight, p.geo) is None):
+    if reason and why_not_stem(p.x, p.weight, p.geo) is None:
         return None
     return reason
 
