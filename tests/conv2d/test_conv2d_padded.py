@@ -153,15 +153,15 @@ def _emulate_tma_forward(args, kwargs):
 
 def _emulate_tma_wgrad(args, kwargs):
     """What ``conv2d_wgrad_tma_kernel`` computes from its launch arguments, in float64: per group and tap, the
-    output gradients' box (zero past the descriptor's K channels) times the input's boxes over every output pixel
-    (pixels past P x Q have zero output gradients there), stored for the layer's own K/groups x C/groups."""
+    output gradients' box times the input's boxes over every output pixel (pixels past P x Q have zero output
+    gradients there), stored for the layer's own K/groups x C/groups (the boxes' further channels are not)."""
     dy_desc, x_desc, dw = args[:3]
     (Kg, Cg, C_ROW, _, _, _, _, _, _, _, _, pad_h, pad_w, dil_h, dil_w, off_h, off_w) = args[5:]
     R, S, SH, SW = (kwargs[k] for k in ("R", "S", "SH", "SW"))
-    dy4 = dy_desc.base.as_strided(dy_desc.shape, dy_desc.strides).double()  # [N, P, Q, K]
-    _, P, Q, K = dy4.shape
+    dy4 = dy_desc.base.as_strided(dy_desc.shape, dy_desc.strides).double()  # [N, P, Q, K or a copy's more]
+    _, P, Q, _ = dy4.shape
     j = torch.arange(Cg)
-    for grp in range(K // Kg):
+    for grp in range(dw.shape[0] // Kg):
         for r in range(R):
             for s in range(S):
                 eh, ew = r * dil_h - pad_h + off_h, s * dil_w - pad_w + off_w

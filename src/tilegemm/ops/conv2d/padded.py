@@ -281,9 +281,9 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, memory_f
     """The weight gradient of a one-group layer whose C or K is not a multiple of 8 (16-byte TMA strides), or None
     where this does not take it (:func:`why_not_wgrad`): :func:`tilegemm.ops.conv2d.tma_wgrad.run` over copies of
     ``x`` and ``dy`` (of those whose rows TMA cannot step) with their channels rounded up to a multiple of 8,
-    zeros after them, the image rounded up to the stride; ``dy``'s copy is seen with its K channels (TMA's zero
-    fill past them), ``x``'s with its C (the kernel's tiles past C are computed and not stored), and no weight is
-    padded."""
+    zeros after them, the image rounded up to the stride. The kernel reads the copies' zero channels past C and K
+    (its descriptors describe every channel of the copies' rows: whole 16-byte rows), its tiles past C and K are
+    computed and not stored, and no weight is padded."""
     from tilegemm.core.launch import keeping, sequence_lock
     from tilegemm.ops.conv2d import tma_fwd, tma_wgrad
 
@@ -291,18 +291,17 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, memory_f
         return None
     top, bottom, left, right = g.padding
     with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
-        keep, gx, cx = [], g, None
+        keep, gx, cx, ck = [], g, None, None
         if tma_fwd.why_not_input(x, None, g, channel_step=8) is not None:
             x, cx, buf = _copy_to_8(x, g, "conv2d-pad-wgrad-x")
             keep.append(buf)
             _, _, hp, wp = x.shape
             gx = replace(g, H=hp, W=wp, padding=(top, bottom - (hp - g.H), left, right - (wp - g.W)))
         if tma_wgrad.why_not_dy(dy, g) is not None:
-            dyp, _, buf = _copy_to_8(dy, replace(g, stride=(1, 1)), "conv2d-pad-wgrad-dy")
+            dy, ck, buf = _copy_to_8(dy, replace(g, stride=(1, 1)), "conv2d-pad-wgrad-dy")
             keep.append(buf)
-            dy = dyp[:, :g.K]
         with keeping(*keep):
-            return tma_wgrad.run(dy, x, gx, out_dtype, memory_format=memory_format, x_channels=cx)
+            return tma_wgrad.run(dy, x, gx, out_dtype, memory_format=memory_format, x_channels=cx, dy_channels=ck)
 
 
 def why_not_wgrad(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:

@@ -205,12 +205,14 @@ def split_for(tiles: int, patches: int, slots: int, fill: float = FILL, per_slic
 
 
 def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict | None = None,
-        memory_format: torch.memory_format = torch.contiguous_format, x_channels: int | None = None) -> torch.Tensor:
+        memory_format: torch.memory_format = torch.contiguous_format, x_channels: int | None = None,
+        dy_channels: int | None = None) -> torch.Tensor:
     """grad of the weight, ``[K, C/groups, R, S]`` in ``memory_format``, for ``dy`` and ``x`` that :func:`why_not`
     takes. Channels-last is the fast one: a tile's rows (one output channel, one tap) are then contiguous, where
-    contiguous ones scatter every element R*S elements apart (slower: docs/conv2d.md, "Configs"). ``x_channels``:
-    the channels of ``x``'s pixels where they are more than C (a copy padded with zero channels,
-    :func:`tilegemm.ops.conv2d.padded.wgrad`; the tiles past C/groups are computed and not stored)."""
+    contiguous ones scatter every element R*S elements apart (slower: docs/conv2d.md, "Configs"). ``x_channels``,
+    ``dy_channels``: the channels of ``x``'s and ``dy``'s pixels where they are more than C and K (copies padded
+    with zero channels, :func:`tilegemm.ops.conv2d.padded.wgrad`; the tiles past C/groups are computed and not
+    stored)."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import current_stream, launch
     from tilegemm.core.workspace import split_workspace
@@ -233,7 +235,7 @@ def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict 
     layout4 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     layout5 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=5)
     sn, sp, sq = _strides(dy)
-    dy_desc = TensorDescriptor(dy, [g.N, g.P, g.Q, g.K], [sn, sp, sq, 1], [bi, bh, bw, bm], layout4)
+    dy_desc = TensorDescriptor(dy, [g.N, g.P, g.Q, dy_channels or g.K], [sn, sp, sq, 1], [bi, bh, bw, bm], layout4)
     cx = x_channels or g.C
     x_desc = input_descriptor(x, g, [bi, bh, 1, bw, bn], layout5, cx)
     off_h, off_w = tap_offsets(g)
