@@ -5,6 +5,8 @@ descriptor's edge included); on the GPU, the route itself against F.conv2d, forw
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,7 @@ from tilegemm.ops.conv2d import dispatch, padded, tma_fwd, tma_wgrad
 from tilegemm.ops.conv2d.problem import Geometry
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
 
-from conftest import assert_rel_close
+from conftest import SM90, assert_rel_close, compile_offline
 
 CL = torch.channels_last
 
@@ -71,6 +73,50 @@ def test_padded_operands_are_the_same_convolution(N, C, H, W, K, R, S, stride, p
     want = F.conv2d(F.pad(x.double(), (left, right, top, bottom)), w.double(), stride=stride, dilation=dilation,
                     groups=groups)
     assert_rel_close(got, want, 1e-12)
+
+
+_COMPILE_PAD = SM90 + textwrap.dedent(
+    """
+    import collections, json, re, sys
+    import torch
+    from tilegemm.core import launch as launch_module
+    from tilegemm.core import workspace
+    from tilegemm.ops.conv2d import padded
+    from tilegemm.ops.conv2d.problem import Geometry
+
+    seen = []
+    launch_module.launch = lambda kernel, grid, args, kwargs, **_: seen.append((kernel, args, kwargs))
+    workspace.buffer = lambda device, dtype, n, tag: torch.empty(n, dtype=dtype)
+    report = {}
+    for name, (C, K, layout) in json.loads(sys.argv[1]).items():
+        x = torch.empty(8, C, 28, 28, dtype=torch.float16)
+        x = x.contiguous(memory_format=torch.channels_last) if layout == "cl" else x
+        seen.clear()
+        padded.operands(x, torch.empty(K, C, 3, 3, dtype=torch.float16), Geometry(8, C, 28, 28, K, 3, 3, 1, (1, 1),
+                                                                                  (1,) * 4, (1, 1)))
+        kernel, args, kwargs = seen[0]
+        sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
+        for i, arg in enumerate(kernel.arg_names[:len(args)]):  # as Triton specializes integer arguments
+            value = args[i]
+            if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+                sig[arg], constexprs[(i,)] = "constexpr", 1
+            elif isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        _, ptx, _ = compile_sm90(kernel, sig, constexprs, attrs, kwargs["num_warps"], gluon=False)
+        report[name] = collections.Counter(re.findall(r"\\b((?:ld|st)\\.global[.\\w]*)", ptx))
+    print(json.dumps(report))
+    """
+)
+
+
+def test_the_copy_stores_16_bytes_at_a_time(tmp_path):
+    # compiled for sm_90 without a GPU: the padded copy's rows are whole 16-byte runs, stored so; an NCHW source
+    # is read along its pixels 16 bytes at a time (a channels-last one of 57 channels has no aligned run to read)
+    ops = compile_offline(tmp_path, _COMPILE_PAD, {"cl": [57, 113, "cl"], "nchw": [57, 113, "nchw"]}, timeout=300)
+    for name, counts in ops.items():
+        assert counts.get("st.global.v4.b32", 0) > 0 and not any(op.startswith("st.global.b16") for op in counts), \
+            f"{name}: {counts}"
+    assert ops["nchw"].get("ld.global.v4.b32", 0) > 0, ops["nchw"]
 
 
 def test_an_input_read_in_place_gets_only_its_weight_padded(device, monkeypatch):

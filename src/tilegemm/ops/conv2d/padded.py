@@ -39,7 +39,7 @@ from tilegemm.core.runtime import cdiv
 from tilegemm.ops.conv2d.configs import padded_group
 
 STEP = 16  # the TMA kernel's narrowest K step (one wgmma's depth): channels a group it divides need no padding
-BLOCK_P = 64  # pixels a program copies (each one's channels in BLOCK_C-wide steps): 8 KB of 16-bit data a step
+BLOCK_P = 64  # pixels and channels a program copies: 8 KB of 16-bit data
 BLOCK_C = 64
 
 
@@ -93,13 +93,15 @@ def why_not(x: torch.Tensor, weight, g) -> str | None:
 
 
 @triton.jit
-def _pad_pixels(src_ptr, dst_ptr, n, q0, pixels, Wd, H, W, Cgs, Cgd, CD, stride_n, stride_c, stride_h, stride_w,
+def _pad_pixels(src_ptr, dst_ptr, n, q0, c0, pixels, Wd, H, W, Cgs, Cgd, CD, stride_n, stride_c, stride_h, stride_w,
                 SAME: tl.constexpr, GROUPED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     """``dst[n, h, w, grp * Cgd + j] = src[n, grp * Cgs + j, h, w]`` for j < Cgs inside the source image, else 0,
-    over BLOCK_P pixels of image n from ``q0`` (``pixels`` = Hd * Wd a destination image): ``dst`` is row-major
-    ``[., Hd, Wd, CD]``. SAME: the destination image is the source's and its pixels lie in row-major order at
-    ``stride_w`` (no division: along the pixels the addresses stay contiguous for an NCHW source)."""
+    for BLOCK_P pixels of image n from ``q0`` and BLOCK_C channels from ``c0`` (``pixels`` = Hd * Wd a destination
+    image): ``dst`` is row-major ``[., Hd, Wd, CD]``. SAME: the destination image is the source's and its pixels
+    lie in row-major order at ``stride_w`` (no division: along the pixels the addresses stay contiguous for an
+    NCHW source, whose loads then run along them)."""
     q = q0 + tl.arange(0, BLOCK_P)
+    c = c0 + tl.arange(0, BLOCK_C)
     real = q < pixels
     if SAME:
         src_pix = q.to(tl.int64) * stride_w
@@ -109,20 +111,18 @@ def _pad_pixels(src_ptr, dst_ptr, n, q0, pixels, Wd, H, W, Cgs, Cgd, CD, stride_
         w = q - h * Wd
         src_pix = h.to(tl.int64) * stride_h + w * stride_w
         inside = real & (h < H) & (w < W)
-    src_row = src_ptr + n.to(tl.int64) * stride_n + src_pix  # [BLOCK_P]
-    dst_row = dst_ptr + (n.to(tl.int64) * pixels + q) * CD
-    for c0 in range(0, CD, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        if GROUPED:
-            grp = c // Cgd
-            j = c - grp * Cgd
-            cs = grp * Cgs + j
-            ok = j < Cgs
-        else:
-            cs = c
-            ok = c < Cgs
-        v = tl.load(src_row[:, None] + (cs * stride_c)[None, :], mask=inside[:, None] & ok[None, :], other=0.0)
-        tl.store(dst_row[:, None] + c[None, :], v, mask=real[:, None] & (c < CD)[None, :])  # [BLOCK_P, BLOCK_C]
+    if GROUPED:
+        grp = c // Cgd
+        j = c - grp * Cgd
+        cs = grp * Cgs + j
+        ok = j < Cgs
+    else:
+        cs = c
+        ok = c < Cgs
+    src = src_ptr + n.to(tl.int64) * stride_n + src_pix[:, None] + (cs * stride_c)[None, :]
+    v = tl.load(src, mask=inside[:, None] & ok[None, :], other=0.0)  # [BLOCK_P, BLOCK_C]
+    dst = dst_ptr + ((n.to(tl.int64) * pixels + q) * CD)[:, None] + c[None, :]
+    tl.store(dst, v, mask=real[:, None] & (c < CD)[None, :])
 
 
 @triton.jit
@@ -131,18 +131,21 @@ def pad_channels_kernel(x_ptr, xp_ptr, w_ptr, wp_ptr, x_programs, x_tiles, w_til
                         RS, R, S, stride_wk, stride_wc, stride_wr, stride_ws,
                         X_SAME: tl.constexpr, W_SAME: tl.constexpr, GROUPED: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The padded operands in one launch: the first ``x_programs`` programs copy the input ``[N, C, H, W]`` into
-    ``[N, Hd, Wd, CX]`` (each group's Cg channels at Cgp, zeros around), the rest the weight ``[K, Cg, R, S]`` into
-    ``[K, R, S, Cgp]`` (:func:`_pad_pixels` each; a weight's "image" is its R x S taps of one output channel)."""
+    """The padded operands in one launch: along axis 0 the first ``x_programs`` programs copy the input
+    ``[N, C, H, W]`` into ``[N, Hd, Wd, CX]`` (each group's Cg channels at Cgp, zeros around), the rest the weight
+    ``[K, Cg, R, S]`` into ``[K, R, S, Cgp]`` (:func:`_pad_pixels` each; a weight's "image" is its R x S taps of one
+    output channel); axis 1 steps the channels BLOCK_C at a time (a grid axis, not a loop: the compiler then
+    knows each tile's first channel is a multiple of BLOCK_C, and stores 16 bytes at once)."""
     pid = tl.program_id(0)
+    c0 = tl.program_id(1) * BLOCK_C
     if pid < x_programs:
         n = pid // x_tiles
-        _pad_pixels(x_ptr, xp_ptr, n, (pid - n * x_tiles) * BLOCK_P, x_pixels, Wd, H, W, Cg, Cgp, CX,
+        _pad_pixels(x_ptr, xp_ptr, n, (pid - n * x_tiles) * BLOCK_P, c0, x_pixels, Wd, H, W, Cg, Cgp, CX,
                     stride_xn, stride_xc, stride_xh, stride_xw, X_SAME, GROUPED, BLOCK_P, BLOCK_C)
     else:
         t = pid - x_programs
         k = t // w_tiles
-        _pad_pixels(w_ptr, wp_ptr, k, (t - k * w_tiles) * BLOCK_P, RS, S, R, S, Cg, Cgp, Cgp,
+        _pad_pixels(w_ptr, wp_ptr, k, (t - k * w_tiles) * BLOCK_P, c0, RS, S, R, S, Cg, Cgp, Cgp,
                     stride_wk, stride_wc, stride_wr, stride_ws, W_SAME, False, BLOCK_P, BLOCK_C)
 
 
@@ -182,7 +185,7 @@ def _pad_launch(x: torch.Tensor, g, pl: Plan, weight: torch.Tensor | None) -> tu
     w_tiles = cdiv(g.R * g.S, BLOCK_P)
     w_programs = g.K * w_tiles if weight is not None else 0
     same = gp.H == g.H and gp.W == g.W and _row_major(x)
-    launch(pad_channels_kernel, (x_programs + w_programs,),
+    launch(pad_channels_kernel, (x_programs + w_programs, cdiv(gp.C if x_programs else cgp, BLOCK_C)),
            (x, xbuf, w, wbuf if weight is not None else xbuf, x_programs, cdiv(x_pixels, BLOCK_P), w_tiles,
             x_pixels, gp.W, g.H, g.W, g.Cg, cgp, gp.C, *x.stride(), g.R * g.S, g.R, g.S, *w.stride()),
            dict(X_SAME=same, W_SAME=_row_major(w), GROUPED=g.groups > 1, BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C,
@@ -268,7 +271,7 @@ def _copy_to_8(t: torch.Tensor, g, tag: str) -> tuple:
     pixels = hp * wp
     buf = buffer(t.device, t.dtype, B * pixels * c8, tag)
     tiles = cdiv(pixels, BLOCK_P)
-    launch(pad_channels_kernel, (B * tiles,),
+    launch(pad_channels_kernel, (B * tiles, cdiv(c8, BLOCK_C)),
            (t, buf, t, buf, B * tiles, tiles, 1, pixels, wp, H, W, C, c8, c8, *t.stride(), 1, 1, 1, *t.stride()),
            dict(X_SAME=(hp, wp) == (H, W) and _row_major(t), W_SAME=True, GROUPED=False, BLOCK_P=BLOCK_P,
                 BLOCK_C=BLOCK_C, num_warps=4),
