@@ -109,7 +109,7 @@ def _pad_pixels(src_ptr, dst_ptr, n, q0, c0, pixels, Wd, H, W, Cgs, Cgd, CD, str
     else:
         h = q // Wd
         w = q - h * Wd
-        src_pix = h.to(tl.int64) * stride_h + w * stride_w
+        src_pix = h.to(tl.int64) * stride_h + w.to(tl.int64) * stride_w
         inside = real & (h < H) & (w < W)
     if GROUPED:
         grp = c // Cgd
@@ -119,7 +119,7 @@ def _pad_pixels(src_ptr, dst_ptr, n, q0, c0, pixels, Wd, H, W, Cgs, Cgd, CD, str
     else:
         cs = c
         ok = c < Cgs
-    src = src_ptr + n.to(tl.int64) * stride_n + src_pix[:, None] + (cs * stride_c)[None, :]
+    src = src_ptr + n.to(tl.int64) * stride_n + src_pix[:, None] + (cs.to(tl.int64) * stride_c)[None, :]
     v = tl.load(src, mask=inside[:, None] & ok[None, :], other=0.0)  # [BLOCK_P, BLOCK_C]
     dst = dst_ptr + ((n.to(tl.int64) * pixels + q) * CD)[:, None] + c[None, :]
     tl.store(dst, v, mask=real[:, None] & (c < CD)[None, :])
