@@ -30,6 +30,8 @@
 #                 \$ZOO_PART (default 0/8; each part one device call), mode \$ZOO_MODE (fwd), dtypes \$ZOO_DTYPES
 #                 (fp16), auto only;  zoo-models  --op conv2d --model NAME (sweep images) for \$ZOO_MODELS
 #                 (the models but ResNet-50, whose entry is --model resnet50), dtype \$ZOO_DTYPE (fp16)
+#   conv2d-odd    the conv2d bench's odd sweep (channels a group not multiples of 16: the padded route), forward
+#                 (auto and the pointer kernel it replaced) and backward (auto), fp16 and bf16; then its GPU tests
 # Put bench steps before `tests`: right after the test workers a bench read unchanged layers up to 2x slower
 # (a busy host; benchmarks/results/2026-11-25-h200/8f6320b/*-after-tests-noisy.json).
 set -uo pipefail
@@ -92,6 +94,11 @@ for step in "$@"; do
     zoo-models) for m in ${ZOO_MODELS:-resnext50_32x4d convnext_tiny efficientnet_b0 mobilenet_v3_large regnet_y_1_6gf}; do
                   bench --op conv2d --model $m --dtype "${ZOO_DTYPE:-fp16}" --json "$OUT/conv2d-model-$m.json" 2>&1 | tail -n 12
                 done ;;
+    conv2d-odd) for d in fp16 bf16; do
+                  bench --op conv2d --sweep odd --dtype $d --kernels auto,implicit_gemm --json "$OUT/conv2d-odd-fwd-$d.json" 2>&1 | tail -n 12
+                  bench --op conv2d --sweep odd --dtype $d --mode bwd --kernels auto --json "$OUT/conv2d-odd-bwd-$d.json" 2>&1 | tail -n 12
+                done
+                pytest_ -m gpu tests/conv2d/test_conv2d_padded.py tests/conv2d/test_tma_fwd.py 2>&1 | tee "$OUT/conv2d-odd-tests.log" | tail -n 15 ;;
     w4a16|conv2d) bench --op "$step" --json "$OUT/$step.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

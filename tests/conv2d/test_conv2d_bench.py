@@ -52,6 +52,23 @@ def test_sweeps_hold_the_real_layers():
     assert all(c.dims["N"] == 64 for c in op.cases("mobilenet"))
 
 
+def test_odd_sweep_holds_layers_the_padded_route_takes():
+    from tilegemm.ops.conv2d.dispatch import choose_kernel, pads_channels
+    from tilegemm.ops.conv2d.problem import Geometry
+
+    cases = bench_op("conv2d").cases("odd")
+    assert 8 <= len(cases) <= 12 and len({c.label for c in cases}) == len(cases)
+    routes = []
+    for c in cases:
+        d = c.dims
+        assert d["N"] == 32 and (d["C"] // d["groups"]) % 16  # every layer's channels a group need padding
+        g = Geometry(32, d["C"], d["H"], d["W"], d["K"], d["R"], d["S"], d["groups"], (d["stride"],) * 2,
+                     (d["pad"],) * 4, (1, 1))
+        assert pads_channels(g)
+        routes.append(choose_kernel(g, True, tma=True))
+    assert routes.count("tma_implicit_gemm") == len(cases) - 1 and routes.count("gemm_1x1") == 1
+
+
 @pytest.mark.parametrize("text", ["1,2,3", "2,8,7,7,8,3,3,1,1,3", "2,8,2,2,8,5,5", "a,b,c,d,e,f,g"])
 def test_bad_shapes(text):
     with pytest.raises(BenchError, match="malformed conv2d shape"):

@@ -510,8 +510,9 @@ def test_gpu_auto_routes_and_declines_with_reasons():
     x, w, _ = _inputs(torch.float16, 2, 24, 8, 8, 16, 3, 3, bias=False)  # C=24: not a multiple of 16
     from tilegemm.core.registry import NotApplicable
 
-    with pytest.raises(NotApplicable, match="C/groups not a multiple of 16"):
-        tilegemm.conv2d(x, w, padding=1, kernel="tma_implicit_gemm")
+    # taken over padded channels (ops/conv2d/padded.py; tests/conv2d/test_conv2d_padded.py)
+    assert_rel_close(tilegemm.conv2d(x, w, padding=1, kernel="tma_implicit_gemm"), conv2d_reference(x, w, padding=1),
+                     tolerance(torch.float16))
     x2, w2, _ = _inputs(torch.float16, 2, 32, 9, 9, 16, 1, 1, bias=False)
     with pytest.raises(NotApplicable, match="not divisible by the stride"):
         tilegemm.conv2d(x2, w2, stride=2, kernel="tma_implicit_gemm")
@@ -638,8 +639,8 @@ def test_flipped_weight_is_every_tap_turned_around(groups, channels_last, device
     if channels_last:
         w = w.contiguous(memory_format=torch.channels_last)
     out = torch.full((C * R * S * Kg,), float("nan"), device=device)
-    phase_weight_kernel[(cdiv(Kg, 64), cdiv(C, 64), R * S)](w, out, C, Kg, Cg, S, R - 1, S - 1, 1, 1, *w.stride(),
-                                                             BLOCK_C=64, BLOCK_K=64)
+    phase_weight_kernel[(cdiv(Kg, 64), cdiv(C, 64), R * S)](w, out, C, Kg, Kg, Cg, S, R - 1, S - 1, 1, 1,
+                                                             *w.stride(), BLOCK_C=64, BLOCK_K=64)
     want = torch.empty(C, R, S, Kg, device=device)
     for c in range(C):
         grp = c // Cg

@@ -25,7 +25,8 @@ register(KernelSpec(
 register(KernelSpec(
     op="conv2d", name="tma_implicit_gemm", order=15, target="tilegemm.ops.conv2d.tma_fwd:run",
     why_not=why_not_gluon, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
-    summary="implicit GEMM whose input tiles are TMA boxes of a strided 5-D view (padding by TMA's zero fill)",
+    summary="implicit GEMM whose input tiles are TMA boxes of a strided 5-D view (padding by TMA's zero fill); "
+            "odd channel counts over zero-padded operands",
 ))
 register(KernelSpec(
     op="conv2d", name="gemm_1x1", order=20, target="tilegemm.ops.conv2d.gemm_1x1:run",

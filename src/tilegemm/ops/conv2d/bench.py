@@ -1,5 +1,6 @@
 """The bench adapter of conv2d: ResNet-50 and MobileNetV2 layers, every convolution of torchvision's classification
-models (``zoo``, or a part of it, ``zoo:I/N``: :mod:`tilegemm.ops.conv2d.zoo`), cuDNN (benchmark mode) as the baseline, work in
+models (``zoo``, or a part of it, ``zoo:I/N``: :mod:`tilegemm.ops.conv2d.zoo`), layers of odd channel counts
+(``odd``), cuDNN (benchmark mode) as the baseline, work in
 FLOPs. Options: ``mode``, ``fwd`` (the forward) or ``bwd`` (data and weight gradients); ``memory_format``,
 ``channels_last`` (the default, tilegemm's fast path) or ``nchw``: the layout of x, the weight and the output
 gradient on both sides.
@@ -100,6 +101,19 @@ def mobilenet_v2_layers() -> list[tuple]:
     return layers
 
 
+def odd_channel_cases() -> list[Case]:
+    """Layers whose channels a group are not multiples of 16, batch 32 (the padded route,
+    :mod:`tilegemm.ops.conv2d.padded`): odd counts (copied), multiples of 8 (read in place: EfficientNetV2's and
+    GoogLeNet's 24-channel 3x3s, RegNetY-1.6GF's groups of 24), and a 1x1 that stays on its GEMM."""
+    layers = [  # (C, H, K, R, stride, groups)
+        (57, 56, 113, 3, 1, 1), (35, 56, 67, 3, 2, 1), (100, 28, 100, 3, 1, 1), (100, 28, 200, 1, 1, 1),
+        (24, 28, 40, 5, 1, 1), (24, 112, 24, 3, 1, 1), (24, 14, 64, 3, 1, 1), (120, 28, 120, 3, 1, 5),
+        (48, 112, 48, 3, 2, 2),
+    ]
+    return [_case(32, C, H, H, K, R, R, stride, R // 2, groups, x=i)
+            for i, (C, H, K, R, stride, groups) in enumerate(layers)]
+
+
 class Conv2dBench(BenchOp):
     name = "conv2d"
     metric = "TFLOPS"
@@ -111,6 +125,7 @@ class Conv2dBench(BenchOp):
         "tiny": lambda: [_case(2, 8, 9, 9, 16, 3, 3, 1, 1, x=0), _case(2, 16, 6, 6, 16, 1, 1, x=1),
                          _case(2, 8, 8, 8, 8, 3, 3, 2, 1, groups=8, x=2)],
         "zoo": lambda: _zoo_cases("zoo"),  # zoo:I/N, part I of N, too (cases())
+        "odd": lambda: odd_channel_cases(),
     }
     gpu_sweep = "resnet50"
     cpu_sweep = "tiny"

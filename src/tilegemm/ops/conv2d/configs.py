@@ -242,6 +242,21 @@ def gluon_ring(bm: int, bn: int, bk: int, most: int = 8) -> int:
     return stages
 
 
+# --- padded channels (ops/conv2d/padded.py) ----------------------------------------------------------------
+
+PAD_WIDE_STEP_WASTE = 0.25  # padded to a multiple of 64 (or 32) where that adds at most this share of channels:
+#   a 16-deep K step pays the same barrier wait and TMA issue as a 64-deep one for a quarter of the MMAs
+
+
+def padded_group(cg: int) -> int:
+    """A group's channel count padded for ``tma_implicit_gemm`` (:mod:`tilegemm.ops.conv2d.padded`): to a multiple
+    of 64 or 32 where that adds at most :data:`PAD_WIDE_STEP_WASTE` of the channels (wider K steps), else of 16
+    (the narrowest K step, one wgmma's depth)."""
+    for step in (64, 32, 16):
+        if step == 16 or -(-cg // step) * step - cg <= PAD_WIDE_STEP_WASTE * cg:
+            return -(-cg // step) * step
+
+
 # --- grouped_direct (ops/conv2d/grouped_direct.py) ------------------------------------------------------------
 #
 # A group of at most 8 input channels feeds a tl.dot tile (at least 16 deep and 16 wide) at most half its depth

@@ -31,6 +31,10 @@ LONG_REDUCTION_STEPS = 32  # a 1x1 layer whose TMA tiles leave SMs idle over thi
 GLUON_1X1_MIN_CHANNELS = 96  # 1x1 layers with this many output channels take gluon_f16's 128-wide tiles
 GLUON_1X1_WAVES = 2.5  # ... where its tiles make this many waves (fewer: its persistent loop gains nothing)
 GLUON_1X1_WIDE_FILL = 0.85  # 256x128 tiles where they keep this share of the last round's SMs busy
+PAD_MIN_CHANNELS = 16  # odd channel counts padded for the TMA kernel from this many a group: below, the pointer
+#   kernel's flattened (r, s, c) K steps waste less than padding every pixel's channels to 16
+PAD_MIN_TAPS = 2  # ... in filters of at least this many taps: a 1x1 layer's GEMM takes any channel count, and
+#   the input's copy would cost about as much as the layer itself (a 3x3 reads each input pixel 9 times)
 
 
 # --- the choice of kernel -------------------------------------------------------------------------------
@@ -44,11 +48,13 @@ def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, 
     Otherwise: 1x1 stride-1 unpadded single-group convolutions go to ``gemm_1x1`` (tilegemm's GEMM on the
     channels-last view), and so do strided ones with a channels-last input (the kept pixels gathered into a
     matrix first); depthwise ones to ``depthwise``, everything else to ``implicit_gemm``. Before all that, grouped
-    layers of few channels a group go to ``grouped_direct`` (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`)."""
+    layers of few channels a group go to ``grouped_direct`` (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`).
+    A ``tma`` layer whose channels the kernel would pad (:func:`pads_channels`) takes it only where
+    :func:`padding_pays`."""
     if takes_grouped_direct(g):  # few channels a group: CUDA cores, not mostly empty MMA tiles
         return "grouped_direct"
     pointwise = g.is_pointwise or (g.is_strided_pointwise and x_channels_last)
-    if tma and not g.is_depthwise:
+    if tma and not g.is_depthwise and (not pads_channels(g) or padding_pays(g)):
         if not (pointwise and pointwise_as_gemm(g, sms, gluon)):
             return "tma_implicit_gemm"
     if pointwise:
@@ -56,6 +62,18 @@ def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, 
     if g.is_depthwise:
         return "depthwise"
     return "implicit_gemm"
+
+
+def pads_channels(g: Geometry) -> bool:
+    """Whether ``tma_implicit_gemm`` runs ``g`` over zero-padded channels (:mod:`tilegemm.ops.conv2d.padded`):
+    C/groups not a multiple of 16, and not a stem (the window route)."""
+    return g.Cg % 16 != 0 and not (g.groups == 1 and g.C <= STEM_MAX_C)
+
+
+def padding_pays(g: Geometry) -> bool:
+    """``auto``'s rule for padded channels: at least :data:`PAD_MIN_CHANNELS` a group, in a filter of at least
+    :data:`PAD_MIN_TAPS` taps, not depthwise."""
+    return not g.is_depthwise and g.Cg >= PAD_MIN_CHANNELS and g.R * g.S >= PAD_MIN_TAPS
 
 
 def pointwise_gluon_tile(g: Geometry, sms: int) -> tuple[int, int, int, int] | None:
@@ -130,13 +148,13 @@ def _tma_candidate(t: torch.Tensor) -> bool:
 
 
 def _tma_usable(p: ConvProblem) -> bool:
-    """Whether ``tma_implicit_gemm`` takes the forward problem ``p`` (its module imported only for a 16-bit
-    channels-last CUDA input)."""
+    """Whether ``tma_implicit_gemm`` takes the forward problem ``p``, directly, as a stem or over padded channels
+    (:func:`_launch`; its modules imported only for a 16-bit channels-last CUDA input)."""
     if not _tma_candidate(p.x):
         return False
-    from tilegemm.ops.conv2d import tma_fwd
+    from tilegemm.ops.conv2d import padded, tma_fwd
 
-    return tma_fwd.why_not(p) is None
+    return tma_fwd.why_not(p) is None or padded.why_not(p.x, p.weight, p.geo) is None
 
 
 def _tma_wgrad_usable(dy: torch.Tensor, x: torch.Tensor, g: Geometry) -> bool:
@@ -154,9 +172,16 @@ def launcher(name: str):
 
 
 def _launch(kernel: str, p: ConvProblem) -> torch.Tensor:
-    """Run ``p`` on ``kernel``; ``gemm_1x1``'s config is the gluon_f16 tile of :func:`pointwise_gluon_tile`."""
+    """Run ``p`` on ``kernel``; ``gemm_1x1``'s config is the gluon_f16 tile of :func:`pointwise_gluon_tile`;
+    ``tma_implicit_gemm`` over padded channels (:mod:`~tilegemm.ops.conv2d.padded`) where it takes ``p``
+    neither directly nor as a stem."""
     if kernel == "gemm_1x1":
         return launcher(kernel)(p, pointwise_gluon_tile(p.geo, sm_count(p.x.device)))
+    if kernel == "tma_implicit_gemm" and p.geo.Cg % 16:
+        from tilegemm.ops.conv2d import padded, tma_fwd
+
+        if tma_fwd.why_not(p) is not None and padded.why_not(p.x, p.weight, p.geo) is None:
+            return padded.run(p)
     return launcher(kernel)(p)
 
 
@@ -217,6 +242,11 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
     g = p.geo
     if g.is_pointwise:
         return _launch("gemm_1x1", p)
+    if pads_channels(g) and padding_pays(g) and not takes_grouped_direct(g):
+        from tilegemm.ops.conv2d import padded
+
+        if padded.why_not(p.x, p.weight, g) is None:
+            return padded.run(p)  # the padded channels-last copy made from the NCHW input; NCHW stores
     with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
         xc, xbuf = layout.workspace_view(p.x, "conv2d-nchw-input")
         pc = replace(p, x=xc)
@@ -224,7 +254,7 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
             kernel = "depthwise"
         elif takes_grouped_direct(g):
             kernel = "grouped_direct"
-        elif _tma_usable(pc):
+        elif _tma_usable(pc) and not pads_channels(g):  # padded layers that pay took the route above
             kernel = "tma_implicit_gemm"
         else:
             kernel = "implicit_gemm"
@@ -293,11 +323,23 @@ def dgrad(c: DgradCall) -> torch.Tensor:
             from tilegemm.ops.conv2d import tma_fwd
 
             dx = tma_fwd.dgrad_tma(dy, weight, g)
+            if dx is None and _dgrad_pads(g):
+                from tilegemm.ops.conv2d import padded
+
+                dx = padded.dgrad(dy, weight, g)
             if dx is not None:
                 return dx
         from tilegemm.ops.conv2d import implicit_gemm
 
         return implicit_gemm.dgrad(dy, weight, x_shape, fmt, g, precision, _upcast(dy))
+
+
+def _dgrad_pads(g: Geometry) -> bool:
+    """Whether the data gradient of ``g`` runs over padded channels of ``dy``
+    (:func:`tilegemm.ops.conv2d.padded.dgrad`): that of a forward convolution of ``dy`` (K/groups channels a
+    group) whose channels :func:`padding_pays` pads."""
+    t = Geometry(g.N, g.K, g.P, g.Q, g.C, g.R, g.S, g.groups, g.stride, g.padding, g.dilation)
+    return g.stride == (1, 1) and not g.is_depthwise and pads_channels(t) and padding_pays(t)
 
 
 def _dgrad_nchw(dy, weight, x_shape, g, precision) -> torch.Tensor:
@@ -307,6 +349,12 @@ def _dgrad_nchw(dy, weight, x_shape, g, precision) -> torch.Tensor:
     from tilegemm.ops.conv2d import implicit_gemm, layout
 
     nchw = torch.contiguous_format
+    if _dgrad_pads(g) and not takes_grouped_direct(g):
+        from tilegemm.ops.conv2d import padded
+
+        dx = padded.dgrad(dy, weight, g, out_format=nchw)  # dy padded channels-last in its one copy
+        if dx is not None:
+            return dx
     with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
         dyc, buf = layout.to_channels_last(dy, "conv2d-nchw-dy")
         with keeping(buf):
@@ -364,9 +412,23 @@ def wgrad(c: WgradCall) -> torch.Tensor:
             from tilegemm.ops.conv2d import tma_wgrad
 
             return tma_wgrad.run(dy, x, g, x.dtype, memory_format=fmt)
+        if _wgrad_pads(g) and _tma_candidate(x):
+            from tilegemm.ops.conv2d import padded
+
+            dw = padded.wgrad(dy, x, g, x.dtype, fmt)
+            if dw is not None:
+                return dw
         from tilegemm.ops.conv2d import implicit_gemm
 
         return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype, memory_format=fmt)
+
+
+def _wgrad_pads(g: Geometry) -> bool:
+    """Whether the weight gradient of ``g`` runs the TMA kernel over copies of ``x`` or ``dy`` with channels
+    rounded up to 8 (:func:`tilegemm.ops.conv2d.padded.wgrad`): one group, C or K not a multiple of 8, in a layer
+    whose channels :func:`padding_pays` pads (the copies are passes over x and dy; a 3x3's gradient reads each
+    9 times)."""
+    return g.groups == 1 and (g.C % 8 != 0 or g.K % 8 != 0) and padding_pays(g)
 
 
 def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
@@ -375,6 +437,12 @@ def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
     the gradient in ``fmt`` (:func:`wgrad_format` of the NCHW ``x``); every launch Triton's, so the call replays."""
     from tilegemm.ops.conv2d import implicit_gemm, layout
 
+    if _wgrad_pads(g) and not g.is_pointwise and not takes_grouped_direct(g):
+        from tilegemm.ops.conv2d import padded
+
+        dw = padded.wgrad(dy, x, g, x.dtype, fmt)  # x and dy padded channels-last in their one copy each
+        if dw is not None:
+            return dw
     with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
         xc, xbuf = layout.to_channels_last(x, "conv2d-nchw-x")
         dyc, dybuf = layout.to_channels_last(dy, "conv2d-nchw-dy")

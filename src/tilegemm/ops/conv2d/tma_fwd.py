@@ -65,7 +65,7 @@ def _issue(x_desc, w_desc, a_slot, b_slot, bar, it, c_steps, n, p0, q0, k_row, c
 @gluon.jit
 def conv2d_fwd_tma_kernel(
     x_desc, w_desc, out_ptr, bias_ptr,
-    N, P, Q, Kg, Cg, C_ROW, tiles_p, tiles_q, out_offset,
+    N, P, Q, Kg, Cg, C_ROW, Cg_x, tiles_p, tiles_q, out_offset,
     stride_on, stride_op, stride_oq, stride_ok, stride_bias,
     pad_h, pad_w, dil_h, dil_w, off_h, off_w,
     R: gl.constexpr, S: gl.constexpr, SH: gl.constexpr, SW: gl.constexpr,
@@ -87,7 +87,7 @@ def conv2d_fwd_tma_kernel(
     p0 = tp * BH
     q0 = tq * BW
     k_row = grp * Kg + pid_n * BLOCK_N  # first weight row (output channel) of the tile
-    c_base = grp * Cg
+    c_base = grp * Cg_x  # the group's first channel in x (x's own channels a group, where Cg counts padded ones)
 
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BI, BH, 1, BW, BLOCK_K], x_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
@@ -163,13 +163,15 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return sn, sy, sx
 
 
-def input_descriptor(x: torch.Tensor, g, block: list, layout) -> TensorDescriptor:
+def input_descriptor(x: torch.Tensor, g, block: list, layout, channels: int | None = None) -> TensorDescriptor:
     """The TMA descriptor of channels-last ``x`` as the strided 5-D view ``[N, H/SH, SH, W/SW, SW*C]`` (see the
     module's docstring), in ``block`` boxes: the forward's and the weight gradient's input tiles. With SW = 1
-    the last dim is the C channels at stride 1 and the pixel stride is free."""
+    the last dim is the C channels at stride 1 and the pixel stride is free. ``channels``: x's own C where ``g``
+    counts more (padded channels read as TMA's zero fill: :mod:`tilegemm.ops.conv2d.padded`)."""
     sh, sw = g.stride
     sn, sy, sx = _strides(x)
-    return TensorDescriptor(x, [g.N, g.H // sh, sh, g.W // sw, sw * g.C], [sn, sh * sy, sy, sw * sx, 1], block,
+    c = channels or g.C
+    return TensorDescriptor(x, [g.N, g.H // sh, sh, g.W // sw, sw * c], [sn, sh * sy, sy, sw * sx, 1], block,
                             layout)
 
 
@@ -247,7 +249,8 @@ def run(p, config_: dict | None = None) -> torch.Tensor:
 
 
 def why_not(p) -> str | None:
-    """None when :func:`run` takes problem ``p`` (directly or as a stem); otherwise why not."""
+    """None when :func:`run` takes problem ``p`` (directly or as a stem); otherwise why not. (Other channel
+    counts: :mod:`tilegemm.ops.conv2d.padded`, which dispatch runs for this kernel's name.)"""
     reason = why_not_input(p.x, p.weight, p.geo)
     if reason and why_not_stem(p.x, p.weight, p.geo) is None:
         return None
@@ -479,20 +482,22 @@ def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g, out_format: torch.memor
     with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
         buf = buffer(dy.device, dy.dtype, total, ("conv2d-phase-weight", 0, 0))
         launch(phase_weight_kernel, (cdiv(g.Kg, 64), cdiv(g.C, 64), g.R * g.S),
-               (weight, buf, g.C, g.Kg, g.Cg, g.S, r0, s0, 1, 1, *weight.stride()),
+               (weight, buf, g.C, g.Kg, g.Kg, g.Cg, g.S, r0, s0, 1, 1, *weight.stride()),
                dict(BLOCK_C=64, BLOCK_K=64, num_warps=4), keep=(buf,), stream=stream)
         wt = buf[:total].view(g.C, g.R, g.S, g.Kg).permute(0, 3, 1, 2)
-        kernel, grid, args, kwargs = launch_args(dy, wt, dx, None, gt, "none", config(gt, dy.dtype, sm_count(dy.device)))
+        kernel, grid, args, kwargs = launch_args(dy, wt, dx, None, gt, "none",
+                                                 config(gt, dy.dtype, sm_count(dy.device)))
         launch(kernel, grid, args, kwargs, keep=(buf,), stream=stream)
     return dx
 
 
 @triton.jit
-def phase_weight_kernel(w_ptr, out_ptr, C, Kg, Cg, V, r0, s0, step_h, step_w,
+def phase_weight_kernel(w_ptr, out_ptr, C, Kg, KP, Cg, V, r0, s0, step_h, step_w,
                         stride_wk, stride_wc, stride_wr, stride_ws, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[c, u, v, k] = w[grp * Kg + k, c - grp * Cg, r0 - step_h*u, s0 - step_w*v]`` with ``grp = c // Cg``:
     one stride phase's weight of the data gradient (at stride 1 the whole weight flipped), row-major
-    ``[C, U, V, K/groups]`` (channels-last ``[C, K/groups, U, V]``). A program moves a ``[BLOCK_C, BLOCK_K]``
+    ``[C, U, V, KP]`` (channels-last ``[C, KP, U, V]``; KP = K/groups, or more: zeros past K/groups, the
+    channels of a padded ``dy``, :func:`tilegemm.ops.conv2d.padded.dgrad`). A program moves a ``[BLOCK_C, BLOCK_K]``
     tile of one tap (u, v: axis 2), so that both the reads (along the input channels of a channels-last weight)
     and the writes (along k) are coalesced; Triton turns the tile between the two in shared memory. One
     element a thread with k fastest had read 2 bytes of a 32-byte sector each."""
@@ -505,16 +510,18 @@ def phase_weight_kernel(w_ptr, out_ptr, C, Kg, Cg, V, r0, s0, step_h, step_w,
     src = (((grp * Kg)[:, None] + k[None, :]).to(tl.int64) * stride_wk + ((c - grp * Cg) * stride_wc)[:, None]
            + (r0 - step_h * u) * stride_wr + (s0 - step_w * v) * stride_ws)
     ok = (c < C)[:, None] & (k < Kg)[None, :]
-    dst = (c.to(tl.int64) * tl.num_programs(2) + uv)[:, None] * Kg + k[None, :]
-    tl.store(out_ptr + dst, tl.load(w_ptr + src, mask=ok), mask=ok)
+    dst = (c.to(tl.int64) * tl.num_programs(2) + uv)[:, None] * KP + k[None, :]
+    tl.store(out_ptr + dst, tl.load(w_ptr + src, mask=ok, other=0.0), mask=(c < C)[:, None] & (k < KP)[None, :])
 
 
 def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, g, activation: str, cfg: dict,
-                within: torch.Tensor | None = None):
+                within: torch.Tensor | None = None, x_channels: int | None = None):
     """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.core.launch.launch`. ``weight`` is
     channels-last contiguous; ``x`` satisfies :func:`why_not_input`. ``within``: a tensor ``out`` is a view into; the
     kernel is then passed ``within`` and the element offset of ``out`` in it (a replay maps the call's tensors
-    by their data pointers, and a view at an offset has a pointer of its own)."""
+    by their data pointers, and a view at an offset has a pointer of its own). ``x_channels``: x's own channel
+    count where ``g`` counts padded ones that only the weight holds
+    (:func:`tilegemm.ops.conv2d.padded.reads_in_place`)."""
     sh, sw = g.stride
     bi, bh, bw, bn, bk = cfg["BI"], cfg["BH"], cfg["BW"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if cfg["STAGES"] < 2:
@@ -523,7 +530,8 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, 
     swz = min(128, bk * x.element_size())
     x_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=5)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=2)
-    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, bk], x_layout)
+    cx = x_channels or g.C
+    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, bk], x_layout, cx)
     kk = g.R * g.S * g.Cg
     w_desc = TensorDescriptor(weight, [g.K, kk], [kk, 1], [bn, bk], w_layout)
     tiles_p, tiles_q = cdiv(g.P, bh), cdiv(g.Q, bw)
@@ -531,7 +539,7 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, 
     base = out if within is None else within
     offset = (out.data_ptr() - base.data_ptr()) // out.element_size()
     args = (x_desc, w_desc, base, bias if bias is not None else base,
-            g.N, g.P, g.Q, g.Kg, g.Cg, g.C, tiles_p, tiles_q, offset,
+            g.N, g.P, g.Q, g.Kg, g.Cg, cx, cx // g.groups, tiles_p, tiles_q, offset,
             out.stride(0), out.stride(2), out.stride(3), out.stride(1), bias.stride(0) if bias is not None else 0,
             g.padding[0], g.padding[2], g.dilation[0], g.dilation[1], off_h, off_w)
     kwargs = dict(R=g.R, S=g.S, SH=sh, SW=sw, HAS_BIAS=bias is not None, ACTIVATION=activation,

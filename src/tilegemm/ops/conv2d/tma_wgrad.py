@@ -151,6 +151,11 @@ def why_not(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
         return "dtypes differ"
     if g.Cg % 8 or g.Kg % 8:
         return "channels per group not multiples of 8"
+    return why_not_dy(dy, g) or tma_fwd.why_not_input(x, None, g, channel_step=8)
+
+
+def why_not_dy(dy: torch.Tensor, g) -> str | None:
+    """None when the kernel's descriptor ``[N, P, Q, K]`` can describe ``dy``; otherwise why not."""
     if dy.stride(1) != 1:
         return "output gradient not channels-last"
     if min(_strides(dy)) <= 0:
@@ -159,7 +164,7 @@ def why_not(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
         return "output gradient not 16-byte aligned"
     if g.N * g.K * g.P * g.Q >= 2**31:
         return "2^31 elements or more (the pointer kernels take those, with 64-bit offsets)"
-    return tma_fwd.why_not_input(x, None, g, channel_step=8)
+    return None
 
 
 def config(g, sms: int, bm: int = BLOCK, bn: int = BLOCK) -> dict:
@@ -200,10 +205,14 @@ def split_for(tiles: int, patches: int, slots: int, fill: float = FILL, per_slic
 
 
 def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict | None = None,
-        memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+        memory_format: torch.memory_format = torch.contiguous_format, x_channels: int | None = None,
+        dy_channels: int | None = None) -> torch.Tensor:
     """grad of the weight, ``[K, C/groups, R, S]`` in ``memory_format``, for ``dy`` and ``x`` that :func:`why_not`
     takes. Channels-last is the fast one: a tile's rows (one output channel, one tap) are then contiguous, where
-    contiguous ones scatter every element R*S elements apart (slower: docs/conv2d.md, "Configs")."""
+    contiguous ones scatter every element R*S elements apart (slower: docs/conv2d.md, "Configs"). ``x_channels``,
+    ``dy_channels``: the channels of ``x``'s and ``dy``'s pixels where they are more than C and K (copies padded
+    with zero channels, :func:`tilegemm.ops.conv2d.padded.wgrad`; the tiles past C/groups are computed and not
+    stored)."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import current_stream, launch
     from tilegemm.core.workspace import split_workspace
@@ -226,10 +235,11 @@ def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict 
     layout4 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     layout5 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=5)
     sn, sp, sq = _strides(dy)
-    dy_desc = TensorDescriptor(dy, [g.N, g.P, g.Q, g.K], [sn, sp, sq, 1], [bi, bh, bw, bm], layout4)
-    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, bn], layout5)
+    dy_desc = TensorDescriptor(dy, [g.N, g.P, g.Q, dy_channels or g.K], [sn, sp, sq, 1], [bi, bh, bw, bm], layout4)
+    cx = x_channels or g.C
+    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, bn], layout5, cx)
     off_h, off_w = tap_offsets(g)
-    args = (dy_desc, x_desc, dw, ws, count, g.Kg, g.Cg, g.C, cdiv(g.P, bh), cdiv(g.Q, bw), slice_len, patches,
+    args = (dy_desc, x_desc, dw, ws, count, g.Kg, g.Cg, cx, cdiv(g.P, bh), cdiv(g.Q, bw), slice_len, patches,
             *dw.stride(), g.padding[0], g.padding[2], g.dilation[0], g.dilation[1], off_h, off_w)
     kwargs = dict(R=g.R, S=g.S, SH=sh, SW=sw, BI=bi, BH=bh, BW=bw, BLOCK_M=bm, BLOCK_N=bn,
                   STAGES=cfg["STAGES"], SPLIT=split, num_warps=cfg["num_warps"])
