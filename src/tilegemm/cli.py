@@ -135,6 +135,8 @@ def cmd_bench(args, console, err_console) -> int:
                            options=options,
                            sweep=sweep, on_step=on_step)
     print_report(result, console)
+    if result.meta.get("interrupted"):
+        console.print(f"interrupted: {result.meta['interrupted']} (the report and files hold those)")
 
     paths = dict(json=args.json, csv=args.csv, plot=args.plot)
     if not args.no_save:

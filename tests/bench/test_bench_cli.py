@@ -316,3 +316,21 @@ def test_results_table_renders_rows_without_a_ratio(monkeypatch):
     kernels = next(c for c in table.columns if c.header == "kernel")._cells
     ratios = next(c for c in table.columns if c.header == "ratio")._cells
     assert str(ratios[[str(k).rstrip(" *") for k in kernels].index("grouped")]) == "-"
+
+
+def test_an_interrupted_bench_keeps_the_cases_done(monkeypatch):
+    """A time limit's SIGINT mid-sweep: the finished cases are returned (and written), the result says so."""
+    op = bench_op("matmul")
+    cases = [op.parse_shape("16,16,16"), op.parse_shape("24,24,24"), op.parse_shape("32,32,32")]
+    prepare = op.prepare
+
+    def interrupt_third(case, *args, **kw):
+        if case.label == cases[2].label:
+            raise KeyboardInterrupt
+        return prepare(case, *args, **kw)
+
+    monkeypatch.setattr(op, "prepare", interrupt_third)
+    result = run_bench(op, cases, "fp16", ["grouped"], rep_ms=1)
+    assert {r.shape for r in result.rows} == {cases[0].label, cases[1].label}
+    assert all(r.status == "ok" for r in result.rows if r.kernel == "grouped")
+    assert result.meta["interrupted"] == "stopped after 2 of 3 cases"

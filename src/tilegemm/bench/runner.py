@@ -242,65 +242,70 @@ def run_bench(
         meta["second_baseline"] = op.second_baseline_name
     names = ([BASELINE] if baseline else []) + ([BASELINE2] if second else []) + kernels
 
-    for case in cases:
-        step = lambda kernel: on_step(f"{case.label} {kernel}") if on_step else None  # noqa: E731
-        try:
-            first = op.prepare(case, dtype, device, 1, options)
-            n_sets = rotation_count(first.bytes_per_set, machine, cuda_graph)
-            prepared = op.prepare(case, dtype, device, n_sets, options) if n_sets > 1 else first
-        except torch.cuda.OutOfMemoryError:
+    done = 0  # cases complete
+    try:
+        for done, case in enumerate(cases):
+            step = lambda kernel: on_step(f"{case.label} {kernel}") if on_step else None  # noqa: E731
+            try:
+                first = op.prepare(case, dtype, device, 1, options)
+                n_sets = rotation_count(first.bytes_per_set, machine, cuda_graph)
+                prepared = op.prepare(case, dtype, device, n_sets, options) if n_sets > 1 else first
+            except torch.cuda.OutOfMemoryError:
+                for kernel in names:
+                    result.rows.append(_row(op, case, dtype, kernel, options, "error", message="out of memory"))
+                    step(kernel)
+                continue
+            tol = op.tolerance(dtype)
+            # Check each kernel (this also compiles and tunes), then time them all, round by round.
+            checked = {}
             for kernel in names:
-                result.rows.append(_row(op, case, dtype, kernel, options, "error", message="out of memory"))
+                checked[kernel] = _check(op, case, dtype, kernel, prepared, tol, options)
                 step(kernel)
-            continue
-        tol = op.tolerance(dtype)
-        # Check each kernel (this also compiles and tunes), then time them all, round by round.
-        checked = {}
-        for kernel in names:
-            checked[kernel] = _check(op, case, dtype, kernel, prepared, tol, options)
-            step(kernel)
-        timed = [kernel for kernel in names if isinstance(checked[kernel], _Checked)]
-        samples: dict[str, list[float]] = {kernel: [] for kernel in timed}
-        for r in range(rounds):
-            for kernel in (timed[:] if r % 2 == 0 else timed[::-1]):  # copies: a failing kernel leaves `timed`
+            timed = [kernel for kernel in names if isinstance(checked[kernel], _Checked)]
+            samples: dict[str, list[float]] = {kernel: [] for kernel in timed}
+            for r in range(rounds):
+                for kernel in (timed[:] if r % 2 == 0 else timed[::-1]):  # copies: a failing kernel leaves `timed`
+                    c = checked[kernel]
+                    try:
+                        with c.context():
+                            samples[kernel] += time_samples(_cycle(prepared.sets, c.call), warmup_ms, rep_ms / rounds,
+                                                            cuda_graph)
+                    except Exception as exc:  # noqa: BLE001 - a launch failing mid-timing is reported, not fatal
+                        checked[kernel] = _row(op, case, dtype, kernel, options, "error", message=_message(exc))
+                        timed.remove(kernel)
+                        samples.pop(kernel)
+            rows = {}
+            for kernel in names:
                 c = checked[kernel]
-                try:
-                    with c.context():
-                        samples[kernel] += time_samples(_cycle(prepared.sets, c.call), warmup_ms, rep_ms / rounds,
-                                                        cuda_graph)
-                except Exception as exc:  # noqa: BLE001 - a launch failing mid-timing is reported, not fatal
-                    checked[kernel] = _row(op, case, dtype, kernel, options, "error", message=_message(exc))
-                    timed.remove(kernel)
-                    samples.pop(kernel)
-        rows = {}
-        for kernel in names:
-            c = checked[kernel]
-            if isinstance(c, _Checked):
-                ms, p20, p80 = summarize(samples[kernel])
-                value = op.rate(case, dtype, ms, options)
-                second = op.secondary_rate(case, dtype, ms, options) if kernel not in BASELINES else None
-                rows[kernel] = _row(op, case, dtype, kernel, options, c.status, rel_err=c.err,
-                                    tolerance=None if c.err is None else c.tol, ms=ms, ms_p20=p20, ms_p80=p80,
-                                    value=value, pct_peak=(100.0 * value / peak) if peak else None,
-                                    secondary=second,
-                                    secondary_pct_peak=(100.0 * second / bandwidth) if second and bandwidth else None)
-            else:
-                rows[kernel] = c
-        base = rows.get(BASELINE)
-        base_ms = base.ms if base is not None and base.ok else None
-        base2 = rows.get(BASELINE2)
-        base2_ms = base2.ms if base2 is not None and base2.ok else None
-        for kernel in names:
-            row = rows[kernel]
-            if row.ms and base_ms:
-                row.ratio = base_ms / row.ms
-            if row.ms and base2_ms and row.kernel not in BASELINES:
-                row.ratio2 = base2_ms / row.ms
-            result.rows.append(row)
-        del prepared, first
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+                if isinstance(c, _Checked):
+                    ms, p20, p80 = summarize(samples[kernel])
+                    value = op.rate(case, dtype, ms, options)
+                    second = op.secondary_rate(case, dtype, ms, options) if kernel not in BASELINES else None
+                    rows[kernel] = _row(op, case, dtype, kernel, options, c.status, rel_err=c.err,
+                                        tolerance=None if c.err is None else c.tol, ms=ms, ms_p20=p20, ms_p80=p80,
+                                        value=value, pct_peak=(100.0 * value / peak) if peak else None,
+                                        secondary=second,
+                                        secondary_pct_peak=(100.0 * second / bandwidth) if second and bandwidth else None)
+                else:
+                    rows[kernel] = c
+            base = rows.get(BASELINE)
+            base_ms = base.ms if base is not None and base.ok else None
+            base2 = rows.get(BASELINE2)
+            base2_ms = base2.ms if base2 is not None and base2.ok else None
+            for kernel in names:
+                row = rows[kernel]
+                if row.ms and base_ms:
+                    row.ratio = base_ms / row.ms
+                if row.ms and base2_ms and row.kernel not in BASELINES:
+                    row.ratio2 = base2_ms / row.ms
+                result.rows.append(row)
+            del prepared, first
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        done = len(cases)
+    except KeyboardInterrupt:  # a time limit's SIGINT: the cases done so far are kept, and said to be partial
+        meta["interrupted"] = f"stopped after {done} of {len(cases)} cases"
     return result
 
 
