@@ -73,6 +73,23 @@ def test_batched_broadcast_operand(which, device, no_fallback):
     _check_batches(out, matmul_reference(a, b), tolerance(torch.float16))
 
 
+def test_batched_views_that_do_not_merge(device, no_fallback):
+    """Batch dims whose strides do not chain become pieces (as_strided views at each piece's start), each a
+    batched problem of its own; a strided batch steps over the skipped matrices."""
+    base = torch.randn(2, 5, 40, 24, device=device).half()
+    a = base[:, 1:4]  # [2, 3, 40, 24]: the two batch dims do not merge
+    b = torch.randn(2, 3, 24, 48, device=device).half()
+    pieces = make_problems(a, b, torch.empty(2, 3, 40, 48, device=device, dtype=torch.float16))
+    assert [p.batch for p in pieces] == [3, 3] and all(persistent_tma.why_not(p) is None for p in pieces)
+    out = tilegemm.matmul(a, b, kernel="persistent_tma")
+    _check_batches(out.flatten(0, 1), matmul_reference(a, b).flatten(0, 1), tolerance(torch.float16))
+    strided = base.flatten(0, 1)[::2]  # every other matrix: batch stride 2 * 40 * 24
+    b2 = torch.randn(5, 24, 48, device=device).half()
+    assert _problem(strided, b2, torch.empty(5, 40, 48, dtype=torch.float16, device=device)).a_strides[0] == 1920
+    out = tilegemm.matmul(strided, b2, kernel="persistent_tma")
+    _check_batches(out, matmul_reference(strided, b2), tolerance(torch.float16))
+
+
 def test_batched_epilogue_reads_each_batch_of_c(device, no_fallback):
     B, M, N, K = 3, 40, 48, 24
     a = _operand(B, M, K, False, torch.float16, device)
