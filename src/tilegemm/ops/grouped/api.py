@@ -9,6 +9,7 @@ from tilegemm.core import registry
 from tilegemm.core.activations import check_activation
 from tilegemm.core.launch import plain_call
 from tilegemm.ops.grouped.checks import check_grouped, check_grouped_int4
+from tilegemm.ops.matmul.api import matmul as dense_matmul
 from tilegemm.ops.grouped.op import (forward, forward_gated, forward_int4, grouped_mm_gated_op, grouped_mm_op,
                                      grouped_w4a16_op)
 
@@ -53,11 +54,15 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
 
 
 def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.matmul(a, b)`` of two 3-D operands of one batch size, on the grouped family's kernel (one launch,
-    the batch on a grid axis, operands read in place through their strides). The entry the dense matmul can route
-    batched problems to; differentiable."""
+    """``torch.matmul(a, b)`` of two 3-D operands of one batch size, one launch with the operands read in place
+    through their strides; differentiable. fp16/bf16 operands run on ``tilegemm.matmul``'s ``auto``, which
+    takes batched 16-bit products to ``persistent_tma`` on Hopper where the batches' tiles fill the GPU
+    (docs/rungs/auto.md); other dtypes on this family's ``tiled`` kernel (the batch on a grid axis)."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 3 or b.dim() != 3:
         raise ValueError("batched_matmul takes two 3-D tensors [B, M, K] and [B, K, N]")
+    if a.dtype in (torch.float16, torch.bfloat16) and b.dtype == a.dtype:
+        check_grouped(a, b, None, None, None)  # the same errors as grouped_mm's (one batch size, K, devices)
+        return dense_matmul(a, b)
     return grouped_mm(a, b)
 
 

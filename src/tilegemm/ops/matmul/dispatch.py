@@ -22,6 +22,7 @@ SPLIT_MIN_K = 1024  # below this K a split cannot pay: each slice would be a han
 SPLIT_GAIN = 0.85  # split_k above SMALL_M only where the cost model ranks it this much faster than unsplit
 NARROW_N = 512  # narrower 16-bit outputs go to autotuned: persistent_tma's tiles are 128 or 256 wide along N
 MIN_TILES_PER_SM = 2  # persistent_tma from this many 128x128 tiles per SM: a persistent grid needs work to balance
+# (a batched 16-bit problem counts the tiles of every batch: its persistent grid walks them all in one launch)
 MIN_TILES_PER_SM_FP8 = 4  # fp8 in Triton's kernels (no Gluon kernel) needs more before the persistent grid pays
 GLUON_TIMED_FROM = 4  # a Gluon kernel's 16-bit problem is timed from 1/4 tile per SM (other dtypes: 1/2) up to 2
 DECISIONS_KEPT = 4096  # answers kept per shape class (bounded: cleared when full); each estimate costs ~100 us
@@ -35,7 +36,8 @@ def choose_kernel(p: GemmProblem) -> str:
       from :data:`TIMED_MIN_MNK` up, where TMA can describe the problem, timed once against ``persistent_tma``.
       Rows not 16-byte aligned go to split_k too.
     - Larger problems on Hopper that TMA can describe, with at least :data:`MIN_TILES_PER_SM` 128x128 tiles per SM
-      (:data:`MIN_TILES_PER_SM_FP8` for fp8 that no Gluon kernel takes): ``persistent_tma``, except tf32 with an
+      (:data:`MIN_TILES_PER_SM_FP8` for fp8 that no Gluon kernel takes; a batched 16-bit problem's tiles of every
+      batch counted): ``persistent_tma``, except tf32 with an
       operand through registers, which goes to ``autotuned`` unless a Gluon kernel takes it. Where a Gluon kernel
       takes the problem the two rungs are timed between :data:`GLUON_TIMED_FROM` and two tiles per SM.
     - M > :data:`SMALL_M` where splitting K pays by the cost model (:func:`_split_pays`): ``split_k``.
@@ -54,7 +56,7 @@ def choose_kernel(p: GemmProblem) -> str:
         return "autotuned"
     if _has_tma():
         tma = _kernels().persistent_tma
-        tiles = -(-p.M // 128) * -(-p.N // 128)
+        tiles = -(-p.M // 128) * -(-p.N // 128) * p.batch  # every batch's tiles (persistent_tma.why_not_batched)
         sms = hardware.sm_count(p.out.device)
         min_tiles = sms * (MIN_TILES_PER_SM_FP8 if p.a.element_size() == 1 else MIN_TILES_PER_SM)
         described = tma.why_not(p) is None

@@ -11,8 +11,10 @@ What changes against ``autotuned``:
 - the epilogue is split in two halves along N, so fewer registers are live while storing.
 
 TMA needs a unit stride in the last dim and 16-byte aligned base and strides. A transposed operand is
-described as its transpose and the loaded tile transposed back. Problems TMA cannot describe, batched
-problems, and GPUs before Hopper go to ``autotuned`` (see :func:`why_not`).
+described as its transpose and the loaded tile transposed back. Batched 16-bit problems (``BATCHED``) walk
+(batch, tile) work units with 3-D descriptors ([batch, rows, cols], blocks [1, rows, cols]; an operand
+broadcast over the batch keeps its 2-D one). Problems TMA cannot describe, other batched problems, and GPUs
+before Hopper go to ``autotuned`` (see :func:`why_not`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,20 @@ def _load_tile(desc, row, col, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def _load_batch_tile(desc, bid, row, col, TRANSPOSED: tl.constexpr, BATCHED: tl.constexpr,
+                     ROWS: tl.constexpr, COLS: tl.constexpr):
+    """:func:`_load_tile` of batch ``bid``: a 3-D descriptor ([batch, rows, cols], blocks [1, ...]) where the
+    operand is batched, the 2-D one of :func:`_load_tile` where it is broadcast (batch stride 0)."""
+    if BATCHED:
+        if TRANSPOSED:
+            return desc.load([bid, col, row]).reshape(COLS, ROWS).T
+        else:
+            return desc.load([bid, row, col]).reshape(ROWS, COLS)
+    else:
+        return _load_tile(desc, row, col, TRANSPOSED)
+
+
+@triton.jit
 def _zero_tile(ROWS: tl.constexpr, COLS: tl.constexpr, MMA_OPERANDS: tl.constexpr):
     """A zero fp32 accumulator for a [ROWS, COLS] output tile (held transposed when the operands swap)."""
     if MMA_OPERANDS == "swap":
@@ -68,9 +84,10 @@ def _as_tile(acc, MMA_OPERANDS: tl.constexpr):
 def _store_tile(acc, out_desc, m0, n0, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_cm, stride_cn,
                 stride_bias, stride_sa, stride_sb, alpha, beta, HAS_C: tl.constexpr, HAS_BIAS: tl.constexpr,
                 ACTIVATION: tl.constexpr, HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, bid=None, BATCHED: tl.constexpr = False):
     """The epilogue of a whole [BLOCK_M, BLOCK_N] fp32 tile at (m0, n0), stored through ``out_desc`` in two
-    [BM, BN/2] halves (fewer registers live while storing)."""
+    [BM, BN/2] halves (fewer registers live while storing). BATCHED: ``out_desc`` is 3-D and the tile is batch
+    ``bid``'s (``c_ptr`` already at that batch)."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     offs_m = m0 + tl.arange(0, BLOCK_M)
     halves = tl.reshape(acc, (BLOCK_M, 2, HALF_N)).permute(0, 2, 1)
@@ -79,11 +96,17 @@ def _store_tile(acc, out_desc, m0, n0, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr
     left = epilogue_tile(left, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l, M, N,
                          stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                          HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-    out_desc.store([m0, n0], left.to(out_desc.dtype))
+    if BATCHED:
+        out_desc.store([bid, m0, n0], left.to(out_desc.dtype).reshape(1, BLOCK_M, HALF_N))
+    else:
+        out_desc.store([m0, n0], left.to(out_desc.dtype))
     right = epilogue_tile(right, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, offs_m, offs_l + HALF_N, M, N,
                           stride_cm, stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta,
                           HAS_C, HAS_BIAS, ACTIVATION, HAS_SCALE_A, HAS_SCALE_B)
-    out_desc.store([m0, n0 + HALF_N], right.to(out_desc.dtype))
+    if BATCHED:
+        out_desc.store([bid, m0, n0 + HALF_N], right.to(out_desc.dtype).reshape(1, BLOCK_M, HALF_N))
+    else:
+        out_desc.store([m0, n0 + HALF_N], right.to(out_desc.dtype))
 
 
 @triton.jit
@@ -99,7 +122,13 @@ def matmul_persistent_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_ACCUM: tl.constexpr,
     HOST_DESC: tl.constexpr, SERPENTINE: tl.constexpr, SPLIT: tl.constexpr = False,
+    batch=None, stride_cb=None, BATCHED: tl.constexpr = False, A_BATCHED: tl.constexpr = False,
+    B_BATCHED: tl.constexpr = False,
 ):
+    # BATCHED: ``batch`` products (16-bit, unsplit, host descriptors: :func:`triton_launch_args`); the work units
+    # are (batch, tile), batch-major. The output's descriptor is 3-D, A's and B's too where A_BATCHED /
+    # B_BATCHED (else broadcast: one 2-D matrix for every batch); C's batch stride is ``stride_cb``. Unbatched
+    # launches pass none of these (None is a constexpr), so their compiled code is the same as without them.
     # Descriptors: A is [M, K] (or [K, M] when transposed), B is [K, N] (or [N, K]); the last stride is 1;
     # the output [M, N] in [BLOCK_M, BLOCK_N / 2] blocks. HOST_DESC: a_ptr, b_ptr and out_ptr are those
     # descriptors, made on the host (:func:`host_descriptors`); otherwise each program makes them.
@@ -135,8 +164,18 @@ def matmul_persistent_tma_kernel(
     # WARP_SPECIALIZE: 0 off; 1 on the K loop; 2 on the tile loop (Triton splits loads and MMAs into warp groups).
     WS_TILES: tl.constexpr = WARP_SPECIALIZE == 2
     WS_K: tl.constexpr = WARP_SPECIALIZE == 1
-    for unit in tl.range(tl.program_id(0), tiles * SPLIT_K, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_TILES):
-        if not SPLIT:
+    if BATCHED:
+        tl.static_assert(HOST_DESC and not SPLIT, "batched launches take host descriptors and no K split")
+        units = tiles * batch
+    else:
+        units = tiles * SPLIT_K
+    for unit in tl.range(tl.program_id(0), units, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_TILES):
+        if BATCHED:
+            bid = unit // tiles
+            tile = unit - bid * tiles
+            k_first = 0
+            k_last = k_steps
+        elif not SPLIT:
             tile = unit
             k_first = 0
             k_last = k_steps
@@ -151,8 +190,13 @@ def matmul_persistent_tma_kernel(
         acc = _zero_tile(BLOCK_M, BLOCK_N, MMA_OPERANDS)
         for ks in tl.range(k_first, k_last, warp_specialize=WS_K):
             k0 = ks * BLOCK_K
-            acc = mma_ordered(_load_tile(a_desc, m0, k0, A_T), _load_tile(b_desc, k0, n0, B_T), acc,
-                              MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
+            if BATCHED:
+                acc = mma_ordered(_load_batch_tile(a_desc, bid, m0, k0, A_T, A_BATCHED, BLOCK_M, BLOCK_K),
+                                  _load_batch_tile(b_desc, bid, k0, n0, B_T, B_BATCHED, BLOCK_K, BLOCK_N), acc,
+                                  MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
+            else:
+                acc = mma_ordered(_load_tile(a_desc, m0, k0, A_T), _load_tile(b_desc, k0, n0, B_T), acc,
+                                  MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
         acc = _as_tile(acc, MMA_OPERANDS)
         offs_m = m0 + tl.arange(0, BLOCK_M)
 
@@ -163,6 +207,13 @@ def matmul_persistent_tma_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             inside = (offs_m < M)[:, None] & (offs_n < N)[None, :]
             tl.store(ws_ptr + part * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=inside)
+        elif BATCHED:
+            c_batch = c_ptr
+            if HAS_C:
+                c_batch = c_ptr + bid.to(tl.int64) * stride_cb
+            _store_tile(acc, out_desc, m0, n0, c_batch, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_cm,
+                        stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
+                        HAS_SCALE_A, HAS_SCALE_B, BLOCK_M, BLOCK_N, bid, True)
         else:
             _store_tile(acc, out_desc, m0, n0, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_cm,
                         stride_cn, stride_bias, stride_sa, stride_sb, alpha, beta, HAS_C, HAS_BIAS, ACTIVATION,
@@ -235,7 +286,9 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
 def why_not(p: GemmProblem) -> str | None:
     """None when TMA can move this problem's tiles; otherwise why not."""
     if p.batch != 1:
-        return "batched problems are not handled by this rung yet"
+        reason = why_not_batched(p)
+        if reason is not None:
+            return reason
     _, sam, sak = p.a_strides
     _, sbk, sbn = p.b_strides
     if sak != 1 and sam != 1:
@@ -249,6 +302,20 @@ def why_not(p: GemmProblem) -> str | None:
         return "the output is not 16-byte aligned"
     if min(p.M, p.N, p.K) < 16:
         return "a dimension is smaller than 16"
+    return None
+
+
+def why_not_batched(p: GemmProblem) -> str | None:
+    """None when the batched path takes ``p`` (batch > 1): fp16/bf16 operands, and batch strides TMA can step
+    (16-byte multiples; 0 for an operand broadcast over the batch). The rest of :func:`why_not` applies too."""
+    if p.a.element_size() != 2 or p.b.element_size() != 2:
+        return "batched problems are taken for fp16/bf16 operands only"
+    if p.scale_a is not None or p.scale_b is not None:
+        return "batched problems take no scales"
+    if not _aligned(p.a, p.a_strides[0]) or not _aligned(p.b, p.b_strides[0]):
+        return "an operand's batch stride is not 16-byte aligned"
+    if p.out_strides[0] == 0 or not _aligned(p.out, p.out_strides[0]):
+        return "the output's batch stride is not 16-byte aligned"
     return None
 
 
@@ -316,8 +383,8 @@ def split_configs(p: GemmProblem) -> list[dict]:
     """:func:`split_tiles` with the K split of one wave (:func:`wave_split`) where that split is above one: for
     16-bit and fp8 operands meeting the MMA from shared memory, on a GPU."""
     elem = p.a.element_size()
-    if interpreting() or elem > 2 or p.b.element_size() != elem or p.mma_operands != "ab":
-        return []
+    if interpreting() or elem > 2 or p.b.element_size() != elem or p.mma_operands != "ab" or p.batch != 1:
+        return []  # (a batched problem has a batch of tiles to spread: no split)
     out = []
     for tile in split_tiles(elem):
         cfg = make_config(*tile)
@@ -339,17 +406,39 @@ def host_descriptors(p: GemmProblem, cfg: dict):
     """Triton host-side TMA descriptors of A, B (as :attr:`GemmProblem.tma_view` says they lie) and the
     output (in [BLOCK_M, BLOCK_N / 2] blocks) for config ``cfg``."""
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if p.batch != 1:
+        return batched_descriptors(p, cfg)
     a, b = (TensorDescriptor(t, shape, [stride, 1], block)
             for t, shape, stride, block in p.tma_boxes(bm, bn, cfg["BLOCK_K"]))
     return a, b, TensorDescriptor(p.out, [p.M, p.N], [p.out_strides[1], 1], [bm, bn // 2])
+
+
+def batched_descriptors(p: GemmProblem, cfg: dict):
+    """:func:`host_descriptors` of a batched problem: 3-D ([batch, rows, cols], blocks [1, rows, cols]) for the
+    output and each operand with a batch stride; 2-D, as unbatched, for an operand broadcast over the batch
+    (stride 0; the kernel reads it at every batch)."""
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    descs = []
+    for (t, shape, stride, block), batch_stride in zip(p.tma_boxes(bm, bn, cfg["BLOCK_K"]),
+                                                       (p.a_strides[0], p.b_strides[0])):
+        if batch_stride == 0:
+            descs.append(TensorDescriptor(t, shape, [stride, 1], block))
+        else:
+            descs.append(TensorDescriptor(t, [p.batch, *shape], [batch_stride, stride, 1], [1, *block]))
+    out = TensorDescriptor(p.out, [p.batch, p.M, p.N], [p.out_strides[0], p.out_strides[1], 1], [1, bm, bn // 2])
+    return (*descs, out)
 
 
 def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor | None = None):
     """(kernel, grid, args, constexpr kwargs) of the Triton kernel for :func:`tilegemm.core.launch.launch`;
     ``ws``: the planes of a config with ``SPLIT_K`` > 1 (:func:`launch_config` makes them)."""
     a_t, b_t, stride_a, stride_b = p.tma_view
+    if p.batch != 1:
+        # Batched: host descriptors (3-D where batched) and no split; the unbatched launch passes none of this.
+        cfg = dict(cfg, HOST_DESC=True)
+        ws = None
     split = cfg.get("SPLIT_K", 1) if ws is not None else 1  # no planes, no split
-    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"]) * split
+    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"]) * split * p.batch
     flags = p.kernel_flags()
     operands = host_descriptors(p, cfg) if cfg.get("HOST_DESC") else (p.a, p.b, p.out)
     args = (
@@ -366,6 +455,8 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor
                   FAST_ACCUM=flags["FAST_ACCUM"], SPLIT=ws is not None,
                   **{"WARP_SPECIALIZE": 0, "HOST_DESC": False, **cfg, **tile_order(cfg)})
     kwargs.pop("SPLIT_K", None)  # a runtime argument: one compiled kernel serves every split
+    if p.batch != 1:
+        kwargs.update(batch=p.batch, stride_cb=p.c_strides[0], BATCHED=True, A_BATCHED=p.a_strides[0] != 0, B_BATCHED=p.b_strides[0] != 0)
     return matmul_persistent_tma_kernel, (min(num_sms, tiles),), args, kwargs
 
 
@@ -395,7 +486,7 @@ def split_of(p: GemmProblem, cfg: dict) -> int:
     makes (``cdiv(steps, cdiv(steps, SPLIT_K))``: no slice left without a K step), and 1 where the planes'
     offsets would pass 32 bits."""
     split = cfg.get("SPLIT_K", 1)
-    if split <= 1:
+    if split <= 1 or p.batch != 1:  # (batched launches have no split: a neighbour's split config runs unsplit)
         return 1
     split = slices(cdiv(p.K, cfg["BLOCK_K"]), split)
     return 1 if split * p.M * p.N >= 2**31 else split
