@@ -101,6 +101,12 @@ def test_refuses_column_major_a(device):
     _refusal(a.T.contiguous().T, b, offs, "a is not row-major")
 
 
+def test_refuses_broadcast_operands(device):
+    a, b, offs = operands("2d3d", [4, 4], 32, 32, torch.float16, device)
+    _refusal(a, b[:1].expand(2, 32, 32), offs, "broadcast")
+    _refusal(a[:1].expand(8, 32), b, offs, "broadcast")
+
+
 def test_refuses_without_hopper(monkeypatch):
     monkeypatch.setattr(hardware, "interpreting", lambda: False)
     monkeypatch.setattr(hardware, "compute_capability", lambda: (8, 0))

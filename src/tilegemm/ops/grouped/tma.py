@@ -149,6 +149,10 @@ def why_not(p: GroupedProblem) -> str | None:
     if p.dtype not in (torch.float16, torch.bfloat16):
         return f"takes fp16 and bf16 operands, not {p.dtype}"
     a, b = p.a, p.b
+    if p.K == 0:
+        return "K is 0 (a descriptor needs a dimension of at least one)"
+    if any(t.stride(d) == 0 and t.shape[d] > 1 for t in (a, b) for d in range(t.dim())):
+        return "an operand is broadcast (a stride of 0): TMA reads each row from its own address"
     if a.stride(1) != 1 and a.shape[1] > 1:
         return "a is not row-major (its K stride is not 1)"
     if b.stride(2) != 1 and b.stride(1) != 1:
