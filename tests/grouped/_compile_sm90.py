@@ -11,7 +11,8 @@ from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem
 
 captured = []
 tiled.launch = int4.launch = tma.launch = lambda kernel, grid, args, kwargs, **kw: captured.append((kernel, args, kwargs))
-tiled.interpreting = int4.interpreting = configs.interpreting = tma.interpreting = lambda: False  # the GPU's configs
+# the GPU's configs
+tiled.interpreting = int4.interpreting = configs.interpreting = tma.interpreting = lambda: False
 configs.sm_count = tma.sm_count = lambda device: 132  # an H200's, so decode problems get the K split they get there
 tma.why_not_tma = lambda: None  # (no GPU here: the kernel is compiled for the H200's sm_90)
 

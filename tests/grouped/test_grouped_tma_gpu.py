@@ -109,3 +109,18 @@ def test_no_host_sync_on_the_call():
         tilegemm.grouped_mm(a, b, offs=offs, kernel="tma")
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_backward_runs_it_in_autograds_thread():
+    # dA = grouped(dY, B^T) is a 2-D x 3-D product of 256+ rows an expert: auto runs it on tma, inside autograd's
+    # device thread, whose context has no allocator until the launch sets one
+    K, N = 256, 192
+    a, b, offs = operands("2d3d", [300, 0, 500, 260], K, N, torch.bfloat16, "cuda", tail=4)
+    a.requires_grad_()
+    b.requires_grad_()
+    out = tilegemm.grouped_mm(a, b, offs=offs)
+    grad = torch.randn_like(out)
+    ga, gb = torch.autograd.grad(out, (a, b), grad)
+    wa, wb = torch.autograd.grad(grouped_mm_reference(a, b, offs), (a, b), grad.double())
+    assert_rel_close(ga, wa, tolerance(torch.bfloat16))
+    assert_rel_close(gb, wb, tolerance(torch.bfloat16))
