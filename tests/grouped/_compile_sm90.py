@@ -1,6 +1,6 @@
 """The grouped kernels compiled offline for sm_90 (no GPU: Triton ships ptxas), for a few problems each; prints the
 tensor-core and memory instructions each one's PTX holds, as JSON on the last line."""
-import collections, json, re
+import collections, json, os, re, subprocess, tempfile
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -39,6 +39,20 @@ def signature(kernel, args, kwargs):
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP", "ONE_GROUP", "B_NK", "STAGES")
 configs_of = {}  # each compiled problem's launch config
+ptx_of = {}
+
+
+def spilled_bytes(ptx):
+    """Bytes of spill stores and loads ptxas reports for sm_90a."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill", run.stderr))
 
 
 def compile_last(name):
@@ -48,6 +62,7 @@ def compile_last(name):
     sig, ce, at = signature(kernel, args, kw)
     ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"])).asm["ptx"]
+    ptx_of[name] = ptx
     return dict(collections.Counter(re.findall(r"\b(wgmma\.mma_async\S*|mma\.sync\S*|cp\.async\.c[ag]\S*|"
                                                r"cp\.async\.bulk\.tensor\S*|ld\.global\S*|atom\.\S*)", ptx)))
 
@@ -101,21 +116,24 @@ for name, args, kw in (
     results[name] = int4_experts(name, *args, **kw)
 
 
-def tma_experts(name, dtype, M, N, K, G, b_nk, gated=False):
+def tma_experts(name, dtype, M, N, K, G, b_nk, gated=False, bias=False):
     e = lambda *s: torch.empty(*s, dtype=dtype)  # noqa: E731
     width = 2 * N if gated else N
     b = e(G, width, K).transpose(1, 2) if b_nk else e(G, K, width)
-    p = make_problem("2d3d", G, e(M, K), b, torch.empty(G, dtype=torch.int32), None, e(M, N), "ieee",
-                     "silu" if gated else "none", gated)
+    p = make_problem("2d3d", G, e(M, K), b, torch.empty(G, dtype=torch.int32), e(G, width) if bias else None,
+                     e(M, N), "ieee", "silu" if gated else "none", gated)
     tma.run(p)
-    return compile_last(name)
+    counts = compile_last(name)
+    counts["spilled_bytes"] = spilled_bytes(ptx_of[name])
+    return counts
 
 
 # kernel tma, the configs it ships: Mixtral's prefill (b as torch lays out experts, and row-major), gated
 for name, args, kw in (
     ("tma_bf16_b_nk", (torch.bfloat16, 32768, 4096, 14336, 8, True), {}),
     ("tma_fp16_b_kn", (torch.float16, 32768, 14336, 4096, 8, False), {}),
-    ("tma_bf16_gated", (torch.bfloat16, 32768, 768, 2048, 128, True), dict(gated=True)),
+    ("tma_bf16_gated", (torch.bfloat16, 32768, 768, 2048, 128, True), dict(gated=True, bias=True)),
+    ("tma_bf16_bias", (torch.bfloat16, 32768, 4096, 14336, 8, True), dict(bias=True)),
     ("tma_fp16_gated_b_kn", (torch.float16, 32768, 768, 2048, 128, False), dict(gated=True)),
 ):
     results[name] = tma_experts(name, *args, **kw)

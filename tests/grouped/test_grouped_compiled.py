@@ -54,7 +54,7 @@ def test_int4_variants(counts, kernel, swap, one_group):
     assert (cfg["SWAP"], cfg["ONE_GROUP"]) == (swap, one_group), cfg
 
 
-TMA = ["tma_bf16_b_nk", "tma_fp16_b_kn", "tma_bf16_gated", "tma_fp16_gated_b_kn"]
+TMA = ["tma_bf16_b_nk", "tma_fp16_b_kn", "tma_bf16_gated", "tma_fp16_gated_b_kn", "tma_bf16_bias"]
 
 
 @pytest.mark.parametrize("kernel", TMA)
@@ -66,6 +66,8 @@ def test_tma_kernel_loads_by_tma_into_wgmma(counts, kernel):
     assert any(op.startswith("cp.async.bulk.tensor.3d") for op in ops), ops
     assert any(op.startswith("wgmma") for op in ops), ops
     assert not any(op.startswith("cp.async.c") or op.startswith("mma.sync") for op in ops), ops
+    # the 64 x 256 accumulator a warp group (two of 64 x 128 gated), bias and gate included, fits in registers
+    assert ops["spilled_bytes"] == 0, ops
 
 
 @pytest.mark.parametrize("kernel, b_nk", [("tma_bf16_b_nk", True), ("tma_fp16_b_kn", False),
