@@ -173,7 +173,10 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 def ensure_allocator() -> None:
     """Give Triton an allocator for the device-made descriptors' scratch where none is set (Triton keeps it in a
     context variable, so each thread is asked once; an allocator set by the user is kept)."""
-    if not interpreting() and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+    if interpreting():
+        return
+    current = getattr(_allocation, "_allocator", None)  # (Triton 3.6's; where it moved, set ours each launch)
+    if current is None or isinstance(current.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)
 
 
