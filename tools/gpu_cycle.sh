@@ -18,7 +18,8 @@
 #   batched       the bench's batched sweep, fp16 NN and NT, auto only
 #   grouped       the grouped family's moe sweep, bf16 and fp16 forward (auto);  grouped-bwd  its backward, bf16;
 #                 grouped-batched  the batched sweep, bf16 and fp16;  grouped-w4a16  4-bit experts on the moe sweep,
-#                 fp16 and bf16;  grouped-tests  tests/grouped on the GPU (all marks)
+#                 fp16 and bf16;  grouped-tests  tests/grouped on the GPU (all marks);  grouped-tma  the moe sweep,
+#                 bf16 and fp16, auto against tiled and tma by name, then tma's tests on the GPU
 #   moe-model     tools/grouped_moe_model.py: Qwen3-MoE (4 layers) and Mixtral (2 layers) shapes, every experts
 #                 implementation, prefill 2048 and decode batch 1 / 16, bf16
 #   w4-random     the w4a16 bench's held-out w4-random sweep, fp16 (second baseline: fbgemm where it imports)
@@ -85,6 +86,10 @@ for step in "$@"; do
                      --json "$OUT/grouped-w4a16-moe-$d.json" 2>&1 | tail -n 6; done ;;
     moe-model) python3 tools/grouped_moe_model.py --model qwen3 --layers 4 --out "$OUT/moe-model-qwen3.json" 2>&1 | tail -n 16
                python3 tools/grouped_moe_model.py --model mixtral --layers 2 --out "$OUT/moe-model-mixtral.json" 2>&1 | tail -n 16 ;;
+    grouped-tma) for d in bf16 fp16; do bench --op grouped --sweep moe --dtype $d --kernels auto,tiled,tma \
+                   --json "$OUT/grouped-moe-tma-$d.json" 2>&1 | tail -n 8; done
+                 pytest_ -m "" tests/grouped/test_grouped_tma.py tests/grouped/test_grouped_tma_gpu.py 2>&1 \
+                   | tee "$OUT/grouped-tma-tests.log" | tail -n 15 ;;
     grouped-tests) pytest_ -m "" -n 8 tests/grouped 2>&1 | tee "$OUT/grouped-tests.log" | tail -n 15 ;;
     route) python3 tools/call_route.py --out "$OUT/route.json" 2>&1 | grep -v Warning | tail -n 16 ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;

@@ -1,18 +1,20 @@
 """The grouped kernels compiled offline for sm_90 (no GPU: Triton ships ptxas), for a few problems each; prints the
 tensor-core and memory instructions each one's PTX holds, as JSON on the last line."""
-import collections, json, re
+import collections, json, os, re, subprocess, tempfile
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import tilegemm
-from tilegemm.ops.grouped import configs, int4, tiled
+from tilegemm.ops.grouped import configs, int4, tiled, tma
 from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem
 
 captured = []
-tiled.launch = int4.launch = lambda kernel, grid, args, kwargs, **kw: captured.append((kernel, args, kwargs))
-tiled.interpreting = int4.interpreting = configs.interpreting = lambda: False  # the GPU's configs
-configs.sm_count = lambda device: 132  # an H200's, so decode problems get the K split they get there
+tiled.launch = int4.launch = tma.launch = lambda kernel, grid, args, kwargs, **kw: captured.append((kernel, args, kwargs))
+# the GPU's configs
+tiled.interpreting = int4.interpreting = configs.interpreting = tma.interpreting = lambda: False
+configs.sm_count = tma.sm_count = lambda device: 132  # an H200's, so decode problems get the K split they get there
+tma.why_not_tma = lambda: None  # (no GPU here: the kernel is compiled for the H200's sm_90)
 
 
 def signature(kernel, args, kwargs):
@@ -35,8 +37,22 @@ def signature(kernel, args, kwargs):
     return sig, constexprs, attrs
 
 
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP", "ONE_GROUP")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP", "ONE_GROUP", "B_NK", "STAGES")
 configs_of = {}  # each compiled problem's launch config
+ptx_of = {}
+
+
+def spilled_bytes(ptx):
+    """Bytes of spill stores and loads ptxas reports for sm_90a."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill", run.stderr))
 
 
 def compile_last(name):
@@ -46,8 +62,9 @@ def compile_last(name):
     sig, ce, at = signature(kernel, args, kw)
     ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"])).asm["ptx"]
+    ptx_of[name] = ptx
     return dict(collections.Counter(re.findall(r"\b(wgmma\.mma_async\S*|mma\.sync\S*|cp\.async\.c[ag]\S*|"
-                                               r"ld\.global\S*|atom\.\S*)", ptx)))
+                                               r"cp\.async\.bulk\.tensor\S*|ld\.global\S*|atom\.\S*)", ptx)))
 
 
 def grouped(name, layout, dtype, M, N, K, G, precision="ieee", gated=False, b_t=True):
@@ -97,5 +114,28 @@ for name, args, kw in (
         BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3))),
 ):
     results[name] = int4_experts(name, *args, **kw)
+
+
+def tma_experts(name, dtype, M, N, K, G, b_nk, gated=False, bias=False):
+    e = lambda *s: torch.empty(*s, dtype=dtype)  # noqa: E731
+    width = 2 * N if gated else N
+    b = e(G, width, K).transpose(1, 2) if b_nk else e(G, K, width)
+    p = make_problem("2d3d", G, e(M, K), b, torch.empty(G, dtype=torch.int32), e(G, width) if bias else None,
+                     e(M, N), "ieee", "silu" if gated else "none", gated)
+    tma.run(p)
+    counts = compile_last(name)
+    counts["spilled_bytes"] = spilled_bytes(ptx_of[name])
+    return counts
+
+
+# kernel tma, the configs it ships: Mixtral's prefill (b as torch lays out experts, and row-major), gated
+for name, args, kw in (
+    ("tma_bf16_b_nk", (torch.bfloat16, 32768, 4096, 14336, 8, True), {}),
+    ("tma_fp16_b_kn", (torch.float16, 32768, 14336, 4096, 8, False), {}),
+    ("tma_bf16_gated", (torch.bfloat16, 32768, 768, 2048, 128, True), dict(gated=True, bias=True)),
+    ("tma_bf16_bias", (torch.bfloat16, 32768, 4096, 14336, 8, True), dict(bias=True)),
+    ("tma_fp16_gated_b_kn", (torch.float16, 32768, 768, 2048, 128, False), dict(gated=True)),
+):
+    results[name] = tma_experts(name, *args, **kw)
 results["configs"] = configs_of
 print(json.dumps(results))

@@ -52,3 +52,30 @@ def test_int4_variants(counts, kernel, swap, one_group):
     # SWAP at decode sizes; one row of scales a K step unless groups (32) are shorter than the step (64)
     cfg = counts["configs"][kernel]
     assert (cfg["SWAP"], cfg["ONE_GROUP"]) == (swap, one_group), cfg
+
+
+TMA = ["tma_bf16_b_nk", "tma_fp16_b_kn", "tma_bf16_gated", "tma_fp16_gated_b_kn", "tma_bf16_bias"]
+
+
+@pytest.mark.parametrize("kernel", TMA)
+def test_tma_kernel_loads_by_tma_into_wgmma(counts, kernel):
+    # both operands' tiles by TMA (2-D boxes of a, 3-D of b), wgmma on them; no cp.async or per-element loads of
+    # operands (the only global loads: offs, and the bias)
+    ops = counts[kernel]
+    assert any(op.startswith("cp.async.bulk.tensor.2d") for op in ops), ops
+    assert any(op.startswith("cp.async.bulk.tensor.3d") for op in ops), ops
+    assert any(op.startswith("wgmma") for op in ops), ops
+    assert not any(op.startswith("cp.async.c") or op.startswith("mma.sync") for op in ops), ops
+    # the 64 x 256 accumulator a warp group (two of 64 x 128 gated), bias and gate included, fits in registers
+    assert ops["spilled_bytes"] == 0, ops
+
+
+@pytest.mark.parametrize("kernel, b_nk", [("tma_bf16_b_nk", True), ("tma_fp16_b_kn", False),
+                                          ("tma_bf16_gated", True), ("tma_fp16_gated_b_kn", False)])
+def test_tma_kernel_configs(counts, kernel, b_nk):
+    # b read in its own layout (no copy), a pipeline of the table's stages
+    from tilegemm.ops.grouped import configs
+
+    cfg = counts["configs"][kernel]
+    assert cfg["B_NK"] == b_nk and cfg["STAGES"] == configs.TMA_STAGES, cfg
+    assert cfg["BLOCK_M"] == configs.TMA_BLOCK[0], cfg

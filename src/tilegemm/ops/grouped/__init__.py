@@ -3,9 +3,10 @@
 ``tilegemm.grouped_mm`` follows ``torch.nn.functional.grouped_mm``; ``tilegemm.w4a16.grouped_matmul`` runs
 4-bit experts; :mod:`tilegemm.nn.moe` plugs both into transformers' MoE blocks. The public functions are in
 :mod:`.api`, checks in :mod:`.checks`, the torch.library op in :mod:`.op`, one file per kernel (:mod:`.tiled`,
-:mod:`.int4`). Nothing here imports triton: a kernel module is imported when its kernel first runs.
+:mod:`.tma`, :mod:`.int4`). Nothing here imports triton: a kernel module is imported when its kernel first runs.
 """
 
+from tilegemm.core.hardware import why_not_tma
 from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
 
 register_op(OpSpec(
@@ -17,6 +18,11 @@ register(KernelSpec(
     op="grouped", name="tiled", order=10, target="tilegemm.ops.grouped.tiled:run",
     dtypes=("fp16", "bf16", "fp32", "tf32"),
     summary="one launch for every layout: programs find their group by scanning offs on the device",
+))
+register(KernelSpec(
+    op="grouped", name="tma", order=20, target="tilegemm.ops.grouped.tma:run", why_not=why_not_tma,
+    tags=("sm_90",), dtypes=("fp16", "bf16"),
+    summary="Hopper, the MoE forward (2-D x 3-D): persistent, A and B tiles by TMA (descriptors made on the device)",
 ))
 register_op(OpSpec(
     name="grouped_w4a16", summary="4-bit experts: x[rows of g] @ dequantize(w)[g].T, groups jagged as in grouped",

@@ -37,6 +37,12 @@ INT4 = {
 INT4_ROWS_FACTOR = 2  # BLOCK_M holds twice the average rows an expert: popular experts dequantize a tile once
 INT4_BLOCK_N_GATED = 64  # two weight tiles and two accumulators a program
 MAX_SPLIT = 16  # the workspace holds SPLIT_K fp32 planes of the output
+# 16-bit MoE forward on Hopper (kernel ``tma``): rows enough an expert that every tile is a full 128-row wgmma
+# BLOCK_M, BLOCK_N, BLOCK_K: 48 KB a stage, two warp groups of 64 x 256 each (the tile the dense TMA rung's tuner
+# picks most for large 16-bit products on the H200: docs/rungs/persistent_tma.md)
+TMA_BLOCK = (128, 256, 64)
+TMA_BLOCK_N_GATED = 128  # two weight tiles and two accumulators a program: the same 48 KB a stage and registers
+TMA_STAGES = 3  # 3 x 48 KB of the SM's 227 KB in flight (and room for the epilogue): TMA two K steps ahead
 
 
 def block_m_for(rows_per_group: float) -> int:
@@ -104,3 +110,12 @@ def int4_config(p) -> dict:
     split = split_k(row_tiles(p.M, p.groups, bm) * cdiv(p.N, bn), cdiv(p.K, bk), p.out.device, per_sm, min_steps)
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, SWAP=swap, num_warps=warps,
                 num_stages=stages)
+
+
+def tma_config(p) -> dict:
+    """The config of kernel ``tma`` (:data:`TMA_BLOCK`); small tiles under the interpreter."""
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
+    bm, bn, bk = TMA_BLOCK
+    return dict(BLOCK_M=bm, BLOCK_N=TMA_BLOCK_N_GATED if p.gated else bn, BLOCK_K=bk, GROUP_M=8, num_warps=8,
+                num_stages=TMA_STAGES)

@@ -1,0 +1,205 @@
+"""Kernel ``tma``: the MoE forward (2-D x 3-D) on Hopper, operand tiles moved by TMA, persistent over the tiles.
+
+``tiled`` loads every tile through pointers (an address and a mask per element, cp.async); where groups are large
+(prefill: hundreds of rows an expert) its K loop is the product's time. Here each program makes two TMA
+descriptors once, on the device (no host work per call, nothing the host must read from ``offs``):
+
+- a over the whole ``[M, K]``. A row tile starts at its group's first row plus a multiple of BLOCK_M and may run
+  past the group's end into the next group's rows; those rows are multiplied by the wrong expert, but only the
+  group's own rows are stored, so they cost nothing but the padding ``tiled`` has too. Rows past M and K past its
+  end read as zeros.
+- b as the 3-D ``[G, K, N]`` (b row-major in its last two dims) or ``[G, N, K]`` (column-major: torch's own
+  layout of expert weights, ``w.transpose(1, 2)``), a box of ``[1, BLOCK_K, BLOCK_N]`` (or ``[1, BLOCK_N,
+  BLOCK_K]``) at expert g: one descriptor serves every expert, and K past its end reads zeros within the expert.
+
+The grid is at most one program an SM; each walks the work units ``pid, pid + programs, ...``: a unit is an
+output tile, numbered as ``tiled`` numbers them (a group's tiles next to each other, in bands of GROUP_M row tiles,
+:func:`~tilegemm.ops.grouped.tiled.swizzle`), the rows past ``offs[-1]`` last. ``offs`` is read once a program:
+each group's tiles and their running sum stay in registers, and a unit finds its group by one comparison with
+them. The K loop is software-pipelined (``tl.range(num_stages=...)``: TMA runs STAGES - 1 steps ahead of the
+wgmma). The epilogue is ``tiled``'s: bias ``[N]`` or ``[G, N]``, the activation, the gate (``GATED``: a second
+accumulator over the up projection's columns, N further along b), stored through pointers, masked to the group's
+rows (a TMA store would write the next group's rows); the rows past ``offs[-1]`` get zeros.
+
+Device-made descriptors live in a global scratch buffer that Triton asks the host to allocate at launch
+(:func:`ensure_allocator`, set on the first launch). Measurements: docs/grouped.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import _allocation
+
+from tilegemm.core.hardware import sm_count, why_not_tma
+from tilegemm.core.launch import launch
+from tilegemm.core.registry import NotApplicable
+from tilegemm.core.runtime import cdiv, interpreting
+from tilegemm.jit.helpers import apply_activation
+from tilegemm.ops.grouped.configs import row_tiles, tma_config
+from tilegemm.ops.grouped.problem import GroupedProblem
+from tilegemm.ops.grouped.tiled import _pow2, swizzle
+
+
+@triton.jit
+def grouped_tma_kernel(
+    a_ptr, b_ptr, out_ptr, bias_ptr, offs_ptr,
+    G, M, N, K, N_B, PROGRAMS,
+    s_am, s_bg, s_bx, s_om, s_on, s_cg, s_cn, UPC,
+    B_NK: tl.constexpr, GP: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+):
+    # s_bx: b's stride along its middle dim of the descriptor (K when B_NK is False, N when True).
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[s_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_NK:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, N_B, K], strides=[s_bg, s_bx, 1],
+                                           block_shape=[1, BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, K, N_B], strides=[s_bg, s_bx, 1],
+                                           block_shape=[1, BLOCK_K, BLOCK_N])
+    # the groups' tiles, once: group g's row tiles are [ends_tiles[g] - tiles[g], ends_tiles[g]), then the tail's
+    gs = tl.arange(0, GP)
+    live_g = gs < G
+    ends = tl.minimum(tl.maximum(tl.load(offs_ptr + gs, mask=live_g, other=0), 0), M)
+    starts = tl.minimum(tl.maximum(tl.load(offs_ptr + gs - 1, mask=live_g & (gs > 0), other=0), 0), M)
+    tiles = tl.where(live_g & (ends > starts), (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    ends_tiles = tl.cumsum(tiles, 0)
+    group_tiles = tl.sum(tiles, 0)
+    last = tl.max(tl.where(live_g, ends, 0), 0)  # offs[-1], clamped: the tail's rows are [last, M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    units = (group_tiles + tl.cdiv(M - last, BLOCK_M)) * tiles_n
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for unit in range(tl.program_id(0), units, PROGRAMS):
+        tm = unit // tiles_n
+        g = tl.sum((ends_tiles <= tm).to(tl.int32), 0)
+        here = gs == g
+        tail = g >= G
+        first_tile = tl.where(tail, group_tiles, tl.sum(tl.where(here, ends_tiles - tiles, 0), 0))
+        start = tl.where(tail, last, tl.sum(tl.where(here, starts, 0), 0))
+        end = tl.where(tail, M, tl.sum(tl.where(here, ends, 0), 0))
+        tile_m, tile_n = swizzle(unit - first_tile * tiles_n, (end - start + BLOCK_M - 1) // BLOCK_M, tiles_n,
+                                 GROUP_M)
+        m0 = start + tile_m * BLOCK_M
+        n0 = tile_n * BLOCK_N
+        live = g < G
+        g = tl.minimum(g, G - 1)  # (the tail reads no group's weight or bias)
+        steps = tl.where(tail, 0, k_steps)  # the tail's tiles multiply nothing: they store zeros
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GATED:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ks in tl.range(0, steps, num_stages=STAGES):
+            k0 = ks * BLOCK_K
+            x = a_desc.load([m0, k0])
+            if B_NK:
+                w = tl.reshape(b_desc.load([g, n0, k0]), (BLOCK_N, BLOCK_K)).T
+            else:
+                w = tl.reshape(b_desc.load([g, k0, n0]), (BLOCK_K, BLOCK_N))
+            if UPCAST:  # the interpreter's bf16 dot is wrong: multiply fp32 copies there
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(x, w, acc)
+            if GATED:
+                if B_NK:
+                    u = tl.reshape(b_desc.load([g, n0 + N, k0]), (BLOCK_N, BLOCK_K)).T
+                else:
+                    u = tl.reshape(b_desc.load([g, k0, n0 + N]), (BLOCK_K, BLOCK_N))
+                if UPCAST:
+                    u = u.to(tl.float32)
+                acc_up = tl.dot(x, u, acc_up)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ok = (offs_m < end)[:, None] & (offs_n < N)[None, :]
+        if HAS_BIAS:
+            c_ptrs = bias_ptr + g.to(tl.int64) * s_cg + offs_n[None, :] * s_cn
+            c_ok = (offs_n < N)[None, :] & live
+            acc += tl.load(c_ptrs, mask=c_ok, other=0.0).to(tl.float32)
+            if GATED:
+                acc_up += tl.load(c_ptrs + UPC, mask=c_ok, other=0.0).to(tl.float32)
+        acc = apply_activation(acc, ACTIVATION)
+        if GATED:
+            acc = acc * acc_up
+        acc = tl.where(live, acc, 0.0)  # the tail's rows: zeros, whatever the activation of zero
+        o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * s_om + offs_n[None, :] * s_on
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# --- host side ---------------------------------------------------------------------------------------------
+
+
+def _aligned(t: torch.Tensor, strides) -> bool:
+    """16-byte aligned base and the strides TMA takes as given (of dims longer than 1)."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides)
+
+
+def _stride(t: torch.Tensor, dim: int) -> int:
+    """t's stride along ``dim``, or (a dim of one: never stepped) the smallest TMA takes."""
+    return t.stride(dim) if t.shape[dim] > 1 else 16 // t.element_size()
+
+
+def why_not(p: GroupedProblem) -> str | None:
+    """None when this kernel takes ``p``; otherwise why not."""
+    reason = why_not_tma()
+    if reason is not None:
+        return reason
+    if p.layout != "2d3d":
+        return f"takes the 2-D x 3-D product (the MoE forward) only, not {p.layout}"
+    if p.dtype not in (torch.float16, torch.bfloat16):
+        return f"takes fp16 and bf16 operands, not {p.dtype}"
+    a, b = p.a, p.b
+    if p.K == 0:
+        return "K is 0 (a descriptor needs a dimension of at least one)"
+    if any(t.stride(d) == 0 and t.shape[d] > 1 for t in (a, b) for d in range(t.dim())):
+        return "an operand is broadcast (a stride of 0): TMA reads each row from its own address"
+    if a.stride(1) != 1 and a.shape[1] > 1:
+        return "a is not row-major (its K stride is not 1)"
+    if b.stride(2) != 1 and b.stride(1) != 1:
+        return "b has no unit stride along K or N"
+    if not _aligned(a, [_stride(a, 0)]):
+        return "a's base or row stride is not 16-byte aligned"
+    b_nk = b.stride(2) != 1
+    if not _aligned(b, [_stride(b, 0), _stride(b, 2 if b_nk else 1)]):
+        return "b's base or strides are not 16-byte aligned"
+    return None
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's global scratch for descriptors made on the device, on the current device (the launcher's)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Give Triton an allocator for the device-made descriptors' scratch where none is set (Triton keeps it in a
+    context variable, so each thread is asked once; an allocator set by the user is kept)."""
+    if interpreting():
+        return
+    current = getattr(_allocation, "_allocator", None)  # (Triton 3.6's; where it moved, set ours each launch)
+    if current is None or isinstance(current.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+def run(p: GroupedProblem, config: dict | None = None) -> None:
+    reason = why_not(p)
+    if reason is not None:
+        raise NotApplicable(f"grouped kernel 'tma' does not take this problem: {reason}")
+    if p.M == 0 or p.N == 0:
+        return
+    cfg = dict(config or tma_config(p))
+    warps, stages = cfg.pop("num_warps", 8), cfg.pop("num_stages", 4)
+    units = row_tiles(p.M, p.groups, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
+    programs = min(units, 1 if interpreting() else sm_count(p.out.device))
+    a, b, out, bias = p.a, p.b, p.out, p.bias
+    b_nk = b.stride(2) != 1
+    c = (0, 0)
+    if bias is not None:
+        c = (bias.stride(0), bias.stride(1)) if bias.dim() == 2 else (0, bias.stride(0))
+    up_bias = p.N * c[1] if p.gated and bias is not None else 0
+    ensure_allocator()
+    args = (a, b, out, bias if bias is not None else out, p.offs, p.groups, p.M, p.N, p.K, b.shape[2], programs,
+            _stride(a, 0), _stride(b, 0), _stride(b, 2 if b_nk else 1), out.stride(0), out.stride(1), *c, up_bias)
+    flags = dict(B_NK=b_nk, GP=_pow2(p.groups), HAS_BIAS=bias is not None, GATED=p.gated, ACTIVATION=p.activation,
+                 UPCAST=interpreting() and p.dtype == torch.bfloat16, STAGES=stages, **cfg, num_warps=warps,
+                 num_stages=stages)
+    launch(grouped_tma_kernel, (programs,), args, flags)

@@ -1,0 +1,176 @@
+"""Kernel ``tma`` (the Hopper MoE forward) under Triton's interpreter, whose tensor descriptors are emulated (a load
+past a descriptor's bounds reads zeros, as TMA does): the group search of its persistent loop, the rows past
+``offs[-1]``, bias, the gate, both b layouts; what it refuses; and ``auto``'s choice on a Hopper-like setup (the
+GPU's own run: test_grouped_tma_gpu.py; its compiled sm_90 code: test_grouped_compiled.py). Outputs start as NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.core import hardware
+from tilegemm.core.registry import NotApplicable
+from tilegemm.core.runtime import interpreting
+from tilegemm.ops.grouped import dispatch, tma
+from tilegemm.ops.grouped.problem import make_problem
+from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
+
+from conftest import assert_rel_close
+from test_grouped_layouts import operands
+
+# skewed: empty groups first, between and last; sizes not multiples of the interpreter's 16-row tiles
+SKEWED = [0, 40, 0, 1, 35, 0, 7, 0]
+
+
+@pytest.mark.parametrize("b_transposed", [False, True], ids=["b_kn", "b_nk"])
+@pytest.mark.parametrize("bias", [None, "per_group", "shared"])
+def test_matches_the_reference(b_transposed, bias, device):
+    a, b, offs = operands("2d3d", SKEWED, 48, 56, torch.float16, device, tail=5, b_transposed=b_transposed)
+    c = {None: None, "per_group": torch.randn(8, 56, dtype=torch.float16, device=device),
+         "shared": torch.randn(56, dtype=torch.float16, device=device)}[bias]
+    out = tilegemm.grouped_mm(a, b, offs=offs, bias=c, kernel="tma")
+    assert_rel_close(out, grouped_mm_reference(a, b, offs, bias=c), tolerance(torch.float16))
+    assert torch.equal(out[-5:], torch.zeros_like(out[-5:]))  # rows past offs[-1]: zero, no bias
+
+
+@pytest.mark.parametrize("sizes", [[0, 0, 0], [70], [1, 1, 0, 1]], ids=["all_empty", "one_group", "single_rows"])
+def test_edge_groupings(sizes, device):
+    a, b, offs = operands("2d3d", sizes, 32, 40, torch.float16, device, tail=3)
+    out = tilegemm.grouped_mm(a, b, offs=offs, kernel="tma")
+    assert_rel_close(out, grouped_mm_reference(a, b, offs), tolerance(torch.float16))
+
+
+def test_more_units_than_programs(device):
+    # the interpreter's grid is one program: it walks every unit of every group, in order, and the tail's
+    a, b, offs = operands("2d3d", [33, 0, 50, 17], 64, 72, torch.float16, device, tail=20)
+    out = torch.full((a.shape[0], 72), float("nan"), dtype=torch.float16, device=device)
+    tma.run(make_problem("2d3d", 4, a, b, offs, None, out),
+            dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1))
+    assert_rel_close(out, grouped_mm_reference(a, b, offs), tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("b_transposed", [False, True], ids=["b_kn", "b_nk"])
+def test_gated_with_bias(b_transposed, device):
+    sizes, N = [2, 0, 21, 1], 24
+    a, _, offs = operands("2d3d", sizes, 64, 1, torch.float16, device, tail=2)
+    w = torch.randn(4, 2 * N, 64, dtype=torch.float16, device=device)
+    b = w.transpose(1, 2) if b_transposed else w.transpose(1, 2).contiguous()  # gate columns [0, N), up [N, 2N)
+    bias = torch.randn(4, 2 * N, dtype=torch.float16, device=device)
+    out = torch.full((a.shape[0], N), float("nan"), dtype=torch.float16, device=device)
+    tma.run(make_problem("2d3d", 4, a, b, offs, bias, out, "ieee", "silu", True))
+    full = grouped_mm_reference(a, b, offs, bias=bias)
+    assert_rel_close(out, torch.nn.functional.silu(full[:, :N]) * full[:, N:], 4e-3)
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
+
+
+def test_fp32_output(device):
+    a, b, offs = operands("2d3d", SKEWED, 32, 24, torch.float16, device, tail=1)
+    out = tilegemm.grouped_mm(a, b, offs=offs, out_dtype=torch.float32, kernel="tma")
+    assert out.dtype == torch.float32
+    assert_rel_close(out, grouped_mm_reference(a, b, offs), tolerance(torch.float16))
+
+
+# --- what it refuses, clearly --------------------------------------------------------------------------------
+
+
+def _refusal(a, b, offs, match):
+    with pytest.raises(NotApplicable, match=match):
+        tilegemm.grouped_mm(a, b, offs=offs, kernel="tma")
+
+
+def test_refuses_other_layouts(device):
+    a, b, _ = operands("3d3d", [4, 4], 32, 32, torch.float16, device)
+    _refusal(a, b, None, "2-D x 3-D")
+
+
+def test_refuses_fp32(device):
+    a, b, offs = operands("2d3d", [4, 4], 32, 32, torch.float32, device)
+    _refusal(a, b, offs, "fp16 and bf16")
+
+
+def test_refuses_unaligned_strides(device):
+    a, b, offs = operands("2d3d", [4, 4], 12, 32, torch.float16, device)  # rows of 24 bytes
+    _refusal(a, b, offs, "a's base or row stride")
+    a, b, offs = operands("2d3d", [4, 4], 32, 36, torch.float16, device)  # b's rows of 72 bytes
+    _refusal(a, b, offs, "b's base or strides")
+
+
+def test_refuses_column_major_a(device):
+    a, b, offs = operands("2d3d", [4, 4], 32, 32, torch.float16, device)
+    _refusal(a.T.contiguous().T, b, offs, "a is not row-major")
+
+
+def test_refuses_broadcast_operands(device):
+    a, b, offs = operands("2d3d", [4, 4], 32, 32, torch.float16, device)
+    _refusal(a, b[:1].expand(2, 32, 32), offs, "broadcast")
+    _refusal(a[:1].expand(8, 32), b, offs, "broadcast")
+
+
+def test_refuses_without_hopper(monkeypatch):
+    monkeypatch.setattr(hardware, "interpreting", lambda: False)
+    monkeypatch.setattr(hardware, "compute_capability", lambda: (8, 0))
+    a, b, offs = operands("2d3d", [4, 4], 32, 32, torch.float16, "cpu")
+    p = make_problem("2d3d", 2, a, b, offs, None, torch.empty(8, 32, dtype=torch.float16))
+    assert "Hopper" in tma.why_not(p)
+    assert dispatch.choose(p) == "tiled"
+
+
+# --- auto on a Hopper-like setup -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """What dispatch sees on an H200: not the interpreter, TMA available."""
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(tma, "why_not_tma", lambda: None)
+
+
+def _problem(M, G, K=4096, N=1024, dtype=torch.bfloat16, b_nk=True, layout="2d3d"):
+    a = torch.empty(M, K, dtype=dtype)
+    b = torch.empty(G, N, K, dtype=dtype).transpose(1, 2) if b_nk else torch.empty(G, K, N, dtype=dtype)
+    return make_problem(layout, G, a, b, torch.empty(G, dtype=torch.int32), None, torch.empty(M, N, dtype=dtype))
+
+
+@pytest.mark.parametrize("M, G, want", [
+    (16384 * 2, 8, "tma"),  # Mixtral, 16384 tokens: 4096 rows an expert
+    (4096 * 8, 128, "tma"),  # Qwen3-30B-A3B, 4096 tokens: 256 rows an expert
+    (512 * 8, 128, "tiled"),  # 512 tokens: 32 rows an expert, below a 128-row tile
+    (512 * 2, 8, "tiled"),  # Mixtral, 512 tokens: 128
+    (8, 128, "tiled"),  # a decode step (its K split is tiled's)
+])
+def test_auto_takes_tma_for_large_groups(hopper, M, G, want):
+    assert dispatch.choose(_problem(M, G)) == want
+    assert (M >= dispatch.TMA_MIN_ROWS_PER_GROUP * G) == (want == "tma")
+
+
+def test_auto_keeps_tiled_where_tma_refuses(hopper):
+    assert dispatch.choose(_problem(8192, 8, b_nk=False)) == "tma"  # both b layouts taken
+    assert dispatch.choose(_problem(8192, 8, dtype=torch.float32)) == "tiled"
+    assert dispatch.choose(_problem(8192, 8, K=4100)) == "tiled"  # rows of a not 16-byte aligned
+    a, b = torch.empty(8, 8192, 4096, dtype=torch.bfloat16), torch.empty(8, 4096, 1024, dtype=torch.bfloat16)
+    p = make_problem("3d3d", 8, a, b, None, None, torch.empty(8, 8192, 1024, dtype=torch.bfloat16))
+    assert dispatch.choose(p) == "tiled"
+
+
+@pytest.mark.skipif(not interpreting(), reason="the interpreter's choice")
+def test_auto_stays_on_tiled_under_the_interpreter():
+    assert dispatch.choose(_problem(16384, 8)) == "tiled"
+
+
+def test_allocator_set_lazily_and_kept(monkeypatch):
+    # importing tilegemm sets no allocator; the first launch sets one where none is; a user's is kept
+    import triton
+    from triton.runtime import _allocation
+
+    monkeypatch.setattr(tma, "interpreting", lambda: False)
+    token = _allocation._allocator.set(_allocation.NullAllocator())
+    try:
+        tma.ensure_allocator()
+        assert _allocation._allocator.get() is tma._scratch
+        mine = lambda size, align, stream: None  # noqa: E731
+        triton.set_allocator(mine)
+        tma.ensure_allocator()
+        assert _allocation._allocator.get() is mine
+    finally:
+        _allocation._allocator.reset(token)
