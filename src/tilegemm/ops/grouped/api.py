@@ -9,7 +9,7 @@ from tilegemm.core import registry
 from tilegemm.core.activations import check_activation
 from tilegemm.core.launch import plain_call
 from tilegemm.ops.grouped.checks import check_grouped, check_grouped_int4
-from tilegemm.ops.matmul.api import matmul as dense_matmul
+from tilegemm.ops.matmul import matmul as dense_matmul
 from tilegemm.ops.grouped.op import (forward, forward_gated, forward_int4, grouped_mm_gated_op, grouped_mm_op,
                                      grouped_w4a16_op)
 
