@@ -163,14 +163,16 @@ def test_allocator_set_lazily_and_kept(monkeypatch):
     import triton
     from triton.runtime import _allocation
 
-    monkeypatch.setattr(tma, "interpreting", lambda: False)
+    from tilegemm.core import launch
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
     token = _allocation._allocator.set(_allocation.NullAllocator())
     try:
-        tma.ensure_allocator()
-        assert _allocation._allocator.get() is tma._scratch
+        launch.ensure_allocator()
+        assert _allocation._allocator.get() is launch.scratch
         mine = lambda size, align, stream: None  # noqa: E731
         triton.set_allocator(mine)
-        tma.ensure_allocator()
+        launch.ensure_allocator()
         assert _allocation._allocator.get() is mine
     finally:
         _allocation._allocator.reset(token)

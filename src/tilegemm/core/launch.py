@@ -45,6 +45,25 @@ def current_stream() -> int:
 _runtime_knobs = None  # triton.knobs.runtime, taken when the first Replay is made (triton is imported then)
 
 
+def scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's global scratch for tensor descriptors made on the device, on the current device (the launch's)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Give Triton an allocator for kernels that make tensor descriptors on the device, where this thread has
+    none: Triton keeps it per thread (a context variable), so autograd's backward thread asks anew; an allocator
+    the user set is kept. Called at launch, never at import (no GPU work then); nothing under the interpreter."""
+    if interpreting():
+        return
+    import triton  # (here: importing tilegemm imports no triton)
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)  # (Triton 3.6's; where it moved, set ours each launch)
+    if current is None or isinstance(current.get(), _allocation.NullAllocator):
+        triton.set_allocator(scratch)
+
+
 def _hooks_idle() -> bool:
     """True when no launch hook is set (Triton 3.6 keeps them as hook chains, empty by default)."""
     enter, leave = _runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook

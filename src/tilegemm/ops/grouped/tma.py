@@ -22,7 +22,7 @@ accumulator over the up projection's columns, N further along b), stored through
 rows (a TMA store would write the next group's rows); the rows past ``offs[-1]`` get zeros.
 
 Device-made descriptors live in a global scratch buffer that Triton asks the host to allocate at launch
-(:func:`ensure_allocator`, set on the first launch). Measurements: docs/grouped.md.
+(:func:`tilegemm.core.launch.ensure_allocator`, at each launch). Measurements: docs/grouped.md.
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
 
 from tilegemm.core.hardware import sm_count, why_not_tma
-from tilegemm.core.launch import launch
+from tilegemm.core.launch import ensure_allocator, launch
 from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import cdiv, interpreting
 from tilegemm.jit.helpers import apply_activation
@@ -163,21 +162,6 @@ def why_not(p: GroupedProblem) -> str | None:
     if not _aligned(b, [_stride(b, 0), _stride(b, 2 if b_nk else 1)]):
         return "b's base or strides are not 16-byte aligned"
     return None
-
-
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Triton's global scratch for descriptors made on the device, on the current device (the launcher's)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_allocator() -> None:
-    """Give Triton an allocator for the device-made descriptors' scratch where none is set (Triton keeps it in a
-    context variable, so each thread is asked once; an allocator set by the user is kept)."""
-    if interpreting():
-        return
-    current = getattr(_allocation, "_allocator", None)  # (Triton 3.6's; where it moved, set ours each launch)
-    if current is None or isinstance(current.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
 
 
 def run(p: GroupedProblem, config: dict | None = None) -> None:

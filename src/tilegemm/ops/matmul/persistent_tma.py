@@ -25,7 +25,7 @@ import triton
 from tilegemm.core import tuning
 from tilegemm.core.hardware import sm_count, why_not_gluon
 from tilegemm.jit.helpers import epilogue_tile, mma_ordered, tile_grouped, tile_order
-from tilegemm.core.launch import current_stream, launch, sequence_lock
+from tilegemm.core.launch import current_stream, ensure_allocator, launch, sequence_lock
 from tilegemm.core.workspace import split_workspace
 from tilegemm.core.registry import NotApplicable
 from tilegemm.ops.matmul import autotuned
@@ -317,17 +317,6 @@ def why_not_batched(p: GemmProblem) -> str | None:
     if p.out_strides[0] == 0 or not _aligned(p.out, p.out_strides[0]):
         return "the output's batch stride is not 16-byte aligned"
     return None
-
-
-_allocator_set = False
-
-
-def ensure_allocator() -> None:
-    # Device-side descriptors live in a scratch buffer that Triton asks the host to allocate.
-    global _allocator_set
-    if not _allocator_set and not interpreting():
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _allocator_set = True
 
 
 # The CONFIG_KEY of each Gluon kernel module: a config carrying one of them launches that kernel.
