@@ -31,6 +31,7 @@ import triton.testing
 
 import tilegemm
 from tilegemm.core import tuning
+from tilegemm.core.launch import ensure_allocator
 from tilegemm.ops.matmul import persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 
@@ -161,7 +162,7 @@ def main() -> None:
     ap.add_argument("--knobs", default="", help="variants, e.g. g4:GROUP_M=4,s6:STAGES=6,p1:PRODUCER_WARPS=1 (fp8), g12s:GROUP_M=12+SERPENTINE=1")
     args = ap.parse_args()
     knobs = parse_knobs(args.knobs)
-    persistent_tma.ensure_allocator()
+    ensure_allocator()
     rows = []
     for case in args.cases.split(","):
         fns = calls(case, args.stages, knobs)

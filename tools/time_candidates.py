@@ -30,6 +30,7 @@ import triton.testing
 
 from tilegemm.core import tuning
 from tilegemm.core.hardware import machine_info
+from tilegemm.core.launch import ensure_allocator
 from tilegemm.ops.matmul import grouped, persistent_tma, split_k
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.problem import make_problems
@@ -52,7 +53,7 @@ def launcher(rung: str, p, cfg: dict):
     if rung == "split_k":
         return lambda: split_k.launch_config(p, cfg)
     if rung == "persistent_tma":
-        persistent_tma.ensure_allocator()
+        ensure_allocator()
         return lambda: persistent_tma.launch_config(p, cfg)
     return lambda: grouped.run(p, cfg)
 
