@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tilegemm
+from tilegemm.core import launch
 from tilegemm.ops.matmul import dispatch, persistent_tma
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
@@ -268,7 +269,7 @@ def test_every_candidate_batched_on_the_gpu(shape, dtype, layout):
     a = _operand(B, M, K, layout[0] == "T", dtype, "cuda")
     b = _operand(B, K, N, layout[1] == "T", dtype, "cuda")
     ref = matmul_reference(a, b)
-    persistent_tma.ensure_allocator()
+    launch.ensure_allocator()
     ran = 0
     for cfg in persistent_tma.configs(2, "ab"):
         out = torch.full((B, M, N), float("nan"), device="cuda", dtype=dtype)

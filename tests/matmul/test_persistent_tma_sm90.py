@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 
+from tilegemm.core import launch
 from tilegemm.core.checks import worst_tile_error
 from tilegemm.ops.matmul import persistent_tma
 
@@ -142,7 +143,7 @@ def test_every_candidate_is_right_on_the_gpu(dtype, layout, shape):
     assert mode == ("ab" if layout == "NT" else "reg_a" if layout == "TT" else "swap")
     cands = persistent_tma.configs(a.element_size(), mode)
     ran = 0
-    persistent_tma.ensure_allocator()
+    launch.ensure_allocator()
     for cfg in cands:
         for _ in range(3):
             out = torch.full((M, N), float("nan"), device="cuda", dtype=out_dtype)
