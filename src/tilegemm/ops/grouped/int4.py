@@ -30,8 +30,7 @@ from tilegemm.core.runtime import cdiv, interpreting
 from tilegemm.jit.helpers import apply_activation
 from tilegemm.ops.grouped.configs import int4_config, row_tiles
 from tilegemm.ops.grouped.problem import GroupedInt4Problem
-from tilegemm.ops.grouped.tiled import (_pow2, find_group_m, split_arrive, split_range, split_sum, split_tile,
-                                        swizzle, workspace)
+from tilegemm.ops.grouped.tiled import _pow2, find_group_m, split_finish, split_range, swizzle, workspace
 
 
 @triton.jit
@@ -162,16 +161,12 @@ def grouped_w4a16_kernel(
         tile_ok = ok_m[:, None] & ok_n[None, :]
         finish = m_lo < m_hi  # (true here) whether this program runs the epilogue: the last slice with SPLIT_K
         if SPLIT_K > 1:
-            split = tl.program_id(1)
-            tl.store(split_tile(ws_ptr, split, M, width, offs_m, offs_n), acc, mask=tile_ok)
             if GATED:
-                tl.store(split_tile(ws_ptr, split, M, width, offs_m, offs_n + N), acc_up, mask=tile_ok)
-            finish = split_arrive(count_ptr, pid, SPLIT_K)
-            if finish:
-                acc = split_sum(ws_ptr, M, width, offs_m, offs_n, tile_ok, BLOCK_M, BLOCK_N, SPLIT_K)
-                if GATED:
-                    acc_up = split_sum(ws_ptr, M, width, offs_m, offs_n + N, tile_ok, BLOCK_M, BLOCK_N, SPLIT_K)
-                tl.store(count_ptr + pid, 0)
+                finish, acc, acc_up = split_finish(acc, acc_up, ws_ptr, count_ptr, pid, M, N, offs_m, offs_n,
+                                                   tile_ok, GATED, BLOCK_M, BLOCK_N, SPLIT_K)
+            else:
+                finish, acc, _ = split_finish(acc, acc, ws_ptr, count_ptr, pid, M, N, offs_m, offs_n, tile_ok,
+                                              GATED, BLOCK_M, BLOCK_N, SPLIT_K)
         if finish:
             if HAS_BIAS:
                 c_ok = ok_n & live

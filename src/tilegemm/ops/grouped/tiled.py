@@ -104,6 +104,30 @@ def split_sum(ws_ptr, M, width, offs_m, offs_n, mask, BLOCK_M: tl.constexpr, BLO
 
 
 @triton.jit
+def split_finish(acc, acc_up, ws_ptr, count_ptr, tile, M, N, offs_m, offs_n, mask, GATED: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The end of one K slice: its partial tile (and, gated, the up projection's, N columns further on) stored in
+    the fp32 planes ``[SPLIT_K, M, 2N if gated else N]``; the slice that arrives last at ``tile`` adds every
+    slice's in slice order and resets the tile's counter. Returns (finish, acc, acc_up): finish is True in
+    that last slice only, which then runs the epilogue on the sums."""
+    if GATED:
+        width = 2 * N
+    else:
+        width = N
+    split = tl.program_id(1)
+    tl.store(split_tile(ws_ptr, split, M, width, offs_m, offs_n), acc, mask=mask)
+    if GATED:
+        tl.store(split_tile(ws_ptr, split, M, width, offs_m, offs_n + N), acc_up, mask=mask)
+    finish = split_arrive(count_ptr, tile, SPLIT_K)
+    if finish:
+        acc = split_sum(ws_ptr, M, width, offs_m, offs_n, mask, BLOCK_M, BLOCK_N, SPLIT_K)
+        if GATED:
+            acc_up = split_sum(ws_ptr, M, width, offs_m, offs_n + N, mask, BLOCK_M, BLOCK_N, SPLIT_K)
+        tl.store(count_ptr + tile, 0)
+    return finish, acc, acc_up
+
+
+@triton.jit
 def grouped_tiled_kernel(
     a_ptr, b_ptr, out_ptr, bias_ptr, offs_ptr, ws_ptr, count_ptr,
     G, M, N, K,
@@ -173,18 +197,12 @@ def grouped_tiled_kernel(
         tile_ok = ok_m[:, None] & ok_n[None, :]
         finish = m_lo < m_hi  # (true here) whether this program runs the epilogue: the last slice with SPLIT_K
         if SPLIT_K > 1:
-            # fp32 planes [SPLIT_K, M, 2N if gated else N]: this slice's partial tile, then the last slice's sum
-            width = N * (2 if GATED else 1)
-            split = tl.program_id(1)
-            tl.store(split_tile(ws_ptr, split, M, width, offs_m, offs_n), acc, mask=tile_ok)
             if GATED:
-                tl.store(split_tile(ws_ptr, split, M, width, offs_m, offs_n + N), acc_up, mask=tile_ok)
-            finish = split_arrive(count_ptr, pid, SPLIT_K)
-            if finish:
-                acc = split_sum(ws_ptr, M, width, offs_m, offs_n, tile_ok, BLOCK_M, BLOCK_N, SPLIT_K)
-                if GATED:
-                    acc_up = split_sum(ws_ptr, M, width, offs_m, offs_n + N, tile_ok, BLOCK_M, BLOCK_N, SPLIT_K)
-                tl.store(count_ptr + pid, 0)
+                finish, acc, acc_up = split_finish(acc, acc_up, ws_ptr, count_ptr, pid, M, N, offs_m, offs_n,
+                                                   tile_ok, GATED, BLOCK_M, BLOCK_N, SPLIT_K)
+            else:
+                finish, acc, _ = split_finish(acc, acc, ws_ptr, count_ptr, pid, M, N, offs_m, offs_n, tile_ok,
+                                              GATED, BLOCK_M, BLOCK_N, SPLIT_K)
         if finish:
             if HAS_BIAS:
                 c_ptrs = bias_ptr + g * s_cg + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn
