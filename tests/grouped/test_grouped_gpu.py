@@ -12,7 +12,7 @@ from tilegemm.ops.grouped.api import moe_gate_up
 from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
 
 from conftest import assert_rel_close
-from test_grouped_layouts import operands
+from test_grouped_layouts import check_backward, operands
 
 pytestmark = pytest.mark.gpu
 
@@ -98,15 +98,7 @@ def test_torch_compile_inductor():
 
 
 def test_backward_bf16():
-    a, b, offs = operands("2d3d", [70, 0, 1, 130], 96, 64, torch.bfloat16, "cuda")
-    a.requires_grad_()
-    b.requires_grad_()
-    out = tilegemm.grouped_mm(a, b, offs=offs)
-    grad = torch.randn_like(out)
-    ga, gb = torch.autograd.grad(out, (a, b), grad)
-    wa, wb = torch.autograd.grad(grouped_mm_reference(a, b, offs), (a, b), grad.double())
-    assert_rel_close(ga, wa, tolerance(torch.bfloat16))
-    assert_rel_close(gb, wb, tolerance(torch.bfloat16))
+    check_backward(*operands("2d3d", [70, 0, 1, 130], 96, 64, torch.bfloat16, "cuda"), torch.bfloat16)
 
 
 def test_moe_model_bf16_matches_eager():

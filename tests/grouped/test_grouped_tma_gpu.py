@@ -19,7 +19,7 @@ from tilegemm.ops.grouped.problem import make_problem
 from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
 
 from conftest import assert_rel_close
-from test_grouped_layouts import operands
+from test_grouped_layouts import check_backward, operands
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or why_not_tma() is not None,
@@ -115,12 +115,4 @@ def test_backward_runs_it_in_autograds_thread():
     # dA = grouped(dY, B^T) is a 2-D x 3-D product of 256+ rows an expert: auto runs it on tma, inside autograd's
     # device thread, whose context has no allocator until the launch sets one
     K, N = 256, 192
-    a, b, offs = operands("2d3d", [300, 0, 500, 260], K, N, torch.bfloat16, "cuda", tail=4)
-    a.requires_grad_()
-    b.requires_grad_()
-    out = tilegemm.grouped_mm(a, b, offs=offs)
-    grad = torch.randn_like(out)
-    ga, gb = torch.autograd.grad(out, (a, b), grad)
-    wa, wb = torch.autograd.grad(grouped_mm_reference(a, b, offs), (a, b), grad.double())
-    assert_rel_close(ga, wa, tolerance(torch.bfloat16))
-    assert_rel_close(gb, wb, tolerance(torch.bfloat16))
+    check_backward(*operands("2d3d", [300, 0, 500, 260], K, N, torch.bfloat16, "cuda", tail=4), torch.bfloat16)
