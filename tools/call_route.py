@@ -89,10 +89,10 @@ def route(fn) -> dict:
         fn()
     finally:
         sys.setprofile(None)
-    route = []
+    path: list[str] = []
     for chain in chains:
-        route += [f for f in chain if f not in route]
-    return {"route": route, "route_count": len(route), "files": order, "count": len(order), "imports_run": modules, "downward": not upward,
+        path += [f for f in chain if f not in path]
+    return {"route": path, "route_count": len(path), "files": order, "count": len(order), "imports_run": modules, "downward": not upward,
             "upward_calls": sorted(set(upward))}
 
 
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
             dt = dtypes[name]
             a = torch.randn(m, k, device=device).to(dt)
             b = torch.randn(k, n, device=device).to(dt)
-            for which in ("first", "replayed"):
+            for which in ("first", "second"):  # the second replays the first where replays run (a GPU)
                 r = route(lambda: tilegemm.matmul(a, b))
                 if device == "cuda":
                     torch.cuda.synchronize()

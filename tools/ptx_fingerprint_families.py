@@ -283,8 +283,8 @@ def conv_launches() -> list:
             if g.stride == (1, 1):
                 ((_, _, gt, r0, s0),) = tf.dgrad_phases(g)
                 if min(gt.padding) >= 0 and gt.Cg % 16 == 0:
-                    out.append(_launch(tf.phase_weight_kernel, (p.weight, torch.empty(1, dtype=dt), g.C, g.Kg, g.Cg,
-                                                                 g.S, r0, s0, 1, 1, *p.weight.stride()),
+                    out.append(_launch(tf.phase_weight_kernel, (p.weight, torch.empty(1, dtype=dt), g.C, g.Kg, g.Kg,
+                                                                 g.Cg, g.S, r0, s0, 1, 1, *p.weight.stride()),
                                        dict(BLOCK_C=64, BLOCK_K=64, num_warps=4), name, "phase_weight"))
                     wt = _t((g.C, g.Kg, g.R, g.S), dt, True)
                     dx = _t((g.N, g.C, g.H, g.W), dt, True)

@@ -156,7 +156,7 @@ def cmd_bench(args, console, err_console) -> int:
         console.print(f"[bold red]{len(bad)} result(s) wrong or failed: "
                       + ", ".join(f"{r.kernel}@{r.shape} ({r.status})" for r in bad[:8]) + "[/]")
         return 1
-    return 0
+    return 130 if result.meta.get("interrupted") else 0  # (a shell's code for SIGINT: the sweep is partial)
 
 
 def cmd_info(args, console) -> int:

@@ -334,3 +334,26 @@ def test_an_interrupted_bench_keeps_the_cases_done(monkeypatch):
     assert {r.shape for r in result.rows} == {cases[0].label, cases[1].label}
     assert all(r.status == "ok" for r in result.rows if r.kernel == "grouped")
     assert result.meta["interrupted"] == "stopped after 2 of 3 cases"
+
+
+def test_an_interrupted_bench_writes_its_json_and_exits_130(tmp_path, monkeypatch):
+    import json
+
+    op = bench_op("matmul")
+    prepare = op.prepare
+    seen = []
+
+    def interrupt_second(case, *args, **kw):
+        seen.append(case.label)
+        if len(set(seen)) == 2:
+            raise KeyboardInterrupt
+        return prepare(case, *args, **kw)
+
+    monkeypatch.setattr(type(op), "prepare", lambda self, case, *a, **k: interrupt_second(case, *a, **k))
+    path = tmp_path / "run.json"
+    code = main(["bench", "--shape", "16,16,16", "--shape", "24,24,24", "--kernels", "grouped", "--quiet",
+                 "--no-save", "--json", str(path)])
+    assert code == 130
+    saved = json.loads(path.read_text())
+    assert saved["meta"]["interrupted"] == "stopped after 1 of 2 cases"
+    assert {r["shape"] for r in saved["rows"]} == {"16x16x16"}

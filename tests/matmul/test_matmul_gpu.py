@@ -437,3 +437,28 @@ def test_tensors_on_another_gpu_than_the_current_one():
             want = 0.2989 * img[:, 0] + 0.5870 * img[:, 1] + 0.1140 * img[:, 2]
             assert grey.device == other and torch.allclose(grey, want, atol=1e-5)
     assert torch.cuda.current_device() == 0
+
+
+def test_a_replay_on_another_thread_has_an_allocator():
+    """A kernel that makes its TMA descriptors on the device (``gluon_tf32``) needs Triton's allocator, which
+    Triton keeps per thread: a replay recorded on this thread and made on a fresh one (a server's pool, autograd's
+    backward thread) sets one there first."""
+    import threading
+
+    a, b = (torch.randn(1024, 1024, device="cuda") for _ in range(2))
+    tilegemm.matmul(a, b, kernel="gluon_tf32", precision="tf32")  # recorded here
+    a2, b2 = (torch.randn(1024, 1024, device="cuda") for _ in range(2))
+    results = []
+
+    def other():
+        try:
+            results.append(tilegemm.matmul(a2, b2, kernel="gluon_tf32", precision="tf32"))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results.append(exc)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    (out,) = results
+    assert isinstance(out, torch.Tensor), out
+    assert_rel_close(out, matmul_reference(a2, b2), tolerance(torch.float32, "tf32"))

@@ -387,6 +387,7 @@ class Replay:
         for i, j, desc in self.slots:
             params[i] = tensors[j] if desc is None else _rebased(desc, tensors[j])
         if hooked:
+            ensure_allocator()  # (a kernel making descriptors on the device: this thread may have no allocator)
             self.runner(*params, stream=stream)  # a profiler listens: Triton's path gives its hooks metadata
             return True
         # Triton's runner would build launch metadata and call two empty hook chains (about 2 us).
@@ -395,6 +396,9 @@ class Replay:
             launch_(g[0], g[1], g[2], stream, self.function, cooperative, pdl, None, None, self.packed, None, None,
                     None, *params)
         else:
+            # Triton's launcher allocates the kernel's scratch through this thread's allocator: a replay on a
+            # thread (or autograd's) that launched nothing before needs one set.
+            ensure_allocator()
             self.run(g[0], g[1], g[2], stream, self.function, self.packed, None, None, None, *params)
         return True
 

@@ -46,6 +46,11 @@ def in_graph_tree() -> bool:
     return False
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_zero_eagerly: set = set()  # workspaces made during a capture: their zeros ran in that graph only
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def split_workspace(device: torch.device, floats: int, counters: int, tag=None,
@@ -59,12 +64,26 @@ def split_workspace(device: torch.device, floats: int, counters: int, tag=None,
         return planes, torch.zeros(max(counters, 1), dtype=torch.int32, device=device)
     key = (device, current_stream() if device.type == "cuda" else 0, tag)
     ws, count = _workspaces.get(key, (None, None))
+    capturing = _capturing(device)
     if ws is None or ws.numel() < floats or count.numel() < counters:
         floats = max(floats, ws.numel() if ws is not None else 0, 1 << 20)
         counters = max(counters, count.numel() if count is not None else 0, 1 << 12)
         ws = (torch.zeros if zeroed else torch.empty)(floats, dtype=torch.float32, device=device)
         count = torch.zeros(counters, dtype=torch.int32, device=device)
         _workspaces[key] = (ws, count)
+        if capturing:  # zeroed in this graph only: the next eager call zeroes them first
+            _zero_eagerly.add(key)
+    elif capturing:
+        # Zeroes made in another graph's capture do not run in this one: it zeroes the counters itself (the
+        # kernels leave them at zero, so outside that case this writes zeros over zeros).
+        count.zero_()
+        if zeroed:
+            ws.zero_()
+    elif key in _zero_eagerly:
+        _zero_eagerly.discard(key)
+        count.zero_()
+        if zeroed:
+            ws.zero_()
     return ws, count
 
 
@@ -95,3 +114,4 @@ def release() -> None:
     (:func:`tilegemm.core.replay.clear`)."""
     _buffers.clear()
     _workspaces.clear()
+    _zero_eagerly.clear()

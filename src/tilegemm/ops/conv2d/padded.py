@@ -38,6 +38,8 @@ import triton.language as tl
 from tilegemm.core.runtime import cdiv
 from tilegemm.ops.conv2d.configs import padded_group
 
+_16BIT = (torch.float16, torch.bfloat16)  # the TMA kernels' dtypes
+
 STEP = 16  # the TMA kernel's narrowest K step (one wgmma's depth): channels a group it divides need no padding
 BLOCK_P = 64  # pixels and channels a program copies: 8 KB of 16-bit data
 BLOCK_C = 64
@@ -77,13 +79,15 @@ def plan(x: torch.Tensor, g) -> Plan:
 
 def why_not(x: torch.Tensor, weight, g) -> str | None:
     """None when the TMA kernel takes layer ``g`` through padded channels; otherwise why not (in words)."""
+    from tilegemm.core.hardware import why_not_gluon
     from tilegemm.core.runtime import interpreting
-    from tilegemm.ops.conv2d.tma_fwd import _GL
 
-    if x.dtype not in _GL or (weight is not None and weight.dtype != x.dtype):
+    if x.dtype not in _16BIT or (weight is not None and weight.dtype != x.dtype):
         return "not 16-bit"
     if not x.is_cuda or interpreting() or torch.cuda.get_device_capability(x.device)[0] != 9:
         return "not on a Hopper GPU"
+    if (reason := why_not_gluon()) is not None:
+        return reason
     if g.Cg % STEP == 0:
         return "C/groups a multiple of 16 already"
     p = plan(x, g).geo
@@ -310,15 +314,17 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, memory_f
 def why_not_wgrad(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
     """None when :func:`wgrad` takes the weight gradient; otherwise why not. One group only: with several, a
     group's first channel would not start a 16-byte aligned box."""
+    from tilegemm.core.hardware import why_not_gluon
     from tilegemm.core.runtime import interpreting
-    from tilegemm.ops.conv2d.tma_fwd import _GL
 
     if g.groups != 1:
         return "groups"
-    if x.dtype not in _GL or dy.dtype != x.dtype:
+    if x.dtype not in _16BIT or dy.dtype != x.dtype:
         return "not 16-bit"
     if not x.is_cuda or interpreting() or torch.cuda.get_device_capability(x.device)[0] != 9:
         return "not on a Hopper GPU"
+    if (reason := why_not_gluon()) is not None:
+        return reason
     sh, sw = g.stride
     if (g.N * cdiv(g.H, sh) * sh * cdiv(g.W, sw) * sw * cdiv(g.C, 8) * 8 >= 2**31
             or g.N * g.P * g.Q * cdiv(g.K, 8) * 8 >= 2**31 or x.numel() >= 2**31):

@@ -38,8 +38,8 @@ INT4_ROWS_FACTOR = 2  # BLOCK_M holds twice the average rows an expert: popular 
 INT4_BLOCK_N_GATED = 64  # two weight tiles and two accumulators a program
 MAX_SPLIT = 16  # the workspace holds SPLIT_K fp32 planes of the output
 # 16-bit MoE forward on Hopper (kernel ``tma``): rows enough an expert that every tile is a full 128-row wgmma
-# BLOCK_M, BLOCK_N, BLOCK_K: 48 KB a stage, two warp groups of 64 x 256 each (the tile the dense TMA rung's tuner
-# picks most for large 16-bit products on the H200: docs/rungs/persistent_tma.md)
+# BLOCK_M, BLOCK_N, BLOCK_K: 48 KB a stage, two warp groups of 64 x 256 each: the dense TMA rung's tile for large
+# 16-bit products (docs/rungs/persistent_tma.md)
 TMA_BLOCK = (128, 256, 64)
 TMA_BLOCK_N_GATED = 128  # two weight tiles and two accumulators a program: the same 48 KB a stage and registers
 TMA_STAGES = 3  # 3 x 48 KB of the SM's 227 KB in flight (and room for the epilogue): TMA two K steps ahead

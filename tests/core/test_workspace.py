@@ -1,0 +1,46 @@
+"""Split workspaces (``core.workspace.split_workspace``) and CUDA graph captures: counters made during one
+capture are zeroed in that graph only, so later graphs and the next eager call zero them themselves."""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core import workspace
+
+
+def test_counters_made_in_a_capture_are_zeroed_by_later_graphs_and_the_next_eager_call(monkeypatch):
+    cpu = torch.device("cpu")  # the capture is simulated: the logic is the device-independent part
+    workspace.release()
+    capturing = [True]
+    monkeypatch.setattr(workspace, "_capturing", lambda device: capturing[0])
+    try:
+        ws, count = workspace.split_workspace(cpu, 64, 8, tag="test")
+        count.fill_(5)  # (what the memory holds eagerly: the capture's zeros run only when that graph replays)
+        capturing[0] = False
+        ws2, count2 = workspace.split_workspace(cpu, 64, 8, tag="test")
+        assert count2 is count and not count.any(), "the first eager call after the capture zeroes the counters"
+        count.fill_(3)
+        capturing[0] = True  # another graph's capture: it zeroes them in its own graph
+        _, count3 = workspace.split_workspace(cpu, 64, 8, tag="test")
+        assert count3 is count and not count.any()
+        count.fill_(4)
+        capturing[0] = False  # later eager calls leave them as the kernels left them
+        _, count4 = workspace.split_workspace(cpu, 64, 8, tag="test")
+        assert count4 is count and (count == 4).all()
+    finally:
+        workspace.release()
+
+
+def test_zeroed_planes_made_in_a_capture_are_zeroed_again_outside_it(monkeypatch):
+    cpu = torch.device("cpu")
+    workspace.release()
+    capturing = [True]
+    monkeypatch.setattr(workspace, "_capturing", lambda device: capturing[0])
+    try:
+        ws, _ = workspace.split_workspace(cpu, 64, 8, tag="test-zeroed", zeroed=True)
+        ws.fill_(1.5)
+        capturing[0] = False
+        ws2, _ = workspace.split_workspace(cpu, 64, 8, tag="test-zeroed", zeroed=True)
+        assert ws2 is ws and not ws.any()
+    finally:
+        workspace.release()
