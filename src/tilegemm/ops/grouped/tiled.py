@@ -47,22 +47,40 @@ def swizzle(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def find_group_m(offs_ptr, tile_m, G, M, GP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(g, first row, end row, first tile, tiles) of the group holding global row tile ``tile_m`` of an
-    M-jagged product: its rows ``[first row, end row)`` are row tiles ``first tile ..`` of the grid. g == G for
-    the rows past ``offs[-1]`` (to be zeroed)."""
+def jagged_groups(offs_ptr, G, M, GP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The groups of an M-jagged product as row tiles, read from ``offs`` once: (starts, ends, tiles, ends_tiles)
+    per group (``offs`` clamped to [0, M]; group g's row tiles are ``[ends_tiles[g] - tiles[g], ends_tiles[g])``),
+    then the tail's first row tile (every group's tiles) and first row (``offs[-1]``)."""
     gs = tl.arange(0, GP)
     live = gs < G
     ends = tl.minimum(tl.maximum(tl.load(offs_ptr + gs, mask=live, other=0), 0), M)
     starts = tl.minimum(tl.maximum(tl.load(offs_ptr + gs - 1, mask=live & (gs > 0), other=0), 0), M)
     tiles = tl.where(live & (ends > starts), (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    ends_tiles = tl.cumsum(tiles, 0)  # running sum: group g's tiles are [ends_tiles[g] - tiles[g], ends_tiles[g])
+    ends_tiles = tl.cumsum(tiles, 0)
+    return starts, ends, tiles, ends_tiles, tl.sum(tiles, 0), tl.max(tl.where(live, ends, 0), 0)
+
+
+@triton.jit
+def locate_group(tile_m, starts, ends, tiles, ends_tiles, tail_tile, tail_row, G, M, GP: tl.constexpr):
+    """(g, first row, end row, first tile) of the group holding global row tile ``tile_m`` (:func:`jagged_groups`'
+    arrays); g == G for the rows past ``offs[-1]`` (to be zeroed)."""
+    gs = tl.arange(0, GP)
     g = tl.sum((ends_tiles <= tile_m).to(tl.int32), 0)
     here = gs == g
-    tail = g >= G  # the rows after offs[-1]
-    first_tile = tl.where(tail, tl.sum(tiles, 0), tl.sum(tl.where(here, ends_tiles - tiles, 0), 0))
-    start = tl.where(tail, tl.max(tl.where(live, ends, 0), 0), tl.sum(tl.where(here, starts, 0), 0))
+    tail = g >= G
+    first_tile = tl.where(tail, tail_tile, tl.sum(tl.where(here, ends_tiles - tiles, 0), 0))
+    start = tl.where(tail, tail_row, tl.sum(tl.where(here, starts, 0), 0))
     end = tl.where(tail, M, tl.sum(tl.where(here, ends, 0), 0))
+    return g, start, end, first_tile
+
+
+@triton.jit
+def find_group_m(offs_ptr, tile_m, G, M, GP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(g, first row, end row, first tile, tiles) of the group holding global row tile ``tile_m`` of an
+    M-jagged product: its rows ``[first row, end row)`` are row tiles ``first tile ..`` of the grid. g == G for
+    the rows past ``offs[-1]`` (to be zeroed)."""
+    starts, ends, tiles, ends_tiles, tail_tile, tail_row = jagged_groups(offs_ptr, G, M, GP, BLOCK_M)
+    g, start, end, first_tile = locate_group(tile_m, starts, ends, tiles, ends_tiles, tail_tile, tail_row, G, M, GP)
     return g, start, end, first_tile, (end - start + BLOCK_M - 1) // BLOCK_M
 
 

@@ -38,7 +38,7 @@ from tilegemm.core.runtime import cdiv, interpreting
 from tilegemm.jit.helpers import apply_activation
 from tilegemm.ops.grouped.configs import row_tiles, tma_config
 from tilegemm.ops.grouped.problem import GroupedProblem
-from tilegemm.ops.grouped.tiled import _pow2, swizzle
+from tilegemm.ops.grouped.tiled import _pow2, jagged_groups, locate_group, swizzle
 
 
 @triton.jit
@@ -58,26 +58,15 @@ def grouped_tma_kernel(
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, K, N_B], strides=[s_bg, s_bx, 1],
                                            block_shape=[1, BLOCK_K, BLOCK_N])
-    # the groups' tiles, once: group g's row tiles are [ends_tiles[g] - tiles[g], ends_tiles[g]), then the tail's
-    gs = tl.arange(0, GP)
-    live_g = gs < G
-    ends = tl.minimum(tl.maximum(tl.load(offs_ptr + gs, mask=live_g, other=0), 0), M)
-    starts = tl.minimum(tl.maximum(tl.load(offs_ptr + gs - 1, mask=live_g & (gs > 0), other=0), 0), M)
-    tiles = tl.where(live_g & (ends > starts), (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    ends_tiles = tl.cumsum(tiles, 0)
-    group_tiles = tl.sum(tiles, 0)
-    last = tl.max(tl.where(live_g, ends, 0), 0)  # offs[-1], clamped: the tail's rows are [last, M)
+    # the groups' tiles, read once a program; the tail's rows are [last, M)
+    starts, ends, tiles, ends_tiles, group_tiles, last = jagged_groups(offs_ptr, G, M, GP, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     units = (group_tiles + tl.cdiv(M - last, BLOCK_M)) * tiles_n
     k_steps = tl.cdiv(K, BLOCK_K)
     for unit in range(tl.program_id(0), units, PROGRAMS):
         tm = unit // tiles_n
-        g = tl.sum((ends_tiles <= tm).to(tl.int32), 0)
-        here = gs == g
+        g, start, end, first_tile = locate_group(tm, starts, ends, tiles, ends_tiles, group_tiles, last, G, M, GP)
         tail = g >= G
-        first_tile = tl.where(tail, group_tiles, tl.sum(tl.where(here, ends_tiles - tiles, 0), 0))
-        start = tl.where(tail, last, tl.sum(tl.where(here, starts, 0), 0))
-        end = tl.where(tail, M, tl.sum(tl.where(here, ends, 0), 0))
         tile_m, tile_n = swizzle(unit - first_tile * tiles_n, (end - start + BLOCK_M - 1) // BLOCK_M, tiles_n,
                                  GROUP_M)
         m0 = start + tile_m * BLOCK_M
