@@ -167,6 +167,12 @@ def compute_capability() -> tuple[int, int] | None:
     return torch.cuda.get_device_capability()
 
 
+def tma_aligned(t, *strides: int) -> bool:
+    """Whether TMA can describe ``t`` with these strides (elements): a 16-byte aligned base and 16-byte strides."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides)
+
+
 def why_not_tma() -> str | None:
     """None where TMA kernels can run (a Hopper or newer GPU, or the interpreter); otherwise why not."""
     if interpreting():

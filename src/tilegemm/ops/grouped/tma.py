@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tilegemm.core.hardware import sm_count, why_not_tma
+from tilegemm.core.hardware import sm_count, tma_aligned, why_not_tma
 from tilegemm.core.launch import ensure_allocator, launch
 from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import cdiv, interpreting
@@ -116,12 +116,6 @@ def grouped_tma_kernel(
 # --- host side ---------------------------------------------------------------------------------------------
 
 
-def _aligned(t: torch.Tensor, strides) -> bool:
-    """16-byte aligned base and the strides TMA takes as given (of dims longer than 1)."""
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides)
-
-
 def _stride(t: torch.Tensor, dim: int) -> int:
     """t's stride along ``dim``, or (a dim of one: never stepped) the smallest TMA takes."""
     return t.stride(dim) if t.shape[dim] > 1 else 16 // t.element_size()
@@ -145,10 +139,10 @@ def why_not(p: GroupedProblem) -> str | None:
         return "a is not row-major (its K stride is not 1)"
     if b.stride(2) != 1 and b.stride(1) != 1:
         return "b has no unit stride along K or N"
-    if not _aligned(a, [_stride(a, 0)]):
+    if not tma_aligned(a, _stride(a, 0)):
         return "a's base or row stride is not 16-byte aligned"
     b_nk = b.stride(2) != 1
-    if not _aligned(b, [_stride(b, 0), _stride(b, 2 if b_nk else 1)]):
+    if not tma_aligned(b, _stride(b, 0), _stride(b, 2 if b_nk else 1)):
         return "b's base or strides are not 16-byte aligned"
     return None
 

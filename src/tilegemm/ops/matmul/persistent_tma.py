@@ -23,7 +23,7 @@ import torch
 import triton
 
 from tilegemm.core import tuning
-from tilegemm.core.hardware import sm_count, why_not_gluon
+from tilegemm.core.hardware import sm_count, tma_aligned, why_not_gluon
 from tilegemm.jit.helpers import epilogue_tile, mma_ordered, tile_grouped, tile_order
 from tilegemm.core.launch import current_stream, ensure_allocator, launch, sequence_lock
 from tilegemm.core.workspace import split_workspace
@@ -278,11 +278,6 @@ def hopper_configs(dtype_bytes: int, mma_operands: str) -> list[dict]:
     return out
 
 
-def _aligned(t: torch.Tensor, *strides: int) -> bool:
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides)
-
-
 def why_not(p: GemmProblem) -> str | None:
     """None when TMA can move this problem's tiles; otherwise why not."""
     if p.batch != 1:
@@ -296,9 +291,9 @@ def why_not(p: GemmProblem) -> str | None:
     if sbn != 1 and sbk != 1:
         return "B has no unit stride"
     _, _, stride_a, stride_b = p.tma_view
-    if not _aligned(p.a, stride_a) or not _aligned(p.b, stride_b):
+    if not tma_aligned(p.a, stride_a) or not tma_aligned(p.b, stride_b):
         return "an operand's base or row stride is not 16-byte aligned"
-    if p.out_strides[2] != 1 or not _aligned(p.out, p.out_strides[1]):
+    if p.out_strides[2] != 1 or not tma_aligned(p.out, p.out_strides[1]):
         return "the output is not 16-byte aligned"
     if min(p.M, p.N, p.K) < 16:
         return "a dimension is smaller than 16"
@@ -312,9 +307,9 @@ def why_not_batched(p: GemmProblem) -> str | None:
         return "batched problems are taken for fp16/bf16 operands only"
     if p.scale_a is not None or p.scale_b is not None:
         return "batched problems take no scales"
-    if not _aligned(p.a, p.a_strides[0]) or not _aligned(p.b, p.b_strides[0]):
+    if not tma_aligned(p.a, p.a_strides[0]) or not tma_aligned(p.b, p.b_strides[0]):
         return "an operand's batch stride is not 16-byte aligned"
-    if p.out_strides[0] == 0 or not _aligned(p.out, p.out_strides[0]):
+    if p.out_strides[0] == 0 or not tma_aligned(p.out, p.out_strides[0]):
         return "the output's batch stride is not 16-byte aligned"
     return None
 
