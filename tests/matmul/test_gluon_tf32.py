@@ -123,7 +123,8 @@ _COMPILE = SM90 + textwrap.dedent(
         flags = dict(HAS_C=False, HAS_BIAS=False, ACTIVATION="none", INPUT_PRECISION="tf32", HAS_SCALE_A=False,
                      HAS_SCALE_B=False, MMA_OPERANDS="swap", FAST_ACCUM=False, A_T=False, B_T=False, NUM_SMS=132,
                      BLOCK_M=256, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, FLATTEN=False, WARP_SPECIALIZE=0,
-                     HOST_DESC=False, SERPENTINE=False, SPLIT=False)  # (the control that showed the hazard; descriptors do not matter to it)
+                     HOST_DESC=False, SERPENTINE=False, SPLIT=False, BATCHED=False, A_BATCHED=False,
+                     B_BATCHED=False)  # (the control that showed the hazard; descriptors do not matter to it)
         sig = signature(triton_kernel, flags, "*fp32", unit=("stride_cn", "SPLIT_K"), aligned_ints=True)
         return compile_sm90(triton_kernel, *sig, 8, num_stages=3, gluon=False)[1]
 
