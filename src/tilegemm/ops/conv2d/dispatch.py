@@ -395,32 +395,38 @@ def wgrad(c: WgradCall) -> torch.Tensor:
 
         if _nchw_route(x) and planar(dy):
             return _wgrad_nchw(dy, x, g, precision, fmt)
-        if g.is_pointwise:
-            from tilegemm.ops.conv2d.gemm_1x1 import pointwise_wgrad
+        return _wgrad_channels_last(dy, x, g, precision, fmt, x.dtype, pads=_wgrad_pads(g) and _tma_candidate(x))
 
-            # [K, NHW] @ [NHW, C]: a few output tiles over a reduction as long as the pixels, split_k's class
-            return pointwise_wgrad(_as_nhwc_2d(dy).t(), _as_nhwc_2d(x), precision).view(w_shape)
-        if g.is_depthwise:
-            from tilegemm.ops.conv2d import depthwise
 
-            return depthwise.wgrad(dy, x, g, x.dtype)
-        if takes_grouped_direct(g):
-            from tilegemm.ops.conv2d import grouped_direct
+def _wgrad_channels_last(dy, x, g: Geometry, precision: str, fmt, dtype, pads: bool) -> torch.Tensor:
+    """The weight gradient from channels-last ``dy`` and ``x`` (``dtype``: the caller's x's), by the first kernel
+    that takes the layer; ``pads``: try the padded TMA route (:func:`_wgrad_pads`) before the pointer kernel."""
+    if g.is_pointwise:
+        from tilegemm.ops.conv2d.gemm_1x1 import pointwise_wgrad
 
-            return grouped_direct.wgrad(dy, x, g, x.dtype, fmt)
-        if _tma_wgrad_usable(dy, x, g):
-            from tilegemm.ops.conv2d import tma_wgrad
+        # [K, NHW] @ [NHW, C]: a few output tiles over a reduction as long as the pixels, split_k's class
+        return pointwise_wgrad(_as_nhwc_2d(dy).t(), _as_nhwc_2d(x), precision).view(g.K, g.C, 1, 1)
+    if g.is_depthwise:
+        from tilegemm.ops.conv2d import depthwise
 
-            return tma_wgrad.run(dy, x, g, x.dtype, memory_format=fmt)
-        if _wgrad_pads(g) and _tma_candidate(x):
-            from tilegemm.ops.conv2d import padded
+        return depthwise.wgrad(dy, x, g, dtype)
+    if takes_grouped_direct(g):
+        from tilegemm.ops.conv2d import grouped_direct
 
-            dw = padded.wgrad(dy, x, g, x.dtype, fmt)
-            if dw is not None:
-                return dw
-        from tilegemm.ops.conv2d import implicit_gemm
+        return grouped_direct.wgrad(dy, x, g, dtype, fmt)
+    if _tma_wgrad_usable(dy, x, g):
+        from tilegemm.ops.conv2d import tma_wgrad
 
-        return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), x.dtype, memory_format=fmt)
+        return tma_wgrad.run(dy, x, g, dtype, memory_format=fmt)
+    if pads:
+        from tilegemm.ops.conv2d import padded
+
+        dw = padded.wgrad(dy, x, g, dtype, fmt)
+        if dw is not None:
+            return dw
+    from tilegemm.ops.conv2d import implicit_gemm
+
+    return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), dtype, memory_format=fmt)
 
 
 def _wgrad_pads(g: Geometry) -> bool:
@@ -435,7 +441,7 @@ def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
     """The weight gradient of an NCHW layer (:func:`_nchw_route` of ``x``): ``x`` and ``dy`` transposed
     channels-last into workspaces, then the kernel a channels-last call takes (a 1x1 stride-1 layer's GEMM too),
     the gradient in ``fmt`` (:func:`wgrad_format` of the NCHW ``x``); every launch Triton's, so the call replays."""
-    from tilegemm.ops.conv2d import implicit_gemm, layout
+    from tilegemm.ops.conv2d import layout
 
     if _wgrad_pads(g) and not g.is_pointwise and not takes_grouped_direct(g):
         from tilegemm.ops.conv2d import padded
@@ -447,20 +453,4 @@ def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
         xc, xbuf = layout.to_channels_last(x, "conv2d-nchw-x")
         dyc, dybuf = layout.to_channels_last(dy, "conv2d-nchw-dy")
         with keeping(xbuf, dybuf):
-            if g.is_pointwise:
-                from tilegemm.ops.conv2d.gemm_1x1 import pointwise_wgrad
-
-                return pointwise_wgrad(_as_nhwc_2d(dyc).t(), _as_nhwc_2d(xc), precision).view(g.K, g.C, 1, 1)
-            if g.is_depthwise:
-                from tilegemm.ops.conv2d import depthwise
-
-                return depthwise.wgrad(dyc, xc, g, x.dtype)
-            if takes_grouped_direct(g):
-                from tilegemm.ops.conv2d import grouped_direct
-
-                return grouped_direct.wgrad(dyc, xc, g, x.dtype, fmt)
-            if _tma_wgrad_usable(dyc, xc, g):
-                from tilegemm.ops.conv2d import tma_wgrad
-
-                return tma_wgrad.run(dyc, xc, g, x.dtype, memory_format=fmt)
-            return implicit_gemm.wgrad(dyc, xc, g, precision, _upcast(x), x.dtype, memory_format=fmt)
+            return _wgrad_channels_last(dyc, xc, g, precision, fmt, x.dtype, pads=False)  # (padded: tried above)
