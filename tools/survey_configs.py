@@ -1,7 +1,7 @@
 """Survey on the GPU: every candidate config of every dense-GEMM rung on many shapes, against cuBLAS (not a test).
 
 The shapes are drawn like the bench's ``random`` sweep (M log-uniform in 1..16384, N and K in 64..28672) but
-from another seed (``--seed``, never the sweep's 2026), aligned only, N and K rounded to multiples of 16 (fewer
+from another seed (``--seed``, never the sweep's held-out seed), aligned only, N and K rounded to multiples of 16 (fewer
 kernel variants to compile). ``auto``'s untimed choice for 16-bit products ranks candidates by data like
 this (``tools/fit_survey.py`` builds the shipped tables from it): the sweep's own shapes stay unseen.
 
@@ -33,20 +33,20 @@ from tilegemm.core import tuning
 from tilegemm.core.hardware import machine_info
 from tilegemm.core import replay
 from tilegemm.ops.matmul import dispatch, persistent_tma, split_k
+from tilegemm.ops.matmul.bench import RANDOM_SEED as SWEEP_SEED  # the bench's held-out random sweep: never surveyed
 from tilegemm.ops.matmul.bench import _random_cases
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.problem import make_problems
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "tf32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 FP8_SCALES = (0.5, 2.0)  # per-tensor scales of fp8 operands (their product 1: the reference needs no rescaling)
-SWEEP_SEED = 2026  # the bench's random sweep: never surveyed
 
 
 def survey_shapes(count: int, seed: int, multiple: int = 16) -> list[tuple[int, int, int]]:
     """The aligned shapes of a random-sweep-like draw from ``seed``, N and K rounded up to multiples of
     ``multiple`` (8: as the sweep's, which compiles more kernel variants)."""
     if seed == SWEEP_SEED:
-        raise SystemExit("seed 2026 is the bench's random sweep, which must stay unseen")
+        raise SystemExit(f"seed {SWEEP_SEED} is the bench's held-out random sweep, which must stay unseen")
     unseen = {tuple(c.dims.values()) for c in _random_cases()}
     shapes = []
     for i, case in enumerate(_random_cases(3 * count, seed)):

@@ -357,3 +357,22 @@ def test_an_interrupted_bench_writes_its_json_and_exits_130(tmp_path, monkeypatc
     saved = json.loads(path.read_text())
     assert saved["meta"]["interrupted"] == "stopped after 1 of 2 cases"
     assert {r["shape"] for r in saved["rows"]} == {"16x16x16"}
+
+
+@pytest.mark.parametrize("op_name, sweep", [("matmul", "random"), ("w4a16", "w4-random")])
+def test_a_seeded_sweep_draws_the_held_out_seed_unless_given_another(op_name, sweep):
+    op = bench_op(op_name)
+    held_out, again, other = op.cases(sweep), op.cases(sweep), op.cases(f"{sweep}:2026")
+    assert [c.dims for c in held_out] == [c.dims for c in again]
+    assert len(other) == len(held_out)
+    assert [c.dims for c in other] != [c.dims for c in held_out]
+    assert [c.dims for c in op.cases(f"{sweep}:2026")] == [c.dims for c in other]
+    with pytest.raises(Exception, match="integer seed"):
+        op.cases(f"{sweep}:abc")
+
+
+def test_the_retired_random_seed_still_names_its_shapes():
+    # The random sweep's earlier seed, read while rules were fitted, keeps its shapes under random:2026.
+    from tilegemm.ops.matmul.bench import _random_cases
+    assert [c.dims for c in bench_op("matmul").cases("random:2026")] == [c.dims for c in _random_cases(seed=2026)]
+    assert [c.dims for c in bench_op("matmul").cases("random")][0] != _random_cases(seed=2026)[0].dims

@@ -117,9 +117,22 @@ class BenchOp:
     def parse_shape(self, text: str) -> Case:
         raise NotImplementedError
 
+    # Sweeps drawn from a seed: ``NAME`` is the held-out draw (nothing shipped is fitted on it), ``NAME:SEED`` the
+    # same recipe from another seed, the one a rule is fitted on (docs/bench.md, "Held-out sweeps").
+    seeded_sweeps: dict = {}
+
     def cases(self, sweep: str) -> list[Case]:
+        name, colon, seed = sweep.partition(":")
+        if colon and name in self.seeded_sweeps:
+            try:
+                value = int(seed)
+            except ValueError:
+                raise BenchError(f"malformed sweep {sweep!r}: {name}:SEED takes an integer seed") from None
+            return self.seeded_sweeps[name](value)
         if sweep not in self.sweeps:
-            raise BenchError(f"op {self.name} has no sweep {sweep!r}; choose one of: {', '.join(self.sweeps)}")
+            seeded = "".join(f", {n}:SEED" for n in self.seeded_sweeps)
+            raise BenchError(f"op {self.name} has no sweep {sweep!r}; choose one of: {', '.join(self.sweeps)}"
+                             f"{seeded}")
         return self.sweeps[sweep]()
 
     def prepare(self, case: Case, dtype: str, device: str, n_sets: int, options: dict) -> Prepared:

@@ -26,10 +26,15 @@ def _llm_cases() -> list[Case]:
     return cases
 
 
-def _random_cases(count: int = 200, seed: int = 2026) -> list[Case]:
-    """``count`` shapes from a fixed seed: M log-uniform in 1..16384, N and K log-uniform in 64..28672, a third of
-    them with every dimension above 8 moved off a multiple of 8 (rows not 16-byte aligned in 16-bit). They
-    measure how ``auto``'s choice generalises: nothing shipped is tuned on them."""
+# The random sweep's held-out seed: nothing shipped may be fitted on its shapes. Its predecessor, 2026, was read
+# while rules were fitted (docs/performance.md) and is now a fitting seed like any other (``random:2026``).
+RANDOM_SEED = 4099
+
+
+def _random_cases(count: int = 200, seed: int = RANDOM_SEED) -> list[Case]:
+    """``count`` shapes from ``seed``: M log-uniform in 1..16384, N and K log-uniform in 64..28672, a third of
+    them with every dimension above 8 moved off a multiple of 8 (rows not 16-byte aligned in 16-bit). With the
+    held-out seed they measure how ``auto``'s choice generalises: nothing shipped is tuned on them."""
     rng = random.Random(seed)
 
     def log_uniform(lo: int, hi: int) -> int:
@@ -86,6 +91,7 @@ class MatmulBench(BenchOp):
         "models": _model_cases,
         "batched": _batched_cases,
     }
+    seeded_sweeps = {"random": lambda seed: _random_cases(seed=seed)}
     gpu_sweep = "square"
     cpu_sweep = "tiny"
     tune_sweep = "llm"

@@ -86,8 +86,8 @@ def w4_random_shapes(count: int = W4_RANDOM_SHAPES, seed: int = W4_RANDOM_SEED) 
     return [(draw(), draw()) for _ in range(count)]
 
 
-def _w4_random_cases() -> list[Case]:
-    return [_case(m, n, k, x=i * len(W4_RANDOM_M) + j) for i, (n, k) in enumerate(w4_random_shapes())
+def _w4_random_cases(seed: int = W4_RANDOM_SEED) -> list[Case]:
+    return [_case(m, n, k, x=i * len(W4_RANDOM_M) + j) for i, (n, k) in enumerate(w4_random_shapes(seed=seed))
             for j, m in enumerate(W4_RANDOM_M)]
 
 
@@ -120,6 +120,7 @@ class W4A16Bench(BenchOp):
         "tiny": lambda: [_case(m, n, k) for m, n, k in ((1, 64, 128), (3, 96, 256), (17, 64, 128))],
         "formats": _formats_cases,
     }
+    seeded_sweeps = {"w4-random": lambda seed: _w4_random_cases(seed)}
     gpu_sweep = "llm"
     cpu_sweep = "tiny"
     shape_help = ("M,N,K[,G][,sym][,act] (e.g. 16,8192,8192 or 3,5120,5120,32,sym; G the group size, 128 unless "
