@@ -161,6 +161,12 @@ class Int4Weight:
         weight's device the first time it is asked for and kept (about the size of ``qweight`` and the scales
         again). ``tilegemm.nn.Int4Linear`` makes it once and keeps it as buffers."""
         if self._frag is None:
+            if self.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+                # Packing inside a capture would run again on every replay of the graph (and copies from the host,
+                # which a capture refuses): the layout must exist before.
+                raise RuntimeError("this Int4Weight's fragment layout (made on its first call) cannot be made during "
+                                   "CUDA graph capture: call the layer once before capturing, or call "
+                                   "w.fragments() first")
             self._frag = pack_fragments(unpack_rows(self.qweight), self.scales, self.zeros, self.group_k)
         return self._frag
 
