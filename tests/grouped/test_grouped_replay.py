@@ -106,3 +106,10 @@ def test_split_launches_keep_their_workspace_for_their_stream():
     assert workspace_launch(out, 1, out, out) == {}  # no split: the output stands in, a call's own tensor
     kw = workspace_launch(out, 2, ws, count)
     assert kw["keep"] == (ws, count) and kw["stream"] is None  # (a CPU launch has no stream to hold it to)
+
+
+def test_bench_host_probe_only_on_the_gpu():
+    from tilegemm.bench.base import bench_op
+
+    assert bench_op("grouped").overhead_probe("cpu") is None
+    assert bench_op("grouped_w4a16").overhead_probe("cpu") is None

@@ -220,3 +220,15 @@ def test_int4_and_gated_replays_equal_the_full_path():
         h = moe_gate_up(x, b, offs, bias=bias)
         assert torch.equal(h, fresh(x, b, offs, fn=moe_gate_up, bias=bias))
     assert REPLAYS.count() == 3
+
+
+@pytest.mark.parametrize("name", ["grouped", "grouped_w4a16"])
+def test_bench_host_probe_runs_both_sides_alike(name):
+    from tilegemm.bench.base import bench_op
+
+    REPLAYS.clear()
+    ours, theirs = bench_op(name).overhead_probe("cuda")
+    first, again, want = ours(), ours(), theirs()  # the second call is a replay
+    assert REPLAYS.count() == 1
+    assert_rel_close(first, want.double(), tolerance(torch.bfloat16))
+    assert torch.equal(first, again)
