@@ -3,6 +3,7 @@ the keys hold and that nothing is replayed off the GPU. Replays themselves: test
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import tilegemm
@@ -113,3 +114,78 @@ def test_bench_host_probe_only_on_the_gpu():
 
     assert bench_op("grouped").overhead_probe("cpu") is None
     assert bench_op("grouped_w4a16").overhead_probe("cpu") is None
+
+
+# --- what a replay of the recorded launch needs, checked on the launch's arguments (no kernel runs) -------------
+
+
+def launches(monkeypatch, module):
+    """The launches ``module``'s launcher makes, as (grid, args, flags, keep), instead of making them."""
+    seen = []
+    monkeypatch.setattr(module, "launch", lambda kernel, grid, args, flags, keep=(), stream=None:
+                        seen.append((grid, args, flags, keep)))
+    return seen
+
+
+def assert_replayable(seen, tensors):
+    """One launch whose every tensor argument is one of the call's ``tensors`` (the output included) or a
+    workspace the launcher keeps: what core.launch.Replay puts in its slots."""
+    assert len(seen) == 1, "a grouped call is one launch"
+    grid, args, flags, keep = seen[0]
+    ours = {t.data_ptr() for t in tensors}
+    kept = {t.data_ptr() for t in keep}
+    assert not ours & kept
+    for v in list(args) + list(flags.values()):
+        if isinstance(v, torch.Tensor):
+            assert v.data_ptr() in ours | kept, "a tensor argument a replay could not supply"
+
+
+def scalars(launch):
+    grid, args, flags, _ = launch
+    return grid, [None if isinstance(v, torch.Tensor) else v for v in args], flags
+
+
+# (layout, K slices): the K split is for the row-jagged products (2-D x 3-D, and 3-D x 2-D as its transpose)
+@pytest.mark.parametrize("layout, split", [("2d3d", 1), ("2d3d", 2), ("3d3d", 1), ("2d2d", 1), ("3d2d", 1),
+                                           ("3d2d", 2)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tiled_launch_is_replayable_and_independent_of_offs_values(monkeypatch, layout, split, with_bias):
+    from tilegemm.ops.grouped import tiled
+    from tilegemm.ops.grouped.problem import make_problem, out_shape
+
+    seen = launches(monkeypatch, tiled)
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, SPLIT_K=split, num_warps=4, num_stages=1)
+    for sizes in (SIZES, [0, 8, 0]):  # other group sizes, the same layouts
+        a, b, _ = operands(layout, SIZES, 32, 16, torch.float32, "cpu")
+        offs = None if layout == "3d3d" else torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        groups = 3
+        bias = torch.randn(b.shape[-1]) if with_bias else None
+        out = torch.empty(out_shape(layout, a.shape, b.shape, groups))
+        tiled.run(make_problem(layout, groups, a, b, offs, bias, out), config)
+        assert_replayable(seen[-1:], [t for t in (a, b, offs, bias, out) if t is not None])
+        if split > 1:
+            assert seen[-1][3], "the K split's workspace is kept by the launch"
+    assert scalars(seen[0]) == scalars(seen[1]), "the launch depends on the values of offs"
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("gated", [False, True])
+def test_int4_launch_is_replayable_and_independent_of_offs_values(monkeypatch, split, gated):
+    from tilegemm.ops.grouped import int4
+    from tilegemm.ops.grouped.problem import GroupedInt4Problem
+
+    seen = launches(monkeypatch, int4)
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, SPLIT_K=split, num_warps=4, num_stages=1)
+    w = random_experts(3, 32, 64, 32, torch.float16)
+    n_out = 16 if gated else 32
+    for sizes in (SIZES, [8, 0, 0]):
+        x = torch.randn(9, 64, dtype=torch.float16)
+        offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        bias = torch.randn(3, 32, dtype=torch.float16)
+        out = torch.empty(9, n_out, dtype=torch.float16)
+        int4.run(GroupedInt4Problem(x, w.qweight, w.scales, w.zeros, offs, bias, out, 3, 9, n_out, 64, w.group_k,
+                                    "silu", gated), config)
+        assert_replayable(seen[-1:], (x, w.qweight, w.scales, w.zeros, offs, bias, out))
+        if split > 1:
+            assert seen[-1][3], "the K split's workspace is kept by the launch"
+    assert scalars(seen[0]) == scalars(seen[1]), "the launch depends on the values of offs"
