@@ -189,3 +189,19 @@ def test_int4_launch_is_replayable_and_independent_of_offs_values(monkeypatch, s
         if split > 1:
             assert seen[-1][3], "the K split's workspace is kept by the launch"
     assert scalars(seen[0]) == scalars(seen[1]), "the launch depends on the values of offs"
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tma_launch_is_replayable_and_independent_of_offs_values(monkeypatch, with_bias):
+    from tilegemm.ops.grouped import tma
+    from tilegemm.ops.grouped.problem import make_problem
+
+    seen = launches(monkeypatch, tma)
+    for sizes in (SIZES, [0, 0, 8]):
+        a, b, _ = operands("2d3d", SIZES, 32, 32, torch.float16, "cpu", b_transposed=True)
+        offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        bias = torch.randn(3, 32, dtype=torch.float16) if with_bias else None
+        out = torch.empty(8, 32, dtype=torch.float16)
+        tma.run(make_problem("2d3d", 3, a, b, offs, bias, out))
+        assert_replayable(seen[-1:], [t for t in (a, b, offs, bias, out) if t is not None])
+    assert scalars(seen[0]) == scalars(seen[1]), "the launch depends on the values of offs"
