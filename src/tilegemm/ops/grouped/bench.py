@@ -269,9 +269,9 @@ class GroupedBench(BenchOp):
         return _Tf32Mode(dtype == "tf32")
 
     def overhead_probe(self, device):
-        """(tilegemm's call, the baseline's) on a decode step small enough that the GPU work is a few microseconds
-        (:data:`PROBE_SIZES` rows over 16 experts, K 256, N 128, bf16): per call, the host's time. The baseline
-        is F.grouped_mm (a loop of torch.mm over the non-empty groups where it cannot run)."""
+        """(tilegemm's call, the baseline's) on a tiny decode step (:data:`PROBE_SIZES`: 8 rows over 16 experts,
+        K 256, N 128, bf16), as the runner's host-time probe asks; tilegemm's calls after the first are replays.
+        The baseline is F.grouped_mm (a loop of torch.mm over the non-empty groups where it cannot run)."""
         if device != "cuda":
             return None
         gen = torch.Generator(device=device).manual_seed(SEED)
