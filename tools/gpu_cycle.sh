@@ -20,6 +20,8 @@
 #                 grouped-batched  the batched sweep, bf16 and fp16;  grouped-w4a16  4-bit experts on the moe sweep,
 #                 fp16 and bf16;  grouped-tests  tests/grouped on the GPU (all marks);  grouped-tma  the moe sweep,
 #                 bf16 and fp16, auto against tiled and tma by name, then tma's tests on the GPU
+#   grouped-host  tools/grouped_host_probe.py (host us per call at decode: full path, replay, F.grouped_mm; cProfile),
+#                 then tests/grouped/test_grouped_replay_gpu.py
 #   moe-model     tools/grouped_moe_model.py: Qwen3-MoE (4 layers) and Mixtral (2 layers) shapes, every experts
 #                 implementation, prefill 2048 and decode batch 1 / 16, bf16
 #   w4-random     the w4a16 bench's held-out w4-random sweep, fp16 (second baseline: fbgemm where it imports)
@@ -90,6 +92,8 @@ for step in "$@"; do
                    --json "$OUT/grouped-moe-tma-$d.json" 2>&1 | tail -n 8; done
                  pytest_ -m "" tests/grouped/test_grouped_tma.py tests/grouped/test_grouped_tma_gpu.py 2>&1 \
                    | tee "$OUT/grouped-tma-tests.log" | tail -n 15 ;;
+    grouped-host) python3 tools/grouped_host_probe.py 2>&1 | tee "$OUT/grouped-host.txt" | sed -n 1,24p
+                  pytest_ -m gpu tests/grouped/test_grouped_replay_gpu.py 2>&1 | tee "$OUT/grouped-replay-tests.log" | tail -n 8 ;;
     grouped-tests) pytest_ -m "" -n 8 tests/grouped 2>&1 | tee "$OUT/grouped-tests.log" | tail -n 15 ;;
     route) python3 tools/call_route.py --out "$OUT/route.json" 2>&1 | grep -v Warning | tail -n 16 ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;

@@ -116,7 +116,7 @@ class ReplayCache:
 
 
 def cache(name: str) -> ReplayCache:
-    """The replay cache of the family ``name`` (``"matmul"``, ``"w4a16"``, ``"conv2d"``, ``"guide"``)."""
+    """The replay cache of the family ``name`` (``"matmul"``, ``"w4a16"``, ``"conv2d"``, ``"grouped"``, ``"guide"``)."""
     if name not in _CACHES:
         raise ValueError(f"no replay cache {name!r}; known: {', '.join(sorted(_CACHES))}")
     return _CACHES[name]

@@ -28,9 +28,7 @@ import sys
 
 import torch
 
-from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm, moe_gate_up
-from tilegemm.ops.grouped.op import forward_int4, grouped_w4a16_op
-from tilegemm.core.launch import plain_call
+from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm, moe_gate_up, moe_gate_up_int4
 from tilegemm.ops.w4a16.format import Int4Weight, quantize
 
 NAME = "tilegemm"
@@ -135,8 +133,7 @@ def _project(module, name: str, x, offs, gated_activation: str | None):
         xq = x.to(w4.dtype)
         b4 = None if bias is None else bias.to(w4.dtype)
         if gated_activation is not None:
-            args = (xq, w4.qweight, w4.scales, w4.zeros, offs, b4, w4.group_k, gated_activation, True, "auto")
-            return forward_int4(*args) if plain_call(xq, offs, b4) else grouped_w4a16_op(*args)
+            return moe_gate_up_int4(xq, w4, offs, bias=b4, activation=gated_activation)
         return grouped_matmul(xq, w4, offs, bias=b4)
     weight = getattr(module, name)
     b = weight if getattr(module, "is_transposed", False) else weight.transpose(1, 2)  # [E, in, out], read in place

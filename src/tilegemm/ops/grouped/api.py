@@ -1,5 +1,6 @@
 """The public functions of the grouped family: ``tilegemm.grouped_mm`` and the batched-product entry the dense
-matmul can route 3-D operands to."""
+matmul can route 3-D operands to. Each takes the replay fast path first (keys in :mod:`.checks`), then the
+checks, then the op or a plain call that is recorded for the next replay."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import torch
 from tilegemm.core import registry
 from tilegemm.core.activations import check_activation
 from tilegemm.core.launch import plain_call
-from tilegemm.ops.grouped.checks import check_grouped, check_grouped_int4
+from tilegemm.ops.grouped.checks import (call_tensors, check_grouped, check_grouped_int4, gated_replay_key,
+                                         int4_replay_key, replay_key)
 from tilegemm.ops.matmul import matmul as dense_matmul
-from tilegemm.ops.grouped.op import (forward, forward_gated, forward_int4, grouped_mm_gated_op, grouped_mm_op,
-                                     grouped_w4a16_op)
+from tilegemm.ops.grouped.op import (REPLAYS, forward, forward_gated, forward_int4, grouped_mm_gated_op,
+                                     grouped_mm_op, grouped_w4a16_op)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = None,
@@ -44,13 +46,24 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
     Raises:
         TypeError, ValueError: naming the bad argument (dtypes, shapes, offs, devices).
     """
+    # The fast path: a replay of an earlier plain call with the same key, with this call's tensors (offs' values
+    # are read on the device only, so new group sizes replay too).
+    key = replay_key(a, b, offs, bias, out_dtype, kernel)
+    if key is not None:
+        tensors = call_tensors(a, b, offs, bias)
+        out = REPLAYS.replayed(key, tensors)
+        if out is not None:
+            return out  # (None: nothing recorded, or recorded for another stream or device; launched afresh below)
     check_grouped(a, b, offs, bias, out_dtype)
     if kernel != "auto":
         registry.get("grouped", kernel)
     precision = "default"
-    if plain_call(a, b, offs, bias):
+    if not plain_call(a, b, offs, bias):
+        return grouped_mm_op(a, b, offs, bias, out_dtype, precision, kernel)
+    if key is None:
         return forward(a, b, offs, bias, out_dtype, precision, kernel)
-    return grouped_mm_op(a, b, offs, bias, out_dtype, precision, kernel)
+    with REPLAYS.recording(key, tensors) as kept:
+        return kept(forward(a, b, offs, bias, out_dtype, precision, kernel))
 
 
 def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -81,13 +94,35 @@ def grouped_matmul(x: torch.Tensor, w, offs: torch.Tensor, bias: torch.Tensor | 
     Returns ``[M, N]`` in x's dtype. Differentiable in x and bias (the weight is frozen).
     """
     activation = "none" if activation is None else activation
-    check_grouped_int4(x, w, offs, bias, activation)
+    return _int4(x, w, offs, bias, activation, False, kernel)
+
+
+def moe_gate_up_int4(x: torch.Tensor, w, offs: torch.Tensor, bias: torch.Tensor | None = None,
+                     activation: str = "silu") -> torch.Tensor:
+    """4-bit experts' gate/up product with the activation and the gate fused: ``activation(gate) * up`` where
+    ``[gate | up] = x[rows of g] @ dequantize(w)[g].T (+ bias[g])``, w stacked ``[E, 2I, K]`` (gate rows first),
+    bias ``[E, 2I]`` or ``[2I]``. Returns ``[M, I]``; differentiable in x and bias."""
+    return _int4(x, w, offs, bias, activation, True, "auto")
+
+
+def _int4(x, w, offs, bias, activation: str, gated: bool, kernel: str) -> torch.Tensor:
+    """The 4-bit experts' call: a replay, or the checks and the op or a recorded plain call."""
+    key = int4_replay_key(x, w, offs, bias, activation, gated, kernel)
+    if key is not None:
+        tensors = call_tensors(x, w.qweight, w.scales, w.zeros, offs, bias)
+        out = REPLAYS.replayed(key, tensors)
+        if out is not None:
+            return out
+    check_grouped_int4(x, w, offs, bias, activation, gated)
     if kernel != "auto":
         registry.get("grouped_w4a16", kernel)
-    args = (x, w.qweight, w.scales, w.zeros, offs, bias, w.group_k, activation, False, kernel)
-    if plain_call(x, offs, bias):
+    args = (x, w.qweight, w.scales, w.zeros, offs, bias, w.group_k, activation, gated, kernel)
+    if not plain_call(x, offs, bias):
+        return grouped_w4a16_op(*args)
+    if key is None:
         return forward_int4(*args)
-    return grouped_w4a16_op(*args)
+    with REPLAYS.recording(key, tensors) as kept:
+        return kept(forward_int4(*args))
 
 
 def moe_gate_up(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None = None,
@@ -96,11 +131,20 @@ def moe_gate_up(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torc
     ``[gate | up] = x[rows of g] @ w[g] (+ bias[g])``, w ``[E, K, 2I]`` (gate columns first; any strides: a
     transformers ``gate_up_proj`` ``[E, 2I, K]`` passes as ``.transpose(1, 2)``), bias ``[E, 2I]`` or ``[2I]``.
     Returns ``[M, I]``; differentiable in x, w and bias."""
+    key = gated_replay_key(x, w, offs, bias, activation)
+    if key is not None:
+        tensors = call_tensors(x, w, offs, bias)
+        out = REPLAYS.replayed(key, tensors)
+        if out is not None:
+            return out
     check_activation(activation)
     check_grouped(x, w, offs, bias, None)
     if x.dim() != 2 or w.dim() != 3 or w.shape[2] % 2:
         raise ValueError(f"moe_gate_up takes x [M, K] and w [E, K, 2I] (an even number of columns), got "
                          f"{list(x.shape)} and {list(w.shape)}")
-    if plain_call(x, w, offs, bias):
+    if not plain_call(x, w, offs, bias):
+        return grouped_mm_gated_op(x, w, offs, bias, activation, "default")
+    if key is None:
         return forward_gated(x, w, offs, bias, activation, "default")
-    return grouped_mm_gated_op(x, w, offs, bias, activation, "default")
+    with REPLAYS.recording(key, tensors) as kept:
+        return kept(forward_gated(x, w, offs, bias, activation, "default"))

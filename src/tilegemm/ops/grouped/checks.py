@@ -1,5 +1,5 @@
 """Argument checks of ``tilegemm.grouped_mm`` and ``tilegemm.w4a16.grouped_matmul``: TypeError/ValueError naming
-the problem.
+the problem; and the keys of plain calls that the family's replay cache keeps (:mod:`tilegemm.core.replay`).
 
 Checks that need the values of ``offs`` (non-decreasing, within the grouped dimension) are made only where
 ``offs`` is on the CPU (under the interpreter) and nothing traces the call: on the GPU reading them would stall
@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core.activations import check_activation
-from tilegemm.core.dtypes import dtype_name
-from tilegemm.core.runtime import check_same_device
+from tilegemm.core.dtypes import dtype_name, resolve_precision
+from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call, recording_active, tensor_key
+from tilegemm.core.runtime import check_same_device, interpreting
+from tilegemm.core.workspace import in_graph_tree
 from tilegemm.ops.w4a16 import Int4Weight, validate
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -141,3 +143,82 @@ def check_grouped_int4(x, w, offs, bias, activation, gated: bool = False) -> Non
         raise ValueError(f"a gated product needs an even number of weight rows (gate, then up), got {N}")
     check_activation(activation)
     check_same_device(named)
+
+
+# --- replay keys: a plain call (no tracer, mode, autograd or CUDA-graph capture watching; CUDA, not the interpreter)
+# is keyed by everything Triton specializes its launch on and everything the config choice reads (shapes, strides,
+# dtypes, devices, 16-byte alignment; never the values of offs: grids and configs come from shapes) ---------------
+
+
+def replayable(first, *others) -> bool:
+    """True when a call with these tensors (``first`` the activations; None for an absent one) may be replayed
+    or recorded. Not inside a CUDA-graph capture: a fresh call there gets the K split's workspace through
+    :func:`tilegemm.core.workspace.split_workspace`, which zeroes its counters inside the graph; a replay would
+    skip that. Not inside another op's recording (that op's replay must see this call's launch)."""
+    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest
+        return False
+    if type(first) not in PLAIN_TENSOR_TYPES or not first.is_cuda or interpreting():
+        return False
+    if recording_active() or in_graph_tree() or torch.cuda.is_current_stream_capturing():
+        return False
+    return plain_call(first, *others)
+
+
+def _opt_key(t) -> tuple | None:
+    return None if t is None else tensor_key(t)
+
+
+def key_of(a, b, offs, bias, out_dtype, precision: str, kernel: str) -> tuple:
+    """The replay key of a ``grouped_mm`` call (``precision``: ``ieee`` or ``tf32``, as the fresh path resolves
+    it): the layouts of every tensor it launches with and the call's named options. The layout (2-D x 3-D, ...)
+    follows from the tensors' shapes."""
+    return ("mm", kernel, precision, out_dtype, tensor_key(a), tensor_key(b), _opt_key(offs), _opt_key(bias))
+
+
+def replay_key(a, b, offs, bias, out_dtype, kernel):
+    """The replay key of a ``grouped_mm`` call, or None when it may not be replayed (:func:`replayable`; options
+    of the wrong type, which the full path then refuses by name)."""
+    if not replayable(a, b, offs, bias):
+        return None
+    if type(kernel) is not str or out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        return None
+    # torch's fp32 setting is read at every call: a replay recorded under "highest" never serves "high"
+    precision = resolve_precision("default", a.dtype) if a.dtype is torch.float32 else "ieee"
+    return key_of(a, b, offs, bias, out_dtype, precision, kernel)
+
+
+def gated_key_of(a, b, offs, bias, activation: str, precision: str) -> tuple:
+    """The replay key of a ``moe_gate_up`` call (the gated 2-D x 3-D product)."""
+    return ("gated", activation, precision, tensor_key(a), tensor_key(b), _opt_key(offs), _opt_key(bias))
+
+
+def gated_replay_key(a, b, offs, bias, activation):
+    """The replay key of a ``moe_gate_up`` call, or None (as :func:`replay_key`)."""
+    if not replayable(a, b, offs, bias) or type(activation) is not str:
+        return None
+    precision = resolve_precision("default", a.dtype) if a.dtype is torch.float32 else "ieee"
+    return gated_key_of(a, b, offs, bias, activation, precision)
+
+
+def int4_key_of(x, w, offs, bias, activation: str, gated: bool, kernel: str) -> tuple:
+    """The replay key of a 4-bit experts call: x's, the stacked weight's parts', offs' and the bias's layouts,
+    the group length, the activation, whether gated, the kernel."""
+    return ("int4", kernel, activation, gated, w.group_k, tensor_key(x), tensor_key(w.qweight),
+            tensor_key(w.scales), tensor_key(w.zeros), _opt_key(offs), _opt_key(bias))
+
+
+def int4_replay_key(x, w, offs, bias, activation, gated: bool = False, kernel="auto"):
+    """The replay key of a ``w4a16.grouped_matmul`` call (``gated``: the MoE gate/up product), or None (as
+    :func:`replay_key`; a weight that is no plain ``Int4Weight`` of three plain tensors)."""
+    if torch.compiler.is_compiling() or type(w) is not Int4Weight or w.perm is not None:
+        return None
+    if not replayable(x, w.qweight, w.scales, w.zeros, offs, bias):
+        return None
+    if type(activation) is not str or type(kernel) is not str:
+        return None
+    return int4_key_of(x, w, offs, bias, activation, gated, kernel)
+
+
+def call_tensors(*tensors) -> tuple:
+    """The tensors a replay takes, the output aside: the given ones but the absent (None) ones, in order."""
+    return tuple(t for t in tensors if t is not None)

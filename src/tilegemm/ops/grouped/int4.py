@@ -30,7 +30,8 @@ from tilegemm.core.runtime import cdiv, interpreting
 from tilegemm.jit.helpers import apply_activation
 from tilegemm.ops.grouped.configs import int4_config, row_tiles
 from tilegemm.ops.grouped.problem import GroupedInt4Problem
-from tilegemm.ops.grouped.tiled import _pow2, find_group_m, split_finish, split_range, swizzle, workspace
+from tilegemm.ops.grouped.tiled import (_pow2, find_group_m, split_finish, split_range, swizzle, workspace,
+                                       workspace_launch)
 
 
 @triton.jit
@@ -200,4 +201,4 @@ def run(p: GroupedInt4Problem, config: dict | None = None) -> None:
             p.x.stride(0), p.out.stride(0), s_cg, p.N if p.gated else 0)
     flags = dict(GP=_pow2(p.groups), HAS_BIAS=p.bias is not None, GATED=p.gated, ACTIVATION=p.activation,
                  UPCAST=interpreting() and p.dtype == torch.bfloat16, **cfg, num_warps=warps, num_stages=stages)
-    launch(grouped_w4a16_kernel, (tiles, split), args, flags)
+    launch(grouped_w4a16_kernel, (tiles, split), args, flags, **workspace_launch(p.out, split, ws, count))

@@ -18,10 +18,16 @@ import torch
 from tilegemm.core import registry
 from tilegemm.core.activations import torch_activation
 from tilegemm.core.dtypes import resolve_precision
+from tilegemm.core.replay import ReplayCache
 from tilegemm.core.runtime import new_output, on_device
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.grouped import dispatch
 from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem, out_shape
+
+# The host fast path of the family's plain calls (grouped_mm, moe_gate_up, w4a16.grouped_matmul): each is one
+# launch whose grid and config follow from shapes, so a replay takes new tensors and new offs values alike.
+# Keys: tilegemm.ops.grouped.checks (replay_key, gated_replay_key, int4_replay_key); docs/grouped.md.
+REPLAYS = ReplayCache("grouped")
 
 
 def _groups(layout: str, a, b, offs) -> int:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tilegemm.core.launch import launch
+from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.runtime import cdiv, interpreting
 from tilegemm.core.workspace import split_workspace
 from tilegemm.jit.helpers import apply_activation
@@ -280,6 +280,16 @@ def workspace(out: torch.Tensor, split: int, M: int, width: int, tiles: int):
     return split_workspace(out.device, split * M * width, tiles, tag="grouped")
 
 
+def workspace_launch(out: torch.Tensor, split: int, ws, count) -> dict:
+    """``launch``'s keep and stream for a launch with :func:`workspace`'s tensors: with a split they are the
+    launcher's, made for the current stream, so a replay passes them as recorded and declines on another stream
+    (where another launch could use them meanwhile); the last slice at a tile resets its counter, so replays on
+    their stream find them at zero."""
+    if split == 1:
+        return {}
+    return dict(keep=(ws, count), stream=current_stream() if out.is_cuda else None)
+
+
 def run(p: GroupedProblem, config: dict | None = None) -> None:
     v = canonical(p)
     if v["M"] == 0 or v["N"] == 0 or p.groups == 0 and v["JAGGED"] != "m":
@@ -305,4 +315,4 @@ def run(p: GroupedProblem, config: dict | None = None) -> None:
                  ACTIVATION=p.activation, INPUT_PRECISION=p.precision,
                  UPCAST=interp and p.dtype == torch.bfloat16,
                  **cfg, num_warps=warps, num_stages=stages)
-    launch(grouped_tiled_kernel, grid, args, flags)
+    launch(grouped_tiled_kernel, grid, args, flags, **workspace_launch(p.out, split, ws, count))
