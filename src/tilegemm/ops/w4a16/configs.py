@@ -96,7 +96,9 @@ FRAG_WGMMA_WIDE_TILES = 0.65  # share of a wave: BM = 256 from here
 FRAG_WGMMA_ROWS128_TILES = 0.4  # share of a wave the 128-row tiles make for the 8-warp rule at M <= 128
 
 
-def frag_wgmma_config(M: int, N: int, K: int, device) -> dict:
+def frag_wgmma_config(M: int, N: int, K: int, device, gather: bool = False) -> dict:
+    """``gather``: act-order, x's tile gathered through registers (GATHER), which takes one row tile a warp where
+    PIPE is on (with two, sm_90's compile spills: docs/w4a16.md, "Act-order")."""
     sms = sm_count(device)
     pipe = M >= FRAG_WGMMA_OVERLAP_M
     if M > 64 and (M > 128 or _cdiv(N, 128) >= FRAG_WGMMA_ROWS128_TILES * sms):
@@ -113,7 +115,7 @@ def frag_wgmma_config(M: int, N: int, K: int, device) -> dict:
     elif bm <= 16:
         warps, rh = 4, 1
     else:
-        warps, rh = 4, 2 if _cdiv(N, 128) * _cdiv(M, bm) >= sms else 1
+        warps, rh = 4, 2 if _cdiv(N, 128) * _cdiv(M, bm) >= sms and not (gather and pipe) else 1
     tiles = _cdiv(N, 16 * rh * warps) * _cdiv(M, bm)
     per_sm = FRAG_WGMMA_PROGRAMS_PER_SM[0 if bm <= 16 else 1 if bm <= 64 else 2]
     split = split_within(tiles, _cdiv(K, 64), per_sm * sms, 8)
