@@ -9,20 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HERE, assert_rel_close
-from w4a16_kit import compile_report
+from w4a16_kit import act_order_weight as act_order, compile_report
 
 from tilegemm import w4a16
 from tilegemm.ops.w4a16 import api, checks, configs, dispatch, op
 from tilegemm.ops.w4a16.reference import reference
 
 SMEM = 227 * 1024  # shared memory a block may use on Hopper
-
-
-def act_order(N: int, K: int, group: int, dtype=torch.float16, device="cpu", seed: int = 0) -> w4a16.Int4Weight:
-    """A weight whose stored inputs are x's in a random order (what from_gptq makes of an act-order checkpoint)."""
-    g = torch.Generator().manual_seed(seed)
-    w = w4a16.quantize(torch.randn(N, K, generator=g).to(dtype).to(device), group)
-    return w4a16.Int4Weight(w.qweight, w.scales, w.zeros, group, w.shape, torch.randperm(K, generator=g).to(device))
 
 
 class _Rows:
@@ -127,12 +120,14 @@ def test_op_reorders_for_kernels_that_do_not_gather():
 # --- launch_args and the offline sm_90 compile ----------------------------------------------------------------
 
 
-def test_config_takes_one_row_tile_a_warp_where_gather_meets_pipe(monkeypatch):
+def test_config_keeps_gathered_tiles_from_spilling(monkeypatch):
     # x's gathered tile in registers on top of PIPE's two MMA groups of fragments: two row tiles a warp spill
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     plain = configs.frag_wgmma_config(64, 18944, 3584, "cuda")
     gathered = configs.frag_wgmma_config(64, 18944, 3584, "cuda", gather=True)
     assert plain["RH"] == 2 and gathered["RH"] == 1 and gathered["PIPE"] and gathered["BM"] == 64
+    wide = configs.frag_wgmma_config(256, 14336, 4096, "cuda")  # 256 rows of x a program: 8 warps spill gathering
+    assert wide["BM"] == 256 and configs.frag_wgmma_config(256, 14336, 4096, "cuda", gather=True)["BM"] == 128
     for M in (1, 16, 32, 48):  # elsewhere the same config
         assert configs.frag_wgmma_config(M, 18944, 3584, "cuda", gather=True) == \
             configs.frag_wgmma_config(M, 18944, 3584, "cuda")

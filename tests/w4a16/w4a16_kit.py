@@ -33,6 +33,14 @@ def check_fragment_kernel(kernel: str, dtype, N: int, K: int, group: int, M: int
                      reference(x, w, bias, "silu"), tol)
 
 
+def act_order_weight(N: int, K: int, group: int, dtype=torch.float16, device="cpu", seed: int = 0):
+    """A weight whose stored inputs are x's in a random order (``perm``, as from_gptq makes of an act-order
+    checkpoint); any group length, all of K (-1) included."""
+    g = torch.Generator().manual_seed(seed)
+    w = w4a16.quantize(torch.randn(N, K, generator=g).to(dtype).to(device), group)
+    return w4a16.Int4Weight(w.qweight, w.scales, w.zeros, group, w.shape, torch.randperm(K, generator=g).to(device))
+
+
 def check_launch_twice(module, cfg: dict, M: int, K: int = 2048, group: int = 128) -> None:
     """``module.launch_args`` with ``cfg`` on a 520 x ``K`` weight in groups of ``group``, launched twice into a
     NaN-filled output: right both times (the split-K counters were reset by the last arrival); bf16 too."""

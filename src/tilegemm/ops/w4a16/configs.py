@@ -97,12 +97,12 @@ FRAG_WGMMA_ROWS128_TILES = 0.4  # share of a wave the 128-row tiles make for the
 
 
 def frag_wgmma_config(M: int, N: int, K: int, device, gather: bool = False) -> dict:
-    """``gather``: act-order, x's tile gathered through registers (GATHER), which takes one row tile a warp where
-    PIPE is on (with two, sm_90's compile spills: docs/w4a16.md, "Act-order")."""
+    """``gather``: act-order, x's tile gathered through registers (GATHER): one row tile a warp where PIPE is on
+    and x's rows at most 128 a program (more spill in sm_90's compile: docs/w4a16.md, "Act-order")."""
     sms = sm_count(device)
     pipe = M >= FRAG_WGMMA_OVERLAP_M
     if M > 64 and (M > 128 or _cdiv(N, 128) >= FRAG_WGMMA_ROWS128_TILES * sms):
-        bm = 256 if M > 128 and _cdiv(N, 128) * _cdiv(M, 256) >= FRAG_WGMMA_WIDE_TILES * sms else 128
+        bm = 256 if M > 128 and not gather and _cdiv(N, 128) * _cdiv(M, 256) >= FRAG_WGMMA_WIDE_TILES * sms else 128
         split = min(4, split_within(_cdiv(N, 128) * _cdiv(M, bm), K // 64, sms, 8))
         return dict(BM=bm, RH=1, num_warps=8, STAGES=4, SPLIT_K=split, OVERLAP=True, PIPE=True)
     if M <= 64:
