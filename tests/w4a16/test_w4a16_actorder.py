@@ -38,6 +38,10 @@ def test_frag_wgmma_gathers_up_to_the_line_on_hopper(monkeypatch, group):
         assert not dispatch.gathers("auto", _Rows(M, 256), w) and dispatch.wants_frag("auto", _Rows(M, 256), w)
     for kernel in ("gemv", "mma", "dequant_cublas"):  # the other kernels read x as it lies
         assert not dispatch.gathers(kernel, _Rows(1, 256), w)
+    # all of x within GATHER_MAX_X elements (it stays in L1 while every program reads through it)
+    w = act_order(16, 4096, group)
+    rows = dispatch.GATHER_MAX_X // 4096
+    assert dispatch.gathers("auto", _Rows(rows, 4096), w) and not dispatch.gathers("auto", _Rows(rows + 1, 4096), w)
     # not on Hopper (here: the CPU): auto picks gemv / mma, which reorder first
     assert not dispatch.gathers("auto", torch.empty(1, 256), w)
 

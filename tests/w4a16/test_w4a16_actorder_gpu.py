@@ -1,10 +1,11 @@
 """GPTQ act-order on the GPU: ``frag_wgmma`` reading x through ``perm`` (``GATHER``, up to
-``dispatch.GATHER_MAX_M`` rows; above, x reordered first) against ``x @ dequantize(w).T`` in float64 (outputs
-NaN-poisoned by conftest): fp16 and bf16, M 1..256, groups 32 / 128 / all of K over a K that is no multiple of 64,
-bias and activations, sliced and unaligned x, every loop form and K split, bit for bit (one-hot rows), replays
-with another perm, the gradient of x, and no index_select where the kernel gathers.
+``dispatch.GATHER_MAX_M`` rows and ``GATHER_MAX_X`` elements of x, or forced up to 64 rows; above, x reordered
+first) against ``x @ dequantize(w).T`` in float64 (outputs NaN-poisoned by conftest): fp16 and bf16, M 1..256,
+groups 32 / 128 / all of K over a K that is no multiple of 64, bias and activations, sliced and unaligned x,
+every loop form and K split, bit for bit (one-hot rows), replays with another perm, the gradient of x, and no
+index_select where the kernel gathers.
 
-    pytest -q tests/w4a16/test_w4a16_actorder_gpu.py
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/w4a16/test_w4a16_actorder_gpu.py
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ MS = [1, 2, 3, 8, 16, 17, 33, 64, 65, 128, 256]
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group, N, K", [(128, 1000, 4096), (32, 520, 4128), (-1, 300, 200)])
 @pytest.mark.parametrize("M", MS)
-def test_act_order_matches_the_reference(dtype, group, N, K, M):
+@pytest.mark.parametrize("forced", [False, True])
+def test_act_order_matches_the_reference(monkeypatch, dtype, group, N, K, M, forced):
+    if forced:  # the gather wherever the tile allows (up to 64 rows), whatever x's size
+        monkeypatch.setattr(dispatch, "GATHER_MAX_X", 1 << 40)
     w = act_order_weight(N, K, group, dtype, "cuda", seed=M)
     x = torch.randn(M, K, dtype=dtype, device="cuda")
     bias = torch.randn(N, dtype=dtype, device="cuda")
     tol = tolerance(dtype)
-    assert dispatch.gathers("auto", x, w) == (M <= dispatch.GATHER_MAX_M)
+    assert dispatch.gathers("auto", x, w) == (M <= dispatch.GATHER_MAX_M and M * K <= dispatch.GATHER_MAX_X)
     for kernel in ("auto", "frag_wgmma"):
         assert_rel_close(w4a16.matmul(x, w, kernel=kernel), reference(x, w), tol)
         for act in ("silu", "gelu"):
@@ -40,10 +44,11 @@ def test_act_order_matches_the_reference(dtype, group, N, K, M):
                              reference(x, w, bias, act), tol)
 
 
-@pytest.mark.parametrize("M", [1, 16, 64, 65])
+@pytest.mark.parametrize("M", [1, 16, 48, 49, 65])
 def test_no_index_select_where_the_kernel_gathers(monkeypatch, M):
     w = act_order_weight(256, 1024, 128, device="cuda")
     x = torch.randn(M, 1024, dtype=torch.float16, device="cuda")
+    assert dispatch.gathers("auto", x, w) == (M <= 48)  # 48 x 1024 elements: GATHER_MAX_X
     calls = []
     real = torch.Tensor.index_select
 
@@ -55,7 +60,7 @@ def test_no_index_select_where_the_kernel_gathers(monkeypatch, M):
     op.REPLAYS.clear()
     for _ in range(3):  # recorded, then replayed
         assert_rel_close(w4a16.matmul(x, w), reference(x, w), 2e-3)
-    assert (len(calls) == 0) == (M <= dispatch.GATHER_MAX_M)
+    assert (len(calls) == 0) == (M <= 48)
     assert op.REPLAYS.count() == 1
 
 
@@ -81,7 +86,7 @@ def test_replays_take_the_calls_perm():
     op.REPLAYS.clear()
     w1 = act_order_weight(512, 2048, 128, device="cuda", seed=1)
     w2 = act_order_weight(512, 2048, 128, device="cuda", seed=2)
-    for M in (1, 9, 48):
+    for M in (1, 9, 20):  # gathered (x within GATHER_MAX_X)
         for w in (w1, w2, w1):
             x = torch.randn(M, 2048, dtype=torch.float16, device="cuda")
             assert_rel_close(w4a16.matmul(x, w), reference(x, w), 2e-3)

@@ -19,10 +19,11 @@ GEMV_MAX_M = 2  # elsewhere gemv up to here: one program per row, the second rea
 MMA_MAX_M = 128  # then mma up to here; above, dequant_cublas (cuBLAS's GEMM hides the weight's extra pass)
 
 FRAG_KERNELS = ("frag_wgmma",)  # the kernels that read the weight's fragment layout
-# act-order: frag_wgmma reads x through perm up to here (x's tile of at most 64 rows a program, its slice of K
-# mostly held in L1 while the random columns' sectors are reused); above, and in every other kernel, x is
+# act-order: frag_wgmma reads x through perm (2-byte loads of random columns, each a 32-byte sector) while all of
+# x fits an SM's L1 beside the ring, so each sector comes from L2 once; above, and in every other kernel, x is
 # reordered by one index_select first (docs/w4a16.md, "Act-order")
-GATHER_MAX_M = 64
+GATHER_MAX_M = 64  # x's rows a program at most (a gathered tile of 64 rows in registers; more spill)
+GATHER_MAX_X = 48 * 1024  # x's elements (M x K) at most: 96 KB of 16-bit x
 GATHER_KERNELS = ("frag_wgmma",)  # the kernels that take perm
 
 
@@ -60,8 +61,10 @@ def wants_frag(kernel: str, x2: torch.Tensor, w) -> bool:
 
 def gathers(kernel: str, x2: torch.Tensor, w) -> bool:
     """Whether a call with 2-D activations ``x2`` and act-order weight ``w`` reads x through ``w.perm`` in the kernel
-    (frag_wgmma, asked for or chosen by auto, up to GATHER_MAX_M rows) rather than on a reordered copy."""
-    return x2.shape[0] <= GATHER_MAX_M and wants_frag(kernel, x2, w)
+    (frag_wgmma, asked for or chosen by auto, up to GATHER_MAX_M rows and GATHER_MAX_X elements of x) rather than
+    on a reordered copy."""
+    M, K = x2.shape
+    return M <= GATHER_MAX_M and M * K <= GATHER_MAX_X and wants_frag(kernel, x2, w)
 
 
 def kernel_for(p: W4A16Problem) -> str:
