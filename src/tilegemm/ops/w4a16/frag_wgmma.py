@@ -29,6 +29,10 @@ which each thread reads back exactly as it copied them (16 bytes, one wavefront 
 for its slot, dequantizes its words into registers and issues the MMA; the MMA is waited for before the next
 step writes those registers (the other programs on the SM fill the gap). K slices meet in a last-arrival
 reduction (deterministic order).
+
+Act-order weights (``GATHER``, with ``perm_ptr``): x's columns are read through the weight's perm, so no reordered
+copy of x is made. A step's tile is gathered by 2-byte loads into registers one ring issue ahead and stored to its
+slot at the next issue; the weights keep their ``cp.async`` ring (docs/w4a16.md, "Act-order").
 """
 
 from __future__ import annotations
