@@ -176,7 +176,7 @@ def _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, step, k_firs
     slot = step % STAGES
     if GATHER:
         # Stored first, then the next tile's loads: one tile of registers live (issuing the loads before the
-        # store, to overlap the ring's first issues, took 8 more registers at M = 16 in sm_90's compile)
+        # store, to overlap the ring's first issues, took more registers: docs/w4a16.md, "Act-order")
         x_bufs.index(slot).store(xr)
         fence_async_shared()  # the writer's fence, before the barrier that precedes the MMA reading the slot
         xr = _gather_x(x_ptr, x_offs, x_ok, kk, pr, k0 + 64, k_end, K)
