@@ -33,6 +33,14 @@ def check_fragment_kernel(kernel: str, dtype, N: int, K: int, group: int, M: int
                      reference(x, w, bias, "silu"), tol)
 
 
+def act_order_weight(N: int, K: int, group: int, dtype=torch.float16, device="cpu", seed: int = 0):
+    """A weight whose stored inputs are x's in a random order (``perm``, as from_gptq makes of an act-order
+    checkpoint); any group length, all of K (-1) included."""
+    g = torch.Generator().manual_seed(seed)
+    w = w4a16.quantize(torch.randn(N, K, generator=g).to(dtype).to(device), group)
+    return w4a16.Int4Weight(w.qweight, w.scales, w.zeros, group, w.shape, torch.randperm(K, generator=g).to(device))
+
+
 def check_launch_twice(module, cfg: dict, M: int, K: int = 2048, group: int = 128) -> None:
     """``module.launch_args`` with ``cfg`` on a 520 x ``K`` weight in groups of ``group``, launched twice into a
     NaN-filled output: right both times (the split-K counters were reset by the last arrival); bf16 too."""
@@ -63,7 +71,10 @@ _SCRIPT = SM90 + textwrap.dedent(
         fzs = torch.empty(-(-fw.shape[1] * 64 // group), fw.shape[0], 8, 4, dtype=dt)
         out = torch.empty(M, N, dtype=dt)
         bias = torch.empty(N, dtype=dt) if v["bias"] else None
-        kernel, grid, args, kwargs = module.launch_args(x, fw, fzs, bias, out, N, K, group, v["act"], v["cfg"])
+        perm = v.get("act_order")  # frag_wgmma's GATHER: the index dtype's name
+        extra = (torch.empty(K, dtype=getattr(torch, perm)),) if perm else ()
+        kernel, grid, args, kwargs = module.launch_args(x, fw, fzs, bias, out, N, K, group, v["act"], v["cfg"],
+                                                        *extra)
         sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
         compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, kwargs["num_warps"])
         report[name] = dict(
@@ -75,6 +86,9 @@ _SCRIPT = SM90 + textwrap.dedent(
             cp_async=len(re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global \\[[^]]+\\], \\[[^]]+\\], 0x10", ptx)),
             shared=compiled.metadata.shared,
             group32=bool(kwargs.get("GROUP32")),
+            gather=bool(kwargs.get("GATHER")),
+            scalar_loads=len(re.findall(r"ld\\.global(?:\\.[a-z0-9]+)*\\.b16", ptx)),
+            registers=[int(n) for n in re.findall(r"Used (\\d+) registers", info)],
             serialized="serialized" in info,
             spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
         )
@@ -84,8 +98,9 @@ _SCRIPT = SM90 + textwrap.dedent(
 
 
 def compile_report(tmp_path, module: str, variants: dict) -> dict:
-    """Per variant (dtype, mnk, bias, act, cfg, group: 128 unless given), what the sm_90 compile of ``module``'s kernel holds: MMA and
-    LOP3 counts, 16-byte loads and cp.async copies, shared memory, serialized wgmma, spills."""
+    """Per variant (dtype, mnk, bias, act, cfg, group: 128 unless given; act_order: "int32" or "int64", a perm of that
+    dtype: frag_wgmma's GATHER), what the sm_90 compile of ``module``'s kernel holds: MMA and LOP3 counts, 16-byte loads and cp.async
+    copies, 2-byte loads, shared memory, registers, serialized wgmma, spills."""
     return compile_offline(tmp_path, _SCRIPT, {k: dict(v, module=module) for k, v in variants.items()}, timeout=600)
 
 

@@ -81,22 +81,23 @@ def _matmul_rule(a, b, bias, c, alpha, beta, activation, out_dtype, precision, k
     return rules
 
 
-def _w4a16_rule(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel):
+def _w4a16_rule(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm=None):
     """``activation(x @ W.T + bias)``: x ``[M, K]``; qweight ``[K/8, N]``, scales and zeros ``[G, N]`` (K in
-    groups of ``group_k``); fweight/fzs the fragment layout of the whole weight (only replicated)."""
-    args = (x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel)
+    groups of ``group_k``); fweight/fzs the fragment layout of the whole weight (only replicated); perm
+    (act-order, x read through it) replicated, and K then not split (it mixes all of K)."""
+    args = (x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm)
     R = Replicate()
     K = x.shape[1]
 
     def strategy(out, px, pw, pbias, pfrag=R):
-        return [out], _place(args, [px, pw, pw, pw, pfrag, pfrag, pbias, None, None, None])
+        return [out], _place(args, [px, pw, pw, pw, pfrag, pfrag, pbias, None, None, None, R])
 
     rules = [strategy(R, R, R, R), strategy(Shard(0), Shard(0), R, R)]
     if not _is_spec(fweight):  # the fragment layout interleaves all of N and K: it is not split
         rules.append(strategy(Shard(1), R, Shard(1), Shard(0)))
         # K split in whole groups only, evenly (a shard of qweight's K/8 rows must match x's K columns)
         world = _mesh_size(*args)
-        if activation == "none" and group_k < K and K % (world * group_k) == 0:
+        if activation == "none" and group_k < K and K % (world * group_k) == 0 and perm is None:
             rules.append(strategy(Partial(), Shard(1), Shard(0), Partial()))
     return rules
 

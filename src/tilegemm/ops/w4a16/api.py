@@ -31,41 +31,48 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
     activation = "none" if activation is None else activation
-    # The fast path: a replay of an earlier plain call with the same key (act-order: of x's inputs reordered).
-    key = x2 = None
+    # The fast path: a replay of an earlier plain call with the same key (act-order: with perm, read through it
+    # by the kernel, or of x's inputs reordered).
+    key = x2 = perm = None
     if type(w) is Int4Weight and type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == w.shape[1] \
             and (w.perm is None or w.perm.device == x.device):
-        x2 = _ordered(_rows(x), w)
+        x2, perm = _ordered(_rows(x), w, kernel)
         if w._frag is None and dispatch.wants_frag(kernel, x2, w):
             w.fragments()  # before the key, which holds the fragments' layouts
-        key = replay_key(x2, w, bias, activation, kernel)
+        key = replay_key(x2, w, bias, activation, kernel, perm)
         if key is not None:
-            out = op.REPLAYS.replayed(key, call_tensors(x2, w, bias))
+            out = op.REPLAYS.replayed(key, call_tensors(x2, w, bias, perm))
             if out is not None:
                 return out.reshape(*x.shape[:-1], w.shape[0])
             # (None: nothing recorded, or recorded for another stream or device; launched afresh below)
     check_inputs(x, w, bias, activation, kernel)
     lead = x.shape[:-1]
     if x2 is None:
-        x2 = _ordered(_rows(x), w)
+        x2, perm = _ordered(_rows(x), w, kernel)
     # The fragment layout goes along when a fragment kernel is asked for, or may be chosen by auto.
     fweight, fzs = w.fragments() if dispatch.wants_frag(kernel, x2, w) else (None, None)
     p = W4A16Problem(x=x2, qweight=w.qweight, scales=w.scales, zeros=w.zeros, bias=bias, out=None,
-                     group_k=w.group_k, activation=activation, fweight=fweight, fzs=fzs, kernel=kernel)
+                     group_k=w.group_k, activation=activation, fweight=fweight, fzs=fzs, kernel=kernel, perm=perm)
     # Dispatch through torch.ops costs tens of microseconds of host time, more than an M=1 kernel; a call that
     # no tracer, mode or autograd needs to see skips it (as tilegemm.matmul does).
     if not plain_call(x2, bias):
         return op.call(p).reshape(*lead, w.shape[0])
     if key is None or dispatch.kernel_for(p) not in op.REPLAYED_KERNELS:
         return dispatch.forward(p).reshape(*lead, w.shape[0])
-    with op.REPLAYS.recording(key, call_tensors(x2, w, bias)) as kept:
+    with op.REPLAYS.recording(key, call_tensors(x2, w, bias, perm)) as kept:
         out = kept(dispatch.forward(p))
     return out.reshape(*lead, w.shape[0])
 
 
-def _ordered(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """``x2``'s inputs in the weight's stored order: act-order weights hold their rows sorted by group."""
-    return x2 if w.perm is None else x2.index_select(1, w.perm)
+def _ordered(x2: torch.Tensor, w: Int4Weight, kernel: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(x2, perm)``: act-order weights hold their rows sorted by group, so x's inputs are taken in that order,
+    by the kernel through ``perm`` (frag_wgmma at small M: :func:`~tilegemm.ops.w4a16.dispatch.gathers`), or
+    else reordered here (``perm`` None); weights in natural order: ``(x2, None)``."""
+    if w.perm is None:
+        return x2, None
+    if dispatch.gathers(kernel, x2, w):
+        return x2, w.perm
+    return x2.index_select(1, w.perm), None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

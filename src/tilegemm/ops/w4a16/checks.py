@@ -54,15 +54,17 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
 # keyed by everything Triton specializes its launch on ------------------------------------------------------
 
 
-def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str) -> tuple:
-    """The replay key of a call with 2-D activations ``x2`` (already reshaped and, for act-order, permuted):
-    the layouts of every tensor the launch takes and the call's named options."""
+def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str, perm=None) -> tuple:
+    """The replay key of a call with 2-D activations ``x2`` (already reshaped and, for act-order, permuted, or
+    read through ``perm`` by the kernel): the layouts of every tensor the launch takes and the call's named
+    options."""
     frag = None if w._frag is None else tuple(tensor_key(t) for t in w._frag)
     return (kernel, activation, x2.device, tensor_key(x2), tensor_key(w.qweight), tensor_key(w.scales),
-            tensor_key(w.zeros), frag, w.group_k, None if bias is None else tensor_key(bias))
+            tensor_key(w.zeros), frag, w.group_k, None if bias is None else tensor_key(bias),
+            None if perm is None else tensor_key(perm))
 
 
-def replay_key(x2, w, bias, activation: str, kernel: str):
+def replay_key(x2, w, bias, activation: str, kernel: str, perm=None):
     """The replay key of a call, or None when the call may not be replayed (CPU, the interpreter, a tensor
     subclass, autograd or a tracer watching, a bias that is not a tensor on x's device)."""
     if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest
@@ -73,10 +75,13 @@ def replay_key(x2, w, bias, activation: str, kernel: str):
         return None
     if w.qweight.device != x2.device or not plain_call(x2, bias, w.qweight, w.scales, w.zeros):
         return None
-    return key_of(x2, w, bias, activation, kernel)
+    return key_of(x2, w, bias, activation, kernel, perm)
 
 
-def call_tensors(x2, w, bias) -> tuple:
-    """The tensors a replay takes, the output aside (the fragment layout, when made)."""
+def call_tensors(x2, w, bias, perm=None) -> tuple:
+    """The tensors a replay takes, the output aside (the fragment layout, when made; act-order's perm, when the
+    kernel reads x through it)."""
     parts = (x2, w.qweight, w.scales, w.zeros) + tuple(w._frag or ())
+    if perm is not None:
+        parts += (perm,)
     return parts if bias is None else parts + (bias,)

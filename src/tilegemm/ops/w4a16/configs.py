@@ -96,11 +96,13 @@ FRAG_WGMMA_WIDE_TILES = 0.65  # share of a wave: BM = 256 from here
 FRAG_WGMMA_ROWS128_TILES = 0.4  # share of a wave the 128-row tiles make for the 8-warp rule at M <= 128
 
 
-def frag_wgmma_config(M: int, N: int, K: int, device) -> dict:
+def frag_wgmma_config(M: int, N: int, K: int, device, gather: bool = False) -> dict:
+    """``gather``: act-order, x's tile gathered through registers (GATHER): one row tile a warp where PIPE is on
+    and x's rows at most 128 a program (more spill in sm_90's compile: docs/w4a16.md, "Act-order")."""
     sms = sm_count(device)
     pipe = M >= FRAG_WGMMA_OVERLAP_M
     if M > 64 and (M > 128 or _cdiv(N, 128) >= FRAG_WGMMA_ROWS128_TILES * sms):
-        bm = 256 if M > 128 and _cdiv(N, 128) * _cdiv(M, 256) >= FRAG_WGMMA_WIDE_TILES * sms else 128
+        bm = 256 if M > 128 and not gather and _cdiv(N, 128) * _cdiv(M, 256) >= FRAG_WGMMA_WIDE_TILES * sms else 128
         split = min(4, split_within(_cdiv(N, 128) * _cdiv(M, bm), K // 64, sms, 8))
         return dict(BM=bm, RH=1, num_warps=8, STAGES=4, SPLIT_K=split, OVERLAP=True, PIPE=True)
     if M <= 64:
@@ -113,7 +115,7 @@ def frag_wgmma_config(M: int, N: int, K: int, device) -> dict:
     elif bm <= 16:
         warps, rh = 4, 1
     else:
-        warps, rh = 4, 2 if _cdiv(N, 128) * _cdiv(M, bm) >= sms else 1
+        warps, rh = 4, 2 if _cdiv(N, 128) * _cdiv(M, bm) >= sms and not (gather and pipe) else 1
     tiles = _cdiv(N, 16 * rh * warps) * _cdiv(M, bm)
     per_sm = FRAG_WGMMA_PROGRAMS_PER_SM[0 if bm <= 16 else 1 if bm <= 64 else 2]
     split = split_within(tiles, _cdiv(K, 64), per_sm * sms, 8)

@@ -29,6 +29,10 @@ which each thread reads back exactly as it copied them (16 bytes, one wavefront 
 for its slot, dequantizes its words into registers and issues the MMA; the MMA is waited for before the next
 step writes those registers (the other programs on the SM fill the gap). K slices meet in a last-arrival
 reduction (deterministic order).
+
+Act-order weights (``GATHER``, with ``perm_ptr``): x's columns are read through the weight's perm, so no reordered
+copy of x is made. A step's tile is gathered by 2-byte loads into registers one ring issue ahead and stored to its
+slot at the next issue; the weights keep their ``cp.async`` ring (docs/w4a16.md, "Act-order").
 """
 
 from __future__ import annotations
@@ -162,20 +166,52 @@ def _a_tile(w, za, zb, sa, sb, RHT: gl.constexpr, KH: gl.constexpr, A_LAYOUT: gl
 
 @gluon.jit
 def _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, step, k_first, k_end, K,
-           STAGES: gl.constexpr, EVEN_K: gl.constexpr):
+           STAGES: gl.constexpr, EVEN_K: gl.constexpr, perm_ptr, xr, pr, GATHER: gl.constexpr):
     """cp.async the x tile and weight words of K step ``step`` (counted from the slice's first) into its slot;
-    nothing past the slice, zeros past K and past M."""
+    nothing past the slice, zeros past K and past M. GATHER (act-order): x's tile is ``xr``, gathered one issue
+    earlier, stored to the slot; then the next step's tile is gathered through ``pr`` (its perm slice) and the
+    perm slice of the step after is loaded: both arrive while this step's work runs (returned: the new xr, pr)."""
     k0 = k_first + step * 64
     live = k0 < k_end
     slot = step % STAGES
-    if EVEN_K:
-        x_mask = x_ok & live
+    if GATHER:
+        # Stored first, then the next tile's loads: one tile of registers live (issuing the loads before the
+        # store, to overlap the ring's first issues, took more registers: docs/w4a16.md, "Act-order")
+        x_bufs.index(slot).store(xr)
+        fence_async_shared()  # the writer's fence, before the barrier that precedes the MMA reading the slot
+        xr = _gather_x(x_ptr, x_offs, x_ok, kk, pr, k0 + 64, k_end, K)
+        pr = _perm_slice(perm_ptr, kk, k0 + 128, k_end, K)
     else:
-        # by 8-element chunk (K is a multiple of 8), so the compiler sees the mask whole across each 16-byte copy
-        x_mask = x_ok & live & (k0 + gl.expand_dims(kk // 8 * 8, 0) < K)
-    async_copy.async_copy_global_to_shared(x_bufs.index(slot), x_ptr + x_offs + k0, mask=x_mask)
+        if EVEN_K:
+            x_mask = x_ok & live
+        else:
+            # by 8-element chunk (K is a multiple of 8), so the compiler sees the mask whole across each 16-byte
+            # copy
+            x_mask = x_ok & live & (k0 + gl.expand_dims(kk // 8 * 8, 0) < K)
+        async_copy.async_copy_global_to_shared(x_bufs.index(slot), x_ptr + x_offs + k0, mask=x_mask)
     async_copy.async_copy_global_to_shared(w_bufs.index(slot), wf_ptr + w_offs + step * 128, mask=live)
     async_copy.commit_group()
+    return xr, pr
+
+
+@gluon.jit
+def _perm_slice(perm_ptr, kk, k0, k_end, K):
+    """GATHER: ``perm[k0 : k0 + 64]``, the inputs of x that the K step at ``k0`` multiplies (0 past the slice
+    and past K)."""
+    k = k0 + kk
+    if perm_ptr.dtype.element_ty == gl.int64:  # its low words only (indices < 2^31, little-endian): 32-bit registers
+        return gl.load(perm_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + 2 * k, mask=(k < k_end) & (k < K),
+                       other=0)
+    else:
+        return gl.load(perm_ptr + k, mask=(k < k_end) & (k < K), other=0)
+
+
+@gluon.jit
+def _gather_x(x_ptr, x_rows, x_ok, kk, pr, k0, k_end, K):
+    """GATHER: ``x[rows, pr]``, the K step at ``k0`` in the weight's stored order ([BM, 64] in registers); zeros
+    past the slice, K and M (the padded weights are zero, but 0 * NaN is not)."""
+    ok = x_ok & gl.expand_dims((k0 + kk < k_end) & (k0 + kk < K), 0)
+    return gl.load(x_ptr + x_rows + gl.expand_dims(pr, 0), mask=ok, other=0.0)
 
 
 @gluon.jit
@@ -260,21 +296,21 @@ def _first_fragments(w_bufs, zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, 
 def _pipe_step(t, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
                za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql: gl.constexpr,
                a_l: gl.constexpr, RHT: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
-               BF16: gl.constexpr, GROUP32: gl.constexpr):
+               BF16: gl.constexpr, GROUP32: gl.constexpr, perm_ptr, xr, pr, GATHER: gl.constexpr):
     """PIPE's step ``t`` (``t >= 1``; step t - 1's MMA in flight): wait until step t's copies landed (every
     thread's; every warp has retired step t - 2's MMA), refill the slot step t - 2 read, make step t's
     fragments, issue its MMA, retire step t - 1's."""
     async_copy.wait_group(STAGES - 3)
     gl.thread_barrier()
-    _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, t + STAGES - 2, k_first, k_end, K, STAGES,
-           EVEN_K)
+    xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, t + STAGES - 2, k_first, k_end, K,
+                    STAGES, EVEN_K, perm_ptr, xr, pr, GATHER)
     za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
                                               k_first + t * 64, k_end, group_k, group_steps, BF16, GROUP32, ql)
     a = _a_tile(w_bufs.index(t % STAGES).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
     fence_async_shared()
     acc = warpgroup_mma(a, x_bufs.index(t % STAGES).permute((1, 0)), acc, is_async=True)
     acc, a = warpgroup_mma_wait(1, deps=(acc, a))
-    return acc, za, zb, sa, sb, zz, ss, left, g
+    return acc, za, zb, sa, sb, zz, ss, left, g, xr, pr
 
 
 @gluon.jit
@@ -283,7 +319,8 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
                       BM: gl.constexpr, RH: gl.constexpr, STAGES: gl.constexpr, BF16: gl.constexpr,
                       EVEN_K: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr,
                       ACTIVATION: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
-                      num_warps: gl.constexpr, GROUP32: gl.constexpr = False):
+                      num_warps: gl.constexpr, GROUP32: gl.constexpr = False, perm_ptr=None,
+                      GATHER: gl.constexpr = False):
     RHT: gl.constexpr = num_warps * RH  # 16-row tiles of weights
     BN: gl.constexpr = 16 * RHT
     dt: gl.constexpr = x_ptr.dtype.element_ty
@@ -310,10 +347,14 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
         gl.expand_dims(gl.expand_dims(gl.expand_dims(i2 * 4, 0), 1), 3) + \
         gl.expand_dims(gl.expand_dims(gl.expand_dims(i3, 0), 1), 2)
 
-    # x tile offsets [BM, 64]; rows past M are zero-filled (their output columns are not stored)
+    # x tile offsets [BM, 64]; rows past M are zero-filled (their output columns are not stored). GATHER: the
+    # rows' offsets [BM, 1] (stride_x8 is then x's row stride in elements), the columns coming through perm.
     mm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, xl))
     kk = gl.arange(0, 64, layout=gl.SliceLayout(0, xl))
-    x_offs = gl.expand_dims(mm.to(gl.int64) * stride_x8 * 8, 1) + gl.expand_dims(kk, 0)
+    if GATHER:
+        x_offs = gl.expand_dims(mm.to(gl.int64) * stride_x8, 1)
+    else:
+        x_offs = gl.expand_dims(mm.to(gl.int64) * stride_x8 * 8, 1) + gl.expand_dims(kk, 0)
     x_ok = gl.expand_dims(mm < M, 1)
 
     x_bufs = gl.allocate_shared_memory(dt, [STAGES, BM, 64], x_sl)
@@ -322,8 +363,15 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
     k_first = split * steps_per_split * 64
     k_end = gl.minimum(k_first + steps_per_split * 64, k_stop)
     steps = gl.cdiv(k_end - k_first, 64)
+    if GATHER:  # the first step's tile in registers and the second's perm slice, for the first _issue
+        xr = _gather_x(x_ptr, x_offs, x_ok, kk, _perm_slice(perm_ptr, kk, k_first, k_end, K), k_first, k_end, K)
+        pr = _perm_slice(perm_ptr, kk, k_first + 64, k_end, K)
+    else:
+        xr = 0
+        pr = 0
     for i in gl.static_range(STAGES - 1):
-        _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, i, k_first, k_end, K, STAGES, EVEN_K)
+        xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, i, k_first, k_end, K, STAGES,
+                        EVEN_K, perm_ptr, xr, pr, GATHER)
 
     group_steps = group_k // 64
     left = 0
@@ -346,19 +394,19 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
         acc = warpgroup_mma(a, x_bufs.index(0).permute((1, 0)), acc, is_async=True)
         acc, a = warpgroup_mma_wait(1, deps=(acc, a))  # waits for nothing (one group in flight): a tensor again
         for t in range(1, steps - 1, 2):
-            acc, za, zb, sa, sb, zz, ss, left, g = _pipe_step(
+            acc, za, zb, sa, sb, zz, ss, left, g, xr, pr = _pipe_step(
                 t, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
                 za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
-                STAGES, EVEN_K, BF16, GROUP32)
-            acc, za, zb, sa, sb, zz, ss, left, g = _pipe_step(
+                STAGES, EVEN_K, BF16, GROUP32, perm_ptr, xr, pr, GATHER)
+            acc, za, zb, sa, sb, zz, ss, left, g, xr, pr = _pipe_step(
                 t + 1, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
                 za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
-                STAGES, EVEN_K, BF16, GROUP32)
+                STAGES, EVEN_K, BF16, GROUP32, perm_ptr, xr, pr, GATHER)
         if steps % 2 == 0:
-            acc, za, zb, sa, sb, zz, ss, left, g = _pipe_step(
+            acc, za, zb, sa, sb, zz, ss, left, g, xr, pr = _pipe_step(
                 steps - 1, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
                 za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
-                STAGES, EVEN_K, BF16, GROUP32)
+                STAGES, EVEN_K, BF16, GROUP32, perm_ptr, xr, pr, GATHER)
         acc = warpgroup_mma_wait(0, deps=(acc,))
     elif OVERLAP:
         # Step s + 1 is dequantized while step s's MMA runs; its registers stay live (a dependency of the wait)
@@ -371,8 +419,8 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
             acc = warpgroup_mma(a, x_bufs.index(s % STAGES).permute((1, 0)), acc, is_async=True)
             async_copy.wait_group(STAGES - 3)  # step s + 1 has landed (this thread's copies) ...
             gl.thread_barrier()  # ... and every thread's; every warp retired step s - 1's MMA
-            _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first, k_end, K,
-                   STAGES, EVEN_K)
+            xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first,
+                            k_end, K, STAGES, EVEN_K, perm_ptr, xr, pr, GATHER)
             za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
                                                       k_first + (s + 1) * 64, k_end, group_k, group_steps, BF16, GROUP32, ql)
             a_next = _a_tile(w_bufs.index((s + 1) % STAGES).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
@@ -386,8 +434,8 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
             async_copy.wait_group(STAGES - 2)  # step s has landed (this thread's copies) ...
             gl.thread_barrier()  # ... and every thread's; every warp is done with step s - 1's slot
             fence_async_shared()
-            _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first, k_end, K,
-                   STAGES, EVEN_K)
+            xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first,
+                            k_end, K, STAGES, EVEN_K, perm_ptr, xr, pr, GATHER)
             slot = s % STAGES
             a = _a_tile(w_bufs.index(slot).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
             acc = warpgroup_mma(a, x_bufs.index(slot).permute((1, 0)), acc, is_async=True)
@@ -436,8 +484,10 @@ def _store(acc, out_ptr, bias_ptr, nn, om, inside, N, stride_om, HAS_BIAS: gl.co
 # --- launch ----------------------------------------------------------------------------------------------
 
 
-def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation: str, cfg: dict):
-    """(kernel, grid, args, kwargs) for ``out = activation(x @ W.T + bias)`` from the fragments of W."""
+def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation: str, cfg: dict, perm=None):
+    """(kernel, grid, args, kwargs) for ``out = activation(x @ W.T + bias)`` from the fragments of W; with
+    ``perm`` (int32 or int64 ``[K]``, act-order), of ``x[:, perm] @ W.T``: x's columns read through it
+    (``GATHER``)."""
     M = x.shape[0]
     n16, k64 = fw.shape[0], fw.shape[1]
     rh, bm, split, warps = cfg["RH"], cfg["BM"], cfg["SPLIT_K"], cfg["num_warps"]
@@ -447,9 +497,16 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
     if group_k % 64 and group_k != 32:
         raise ValueError(f"frag_wgmma: the group length {group_k} must be 32, a multiple of the K step 64, or all "
                          f"of K")
-    if x.stride(0) % 8:
+    if perm is not None:
+        if perm.dtype not in (torch.int32, torch.int64) or tuple(perm.shape) != (K,) or perm.stride(0) != 1 \
+                or perm.device != x.device:
+            raise ValueError(f"frag_wgmma: perm must be a contiguous int32 or int64 [K] = [{K}] on x's device, got "
+                             f"{perm.dtype} {list(perm.shape)} (stride {perm.stride()}) on {perm.device}")
+        if x.stride(1) != 1:
+            raise ValueError(f"frag_wgmma: x's inputs must be contiguous (stride 1), got stride {x.stride(1)}")
+    elif x.stride(0) % 8:
         raise ValueError(f"frag_wgmma: x's row stride {x.stride(0)} must be a multiple of 8 elements (16 bytes)")
-    if x.data_ptr() % 16:
+    elif x.data_ptr() % 16:
         raise ValueError(f"frag_wgmma: x must start 16-byte aligned (its address is {x.data_ptr() % 16} bytes past)")
     if (cfg.get("OVERLAP", True) or cfg.get("PIPE", False)) and cfg["STAGES"] < 3:
         raise ValueError("frag_wgmma: OVERLAP needs STAGES >= 3 (a step in the MMA, the next landed, one loading)")
@@ -461,24 +518,28 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
     else:
         ws, count = out, out  # unused
     args = (x, fw, fzs.view(torch.int32), bias if bias is not None else out, out, ws, count, M, N, K,
-            x.stride(0) // 8, out.stride(0), k64, n16, group_k, per_split, steps * 64)
+            x.stride(0) if perm is not None else x.stride(0) // 8, out.stride(0), k64, n16, group_k, per_split,
+            steps * 64)
     kwargs = dict(BM=bm, RH=rh, STAGES=cfg["STAGES"], BF16=x.dtype == torch.bfloat16, EVEN_K=K % 64 == 0,
                   SPLIT_K=split, HAS_BIAS=bias is not None, ACTIVATION=activation,
                   OVERLAP=cfg.get("OVERLAP", True), PIPE=cfg.get("PIPE", False), num_warps=warps)
     if group_k == 32:  # named only here, so the other group lengths' launches are what they were
         kwargs["GROUP32"] = True
+    if perm is not None:  # named only for act-order launches (gathered x: element loads, no 16-byte alignment)
+        kwargs["perm_ptr"], kwargs["GATHER"] = perm, True
     return frag_wgmma_kernel, (tiles_n, tiles_m, split), args, kwargs
 
 
 def run(p: W4A16Problem, cfg: dict | None = None) -> None:
     if p.fweight is None:
         raise ValueError("the frag_wgmma kernel needs the weight's fragment layout (Int4Weight.fragments())")
-    cfg = cfg or frag_wgmma_config(p.M, p.N, p.K, p.x.device)
+    cfg = cfg or frag_wgmma_config(p.M, p.N, p.K, p.x.device, gather=p.perm is not None)
     # 16-byte copies need rows 16-byte aligned: copy x if they are not, its start included (a launch on the copy
-    # is not replayed: the copy is no tensor of the call).
-    x = p.x if p.x.stride(0) % 8 == 0 and p.x.data_ptr() % 16 == 0 else p.x.clone(memory_format=torch.contiguous_format)
+    # is not replayed: the copy is no tensor of the call). A gathered x (act-order) is read element by element.
+    x = p.x if p.perm is not None or p.x.stride(0) % 8 == 0 and p.x.data_ptr() % 16 == 0 else \
+        p.x.clone(memory_format=torch.contiguous_format)
     kernel, grid, args, kwargs = launch_args(x, p.fweight, p.fzs, p.bias, p.out, p.N, p.K, p.group_k,
-                                             p.activation, cfg)
+                                             p.activation, cfg, p.perm)
     split = kwargs["SPLIT_K"] > 1
     launch(kernel, grid, args, kwargs, keep=args[5:7] if split else (),
            stream=current_stream() if split else None)

@@ -32,13 +32,14 @@ def _w4a16_op(
     group_k: int,
     activation: str,
     kernel: str,
+    perm: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return dispatch.forward(W4A16Problem.of_op_args(x, qweight, scales, zeros, fweight, fzs, bias, group_k,
-                                                    activation, kernel))
+                                                    activation, kernel, perm))
 
 
 @_w4a16_op.register_fake
-def _w4a16_fake(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel):
+def _w4a16_fake(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm=None):
     return x.new_empty((x.shape[0], qweight.shape[1]))
 
 
@@ -47,20 +48,21 @@ def call(p: W4A16Problem) -> torch.Tensor:
     return _w4a16_op(*p.op_args())
 
 
-# --- autograd: the weight is frozen; x's gradient through the dequantized weight ---------------------------
+# --- autograd: the weight is frozen; x's gradient through the dequantized weight (act-order with perm: x is in
+# the caller's order, the weight's rows in the stored one, so the gradient goes back through perm) --------------
 
 
 def _setup_context(ctx, inputs, output):
-    x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel = inputs
-    ctx.save_for_backward(x, qweight, scales, zeros, bias)
+    x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm = inputs
+    ctx.save_for_backward(x, qweight, scales, zeros, bias, perm)
     ctx.group_k, ctx.activation = group_k, activation
 
 
 def _backward(ctx, grad_out):
-    x, qweight, scales, zeros, bias = ctx.saved_tensors
+    x, qweight, scales, zeros, bias, perm = ctx.saved_tensors
     grad = grad_out.float()
     if ctx.activation != "none":
-        pre = _w4a16_op(x, qweight, scales, zeros, None, None, bias, ctx.group_k, "none", "auto").float()
+        pre = _w4a16_op(x, qweight, scales, zeros, None, None, bias, ctx.group_k, "none", "auto", perm).float()
         with torch.enable_grad():
             pre = pre.detach().requires_grad_(True)
             (grad,) = torch.autograd.grad(torch_activation(pre, ctx.activation), pre, grad)
@@ -71,10 +73,12 @@ def _backward(ctx, grad_out):
         shifts = torch.arange(8, device=x.device, dtype=torch.int32) * 4
         q = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(K, qweight.shape[1])
         wt = ((q.float() - zeros.float()[g]) * scales.float()[g]).to(x.dtype)  # [K, N]
-        grad_x = (grad.to(x.dtype) @ wt.T).to(x.dtype)
+        grad_x = (grad.to(x.dtype) @ wt.T).to(x.dtype)  # by the weight's stored inputs
+        if perm is not None:  # stored input j is x's input perm[j]
+            grad_x = torch.empty_like(grad_x).index_copy_(1, perm.long(), grad_x)
     if bias is not None and ctx.needs_input_grad[6]:
         grad_bias = grad.sum(0).to(bias.dtype)
-    return grad_x, None, None, None, None, None, grad_bias, None, None, None
+    return grad_x, None, None, None, None, None, grad_bias, None, None, None, None
 
 
 _w4a16_op.register_autograd(_backward, setup_context=_setup_context)
