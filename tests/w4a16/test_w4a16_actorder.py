@@ -34,8 +34,10 @@ def test_frag_wgmma_gathers_up_to_the_line_on_hopper(monkeypatch, group):
     w = act_order(16, 256, group)
     for M in (1, 3, 17, dispatch.GATHER_MAX_M):
         assert dispatch.gathers("auto", _Rows(M, 256), w) and dispatch.gathers("frag_wgmma", _Rows(M, 256), w)
-    for M in (dispatch.GATHER_MAX_M + 1, 256, 1024):  # x's tile too big: reordered first, still frag_wgmma
+    for M in (dispatch.GATHER_MAX_M + 1, 128):  # x's tile too big: reordered first, still frag_wgmma
         assert not dispatch.gathers("auto", _Rows(M, 256), w) and dispatch.wants_frag("auto", _Rows(M, 256), w)
+    for M in (256, 1024):  # this narrow weight goes to dequant_cublas from 129 rows: reordered first
+        assert not dispatch.gathers("auto", _Rows(M, 256), w) and not dispatch.wants_frag("auto", _Rows(M, 256), w)
     for kernel in ("gemv", "mma", "dequant_cublas"):  # the other kernels read x as it lies
         assert not dispatch.gathers(kernel, _Rows(1, 256), w)
     # all of x within GATHER_MAX_X elements (it stays in L1 while every program reads through it)

@@ -21,10 +21,16 @@ from tilegemm.ops.w4a16.reference import reference
 SMEM = 227 * 1024  # shared memory a block may use on Hopper
 
 
-def test_auto_routes_up_to_1024_rows_to_frag_wgmma_where_it_runs():
-    for M in (1, 16, 17, 256, 1024):
+def test_auto_routes_up_to_512_rows_to_frag_wgmma_where_it_runs_and_narrow_weights_from_129():
+    for M in (1, 16, 17, 128, 256, 512):
         assert dispatch.choose(M, frag=True) == "frag_wgmma"
-    assert dispatch.choose(1025, frag=True) == "dequant_cublas"
+        assert dispatch.choose(M, frag=True, N=dispatch.FRAG_WGMMA_NARROW_N) == "frag_wgmma"
+    for M in (1, 64, 128):  # narrow weights too, up to 128 rows
+        assert dispatch.choose(M, frag=True, N=1024) == "frag_wgmma"
+    for M in (129, 256, 512):
+        assert dispatch.choose(M, frag=True, N=dispatch.FRAG_WGMMA_NARROW_N - 128) == "dequant_cublas"
+    assert dispatch.choose(513, frag=True) == "dequant_cublas" and dispatch.choose(1024, frag=True, N=8192) == \
+        "dequant_cublas"
     assert dispatch.choose(1) == "gemv" and dispatch.choose(64) == "mma" and dispatch.choose(1025) == "dequant_cublas"
     if interpreting():
         w = w4a16.quantize(torch.randn(16, 128, dtype=torch.float16), 64)
@@ -43,13 +49,14 @@ class _Rows:
                                       (-1, 200), (32, 32)])
 def test_auto_takes_frag_wgmma_on_hopper_for_every_group_length(monkeypatch, group, K):
     # on an sm_90 GPU (the registry's answer for it pretended): every format goes to the fragment kernel up to
-    # 1024 rows, group 32 (two groups a K step) and one group over a K that is no multiple of 64 included
+    # 128 rows (512 for wide weights), group 32 (two groups a K step) and one group over a K that is no multiple
+    # of 64 included
     monkeypatch.setitem(dispatch._FRAG_REASON, torch.device("cuda"), "")
     w = w4a16.quantize(torch.randn(8, K, dtype=torch.float16), group)
     assert dispatch.frag_usable(w.group_k, torch.device("cuda"), K)
-    for M in (1, 3, 48, 1024):
+    for M in (1, 3, 48, 128):
         assert dispatch.wants_frag("auto", _Rows(M, K), w)
-    assert not dispatch.wants_frag("auto", _Rows(1025, K), w)
+    assert not dispatch.wants_frag("auto", _Rows(129, K), w)  # a narrow weight (8 rows): dequant_cublas
     assert dispatch.choose(3, frag=dispatch.frag_usable(w.group_k, torch.device("cuda"), K)) == "frag_wgmma"
     assert not dispatch.frag_usable(w.group_k, torch.device("cpu"), K)
 

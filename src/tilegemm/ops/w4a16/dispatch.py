@@ -14,7 +14,9 @@ from tilegemm.ops.w4a16.format import fits_fragments
 from tilegemm.ops.w4a16.problem import W4A16Problem
 
 # name: value  # why
-FRAG_WGMMA_MAX_M = 1024  # on Hopper, frag_wgmma up to here: it beats mma, gemv and dequant_cublas there
+FRAG_WGMMA_MAX_M = 512  # on Hopper, frag_wgmma up to here; above, dequant_cublas (cuBLAS's GEMM after one pass)
+FRAG_WGMMA_NARROW_N = 3200  # from 129 rows, frag_wgmma only for weights of this many rows (N) or more: narrower
+# ones make too few 128-row tiles to fill the GPU, where the pass plus cuBLAS wins (docs/w4a16.md, "auto")
 GEMV_MAX_M = 2  # elsewhere gemv up to here: one program per row, the second reading the weight from L2
 MMA_MAX_M = 128  # then mma up to here; above, dequant_cublas (cuBLAS's GEMM hides the weight's extra pass)
 
@@ -27,9 +29,16 @@ GATHER_MAX_X = 48 * 1024  # x's elements (M x K) at most: 96 KB of 16-bit x
 GATHER_KERNELS = ("frag_wgmma",)  # the kernels that take perm
 
 
-def choose(M: int, frag: bool = False) -> str:
-    """The kernel for M rows; ``frag``: the fragment kernel can run (Hopper; every group length the format takes)."""
-    if frag and M <= FRAG_WGMMA_MAX_M:
+def frag_rows(M: int, N: int | None = None) -> bool:
+    """Whether ``auto`` gives M rows against a weight of N rows (None: not known) to the fragment kernel where it
+    can run."""
+    return M <= FRAG_WGMMA_MAX_M and (M <= 128 or N is None or N >= FRAG_WGMMA_NARROW_N)
+
+
+def choose(M: int, frag: bool = False, N: int | None = None) -> str:
+    """The kernel for M rows against a weight of N rows; ``frag``: the fragment kernel can run (Hopper; every group
+    length the format takes)."""
+    if frag and frag_rows(M, N):
         return "frag_wgmma"
     if M <= GEMV_MAX_M:
         return "gemv"
@@ -55,7 +64,7 @@ def frag_usable(group_k: int, device: torch.device, K: int | None = None) -> boo
 def wants_frag(kernel: str, x2: torch.Tensor, w) -> bool:
     """Whether a call with 2-D activations ``x2`` and weight ``w`` runs, or under ``auto`` may run, a kernel that
     takes the fragment layout."""
-    return kernel in FRAG_KERNELS or (kernel == "auto" and x2.shape[0] <= FRAG_WGMMA_MAX_M
+    return kernel in FRAG_KERNELS or (kernel == "auto" and frag_rows(x2.shape[0], w.shape[-2])
                                       and frag_usable(w.group_k, x2.device, w.shape[-1]))
 
 
@@ -71,7 +80,7 @@ def kernel_for(p: W4A16Problem) -> str:
     """The kernel that runs ``p``: the one it names, or ``auto``'s choice."""
     if p.kernel != "auto":
         return p.kernel
-    return choose(p.M, p.fweight is not None and frag_usable(p.group_k, p.x.device, p.K))
+    return choose(p.M, p.fweight is not None and frag_usable(p.group_k, p.x.device, p.K), p.N)
 
 
 def launcher(name: str):
