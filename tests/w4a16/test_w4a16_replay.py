@@ -10,7 +10,8 @@ from tilegemm.core.runtime import interpreting
 from conftest import assert_rel_close
 
 from tilegemm import w4a16
-from tilegemm.ops.w4a16 import checks, op
+from tilegemm.core.launch import plain_call
+from tilegemm.ops.w4a16 import api, checks, op
 from tilegemm.ops.w4a16.reference import reference
 
 
@@ -45,6 +46,8 @@ def test_keys_differ_where_triton_specializes():
         "activation": checks.key_of(x, w, None, "silu", "auto"),
         "kernel": checks.key_of(x, w, None, "none", "gemv"),
         "N": checks.key_of(x, weight(N=72), None, "none", "auto"),
+        "device": checks.key_of(x.to("meta"), w.to("meta"), None, "none", "auto"),
+        "bias device": checks.key_of(x, w, bias.to("meta"), "none", "auto"),
         "group": checks.key_of(x, weight(g=128), None, "none", "auto"),
     }
     for what, key in others.items():
@@ -63,6 +66,87 @@ def test_no_replay_on_the_cpu_or_under_autograd():
         return
     y = w4a16.matmul(x, w)
     assert op.REPLAYS.count() == 0
+    assert_rel_close(y, reference(x, w), 2e-3)
+
+
+def test_a_frozen_weight_requiring_grad_keys_like_any():
+    # the weight is frozen (no gradient flows to it): its requires_grad neither routes a call through the op nor
+    # changes the key; x's does (replay_key then gives None, on the GPU as here)
+    w = weight()
+    x = torch.randn(2, 256, dtype=torch.float16)
+    key = checks.key_of(x, w, None, "none", "auto")
+    w.scales.requires_grad_(True)
+    assert checks.key_of(x, w, None, "none", "auto") == key
+    assert checks.replay_key(x.requires_grad_(True), w, None, "none", "auto") is None
+
+
+class _StandIn:
+    """Stands in for a recorded replay of the dequantization (none is recorded under the interpreter): it writes
+    ``wd`` into the output the cache allocates for it and keeps the tensors it was given."""
+
+    def __init__(self, wd: torch.Tensor):
+        self.wd, self.calls = wd, []
+        self.output = (tuple(wd.shape), wd.dtype, wd.device, False)
+
+    def __call__(self, *tensors) -> bool:
+        self.calls.append(tensors)
+        tensors[-1].copy_(self.wd)
+        return True
+
+
+@pytest.fixture
+def keyed_on_the_cpu(monkeypatch):
+    """Key CPU calls as the GPU's plain calls are, and note what each cache is asked to keep (the interpreter's
+    launches are never kept, so the caches' own store keeps nothing here); the caches emptied after."""
+    monkeypatch.setattr(api, "replay_key", lambda x2, w, bias, act, kernel, perm=None:
+                        checks.key_of(x2, w, bias, act, kernel, perm) if plain_call(x2, bias) else None)
+    stored = {"REPLAYS": [], "DEQUANTS": []}
+    for name, notes in stored.items():
+        monkeypatch.setattr(getattr(op, name), "store", lambda key, launches, tensors, out, *rest, notes=notes:
+                            notes.append((key, tensors, out)))
+    op.REPLAYS.clear()
+    op.DEQUANTS.clear()
+    yield stored
+    op.REPLAYS.clear()
+    op.DEQUANTS.clear()
+
+
+@pytest.mark.parametrize("kernel, M", [("dequant_cublas", 3), ("auto", 130)])  # auto: dequant_cublas above 128 rows
+def test_dequant_cublas_calls_are_kept_and_replayed_by_the_family(keyed_on_the_cpu, kernel, M):
+    stored = keyed_on_the_cpu
+    N, K = 40, 128
+    w = weight(N=N, K=K, g=32)
+    bias = torch.randn(N, dtype=torch.float16)
+    x = torch.randn(M, K, dtype=torch.float16)
+    y = w4a16.matmul(x, w, bias, "silu", kernel=kernel)
+    assert_rel_close(y, reference(x, w, bias, "silu"), 2e-3)
+    # the one Triton launch is kept in DEQUANTS with the weight it wrote as its output, under the call's key
+    assert stored["REPLAYS"] == [] and len(stored["DEQUANTS"]) == 1
+    key, tensors, wd = stored["DEQUANTS"][0]
+    assert key == checks.key_of(x, w, bias, "silu", kernel)
+    assert len(tensors) == len(checks.call_tensors(x, w, bias))
+    assert all(a is b for a, b in zip(tensors, checks.call_tensors(x, w, bias)))
+    assert torch.equal(wd, w4a16.dequantize(w))
+    # a replay of it: the family runs cuBLAS on the weight it wrote, with the new call's x, bias and activation
+    stand_in = op.DEQUANTS.entries[key] = _StandIn(wd)
+    x_new = torch.randn(M, K, dtype=torch.float16)
+    y_new = w4a16.matmul(x_new, w, bias, "silu", kernel=kernel)
+    assert len(stand_in.calls) == 1 and stand_in.calls[0][0] is x_new and len(stand_in.calls[0]) == len(tensors) + 1
+    fresh = w4a16.matmul(x_new.clone().requires_grad_(True), w, bias, "silu", kernel=kernel)  # the op's full path
+    assert torch.equal(y_new, fresh.detach()), "the replay's cuBLAS half must give the bits of a fresh call"
+    assert len(stand_in.calls) == 1 and len(stored["DEQUANTS"]) == 1
+    # [..., K] activations: the same replay, the output shaped as x
+    y3 = w4a16.matmul(x_new.view(1, M, K), w, bias, "silu", kernel=kernel)
+    assert y3.shape == (1, M, N) and torch.equal(y3[0], y_new) and len(stand_in.calls) == 2
+
+
+def test_one_launch_kernels_are_kept_whole(keyed_on_the_cpu):
+    stored = keyed_on_the_cpu
+    w = weight(N=40, K=128, g=32)
+    x = torch.randn(2, 128, dtype=torch.float16)
+    y = w4a16.matmul(x, w, kernel="gemv")
+    assert stored["DEQUANTS"] == [] and len(stored["REPLAYS"]) == 1
+    assert stored["REPLAYS"][0][2] is y  # the call's output, not a scratch tensor
     assert_rel_close(y, reference(x, w), 2e-3)
 
 
@@ -88,8 +172,9 @@ def test_replayed_call_equals_a_fresh_one(kernel, M):
 
 
 @pytest.mark.gpu
-def test_replay_declines_on_another_stream_and_dequant_cublas_is_not_recorded():
+def test_replay_declines_on_another_stream_and_dequant_cublas_is_kept_apart():
     op.REPLAYS.clear()
+    op.DEQUANTS.clear()
     w = weight(N=8192, K=8192, g=128, device="cuda")  # gemv splits K here: a workspace of its own
     x = torch.randn(1, 8192, dtype=torch.float16, device="cuda")
     w4a16.matmul(x, w)
@@ -100,7 +185,7 @@ def test_replay_declines_on_another_stream_and_dequant_cublas_is_not_recorded():
     side.synchronize()
     assert_rel_close(y, reference(x, w), 2e-3)
     w4a16.matmul(torch.randn(300, 8192, dtype=torch.float16, device="cuda"), w, kernel="dequant_cublas")
-    assert op.REPLAYS.count() == 1
+    assert op.REPLAYS.count() == 1 and op.DEQUANTS.count() == 1  # (tests/w4a16/test_w4a16_replay_gpu.py)
 
 
 @pytest.mark.gpu

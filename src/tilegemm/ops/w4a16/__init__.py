@@ -3,7 +3,8 @@
 The format (:class:`Int4Weight`, quantize, importers) is in :mod:`.format`; the public function in :mod:`.api`,
 its checks in :mod:`.checks`, the ``torch.library`` op in :mod:`.op`, the call's record in :mod:`.problem`,
 ``auto`` in :mod:`.dispatch`, one file per kernel (:mod:`.gemv`, :mod:`.frag_wgmma`, :mod:`.mma`,
-:mod:`.dequant_cublas`), their configs in :mod:`.configs`, the plain-torch oracle in :mod:`.reference`.
+:mod:`.dequant_cublas`, its cuBLAS half in :mod:`.cublas_half`), their configs in :mod:`.configs`, the plain-torch
+oracle in :mod:`.reference`.
 Nothing here imports triton: a kernel module is imported when its kernel first runs.
 """
 

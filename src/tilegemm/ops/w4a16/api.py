@@ -8,7 +8,7 @@ import torch
 
 from tilegemm.core.activations import ACTIVATIONS  # noqa: F401 (re-exported as tilegemm.w4a16.ACTIVATIONS)
 from tilegemm.core.launch import plain_call
-from tilegemm.ops.w4a16 import dispatch, op
+from tilegemm.ops.w4a16 import cublas_half, dispatch, op
 from tilegemm.ops.w4a16.checks import call_tensors, check_inputs, replay_key
 from tilegemm.ops.w4a16.format import Int4Weight
 from tilegemm.ops.w4a16.problem import W4A16Problem
@@ -33,18 +33,22 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     activation = "none" if activation is None else activation
     # The fast path: a replay of an earlier plain call with the same key (act-order: with perm, read through it
     # by the kernel, or of x's inputs reordered).
-    key = x2 = perm = None
+    key = x2 = perm = tensors = None
     if type(w) is Int4Weight and type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == w.shape[1] \
             and (w.perm is None or w.perm.device == x.device):
-        x2, perm = _ordered(_rows(x), w, kernel)
+        x2, perm = _ordered(x if x.dim() == 2 else _rows(x), w, kernel)
         if w._frag is None and dispatch.wants_frag(kernel, x2, w):
             w.fragments()  # before the key, which holds the fragments' layouts
         key = replay_key(x2, w, bias, activation, kernel, perm)
         if key is not None:
-            out = op.REPLAYS.replayed(key, call_tensors(x2, w, bias, perm))
+            tensors = call_tensors(x2, w, bias, perm)
+            out = op.REPLAYS.replayed(key, tensors)
+            if out is None:  # dequant_cublas: its dequantization replayed, then cuBLAS on the weight it wrote
+                wd = op.DEQUANTS.replayed(key, tensors)
+                out = None if wd is None else cublas_half.forward(x2, wd, bias, activation)
             if out is not None:
-                return out.reshape(*x.shape[:-1], w.shape[0])
-            # (None: nothing recorded, or recorded for another stream or device; launched afresh below)
+                return _shaped(out, x)
+            # (None: nothing recorded, or recorded for another device or stream; launched afresh below)
     check_inputs(x, w, bias, activation, kernel)
     lead = x.shape[:-1]
     if x2 is None:
@@ -57,11 +61,25 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     # no tracer, mode or autograd needs to see skips it (as tilegemm.matmul does).
     if not plain_call(x2, bias):
         return op.call(p).reshape(*lead, w.shape[0])
-    if key is None or dispatch.kernel_for(p) not in op.REPLAYED_KERNELS:
-        return dispatch.forward(p).reshape(*lead, w.shape[0])
-    with op.REPLAYS.recording(key, call_tensors(x2, w, bias, perm)) as kept:
-        out = kept(dispatch.forward(p))
-    return out.reshape(*lead, w.shape[0])
+    if key is None:
+        return _shaped(dispatch.forward(p), x)
+    chosen = dispatch.kernel_for(p)
+    if chosen in op.REPLAYED_KERNELS:
+        with op.REPLAYS.recording(key, tensors) as kept:
+            out = kept(dispatch.forward(p))
+    elif chosen == "dequant_cublas" and x2.numel():
+        # the dequantization's launch kept with the weight it writes as its output; cuBLAS runs after it
+        with op.DEQUANTS.recording(key, tensors) as kept:
+            wd = kept(dispatch.dequantized(p))
+        out = cublas_half.forward(x2, wd, bias, activation)
+    else:
+        out = dispatch.forward(p)
+    return _shaped(out, x)
+
+
+def _shaped(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The ``[M, N]`` output as ``[..., N]`` for ``x [..., K]`` (no view made for 2-D x: host time)."""
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[1])
 
 
 def _ordered(x2: torch.Tensor, w: Int4Weight, kernel: str) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -8,7 +8,7 @@ import torch
 from tilegemm.core import registry
 from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import dtype_name
-from tilegemm.core.launch import plain_call, plain_tensor, tensor_key
+from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call, plain_tensor, tensor_key
 from tilegemm.core.runtime import check_same_device, interpreting
 from tilegemm.core.workspace import in_graph_tree
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, validate
@@ -56,24 +56,27 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
 
 def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str, perm=None) -> tuple:
     """The replay key of a call with 2-D activations ``x2`` (already reshaped and, for act-order, permuted, or
-    read through ``perm`` by the kernel): the layouts of every tensor the launch takes and the call's named
-    options."""
-    frag = None if w._frag is None else tuple(tensor_key(t) for t in w._frag)
-    return (kernel, activation, x2.device, tensor_key(x2), tensor_key(w.qweight), tensor_key(w.scales),
-            tensor_key(w.zeros), frag, w.group_k, None if bias is None else tensor_key(bias),
-            None if perm is None else tensor_key(perm))
+    read through ``perm`` by the kernel): the layouts of every tensor the launch takes (each with its device) and
+    the call's named options."""
+    frag = w._frag
+    return (kernel, activation, w.group_k, tensor_key(x2), tensor_key(w.qweight), tensor_key(w.scales),
+            tensor_key(w.zeros), None if frag is None else (tensor_key(frag[0]), tensor_key(frag[1])),
+            None if bias is None else tensor_key(bias), None if perm is None else tensor_key(perm))
 
 
 def replay_key(x2, w, bias, activation: str, kernel: str, perm=None):
     """The replay key of a call, or None when the call may not be replayed (CPU, the interpreter, a tensor
-    subclass, autograd or a tracer watching, a bias that is not a tensor on x's device)."""
+    subclass, autograd or a tracer watching x or the bias, a bias that is not a tensor).
+
+    The weight's tensors are checked for their type only: the key holds every tensor's device, and a call is
+    recorded only after :func:`check_inputs` found them all on x's device; the weight is frozen, so its
+    ``requires_grad`` does not route a call through the op (:func:`tilegemm.ops.w4a16.api.matmul`) either."""
     if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest
         return None
-    if not plain_tensor(x2) or not x2.is_cuda or interpreting() or in_graph_tree():
+    if not plain_tensor(x2) or not x2.is_cuda or interpreting() or in_graph_tree() or not plain_call(x2, bias):
         return None
-    if bias is not None and (not plain_tensor(bias) or bias.device != x2.device):
-        return None
-    if w.qweight.device != x2.device or not plain_call(x2, bias, w.qweight, w.scales, w.zeros):
+    if type(w.qweight) not in PLAIN_TENSOR_TYPES or type(w.scales) not in PLAIN_TENSOR_TYPES \
+            or type(w.zeros) not in PLAIN_TENSOR_TYPES:
         return None
     return key_of(x2, w, bias, activation, kernel, perm)
 

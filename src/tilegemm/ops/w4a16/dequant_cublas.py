@@ -1,4 +1,5 @@
-"""Kernel ``dequant_cublas``: dequantize the whole weight to 16-bit with a Triton kernel, then torch.matmul.
+"""Kernel ``dequant_cublas``: dequantize the whole weight to 16-bit with a Triton kernel, then torch.matmul (the
+second half: :mod:`.cublas_half`).
 
 A candidate for large M, where the GEMM's compute hides the extra pass over the weight (8192 x 8192: 128 MB
 written and read again against 2.2 TFLOP at M = 4096).
@@ -11,6 +12,7 @@ import triton
 
 from tilegemm.core.launch import launch
 from tilegemm.core.runtime import cdiv, new_output
+from tilegemm.ops.w4a16.cublas_half import product
 from tilegemm.ops.w4a16.problem import W4A16Problem
 
 import triton.language as tl  # noqa: E402
@@ -58,25 +60,11 @@ def dequantize_w(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     return w
 
 
-def run(p: W4A16Problem, cfg: dict | None = None) -> None:
-    from tilegemm.core.activations import torch_activation
+def dequantized(p: W4A16Problem) -> torch.Tensor:
+    """The Triton half alone: call ``p``'s weight dequantized to W ``[N, K]`` (one launch; the host fast path keeps
+    it, W as its output, and runs the cuBLAS half itself)."""
+    return dequantize_w(p.qweight, p.scales, p.zeros, p.group_k)
 
-    # W [N, K] as F.linear takes it: cuBLAS then runs the product with the baseline's layout (from W.T [K, N]
-    # it ran slower: docs/w4a16.md, "dequant_cublas")
-    wt = dequantize_w(p.qweight, p.scales, p.zeros, p.group_k).t()
-    if p.upcast:  # CPU bf16 matmul is slow and not what the GPU does; fp32 holds every product exactly
-        y = torch.matmul(p.x.float(), wt.float())
-        if p.bias is not None:
-            y = y + p.bias.float()
-        if p.activation != "none":
-            y = torch_activation(y, p.activation)
-        p.out.copy_(y)
-        return
-    # cuBLAS writes the output in place, the bias added by its epilogue: at M = 4096 on 8192 x 8192 a
-    # separate bias pass and a copy into ``out`` each moved 2 x 64 MB more
-    if p.bias is not None:
-        torch.addmm(p.bias.to(p.x.dtype), p.x, wt, out=p.out)
-    else:
-        torch.matmul(p.x, wt, out=p.out)
-    if p.activation != "none":
-        p.out.copy_(torch_activation(p.out.float(), p.activation))
+
+def run(p: W4A16Problem, cfg: dict | None = None) -> None:
+    product(p.x, dequantized(p), p.bias, p.activation, p.out, p.upcast)

@@ -1,4 +1,5 @@
-"""``auto`` for ``tilegemm.w4a16.matmul``: the kernel for a call, and the launch of the kernel a call names.
+"""``auto`` for ``tilegemm.w4a16.matmul``: the kernel for a call, and the launch of the kernel a call names
+(``dequant_cublas``'s Triton half alone too, for the host fast path).
 
 auto's thresholds, in the table below (the measurements behind each: docs/w4a16.md, "Configs and `auto`").
 """
@@ -107,3 +108,12 @@ def forward(p: W4A16Problem) -> torch.Tensor:
     with on_device(x.device):
         launcher(kernel)(p)
     return out
+
+
+def dequantized(p: W4A16Problem) -> torch.Tensor:
+    """``dequant_cublas``'s Triton half alone on call ``p`` (on the GPU, M and K > 0): the weight dequantized to
+    W ``[N, K]``, one launch; :func:`tilegemm.ops.w4a16.cublas_half.forward` is the rest."""
+    from tilegemm.ops.w4a16 import dequant_cublas  # the module imports triton: here, when a call runs
+
+    with on_device(p.x.device):
+        return dequant_cublas.dequantized(p)

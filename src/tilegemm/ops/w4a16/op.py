@@ -14,9 +14,11 @@ from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.w4a16 import dispatch
 from tilegemm.ops.w4a16.problem import W4A16Problem
 
-# The host fast path: only the one-launch kernels' calls are kept (dequant_cublas also calls cuBLAS, which a
-# replay of its one Triton launch would skip); keys: tilegemm.ops.w4a16.checks.replay_key.
+# The host fast path (keys: tilegemm.ops.w4a16.checks.replay_key). REPLAYS keeps the one-launch kernels' whole
+# calls. Of a dequant_cublas call DEQUANTS keeps its Triton launch alone, the dequantized weight as its output:
+# the family then runs the cuBLAS half itself (tilegemm.ops.w4a16.cublas_half), so core never calls back into it.
 REPLAYS = ReplayCache("w4a16")
+DEQUANTS = ReplayCache("w4a16_dequant")
 REPLAYED_KERNELS = ("gemv", "mma", "frag_wgmma")  # whole calls that are one Triton launch
 
 
