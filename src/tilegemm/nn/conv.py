@@ -41,8 +41,9 @@ class Conv2d(torch.nn.Conv2d):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The parameters from their dict: ``self.weight`` goes through Module.__getattr__, the slowest step of a
-        # replayed call's Python (docs/conv2d.md). A parametrized or reassigned weight or bias is not in the dict.
+        # The parameters from their dict: ``self.weight`` goes through Module.__getattr__, a sizable part of a
+        # replayed call's host time (docs/conv2d.md, "Host fast path"). A parametrized or reassigned weight or
+        # bias is not in the dict: read as torch's forward reads it.
         params = self._parameters
         if "weight" in params and "bias" in params:
             weight, bias = params["weight"], params["bias"]
