@@ -292,3 +292,45 @@ def test_replay_allocates_channels_last_outputs_as_the_permuted_layout(shape, po
     assert out.is_contiguous(memory_format=CL)
     if poison:
         assert torch.isnan(out).all()
+
+
+def test_a_key_hit_replays_without_the_full_path_and_a_declined_one_takes_it(monkeypatch):
+    """The public function and the module ask for the key first and, on a hit, only allocate the output and call
+    the recorded launches (no checks, no dispatch); a replay that declines (another stream) leaves the call to the
+    full path. On the CPU the key is patched in and the recorded launch is a stand-in."""
+    from tilegemm.ops.conv2d import api, dispatch
+
+    asked, launched, full = [], [], []
+    monkeypatch.setattr(api, "forward_key", lambda *args: asked.append(args) or ("test-key",))
+    real = dispatch.forward
+    monkeypatch.setattr(dispatch, "forward", lambda c: full.append(c) or real(c))
+
+    class Recorded:  # a kept replay: its output's (shape, dtype, device, channels-last) and its launches
+        output = ((2, 8, 6, 6), torch.float32, torch.device("cpu"), True)
+        accept = True
+
+        def __call__(self, *tensors):
+            launched.append(tensors)
+            return self.accept
+
+    hit = Recorded()
+    replay.REPLAYS.clear()
+    replay.REPLAYS.entries[("test-key",)] = hit
+    try:
+        x = torch.randn(2, 4, 6, 6).contiguous(memory_format=CL)
+        m = tilegemm.nn.Conv2d(4, 8, 3, padding=1)
+        w, b = m.weight.detach(), m.bias.detach()
+        out = tilegemm.conv2d(x, w, b, 1, 1)
+        assert out.shape == (2, 8, 6, 6) and out.is_contiguous(memory_format=CL) and not out.is_contiguous()
+        assert launched == [(x, w, b, out)] and not full
+        assert asked[-1] == (x, w, b, 1, 1, 1, 1, "none", None, "auto")
+        with torch.no_grad():
+            out = m(x)
+        assert launched[-1][:3] == (x, m.weight, m.bias) and launched[-1][3] is out and not full
+        assert asked[-1] == (x, m.weight, m.bias, (1, 1), (1, 1), (1, 1), 1, "none", None, "auto")
+        hit.accept = False  # the replay declines: the call runs afresh
+        out = tilegemm.conv2d(x, w, b, 1, 1, activation="relu")
+        assert len(full) == 1 and asked[-1][7] == "relu"
+        assert_rel_close(out, F.conv2d(x.double(), w.double(), b.double(), 1, 1).relu(), 1e-5)
+    finally:
+        replay.REPLAYS.clear()
