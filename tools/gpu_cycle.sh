@@ -22,6 +22,8 @@
 #                 bf16 and fp16, auto against tiled and tma by name, then tma's tests on the GPU
 #   grouped-host  tools/grouped_host_probe.py (host us per call at decode: full path, replay, F.grouped_mm; cProfile),
 #                 then tests/grouped/test_grouped_replay_gpu.py
+#   conv2d-host   tools/conv2d_host_probe.py (host us per replayed conv2d forward: SE 1x1, 3x3 56x56; cProfile),
+#                 then tests/conv2d/test_conv2d_host_gpu.py and the conv2d replay tests
 #   moe-model     tools/grouped_moe_model.py: Qwen3-MoE (4 layers) and Mixtral (2 layers) shapes, every experts
 #                 implementation, prefill 2048 and decode batch 1 / 16, bf16
 #   w4-random     the w4a16 bench's held-out w4-random sweep, fp16 (second baseline: fbgemm where it imports)
@@ -94,6 +96,9 @@ for step in "$@"; do
                    | tee "$OUT/grouped-tma-tests.log" | tail -n 15 ;;
     grouped-host) python3 tools/grouped_host_probe.py 2>&1 | tee "$OUT/grouped-host.txt" | sed -n 1,24p
                   pytest_ -m gpu tests/grouped/test_grouped_replay_gpu.py 2>&1 | tee "$OUT/grouped-replay-tests.log" | tail -n 8 ;;
+    conv2d-host) python3 tools/conv2d_host_probe.py 2>&1 | tee "$OUT/conv2d-host.txt" | sed -n 1,40p
+                 pytest_ -m gpu tests/conv2d/test_conv2d_host_gpu.py tests/conv2d/test_conv2d_replay.py tests/nn/test_linear_conv.py \
+                     2>&1 | tee "$OUT/conv2d-host-tests.log" | tail -n 8 ;;
     grouped-tests) pytest_ -m "" -n 8 tests/grouped 2>&1 | tee "$OUT/grouped-tests.log" | tail -n 15 ;;
     route) python3 tools/call_route.py --out "$OUT/route.json" 2>&1 | grep -v Warning | tail -n 16 ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;

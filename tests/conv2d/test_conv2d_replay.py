@@ -210,3 +210,127 @@ def test_depthwise_replays_read_the_weight_as_it_is_now():
             big = tilegemm.conv2d(big_x, big_w, padding=3, groups=2048)
             assert_rel_close(big, F.conv2d(big_x.double(), big_w.double(), padding=3, groups=2048), 4e-3)
     assert replay.REPLAYS.count() >= 1
+
+
+# --- the public forward's flat key (checks.forward_key) -----------------------------------------------------
+
+
+def fkey(x, w, bias=None, stride=1, padding=0, dilation=1, groups=1, activation="none", precision=None,
+         kernel="auto"):
+    return checks.forward_key_of(x, w, bias, stride, padding, dilation, groups, activation, precision, kernel)
+
+
+def test_forward_keys_differ_where_the_launch_does():
+    x = torch.randn(2, 16, 9, 9, dtype=torch.float16).contiguous(memory_format=CL)
+    w = torch.randn(32, 16, 3, 3, dtype=torch.float16).contiguous(memory_format=CL)
+    b = torch.randn(32, dtype=torch.float16)
+    assert checks.forward_key(x, w, None, 1, 1, 1, 1, "none", None, "auto") is None  # the gate: CPU tensors
+    base = fkey(x, w)
+    flat = torch.randn(2 * 16 * 9 * 9 + 1, dtype=torch.float16)
+    misaligned = flat[1:].view(2, 9, 9, 16).permute(0, 3, 1, 2)  # channels-last, 2 bytes off 16-byte alignment
+    others = {
+        "NCHW x": fkey(x.contiguous(), w), "NCHW w": fkey(x, w.contiguous()), "batch": fkey(x[:1], w),
+        "misaligned x": fkey(misaligned, w), "bias": fkey(x, w, b), "fp32 bias": fkey(x, w, b.float()),
+        "bias stride": fkey(x, w, torch.randn(64, dtype=torch.float16)[::2]),
+        "stride": fkey(x, w, None, 2), "padding": fkey(x, w, None, 1, 1), "padding pair": fkey(x, w, None, 1, (1, 0)),
+        "same": fkey(x, w, None, 1, "same"), "dilation": fkey(x, w, None, 1, 0, 2), "groups": fkey(x, w, None, 1, 0, 1, 2),
+        "activation": fkey(x, w, None, activation="relu"), "precision": fkey(x, w, None, precision="ieee"),
+        "kernel": fkey(x, w, None, kernel="implicit_gemm"), "fp32": fkey(x.float(), w.float()),
+        "bf16 weight": fkey(x, w.bfloat16()), "weight shape": fkey(x, w[:16]),
+    }
+    assert all(k is not None and k != base for k in others.values())
+    assert len(set(others.values())) == len(others)
+    assert fkey(torch.randn_like(x), torch.randn_like(w)) == base  # new tensors of the same layouts: one key
+    assert fkey(x, w, b) == fkey(x, w, torch.randn_like(b))
+    # a list is keyed as its tuple
+    assert fkey(x, w, None, [2, 1], [1, 1], [1, 2]) == fkey(x, w, None, (2, 1), (1, 1), (1, 2))
+    # the public keys never meet the op's or the gradients' (kept in the same cache)
+    assert base != checks.key_of("fwd", x, w, None, (1, 0, 1, 1), "none", None, "auto")
+
+
+def test_fp32_forward_keys_follow_the_global_precision():
+    x, w = torch.randn(1, 8, 5, 5), torch.randn(8, 8, 3, 3)
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        highest = fkey(x, w)
+        torch.set_float32_matmul_precision("high")
+        assert fkey(x, w) != highest
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+@pytest.mark.parametrize("args", [
+    dict(stride=True), dict(stride=1.0), dict(stride=(1.0, 1)), dict(stride=(1, True)), dict(padding=(1, 1, 1, 1)),
+    dict(padding=[1]), dict(dilation=torch.ones(2)), dict(dilation=(1, 1.0)), dict(groups=True),
+    dict(groups=1.0), dict(activation=["relu"]), dict(activation=1), dict(kernel=None), dict(precision=1),
+    dict(padding=("same", 1)),
+], ids=repr)
+def test_forward_keys_refuse_what_the_checks_would(args):
+    """An argument the checks reject (or that only equals an int: True, 1.0) gets no key, so a call with it
+    never replays a call made with the int: it meets the checks on the full path."""
+    x = torch.randn(1, 8, 5, 5, dtype=torch.float16)
+    w = torch.randn(8, 8, 3, 3, dtype=torch.float16)
+    assert fkey(x, w, **args) is None
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 3, 4), (3, 7, 1, 1), (1, 1, 1, 1)])
+@pytest.mark.parametrize("poison", [False, True])
+def test_replay_allocates_channels_last_outputs_as_the_permuted_layout(shape, poison):
+    """A replay's channels-last output is one allocation with the strides of an NHWC tensor seen as NCHW (what
+    the recorded call returned); NaN while poisoning."""
+    from tilegemm.core.runtime import new_output, set_poisoning
+
+    n, c, h, w = shape
+    old = set_poisoning(poison)
+    try:
+        out = new_output(shape, torch.float16, torch.device("cpu"), CL)
+    finally:
+        set_poisoning(old)
+    assert out.shape == shape and out.dtype == torch.float16
+    assert out.stride() == torch.empty(n, h, w, c).permute(0, 3, 1, 2).stride()
+    assert out.is_contiguous(memory_format=CL)
+    if poison:
+        assert torch.isnan(out).all()
+
+
+def test_a_key_hit_replays_without_the_full_path_and_a_declined_one_takes_it(monkeypatch):
+    """The public function and the module ask for the key first and, on a hit, only allocate the output and call
+    the recorded launches (no checks, no dispatch); a replay that declines (another stream) leaves the call to the
+    full path. On the CPU the key is patched in and the recorded launch is a stand-in."""
+    from tilegemm.ops.conv2d import api, dispatch
+
+    asked, launched, full = [], [], []
+    monkeypatch.setattr(api, "forward_key", lambda *args: asked.append(args) or ("test-key",))
+    real = dispatch.forward
+    monkeypatch.setattr(dispatch, "forward", lambda c: full.append(c) or real(c))
+
+    class Recorded:  # a kept replay: its output's (shape, dtype, device, channels-last) and its launches
+        output = ((2, 8, 6, 6), torch.float32, torch.device("cpu"), True)
+        accept = True
+
+        def __call__(self, *tensors):
+            launched.append(tensors)
+            return self.accept
+
+    hit = Recorded()
+    replay.REPLAYS.clear()
+    replay.REPLAYS.entries[("test-key",)] = hit
+    try:
+        x = torch.randn(2, 4, 6, 6).contiguous(memory_format=CL)
+        m = tilegemm.nn.Conv2d(4, 8, 3, padding=1)
+        w, b = m.weight.detach(), m.bias.detach()
+        out = tilegemm.conv2d(x, w, b, 1, 1)
+        assert out.shape == (2, 8, 6, 6) and out.is_contiguous(memory_format=CL) and not out.is_contiguous()
+        assert launched == [(x, w, b, out)] and not full
+        assert asked[-1] == (x, w, b, 1, 1, 1, 1, "none", None, "auto")
+        with torch.no_grad():
+            out = m(x)
+        assert launched[-1][:3] == (x, m.weight, m.bias) and launched[-1][3] is out and not full
+        assert asked[-1] == (x, m.weight, m.bias, (1, 1), (1, 1), (1, 1), 1, "none", None, "auto")
+        hit.accept = False  # the replay declines: the call runs afresh
+        out = tilegemm.conv2d(x, w, b, 1, 1, activation="relu")
+        assert len(full) == 1 and asked[-1][7] == "relu"
+        assert_rel_close(out, F.conv2d(x.double(), w.double(), b.double(), 1, 1).relu(), 1e-5)
+    finally:
+        replay.REPLAYS.clear()

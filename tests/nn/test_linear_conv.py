@@ -178,3 +178,28 @@ def test_modules_replay_their_inference_calls():
             ref = torch.nn.functional.conv2d(xc.double(), conv.weight.double(), conv.bias.double(), padding=1)
             assert_rel_close(conv(xc), ref, 4e-3)
     assert mm_replay.count() == 1 and conv_replay.REPLAYS.count() == 1
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_conv2d_forward_reads_a_parametrized_or_reassigned_weight(device):
+    """The forward takes the weight and bias from the parameter dict; one that is not there (a parametrization,
+    a plain tensor assigned in its place) is read as ``self.weight`` / ``self.bias``, as torch's forward reads it."""
+    import torch.nn.utils.parametrize as parametrize
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 6, 5, device=device)
+    m = Conv2d(4, 6, 3, padding=1).to(device)
+    parametrize.register_parametrization(m, "weight", _Doubled())
+    parametrize.register_parametrization(m, "bias", _Doubled())
+    w, b = m.weight.detach().double(), m.bias.detach().double()
+    ref = torch.nn.functional.conv2d(x.double(), w, b, padding=1)
+    assert_rel_close(m(x).detach(), ref, 1e-5)
+    plain = Conv2d(4, 6, 3, padding=1, bias=False).to(device)
+    del plain.weight
+    plain.weight = torch.randn(6, 4, 3, 3, device=device)  # a plain attribute, not a Parameter
+    ref = torch.nn.functional.conv2d(x.double(), plain.weight.double(), None, padding=1)
+    assert_rel_close(plain(x).detach(), ref, 1e-5)

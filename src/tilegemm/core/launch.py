@@ -28,7 +28,16 @@ import torch
 
 from tilegemm.core.runtime import interpreting, quiet_interpreter
 
-_state = threading.local()
+class _State(threading.local):
+    """This thread's recording and kept buffers. Class defaults: a replay key asks on every call, and a lookup
+    that fails (a thread that never recorded) costs several times one that finds them."""
+
+    launches = None  # the active recording's launches, or None
+    spoiled = False
+    keeping = ()
+
+
+_state = _State()
 
 try:  # what Triton's CUDA driver itself uses for the current stream (and, under it, the current device)
     from torch._C import _cuda_getCurrentRawStream as _raw_stream

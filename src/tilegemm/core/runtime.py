@@ -229,11 +229,15 @@ def on_device(device):
 
 # --- output allocation ----------------------------------------------------------------------------------
 
-_poison = threading.local()
+class _Poison(threading.local):
+    on = False  # a class default: a thread that never set it reads this without a failed lookup (every output)
+
+
+_poison = _Poison()
 
 
 def poisoning() -> bool:
-    return getattr(_poison, "on", False)
+    return _poison.on
 
 
 def set_poisoning(on: bool) -> bool:
@@ -243,13 +247,16 @@ def set_poisoning(on: bool) -> bool:
     return old
 
 
-def new_output(shape, dtype, device):
-    """``torch.empty`` for kernel outputs; filled with NaN while poisoning, so unwritten elements show."""
+def new_output(shape, dtype, device, memory_format=None):
+    """``torch.empty`` for kernel outputs; filled with NaN while poisoning, so unwritten elements show.
+    ``memory_format``: ``torch.channels_last`` for a 4-D output laid out so (one allocation, no permuted view)."""
     import torch
 
-    if not getattr(_poison, "on", False):
+    if not _poison.on:
         # The sizes as separate ints: torch parses those in about 1.5 us of host time, a tuple in 2.2 and a
         # torch.Size in 3.0 (a replayed call's allocation is a sizable part of its host time).
+        if memory_format is not None:
+            return torch.empty(*shape, dtype=dtype, device=device, memory_format=memory_format)
         return torch.empty(*shape, dtype=dtype, device=device) if len(shape) else \
             torch.empty((), dtype=dtype, device=device)
     if dtype.is_floating_point:
@@ -258,4 +265,6 @@ def new_output(shape, dtype, device):
         fill = True
     else:
         fill = torch.iinfo(dtype).max
+    if memory_format is not None:
+        return torch.empty(*shape, dtype=dtype, device=device, memory_format=memory_format).fill_(fill)
     return torch.full(shape, fill, dtype=dtype, device=device)

@@ -41,14 +41,21 @@ class Conv2d(torch.nn.Conv2d):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.weight) is not torch.nn.Parameter:
-            sharding_rules_for(self.weight)
+        # The parameters from their dict: ``self.weight`` goes through Module.__getattr__, a sizable part of a
+        # replayed call's host time (docs/conv2d.md, "Host fast path"). A parametrized or reassigned weight or
+        # bias is not in the dict: read as torch's forward reads it.
+        params = self._parameters
+        if "weight" in params and "bias" in params:
+            weight, bias = params["weight"], params["bias"]
+        else:
+            weight, bias = self.weight, self.bias
+        if type(weight) is not torch.nn.Parameter:
+            sharding_rules_for(weight)
         padding = self.padding
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = 0
-        return conv2d(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups,
-                      activation=self.activation)
+        return conv2d(x, weight, bias, self.stride, padding, self.dilation, self.groups, self.activation)
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()

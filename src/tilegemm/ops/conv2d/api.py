@@ -8,7 +8,8 @@ from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import check_precision
 from tilegemm.core.launch import plain_call
 from tilegemm.ops.conv2d import dispatch, op
-from tilegemm.ops.conv2d.checks import check_conv, check_kernel, replay_key
+from tilegemm.ops.conv2d.checks import check_conv, check_kernel, forward_key
+from tilegemm.ops.conv2d.op import REPLAYS
 from tilegemm.ops.conv2d.problem import ConvCall, memory_format_of
 
 
@@ -51,10 +52,12 @@ def conv2d(
     if getattr(x, "ndim", 4) == 3:  # unbatched [C, H, W], as F.conv2d takes it: a batch of one
         return conv2d(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups, activation,
                       precision=precision, kernel=kernel).squeeze(0)
-    activation = "none" if activation is None else activation
-    key = replay_key("fwd", x, weight, bias, (stride, padding, dilation, groups), activation, precision, kernel)
+    if activation is None:
+        activation = "none"
+    # The key first: a hit replays a call that passed every check below with the same arguments and layouts.
+    key = forward_key(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel)
     if key is not None:
-        out = op.REPLAYS.replayed(key, (x, weight) if bias is None else (x, weight, bias))
+        out = REPLAYS.replayed(key, (x, weight) if bias is None else (x, weight, bias))
         if out is not None:
             return out
     check_activation(activation)
@@ -65,8 +68,8 @@ def conv2d(
     c = ConvCall(x, weight, bias, list(g.stride), list(g.padding), list(g.dilation), g.groups, activation,
                  precision or "default", kernel)
     if key is not None:
-        with op.REPLAYS.recording(key, (x, weight) if bias is None else (x, weight, bias),
-                                  memory_format_of(x)) as kept:
+        with REPLAYS.recording(key, (x, weight) if bias is None else (x, weight, bias),
+                               memory_format_of(x)) as kept:
             return kept(dispatch.forward(c))
     if plain_call(x, weight, bias):
         return dispatch.forward(c)

@@ -143,6 +143,68 @@ def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tup
     return key_of(part, x, weight, bias, conv, *options)
 
 
+def forward_key(x: torch.Tensor, weight: torch.Tensor, bias, stride, padding, dilation, groups, activation: str,
+                precision, kernel):
+    """The key of a public forward call (``tilegemm.conv2d``, ``tilegemm.nn.Conv2d``), or None when it may not be
+    replayed: :func:`replay_key`'s tests in the same order, and a flat tuple of what :func:`key_of` keeps.
+
+    Flat for host time: a replayed call's key is on every call's path, and nested tensor keys cost a tuple and a
+    hash each. A key that hits vouches for the checks: the recorded call had the same dtypes, shapes, strides,
+    devices and arguments, so nothing is checked again. Only ints, pairs of ints and padding strings are keyed
+    (a list as its tuple): a bool or float, equal to an int in a tuple, gets no key and meets the checks.
+    ``activation``: already "none" for None."""
+    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest (guards on thread state)
+        return None
+    if type(x) not in PLAIN_TENSOR_TYPES or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
+        return None
+    if interpreting() or recording_active() or dispatch_stack_depth() or function_mode_on() or in_graph_tree():
+        return None
+    if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or bias is not None and bias.requires_grad):
+        return None
+    return forward_key_of(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel)
+
+
+def forward_key_of(x: torch.Tensor, weight: torch.Tensor, bias, stride, padding, dilation, groups, activation,
+                   precision, kernel):
+    """The key itself (see :func:`forward_key`), or None if an argument cannot be part of one."""
+    # stride, padding, dilation: an int, a str (padding), or a pair of ints (a list keyed as its tuple)
+    t = type(stride)
+    if t is not int:
+        if (t is not tuple and t is not list) or len(stride) != 2 or type(stride[0]) is not int \
+                or type(stride[1]) is not int:
+            return None
+        if t is list:
+            stride = (stride[0], stride[1])
+    t = type(padding)
+    if t is not int and t is not str:
+        if (t is not tuple and t is not list) or len(padding) != 2 or type(padding[0]) is not int \
+                or type(padding[1]) is not int:
+            return None
+        if t is list:
+            padding = (padding[0], padding[1])
+    t = type(dilation)
+    if t is not int:
+        if (t is not tuple and t is not list) or len(dilation) != 2 or type(dilation[0]) is not int \
+                or type(dilation[1]) is not int:
+            return None
+        if t is list:
+            dilation = (dilation[0], dilation[1])
+    if type(groups) is not int or type(activation) is not str or type(kernel) is not str \
+            or precision is not None and type(precision) is not str:
+        return None
+    dtype = x.dtype
+    key = ("fwd", dtype, x.shape, x.stride(), x.device, x.data_ptr() % 16 == 0, weight.dtype, weight.shape,
+           weight.stride(), weight.device, weight.data_ptr() % 16 == 0, stride, padding, dilation, groups,
+           activation, precision, kernel,
+           torch.get_float32_matmul_precision() if dtype is torch.float32 else None)
+    if bias is None:
+        return key
+    return key + (bias.dtype, bias.shape, bias.stride(), bias.device, bias.data_ptr() % 16 == 0)
+
+
 _OPTION_TYPES = (str, int, bool, tuple, type(None))
 
 
