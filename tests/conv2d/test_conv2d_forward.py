@@ -222,3 +222,20 @@ def test_index_64_when_a_tensor_reaches_2_31_elements():
     assert not problem((32, 64, 56, 56), (64, 64, 3, 3), 1).index_64
     assert problem((256, 256, 192, 192), (64, 256, 3, 3), 1).index_64  # x: 2.4e9 elements
     assert problem((256, 64, 192, 192), (256, 64, 1, 1)).index_64  # only the output passes 2^31
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_1x1_on_one_pixel_is_one_gemm_in_either_format(channels_last, device, monkeypatch):
+    # squeeze-and-excitation blocks: [N, C, 1, 1] is the same bytes in both formats; the N images are one
+    # [N, C] x [C, K] product (the NCHW branch would run N products of one column each)
+    from tilegemm.ops.conv2d import gemm_1x1
+
+    shapes = []
+    real = gemm_1x1.matmul
+    monkeypatch.setattr(gemm_1x1, "matmul", lambda a, b, **kw: shapes.append((tuple(a.shape), tuple(b.shape)))
+                        or real(a, b, **kw))
+    x, w, b = _inputs(device, torch.float32, 5, 24, 1, 1, 40, 1, 1, channels_last=channels_last)
+    out = tilegemm.conv2d(x, w, b, activation="silu", kernel="gemm_1x1", precision="ieee")
+    _check(out, x, w, b, 1e-5, activation="silu")
+    assert shapes == [((5, 24), (24, 40))]
+    assert out.shape == (5, 40, 1, 1) and not out.isnan().any()

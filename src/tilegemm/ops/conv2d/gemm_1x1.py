@@ -241,7 +241,9 @@ def run(p: ConvProblem, config: tuple | None = None) -> torch.Tensor:
                 out = matmul(xs, w2d.t(), bias=p.bias, activation=act, out_dtype=p.out_dtype,
                              precision=p.precision)
         out = out.view(g.N, g.P, g.Q, g.K).permute(0, 3, 1, 2)  # [N, K, P, Q], channels-last
-    elif p.out_format == torch.channels_last or channels_last(p.x):
+    elif p.out_format == torch.channels_last or channels_last(p.x) or g.H * g.W == 1:
+        # (one pixel, as in squeeze-and-excitation blocks: NCHW and channels-last are the same bytes, and one
+        # [N, C] x [C, K] product reads the weight once where the NCHW branch's batch of N GEMVs reads it N times)
         x2d = p.x.permute(0, 2, 3, 1).reshape(g.N * g.H * g.W, g.C)  # [NHW, C], a view when channels-last
         into = None if p.out is None else p.out.permute(0, 2, 3, 1).view(g.N * g.H * g.W, g.K)
         out = gluon_1x1(x2d, w2d.t(), config, p.bias, p.activation, into) if p.out_dtype == p.x.dtype else None
