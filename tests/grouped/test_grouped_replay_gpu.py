@@ -47,6 +47,10 @@ def test_each_layout_replays_right_with_new_tensors_and_group_sizes(layout, dtyp
         out = tilegemm.grouped_mm(a, b, offs=offs, bias=bias)
         assert_rel_close(out, grouped_mm_reference(a, b, offs, bias=bias), tol)
         assert REPLAYS.count() == 1, "one key, recorded by the first call"
+        entry = next(iter(REPLAYS.entries.values()))
+        if trial == 0:
+            first = entry
+        assert entry is first, "later calls replay the first call's entry (a declined replay records anew)"
         want = fresh(a, b, fn=tilegemm.grouped_mm, offs=offs, bias=bias)
         assert torch.equal(out, want), "a replay must give the bits of a fresh launch"
 

@@ -216,3 +216,13 @@ def test_compile_fullgraph_with_perm(monkeypatch):
     compiled = torch.compile(lambda x: w4a16.matmul(x, w, activation="silu") * 2, fullgraph=True,
                              backend="aot_eager")
     assert_rel_close(compiled(x), reference(x, w, activation="silu") * 2, 2e-3)
+
+
+def test_a_strided_perm_is_reordered_first_not_gathered(monkeypatch):
+    # a valid act-order weight may hold perm as a strided view; the kernel reads a contiguous one only
+    monkeypatch.setitem(dispatch._FRAG_REASON, torch.device("cuda"), "")
+    w = act_order(16, 256, 64)
+    strided = torch.stack([w.perm, w.perm], 1)[:, 0]
+    assert strided.stride(0) == 2 and torch.equal(strided, w.perm)
+    w2 = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, 64, w.shape, strided)
+    assert dispatch.gathers("auto", _Rows(3, 256), w) and not dispatch.gathers("auto", _Rows(3, 256), w2)

@@ -87,9 +87,13 @@ def test_replays_take_the_calls_perm():
     w1 = act_order_weight(512, 2048, 128, device="cuda", seed=1)
     w2 = act_order_weight(512, 2048, 128, device="cuda", seed=2)
     for M in (1, 9, 20):  # gathered (x within GATHER_MAX_X)
-        for w in (w1, w2, w1):
+        for i, w in enumerate((w1, w2, w1)):
             x = torch.randn(M, 2048, dtype=torch.float16, device="cuda")
             assert_rel_close(w4a16.matmul(x, w), reference(x, w), 2e-3)
+            if i == 0:
+                kept = dict(op.REPLAYS.entries)
+        # the later calls replayed the first one's entry (a declined replay would have recorded a new one)
+        assert all(op.REPLAYS.entries[k] is v for k, v in kept.items())
     assert op.REPLAYS.count() == 3
 
 

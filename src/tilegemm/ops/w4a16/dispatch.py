@@ -72,9 +72,9 @@ def wants_frag(kernel: str, x2: torch.Tensor, w) -> bool:
 def gathers(kernel: str, x2: torch.Tensor, w) -> bool:
     """Whether a call with 2-D activations ``x2`` and act-order weight ``w`` reads x through ``w.perm`` in the kernel
     (frag_wgmma, asked for or chosen by auto, up to GATHER_MAX_M rows and GATHER_MAX_X elements of x) rather than
-    on a reordered copy."""
+    on a reordered copy. A perm that is not contiguous (a valid weight may hold a strided view) is reordered by."""
     M, K = x2.shape
-    return M <= GATHER_MAX_M and M * K <= GATHER_MAX_X and wants_frag(kernel, x2, w)
+    return M <= GATHER_MAX_M and M * K <= GATHER_MAX_X and w.perm.stride(0) == 1 and wants_frag(kernel, x2, w)
 
 
 def kernel_for(p: W4A16Problem) -> str:

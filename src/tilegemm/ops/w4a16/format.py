@@ -164,9 +164,10 @@ class Int4Weight:
             if self.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
                 # Packing inside a capture would run again on every replay of the graph (and copies from the host,
                 # which a capture refuses): the layout must exist before.
-                raise RuntimeError("this Int4Weight's fragment layout (made on its first call) cannot be made during "
-                                   "CUDA graph capture: call the layer once before capturing, or call "
-                                   "w.fragments() first")
+                raise RuntimeError("this Int4Weight's fragment layout cannot be made during CUDA graph capture: "
+                                   "call w.fragments() before capturing (a call makes it only where auto may pick "
+                                   "the fragment kernel, so a warm-up at another batch size may not have; "
+                                   "tilegemm.nn.Int4Linear makes it when built)")
             self._frag = pack_fragments(unpack_rows(self.qweight), self.scales, self.zeros, self.group_k)
         return self._frag
 
