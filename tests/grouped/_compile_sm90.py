@@ -64,7 +64,8 @@ def compile_last(name):
                          options=dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"])).asm["ptx"]
     ptx_of[name] = ptx
     return dict(collections.Counter(re.findall(r"\b(wgmma\.mma_async\S*|mma\.sync\S*|cp\.async\.c[ag]\S*|"
-                                               r"cp\.async\.bulk\.tensor\S*|ld\.global\S*|st\.global\S*|atom\.\S*)", ptx)))
+                                               r"cp\.async\.bulk\.tensor\S*|ld\.global\S*|st\.global\S*|"
+                                               r"atom\.\S*)", ptx)))
 
 
 def grouped(name, layout, dtype, M, N, K, G, precision="ieee", gated=False, b_t=True):
