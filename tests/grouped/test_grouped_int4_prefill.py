@@ -61,7 +61,7 @@ def problem(x, w, offs, bias=None, activation="none", gated=False):
 @pytest.mark.parametrize("group_size, K", [(32, 64), (-1, 40), (64, 192)])
 def test_pass_is_dequantize_bit_for_bit(dtype, group_size, K, device):
     w = experts(3, 136, K, group_size, dtype, device)  # 136 rows: a partial 128-row block of the pass
-    p = problem(torch.empty(1, K, dtype=dtype, device=device), w, offs_of([1, 0, 0], device))
+    p = problem(torch.empty(3, K, dtype=dtype, device=device), w, offs_of([1, 1, 1], device))
     scratch = new_output((3, 136, K), dtype, device)
     dequant.dequantize_experts(p, scratch, 0, 136)
     assert torch.equal(scratch, tilegemm.w4a16.dequantize(w))
@@ -70,11 +70,22 @@ def test_pass_is_dequantize_bit_for_bit(dtype, group_size, K, device):
 def test_pass_slice_of_a_gated_weight(device):
     # columns [8, 20) of the output: the gate's rows 8..19, then the up projection's 40 + 8..19
     w = experts(2, 80, 64, 32, device=device)
-    p = problem(torch.empty(1, 64, dtype=torch.float16, device=device), w, offs_of([1, 0], device), gated=True)
+    p = problem(torch.empty(2, 64, dtype=torch.float16, device=device), w, offs_of([1, 1], device), gated=True)
     scratch = new_output((2, 24, 64), torch.float16, device)
     dequant.dequantize_experts(p, scratch, 8, 12)
     full = tilegemm.w4a16.dequantize(w)
     assert torch.equal(scratch, torch.cat((full[:, 8:20], full[:, 48:60]), dim=1))
+
+
+def test_pass_skips_experts_without_rows(device):
+    # offs read on the device: experts 0 and 2 get no rows, so their scratch stays as it was (NaN here)
+    w = experts(4, 32, 64, 32, device=device)
+    p = problem(torch.empty(9, 64, dtype=torch.float16, device=device), w, offs_of([0, 4, 0, 5], device))
+    scratch = new_output((4, 32, 64), torch.float16, device)
+    dequant.dequantize_experts(p, scratch, 0, 32)
+    full = tilegemm.w4a16.dequantize(w)
+    assert torch.isnan(scratch[0]).all() and torch.isnan(scratch[2]).all()
+    assert torch.equal(scratch[1], full[1]) and torch.equal(scratch[3], full[3])
 
 
 # --- the product -------------------------------------------------------------------------------------------------

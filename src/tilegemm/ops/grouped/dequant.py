@@ -1,7 +1,8 @@
 """Kernel ``dequant_grouped`` of ``grouped_w4a16``: 4-bit experts at prefill sizes, in two steps.
 
 1. One Triton pass dequantizes the stacked experts into a 16-bit scratch ``W [E, N, K]``, K contiguous: a packed
-   word holds eight K steps of one weight row, so its eight values are 16 contiguous bytes of a row of W. The
+   word holds eight K steps of one weight row, so its eight values are 16 contiguous bytes of a row of W. Experts
+   that ``offs`` gives no rows are skipped (read on the device; the product never reads them). The
    arithmetic is ``dequant_dot``'s (:func:`tilegemm.ops.grouped.int4.dequantize_nibbles`): bit for bit
    :func:`tilegemm.ops.w4a16.format.dequantize`.
 2. The 16-bit grouped product of x and ``W.transpose(1, 2)`` (``[E, K, N]``, column-major per expert: the layout
@@ -36,12 +37,22 @@ from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem
 
 
 @triton.jit
-def dequant_experts_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, K, N_SRC, NW, n_lo, split_at, jump, group_k,
+def dequant_experts_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, offs_ptr, K, N_SRC, NW, n_lo, split_at, jump, group_k,
                            UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     # This program: packed rows [BLOCK_R] (8 BLOCK_R K steps) of scratch rows [BLOCK_N] of expert program_id(2).
     # Scratch row j holds the weight's row j + n_lo, or j + n_lo + jump from split_at on (a slice of a gated
     # weight: the gate's rows, then the up projection's).
     e = tl.program_id(2).to(tl.int64)
+    # An expert no row is routed to: the product never reads its weight, so it is not written (offs read here)
+    rows = tl.load(offs_ptr + e) - tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    if rows > 0:
+        _dequant_block(qw_ptr, s_ptr, z_ptr, w_ptr, e, K, N_SRC, NW, n_lo, split_at, jump, group_k, UPCAST, BLOCK_R,
+                       BLOCK_N)
+
+
+@triton.jit
+def _dequant_block(qw_ptr, s_ptr, z_ptr, w_ptr, e, K, N_SRC, NW, n_lo, split_at, jump, group_k,
+                   UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n = j + n_lo + tl.where(j >= split_at, jump, 0)  # the weight's rows: qweight's columns
@@ -62,14 +73,15 @@ def dequant_experts_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, K, N_SRC, NW, n_lo, spli
 
 def dequantize_experts(p: GroupedInt4Problem, w: torch.Tensor, n_lo: int, columns: int) -> None:
     """Write into ``w`` (``[E, NW, K]``, contiguous) the 16-bit rows of every expert's weight that the output's
-    columns ``[n_lo, n_lo + columns)`` need: those rows, and gated the up projection's ``p.N`` further on."""
+    columns ``[n_lo, n_lo + columns)`` need: those rows, and gated the up projection's ``p.N`` further on. Experts
+    that ``p.offs`` gives no rows are left unwritten."""
     block_r, block_n, warps = INT4_DEQUANT_PASS
     nw = w.shape[1]
     n_src = p.qweight.shape[2]
     split_at, jump = (columns, p.N - columns) if p.gated else (nw, 0)
     grid = (cdiv(p.K // 8, block_r), cdiv(nw, block_n), p.groups)
     launch(dequant_experts_kernel, grid,
-           (p.qweight, p.scales, p.zeros, w, p.K, n_src, nw, n_lo, split_at, jump, p.group_k),
+           (p.qweight, p.scales, p.zeros, w, p.offs, p.K, n_src, nw, n_lo, split_at, jump, p.group_k),
            dict(UPCAST=interpreting() and w.dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_N=block_n,
                 num_warps=warps))
 
