@@ -265,5 +265,15 @@ def test_large_weights_slice_or_fall_back():
     assert dispatch.dequant_chunk(huge) == 0 and dispatch.choose_int4(huge) == "dequant_dot"
 
 
+def test_marks_its_launches_unrecordable(monkeypatch, device):
+    # the scratch is the call's own: the host fast path must not record the pass and the product (a replay would
+    # pass the recorded scratch); on the GPU the cache stays empty (test_grouped_int4_prefill_gpu.py)
+    spoiled = []
+    monkeypatch.setattr(dequant, "spoil", lambda: spoiled.append(1))
+    w = experts(2, 16, 32, device=device)
+    run(torch.randn(5, 32, device=device, dtype=torch.float16), w, offs_of([2, 3], device))
+    assert spoiled == [1]
+
+
 def test_registered():
     assert KERNEL in tilegemm.kernels("grouped_w4a16")
