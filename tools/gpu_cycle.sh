@@ -20,6 +20,8 @@
 #                 grouped-batched  the batched sweep, bf16 and fp16;  grouped-w4a16  4-bit experts on the moe sweep,
 #                 fp16 and bf16;  grouped-tests  tests/grouped on the GPU (all marks);  grouped-tma  the moe sweep,
 #                 bf16 and fp16, auto against tiled and tma by name, then tma's tests on the GPU
+#   grouped-w4a16-prefill  4-bit experts at 512, 4096 and 16384 tokens (the moe sweep's models and products), fp16
+#                 and bf16, auto against dequant_dot and dequant_grouped by name, then their tests on the GPU
 #   grouped-host  tools/grouped_host_probe.py (host us per call at decode: full path, replay, F.grouped_mm; cProfile),
 #                 then tests/grouped/test_grouped_replay_gpu.py
 #   conv2d-host   tools/conv2d_host_probe.py (host us per replayed conv2d forward: SE 1x1, 3x3 56x56; cProfile),
@@ -94,6 +96,14 @@ for step in "$@"; do
                    --json "$OUT/grouped-moe-tma-$d.json" 2>&1 | tail -n 8; done
                  pytest_ -m "" tests/grouped/test_grouped_tma.py tests/grouped/test_grouped_tma_gpu.py 2>&1 \
                    | tee "$OUT/grouped-tma-tests.log" | tail -n 15 ;;
+    grouped-w4a16-prefill)
+        shapes=()
+        for m in 8,2,4096,14336 128,8,2048,768 64,6,2048,1408; do for t in 512 4096 16384; do
+            for prod in gate_up down; do shapes+=(--shape "$m,$t,$prod"); done; done; done
+        for d in fp16 bf16; do bench --op grouped_w4a16 "${shapes[@]}" --dtype $d \
+            --kernels auto,dequant_dot,dequant_grouped --json "$OUT/grouped-w4a16-prefill-$d.json" 2>&1 | tail -n 8; done
+        pytest_ -m "" tests/grouped/test_grouped_int4_prefill.py tests/grouped/test_grouped_int4_prefill_gpu.py 2>&1 \
+            | tee "$OUT/grouped-w4a16-prefill-tests.log" | tail -n 15 ;;
     grouped-host) python3 tools/grouped_host_probe.py 2>&1 | tee "$OUT/grouped-host.txt" | sed -n 1,24p
                   pytest_ -m gpu tests/grouped/test_grouped_replay_gpu.py 2>&1 | tee "$OUT/grouped-replay-tests.log" | tail -n 8 ;;
     conv2d-host) python3 tools/conv2d_host_probe.py 2>&1 | tee "$OUT/conv2d-host.txt" | sed -n 1,40p

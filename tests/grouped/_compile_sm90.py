@@ -6,11 +6,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import tilegemm
-from tilegemm.ops.grouped import configs, int4, tiled, tma
+from tilegemm.ops.grouped import configs, dequant, int4, tiled, tma
 from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem
 
 captured = []
-tiled.launch = int4.launch = tma.launch = lambda kernel, grid, args, kwargs, **kw: captured.append((kernel, args, kwargs))
+tiled.launch = int4.launch = tma.launch = dequant.launch = lambda kernel, grid, args, kwargs, **kw: captured.append((kernel, args, kwargs))
 # the GPU's configs
 tiled.interpreting = int4.interpreting = configs.interpreting = tma.interpreting = lambda: False
 configs.sm_count = tma.sm_count = lambda device: 132  # an H200's, so decode problems get the K split they get there
@@ -64,7 +64,8 @@ def compile_last(name):
                          options=dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"])).asm["ptx"]
     ptx_of[name] = ptx
     return dict(collections.Counter(re.findall(r"\b(wgmma\.mma_async\S*|mma\.sync\S*|cp\.async\.c[ag]\S*|"
-                                               r"cp\.async\.bulk\.tensor\S*|ld\.global\S*|atom\.\S*)", ptx)))
+                                               r"cp\.async\.bulk\.tensor\S*|ld\.global\S*|st\.global\S*|"
+                                               r"atom\.\S*)", ptx)))
 
 
 def grouped(name, layout, dtype, M, N, K, G, precision="ieee", gated=False, b_t=True):
@@ -137,5 +138,18 @@ for name, args, kw in (
     ("tma_fp16_gated_b_kn", (torch.float16, 32768, 768, 2048, 128, False), dict(gated=True)),
 ):
     results[name] = tma_experts(name, *args, **kw)
+
+
+# kernel dequant_grouped's pass: Mixtral's gate/up weight, a whole and a slice of the gated rows
+for name, dtype, n_lo, columns in (("dequant_pass_fp16", torch.float16, 0, 14336),
+                                    ("dequant_pass_bf16_slice", torch.bfloat16, 256, 4096)):
+    E, N, K = 8, 14336, 4096
+    p = GroupedInt4Problem(torch.empty(1, K, dtype=dtype), torch.empty(E, K // 8, 2 * N, dtype=torch.int32),
+                           torch.empty(E, K // 128, 2 * N, dtype=dtype), torch.empty(E, K // 128, 2 * N, dtype=dtype),
+                           torch.empty(E, dtype=torch.int32), None, torch.empty(1, N, dtype=dtype), E, 1, N, K, 128,
+                           "silu", True)
+    dequant.dequantize_experts(p, torch.empty(E, 2 * columns, K, dtype=dtype), n_lo, columns)
+    captured[-1][2].setdefault("num_stages", 1)  # (no loop to pipeline)
+    results[name] = compile_last(name)
 results["configs"] = configs_of
 print(json.dumps(results))

@@ -79,3 +79,12 @@ def test_tma_kernel_configs(counts, kernel, b_nk):
     cfg = counts["configs"][kernel]
     assert cfg["B_NK"] == b_nk and cfg["STAGES"] == configs.TMA_STAGES, cfg
     assert cfg["BLOCK_M"] == configs.TMA_BLOCK[0], cfg
+
+
+@pytest.mark.parametrize("kernel", ["dequant_pass_fp16", "dequant_pass_bf16_slice"])
+def test_dequant_pass_writes_16_byte_vectors(counts, kernel):
+    # kernel dequant_grouped's pass: a packed word's eight weights are 16 contiguous bytes of a scratch row, stored
+    # as one vector (no 2-byte stores), its words and scales read as vectors along N
+    ops = counts[kernel]
+    stores = {op: n for op, n in ops.items() if op.startswith("st.global")}
+    assert stores and all(".v4" in op for op in stores), ops

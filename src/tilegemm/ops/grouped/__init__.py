@@ -3,7 +3,8 @@
 ``tilegemm.grouped_mm`` follows ``torch.nn.functional.grouped_mm``; ``tilegemm.w4a16.grouped_matmul`` runs
 4-bit experts; :mod:`tilegemm.nn.moe` plugs both into transformers' MoE blocks. The public functions are in
 :mod:`.api`, checks in :mod:`.checks`, the torch.library op in :mod:`.op`, one file per kernel (:mod:`.tiled`,
-:mod:`.tma`, :mod:`.int4`). Nothing here imports triton: a kernel module is imported when its kernel first runs.
+:mod:`.tma`, :mod:`.int4`, :mod:`.dequant`). Nothing here imports triton: a kernel module is imported when its
+kernel first runs.
 """
 
 from tilegemm.core.hardware import why_not_tma
@@ -33,6 +34,11 @@ register(KernelSpec(
     op="grouped_w4a16", name="dequant_dot", order=10, target="tilegemm.ops.grouped.int4:run",
     dtypes=("fp16", "bf16"),
     summary="the 4-bit weight dequantized in registers inside the K loop, then tl.dot, groups found as in tiled",
+))
+register(KernelSpec(
+    op="grouped_w4a16", name="dequant_grouped", order=20, target="tilegemm.ops.grouped.dequant:run",
+    dtypes=("fp16", "bf16"),
+    summary="prefill: one pass writes the experts' 16-bit weight, then the 16-bit grouped product (tma on Hopper)",
 ))
 
 from tilegemm.ops.grouped.api import batched_matmul, grouped_matmul, grouped_mm  # noqa: E402

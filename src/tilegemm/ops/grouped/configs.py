@@ -43,6 +43,11 @@ MAX_SPLIT = 16  # the workspace holds SPLIT_K fp32 planes of the output
 TMA_BLOCK = (128, 256, 64)
 TMA_BLOCK_N_GATED = 128  # two weight tiles and two accumulators a program: the same 48 KB a stage and registers
 TMA_STAGES = 3  # 3 x 48 KB of the SM's 227 KB in flight (and room for the epilogue): TMA two K steps ahead
+# 4-bit experts at prefill (kernel ``dequant_grouped``): its dequantizing pass and the slices of a large weight
+# packed rows (8 K each), scratch rows (output columns), warps a program: 128 K x 128 columns, 32 KB written (as
+# w4a16's dequant_cublas pass)
+INT4_DEQUANT_PASS = (16, 128, 4)
+INT4_DEQUANT_CHUNK_ALIGN = 256  # a slice of the output's columns is whole 256-column tiles (tma's BLOCK_N)
 
 
 def block_m_for(rows_per_group: float) -> int:

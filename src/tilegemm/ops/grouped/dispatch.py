@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tilegemm.core import registry
 from tilegemm.core.runtime import interpreting, on_device
-from tilegemm.ops.grouped.problem import GroupedProblem
+from tilegemm.ops.grouped import configs
+from tilegemm.ops.grouped.problem import GroupedInt4Problem, GroupedProblem
 
 # (Rule) every layout goes to ``tiled``, the family's kernel of every layout and dtype, but for:
 AUTO = "tiled"
@@ -12,6 +13,16 @@ AUTO = "tiled"
 # shapes): two full 128-row tiles a group and more, where tiled's pointer loads limit the K loop and TMA's
 # pipelined tiles pay for the padding of 128-row tiles (docs/grouped.md, "Kernels")
 TMA_MIN_ROWS_PER_GROUP = 256
+
+# 4-bit experts (grouped_w4a16): ``dequant_dot`` (the weight dequantized inside the K loop) for all but:
+INT4_AUTO = "dequant_dot"
+# ``dequant_grouped`` (one pass writes the 16-bit weight, then the 16-bit grouped product) from this many rows an
+# expert on average (M / E, from the shapes): there the pass over every expert's weight costs less than what
+# dequant_dot's in-loop dequantization adds to the product (docs/grouped.md, "4-bit experts at prefill")
+INT4_DEQUANT_MIN_ROWS_PER_GROUP = 128
+# its 16-bit scratch holds at most this many bytes a call; a larger weight is dequantized and multiplied a slice of
+# the output's columns at a time (every expert's), and where not even one slice fits, dequant_dot runs it
+INT4_DEQUANT_MAX_BYTES = 2 << 30
 
 
 def takes_tma(p: GroupedProblem) -> bool:
@@ -28,6 +39,24 @@ def choose(p: GroupedProblem) -> str:
     if p.layout == "2d3d" and p.M >= TMA_MIN_ROWS_PER_GROUP * max(p.groups, 1) and takes_tma(p):
         return "tma"
     return AUTO
+
+
+def dequant_chunk(p: GroupedInt4Problem) -> int:
+    """The output columns one pass and product of ``dequant_grouped`` take: all N where the scratch (every
+    expert's ``[N, K]``, twice N gated, 16-bit) fits :data:`INT4_DEQUANT_MAX_BYTES`, else the most whole
+    :data:`~tilegemm.ops.grouped.configs.INT4_DEQUANT_CHUNK_ALIGN` columns that fit; 0 where none fit."""
+    per_column = p.groups * p.K * p.x.element_size() * (2 if p.gated else 1)
+    if p.N * per_column <= INT4_DEQUANT_MAX_BYTES:
+        return p.N
+    align = configs.INT4_DEQUANT_CHUNK_ALIGN
+    return INT4_DEQUANT_MAX_BYTES // max(per_column, 1) // align * align
+
+
+def choose_int4(p: GroupedInt4Problem) -> str:
+    """The 4-bit experts' kernel: ``dequant_grouped`` at prefill sizes where its scratch fits, else dequant_dot."""
+    if p.M >= INT4_DEQUANT_MIN_ROWS_PER_GROUP * max(p.groups, 1) and dequant_chunk(p) > 0:
+        return "dequant_grouped"
+    return INT4_AUTO
 
 
 def launch(p: GroupedProblem, kernel: str = "auto") -> None:

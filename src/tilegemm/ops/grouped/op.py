@@ -126,7 +126,7 @@ def forward_int4(x, qweight, scales, zeros, offs, bias, group_k: int, activation
     p = GroupedInt4Problem(x, qweight, scales, zeros, offs, bias, out, E, x.shape[0], N_out, K, group_k,
                            activation, gated)
     with on_device(x.device):
-        registry.launcher("grouped_w4a16", "dequant_dot" if kernel == "auto" else kernel)(p)
+        registry.launcher("grouped_w4a16", dispatch.choose_int4(p) if kernel == "auto" else kernel)(p)
     return out
 
 
