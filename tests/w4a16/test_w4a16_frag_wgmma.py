@@ -274,10 +274,12 @@ def test_auto_uses_frag_wgmma_and_replays_it():
     from tilegemm.ops.w4a16 import op as replay
 
     replay.REPLAYS.clear()
+    replay.DEQUANTS.clear()
     lin = Int4Linear.from_linear(torch.nn.Linear(4096, 1024).half().cuda(), group_size=128)
     for M in (1, 9, 100, 700):
         for _ in range(3):
             x = torch.randn(M, 4096, dtype=torch.float16, device="cuda")
             assert_rel_close(lin(x), reference(x, lin.weight, lin.bias), 2e-3)
-    assert replay.REPLAYS.count() == 4
+    # 700 rows on this 1024-row weight run dequant_cublas (auto's rule), kept apart with its dequantization
+    assert replay.REPLAYS.count() == 3 and replay.DEQUANTS.count() == 1
     assert registry.get("w4a16", "frag_wgmma").unavailable_reason() is None
