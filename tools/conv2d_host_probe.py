@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import tilegemm
-from tilegemm.bench.runner import host_us_per_call
+from tilegemm.bench.runner import graph_us_per_call as gpu_us, host_us_per_call
 from tilegemm.core.launch import ReplaySequence
 from tilegemm.core.replay import cache
 from tilegemm.core.runtime import new_output
@@ -39,26 +39,6 @@ from tilegemm.ops.conv2d import api, checks
 CL = torch.channels_last
 
 
-def gpu_us(fn, calls: int = 20, reps: int = 20) -> float:
-    """GPU time per call: ``calls`` calls captured in one CUDA graph, replayed ``reps`` times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * calls)
 
 
 class fresh_path:

@@ -165,6 +165,29 @@ def host_us_per_call(fn, calls: int = 1000, repeats: int = 5) -> float:
     return best
 
 
+def graph_us_per_call(fn, calls: int = 20, reps: int = 20) -> float:
+    """GPU microseconds per call of ``fn`` without the host: ``calls`` calls captured in one CUDA graph (after a
+    warm call on a side stream), replayed ``reps`` times."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * calls)
+
+
 def host_overhead(op: BenchOp, device: str) -> dict | None:
     """Host time per call on a tiny problem (GPU work negligible): tilegemm's default call and the baseline's."""
     probe = op.overhead_probe(device)

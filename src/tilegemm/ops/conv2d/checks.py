@@ -122,6 +122,21 @@ def check_kernel(kernel) -> None:
 # whose path makes copies or torch ops of its own is not kept. Inside another op's recording nothing replays.
 
 
+def _replayable(x, weight, bias) -> bool:
+    """The tests of :func:`plain_call` spelled out for host time, shared by both keys: no tracer, mode, recording
+    or autograd watching; plain CUDA tensors; not the interpreter."""
+    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest (guards on thread state)
+        return False
+    if type(x) not in PLAIN_TENSOR_TYPES or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
+        return False
+    if interpreting() or recording_active() or dispatch_stack_depth() or function_mode_on() or in_graph_tree():
+        return False
+    if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                             or bias is not None and bias.requires_grad))
+
+
 def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tuple, *options):
     """The key of a call, or None when it may not be replayed. ``part``: ``"fwd"``, ``"dgrad"`` or ``"wgrad"``;
     ``x`` is the activation the kernel reads (dy for the gradients); ``conv``: (stride, padding, dilation, groups)
@@ -129,16 +144,7 @@ def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tup
 
     Written for host time, as matmul's: the tests of :func:`plain_call` spelled out, and the devices in the key
     rather than compared (a call on two devices is refused on the full path, so it is never recorded)."""
-    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest (guards on thread state)
-        return None
-    if type(x) not in PLAIN_TENSOR_TYPES or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
-        return None
-    if interpreting() or recording_active() or dispatch_stack_depth() or function_mode_on() or in_graph_tree():
-        return None
-    if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or bias is not None and bias.requires_grad):
+    if not _replayable(x, weight, bias):
         return None
     return key_of(part, x, weight, bias, conv, *options)
 
@@ -153,16 +159,7 @@ def forward_key(x: torch.Tensor, weight: torch.Tensor, bias, stride, padding, di
     devices and arguments, so nothing is checked again. Only ints, pairs of ints and padding strings are keyed
     (a list as its tuple): a bool or float, equal to an int in a tuple, gets no key and meets the checks.
     ``activation``: already "none" for None."""
-    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest (guards on thread state)
-        return None
-    if type(x) not in PLAIN_TENSOR_TYPES or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
-        return None
-    if interpreting() or recording_active() or dispatch_stack_depth() or function_mode_on() or in_graph_tree():
-        return None
-    if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or bias is not None and bias.requires_grad):
+    if not _replayable(x, weight, bias):
         return None
     return forward_key_of(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel)
 
