@@ -294,6 +294,7 @@ def test_replay_allocates_channels_last_outputs_as_the_permuted_layout(shape, po
         assert torch.isnan(out).all()
 
 
+@pytest.mark.skipif(not interpreting(), reason="CPU tensors: the declined call runs on the interpreter")
 def test_a_key_hit_replays_without_the_full_path_and_a_declined_one_takes_it(monkeypatch):
     """The public function and the module ask for the key first and, on a hit, only allocate the output and call
     the recorded launches (no checks, no dispatch); a replay that declines (another stream) leaves the call to the
