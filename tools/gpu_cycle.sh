@@ -22,6 +22,8 @@
 #                 bf16 and fp16, auto against tiled and tma by name, then tma's tests on the GPU
 #   grouped-w4a16-prefill  4-bit experts at 512, 4096 and 16384 tokens (the moe sweep's models and products), fp16
 #                 and bf16, auto against dequant_dot and dequant_grouped by name, then their tests on the GPU
+#   grouped-candidates  tools/grouped_candidates.py: the moe sweep's weakest cases (bf16 forward), baselines, auto,
+#                 and tiled and tma by name on a grid of configs around auto's, CUDA-graph times (150 s budget)
 #   grouped-host  tools/grouped_host_probe.py (host us per call at decode: full path, replay, F.grouped_mm; cProfile),
 #                 then tests/grouped/test_grouped_replay_gpu.py
 #   conv2d-host   tools/conv2d_host_probe.py (host us per replayed conv2d forward: SE 1x1, 3x3 56x56; cProfile),
@@ -104,6 +106,8 @@ for step in "$@"; do
             --kernels auto,dequant_dot,dequant_grouped --json "$OUT/grouped-w4a16-prefill-$d.json" 2>&1 | tail -n 8; done
         pytest_ -m "" tests/grouped/test_grouped_int4_prefill.py tests/grouped/test_grouped_int4_prefill_gpu.py 2>&1 \
             | tee "$OUT/grouped-w4a16-prefill-tests.log" | tail -n 15 ;;
+    grouped-candidates) python3 tools/grouped_candidates.py --out "$OUT/grouped-candidates.json" 2>&1 \
+                            | tee "$OUT/grouped-candidates.txt" | tail -n 20 ;;
     grouped-host) python3 tools/grouped_host_probe.py 2>&1 | tee "$OUT/grouped-host.txt" | sed -n 1,24p
                   pytest_ -m gpu tests/grouped/test_grouped_replay_gpu.py 2>&1 | tee "$OUT/grouped-replay-tests.log" | tail -n 8 ;;
     conv2d-host) python3 tools/conv2d_host_probe.py 2>&1 | tee "$OUT/conv2d-host.txt" | sed -n 1,40p

@@ -203,7 +203,7 @@ def _spy_launcher(monkeypatch, op, name):
 
 
 def test_product_on_tma_where_auto_takes_it(monkeypatch, device):
-    # as on a Hopper GPU: 256+ rows an expert take the 16-bit product to tma (the interpreter emulates its
+    # as on a Hopper GPU: 65+ rows an expert take the 16-bit product to tma (the interpreter emulates its
     # descriptors), reading the scratch [E, N, K] through its [G, N, K] descriptor
     monkeypatch.setattr(dispatch, "takes_tma", lambda p: tma.why_not(p) is None)
     calls = _spy_launcher(monkeypatch, "grouped", "tma")

@@ -12,7 +12,8 @@ import tilegemm
 from tilegemm.core import hardware
 from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import interpreting
-from tilegemm.ops.grouped import dispatch, tma
+from tilegemm.ops.grouped import configs, dispatch, tma
+from tilegemm.ops.grouped.bench import group_sizes
 from tilegemm.ops.grouped.problem import make_problem
 from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
 
@@ -136,12 +137,45 @@ def _problem(M, G, K=4096, N=1024, dtype=torch.bfloat16, b_nk=True, layout="2d3d
     (16384 * 2, 8, "tma"),  # Mixtral, 16384 tokens: 4096 rows an expert
     (4096 * 8, 128, "tma"),  # Qwen3-30B-A3B, 4096 tokens: 256 rows an expert
     (512 * 8, 128, "tiled"),  # 512 tokens: 32 rows an expert, below a 128-row tile
-    (512 * 2, 8, "tiled"),  # Mixtral, 512 tokens: 128
+    (512 * 6, 64, "tiled"),  # DeepSeek-V2-Lite, 512 tokens: 48
+    (64 * 8, 8, "tiled"),  # 64 rows an expert: tiled's 64-row tiles
+    (64 * 8 + 1, 8, "tma"),  # just over 64: tiled would run 128-row tiles too
+    (512 * 2, 8, "tma"),  # Mixtral, 512 tokens: 128
     (8, 128, "tiled"),  # a decode step (its K split is tiled's)
 ])
 def test_auto_takes_tma_for_large_groups(hopper, M, G, want):
     assert dispatch.choose(_problem(M, G)) == want
-    assert (M >= dispatch.TMA_MIN_ROWS_PER_GROUP * G) == (want == "tma")
+    # the rule: tma exactly where tiled's own row tile (from the average rows an expert) is tma's 128 rows
+    assert (configs.block_m_for(M / G) == configs.TMA_BLOCK[0]) == (want == "tma")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_auto_runs_tma_on_mixtral_512_routing(hopper, dtype, device):
+    # Mixtral's gate/up at 512 tokens as the grouped bench routes it (8 experts, top 2, skewed: 55 to 368 rows
+    # and one expert empty, 128 an expert on average), K and N cut to the interpreter's size: auto takes tma there
+    # now, and its tiles (the interpreter's 16 rows) end inside groups and straddle the next group's rows
+    sizes = group_sizes(512, 8, 2)
+    assert 0 in sizes and sum(sizes) == 1024
+    a, b, offs = operands("2d3d", sizes, 32, 32, dtype, device, tail=3, b_transposed=True)
+    p = make_problem("2d3d", 8, a, b, offs, None, torch.empty(a.shape[0], 32, dtype=dtype))
+    assert dispatch.choose(p) == "tma"
+    out = tilegemm.grouped_mm(a, b, offs=offs)
+    assert_rel_close(out, grouped_mm_reference(a, b, offs), tolerance(dtype))
+    assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
+
+
+def test_programs_per_sm_walks_units_with_a_stride(device):
+    # PROGRAMS_PER_SM (the candidate tool's knob): the interpreter runs that many programs, each walking every
+    # third unit of the skewed groups and the tail
+    sizes = [s // 8 for s in group_sizes(512, 8, 2)]
+    a, b, offs = operands("2d3d", sizes, 64, 40, torch.float16, device, tail=5, b_transposed=True)
+    out = torch.full((a.shape[0], 40), float("nan"), dtype=torch.float16, device=device)
+    tma.run(make_problem("2d3d", 8, a, b, offs, None, out),
+            dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, PROGRAMS_PER_SM=3, num_warps=4, num_stages=1))
+    assert_rel_close(out, grouped_mm_reference(a, b, offs), tolerance(torch.float16))
+    with pytest.raises(ValueError, match="PROGRAMS_PER_SM"):
+        tma.run(make_problem("2d3d", 8, a, b, offs, None, out), dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32,
+                                                                      GROUP_M=2, PROGRAMS_PER_SM=0))
 
 
 def test_auto_keeps_tiled_where_tma_refuses(hopper):

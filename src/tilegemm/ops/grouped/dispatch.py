@@ -9,10 +9,15 @@ from tilegemm.ops.grouped.problem import GroupedInt4Problem, GroupedProblem
 
 # (Rule) every layout goes to ``tiled``, the family's kernel of every layout and dtype, but for:
 AUTO = "tiled"
-# the 16-bit MoE forward (2-D x 3-D) on Hopper with at least this many rows an expert on average (M / G, from the
-# shapes): two full 128-row tiles a group and more, where tiled's pointer loads limit the K loop and TMA's
-# pipelined tiles pay for the padding of 128-row tiles (docs/grouped.md, "Kernels")
-TMA_MIN_ROWS_PER_GROUP = 256
+# the 16-bit MoE forward (2-D x 3-D) on Hopper wherever tiled's own row tile would be tma's (128 rows: more than 64
+# rows an expert on average, M / G from the shapes, configs.block_m_for). There both kernels pad every group to
+# whole 128-row tiles alike, and on equal tiles tma's TMA-fed pipelined K loop ran ahead of tiled's pointer loads
+# (prefill: 0.94x against 0.79x; docs/grouped.md, "Measured"). Until this rule tma began at 256 rows an expert,
+# leaving 65-255 (Mixtral at 512 tokens: 128) on tiled's 128-row tiles, padded as tma's would be.
+def tma_rows(p: GroupedProblem) -> bool:
+    """Whether ``p`` has rows enough an expert for ``tma``: tiled would run it on tma's 128-row tiles too."""
+    return configs.block_m_for(p.M / max(p.groups, 1)) >= configs.TMA_BLOCK[0]
+
 
 # 4-bit experts (grouped_w4a16): ``dequant_dot`` (the weight dequantized inside the K loop) for all but:
 INT4_AUTO = "dequant_dot"
@@ -36,7 +41,7 @@ def takes_tma(p: GroupedProblem) -> bool:
 
 
 def choose(p: GroupedProblem) -> str:
-    if p.layout == "2d3d" and p.M >= TMA_MIN_ROWS_PER_GROUP * max(p.groups, 1) and takes_tma(p):
+    if p.layout == "2d3d" and tma_rows(p) and takes_tma(p):
         return "tma"
     return AUTO
 

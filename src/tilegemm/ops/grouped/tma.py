@@ -155,8 +155,14 @@ def run(p: GroupedProblem, config: dict | None = None) -> None:
         return
     cfg = dict(config or tma_config(p))
     warps, stages = cfg.pop("num_warps", 8), cfg.pop("num_stages", 4)
+    # programs an SM (a config key for candidate tools: two smaller tiles' programs resident on an SM overlap one's
+    # epilogue with the other's loads, shared memory permitting, else the second waits); the interpreter runs
+    # this many programs in all (one by default), so a test walks the units with a stride
+    per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
+    if not isinstance(per_sm, int) or per_sm < 1:
+        raise ValueError(f"PROGRAMS_PER_SM must be a positive int, got {per_sm!r}")
     units = row_tiles(p.M, p.groups, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
-    programs = min(units, 1 if interpreting() else sm_count(p.out.device))
+    programs = min(units, per_sm * (1 if interpreting() else sm_count(p.out.device)))
     a, b, out, bias = p.a, p.b, p.out, p.bias
     b_nk = b.stride(2) != 1
     c = (0, 0)
