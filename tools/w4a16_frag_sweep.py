@@ -1,50 +1,64 @@
 """Fitting data for ``frag_wgmma``'s config rule (GPU): configs around today's rule on the fitting draws of the
-``w4-random`` recipe, each checked, then timed as CUDA-graph replays against cuBLAS fp16.
+``w4-random`` recipe, each checked, then timed as CUDA-graph replays against cuBLAS fp16; ``--fit`` proposes the
+rule per M from such data (no GPU).
 
-    PYTHONPATH=src python3 tools/w4a16_frag_sweep.py --out $OUT/w4-frag-sweep.json
-    PYTHONPATH=src python3 tools/w4a16_frag_sweep.py --fit $OUT/w4-frag-sweep.json   (offline: the proposed rule)
-    PYTHONPATH=src python3 tools/w4a16_frag_sweep.py --smoke --out /tmp/smoke.json   (CPU: Triton's interpreter,
-        tiny shapes; frag_wgmma is refused there, so its candidates are listed as unavailable)
+    PYTHONPATH=src python3 tools/w4a16_frag_sweep.py --out $OUT/w4-frag-sweep.json      (one H200, ~4 minutes)
+    PYTHONPATH=src python3 tools/w4a16_frag_sweep.py --fit $OUT/w4-frag-sweep.json [MORE.json ...] [--out P.json]
+    PYTHONPATH=src python3 tools/w4a16_frag_sweep.py --smoke --out /tmp/smoke.json      (CPU, Triton's
+        interpreter, tiny shapes; frag_wgmma has no interpreter, so its candidates are listed as unavailable)
 
-Shapes: the (N, K) pairs of ``w4_random_shapes(seed=...)`` for ``--seeds`` (default 60418,60419: the draws
-``auto``'s rules are fitted on; 60417, the bench's held-out ``w4-random`` seed, is refused), each at every M of
-``--ms`` (default 8,16,32,64,128,256), g128 fp16 weights, in an order that alternates the seeds so that a run cut
-by ``--budget`` (seconds, default 240: no case starts after it) keeps shapes of both; ``--limit-shapes`` takes the
-first pairs of each seed.
+Shapes: the (N, K) pairs of ``w4_random_shapes(seed=...)`` for ``--seeds`` (default 60418,60419, the draws
+``auto``'s rules are fitted on; 60417, the bench's held-out ``w4-random`` draw, is refused: no rule may be fitted
+on it), each at every M of ``--ms`` (default 8,16,32,64,128,256), g128 fp16 weights; the seeds alternate shape by
+shape, so a run cut by ``--budget`` (seconds, default 240, compiles included: no case starts after it) keeps
+shapes of both; ``--limit-shapes N`` takes the first N pairs of each seed. Work splits over calls by ``--ms``
+(``--fit`` takes several files).
 
 Per case (seed, M, N, K): cuBLAS fp16 ``F.linear`` on the dequantized weight, today's ``auto`` (the public
-``w4a16.matmul``, its kernel and config recorded), ``dequant_cublas``, and ``frag_wgmma`` launched as the op
-launches it (``frag_wgmma.run(problem, cfg)``) with each candidate config:
+``w4a16.matmul``; its kernel and config recorded), ``dequant_cublas``, and ``frag_wgmma`` launched as the op
+launches it, ``frag_wgmma.run(problem, cfg)``, with each candidate config:
 
-- families, measured on every case so that they compare across cases: every tile (x's rows BM, row tiles a warp
-  RH, warps) the kernel takes for M (BM the power of two that holds M, from M = 64 also a half and from 128 a
-  quarter of it, at least 32; RH 1/2 x 4/8 warps, accumulators of at most 128 fp32 registers a thread: RH * BM
-  <= 256) at the K split that fills the GPU as today's rule fills it for that tile (``fill``), its double, half
-  and 1 (and today's split at today's tile), all with today's STAGES (4) and mode (OVERLAP/PIPE from M = 64);
-  then today's config with STAGES 3 and 6 and with each other mode (none, OVERLAP alone, PIPE);
-- ``--refine R`` (default 4) more, per case: one-step changes (split x2 / x0.5, STAGES, mode) from the best
-  so far, until none is faster or R are spent (they count toward "the best of each case" only).
+- families, timed on every case so that they compare across cases: each tile (BM rows of x, RH row tiles a
+  warp, warps) the kernel takes for M (BM the power of two that holds M, from M = 64 also half of it and from
+  128 a quarter, at least 32; RH 1/2 by 4/8 warps where the accumulator keeps to 128 fp32 registers a thread,
+  RH * BM <= 256) at the K split today's rule would fill the GPU with for that tile (``fill``: its programs a SM
+  by BM, slices of 8 steps or more), twice and half that and 1, all at today's STAGES and mode (OVERLAP/PIPE);
+  and today's config itself (family ``rule``) with its split x2, /2, 1, STAGES 3/4/6 and each mode (none,
+  OVERLAP alone, PIPE). Rings past 227 KB of shared memory are left out; a config the kernel refuses
+  otherwise (its launch's ValueError, a compile or out-of-resources error) is recorded with the reason;
+- then ``--refine-rounds`` (default 2) rounds, while the budget lasts, of up to ``--refine`` (4) one-step
+  changes of each case's best so far (split x2 / x0.5, STAGES, mode): they count toward "the best of each case".
 
-Configs the kernel cannot run are skipped by its own refusal (the launch's ValueError, a compile or
-out-of-resources error; ring sizes past 227 KB of shared memory are not tried). Each candidate is checked against
-an fp32 reference (``x.float() @ dequantize(w).float().T``, relative Frobenius error below 2e-3) before it is
-timed. Times: a CUDA graph of back-to-back calls of the one candidate (about 300 us of GPU work), replayed 15 times,
-the median replay over its calls, in microseconds. The L2 is NOT cleared and the same call repeats, so a weight that
-fits in L2 (50 MB on the H200) is read from it, as it is not in the bench's ``w4-random --cuda-graph`` run (which
-rotates copies past L2); ``--rotate`` rotates copies of every input the same way (more memory, slower set-up).
-Triton compiles each distinct constexpr config once, the launch's integer arguments specialized (1, multiples of
-16: K / 64, N / 16, the steps a slice); ``--precompile J`` (default: the CPU count, up to 16; 0 off) compiles the
-families' configs in J processes first (Triton's cache on disk), so the timing loop finds them compiled.
+Each candidate is checked against an fp32 reference (``x.float() @ dequantize(w).float().T``, TF32 off; relative
+Frobenius error below 2e-3, the output NaN-filled first) before it is timed. Times: a CUDA graph of one call
+sizes a graph of back-to-back calls of about 300 us of GPU work (at most 64 calls), replayed 15 times, each
+replay timed by events; the median replay over its calls, in microseconds (GPU time alone: the host drops out).
+The L2 is NOT cleared and one call repeats, so a weight that fits in L2 (50 MB on the H200: every weight here
+under about 100M values) is partly read from it; the bench's ``w4-random --cuda-graph`` run rotates copies past
+L2 instead, which ``--rotate`` does here too (copies of every input, more memory and set-up). A split-K launch in
+a graph also zeroes its arrival counters (one memset a call), as the op's launches do under capture.
 
-The JSON (``--out``) is rewritten after every case: per case seed, M, N, K, cuBLAS us, auto's us, kernel and config,
-dequant_cublas's us, every candidate's config, families and us (or why it did not run). Last, a table per M: the
-geomean ratio (cuBLAS time / time) of auto, of the best frag_wgmma config of each case, of dequant_cublas, of
-the best single family (one per M; and one per M and N/K class) and of the best of frag_wgmma and dequant_cublas.
+Triton compiles each distinct constexpr config once per specialization of the launch's integers (1, multiples
+of 16: here M, K / 64 and the steps a slice vary); the families' launches (507 distinct ones, of 349 constexpr
+configs, among the default sweep's 5087 family candidates) are compiled first in ``--precompile J`` worker processes (default the CPU count less
+one, up to 16; 0: none) into Triton's disk cache while the weights are made, so the timing loop finds them
+compiled (each refinement round's likewise); half the budget left at most is spent waiting for them.
 
-``--fit FILE.json [FILE.json ...]`` (no GPU) reads such files and proposes the rule per M: a tile (or two, the
-second where the first's tiles make less than a share of a wave), the K split as a function of the tiles, K and
-the SM count (programs a SM, least steps a slice), STAGES and mode, with its geomean ratio on the fitting data,
-the same rule fitted on one seed and scored on the other, today's rule and the best of each case beside it.
+The JSON (``--out``) is rewritten after every case of the families (and every 16 cases of a refinement round),
+one case a line: seed, M, N, K, input sets, today's config (``rule``), cuBLAS us, auto's us, kernel and config,
+dequant_cublas's us, each candidate's config, families, stage and us and error (or why it did not run) and the
+case's best. Printed: a line per case, the proposed rule per M (``--fit``'s), then last a table per M of geomean
+ratios (cuBLAS time / time): auto, today's rule (frag_wgmma with today's config), the fitted rule, the best single
+family (one per M; and one per M and N/K class: N below 3200 or not, K below 4096 or not), the best frag_wgmma
+config of each case, dequant_cublas, and the best of frag_wgmma and dequant_cublas of each case.
+
+``--fit FILE.json [...]`` proposes, per M, the rule with the best geomean that gives every case a config that was
+timed: a tile, or two (the first where its tiles make at least ``alpha`` SMs' worth, else the second; it must beat
+the best one-tile rule by 1%), a K split ``split_within(tiles, ceil(K / 64), P x SMs, S)`` capped or not at 4
+(P programs a SM, S least steps a slice), at the families' STAGES and mode unless another was timed on every
+case and wins by 1%. Beside it: today's rule, the best of each case, the rule fitted on one seed alone and
+scored on the other, today's rule with one knob changed, and the N below which dequant_cublas would be better.
+With ``--out`` the proposal is written as JSON too.
 """
 
 from __future__ import annotations
@@ -254,7 +268,7 @@ class Precompiler:
 
     def __init__(self, jobs: int):
         self.jobs, self.sent, self.pool, self.futures = jobs, set(), None, []
-        self.stats = dict(workers=jobs, sent=0, compiled=0, errors=[], seconds=0.0)
+        self.stats = dict(workers=jobs, sent=0, compiled=0, refused=0, errors=[], seconds=0.0)
 
     def submit(self, specs: list) -> None:
         fresh = []
@@ -290,7 +304,8 @@ class Precompiler:
             except Exception as exc:  # noqa: BLE001 - a worker that died: its configs compile on first launch
                 n, errors = 0, [f"worker: {type(exc).__name__}: {str(exc)[:160]}"]
             self.stats["compiled"] += n
-            self.stats["errors"] += errors[: max(0, 20 - len(self.stats["errors"]))]
+            self.stats["refused"] += len(errors)
+            self.stats["errors"] += errors[: max(0, 20 - len(self.stats["errors"]))]  # the first few messages
         self.futures = list(pending)
         self.stats["seconds"] += time.time() - start
 
@@ -309,10 +324,10 @@ REPLAYS = 15
 _STREAM = []  # the one side stream the graphs are warmed and captured on (its split-K workspace made once)
 
 
-def graph_us(call, sets: int, estimate_us: float) -> float:
-    """Median GPU microseconds per call: ``call(i)`` (i cycling over ``sets`` input sets) captured back to back in
-    one CUDA graph (about GRAPH_US of work, after a warm call of each set on the capture stream), replayed REPLAYS
-    times, each replay timed by events. Captured by ``capture_begin``/``capture_end`` rather than
+def graph_us(call, sets: int, calls: int, replays: int) -> float:
+    """Median GPU microseconds per call: ``calls`` calls of ``call(i)`` (i cycling over ``sets`` input sets)
+    captured back to back in one CUDA graph (after a warm call of each set on the capture stream), replayed
+    ``replays`` times, each replay timed by events. Captured by ``capture_begin``/``capture_end`` rather than
     ``torch.cuda.graph``, which empties the allocator's cache (and in some torch versions collects garbage)
     before every capture."""
     import torch
@@ -320,7 +335,6 @@ def graph_us(call, sets: int, estimate_us: float) -> float:
     if not _STREAM:
         _STREAM.append(torch.cuda.Stream())
     stream = _STREAM[0]
-    calls = sets * max(1, min(64 // sets, round(GRAPH_US / max(estimate_us, 1.0) / sets)))
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
@@ -335,7 +349,7 @@ def graph_us(call, sets: int, estimate_us: float) -> float:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPLAYS)]
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
     for start, end in events:
         start.record()
         graph.replay()
@@ -346,16 +360,12 @@ def graph_us(call, sets: int, estimate_us: float) -> float:
     return times[len(times) // 2]
 
 
-def event_us(call) -> float:
-    """One eager call's time by events (host launch included): the graph's size is chosen from it."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    call(0)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3
+def timed_us(call, sets: int) -> float:
+    """GPU microseconds per call: a graph of one call a set gives the estimate that sizes the timed graph (about
+    GRAPH_US of work, at most 64 calls), replayed REPLAYS times."""
+    estimate = graph_us(call, sets, sets, 3)
+    per_set = max(1, min(64 // sets, round(GRAPH_US / max(estimate, 1.0) / sets)))
+    return graph_us(call, sets, sets * per_set, REPLAYS)
 
 
 def host_us(call) -> float:
@@ -366,6 +376,17 @@ def host_us(call) -> float:
         call(0)
         times.append((time.perf_counter() - start) * 1e6)
     return sorted(times)[1]
+
+
+def warm_gpu(seconds: float = 1.0) -> None:
+    """Half-precision GEMMs for ``seconds``: the clocks up before the first case (the GPU idled while compiling)."""
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    end = time.time() + seconds
+    while time.time() < end:
+        a @ a
+        torch.cuda.synchronize()
 
 
 def rel_err(out, ref) -> float:
@@ -387,7 +408,7 @@ def measure(call, ref, sets: int, gpu: bool, fill=None) -> dict:
         err = rel_err(call(0), ref)
         if not err < TOL:
             return dict(err=err, error=f"wrong: relative error {err:.2e} >= {TOL:g}")
-        us = graph_us(call, sets, event_us(call)) if gpu else host_us(call)
+        us = timed_us(call, sets) if gpu else host_us(call)
         return dict(us=round(us, 3), err=float(f"{err:.3g}"))
     except Exception as exc:  # noqa: BLE001 - the kernel's own refusal (launch check, compile, resources)
         text = str(exc).strip()
@@ -507,9 +528,18 @@ def rotation_sets(shape_bytes: int, M: int, N: int, K: int, rotate: bool, machin
 
 
 def write_json(path: str, data: dict) -> None:
+    """``data`` to ``path`` (replaced whole), compact, one case a line; keys starting with ``_`` left out."""
+    def public(d: dict) -> dict:
+        return {k: v for k, v in d.items() if not k.startswith("_")}
+
+    cases = data.get("cases")
+    head = json.dumps({k: v for k, v in data.items() if k != "cases"}, indent=1)
+    if cases is not None:
+        head = head[:-2] + ',\n "cases": [\n' + ",\n".join(json.dumps(public(c), separators=(",", ":"))
+                                                          for c in cases) + "\n]}"
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
+        f.write(head + "\n")
     os.replace(tmp, path)
 
 
@@ -592,7 +622,9 @@ class Sweep:
                 self.shape(si)
             self.pre.wait(0.5 * self.left())
             print(f"precompiled {self.pre.stats['compiled']} of {self.pre.stats['sent']} launches in "
-                  f"{time.time() - self.started:.0f} s ({len(self.pre.stats['errors'])} refused)", flush=True)
+                  f"{time.time() - self.started:.0f} s ({self.pre.stats['refused']} refused)", flush=True)
+        if self.gpu:
+            warm_gpu()
         try:
             self.families()
             self.refine()
@@ -651,8 +683,10 @@ class Sweep:
                                                      stage=f"refine{round_}",
                                                      **run_candidate(case, cfg, self.gpu, self.unavailable)))
                 finish_record(record)
-                self.save()
                 done += 1
+                if done % 16 == 0:  # (the families' JSON went out case by case; here every 16 cases and at the end)
+                    self.save()
+            self.save()
             print(f"refinement round {round_}: {done} of {len(todo)} cases", flush=True)
 
 
