@@ -714,7 +714,7 @@ def progress_line(r: dict) -> str:
 def shape_list(args) -> list[tuple[int, int, int, int]]:
     """(seed, index, N, K) of every weight, the seeds alternating (a run cut by the budget keeps both)."""
     if args.smoke:
-        return [(seed, i, N, K) for i, (N, K) in enumerate(SMOKE_SHAPES) for seed in args.seeds[:1]]
+        return [(args.seeds[0], i, N, K) for i, (N, K) in enumerate(SMOKE_SHAPES[: args.limit_shapes or None])]
     from tilegemm.ops.w4a16.bench import W4_RANDOM_SEED, w4_random_shapes
 
     assert W4_RANDOM_SEED == HELD_OUT_SEED, "the bench's held-out seed moved: update HELD_OUT_SEED"
@@ -1071,9 +1071,9 @@ def main(argv=None) -> None:
 
     importlib.import_module("tilegemm")  # first: it chooses the interpreter or the GPU before torch and triton load
     data = Sweep(args).run()
-    report(prepare_cases(data["cases"], data["meta"]["sms"]))
     if args.out:
-        print(f"\nwrote {args.out}")
+        print(f"wrote {args.out}\n")
+    report(prepare_cases(data["cases"], data["meta"]["sms"]))
 
 
 if __name__ == "__main__":
