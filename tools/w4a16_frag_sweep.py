@@ -57,8 +57,10 @@ timed: a tile, or two (the first where its tiles make at least ``alpha`` SMs' wo
 the best one-tile rule by 1%), a K split ``split_within(tiles, ceil(K / 64), P x SMs, S)`` capped or not at 4
 (P programs a SM, S least steps a slice), at the families' STAGES and mode unless another was timed on every
 case and wins by 1%. Beside it: today's rule, the best of each case, the rule fitted on one seed alone and
-scored on the other, today's rule with one knob changed, and the N below which dequant_cublas would be better.
-With ``--out`` the proposal is written as JSON too.
+scored on the other, today's rule with one knob changed, and the N below which dequant_cublas would be better;
+then, for neighbouring M up to 16, the weights whose time grows by more than 10% from one M to the next (the
+W4A16 target for M = 1..16), under today's rule and the proposed one. With ``--out`` the proposal is written as
+JSON too.
 """
 
 from __future__ import annotations
@@ -957,7 +959,33 @@ def fit(cases: list[dict], out=print) -> dict:
             ", ".join(f"{k[5:]} {v:.3f}" for k, v in proposal[M]["ofat"].items()))
         out(f"    with dequant_cublas for N < {T}: {with_dq:.3f}x" if T else
             f"    dequant_cublas nowhere better as an N threshold ({with_dq:.3f}x)")
+    for line in steps_in_m(cases, proposal):
+        out(line)
     return proposal
+
+
+SMALL_M = 16  # up to here a call reads the weight once: its time should not grow with M
+STEP_LIMIT = 1.10  # the W4A16 target: no M in 1..16 more than 10% slower than its neighbours
+
+
+def steps_in_m(cases: list[dict], proposal: dict) -> list[str]:
+    """For each pair of neighbouring M up to SMALL_M in the data, the weights whose time grows by more than
+    STEP_LIMIT from the smaller M to the larger, under today's rule and under the proposed one."""
+    ms = sorted(m for m in by_m(cases) if m <= SMALL_M)
+    at = {(c["seed"], c["N"], c["K"], c["M"]): c for c in cases if c.get("cublas_us")}
+    lines = []
+    for a, b in zip(ms, ms[1:]):
+        pairs = [(at[s, n, k, a], at[s, n, k, b]) for (s, n, k, m) in at if m == a and (s, n, k, b) in at]
+        for name, us_of in (("today's rule", lambda c: family_times(c).get("rule")),
+                            ("proposed", lambda c: c["_timed"].get(config_key(rule_config(proposal[c["M"]]["rule"],
+                                                                                           c)))
+                             if c["M"] in proposal else None)):
+            steps = [(us_of(cb) / us_of(ca), ca) for ca, cb in pairs if us_of(ca) and us_of(cb)]
+            over = sorted([x for x in steps if x[0] > STEP_LIMIT], key=lambda x: -x[0])
+            worst = ", ".join(f"{c['N']}x{c['K']} {r:.2f}" for r, c in over[:4])
+            lines.append(f"M={a} -> {b}, {name}: {len(over)} of {len(steps)} weights over {STEP_LIMIT:g}x the time"
+                         + (f" (worst: {worst})" if over else ""))
+    return lines
 
 
 def fmt(v) -> str:
