@@ -981,6 +981,8 @@ def steps_in_m(cases: list[dict], proposal: dict) -> list[str]:
                                                                                            c)))
                              if c["M"] in proposal else None)):
             steps = [(us_of(cb) / us_of(ca), ca) for ca, cb in pairs if us_of(ca) and us_of(cb)]
+            if not steps:
+                continue
             over = sorted([x for x in steps if x[0] > STEP_LIMIT], key=lambda x: -x[0])
             worst = ", ".join(f"{c['N']}x{c['K']} {r:.2f}" for r, c in over[:4])
             lines.append(f"M={a} -> {b}, {name}: {len(over)} of {len(steps)} weights over {STEP_LIMIT:g}x the time"
