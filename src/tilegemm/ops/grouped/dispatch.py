@@ -13,6 +13,10 @@ AUTO = "tiled"
 # shapes): two full 128-row tiles a group and more, where tiled's pointer loads limit the K loop and TMA's
 # pipelined tiles pay for the padding of 128-row tiles (docs/grouped.md, "Kernels")
 TMA_MIN_ROWS_PER_GROUP = 256
+# the 16-bit 2-D x 2-D product (groups along K: the MoE weight gradient, dB = A^T dY) on Hopper with at least this
+# many tokens (K) a group on average (K / G, from the shapes): the same measure as the forward's rows an expert,
+# so the backward of a product that ran on ``tma`` takes ``tma_k`` (docs/grouped.md, "Kernels")
+TMA_K_MIN_TOKENS_PER_GROUP = TMA_MIN_ROWS_PER_GROUP
 
 # 4-bit experts (grouped_w4a16): ``dequant_dot`` (the weight dequantized inside the K loop) for all but:
 INT4_AUTO = "dequant_dot"
@@ -35,9 +39,21 @@ def takes_tma(p: GroupedProblem) -> bool:
     return tma.why_not(p) is None
 
 
+def takes_tma_k(p: GroupedProblem) -> bool:
+    """Whether kernel ``tma_k`` takes ``p`` (:func:`tilegemm.ops.grouped.tma_k.why_not`), never under the
+    interpreter (as :func:`takes_tma`)."""
+    if p.layout != "2d2d" or p.dtype.itemsize != 2 or interpreting():
+        return False
+    from tilegemm.ops.grouped import tma_k
+
+    return tma_k.why_not(p) is None
+
+
 def choose(p: GroupedProblem) -> str:
     if p.layout == "2d3d" and p.M >= TMA_MIN_ROWS_PER_GROUP * max(p.groups, 1) and takes_tma(p):
         return "tma"
+    if p.layout == "2d2d" and p.K >= TMA_K_MIN_TOKENS_PER_GROUP * max(p.groups, 1) and takes_tma_k(p):
+        return "tma_k"
     return AUTO
 
 
