@@ -6,7 +6,6 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import tilegemm  # noqa: F401
 from tilegemm.ops.grouped import tma_k
 from tilegemm.ops.grouped.problem import make_problem
 

@@ -39,6 +39,7 @@ from tilegemm.ops.grouped.tiled import swizzle
 TMA_K_BLOCK = (128, 256, 64)
 TMA_K_STAGES = 3  # 3 x 48 KB of the SM's 227 KB in flight: TMA two K steps ahead (as ``tma``)
 TMA_K_GROUP_M = 8  # bands of 8 row tiles: the programs running together share a's and b's panels in L2
+TMA_K_PROGRAMS_PER_SM = 1  # 144 KB of shared memory a program: one fits an SM
 
 
 @triton.jit
@@ -133,11 +134,14 @@ def why_not(p: GroupedProblem) -> str | None:
 
 
 def config(p: GroupedProblem) -> dict:
-    """:data:`TMA_K_BLOCK` and its pipeline; small tiles under the interpreter."""
+    """:data:`TMA_K_BLOCK` and its pipeline; small tiles under the interpreter. ``PROGRAMS_PER_SM``: the
+    persistent grid's programs an SM (two, with tiles whose stages fit twice, let one program's epilogue overlap
+    the other's K loop)."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
     bm, bn, bk = TMA_K_BLOCK
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=TMA_K_GROUP_M, num_warps=8, num_stages=TMA_K_STAGES)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=TMA_K_GROUP_M, PROGRAMS_PER_SM=TMA_K_PROGRAMS_PER_SM,
+                num_warps=8, num_stages=TMA_K_STAGES)
 
 
 def run(p: GroupedProblem, config_: dict | None = None) -> None:
@@ -148,8 +152,9 @@ def run(p: GroupedProblem, config_: dict | None = None) -> None:
         return
     cfg = dict(config_ or config(p))
     warps, stages = cfg.pop("num_warps", 8), cfg.pop("num_stages", TMA_K_STAGES)
+    per_sm = cfg.pop("PROGRAMS_PER_SM", 1)
     units = p.groups * cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
-    programs = min(units, 1 if interpreting() else sm_count(p.out.device))
+    programs = min(units, 1 if interpreting() else per_sm * sm_count(p.out.device))
     a, b, out, bias = p.a, p.b, p.out, p.bias
     c = (0, 0)
     if bias is not None:
