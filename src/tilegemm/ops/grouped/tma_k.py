@@ -39,7 +39,7 @@ from tilegemm.ops.grouped.tiled import swizzle
 TMA_K_BLOCK = (128, 256, 64)
 TMA_K_STAGES = 3  # 3 x 48 KB of the SM's 227 KB in flight: TMA two K steps ahead (as ``tma``)
 TMA_K_GROUP_M = 8  # bands of 8 row tiles: the programs running together share a's and b's panels in L2
-TMA_K_PROGRAMS_PER_SM = 1  # 144 KB of shared memory a program: one fits an SM
+TMA_K_PROGRAMS_PER_SM = 1  # 147 KB of shared memory a program (3 stages and the barriers): one fits an SM
 
 
 @triton.jit
