@@ -98,8 +98,8 @@ for step in "$@"; do
                    --json "$OUT/grouped-moe-tma-$d.json" 2>&1 | tail -n 8; done
                  pytest_ -m "" tests/grouped/test_grouped_tma.py tests/grouped/test_grouped_tma_gpu.py 2>&1 \
                    | tee "$OUT/grouped-tma-tests.log" | tail -n 15 ;;
-    grouped-tma-k) python3 tools/grouped_bwd_probe.py --out "$OUT/grouped-bwd-probe.json" 2>&1 \
-                     | tee "$OUT/grouped-bwd-probe.txt" | tail -n 18
+    grouped-tma-k) python3 tools/grouped_bwd_probe.py --boundary --out "$OUT/grouped-bwd-probe.json" 2>&1 \
+                     | tee "$OUT/grouped-bwd-probe.txt" | tail -n 24
                    pytest_ -m "" tests/grouped/test_grouped_tma_k.py tests/grouped/test_grouped_tma_k_gpu.py 2>&1 \
                      | tee "$OUT/grouped-tma-k-tests.log" | tail -n 15
                    bench --op grouped --sweep moe --dtype bf16 --mode bwd --cuda-graph --kernels auto \

@@ -1,6 +1,7 @@
 """The grouped family's MoE backward, product by product, on the `moe` sweep's slowest backward cases (GPU):
 
     PYTHONPATH=src python3 tools/grouped_bwd_probe.py --out $OUT/grouped-bwd-probe.json
+    PYTHONPATH=src python3 tools/grouped_bwd_probe.py --boundary --out ...   # and 4 cases about auto's threshold
     PYTHONPATH=src TRITON_INTERPRET=1 python3 tools/grouped_bwd_probe.py --smoke   # CPU, interpreter, tiny sizes
 
 The five cases the bf16 `--mode bwd --cuda-graph` sweep ran slowest (deepseek_v2_lite gate_up 16384 tokens,
@@ -36,6 +37,10 @@ from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
 
 CASES = ("deepseek_v2_lite/gate_up/t16384", "mixtral/gate_up/t4096", "mixtral/down/t16384",
          "mixtral/gate_up/t16384", "mixtral/down/t4096")
+# --boundary adds cases about auto's threshold for tma_k (256 tokens an expert on average): Qwen3-30B-A3B at 4096
+# tokens (256), DeepSeek-V2-Lite down at 4096 (384), Mixtral gate/up at 512 (128: tiled in auto)
+BOUNDARY = ("qwen3_30b_a3b/gate_up/t4096", "qwen3_30b_a3b/down/t4096", "deepseek_v2_lite/down/t4096",
+            "mixtral/gate_up/t512")
 # kernel tma_k's shipped config (tma_k.config) runs as "tma_k"; these other configs of it are timed on dB as well
 # (the table after the main one), to pick its tile on the GPU: BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, programs
 # an SM (98 KB of shared memory a program at 128 x 128 x 64 x 3 stages: two fit an SM; 197 KB at 128 x 256 x 4)
@@ -65,7 +70,9 @@ def case_inputs(bench: GroupedBench, name: str, device: str):
     if name.startswith("custom"):
         case = bench.parse_shape(SMOKE_SHAPE)
     else:
-        case = next(c for c in bench.sweeps["moe"]() if c.name == name)
+        case = next((c for c in bench.sweeps["moe"]() if c.label == name), None)
+        if case is None:
+            raise SystemExit(f"no moe case {name!r}: names are MODEL/PRODUCT/tTOKENS, e.g. mixtral/down/t4096")
     prepared = bench.prepare(case, DTYPE, device, 1, {"mode": "bwd"})
     inputs = prepared.sets[0]
     del prepared  # (its fp64 reference)
@@ -232,6 +239,7 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="a tiny case under the interpreter on the CPU")
     parser.add_argument("--calls", type=int, default=4, help="calls captured in one CUDA graph")
     parser.add_argument("--reps", type=int, default=5, help="replays of the graph timed")
+    parser.add_argument("--boundary", action="store_true", help="also the cases about auto's threshold (BOUNDARY)")
     parser.add_argument("--cases", help="comma-separated moe case names (default: the five above), e.g. "
                                         "qwen3_30b_a3b/down/t4096")
     args = parser.parse_args()
@@ -241,6 +249,8 @@ def main():
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA GPU (or --smoke for the interpreter on the CPU)")
         device, cases = "cuda", tuple(args.cases.split(",")) if args.cases else CASES
+        if args.boundary:
+            cases += BOUNDARY
     note = f"CUDA graph, {args.calls} calls x {args.reps} replays" if device == "cuda" else "host, one call"
     time_us = timer(device == "cuda", args.calls, args.reps)
     rows = []
