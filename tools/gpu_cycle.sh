@@ -20,6 +20,8 @@
 #                 grouped-batched  the batched sweep, bf16 and fp16;  grouped-w4a16  4-bit experts on the moe sweep,
 #                 fp16 and bf16;  grouped-tests  tests/grouped on the GPU (all marks);  grouped-tma  the moe sweep,
 #                 bf16 and fp16, auto against tiled and tma by name, then tma's tests on the GPU
+#   grouped-tma-k tools/grouped_bwd_probe.py (the backward's dA and dB by kernel, the sweep's 5 slowest cases), tma_k's
+#                 tests on the GPU, then the moe backward sweep, bf16, as CUDA graphs, auto against F.grouped_mm
 #   grouped-w4a16-prefill  4-bit experts at 512, 4096 and 16384 tokens (the moe sweep's models and products), fp16
 #                 and bf16, auto against dequant_dot and dequant_grouped by name, then their tests on the GPU
 #   grouped-candidates  tools/grouped_candidates.py: the moe sweep's weakest cases (bf16 forward), baselines, auto,
@@ -98,6 +100,12 @@ for step in "$@"; do
                    --json "$OUT/grouped-moe-tma-$d.json" 2>&1 | tail -n 8; done
                  pytest_ -m "" tests/grouped/test_grouped_tma.py tests/grouped/test_grouped_tma_gpu.py 2>&1 \
                    | tee "$OUT/grouped-tma-tests.log" | tail -n 15 ;;
+    grouped-tma-k) python3 tools/grouped_bwd_probe.py --boundary --out "$OUT/grouped-bwd-probe.json" 2>&1 \
+                     | tee "$OUT/grouped-bwd-probe.txt" | tail -n 24
+                   pytest_ -m "" tests/grouped/test_grouped_tma_k.py tests/grouped/test_grouped_tma_k_gpu.py 2>&1 \
+                     | tee "$OUT/grouped-tma-k-tests.log" | tail -n 15
+                   bench --op grouped --sweep moe --dtype bf16 --mode bwd --cuda-graph --kernels auto \
+                     --json "$OUT/grouped-moe-bf16-bwd-graph.json" 2>&1 | tail -n 8 ;;
     grouped-w4a16-prefill)
         shapes=()
         for m in 8,2,4096,14336 128,8,2048,768 64,6,2048,1408; do for t in 512 4096 16384; do

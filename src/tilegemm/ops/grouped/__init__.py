@@ -3,7 +3,7 @@
 ``tilegemm.grouped_mm`` follows ``torch.nn.functional.grouped_mm``; ``tilegemm.w4a16.grouped_matmul`` runs
 4-bit experts; :mod:`tilegemm.nn.moe` plugs both into transformers' MoE blocks. The public functions are in
 :mod:`.api`, checks in :mod:`.checks`, the torch.library op in :mod:`.op`, one file per kernel (:mod:`.tiled`,
-:mod:`.tma`, :mod:`.int4`, :mod:`.dequant`). Nothing here imports triton: a kernel module is imported when its
+:mod:`.tma`, :mod:`.tma_k`, :mod:`.int4`, :mod:`.dequant`). Nothing here imports triton: a kernel module is imported when its
 kernel first runs.
 """
 
@@ -24,6 +24,12 @@ register(KernelSpec(
     op="grouped", name="tma", order=20, target="tilegemm.ops.grouped.tma:run", why_not=why_not_tma,
     tags=("sm_90",), dtypes=("fp16", "bf16"),
     summary="Hopper, the MoE forward (2-D x 3-D): persistent, A and B tiles by TMA (descriptors made on the device)",
+))
+register(KernelSpec(
+    op="grouped", name="tma_k", order=30, target="tilegemm.ops.grouped.tma_k:run", why_not=why_not_tma,
+    tags=("sm_90",), dtypes=("fp16", "bf16"),
+    summary="Hopper, 2-D x 2-D with groups along K (the MoE weight gradient): persistent, TMA boxes cut at each "
+            "group's end",
 ))
 register_op(OpSpec(
     name="grouped_w4a16", summary="4-bit experts: x[rows of g] @ dequantize(w)[g].T, groups jagged as in grouped",

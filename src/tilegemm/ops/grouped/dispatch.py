@@ -19,6 +19,11 @@ def tma_rows(p: GroupedProblem) -> bool:
     return configs.block_m_for(p.M / max(p.groups, 1)) >= configs.TMA_BLOCK[0]
 
 
+# the 16-bit 2-D x 2-D product (groups along K: the MoE weight gradient, dB = A^T dY) on Hopper with at least this
+# many tokens (K) a group on average (K / G, from the shapes): the backward of prefill-sized products, where the
+# forward runs on tma; an estimate until tools/grouped_bwd_probe.py's boundary cases are measured (docs/grouped.md)
+TMA_K_MIN_TOKENS_PER_GROUP = 256
+
 # 4-bit experts (grouped_w4a16): ``dequant_dot`` (the weight dequantized inside the K loop) for all but:
 INT4_AUTO = "dequant_dot"
 # ``dequant_grouped`` (one pass writes the 16-bit weight, then the 16-bit grouped product) from this many rows an
@@ -40,9 +45,21 @@ def takes_tma(p: GroupedProblem) -> bool:
     return tma.why_not(p) is None
 
 
+def takes_tma_k(p: GroupedProblem) -> bool:
+    """Whether kernel ``tma_k`` takes ``p`` (:func:`tilegemm.ops.grouped.tma_k.why_not`), never under the
+    interpreter (as :func:`takes_tma`)."""
+    if p.layout != "2d2d" or p.dtype.itemsize != 2 or interpreting():
+        return False
+    from tilegemm.ops.grouped import tma_k
+
+    return tma_k.why_not(p) is None
+
+
 def choose(p: GroupedProblem) -> str:
     if p.layout == "2d3d" and tma_rows(p) and takes_tma(p):
         return "tma"
+    if p.layout == "2d2d" and p.K >= TMA_K_MIN_TOKENS_PER_GROUP * max(p.groups, 1) and takes_tma_k(p):
+        return "tma_k"
     return AUTO
 
 

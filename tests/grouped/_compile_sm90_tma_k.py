@@ -1,0 +1,77 @@
+"""Kernel ``tma_k`` compiled offline for sm_90 (no GPU: Triton ships ptxas) at the configs it ships, for the MoE
+backward's dB (a the transposed tokens, b the output gradient); prints the PTX's tensor-core and memory
+instructions, its spills and its launch config, as JSON on the last line."""
+import collections, json, os, re, subprocess, tempfile
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tilegemm.ops.grouped import tma_k
+from tilegemm.ops.grouped.problem import make_problem
+
+captured = []
+tma_k.launch = lambda kernel, grid, args, kwargs, **kw: captured.append((kernel, args, kwargs))
+tma_k.interpreting = lambda: False  # the GPU's config
+tma_k.sm_count = lambda device: 132  # an H200's
+tma_k.why_not_tma = lambda: None  # (no GPU here: compiled for the H200's sm_90)
+tma_k.ensure_allocator = lambda: None
+
+
+def signature(kernel, args, kwargs):
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in kwargs:
+            sig[name], constexprs[(i,)] = "constexpr", kwargs[name]
+            continue
+        v = args[i]
+        if isinstance(v, torch.Tensor):
+            sig[name] = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32",
+                         torch.int32: "*i32"}[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif v == 1:
+            sig[name], constexprs[(i,)] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, constexprs, attrs
+
+
+def spilled_bytes(ptx):
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill", run.stderr))
+
+
+def compiled(name, dtype, T, H, N, G, out_dtype=None, bias=False):
+    e = lambda *s, dt=dtype: torch.empty(*s, dtype=dt)  # noqa: E731
+    a, b = e(T, H).T, e(T, N)  # dB = grouped(A^T, dY): a [H, T] M-contiguous, b [T, N] row-major
+    p = make_problem("2d2d", G, a, b, torch.empty(G, dtype=torch.int32), e(G, N) if bias else None,
+                     e(G, H, N, dt=out_dtype or dtype))
+    tma_k.run(p)
+    kernel, args, kwargs = captured[-1]
+    kw = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+    sig, ce, at = signature(kernel, args, kw)
+    ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"])).asm["ptx"]
+    counts = dict(collections.Counter(re.findall(r"\b(wgmma\.mma_async\S*|mma\.sync\S*|cp\.async\.c[ag]\S*|"
+                                                 r"cp\.async\.bulk\.tensor\S*|ld\.global\S*|st\.global\S*|"
+                                                 r"tensormap\S*)", ptx)))
+    counts["spilled_bytes"] = spilled_bytes(ptx)
+    counts["config"] = {k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "num_warps")}
+    counts["grid"] = captured[-1][1][9]
+    return name, counts
+
+
+results = dict(compiled(*c) for c in (
+    ("bf16_mixtral_gate_up", torch.bfloat16, 8192, 4096, 28672, 8),
+    ("fp16_deepseek_down", torch.float16, 98304, 1408, 2048, 64),
+    ("bf16_fp32_out_bias", torch.bfloat16, 8192, 2048, 1536, 128, torch.float32, True),
+))
+print(json.dumps(results))
