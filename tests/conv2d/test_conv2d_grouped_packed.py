@@ -5,13 +5,15 @@ block-diagonal weight of its TMA form; auto's rule (off by default)."""
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 
 import tilegemm
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
 
-from conftest import assert_rel_close
+from conftest import SM90, assert_rel_close, compile_offline
 
 CL = torch.channels_last
 
@@ -187,3 +189,70 @@ def test_gpu_16bit_forward(kernel, dtype, shape):
         assert kernel == "grouped_packed_tma", err
         pytest.skip(str(err))
     assert_rel_close(out, conv2d_reference(x, w, b, **conv, activation="relu"), tolerance(dtype))
+
+
+# Compiles the forward for sm_90 (no GPU needed: Triton ships ptxas) on three zoo layers, fp16 channels-last
+# with channels-last weights, its arguments specialized as a launch specializes them, and reads the PTX and
+# ptxas's report: every operand tile moved by 16-byte cp.async (8-byte for 4-channel groups' weight runs, the
+# weight's block-diagonal rows were 2-byte loads outside the pipeline before their pointers said they are
+# contiguous), wgmma, 16-byte stores, no spills.
+_COMPILE = SM90 + textwrap.dedent(
+    """
+    import collections, json, re
+    import torch
+    from tilegemm.ops.conv2d import configs, grouped_packed as gp
+    from tilegemm.ops.conv2d.problem import ConvProblem, geometry_of, memory_format_of
+
+    captured = []
+    gp.launch = lambda kernel, grid, args, kwargs, **kw: captured.append((kernel, args, kwargs))
+    configs.interpreting = lambda: False
+
+    def specialized(kernel, args, kwargs):
+        skip = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+        sig, constexprs, attrs = {}, {}, {}
+        for i, name in enumerate(kernel.arg_names):
+            if name in kwargs:
+                sig[name], constexprs[(i,)] = "constexpr", kwargs[name]
+                continue
+            v = args[i]
+            if isinstance(v, torch.Tensor):
+                sig[name] = "*fp16"
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            elif name in skip:
+                sig[name] = "i32"
+            elif v == 1:
+                sig[name], constexprs[(i,)] = "constexpr", 1
+            else:
+                sig[name] = "i32"
+                if v % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        return sig, constexprs, attrs
+
+    out = {}
+    for label, (C, H, stride, G) in dict(cg8=(104, 56, 2, 13), cg16=(64, 112, 2, 4), cg4=(128, 56, 1, 32)).items():
+        x = torch.empty(32, C, H, H, dtype=torch.float16).to(memory_format=torch.channels_last)
+        w = torch.empty(C, C // G, 3, 3, dtype=torch.float16).to(memory_format=torch.channels_last)
+        g = geometry_of(x.shape, w.shape, (stride, stride), (1, 1, 1, 1), (1, 1), G)
+        gp.run(ConvProblem(x, w, None, g, torch.float16, memory_format_of(x), "relu", "ieee", False))
+        kernel, args, kwargs = captured[-1]
+        flags = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+        sig, constexprs, attrs = specialized(kernel, args, flags)
+        _, ptx, log = compile_sm90(kernel, sig, constexprs, attrs, kwargs["num_warps"], kwargs["num_stages"],
+                                   gluon=False)
+        ops = collections.Counter(re.findall(r"\\b(cp\\.async\\.c[ag]\\S+|ld\\.global\\S*|st\\.global\\S+|wgmma\\.mma\\S+)",
+                                             ptx))
+        ops["spills"] = int(re.search(r"(\\d+) bytes spill stores", log).group(1))
+        out[label] = dict(ops)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_forward_compiles_to_wide_pipelined_loads_for_sm90(tmp_path):
+    report = compile_offline(tmp_path, _COMPILE, {})
+    for label, ops in report.items():
+        assert ops["spills"] == 0, (label, ops)
+        assert not any(op.startswith("ld.global") for op in ops), (label, ops)  # all through cp.async
+        assert ops.get("cp.async.cg.shared.global", 0) > 0, (label, ops)
+        assert any(op.startswith("wgmma.mma_async") for op in ops), (label, ops)
+        assert set(op for op in ops if op.startswith("st.global")) == {"st.global.v4.b32"}, (label, ops)

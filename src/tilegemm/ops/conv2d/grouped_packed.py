@@ -35,11 +35,11 @@ from dataclasses import replace
 
 import torch
 
-from tilegemm.core.launch import launch
+from tilegemm.core.launch import current_stream, launch, sequence_lock
 from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import cdiv, ensure_backend
 from tilegemm.ops.conv2d.configs import grouped_packed_config, grouped_packed_tiles
-from tilegemm.ops.conv2d.implicit_gemm import _conv_args, _divisor, _tap_mma, allocate_out
+from tilegemm.ops.conv2d.implicit_gemm import _conv_args, _divisor, _tap_mma, allocate_out, pointer_weight
 from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
 
 ensure_backend()
@@ -49,9 +49,12 @@ import triton.language as tl  # noqa: E402
 
 from tilegemm.jit.helpers import apply_activation  # noqa: E402
 
-# Sizes and strides that change with the image or the layer are not specialized on (a new image compiles
-# nothing): what the loads' widths need is said by the DIV_* constexprs instead.
-_SIZES = ["H", "W", "P", "Q", "M", "G", "C", "K", "pad_h", "pad_w", "sxn", "sxh", "sxw", "son", "sop", "soq"]
+# Sizes, strides and hyper-parameters that change with the image or the layer are not specialized on (a new
+# layer compiles nothing new but for its group shape): what the loads' widths need is said by the DIV_*
+# constexprs instead, each at most 8 (16 bytes of a 16-bit dtype, the widest load).
+_SIZES = ["H", "W", "P", "Q", "M", "G", "C", "K", "pad_h", "pad_w", "sxn", "sxh", "sxw", "son", "sop", "soq",
+          "stride_wk", "stride_wr", "stride_ws", "str_h", "str_w", "dil_h", "dil_w"]
+_MOST_DIV = 8
 
 MOST_CHANNELS_OUT = 128  # a tile's output columns: K/groups must fit one tile (GT >= 1)
 
@@ -68,7 +71,7 @@ def grouped_packed_fwd_kernel(
     R: tl.constexpr, S: tl.constexpr, CG: tl.constexpr, KG: tl.constexpr, GT: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     INDEX_64: tl.constexpr, DIV_X: tl.constexpr, DIV_PX: tl.constexpr, DIV_O: tl.constexpr,
-    DIV_PO: tl.constexpr,
+    DIV_PO: tl.constexpr, DIV_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Which tile: output pixels [BM] x the GT*KG output channels of groups grp0 .. grp0 + GT - 1 [BN]. The
@@ -101,7 +104,10 @@ def grouped_packed_fwd_kernel(
     lg_n = offs_n // KG  # [BN] each column's group within the tile
     # Pixel strides in units the host knows divide them (DIV_PX): x's rows then provably 16-byte aligned.
     x_rows = x_ptr + n * (sxn * DIV_PX)  # [BM]
-    w_cols = w_ptr + k * stride_wk  # [BN]
+    # Column j's filter seen from the tile's first input channel: its group's row starts lg_n * CG channels
+    # later, so input row i of the tile reads element i - lg_n * CG of it, contiguous along i (16-byte loads of
+    # a channels-last weight; the filter strides in units of DIV_W for the same reason).
+    w_cols = w_ptr + k * (stride_wk * DIV_W) - (lg_n * CG) * stride_wc  # [BN]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for it in range(0, R * S * C_STEPS):
@@ -119,7 +125,7 @@ def grouped_packed_fwd_kernel(
         lg_c = i // CG  # [BK] each row's group within the tile
         # The block-diagonal weight tile: w[k, i - lg*CG, r, s] where input row i and column k share a group.
         diag = (lg_c[:, None] == lg_n[None, :]) & c_ok[:, None] & n_ok[None, :]
-        b = tl.load(w_cols[None, :] + ((i - lg_c * CG) * stride_wc)[:, None] + (r * stride_wr + s * stride_ws),
+        b = tl.load(w_cols[None, :] + (i * stride_wc)[:, None] + (r * stride_wr + s * stride_ws) * DIV_W,
                     mask=diag, other=0.0)  # [BK, BN]
         acc = _tap_mma(a, b, acc, UPCAST, "ab", INPUT_PRECISION)
 
@@ -144,10 +150,10 @@ def check(g: Geometry) -> None:
 
 
 def _pixel_divisor(t: torch.Tensor, dims) -> int:
-    """The largest power of two (at most 16) dividing ``t``'s strides along ``dims``."""
-    d = 16
+    """The largest power of two (at most :data:`_MOST_DIV`) dividing ``t``'s strides along ``dims``."""
+    d = _MOST_DIV
     for i in dims:
-        d = min(d, _divisor(t.stride(i)) if t.stride(i) else 16)
+        d = min(d, _divisor(t.stride(i)) if t.stride(i) else d)
     return d
 
 
@@ -172,24 +178,32 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     cfg.setdefault("BLOCK_K", bk)
     if cfg["BLOCK_N"] < gt * g.Kg:
         raise ValueError(f"grouped_packed: BLOCK_N={cfg['BLOCK_N']} under GT*K/groups={gt * g.Kg}")
+    with sequence_lock:  # a weight's workspace is shared by the calls on this stream
+        # an NCHW-strided weight (nn.Conv2d's default) copied channels-last: its tiles' loads 16 bytes wide
+        w, keep = pointer_weight(p.weight)
+        return _run(p, w, keep, cfg, gt, current_stream() if keep else None)
+
+
+def _run(p: ConvProblem, w: torch.Tensor, keep: tuple, cfg: dict, gt: int, stream) -> torch.Tensor:
+    g = p.geo
     out = allocate_out(p)
     M = g.N * g.P * g.Q
     bias = p.bias if p.bias is not None else out
-    x, w = p.x, p.weight
-    dpx, dpo = _pixel_divisor(x, (0, 2, 3)), _pixel_divisor(out, (0, 2, 3))
+    x = p.x
+    dpx, dpo, dw = _pixel_divisor(x, (0, 2, 3)), _pixel_divisor(out, (0, 2, 3)), _pixel_divisor(w, (0, 2, 3))
     # what divides a tile's first channel and the channel count (the load masks constant over such runs)
-    div_x = min(_divisor(gt * g.Cg), _divisor(g.C)) if x.stride(1) == 1 else 1
-    div_o = min(_divisor(gt * g.Kg), _divisor(g.K)) if out.stride(1) == 1 else 1
+    div_x = min(_divisor(gt * g.Cg), _divisor(g.C), _MOST_DIV) if x.stride(1) == 1 else 1
+    div_o = min(_divisor(gt * g.Kg), _divisor(g.K), _MOST_DIV) if out.stride(1) == 1 else 1
     args = (x, w, out, bias, g.H, g.W, g.P, g.Q, M, g.groups, g.C, g.K,
             x.stride(0) // dpx, x.stride(2) // dpx, x.stride(3) // dpx, x.stride(1),
-            w.stride(0), w.stride(1), w.stride(2), w.stride(3),
+            w.stride(0) // dw, w.stride(1), w.stride(2) // dw, w.stride(3) // dw,
             out.stride(0) // dpo, out.stride(2) // dpo, out.stride(3) // dpo, out.stride(1),
             p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
     flags = dict(R=g.R, S=g.S, CG=g.Cg, KG=g.Kg, GT=gt, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation,
                  INPUT_PRECISION=p.precision, UPCAST=p.upcast, INDEX_64=_index_64(p, out), DIV_X=div_x,
-                 DIV_PX=dpx, DIV_O=div_o, DIV_PO=dpo)
+                 DIV_PX=dpx, DIV_O=div_o, DIV_PO=dpo, DIV_W=dw)
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.groups, gt),)
-    launch(grouped_packed_fwd_kernel, grid, args, {**flags, **cfg})
+    launch(grouped_packed_fwd_kernel, grid, args, {**flags, **cfg}, keep=keep, stream=stream)
     return out
 
 
@@ -278,7 +292,6 @@ def run_tma(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     ``GT`` (groups a tile; default :func:`tilegemm.ops.conv2d.configs.grouped_packed_tma_groups`) and, optionally,
     the TMA kernel's own keys (default its cost model's for the coarse layer)."""
     from tilegemm.core.hardware import sm_count
-    from tilegemm.core.launch import current_stream, sequence_lock
     from tilegemm.core.workspace import buffer
     from tilegemm.ops.conv2d import tma_fwd
     from tilegemm.ops.conv2d.configs import grouped_packed_tma_groups
