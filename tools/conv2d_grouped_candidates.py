@@ -22,7 +22,8 @@ Candidates (``grouped_packed``: several groups a tensor-core tile, the weight ti
 block-diagonal tile's products), ``packed64-m64`` 64-pixel tiles, ``packed64-s4`` a 4-deep pipeline;
 ``tma-gtD``: ``grouped_packed_tma`` (tma_implicit_gemm over D-group blocks with a block-diagonal weight written
 each call) for the largest D dividing the groups with at most 64 and 128 channels a block; ``grouped_direct``
-where it takes the layer and ``auto`` does not already run it. A candidate that does not take a layer is
+where it takes the layer and ``auto`` does not already run it, and its CUDA-core tiles with more reuse where it
+takes the layer: ``direct-m128`` (128 pixels a tile), ``direct-c64`` (about 64 channels a tile). A candidate that does not take a layer is
 recorded with its reason.
 
 The JSON (written after every layer): per layer its dims, models, ``auto``'s kernel, cuDNN's time, and per
@@ -120,12 +121,17 @@ def candidates(g, p, auto_kernel: str) -> dict:
         name = f"tma-gt{gt}"
         if gt > 1 and name not in out:
             out[name] = (dict(GT=gt), lambda gt=gt: grouped_packed.run_tma(p, dict(GT=gt)))
+    try:
+        grouped_direct.check(g)
+    except NotApplicable:
+        return out
     if auto_kernel != "grouped_direct":
-        try:
-            grouped_direct.check(g)
-            out["grouped_direct"] = (None, lambda: grouped_direct.run(p))
-        except NotApplicable:
-            pass
+        out["grouped_direct"] = (None, lambda: grouped_direct.run(p))
+    # CUDA-core tiles with more reuse: 128 pixels (each weight load feeds twice the pixels), or about 64 channels
+    kgp = 1 << (g.Kg - 1).bit_length()
+    for name, bm, per in (("direct-m128", 128, 32), ("direct-c64", 64, 64)):
+        cfg = dict(BLOCK_M=bm, BLOCK_G=min(1 << (g.groups - 1).bit_length(), max(1, per // kgp)), num_warps=4)
+        out[name] = (cfg, lambda cfg=cfg: grouped_direct.run(p, dict(cfg)))
     return out
 
 
