@@ -256,3 +256,56 @@ def test_forward_compiles_to_wide_pipelined_loads_for_sm90(tmp_path):
         assert ops.get("cp.async.cg.shared.global", 0) > 0, (label, ops)
         assert any(op.startswith("wgmma.mma_async") for op in ops), (label, ops)
         assert set(op for op in ops if op.startswith("st.global")) == {"st.global.v4.b32"}, (label, ops)
+
+
+# The TMA form's launches on three zoo layers, made on the CPU with the GPU checks patched to the geometry's, and
+# the TMA kernel compiled for sm_90: the coarse grid (groups / GT along axis 1), x read in place (its own C
+# channels in the descriptor, 13 groups of 8 as one block of 104 padded to 128), 5-D boxes, wgmma, no spills.
+_COMPILE_TMA = SM90 + textwrap.dedent(
+    """
+    import json, re, sys
+    import torch
+    from tilegemm.core import hardware, workspace
+    from tilegemm.ops.conv2d import grouped_packed as gp, padded, tma_fwd
+    from tilegemm.ops.conv2d.problem import ConvProblem, geometry_of, memory_format_of
+
+    def input_ok(x, weight, g, channel_step=16):
+        return None if g.Cg % channel_step == 0 and g.H % g.stride[0] == 0 and g.W % g.stride[1] == 0 else "no"
+
+    seen = []
+    gp.launch = lambda kernel, grid, args, kwargs, **_: seen.append((kernel, grid, args, kwargs))
+    gp.why_not_tma = lambda p, gt: None
+    tma_fwd.why_not_input = input_ok
+    padded.why_not = lambda x, w, g: None if g.Cg % 16 else "multiple of 16"
+    workspace.buffer = lambda device, dtype, n, tag: torch.empty(n, dtype=dtype)
+    hardware.sm_count = lambda device: 132
+    report = {}
+    for name, (C, H, stride, G, gt) in json.loads(sys.argv[1]).items():
+        x = torch.empty(8, C, H, H, dtype=torch.float16).to(memory_format=torch.channels_last)
+        w = torch.empty(C, C // G, 3, 3, dtype=torch.float16).to(memory_format=torch.channels_last)
+        g = geometry_of(x.shape, w.shape, (stride, stride), (1, 1, 1, 1), (1, 1), G)
+        seen.clear()
+        gp.run_tma(ConvProblem(x, w, None, g, torch.float16, memory_format_of(x), "relu", "ieee", False), dict(GT=gt))
+        (_, _, wargs, _), (kernel, grid, args, kwargs) = seen
+        sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
+        compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, kwargs["num_warps"])
+        report[name] = dict(
+            coarse_groups=grid[1], expanded=wargs[8], x_channels=args[0].shape[-1], w_box=list(args[1].block_shape),
+            mmas=len(re.findall(r"wgmma\\.mma_async", ptx)), tma_loads=len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)),
+            spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
+        )
+    print(json.dumps(report))
+    """
+)
+
+
+def test_tma_form_launches_a_coarser_grouping_and_compiles_for_sm90(tmp_path):
+    cases = {"cg8-13-groups": [104, 56, 2, 13, 13], "cg16-gt4": [64, 112, 2, 4, 4], "cg8-gt8": [256, 56, 1, 32, 8]}
+    report = compile_offline(tmp_path, _COMPILE_TMA, cases, timeout=600)
+    assert report["cg8-13-groups"]["coarse_groups"] == 1 and report["cg8-13-groups"]["expanded"] == 128
+    assert report["cg8-13-groups"]["x_channels"] == 2 * 104  # x's own channels (stride-2 view: 2 pixels a row)
+    assert report["cg16-gt4"]["coarse_groups"] == 1 and report["cg16-gt4"]["expanded"] == 64
+    assert report["cg8-gt8"]["coarse_groups"] == 4 and report["cg8-gt8"]["expanded"] == 64
+    for name, r in report.items():
+        assert r["tma_loads"] >= 2 and r["mmas"] >= 1, (name, r)
+        assert r["spills"] in ([], [0]), (name, r)
