@@ -274,7 +274,15 @@ def main(argv=None) -> int:
         if elapsed() > args.budget:
             doc["stopped"] = f"budget: {len(doc['layers'])} of {len(layers)} layers in {elapsed():.0f} s"
             break
-        row = run_layer(layer, batch, device, args.smoke, args.budget)
+        try:
+            row = run_layer(layer, batch, device, args.smoke, args.budget)
+        except Exception as err:  # a layer that cannot run (memory, cuDNN) is recorded; the others still run
+            doc.setdefault("failed", []).append(dict(layer={k: layer[k] for k in zoo.FIELDS[:-2]},
+                                                     error=f"{type(err).__name__}: {err}"))
+            print(f"layer {i + 1} failed: {type(err).__name__}: {err}", flush=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            continue
         doc["layers"].append(row)
         doc["elapsed_s"] = round(elapsed(), 1)
         write(args.out, doc)

@@ -309,3 +309,26 @@ def test_tma_form_launches_a_coarser_grouping_and_compiles_for_sm90(tmp_path):
     for name, r in report.items():
         assert r["tma_loads"] >= 2 and r["mmas"] >= 1, (name, r)
         assert r["spills"] in ([], [0]), (name, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+def test_gpu_auto_with_the_rule_on(tma, channels_last, monkeypatch):
+    # the rule's thresholds as GPU measurements may set them: auto's forward (and the NCHW route's) through
+    # either form, the backward through the routes it had
+    from tilegemm.ops.conv2d import configs
+
+    monkeypatch.setattr(configs, "GROUPED_PACKED_AUTO_CHANNELS", 64)
+    monkeypatch.setattr(configs, "GROUPED_PACKED_TMA_AUTO", tma)
+    for C, H, stride, groups in ((104, 28, 2, 13), (64, 30, 1, 4), (96, 15, 2, 2)):
+        x, w, b = _inputs("cuda", torch.float16, 4, C, C, H, H, 3, groups, channels_last)
+        conv = dict(stride=stride, padding=1, groups=groups)
+        out = tilegemm.conv2d(x, w, b, **conv, activation="relu")
+        assert_rel_close(out, conv2d_reference(x, w, b, **conv, activation="relu"), tolerance(torch.float16))
+        assert _format_ok(out, x)
+        x.requires_grad_(True)
+        gx, = torch.autograd.grad(tilegemm.conv2d(x, w, None, **conv).float().sum(), x)
+        x64 = x.detach().double().requires_grad_(True)
+        rx, = torch.autograd.grad(torch.nn.functional.conv2d(x64, w.double(), None, **conv).sum(), x64)
+        assert_rel_close(gx, rx, tolerance(torch.float16))
