@@ -19,7 +19,8 @@ ratio = cuDNN time / the kernel's (above 1: faster than cuDNN).
 Candidates (``grouped_packed``: several groups a tensor-core tile, the weight tile block-diagonal):
 ``packed64`` its default config (about 64 channels a tile), ``packed16`` (groups of at most 4) / ``packed32`` /
 ``packed128`` tiles of about 16 / 32 / 128 channels (128: 8 warps; fewer channels a tile waste fewer of the
-block-diagonal tile's products), ``packed64-m64`` 64-pixel tiles, ``packed64-s4`` a 4-deep pipeline;
+block-diagonal tile's products), ``flat16`` / ``flat32`` tiles of about 16 / 32 channels (groups of at most 8 /
+16) whose K steps hold several taps (``TAPS_FLAT``: 64-deep steps however few the channels), ``packed64-m64`` 64-pixel tiles, ``packed64-s4`` a 4-deep pipeline;
 ``tma-gtD``: ``grouped_packed_tma`` (tma_implicit_gemm over D-group blocks with a block-diagonal weight written
 each call) for the largest D dividing the groups with at most 64 and 128 channels a block; ``grouped_direct``
 where it takes the layer and ``auto`` does not already run it, and its CUDA-core tiles with more reuse where it
@@ -114,6 +115,11 @@ def candidates(g, p, auto_kernel: str) -> dict:
         variants["packed64-m64"] = dict(base, BLOCK_M=64)
     if not interpreting():
         variants["packed64-s4"] = dict(base, num_stages=4)
+    # taps in the K steps (TAPS_FLAT): few groups a tile (fewer wasted products) in 64-deep steps all the same
+    for name, per in (("flat16", 16), ("flat32", 32)):
+        if max(g.Cg, g.Kg) <= per // 2:
+            cfg = grouped_packed_config(g, torch.float16, tile_channels=per)
+            variants[name] = dict(cfg, TAPS_FLAT=True)
     for name, cfg in variants.items():
         out[name] = (cfg, lambda cfg=cfg: grouped_packed.run(p, dict(cfg)))
     for per in (64, 128):

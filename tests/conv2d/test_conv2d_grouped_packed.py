@@ -67,15 +67,18 @@ def test_forward_fp16(N, C, K, H, W, R, stride, padding, dilation, groups, chann
     assert _format_ok(out, x)
 
 
-@pytest.mark.parametrize("cg,groups,gt,block_m", [
-    (8, 13, 5, 16),  # 13 groups in tiles of 5, 5, 3: the last tile part empty
-    (32, 3, 3, 32),  # 96 channels a tile: two 64-deep K steps (fp32: three of 32) a tap
-    (16, 4, 1, 16),  # one group a tile
-    (2, 16, 16, 32),  # 32 channels a tile over tiny groups
+@pytest.mark.parametrize("cg,groups,gt,block_m,flat", [
+    (8, 13, 5, 16, False),  # 13 groups in tiles of 5, 5, 3: the last tile part empty
+    (32, 3, 3, 32, False),  # 96 channels a tile: two 64-deep K steps (fp32: three of 32) a tap
+    (16, 4, 1, 16, False),  # one group a tile
+    (2, 16, 16, 32, False),  # 32 channels a tile over tiny groups
+    (8, 13, 2, 16, True),  # taps in the K steps: 2 groups of 8 (16 channels, 2 taps a 32-deep fp32 step)
+    (4, 6, 3, 16, True),  # 12 channels a tile, padded to 16 a tap
+    (8, 3, 1, 32, True),  # one group a tile, 4 taps a step
 ])
-def test_tile_configs(cg, groups, gt, block_m, device):
+def test_tile_configs(cg, groups, gt, block_m, flat, device):
     # the launcher with its config given: tiles that split the groups unevenly, K steps that split a tile's
-    # channels, one group a tile
+    # channels, one group a tile; several taps a K step (TAPS_FLAT)
     from tilegemm.ops.conv2d import grouped_packed
     from tilegemm.ops.conv2d.checks import check_conv
     from tilegemm.ops.conv2d.problem import ConvProblem
@@ -84,7 +87,7 @@ def test_tile_configs(cg, groups, gt, block_m, device):
     x, w, b = _inputs(device, torch.float32, 2, C, C, 5, 7, 3, groups, True)
     g = check_conv(x, w, b, 2, 1, 1, groups)
     p = ConvProblem(x, w, b, g, torch.float32, CL, "gelu", "ieee", False)
-    out = grouped_packed.run(p, dict(GT=gt, BLOCK_M=block_m, num_warps=4, num_stages=1))
+    out = grouped_packed.run(p, dict(GT=gt, BLOCK_M=block_m, TAPS_FLAT=flat, num_warps=4, num_stages=1))
     ref = conv2d_reference(x, w, b, stride=2, padding=1, groups=groups, activation="gelu")
     assert_rel_close(out, ref, 1e-5)
 
@@ -191,7 +194,8 @@ def test_gpu_16bit_forward(kernel, dtype, shape):
     assert_rel_close(out, conv2d_reference(x, w, b, **conv, activation="relu"), tolerance(dtype))
 
 
-# Compiles the forward for sm_90 (no GPU needed: Triton ships ptxas) on three zoo layers, fp16 channels-last
+# Compiles the forward for sm_90 (no GPU needed: Triton ships ptxas) on three zoo layers (two also with taps in
+# the K steps), fp16 channels-last
 # with channels-last weights, its arguments specialized as a launch specializes them, and reads the PTX and
 # ptxas's report: every operand tile moved by 16-byte cp.async (8-byte for 4-channel groups' weight runs, the
 # weight's block-diagonal rows were 2-byte loads outside the pipeline before their pointers said they are
@@ -229,11 +233,14 @@ _COMPILE = SM90 + textwrap.dedent(
         return sig, constexprs, attrs
 
     out = {}
-    for label, (C, H, stride, G) in dict(cg8=(104, 56, 2, 13), cg16=(64, 112, 2, 4), cg4=(128, 56, 1, 32)).items():
+    cases = dict(cg8=(104, 56, 2, 13, None), cg16=(64, 112, 2, 4, None), cg4=(128, 56, 1, 32, None),
+                 cg8_flat=(104, 56, 2, 13, dict(GT=2, TAPS_FLAT=True, BLOCK_M=128, num_warps=4, num_stages=3)),
+                 cg4_flat=(128, 56, 1, 32, dict(GT=4, TAPS_FLAT=True, BLOCK_M=128, num_warps=4, num_stages=3)))
+    for label, (C, H, stride, G, cfg) in cases.items():
         x = torch.empty(32, C, H, H, dtype=torch.float16).to(memory_format=torch.channels_last)
         w = torch.empty(C, C // G, 3, 3, dtype=torch.float16).to(memory_format=torch.channels_last)
         g = geometry_of(x.shape, w.shape, (stride, stride), (1, 1, 1, 1), (1, 1), G)
-        gp.run(ConvProblem(x, w, None, g, torch.float16, memory_format_of(x), "relu", "ieee", False))
+        gp.run(ConvProblem(x, w, None, g, torch.float16, memory_format_of(x), "relu", "ieee", False), cfg)
         kernel, args, kwargs = captured[-1]
         flags = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
         sig, constexprs, attrs = specialized(kernel, args, flags)

@@ -307,12 +307,18 @@ def takes_grouped_packed(g: Geometry) -> bool:
             and g.Kg <= GROUPED_PACKED_AUTO_CHANNELS)
 
 
-def grouped_packed_tiles(g: Geometry, gt: int, dtype: torch.dtype) -> tuple[int, int]:
+def grouped_packed_tiles(g: Geometry, gt: int, dtype: torch.dtype, taps_flat: bool = False) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of a grouped_packed tile of ``gt`` groups: its GT*K/groups output channels to a power
     of two (16 at least: tl.dot's least), and K steps of its GT*C/groups input channels to a power of two, at
-    most 64 (fp32: 32, twice the shared memory an element)."""
+    most 64 (fp32: 32, twice the shared memory an element); ``taps_flat`` (K steps over taps and channels as
+    one index): 64 (fp32: 32), or less where the whole filter's columns are fewer."""
     wide = 2 if dtype == torch.float32 else 1
-    return _pow2_at_least(gt * g.Kg, 16, 1 << 20), _pow2_at_least(gt * g.Cg, 16, 64 // wide)
+    if taps_flat:  # whole taps of the tile's channels (to a power of two) a step
+        tcp = _pow2_at_least(gt * g.Cg, 1, 1 << 20)
+        bk = _pow2_at_least(g.R * g.S * tcp, max(16, tcp), max(64 // wide, tcp))
+    else:
+        bk = _pow2_at_least(gt * g.Cg, 16, 64 // wide)
+    return _pow2_at_least(gt * g.Kg, 16, 1 << 20), bk
 
 
 def grouped_packed_config(g: Geometry, dtype: torch.dtype, tile_channels: int | None = None) -> dict:

@@ -71,7 +71,7 @@ def grouped_packed_fwd_kernel(
     R: tl.constexpr, S: tl.constexpr, CG: tl.constexpr, KG: tl.constexpr, GT: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     INDEX_64: tl.constexpr, DIV_X: tl.constexpr, DIV_PX: tl.constexpr, DIV_O: tl.constexpr,
-    DIV_PO: tl.constexpr, DIV_W: tl.constexpr,
+    DIV_PO: tl.constexpr, DIV_W: tl.constexpr, TAPS_FLAT: tl.constexpr, TCP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Which tile: output pixels [BM] x the GT*KG output channels of groups grp0 .. grp0 + GT - 1 [BN]. The
@@ -110,7 +110,35 @@ def grouped_packed_fwd_kernel(
     w_cols = w_ptr + k * (stride_wk * DIV_W) - (lg_n * CG) * stride_wc  # [BN]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for it in range(0, R * S * C_STEPS):
+    if TAPS_FLAT:
+        # Few channels a tile (TC under BLOCK_K): a K step holds T = BLOCK_K / TCP taps of the tile's channels
+        # (TCP: TC to a power of two), loaded as [BM, T, TCP] and [T, TCP, BN] tiles whose last axes are plain
+        # aranges (each tap's channels one aligned contiguous run: 16-byte loads; a flat (tap, channel) index
+        # split by // and % hid that from the compiler, and its loads were 2 bytes wide) and flattened for the
+        # dot: 2 groups of 8 over a 3x3 take three 64-deep steps, not nine 16-deep ones.
+        T: tl.constexpr = BLOCK_K // TCP
+        offs_t = tl.arange(0, T)
+        offs_c = tl.arange(0, TCP)
+        cf = c_base + offs_c  # [TCP]
+        cf_ok = (offs_c < TC) & ((cf // DIV_X) < (C // DIV_X))
+        lg_f = offs_c // CG
+        diag_f = (lg_f[:, None] == lg_n[None, :]) & cf_ok[:, None] & n_ok[None, :]  # [TCP, BN]
+        for step in range(0, (R * S + T - 1) // T):
+            tap = step * T + offs_t  # [T]
+            r = tap // S
+            s = tap - r * S
+            h = h0[:, None] + (r * dil_h)[None, :]  # [BM, T]
+            w = w0[:, None] + (s * dil_w)[None, :]
+            pix_ok = m_ok[:, None] & (tap < R * S)[None, :] & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+            rows = x_rows[:, None] + h * (sxh * DIV_PX) + w * (sxw * DIV_PX)  # [BM, T]
+            a = tl.load(rows[:, :, None] + (cf * stride_xc)[None, None, :],
+                        mask=pix_ok[:, :, None] & cf_ok[None, None, :], other=0.0)  # [BM, T, TCP]
+            taps = (r * stride_wr + s * stride_ws) * DIV_W  # [T]
+            b = tl.load(w_cols[None, None, :] + taps[:, None, None] + (offs_c * stride_wc)[None, :, None],
+                        mask=(tap < R * S)[:, None, None] & diag_f[None, :, :], other=0.0)  # [T, TCP, BN]
+            acc = _tap_mma(tl.reshape(a, (BLOCK_M, BLOCK_K)), tl.reshape(b, (BLOCK_K, BLOCK_N)), acc, UPCAST, "ab",
+                           INPUT_PRECISION)
+    for it in range(0, 0 if TAPS_FLAT else R * S * C_STEPS):
         rs = it // C_STEPS
         i = (it - rs * C_STEPS) * BLOCK_K + offs_k  # [BK] input channel within the tile
         r = rs // S
@@ -157,6 +185,10 @@ def _pixel_divisor(t: torch.Tensor, dims) -> int:
     return d
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _index_64(p: ConvProblem, out: torch.Tensor) -> bool:
     from tilegemm.ops.conv2d.problem import _span
 
@@ -166,14 +198,20 @@ def _index_64(p: ConvProblem, out: torch.Tensor) -> bool:
 def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     """Forward through the pointer kernel; the output in ``p.out_format``. x, the weight and the output are read
     and written through their strides as they lie. ``config``: :func:`grouped_packed_config`'s keys (``GT``
-    groups a tile, ``BLOCK_M``, ``num_warps``, ``num_stages``; ``BLOCK_N``/``BLOCK_K`` follow from GT)."""
+    groups a tile, ``BLOCK_M``, ``num_warps``, ``num_stages``; ``BLOCK_N``/``BLOCK_K`` follow from GT;
+    ``TAPS_FLAT``: K steps over (tap, channel) as one index, for tiles of fewer channels than a K step)."""
     g = p.geo
     check(g)
     cfg = dict(config or grouped_packed_config(g, p.dtype))
     gt = cfg.pop("GT")
     if not 1 <= gt <= g.groups:
         raise ValueError(f"grouped_packed: GT (groups a tile) must be in [1, groups={g.groups}], got {gt}")
-    bn, bk = grouped_packed_tiles(g, gt, p.dtype)
+    bn, bk = grouped_packed_tiles(g, gt, p.dtype, cfg.get("TAPS_FLAT", False))
+    cfg.setdefault("TAPS_FLAT", False)
+    cfg["TCP"] = _pow2(gt * g.Cg)
+    if cfg["TAPS_FLAT"] and cfg.get("BLOCK_K", bk) % cfg["TCP"]:
+        raise ValueError(f"grouped_packed: TAPS_FLAT needs BLOCK_K a multiple of {cfg['TCP']} (GT*C/groups to a "
+                         f"power of two), got {cfg['BLOCK_K']}")
     cfg.setdefault("BLOCK_N", bn)
     cfg.setdefault("BLOCK_K", bk)
     if cfg["BLOCK_N"] < gt * g.Kg:
