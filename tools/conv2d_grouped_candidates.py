@@ -5,6 +5,8 @@ candidate kernel, every output checked against ``F.conv2d`` before it is timed (
 
     --budget SECONDS   stop starting layers (and candidates) after this long, compiles included (default 150)
     --most-channels N  layers of at most N channels a group (default 64)
+    --part I/N         every N-th layer of the order from the I-th (several calls cover all 84 layers)
+    --more             also the variants less likely to win (``packed64-s4``, ``direct-c64``)
     --smoke            under TRITON_INTERPRET=1 on the CPU: one tiny layer per channels-a-group bucket, every
                        candidate checked, times from one call (not GPU performance); checks the tool itself
 
@@ -17,15 +19,16 @@ host; the L2 is not cleared between calls, for cuDNN alike), cuDNN with ``torch.
 ratio = cuDNN time / the kernel's (above 1: faster than cuDNN).
 
 Candidates (``grouped_packed``: several groups a tensor-core tile, the weight tile block-diagonal):
-``packed64`` its default config (about 64 channels a tile), ``packed16`` (groups of at most 4) / ``packed32`` /
+``packed64`` its default config (about 64 channels a tile); ``packed16`` (groups of at most 4) / ``packed32`` /
 ``packed128`` tiles of about 16 / 32 / 128 channels (128: 8 warps; fewer channels a tile waste fewer of the
-block-diagonal tile's products), ``flat16`` / ``flat32`` tiles of about 16 / 32 channels (groups of at most 8 /
-16) whose K steps hold several taps (``TAPS_FLAT``: 64-deep steps however few the channels), ``packed64-m64`` 64-pixel tiles, ``packed64-s4`` a 4-deep pipeline;
-``tma-gtD``: ``grouped_packed_tma`` (tma_implicit_gemm over D-group blocks with a block-diagonal weight written
-each call) for the largest D dividing the groups with at most 64 and 128 channels a block; ``grouped_direct``
-where it takes the layer and ``auto`` does not already run it, and its CUDA-core tiles with more reuse where it
-takes the layer: ``direct-m128`` (128 pixels a tile), ``direct-c64`` (about 64 channels a tile). A candidate that does not take a layer is
-recorded with its reason.
+block-diagonal tile's products); ``flat16`` / ``flat32`` tiles of about 16 / 32 channels (groups of at most
+8 / 16) whose K steps hold several taps (``TAPS_FLAT``: 64-deep steps however few the channels);
+``packed64-m64`` 64-pixel tiles; ``packed64-s4`` a 4-deep pipeline (``--more``); ``tma-gtD``:
+``grouped_packed_tma`` (tma_implicit_gemm over D-group blocks with a block-diagonal weight written each call)
+for the largest D dividing the groups with at most 64 and 128 channels a block; ``grouped_direct`` where it
+takes the layer and ``auto`` does not already run it, and its CUDA-core tiles with more reuse: ``direct-m128``
+(128 pixels a tile), ``direct-c64`` (about 64 channels a tile; ``--more``). A candidate that does not take a
+layer is recorded with its reason.
 
 The JSON (written after every layer): per layer its dims, models, ``auto``'s kernel, cuDNN's time, and per
 candidate its time, ratio, relative error and config. Printed last: per bucket the geomean ratio of ``auto``
@@ -96,8 +99,9 @@ def smoke_layer(layer: dict) -> dict:
                 H=min(layer["H"], 7), W=min(layer["W"], 7))
 
 
-def candidates(g, p, auto_kernel: str) -> dict:
-    """name -> (config or None, a function that runs the candidate once and returns its output)."""
+def candidates(g, p, auto_kernel: str, more: bool) -> dict:
+    """name -> (config or None, a function that runs the candidate once and returns its output); ``more``: the
+    variants less likely to win too (a 4-deep pipeline, CUDA-core tiles of 64 channels)."""
     from tilegemm.ops.conv2d import grouped_direct, grouped_packed
 
     out = {}
@@ -113,7 +117,7 @@ def candidates(g, p, auto_kernel: str) -> dict:
             variants[name] = cfg
     if base["BLOCK_M"] != 64:
         variants["packed64-m64"] = dict(base, BLOCK_M=64)
-    if not interpreting():
+    if more and not interpreting():
         variants["packed64-s4"] = dict(base, num_stages=4)
     # taps in the K steps (TAPS_FLAT): few groups a tile (fewer wasted products) in 64-deep steps all the same
     for name, per in (("flat16", 16), ("flat32", 32)):
@@ -135,7 +139,7 @@ def candidates(g, p, auto_kernel: str) -> dict:
         out["grouped_direct"] = (None, lambda: grouped_direct.run(p))
     # CUDA-core tiles with more reuse: 128 pixels (each weight load feeds twice the pixels), or about 64 channels
     kgp = 1 << (g.Kg - 1).bit_length()
-    for name, bm, per in (("direct-m128", 128, 32), ("direct-c64", 64, 64)):
+    for name, bm, per in (("direct-m128", 128, 32), ("direct-c64", 64, 64))[:2 if more else 1]:
         cfg = dict(BLOCK_M=bm, BLOCK_G=min(1 << (g.groups - 1).bit_length(), max(1, per // kgp)), num_warps=4)
         out[name] = (cfg, lambda cfg=cfg: grouped_direct.run(p, dict(cfg)))
     return out
@@ -151,7 +155,7 @@ def time_us(fn, smoke: bool) -> float:
     return graph_us_per_call(fn)
 
 
-def run_layer(layer: dict, batch: int, device: str, smoke: bool, budget: float) -> dict:
+def run_layer(layer: dict, batch: int, device: str, smoke: bool, budget: float, more: bool) -> dict:
     from tilegemm.ops.conv2d.dispatch import _auto_kernel
 
     torch.manual_seed(0)
@@ -181,7 +185,7 @@ def run_layer(layer: dict, batch: int, device: str, smoke: bool, budget: float) 
     row["cudnn_us"] = cudnn.get("us")
     row["cudnn_err"] = cudnn.get("err")
     runs = {"auto": (None, lambda: tilegemm.conv2d(x, w, None, **conv))}
-    runs.update(candidates(g, p, auto_kernel))
+    runs.update(candidates(g, p, auto_kernel, more))
     for name, (cfg, fn) in runs.items():
         if name != "auto" and elapsed() > budget:
             row["candidates"][name] = dict(skipped="budget")
@@ -252,6 +256,8 @@ def main(argv=None) -> int:
     ap.add_argument("--most-channels", type=int, default=64, help="at most this many channels a group (64)")
     ap.add_argument("--batch", type=int, default=zoo.BATCH)
     ap.add_argument("--smoke", action="store_true", help="tiny layers under TRITON_INTERPRET=1 on the CPU")
+    ap.add_argument("--part", default="0/1", help="I/N: every N-th layer of the order from the I-th (default 0/1)")
+    ap.add_argument("--more", action="store_true", help="also the variants less likely to win")
     args = ap.parse_args(argv)
     if args.smoke and not interpreting():
         ap.error("--smoke runs under the interpreter: set TRITON_INTERPRET=1")
@@ -260,7 +266,10 @@ def main(argv=None) -> int:
     device = "cpu" if args.smoke else "cuda"
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.allow_tf32 = False  # the fp32 reference exact to fp32
-    layers = grouped_layers(args.most_channels)
+    part, parts = (int(v) for v in args.part.split("/"))
+    if not 0 <= part < parts:
+        ap.error("--part I/N needs 0 <= I < N")
+    layers = grouped_layers(args.most_channels)[part::parts]
     if args.smoke:  # a layer a bucket, stride 1 and 2 in turn where the bucket has both
         by_cg: dict[int, list] = {}
         for layer in layers:
@@ -275,13 +284,13 @@ def main(argv=None) -> int:
     doc = dict(schema=SCHEMA, device=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
                torch=torch.__version__, commit=os.environ.get("TILEGEMM_GIT_COMMIT"), smoke=args.smoke,
                batch=batch, dtype="fp16", memory_format="channels_last", timing="cuda-graph replays, GPU us",
-               budget_s=args.budget, layers_total=len(layers), layers=[])
+               budget_s=args.budget, part=args.part, more=args.more, layers_total=len(layers), layers=[])
     for i, layer in enumerate(layers):
         if elapsed() > args.budget:
             doc["stopped"] = f"budget: {len(doc['layers'])} of {len(layers)} layers in {elapsed():.0f} s"
             break
         try:
-            row = run_layer(layer, batch, device, args.smoke, args.budget)
+            row = run_layer(layer, batch, device, args.smoke, args.budget, args.more)
         except Exception as err:  # a layer that cannot run (memory, cuDNN) is recorded; the others still run
             doc.setdefault("failed", []).append(dict(layer={k: layer[k] for k in zoo.FIELDS[:-2]},
                                                      error=f"{type(err).__name__}: {err}"))
