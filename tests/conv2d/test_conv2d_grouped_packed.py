@@ -339,3 +339,22 @@ def test_gpu_auto_with_the_rule_on(tma, channels_last, monkeypatch):
         x64 = x.detach().double().requires_grad_(True)
         rx, = torch.autograd.grad(torch.nn.functional.conv2d(x64, w.double(), None, **conv).sum(), x64)
         assert_rel_close(gx, rx, tolerance(torch.float16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape,gt", [((8, 104, 56, 56, 2, 13), 2), ((4, 128, 28, 29, 1, 32), 4),
+                                      ((4, 64, 30, 30, 2, 4), 1)], ids=["cg8-gt2", "cg4-gt4-odd", "cg16-gt1"])
+def test_gpu_taps_in_the_k_steps(dtype, shape, gt):
+    from tilegemm.ops.conv2d import grouped_packed
+    from tilegemm.ops.conv2d.checks import check_conv
+    from tilegemm.ops.conv2d.problem import ConvProblem
+
+    N, C, H, W, stride, groups = shape
+    x, w, b = _inputs("cuda", dtype, N, C, C, H, W, 3, groups, True)
+    w = w.contiguous(memory_format=CL)
+    g = check_conv(x, w, b, stride, 1, 1, groups)
+    p = ConvProblem(x, w, b, g, dtype, CL, "relu", "ieee", False)
+    out = grouped_packed.run(p, dict(GT=gt, TAPS_FLAT=True, BLOCK_M=128, num_warps=4, num_stages=3))
+    ref = conv2d_reference(x, w, b, stride=stride, padding=1, groups=groups, activation="relu")
+    assert_rel_close(out, ref, tolerance(dtype))
