@@ -30,6 +30,9 @@
 #                 then tests/grouped/test_grouped_replay_gpu.py
 #   conv2d-host   tools/conv2d_host_probe.py (host us per replayed conv2d forward: SE 1x1, 3x3 56x56; cProfile),
 #                 then tests/conv2d/test_conv2d_host_gpu.py and the conv2d replay tests
+#   conv2d-grouped  tools/conv2d_grouped_candidates.py (the zoo's grouped layers of at most 64 channels a group:
+#                 cuDNN, auto, grouped_packed's candidates; CONV_BUDGET seconds, default 150), then the GPU tests of
+#                 grouped_packed
 #   moe-model     tools/grouped_moe_model.py: Qwen3-MoE (4 layers) and Mixtral (2 layers) shapes, every experts
 #                 implementation, prefill 2048 and decode batch 1 / 16, bf16
 #   w4-random     the w4a16 bench's held-out w4-random sweep, fp16 (second baseline: fbgemm where it imports)
@@ -118,6 +121,10 @@ for step in "$@"; do
                             | tee "$OUT/grouped-candidates.txt" | tail -n 20 ;;
     grouped-host) python3 tools/grouped_host_probe.py 2>&1 | tee "$OUT/grouped-host.txt" | sed -n 1,24p
                   pytest_ -m gpu tests/grouped/test_grouped_replay_gpu.py 2>&1 | tee "$OUT/grouped-replay-tests.log" | tail -n 8 ;;
+    conv2d-grouped) python3 tools/conv2d_grouped_candidates.py --budget "${CONV_BUDGET:-150}" \
+                      --out "$OUT/conv2d-grouped-candidates.json" 2>&1 | tee "$OUT/conv2d-grouped-candidates.log" | tail -n 16
+                    pytest_ -m gpu tests/conv2d/test_conv2d_grouped_packed.py 2>&1 | tee "$OUT/conv2d-grouped-tests.log" \
+                      | tail -n 8 ;;
     conv2d-host) python3 tools/conv2d_host_probe.py 2>&1 | tee "$OUT/conv2d-host.txt" | sed -n 1,40p
                  pytest_ -m gpu tests/conv2d/test_conv2d_host_gpu.py tests/conv2d/test_conv2d_replay.py tests/nn/test_linear_conv.py \
                      2>&1 | tee "$OUT/conv2d-host-tests.log" | tail -n 8 ;;

@@ -72,6 +72,9 @@ EACH_KERNEL = [
     ("gemm_1x1", (2, 16, 5, 6, 24, 1, 1), 1),
     ("depthwise", (2, 8, 7, 7, 8, 3, 3), 8),
     ("grouped_direct", (2, 8, 7, 7, 8, 3, 3), 2),
+    ("grouped_packed", (2, 16, 7, 7, 16, 3, 3), 4),
+    ("grouped_packed", (2, 8, 7, 7, 16, 3, 3), 1),
+    ("grouped_packed_tma", (2, 32, 8, 8, 32, 3, 3), 4),  # a Hopper GPU's, channels-last only
     ("tma_implicit_gemm", (2, 16, 7, 7, 24, 3, 3), 1),  # a Hopper GPU's, channels-last only
 ]
 
@@ -90,8 +93,8 @@ def test_each_kernel_fp16(kernel, shape, groups, channels_last, device):
     reason = registry.get("conv2d", kernel).unavailable_reason()
     if reason:
         pytest.skip(reason)  # a GPU-only kernel: its GPU tests run it (tests/conv2d/test_tma_fwd.py)
-    if kernel == "tma_implicit_gemm" and not channels_last:
-        pytest.skip("tma_implicit_gemm takes channels-last inputs only (auto sends NCHW ones elsewhere)")
+    if kernel in ("tma_implicit_gemm", "grouped_packed_tma") and not channels_last:
+        pytest.skip(f"{kernel} takes channels-last inputs only (auto sends NCHW ones elsewhere)")
     N, C, H, W, K, R, S = shape
     pad = R // 2
     x, w, b = _inputs(device, torch.float16, N, C, H, W, K, R, S, groups, channels_last)

@@ -134,7 +134,8 @@ def test_convert_options(device):
 def test_exported_at_top_level():
     assert tilegemm.nn.Conv2d is Conv2d and tilegemm.conv2d is not None
     assert set(tilegemm.kernels("conv2d")) == {"tma_implicit_gemm", "implicit_gemm", "gemm_1x1", "depthwise",
-                                                "grouped_direct", "auto"}
+                                                "grouped_direct", "grouped_packed", "grouped_packed_tma",
+                                                "auto"}
 
 
 def test_conv2d_module_backward_calls_the_gradient_functions_directly(monkeypatch, device):

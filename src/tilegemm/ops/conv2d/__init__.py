@@ -42,6 +42,18 @@ register(KernelSpec(
     summary="direct kernel for few channels a group (2-16): fp32 multiply-adds over [pixels, groups x channels]",
 ))
 
+register(KernelSpec(
+    op="conv2d", name="grouped_packed", order=36, target="tilegemm.ops.conv2d.grouped_packed:run",
+    summary="grouped layers on tensor cores: several whole groups a tile, the weight tile block-diagonal "
+            "(pointer kernel, any layout and dtype)",
+))
+register(KernelSpec(
+    op="conv2d", name="grouped_packed_tma", order=37, target="tilegemm.ops.conv2d.grouped_packed:run_tma",
+    why_not=why_not_gluon, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
+    summary="grouped layers as tma_implicit_gemm over GT times fewer groups with a block-diagonal weight "
+            "(written each call)",
+))
+
 from tilegemm.ops.conv2d.api import conv2d  # noqa: E402
 
 __all__ = ["conv2d"]

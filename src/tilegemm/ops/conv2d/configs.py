@@ -286,3 +286,56 @@ def pixel_split(npq: int, blocks: int, block_m: int, device, split: int | None =
     split = split or max(1, min(-(-2 * sms // blocks), npq // (8 * block_m), 256))
     slice_len = cdiv(cdiv(npq, split), block_m) * block_m
     return cdiv(npq, slice_len), slice_len
+
+
+# --- grouped_packed (ops/conv2d/grouped_packed.py) ------------------------------------------------------------
+#
+# A tile of GT whole groups, its weight tile block-diagonal: 64 channels a tile (8 groups of 8, 4 of 16, 2 of
+# 32) reads a pixel's 128 bytes of them at once and wastes (GT - 1) / GT of the tensor cores' products, which
+# these byte-bound layers can spare. Untimed: tools/conv2d_grouped_candidates.py times the alternatives
+# (docs/conv2d.md, "Grouped convolutions with few channels a group").
+GROUPED_PACKED_TILE_CHANNELS = 64
+GROUPED_PACKED_AUTO_CHANNELS = 0  # auto runs grouped layers of at most this many channels a group (input and
+#   output) on grouped_packed; 0: none, until GPU measurements say where it beats grouped_direct and the TMA kernel
+GROUPED_PACKED_TMA_AUTO = False  # ... through its TMA form (grouped_packed_tma) where that takes the call
+
+
+def takes_grouped_packed(g: Geometry) -> bool:
+    """Whether ``auto`` runs ``g``'s forward by ``grouped_packed`` (see above): grouped, not depthwise, at most
+    :data:`GROUPED_PACKED_AUTO_CHANNELS` input and output channels a group."""
+    return (g.groups > 1 and not g.is_depthwise and g.Cg <= GROUPED_PACKED_AUTO_CHANNELS
+            and g.Kg <= GROUPED_PACKED_AUTO_CHANNELS)
+
+
+def grouped_packed_tiles(g: Geometry, gt: int, dtype: torch.dtype, taps_flat: bool = False) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of a grouped_packed tile of ``gt`` groups: its GT*K/groups output channels to a power
+    of two (16 at least: tl.dot's least), and K steps of its GT*C/groups input channels to a power of two, at
+    most 64 (fp32: 32, twice the shared memory an element); ``taps_flat`` (K steps over taps and channels as
+    one index): 64 (fp32: 32), or less where the whole filter's columns are fewer."""
+    wide = 2 if dtype == torch.float32 else 1
+    if taps_flat:  # whole taps of the tile's channels (to a power of two) a step
+        tcp = _pow2_at_least(gt * g.Cg, 1, 1 << 20)
+        bk = _pow2_at_least(g.R * g.S * tcp, max(16, tcp), max(64 // wide, tcp))
+    else:
+        bk = _pow2_at_least(gt * g.Cg, 16, 64 // wide)
+    return _pow2_at_least(gt * g.Kg, 16, 1 << 20), bk
+
+
+def grouped_packed_config(g: Geometry, dtype: torch.dtype, tile_channels: int | None = None) -> dict:
+    """grouped_packed's config: GT groups a tile with about ``tile_channels`` (default
+    :data:`GROUPED_PACKED_TILE_CHANNELS`) channels, the groups spread evenly over the tiles (13 groups of 8: two
+    tiles of 7 and 6, not 8 and 5); 128 output pixels a tile (64 on small images), 4 warps, 3 stages."""
+    per = tile_channels or GROUPED_PACKED_TILE_CHANNELS
+    gt = min(g.groups, max(1, per // max(g.Cg, g.Kg)))
+    gt = -(-g.groups // -(-g.groups // gt))  # as many tiles, the groups spread evenly
+    if interpreting():
+        return dict(GT=gt, BLOCK_M=32, num_warps=4, num_stages=1)
+    m = g.N * g.P * g.Q
+    return dict(GT=gt, BLOCK_M=128 if m >= 8192 else 64, num_warps=4, num_stages=3)
+
+
+def grouped_packed_tma_groups(g: Geometry, tile_channels: int | None = None) -> int:
+    """GT of grouped_packed_tma: the largest divisor of the groups with at most ``tile_channels`` (default
+    :data:`GROUPED_PACKED_TILE_CHANNELS`) channels a coarse group (1 at least)."""
+    per = tile_channels or GROUPED_PACKED_TILE_CHANNELS
+    return max(d for d in range(1, g.groups + 1) if g.groups % d == 0 and (d == 1 or d * max(g.Cg, g.Kg) <= per))

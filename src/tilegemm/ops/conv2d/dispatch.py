@@ -19,7 +19,10 @@ from tilegemm.core.hardware import sm_count
 from tilegemm.core.launch import keeping, sequence_lock
 from tilegemm.core.runtime import interpreting, on_device
 from tilegemm.ops.matmul import matmul
-from tilegemm.ops.conv2d.configs import _patch, _pow2_at_least, gluon_ring, takes_grouped_direct, tma_forward_config
+from tilegemm.ops.conv2d import configs
+from tilegemm.ops.conv2d.configs import (
+    _patch, _pow2_at_least, gluon_ring, takes_grouped_direct, takes_grouped_packed, tma_forward_config,
+)
 from tilegemm.ops.conv2d.problem import (
     ConvCall, ConvProblem, DgradCall, Geometry, WgradCall, channels_last, memory_format_of, wgrad_format,
 )
@@ -48,9 +51,12 @@ def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, 
     Otherwise: 1x1 stride-1 unpadded single-group convolutions go to ``gemm_1x1`` (tilegemm's GEMM on the
     channels-last view), and so do strided ones with a channels-last input (the kept pixels gathered into a
     matrix first); depthwise ones to ``depthwise``, everything else to ``implicit_gemm``. Before all that, grouped
-    layers of few channels a group go to ``grouped_direct`` (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`).
-    A ``tma`` layer whose channels the kernel would pad (:func:`pads_channels`) takes it only where
+    layers of few channels a group go to ``grouped_packed`` where its rule takes them
+    (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_packed`, off by default), else to ``grouped_direct``
+    (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`). A ``tma`` layer whose channels the kernel would pad (:func:`pads_channels`) takes it only where
     :func:`padding_pays`."""
+    if takes_grouped_packed(g):  # few channels a group: several groups a tensor-core tile
+        return "grouped_packed"
     if takes_grouped_direct(g):  # few channels a group: CUDA cores, not mostly empty MMA tiles
         return "grouped_direct"
     pointwise = g.is_pointwise or (g.is_strided_pointwise and x_channels_last)
@@ -212,8 +218,14 @@ def _auto_kernel(p: ConvProblem) -> str:
     from tilegemm.ops.conv2d.gemm_1x1 import gluon_usable
 
     tma = _tma_usable(p)
-    return choose_kernel(p.geo, channels_last(p.x), tma, sm_count(p.x.device),
-                         tma and gluon_usable(p.x, p.weight, p.bias, p.out_dtype))
+    kernel = choose_kernel(p.geo, channels_last(p.x), tma, sm_count(p.x.device),
+                           tma and gluon_usable(p.x, p.weight, p.bias, p.out_dtype))
+    if kernel == "grouped_packed" and configs.GROUPED_PACKED_TMA_AUTO and _tma_candidate(p.x):
+        from tilegemm.ops.conv2d.grouped_packed import why_not_tma
+
+        if why_not_tma(p, configs.grouped_packed_tma_groups(p.geo)) is None:
+            return "grouped_packed_tma"
+    return kernel
 
 
 def _nchw_route(x: torch.Tensor) -> bool:
@@ -242,7 +254,7 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
     g = p.geo
     if g.is_pointwise:
         return _launch("gemm_1x1", p)
-    if pads_channels(g) and padding_pays(g) and not takes_grouped_direct(g):
+    if pads_channels(g) and padding_pays(g) and not takes_grouped_direct(g) and not takes_grouped_packed(g):
         from tilegemm.ops.conv2d import padded
 
         if padded.why_not(p.x, p.weight, g) is None:
@@ -252,6 +264,8 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
         pc = replace(p, x=xc)
         if g.is_depthwise:
             kernel = "depthwise"
+        elif takes_grouped_packed(g):
+            kernel = "grouped_packed"
         elif takes_grouped_direct(g):
             kernel = "grouped_direct"
         elif _tma_usable(pc) and not pads_channels(g):  # padded layers that pay took the route above
