@@ -288,8 +288,9 @@ def _add_input_row(accs, xs, ws, J: tl.constexpr, A: tl.constexpr, R: tl.constex
     return new
 
 
+# The output's n, p and q strides are sizes too (an NCHW output's): not specialized on, like the sizes.
 @triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "chunks", "row_groups", "xn_d", "xh_d", "on_d", "op_d",
-                               "pad_h", "pad_w"])
+                               "stride_on", "stride_op", "stride_oq", "pad_h", "pad_w"])
 def depthwise_strided_rows_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr,
     H, W, P, Q, CD, chunks, row_groups,
