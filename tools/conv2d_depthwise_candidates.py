@@ -5,10 +5,11 @@ no bias), ordered so the kinds that lose most come first (strided, then stride-1
 1024 channels or more, the other 3x3s; within a kind spread over the sizes): cuDNN (``F.conv2d`` with
 ``torch.backends.cudnn.benchmark``), ``auto`` (``tilegemm.conv2d``) and each candidate config of the depthwise
 kernels that takes the layer (``depthwise_strided_rows_kernel`` at 8, 4 and 2 elements a thread, pipelined or
-not; ``depthwise_rows_kernel`` at 2 elements a thread). Each candidate's output is checked against ``F.conv2d``
+not; ``depthwise_strided_tile_kernel`` by filter size; ``depthwise_rows_kernel`` at 2 elements a thread: see
+``CANDIDATES``; 3 to 5 a layer). Each candidate's output is checked against ``F.conv2d``
 (the conv2d bench's fp16 bound, ``reference.tolerance``) before it is timed; all are timed as CUDA-graph
-replays (20 calls a graph, rotating through input sets that overflow L2 twice, the median of 5 rounds of
-replays), ratio = cuDNN's time / the candidate's. Triton compiles run ahead in a pool of processes (the cache
+replays (up to 20 calls a graph, about 2 ms a replay, rotating through input sets that overflow L2 twice;
+the median of 5 rounds of replays), ratio = cuDNN's time / the candidate's. Triton compiles run ahead in a pool of processes (the cache
 on disk is shared), so timing waits on few. Writes ``--out`` (JSON) after every layer and stops at
 ``--budget`` seconds; prints a table last: per kind, the geomean ratio of ``auto`` and of each layer's best
 candidate, and each candidate's geomean over the layers it ran.
@@ -37,14 +38,20 @@ import torch.nn.functional as F
 
 KINDS = ("strided", "5x5", "7x7", "odd-C", "large-C", "3x3")
 
-# name -> (kernel, config, whether it takes a layer): the strided row kernel at 8 elements a thread (16-byte
-# fp16 loads, 3x3 filters: 72 weight registers), 4 (up to 5x5), 2 on 4 warps (any filter up to 7x7), and
-# pipelined at 4; the stride-1 row kernel at 2 elements a thread (fewer weights in registers than auto's 4).
+# name -> (config, whether it takes a layer). The strided row kernel's flat form at 8 elements a thread (16-byte
+# fp16 loads; 3x3 filters: 72 weight registers, 147 in all on sm_90), 4 (up to 5x5: 166), 2 on 4 warps (any
+# filter up to 7x7: 145), pipelined at 4; its tile form (depthwise_strided_tile_kernel: a thread's channels
+# keep their weights for 2 columns: 3x3 16 outputs a thread in 202 registers, 5x5 8 in 228 with 8-byte
+# vectors, 7x7 4 in 198 with 4-byte ones); the stride-1 row kernel at 2 elements a thread (fewer weights in
+# registers than auto's 4: 96 registers at 5x5 against 172). Register counts: ptxas for sm_90, fp16.
 CANDIDATES = {
     "srows8": (dict(BLOCK=512, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 9),
     "srows4": (dict(BLOCK=256, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 25),
     "srows4-pipe": (dict(BLOCK=256, STAGES=3, num_warps=2), lambda L: L["R"] * L["S"] <= 25),
-    "srows2": (dict(BLOCK=256, STAGES=1, num_warps=4), lambda L: True),
+    "srows2": (dict(BLOCK=256, STAGES=1, num_warps=4), lambda L: L["R"] * L["S"] > 9),
+    "tile3": (dict(BLOCK_Q=32, BLOCK_C=32, VEC=8, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 9),
+    "tile5": (dict(BLOCK_Q=16, BLOCK_C=32, VEC=4, STAGES=1, num_warps=2), lambda L: 9 < L["R"] * L["S"] <= 25),
+    "tile7": (dict(BLOCK_Q=16, BLOCK_C=16, VEC=2, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] > 25),
     "rows2": (dict(BLOCK=256, ROWS_PER=32, num_warps=4),
               lambda L: L["stride"] == [1, 1] and L["dilation"] == [1, 1] and L["R"] * L["S"] <= 25),
 }
@@ -118,7 +125,10 @@ def candidate_names(L: dict) -> list[str]:
 def _config(name: str, L: dict, smoke: bool) -> dict:
     cfg = dict(CANDIDATES[name][0])
     if smoke:  # interpreter: small blocks, one row group or a few
-        cfg["BLOCK"] = 32
+        if "BLOCK" in cfg:
+            cfg["BLOCK"] = 32
+        else:
+            cfg.update(BLOCK_Q=4, BLOCK_C=16)
         if "ROWS_PER" in cfg:
             cfg["ROWS_PER"] = 4
     if "ROWS_PER" in cfg:
@@ -177,30 +187,39 @@ def warm(args) -> str:
     return label(L, batch)
 
 
-def graph_us(fn, sets: int, rounds: int = 5, calls: int = 20) -> float:
+def graph_us(fn, sets: int, rounds: int = 5, most_calls: int = 20) -> float:
     """Median over ``rounds`` of the GPU microseconds a call of ``fn(i)`` takes in replays of one CUDA graph of
-    ``calls`` calls cycling through ``sets`` input sets (a warm call on a side stream first)."""
+    calls cycling through ``sets`` input sets (a warm call on a side stream first): as many calls, up to
+    ``most_calls``, as make about 2 ms a replay, so a large layer costs little of the budget."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(sets):
             fn(i)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(0)
+        end.record()
+    end.synchronize()
     torch.cuda.current_stream().wait_stream(side)
+    once = max(1.0, start.elapsed_time(end) * 1e3)  # us, the host's launch time included
+    calls = max(sets, min(most_calls, int(2000 / once)))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for c in range(calls):
             fn(c % sets)
     graph.replay()
     torch.cuda.synchronize()
+    reps = 4 if calls >= 8 else 2
     times = []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(4):
+        for _ in range(reps):
             graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (4 * calls))
+        times.append(start.elapsed_time(end) * 1e3 / (reps * calls))
     return statistics.median(times)
 
 
@@ -311,9 +330,14 @@ def main() -> int:
         name = label(L, batch)
         job = pending.get(name)
         if job is not None:
+            import multiprocessing as mp
+
             try:
                 job.get(timeout=max(1.0, args.budget - (time.time() - t0)))
-            except Exception as err:  # noqa: BLE001
+            except mp.TimeoutError:  # its compiles not done within the budget: stop rather than compile here
+                stopped = f"budget, compiling: {len(rows)} of {len(layers)} layers"
+                break
+            except Exception as err:  # noqa: BLE001  (compiled here instead)
                 print(f"{name}: warm-up: {type(err).__name__}: {err}", file=sys.stderr)
         sets = 1
         if not smoke and l2:

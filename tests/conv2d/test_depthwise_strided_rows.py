@@ -1,5 +1,5 @@
-"""The depthwise forward over flattened channels-last rows for any stride and dilation
-(``depthwise_strided_rows_kernel``, chosen by config): strides 1-4 (different along h and w), dilation 2,
+"""The depthwise forward over channels-last rows for any stride and dilation, chosen by config: flat
+(``depthwise_strided_rows_kernel``) and in tiles of columns x channels (``depthwise_strided_tile_kernel``): strides 1-4 (different along h and w), dilation 2,
 filters 1x1 to 7x7 and 1x7, odd channel counts (3, 17, 58: 2-element runs and none), channel multiplier 2,
 bias and activation, padding wider than the filter's reach, rows a program that do and do not divide the
 image, both output layouts, fp16 / bf16 / fp32, input views, and the switch that lets ``auto`` run it (both
@@ -25,8 +25,14 @@ def _problem(x, w, b, stride, padding, dilation, out_format, activation="none"):
     return ConvProblem(x, w, b, g, x.dtype, out_format, activation, "ieee", False)
 
 
-def _cfg(block=32, rows=3, stages=1):
+def _cfg(block=32, rows=3, stages=1, tile=None):
+    """A flat config of ``block`` elements, or (``tile``: (BLOCK_Q, BLOCK_C, VEC)) a tile config."""
+    if tile is not None:
+        return dict(BLOCK_Q=tile[0], BLOCK_C=tile[1], VEC=tile[2], STRIDED_ROWS=rows, STAGES=stages, num_warps=4)
     return dict(BLOCK=block, STRIDED_ROWS=rows, STAGES=stages, num_warps=4)
+
+
+FORMS = [pytest.param(None, id="flat"), pytest.param((8, 16, 8), id="tile")]
 
 
 CASES = [  # (C, mult, H, W, R, S, stride, dilation, padding)
@@ -48,40 +54,44 @@ CASES = [  # (C, mult, H, W, R, S, stride, dilation, padding)
 ]
 
 
+@pytest.mark.parametrize("tile", FORMS)
 @pytest.mark.parametrize("C, mult, H, W, R, S, stride, dilation, padding", CASES)
-def test_strided_rows_kernel_matches_f_conv2d(C, mult, H, W, R, S, stride, dilation, padding, device):
-    x = torch.randn(2, C, H, W, device=device).contiguous(memory_format=torch.channels_last)
+def test_strided_rows_kernel_matches_f_conv2d(C, mult, H, W, R, S, stride, dilation, padding, tile, device):
+    x = torch.randn(1, C, H, W, device=device).contiguous(memory_format=torch.channels_last)
     w = torch.randn(C * mult, 1, R, S, device=device)
     b = torch.randn(C * mult, device=device)
     p = _problem(x, w, b, stride, padding, dilation, torch.channels_last, "relu")
     assert depthwise.strided_rows_apply(p.geo, x)
-    out = depthwise.run(p, _cfg())
+    out = depthwise.run(p, _cfg(tile=tile))
     ref = F.relu(F.conv2d(x.double(), w.double(), b.double(), stride, padding, dilation, C))
     assert out.is_contiguous(memory_format=torch.channels_last)
     assert_rel_close(out, ref, 1e-5)
 
 
-@pytest.mark.parametrize("rows, block, stages", [(1, 16, 1), (4, 64, 2), (7, 32, 3)])
+@pytest.mark.parametrize("rows, block, stages, tile", [(1, 16, 1, None), (4, 64, 2, None), (7, 32, 3, None),
+                                                       (2, 0, 1, (2, 16, 2)), (9, 0, 2, (8, 32, 4))])
 @pytest.mark.parametrize("channels_last_out", [True, False])
-def test_rows_a_program_blocks_stages_and_output_layouts(rows, block, stages, channels_last_out, device):
-    # 9 output rows (rows a program dividing them or not, one program for all), blocks that straddle pixels and
-    # rows, the pipelined loop; no bias, an NCHW output stored element by element
+def test_rows_a_program_blocks_stages_and_output_layouts(rows, block, stages, tile, channels_last_out, device):
+    # 9 output rows (at most 1, 2, 4, 7 or 9 a program: balanced, one program for all), flat blocks that
+    # straddle pixels and rows, tiles of columns and channel blocks (10 channels: a block partly past them),
+    # narrower vectors, the pipelined loop; no bias, an NCHW output stored element by element
     x = torch.randn(2, 10, 17, 8, device=device).contiguous(memory_format=torch.channels_last)
     w = torch.randn(10, 1, 3, 3, device=device)
     fmt = torch.channels_last if channels_last_out else torch.contiguous_format
     p = _problem(x, w, None, (2, 2), (1, 1), (1, 1), fmt)
-    out = depthwise.run(p, _cfg(block, rows, stages))
+    out = depthwise.run(p, _cfg(block, rows, stages, tile))
     assert out.is_contiguous(memory_format=fmt)
     assert_rel_close(out, F.conv2d(x.double(), w.double(), None, 2, 1, 1, 10), 1e-5)
 
 
+@pytest.mark.parametrize("tile", FORMS)
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 4e-3), (torch.bfloat16, 2.5e-2)])
-def test_16_bit_inputs_accumulate_in_fp32(dtype, tol, device):
+def test_16_bit_inputs_accumulate_in_fp32(dtype, tol, tile, device):
     x = torch.randn(2, 24, 9, 10, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
     w = torch.randn(24, 1, 3, 3, device=device, dtype=dtype)
     b = torch.randn(24, device=device, dtype=dtype)
     p = _problem(x, w, b, (2, 2), (1, 1), (1, 1), torch.channels_last)
-    out = depthwise.run(p, _cfg(64, 2))
+    out = depthwise.run(p, _cfg(64, 2, tile=tile))
     assert out.dtype == dtype
     assert_rel_close(out, F.conv2d(x.double(), w.double(), b.double(), 2, 1, 1, 24), tol)
 
@@ -94,13 +104,14 @@ def _misaligned(device):  # 3 channels, the first image row dropped: a data poin
     return torch.randn(1, 3, 8, 5, device=device).contiguous(memory_format=torch.channels_last)[:, :, 1:]
 
 
+@pytest.mark.parametrize("tile", FORMS)
 @pytest.mark.parametrize("make", [_gapped_rows, _misaligned], ids=["gapped-rows", "misaligned"])
-def test_strided_rows_kernel_takes_input_views(make, device):
+def test_strided_rows_kernel_takes_input_views(make, tile, device):
     x = make(device)
     C = x.shape[1]
     w = torch.randn(C, 1, 3, 3, device=device)
     p = _problem(x, w, None, (2, 2), (1, 1), (1, 1), torch.channels_last)
-    out = depthwise.run(p, _cfg())
+    out = depthwise.run(p, _cfg(tile=tile))
     assert_rel_close(out, F.conv2d(x.double(), w.double(), None, 2, 1, 1, C), 1e-5)
 
 
@@ -151,6 +162,9 @@ def test_larger_filters_and_gapped_pixels_are_refused(device):
     assert not depthwise.strided_rows_apply(big.geo, x)  # 81 taps of weights a thread: past the cap
     with pytest.raises(ValueError, match="depthwise_strided_rows_kernel does not take"):
         depthwise.run(big, _cfg())
+    p = _problem(x, torch.randn(8, 1, 3, 3, device=device), None, (2, 2), (1, 1), (1, 1), torch.channels_last)
+    with pytest.raises(ValueError, match="STRIDED_ROWS must be at least 1"):
+        depthwise.run(p, _cfg(rows=0))
     gapped = x[:, :, :, ::2]  # pixels 2*C apart: a row is not one run
     p = _problem(gapped, torch.randn(8, 1, 3, 3, device=device), None, (2, 2), (1, 1), (1, 1), torch.channels_last)
     assert not depthwise.strided_rows_apply(p.geo, gapped)

@@ -78,9 +78,21 @@ def depthwise_fwd_kernel(
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr, DIV: tl.constexpr,
+    DIV_X: tl.constexpr, DIV_O: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    # This program: output pixels [BM] x output channels [BN].
+    # This program: output pixels [BM] x output channels [BN]. The pixel strides of x and out come in units
+    # of DIV_X and DIV_O elements (the powers of two dividing them): written as products with the constants, a
+    # pixel's offset is a known multiple of 8 where C is, and its channels load 16 bytes at a time (a stride
+    # of 88, say, was 2-byte loads: Triton assumes nothing of an integer not a multiple of 16).
+    stride_xn = stride_xn * DIV_X
+    stride_xh = stride_xh * DIV_X
+    stride_xw = stride_xw * DIV_X
+    stride_on = stride_on * DIV_O
+    stride_op = stride_op * DIV_O
+    stride_oq = stride_oq * DIV_O
+    stride_wr = stride_wr * DIV  # the tap-major weight's rows and taps: multiples of K
+    stride_ws = stride_ws * DIV
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if INDEX_64:
@@ -267,6 +279,15 @@ def depthwise_rows_kernel(
             accs = _roll_down(accs, R, BLOCK)
 
 
+@triton.jit
+def _roll_down_like(accs, A: tl.constexpr):
+    """:func:`_roll_down` for accumulators of any shape."""
+    out = (tl.zeros_like(accs[0]),)
+    for i in tl.static_range(A - 1):
+        out = out + (accs[i],)
+    return out
+
+
 def _strided_slots(R: int, stride_h: int, dilation_h: int) -> int:
     """Output rows in flight in :func:`depthwise_strided_rows_kernel`: those an input row can feed at once."""
     return (R - 1) * dilation_h // stride_h + 1
@@ -289,11 +310,11 @@ def _add_input_row(accs, xs, ws, J: tl.constexpr, A: tl.constexpr, R: tl.constex
 
 
 # The output's n, p and q strides are sizes too (an NCHW output's): not specialized on, like the sizes.
-@triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "chunks", "row_groups", "xn_d", "xh_d", "on_d", "op_d",
-                               "stride_on", "stride_op", "stride_oq", "pad_h", "pad_w"])
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "chunks", "row_groups", "rows_per", "xn_d", "xh_d", "on_d",
+                               "op_d", "stride_on", "stride_op", "stride_oq", "pad_h", "pad_w"])
 def depthwise_strided_rows_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr,
-    H, W, P, Q, CD, chunks, row_groups,
+    H, W, P, Q, CD, chunks, row_groups, rows_per,
     xn_d, xh_d, on_d, op_d,
     stride_on, stride_op, stride_oq, stride_ok,
     stride_wk, stride_wr, stride_ws, stride_b, pad_h, pad_w,
@@ -301,7 +322,7 @@ def depthwise_strided_rows_kernel(
     STR_H: tl.constexpr, STR_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     ROWS_USED: tl.constexpr, A: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DIV: tl.constexpr, CL_OUT: tl.constexpr,
-    BLOCK: tl.constexpr, ROWS_PER: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     # depthwise_rows_kernel's walk for any stride and dilation. This program: BLOCK consecutive elements
     # o = q*K + k of output rows p0 .. p1-1 of image n (channels-last, whatever mix of pixels and channels).
@@ -309,8 +330,8 @@ def depthwise_strided_rows_kernel(
     rows = pid // chunks
     o = (pid - rows * chunks) * BLOCK + tl.arange(0, BLOCK)
     n = rows // row_groups
-    p0 = (rows - n * row_groups) * ROWS_PER
-    p1 = tl.minimum(p0 + ROWS_PER, P)
+    p0 = (rows - n * row_groups) * rows_per
+    p1 = tl.minimum(p0 + rows_per, P)
     # Sizes in units of DIV elements, as depthwise_rows_kernel: the masks constant over aligned runs of DIV.
     C = CD * DIV
     KD = CD * MULT
@@ -364,7 +385,83 @@ def depthwise_strided_rows_kernel(
                     xs = xs + (tl.load(src + s * (DIL_W * C), mask=ok_s[s] & row_ok, other=0.0).to(tl.float32),)
                 accs = _add_input_row(accs, xs, ws, j, A, R, S, STR_H, DIL_H)
         _finish_row(accs[A - 1], p0 + t - (A - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
-        accs = _roll_down(accs, A, BLOCK)
+        accs = _roll_down_like(accs, A)
+
+
+# The 2D-tile form, same walk: a program owns [BLOCK_Q output columns, BLOCK_C channels] of its rows, so a
+# thread's channels hold their R*S weights once for all its columns (in the flat form each element carries
+# its own): fewer weight registers an output for larger filters, at the price of a channel block padded to a
+# power of two. Sizes, n/p/q strides not specialized on, as the flat form.
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "q_blocks", "c_blocks", "row_groups", "rows_per", "xn_d",
+                               "xh_d", "on_d", "op_d", "stride_on", "stride_op", "stride_oq", "pad_h", "pad_w"])
+def depthwise_strided_tile_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr,
+    H, W, P, Q, CD, q_blocks, c_blocks, row_groups, rows_per,
+    xn_d, xh_d, on_d, op_d,
+    stride_on, stride_op, stride_oq, stride_ok,
+    stride_wk, stride_wr, stride_ws, stride_b, pad_h, pad_w,
+    MULT: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    STR_H: tl.constexpr, STR_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+    ROWS_USED: tl.constexpr, A: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DIV: tl.constexpr, CL_OUT: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
+):
+    # One grid axis: channel blocks fastest, then column blocks, row groups, images.
+    pid = tl.program_id(0)
+    rest = pid // c_blocks
+    k = (pid - rest * c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] output channels
+    rows = rest // q_blocks
+    q = (rest - rows * q_blocks) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ] output columns
+    n = rows // row_groups
+    p0 = (rows - n * row_groups) * rows_per
+    p1 = tl.minimum(p0 + rows_per, P)
+    C = CD * DIV
+    K = CD * MULT * DIV
+    k_ok = _below_unspecialized(k, K, DIV)
+    q_ok = q < Q
+    o_ok = q_ok[:, None] & k_ok[None, :]
+    if MULT == 1:
+        c = k
+    else:
+        c = k // MULT
+    x_el = (q * (STR_W * C) - pad_w * C)[:, None] + c[None, :]  # [BQ, BC]
+    ok_s = ()
+    for s in tl.static_range(S):
+        col = q * STR_W + s * DIL_W
+        ok_s = ok_s + ((q_ok & (col >= pad_w) & (col < W + pad_w))[:, None] & k_ok[None, :],)
+    ws = ()  # [1, BC] each: a channel's weights once for all the program's columns
+    for rs in tl.static_range(R * S):
+        w_off = k * stride_wk + (rs // S) * stride_wr + (rs % S) * stride_ws
+        ws = ws + (tl.load(w_ptr + w_off, mask=k_ok, other=0.0).to(tl.float32)[None, :],)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + k * stride_b, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        bias = tl.zeros((1, BLOCK_C), dtype=tl.float32)
+    stride_xh = xh_d * DIV
+    x_img = x_ptr + n.to(tl.int64) * xn_d * DIV + x_el
+    if CL_OUT:
+        out_el = out_ptr + n.to(tl.int64) * on_d * DIV + (q * K)[:, None] + k[None, :]
+        stride_op = op_d * DIV
+    else:
+        out_el = out_ptr + n.to(tl.int64) * stride_on + (q * stride_oq)[:, None] + (k * stride_ok)[None, :]
+
+    T = p1 - p0 + A - 1
+    accs = ()
+    for i in tl.static_range(A):
+        accs = accs + (tl.zeros((BLOCK_Q, BLOCK_C), dtype=tl.float32),)
+    for t in tl.range(0, T, num_stages=STAGES):
+        h0 = (p0 + t) * STR_H - pad_h
+        for j in tl.static_range(STR_H):
+            if (ROWS_USED >> j) & 1:
+                h = h0 + j
+                row_ok = (h >= 0) & (h < H)
+                src = x_img + h * stride_xh
+                xs = ()
+                for s in tl.static_range(S):
+                    xs = xs + (tl.load(src + s * (DIL_W * C), mask=ok_s[s] & row_ok, other=0.0).to(tl.float32),)
+                accs = _add_input_row(accs, xs, ws, j, A, R, S, STR_H, DIL_H)
+        _finish_row(accs[A - 1], p0 + t - (A - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
+        accs = _roll_down_like(accs, A)
 
 
 @triton.jit(do_not_specialize=["H", "W", "P", "Q", "C", "M", "pad_h", "pad_w"])
@@ -532,25 +629,35 @@ def _rows_used(R: int, stride_h: int, dilation_h: int) -> int:
 
 
 def _run_strided_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> torch.Tensor:
-    """The forward by :func:`depthwise_strided_rows_kernel` (config key ``STRIDED_ROWS``: output rows a
-    program), one launch, the weight read as it lies."""
+    """The forward by :func:`depthwise_strided_rows_kernel` (config key ``STRIDED_ROWS``: output rows a program
+    at most, balanced over the image's; ``BLOCK``) or, where the config has ``BLOCK_Q`` and ``BLOCK_C``, by
+    :func:`depthwise_strided_tile_kernel`; one launch, the weight read as it lies."""
     g = p.geo
-    rows_per = cfg.pop("STRIDED_ROWS")
-    groups = cdiv(g.P, rows_per)
-    chunks = cdiv(g.Q * g.K, cfg["BLOCK"])
+    most = cfg.pop("STRIDED_ROWS")
+    if most < 1:
+        raise ValueError(f"STRIDED_ROWS must be at least 1; got {most}")
+    groups = cdiv(g.P, most)
+    rows_per = cdiv(g.P, groups)  # runtime: any image height and balance compile nothing new
     cl_out = out.stride(1) == 1 and (out.stride(3) == g.K or g.Q == 1)
-    div = 8
+    div = cfg.pop("VEC", 8)  # a narrower vector: fewer channels (and their weights) a thread in the tile form
     for v in (g.C, x.stride(0), x.stride(2)) + ((out.stride(0), out.stride(2)) if cl_out else ()):
         div = min(div, _divisor(v))
     bias = p.bias if p.bias is not None else out
-    args = (x, p.weight, out, bias, g.H, g.W, g.P, g.Q, g.C // div, chunks, groups,
-            x.stride(0) // div, x.stride(2) // div, out.stride(0) // div, out.stride(2) // div,
-            out.stride(0), out.stride(2), out.stride(3), out.stride(1), *_w_strides(p.weight),
-            p.bias.stride(0) if p.bias is not None else 0, g.padding[0], g.padding[2])
     (sh, sw), (dh, dw) = g.stride, g.dilation
     flags = dict(MULT=g.K // g.C, R=g.R, S=g.S, STR_H=sh, STR_W=sw, DIL_H=dh, DIL_W=dw,
                  ROWS_USED=_rows_used(g.R, sh, dh), A=_strided_slots(g.R, sh, dh), HAS_BIAS=p.bias is not None,
-                 ACTIVATION=p.activation, DIV=div, CL_OUT=cl_out, ROWS_PER=rows_per, **cfg)
+                 ACTIVATION=p.activation, DIV=div, CL_OUT=cl_out, **cfg)
+    tail = (x.stride(0) // div, x.stride(2) // div, out.stride(0) // div, out.stride(2) // div,
+            out.stride(0), out.stride(2), out.stride(3), out.stride(1), *_w_strides(p.weight),
+            p.bias.stride(0) if p.bias is not None else 0, g.padding[0], g.padding[2])
+    if "BLOCK_Q" in cfg:
+        q_blocks, c_blocks = cdiv(g.Q, cfg["BLOCK_Q"]), cdiv(g.K, cfg["BLOCK_C"])
+        args = (x, p.weight, out, bias, g.H, g.W, g.P, g.Q, g.C // div, q_blocks, c_blocks, groups, rows_per,
+                *tail)
+        launch(depthwise_strided_tile_kernel, (c_blocks * q_blocks * g.N * groups,), args, flags)
+        return out
+    chunks = cdiv(g.Q * g.K, cfg["BLOCK"])
+    args = (x, p.weight, out, bias, g.H, g.W, g.P, g.Q, g.C // div, chunks, groups, rows_per, *tail)
     launch(depthwise_strided_rows_kernel, (chunks * g.N * groups,), args, flags)
     return out
 
@@ -599,8 +706,11 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
         launch(depthwise_weight_kernel, (cdiv(taps, 1024),),
                (p.weight, wt, taps, g.K, g.S, *_w_strides(p.weight)), dict(BLOCK=1024, num_warps=4),
                keep=(wt,), stream=stream)
-        args = (x, wt, out, bias, g.H, g.W, g.P, g.Q, g.K, M, g.K // g.C, *_nhwc_strides(x), 1, g.S * g.K, g.K,
-                out.stride(0), out.stride(2), out.stride(3), out.stride(1),
+        xs, os_ = _nhwc_strides(x), (out.stride(0), out.stride(2), out.stride(3))
+        div_x, div_o = min(8, *(_divisor(v) for v in xs[:3])), min(8, *(_divisor(v) for v in os_))
+        flags.update(DIV_X=div_x, DIV_O=div_o)
+        args = (x, wt, out, bias, g.H, g.W, g.P, g.Q, g.K, M, g.K // g.C, *(v // div_x for v in xs[:3]), xs[3],
+                1, g.S * g.K // flags["DIV"], g.K // flags["DIV"], *(v // div_o for v in os_), out.stride(1),
                 p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
         grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.K, cfg["BLOCK_N"]))
         launch(depthwise_fwd_kernel, grid, args, {**flags, **cfg}, keep=(wt,), stream=stream)
