@@ -151,11 +151,15 @@ def make_calls(L: dict, batch: int, device: str, sets: int, smoke: bool, empty: 
     dtype = torch.float32 if smoke else torch.float16
     C, K, H, W, R, S = (L[k] for k in ("C", "K", "H", "W", "R", "S"))
     stride, (ph, pw), dil = tuple(L["stride"]), L["padding"], tuple(L["dilation"])
-    make = torch.empty if empty else torch.randn
-    xs = [make(batch, C, H, W, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
-          for _ in range(sets)]
-    w = (make(K, 1, R, S, device=device, dtype=torch.float32) / (R * S) ** 0.5).to(dtype)
-    ref = None if empty else F.conv2d(xs[0].float(), w.float(), None, stride, (ph, pw), dil, C)
+    if empty:  # no GPU work at all
+        xs = [torch.empty(batch, C, H, W, device=device, dtype=dtype, memory_format=torch.channels_last)]
+        w = torch.empty(K, 1, R, S, device=device, dtype=dtype)
+        ref = None
+    else:
+        xs = [torch.randn(batch, C, H, W, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
+              for _ in range(sets)]
+        w = (torch.randn(K, 1, R, S, device=device) / (R * S) ** 0.5).to(dtype)
+        ref = F.conv2d(xs[0].float(), w.float(), None, stride, (ph, pw), dil, C)
     g = geometry_of(xs[0].shape, w.shape, list(stride), [ph, ph, pw, pw], list(dil), C)
     problems = [ConvProblem(x, w, None, g, dtype, torch.channels_last, "none", "ieee", False) for x in xs]
     calls = {
@@ -176,14 +180,18 @@ def warm(args) -> str:
     def compile_only(kernel, grid, a, kw, keep=(), stream=None):
         return kernel.warmup(*a, grid=grid, **kw)
 
-    depthwise.launch = compile_only
-    L, batch, names = args
-    _, _, _, calls = make_calls(L, batch, "cuda", 1, False, empty=True)
-    for name in names:
-        try:
-            calls[name](0)
-        except Exception:  # noqa: BLE001  (the main process meets it again and reports it)
-            pass
+    L, batch, names, device = args
+    real, depthwise.launch = depthwise.launch, compile_only
+    try:
+        _, _, _, calls = make_calls(L, batch, device, 1, device == "cpu", empty=True)
+        for name in names:
+            try:
+                calls[name](0)
+            except Exception:  # noqa: BLE001  (the main process meets it again and reports it)
+                if device == "cpu":
+                    raise
+    finally:
+        depthwise.launch = real
     return label(L, batch)
 
 
@@ -319,7 +327,7 @@ def main() -> int:
                      P >= 48)
             names = [n for n in ["auto"] + candidate_names(L) if (n, shape) not in seen]
             seen.update((n, shape) for n in names)
-            pending[label(L, batch)] = pool.apply_async(warm, ((L, batch, names),)) if names else None
+            pending[label(L, batch)] = pool.apply_async(warm, ((L, batch, names, "cuda"),)) if names else None
 
     rows = []
     stopped = None
@@ -339,6 +347,8 @@ def main() -> int:
                 break
             except Exception as err:  # noqa: BLE001  (compiled here instead)
                 print(f"{name}: warm-up: {type(err).__name__}: {err}", file=sys.stderr)
+        if smoke:  # the pool's path, once (under the interpreter a warm-up compiles nothing)
+            warm((L, batch, ["auto"] + candidate_names(L), "cpu"))
         sets = 1
         if not smoke and l2:
             per_set = batch * L["C"] * L["H"] * L["W"] * 2
