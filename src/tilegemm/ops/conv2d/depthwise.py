@@ -84,7 +84,8 @@ def depthwise_fwd_kernel(
     # This program: output pixels [BM] x output channels [BN]. The pixel strides of x and out come in units
     # of DIV_X and DIV_O elements (the powers of two dividing them): written as products with the constants, a
     # pixel's offset is a known multiple of 8 where C is, and its channels load 16 bytes at a time (a stride
-    # of 88, say, was 2-byte loads: Triton assumes nothing of an integer not a multiple of 16).
+    # of 88, say, was 2-byte loads: Triton assumes nothing of an integer not a multiple of 16; docs/conv2d.md,
+    # "Depthwise pixel kernel's load widths").
     stride_xn = stride_xn * DIV_X
     stride_xh = stride_xh * DIV_X
     stride_xw = stride_xw * DIV_X
@@ -368,7 +369,8 @@ def depthwise_strided_rows_kernel(
 
     # Iteration t reads input rows (p0 + t)*STR_H - pad_h + j, j < STR_H (those some filter row reads:
     # ROWS_USED), each once, into the A output rows in flight (slot i: output row p0 + t - i); row
-    # p0 + t - (A - 1) is then complete. A 3x3 stride-2 layer loads 6 row vectors an output row, not 9 taps.
+    # p0 + t - (A - 1) is then complete. A 3x3 stride-2 layer loads 6 row vectors an output row, not 9 taps
+    # (docs/conv2d.md, "Depthwise rows for any stride").
     T = p1 - p0 + A - 1
     accs = ()
     for i in tl.static_range(A):
@@ -707,7 +709,9 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
                (p.weight, wt, taps, g.K, g.S, *_w_strides(p.weight)), dict(BLOCK=1024, num_warps=4),
                keep=(wt,), stream=stream)
         xs, os_ = _nhwc_strides(x), (out.stride(0), out.stride(2), out.stride(3))
-        div_x, div_o = min(8, *(_divisor(v) for v in xs[:3])), min(8, *(_divisor(v) for v in os_))
+        # (a stride past 32 bits stays whole: Triton passes it as int64, where the product in the kernel would not be)
+        div_x = min(8, *(_divisor(v) for v in xs[:3])) if max(xs[:3]) < 2**31 else 1
+        div_o = min(8, *(_divisor(v) for v in os_)) if max(os_) < 2**31 else 1
         flags.update(DIV_X=div_x, DIV_O=div_o)
         args = (x, wt, out, bias, g.H, g.W, g.P, g.Q, g.K, M, g.K // g.C, *(v // div_x for v in xs[:3]), xs[3],
                 1, g.S * g.K // flags["DIV"], g.K // flags["DIV"], *(v // div_o for v in os_), out.stride(1),
