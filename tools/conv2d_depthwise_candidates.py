@@ -9,8 +9,8 @@ not; ``depthwise_strided_tile_kernel`` by filter size; ``depthwise_rows_kernel``
 ``CANDIDATES``; 3 to 5 a layer). Each candidate's output is checked against ``F.conv2d``
 (the conv2d bench's fp16 bound, ``reference.tolerance``) before it is timed; all are timed as CUDA-graph
 replays (up to 20 calls a graph, about 2 ms a replay, rotating through input sets that overflow L2 twice;
-the median of 5 rounds of replays), ratio = cuDNN's time / the candidate's. Triton compiles run ahead in a pool of processes (the cache
-on disk is shared), so timing waits on few. Writes ``--out`` (JSON) after every layer and stops at
+the median of 5 rounds of replays), ratio = cuDNN's time / the candidate's. Triton compiles run ahead in a
+pool of processes (compiled, not launched; the cache on disk is shared), so timing waits on few. Writes ``--out`` (JSON) after every layer and stops at
 ``--budget`` seconds; prints a table last: per kind, the geomean ratio of ``auto`` and of each layer's best
 candidate, and each candidate's geomean over the layers it ran.
 
