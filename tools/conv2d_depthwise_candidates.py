@@ -6,16 +6,16 @@ no bias), ordered so the kinds that lose most come first (strided, then stride-1
 ``torch.backends.cudnn.benchmark``), ``auto`` (``tilegemm.conv2d``) and each candidate config of the depthwise
 kernels that takes the layer (``depthwise_strided_rows_kernel`` at 8, 4 and 2 elements a thread, pipelined or
 not; ``depthwise_strided_tile_kernel`` by filter size; ``depthwise_rows_kernel`` at 2 elements a thread: see
-``CANDIDATES``; 3 to 5 a layer). Each candidate's output is checked against ``F.conv2d``
-(the conv2d bench's fp16 bound, ``reference.tolerance``) before it is timed; all are timed as CUDA-graph
-replays (up to 20 calls a graph, about 2 ms a replay, rotating through input sets that overflow L2 twice;
-the median of 5 rounds of replays), ratio = cuDNN's time / the candidate's. Triton compiles run ahead in a
-pool of processes (compiled, not launched; the cache on disk is shared), so timing waits on few. Writes ``--out`` (JSON) after every layer and stops at
-``--budget`` seconds; prints a table last: per kind, the geomean ratio of ``auto`` and of each layer's best
-candidate, and each candidate's geomean over the layers it ran.
+``CANDIDATES``; 3 to 5 a layer). Each candidate's output is checked against ``F.conv2d`` (the conv2d bench's
+fp16 bound, ``reference.tolerance``) before it is timed; all are timed as CUDA-graph replays (up to 20 calls a
+graph, about 2 ms a replay, rotating through input sets that overflow L2 twice; the median of 5 rounds of
+replays), ratio = cuDNN's time / the candidate's. Triton compiles run ahead in a pool of processes (compiled,
+not launched; the cache on disk is shared), so timing waits on few. Writes ``--out`` (JSON) after every layer
+and stops at ``--budget`` seconds; prints a table last: per kind, the geomean ratio of ``auto`` and of each
+layer's best candidate, and each candidate's geomean over the layers it ran.
 
     PYTHONPATH=src python3 tools/conv2d_depthwise_candidates.py --out $OUT/depthwise-candidates.json
-        [--budget 150] [--limit N] [--workers 14] [--kinds strided,5x5]
+        [--budget 150] [--limit N] [--workers 12] [--kinds strided,5x5]
 
 ``--smoke``: a check that the tool runs, on the CPU under Triton's interpreter (batch 1, at most 16 channels
 and 8x8 images, one call timed by the clock, no pool):

@@ -1,10 +1,10 @@
 """The depthwise forward over channels-last rows for any stride and dilation, chosen by config: flat
 (``depthwise_strided_rows_kernel``) and in tiles of columns x channels (``depthwise_strided_tile_kernel``):
-strides 1-4 (different along h and w), dilation 2, filters 1x1 to 7x7 and 1x7, odd channel counts (3, 17, 58: 2-element runs and none), channel multiplier 2,
-bias and activation, padding wider than the filter's reach, rows a program that do and do not divide the
-image, both output layouts, fp16 / bf16 / fp32, input views, and the switch that lets ``auto`` run it (both
-call routes: channels-last, and NCHW through its copies). Against ``F.conv2d`` in float64, outputs NaN-poisoned
-(conftest) so an unwritten element fails."""
+strides 1-4 (different along h and w), dilation 2, filters 1x1 to 7x7 and 1x7, odd channel counts (3, 17, 58:
+2-element runs and none), channel multiplier 2, bias and activation, padding wider than the filter's reach, rows
+a program that do and do not divide the image, both output layouts, fp16 / bf16 / fp32, input views, and the
+switch that lets ``auto`` run it (both call routes: channels-last, and NCHW through its copies). Against
+``F.conv2d`` in float64, outputs NaN-poisoned (conftest) so an unwritten element fails."""
 
 from __future__ import annotations
 
