@@ -18,7 +18,7 @@ layer's best candidate, and each candidate's geomean over the layers it ran.
         [--budget 150] [--limit N] [--workers 12] [--kinds strided,5x5]
 
 ``--smoke``: a check that the tool runs, on the CPU under Triton's interpreter (batch 1, at most 16 channels
-and 8x8 images, one call timed by the clock, no pool):
+and 8x8 images, one call timed by the clock; the pool's warm-up path runs in-process instead):
 
     TRITON_INTERPRET=1 PYTHONPATH=src python3 tools/conv2d_depthwise_candidates.py --smoke --limit 3 --out /tmp/x.json
 """
@@ -40,14 +40,15 @@ KINDS = ("strided", "5x5", "7x7", "odd-C", "large-C", "3x3")
 
 # name -> (config, whether it takes a layer). The strided row kernel's flat form at 8 elements a thread (16-byte
 # fp16 loads; 3x3 filters: 72 weight registers, 147 in all on sm_90), 4 (up to 5x5: 166), 2 on 4 warps (any
-# filter up to 7x7: 145), pipelined at 4; its tile form (depthwise_strided_tile_kernel: a thread's channels
+# filter up to 7x7: 145), pipelined (Triton's pipeliner, 3 stages) at 8 and 4; its tile form (depthwise_strided_tile_kernel: a thread's channels
 # keep their weights for 2 columns: 3x3 16 outputs a thread in 202 registers, 5x5 8 in 228 with 8-byte
 # vectors, 7x7 4 in 198 with 4-byte ones); the stride-1 row kernel at 2 elements a thread (fewer weights in
 # registers than auto's 4: 96 registers at 5x5 against 172). Register counts: ptxas for sm_90, fp16.
 CANDIDATES = {
     "srows8": (dict(BLOCK=512, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 9),
     "srows4": (dict(BLOCK=256, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 25),
-    "srows4-pipe": (dict(BLOCK=256, STAGES=3, num_warps=2), lambda L: L["R"] * L["S"] <= 25),
+    "srows8-pipe": (dict(BLOCK=512, STAGES=3, num_warps=2), lambda L: L["R"] * L["S"] <= 9),
+    "srows4-pipe": (dict(BLOCK=256, STAGES=3, num_warps=2), lambda L: 9 < L["R"] * L["S"] <= 25),
     "srows2": (dict(BLOCK=256, STAGES=1, num_warps=4), lambda L: L["R"] * L["S"] > 9),
     "tile3": (dict(BLOCK_Q=32, BLOCK_C=32, VEC=8, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 9),
     "tile5": (dict(BLOCK_Q=16, BLOCK_C=32, VEC=4, STAGES=1, num_warps=2), lambda L: 9 < L["R"] * L["S"] <= 25),
