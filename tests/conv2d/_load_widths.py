@@ -81,6 +81,19 @@ for size in (28, 56):  # stride 1: the row kernel, loads held in registers (28 r
     gd = geometry_of(xd.shape, wd.shape, (1, 1), (1, 1, 1, 1), (1, 1), 192)
     dw.run(ConvProblem(xd, wd, None, gd, torch.float16, memory_format_of(xd), "none", "ieee", False))
     rows[size] = count(captured[-1][0], captured[-1][2], captured[-1][3])
+# 88 channels (a pixel stride Triton does not know to be a multiple of 8), stride 2: the pixel kernel, and the
+# strided row kernel flat (8 elements a thread) and in tiles
+x88 = torch.empty(64, 88, 56, 56, dtype=torch.float16).to(memory_format=torch.channels_last)
+w88 = torch.empty(88, 1, 3, 3, dtype=torch.float16)
+g88 = geometry_of(x88.shape, w88.shape, (2, 2), (1, 1, 1, 1), (1, 1), 88)
+p88 = ConvProblem(x88, w88, None, g88, torch.float16, memory_format_of(x88), "none", "ieee", False)
+dw.run(p88)
+depthwise_88 = count(captured[-1][0], captured[-1][2], captured[-1][3])
+dw.run(p88, dict(BLOCK=512, STRIDED_ROWS=8, STAGES=1, num_warps=2))
+strided_rows = count(captured[-1][0], captured[-1][2], captured[-1][3])
+dw.run(p88, dict(BLOCK_Q=32, BLOCK_C=32, VEC=8, STRIDED_ROWS=8, STAGES=1, num_warps=2))
+strided_tile = count(captured[-1][0], captured[-1][2], captured[-1][3])
 import json
 print(json.dumps(dict(fwd=fwd, dgrad=dgrad, dgrad_phased=dgrad_phased, wgrad=wgrad, depthwise=depthwise,
-                      depthwise_rows=rows[28], depthwise_rows_pipelined=rows[56])))
+                      depthwise_rows=rows[28], depthwise_rows_pipelined=rows[56], depthwise_88=depthwise_88,
+                      strided_rows=strided_rows, strided_tile=strided_tile)))

@@ -40,8 +40,12 @@ def test_implicit_gemm_outputs_store_16_bytes_at_a_time(counts, kernel):
     assert any(op.startswith("st.global.v4") for op in ops), f"{kernel}: no 16-byte stores: {ops}"
 
 
-def test_depthwise_loads_its_channels_16_bytes_at_a_time(counts):
-    ops = counts["depthwise"]
+@pytest.mark.parametrize("kernel", ["depthwise", "depthwise_88"])
+def test_depthwise_loads_its_channels_16_bytes_at_a_time(counts, kernel):
+    # 88 channels too: the pixel strides reach the kernel in units of 8 elements (a stride of 88 as a plain
+    # integer made every load and store 2 bytes wide)
+    ops = counts[kernel]
+    assert not any(op.startswith("st.global.b16") for op in ops), f"2-byte stores: {ops}"
     assert ops.get("ld.global.v4.b32", 0) > 0, f"no 16-byte loads of the activations: {ops}"
     # the weight too: read tap-major, a tap's channels are consecutive (in [K, 1, R, S] order each channel's
     # weight was its own 2-byte load, more load instructions than the activations' and the forward's limit)
@@ -60,3 +64,14 @@ def test_depthwise_rows_load_and_store_each_threads_run_at_once(counts, kernel):
     assert not any(op.startswith("st.global.b16") for op in ops), f"{kernel}: 2-byte stores: {ops}"
     if kernel.endswith("pipelined"):
         assert ops.get("cp.async.ca.shared.global", 0) > 0, f"{kernel}: not pipelined through cp.async: {ops}"
+
+
+@pytest.mark.parametrize("kernel", ["strided_rows", "strided_tile"])
+def test_strided_depthwise_rows_load_16_bytes_at_a_time(counts, kernel):
+    # depthwise_strided_rows/tile_kernel at 88 channels, stride 2, 8 channels a thread: its loop's loads and
+    # stores 16 bytes wide; the only 2-byte loads are the weights, once a program (9 taps x 8 channels)
+    ops = counts[kernel]
+    assert ops.get("ld.global.v4.b32", 0) > 0, f"{kernel}: no 16-byte loads of the activations: {ops}"
+    assert ops.get("ld.global.b16", 0) <= 9 * 8, f"{kernel}: 2-byte loads beyond the weights: {ops}"
+    assert any(op.startswith("st.global.v4") for op in ops), f"{kernel}: no 16-byte stores: {ops}"
+    assert not any(op.startswith("st.global.b16") for op in ops), f"{kernel}: 2-byte stores: {ops}"

@@ -135,6 +135,30 @@ def depthwise_rows_config(g: Geometry, dtype: torch.dtype) -> dict:
     return dict(BLOCK=256, ROWS_PER=32, PIPELINE=pipeline, STAGES=3 if pipeline else 1, num_warps=2)
 
 
+# depthwise_strided_rows_kernel (any stride and dilation, chosen by config): a program's weights, R*S * BLOCK /
+# threads fp32 values a thread, stay in registers, so up to 7x7 filters at two elements a thread. Its rule is
+# off (STRIDED_ROWS_AUTO) until GPU timings set it: tools/conv2d_depthwise_candidates.py times it against
+# cuDNN, the pixel and the row kernels on the zoo's depthwise layers (docs/conv2d.md, "Configs").
+DEPTHWISE_STRIDED_ROWS_MAX_TAPS = 49
+STRIDED_ROWS_AUTO = False  # True: every forward the kernel takes runs it, with depthwise_strided_rows_tile
+
+
+def depthwise_strided_rows_tile(g: Geometry, dtype: torch.dtype) -> dict:
+    """A config of depthwise_strided_rows_kernel whatever the rule says: eight elements a thread up to 3x3
+    filters (16-byte fp16 loads), four up to 5x5, two beyond (the weights in registers); 16 output rows a
+    program (8 where each reads several input rows); small blocks under the interpreter."""
+    if interpreting():
+        return dict(BLOCK=32, STRIDED_ROWS=4, STAGES=1, num_warps=4)
+    taps = g.R * g.S
+    per_thread = 8 if taps <= 9 else 4 if taps <= 25 else 2
+    return dict(BLOCK=64 * per_thread, STRIDED_ROWS=8 if g.stride[0] > 1 else 16, STAGES=1, num_warps=2)
+
+
+def depthwise_strided_rows_config(g: Geometry, dtype: torch.dtype) -> dict | None:
+    """depthwise_strided_rows_kernel's config where ``auto`` runs it (:data:`STRIDED_ROWS_AUTO`), else None."""
+    return depthwise_strided_rows_tile(g, dtype) if STRIDED_ROWS_AUTO else None
+
+
 def depthwise_config(g: Geometry, dtype: torch.dtype) -> dict:
     """The depthwise gradients' tile: [BLOCK_M pixels, BLOCK_N channels], channels contiguous."""
     if interpreting():

@@ -9,6 +9,11 @@ channel k // MULT (MULT = K / C, the channel multiplier; 1 in MobileNet).
   MULT = 1): a shift. A program owns BLOCK consecutive elements of output rows, whatever mix of pixels and
   channels (no channel block is padded), loads its weights, bias and masks once, and rolls down its rows:
   each input row is loaded once (S shifted vectors) and added into the R output rows it feeds.
+- Any stride and dilation (:func:`depthwise_strided_rows_kernel`, chosen by config; ``auto`` keeps the
+  kernels below and above): the row kernel's walk generalised. Iteration t of a program reads the STR_H input
+  rows under its next output row once each (S shifted vectors; in a row an output element's tap s is input
+  element ``q*STR_W*C + s*DIL_W*C + k``) and adds each into the output rows in flight that read it, so a 3x3
+  stride-2 layer loads 6 vectors an output row where the pixel kernel loads 9 taps and 9 weight vectors.
 - Otherwise (:func:`depthwise_fwd_kernel`): a program owns [BLOCK_M pixels, BLOCK_N channels] and loads each
   tap's [BM, BN] tile; the weight is read tap-major (``[R, S, K]``, rewritten each call by a small kernel) so
   that a tap's weights are one 16-byte load, and the taps are unrolled. Both are bound by load and issue
@@ -22,7 +27,9 @@ import torch
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.workspace import split_workspace
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
-from tilegemm.ops.conv2d.configs import depthwise_config, depthwise_fwd_config, depthwise_rows_config, pixel_split
+from tilegemm.ops.conv2d.configs import (
+    depthwise_config, depthwise_fwd_config, depthwise_rows_config, depthwise_strided_rows_config, pixel_split,
+)
 from tilegemm.ops.conv2d.implicit_gemm import (
     _below_unspecialized,
     _conv_args,
@@ -71,9 +78,22 @@ def depthwise_fwd_kernel(
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr, DIV: tl.constexpr,
+    DIV_X: tl.constexpr, DIV_O: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    # This program: output pixels [BM] x output channels [BN].
+    # This program: output pixels [BM] x output channels [BN]. The pixel strides of x and out come in units
+    # of DIV_X and DIV_O elements (the powers of two dividing them): written as products with the constants, a
+    # pixel's offset is a known multiple of 8 where C is, and its channels load 16 bytes at a time (a stride
+    # of 88, say, was 2-byte loads: Triton assumes nothing of an integer not a multiple of 16; docs/conv2d.md,
+    # "Depthwise pixel kernel's load widths").
+    stride_xn = stride_xn * DIV_X
+    stride_xh = stride_xh * DIV_X
+    stride_xw = stride_xw * DIV_X
+    stride_on = stride_on * DIV_O
+    stride_op = stride_op * DIV_O
+    stride_oq = stride_oq * DIV_O
+    stride_wr = stride_wr * DIV  # the tap-major weight's rows and taps: multiples of K
+    stride_ws = stride_ws * DIV
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if INDEX_64:
@@ -260,6 +280,192 @@ def depthwise_rows_kernel(
             accs = _roll_down(accs, R, BLOCK)
 
 
+@triton.jit
+def _roll_down_like(accs, A: tl.constexpr):
+    """:func:`_roll_down` for accumulators of any shape."""
+    out = (tl.zeros_like(accs[0]),)
+    for i in tl.static_range(A - 1):
+        out = out + (accs[i],)
+    return out
+
+
+def _strided_slots(R: int, stride_h: int, dilation_h: int) -> int:
+    """Output rows in flight in :func:`depthwise_strided_rows_kernel`: those an input row can feed at once."""
+    return (R - 1) * dilation_h // stride_h + 1
+
+
+@triton.jit
+def _add_input_row(accs, xs, ws, J: tl.constexpr, A: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+                   STR_H: tl.constexpr, DIL_H: tl.constexpr):
+    """Input row ``J`` of an iteration's STR_H (its S tap vectors ``xs``) added into the output rows it feeds:
+    filter row r of the output row in slot i reads it where ``r*DIL_H - J == i*STR_H``."""
+    new = ()
+    for i in tl.static_range(A):
+        a = accs[i]
+        for r in tl.static_range(R):
+            if r * DIL_H - J == i * STR_H:
+                for s in tl.static_range(S):
+                    a += xs[s] * ws[r * S + s]
+        new = new + (a,)
+    return new
+
+
+# The output's n, p and q strides are sizes too (an NCHW output's): not specialized on, like the sizes.
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "chunks", "row_groups", "rows_per", "xn_d", "xh_d", "on_d",
+                               "op_d", "stride_on", "stride_op", "stride_oq", "pad_h", "pad_w"])
+def depthwise_strided_rows_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr,
+    H, W, P, Q, CD, chunks, row_groups, rows_per,
+    xn_d, xh_d, on_d, op_d,
+    stride_on, stride_op, stride_oq, stride_ok,
+    stride_wk, stride_wr, stride_ws, stride_b, pad_h, pad_w,
+    MULT: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    STR_H: tl.constexpr, STR_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+    ROWS_USED: tl.constexpr, A: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DIV: tl.constexpr, CL_OUT: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr,
+):
+    # depthwise_rows_kernel's walk for any stride and dilation. This program: BLOCK consecutive elements
+    # o = q*K + k of output rows p0 .. p1-1 of image n (channels-last, whatever mix of pixels and channels).
+    pid = tl.program_id(0)
+    rows = pid // chunks
+    o = (pid - rows * chunks) * BLOCK + tl.arange(0, BLOCK)
+    n = rows // row_groups
+    p0 = (rows - n * row_groups) * rows_per
+    p1 = tl.minimum(p0 + rows_per, P)
+    # Sizes in units of DIV elements, as depthwise_rows_kernel: the masks constant over aligned runs of DIV.
+    C = CD * DIV
+    KD = CD * MULT
+    K = KD * DIV
+    od = o // DIV
+    o_ok = od < Q * KD
+    q = od // KD
+    k = o - q * K
+    # Tap (r, s) of element o reads input element (q*STR_W - pad_w + s*DIL_W)*C + k // MULT of input row
+    # p*STR_H - pad_h + r*DIL_H: a per-element offset and, per tap, a constant shift of s*DIL_W*C.
+    if MULT == 1:
+        x_el = q * (STR_W * C) + k - pad_w * C
+    else:
+        x_el = q * (STR_W * C) + k // MULT - pad_w * C
+    ok_s = ()  # tap s's input column inside the image
+    for s in tl.static_range(S):
+        col = q * STR_W + s * DIL_W
+        ok_s = ok_s + (o_ok & (col >= pad_w) & (col < W + pad_w),)
+    ws = ()  # the weights of this program's elements, every tap, once: from the [K, 1, R, S] weight as it lies
+    for rs in tl.static_range(R * S):
+        w_off = k * stride_wk + (rs // S) * stride_wr + (rs % S) * stride_ws
+        ws = ws + (tl.load(w_ptr + w_off, mask=o_ok, other=0.0).to(tl.float32),)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + k * stride_b, mask=o_ok, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK,), dtype=tl.float32)
+    stride_xh = xh_d * DIV
+    x_img = x_ptr + n.to(tl.int64) * xn_d * DIV + x_el
+    if CL_OUT:
+        out_el = out_ptr + n.to(tl.int64) * on_d * DIV + o
+        stride_op = op_d * DIV
+    else:
+        out_el = out_ptr + n.to(tl.int64) * stride_on + q * stride_oq + k * stride_ok
+
+    # Iteration t reads input rows (p0 + t)*STR_H - pad_h + j, j < STR_H (those some filter row reads:
+    # ROWS_USED), each once, into the A output rows in flight (slot i: output row p0 + t - i); row
+    # p0 + t - (A - 1) is then complete. A 3x3 stride-2 layer loads 6 row vectors an output row, not 9 taps
+    # (docs/conv2d.md, "Depthwise rows for any stride").
+    T = p1 - p0 + A - 1
+    accs = ()
+    for i in tl.static_range(A):
+        accs = accs + (tl.zeros((BLOCK,), dtype=tl.float32),)
+    for t in tl.range(0, T, num_stages=STAGES):
+        h0 = (p0 + t) * STR_H - pad_h
+        for j in tl.static_range(STR_H):
+            if (ROWS_USED >> j) & 1:
+                h = h0 + j
+                row_ok = (h >= 0) & (h < H)
+                src = x_img + h * stride_xh
+                xs = ()
+                for s in tl.static_range(S):
+                    xs = xs + (tl.load(src + s * (DIL_W * C), mask=ok_s[s] & row_ok, other=0.0).to(tl.float32),)
+                accs = _add_input_row(accs, xs, ws, j, A, R, S, STR_H, DIL_H)
+        _finish_row(accs[A - 1], p0 + t - (A - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
+        accs = _roll_down_like(accs, A)
+
+
+# The 2D-tile form, same walk: a program owns [BLOCK_Q output columns, BLOCK_C channels] of its rows, so a
+# thread's channels hold their R*S weights once for all its columns (in the flat form each element carries
+# its own): fewer weight registers an output for larger filters, at the price of a channel block padded to a
+# power of two. Sizes, n/p/q strides not specialized on, as the flat form.
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "q_blocks", "c_blocks", "row_groups", "rows_per", "xn_d",
+                               "xh_d", "on_d", "op_d", "stride_on", "stride_op", "stride_oq", "pad_h", "pad_w"])
+def depthwise_strided_tile_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr,
+    H, W, P, Q, CD, q_blocks, c_blocks, row_groups, rows_per,
+    xn_d, xh_d, on_d, op_d,
+    stride_on, stride_op, stride_oq, stride_ok,
+    stride_wk, stride_wr, stride_ws, stride_b, pad_h, pad_w,
+    MULT: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    STR_H: tl.constexpr, STR_W: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+    ROWS_USED: tl.constexpr, A: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DIV: tl.constexpr, CL_OUT: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
+):
+    # One grid axis: channel blocks fastest, then column blocks, row groups, images.
+    pid = tl.program_id(0)
+    rest = pid // c_blocks
+    k = (pid - rest * c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] output channels
+    rows = rest // q_blocks
+    q = (rest - rows * q_blocks) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ] output columns
+    n = rows // row_groups
+    p0 = (rows - n * row_groups) * rows_per
+    p1 = tl.minimum(p0 + rows_per, P)
+    C = CD * DIV
+    K = CD * MULT * DIV
+    k_ok = _below_unspecialized(k, K, DIV)
+    q_ok = q < Q
+    o_ok = q_ok[:, None] & k_ok[None, :]
+    if MULT == 1:
+        c = k
+    else:
+        c = k // MULT
+    x_el = (q * (STR_W * C) - pad_w * C)[:, None] + c[None, :]  # [BQ, BC]
+    ok_s = ()
+    for s in tl.static_range(S):
+        col = q * STR_W + s * DIL_W
+        ok_s = ok_s + ((q_ok & (col >= pad_w) & (col < W + pad_w))[:, None] & k_ok[None, :],)
+    ws = ()  # [1, BC] each: a channel's weights once for all the program's columns
+    for rs in tl.static_range(R * S):
+        w_off = k * stride_wk + (rs // S) * stride_wr + (rs % S) * stride_ws
+        ws = ws + (tl.load(w_ptr + w_off, mask=k_ok, other=0.0).to(tl.float32)[None, :],)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + k * stride_b, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        bias = tl.zeros((1, BLOCK_C), dtype=tl.float32)
+    stride_xh = xh_d * DIV
+    x_img = x_ptr + n.to(tl.int64) * xn_d * DIV + x_el
+    if CL_OUT:
+        out_el = out_ptr + n.to(tl.int64) * on_d * DIV + (q * K)[:, None] + k[None, :]
+        stride_op = op_d * DIV
+    else:
+        out_el = out_ptr + n.to(tl.int64) * stride_on + (q * stride_oq)[:, None] + (k * stride_ok)[None, :]
+
+    T = p1 - p0 + A - 1
+    accs = ()
+    for i in tl.static_range(A):
+        accs = accs + (tl.zeros((BLOCK_Q, BLOCK_C), dtype=tl.float32),)
+    for t in tl.range(0, T, num_stages=STAGES):
+        h0 = (p0 + t) * STR_H - pad_h
+        for j in tl.static_range(STR_H):
+            if (ROWS_USED >> j) & 1:
+                h = h0 + j
+                row_ok = (h >= 0) & (h < H)
+                src = x_img + h * stride_xh
+                xs = ()
+                for s in tl.static_range(S):
+                    xs = xs + (tl.load(src + s * (DIL_W * C), mask=ok_s[s] & row_ok, other=0.0).to(tl.float32),)
+                accs = _add_input_row(accs, xs, ws, j, A, R, S, STR_H, DIL_H)
+        _finish_row(accs[A - 1], p0 + t - (A - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
+        accs = _roll_down_like(accs, A)
+
+
 @triton.jit(do_not_specialize=["H", "W", "P", "Q", "C", "M", "pad_h", "pad_w"])
 def depthwise_dgrad_kernel(
     dy_ptr, w_ptr, dx_ptr,
@@ -404,12 +610,68 @@ def _run_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> 
     return out
 
 
+def strided_rows_apply(g: Geometry, x: torch.Tensor) -> bool:
+    """Whether :func:`depthwise_strided_rows_kernel` can take the forward: any stride and dilation, at most
+    :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_STRIDED_ROWS_MAX_TAPS` taps (each takes registers), and the
+    input and size conditions of :func:`rows_apply` (image rows that are runs of W*C elements, 32-bit offsets)."""
+    from tilegemm.ops.conv2d.configs import DEPTHWISE_STRIDED_ROWS_MAX_TAPS
+
+    return (g.R * g.S <= DEPTHWISE_STRIDED_ROWS_MAX_TAPS and x.stride(1) == 1 and (x.stride(3) == g.C or g.W == 1)
+            and max(_span(x[:1]) + 1, g.P * g.Q * g.K) < 2**31)
+
+
+def _rows_used(R: int, stride_h: int, dilation_h: int) -> int:
+    """Bit j set where input row j of each stride_h-row step is read by some filter row (dilation 2 at stride
+    2 reads every other row only)."""
+    used = 0
+    for j in range(stride_h):
+        if any(r * dilation_h >= j and (r * dilation_h - j) % stride_h == 0 for r in range(R)):
+            used |= 1 << j
+    return used
+
+
+def _run_strided_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The forward by :func:`depthwise_strided_rows_kernel` (config key ``STRIDED_ROWS``: output rows a program
+    at most, balanced over the image's; ``BLOCK``) or, where the config has ``BLOCK_Q`` and ``BLOCK_C``, by
+    :func:`depthwise_strided_tile_kernel`; one launch, the weight read as it lies."""
+    g = p.geo
+    most = cfg.pop("STRIDED_ROWS")
+    if most < 1:
+        raise ValueError(f"STRIDED_ROWS must be at least 1; got {most}")
+    groups = cdiv(g.P, most)
+    rows_per = cdiv(g.P, groups)  # runtime: any image height and balance compile nothing new
+    cl_out = out.stride(1) == 1 and (out.stride(3) == g.K or g.Q == 1)
+    div = cfg.pop("VEC", 8)  # a narrower vector: fewer channels (and their weights) a thread in the tile form
+    for v in (g.C, x.stride(0), x.stride(2)) + ((out.stride(0), out.stride(2)) if cl_out else ()):
+        div = min(div, _divisor(v))
+    bias = p.bias if p.bias is not None else out
+    (sh, sw), (dh, dw) = g.stride, g.dilation
+    flags = dict(MULT=g.K // g.C, R=g.R, S=g.S, STR_H=sh, STR_W=sw, DIL_H=dh, DIL_W=dw,
+                 ROWS_USED=_rows_used(g.R, sh, dh), A=_strided_slots(g.R, sh, dh), HAS_BIAS=p.bias is not None,
+                 ACTIVATION=p.activation, DIV=div, CL_OUT=cl_out, **cfg)
+    tail = (x.stride(0) // div, x.stride(2) // div, out.stride(0) // div, out.stride(2) // div,
+            out.stride(0), out.stride(2), out.stride(3), out.stride(1), *_w_strides(p.weight),
+            p.bias.stride(0) if p.bias is not None else 0, g.padding[0], g.padding[2])
+    if "BLOCK_Q" in cfg:
+        q_blocks, c_blocks = cdiv(g.Q, cfg["BLOCK_Q"]), cdiv(g.K, cfg["BLOCK_C"])
+        args = (x, p.weight, out, bias, g.H, g.W, g.P, g.Q, g.C // div, q_blocks, c_blocks, groups, rows_per,
+                *tail)
+        launch(depthwise_strided_tile_kernel, (c_blocks * q_blocks * g.N * groups,), args, flags)
+        return out
+    chunks = cdiv(g.Q * g.K, cfg["BLOCK"])
+    args = (x, p.weight, out, bias, g.H, g.W, g.P, g.Q, g.C // div, chunks, groups, rows_per, *tail)
+    launch(depthwise_strided_rows_kernel, (chunks * g.N * groups,), args, flags)
+    return out
+
+
 def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     """Forward; the output in ``p.out_format``. Stride-1 layers (:func:`rows_apply`) in one launch of
     :func:`depthwise_rows_kernel`; the others in two: the weight rearranged tap-major
     (:func:`depthwise_weight_kernel`, into a per-stream workspace: a replay writes it again, so a weight
-    updated in place is read afresh), then :func:`depthwise_fwd_kernel`. A ``config`` names its kernel by
-    its keys (``ROWS_PER``: the row kernel)."""
+    updated in place is read afresh), then :func:`depthwise_fwd_kernel`; where
+    :func:`~tilegemm.ops.conv2d.configs.depthwise_strided_rows_config` gives a config (off by default), any
+    stride in one launch of :func:`depthwise_strided_rows_kernel`. A ``config`` names its kernel by its keys
+    (``STRIDED_ROWS``: the strided row kernel; ``ROWS_PER``: the row kernel)."""
     from tilegemm.core.launch import sequence_lock
     from tilegemm.core.workspace import buffer
 
@@ -421,8 +683,15 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
                             f"C={g.C}, groups={g.groups}")
     x = _nhwc(p.x)
     out = allocate_out(p)
+    if config is None and strided_rows_apply(g, x):
+        config = depthwise_strided_rows_config(g, p.dtype)  # None unless its rule is switched on
     if config is None and rows_apply(g, x):
         config = depthwise_rows_config(g, p.dtype)
+    if config is not None and "STRIDED_ROWS" in config:
+        if not strided_rows_apply(g, x):
+            raise ValueError(f"depthwise_strided_rows_kernel does not take this convolution ({g}); see "
+                             f"strided_rows_apply")
+        return _run_strided_rows(p, x, out, dict(config))
     if config is not None and "ROWS_PER" in config:
         if not rows_apply(g, x):
             raise ValueError(f"depthwise_rows_kernel does not take this convolution ({g}); see rows_apply")
@@ -439,8 +708,13 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
         launch(depthwise_weight_kernel, (cdiv(taps, 1024),),
                (p.weight, wt, taps, g.K, g.S, *_w_strides(p.weight)), dict(BLOCK=1024, num_warps=4),
                keep=(wt,), stream=stream)
-        args = (x, wt, out, bias, g.H, g.W, g.P, g.Q, g.K, M, g.K // g.C, *_nhwc_strides(x), 1, g.S * g.K, g.K,
-                out.stride(0), out.stride(2), out.stride(3), out.stride(1),
+        xs, os_ = _nhwc_strides(x), (out.stride(0), out.stride(2), out.stride(3))
+        # (a stride past 32 bits stays whole: Triton passes it as int64, where the product in the kernel would not be)
+        div_x = min(8, *(_divisor(v) for v in xs[:3])) if max(xs[:3]) < 2**31 else 1
+        div_o = min(8, *(_divisor(v) for v in os_)) if max(os_) < 2**31 else 1
+        flags.update(DIV_X=div_x, DIV_O=div_o)
+        args = (x, wt, out, bias, g.H, g.W, g.P, g.Q, g.K, M, g.K // g.C, *(v // div_x for v in xs[:3]), xs[3],
+                1, g.S * g.K // flags["DIV"], g.K // flags["DIV"], *(v // div_o for v in os_), out.stride(1),
                 p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
         grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.K, cfg["BLOCK_N"]))
         launch(depthwise_fwd_kernel, grid, args, {**flags, **cfg}, keep=(wt,), stream=stream)
