@@ -246,14 +246,16 @@ def takes_few_rows(rows: int, C: int, K: int, elem: int) -> bool:
     return FEW_ROWS[0] < rows <= FEW_ROWS[1] and bool(C % per or K % per)
 
 
-def few_rows_config(M: int, N: int, K: int, elem: int, sms: int) -> dict:
+def few_rows_config(M: int, N: int, K: int, elem: int, sms: int, block_m: int | None = None,
+                    block_n: int = FEW_ROWS_TILE_N, step_bytes: int = FEW_ROWS_STEP_BYTES) -> dict:
     """split_k's config for :func:`few_rows_product`: a tile of the rows' power of two (32 to 128) by
     :data:`FEW_ROWS_TILE_N` channels, K steps of :data:`FEW_ROWS_STEP_BYTES`, and K split in two while the
     programs stay within one wave, each slice keeps :data:`FEW_ROWS_MIN_STEPS` steps and a tile's planes
-    :data:`FEW_ROWS_MAX_PLANE_BYTES` (added in the same launch, ``APART`` off)."""
-    bm = min(128, max(32, triton.next_power_of_2(M)))
-    bn = FEW_ROWS_TILE_N
-    bk = FEW_ROWS_STEP_BYTES // elem
+    :data:`FEW_ROWS_MAX_PLANE_BYTES` (added in the same launch, ``APART`` off). ``block_m``, ``block_n`` and
+    ``step_bytes`` set another tile, split by the same rule (tools/conv2d_small_1x1.py times some)."""
+    bm = block_m or min(128, max(32, triton.next_power_of_2(M)))
+    bn = block_n
+    bk = step_bytes // elem
     tiles = cdiv(M, bm) * cdiv(N, bn)
     steps = cdiv(K, bk)
     split = 1
