@@ -47,7 +47,8 @@ def _cpu_replayable():
     if src.count("x.is_cuda:") != 1 or "not interpreting()" not in src:
         raise RuntimeError("checks._replayable changed: update this tool's inversion of its CUDA tests")
     scope = dict(vars(checks))
-    exec(compile(src, checks.__file__, "exec"), scope)
+    first = inspect.getsourcelines(checks._replayable)[1]
+    exec(compile("\n" * (first - 1) + src, checks.__file__, "exec"), scope)  # (the profile shows its own lines)
     return scope["_replayable"]
 
 
