@@ -232,7 +232,7 @@ def gluon_config(tile: tuple[int, int, int, int]) -> dict:
 # rows the product is a stream over the weight, which the copies read three times; the pointer kernel reads rows
 # as they lie, so the layer is one launch of split_k's kernel, its K slices added in the same launch.
 FEW_ROWS = (16, 128)  # rows (N*P*Q) above the first, at most the second: at or below 16, matmul pads no
-#   operand and reads such rows by its own measured rules (residue classes, narrow split tiles: one launch)
+#   operand and reads such rows by its own measured rules (residue classes, narrow split tiles; no copies)
 FEW_ROWS_TILE_N = 64  # the tile's output channels; its rows: the rows' power of two (32 to 128)
 FEW_ROWS_STEP_BYTES = 128  # a K step's bytes of a row (64 channels in 16-bit, 32 in fp32)
 FEW_ROWS_MIN_STEPS = 2  # K steps a slice keeps at least
@@ -249,9 +249,9 @@ def takes_few_rows(rows: int, C: int, K: int, elem: int) -> bool:
 def few_rows_config(M: int, N: int, K: int, elem: int, sms: int, block_m: int | None = None,
                     block_n: int = FEW_ROWS_TILE_N, step_bytes: int = FEW_ROWS_STEP_BYTES) -> dict:
     """split_k's config for :func:`few_rows_product`: a tile of the rows' power of two (32 to 128) by
-    :data:`FEW_ROWS_TILE_N` channels, K steps of :data:`FEW_ROWS_STEP_BYTES`, and K split in two while the
-    programs stay within one wave, each slice keeps :data:`FEW_ROWS_MIN_STEPS` steps and a tile's planes
-    :data:`FEW_ROWS_MAX_PLANE_BYTES` (added in the same launch, ``APART`` off). ``block_m``, ``block_n`` and
+    :data:`FEW_ROWS_TILE_N` channels, K steps of :data:`FEW_ROWS_STEP_BYTES`, and K in 2, 4, 8... slices while
+    the programs stay within one wave, each slice keeps at least :data:`FEW_ROWS_MIN_STEPS` steps and a tile's
+    planes stay within :data:`FEW_ROWS_MAX_PLANE_BYTES` (added in the same launch, ``APART`` off). ``block_m``, ``block_n`` and
     ``step_bytes`` set another tile, split by the same rule (tools/conv2d_small_1x1.py times some)."""
     bm = block_m or min(128, max(32, triton.next_power_of_2(M)))
     bn = block_n
