@@ -26,8 +26,9 @@ LAYERS = [
     ("grouped", 2, 128, 14, 14, 128, 3, 1, 1, 32, True),  # 4 channels a group
     ("3x3-nchw", 2, 64, 13, 11, 64, 3, 1, 1, 1, False),
 ]
-# Layers whose call is documented to be kept (every launch Triton's, over the call's tensors or kept workspaces).
-KEPT = {"1x1", "3x3-stride2", "depthwise", "grouped", "3x3-nchw"}
+# Layers whose call is documented to be kept (every launch Triton's, over the call's tensors or kept workspaces;
+# the SE layer's one launch: docs/conv2d.md, "1x1 layers").
+KEPT = {"1x1", "1x1-se", "3x3-stride2", "depthwise", "grouped", "3x3-nchw"}
 
 
 def _layout(t: torch.Tensor) -> tuple:

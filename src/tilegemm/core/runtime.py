@@ -247,18 +247,30 @@ def set_poisoning(on: bool) -> bool:
     return old
 
 
+_empty = None  # torch.empty, bound at the first output: this module imports no torch when it is imported, and an
+#   import statement in new_output cost 0.1 us of every replayed call's host time (tools/conv2d_host_cpu.py)
+
+
+def _bind_empty():
+    global _empty
+    import torch
+
+    _empty = torch.empty
+    return _empty
+
+
 def new_output(shape, dtype, device, memory_format=None):
     """``torch.empty`` for kernel outputs; filled with NaN while poisoning, so unwritten elements show.
     ``memory_format``: ``torch.channels_last`` for a 4-D output laid out so (one allocation, no permuted view)."""
-    import torch
-
+    empty = _empty or _bind_empty()
     if not _poison.on:
         # The sizes as separate ints: torch parses those in about 1.5 us of host time, a tuple in 2.2 and a
         # torch.Size in 3.0 (a replayed call's allocation is a sizable part of its host time).
         if memory_format is not None:
-            return torch.empty(*shape, dtype=dtype, device=device, memory_format=memory_format)
-        return torch.empty(*shape, dtype=dtype, device=device) if len(shape) else \
-            torch.empty((), dtype=dtype, device=device)
+            return empty(*shape, dtype=dtype, device=device, memory_format=memory_format)
+        return empty(*shape, dtype=dtype, device=device) if len(shape) else empty((), dtype=dtype, device=device)
+    import torch
+
     if dtype.is_floating_point:
         fill = float("nan")
     elif dtype == torch.bool:

@@ -225,6 +225,61 @@ def gluon_config(tile: tuple[int, int, int, int]) -> dict:
                 num_warps=GLUON_F16_WARPS)
 
 
+# 1x1 layers over few pixels with a channel count that is no multiple of 16 bytes (squeeze-and-excitation blocks on a
+# one-pixel image: 348 -> 3712 or 888 -> 84 at batch 32). tilegemm.matmul runs such a product as its aligned twin
+# (operands and bias copied into padded buffers, the product, its corner copied back): four launches, 40 us of host
+# a replayed call against cuDNN's 30, 8.1 us on the GPU against 6.7 (docs/conv2d.md, "1x1 layers"). With so few
+# rows the product is a stream over the weight, which the copies read three times; the pointer kernel reads rows
+# as they lie, so the layer is one launch of split_k's kernel, its K slices added in the same launch.
+FEW_ROWS = (16, 128)  # rows (N*P*Q) above the first, at most the second: at or below 16, matmul pads no
+#   operand and reads such rows by its own measured rules (residue classes, narrow split tiles; no copies)
+FEW_ROWS_TILE_N = 64  # the tile's output channels; its rows: the rows' power of two (32 to 128)
+FEW_ROWS_STEP_BYTES = 128  # a K step's bytes of a row (64 channels in 16-bit, 32 in fp32)
+FEW_ROWS_MIN_STEPS = 2  # K steps a slice keeps at least
+FEW_ROWS_MAX_PLANE_BYTES = 64 * 1024  # a tile's fp32 planes, added by the last program to arrive (one launch)
+
+
+def takes_few_rows(rows: int, C: int, K: int, elem: int) -> bool:
+    """Whether a stride-1 1x1 layer's ``[rows, C] x [C, K]`` product runs as :func:`few_rows_product` (one launch)
+    rather than through :func:`tilegemm.matmul`: rows within :data:`FEW_ROWS` and C or K no multiple of 16 bytes."""
+    per = 16 // elem
+    return FEW_ROWS[0] < rows <= FEW_ROWS[1] and bool(C % per or K % per)
+
+
+def few_rows_config(M: int, N: int, K: int, elem: int, sms: int, block_m: int | None = None,
+                    block_n: int = FEW_ROWS_TILE_N, step_bytes: int = FEW_ROWS_STEP_BYTES) -> dict:
+    """split_k's config for :func:`few_rows_product`: a tile of the rows' power of two (32 to 128) by
+    :data:`FEW_ROWS_TILE_N` channels, K steps of :data:`FEW_ROWS_STEP_BYTES`, and K in 2, 4, 8... slices while
+    the programs stay within one wave, each slice keeps at least :data:`FEW_ROWS_MIN_STEPS` steps and a tile's
+    planes stay within :data:`FEW_ROWS_MAX_PLANE_BYTES` (added in the same launch, ``APART`` off). ``block_m``, ``block_n`` and
+    ``step_bytes`` set another tile, split by the same rule (tools/conv2d_small_1x1.py times some)."""
+    bm = block_m or min(128, max(32, triton.next_power_of_2(M)))
+    bn = block_n
+    bk = step_bytes // elem
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    steps = cdiv(K, bk)
+    split = 1
+    while (tiles * split * 2 <= sms and steps >= FEW_ROWS_MIN_STEPS * split * 2
+           and split * 2 * bm * bn * 4 <= FEW_ROWS_MAX_PLANE_BYTES):
+        split *= 2
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, SLICES=True, APART=False,
+                num_warps=4, num_stages=3)
+
+
+def few_rows_product(a: torch.Tensor, b: torch.Tensor, bias, activation: str, precision: str, upcast: bool,
+                     out_dtype, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """``activation(a @ b + bias)`` (``[M, C] @ [C, K]``, rows of any alignment) in one launch of matmul's
+    ``split_k`` with :func:`few_rows_config` (or ``config``), into ``out`` (row-major ``[M, K]``; a new one of
+    ``out_dtype`` by default)."""
+    if out is None:
+        out = new_output((a.shape[0], b.shape[1]), out_dtype, a.device)
+    (gp,) = make_problems(a, b, out, None, bias, 1.0, 0.0, activation, precision, upcast)
+    if config is None:
+        config = few_rows_config(gp.M, gp.N, gp.K, a.element_size(), sm_count(a.device))
+    launch_gemm(gp, kernel="split_k", config=config)
+    return out
+
+
 def run(p: ConvProblem, config: tuple | None = None) -> torch.Tensor:
     """The convolution as a GEMM; ``config``: the gluon_f16 tile of a channels-last stride-1 layer (None: the GEMM
     through :func:`tilegemm.matmul`)."""
@@ -247,6 +302,8 @@ def run(p: ConvProblem, config: tuple | None = None) -> torch.Tensor:
         x2d = p.x.permute(0, 2, 3, 1).reshape(g.N * g.H * g.W, g.C)  # [NHW, C], a view when channels-last
         into = None if p.out is None else p.out.permute(0, 2, 3, 1).view(g.N * g.H * g.W, g.K)
         out = gluon_1x1(x2d, w2d.t(), config, p.bias, p.activation, into) if p.out_dtype == p.x.dtype else None
+        if out is None and takes_few_rows(x2d.shape[0], g.C, g.K, p.x.element_size()):
+            out = few_rows_product(x2d, w2d.t(), p.bias, p.activation, p.precision, p.upcast, p.out_dtype, into)
         if out is None:
             out = matmul(x2d, w2d.t(), bias=p.bias, activation=act, out_dtype=p.out_dtype, precision=p.precision)
         out = out.view(g.N, g.H, g.W, g.K).permute(0, 3, 1, 2)  # [N, K, H, W], channels-last
