@@ -37,7 +37,7 @@ from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
 
 CASES = ("deepseek_v2_lite/gate_up/t16384", "mixtral/gate_up/t4096", "mixtral/down/t16384",
          "mixtral/gate_up/t16384", "mixtral/down/t4096")
-# --boundary adds cases about auto's threshold for tma_k (256 tokens an expert on average): Qwen3-30B-A3B at 4096
+# --boundary adds cases about auto's threshold for tma_k (dispatch.TMA_K_MIN_TOKENS_PER_GROUP): Qwen3-30B-A3B at 4096
 # tokens (256), DeepSeek-V2-Lite down at 4096 (384), Mixtral gate/up at 512 (128: tiled in auto)
 BOUNDARY = ("qwen3_30b_a3b/gate_up/t4096", "qwen3_30b_a3b/down/t4096", "deepseek_v2_lite/down/t4096",
             "mixtral/gate_up/t512")

@@ -65,8 +65,11 @@ def test_odd_sweep_holds_layers_the_padded_route_takes():
         g = Geometry(32, d["C"], d["H"], d["W"], d["K"], d["R"], d["S"], d["groups"], (d["stride"],) * 2,
                      (d["pad"],) * 4, (1, 1))
         assert pads_channels(g)
-        routes.append(choose_kernel(g, True, tma=True))
-    assert routes.count("tma_implicit_gemm") == len(cases) - 1 and routes.count("gemm_1x1") == 1
+        routes.append((d["groups"] > 1, choose_kernel(g, True, tma=True)))
+    # grouped layers (groups of 24 and 48) take grouped_packed, the others the padded TMA route, the 1x1 a GEMM
+    assert all(r == "grouped_packed" for grouped, r in routes if grouped) and any(grouped for grouped, _ in routes)
+    plain = [r for grouped, r in routes if not grouped]
+    assert plain.count("tma_implicit_gemm") == len(plain) - 1 and plain.count("gemm_1x1") == 1
 
 
 @pytest.mark.parametrize("text", ["1,2,3", "2,8,7,7,8,3,3,1,1,3", "2,8,2,2,8,5,5", "a,b,c,d,e,f,g"])

@@ -54,7 +54,7 @@ def test_forward_matches_f_conv2d_fp32(N, C, K, H, W, R, S, stride, padding, dil
 def test_forward_without_bias_through_auto(N, C, K, H, W, R, S, stride, padding, dilation, groups, device):
     x, w, _ = _inputs(device, torch.float32, N, C, K, H, W, R, S, groups, True)
     conv = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
-    out = tilegemm.conv2d(x, w, None, **conv, activation="relu")  # auto: the rule picks grouped_direct
+    out = tilegemm.conv2d(x, w, None, **conv, activation="relu")  # auto: the rule picks grouped_packed
     assert_rel_close(out, conv2d_reference(x, w, None, **conv, activation="relu"), 1e-5)
 
 
@@ -114,7 +114,8 @@ def test_weight_gradient_split_and_formats(split, channels_last):
     assert_rel_close(dw, ref, 1e-5)
 
 
-def test_auto_rule():
+def test_auto_rule(monkeypatch):
+    from tilegemm.ops.conv2d import configs
     from tilegemm.ops.conv2d.configs import takes_grouped_direct
     from tilegemm.ops.conv2d.dispatch import choose_kernel
     from tilegemm.ops.conv2d.problem import geometry_of
@@ -124,6 +125,8 @@ def test_auto_rule():
 
     resnext = geo(128, 128, 32)  # ResNeXt-50 32x4d's first 3x3: 4 channels a group
     assert takes_grouped_direct(resnext)
+    assert choose_kernel(resnext, tma=True) == "grouped_packed"  # auto's first choice for few channels a group
+    monkeypatch.setattr(configs, "GROUPED_PACKED_AUTO_CHANNELS", 0)  # grouped_packed off: the rule below it
     for tma in (False, True):
         assert choose_kernel(resnext, tma=tma) == "grouped_direct"
     assert choose_kernel(geo(256, 256, 32), tma=True) == "grouped_direct"  # 8 a group

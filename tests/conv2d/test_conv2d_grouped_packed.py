@@ -135,7 +135,7 @@ def test_block_diagonal_weight_is_the_coarser_layer(cg, kg, groups, gt, channels
         coarse_geometry(g, 5)
 
 
-def test_auto_rule_off_by_default_and_on_by_its_threshold(monkeypatch, device):
+def test_auto_rule_takes_groups_up_to_its_threshold(monkeypatch, device):
     from tilegemm.ops.conv2d import configs
     from tilegemm.ops.conv2d.dispatch import choose_kernel
     from tilegemm.ops.conv2d.problem import geometry_of
@@ -143,13 +143,17 @@ def test_auto_rule_off_by_default_and_on_by_its_threshold(monkeypatch, device):
     def geo(C, groups):
         return geometry_of((32, C, 56, 56), (C, C // groups, 3, 3), [2, 2], [1] * 4, [1, 1], groups)
 
-    assert choose_kernel(geo(104, 13), tma=True) == "grouped_direct"  # today's choice stays the default
+    assert configs.GROUPED_PACKED_AUTO_CHANNELS == 56
+    assert choose_kernel(geo(104, 13), tma=True) == "grouped_packed"  # 8 a group
+    assert choose_kernel(geo(64, 4), tma=True) == "grouped_packed"  # 16
+    assert choose_kernel(geo(448, 8), tma=True) == "grouped_packed"  # 56
+    assert choose_kernel(geo(2048, 32), tma=True) == "tma_implicit_gemm"  # 64 a group: over the threshold
+    assert choose_kernel(geo(64, 64)) == "depthwise"
+    monkeypatch.setattr(configs, "GROUPED_PACKED_AUTO_CHANNELS", 0)  # off: the kernels before it
+    assert choose_kernel(geo(104, 13), tma=True) == "grouped_direct"
     assert choose_kernel(geo(64, 4), tma=True) == "tma_implicit_gemm"
     monkeypatch.setattr(configs, "GROUPED_PACKED_AUTO_CHANNELS", 16)
-    assert choose_kernel(geo(104, 13), tma=True) == "grouped_packed"
-    assert choose_kernel(geo(64, 4), tma=True) == "grouped_packed"
-    assert choose_kernel(geo(96, 3), tma=True) == "tma_implicit_gemm"  # 32 a group: over the threshold
-    assert choose_kernel(geo(64, 64)) == "depthwise"
+    assert choose_kernel(geo(96, 3), tma=True) == "tma_implicit_gemm"  # 32 a group: over that threshold
     # and through a call (NCHW input too): auto runs it and agrees with F.conv2d
     for channels_last in (True, False):
         x, w, b = _inputs(device, torch.float32, 1, 32, 32, 5, 7, 3, 4, channels_last)

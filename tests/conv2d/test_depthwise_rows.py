@@ -187,7 +187,7 @@ def test_an_input_whose_rows_span_past_32_bit_offsets_takes_the_pixel_kernel():
 @pytest.mark.parametrize("stride, dilation, layout, expect", [
     ((1, 1), (1, 1), "channels_last", ["depthwise_rows_kernel"]),
     ((1, 1), (1, 1), "nchw", ["depthwise_rows_kernel"]),  # the input made channels-last first, as before
-    ((2, 2), (1, 1), "channels_last", ["depthwise_weight_kernel", "depthwise_fwd_kernel"]),
+    ((2, 2), (1, 1), "channels_last", ["depthwise_strided_rows_kernel"]),  # strided: the strided row kernel
     ((1, 1), (2, 2), "channels_last", ["depthwise_weight_kernel", "depthwise_fwd_kernel"]),
     ((1, 1), (1, 1), "gapped", ["depthwise_weight_kernel", "depthwise_fwd_kernel"]),  # pixels not adjacent
 ])

@@ -127,14 +127,22 @@ def _launched_kernels(monkeypatch):
     return names
 
 
-def test_auto_keeps_the_pixel_and_row_kernels_by_default(device, monkeypatch):
-    assert not configs.STRIDED_ROWS_AUTO
+def test_auto_runs_strided_forwards_on_the_strided_row_kernel(device, monkeypatch):
+    assert configs.STRIDED_ROWS_AUTO
     x = torch.randn(1, 8, 9, 9, device=device).contiguous(memory_format=torch.channels_last)
     w = torch.randn(8, 1, 3, 3, device=device)
+    w7 = torch.randn(8, 1, 7, 7, device=device)
     launched = _launched_kernels(monkeypatch)
+    out = tilegemm.conv2d(x, w, None, 2, 1, 1, 8)
+    assert_rel_close(out, F.conv2d(x.double(), w.double(), None, 2, 1, 1, 8), 1e-5)
+    tilegemm.conv2d(x, w, None, 1, 1, 1, 8)  # stride 1: the row kernel
+    tilegemm.conv2d(x, w7, None, 2, 3, 1, 8)  # 7x7 strided: the pixel kernel (not timed on the strided rows)
+    assert launched == ["depthwise_strided_rows_kernel", "depthwise_rows_kernel", "depthwise_weight_kernel",
+                        "depthwise_fwd_kernel"]
+    monkeypatch.setattr(configs, "STRIDED_ROWS_AUTO", False)
+    launched.clear()
     tilegemm.conv2d(x, w, None, 2, 1, 1, 8)
-    tilegemm.conv2d(x, w, None, 1, 1, 1, 8)
-    assert launched == ["depthwise_weight_kernel", "depthwise_fwd_kernel", "depthwise_rows_kernel"]
+    assert launched == ["depthwise_weight_kernel", "depthwise_fwd_kernel"]
 
 
 @pytest.mark.parametrize("nchw", [False, True], ids=["channels-last", "nchw-route"])
@@ -170,7 +178,7 @@ def test_larger_filters_and_gapped_pixels_are_refused(device):
     assert not depthwise.strided_rows_apply(p.geo, gapped)
 
 
-@pytest.mark.parametrize("R, stride, per_thread", [(3, 2, 8), (5, 1, 4), (7, 1, 2), (7, 2, 2)])
+@pytest.mark.parametrize("R, stride, per_thread", [(3, 2, 8), (5, 1, 2), (5, 2, 2), (7, 1, 2), (7, 2, 2)])
 def test_the_gpu_tile_holds_fewer_elements_a_thread_for_larger_filters(R, stride, per_thread, monkeypatch):
     from tilegemm.ops.conv2d.problem import Geometry
 
@@ -178,4 +186,5 @@ def test_the_gpu_tile_holds_fewer_elements_a_thread_for_larger_filters(R, stride
     g = Geometry(32, 96, 28, 28, 96, R, R, 96, (stride, stride), (R // 2,) * 4, (1, 1))
     cfg = configs.depthwise_strided_rows_tile(g, torch.float16)
     assert cfg["BLOCK"] // (32 * cfg["num_warps"]) == per_thread  # R*S weights an element in registers
-    assert configs.depthwise_strided_rows_config(g, torch.float16) is None  # auto's rule is off by default
+    # auto's rule: strided forwards of up to 5x5 filters (stride 1 keeps the row kernel, 7x7 the pixel kernel)
+    assert (configs.depthwise_strided_rows_config(g, torch.float16) is not None) == (stride > 1 and R <= 5)

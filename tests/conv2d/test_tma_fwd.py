@@ -62,6 +62,10 @@ def test_cost_model_prefers_big_tiles_when_they_fill_the_gpu_and_small_ones_when
     # stride-1 1x1 layers over few pixels (14x14 at batch 32) go to the GEMM too; strided ones not
     assert pointwise_as_gemm(_geo(32, 256, 14, 1024, 1, 1, 0), 132)
     assert not pointwise_as_gemm(_geo(32, 512, 28, 1024, 1, 2, 0), 132)
+    # strided ones whose output channels end in a partial 16-wide step: the GEMM on the kept pixels
+    assert pointwise_as_gemm(_geo(32, 232, 56, 696, 1, 2, 0), 132, gluon=False)
+    assert pointwise_as_gemm(_geo(32, 32, 112, 232, 1, 2, 0), 132, gluon=False)
+    assert not pointwise_as_gemm(_geo(32, 32, 112, 224, 1, 2, 0), 132, gluon=False)
     # channels not a multiple of 64 stepped more than twice go to the GEMM; one narrow step or 64-wide steps not
     # (where gluon_f16 cannot run them)
     assert pointwise_as_gemm(_geo(64, 144, 56, 24, 1, 1, 0), 132, gluon=False)

@@ -160,7 +160,8 @@ def _problem(T, G, H=256, N=512, dtype=torch.bfloat16, a_km=True):
 
 @pytest.mark.parametrize("T, G, want", [
     (16384 * 2, 8, "tma_k"),  # Mixtral, 16384 tokens: 4096 tokens an expert
-    (4096 * 6, 64, "tma_k"),  # DeepSeek-V2-Lite, 4096 tokens: 384
+    (16384 * 6, 64, "tma_k"),  # DeepSeek-V2-Lite, 16384 tokens: 1536
+    (4096 * 6, 64, "tiled"),  # DeepSeek-V2-Lite, 4096 tokens: 384 (tiled ran ahead there)
     (512 * 8, 128, "tiled"),  # Qwen3-30B-A3B, 512 tokens: 32 an expert
     (512 * 2, 8, "tiled"),  # Mixtral, 512 tokens: 128
 ])
@@ -188,9 +189,9 @@ def _spy(monkeypatch, name):
 
 
 def test_backward_of_the_moe_product_runs_on_it(hopper, monkeypatch, device):
-    # the MoE forward (2-D x 3-D) at 256+ tokens an expert: its dB = grouped(A^T, dY) goes to tma_k
+    # the MoE forward (2-D x 3-D) at 512+ tokens an expert: its dB = grouped(A^T, dY) goes to tma_k
     calls = _spy(monkeypatch, "tma_k")
-    sizes, K, N = [0, 600, 430, 0], 32, 40  # 1030 tokens: 256+ a group
+    sizes, K, N = [0, 1200, 900, 0], 32, 40  # 2100 tokens: 512+ a group
     x = torch.randn(sum(sizes) + 3, K, dtype=torch.float16, device=device, requires_grad=True)
     w = torch.randn(len(sizes), K, N, dtype=torch.float16, device=device, requires_grad=True)
     offs = offs_of(sizes, device)

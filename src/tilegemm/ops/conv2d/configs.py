@@ -120,7 +120,7 @@ def depthwise_fwd_config(g: Geometry, dtype: torch.dtype) -> dict:
 # Stride-1 depthwise forwards run depthwise_rows_kernel: a program owns BLOCK elements of flattened
 # channels-last output rows and rolls down ROWS_PER rows, the weights of its elements in registers (R*S * BLOCK
 # / threads fp32 values a thread: hence the cap on taps; larger filters take the pixel kernel). Four elements a
-# thread (BLOCK 256 on 2 warps) and 32 rows a program; from _DEPTHWISE_PIPELINE_ROWS rows Triton's pipeliner
+# thread (BLOCK 256 on 2 warps; two on 4 warps past 3x3) and 32 rows a program; from _DEPTHWISE_PIPELINE_ROWS rows Triton's pipeliner
 # with 3 stages (more bytes in flight), below it loads held a row ahead in registers (fewer instructions a row).
 # docs/conv2d.md, "Configs".
 DEPTHWISE_ROWS_MAX_TAPS = 25
@@ -132,31 +132,42 @@ def depthwise_rows_config(g: Geometry, dtype: torch.dtype) -> dict:
     pipeline = g.P >= _DEPTHWISE_PIPELINE_ROWS
     if interpreting():
         return dict(BLOCK=32, ROWS_PER=4, PIPELINE=pipeline, STAGES=1, num_warps=4)
-    return dict(BLOCK=256, ROWS_PER=32, PIPELINE=pipeline, STAGES=3 if pipeline else 1, num_warps=2)
+    # filters past 3x3: two elements a thread on 4 warps (half the weights in registers: 96 against 172 at 5x5),
+    # 0.80x cuDNN on the zoo's 44 stride-1 5x5 layers where four a thread ran 0.65x (docs/conv2d.md, "Configs")
+    warps = 2 if g.R * g.S <= 9 else 4
+    return dict(BLOCK=256, ROWS_PER=32, PIPELINE=pipeline, STAGES=3 if pipeline else 1, num_warps=warps)
 
 
-# depthwise_strided_rows_kernel (any stride and dilation, chosen by config): a program's weights, R*S * BLOCK /
-# threads fp32 values a thread, stay in registers, so up to 7x7 filters at two elements a thread. Its rule is
-# off (STRIDED_ROWS_AUTO) until GPU timings set it: tools/conv2d_depthwise_candidates.py times it against
-# cuDNN, the pixel and the row kernels on the zoo's depthwise layers (docs/conv2d.md, "Configs").
+# depthwise_strided_rows_kernel (any stride and dilation): a program's weights, R*S * BLOCK / threads fp32 values a
+# thread, stay in registers, so up to 7x7 filters at two elements a thread. auto runs it on strided forwards of up
+# to 5x5 filters (STRIDED_ROWS_MAX_AUTO_TAPS): on the zoo's 75 strided depthwise layers, CUDA graphs, it ran 1.01x
+# cuDNN (3x3: eight elements a thread, pipelined) and 0.92x (5x5: two a thread on 4 warps) where the pixel kernel
+# ran 0.96x and 0.74x (docs/conv2d.md, "Depthwise rows for any stride"). Stride-1 forwards keep the row kernel;
+# 7x7 strided ones (not timed) the pixel kernel.
 DEPTHWISE_STRIDED_ROWS_MAX_TAPS = 49
-STRIDED_ROWS_AUTO = False  # True: every forward the kernel takes runs it, with depthwise_strided_rows_tile
+STRIDED_ROWS_AUTO = True  # False: the pixel kernel for every strided forward (as before the measurement)
+STRIDED_ROWS_MAX_AUTO_TAPS = 25
 
 
 def depthwise_strided_rows_tile(g: Geometry, dtype: torch.dtype) -> dict:
-    """A config of depthwise_strided_rows_kernel whatever the rule says: eight elements a thread up to 3x3
-    filters (16-byte fp16 loads), four up to 5x5, two beyond (the weights in registers); 16 output rows a
-    program (8 where each reads several input rows); small blocks under the interpreter."""
+    """A config of depthwise_strided_rows_kernel whatever the rule says: up to 3x3 filters eight elements a thread
+    (16-byte fp16 loads) through Triton's pipeliner (3 stages), up to 5x5 two a thread on 4 warps (fewer weights
+    in registers), beyond two a thread; 8 output rows a program where each reads several input rows, else 16;
+    small blocks under the interpreter."""
     if interpreting():
         return dict(BLOCK=32, STRIDED_ROWS=4, STAGES=1, num_warps=4)
-    taps = g.R * g.S
-    per_thread = 8 if taps <= 9 else 4 if taps <= 25 else 2
-    return dict(BLOCK=64 * per_thread, STRIDED_ROWS=8 if g.stride[0] > 1 else 16, STAGES=1, num_warps=2)
+    rows = 8 if g.stride[0] > 1 else 16
+    if g.R * g.S <= 9:
+        return dict(BLOCK=512, STRIDED_ROWS=rows, STAGES=3, num_warps=2)
+    return dict(BLOCK=256, STRIDED_ROWS=rows, STAGES=1, num_warps=4)
 
 
 def depthwise_strided_rows_config(g: Geometry, dtype: torch.dtype) -> dict | None:
-    """depthwise_strided_rows_kernel's config where ``auto`` runs it (:data:`STRIDED_ROWS_AUTO`), else None."""
-    return depthwise_strided_rows_tile(g, dtype) if STRIDED_ROWS_AUTO else None
+    """depthwise_strided_rows_kernel's config where ``auto`` runs it (strided, at most
+    :data:`STRIDED_ROWS_MAX_AUTO_TAPS` taps, :data:`STRIDED_ROWS_AUTO`), else None."""
+    if not STRIDED_ROWS_AUTO or g.stride == (1, 1) or g.R * g.S > STRIDED_ROWS_MAX_AUTO_TAPS:
+        return None
+    return depthwise_strided_rows_tile(g, dtype)
 
 
 def depthwise_config(g: Geometry, dtype: torch.dtype) -> dict:
@@ -315,13 +326,17 @@ def pixel_split(npq: int, blocks: int, block_m: int, device, split: int | None =
 # --- grouped_packed (ops/conv2d/grouped_packed.py) ------------------------------------------------------------
 #
 # A tile of GT whole groups, its weight tile block-diagonal: 64 channels a tile (8 groups of 8, 4 of 16, 2 of
-# 32) reads a pixel's 128 bytes of them at once and wastes (GT - 1) / GT of the tensor cores' products, which
-# these byte-bound layers can spare. Untimed: tools/conv2d_grouped_candidates.py times the alternatives
-# (docs/conv2d.md, "Grouped convolutions with few channels a group").
+# 24) reads a pixel's 128 bytes of them at once and wastes (GT - 1) / GT of the tensor cores' products, which
+# these byte-bound layers can spare; 32 for groups of at most 4 channels and for groups of 32 (one group, no
+# waste). On the zoo's grouped layers of 4-56 channels a group (fp16, CUDA graphs) it ran 1.01x-4.3x cuDNN by
+# bucket where grouped_direct (4-8) and the TMA kernel (16-56) ran 0.08x-2.75x; at 64 the TMA kernel stays
+# ahead (docs/conv2d.md, "Grouped convolutions with few channels a group").
 GROUPED_PACKED_TILE_CHANNELS = 64
-GROUPED_PACKED_AUTO_CHANNELS = 0  # auto runs grouped layers of at most this many channels a group (input and
-#   output) on grouped_packed; 0: none, until GPU measurements say where it beats grouped_direct and the TMA kernel
-GROUPED_PACKED_TMA_AUTO = False  # ... through its TMA form (grouped_packed_tma) where that takes the call
+GROUPED_PACKED_NARROW_TILE = 32  # ... for groups of at most 4 channels, and of 32
+GROUPED_PACKED_AUTO_CHANNELS = 56  # auto runs grouped layers of at most this many channels a group (input and
+#   output) on grouped_packed (0: none)
+GROUPED_PACKED_TMA_AUTO = False  # ... through its TMA form (grouped_packed_tma) where that takes the call: it ran
+#   behind the pointer form on most of those layers (0.78x-1.43x cuDNN by width against 1.60x)
 
 
 def takes_grouped_packed(g: Geometry) -> bool:
@@ -346,11 +361,14 @@ def grouped_packed_tiles(g: Geometry, gt: int, dtype: torch.dtype, taps_flat: bo
 
 
 def grouped_packed_config(g: Geometry, dtype: torch.dtype, tile_channels: int | None = None) -> dict:
-    """grouped_packed's config: GT groups a tile with about ``tile_channels`` (default
-    :data:`GROUPED_PACKED_TILE_CHANNELS`) channels, the groups spread evenly over the tiles (13 groups of 8: two
-    tiles of 7 and 6, not 8 and 5); 128 output pixels a tile (64 on small images), 4 warps, 3 stages."""
-    per = tile_channels or GROUPED_PACKED_TILE_CHANNELS
-    gt = min(g.groups, max(1, per // max(g.Cg, g.Kg)))
+    """grouped_packed's config: GT groups a tile with about ``tile_channels`` channels (default
+    :data:`GROUPED_PACKED_TILE_CHANNELS`; :data:`GROUPED_PACKED_NARROW_TILE` for groups of at most 4 channels or
+    of 32), the groups spread evenly over the tiles (13 groups of 8: two tiles of 7 and 6, not 8 and 5); 128
+    output pixels a tile (64 on small images), 4 warps, 3 stages."""
+    width = max(g.Cg, g.Kg)
+    narrow = width <= 4 or width == 32
+    per = tile_channels or (GROUPED_PACKED_NARROW_TILE if narrow else GROUPED_PACKED_TILE_CHANNELS)
+    gt = min(g.groups, max(1, per // width))
     gt = -(-g.groups // -(-g.groups // gt))  # as many tiles, the groups spread evenly
     if interpreting():
         return dict(GT=gt, BLOCK_M=32, num_warps=4, num_stages=1)

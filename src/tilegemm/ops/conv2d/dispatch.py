@@ -34,6 +34,9 @@ LONG_REDUCTION_STEPS = 32  # a 1x1 layer whose TMA tiles leave SMs idle over thi
 GLUON_1X1_MIN_CHANNELS = 96  # 1x1 layers with this many output channels take gluon_f16's 128-wide tiles
 GLUON_1X1_WAVES = 2.5  # ... where its tiles make this many waves (fewer: its persistent loop gains nothing)
 GLUON_1X1_WIDE_FILL = 0.85  # 256x128 tiles where they keep this share of the last round's SMs busy
+STRIDED_1X1_TMA_K_MULTIPLE = 16  # strided 1x1 layers go through the TMA kernel only with output channels a multiple
+#   of this: with 8 over one, the GEMM on the gathered pixels ran 1.29x-3.67x faster on all 14 such zoo layers
+#   (232 -> 696 at 56x56: 0.25x -> 0.47x cuDNN; CUDA graphs; docs/conv2d.md, "1x1 layers")
 PAD_MIN_CHANNELS = 16  # odd channel counts padded for the TMA kernel from this many a group: below, the pointer
 #   kernel's flattened (r, s, c) K steps waste less than padding every pixel's channels to 16
 PAD_MIN_TAPS = 2  # ... in filters of at least this many taps: a 1x1 layer's GEMM takes any channel count, and
@@ -114,9 +117,12 @@ def pointwise_as_gemm(g: Geometry, sms: int, gluon: bool = True) -> bool:
     :data:`GEMM_1X1_PIXELS` output pixels or with more than two channel steps narrower than 64, or (``gluon``:
     the call's tensors let gluon_f16 run it) where :func:`pointwise_gluon_tile` gives a tile; or (any stride)
     when the TMA kernel's chosen tiles leave SMs idle over :data:`LONG_REDUCTION_STEPS` K steps or more, where
-    the GEMM's split-K fills the GPU (ResNet-50's 2048 -> 512 at 7x7)."""
+    the GEMM's split-K fills the GPU (ResNet-50's 2048 -> 512 at 7x7); strided, with output channels not a
+    multiple of :data:`STRIDED_1X1_TMA_K_MULTIPLE`."""
     if gluon and pointwise_gluon_tile(g, sms) is not None:
         return True
+    if g.Kg % STRIDED_1X1_TMA_K_MULTIPLE and not g.is_pointwise:
+        return True  # a strided 1x1 whose output channels end in a partial 16-wide step: the GEMM on the kept pixels
     if g.is_pointwise:
         bk = 64 if g.Cg % 64 == 0 else 32 if g.Cg % 32 == 0 else 16
         if g.N * g.P * g.Q <= GEMM_1X1_PIXELS or (bk < 64 and g.Cg // bk > 2):

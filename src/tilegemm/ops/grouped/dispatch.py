@@ -20,9 +20,9 @@ def tma_rows(p: GroupedProblem) -> bool:
 
 
 # the 16-bit 2-D x 2-D product (groups along K: the MoE weight gradient, dB = A^T dY) on Hopper with at least this
-# many tokens (K) a group on average (K / G, from the shapes): the backward of prefill-sized products, where the
-# forward runs on tma; an estimate until tools/grouped_bwd_probe.py's boundary cases are measured (docs/grouped.md)
-TMA_K_MIN_TOKENS_PER_GROUP = 256
+# many tokens (K) a group on average (K / G, from the shapes): from 1024 tokens a group it ran 0.99x-1.03x
+# F.grouped_mm where tiled ran 0.73x-0.80x; at 256-384 tiled stayed ahead (CUDA graphs, docs/grouped.md, "Measured")
+TMA_K_MIN_TOKENS_PER_GROUP = 512
 
 # 4-bit experts (grouped_w4a16): ``dequant_dot`` (the weight dequantized inside the K loop) for all but:
 INT4_AUTO = "dequant_dot"
