@@ -24,7 +24,7 @@ MMA_MAX_M = 128  # then mma up to here; above, dequant_cublas (cuBLAS's GEMM hid
 FRAG_KERNELS = ("frag_wgmma",)  # the kernels that read the weight's fragment layout
 # act-order: frag_wgmma reads x through perm (2-byte loads of random columns, each a 32-byte sector) while all of
 # x fits an SM's L1 beside the ring, so each sector comes from L2 once; above, and in every other kernel, x is
-# reordered by one index_select first (docs/w4a16.md, "Act-order")
+# reordered by one gather launch first (docs/w4a16.md, "Act-order")
 GATHER_MAX_M = 64  # x's rows a program at most (a gathered tile of 64 rows in registers; more spill)
 GATHER_MAX_X = 48 * 1024  # x's elements (M x K) at most: 96 KB of 16-bit x
 GATHER_KERNELS = ("frag_wgmma",)  # the kernels that take perm
