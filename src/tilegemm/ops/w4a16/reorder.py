@@ -1,7 +1,10 @@
 """x's inputs put in an act-order weight's stored order, ``x2[:, perm]``, by one small Triton gather.
 
-``torch.index_select`` along the last dim took 4.2-5.0 us a call on the H200 at M <= 16 where this kernel takes
-1.35-1.75 (CUDA graphs; docs/w4a16.md, "Act-order"): at decode sizes that is a third of the product's own time.
+As CUDA graphs on the H200, ``torch.index_select`` along the last dim took 4.2-5.0 us a call at M <= 16 where this
+kernel takes 1.35-1.75, and an act-order product with x reordered by it ran 0.85x-0.88x the natural order's speed
+at M = 1..128 where x read through perm inside frag_wgmma ran 0.70x at M = 1 and less above (docs/w4a16.md,
+"Act-order"). Launched from Python its host cost is far above index_select's, so eager calls keep those routes and
+only calls captured into a CUDA graph (where host time is paid once) take it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import torch
 
 from tilegemm.core.launch import launch, plain_call
 from tilegemm.core.runtime import cdiv, ensure_backend, interpreting
+from tilegemm.ops.w4a16.dispatch import capturing
 
 ensure_backend()
 
@@ -32,11 +36,11 @@ def reorder_kernel(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.
 
 def reorder_columns(x2: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """``x2.index_select(1, perm)`` for 2-D ``x2`` and a 1-D int64 ``perm`` of x2's width. A plain call (no
-    autograd, tracer or mode to see it) on the GPU or under the interpreter runs :func:`reorder_kernel`; others,
-    and shapes it does not take, ``index_select``."""
+    autograd, tracer or mode to see it) captured into a CUDA graph, or under the interpreter (its tests), runs
+    :func:`reorder_kernel`; others, and shapes it does not take, ``index_select``."""
     M, K = x2.shape
     if (M == 0 or K == 0 or M > MAX_ROWS or x2.stride(1) != 1 or perm.stride(0) != 1
-            or not (x2.is_cuda or interpreting()) or not plain_call(x2, perm)):
+            or not (interpreting() or capturing(x2)) or not plain_call(x2, perm)):
         return x2.index_select(1, perm)
     out = torch.empty((M, K), device=x2.device, dtype=x2.dtype)
     launch(reorder_kernel, (cdiv(K, BLOCK), M), (x2, perm, out, K, x2.stride(0), out.stride(0)),
