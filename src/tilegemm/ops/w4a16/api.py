@@ -85,15 +85,12 @@ def _shaped(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _ordered(x2: torch.Tensor, w: Int4Weight, kernel: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(x2, perm)``: act-order weights hold their rows sorted by group, so x's inputs are taken in that order,
     by the kernel through ``perm`` (frag_wgmma at small M: :func:`~tilegemm.ops.w4a16.dispatch.gathers`), or
-    else reordered here (``perm`` None, :func:`~tilegemm.ops.w4a16.reorder.reorder_columns`); weights in natural
-    order: ``(x2, None)``."""
+    else reordered here (``perm`` None); weights in natural order: ``(x2, None)``."""
     if w.perm is None:
         return x2, None
     if dispatch.gathers(kernel, x2, w):
         return x2, w.perm
-    from tilegemm.ops.w4a16.reorder import reorder_columns  # (a kernel module: imported when first needed)
-
-    return reorder_columns(x2, w.perm), None
+    return x2.index_select(1, w.perm), None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

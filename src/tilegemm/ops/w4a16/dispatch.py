@@ -24,7 +24,7 @@ MMA_MAX_M = 128  # then mma up to here; above, dequant_cublas (cuBLAS's GEMM hid
 FRAG_KERNELS = ("frag_wgmma",)  # the kernels that read the weight's fragment layout
 # act-order: frag_wgmma reads x through perm (2-byte loads of random columns, each a 32-byte sector) while all of
 # x fits an SM's L1 beside the ring, so each sector comes from L2 once; above, and in every other kernel, x is
-# reordered first, and so is every call captured into a CUDA graph (docs/w4a16.md, "Act-order")
+# reordered by one index_select first (docs/w4a16.md, "Act-order")
 GATHER_MAX_M = 64  # x's rows a program at most (a gathered tile of 64 rows in registers; more spill)
 GATHER_MAX_X = 48 * 1024  # x's elements (M x K) at most: 96 KB of 16-bit x
 GATHER_KERNELS = ("frag_wgmma",)  # the kernels that take perm
@@ -69,22 +69,12 @@ def wants_frag(kernel: str, x2: torch.Tensor, w) -> bool:
                                       and frag_usable(w.group_k, x2.device, w.shape[-1]))
 
 
-def capturing(x: torch.Tensor) -> bool:
-    """Whether a call on ``x`` is being captured into a CUDA graph (its host time then paid once)."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def gathers(kernel: str, x2: torch.Tensor, w) -> bool:
     """Whether a call with 2-D activations ``x2`` and act-order weight ``w`` reads x through ``w.perm`` in the kernel
     (frag_wgmma, asked for or chosen by auto, up to GATHER_MAX_M rows and GATHER_MAX_X elements of x) rather than
-    on a reordered copy; not while being captured into a CUDA graph, where x reordered by
-    :func:`~tilegemm.ops.w4a16.reorder.reorder_columns` runs faster (0.85x-0.88x of the natural order against 0.70x
-    at M = 1; docs/w4a16.md, "Act-order"). A perm that is not contiguous (a valid weight may hold a strided view)
-    is reordered."""
+    on a reordered copy. A perm that is not contiguous (a valid weight may hold a strided view) is reordered by."""
     M, K = x2.shape
-    if M > GATHER_MAX_M or M * K > GATHER_MAX_X or w.perm.stride(0) != 1 or not wants_frag(kernel, x2, w):
-        return False
-    return not capturing(x2)  # captured into a graph: reordered by reorder_kernel, faster on the GPU
+    return M <= GATHER_MAX_M and M * K <= GATHER_MAX_X and w.perm.stride(0) == 1 and wants_frag(kernel, x2, w)
 
 
 def kernel_for(p: W4A16Problem) -> str:
