@@ -73,7 +73,9 @@ dw.launch = ig.launch
 xd = torch.empty(64, 192, 28, 28, dtype=torch.float16).to(memory_format=torch.channels_last)
 wd = torch.empty(192, 1, 3, 3, dtype=torch.float16).to(memory_format=torch.channels_last)
 gd = geometry_of(xd.shape, wd.shape, (2, 2), (1, 1, 1, 1), (1, 1), 192)  # strided: the pixel kernel
-dw.run(ConvProblem(xd, wd, None, gd, torch.float16, memory_format_of(xd), "none", "ieee", False))
+from tilegemm.ops.conv2d.configs import depthwise_fwd_config  # (auto runs strided ones on the strided row kernel)
+dw.run(ConvProblem(xd, wd, None, gd, torch.float16, memory_format_of(xd), "none", "ieee", False),
+       depthwise_fwd_config(gd, torch.float16))
 depthwise = count(captured[-1][0], captured[-1][2], captured[-1][3])
 rows = {}
 for size in (28, 56):  # stride 1: the row kernel, loads held in registers (28 rows) and pipelined (56)
@@ -87,7 +89,7 @@ x88 = torch.empty(64, 88, 56, 56, dtype=torch.float16).to(memory_format=torch.ch
 w88 = torch.empty(88, 1, 3, 3, dtype=torch.float16)
 g88 = geometry_of(x88.shape, w88.shape, (2, 2), (1, 1, 1, 1), (1, 1), 88)
 p88 = ConvProblem(x88, w88, None, g88, torch.float16, memory_format_of(x88), "none", "ieee", False)
-dw.run(p88)
+dw.run(p88, depthwise_fwd_config(g88, torch.float16))
 depthwise_88 = count(captured[-1][0], captured[-1][2], captured[-1][3])
 dw.run(p88, dict(BLOCK=512, STRIDED_ROWS=8, STAGES=1, num_warps=2))
 strided_rows = count(captured[-1][0], captured[-1][2], captured[-1][3])

@@ -137,8 +137,11 @@ def test_auto_picks_by_geometry():
     assert choose_kernel(g, x_channels_last=False) == "implicit_gemm"
     assert pick((1, 16, 4, 4), (8, 16, 1, 1), padding=1) == "implicit_gemm"
     assert pick((1, 16, 4, 4), (16, 1, 3, 3), groups=16) == "depthwise"
-    assert pick((1, 16, 4, 4), (16, 2, 3, 3), groups=8) == "grouped_direct"  # few channels a group
-    assert pick((1, 32, 4, 4), (32, 16, 3, 3), groups=2) == "implicit_gemm"
+    assert pick((1, 16, 4, 4), (16, 2, 3, 3), groups=8) == "grouped_packed"  # few channels a group, 16-bit
+    g = geometry_of((1, 16, 4, 4), (16, 2, 3, 3), [1, 1], [0] * 4, [1, 1], 8)
+    assert choose_kernel(g, sixteen_bit=False) == "grouped_direct"  # fp32: CUDA cores
+    assert pick((1, 32, 4, 4), (32, 16, 3, 3), groups=2) == "grouped_packed"  # 16 a group: several a tile
+    assert pick((1, 128, 4, 4), (128, 64, 3, 3), groups=2) == "implicit_gemm"  # 64 a group: past its threshold
 
 
 @pytest.mark.parametrize("stride", [2, (2, 3), 3])

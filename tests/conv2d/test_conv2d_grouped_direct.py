@@ -54,7 +54,7 @@ def test_forward_matches_f_conv2d_fp32(N, C, K, H, W, R, S, stride, padding, dil
 def test_forward_without_bias_through_auto(N, C, K, H, W, R, S, stride, padding, dilation, groups, device):
     x, w, _ = _inputs(device, torch.float32, N, C, K, H, W, R, S, groups, True)
     conv = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
-    out = tilegemm.conv2d(x, w, None, **conv, activation="relu")  # auto: the rule picks grouped_packed
+    out = tilegemm.conv2d(x, w, None, **conv, activation="relu")  # auto, fp32: the rule picks grouped_direct
     assert_rel_close(out, conv2d_reference(x, w, None, **conv, activation="relu"), 1e-5)
 
 

@@ -1,7 +1,7 @@
 """grouped_packed (several groups a tensor-core tile, the weight tile block-diagonal) against F.conv2d in float64,
 outputs NaN-poisoned (conftest): channels a group 2-32, strides 1 and 2, 1x1, 3x3 and 5x5 filters, odd images,
 dilation, bias and activations, both memory formats, fp32 and fp16, tiles of uneven and several K steps; the
-block-diagonal weight of its TMA form; auto's rule (off by default)."""
+block-diagonal weight of its TMA form; auto's rule (16-bit, up to 56 channels a group)."""
 
 from __future__ import annotations
 
@@ -148,6 +148,7 @@ def test_auto_rule_takes_groups_up_to_its_threshold(monkeypatch, device):
     assert choose_kernel(geo(64, 4), tma=True) == "grouped_packed"  # 16
     assert choose_kernel(geo(448, 8), tma=True) == "grouped_packed"  # 56
     assert choose_kernel(geo(2048, 32), tma=True) == "tma_implicit_gemm"  # 64 a group: over the threshold
+    assert choose_kernel(geo(104, 13), tma=True, sixteen_bit=False) == "grouped_direct"  # fp32: not measured there
     assert choose_kernel(geo(64, 64)) == "depthwise"
     monkeypatch.setattr(configs, "GROUPED_PACKED_AUTO_CHANNELS", 0)  # off: the kernels before it
     assert choose_kernel(geo(104, 13), tma=True) == "grouped_direct"

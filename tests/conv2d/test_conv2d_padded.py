@@ -141,14 +141,19 @@ def test_auto_pads_odd_channels_where_it_pays():
 
     for g in (geo(57, 113, 3), geo(35, 67, 3, 2), geo(24, 40, 5), geo(48, 48, 3, groups=2), geo(17, 23, 1, S=7)):
         assert pads_channels(g) and padding_pays(g)
-        assert choose_kernel(g, True, tma=True) == "tma_implicit_gemm"
-        assert choose_kernel(g, True, tma=False) == "implicit_gemm"  # off Hopper: the pointer kernel, as before
+        # 16-bit groups of 24 take grouped_packed (several groups a tile); fp32 ones the padded TMA route
+        want = "grouped_packed" if g.groups > 1 else "tma_implicit_gemm"
+        assert choose_kernel(g, True, tma=True) == want
+        assert choose_kernel(g, True, tma=True, sixteen_bit=False) == "tma_implicit_gemm"
+        # off Hopper: the pointer kernel, as before (16-bit groups: grouped_packed there too)
+        assert choose_kernel(g, True, tma=False) == ("grouped_packed" if g.groups > 1 else "implicit_gemm")
     assert choose_kernel(geo(100, 200, 1), True, tma=True) == "gemm_1x1"  # 1x1: its GEMM takes any channel count
     assert choose_kernel(geo(100, 200, 1, 2), True, tma=True) == "gemm_1x1"  # strided too (gathered rows)
     assert choose_kernel(geo(12, 24, 3), True, tma=True) == "implicit_gemm"  # under PAD_MIN_CHANNELS
     assert 12 < PAD_MIN_CHANNELS <= 17
     assert choose_kernel(geo(57, 57, 3, groups=57), True, tma=True) == "depthwise"
-    assert choose_kernel(geo(60, 60, 3, groups=15), True, tma=True) == "grouped_direct"  # 4 channels a group
+    assert choose_kernel(geo(60, 60, 3, groups=15), True, tma=True) == "grouped_packed"  # 4 channels a group
+    assert choose_kernel(geo(60, 60, 3, groups=15), True, tma=True, sixteen_bit=False) == "grouped_direct"
     assert not pads_channels(geo(3, 64, 7, 2)) and not pads_channels(geo(64, 113, 3))  # a stem; aligned
     assert choose_kernel(geo(3, 64, 7, 2), True, tma=True) == "tma_implicit_gemm"
 

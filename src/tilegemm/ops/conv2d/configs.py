@@ -120,8 +120,9 @@ def depthwise_fwd_config(g: Geometry, dtype: torch.dtype) -> dict:
 # Stride-1 depthwise forwards run depthwise_rows_kernel: a program owns BLOCK elements of flattened
 # channels-last output rows and rolls down ROWS_PER rows, the weights of its elements in registers (R*S * BLOCK
 # / threads fp32 values a thread: hence the cap on taps; larger filters take the pixel kernel). Four elements a
-# thread (BLOCK 256 on 2 warps; two on 4 warps past 3x3) and 32 rows a program; from _DEPTHWISE_PIPELINE_ROWS rows Triton's pipeliner
-# with 3 stages (more bytes in flight), below it loads held a row ahead in registers (fewer instructions a row).
+# thread (BLOCK 256 on 2 warps; two on 4 warps past 3x3) and 32 rows a program; from _DEPTHWISE_PIPELINE_ROWS
+# rows Triton's pipeliner with 3 stages (more bytes in flight), below it loads held a row ahead in registers (fewer
+# instructions a row).
 # docs/conv2d.md, "Configs".
 DEPTHWISE_ROWS_MAX_TAPS = 25
 _DEPTHWISE_PIPELINE_ROWS = 48
@@ -339,10 +340,11 @@ GROUPED_PACKED_TMA_AUTO = False  # ... through its TMA form (grouped_packed_tma)
 #   behind the pointer form on most of those layers (0.78x-1.43x cuDNN by width against 1.60x)
 
 
-def takes_grouped_packed(g: Geometry) -> bool:
-    """Whether ``auto`` runs ``g``'s forward by ``grouped_packed`` (see above): grouped, not depthwise, at most
+def takes_grouped_packed(g: Geometry, sixteen_bit: bool = True) -> bool:
+    """Whether ``auto`` runs ``g``'s forward by ``grouped_packed`` (see above): 16-bit operands (measured so; in fp32
+    its block-diagonal tile would multiply its zeros on CUDA cores too), grouped, not depthwise, at most
     :data:`GROUPED_PACKED_AUTO_CHANNELS` input and output channels a group."""
-    return (g.groups > 1 and not g.is_depthwise and g.Cg <= GROUPED_PACKED_AUTO_CHANNELS
+    return (sixteen_bit and g.groups > 1 and not g.is_depthwise and g.Cg <= GROUPED_PACKED_AUTO_CHANNELS
             and g.Kg <= GROUPED_PACKED_AUTO_CHANNELS)
 
 

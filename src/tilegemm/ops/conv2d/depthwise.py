@@ -9,8 +9,9 @@ channel k // MULT (MULT = K / C, the channel multiplier; 1 in MobileNet).
   MULT = 1): a shift. A program owns BLOCK consecutive elements of output rows, whatever mix of pixels and
   channels (no channel block is padded), loads its weights, bias and masks once, and rolls down its rows:
   each input row is loaded once (S shifted vectors) and added into the R output rows it feeds.
-- Any stride and dilation (:func:`depthwise_strided_rows_kernel`, chosen by config; ``auto`` keeps the
-  kernels below and above): the row kernel's walk generalised. Iteration t of a program reads the STR_H input
+- Any stride and dilation (:func:`depthwise_strided_rows_kernel`; ``auto`` runs strided forwards of up to 5x5
+  filters on it: :func:`~tilegemm.ops.conv2d.configs.depthwise_strided_rows_config`): the row kernel's walk
+  generalised. Iteration t of a program reads the STR_H input
   rows under its next output row once each (S shifted vectors; in a row an output element's tap s is input
   element ``q*STR_W*C + s*DIL_W*C + k``) and adds each into the output rows in flight that read it, so a 3x3
   stride-2 layer loads 6 vectors an output row where the pixel kernel loads 9 taps and 9 weight vectors.
@@ -669,7 +670,7 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     :func:`depthwise_rows_kernel`; the others in two: the weight rearranged tap-major
     (:func:`depthwise_weight_kernel`, into a per-stream workspace: a replay writes it again, so a weight
     updated in place is read afresh), then :func:`depthwise_fwd_kernel`; where
-    :func:`~tilegemm.ops.conv2d.configs.depthwise_strided_rows_config` gives a config (off by default), any
+    :func:`~tilegemm.ops.conv2d.configs.depthwise_strided_rows_config` gives a config (strided, up to 5x5), any
     stride in one launch of :func:`depthwise_strided_rows_kernel`. A ``config`` names its kernel by its keys
     (``STRIDED_ROWS``: the strided row kernel; ``ROWS_PER``: the row kernel)."""
     from tilegemm.core.launch import sequence_lock
@@ -683,8 +684,10 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
                             f"C={g.C}, groups={g.groups}")
     x = _nhwc(p.x)
     out = allocate_out(p)
-    if config is None and strided_rows_apply(g, x):
-        config = depthwise_strided_rows_config(g, p.dtype)  # None unless its rule is switched on
+    if config is None:
+        config = depthwise_strided_rows_config(g, p.dtype)  # strided forwards up to 5x5 (else None)
+        if config is not None and not strided_rows_apply(g, x):
+            config = None
     if config is None and rows_apply(g, x):
         config = depthwise_rows_config(g, p.dtype)
     if config is not None and "STRIDED_ROWS" in config:

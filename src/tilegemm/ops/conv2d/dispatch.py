@@ -34,8 +34,8 @@ LONG_REDUCTION_STEPS = 32  # a 1x1 layer whose TMA tiles leave SMs idle over thi
 GLUON_1X1_MIN_CHANNELS = 96  # 1x1 layers with this many output channels take gluon_f16's 128-wide tiles
 GLUON_1X1_WAVES = 2.5  # ... where its tiles make this many waves (fewer: its persistent loop gains nothing)
 GLUON_1X1_WIDE_FILL = 0.85  # 256x128 tiles where they keep this share of the last round's SMs busy
-STRIDED_1X1_TMA_K_MULTIPLE = 16  # strided 1x1 layers go through the TMA kernel only with output channels a multiple
-#   of this: with 8 over one, the GEMM on the gathered pixels ran 1.29x-3.67x faster on all 14 such zoo layers
+STRIDED_1X1_TMA_K_MULTIPLE = 16  # strided 1x1 layers whose output channels are 8 past a multiple of this go to the
+#   GEMM on the gathered pixels: it ran 1.29x-3.67x the TMA kernel's speed on all 14 such zoo layers
 #   (232 -> 696 at 56x56: 0.25x -> 0.47x cuDNN; CUDA graphs; docs/conv2d.md, "1x1 layers")
 PAD_MIN_CHANNELS = 16  # odd channel counts padded for the TMA kernel from this many a group: below, the pointer
 #   kernel's flattened (r, s, c) K steps waste less than padding every pixel's channels to 16
@@ -47,18 +47,19 @@ PAD_MIN_TAPS = 2  # ... in filters of at least this many taps: a 1x1 layer's GEM
 
 
 def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, sms: int = 132,
-                  gluon: bool = True) -> str:
+                  gluon: bool = True, sixteen_bit: bool = True) -> str:
     """``auto``. ``tma``: ``tma_implicit_gemm`` can take the call (a 16-bit channels-last input TMA can describe,
     on Hopper; :func:`tilegemm.ops.conv2d.tma_fwd.why_not`). Then it runs every such convolution but the 1x1 ones
     that run faster as GEMMs (:func:`pointwise_as_gemm`; ``gluon``: the call's tensors let gluon_f16 run it).
     Otherwise: 1x1 stride-1 unpadded single-group convolutions go to ``gemm_1x1`` (tilegemm's GEMM on the
     channels-last view), and so do strided ones with a channels-last input (the kept pixels gathered into a
     matrix first); depthwise ones to ``depthwise``, everything else to ``implicit_gemm``. Before all that, grouped
-    layers of few channels a group go to ``grouped_packed`` where its rule takes them
-    (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_packed`, off by default), else to ``grouped_direct``
-    (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`). A ``tma`` layer whose channels the kernel would pad (:func:`pads_channels`) takes it only where
+    layers of few channels a group go to ``grouped_packed`` where its rule takes them (16-bit operands:
+    ``sixteen_bit``; :func:`~tilegemm.ops.conv2d.configs.takes_grouped_packed`), else to ``grouped_direct``
+    (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`). A ``tma`` layer whose channels the kernel would
+    pad (:func:`pads_channels`) takes it only where
     :func:`padding_pays`."""
-    if takes_grouped_packed(g):  # few channels a group: several groups a tensor-core tile
+    if takes_grouped_packed(g, sixteen_bit):  # few channels a group: several groups a tensor-core tile
         return "grouped_packed"
     if takes_grouped_direct(g):  # few channels a group: CUDA cores, not mostly empty MMA tiles
         return "grouped_direct"
@@ -117,11 +118,11 @@ def pointwise_as_gemm(g: Geometry, sms: int, gluon: bool = True) -> bool:
     :data:`GEMM_1X1_PIXELS` output pixels or with more than two channel steps narrower than 64, or (``gluon``:
     the call's tensors let gluon_f16 run it) where :func:`pointwise_gluon_tile` gives a tile; or (any stride)
     when the TMA kernel's chosen tiles leave SMs idle over :data:`LONG_REDUCTION_STEPS` K steps or more, where
-    the GEMM's split-K fills the GPU (ResNet-50's 2048 -> 512 at 7x7); strided, with output channels not a
+    the GEMM's split-K fills the GPU (ResNet-50's 2048 -> 512 at 7x7); strided, with output channels 8 past a
     multiple of :data:`STRIDED_1X1_TMA_K_MULTIPLE`."""
     if gluon and pointwise_gluon_tile(g, sms) is not None:
         return True
-    if g.Kg % STRIDED_1X1_TMA_K_MULTIPLE and not g.is_pointwise:
+    if g.Kg % STRIDED_1X1_TMA_K_MULTIPLE == 8 and not g.is_pointwise:
         return True  # a strided 1x1 whose output channels end in a partial 16-wide step: the GEMM on the kept pixels
     if g.is_pointwise:
         bk = 64 if g.Cg % 64 == 0 else 32 if g.Cg % 32 == 0 else 16
@@ -225,7 +226,7 @@ def _auto_kernel(p: ConvProblem) -> str:
 
     tma = _tma_usable(p)
     kernel = choose_kernel(p.geo, channels_last(p.x), tma, sm_count(p.x.device),
-                           tma and gluon_usable(p.x, p.weight, p.bias, p.out_dtype))
+                           tma and gluon_usable(p.x, p.weight, p.bias, p.out_dtype), p.x.element_size() == 2)
     if kernel == "grouped_packed" and configs.GROUPED_PACKED_TMA_AUTO and _tma_candidate(p.x):
         from tilegemm.ops.conv2d.grouped_packed import why_not_tma
 
@@ -260,7 +261,8 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
     g = p.geo
     if g.is_pointwise:
         return _launch("gemm_1x1", p)
-    if pads_channels(g) and padding_pays(g) and not takes_grouped_direct(g) and not takes_grouped_packed(g):
+    packed = takes_grouped_packed(g, p.x.element_size() == 2)
+    if pads_channels(g) and padding_pays(g) and not takes_grouped_direct(g) and not packed:
         from tilegemm.ops.conv2d import padded
 
         if padded.why_not(p.x, p.weight, g) is None:
@@ -270,7 +272,7 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
         pc = replace(p, x=xc)
         if g.is_depthwise:
             kernel = "depthwise"
-        elif takes_grouped_packed(g):
+        elif packed:
             kernel = "grouped_packed"
         elif takes_grouped_direct(g):
             kernel = "grouped_direct"

@@ -26,7 +26,8 @@ Two forms:
   runs the coarser layer (in place over x's own channels, as :mod:`tilegemm.ops.conv2d.padded` does; GT must
   divide the groups).
 
-``auto`` sends layers here by :func:`tilegemm.ops.conv2d.configs.takes_grouped_packed` (off by default).
+``auto`` sends 16-bit layers of up to 56 channels a group here
+(:func:`tilegemm.ops.conv2d.configs.takes_grouped_packed`).
 """
 
 from __future__ import annotations
