@@ -248,7 +248,7 @@ def set_poisoning(on: bool) -> bool:
 
 
 _empty = None  # torch.empty, bound at the first output: this module imports no torch when it is imported, and an
-#   import statement in new_output cost 0.1 us of every replayed call's host time (tools/conv2d_host_cpu.py)
+#   import statement in new_output would run on every replayed call's host path
 
 
 def _bind_empty():

@@ -198,7 +198,7 @@ def forward_key_of(x: torch.Tensor, weight: torch.Tensor, bias, stride, padding,
                 weight.stride(), weight.device, weight.data_ptr() % 16 == 0, stride, padding, dilation, groups,
                 activation, precision, kernel,
                 torch.get_float32_matmul_precision() if dtype is torch.float32 else None)
-    # With a bias, its part in the same literal (a second tuple concatenated on cost 0.1 us a call)
+    # With a bias, its part in the same literal (a second tuple concatenated on is one more allocation a call)
     return ("fwd", dtype, x.shape, x.stride(), x.device, x.data_ptr() % 16 == 0, weight.dtype, weight.shape,
             weight.stride(), weight.device, weight.data_ptr() % 16 == 0, stride, padding, dilation, groups,
             activation, precision, kernel,

@@ -134,17 +134,17 @@ def depthwise_rows_config(g: Geometry, dtype: torch.dtype) -> dict:
     if interpreting():
         return dict(BLOCK=32, ROWS_PER=4, PIPELINE=pipeline, STAGES=1, num_warps=4)
     # filters past 3x3: two elements a thread on 4 warps (half the weights in registers: 96 against 172 at 5x5),
-    # 0.80x cuDNN on the zoo's 44 stride-1 5x5 layers where four a thread ran 0.65x (docs/conv2d.md, "Configs")
+    # faster on the zoo's stride-1 5x5 layers than four a thread (docs/conv2d.md, "Depthwise rows for any stride")
     warps = 2 if g.R * g.S <= 9 else 4
     return dict(BLOCK=256, ROWS_PER=32, PIPELINE=pipeline, STAGES=3 if pipeline else 1, num_warps=warps)
 
 
 # depthwise_strided_rows_kernel (any stride and dilation): a program's weights, R*S * BLOCK / threads fp32 values a
 # thread, stay in registers, so up to 7x7 filters at two elements a thread. auto runs it on strided forwards of up
-# to 5x5 filters (STRIDED_ROWS_MAX_AUTO_TAPS): on the zoo's 75 strided depthwise layers, CUDA graphs, it ran 1.01x
-# cuDNN (3x3: eight elements a thread, pipelined) and 0.92x (5x5: two a thread on 4 warps) where the pixel kernel
-# ran 0.96x and 0.74x (docs/conv2d.md, "Depthwise rows for any stride"). Stride-1 forwards keep the row kernel;
-# 7x7 strided ones (not timed) the pixel kernel.
+# to 5x5 filters (STRIDED_ROWS_MAX_AUTO_TAPS): each input row is loaded once where the pixel kernel loads every tap,
+# and it ran ahead of the pixel kernel on the zoo's strided 3x3 and 5x5 depthwise layers (docs/conv2d.md,
+# "Depthwise rows for any stride"). Stride-1 forwards keep the row kernel; 7x7 strided ones (not timed) the pixel
+# kernel.
 DEPTHWISE_STRIDED_ROWS_MAX_TAPS = 49
 STRIDED_ROWS_AUTO = True  # False: the pixel kernel for every strided forward (as before the measurement)
 STRIDED_ROWS_MAX_AUTO_TAPS = 25
@@ -329,15 +329,14 @@ def pixel_split(npq: int, blocks: int, block_m: int, device, split: int | None =
 # A tile of GT whole groups, its weight tile block-diagonal: 64 channels a tile (8 groups of 8, 4 of 16, 2 of
 # 24) reads a pixel's 128 bytes of them at once and wastes (GT - 1) / GT of the tensor cores' products, which
 # these byte-bound layers can spare; 32 for groups of at most 4 channels and for groups of 32 (one group, no
-# waste). On the zoo's grouped layers of 4-56 channels a group (fp16, CUDA graphs) it ran 1.01x-4.3x cuDNN by
-# bucket where grouped_direct (4-8) and the TMA kernel (16-56) ran 0.08x-2.75x; at 64 the TMA kernel stays
-# ahead (docs/conv2d.md, "Grouped convolutions with few channels a group").
+# waste). On the zoo's grouped layers of 4-56 channels a group it ran ahead of grouped_direct (4-8) and of the TMA
+# kernel (16-56); at 64 the TMA kernel stays ahead (docs/conv2d.md, "Several groups a tensor-core tile").
 GROUPED_PACKED_TILE_CHANNELS = 64
 GROUPED_PACKED_NARROW_TILE = 32  # ... for groups of at most 4 channels, and of 32
 GROUPED_PACKED_AUTO_CHANNELS = 56  # auto runs grouped layers of at most this many channels a group (input and
 #   output) on grouped_packed (0: none)
 GROUPED_PACKED_TMA_AUTO = False  # ... through its TMA form (grouped_packed_tma) where that takes the call: it ran
-#   behind the pointer form on most of those layers (0.78x-1.43x cuDNN by width against 1.60x)
+#   behind the pointer form on most of those layers (same section)
 
 
 def takes_grouped_packed(g: Geometry, sixteen_bit: bool = True) -> bool:

@@ -35,8 +35,8 @@ GLUON_1X1_MIN_CHANNELS = 96  # 1x1 layers with this many output channels take gl
 GLUON_1X1_WAVES = 2.5  # ... where its tiles make this many waves (fewer: its persistent loop gains nothing)
 GLUON_1X1_WIDE_FILL = 0.85  # 256x128 tiles where they keep this share of the last round's SMs busy
 STRIDED_1X1_TMA_K_MULTIPLE = 16  # strided 1x1 layers whose output channels are 8 past a multiple of this go to the
-#   GEMM on the gathered pixels: it ran 1.29x-3.67x the TMA kernel's speed on all 14 such zoo layers
-#   (232 -> 696 at 56x56: 0.25x -> 0.47x cuDNN; CUDA graphs; docs/conv2d.md, "1x1 layers")
+#   GEMM on the gathered pixels, which ran faster than the TMA kernel on every such zoo layer (docs/conv2d.md,
+#   "1x1 layers")
 PAD_MIN_CHANNELS = 16  # odd channel counts padded for the TMA kernel from this many a group: below, the pointer
 #   kernel's flattened (r, s, c) K steps waste less than padding every pixel's channels to 16
 PAD_MIN_TAPS = 2  # ... in filters of at least this many taps: a 1x1 layer's GEMM takes any channel count, and

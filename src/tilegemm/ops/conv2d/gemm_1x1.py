@@ -227,9 +227,8 @@ def gluon_config(tile: tuple[int, int, int, int]) -> dict:
 
 # 1x1 layers over few pixels with a channel count that is no multiple of 16 bytes (squeeze-and-excitation blocks on a
 # one-pixel image: 348 -> 3712 or 888 -> 84 at batch 32). tilegemm.matmul runs such a product as its aligned twin
-# (operands and bias copied into padded buffers, the product, its corner copied back): four launches, 40 us of host
-# a replayed call against cuDNN's 30, 8.1 us on the GPU against 6.7 (docs/conv2d.md, "1x1 layers"). With so few
-# rows the product is a stream over the weight, which the copies read three times; the pointer kernel reads rows
+# (operands and bias copied into padded buffers, the product, its corner copied back): four launches, behind cuDNN
+# on the host and on the GPU (docs/conv2d.md, "1x1 layers"). With so few rows the product is a stream over the weight, which the copies read three times; the pointer kernel reads rows
 # as they lie, so the layer is one launch of split_k's kernel, its K slices added in the same launch.
 FEW_ROWS = (16, 128)  # rows (N*P*Q) above the first, at most the second: at or below 16, matmul pads no
 #   operand and reads such rows by its own measured rules (residue classes, narrow split tiles; no copies)

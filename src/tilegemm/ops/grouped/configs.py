@@ -42,8 +42,8 @@ MAX_SPLIT = 16  # the workspace holds SPLIT_K fp32 planes of the output
 # 16-bit products (docs/rungs/persistent_tma.md)
 TMA_BLOCK = (128, 256, 64)
 TMA_BLOCK_N_GATED = 128  # two weight tiles and two accumulators a program: the same 48 KB a stage and registers
-TMA_STAGES = 4  # 4 x 48 KB of the SM's 227 KB in flight: 0.95x the time of 3 over the moe sweep's 12 prefill
-#   products on tma (CUDA graphs; docs/grouped.md, "Measured")
+TMA_STAGES = 4  # 4 x 48 KB of the SM's 227 KB in flight: TMA three steps ahead, faster than 3 at prefill sizes
+#   (docs/grouped.md, "Kernels")
 TMA_STAGES_GATED = 3  # the gated product (two accumulators) not timed with 4
 # 4-bit experts at prefill (kernel ``dequant_grouped``): its dequantizing pass and the slices of a large weight
 # packed rows (8 K each), scratch rows (output columns), warps a program: 128 K x 128 columns, 32 KB written (as

@@ -11,17 +11,16 @@ from tilegemm.ops.grouped.problem import GroupedInt4Problem, GroupedProblem
 AUTO = "tiled"
 # the 16-bit MoE forward (2-D x 3-D) on Hopper wherever tiled's own row tile would be tma's (128 rows: more than 64
 # rows an expert on average, M / G from the shapes, configs.block_m_for). There both kernels pad every group to
-# whole 128-row tiles alike, and on equal tiles tma's TMA-fed pipelined K loop ran ahead of tiled's pointer loads
-# (prefill: 0.94x against 0.79x; docs/grouped.md, "Measured"). Until this rule tma began at 256 rows an expert,
-# leaving 65-255 (Mixtral at 512 tokens: 128) on tiled's 128-row tiles, padded as tma's would be.
+# whole 128-row tiles alike, and on equal tiles tma's TMA-fed pipelined K loop runs ahead of tiled's pointer loads
+# (docs/grouped.md, "Measured").
 def tma_rows(p: GroupedProblem) -> bool:
     """Whether ``p`` has rows enough an expert for ``tma``: tiled would run it on tma's 128-row tiles too."""
     return configs.block_m_for(p.M / max(p.groups, 1)) >= configs.TMA_BLOCK[0]
 
 
 # the 16-bit 2-D x 2-D product (groups along K: the MoE weight gradient, dB = A^T dY) on Hopper with at least this
-# many tokens (K) a group on average (K / G, from the shapes): from 1024 tokens a group it ran 0.99x-1.03x
-# F.grouped_mm where tiled ran 0.73x-0.80x; at 256-384 tiled stayed ahead (CUDA graphs, docs/grouped.md, "Measured")
+# many tokens (K) a group on average (K / G, from the shapes): with long groups its TMA-fed K loop beats tiled's
+# pointer loads, with short ones tiled stays ahead (docs/grouped.md, "Kernels": tma_k)
 TMA_K_MIN_TOKENS_PER_GROUP = 512
 
 # 4-bit experts (grouped_w4a16): ``dequant_dot`` (the weight dequantized inside the K loop) for all but:
