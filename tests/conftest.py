@@ -105,7 +105,7 @@ def compile_offline(tmp_path, source: str, argument, timeout: int = 600):
 
 
 # Prepended to a compile_offline script that compiles kernels for sm_90: defines signature(),
-# launch_signature(), cpu_problem() and compile_sm90() (Triton or Gluon kernels).
+# launch_signature(), specialized_signature(), cpu_problem() and compile_sm90() (Triton or Gluon kernels).
 SM90 = textwrap.dedent(
     """
     import os, subprocess, tempfile
@@ -166,6 +166,36 @@ SM90 = textwrap.dedent(
             else:
                 sig[name] = mangle_type(val)
                 if isinstance(val, torch.Tensor):
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        return sig, constexprs, attrs
+
+
+    def specialized_signature(kernel, args, kwargs):
+        \"\"\"(sig, constexprs, attrs) for triton.compile as Triton specializes a launch with ``args`` (by position)
+        and ``kwargs`` (constexprs): tensors as typed pointers, 16-byte aligned; floats fp32; ints i32, the value 1
+        a constexpr and multiples of 16 marked so, but for the kernel's ``do_not_specialize`` names.\"\"\"
+        import torch
+        skip = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+        pointers = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
+                    torch.int64: "*i64"}
+        sig, constexprs, attrs = {}, {}, {}
+        for i, name in enumerate(kernel.arg_names):
+            if name in kwargs:
+                sig[name], constexprs[(i,)] = "constexpr", kwargs[name]
+                continue
+            v = args[i]
+            if isinstance(v, torch.Tensor):
+                sig[name] = pointers[v.dtype]
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            elif isinstance(v, float):
+                sig[name] = "fp32"
+            elif name in skip:
+                sig[name] = "i32"
+            elif v == 1:
+                sig[name], constexprs[(i,)] = "constexpr", 1
+            else:
+                sig[name] = "i32"
+                if v % 16 == 0:
                     attrs[(i,)] = [["tt.divisibility", 16]]
         return sig, constexprs, attrs
 

@@ -13,29 +13,6 @@ captured = []
 ig.launch = lambda kernel, grid, args, kwargs, **kw: captured.append((kernel, grid, args, kwargs))
 cfgs.interpreting = lambda: False
 
-def signature(kernel, args, kwargs):
-    dns_names = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
-    sig, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in kwargs:
-            sig[name], constexprs[(i,)] = "constexpr", kwargs[name]
-            continue
-        v = args[i]
-        if isinstance(v, torch.Tensor):
-            sig[name] = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[v.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(v, float):
-            sig[name] = "fp32"
-        elif name in dns_names:
-            sig[name] = "i32"
-        elif v == 1:
-            sig[name], constexprs[(i,)] = "constexpr", 1
-        else:
-            sig[name] = "i32"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, constexprs, attrs
-
 N, C, H, W, K, R = 32, 64, 56, 56, 64, 3
 x = torch.empty(N, C, H, W, dtype=torch.float16).to(memory_format=torch.channels_last)
 w = torch.empty(K, C, R, R, dtype=torch.float16).to(memory_format=torch.channels_last)
@@ -44,7 +21,7 @@ p = ConvProblem(x, w, None, g, torch.float16, memory_format_of(x), "none", "ieee
 ig.run(p)
 kernel, grid, args, kwargs = captured[-1]
 kw = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
-sig, ce, at = signature(kernel, args, kw)
+sig, ce, at = specialized_signature(kernel, args, kw)
 ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
                      options=dict(num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))).asm["ptx"]
 ops = collections.Counter(re.findall(r"\b(cp\.async\.\S+|ld\.global\.\S+|st\.global\.\S+|mma\.\S+|wgmma\.\S+)", ptx))
@@ -52,7 +29,7 @@ fwd = dict(ops)
 
 def count(kernel, args, kwargs):
     kw = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
-    sig, ce, at = signature(kernel, args, kw)
+    sig, ce, at = specialized_signature(kernel, args, kw)
     ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))).asm["ptx"]
     return dict(collections.Counter(re.findall(r"\b(cp\.async\.c[ag]\S+|ld\.global\.\S+|st\.global\.\S+|wgmma\.mma\S+|mma\.sync\S+)", ptx)))

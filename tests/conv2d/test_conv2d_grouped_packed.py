@@ -216,27 +216,6 @@ _COMPILE = SM90 + textwrap.dedent(
     gp.launch = lambda kernel, grid, args, kwargs, **kw: captured.append((kernel, args, kwargs))
     configs.interpreting = lambda: False
 
-    def specialized(kernel, args, kwargs):
-        skip = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
-        sig, constexprs, attrs = {}, {}, {}
-        for i, name in enumerate(kernel.arg_names):
-            if name in kwargs:
-                sig[name], constexprs[(i,)] = "constexpr", kwargs[name]
-                continue
-            v = args[i]
-            if isinstance(v, torch.Tensor):
-                sig[name] = "*fp16"
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            elif name in skip:
-                sig[name] = "i32"
-            elif v == 1:
-                sig[name], constexprs[(i,)] = "constexpr", 1
-            else:
-                sig[name] = "i32"
-                if v % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        return sig, constexprs, attrs
-
     out = {}
     cases = dict(cg8=(104, 56, 2, 13, None), cg16=(64, 112, 2, 4, None), cg4=(128, 56, 1, 32, None),
                  cg8_flat=(104, 56, 2, 13, dict(GT=2, TAPS_FLAT=True, BLOCK_M=128, num_warps=4, num_stages=3)),
@@ -248,7 +227,7 @@ _COMPILE = SM90 + textwrap.dedent(
         gp.run(ConvProblem(x, w, None, g, torch.float16, memory_format_of(x), "relu", "ieee", False), cfg)
         kernel, args, kwargs = captured[-1]
         flags = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
-        sig, constexprs, attrs = specialized(kernel, args, flags)
+        sig, constexprs, attrs = specialized_signature(kernel, args, flags)
         _, ptx, log = compile_sm90(kernel, sig, constexprs, attrs, kwargs["num_warps"], kwargs["num_stages"],
                                    gluon=False)
         ops = collections.Counter(re.findall(r"\\b(cp\\.async\\.c[ag]\\S+|ld\\.global\\S*|st\\.global\\S+|wgmma\\.mma\\S+)",

@@ -17,26 +17,6 @@ configs.sm_count = tma.sm_count = lambda device: 132  # an H200's, so decode pro
 tma.why_not_tma = lambda: None  # (no GPU here: the kernel is compiled for the H200's sm_90)
 
 
-def signature(kernel, args, kwargs):
-    sig, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in kwargs:
-            sig[name], constexprs[(i,)] = "constexpr", kwargs[name]
-            continue
-        v = args[i]
-        if isinstance(v, torch.Tensor):
-            sig[name] = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32",
-                         torch.int32: "*i32"}[v.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif v == 1:
-            sig[name], constexprs[(i,)] = "constexpr", 1
-        else:
-            sig[name] = "i32"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, constexprs, attrs
-
-
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP", "ONE_GROUP", "B_NK", "STAGES")
 configs_of = {}  # each compiled problem's launch config
 ptx_of = {}
@@ -59,7 +39,7 @@ def compile_last(name):
     kernel, args, kwargs = captured[-1]
     configs_of[name] = {k: kwargs[k] for k in CONFIG_KEYS if k in kwargs}
     kw = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
-    sig, ce, at = signature(kernel, args, kw)
+    sig, ce, at = specialized_signature(kernel, args, kw)
     ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"])).asm["ptx"]
     ptx_of[name] = ptx

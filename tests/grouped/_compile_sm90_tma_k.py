@@ -17,26 +17,6 @@ tma_k.why_not_tma = lambda: None  # (no GPU here: compiled for the H200's sm_90)
 tma_k.ensure_allocator = lambda: None
 
 
-def signature(kernel, args, kwargs):
-    sig, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in kwargs:
-            sig[name], constexprs[(i,)] = "constexpr", kwargs[name]
-            continue
-        v = args[i]
-        if isinstance(v, torch.Tensor):
-            sig[name] = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32",
-                         torch.int32: "*i32"}[v.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif v == 1:
-            sig[name], constexprs[(i,)] = "constexpr", 1
-        else:
-            sig[name] = "i32"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, constexprs, attrs
-
-
 def spilled_bytes(ptx):
     from triton.backends.nvidia.compiler import get_ptxas
 
@@ -57,7 +37,7 @@ def compiled(name, dtype, T, H, N, G, out_dtype=None, bias=False):
     tma_k.run(p)
     kernel, args, kwargs = captured[-1]
     kw = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
-    sig, ce, at = signature(kernel, args, kw)
+    sig, ce, at = specialized_signature(kernel, args, kw)
     ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"])).asm["ptx"]
     counts = dict(collections.Counter(re.findall(r"\b(wgmma\.mma_async\S*|mma\.sync\S*|cp\.async\.c[ag]\S*|"

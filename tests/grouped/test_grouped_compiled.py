@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compile_offline
+from conftest import SM90, compile_offline
 
-SCRIPT = (Path(__file__).parent / "_compile_sm90.py").read_text()
+SCRIPT = SM90 + (Path(__file__).parent / "_compile_sm90.py").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from tilegemm.ops.grouped import dispatch, tma_k
 from tilegemm.ops.grouped.problem import make_problem
 from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
 
-from conftest import assert_rel_close, compile_offline
+from conftest import SM90, assert_rel_close, compile_offline
 from test_grouped_layouts import offs_of
 
 # token counts a group: empty groups first, between and last; one token; sums off the interpreter's 32-K block
@@ -210,7 +210,7 @@ def test_backward_of_the_moe_product_runs_on_it(hopper, monkeypatch, device):
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    script = (Path(__file__).parent / "_compile_sm90_tma_k.py").read_text()
+    script = SM90 + (Path(__file__).parent / "_compile_sm90_tma_k.py").read_text()
     return compile_offline(tmp_path_factory.mktemp("grouped-tma-k-ptx"), script, [], timeout=600)
 
 
