@@ -13,6 +13,7 @@ import torch
 import tilegemm
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
 
+from test_conv2d_grouped_direct import _format_ok, _inputs as _square_inputs
 from conftest import SM90, assert_rel_close, compile_offline
 
 CL = torch.channels_last
@@ -35,16 +36,7 @@ CASES = [
 
 
 def _inputs(device, dtype, N, C, K, H, W, R, groups, channels_last):
-    x = torch.randn(N, C, H, W, device=device).to(dtype)
-    w = (torch.randn(K, C // groups, R, R, device=device) / (C // groups * R * R) ** 0.5).to(dtype)
-    b = torch.randn(K, device=device).to(dtype)
-    return (x.contiguous(memory_format=CL) if channels_last else x), w, b
-
-
-def _format_ok(out, x):
-    if x.is_contiguous(memory_format=CL) and not x.is_contiguous():
-        return out.is_contiguous(memory_format=CL)
-    return out.is_contiguous()
+    return _square_inputs(device, dtype, N, C, K, H, W, R, R, groups, channels_last)  # square filters here
 
 
 @pytest.mark.parametrize("N,C,K,H,W,R,stride,padding,dilation,groups", CASES)
