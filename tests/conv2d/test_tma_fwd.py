@@ -49,6 +49,25 @@ def test_config_covers_the_output_with_a_patch_that_fits(N, C, H, K, R, stride):
                         if h * w <= rows and w <= 64)
 
 
+def test_strided_1x1_layers_step_64_channels_past_c_where_16_divides_it_but_32_does_not():
+    from tilegemm.ops.conv2d.configs import ragged_channel_step
+    from tilegemm.ops.conv2d.tma_fwd import input_descriptor
+
+    for c in (80, 208, 720, 1232, 1392):  # C % 32 == 16: 16-wide steps before
+        g = _geo(32, c, 14, 1024, 1, 2, 0)
+        assert ragged_channel_step(g) and tma_forward_config(g, 132)["BLOCK_K"] == 64
+    for g in (_geo(32, 1232, 14, 1024, 1, 1, 0),  # stride 1: the descriptor's last dim is already C
+              _geo(32, 1232, 14, 1024, 3, 2, 1),  # several taps: the weight's step would cross into the next tap
+              _geo(32, 2464, 14, 1024, 1, 2, 0, groups=2),
+              _geo(32, 48, 14, 1024, 1, 2, 0)):  # one step of 48: no gain
+        assert not ragged_channel_step(g)
+        assert g.Cg % tma_forward_config(g, 132)["BLOCK_K"] == 0
+    assert tma_forward_config(_geo(32, 1024, 14, 1024, 1, 2, 0), 132)["BLOCK_K"] == 64  # whole steps unchanged
+    assert tma_forward_config(_geo(32, 288, 14, 1024, 1, 2, 0), 132)["BLOCK_K"] == 32
+    with pytest.raises(ValueError, match="strided 1x1"):
+        input_descriptor(torch.empty(0), _geo(2, 208, 14, 96, 3, 2, 1), [1, 8, 1, 8, 64], None, ragged=True)
+
+
 def test_cost_model_prefers_big_tiles_when_they_fill_the_gpu_and_small_ones_when_they_do_not():
     big = tma_forward_config(_geo(32, 64, 56, 256, 3, 1, 1), 132)  # 100352 pixels: 784 big tiles
     assert (big["BI"] * big["BH"] * big["BW"], big["BLOCK_N"]) == (128, 128)
@@ -356,6 +375,8 @@ GPU_CASES = [  # (N, C, H, W, K, R, S, stride, padding, dilation, groups)
     pytest.param(2, 16, 9, 9, 24, 5, 5, 1, 2, 1, 1, id="5x5-C16"),
     pytest.param(3, 48, 16, 14, 72, 3, 3, 2, 1, 1, 1, id="stride2-odd-channels"),
     pytest.param(2, 64, 12, 20, 96, 1, 1, 2, 0, 1, 1, id="1x1-stride2"),
+    pytest.param(3, 208, 14, 14, 96, 1, 1, 2, 0, 1, 1, id="1x1-stride2-ragged-C208"),
+    pytest.param(2, 80, 12, 20, 136, 1, 1, (2, 3), 0, 1, 1, id="1x1-stride2x3-ragged-C80"),
     pytest.param(2, 64, 12, 20, 96, 3, 3, (2, 1), (0, 2), 1, 1, id="mixed-stride-padding"),
     pytest.param(1, 32, 11, 13, 32, 3, 3, 1, "same", 2, 1, id="same-dilated"),
     pytest.param(2, 32, 10, 10, 16, 4, 2, 1, "same", 1, 1, id="same-even-filter"),
@@ -379,6 +400,19 @@ def test_gpu_forward_matches_f_conv2d(N, C, H, W, K, R, S, stride, padding, dila
     out = tilegemm.conv2d(x, w, b, **conv, activation="relu", kernel="tma_implicit_gemm")  # outputs poisoned
     assert out.is_contiguous(memory_format=CL)
     assert_rel_close(out, conv2d_reference(x, w, b, **conv, activation="relu"), tolerance(dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_ragged_channel_steps_read_zeros_past_c_not_the_skipped_pixels():
+    # a strided 1x1 layer whose last 64-channel step runs past C: the pixels the stride skips hold NaN, which
+    # the step must never read (TMA fills zeros past C instead of reading the next pixel's channels)
+    x, w, b = _inputs(torch.float16, 2, 208, 14, 14, 64, 1, 1)
+    x[:, :, 1::2, :] = float("nan")
+    x[:, :, :, 1::2] = float("nan")
+    out = tilegemm.conv2d(x, w, b, stride=2, kernel="tma_implicit_gemm")
+    ref = conv2d_reference(x[:, :, ::2, ::2].contiguous(memory_format=CL), w, b)
+    assert not out.isnan().any()
+    assert_rel_close(out, ref, tolerance(torch.float16))
 
 
 @pytest.mark.gpu

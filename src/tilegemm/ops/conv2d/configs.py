@@ -213,7 +213,7 @@ def _patch(g: Geometry, rows: int) -> tuple[int, int, int, int]:
 def tma_estimate(g: Geometry, rows: int, bn: int, bk: int, stages: int, sms: int) -> float:
     """Relative time of a ``rows`` x ``bn`` tile with ``stages`` ring slots of ``bk`` channels (see above)."""
     tiles = _patch(g, rows)[3] * -(-g.Kg // bn) * g.groups
-    steps = g.R * g.S * (g.Cg // bk)
+    steps = g.R * g.S * -(-g.Cg // bk)
     smem = stages * (rows + bn) * bk * 2 + 1024
     per_sm = max(1, min(_SMEM // smem, 2 if rows * bn >= 128 * 128 else 4))  # registers: 2 programs of 128x128
     together = min(per_sm, -(-tiles // sms))
@@ -222,11 +222,20 @@ def tma_estimate(g: Geometry, rows: int, bn: int, bk: int, stages: int, sms: int
     return waves * together * steps * bk * rows * bn / eff
 
 
+def ragged_channel_step(g: Geometry) -> bool:
+    """True where ``tma_implicit_gemm`` may take 64-channel steps past C/groups: a strided 1x1 layer, whose one tap
+    reads x through a descriptor ending at C and the weight through one ending at Cg, so TMA's zero fill ends the
+    last step; 16-wide steps (C a multiple of 16 but not of 32) quartered each MMA (docs/conv2d.md, "Configs")."""
+    return g.is_strided_pointwise and g.Cg > 64
+
+
 def tma_forward_config(g: Geometry, sms: int) -> dict:
     """``tma_implicit_gemm``'s config: patch of 64 or 128 pixels, 64 or 128 channels (fewer when the layer has
     fewer), the widest channel step (64, 32, 16) dividing C/groups, by :func:`tma_estimate`; three ring slots
     (two programs an SM), six where the tiles are no more than the SMs."""
     bk = 64 if g.Cg % 64 == 0 else 32 if g.Cg % 32 == 0 else 16
+    if bk == 16 and ragged_channel_step(g):
+        bk = 64
     bns = (64, 128) if g.Kg > 64 else (_pow2_at_least(g.Kg, 16, 64),)
     best = None
     for rows in (64, 128):  # ties: a taller channel tile (the weight's boxes are the smaller operand)
@@ -235,7 +244,7 @@ def tma_forward_config(g: Geometry, sms: int) -> dict:
             if best is None or t < best[0]:
                 best = (t, rows, bn)
     _, rows, bn = best
-    if g.R * g.S * (g.Cg // bk) <= 2:
+    if g.R * g.S * -(-g.Cg // bk) <= 2:
         # One or two K steps (a 1x1 layer over few channels): the program is a load, an MMA and a store of its
         # output tile, and a ring of two slots holds all it can use. With full 64-channel steps the ring's
         # shared memory limits the programs an SM holds, and 64-pixel patches on two slots fit twice as many,

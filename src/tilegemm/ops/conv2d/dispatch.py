@@ -130,7 +130,7 @@ def pointwise_as_gemm(g: Geometry, sms: int, gluon: bool = True) -> bool:
             return True
     cfg = tma_forward_config(g, sms)
     tiles = _patch(g, cfg["BI"] * cfg["BH"] * cfg["BW"])[3] * -(-g.Kg // cfg["BLOCK_N"]) * g.groups
-    return tiles < sms and g.R * g.S * (g.Cg // cfg["BLOCK_K"]) >= LONG_REDUCTION_STEPS
+    return tiles < sms and g.R * g.S * -(-g.Cg // cfg["BLOCK_K"]) >= LONG_REDUCTION_STEPS
 
 
 def transposed_gluon_tile(w2d: torch.Tensor, image: tuple[int, int, int], device) -> tuple | None:

@@ -98,7 +98,7 @@ def conv2d_fwd_tma_kernel(
     a_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=x_desc.layout.swizzle_byte_width,
                                                   element_bitwidth=16, rank=2)
 
-    c_steps = Cg // BLOCK_K
+    c_steps = gl.cdiv(Cg, BLOCK_K)  # a last partial step only where TMA's zero fill ends it (ragged_channel_step)
     steps = R * S * c_steps
     for i in gl.static_range(STAGES - 1):
         if i < steps:
@@ -163,14 +163,26 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return sn, sy, sx
 
 
-def input_descriptor(x: torch.Tensor, g, block: list, layout, channels: int | None = None) -> TensorDescriptor:
+def input_descriptor(x: torch.Tensor, g, block: list, layout, channels: int | None = None,
+                     ragged: bool = False) -> TensorDescriptor:
     """The TMA descriptor of channels-last ``x`` as the strided 5-D view ``[N, H/SH, SH, W/SW, SW*C]`` (see the
     module's docstring), in ``block`` boxes: the forward's and the weight gradient's input tiles. With SW = 1
     the last dim is the C channels at stride 1 and the pixel stride is free. ``channels``: x's own C where ``g``
-    counts more (padded channels read as TMA's zero fill: :mod:`tilegemm.ops.conv2d.padded`)."""
+    counts more (padded channels read as TMA's zero fill: :mod:`tilegemm.ops.conv2d.padded`). ``ragged``: a
+    strided 1x1 layer whose channel steps run past C (:func:`~tilegemm.ops.conv2d.configs.ragged_channel_step`):
+    the last dim is then C alone, so the box past C reads zeros, not the next pixel's channels (its one tap
+    always sits at phase 0)."""
+    if ragged:
+        from tilegemm.ops.conv2d.configs import ragged_channel_step
+
+        if not ragged_channel_step(g):
+            raise ValueError("channel steps past C/groups need a strided 1x1 layer (ragged_channel_step)")
     sh, sw = g.stride
     sn, sy, sx = _strides(x)
     c = channels or g.C
+    if ragged:
+        return TensorDescriptor(x, [g.N, g.H // sh, sh, g.W // sw, c], [sn, sh * sy, sy, sw * sx, 1], block,
+                                layout)
     return TensorDescriptor(x, [g.N, g.H // sh, sh, g.W // sw, sw * c], [sn, sh * sy, sy, sw * sx, 1], block,
                             layout)
 
@@ -531,7 +543,7 @@ def launch_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias, 
     x_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=5)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=swz, element_bitwidth=16, rank=2)
     cx = x_channels or g.C
-    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, bk], x_layout, cx)
+    x_desc = input_descriptor(x, g, [bi, bh, 1, bw, bk], x_layout, cx, ragged=g.Cg % bk != 0)
     kk = g.R * g.S * g.Cg
     w_desc = TensorDescriptor(weight, [g.K, kk], [kk, 1], [bn, bk], w_layout)
     tiles_p, tiles_q = cdiv(g.P, bh), cdiv(g.Q, bw)
