@@ -240,3 +240,45 @@ def test_a_spawned_worker_compiles_its_case_and_reports_a_failure():
     assert done["precompiled"] == 0
     [failed] = done["failed"]
     assert failed["case"] == cases[0].label and failed["message"].startswith("nope: ValueError: unknown conv2d")
+
+
+def test_the_cli_says_each_failure_in_one_line_and_records_the_run(inline, monkeypatch, tmp_path, capsys):
+    import json
+
+    from tilegemm.ops.conv2d.bench import Conv2dBench
+
+    shapes = ["2,8,6,6,16,3,3,1,1", "2,8,7,7,16,3,3,1,1"]
+    long = "x" * 150  # wider than any console: still one line
+
+    def inputs(self, case, dtype, device, options):
+        if case.dims["H"] == 7:
+            raise RuntimeError(long)
+        return dict(label=case.label)
+
+    monkeypatch.setattr(Conv2dBench, "precompile_inputs", inputs)
+    path = tmp_path / "run.json"
+    argv = ["bench", "--op", "conv2d", "--dtype", "fp32", "--kernels", "auto", "--precompile", "2", "--quiet",
+            "--no-save", "--json", str(path)]
+    for shape in shapes:
+        argv += ["--shape", shape]
+    real_run = Conv2dBench.run
+    monkeypatch.setattr(Conv2dBench, "run", lambda self, kernel, inputs, dtype: None if "label" in inputs
+                        else real_run(self, kernel, inputs, dtype))
+    assert main(argv) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("precompile")]
+    assert len(err) == 2 and long in err[0] and err[1].startswith("precompile: 1/2 cases compiled by 2 workers")
+    meta = json.loads(path.read_text())["meta"]
+    assert meta["precompile"]["precompiled"] == 1 and len(meta["precompile"]["failed"]) == 1
+    assert set(meta["first_call_s"]) == {"baselines", "kernels"}
+
+
+def test_ctrl_c_while_precompiling_ends_the_run_with_what_it_has(inline, monkeypatch):
+    from tilegemm.ops.conv2d.bench import Conv2dBench
+
+    def interrupt(self, case, dtype, device, options):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Conv2dBench, "precompile_inputs", interrupt)
+    result = run_bench(bench_op("conv2d"), _cases(2), "fp32", ["auto"], rep_ms=1, options=dict(mode="fwd"),
+                       precompile=2)
+    assert result.rows == [] and "while precompiling" in result.meta["interrupted"]
