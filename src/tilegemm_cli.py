@@ -90,6 +90,9 @@ def _add_bench(sub, detailed: bool) -> None:
                         "alternating order (default 3 on a GPU, 1 under the interpreter)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="time CUDA-graph replays (takes launch overhead out; inputs rotated past L2)")
+    p.add_argument("--precompile", type=int, default=0, metavar="J",
+                   help="before timing, compile every case's kernels into Triton's disk cache in J worker "
+                        "processes (-1: min(16, CPUs - 1); default 0, off); a GPU run only")
     p.add_argument("--json", metavar="PATH", help="write rows and machine details as JSON")
     p.add_argument("--csv", metavar="PATH", help="write rows as CSV (machine details in '#' header lines)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of rate against the sweep for the top-k kernels")

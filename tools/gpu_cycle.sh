@@ -42,10 +42,12 @@
 #                 then the loader's tests on the GPU and `bench --op w4a16 --model llama --checkpoint` on it
 #   zoo           the conv2d bench's zoo sweep (every convolution of torchvision's classification models), part
 #                 \$ZOO_PART (default 0/8; each part one device call), mode \$ZOO_MODE (fwd), dtypes \$ZOO_DTYPES
-#                 (fp16), auto only;  zoo-models  --op conv2d --model NAME (sweep images) for \$ZOO_MODELS
+#                 (fp16), auto only (log in \$OUT/conv2d-zoo-*.log; its precompile lines and last lines shown);
+#                 zoo-models  --op conv2d --model NAME (sweep images) for \$ZOO_MODELS
 #                 (the models but ResNet-50, whose entry is --model resnet50), dtype \$ZOO_DTYPE (fp16)
 #   conv2d-odd    the conv2d bench's odd sweep (channels a group not multiples of 16: the padded route), forward
 #                 (auto and the pointer kernel it replaced) and backward (auto), fp16 and bf16; then its GPU tests
+# $PRECOMPILE: worker processes that compile a bench sweep's kernels before it is timed (default 15; 0 off).
 # Put bench steps before `tests`: right after the test workers a bench read unchanged layers up to 2x slower
 # (a busy host; benchmarks/results/2026-11-25-h200/8f6320b/*-after-tests-noisy.json).
 set -uo pipefail
@@ -53,7 +55,13 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 # The device's copy of the tree has no .git: pass the commit so every JSON records it.
 [ -n "${TILEGEMM_GIT_COMMIT:-}" ] || echo "WARNING: TILEGEMM_GIT_COMMIT is not set; results will not name their commit"
-bench() { python3 -m tilegemm.cli bench --quiet --no-save "$@"; }
+# Every bench sweep first compiles its kernels in $PRECOMPILE worker processes (default 15 of the 16 CPUs;
+# 0 turns it off; docs/bench.md, "Precompiling"); a --model entry compiles in its own calls and is left alone.
+bench() {
+  local pre=(--precompile "${PRECOMPILE:-15}")
+  case " $* " in *" --model "*) pre=() ;; esac
+  python3 -m tilegemm.cli bench --quiet --no-save ${pre[@]+"${pre[@]}"} "$@"
+}
 pytest_() { python3 -m pytest -q -p no:cacheprovider "$@"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
@@ -131,9 +139,11 @@ for step in "$@"; do
     grouped-tests) pytest_ -m "" -n 8 tests/grouped 2>&1 | tee "$OUT/grouped-tests.log" | tail -n 15 ;;
     route) python3 tools/call_route.py --out "$OUT/route.json" 2>&1 | grep -v Warning | tail -n 16 ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
-    zoo) part=${ZOO_PART:-0/8}; for d in ${ZOO_DTYPES:-fp16}; do bench --op conv2d --sweep "zoo:$part" \
-           --mode "${ZOO_MODE:-fwd}" --dtype $d --kernels auto \
-           --json "$OUT/conv2d-zoo-${ZOO_MODE:-fwd}-$d-${part/\//of}.json" 2>&1 | tail -n 4; done ;;
+    zoo) part=${ZOO_PART:-0/8}; for d in ${ZOO_DTYPES:-fp16}; do
+           name=conv2d-zoo-${ZOO_MODE:-fwd}-$d-${part/\//of}
+           bench --op conv2d --sweep "zoo:$part" --mode "${ZOO_MODE:-fwd}" --dtype $d --kernels auto \
+             --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+           grep -E "^(--)?precompile" "$OUT/$name.log" | tail -n 4; tail -n 4 "$OUT/$name.log"; done ;;
     zoo-models) for m in ${ZOO_MODELS:-resnext50_32x4d convnext_tiny efficientnet_b0 mobilenet_v3_large regnet_y_1_6gf}; do
                   bench --op conv2d --model $m --dtype "${ZOO_DTYPE:-fp16}" --json "$OUT/conv2d-model-$m.json" 2>&1 | tail -n 12
                 done ;;

@@ -74,6 +74,8 @@ def cmd_bench(args, console, err_console) -> int:
         raise UsageError("--warmup must be >= 0 and --rep > 0 (milliseconds)")
     if args.rounds is not None and args.rounds < 1:
         raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
+    if args.precompile < -1:
+        raise UsageError(f"--precompile takes a worker count >= 0, or -1 for min(16, CPUs - 1); got {args.precompile}")
     try:
         op = bench_op(args.op)
         if args.checkpoint and not args.model:
@@ -86,6 +88,9 @@ def cmd_bench(args, console, err_console) -> int:
             if args.cuda_graph:
                 raise UsageError(f"--cuda-graph does not apply to --model {args.model}: its cases say how each "
                                  "model runs (eager, graph, compile)")
+            if args.precompile:
+                raise UsageError(f"--precompile does not apply to --model {args.model}: a model's layers compile "
+                                 "in its own first calls")
         if args.cuda_graph and interpreting():
             raise UsageError("--cuda-graph needs a CUDA GPU: under Triton's interpreter there are no CUDA graphs to "
                              "time")
@@ -132,8 +137,8 @@ def cmd_bench(args, console, err_console) -> int:
 
         result = run_bench(op, cases, dtype, kernels, baseline=not args.no_baseline, warmup_ms=args.warmup,
                            rep_ms=args.rep, cuda_graph=args.cuda_graph, rounds=args.rounds,
-                           options=options,
-                           sweep=sweep, on_step=on_step)
+                           options=options, sweep=sweep, on_step=on_step, precompile=args.precompile,
+                           on_note=lambda line: err_console.print(line, highlight=False, markup=False, soft_wrap=True))
     print_report(result, console)
     if result.meta.get("interrupted"):
         console.print(f"interrupted: {result.meta['interrupted']} (the report and files hold those)")

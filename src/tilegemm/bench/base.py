@@ -138,6 +138,12 @@ class BenchOp:
     def prepare(self, case: Case, dtype: str, device: str, n_sets: int, options: dict) -> Prepared:
         raise NotImplementedError
 
+    def precompile_inputs(self, case: Case, dtype: str, device: str, options: dict) -> dict:
+        """One input set of ``case`` for a ``--precompile`` worker's calls (:mod:`tilegemm.bench.precompile`):
+        the same tensors :meth:`prepare` makes (shapes, strides and alignment pick the compiled variant). An op
+        whose reference is costly makes the set without it."""
+        return self.prepare(case, dtype, device, 1, options).sets[0]
+
     def run(self, kernel: str, inputs: dict, dtype: str) -> torch.Tensor:
         raise NotImplementedError
 

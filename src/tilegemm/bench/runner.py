@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from tilegemm.bench.base import BenchOp, Case, geomean
+from tilegemm.bench.base import BenchOp, Case, ModelBench, geomean
 from tilegemm.core.hardware import MachineInfo, machine_info, peak_gbps
 from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import interpreting
@@ -223,12 +223,18 @@ def run_bench(
     sweep: str | None = None,
     on_step: Callable[[str], None] | None = None,
     rounds: int | None = None,
+    precompile: int = 0,
+    on_note: Callable[[str], None] | None = None,
 ) -> BenchResult:
     """Check and time ``kernels`` (and the baseline) on each case.
 
     Timing is split into ``rounds`` (default 3 on a GPU, 1 under the interpreter) of ``rep_ms / rounds``
     each; every round times every kernel, in alternating order, so a drift in clocks or temperature during
     a case reaches the baseline and the kernels alike. A row's time is the median of all its samples.
+
+    ``precompile`` J > 0 (-1: min(16, CPUs - 1)) first compiles every case's kernels in J worker processes
+    (:mod:`tilegemm.bench.precompile`), all of which have exited before anything here is timed; ``on_note``
+    gets its one-line notes (a failed case, the summary).
     """
     options = dict(options or {})
     options.setdefault("batch", 1)
@@ -257,14 +263,28 @@ def run_bench(
     meta.update(op.run_meta(cases))
     if machine.interpreter:
         meta["note"] = "Kernels ran under Triton's interpreter on the CPU: timings are NOT GPU performance."
+    result = BenchResult(meta)
+    if precompile:
+        from tilegemm.bench import precompile as pre
+
+        if isinstance(op, ModelBench):
+            raise ValueError(f"precompile does not apply to a model entry ({op.name})")
+        try:  # before the host probe too: no worker runs while anything is timed
+            meta["precompile"] = pre.precompile(op, cases, dtype, kernels, options, precompile, device,
+                                                on_note or (lambda line: None))
+        except KeyboardInterrupt:
+            meta["interrupted"] = f"stopped while precompiling, before the first of {len(cases)} cases"
+            return result
     if not machine.interpreter:
         meta["host_us_per_call"] = host_overhead(op, device)
-    result = BenchResult(meta)
     second = baseline and op.second_baseline_name and op.second_baseline_reason(device) is None
     if second:
         meta["second_baseline"] = op.second_baseline_name
     names = ([BASELINE] if baseline else []) + ([BASELINE2] if second else []) + kernels
 
+    # Seconds of the checks, each a row's first call: tilegemm's compile there (unless precompiled), cuDNN's
+    # benchmark-mode search for each new shape (docs/bench.md, "Precompiling").
+    first_calls = meta["first_call_s"] = dict(baselines=0.0, kernels=0.0)
     done = 0  # cases complete
     try:
         for done, case in enumerate(cases):
@@ -282,7 +302,9 @@ def run_bench(
             # Check each kernel (this also compiles and tunes), then time them all, round by round.
             checked = {}
             for kernel in names:
+                start = time.perf_counter()
                 checked[kernel] = _check(op, case, dtype, kernel, prepared, tol, options)
+                first_calls["baselines" if kernel in BASELINES else "kernels"] += time.perf_counter() - start
                 step(kernel)
             timed = [kernel for kernel in names if isinstance(checked[kernel], _Checked)]
             samples: dict[str, list[float]] = {kernel: [] for kernel in timed}
@@ -329,6 +351,8 @@ def run_bench(
         done = len(cases)
     except KeyboardInterrupt:  # a time limit's SIGINT: the cases done so far are kept, and said to be partial
         meta["interrupted"] = f"stopped after {done} of {len(cases)} cases"
+    for key in first_calls:
+        first_calls[key] = round(first_calls[key], 3)
     return result
 
 

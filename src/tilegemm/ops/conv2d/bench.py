@@ -195,8 +195,35 @@ class Conv2dBench(BenchOp):
         return "tf32" if dtype == "tf32" else "ieee"
 
     def prepare(self, case, dtype, device, n_sets, options):
-        from tilegemm.ops.conv2d.checks import check_conv
         from tilegemm.ops.conv2d.reference import conv2d_reference
+
+        d = case.dims
+        mode = self._mode(options)
+        tdtype = self.dtypes[dtype]
+        conv = self._conv(d)
+        fan_in = d["C"] // d["groups"] * d["R"] * d["S"]
+        P, Q = _out_size(d)
+        sets = self._sets(case, dtype, device, n_sets, options)
+        first = sets[0]
+        x64, w64 = first["x"].double(), first["w"].double()
+        if mode == "fwd":
+            reference = conv2d_reference(x64, w64, None, **conv)
+        else:
+            dx, dw, _ = torch.ops.aten.convolution_backward(
+                first["dy"].double(), x64, w64, None, list(conv["stride"]), list(conv["padding"]),
+                list(conv["dilation"]), False, [0, 0], conv["groups"], [True, True, False])
+            reference = torch.cat([dx.permute(0, 2, 3, 1).flatten(), dw.permute(0, 2, 3, 1).flatten()])
+        size = tdtype.itemsize
+        x_bytes, w_bytes, y_bytes = (d["N"] * d["C"] * d["H"] * d["W"], d["K"] * fan_in, d["N"] * d["K"] * P * Q)
+        nbytes = (x_bytes + w_bytes + y_bytes) * size * (2 if mode == "bwd" else 1)
+        return Prepared(sets, reference, bytes_per_set=nbytes)
+
+    def precompile_inputs(self, case, dtype, device, options):
+        """Without the float64 reference (a float64 convolution per layer, of no use to a compile)."""
+        return self._sets(case, dtype, device, 1, options)[0]
+
+    def _sets(self, case, dtype, device, n_sets, options) -> list[dict]:
+        from tilegemm.ops.conv2d.checks import check_conv
 
         d = case.dims
         mode = self._mode(options)
@@ -222,19 +249,7 @@ class Conv2dBench(BenchOp):
                 inputs["grad_args"] = dict(stride=list(g.stride), padding=list(g.padding), dilation=list(g.dilation),
                                            groups=g.groups, precision=self._precision(dtype))
             sets.append(inputs)
-        first = sets[0]
-        x64, w64 = first["x"].double(), first["w"].double()
-        if mode == "fwd":
-            reference = conv2d_reference(x64, w64, None, **conv)
-        else:
-            dx, dw, _ = torch.ops.aten.convolution_backward(
-                first["dy"].double(), x64, w64, None, list(conv["stride"]), list(conv["padding"]),
-                list(conv["dilation"]), False, [0, 0], conv["groups"], [True, True, False])
-            reference = torch.cat([dx.permute(0, 2, 3, 1).flatten(), dw.permute(0, 2, 3, 1).flatten()])
-        size = tdtype.itemsize
-        x_bytes, w_bytes, y_bytes = (d["N"] * d["C"] * d["H"] * d["W"], d["K"] * fan_in, d["N"] * d["K"] * P * Q)
-        nbytes = (x_bytes + w_bytes + y_bytes) * size * (2 if mode == "bwd" else 1)
-        return Prepared(sets, reference, bytes_per_set=nbytes)
+        return sets
 
     @staticmethod
     def _flat_grads(dx, dw):
