@@ -100,6 +100,18 @@ def test_every_kernel_runs_on_x_reordered_by_the_gather(kernel, M, monkeypatch):
     assert route == ["reorder_kernel", _PRODUCT[chosen]] and launched == [_PRODUCT[chosen]]
 
 
+@pytest.mark.parametrize("lead", [(2, 3), (1,), (0, 4)])
+def test_batched_and_strided_x(lead, monkeypatch):
+    launched = _launched(monkeypatch)
+    w = act_order_weight(40, 128, 32)
+    natural = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, 32, w.shape)
+    x = torch.randn(*lead, 256, dtype=torch.float16)[..., ::2]  # inputs 2 apart, leading dims
+    out = w4a16.matmul(x, w)
+    assert out.shape == (*lead, 40)
+    assert torch.equal(out, w4a16.matmul(x[..., w.perm], natural))
+    assert launched.count("reorder_kernel") == (1 if x.numel() else 0)
+
+
 def test_eager_and_captured_calls_take_the_same_route(monkeypatch):
     # a captured call's kernels must all have run in its eager warm-up (none may first load inside a capture):
     # nothing on the route asks whether a capture is on
