@@ -115,7 +115,8 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(dict(rows=rows), f, indent=1)
     print(f"\n{'N x K':>12} {'M':>4} | {'api nat':>7} {'act':>7} {'speed':>5} | {'loop nat':>8} {'act':>7} "
-          f"{'speed':>5} | {'graph nat':>9} {'act':>7} {'speed':>5} | {'reord':>5}  route (act-order; target: speed >= 0.85)")
+          f"{'speed':>5} | {'graph nat':>9} {'act':>7} {'speed':>5} | {'reord':>5}  route of act-order "
+          f"(us; target: speed >= 0.85)")
     for r in rows:
         nat, ao, sp = r["natural"], r["act"], r["speed"]
         flag = "" if min(sp.values()) >= 0.85 else "  <-- below 0.85"
