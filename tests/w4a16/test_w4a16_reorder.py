@@ -137,6 +137,8 @@ def test_the_op_with_perm_gathers_only_where_frag_wgmma_is_named():
     for kernel in ("auto", "gemv", "mma", "dequant_cublas"):
         assert not dispatch.gathers(W4A16Problem(**p, kernel=kernel))
     assert not dispatch.gathers(W4A16Problem(**{**p, "perm": None}, kernel="frag_wgmma"))
+    strided = torch.stack([w.perm, w.perm], 1)[:, 0]  # read by the gather, not by frag_wgmma
+    assert not dispatch.gathers(W4A16Problem(**{**p, "perm": strided}, kernel="frag_wgmma"))
 
 
 def test_autograd_sees_index_select_not_the_gather(monkeypatch):

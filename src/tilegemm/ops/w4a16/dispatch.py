@@ -70,8 +70,9 @@ def wants_frag(kernel: str, x2: torch.Tensor, w) -> bool:
 
 def gathers(p: W4A16Problem) -> bool:
     """Whether call ``p`` (its ``perm`` set: the op called with it) reads x through perm in the kernel: only where
-    a kernel that takes perm is named; ``auto`` and the other kernels run on x reordered first."""
-    return p.perm is not None and p.kernel in GATHER_KERNELS
+    a kernel that takes perm is named and perm is contiguous (a valid weight may hold a strided view, which the
+    kernel does not read); ``auto`` and the other kernels run on x reordered first."""
+    return p.perm is not None and p.kernel in GATHER_KERNELS and p.perm.stride(0) == 1
 
 
 def kernel_for(p: W4A16Problem) -> str:
