@@ -1,17 +1,18 @@
-"""Where act-order weights should stop gathering x in frag_wgmma: times each M both ways on the GPU.
+"""Act-order against the natural order through the shipped route, at each M on the GPU.
 
-    PYTHONPATH=src python3 tools/w4a16_actorder_line.py [--shapes 5120x5120,11008x4096] [--group 128] \\
-        [--dtype fp16] [--out actorder.json]
+    PYTHONPATH=src python3 tools/w4a16_actorder_line.py [--shapes 5120x5120,4096x11008] [--ms 1,3,16,64,128,512] \\
+        [--group 128] [--dtype fp16] [--out $OUT/actorder.json]
 
-For each (N, K) and M, the same weight three ways through ``w4a16.matmul`` (``auto``): in natural order (group
-``--group``, no perm), act-order with x read through perm by frag_wgmma (``gather``: ``dispatch.GATHER_MAX_M``
-and ``GATHER_MAX_X`` set above every call), and act-order with x reordered by ``index_select`` first
-(``reorder``: both set to 0).
-Each is checked against ``x @ dequantize(w).T`` before it is timed. Times (us, ``triton.testing.do_bench``
-medians, L2 cleared before each call): ``api`` the call as a caller makes it (its replay fast path included) and
-``graph`` the call's kernels replayed from a CUDA graph (GPU time, the launch gap between index_select and the
-kernel included). Printed: x's size, each act-order way's speed over natural order's (1.0 = as fast; the target is
-0.85 or more), which way wins, and where the shipped rule (``dispatch.gathers``) picks the other.
+For each weight (N x K, group ``--group``) and M, the same stored weight two ways through ``w4a16.matmul``
+(``auto``): in natural order (no perm) and act-order (a random perm: x's inputs reordered by the Triton gather,
+``ops/w4a16/reorder.py``, then the natural order's kernel; docs/w4a16.md, "Act-order"). Each is checked before it is
+timed: act-order bit for bit against the natural order on ``x[:, perm]``, both against ``x @ dequantize(w).T``.
+Times (us): ``api`` the call as a caller makes it (the replay fast path, both of act-order's launches replayed;
+``triton.testing.do_bench`` median, L2 cleared before each call), ``loop`` the same call 200 times back to back
+(wall time a call: the host's cost shows where it exceeds the GPU's), ``graph`` the call's kernels replayed from a
+CUDA graph captured right after one eager call (GPU time, do_bench); ``reorder`` the gather alone as a graph.
+Printed last: a table of act-order's speed over the natural order's (1.0 = as fast; the target is 0.85 or more)
+and the kernels each act-order call launched. One H200: under 3 minutes.
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ import json
 import torch
 
 from tilegemm import w4a16
-from tilegemm.ops.w4a16 import dispatch
+from tilegemm.core.launch import recording
+from tilegemm.ops.w4a16 import op
 from tilegemm.ops.w4a16.reference import reference, tolerance
+from tilegemm.ops.w4a16.reorder import reorder_columns
 
-MS = [1, 2, 3, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256]
+MS = [1, 3, 16, 64, 128, 512]
 
 
 def _graph(fn):
-    fn()  # compiled, fragments made, workspaces allocated: outside the capture
+    """fn's kernels as a CUDA graph captured right after one eager call (as a caller would), replayed."""
+    fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -37,26 +41,47 @@ def _graph(fn):
     return g.replay
 
 
-def _times(fn) -> dict:
+def _bench(fn) -> float:
     import triton.testing
 
-    return dict(api=triton.testing.do_bench(fn, rep=40) * 1e3,
-                graph=triton.testing.do_bench(_graph(fn), rep=40) * 1e3)
+    return triton.testing.do_bench(fn, warmup=10, rep=30) * 1e3
+
+
+def _loop(fn, n: int = 200) -> float:
+    """Wall time a call of ``n`` calls back to back (after a warm-up), in us."""
+    import time
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def _route(fn) -> list:
+    """The kernels a call launches when nothing is replayed (the replay caches emptied first and after)."""
+    for cache in (op.REORDERS, op.REPLAYS, op.DEQUANTS):
+        cache.clear()
+    with recording() as rec:
+        fn()
+    for cache in (op.REORDERS, op.REPLAYS, op.DEQUANTS):
+        cache.clear()
+    return [one.compiled.name for one in rec.launches or ()]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="5120x5120,11008x4096,4096x11008", help="N x K, comma-separated")
+    ap.add_argument("--shapes", default="5120x5120,4096x11008", help="N x K, comma-separated")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--out", default=None, help="JSON of every time")
     args = ap.parse_args()
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
-    shipped = dispatch.GATHER_MAX_M, dispatch.GATHER_MAX_X
     rows = []
-    print(f"{'N x K':>12} {'M':>5} {'x KB':>6} {'natural':>9} {'gather':>9} {'reorder':>9}   speed over natural "
-          f"(api / graph)  [shipped: gather up to {shipped[0]} rows and {shipped[1]} elements of x]")
     for shape in args.shapes.split(","):
         N, K = (int(v) for v in shape.lower().split("x"))
         torch.manual_seed(0)
@@ -66,31 +91,38 @@ def main() -> int:
         natural.fragments(), act.fragments()
         for M in (int(m) for m in args.ms.split(",")):
             x = torch.randn(M, K, dtype=dtype, device="cuda")
-            row = dict(N=N, K=K, M=M, group=args.group, dtype=args.dtype,
-                       shipped_gathers=dispatch.gathers("auto", x, act))
-            ways = (("natural", natural, shipped), ("gather", act, (1 << 30,) * 2), ("reorder", act, (0, 0)))
-            for name, w, line in ways:
-                dispatch.GATHER_MAX_M, dispatch.GATHER_MAX_X = line
-                try:
-                    out = w4a16.matmul(x, w)
-                    err = ((out.double() - reference(x, w)).norm() / reference(x, w).norm()).item()
-                    if not err <= tolerance(dtype):
-                        raise AssertionError(f"{name} M={M} {N}x{K}: relative error {err:.2e}")
-                    row[name] = _times(lambda: w4a16.matmul(x, w))
-                finally:
-                    dispatch.GATHER_MAX_M, dispatch.GATHER_MAX_X = shipped
+            xp = x[:, act.perm].contiguous()
+            ref = reference(x, act)
+            for name, out in (("natural", w4a16.matmul(xp, natural)), ("act-order", w4a16.matmul(x, act))):
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                if not err <= tolerance(dtype):
+                    raise AssertionError(f"{name} M={M} {N}x{K}: relative error {err:.2e}")
+            if not torch.equal(w4a16.matmul(x, act), w4a16.matmul(xp, natural)):
+                raise AssertionError(f"act-order M={M} {N}x{K}: not the natural order's bits on x[:, perm]")
+            row = dict(N=N, K=K, M=M, group=args.group, dtype=args.dtype, route=_route(lambda: w4a16.matmul(x, act)),
+                       natural_route=_route(lambda: w4a16.matmul(xp, natural)))
+            for name, fn in (("natural", lambda: w4a16.matmul(xp, natural)), ("act", lambda: w4a16.matmul(x, act))):
+                fn()  # recorded: the api times are replays
+                row[name] = dict(api=_bench(fn), loop=_loop(fn), graph=_bench(_graph(fn)))
+            row["reorder_graph"] = _bench(_graph(lambda: reorder_columns(x, act.perm)))
+            row["speed"] = {mode: row["natural"][mode] / row["act"][mode] for mode in ("api", "loop", "graph")}
             rows.append(row)
-            nat = row["natural"]
-            speed = {k: (nat["api"] / row[k]["api"], nat["graph"] / row[k]["graph"]) for k in ("gather", "reorder")}
-            best = "gather" if row["gather"]["graph"] <= row["reorder"]["graph"] else "reorder"
-            print(f"{N:>5} x {K:<5} {M:>5} {M * K * x.element_size() / 1024:>6.0f} {nat['graph']:>8.1f}u "
-                  f"{row['gather']['graph']:>8.1f}u "
-                  f"{row['reorder']['graph']:>8.1f}u   gather {speed['gather'][0]:.2f} / {speed['gather'][1]:.2f}"
-                  f"  reorder {speed['reorder'][0]:.2f} / {speed['reorder'][1]:.2f}  -> {best}"
-                  f"{'' if row['shipped_gathers'] == (best == 'gather') else '  (the shipped rule picks the other)'}")
+            print(f"{N} x {K} M={M}: natural {row['natural']['api']:.1f} / {row['natural']['loop']:.1f} / "
+                  f"{row['natural']['graph']:.1f} us, act-order {row['act']['api']:.1f} / {row['act']['loop']:.1f} / "
+                  f"{row['act']['graph']:.1f} us (api / loop / graph), "
+                  f"reorder alone {row['reorder_graph']:.2f} us; route {' -> '.join(row['route'])}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(gather_max_m=shipped[0], gather_max_x=shipped[1], rows=rows), f, indent=1)
+            json.dump(dict(rows=rows), f, indent=1)
+    print(f"\n{'N x K':>12} {'M':>4} | {'api nat':>7} {'act':>7} {'speed':>5} | {'loop nat':>8} {'act':>7} "
+          f"{'speed':>5} | {'graph nat':>9} {'act':>7} {'speed':>5} | {'reord':>5}  route of act-order "
+          f"(us; target: speed >= 0.85)")
+    for r in rows:
+        nat, ao, sp = r["natural"], r["act"], r["speed"]
+        flag = "" if min(sp.values()) >= 0.85 else "  <-- below 0.85"
+        print(f"{r['N']:>5} x {r['K']:<5} {r['M']:>4} | {nat['api']:>7.1f} {ao['api']:>7.1f} {sp['api']:>5.2f} | "
+              f"{nat['loop']:>8.1f} {ao['loop']:>7.1f} {sp['loop']:>5.2f} | {nat['graph']:>9.1f} {ao['graph']:>7.1f} "
+              f"{sp['graph']:>5.2f} | {r['reorder_graph']:>5.2f}  {'+'.join(r['route'])}{flag}")
     return 0
 
 

@@ -1,8 +1,8 @@
-"""GPTQ act-order weights (``perm``: inputs stored sorted by group) read through ``perm`` by ``frag_wgmma``'s x
-loads (``GATHER``) instead of a reordered copy of x: the routing (which calls gather, which reorder first), the
-replay key and tensors, the op's plumbing and gradient with ``perm`` (under the interpreter, through a kernel that
-reorders x itself), ``launch_args`` and an offline sm_90 compile of each loop form. The kernel's results on the
-GPU: tests/w4a16/test_w4a16_actorder_gpu.py."""
+"""GPTQ act-order weights (``perm``: inputs stored sorted by group): the public calls reorder x first (the route and
+its replays: tests/w4a16/test_w4a16_reorder.py); here the replay key, the op's plumbing and gradient with ``perm``
+(under the interpreter, through kernels that take x reordered), and ``frag_wgmma``'s ``GATHER`` (x read through
+perm, for the op called with perm and ``frag_wgmma`` named): its config, ``launch_args`` and an offline sm_90
+compile of each loop form. The results on the GPU: tests/w4a16/test_w4a16_actorder_gpu.py."""
 
 from __future__ import annotations
 
@@ -29,66 +29,42 @@ class _Rows:
 
 
 @pytest.mark.parametrize("group", [32, 128, -1])
-def test_frag_wgmma_gathers_up_to_the_line_on_hopper(monkeypatch, group):
+def test_auto_picks_the_natural_orders_kernel_on_hopper(monkeypatch, group):
+    # act-order changes no kernel choice: the fragment kernel wherever the natural order takes it, x reordered
     monkeypatch.setitem(dispatch._FRAG_REASON, torch.device("cuda"), "")  # an sm_90 GPU, pretended
     w = act_order(16, 256, group)
-    for M in (1, 3, 17, dispatch.GATHER_MAX_M):
-        assert dispatch.gathers("auto", _Rows(M, 256), w) and dispatch.gathers("frag_wgmma", _Rows(M, 256), w)
-    for M in (dispatch.GATHER_MAX_M + 1, 128):  # x's tile too big: reordered first, still frag_wgmma
-        assert not dispatch.gathers("auto", _Rows(M, 256), w) and dispatch.wants_frag("auto", _Rows(M, 256), w)
-    for M in (256, 1024):  # this narrow weight goes to dequant_cublas from 129 rows: reordered first
-        assert not dispatch.gathers("auto", _Rows(M, 256), w) and not dispatch.wants_frag("auto", _Rows(M, 256), w)
-    for kernel in ("gemv", "mma", "dequant_cublas"):  # the other kernels read x as it lies
-        assert not dispatch.gathers(kernel, _Rows(1, 256), w)
-    # all of x within GATHER_MAX_X elements (it stays in L1 while every program reads through it)
-    w = act_order(16, 4096, group)
-    rows = dispatch.GATHER_MAX_X // 4096
-    assert dispatch.gathers("auto", _Rows(rows, 4096), w) and not dispatch.gathers("auto", _Rows(rows + 1, 4096), w)
-    # not on Hopper (here: the CPU): auto picks gemv / mma, which reorder first
-    assert not dispatch.gathers("auto", torch.empty(1, 256), w)
-
-
-def test_ordered_passes_perm_or_reorders(monkeypatch):
-    w = act_order(16, 256, 64)
-    x = torch.randn(5, 256, dtype=torch.float16)
-    x2, perm = api._ordered(x, w, "auto")  # the CPU: no fragment kernel, so reordered here
-    assert perm is None and torch.equal(x2, x[:, w.perm])
-    monkeypatch.setattr(dispatch, "gathers", lambda kernel, x2, w: True)
-    x2, perm = api._ordered(x, w, "auto")
-    assert x2 is x and perm is w.perm
-    natural = w4a16.quantize(torch.randn(16, 256, dtype=torch.float16), 64)
-    x2, perm = api._ordered(x, natural, "auto")
-    assert x2 is x and perm is None
+    natural = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape)
+    for M in (1, 3, 17, 64, 65, 128, 256, 1024):
+        assert dispatch.wants_frag("auto", _Rows(M, 256), w) == dispatch.wants_frag("auto", _Rows(M, 256), natural)
+    assert not hasattr(dispatch, "GATHER_MAX_M") and not hasattr(api, "_ordered")
 
 
 # --- the replay key and tensors (CPU) -------------------------------------------------------------------------
 
 
-def test_replay_key_and_tensors_hold_perm():
+def test_replay_key_holds_perm():
     w = act_order(64, 256, 64)
     x = torch.randn(3, 256, dtype=torch.float16)
-    gathered = checks.key_of(x, w, None, "none", "auto", w.perm)
-    reordered = checks.key_of(x, w, None, "none", "auto")
-    assert gathered != reordered  # same x layout: perm's presence tells a gathered launch from a reordered one
-    assert gathered == checks.key_of(x.clone(), act_order(64, 256, 64, seed=1), None, "none", "auto",
-                                     act_order(64, 256, 64, seed=1).perm)  # another perm, same layout: replayed
+    keyed = checks.key_of(x, w, None, "none", "auto", w.perm)
+    assert keyed != checks.key_of(x, w, None, "none", "auto")  # same x layout: act-order's entries kept apart
+    assert keyed == checks.key_of(x.clone(), act_order(64, 256, 64, seed=1), None, "none", "auto",
+                                  act_order(64, 256, 64, seed=1).perm)  # another perm, same layout: replayed
     as_int32 = checks.key_of(x, w, None, "none", "auto", w.perm.to(torch.int32))
-    assert as_int32 != gathered  # Triton specializes on the index dtype
+    assert as_int32 != keyed  # Triton specializes on the index dtype
+    strided = torch.stack([w.perm, w.perm], 1)[:, 0]
+    assert checks.key_of(x, w, None, "none", "auto", strided) != keyed  # and on its stride
     bias = torch.randn(64, dtype=torch.float16)
-    tensors = checks.call_tensors(x, w, bias, w.perm)
-    assert tensors[0] is x and tensors[-1] is bias and any(t is w.perm for t in tensors)
-    assert not any(t is w.perm for t in checks.call_tensors(x, w, bias))
+    tensors = checks.call_tensors(x, w, bias)
+    assert tensors[0] is x and tensors[-1] is bias and not any(t is w.perm for t in tensors)
 
 
-# --- the op with perm: output and gradient (a kernel that reorders x itself) ----------------------------------
+# --- output and gradient: the public call, and the op called with perm ----------------------------------------
 
 
 @pytest.mark.parametrize("M", [1, 3, 17])
 @pytest.mark.parametrize("group, K", [(32, 96), (64, 256), (-1, 200)])  # 200: no multiple of 64, one group
-def test_op_with_perm_matches_the_reference(monkeypatch, M, group, K):
-    # api hands the kernel x in the caller's order with perm (as for frag_wgmma); a kernel that does not take
-    # perm gets x reordered by dispatch.forward. Outputs are NaN-poisoned (conftest).
-    monkeypatch.setattr(dispatch, "gathers", lambda kernel, x2, w: True)
+def test_act_order_matches_the_reference(M, group, K):
+    # x reordered by the gather from any strides, then the kernel. Outputs are NaN-poisoned (conftest).
     w = act_order(40, K, group, device=HERE)
     bias = torch.randn(40, dtype=torch.float16, device=HERE)
     wide = torch.randn(2 * M, K + 24, dtype=torch.float16, device=HERE)
@@ -100,14 +76,19 @@ def test_op_with_perm_matches_the_reference(monkeypatch, M, group, K):
 
 
 @pytest.mark.parametrize("activation", ["none", "gelu"])
-def test_gradient_of_x_through_perm(monkeypatch, activation):
-    # the op's backward computes the gradient by the stored inputs and puts it back in x's order through perm
-    monkeypatch.setattr(dispatch, "gathers", lambda kernel, x2, w: True)
+@pytest.mark.parametrize("through", ["api", "op"])
+def test_gradient_of_x_through_perm(activation, through):
+    # api: x reordered by index_select, which autograd sees; the op called with perm: its backward computes the
+    # gradient by the stored inputs and puts it back in x's order through perm
     w = act_order(24, 128, 32, device=HERE)
     bias = torch.randn(24, dtype=torch.float16, device=HERE, requires_grad=True)
     x = torch.randn(3, 128, dtype=torch.float16, device=HERE, requires_grad=True)
     grad = torch.randn(3, 24, dtype=torch.float16, device=HERE)
-    w4a16.matmul(x, w, bias=bias, activation=activation, kernel="mma").backward(grad)
+    if through == "api":
+        out = w4a16.matmul(x, w, bias=bias, activation=activation, kernel="mma")
+    else:
+        out = op._w4a16_op(x, w.qweight, w.scales, w.zeros, None, None, bias, w.group_k, activation, "mma", w.perm)
+    out.backward(grad)
     xr, br = x.detach().float().requires_grad_(True), bias.detach().float().requires_grad_(True)
     reference(xr, w, br, activation, dtype=torch.float32).backward(grad.float())
     assert_rel_close(x.grad, xr.grad, 1e-2)
@@ -115,10 +96,10 @@ def test_gradient_of_x_through_perm(monkeypatch, activation):
 
 
 def test_op_reorders_for_kernels_that_do_not_gather():
-    # the registered op called with perm directly: every kernel but frag_wgmma gets x reordered first
+    # the registered op called with perm directly: every kernel but frag_wgmma named gets x reordered first
     w = act_order(32, 128, 64, device=HERE)
-    x = torch.randn(4, 128, dtype=torch.float16, device=HERE)
-    for kernel in ("gemv", "mma", "dequant_cublas"):
+    x = torch.randn(4, 256, dtype=torch.float16, device=HERE)[:, ::2]  # inputs strided: the gather takes them
+    for kernel in ("auto", "gemv", "mma", "dequant_cublas"):
         out = op._w4a16_op(x, w.qweight, w.scales, w.zeros, None, None, None, w.group_k, "none", kernel, w.perm)
         assert_rel_close(out, reference(x, w), 2e-3)
 
@@ -209,8 +190,8 @@ def test_opcheck_with_perm():
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
-def test_compile_fullgraph_with_perm(monkeypatch):
-    monkeypatch.setattr(dispatch, "gathers", lambda kernel, x2, w: True)  # perm traced into the op
+def test_compile_fullgraph_with_perm():
+    # the reorder (index_select) and the op traced, as any act-order call under a tracer
     w = act_order(32, 128, 64, device=HERE)
     x = torch.randn(2, 128, dtype=torch.float16, device=HERE)
     compiled = torch.compile(lambda x: w4a16.matmul(x, w, activation="silu") * 2, fullgraph=True,
@@ -218,11 +199,11 @@ def test_compile_fullgraph_with_perm(monkeypatch):
     assert_rel_close(compiled(x), reference(x, w, activation="silu") * 2, 2e-3)
 
 
-def test_a_strided_perm_is_reordered_first_not_gathered(monkeypatch):
-    # a valid act-order weight may hold perm as a strided view; the kernel reads a contiguous one only
-    monkeypatch.setitem(dispatch._FRAG_REASON, torch.device("cuda"), "")
-    w = act_order(16, 256, 64)
+def test_a_strided_perm_is_taken_as_it_lies():
+    # a valid act-order weight may hold perm as a strided view: the gather reads it with its stride
+    w = act_order(16, 256, 64, device=HERE)
     strided = torch.stack([w.perm, w.perm], 1)[:, 0]
     assert strided.stride(0) == 2 and torch.equal(strided, w.perm)
     w2 = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, 64, w.shape, strided)
-    assert dispatch.gathers("auto", _Rows(3, 256), w) and not dispatch.gathers("auto", _Rows(3, 256), w2)
+    x = torch.randn(3, 256, dtype=torch.float16, device=HERE)
+    assert torch.equal(w4a16.matmul(x, w2), w4a16.matmul(x, w))

@@ -8,6 +8,7 @@ import torch
 
 from tilegemm.core.activations import ACTIVATIONS  # noqa: F401 (re-exported as tilegemm.w4a16.ACTIVATIONS)
 from tilegemm.core.launch import plain_call
+from tilegemm.core.runtime import on_device
 from tilegemm.ops.w4a16 import cublas_half, dispatch, op
 from tilegemm.ops.w4a16.checks import call_tensors, check_inputs, replay_key
 from tilegemm.ops.w4a16.format import Int4Weight
@@ -31,38 +32,55 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
     activation = "none" if activation is None else activation
-    # The fast path: a replay of an earlier plain call with the same key (act-order: with perm, read through it
-    # by the kernel, or of x's inputs reordered).
-    key = x2 = perm = tensors = None
+    # The fast path: a replay of an earlier plain call with the same key. Act-order (perm): two replays, x's
+    # inputs reordered by the recorded gather (op.REORDERS, a new x each call), then the product on it.
+    key = x2 = xr = tensors = None
     if type(w) is Int4Weight and type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == w.shape[1] \
             and (w.perm is None or w.perm.device == x.device):
-        x2, perm = _ordered(x if x.dim() == 2 else _rows(x), w, kernel)
+        perm = w.perm
+        x2 = x if x.dim() == 2 else _rows(x)
         if w._frag is None and dispatch.wants_frag(kernel, x2, w):
             w.fragments()  # before the key, which holds the fragments' layouts
         key = replay_key(x2, w, bias, activation, kernel, perm)
         if key is not None:
-            tensors = call_tensors(x2, w, bias, perm)
-            out = op.REPLAYS.replayed(key, tensors)
-            if out is None:  # dequant_cublas: its dequantization replayed, then cuBLAS on the weight it wrote
-                wd = op.DEQUANTS.replayed(key, tensors)
-                out = None if wd is None else cublas_half.forward(x2, wd, bias, activation)
-            if out is not None:
-                return _shaped(out, x)
-            # (None: nothing recorded, or recorded for another device or stream; launched afresh below)
+            if perm is not None:
+                xr = op.REORDERS.replayed(key, (x2, perm))
+            if perm is None or xr is not None:
+                tensors = call_tensors(x2 if xr is None else xr, w, bias)
+                out = op.REPLAYS.replayed(key, tensors)
+                if out is None:  # dequant_cublas: its dequantization replayed, then cuBLAS on the weight it wrote
+                    wd = op.DEQUANTS.replayed(key, tensors)
+                    out = None if wd is None else cublas_half.forward(tensors[0], wd, bias, activation)
+                if out is not None:
+                    return _shaped(out, x)
+            # (None: nothing recorded, or recorded for another device or stream; launched afresh below, on the
+            # reordered x where its gather was replayed)
     check_inputs(x, w, bias, activation, kernel)
-    lead = x.shape[:-1]
+    lead, perm = x.shape[:-1], w.perm
     if x2 is None:
-        x2, perm = _ordered(_rows(x), w, kernel)
+        x2 = _rows(x)
+    plain = plain_call(x2, bias)
+    if perm is not None and xr is None:
+        if not plain:  # autograd, a tracer or a mode sees the reorder (and the gradient goes back through it)
+            xr = x2.index_select(1, perm)
+        elif key is None:
+            xr = _reordered(x2, perm)
+        else:  # recorded as its own replay: the same route, eager or captured into a CUDA graph
+            with op.REORDERS.recording(key, (x2, perm)) as kept:
+                xr = kept(_reordered(x2, perm))
+    if xr is not None:
+        x2 = xr
     # The fragment layout goes along when a fragment kernel is asked for, or may be chosen by auto.
     fweight, fzs = w.fragments() if dispatch.wants_frag(kernel, x2, w) else (None, None)
     p = W4A16Problem(x=x2, qweight=w.qweight, scales=w.scales, zeros=w.zeros, bias=bias, out=None,
-                     group_k=w.group_k, activation=activation, fweight=fweight, fzs=fzs, kernel=kernel, perm=perm)
+                     group_k=w.group_k, activation=activation, fweight=fweight, fzs=fzs, kernel=kernel)
     # Dispatch through torch.ops costs tens of microseconds of host time, more than an M=1 kernel; a call that
     # no tracer, mode or autograd needs to see skips it (as tilegemm.matmul does).
-    if not plain_call(x2, bias):
+    if not plain:
         return op.call(p).reshape(*lead, w.shape[0])
     if key is None:
         return _shaped(dispatch.forward(p), x)
+    tensors = call_tensors(x2, w, bias)
     chosen = dispatch.kernel_for(p)
     if chosen in op.REPLAYED_KERNELS:
         with op.REPLAYS.recording(key, tensors) as kept:
@@ -82,15 +100,12 @@ def _shaped(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[1])
 
 
-def _ordered(x2: torch.Tensor, w: Int4Weight, kernel: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(x2, perm)``: act-order weights hold their rows sorted by group, so x's inputs are taken in that order,
-    by the kernel through ``perm`` (frag_wgmma at small M: :func:`~tilegemm.ops.w4a16.dispatch.gathers`), or
-    else reordered here (``perm`` None); weights in natural order: ``(x2, None)``."""
-    if w.perm is None:
-        return x2, None
-    if dispatch.gathers(kernel, x2, w):
-        return x2, w.perm
-    return x2.index_select(1, w.perm), None
+def _reordered(x2: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``x2[:, perm]`` as a new contiguous tensor, by the Triton gather (docs/w4a16.md, "Act-order")."""
+    from tilegemm.ops.w4a16.reorder import reorder_columns  # (a kernel module: imported when first needed)
+
+    with on_device(x2.device):
+        return reorder_columns(x2, perm)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -55,9 +55,9 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
 
 
 def key_of(x2: torch.Tensor, w, bias, activation: str, kernel: str, perm=None) -> tuple:
-    """The replay key of a call with 2-D activations ``x2`` (already reshaped and, for act-order, permuted, or
-    read through ``perm`` by the kernel): the layouts of every tensor the launch takes (each with its device) and
-    the call's named options."""
+    """The replay key of a call with 2-D activations ``x2`` (already reshaped, in the caller's order) and, for an
+    act-order weight, its ``perm``: the layouts of every tensor the launches take (each with its device) and the
+    call's named options. An act-order call's entries (x reordered, then the product on it) are kept under it."""
     frag = w._frag
     return (kernel, activation, w.group_k, tensor_key(x2), tensor_key(w.qweight), tensor_key(w.scales),
             tensor_key(w.zeros), None if frag is None else (tensor_key(frag[0]), tensor_key(frag[1])),
@@ -76,15 +76,13 @@ def replay_key(x2, w, bias, activation: str, kernel: str, perm=None):
     if not plain_tensor(x2) or not x2.is_cuda or interpreting() or in_graph_tree() or not plain_call(x2, bias):
         return None
     if type(w.qweight) not in PLAIN_TENSOR_TYPES or type(w.scales) not in PLAIN_TENSOR_TYPES \
-            or type(w.zeros) not in PLAIN_TENSOR_TYPES:
+            or type(w.zeros) not in PLAIN_TENSOR_TYPES or perm is not None and type(perm) not in PLAIN_TENSOR_TYPES:
         return None
     return key_of(x2, w, bias, activation, kernel, perm)
 
 
-def call_tensors(x2, w, bias, perm=None) -> tuple:
-    """The tensors a replay takes, the output aside (the fragment layout, when made; act-order's perm, when the
-    kernel reads x through it)."""
+def call_tensors(x2, w, bias) -> tuple:
+    """The tensors a product's replay takes, the output aside (the fragment layout, when made). Of an act-order
+    call, ``x2`` is x reordered (its gather's replay takes ``(x2, perm)``)."""
     parts = (x2, w.qweight, w.scales, w.zeros) + tuple(w._frag or ())
-    if perm is not None:
-        parts += (perm,)
     return parts if bias is None else parts + (bias,)

@@ -22,12 +22,11 @@ GEMV_MAX_M = 2  # elsewhere gemv up to here: one program per row, the second rea
 MMA_MAX_M = 128  # then mma up to here; above, dequant_cublas (cuBLAS's GEMM hides the weight's extra pass)
 
 FRAG_KERNELS = ("frag_wgmma",)  # the kernels that read the weight's fragment layout
-# act-order: frag_wgmma reads x through perm (2-byte loads of random columns, each a 32-byte sector) while all of
-# x fits an SM's L1 beside the ring, so each sector comes from L2 once; above, and in every other kernel, x is
-# reordered by one index_select first (docs/w4a16.md, "Act-order")
-GATHER_MAX_M = 64  # x's rows a program at most (a gathered tile of 64 rows in registers; more spill)
-GATHER_MAX_X = 48 * 1024  # x's elements (M x K) at most: 96 KB of 16-bit x
-GATHER_KERNELS = ("frag_wgmma",)  # the kernels that take perm
+# act-order: x's inputs are reordered by one Triton gather (ops/w4a16/reorder.py), then the kernel auto picks for
+# the natural-order weight runs, at every M: as CUDA graphs that ran 0.85-0.88 of the natural order's speed where
+# frag_wgmma reading x through perm (GATHER) ran 0.70 at M = 1 and less above (docs/w4a16.md, "Act-order").
+# GATHER stays for the op called with perm and kernel="frag_wgmma" named; auto never takes it.
+GATHER_KERNELS = ("frag_wgmma",)  # the kernels that take perm when named
 
 
 def frag_rows(M: int, N: int | None = None) -> bool:
@@ -69,12 +68,11 @@ def wants_frag(kernel: str, x2: torch.Tensor, w) -> bool:
                                       and frag_usable(w.group_k, x2.device, w.shape[-1]))
 
 
-def gathers(kernel: str, x2: torch.Tensor, w) -> bool:
-    """Whether a call with 2-D activations ``x2`` and act-order weight ``w`` reads x through ``w.perm`` in the kernel
-    (frag_wgmma, asked for or chosen by auto, up to GATHER_MAX_M rows and GATHER_MAX_X elements of x) rather than
-    on a reordered copy. A perm that is not contiguous (a valid weight may hold a strided view) is reordered by."""
-    M, K = x2.shape
-    return M <= GATHER_MAX_M and M * K <= GATHER_MAX_X and w.perm.stride(0) == 1 and wants_frag(kernel, x2, w)
+def gathers(p: W4A16Problem) -> bool:
+    """Whether call ``p`` (its ``perm`` set: the op called with it) reads x through perm in the kernel: only where
+    a kernel that takes perm is named and perm is contiguous (a valid weight may hold a strided view, which the
+    kernel does not read); ``auto`` and the other kernels run on x reordered first."""
+    return p.perm is not None and p.kernel in GATHER_KERNELS and p.perm.stride(0) == 1
 
 
 def kernel_for(p: W4A16Problem) -> str:
@@ -97,10 +95,14 @@ def forward(p: W4A16Problem) -> torch.Tensor:
     if p.x.shape[1] == 0:  # K = 0: the product is zero, as torch's (Linear(0, N) returns its bias)
         pre = torch.zeros(p.N, device=p.x.device) if p.bias is None else p.bias.float()
         return out.copy_(torch_activation(pre, p.activation).to(out.dtype).expand(p.M, p.N))
-    x = p.x if p.x.stride(-1) == 1 else p.x.contiguous()
     kernel, perm = kernel_for(p), p.perm
-    if perm is not None and kernel not in GATHER_KERNELS:  # a kernel that reads x as it lies: reordered first
-        x, perm = x.index_select(1, perm), None
+    if perm is not None and not gathers(p):  # x's inputs reordered first (see GATHER_KERNELS), any strides
+        from tilegemm.ops.w4a16.reorder import reorder_columns  # (a kernel module: imported when first needed)
+
+        with on_device(p.x.device):
+            x, perm = reorder_columns(p.x, perm), None
+    else:
+        x = p.x if p.x.stride(-1) == 1 else p.x.contiguous()
     p = W4A16Problem(x=x, qweight=p.qweight, scales=p.scales, zeros=p.zeros, bias=p.bias, out=out,
                      group_k=p.group_k, activation=p.activation,
                      upcast=x.dtype == torch.bfloat16 and interpreting(), fweight=p.fweight, fzs=p.fzs,

@@ -19,6 +19,9 @@ from tilegemm.ops.w4a16.problem import W4A16Problem
 # the family then runs the cuBLAS half itself (tilegemm.ops.w4a16.cublas_half), so core never calls back into it.
 REPLAYS = ReplayCache("w4a16")
 DEQUANTS = ReplayCache("w4a16_dequant")
+# Of an act-order call REORDERS keeps the gather of x's inputs (ops/w4a16/reorder.py), the reordered x as its
+# output, under the call's key; the family replays it, then the product (REPLAYS or DEQUANTS) on that x.
+REORDERS = ReplayCache("w4a16_reorder")
 REPLAYED_KERNELS = ("gemv", "mma", "frag_wgmma")  # whole calls that are one Triton launch
 
 
