@@ -1,6 +1,7 @@
 """Greedy decoding of a Llama-architecture model with 4-bit weights (``tilegemm.nn.quantize_``), random weights.
 
     python examples/llama_decode.py                  # GPU: Llama-3-8B shapes, as many layers as fit (<= 32)
+    python examples/llama_decode.py --arch qwen2     # GPU: Qwen2-7B shapes (a second architecture)
     python examples/llama_decode.py --layers 8 --prompt 512 --new 128 --batches 1,16
     python examples/llama_decode.py --tiny           # CI: a tiny config on the CPU under Triton's interpreter
     python examples/llama_decode.py --checkpoint DIR # a 4-bit GPTQ/AWQ checkpoint directory (from_pretrained)
@@ -30,14 +31,16 @@ import tilegemm  # first: it settles Triton's backend (compiler or interpreter) 
 
 import torch
 
-from tilegemm.models.llama import (Decoder, agreement, build, dequantized_copy_into, greedy, layers_that_fit,
+from tilegemm.models.llama import (ARCHS, Decoder, agreement, build, dequantized_copy_into, greedy, layers_that_fit,
                                    quantized_copy)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny config on the CPU (interpreter), no timing claims")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: as many as fit, <= 32)")
+    parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama",
+                        help="llama: Llama-3-8B's shapes (default); qwen2: Qwen2-7B's, from transformers' Qwen2Config")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: as many as fit)")
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512; --tiny 8)")
     parser.add_argument("--new", type=int, default=None, help="generated tokens (default 128; --tiny 4)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16; --tiny 1,2)")
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in (args.batches or ("1,2" if args.tiny else "1,16")).split(",")]
     group = args.group_size or (32 if args.tiny else 128)
     if device == "cuda" and not args.checkpoint:
-        args.layers = layers_that_fit(args.layers)
+        args.layers = layers_that_fit(args.layers, args.arch)
     torch.manual_seed(0)
 
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, device "
@@ -83,12 +86,13 @@ def main(argv=None) -> int:
               f"{cfg.vocab_size}, {cfg.num_hidden_layers} layers; fp16: its int4 weights dequantized")
         group = qmodel.config.quantization_config.get("group_size")
     else:
-        model = build(tiny=args.tiny, layers=args.layers, device=device)
+        model = build(tiny=args.tiny, layers=args.layers, device=device, arch=args.arch)
         cfg = model.config
-        print(f"model: Llama, hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, heads "
+        full = ARCHS[args.arch][2]
+        print(f"model: {type(model).__name__}, hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, heads "
               f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} KV, vocab {cfg.vocab_size}, "
-              f"{cfg.num_hidden_layers} layers{'' if args.tiny or cfg.num_hidden_layers == 32 else ' (of 32: what fits)'}"
-              f", random fp16 weights")
+              f"{cfg.num_hidden_layers} layers"
+              f"{'' if args.tiny or cfg.num_hidden_layers == full else f' (of {full}: what fits)'}, random fp16 weights")
         qmodel = quantized_copy(model, group)
     from tilegemm.nn import Int4Linear
 

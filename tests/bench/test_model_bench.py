@@ -51,6 +51,36 @@ def test_llama_tiny_sweep(tmp_path, capsys):
     assert "model llama: a tiny Llama" in capsys.readouterr().out
 
 
+def test_qwen2_tiny_sweep_is_a_second_architecture(tmp_path, capsys):
+    pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
+    data = _bench_json(tmp_path, "--op", "w4a16", "--model", "qwen2", "--sweep", "tiny")
+    meta = data["meta"]
+    assert meta["op"] == "w4a16:qwen2" and meta["model"] == "qwen2"
+    assert meta["model_description"].startswith("a tiny Qwen2 ") and "2 layers" in meta["model_description"]
+    rows = _check_rows(data, "tokens/s", ["b1 eager", "b2 eager"])
+    assert all(rows[(label, "auto")]["rel_err"] > 0 for label in ("b1 eager", "b2 eager"))
+    assert "model qwen2: a tiny Qwen2" in capsys.readouterr().out
+
+
+def test_the_second_architecture_is_qwen2_with_4bit_biased_projections():
+    pytest.importorskip("transformers")
+    import tilegemm.nn
+    from tilegemm.models import llama
+
+    torch.manual_seed(0)
+    model = llama.build(tiny=True, device="cpu", arch="qwen2")
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    int4 = llama.quantized_copy(model, llama.TINY_GROUP)
+    q = int4.model.layers[0].self_attn.q_proj
+    assert isinstance(q, tilegemm.nn.Int4Linear) and q.bias is not None  # Qwen2's q/k/v carry biases
+    assert not isinstance(int4.lm_head, tilegemm.nn.Int4Linear)
+    with pytest.raises(ValueError, match="unknown architecture 'gpt2': choose one of llama, qwen2"):
+        llama.build(tiny=True, arch="gpt2")
+    # the layer estimate follows each architecture's shapes (Llama-3-8B's layer is 436 MB in fp16)
+    assert llama._layer_gib(llama.LLAMA3_8B) == pytest.approx(0.406, abs=0.002)
+    assert llama._layer_gib(llama.QWEN2_7B) == pytest.approx(0.434, abs=0.002)
+
+
 def test_resnet_tiny_sweep(tmp_path, capsys):
     data = _bench_json(tmp_path, "--op", "conv2d", "--model", "resnet50", "--sweep", "tiny")
     meta = data["meta"]
@@ -80,9 +110,9 @@ def test_files_are_named_after_the_model(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["--op", "w4a16", "--model", "gpt"], "op w4a16 has no model 'gpt'; choose one of: llama"),
+        (["--op", "w4a16", "--model", "gpt"], "op w4a16 has no model 'gpt'; choose one of: llama, qwen2"),
         (["--model", "llama"], "op matmul has no model entries; those there are: --op conv2d --model resnet50, "
-                               "--op w4a16 --model llama"),
+                               "--op w4a16 --model llama, --op w4a16 --model qwen2"),
         (["--op", "w4a16", "--model", "llama", "--kernels", "grouped"], "--kernels takes all or auto, not 'grouped'"),
         (["--op", "conv2d", "--model", "resnet50", "--layout", "TN"], "--layout TN does not apply to --model resnet50"),
         (["--op", "conv2d", "--model", "resnet50", "--mode", "bwd"], "--mode bwd does not apply to --model resnet50"),
@@ -131,7 +161,7 @@ def test_missing_libraries_name_the_extra(monkeypatch, capsys):
 
 
 def test_model_entries_are_listed_and_built():
-    assert sorted(model_entries()) == [("conv2d", "resnet50"), ("w4a16", "llama")]
+    assert sorted(model_entries()) == [("conv2d", "resnet50"), ("w4a16", "llama"), ("w4a16", "qwen2")]
     op = bench_op("w4a16").model_bench("llama", layers=3)
     assert op.name == "w4a16:llama" and op.layers == 3 and op.kernel_names() == ["auto"]
     with pytest.raises(BenchError, match="no model 'llama'"):
@@ -191,6 +221,19 @@ def test_llama_gpu_cases_two_layers():
     for row in result.rows:
         assert row.status == "ok", (row.shape, row.kernel, row.status, row.rel_err, row.message)
         assert row.kernel == BASELINE or (row.ratio and row.rel_err > 0)
+
+
+@pytest.mark.gpu
+def test_qwen2_gpu_cases_two_layers():
+    pytest.importorskip("transformers")
+    from tilegemm.models.bench import Qwen2DecodeBench
+
+    op = Qwen2DecodeBench(layers=2)
+    cases = op.cases("decode")
+    result = run_bench(op, cases[:1], "fp16", ["auto"], warmup_ms=5, rep_ms=30, sweep="decode")
+    assert "Qwen2-7B shapes" in result.meta["model_description"] and "2 layers (of 28)" in result.meta["model_description"]
+    for row in result.rows:
+        assert row.status == "ok", (row.shape, row.kernel, row.status, row.rel_err, row.message)
 
 
 @pytest.mark.gpu

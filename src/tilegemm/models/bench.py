@@ -50,6 +50,7 @@ class LlamaDecodeBench(ModelBench):
 
     name = "w4a16:llama"
     model = "llama"
+    arch, title, full_config = "llama", "Llama", "llama3-8b"  # llama.ARCHS's key; the descriptions' words
     metric = "tokens/s"
     baseline_name = "fp16 (dequantized int4)"
     cpu_baseline_name = "fp16 (dequantized int4), CPU"
@@ -89,8 +90,8 @@ class LlamaDecodeBench(ModelBench):
         except ImportError as err:
             raise BenchError(str(err)) from None
         if not tiny and interpreting():
-            raise BenchError("--model llama at Llama-3-8B's shapes needs a CUDA GPU; under the interpreter run "
-                             "--sweep tiny")
+            raise BenchError(f"--model {self.model} at {llama.arch_of(self.arch)[3]}'s shapes needs a CUDA GPU; "
+                             "under the interpreter run --sweep tiny")
 
     def _case(self, batch: int, mode: str, tiny: bool, x: float) -> Case:
         if self.checkpoint is not None:
@@ -100,8 +101,8 @@ class LlamaDecodeBench(ModelBench):
         if tiny:
             layers, prompt, config = llama.TINY_LAYERS, self.TINY_PROMPT, "tiny"
         else:
-            self.layers = llama.layers_that_fit(self.layers)
-            layers, prompt, config = self.layers, self.GPU_PROMPT, "llama3-8b"
+            self.layers = llama.layers_that_fit(self.layers, self.arch)
+            layers, prompt, config = self.layers, self.GPU_PROMPT, self.full_config
         dims = dict(batch=batch, prompt=prompt, layers=layers, mode=mode, config=config)
         return Case(f"b{batch} {mode}", dims, float(x))
 
@@ -128,10 +129,11 @@ class LlamaDecodeBench(ModelBench):
                     f"baseline and reference: the same model in fp16 with the int4 weights dequantized. Timed: one "
                     f"greedy decode step at position {d['prompt']}, after the {d['prompt']}-token prompt; {modes}")
         tiny = d["config"] == "tiny"
-        shapes, full = (llama.TINY, llama.TINY_LAYERS) if tiny else (llama.LLAMA3_8B, llama.LLAMA3_8B_LAYERS)
+        _, full_shapes, full_layers, full_name = llama.arch_of(self.arch)
+        shapes, full = (llama.TINY, llama.TINY_LAYERS) if tiny else (full_shapes, full_layers)
         layers = f"{d['layers']} layers" + ("" if tiny or d["layers"] == full else
                                             f" (of {full}{': what fits' if self._fitted else ''})")
-        return (f"{'a tiny Llama' if tiny else 'Llama-3-8B shapes'} (hidden {shapes['hidden_size']}, intermediate "
+        return (f"{'a tiny ' + self.title if tiny else full_name + ' shapes'} (hidden {shapes['hidden_size']}, intermediate "
                 f"{shapes['intermediate_size']}, heads {shapes['num_attention_heads']}/"
                 f"{shapes['num_key_value_heads']} KV, vocab {shapes['vocab_size']}), {layers}, random fp16 weights; "
                 f"int4: tilegemm.nn.quantize_ g{self._group(tiny)}, every Linear but lm_head; baseline and reference: "
@@ -159,7 +161,7 @@ class LlamaDecodeBench(ModelBench):
                 return self._built[1:]
             tiny = dims["config"] == "tiny"
             with _seeded(device):
-                fp16 = llama.build(tiny=tiny, layers=dims["layers"], device=device)
+                fp16 = llama.build(tiny=tiny, layers=dims["layers"], device=device, arch=self.arch)
             int4 = llama.quantized_copy(fp16, self._group(tiny))
             llama.dequantized_copy_into(fp16, int4)
             self._built = (key, fp16, int4)
@@ -196,6 +198,15 @@ class LlamaDecodeBench(ModelBench):
         # 6.3e-4 at batch 1, 5.8e-4 at batch 2; its bound leaves the same margin (~3x) as the GPU's.
         return 2e-2 if not interpreting() else 2e-3
 
+
+
+class Qwen2DecodeBench(LlamaDecodeBench):
+    """:class:`LlamaDecodeBench` on a second architecture: Qwen2-7B's shapes built from ``transformers.Qwen2Config``
+    (biases on q, k and v, whose 4-bit Linears then add them in their epilogues; a 152k vocabulary)."""
+
+    name = "w4a16:qwen2"
+    model = "qwen2"
+    arch, title, full_config = "qwen2", "Qwen2", "qwen2-7b"
 
 def _forward(model, x: torch.Tensor, mode: str):
     """A function computing ``model(x)`` in ``mode`` (:attr:`ResNet50Bench.MODES`). ``graph``: three eager

@@ -1,4 +1,4 @@
-"""A Llama-architecture model with random weights, 4-bit through ``tilegemm.nn.quantize_``, and greedy decoding
+"""A Llama-architecture model (or Qwen2's: ``ARCHS``) with random weights, 4-bit through ``tilegemm.nn.quantize_``, and greedy decoding
 with a static KV cache: eager, replayed from a CUDA graph, or compiled by ``torch.compile`` and replayed.
 
 ``examples/llama_decode.py`` decodes with it; ``tilegemm bench --op w4a16 --model llama``
@@ -19,11 +19,21 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=
                  vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
 LLAMA3_8B_LAYERS = 32
 LLAMA3_8B_GROUP = 128
+# Qwen2-7B's shapes: a second architecture (q, k and v projections with biases, a 152k vocabulary, 28 layers).
+QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+                vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False)
+QWEN2_7B_LAYERS = 28
 # Small enough for Triton's interpreter; a group of 32 divides every Linear's in_features (64, 128).
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
             max_position_embeddings=256)
 TINY_LAYERS = 2
 TINY_GROUP = 32
+# The architectures build() makes: (transformers config class, full-size shapes, their decoder layers, the name
+# the descriptions use). Both run through the same static-cache decoder.
+ARCHS = {
+    "llama": ("LlamaConfig", LLAMA3_8B, LLAMA3_8B_LAYERS, "Llama-3-8B"),
+    "qwen2": ("Qwen2Config", QWEN2_7B, QWEN2_7B_LAYERS, "Qwen2-7B"),
+}
 
 INSTALL = "pip install 'tilegemm[models]'"
 
@@ -36,20 +46,29 @@ def require_transformers() -> None:
         raise ImportError(f"the Llama model needs transformers: {INSTALL}") from None
 
 
-def build(tiny: bool = False, layers: int | None = None, device="cpu"):
-    """``transformers.LlamaForCausalLM`` in fp16 with random weights (normal, std = initializer_range), in eval
-    mode on ``device``: Llama-3-8B's shapes with ``layers`` decoder layers (default 32), or the tiny config
-    (default 2 layers). The weights come from torch's random generator: seed it first for a fixed model."""
-    require_transformers()
-    from transformers import LlamaConfig, LlamaForCausalLM
+def arch_of(arch: str):
+    """(config class name, full shapes, full layers, display name) of ``arch``; ValueError naming the choices."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}: choose one of {', '.join(ARCHS)}")
+    return ARCHS[arch]
 
-    shapes, default = (TINY, TINY_LAYERS) if tiny else (LLAMA3_8B, LLAMA3_8B_LAYERS)
-    cfg = LlamaConfig(**shapes, num_hidden_layers=layers or default)
+
+def build(tiny: bool = False, layers: int | None = None, device="cpu", arch: str = "llama"):
+    """The ``arch`` causal LM (``llama``: ``LlamaForCausalLM``; ``qwen2``: ``Qwen2ForCausalLM``) in fp16 with random
+    weights (normal, std = initializer_range), in eval mode on ``device``: the full model's shapes
+    (Llama-3-8B, Qwen2-7B) with ``layers`` decoder layers (default all), or the tiny config (default 2 layers).
+    The weights come from torch's random generator: seed it first for a fixed model."""
+    require_transformers()
+    import transformers
+
+    cls, full, full_layers, _ = arch_of(arch)
+    shapes, default = (TINY, TINY_LAYERS) if tiny else (full, full_layers)
+    cfg = getattr(transformers, cls)(**shapes, num_hidden_layers=layers or default)
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float16)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg)
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
     finally:
         torch.set_default_dtype(old)
     return model.eval()
@@ -64,14 +83,24 @@ def quantized_copy(model, group_size: int):
                                  filter=lambda name, m: "lm_head" not in name)
 
 
-def layers_that_fit(requested: int | None = None) -> int:
-    """Llama-3-8B layers that fit (``requested`` if given): an fp16 layer (436 MB) twice while the copy is made
-    (then its int4 form, about 125 MB), the embedding and lm_head in fp16 twice (4.2 GB) and room for the KV
-    cache and activations."""
+def _layer_gib(shapes: dict) -> float:
+    """One decoder layer's fp16 weights in GiB (attention with grouped KV heads, the gated MLP)."""
+    h, i = shapes["hidden_size"], shapes["intermediate_size"]
+    kv = h // shapes["num_attention_heads"] * shapes["num_key_value_heads"]
+    return 2 * (2 * h * h + 2 * h * kv + 3 * h * i) / 2**30
+
+
+def layers_that_fit(requested: int | None = None, arch: str = "llama") -> int:
+    """The full-size ``arch``'s layers that fit (``requested`` if given): an fp16 layer (Llama-3-8B's 436 MB)
+    twice while the copy is made (then its int4 form, about a quarter), the embedding and lm_head in fp16 twice
+    and room for the KV cache and activations."""
     if requested:
         return requested
+    _, shapes, full_layers, _ = arch_of(arch)
+    embed_gib = 2 * 2 * shapes["vocab_size"] * shapes["hidden_size"] * 2 / 2**30  # both models' embed + lm_head
     free, _ = torch.cuda.mem_get_info()
-    return max(1, min(LLAMA3_8B_LAYERS, int((free / 2**30 - 4.2 - 8.0) / 0.9)))  # deepcopy: two fp16 layers at once
+    per_layer = 2 * _layer_gib(shapes) + 0.05  # deepcopy: two fp16 layers at once; the int4 copy's quarter
+    return max(1, min(full_layers, int((free / 2**30 - embed_gib - 8.0) / per_layer)))
 
 
 def forward(model, ids, past=None, position=None):

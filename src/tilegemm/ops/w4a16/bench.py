@@ -125,7 +125,8 @@ class W4A16Bench(BenchOp):
     cpu_sweep = "tiny"
     shape_help = ("M,N,K[,G][,sym][,act] (e.g. 16,8192,8192 or 3,5120,5120,32,sym; G the group size, 128 unless "
                   "given, -1 all of K; K a multiple of it)")
-    models = {"llama": "tilegemm.models.bench:LlamaDecodeBench"}  # decode tokens/s of a 4-bit Llama vs fp16
+    # decode tokens/s of a 4-bit model vs the same in fp16: Llama-3-8B's shapes, and Qwen2-7B's (a second architecture)
+    models = {"llama": "tilegemm.models.bench:LlamaDecodeBench", "qwen2": "tilegemm.models.bench:Qwen2DecodeBench"}
 
     def parse_shape(self, text: str) -> Case:
         from tilegemm.ops.w4a16.format import GROUP_SIZES
