@@ -166,7 +166,7 @@ def test_a_failing_case_is_reported_in_one_line_and_the_sweep_goes_on(inline, mo
                        on_note=notes.append)
     meta = result.meta["precompile"]
     assert meta["workers"] == 2 and meta["cases"] == 3 and meta["precompiled"] == 2 and meta["wall_s"] >= 0
-    assert meta["failed"] == [dict(case=bad, message="inputs: RuntimeError: compiler crashed")]
+    assert meta["failed"] == [dict(case=bad, message="inputs: RuntimeError: compiler crashed ... second line")]
     failed = [n for n in notes if bad in n]
     assert len(failed) == 1 and "\n" not in failed[0] and "compiler crashed" in failed[0]
     assert any(n.startswith("precompile: 2/3 cases compiled by 2 workers") for n in notes)

@@ -12,8 +12,8 @@ they leave is only Triton's cache, whose entries are keyed by everything that ma
 could not compile (an exception, or the worker died) is reported in one line and simply compiled by the bench
 process when it reaches it.
 
-This module imports neither torch nor triton at its top: a spawned worker imports it first, and sets its
-environment before they load.
+This module imports neither torch nor triton at its top. The workers' environment is set by the bench process
+before they are spawned, since a spawned interpreter imports the bench's main module (and torch) first.
 """
 
 from __future__ import annotations
@@ -76,7 +76,10 @@ def triton_cache_dir() -> str | None:
 
 
 def _message(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else ""
+    """One line: the exception's type, its first and (where there are more) last non-empty lines (a Triton
+    CompilationError's first line is only the source position; the error itself comes last)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " ... ".join(lines[:1] + lines[-1:]) if len(lines) > 1 else "".join(lines)
     return f"{type(exc).__name__}: {text}"[:300]
 
 
@@ -109,31 +112,53 @@ def compile_cases(op, cases, dtype: str, kernels: list[str], options: dict, devi
             except Exception as exc:  # noqa: BLE001 - reported; the bench process compiles it when it gets there
                 errors.append(f"{kernel}: {_message(exc)}")
         del inputs
+        report(index, errors)  # first: a faulted context raises again in the cleanup below
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()  # J workers share the GPU's memory: hold only the case at hand
-        report(index, errors)
 
 
 def _worker(op_name: str, cases, dtype: str, kernels: list[str], options: dict, device: str,
             cache_dir: str | None, conn) -> None:
-    """A spawned worker's body: its environment first, then :func:`compile_cases`, each case's outcome sent to
-    the bench process as ``(index, errors)`` (a failure before the first case as ``(None, message)``)."""
+    """A spawned worker's body: :func:`compile_cases`, each case's outcome sent to the bench process as
+    ``(index, errors)``, a failure outside a case as ``(None, message)``. Its environment (``TILEGEMM_TUNE=0``,
+    the cache folder) was set by the bench process before the spawn (:func:`_worker_env`): the spawned
+    interpreter imports the bench's main module, and with it torch and triton, before this body runs."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the bench process, which stops the workers
-    os.environ["TILEGEMM_TUNE"] = "0"  # timing under J workers' contention must choose and record nothing
+    os.environ["TILEGEMM_TUNE"] = "0"  # (already inherited; kept for a caller that spawns this body itself)
     if cache_dir:
-        os.environ["TRITON_CACHE_DIR"] = cache_dir  # the bench process's cache, wherever it was set
+        os.environ["TRITON_CACHE_DIR"] = cache_dir
     try:
         from tilegemm.bench.base import bench_op
 
         op = bench_op(op_name)
         compile_cases(op, cases, dtype, kernels, options, device, lambda i, errors: conn.send((i, errors)))
-    except Exception as exc:  # noqa: BLE001 - a worker that cannot start: its cases are reported as failed
+    except Exception as exc:  # noqa: BLE001 - a worker that could not start, or failed between cases
         conn.send((None, _message(exc)))
     finally:
         conn.close()
+
+
+class _worker_env:
+    """The workers' environment, set in the bench process around their spawn (spawn copies ``os.environ`` when a
+    process starts) and restored after: no timing under contention (``TILEGEMM_TUNE=0``), the bench process's
+    Triton cache folder."""
+
+    def __init__(self, cache_dir: str | None):
+        self.values = {"TILEGEMM_TUNE": "0", **({"TRITON_CACHE_DIR": cache_dir} if cache_dir else {})}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.values}
+        os.environ.update(self.values)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _context():
@@ -161,7 +186,8 @@ def run_workers(op_name: str, cases: list, dtype: str, kernels: list[str], optio
             proc = ctx.Process(target=_worker, daemon=True,
                                args=(op_name, [(i, cases[i]) for i in share], dtype, kernels, options, device,
                                      cache_dir, send))
-            proc.start()
+            with _worker_env(cache_dir):
+                proc.start()
             send.close()  # the worker holds the only sending end: its exit ends the stream
             procs.append(proc)
             pending[recv] = (w, proc)
@@ -198,7 +224,9 @@ def run_workers(op_name: str, cases: list, dtype: str, kernels: list[str], optio
                 if outcome[i]:
                     failed.append(dict(case=cases[i].label, message="; ".join(outcome[i])))
             else:
-                why = (f"worker could not start: {setup[w]}" if w in setup
+                started = any(j in outcome for j in share)
+                why = ((f"worker failed after its case {max(j for j in share if j in outcome) + 1}: {setup[w]}"
+                        if started else f"worker could not start: {setup[w]}") if w in setup
                        else f"worker exited with code {code} before finishing it")
                 failed.append(dict(case=cases[i].label, message=why))
     for f in failed:
