@@ -124,7 +124,8 @@ def depthwise_fwd_config(g: Geometry, dtype: torch.dtype) -> dict:
 # rows Triton's pipeliner with 3 stages (more bytes in flight), below it loads held a row ahead in registers (fewer
 # instructions a row).
 # docs/conv2d.md, "Configs".
-DEPTHWISE_ROWS_MAX_TAPS = 25
+DEPTHWISE_ROWS_MAX_TAPS = 25  # auto's cap: 49 sends stride-1 7x7 forwards here (two elements a thread, 4 warps)
+DEPTHWISE_ROWS_CONFIG_MAX_TAPS = 49  # a config's: 7x7 at two elements a thread fits sm_90's registers (see below)
 _DEPTHWISE_PIPELINE_ROWS = 48
 
 
@@ -169,6 +170,38 @@ def depthwise_strided_rows_config(g: Geometry, dtype: torch.dtype) -> dict | Non
     if not STRIDED_ROWS_AUTO or g.stride == (1, 1) or g.R * g.S > STRIDED_ROWS_MAX_AUTO_TAPS:
         return None
     return depthwise_strided_rows_tile(g, dtype)
+
+
+# depthwise_window_kernel (stride 1, dilation 1): a thread holds QT adjacent output columns of VEC channels, loads
+# the QT + S - 1 input columns under them once a row and keeps R*S weights, R*QT accumulators and the window in
+# registers (R*S*V + R*QT*V + (QT + S - 1)*V fp32 values a thread, V its channels). By construction it issues
+# (QT + S - 1) / QT loads an output column a row where the row kernel issues S, and a weight register serves QT
+# outputs, not one. Not timed yet (tools/conv2d_depthwise_candidates.py, docs/conv2d.md "Depthwise window
+# kernel"): auto keeps the row kernel (up to 5x5) and the pixel kernel (7x7) until DEPTHWISE_WINDOW_AUTO is set.
+DEPTHWISE_WINDOW_MAX_TAPS = 49
+DEPTHWISE_WINDOW_AUTO = False  # True: stride-1 forwards of more than DEPTHWISE_WINDOW_AUTO_MIN_TAPS taps take it
+DEPTHWISE_WINDOW_AUTO_MIN_TAPS = 9  # 5x5 and 7x7 (and other filters past 3x3)
+
+
+def depthwise_window_tile(g: Geometry, dtype: torch.dtype) -> dict:
+    """A config of depthwise_window_kernel whatever the rule says: one channel a thread (2-byte loads, a warp's 32
+    channels one 64-byte run; fewest weight registers: R*S), 4 columns a thread up to 5x5 filters, 8 past them
+    (the window's S - 1 extra columns amortized), 16 rows a program; small blocks under the interpreter."""
+    if interpreting():
+        return dict(QT=2, BLOCK_G=2, BLOCK_C=16, WINDOW_ROWS=4, VEC=1, STAGES=1, num_warps=1)
+    qt = 4 if g.R * g.S <= 25 else 8
+    return dict(QT=qt, BLOCK_G=4, BLOCK_C=32, WINDOW_ROWS=16, VEC=1, STAGES=1, num_warps=4)
+
+
+def depthwise_window_config(g: Geometry, dtype: torch.dtype) -> dict | None:
+    """depthwise_window_kernel's config where ``auto`` runs it (:data:`DEPTHWISE_WINDOW_AUTO`, stride and dilation
+    1, more than :data:`DEPTHWISE_WINDOW_AUTO_MIN_TAPS` and at most :data:`DEPTHWISE_WINDOW_MAX_TAPS` taps), else
+    None."""
+    taps = g.R * g.S
+    if (not DEPTHWISE_WINDOW_AUTO or g.stride != (1, 1) or g.dilation != (1, 1)
+            or not DEPTHWISE_WINDOW_AUTO_MIN_TAPS < taps <= DEPTHWISE_WINDOW_MAX_TAPS):
+        return None
+    return depthwise_window_tile(g, dtype)
 
 
 def depthwise_config(g: Geometry, dtype: torch.dtype) -> dict:
