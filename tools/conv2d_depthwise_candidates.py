@@ -5,8 +5,9 @@ no bias), ordered so the kinds that lose most come first (strided, then stride-1
 1024 channels or more, the other 3x3s; within a kind spread over the sizes): cuDNN (``F.conv2d`` with
 ``torch.backends.cudnn.benchmark``), ``auto`` (``tilegemm.conv2d``) and each candidate config of the depthwise
 kernels that takes the layer (``depthwise_strided_rows_kernel`` at 8, 4 and 2 elements a thread, pipelined or
-not; ``depthwise_strided_tile_kernel`` by filter size; ``depthwise_rows_kernel`` at 2 elements a thread: see
-``CANDIDATES``; 3 to 5 a layer). Each candidate's output is checked against ``F.conv2d`` (the conv2d bench's
+not; ``depthwise_strided_tile_kernel`` by filter size; ``depthwise_rows_kernel`` at 2 elements a thread, and on
+stride-1 filters past 3x3 (5x5, 7x7) also at 1 and 2 with the weight read tap-major; ``depthwise_window_kernel``
+at 4 and 8 columns a thread of one channel, 2 of two: see ``CANDIDATES``; 3 to 9 a layer). Each candidate's output is checked against ``F.conv2d`` (the conv2d bench's
 fp16 bound, ``reference.tolerance``) before it is timed; all are timed as CUDA-graph replays (up to 20 calls a
 graph, about 2 ms a replay, rotating through input sets that overflow L2 twice; the median of 5 rounds of
 replays), ratio = cuDNN's time / the candidate's. Triton compiles run ahead in a pool of processes (compiled,
@@ -15,7 +16,13 @@ and stops at ``--budget`` seconds; prints a table last: per kind, the geomean ra
 layer's best candidate, and each candidate's geomean over the layers it ran.
 
     PYTHONPATH=src python3 tools/conv2d_depthwise_candidates.py --out $OUT/depthwise-candidates.json
-        [--budget 150] [--limit N] [--workers 12] [--kinds strided,5x5]
+        [--budget 150] [--limit N] [--workers 12] [--kinds strided,5x5] [--candidates rows2,win8t]
+
+The stride-1 5x5 and 7x7 layers only (57: 12 7x7, 45 5x5; 7x7 first), every candidate that takes them (rows2,
+rows2t, rows1t, win4, win4t, win8t, win2v2t; srows2 and tile7 on 7x7), ``auto`` and cuDNN, in under 4 minutes:
+
+    PYTHONPATH=src python3 tools/conv2d_depthwise_candidates.py --filter large-s1 --budget 200 \
+        --out $OUT/depthwise-large-s1.json
 
 ``--smoke``: a check that the tool runs, on the CPU under Triton's interpreter (batch 1, at most 16 channels
 and 8x8 images, one call timed by the clock; the pool's warm-up path runs in-process instead):
@@ -44,17 +51,42 @@ KINDS = ("strided", "5x5", "7x7", "odd-C", "large-C", "3x3")
 # keep their weights for 2 columns: 3x3 16 outputs a thread in 202 registers, 5x5 8 in 228 with 8-byte
 # vectors, 7x7 4 in 198 with 4-byte ones); the stride-1 row kernel at 2 elements a thread (fewer weights in
 # registers than auto's 4: 96 registers at 5x5 against 172). Register counts: ptxas for sm_90, fp16.
+#
+# Stride-1 filters past 3x3 (the row kernel up to 7x7 by config; the window kernel; docs/conv2d.md, "Depthwise
+# window kernel"): "t" reads the weight rewritten tap-major (a second launch, coalesced weight loads). rows2 at 7x7
+# 164 registers, rows1 (one element a thread) 96; win4 (4 columns a thread, one channel) 72 at 5x5 and 110 at 7x7,
+# win8 109 and 146, win2v2 (2 columns of 2 channels, 4-byte loads) 163 at 7x7. The strided kernels' 5x5 configs
+# lost to rows2 on every stride-1 5x5 layer (2f092e8/): they run on strided layers only.
+def _s1(L: dict) -> bool:
+    return L["stride"] == [1, 1] and L["dilation"] == [1, 1]
+
+
+def _large_s1(L: dict) -> bool:
+    return _s1(L) and 9 < L["R"] * L["S"] <= 49
+
+
 CANDIDATES = {
     "srows8": (dict(BLOCK=512, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 9),
-    "srows4": (dict(BLOCK=256, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 25),
+    "srows4": (dict(BLOCK=256, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 9 or
+               (not _s1(L) and L["R"] * L["S"] <= 25)),
     "srows8-pipe": (dict(BLOCK=512, STAGES=3, num_warps=2), lambda L: L["R"] * L["S"] <= 9),
-    "srows4-pipe": (dict(BLOCK=256, STAGES=3, num_warps=2), lambda L: 9 < L["R"] * L["S"] <= 25),
-    "srows2": (dict(BLOCK=256, STAGES=1, num_warps=4), lambda L: L["R"] * L["S"] > 9),
+    "srows4-pipe": (dict(BLOCK=256, STAGES=3, num_warps=2), lambda L: not _s1(L) and 9 < L["R"] * L["S"] <= 25),
+    "srows2": (dict(BLOCK=256, STAGES=1, num_warps=4), lambda L: L["R"] * L["S"] > 25 or
+               (not _s1(L) and L["R"] * L["S"] > 9)),
     "tile3": (dict(BLOCK_Q=32, BLOCK_C=32, VEC=8, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 9),
-    "tile5": (dict(BLOCK_Q=16, BLOCK_C=32, VEC=4, STAGES=1, num_warps=2), lambda L: 9 < L["R"] * L["S"] <= 25),
+    "tile5": (dict(BLOCK_Q=16, BLOCK_C=32, VEC=4, STAGES=1, num_warps=2),
+              lambda L: not _s1(L) and 9 < L["R"] * L["S"] <= 25),
     "tile7": (dict(BLOCK_Q=16, BLOCK_C=16, VEC=2, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] > 25),
-    "rows2": (dict(BLOCK=256, ROWS_PER=32, num_warps=4),
-              lambda L: L["stride"] == [1, 1] and L["dilation"] == [1, 1] and L["R"] * L["S"] <= 25),
+    "rows2": (dict(BLOCK=256, ROWS_PER=32, num_warps=4), lambda L: _s1(L) and L["R"] * L["S"] <= 49),
+    "rows2t": (dict(BLOCK=256, ROWS_PER=32, num_warps=4, TAP_MAJOR=True), _large_s1),
+    "rows1t": (dict(BLOCK=128, ROWS_PER=32, num_warps=4, TAP_MAJOR=True), _large_s1),
+    "win4": (dict(QT=4, BLOCK_G=4, BLOCK_C=32, WINDOW_ROWS=16, VEC=1, STAGES=1, num_warps=4), _large_s1),
+    "win4t": (dict(QT=4, BLOCK_G=4, BLOCK_C=32, WINDOW_ROWS=16, VEC=1, STAGES=1, num_warps=4, TAP_MAJOR=True),
+              _large_s1),
+    "win8t": (dict(QT=8, BLOCK_G=4, BLOCK_C=32, WINDOW_ROWS=32, VEC=1, STAGES=1, num_warps=4, TAP_MAJOR=True),
+              _large_s1),
+    "win2v2t": (dict(QT=2, BLOCK_G=4, BLOCK_C=64, WINDOW_ROWS=32, VEC=2, STAGES=1, num_warps=4, TAP_MAJOR=True),
+                _large_s1),
 }
 
 
@@ -119,12 +151,19 @@ def out_rows(L: dict) -> int:
     return (L["H"] + 2 * L["padding"][0] - L["dilation"][0] * (L["R"] - 1) - 1) // L["stride"][0] + 1
 
 
+SELECTED: set | None = None  # --candidates: the names timed (None: all)
+
+
 def candidate_names(L: dict) -> list[str]:
-    return [name for name, (_, takes) in CANDIDATES.items() if takes(L)]
+    return [name for name, (_, takes) in CANDIDATES.items() if takes(L) and (SELECTED is None or name in SELECTED)]
 
 
 def _config(name: str, L: dict, smoke: bool) -> dict:
     cfg = dict(CANDIDATES[name][0])
+    if "QT" in cfg:  # the window kernel
+        if smoke:
+            cfg.update(BLOCK_G=2, BLOCK_C=16, WINDOW_ROWS=4)
+        return cfg
     if smoke:  # interpreter: small blocks, one row group or a few
         if "BLOCK" in cfg:
             cfg["BLOCK"] = 32
@@ -277,11 +316,25 @@ def main() -> int:
                     "running then")
     ap.add_argument("--limit", type=int, default=None, help="at most this many layers")
     ap.add_argument("--kinds", default=",".join(KINDS), help="kinds of layer, in order: " + ",".join(KINDS))
+    ap.add_argument("--filter", default=None, help="a preset of layers: 'large-s1' = the stride-1 5x5 and 7x7 "
+                    "layers (--kinds 7x7,5x5), 7x7 first")
+    ap.add_argument("--candidates", default=None, help="comma-separated candidate names to time (default: all "
+                    "that take a layer): " + ",".join(CANDIDATES))
     ap.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 4)),
                     help="processes compiling ahead (0: none)")
     ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny layers: that the tool runs")
     args = ap.parse_args()
     t0 = time.time()
+    global SELECTED
+    if args.filter is not None:
+        if args.filter != "large-s1":
+            ap.error(f"unknown --filter {args.filter!r}; known: large-s1")
+        args.kinds = "7x7,5x5"
+    if args.candidates:
+        SELECTED = set(args.candidates.split(","))
+        bad = sorted(SELECTED - set(CANDIDATES))
+        if bad:
+            ap.error(f"unknown candidates {bad}; known: {list(CANDIDATES)}")
     kinds = [k for k in args.kinds.split(",") if k]
     bad = [k for k in kinds if k not in KINDS]
     if bad:
