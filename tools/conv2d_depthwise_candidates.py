@@ -7,8 +7,9 @@ no bias), ordered so the kinds that lose most come first (strided, then stride-1
 kernels that takes the layer (``depthwise_strided_rows_kernel`` at 8, 4 and 2 elements a thread, pipelined or
 not; ``depthwise_strided_tile_kernel`` by filter size; ``depthwise_rows_kernel`` at 2 elements a thread, and on
 stride-1 filters past 3x3 (5x5, 7x7) also at 1 and 2 with the weight read tap-major; ``depthwise_window_kernel``
-at 4 and 8 columns a thread of one channel, 2 of two: see ``CANDIDATES``; 3 to 9 a layer). Each candidate's output is checked against ``F.conv2d`` (the conv2d bench's
-fp16 bound, ``reference.tolerance``) before it is timed; all are timed as CUDA-graph replays (up to 20 calls a
+at 4 and 8 columns a thread of one channel, 2 of two, 4 with the next row loaded ahead: see ``CANDIDATES``; 3
+to 9 a layer). Each candidate's output is checked against ``F.conv2d`` (the conv2d bench's fp16 bound,
+``reference.tolerance``) before it is timed; all are timed as CUDA-graph replays (up to 20 calls a
 graph, about 2 ms a replay, rotating through input sets that overflow L2 twice; the median of 5 rounds of
 replays), ratio = cuDNN's time / the candidate's. Triton compiles run ahead in a pool of processes (compiled,
 not launched; the cache on disk is shared), so timing waits on few. Writes ``--out`` (JSON) after every layer
@@ -19,7 +20,7 @@ layer's best candidate, and each candidate's geomean over the layers it ran.
         [--budget 150] [--limit N] [--workers 12] [--kinds strided,5x5] [--candidates rows2,win8t]
 
 The stride-1 5x5 and 7x7 layers only (57: 12 7x7, 45 5x5; 7x7 first), every candidate that takes them (rows2,
-rows2t, rows1t, win4, win4t, win8t, win2v2t; srows2 and tile7 on 7x7), ``auto`` and cuDNN, in under 4 minutes:
+rows2t, rows1t, win4t, win4ta, win8t, win2v2t; srows2 and tile7 on 7x7), ``auto`` and cuDNN, in under 4 minutes:
 
     PYTHONPATH=src python3 tools/conv2d_depthwise_candidates.py --filter large-s1 --budget 200 \
         --out $OUT/depthwise-large-s1.json
@@ -55,7 +56,9 @@ KINDS = ("strided", "5x5", "7x7", "odd-C", "large-C", "3x3")
 # Stride-1 filters past 3x3 (the row kernel up to 7x7 by config; the window kernel; docs/conv2d.md, "Depthwise
 # window kernel"): "t" reads the weight rewritten tap-major (a second launch, coalesced weight loads). rows2 at 7x7
 # 164 registers, rows1 (one element a thread) 96; win4 (4 columns a thread, one channel) 72 at 5x5 and 110 at 7x7,
-# win8 109 and 146, win2v2 (2 columns of 2 channels, 4-byte loads) 163 at 7x7. The strided kernels' 5x5 configs
+# win8 109 and 146, win2v2 (2 columns of 2 channels, 4-byte loads) 163 at 7x7; "a": the next row's window loaded
+# ahead (135 at 7x7). The window configs are configs.depthwise_window_tile's for the layer (its column groups
+# and channel block follow the image's width and the channels), these its keywords. The strided kernels' 5x5 configs
 # lost to rows2 on every stride-1 5x5 layer (2f092e8/): they run on strided layers only.
 def _s1(L: dict) -> bool:
     return L["stride"] == [1, 1] and L["dilation"] == [1, 1]
@@ -80,13 +83,10 @@ CANDIDATES = {
     "rows2": (dict(BLOCK=256, ROWS_PER=32, num_warps=4), lambda L: _s1(L) and L["R"] * L["S"] <= 49),
     "rows2t": (dict(BLOCK=256, ROWS_PER=32, num_warps=4, TAP_MAJOR=True), _large_s1),
     "rows1t": (dict(BLOCK=128, ROWS_PER=32, num_warps=4, TAP_MAJOR=True), _large_s1),
-    "win4": (dict(QT=4, BLOCK_G=4, BLOCK_C=32, WINDOW_ROWS=16, VEC=1, STAGES=1, num_warps=4), _large_s1),
-    "win4t": (dict(QT=4, BLOCK_G=4, BLOCK_C=32, WINDOW_ROWS=16, VEC=1, STAGES=1, num_warps=4, TAP_MAJOR=True),
-              _large_s1),
-    "win8t": (dict(QT=8, BLOCK_G=4, BLOCK_C=32, WINDOW_ROWS=32, VEC=1, STAGES=1, num_warps=4, TAP_MAJOR=True),
-              _large_s1),
-    "win2v2t": (dict(QT=2, BLOCK_G=4, BLOCK_C=64, WINDOW_ROWS=32, VEC=2, STAGES=1, num_warps=4, TAP_MAJOR=True),
-                _large_s1),
+    "win4t": (dict(qt=4), _large_s1),
+    "win4ta": (dict(qt=4, ahead=True), _large_s1),
+    "win8t": (dict(qt=8), _large_s1),
+    "win2v2t": (dict(qt=2, vec=2), _large_s1),
 }
 
 
@@ -160,10 +160,17 @@ def candidate_names(L: dict) -> list[str]:
 
 def _config(name: str, L: dict, smoke: bool) -> dict:
     cfg = dict(CANDIDATES[name][0])
-    if "QT" in cfg:  # the window kernel
+    if "qt" in cfg:  # the window kernel: configs.depthwise_window_tile's for the layer
+        from tilegemm.ops.conv2d.configs import depthwise_window_tile
+        from tilegemm.ops.conv2d.problem import geometry_of
+
+        (ph, pw), dil = L["padding"], list(L["dilation"])
+        g = geometry_of((1, L["C"], L["H"], L["W"]), (L["K"], 1, L["R"], L["S"]), list(L["stride"]),
+                        [ph, ph, pw, pw], dil, L["C"])
+        window = depthwise_window_tile(g, torch.float16, **cfg)
         if smoke:
-            cfg.update(BLOCK_G=2, BLOCK_C=16, WINDOW_ROWS=4)
-        return cfg
+            window.update(BLOCK_G=2, BLOCK_C=16, WINDOW_ROWS=4)
+        return window
     if smoke:  # interpreter: small blocks, one row group or a few
         if "BLOCK" in cfg:
             cfg["BLOCK"] = 32
@@ -410,7 +417,8 @@ def main() -> int:
         xs, w, ref, calls = make_calls(L, batch, device, sets, smoke)
         row = dict(label=name, kind=kind(L), layer={k: L[k] for k in ("C", "K", "H", "W", "R", "S", "stride",
                                                                       "padding", "dilation")},
-                   models=L["models"], us={}, ratio={}, error={}, failed={})
+                   models=L["models"], us={}, ratio={}, error={}, failed={},
+                   configs={n: _config(n, L, smoke) for n in candidate_names(L)})
         for cname, fn in calls.items():
             try:
                 out = fn(0)

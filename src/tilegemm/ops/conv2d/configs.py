@@ -183,14 +183,37 @@ DEPTHWISE_WINDOW_AUTO = False  # True: stride-1 forwards of more than DEPTHWISE_
 DEPTHWISE_WINDOW_AUTO_MIN_TAPS = 9  # 5x5 and 7x7 (and other filters past 3x3)
 
 
-def depthwise_window_tile(g: Geometry, dtype: torch.dtype) -> dict:
-    """A config of depthwise_window_kernel whatever the rule says: one channel a thread (2-byte loads, a warp's 32
-    channels one 64-byte run; fewest weight registers: R*S), 4 columns a thread up to 5x5 filters, 8 past them
-    (the window's S - 1 extra columns amortized), 16 rows a program; small blocks under the interpreter."""
+def depthwise_window_blocks(Q: int, K: int, qt: int, vec: int, threads: int = 128) -> tuple[int, int]:
+    """(BLOCK_G, BLOCK_C) of a depthwise_window_kernel program of ``threads`` threads, ``vec`` channels and ``qt``
+    columns a thread: 4, 2 or 1 column groups, whichever pads the image's columns and channels least (a 7-wide
+    image fills one group of 8 columns: four would leave three idle), the channel block no wider than the
+    channels' power of two unless it is one warp's."""
+    groups = cdiv(Q, qt)
+    best = None
+    for bg in (4, 2, 1):
+        bc = threads * vec // bg
+        if bg < 4 and bc > _pow2_at_least(K, 1, 1 << 30):
+            continue
+        padded = cdiv(groups, bg) * bg * cdiv(K, bc) * bc
+        if best is None or padded < best[0]:
+            best = (padded, bg, bc)
+    return best[1], best[2]
+
+
+def depthwise_window_tile(g: Geometry, dtype: torch.dtype, qt: int | None = None, vec: int = 1,
+                          tap_major: bool = True, ahead: bool = False) -> dict:
+    """A config of depthwise_window_kernel whatever the rule says: by default one channel a thread (2-byte loads,
+    a warp's 32 channels one 64-byte run; fewest weight registers: R*S), 4 columns a thread up to 5x5 filters, 8
+    past them (the window's S - 1 extra columns amortized; ptxas, sm_90, fp16: 110 and 146 registers at 7x7),
+    the weight read tap-major (coalesced), 32 rows a program at most; small blocks under the interpreter."""
+    if qt is None:
+        qt = 4 if g.R * g.S <= 25 else 8
     if interpreting():
-        return dict(QT=2, BLOCK_G=2, BLOCK_C=16, WINDOW_ROWS=4, VEC=1, STAGES=1, num_warps=1)
-    qt = 4 if g.R * g.S <= 25 else 8
-    return dict(QT=qt, BLOCK_G=4, BLOCK_C=32, WINDOW_ROWS=16, VEC=1, STAGES=1, num_warps=4)
+        return dict(QT=min(qt, 2), BLOCK_G=2, BLOCK_C=16, WINDOW_ROWS=4, VEC=vec, STAGES=1, num_warps=1,
+                    TAP_MAJOR=tap_major, AHEAD=ahead)
+    bg, bc = depthwise_window_blocks(g.Q, g.K, qt, vec)
+    return dict(QT=qt, BLOCK_G=bg, BLOCK_C=bc, WINDOW_ROWS=32, VEC=vec, STAGES=1, num_warps=4,
+                TAP_MAJOR=tap_major, AHEAD=ahead)
 
 
 def depthwise_window_config(g: Geometry, dtype: torch.dtype) -> dict | None:

@@ -470,6 +470,17 @@ def depthwise_strided_tile_kernel(
         accs = _roll_down_like(accs, A)
 
 
+@triton.jit
+def _window_row(x_img, h, H, stride_xh, C, ok_i, WIDTH: tl.constexpr):
+    """Input row ``h``'s WIDTH window columns as loaded (zeros outside the image)."""
+    row_ok = (h >= 0) & (h < H)
+    src = x_img + h * stride_xh
+    row = ()
+    for i in tl.static_range(WIDTH):
+        row = row + (tl.load(src + i * C, mask=ok_i[i] & row_ok, other=0.0),)
+    return row
+
+
 # Stride 1, dilation 1, register-blocked along the row: a thread holds QT adjacent output columns of its channels
 # (one [BLOCK_G groups, BLOCK_C channels] tensor a column: column g*QT + j of the tuple's entry j), so the QT + S - 1
 # input columns under them are loaded once a row and each feeds up to S taps from registers (the row kernels load S
@@ -485,7 +496,7 @@ def depthwise_window_kernel(
     stride_wk, stride_wr, stride_ws, stride_b, pad_h, pad_w,
     MULT: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DIV: tl.constexpr, CL_OUT: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, QT: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, QT: tl.constexpr, STAGES: tl.constexpr, AHEAD: tl.constexpr,
 ):
     # One grid axis: channel blocks fastest, then column blocks, row groups, images.
     pid = tl.program_id(0)
@@ -532,17 +543,26 @@ def depthwise_window_kernel(
 
     # Iteration t reads input row h = p0 - pad_h + t (its QT + S - 1 window columns) into the output rows
     # p0 + t - r it feeds (accs[r*QT + j]: filter row r, column j); row p0 + t - (R - 1) is then complete.
+    # AHEAD: the next row's window loaded before this row's taps (held in registers as loaded), so its loads are
+    # in flight during them: Triton's pipeliner (STAGES) copies only loads of 4 bytes or more a thread.
     T = p1 - p0 + R - 1
     accs = ()
     for a in tl.static_range(R * QT):
         accs = accs + (tl.zeros((BLOCK_G, BLOCK_C), dtype=tl.float32),)
+    ring = ()
+    if AHEAD:
+        ring = _window_row(x_img, p0 - pad_h, H, stride_xh, C, ok_i, QT + S - 1)
     for t in tl.range(0, T, num_stages=STAGES):
-        h = p0 - pad_h + t
-        row_ok = (h >= 0) & (h < H)
-        src = x_img + h * stride_xh
-        xs = ()
-        for i in tl.static_range(QT + S - 1):
-            xs = xs + (tl.load(src + i * C, mask=ok_i[i] & row_ok, other=0.0).to(tl.float32),)
+        if AHEAD:
+            xs = ()
+            for i in tl.static_range(QT + S - 1):
+                xs = xs + (ring[i].to(tl.float32),)
+            ring = _window_row(x_img, p0 - pad_h + t + 1, H, stride_xh, C, ok_i, QT + S - 1)
+        else:
+            row = _window_row(x_img, p0 - pad_h + t, H, stride_xh, C, ok_i, QT + S - 1)
+            xs = ()
+            for i in tl.static_range(QT + S - 1):
+                xs = xs + (row[i].to(tl.float32),)
         new = ()
         for r in tl.static_range(R):
             for j in tl.static_range(QT):
@@ -804,8 +824,9 @@ def window_apply(g: Geometry, x: torch.Tensor) -> bool:
 def _run_window(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> torch.Tensor:
     """The forward by :func:`depthwise_window_kernel` (config keys ``QT``: output columns a thread, ``BLOCK_G``
     groups of them and ``BLOCK_C`` channels a program, ``WINDOW_ROWS``: output rows a program at most, balanced
-    over the image's, ``VEC``: channels a thread's vector at most); one launch, the weight read as it lies (with
-    ``TAP_MAJOR``: rewritten tap-major first, :func:`_weight_for`)."""
+    over the image's, ``VEC``: channels a thread's vector at most, ``AHEAD``: the next row loaded before this
+    one's taps); one launch, the weight read as it lies (with ``TAP_MAJOR``: rewritten tap-major first,
+    :func:`_weight_for`)."""
     g = p.geo
     most = cfg.pop("WINDOW_ROWS")
     tap_major = cfg.pop("TAP_MAJOR", False)
@@ -817,6 +838,7 @@ def _run_window(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -
     groups = cdiv(g.P, most)
     rows_per = cdiv(g.P, groups)  # runtime: any image height and balance compile nothing new
     cl_out = out.stride(1) == 1 and (out.stride(3) == g.K or g.Q == 1)
+    cfg.setdefault("AHEAD", False)
     div = cfg.pop("VEC", 8)
     for v in (g.C, x.stride(0), x.stride(2)) + ((out.stride(0), out.stride(2)) if cl_out else ()):
         div = min(div, _divisor(v))
