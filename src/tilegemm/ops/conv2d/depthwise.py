@@ -591,9 +591,19 @@ def depthwise_dgrad_kernel(
     stride_xn, stride_xh, stride_xw, stride_xc,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr, INDEX_64: tl.constexpr, DIV: tl.constexpr,
+    DIV_Y: tl.constexpr, DIV_X: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # This program: input pixels [BM] x input channels [BN]; each gathers the output pixels covering it.
+    # Pixel strides of dy and dx in units of DIV_Y and DIV_X, as depthwise_fwd_kernel's: 16-byte loads and
+    # stores along the channels where C is a multiple of 8 but not of 16 (docs/conv2d.md, "Depthwise pixel
+    # kernel's load widths").
+    stride_yn = stride_yn * DIV_Y
+    stride_yp = stride_yp * DIV_Y
+    stride_yq = stride_yq * DIV_Y
+    stride_xn = stride_xn * DIV_X
+    stride_xh = stride_xh * DIV_X
+    stride_xw = stride_xw * DIV_X
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if INDEX_64:
@@ -635,9 +645,17 @@ def depthwise_wgrad_kernel(
     stride_dk, stride_dr, stride_dss,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr, INDEX_64: tl.constexpr, DIV: tl.constexpr,
+    DIV_Y: tl.constexpr, DIV_X: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # This program: channels [BN] of one tap (axis 1), summed over one slice of output pixels (axis 2).
+    # Pixel strides in units of DIV_Y and DIV_X, as in depthwise_dgrad_kernel.
+    stride_yn = stride_yn * DIV_Y
+    stride_yp = stride_yp * DIV_Y
+    stride_yq = stride_yq * DIV_Y
+    stride_xn = stride_xn * DIV_X
+    stride_xh = stride_xh * DIV_X
+    stride_xw = stride_xw * DIV_X
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tap = tl.program_id(1)
     part = tl.program_id(2)
@@ -921,6 +939,16 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     return out
 
 
+def _pixel_strides(t: torch.Tensor) -> tuple:
+    """((n, h, w) strides of ``t`` divided by ``div``, its channel stride), ``div``): ``div`` the power of two
+    (at most 8) dividing the pixel strides, which a gradient kernel multiplies back as a constant so that its
+    channel runs load 16 bytes at a time where C is a multiple of 8 (1 where a stride passes 32 bits: Triton
+    passes it as int64, where the product in the kernel would not be)."""
+    n, h, w, c = _nhwc_strides(t)
+    div = min(8, *(_divisor(v) for v in (n, h, w))) if max(n, h, w) < 2**31 else 1
+    return (n // div, h // div, w // div, c), div
+
+
 def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry,
           config: dict | None = None) -> torch.Tensor:
     """grad of x for a depthwise convolution: ``[N, C, H, W]`` in ``x_format``."""
@@ -929,10 +957,12 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
     cfg = dict(config or depthwise_config(g, dy.dtype))
     M = g.N * g.H * g.W
     index_64 = max(dx.numel(), dy.numel()) >= 2**31 - 1
-    args = (dy, weight, dx, g.H, g.W, g.P, g.Q, g.C, M, g.K // g.C, *_nhwc_strides(dy), *_w_strides(weight),
-            *_nhwc_strides(dx), *_conv_args(g))
+    (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(dx)
+    args = (dy, weight, dx, g.H, g.W, g.P, g.Q, g.C, M, g.K // g.C, *ys, *_w_strides(weight), *xs,
+            *_conv_args(g))
     grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.C, cfg["BLOCK_N"]))
-    launch(depthwise_dgrad_kernel, grid, args, dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.C), **cfg))
+    launch(depthwise_dgrad_kernel, grid, args, dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.C),
+                                                    DIV_Y=div_y, DIV_X=div_x, **cfg))
     return dx
 
 
@@ -952,9 +982,10 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     else:
         ws, count = dw, dw  # unused
     index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
-    args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, npq, g.K // g.C, slice_len, *_nhwc_strides(dy),
-            *_nhwc_strides(x), dw.stride(0), dw.stride(2), dw.stride(3), *_conv_args(g))
-    flags = dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.K), SPLIT=split, **cfg)
+    (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(x)
+    args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, npq, g.K // g.C, slice_len, *ys, *xs,
+            dw.stride(0), dw.stride(2), dw.stride(3), *_conv_args(g))
+    flags = dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.K), DIV_Y=div_y, DIV_X=div_x, SPLIT=split, **cfg)
     # The workspace is this stream's: a replay passes it as recorded and declines on another stream.
     launch(depthwise_wgrad_kernel, grid, args, flags, keep=(ws, count) if split > 1 else (),
            stream=current_stream() if split > 1 and dy.is_cuda else None)
