@@ -316,7 +316,7 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=float, default=150.0, help="seconds from the start; stops after the layer "
@@ -330,13 +330,14 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 4)),
                     help="processes compiling ahead (0: none)")
     ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny layers: that the tool runs")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     t0 = time.time()
     global SELECTED
     if args.filter is not None:
         if args.filter != "large-s1":
             ap.error(f"unknown --filter {args.filter!r}; known: large-s1")
         args.kinds = "7x7,5x5"
+    SELECTED = None
     if args.candidates:
         SELECTED = set(args.candidates.split(","))
         bad = sorted(SELECTED - set(CANDIDATES))

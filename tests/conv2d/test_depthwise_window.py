@@ -8,6 +8,7 @@ and spills compiled offline for sm_90. GPU tests at the zoo's sizes in fp16 and 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,28 @@ def test_large_filter_candidates_at_zoo_sizes(C, H, R, name, dtype, device):
     out = depthwise.run(p, cfg)
     ref = F.relu(F.conv2d(x.float(), w.float(), b.float(), 1, R // 2, 1, C))
     assert_rel_close(out, ref, 4e-3 if dtype == torch.float16 else 1.6e-2)
+
+
+def test_candidates_tool_smoke_run_over_the_large_stride_1_layers(tmp_path, capsys):
+    # tools/conv2d_depthwise_candidates.py --filter large-s1 on the interpreter: 7x7 first, every candidate checked
+    import importlib.util
+
+    from tilegemm.core.runtime import interpreting
+
+    if not interpreting():
+        pytest.skip("the tool's smoke run is the interpreter's")
+    path = Path(__file__).resolve().parents[2] / "tools" / "conv2d_depthwise_candidates.py"
+    spec = importlib.util.spec_from_file_location("conv2d_depthwise_candidates", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "dw.json"
+    rc = tool.main(["--smoke", "--filter", "large-s1", "--limit", "1", "--candidates", "rows2t,win8t",
+                    "--out", str(out)])
+    doc = json.loads(out.read_text())
+    (row,) = doc["layers"]
+    assert rc == 0 and row["kind"] == "7x7" and not row["failed"]
+    assert set(row["us"]) == {"cudnn", "auto", "rows2t", "win8t"}
+    assert row["configs"]["win8t"]["QT"] >= 1 and row["configs"]["rows2t"]["TAP_MAJOR"]
+    assert "candidate" in capsys.readouterr().out.splitlines()[-4]  # the table comes last
+    names = {n for L in tool.ordered_layers(("7x7", "5x5")) for n, (_, takes) in tool.CANDIDATES.items() if takes(L)}
+    assert {"rows2", "rows2t", "rows1t", "win4t", "win4ta", "win8t", "win2v2t"} <= names
