@@ -387,8 +387,13 @@ def main(argv: list[str] | None = None) -> int:
             shape = (L["R"], L["S"], tuple(L["stride"]), tuple(L["dilation"]), _divisor(L["C"]),
                      (Q * L["K"]) % 16 == 0, (P * Q * L["K"]) % 16 == 0, (L["W"] * L["C"]) % 16 == 0,
                      P >= 48)
-            names = [n for n in ["auto"] + candidate_names(L) if (n, shape) not in seen]
-            seen.update((n, shape) for n in names)
+            # a candidate's config may follow the layer (the window kernel's blocks), and tap-major weights
+            # specialize on K's divisibility: both part of what one compile covers
+            keys = {n: (n, shape, L["K"] % 16 == 0,
+                        json.dumps(_config(n, L, False), sort_keys=True) if n in CANDIDATES else "")
+                    for n in ["auto"] + candidate_names(L)}
+            names = [n for n, key in keys.items() if key not in seen]
+            seen.update(keys[n] for n in names)
             pending[label(L, batch)] = pool.apply_async(warm, ((L, batch, names, "cuda"),)) if names else None
 
     rows = []

@@ -15,6 +15,10 @@ channel k // MULT (MULT = K / C, the channel multiplier; 1 in MobileNet).
   rows under its next output row once each (S shifted vectors; in a row an output element's tap s is input
   element ``q*STR_W*C + s*DIL_W*C + k``) and adds each into the output rows in flight that read it, so a 3x3
   stride-2 layer loads 6 vectors an output row where the pixel kernel loads 9 taps and 9 weight vectors.
+- Stride 1 by config (:func:`depthwise_window_kernel`; ``auto`` behind ``configs.DEPTHWISE_WINDOW_AUTO``): the row
+  walk register-blocked along the row: a thread holds QT adjacent output columns, so an input row costs it
+  QT + S - 1 loads (each value feeding up to S taps from registers) and a weight register serves QT outputs.
+  The row kernel and it can read the weight rewritten tap-major (config ``TAP_MAJOR``): coalesced weight loads.
 - Otherwise (:func:`depthwise_fwd_kernel`): a program owns [BLOCK_M pixels, BLOCK_N channels] and loads each
   tap's [BM, BN] tile; the weight is read tap-major (``[R, S, K]``, rewritten each call by a small kernel) so
   that a tap's weights are one 16-byte load, and the taps are unrolled. Both are bound by load and issue
