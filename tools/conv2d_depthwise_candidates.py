@@ -7,10 +7,10 @@ no bias), ordered so the kinds that lose most come first (strided, then stride-1
 kernels that takes the layer (``depthwise_strided_rows_kernel`` at 8, 4 and 2 elements a thread, pipelined or
 not; ``depthwise_strided_tile_kernel`` by filter size; ``depthwise_rows_kernel`` at 2 elements a thread, and on
 stride-1 filters past 3x3 (5x5, 7x7) also at 1 and 2 with the weight read tap-major; ``depthwise_window_kernel``
-at 4 and 8 columns a thread of one channel, 2 of two, 4 with the next row loaded ahead: see ``CANDIDATES``; 3
-to 9 a layer). Each candidate's output is checked against ``F.conv2d`` (the conv2d bench's fp16 bound,
-``reference.tolerance``) before it is timed; all are timed as CUDA-graph replays (up to 20 calls a
-graph, about 2 ms a replay, rotating through input sets that overflow L2 twice; the median of 5 rounds of
+at 4 and 8 columns a thread of one channel, 2 of two, 4 and 8 with the next row loaded ahead, registers capped
+or not: see ``CANDIDATES``; 3 to 11 a layer). Each candidate's output is checked against ``F.conv2d`` (the
+conv2d bench's fp16 bound, ``reference.tolerance``) before it is timed; all are timed as CUDA-graph replays (up
+to 20 calls a graph, about 2 ms a replay, rotating through input sets that overflow L2 twice; the median of 5 rounds of
 replays), ratio = cuDNN's time / the candidate's. Triton compiles run ahead in a pool of processes (compiled,
 not launched; the cache on disk is shared), so timing waits on few. Writes ``--out`` (JSON) after every layer
 and stops at ``--budget`` seconds; prints a table last: per kind, the geomean ratio of ``auto`` and of each
@@ -20,7 +20,8 @@ layer's best candidate, and each candidate's geomean over the layers it ran.
         [--budget 150] [--limit N] [--workers 12] [--kinds strided,5x5] [--candidates rows2,win8t]
 
 The stride-1 5x5 and 7x7 layers only (57: 12 7x7, 45 5x5; 7x7 first), every candidate that takes them (rows2,
-rows2t, rows1t, win4t, win4ta, win8t, win2v2t; srows2 and tile7 on 7x7), ``auto`` and cuDNN, in under 4 minutes:
+rows2t, rows1t, win4t, win4ta, win8t, win8ta, win2v2t; win8t-r128, srows2 and tile7 on 7x7), ``auto`` and cuDNN,
+in under 4 minutes:
 
     PYTHONPATH=src python3 tools/conv2d_depthwise_candidates.py --filter large-s1 --budget 200 \
         --out $OUT/depthwise-large-s1.json
@@ -57,8 +58,10 @@ KINDS = ("strided", "5x5", "7x7", "odd-C", "large-C", "3x3")
 # window kernel"): "t" reads the weight rewritten tap-major (a second launch, coalesced weight loads). rows2 at 7x7
 # 164 registers, rows1 (one element a thread) 96; win4 (4 columns a thread, one channel) 72 at 5x5 and 110 at 7x7,
 # win8 109 and 146, win2v2 (2 columns of 2 channels, 4-byte loads) 163 at 7x7; "a": the next row's window loaded
-# ahead (135 at 7x7). The window configs are configs.depthwise_window_tile's for the layer (its column groups
-# and channel block follow the image's width and the channels), these its keywords. The strided kernels' 5x5 configs
+# ahead (135 at 7x7 and QT 4, 233 at QT 8 uncapped). maxnreg caps ptxas (Triton's option): win4ta in 128 (four
+# programs an SM), win8ta in 168 (three) and win8t-r128 (7x7) in 128, none spilling at 7x7. The window configs are
+# configs.depthwise_window_tile's for the layer (its column groups and channel block follow the image's width and
+# the channels), these its keywords. The strided kernels' 5x5 configs
 # lost to rows2 on every stride-1 5x5 layer (2f092e8/): they run on strided layers only.
 def _s1(L: dict) -> bool:
     return L["stride"] == [1, 1] and L["dilation"] == [1, 1]
@@ -84,8 +87,10 @@ CANDIDATES = {
     "rows2t": (dict(BLOCK=256, ROWS_PER=32, num_warps=4, TAP_MAJOR=True), _large_s1),
     "rows1t": (dict(BLOCK=128, ROWS_PER=32, num_warps=4, TAP_MAJOR=True), _large_s1),
     "win4t": (dict(qt=4), _large_s1),
-    "win4ta": (dict(qt=4, ahead=True), _large_s1),
+    "win4ta": (dict(qt=4, ahead=True, maxnreg=128), _large_s1),
     "win8t": (dict(qt=8), _large_s1),
+    "win8t-r128": (dict(qt=8, maxnreg=128), lambda L: _large_s1(L) and L["R"] * L["S"] > 25),
+    "win8ta": (dict(qt=8, ahead=True, maxnreg=168), _large_s1),
     "win2v2t": (dict(qt=2, vec=2), _large_s1),
 }
 

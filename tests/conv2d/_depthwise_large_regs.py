@@ -18,9 +18,10 @@ for name, (C, H, R, cfg) in json.loads(sys.argv[1]).items():
     g = geometry_of(x.shape, w.shape, (1, 1), (pad, pad, pad, pad), (1, 1), C)
     dw.run(ConvProblem(x, w, None, g, torch.float16, torch.channels_last, "none", "ieee", False), cfg)
     kernel, grid, args, kwargs = captured[-1]
-    kw = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+    kw = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages", "maxnreg")}
     sig, ce, at = specialized_signature(kernel, args, kw)
-    _, ptx, info = compile_sm90(kernel, sig, ce, at, kwargs.get("num_warps", 4), gluon=False)
+    more = {"maxnreg": kwargs["maxnreg"]} if "maxnreg" in kwargs else {}
+    _, ptx, info = compile_sm90(kernel, sig, ce, at, kwargs.get("num_warps", 4), gluon=False, **more)
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", info))
     loads = dict(collections.Counter(re.findall(r"\bld\.global\.\S+", ptx)))

@@ -181,6 +181,9 @@ _CANDIDATES = {
                                    TAP_MAJOR=True, AHEAD=False)],
     "win4t-5x5": [2304, 19, 5, dict(QT=4, BLOCK_G=1, BLOCK_C=128, WINDOW_ROWS=32, VEC=1, STAGES=1, num_warps=4,
                                     TAP_MAJOR=True, AHEAD=False)],
+    # the next row loaded ahead at QT 8: 233 registers uncapped, 168 by maxnreg (Triton's option) without spilling
+    "win8ta-7x7": [192, 56, 7, dict(QT=8, BLOCK_G=4, BLOCK_C=32, WINDOW_ROWS=32, VEC=1, STAGES=1, num_warps=4,
+                                    TAP_MAJOR=True, AHEAD=True, maxnreg=168)],
 }
 
 

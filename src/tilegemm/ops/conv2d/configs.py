@@ -201,19 +201,23 @@ def depthwise_window_blocks(Q: int, K: int, qt: int, vec: int, threads: int = 12
 
 
 def depthwise_window_tile(g: Geometry, dtype: torch.dtype, qt: int | None = None, vec: int = 1,
-                          tap_major: bool = True, ahead: bool = False) -> dict:
+                          tap_major: bool = True, ahead: bool = False, maxnreg: int | None = None) -> dict:
     """A config of depthwise_window_kernel whatever the rule says: by default one channel a thread (2-byte loads,
     a warp's 32 channels one 64-byte run; fewest weight registers: R*S), 4 columns a thread up to 5x5 filters, 8
     past them (the window's S - 1 extra columns amortized; ptxas, sm_90, fp16: 110 and 146 registers at 7x7),
-    the weight read tap-major (coalesced), 32 rows a program at most; small blocks under the interpreter."""
+    the weight read tap-major (coalesced), 32 rows a program at most; ``maxnreg`` caps ptxas's registers a thread
+    (128: four programs of 4 warps an SM, 168: three); small blocks under the interpreter."""
     if qt is None:
         qt = 4 if g.R * g.S <= 25 else 8
     if interpreting():
         return dict(QT=min(qt, 2), BLOCK_G=2, BLOCK_C=16, WINDOW_ROWS=4, VEC=vec, STAGES=1, num_warps=1,
                     TAP_MAJOR=tap_major, AHEAD=ahead)
     bg, bc = depthwise_window_blocks(g.Q, g.K, qt, vec)
-    return dict(QT=qt, BLOCK_G=bg, BLOCK_C=bc, WINDOW_ROWS=32, VEC=vec, STAGES=1, num_warps=4,
-                TAP_MAJOR=tap_major, AHEAD=ahead)
+    cfg = dict(QT=qt, BLOCK_G=bg, BLOCK_C=bc, WINDOW_ROWS=32, VEC=vec, STAGES=1, num_warps=4,
+               TAP_MAJOR=tap_major, AHEAD=ahead)
+    if maxnreg is not None:
+        cfg["maxnreg"] = maxnreg
+    return cfg
 
 
 def depthwise_window_config(g: Geometry, dtype: torch.dtype) -> dict | None:
