@@ -140,6 +140,9 @@ def test_auto_keeps_todays_routes_until_switched(R, switch, expect, device, monk
         monkeypatch.setattr(configs, "DEPTHWISE_WINDOW_AUTO", True)
     elif switch == "rows":
         monkeypatch.setattr(configs, "DEPTHWISE_ROWS_MAX_TAPS", 49)
+    from tilegemm.ops.conv2d import op
+
+    op.REPLAYS.clear()  # on a GPU a call like an earlier one replays its launches: decide afresh
     x = _input(1, 8, 5, 6, device)
     w = torch.randn(8, 1, R, R, device=device)
     launched = _launched(monkeypatch)
