@@ -312,12 +312,13 @@ def summary(rows: list[dict]) -> str:
     best_all = geomean(r["ratio"].get(r["best"]) if r.get("best") else None for r in rows)
     lines.append(f"{'all':10} {len(rows):6d} {auto_all or 0:7.3f} {best_all or 0:7.3f}  (ratio = cuDNN / it)")
     lines.append("")
-    lines.append(f"{'candidate':12} {'layers':>6} {'geomean':>8} {'auto on them':>12} {'worst':>7}")
+    lines.append(f"{'candidate':12} {'layers':>6} {'geomean':>8} {'auto on them':>12} {'worst':>7} {'<0.8x':>6}")
     for name in ["auto"] + list(CANDIDATES):
         got = [(r["ratio"][name], r["ratio"].get("auto")) for r in rows if r["ratio"].get(name)]
         if got:
             lines.append(f"{name:12} {len(got):6d} {geomean(a for a, _ in got):8.3f} "
-                         f"{geomean(b for _, b in got) or 0:12.3f} {min(a for a, _ in got):7.3f}")
+                         f"{geomean(b for _, b in got) or 0:12.3f} {min(a for a, _ in got):7.3f} "
+                         f"{sum(a < 0.8 for a, _ in got):6d}")
     return "\n".join(lines)
 
 
