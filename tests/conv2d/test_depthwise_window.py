@@ -134,12 +134,15 @@ def _launched(monkeypatch):
     (7, "window", ["depthwise_weight_kernel", "depthwise_window_kernel"]),  # DEPTHWISE_WINDOW_AUTO (tap-major)
     (5, "window", ["depthwise_weight_kernel", "depthwise_window_kernel"]),
     (7, "rows", ["depthwise_rows_kernel"]),  # DEPTHWISE_ROWS_MAX_TAPS = 49
+    (5, "tap-major", ["depthwise_weight_kernel", "depthwise_rows_kernel"]),  # DEPTHWISE_ROWS_TAP_MAJOR
 ])
 def test_auto_keeps_todays_routes_until_switched(R, switch, expect, device, monkeypatch):
     if switch == "window":
         monkeypatch.setattr(configs, "DEPTHWISE_WINDOW_AUTO", True)
     elif switch == "rows":
         monkeypatch.setattr(configs, "DEPTHWISE_ROWS_MAX_TAPS", 49)
+    elif switch == "tap-major":
+        monkeypatch.setattr(configs, "DEPTHWISE_ROWS_TAP_MAJOR", True)
     from tilegemm.ops.conv2d import op
 
     op.REPLAYS.clear()  # on a GPU a call like an earlier one replays its launches: decide afresh

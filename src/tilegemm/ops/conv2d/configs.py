@@ -127,17 +127,21 @@ def depthwise_fwd_config(g: Geometry, dtype: torch.dtype) -> dict:
 DEPTHWISE_ROWS_MAX_TAPS = 25  # auto's cap: 49 sends stride-1 7x7 forwards here (two elements a thread, 4 warps)
 DEPTHWISE_ROWS_CONFIG_MAX_TAPS = 49  # a config's: 7x7 at two elements a thread fits sm_90's registers (see below)
 _DEPTHWISE_PIPELINE_ROWS = 48
+# True: filters past 3x3 read the weight rewritten tap-major (a second launch; coalesced weight loads, docs/conv2d.md
+# "Depthwise window kernel"). Off until timed (tools/conv2d_depthwise_candidates.py: rows2t against rows2).
+DEPTHWISE_ROWS_TAP_MAJOR = False
 
 
 def depthwise_rows_config(g: Geometry, dtype: torch.dtype) -> dict:
     """depthwise_rows_kernel's config (see above); small blocks under the interpreter."""
     pipeline = g.P >= _DEPTHWISE_PIPELINE_ROWS
+    tap_major = dict(TAP_MAJOR=True) if DEPTHWISE_ROWS_TAP_MAJOR and g.R * g.S > 9 else {}
     if interpreting():
-        return dict(BLOCK=32, ROWS_PER=4, PIPELINE=pipeline, STAGES=1, num_warps=4)
+        return dict(BLOCK=32, ROWS_PER=4, PIPELINE=pipeline, STAGES=1, num_warps=4, **tap_major)
     # filters past 3x3: two elements a thread on 4 warps (half the weights in registers: 96 against 172 at 5x5),
     # faster on the zoo's stride-1 5x5 layers than four a thread (docs/conv2d.md, "Depthwise rows for any stride")
     warps = 2 if g.R * g.S <= 9 else 4
-    return dict(BLOCK=256, ROWS_PER=32, PIPELINE=pipeline, STAGES=3 if pipeline else 1, num_warps=warps)
+    return dict(BLOCK=256, ROWS_PER=32, PIPELINE=pipeline, STAGES=3 if pipeline else 1, num_warps=warps, **tap_major)
 
 
 # depthwise_strided_rows_kernel (any stride and dilation): a program's weights, R*S * BLOCK / threads fp32 values a
