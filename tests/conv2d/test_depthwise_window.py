@@ -109,6 +109,8 @@ def test_configs_refused(device):
         depthwise.run(_problem(x, w, None, (2, 2)), _window(qt=0))
     with pytest.raises(ValueError, match="WINDOW_ROWS must be at least 1"):
         depthwise.run(_problem(x, w, None, (2, 2)), _window(rows=0))
+    with pytest.raises(ValueError, match=r"needs \['BLOCK_C'\]"):
+        depthwise.run(_problem(x, w, None, (2, 2)), dict(QT=2, BLOCK_G=2, WINDOW_ROWS=2))
     big = _problem(_input(1, 8, 12, 12, device), torch.randn(8, 1, 9, 9, device=device), None, (4, 4))
     with pytest.raises(ValueError, match="depthwise_window_kernel does not take"):
         depthwise.run(big, _window())  # 81 taps: past DEPTHWISE_WINDOW_MAX_TAPS

@@ -850,6 +850,9 @@ def _run_window(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -
     one's taps); one launch, the weight read as it lies (with ``TAP_MAJOR``: rewritten tap-major first,
     :func:`_weight_for`)."""
     g = p.geo
+    missing = [key for key in ("QT", "BLOCK_G", "BLOCK_C", "WINDOW_ROWS") if key not in cfg]
+    if missing:
+        raise ValueError(f"a depthwise_window_kernel config needs {missing}; got {sorted(cfg)}")
     most = cfg.pop("WINDOW_ROWS")
     tap_major = cfg.pop("TAP_MAJOR", False)
     for key in ("QT", "BLOCK_G", "BLOCK_C"):
@@ -861,6 +864,7 @@ def _run_window(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -
     rows_per = cdiv(g.P, groups)  # runtime: any image height and balance compile nothing new
     cl_out = out.stride(1) == 1 and (out.stride(3) == g.K or g.Q == 1)
     cfg.setdefault("AHEAD", False)
+    cfg.setdefault("STAGES", 1)
     div = cfg.pop("VEC", 8)
     for v in (g.C, x.stride(0), x.stride(2)) + ((out.stride(0), out.stride(2)) if cl_out else ()):
         div = min(div, _divisor(v))
