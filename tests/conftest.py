@@ -214,10 +214,12 @@ SM90 = textwrap.dedent(
                              "gelu" if epilogue else "none", "ieee", False)[0]
 
 
-    def compile_sm90(kernel, sig, constexprs, attrs, num_warps, num_stages=None, gluon=True):
-        \"\"\"(compiled kernel, its PTX, what ``ptxas -v`` says about it) for sm_90; no GPU needed.\"\"\"
+    def compile_sm90(kernel, sig, constexprs, attrs, num_warps, num_stages=None, gluon=True, **more):
+        \"\"\"(compiled kernel, its PTX, what ``ptxas -v`` says about it) for sm_90; no GPU needed. ``more``: other
+        compile options (``maxnreg``).\"\"\"
         source = (GluonASTSource if gluon else ASTSource)(kernel, sig, constexprs, attrs)
         options = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
+        options.update(more)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = compiled.asm["ptx"]
         from triton.backends.nvidia.compiler import get_ptxas

@@ -5,17 +5,26 @@ no bias), ordered so the kinds that lose most come first (strided, then stride-1
 1024 channels or more, the other 3x3s; within a kind spread over the sizes): cuDNN (``F.conv2d`` with
 ``torch.backends.cudnn.benchmark``), ``auto`` (``tilegemm.conv2d``) and each candidate config of the depthwise
 kernels that takes the layer (``depthwise_strided_rows_kernel`` at 8, 4 and 2 elements a thread, pipelined or
-not; ``depthwise_strided_tile_kernel`` by filter size; ``depthwise_rows_kernel`` at 2 elements a thread: see
-``CANDIDATES``; 3 to 5 a layer). Each candidate's output is checked against ``F.conv2d`` (the conv2d bench's
-fp16 bound, ``reference.tolerance``) before it is timed; all are timed as CUDA-graph replays (up to 20 calls a
-graph, about 2 ms a replay, rotating through input sets that overflow L2 twice; the median of 5 rounds of
+not; ``depthwise_strided_tile_kernel`` by filter size; ``depthwise_rows_kernel`` at 2 elements a thread, and on
+stride-1 filters past 3x3 (5x5, 7x7) also at 1 and 2 with the weight read tap-major; ``depthwise_window_kernel``
+at 4 and 8 columns a thread of one channel, 2 of two, 4 and 8 with the next row loaded ahead, registers capped
+or not: see ``CANDIDATES``; 3 to 11 a layer). Each candidate's output is checked against ``F.conv2d`` (the
+conv2d bench's fp16 bound, ``reference.tolerance``) before it is timed; all are timed as CUDA-graph replays (up
+to 20 calls a graph, about 2 ms a replay, rotating through input sets that overflow L2 twice; the median of 5 rounds of
 replays), ratio = cuDNN's time / the candidate's. Triton compiles run ahead in a pool of processes (compiled,
 not launched; the cache on disk is shared), so timing waits on few. Writes ``--out`` (JSON) after every layer
 and stops at ``--budget`` seconds; prints a table last: per kind, the geomean ratio of ``auto`` and of each
 layer's best candidate, and each candidate's geomean over the layers it ran.
 
     PYTHONPATH=src python3 tools/conv2d_depthwise_candidates.py --out $OUT/depthwise-candidates.json
-        [--budget 150] [--limit N] [--workers 12] [--kinds strided,5x5]
+        [--budget 150] [--limit N] [--workers 12] [--kinds strided,5x5] [--candidates rows2,win8t]
+
+The stride-1 5x5 and 7x7 layers only (57: 12 7x7, 45 5x5; 7x7 first), every candidate that takes them (rows2,
+rows2t, rows1t, win4t, win4ta, win8t, win8ta, win2v2t; win8t-r128, srows2 and tile7 on 7x7), ``auto`` and cuDNN,
+in under 4 minutes:
+
+    PYTHONPATH=src python3 tools/conv2d_depthwise_candidates.py --filter large-s1 --budget 200 \
+        --out $OUT/depthwise-large-s1.json
 
 ``--smoke``: a check that the tool runs, on the CPU under Triton's interpreter (batch 1, at most 16 channels
 and 8x8 images, one call timed by the clock; the pool's warm-up path runs in-process instead):
@@ -44,17 +53,45 @@ KINDS = ("strided", "5x5", "7x7", "odd-C", "large-C", "3x3")
 # keep their weights for 2 columns: 3x3 16 outputs a thread in 202 registers, 5x5 8 in 228 with 8-byte
 # vectors, 7x7 4 in 198 with 4-byte ones); the stride-1 row kernel at 2 elements a thread (fewer weights in
 # registers than auto's 4: 96 registers at 5x5 against 172). Register counts: ptxas for sm_90, fp16.
+#
+# Stride-1 filters past 3x3 (the row kernel up to 7x7 by config; the window kernel; docs/conv2d.md, "Depthwise
+# window kernel"): "t" reads the weight rewritten tap-major (a second launch, coalesced weight loads). rows2 at 7x7
+# 164 registers, rows1 (one element a thread) 96; win4 (4 columns a thread, one channel) 72 at 5x5 and 110 at 7x7,
+# win8 109 and 146, win2v2 (2 columns of 2 channels, 4-byte loads) 163 at 7x7; "a": the next row's window loaded
+# ahead (135 at 7x7 and QT 4, 233 at QT 8 uncapped). maxnreg caps ptxas (Triton's option): win4ta in 128 (four
+# programs an SM), win8ta in 168 (three) and win8t-r128 (7x7) in 128, none spilling at 7x7. The window configs are
+# configs.depthwise_window_tile's for the layer (its column groups and channel block follow the image's width and
+# the channels), these its keywords. The strided kernels' 5x5 configs
+# lost to rows2 on every stride-1 5x5 layer (2f092e8/): they run on strided layers only.
+def _s1(L: dict) -> bool:
+    return L["stride"] == [1, 1] and L["dilation"] == [1, 1]
+
+
+def _large_s1(L: dict) -> bool:
+    return _s1(L) and 9 < L["R"] * L["S"] <= 49
+
+
 CANDIDATES = {
     "srows8": (dict(BLOCK=512, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 9),
-    "srows4": (dict(BLOCK=256, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 25),
+    "srows4": (dict(BLOCK=256, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 9 or
+               (not _s1(L) and L["R"] * L["S"] <= 25)),
     "srows8-pipe": (dict(BLOCK=512, STAGES=3, num_warps=2), lambda L: L["R"] * L["S"] <= 9),
-    "srows4-pipe": (dict(BLOCK=256, STAGES=3, num_warps=2), lambda L: 9 < L["R"] * L["S"] <= 25),
-    "srows2": (dict(BLOCK=256, STAGES=1, num_warps=4), lambda L: L["R"] * L["S"] > 9),
+    "srows4-pipe": (dict(BLOCK=256, STAGES=3, num_warps=2), lambda L: not _s1(L) and 9 < L["R"] * L["S"] <= 25),
+    "srows2": (dict(BLOCK=256, STAGES=1, num_warps=4), lambda L: L["R"] * L["S"] > 25 or
+               (not _s1(L) and L["R"] * L["S"] > 9)),
     "tile3": (dict(BLOCK_Q=32, BLOCK_C=32, VEC=8, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 9),
-    "tile5": (dict(BLOCK_Q=16, BLOCK_C=32, VEC=4, STAGES=1, num_warps=2), lambda L: 9 < L["R"] * L["S"] <= 25),
+    "tile5": (dict(BLOCK_Q=16, BLOCK_C=32, VEC=4, STAGES=1, num_warps=2),
+              lambda L: not _s1(L) and 9 < L["R"] * L["S"] <= 25),
     "tile7": (dict(BLOCK_Q=16, BLOCK_C=16, VEC=2, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] > 25),
-    "rows2": (dict(BLOCK=256, ROWS_PER=32, num_warps=4),
-              lambda L: L["stride"] == [1, 1] and L["dilation"] == [1, 1] and L["R"] * L["S"] <= 25),
+    "rows2": (dict(BLOCK=256, ROWS_PER=32, num_warps=4), lambda L: _s1(L) and L["R"] * L["S"] <= 49),
+    "rows2t": (dict(BLOCK=256, ROWS_PER=32, num_warps=4, TAP_MAJOR=True), _large_s1),
+    "rows1t": (dict(BLOCK=128, ROWS_PER=32, num_warps=4, TAP_MAJOR=True), _large_s1),
+    "win4t": (dict(qt=4), _large_s1),
+    "win4ta": (dict(qt=4, ahead=True, maxnreg=128), _large_s1),
+    "win8t": (dict(qt=8), _large_s1),
+    "win8t-r128": (dict(qt=8, maxnreg=128), lambda L: _large_s1(L) and L["R"] * L["S"] > 25),
+    "win8ta": (dict(qt=8, ahead=True, maxnreg=168), _large_s1),
+    "win2v2t": (dict(qt=2, vec=2), _large_s1),
 }
 
 
@@ -119,12 +156,26 @@ def out_rows(L: dict) -> int:
     return (L["H"] + 2 * L["padding"][0] - L["dilation"][0] * (L["R"] - 1) - 1) // L["stride"][0] + 1
 
 
+SELECTED: set | None = None  # --candidates: the names timed (None: all)
+
+
 def candidate_names(L: dict) -> list[str]:
-    return [name for name, (_, takes) in CANDIDATES.items() if takes(L)]
+    return [name for name, (_, takes) in CANDIDATES.items() if takes(L) and (SELECTED is None or name in SELECTED)]
 
 
 def _config(name: str, L: dict, smoke: bool) -> dict:
     cfg = dict(CANDIDATES[name][0])
+    if "qt" in cfg:  # the window kernel: configs.depthwise_window_tile's for the layer
+        from tilegemm.ops.conv2d.configs import depthwise_window_tile
+        from tilegemm.ops.conv2d.problem import geometry_of
+
+        (ph, pw), dil = L["padding"], list(L["dilation"])
+        g = geometry_of((1, L["C"], L["H"], L["W"]), (L["K"], 1, L["R"], L["S"]), list(L["stride"]),
+                        [ph, ph, pw, pw], dil, L["C"])
+        window = depthwise_window_tile(g, torch.float16, **cfg)
+        if smoke:
+            window.update(BLOCK_G=2, BLOCK_C=16, WINDOW_ROWS=4)
+        return window
     if smoke:  # interpreter: small blocks, one row group or a few
         if "BLOCK" in cfg:
             cfg["BLOCK"] = 32
@@ -261,27 +312,43 @@ def summary(rows: list[dict]) -> str:
     best_all = geomean(r["ratio"].get(r["best"]) if r.get("best") else None for r in rows)
     lines.append(f"{'all':10} {len(rows):6d} {auto_all or 0:7.3f} {best_all or 0:7.3f}  (ratio = cuDNN / it)")
     lines.append("")
-    lines.append(f"{'candidate':12} {'layers':>6} {'geomean':>8} {'auto on them':>12} {'worst':>7}")
+    lines.append(f"{'candidate':12} {'layers':>6} {'geomean':>8} {'auto on them':>12} {'worst':>7} {'<0.8x':>6}")
     for name in ["auto"] + list(CANDIDATES):
         got = [(r["ratio"][name], r["ratio"].get("auto")) for r in rows if r["ratio"].get(name)]
         if got:
             lines.append(f"{name:12} {len(got):6d} {geomean(a for a, _ in got):8.3f} "
-                         f"{geomean(b for _, b in got) or 0:12.3f} {min(a for a, _ in got):7.3f}")
+                         f"{geomean(b for _, b in got) or 0:12.3f} {min(a for a, _ in got):7.3f} "
+                         f"{sum(a < 0.8 for a, _ in got):6d}")
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=float, default=150.0, help="seconds from the start; stops after the layer "
                     "running then")
     ap.add_argument("--limit", type=int, default=None, help="at most this many layers")
     ap.add_argument("--kinds", default=",".join(KINDS), help="kinds of layer, in order: " + ",".join(KINDS))
+    ap.add_argument("--filter", default=None, help="a preset of layers: 'large-s1' = the stride-1 5x5 and 7x7 "
+                    "layers (--kinds 7x7,5x5), 7x7 first")
+    ap.add_argument("--candidates", default=None, help="comma-separated candidate names to time (default: all "
+                    "that take a layer): " + ",".join(CANDIDATES))
     ap.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 4)),
                     help="processes compiling ahead (0: none)")
     ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny layers: that the tool runs")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     t0 = time.time()
+    global SELECTED
+    if args.filter is not None:
+        if args.filter != "large-s1":
+            ap.error(f"unknown --filter {args.filter!r}; known: large-s1")
+        args.kinds = "7x7,5x5"
+    SELECTED = None
+    if args.candidates:
+        SELECTED = set(args.candidates.split(","))
+        bad = sorted(SELECTED - set(CANDIDATES))
+        if bad:
+            ap.error(f"unknown candidates {bad}; known: {list(CANDIDATES)}")
     kinds = [k for k in args.kinds.split(",") if k]
     bad = [k for k in kinds if k not in KINDS]
     if bad:
@@ -326,8 +393,13 @@ def main() -> int:
             shape = (L["R"], L["S"], tuple(L["stride"]), tuple(L["dilation"]), _divisor(L["C"]),
                      (Q * L["K"]) % 16 == 0, (P * Q * L["K"]) % 16 == 0, (L["W"] * L["C"]) % 16 == 0,
                      P >= 48)
-            names = [n for n in ["auto"] + candidate_names(L) if (n, shape) not in seen]
-            seen.update((n, shape) for n in names)
+            # a candidate's config may follow the layer (the window kernel's blocks), and tap-major weights
+            # specialize on K's divisibility: both part of what one compile covers
+            keys = {n: (n, shape, L["K"] % 16 == 0,
+                        json.dumps(_config(n, L, False), sort_keys=True) if n in CANDIDATES else "")
+                    for n in ["auto"] + candidate_names(L)}
+            names = [n for n, key in keys.items() if key not in seen]
+            seen.update(keys[n] for n in names)
             pending[label(L, batch)] = pool.apply_async(warm, ((L, batch, names, "cuda"),)) if names else None
 
     rows = []
@@ -357,7 +429,8 @@ def main() -> int:
         xs, w, ref, calls = make_calls(L, batch, device, sets, smoke)
         row = dict(label=name, kind=kind(L), layer={k: L[k] for k in ("C", "K", "H", "W", "R", "S", "stride",
                                                                       "padding", "dilation")},
-                   models=L["models"], us={}, ratio={}, error={}, failed={})
+                   models=L["models"], us={}, ratio={}, error={}, failed={},
+                   configs={n: _config(n, L, smoke) for n in candidate_names(L)})
         for cname, fn in calls.items():
             try:
                 out = fn(0)

@@ -124,19 +124,24 @@ def depthwise_fwd_config(g: Geometry, dtype: torch.dtype) -> dict:
 # rows Triton's pipeliner with 3 stages (more bytes in flight), below it loads held a row ahead in registers (fewer
 # instructions a row).
 # docs/conv2d.md, "Configs".
-DEPTHWISE_ROWS_MAX_TAPS = 25
+DEPTHWISE_ROWS_MAX_TAPS = 25  # auto's cap: 49 sends stride-1 7x7 forwards here (two elements a thread, 4 warps)
+DEPTHWISE_ROWS_CONFIG_MAX_TAPS = 49  # a config's: 7x7 at two elements a thread fits sm_90's registers (see below)
 _DEPTHWISE_PIPELINE_ROWS = 48
+# True: filters past 3x3 read the weight rewritten tap-major (a second launch; coalesced weight loads, docs/conv2d.md
+# "Depthwise window kernel"). Off until timed (tools/conv2d_depthwise_candidates.py: rows2t against rows2).
+DEPTHWISE_ROWS_TAP_MAJOR = False
 
 
 def depthwise_rows_config(g: Geometry, dtype: torch.dtype) -> dict:
     """depthwise_rows_kernel's config (see above); small blocks under the interpreter."""
     pipeline = g.P >= _DEPTHWISE_PIPELINE_ROWS
+    tap_major = dict(TAP_MAJOR=True) if DEPTHWISE_ROWS_TAP_MAJOR and g.R * g.S > 9 else {}
     if interpreting():
-        return dict(BLOCK=32, ROWS_PER=4, PIPELINE=pipeline, STAGES=1, num_warps=4)
+        return dict(BLOCK=32, ROWS_PER=4, PIPELINE=pipeline, STAGES=1, num_warps=4, **tap_major)
     # filters past 3x3: two elements a thread on 4 warps (half the weights in registers: 96 against 172 at 5x5),
     # faster on the zoo's stride-1 5x5 layers than four a thread (docs/conv2d.md, "Depthwise rows for any stride")
     warps = 2 if g.R * g.S <= 9 else 4
-    return dict(BLOCK=256, ROWS_PER=32, PIPELINE=pipeline, STAGES=3 if pipeline else 1, num_warps=warps)
+    return dict(BLOCK=256, ROWS_PER=32, PIPELINE=pipeline, STAGES=3 if pipeline else 1, num_warps=warps, **tap_major)
 
 
 # depthwise_strided_rows_kernel (any stride and dilation): a program's weights, R*S * BLOCK / threads fp32 values a
@@ -169,6 +174,65 @@ def depthwise_strided_rows_config(g: Geometry, dtype: torch.dtype) -> dict | Non
     if not STRIDED_ROWS_AUTO or g.stride == (1, 1) or g.R * g.S > STRIDED_ROWS_MAX_AUTO_TAPS:
         return None
     return depthwise_strided_rows_tile(g, dtype)
+
+
+# depthwise_window_kernel (stride 1, dilation 1): a thread holds QT adjacent output columns of VEC channels, loads
+# the QT + S - 1 input columns under them once a row and keeps R*S weights, R*QT accumulators and the window in
+# registers (R*S*V + R*QT*V + (QT + S - 1)*V fp32 values a thread, V its channels). By construction it issues
+# (QT + S - 1) / QT loads an output column a row where the row kernel issues S, and a weight register serves QT
+# outputs, not one. Not timed yet (tools/conv2d_depthwise_candidates.py, docs/conv2d.md "Depthwise window
+# kernel"): auto keeps the row kernel (up to 5x5) and the pixel kernel (7x7) until DEPTHWISE_WINDOW_AUTO is set.
+DEPTHWISE_WINDOW_MAX_TAPS = 49
+DEPTHWISE_WINDOW_AUTO = False  # True: stride-1 forwards of more than DEPTHWISE_WINDOW_AUTO_MIN_TAPS taps take it
+DEPTHWISE_WINDOW_AUTO_MIN_TAPS = 9  # 5x5 and 7x7 (and other filters past 3x3)
+
+
+def depthwise_window_blocks(Q: int, K: int, qt: int, vec: int, threads: int = 128) -> tuple[int, int]:
+    """(BLOCK_G, BLOCK_C) of a depthwise_window_kernel program of ``threads`` threads, ``vec`` channels and ``qt``
+    columns a thread: 4, 2 or 1 column groups, whichever pads the image's columns and channels least (a 7-wide
+    image fills one group of 8 columns: four would leave three idle), the channel block no wider than the
+    channels' power of two unless it is one warp's."""
+    groups = cdiv(Q, qt)
+    best = None
+    for bg in (4, 2, 1):
+        bc = threads * vec // bg
+        if bg < 4 and bc > _pow2_at_least(K, 1, 1 << 30):
+            continue
+        padded = cdiv(groups, bg) * bg * cdiv(K, bc) * bc
+        if best is None or padded < best[0]:
+            best = (padded, bg, bc)
+    return best[1], best[2]
+
+
+def depthwise_window_tile(g: Geometry, dtype: torch.dtype, qt: int | None = None, vec: int = 1,
+                          tap_major: bool = True, ahead: bool = False, maxnreg: int | None = None) -> dict:
+    """A config of depthwise_window_kernel whatever the rule says: by default one channel a thread (2-byte loads,
+    a warp's 32 channels one 64-byte run; fewest weight registers: R*S), 4 columns a thread up to 5x5 filters, 8
+    past them (the window's S - 1 extra columns amortized; ptxas, sm_90, fp16: 110 and 146 registers at 7x7),
+    the weight read tap-major (coalesced), 32 rows a program at most; ``maxnreg`` caps ptxas's registers a thread
+    (128: four programs of 4 warps an SM, 168: three); small blocks under the interpreter."""
+    if qt is None:
+        qt = 4 if g.R * g.S <= 25 else 8
+    if interpreting():
+        return dict(QT=min(qt, 2), BLOCK_G=2, BLOCK_C=16, WINDOW_ROWS=4, VEC=vec, STAGES=1, num_warps=1,
+                    TAP_MAJOR=tap_major, AHEAD=ahead)
+    bg, bc = depthwise_window_blocks(g.Q, g.K, qt, vec)
+    cfg = dict(QT=qt, BLOCK_G=bg, BLOCK_C=bc, WINDOW_ROWS=32, VEC=vec, STAGES=1, num_warps=4,
+               TAP_MAJOR=tap_major, AHEAD=ahead)
+    if maxnreg is not None:
+        cfg["maxnreg"] = maxnreg
+    return cfg
+
+
+def depthwise_window_config(g: Geometry, dtype: torch.dtype) -> dict | None:
+    """depthwise_window_kernel's config where ``auto`` runs it (:data:`DEPTHWISE_WINDOW_AUTO`, stride and dilation
+    1, more than :data:`DEPTHWISE_WINDOW_AUTO_MIN_TAPS` and at most :data:`DEPTHWISE_WINDOW_MAX_TAPS` taps), else
+    None."""
+    taps = g.R * g.S
+    if (not DEPTHWISE_WINDOW_AUTO or g.stride != (1, 1) or g.dilation != (1, 1)
+            or not DEPTHWISE_WINDOW_AUTO_MIN_TAPS < taps <= DEPTHWISE_WINDOW_MAX_TAPS):
+        return None
+    return depthwise_window_tile(g, dtype)
 
 
 def depthwise_config(g: Geometry, dtype: torch.dtype) -> dict:

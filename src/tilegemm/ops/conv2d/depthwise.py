@@ -15,6 +15,10 @@ channel k // MULT (MULT = K / C, the channel multiplier; 1 in MobileNet).
   rows under its next output row once each (S shifted vectors; in a row an output element's tap s is input
   element ``q*STR_W*C + s*DIL_W*C + k``) and adds each into the output rows in flight that read it, so a 3x3
   stride-2 layer loads 6 vectors an output row where the pixel kernel loads 9 taps and 9 weight vectors.
+- Stride 1 by config (:func:`depthwise_window_kernel`; ``auto`` behind ``configs.DEPTHWISE_WINDOW_AUTO``): the row
+  walk register-blocked along the row: a thread holds QT adjacent output columns, so an input row costs it
+  QT + S - 1 loads (each value feeding up to S taps from registers) and a weight register serves QT outputs.
+  The row kernel and it can read the weight rewritten tap-major (config ``TAP_MAJOR``): coalesced weight loads.
 - Otherwise (:func:`depthwise_fwd_kernel`): a program owns [BLOCK_M pixels, BLOCK_N channels] and loads each
   tap's [BM, BN] tile; the weight is read tap-major (``[R, S, K]``, rewritten each call by a small kernel) so
   that a tap's weights are one 16-byte load, and the taps are unrolled. Both are bound by load and issue
@@ -23,13 +27,16 @@ channel k // MULT (MULT = K / C, the channel multiplier; 1 in MobileNet).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.workspace import split_workspace
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import (
-    depthwise_config, depthwise_fwd_config, depthwise_rows_config, depthwise_strided_rows_config, pixel_split,
+    depthwise_config, depthwise_fwd_config, depthwise_rows_config, depthwise_strided_rows_config,
+    depthwise_window_config, pixel_split,
 )
 from tilegemm.ops.conv2d.implicit_gemm import (
     _below_unspecialized,
@@ -467,6 +474,118 @@ def depthwise_strided_tile_kernel(
         accs = _roll_down_like(accs, A)
 
 
+@triton.jit
+def _window_row(x_img, h, H, stride_xh, C, ok_i, WIDTH: tl.constexpr):
+    """Input row ``h``'s WIDTH window columns as loaded (zeros outside the image)."""
+    row_ok = (h >= 0) & (h < H)
+    src = x_img + h * stride_xh
+    row = ()
+    for i in tl.static_range(WIDTH):
+        row = row + (tl.load(src + i * C, mask=ok_i[i] & row_ok, other=0.0),)
+    return row
+
+
+# Stride 1, dilation 1, register-blocked along the row: a thread holds QT adjacent output columns of its channels
+# (one [BLOCK_G groups, BLOCK_C channels] tensor a column: column g*QT + j of the tuple's entry j), so the QT + S - 1
+# input columns under them are loaded once a row and each feeds up to S taps from registers (the row kernels load S
+# shifted vectors an output column; the tile form S an output tile), and a thread's R*S weights serve its QT
+# columns. Rows roll through R accumulators as in depthwise_rows_kernel. Sizes, n/p/q strides not specialized on.
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "c_blocks", "g_blocks", "row_groups", "rows_per", "xn_d",
+                               "xh_d", "on_d", "op_d", "stride_on", "stride_op", "stride_oq", "pad_h", "pad_w"])
+def depthwise_window_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr,
+    H, W, P, Q, CD, c_blocks, g_blocks, row_groups, rows_per,
+    xn_d, xh_d, on_d, op_d,
+    stride_on, stride_op, stride_oq, stride_ok,
+    stride_wk, stride_wr, stride_ws, stride_b, pad_h, pad_w,
+    MULT: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DIV: tl.constexpr, CL_OUT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, QT: tl.constexpr, STAGES: tl.constexpr, AHEAD: tl.constexpr,
+):
+    # One grid axis: channel blocks fastest, then column blocks, row groups, images.
+    pid = tl.program_id(0)
+    rest = pid // c_blocks
+    k = (pid - rest * c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] output channels
+    rows = rest // g_blocks
+    q0 = ((rest - rows * g_blocks) * BLOCK_G + tl.arange(0, BLOCK_G)) * QT  # [BG] each group's first column
+    n = rows // row_groups
+    p0 = (rows - n * row_groups) * rows_per
+    p1 = tl.minimum(p0 + rows_per, P)
+    C = CD * DIV
+    K = CD * MULT * DIV
+    k_ok = _below_unspecialized(k, K, DIV)
+    if MULT == 1:
+        c = k
+    else:
+        c = k // MULT
+    # Window entry i of group g: input column q0 - pad_w + i, i < QT + S - 1 (output column q0 + j, tap s: i = j + s).
+    x_el = ((q0 - pad_w) * C)[:, None] + c[None, :]  # [BG, BC]
+    ok_i = ()
+    for i in tl.static_range(QT + S - 1):
+        col = q0 - pad_w + i
+        ok_i = ok_i + (((col >= 0) & (col < W))[:, None] & k_ok[None, :],)
+    ok_j = ()
+    for j in tl.static_range(QT):
+        ok_j = ok_j + ((q0 + j < Q)[:, None] & k_ok[None, :],)
+    ws = ()  # [1, BC] each: a channel's weights once for the program's columns and rows
+    for rs in tl.static_range(R * S):
+        w_off = k * stride_wk + (rs // S) * stride_wr + (rs % S) * stride_ws
+        ws = ws + (tl.load(w_ptr + w_off, mask=k_ok, other=0.0).to(tl.float32)[None, :],)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + k * stride_b, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        bias = tl.zeros((1, BLOCK_C), dtype=tl.float32)
+    stride_xh = xh_d * DIV
+    x_img = x_ptr + n.to(tl.int64) * xn_d * DIV + x_el
+    if CL_OUT:
+        out_el = out_ptr + n.to(tl.int64) * on_d * DIV + (q0 * K)[:, None] + k[None, :]
+        stride_op = op_d * DIV
+        stride_oj = K
+    else:
+        out_el = out_ptr + n.to(tl.int64) * stride_on + (q0 * stride_oq)[:, None] + (k * stride_ok)[None, :]
+        stride_oj = stride_oq
+
+    # Iteration t reads input row h = p0 - pad_h + t (its QT + S - 1 window columns) into the output rows
+    # p0 + t - r it feeds (accs[r*QT + j]: filter row r, column j); row p0 + t - (R - 1) is then complete.
+    # AHEAD: the next row's window loaded before this row's taps (held in registers as loaded), so its loads are
+    # in flight during them: Triton's pipeliner (STAGES) copies only loads of 4 bytes or more a thread.
+    T = p1 - p0 + R - 1
+    accs = ()
+    for a in tl.static_range(R * QT):
+        accs = accs + (tl.zeros((BLOCK_G, BLOCK_C), dtype=tl.float32),)
+    ring = ()
+    if AHEAD:
+        ring = _window_row(x_img, p0 - pad_h, H, stride_xh, C, ok_i, QT + S - 1)
+    for t in tl.range(0, T, num_stages=STAGES):
+        if AHEAD:
+            xs = ()
+            for i in tl.static_range(QT + S - 1):
+                xs = xs + (ring[i].to(tl.float32),)
+            ring = _window_row(x_img, p0 - pad_h + t + 1, H, stride_xh, C, ok_i, QT + S - 1)
+        else:
+            row = _window_row(x_img, p0 - pad_h + t, H, stride_xh, C, ok_i, QT + S - 1)
+            xs = ()
+            for i in tl.static_range(QT + S - 1):
+                xs = xs + (row[i].to(tl.float32),)
+        new = ()
+        for r in tl.static_range(R):
+            for j in tl.static_range(QT):
+                a = accs[r * QT + j]
+                for s in tl.static_range(S):
+                    a += xs[j + s] * ws[r * S + s]
+                new = new + (a,)
+        p = p0 + t - (R - 1)
+        if p >= p0:
+            for j in tl.static_range(QT):
+                y = apply_activation(new[(R - 1) * QT + j] + bias, ACTIVATION)
+                tl.store(out_el + p * stride_op + j * stride_oj, y.to(out_el.dtype.element_ty), mask=ok_j[j])
+        accs = ()
+        for j in tl.static_range(QT):
+            accs = accs + (tl.zeros((BLOCK_G, BLOCK_C), dtype=tl.float32),)
+        for a in tl.static_range((R - 1) * QT):
+            accs = accs + (new[a],)
+
+
 @triton.jit(do_not_specialize=["H", "W", "P", "Q", "C", "M", "pad_h", "pad_w"])
 def depthwise_dgrad_kernel(
     dy_ptr, w_ptr, dx_ptr,
@@ -476,9 +595,19 @@ def depthwise_dgrad_kernel(
     stride_xn, stride_xh, stride_xw, stride_xc,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr, INDEX_64: tl.constexpr, DIV: tl.constexpr,
+    DIV_Y: tl.constexpr, DIV_X: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # This program: input pixels [BM] x input channels [BN]; each gathers the output pixels covering it.
+    # Pixel strides of dy and dx in units of DIV_Y and DIV_X, as depthwise_fwd_kernel's: 16-byte loads and
+    # stores along the channels where C is a multiple of 8 but not of 16 (docs/conv2d.md, "Depthwise pixel
+    # kernel's load widths").
+    stride_yn = stride_yn * DIV_Y
+    stride_yp = stride_yp * DIV_Y
+    stride_yq = stride_yq * DIV_Y
+    stride_xn = stride_xn * DIV_X
+    stride_xh = stride_xh * DIV_X
+    stride_xw = stride_xw * DIV_X
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if INDEX_64:
@@ -520,9 +649,17 @@ def depthwise_wgrad_kernel(
     stride_dk, stride_dr, stride_dss,
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr, INDEX_64: tl.constexpr, DIV: tl.constexpr,
+    DIV_Y: tl.constexpr, DIV_X: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # This program: channels [BN] of one tap (axis 1), summed over one slice of output pixels (axis 2).
+    # Pixel strides in units of DIV_Y and DIV_X, as in depthwise_dgrad_kernel.
+    stride_yn = stride_yn * DIV_Y
+    stride_yp = stride_yp * DIV_Y
+    stride_yq = stride_yq * DIV_Y
+    stride_xn = stride_xn * DIV_X
+    stride_xh = stride_xh * DIV_X
+    stride_xw = stride_xw * DIV_X
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tap = tl.program_id(1)
     part = tl.program_id(2)
@@ -579,21 +716,50 @@ def _w_strides(w: torch.Tensor) -> tuple:
     return w.stride(0), w.stride(2), w.stride(3)
 
 
-def rows_apply(g: Geometry, x: torch.Tensor) -> bool:
+def rows_apply(g: Geometry, x: torch.Tensor, by_config: bool = False) -> bool:
     """Whether :func:`depthwise_rows_kernel` takes the forward: stride and dilation 1, at most
-    :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_ROWS_MAX_TAPS` taps (each takes registers), an input whose
-    image rows are runs of W*C elements (channels-last, pixels adjacent; the rows may lie apart), and images
-    whose element offsets fit 32 bits (an input view with gaps between rows included; the output is new)."""
-    from tilegemm.ops.conv2d.configs import DEPTHWISE_ROWS_MAX_TAPS
+    :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_ROWS_MAX_TAPS` taps where ``auto`` picks it (each takes
+    registers), :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_ROWS_CONFIG_MAX_TAPS` where a config names it
+    (``by_config``), an input whose image rows are runs of W*C elements (channels-last, pixels adjacent; the rows
+    may lie apart), and images whose element offsets fit 32 bits (an input view with gaps between rows included;
+    the output is new)."""
+    from tilegemm.ops.conv2d.configs import DEPTHWISE_ROWS_CONFIG_MAX_TAPS, DEPTHWISE_ROWS_MAX_TAPS
 
-    return (g.stride == (1, 1) and g.dilation == (1, 1) and g.R * g.S <= DEPTHWISE_ROWS_MAX_TAPS
+    most = DEPTHWISE_ROWS_CONFIG_MAX_TAPS if by_config else DEPTHWISE_ROWS_MAX_TAPS
+    return (g.stride == (1, 1) and g.dilation == (1, 1) and g.R * g.S <= most
             and x.stride(1) == 1 and (x.stride(3) == g.C or g.W == 1)
             and max(_span(x[:1]) + 1, g.P * g.Q * g.K) < 2**31)
 
 
-def _run_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> torch.Tensor:
-    """The forward by :func:`depthwise_rows_kernel`: one launch, the weight read as it lies."""
+@contextlib.contextmanager
+def _weight_for(p: ConvProblem, x: torch.Tensor, tap_major: bool):
+    """(weight, its (k, r, s) strides, launch keywords) for a row kernel's launch: the weight as it lies, or with
+    ``tap_major`` rewritten ``[R, S, K]`` first (:func:`depthwise_weight_kernel`, into this stream's workspace, the
+    launch that reads it under the same lock), so that a program's weight loads are coalesced runs of channels
+    where ``[K, 1, R, S]`` spreads one tap's channels R*S elements apart (a warp's gather touches R*S times the
+    lines; docs/conv2d.md, "Depthwise window kernel")."""
+    if not tap_major:
+        yield p.weight, _w_strides(p.weight), {}
+        return
+    from tilegemm.core.launch import sequence_lock
+    from tilegemm.core.workspace import buffer
+
     g = p.geo
+    taps = g.R * g.S * g.K
+    stream = current_stream() if x.is_cuda else None
+    with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
+        wt = buffer(x.device, p.weight.dtype, taps, "conv2d-depthwise-weight")
+        launch(depthwise_weight_kernel, (cdiv(taps, 1024),),
+               (p.weight, wt, taps, g.K, g.S, *_w_strides(p.weight)), dict(BLOCK=1024, num_warps=4),
+               keep=(wt,), stream=stream)
+        yield wt, (1, g.S * g.K, g.K), dict(keep=(wt,), stream=stream)
+
+
+def _run_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The forward by :func:`depthwise_rows_kernel`: one launch, the weight read as it lies (with config key
+    ``TAP_MAJOR``: rewritten tap-major first, :func:`_weight_for`)."""
+    g = p.geo
+    tap_major = cfg.pop("TAP_MAJOR", False)
     groups = cdiv(g.P, cfg["ROWS_PER"])  # ROWS_PER not clamped to P: a new image height compiles nothing
     chunks = cdiv(g.Q * g.K, cfg["BLOCK"])
     cl_out = out.stride(1) == 1 and (out.stride(3) == g.K or g.Q == 1)
@@ -601,13 +767,14 @@ def _run_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> 
     for v in (g.C, x.stride(0), x.stride(2)) + ((out.stride(0), out.stride(2)) if cl_out else ()):
         div = min(div, _divisor(v))
     bias = p.bias if p.bias is not None else out
-    args = (x, p.weight, out, bias, g.H, g.W, g.P, g.Q, g.C // div, chunks, groups,
-            x.stride(0) // div, x.stride(2) // div, out.stride(0) // div, out.stride(2) // div,
-            out.stride(0), out.stride(2), out.stride(3), out.stride(1), *_w_strides(p.weight),
-            p.bias.stride(0) if p.bias is not None else 0, g.padding[0], g.padding[2])
     flags = dict(MULT=g.K // g.C, R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, DIV=div,
                  CL_OUT=cl_out, **cfg)
-    launch(depthwise_rows_kernel, (chunks * g.N * groups,), args, flags)
+    with _weight_for(p, x, tap_major) as (w, w_strides, kept):
+        args = (x, w, out, bias, g.H, g.W, g.P, g.Q, g.C // div, chunks, groups,
+                x.stride(0) // div, x.stride(2) // div, out.stride(0) // div, out.stride(2) // div,
+                out.stride(0), out.stride(2), out.stride(3), out.stride(1), *w_strides,
+                p.bias.stride(0) if p.bias is not None else 0, g.padding[0], g.padding[2])
+        launch(depthwise_rows_kernel, (chunks * g.N * groups,), args, flags, **kept)
     return out
 
 
@@ -665,6 +832,56 @@ def _run_strided_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: d
     return out
 
 
+def window_apply(g: Geometry, x: torch.Tensor) -> bool:
+    """Whether :func:`depthwise_window_kernel` takes the forward: stride and dilation 1, at most
+    :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_WINDOW_MAX_TAPS` taps, and the input and size conditions of
+    :func:`rows_apply` (image rows that are runs of W*C elements, 32-bit offsets)."""
+    from tilegemm.ops.conv2d.configs import DEPTHWISE_WINDOW_MAX_TAPS
+
+    return (g.stride == (1, 1) and g.dilation == (1, 1) and g.R * g.S <= DEPTHWISE_WINDOW_MAX_TAPS
+            and x.stride(1) == 1 and (x.stride(3) == g.C or g.W == 1)
+            and max(_span(x[:1]) + 1, g.P * g.Q * g.K) < 2**31)
+
+
+def _run_window(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The forward by :func:`depthwise_window_kernel` (config keys ``QT``: output columns a thread, ``BLOCK_G``
+    groups of them and ``BLOCK_C`` channels a program, ``WINDOW_ROWS``: output rows a program at most, balanced
+    over the image's, ``VEC``: channels a thread's vector at most, ``AHEAD``: the next row loaded before this
+    one's taps); one launch, the weight read as it lies (with ``TAP_MAJOR``: rewritten tap-major first,
+    :func:`_weight_for`)."""
+    g = p.geo
+    missing = [key for key in ("QT", "BLOCK_G", "BLOCK_C", "WINDOW_ROWS") if key not in cfg]
+    if missing:
+        raise ValueError(f"a depthwise_window_kernel config needs {missing}; got {sorted(cfg)}")
+    most = cfg.pop("WINDOW_ROWS")
+    tap_major = cfg.pop("TAP_MAJOR", False)
+    for key in ("QT", "BLOCK_G", "BLOCK_C"):
+        if cfg[key] < 1:
+            raise ValueError(f"{key} must be at least 1; got {cfg[key]}")
+    if most < 1:
+        raise ValueError(f"WINDOW_ROWS must be at least 1; got {most}")
+    groups = cdiv(g.P, most)
+    rows_per = cdiv(g.P, groups)  # runtime: any image height and balance compile nothing new
+    cl_out = out.stride(1) == 1 and (out.stride(3) == g.K or g.Q == 1)
+    cfg.setdefault("AHEAD", False)
+    cfg.setdefault("STAGES", 1)
+    div = cfg.pop("VEC", 8)
+    for v in (g.C, x.stride(0), x.stride(2)) + ((out.stride(0), out.stride(2)) if cl_out else ()):
+        div = min(div, _divisor(v))
+    bias = p.bias if p.bias is not None else out
+    c_blocks = cdiv(g.K, cfg["BLOCK_C"])
+    g_blocks = cdiv(cdiv(g.Q, cfg["QT"]), cfg["BLOCK_G"])
+    flags = dict(MULT=g.K // g.C, R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, DIV=div,
+                 CL_OUT=cl_out, **cfg)
+    with _weight_for(p, x, tap_major) as (w, w_strides, kept):
+        args = (x, w, out, bias, g.H, g.W, g.P, g.Q, g.C // div, c_blocks, g_blocks, groups, rows_per,
+                x.stride(0) // div, x.stride(2) // div, out.stride(0) // div, out.stride(2) // div,
+                out.stride(0), out.stride(2), out.stride(3), out.stride(1), *w_strides,
+                p.bias.stride(0) if p.bias is not None else 0, g.padding[0], g.padding[2])
+        launch(depthwise_window_kernel, (c_blocks * g_blocks * g.N * groups,), args, flags, **kept)
+    return out
+
+
 def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     """Forward; the output in ``p.out_format``. Stride-1 layers (:func:`rows_apply`) in one launch of
     :func:`depthwise_rows_kernel`; the others in two: the weight rearranged tap-major
@@ -688,6 +905,8 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
         config = depthwise_strided_rows_config(g, p.dtype)  # strided forwards up to 5x5 (else None)
         if config is not None and not strided_rows_apply(g, x):
             config = None
+    if config is None and window_apply(g, x):
+        config = depthwise_window_config(g, p.dtype)  # None until configs.DEPTHWISE_WINDOW_AUTO is set
     if config is None and rows_apply(g, x):
         config = depthwise_rows_config(g, p.dtype)
     if config is not None and "STRIDED_ROWS" in config:
@@ -695,8 +914,12 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
             raise ValueError(f"depthwise_strided_rows_kernel does not take this convolution ({g}); see "
                              f"strided_rows_apply")
         return _run_strided_rows(p, x, out, dict(config))
+    if config is not None and "QT" in config:
+        if not window_apply(g, x):
+            raise ValueError(f"depthwise_window_kernel does not take this convolution ({g}); see window_apply")
+        return _run_window(p, x, out, dict(config))
     if config is not None and "ROWS_PER" in config:
-        if not rows_apply(g, x):
+        if not rows_apply(g, x, by_config=True):
             raise ValueError(f"depthwise_rows_kernel does not take this convolution ({g}); see rows_apply")
         return _run_rows(p, x, out, dict(config))
     cfg = dict(config or depthwise_fwd_config(g, p.dtype))
@@ -724,6 +947,16 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     return out
 
 
+def _pixel_strides(t: torch.Tensor) -> tuple:
+    """((n, h, w) strides of ``t`` divided by ``div``, its channel stride), ``div``): ``div`` the power of two
+    (at most 8) dividing the pixel strides, which a gradient kernel multiplies back as a constant so that its
+    channel runs load 16 bytes at a time where C is a multiple of 8 (1 where a stride passes 32 bits: Triton
+    passes it as int64, where the product in the kernel would not be)."""
+    n, h, w, c = _nhwc_strides(t)
+    div = min(8, *(_divisor(v) for v in (n, h, w))) if max(n, h, w) < 2**31 else 1
+    return (n // div, h // div, w // div, c), div
+
+
 def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry,
           config: dict | None = None) -> torch.Tensor:
     """grad of x for a depthwise convolution: ``[N, C, H, W]`` in ``x_format``."""
@@ -732,10 +965,12 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
     cfg = dict(config or depthwise_config(g, dy.dtype))
     M = g.N * g.H * g.W
     index_64 = max(dx.numel(), dy.numel()) >= 2**31 - 1
-    args = (dy, weight, dx, g.H, g.W, g.P, g.Q, g.C, M, g.K // g.C, *_nhwc_strides(dy), *_w_strides(weight),
-            *_nhwc_strides(dx), *_conv_args(g))
+    (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(dx)
+    args = (dy, weight, dx, g.H, g.W, g.P, g.Q, g.C, M, g.K // g.C, *ys, *_w_strides(weight), *xs,
+            *_conv_args(g))
     grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.C, cfg["BLOCK_N"]))
-    launch(depthwise_dgrad_kernel, grid, args, dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.C), **cfg))
+    launch(depthwise_dgrad_kernel, grid, args, dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.C),
+                                                    DIV_Y=div_y, DIV_X=div_x, **cfg))
     return dx
 
 
@@ -755,9 +990,10 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     else:
         ws, count = dw, dw  # unused
     index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
-    args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, npq, g.K // g.C, slice_len, *_nhwc_strides(dy),
-            *_nhwc_strides(x), dw.stride(0), dw.stride(2), dw.stride(3), *_conv_args(g))
-    flags = dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.K), SPLIT=split, **cfg)
+    (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(x)
+    args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, npq, g.K // g.C, slice_len, *ys, *xs,
+            dw.stride(0), dw.stride(2), dw.stride(3), *_conv_args(g))
+    flags = dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.K), DIV_Y=div_y, DIV_X=div_x, SPLIT=split, **cfg)
     # The workspace is this stream's: a replay passes it as recorded and declines on another stream.
     launch(depthwise_wgrad_kernel, grid, args, flags, keep=(ws, count) if split > 1 else (),
            stream=current_stream() if split > 1 and dy.is_cuda else None)
