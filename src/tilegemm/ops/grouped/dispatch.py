@@ -107,8 +107,8 @@ def wants_frag(kernel: str, x: torch.Tensor, w, gated: bool) -> bool:
     """Whether a call of x ``[M, K]`` and stacked experts ``w`` runs ``frag``, or under ``auto`` may: its fragment
     layout (``w.fragments(gated)``) goes along. By name only where the kernel can run (elsewhere it refuses by
     name); under ``auto`` not inside a CUDA-graph capture that would have to make them (packing is no graph work:
-    dequant_dot runs the call instead)."""
-    if kernel not in FRAG_KERNELS and kernel != "auto":
+    dequant_dot runs the call instead); never while torch.compile traces (packing is no graph work either)."""
+    if torch.compiler.is_compiling() or (kernel not in FRAG_KERNELS and kernel != "auto"):
         return False
     if x.device != w.device or (gated and w.shape[-2] % 2):
         return False

@@ -42,7 +42,7 @@ from tilegemm.ops.grouped.configs import INT4_FRAG, row_tiles
 from tilegemm.ops.grouped.problem import GroupedInt4Problem
 from tilegemm.ops.w4a16.configs import FRAG_WGMMA_PROGRAMS_PER_SM, split_within
 from tilegemm.ops.w4a16.format import fits_fragments
-from tilegemm.ops.w4a16.frag_wgmma import _a_tile, _first_fragments, _issue, _pipe_step, _scales, _zs_start
+from tilegemm.ops.w4a16.frag_wgmma import _a_tile, _issue, _scales, _zs_start
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
@@ -57,7 +57,7 @@ def grouped_frag_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, offs_ptr, ws_p
                         K64, N16, group_k, steps_per_split, k_stop,
                         BM: gl.constexpr, RH: gl.constexpr, STAGES: gl.constexpr, BF16: gl.constexpr,
                         EVEN_K: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        ACTIVATION: gl.constexpr, PIPE: gl.constexpr, GATED: gl.constexpr,
+                        ACTIVATION: gl.constexpr, GATED: gl.constexpr,
                         num_warps: gl.constexpr, GROUP32: gl.constexpr = False):
     """``N``: the weight's rows as the workspace holds them (gated: ``2 * HALF``, each half padded to 16 rows);
     ``N_OUT``: the output's columns (gated: the up projection's first bias column too); ``plane``: M * N, the
@@ -134,44 +134,21 @@ def grouped_frag_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, offs_ptr, ws_p
             zs_row, za, zb, sa, sb, zz, ss = _zs_start(zs_e, t0, i2, N16, g, group_k, k_end, RHT, ql, GROUP32,
                                                        num_warps)
             acc = gl.zeros([BN, BM], gl.float32, acc_l)
-            if PIPE:
-                # frag_wgmma's PIPE: two MMA groups in flight, the steps alternating between two call sites of
-                # _pipe_step (its docstring and frag_wgmma_kernel's say why the two sites)
-                a, za, zb, sa, sb, zz, ss, left, g = _first_fragments(w_bufs, zs_e, zs_row, N16, za, zb, sa, sb,
-                                                                      zz, ss, left, g, k_first, k_end, group_k,
-                                                                      group_steps, ql, a_l, RHT, STAGES, BF16,
-                                                                      GROUP32)
-                acc = warpgroup_mma(a, x_bufs.index(0).permute((1, 0)), acc, is_async=True)
-                acc, a = warpgroup_mma_wait(1, deps=(acc, a))
-                for t in range(1, steps - 1, 2):
-                    acc, za, zb, sa, sb, zz, ss, left, g, xr, pr = _pipe_step(
-                        t, acc, x_ptr, x_offs, x_ok, kk, wf_e, w_offs, x_bufs, w_bufs, zs_e, zs_row, N16,
-                        za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
-                        STAGES, EVEN_K, BF16, GROUP32, None, xr, pr, False)
-                    acc, za, zb, sa, sb, zz, ss, left, g, xr, pr = _pipe_step(
-                        t + 1, acc, x_ptr, x_offs, x_ok, kk, wf_e, w_offs, x_bufs, w_bufs, zs_e, zs_row, N16,
-                        za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
-                        STAGES, EVEN_K, BF16, GROUP32, None, xr, pr, False)
-                if steps % 2 == 0:
-                    acc, za, zb, sa, sb, zz, ss, left, g, xr, pr = _pipe_step(
-                        steps - 1, acc, x_ptr, x_offs, x_ok, kk, wf_e, w_offs, x_bufs, w_bufs, zs_e, zs_row, N16,
-                        za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
-                        STAGES, EVEN_K, BF16, GROUP32, None, xr, pr, False)
+            # frag_wgmma's loop below 64 rows (OVERLAP and PIPE off: at decode sizes the kernel waits on memory, not
+            # on the MMA)
+            for s in range(steps):
+                za, zb, sa, sb, zz, ss, left, g = _scales(zs_e, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
+                                                          k_first + s * 64, k_end, group_k, group_steps, BF16,
+                                                          GROUP32, ql)
+                async_copy.wait_group(STAGES - 2)  # step s has landed (this thread's copies) ...
+                gl.thread_barrier()  # ... and every thread's; every warp is done with step s - 1's slot
+                fence_async_shared()
+                xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_e, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first,
+                                k_end, K, STAGES, EVEN_K, None, xr, pr, False)
+                slot = s % STAGES
+                a = _a_tile(w_bufs.index(slot).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
+                acc = warpgroup_mma(a, x_bufs.index(slot).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-            else:
-                for s in range(steps):
-                    za, zb, sa, sb, zz, ss, left, g = _scales(zs_e, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
-                                                              k_first + s * 64, k_end, group_k, group_steps, BF16,
-                                                              GROUP32, ql)
-                    async_copy.wait_group(STAGES - 2)  # step s has landed (this thread's copies) ...
-                    gl.thread_barrier()  # ... and every thread's; every warp is done with step s - 1's slot
-                    fence_async_shared()
-                    xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_e, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first,
-                                    k_end, K, STAGES, EVEN_K, None, xr, pr, False)
-                    slot = s % STAGES
-                    a = _a_tile(w_bufs.index(slot).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
-                    acc = warpgroup_mma(a, x_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
             async_copy.wait_group(0)
             _finish(acc, out_ptr, bias_ptr, ws_ptr, count_ptr, e, pid_n, split, m0, end, N, N_OUT, HALF, plane,
                     stride_om, stride_be, BN, BNO, BM, acc_l, ol, SPLIT_K, HAS_BIAS, ACTIVATION, GATED)
@@ -197,12 +174,18 @@ def _finish(acc, out_ptr, bias_ptr, ws_ptr, count_ptr, e, pid_n, split, m0, end,
         gl.store(out_ptr + gl.expand_dims(om.to(gl.int64) * stride_om, 0) + gl.expand_dims(nn, 1),
                  acc.to(out_ptr.dtype.element_ty), mask=inside)
     else:
-        if GATED:  # row nn of the program's tiles: tile t = nn // 16 is the gate's (even t) or the up's (odd)
+        if GATED:
+            # row nn of the program's tiles: tile t = nn // 16 holds row r of the gate (even t) or the up projection
+            # (odd t); the padding's rows past both halves (r >= HALF) are not stored, or they would land on the
+            # up projection's first columns
             t = nn // 16
-            col = (t // 2) * 16 + nn % 16 + (t % 2) * HALF
+            r = (t // 2) * 16 + nn % 16
+            col = r + (t % 2) * HALF
+            row_ok = r < HALF
         else:
             col = nn
-        inside = gl.expand_dims(col < N, 1) & gl.expand_dims(om < end, 0)
+            row_ok = nn < N
+        inside = gl.expand_dims(row_ok, 1) & gl.expand_dims(om < end, 0)
         ws_tile = ws_ptr + gl.expand_dims(om.to(gl.int64) * N, 0) + gl.expand_dims(col, 1)
         gl.store(ws_tile + split * plane, acc, mask=inside)
         gl.thread_barrier()  # every thread's stores before the arrival (or, unsplit, before the loads below)
@@ -252,13 +235,13 @@ def _epilogue(out_ptr, bias_e, ws_ptr, cols, rows, end, N, N_OUT, HALF, plane, s
 def frag_config(p: GroupedInt4Problem, packed_rows: int) -> dict:
     """The config of a problem whose weight holds ``packed_rows`` rows (gated: both halves): the table
     :data:`tilegemm.ops.grouped.configs.INT4_FRAG` keyed by the rows an expert, the K split that fills the GPU."""
-    rows_factor, block_ms, pipe_from, warps, rh, stages = INT4_FRAG
+    rows_factor, block_ms, warps, rh, stages = INT4_FRAG
     rows = rows_factor * p.M / max(p.groups, 1)
     bm = next((b for b in block_ms if rows <= b), block_ms[-1])
     tiles = cdiv(packed_rows, 16 * rh * warps) * row_tiles(p.M, p.groups, bm)
     per_sm = FRAG_WGMMA_PROGRAMS_PER_SM[0 if bm <= 16 else 1]
     split = split_within(tiles, cdiv(p.K, 64), per_sm * sm_count(p.x.device), 8)
-    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=stages, SPLIT_K=split, PIPE=bm >= pipe_from)
+    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=stages, SPLIT_K=split)
 
 
 def launch_args(x, fw, fzs, bias, out, offs, N_out: int, K: int, group_k: int, activation: str, gated: bool,
@@ -288,10 +271,10 @@ def launch_args(x, fw, fzs, bias, out, offs, N_out: int, K: int, group_k: int, a
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         raise ValueError(f"frag: x's rows must be contiguous and 16-byte aligned (row stride a multiple of 8 "
                          f"elements), got strides {x.stride()} at {x.data_ptr() % 16} bytes past 16")
-    if cfg.get("PIPE", False) and cfg["STAGES"] < 3:
-        raise ValueError("frag: PIPE needs STAGES >= 3 (a step in the MMA, the next landed, one loading)")
-    if bm not in (8, 16, 32, 64, 128, 256):
-        raise ValueError(f"frag: BM = {bm} must be a power of two from 8 to 256 (wgmma's N)")
+    if cfg["STAGES"] < 2:
+        raise ValueError("frag: the ring needs STAGES >= 2 (a step read while the next loads)")
+    if bm not in (8, 16, 32, 64):
+        raise ValueError(f"frag: BM = {bm} must be 8, 16, 32 or 64 (x's rows a program: wgmma's N, at decode sizes)")
     per_split = cdiv(steps, max(1, min(split, steps)))
     split = cdiv(steps, per_split)
     if 256 % (16 * rh * warps):
@@ -309,8 +292,7 @@ def launch_args(x, fw, fzs, bias, out, offs, N_out: int, K: int, group_k: int, a
             x.stride(0) // 8, out.stride(0), fw.stride(0), zs32.stride(0), stride_be, M * N, k64, n16, group_k,
             per_split, steps * 64)
     kwargs = dict(BM=bm, RH=rh, STAGES=cfg["STAGES"], BF16=x.dtype == torch.bfloat16, EVEN_K=K % 64 == 0,
-                  SPLIT_K=split, HAS_BIAS=bias is not None, ACTIVATION=activation, PIPE=cfg.get("PIPE", False),
-                  GATED=gated, GROUP32=group_k == 32, num_warps=warps)
+                  SPLIT_K=split, HAS_BIAS=bias is not None, ACTIVATION=activation, GATED=gated, GROUP32=group_k == 32, num_warps=warps)
     return grouped_frag_kernel, (tiles_n, E + 1, split), args, kwargs, workspace
 
 

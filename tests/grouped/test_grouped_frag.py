@@ -1,0 +1,232 @@
+"""Kernel ``frag`` of ``grouped_w4a16`` on the CPU: the stacked (and gated) fragment layout, auto's rule, the config,
+the launch's arguments and the refusals. The kernel is Gluon (no interpreter): it compiles for sm_90 in
+``test_grouped_frag_compiled.py`` and runs in ``test_grouped_frag_gpu.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+
+from tilegemm import w4a16
+from tilegemm.core.registry import NotApplicable
+from tilegemm.ops.grouped import dispatch, frag
+from tilegemm.ops.grouped.problem import GroupedInt4Problem
+from tilegemm.ops.w4a16.format import gate_up_tiles, pack_fragments, unpack_rows
+
+CUDA = torch.device("cuda")
+
+
+def experts(E: int, N: int, K: int, group: int, dtype=torch.float16, symmetric: bool = False):
+    return w4a16.quantize(torch.randn(E, N, K, dtype=dtype), group, symmetric=symmetric)
+
+
+@pytest.mark.parametrize("group, K", [(32, 96), (64, 192), (128, 384), (256, 256), (-1, 200)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stacked_fragments_are_each_experts_own(group, K, dtype):
+    w = experts(3, 37, K, group, dtype)
+    fw, fzs = w.fragments()
+    assert fw.shape[0] == fzs.shape[0] == 3 and fw.dtype == torch.int32 and fzs.dtype == dtype
+    assert fw.is_contiguous() and fzs.is_contiguous()
+    for e in range(3):
+        one_w, one_zs = w.expert(e).fragments()
+        assert torch.equal(fw[e], one_w) and torch.equal(fzs[e], one_zs)
+    assert w.fragments()[0] is fw  # made once, kept
+    assert w.nbytes == sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros, fw, fzs))
+
+
+def test_gate_up_tiles_alternate_16_row_tiles_of_each_half():
+    half = 20  # padded to 32 rows a half: two tiles each
+    rows = torch.arange(2 * half)[None, :]  # [1, 2 * half]: each row's own number
+    out = gate_up_tiles(rows, half)
+    assert out.shape == (1, 64)
+    want = torch.zeros(64, dtype=rows.dtype)
+    for j in range(2):  # tile 2j: gate rows 16j..; tile 2j + 1: the up rows of the same numbers
+        for i in range(16):
+            r = 16 * j + i
+            if r < half:
+                want[32 * j + i] = r
+                want[32 * j + 16 + i] = half + r
+    assert torch.equal(out[0], want)
+
+
+@pytest.mark.parametrize("group, K, N", [(32, 64, 40), (128, 256, 64), (-1, 72, 18)])
+def test_gated_fragments_hold_the_gated_row_order(group, K, N):
+    w = experts(2, N, K, group)
+    fw, fzs = w.fragments(gated=True)
+    assert w.fragments(gated=True)[0] is fw and w._frag is None  # kept apart from the plain layout
+    for e in range(2):
+        q = unpack_rows(w.qweight[e])
+        want = pack_fragments(gate_up_tiles(q, N // 2), gate_up_tiles(w.scales[e], N // 2),
+                              gate_up_tiles(w.zeros[e], N // 2), w.group_k)
+        assert torch.equal(fw[e], want[0]) and torch.equal(fzs[e], want[1])
+    with pytest.raises(ValueError, match="even"):
+        experts(2, 7, 64, 32).fragments(gated=True)
+
+
+# --- auto --------------------------------------------------------------------------------------------------------
+
+
+class _X:
+    """What dispatch reads of x (rows, device): a CUDA tensor's stand-in on a machine without one."""
+
+    def __init__(self, M: int, K: int, device=CUDA):
+        self.shape, self.device = (M, K), device
+
+
+def problem(M, E, N, K, group_k, fragments: bool, gated=False, device="cpu"):
+    """A GroupedInt4Problem of stand-in tensors (dispatch reads shapes and the device only)."""
+    x = mock.Mock(shape=(M, K), device=torch.device(device), dtype=torch.float16, element_size=lambda: 2)
+    fw = torch.empty(0) if fragments else None
+    return GroupedInt4Problem(x, None, None, None, None, None, None, E, M, N, K, group_k, "none", gated, fw, fw)
+
+
+def test_auto_takes_frag_at_decode_sizes_on_hopper(monkeypatch):
+    monkeypatch.setitem(dispatch._FRAG_REASON, CUDA, "")  # the registry's answer on an sm_90 GPU, pretended
+    limit = dispatch.INT4_FRAG_MAX_ROWS_PER_GROUP
+    for E, M in ((8, 2), (8, 128), (128, 8), (128, 512), (64, 384), (8, limit * 8)):
+        assert dispatch.choose_int4(problem(M, E, 4096, 4096, 128, True, device="cuda")) == "frag", (E, M)
+    assert dispatch.choose_int4(problem(limit * 8 + 1, 8, 4096, 4096, 128, True, device="cuda")) == "dequant_dot"
+    # prefill sizes keep dequant_grouped; no fragments given (a call that did not make them): dequant_dot
+    with mock.patch.object(dispatch, "dequant_chunk", lambda p: p.N):
+        assert dispatch.choose_int4(problem(128 * 8, 8, 4096, 4096, 128, True, device="cuda")) == "dequant_grouped"
+    assert dispatch.choose_int4(problem(2, 8, 4096, 4096, 128, False, device="cuda")) == "dequant_dot"
+    # every group length the fragments take, on Hopper only
+    for group_k, K in ((32, 4096), (64, 4096), (256, 4096), (200, 200)):
+        assert dispatch.frag_usable(group_k, K, CUDA)
+    assert not dispatch.frag_usable(96, 4096, CUDA)  # not a multiple of the K step
+    assert not dispatch.frag_usable(128, 4096, torch.device("cpu"))
+
+
+def test_auto_never_takes_frag_here():
+    # under the interpreter (and on any GPU but Hopper) the registry says why not: auto keeps dequant_dot
+    assert frag.why_not_gluon() is not None
+    assert not dispatch.frag_usable(128, 4096, CUDA)
+    assert dispatch.choose_int4(problem(2, 8, 4096, 4096, 128, True, device="cuda")) == "dequant_dot"
+    w = experts(2, 16, 64, 32)
+    assert not dispatch.wants_frag("auto", _X(2, 64), w, False) and not dispatch.wants_frag("frag", _X(2, 64), w, False)
+
+
+def test_wants_frag_makes_the_layout_only_where_it_may_run(monkeypatch):
+    monkeypatch.setitem(dispatch._FRAG_REASON, CUDA, "")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build of torch has none)
+    w = experts(4, 16, 64, 32)
+    w_cuda = mock.Mock(wraps=w, device=CUDA, shape=w.shape, group_k=w.group_k, _frag=None, _frag_gated=None)
+    limit = dispatch.INT4_FRAG_MAX_ROWS_PER_GROUP
+    assert dispatch.wants_frag("auto", _X(2, 64), w_cuda, False)
+    assert dispatch.wants_frag("auto", _X(2, 64), w_cuda, True)
+    assert not dispatch.wants_frag("auto", _X(4 * limit + 1, 64), w_cuda, False)  # past the rule: not made
+    assert dispatch.wants_frag("frag", _X(4 * limit + 1, 64), w_cuda, False)  # by name: any rows
+    assert not dispatch.wants_frag("dequant_dot", _X(2, 64), w_cuda, False)
+    assert not dispatch.wants_frag("auto", _X(2, 64), w, False)  # x on another device than the weight
+    odd = experts(2, 15, 64, 32)
+    odd_cuda = mock.Mock(wraps=odd, device=CUDA, shape=odd.shape, group_k=odd.group_k, _frag=None, _frag_gated=None)
+    assert not dispatch.wants_frag("auto", _X(2, 64), odd_cuda, True)  # gated needs two halves (the checks say so)
+    with mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True):
+        # inside a capture the layout cannot be made: auto keeps dequant_dot unless it was made before
+        assert not dispatch.wants_frag("auto", _X(2, 64), w_cuda, False)
+        w_cuda._frag = (torch.empty(0), torch.empty(0))
+        assert dispatch.wants_frag("auto", _X(2, 64), w_cuda, False)
+        assert not dispatch.wants_frag("auto", _X(2, 64), w_cuda, True)
+
+
+# --- config and launch arguments ------------------------------------------------------------------------------------
+
+
+def test_config_splits_k_to_fill_the_gpu_at_decode(monkeypatch):
+    monkeypatch.setattr(frag, "sm_count", lambda device: 132)
+    # Mixtral's down projection at one token: 2 rows, 64 row tiles of 64 weight rows, K = 14336 (224 steps)
+    down = frag.frag_config(problem(2, 8, 4096, 14336, 128, True, device="cuda"), 4096)
+    assert down == dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=8)
+    # its gate/up at one token: 448 row tiles (both halves) over K = 4096: two slices make 1792 programs
+    up = frag.frag_config(problem(2, 8, 14336, 4096, 128, True, gated=True, device="cuda"), 28672)
+    assert up["BM"] == 8 and up["SPLIT_K"] == 1
+    # 64 tokens to 2 of 8 experts: 16 rows an expert on average, tiles of 32
+    assert frag.frag_config(problem(128, 8, 4096, 14336, 128, True, device="cuda"), 4096)["BM"] == 32
+    # Qwen3-30B-A3B's down at 64 tokens (512 rows over 128 experts, K = 768: 12 steps): no split below 8 steps
+    qwen = frag.frag_config(problem(512, 128, 2048, 768, 128, True, device="cuda"), 2048)
+    assert qwen["BM"] == 8 and qwen["SPLIT_K"] == 1
+    assert frag.frag_config(problem(8 * 64, 8, 4096, 4096, 128, True, device="cuda"), 4096)["BM"] == 64  # the most
+
+
+def _launch(E=3, M=9, N=40, K=256, group=64, gated=False, bias=None, cfg=None, x=None, dtype=torch.float16):
+    w = experts(E, 2 * N if gated else N, K, group, dtype)
+    fw, fzs = w.fragments(gated)
+    x = torch.randn(M, K, dtype=dtype) if x is None else x
+    out = torch.empty(M, N, dtype=dtype)
+    offs = torch.tensor([2, 2, M][:E], dtype=torch.int32)
+    cfg = cfg or dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=2)
+    made = []
+
+    def workspace(dev, floats, counters, tag=None):
+        made.append((floats, counters, tag))
+        return torch.empty(floats), torch.empty(counters, dtype=torch.int32)
+
+    with mock.patch.object(frag, "split_workspace", workspace):
+        result = frag.launch_args(x, fw, fzs, bias, out, offs, N, K, w.group_k, "none", gated, cfg)
+    return result, made
+
+
+def test_launch_args_grid_and_workspace():
+    (kernel, grid, args, kwargs, ws), made = _launch()
+    # (row tiles of 64 weight rows, experts + the zeroed tail, K slices); the planes hold each slice's [M, N]
+    assert grid == (1, 4, 2) and kwargs["SPLIT_K"] == 2 and not kwargs["GATED"] and not kwargs["GROUP32"]
+    assert made == [(2 * 9 * 40, 9 * 1, "grouped")] and ws is not None
+    names = kernel.arg_names
+    assert args[names.index("N")] == 40 and args[names.index("plane")] == 9 * 40
+    # gated: 2 x 24 rows (each half padded to 16s), 24 output columns; the planes even unsplit
+    (kernel, grid, args, kwargs, ws), made = _launch(N=24, gated=True, cfg=dict(BM=16, RH=1, num_warps=4, STAGES=4,
+                                                                                 SPLIT_K=1))
+    assert grid == (1, 4, 1) and kwargs["GATED"] and ws is not None and made[0][0] == 9 * 64
+    assert args[names.index("N")] == 64 and args[names.index("HALF")] == 32 and args[names.index("N_OUT")] == 24
+    # unsplit, ungated: no workspace
+    (_, grid, _, kwargs, ws), made = _launch(cfg=dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=1))
+    assert ws is None and not made and kwargs["SPLIT_K"] == 1
+    # a bias per expert: its row stride; group 32: GROUP32
+    (_, _, args, kwargs, _), _ = _launch(group=32, bias=torch.randn(3, 40, dtype=torch.float16))
+    assert args[names.index("stride_be")] == 40 and kwargs["GROUP32"] and kwargs["HAS_BIAS"]
+
+
+def test_launch_args_refusals():
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        _launch(x=torch.randn(9, 260, dtype=torch.float16)[:, :256])  # rows 260 elements apart
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        _launch(x=torch.randn(9 * 256 + 1, dtype=torch.float16)[1:].view(9, 256))  # starts 2 bytes off
+    with pytest.raises(ValueError, match="STAGES"):
+        _launch(cfg=dict(BM=64, RH=1, num_warps=4, STAGES=1, SPLIT_K=1))
+    with pytest.raises(ValueError, match="BM = 128"):
+        _launch(cfg=dict(BM=128, RH=1, num_warps=4, STAGES=4, SPLIT_K=1))
+    with pytest.raises(ValueError, match="256-row"):
+        _launch(cfg=dict(BM=8, RH=3, num_warps=4, STAGES=4, SPLIT_K=1))
+    w = experts(2, 16, 64, 32)
+    fw, fzs = w.fragments()
+    x, out, offs = torch.randn(3, 64, dtype=torch.float16), torch.empty(3, 16, dtype=torch.float16), \
+        torch.tensor([1, 3], dtype=torch.int32)
+    cfg = dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=1)
+    with pytest.raises(ValueError, match="stacked fragments"):
+        frag.launch_args(x, fw[0], fzs[0], None, out, offs, 16, 64, 32, "none", False, cfg)  # one expert's
+    with pytest.raises(ValueError, match="stacked fragments"):
+        frag.launch_args(x.bfloat16(), fw, fzs, None, out, offs, 16, 64, 32, "none", False, cfg)
+    with pytest.raises(ValueError, match="group length"):
+        frag.launch_args(x, fw, fzs, None, out, offs, 16, 64, 48, "none", False, cfg)
+
+
+def test_kernel_by_name_refuses_here_with_the_reason(device):
+    w = experts(2, 16, 64, 32)
+    x, offs = torch.randn(3, 64, dtype=torch.float16), torch.tensor([1, 3], dtype=torch.int32)
+    with pytest.raises(NotApplicable, match="'frag'.*Gluon"):
+        w4a16.grouped_matmul(x, w, offs, kernel="frag")
+    assert w._frag is None  # nothing packed for a kernel that cannot run here
+    # the launcher: the machine first, then the fragments it needs
+    p = GroupedInt4Problem(x, w.qweight, w.scales, w.zeros, offs, None, torch.empty(3, 16, dtype=torch.float16), 2,
+                           3, 16, 64, 32)
+    assert "Gluon" in frag.why_not(p)
+    with mock.patch.object(frag, "why_not_gluon", lambda: None):
+        assert "on cpu" in frag.why_not(p)
+        on_gpu = dataclasses.replace(p, x=mock.Mock(device=CUDA))
+        assert "fragment layout" in frag.why_not(on_gpu)
+        assert "not 96" in frag.why_not(dataclasses.replace(on_gpu, group_k=96, K=192))
+        with pytest.raises(NotApplicable, match="'frag'.*fragment layout"):
+            frag.run(on_gpu)
