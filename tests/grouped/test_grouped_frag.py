@@ -230,3 +230,25 @@ def test_kernel_by_name_refuses_here_with_the_reason(device):
         assert "not 96" in frag.why_not(dataclasses.replace(on_gpu, group_k=96, K=192))
         with pytest.raises(NotApplicable, match="'frag'.*fragment layout"):
             frag.run(on_gpu)
+
+
+def test_moe_blocks_keep_their_int4_weight_while_the_buffers_stay():
+    # the MoE integration builds the experts' Int4Weight from its buffers each forward: the same object (and so
+    # the fragments it made) while the buffers are unchanged; a new one once they are written or replaced
+    from tilegemm.nn import moe
+
+    w = experts(2, 16, 64, 32)
+    module = torch.nn.Module()
+    for part in ("qweight", "scales", "zeros"):
+        module.register_buffer(f"tilegemm_down_proj_{part}", getattr(w, part).clone())
+    module.tilegemm_group_size = 32
+    first = moe._int4(module, "down_proj")
+    assert first.shape == w.shape and moe._int4(module, "down_proj") is first
+    first.fragments()
+    assert moe._int4(module, "down_proj")._frag is not None
+    module.tilegemm_down_proj_scales.mul_(2)  # written in place (load_state_dict copies so)
+    second = moe._int4(module, "down_proj")
+    assert second is not first and second._frag is None
+    module.tilegemm_down_proj_zeros = w.zeros.clone()  # replaced
+    assert moe._int4(module, "down_proj") is not second
+    assert moe._int4(module, "up_proj") is None
