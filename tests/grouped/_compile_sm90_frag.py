@@ -39,6 +39,6 @@ for name, v in json.loads(sys.argv[1]).items():
         registers=[int(n) for n in re.findall(r"Used (\d+) registers", info)],
         serialized="serialized" in info,
         spills=[int(n) for n in re.findall(r"(\d+) bytes spill stores", info)],
-        split=kwargs["SPLIT_K"], group32=bool(kwargs.get("GROUP32")),
+        split=kwargs["SPLIT_K"], group32=bool(kwargs.get("GROUP32")), compact=kwargs["COMPACT"],
     )
 print(json.dumps(report))

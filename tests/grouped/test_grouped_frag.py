@@ -173,6 +173,7 @@ def test_launch_args_grid_and_workspace():
     (kernel, grid, args, kwargs, ws), made = _launch()
     # (row tiles of 64 weight rows, experts + the zeroed tail, K slices); the planes hold each slice's [M, N]
     assert grid == (1, 4, 2) and kwargs["SPLIT_K"] == 2 and not kwargs["GATED"] and not kwargs["GROUP32"]
+    assert not kwargs["COMPACT"] and kwargs["EP"] == 32
     assert made == [(2 * 9 * 40, 9 * 1, "grouped")] and ws is not None
     names = kernel.arg_names
     assert args[names.index("N")] == 40 and args[names.index("plane")] == 9 * 40
@@ -184,6 +185,9 @@ def test_launch_args_grid_and_workspace():
     # unsplit, ungated: no workspace
     (_, grid, _, kwargs, ws), made = _launch(cfg=dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=1))
     assert ws is None and not made and kwargs["SPLIT_K"] == 1
+    # fewer rows than experts: slots for the non-empty experts (2 rows: 2 at most) and the tail
+    (_, grid, args, kwargs, _), _ = _launch(M=2)
+    assert grid == (1, 3, 2) and kwargs["COMPACT"] and args[names.index("SLOTS")] == 2
     # a bias per expert: its row stride; group 32: GROUP32
     (_, _, args, kwargs, _), _ = _launch(group=32, bias=torch.randn(3, 40, dtype=torch.float16))
     assert args[names.index("stride_be")] == 40 and kwargs["GROUP32"] and kwargs["HAS_BIAS"]

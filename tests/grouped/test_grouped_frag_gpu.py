@@ -137,6 +137,28 @@ def test_every_row_tile_and_split(dtype, bm, split, gated):
 
 @hopper
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_many_experts_few_rows(dtype, gated, split):
+    # fewer rows than experts (COMPACT: a slot per possible non-empty expert): 64 experts, 6 rows (the first, the
+    # last, one of two rows) and 3 past offs[-1]; then every row to one expert, and none
+    E, K = 64, 512
+    w = experts(E, 256, K, dtype, 128)
+    bias = torch.randn(E, 256, device="cuda", dtype=dtype)
+    act = "silu" if gated else "gelu"
+    cfg = dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=split)
+    for rows in ({0: 1, 17: 2, 40: 1, 63: 1}, {5: 6}, {}):
+        sizes = [rows.get(e, 0) for e in range(E)]
+        x = torch.randn(6 + 3, K, device="cuda", dtype=dtype)
+        offs = offs_of(sizes)
+        out = run_config(x, w, offs, cfg, bias, act, gated)
+        if rows:
+            assert_rel_close(out, reference(x, w, offs, bias, act, gated), tolerance(dtype))
+        check_tail(out, sizes)  # (no rows: all of them zero)
+
+
+@hopper
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group_size, K", GROUPS)
 @pytest.mark.parametrize("split", [1, 2])
 def test_one_hot_rows_return_the_dequantized_weight_bit_for_bit(dtype, group_size, K, split):
@@ -179,17 +201,23 @@ def test_auto_takes_it_at_decode_sizes(monkeypatch, dtype, gated):
     assert len(calls) == n
 
 
+def sizes_of(E: int, rows: dict) -> list:
+    return [rows.get(e, 0) for e in range(E)]
+
+
 @hopper
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_cuda_graph_replays_with_new_group_sizes(dtype, gated):
+@pytest.mark.parametrize("E, M", [(8, 23), (64, 9)], ids=["8-experts", "64-experts-compact"])
+def test_cuda_graph_replays_with_new_group_sizes(dtype, gated, E, M):
+    # captured once, replayed after offs changes: rows moved between experts, all to the first or the last, none
+    # (every row past offs[-1]); 64 experts over 9 rows take the compact grid (a slot per possible non-empty expert)
     K = 2048  # a K split at these rows
-    w = experts(8, 512, K, dtype, 128)
-    bias = torch.randn(8, 512, device="cuda", dtype=dtype)
-    first = [0, 1, 0, 0, 0, 1, 0, 0]
-    M = 16 + TAIL
+    w = experts(E, 512, K, dtype, 128)
+    bias = torch.randn(E, 512, device="cuda", dtype=dtype)
+    plans = [{1: 1, 5: 1}, {0: M}, {E - 1: M - 2}, {}, {e: 1 for e in range(0, E, max(1, E // 8))}, {2: 3, 3: 4}]
     x = torch.randn(M, K, device="cuda", dtype=dtype)
-    offs = offs_of(first)
+    offs = offs_of(sizes_of(E, plans[0]))
     act = "silu" if gated else "relu"
 
     def call():
@@ -206,12 +234,14 @@ def test_cuda_graph_replays_with_new_group_sizes(dtype, gated):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = call()
-    for sizes in (first, [16, 0, 0, 0, 0, 0, 0, 0], [2, 2, 2, 2, 2, 2, 2, 2], [0] * 8, [0, 0, 0, 0, 0, 0, 0, M]):
+    for plan in plans:
+        sizes = sizes_of(E, plan)
         offs.copy_(offs_of(sizes))
         x.copy_(torch.randn(M, K, device="cuda", dtype=dtype))
         graph.replay()
         torch.cuda.synchronize()
-        assert_rel_close(out, reference(x, w, offs, bias, act, gated), tolerance(dtype))
+        if plan:
+            assert_rel_close(out, reference(x, w, offs, bias, act, gated), tolerance(dtype))
         assert torch.equal(out, run(x, w, offs, bias, act, gated, kernel="auto"))  # the graph = a fresh call
         check_tail(out, sizes)
 

@@ -10,9 +10,11 @@ file holds only the grouped kernel's own body.
 
 Grid ``(weight row tiles, E + 1, K slices)``: a program's expert is grid axis 1, its rows ``offs[e-1]:offs[e]`` are
 read on the device (never on the host: a CUDA graph captures the call and replays it with new ``offs``). An empty
-expert's programs exit after two loads; a program loops over its expert's rows ``BM`` at a time, so any number of
-rows is right (a popular expert runs its row blocks one after another, each a pass over its slice of the
-weight). Programs of index E zero the rows past ``offs[-1]``.
+expert's programs exit after two loads. With fewer rows than experts (``COMPACT``: one token to 8 of 128 experts)
+axis 1 holds ``M + 1`` slots instead, slot j taking the j-th non-empty expert (a scan of ``offs`` in the program),
+so the grid is not mostly programs that exit. A program loops over its expert's rows ``BM`` at a time, so any
+number of rows is right (a popular expert runs its row blocks one after another, each a pass over its slice of the
+weight). The last slot zeroes the rows past ``offs[-1]``.
 
 K is cut into ``SPLIT_K`` slices (grid axis 2; one token to 2 of Mixtral's 8 experts leaves the down projection 2 x
 64 row tiles, far from filling 132 SMs). Every slice stores its partial ``[rows, weight rows]`` tile in the
@@ -53,15 +55,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 
 @gluon.jit
 def grouped_frag_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, offs_ptr, ws_ptr, count_ptr,
-                        E, M, N, N_OUT, HALF, K, stride_x8, stride_om, stride_we, stride_ze, stride_be, plane,
-                        K64, N16, group_k, steps_per_split, k_stop,
+                        E, SLOTS, M, N, N_OUT, HALF, K, stride_x8, stride_om, stride_we, stride_ze, stride_be,
+                        plane, K64, N16, group_k, steps_per_split, k_stop,
                         BM: gl.constexpr, RH: gl.constexpr, STAGES: gl.constexpr, BF16: gl.constexpr,
                         EVEN_K: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        ACTIVATION: gl.constexpr, GATED: gl.constexpr,
+                        ACTIVATION: gl.constexpr, GATED: gl.constexpr, COMPACT: gl.constexpr, EP: gl.constexpr,
                         num_warps: gl.constexpr, GROUP32: gl.constexpr = False):
     """``N``: the weight's rows as the workspace holds them (gated: ``2 * HALF``, each half padded to 16 rows);
     ``N_OUT``: the output's columns (gated: the up projection's first bias column too); ``plane``: M * N, the
-    workspace's elements a K slice."""
+    workspace's elements a K slice. Grid axis 1 has ``SLOTS + 1`` entries: the experts (``COMPACT``: the non-empty
+    ones in order, SLOTS = M < E of them at most), then the rows past ``offs[-1]``."""
     RHT: gl.constexpr = num_warps * RH  # 16-row tiles of weights
     BN: gl.constexpr = 16 * RHT
     if GATED:
@@ -80,14 +83,32 @@ def grouped_frag_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, offs_ptr, ws_p
     x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 64], dt)
     w_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
     pid_n = gl.program_id(0)
-    e = gl.program_id(1)
+    slot = gl.program_id(1)
     split = gl.program_id(2)
 
-    # this program's rows, from offs on the device (clamped to [0, M], as the family's other kernels clamp them)
-    end = gl.load(offs_ptr + e, mask=e < E, other=M)  # expert E: the rows past offs[-1], to be zeroed
-    start = gl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-    end = gl.minimum(gl.maximum(end, 0), M)
-    start = gl.minimum(gl.maximum(start, 0), end)
+    # this program's expert and rows, from offs on the device (clamped to [0, M], as the family's other kernels
+    # clamp them); expert E: the rows past offs[-1], to be zeroed
+    if COMPACT:
+        # fewer rows than experts (a decode step over many experts): slot j takes the j-th non-empty expert, so the
+        # grid holds M + 1 slots, not E + 1 (most experts get no row: their programs would only exit)
+        el: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        gs = gl.arange(0, EP, layout=el)
+        live = gs < E
+        ends = gl.minimum(gl.maximum(gl.load(offs_ptr + gs, mask=live, other=0), 0), M)
+        starts = gl.minimum(gl.maximum(gl.load(offs_ptr + gs - 1, mask=live & (gs > 0), other=0), 0), ends)
+        full = live & (ends > starts)
+        rank = gl.associative_scan(full.to(gl.int32), 0, _add)  # non-empty experts up to each (inclusive)
+        hit = full & (rank == slot + 1)
+        tail = slot == SLOTS
+        e = gl.where(tail, E, gl.sum(gl.where(hit, gs, 0), axis=0))
+        start = gl.where(tail, gl.max(gl.where(live, ends, 0), axis=0), gl.sum(gl.where(hit, starts, 0), axis=0))
+        end = gl.where(tail, M, gl.sum(gl.where(hit, ends, 0), axis=0))
+    else:
+        e = slot
+        end = gl.load(offs_ptr + e, mask=e < E, other=M)
+        start = gl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        end = gl.minimum(gl.maximum(end, 0), M)
+        start = gl.minimum(gl.maximum(start, 0), end)
 
     x_bufs = gl.allocate_shared_memory(dt, [STAGES, BM, 64], x_sl)
     w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, RHT, 1, 32, 4], w_sl)
@@ -152,6 +173,11 @@ def grouped_frag_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, offs_ptr, ws_p
             async_copy.wait_group(0)
             _finish(acc, out_ptr, bias_ptr, ws_ptr, count_ptr, e, pid_n, split, m0, end, N, N_OUT, HALF, plane,
                     stride_om, stride_be, BN, BNO, BM, acc_l, ol, SPLIT_K, HAS_BIAS, ACTIVATION, GATED)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
 
 
 @gluon.jit
@@ -288,12 +314,14 @@ def launch_args(x, fw, fzs, bias, out, offs, N_out: int, K: int, group_k: int, a
         ws, count = out, out  # unused
     stride_be = 0 if bias is None or bias.dim() == 1 else bias.stride(0)
     zs32 = fzs.view(torch.int32)  # a (zero, scale) pair of 16-bit values a word
-    args = (x, fw, zs32, bias if bias is not None else out, out, offs, ws, count, E, M, N, N_out, half, K,
+    slots = min(E, M)  # at most M experts hold rows
+    args = (x, fw, zs32, bias if bias is not None else out, out, offs, ws, count, E, slots, M, N, N_out, half, K,
             x.stride(0) // 8, out.stride(0), fw.stride(0), zs32.stride(0), stride_be, M * N, k64, n16, group_k,
             per_split, steps * 64)
     kwargs = dict(BM=bm, RH=rh, STAGES=cfg["STAGES"], BF16=x.dtype == torch.bfloat16, EVEN_K=K % 64 == 0,
-                  SPLIT_K=split, HAS_BIAS=bias is not None, ACTIVATION=activation, GATED=gated, GROUP32=group_k == 32, num_warps=warps)
-    return grouped_frag_kernel, (tiles_n, E + 1, split), args, kwargs, workspace
+                  SPLIT_K=split, HAS_BIAS=bias is not None, ACTIVATION=activation, GATED=gated,
+                  COMPACT=slots < E, EP=max(32, 1 << (E - 1).bit_length()), GROUP32=group_k == 32, num_warps=warps)
+    return grouped_frag_kernel, (tiles_n, slots + 1, split), args, kwargs, workspace
 
 
 def why_not(p: GroupedInt4Problem) -> str | None:
