@@ -72,8 +72,8 @@ def test_gated_fragments_hold_the_gated_row_order(group, K, N):
 class _X:
     """What dispatch reads of x (rows, device): a CUDA tensor's stand-in on a machine without one."""
 
-    def __init__(self, M: int, K: int, device=CUDA):
-        self.shape, self.device = (M, K), device
+    def __init__(self, M: int, K: int, device=CUDA, dtype=torch.float16):
+        self.shape, self.device, self.dtype = (M, K), device, dtype
 
 
 def problem(M, E, N, K, group_k, fragments: bool, gated=False, device="cpu"):
@@ -121,6 +121,8 @@ def test_wants_frag_makes_the_layout_only_where_it_may_run(monkeypatch):
     assert dispatch.wants_frag("frag", _X(4 * limit + 1, 64), w_cuda, False)  # by name: any rows
     assert not dispatch.wants_frag("dequant_dot", _X(2, 64), w_cuda, False)
     assert not dispatch.wants_frag("auto", _X(2, 64), w, False)  # x on another device than the weight
+    assert not dispatch.wants_frag("frag", _X(2, 64, dtype=torch.bfloat16), w_cuda, False)  # refused by the checks
+    assert not dispatch.wants_frag("frag", _X(2, 32), w_cuda, False)
     odd = experts(2, 15, 64, 32)
     odd_cuda = mock.Mock(wraps=odd, device=CUDA, shape=odd.shape, group_k=odd.group_k, _frag=None, _frag_gated=None)
     assert not dispatch.wants_frag("auto", _X(2, 64), odd_cuda, True)  # gated needs two halves (the checks say so)
@@ -173,7 +175,7 @@ def test_launch_args_grid_and_workspace():
     (kernel, grid, args, kwargs, ws), made = _launch()
     # (row tiles of 64 weight rows, experts + the zeroed tail, K slices); the planes hold each slice's [M, N]
     assert grid == (1, 4, 2) and kwargs["SPLIT_K"] == 2 and not kwargs["GATED"] and not kwargs["GROUP32"]
-    assert not kwargs["COMPACT"] and kwargs["EP"] == 32
+    assert not kwargs["COMPACT"] and kwargs["EP"] == 128
     assert made == [(2 * 9 * 40, 9 * 1, "grouped")] and ws is not None
     names = kernel.arg_names
     assert args[names.index("N")] == 40 and args[names.index("plane")] == 9 * 40

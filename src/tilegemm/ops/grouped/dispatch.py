@@ -110,8 +110,8 @@ def wants_frag(kernel: str, x: torch.Tensor, w, gated: bool) -> bool:
     dequant_dot runs the call instead); never while torch.compile traces (packing is no graph work either)."""
     if torch.compiler.is_compiling() or (kernel not in FRAG_KERNELS and kernel != "auto"):
         return False
-    if x.device != w.device or (gated and w.shape[-2] % 2):
-        return False
+    if x.device != w.device or x.dtype != w.dtype or x.shape[-1] != w.shape[-1] or (gated and w.shape[-2] % 2):
+        return False  # (a call the checks refuse: nothing to pack for)
     if not frag_usable(w.group_k, w.shape[-1], x.device):
         return False
     if kernel != "auto":

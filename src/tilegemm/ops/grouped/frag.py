@@ -320,7 +320,8 @@ def launch_args(x, fw, fzs, bias, out, offs, N_out: int, K: int, group_k: int, a
             per_split, steps * 64)
     kwargs = dict(BM=bm, RH=rh, STAGES=cfg["STAGES"], BF16=x.dtype == torch.bfloat16, EVEN_K=K % 64 == 0,
                   SPLIT_K=split, HAS_BIAS=bias is not None, ACTIVATION=activation, GATED=gated,
-                  COMPACT=slots < E, EP=max(32, 1 << (E - 1).bit_length()), GROUP32=group_k == 32, num_warps=warps)
+                  COMPACT=slots < E, EP=max(32 * warps, 1 << (E - 1).bit_length()),  # offs' vector: a lane each
+                  GROUP32=group_k == 32, num_warps=warps)
     return grouped_frag_kernel, (tiles_n, slots + 1, split), args, kwargs, workspace
 
 
