@@ -113,7 +113,8 @@ def test_wants_frag_makes_the_layout_only_where_it_may_run(monkeypatch):
     monkeypatch.setitem(dispatch._FRAG_REASON, CUDA, "")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build of torch has none)
     w = experts(4, 16, 64, 32)
-    w_cuda = mock.Mock(wraps=w, device=CUDA, shape=w.shape, group_k=w.group_k, _frag=None, _frag_gated=None)
+    w_cuda = mock.Mock(wraps=w, device=CUDA, dtype=w.dtype, shape=w.shape, group_k=w.group_k, _frag=None,
+                       _frag_gated=None)
     limit = dispatch.INT4_FRAG_MAX_ROWS_PER_GROUP
     assert dispatch.wants_frag("auto", _X(2, 64), w_cuda, False)
     assert dispatch.wants_frag("auto", _X(2, 64), w_cuda, True)
@@ -124,7 +125,8 @@ def test_wants_frag_makes_the_layout_only_where_it_may_run(monkeypatch):
     assert not dispatch.wants_frag("frag", _X(2, 64, dtype=torch.bfloat16), w_cuda, False)  # refused by the checks
     assert not dispatch.wants_frag("frag", _X(2, 32), w_cuda, False)
     odd = experts(2, 15, 64, 32)
-    odd_cuda = mock.Mock(wraps=odd, device=CUDA, shape=odd.shape, group_k=odd.group_k, _frag=None, _frag_gated=None)
+    odd_cuda = mock.Mock(wraps=odd, device=CUDA, dtype=odd.dtype, shape=odd.shape, group_k=odd.group_k, _frag=None,
+                         _frag_gated=None)
     assert not dispatch.wants_frag("auto", _X(2, 64), odd_cuda, True)  # gated needs two halves (the checks say so)
     with mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True):
         # inside a capture the layout cannot be made: auto keeps dequant_dot unless it was made before
