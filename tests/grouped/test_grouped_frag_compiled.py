@@ -50,6 +50,11 @@ EXTRA = {
                             cfg=dict(BM=64, RH=1, num_warps=4, STAGES=4, SPLIT_K=2)),
     "m64-fp16": dict(dtype="float16", emnk=[8, 256, 4096, 4096], act="none", cfg=dict(BM=64, RH=1, num_warps=4,
                                                                                      STAGES=4, SPLIT_K=1)),
+    # one row, one expert (M, E, SLOTS: the constexpr 1 Triton makes of them); one row over 8 experts (compact)
+    "one-row-one-expert": dict(dtype="float16", emnk=[1, 1, 64, 64], act="none", group=-1,
+                               cfg=dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=1)),
+    "one-row-gated-split": dict(dtype="bfloat16", emnk=[8, 1, 4096, 14336], act="silu", gated=True, bias="n",
+                                cfg=dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=8)),
     # 32 rows a program, group 256
     "m32-g256": dict(dtype="bfloat16", emnk=[8, 128, 4096, 14336], act="none", group=256,
                      cfg=dict(BM=32, RH=1, num_warps=4, STAGES=4, SPLIT_K=2)),
