@@ -32,9 +32,10 @@ INT4_AUTO = "dequant_dot"
 # this many rows an expert on average (M / E, from the shapes): decode steps, where a call streams the routed
 # experts' weights once and the weight's 4 bits a value set its time (frag_wgmma ran 2.1x-2.6x cuBLAS at M <= 16 and
 # 1.4x-1.6x at 64; dequant_dot's decode 0.99x-1.22x the 16-bit baseline). An estimate from those dense ratios, to be
-# refit from GPU timing: its row tile holds 2x the average (configs.INT4_FRAG), at most 64 rows, so up to 32 rows
-# an expert a typical expert is one row tile (docs/grouped.md, "4-bit experts at decode: `frag`")
-INT4_FRAG_MAX_ROWS_PER_GROUP = 32
+# refit from GPU timing: 16 covers the moe sweep's 1-64 token steps (Mixtral at 64 tokens: 16 rows an expert), where
+# the row tile (twice the average, configs.INT4_FRAG) is at most 32 rows; above, dequant_dot stays (the many-expert
+# models at 512 tokens, where it ran well) (docs/grouped.md, "4-bit experts at decode: `frag`")
+INT4_FRAG_MAX_ROWS_PER_GROUP = 16
 FRAG_KERNELS = ("frag",)  # the grouped_w4a16 kernels that read the stacked fragment layout
 # ``dequant_grouped`` (one pass writes the 16-bit weight, then the 16-bit grouped product) from this many rows an
 # expert on average (M / E, from the shapes): there the pass over every expert's weight costs less than what
