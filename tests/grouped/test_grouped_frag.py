@@ -260,3 +260,20 @@ def test_moe_blocks_keep_their_int4_weight_while_the_buffers_stay():
     module.tilegemm_down_proj_zeros = w.zeros.clone()  # replaced
     assert moe._int4(module, "down_proj") is not second
     assert moe._int4(module, "up_proj") is None
+
+
+def test_the_op_takes_the_fragments_along():
+    # the op's schema carries the fragments (optional tensors); off Hopper auto runs dequant_dot and ignores them,
+    # and the gradient of x flows as before
+    from tilegemm.ops.grouped.op import grouped_w4a16_op
+
+    w = experts(3, 16, 64, 32)
+    fw, fzs = w.fragments()
+    x = torch.randn(9, 64, dtype=torch.float16)
+    offs = torch.tensor([2, 5, 9], dtype=torch.int32)
+    args = (x, w.qweight, w.scales, w.zeros, offs, None, w.group_k, "none", False, "auto")
+    torch.library.opcheck(grouped_w4a16_op, args + (fw, fzs))
+    assert torch.equal(grouped_w4a16_op(*args, fw, fzs), grouped_w4a16_op(*args))
+    xg = x.clone().requires_grad_(True)
+    grouped_w4a16_op(xg, *args[1:], fw, fzs).float().sum().backward()
+    assert xg.grad is not None and xg.grad.shape == x.shape
