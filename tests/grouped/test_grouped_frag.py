@@ -1,5 +1,5 @@
 """Kernel ``frag`` of ``grouped_w4a16`` on the CPU: the stacked (and gated) fragment layout, auto's rule, the config,
-the launch's arguments and the refusals. The kernel is Gluon (no interpreter): it compiles for sm_90 in
+the launch's arguments, the refusals, and the kernel's program logic emulated over the launch's grid. The kernel is Gluon (no interpreter): it compiles for sm_90 in
 ``test_grouped_frag_compiled.py`` and runs in ``test_grouped_frag_gpu.py``."""
 
 from __future__ import annotations
@@ -277,3 +277,136 @@ def test_the_op_takes_the_fragments_along():
     xg = x.clone().requires_grad_(True)
     grouped_w4a16_op(xg, *args[1:], fw, fzs).float().sum().backward()
     assert xg.grad is not None and xg.grad.shape == x.shape
+
+
+# --- the kernel's program logic, emulated on the CPU ------------------------------------------------------------------
+# Gluon has no interpreter: this walks the launch's grid in Python with the kernel's own formulas (the expert and
+# rows of a slot, compact or not; the row blocks; the K slices; the workspace columns of the gated row order; the
+# last arrival's sum and epilogue; the tail) over the weight the fragments hold, so the layout and the launch's
+# arguments are checked against the reference where the kernel's index arithmetic lives. (The dequantization and
+# the MMA are frag_wgmma's, tested on the GPU.)
+
+
+def _fragment_weights(fw, fzs, group_k: int, rows: int, K: int):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "w4a16" / "test_w4a16_fragments.py"
+    spec = importlib.util.spec_from_file_location("_w4a16_fragments", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [module.dequantize_fragments(fw[e], fzs[e], group_k, rows, K).float() for e in range(fw.shape[0])]
+
+
+def emulate(x, w, offs, bias, activation, gated, cfg):
+    from tilegemm.core.activations import torch_activation
+
+    E, N_w, K = w.shape
+    n_out = N_w // 2 if gated else N_w
+    fw, fzs = w.fragments(gated)
+    out = torch.full((x.shape[0], n_out), float("nan"))
+    with mock.patch.object(frag, "split_workspace", lambda dev, floats, counters, tag=None: (
+            torch.full((floats,), float("nan")), torch.zeros(counters, dtype=torch.int32))):
+        kernel, grid, args, kw, ws = frag.launch_args(x, fw, fzs, bias, out, offs, n_out, K, w.group_k, activation,
+                                                      gated, cfg)
+    a = dict(zip(kernel.arg_names, args))
+    planes, counters = ws if ws is not None else (None, None)
+    M, N, HALF, plane, SLOTS = a["M"], a["N"], a["HALF"], a["plane"], a["SLOTS"]
+    BM, SPLIT = kw["BM"], kw["SPLIT_K"]
+    BN = 16 * kw["RH"] * kw["num_warps"]
+    BNO = BN // 2 if gated else BN
+    W = _fragment_weights(fw, fzs, w.group_k, fw.shape[1] * 16, K)  # [packed rows, K] an expert
+    ends = [min(max(int(v), 0), M) for v in offs]
+    starts = [0] + ends[:-1]
+    starts = [min(max(s, 0), e) for s, e in zip(starts, ends)]
+    full = [e for e in range(E) if ends[e] > starts[e]]
+    b = None if bias is None else (bias.float() if bias.dim() == 2 else bias.float().expand(E, -1))
+    epilogues = []
+    for pid_n in range(grid[0]):
+        for slot in range(grid[1]):
+            for split in range(grid[2]):
+                if kw["COMPACT"]:
+                    if slot == SLOTS:
+                        e, start, end = E, max(ends), M
+                    elif slot < len(full):
+                        e = full[slot]
+                        start, end = starts[e], ends[e]
+                    else:
+                        e, start, end = 0, 0, 0
+                else:
+                    e = slot
+                    start, end = (starts[e], ends[e]) if e < E else (max(ends), M)
+                k_first = split * a["steps_per_split"] * 64
+                k_end = min(k_first + a["steps_per_split"] * 64, a["k_stop"], K)
+                cols_o = torch.arange(pid_n * BNO, (pid_n + 1) * BNO)
+                if e == E:
+                    if split == 0:
+                        for m0 in range(start, end, BM):
+                            rows = torch.arange(m0, min(m0 + BM, end))
+                            c = cols_o[cols_o < n_out]
+                            out[rows[:, None], c[None, :]] = 0.0
+                    continue
+                nn = torch.arange(pid_n * BN, (pid_n + 1) * BN)
+                for m0 in range(start, end, BM):
+                    rows = torch.arange(m0, min(m0 + BM, end))
+                    acc = W[e][nn][:, k_first:k_end] @ x[rows][:, k_first:k_end].float().T  # [BN, rows]
+                    if SPLIT == 1 and not gated:
+                        ok = nn < N
+                        v = acc[ok] + (b[e][nn[ok]][:, None] if b is not None else 0)
+                        out[rows[:, None], nn[ok][None, :]] = torch_activation(v, activation).T.to(out.dtype)
+                        continue
+                    if gated:
+                        t = nn // 16
+                        r = (t // 2) * 16 + nn % 16
+                        col, row_ok = r + (t % 2) * HALF, r < HALF
+                    else:
+                        col, row_ok = nn, nn < N
+                    for i, m in enumerate(rows.tolist()):
+                        planes[split * plane + m * N + col[row_ok]] = acc[row_ok, i]
+                    if SPLIT > 1:
+                        tile = m0 * grid[0] + pid_n
+                        counters[tile] += 1
+                        if counters[tile] != SPLIT:
+                            continue
+                        counters[tile] = 0
+                    epilogues.append((e, rows, cols_o[cols_o < n_out]))
+    # every epilogue after every program's stores: the order on the GPU is any, and a workspace element two
+    # programs write would show here
+    for e, rows, c in epilogues:
+        total = sum(planes[s * plane + rows[:, None] * N + c[None, :]] for s in range(SPLIT))
+        if b is not None:
+            total = total + b[e][c]
+        total = torch_activation(total, activation)
+        if gated:
+            up = sum(planes[s * plane + rows[:, None] * N + HALF + c[None, :]] for s in range(SPLIT))
+            if b is not None:
+                up = up + b[e][n_out + c]
+            total = total * up
+        out[rows[:, None], c[None, :]] = total.to(out.dtype)
+    assert counters is None or not counters.any(), "every tile's counter is back at zero"
+    return out
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("sizes, tail", [([0, 1, 11, 0, 3, 1, 20, 0], 5), ([0, 2, 0, 0, 0, 0, 1, 0], 2)],
+                         ids=["rows", "compact"])
+@pytest.mark.parametrize("group, K", [(32, 256), (-1, 200)])
+def test_the_programs_cover_the_product(gated, split, sizes, tail, group, K):
+    from tilegemm.ops.grouped.reference import grouped_mm_reference
+
+    E = len(sizes)
+    N_w = 2 * 40 if gated else 72  # gated: halves of 40 rows (padded to 48); plain: 72 (no multiple of 64)
+    w = experts(E, N_w, K, group)
+    M = sum(sizes) + tail
+    x = torch.randn(M, K, dtype=torch.float16)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    bias = torch.randn(E, N_w, dtype=torch.float16)
+    act = "silu" if gated else "gelu"
+    out = emulate(x, w, offs, bias, act, gated, dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=split))
+    full = grouped_mm_reference(x, w4a16.dequantize(w).transpose(1, 2), offs, bias=bias, dtype=torch.float32)
+    from tilegemm.core.activations import torch_activation
+    ref = torch_activation(full[:, :N_w // 2], act) * full[:, N_w // 2:] if gated else torch_activation(full, act)
+    assert not torch.isnan(out).any(), "an element no program writes"
+    assert torch.equal(out[sum(sizes):], torch.zeros_like(out[sum(sizes):]))
+    assert (out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
