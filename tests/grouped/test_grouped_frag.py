@@ -1,6 +1,7 @@
 """Kernel ``frag`` of ``grouped_w4a16`` on the CPU: the stacked (and gated) fragment layout, auto's rule, the config,
-the launch's arguments, the refusals, and the kernel's program logic emulated over the launch's grid. The kernel is Gluon (no interpreter): it compiles for sm_90 in
-``test_grouped_frag_compiled.py`` and runs in ``test_grouped_frag_gpu.py``."""
+the launch's arguments, the refusals, and the kernel's program logic emulated over the launch's grid. The kernel is
+Gluon (no interpreter): it compiles for sm_90 in ``test_grouped_frag_compiled.py`` and runs in
+``test_grouped_frag_gpu.py``."""
 
 from __future__ import annotations
 
