@@ -102,11 +102,24 @@ def install() -> None:
 
 
 def _int4(module, name: str) -> Int4Weight | None:
+    """The module's 4-bit experts ``name`` as an Int4Weight over its buffers, the same object while the buffers
+    are (same storage, not written since: ``_version``), so the fragment layout the decode kernel reads
+    (``Int4Weight.fragments()``) is made once, not every forward."""
     parts = [getattr(module, f"tilegemm_{name}_{p}", None) for p in _INT4]
     if parts[0] is None:
         return None
     E, R, N = parts[0].shape
-    return Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8))
+    if torch.compiler.is_compiling():  # (a traced graph takes the tensors; it runs dequant_dot, no fragments)
+        return Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8))
+    key = (module.tilegemm_group_size, *((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
+                                         for t in parts))
+    cache = module.__dict__.setdefault("_tilegemm_int4_weights", {})
+    hit = cache.get(name)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    w = Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8))
+    cache[name] = (key, w)
+    return w
 
 
 def _fused_activation(module) -> str | None:

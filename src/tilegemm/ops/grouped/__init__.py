@@ -3,11 +3,11 @@
 ``tilegemm.grouped_mm`` follows ``torch.nn.functional.grouped_mm``; ``tilegemm.w4a16.grouped_matmul`` runs
 4-bit experts; :mod:`tilegemm.nn.moe` plugs both into transformers' MoE blocks. The public functions are in
 :mod:`.api`, checks in :mod:`.checks`, the torch.library op in :mod:`.op`, one file per kernel (:mod:`.tiled`,
-:mod:`.tma`, :mod:`.tma_k`, :mod:`.int4`, :mod:`.dequant`). Nothing here imports triton: a kernel module is imported when its
-kernel first runs.
+:mod:`.tma`, :mod:`.tma_k`, :mod:`.int4`, :mod:`.dequant`, :mod:`.frag`). Nothing here imports triton: a kernel
+module is imported when its kernel first runs.
 """
 
-from tilegemm.core.hardware import why_not_tma
+from tilegemm.core.hardware import why_not_gluon, why_not_tma
 from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
 
 register_op(OpSpec(
@@ -45,6 +45,13 @@ register(KernelSpec(
     op="grouped_w4a16", name="dequant_grouped", order=20, target="tilegemm.ops.grouped.dequant:run",
     dtypes=("fp16", "bf16"),
     summary="prefill: one pass writes the experts' 16-bit weight, then the 16-bit grouped product (tma on Hopper)",
+))
+
+register(KernelSpec(
+    op="grouped_w4a16", name="frag", order=30, target="tilegemm.ops.grouped.frag:run", why_not=why_not_gluon,
+    tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
+    summary="decode: W4A16's fragment kernel on the stacked experts' fragments (wgmma, cp.async ring), the expert "
+            "a grid axis, its rows read from offs on the device, K split",
 ))
 
 from tilegemm.ops.grouped.api import batched_matmul, grouped_matmul, grouped_mm  # noqa: E402

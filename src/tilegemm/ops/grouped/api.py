@@ -11,7 +11,9 @@ from tilegemm.core.activations import check_activation
 from tilegemm.core.launch import plain_call
 from tilegemm.ops.grouped.checks import (call_tensors, check_grouped, check_grouped_int4, gated_replay_key,
                                          int4_replay_key, replay_key)
+from tilegemm.ops.grouped import dispatch
 from tilegemm.ops.matmul import matmul as dense_matmul
+from tilegemm.ops.w4a16.format import Int4Weight
 from tilegemm.ops.grouped.op import (REPLAYS, forward, forward_gated, forward_int4, grouped_mm_gated_op,
                                      grouped_mm_op, grouped_w4a16_op)
 
@@ -106,17 +108,23 @@ def moe_gate_up_int4(x: torch.Tensor, w, offs: torch.Tensor, bias: torch.Tensor 
 
 
 def _int4(x, w, offs, bias, activation: str, gated: bool, kernel: str) -> torch.Tensor:
-    """The 4-bit experts' call: a replay, or the checks and the op or a recorded plain call."""
-    key = int4_replay_key(x, w, offs, bias, activation, gated, kernel)
+    """The 4-bit experts' call: a replay, or the checks and the op or a recorded plain call. Where kernel ``frag``
+    runs, or ``auto`` may pick it, the stacked fragment layout is made (once: the weight keeps it) before the key,
+    which holds its layouts, and travels with the call."""
+    frag = None
+    if type(w) is Int4Weight and len(w.shape) == 3 and isinstance(x, torch.Tensor) and x.dim() == 2 \
+            and type(kernel) is str and dispatch.wants_frag(kernel, x, w, gated):
+        frag = w.fragments(gated)
+    key = int4_replay_key(x, w, offs, bias, activation, gated, kernel, frag)
     if key is not None:
-        tensors = call_tensors(x, w.qweight, w.scales, w.zeros, offs, bias)
+        tensors = call_tensors(x, w.qweight, w.scales, w.zeros, offs, bias, *(frag or ()))
         out = REPLAYS.replayed(key, tensors)
         if out is not None:
             return out
     check_grouped_int4(x, w, offs, bias, activation, gated)
     if kernel != "auto":
         registry.get("grouped_w4a16", kernel)
-    args = (x, w.qweight, w.scales, w.zeros, offs, bias, w.group_k, activation, gated, kernel)
+    args = (x, w.qweight, w.scales, w.zeros, offs, bias, w.group_k, activation, gated, kernel, *(frag or (None, None)))
     if not plain_call(x, offs, bias):
         return grouped_w4a16_op(*args)
     if key is None:

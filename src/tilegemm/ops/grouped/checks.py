@@ -200,14 +200,16 @@ def gated_replay_key(a, b, offs, bias, activation):
     return gated_key_of(a, b, offs, bias, activation, precision)
 
 
-def int4_key_of(x, w, offs, bias, activation: str, gated: bool, kernel: str) -> tuple:
+def int4_key_of(x, w, offs, bias, activation: str, gated: bool, kernel: str, frag=None) -> tuple:
     """The replay key of a 4-bit experts call: x's, the stacked weight's parts', offs' and the bias's layouts,
-    the group length, the activation, whether gated, the kernel."""
+    the group length, the activation, whether gated, the kernel, and the layouts of the fragments the call passes
+    (``frag``: ``(fweight, fzs)`` where kernel ``frag`` may run, else None)."""
     return ("int4", kernel, activation, gated, w.group_k, tensor_key(x), tensor_key(w.qweight),
-            tensor_key(w.scales), tensor_key(w.zeros), _opt_key(offs), _opt_key(bias))
+            tensor_key(w.scales), tensor_key(w.zeros), _opt_key(offs), _opt_key(bias),
+            None if frag is None else (tensor_key(frag[0]), tensor_key(frag[1])))
 
 
-def int4_replay_key(x, w, offs, bias, activation, gated: bool = False, kernel="auto"):
+def int4_replay_key(x, w, offs, bias, activation, gated: bool = False, kernel="auto", frag=None):
     """The replay key of a ``w4a16.grouped_matmul`` call (``gated``: the MoE gate/up product), or None (as
     :func:`replay_key`; a weight that is no plain ``Int4Weight`` of three plain tensors)."""
     if torch.compiler.is_compiling() or type(w) is not Int4Weight or w.perm is not None:
@@ -216,7 +218,7 @@ def int4_replay_key(x, w, offs, bias, activation, gated: bool = False, kernel="a
         return None
     if type(activation) is not str or type(kernel) is not str:
         return None
-    return int4_key_of(x, w, offs, bias, activation, gated, kernel)
+    return int4_key_of(x, w, offs, bias, activation, gated, kernel, frag)
 
 
 def call_tensors(*tensors) -> tuple:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import torch
+
 from tilegemm.core import registry
 from tilegemm.core.runtime import interpreting, on_device
 from tilegemm.ops.grouped import configs
 from tilegemm.ops.grouped.problem import GroupedInt4Problem, GroupedProblem
+from tilegemm.ops.w4a16.format import fits_fragments
 
 # (Rule) every layout goes to ``tiled``, the family's kernel of every layout and dtype, but for:
 AUTO = "tiled"
@@ -25,6 +28,15 @@ TMA_K_MIN_TOKENS_PER_GROUP = 512
 
 # 4-bit experts (grouped_w4a16): ``dequant_dot`` (the weight dequantized inside the K loop) for all but:
 INT4_AUTO = "dequant_dot"
+# ``frag`` (W4A16's fragment kernel on the stacked experts' fragments, Hopper with Gluon, never the interpreter) up to
+# this many rows an expert on average (M / E, from the shapes): decode steps, where a call streams the routed
+# experts' weights once and the weight's 4 bits a value set its time (frag_wgmma ran 2.1x-2.6x cuBLAS at M <= 16 and
+# 1.4x-1.6x at 64; dequant_dot's decode 0.99x-1.22x the 16-bit baseline). An estimate from those dense ratios, to be
+# refit from GPU timing: 16 covers the moe sweep's 1-64 token steps (Mixtral at 64 tokens: 16 rows an expert), where
+# the row tile (twice the average, configs.INT4_FRAG) is at most 32 rows; above, dequant_dot stays (the many-expert
+# models at 512 tokens, where it ran well) (docs/grouped.md, "4-bit experts at decode: `frag`")
+INT4_FRAG_MAX_ROWS_PER_GROUP = 16
+FRAG_KERNELS = ("frag",)  # the grouped_w4a16 kernels that read the stacked fragment layout
 # ``dequant_grouped`` (one pass writes the 16-bit weight, then the 16-bit grouped product) from this many rows an
 # expert on average (M / E, from the shapes): there the pass over every expert's weight costs less than what
 # dequant_dot's in-loop dequantization adds to the product (docs/grouped.md, "4-bit experts at prefill")
@@ -73,8 +85,47 @@ def dequant_chunk(p: GroupedInt4Problem) -> int:
     return INT4_DEQUANT_MAX_BYTES // max(per_column, 1) // align * align
 
 
+_FRAG_REASON: dict = {}  # device -> why kernel frag cannot run there ("" when it can), asked once
+
+
+def frag_usable(group_k: int, K: int, device: torch.device) -> bool:
+    """Whether kernel ``frag`` can run on ``device`` for experts of group length ``group_k`` and ``K`` inputs: a
+    Hopper GPU with Gluon (never the interpreter) and a group length the fragment layout takes."""
+    if device.type != "cuda" or not fits_fragments(group_k, K):
+        return False
+    reason = _FRAG_REASON.get(device)
+    if reason is None:
+        reason = _FRAG_REASON[device] = registry.get("grouped_w4a16", "frag").unavailable_reason() or ""
+    return not reason
+
+
+def frag_rows(M: int, E: int) -> bool:
+    """Whether ``auto`` gives M rows over E experts to ``frag`` (where it can run)."""
+    return M <= INT4_FRAG_MAX_ROWS_PER_GROUP * max(E, 1)
+
+
+def wants_frag(kernel: str, x: torch.Tensor, w, gated: bool) -> bool:
+    """Whether a call of x ``[M, K]`` and stacked experts ``w`` runs ``frag``, or under ``auto`` may: its fragment
+    layout (``w.fragments(gated)``) goes along. By name only where the kernel can run (elsewhere it refuses by
+    name); under ``auto`` not inside a CUDA-graph capture that would have to make them (packing is no graph work:
+    dequant_dot runs the call instead); never while torch.compile traces (packing is no graph work either)."""
+    if torch.compiler.is_compiling() or (kernel not in FRAG_KERNELS and kernel != "auto"):
+        return False
+    if x.device != w.device or x.dtype != w.dtype or x.shape[-1] != w.shape[-1] or (gated and w.shape[-2] % 2):
+        return False  # (a call the checks refuse: nothing to pack for)
+    if not frag_usable(w.group_k, w.shape[-1], x.device):
+        return False
+    if kernel != "auto":
+        return True
+    made = (w._frag_gated if gated else w._frag) is not None
+    return frag_rows(x.shape[0], w.shape[0]) and (made or not torch.cuda.is_current_stream_capturing())
+
+
 def choose_int4(p: GroupedInt4Problem) -> str:
-    """The 4-bit experts' kernel: ``dequant_grouped`` at prefill sizes where its scratch fits, else dequant_dot."""
+    """The 4-bit experts' kernel: ``frag`` at decode sizes on Hopper (given the fragments), ``dequant_grouped`` at
+    prefill sizes where its scratch fits, else dequant_dot."""
+    if p.fweight is not None and frag_rows(p.M, p.groups) and frag_usable(p.group_k, p.K, p.x.device):
+        return "frag"
     if p.M >= INT4_DEQUANT_MIN_ROWS_PER_GROUP * max(p.groups, 1) and dequant_chunk(p) > 0:
         return "dequant_grouped"
     return INT4_AUTO

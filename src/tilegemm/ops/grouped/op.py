@@ -112,7 +112,9 @@ lean_autograd(grouped_mm_op)  # a compiled graph's plain calls skip the custom o
 
 
 def forward_int4(x, qweight, scales, zeros, offs, bias, group_k: int, activation: str, gated: bool,
-                 kernel: str) -> torch.Tensor:
+                 kernel: str, fweight=None, fzs=None) -> torch.Tensor:
+    """Allocate the output and launch (arguments checked by the caller); ``fweight``, ``fzs``: the stacked
+    fragment layout (gated: of the gated row order) where kernel ``frag`` may run, else None."""
     E, N, K = qweight.shape[0], qweight.shape[2], x.shape[1]
     N_out = N // 2 if gated else N
     out = new_output((x.shape[0], N_out), x.dtype, x.device)
@@ -124,7 +126,7 @@ def forward_int4(x, qweight, scales, zeros, offs, bias, group_k: int, activation
         bias = bias.contiguous()  # the kernel reads a bias row as contiguous
     offs = offs if offs.stride(0) == 1 else offs.contiguous()
     p = GroupedInt4Problem(x, qweight, scales, zeros, offs, bias, out, E, x.shape[0], N_out, K, group_k,
-                           activation, gated)
+                           activation, gated, fweight, fzs)
     with on_device(x.device):
         registry.launcher("grouped_w4a16", dispatch.choose_int4(p) if kernel == "auto" else kernel)(p)
     return out
@@ -133,12 +135,13 @@ def forward_int4(x, qweight, scales, zeros, offs, bias, group_k: int, activation
 @torch.library.custom_op("tilegemm::grouped_w4a16", mutates_args=())
 def grouped_w4a16_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      offs: torch.Tensor, bias: Optional[torch.Tensor], group_k: int, activation: str, gated: bool,
-                     kernel: str) -> torch.Tensor:
-    return forward_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel)
+                     kernel: str, fweight: Optional[torch.Tensor] = None,
+                     fzs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return forward_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight, fzs)
 
 
 @grouped_w4a16_op.register_fake
-def _fake_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel):
+def _fake_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight=None, fzs=None):
     N = qweight.shape[2]
     return x.new_empty((x.shape[0], N // 2 if gated else N))
 
@@ -155,7 +158,7 @@ def dequantized_experts(qweight, scales, zeros, group_k: int, dtype) -> torch.Te
 
 
 def _setup_int4(ctx, inputs, output):
-    x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel = inputs
+    x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel = inputs[:10]
     ctx.save_for_backward(x, qweight, scales, zeros, offs, bias)
     ctx.group_k, ctx.activation, ctx.gated = group_k, activation, gated
 
@@ -178,7 +181,7 @@ def _backward_int4(ctx, grad):
         gx = grouped_mm_op(dpre.to(x.dtype), w, offs, None, None, "ieee", "auto")
     if bias is not None and ctx.needs_input_grad[5]:
         gbias = _bias_grad("2d3d", dpre, offs, tuple(bias.shape), bias.dtype, "ieee")
-    return gx, None, None, None, None, gbias, None, None, None, None
+    return gx, None, None, None, None, gbias, None, None, None, None, None, None
 
 
 grouped_w4a16_op.register_autograd(_backward_int4, setup_context=_setup_int4)

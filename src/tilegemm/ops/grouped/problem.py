@@ -88,7 +88,8 @@ class GroupedInt4Problem:
     """One call of 4-bit experts: rows ``offs[g-1]:offs[g]`` of x ``[M, K]`` times expert g's weight, held as an
     ``Int4Weight`` stacked over experts (qweight ``[E, K/8, N]``, scales and zeros ``[E, G_k, N]``). ``N`` is the
     output's width; with ``gated`` the weight holds 2N rows (gate, then up) and the output is
-    ``activation(gate) * up``. bias ``[E, N]`` or ``[N]`` (2N wide when gated)."""
+    ``activation(gate) * up``. bias ``[E, N]`` or ``[N]`` (2N wide when gated). ``fweight``, ``fzs``: the weight's
+    fragment layout, stacked (gated: of the rows in the gated product's order), or None."""
 
     x: torch.Tensor
     qweight: torch.Tensor
@@ -104,6 +105,9 @@ class GroupedInt4Problem:
     group_k: int
     activation: str = "none"
     gated: bool = False
+    # the stacked experts' fragment layout (``Int4Weight.fragments(gated)``), where kernel ``frag`` may run
+    fweight: torch.Tensor | None = None
+    fzs: torch.Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:

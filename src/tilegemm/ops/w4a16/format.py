@@ -104,6 +104,32 @@ def pack_fragments(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g
     return words.contiguous(), zs.contiguous()
 
 
+def gate_up_tiles(t: torch.Tensor, half: int) -> torch.Tensor:
+    """The gated product's row order (the last dim of ``t``, ``[..., 2 * half]``: a gate's ``half`` rows, then the up
+    projection's): gate and up rows alternate by 16-row tiles, tile ``2j`` gate rows ``16j .. 16j + 15`` and tile
+    ``2j + 1`` the up rows of the same numbers, each half padded with zeros to ``half16`` = a multiple of 16 rows.
+    Returns ``[..., 2 * half16]``; ``grouped_w4a16``'s ``frag`` kernel then finds both halves of its output columns
+    in every program's row tiles."""
+    half16 = cdiv(half, 16) * 16
+    lead = t.shape[:-1]
+    out = torch.zeros(*lead, 2, half16, dtype=t.dtype, device=t.device)
+    out[..., 0, :half] = t[..., :half]
+    out[..., 1, :half] = t[..., half:2 * half]
+    tiles = out.reshape(*lead, 2, half16 // 16, 16).transpose(-3, -2)  # [..., tile j, gate/up, 16]
+    return tiles.reshape(*lead, 2 * half16)
+
+
+def _expert_fragments(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_k: int,
+                      gated: bool):
+    """:func:`pack_fragments` of one expert's (or a 2-D weight's) parts; ``gated``: of its rows in
+    :func:`gate_up_tiles`' order."""
+    q = unpack_rows(qweight)
+    if gated:
+        half = q.shape[1] // 2
+        q, scales, zeros = (gate_up_tiles(t, half) for t in (q, scales, zeros))
+    return pack_fragments(q, scales, zeros, group_k)
+
+
 
 # --- the weight --------------------------------------------------------------------------------------------
 
@@ -118,7 +144,7 @@ class Int4Weight:
     keep it; ``nbytes`` is what it occupies.
     """
 
-    __slots__ = ("qweight", "scales", "zeros", "perm", "group_size", "shape", "_frag")
+    __slots__ = ("qweight", "scales", "zeros", "perm", "group_size", "shape", "_frag", "_frag_gated")
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, shape: tuple[int, int], perm: torch.Tensor | None = None, frag=None):
@@ -129,6 +155,7 @@ class Int4Weight:
         self.group_size = int(group_size)  # as asked: 32..256, or -1 for all of K
         self.shape = tuple(int(s) for s in shape)  # (N, K), or (E, N, K) for stacked experts
         self._frag = frag  # (fweight, fzs) of the fragment kernel, made by fragments() when first needed
+        self._frag_gated = None  # the same of the rows in the gated product's order (fragments(gated=True))
         validate(self)
 
     # The group length along K that the kernels step by (group_size, or K for -1).
@@ -147,7 +174,7 @@ class Int4Weight:
     @property
     def nbytes(self) -> int:
         """Bytes held: the parts, plus the fragment layout once made."""
-        parts = list(self.tensors().values()) + list(self._frag or ())
+        parts = list(self.tensors().values()) + list(self._frag or ()) + list(self._frag_gated or ())
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def expert(self, e: int) -> "Int4Weight":
@@ -156,20 +183,44 @@ class Int4Weight:
             raise ValueError(f"expert() takes a stacked [E, N, K] weight, this one is {list(self.shape)}")
         return Int4Weight(self.qweight[e], self.scales[e], self.zeros[e], self.group_size, self.shape[1:])
 
-    def fragments(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def fragments(self, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fweight, fzs)``: the weight shuffled for the ``frag_wgmma`` kernel (:func:`pack_fragments`), made on the
         weight's device the first time it is asked for and kept (about the size of ``qweight`` and the scales
-        again). ``tilegemm.nn.Int4Linear`` makes it once and keeps it as buffers."""
-        if self._frag is None:
-            if self.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
-                # Packing inside a capture would run again on every replay of the graph (and copies from the host,
-                # which a capture refuses): the layout must exist before.
-                raise RuntimeError("this Int4Weight's fragment layout cannot be made during CUDA graph capture: "
-                                   "call w.fragments() before capturing (a call makes it only where auto may pick "
-                                   "the fragment kernel, so a warm-up at another batch size may not have; "
-                                   "tilegemm.nn.Int4Linear makes it when built)")
-            self._frag = pack_fragments(unpack_rows(self.qweight), self.scales, self.zeros, self.group_k)
-        return self._frag
+        again). ``tilegemm.nn.Int4Linear`` makes it once and keeps it as buffers.
+
+        Stacked experts ``[E, N, K]``: each expert's fragments stacked along a leading E (``[E, N16, K64, 32, 4]``
+        and ``[E, G', N16, 8, 4]``), what ``grouped_w4a16``'s ``frag`` kernel reads. ``gated``: of the rows in the
+        gated product's order (:func:`gate_up_tiles`: gate and up rows alternating by 16-row tiles), kept apart
+        from the plain ones."""
+        made = self._frag_gated if gated else self._frag
+        if made is not None:
+            return made
+        if self.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Packing inside a capture would run again on every replay of the graph (and copies from the host,
+            # which a capture refuses): the layout must exist before.
+            raise RuntimeError("this Int4Weight's fragment layout cannot be made during CUDA graph capture: "
+                               "call w.fragments() before capturing (a call makes it only where auto may pick "
+                               "the fragment kernel, so a warm-up at another batch size may not have; "
+                               "tilegemm.nn.Int4Linear makes it when built)")
+        if gated and self.shape[-2] % 2:
+            raise ValueError(f"gated fragments need an even number of rows (gate, then up), this weight has "
+                             f"{self.shape[-2]}")
+        if len(self.shape) == 3:
+            # expert by expert into the stacked result: the packing's int64 scratch is one expert's at a time
+            first = _expert_fragments(self.qweight[0], self.scales[0], self.zeros[0], self.group_k, gated)
+            made = tuple(torch.empty((self.shape[0], *t.shape), dtype=t.dtype, device=t.device) for t in first)
+            for e in range(self.shape[0]):
+                parts = first if e == 0 else _expert_fragments(self.qweight[e], self.scales[e], self.zeros[e],
+                                                               self.group_k, gated)
+                for dst, src in zip(made, parts):
+                    dst[e] = src
+        else:
+            made = _expert_fragments(self.qweight, self.scales, self.zeros, self.group_k, gated)
+        if gated:
+            self._frag_gated = made
+        else:
+            self._frag = made
+        return made
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
         return dict(qweight=self.qweight, scales=self.scales, zeros=self.zeros, perm=self.perm)
