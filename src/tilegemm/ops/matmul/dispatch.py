@@ -24,6 +24,11 @@ NARROW_N = 512  # narrower 16-bit outputs go to autotuned: persistent_tma's tile
 MIN_TILES_PER_SM = 2  # persistent_tma from this many 128x128 tiles per SM: a persistent grid needs work to balance
 # (a batched 16-bit problem counts the tiles of every batch: its persistent grid walks them all in one launch)
 MIN_TILES_PER_SM_FP8 = 4  # fp8 in Triton's kernels (no Gluon kernel) needs more before the persistent grid pays
+# Batched 16-bit products (16-bit output) on gluon_f16's batched launch (warp-specialized: each tile's stores
+# overlap the next tile's loads and MMAs) rather than persistent_tma's Triton kernel, from this many 128x128
+# tiles per SM over all batches. Off until timed on the GPU (tools/batched_candidates.py; docs/rungs/auto.md).
+GLUON_F16_BATCHED = False
+GLUON_F16_BATCHED_MIN_TILES_PER_SM = 1
 GLUON_TIMED_FROM = 4  # a Gluon kernel's 16-bit problem is timed from 1/4 tile per SM (other dtypes: 1/2) up to 2
 DECISIONS_KEPT = 4096  # answers kept per shape class (bounded: cleared when full); each estimate costs ~100 us
 
@@ -40,6 +45,8 @@ def choose_kernel(p: GemmProblem) -> str:
       batch counted): ``persistent_tma``, except tf32 with an
       operand through registers, which goes to ``autotuned`` unless a Gluon kernel takes it. Where a Gluon kernel
       takes the problem the two rungs are timed between :data:`GLUON_TIMED_FROM` and two tiles per SM.
+    - With :data:`GLUON_F16_BATCHED` on, a batched 16-bit product with a 16-bit output of at least
+      :data:`GLUON_F16_BATCHED_MIN_TILES_PER_SM` 128x128 tiles per SM (every batch's): ``gluon_f16``'s batched launch.
     - M > :data:`SMALL_M` where splitting K pays by the cost model (:func:`_split_pays`): ``split_k``.
     - M > :data:`SMALL_M`, 16-bit, with N < :data:`NARROW_N`, or otherwise: ``autotuned``.
     """
@@ -60,6 +67,9 @@ def choose_kernel(p: GemmProblem) -> str:
         sms = hardware.sm_count(p.out.device)
         min_tiles = sms * (MIN_TILES_PER_SM_FP8 if p.a.element_size() == 1 else MIN_TILES_PER_SM)
         described = tma.why_not(p) is None
+        if p.batch != 1 and GLUON_F16_BATCHED and described and tiles >= sms * GLUON_F16_BATCHED_MIN_TILES_PER_SM \
+                and tma.batched_gluon_f16(p) is not None:
+            return "gluon_f16"
         gluon = tma.gluon_kernel_for(p) if described else None
         if gluon is None and p.dtype == torch.float32 and p.mma_operands != "ab":
             # tf32 with an operand that is not K-major: persistent_tma's Triton loops for it stay serialized.
