@@ -20,6 +20,12 @@ replays its launch over the new tensors (:mod:`tilegemm.core.launch`). 16-bit wg
 from shared memory, so A and B may each be row- or column-major (NN/NT/TN/TT), described to TMA as they lie
 (:attr:`GemmProblem.tma_view`). Outputs are 16-bit (the output buffers sit beside the ring).
 
+Batched products (``BATCHED``): the output and each batched operand are described in 3-D with a box of 1 along
+the batch (:func:`batched_descriptors`; an operand broadcast over the batch keeps its 2-D descriptor), and the
+programs walk (batch, tile) work units, each batch's tiles in the grouped order. Why and how:
+docs/rungs/persistent_tma.md#batched-products-on-gluon_f16 (``auto`` takes them there behind
+``dispatch.GLUON_F16_BATCHED``). Unbatched launches compile to the code they had before.
+
 Its speed against cuBLAS and Triton's kernel: docs/rungs/persistent_tma.md. ``persistent_tma`` times its configs
 beside Triton's for 16-bit problems (the H200 ships it at 4096^3). What cuBLAS has that this lacks: its two-CTA
 clusters, which share operand loads through TMA multicast (not in Triton 3.6; measured by hand in the same doc).
