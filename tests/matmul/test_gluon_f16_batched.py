@@ -320,21 +320,16 @@ def test_batched_transposed_views_broadcast_and_epilogue(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(3, 1, 257, 17), (3, 17, 1, 64), (8, 257, 24, 1)], ids=str)
-def test_what_gluon_f16_refuses_runs_elsewhere(shape):
+def test_what_gluon_f16_refuses_runs_elsewhere(shape, monkeypatch):
     """A dimension under 16: kernel="gluon_f16" refuses it, auto (switch on) still computes it."""
     _hopper()
+    monkeypatch.setattr(dispatch, "GLUON_F16_BATCHED", True)
     B, M, N, K = shape
     a = torch.randn(B, M, K, device="cuda").half()
     b = torch.randn(B, K, N, device="cuda").half()
     with pytest.raises(NotApplicable):
         tilegemm.matmul(a, b, kernel="gluon_f16")
-    old = dispatch.GLUON_F16_BATCHED
-    dispatch.GLUON_F16_BATCHED = True
-    try:
-        out = tilegemm.matmul(a, b)
-    finally:
-        dispatch.GLUON_F16_BATCHED = old
-    _check(out, _reference(a, b), torch.float16)
+    _check(tilegemm.matmul(a, b), _reference(a, b), torch.float16)
 
 
 @pytest.mark.gpu
