@@ -72,12 +72,12 @@ def operands(case, dtype, layout, seed=0):
 
 def candidates(p) -> list[tuple[str, dict]]:
     """(name, spec) of every tilegemm candidate; spec says how :func:`launcher` runs it."""
-    from tilegemm.ops.matmul import gluon_f16
     from tilegemm.core.hardware import sm_count
+    from tilegemm.ops.matmul import gluon_f16, persistent_tma
 
     out = [("auto", dict(kind="auto", switch=None)), ("auto+gluon", dict(kind="auto", switch=True)),
            ("persistent_tma", dict(kind="persistent_tma"))]
-    if gluon_f16.why_not(p) is None:
+    if persistent_tma.batched_gluon_f16(p) is not None:  # (an sm_90 GPU, a problem its batched launch takes)
         picked = gluon_f16.batched_config(p, sm_count(p.out.device))
         for cfg in gluon_f16.configs(p.out.element_size()):
             name = "g{}x{}s{}{}".format(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"], "sh" if cfg["SHARED_OUT"] else "")
@@ -156,8 +156,11 @@ def precompile(cases, dtype_name, layout, workers: int) -> None:
         p = problem(a, b, torch.empty(case[0], case[1], case[2], device="cuda", dtype=DTYPES[dtype_name]))
         jobs += [(case, dtype_name, layout, name) for name, _ in candidates(p)]
     start = time.perf_counter()
-    chunks = [jobs[i::workers] for i in range(workers)]
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    # One candidate's runs in one worker: its cases share compiled kernels (one compile, then its disk cache).
+    names = list(dict.fromkeys(job[3] for job in jobs))
+    chunks = [[job for job in jobs if names.index(job[3]) % workers == i] for i in range(workers)]
+    chunks = [chunk for chunk in chunks if chunk]
+    with concurrent.futures.ProcessPoolExecutor(len(chunks), mp_context=multiprocessing.get_context("spawn")) as pool:
         failed = [f for done in pool.map(_precompile_worker, chunks) for f in done]
     print(f"precompiled {len(jobs)} candidate runs in {workers} workers: {time.perf_counter() - start:.0f} s"
           + (f", {len(failed)} failed" if failed else ""), file=sys.stderr)
@@ -168,6 +171,42 @@ def rel_errs(out: torch.Tensor, ref: torch.Tensor) -> float:
     if torch.isnan(out).any():
         return math.inf
     return max(((out[i].float() - ref[i]).norm() / ref[i].norm().clamp_min(1e-30)).item() for i in range(out.shape[0]))
+
+
+def print_table(rows: list[dict], labels: list[str], base: dict) -> list[dict]:
+    """The table (printed last): failures, then one line a case with each column's ratio (torch time /
+    candidate time; ``gluon best``: the fastest gluon_f16 config), then each column's geomean and worst.
+    ``base``: torch's us per case label. Returns the failed rows."""
+    failures = [r for r in rows if "error" in r]
+    for r in failures:
+        print(f"FAILED {r['case']} {r['kernel']}: {r['error'][:100]}")
+    columns = list(dict.fromkeys(r["kernel"].rstrip("*") for r in rows if r["kernel"] != "torch.matmul"))
+    columns.append("gluon best")
+    widths = [max(8, len(c)) for c in columns]
+    first = max([len("geomean")] + [len(lab) for lab in labels])
+    print(f"{'case':<{first}}  {'torch us':>9}  " + "  ".join(f"{c:>{w}}" for c, w in zip(columns, widths))
+          + "  auto rung | with the switch / gluon pick")
+    per_col: dict[str, list[float]] = {c: [] for c in columns}
+    for lab in labels:
+        got = {r["kernel"].rstrip("*"): r for r in rows if r["case"] == lab}
+        gluon = [r["ratio"] for name, r in got.items() if name.startswith("g") and "ratio" in r]
+        if gluon:
+            got["gluon best"] = dict(ratio=max(gluon))
+        cells = []
+        for c, w in zip(columns, widths):
+            r = got.get(c)
+            if r is None or "ratio" not in r:
+                cells.append(f"{'-' if r is None else 'FAIL':>{w}}")
+            else:
+                per_col[c].append(r["ratio"])
+                cells.append(f"{r['ratio']:>{w - 1}.3f}x")
+        auto_rung = got.get("auto", {}).get("rung", "?") + " | " + got.get("auto+gluon", {}).get("rung", "?")
+        pick = next((r["kernel"] for r in rows if r["case"] == lab and r["kernel"].endswith("*")), "-")
+        print(f"{lab:<{first}}  {base.get(lab, float('nan')):>9.1f}  " + "  ".join(cells) + f"  {auto_rung} / {pick}")
+    for name, reduce in (("geomean", lambda v: math.exp(statistics.fmean(math.log(x) for x in v))), ("worst", min)):
+        cells = [f"{reduce(per_col[c]):>{w - 1}.3f}x" if per_col[c] else f"{'-':>{w}}" for c, w in zip(columns, widths)]
+        print(f"{name:<{first}}  {'':>9}  " + "  ".join(cells))
+    return failures
 
 
 def main() -> int:
@@ -255,43 +294,7 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
-    # The table: one line a case, ratio torch / candidate per column; geomean and worst per column last.
-    failures = [r for r in rows if "error" in r]
-    for r in failures:
-        print(f"FAILED {r['case']} {r['kernel']}: {r['error'][:100]}")
-    columns = []
-    for r in rows:
-        col = r["kernel"].rstrip("*")
-        if r["kernel"] != "torch.matmul" and col not in columns:
-            columns.append(col)
-    columns.append("gluon best")  # the fastest gluon_f16 config of each case
-    for lab in {r["case"] for r in rows}:
-        ratios = [r["ratio"] for r in rows if r["case"] == lab and r["kernel"].startswith("g") and "ratio" in r]
-        if ratios:
-            rows_best = dict(case=lab, kernel="gluon best", ratio=max(ratios))
-            rows.append(rows_best)
-    picks = {r["case"]: r["kernel"].rstrip("*") for r in rows if r["kernel"].endswith("*")}
-    width = max(len(label(c)) for c in cases)
-    print(f"{'case':<{width}}  {'torch us':>9}  " + "  ".join(f"{c:>11}" for c in columns) + "  auto rung / gluon pick")
-    per_col: dict[str, list[float]] = {c: [] for c in columns}
-    for case in cases:
-        lab = label(case)
-        got = {r["kernel"].rstrip("*"): r for r in rows if r["case"] == lab}
-        cells = []
-        for c in columns:
-            r = got.get(c)
-            if r is None or "ratio" not in r:
-                cells.append(f"{'-' if r is None else 'FAIL':>11}")
-            else:
-                per_col[c].append(r["ratio"])
-                cells.append(f"{r['ratio']:>10.3f}x")
-        auto_rung = got.get("auto", {}).get("rung", "?") + "|" + got.get("auto+gluon", {}).get("rung", "?")
-        print(f"{lab:<{width}}  {base.get(lab, float('nan')):>9.1f}  " + "  ".join(cells)
-              + f"  {auto_rung} / {picks.get(lab, '-')}")
-    geo = [math.exp(statistics.fmean(math.log(x) for x in v)) if v else float("nan") for v in per_col.values()]
-    worst = [min(v) if v else float("nan") for v in per_col.values()]
-    print(f"{'geomean':<{width}}  {'':>9}  " + "  ".join(f"{g:>10.3f}x" for g in geo))
-    print(f"{'worst':<{width}}  {'':>9}  " + "  ".join(f"{w:>10.3f}x" for w in worst))
+    failures = print_table(rows, [label(c) for c in cases], base)
     print(f"{len(field)} timed, {len(failures)} failed, {meta['wall_s']:.0f} s; JSON: {args.out}")
     return 1 if failures else 0
 
