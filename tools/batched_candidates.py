@@ -2,8 +2,9 @@
 and ``--op grouped`` (their union), each run by
 
 - ``torch.matmul`` (batched cuBLAS, the baseline the sweeps compare against);
-- ``auto`` as shipped (``dispatch.GLUON_F16_BATCHED`` as the source sets it), and ``auto+gluon`` with that
-  switch on (the rule a flip of the switch would ship);
+- ``auto`` as shipped (``dispatch.GLUON_F16_BATCHED`` as the source sets it), ``auto+gluon`` with that
+  switch on (the rule a flip of the switch would ship), and for outputs narrower than ``dispatch.NARROW_N``
+  ``auto+narrow`` with ``GLUON_F16_BATCHED_NARROW`` on too;
 - ``persistent_tma`` (its Triton kernel with its untimed config: what ``auto`` runs there today);
 - ``gluon_f16``'s batched launch in each of its configs (``*``: the one ``gluon_f16.batched_config`` picks
   untimed, what ``auto+gluon`` runs).
@@ -20,8 +21,9 @@ timed there). One call takes about 2-3 minutes on one H200 (fp16, NN, every case
         [--dtype fp16|bf16] [--layout NN|NT|TN|TT] [--cases 2048x2048x128/b32,...] [--rounds 2] [--precompile 8]
 
 What to read in the table (printed last, one line a case, ratios torch time / candidate time): the geomean and
-worst line of each column; ``auto+gluon`` against ``auto`` says whether to flip ``GLUON_F16_BATCHED``; the best
-``gluon_f16`` column against ``*`` says whether ``gluon_f16.batched_config`` picks well.
+worst line of each column; ``auto+gluon`` against ``auto`` says whether to flip ``GLUON_F16_BATCHED``,
+``auto+narrow`` against ``auto`` on the narrow cases whether to flip ``GLUON_F16_BATCHED_NARROW``; ``gluon best``
+against the ``*`` config (named in the last column) whether ``gluon_f16.batched_config`` picks well.
 """
 
 from __future__ import annotations
@@ -75,8 +77,14 @@ def candidates(p) -> list[tuple[str, dict]]:
     from tilegemm.core.hardware import sm_count
     from tilegemm.ops.matmul import gluon_f16, persistent_tma
 
-    out = [("auto", dict(kind="auto", switch=None)), ("auto+gluon", dict(kind="auto", switch=True)),
-           ("persistent_tma", dict(kind="persistent_tma"))]
+    from tilegemm.ops.matmul.dispatch import NARROW_N
+
+    out = [("auto", dict(kind="auto", switches={})),
+           ("auto+gluon", dict(kind="auto", switches=dict(GLUON_F16_BATCHED=True)))]
+    if p.N < NARROW_N:
+        out.append(("auto+narrow", dict(kind="auto", switches=dict(GLUON_F16_BATCHED=True,
+                                                                   GLUON_F16_BATCHED_NARROW=True))))
+    out.append(("persistent_tma", dict(kind="persistent_tma")))
     if persistent_tma.batched_gluon_f16(p) is not None:  # (an sm_90 GPU, a problem its batched launch takes)
         picked = gluon_f16.batched_config(p, sm_count(p.out.device))
         for cfg in gluon_f16.configs(p.out.element_size()):
@@ -91,13 +99,8 @@ def launcher(p, spec: dict):
 
     def run(_cfg):
         if spec["kind"] == "auto":
-            old = dispatch.GLUON_F16_BATCHED
-            if spec["switch"] is not None:
-                dispatch.GLUON_F16_BATCHED = spec["switch"]
-            try:
+            with switched(dispatch, spec["switches"]):
                 dispatch.launch_auto(p)
-            finally:
-                dispatch.GLUON_F16_BATCHED = old
         elif spec["kind"] == "persistent_tma":
             persistent_tma.run(p)
         else:
@@ -106,18 +109,29 @@ def launcher(p, spec: dict):
     return run
 
 
+class switched:
+    """``with switched(dispatch, {NAME: value}):`` auto's module constants set for the block, then restored."""
+
+    def __init__(self, module, values: dict):
+        self.module, self.values = module, values
+
+    def __enter__(self):
+        self.old = {k: getattr(self.module, k) for k in self.values}
+        for k, v in self.values.items():
+            setattr(self.module, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            setattr(self.module, k, v)
+
+
 def rung_of(p, spec: dict) -> str:
     from tilegemm.ops.matmul import dispatch
 
     if spec["kind"] != "auto":
         return spec["kind"]
-    old = dispatch.GLUON_F16_BATCHED
-    if spec["switch"] is not None:
-        dispatch.GLUON_F16_BATCHED = spec["switch"]
-    try:
+    with switched(dispatch, spec["switches"]):
         return dispatch.choose_kernel(p)
-    finally:
-        dispatch.GLUON_F16_BATCHED = old
 
 
 def problem(a, b, out):
@@ -185,7 +199,7 @@ def print_table(rows: list[dict], labels: list[str], base: dict) -> list[dict]:
     widths = [max(8, len(c)) for c in columns]
     first = max([len("geomean")] + [len(lab) for lab in labels])
     print(f"{'case':<{first}}  {'torch us':>9}  " + "  ".join(f"{c:>{w}}" for c, w in zip(columns, widths))
-          + "  auto rung | with the switch / gluon pick")
+          + "  auto's rungs (as shipped | switched) / gluon pick")
     per_col: dict[str, list[float]] = {c: [] for c in columns}
     for lab in labels:
         got = {r["kernel"].rstrip("*"): r for r in rows if r["case"] == lab}
@@ -200,7 +214,7 @@ def print_table(rows: list[dict], labels: list[str], base: dict) -> list[dict]:
             else:
                 per_col[c].append(r["ratio"])
                 cells.append(f"{r['ratio']:>{w - 1}.3f}x")
-        auto_rung = got.get("auto", {}).get("rung", "?") + " | " + got.get("auto+gluon", {}).get("rung", "?")
+        auto_rung = " | ".join(got[k].get("rung", "?") for k in ("auto", "auto+gluon", "auto+narrow") if k in got)
         pick = next((r["kernel"] for r in rows if r["case"] == lab and r["kernel"].endswith("*")), "-")
         print(f"{lab:<{first}}  {base.get(lab, float('nan')):>9.1f}  " + "  ".join(cells) + f"  {auto_rung} / {pick}")
     for name, reduce in (("geomean", lambda v: math.exp(statistics.fmean(math.log(x) for x in v))), ("worst", min)):
@@ -288,7 +302,8 @@ def main() -> int:
 
     meta = dict(machine=machine_info().to_dict(), dtype=args.dtype, layout=args.layout, rounds=args.rounds,
                 timing="triton.testing.do_bench median (L2 cleared before each call) of replays, median of rounds",
-                switch_as_shipped=dispatch.GLUON_F16_BATCHED, wall_s=None)
+                switches_as_shipped=dict(GLUON_F16_BATCHED=dispatch.GLUON_F16_BATCHED,
+                                         GLUON_F16_BATCHED_NARROW=dispatch.GLUON_F16_BATCHED_NARROW), wall_s=None)
     meta["wall_s"] = time.perf_counter() - started
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

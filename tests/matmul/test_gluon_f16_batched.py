@@ -132,6 +132,10 @@ def test_auto_takes_batched_products_to_gluon_f16_with_the_switch_on(monkeypatch
     assert dispatch.choose_kernel(_meta(8, 1024, 1024, 64, out_dtype=torch.float32)) == "persistent_tma"
     assert dispatch.choose_kernel(_meta(8, 2048, 64, 2048)) == "autotuned"  # narrow N: as before
     assert dispatch.choose_kernel(_meta(1, 4096, 4096, 4096)) != "gluon_f16"  # one product: the 2-D rules
+    assert dispatch.choose_kernel(_meta(256, 128, 128, 128)) == "split_k"  # M <= SMALL_M: as before
+    monkeypatch.setattr(dispatch, "GLUON_F16_BATCHED_NARROW", True)
+    assert dispatch.choose_kernel(_meta(32, 2048, 64, 2048)) == "gluon_f16"
+    assert dispatch.choose_kernel(_meta(32, 2048, 128, 2048)) == "gluon_f16"
 
 
 def test_gluon_f16_by_name_takes_the_batched_rule_untimed(monkeypatch):
