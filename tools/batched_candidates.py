@@ -174,8 +174,12 @@ def precompile(cases, dtype_name, layout, workers: int) -> None:
     names = list(dict.fromkeys(job[3] for job in jobs))
     chunks = [[job for job in jobs if names.index(job[3]) % workers == i] for i in range(workers)]
     chunks = [chunk for chunk in chunks if chunk]
-    with concurrent.futures.ProcessPoolExecutor(len(chunks), mp_context=multiprocessing.get_context("spawn")) as pool:
-        failed = [f for done in pool.map(_precompile_worker, chunks) for f in done]
+    try:
+        with concurrent.futures.ProcessPoolExecutor(len(chunks), mp_context=multiprocessing.get_context("spawn")) as pool:
+            failed = [f for done in pool.map(_precompile_worker, chunks) for f in done]
+    except Exception as e:  # noqa: BLE001 - a worker died: what it left uncompiled compiles while checking
+        print(f"precompile stopped ({type(e).__name__}: {e}); the rest compiles while checking", file=sys.stderr)
+        return
     print(f"precompiled {len(jobs)} candidate runs in {workers} workers: {time.perf_counter() - start:.0f} s"
           + (f", {len(failed)} failed" if failed else ""), file=sys.stderr)
 
