@@ -71,8 +71,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
 def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.matmul(a, b)`` of two 3-D operands of one batch size, one launch with the operands read in place
     through their strides; differentiable. fp16/bf16 operands run on ``tilegemm.matmul``'s ``auto``, which
-    takes batched 16-bit products to ``persistent_tma`` on Hopper where the batches' tiles fill the GPU
-    (docs/rungs/auto.md); other dtypes on this family's ``tiled`` kernel (the batch on a grid axis)."""
+    takes batched 16-bit products to ``persistent_tma`` on Hopper where the batches' tiles fill the GPU (or to
+    ``gluon_f16``'s batched launch with ``dispatch.GLUON_F16_BATCHED`` on; docs/rungs/auto.md); other dtypes on
+    this family's ``tiled`` kernel (the batch on a grid axis)."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 3 or b.dim() != 3:
         raise ValueError("batched_matmul takes two 3-D tensors [B, M, K] and [B, K, N]")
     if a.dtype in (torch.float16, torch.bfloat16) and b.dtype == a.dtype:

@@ -24,6 +24,13 @@ NARROW_N = 512  # narrower 16-bit outputs go to autotuned: persistent_tma's tile
 MIN_TILES_PER_SM = 2  # persistent_tma from this many 128x128 tiles per SM: a persistent grid needs work to balance
 # (a batched 16-bit problem counts the tiles of every batch: its persistent grid walks them all in one launch)
 MIN_TILES_PER_SM_FP8 = 4  # fp8 in Triton's kernels (no Gluon kernel) needs more before the persistent grid pays
+# Batched 16-bit products (16-bit output) on gluon_f16's batched launch (warp-specialized: each tile's stores
+# overlap the next tile's loads and MMAs) rather than persistent_tma's Triton kernel, from this many 128x128
+# tiles per SM over all batches. Off until timed on the GPU (tools/batched_candidates.py; docs/rungs/auto.md).
+GLUON_F16_BATCHED = False
+GLUON_F16_BATCHED_MIN_TILES_PER_SM = 1
+# With it on, outputs narrower than NARROW_N too (else they keep autotuned, 0.94x-0.97x there; also to be timed).
+GLUON_F16_BATCHED_NARROW = False
 GLUON_TIMED_FROM = 4  # a Gluon kernel's 16-bit problem is timed from 1/4 tile per SM (other dtypes: 1/2) up to 2
 DECISIONS_KEPT = 4096  # answers kept per shape class (bounded: cleared when full); each estimate costs ~100 us
 
@@ -41,6 +48,9 @@ def choose_kernel(p: GemmProblem) -> str:
       operand through registers, which goes to ``autotuned`` unless a Gluon kernel takes it. Where a Gluon kernel
       takes the problem the two rungs are timed between :data:`GLUON_TIMED_FROM` and two tiles per SM.
     - M > :data:`SMALL_M` where splitting K pays by the cost model (:func:`_split_pays`): ``split_k``.
+    - With :data:`GLUON_F16_BATCHED` on, a batched 16-bit product with a 16-bit output of at least
+      :data:`GLUON_F16_BATCHED_MIN_TILES_PER_SM` 128x128 tiles per SM (every batch's), N >= :data:`NARROW_N` unless
+      :data:`GLUON_F16_BATCHED_NARROW`: ``gluon_f16``'s batched launch (:func:`_batched_gluon`).
     - M > :data:`SMALL_M`, 16-bit, with N < :data:`NARROW_N`, or otherwise: ``autotuned``.
     """
     if interpreting():
@@ -52,6 +62,8 @@ def choose_kernel(p: GemmProblem) -> str:
         return "split_k"
     if _split_pays(p):
         return "split_k"
+    if p.batch != 1 and GLUON_F16_BATCHED and _batched_gluon(p):
+        return "gluon_f16"
     if p.N < NARROW_N and p.a.element_size() == 2:
         return "autotuned"
     if _has_tma():
@@ -73,6 +85,19 @@ def choose_kernel(p: GemmProblem) -> str:
         if tiles >= min_tiles and described:
             return "persistent_tma"
     return "autotuned"
+
+
+def _batched_gluon(p: GemmProblem) -> bool:
+    """Whether ``auto`` takes batched ``p`` to ``gluon_f16``'s batched launch (with :data:`GLUON_F16_BATCHED` on):
+    on Hopper with TMA, where that launch takes it (16-bit operands and output, TMA can describe it), with at
+    least :data:`GLUON_F16_BATCHED_MIN_TILES_PER_SM` 128x128 tiles per SM over all batches, and N >=
+    :data:`NARROW_N` unless :data:`GLUON_F16_BATCHED_NARROW`."""
+    if not _has_tma() or (p.N < NARROW_N and not GLUON_F16_BATCHED_NARROW):
+        return False
+    tiles = -(-p.M // 128) * -(-p.N // 128) * p.batch
+    if tiles < hardware.sm_count(p.out.device) * GLUON_F16_BATCHED_MIN_TILES_PER_SM:
+        return False
+    return _kernels().persistent_tma.batched_gluon_f16(p) is not None
 
 
 def _split_pays(p: GemmProblem) -> bool:

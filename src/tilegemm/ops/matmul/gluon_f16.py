@@ -20,6 +20,12 @@ replays its launch over the new tensors (:mod:`tilegemm.core.launch`). 16-bit wg
 from shared memory, so A and B may each be row- or column-major (NN/NT/TN/TT), described to TMA as they lie
 (:attr:`GemmProblem.tma_view`). Outputs are 16-bit (the output buffers sit beside the ring).
 
+Batched products (``BATCHED``): the output and each batched operand are described in 3-D with a box of 1 along
+the batch (:func:`batched_descriptors`; an operand broadcast over the batch keeps its 2-D descriptor), and the
+programs walk (batch, tile) work units, each batch's tiles in the grouped order. Why and how:
+docs/rungs/persistent_tma.md#batched-products-on-gluon_f16 (``auto`` takes them there behind
+``dispatch.GLUON_F16_BATCHED``). Unbatched launches compile to the code they had before.
+
 Its speed against cuBLAS and Triton's kernel: docs/rungs/persistent_tma.md. ``persistent_tma`` times its configs
 beside Triton's for 16-bit problems (the H200 ships it at 4096^3). What cuBLAS has that this lacks: its two-CTA
 clusters, which share operand loads through TMA multicast (not in Triton 3.6; measured by hand in the same doc).
@@ -69,18 +75,32 @@ def host_descriptor(base: torch.Tensor, shape: list[int], stride: int, block: li
 @gluon.jit
 def fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr):
-    """A producer's loop (also :mod:`gluon_ws`'s): every K step of every tile of this program (tiles
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr,
+              batch=None, BATCHED: gl.constexpr = False, A_BATCHED: gl.constexpr = False,
+              B_BATCHED: gl.constexpr = False):
+    """A producer's loop (also :mod:`gluon_fp8`'s): every K step of every tile of this program (tiles
     program_id, program_id + programs, ... in grouped order) into ring slot ``count % STAGES``, once the
     slot's "empty" barrier says its previous contents were read; its "ready" barrier counts the bytes in.
     A is described as [M, K] or (A_T) [K, M], B as [K, N] or (B_T) [N, K]; ``SERPENTINE`` as in
-    :func:`tilegemm.jit.helpers.tile_grouped` (the consumers must walk the same order)."""
+    :func:`tilegemm.jit.helpers.tile_grouped` (the consumers must walk the same order).
+    ``BATCHED``: ``batch`` products, walked as (batch, tile) work units (:func:`_work_unit`); A (A_BATCHED) and
+    B (B_BATCHED) are then described in 3-D ([batch, rows, cols], a box of 1 along the batch), or in 2-D where
+    broadcast over the batch. Unbatched callers pass none of these (None and False are constexprs)."""
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     steps = gl.cdiv(K, BLOCK_K)
     count = 0
-    for tile in range(gl.program_id(0), tiles_m * tiles_n, programs):
+    first = gl.program_id(0)  # (read before the count of units, as the unbatched loop always did)
+    if BATCHED:
+        units = tiles_m * tiles_n * batch
+    else:
+        units = tiles_m * tiles_n
+    for unit in range(first, units, programs):
+        if BATCHED:
+            bid, tile = _work_unit(unit, tiles_m * tiles_n)
+        else:
+            tile = unit
         m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N, SERPENTINE)
         for ks in range(steps):
             slot = count % STAGES
@@ -90,11 +110,21 @@ def fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
             bar = ready.index(slot)
             mbarrier.expect(bar, nbytes)
             k0 = ks * BLOCK_K
-            if A_T:
+            if A_BATCHED:
+                if A_T:
+                    tma.async_copy_global_to_shared(a_desc, [bid, k0, m0], bar, a_bufs.index(slot))
+                else:
+                    tma.async_copy_global_to_shared(a_desc, [bid, m0, k0], bar, a_bufs.index(slot))
+            elif A_T:
                 tma.async_copy_global_to_shared(a_desc, [k0, m0], bar, a_bufs.index(slot))
             else:
                 tma.async_copy_global_to_shared(a_desc, [m0, k0], bar, a_bufs.index(slot))
-            if B_T:
+            if B_BATCHED:
+                if B_T:
+                    tma.async_copy_global_to_shared(b_desc, [bid, n0, k0], bar, b_bufs.index(slot))
+                else:
+                    tma.async_copy_global_to_shared(b_desc, [bid, k0, n0], bar, b_bufs.index(slot))
+            elif B_T:
                 tma.async_copy_global_to_shared(b_desc, [n0, k0], bar, b_bufs.index(slot))
             else:
                 tma.async_copy_global_to_shared(b_desc, [k0, n0], bar, b_bufs.index(slot))
@@ -102,13 +132,46 @@ def fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
 
 
 @gluon.jit
-def _operands(a_bufs, b_bufs, slot, ROW0: gl.constexpr, ROWS: gl.constexpr, A_T: gl.constexpr, B_T: gl.constexpr):
-    """Slot ``slot``'s [ROWS, BK] rows of A from ROW0 and its [BK, BN] tile of B, as the MMA reads them."""
-    if A_T:
-        a = a_bufs.index(slot).slice(ROW0, ROWS, dim=1).permute((1, 0))
+def _work_unit(unit, tiles):
+    """(batch, tile within the batch) of work unit ``unit``: units are numbered batch-major, so the programs at
+    work at once walk one batch's tiles in grouped order and share its operands in L2."""
+    bid = unit // tiles
+    return bid, unit - bid * tiles
+
+
+@gluon.jit
+def _flat(bufs, slot, ROWS: gl.constexpr, COLS: gl.constexpr, IS_3D: gl.constexpr):
+    """Slot ``slot`` of a ring (or output buffer) as the 2-D [ROWS, COLS] tile the MMAs or the epilogue use: a
+    slot of a 3-D descriptor's box ([1, ROWS, COLS], IS_3D) is the same bytes in the same swizzle."""
+    if IS_3D:
+        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=bufs.layout.swizzle_byte_width,
+                                                    element_bitwidth=bufs.layout.element_bitwidth, rank=2)
+        return bufs.index(slot)._reinterpret(bufs.dtype, [ROWS, COLS], layout)
     else:
-        a = a_bufs.index(slot).slice(ROW0, ROWS)
-    b = b_bufs.index(slot)
+        return bufs.index(slot)
+
+
+@gluon.jit
+def _operands(a_bufs, b_bufs, slot, ROW0: gl.constexpr, ROWS: gl.constexpr, A_T: gl.constexpr, B_T: gl.constexpr,
+              A_3D: gl.constexpr = False, B_3D: gl.constexpr = False):
+    """Slot ``slot``'s [ROWS, BK] rows of A from ROW0 and its [BK, BN] tile of B, as the MMA reads them
+    (A_3D / B_3D: the ring holds a 3-D descriptor's [1, rows, cols] boxes, :func:`_flat`)."""
+    if A_3D:
+        a_rows: gl.constexpr = a_bufs.shape[2]
+        a_cols: gl.constexpr = a_bufs.shape[3]
+        a_slot = _flat(a_bufs, slot, a_rows, a_cols, True)
+    else:
+        a_slot = a_bufs.index(slot)
+    if A_T:
+        a = a_slot.slice(ROW0, ROWS, dim=1).permute((1, 0))
+    else:
+        a = a_slot.slice(ROW0, ROWS)
+    if B_3D:
+        b_rows: gl.constexpr = b_bufs.shape[2]
+        b_cols: gl.constexpr = b_bufs.shape[3]
+        b = _flat(b_bufs, slot, b_rows, b_cols, True)
+    else:
+        b = b_bufs.index(slot)
     if B_T:
         b = b.permute((1, 0))
     return a, b
@@ -120,14 +183,21 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_pt
               HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
               A_T: gl.constexpr, B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr,
-              NUM_SMS: gl.constexpr, SHARED_OUT: gl.constexpr, WG: gl.constexpr):
+              NUM_SMS: gl.constexpr, SHARED_OUT: gl.constexpr, WG: gl.constexpr,
+              batch=None, stride_cb=None, BATCHED: gl.constexpr = False, A_BATCHED: gl.constexpr = False,
+              B_BATCHED: gl.constexpr = False):
     """Warp group ``WG`` (0 or 1): the MMAs and epilogue of rows WG * BLOCK_M / 2 ... of every tile. With
     ``SHARED_OUT`` the two warp groups take turns at one output buffer (``turn`` barriers), which leaves
-    room for a fourth ring slot. ``o_desc`` describes the output in [BLOCK_M / 2, BLOCK_N] blocks."""
+    room for a fourth ring slot. ``o_desc`` describes the output in [BLOCK_M / 2, BLOCK_N] blocks
+    (``BATCHED``: in 3-D, [batch, M, N] in [1, BLOCK_M / 2, BLOCK_N] boxes; C read at batch stride ``stride_cb``)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = WG * ROWS
     o_ty: gl.constexpr = o_desc.dtype
-    o_smem = o_bufs.index(0 if SHARED_OUT else WG)
+    if BATCHED:
+        o_box = o_bufs.index(0 if SHARED_OUT else WG)  # [1, ROWS, BLOCK_N], what the 3-D store takes
+        o_smem = _flat(o_bufs, 0 if SHARED_OUT else WG, ROWS, BLOCK_N, True)  # the same bytes as a 2-D tile
+    else:
+        o_smem = o_bufs.index(0 if SHARED_OUT else WG)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     tiles_m = gl.cdiv(M, BLOCK_M)
@@ -135,11 +205,20 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_pt
     steps = gl.cdiv(K, BLOCK_K)
     count = 0
     j = 0  # tiles done
-    for tile in range(gl.program_id(0), tiles_m * tiles_n, NUM_SMS):
+    first = gl.program_id(0)  # (read before the count of units, as the unbatched loop always did)
+    if BATCHED:
+        units = tiles_m * tiles_n * batch
+    else:
+        units = tiles_m * tiles_n
+    for unit in range(first, units, NUM_SMS):
+        if BATCHED:
+            bid, tile = _work_unit(unit, tiles_m * tiles_n)
+        else:
+            tile = unit
         acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         slot = count % STAGES
         mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-        a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T)
+        a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T, A_BATCHED, B_BATCHED)
         acc = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc,))  # waits for nothing (one group in flight): a tensor again
         for ks in range(1, steps):
@@ -147,7 +226,7 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_pt
             count += 1
             slot = count % STAGES
             mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T)
+            a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T, A_BATCHED, B_BATCHED)
             acc = warpgroup_mma(a, b, acc, is_async=True)
             # Step ks - 1's MMAs are done once at most one group (step ks) is in flight: free its slot.
             acc = warpgroup_mma_wait(1, deps=(acc,))
@@ -159,7 +238,11 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_pt
         m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N, SERPENTINE)
         offs_m = m0 + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        acc = epilogue_tile(acc, c_ptr, bias_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N,
+        c_tile = c_ptr
+        if BATCHED:
+            if HAS_C:
+                c_tile = c_ptr + bid.to(gl.int64) * stride_cb  # (a C broadcast over the batch: stride 0)
+        acc = epilogue_tile(acc, c_tile, bias_ptr, c_ptr, c_ptr, offs_m, offs_n, M, N,
                             stride_cm, stride_cn, stride_bias, 0, 0, alpha, beta,
                             HAS_C, HAS_BIAS, ACTIVATION, False, False)
         if SHARED_OUT:
@@ -168,14 +251,20 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_pt
             mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
             o_smem.store(acc.to(o_ty))
             fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
+            if BATCHED:
+                tma.async_copy_shared_to_global(o_desc, [bid, m0 + ROW0, n0], o_box)
+            else:
+                tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
             tma.store_wait(pendings=0)
             mbarrier.arrive(turn.index(1 - WG), count=1)
         else:
             tma.store_wait(pendings=0)  # this warp group's previous store has left its buffer
             o_smem.store(acc.to(o_ty))
             fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
+            if BATCHED:
+                tma.async_copy_shared_to_global(o_desc, [bid, m0 + ROW0, n0], o_box)
+            else:
+                tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
         j += 1
     tma.store_wait(pendings=0)
 
@@ -191,19 +280,41 @@ def matmul_f16_coop_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     GROUP_M: gl.constexpr, SERPENTINE: gl.constexpr, NUM_SMS: gl.constexpr, SHARED_OUT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    batch=None, stride_cb=None, BATCHED: gl.constexpr = False, A_BATCHED: gl.constexpr = False,
+    B_BATCHED: gl.constexpr = False,
 ):
     # The descriptors are made on the host (:func:`descriptors`): A as [M, K] or (A_T) [K, M], B as [K, N]
     # or (B_T) [N, K], the output as [M, N] in [BLOCK_M / 2, BLOCK_N] blocks. The ring's slots take the
     # descriptors' swizzled layouts.
-    if A_T:
+    # BATCHED (:func:`batched_descriptors`): ``batch`` products walked as (batch, tile) work units; the output,
+    # and A (A_BATCHED) and B (B_BATCHED) unless broadcast over the batch, are described in 3-D with a box of
+    # 1 along the batch, so a tile never crosses into the next batch and TMA clips each batch's edges. Their
+    # slots are [1, rows, cols] boxes (read as 2-D tiles: :func:`_flat`). Unbatched launches pass none of this
+    # (None and False are constexprs), so they compile to the code they compiled to before.
+    if A_BATCHED:
+        if A_T:
+            a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, 1, BLOCK_K, BLOCK_M], a_desc.layout)
+        else:
+            a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, 1, BLOCK_M, BLOCK_K], a_desc.layout)
+    elif A_T:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_K, BLOCK_M], a_desc.layout)
     else:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    if B_T:
+    if B_BATCHED:
+        if B_T:
+            b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, 1, BLOCK_N, BLOCK_K], b_desc.layout)
+        else:
+            b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, 1, BLOCK_K, BLOCK_N], b_desc.layout)
+    elif B_T:
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     else:
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
-    o_bufs = gl.allocate_shared_memory(o_desc.dtype, [1 if SHARED_OUT else 2, BLOCK_M // 2, BLOCK_N], o_desc.layout)
+    if BATCHED:
+        o_bufs = gl.allocate_shared_memory(o_desc.dtype, [1 if SHARED_OUT else 2, 1, BLOCK_M // 2, BLOCK_N],
+                                           o_desc.layout)
+    else:
+        o_bufs = gl.allocate_shared_memory(o_desc.dtype, [1 if SHARED_OUT else 2, BLOCK_M // 2, BLOCK_N],
+                                           o_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -218,13 +329,14 @@ def matmul_f16_coop_kernel(
         (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
                      M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta,
                      HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE,
-                     NUM_SMS, SHARED_OUT, 0)),
+                     NUM_SMS, SHARED_OUT, 0, batch, stride_cb, BATCHED, A_BATCHED, B_BATCHED)),
         (_consumer, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
                      M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta,
                      HAS_C, HAS_BIAS, ACTIVATION, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE,
-                     NUM_SMS, SHARED_OUT, 1)),
+                     NUM_SMS, SHARED_OUT, 1, batch, stride_cb, BATCHED, A_BATCHED, B_BATCHED)),
         (fill_ring, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS,
-                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE)),
+                     A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE,
+                     batch, BATCHED, A_BATCHED, B_BATCHED)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -262,33 +374,96 @@ def configs(out_element_size: int = 2) -> list[dict]:
     return out
 
 
+# Batched products, untimed (:func:`batched_config`): a 128x128 tile is taken where it needs fewer waves of
+# work units than the 32K-element tiles by this factor (its smaller tiles run each flop slower), and from
+# BATCHED_LONG_K_STEPS K steps the 4-deep ring with the output buffer shared (the H200's pick at fp16 4096^3);
+# shorter K keeps a buffer per warp group, so each store overlaps the next tile's MMAs (attention's S x S
+# products over K = 64..128 are bound by their stores). Starting points, to be timed with
+# tools/batched_candidates.py (docs/rungs/persistent_tma.md#batched-products-on-gluon_f16).
+BATCHED_SMALL_TILE_SPEED = 0.85
+BATCHED_LONG_K_STEPS = 32
+
+
+def batched_config(p: GemmProblem, num_sms: int, options: list[dict] | None = None) -> dict:
+    """The config a batched problem takes untimed: of :func:`configs` (or ``options``, a subset), the tile
+    whose work units (``batch`` x tiles) take the fewest waves over ``num_sms`` programs, weighted by tile
+    size (:data:`BATCHED_SMALL_TILE_SPEED`); 128x256 before 256x128 where N >= M (its serpentine bands: the
+    2-D order); then the ring by K (:data:`BATCHED_LONG_K_STEPS`)."""
+    options = list(options) if options is not None else configs(p.out.element_size())
+    wide_first = p.N >= p.M
+    shared_out = cdiv(p.K, BLOCK_K) >= BATCHED_LONG_K_STEPS
+
+    def cost(cfg: dict) -> tuple:
+        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        units = cdiv(p.M, bm) * cdiv(p.N, bn) * p.batch
+        speed = 1.0 if bm * bn >= 256 * 128 else BATCHED_SMALL_TILE_SPEED
+        waves = cdiv(units, num_sms) * (bm * bn) / (256 * 128) / speed
+        prefer = 0 if (bn > bm) == wide_first else 1
+        ring = 0 if bool(cfg.get("SHARED_OUT", False)) == shared_out else 1
+        return waves, prefer, ring
+
+    return dict(min(options, key=cost))
+
+
 def why_not(p: GemmProblem) -> str | None:
-    """None when this kernel takes the problem (given that TMA can describe it); otherwise why not."""
+    """None when this kernel takes the problem (given that TMA can describe it: ``persistent_tma.why_not``,
+    which for a batched problem asks 16-byte batch strides, 0 allowed for an operand); otherwise why not."""
     if p.a.dtype not in (torch.float16, torch.bfloat16) or p.b.dtype != p.a.dtype:
         return "not a 16-bit problem"
     if p.out.element_size() != 2:
         return "needs a 16-bit output"
-    if p.batch != 1:
-        return "batched"
     if p.scale_a is not None or p.scale_b is not None:
         return "scales are for fp8"
+    if p.batch != 1:
+        if p.out_strides[0] == 0:
+            return "batched: the output has no batch stride"
+        # Work units are numbered in int32 (128x128 is the smallest tile).
+        if cdiv(p.M, 128) * cdiv(p.N, 128) * p.batch >= 2**31:
+            return "batched: more work units than int32 numbers"
     return None
 
 
 def descriptors(p: GemmProblem, cfg: dict):
     """Host-side TMA descriptors of A, B and the output for config ``cfg``, as the operands lie
     (:attr:`GemmProblem.tma_view`); the output in [BLOCK_M / 2, BLOCK_N] blocks, one per consumer. A config
-    may name its own K step (``BLOCK_K``, a power of two from 16: narrow operands); the shipped ones take 64."""
+    may name its own K step (``BLOCK_K``, a power of two from 16: narrow operands); the shipped ones take 64.
+    A batched problem's: :func:`batched_descriptors`."""
+    if p.batch != 1:
+        return batched_descriptors(p, cfg)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     a, b = (host_descriptor(*box) for box in p.tma_boxes(bm, bn, cfg.get("BLOCK_K", BLOCK_K)))
     return a, b, host_descriptor(p.out, [p.M, p.N], p.out_strides[1], [bm // 2, bn])
+
+
+def batched_host_descriptor(base: torch.Tensor, batch: int, batch_stride: int, shape: list[int], stride: int,
+                            block: list[int]) -> TensorDescriptor:
+    """The 3-D descriptor ``[batch, *shape]`` (batch stride ``batch_stride``, row stride ``stride``) in boxes
+    ``[1, *block]`` with the swizzle :func:`host_descriptor` gives the 2-D ``block``: a box is then the bytes of
+    the 2-D tile, laid out as the MMAs and the epilogue read them (``_flat``)."""
+    flat = gl.NVMMASharedLayout.get_default_for(block, GL_TYPES[base.dtype])
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=flat.swizzle_byte_width,
+                                  element_bitwidth=flat.element_bitwidth, rank=3)
+    return TensorDescriptor(base, [batch, *shape], [batch_stride, stride, 1], [1, *block], layout)
+
+
+def batched_descriptors(p: GemmProblem, cfg: dict):
+    """:func:`descriptors` of a batched problem: the output, and each operand with a batch stride, in 3-D
+    ([batch, rows, cols], boxes [1, rows, cols]: a tile never crosses a batch, TMA clips each batch's edges); an
+    operand broadcast over the batch (stride 0) in 2-D, as unbatched (the kernel reads it at every batch)."""
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    descs = []
+    for box, batch_stride in zip(p.tma_boxes(bm, bn, cfg.get("BLOCK_K", BLOCK_K)), (p.a_strides[0], p.b_strides[0])):
+        descs.append(host_descriptor(*box) if batch_stride == 0 else batched_host_descriptor(
+            box[0], p.batch, batch_stride, box[1], box[2], box[3]))
+    out = batched_host_descriptor(p.out, p.batch, p.out_strides[0], [p.M, p.N], p.out_strides[1], [bm // 2, bn])
+    return (*descs, out)
 
 
 def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
     """(kernel, grid, args, constexpr kwargs) for :func:`tilegemm.core.launch.launch`."""
     a_t, b_t, _, _ = p.tma_view
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    tiles = cdiv(p.M, bm) * cdiv(p.N, bn)
+    tiles = cdiv(p.M, bm) * cdiv(p.N, bn) * p.batch
     flags = p.kernel_flags()
     c, bias, _, _ = p.epilogue_pointers()
     args = descriptors(p, cfg) + (c, bias, p.M, p.N, p.K, p.c_strides[1], p.c_strides[2], p.bias_stride,
@@ -298,4 +473,8 @@ def launch_args(p: GemmProblem, cfg: dict, num_sms: int):
                   **tile_order(cfg), NUM_SMS=num_sms,
                   SHARED_OUT=cfg.get("SHARED_OUT", False), CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
+    if p.batch != 1:
+        # (An unbatched launch passes none of these: its compiled code is the one it had before batches.)
+        kwargs.update(batch=p.batch, stride_cb=p.c_strides[0], BATCHED=True, A_BATCHED=p.a_strides[0] != 0,
+                      B_BATCHED=p.b_strides[0] != 0)
     return matmul_f16_coop_kernel, (min(num_sms, tiles),), args, kwargs

@@ -324,7 +324,8 @@ def gluon_kernel_for(p: GemmProblem):
     (an operand through registers), :mod:`tilegemm.ops.matmul.gluon_f16` for 16-bit operands with a 16-bit
     output. They are written for sm_90 against Triton 3.6's Gluon API (experimental, it moves between
     versions), and Gluon has no interpreter."""
-    if why_not_gluon() is not None:
+    if why_not_gluon() is not None or p.batch != 1:
+        # (A batched 16-bit problem reaches gluon_f16 by auto's own rule, dispatch.GLUON_F16_BATCHED, or by name.)
         return None
     from tilegemm.ops.matmul import gluon_f16, gluon_fp8, gluon_tf32
 
@@ -540,9 +541,22 @@ def _run_gluon(p: GemmProblem, name: str, module, config: dict | None = None) ->
     ensure_allocator()
     num_sms = sm_count(p.out.device)
     if config is None:
+        # Untimed, a batched problem takes the kernel's batched rule (gluon_f16.batched_config) where it has one.
+        rule = getattr(module, "batched_config", None) if p.batch != 1 else None
+        fallback = (lambda options: rule(p, num_sms, options)) if rule is not None else None
         config = tuning.lookup_or_tune(p.tuning_key(name), lambda: module.configs(p.out.element_size()),
-                                       lambda cfg: launch(*module.launch_args(p, cfg, num_sms)))
+                                       lambda cfg: launch(*module.launch_args(p, cfg, num_sms)), fallback=fallback)
     launch(*module.launch_args(p, config, num_sms))
+
+
+def batched_gluon_f16(p: GemmProblem):
+    """:mod:`tilegemm.ops.matmul.gluon_f16` where its batched launch takes ``p`` (a batched 16-bit product with a
+    16-bit output that TMA can describe, on an sm_90 GPU), else None."""
+    if p.batch == 1 or why_not_gluon() is not None or why_not(p) is not None:
+        return None
+    from tilegemm.ops.matmul import gluon_f16
+
+    return gluon_f16 if gluon_f16.why_not(p) is None else None
 
 
 def run_gluon_f16(p: GemmProblem, config: dict | None = None) -> None:
