@@ -142,7 +142,8 @@ def test_rows_kernel_filters_up_to_25_taps(R, S, device, monkeypatch):
     w = torch.randn(8, 1, R, S, device=device)
     launched = _launched_kernels(monkeypatch)
     out = tilegemm.conv2d(x, w, None, 1, (R // 2, S // 2), 1, 8, kernel="depthwise")
-    assert launched == ["depthwise_rows_kernel"]
+    # past 9 taps the weight is first rewritten tap-major (configs.DEPTHWISE_ROWS_TAP_MAJOR)
+    assert launched == (["depthwise_weight_kernel"] if R * S > 9 else []) + ["depthwise_rows_kernel"]
     assert_rel_close(out, F.conv2d(x.double(), w.double(), None, 1, (R // 2, S // 2), 1, 8), 1e-5)
 
 
@@ -204,8 +205,11 @@ def test_which_forwards_take_the_rows_kernel(stride, dilation, layout, expect, d
     assert_rel_close(out, F.conv2d(x.double(), w.double(), None, stride, 1, dilation, 16), 1e-5)
 
 
-def test_a_larger_filter_takes_the_pixel_kernel(device, monkeypatch):
+def test_a_larger_filter_takes_the_pixel_kernel_where_the_window_kernel_is_off(device, monkeypatch):
     # 7x7: 49 taps of weights in registers a thread is past DEPTHWISE_ROWS_MAX_TAPS
+    from tilegemm.ops.conv2d import configs
+
+    monkeypatch.setattr(configs, "DEPTHWISE_WINDOW_AUTO", False)
     x = torch.randn(1, 8, 10, 10, device=device).contiguous(memory_format=torch.channels_last)
     w = torch.randn(8, 1, 7, 7, device=device)
     launched = _launched_kernels(monkeypatch)

@@ -130,45 +130,43 @@ def _launched(monkeypatch):
     return names
 
 
-@pytest.mark.parametrize("R, switch, expect", [
-    (7, None, ["depthwise_weight_kernel", "depthwise_fwd_kernel"]),  # today: 7x7 on the pixel kernel
-    (5, None, ["depthwise_rows_kernel"]),  # and 5x5 on the row kernel
-    (7, "window", ["depthwise_weight_kernel", "depthwise_window_kernel"]),  # DEPTHWISE_WINDOW_AUTO (tap-major)
-    (5, "window", ["depthwise_weight_kernel", "depthwise_window_kernel"]),
-    (7, "rows", ["depthwise_rows_kernel"]),  # DEPTHWISE_ROWS_MAX_TAPS = 49
-    (5, "tap-major", ["depthwise_weight_kernel", "depthwise_rows_kernel"]),  # DEPTHWISE_ROWS_TAP_MAJOR
+@pytest.mark.parametrize("R, C, switch, expect", [
+    (7, 8, None, ["depthwise_weight_kernel", "depthwise_window_kernel"]),  # 7x7: the window kernel (tap-major)
+    (5, 8, None, ["depthwise_weight_kernel", "depthwise_rows_kernel"]),  # 5x5 on few channels: rows, tap-major
+    (5, 192, None, ["depthwise_weight_kernel", "depthwise_window_kernel"]),  # 5x5 from 192 channels: the window
+    (7, 8, "off", ["depthwise_weight_kernel", "depthwise_fwd_kernel"]),  # switched off: 7x7 on the pixel kernel
+    (5, 8, "row-major", ["depthwise_rows_kernel"]),  # DEPTHWISE_ROWS_TAP_MAJOR off: one launch
+    (7, 8, "rows", ["depthwise_weight_kernel", "depthwise_rows_kernel"]),  # DEPTHWISE_ROWS_MAX_TAPS = 49, window off
 ])
-def test_auto_keeps_todays_routes_until_switched(R, switch, expect, device, monkeypatch):
-    if switch == "window":
-        monkeypatch.setattr(configs, "DEPTHWISE_WINDOW_AUTO", True)
-    elif switch == "rows":
+def test_auto_routes_stride1_filters_past_3x3(R, C, switch, expect, device, monkeypatch):
+    if switch in ("off", "rows"):
+        monkeypatch.setattr(configs, "DEPTHWISE_WINDOW_AUTO", False)
+    if switch == "rows":
         monkeypatch.setattr(configs, "DEPTHWISE_ROWS_MAX_TAPS", 49)
-    elif switch == "tap-major":
-        monkeypatch.setattr(configs, "DEPTHWISE_ROWS_TAP_MAJOR", True)
+    elif switch == "row-major":
+        monkeypatch.setattr(configs, "DEPTHWISE_ROWS_TAP_MAJOR", False)
     from tilegemm.ops.conv2d import op
 
     op.REPLAYS.clear()  # on a GPU a call like an earlier one replays its launches: decide afresh
-    x = _input(1, 8, 5, 6, device)
-    w = torch.randn(8, 1, R, R, device=device)
+    x = _input(1, C, 5, 6, device)
+    w = torch.randn(C, 1, R, R, device=device)
     launched = _launched(monkeypatch)
-    out = tilegemm.conv2d(x, w, None, 1, R // 2, 1, 8)
+    out = tilegemm.conv2d(x, w, None, 1, R // 2, 1, C)
     assert launched == expect
-    assert_rel_close(out, F.conv2d(x.double(), w.double(), None, 1, R // 2, 1, 8), 1e-5)
+    assert_rel_close(out, F.conv2d(x.double(), w.double(), None, 1, R // 2, 1, C), 1e-5)
 
 
-def test_window_auto_leaves_3x3_and_strided_layers(device):
-    g3 = geometry_of((1, 8, 9, 9), (8, 1, 3, 3), [1, 1], [1, 1, 1, 1], [1, 1], 8)
-    g5s = geometry_of((1, 8, 9, 9), (8, 1, 5, 5), [2, 2], [2, 2, 2, 2], [1, 1], 8)
-    g7 = geometry_of((1, 8, 9, 9), (8, 1, 7, 7), [1, 1], [3, 3, 3, 3], [1, 1], 8)
-    assert configs.depthwise_window_config(g7, torch.float16) is None  # off by default
-    old = configs.DEPTHWISE_WINDOW_AUTO
-    configs.DEPTHWISE_WINDOW_AUTO = True
-    try:
-        assert configs.depthwise_window_config(g3, torch.float16) is None
-        assert configs.depthwise_window_config(g5s, torch.float16) is None
-        assert configs.depthwise_window_config(g7, torch.float16)["QT"] >= 1
-    finally:
-        configs.DEPTHWISE_WINDOW_AUTO = old
+def test_window_auto_leaves_3x3_strided_and_narrow_5x5_layers(device, monkeypatch):
+    def geo(C, R, stride):
+        return geometry_of((1, C, 9, 9), (C, 1, R, R), [stride] * 2, [R // 2] * 4, [1, 1], C)
+
+    assert configs.depthwise_window_config(geo(8, 3, 1), torch.float16) is None
+    assert configs.depthwise_window_config(geo(8, 5, 2), torch.float16) is None
+    assert configs.depthwise_window_config(geo(191, 5, 1), torch.float16) is None  # few channels: the row kernel
+    assert configs.depthwise_window_config(geo(192, 5, 1), torch.float16)["QT"] >= 1
+    assert configs.depthwise_window_config(geo(8, 7, 1), torch.float16)["QT"] >= 1  # 7x7: any channel count
+    monkeypatch.setattr(configs, "DEPTHWISE_WINDOW_AUTO", False)
+    assert configs.depthwise_window_config(geo(8, 7, 1), torch.float16) is None
 
 
 @pytest.mark.parametrize("Q, K, qt, expect", [

@@ -127,9 +127,9 @@ def depthwise_fwd_config(g: Geometry, dtype: torch.dtype) -> dict:
 DEPTHWISE_ROWS_MAX_TAPS = 25  # auto's cap: 49 sends stride-1 7x7 forwards here (two elements a thread, 4 warps)
 DEPTHWISE_ROWS_CONFIG_MAX_TAPS = 49  # a config's: 7x7 at two elements a thread fits sm_90's registers (see below)
 _DEPTHWISE_PIPELINE_ROWS = 48
-# True: filters past 3x3 read the weight rewritten tap-major (a second launch; coalesced weight loads, docs/conv2d.md
-# "Depthwise window kernel"). Off until timed (tools/conv2d_depthwise_candidates.py: rows2t against rows2).
-DEPTHWISE_ROWS_TAP_MAJOR = False
+# True: filters past 3x3 read the weight rewritten tap-major (a second launch; coalesced weight loads): faster on the
+# zoo's stride-1 5x5 layers despite the launch (docs/conv2d.md, "Depthwise window kernel").
+DEPTHWISE_ROWS_TAP_MAJOR = True
 
 
 def depthwise_rows_config(g: Geometry, dtype: torch.dtype) -> dict:
@@ -180,11 +180,13 @@ def depthwise_strided_rows_config(g: Geometry, dtype: torch.dtype) -> dict | Non
 # the QT + S - 1 input columns under them once a row and keeps R*S weights, R*QT accumulators and the window in
 # registers (R*S*V + R*QT*V + (QT + S - 1)*V fp32 values a thread, V its channels). By construction it issues
 # (QT + S - 1) / QT loads an output column a row where the row kernel issues S, and a weight register serves QT
-# outputs, not one. Not timed yet (tools/conv2d_depthwise_candidates.py, docs/conv2d.md "Depthwise window
-# kernel"): auto keeps the row kernel (up to 5x5) and the pixel kernel (7x7) until DEPTHWISE_WINDOW_AUTO is set.
+# outputs, not one. auto takes it for 7x7 (and filters past 5x5) always, and for 5x5 from
+# DEPTHWISE_WINDOW_AUTO_MIN_CHANNELS channels, where the row kernel stays ahead of it on few channels
+# (tools/conv2d_depthwise_candidates.py; docs/conv2d.md, "Depthwise window kernel").
 DEPTHWISE_WINDOW_MAX_TAPS = 49
-DEPTHWISE_WINDOW_AUTO = False  # True: stride-1 forwards of more than DEPTHWISE_WINDOW_AUTO_MIN_TAPS taps take it
+DEPTHWISE_WINDOW_AUTO = True  # stride-1 forwards of more than DEPTHWISE_WINDOW_AUTO_MIN_TAPS taps take it (see above)
 DEPTHWISE_WINDOW_AUTO_MIN_TAPS = 9  # 5x5 and 7x7 (and other filters past 3x3)
+DEPTHWISE_WINDOW_AUTO_MIN_CHANNELS = 192  # filters of at most 25 taps: fewer channels stay on the row kernel
 
 
 def depthwise_window_blocks(Q: int, K: int, qt: int, vec: int, threads: int = 128) -> tuple[int, int]:
@@ -232,7 +234,9 @@ def depthwise_window_config(g: Geometry, dtype: torch.dtype) -> dict | None:
     if (not DEPTHWISE_WINDOW_AUTO or g.stride != (1, 1) or g.dilation != (1, 1)
             or not DEPTHWISE_WINDOW_AUTO_MIN_TAPS < taps <= DEPTHWISE_WINDOW_MAX_TAPS):
         return None
-    return depthwise_window_tile(g, dtype)
+    if taps <= DEPTHWISE_ROWS_MAX_TAPS and g.K < DEPTHWISE_WINDOW_AUTO_MIN_CHANNELS:
+        return None
+    return depthwise_window_tile(g, dtype, qt=4)  # 4 columns a thread at 7x7 too: its worst layer 1.15x against 8's 1.06x
 
 
 def depthwise_config(g: Geometry, dtype: torch.dtype) -> dict:
