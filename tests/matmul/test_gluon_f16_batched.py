@@ -114,9 +114,10 @@ def _fake_hopper(monkeypatch, sms=132):
     monkeypatch.setattr(persistent_tma, "why_not_gluon", lambda: None)
 
 
-def test_auto_keeps_persistent_tma_while_the_switch_is_off(monkeypatch):
+def test_auto_keeps_persistent_tma_with_the_switch_off(monkeypatch):
     _fake_hopper(monkeypatch)
-    assert dispatch.GLUON_F16_BATCHED is False  # flipped once the GPU has timed it (tools/batched_candidates.py)
+    assert dispatch.GLUON_F16_BATCHED is True  # on since tools/batched_candidates.py timed it
+    monkeypatch.setattr(dispatch, "GLUON_F16_BATCHED", False)
     assert persistent_tma.batched_gluon_f16(_meta(32, 2048, 2048, 128)) is gluon_f16
     assert dispatch.choose_kernel(_meta(32, 2048, 2048, 128)) == "persistent_tma"
     # gluon_kernel_for (persistent_tma's candidates, the 2-D rule) never offers it for batches.

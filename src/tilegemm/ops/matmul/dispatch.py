@@ -26,10 +26,11 @@ MIN_TILES_PER_SM = 2  # persistent_tma from this many 128x128 tiles per SM: a pe
 MIN_TILES_PER_SM_FP8 = 4  # fp8 in Triton's kernels (no Gluon kernel) needs more before the persistent grid pays
 # Batched 16-bit products (16-bit output) on gluon_f16's batched launch (warp-specialized: each tile's stores
 # overlap the next tile's loads and MMAs) rather than persistent_tma's Triton kernel, from this many 128x128
-# tiles per SM over all batches. Off until timed on the GPU (tools/batched_candidates.py; docs/rungs/auto.md).
-GLUON_F16_BATCHED = False
+# tiles per SM over all batches: ahead on the batched sweeps' attention-like products (tools/batched_candidates.py;
+# the numbers in docs/rungs/persistent_tma.md, "Batched products on gluon_f16").
+GLUON_F16_BATCHED = True
 GLUON_F16_BATCHED_MIN_TILES_PER_SM = 1
-# With it on, outputs narrower than NARROW_N too (else they keep autotuned, 0.94x-0.97x there; also to be timed).
+# With it on, outputs narrower than NARROW_N too: off, mixed against autotuned there (same doc).
 GLUON_F16_BATCHED_NARROW = False
 GLUON_TIMED_FROM = 4  # a Gluon kernel's 16-bit problem is timed from 1/4 tile per SM (other dtypes: 1/2) up to 2
 DECISIONS_KEPT = 4096  # answers kept per shape class (bounded: cleared when full); each estimate costs ~100 us
