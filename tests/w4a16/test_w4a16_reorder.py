@@ -54,11 +54,25 @@ def test_gather_equals_index_select(M, K, dtype, monkeypatch):
     assert launched == ["reorder_kernel"] * len(views)
 
 
-def test_gather_takes_int32_and_strided_perm_and_many_row_blocks():
-    x = torch.randn(2 * reorder.ROWS + 3, 40, dtype=torch.float16)  # three row blocks, the last one short
-    perm = torch.randperm(40)
+def test_gather_grid_spreads_rows_over_as_few_programs_as_fill_the_gpu():
+    # (BLOCK_K, blocks_k, chunks a program, programs) on 132 SMs
+    assert reorder.gather_grid(1, 5120, 132) == (1024, 5, 1, 5)  # one row: every column block its own program
+    assert reorder.gather_grid(16, 11008, 132) == (1024, 11, 1, 176)
+    assert reorder.gather_grid(128, 11008, 132) == (1024, 11, 3, 512)  # four programs a row
+    assert reorder.gather_grid(512, 11008, 132) == (1024, 11, 6, 1024)  # two
+    assert reorder.gather_grid(1024, 11008, 132) == (1024, 11, 11, 1024)  # one program walks a whole row
+    assert reorder.gather_grid(3, 40, 132) == (64, 1, 1, 3)
+    for M, K in ((1, 8), (7, 3000), (300, 2048), (5000, 64)):
+        block_k, blocks_k, chunks, programs = reorder.gather_grid(M, K, 132)
+        assert blocks_k * block_k >= K and programs * chunks >= M * blocks_k  # every column block covered
+
+
+def test_gather_takes_int32_and_strided_perm_and_many_chunks():
+    x = torch.randn(11, 3000, dtype=torch.float16)  # chunks of 1024 columns, the last one short, several a program
+    perm = torch.randperm(3000)
     strided = torch.stack([perm, perm], 1)[:, 0]  # a valid weight may hold a strided view
     assert strided.stride(0) == 2
+    assert reorder.gather_grid(11, 3000, 4)[2] == 2  # (the interpreter's 4 SMs: 2 chunks a program)
     for p in (perm, perm.to(torch.int32), strided):
         assert torch.equal(reorder.reorder_columns(x, p), x[:, perm])
 

@@ -21,31 +21,47 @@ ensure_backend()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-# A program gathers about ELEMENTS elements, one 16-byte store a thread. A model, not a measurement: each gathered
-# element is its own L1 request, about a cycle each on its SM, so small programs spread over many SMs shorten the
-# call. The form measured (one row of 1024 columns a program, docs/w4a16.md "Act-order") is this one at M = 1;
-# tools/w4a16_actorder_line.py times the gather alone.
+# A program gathers rows of x a chunk of ELEMENTS columns at a time, one 16-byte store a thread. Each gathered element
+# is its own 32-byte sector, so the bytes moved follow how many programs share a row: a row's sectors are fetched
+# once by each program that gathers from it (and reused from its L1 across that program's chunks). Hence one row a
+# program and as few programs a row as still give about PROGRAMS_PER_SM programs an SM: at M = 1 a row spreads over
+# its K / ELEMENTS chunks (the form measured as CUDA graphs: 1.35-1.75 us at M <= 16); from M = 4 x SMs, one
+# program walks a whole row. docs/w4a16.md, "Act-order".
 ELEMENTS = 1024
-ROWS = 4  # rows a program at most: perm's slice (ELEMENTS / rows columns) reused over them
+PROGRAMS_PER_SM = 4
 WARPS = 4
 
 
 @triton.jit
-def reorder_kernel(x_ptr, perm_ptr, out_ptr, M, K, stride_xm, stride_xk, stride_p, stride_om, blocks_k,
+def reorder_kernel(x_ptr, perm_ptr, out_ptr, M, K, stride_xm, stride_xk, stride_p, stride_om, blocks_k, chunks,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``out[m, j] = x[m, perm[j]]`` over this program's block of rows and block of columns: perm's slice loaded
-    once, x's elements gathered (2-byte loads), each output row's slice stored contiguously (16-byte stores where
-    out's rows are 16-byte aligned, K a multiple of 8). One flat grid axis: no limit on M from the grid."""
+    """``out[m, j] = x[m, perm[j]]`` over this program's block of rows and ``chunks`` consecutive blocks of
+    columns: perm's slice loaded a block at a time, x's elements gathered (2-byte loads, cached: later chunks find
+    the row's sectors in L1), each output row's slice stored contiguously (16-byte stores where out's rows are
+    16-byte aligned, K a multiple of 8). One flat grid axis: no limit on M from the grid."""
     pid = tl.program_id(0)
-    pid_m, pid_k = pid // blocks_k, pid % blocks_k
-    j = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    groups_k = tl.cdiv(blocks_k, chunks)
+    pid_m, pid_g = pid // groups_k, pid % groups_k
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    j_ok, m_ok = j < K, rows < M
-    src = tl.load(perm_ptr + j.to(tl.int64) * stride_p, mask=j_ok, other=0).to(tl.int64)
+    m_ok = rows < M
     rows = rows.to(tl.int64)  # x may hold 2^31 elements or more
-    ok = m_ok[:, None] & j_ok[None, :]
-    vals = tl.load(x_ptr + rows[:, None] * stride_xm + src[None, :] * stride_xk, mask=ok)
-    tl.store(out_ptr + rows[:, None] * stride_om + j[None, :], vals, mask=ok)
+    for c in range(0, chunks):
+        j = (pid_g * chunks + c) * BLOCK_K + tl.arange(0, BLOCK_K)
+        j_ok = j < K
+        src = tl.load(perm_ptr + j.to(tl.int64) * stride_p, mask=j_ok, other=0).to(tl.int64)
+        ok = m_ok[:, None] & j_ok[None, :]
+        vals = tl.load(x_ptr + rows[:, None] * stride_xm + src[None, :] * stride_xk, mask=ok)
+        tl.store(out_ptr + rows[:, None] * stride_om + j[None, :], vals, mask=ok)
+
+
+def gather_grid(M: int, K: int, sms: int) -> tuple[int, int, int, int]:
+    """(BLOCK_K, blocks_k, chunks a program, programs) of :func:`reorder_kernel` at one row a program: the
+    row's ``blocks_k`` column blocks split over as few programs as still make about PROGRAMS_PER_SM an SM."""
+    block_k = min(ELEMENTS, max(16, triton.next_power_of_2(K)))
+    blocks_k = cdiv(K, block_k)
+    per_row = max(1, min(blocks_k, cdiv(PROGRAMS_PER_SM * sms, M)))
+    chunks = cdiv(blocks_k, per_row)
+    return block_k, blocks_k, chunks, M * cdiv(blocks_k, chunks)
 
 
 def reorder_columns(x2: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
@@ -59,10 +75,10 @@ def reorder_columns(x2: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     out = new_output((M, K), x2.dtype, x2.device)
     if M == 0 or K == 0:
         return out
-    block_m = min(ROWS, triton.next_power_of_2(M))
-    block_k = min(ELEMENTS // block_m, max(16, triton.next_power_of_2(K)))
-    blocks_k = cdiv(K, block_k)
-    launch(reorder_kernel, (cdiv(M, block_m) * blocks_k,),
-           (x2, perm, out, M, K, x2.stride(0), x2.stride(1), perm.stride(0), out.stride(0), blocks_k),
-           dict(BLOCK_M=block_m, BLOCK_K=block_k, num_warps=WARPS))
+    from tilegemm.core.hardware import sm_count
+
+    block_k, blocks_k, chunks, programs = gather_grid(M, K, sm_count(x2.device))
+    launch(reorder_kernel, (programs,),
+           (x2, perm, out, M, K, x2.stride(0), x2.stride(1), perm.stride(0), out.stride(0), blocks_k, chunks),
+           dict(BLOCK_M=1, BLOCK_K=block_k, num_warps=WARPS))
     return out
