@@ -155,8 +155,6 @@ _VARIANTS = {  # each loop form with GATHER; K: steps of 64, group 32, and one g
                          cfg=dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=8, OVERLAP=False)),
     "act-g32-m16-bf16": dict(dtype="bfloat16", mnk=[16, 4096, 4128], bias=True, act="silu", group=32,
                              act_order="int64", cfg=dict(BM=16, RH=1, num_warps=4, STAGES=4, SPLIT_K=4, OVERLAP=False)),
-    "act-m16-pipe-split": dict(dtype="float16", mnk=[16, 1024, 8960], bias=False, act="none", act_order="int64",
-                               cfg=dict(BM=16, RH=1, num_warps=4, STAGES=4, SPLIT_K=8, OVERLAP=True, PIPE=True)),
     "act-m64-pipe-split": dict(dtype="float16", mnk=[64, 4096, 4096], bias=True, act="gelu", act_order="int64",
                                cfg=dict(BM=64, RH=1, num_warps=4, STAGES=4, SPLIT_K=3, OVERLAP=True, PIPE=True)),
     "act-m32-rh2-int32": dict(dtype="float16", mnk=[32, 18944, 3584], bias=False, act="none", act_order="int32",

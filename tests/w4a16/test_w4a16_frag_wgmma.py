@@ -84,13 +84,7 @@ def test_config_rule_gives_launchable_configs(M, N, K64, sms):
     assert rh == 1 or 32 <= bm <= 64  # small M: one row tile a warp, the K split makes the programs
     assert cfg["STAGES"] * (bm * 64 * 2 + 16 * rh * warps * 32) <= SMEM
     assert cfg["SPLIT_K"] == 1 or K64 // cfg["SPLIT_K"] >= 8  # slices of at least 8 steps
-    assert cfg["OVERLAP"] == cfg["PIPE"]
-    if bm == 16:  # M = 9 .. 16: longer slices, PIPE by programs an SM
-        assert cfg["SPLIT_K"] == 1 or K64 // cfg["SPLIT_K"] >= configs.FRAG_WGMMA_M16_MIN_STEPS
-        programs = -(-N // 64) * cfg["SPLIT_K"]
-        assert cfg["PIPE"] == (programs <= configs.FRAG_WGMMA_M16_PIPE_PROGRAMS * sms)
-    else:
-        assert cfg["PIPE"] == (M >= configs.FRAG_WGMMA_OVERLAP_M)
+    assert cfg["OVERLAP"] == cfg["PIPE"] == (M >= configs.FRAG_WGMMA_OVERLAP_M)
     if M > 128:  # 128 weight rows a program, the split filling at most one wave
         assert (bm, warps, rh) in ((128, 8, 1), (256, 8, 1))
         tiles = -(-N // 128) * -(-M // bm)
@@ -108,24 +102,6 @@ def test_config_rule_takes_wide_tiles_where_they_fill_most_of_a_wave(monkeypatch
     few = configs.frag_wgmma_config(128, 4096, 4096, "cuda")  # 32 row tiles: the 4-warp rule
     assert (few["BM"], few["num_warps"]) == (64, 4) and few["PIPE"]
     assert not configs.frag_wgmma_config(32, 4096, 4096, "cuda")["PIPE"]
-
-
-def test_config_rule_at_16_rows_splits_into_long_slices_and_pipes_small_grids(monkeypatch):
-    # shapes of the fitting sweep (docs/w4a16.md, "Configs against the kernel at M = 16 and 128")
-    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
-
-    def pick(M, N, K):
-        cfg = configs.frag_wgmma_config(M, N, K, "cuda")
-        return cfg["SPLIT_K"], cfg["PIPE"]
-
-    assert pick(16, 8832, 1152) == (1, True)  # 18 steps: not split into slices of 9; 138 programs
-    assert pick(16, 1024, 8960) == (8, True)  # 16 tiles x 8 slices of 17-18 steps: 128 programs
-    assert pick(16, 3712, 12928) == (16, False)  # 58 x 16 = 928 programs: over 3 an SM
-    assert pick(16, 13440, 5888) == (4, False)
-    assert pick(12, 8832, 1152) == (1, True)  # the same tile from M = 9
-    # M <= 8 keeps slices of 8 steps and no PIPE
-    assert configs.frag_wgmma_config(8, 8832, 1152, "cuda")["SPLIT_K"] == 2
-    assert not configs.frag_wgmma_config(8, 1024, 8960, "cuda")["PIPE"]
 
 
 def test_launch_args_name_what_they_cannot_take():
@@ -169,11 +145,6 @@ _VARIANTS = {
                       cfg=dict(BM=256, RH=1, num_warps=8, STAGES=4, SPLIT_K=1, OVERLAP=True, PIPE=True)),
     "m64-bf16-pipe-split": dict(dtype="bfloat16", mnk=[64, 4096, 4160], bias=False, act="silu",
                                 cfg=dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=3, OVERLAP=True, PIPE=True)),
-    # M = 16 with PIPE where the grid is at most 3 programs an SM (configs.FRAG_WGMMA_M16_PIPE_PROGRAMS)
-    "m16-pipe": dict(dtype="float16", mnk=[16, 5248, 1280], bias=False, act="none",
-                     cfg=dict(BM=16, RH=1, num_warps=4, STAGES=4, SPLIT_K=1, OVERLAP=True, PIPE=True)),
-    "m16-bf16-pipe-split": dict(dtype="bfloat16", mnk=[16, 1024, 8960], bias=True, act="silu",
-                                cfg=dict(BM=16, RH=1, num_warps=4, STAGES=4, SPLIT_K=8, OVERLAP=True, PIPE=True)),
     # group 32 (two groups a K step) in each loop form, K an odd number of groups
     "g32-m1-fp16-split": dict(dtype="float16", mnk=[1, 5120, 5120], bias=False, act="none", group=32,
                               cfg=dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=8, OVERLAP=False)),

@@ -83,11 +83,9 @@ def mma_config(M: int, N: int, K: int, device) -> dict:
 #   thread); at BM = 32, 64, 4 warps and 2 row tiles when that still makes a wave of tiles, else 1 (more
 #   programs); at BM <= 16 always 1 row tile a warp, the K split making up the programs;
 # - a ring of 4 slots (3 was slower, 6 no faster);
-# - K split in powers of two up to 8 / 4 / 1 programs an SM (BM <= 16 / <= 64 / above), slices of 8 steps or more
-#   (12 at BM = 16, below);
+# - K split in powers of two up to 8 / 4 / 1 programs an SM (BM <= 16 / <= 64 / above), slices of 8 steps or more;
 # - OVERLAP (the next step dequantized during this step's MMA) and PIPE (two MMA groups in flight) from M = 64 on,
-#   where the kernel waits on the MMA (below it waits on memory, and they cost a little), and at BM = 16 where the
-#   grid is small (below);
+#   where the kernel waits on the MMA (below it waits on memory, and they cost a little);
 # - above 64 rows (where 128 weight rows make at least FRAG_WGMMA_ROWS128_TILES of a wave, or M > 128): 8 warps
 #   x 1 row tile (128 weight rows a program), x's rows BM = 256 where those tiles make FRAG_WGMMA_WIDE_TILES of a
 #   wave, else 128, and the K split that fills at most a wave (1, 2 or 4): a partial second wave cost more than
@@ -96,12 +94,6 @@ FRAG_WGMMA_PROGRAMS_PER_SM = (8, 4, 1)  # BM <= 16, <= 64, above
 FRAG_WGMMA_OVERLAP_M = 64
 FRAG_WGMMA_WIDE_TILES = 0.65  # share of a wave: BM = 256 from here
 FRAG_WGMMA_ROWS128_TILES = 0.4  # share of a wave the 128-row tiles make for the 8-warp rule at M <= 128
-# At BM = 16 (M = 9 .. 16), fitted on the fitting seeds' sweep (docs/w4a16.md, "Configs against the kernel at M = 16
-# and 128"): slices of at least 12 steps (a slice's ring fill and reduction cost too much over 8-11 steps), and
-# PIPE where the grid is at most 3 programs an SM: with few programs resident the loop's own MMAs in flight hide
-# the latency, with more the SM interleaves programs and PIPE only costs.
-FRAG_WGMMA_M16_MIN_STEPS = 12
-FRAG_WGMMA_M16_PIPE_PROGRAMS = 3  # programs an SM, at most, for PIPE at BM = 16
 
 
 def frag_wgmma_config(M: int, N: int, K: int, device, gather: bool = False) -> dict:
@@ -126,7 +118,5 @@ def frag_wgmma_config(M: int, N: int, K: int, device, gather: bool = False) -> d
         warps, rh = 4, 2 if _cdiv(N, 128) * _cdiv(M, bm) >= sms and not (gather and pipe) else 1
     tiles = _cdiv(N, 16 * rh * warps) * _cdiv(M, bm)
     per_sm = FRAG_WGMMA_PROGRAMS_PER_SM[0 if bm <= 16 else 1 if bm <= 64 else 2]
-    split = split_within(tiles, _cdiv(K, 64), per_sm * sms, FRAG_WGMMA_M16_MIN_STEPS if bm == 16 else 8)
-    if bm == 16:  # the loop form by programs an SM (docs/w4a16.md, "Configs against the kernel at M = 16 and 128")
-        pipe = tiles * split <= FRAG_WGMMA_M16_PIPE_PROGRAMS * sms
+    split = split_within(tiles, _cdiv(K, 64), per_sm * sms, 8)
     return dict(BM=bm, RH=rh, num_warps=warps, STAGES=4, SPLIT_K=split, OVERLAP=pipe, PIPE=pipe)
