@@ -378,8 +378,8 @@ def configs(out_element_size: int = 2) -> list[dict]:
 # work units than the 32K-element tiles by this factor (its smaller tiles run each flop slower), and from
 # BATCHED_LONG_K_STEPS K steps the 4-deep ring with the output buffer shared (the H200's pick at fp16 4096^3);
 # shorter K keeps a buffer per warp group, so each store overlaps the next tile's MMAs (attention's S x S
-# products over K = 64..128 are bound by their stores). Starting points, to be timed with
-# tools/batched_candidates.py (docs/rungs/persistent_tma.md#batched-products-on-gluon_f16).
+# products over K = 64..128 are bound by their stores). Estimates, not fitted: tools/batched_candidates.py times them
+# against each case's best config (docs/rungs/persistent_tma.md#batched-products-on-gluon_f16).
 BATCHED_SMALL_TILE_SPEED = 0.85
 BATCHED_LONG_K_STEPS = 32
 
