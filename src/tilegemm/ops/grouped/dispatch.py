@@ -30,9 +30,9 @@ TMA_K_MIN_TOKENS_PER_GROUP = 512
 INT4_AUTO = "dequant_dot"
 # ``frag`` (W4A16's fragment kernel on the stacked experts' fragments, Hopper with Gluon, never the interpreter) up to
 # this many rows an expert on average (M / E, from the shapes): decode steps, where a call streams the routed
-# experts' weights once and the weight's 4 bits a value set its time (frag_wgmma ran 2.1x-2.6x cuBLAS at M <= 16 and
-# 1.4x-1.6x at 64; dequant_dot's decode 0.99x-1.22x the 16-bit baseline). An estimate from those dense ratios, to be
-# refit from GPU timing: 16 covers the moe sweep's 1-64 token steps (Mixtral at 64 tokens: 16 rows an expert), where
+# experts' weights once and the weight's 4 bits a value set its time (the dense fragment kernel's ratios at those M
+# against dequant_dot's at decode: docs/grouped.md, "4-bit experts at decode: `frag`"). An estimate from the dense
+# kernel, not refit: 16 covers the moe sweep's 1-64 token steps (Mixtral at 64 tokens: 16 rows an expert), where
 # the row tile (twice the average, configs.INT4_FRAG) is at most 32 rows; above, dequant_dot stays (the many-expert
 # models at 512 tokens, where it ran well) (docs/grouped.md, "4-bit experts at decode: `frag`")
 INT4_FRAG_MAX_ROWS_PER_GROUP = 16

@@ -23,8 +23,8 @@ MMA_MAX_M = 128  # then mma up to here; above, dequant_cublas (cuBLAS's GEMM hid
 
 FRAG_KERNELS = ("frag_wgmma",)  # the kernels that read the weight's fragment layout
 # act-order: x's inputs are reordered by one Triton gather (ops/w4a16/reorder.py), then the kernel auto picks for
-# the natural-order weight runs, at every M: as CUDA graphs that ran 0.85-0.88 of the natural order's speed where
-# frag_wgmma reading x through perm (GATHER) ran 0.70 at M = 1 and less above (docs/w4a16.md, "Act-order").
+# the natural-order weight runs, at every M: as CUDA graphs that ran well ahead of frag_wgmma reading x through perm
+# (GATHER) at every M measured (docs/w4a16.md, "Act-order").
 # GATHER stays for the op called with perm and kernel="frag_wgmma" named; auto never takes it.
 GATHER_KERNELS = ("frag_wgmma",)  # the kernels that take perm when named
 

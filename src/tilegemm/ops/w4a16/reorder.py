@@ -2,10 +2,9 @@
 
 Every plain act-order call reorders x by :func:`reorder_columns` and then runs the kernel auto picks for the
 natural-order weight, eager or captured into a CUDA graph alike (one route: a captured call never loads a kernel
-its eager warm-up did not). As CUDA graphs on the H200 ``index_select`` along the last dim took 4.2-5.0 us a call
-at M <= 16 where a Triton gather (this one's first form) took 1.35-1.75, and a product on x reordered by it ran
-0.85-0.88 of the natural order's speed at M = 1..128 where frag_wgmma reading x through perm (``GATHER``) ran 0.70
-at M = 1 and less above (docs/w4a16.md, "Act-order"). Its launch is recorded and replayed as its own entry
+its eager warm-up did not). As CUDA graphs a Triton gather took a third of ``index_select``'s time at small M, and
+a product on x reordered by it ran ahead of frag_wgmma reading x through perm (``GATHER``) at every M measured
+(docs/w4a16.md, "Act-order"). Its launch is recorded and replayed as its own entry
 (``op.REORDERS``), so the host fast path pays a replayed launch for it, not Triton's launch wrapper.
 """
 
@@ -25,7 +24,7 @@ import triton.language as tl  # noqa: E402
 # is its own 32-byte sector, so the bytes moved follow how many programs share a row: a row's sectors are fetched
 # once by each program that gathers from it (and reused from its L1 across that program's chunks). Hence one row a
 # program and as few programs a row as still give about PROGRAMS_PER_SM programs an SM: at M = 1 a row spreads over
-# its K / ELEMENTS chunks (the form measured as CUDA graphs: 1.35-1.75 us at M <= 16); from M = 4 x SMs, one
+# its K / ELEMENTS chunks (the form first measured); from M = 4 x SMs, one
 # program walks a whole row. docs/w4a16.md, "Act-order".
 ELEMENTS = 1024
 PROGRAMS_PER_SM = 4
