@@ -398,6 +398,34 @@ def depthwise_strided_rows_kernel(
         accs = _roll_down_like(accs, A)
 
 
+@triton.jit
+def _tile_prologue(x_ptr, w_ptr, out_ptr, bias_ptr, x_el, k, k_ok, q, n, K, xn_d, xh_d, on_d, op_d, stride_on,
+                   stride_op, stride_oq, stride_ok, stride_wk, stride_wr, stride_ws, stride_b,
+                   R: tl.constexpr, S: tl.constexpr, HAS_BIAS: tl.constexpr, DIV: tl.constexpr,
+                   CL_OUT: tl.constexpr, BLOCK_C: tl.constexpr):
+    """What the [columns, channels] tile kernels set up before their row walk: the R*S weights of the program's
+    channels (``[1, BC]`` each, fp32), the bias, image n's input elements at ``x_el`` and its row stride, the
+    output elements of columns ``q`` and the output's row and column strides (channels-last or any strides)."""
+    ws = ()
+    for rs in tl.static_range(R * S):
+        w_off = k * stride_wk + (rs // S) * stride_wr + (rs % S) * stride_ws
+        ws = ws + (tl.load(w_ptr + w_off, mask=k_ok, other=0.0).to(tl.float32)[None, :],)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + k * stride_b, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        bias = tl.zeros((1, BLOCK_C), dtype=tl.float32)
+    stride_xh = xh_d * DIV
+    x_img = x_ptr + n.to(tl.int64) * xn_d * DIV + x_el
+    if CL_OUT:
+        out_el = out_ptr + n.to(tl.int64) * on_d * DIV + (q * K)[:, None] + k[None, :]
+        stride_op = op_d * DIV
+        stride_oj = K
+    else:
+        out_el = out_ptr + n.to(tl.int64) * stride_on + (q * stride_oq)[:, None] + (k * stride_ok)[None, :]
+        stride_oj = stride_oq
+    return ws, bias, x_img, stride_xh, out_el, stride_op, stride_oj
+
+
 # The 2D-tile form, same walk: a program owns [BLOCK_Q output columns, BLOCK_C channels] of its rows, so a
 # thread's channels hold their R*S weights once for all its columns (in the flat form each element carries
 # its own): fewer weight registers an output for larger filters, at the price of a channel block padded to a
@@ -439,21 +467,10 @@ def depthwise_strided_tile_kernel(
     for s in tl.static_range(S):
         col = q * STR_W + s * DIL_W
         ok_s = ok_s + ((q_ok & (col >= pad_w) & (col < W + pad_w))[:, None] & k_ok[None, :],)
-    ws = ()  # [1, BC] each: a channel's weights once for all the program's columns
-    for rs in tl.static_range(R * S):
-        w_off = k * stride_wk + (rs // S) * stride_wr + (rs % S) * stride_ws
-        ws = ws + (tl.load(w_ptr + w_off, mask=k_ok, other=0.0).to(tl.float32)[None, :],)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + k * stride_b, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    else:
-        bias = tl.zeros((1, BLOCK_C), dtype=tl.float32)
-    stride_xh = xh_d * DIV
-    x_img = x_ptr + n.to(tl.int64) * xn_d * DIV + x_el
-    if CL_OUT:
-        out_el = out_ptr + n.to(tl.int64) * on_d * DIV + (q * K)[:, None] + k[None, :]
-        stride_op = op_d * DIV
-    else:
-        out_el = out_ptr + n.to(tl.int64) * stride_on + (q * stride_oq)[:, None] + (k * stride_ok)[None, :]
+    # a channel's weights once for all the program's columns
+    ws, bias, x_img, stride_xh, out_el, stride_op, _ = _tile_prologue(
+        x_ptr, w_ptr, out_ptr, bias_ptr, x_el, k, k_ok, q, n, K, xn_d, xh_d, on_d, op_d, stride_on, stride_op,
+        stride_oq, stride_ok, stride_wk, stride_wr, stride_ws, stride_b, R, S, HAS_BIAS, DIV, CL_OUT, BLOCK_C)
 
     T = p1 - p0 + A - 1
     accs = ()
@@ -527,23 +544,10 @@ def depthwise_window_kernel(
     ok_j = ()
     for j in tl.static_range(QT):
         ok_j = ok_j + ((q0 + j < Q)[:, None] & k_ok[None, :],)
-    ws = ()  # [1, BC] each: a channel's weights once for the program's columns and rows
-    for rs in tl.static_range(R * S):
-        w_off = k * stride_wk + (rs // S) * stride_wr + (rs % S) * stride_ws
-        ws = ws + (tl.load(w_ptr + w_off, mask=k_ok, other=0.0).to(tl.float32)[None, :],)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + k * stride_b, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    else:
-        bias = tl.zeros((1, BLOCK_C), dtype=tl.float32)
-    stride_xh = xh_d * DIV
-    x_img = x_ptr + n.to(tl.int64) * xn_d * DIV + x_el
-    if CL_OUT:
-        out_el = out_ptr + n.to(tl.int64) * on_d * DIV + (q0 * K)[:, None] + k[None, :]
-        stride_op = op_d * DIV
-        stride_oj = K
-    else:
-        out_el = out_ptr + n.to(tl.int64) * stride_on + (q0 * stride_oq)[:, None] + (k * stride_ok)[None, :]
-        stride_oj = stride_oq
+    # a channel's weights once for the program's columns and rows; stride_oj: from one output column to the next
+    ws, bias, x_img, stride_xh, out_el, stride_op, stride_oj = _tile_prologue(
+        x_ptr, w_ptr, out_ptr, bias_ptr, x_el, k, k_ok, q0, n, K, xn_d, xh_d, on_d, op_d, stride_on, stride_op,
+        stride_oq, stride_ok, stride_wk, stride_wr, stride_ws, stride_b, R, S, HAS_BIAS, DIV, CL_OUT, BLOCK_C)
 
     # Iteration t reads input row h = p0 - pad_h + t (its QT + S - 1 window columns) into the output rows
     # p0 + t - r it feeds (accs[r*QT + j]: filter row r, column j); row p0 + t - (R - 1) is then complete.
