@@ -44,6 +44,9 @@ KERNELS = {
     "subsample": "tilegemm.ops.conv2d.gemm_1x1:subsample_kernel",
     "spread": "tilegemm.ops.conv2d.gemm_1x1:spread_kernel",
     "transpose": "tilegemm.ops.conv2d.layout:transpose_kernel",
+    "depthwise_strided_rows": "tilegemm.ops.conv2d.depthwise:depthwise_strided_rows_kernel",
+    "depthwise_strided_tile": "tilegemm.ops.conv2d.depthwise:depthwise_strided_tile_kernel",
+    "depthwise_window": "tilegemm.ops.conv2d.depthwise:depthwise_window_kernel",
 }
 
 HOST = {

@@ -44,13 +44,11 @@ from tilegemm.ops.grouped.configs import INT4_FRAG, row_tiles
 from tilegemm.ops.grouped.problem import GroupedInt4Problem
 from tilegemm.ops.w4a16.configs import FRAG_WGMMA_PROGRAMS_PER_SM, split_within
 from tilegemm.ops.w4a16.format import fits_fragments
-from tilegemm.ops.w4a16.frag_wgmma import _a_tile, _issue, _scales, _zs_start
+from tilegemm.ops.w4a16.frag_wgmma import _issue, _plain_step, _zs_start
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
-    fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
 
 
 @gluon.jit
@@ -158,18 +156,10 @@ def grouped_frag_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, offs_ptr, ws_p
             # frag_wgmma's loop below 64 rows (OVERLAP and PIPE off: at decode sizes the kernel waits on memory, not
             # on the MMA)
             for s in range(steps):
-                za, zb, sa, sb, zz, ss, left, g = _scales(zs_e, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
-                                                          k_first + s * 64, k_end, group_k, group_steps, BF16,
-                                                          GROUP32, ql)
-                async_copy.wait_group(STAGES - 2)  # step s has landed (this thread's copies) ...
-                gl.thread_barrier()  # ... and every thread's; every warp is done with step s - 1's slot
-                fence_async_shared()
-                xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_e, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first,
-                                k_end, K, STAGES, EVEN_K, None, xr, pr, False)
-                slot = s % STAGES
-                a = _a_tile(w_bufs.index(slot).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
-                acc = warpgroup_mma(a, x_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
+                acc, za, zb, sa, sb, zz, ss, left, g, xr, pr = _plain_step(
+                    s, acc, x_ptr, x_offs, x_ok, kk, wf_e, w_offs, x_bufs, w_bufs, zs_e, zs_row, N16,
+                    za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
+                    STAGES, EVEN_K, BF16, GROUP32, None, xr, pr, False)
             async_copy.wait_group(0)
             _finish(acc, out_ptr, bias_ptr, ws_ptr, count_ptr, e, pid_n, split, m0, end, N, N_OUT, HALF, plane,
                     stride_om, stride_be, BN, BNO, BM, acc_l, ol, SPLIT_K, HAS_BIAS, ACTIVATION, GATED)

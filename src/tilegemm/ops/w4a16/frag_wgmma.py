@@ -314,6 +314,28 @@ def _pipe_step(t, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, 
 
 
 @gluon.jit
+def _plain_step(s, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
+                za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql: gl.constexpr,
+                a_l: gl.constexpr, RHT: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
+                BF16: gl.constexpr, GROUP32: gl.constexpr, perm_ptr, xr, pr, GATHER: gl.constexpr):
+    """The plain loop's step ``s`` (OVERLAP and PIPE off; also the grouped ``frag`` kernel's): step s's scales,
+    wait until its copies landed (every thread's; every warp is done with step s - 1's slot), refill that slot
+    with step s + STAGES - 1, make step s's fragments, run its MMA to completion."""
+    za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
+                                              k_first + s * 64, k_end, group_k, group_steps, BF16, GROUP32, ql)
+    async_copy.wait_group(STAGES - 2)  # step s has landed (this thread's copies) ...
+    gl.thread_barrier()  # ... and every thread's; every warp is done with step s - 1's slot
+    fence_async_shared()
+    xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first,
+                    k_end, K, STAGES, EVEN_K, perm_ptr, xr, pr, GATHER)
+    slot = s % STAGES
+    a = _a_tile(w_bufs.index(slot).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
+    acc = warpgroup_mma(a, x_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    return acc, za, zb, sa, sb, zz, ss, left, g, xr, pr
+
+
+@gluon.jit
 def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x8, stride_om,
                       K64, N16, group_k, steps_per_split, k_stop,
                       BM: gl.constexpr, RH: gl.constexpr, STAGES: gl.constexpr, BF16: gl.constexpr,
@@ -429,17 +451,10 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
             a = a_next
     else:
         for s in range(steps):
-            za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
-                                                      k_first + s * 64, k_end, group_k, group_steps, BF16, GROUP32, ql)
-            async_copy.wait_group(STAGES - 2)  # step s has landed (this thread's copies) ...
-            gl.thread_barrier()  # ... and every thread's; every warp is done with step s - 1's slot
-            fence_async_shared()
-            xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first,
-                            k_end, K, STAGES, EVEN_K, perm_ptr, xr, pr, GATHER)
-            slot = s % STAGES
-            a = _a_tile(w_bufs.index(slot).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
-            acc = warpgroup_mma(a, x_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
+            acc, za, zb, sa, sb, zz, ss, left, g, xr, pr = _plain_step(
+                s, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
+                za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
+                STAGES, EVEN_K, BF16, GROUP32, perm_ptr, xr, pr, GATHER)
     async_copy.wait_group(0)
 
     nn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
