@@ -13,7 +13,7 @@ from tilegemm.ops.grouped.checks import (call_tensors, check_grouped, check_grou
                                          int4_replay_key, replay_key)
 from tilegemm.ops.grouped import dispatch
 from tilegemm.ops.matmul import matmul as dense_matmul
-from tilegemm.ops.w4a16.format import Int4Weight
+from tilegemm.ops.w4a16 import Int4Weight
 from tilegemm.ops.grouped.op import (REPLAYS, forward, forward_gated, forward_int4, grouped_mm_gated_op,
                                      grouped_mm_op, grouped_w4a16_op)
 

@@ -8,7 +8,7 @@ from tilegemm.core import registry
 from tilegemm.core.runtime import interpreting, on_device
 from tilegemm.ops.grouped import configs
 from tilegemm.ops.grouped.problem import GroupedInt4Problem, GroupedProblem
-from tilegemm.ops.w4a16.format import fits_fragments
+from tilegemm.ops.w4a16 import fits_fragments
 
 # (Rule) every layout goes to ``tiled``, the family's kernel of every layout and dtype, but for:
 AUTO = "tiled"

@@ -42,9 +42,10 @@ from tilegemm.core.workspace import split_workspace
 from tilegemm.jit.helpers import apply_activation
 from tilegemm.ops.grouped.configs import INT4_FRAG, row_tiles
 from tilegemm.ops.grouped.problem import GroupedInt4Problem
-from tilegemm.ops.w4a16.configs import FRAG_WGMMA_PROGRAMS_PER_SM, split_within
-from tilegemm.ops.w4a16.format import fits_fragments
-from tilegemm.ops.w4a16.frag_wgmma import _issue, _plain_step, _zs_start
+from tilegemm.ops.w4a16 import FRAG_WGMMA_PROGRAMS_PER_SM, fits_fragments, fragment_kernel, split_within
+
+# frag_wgmma's Gluon pieces, module globals so that this module's kernel calls them as its own (same objects)
+_issue, _plain_step, _zs_start = (getattr(fragment_kernel(), n) for n in ("_issue", "_plain_step", "_zs_start"))
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402

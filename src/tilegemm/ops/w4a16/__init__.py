@@ -42,11 +42,23 @@ from tilegemm.ops.w4a16.format import (  # noqa: E402
     GROUP_SIZES,
     Int4Weight,
     dequantize,
+    fits_fragments,
     from_awq,
     from_gptq,
     quantize,
     validate,
 )
+# entry points of the fragment layout for other families (grouped_w4a16's frag): its K-split rule and layout check
+from tilegemm.ops.w4a16.configs import FRAG_WGMMA_PROGRAMS_PER_SM, split_within  # noqa: E402,F401
+
+
+def fragment_kernel():
+    """The module of ``frag_wgmma`` (it imports triton): the fragment layout's Gluon pieces (``_issue``,
+    ``_plain_step``, ``_zs_start``) for another family's kernel that reads the same layout (the 4-bit experts'
+    ``frag``). Imported when asked, so that importing this package imports no kernel."""
+    from tilegemm.ops.w4a16 import frag_wgmma
+
+    return frag_wgmma
 from tilegemm.ops.w4a16.api import ACTIVATIONS, matmul  # noqa: E402
 
 # torch.load(weights_only=True), torch's default, rebuilds an Int4Weight from tensors and ints only.
