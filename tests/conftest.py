@@ -32,6 +32,22 @@ def seeded():
     torch.manual_seed(1234)
 
 
+def spy_launches(monkeypatch, module, grids: list | None = None) -> list:
+    """The names of the kernels ``module`` launches through its ``launch`` from now on (in order), and their
+    grids into ``grids`` when given; the launches still run."""
+    names = []
+    real = module.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        names.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
+        if grids is not None:
+            grids.append(grid)
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(module, "launch", spy)
+    return names
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     from tilegemm.core.checks import relative_error
 

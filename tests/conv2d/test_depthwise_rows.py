@@ -16,7 +16,7 @@ import tilegemm
 from tilegemm.ops.conv2d import depthwise
 from tilegemm.ops.conv2d.problem import ConvProblem, geometry_of
 
-from conftest import assert_rel_close
+from conftest import assert_rel_close, spy_launches
 
 
 def _problem(x, w, b, padding, out_format, activation="none", stride=(1, 1), dilation=(1, 1)):
@@ -71,17 +71,7 @@ def test_rows_kernel_both_forms_over_a_taller_image(pipeline, dtype, device):
 
 
 def _launched_kernels(monkeypatch, grids=None):
-    names = []
-    real = depthwise.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        names.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
-        if grids is not None:
-            grids.append(grid)
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(depthwise, "launch", spy)
-    return names
+    return spy_launches(monkeypatch, depthwise, grids)
 
 
 @pytest.mark.parametrize("stages", [1, 3])

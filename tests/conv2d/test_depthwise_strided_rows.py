@@ -16,7 +16,7 @@ import tilegemm
 from tilegemm.ops.conv2d import configs, depthwise
 from tilegemm.ops.conv2d.problem import ConvProblem, geometry_of
 
-from conftest import assert_rel_close
+from conftest import assert_rel_close, spy_launches
 
 
 def _problem(x, w, b, stride, padding, dilation, out_format, activation="none"):
@@ -116,15 +116,7 @@ def test_strided_rows_kernel_takes_input_views(make, tile, device):
 
 
 def _launched_kernels(monkeypatch):
-    names = []
-    real = depthwise.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        names.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(depthwise, "launch", spy)
-    return names
+    return spy_launches(monkeypatch, depthwise)
 
 
 def test_auto_runs_strided_forwards_on_the_strided_row_kernel(device, monkeypatch):

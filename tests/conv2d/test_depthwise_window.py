@@ -19,7 +19,7 @@ import tilegemm
 from tilegemm.ops.conv2d import configs, depthwise
 from tilegemm.ops.conv2d.problem import ConvProblem, geometry_of
 
-from conftest import SM90, assert_rel_close, compile_offline
+from conftest import SM90, assert_rel_close, compile_offline, spy_launches
 
 
 def _problem(x, w, b, padding, out_format=torch.channels_last, activation="none", stride=(1, 1), dilation=(1, 1)):
@@ -119,15 +119,7 @@ def test_configs_refused(device):
 
 
 def _launched(monkeypatch):
-    names = []
-    real = depthwise.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        names.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(depthwise, "launch", spy)
-    return names
+    return spy_launches(monkeypatch, depthwise)
 
 
 @pytest.mark.parametrize("R, C, switch, expect", [

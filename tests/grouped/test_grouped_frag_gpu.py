@@ -13,16 +13,16 @@ import torch
 
 import tilegemm
 from tilegemm.core import registry
-from tilegemm.core.activations import torch_activation
 from tilegemm.core.hardware import why_not_gluon
 from tilegemm.core.runtime import new_output
 from tilegemm.ops.grouped import dispatch
 from tilegemm.ops.grouped.api import moe_gate_up_int4
 from tilegemm.ops.grouped.op import REPLAYS, forward_int4
 from tilegemm.ops.grouped.problem import GroupedInt4Problem
-from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
+from tilegemm.ops.grouped.reference import tolerance
 
 from conftest import assert_rel_close
+from test_grouped_int4_prefill_gpu import offs_of, reference  # the 4-bit experts' offsets and fp64 reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 hopper = pytest.mark.skipif(torch.cuda.is_available() and why_not_gluon() is not None,
@@ -41,18 +41,6 @@ GROUPS = [(32, 256), (64, 256), (128, 384), (256, 512), (-1, 200)]
 def experts(E, N, K, dtype, group_size=128, symmetric=False):
     w = torch.randn(E, N, K, device="cuda", dtype=torch.float32) / K ** 0.5
     return tilegemm.w4a16.quantize(w.to(dtype), group_size=group_size, symmetric=symmetric)
-
-
-def offs_of(sizes):
-    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
-
-
-def reference(x, w, offs, bias=None, activation="none", gated=False):
-    full = grouped_mm_reference(x, tilegemm.w4a16.dequantize(w).transpose(1, 2), offs, bias=bias)
-    if gated:
-        half = full.shape[1] // 2
-        return torch_activation(full[:, :half], activation) * full[:, half:]
-    return torch_activation(full, activation)
 
 
 def run(x, w, offs, bias=None, activation="none", gated=False, kernel=KERNEL):
