@@ -6,8 +6,8 @@ no bias), ordered so the kinds that lose most come first (strided, then stride-1
 ``torch.backends.cudnn.benchmark``), ``auto`` (``tilegemm.conv2d``) and each candidate config of the depthwise
 kernels that takes the layer (``depthwise_strided_rows_kernel`` at 8, 4 and 2 elements a thread, pipelined or
 not; ``depthwise_strided_tile_kernel`` by filter size; ``depthwise_rows_kernel`` at 2 elements a thread, and on
-stride-1 filters past 3x3 (5x5, 7x7) also at 1 and 2 with the weight read tap-major; ``depthwise_window_kernel``
-at 4 and 8 columns a thread of one channel, 2 of two, 4 and 8 with the next row loaded ahead, registers capped
+stride-1 filters past 3x3 (5x5, 7x7) also at 1 and 2 with the weight read tap-major; ``depthwise_window_kernel`` (every
+stride-1 filter, 3x3 included) at 4 and 8 columns a thread of one channel, 2 of two, 4 and 8 with the next row loaded ahead, registers capped
 or not: see ``CANDIDATES``; 3 to 11 a layer). Each candidate's output is checked against ``F.conv2d`` (the
 conv2d bench's fp16 bound, ``reference.tolerance``) before it is timed; all are timed as CUDA-graph replays (up
 to 20 calls a graph, about 2 ms a replay, rotating through input sets that overflow L2 twice; the median of 5 rounds of
@@ -71,6 +71,10 @@ def _large_s1(L: dict) -> bool:
     return _s1(L) and 9 < L["R"] * L["S"] <= 49
 
 
+def _window_s1(L: dict) -> bool:  # the window kernel's stride-1 layers, 3x3 included
+    return _s1(L) and 1 < L["R"] * L["S"] <= 49
+
+
 CANDIDATES = {
     "srows8": (dict(BLOCK=512, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 9),
     "srows4": (dict(BLOCK=256, STAGES=1, num_warps=2), lambda L: L["R"] * L["S"] <= 9 or
@@ -86,12 +90,12 @@ CANDIDATES = {
     "rows2": (dict(BLOCK=256, ROWS_PER=32, num_warps=4), lambda L: _s1(L) and L["R"] * L["S"] <= 49),
     "rows2t": (dict(BLOCK=256, ROWS_PER=32, num_warps=4, TAP_MAJOR=True), _large_s1),
     "rows1t": (dict(BLOCK=128, ROWS_PER=32, num_warps=4, TAP_MAJOR=True), _large_s1),
-    "win4t": (dict(qt=4), _large_s1),
-    "win4ta": (dict(qt=4, ahead=True, maxnreg=128), _large_s1),
-    "win8t": (dict(qt=8), _large_s1),
+    "win4t": (dict(qt=4), _window_s1),
+    "win4ta": (dict(qt=4, ahead=True, maxnreg=128), _window_s1),
+    "win8t": (dict(qt=8), _window_s1),
     "win8t-r128": (dict(qt=8, maxnreg=128), lambda L: _large_s1(L) and L["R"] * L["S"] > 25),
-    "win8ta": (dict(qt=8, ahead=True, maxnreg=168), _large_s1),
-    "win2v2t": (dict(qt=2, vec=2), _large_s1),
+    "win8ta": (dict(qt=8, ahead=True, maxnreg=168), _window_s1),
+    "win2v2t": (dict(qt=2, vec=2), _window_s1),
 }
 
 
