@@ -32,6 +32,16 @@ def seeded():
     torch.manual_seed(1234)
 
 
+def fuzz_draw(test):
+    """A GPU fuzz test's draw: the same examples each run (hypothesis derandomized), or, with
+    ``$TILEGEMM_FUZZ_SEED`` set, the draw of that seed, so that a long run can be split over parallel processes
+    with seeds of their own (``TILEGEMM_FUZZ_SEED=3 TILEGEMM_FUZZ_EXAMPLES=64 pytest -m gpu ...``)."""
+    from hypothesis import seed
+
+    value = os.environ.get("TILEGEMM_FUZZ_SEED")
+    return seed(int(value))(test) if value else test
+
+
 def spy_launches(monkeypatch, module, grids: list | None = None) -> list:
     """The names of the kernels ``module`` launches through its ``launch`` from now on (in order), and their
     grids into ``grids`` when given; the launches still run."""

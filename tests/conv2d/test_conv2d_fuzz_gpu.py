@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import tilegemm
 from tilegemm.core.checks import relative_error
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
+from conftest import fuzz_draw
 
 pytestmark = pytest.mark.gpu
 
@@ -77,6 +78,7 @@ def check(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
     assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.1e}"
 
 
+@fuzz_draw
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(c=layers())
 def test_auto_and_gradients_match_f_conv2d(c):

@@ -175,15 +175,18 @@ def test_an_input_whose_rows_span_past_32_bit_offsets_takes_the_pixel_kernel():
     assert depthwise.rows_apply(g, small)
 
 
-@pytest.mark.parametrize("stride, dilation, layout, expect", [
-    ((1, 1), (1, 1), "channels_last", ["depthwise_rows_kernel"]),
-    ((1, 1), (1, 1), "nchw", ["depthwise_rows_kernel"]),  # the input made channels-last first, as before
-    ((2, 2), (1, 1), "channels_last", ["depthwise_strided_rows_kernel"]),  # strided: the strided row kernel
-    ((1, 1), (2, 2), "channels_last", ["depthwise_weight_kernel", "depthwise_fwd_kernel"]),
-    ((1, 1), (1, 1), "gapped", ["depthwise_weight_kernel", "depthwise_fwd_kernel"]),  # pixels not adjacent
+@pytest.mark.parametrize("stride, dilation, layout, rows, expect", [
+    ((1, 1), (1, 1), "channels_last", 6, ["depthwise_rows_kernel"]),
+    ((1, 1), (1, 1), "nchw", 6, ["depthwise_rows_kernel"]),  # the input made channels-last first, as before
+    # stride-1 3x3 on an image of 8 to 31 rows: the strided row kernel (configs.DEPTHWISE_S1_STRIDED_ROWS)
+    ((1, 1), (1, 1), "channels_last", 9, ["depthwise_strided_rows_kernel"]),
+    ((1, 1), (1, 1), "channels_last", 33, ["depthwise_rows_kernel"]),
+    ((2, 2), (1, 1), "channels_last", 9, ["depthwise_strided_rows_kernel"]),  # strided: the strided row kernel
+    ((1, 1), (2, 2), "channels_last", 9, ["depthwise_weight_kernel", "depthwise_fwd_kernel"]),
+    ((1, 1), (1, 1), "gapped", 9, ["depthwise_weight_kernel", "depthwise_fwd_kernel"]),  # pixels not adjacent
 ])
-def test_which_forwards_take_the_rows_kernel(stride, dilation, layout, expect, device, monkeypatch):
-    x = torch.randn(2, 16, 9, 18, device=device).contiguous(memory_format=torch.channels_last)
+def test_which_forwards_take_the_rows_kernel(stride, dilation, layout, rows, expect, device, monkeypatch):
+    x = torch.randn(2, 16, rows, 18, device=device).contiguous(memory_format=torch.channels_last)
     if layout == "nchw":
         x = x.contiguous()
     elif layout == "gapped":

@@ -161,6 +161,50 @@ def test_window_auto_leaves_3x3_strided_and_narrow_5x5_layers(device, monkeypatc
     assert configs.depthwise_window_config(geo(8, 7, 1), torch.float16) is None
 
 
+def test_stride1_3x3_rules_by_image_and_channels():
+    def geo(C, H, R=3, dilation=1):
+        return geometry_of((1, C, H, H), (C, 1, R, R), [1, 1], [R // 2 * dilation] * 4, [dilation] * 2, C)
+
+    strided, window = configs.depthwise_strided_rows_config, configs.depthwise_window_config
+    # 8 to 31 rows and at most 512 channels: the strided row kernel; many channels under 48 rows: the window kernel
+    for C, H in [(58, 28), (122, 28), (512, 8), (24, 31)]:
+        assert "STRIDED_ROWS" in strided(geo(C, H), torch.float16) and window(geo(C, H), torch.float16) is None
+    for C, H in [(640, 30), (960, 47), (2048, 8)]:
+        assert strided(geo(C, H), torch.float16) is None
+        assert window(geo(C, H), torch.float16)["VEC"] == 2
+    # the row kernel: small images, large ones, 513-639 channels, dilated filters
+    for g in [geo(58, 7), geo(960, 7), geo(58, 32), geo(960, 48), geo(576, 14), geo(58, 28, dilation=2)]:
+        assert strided(g, torch.float16) is None and window(g, torch.float16) is None, g
+
+
+@pytest.mark.parametrize("C, H, expect", [
+    (16, 9, ["depthwise_strided_rows_kernel"]),
+    (640, 8, ["depthwise_weight_kernel", "depthwise_window_kernel"]),
+])
+def test_auto_routes_stride1_3x3_on_small_images(C, H, expect, device, monkeypatch):
+    from tilegemm.ops.conv2d import op
+
+    op.REPLAYS.clear()
+    x = _input(1, C, H, 6, device)
+    w = torch.randn(C, 1, 3, 3, device=device)
+    launched = _launched(monkeypatch)
+    out = tilegemm.conv2d(x, w, None, 1, 1, 1, C)
+    assert launched == expect
+    assert_rel_close(out, F.conv2d(x.double(), w.double(), None, 1, 1, 1, C), 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("C, H", [(58, 28), (122, 28), (960, 24), (640, 30), (2048, 7), (576, 14)])
+def test_auto_on_the_zoo_stride1_3x3_layers(C, H, dtype, device):
+    x = _input(32, C, H, H, device, dtype)
+    w = (torch.randn(C, 1, 3, 3, device=device) / 3).to(dtype)
+    b = torch.randn(C, device=device, dtype=dtype)
+    out = tilegemm.conv2d(x, w, b, 1, 1, 1, C)
+    ref = F.conv2d(x.float(), w.float(), b.float(), 1, 1, 1, C)
+    assert_rel_close(out, ref, 4e-3 if dtype == torch.float16 else 1.6e-2)
+
+
 @pytest.mark.parametrize("Q, K, qt, expect", [
     (7, 1536, 8, (1, 128)),  # one group of 8 columns covers the image: not four
     (56, 192, 8, (4, 32)),  # 7 groups: 8 padded by 4 a program, 7 + 1 by 2: 4 wins the tie

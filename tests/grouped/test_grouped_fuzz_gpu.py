@@ -18,6 +18,7 @@ from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
 pytestmark = pytest.mark.gpu
 
 EXAMPLES = int(os.environ.get("TILEGEMM_FUZZ_EXAMPLES", "500"))
+SEED = int(os.environ.get("TILEGEMM_FUZZ_SEED", "0"))  # a draw of its own (conftest.fuzz_draw)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -67,7 +68,7 @@ def _case(rng: random.Random, i: int):
 
 
 def test_grouped_mm_fuzz():
-    rng = random.Random(2026)
+    rng = random.Random(2026 + SEED)
     torch.manual_seed(2026)
     old = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
@@ -87,7 +88,7 @@ def test_grouped_mm_fuzz():
 
 
 def test_int4_experts_fuzz():
-    rng = random.Random(7)
+    rng = random.Random(7 + SEED)
     failures = []
     for i in range(max(EXAMPLES // 5, 20)):
         dtype = rng.choice((torch.float16, torch.bfloat16))

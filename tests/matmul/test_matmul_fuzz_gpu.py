@@ -15,12 +15,14 @@ import os
 import pytest
 from fuzz_kit import products, run_product
 from hypothesis import HealthCheck, given, settings
+from conftest import fuzz_draw
 
 pytestmark = pytest.mark.gpu
 
 EXAMPLES = int(os.environ.get("TILEGEMM_FUZZ_EXAMPLES", "60"))  # more on request
 
 
+@fuzz_draw
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(p=products())
 def test_auto_matches_the_reference(p):

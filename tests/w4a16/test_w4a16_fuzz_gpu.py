@@ -11,12 +11,14 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings
 from w4a16_kit import fuzz_calls, run_fuzz_call
+from conftest import fuzz_draw
 
 pytestmark = pytest.mark.gpu
 
 EXAMPLES = int(os.environ.get("TILEGEMM_FUZZ_EXAMPLES", "40"))
 
 
+@fuzz_draw
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(c=fuzz_calls())
 def test_auto_matches_the_dequantized_reference(c):

@@ -168,10 +168,31 @@ def depthwise_strided_rows_tile(g: Geometry, dtype: torch.dtype) -> dict:
     return dict(BLOCK=256, STRIDED_ROWS=rows, STAGES=1, num_warps=4)
 
 
+# Stride-1 3x3 forwards on small images: the strided row kernel's pipelined config (eight elements a thread, 16
+# output rows a program) ran ahead of the row kernel on the zoo's stride-1 3x3 layers of DEPTHWISE_S1_STRIDED_ROWS
+# rows and at most DEPTHWISE_S1_STRIDED_MAX_CHANNELS channels, and the window kernel (two columns of two channels a
+# thread) on those of DEPTHWISE_WINDOW_3X3_MIN_CHANNELS channels or more on DEPTHWISE_WINDOW_3X3_ROWS rows (fitted
+# on half of the layers, checked on the other half: docs/conv2d.md, "Stride-1 3x3 depthwise").
+DEPTHWISE_S1_STRIDED_ROWS = range(8, 32)  # output rows P
+DEPTHWISE_S1_STRIDED_MAX_CHANNELS = 512
+DEPTHWISE_WINDOW_3X3_MIN_CHANNELS = 640
+DEPTHWISE_WINDOW_3X3_ROWS = range(8, 48)  # output rows P
+
+
+def _small_s1_3x3(g: Geometry) -> bool:
+    """A stride-1, undilated depthwise filter of at most 3x3 taps (more than one)."""
+    return g.stride == (1, 1) and g.dilation == (1, 1) and 1 < g.R * g.S <= 9
+
+
 def depthwise_strided_rows_config(g: Geometry, dtype: torch.dtype) -> dict | None:
     """depthwise_strided_rows_kernel's config where ``auto`` runs it (strided, at most
-    :data:`STRIDED_ROWS_MAX_AUTO_TAPS` taps, :data:`STRIDED_ROWS_AUTO`), else None."""
-    if not STRIDED_ROWS_AUTO or g.stride == (1, 1) or g.R * g.S > STRIDED_ROWS_MAX_AUTO_TAPS:
+    :data:`STRIDED_ROWS_MAX_AUTO_TAPS` taps, :data:`STRIDED_ROWS_AUTO`; stride-1 3x3 on the images and channels
+    above), else None."""
+    if not STRIDED_ROWS_AUTO or g.R * g.S > STRIDED_ROWS_MAX_AUTO_TAPS:
+        return None
+    if g.stride == (1, 1) and not (_small_s1_3x3(g) and g.P in DEPTHWISE_S1_STRIDED_ROWS
+                                   and g.K <= DEPTHWISE_S1_STRIDED_MAX_CHANNELS
+                                   and g.K < DEPTHWISE_WINDOW_3X3_MIN_CHANNELS):
         return None
     return depthwise_strided_rows_tile(g, dtype)
 
@@ -228,9 +249,12 @@ def depthwise_window_tile(g: Geometry, dtype: torch.dtype, qt: int | None = None
 
 def depthwise_window_config(g: Geometry, dtype: torch.dtype) -> dict | None:
     """depthwise_window_kernel's config where ``auto`` runs it (:data:`DEPTHWISE_WINDOW_AUTO`, stride and dilation
-    1, more than :data:`DEPTHWISE_WINDOW_AUTO_MIN_TAPS` and at most :data:`DEPTHWISE_WINDOW_MAX_TAPS` taps), else
-    None."""
+    1, more than :data:`DEPTHWISE_WINDOW_AUTO_MIN_TAPS` and at most :data:`DEPTHWISE_WINDOW_MAX_TAPS` taps; 3x3 of
+    many channels on small images, :data:`DEPTHWISE_WINDOW_3X3_MIN_CHANNELS`), else None."""
     taps = g.R * g.S
+    if (DEPTHWISE_WINDOW_AUTO and _small_s1_3x3(g) and g.K >= DEPTHWISE_WINDOW_3X3_MIN_CHANNELS
+            and g.P in DEPTHWISE_WINDOW_3X3_ROWS):
+        return depthwise_window_tile(g, dtype, qt=2, vec=2)  # many channels on a small image (see above)
     if (not DEPTHWISE_WINDOW_AUTO or g.stride != (1, 1) or g.dilation != (1, 1)
             or not DEPTHWISE_WINDOW_AUTO_MIN_TAPS < taps <= DEPTHWISE_WINDOW_MAX_TAPS):
         return None
