@@ -70,17 +70,17 @@ def test_batched_descriptors_box_one_along_the_batch():
     b = torch.empty(K, N, dtype=torch.float16).expand(B, K, N)  # broadcast over the batch
     p = _problem(a, b, torch.empty(B, M, N, dtype=torch.float16))
     cfg = next(dict(c) for c in gluon_f16.configs() if not gluon_f16.batched_refuses(c))
-    assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 256)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (256, 128)
     da, db, do = gluon_f16.descriptors(p, cfg)
-    assert (da.shape, da.strides, da.block_shape) == ([B, K, M], [K * (M + 8), M + 8, 1], [1, 64, 128])
-    assert (db.shape, db.strides, db.block_shape) == ([K, N], [N, 1], [64, 256])  # 2-D: read at every batch
-    assert (do.shape, do.strides, do.block_shape) == ([B, M, N], [M * N, N, 1], [1, 64, 256])
+    assert (da.shape, da.strides, da.block_shape) == ([B, K, M], [K * (M + 8), M + 8, 1], [1, 64, 256])
+    assert (db.shape, db.strides, db.block_shape) == ([K, N], [N, 1], [64, 128])  # 2-D: read at every batch
+    assert (do.shape, do.strides, do.block_shape) == ([B, M, N], [M * N, N, 1], [1, 128, 128])
     # A box is the 2-D tile's bytes: the swizzle the 2-D block takes, rank 3.
-    flat = gluon_f16.host_descriptor(p.out, [M, N], N, [64, 256]).layout
+    flat = gluon_f16.host_descriptor(p.out, [M, N], N, [128, 128]).layout
     assert do.layout.rank == 3 and do.layout.swizzle_byte_width == flat.swizzle_byte_width
     _, grid, args, kwargs = gluon_f16.launch_args(p, cfg, 132)
     assert kwargs["BATCHED"] and kwargs["A_BATCHED"] and not kwargs["B_BATCHED"] and kwargs["batch"] == B
-    assert grid == (min(132, 8 * 2 * B),)  # 1000 rows: 8 tiles of 128, 264 columns: 2 of 256
+    assert grid == (min(132, 4 * 3 * B),)  # 1000 rows: 4 tiles of 256, 264 columns: 3 of 128
 
 
 def test_unbatched_launch_passes_no_batched_argument():
@@ -95,7 +95,7 @@ def test_unbatched_launch_passes_no_batched_argument():
 @pytest.mark.parametrize("shape, tile, shared_out", [
     ((32, 2048, 2048, 128), (128, 256), False),  # attention's scores: short K keeps a buffer per warp group
     ((2, 4096, 4096, 4096), (128, 256), True),  # long K: the 4-deep ring (the 2-D pick at 4096^3)
-    ((8, 4096, 512, 14336), (128, 256), True),  # taller than wide, but 256x128 is BATCHED_REFUSED
+    ((8, 4096, 512, 14336), (256, 128), True),  # taller than wide
     ((4, 1000, 1000, 1000), (128, 256), False),  # 128 units of 128x256 fill one wave: no 128x128
     ((67, 256, 256, 64), (128, 128), False),  # 134 big units take two waves, 268 small ones three (x 0.5 / 0.85)
 ])
@@ -208,11 +208,11 @@ _COMPILE = SM90 + textwrap.dedent(
 
 _VARIANTS = {
     "nn-128x256-s3": dict(dtype="float16", layout="NN", broadcast="", epilogue=False, tile=[128, 256, 3]),
-    "tt-128x256-s4": dict(dtype="bfloat16", layout="TT", broadcast="", epilogue=False, tile=[128, 256, 4]),
+    "tt-256x128-s4": dict(dtype="bfloat16", layout="TT", broadcast="", epilogue=False, tile=[256, 128, 4]),
     "nt-128x128-s6-broadcast-b": dict(dtype="float16", layout="NT", broadcast="b", epilogue=False,
                                       tile=[128, 128, 6]),
     "tn-128x256-s3-broadcast-a-epilogue": dict(dtype="bfloat16", layout="TN", broadcast="a", epilogue=True,
-                                               tile=[128, 256, 3]),  # (256x128: BATCHED_REFUSED)
+                                               tile=[128, 256, 3]),  # (256x128 s3: BATCHED_REFUSED)
 }
 
 
@@ -291,7 +291,7 @@ def test_batched_gluon_f16_matches_the_reference(shape, dtype, layout):
         full, out = _poisoned_out(B, M, N, dtype, pad=-N % 8 + 8)
         p = _problem(a, b, out)
         assert persistent_tma.why_not(p) is None and gluon_f16.why_not(p) is None, persistent_tma.why_not(p)
-        if B > 1 and gluon_f16.batched_refuses(cfg):  # a batch of one launches unbatched
+        if gluon_f16.batched_refuses(cfg):
             with pytest.raises(NotApplicable, match="BATCHED_REFUSED"):
                 persistent_tma.run_gluon_f16(p, cfg)
             continue

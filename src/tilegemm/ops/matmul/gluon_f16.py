@@ -384,11 +384,10 @@ BATCHED_SMALL_TILE_SPEED = 0.85
 BATCHED_LONG_K_STEPS = 32
 
 
-# (BLOCK_M, BLOCK_N, SHARED_OUT) configs batched launches refuse: the 256x128 tile, with a buffer per warp group or
-# one shared, wrote zeros past N (up to the next multiple of 8 columns) on batched products of 17 rows or columns
-# (the GPU test in tests/matmul/test_gluon_f16_batched.py; 128x256 and 128x128 exact); refused until understood
-# (docs/rungs/persistent_tma.md, "Batched products on gluon_f16").
-BATCHED_REFUSED = {(256, 128, False), (256, 128, True)}
+# (BLOCK_M, BLOCK_N, SHARED_OUT) configs batched launches refuse: 256x128 with a buffer per warp group wrote past N
+# on batched products of 17 rows or columns (the GPU test in tests/matmul/test_gluon_f16_batched.py, every other
+# config and shape exact); refused until understood (docs/rungs/persistent_tma.md, "Batched products on gluon_f16").
+BATCHED_REFUSED = {(256, 128, False)}
 
 
 def batched_refuses(cfg: dict) -> bool:
@@ -446,7 +445,7 @@ def descriptors(p: GemmProblem, cfg: dict):
             from tilegemm.core.registry import NotApplicable
 
             raise NotApplicable(f"gluon_f16: a batched product refuses the {cfg['BLOCK_M']}x{cfg['BLOCK_N']} tile "
-                                "(BATCHED_REFUSED)")
+                                "with an output buffer per warp group (BATCHED_REFUSED)")
         return batched_descriptors(p, cfg)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     a, b = (host_descriptor(*box) for box in p.tma_boxes(bm, bn, cfg.get("BLOCK_K", BLOCK_K)))
