@@ -127,7 +127,8 @@ def test_auto_runs_strided_forwards_on_the_strided_row_kernel(device, monkeypatc
     launched = _launched_kernels(monkeypatch)
     out = tilegemm.conv2d(x, w, None, 2, 1, 1, 8)
     assert_rel_close(out, F.conv2d(x.double(), w.double(), None, 2, 1, 1, 8), 1e-5)
-    tilegemm.conv2d(x[:, :, :6], w, None, 1, 1, 1, 8)  # stride 1 on 6 rows: the row kernel (8-31: strided rows)
+    short = torch.randn(1, 8, 6, 9, device=device).contiguous(memory_format=torch.channels_last)
+    tilegemm.conv2d(short, w, None, 1, 1, 1, 8)  # stride 1 on 6 rows: the row kernel (8-31 rows: strided rows)
     tilegemm.conv2d(x, w7, None, 2, 3, 1, 8)  # 7x7 strided: the pixel kernel (not timed on the strided rows)
     assert launched == ["depthwise_strided_rows_kernel", "depthwise_rows_kernel", "depthwise_weight_kernel",
                         "depthwise_fwd_kernel"]
