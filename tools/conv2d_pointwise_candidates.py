@@ -29,10 +29,14 @@ more than one pixel an image; ``gluon``: stride 1 with a gluon_f16 tile; ``large
 after every layer, stops at ``--budget`` seconds, and prints a table last (per layer cuDNN's us and the ratios of
 auto, cublas, matmul-auto and the best candidate; geomeans per column).
 
-    PYTHONPATH=src:tools python3 tools/conv2d_pointwise_candidates.py --out $OUT/pointwise-candidates.json
+    PYTHONPATH=src:tools python3 tools/conv2d_pointwise_candidates.py --out $OUT/pointwise-candidates.json \
+        [--budget 150] [--limit N] [--kinds small,gluon] [--layers 1920x192@14,1056x304@15,256x512@28/2] \
+        [--rungs persistent_tma,split_k,grouped] [--max-candidates N] [--workers 12]
 
-    [--budget 150] [--limit N] [--kinds small,gluon] [--layers 1920x192@14,1056x304@15,256x512@28/2]
-    [--rungs persistent_tma,split_k,grouped] [--max-candidates N] [--workers 12]
+The layers named in the question first (the stride-1 1x1 layers on 7x7 to 17x17 images that trail cuDNN):
+
+    PYTHONPATH=src:tools python3 tools/conv2d_pointwise_candidates.py \
+        --layers 1920x192@14,1056x304@15,232x1392@10,288x672@14,2048x448@8 --out $OUT/pointwise-named.json
 
 ``--layers``: C x K @ image size (square), ``/S`` for a stride. ``--smoke``: a check that the tool runs, on the CPU
 under Triton's interpreter (batch 1, at most 32 channels, 4x4 images, fp32, one call timed by the clock; the kinds taken in turn; the
