@@ -204,16 +204,30 @@ def field(p, rungs, most: int | None) -> dict:
     return out
 
 
-def gemm_problem(L: dict, batch: int):
-    """Layer ``L``'s GEMM problem on unwritten CUDA tensors (no GPU work): what its candidates are enumerated on."""
+def gemm_problem(L: dict, batch: int, device: str = "cuda", dtype=torch.float16):
+    """Layer ``L``'s GEMM problem on unwritten tensors (no GPU work): what its candidates are enumerated on."""
     from tilegemm.ops.matmul.problem import make_problems
 
     g = geometry(L, batch)
     M = g.N * g.P * g.Q
-    a = torch.empty(M, g.C, device="cuda", dtype=torch.float16)
-    b = torch.empty(g.K, g.C, device="cuda", dtype=torch.float16).t()
-    out = torch.empty(M, g.K, device="cuda", dtype=torch.float16)
+    a = torch.empty(M, g.C, device=device, dtype=dtype)
+    b = torch.empty(g.K, g.C, device=device, dtype=dtype).t()
+    out = torch.empty(M, g.K, device=device, dtype=dtype)
     return make_problems(a, b, out, None, None, 1.0, 0.0, "none", "ieee", False)[0]
+
+
+def warm_tasks(L: dict, batch: int, device: str, dtype, rungs, most, seen: set) -> list[list[str]]:
+    """The calls of layer ``L`` whose compiles no earlier layer's tasks cover (``seen``, updated), in chunks of
+    :data:`WARM_CHUNK`: one layer's field compiled across the pool."""
+    g = geometry(L, batch)
+    # what Triton specializes on beside the config: each GEMM size's divisibility by 16, and the stride; auto's
+    # choices follow the sizes themselves
+    shape = (g.N * g.P * g.Q % 16 == 0, g.K % 16 == 0, g.C % 16 == 0, g.stride)
+    names = ["auto", "matmul-auto"] + list(field(gemm_problem(L, batch, device, dtype), rungs, most))
+    keys = {n: (n, shape) + ((g.N * g.P * g.Q, g.K, g.C) if n in BASELINES else ()) for n in names}
+    todo = [n for n in names if keys[n] not in seen]
+    seen.update(keys[n] for n in todo)
+    return [todo[i:i + WARM_CHUNK] for i in range(0, len(todo), WARM_CHUNK)]
 
 
 def make_calls(L: dict, batch: int, device: str, sets: int, smoke: bool, rungs, most, empty: bool = False):
@@ -466,18 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         pool = mp.get_context("spawn").Pool(args.workers)
 
     def submit(L: dict) -> None:
-        """Queue the compiles of layer ``L``'s calls that an earlier layer's tasks do not cover, a few a task, so
-        that one layer's field compiles across the pool."""
-        g = geometry(L, batch)
-        # what Triton specializes on beside the config: each GEMM size's divisibility by 16, and the stride; auto's
-        # choices follow the sizes themselves
-        shape = (g.N * g.P * g.Q % 16 == 0, g.K % 16 == 0, g.C % 16 == 0, g.stride)
-        names = ["auto", "matmul-auto"] + list(field(gemm_problem(L, batch), rungs, most))
-        keys = {n: (n, shape) + ((g.N * g.P * g.Q, g.K, g.C) if n in BASELINES else ()) for n in names}
-        todo = [n for n in names if keys[n] not in seen]
-        seen.update(keys[n] for n in todo)
-        pending[label(L, batch)] = [pool.apply_async(warm, ((L, batch, todo[i:i + WARM_CHUNK], "cuda", rungs,
-                                                             most),)) for i in range(0, len(todo), WARM_CHUNK)]
+        pending[label(L, batch)] = [pool.apply_async(warm, ((L, batch, names, "cuda", rungs, most),))
+                                    for names in warm_tasks(L, batch, "cuda", torch.float16, rungs, most, seen)]
 
     rows = []
     stopped = None
@@ -501,8 +505,9 @@ def main(argv: list[str] | None = None) -> int:
                 break
             except Exception as err:  # noqa: BLE001  (compiled here instead)
                 print(f"{name}: warm-up: {type(err).__name__}: {err}", file=sys.stderr)
-        if smoke:  # the pool's path, once (under the interpreter a warm-up compiles nothing)
-            warm((L, batch, None, "cpu", rungs, most))
+        if smoke:  # the pool's tasks, in-process (under the interpreter a warm-up compiles nothing)
+            for names in warm_tasks(L, batch, "cpu", torch.float32, rungs, most, seen):
+                warm((L, batch, names, "cpu", rungs, most))
         sets = 1
         if not smoke and l2:
             per_set = batch * L["C"] * L["H"] * L["W"] * 2

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tilegemm.core.runtime import interpreting
 
@@ -37,6 +38,13 @@ def test_smoke_run_checks_every_candidate(tmp_path, capsys):
         assert all(row["error"][n] <= doc["tolerance"] for n in row["configs"])
         assert row["best"] in row["configs"] and row["route"]["conv2d"] == "gemm_1x1"
     assert "gathered" in rows[0]["route"]["gemm_1x1"]
+    # the pool's compile tasks name every call but the baselines' own, chunked, and a repeated layer none again
+    seen: set = set()
+    L = tool.shrink(tool.ordered_layers(("small",))[0])
+    tasks = tool.warm_tasks(L, 1, "cpu", torch.float32, tool.RUNGS, None, seen)
+    assert [n for t in tasks for n in t] == ["auto", "matmul-auto"] + list(rows[1]["configs"])
+    assert all(len(t) <= tool.WARM_CHUNK for t in tasks)
+    assert tool.warm_tasks(L, 1, "cpu", torch.float32, tool.RUNGS, None, seen) == []
     assert capsys.readouterr().out.splitlines()[-1].startswith("geomean")  # the table comes last
 
 
