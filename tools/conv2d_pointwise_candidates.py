@@ -333,6 +333,8 @@ def warm(args) -> str:
 
     if device != "cpu":  # (under the interpreter nothing compiles: the calls run once)
         JITFunction.run = compile_only
+        # a pool process (spawned): no tuner may time launches that never run, nor save what it picked
+        os.environ.update(TILEGEMM_TUNE="0", TILEGEMM_TUNING_CACHE="0")
     try:
         _, calls, _, _ = make_calls(L, batch, device, 1, device == "cpu", rungs, most, empty=device != "cpu")
         for name in calls if names is None else names:
