@@ -33,14 +33,14 @@ auto, cublas, matmul-auto and the best candidate; geomeans per column).
         [--budget 150] [--limit N] [--kinds small,gluon] [--layers 1920x192@14,1056x304@15,256x512@28/2] \
         [--rungs persistent_tma,split_k,grouped] [--max-candidates N] [--workers 12]
 
-The layers named in the question first (the stride-1 1x1 layers on 7x7 to 17x17 images that trail cuDNN):
+Five of the stride-1 1x1 layers on 7x7 to 17x17 images that trail cuDNN on the zoo sweep (0.58x-0.79x):
 
     PYTHONPATH=src:tools python3 tools/conv2d_pointwise_candidates.py \
         --layers 1920x192@14,1056x304@15,232x1392@10,288x672@14,2048x448@8 --out $OUT/pointwise-named.json
 
 ``--layers``: C x K @ image size (square), ``/S`` for a stride. ``--smoke``: a check that the tool runs, on the CPU
-under Triton's interpreter (batch 1, at most 32 channels, 4x4 images, fp32, one call timed by the clock; the kinds taken in turn; the
-pool's warm-up path runs in-process instead):
+under Triton's interpreter (batch 1, at most 32 channels, 4x4 images, fp32, one call timed by the clock; the kinds
+taken in turn; the pool's warm-up tasks run in-process instead):
 
     TRITON_INTERPRET=1 PYTHONPATH=src:tools python3 tools/conv2d_pointwise_candidates.py --smoke --limit 2 --out /tmp/x.json
 """
