@@ -55,10 +55,12 @@ dw.run(ConvProblem(xd, wd, None, gd, torch.float16, memory_format_of(xd), "none"
        depthwise_fwd_config(gd, torch.float16))
 depthwise = count(captured[-1][0], captured[-1][2], captured[-1][3])
 rows = {}
+from tilegemm.ops.conv2d.configs import depthwise_rows_config  # (auto runs 8-31 rows on the strided row kernel)
 for size in (28, 56):  # stride 1: the row kernel, loads held in registers (28 rows) and pipelined (56)
     xd = torch.empty(64, 192, size, size, dtype=torch.float16).to(memory_format=torch.channels_last)
     gd = geometry_of(xd.shape, wd.shape, (1, 1), (1, 1, 1, 1), (1, 1), 192)
-    dw.run(ConvProblem(xd, wd, None, gd, torch.float16, memory_format_of(xd), "none", "ieee", False))
+    dw.run(ConvProblem(xd, wd, None, gd, torch.float16, memory_format_of(xd), "none", "ieee", False),
+           depthwise_rows_config(gd, torch.float16))
     rows[size] = count(captured[-1][0], captured[-1][2], captured[-1][3])
 # 88 channels (a pixel stride Triton does not know to be a multiple of 8), stride 2: the pixel kernel, and the
 # strided row kernel flat (8 elements a thread) and in tiles
