@@ -83,6 +83,16 @@ def test_batched_descriptors_box_one_along_the_batch():
     assert grid == (min(132, 4 * 3 * B),)  # 1000 rows: 4 tiles of 256, 264 columns: 3 of 128
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_outputs_whose_rows_end_inside_a_16_byte_unit_of_wider_rows_are_refused(B):
+    a = torch.empty(B, 64, 64, dtype=torch.float16)
+    b = torch.empty(B, 64, 257 + 15, dtype=torch.float16)[..., :257]
+    padded = torch.empty(B, 64, 272, dtype=torch.float16)[..., :257]  # rows of 257 in 272: TMA can describe them
+    assert "16-byte unit" in persistent_tma.why_not(_problem(a, b, padded))
+    wide = torch.empty(B, 64, 272, dtype=torch.float16)[..., :264]  # 264 columns end on a unit: taken
+    assert persistent_tma.why_not(_problem(a, torch.empty(B, 64, 264, dtype=torch.float16), wide)) is None
+
+
 def test_unbatched_launch_passes_no_batched_argument():
     a = torch.empty(256, 64, dtype=torch.float16)
     b = torch.empty(64, 128, dtype=torch.float16)
@@ -269,8 +279,8 @@ def _poisoned_out(B, M, N, dtype, pad=8):
 
 
 # (B, M, N, K): batches 1 / 3 / 8; M, N, K small, odd and not tile multiples (a row stride is padded to 16 bytes
-# by slicing, so TMA can describe it); 1000 not a multiple of any tile. Batched outputs of N not a multiple of 8
-# (rows ending inside a 16-byte unit) are refused; unbatched ones run.
+# by slicing, so TMA can describe it); 1000 not a multiple of any tile. Outputs of N not a multiple of 8 (rows
+# ending inside a 16-byte unit of the wider row) are refused, batched or not.
 _SHAPES = [(3, 17, 257, 1000), (8, 1000, 17, 257), (3, 257, 1000, 17), (1, 1000, 264, 72), (8, 64, 136, 1000),
            (3, 1000, 1000, 1000), (1, 1000, 257, 72), (1, 64, 17, 1000)]
 
@@ -291,13 +301,12 @@ def test_batched_gluon_f16_matches_the_reference(shape, dtype, layout):
     for cfg in gluon_f16.configs():
         full, out = _poisoned_out(B, M, N, dtype, pad=-N % 8 + 8)
         p = _problem(a, b, out)
-        assert persistent_tma.why_not(p) is None, persistent_tma.why_not(p)
-        if B > 1 and N % 8:
-            assert "16-byte" in gluon_f16.why_not(p)
-            with pytest.raises(NotApplicable, match="16-byte"):
+        if N % 8:  # rows that end inside a 16-byte unit of a wider row: TMA stores would write past N
+            assert "16-byte unit" in persistent_tma.why_not(p)
+            with pytest.raises(NotApplicable, match="16-byte unit"):
                 persistent_tma.run_gluon_f16(p, cfg)
             continue
-        assert gluon_f16.why_not(p) is None
+        assert persistent_tma.why_not(p) is None and gluon_f16.why_not(p) is None, persistent_tma.why_not(p)
         persistent_tma.run_gluon_f16(p, cfg)
         torch.cuda.synchronize()
         _check(out, ref, dtype)
