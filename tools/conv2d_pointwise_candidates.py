@@ -49,16 +49,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # time_candidates, beside this file
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools beside this file
+
+from conv2d_depthwise_candidates import _spread, clock_us, geomean, graph_us  # noqa: E402 (the same timing)
 
 KINDS = ("small", "gluon", "large", "strided", "one-pixel")
 RUNGS = ("persistent_tma", "split_k", "grouped")
@@ -97,23 +97,6 @@ def on_gemm_route(L: dict, batch: int = 32) -> bool:
     if L["groups"] != 1 or (L["R"], L["S"]) != (1, 1) or list(L["padding"]) != [0, 0]:
         return False
     return dispatch.choose_kernel(geometry(L, batch), True, True, SMS, True, True) == "gemm_1x1"
-
-
-def _spread(items: list) -> list:
-    """``items`` (sorted) reordered so that any prefix covers their range: both ends, then midpoints, breadth
-    first."""
-    if len(items) < 3:
-        return list(items)
-    order, spans = [0, len(items) - 1], [(0, len(items) - 1)]
-    while spans:
-        nxt = []
-        for lo, hi in spans:
-            if hi - lo > 1:
-                mid = (lo + hi) // 2
-                order.append(mid)
-                nxt += [(lo, mid), (mid, hi)]
-        spans = nxt
-    return [items[i] for i in order]
 
 
 def ordered_layers(kinds=KINDS, interleave: bool = False) -> list[dict]:
@@ -348,53 +331,6 @@ def warm(args) -> str:
     finally:
         JITFunction.run = real
     return label(L, batch)
-
-
-def graph_us(fn, sets: int, rounds: int = 5, most_calls: int = 20) -> float:
-    """Median over ``rounds`` of the GPU microseconds a call of ``fn(i)`` takes in replays of one CUDA graph of
-    calls cycling through ``sets`` input sets (warm calls on a side stream first): as many calls, up to
-    ``most_calls``, as make about 2 ms a replay (tools/conv2d_depthwise_candidates.py's timing)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(sets):
-            fn(i)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(0)
-        end.record()
-    end.synchronize()
-    torch.cuda.current_stream().wait_stream(side)
-    once = max(1.0, start.elapsed_time(end) * 1e3)  # us, the host's launch time included
-    calls = max(sets, min(most_calls, int(2000 / once)))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in range(calls):
-            fn(c % sets)
-    graph.replay()
-    torch.cuda.synchronize()
-    reps = 4 if calls >= 8 else 2
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (reps * calls))
-    return statistics.median(times)
-
-
-def clock_us(fn) -> float:
-    start = time.perf_counter()
-    fn(0)
-    return (time.perf_counter() - start) * 1e6
-
-
-def geomean(values) -> float | None:
-    values = [v for v in values if v]
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
 def summary(rows: list[dict]) -> str:
