@@ -59,3 +59,23 @@ def test_explicit_layers_and_the_selection():
     assert len(layers) > 100 and all(tool.on_gemm_route(L) and tool.kind(L) == "small" for L in layers)
     flops = [tool.geometry(L, 32).flops() for L in layers]
     assert {flops[0], flops[1]} == {min(flops), max(flops)}  # a prefix spans the sizes
+
+
+def test_a_candidate_that_writes_nothing_fails_its_check(tmp_path, monkeypatch):
+    if not interpreting():
+        pytest.skip("the tool's smoke run is the interpreter's")
+    tool = _tool()
+    import time_candidates  # the tool put tools/ on the path
+
+    real = time_candidates.launcher
+
+    def launcher(rung, p, cfg):  # split_k's configs launch nothing: their outputs keep the poison
+        return (lambda: None) if rung == "split_k" else real(rung, p, cfg)
+
+    monkeypatch.setattr(time_candidates, "launcher", launcher)
+    out = tmp_path / "pw.json"
+    assert tool.main(["--smoke", "--kinds", "small", "--limit", "1", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["layers"][0]
+    split = [n for n, r in row["rung"].items() if r == "split_k"]
+    assert split and all(n in row["failed"] for n in split), row["failed"]
+    assert not [n for n in row["failed"] if n not in split]

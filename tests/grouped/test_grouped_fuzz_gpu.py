@@ -18,7 +18,7 @@ from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
 pytestmark = pytest.mark.gpu
 
 EXAMPLES = int(os.environ.get("TILEGEMM_FUZZ_EXAMPLES", "500"))
-SEED = int(os.environ.get("TILEGEMM_FUZZ_SEED", "0"))  # a draw of its own (conftest.fuzz_draw)
+SEED = int(os.environ.get("TILEGEMM_FUZZ_SEED") or 0)  # a draw of its own (conftest.fuzz_draw); unset: the default
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

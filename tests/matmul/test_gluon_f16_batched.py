@@ -282,7 +282,7 @@ def _poisoned_out(B, M, N, dtype, pad=8):
 # by slicing, so TMA can describe it); 1000 not a multiple of any tile. Outputs of N not a multiple of 8 (rows
 # ending inside a 16-byte unit of the wider row) are refused, batched or not.
 _SHAPES = [(3, 17, 257, 1000), (8, 1000, 17, 257), (3, 257, 1000, 17), (1, 1000, 264, 72), (8, 64, 136, 1000),
-           (3, 1000, 1000, 1000), (1, 1000, 257, 72), (1, 64, 17, 1000)]
+           (3, 1000, 1000, 1000), (1, 1000, 257, 72), (1, 64, 17, 1000), (3, 17, 264, 1000)]
 
 
 @pytest.mark.gpu

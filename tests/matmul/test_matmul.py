@@ -496,3 +496,13 @@ def test_padding_is_priced_by_the_cost_model(monkeypatch):
     assert not padding.can_pad(torch.empty(3, 4, 5), torch.empty(5, 6), None, None, out)  # batched
     assert not padding.can_pad(torch.empty(4, 10)[:, ::2], torch.empty(5, 6), None, None, out)  # no unit stride
     assert not padding.can_pad(torch.empty(4, 5), torch.empty(5, 6), None, torch.empty(12)[::2], out)
+
+def test_the_aligned_twin_rounds_n_to_16_bytes_of_the_output_too():
+    # an fp32 product written in fp16: N to 8 elements (16 bytes of fp16), M and K to 4 (16 bytes of fp32); a TMA
+    # store writes whole 16-byte units (persistent_tma.why_not refuses rows that end inside one)
+    from tilegemm.ops.matmul.padding import twin_shape
+
+    assert twin_shape(5, 11, 7, 4) == (8, 12, 8)
+    assert twin_shape(5, 11, 7, 4, 2) == (8, 16, 8)
+    assert twin_shape(5, 11, 7, 2, 2) == (8, 16, 8)
+    assert twin_shape(5, 11, 7, 2, 4) == (8, 16, 8)

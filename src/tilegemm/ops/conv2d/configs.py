@@ -148,8 +148,8 @@ def depthwise_rows_config(g: Geometry, dtype: torch.dtype) -> dict:
 # thread, stay in registers, so up to 7x7 filters at two elements a thread. auto runs it on strided forwards of up
 # to 5x5 filters (STRIDED_ROWS_MAX_AUTO_TAPS): each input row is loaded once where the pixel kernel loads every tap,
 # and it ran ahead of the pixel kernel on the zoo's strided 3x3 and 5x5 depthwise layers (docs/conv2d.md,
-# "Depthwise rows for any stride"). Stride-1 forwards keep the row kernel; 7x7 strided ones (not timed) the pixel
-# kernel.
+# "Depthwise rows for any stride"); stride-1 3x3 forwards on small images too (below). Other stride-1 forwards keep
+# the row or window kernel; 7x7 strided ones (not timed) the pixel kernel.
 DEPTHWISE_STRIDED_ROWS_MAX_TAPS = 49
 STRIDED_ROWS_AUTO = True  # False: the pixel kernel for every strided forward (as before the measurement)
 STRIDED_ROWS_MAX_AUTO_TAPS = 25
@@ -180,8 +180,8 @@ DEPTHWISE_WINDOW_3X3_ROWS = range(8, 48)  # output rows P
 
 
 def _small_s1_3x3(g: Geometry) -> bool:
-    """A stride-1, undilated depthwise filter of at most 3x3 taps (more than one)."""
-    return g.stride == (1, 1) and g.dilation == (1, 1) and 1 < g.R * g.S <= 9
+    """A stride-1, undilated 3x3 filter (the rule was fitted on 3x3 layers only)."""
+    return g.stride == (1, 1) and g.dilation == (1, 1) and (g.R, g.S) == (3, 3)
 
 
 def depthwise_strided_rows_config(g: Geometry, dtype: torch.dtype) -> dict | None:

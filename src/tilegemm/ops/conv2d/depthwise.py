@@ -887,13 +887,16 @@ def _run_window(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -
 
 
 def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
-    """Forward; the output in ``p.out_format``. Stride-1 layers (:func:`rows_apply`) in one launch of
-    :func:`depthwise_rows_kernel`; the others in two: the weight rearranged tap-major
-    (:func:`depthwise_weight_kernel`, into a per-stream workspace: a replay writes it again, so a weight
-    updated in place is read afresh), then :func:`depthwise_fwd_kernel`; where
-    :func:`~tilegemm.ops.conv2d.configs.depthwise_strided_rows_config` gives a config (strided, up to 5x5), any
-    stride in one launch of :func:`depthwise_strided_rows_kernel`. A ``config`` names its kernel by its keys
-    (``STRIDED_ROWS``: the strided row kernel; ``ROWS_PER``: the row kernel)."""
+    """Forward; the output in ``p.out_format``. Where
+    :func:`~tilegemm.ops.conv2d.configs.depthwise_strided_rows_config` gives a config (strided up to 5x5, and
+    stride-1 3x3 on small images), one launch of :func:`depthwise_strided_rows_kernel`; where
+    :func:`~tilegemm.ops.conv2d.configs.depthwise_window_config` does (stride-1 filters past 5x5, 5x5 and 3x3 of
+    many channels), :func:`depthwise_window_kernel`; other stride-1 layers (:func:`rows_apply`) one launch of
+    :func:`depthwise_rows_kernel`; the rest two: the weight rearranged tap-major (:func:`depthwise_weight_kernel`,
+    into a per-stream workspace: a replay writes it again, so a weight updated in place is read afresh), then
+    :func:`depthwise_fwd_kernel` (the window and row kernels take that first launch too where they read the
+    weight tap-major). A ``config`` names its kernel by its keys (``STRIDED_ROWS``: the strided row kernel;
+    ``QT``: the window kernel; ``ROWS_PER``: the row kernel)."""
     from tilegemm.core.launch import sequence_lock
     from tilegemm.core.workspace import buffer
 
@@ -906,11 +909,11 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     x = _nhwc(p.x)
     out = allocate_out(p)
     if config is None:
-        config = depthwise_strided_rows_config(g, p.dtype)  # strided forwards up to 5x5 (else None)
+        config = depthwise_strided_rows_config(g, p.dtype)  # strided up to 5x5, small stride-1 3x3 (else None)
         if config is not None and not strided_rows_apply(g, x):
             config = None
     if config is None and window_apply(g, x):
-        config = depthwise_window_config(g, p.dtype)  # None until configs.DEPTHWISE_WINDOW_AUTO is set
+        config = depthwise_window_config(g, p.dtype)  # None where configs' window rule does not take g
     if config is None and rows_apply(g, x):
         config = depthwise_rows_config(g, p.dtype)
     if config is not None and "STRIDED_ROWS" in config:

@@ -127,10 +127,12 @@ def padded_operands(*specs: tuple) -> list[torch.Tensor]:
     return views
 
 
-def twin_shape(M: int, N: int, K: int, elem: int) -> tuple[int, int, int]:
-    """M, N and K rounded up to 16 bytes of elements."""
+def twin_shape(M: int, N: int, K: int, elem: int, out_elem: int | None = None) -> tuple[int, int, int]:
+    """M, N and K rounded up to 16 bytes of elements; N to 16 bytes of the output's too (``out_elem``, narrower
+    than the operands' for fp32 products written in 16 bits): a TMA store writes whole 16-byte units, and
+    ``persistent_tma.why_not`` refuses rows that end inside one."""
     per = 16 // elem
-    return _round_up(M, per), _round_up(N, per), _round_up(K, per)
+    return _round_up(M, per), _round_up(N, 16 // min(elem, out_elem or elem)), _round_up(K, per)
 
 
 PADDED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -167,7 +169,7 @@ def padding_pays(p) -> bool:
     if misaligned < PAD_MIN_US:
         return False
     elem, out_elem = p.a.element_size(), p.out.element_size()
-    Mp, Np, Kp = twin_shape(p.M, p.N, p.K, elem)
+    Mp, Np, Kp = twin_shape(p.M, p.N, p.K, elem, out_elem)
     sms, peak, hbm = cost.device_rates(p)
     twin = min(cost.estimate_us(Mp, Np, Kp, 1, elem, out_elem, cfg, sms=sms, peak_tflops=peak, hbm_gbps=hbm)
                for cfg in options)
@@ -186,7 +188,7 @@ def run_padded(a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, gemm) 
 def _run_padded(a, b, bias, out, gemm) -> None:
     M, K = a.shape
     N = b.shape[1]
-    Mp, Np, Kp = twin_shape(M, N, K, a.element_size())
+    Mp, Np, Kp = twin_shape(M, N, K, a.element_size(), out.element_size())
     specs = [(a, Mp, Kp, "a"), (b, Kp, Np, "b")]
     if bias is not None:
         specs.append((bias.view(1, -1), 1, Np, "bias"))

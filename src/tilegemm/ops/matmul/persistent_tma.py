@@ -295,9 +295,9 @@ def why_not(p: GemmProblem) -> str | None:
         return "an operand's base or row stride is not 16-byte aligned"
     if p.out_strides[2] != 1 or not tma_aligned(p.out, p.out_strides[1]):
         return "the output is not 16-byte aligned"
-    # A TMA store writes the whole 16-byte unit that holds a row's last column (zeros past N, on the H200: GPU
-    # test of padded output rows, docs/rungs/persistent_tma.md): an output whose rows end inside one, with memory
-    # after them (a view of wider rows), goes elsewhere. tilegemm's own outputs never do (dense rows).
+    # A TMA store writes the whole 16-byte unit that holds a row's last column (zeros past N on the H200: the GPU
+    # test of padded output rows, docs/rungs/persistent_tma.md; triton-lang/triton#11583): an output whose rows end
+    # inside one, with memory after them (a view of wider rows), goes elsewhere. tilegemm's outputs never do.
     if p.N * p.out.element_size() % 16 and p.out_strides[1] > p.N:
         return "the output's rows end inside a 16-byte unit of a wider row (a TMA store would write past N)"
     if min(p.M, p.N, p.K) < 16:
