@@ -191,8 +191,7 @@ def depthwise_strided_rows_config(g: Geometry, dtype: torch.dtype) -> dict | Non
     if not STRIDED_ROWS_AUTO or g.R * g.S > STRIDED_ROWS_MAX_AUTO_TAPS:
         return None
     if g.stride == (1, 1) and not (_small_s1_3x3(g) and g.P in DEPTHWISE_S1_STRIDED_ROWS
-                                   and g.K <= DEPTHWISE_S1_STRIDED_MAX_CHANNELS
-                                   and g.K < DEPTHWISE_WINDOW_3X3_MIN_CHANNELS):
+                                   and g.K <= DEPTHWISE_S1_STRIDED_MAX_CHANNELS):
         return None
     return depthwise_strided_rows_tile(g, dtype)
 
