@@ -166,8 +166,10 @@ def _meta_problem(B, M, N, K, dtype=torch.float16):
 
 
 def test_auto_takes_big_batched_16_bit_products_to_persistent_tma(monkeypatch):
-    """auto counts the tiles of every batch against MIN_TILES_PER_SM (132 SMs: 264 tiles of 128x128)."""
+    """auto counts the tiles of every batch against MIN_TILES_PER_SM (132 SMs: 264 tiles of 128x128); with
+    gluon_f16's batched launch off (where Gluon runs it takes these first: test_gluon_f16_batched.py)."""
     dispatch = _fake_hopper(monkeypatch)
+    monkeypatch.setattr(dispatch, "GLUON_F16_BATCHED", False)
     assert dispatch.choose_kernel(_meta_problem(32, 4096, 4096, 128)) == "persistent_tma"  # attention-like
     assert dispatch.choose_kernel(_meta_problem(16, 2048, 2048, 128, torch.bfloat16)) == "persistent_tma"
     assert dispatch.choose_kernel(_meta_problem(8, 1024, 1024, 64)) == "persistent_tma"  # 8 x 64 = 512 tiles
@@ -317,12 +319,14 @@ def test_broadcast_and_epilogue_on_the_gpu(dtype, which, no_fallback):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_auto_runs_big_batched_products_on_persistent_tma_and_replays(dtype):
-    """On the GPU, auto takes a batched product of enough tiles to persistent_tma (the real SM count), and a
-    second call (a replay of the recorded launch, its 3-D descriptors rebased) computes new operands right."""
+def test_auto_runs_big_batched_products_on_persistent_tma_and_replays(dtype, monkeypatch):
+    """On the GPU, with gluon_f16's batched launch off, auto takes a batched product of enough tiles to
+    persistent_tma (the real SM count), and a second call (a replay of the recorded launch, its 3-D descriptors
+    rebased) computes new operands right."""
     from tilegemm.ops.matmul import dispatch
 
     _hopper()
+    monkeypatch.setattr(dispatch, "GLUON_F16_BATCHED", False)
     B, M, N, K = 8, 1024, 1024, 64
     a = _operand(B, M, K, False, dtype, "cuda")
     b = _operand(B, K, N, False, dtype, "cuda")

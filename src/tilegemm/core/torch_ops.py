@@ -10,6 +10,11 @@ spend more time on its host than its GPU (docs/performance.md).
 needs to see the call (no gradient, plain tensors, no dispatch or function mode, not tracing): what the
 redispatch would have reached with the same arguments. Any other call takes the custom op's own autograd
 kernel (gradients, fake and functional tensors, subclasses, modes).
+
+:func:`own_storage_outputs` (which :func:`lean_autograd` installs too) keeps an op's outputs from being views
+when autograd records the call: the kernels build channels-last and batched outputs as views of a buffer
+(``permute``, ``view``), and autograd refuses an in-place op on a view made inside a custom function, so
+``conv -> ReLU(inplace=True)`` (VGG, SqueezeNet, EfficientNet's squeeze-excitation) failed in training.
 """
 
 from __future__ import annotations
@@ -50,12 +55,43 @@ def _tensor_positions(schema) -> tuple[int, ...] | None:
     return tuple(positions)
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or where ``t`` is a view, a tensor over the same memory (same storage, offset, sizes, strides) that
+    autograd does not take for one: no copy."""
+    if t._base is None:
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def own_storage_outputs(op) -> bool:
+    """Register ``op``'s CPU and CUDA kernels as its function with :func:`own_storage` on each output tensor.
+    These kernels run where the custom op's own autograd kernel redispatches (a call autograd records);
+    :func:`lean_autograd`'s plain calls skip them, so a call without gradients pays nothing. True when
+    registered."""
+    fn = getattr(op, "_init_fn", None)
+    if fn is None or not hasattr(op, "register_kernel"):
+        return False
+
+    def kernel(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            return own_storage(out)
+        return type(out)(own_storage(t) if isinstance(t, torch.Tensor) else t for t in out)
+
+    try:
+        op.register_kernel(("cpu", "cuda"), kernel)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
+
+
 def lean_autograd(op) -> bool:
     """Install the lean autograd kernel on ``op`` (a ``torch.library.custom_op`` whose autograd, if any, is
     registered already); True when installed. Built on torch internals (``make_autograd_impl``, the custom
     op's library and function) and ``Library.impl(..., allow_override=True)``: where they are missing or
     refuse, the op keeps its own kernel and this returns False (tests/core/test_torch_ops.py fails then, so
-    the loss does not go unnoticed)."""
+    the loss does not go unnoticed). Also installs :func:`own_storage_outputs`."""
+    own_storage_outputs(op)
     try:
         from torch._library.autograd import make_autograd_impl
 
