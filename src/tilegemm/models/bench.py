@@ -14,6 +14,7 @@ import os
 import torch
 
 from tilegemm.bench.base import BenchError, Case, ModelBench, Prepared
+from tilegemm.core.checks import relative_error
 from tilegemm.core.runtime import interpreting
 from tilegemm.models import llama, resnet
 
@@ -350,7 +351,8 @@ class ResNet50Bench(ModelBench):
             self.release()
             with _seeded("cpu"):
                 base = self._build(dims["config"] == "tiny").eval()
-            ref = base.to(device=device, dtype=self.dtypes[dtype], memory_format=torch.channels_last)
+            base = self._settle(base.to(device=device, memory_format=torch.channels_last), dims)
+            ref = base.to(dtype=self.dtypes[dtype])
             ours = tilegemm.nn.convert_(copy.deepcopy(ref))
             exact = copy.deepcopy(ref).to(torch.float32 if dtype == "fp16" else torch.float64)
             self._built = (key, ref, ours, exact)
@@ -359,6 +361,10 @@ class ResNet50Bench(ModelBench):
     def _build(self, tiny: bool) -> torch.nn.Module:
         """The model in fp32 on the CPU (seeded by the caller)."""
         return resnet.make_model(tiny)
+
+    def _settle(self, model: torch.nn.Module, dims: dict) -> torch.nn.Module:
+        """The fp32 model on the device before it is cast and converted (ResNet-50 as built)."""
+        return model
 
     def prepare(self, case, dtype, device, n_sets, options):
         self.release()  # the previous case's compiled models
@@ -422,8 +428,9 @@ class TorchvisionBench(ResNet50Bench):
     shape_help = ("BATCH[,MODE] (MODE: eager, graph, compile, compile-graph or train on a GPU; eager or train "
                   "under the interpreter)")
     MODES = {**ResNet50Bench.MODES,
-             "train": "both eager, one training step (batch statistics; dropout and stochastic depth off), "
-                      "its result the parameters' gradients"}
+             "train": "both eager, one training step (batch statistics; dropout and stochastic depth off; fp16 "
+                      "with the loss scaled by the largest power of two up to 2^16 that keeps the gradients "
+                      "finite, as GradScaler does), its result the parameters' gradients"}
     # Bounds on the relative error against the fp32 model (fp64 for fp32): inference as ResNet50Bench's fp16
     # one, bf16's 8x wider (3 fewer mantissa bits); a training step's gradients pass through the backward's
     # convolutions and batch norms in 16 bits too (the baseline's row shows cuDNN's own error beside them).
@@ -444,6 +451,7 @@ class TorchvisionBench(ResNet50Bench):
         self.GPU_IMAGE = torchvision_models.image_size(model)
         self.sweeps = {"images": self._images_cases, "inference": self._inference_cases, "tiny": self._tiny_cases}
         self._train = False  # the case prepare() made last is a training step (its tolerance)
+        self._cudnn_err = 0.0  # cuDNN's relative error on that case
 
     def modes(self):
         return ("eager", "train") if interpreting() else self.gpu_modes
@@ -481,7 +489,8 @@ class TorchvisionBench(ResNet50Bench):
                 "3x3)" if d["config"] == "tiny" else f"torchvision's {self.model}")
         modes = "; ".join(f"{m} = {self.MODES[m]}" for m in dict.fromkeys(c.dims["mode"] for c in cases))
         baseline = "torch's CPU convolutions" if interpreting() else "cuDNN (benchmark mode)"
-        return (f"{what}, random weights (seed 0), {d['image']}x{d['image']} channels-last images; "
+        return (f"{what}, random weights (seed 0; batch norms' running statistics from four random batches), "
+                f"{d['image']}x{d['image']} channels-last images; "
                 f"tilegemm.nn.convert_ (every convolution and Linear on tilegemm's kernels) against the same model on "
                 f"{baseline}. Reference: the same model in fp32, tf32 off (fp64 for an fp32 run); inference compares "
                 f"the logits, a training step the parameters' gradients. {modes}")
@@ -491,12 +500,26 @@ class TorchvisionBench(ResNet50Bench):
 
         return torchvision_models.tiny_resnext() if tiny else torchvision_models.build(self.model)
 
+    def _settle(self, model, dims):
+        """Batch norms' running statistics from random batches (their initial ones let a random network's
+        activations grow until fp16 overflows: both models' logits were inf on EfficientNet and MobileNetV3)."""
+        from tilegemm.models.torchvision_models import calibrate_batch_norms
+
+        return calibrate_batch_norms(model, dims["image"])
+
     def prepare(self, case, dtype, device, n_sets, options):
         self._train = case.dims["mode"] == "train"
+        prepared = self._prepare(case, dtype, device, n_sets, options)
+        # cuDNN's own error on this case, so the bound never fails a result as close as cuDNN's
+        with _Precise(benchmark=True), torch.no_grad() if not self._train else contextlib.nullcontext():
+            self._cudnn_err = relative_error(self.baseline(prepared.sets[0], dtype), prepared.reference)
+        return prepared
+
+    def _prepare(self, case, dtype, device, n_sets, options):
         if not self._train:
             return super().prepare(case, dtype, device, n_sets, options)
         import tilegemm.nn
-        from tilegemm.models.torchvision_models import gradients
+        from tilegemm.models.torchvision_models import fp16_loss_scale, gradients
 
         self.release()
         d = case.dims
@@ -510,7 +533,10 @@ class TorchvisionBench(ResNet50Bench):
         target = torch.randint(0, 10, (d["batch"],), generator=gen).to(device)
         with _Precise(benchmark=False):
             reference = gradients(exact, x.to(next(exact.parameters()).dtype), target)
-        inputs = dict(ours=lambda: gradients(ours, x, target), ref=lambda: gradients(ref, x, target))
+            # fp16 steps scale the loss as mixed-precision training does (the same scale on both sides):
+            # unscaled, both models' gradients fell below fp16's normal range and missed the fp32 model's by 70-96%
+            scale = fp16_loss_scale(ref, x, target) if dtype == "fp16" else 1.0
+        inputs = dict(ours=lambda: gradients(ours, x, target, scale), ref=lambda: gradients(ref, x, target, scale))
         return Prepared([inputs], reference, bytes_per_set=x.numel() * x.element_size() + _nbytes(ref))
 
     def run(self, kernel, inputs, dtype):
@@ -524,5 +550,9 @@ class TorchvisionBench(ResNet50Bench):
         return inputs["ref"]()
 
     def tolerance(self, dtype):
-        # the runner asks right after prepare(): the bound of the case it made
-        return (self.TRAIN_TOLERANCE if self._train else self.INFERENCE_TOLERANCE)[dtype]
+        # The runner asks right after prepare(): the bound of the case it made, or twice cuDNN's own error where
+        # that is larger. A random deep network can be ill-conditioned in 16 bits whatever the kernels: ResNeXt-50's
+        # fp16 training step gave cuDNN's gradients 0.71 from the fp32 model's, with the loss scaled or not, and
+        # tilegemm's 0.72 (docs/conv2d.md, "Whole models").
+        bound = (self.TRAIN_TOLERANCE if self._train else self.INFERENCE_TOLERANCE)[dtype]
+        return max(bound, 2 * self._cudnn_err)

@@ -92,12 +92,54 @@ def logits_of(out) -> tuple[torch.Tensor, ...]:
     return tuple(t for t in out if isinstance(t, torch.Tensor))
 
 
-def gradients(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def gradients(model: nn.Module, x: torch.Tensor, target: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor:
     """One training step's parameter gradients (cross-entropy on every logits head), flattened into one fp32
-    vector in the parameters' order (zeros for a parameter the step does not reach)."""
+    vector in the parameters' order (zeros for a parameter the step does not reach). ``loss_scale``: the loss is
+    multiplied by it before the backward pass and the gradients divided by it after, in fp32, as mixed-precision
+    training scales it (``torch.amp.GradScaler``): fp16's gradients of a randomly initialised deep network fall
+    below its normal range (6e-5), where few bits are left."""
     for p in model.parameters():
         p.grad = None
     loss = sum(nn.functional.cross_entropy(o.float(), target) for o in logits_of(model(x)))
-    loss.backward()
+    (loss * loss_scale).backward()
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                      for p in model.parameters()])
+                      for p in model.parameters()]) / loss_scale
+
+
+def fp16_loss_scale(model: nn.Module, x: torch.Tensor, target: torch.Tensor, start: float = 2.0 ** 16) -> float:
+    """The largest power of two up to ``start`` whose scaled step leaves every gradient of ``model`` finite
+    (GradScaler's back-off, found once): 1.0 where even that overflows."""
+    scale = start
+    while scale > 1.0:
+        if torch.isfinite(gradients(model, x, target, scale)).all():
+            return scale
+        scale /= 2
+    return 1.0
+
+
+def calibrate_batch_norms(model: nn.Module, image: int, batches: int = 4, batch: int = 8) -> nn.Module:
+    """``model`` (in place) with its batch norms' running statistics set from ``batches`` random batches of
+    ``image`` x ``image`` images, and back in the mode it was in. A randomly initialised network in eval mode
+    normalises by the initial statistics (mean 0, variance 1), so activations grow layer by layer: EfficientNet
+    and MobileNetV3 overflow fp16 at their logits, and a comparison of logits measures nothing."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return model
+    training = model.training
+    momenta = [m.momentum for m in norms]
+    p = next(model.parameters())
+    gen = torch.Generator(device=p.device).manual_seed(0)
+    try:
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None  # a cumulative average over the batches
+        model.train()
+        with torch.no_grad():
+            for _ in range(batches):
+                model(torch.randn(batch, 3, image, image, generator=gen, device=p.device, dtype=p.dtype)
+                      .contiguous(memory_format=torch.channels_last))
+    finally:
+        for m, momentum in zip(norms, momenta):
+            m.momentum = momentum
+        model.train(training)
+    return model

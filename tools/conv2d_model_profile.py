@@ -1,0 +1,88 @@
+"""Where a converted torchvision model's time goes (GPU): its kernels by CUDA time, tilegemm's model against cuDNN's.
+
+Builds NAME as ``tilegemm bench --op conv2d --model NAME`` builds it (random weights, batch norms' statistics from
+random batches, fp16 channels-last at the image size its weights expect), converts a copy with
+``tilegemm.nn.convert_``, and profiles ``--steps`` calls of each model (``--mode infer``: a forward under no_grad;
+``train``: a forward and backward, batch statistics) with ``torch.profiler``. Prints per side the total CUDA time a
+step and the ``--top`` kernel names by time (names cut to 70 characters), so a gap to cuDNN reads as which
+kernels take it.
+
+    PYTHONPATH=src python3 tools/conv2d_model_profile.py convnext_tiny --mode train [--batch 32] [--top 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import tilegemm
+from tilegemm.models import torchvision_models as tvm
+from tilegemm.models.bench import _train_deterministic
+
+
+def _step(model, x, target, mode):
+    if mode == "infer":
+        with torch.no_grad():
+            model(x)
+    else:
+        tvm.gradients(model, x, target, 1024.0)
+
+
+def kernel_times(model, x, target, mode, steps):
+    """{kernel name: CUDA microseconds a step} over ``steps`` profiled steps (after two warm-up steps)."""
+    for _ in range(2):
+        _step(model, x, target, mode)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            _step(model, x, target, mode)
+        torch.cuda.synchronize()
+    times = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name] += e.device_time / steps  # us
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--mode", choices=("infer", "train"), default="train")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--out", help="write both sides' kernel times here (JSON)")
+    args = ap.parse_args()
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    image = tvm.image_size(args.model)
+    base = tvm.calibrate_batch_norms(tvm.build(args.model).eval().cuda().to(memory_format=torch.channels_last), image)
+    ref = base.half()
+    ours = tilegemm.nn.convert_(copy.deepcopy(ref))
+    if args.mode == "train":
+        ref, ours = _train_deterministic(ref), _train_deterministic(ours)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch, 3, image, image, generator=gen).cuda().half()
+    x = x.contiguous(memory_format=torch.channels_last)
+    target = torch.randint(0, 10, (args.batch,), generator=gen).cuda()
+    result = {}
+    for side, model in (("cuDNN", ref), ("tilegemm", ours)):
+        times = kernel_times(model, x, target, args.mode, args.steps)
+        result[side] = dict(times)
+        total = sum(times.values())
+        print(f"== {args.model} {args.mode} batch {args.batch}, {side}: {total / 1000:.2f} ms of CUDA time a step, "
+              f"{len(times)} kernel names")
+        for name, t in times.most_common(args.top):
+            print(f"  {t:9.1f} us {100 * t / total:5.1f}%  {name[:70]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(model=args.model, mode=args.mode, batch=args.batch, kernels_us=result), f)
+
+
+if __name__ == "__main__":
+    main()
