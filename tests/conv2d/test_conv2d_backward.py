@@ -271,3 +271,50 @@ def test_depthwise_weight_gradient_in_one_launch_over_any_split(mult, device):
         assert_rel_close(dw, wr.grad, 1e-5)
         for _, count in workspace._workspaces.values():
             assert not count.any()
+
+
+@pytest.mark.parametrize("case", [
+    dict(C=20, mult=1, R=3, S=3, stride=1, pad=1, dil=1),
+    dict(C=12, mult=2, R=5, S=5, stride=2, pad=2, dil=1),
+    dict(C=9, mult=1, R=7, S=7, stride=1, pad=3, dil=1),
+    dict(C=8, mult=1, R=3, S=2, stride=1, pad=1, dil=2),
+], ids=["3x3", "5x5-s2-mult2", "7x7-odd-channels", "3x2-dilated"])
+@pytest.mark.parametrize("s_pad", [1, "row"], ids=["a-tap", "a-row"])
+def test_depthwise_weight_gradient_a_program_a_tap_or_a_filter_row(case, s_pad, device):
+    """The depthwise weight gradient's two program shapes (one tap, or one filter row's taps padded to S_PAD:
+    configs.depthwise_wgrad_config) give torch's gradient at any split, filter, stride, dilation and multiplier."""
+    from tilegemm.core import workspace
+    from tilegemm.ops.conv2d import depthwise
+    from tilegemm.ops.conv2d.configs import depthwise_config
+    from tilegemm.ops.conv2d.problem import geometry_of
+
+    N, H, W = 2, 11, 9
+    C, R, S, st, pad, dil = case["C"], case["R"], case["S"], case["stride"], case["pad"], case["dil"]
+    K = C * case["mult"]
+    x = torch.randn(N, C, H, W, device=device).contiguous(memory_format=CL)
+    g = geometry_of(x.shape, (K, 1, R, S), [st, st], [pad, pad, pad, pad], [dil, dil], C)
+    dy = torch.randn(N, K, g.P, g.Q, device=device).contiguous(memory_format=CL)
+    sp = 1 if s_pad == 1 else 1 << (S - 1).bit_length()
+    xr = x.double().requires_grad_()
+    wr = torch.zeros(K, 1, R, S, dtype=torch.float64, device=device, requires_grad=True)
+    torch.nn.functional.conv2d(xr, wr, None, st, pad, dil, C).backward(dy.double())
+    for block_m, split in ((8, 5), (16, 1)):
+        cfg = dict(depthwise_config(g, x.dtype), BLOCK_M=block_m, SPLIT=split, S_PAD=sp)
+        dw = depthwise.wgrad(dy, x, g, x.dtype, cfg)
+        assert dw.shape == (K, 1, R, S) and dw.is_contiguous()
+        assert_rel_close(dw, wr.grad, 1e-5 if x.dtype == torch.float32 else 1e-2)
+        for _, count in workspace._workspaces.values():
+            assert not count.any()
+
+
+def test_depthwise_weight_gradient_refuses_a_row_narrower_than_the_filter(device):
+    from tilegemm.ops.conv2d import depthwise
+    from tilegemm.ops.conv2d.configs import depthwise_config, depthwise_wgrad_config
+    from tilegemm.ops.conv2d.problem import geometry_of
+
+    x = torch.randn(1, 8, 9, 9, device=device).contiguous(memory_format=CL)
+    g = geometry_of(x.shape, (8, 1, 5, 5), [1, 1], [2, 2, 2, 2], [1, 1], 8)
+    assert depthwise_wgrad_config(g, x.dtype)["S_PAD"] == 8  # the rule: 5 columns padded to 8
+    dy = torch.randn(1, 8, 9, 9, device=device).contiguous(memory_format=CL)
+    with pytest.raises(ValueError, match="S_PAD=4 holds fewer than the filter's 5 columns"):
+        depthwise.wgrad(dy, x, g, x.dtype, dict(depthwise_config(g, x.dtype), S_PAD=4))

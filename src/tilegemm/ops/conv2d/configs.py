@@ -270,6 +270,21 @@ def depthwise_config(g: Geometry, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=64 if bn == 64 else 128, BLOCK_N=bn, num_warps=4, num_stages=2)
 
 
+DEPTHWISE_WGRAD_ROW_TAPS = True  # the weight gradient a program per filter row (its taps sharing each dy tile)
+
+
+def depthwise_wgrad_config(g: Geometry, dtype: torch.dtype) -> dict:
+    """The depthwise weight gradient's config: :func:`depthwise_config`'s tile, and with
+    :data:`DEPTHWISE_WGRAD_ROW_TAPS` a program per filter row (``S_PAD``, the row's taps padded to a power of
+    two) with its pixel block divided by ``S_PAD`` (the same accumulator registers). A program per tap read dy
+    and x from L2 once per tap (docs/conv2d.md, "Depthwise weight gradient")."""
+    cfg = depthwise_config(g, dtype)
+    if DEPTHWISE_WGRAD_ROW_TAPS and g.S > 1:
+        sp = _pow2_at_least(g.S, 2, 64)
+        cfg.update(S_PAD=sp, BLOCK_M=max(8, cfg["BLOCK_M"] // sp))
+    return cfg
+
+
 # --- tma_implicit_gemm (ops/conv2d/tma_fwd.py) ----------------------------------------------------------------
 #
 # A cost model rather than a table: the layers of a network differ in image size, channels and filter, and the

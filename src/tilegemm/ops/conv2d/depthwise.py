@@ -36,7 +36,7 @@ from tilegemm.core.workspace import split_workspace
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import (
     depthwise_config, depthwise_fwd_config, depthwise_rows_config, depthwise_strided_rows_config,
-    depthwise_window_config, pixel_split,
+    depthwise_wgrad_config, depthwise_window_config, pixel_split,
 )
 from tilegemm.ops.conv2d.implicit_gemm import (
     _below_unspecialized,
@@ -654,9 +654,11 @@ def depthwise_wgrad_kernel(
     str_h, str_w, pad_h, pad_w, dil_h, dil_w,
     R: tl.constexpr, S: tl.constexpr, INDEX_64: tl.constexpr, DIV: tl.constexpr,
     DIV_Y: tl.constexpr, DIV_X: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, S_PAD: tl.constexpr = 1,
 ):
-    # This program: channels [BN] of one tap (axis 1), summed over one slice of output pixels (axis 2).
+    # This program: channels [BN] of one tap (S_PAD = 1; axis 1 the tap) or of a filter row's S taps (S_PAD, a
+    # power of two >= S; axis 1 the row), summed over one slice of output pixels (axis 2). A row's taps share
+    # each dy tile and read x's shifted columns from L1: a program a tap re-reads dy and x from L2 R*S times.
     # Pixel strides in units of DIV_Y and DIV_X, as in depthwise_dgrad_kernel.
     stride_yn = stride_yn * DIV_Y
     stride_yp = stride_yp * DIV_Y
@@ -667,49 +669,59 @@ def depthwise_wgrad_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tap = tl.program_id(1)
     part = tl.program_id(2)
-    r = tap // S
-    s = tap - r * S
+    if S_PAD == 1:
+        r = tap // S
+        s0 = tap - r * S
+    else:
+        r = tap
+        s0 = 0
+    offs_s = s0 + tl.arange(0, S_PAD)  # [SP]
+    s_ok = offs_s < S
     offs_m = tl.arange(0, BLOCK_M)
     if INDEX_64:
         offs_m = offs_m.to(tl.int64)
     n_ok = _below_unspecialized(offs_n, K, DIV)
+    x_chan = ((offs_n // MULT) * stride_xc)[None, None, :]
     begin = part * slice_len
     end = tl.minimum(begin + slice_len, NPQ)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((S_PAD, BLOCK_M, BLOCK_N), dtype=tl.float32)
     for m0 in range(begin, end, BLOCK_M):
         pix = m0 + offs_m  # [BM]
         q = pix % Q
         p = (pix // Q) % P
         n = pix // (P * Q)
-        h = p * str_h - pad_h + r * dil_h
-        w = q * str_w - pad_w + s * dil_w
+        h = p * str_h - pad_h + r * dil_h  # [BM]
+        w = q[None, :] * str_w - pad_w + offs_s[:, None] * dil_w  # [SP, BM]
         in_slice = pix < end
-        ok = in_slice & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+        ok = (in_slice & (h >= 0) & (h < H))[None, :] & s_ok[:, None] & (w >= 0) & (w < W)  # [SP, BM]
         dyv = tl.load(dy_ptr + (n * stride_yn + p * stride_yp + q * stride_yq)[:, None] + (offs_n * stride_yk)[None, :],
                       mask=in_slice[:, None] & n_ok[None, :], other=0.0)  # [BM, BN]
-        xv = tl.load(x_ptr + (n * stride_xn + h * stride_xh + w * stride_xw)[:, None]
-                     + ((offs_n // MULT) * stride_xc)[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0)
-        acc += dyv.to(tl.float32) * xv.to(tl.float32)
-    total = tl.sum(acc, axis=0)  # [BN]
-    dw = dw_ptr + offs_n * stride_dk + r * stride_dr + s * stride_dss
+        xv = tl.load(x_ptr + (n * stride_xn + h * stride_xh)[None, :, None] + (w * stride_xw)[:, :, None] + x_chan,
+                     mask=ok[:, :, None] & n_ok[None, None, :], other=0.0)  # [SP, BM, BN]
+        acc += dyv.to(tl.float32)[None, :, :] * xv.to(tl.float32)
+    total = tl.sum(acc, axis=1)  # [SP, BN]
+    out_ok = s_ok[:, None] & n_ok[None, :]
+    dw = dw_ptr + (offs_n * stride_dk)[None, :] + r * stride_dr + (offs_s * stride_dss)[:, None]
     if SPLIT == 1:
-        tl.store(dw, total.to(dw_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(dw, total.to(dw_ptr.dtype.element_ty), mask=out_ok)
     else:
-        # The last slice to arrive at this (channels, tap) block adds the slices' sums in order and stores
+        # The last slice to arrive at this (channels, taps) block adds the slices' sums in order and stores
         # (as the implicit-GEMM weight gradient): the whole gradient is one launch.
         tile = tap * tl.num_programs(0) + tl.program_id(0)
-        plane = (tl.num_programs(0) * tl.num_programs(1)).to(tl.int64) * BLOCK_N
-        ws = ws_ptr + tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        size: tl.constexpr = S_PAD * BLOCK_N
+        plane = (tl.num_programs(0) * tl.num_programs(1)).to(tl.int64) * size
+        ws = (ws_ptr + tile.to(tl.int64) * size
+              + (tl.arange(0, S_PAD) * BLOCK_N)[:, None] + tl.arange(0, BLOCK_N)[None, :])  # [SP, BN]
         tl.store(ws + part * plane, total)
         tl.debug_barrier()  # every thread's stores before the (one-thread) release
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
             tl.debug_barrier()  # and every thread's loads after the acquire
-            summed = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            summed = tl.zeros((S_PAD, BLOCK_N), dtype=tl.float32)
             for sl in range(0, SPLIT):
                 summed += tl.load(ws + sl * plane, cache_modifier=".cg")
             tl.store(count_ptr + tile, 0)
-            tl.store(dw, summed.to(dw_ptr.dtype.element_ty), mask=n_ok)
+            tl.store(dw, summed.to(dw_ptr.dtype.element_ty), mask=out_ok)
 
 
 # --- launchers ------------------------------------------------------------------------------------------
@@ -985,15 +997,19 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
           config: dict | None = None) -> torch.Tensor:
     """grad of the weight for a depthwise convolution: ``[K, 1, R, S]`` (contiguous), in one launch."""
     dy, x = _nhwc(dy), _nhwc(x)
-    cfg = dict(config or depthwise_config(g, dy.dtype))
+    cfg = dict(config or depthwise_wgrad_config(g, dy.dtype))
     npq = g.N * g.P * g.Q
-    blocks = cdiv(g.K, cfg["BLOCK_N"]) * g.R * g.S
+    sp = cfg.setdefault("S_PAD", 1)
+    taps = g.R * g.S if sp == 1 else g.R  # programs along axis 1: one a tap, or one a filter row
+    if sp != 1 and sp < g.S:
+        raise ValueError(f"S_PAD={sp} holds fewer than the filter's {g.S} columns")
+    blocks = cdiv(g.K, cfg["BLOCK_N"]) * taps
     split, slice_len = pixel_split(npq, blocks, cfg["BLOCK_M"], dy.device, cfg.pop("SPLIT", None))
     dw = new_output((g.K, 1, g.R, g.S), out_dtype, dy.device)
-    grid = (cdiv(g.K, cfg["BLOCK_N"]), g.R * g.S, split)
+    grid = (cdiv(g.K, cfg["BLOCK_N"]), taps, split)
     tiles = grid[0] * grid[1]
     if split > 1:  # fp32 partial sums and arrival counters (tilegemm.core.workspace)
-        ws, count = split_workspace(dy.device, split * tiles * cfg["BLOCK_N"], tiles)
+        ws, count = split_workspace(dy.device, split * tiles * sp * cfg["BLOCK_N"], tiles)
     else:
         ws, count = dw, dw  # unused
     index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1

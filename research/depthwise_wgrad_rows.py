@@ -1,0 +1,105 @@
+"""Open question (GPU): does the depthwise weight gradient run faster with a program per filter row than per tap?
+
+``depthwise_wgrad_kernel`` with ``S_PAD = 1`` gives each program one tap and re-reads dy and x from L2 once per
+tap (49 times at 7x7); with ``S_PAD`` a row's taps share each dy tile and read x's shifted columns from L1. This
+times, on the zoo's depthwise layers (batch 32, fp16, channels-last; the first ``--per-kind`` of each kind of
+``tools/conv2d_depthwise_candidates.py``), cuDNN's weight gradient and the kernel per tap, per row (the rule's
+pixel block) and per row with twice and half that block, each checked against cuDNN's fp32 gradient, as CUDA
+graphs; a table of cuDNN time / ours with geomeans per kind last.
+
+    PYTHONPATH=src:tools python3 research/depthwise_wgrad_rows.py [--per-kind 8] [--budget 120] [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from conv2d_depthwise_candidates import KINDS, geomean, graph_us, kind, label, ordered_layers
+from tilegemm.core.checks import relative_error
+from tilegemm.ops.conv2d import depthwise
+from tilegemm.ops.conv2d.configs import depthwise_config, depthwise_wgrad_config
+from tilegemm.ops.conv2d.problem import geometry_of
+
+CANDIDATES = ("tap", "row", "row-2bm", "row-bm/2")
+
+
+def config(name: str, g) -> dict:
+    if name == "tap":
+        return dict(depthwise_config(g, torch.float16), S_PAD=1)
+    cfg = depthwise_wgrad_config(g, torch.float16)
+    if name == "row-2bm":
+        cfg["BLOCK_M"] *= 2
+    elif name == "row-bm/2":
+        cfg["BLOCK_M"] = max(4, cfg["BLOCK_M"] // 2)
+    return cfg
+
+
+def run_layer(L: dict, batch: int) -> dict:
+    C, K = L["C"], L["K"]
+    pad = L["padding"]
+    x = [torch.randn(batch, C, L["H"], L["W"], device="cuda", dtype=torch.float16)
+         .contiguous(memory_format=torch.channels_last) for _ in range(2)]
+    w = torch.randn(K, 1, L["R"], L["S"], device="cuda", dtype=torch.float16)
+    g = geometry_of(x[0].shape, w.shape, L["stride"], [pad[0], pad[0], pad[1], pad[1]], L["dilation"], C)
+    dy = [torch.randn(batch, K, g.P, g.Q, device="cuda", dtype=torch.float16)
+          .contiguous(memory_format=torch.channels_last) for _ in range(2)]
+
+    def cudnn(i, dt=None):
+        xx, yy, ww = (x[i], dy[i], w) if dt is None else (x[i].to(dt), dy[i].to(dt), w.to(dt))
+        return torch.ops.aten.convolution_backward(yy, xx, ww, None, L["stride"], pad, L["dilation"], False,
+                                                   [0, 0], C, [False, True, False])[1]
+
+    ref = cudnn(0, torch.float32)
+    row = dict(layer=label(L, batch), kind=kind(L), models=L.get("models"))
+    row["cudnn_us"] = graph_us(cudnn, 2)
+    for name in CANDIDATES:
+        cfg = config(name, g)
+        fn = lambda i, cfg=cfg: depthwise.wgrad(dy[i], x[i], g, torch.float16, dict(cfg))  # noqa: E731
+        err = relative_error(fn(0).float(), ref)
+        if not err < 1e-2:
+            row[name] = None
+            row[f"{name}_err"] = err
+            continue
+        row[name] = row["cudnn_us"] / graph_us(fn, 2)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--per-kind", type=int, default=8)
+    ap.add_argument("--budget", type=float, default=120.0)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    torch.backends.cudnn.benchmark = True
+    layers, seen = [], {}
+    for L in ordered_layers(KINDS):
+        k = kind(L)
+        if seen.get(k, 0) < args.per_kind:
+            seen[k] = seen.get(k, 0) + 1
+            layers.append(L)
+    start, rows = time.time(), []
+    for L in layers:
+        if time.time() - start > args.budget:
+            break
+        rows.append(run_layer(L, args.batch))
+        r = rows[-1]
+        print(f"{r['layer']:<32s} {r['kind']:<8s} cuDNN {r['cudnn_us']:8.1f} us  "
+              + "  ".join(f"{c} {r[c]:.2f}x" if r[c] else f"{c} WRONG" for c in CANDIDATES), flush=True)
+    print(f"{len(rows)} layers; cuDNN time / ours, geomean per kind:")
+    for k in [*KINDS, "all"]:
+        mine = [r for r in rows if k == "all" or r["kind"] == k]
+        if mine:
+            print(f"  {k:<8s} {len(mine):3d}  " + "  ".join(f"{c} {geomean(r[c] for r in mine) or 0:.3f}x"
+                                                        for c in CANDIDATES))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
