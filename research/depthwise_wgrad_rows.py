@@ -1,11 +1,12 @@
-"""Open question (GPU): does the depthwise weight gradient run faster with a program per filter row than per tap?
+"""Open question (GPU): how should the depthwise weight gradient split its work (a program a tap or a filter row; how many slices)?
 
 ``depthwise_wgrad_kernel`` with ``S_PAD = 1`` gives each program one tap and re-reads dy and x from L2 once per
 tap (49 times at 7x7); with ``S_PAD`` a row's taps share each dy tile and read x's shifted columns from L1. This
 times, on the zoo's depthwise layers (batch 32, fp16, channels-last; the first ``--per-kind`` of each kind of
 ``tools/conv2d_depthwise_candidates.py``), cuDNN's weight gradient and the kernel per tap, per row (the rule's
-pixel block) and per row with twice and half that block, each checked against cuDNN's fp32 gradient, as CUDA
-graphs; a table of cuDNN time / ours with geomeans per kind last.
+pixel block), each with its pixel slices aimed at 2 to 32 programs an SM, checked against cuDNN's fp32 gradient,
+as CUDA graphs; a table of cuDNN time / ours with geomeans per kind last. The first run (both shapes at 2
+programs an SM, 0.21x-0.22x cuDNN) found the kernel latency-bound: few programs, each a long serial loop.
 
     PYTHONPATH=src:tools python3 research/depthwise_wgrad_rows.py [--per-kind 8] [--budget 120] [--out F.json]
 """
@@ -24,18 +25,15 @@ from tilegemm.ops.conv2d import depthwise
 from tilegemm.ops.conv2d.configs import depthwise_config, depthwise_wgrad_config
 from tilegemm.ops.conv2d.problem import geometry_of
 
-CANDIDATES = ("tap", "row", "row-2bm", "row-bm/2")
+# (program shape, programs an SM the pixel slices aim at, least pixel blocks a slice): 2 and 8 were the rule
+CANDIDATES = ("tap-2-8", "row-2-8", "tap-8-4", "row-8-4", "tap-16-4", "row-16-4", "tap-32-2", "row-32-2")
 
 
 def config(name: str, g) -> dict:
-    if name == "tap":
-        return dict(depthwise_config(g, torch.float16), S_PAD=1)
-    cfg = depthwise_wgrad_config(g, torch.float16)
-    if name == "row-2bm":
-        cfg["BLOCK_M"] *= 2
-    elif name == "row-bm/2":
-        cfg["BLOCK_M"] = max(4, cfg["BLOCK_M"] // 2)
-    return cfg
+    shape, per_sm, steps = name.split("-")
+    cfg = depthwise_wgrad_config(g, torch.float16) if shape == "row" else dict(depthwise_config(g, torch.float16),
+                                                                                 S_PAD=1)
+    return dict(cfg, PER_SM=int(per_sm), MIN_STEPS=int(steps))
 
 
 def run_layer(L: dict, batch: int) -> dict:
@@ -88,14 +86,18 @@ def main() -> None:
             break
         rows.append(run_layer(L, args.batch))
         r = rows[-1]
-        print(f"{r['layer']:<32s} {r['kind']:<8s} cuDNN {r['cudnn_us']:8.1f} us  "
-              + "  ".join(f"{c} {r[c]:.2f}x" if r[c] else f"{c} WRONG" for c in CANDIDATES), flush=True)
-    print(f"{len(rows)} layers; cuDNN time / ours, geomean per kind:")
+        print(f"{r['layer']:<30s} {r['kind']:<7s} {r['cudnn_us']:7.1f}us "
+              + " ".join(f"{r[c]:.2f}" if r[c] else "WRONG" for c in CANDIDATES), flush=True)
+    print(f"{len(rows)} layers; cuDNN time / ours, geomean per kind ({' '.join(CANDIDATES)}); even / odd layers:")
     for k in [*KINDS, "all"]:
         mine = [r for r in rows if k == "all" or r["kind"] == k]
         if mine:
             print(f"  {k:<8s} {len(mine):3d}  " + "  ".join(f"{c} {geomean(r[c] for r in mine) or 0:.3f}x"
                                                         for c in CANDIDATES))
+    for half in (0, 1):
+        mine = rows[half::2]
+        print(f"  half {half} {len(mine):3d}  " + " ".join(f"{geomean(r[c] for r in mine) or 0:.3f}"
+                                                      for c in CANDIDATES))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

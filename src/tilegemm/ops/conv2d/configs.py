@@ -271,6 +271,8 @@ def depthwise_config(g: Geometry, dtype: torch.dtype) -> dict:
 
 
 DEPTHWISE_WGRAD_ROW_TAPS = True  # the weight gradient a program per filter row (its taps sharing each dy tile)
+DEPTHWISE_WGRAD_PER_SM = 2  # its pixel slices: enough for this many programs an SM ...
+DEPTHWISE_WGRAD_MIN_STEPS = 8  # ... each at least this many pixel blocks long (configs.pixel_split)
 
 
 def depthwise_wgrad_config(g: Geometry, dtype: torch.dtype) -> dict:
@@ -425,16 +427,17 @@ def takes_grouped_direct(g: Geometry) -> bool:
             and g.Kg <= 4 * GROUPED_DIRECT_AUTO_CHANNELS)
 
 
-def pixel_split(npq: int, blocks: int, block_m: int, device, split: int | None = None) -> tuple[int, int]:
-    """(slices, slice length) of a weight gradient's reduction over ``npq`` output pixels: enough slices for two
-    waves of ``blocks`` programs each, each slice at least 8 ``block_m`` steps long and a whole number of them
-    (``split``: a config's own count)."""
+def pixel_split(npq: int, blocks: int, block_m: int, device, split: int | None = None, per_sm: int = 2,
+                min_steps: int = 8) -> tuple[int, int]:
+    """(slices, slice length) of a weight gradient's reduction over ``npq`` output pixels: enough slices for
+    ``per_sm`` programs an SM over ``blocks`` programs each, each slice at least ``min_steps`` ``block_m`` steps
+    long and a whole number of them (``split``: a config's own count)."""
     sms = 4
     if device.type == "cuda":
         from tilegemm.core.hardware import sm_count  # (a CUDA query: only for CUDA tensors)
 
         sms = sm_count(device)
-    split = split or max(1, min(-(-2 * sms // blocks), npq // (8 * block_m), 256))
+    split = split or max(1, min(-(-per_sm * sms // blocks), npq // (min_steps * block_m), 256))
     slice_len = cdiv(cdiv(npq, split), block_m) * block_m
     return cdiv(npq, slice_len), slice_len
 

@@ -35,7 +35,7 @@ from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.workspace import split_workspace
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import (
-    depthwise_config, depthwise_fwd_config, depthwise_rows_config, depthwise_strided_rows_config,
+    DEPTHWISE_WGRAD_MIN_STEPS, DEPTHWISE_WGRAD_PER_SM, depthwise_config, depthwise_fwd_config, depthwise_rows_config, depthwise_strided_rows_config,
     depthwise_wgrad_config, depthwise_window_config, pixel_split,
 )
 from tilegemm.ops.conv2d.implicit_gemm import (
@@ -1004,7 +1004,8 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     if sp != 1 and sp < g.S:
         raise ValueError(f"S_PAD={sp} holds fewer than the filter's {g.S} columns")
     blocks = cdiv(g.K, cfg["BLOCK_N"]) * taps
-    split, slice_len = pixel_split(npq, blocks, cfg["BLOCK_M"], dy.device, cfg.pop("SPLIT", None))
+    per_sm, steps = cfg.pop("PER_SM", DEPTHWISE_WGRAD_PER_SM), cfg.pop("MIN_STEPS", DEPTHWISE_WGRAD_MIN_STEPS)
+    split, slice_len = pixel_split(npq, blocks, cfg["BLOCK_M"], dy.device, cfg.pop("SPLIT", None), per_sm, steps)
     dw = new_output((g.K, 1, g.R, g.S), out_dtype, dy.device)
     grid = (cdiv(g.K, cfg["BLOCK_N"]), taps, split)
     tiles = grid[0] * grid[1]
