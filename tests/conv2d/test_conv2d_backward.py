@@ -307,14 +307,16 @@ def test_depthwise_weight_gradient_a_program_a_tap_or_a_filter_row(case, s_pad, 
             assert not count.any()
 
 
-def test_depthwise_weight_gradient_refuses_a_row_narrower_than_the_filter(device):
-    from tilegemm.ops.conv2d import depthwise
+def test_depthwise_weight_gradient_refuses_a_row_narrower_than_the_filter(device, monkeypatch):
+    from tilegemm.ops.conv2d import configs, depthwise
     from tilegemm.ops.conv2d.configs import depthwise_config, depthwise_wgrad_config
     from tilegemm.ops.conv2d.problem import geometry_of
 
     x = torch.randn(1, 8, 9, 9, device=device).contiguous(memory_format=CL)
     g = geometry_of(x.shape, (8, 1, 5, 5), [1, 1], [2, 2, 2, 2], [1, 1], 8)
-    assert depthwise_wgrad_config(g, x.dtype)["S_PAD"] == 8  # the rule: 5 columns padded to 8
+    assert "S_PAD" not in depthwise_wgrad_config(g, x.dtype)  # off: a program a tap (the faster, measured)
+    monkeypatch.setattr(configs, "DEPTHWISE_WGRAD_ROW_TAPS", True)
+    assert depthwise_wgrad_config(g, x.dtype)["S_PAD"] == 8  # on: 5 columns padded to 8
     dy = torch.randn(1, 8, 9, 9, device=device).contiguous(memory_format=CL)
     with pytest.raises(ValueError, match="S_PAD=4 holds fewer than the filter's 5 columns"):
         depthwise.wgrad(dy, x, g, x.dtype, dict(depthwise_config(g, x.dtype), S_PAD=4))

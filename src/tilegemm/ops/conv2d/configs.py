@@ -270,9 +270,9 @@ def depthwise_config(g: Geometry, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=64 if bn == 64 else 128, BLOCK_N=bn, num_warps=4, num_stages=2)
 
 
-DEPTHWISE_WGRAD_ROW_TAPS = True  # the weight gradient a program per filter row (its taps sharing each dy tile)
-DEPTHWISE_WGRAD_PER_SM = 2  # its pixel slices: enough for this many programs an SM ...
-DEPTHWISE_WGRAD_MIN_STEPS = 8  # ... each at least this many pixel blocks long (configs.pixel_split)
+DEPTHWISE_WGRAD_ROW_TAPS = False  # a program per filter row (its taps sharing each dy tile): slower than per tap
+DEPTHWISE_WGRAD_PER_SM = 32  # its pixel slices: enough for this many programs an SM ...
+DEPTHWISE_WGRAD_MIN_STEPS = 2  # ... each at least this many pixel blocks long (configs.pixel_split)
 
 
 def depthwise_wgrad_config(g: Geometry, dtype: torch.dtype) -> dict:
