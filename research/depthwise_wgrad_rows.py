@@ -9,6 +9,11 @@ as CUDA graphs; a table of cuDNN time / ours with geomeans per kind last. The fi
 programs an SM, 0.21x-0.22x cuDNN) found the kernel latency-bound: few programs, each a long serial loop.
 
     PYTHONPATH=src:tools python3 research/depthwise_wgrad_rows.py [--per-kind 8] [--budget 120] [--out F.json]
+    PYTHONPATH=src:tools python3 research/depthwise_wgrad_rows.py --kernel grouped_direct   # the same question
+
+``--kernel grouped_direct``: the same loop (programs a tap over pixel slices) in ``grouped_direct``'s weight
+gradient, on the zoo's grouped layers it takes (``configs.takes_grouped_direct``; ResNeXt's groups of 4 and 8
+channels among them), at 2 to 32 programs an SM.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ import torch
 
 from conv2d_depthwise_candidates import KINDS, geomean, graph_us, kind, label, ordered_layers
 from tilegemm.core.checks import relative_error
-from tilegemm.ops.conv2d import depthwise
-from tilegemm.ops.conv2d.configs import depthwise_config, depthwise_wgrad_config
+from tilegemm.ops.conv2d import depthwise, grouped_direct
+from tilegemm.ops.conv2d.configs import depthwise_config, depthwise_wgrad_config, takes_grouped_direct
 from tilegemm.ops.conv2d.problem import geometry_of
 
 # (program shape, programs an SM the pixel slices aim at, least pixel blocks a slice): 2 and 8 were the rule
 CANDIDATES = ("tap-2-8", "row-2-8", "tap-8-4", "row-8-4", "tap-16-4", "row-16-4", "tap-32-2", "row-32-2")
+GROUPED_CANDIDATES = ("tap-2-8", "tap-8-4", "tap-16-4", "tap-32-2")
 
 
 def config(name: str, g) -> dict:
@@ -36,27 +42,36 @@ def config(name: str, g) -> dict:
     return dict(cfg, PER_SM=int(per_sm), MIN_STEPS=int(steps))
 
 
-def run_layer(L: dict, batch: int) -> dict:
-    C, K = L["C"], L["K"]
+def run_layer(L: dict, batch: int, kernel: str = "depthwise") -> dict:
+    C, K, groups = L["C"], L["K"], L["groups"]
     pad = L["padding"]
     x = [torch.randn(batch, C, L["H"], L["W"], device="cuda", dtype=torch.float16)
          .contiguous(memory_format=torch.channels_last) for _ in range(2)]
-    w = torch.randn(K, 1, L["R"], L["S"], device="cuda", dtype=torch.float16)
-    g = geometry_of(x[0].shape, w.shape, L["stride"], [pad[0], pad[0], pad[1], pad[1]], L["dilation"], C)
+    w = torch.randn(K, C // groups, L["R"], L["S"], device="cuda", dtype=torch.float16)
+    g = geometry_of(x[0].shape, w.shape, L["stride"], [pad[0], pad[0], pad[1], pad[1]], L["dilation"], groups)
     dy = [torch.randn(batch, K, g.P, g.Q, device="cuda", dtype=torch.float16)
           .contiguous(memory_format=torch.channels_last) for _ in range(2)]
 
     def cudnn(i, dt=None):
         xx, yy, ww = (x[i], dy[i], w) if dt is None else (x[i].to(dt), dy[i].to(dt), w.to(dt))
         return torch.ops.aten.convolution_backward(yy, xx, ww, None, L["stride"], pad, L["dilation"], False,
-                                                   [0, 0], C, [False, True, False])[1]
+                                                   [0, 0], groups, [False, True, False])[1]
 
     ref = cudnn(0, torch.float32)
-    row = dict(layer=label(L, batch), kind=kind(L), models=L.get("models"))
+    row = dict(layer=label(L, batch) + (f"g{groups}" if kernel != "depthwise" else ""), models=L.get("models"),
+               kind=kind(L) if kernel == "depthwise" else f"{C // groups}-a-group")
     row["cudnn_us"] = graph_us(cudnn, 2)
-    for name in CANDIDATES:
-        cfg = config(name, g)
-        fn = lambda i, cfg=cfg: depthwise.wgrad(dy[i], x[i], g, torch.float16, dict(cfg))  # noqa: E731
+    for name in (CANDIDATES if kernel == "depthwise" else GROUPED_CANDIDATES):
+        if kernel == "depthwise":
+            cfg = config(name, g)
+            fn = lambda i, cfg=cfg: depthwise.wgrad(dy[i], x[i], g, torch.float16, dict(cfg))  # noqa: E731
+        else:
+            _, per_sm, steps = name.split("-")
+            bm = 32
+            bg = max(1, min(g.groups, 128 // (_pow2(g.Kg) * _pow2(g.Cg))))
+            cfg = dict(BLOCK_M=bm, BLOCK_G=_pow2(bg), num_warps=4, PER_SM=int(per_sm), MIN_STEPS=int(steps))
+            fn = lambda i, cfg=cfg: grouped_direct.wgrad(dy[i], x[i], g, torch.float16,  # noqa: E731
+                                                         torch.channels_last, dict(cfg))
         err = relative_error(fn(0).float(), ref)
         if not err < 1e-2:
             row[name] = None
@@ -66,38 +81,58 @@ def run_layer(L: dict, batch: int) -> dict:
     return row
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def grouped_layers() -> list[dict]:
+    from tilegemm.ops.conv2d import zoo
+
+    out = []
+    for L in zoo.bench_layers():
+        if L["groups"] > 1 and L["groups"] != L["C"]:
+            pad = L["padding"]
+            g = geometry_of((32, L["C"], L["H"], L["W"]), (L["K"], L["C"] // L["groups"], L["R"], L["S"]),
+                            L["stride"], [pad[0], pad[0], pad[1], pad[1]], L["dilation"], L["groups"])
+            if takes_grouped_direct(g):
+                out.append(L)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--per-kind", type=int, default=8)
     ap.add_argument("--budget", type=float, default=120.0)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--kernel", choices=("depthwise", "grouped_direct"), default="depthwise")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     layers, seen = [], {}
-    for L in ordered_layers(KINDS):
+    for L in ordered_layers(KINDS) if args.kernel == "depthwise" else grouped_layers():
         k = kind(L)
-        if seen.get(k, 0) < args.per_kind:
+        if args.kernel != "depthwise" or seen.get(k, 0) < args.per_kind:
             seen[k] = seen.get(k, 0) + 1
             layers.append(L)
+    names = CANDIDATES if args.kernel == "depthwise" else GROUPED_CANDIDATES
     start, rows = time.time(), []
     for L in layers:
         if time.time() - start > args.budget:
             break
-        rows.append(run_layer(L, args.batch))
+        rows.append(run_layer(L, args.batch, args.kernel))
         r = rows[-1]
         print(f"{r['layer']:<30s} {r['kind']:<7s} {r['cudnn_us']:7.1f}us "
-              + " ".join(f"{r[c]:.2f}" if r[c] else "WRONG" for c in CANDIDATES), flush=True)
-    print(f"{len(rows)} layers; cuDNN time / ours, geomean per kind ({' '.join(CANDIDATES)}); even / odd layers:")
-    for k in [*KINDS, "all"]:
+              + " ".join(f"{r[c]:.2f}" if r[c] else "WRONG" for c in names), flush=True)
+    print(f"{len(rows)} layers; cuDNN time / ours, geomean per kind ({' '.join(names)}); even / odd layers:")
+    for k in [*dict.fromkeys(r["kind"] for r in rows), "all"]:
         mine = [r for r in rows if k == "all" or r["kind"] == k]
         if mine:
             print(f"  {k:<8s} {len(mine):3d}  " + "  ".join(f"{c} {geomean(r[c] for r in mine) or 0:.3f}x"
-                                                        for c in CANDIDATES))
+                                                        for c in names))
     for half in (0, 1):
         mine = rows[half::2]
         print(f"  half {half} {len(mine):3d}  " + " ".join(f"{geomean(r[c] for r in mine) or 0:.3f}"
-                                                      for c in CANDIDATES))
+                                                      for c in names))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
