@@ -321,8 +321,8 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     cfg = dict(config)
     npq = g.N * g.P * g.Q
     blocks = cdiv(g.groups, cfg["BLOCK_G"]) * g.R * g.S
-    # PER_SM / MIN_STEPS: the slices' count by config (configs.pixel_split; the depthwise weight gradient, the
-    # same loop over taps and slices, ran 1.6x faster at 32 programs an SM than at 2: docs/conv2d.md)
+    # PER_SM / MIN_STEPS: the slices' count by config (configs.pixel_split); the depthwise weight gradient, the
+    # same loop over taps and slices, waited on latency with few slices (docs/conv2d.md, "Depthwise weight gradient")
     per_sm, steps = cfg.pop("PER_SM", 2), cfg.pop("MIN_STEPS", 8)
     split, slice_len = pixel_split(npq, blocks, cfg["BLOCK_M"], dy.device, cfg.pop("SPLIT", None), per_sm, steps)
     dw = empty_4d((g.K, g.Cg, g.R, g.S), out_dtype, dy.device, memory_format)
