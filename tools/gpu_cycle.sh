@@ -45,8 +45,10 @@
 #   zoo           the conv2d bench's zoo sweep (every convolution of torchvision's classification models), part
 #                 \$ZOO_PART (default 0/8; each part one device call), mode \$ZOO_MODE (fwd), dtypes \$ZOO_DTYPES
 #                 (fp16), auto only (log in \$OUT/conv2d-zoo-*.log; its precompile lines and last lines shown);
-#                 zoo-models  --op conv2d --model NAME (sweep images) for \$ZOO_MODELS
+#                 zoo-models  --op conv2d --model NAME (b32 eager and graph, b1 eager, b32 train) for \$ZOO_MODELS
 #                 (the issue's models but ResNet-50, whose entry is --model resnet50), dtype \$ZOO_DTYPE (fp16)
+#   dw-wgrad      research/depthwise_wgrad_rows.py: the depthwise weight gradient (a tap or a filter row a program, 2-32
+#                 programs an SM) and grouped_direct's (2-32) against cuDNN on the zoo's layers
 #   conv2d-odd    the conv2d bench's odd sweep (channels a group not multiples of 16: the padded route), forward
 #                 (auto and the pointer kernel it replaced) and backward (auto), fp16 and bf16; then its GPU tests
 # $PRECOMPILE: worker processes that compile a bench sweep's kernels before it is timed (default 15; 0 off).
@@ -156,9 +158,17 @@ for step in "$@"; do
            bench --op conv2d --sweep "zoo:$part" --mode "${ZOO_MODE:-fwd}" --dtype $d --kernels auto \
              --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
            grep -E "^(--)?precompile" "$OUT/$name.log" | tail -n 4; tail -n 4 "$OUT/$name.log"; done ;;
-    zoo-models) for m in ${ZOO_MODELS:-resnext50_32x4d convnext_tiny efficientnet_b0 mobilenet_v3_large regnet_y_1_6gf}; do
-                  bench --op conv2d --model $m --dtype "${ZOO_DTYPE:-fp16}" --json "$OUT/conv2d-model-$m.json" 2>&1 | tail -n 12
+    zoo-models) # without compile (a model's compile takes most of a minute): b32 eager and graph, b1 eager, b32 train
+                for m in ${ZOO_MODELS:-resnext50_32x4d convnext_tiny efficientnet_b0 mobilenet_v3_large regnet_y_1_6gf}; do
+                  timeout 90 python3 -m tilegemm.cli bench --quiet --no-save --op conv2d --model $m --dtype "${ZOO_DTYPE:-fp16}" \
+                    --shape 32,eager --shape 32,graph --shape 1,eager --shape 32,train \
+                    --json "$OUT/conv2d-model-$m.json" 2>&1 | grep -E "b32|b1 |geomean|auto  |wrong|error" | tail -n 12
                 done ;;
+    dw-wgrad)   # the depthwise and grouped_direct weight gradients' slice counts against cuDNN (research/)
+                PYTHONPATH=src:tools timeout 200 python3 research/depthwise_wgrad_rows.py --per-kind 10 --budget 130 \
+                  --out "$OUT/depthwise-wgrad.json" 2>&1 | tail -n 11
+                PYTHONPATH=src:tools timeout 120 python3 research/depthwise_wgrad_rows.py --kernel grouped_direct --budget 80 \
+                  --out "$OUT/grouped-direct-wgrad.json" 2>&1 | tail -n 8 ;;
     conv2d-odd) for d in fp16 bf16; do
                   bench --op conv2d --sweep odd --dtype $d --kernels auto,implicit_gemm --json "$OUT/conv2d-odd-fwd-$d.json" 2>&1 | tail -n 12
                   bench --op conv2d --sweep odd --dtype $d --mode bwd --kernels auto --json "$OUT/conv2d-odd-bwd-$d.json" 2>&1 | tail -n 12
