@@ -169,3 +169,18 @@ def test_model_entry_refuses_clearly():
         with pytest.raises(BenchError, match=want):
             bench.cases("images")
     assert op.model_bench("resnet50").name == "conv2d:resnet50"  # its own entry, as before
+
+
+def test_model_entry_bound_widens_to_twice_cudnns_error_only_where_finite():
+    # a case whose cuDNN result overflowed (relative_error: inf) keeps the table's bound: inf would pass anything
+    from tilegemm.bench.base import bench_op
+
+    bench = bench_op("conv2d").model_bench("resnext50_32x4d")
+    for train, table in ((False, bench.INFERENCE_TOLERANCE), (True, bench.TRAIN_TOLERANCE)):
+        bench._train = train
+        bench._cudnn_err = 0.0
+        assert bench.tolerance("fp16") == table["fp16"]
+        bench._cudnn_err = table["fp16"]  # cuDNN's own error above half the bound: twice it
+        assert bench.tolerance("fp16") == 2 * table["fp16"]
+        bench._cudnn_err = float("inf")
+        assert bench.tolerance("fp16") == table["fp16"]
