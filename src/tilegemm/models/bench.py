@@ -511,9 +511,15 @@ class TorchvisionBench(ResNet50Bench):
     def prepare(self, case, dtype, device, n_sets, options):
         self._train = case.dims["mode"] == "train"
         prepared = self._prepare(case, dtype, device, n_sets, options)
-        # cuDNN's own error on this case, so the bound never fails a result as close as cuDNN's
-        with _Precise(benchmark=True), torch.no_grad() if not self._train else contextlib.nullcontext():
-            self._cudnn_err = relative_error(self.baseline(prepared.sets[0], dtype), prepared.reference)
+        # cuDNN's own error on this case, so the bound never fails a result as close as cuDNN's. Where cuDNN's
+        # model fails (torch.compile, memory), the table's bound: the runner's check of the baseline reports the
+        # failure in its row and tilegemm's rows still run, as they did before this check.
+        self._cudnn_err = 0.0
+        try:
+            with _Precise(benchmark=True), torch.no_grad() if not self._train else contextlib.nullcontext():
+                self._cudnn_err = relative_error(self.baseline(prepared.sets[0], dtype), prepared.reference)
+        except Exception:  # noqa: BLE001 - reported by the baseline's row, not fatal to the case
+            pass
         return prepared
 
     def _prepare(self, case, dtype, device, n_sets, options):
