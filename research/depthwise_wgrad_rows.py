@@ -27,7 +27,7 @@ import torch
 from conv2d_depthwise_candidates import KINDS, geomean, graph_us, kind, label, ordered_layers
 from tilegemm.core.checks import relative_error
 from tilegemm.ops.conv2d import depthwise, grouped_direct
-from tilegemm.ops.conv2d.configs import depthwise_config, depthwise_wgrad_config, takes_grouped_direct
+from tilegemm.ops.conv2d.configs import depthwise_wgrad_config, takes_grouped_direct
 from tilegemm.ops.conv2d.problem import geometry_of
 
 # (program shape, programs an SM the pixel slices aim at, least pixel blocks a slice): 2 and 8 were the rule
@@ -37,8 +37,8 @@ GROUPED_CANDIDATES = ("tap-2-8", "tap-8-4", "tap-16-4", "tap-32-2")
 
 def config(name: str, g) -> dict:
     shape, per_sm, steps = name.split("-")
-    cfg = depthwise_wgrad_config(g, torch.float16) if shape == "row" else dict(depthwise_config(g, torch.float16),
-                                                                                 S_PAD=1)
+    # rows asked for by name: the rule's default (DEPTHWISE_WGRAD_ROW_TAPS) is a program a tap
+    cfg = depthwise_wgrad_config(g, torch.float16, rows=shape == "row")
     return dict(cfg, PER_SM=int(per_sm), MIN_STEPS=int(steps))
 
 

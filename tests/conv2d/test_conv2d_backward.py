@@ -320,3 +320,31 @@ def test_depthwise_weight_gradient_refuses_a_row_narrower_than_the_filter(device
     dy = torch.randn(1, 8, 9, 9, device=device).contiguous(memory_format=CL)
     with pytest.raises(ValueError, match="S_PAD=4 holds fewer than the filter's 5 columns"):
         depthwise.wgrad(dy, x, g, x.dtype, dict(depthwise_config(g, x.dtype), S_PAD=4))
+
+
+def test_depthwise_weight_gradient_rows_by_name_whatever_the_default(monkeypatch):
+    """``rows`` asks for a program per filter row (or per tap) whatever DEPTHWISE_WGRAD_ROW_TAPS says, so the research
+    script's "row" candidates time rows with the rule's default at a program a tap."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from tilegemm.ops.conv2d import configs
+    from tilegemm.ops.conv2d.problem import geometry_of
+
+    g = geometry_of((2, 8, 9, 9), (8, 1, 5, 5), [1, 1], [2, 2, 2, 2], [1, 1], 8)
+    monkeypatch.setattr(configs, "DEPTHWISE_WGRAD_ROW_TAPS", False)
+    assert configs.depthwise_wgrad_config(g, torch.float16, rows=True)["S_PAD"] == 8
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "tools"))
+    try:
+        spec = importlib.util.spec_from_file_location("depthwise_wgrad_rows", root / "research/depthwise_wgrad_rows.py")
+        research = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(research)
+    finally:
+        sys.path.remove(str(root / "tools"))
+    assert research.config("row-2-8", g)["S_PAD"] == 8
+    assert "S_PAD" not in research.config("tap-2-8", g)
+    monkeypatch.setattr(configs, "DEPTHWISE_WGRAD_ROW_TAPS", True)
+    assert "S_PAD" not in configs.depthwise_wgrad_config(g, torch.float16, rows=False)
+    assert "S_PAD" not in research.config("tap-2-8", g)

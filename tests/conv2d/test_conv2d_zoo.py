@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tilegemm.ops.conv2d import zoo
 from tilegemm.ops.conv2d.problem import geometry_of
@@ -169,3 +170,54 @@ def test_model_entry_refuses_clearly():
         with pytest.raises(BenchError, match=want):
             bench.cases("images")
     assert op.model_bench("resnet50").name == "conv2d:resnet50"  # its own entry, as before
+
+
+def test_model_entry_bound_widens_to_twice_cudnns_error_only_where_finite():
+    # a case whose cuDNN result overflowed (relative_error: inf) keeps the table's bound: inf would pass anything
+    from tilegemm.bench.base import bench_op
+
+    bench = bench_op("conv2d").model_bench("resnext50_32x4d")
+    for train, table in ((False, bench.INFERENCE_TOLERANCE), (True, bench.TRAIN_TOLERANCE)):
+        bench._train = train
+        bench._cudnn_err = 0.0
+        assert bench.tolerance("fp16") == table["fp16"]
+        bench._cudnn_err = table["fp16"]  # cuDNN's own error above half the bound: twice it
+        assert bench.tolerance("fp16") == 2 * table["fp16"]
+        bench._cudnn_err = float("inf")
+        assert bench.tolerance("fp16") == table["fp16"]
+
+
+def test_batch_norm_calibration_is_seeded_and_leaves_each_module_in_its_mode():
+    # dropout ahead of a batch norm drew on the global generator: statistics (and results) changed run to run
+    from tilegemm.models.torchvision_models import calibrate_batch_norms
+
+    def calibrated(global_seed):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Dropout(0.5), torch.nn.BatchNorm2d(4))
+        model.train()
+        model[1].eval()  # a mixed mode (as the bench's training step leaves a model): kept
+        torch.manual_seed(global_seed)
+        calibrate_batch_norms(model, 8, batches=2, batch=2)
+        assert [m.training for m in model] == [True, False, True] and model.training
+        return model[2].running_mean.clone(), model[2].running_var.clone()
+
+    (mean, var), (mean2, var2) = calibrated(1), calibrated(2)
+    assert mean.abs().sum() > 0 and not torch.equal(var, torch.ones(4))  # set from the batches
+    assert torch.equal(mean, mean2) and torch.equal(var, var2)
+
+
+def test_model_entry_case_survives_a_failing_baseline(monkeypatch):
+    # cuDNN's model failing where prepare() measures its error (a torch.compile error, memory) leaves the table's
+    # bound: the runner's check reports it in the baseline's row and tilegemm's rows run, as before that measure
+    from tilegemm.bench.base import bench_op
+
+    bench = bench_op("conv2d").model_bench("resnext50_32x4d")
+    case = next(c for c in bench.cases("tiny") if c.dims["mode"] == "eager")
+
+    def failing(inputs, dtype):
+        raise RuntimeError("the baseline failed")
+
+    monkeypatch.setattr(bench, "baseline", failing)
+    bench._cudnn_err = 1.0  # a previous case's
+    prepared = bench.prepare(case, "fp32", "cpu", 1, {})
+    assert prepared.sets and bench.tolerance("fp32") == bench.INFERENCE_TOLERANCE["fp32"]

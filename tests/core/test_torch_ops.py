@@ -93,3 +93,23 @@ def test_matmul_under_no_grad_and_with_grad(device):
     out = tilegemm.matmul(a, b, precision="ieee")
     out.sum().backward()
     torch.testing.assert_close(b.grad, a.sum(0)[:, None].expand(9, 5), rtol=1e-5, atol=1e-5)
+
+
+def test_own_storage_outputs_takes_any_return_a_custom_op_may_have():
+    """None (an op that only mutates), a tuple of tensors: views among them come back as no views."""
+    from tilegemm.core.torch_ops import own_storage_outputs
+
+    @torch.library.custom_op("tilegemm_test_own::fill_ones", mutates_args=("x",))
+    def fill_ones(x: torch.Tensor) -> None:
+        x.fill_(1)
+
+    @torch.library.custom_op("tilegemm_test_own::pair", mutates_args=())
+    def pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x * 2).reshape(1, -1).mT, x + 1  # a view, and a tensor of its own
+
+    assert own_storage_outputs(fill_ones) and own_storage_outputs(pair)
+    x = torch.zeros(3)
+    assert fill_ones(x) is None and torch.equal(x, torch.ones(3))
+    a, b = pair(x)
+    assert a._base is None and b._base is None
+    assert torch.equal(a, torch.full((3, 1), 2.0)) and torch.equal(b, torch.full((3,), 2.0))

@@ -76,6 +76,8 @@ def own_storage_outputs(op) -> bool:
         out = fn(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             return own_storage(out)
+        if out is None:  # an op that only mutates its arguments
+            return out
         return type(out)(own_storage(t) if isinstance(t, torch.Tensor) else t for t in out)
 
     try:

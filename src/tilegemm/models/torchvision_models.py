@@ -119,13 +119,15 @@ def fp16_loss_scale(model: nn.Module, x: torch.Tensor, target: torch.Tensor, sta
 
 def calibrate_batch_norms(model: nn.Module, image: int, batches: int = 4, batch: int = 8) -> nn.Module:
     """``model`` (in place) with its batch norms' running statistics set from ``batches`` random batches of
-    ``image`` x ``image`` images, and back in the mode it was in. A randomly initialised network in eval mode
-    normalises by the initial statistics (mean 0, variance 1), so activations grow layer by layer: EfficientNet
-    and MobileNetV3 overflow fp16 at their logits, and a comparison of logits measures nothing."""
+    ``image`` x ``image`` images, and every module back in the mode it was in. A randomly initialised network in
+    eval mode normalises by the initial statistics (mean 0, variance 1), so activations grow layer by layer:
+    EfficientNet and MobileNetV3 overflow fp16 at their logits, and a comparison of logits measures nothing.
+    Dropout and stochastic depth stay off while it runs: they would draw on the global generator, so the
+    statistics (and every result measured on them) would change from run to run."""
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not norms:
         return model
-    training = model.training
+    modes = [(m, m.training) for m in model.modules()]
     momenta = [m.momentum for m in norms]
     p = next(model.parameters())
     gen = torch.Generator(device=p.device).manual_seed(0)
@@ -134,6 +136,9 @@ def calibrate_batch_norms(model: nn.Module, image: int, batches: int = 4, batch:
             m.reset_running_stats()
             m.momentum = None  # a cumulative average over the batches
         model.train()
+        for m in model.modules():
+            if isinstance(m, nn.modules.dropout._DropoutNd) or type(m).__name__ == "StochasticDepth":
+                m.eval()
         with torch.no_grad():
             for _ in range(batches):
                 model(torch.randn(batch, 3, image, image, generator=gen, device=p.device, dtype=p.dtype)
@@ -141,5 +146,6 @@ def calibrate_batch_norms(model: nn.Module, image: int, batches: int = 4, batch:
     finally:
         for m, momentum in zip(norms, momenta):
             m.momentum = momentum
-        model.train(training)
+        for m, training in modes:
+            m.training = training
     return model

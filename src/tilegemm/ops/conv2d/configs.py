@@ -275,13 +275,13 @@ DEPTHWISE_WGRAD_PER_SM = 32  # its pixel slices: enough for this many programs a
 DEPTHWISE_WGRAD_MIN_STEPS = 2  # ... each at least this many pixel blocks long (configs.pixel_split)
 
 
-def depthwise_wgrad_config(g: Geometry, dtype: torch.dtype) -> dict:
-    """The depthwise weight gradient's config: :func:`depthwise_config`'s tile, and with
-    :data:`DEPTHWISE_WGRAD_ROW_TAPS` a program per filter row (``S_PAD``, the row's taps padded to a power of
+def depthwise_wgrad_config(g: Geometry, dtype: torch.dtype, rows: bool | None = None) -> dict:
+    """The depthwise weight gradient's config: :func:`depthwise_config`'s tile, and with ``rows`` (default
+    :data:`DEPTHWISE_WGRAD_ROW_TAPS`) a program per filter row (``S_PAD``, the row's taps padded to a power of
     two) with its pixel block divided by ``S_PAD`` (the same accumulator registers). A program per tap read dy
     and x from L2 once per tap (docs/conv2d.md, "Depthwise weight gradient")."""
     cfg = depthwise_config(g, dtype)
-    if DEPTHWISE_WGRAD_ROW_TAPS and g.S > 1:
+    if (DEPTHWISE_WGRAD_ROW_TAPS if rows is None else rows) and g.S > 1:
         sp = _pow2_at_least(g.S, 2, 64)
         cfg.update(S_PAD=sp, BLOCK_M=max(8, cfg["BLOCK_M"] // sp))
     return cfg
