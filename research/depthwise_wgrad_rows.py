@@ -1,11 +1,12 @@
-"""Open question (GPU): how should the depthwise weight gradient split its work (a program a tap or a filter row; how many slices)?
+"""Open question (GPU): how should the depthwise weight gradient split its work (a tap or a row a program, slices)?
 
 ``depthwise_wgrad_kernel`` with ``S_PAD = 1`` gives each program one tap and re-reads dy and x from L2 once per
 tap (49 times at 7x7); with ``S_PAD`` a row's taps share each dy tile and read x's shifted columns from L1. This
 times, on the zoo's depthwise layers (batch 32, fp16, channels-last; the first ``--per-kind`` of each kind of
 ``tools/conv2d_depthwise_candidates.py``), cuDNN's weight gradient and the kernel per tap, per row (the rule's
 pixel block), each with its pixel slices aimed at 2 to 32 programs an SM, checked against cuDNN's fp32 gradient,
-as CUDA graphs; a table of cuDNN time / ours with geomeans per kind last. The first run (both shapes at 2
+as CUDA graphs; a table of cuDNN time / ours with geomeans per kind last. ``rowtile-*``: the 3-D pixel tile of
+``research/depthwise_wgrad_rowtile.py`` (one division a row of pixels rather than three a pixel). The first run (both shapes at 2
 programs an SM, 0.21x-0.22x cuDNN) found the kernel latency-bound: few programs, each a long serial loop.
 
     PYTHONPATH=src:tools python3 research/depthwise_wgrad_rows.py [--per-kind 8] [--budget 120] [--out F.json]
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
@@ -30,8 +33,12 @@ from tilegemm.ops.conv2d import depthwise, grouped_direct
 from tilegemm.ops.conv2d.configs import depthwise_wgrad_config, takes_grouped_direct
 from tilegemm.ops.conv2d.problem import geometry_of
 
+sys.path.insert(0, os.path.dirname(__file__))
+from depthwise_wgrad_rowtile import wgrad_rowtile  # noqa: E402
+
 # (program shape, programs an SM the pixel slices aim at, least pixel blocks a slice): 2 and 8 were the rule
-CANDIDATES = ("tap-2-8", "row-2-8", "tap-8-4", "row-8-4", "tap-16-4", "row-16-4", "tap-32-2", "row-32-2")
+CANDIDATES = ("tap-2-8", "row-2-8", "tap-8-4", "row-8-4", "tap-16-4", "row-16-4", "tap-32-2", "row-32-2",
+              "rowtile-32-2", "rowtile-8-4")  # rowtile: research/depthwise_wgrad_rowtile.py's 3-D pixel tile
 GROUPED_CANDIDATES = ("tap-2-8", "tap-8-4", "tap-16-4", "tap-32-2")
 
 
@@ -42,7 +49,7 @@ def config(name: str, g) -> dict:
     return dict(cfg, PER_SM=int(per_sm), MIN_STEPS=int(steps))
 
 
-def run_layer(L: dict, batch: int, kernel: str = "depthwise") -> dict:
+def run_layer(L: dict, batch: int, kernel: str = "depthwise", names=CANDIDATES) -> dict:
     C, K, groups = L["C"], L["K"], L["groups"]
     pad = L["padding"]
     x = [torch.randn(batch, C, L["H"], L["W"], device="cuda", dtype=torch.float16)
@@ -61,8 +68,12 @@ def run_layer(L: dict, batch: int, kernel: str = "depthwise") -> dict:
     row = dict(layer=label(L, batch) + (f"g{groups}" if kernel != "depthwise" else ""), models=L.get("models"),
                kind=kind(L) if kernel == "depthwise" else f"{C // groups}-a-group")
     row["cudnn_us"] = graph_us(cudnn, 2)
-    for name in (CANDIDATES if kernel == "depthwise" else GROUPED_CANDIDATES):
-        if kernel == "depthwise":
+    for name in names:
+        if name.startswith("rowtile"):
+            _, per_sm, steps = name.split("-")
+            fn = lambda i, p=int(per_sm), st=int(steps): wgrad_rowtile(  # noqa: E731
+                dy[i], x[i], g, torch.float16, p, st)
+        elif kernel == "depthwise":
             cfg = config(name, g)
             fn = lambda i, cfg=cfg: depthwise.wgrad(dy[i], x[i], g, torch.float16, dict(cfg))  # noqa: E731
         else:
@@ -105,6 +116,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=120.0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--kernel", choices=("depthwise", "grouped_direct"), default="depthwise")
+    ap.add_argument("--candidates", help="comma-separated names (e.g. tap-32-2,rowtile-32-2); default: all")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
@@ -115,11 +127,13 @@ def main() -> None:
             seen[k] = seen.get(k, 0) + 1
             layers.append(L)
     names = CANDIDATES if args.kernel == "depthwise" else GROUPED_CANDIDATES
+    if args.candidates:
+        names = tuple(args.candidates.split(","))
     start, rows = time.time(), []
     for L in layers:
         if time.time() - start > args.budget:
             break
-        rows.append(run_layer(L, args.batch, args.kernel))
+        rows.append(run_layer(L, args.batch, args.kernel, names))
         r = rows[-1]
         print(f"{r['layer']:<30s} {r['kind']:<7s} {r['cudnn_us']:7.1f}us "
               + " ".join(f"{r[c]:.2f}" if r[c] else "WRONG" for c in names), flush=True)
