@@ -6,8 +6,9 @@ times, on the zoo's depthwise layers (batch 32, fp16, channels-last; the first `
 ``tools/conv2d_depthwise_candidates.py``), cuDNN's weight gradient and the kernel per tap, per row (the rule's
 pixel block), each with its pixel slices aimed at 2 to 32 programs an SM, checked against cuDNN's fp32 gradient,
 as CUDA graphs; a table of cuDNN time / ours with geomeans per kind last. ``rowtile-*``: the 3-D pixel tile of
-``research/depthwise_wgrad_rowtile.py`` (one division a row of pixels rather than three a pixel). The first run (both shapes at 2
-programs an SM, 0.21x-0.22x cuDNN) found the kernel latency-bound: few programs, each a long serial loop.
+``research/depthwise_wgrad_rowtile.py`` (one division a row of pixels rather than three a pixel). The first run
+(both shapes at 2 programs an SM, 0.21x-0.22x cuDNN) found the kernel latency-bound: few programs, each a long
+serial loop; 32 programs an SM (shipped) ran 0.375x.
 
     PYTHONPATH=src:tools python3 research/depthwise_wgrad_rows.py [--per-kind 8] [--budget 120] [--out F.json]
     PYTHONPATH=src:tools python3 research/depthwise_wgrad_rows.py --kernel grouped_direct   # the same question
