@@ -5,7 +5,9 @@ random batches, fp16 channels-last at the image size its weights expect), conver
 ``tilegemm.nn.convert_``, and profiles ``--steps`` calls of each model (``--mode infer``: a forward under no_grad;
 ``train``: a forward and backward, batch statistics) with ``torch.profiler``. Prints per side the total CUDA time a
 step and the ``--top`` kernel names by time (names cut to 70 characters), so a gap to cuDNN reads as which
-kernels take it.
+kernels take it. First both sides compute one step and tilegemm's logits (or gradients) are compared with cuDNN's:
+a result off by more than 2e-2 (inference; training steps of random fp16 networks differ more, so only a result
+as far as 1.0 from cuDNN's is refused) is not profiled.
 
     PYTHONPATH=src python3 tools/conv2d_model_profile.py convnext_tiny --mode train [--batch 32] [--top 20]
 """
@@ -21,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import tilegemm
+from tilegemm.core.checks import relative_error
 from tilegemm.models import torchvision_models as tvm
 from tilegemm.models.bench import _train_deterministic
 
@@ -70,6 +73,16 @@ def main() -> None:
     x = torch.randn(args.batch, 3, image, image, generator=gen).cuda().half()
     x = x.contiguous(memory_format=torch.channels_last)
     target = torch.randint(0, 10, (args.batch,), generator=gen).cuda()
+    # both sides compute the same step first (the profile of a wrong model would say nothing)
+    if args.mode == "infer":
+        with torch.no_grad():
+            outs = [tvm.logits_of(m(x))[0].float() for m in (ref, ours)]
+    else:
+        outs = [tvm.gradients(m, x, target, 1024.0) for m in (ref, ours)]
+    err = relative_error(outs[1], outs[0])
+    print(f"tilegemm's {'logits' if args.mode == 'infer' else 'gradients'} against cuDNN's: relative error {err:.1e}")
+    if not err < (2e-2 if args.mode == "infer" else 1.0):
+        raise SystemExit(f"tilegemm's result differs from cuDNN's by {err:.1e}: not profiled")
     result = {}
     for side, model in (("cuDNN", ref), ("tilegemm", ours)):
         times = kernel_times(model, x, target, args.mode, args.steps)
