@@ -91,3 +91,16 @@ def test_own_storage_shares_memory_without_a_copy():
     o.mul_(2)
     assert torch.equal(base.permute(0, 2, 1), o)  # the same memory
     assert own_storage(base) is base
+
+
+def test_compiled_convolution_then_inplace_relu_trains(device):
+    """torch.compile (AOTAutograd's eager backend) around the convolution, the in-place ReLU outside it."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(4, 8, 3, padding=1).to(device)
+    ours = tilegemm.nn.convert_(torch.nn.Sequential(__import__("copy").deepcopy(conv)))
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 4, 6, 6, device=device).contiguous(memory_format=torch.channels_last)
+    F.relu(compiled(x), inplace=True).square().sum().backward()
+    F.relu(conv(x), inplace=True).square().sum().backward()
+    for p, q in zip(ours.parameters(), conv.parameters()):
+        assert_rel_close(p.grad, q.grad, TOL)
