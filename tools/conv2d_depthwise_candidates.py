@@ -326,20 +326,63 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def common_arguments(ap: argparse.ArgumentParser, kinds) -> None:
+    """The options the conv2d candidates tools share (this one and conv2d_pointwise_candidates.py)."""
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=float, default=150.0, help="seconds from the start; stops after the layer "
                     "running then")
     ap.add_argument("--limit", type=int, default=None, help="at most this many layers")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="kinds of layer, in order: " + ",".join(KINDS))
+    ap.add_argument("--kinds", default=",".join(kinds), help="kinds of layer, in order: " + ",".join(kinds))
+    ap.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 4)),
+                    help="processes compiling ahead (0: none)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny layers: that the tool runs")
+
+
+def chosen_kinds(ap: argparse.ArgumentParser, text: str, known) -> list[str]:
+    """``--kinds``'s names, each one of ``known`` (else the parser's error)."""
+    kinds = [k for k in text.split(",") if k]
+    bad = [k for k in kinds if k not in known]
+    if bad:
+        ap.error(f"unknown kinds {bad}; known: {known}")
+    return kinds
+
+
+def setting(ap: argparse.ArgumentParser, args, layers: list, shrink_layer, tool: str, **meta):
+    """What a candidates tool's run is: (layers, smoke, device, batch, tolerance, meta, L2 bytes). A smoke run
+    (interpreter, CPU) takes each layer shrunk, batch 1 and fp32; a GPU run batch 32 and fp16."""
+    smoke = args.smoke
+    if smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            ap.error("--smoke runs under Triton's interpreter: set TRITON_INTERPRET=1")
+        layers = [shrink_layer(L) for L in layers]
+    elif not torch.cuda.is_available():
+        ap.error("no CUDA GPU: run with --smoke (and TRITON_INTERPRET=1) on a CPU")
+    batch = 1 if smoke else 32
+    torch.backends.cudnn.benchmark = True
+    from tilegemm.ops.conv2d.reference import tolerance
+
+    tol = tolerance(torch.float32 if smoke else torch.float16)
+    meta = dict(tool=tool, batch=batch, dtype="fp32" if smoke else "fp16", layout="channels_last", smoke=smoke,
+                budget_s=args.budget, **meta, tolerance=tol,
+                timing="CUDA-graph replays, median of 5 rounds" if not smoke else "one call, host clock (interpreter)")
+    l2 = 0
+    if not smoke:
+        import triton
+
+        props = torch.cuda.get_device_properties(0)
+        meta.update(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+                    triton=triton.__version__)
+        l2 = getattr(props, "L2_cache_size", 0) or 0
+    return layers, smoke, "cpu" if smoke else "cuda", batch, tol, meta, l2
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_arguments(ap, KINDS)
     ap.add_argument("--filter", default=None, help="a preset of layers: 'large-s1' = the stride-1 5x5 and 7x7 "
                     "layers (--kinds 7x7,5x5), 7x7 first")
     ap.add_argument("--candidates", default=None, help="comma-separated candidate names to time (default: all "
                     "that take a layer): " + ",".join(CANDIDATES))
-    ap.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 4)),
-                    help="processes compiling ahead (0: none)")
-    ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny layers: that the tool runs")
     args = ap.parse_args(argv)
     t0 = time.time()
     global SELECTED
@@ -353,34 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         bad = sorted(SELECTED - set(CANDIDATES))
         if bad:
             ap.error(f"unknown candidates {bad}; known: {list(CANDIDATES)}")
-    kinds = [k for k in args.kinds.split(",") if k]
-    bad = [k for k in kinds if k not in KINDS]
-    if bad:
-        ap.error(f"unknown kinds {bad}; known: {KINDS}")
-    layers = ordered_layers(kinds)[: args.limit]
-    smoke = args.smoke
-    if smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            ap.error("--smoke runs under Triton's interpreter: set TRITON_INTERPRET=1")
-        layers = [shrink(L) for L in layers]
-    elif not torch.cuda.is_available():
-        ap.error("no CUDA GPU: run with --smoke (and TRITON_INTERPRET=1) on a CPU")
-    device = "cpu" if smoke else "cuda"
-    batch = 1 if smoke else 32
-    torch.backends.cudnn.benchmark = True
-    from tilegemm.ops.conv2d.reference import relative_error, tolerance
-
-    tol = tolerance(torch.float32 if smoke else torch.float16)
-    meta = dict(tool="conv2d_depthwise_candidates", batch=batch, dtype="fp32" if smoke else "fp16",
-                layout="channels_last", smoke=smoke, budget_s=args.budget, candidates={
-                    n: CANDIDATES[n][0] for n in CANDIDATES}, tolerance=tol, timing="CUDA-graph replays, median "
-                "of 5 rounds" if not smoke else "one call, host clock (interpreter)")
-    if not smoke:
-        import triton
-
-        props = torch.cuda.get_device_properties(0)
-        meta.update(device=props.name, torch=torch.__version__, triton=triton.__version__)
-        l2 = getattr(props, "L2_cache_size", 0) or 0
+    layers = ordered_layers(chosen_kinds(ap, args.kinds, KINDS))[: args.limit]
+    layers, smoke, device, batch, tol, meta, l2 = setting(
+        ap, args, layers, shrink, "conv2d_depthwise_candidates", candidates={n: CANDIDATES[n][0] for n in CANDIDATES})
+    from tilegemm.ops.conv2d.reference import relative_error
 
     pool = None
     pending = {}

@@ -58,7 +58,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools beside this file
 
-from conv2d_depthwise_candidates import _spread, clock_us, geomean, graph_us  # noqa: E402 (the same timing)
+from conv2d_depthwise_candidates import (  # noqa: E402 (the same timing, options and set-up)
+    _spread, chosen_kinds, clock_us, common_arguments, geomean, graph_us, setting,
+)
 
 KINDS = ("small", "gluon", "large", "strided", "one-pixel")
 RUNGS = ("persistent_tma", "split_k", "grouped")
@@ -352,19 +354,12 @@ def summary(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--budget", type=float, default=150.0, help="seconds from the start; stops after the layer "
-                    "running then")
-    ap.add_argument("--limit", type=int, default=None, help="at most this many layers")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="kinds of layer, in order: " + ",".join(KINDS))
+    common_arguments(ap, KINDS)
     ap.add_argument("--layers", default=None, help="explicit layers instead of the zoo's: CxK@H[/S],... "
                     "(e.g. 1920x192@14,1056x304@15)")
     ap.add_argument("--rungs", default=DEFAULT_RUNGS, help="matmul rungs whose candidates are timed: "
                     + ",".join(RUNGS))
     ap.add_argument("--max-candidates", type=int, default=None, help="at most this many configs of each rung")
-    ap.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 4)),
-                    help="processes compiling ahead (0: none)")
-    ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny layers: that the tool runs")
     args = ap.parse_args(argv)
     t0 = time.time()
     rungs = [r for r in args.rungs.split(",") if r]
@@ -380,38 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             ap.error(str(err))
     else:
-        kinds = [k for k in args.kinds.split(",") if k]
-        bad = [k for k in kinds if k not in KINDS]
-        if bad:
-            ap.error(f"unknown kinds {bad}; known: {KINDS}")
-        layers = ordered_layers(kinds, interleave=args.smoke)
-    layers = layers[: args.limit]
-    smoke = args.smoke
-    if smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            ap.error("--smoke runs under Triton's interpreter: set TRITON_INTERPRET=1")
-        layers = [shrink(L) for L in layers]
-    elif not torch.cuda.is_available():
-        ap.error("no CUDA GPU: run with --smoke (and TRITON_INTERPRET=1) on a CPU")
-    device = "cpu" if smoke else "cuda"
-    batch = 1 if smoke else 32
-    torch.backends.cudnn.benchmark = True
-    from tilegemm.ops.conv2d.reference import relative_error, tolerance
-
-    dtype = torch.float32 if smoke else torch.float16
-    tol = tolerance(dtype)
-    meta = dict(tool="conv2d_pointwise_candidates", batch=batch, dtype="fp32" if smoke else "fp16",
-                layout="channels_last", smoke=smoke, budget_s=args.budget, rungs=rungs, max_candidates=most,
-                tolerance=tol, timing="CUDA-graph replays, median of 5 rounds" if not smoke else
-                "one call, host clock (interpreter)")
-    l2 = 0
-    if not smoke:
-        import triton
-
-        props = torch.cuda.get_device_properties(0)
-        meta.update(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
-                    triton=triton.__version__)
-        l2 = getattr(props, "L2_cache_size", 0) or 0
+        layers = ordered_layers(chosen_kinds(ap, args.kinds, KINDS), interleave=args.smoke)
+    layers, smoke, device, batch, tol, meta, l2 = setting(
+        ap, args, layers[: args.limit], shrink, "conv2d_pointwise_candidates", rungs=rungs, max_candidates=most)
+    from tilegemm.ops.conv2d.reference import relative_error
 
     pool, pending, seen = None, {}, set()
     if not smoke and args.workers > 0 and layers:
