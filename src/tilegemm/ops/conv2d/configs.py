@@ -278,8 +278,9 @@ DEPTHWISE_WGRAD_MIN_STEPS = 2  # ... each at least this many pixel blocks long (
 def depthwise_wgrad_config(g: Geometry, dtype: torch.dtype, rows: bool | None = None) -> dict:
     """The depthwise weight gradient's config: :func:`depthwise_config`'s tile, and with ``rows`` (default
     :data:`DEPTHWISE_WGRAD_ROW_TAPS`) a program per filter row (``S_PAD``, the row's taps padded to a power of
-    two) with its pixel block divided by ``S_PAD`` (the same accumulator registers). A program per tap read dy
-    and x from L2 once per tap (docs/conv2d.md, "Depthwise weight gradient")."""
+    two) with its pixel block divided by ``S_PAD`` (the same accumulator registers). Off by default: sharing a dy
+    tile across a row's taps ran slower than a program per tap at every slice count (docs/conv2d.md, "Depthwise
+    weight gradient")."""
     cfg = depthwise_config(g, dtype)
     if (DEPTHWISE_WGRAD_ROW_TAPS if rows is None else rows) and g.S > 1:
         sp = _pow2_at_least(g.S, 2, 64)
