@@ -137,6 +137,10 @@ def test_launch_args_name_what_they_cannot_take():
 _VARIANTS = {
     "m1-fp16-split": dict(dtype="float16", mnk=[1, 8192, 8192], bias=False, act="none",
                           cfg=dict(BM=8, RH=2, num_warps=4, STAGES=4, SPLIT_K=8, OVERLAP=False)),
+    "m1-fp16-pairs": dict(dtype="float16", mnk=[1, 8192, 8192], bias=False, act="none",
+                          cfg=dict(BM=8, RH=1, num_warps=4, STAGES=6, SPLIT_K=8, OVERLAP=False, PAIRS=True)),
+    "m16-bf16-g32-pairs": dict(dtype="bfloat16", mnk=[16, 4096, 4128], bias=True, act="silu", group=32,
+                               cfg=dict(BM=16, RH=1, num_warps=4, STAGES=8, SPLIT_K=3, OVERLAP=False, PAIRS=True)),
     "m64-bf16-bias-silu": dict(dtype="bfloat16", mnk=[64, 4096, 4096], bias=True, act="silu",
                                cfg=dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=2, OVERLAP=True)),
     "m256-odd-k": dict(dtype="float16", mnk=[300, 1000, 4160], bias=False, act="none",
@@ -243,7 +247,31 @@ def test_frag_wgmma_pipe_over_few_steps(K, stages, bm, warps, rh):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("K", [64, 128, 192, 320, 2048])  # PAIRS over 1, 2, 3, 5, 32 steps: a lone step, pairs,
+@pytest.mark.parametrize("stages", [4, 6, 8])               # pairs and a lone last step
+@pytest.mark.parametrize("bm, split", [(8, 1), (16, 3)])
+def test_frag_wgmma_pairs_over_few_steps(K, stages, bm, split):
+    from tilegemm.ops.w4a16 import frag_wgmma
+
+    cfg = dict(BM=bm, RH=1, num_warps=4, STAGES=stages, SPLIT_K=split, OVERLAP=False, PAIRS=True)
+    check_launch_twice(frag_wgmma, cfg, bm - 1, K=K, group=64)
+    check_launch_twice(frag_wgmma, cfg, 3, K=K - 32, group=32)  # and group 32, the last step half padding
+
+
+def test_frag_wgmma_pairs_refuses_the_overlapped_loops_and_short_rings():
+    from tilegemm.ops.w4a16 import frag_wgmma
+
+    x, out = torch.randn(4, 256, dtype=torch.float16), torch.empty(4, 64, dtype=torch.float16)
+    fw, fzs = torch.zeros(4, 4, 32, 4, dtype=torch.int32), torch.zeros(4, 4, 8, 4, dtype=torch.float16)
+    for cfg in (dict(BM=8, RH=1, num_warps=4, STAGES=6, SPLIT_K=1, OVERLAP=True, PAIRS=True),
+                dict(BM=8, RH=1, num_warps=4, STAGES=3, SPLIT_K=1, OVERLAP=False, PAIRS=True)):
+        with pytest.raises(ValueError, match="PAIRS"):
+            frag_wgmma.launch_args(x, fw, fzs, None, out, 64, 256, 64, "none", cfg)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=5, OVERLAP=False),
+                                 dict(BM=8, RH=1, num_warps=4, STAGES=6, SPLIT_K=5, OVERLAP=False, PAIRS=True),
                                  dict(BM=16, RH=2, num_warps=4, STAGES=3, SPLIT_K=7, OVERLAP=True),
                                  dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=3, OVERLAP=True, PIPE=True),
                                  dict(BM=256, RH=1, num_warps=8, STAGES=4, SPLIT_K=2, OVERLAP=True, PIPE=True)])

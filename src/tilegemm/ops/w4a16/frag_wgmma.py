@@ -336,13 +336,43 @@ def _plain_step(s, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs,
 
 
 @gluon.jit
+def _pair_step(s, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
+               za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql: gl.constexpr,
+               a_l: gl.constexpr, RHT: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
+               BF16: gl.constexpr, GROUP32: gl.constexpr, perm_ptr, xr, pr, GATHER: gl.constexpr):
+    """PAIRS's steps ``s`` and ``s + 1`` (the ring issued up to step s + STAGES - 3): one wait and one barrier
+    for both (every thread's copies of the two landed; every warp retired the pair before), each thread's words
+    of both read back, then the slots of the pair before refilled with steps s + STAGES - 2 and s + STAGES - 1,
+    and both MMAs run to completion."""
+    async_copy.wait_group(STAGES - 4)
+    gl.thread_barrier()
+    wa = w_bufs.index(s % STAGES).load(ql)
+    wb = w_bufs.index((s + 1) % STAGES).load(ql)
+    fence_async_shared()
+    xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 2, k_first, k_end, K,
+                    STAGES, EVEN_K, perm_ptr, xr, pr, GATHER)
+    xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, s + STAGES - 1, k_first, k_end, K,
+                    STAGES, EVEN_K, perm_ptr, xr, pr, GATHER)
+    za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
+                                              k_first + s * 64, k_end, group_k, group_steps, BF16, GROUP32, ql)
+    a = _a_tile(wa, za, zb, sa, sb, RHT, 1, a_l, BF16)
+    acc = warpgroup_mma(a, x_bufs.index(s % STAGES).permute((1, 0)), acc, is_async=True)
+    za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
+                                              k_first + (s + 1) * 64, k_end, group_k, group_steps, BF16, GROUP32, ql)
+    a2 = _a_tile(wb, za, zb, sa, sb, RHT, 1, a_l, BF16)
+    acc = warpgroup_mma(a2, x_bufs.index((s + 1) % STAGES).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    return acc, za, zb, sa, sb, zz, ss, left, g, xr, pr
+
+
+@gluon.jit
 def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x8, stride_om,
                       K64, N16, group_k, steps_per_split, k_stop,
                       BM: gl.constexpr, RH: gl.constexpr, STAGES: gl.constexpr, BF16: gl.constexpr,
                       EVEN_K: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr,
                       ACTIVATION: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
                       num_warps: gl.constexpr, GROUP32: gl.constexpr = False, perm_ptr=None,
-                      GATHER: gl.constexpr = False):
+                      GATHER: gl.constexpr = False, PAIRS: gl.constexpr = False):
     RHT: gl.constexpr = num_warps * RH  # 16-row tiles of weights
     BN: gl.constexpr = 16 * RHT
     dt: gl.constexpr = x_ptr.dtype.element_ty
@@ -391,7 +421,7 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
     else:
         xr = 0
         pr = 0
-    for i in gl.static_range(STAGES - 1):
+    for i in gl.static_range(STAGES - 2 if PAIRS else STAGES - 1):
         xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, i, k_first, k_end, K, STAGES,
                         EVEN_K, perm_ptr, xr, pr, GATHER)
 
@@ -449,6 +479,23 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
             fence_async_shared()
             acc, a = warpgroup_mma_wait(0, deps=(acc, a))
             a = a_next
+    elif PAIRS:
+        # Two steps a wait and a barrier (the ring issues STAGES - 2 steps ahead); an odd last step alone
+        for s in range(0, steps - 1, 2):
+            acc, za, zb, sa, sb, zz, ss, left, g, xr, pr = _pair_step(
+                s, acc, x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, zs_ptr, zs_row, N16,
+                za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
+                STAGES, EVEN_K, BF16, GROUP32, perm_ptr, xr, pr, GATHER)
+        if steps % 2 == 1:
+            async_copy.wait_group(STAGES - 3)
+            gl.thread_barrier()
+            t = steps - 1
+            za, zb, sa, sb, zz, ss, left, g = _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g,
+                                                      k_first + t * 64, k_end, group_k, group_steps, BF16, GROUP32, ql)
+            a = _a_tile(w_bufs.index(t % STAGES).load(ql), za, zb, sa, sb, RHT, 1, a_l, BF16)
+            fence_async_shared()
+            acc = warpgroup_mma(a, x_bufs.index(t % STAGES).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
     else:
         for s in range(steps):
             acc, za, zb, sa, sb, zz, ss, left, g, xr, pr = _plain_step(
@@ -540,6 +587,10 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
                   OVERLAP=cfg.get("OVERLAP", True), PIPE=cfg.get("PIPE", False), num_warps=warps)
     if group_k == 32:  # named only here, so the other group lengths' launches are what they were
         kwargs["GROUP32"] = True
+    if cfg.get("PAIRS"):  # named only where on, so the other launches compile as before
+        if cfg.get("OVERLAP", True) or cfg.get("PIPE", False) or cfg["STAGES"] < 4:
+            raise ValueError("frag_wgmma: PAIRS takes the plain loop (OVERLAP and PIPE off) and STAGES >= 4")
+        kwargs["PAIRS"] = True
     if perm is not None:  # named only for act-order launches (gathered x: element loads, no 16-byte alignment)
         kwargs["perm_ptr"], kwargs["GATHER"] = perm, True
     return frag_wgmma_kernel, (tiles_n, tiles_m, split), args, kwargs
