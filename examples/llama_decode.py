@@ -3,7 +3,7 @@
     python examples/llama_decode.py                  # GPU: Llama-3-8B shapes, as many layers as fit (<= 32)
     python examples/llama_decode.py --arch qwen2     # GPU: Qwen2-7B shapes (a second architecture)
     python examples/llama_decode.py --layers 8 --prompt 512 --new 128 --batches 1,16
-    python examples/llama_decode.py --tiny           # CI: a tiny config on the CPU under Triton's interpreter
+    python examples/llama_decode.py --tiny           # a tiny config, eager (CI: on the CPU under Triton's interpreter)
     python examples/llama_decode.py --checkpoint DIR # a 4-bit GPTQ/AWQ checkpoint directory (from_pretrained)
 
 Builds ``transformers.LlamaForCausalLM`` from a ``LlamaConfig`` (hidden 4096, intermediate 14336, 32 heads, 8 KV
@@ -37,7 +37,8 @@ from tilegemm.models.llama import (ARCHS, Decoder, agreement, build, dequantized
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny config on the CPU (interpreter), no timing claims")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny config, eager unless --modes (no GPU: the interpreter), no timing claims")
     parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama",
                         help="llama: Llama-3-8B's shapes (default); qwen2: Qwen2-7B's, from transformers' Qwen2Config")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: as many as fit)")
@@ -55,7 +56,10 @@ def main(argv=None) -> int:
     except ImportError:
         print("needs transformers: pip install 'tilegemm[models]'", file=sys.stderr)
         return 2
-    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    from tilegemm.core.runtime import interpreting
+
+    # tilegemm's kernels run where it compiles them: the GPU when there is one, else Triton's interpreter on the CPU
+    device = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
     if device == "cpu" and not args.tiny:
         print("no CUDA GPU: use --tiny", file=sys.stderr)
         return 2
@@ -63,7 +67,7 @@ def main(argv=None) -> int:
     new_tokens = args.new or (4 if args.tiny else 128)
     batches = [int(b) for b in (args.batches or ("1,2" if args.tiny else "1,16")).split(",")]
     group = args.group_size or (32 if args.tiny else 128)
-    if device == "cuda" and not args.checkpoint:
+    if device == "cuda" and not args.checkpoint and not args.tiny:
         args.layers = layers_that_fit(args.layers, args.arch)
     torch.manual_seed(0)
 
@@ -104,7 +108,7 @@ def main(argv=None) -> int:
 
     described = {"eager": "eager PyTorch", "graph": "decode step replayed from a CUDA graph",
                  "compile": "decode step compiled by torch.compile, replayed from a CUDA graph"}
-    modes = ["eager"] if device == "cpu" else ["eager", "graph", "compile"]
+    modes = ["eager"] if device == "cpu" or args.tiny else ["eager", "graph", "compile"]
     if device == "cuda" and args.modes:
         modes = args.modes.split(",")
     unknown = [m for m in modes if m not in described]

@@ -36,14 +36,16 @@ def variants(rule: dict) -> dict[str, dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ms", default="1,4,16,32")
-    p.add_argument("--fit-shapes", type=int, default=5, help="the first N (N, K) of the fitting draw")
+    p.add_argument("--fit-shapes", type=int, default=5, help="the first N (N, K) of the draw")
+    p.add_argument("--seed", type=int, default=FIT_SEED, help="the w4-random draw (60417: the held-out check only)")
+    p.add_argument("--no-llm", action="store_true", help="the draw's shapes alone")
     p.add_argument("--budget", type=float, default=150.0)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     start = time.time()
     ms = [int(m) for m in a.ms.split(",")]
-    shapes = [("llm", n, k) for n, k in _LLM_NK] + \
-        [(f"seed{FIT_SEED}", n, k) for n, k in w4_random_shapes(seed=FIT_SEED)[:a.fit_shapes]]
+    shapes = ([] if a.no_llm else [("llm", n, k) for n, k in _LLM_NK]) + \
+        [(f"seed{a.seed}", n, k) for n, k in w4_random_shapes(seed=a.seed)[:a.fit_shapes]]
     from tilegemm.core.hardware import machine_info
 
     machine = machine_info()
@@ -52,7 +54,7 @@ def main() -> None:
         if time.time() - start > a.budget:
             break
         sets = sweep.rotation_sets(sweep.weight_bytes(N, K), max(ms), N, K, True, machine)
-        shape = sweep.Shape(FIT_SEED, index, N, K, sets, "cuda")
+        shape = sweep.Shape(a.seed, index, N, K, sets, "cuda")
         for M in ms:
             case = sweep.Case(shape, M, sets)
             base = sweep.measure(lambda i: F.linear(case.x[i], shape.dense[i]), case.ref, sets, True)

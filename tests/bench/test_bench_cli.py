@@ -376,3 +376,22 @@ def test_the_retired_random_seed_still_names_its_shapes():
     from tilegemm.ops.matmul.bench import _random_cases
     assert [c.dims for c in bench_op("matmul").cases("random:2026")] == [c.dims for c in _random_cases(seed=2026)]
     assert [c.dims for c in bench_op("matmul").cases("random")][0] != _random_cases(seed=2026)[0].dims
+
+
+@pytest.mark.parametrize("wrap", [lambda t: t, lambda t: [t.clone(), t], lambda t: {"logits": t}])
+def test_a_reference_that_overflows_is_reported_not_blamed_on_the_kernels(monkeypatch, wrap):
+    op = bench_op("matmul")
+    real_prepare = op.prepare
+
+    def prepare(*args, **kwargs):
+        p = real_prepare(*args, **kwargs)
+        ref = p.reference.clone()
+        ref.view(-1)[3] = float("inf")
+        p.reference = wrap(ref)
+        return p
+
+    monkeypatch.setattr(op, "prepare", prepare)
+    result = run_bench(op, [op.parse_shape("16,16,16"), op.parse_shape("8,8,8")], "fp16", ["naive"], rep_ms=1)
+    assert len(result.rows) == 4  # both cases, baseline and kernel each
+    for r in result.rows:
+        assert r.status == "error" and "reference holds 1 inf or NaN" in r.message and r.ms is None, r

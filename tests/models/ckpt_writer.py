@@ -141,22 +141,28 @@ def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128
 def random_linear(N: int, K: int, method: str = "gptq", group_size: int = 128, sym: bool = True,
                   act_order: bool = False, v2: bool = False, generator: torch.Generator | None = None,
                   std: float = 0.02) -> dict:
-    """Stored tensors of a Linear with random 4-bit values (no float weight made): scales so the weight's
-    spread is about ``std``, zeros 8 (``sym``) or random in 5..10. Made on the generator's device (a GPU draws
-    and packs Llama-sized ones faster)."""
+    """Stored tensors of a Linear with random 4-bit values (no float weight made): zeros 8 (``sym``) or random in
+    5..10, each value its group's zero plus an offset drawn evenly from -7..7 (``sym``) or -5..5, so the weight
+    has mean zero (values drawn from all of 0..15 about a zero of 8 have mean -0.5 steps: 32 Llama-3-8B layers of
+    such weights overflowed fp16), and scales so its spread is about ``std``. Made on the generator's device (a
+    GPU draws and packs Llama-sized ones faster)."""
     gs = K if group_size == -1 else group_size
     G = K // gs
     dev = generator.device if generator is not None else torch.device("cpu")
-    q = torch.randint(0, 16, (K, N), generator=generator, dtype=torch.int64, device=dev)
-    scale = (torch.rand(G, N, generator=generator, device=dev) * 0.5 + 0.75) * (std / 4.6)
     zero = torch.full((G, N), 8, dtype=torch.int64, device=dev) if sym else \
         torch.randint(5, 11, (G, N), generator=generator, device=dev)
+    half = 7 if sym else 5
+    offset = torch.randint(-half, half + 1, (K, N), generator=generator, dtype=torch.int64, device=dev)
+    spread = (((2 * half + 1) ** 2 - 1) / 12) ** 0.5  # the offsets' standard deviation
+    scale = (torch.rand(G, N, generator=generator, device=dev) * 0.5 + 0.75) * (std / spread)
     if method == "gptq":
         order = torch.randperm(K, generator=generator, device=dev) if act_order else torch.arange(K, device=dev)
         g_idx = torch.empty(K, dtype=torch.int32, device=dev)
         g_idx[order] = (torch.arange(K, device=dev) // gs).to(torch.int32)
+        q = zero[g_idx.long()] + offset
         return dict(qweight=pack_along_k(q), qzeros=pack_along_n(zero if v2 else (zero - 1) & 15),
                     scales=scale.half(), g_idx=g_idx)
+    q = zero[torch.arange(K, device=dev) // gs] + offset
     return dict(qweight=pack_along_n(q, awq=True), qzeros=pack_along_n(zero, awq=True), scales=scale.half())
 
 

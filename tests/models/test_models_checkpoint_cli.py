@@ -18,6 +18,7 @@ pytest.importorskip("safetensors", reason="safetensors is optional (pip install 
 sys.path.insert(0, os.path.dirname(__file__))
 import ckpt_writer as cw  # noqa: E402
 
+from conftest import HERE  # noqa: E402
 from tilegemm.cli import main  # noqa: E402
 from tilegemm.core.runtime import interpreting  # noqa: E402
 from tilegemm.models.pretrained import dequantized_copy, from_pretrained  # noqa: E402
@@ -65,15 +66,27 @@ def test_the_tool_writes_qwen2_with_biases(tmp_path):
     assert tool.main(["--out", str(tmp_path / "q"), "--tiny"]) == 2  # refuses to write over a checkpoint
 
 
+@pytest.mark.parametrize("method, sym, act_order, v2, group", [
+    ("gptq", True, False, False, 128), ("gptq", False, True, False, 64), ("gptq", False, False, True, -1),
+    ("awq", False, False, False, 128)])
+def test_random_linears_have_mean_zero_and_the_asked_spread(method, sym, act_order, v2, group):
+    # a mean of half a step had made a Llama-3-8B-shaped checkpoint's fp16 logits overflow
+    gen = torch.Generator().manual_seed(1)
+    t = cw.random_linear(512, 1024, method, group, sym, act_order, v2, gen, std=0.02)
+    w = cw.dequantize_stored(t, method, group, v2).float()
+    assert abs(float(w.mean())) < 2e-4 and 0.017 < float(w.std()) < 0.023
+    assert float(w.mean(1).abs().mean()) < 1.2e-3  # no row biased either (half a step: about 2.2e-3)
+
+
 def test_dequantized_copy_shares_all_but_the_int4_weights(tiny_ckpt):
-    int4 = from_pretrained(tiny_ckpt, device="cpu")
+    int4 = from_pretrained(tiny_ckpt, device=HERE)
     dense = dequantized_copy(int4)
     assert not any(isinstance(m, Int4Linear) for m in dense.modules())
     assert dense.model.embed_tokens.weight is int4.model.embed_tokens.weight  # shared, not copied
     assert dense.lm_head.weight is int4.lm_head.weight
     q, d = int4.model.layers[1].mlp.down_proj, dense.model.layers[1].mlp.down_proj
     assert torch.equal(d.weight, q.dequantize())
-    ids = torch.tensor([[1, 2, 3]])
+    ids = torch.tensor([[1, 2, 3]], device=HERE)
     with torch.no_grad():
         a, b = int4(input_ids=ids).logits.float(), dense(input_ids=ids).logits.float()
     assert float((a - b).norm() / b.norm()) < 3e-3

@@ -298,6 +298,12 @@ def run_bench(
                     result.rows.append(_row(op, case, dtype, kernel, options, "error", message="out of memory"))
                     step(kernel)
                 continue
+            overflow = _nonfinite(prepared.reference)
+            if overflow:  # nothing can be checked against it: say so rather than call every kernel wrong
+                for kernel in names:
+                    result.rows.append(_row(op, case, dtype, kernel, options, "error", message=overflow))
+                    step(kernel)
+                continue
             tol = op.tolerance(dtype)
             # Check each kernel (this also compiles and tunes), then time them all, round by round.
             checked = {}
@@ -401,6 +407,26 @@ def _check(op, case, dtype, kernel, prepared, tol, options) -> "_Checked | Row":
     except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile or launch is reported, not fatal
         return _row(op, case, dtype, kernel, options, "error", message=_message(exc))
     return _Checked(call, context, status, err, tol)
+
+
+def _nonfinite(reference) -> str:
+    """A message where the case's reference (a tensor, or tensors in a list, tuple or dict) holds inf or NaN: its
+    inputs overflow the reference's own dtype (a random model's activations, say), so no result can be checked."""
+    if isinstance(reference, dict):
+        parts = list(reference.values())
+    elif isinstance(reference, (list, tuple)):
+        parts = list(reference)
+    else:
+        parts = [reference]
+    for t in parts:
+        if isinstance(t, (list, tuple, dict)):
+            found = _nonfinite(t)
+            if found:
+                return found
+        elif isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return (f"the reference holds {int((~torch.isfinite(t)).sum())} inf or NaN values of {t.numel()}: this "
+                    f"case's inputs overflow {t.dtype} there, so no result was checked or timed")
+    return ""
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
