@@ -311,3 +311,11 @@ def test_auto_uses_frag_wgmma_and_replays_it():
     # 700 rows on this 1024-row weight run dequant_cublas (auto's rule), kept apart with its dequantization
     assert replay.REPLAYS.count() == 3 and replay.DEQUANTS.count() == 1
     assert registry.get("w4a16", "frag_wgmma").unavailable_reason() is None
+
+
+@pytest.mark.parametrize("M, pairs", [(1, False), (16, False), (17, True), (32, True), (33, False), (64, False)])
+def test_config_rule_pairs_the_steps_at_17_to_32_rows(monkeypatch, M, pairs):
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    cfg = configs.frag_wgmma_config(M, 8192, 8192, "cuda")
+    assert cfg.get("PAIRS", False) == pairs and cfg["STAGES"] == (6 if pairs else 4)
+    assert not (pairs and (cfg["OVERLAP"] or cfg["PIPE"]))  # the plain loop only (launch_args refuses others)

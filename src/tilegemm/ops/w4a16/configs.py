@@ -90,7 +90,11 @@ def mma_config(M: int, N: int, K: int, device) -> dict:
 #   x 1 row tile (128 weight rows a program), x's rows BM = 256 where those tiles make FRAG_WGMMA_WIDE_TILES of a
 #   wave, else 128, and the K split that fills at most a wave (1, 2 or 4): a partial second wave cost more than
 #   idle SMs in the first, and 128 rows with a split beat 64 with more programs.
+# - at BM = 32 (M 17 .. 32) the plain loop waits and synchronises once every two K steps (PAIRS) on a ring of 6:
+#   it won there on two fitting draws and held on the held-out one; at M <= 16 it lost (docs/w4a16.md, "PAIRS").
 FRAG_WGMMA_PROGRAMS_PER_SM = (8, 4, 1)  # BM <= 16, <= 64, above
+FRAG_WGMMA_PAIRS_BM = 32
+FRAG_WGMMA_PAIRS_STAGES = 6
 FRAG_WGMMA_OVERLAP_M = 64
 FRAG_WGMMA_WIDE_TILES = 0.65  # share of a wave: BM = 256 from here
 FRAG_WGMMA_ROWS128_TILES = 0.4  # share of a wave the 128-row tiles make for the 8-warp rule at M <= 128
@@ -119,4 +123,7 @@ def frag_wgmma_config(M: int, N: int, K: int, device, gather: bool = False) -> d
     tiles = _cdiv(N, 16 * rh * warps) * _cdiv(M, bm)
     per_sm = FRAG_WGMMA_PROGRAMS_PER_SM[0 if bm <= 16 else 1 if bm <= 64 else 2]
     split = split_within(tiles, _cdiv(K, 64), per_sm * sms, 8)
+    if bm == FRAG_WGMMA_PAIRS_BM and not pipe and not gather:
+        return dict(BM=bm, RH=rh, num_warps=warps, STAGES=FRAG_WGMMA_PAIRS_STAGES, SPLIT_K=split, OVERLAP=False,
+                    PIPE=False, PAIRS=True)
     return dict(BM=bm, RH=rh, num_warps=warps, STAGES=4, SPLIT_K=split, OVERLAP=pipe, PIPE=pipe)
