@@ -273,6 +273,10 @@ def depthwise_config(g: Geometry, dtype: torch.dtype) -> dict:
 DEPTHWISE_WGRAD_ROW_TAPS = False  # a program per filter row (its taps sharing each dy tile): slower than per tap
 DEPTHWISE_WGRAD_PER_SM = 32  # its pixel slices: enough for this many programs an SM ...
 DEPTHWISE_WGRAD_MIN_STEPS = 2  # ... each at least this many pixel blocks long (configs.pixel_split)
+# grouped_direct's weight gradient, the same loop over taps and slices: the same slices (docs/conv2d.md,
+# "Depthwise weight gradient")
+GROUPED_DIRECT_WGRAD_PER_SM = 32
+GROUPED_DIRECT_WGRAD_MIN_STEPS = 2
 
 
 def depthwise_wgrad_config(g: Geometry, dtype: torch.dtype, rows: bool | None = None) -> dict:

@@ -21,7 +21,8 @@ import torch
 from tilegemm.core.launch import launch
 from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import cdiv, ensure_backend, interpreting
-from tilegemm.ops.conv2d.configs import GROUPED_DIRECT_MOST_CHANNELS, _pow2_at_least, pixel_split
+from tilegemm.ops.conv2d.configs import (GROUPED_DIRECT_MOST_CHANNELS, GROUPED_DIRECT_WGRAD_MIN_STEPS,
+                                         GROUPED_DIRECT_WGRAD_PER_SM, _pow2_at_least, pixel_split)
 from tilegemm.ops.conv2d.implicit_gemm import _conv_args, _nhwc_strides, allocate_out, empty_4d
 from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
 
@@ -321,9 +322,10 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     cfg = dict(config)
     npq = g.N * g.P * g.Q
     blocks = cdiv(g.groups, cfg["BLOCK_G"]) * g.R * g.S
-    # PER_SM / MIN_STEPS: the slices' count by config (configs.pixel_split); the depthwise weight gradient, the
-    # same loop over taps and slices, waited on latency with few slices (docs/conv2d.md, "Depthwise weight gradient")
-    per_sm, steps = cfg.pop("PER_SM", 2), cfg.pop("MIN_STEPS", 8)
+    # PER_SM / MIN_STEPS: the slices' count (configs.pixel_split); few slices wait on latency, as the depthwise
+    # weight gradient's did (docs/conv2d.md, "Depthwise weight gradient")
+    per_sm = cfg.pop("PER_SM", GROUPED_DIRECT_WGRAD_PER_SM)
+    steps = cfg.pop("MIN_STEPS", GROUPED_DIRECT_WGRAD_MIN_STEPS)
     split, slice_len = pixel_split(npq, blocks, cfg["BLOCK_M"], dy.device, cfg.pop("SPLIT", None), per_sm, steps)
     dw = empty_4d((g.K, g.Cg, g.R, g.S), out_dtype, dy.device, memory_format)
     grid = (cdiv(g.groups, cfg["BLOCK_G"]), g.R * g.S, split)
