@@ -5,10 +5,10 @@ tap (49 times at 7x7); with ``S_PAD`` a row's taps share each dy tile and read x
 times, on the zoo's depthwise layers (batch 32, fp16, channels-last; the first ``--per-kind`` of each kind of
 ``tools/conv2d_depthwise_candidates.py``), cuDNN's weight gradient and the kernel per tap, per row (the rule's
 pixel block), each with its pixel slices aimed at 2 to 32 programs an SM, checked against cuDNN's fp32 gradient,
-as CUDA graphs; a table of cuDNN time / ours with geomeans per kind last. ``rowtile-*``: the 3-D pixel tile of
-``research/depthwise_wgrad_rowtile.py`` (one division a row of pixels rather than three a pixel). The first run
-(both shapes at 2 programs an SM, 0.21x-0.22x cuDNN) found the kernel latency-bound: few programs, each a long
-serial loop; 32 programs an SM (shipped) ran 0.375x.
+as CUDA graphs; a table of cuDNN time / ours with geomeans per kind last. The first run (both shapes at 2
+programs an SM, 0.21x-0.22x cuDNN) found the kernel latency-bound: few programs, each a long serial loop; 32
+programs an SM (shipped) ran 0.375x. What is left open: the rest of the gap to cuDNN (docs/conv2d.md,
+"Depthwise weight gradient").
 
     PYTHONPATH=src:tools python3 research/depthwise_wgrad_rows.py [--per-kind 8] [--budget 120] [--out F.json]
     PYTHONPATH=src:tools python3 research/depthwise_wgrad_rows.py --kernel grouped_direct   # the same question
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import torch
@@ -34,12 +32,8 @@ from tilegemm.ops.conv2d import depthwise, grouped_direct
 from tilegemm.ops.conv2d.configs import depthwise_wgrad_config, takes_grouped_direct
 from tilegemm.ops.conv2d.problem import geometry_of
 
-sys.path.insert(0, os.path.dirname(__file__))
-from depthwise_wgrad_rowtile import wgrad_rowtile  # noqa: E402
-
 # (program shape, programs an SM the pixel slices aim at, least pixel blocks a slice): 2 and 8 were the rule
-CANDIDATES = ("tap-2-8", "row-2-8", "tap-8-4", "row-8-4", "tap-16-4", "row-16-4", "tap-32-2", "row-32-2",
-              "rowtile-32-2", "rowtile-8-4")  # rowtile: research/depthwise_wgrad_rowtile.py's 3-D pixel tile
+CANDIDATES = ("tap-2-8", "row-2-8", "tap-8-4", "row-8-4", "tap-16-4", "row-16-4", "tap-32-2", "row-32-2")
 GROUPED_CANDIDATES = ("tap-2-8", "tap-8-4", "tap-16-4", "tap-32-2")
 
 
@@ -70,11 +64,7 @@ def run_layer(L: dict, batch: int, kernel: str = "depthwise", names=CANDIDATES) 
                kind=kind(L) if kernel == "depthwise" else f"{C // groups}-a-group")
     row["cudnn_us"] = graph_us(cudnn, 2)
     for name in names:
-        if name.startswith("rowtile"):
-            _, per_sm, steps = name.split("-")
-            fn = lambda i, p=int(per_sm), st=int(steps): wgrad_rowtile(  # noqa: E731
-                dy[i], x[i], g, torch.float16, p, st)
-        elif kernel == "depthwise":
+        if kernel == "depthwise":
             cfg = config(name, g)
             fn = lambda i, cfg=cfg: depthwise.wgrad(dy[i], x[i], g, torch.float16, dict(cfg))  # noqa: E731
         else:
@@ -117,7 +107,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=120.0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--kernel", choices=("depthwise", "grouped_direct"), default="depthwise")
-    ap.add_argument("--candidates", help="comma-separated names (e.g. tap-32-2,rowtile-32-2); default: all")
+    ap.add_argument("--candidates", help="comma-separated names (e.g. tap-32-2,row-32-2); default: all")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True

@@ -166,7 +166,7 @@ for step in "$@"; do
                 done ;;
     dw-wgrad)   # the depthwise and grouped_direct weight gradients' slice counts against cuDNN (research/)
                 PYTHONPATH=src:tools timeout 200 python3 research/depthwise_wgrad_rows.py --per-kind 10 --budget 130 \
-                  --candidates tap-2-8,tap-32-2,row-32-2,rowtile-32-2,rowtile-8-4 \
+                  --candidates tap-2-8,tap-16-4,tap-32-2 \
                   --out "$OUT/depthwise-wgrad.json" 2>&1 | tail -n 11
                 PYTHONPATH=src:tools timeout 120 python3 research/depthwise_wgrad_rows.py --kernel grouped_direct --budget 80 \
                   --out "$OUT/grouped-direct-wgrad.json" 2>&1 | tail -n 8 ;;

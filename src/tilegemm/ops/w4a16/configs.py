@@ -91,7 +91,8 @@ def mma_config(M: int, N: int, K: int, device) -> dict:
 #   wave, else 128, and the K split that fills at most a wave (1, 2 or 4): a partial second wave cost more than
 #   idle SMs in the first, and 128 rows with a split beat 64 with more programs.
 # - at BM = 32 (M 17 .. 32) the plain loop waits and synchronises once every two K steps (PAIRS) on a ring of 6:
-#   it won there on two fitting draws and held on the held-out one; at M <= 16 it lost (docs/w4a16.md, "PAIRS").
+#   it won there on two fitting draws and held on the held-out one; at M <= 16 it lost (docs/w4a16.md,
+#   "frag_wgmma", PAIRS).
 FRAG_WGMMA_PROGRAMS_PER_SM = (8, 4, 1)  # BM <= 16, <= 64, above
 FRAG_WGMMA_PAIRS_BM = 32
 FRAG_WGMMA_PAIRS_STAGES = 6
