@@ -24,7 +24,7 @@ launches it, ``frag_wgmma.run(problem, cfg)``, with each candidate config:
   RH * BM <= 256) at the K split today's rule would fill the GPU with for that tile (``fill``: its programs a SM
   by BM, slices of 8 steps or more), twice and half that and 1, all at today's STAGES and mode (OVERLAP/PIPE);
   and today's config itself (family ``rule``) with its split x2, /2, 1, STAGES 3/4/6 and each mode (none,
-  OVERLAP alone, PIPE). Rings past 227 KB of shared memory are left out; a config the kernel refuses
+  OVERLAP alone, PIPE, PAIRS). Rings past 227 KB of shared memory are left out; a config the kernel refuses
   otherwise (its launch's ValueError, a compile or out-of-resources error) is recorded with the reason;
 - then ``--refine-rounds`` (default 2) rounds, while the budget lasts, of up to ``--refine`` (4) one-step
   changes of each case's best so far (split x2 / x0.5, STAGES, mode): they count toward "the best of each case".
@@ -79,7 +79,9 @@ SMOKE_SHAPES = ((128, 256), (192, 384))  # (N, K) under the interpreter
 SMOKE_MS = (1, 8, 16)
 SMEM_LIMIT = 227 * 1024  # shared memory a block may take on Hopper
 TOL = 2e-3  # relative error of a candidate against the fp32 reference
-MODES = {"none": (False, False), "overlap": (True, False), "pipe": (True, True)}  # (OVERLAP, PIPE)
+# (OVERLAP, PIPE, PAIRS); PAIRS is the plain loop waiting once every two K steps (STAGES >= 4)
+MODES = {"none": (False, False, False), "overlap": (True, False, False), "pipe": (True, True, False),
+         "pairs": (False, False, True)}
 TILES = ((1, 4), (2, 4), (1, 8), (2, 8))  # (RH, num_warps): 64, 128, 128, 256 weight rows a program
 
 
@@ -91,15 +93,17 @@ def cdiv(a: int, b: int) -> int:
 
 
 def mode_of(cfg: dict) -> str:
-    """``none``, ``overlap`` or ``pipe`` (PIPE runs with OVERLAP on; the kernel takes PIPE first)."""
+    """``none``, ``overlap``, ``pipe`` or ``pairs`` (PIPE runs with OVERLAP on; the kernel takes PIPE first)."""
     if cfg["PIPE"]:
         return "pipe"
+    if cfg.get("PAIRS"):
+        return "pairs"
     return "overlap" if cfg["OVERLAP"] else "none"
 
 
 def with_mode(cfg: dict, mode: str) -> dict:
-    overlap, pipe = MODES[mode]
-    return dict(cfg, OVERLAP=overlap, PIPE=pipe)
+    overlap, pipe, pairs = MODES[mode]
+    return dict(cfg, OVERLAP=overlap, PIPE=pipe, PAIRS=pairs)
 
 
 def effective_split(K: int, split: int) -> int:
@@ -111,7 +115,8 @@ def effective_split(K: int, split: int) -> int:
 def canonical(cfg: dict, K: int) -> dict:
     """``cfg`` with the split the launch makes of it, in one key order (equal configs compare equal)."""
     return dict(BM=cfg["BM"], RH=cfg["RH"], num_warps=cfg["num_warps"], STAGES=cfg["STAGES"],
-                SPLIT_K=effective_split(K, cfg["SPLIT_K"]), OVERLAP=bool(cfg["OVERLAP"]), PIPE=bool(cfg["PIPE"]))
+                SPLIT_K=effective_split(K, cfg["SPLIT_K"]), OVERLAP=bool(cfg["OVERLAP"]), PIPE=bool(cfg["PIPE"]),
+                PAIRS=bool(cfg.get("PAIRS", False)))
 
 
 def config_key(cfg: dict) -> str:
@@ -792,7 +797,7 @@ def rule_config(rule: dict, case: dict) -> dict:
     per_sm, min_steps, cap = rule["split"]
     split = split_policy(tiles_of(M, N, bm, rh, warps), K, sms, per_sm, min_steps, cap)
     cfg = dict(BM=bm, RH=rh, num_warps=warps, STAGES=rule["STAGES"], SPLIT_K=split)
-    return canonical(with_mode(dict(cfg, OVERLAP=False, PIPE=False), rule["mode"]), K)
+    return canonical(with_mode(cfg, rule["mode"]), K)
 
 
 def score(rule: dict, cases: list[dict]) -> tuple[float | None, float]:

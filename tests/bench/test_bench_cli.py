@@ -395,3 +395,27 @@ def test_a_reference_that_overflows_is_reported_not_blamed_on_the_kernels(monkey
     assert len(result.rows) == 4  # both cases, baseline and kernel each
     for r in result.rows:
         assert r.status == "error" and "reference holds 1 inf or NaN" in r.message and r.ms is None, r
+
+
+def test_a_case_whose_reference_overflows_frees_its_inputs_before_the_next(monkeypatch):
+    # Such a case is skipped, and its inputs must not live on while the next case makes its own (a large model's
+    # would double the peak): by the time the next prepare runs, the previous prepared case is gone.
+    import weakref
+
+    op = bench_op("matmul")
+    real_prepare = op.prepare
+    made = []
+
+    def prepare(*args, **kwargs):
+        if made:
+            assert all(ref() is None for ref in made), "the previous case's inputs are still alive"
+        p = real_prepare(*args, **kwargs)
+        p.reference.view(-1)[0] = float("nan")
+        made.append(weakref.ref(p))
+        return p
+
+    monkeypatch.setattr(op, "prepare", prepare)
+    result = run_bench(op, [op.parse_shape("16,16,16"), op.parse_shape("8,8,8"), op.parse_shape("4,4,4")], "fp16",
+                       ["naive"], rep_ms=1)
+    assert len(made) == 3 and len(result.rows) == 6
+    assert all(r.status == "error" for r in result.rows)

@@ -78,8 +78,8 @@ def test_gradients_match_torch(N, C, K, H, W, R, S, stride, padding, dilation, g
     assert _format_ok(gx, x)
 
 
-@pytest.mark.skipif(not interpreting(), reason="fp32 launcher checks, exact on the interpreter (the GPU computes tf32); "
-                    "the GPU's fp16 and bf16 checks are the gpu-marked tests")
+@pytest.mark.skipif(not interpreting(), reason="launcher checks on CPU tensors (the interpreter's); the GPU's fp16 "
+                    "and bf16 checks are the gpu-marked tests")
 def test_data_gradient_direct_fp64_view():
     # the launcher on its own, an output gradient given as a channel-sliced view (read through its strides)
     from tilegemm.ops.conv2d import grouped_direct
@@ -95,8 +95,8 @@ def test_data_gradient_direct_fp64_view():
     assert_rel_close(dx, ref, 1e-5)
 
 
-@pytest.mark.skipif(not interpreting(), reason="fp32 launcher checks, exact on the interpreter (the GPU computes tf32); "
-                    "the GPU's fp16 and bf16 checks are the gpu-marked tests")
+@pytest.mark.skipif(not interpreting(), reason="launcher checks on CPU tensors (the interpreter's); the GPU's fp16 "
+                    "and bf16 checks are the gpu-marked tests")
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
 def test_weight_gradient_split_and_formats(split, channels_last):

@@ -141,6 +141,11 @@ _VARIANTS = {
                           cfg=dict(BM=8, RH=1, num_warps=4, STAGES=6, SPLIT_K=8, OVERLAP=False, PAIRS=True)),
     "m16-bf16-g32-pairs": dict(dtype="bfloat16", mnk=[16, 4096, 4128], bias=True, act="silu", group=32,
                                cfg=dict(BM=16, RH=1, num_warps=4, STAGES=8, SPLIT_K=3, OVERLAP=False, PAIRS=True)),
+    # the shipped rule at 17 .. 32 rows: PAIRS on a ring of 6, both row tiles a warp
+    "m32-fp16-pairs": dict(dtype="float16", mnk=[32, 8192, 8192], bias=False, act="none",
+                           cfg=dict(BM=32, RH=1, num_warps=4, STAGES=6, SPLIT_K=2, OVERLAP=False, PAIRS=True)),
+    "m24-bf16-pairs-rh2": dict(dtype="bfloat16", mnk=[24, 14336, 4096], bias=True, act="silu",
+                               cfg=dict(BM=32, RH=2, num_warps=4, STAGES=6, SPLIT_K=1, OVERLAP=False, PAIRS=True)),
     "m64-bf16-bias-silu": dict(dtype="bfloat16", mnk=[64, 4096, 4096], bias=True, act="silu",
                                cfg=dict(BM=64, RH=2, num_warps=4, STAGES=4, SPLIT_K=2, OVERLAP=True)),
     "m256-odd-k": dict(dtype="float16", mnk=[300, 1000, 4160], bias=False, act="none",
@@ -249,11 +254,11 @@ def test_frag_wgmma_pipe_over_few_steps(K, stages, bm, warps, rh):
 @pytest.mark.gpu
 @pytest.mark.parametrize("K", [64, 128, 192, 320, 2048])  # PAIRS over 1, 2, 3, 5, 32 steps: a lone step, pairs,
 @pytest.mark.parametrize("stages", [4, 6, 8])               # pairs and a lone last step
-@pytest.mark.parametrize("bm, split", [(8, 1), (16, 3)])
-def test_frag_wgmma_pairs_over_few_steps(K, stages, bm, split):
+@pytest.mark.parametrize("bm, split, rh", [(8, 1, 1), (16, 3, 1), (32, 2, 1), (32, 1, 2)])  # 32: the rule's
+def test_frag_wgmma_pairs_over_few_steps(K, stages, bm, split, rh):
     from tilegemm.ops.w4a16 import frag_wgmma
 
-    cfg = dict(BM=bm, RH=1, num_warps=4, STAGES=stages, SPLIT_K=split, OVERLAP=False, PAIRS=True)
+    cfg = dict(BM=bm, RH=rh, num_warps=4, STAGES=stages, SPLIT_K=split, OVERLAP=False, PAIRS=True)
     check_launch_twice(frag_wgmma, cfg, bm - 1, K=K, group=64)
     check_launch_twice(frag_wgmma, cfg, 3, K=K - 32, group=32)  # and group 32, the last step half padding
 

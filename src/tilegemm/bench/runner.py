@@ -303,6 +303,8 @@ def run_bench(
                 for kernel in names:
                     result.rows.append(_row(op, case, dtype, kernel, options, "error", message=overflow))
                     step(kernel)
+                del prepared, first  # before the next case's inputs are made, as a case that ran frees them
+                _release(device)
                 continue
             tol = op.tolerance(dtype)
             # Check each kernel (this also compiles and tunes), then time them all, round by round.
@@ -351,9 +353,7 @@ def run_bench(
                     row.ratio2 = base2_ms / row.ms
                 result.rows.append(row)
             del prepared, first
-            gc.collect()
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            _release(device)
         done = len(cases)
     except KeyboardInterrupt:  # a time limit's SIGINT: the cases done so far are kept, and said to be partial
         meta["interrupted"] = f"stopped after {done} of {len(cases)} cases"
@@ -407,6 +407,13 @@ def _check(op, case, dtype, kernel, prepared, tol, options) -> "_Checked | Row":
     except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile or launch is reported, not fatal
         return _row(op, case, dtype, kernel, options, "error", message=_message(exc))
     return _Checked(call, context, status, err, tol)
+
+
+def _release(device: str) -> None:
+    """Return a finished case's inputs to the device before the next case makes its own."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _nonfinite(reference) -> str:
