@@ -64,6 +64,9 @@ def _add_bench(sub, detailed: bool) -> None:
     p.add_argument("--checkpoint", metavar="DIR",
                    help="--op w4a16 --model llama: load the model from a 4-bit GPTQ/AWQ checkpoint directory "
                         "(tilegemm.models.from_pretrained) instead of quantizing random weights")
+    p.add_argument("--layers", type=int, metavar="N",
+                   help="--model llama, qwen2, qwen3_moe, mixtral: decoder layers of the full-size model (default: "
+                        "as many as fit)")
     p.add_argument("--dtype", help=f"input dtype (the first is the default); {dtypes}")
     p.add_argument("--sweep", help=f"named sweep; {sweeps}; default: the op's GPU sweep on a GPU, its tiny one "
                                    "under the interpreter")

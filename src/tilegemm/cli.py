@@ -80,11 +80,17 @@ def cmd_bench(args, console, err_console) -> int:
         op = bench_op(args.op)
         if args.checkpoint and not args.model:
             raise UsageError("--checkpoint names the model to load: give it with --model (--op w4a16 --model llama)")
+        if args.layers is not None and not args.model:
+            raise UsageError("--layers sets a model entry's decoder layers: give the model with --model")
+        if args.layers is not None and args.layers < 1:
+            raise UsageError(f"--layers must be >= 1, got {args.layers}")
         if args.model:
+            kwargs = {k: v for k, v in (("checkpoint", args.checkpoint), ("layers", args.layers)) if v}
             try:  # from here on the model's adapter: its sweeps, dtypes, kernel, rows
-                op = op.model_bench(args.model, **({"checkpoint": args.checkpoint} if args.checkpoint else {}))
+                op = op.model_bench(args.model, **kwargs)
             except TypeError:
-                raise UsageError(f"--checkpoint does not apply to --model {args.model}") from None
+                flags = " and ".join(f"--{k}" for k in kwargs)
+                raise UsageError(f"{flags} does not apply to --model {args.model}") from None
             if args.cuda_graph:
                 raise UsageError(f"--cuda-graph does not apply to --model {args.model}: its cases say how each "
                                  "model runs (eager, graph, compile)")

@@ -112,7 +112,12 @@ def test_files_are_named_after_the_model(tmp_path, monkeypatch):
     [
         (["--op", "w4a16", "--model", "gpt"], "op w4a16 has no model 'gpt'; choose one of: llama, qwen2"),
         (["--model", "llama"], "op matmul has no model entries; those there are: --op conv2d --model resnet50, "
-                               "--op w4a16 --model llama, --op w4a16 --model qwen2"),
+                               "--op grouped --model qwen3_moe, --op grouped --model mixtral, --op grouped_w4a16 "
+                               "--model qwen3_moe, --op grouped_w4a16 --model mixtral, --op w4a16 --model llama, "
+                               "--op w4a16 --model qwen2"),
+        (["--op", "conv2d", "--model", "resnet50", "--layers", "3"], "--layers does not apply to --model resnet50"),
+        (["--layers", "3"], "--layers sets a model entry's decoder layers: give the model with --model"),
+        (["--op", "grouped", "--model", "mixtral", "--layers", "0"], "--layers must be >= 1, got 0"),
         (["--op", "w4a16", "--model", "llama", "--kernels", "grouped"], "--kernels takes all or auto, not 'grouped'"),
         (["--op", "conv2d", "--model", "resnet50", "--layout", "TN"], "--layout TN does not apply to --model resnet50"),
         (["--op", "conv2d", "--model", "resnet50", "--mode", "bwd"], "--mode bwd does not apply to --model resnet50"),
@@ -161,7 +166,9 @@ def test_missing_libraries_name_the_extra(monkeypatch, capsys):
 
 
 def test_model_entries_are_listed_and_built():
-    assert sorted(model_entries()) == [("conv2d", "resnet50"), ("w4a16", "llama"), ("w4a16", "qwen2")]
+    assert sorted(model_entries()) == [("conv2d", "resnet50"), ("grouped", "mixtral"), ("grouped", "qwen3_moe"),
+                                       ("grouped_w4a16", "mixtral"), ("grouped_w4a16", "qwen3_moe"),
+                                       ("w4a16", "llama"), ("w4a16", "qwen2")]
     op = bench_op("w4a16").model_bench("llama", layers=3)
     assert op.name == "w4a16:llama" and op.layers == 3 and op.kernel_names() == ["auto"]
     with pytest.raises(BenchError, match="no model 'llama'"):

@@ -564,3 +564,239 @@ class TorchvisionBench(ResNet50Bench):
         # cuDNN's error is inf where its result overflowed: then the table's bound (an inf bound passes anything)
         bound = (self.TRAIN_TOLERANCE if self._train else self.INFERENCE_TOLERANCE)[dtype]
         return max(bound, 2 * self._cudnn_err) if math.isfinite(self._cudnn_err) else bound
+
+
+class MoEBench(ModelBench):
+    """A transformers mixture-of-experts model (``--model qwen3_moe``: Qwen3-30B-A3B's shapes; ``--model mixtral``:
+    Mixtral-8x7B's) with random weights, its experts on tilegemm's implementation (``experts_implementation=
+    "tilegemm"``, row ``auto``) against the same model on transformers' ``grouped_mm`` (the baseline) and
+    ``batched_mm`` (the second baseline): one model, its implementation switched between the rows.
+
+    Cases: a greedy decode step at the prompt's length (one token per sequence, a static KV cache; ``graph``:
+    replayed from a CUDA graph, ``compile``: torch.compile and then replayed; ``eager``), its last-position logits
+    the result, and ``prefill``: the forward of a [batch, prompt] prompt (eager launches: at these sizes the GPU
+    sets the pace), its last-position logits the result. Tokens a second: the batch for a decode step, the
+    batch's prompt tokens for a prefill. The reference is the baseline's logits.
+    """
+
+    model = "qwen3_moe"
+    arch = "qwen3_moe"
+    metric = "tokens/s"
+    baseline_name = "transformers grouped_mm"
+    cpu_baseline_name = "transformers grouped_mm, CPU"
+    second_baseline_name = "transformers batched_mm"
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    gpu_sweep, cpu_sweep = "decode", "tiny"
+    gpu_modes = ("graph", "compile", "prefill", "eager")
+    shape_help = ("BATCH[,MODE] (MODE: graph, compile, prefill or eager on a GPU; eager or prefill under the "
+                  "interpreter)")
+    MODES = {**MODES, "prefill": "the prompt's forward, eager (no cache), its last position's logits"}
+
+    GPU_PROMPT, TINY_PROMPT = 512, 8
+    PREFILL, TINY_PREFILL = 2048, 16
+    # The implementations sum each expert's products in other orders, and a near-tie of two experts' routing
+    # scores can pick another expert for a token in one of them: the bound leaves room for that (measured:
+    # docs/grouped.md, "Whole models").
+    TOLERANCE = {"bf16": 5e-2, "fp16": 2e-2, "fp32": 1e-4}
+
+    def __init__(self, layers: int | None = None, arch: str | None = None):
+        super().__init__()
+        if arch is not None:
+            self.arch = self.model = arch
+        self.name = f"grouped:{self.model}"
+        self.layers = layers
+        self.sweeps = {"decode": self._decode_cases, "tiny": self._tiny_cases}
+        self._built = None  # (key, the model[s]): kept across cases
+        self._impl = {}  # id(model) -> the experts implementation it was last set to
+
+    def modes(self):
+        return ("eager", "prefill") if interpreting() else self.gpu_modes
+
+    def default_dtype(self):
+        return "fp32" if interpreting() else "bf16"
+
+    def second_baseline_reason(self, device):
+        return None
+
+    # --- cases
+
+    def _require(self, tiny: bool) -> None:
+        from tilegemm.models import moe
+
+        try:
+            llama.require_transformers()
+        except ImportError as err:
+            raise BenchError(str(err)) from None
+        if not tiny and interpreting():
+            raise BenchError(f"--model {self.model} at {moe.arch_of(self.arch)[3]}'s shapes needs a CUDA GPU; "
+                             "under the interpreter run --sweep tiny")
+
+    def _case(self, batch: int, mode: str, tiny: bool, x: float) -> Case:
+        from tilegemm.models import moe
+
+        if tiny:
+            layers, config = moe.TINY_LAYERS, "tiny"
+        else:
+            self.layers = moe.layers_that_fit(self.arch, self.layers, int4=self._int4)
+            layers, config = self.layers, self.arch
+        prompt = (self.TINY_PREFILL if tiny else self.PREFILL) if mode == "prefill" else \
+            (self.TINY_PROMPT if tiny else self.GPU_PROMPT)
+        dims = dict(batch=batch, prompt=prompt, layers=layers, mode=mode, config=config)
+        return Case(f"b{batch} {mode}" + (f" {prompt}" if mode == "prefill" else ""), dims, float(x))
+
+    _int4 = False
+
+    def _decode_cases(self) -> list[Case]:
+        self._require(tiny=False)
+        points = [(batch, mode) for batch in (1, 16) for mode in ("graph", "compile")] + [(1, "prefill")]
+        return [self._case(batch, mode, False, i) for i, (batch, mode) in enumerate(points)]
+
+    def _tiny_cases(self) -> list[Case]:
+        self._require(tiny=True)
+        points = [(1, "eager"), (2, "eager"), (1, "prefill")]
+        return [self._case(batch, mode, True, i) for i, (batch, mode) in enumerate(points)]
+
+    def work(self, case, dtype, options):
+        d = case.dims
+        return float(d["batch"] * (d["prompt"] if d["mode"] == "prefill" else 1))
+
+    def description(self, cases):
+        from tilegemm.models import moe
+
+        d = cases[0].dims
+        _, full, full_layers, title, tiny_shapes = moe.arch_of(self.arch)
+        tiny = d["config"] == "tiny"
+        s = tiny_shapes if tiny else full
+        modes = "; ".join(f"{m} = {self.MODES[m]}" for m in dict.fromkeys(c.dims["mode"] for c in cases))
+        return (f"{'a tiny ' + self.arch if tiny else title + ' shapes'} (hidden {s['hidden_size']}, "
+                f"{moe.experts_count(s)} experts of {moe.expert_width(s)}, top {s['num_experts_per_tok']}, heads "
+                f"{s['num_attention_heads']}/{s['num_key_value_heads']} KV, vocab {s['vocab_size']}), {d['layers']} "
+                f"layers{'' if tiny else ' of ' + str(full_layers)}, random weights; {self._what()}. Decode: one "
+                f"greedy step at position {self.TINY_PROMPT if tiny else self.GPU_PROMPT} after a prompt; {modes}")
+
+    def _what(self) -> str:
+        return ("auto: the experts on tilegemm (experts_implementation='tilegemm'); baseline: transformers' "
+                "grouped_mm; second baseline: its batched_mm; reference: the baseline's logits")
+
+    # --- models and inputs
+
+    def _models(self, dims: dict, dtype: torch.dtype, device: str) -> dict:
+        """{row: model} (the rows' models, built on the first case and kept)."""
+        from tilegemm.models import moe
+
+        key = (dims["config"], dims["layers"], dtype, device)
+        if self._built is None or self._built[0] != key:
+            self._built = None
+            self.release()
+            with _seeded(device):
+                model = moe.build(self.arch, tiny=dims["config"] == "tiny", layers=dims["layers"], device=device,
+                                  dtype=dtype)
+            self._built = (key, self._rows(model, dims))
+        return self._built[1]
+
+    def _rows(self, model, dims) -> dict:
+        return {"auto": (model, "tilegemm"), "baseline": (model, "grouped_mm"), "baseline2": (model, "batched_mm")}
+
+    def _use(self, model, impl: str) -> None:
+        from tilegemm.models import moe
+
+        if self._impl.get(id(model)) != impl:  # set once: the timed calls of one row pay nothing for it
+            moe.set_experts(model, impl)
+            self._impl[id(model)] = impl
+
+    def prepare(self, case, dtype, device, n_sets, options):
+        self.release()
+        d = case.dims
+        rows = self._models(d, self.dtypes[dtype], device)
+        model = next(iter(rows.values()))[0]
+        batch, prompt_len, mode = d["batch"], d["prompt"], d["mode"]
+        prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
+                               generator=torch.Generator().manual_seed(0)).to(device)
+        self._compiled = self._compiled or mode == "compile"
+        calls = {}
+        for row, (m, impl) in rows.items():
+            self._use(m, impl)
+            if mode == "prefill":
+                calls[row] = self._prefill_call(m, impl, prompt)
+                continue
+            dec = llama.Decoder(m, batch, prompt_len + 1, device, graph=mode == "graph", compiled=mode == "compile",
+                                repeat=True)
+            dec.prefill(prompt)
+            if dec.graph:
+                dec.capture()  # a replay no longer reads the implementation
+                calls[row] = dec.next_logits
+            else:
+                calls[row] = self._eager_call(m, impl, dec.next_logits)
+        reference = calls["baseline"]().float()
+        return Prepared([calls], reference, bytes_per_set=0)
+
+    def _eager_call(self, model, impl, fn):
+        def call():
+            self._use(model, impl)
+            return fn()
+        return call
+
+    def _prefill_call(self, model, impl, prompt):
+        @torch.no_grad()
+        def call():
+            self._use(model, impl)
+            return model(input_ids=prompt, use_cache=False, logits_to_keep=1).logits[:, -1]
+        return call
+
+    def run(self, kernel, inputs, dtype):
+        return inputs["auto"]()
+
+    def baseline(self, inputs, dtype):
+        return inputs["baseline"]()
+
+    def second_baseline(self, inputs, dtype):
+        return inputs["baseline2"]()
+
+    def tolerance(self, dtype):
+        return self.TOLERANCE[dtype]
+
+
+class MixtralBench(MoEBench):
+    """:class:`MoEBench` on Mixtral-8x7B's shapes (8 experts of 14336, top 2)."""
+
+    model = arch = "mixtral"
+
+
+class MoEInt4Bench(MoEBench):
+    """:class:`MoEBench` with the experts 4-bit (``--op grouped_w4a16 --model qwen3_moe``): row ``auto`` runs a copy
+    whose experts ``tilegemm.nn.quantize_experts_`` made 4-bit (group 128; the tiny model's 32), against the 16-bit
+    model holding those 4-bit weights dequantized (so both compute the same product, and its logits are the
+    reference) on transformers' ``grouped_mm`` and ``batched_mm``."""
+
+    _int4 = True
+
+    def __init__(self, layers: int | None = None, arch: str | None = None):
+        super().__init__(layers, arch)
+        self.name = f"grouped_w4a16:{self.model}"
+
+    def default_dtype(self):
+        return "fp16" if interpreting() else "bf16"
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the 4-bit experts take 16-bit activations
+
+    def _what(self) -> str:
+        return (f"auto: a copy whose experts are 4-bit (tilegemm.nn.quantize_experts_, group {self._group()}) on "
+                "tilegemm; baseline: the 16-bit model holding those weights dequantized, on transformers' "
+                "grouped_mm; second baseline: its batched_mm; reference: the baseline's logits")
+
+    def _group(self) -> int:
+        from tilegemm.models import moe
+
+        return moe.TINY_GROUP if interpreting() else moe.GROUP
+
+    def _rows(self, model, dims) -> dict:
+        from tilegemm.models import moe
+
+        int4 = moe.int4_twin(model, moe.TINY_GROUP if dims["config"] == "tiny" else moe.GROUP)
+        return {"auto": (int4, "tilegemm"), "baseline": (model, "grouped_mm"), "baseline2": (model, "batched_mm")}
+
+
+class MixtralInt4Bench(MoEInt4Bench):
+    """:class:`MoEInt4Bench` on Mixtral-8x7B's shapes."""
+
+    model = arch = "mixtral"

@@ -128,13 +128,13 @@ def static_cache(model, batch: int, max_len: int, device):
     from transformers import StaticCache
 
     cfg = model.config
+    dtype = getattr(model, "dtype", torch.float16)  # the keys and values the model's attention makes
     params = inspect.signature(StaticCache.__init__).parameters
     if "max_batch_size" in params:  # transformers 4.x
-        return StaticCache(config=cfg, max_batch_size=batch, max_cache_len=max_len, device=device,
-                           dtype=torch.float16)
+        return StaticCache(config=cfg, max_batch_size=batch, max_cache_len=max_len, device=device, dtype=dtype)
     cache = StaticCache(config=cfg, max_cache_len=max_len)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    cache.early_initialization(batch, cfg.num_key_value_heads, head_dim, torch.float16, torch.device(device))
+    cache.early_initialization(batch, cfg.num_key_value_heads, head_dim, dtype, torch.device(device))
     return cache
 
 

@@ -98,6 +98,8 @@ class GroupedBench(BenchOp):
     options = ("mode",)
     shape_help = ("E,TOPK,HIDDEN,INTERMEDIATE,TOKENS,gate_up|down (a MoE product, e.g. 8,2,4096,14336,512,gate_up) "
                   "or B,M,N,K (a batched product)")
+    # a transformers MoE model on tilegemm's experts against its built-in implementations (docs/grouped.md)
+    models = {"qwen3_moe": "tilegemm.models.bench:MoEBench", "mixtral": "tilegemm.models.bench:MixtralBench"}
 
     @staticmethod
     def _mode(options) -> str:
@@ -328,6 +330,7 @@ class GroupedW4A16Bench(GroupedBench):
     sweeps = {"moe": _moe_cases, "tiny": lambda: _tiny_cases()[:3]}
     options = ()
     shape_help = "E,TOPK,HIDDEN,INTERMEDIATE,TOKENS,gate_up|down (e.g. 8,2,4096,14336,1,gate_up)"
+    models = {"qwen3_moe": "tilegemm.models.bench:MoEInt4Bench", "mixtral": "tilegemm.models.bench:MixtralInt4Bench"}
 
     @staticmethod
     def _mode(options) -> str:
