@@ -598,6 +598,10 @@ class MoEBench(ModelBench):
     # scores can pick another expert for a token in one of them: the bound leaves room for that (measured:
     # docs/grouped.md, "Whole models").
     TOLERANCE = {"bf16": 5e-2, "fp16": 2e-2, "fp32": 1e-4}
+    # The experts' down projections scaled up so that the experts carry a large share of the logits (each row
+    # records it as dims["experts_share"]): at transformers' initialisation they move them by a few percent, and a
+    # check of the logits would pass experts that computed nothing.
+    EXPERTS_GAIN = 8.0
 
     def __init__(self, layers: int | None = None, arch: str | None = None):
         super().__init__()
@@ -671,7 +675,8 @@ class MoEBench(ModelBench):
         return (f"{'a tiny ' + self.arch if tiny else title + ' shapes'} (hidden {s['hidden_size']}, "
                 f"{moe.experts_count(s)} experts of {moe.expert_width(s)}, top {s['num_experts_per_tok']}, heads "
                 f"{s['num_attention_heads']}/{s['num_key_value_heads']} KV, vocab {s['vocab_size']}), {d['layers']} "
-                f"layers{'' if tiny else ' of ' + str(full_layers)}, random weights; {self._what()}. Decode: one "
+                f"layers{'' if tiny else ' of ' + str(full_layers)}, random weights, the experts' down projections "
+                f"x{self.EXPERTS_GAIN:g} (rows: dims.experts_share); {self._what()}. Decode: one "
                 f"greedy step at position {self.TINY_PROMPT if tiny else self.GPU_PROMPT} after a prompt; {modes}")
 
     def _what(self) -> str:
@@ -690,7 +695,11 @@ class MoEBench(ModelBench):
             self.release()
             with _seeded(device):
                 model = moe.build(self.arch, tiny=dims["config"] == "tiny", layers=dims["layers"], device=device,
-                                  dtype=dtype)
+                                  dtype=dtype, experts_gain=self.EXPERTS_GAIN)
+                ids = torch.randint(0, model.config.vocab_size, (1, 16), device=device)
+            moe.set_experts(model, "grouped_mm")
+            self._share = moe.experts_share(model, ids)
+            self._impl.clear()
             self._built = (key, self._rows(model, dims))
         return self._built[1]
 
@@ -713,6 +722,7 @@ class MoEBench(ModelBench):
         prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
                                generator=torch.Generator().manual_seed(0)).to(device)
         self._compiled = self._compiled or mode == "compile"
+        d["experts_share"] = round(self._share, 4)  # what the check below can see (the rows carry it)
         calls = {}
         for row, (m, impl) in rows.items():
             self._use(m, impl)
@@ -721,7 +731,11 @@ class MoEBench(ModelBench):
                 continue
             dec = llama.Decoder(m, batch, prompt_len + 1, device, graph=mode == "graph", compiled=mode == "compile",
                                 repeat=True)
+            # the prompt on grouped_mm where the row is batched_mm, which copies each token's experts' weights (16
+            # x 512 tokens of Qwen3-30B-A3B: 600 GB); the cache it fills is the same
+            self._use(m, "grouped_mm" if impl == "batched_mm" else impl)
             dec.prefill(prompt)
+            self._use(m, impl)
             if dec.graph:
                 dec.capture()  # a replay no longer reads the implementation
                 calls[row] = dec.next_logits
@@ -737,6 +751,15 @@ class MoEBench(ModelBench):
         return call
 
     def _prefill_call(self, model, impl, prompt):
+        if impl == "batched_mm":
+            need = _batched_mm_bytes(model, prompt.numel())
+            free = torch.cuda.mem_get_info()[0] if prompt.is_cuda else float("inf")
+            if need > free:
+                def refuse():
+                    raise RuntimeError(f"not run: batched_mm copies each token's experts' weights, "
+                                       f"{need / 2**30:.0f} GiB for {prompt.numel()} tokens")
+                return refuse
+
         @torch.no_grad()
         def call():
             self._use(model, impl)
@@ -754,6 +777,18 @@ class MoEBench(ModelBench):
 
     def tolerance(self, dtype):
         return self.TOLERANCE[dtype]
+
+
+def _batched_mm_bytes(model, tokens: int) -> int:
+    """The bytes transformers' batched_mm gathers for one block at ``tokens`` tokens: each token-expert pair's
+    copy of the expert's weights."""
+    from tilegemm.models import moe
+
+    cfg = model.config
+    shapes = dict(hidden_size=cfg.hidden_size, moe_intermediate_size=getattr(cfg, "moe_intermediate_size", None),
+                  intermediate_size=cfg.intermediate_size)
+    per_expert = 3 * cfg.hidden_size * moe.expert_width(shapes) * model.dtype.itemsize
+    return tokens * cfg.num_experts_per_tok * per_expert
 
 
 class MixtralBench(MoEBench):

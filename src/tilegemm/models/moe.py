@@ -59,10 +59,13 @@ def expert_width(shapes: dict) -> int:
     return shapes.get("moe_intermediate_size") or shapes["intermediate_size"]
 
 
-def build(arch: str, tiny: bool = False, layers: int | None = None, device="cpu", dtype=torch.bfloat16):
+def build(arch: str, tiny: bool = False, layers: int | None = None, device="cpu", dtype=torch.bfloat16,
+          experts_gain: float = 1.0):
     """The ``arch`` MoE causal LM in ``dtype`` with random weights (transformers' initialisation), in eval mode on
     ``device``, its experts on tilegemm's implementation (:func:`set_experts`): the full model's shapes with
-    ``layers`` decoder layers (default all), or the tiny config (default 2 layers). Seed torch's generator first
+    ``layers`` decoder layers (default all), or the tiny config (default 2 layers). ``experts_gain`` scales the
+    experts' down projections: at transformers' initialisation the attention outputs dominate the residual
+    stream and the experts move the logits by a few percent (:func:`experts_share`). Seed torch's generator first
     for a fixed model."""
     llama.require_transformers()
     import transformers
@@ -82,7 +85,26 @@ def build(arch: str, tiny: bool = False, layers: int | None = None, device="cpu"
             model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=moe.NAME)
     finally:
         torch.set_default_dtype(old)
+    if experts_gain != 1.0:
+        with torch.no_grad():
+            for m in experts_of(model):
+                m.down_proj.mul_(experts_gain)
     return model.eval()
+
+
+@torch.no_grad()
+def experts_share(model, ids) -> float:
+    """How much the experts move the logits of ``ids``: the relative difference between the model's logits and
+    those with every experts block's output replaced by zeros. A check of the logits sees errors of the experts
+    only well below this."""
+    full = model(input_ids=ids, use_cache=False).logits.float()
+    hooks = [m.register_forward_hook(lambda mod, args, out: torch.zeros_like(out)) for m in experts_of(model)]
+    try:
+        bare = model(input_ids=ids, use_cache=False).logits.float()
+    finally:
+        for h in hooks:
+            h.remove()
+    return float((full - bare).norm() / full.norm())
 
 
 def set_experts(model, impl: str) -> None:
@@ -100,16 +122,18 @@ def experts_of(model):
 
 @torch.no_grad()
 def int4_twin(model, group_size: int):
-    """A copy of ``model`` whose experts are 4-bit (``tilegemm.nn.quantize_experts_``; it runs on ``"tilegemm"``),
-    and ``model``'s own experts overwritten with those 4-bit weights dequantized, so that the two compute the same
-    product (the 16-bit model is then the int4 one's reference and baseline). The copy is made a layer's experts
-    at a time: the 16-bit model is never held twice."""
+    """A 4-bit copy of ``model`` as ``tilegemm.nn.quantize_`` makes it (every Linear but lm_head an
+    ``Int4Linear``, the experts 4-bit stacked ones on ``"tilegemm"``), with ``model``'s own weights overwritten by
+    those 4-bit weights dequantized, so that the two compute the same product (the 16-bit model is then the int4
+    one's reference and baseline). The copy is made while the experts' 16-bit weights are taken out of ``model``:
+    they are never held twice."""
+    import tilegemm.nn
     from tilegemm.nn.moe import _int4, install_int4_experts_, use_int4_experts_
     from tilegemm.ops.w4a16.format import dequantize, quantize
 
     blocks = experts_of(model)
     saved = []
-    for m in blocks:  # the copy shares no expert weights: take them out while copying, put them back after
+    for m in blocks:
         names = ["gate_up_proj" if hasattr(m, "gate_up_proj") else "up_proj", "down_proj"]
         saved.append({n: m._parameters.pop(n) for n in names})
     try:
@@ -117,6 +141,8 @@ def int4_twin(model, group_size: int):
     finally:
         for m, params in zip(blocks, saved):
             m._parameters.update(params)
+    tilegemm.nn.quantize_(twin, group_size=group_size, filter=lambda name, m: "lm_head" not in name)
+    llama.dequantized_copy_into(model, twin)
     for m16, m4, params in zip(blocks, _blocks_by_class(twin, len(blocks)), saved):
         transposed = getattr(m16, "is_transposed", False)
         weights = {n: quantize((p.transpose(1, 2) if transposed else p).detach(), group_size)

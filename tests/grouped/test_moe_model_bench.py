@@ -1,0 +1,110 @@
+"""The MoE model entries (``tilegemm bench --op grouped|grouped_w4a16 --model qwen3_moe|mixtral``) on tiny configs
+under the interpreter: every row checked against the baseline's logits, the 4-bit twin computing what the 16-bit
+model holding its dequantized weights computes, and a wrong twin caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tilegemm.bench.base import bench_op  # noqa: E402
+from tilegemm.bench.runner import run_bench  # noqa: E402
+
+
+def _rows(result):
+    return {(r.shape, r.kernel): r for r in result.rows}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_the_16_bit_entry_checks_every_row(arch):
+    op = bench_op("grouped").model_bench(arch)
+    cases = op.cases("tiny")
+    assert [c.label for c in cases] == ["b1 eager", "b2 eager", "b1 prefill 16"]
+    result = run_bench(op, cases, op.default_dtype(), ["auto"], rep_ms=1, warmup_ms=0)
+    rows = _rows(result)
+    assert len(rows) == 9  # baseline, second baseline, auto
+    for r in rows.values():
+        assert r.status == "ok", r
+    for c in cases:
+        auto = rows[(c.label, "auto")]
+        assert auto.rel_err < 1e-4, auto  # fp32: the implementations differ in summation order only
+        # tokens a call: the batch for a decode step, its prompt tokens for a prefill
+        assert op.work(c, "fp32", {}) == c.dims["batch"] * (16 if c.dims["mode"] == "prefill" else 1)
+    assert "grouped_mm" in result.meta["model_description"]
+    # the experts carry enough of the logits for the check to see them (zeroed, they move the logits this much)
+    share = rows[(cases[0].label, "auto")].dims["experts_share"]
+    assert share > 0.1, share
+
+
+def test_the_int4_twin_is_what_the_16_bit_model_holds():
+    from tilegemm.models import moe
+    from tilegemm.nn import Int4Linear
+    from tilegemm.nn.moe import _int4
+    from tilegemm.ops.w4a16.format import dequantize
+
+    torch.manual_seed(0)
+    model = moe.build("qwen3_moe", tiny=True, dtype=torch.float16)
+    twin = moe.int4_twin(model, moe.TINY_GROUP)
+    linears = {n: type(m) for n, m in twin.named_modules() if isinstance(m, (torch.nn.Linear, Int4Linear))}
+    assert linears["lm_head"] is torch.nn.Linear
+    assert all(t is Int4Linear for n, t in linears.items() if n != "lm_head") and len(linears) > 1
+    for m16, m4 in zip(moe.experts_of(model), moe._blocks_by_class(twin, 2)):
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(m16, name), dequantize(_int4(m4, name)))
+            assert name not in m4._parameters  # the 16-bit experts are not in the copy
+    assert twin.config._experts_implementation == "tilegemm"
+    ids = torch.randint(0, 256, (2, 5))
+    with torch.no_grad():
+        moe.set_experts(model, "grouped_mm")
+        a = model(input_ids=ids).logits.float()
+        b = twin(input_ids=ids).logits.float()
+    assert ((a - b).norm() / a.norm()).item() < 5e-3
+
+
+def test_the_int4_entry_runs_and_catches_a_wrong_twin(monkeypatch):
+    from tilegemm.models import moe
+
+    op = bench_op("grouped_w4a16").model_bench("qwen3_moe")
+    cases = op.cases("tiny")[:1]
+    result = run_bench(op, cases, op.default_dtype(), ["auto"], rep_ms=1, warmup_ms=0)
+    assert all(r.status == "ok" for r in result.rows), result.rows
+    assert result.rows[0].dims["experts_share"] > 5 * op.tolerance("fp16")
+
+    real = moe.int4_twin
+
+    def broken(model, group_size):
+        twin = real(model, group_size)
+        for m in moe._blocks_by_class(twin, 2):
+            m.tilegemm_down_proj_scales.zero_()  # experts that compute nothing
+        return twin
+
+    monkeypatch.setattr(moe, "int4_twin", broken)
+    op = bench_op("grouped_w4a16").model_bench("qwen3_moe")
+    result = run_bench(op, op.cases("tiny")[:1], op.default_dtype(), ["auto"], rep_ms=1, warmup_ms=0)
+    auto = [r for r in result.rows if r.kernel == "auto"][0]
+    assert auto.status == "wrong", auto
+
+
+def test_batched_mm_bytes_and_the_layers_knob():
+    from tilegemm.models import moe
+    from tilegemm.models.bench import _batched_mm_bytes
+
+    torch.manual_seed(0)
+    model = moe.build("mixtral", tiny=True, dtype=torch.float16)
+    s = moe.TINY_MIXTRAL
+    assert _batched_mm_bytes(model, 10) == 10 * 2 * 3 * s["hidden_size"] * s["intermediate_size"] * 2
+    assert moe.layers_that_fit("qwen3_moe", requested=5) == 5
+    op = bench_op("grouped").model_bench("mixtral", layers=3)
+    assert op.layers == 3 and op.name == "grouped:mixtral"
+    with pytest.raises(ValueError, match="choose one of qwen3_moe, mixtral"):
+        moe.arch_of("deepseek")
+
+
+def test_the_full_size_entries_need_a_gpu():
+    from tilegemm.bench.base import BenchError
+
+    op = bench_op("grouped").model_bench("qwen3_moe")
+    with pytest.raises(BenchError, match="needs a CUDA GPU; under the interpreter run --sweep tiny"):
+        op.cases("decode")
