@@ -598,10 +598,11 @@ class MoEBench(ModelBench):
     # scores can pick another expert for a token in one of them: the bound leaves room for that (measured:
     # docs/grouped.md, "Whole models").
     TOLERANCE = {"bf16": 5e-2, "fp16": 2e-2, "fp32": 1e-4}
-    # The experts' down projections scaled up so that the experts carry a large share of the logits (each row
-    # records it as dims["experts_share"]): at transformers' initialisation they move them by a few percent, and a
-    # check of the logits would pass experts that computed nothing.
-    EXPERTS_GAIN = 8.0
+    # At transformers' initialisation the experts move the logits by a few percent (each row records how much:
+    # dims["experts_share"]), so the logits alone would pass experts that computed little; scaling them up made
+    # the logits of a deep model chaotic (a near-tie in the routing flips, and every later layer's input moves).
+    # Each case therefore also checks every layer's experts on the baseline's inputs (dims["experts_rel_err"]).
+    EXPERTS_TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-4}
 
     def __init__(self, layers: int | None = None, arch: str | None = None):
         super().__init__()
@@ -675,8 +676,9 @@ class MoEBench(ModelBench):
         return (f"{'a tiny ' + self.arch if tiny else title + ' shapes'} (hidden {s['hidden_size']}, "
                 f"{moe.experts_count(s)} experts of {moe.expert_width(s)}, top {s['num_experts_per_tok']}, heads "
                 f"{s['num_attention_heads']}/{s['num_key_value_heads']} KV, vocab {s['vocab_size']}), {d['layers']} "
-                f"layers{'' if tiny else ' of ' + str(full_layers)}, random weights, the experts' down projections "
-                f"x{self.EXPERTS_GAIN:g} (rows: dims.experts_share); {self._what()}. Decode: one "
+                f"layers{'' if tiny else ' of ' + str(full_layers)}, random weights; {self._what()}; every layer's "
+                f"experts also checked on the baseline's inputs (rows: dims.experts_rel_err, dims.experts_share). "
+                f"Decode: one "
                 f"greedy step at position {self.TINY_PROMPT if tiny else self.GPU_PROMPT} after a prompt; {modes}")
 
     def _what(self) -> str:
@@ -695,12 +697,16 @@ class MoEBench(ModelBench):
             self.release()
             with _seeded(device):
                 model = moe.build(self.arch, tiny=dims["config"] == "tiny", layers=dims["layers"], device=device,
-                                  dtype=dtype, experts_gain=self.EXPERTS_GAIN)
-                ids = torch.randint(0, model.config.vocab_size, (1, 16), device=device)
-            moe.set_experts(model, "grouped_mm")
-            self._share = moe.experts_share(model, ids)
+                                  dtype=dtype)
+                ids = torch.randint(0, model.config.vocab_size, (2, 16), device=device)
             self._impl.clear()
-            self._built = (key, self._rows(model, dims))
+            self._use(model, "grouped_mm")
+            self._share = moe.experts_share(model, ids)
+            rows = self._rows(model, dims)
+            (ref, ref_impl), (mine, impl) = rows["baseline"], rows["auto"]
+            self._experts_err = moe.experts_agreement(
+                ref, mine, ids, lambda m, which: self._use(m, ref_impl if which == "ref" else impl))
+            self._built = (key, rows)
         return self._built[1]
 
     def _rows(self, model, dims) -> dict:
@@ -722,7 +728,8 @@ class MoEBench(ModelBench):
         prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
                                generator=torch.Generator().manual_seed(0)).to(device)
         self._compiled = self._compiled or mode == "compile"
-        d["experts_share"] = round(self._share, 4)  # what the check below can see (the rows carry it)
+        d["experts_share"] = round(self._share, 4)  # what a check of the logits can see of the experts
+        d["experts_rel_err"] = float(f"{self._experts_err:.3g}")
         calls = {}
         for row, (m, impl) in rows.items():
             self._use(m, impl)
@@ -741,6 +748,14 @@ class MoEBench(ModelBench):
                 calls[row] = dec.next_logits
             else:
                 calls[row] = self._eager_call(m, impl, dec.next_logits)
+        bound = self.EXPERTS_TOLERANCE[dtype]
+        if self._experts_err > bound:  # the row fails with what was found, whatever its logits say
+            err = self._experts_err
+
+            def disagree():
+                raise RuntimeError(f"the experts disagree with {rows['baseline'][1]}'s on the same inputs: relative "
+                                   f"error {err:.3g} in a layer (bound {bound:g})")
+            calls["auto"] = disagree
         reference = calls["baseline"]().float()
         return Prepared([calls], reference, bytes_per_set=0)
 

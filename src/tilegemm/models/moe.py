@@ -59,13 +59,10 @@ def expert_width(shapes: dict) -> int:
     return shapes.get("moe_intermediate_size") or shapes["intermediate_size"]
 
 
-def build(arch: str, tiny: bool = False, layers: int | None = None, device="cpu", dtype=torch.bfloat16,
-          experts_gain: float = 1.0):
+def build(arch: str, tiny: bool = False, layers: int | None = None, device="cpu", dtype=torch.bfloat16):
     """The ``arch`` MoE causal LM in ``dtype`` with random weights (transformers' initialisation), in eval mode on
     ``device``, its experts on tilegemm's implementation (:func:`set_experts`): the full model's shapes with
-    ``layers`` decoder layers (default all), or the tiny config (default 2 layers). ``experts_gain`` scales the
-    experts' down projections: at transformers' initialisation the attention outputs dominate the residual
-    stream and the experts move the logits by a few percent (:func:`experts_share`). Seed torch's generator first
+    ``layers`` decoder layers (default all), or the tiny config (default 2 layers). Seed torch's generator first
     for a fixed model."""
     llama.require_transformers()
     import transformers
@@ -85,10 +82,6 @@ def build(arch: str, tiny: bool = False, layers: int | None = None, device="cpu"
             model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=moe.NAME)
     finally:
         torch.set_default_dtype(old)
-    if experts_gain != 1.0:
-        with torch.no_grad():
-            for m in experts_of(model):
-                m.down_proj.mul_(experts_gain)
     return model.eval()
 
 
@@ -105,6 +98,39 @@ def experts_share(model, ids) -> float:
         for h in hooks:
             h.remove()
     return float((full - bare).norm() / full.norm())
+
+
+@torch.no_grad()
+def experts_agreement(ref_model, model, ids, use) -> float:
+    """The largest relative error, over the layers, of ``model``'s experts against ``ref_model``'s on the same
+    inputs: each experts block of ``ref_model`` is recorded (its hidden states, routing and output) on ``ids``,
+    then the same block of ``model`` runs those inputs. ``use(model, "ref"|"model")`` sets each model's experts
+    implementation first. Unlike the logits, this is no chaotic function of the routing: a token whose top-k
+    choice flips between two implementations (a near-tie) changes every later layer's input."""
+    ref_blocks, blocks = experts_blocks(ref_model), experts_blocks(model)
+    if len(ref_blocks) != len(blocks):
+        raise ValueError(f"the models hold {len(ref_blocks)} and {len(blocks)} experts blocks")
+    seen = []
+    hooks = [b.register_forward_hook(lambda mod, args, kwargs, out: seen.append((args, kwargs, out)),
+                                     with_kwargs=True) for b in ref_blocks]
+    try:
+        use(ref_model, "ref")
+        ref_model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    use(model, "model")
+    worst = 0.0
+    for block, (args, kwargs, out) in zip(blocks, seen):
+        got = block(*args, **kwargs).float()
+        worst = max(worst, float((got - out.float()).norm() / out.float().norm()))
+    return worst
+
+
+def experts_blocks(model):
+    """transformers' experts blocks (``...Experts`` modules), in order, whatever their weights are (16-bit or
+    4-bit buffers)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Experts")]
 
 
 def set_experts(model, impl: str) -> None:
@@ -143,7 +169,7 @@ def int4_twin(model, group_size: int):
             m._parameters.update(params)
     tilegemm.nn.quantize_(twin, group_size=group_size, filter=lambda name, m: "lm_head" not in name)
     llama.dequantized_copy_into(model, twin)
-    for m16, m4, params in zip(blocks, _blocks_by_class(twin, len(blocks)), saved):
+    for m16, m4, params in zip(blocks, experts_blocks(twin), saved):
         transposed = getattr(m16, "is_transposed", False)
         weights = {n: quantize((p.transpose(1, 2) if transposed else p).detach(), group_size)
                    for n, p in params.items()}
@@ -155,15 +181,6 @@ def int4_twin(model, group_size: int):
                 p[e].copy_(d.T if transposed else d)
     use_int4_experts_(twin)
     return twin
-
-
-def _blocks_by_class(model, count: int):
-    """The experts blocks of a copy made while their 3-D weights were taken out (which :func:`experts_of` looks
-    for): transformers' ``...Experts`` modules, in the same order."""
-    blocks = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    if len(blocks) != count:
-        raise RuntimeError(f"found {len(blocks)} experts blocks in the copy, expected {count}")
-    return blocks
 
 
 def layer_gib(shapes: dict, dtype=torch.bfloat16) -> float:
