@@ -39,6 +39,17 @@ def _nbytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
+def _require_transformers_model(model: str, title: str, tiny: bool) -> None:
+    """BenchError where a transformers model entry cannot run here: transformers missing, or the full-size model
+    (``title``'s shapes) asked for under the interpreter."""
+    try:
+        llama.require_transformers()
+    except ImportError as err:
+        raise BenchError(str(err)) from None
+    if not tiny and interpreting():
+        raise BenchError(f"--model {model} at {title}'s shapes needs a CUDA GPU; under the interpreter run --sweep tiny")
+
+
 class LlamaDecodeBench(ModelBench):
     """Greedy decoding of a Llama-architecture model whose Linears, all but lm_head, are 4-bit
     (``tilegemm.nn.quantize_``), against the same model in fp16 with those int4 weights dequantized into it: the
@@ -87,13 +98,7 @@ class LlamaDecodeBench(ModelBench):
     # --- cases
 
     def _require(self, tiny: bool) -> None:
-        try:
-            llama.require_transformers()
-        except ImportError as err:
-            raise BenchError(str(err)) from None
-        if not tiny and interpreting():
-            raise BenchError(f"--model {self.model} at {llama.arch_of(self.arch)[3]}'s shapes needs a CUDA GPU; "
-                             "under the interpreter run --sweep tiny")
+        _require_transformers_model(self.model, llama.arch_of(self.arch)[3], tiny)
 
     def _case(self, batch: int, mode: str, tiny: bool, x: float) -> Case:
         if self.checkpoint is not None:
@@ -628,13 +633,7 @@ class MoEBench(ModelBench):
     def _require(self, tiny: bool) -> None:
         from tilegemm.models import moe
 
-        try:
-            llama.require_transformers()
-        except ImportError as err:
-            raise BenchError(str(err)) from None
-        if not tiny and interpreting():
-            raise BenchError(f"--model {self.model} at {moe.arch_of(self.arch)[3]}'s shapes needs a CUDA GPU; "
-                             "under the interpreter run --sweep tiny")
+        _require_transformers_model(self.model, moe.arch_of(self.arch)[3], tiny)
 
     def _case(self, batch: int, mode: str, tiny: bool, x: float) -> Case:
         from tilegemm.models import moe
