@@ -140,3 +140,40 @@ def test_registers_when_transformers_is_imported_later():
             "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS as f; print('tilegemm' in f)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+def test_quantized_experts_keep_fragments_for_compile(monkeypatch):
+    # Where the decode kernel runs (faked here: the packing is plain torch), quantizing makes the fragment layouts
+    # and keeps them as unsaved buffers: gate/up in the fused gate's order, down as is; a compiled block then
+    # passes them to the op (torch.compile traces no packing), which picks its kernel when it runs.
+    import tilegemm.ops.grouped.dispatch as dispatch
+    import tilegemm.ops.grouped.op as op
+
+    _, ours = pair(qwen3_moe())
+    ours = ours.half()
+    with monkeypatch.context() as m:
+        m.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
+        tilegemm.nn.quantize_experts_(ours, group_size=32)
+    block = ours.model.layers[0].mlp.experts
+    names = {n for n, _ in block.named_buffers()}
+    assert {"tilegemm_gate_up_proj_gfrag_w", "tilegemm_gate_up_proj_gfrag_zs", "tilegemm_down_proj_frag_w",
+            "tilegemm_down_proj_frag_zs"} <= names
+    assert not any("frag" in k for k in ours.state_dict())  # derived: never saved
+    w = moe._int4(block, "down_proj")
+    assert w._frag[0] is block.tilegemm_down_proj_frag_w and w.fragments()[0] is w._frag[0]  # made once
+
+    seen = []
+    real = op.forward_int4
+
+    def spy(*args):
+        seen.append(args[-2] is not None)  # fweight
+        return real(*args)
+
+    monkeypatch.setattr(op, "forward_int4", spy)
+    x, idx, weights = torch.randn(7, 32).half(), torch.randint(0, 8, (7, 2)), torch.rand(7, 2).half()
+    with torch.no_grad():
+        want = block(x, idx, weights)
+        seen.clear()
+        got = torch.compile(block, fullgraph=True, backend="aot_eager")(x, idx, weights)
+    assert seen and all(seen), seen  # every compiled 4-bit product took the kept fragments
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)

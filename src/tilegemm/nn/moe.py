@@ -109,17 +109,45 @@ def _int4(module, name: str) -> Int4Weight | None:
     if parts[0] is None:
         return None
     E, R, N = parts[0].shape
-    if torch.compiler.is_compiling():  # (a traced graph takes the tensors; it runs dequant_dot, no fragments)
-        return Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8))
+    if torch.compiler.is_compiling():  # a traced graph takes the tensors, the kept fragments among them
+        return _with_fragments(module, name, Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8)))
     key = (module.tilegemm_group_size, *((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
                                          for t in parts))
     cache = module.__dict__.setdefault("_tilegemm_int4_weights", {})
     hit = cache.get(name)
     if hit is not None and hit[0] == key:
         return hit[1]
-    w = Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8))
+    w = _with_fragments(module, name, Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8)))
     cache[name] = (key, w)
     return w
+
+
+def _fragment_names(name: str, gated: bool) -> tuple[str, str]:
+    tag = "gfrag" if gated else "frag"
+    return f"tilegemm_{name}_{tag}_w", f"tilegemm_{name}_{tag}_zs"
+
+
+def _with_fragments(module, name: str, w: Int4Weight) -> Int4Weight:
+    """``w`` given the fragment layouts the block keeps as buffers (:func:`keep_fragments_`)."""
+    for gated in (False, True):
+        fw, fzs = (getattr(module, n, None) for n in _fragment_names(name, gated))
+        if fw is not None and fzs is not None:
+            if gated:
+                w._frag_gated = (fw, fzs)
+            else:
+                w._frag = (fw, fzs)
+    return w
+
+
+def keep_fragments_(module, name: str, w: Int4Weight) -> None:
+    """Keep the fragment layouts ``w`` has made (the decode kernel ``frag``'s) as the block's buffers, so that a
+    model compiled later (``torch.compile`` traces no packing) or moved keeps them, as ``Int4Linear`` does."""
+    for gated, made in ((False, w._frag), (True, w._frag_gated)):
+        if made is None:
+            continue
+        for n, t in zip(_fragment_names(name, gated), made):
+            if getattr(module, n, None) is not t:
+                module.register_buffer(n, t, persistent=False)  # derived from the saved parts: not saved
 
 
 def _fused_activation(module) -> str | None:
@@ -146,8 +174,12 @@ def _project(module, name: str, x, offs, gated_activation: str | None):
         xq = x.to(w4.dtype)
         b4 = None if bias is None else bias.to(w4.dtype)
         if gated_activation is not None:
-            return moe_gate_up_int4(xq, w4, offs, bias=b4, activation=gated_activation)
-        return grouped_matmul(xq, w4, offs, bias=b4)
+            y = moe_gate_up_int4(xq, w4, offs, bias=b4, activation=gated_activation)
+        else:
+            y = grouped_matmul(xq, w4, offs, bias=b4)
+        if not torch.compiler.is_compiling():
+            keep_fragments_(module, name, w4)  # those a call made: a later compile reads them
+        return y
     weight = getattr(module, name)
     b = weight if getattr(module, "is_transposed", False) else weight.transpose(1, 2)  # [E, in, out], read in place
     x = x.to(b.dtype)
@@ -221,6 +253,22 @@ def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None
     return done
 
 
+def make_fragments_(module) -> None:
+    """Make and keep, where the decode kernel ``frag`` runs (a Hopper GPU), the fragment layouts the block's 4-bit
+    experts are read through at decode sizes: gate/up in the fused gate's row order where the block fuses it,
+    down as is. Made here, not at a first call: ``torch.compile`` traces no packing, and a model's first call may
+    be a prefill, which does not make them."""
+    from tilegemm.ops.grouped.dispatch import frag_usable
+
+    up = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+    for name, gated in ((up, _fused_activation(module) is not None and up == "gate_up_proj"), ("down_proj", False)):
+        w = _int4(module, name)
+        if w is None or not frag_usable(w.group_k, w.shape[-1], w.device) or (gated and w.shape[-2] % 2):
+            continue
+        w.fragments(gated)
+        keep_fragments_(module, name, w)
+
+
 def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
     """Put stacked 4-bit experts on a transformers experts block: ``weights`` maps its 3-D weight's name
     (``"gate_up_proj"``/``"up_proj"``, ``"down_proj"``) to an :class:`Int4Weight` of logical shape ``[E, out, in]``
@@ -235,6 +283,7 @@ def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
         for part in _INT4:
             module.register_buffer(f"tilegemm_{n}_{part}", getattr(q, part))
     module.tilegemm_group_size = sizes.pop()
+    make_fragments_(module)
 
 
 def use_int4_experts_(model: torch.nn.Module) -> None:

@@ -108,9 +108,13 @@ def wants_frag(kernel: str, x: torch.Tensor, w, gated: bool) -> bool:
     """Whether a call of x ``[M, K]`` and stacked experts ``w`` runs ``frag``, or under ``auto`` may: its fragment
     layout (``w.fragments(gated)``) goes along. By name only where the kernel can run (elsewhere it refuses by
     name); under ``auto`` not inside a CUDA-graph capture that would have to make them (packing is no graph work:
-    dequant_dot runs the call instead); never while torch.compile traces (packing is no graph work either)."""
-    if torch.compiler.is_compiling() or (kernel not in FRAG_KERNELS and kernel != "auto"):
+    dequant_dot runs the call instead); while torch.compile traces, where they were made before."""
+    if kernel not in FRAG_KERNELS and kernel != "auto":
         return False
+    if torch.compiler.is_compiling():
+        # packing is no graph work: a traced call takes the fragments made before (the MoE blocks keep them as
+        # buffers), and the op picks its kernel when it runs
+        return (w._frag_gated if gated else w._frag) is not None
     if x.device != w.device or x.dtype != w.dtype or x.shape[-1] != w.shape[-1] or (gated and w.shape[-2] % 2):
         return False  # (a call the checks refuse: nothing to pack for)
     if not frag_usable(w.group_k, w.shape[-1], x.device):
