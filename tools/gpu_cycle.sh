@@ -35,8 +35,8 @@
 #   conv2d-grouped  tools/conv2d_grouped_candidates.py (the zoo's grouped layers of at most 64 channels a group:
 #                 cuDNN, auto, grouped_packed's candidates; CONV_BUDGET seconds, default 150), then the GPU tests of
 #                 grouped_packed
-#   moe-model     tools/grouped_moe_model.py: Qwen3-MoE (4 layers) and Mixtral (2 layers) shapes, every experts
-#                 implementation, prefill 2048 and decode batch 1 / 16, bf16
+#   moe-model     the MoE model entries: Qwen3-30B-A3B shapes (\$MOE_LAYERS, default 24), 16-bit and 4-bit experts
+#                 against transformers' grouped_mm and batched_mm, decode b1/b16 graph and compile, prefill 2048, bf16
 #   w4-random     the w4a16 bench's held-out w4-random sweep, fp16 (second baseline: fbgemm where it imports)
 #   w4-formats    the w4a16 bench's formats sweep (every group size, sym/asym, act-order), fp16 and bf16, auto and
 #                 frag_wgmma
@@ -119,8 +119,10 @@ for step in "$@"; do
                        --json "$OUT/grouped-batched-$d.json" 2>&1 | tail -n 6; done ;;
     grouped-w4a16) for d in fp16 bf16; do bench --op grouped_w4a16 --sweep moe --dtype $d --kernels auto \
                      --json "$OUT/grouped-w4a16-moe-$d.json" 2>&1 | tail -n 6; done ;;
-    moe-model) python3 tools/grouped_moe_model.py --model qwen3 --layers 4 --out "$OUT/moe-model-qwen3.json" 2>&1 | tail -n 16
-               python3 tools/grouped_moe_model.py --model mixtral --layers 2 --out "$OUT/moe-model-mixtral.json" 2>&1 | tail -n 16 ;;
+    moe-model) for o in grouped grouped_w4a16; do  # about 4 and 3 minutes at 24 layers (compiles included)
+                 timeout -s INT 280 python3 -m tilegemm.cli bench --quiet --no-save --op $o --model qwen3_moe \
+                   --layers "${MOE_LAYERS:-24}" --json "$OUT/moe-$o-qwen3.json" 2>&1 | grep -E "│ b|auto  |wrong|error" | tail -n 16
+               done ;;
     grouped-tma) for d in bf16 fp16; do bench --op grouped --sweep moe --dtype $d --kernels auto,tiled,tma \
                    --json "$OUT/grouped-moe-tma-$d.json" 2>&1 | tail -n 8; done
                  pytest_ -m "" tests/grouped/test_grouped_tma.py tests/grouped/test_grouped_tma_gpu.py 2>&1 \
