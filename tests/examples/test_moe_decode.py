@@ -1,0 +1,42 @@
+"""examples/moe_decode.py --tiny: a two-layer Qwen3-MoE, its experts on grouped_mm, on tilegemm and 4-bit, greedy
+decode under the interpreter."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "moe_decode.py")
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("moe_decode", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_moe_decode_runs_and_agrees(capsys):
+    assert load_example().main(["--tiny", "--batches", "2"]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("batch   2 eager"))
+    assert "grouped_mm prefill" in line and "tilegemm prefill" in line and "tilegemm 4-bit prefill" in line
+    experts = next(l for l in out.splitlines() if l.startswith("experts against grouped_mm's"))
+    errs = [float(experts.split(f"{k} ")[1].split(",")[0].split(" ")[0]) for k in ("16-bit", "4-bit")]
+    assert all(e < 1e-2 for e in errs), experts
+    for name in ("tilegemm vs", "tilegemm 4-bit vs"):
+        agree = next(l for l in out.splitlines() if l.startswith(name))
+        assert float(agree.split("rel. error ")[1].split(",")[0]) < 1e-2, agree
+
+
+def test_no_gpu_without_tiny_is_refused(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the full-size model")
+    assert load_example().main([]) == 2
+    assert "use --tiny" in capsys.readouterr().err
