@@ -105,16 +105,17 @@ def layers_that_fit(requested: int | None = None, arch: str = "llama") -> int:
 
 def forward(model, ids, past=None, position=None):
     """(logits of the last position [B, V], the cache); only the last position's logits are computed."""
-    kwargs = dict(input_ids=ids, past_key_values=past, use_cache=True)
+    params = inspect.signature(model.forward).parameters
+    # transformers 5.2x names the cache argument and output field `cache`; earlier versions `past_key_values`
+    kwargs = dict(input_ids=ids, use_cache=True, **{"cache" if "cache" in params else "past_key_values": past})
     if position is not None:
         kwargs["cache_position"] = position
-    params = inspect.signature(model.forward).parameters
     if "logits_to_keep" in params:  # transformers >= 4.50
         kwargs["logits_to_keep"] = 1
     elif "num_logits_to_keep" in params:
         kwargs["num_logits_to_keep"] = 1
     out = model(**kwargs)
-    return out.logits[:, -1], out.past_key_values
+    return out.logits[:, -1], getattr(out, "cache", None) if "cache" in params else out.past_key_values
 
 
 def sync(device):
