@@ -111,3 +111,13 @@ def test_the_full_size_entries_need_a_gpu():
     op = bench_op("grouped").model_bench("qwen3_moe")
     with pytest.raises(BenchError, match="needs a CUDA GPU; under the interpreter run --sweep tiny"):
         op.cases("decode")
+
+
+def test_a_transformers_without_the_experts_interface_is_refused(monkeypatch):
+    import tilegemm.nn.moe as nn_moe
+    from tilegemm.bench.base import BenchError
+
+    monkeypatch.setattr(nn_moe, "register_experts", lambda: False)
+    op = bench_op("grouped").model_bench("mixtral")
+    with pytest.raises(BenchError, match=r"needs transformers' experts interface \(transformers >= 5\)"):
+        op.cases("tiny")

@@ -632,8 +632,14 @@ class MoEBench(ModelBench):
 
     def _require(self, tiny: bool) -> None:
         from tilegemm.models import moe
+        from tilegemm.nn.moe import register_experts
 
         _require_transformers_model(self.model, moe.arch_of(self.arch)[3], tiny)
+        if not register_experts():
+            import transformers
+
+            raise BenchError(f"--model {self.model} needs transformers' experts interface (transformers >= 5), "
+                             f"this is {transformers.__version__}")
 
     def _case(self, batch: int, mode: str, tiny: bool, x: float) -> Case:
         from tilegemm.models import moe
