@@ -38,11 +38,17 @@ def convert_(
     *,
     conv: bool = True,
     linear: bool = True,
+    moe: bool = True,
     filter: Callable[[str, torch.nn.Module], bool] | None = None,  # noqa: A002 (as quantize_ names it)
     warn: bool = True,
 ) -> torch.nn.Module:
     """Replace ``model``'s ``torch.nn.Conv2d`` (``conv=True``) and ``torch.nn.Linear`` (``linear=True``) modules
     by :class:`tilegemm.nn.Conv2d` / :class:`tilegemm.nn.Linear` sharing their parameters; return ``model``.
+
+    ``moe=True``: the sparse MoE blocks of a transformers 4.x model (its experts a ModuleList of MLPs: Mixtral,
+    Qwen2-MoE, Qwen3-MoE, OLMoE) become :class:`tilegemm.nn.moe.SparseMoeBlock`, their experts stacked and run by
+    tilegemm's grouped kernels (with transformers 5, build the model with ``experts_implementation="tilegemm"``
+    instead).
 
     ``filter(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
     swapped (subclasses with their own forward, float64 weights, ...) are kept, and one
@@ -55,6 +61,10 @@ def convert_(
         raise ValueError("convert_ swaps the children of a model; to convert one layer, use "
                          "tilegemm.nn.Conv2d.from_conv / tilegemm.nn.Linear.from_linear")
     skipped: list[tuple[str, str]] = []
+    if moe:
+        from tilegemm.nn.moe import convert_moe_blocks_
+
+        skipped += convert_moe_blocks_(model, filter)[1]
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name

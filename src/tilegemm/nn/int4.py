@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tilegemm.nn.moe import quantize_experts_
+from tilegemm.nn.moe import SparseMoeBlock, convert_moe_blocks_, quantize_experts_
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.convert import ConversionNote
 from tilegemm.nn.linear import Linear
@@ -183,9 +183,13 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in GROUP_SIZES:
         raise ValueError(f"quantize_: group_size must be one of {', '.join(map(str, GROUP_SIZES))} (-1: all of K), "
                          f"got {group_size!r}")
-    targets, skipped = [], []
+    # transformers 4.x's MoE blocks first: their experts stacked (then made 4-bit below), not one Int4Linear each;
+    # their routers stay 16-bit (as quantized checkpoints keep them)
+    _, skipped = convert_moe_blocks_(model, filter)
+    routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoeBlock)}
+    targets = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and (filter is None or filter(name, module)):
+        if isinstance(module, nn.Linear) and id(module) not in routers and (filter is None or filter(name, module)):
             reason = _why_kept(module, group_size)
             if reason is None:
                 targets.append(name)

@@ -152,6 +152,8 @@ def keep_fragments_(module, name: str, w: Int4Weight) -> None:
 
 def _fused_activation(module) -> str | None:
     """The epilogue activation of a gated block whose gate can be fused, else None."""
+    if isinstance(module, SparseMoeBlock):
+        return module.fused_activation
     if not getattr(module, "is_concatenated", True):
         return None
     gate = getattr(type(module), "_apply_gate", None)
@@ -300,3 +302,110 @@ def _experts_modules_all(model):
     for name, module in model.named_modules():
         if hasattr(module, "tilegemm_group_size") and hasattr(module, "config"):
             yield name, module
+
+
+# --- transformers 4.x: a block's experts as a ModuleList of MLPs -------------------------------------------------
+
+# The expert MLPs' Linears: (gate, up, down) as Qwen-MoE / OLMoE name them, and as Mixtral does (w1, w3, w2).
+_MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+# Activation modules (by class name, as transformers' ACT2FN makes them) that a tilegemm epilogue computes.
+_FUSABLE_MODULES = {"SiLU": "silu", "SiLUActivation": "silu", "ReLU": "relu", "PytorchGELUTanh": "gelu_tanh",
+                    "GELUTanh": "gelu_tanh"}
+
+
+def legacy_block_parts(block: torch.nn.Module) -> tuple[tuple[str, str, str] | None, str | None]:
+    """``(names, None)`` where ``block`` is a sparse MoE block as transformers 4.x builds them (Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE: a router ``gate`` Linear, ``top_k``, and ``experts`` a ModuleList of gated MLPs whose Linears
+    are ``names``), ``(None, reason)`` where it looks like one that cannot be taken, ``(None, None)`` otherwise."""
+    experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
+    if not isinstance(experts, torch.nn.ModuleList) or not len(experts) or not isinstance(router, torch.nn.Linear) \
+            or not isinstance(getattr(block, "top_k", None), int):
+        return None, None
+    names = next((n for n in _MLP_NAMES if all(isinstance(getattr(e, m, None), torch.nn.Linear)
+                                                 for e in experts for m in n)), None)
+    if names is None:
+        return None, "experts that are not gated MLPs of three Linears"
+    linears = [getattr(e, m) for e in experts for m in names]
+    if any(lin.bias is not None for lin in linears):
+        return None, "experts' Linears with biases"
+    if len({(lin.weight.dtype, lin.weight.device) for lin in linears}) != 1:
+        return None, "experts of several dtypes or devices"
+    shapes = {tuple(getattr(e, m).weight.shape for m in names) for e in experts}
+    if len(shapes) != 1:
+        return None, "experts of several sizes"
+    if not callable(getattr(experts[0], "act_fn", None)):
+        return None, "experts without act_fn"
+    if hasattr(block, "shared_expert") != hasattr(block, "shared_expert_gate"):
+        return None, "a shared expert without its gate (or a gate without it)"
+    return names, None
+
+
+class SparseMoeBlock(torch.nn.Module):
+    """tilegemm's stand-in for a transformers 4.x sparse MoE block (:func:`legacy_block_parts`), where the
+    installed transformers has no experts interface (v5 has: ``experts_implementation="tilegemm"``). It routes as
+    those blocks do (softmax in fp32 over the router's logits, the top k, renormalised unless
+    ``norm_topk_prob`` is False, in the input's dtype), runs the experts as :func:`experts_forward` does (two
+    grouped GEMMs, the gate fused in the first's epilogue for SiLU, ReLU and tanh-GELU), adds a shared expert
+    gated by a sigmoid where the block has one (Qwen2-MoE), and returns ``(hidden states, router logits)`` like
+    them. The experts' weights are stacked into ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``
+    (new parameters: the per-expert Linears are dropped, so convert before making an optimizer, and load a 4.x
+    state dict before converting); ``tilegemm.nn.quantize_`` then makes them 4-bit."""
+
+    def __init__(self, block: torch.nn.Module, names: tuple[str, str, str]):
+        super().__init__()
+        g, u, d = names
+        experts = block.experts
+        with torch.no_grad():
+            gate_up = torch.stack([torch.cat([getattr(e, g).weight, getattr(e, u).weight]) for e in experts])
+            down = torch.stack([getattr(e, d).weight for e in experts])
+        grad = getattr(experts[0], g).weight.requires_grad
+        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=grad)
+        self.down_proj = torch.nn.Parameter(down, requires_grad=grad)
+        self.gate = block.gate
+        self.act_fn = experts[0].act_fn
+        self.fused_activation = _FUSABLE_MODULES.get(type(self.act_fn).__name__)
+        self.num_experts, self.top_k = len(experts), block.top_k
+        self.norm_topk_prob = bool(getattr(block, "norm_topk_prob", True))  # Mixtral always renormalises
+        self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
+        self.shared_expert = getattr(block, "shared_expert", None)
+        self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
+
+    def _apply_gate(self, h: torch.Tensor) -> torch.Tensor:  # where the activation is not fused
+        gate, up = h.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(self, hidden_states: torch.Tensor):
+        B, S, H = hidden_states.shape
+        if self.training and self.jitter_noise > 0:
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            hidden_states = hidden_states * noise
+        x = hidden_states.view(-1, H)
+        router_logits = self.gate(x)
+        weights = torch.softmax(router_logits, dim=1, dtype=torch.float)
+        weights, chosen = torch.topk(weights, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = experts_forward(self, x, chosen, weights.to(x.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(B, S, H), router_logits
+
+
+def convert_moe_blocks_(model: torch.nn.Module, filter=None) -> tuple[list[str], list[tuple[str, str]]]:  # noqa: A002
+    """Replace, in place, every transformers 4.x sparse MoE block of ``model`` (that ``filter(name, module)``
+    accepts) by a :class:`SparseMoeBlock`; returns (the names replaced, [(name, why kept)])."""
+    done, kept = [], []
+    for name, module in list(model.named_modules()):
+        if not name or isinstance(module, SparseMoeBlock):
+            continue  # (the model itself is never swapped: convert the model that holds the block)
+        names, reason = legacy_block_parts(module)
+        if names is None and reason is None or filter is not None and not filter(name, module):
+            continue
+        if reason is not None:
+            kept.append((name, reason))
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, SparseMoeBlock(module, names))
+        done.append(name)
+    return done, kept

@@ -1,0 +1,184 @@
+"""transformers 4.x's sparse MoE blocks (experts a ModuleList of MLPs, no experts interface) converted by
+``tilegemm.nn.convert_`` / ``quantize_`` into ``tilegemm.nn.moe.SparseMoeBlock``: the same outputs, router logits and
+gradients as the block they replace, 4-bit experts, and the blocks that cannot be taken kept with a reason.
+
+The blocks here follow transformers 4.x's (softmax over the router's logits in fp32, the top k, renormalised unless
+``norm_topk_prob`` is False, every expert's rows added back; Qwen2-MoE's sigmoid-gated shared expert); against
+transformers 4.57's own Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE classes the last test runs where that version is
+installed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tilegemm
+import tilegemm.nn
+from tilegemm.nn.convert import ConversionNote
+from tilegemm.nn.moe import SparseMoeBlock
+
+
+class MLP(nn.Module):
+    def __init__(self, H, I, names=("gate_proj", "up_proj", "down_proj"), bias=False):
+        super().__init__()
+        self.names = names
+        g, u, d = names
+        setattr(self, g, nn.Linear(H, I, bias=bias))
+        setattr(self, u, nn.Linear(H, I, bias=bias))
+        setattr(self, d, nn.Linear(I, H, bias=bias))
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        g, u, d = self.names
+        return getattr(self, d)(self.act_fn(getattr(self, g)(x)) * getattr(self, u)(x))
+
+
+class Block(nn.Module):
+    """A 4.x-style sparse MoE block, its forward the per-expert loop."""
+
+    def __init__(self, H=32, I=64, E=8, k=2, norm=True, shared=False, names=("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = E, k, norm
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList([MLP(H, I, names) for _ in range(E)])
+        if shared:
+            self.shared_expert = MLP(H, 96)
+            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+
+    def forward(self, h):
+        B, S, H = h.shape
+        x = h.view(-1, H)
+        logits = self.gate(x)
+        w = F.softmax(logits, dim=1, dtype=torch.float)
+        w, chosen = torch.topk(w, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        w = w.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok, slot = torch.where(chosen == e)
+            if len(tok):
+                out.index_add_(0, tok, (self.experts[e](x[tok]) * w[tok, slot, None]).to(x.dtype))
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(B, S, H), logits
+
+
+class Model(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.layers = nn.ModuleList([Block(**kw), Block(**kw)])
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = h + layer(h)[0]
+        return h
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(norm=False), dict(shared=True), dict(names=("w1", "w3", "w2")),
+                                dict(k=1, E=4), dict(k=8, E=8)], ids=["qwen3", "no-norm", "shared", "mixtral",
+                                                                      "top1", "all-experts"])
+def test_converted_block_gives_the_blocks_outputs_and_gradients(kw):
+    torch.manual_seed(0)
+    ref = Model(**kw)
+    ours = tilegemm.nn.convert_(copy.deepcopy(ref), linear=False)
+    assert all(isinstance(layer, SparseMoeBlock) for layer in ours.layers)
+    x = torch.randn(3, 5, 16)
+    want, got = ref(x), ours(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    out, logits = ours.layers[0](torch.randn(2, 3, 32))  # the block's tuple: outputs and router logits
+    assert out.shape == (2, 3, 32) and logits.shape == (6, ref.layers[0].num_experts)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    g, u, d = ref.layers[0].experts[0].names
+    e3 = ref.layers[0].experts[3]
+    block = ours.layers[0]
+    I = block.down_proj.shape[2]
+    torch.testing.assert_close(block.gate_up_proj.grad[3, :I], getattr(e3, g).weight.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(block.gate_up_proj.grad[3, I:], getattr(e3, u).weight.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(block.down_proj.grad[3], getattr(e3, d).weight.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(block.gate.weight.grad, ref.layers[0].gate.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_quantize_makes_the_stacked_experts_4_bit_and_keeps_the_router():
+    torch.manual_seed(0)
+    ref = Model(shared=True).half()
+    q = tilegemm.nn.quantize_(copy.deepcopy(ref), group_size=32)
+    block = q.layers[0]
+    assert isinstance(block, SparseMoeBlock) and block.tilegemm_down_proj_qweight.dtype == torch.int32
+    assert not hasattr(block, "down_proj") and not hasattr(block, "gate_up_proj")  # the 16-bit experts dropped
+    assert type(block.gate) is nn.Linear  # the router stays 16-bit
+    assert isinstance(block.shared_expert.gate_proj, tilegemm.nn.Int4Linear)
+    # the reference: the same model holding the 4-bit weights dequantized (experts stacked back per expert)
+    deq = tilegemm.nn.convert_(copy.deepcopy(ref), linear=False)
+    with torch.no_grad():
+        for a, b in zip(deq.layers, q.layers):
+            for name in ("gate_up_proj", "down_proj"):
+                getattr(a, name).copy_(tilegemm.w4a16.dequantize(tilegemm.nn.moe._int4(b, name)))
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(a.shared_expert, name).weight.copy_(getattr(b.shared_expert, name).dequantize())
+    x = torch.randn(2, 4, 16).half()
+    with torch.no_grad():
+        want, got = deq(x).float(), q(x).float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_blocks_that_cannot_be_taken_are_kept_with_the_reason():
+    torch.manual_seed(0)
+    m = Model()
+    m.layers[1].experts[2].down_proj = nn.Linear(64, 32, bias=True)  # a bias on one expert
+    with pytest.warns(ConversionNote, match="layers.1: experts' Linears with biases"):
+        tilegemm.nn.convert_(m, linear=False)
+    assert isinstance(m.layers[0], SparseMoeBlock) and isinstance(m.layers[1], Block)
+    m2 = Model()
+    m2.layers[0].experts[1].up_proj = nn.Linear(32, 48, bias=False)
+    tilegemm.nn.convert_(m2, linear=False, warn=False)
+    assert ("layers.0", "experts of several sizes") in m2.tilegemm_skipped
+    # a filter keeps a block; the model itself is never swapped
+    m3 = Model()
+    tilegemm.nn.convert_(m3, linear=False, filter=lambda name, mod: name != "layers.1")
+    assert isinstance(m3.layers[0], SparseMoeBlock) and isinstance(m3.layers[1], Block)
+    block = Block()
+    tilegemm.nn.convert_(block, linear=False)
+    assert isinstance(block, Block) and isinstance(block.experts, nn.ModuleList)
+    # moe=False leaves them
+    m4 = tilegemm.nn.convert_(Model(), linear=False, moe=False)
+    assert isinstance(m4.layers[0], Block)
+
+
+def _transformers_4():
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers if int(transformers.__version__.split(".")[0]) < 5 else None
+
+
+@pytest.mark.skipif(_transformers_4() is None, reason="transformers 4.x's own MoE classes (this suite installs 5.x; "
+                                                      "the blocks above follow them)")
+@pytest.mark.parametrize("arch", ["Mixtral", "Qwen3Moe", "Qwen2Moe", "Olmoe"])
+def test_transformers_4_models(arch):
+    transformers = _transformers_4()
+    base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=64)
+    extra = {"Mixtral": dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
+             "Qwen3Moe": dict(intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                              decoder_sparse_step=1, head_dim=8),
+             "Qwen2Moe": dict(intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                              num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1),
+             "Olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2)}[arch]
+    cfg = getattr(transformers, f"{arch}Config")(**base, **extra)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ours = tilegemm.nn.convert_(copy.deepcopy(ref), warn=False)
+    assert sum(isinstance(m, SparseMoeBlock) for m in ours.modules()) == 2
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours(ids).logits
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
