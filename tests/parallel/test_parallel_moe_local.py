@@ -128,3 +128,24 @@ def test_parallel_moe_experts_shards_gpu(world):
             got = _sharded_sum(block, world, x, idx, weights)
         assert torch.isfinite(got).all()
         assert (got - want).norm() / want.norm() < 4e-3, quantized
+
+
+def test_parallel_moe_int4_shard_remakes_kept_fragments(monkeypatch):
+    # Where the decode kernel runs (faked: the packing is plain torch) the 4-bit experts keep their fragment
+    # layouts as buffers; a shard must read its own slice's fragments, not the unsharded block's.
+    import tilegemm.ops.grouped.dispatch as dispatch
+    from tilegemm.nn.moe import _int4
+    from tilegemm.ops.w4a16.format import Int4Weight
+    from tilegemm.parallel import shard_experts_
+
+    monkeypatch.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
+    block = experts_block(dtype=torch.float16)
+    model = torch.nn.Module()
+    model.experts = block
+    tnn.quantize_experts_(model, group_size=32)
+    local = shard_experts_(copy.deepcopy(block), 1, 2)
+    for name, gated in (("gate_up_proj", True), ("down_proj", False)):
+        w = _int4(local, name)
+        fresh = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape).fragments(gated)
+        got = w.fragments(gated)
+        assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, fresh)), name

@@ -368,6 +368,9 @@ def shard_experts_(module: nn.Module, rank: int, world: int) -> nn.Module:
                 sl = slice(rows.start // 8, rows.stop // 8) if part == "qweight" else \
                     slice(rows.start // gs, rows.stop // gs)
                 module.register_buffer(name, t[:, sl].contiguous())
+            from tilegemm.nn.moe import _remake_fragments
+
+            _remake_fragments(module)  # the kept fragment layouts were the unsharded experts'
         else:
             for name, local in ((up, w_up.index_select(2 if transposed else 1, cols.to(w_up.device))),
                                 (down, w_down[:, rows] if transposed else w_down[:, :, rows])):
