@@ -111,3 +111,26 @@ def test_the_full_size_entries_need_a_gpu():
     op = bench_op("grouped").model_bench("qwen3_moe")
     with pytest.raises(BenchError, match="needs a CUDA GPU; under the interpreter run --sweep tiny"):
         op.cases("decode")
+
+
+def test_experts_agreement_does_not_hide_nan():
+    # A layer whose experts return NaN must not read as agreeing (max() of floats drops a NaN).
+    from tilegemm.models import moe
+
+    torch.manual_seed(0)
+    model = moe.build("qwen3_moe", tiny=True, dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 6))
+    hooks = []
+
+    def use(m, which):
+        moe.set_experts(m, "grouped_mm")
+        if which == "model":
+            hooks.extend(b.register_forward_hook(lambda mod, args, out: torch.full_like(out, float("nan")))
+                         for b in moe.experts_blocks(m))
+
+    try:
+        err = moe.experts_agreement(model, model, ids, use)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert not err <= 1e-2, err
