@@ -134,3 +134,23 @@ def test_experts_agreement_does_not_hide_nan():
         for h in hooks:
             h.remove()
     assert not err <= 1e-2, err
+
+
+def test_layers_that_fit_counts_the_twins_fragments(monkeypatch):
+    # The 4-bit twin keeps, where the decode kernel runs, the fragment layouts of its weights besides the packed
+    # parts: each further layer the estimate lets in must have room for both.
+    from tilegemm.models import moe
+    from tilegemm.ops.w4a16.format import quantize
+
+    w = torch.randn(1, 256, 512, dtype=torch.bfloat16)
+    q = quantize(w, moe.GROUP)
+    held = [q.qweight, q.scales, q.zeros, *q.fragments(gated=True)]
+    ratio = sum(t.numel() * t.element_size() for t in held) / (w.numel() * w.element_size())
+    per_layer = moe.layer_gib(moe.QWEN3_30B_A3B) * (1 + ratio) * 2**30  # the 16-bit layer and its 4-bit copy
+
+    def fit(free):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(free), int(free)))
+        return moe.layers_that_fit("qwen3_moe", int4=True)
+
+    base = 40 * 2**30
+    assert fit(base + 10 * per_layer) - fit(base) == 10

@@ -196,11 +196,14 @@ def layer_gib(shapes: dict, dtype=torch.bfloat16) -> float:
 
 def layers_that_fit(arch: str, requested: int | None = None, int4: bool = False) -> int:
     """The full-size ``arch``'s layers that fit (``requested`` if given): the 16-bit model, with ``int4`` its 4-bit
-    twin too (a quarter of its experts), the embeddings, and room for caches, activations and compiled graphs."""
+    twin too (4-bit weights, a 16-bit scale and zero a group, and the decode kernel's fragment layout of them, as
+    large again, kept where that kernel runs), the embeddings, and room for caches, activations and compiled
+    graphs."""
     if requested:
         return requested
     _, shapes, full_layers, _, _ = arch_of(arch)
     embed_gib = 2 * 2 * shapes["vocab_size"] * shapes["hidden_size"] / 2**30 * (2 if int4 else 1)
     free, _ = torch.cuda.mem_get_info()
-    per_layer = layer_gib(shapes) * (1.3 if int4 else 1.0)
+    int4_bytes = 2 * (0.5 + 2 * 2 / GROUP)  # a weight's bytes in the twin: packed parts, then fragments again
+    per_layer = layer_gib(shapes) * (1 + int4_bytes / 2 if int4 else 1.0)
     return max(1, min(full_layers, int((free / 2**30 - embed_gib - 16.0) / per_layer)))
