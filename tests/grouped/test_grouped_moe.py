@@ -202,3 +202,22 @@ def test_kept_fragments_follow_loaded_weights(monkeypatch):
         fresh = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape).fragments(gated)
         got = w.fragments(gated)
         assert all(torch.equal(a, b) for a, b in zip(got, fresh)), name
+
+
+def test_kept_fragments_follow_in_place_writes(monkeypatch):
+    # _int4 notices parts written in place (their _version): the fragments kept from before must not come back
+    # with the rebuilt weight.
+    import tilegemm.ops.grouped.dispatch as dispatch
+    from tilegemm.ops.w4a16.format import Int4Weight
+
+    monkeypatch.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(qwen3_moe()).eval().half()
+    tilegemm.nn.quantize_experts_(m, group_size=32)
+    block = m.model.layers[0].mlp.experts
+    assert moe._int4(block, "down_proj")._frag is not None
+    with torch.no_grad():
+        block.tilegemm_down_proj_scales.mul_(2)
+    w = moe._int4(block, "down_proj")
+    fresh = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape).fragments()
+    assert all(torch.equal(a, b) for a, b in zip(w.fragments(), fresh))

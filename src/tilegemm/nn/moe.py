@@ -117,6 +117,11 @@ def _int4(module, name: str) -> Int4Weight | None:
     hit = cache.get(name)
     if hit is not None and hit[0] == key:
         return hit[1]
+    if hit is not None and all(a[0] == b[0] for a, b in zip(hit[0][1:], key[1:])):
+        # the same storage written in place since: the fragments kept of it are stale (a call remakes them)
+        for gated in (False, True):
+            for n in _fragment_names(name, gated):
+                module._buffers.pop(n, None)
     w = _with_fragments(module, name, Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8)))
     cache[name] = (key, w)
     return w
