@@ -154,3 +154,14 @@ def test_layers_that_fit_counts_the_twins_fragments(monkeypatch):
 
     base = 40 * 2**30
     assert fit(base + 10 * per_layer) - fit(base) == 10
+
+
+def test_the_int4_description_says_what_the_twin_is(monkeypatch):
+    # The tiny model's group, whatever machine runs it, and the twin's Linears (quantize_ makes them 4-bit too).
+    import tilegemm.models.bench as mb
+
+    op = bench_op("grouped_w4a16").model_bench("qwen3_moe")
+    cases = op.cases("tiny")
+    monkeypatch.setattr(mb, "interpreting", lambda: False)  # a GPU running --sweep tiny
+    text = op.description(cases)
+    assert "group 32" in text and "Linears but lm_head are 4-bit" in text, text
