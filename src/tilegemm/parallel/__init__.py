@@ -643,6 +643,11 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
         else:
             module._buffers[leaf] = new
         loaded.add(key)
+    from tilegemm.nn.moe import _remake_fragments
+
+    for mod_name, module in modules.items():  # 4-bit experts given new parts: their kept fragments were the old ones'
+        if hasattr(module, "tilegemm_group_size") and any(k.startswith(f"{mod_name}.tilegemm_") for k in loaded):
+            _remake_fragments(module)
     if strict:
         missing = [k for k in model.state_dict() if k not in loaded]
         if state or missing:
