@@ -84,6 +84,8 @@ def cmd_bench(args, console, err_console) -> int:
             raise UsageError("--layers sets a model entry's decoder layers: give the model with --model")
         if args.layers is not None and args.layers < 1:
             raise UsageError(f"--layers must be >= 1, got {args.layers}")
+        if args.layers is not None and args.checkpoint:
+            raise UsageError("--layers does not apply with --checkpoint: the checkpoint's config sets the layers")
         if args.model:
             kwargs = {k: v for k, v in (("checkpoint", args.checkpoint), ("layers", args.layers)) if v}
             try:  # from here on the model's adapter: its sweeps, dtypes, kernel, rows

@@ -118,6 +118,8 @@ def test_files_are_named_after_the_model(tmp_path, monkeypatch):
         (["--op", "conv2d", "--model", "resnet50", "--layers", "3"], "--layers does not apply to --model resnet50"),
         (["--layers", "3"], "--layers sets a model entry's decoder layers: give the model with --model"),
         (["--op", "grouped", "--model", "mixtral", "--layers", "0"], "--layers must be >= 1, got 0"),
+        (["--op", "w4a16", "--model", "llama", "--checkpoint", "ckpt", "--layers", "3"],
+         "--layers does not apply with --checkpoint: the checkpoint's config sets the layers"),
         (["--op", "w4a16", "--model", "llama", "--kernels", "grouped"], "--kernels takes all or auto, not 'grouped'"),
         (["--op", "conv2d", "--model", "resnet50", "--layout", "TN"], "--layout TN does not apply to --model resnet50"),
         (["--op", "conv2d", "--model", "resnet50", "--mode", "bwd"], "--mode bwd does not apply to --model resnet50"),

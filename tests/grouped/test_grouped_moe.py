@@ -177,3 +177,47 @@ def test_quantized_experts_keep_fragments_for_compile(monkeypatch):
         got = torch.compile(block, fullgraph=True, backend="aot_eager")(x, idx, weights)
     assert seen and all(seen), seen  # every compiled 4-bit product took the kept fragments
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+def test_kept_fragments_follow_loaded_weights(monkeypatch):
+    # The kept fragment layouts derive from the 4-bit parts and are not saved: loading another model's 4-bit
+    # experts (a saved quantized model) must not leave the block reading the fragments of the weights it had.
+    import tilegemm.ops.grouped.dispatch as dispatch
+    from tilegemm.ops.w4a16.format import Int4Weight
+
+    monkeypatch.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
+    cfg = qwen3_moe()
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        m = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).eval().half()
+        tilegemm.nn.quantize_experts_(m, group_size=32)
+        models.append(m)
+    saved, target = models
+    target.load_state_dict(saved.state_dict())
+    block = target.model.layers[0].mlp.experts
+    for name, gated in (("gate_up_proj", True), ("down_proj", False)):
+        w = moe._int4(block, name)
+        torch.testing.assert_close(w.qweight, moe._int4(saved.model.layers[0].mlp.experts, name).qweight)
+        fresh = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape).fragments(gated)
+        got = w.fragments(gated)
+        assert all(torch.equal(a, b) for a, b in zip(got, fresh)), name
+
+
+def test_kept_fragments_follow_in_place_writes(monkeypatch):
+    # _int4 notices parts written in place (their _version): the fragments kept from before must not come back
+    # with the rebuilt weight.
+    import tilegemm.ops.grouped.dispatch as dispatch
+    from tilegemm.ops.w4a16.format import Int4Weight
+
+    monkeypatch.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(qwen3_moe()).eval().half()
+    tilegemm.nn.quantize_experts_(m, group_size=32)
+    block = m.model.layers[0].mlp.experts
+    assert moe._int4(block, "down_proj")._frag is not None
+    with torch.no_grad():
+        block.tilegemm_down_proj_scales.mul_(2)
+    w = moe._int4(block, "down_proj")
+    fresh = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape).fragments()
+    assert all(torch.equal(a, b) for a, b in zip(w.fragments(), fresh))

@@ -121,3 +121,57 @@ def test_a_transformers_without_the_experts_interface_is_refused(monkeypatch):
     op = bench_op("grouped").model_bench("mixtral")
     with pytest.raises(BenchError, match=r"needs transformers' experts interface \(transformers >= 5\)"):
         op.cases("tiny")
+
+
+def test_experts_agreement_does_not_hide_nan():
+    # A layer whose experts return NaN must not read as agreeing (max() of floats drops a NaN).
+    from tilegemm.models import moe
+
+    torch.manual_seed(0)
+    model = moe.build("qwen3_moe", tiny=True, dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 6))
+    hooks = []
+
+    def use(m, which):
+        moe.set_experts(m, "grouped_mm")
+        if which == "model":
+            hooks.extend(b.register_forward_hook(lambda mod, args, out: torch.full_like(out, float("nan")))
+                         for b in moe.experts_blocks(m))
+
+    try:
+        err = moe.experts_agreement(model, model, ids, use)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert not err <= 1e-2, err
+
+
+def test_layers_that_fit_counts_the_twins_fragments(monkeypatch):
+    # The 4-bit twin keeps, where the decode kernel runs, the fragment layouts of its weights besides the packed
+    # parts: each further layer the estimate lets in must have room for both.
+    from tilegemm.models import moe
+    from tilegemm.ops.w4a16.format import quantize
+
+    w = torch.randn(1, 256, 512, dtype=torch.bfloat16)
+    q = quantize(w, moe.GROUP)
+    held = [q.qweight, q.scales, q.zeros, *q.fragments(gated=True)]
+    ratio = sum(t.numel() * t.element_size() for t in held) / (w.numel() * w.element_size())
+    per_layer = moe.layer_gib(moe.QWEN3_30B_A3B) * (1 + ratio) * 2**30  # the 16-bit layer and its 4-bit copy
+
+    def fit(free):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(free), int(free)))
+        return moe.layers_that_fit("qwen3_moe", int4=True)
+
+    base = 40 * 2**30
+    assert fit(base + 10 * per_layer) - fit(base) == 10
+
+
+def test_the_int4_description_says_what_the_twin_is(monkeypatch):
+    # The tiny model's group, whatever machine runs it, and the twin's Linears (quantize_ makes them 4-bit too).
+    import tilegemm.models.bench as mb
+
+    op = bench_op("grouped_w4a16").model_bench("qwen3_moe")
+    cases = op.cases("tiny")
+    monkeypatch.setattr(mb, "interpreting", lambda: False)  # a GPU running --sweep tiny
+    text = op.description(cases)
+    assert "group 32" in text and "Linears but lm_head are 4-bit" in text, text

@@ -128,3 +128,63 @@ def test_parallel_moe_experts_shards_gpu(world):
             got = _sharded_sum(block, world, x, idx, weights)
         assert torch.isfinite(got).all()
         assert (got - want).norm() / want.norm() < 4e-3, quantized
+
+
+def test_parallel_moe_int4_shard_remakes_kept_fragments(monkeypatch):
+    # Where the decode kernel runs (faked: the packing is plain torch) the 4-bit experts keep their fragment
+    # layouts as buffers; a shard must read its own slice's fragments, not the unsharded block's.
+    import tilegemm.ops.grouped.dispatch as dispatch
+    from tilegemm.nn.moe import _int4
+    from tilegemm.ops.w4a16.format import Int4Weight
+    from tilegemm.parallel import shard_experts_
+
+    monkeypatch.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
+    block = experts_block(dtype=torch.float16)
+    model = torch.nn.Module()
+    model.experts = block
+    tnn.quantize_experts_(model, group_size=32)
+    local = shard_experts_(copy.deepcopy(block), 1, 2)
+    for name, gated in (("gate_up_proj", True), ("down_proj", False)):
+        w = _int4(local, name)
+        fresh = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape).fragments(gated)
+        got = w.fragments(gated)
+        assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, fresh)), name
+
+
+def test_parallel_moe_int4_sharded_load_remakes_kept_fragments(monkeypatch, tmp_path):
+    # load_sharded_ puts new 4-bit parts in place of a parallelized block's: the fragment layouts it kept of the
+    # skeleton's values must not come back with them (frag faked as runnable: the packing is plain torch).
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    import tilegemm.ops.grouped.dispatch as dispatch
+    from tilegemm.nn.moe import _int4
+    from tilegemm.ops.w4a16.format import Int4Weight
+    from tilegemm.parallel import load_sharded_, shard_experts_
+
+    class Rank1Of2:  # the mesh as load_sharded_ reads it
+        ndim = 1
+
+        def get_local_rank(self):
+            return 1
+
+        def size(self):
+            return 2
+
+    monkeypatch.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
+    torch.manual_seed(0)
+    full = transformers.AutoModelForCausalLM.from_config(moe_config(num_hidden_layers=1)).half().eval()
+    tnn.quantize_experts_(full, group_size=32)
+    path = tmp_path / "full.safetensors"
+    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
+    skeleton = copy.deepcopy(full)
+    with torch.no_grad():
+        for key, t in skeleton.state_dict().items():
+            t.zero_() if key.endswith("qweight") else t.fill_(7.0)
+    block = skeleton.model.layers[0].mlp.experts
+    shard_experts_(block, 1, 2)
+    load_sharded_(skeleton, str(path), Rank1Of2())
+    for name, gated in (("gate_up_proj", True), ("down_proj", False)):
+        w = _int4(block, name)
+        fresh = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape).fragments(gated)
+        assert all(torch.equal(a, b) for a, b in zip(w.fragments(gated), fresh)), name

@@ -681,12 +681,12 @@ class MoEBench(ModelBench):
         return (f"{'a tiny ' + self.arch if tiny else title + ' shapes'} (hidden {s['hidden_size']}, "
                 f"{moe.experts_count(s)} experts of {moe.expert_width(s)}, top {s['num_experts_per_tok']}, heads "
                 f"{s['num_attention_heads']}/{s['num_key_value_heads']} KV, vocab {s['vocab_size']}), {d['layers']} "
-                f"layers{'' if tiny else ' of ' + str(full_layers)}, random weights; {self._what()}; every layer's "
+                f"layers{'' if tiny else ' of ' + str(full_layers)}, random weights; {self._what(tiny)}; every layer's "
                 f"experts also checked on the baseline's inputs (rows: dims.experts_rel_err, dims.experts_share). "
                 f"Decode: one "
                 f"greedy step at position {self.TINY_PROMPT if tiny else self.GPU_PROMPT} after a prompt; {modes}")
 
-    def _what(self) -> str:
+    def _what(self, tiny: bool) -> str:
         return ("auto: the experts on tilegemm (experts_implementation='tilegemm'); baseline: transformers' "
                 "grouped_mm; second baseline: its batched_mm; reference: the baseline's logits")
 
@@ -819,7 +819,8 @@ class MixtralBench(MoEBench):
 
 class MoEInt4Bench(MoEBench):
     """:class:`MoEBench` with the experts 4-bit (``--op grouped_w4a16 --model qwen3_moe``): row ``auto`` runs a copy
-    whose experts ``tilegemm.nn.quantize_experts_`` made 4-bit (group 128; the tiny model's 32), against the 16-bit
+    that ``tilegemm.nn.quantize_`` made 4-bit (the experts and every Linear but lm_head: :func:`tilegemm.models.moe.
+    int4_twin`; group 128, the tiny model's 32), against the 16-bit
     model holding those 4-bit weights dequantized (so both compute the same product, and its logits are the
     reference) on transformers' ``grouped_mm`` and ``batched_mm``."""
 
@@ -834,20 +835,21 @@ class MoEInt4Bench(MoEBench):
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the 4-bit experts take 16-bit activations
 
-    def _what(self) -> str:
-        return (f"auto: a copy whose experts are 4-bit (tilegemm.nn.quantize_experts_, group {self._group()}) on "
-                "tilegemm; baseline: the 16-bit model holding those weights dequantized, on transformers' "
-                "grouped_mm; second baseline: its batched_mm; reference: the baseline's logits")
+    def _what(self, tiny: bool) -> str:
+        return (f"auto: a copy whose experts and Linears but lm_head are 4-bit (tilegemm.nn.quantize_, group "
+                f"{self._group(tiny)}) on tilegemm; baseline: the 16-bit model holding those weights dequantized, on "
+                "transformers' grouped_mm; second baseline: its batched_mm; reference: the baseline's logits")
 
-    def _group(self) -> int:
+    @staticmethod
+    def _group(tiny: bool) -> int:
         from tilegemm.models import moe
 
-        return moe.TINY_GROUP if interpreting() else moe.GROUP
+        return moe.TINY_GROUP if tiny else moe.GROUP
 
     def _rows(self, model, dims) -> dict:
         from tilegemm.models import moe
 
-        int4 = moe.int4_twin(model, moe.TINY_GROUP if dims["config"] == "tiny" else moe.GROUP)
+        int4 = moe.int4_twin(model, self._group(dims["config"] == "tiny"))
         return {"auto": (int4, "tilegemm"), "baseline": (model, "grouped_mm"), "baseline2": (model, "batched_mm")}
 
 

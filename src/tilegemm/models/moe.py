@@ -8,6 +8,7 @@ model run on each experts implementation, transformers' built-in ones and tilege
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -105,8 +106,9 @@ def experts_agreement(ref_model, model, ids, use) -> float:
     """The largest relative error, over the layers, of ``model``'s experts against ``ref_model``'s on the same
     inputs: each experts block of ``ref_model`` is recorded (its hidden states, routing and output) on ``ids``,
     then the same block of ``model`` runs those inputs. ``use(model, "ref"|"model")`` sets each model's experts
-    implementation first. Unlike the logits, this is no chaotic function of the routing: a token whose top-k
-    choice flips between two implementations (a near-tie) changes every later layer's input."""
+    implementation first; inf where a layer's error is NaN. Unlike the logits, this is no chaotic function of the
+    routing: a token whose top-k choice flips between two implementations (a near-tie) changes every later layer's
+    input."""
     ref_blocks, blocks = experts_blocks(ref_model), experts_blocks(model)
     if len(ref_blocks) != len(blocks):
         raise ValueError(f"the models hold {len(ref_blocks)} and {len(blocks)} experts blocks")
@@ -123,7 +125,8 @@ def experts_agreement(ref_model, model, ids, use) -> float:
     worst = 0.0
     for block, (args, kwargs, out) in zip(blocks, seen):
         got = block(*args, **kwargs).float()
-        worst = max(worst, float((got - out.float()).norm() / out.float().norm()))
+        err = float((got - out.float()).norm() / out.float().norm())
+        worst = math.inf if math.isnan(err) else max(worst, err)  # (max() would drop a NaN: a layer of NaN)
     return worst
 
 
@@ -193,11 +196,14 @@ def layer_gib(shapes: dict, dtype=torch.bfloat16) -> float:
 
 def layers_that_fit(arch: str, requested: int | None = None, int4: bool = False) -> int:
     """The full-size ``arch``'s layers that fit (``requested`` if given): the 16-bit model, with ``int4`` its 4-bit
-    twin too (a quarter of its experts), the embeddings, and room for caches, activations and compiled graphs."""
+    twin too (4-bit weights, a 16-bit scale and zero a group, and the decode kernel's fragment layout of them, as
+    large again, kept where that kernel runs), the embeddings, and room for caches, activations and compiled
+    graphs."""
     if requested:
         return requested
     _, shapes, full_layers, _, _ = arch_of(arch)
     embed_gib = 2 * 2 * shapes["vocab_size"] * shapes["hidden_size"] / 2**30 * (2 if int4 else 1)
     free, _ = torch.cuda.mem_get_info()
-    per_layer = layer_gib(shapes) * (1.3 if int4 else 1.0)
+    int4_bytes = 2 * (0.5 + 2 * 2 / GROUP)  # a weight's bytes in the twin: packed parts, then fragments again
+    per_layer = layer_gib(shapes) * (1 + int4_bytes / 2 if int4 else 1.0)
     return max(1, min(full_layers, int((free / 2**30 - embed_gib - 16.0) / per_layer)))

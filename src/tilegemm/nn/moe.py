@@ -117,6 +117,11 @@ def _int4(module, name: str) -> Int4Weight | None:
     hit = cache.get(name)
     if hit is not None and hit[0] == key:
         return hit[1]
+    if hit is not None and all(a[0] == b[0] for a, b in zip(hit[0][1:], key[1:])):
+        # the same storage written in place since: the fragments kept of it are stale (a call remakes them)
+        for gated in (False, True):
+            for n in _fragment_names(name, gated):
+                module._buffers.pop(n, None)
     w = _with_fragments(module, name, Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8)))
     cache[name] = (key, w)
     return w
@@ -271,6 +276,20 @@ def make_fragments_(module) -> None:
         keep_fragments_(module, name, w)
 
 
+def _drop_fragments(module) -> None:
+    """Forget the block's kept fragment layouts (and its Int4Weights holding them): its 4-bit parts changed."""
+    for n in [n for n in module._buffers if n.startswith("tilegemm_") and n.endswith(("frag_w", "frag_zs"))]:
+        del module._buffers[n]
+    module.__dict__.pop("_tilegemm_int4_weights", None)
+
+
+def _remake_fragments(module, incompatible_keys=None) -> None:
+    """After ``load_state_dict`` wrote the block's 4-bit parts: the fragments kept from the old ones are stale (they
+    are not saved, so nothing loads them), made again from the loaded parts."""
+    _drop_fragments(module)
+    make_fragments_(module)
+
+
 def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
     """Put stacked 4-bit experts on a transformers experts block: ``weights`` maps its 3-D weight's name
     (``"gate_up_proj"``/``"up_proj"``, ``"down_proj"``) to an :class:`Int4Weight` of logical shape ``[E, out, in]``
@@ -285,7 +304,11 @@ def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
         for part in _INT4:
             module.register_buffer(f"tilegemm_{n}_{part}", getattr(q, part))
     module.tilegemm_group_size = sizes.pop()
+    _drop_fragments(module)  # those of experts installed before
     make_fragments_(module)
+    if not getattr(module, "_tilegemm_remakes_fragments", False):
+        module.register_load_state_dict_post_hook(_remake_fragments)
+        module._tilegemm_remakes_fragments = True
 
 
 def use_int4_experts_(model: torch.nn.Module) -> None:

@@ -368,6 +368,9 @@ def shard_experts_(module: nn.Module, rank: int, world: int) -> nn.Module:
                 sl = slice(rows.start // 8, rows.stop // 8) if part == "qweight" else \
                     slice(rows.start // gs, rows.stop // gs)
                 module.register_buffer(name, t[:, sl].contiguous())
+            from tilegemm.nn.moe import _remake_fragments
+
+            _remake_fragments(module)  # the kept fragment layouts were the unsharded experts'
         else:
             for name, local in ((up, w_up.index_select(2 if transposed else 1, cols.to(w_up.device))),
                                 (down, w_down[:, rows] if transposed else w_down[:, :, rows])):
@@ -640,6 +643,11 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
         else:
             module._buffers[leaf] = new
         loaded.add(key)
+    from tilegemm.nn.moe import _remake_fragments
+
+    for mod_name, module in modules.items():  # 4-bit experts given new parts: their kept fragments were the old ones'
+        if hasattr(module, "tilegemm_group_size") and any(k.startswith(f"{mod_name}.tilegemm_") for k in loaded):
+            _remake_fragments(module)
     if strict:
         missing = [k for k in model.state_dict() if k not in loaded]
         if state or missing:
