@@ -105,6 +105,8 @@ def main(argv=None) -> int:
                 ratio = "" if name == "grouped_mm" else f" ({tps[name] / tps['grouped_mm']:.2f}x)"
                 line.append(f"{name} prefill {pre * 1e3:7.1f} ms, {tps[name]:8.1f} tok/s{ratio}")
                 del dec
+                if mode == "compile":
+                    torch._dynamo.reset()  # each row compiles its own step: keep within dynamo's recompile limit
             print("  ".join(line), flush=True)
 
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device)

@@ -294,6 +294,8 @@ def run_bench(
                 n_sets = rotation_count(first.bytes_per_set, machine, cuda_graph)
                 prepared = op.prepare(case, dtype, device, n_sets, options) if n_sets > 1 else first
             except torch.cuda.OutOfMemoryError:
+                first = prepared = None  # a first set made before the second ran out: freed before the next case
+                _release(device)
                 for kernel in names:
                     result.rows.append(_row(op, case, dtype, kernel, options, "error", message="out of memory"))
                     step(kernel)

@@ -706,8 +706,8 @@ class MoEBench(ModelBench):
                 ids = torch.randint(0, model.config.vocab_size, (2, 16), device=device)
             self._impl.clear()
             self._use(model, "grouped_mm")
+            rows = self._rows(model, dims)  # the 4-bit entry writes its dequantized weights into the model here
             self._share = moe.experts_share(model, ids)
-            rows = self._rows(model, dims)
             (ref, ref_impl), (mine, impl) = rows["baseline"], rows["auto"]
             self._experts_err = moe.experts_agreement(
                 ref, mine, ids, lambda m, which: self._use(m, ref_impl if which == "ref" else impl))
