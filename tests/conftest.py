@@ -287,6 +287,18 @@ def tensors_here():
         yield
 
 
+def load_script(*parts: str):
+    """The module of a script of the repository that is no package module (``tools/``, ``examples/``), by its path
+    from the repository's root: ``load_script("tools", "w4a16_frag_sweep.py")``."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", *parts)
+    spec = importlib.util.spec_from_file_location(os.path.splitext(parts[-1])[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def hide_broken_torchvision() -> None:
     """A torchvision that does not match torch (its C ops missing: PyPI's CUDA build beside the CPU torch wheel)
     breaks transformers' model imports; make transformers see none."""

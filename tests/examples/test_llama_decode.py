@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
+
+from conftest import load_script
 
 pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "llama_decode.py")
-
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("llama_decode", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples", "llama_decode.py")
 
 
 def test_tiny_decode_runs_and_agrees(capsys):

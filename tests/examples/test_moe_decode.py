@@ -3,21 +3,15 @@ decode under the interpreter."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
+
+from conftest import load_script
 
 pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "moe_decode.py")
-
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("moe_decode", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples", "moe_decode.py")
 
 
 def test_tiny_moe_decode_runs_and_agrees(capsys):

@@ -3,25 +3,20 @@ checked rows, a wrong output is never timed, and its grids around the H200's con
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from tilegemm.core.runtime import interpreting
+from conftest import load_script
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "grouped_candidates.py"
 pytestmark = pytest.mark.skipif(not interpreting(), reason="the tool's smoke run is the interpreter's")
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("grouped_candidates", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools", "grouped_candidates.py")
 
 
 def test_smoke_run_writes_checked_rows(tool, tmp_path, capsys):

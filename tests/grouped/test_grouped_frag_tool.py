@@ -3,20 +3,14 @@ summary and table (the GPU run itself is the lead's: the tool's docstring says h
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "grouped_frag_candidates.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("grouped_frag_candidates", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools", "grouped_frag_candidates.py")
 
 
 def test_cases_are_the_sweeps_decode_cases(tool):

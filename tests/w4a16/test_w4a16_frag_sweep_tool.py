@@ -3,20 +3,14 @@ knob the launch reads, PAIRS included, so two configs that launch differently ar
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "w4a16_frag_sweep.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("w4a16_frag_sweep", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools", "w4a16_frag_sweep.py")
 
 
 BASE = dict(BM=32, RH=1, num_warps=4, STAGES=6, SPLIT_K=2, OVERLAP=False, PIPE=False)
