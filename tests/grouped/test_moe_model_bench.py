@@ -50,7 +50,7 @@ def test_the_int4_twin_is_what_the_16_bit_model_holds():
     linears = {n: type(m) for n, m in twin.named_modules() if isinstance(m, (torch.nn.Linear, Int4Linear))}
     assert linears["lm_head"] is torch.nn.Linear
     assert all(t is Int4Linear for n, t in linears.items() if n != "lm_head") and len(linears) > 1
-    for m16, m4 in zip(moe.experts_of(model), moe.experts_blocks(twin)):
+    for m16, m4 in zip(moe.experts_blocks(model), moe.experts_blocks(twin)):
         for name in ("gate_up_proj", "down_proj"):
             assert torch.equal(getattr(m16, name), dequantize(_int4(m4, name)))
             assert name not in m4._parameters  # the 16-bit experts are not in the copy

@@ -608,6 +608,7 @@ class MoEBench(ModelBench):
     # the logits of a deep model chaotic (a near-tie in the routing flips, and every later layer's input moves).
     # Each case therefore also checks every layer's experts on the baseline's inputs (dims["experts_rel_err"]).
     EXPERTS_TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-4}
+    _int4 = False  # the 4-bit entry's twin counts toward the layers that fit
 
     def __init__(self, layers: int | None = None, arch: str | None = None):
         super().__init__()
@@ -653,8 +654,6 @@ class MoEBench(ModelBench):
             (self.TINY_PROMPT if tiny else self.GPU_PROMPT)
         dims = dict(batch=batch, prompt=prompt, layers=layers, mode=mode, config=config)
         return Case(f"b{batch} {mode}" + (f" {prompt}" if mode == "prefill" else ""), dims, float(x))
-
-    _int4 = False
 
     def _decode_cases(self) -> list[Case]:
         self._require(tiny=False)

@@ -92,7 +92,7 @@ def experts_share(model, ids) -> float:
     those with every experts block's output replaced by zeros. A check of the logits sees errors of the experts
     only well below this."""
     full = model(input_ids=ids, use_cache=False).logits.float()
-    hooks = [m.register_forward_hook(lambda mod, args, out: torch.zeros_like(out)) for m in experts_of(model)]
+    hooks = [m.register_forward_hook(lambda mod, args, out: torch.zeros_like(out)) for m in experts_blocks(model)]
     try:
         bare = model(input_ids=ids, use_cache=False).logits.float()
     finally:
@@ -142,13 +142,6 @@ def set_experts(model, impl: str) -> None:
     model.set_experts_implementation(impl)
 
 
-def experts_of(model):
-    """The model's experts blocks (transformers' 3-D ``gate_up_proj``/``down_proj`` modules), in order."""
-    from tilegemm.nn.moe import _experts_modules
-
-    return [m for _, m in _experts_modules(model)]
-
-
 @torch.no_grad()
 def int4_twin(model, group_size: int):
     """A 4-bit copy of ``model`` as ``tilegemm.nn.quantize_`` makes it (every Linear but lm_head an
@@ -160,7 +153,7 @@ def int4_twin(model, group_size: int):
     from tilegemm.nn.moe import _int4, install_int4_experts_, use_int4_experts_
     from tilegemm.ops.w4a16.format import dequantize, quantize
 
-    blocks = experts_of(model)
+    blocks = experts_blocks(model)
     saved = []
     for m in blocks:
         names = ["gate_up_proj" if hasattr(m, "gate_up_proj") else "up_proj", "down_proj"]
