@@ -26,8 +26,11 @@
 #                 tests on the GPU, then the moe backward sweep, bf16, as CUDA graphs, auto against F.grouped_mm
 #   grouped-w4a16-prefill  4-bit experts at 512, 4096 and 16384 tokens (the moe sweep's models and products), fp16
 #                 and bf16, auto against dequant_dot and dequant_grouped by name, then their tests on the GPU
-#   grouped-candidates  tools/grouped_candidates.py: the moe sweep's weakest cases (bf16 forward), baselines, auto,
-#                 and tiled and tma by name on a grid of configs around auto's, CUDA-graph times (150 s budget)
+#   grouped-candidates  tools/grouped_candidates.py: the moe sweep's weakest cases (forward, \$GC_DTYPES, default
+#                 bf16), baselines, auto, and tiled and tma by name on a grid of configs around auto's, CUDA-graph
+#                 times (\$GC_BUDGET seconds a dtype, default 150)
+#   moe-route     tools/moe_route_probe.py (the MoE routing kernels against the torch ops, decode to prefill), then
+#                 tests/grouped/test_grouped_routing.py on the GPU
 #   grouped-host  tools/grouped_host_probe.py (host us per call at decode: full path, replay, F.grouped_mm; cProfile),
 #                 then tests/grouped/test_grouped_replay_gpu.py
 #   conv2d-host   tools/conv2d_host_probe.py (host us per replayed conv2d forward: SE 1x1, 3x3 56x56; cProfile),
@@ -37,6 +40,7 @@
 #                 grouped_packed
 #   moe-model     the MoE model entries: Qwen3-30B-A3B shapes (\$MOE_LAYERS, default 24), 16-bit and 4-bit experts
 #                 against transformers' grouped_mm and batched_mm, decode b1/b16 graph and compile, prefill 2048, bf16
+#                 (\$MOE_SHAPES: --shape options for fewer cases; \$MOE_TIMEOUT seconds an entry, default 280)
 #   w4-random     the w4a16 bench's held-out w4-random sweep, fp16 (second baseline: fbgemm where it imports)
 #   w4-formats    the w4a16 bench's formats sweep (every group size, sym/asym, act-order), fp16 and bf16, auto and
 #                 frag_wgmma
@@ -120,8 +124,8 @@ for step in "$@"; do
     grouped-w4a16) for d in fp16 bf16; do bench --op grouped_w4a16 --sweep moe --dtype $d --kernels auto \
                      --json "$OUT/grouped-w4a16-moe-$d.json" 2>&1 | tail -n 6; done ;;
     moe-model) for o in grouped grouped_w4a16; do  # about 4 and 3 minutes at 24 layers (compiles included)
-                 timeout -s INT 280 python3 -m tilegemm.cli bench --quiet --no-save --op $o --model qwen3_moe \
-                   --layers "${MOE_LAYERS:-24}" --json "$OUT/moe-$o-qwen3.json" 2>&1 | grep -E "│ b|auto  |wrong|error" | tail -n 16
+                 timeout -s INT "${MOE_TIMEOUT:-280}" python3 -m tilegemm.cli bench --quiet --no-save --op $o \
+                   --model qwen3_moe --layers "${MOE_LAYERS:-24}" ${MOE_SHAPES:-} --json "$OUT/moe-$o-qwen3.json" 2>&1 | grep -E "│ b|auto  |wrong|error" | tail -n 16
                done ;;
     grouped-tma) for d in bf16 fp16; do bench --op grouped --sweep moe --dtype $d --kernels auto,tiled,tma \
                    --json "$OUT/grouped-moe-tma-$d.json" 2>&1 | tail -n 8; done
@@ -141,8 +145,12 @@ for step in "$@"; do
             --kernels auto,dequant_dot,dequant_grouped --json "$OUT/grouped-w4a16-prefill-$d.json" 2>&1 | tail -n 8; done
         pytest_ -m "" tests/grouped/test_grouped_int4_prefill.py tests/grouped/test_grouped_int4_prefill_gpu.py 2>&1 \
             | tee "$OUT/grouped-w4a16-prefill-tests.log" | tail -n 15 ;;
-    grouped-candidates) python3 tools/grouped_candidates.py --out "$OUT/grouped-candidates.json" 2>&1 \
-                            | tee "$OUT/grouped-candidates.txt" | tail -n 20 ;;
+    grouped-candidates) for d in ${GC_DTYPES:-bf16}; do
+                          python3 tools/grouped_candidates.py --dtype $d --budget "${GC_BUDGET:-150}" \
+                            --out "$OUT/grouped-candidates-$d.json" 2>&1 | tee "$OUT/grouped-candidates-$d.txt" | tail -n 20
+                        done ;;
+    moe-route) python3 tools/moe_route_probe.py --out "$OUT/moe-route-probe.json" 2>&1 | tail -n 10
+               pytest_ -m "" tests/grouped/test_grouped_routing.py 2>&1 | tee "$OUT/moe-route-tests.log" | tail -n 4 ;;
     grouped-host) python3 tools/grouped_host_probe.py 2>&1 | tee "$OUT/grouped-host.txt" | sed -n 1,24p
                   pytest_ -m gpu tests/grouped/test_grouped_replay_gpu.py 2>&1 | tee "$OUT/grouped-replay-tests.log" | tail -n 8 ;;
     conv2d-grouped) python3 tools/conv2d_grouped_candidates.py --budget "${CONV_BUDGET:-150}" \

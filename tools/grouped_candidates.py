@@ -179,6 +179,9 @@ def tma_field(base: dict, smoke: bool) -> list[tuple[str, dict]]:
     field = [
         ("core", {}),
         ("core", dict(BLOCK_N=bn // 2, num_stages=st + 1)),
+        ("core", dict(FLATTEN=True)),  # the tile loop fused into the K loop: the next tile's loads start early
+        ("core", dict(FLATTEN=True, num_stages=st - 1)),
+        ("core", dict(FLATTEN=True, BLOCK_N=bn // 2, num_stages=st + 1)),
         ("grid", dict(num_stages=st + 1)),
         ("grid", dict(num_stages=st - 1)),
         ("grid", dict(GROUP_M=4)),
@@ -193,7 +196,7 @@ def tma_field(base: dict, smoke: bool) -> list[tuple[str, dict]]:
 
 def label(kernel: str, cfg: dict) -> str:
     short = dict(BLOCK_M="m", BLOCK_N="n", BLOCK_K="k", GROUP_M="g", SPLIT_K="split", num_warps="w",
-                 num_stages="s", PROGRAMS_PER_SM="per_sm")
+                 num_stages="s", PROGRAMS_PER_SM="per_sm", FLATTEN="flat")
     parts = [f"{short.get(k, k)}{v}" for k, v in cfg.items() if not (k in ("SPLIT_K", "PROGRAMS_PER_SM") and v == 1)]
     return f"{kernel} " + " ".join(parts)
 

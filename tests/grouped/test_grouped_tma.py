@@ -51,6 +51,21 @@ def test_more_units_than_programs(device):
     assert_rel_close(out, grouped_mm_reference(a, b, offs), tolerance(torch.float16))
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_flattened_loop_keeps_the_tail_zero(gated, device):
+    # FLATTEN (a candidate config): the tail's tiles run the K loop too (the fused loop needs invariant bounds) and
+    # must still store zeros; a gated product's activation of those sums must not leak either
+    a, b, offs = operands("2d3d", [33, 0, 50, 17], 64, 2 * 24 if gated else 72, torch.float16, device, tail=20)
+    N = 24 if gated else 72
+    out = torch.full((a.shape[0], N), float("nan"), dtype=torch.float16, device=device)
+    tma.run(make_problem("2d3d", 4, a, b, offs, None, out, "ieee", "silu" if gated else "none", gated),
+            dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, FLATTEN=True, num_warps=4, num_stages=1))
+    pre = grouped_mm_reference(a, b, offs).float()
+    ref = torch.nn.functional.silu(pre[:, :N]) * pre[:, N:] if gated else pre
+    assert_rel_close(out, ref.to(out.dtype), tolerance(torch.float16))
+    assert torch.equal(out[-20:], torch.zeros_like(out[-20:]))
+
+
 @pytest.mark.parametrize("b_transposed", [False, True], ids=["b_kn", "b_nk"])
 def test_gated_with_bias(b_transposed, device):
     sizes, N = [2, 0, 21, 1], 24

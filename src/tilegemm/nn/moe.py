@@ -29,6 +29,7 @@ import sys
 import torch
 
 from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm, moe_gate_up, moe_gate_up_int4
+from tilegemm.ops.grouped.routing import moe_combine, moe_route
 from tilegemm.ops.w4a16.format import Int4Weight, quantize
 
 NAME = "tilegemm"
@@ -199,15 +200,9 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``"tilegemm"`` experts implementation: ``hidden_states`` ``[T, H]``, ``top_k_index`` and
     ``top_k_weights`` ``[T, k]`` -> ``[T, H]``."""
-    T, H = hidden_states.shape
-    k = top_k_index.shape[-1]
-    E = self.num_experts
-    ids = top_k_index.reshape(-1)
-    ids_sorted, perm = torch.sort(ids, stable=True)
-    # offs[e]: the pairs routed to experts <= e (pairs past offs[-1], ids >= E, are left out)
-    offs = torch.searchsorted(ids_sorted, torch.arange(E, device=ids.device, dtype=ids_sorted.dtype),
-                              right=True).to(torch.int32)
-    x = hidden_states[perm // k]
+    # One launch each for the permutation and its weighted inverse (tilegemm.ops.grouped.routing): the torch ops
+    # they replace were about ten small kernels a layer, the bulk of a decode step's experts (docs/grouped.md).
+    x, offs, pos = moe_route(hidden_states, top_k_index, self.num_experts)
     has_gate = getattr(self, "has_gate", True)
     up_name = "gate_up_proj" if has_gate else "up_proj"
     fused = _fused_activation(self) if has_gate else None
@@ -217,9 +212,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     y = _project(self, "down_proj", h, offs, None)
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
-    y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
-    out = torch.zeros_like(y).index_copy(0, perm, y)  # back to token-major order
-    return out.view(T, k, H).sum(dim=1).to(hidden_states.dtype)
+    return moe_combine(y, pos, top_k_weights).to(hidden_states.dtype)
 
 
 # --- 4-bit experts -----------------------------------------------------------------------------------------------

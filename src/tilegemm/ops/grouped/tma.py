@@ -48,7 +48,7 @@ def grouped_tma_kernel(
     s_am, s_bg, s_bx, s_om, s_on, s_cg, s_cn, UPC,
     B_NK: tl.constexpr, GP: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+    GROUP_M: tl.constexpr, STAGES: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
 ):
     # s_bx: b's stride along its middle dim of the descriptor (K when B_NK is False, N when True).
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[s_am, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -63,7 +63,7 @@ def grouped_tma_kernel(
     tiles_n = tl.cdiv(N, BLOCK_N)
     units = (group_tiles + tl.cdiv(M - last, BLOCK_M)) * tiles_n
     k_steps = tl.cdiv(K, BLOCK_K)
-    for unit in range(tl.program_id(0), units, PROGRAMS):
+    for unit in tl.range(tl.program_id(0), units, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
         tm = unit // tiles_n
         g, start, end, first_tile = locate_group(tm, starts, ends, tiles, ends_tiles, group_tiles, last, G, M, GP)
         tail = g >= G
@@ -73,7 +73,10 @@ def grouped_tma_kernel(
         n0 = tile_n * BLOCK_N
         live = g < G
         g = tl.minimum(g, G - 1)  # (the tail reads no group's weight or bias)
-        steps = tl.where(tail, 0, k_steps)  # the tail's tiles multiply nothing: they store zeros
+        if FLATTEN:
+            steps = k_steps  # fusing the loops needs the inner bounds invariant: the tail's products are discarded
+        else:
+            steps = tl.where(tail, 0, k_steps)  # the tail's tiles multiply nothing: they store zeros
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if GATED:
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -153,7 +156,7 @@ def run(p: GroupedProblem, config: dict | None = None) -> None:
         raise NotApplicable(f"grouped kernel 'tma' does not take this problem: {reason}")
     if p.M == 0 or p.N == 0:
         return
-    cfg = dict(config or tma_config(p))
+    cfg = dict(FLATTEN=False, WS=False) | dict(config or tma_config(p))
     warps, stages = cfg.pop("num_warps", 8), cfg.pop("num_stages", 4)
     # programs an SM (a config key for candidate tools: two smaller tiles' programs resident on an SM overlap one's
     # epilogue with the other's loads, shared memory permitting, else the second waits); the interpreter runs

@@ -1,0 +1,276 @@
+"""A MoE layer's token permutation and its inverse, each one launch: ``moe_route`` and ``moe_combine``.
+
+Around its two grouped products a MoE layer sorts its (token, expert) pairs by expert, counts each expert's rows
+(``offs``), gathers the tokens' rows in that order, and after the down projection weights each pair's row by its
+routing weight and sums each token's ``k`` rows. In torch ops that is a sort, a search, an index, a multiply, a
+zero fill, a scatter and a sum: about ten small kernels a layer, which at decode (a few rows an expert) take longer
+than launching them is worth (docs/grouped.md, "The routing kernels"). Here:
+
+- :func:`moe_route` ``(x [T, H], top_k_index [T, k], E) -> (x_sorted [T*k, H], offs [E] int32, pos [T*k] int32)``:
+  pair ``p = t * k + j`` (token t's j-th choice) goes to row ``pos[p]`` of ``x_sorted``, pairs ordered by expert
+  and, within an expert, by ``p`` (a stable sort); ``offs[e]`` counts the pairs of experts ``<= e``. Pairs whose
+  expert is outside ``[0, E)`` (experts another rank holds) come last, past ``offs[-1]``, where the grouped
+  products store zero rows. One kernel: each program ranks its own pairs against all of them (``pos[p]`` = the
+  pairs of a smaller expert + the earlier pairs of the same one) and copies their rows; the first programs also
+  count ``offs``. Its work grows as ``P^2``, so past :data:`KERNEL_MAX_PAIRS` pairs (prefill) the same results
+  come from torch's sort.
+- :func:`moe_combine` ``(y [T*k, H], pos, weights [T, k]) -> [T, H]``: ``out[t] = sum_j weights[t, j] *
+  y[pos[t*k + j]]``, summed in fp32, one kernel at every size.
+
+Both are ``torch.library`` ops with fakes and autograd (the backward in torch ops), so a compiled decode step
+traces them and a CUDA graph captures them (no host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.core.runtime import cdiv, new_output, on_device
+
+# Pairs (tokens x top-k) up to which moe_route runs its kernel; above, torch's sort (the kernel ranks each pair
+# against every other: P^2 / PAIRS_A_PROGRAM programs' work). An estimate, checked by tools/moe_route_probe.py
+# (docs/grouped.md, "The routing kernels").
+KERNEL_MAX_PAIRS = 8192
+PAIRS_A_PROGRAM = 16  # rows a program ranks and copies
+RANK_CHUNK = 1024  # pairs compared at once (a [PAIRS_A_PROGRAM, RANK_CHUNK] tile)
+EXPERTS_A_CHUNK = 16  # experts a program counts offs for
+COPY_COLUMNS = 512  # columns of a row copied at once
+COMBINE_COLUMNS = 1024  # columns of an output row a combine program writes
+
+
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def moe_route_kernel(ids_ptr, x_ptr, xs_ptr, offs_ptr, pos_ptr, P, E, H, TOPK, s_xt, s_xs,
+                         BP: tl.constexpr, CHUNK: tl.constexpr, EB: tl.constexpr, BH: tl.constexpr):
+        pid = tl.program_id(0)
+        mine = pid * BP + tl.arange(0, BP)
+        ok = mine < P
+        e_mine = tl.load(ids_ptr + mine, mask=ok, other=0).to(tl.int32)
+        e_mine = tl.where((e_mine < 0) | (e_mine >= E), E, e_mine)  # outside [0, E): last
+        rank = tl.zeros((BP,), dtype=tl.int32)
+        for j0 in range(0, P, CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            e_j = tl.load(ids_ptr + j, mask=j < P, other=0).to(tl.int32)
+            e_j = tl.where((e_j < 0) | (e_j >= E), E, e_j)
+            live = (j < P)[None, :]
+            before = (e_j[None, :] < e_mine[:, None]) | ((e_j[None, :] == e_mine[:, None]) & (j[None, :] < mine[:, None]))
+            rank += tl.sum((before & live).to(tl.int32), axis=1)
+        tl.store(pos_ptr + mine, rank, mask=ok)
+        # offs: experts pid * EB ... counted by the first cdiv(E, EB) programs
+        e = pid * EB + tl.arange(0, EB)
+        if pid * EB < E:
+            count = tl.zeros((EB,), dtype=tl.int32)
+            for j0 in range(0, P, CHUNK):
+                j = j0 + tl.arange(0, CHUNK)
+                e_j = tl.load(ids_ptr + j, mask=j < P, other=0).to(tl.int32)
+                e_j = tl.where((e_j < 0) | (e_j >= E), E, e_j)
+                count += tl.sum(((e_j[None, :] <= e[:, None]) & (j < P)[None, :]).to(tl.int32), axis=1)
+            tl.store(offs_ptr + e, count, mask=e < E)
+        # the rows: x[p // TOPK] -> x_sorted[pos[p]]
+        src = x_ptr + (mine // TOPK).to(tl.int64)[:, None] * s_xt
+        dst = xs_ptr + rank.to(tl.int64)[:, None] * s_xs
+        for h0 in range(0, H, BH):
+            h = h0 + tl.arange(0, BH)
+            m = ok[:, None] & (h < H)[None, :]
+            tl.store(dst + h[None, :], tl.load(src + h[None, :], mask=m), mask=m)
+
+    @triton.jit
+    def moe_combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, TOPK, s_y, s_wt, s_wk, s_o,
+                           KP: tl.constexpr, BH: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1) * BH + tl.arange(0, BH)
+        j = tl.arange(0, KP)
+        jm = j < TOPK
+        p = tl.load(pos_ptr + t * TOPK + j, mask=jm, other=0)
+        w = tl.load(w_ptr + t * s_wt + j * s_wk, mask=jm, other=0.0).to(tl.float32)
+        m = jm[:, None] & (h < H)[None, :]
+        rows = tl.load(y_ptr + p.to(tl.int64)[:, None] * s_y + h[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t.to(tl.int64) * s_o + h, tl.sum(rows * w[:, None], axis=0).to(out_ptr.dtype.element_ty),
+                 mask=h < H)
+
+    return moe_route_kernel, moe_combine_kernel
+
+
+_KERNELS = None
+
+
+def kernels():
+    """(route, combine): compiled on first use, so importing this module builds nothing."""
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = _kernels()
+    return _KERNELS
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def route_torch(x: torch.Tensor, ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moe_route` through torch's sort (large P, and the reference the tests compare the kernel with)."""
+    P = ids.numel()
+    k = ids.shape[-1] if ids.dim() > 1 else 1
+    flat = ids.reshape(-1).to(torch.int64)
+    keyed = torch.where((flat < 0) | (flat >= E), E, flat)
+    ids_sorted, perm = torch.sort(keyed, stable=True)
+    offs = torch.searchsorted(ids_sorted, torch.arange(E, device=ids.device, dtype=ids_sorted.dtype),
+                              right=True).to(torch.int32)
+    pos = torch.empty(P, dtype=torch.int32, device=ids.device)
+    pos[perm] = torch.arange(P, dtype=torch.int32, device=ids.device)
+    return x[perm // k], offs, pos
+
+
+def route(x: torch.Tensor, ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward of :func:`moe_route` (arguments checked by the caller)."""
+    P, H = ids.numel(), x.shape[1]
+    if P > KERNEL_MAX_PAIRS or P == 0:
+        return route_torch(x, ids, E)
+    k = ids.shape[1]
+    xs = new_output((P, H), x.dtype, x.device)
+    offs = new_output((E,), torch.int32, x.device)
+    pos = new_output((P,), torch.int32, x.device)
+    ids = ids.reshape(-1)
+    if ids.stride(0) != 1:
+        ids = ids.contiguous()
+    if x.stride(1) != 1 and H > 1:
+        x = x.contiguous()
+    route_kernel, _ = kernels()
+    programs = max(cdiv(P, PAIRS_A_PROGRAM), cdiv(E, EXPERTS_A_CHUNK))
+    with on_device(x.device):
+        route_kernel[(programs,)](ids, x, xs, offs, pos, P, E, H, k, x.stride(0), xs.stride(0),
+                                  BP=PAIRS_A_PROGRAM, CHUNK=min(RANK_CHUNK, _pow2(P)), EB=EXPERTS_A_CHUNK,
+                                  BH=min(COPY_COLUMNS, _pow2(H)), num_warps=4)
+    return xs, offs, pos
+
+
+def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The forward of :func:`moe_combine` (arguments checked by the caller)."""
+    T, k = weights.shape
+    H = y.shape[1]
+    out = new_output((T, H), y.dtype, y.device)
+    if out.numel() == 0:
+        return out
+    if y.stride(1) != 1:
+        y = y.contiguous()
+    pos = pos if pos.stride(0) == 1 else pos.contiguous()
+    _, combine_kernel = kernels()
+    bh = min(COMBINE_COLUMNS, _pow2(H))
+    with on_device(y.device):
+        combine_kernel[(T, cdiv(H, bh))](y, pos, weights, out, H, k, y.stride(0), weights.stride(0),
+                                         weights.stride(1), out.stride(0), KP=_pow2(k), BH=bh, num_warps=4)
+    return out
+
+
+# --- the torch.library ops ---------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tilegemm::moe_route", mutates_args=())
+def moe_route_op(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                        torch.Tensor]:
+    return route(x, top_k_index, num_experts)
+
+
+@moe_route_op.register_fake
+def _fake_route(x, top_k_index, num_experts):
+    P = top_k_index.numel()
+    return (x.new_empty((P, x.shape[1])), x.new_empty((num_experts,), dtype=torch.int32),
+            x.new_empty((P,), dtype=torch.int32))
+
+
+def _setup_route(ctx, inputs, output):
+    x, top_k_index, _ = inputs
+    ctx.save_for_backward(output[2])
+    ctx.shape, ctx.k = x.shape, top_k_index.shape[1]
+
+
+def _backward_route(ctx, grad_xs, grad_offs, grad_pos):
+    (pos,) = ctx.saved_tensors
+    T, H = ctx.shape
+    g = grad_xs[pos.long()].view(T, ctx.k, H).float().sum(1).to(grad_xs.dtype)  # each token's k rows
+    return g, None, None
+
+
+moe_route_op.register_autograd(_backward_route, setup_context=_setup_route)
+
+
+@torch.library.custom_op("tilegemm::moe_combine", mutates_args=())
+def moe_combine_op(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return combine(y, pos, weights)
+
+
+@moe_combine_op.register_fake
+def _fake_combine(y, pos, weights):
+    return y.new_empty((weights.shape[0], y.shape[1]))
+
+
+def _setup_combine(ctx, inputs, output):
+    y, pos, weights = inputs
+    ctx.save_for_backward(y, pos, weights)
+
+
+def _backward_combine(ctx, grad):
+    y, pos, weights = ctx.saved_tensors
+    T, k = weights.shape
+    idx = pos.long()
+    g = grad.float()
+    gy = gw = None
+    if ctx.needs_input_grad[0]:
+        rows = (weights.float().reshape(T, k, 1) * g[:, None, :]).reshape(T * k, -1)
+        gy = torch.zeros_like(y).index_copy(0, idx, rows.to(y.dtype))
+    if ctx.needs_input_grad[2]:
+        gw = (y[idx].float().view(T, k, -1) * g[:, None, :]).sum(-1).to(weights.dtype)
+    return gy, None, gw
+
+
+moe_combine_op.register_autograd(_backward_combine, setup_context=_setup_combine)
+
+
+# --- public functions --------------------------------------------------------------------------------------------
+
+
+def _check_route(x, top_k_index, num_experts):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"moe_route: x must be a 2-D tensor [tokens, hidden], got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not isinstance(top_k_index, torch.Tensor) or top_k_index.dim() != 2 or top_k_index.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_route: top_k_index must be [tokens, k] with x's {x.shape[0]} tokens, got "
+                         f"{tuple(top_k_index.shape) if isinstance(top_k_index, torch.Tensor) else top_k_index!r}")
+    if top_k_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"moe_route: top_k_index must be int32 or int64, got {top_k_index.dtype}")
+    if top_k_index.device != x.device:
+        raise ValueError(f"moe_route: top_k_index is on {top_k_index.device}, x on {x.device}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"moe_route: num_experts must be a positive int, got {num_experts!r}")
+
+
+def moe_route(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int):
+    """``(x_sorted, offs, pos)``: the rows of ``x`` ``[T, H]`` for each of the ``T * k`` (token, expert) pairs of
+    ``top_k_index`` ``[T, k]``, ordered by expert (stable); ``offs`` ``[num_experts]`` int32, the cumulative
+    counts :func:`tilegemm.grouped_mm` takes; ``pos`` ``[T * k]`` int32, the row of pair ``t * k + j``. Experts
+    outside ``[0, num_experts)`` sort last, past ``offs[-1]``. Differentiable in ``x``."""
+    _check_route(x, top_k_index, num_experts)
+    return moe_route_op(x, top_k_index, num_experts)
+
+
+def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * y[pos[t * k + j]]`` ``[T, H]`` in ``y``'s dtype (summed in fp32): the
+    inverse of :func:`moe_route`'s permutation, weighted. Differentiable in ``y`` and ``weights``."""
+    if not all(isinstance(t, torch.Tensor) for t in (y, pos, weights)):
+        raise TypeError("moe_combine: y, pos and weights must be tensors")
+    if y.dim() != 2 or weights.dim() != 2 or pos.dim() != 1:
+        raise ValueError(f"moe_combine: y [T*k, H], pos [T*k] and weights [T, k] expected, got "
+                         f"{tuple(y.shape)}, {tuple(pos.shape)}, {tuple(weights.shape)}")
+    if pos.numel() != weights.numel() or y.shape[0] != pos.numel():
+        raise ValueError(f"moe_combine: y has {y.shape[0]} rows, pos {pos.numel()} entries and weights "
+                         f"{weights.numel()}: all must be T*k")
+    if pos.dtype != torch.int32:
+        raise TypeError(f"moe_combine: pos must be int32 (as moe_route gives it), got {pos.dtype}")
+    if not weights.is_floating_point():
+        raise TypeError(f"moe_combine: weights must be floating point, got {weights.dtype}")
+    if len({y.device, pos.device, weights.device}) != 1:
+        raise ValueError(f"moe_combine: y, pos and weights on different devices ({y.device}, {pos.device}, "
+                         f"{weights.device})")
+    return moe_combine_op(y, pos, weights)
