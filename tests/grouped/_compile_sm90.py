@@ -116,6 +116,8 @@ for name, args, kw in (
     ("tma_bf16_gated", (torch.bfloat16, 32768, 768, 2048, 128, True), dict(gated=True, bias=True)),
     ("tma_bf16_bias", (torch.bfloat16, 32768, 4096, 14336, 8, True), dict(bias=True)),
     ("tma_fp16_gated_b_kn", (torch.float16, 32768, 768, 2048, 128, False), dict(gated=True)),
+    # Mixtral at 512 tokens (128 rows an expert): the 64-row tile on one warp group
+    ("tma_bf16_half_tile", (torch.bfloat16, 1024, 4096, 14336, 8, True), {}),
 ):
     results[name] = tma_experts(name, *args, **kw)
 

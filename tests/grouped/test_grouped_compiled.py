@@ -54,7 +54,8 @@ def test_int4_variants(counts, kernel, swap, one_group):
     assert (cfg["SWAP"], cfg["ONE_GROUP"]) == (swap, one_group), cfg
 
 
-TMA = ["tma_bf16_b_nk", "tma_fp16_b_kn", "tma_bf16_gated", "tma_fp16_gated_b_kn", "tma_bf16_bias"]
+TMA = ["tma_bf16_b_nk", "tma_fp16_b_kn", "tma_bf16_gated", "tma_fp16_gated_b_kn", "tma_bf16_bias",
+       "tma_bf16_half_tile"]
 
 
 @pytest.mark.parametrize("kernel", TMA)
@@ -80,6 +81,14 @@ def test_tma_kernel_configs(counts, kernel, b_nk):
     stages = configs.TMA_STAGES_GATED if "gated" in kernel else configs.TMA_STAGES
     assert cfg["B_NK"] == b_nk and cfg["STAGES"] == stages, cfg
     assert cfg["BLOCK_M"] == configs.TMA_BLOCK[0], cfg
+
+
+def test_tma_half_tile_config(counts):
+    # under TMA_HALF_TILE_MAX_ROWS rows an expert: 64-row tiles on one warp group, the table's deeper ring
+    from tilegemm.ops.grouped import configs
+
+    cfg = counts["configs"]["tma_bf16_half_tile"]
+    assert cfg["BLOCK_M"] == configs.TMA_HALF_TILE["BLOCK_M"] and cfg["STAGES"] == configs.TMA_HALF_TILE["num_stages"]
 
 
 @pytest.mark.parametrize("kernel", ["dequant_pass_fp16", "dequant_pass_bf16_slice"])

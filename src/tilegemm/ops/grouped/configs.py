@@ -50,6 +50,12 @@ TMA_BLOCK_N_GATED = 128  # two weight tiles and two accumulators a program: the 
 TMA_STAGES = 4  # 4 x 48 KB of the SM's 227 KB in flight: TMA three steps ahead, faster than 3 at prefill sizes
 #   (docs/grouped.md, "Kernels")
 TMA_STAGES_GATED = 3  # the gated product (two accumulators) not timed with 4
+# Under this many rows an expert on average (M / G), the plain product's tiles are 64 rows on one warp group, 5 stages
+# of 40 KB: groups of a few hundred rows then waste less than half a 128-row tile each and make twice the units
+# (Mixtral at 512 tokens, 128 rows an expert: the candidates' fastest in both products and dtypes; docs/grouped.md,
+# "Kernels"). The gated product keeps its tile (not timed at 64 rows).
+TMA_HALF_TILE_MAX_ROWS = 256
+TMA_HALF_TILE = dict(BLOCK_M=64, num_warps=4, num_stages=5)
 # 4-bit experts at prefill (kernel ``dequant_grouped``): its dequantizing pass and the slices of a large weight
 # packed rows (8 K each), scratch rows (output columns), warps a program: 128 K x 128 columns, 32 KB written (as
 # w4a16's dequant_cublas pass)
@@ -129,5 +135,8 @@ def tma_config(p) -> dict:
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
     bm, bn, bk = TMA_BLOCK
-    return dict(BLOCK_M=bm, BLOCK_N=TMA_BLOCK_N_GATED if p.gated else bn, BLOCK_K=bk, GROUP_M=8, num_warps=8,
-                num_stages=TMA_STAGES_GATED if p.gated else TMA_STAGES)
+    cfg = dict(BLOCK_M=bm, BLOCK_N=TMA_BLOCK_N_GATED if p.gated else bn, BLOCK_K=bk, GROUP_M=8, num_warps=8,
+               num_stages=TMA_STAGES_GATED if p.gated else TMA_STAGES)
+    if not p.gated and p.M < TMA_HALF_TILE_MAX_ROWS * max(p.groups, 1):
+        cfg.update(TMA_HALF_TILE)
+    return cfg
