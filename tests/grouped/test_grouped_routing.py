@@ -159,3 +159,11 @@ def test_route_refuses(args, match):
 def test_combine_refuses(args, match):
     with pytest.raises((ValueError, TypeError), match=match):
         moe_combine(*args)
+
+
+def test_route_int64_ids_beyond_int32_are_outside(device):
+    """int64 ids past int32's range are outside [0, E) too: the kernel must not wrap them into an expert."""
+    x = torch.randn(4, 8, device=device)
+    ids = torch.tensor([[0, 2**32 + 1], [1, 2], [2**32, 3], [-2**32 + 1, 0]], device=device)
+    xs, offs, pos = moe_route(x, ids, 4)
+    check_route(x, ids, 4, xs, offs, pos)

@@ -48,13 +48,14 @@ def _kernels():
         pid = tl.program_id(0)
         mine = pid * BP + tl.arange(0, BP)
         ok = mine < P
-        e_mine = tl.load(ids_ptr + mine, mask=ok, other=0).to(tl.int32)
-        e_mine = tl.where((e_mine < 0) | (e_mine >= E), E, e_mine)  # outside [0, E): last
+        # range checked in the ids' own dtype: narrowing int64 ids first would wrap some into [0, E)
+        e_mine = tl.load(ids_ptr + mine, mask=ok, other=0)
+        e_mine = tl.where((e_mine < 0) | (e_mine >= E), E, e_mine).to(tl.int32)  # outside [0, E): last
         rank = tl.zeros((BP,), dtype=tl.int32)
         for j0 in range(0, P, CHUNK):
             j = j0 + tl.arange(0, CHUNK)
-            e_j = tl.load(ids_ptr + j, mask=j < P, other=0).to(tl.int32)
-            e_j = tl.where((e_j < 0) | (e_j >= E), E, e_j)
+            e_j = tl.load(ids_ptr + j, mask=j < P, other=0)
+            e_j = tl.where((e_j < 0) | (e_j >= E), E, e_j).to(tl.int32)
             live = (j < P)[None, :]
             before = (e_j[None, :] < e_mine[:, None]) | ((e_j[None, :] == e_mine[:, None]) & (j[None, :] < mine[:, None]))
             rank += tl.sum((before & live).to(tl.int32), axis=1)
@@ -65,8 +66,8 @@ def _kernels():
             count = tl.zeros((EB,), dtype=tl.int32)
             for j0 in range(0, P, CHUNK):
                 j = j0 + tl.arange(0, CHUNK)
-                e_j = tl.load(ids_ptr + j, mask=j < P, other=0).to(tl.int32)
-                e_j = tl.where((e_j < 0) | (e_j >= E), E, e_j)
+                e_j = tl.load(ids_ptr + j, mask=j < P, other=0)
+                e_j = tl.where((e_j < 0) | (e_j >= E), E, e_j).to(tl.int32)
                 count += tl.sum(((e_j[None, :] <= e[:, None]) & (j < P)[None, :]).to(tl.int32), axis=1)
             tl.store(offs_ptr + e, count, mask=e < E)
         # the rows: x[p // TOPK] -> x_sorted[pos[p]]
