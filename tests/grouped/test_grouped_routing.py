@@ -167,3 +167,16 @@ def test_route_int64_ids_beyond_int32_are_outside(device):
     ids = torch.tensor([[0, 2**32 + 1], [1, 2], [2**32, 3], [-2**32 + 1, 0]], device=device)
     xs, offs, pos = moe_route(x, ids, 4)
     check_route(x, ids, 4, xs, offs, pos)
+
+
+def test_combine_weights_offsets_past_int32(device):
+    """weights a strided view whose element offsets pass 2**31 (t * stride): the kernel's offsets must be int64.
+    The storage is mostly never touched (a few GB of address space, not of memory)."""
+    T, k, H, S = 130, 2, 8, 1 << 24
+    base = torch.empty(T * S, dtype=torch.bfloat16, device=device)
+    w = base.as_strided((T, k), (S, 1))
+    w.copy_(torch.rand(T, k, device=device))
+    y = torch.randn(T * k, H, device=device)
+    pos = torch.randperm(T * k).to(torch.int32).to(device)
+    ref = (w.float().unsqueeze(-1) * y[pos.long()].view(T, k, H)).sum(1)
+    torch.testing.assert_close(moe_combine(y, pos, w), ref)

@@ -81,15 +81,15 @@ def _kernels():
     @triton.jit
     def moe_combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, TOPK, s_y, s_wt, s_wk, s_o,
                            KP: tl.constexpr, BH: tl.constexpr):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # int64: weights may be a strided view whose offsets pass int32
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         j = tl.arange(0, KP)
         jm = j < TOPK
         p = tl.load(pos_ptr + t * TOPK + j, mask=jm, other=0)
-        w = tl.load(w_ptr + t * s_wt + j * s_wk, mask=jm, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + t * s_wt + j.to(tl.int64) * s_wk, mask=jm, other=0.0).to(tl.float32)
         m = jm[:, None] & (h < H)[None, :]
         rows = tl.load(y_ptr + p.to(tl.int64)[:, None] * s_y + h[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t.to(tl.int64) * s_o + h, tl.sum(rows * w[:, None], axis=0).to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + t * s_o + h, tl.sum(rows * w[:, None], axis=0).to(out_ptr.dtype.element_ty),
                  mask=h < H)
 
     return moe_route_kernel, moe_combine_kernel
