@@ -180,3 +180,18 @@ def test_combine_weights_offsets_past_int32(device):
     pos = torch.randperm(T * k).to(torch.int32).to(device)
     ref = (w.float().unsqueeze(-1) * y[pos.long()].view(T, k, H)).sum(1)
     torch.testing.assert_close(moe_combine(y, pos, w), ref)
+
+
+def test_combine_backward_with_a_repeated_row(device):
+    """pos need not be a permutation (moe_combine takes any int32 pos): a row read twice gets both gradients."""
+    T, k, H = 3, 2, 5
+    y = torch.randn(T * k, H, device=device, requires_grad=True)
+    pos = torch.tensor([0, 0, 1, 2, 5, 5], dtype=torch.int32, device=device)
+    w = torch.rand(T, k, device=device, requires_grad=True)
+    g = torch.randn(T, H, device=device)
+    gy, gw = torch.autograd.grad(moe_combine(y, pos, w), (y, w), g)
+    y2, w2 = y.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    out2 = (w2.unsqueeze(-1) * y2[pos.long()].view(T, k, H)).sum(1)
+    gy2, gw2 = torch.autograd.grad(out2, (y2, w2), g)
+    torch.testing.assert_close(gy, gy2)
+    torch.testing.assert_close(gw, gw2)

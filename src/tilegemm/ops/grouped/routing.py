@@ -220,7 +220,8 @@ def _backward_combine(ctx, grad):
     gy = gw = None
     if ctx.needs_input_grad[0]:
         rows = (weights.float().reshape(T, k, 1) * g[:, None, :]).reshape(T * k, -1)
-        gy = torch.zeros_like(y).index_copy(0, idx, rows.to(y.dtype))
+        # index_add: pos may name a row more than once (moe_combine takes any pos), each read adds its gradient
+        gy = torch.zeros(y.shape, dtype=torch.float32, device=y.device).index_add_(0, idx, rows).to(y.dtype)
     if ctx.needs_input_grad[2]:
         gw = (y[idx].float().view(T, k, -1) * g[:, None, :]).sum(-1).to(weights.dtype)
     return gy, None, gw
