@@ -195,3 +195,16 @@ def test_combine_backward_with_a_repeated_row(device):
     gy2, gw2 = torch.autograd.grad(out2, (y2, w2), g)
     torch.testing.assert_close(gy, gy2)
     torch.testing.assert_close(gw, gw2)
+
+
+@pytest.mark.parametrize("T,k", [(0, 2), (3, 0)])
+def test_combine_backward_with_no_pairs(T, k, device):
+    """No tokens, or k = 0: the backward's gradients are empty or zero (reshaping 0 elements with -1 raised)."""
+    H = 4
+    y = torch.randn(T * k, H, device=device, requires_grad=True)
+    pos = torch.arange(T * k, dtype=torch.int32, device=device)
+    w = torch.rand(T, k, device=device, requires_grad=True)
+    out = moe_combine(y, pos, w)
+    gy, gw = torch.autograd.grad(out, (y, w), torch.ones_like(out))
+    assert gy.shape == y.shape and gw.shape == w.shape
+    torch.library.opcheck(torch.ops.tilegemm.moe_combine.default, (y, pos, w))

@@ -215,15 +215,16 @@ def _setup_combine(ctx, inputs, output):
 def _backward_combine(ctx, grad):
     y, pos, weights = ctx.saved_tensors
     T, k = weights.shape
+    H = y.shape[1]  # named: a -1 cannot be inferred from 0 elements (T or k of 0)
     idx = pos.long()
     g = grad.float()
     gy = gw = None
     if ctx.needs_input_grad[0]:
-        rows = (weights.float().reshape(T, k, 1) * g[:, None, :]).reshape(T * k, -1)
+        rows = (weights.float().reshape(T, k, 1) * g[:, None, :]).reshape(T * k, H)
         # index_add: pos may name a row more than once (moe_combine takes any pos), each read adds its gradient
         gy = torch.zeros(y.shape, dtype=torch.float32, device=y.device).index_add_(0, idx, rows).to(y.dtype)
     if ctx.needs_input_grad[2]:
-        gw = (y[idx].float().view(T, k, -1) * g[:, None, :]).sum(-1).to(weights.dtype)
+        gw = (y[idx].float().view(T, k, H) * g[:, None, :]).sum(-1).to(weights.dtype)
     return gy, None, gw
 
 
