@@ -208,3 +208,20 @@ def test_combine_backward_with_no_pairs(T, k, device):
     gy, gw = torch.autograd.grad(out, (y, w), torch.ones_like(out))
     assert gy.shape == y.shape and gw.shape == w.shape
     torch.library.opcheck(torch.ops.tilegemm.moe_combine.default, (y, pos, w))
+
+
+def test_combine_pos_outside_rows_reads_nothing(device):
+    """Entries of pos outside [0, T*k) (no check on the host: that would sync) add nothing, forward and backward,
+    instead of reading out of bounds."""
+    T, k, H = 2, 2, 8
+    y = torch.randn(T * k, H, device=device, requires_grad=True)
+    pos = torch.tensor([0, 10**8, -5, 3], dtype=torch.int32, device=device)
+    w = torch.rand(T, k, device=device, requires_grad=True)
+    out = moe_combine(y, pos, w)
+    keep = torch.tensor([1.0, 0.0, 0.0, 1.0], device=device).view(T, k)
+    y2, w2 = y.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = (w2.unsqueeze(-1) * keep.unsqueeze(-1) * y2[pos.long().clamp(0, T * k - 1)].view(T, k, H)).sum(1)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn(T, H, device=device)
+    for got, want in zip(torch.autograd.grad(out, (y, w), g), torch.autograd.grad(ref, (y2, w2), g)):
+        torch.testing.assert_close(got, want)

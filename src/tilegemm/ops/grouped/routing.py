@@ -79,13 +79,14 @@ def _kernels():
             tl.store(dst + h[None, :], tl.load(src + h[None, :], mask=m), mask=m)
 
     @triton.jit
-    def moe_combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, TOPK, s_y, s_wt, s_wk, s_o,
+    def moe_combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, P, H, TOPK, s_y, s_wt, s_wk, s_o,
                            KP: tl.constexpr, BH: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)  # int64: weights may be a strided view whose offsets pass int32
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         j = tl.arange(0, KP)
         jm = j < TOPK
         p = tl.load(pos_ptr + t * TOPK + j, mask=jm, other=0)
+        jm = jm & (p >= 0) & (p < P)  # pos outside y's rows adds nothing (not checked on the host: a sync)
         w = tl.load(w_ptr + t * s_wt + j.to(tl.int64) * s_wk, mask=jm, other=0.0).to(tl.float32)
         m = jm[:, None] & (h < H)[None, :]
         rows = tl.load(y_ptr + p.to(tl.int64)[:, None] * s_y + h[None, :], mask=m, other=0.0).to(tl.float32)
@@ -160,7 +161,7 @@ def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.
     _, combine_kernel = kernels()
     bh = min(COMBINE_COLUMNS, _pow2(H))
     with on_device(y.device):
-        combine_kernel[(T, cdiv(H, bh))](y, pos, weights, out, H, k, y.stride(0), weights.stride(0),
+        combine_kernel[(T, cdiv(H, bh))](y, pos, weights, out, y.shape[0], H, k, y.stride(0), weights.stride(0),
                                          weights.stride(1), out.stride(0), KP=_pow2(k), BH=bh, num_warps=4)
     return out
 
@@ -217,14 +218,18 @@ def _backward_combine(ctx, grad):
     T, k = weights.shape
     H = y.shape[1]  # named: a -1 cannot be inferred from 0 elements (T or k of 0)
     idx = pos.long()
+    live = (idx >= 0) & (idx < y.shape[0])  # as the forward: pos outside y's rows adds nothing
+    idx = torch.where(live, idx, 0)
     g = grad.float()
     gy = gw = None
     if ctx.needs_input_grad[0]:
-        rows = (weights.float().reshape(T, k, 1) * g[:, None, :]).reshape(T * k, H)
+        wl = torch.where(live.view(T, k), weights.float(), 0.0)
+        rows = (wl.reshape(T, k, 1) * g[:, None, :]).reshape(T * k, H)
         # index_add: pos may name a row more than once (moe_combine takes any pos), each read adds its gradient
         gy = torch.zeros(y.shape, dtype=torch.float32, device=y.device).index_add_(0, idx, rows).to(y.dtype)
     if ctx.needs_input_grad[2]:
-        gw = (y[idx].float().view(T, k, H) * g[:, None, :]).sum(-1).to(weights.dtype)
+        gw = torch.where(live.view(T, k), (y[idx].float().view(T, k, H) * g[:, None, :]).sum(-1), 0.0)
+        gw = gw.to(weights.dtype)
     return gy, None, gw
 
 
@@ -260,7 +265,8 @@ def moe_route(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int):
 
 def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_j weights[t, j] * y[pos[t * k + j]]`` ``[T, H]`` in ``y``'s dtype (summed in fp32): the
-    inverse of :func:`moe_route`'s permutation, weighted. Differentiable in ``y`` and ``weights``."""
+    inverse of :func:`moe_route`'s permutation, weighted; entries of ``pos`` outside ``[0, T * k)`` add nothing.
+    Differentiable in ``y`` and ``weights``."""
     if not all(isinstance(t, torch.Tensor) for t in (y, pos, weights)):
         raise TypeError("moe_combine: y, pos and weights must be tensors")
     if y.dim() != 2 or weights.dim() != 2 or pos.dim() != 1:
