@@ -4,13 +4,13 @@ transformers (v5) keeps a MoE block's experts as 3-D tensors (``gate_up_proj`` `
 ``[E, H, I]``) and picks their forward by name from ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``
 (``experts_implementation=`` when a model is built). :func:`register_experts` adds ``"tilegemm"`` there:
 
-1. the token-expert pairs are sorted by expert on the device (``torch.sort``), and ``offs`` is counted there too
-   (``torch.searchsorted``): no host sync, so a CUDA graph captures the block;
+1. the token-expert pairs are ordered by expert, ``offs`` counted and the rows gathered on the device
+   (:func:`tilegemm.ops.grouped.routing.moe_route`): no host sync, so a CUDA graph captures the block;
 2. the gate/up product is one grouped GEMM whose epilogue applies the activation and the gate product
    (``tilegemm::grouped_mm_gated``) where the block uses transformers' default gate and a known activation, else a
    grouped GEMM and the block's own ``_apply_gate``;
 3. the down product is a second grouped GEMM; the routing weights scale its rows, which go back to their tokens
-   (``index_copy`` by the sort's permutation) and are summed over the top-k.
+   and are summed over the top-k in fp32 (:func:`tilegemm.ops.grouped.routing.moe_combine`).
 
 :func:`quantize_experts_` turns every such block's experts into 4-bit ones (:func:`tilegemm.w4a16.quantize` of the
 stacked weights), run by ``tilegemm.w4a16.grouped_matmul``'s kernel; ``tilegemm.nn.quantize_`` calls it.
