@@ -13,11 +13,11 @@ from tilegemm.ops.w4a16 import fits_fragments
 # (Rule) every layout goes to ``tiled``, the family's kernel of every layout and dtype, but for:
 AUTO = "tiled"
 # the 16-bit MoE forward (2-D x 3-D) on Hopper wherever tiled's own row tile would be tma's (128 rows: more than 64
-# rows an expert on average, M / G from the shapes, configs.block_m_for). There both kernels pad every group to
-# whole 128-row tiles alike, and on equal tiles tma's TMA-fed pipelined K loop runs ahead of tiled's pointer loads
-# (docs/grouped.md, "Measured").
+# rows an expert on average, M / G from the shapes, configs.block_m_for). On 128-row tiles both kernels pad every
+# group alike, and tma's TMA-fed pipelined K loop ran ahead of tiled's pointer loads (docs/grouped.md, "Measured");
+# under configs.TMA_HALF_TILE_MAX_ROWS rows an expert tma's plain product takes 64-row tiles (configs.tma_config).
 def tma_rows(p: GroupedProblem) -> bool:
-    """Whether ``p`` has rows enough an expert for ``tma``: tiled would run it on tma's 128-row tiles too."""
+    """Whether ``p`` has rows enough an expert for ``tma``: tiled's own row tile would be 128 rows."""
     return configs.block_m_for(p.M / max(p.groups, 1)) >= configs.TMA_BLOCK[0]
 
 
