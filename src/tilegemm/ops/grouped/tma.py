@@ -21,6 +21,10 @@ wgmma). The epilogue is ``tiled``'s: bias ``[N]`` or ``[G, N]``, the activation,
 accumulator over the up projection's columns, N further along b), stored through pointers, masked to the group's
 rows (a TMA store would write the next group's rows); the rows past ``offs[-1]`` get zeros.
 
+``FLATTEN`` (a config key the candidates tool times; off in the shipped configs) fuses the tile loop into the K loop, so
+the next tile's loads are issued during this tile's last steps; the fusion needs the K loop's bounds the same for
+every tile, so the tail's tiles then run it too and store zeros all the same.
+
 Device-made descriptors live in a global scratch buffer that Triton asks the host to allocate at launch
 (:func:`tilegemm.core.launch.ensure_allocator`, at each launch). Measurements: docs/grouped.md.
 """
@@ -48,7 +52,7 @@ def grouped_tma_kernel(
     s_am, s_bg, s_bx, s_om, s_on, s_cg, s_cn, UPC,
     B_NK: tl.constexpr, GP: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, STAGES: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
+    GROUP_M: tl.constexpr, STAGES: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     # s_bx: b's stride along its middle dim of the descriptor (K when B_NK is False, N when True).
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[s_am, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -63,7 +67,7 @@ def grouped_tma_kernel(
     tiles_n = tl.cdiv(N, BLOCK_N)
     units = (group_tiles + tl.cdiv(M - last, BLOCK_M)) * tiles_n
     k_steps = tl.cdiv(K, BLOCK_K)
-    for unit in tl.range(tl.program_id(0), units, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
+    for unit in tl.range(tl.program_id(0), units, PROGRAMS, flatten=FLATTEN):
         tm = unit // tiles_n
         g, start, end, first_tile = locate_group(tm, starts, ends, tiles, ends_tiles, group_tiles, last, G, M, GP)
         tail = g >= G
@@ -156,7 +160,7 @@ def run(p: GroupedProblem, config: dict | None = None) -> None:
         raise NotApplicable(f"grouped kernel 'tma' does not take this problem: {reason}")
     if p.M == 0 or p.N == 0:
         return
-    cfg = dict(FLATTEN=False, WS=False) | dict(config or tma_config(p))
+    cfg = dict(FLATTEN=False) | dict(config or tma_config(p))
     warps, stages = cfg.pop("num_warps", 8), cfg.pop("num_stages", 4)
     # programs an SM (a config key for candidate tools: two smaller tiles' programs resident on an SM overlap one's
     # epilogue with the other's loads, shared memory permitting, else the second waits); the interpreter runs
