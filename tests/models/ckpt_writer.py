@@ -98,18 +98,20 @@ def dequantize_stored(t: dict, method: str, group_size: int, v2: bool = False) -
 
 
 def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128, sym: bool = False,
-                    act_order: bool = False, v2: bool = False, generator: torch.Generator | None = None):
+                    act_order: bool = False, v2: bool = False, generator: torch.Generator | None = None,
+                    order: torch.Tensor | None = None):
     """Round-to-nearest 4-bit quantization of ``w`` ``[N, K]`` as a checkpoint stores it: (stored tensors, the
     fp16 weight they stand for). GPTQ asymmetric: the group's range widened to hold 0, ``scale = range / 15``,
     ``zero = round(-min / scale)``; symmetric: ``scale = 2 max|w| / 15``, zero 8. AWQ: the group's own min and
     max, ``zero = round(-min / scale)`` clamped to 0..15. ``act_order``: groups are a random permutation of the
-    inputs (``g_idx``), as GPTQ's ``desc_act`` makes them."""
+    inputs (``g_idx``), as GPTQ's ``desc_act`` makes them; ``order`` gives that permutation (else drawn)."""
     N, K = w.shape
     gs = K if group_size == -1 else group_size
     G = K // gs
     wt = w.detach().float().T.contiguous()  # [K, N]
     if act_order:
-        order = torch.randperm(K, generator=generator)  # inputs of group g: order[g*gs : (g+1)*gs]
+        if order is None:
+            order = torch.randperm(K, generator=generator)  # inputs of group g: order[g*gs : (g+1)*gs]
     else:
         order = torch.arange(K)
     grouped = wt[order].reshape(G, gs, N)
@@ -259,11 +261,13 @@ def _expert_linears(name: str, tensor: torch.Tensor, mixtral_names: bool):
 def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: bool = False,
                 act_order: bool = False, v2: bool = False, shard_bytes: int = 2**30, not_convert=(),
                 seed: int = 0, drop=(), config_extra: dict | None = None, quant_extra: dict | None = None,
-                mixtral_names: bool = False) -> dict:
+                mixtral_names: bool = False, shared_gate_up_order: bool = True) -> dict:
     """Write ``model`` (a transformers model with float weights) as a 4-bit checkpoint at ``path``; return the
     reference state dict: each quantized Linear's dequantized weight (fp16) under ``P.weight`` (a MoE block's
     experts: the 3-D weights of the dequantized experts), every other tensor as stored (fp16). ``drop``: tensor
-    names left out (to test missing tensors)."""
+    names left out (to test missing tensors). With ``act_order``, an expert's gate and up projections share one
+    input order (GPTQ orders a layer's inputs by its Hessian, the same for two projections of one input) unless
+    ``shared_gate_up_order`` is False."""
     gen = torch.Generator().manual_seed(seed)
     quantized = set(linear_names(model, not_convert=not_convert))
     writer = Writer(path, shard_bytes)
@@ -288,10 +292,12 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
         if leaf in ("gate_up_proj", "down_proj") and module.endswith(".experts") and tensor.dim() == 3:
             stored_block, projs = _expert_linears(name, tensor.detach(), mixtral_names)
             deqs = []
+            orders = [torch.randperm(tensor.shape[2], generator=gen) if act_order and shared_gate_up_order else None
+                      for _ in range(tensor.shape[0])]
             for proj, w in projs:
                 per_expert = []
                 for e in range(w.shape[0]):
-                    stored, deq = quantize_linear(w[e], method, group_size, sym, act_order, v2, gen)
+                    stored, deq = quantize_linear(w[e], method, group_size, sym, act_order, v2, gen, orders[e])
                     for part, t in stored.items():
                         key = f"{stored_block}.{e}.{proj}.{part}"
                         if key not in drop:

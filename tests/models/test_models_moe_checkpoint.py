@@ -54,6 +54,10 @@ CASES = {  # name: (arch, writer options)
     "qwen3moe-awq-g32-sharded": ("qwen3_moe", dict(method="awq", group_size=32, shard_bytes=40_000)),
     "qwen3moe-gptq-v2-asym-wholeK": ("qwen3_moe", dict(method="gptq", group_size=-1, v2=True)),
     "mixtral-gptq-v1-sym-g32": ("mixtral", dict(method="gptq", group_size=32, sym=True)),
+    # GPTQ desc_act: each expert's inputs in its own order (its gate and up projections sharing one)
+    "qwen3moe-gptq-v1-act-order-g32": ("qwen3_moe", dict(method="gptq", group_size=32, act_order=True)),
+    "mixtral-gptq-v2-sym-act-order-g32": ("mixtral", dict(method="gptq", group_size=32, sym=True, act_order=True,
+                                                          v2=True)),
 }
 
 
@@ -82,8 +86,16 @@ def test_moe_checkpoint_loads_into_stacked_experts(tmp_path, device, name, monke
     for i, layer in enumerate(model.model.layers):
         block = layer.mlp.experts
         assert "gate_up_proj" not in block._parameters and "down_proj" not in block._parameters
-        group = 32 if kw["group_size"] == 32 else -1
+        group = kw["group_size"]
         assert block.tilegemm_group_size == group
+        # act-order: the gate/up weight reads H = 64 inputs in two groups, in an order an expert (the down
+        # projection's 32 inputs make one group of 32, whose order is no permutation at all)
+        perm = getattr(block, "tilegemm_gate_up_proj_perm", None)
+        assert (perm is not None) == kw.get("act_order", False)
+        if perm is not None:
+            assert perm.shape == (4, config.hidden_size)
+            assert torch.equal(perm.sort(1).values.cpu(), torch.arange(perm.shape[1]).expand_as(perm))
+            assert not all(torch.equal(p.cpu(), torch.arange(perm.shape[1])) for p in perm)
         assert block.tilegemm_gate_up_proj_qweight.device.type == device
         # the stacked experts are exactly the writer's dequantized experts: gate rows, then up rows
         for w in ("gate_up_proj", "down_proj"):
@@ -124,12 +136,13 @@ def test_whole_expert_missing_is_named(tmp_path, device):
         from_pretrained(path, device=device)
 
 
-def test_act_order_experts_refused(tmp_path, device):
+def test_act_order_gate_and_up_in_different_orders_refused(tmp_path, device):
+    """A stacked gate/up weight reads one input order an expert: gate and up projections quantized in two orders
+    (not what GPTQ makes of two projections of one input) cannot be joined, and the error names the expert."""
     config = cw.tiny_moe_config(layers=1)
     path = tmp_path / "c"
-    cw.write_model(path, cw.random_model(config), "gptq", 32, act_order=True)
-    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.g_idx: act-order \(desc_act\) GPTQ experts are "
-                                         r"not supported"):
+    cw.write_model(path, cw.random_model(config), "gptq", 32, act_order=True, shared_gate_up_order=False)
+    with pytest.raises(ValueError, match=r"experts\.0 .*act-order input permutation differs"):
         from_pretrained(path, device=device)
 
 

@@ -104,6 +104,34 @@ def test_parallel_moe_experts_refusals():
         shard_experts_(model.experts, 0, 2)
 
 
+@cpu_kernels
+def test_parallel_moe_act_order_experts():
+    """Act-order 4-bit experts (an input order an expert): the up side's orders span all of H, which every rank
+    holds, so a gate/up order alone shards; a down projection's order spans every rank's slice of I: refused."""
+    from tilegemm.nn.moe import _int4, install_int4_experts_
+    from tilegemm.ops.w4a16 import Int4Weight
+    from tilegemm.parallel import shard_experts_
+
+    block = experts_block(dtype=torch.float16)
+    model = torch.nn.Module()
+    model.experts = block
+    tnn.quantize_experts_(model, group_size=32)
+    up, down = _int4(block, "gate_up_proj"), _int4(block, "down_proj")
+    perm = torch.stack([torch.randperm(up.shape[-1]) for _ in range(up.shape[0])])
+    install_int4_experts_(block, {"gate_up_proj": Int4Weight(up.qweight, up.scales, up.zeros, 32, up.shape, perm),
+                                  "down_proj": down})
+    x, idx, weights = torch.randn(6, 32).half(), torch.randint(0, 8, (6, 2)), torch.rand(6, 2).half()
+    with torch.no_grad():
+        want = block(x, idx, weights).float()
+        got = _sharded_sum(block, 2, x, idx, weights)
+    assert (got - want).norm() / want.norm() < 4e-3
+    dperm = torch.stack([torch.randperm(down.shape[-1]) for _ in range(down.shape[0])])
+    install_int4_experts_(block, {"gate_up_proj": _int4(block, "gate_up_proj"), "down_proj": Int4Weight(
+        down.qweight, down.scales, down.zeros, 32, down.shape, dperm)})
+    with pytest.raises(NotImplementedError, match="act-order 4-bit experts"):
+        shard_experts_(copy.deepcopy(block), 0, 2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_parallel_moe_experts_shards_gpu(world):

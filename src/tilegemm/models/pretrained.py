@@ -231,7 +231,8 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None) -> nn
 
     Mixture-of-experts checkpoints storing each expert as its own quantized Linear (``<block>.<e>.gate_proj`` ...,
     Mixtral's ``block_sparse_moe.experts.<e>.w1`` ...) load into the blocks' stacked 4-bit experts, run by the
-    ``"tilegemm"`` experts implementation (``docs/w4a16.md`` "Loading checkpoints"; act-order experts refused).
+    ``"tilegemm"`` experts implementation (``docs/w4a16.md`` "Loading checkpoints"; act-order experts keep each
+    expert's input order).
     """
     model, device = empty_model(path, dtype, device)
     load_quantized_(model, path, dtype=dtype, device=device)
@@ -418,12 +419,6 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
             if tensors.shape(name) != shape:
                 problems.append(f"{name}: the checkpoint's shape {tensors.shape(name)} does not match {shape}, "
                                 f"what expert {s.name} ({q.describe()}) stores")
-            elif part == "g_idx" and q.group_size != -1:
-                # Stacked experts take no input permutation (one would be needed per expert).
-                natural = torch.arange(K, device=tensors.device) // q.group_size
-                if not torch.equal(tensors.get(name).to(torch.int64), natural):
-                    problems.append(f"{name}: act-order (desc_act) GPTQ experts are not supported: its g_idx "
-                                    f"reorders the inputs, and stacked 4-bit experts take no input permutation")
         if f"{key}.bias" in tensors:
             used.add(f"{key}.bias")
     return used
@@ -431,15 +426,14 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
 
 def _expert_weight(tensors: _Tensors, key: str, q: QuantConfig, N: int, K: int, dtype) -> Int4Weight:
     """One stored expert Linear as an :class:`Int4Weight` (no fragment layout: the grouped kernels read the
-    stacked parts), with the checkpoint's group size (-1 stays -1 for every projection)."""
+    stacked parts), with the checkpoint's group size (-1 stays -1 for every projection); act-order (a g_idx that
+    reorders the inputs) keeps its input permutation, which the stacked experts carry an expert each."""
     parts = {p: tensors.get(f"{key}.{p}") for p in _QUANT_PARTS[q.method]}
     parts["scales"] = parts["scales"].to(dtype)
     g_idx = tensors.get(f"{key}.g_idx") if q.method == "gptq" and f"{key}.g_idx" in tensors else None
     w = _import_columns(parts, g_idx, q, 0, N)
-    if w.perm is not None:  # (checked before loading; kept as the last guard)
-        raise ValueError(f"{key}: act-order (desc_act) GPTQ experts are not supported")
     if q.group_size == -1 and w.group_size != -1:
-        w = Int4Weight(w.qweight, w.scales, w.zeros, -1, w.shape)
+        w = Int4Weight(w.qweight, w.scales, w.zeros, -1, w.shape, w.perm)
     return w
 
 
@@ -453,9 +447,9 @@ def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -
         for e in range(s.num_experts):
             try:
                 ws = [_expert_weight(tensors, f"{s.prefix}.{e}.{p}", q, N, K, dtype) for p in projs]
+                experts.append(ws[0] if len(ws) == 1 else concat_outputs(ws, interleave=interleave))
             except (TypeError, ValueError) as err:
-                raise type(err)(f"{s.prefix}.{e} ({q.describe()}): {err}") from None
-            experts.append(ws[0] if len(ws) == 1 else concat_outputs(ws, interleave=interleave))
+                raise type(err)(f"{s.prefix}.{e} ({q.describe()}, {' and '.join(projs)}): {err}") from None
         stacked[wname] = stack_experts(experts)
     install_int4_experts_(s.module, stacked)
 

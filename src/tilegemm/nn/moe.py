@@ -109,11 +109,12 @@ def _int4(module, name: str) -> Int4Weight | None:
     parts = [getattr(module, f"tilegemm_{name}_{p}", None) for p in _INT4]
     if parts[0] is None:
         return None
+    perm = getattr(module, f"tilegemm_{name}_perm", None)  # act-order experts' input orders, [E, K]
     E, R, N = parts[0].shape
     if torch.compiler.is_compiling():  # a traced graph takes the tensors, the kept fragments among them
-        return _with_fragments(module, name, Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8)))
+        return _with_fragments(module, name, Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8), perm))
     key = (module.tilegemm_group_size, *((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
-                                         for t in parts))
+                                         for t in parts + ([perm] if perm is not None else [])))
     cache = module.__dict__.setdefault("_tilegemm_int4_weights", {})
     hit = cache.get(name)
     if hit is not None and hit[0] == key:
@@ -123,7 +124,7 @@ def _int4(module, name: str) -> Int4Weight | None:
         for gated in (False, True):
             for n in _fragment_names(name, gated):
                 module._buffers.pop(n, None)
-    w = _with_fragments(module, name, Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8)))
+    w = _with_fragments(module, name, Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8), perm))
     cache[name] = (key, w)
     return w
 
@@ -287,7 +288,8 @@ def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
     """Put stacked 4-bit experts on a transformers experts block: ``weights`` maps its 3-D weight's name
     (``"gate_up_proj"``/``"up_proj"``, ``"down_proj"``) to an :class:`Int4Weight` of logical shape ``[E, out, in]``
     (even when the block stores its 16-bit weights transposed), all of one group size. The 16-bit parameter is
-    dropped; the parts become buffers ``tilegemm_<name>_qweight``, ``_scales``, ``_zeros``."""
+    dropped; the parts become buffers ``tilegemm_<name>_qweight``, ``_scales``, ``_zeros`` (and ``_perm`` for
+    act-order experts: each expert's input order, ``[E, in]``)."""
     sizes = {w.group_size for w in weights.values()}
     if len(sizes) != 1:
         raise ValueError(f"the experts' 4-bit weights must share one group size, got {sorted(sizes)}")
@@ -296,6 +298,10 @@ def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
             delattr(module, n)
         for part in _INT4:
             module.register_buffer(f"tilegemm_{n}_{part}", getattr(q, part))
+        if q.perm is not None:  # act-order experts
+            module.register_buffer(f"tilegemm_{n}_perm", q.perm)
+        else:
+            module._buffers.pop(f"tilegemm_{n}_perm", None)
     module.tilegemm_group_size = sizes.pop()
     _drop_fragments(module)  # those of experts installed before
     make_fragments_(module)

@@ -280,7 +280,10 @@ class RowwiseParallel(_TorchRowwise):
 
 # --- MoE experts ----------------------------------------------------------------------------------------------
 
-_INT4_EXPERT_PARTS = ("qweight", "scales", "zeros")
+_INT4_EXPERT_PARTS = ("qweight", "scales", "zeros")  # (an up side's act-order perm, over all of H, stays whole)
+_ACT_ORDER_DOWN = ("ExpertsTensorParallel: act-order 4-bit experts (GPTQ desc_act) cannot be split along the "
+                   "intermediate size: each expert's down projection reads its inputs in its own order, from every "
+                   "rank's slice")
 
 
 def _experts_names(module: nn.Module) -> tuple[str, str]:
@@ -341,6 +344,8 @@ def shard_experts_(module: nn.Module, rank: int, world: int) -> nn.Module:
     gated = up == "gate_up_proj"
     transposed = getattr(module, "is_transposed", False)
     int4 = hasattr(module, f"tilegemm_{up}_qweight")
+    if int4 and getattr(module, "tilegemm_down_proj_perm", None) is not None:
+        raise NotImplementedError(_ACT_ORDER_DOWN)
     if int4:  # [E, K/8, N] / [E, G, N]: N on dim 2 for every part
         q_up = getattr(module, f"tilegemm_{up}_qweight")
         q_down = getattr(module, "tilegemm_down_proj_qweight")
@@ -402,6 +407,10 @@ def _experts_part(module: nn.Module, leaf: str, sl, rank: int, world: int) -> to
     if leaf == "down_proj_bias":
         t = sl[()] if shape else sl[:]
         return t if rank == 0 else torch.zeros_like(t)
+    if part == "perm":  # act-order experts: the up side's input orders cover all of H, kept whole
+        if up == "down_proj":
+            raise NotImplementedError(_ACT_ORDER_DOWN)
+        return sl[:]
     if up != "down_proj":  # the up side: columns
         dim = len(shape) - 1 if leaf.endswith("_bias") or part else (2 if transposed else 1)
         ranges = _up_ranges(module, shape[dim], up == "gate_up_proj", rank, world)

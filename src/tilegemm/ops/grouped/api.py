@@ -12,6 +12,7 @@ from tilegemm.core.launch import plain_call
 from tilegemm.ops.grouped.checks import (call_tensors, check_grouped, check_grouped_int4, gated_replay_key,
                                          int4_replay_key, replay_key)
 from tilegemm.ops.grouped import dispatch
+from tilegemm.ops.grouped.routing import group_columns
 from tilegemm.ops.matmul import matmul as dense_matmul
 from tilegemm.ops.w4a16 import Int4Weight
 from tilegemm.ops.grouped.op import (REPLAYS, forward, forward_gated, forward_int4, grouped_mm_gated_op,
@@ -125,6 +126,8 @@ def _int4(x, w, offs, bias, activation: str, gated: bool, kernel: str) -> torch.
     check_grouped_int4(x, w, offs, bias, activation, gated)
     if kernel != "auto":
         registry.get("grouped_w4a16", kernel)
+    if w.perm is not None:  # act-order experts: each expert's rows read through its input order first
+        x = group_columns(x, offs, w.perm)
     args = (x, w.qweight, w.scales, w.zeros, offs, bias, w.group_k, activation, gated, kernel, *(frag or (None, None)))
     if not plain_call(x, offs, bias):
         return grouped_w4a16_op(*args)

@@ -19,6 +19,11 @@ than launching them is worth (docs/grouped.md, "The routing kernels"). Here:
 
 Both are ``torch.library`` ops with fakes and autograd (the backward in torch ops), so a compiled decode step
 traces them and a CUDA graph captures them (no host sync).
+
+- :func:`group_columns` ``(x [M, K], offs [E], perm [E, K]) -> [M, K]``: row r of expert g (by ``offs``) read through
+  g's own input permutation, ``out[r, k] = x[r, perm[g, k]]``; the rows past ``offs[-1]`` copied as they are. What
+  act-order 4-bit experts (GPTQ ``desc_act``: an input order an expert) multiply; one kernel, its gradient the same
+  kernel with the inverse permutations.
 """
 
 from __future__ import annotations
@@ -93,14 +98,30 @@ def _kernels():
         tl.store(out_ptr + t * s_o + h, tl.sum(rows * w[:, None], axis=0).to(out_ptr.dtype.element_ty),
                  mask=h < H)
 
-    return moe_route_kernel, moe_combine_kernel
+    @triton.jit
+    def group_columns_kernel(x_ptr, offs_ptr, perm_ptr, out_ptr, M, K, E, s_xm, s_om,
+                             EP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1) * BK + tl.arange(0, BK)
+        e = tl.arange(0, EP)
+        ends = tl.load(offs_ptr + e, mask=e < E, other=2147483647)
+        g = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)  # the experts that end at or before r
+        live = g < E
+        m = (rows < M)[:, None] & (cols < K)[None, :]
+        src = tl.load(perm_ptr + tl.minimum(g, E - 1).to(tl.int64)[:, None] * K + cols[None, :],
+                      mask=m & live[:, None], other=0)
+        src = tl.where(live[:, None], src, cols[None, :])  # rows past offs[-1]: unpermuted
+        v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * s_xm + src, mask=m)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * s_om + cols[None, :], v, mask=m)
+
+    return moe_route_kernel, moe_combine_kernel, group_columns_kernel
 
 
 _KERNELS = None
 
 
 def kernels():
-    """(route, combine): compiled on first use, so importing this module builds nothing."""
+    """(route, combine, group_columns): compiled on first use, so importing this module builds nothing."""
     global _KERNELS
     if _KERNELS is None:
         _KERNELS = _kernels()
@@ -139,7 +160,7 @@ def route(x: torch.Tensor, ids: torch.Tensor, E: int) -> tuple[torch.Tensor, tor
         ids = ids.contiguous()
     if x.stride(1) != 1 and H > 1:
         x = x.contiguous()
-    route_kernel, _ = kernels()
+    route_kernel = kernels()[0]
     programs = max(cdiv(P, PAIRS_A_PROGRAM), cdiv(E, EXPERTS_A_CHUNK))
     with on_device(x.device):
         route_kernel[(programs,)](ids, x, xs, offs, pos, P, E, H, k, x.stride(0), xs.stride(0),
@@ -158,7 +179,7 @@ def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.
     if y.stride(1) != 1:
         y = y.contiguous()
     pos = pos if pos.stride(0) == 1 else pos.contiguous()
-    _, combine_kernel = kernels()
+    combine_kernel = kernels()[1]
     bh = min(COMBINE_COLUMNS, _pow2(H))
     with on_device(y.device):
         combine_kernel[(T, cdiv(H, bh))](y, pos, weights, out, y.shape[0], H, k, y.stride(0), weights.stride(0),
@@ -166,7 +187,55 @@ def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.
     return out
 
 
+GROUP_COLUMNS_ROWS = 16  # rows of a group_columns program
+GROUP_COLUMNS_COLS = 128  # columns of a group_columns program
+
+
+def columns(x: torch.Tensor, offs: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """The forward of :func:`group_columns` (arguments checked by the caller)."""
+    M, K = x.shape
+    E = perm.shape[0]
+    out = new_output((M, K), x.dtype, x.device)
+    if out.numel() == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    offs = offs if offs.stride(0) == 1 else offs.contiguous()
+    perm = perm if perm.is_contiguous() else perm.contiguous()
+    kernel = kernels()[2]
+    with on_device(x.device):
+        kernel[(cdiv(M, GROUP_COLUMNS_ROWS), cdiv(K, GROUP_COLUMNS_COLS))](
+            x, offs, perm, out, M, K, E, x.stride(0), out.stride(0), EP=_pow2(E), BM=GROUP_COLUMNS_ROWS,
+            BK=GROUP_COLUMNS_COLS, num_warps=4)
+    return out
+
+
 # --- the torch.library ops ---------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tilegemm::group_columns", mutates_args=())
+def group_columns_op(x: torch.Tensor, offs: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    return columns(x, offs, perm)
+
+
+@group_columns_op.register_fake
+def _fake_columns(x, offs, perm):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _setup_columns(ctx, inputs, output):
+    _, offs, perm = inputs
+    ctx.save_for_backward(offs, perm)
+
+
+def _backward_columns(ctx, grad):
+    offs, perm = ctx.saved_tensors
+    inverse = torch.empty_like(perm)
+    inverse.scatter_(1, perm, torch.arange(perm.shape[1], device=perm.device).expand_as(perm).contiguous())
+    return group_columns_op(grad.contiguous(), offs, inverse), None, None
+
+
+group_columns_op.register_autograd(_backward_columns, setup_context=_setup_columns)
 
 
 @torch.library.custom_op("tilegemm::moe_route", mutates_args=())
@@ -283,3 +352,24 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> to
         raise ValueError(f"moe_combine: y, pos and weights on different devices ({y.device}, {pos.device}, "
                          f"{weights.device})")
     return moe_combine_op(y, pos, weights)
+
+
+def group_columns(x: torch.Tensor, offs: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``out[r, k] = x[r, perm[g, k]]`` for the rows r of expert g (``offs``, int32 cumulative ends, as
+    :func:`tilegemm.grouped_mm` takes them); rows past ``offs[-1]`` unchanged. ``x`` ``[M, K]``, ``perm`` int64
+    ``[E, K]``, each row a permutation of ``range(K)`` (not checked: that needs its values on the host). What
+    act-order stacked 4-bit experts multiply. Differentiable in ``x``."""
+    if not all(isinstance(t, torch.Tensor) for t in (x, offs, perm)):
+        raise TypeError("group_columns: x, offs and perm must be tensors")
+    if x.dim() != 2 or offs.dim() != 1 or perm.dim() != 2:
+        raise ValueError(f"group_columns: x [M, K], offs [E] and perm [E, K] expected, got {tuple(x.shape)}, "
+                         f"{tuple(offs.shape)}, {tuple(perm.shape)}")
+    if perm.shape != (offs.shape[0], x.shape[1]):
+        raise ValueError(f"group_columns: perm must be [E, K] = [{offs.shape[0]}, {x.shape[1]}] (offs' experts, x's "
+                         f"columns), got {list(perm.shape)}")
+    if offs.dtype != torch.int32 or perm.dtype != torch.int64:
+        raise TypeError(f"group_columns: offs must be int32 and perm int64, got {offs.dtype} and {perm.dtype}")
+    if len({x.device, offs.device, perm.device}) != 1:
+        raise ValueError(f"group_columns: x, offs and perm on different devices ({x.device}, {offs.device}, "
+                         f"{perm.device})")
+    return group_columns_op(x, offs, perm)

@@ -11,7 +11,8 @@ A linear weight ``W`` is ``[N, K]`` (``y = x @ W.T``), cut along K into ``G = K 
   float, so a kernel dequantizes with one subtraction and one multiplication in 16-bit, bit for bit like
   :func:`dequantize`: ``W.T[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]``, ``g = k // group_size``.
 - ``perm`` int64 ``[K]`` or None: act-order GPTQ checkpoints quantized the rows of ``W.T`` in another order; they
-  are stored sorted by group, and ``x[..., perm]`` is what multiplies them.
+  are stored sorted by group, and ``x[..., perm]`` is what multiplies them. Stacked experts hold one an expert,
+  ``[E, K]`` (the grouped product reads each expert's rows of x through its own).
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class Int4Weight:
         self.qweight = qweight  # int32 [K/8, N]
         self.scales = scales  # [G, N], fp16 or bf16
         self.zeros = zeros  # [G, N], scales' dtype, integer values
-        self.perm = perm  # int64 [K] or None
+        self.perm = perm  # int64 [K] ([E, K] stacked: an expert's each) or None
         self.group_size = int(group_size)  # as asked: 32..256, or -1 for all of K
         self.shape = tuple(int(s) for s in shape)  # (N, K), or (E, N, K) for stacked experts
         self._frag = frag  # (fweight, fzs) of the fragment kernel, made by fragments() when first needed
@@ -181,7 +182,8 @@ class Int4Weight:
         """Expert ``e`` of a stacked weight, as a 2-D ``Int4Weight`` (views of the stacked parts)."""
         if len(self.shape) != 3:
             raise ValueError(f"expert() takes a stacked [E, N, K] weight, this one is {list(self.shape)}")
-        return Int4Weight(self.qweight[e], self.scales[e], self.zeros[e], self.group_size, self.shape[1:])
+        return Int4Weight(self.qweight[e], self.scales[e], self.zeros[e], self.group_size, self.shape[1:],
+                          None if self.perm is None else self.perm[e])
 
     def fragments(self, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fweight, fzs)``: the weight shuffled for the ``frag_wgmma`` kernel (:func:`pack_fragments`), made on the
@@ -318,14 +320,12 @@ def validate(w: Int4Weight) -> None:
             raise TypeError(f"{name} must be fp16 or bf16, got {dtype_name(t.dtype)}")
         if tuple(t.shape) != lead + (G, N):
             raise ValueError(f"{name} must be {list(lead + (G, N))} ([G, N]), got {list(t.shape)}")
-    if lead and w.perm is not None:
-        raise ValueError("stacked experts take no act-order perm (import each expert, then stack)")
     if w.zeros.dtype != w.scales.dtype:
         raise TypeError(f"zeros ({w.zeros.dtype}) and scales ({w.scales.dtype}) must share a dtype")
     tensors = {"qweight": w.qweight, "scales": w.scales, "zeros": w.zeros}
-    if w.perm is not None:
-        if w.perm.dtype != torch.int64 or tuple(w.perm.shape) != (K,):
-            raise ValueError(f"perm must be int64 [K] = [{K}], got {w.perm.dtype} {list(w.perm.shape)}")
+    if w.perm is not None:  # stacked experts: one permutation an expert, [E, K]
+        if w.perm.dtype != torch.int64 or tuple(w.perm.shape) != lead + (K,):
+            raise ValueError(f"perm must be int64 {list(lead + (K,))}, got {w.perm.dtype} {list(w.perm.shape)}")
         tensors["perm"] = w.perm
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
@@ -519,8 +519,6 @@ def _check_joinable(what: str, weights) -> list:
     for i, w in enumerate(weights):
         if len(w.shape) != 2:
             raise ValueError(f"{what}: weight {i} is {list(w.shape)}, not a 2-D [N, K] weight")
-        if w.perm is not None:
-            raise ValueError(f"{what}: weight {i} is act-order (an input permutation); stacked experts take none")
         if w.group_size != first.group_size or w.shape[1] != first.shape[1]:
             raise ValueError(f"{what}: weight {i} has K = {w.shape[1]}, group_size {w.group_size}; weight 0 has "
                              f"K = {first.shape[1]}, group_size {first.group_size} (they must agree)")
@@ -530,21 +528,37 @@ def _check_joinable(what: str, weights) -> list:
     return weights
 
 
+def _perm_or_identity(w: Int4Weight) -> torch.Tensor:
+    return w.perm if w.perm is not None else torch.arange(w.shape[-1], device=w.device)
+
+
 def stack_experts(weights) -> Int4Weight:
     """The stacked ``[E, N, K]`` weight of ``E`` experts' ``[N, K]`` weights (same shape, group size, dtype and
-    device; no act-order): what ``quantize`` of a 3-D weight gives, for experts imported one by one."""
+    device): what ``quantize`` of a 3-D weight gives, for experts imported one by one. Act-order experts keep their
+    input permutations, stacked ``[E, K]`` (an expert without one gets the identity)."""
     weights = _check_joinable("stack_experts", weights)
     if any(w.shape != weights[0].shape for w in weights):
         raise ValueError(f"stack_experts: the experts' shapes differ: {sorted({w.shape for w in weights})}")
     parts = (torch.stack([getattr(w, p) for w in weights]) for p in ("qweight", "scales", "zeros"))
-    return Int4Weight(*parts, weights[0].group_size, (len(weights), *weights[0].shape))
+    perm = None
+    if any(w.perm is not None for w in weights):
+        perm = torch.stack([_perm_or_identity(w) for w in weights])
+    return Int4Weight(*parts, weights[0].group_size, (len(weights), *weights[0].shape), perm)
 
 
 def concat_outputs(weights, interleave: bool = False) -> Int4Weight:
     """One ``[N1 + N2 + ..., K]`` weight of weights sharing K and the group size (their output rows one after the
     other), or, with ``interleave``, rows taken in turn from each (equal N): a MoE expert's gate and up projections
-    as transformers' ``gate_up_proj`` holds them (concatenated or interleaved)."""
+    as transformers' ``gate_up_proj`` holds them (concatenated or interleaved). Act-order weights join when they
+    share one input permutation (the gate and up projections of one input do)."""
     weights = _check_joinable("concat_outputs", weights)
+    perm = None
+    if any(w.perm is not None for w in weights):
+        perm = _perm_or_identity(weights[0])
+        for i, w in enumerate(weights[1:], 1):
+            if not torch.equal(_perm_or_identity(w), perm):
+                raise ValueError(f"concat_outputs: weight {i}'s act-order input permutation differs from weight "
+                                 f"0's; joined outputs must read their inputs in one order")
     if interleave:
         if len({w.shape[0] for w in weights}) != 1:
             raise ValueError("concat_outputs(interleave=True) takes weights of equal N")
@@ -552,4 +566,4 @@ def concat_outputs(weights, interleave: bool = False) -> Int4Weight:
     else:
         join = lambda ts: torch.cat(ts, dim=-1)  # noqa: E731
     parts = (join([getattr(w, p) for w in weights]).contiguous() for p in ("qweight", "scales", "zeros"))
-    return Int4Weight(*parts, weights[0].group_size, (sum(w.shape[0] for w in weights), weights[0].shape[1]))
+    return Int4Weight(*parts, weights[0].group_size, (sum(w.shape[0] for w in weights), weights[0].shape[1]), perm)

@@ -1,0 +1,142 @@
+"""Act-order 4-bit experts (GPTQ desc_act: each expert's inputs stored in its own order, ``perm`` ``[E, K]``): the
+stacked format, ``group_columns`` (each expert's rows read through its order) and the grouped products on them,
+against the dequantized weights; the sharding that cannot take them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.ops.grouped.api import grouped_matmul, moe_gate_up_int4
+from tilegemm.ops.grouped.routing import group_columns
+from tilegemm.ops.w4a16 import Int4Weight, dequantize, quantize
+from tilegemm.ops.w4a16.format import concat_outputs, stack_experts
+
+from test_grouped_int4 import reference
+from conftest import assert_rel_close
+
+O = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+
+
+def act_order(w: Int4Weight, perm: torch.Tensor | None) -> Int4Weight:
+    """``w``'s stored rows read as inputs ``perm`` (what from_gptq makes of an act-order checkpoint)."""
+    return Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape, perm)
+
+
+def act_order_experts(E=3, N=24, K=64, group_size=32, dtype=torch.float16, device="cpu", identity=(1,)):
+    ws = [act_order(quantize(torch.randn(N, K).to(dtype), group_size),
+                    None if e in identity else torch.randperm(K)) for e in range(E)]
+    return stack_experts(ws).to(device)
+
+
+def columns_reference(x, offs, perm):
+    out = x.clone()
+    lo = 0
+    for g, hi in enumerate(offs.tolist()):
+        out[lo:hi] = x[lo:hi][:, perm[g]]
+        lo = hi
+    return out
+
+
+def test_stacked_format_keeps_each_experts_order():
+    w = act_order_experts()
+    assert w.perm.shape == (3, 64) and w.perm.dtype == torch.int64
+    assert torch.equal(w.perm[1], torch.arange(64))  # an expert without an order: the identity
+    for e in range(3):
+        assert torch.equal(dequantize(w)[e], dequantize(w.expert(e)))
+        assert torch.equal(w.expert(e).perm, w.perm[e])
+    again = Int4Weight.from_state_dict(w.state_dict())
+    assert torch.equal(again.perm, w.perm)
+    with pytest.raises(ValueError, match=r"perm must be int64 \[3, 64\]"):
+        Int4Weight(w.qweight, w.scales, w.zeros, 32, w.shape, w.perm[0])
+
+
+def test_concat_outputs_needs_one_order():
+    a, b = quantize(torch.randn(16, 64), 32), quantize(torch.randn(16, 64), 32)
+    p = torch.randperm(64)
+    joined = concat_outputs([act_order(a, p), act_order(b, p)])
+    assert torch.equal(joined.perm, p)
+    assert torch.equal(dequantize(joined), torch.cat([dequantize(act_order(a, p)), dequantize(act_order(b, p))]))
+    ident = concat_outputs([act_order(a, torch.arange(64)), b])  # None reads as the identity
+    assert torch.equal(dequantize(ident), torch.cat([dequantize(a), dequantize(b)]))
+    with pytest.raises(ValueError, match="act-order input permutation differs"):
+        concat_outputs([act_order(a, p), act_order(b, torch.randperm(64))])
+    with pytest.raises(ValueError, match="act-order input permutation differs"):
+        concat_outputs([act_order(a, p), b])
+
+
+@pytest.mark.parametrize("sizes,tail", [([3, 0, 9, 4], 5), ([0, 0, 0, 0], 3), ([40, 1, 0, 20], 0)])
+def test_group_columns(sizes, tail, device):
+    E, K = 4, 200  # K past one program's columns
+    x = torch.randn(sum(sizes) + tail, K, device=device)
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    perm = torch.stack([torch.randperm(K) for _ in range(E)]).to(device)
+    out = group_columns(x, offs, perm)
+    assert torch.equal(out, columns_reference(x, offs.cpu(), perm))
+    if tail:
+        assert torch.equal(out[-tail:], x[-tail:])  # rows past offs[-1] as they are
+
+
+def test_group_columns_strided_x_and_gradient(device):
+    E, K = 3, 48
+    x = torch.randn(K, 11, device=device).t().requires_grad_()  # [11, 48], columns strided
+    offs = O(4, 4, 9).to(device)
+    perm = torch.stack([torch.randperm(K) for _ in range(E)]).to(device)
+    out = group_columns(x, offs, perm)
+    g = torch.randn_like(out)
+    (gx,) = torch.autograd.grad(out, x, g)
+    x2 = x.detach().clone().requires_grad_()
+    (gx2,) = torch.autograd.grad(columns_reference(x2, offs.cpu(), perm), x2, g)
+    assert torch.equal(out.detach(), columns_reference(x.detach(), offs.cpu(), perm))
+    assert torch.equal(gx, gx2)
+
+
+def test_group_columns_opcheck(device):
+    x = torch.randn(7, 16, device=device, requires_grad=True)
+    perm = torch.stack([torch.randperm(16) for _ in range(2)]).to(device)
+    torch.library.opcheck(torch.ops.tilegemm.group_columns.default, (x, O(3, 6).to(device), perm))
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.zeros(4, 8), O(2, 4), torch.zeros(2, 8, dtype=torch.int64)[0]), r"perm \[E, K\]"),
+    ((torch.zeros(4, 8), O(2, 4), torch.zeros(3, 8, dtype=torch.int64)), r"perm must be \[E, K\] = \[2, 8\]"),
+    ((torch.zeros(4, 8), O(2, 4), torch.zeros(2, 8, dtype=torch.int32)), "int64"),
+    ((torch.zeros(4, 8), O(2, 4).long(), torch.zeros(2, 8, dtype=torch.int64)), "int32"),
+])
+def test_group_columns_refuses(args, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        group_columns(*args)
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 9], [0, 14, 1]])
+def test_grouped_matmul_act_order(sizes, device):
+    w = act_order_experts(device=device)
+    x = torch.randn(sum(sizes) + 2, 64, dtype=torch.float16, device=device)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
+    out = grouped_matmul(x, w, offs)
+    assert_rel_close(out, reference(x, w, offs), 2e-3)
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
+
+
+def test_gated_act_order_and_gradient(device):
+    w = act_order_experts(N=48, device=device, identity=())
+    x = torch.randn(12, 64, dtype=torch.float16, device=device, requires_grad=True)
+    offs = O(5, 5, 12).to(device)
+    out = moe_gate_up_int4(x, w, offs, activation="silu")
+    pre = reference(x.detach(), w, offs).float()
+    want = torch.nn.functional.silu(pre[:, :24]) * pre[:, 24:]
+    assert_rel_close(out, want.to(out.dtype), 2e-3)
+    g = torch.randn_like(out)
+    (gx,) = torch.autograd.grad(out, x, g)
+    x32 = x.detach().float().requires_grad_()
+    wt = dequantize(w).float()
+    rows = [x32[a:b] @ wt[e].T for e, (a, b) in enumerate(zip([0, 5, 5], [5, 5, 12]))]
+    pre32 = torch.cat(rows)
+    y = torch.nn.functional.silu(pre32[:, :24]) * pre32[:, 24:]
+    (gx32,) = torch.autograd.grad(y, x32, g.float())
+    assert_rel_close(gx, gx32.to(gx.dtype), 5e-3)
+
+
+def test_public_name():
+    assert tilegemm.w4a16.grouped_matmul is grouped_matmul
