@@ -29,8 +29,8 @@
 #   grouped-candidates  tools/grouped_candidates.py: the moe sweep's weakest cases (forward, \$GC_DTYPES, default
 #                 bf16), baselines, auto, and tiled and tma by name on a grid of configs around auto's, CUDA-graph
 #                 times (\$GC_BUDGET seconds a dtype, default 150)
-#   moe-route     tools/moe_route_probe.py (the MoE routing kernels against the torch ops, decode to prefill), then
-#                 tests/grouped/test_grouped_routing.py on the GPU
+#   moe-route     tools/moe_route_probe.py (the MoE routing kernels and group_columns against the torch ops, decode
+#                 to prefill), then the routing, act-order experts and MoE checkpoint tests on the GPU
 #   grouped-host  tools/grouped_host_probe.py (host us per call at decode: full path, replay, F.grouped_mm; cProfile),
 #                 then tests/grouped/test_grouped_replay_gpu.py
 #   conv2d-host   tools/conv2d_host_probe.py (host us per replayed conv2d forward: SE 1x1, 3x3 56x56; cProfile),
@@ -150,7 +150,8 @@ for step in "$@"; do
                             --out "$OUT/grouped-candidates-$d.json" 2>&1 | tee "$OUT/grouped-candidates-$d.txt" | tail -n 20
                         done ;;
     moe-route) python3 tools/moe_route_probe.py --out "$OUT/moe-route-probe.json" 2>&1 | tail -n 10
-               pytest_ -m "" tests/grouped/test_grouped_routing.py 2>&1 | tee "$OUT/moe-route-tests.log" | tail -n 4 ;;
+               pytest_ -m "" tests/grouped/test_grouped_routing.py tests/grouped/test_grouped_act_order.py \
+                 tests/models/test_models_moe_checkpoint.py 2>&1 | tee "$OUT/moe-route-tests.log" | tail -n 4 ;;
     grouped-host) python3 tools/grouped_host_probe.py 2>&1 | tee "$OUT/grouped-host.txt" | sed -n 1,24p
                   pytest_ -m gpu tests/grouped/test_grouped_replay_gpu.py 2>&1 | tee "$OUT/grouped-replay-tests.log" | tail -n 8 ;;
     conv2d-grouped) python3 tools/conv2d_grouped_candidates.py --budget "${CONV_BUDGET:-150}" \

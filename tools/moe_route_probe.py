@@ -9,7 +9,9 @@ hidden 2048, bf16, experts drawn uniformly without repeats per token), microseco
 - ``route torch``: ``routing.route_torch`` (the sort, search, inverse permutation and row gather);
 - ``combine kernel``: ``routing.combine``;
 - ``combine torch``: the weights multiplied in, the rows scattered back and summed (what the experts' forward ran
-  before the kernels).
+  before the kernels);
+- ``columns``: ``routing.group_columns`` on the sorted rows (what act-order 4-bit experts add before each product),
+  against ``torch.gather`` with each row's expert's order (checked equal).
 
 Each row is checked against the torch path first. The ratio ``torch / kernel`` above 1 means the kernel is faster;
 ``KERNEL_MAX_PAIRS`` should sit where the route ratio falls under 1.
@@ -59,21 +61,29 @@ def main() -> None:
         err = (routing.combine(y, pos, w).float() - combine_torch(y, pos, w).float()).abs().max().item()
         combine_kernel = graph_us_per_call(lambda: routing.combine(y, pos, w))
         combine_ref = graph_us_per_call(lambda: combine_torch(y, pos, w))
-        rows.append(dict(tokens=T, pairs=P, route_same=same, combine_max_abs_diff=err,
+        xs, offs = want[0], want[1]
+        perm = torch.rand(E, H, device="cuda", generator=gen).argsort(1)
+        expert = torch.searchsorted(offs, torch.arange(P, device="cuda", dtype=torch.int32), right=True).clamp(max=E - 1)
+        gather = lambda: torch.gather(xs, 1, perm[expert])  # noqa: E731
+        columns_same = torch.equal(routing.columns(xs, offs, perm), gather())
+        columns_kernel = graph_us_per_call(lambda: routing.columns(xs, offs, perm))
+        columns_ref = graph_us_per_call(gather)
+        rows.append(dict(tokens=T, pairs=P, route_same=same, combine_max_abs_diff=err, columns_same=columns_same,
                          route_kernel_us=route_kernel, route_torch_us=route_torch,
-                         combine_kernel_us=combine_kernel, combine_torch_us=combine_ref))
+                         combine_kernel_us=combine_kernel, combine_torch_us=combine_ref,
+                         columns_kernel_us=columns_kernel, columns_torch_us=columns_ref))
     header = dict(experts=E, top_k=K_TOP, hidden=H, dtype="bf16", kernel_max_pairs=routing.KERNEL_MAX_PAIRS,
                   device=torch.cuda.get_device_name())
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(header=header, rows=rows), f, indent=1)
-    print(f"{'tokens':>6s} {'pairs':>6s} {'route k':>8s} {'torch':>8s} {'ratio':>6s} {'comb k':>8s} {'torch':>8s} "
-          f"{'ratio':>6s}  checks")
+    print(f"{'tokens':>6s} {'pairs':>6s} {'route k':>8s} {'torch':>8s} {'comb k':>8s} {'torch':>8s} {'cols k':>8s} "
+          f"{'gather':>8s}  checks")
     for r in rows:
         print(f"{r['tokens']:6d} {r['pairs']:6d} {r['route_kernel_us']:8.1f} {r['route_torch_us']:8.1f} "
-              f"{r['route_torch_us'] / r['route_kernel_us']:6.2f} {r['combine_kernel_us']:8.1f} "
-              f"{r['combine_torch_us']:8.1f} {r['combine_torch_us'] / r['combine_kernel_us']:6.2f}  "
-              f"route {'same' if r['route_same'] else 'DIFFERENT'}, combine diff {r['combine_max_abs_diff']:.1e}")
+              f"{r['combine_kernel_us']:8.1f} {r['combine_torch_us']:8.1f} {r['columns_kernel_us']:8.1f} "
+              f"{r['columns_torch_us']:8.1f}  route {'same' if r['route_same'] else 'DIFFERENT'}, combine diff "
+              f"{r['combine_max_abs_diff']:.1e}, columns {'same' if r['columns_same'] else 'DIFFERENT'}")
 
 
 if __name__ == "__main__":
