@@ -221,3 +221,37 @@ def test_kept_fragments_follow_in_place_writes(monkeypatch):
     w = moe._int4(block, "down_proj")
     fresh = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape).fragments()
     assert all(torch.equal(a, b) for a, b in zip(w.fragments(), fresh))
+
+
+def _act_order_(model, seed=0):
+    """Give every 4-bit experts block of ``model`` an input order an expert (act-order), both weights."""
+    from tilegemm.ops.w4a16.format import Int4Weight
+
+    gen = torch.Generator().manual_seed(seed)
+    for _, block in moe._experts_modules_all(model):
+        ws = {}
+        for name in ("gate_up_proj", "down_proj"):
+            w = moe._int4(block, name)
+            perm = torch.stack([torch.randperm(w.shape[-1], generator=gen) for _ in range(w.shape[0])])
+            ws[name] = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape, perm)
+        moe.install_int4_experts_(block, ws)
+
+
+@pytest.mark.parametrize("saved_act_order", [True, False])
+def test_load_state_dict_takes_the_saved_input_orders(saved_act_order):
+    # A saved quantized model's experts load into a quantized one whether or not either is act-order: the
+    # perm buffers follow the state dict (none left over, none dropped), so the loaded model computes as the saved.
+    cfg = qwen3_moe()
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        m = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).eval().half()
+        tilegemm.nn.quantize_experts_(m, group_size=32)
+        models.append(m)
+    saved, target = models
+    _act_order_(saved if saved_act_order else target)
+    target.load_state_dict(saved.state_dict())
+    assert sorted(target.state_dict()) == sorted(saved.state_dict())
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(target(ids).logits, saved(ids).logits, rtol=0, atol=0)

@@ -332,17 +332,17 @@ def tiny_config(arch: str = "llama", hidden: int = 128, layers: int = 2, tie: bo
                vocab_size=256, num_hidden_layers=layers, max_position_embeddings=64, tie_word_embeddings=tie)
 
 
-def tiny_moe_config(arch: str = "qwen3_moe", hidden: int = 64, layers: int = 2):
-    """A small transformers MoE config: ``qwen3_moe`` (4 experts, top 2, expert width 32) or ``mixtral`` (the
-    same sizes), vocab 256."""
+def tiny_moe_config(arch: str = "qwen3_moe", hidden: int = 64, layers: int = 2, width: int = 32):
+    """A small transformers MoE config: ``qwen3_moe`` (4 experts, top 2, expert width ``width``) or ``mixtral``
+    (the same sizes), vocab 256."""
     import transformers
 
     common = dict(vocab_size=256, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, num_experts_per_tok=2, max_position_embeddings=64,
                   tie_word_embeddings=False)
     if arch == "mixtral":
-        return transformers.MixtralConfig(intermediate_size=32, num_local_experts=4, **common)
-    return transformers.Qwen3MoeConfig(intermediate_size=2 * hidden, moe_intermediate_size=32, num_experts=4,
+        return transformers.MixtralConfig(intermediate_size=width, num_local_experts=4, **common)
+    return transformers.Qwen3MoeConfig(intermediate_size=2 * hidden, moe_intermediate_size=width, num_experts=4,
                                        decoder_sparse_step=1, **common)
 
 

@@ -146,6 +146,26 @@ def test_act_order_gate_and_up_in_different_orders_refused(tmp_path, device):
         from_pretrained(path, device=device)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_act_order_down_projection_loads(tmp_path, device, arch):
+    """Expert width 64 in groups of 32: the down projections are act-order too (an order an expert of their own)."""
+    config = cw.tiny_moe_config(arch, layers=1, width=64)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 32, act_order=True,
+                               mixtral_names=arch == "mixtral")
+    model = from_pretrained(path, device=device)
+    block = model.model.layers[0].mlp.experts
+    perm = block.tilegemm_down_proj_perm
+    assert perm.shape == (4, 64) and not all(torch.equal(p.cpu(), torch.arange(64)) for p in perm)
+    for w in ("gate_up_proj", "down_proj"):
+        assert torch.equal(dequantize(moe._int4(block, w)).cpu(), reference[f"model.layers.0.mlp.experts.{w}"]), w
+    ref = cw.reference_model(config, reference)
+    ref.set_experts_implementation("eager")
+    with torch.no_grad():
+        got, want = model(input_ids=IDS.to(device)).logits.float().cpu(), ref(input_ids=IDS).logits.float()
+    assert _rel(got, want) < TOL
+
+
 def test_desc_act_with_natural_order_loads(tmp_path, device):
     """desc_act in the config but every g_idx in natural order (trivial act-order): nothing to permute."""
     path, config, reference = _write(tmp_path, "qwen3_moe", method="gptq", group_size=32, sym=True)

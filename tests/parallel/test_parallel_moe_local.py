@@ -216,3 +216,53 @@ def test_parallel_moe_int4_sharded_load_remakes_kept_fragments(monkeypatch, tmp_
         w = _int4(block, name)
         fresh = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape).fragments(gated)
         assert all(torch.equal(a, b) for a, b in zip(w.fragments(gated), fresh)), name
+
+
+@cpu_kernels
+def test_parallel_moe_act_order_sharded_load(tmp_path):
+    # load_sharded_ into a split act-order block: the up side's orders read whole, the product as unsplit
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    from tilegemm.nn.moe import _int4, install_int4_experts_
+    from tilegemm.ops.w4a16 import Int4Weight
+    from tilegemm.parallel import load_sharded_, shard_experts_
+
+    class RankOf2:
+        ndim = 1
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        def get_local_rank(self):
+            return self.rank
+
+        def size(self):
+            return 2
+
+    torch.manual_seed(0)
+    full = transformers.AutoModelForCausalLM.from_config(moe_config(num_hidden_layers=1)).half().eval()
+    tnn.quantize_experts_(full, group_size=32)
+    block = full.model.layers[0].mlp.experts
+    up, down = _int4(block, "gate_up_proj"), _int4(block, "down_proj")
+    perm = torch.stack([torch.randperm(up.shape[-1]) for _ in range(up.shape[0])])
+    install_int4_experts_(block, {"gate_up_proj": Int4Weight(up.qweight, up.scales, up.zeros, 32, up.shape, perm),
+                                  "down_proj": down})
+    path = tmp_path / "full.safetensors"
+    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
+    x, idx, weights = torch.randn(6, 32).half(), torch.randint(0, 8, (6, 2)), torch.rand(6, 2).half()
+    with torch.no_grad():
+        want = block(x, idx, weights).float()
+    got = 0
+    for rank in range(2):
+        skeleton = copy.deepcopy(full)
+        with torch.no_grad():
+            for key, t in skeleton.state_dict().items():
+                t.zero_() if key.endswith(("qweight", "perm")) else t.fill_(7.0)
+        local = skeleton.model.layers[0].mlp.experts
+        shard_experts_(local, rank, 2)
+        load_sharded_(skeleton, str(path), RankOf2(rank))
+        assert torch.equal(local.tilegemm_gate_up_proj_perm, perm)
+        with torch.no_grad():
+            got = got + local(x, idx, weights).float()
+    assert (got - want).norm() / want.norm() < 4e-3

@@ -284,6 +284,20 @@ def _remake_fragments(module, incompatible_keys=None) -> None:
     make_fragments_(module)
 
 
+def _adopt_perms(module, state_dict, prefix, *args) -> None:
+    """Before ``load_state_dict``: a 4-bit weight's act-order perm buffer follows the state dict that holds the
+    weight (made where it brings one, dropped where it has none), so no input order is left over or ignored."""
+    for key in [k for k in module._buffers if k.startswith("tilegemm_") and k.endswith("_qweight")]:
+        name = key[:-len("_qweight")]
+        if prefix + key not in state_dict:
+            continue  # (a state dict without this weight: a missing key, as for any buffer)
+        incoming, perm = state_dict.get(f"{prefix}{name}_perm"), f"{name}_perm"
+        if incoming is None:
+            module._buffers.pop(perm, None)
+        elif getattr(module, perm, None) is None or module._buffers[perm].shape != incoming.shape:
+            module._buffers[perm] = torch.empty(incoming.shape, dtype=torch.int64, device=module._buffers[key].device)
+
+
 def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
     """Put stacked 4-bit experts on a transformers experts block: ``weights`` maps its 3-D weight's name
     (``"gate_up_proj"``/``"up_proj"``, ``"down_proj"``) to an :class:`Int4Weight` of logical shape ``[E, out, in]``
@@ -306,6 +320,7 @@ def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
     _drop_fragments(module)  # those of experts installed before
     make_fragments_(module)
     if not getattr(module, "_tilegemm_remakes_fragments", False):
+        module.register_load_state_dict_pre_hook(_adopt_perms)
         module.register_load_state_dict_post_hook(_remake_fragments)
         module._tilegemm_remakes_fragments = True
 
