@@ -182,3 +182,80 @@ def test_transformers_4_models(arch):
     with torch.no_grad():
         want, got = ref(ids).logits, ours(ids).logits
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def _int4_experts_block(act_order: bool = False, shared_order: bool = True):
+    """A 4.x-style block whose experts' Linears are Int4Linears (as tilegemm.models.from_pretrained loads a 4.x
+    checkpoint of per-expert quantized Linears), fp16."""
+    from tilegemm.nn import Int4Linear
+    from tilegemm.ops.w4a16 import Int4Weight
+
+    torch.manual_seed(0)
+    block = Block(H=64, I=64, E=4).half()
+    for e in block.experts:
+        order = torch.randperm(64) if act_order else None
+        for m in e.names:
+            w = Int4Linear.from_linear(getattr(e, m), group_size=32).weight
+            perm = (order if shared_order or m != "up_proj" else torch.randperm(64)) if act_order else None
+            w = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape, perm)
+            setattr(e, m, Int4Linear.from_weight(w))
+    return block.eval()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_expert_linears_stack_into_4_bit_experts(act_order, device):
+    from tilegemm.nn.moe import _int4, convert_moe_blocks_
+    from tilegemm.ops.w4a16 import dequantize
+
+    block = _int4_experts_block(act_order).to(device)
+    model = nn.Module()
+    model.moe = block
+    x = torch.randn(1, 6, 64, dtype=torch.float16, device=device)
+    with torch.no_grad():
+        want, want_logits = block(x)
+    done, kept = convert_moe_blocks_(model)
+    assert done == ["moe"] and not kept
+    new = model.moe
+    assert isinstance(new, SparseMoeBlock) and "gate_up_proj" not in new._parameters
+    w = _int4(new, "gate_up_proj")
+    assert w.shape == (4, 128, 64) and (w.perm is not None) == act_order
+    for e, mlp in enumerate(block.experts):  # gate rows, then up rows, exactly the experts' own weights
+        assert torch.equal(dequantize(w)[e], torch.cat([mlp.gate_proj.dequantize(), mlp.up_proj.dequantize()]))
+    with torch.no_grad():
+        got, logits = new(x)
+    assert torch.equal(logits, want_logits)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 3e-3
+
+
+def test_int4_experts_in_two_orders_kept_with_a_reason():
+    from tilegemm.nn.moe import convert_moe_blocks_
+
+    model = nn.Module()
+    model.moe = _int4_experts_block(act_order=True, shared_order=False)
+    done, kept = convert_moe_blocks_(model)
+    assert not done and kept == [("moe", "act-order experts whose gate and up read their inputs in two orders")]
+
+
+@pytest.mark.skipif(_transformers_4() is None, reason="transformers 4.x's own MoE classes (this suite installs 5.x, "
+                                                      "whose checkpoint path tests/models/test_models_moe_checkpoint.py "
+                                                      "checks)")
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_transformers_4_checkpoint_experts_stacked(arch, tmp_path):
+    """A GPTQ checkpoint of per-expert Linears loaded under transformers 4.x: its experts load as Int4Linears and
+    each block is then stacked into a SparseMoeBlock of 4-bit experts; the logits are the writer's model's."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+    import ckpt_writer as cw
+    from tilegemm.models import from_pretrained
+
+    config = cw.tiny_moe_config(arch, layers=2)
+    reference = cw.write_model(tmp_path / "c", cw.random_model(config), "gptq", 32, sym=True, not_convert=("gate",))
+    model = from_pretrained(tmp_path / "c", device="cpu")
+    assert sum(isinstance(m, SparseMoeBlock) for m in model.modules()) == 2
+    ids = torch.tensor([[3, 17, 200, 5, 96]])
+    with torch.no_grad():
+        got = model(input_ids=ids).logits.float()
+        want = cw.reference_model(config, reference)(input_ids=ids).logits.float()
+    assert ((got - want).norm() / want.norm()).item() < 3e-3

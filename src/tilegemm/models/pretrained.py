@@ -29,7 +29,8 @@ from torch import nn
 
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.int4 import Int4Linear
-from tilegemm.nn.moe import _experts_modules, _int4, install_int4_experts_, use_int4_experts_
+from tilegemm.nn.moe import (_experts_modules, _int4, convert_moe_blocks_, install_int4_experts_, register_experts,
+                             use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_gptq
 from tilegemm.ops.w4a16.format import concat_outputs, fits_fragments, stack_experts
 
@@ -600,6 +601,11 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
                 module._buffers[bname] = b.to(device)
     if experts:
         use_int4_experts_(model)  # the "tilegemm" experts implementation runs blocks holding 4-bit experts
+    elif not register_experts():
+        # transformers 4.x (no experts interface): MoE blocks loop over experts held as Linears, here loaded as
+        # Int4Linears; stacked into tilegemm's blocks, whose experts run as two grouped products (blocks it cannot
+        # take stay as they are)
+        convert_moe_blocks_(model)
     _tie(model)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:

@@ -30,7 +30,7 @@ import torch
 
 from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm, moe_gate_up, moe_gate_up_int4
 from tilegemm.ops.grouped.routing import moe_combine, moe_route
-from tilegemm.ops.w4a16.format import Int4Weight, quantize
+from tilegemm.ops.w4a16.format import Int4Weight, concat_outputs, quantize, stack_experts
 
 NAME = "tilegemm"
 _MOE_MODULE = "transformers.integrations.moe"
@@ -350,6 +350,14 @@ _FUSABLE_MODULES = {"SiLU": "silu", "SiLUActivation": "silu", "ReLU": "relu", "P
                     "GELUTanh": "gelu_tanh"}
 
 
+def _linear_kind(module) -> str | None:
+    """``"16-bit"`` for a ``torch.nn.Linear``, ``"int4"`` for a 4-bit one (``tilegemm.nn.Int4Linear``: an
+    :class:`Int4Weight` weight, as a 4.x checkpoint of per-expert Linears loads), else None."""
+    if isinstance(module, torch.nn.Linear):
+        return "16-bit"
+    return "int4" if isinstance(getattr(module, "weight", None), Int4Weight) else None
+
+
 def legacy_block_parts(block: torch.nn.Module) -> tuple[tuple[str, str, str] | None, str | None]:
     """``(names, None)`` where ``block`` is a sparse MoE block as transformers 4.x builds them (Mixtral, Qwen2-MoE,
     Qwen3-MoE, OLMoE: a router ``gate`` Linear, ``top_k``, and ``experts`` a ModuleList of gated MLPs whose Linears
@@ -358,15 +366,24 @@ def legacy_block_parts(block: torch.nn.Module) -> tuple[tuple[str, str, str] | N
     if not isinstance(experts, torch.nn.ModuleList) or not len(experts) or not isinstance(router, torch.nn.Linear) \
             or not isinstance(getattr(block, "top_k", None), int):
         return None, None
-    names = next((n for n in _MLP_NAMES if all(isinstance(getattr(e, m, None), torch.nn.Linear)
-                                                 for e in experts for m in n)), None)
+    names = next((n for n in _MLP_NAMES if all(_linear_kind(getattr(e, m, None)) for e in experts for m in n)), None)
     if names is None:
         return None, "experts that are not gated MLPs of three Linears"
     linears = [getattr(e, m) for e in experts for m in names]
+    kinds = {_linear_kind(lin) for lin in linears}
+    if len(kinds) != 1:
+        return None, "experts mixing 4-bit and 16-bit Linears"
     if any(lin.bias is not None for lin in linears):
         return None, "experts' Linears with biases"
     if len({(lin.weight.dtype, lin.weight.device) for lin in linears}) != 1:
         return None, "experts of several dtypes or devices"
+    if kinds == {"int4"}:
+        if len({lin.weight.group_size for lin in linears}) != 1:
+            return None, "4-bit experts of several group sizes"
+        for e in experts:  # stacked gate/up rows read one input order an expert (concat_outputs)
+            p_gate, p_up = (getattr(e, m).weight.perm for m in names[:2])
+            if (p_gate is None) != (p_up is None) or p_gate is not None and not torch.equal(p_gate, p_up):
+                return None, "act-order experts whose gate and up read their inputs in two orders"
     shapes = {tuple(getattr(e, m).weight.shape for m in names) for e in experts}
     if len(shapes) != 1:
         return None, "experts of several sizes"
@@ -386,18 +403,15 @@ class SparseMoeBlock(torch.nn.Module):
     gated by a sigmoid where the block has one (Qwen2-MoE), and returns ``(hidden states, router logits)`` like
     them. The experts' weights are stacked into ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``
     (new parameters: the per-expert Linears are dropped, so convert before making an optimizer, and load a 4.x
-    state dict before converting); ``tilegemm.nn.quantize_`` then makes them 4-bit."""
+    state dict before converting); ``tilegemm.nn.quantize_`` then makes them 4-bit. Experts already 4-bit
+    (``Int4Linear``s, as ``tilegemm.models.from_pretrained`` loads a 4.x checkpoint of per-expert Linears) are
+    stacked as 4-bit experts (:func:`install_int4_experts_`; an expert's gate and up joined by
+    ``concat_outputs``)."""
 
     def __init__(self, block: torch.nn.Module, names: tuple[str, str, str]):
         super().__init__()
         g, u, d = names
         experts = block.experts
-        with torch.no_grad():
-            gate_up = torch.stack([torch.cat([getattr(e, g).weight, getattr(e, u).weight]) for e in experts])
-            down = torch.stack([getattr(e, d).weight for e in experts])
-        grad = getattr(experts[0], g).weight.requires_grad
-        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=grad)
-        self.down_proj = torch.nn.Parameter(down, requires_grad=grad)
         self.gate = block.gate
         self.act_fn = experts[0].act_fn
         self.fused_activation = _FUSABLE_MODULES.get(type(self.act_fn).__name__)
@@ -406,6 +420,17 @@ class SparseMoeBlock(torch.nn.Module):
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.shared_expert = getattr(block, "shared_expert", None)
         self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
+        if _linear_kind(getattr(experts[0], g)) == "int4":
+            gate_up = stack_experts([concat_outputs([getattr(e, g).weight, getattr(e, u).weight]) for e in experts])
+            install_int4_experts_(self, {"gate_up_proj": gate_up,
+                                         "down_proj": stack_experts([getattr(e, d).weight for e in experts])})
+            return
+        with torch.no_grad():
+            gate_up = torch.stack([torch.cat([getattr(e, g).weight, getattr(e, u).weight]) for e in experts])
+            down = torch.stack([getattr(e, d).weight for e in experts])
+        grad = getattr(experts[0], g).weight.requires_grad
+        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=grad)
+        self.down_proj = torch.nn.Parameter(down, requires_grad=grad)
 
     def _apply_gate(self, h: torch.Tensor) -> torch.Tensor:  # where the activation is not fused
         gate, up = h.chunk(2, dim=-1)
