@@ -3,7 +3,8 @@
 ``tilegemm.grouped_mm`` follows ``torch.nn.functional.grouped_mm``; ``tilegemm.w4a16.grouped_matmul`` runs
 4-bit experts; :mod:`tilegemm.nn.moe` plugs both into transformers' MoE blocks. The public functions are in
 :mod:`.api`, checks in :mod:`.checks`, the torch.library op in :mod:`.op`, one file per kernel (:mod:`.tiled`,
-:mod:`.tma`, :mod:`.tma_k`, :mod:`.int4`, :mod:`.dequant`, :mod:`.frag`). Nothing here imports triton: a kernel
+:mod:`.tma`, :mod:`.tma_k`, :mod:`.int4`, :mod:`.dequant`, :mod:`.frag`); a MoE layer's token routing around its
+products in :mod:`.routing` (``moe_route``, ``moe_combine``, ``group_columns``). Nothing here imports triton: a kernel
 module is imported when its kernel first runs.
 """
 
@@ -55,10 +56,11 @@ register(KernelSpec(
 ))
 
 from tilegemm.ops.grouped.api import batched_matmul, grouped_matmul, grouped_mm  # noqa: E402
+from tilegemm.ops.grouped.routing import group_columns, moe_combine, moe_route  # noqa: E402
 import tilegemm.ops.w4a16 as _w4a16  # noqa: E402
 
 # The public name of the 4-bit experts is tilegemm.w4a16.grouped_matmul: set here, since w4a16 cannot import this
 # family (it imports w4a16's Int4Weight).
 _w4a16.grouped_matmul = grouped_matmul
 
-__all__ = ["batched_matmul", "grouped_matmul", "grouped_mm"]
+__all__ = ["batched_matmul", "group_columns", "grouped_matmul", "grouped_mm", "moe_combine", "moe_route"]
