@@ -179,13 +179,8 @@ def test_quantized_experts_keep_fragments_for_compile(monkeypatch):
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 
 
-def test_kept_fragments_follow_loaded_weights(monkeypatch):
-    # The kept fragment layouts derive from the 4-bit parts and are not saved: loading another model's 4-bit
-    # experts (a saved quantized model) must not leave the block reading the fragments of the weights it had.
-    import tilegemm.ops.grouped.dispatch as dispatch
-    from tilegemm.ops.w4a16.format import Int4Weight
-
-    monkeypatch.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
+def _two_quantized_models():
+    """Two fp16 Qwen3-MoE models of different random weights, experts made 4-bit (group 32): a saved one, a target."""
     cfg = qwen3_moe()
     models = []
     for seed in (0, 1):
@@ -193,7 +188,17 @@ def test_kept_fragments_follow_loaded_weights(monkeypatch):
         m = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).eval().half()
         tilegemm.nn.quantize_experts_(m, group_size=32)
         models.append(m)
-    saved, target = models
+    return models
+
+
+def test_kept_fragments_follow_loaded_weights(monkeypatch):
+    # The kept fragment layouts derive from the 4-bit parts and are not saved: loading another model's 4-bit
+    # experts (a saved quantized model) must not leave the block reading the fragments of the weights it had.
+    import tilegemm.ops.grouped.dispatch as dispatch
+    from tilegemm.ops.w4a16.format import Int4Weight
+
+    monkeypatch.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
+    saved, target = _two_quantized_models()
     target.load_state_dict(saved.state_dict())
     block = target.model.layers[0].mlp.experts
     for name, gated in (("gate_up_proj", True), ("down_proj", False)):
@@ -241,14 +246,7 @@ def _act_order_(model, seed=0):
 def test_load_state_dict_takes_the_saved_input_orders(saved_act_order):
     # A saved quantized model's experts load into a quantized one whether or not either is act-order: the
     # perm buffers follow the state dict (none left over, none dropped), so the loaded model computes as the saved.
-    cfg = qwen3_moe()
-    models = []
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        m = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).eval().half()
-        tilegemm.nn.quantize_experts_(m, group_size=32)
-        models.append(m)
-    saved, target = models
+    saved, target = _two_quantized_models()
     _act_order_(saved if saved_act_order else target)
     target.load_state_dict(saved.state_dict())
     assert sorted(target.state_dict()) == sorted(saved.state_dict())
