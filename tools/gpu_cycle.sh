@@ -27,8 +27,9 @@
 #   grouped-w4a16-prefill  4-bit experts at 512, 4096 and 16384 tokens (the moe sweep's models and products), fp16
 #                 and bf16, auto against dequant_dot and dequant_grouped by name, then their tests on the GPU
 #   grouped-candidates  tools/grouped_candidates.py: the moe sweep's weakest cases (forward, \$GC_DTYPES, default
-#                 bf16), baselines, auto, and tiled and tma by name on a grid of configs around auto's, CUDA-graph
-#                 times (\$GC_BUDGET seconds a dtype, default 150)
+#                 bf16), baselines, auto, and tiled, tma and gluon by name on a grid of configs around auto's, CUDA-graph
+#                 times (\$GC_BUDGET seconds a dtype, default 150; \$GC_CASES: the tool's --cases, default weak);
+#                 grouped-gluon  kernel gluon's tests, interpreter and GPU
 #   moe-route     tools/moe_route_probe.py (the MoE routing kernels and group_columns against the torch ops, decode
 #                 to prefill), then the routing, act-order experts and MoE checkpoint tests on the GPU
 #   grouped-host  tools/grouped_host_probe.py (host us per call at decode: full path, replay, F.grouped_mm; cProfile),
@@ -147,8 +148,11 @@ for step in "$@"; do
             | tee "$OUT/grouped-w4a16-prefill-tests.log" | tail -n 15 ;;
     grouped-candidates) for d in ${GC_DTYPES:-bf16}; do
                           python3 tools/grouped_candidates.py --dtype $d --budget "${GC_BUDGET:-150}" \
+                            --cases "${GC_CASES:-weak}" \
                             --out "$OUT/grouped-candidates-$d.json" 2>&1 | tee "$OUT/grouped-candidates-$d.txt" | tail -n 20
                         done ;;
+    grouped-gluon) pytest_ -m "" tests/grouped/test_grouped_gluon.py tests/grouped/test_grouped_gluon_gpu.py 2>&1 \
+                     | tee "$OUT/grouped-gluon-tests.log" | tail -n 15 ;;
     moe-route) python3 tools/moe_route_probe.py --out "$OUT/moe-route-probe.json" 2>&1 | tail -n 10
                pytest_ -m "" tests/grouped/test_grouped_routing.py tests/grouped/test_grouped_act_order.py \
                  tests/models/test_models_moe_checkpoint.py 2>&1 | tee "$OUT/moe-route-tests.log" | tail -n 4 ;;

@@ -13,7 +13,8 @@ through their transpose, a ``[M, K]``. Rows of the field:
 - ``auto``: ``tilegemm.grouped_mm`` as a user calls it (the kernel and config ``dispatch`` picks are recorded);
 - ``tiled ...`` and ``tma ...``: each kernel by name through its launcher's config override (``run(p, config)``)
   on a grid around the config it would take for the case (``configs.choose_config``, ``configs.tma_config``):
-  tile sizes, stages, warps, the group-M swizzle, tiled's K split, and tma's ``PROGRAMS_PER_SM``.
+  tile sizes, stages, warps, the group-M swizzle, tiled's K split, and tma's ``PROGRAMS_PER_SM``;
+- ``gluon ...``: the warp-specialized kernel (where it takes the case) on each of its rings and two swizzle bands.
 
 Each row is first run once and checked against an fp32 reference (``grouped_mm_reference`` in fp32, fp32
 matmuls not in tf32): a relative error over the family's tolerance, NaN, or an exception (an out-of-resources
@@ -66,6 +67,7 @@ WEAK = (
     ("deepseek_v2_lite/down/t4096", 1.03), ("mixtral/gate_up/t64", 0.95), ("mixtral/gate_up/t8", 1.01),
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+KERNELS = ("tiled", "tma", "gluon")  # the kernels timed by name
 TARGET_MS = 60.0  # GPU time a row's graph replays take, about
 GRAPH_MEMORY = 8 << 30  # outputs a graph of allocating calls (auto, the baselines) may hold, at most
 
@@ -194,9 +196,25 @@ def tma_field(base: dict, smoke: bool) -> list[tuple[str, dict]]:
     return [(ps, dict(base, **change)) for ps, change in field if _valid(dict(base, **change), smoke)]
 
 
+def _gluon_module():
+    """:mod:`tilegemm.ops.grouped.gluon`, or None where Gluon does not import."""
+    try:
+        from tilegemm.ops.grouped import gluon
+    except ImportError:
+        return None
+    return gluon
+
+
+def gluon_field(module, base: dict) -> list[tuple[str, dict]]:
+    """(pass, config) of kernel ``gluon``: its own config first, then its other rings and the swizzle's band."""
+    field = [("core", base)] + [("core", dict(c)) for c in module.configs() if c != base]
+    field += [("grid", dict(base, GROUP_M=4)), ("grid", dict(base, GROUP_M=16))]
+    return field
+
+
 def label(kernel: str, cfg: dict) -> str:
     short = dict(BLOCK_M="m", BLOCK_N="n", BLOCK_K="k", GROUP_M="g", SPLIT_K="split", num_warps="w",
-                 num_stages="s", PROGRAMS_PER_SM="per_sm", FLATTEN="flat")
+                 num_stages="s", PROGRAMS_PER_SM="per_sm", FLATTEN="flat", STAGES="s", SHARED_OUT="shared_out")
     parts = [f"{short.get(k, k)}{v}" for k, v in cfg.items() if not (k in ("SPLIT_K", "PROGRAMS_PER_SM") and v == 1)]
     return f"{kernel} " + " ".join(parts)
 
@@ -216,6 +234,9 @@ def field_of(inp: Inputs, smoke: bool) -> list[dict]:
     kernels = [("tiled", tiled, tiled_field(configs.choose_config(p), inp.K, smoke))]
     if tma.why_not(p) is None:
         kernels.append(("tma", tma, tma_field(configs.tma_config(p), smoke)))
+    gl_module = _gluon_module()
+    if gl_module is not None and gl_module.why_not(p) is None:
+        kernels.append(("gluon", gl_module, gluon_field(gl_module, gl_module.config(p))))
     for kernel, module, field in kernels:
         for stage, cfg in field:
             key = (kernel, tuple(sorted(cfg.items())))
@@ -320,11 +341,11 @@ def summary(entry: dict) -> dict:
     base = [rows[n] for n in ("loop", "F.grouped_mm") if rows.get(n, {}).get("status") == "ok"]
     base = min(base, key=lambda r: r["us"]) if base else None
     auto = rows.get("auto") if rows.get("auto", {}).get("status") == "ok" else None
-    cands = [r for r in entry["rows"] if r["kernel"] in ("tiled", "tma") and r.get("status") == "ok"]
+    cands = [r for r in entry["rows"] if r["kernel"] in KERNELS and r.get("status") == "ok"]
     best = min(cands, key=lambda r: r["us"]) if cands else None
     own = {}  # each kernel by name on the config it takes for the case (its field's first row)
     for r in entry["rows"]:
-        if r["kernel"] in ("tiled", "tma") and r["kernel"] not in own:
+        if r["kernel"] in KERNELS and r["kernel"] not in own:
             own[r["kernel"]] = r
     for kernel, r in own.items():
         if base and r.get("status") == "ok":
@@ -332,7 +353,7 @@ def summary(entry: dict) -> dict:
         else:
             own[kernel] = None
     s = dict(baseline=base and base["name"], baseline_us=base and base["us"], auto_us=auto and auto["us"],
-             tiled_own_ratio=own.get("tiled"), tma_own_ratio=own.get("tma"),
+             tiled_own_ratio=own.get("tiled"), tma_own_ratio=own.get("tma"), gluon_own_ratio=own.get("gluon"),
              best=best and best["name"], best_kernel=best and best["kernel"], best_config=best and best["config"],
              best_us=best and best["us"])
     if base and auto:
@@ -362,10 +383,10 @@ def write(path: str, meta: dict, entries: list[dict]) -> None:
 def table(entries: list[dict]) -> None:
     """Per case: the faster baseline, auto (its kernel) and the best candidate, times and ratios to the baseline."""
     print()
-    print("ratios: the baseline's time over the row's (above 1: faster); tiled, tma: each kernel by name on the config")
-    print("it takes for the case; best: the fastest checked candidate; /auto: auto's time over the best's")
+    print("ratios: the baseline's time over the row's (above 1: faster); tiled, tma, gluon: each kernel by name on the")
+    print("config it takes for the case; best: the fastest checked candidate; /auto: auto's time over the best's")
     print(f"{'case':32s} {'baseline us':>22s} {'auto us':>10s} {'auto':>5s} {'kernel':>6s} {'tiled':>5s} "
-          f"{'tma':>5s} {'best us':>10s} {'best':>5s} {'/auto':>5s}  best candidate")
+          f"{'tma':>5s} {'gluon':>5s} {'best us':>10s} {'best':>5s} {'/auto':>5s}  best candidate")
     logs = {"auto": [], "best": []}
     for e in entries:
         s = summary(e)
@@ -373,7 +394,7 @@ def table(entries: list[dict]) -> None:
         base = f"{f('baseline_us', '.1f')} {s['baseline'] or ''}"
         print(f"{e['case']:32s} {base:>22s} {f('auto_us', '.1f'):>10s} {f('auto_ratio', '.2f'):>5s} "
               f"{e['auto_kernel']:>6s} {f('tiled_own_ratio', '.2f'):>5s} {f('tma_own_ratio', '.2f'):>5s} "
-              f"{f('best_us', '.1f'):>10s} {f('best_ratio', '.2f'):>5s} {f('best_over_auto', '.2f'):>5s}  "
+              f"{f('gluon_own_ratio', '.2f'):>5s} {f('best_us', '.1f'):>10s} {f('best_ratio', '.2f'):>5s} {f('best_over_auto', '.2f'):>5s}  "
               f"{s['best'] or '-'}")
         for k in logs:
             if s.get(f"{k}_ratio") is not None:

@@ -3,7 +3,7 @@
 ``tilegemm.grouped_mm`` follows ``torch.nn.functional.grouped_mm``; ``tilegemm.w4a16.grouped_matmul`` runs
 4-bit experts; :mod:`tilegemm.nn.moe` plugs both into transformers' MoE blocks. The public functions are in
 :mod:`.api`, checks in :mod:`.checks`, the torch.library op in :mod:`.op`, one file per kernel (:mod:`.tiled`,
-:mod:`.tma`, :mod:`.tma_k`, :mod:`.int4`, :mod:`.dequant`, :mod:`.frag`); a MoE layer's token routing around its
+:mod:`.tma`, :mod:`.gluon`, :mod:`.tma_k`, :mod:`.int4`, :mod:`.dequant`, :mod:`.frag`); a MoE layer's token routing around its
 products in :mod:`.routing` (``moe_route``, ``moe_combine``, ``group_columns``). Nothing here imports triton: a kernel
 module is imported when its kernel first runs.
 """
@@ -25,6 +25,12 @@ register(KernelSpec(
     op="grouped", name="tma", order=20, target="tilegemm.ops.grouped.tma:run", why_not=why_not_tma,
     tags=("sm_90",), dtypes=("fp16", "bf16"),
     summary="Hopper, the MoE forward (2-D x 3-D): persistent, A and B tiles by TMA (descriptors made on the device)",
+))
+register(KernelSpec(
+    op="grouped", name="gluon", order=25, target="tilegemm.ops.grouped.gluon:run", why_not=why_not_gluon,
+    tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
+    summary="Hopper, the MoE forward (2-D x 3-D) on the dense gluon_f16 skeleton: a TMA producer warp group, two "
+            "consumer warp groups, row tiles planned on the device from offs",
 ))
 register(KernelSpec(
     op="grouped", name="tma_k", order=30, target="tilegemm.ops.grouped.tma_k:run", why_not=why_not_tma,

@@ -60,7 +60,16 @@ TMA_HALF_TILE = dict(BLOCK_M=64, num_warps=4, num_stages=5)
 # packed rows (8 K each), scratch rows (output columns), warps a program: 128 K x 128 columns, 32 KB written (as
 # w4a16's dequant_cublas pass)
 INT4_DEQUANT_PASS = (16, 128, 4)
-INT4_DEQUANT_CHUNK_ALIGN = 256  # a slice of the output's columns is whole 256-column tiles (tma's BLOCK_N)
+INT4_DEQUANT_CHUNK_ALIGN = 256
+# 16-bit MoE forward on Hopper (kernel ``gluon``, the dense family's warp-specialized skeleton): a producer warp group
+# and two consumers of 64 rows x 256 columns each (tma's tile; a 128-row tile wastes less of a jagged group than
+# gluon_f16's 256 x 128), with the output buffer shared by the consumers and a 4-deep ring, or a buffer each and 3
+# slots (gluon_f16's two 128 x 256 rings); the shared one from GLUON_LONG_K_STEPS K steps, as gluon_f16's batched rule
+GLUON_TILES = (
+    dict(BLOCK_M=128, BLOCK_N=256, STAGES=4, SHARED_OUT=True, GROUP_M=8),
+    dict(BLOCK_M=128, BLOCK_N=256, STAGES=3, SHARED_OUT=False, GROUP_M=8),
+)
+GLUON_LONG_K_STEPS = 32  # a slice of the output's columns is whole 256-column tiles (tma's BLOCK_N)
 
 
 def block_m_for(rows_per_group: float) -> int:
