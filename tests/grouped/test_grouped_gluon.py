@@ -34,12 +34,14 @@ def walk(offs: list[int], M: int, bm: int) -> list[tuple[int, int, int]]:
 
 def plan_of(offs: list[int], M: int, bm: int) -> list[tuple[int, int, int]]:
     G = len(offs)
-    p = make_problem("2d3d", G, torch.zeros(M, 8), torch.zeros(G, 8, 8), torch.tensor(offs, dtype=torch.int32),
-                     None, torch.full((M, 8), float("nan")))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # (the plan kernel runs where the launch would)
+    p = make_problem("2d3d", G, torch.zeros(M, 8, device=dev), torch.zeros(G, 8, 8, device=dev),
+                     torch.tensor(offs, dtype=torch.int32, device=dev), None, torch.full((M, 8), float("nan"),
+                                                                                          device=dev))
     table = gluon.plan(p, bm)
     n = int(table[0])
     assert n <= row_tiles(M, G, bm)  # the launch's bound on the units holds
-    return [tuple(int(v) for v in table[1 + 3 * i: 4 + 3 * i]) for i in range(n)]
+    return [tuple(int(v) for v in table[1 + 3 * i: 4 + 3 * i].cpu()) for i in range(n)]
 
 
 @pytest.mark.parametrize("offs, M, bm", [
@@ -101,11 +103,30 @@ def test_refuses_by_name(on_hopper, make, words):
     assert words in gluon.why_not(make())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without an sm_90 GPU (the GPU tests "
+                    "run the kernel there)")
 def test_refuses_without_a_hopper_gpu():
     # the interpreter (or any non-sm_90 machine): named, and a launch by name raises NotApplicable
     assert gluon.why_not(problem()) is not None
     with pytest.raises(registry.NotApplicable, match="gluon"):
         gluon.run(problem())
+
+
+def test_auto_rule(monkeypatch):
+    # on Hopper (both kernels taking the problem): gluon from 256 rows an expert on average for the plain product;
+    # tma below it and for the gated product
+    monkeypatch.setattr(dispatch, "takes_gluon", lambda p: not p.gated)
+    monkeypatch.setattr(dispatch, "takes_tma", lambda p: True)
+
+    def choose(M, G=4, gated=False):
+        b = torch.zeros(G, 64, 64 if gated else 32)
+        return dispatch.choose(make_problem("2d3d", G, torch.zeros(M, 64), b, torch.zeros(G, dtype=torch.int32),
+                                            None, torch.zeros(M, 32), "ieee", "silu" if gated else "none", gated))
+
+    assert choose(4 * 256) == "gluon"
+    assert choose(4 * 256 - 1) == "tma"
+    assert choose(4 * 1024, gated=True) == "tma"
+    assert choose(4 * 16) == "tiled"
 
 
 def test_registered_beside_tma_and_not_auto_without_a_gpu():

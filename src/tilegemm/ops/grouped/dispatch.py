@@ -21,6 +21,15 @@ def tma_rows(p: GroupedProblem) -> bool:
     return configs.block_m_for(p.M / max(p.groups, 1)) >= configs.TMA_BLOCK[0]
 
 
+# ``gluon`` (the dense gluon_f16 skeleton: a TMA producer warp group beside two consumers) for the plain 16-bit MoE
+# forward (not gated) from configs.TMA_HALF_TILE_MAX_ROWS rows an expert on average, where tma runs its full 128-row
+# tiles: there it ran ahead of tma on most of the moe sweep's cases, most on the many-expert models; under it tma's
+# 64-row tiles stayed ahead (docs/grouped.md, "Kernels": gluon)
+def gluon_rows(p: GroupedProblem) -> bool:
+    """Whether ``p`` has rows enough an expert for ``gluon`` (tma's full tiles)."""
+    return p.M >= configs.TMA_HALF_TILE_MAX_ROWS * max(p.groups, 1)
+
+
 # the 16-bit 2-D x 2-D product (groups along K: the MoE weight gradient, dB = A^T dY) on Hopper with at least this
 # many tokens (K) a group on average (K / G, from the shapes): with long groups its TMA-fed K loop beats tiled's
 # pointer loads, with short ones tiled stays ahead (docs/grouped.md, "Kernels": tma_k)
@@ -56,6 +65,16 @@ def takes_tma(p: GroupedProblem) -> bool:
     return tma.why_not(p) is None
 
 
+def takes_gluon(p: GroupedProblem) -> bool:
+    """Whether kernel ``gluon`` takes ``p`` (:func:`tilegemm.ops.grouped.gluon.why_not`; its module, which imports
+    Gluon, only for a plain 16-bit 2-D x 3-D problem). Never under the interpreter (Gluon has none)."""
+    if p.layout != "2d3d" or p.dtype.itemsize != 2 or p.gated or interpreting():
+        return False
+    from tilegemm.ops.grouped import gluon
+
+    return gluon.why_not(p) is None
+
+
 def takes_tma_k(p: GroupedProblem) -> bool:
     """Whether kernel ``tma_k`` takes ``p`` (:func:`tilegemm.ops.grouped.tma_k.why_not`), never under the
     interpreter (as :func:`takes_tma`)."""
@@ -67,6 +86,8 @@ def takes_tma_k(p: GroupedProblem) -> bool:
 
 
 def choose(p: GroupedProblem) -> str:
+    if p.layout == "2d3d" and not p.gated and gluon_rows(p) and takes_gluon(p):
+        return "gluon"
     if p.layout == "2d3d" and tma_rows(p) and takes_tma(p):
         return "tma"
     if p.layout == "2d2d" and p.K >= TMA_K_MIN_TOKENS_PER_GROUP * max(p.groups, 1) and takes_tma_k(p):

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from tilegemm.core.hardware import sm_count, tma_aligned, why_not_gluon
+from tilegemm.core.hardware import ring_fits, sm_count, tma_aligned, why_not_gluon
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import cdiv
@@ -43,9 +43,7 @@ from tilegemm.jit.helpers import apply_activation, tile_grouped
 from tilegemm.ops.grouped.configs import GLUON_LONG_K_STEPS, GLUON_TILES, row_tiles
 from tilegemm.ops.grouped.problem import GroupedProblem
 from tilegemm.ops.grouped.tiled import _pow2, jagged_groups
-from tilegemm.ops.matmul.gluon_f16 import (
-    CONSUMER_REGS, PRODUCER_REGS, _fits, _operands, batched_host_descriptor, host_descriptor,
-)
+from tilegemm.jit.gluon import CONSUMER_REGS, PRODUCER_REGS, batched_host_descriptor, host_descriptor, ring_operands
 
 PLAN_FIELDS = 3  # a row tile's group, first row, end row
 PLAN_BLOCK = 64  # row tiles a program of the plan kernel
@@ -116,7 +114,7 @@ def _consume(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, out_ptr, bias_p
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
              GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, SHARED_OUT: gl.constexpr, WG: gl.constexpr):
     """Consumer warp group ``WG``: the MMAs and epilogue of rows ``WG * BLOCK_M / 2 ...`` of every unit (the
-    slot protocol of :func:`tilegemm.ops.matmul.gluon_f16._consumer`). With ``SHARED_OUT`` the two take turns
+    slot protocol of :mod:`tilegemm.ops.matmul.gluon_f16`'s consumers). With ``SHARED_OUT`` the two take turns
     at one output buffer, whichever way each stores."""
     ROWS: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = WG * ROWS
@@ -136,7 +134,7 @@ def _consume(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, out_ptr, bias_p
         if live:
             slot = count % STAGES
             mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, False, B_NK, False, True)
+            a, b = ring_operands(a_bufs, b_bufs, slot, ROW0, ROWS, False, B_NK, False, True)
             acc = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc,))  # waits for nothing (one group in flight): a tensor again
             for ks in range(1, steps):
@@ -144,7 +142,7 @@ def _consume(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, out_ptr, bias_p
                 count += 1
                 slot = count % STAGES
                 mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-                a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, False, B_NK, False, True)
+                a, b = ring_operands(a_bufs, b_bufs, slot, ROW0, ROWS, False, B_NK, False, True)
                 acc = warpgroup_mma(a, b, acc, is_async=True)
                 # step ks - 1's MMAs are done once at most one group (step ks) is in flight: free its slot
                 acc = warpgroup_mma_wait(1, deps=(acc,))
@@ -192,7 +190,7 @@ def grouped_gluon_kernel(
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     # a: [M, K] in [BLOCK_M, BLOCK_K] boxes; b: [G, K, N] (or B_NK [G, N, K]) in [1, BLOCK_K, BLOCK_N] boxes (the
-    # slots read as 2-D tiles: gluon_f16._flat); the output [M, N] in [BLOCK_M / 2, BLOCK_N] boxes
+    # slots read as 2-D tiles: jit.gluon.flat_slot); the output [M, N] in [BLOCK_M / 2, BLOCK_N] boxes
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     if B_NK:
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, 1, BLOCK_N, BLOCK_K], b_desc.layout)
@@ -268,7 +266,10 @@ def _stride(t: torch.Tensor, dim: int) -> int:
 
 def configs() -> list[dict]:
     """:data:`~tilegemm.ops.grouped.configs.GLUON_TILES` whose rings fit beside their output buffers."""
-    return [dict(c) for c in GLUON_TILES if _fits(c["BLOCK_M"], c["BLOCK_N"], c["STAGES"], c["SHARED_OUT"])]
+    def out_bytes(c):  # one output buffer the consumers share, or one each, of [BLOCK_M / 2, BLOCK_N] 16-bit values
+        return c["BLOCK_M"] * c["BLOCK_N"] * 2 // (2 if c["SHARED_OUT"] else 1)
+
+    return [dict(c) for c in GLUON_TILES if ring_fits(c["BLOCK_M"], c["BLOCK_N"], 64, c["STAGES"], out_bytes(c))]
 
 
 def config(p: GroupedProblem) -> dict:

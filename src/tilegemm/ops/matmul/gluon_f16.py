@@ -46,6 +46,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tilegemm.core.hardware import ring_fits
+from tilegemm.jit.gluon import (
+    CONSUMER_REGS, PRODUCER_REGS, batched_host_descriptor, flat_slot, host_descriptor, ring_operands,
+)
 from tilegemm.jit.helpers import epilogue_tile, tile_order, tile_origin
 from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.core.runtime import cdiv
@@ -53,23 +56,7 @@ from tilegemm.core.runtime import cdiv
 BLOCK_K = 64
 CONFIG_KEY = "GLUON_F16"  # marks this kernel's configs among persistent_tma's candidates
 NUM_WARPS = 4  # the first consumer warp group; warp_specialize adds the second and the producer's
-# Registers a thread asks for (setmaxnreg): a consumer's accumulator is 128 a thread (128 rows x 128
-# columns or 64 x 256 over one warp group); the producer needs few. 2 * 128 * 232 + 128 * 40 <= 65536.
-CONSUMER_REGS = 232
-PRODUCER_REGS = 40
 
-
-# Gluon's element types of the torch dtypes the Gluon kernels' host descriptors describe.
-GL_TYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32,
-            torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
-
-
-def host_descriptor(base: torch.Tensor, shape: list[int], stride: int, block: list[int]) -> TensorDescriptor:
-    """A host-side TMA descriptor (a kernel parameter) of the 2-D row-major view ``shape`` with row stride
-    ``stride`` over ``base``'s memory, in ``block`` boxes with the default swizzled layout (also
-    :mod:`gluon_ws`'s and :mod:`gluon_fp8`'s)."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, GL_TYPES[base.dtype])
-    return TensorDescriptor(base, shape, [stride, 1], block, layout)
 
 
 @gluon.jit
@@ -140,44 +127,6 @@ def _work_unit(unit, tiles):
 
 
 @gluon.jit
-def _flat(bufs, slot, ROWS: gl.constexpr, COLS: gl.constexpr, IS_3D: gl.constexpr):
-    """Slot ``slot`` of a ring (or output buffer) as the 2-D [ROWS, COLS] tile the MMAs or the epilogue use: a
-    slot of a 3-D descriptor's box ([1, ROWS, COLS], IS_3D) is the same bytes in the same swizzle."""
-    if IS_3D:
-        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=bufs.layout.swizzle_byte_width,
-                                                    element_bitwidth=bufs.layout.element_bitwidth, rank=2)
-        return bufs.index(slot)._reinterpret(bufs.dtype, [ROWS, COLS], layout)
-    else:
-        return bufs.index(slot)
-
-
-@gluon.jit
-def _operands(a_bufs, b_bufs, slot, ROW0: gl.constexpr, ROWS: gl.constexpr, A_T: gl.constexpr, B_T: gl.constexpr,
-              A_3D: gl.constexpr = False, B_3D: gl.constexpr = False):
-    """Slot ``slot``'s [ROWS, BK] rows of A from ROW0 and its [BK, BN] tile of B, as the MMA reads them
-    (A_3D / B_3D: the ring holds a 3-D descriptor's [1, rows, cols] boxes, :func:`_flat`)."""
-    if A_3D:
-        a_rows: gl.constexpr = a_bufs.shape[2]
-        a_cols: gl.constexpr = a_bufs.shape[3]
-        a_slot = _flat(a_bufs, slot, a_rows, a_cols, True)
-    else:
-        a_slot = a_bufs.index(slot)
-    if A_T:
-        a = a_slot.slice(ROW0, ROWS, dim=1).permute((1, 0))
-    else:
-        a = a_slot.slice(ROW0, ROWS)
-    if B_3D:
-        b_rows: gl.constexpr = b_bufs.shape[2]
-        b_cols: gl.constexpr = b_bufs.shape[3]
-        b = _flat(b_bufs, slot, b_rows, b_cols, True)
-    else:
-        b = b_bufs.index(slot)
-    if B_T:
-        b = b.permute((1, 0))
-    return a, b
-
-
-@gluon.jit
 def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_ptr,
               M, N, K, stride_cm, stride_cn, stride_bias, alpha, beta,
               HAS_C: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
@@ -195,7 +144,7 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_pt
     o_ty: gl.constexpr = o_desc.dtype
     if BATCHED:
         o_box = o_bufs.index(0 if SHARED_OUT else WG)  # [1, ROWS, BLOCK_N], what the 3-D store takes
-        o_smem = _flat(o_bufs, 0 if SHARED_OUT else WG, ROWS, BLOCK_N, True)  # the same bytes as a 2-D tile
+        o_smem = flat_slot(o_bufs, 0 if SHARED_OUT else WG, ROWS, BLOCK_N, True)  # the same bytes as a 2-D tile
     else:
         o_smem = o_bufs.index(0 if SHARED_OUT else WG)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -218,7 +167,7 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_pt
         acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         slot = count % STAGES
         mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-        a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T, A_BATCHED, B_BATCHED)
+        a, b = ring_operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T, A_BATCHED, B_BATCHED)
         acc = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc,))  # waits for nothing (one group in flight): a tensor again
         for ks in range(1, steps):
@@ -226,7 +175,7 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_pt
             count += 1
             slot = count % STAGES
             mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            a, b = _operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T, A_BATCHED, B_BATCHED)
+            a, b = ring_operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T, A_BATCHED, B_BATCHED)
             acc = warpgroup_mma(a, b, acc, is_async=True)
             # Step ks - 1's MMAs are done once at most one group (step ks) is in flight: free its slot.
             acc = warpgroup_mma_wait(1, deps=(acc,))
@@ -289,7 +238,7 @@ def matmul_f16_coop_kernel(
     # BATCHED (:func:`batched_descriptors`): ``batch`` products walked as (batch, tile) work units; the output,
     # and A (A_BATCHED) and B (B_BATCHED) unless broadcast over the batch, are described in 3-D with a box of
     # 1 along the batch, so a tile never crosses into the next batch and TMA clips each batch's edges. Their
-    # slots are [1, rows, cols] boxes (read as 2-D tiles: :func:`_flat`). Unbatched launches pass none of this
+    # slots are [1, rows, cols] boxes (read as 2-D tiles: :func:`~tilegemm.jit.gluon.flat_slot`). Unbatched launches pass none of this
     # (None and False are constexprs), so they compile to the code they compiled to before.
     if A_BATCHED:
         if A_T:
@@ -433,17 +382,6 @@ def descriptors(p: GemmProblem, cfg: dict):
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     a, b = (host_descriptor(*box) for box in p.tma_boxes(bm, bn, cfg.get("BLOCK_K", BLOCK_K)))
     return a, b, host_descriptor(p.out, [p.M, p.N], p.out_strides[1], [bm // 2, bn])
-
-
-def batched_host_descriptor(base: torch.Tensor, batch: int, batch_stride: int, shape: list[int], stride: int,
-                            block: list[int]) -> TensorDescriptor:
-    """The 3-D descriptor ``[batch, *shape]`` (batch stride ``batch_stride``, row stride ``stride``) in boxes
-    ``[1, *block]`` with the swizzle :func:`host_descriptor` gives the 2-D ``block``: a box is then the bytes of
-    the 2-D tile, laid out as the MMAs and the epilogue read them (``_flat``)."""
-    flat = gl.NVMMASharedLayout.get_default_for(block, GL_TYPES[base.dtype])
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=flat.swizzle_byte_width,
-                                  element_bitwidth=flat.element_bitwidth, rank=3)
-    return TensorDescriptor(base, [batch, *shape], [batch_stride, stride, 1], [1, *block], layout)
 
 
 def batched_descriptors(p: GemmProblem, cfg: dict):

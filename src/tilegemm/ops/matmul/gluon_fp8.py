@@ -42,7 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from tilegemm.core.hardware import HOPPER_SMEM_PER_BLOCK
 from tilegemm.jit.helpers import epilogue_tile, tile_order, tile_origin
-from tilegemm.ops.matmul.gluon_f16 import fill_ring, host_descriptor
+from tilegemm.jit.gluon import host_descriptor
+from tilegemm.ops.matmul.gluon_f16 import fill_ring
 from tilegemm.ops.matmul.problem import GemmProblem
 from tilegemm.core.runtime import cdiv
 
