@@ -140,6 +140,7 @@ def hopper(monkeypatch):
     """What dispatch sees on an H200: not the interpreter, TMA available."""
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
     monkeypatch.setattr(tma, "why_not_tma", lambda: None)
+    monkeypatch.setattr(dispatch, "takes_gluon", lambda p: False)  # (gluon's share of the rule: test_grouped_gluon)
 
 
 def _problem(M, G, K=4096, N=1024, dtype=torch.bfloat16, b_nk=True, layout="2d3d"):
@@ -151,17 +152,18 @@ def _problem(M, G, K=4096, N=1024, dtype=torch.bfloat16, b_nk=True, layout="2d3d
 @pytest.mark.parametrize("M, G, want", [
     (16384 * 2, 8, "tma"),  # Mixtral, 16384 tokens: 4096 rows an expert
     (4096 * 8, 128, "tma"),  # Qwen3-30B-A3B, 4096 tokens: 256 rows an expert
-    (512 * 8, 128, "tiled"),  # 512 tokens: 32 rows an expert, below a 128-row tile
-    (512 * 6, 64, "tiled"),  # DeepSeek-V2-Lite, 512 tokens: 48
-    (64 * 8, 8, "tiled"),  # 64 rows an expert: tiled's 64-row tiles
-    (64 * 8 + 1, 8, "tma"),  # just over 64: tiled would run 128-row tiles too
+    (512 * 8, 128, "tma"),  # 512 tokens: 32 rows an expert (tma's 64-row tiles)
+    (512 * 6, 64, "tma"),  # DeepSeek-V2-Lite, 512 tokens: 48
+    (64 * 8, 8, "tma"),  # 64 rows an expert
+    (16 * 8, 8, "tiled"),  # Mixtral, 64 tokens: 16 rows an expert
+    (16 * 8 + 1, 8, "tma"),  # just over 16
     (512 * 2, 8, "tma"),  # Mixtral, 512 tokens: 128
     (8, 128, "tiled"),  # a decode step (its K split is tiled's)
 ])
 def test_auto_takes_tma_for_large_groups(hopper, M, G, want):
     assert dispatch.choose(_problem(M, G)) == want
-    # the rule: tma exactly where tiled's own row tile (from the average rows an expert) is tma's 128 rows
-    assert (configs.block_m_for(M / G) == configs.TMA_BLOCK[0]) == (want == "tma")
+    # the rule: tma exactly from more than TMA_MIN_ROWS rows an expert on average
+    assert (M / G > dispatch.TMA_MIN_ROWS) == (want == "tma")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

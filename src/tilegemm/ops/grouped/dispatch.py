@@ -12,13 +12,18 @@ from tilegemm.ops.w4a16 import fits_fragments
 
 # (Rule) every layout goes to ``tiled``, the family's kernel of every layout and dtype, but for:
 AUTO = "tiled"
-# the 16-bit MoE forward (2-D x 3-D) on Hopper wherever tiled's own row tile would be tma's (128 rows: more than 64
-# rows an expert on average, M / G from the shapes, configs.block_m_for). On 128-row tiles both kernels pad every
-# group alike, and tma's TMA-fed pipelined K loop ran ahead of tiled's pointer loads (docs/grouped.md, "Measured");
-# under configs.TMA_HALF_TILE_MAX_ROWS rows an expert tma's plain product takes 64-row tiles (configs.tma_config).
+# the 16-bit MoE forward (2-D x 3-D) on Hopper from more than TMA_MIN_ROWS rows an expert on average (M / G, from the
+# shapes): tma's TMA-fed pipelined K loop ran ahead of tiled's pointer loads on 128-row tiles (docs/grouped.md,
+# "Measured"), and under configs.TMA_HALF_TILE_MAX_ROWS rows an expert its 64-row tiles (configs.tma_config) ran ahead
+# of tiled's 32- and 64-row tiles too, from 32 rows an expert (the many-expert models at 512 tokens); at 16 rows an
+# expert (Mixtral at 64 tokens) neither kernel led on both products, and below it a decode step needs tiled's K split
+# (docs/grouped.md, "Kernels")
+TMA_MIN_ROWS = 16
+
+
 def tma_rows(p: GroupedProblem) -> bool:
-    """Whether ``p`` has rows enough an expert for ``tma``: tiled's own row tile would be 128 rows."""
-    return configs.block_m_for(p.M / max(p.groups, 1)) >= configs.TMA_BLOCK[0]
+    """Whether ``p`` has rows enough an expert for ``tma``."""
+    return p.M > TMA_MIN_ROWS * max(p.groups, 1)
 
 
 # ``gluon`` (the dense gluon_f16 skeleton: a TMA producer warp group beside two consumers) for the plain 16-bit MoE
