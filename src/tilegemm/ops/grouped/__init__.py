@@ -51,7 +51,8 @@ register(KernelSpec(
 register(KernelSpec(
     op="grouped_w4a16", name="dequant_grouped", order=20, target="tilegemm.ops.grouped.dequant:run",
     dtypes=("fp16", "bf16"),
-    summary="prefill: one pass writes the experts' 16-bit weight, then the 16-bit grouped product (tma on Hopper)",
+    summary="prefill: one pass writes the experts' 16-bit weight, then the 16-bit grouped product (auto's: tma or "
+            "gluon on Hopper)",
 ))
 
 register(KernelSpec(
