@@ -56,6 +56,17 @@ def test_plan_walks_the_groups(offs, M, bm):
     assert plan_of(offs, M, bm) == walk(offs, M, bm)
 
 
+def test_plan_never_counts_past_its_bound():
+    # offs that decrease (unchecked on the device: wrong numbers, never an access out of bounds) count more row
+    # tiles than the launch's bound; the plan's count stops at the bound, and a stale row of an earlier, larger
+    # call's table is never walked
+    plan_of([4000, 8000], 8000, 128)  # an earlier call leaves rows in the stream's table
+    offs, M, bm = [1024, 0, 1024], 1024, 128
+    tiles = plan_of(offs, M, bm)
+    assert len(tiles) == row_tiles(M, len(offs), bm)
+    assert all(end <= M and m0 < M for _, m0, end in tiles)
+
+
 def test_plan_random_routings():
     rng = random.Random(7)
     for _ in range(12):
@@ -129,11 +140,21 @@ def test_auto_rule(monkeypatch):
     assert choose(4 * 16) == "tiled"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto without an sm_90 GPU (the GPU tests pin it there)")
 def test_registered_beside_tma_and_not_auto_without_a_gpu():
     assert "gluon" in registry.kernels("grouped")
-    p = make_problem("2d3d", 4, torch.zeros(1024, 64), torch.zeros(4, 64, 32), torch.tensor([256, 512, 768, 1024]),
-                     None, torch.zeros(1024, 32))
-    assert dispatch.choose(p) != "gluon"
+    bf = torch.bfloat16
+    p = make_problem("2d3d", 4, torch.zeros(1024, 64, dtype=bf), torch.zeros(4, 64, 32, dtype=bf),
+                     torch.tensor([256, 512, 768, 1024], dtype=torch.int32), None, torch.zeros(1024, 32, dtype=bf))
+    assert dispatch.gluon_rows(p)  # rows enough: only the machine keeps auto off it
+    assert dispatch.choose(p) == "tiled"
+
+
+def test_refuses_no_groups(on_hopper):
+    bf = torch.bfloat16
+    p = make_problem("2d3d", 0, torch.zeros(512, 64, dtype=bf), torch.zeros(0, 64, 32, dtype=bf),
+                     torch.zeros(0, dtype=torch.int32), None, torch.zeros(512, 32, dtype=bf))
+    assert "no groups" in gluon.why_not(p)
 
 
 SCRIPT = SM90 + r'''

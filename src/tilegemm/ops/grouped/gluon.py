@@ -35,10 +35,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from tilegemm.core.hardware import ring_fits, sm_count, tma_aligned, why_not_gluon
-from tilegemm.core.launch import current_stream, launch
+from tilegemm.core.launch import current_stream, launch, sequence_lock
 from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import cdiv
-from tilegemm.core.workspace import split_workspace
+from tilegemm.core.workspace import buffer
 from tilegemm.jit.helpers import apply_activation, tile_grouped
 from tilegemm.ops.grouped.configs import GLUON_LONG_K_STEPS, GLUON_TILES, row_tiles
 from tilegemm.ops.grouped.problem import GroupedProblem
@@ -55,7 +55,9 @@ def plan_kernel(offs_ptr, plan_ptr, G, M, R_MAX, GP: tl.constexpr, BLOCK_M: tl.c
     starts, ends, tiles, ends_tiles, group_tiles, last = jagged_groups(offs_ptr, G, M, GP, BLOCK_M)
     total = group_tiles + tl.cdiv(M - last, BLOCK_M)
     if tl.program_id(0) == 0:
-        tl.store(plan_ptr, total)
+        # at most the R_MAX rows written: offs that decrease (not checked on the device) can count more, and rows
+        # past R_MAX would be stale; the launch's grid is sized by R_MAX too
+        tl.store(plan_ptr, tl.minimum(total, R_MAX))
     r = tl.program_id(0) * RB + tl.arange(0, RB)
     gs = tl.arange(0, GP)
     # the group holding row tile r; G for the tail (the padded groups' tile counts are 0, so they count too)
@@ -170,7 +172,7 @@ def _consume(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, out_ptr, bias_p
             fence_async_shared()
             tma.async_copy_shared_to_global(o_desc, [m0 + ROW0, n0], o_smem)
         else:
-            ok = gl.expand_dims(offs_m < end, 1) & gl.expand_dims(offs_n < N, 0)
+            ok = gl.expand_dims(offs_m < gl.minimum(end, M), 1) & gl.expand_dims(offs_n < N, 0)
             ptrs = out_ptr + gl.expand_dims(offs_m.to(gl.int64) * s_om, 1) + gl.expand_dims(offs_n, 0)
             gl.store(ptrs, acc.to(o_ty), mask=ok)
         if SHARED_OUT:
@@ -238,6 +240,8 @@ def why_not(p: GroupedProblem) -> str | None:
         return f"stores the operands' dtype ({p.dtype}), not {p.out.dtype}"
     if p.gated:
         return "the gated product (two accumulators) runs on tma"
+    if p.groups == 0:
+        return "no groups (a descriptor of b needs at least one)"
     a, b, out = p.a, p.b, p.out
     if p.K == 0:
         return "K is 0 (a descriptor needs a dimension of at least one)"
@@ -282,10 +286,10 @@ def config(p: GroupedProblem) -> dict:
 
 
 def plan(p: GroupedProblem, block_m: int) -> torch.Tensor:
-    """Launch :func:`plan_kernel` for ``p``'s row tiles of ``block_m`` rows; the plan (int32, the launcher's own
-    per stream: a replay passes it as recorded)."""
+    """Launch :func:`plan_kernel` for ``p``'s row tiles of ``block_m`` rows; the plan (int32, a scratch of the
+    stream's, :func:`tilegemm.core.workspace.buffer`: a replay passes it as recorded)."""
     r_max = row_tiles(p.M, p.groups, block_m)
-    _, table = split_workspace(p.out.device, 1, 1 + PLAN_FIELDS * r_max, tag="grouped_plan")
+    table = buffer(p.out.device, torch.int32, 1 + PLAN_FIELDS * r_max, tag="grouped_plan")
     launch(plan_kernel, (max(cdiv(r_max, PLAN_BLOCK), 1),),
            (p.offs, table, p.groups, p.M, r_max),
            dict(GP=_pow2(p.groups), BLOCK_M=block_m, RB=PLAN_BLOCK, num_warps=4),
@@ -324,6 +328,7 @@ def run(p: GroupedProblem, config_: dict | None = None) -> None:
     if p.M == 0 or p.N == 0:
         return
     cfg = dict(config_ or config(p))
-    table = plan(p, cfg["BLOCK_M"])
-    kernel, grid, args, kwargs = launch_args(p, cfg, table, sm_count(p.out.device))
-    launch(kernel, grid, args, kwargs, keep=(table,), stream=current_stream())
+    with sequence_lock:  # the plan is the stream's: no other thread's launches between the two
+        table = plan(p, cfg["BLOCK_M"])
+        kernel, grid, args, kwargs = launch_args(p, cfg, table, sm_count(p.out.device))
+        launch(kernel, grid, args, kwargs, keep=(table,), stream=current_stream())
