@@ -355,3 +355,46 @@ def test_column_slices_convert_like_the_whole(method, act_order, v2):
     fresh = Int4Weight(whole.qweight, whole.scales, whole.zeros, whole.group_size, whole.shape, whole.perm)
     for a, b in zip(parts.fragments(), fresh.fragments()):
         assert torch.equal(a, b)
+
+
+# Other architectures than the Llama and Qwen2 ones above: the loader matches Linears by name, whatever the model
+# (fused projections, biases, other norms; MoE blocks with a shared expert whose one-output gate stays 16-bit, as
+# quantizers leave it). (arch, config overrides, modules the writer leaves unquantized)
+ARCHS = {
+    "mistral": ({}, ()),
+    "qwen3": ({}, ()),
+    "gemma2": (dict(head_dim=32), ()),
+    "phi3": (dict(pad_token_id=0), ()),  # fused qkv_proj and gate_up_proj
+    "gpt_neox": ({}, ()),  # fused query_key_value with biases
+    "olmo2": ({}, ()),
+    "qwen2_moe": (dict(moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
+                       num_experts_per_tok=2), ("shared_expert_gate",)),
+    "olmoe": (dict(num_experts=4, num_experts_per_tok=2), ()),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_other_architectures(tmp_path, device, arch):
+    transformers = pytest.importorskip("transformers")
+    if arch not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {arch}")
+    overrides, keep = ARCHS[arch]
+    config = transformers.AutoConfig.for_model(
+        arch, vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, **overrides)
+    source = cw.random_model(config)
+    not_convert = [n for n, m in source.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(keep)] \
+        if keep else []
+    path = tmp_path / "ckpt"
+    reference = cw.write_model(path, source, method="gptq", group_size=32, sym=False, not_convert=not_convert)
+    model = from_pretrained(path, device=device)
+    quantized = [n for n in cw.linear_names(source, not_convert=not_convert)]
+    int4 = {n for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert int4 and int4 <= set(quantized)  # (a MoE block's experts are stacked, not Int4Linears)
+    for n in not_convert:
+        assert type(model.get_submodule(n)) is torch.nn.Linear, n
+    if "moe" in arch:  # every block's experts loaded as stacked 4-bit experts
+        stacked = [n for n, _ in model.named_buffers() if n.endswith("_qweight")]
+        assert len(stacked) == 2 * config.num_hidden_layers, stacked  # gate/up and down a block
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL, f"{arch}: logits rel. error {err:.2e}"
