@@ -44,3 +44,29 @@ def test_zeroed_planes_made_in_a_capture_are_zeroed_again_outside_it(monkeypatch
         assert ws2 is ws and not ws.any()
     finally:
         workspace.release()
+
+
+def test_scratch_a_capture_used_outlives_its_replacement(monkeypatch):
+    # a graph keeps no reference to its kernels' scratch: a later, larger call on the capture's stream replaces
+    # the stream's scratch, and the one the graph replays with must stay allocated (held by the workspace)
+    import gc
+    import weakref
+
+    cpu = torch.device("cpu")
+    workspace.release()
+    capturing = [True]
+    monkeypatch.setattr(workspace, "_capturing", lambda device: capturing[0])
+    try:
+        captured = weakref.ref(workspace.buffer(cpu, torch.int32, 100, tag="test-held"))
+        planes, counters = (weakref.ref(t) for t in workspace.split_workspace(cpu, 64, 8, tag="test-held"))
+        capturing[0] = False
+        eager = weakref.ref(workspace.buffer(cpu, torch.int32, 10, tag="test-eager"))
+        bigger = workspace.buffer(cpu, torch.int32, 1 << 20, tag="test-held")  # replaces the stream's buffer
+        workspace.split_workspace(cpu, 1 << 22, 1 << 14, tag="test-held")
+        workspace.buffer(cpu, torch.int32, 1 << 20, tag="test-eager")
+        gc.collect()
+        assert bigger is not captured() and captured() is not None
+        assert planes() is not None and counters() is not None
+        assert eager() is None  # scratch no capture used is dropped when replaced, as before
+    finally:
+        workspace.release()

@@ -46,6 +46,15 @@ def in_graph_tree() -> bool:
     return False
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+# Scratch a CUDA-graph capture used, held for good: a graph keeps no reference to the memory its kernels read and
+# write, so a later, larger call on the capture's stream that replaced the stream's scratch would otherwise free
+# memory the graph still uses at every replay (and the allocator could hand it to another tensor).
+_held_by_graphs: dict[int, torch.Tensor] = {}
+
+
+def _hold_for_graphs(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        _held_by_graphs.setdefault(id(t), t)
 _zero_eagerly: set = set()  # workspaces made during a capture: their zeros ran in that graph only
 
 
@@ -84,6 +93,8 @@ def split_workspace(device: torch.device, floats: int, counters: int, tag=None,
         count.zero_()
         if zeroed:
             ws.zero_()
+    if capturing:
+        _hold_for_graphs(ws, count)
     return ws, count
 
 
@@ -104,6 +115,8 @@ def buffer(device: torch.device, dtype: torch.dtype, numel: int, tag) -> torch.T
         # deep layers out) replace it a few times, not once a layer, each replaced one held by its replays.
         grown = buf.numel() * 3 // 2 if buf is not None else 0
         buf = _buffers[key] = torch.empty(max(numel, grown, 1 << 16), dtype=dtype, device=device)
+    if _capturing(device):
+        _hold_for_graphs(buf)
     return buf
 
 
@@ -111,7 +124,7 @@ def release() -> None:
     """Drop the kept scratch tensors (:func:`buffer`'s and :func:`split_workspace`'s) of every device and stream:
     the next calls allocate afresh. The NCHW route of conv2d keeps activation-sized ones (an input's and an
     output's copy per stream and dtype). Replays recorded with them keep theirs until their caches are cleared
-    (:func:`tilegemm.core.replay.clear`)."""
+    (:func:`tilegemm.core.replay.clear`). Scratch a CUDA-graph capture used stays held (the graph may replay)."""
     _buffers.clear()
     _workspaces.clear()
     _zero_eagerly.clear()
