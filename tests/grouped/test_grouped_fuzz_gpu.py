@@ -1,7 +1,9 @@
 """Fuzz tilegemm.grouped_mm on the GPU (`pytest -m gpu`): a seeded loop of random calls (500 by default,
 $TILEGEMM_FUZZ_EXAMPLES), every layout, fp16 / bf16 / fp32, 1-24 groups with empty ones, sizes from 1 to a few
-hundred, b row- or column-major, sliced operands, bias [N] or [G, N], rows past offs[-1]; each checked against
-the float64 loop of products with NaN-poisoned outputs. Also random 4-bit expert calls."""
+hundred, b row- or column-major, sliced operands, bias [N] or [G, N], rows past offs[-1]; a 16-bit MoE forward
+also names ``tma`` or ``gluon`` now and then (``auto`` gives them only larger groups than most draws make; a kernel
+that refuses the draw leaves it to ``auto``); each checked against the float64 loop of products with NaN-poisoned
+outputs. Also random 4-bit expert calls."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 import tilegemm
 from tilegemm.core.checks import relative_error
+from tilegemm.core.registry import NotApplicable
 from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
 
 pytestmark = pytest.mark.gpu
@@ -64,7 +67,8 @@ def _case(rng: random.Random, i: int):
     if rng.random() < 0.3:
         n = b.shape[-1]
         bias = torch.randn(n if layout == "3d2d" or rng.random() < 0.5 else (G, n), device="cuda", dtype=dtype)
-    return layout, dtype, a, b, offs, bias
+    kernel = rng.choice(("auto", "auto", "tma", "gluon")) if layout == "2d3d" and dtype != torch.float32 else "auto"
+    return layout, dtype, a, b, offs, bias, kernel
 
 
 def test_grouped_mm_fuzz():
@@ -75,12 +79,16 @@ def test_grouped_mm_fuzz():
     failures = []
     try:
         for i in range(EXAMPLES):
-            layout, dtype, a, b, offs, bias = _case(rng, i)
-            out = tilegemm.grouped_mm(a, b, offs=offs, bias=bias)
+            layout, dtype, a, b, offs, bias, kernel = _case(rng, i)
+            try:
+                out = tilegemm.grouped_mm(a, b, offs=offs, bias=bias, kernel=kernel)
+            except NotApplicable:
+                kernel = "auto"
+                out = tilegemm.grouped_mm(a, b, offs=offs, bias=bias)
             ref = grouped_mm_reference(a, b, offs, bias=bias)
             err = relative_error(out, ref)
             if out.shape != ref.shape or not err <= tolerance(dtype):
-                failures.append((i, layout, dtype, tuple(a.shape), tuple(b.shape), tuple(b.stride()),
+                failures.append((i, kernel, layout, dtype, tuple(a.shape), tuple(b.shape), tuple(b.stride()),
                                  None if offs is None else offs.tolist(), None if bias is None else bias.dim(), err))
     finally:
         torch.set_float32_matmul_precision(old)
