@@ -1,6 +1,6 @@
 """The parts of the warp-specialized Gluon skeleton (sm_90) that every family's Gluon GEMM shares: host-side TMA
 descriptors (2-D, and 3-D with a box of one along the leading dim), ring slots read as the 2-D tiles the MMAs take,
-and the partitions' register budgets. The skeleton itself (a TMA producer warp group, two consumer warp groups, a
+a consumer's K loop over one tile, the ring's barriers, and the partitions' register budgets. The skeleton itself (a TMA producer warp group, two consumer warp groups, a
 "ready" and an "empty" mbarrier a slot) is :mod:`tilegemm.ops.matmul.gluon_f16`; the grouped family's MoE forward
 (:mod:`tilegemm.ops.grouped.gluon`) runs on it too. Imported by kernel modules only (it imports Gluon)."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # Registers a thread asks for (setmaxnreg): a consumer's accumulator is 128 a thread (128 rows x 128
@@ -76,3 +77,56 @@ def ring_operands(a_bufs, b_bufs, slot, ROW0: gl.constexpr, ROWS: gl.constexpr, 
     if B_T:
         b = b.permute((1, 0))
     return a, b
+
+
+@gluon.jit
+def consume_k_steps(a_bufs, b_bufs, ready, empty, acc, count, steps, ROW0: gl.constexpr, ROWS: gl.constexpr,
+                    A_T: gl.constexpr, B_T: gl.constexpr, STAGES: gl.constexpr, A_3D: gl.constexpr = False,
+                    B_3D: gl.constexpr = False):
+    """A consumer warp group's K loop over one tile (``steps`` >= 1 ring slots from slot ``count % STAGES``): each
+    slot waited for on its "ready" barrier, its MMAs issued with one group kept in flight, and the slot before
+    freed on its "empty" barrier once its MMAs are done; the first MMA overwrites ``acc``. Returns the finished
+    accumulator and the count past the tile's last slot."""
+    slot = count % STAGES
+    mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+    a, b = ring_operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T, A_3D, B_3D)
+    acc = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma_wait(1, deps=(acc,))  # waits for nothing (one group in flight): a tensor again
+    for ks in range(1, steps):
+        prev = slot
+        count += 1
+        slot = count % STAGES
+        mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+        a, b = ring_operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T, A_3D, B_3D)
+        acc = warpgroup_mma(a, b, acc, is_async=True)
+        # Step ks - 1's MMAs are done once at most one group (step ks) is in flight: free its slot.
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        mbarrier.arrive(empty.index(prev), count=1)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index(slot), count=1)
+    return acc, count + 1
+
+
+@gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """(ready, empty, turn): a ring slot's "ready" barrier (one arrival: the producer's expected bytes) and "empty"
+    one (both consumer warp groups release the slot), and the two consumers' turns at a shared output buffer."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumer warp groups release a slot
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    return ready, empty, turn
+
+
+@gluon.jit
+def release_ring_barriers(ready, empty, turn, STAGES: gl.constexpr):
+    """Invalidate :func:`ring_barriers`' barriers once the partitions are done."""
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(turn.index(i))

@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, tma,
 )
 
 from tilegemm.core.hardware import ring_fits, sm_count, tma_aligned, why_not_gluon
@@ -43,7 +43,11 @@ from tilegemm.jit.helpers import apply_activation, tile_grouped
 from tilegemm.ops.grouped.configs import GLUON_LONG_K_STEPS, GLUON_TILES, row_tiles
 from tilegemm.ops.grouped.problem import GroupedProblem
 from tilegemm.ops.grouped.tiled import _pow2, jagged_groups
-from tilegemm.jit.gluon import CONSUMER_REGS, PRODUCER_REGS, batched_host_descriptor, host_descriptor, ring_operands
+from tilegemm.ops.grouped.tma import _stride, operands_reason
+from tilegemm.jit.gluon import (
+    CONSUMER_REGS, PRODUCER_REGS, batched_host_descriptor, consume_k_steps, host_descriptor, release_ring_barriers,
+    ring_barriers,
+)
 
 PLAN_FIELDS = 3  # a row tile's group, first row, end row
 PLAN_BLOCK = 64  # row tiles a program of the plan kernel
@@ -134,24 +138,8 @@ def _consume(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, out_ptr, bias_p
         live = g < G
         acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         if live:
-            slot = count % STAGES
-            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            a, b = ring_operands(a_bufs, b_bufs, slot, ROW0, ROWS, False, B_NK, False, True)
-            acc = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))  # waits for nothing (one group in flight): a tensor again
-            for ks in range(1, steps):
-                prev = slot
-                count += 1
-                slot = count % STAGES
-                mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-                a, b = ring_operands(a_bufs, b_bufs, slot, ROW0, ROWS, False, B_NK, False, True)
-                acc = warpgroup_mma(a, b, acc, is_async=True)
-                # step ks - 1's MMAs are done once at most one group (step ks) is in flight: free its slot
-                acc = warpgroup_mma_wait(1, deps=(acc,))
-                mbarrier.arrive(empty.index(prev), count=1)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index(slot), count=1)
-            count += 1
+            acc, count = consume_k_steps(a_bufs, b_bufs, ready, empty, acc, count, steps, ROW0, ROWS, False, B_NK,
+                                         STAGES, False, True)
 
         offs_m = m0 + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
@@ -199,14 +187,7 @@ def grouped_gluon_kernel(
     else:
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, 1, BLOCK_K, BLOCK_N], b_desc.layout)
     o_bufs = gl.allocate_shared_memory(o_desc.dtype, [1 if SHARED_OUT else 2, BLOCK_M // 2, BLOCK_N], o_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumer warp groups release a slot
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
+    ready, empty, turn = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consume, (a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, out_ptr, bias_ptr, plan_ptr, G, M, N, K,
                     s_om, s_cg, s_cn, HAS_BIAS, ACTIVATION, B_NK, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M,
@@ -217,11 +198,7 @@ def grouped_gluon_kernel(
         (_fill, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, plan_ptr, G, N, K, NUM_SMS, B_NK, BLOCK_M, BLOCK_N,
                  BLOCK_K, STAGES, GROUP_M)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
-    for i in gl.static_range(2):
-        mbarrier.invalidate(turn.index(i))
+    release_ring_barriers(ready, empty, turn, STAGES)
 
 
 # --- host side ---------------------------------------------------------------------------------------------
@@ -232,40 +209,21 @@ def why_not(p: GroupedProblem) -> str | None:
     reason = why_not_gluon()
     if reason is not None:
         return reason
-    if p.layout != "2d3d":
-        return f"takes the 2-D x 3-D product (the MoE forward) only, not {p.layout}"
-    if p.dtype not in (torch.float16, torch.bfloat16):
-        return f"takes fp16 and bf16 operands, not {p.dtype}"
+    reason = operands_reason(p)  # tma's: the layout, dtypes, strides and alignment TMA takes
+    if reason is not None:
+        return reason
     if p.out.dtype != p.dtype:
         return f"stores the operands' dtype ({p.dtype}), not {p.out.dtype}"
     if p.gated:
         return "the gated product (two accumulators) runs on tma"
     if p.groups == 0:
         return "no groups (a descriptor of b needs at least one)"
-    a, b, out = p.a, p.b, p.out
-    if p.K == 0:
-        return "K is 0 (a descriptor needs a dimension of at least one)"
-    if any(t.stride(d) == 0 and t.shape[d] > 1 for t in (a, b) for d in range(t.dim())):
-        return "an operand is broadcast (a stride of 0): TMA reads each row from its own address"
-    if a.stride(1) != 1 and a.shape[1] > 1:
-        return "a is not row-major (its K stride is not 1)"
-    if b.stride(2) != 1 and b.stride(1) != 1:
-        return "b has no unit stride along K or N"
+    out = p.out
     if out.stride(1) != 1 and out.shape[1] > 1:
         return "the output is not row-major"
-    if not tma_aligned(a, _stride(a, 0)):
-        return "a's base or row stride is not 16-byte aligned"
-    b_nk = b.stride(2) != 1
-    if not tma_aligned(b, _stride(b, 0), _stride(b, 2 if b_nk else 1)):
-        return "b's base or strides are not 16-byte aligned"
     if not tma_aligned(out, _stride(out, 0)):
         return "the output's base or row stride is not 16-byte aligned"
     return None
-
-
-def _stride(t: torch.Tensor, dim: int) -> int:
-    """t's stride along ``dim``, or (a dim of one: never stepped) the smallest TMA takes."""
-    return t.stride(dim) if t.shape[dim] > 1 else 16 // t.element_size()
 
 
 def configs() -> list[dict]:

@@ -133,6 +133,12 @@ def why_not(p: GroupedProblem) -> str | None:
     reason = why_not_tma()
     if reason is not None:
         return reason
+    return operands_reason(p)
+
+
+def operands_reason(p: GroupedProblem) -> str | None:
+    """Why TMA cannot move ``p``'s operands as the MoE forward's kernels describe them (a ``[M, K]``, b ``[G, K, N]``
+    or ``[G, N, K]``), or None: also kernel ``gluon``'s checks."""
     if p.layout != "2d3d":
         return f"takes the 2-D x 3-D product (the MoE forward) only, not {p.layout}"
     if p.dtype not in (torch.float16, torch.bfloat16):

@@ -41,13 +41,14 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, tma,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tilegemm.core.hardware import ring_fits
 from tilegemm.jit.gluon import (
-    CONSUMER_REGS, PRODUCER_REGS, batched_host_descriptor, flat_slot, host_descriptor, ring_operands,
+    CONSUMER_REGS, PRODUCER_REGS, batched_host_descriptor, consume_k_steps, flat_slot, host_descriptor,
+    release_ring_barriers, ring_barriers,
 )
 from tilegemm.jit.helpers import epilogue_tile, tile_order, tile_origin
 from tilegemm.ops.matmul.problem import GemmProblem
@@ -165,24 +166,8 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_pt
         else:
             tile = unit
         acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-        slot = count % STAGES
-        mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-        a, b = ring_operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T, A_BATCHED, B_BATCHED)
-        acc = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=(acc,))  # waits for nothing (one group in flight): a tensor again
-        for ks in range(1, steps):
-            prev = slot
-            count += 1
-            slot = count % STAGES
-            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            a, b = ring_operands(a_bufs, b_bufs, slot, ROW0, ROWS, A_T, B_T, A_BATCHED, B_BATCHED)
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            # Step ks - 1's MMAs are done once at most one group (step ks) is in flight: free its slot.
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            mbarrier.arrive(empty.index(prev), count=1)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index(slot), count=1)
-        count += 1
+        acc, count = consume_k_steps(a_bufs, b_bufs, ready, empty, acc, count, steps, ROW0, ROWS, A_T, B_T, STAGES,
+                                     A_BATCHED, B_BATCHED)
 
         m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N, SERPENTINE)
         offs_m = m0 + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
@@ -264,14 +249,7 @@ def matmul_f16_coop_kernel(
     else:
         o_bufs = gl.allocate_shared_memory(o_desc.dtype, [1 if SHARED_OUT else 2, BLOCK_M // 2, BLOCK_N],
                                            o_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumer warp groups release a slot
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
+    ready, empty, turn = ring_barriers(STAGES)
     # (The argument tuples are written out in the call: a tuple assigned to a name would turn its
     # constexprs into tensors.)
     gl.warp_specialize([
@@ -287,11 +265,7 @@ def matmul_f16_coop_kernel(
                      A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, SERPENTINE,
                      batch, BATCHED, A_BATCHED, B_BATCHED)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
-    for i in gl.static_range(2):
-        mbarrier.invalidate(turn.index(i))
+    release_ring_barriers(ready, empty, turn, STAGES)
 
 
 # --- host side ---------------------------------------------------------------------------------------------
