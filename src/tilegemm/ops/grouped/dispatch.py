@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core import registry
+from tilegemm.core.hardware import why_not_gluon
 from tilegemm.core.runtime import interpreting, on_device
 from tilegemm.ops.grouped import configs
 from tilegemm.ops.grouped.problem import GroupedInt4Problem, GroupedProblem
@@ -74,6 +75,8 @@ def takes_gluon(p: GroupedProblem) -> bool:
     """Whether kernel ``gluon`` takes ``p`` (:func:`tilegemm.ops.grouped.gluon.why_not`; its module, which imports
     Gluon, only for a plain 16-bit 2-D x 3-D problem). Never under the interpreter (Gluon has none)."""
     if p.layout != "2d3d" or p.dtype.itemsize != 2 or p.gated or interpreting():
+        return False
+    if why_not_gluon() is not None:  # (asked first: the module imports Gluon, whose API is Triton 3.6's)
         return False
     from tilegemm.ops.grouped import gluon
 
