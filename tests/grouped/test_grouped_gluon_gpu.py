@@ -13,6 +13,7 @@ import torch
 import tilegemm
 from tilegemm.core.hardware import why_not_gluon
 from tilegemm.ops.grouped import dispatch
+from tilegemm.ops.grouped.configs import GLUON_TILES
 from tilegemm.ops.grouped.problem import make_problem
 from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
 
@@ -47,7 +48,7 @@ def test_matches_the_reference(dtype, b_transposed, K, N):
     assert_rel_close(plain, grouped_mm_reference(a, b, offs), tolerance(dtype))
 
 
-@pytest.mark.parametrize("ring", [0, 1])
+@pytest.mark.parametrize("ring", range(len(GLUON_TILES)))  # 128 x 256 and 256 x 128 tiles, both rings each
 @pytest.mark.parametrize("activation", ["none", "relu", "silu"])
 def test_rings_bias_and_activations(ring, activation):
     from tilegemm.ops.grouped import gluon

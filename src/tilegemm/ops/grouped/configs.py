@@ -68,6 +68,10 @@ INT4_DEQUANT_CHUNK_ALIGN = 256
 GLUON_TILES = (
     dict(BLOCK_M=128, BLOCK_N=256, STAGES=4, SHARED_OUT=True, GROUP_M=8),
     dict(BLOCK_M=128, BLOCK_N=256, STAGES=3, SHARED_OUT=False, GROUP_M=8),
+    # candidates only (config() takes the first of a ring kind): cuBLAS's large-product tile, 128 x 128 a consumer,
+    # for experts of a thousand rows and more, where a 256-row tile wastes little of a group
+    dict(BLOCK_M=256, BLOCK_N=128, STAGES=4, SHARED_OUT=True, GROUP_M=8),
+    dict(BLOCK_M=256, BLOCK_N=128, STAGES=3, SHARED_OUT=False, GROUP_M=8),
 )
 GLUON_LONG_K_STEPS = 32  # a slice of the output's columns is whole 256-column tiles (tma's BLOCK_N)
 
