@@ -266,3 +266,43 @@ def test_parallel_moe_act_order_sharded_load(tmp_path):
         with torch.no_grad():
             got = got + local(x, idx, weights).float()
     assert (got - want).norm() / want.norm() < 4e-3
+
+
+@pytest.mark.parametrize("files_perm", [True, False], ids=["files-act-order", "files-natural"])
+def test_parallel_moe_sharded_load_adopts_the_files_perm(tmp_path, files_perm):
+    # load_sharded_ into a split block whose experts hold no input order (files act-order) or one (files in natural
+    # order): the perm buffer follows the files, as load_state_dict's pre-hook makes it do
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    from tilegemm.nn.moe import _int4, install_int4_experts_
+    from tilegemm.ops.w4a16 import Int4Weight
+    from tilegemm.parallel import load_sharded_, shard_experts_
+
+    class Rank0Of2:
+        ndim = 1
+
+        def get_local_rank(self):
+            return 0
+
+        def size(self):
+            return 2
+
+    torch.manual_seed(0)
+    full = transformers.AutoModelForCausalLM.from_config(moe_config(num_hidden_layers=1)).half().eval()
+    tnn.quantize_experts_(full, group_size=32)
+    block = full.model.layers[0].mlp.experts
+    up, down = _int4(block, "gate_up_proj"), _int4(block, "down_proj")
+    perm = torch.stack([torch.randperm(up.shape[-1]) for _ in range(up.shape[0])])
+    skeleton = copy.deepcopy(full)
+    with_perm = {"gate_up_proj": Int4Weight(up.qweight, up.scales, up.zeros, 32, up.shape, perm), "down_proj": down}
+    install_int4_experts_(block if files_perm else skeleton.model.layers[0].mlp.experts, with_perm)
+    path = tmp_path / "full.safetensors"
+    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
+    local = skeleton.model.layers[0].mlp.experts
+    shard_experts_(local, 0, 2)
+    load_sharded_(skeleton, str(path), Rank0Of2())  # strict: every name of the files placed, none left over
+    if files_perm:
+        assert torch.equal(local.tilegemm_gate_up_proj_perm, perm)
+    else:
+        assert getattr(local, "tilegemm_gate_up_proj_perm", None) is None

@@ -629,6 +629,11 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
         if prefix + "bias" in state:
             module.bias = nn.Parameter(state.pop(prefix + "bias").to(dev, w.dtype), requires_grad=False)
         loaded.update(prefix + p for p in (*_INT4_PARTS, "bias"))
+    from tilegemm.nn.moe import _adopt_perms, _remake_fragments
+
+    for mod_name, module in modules.items():  # 4-bit experts: an act-order perm buffer follows the files, made
+        if hasattr(module, "tilegemm_group_size"):  # or dropped as load_state_dict's pre-hook does
+            _adopt_perms(module, state, mod_name + "." if mod_name else "")
     # The rest: a DTensor parameter takes its slice as its local tensor; plain ones are copied.
     for key in list(state):
         mod_name, _, leaf = key.rpartition(".")
@@ -652,8 +657,6 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
         else:
             module._buffers[leaf] = new
         loaded.add(key)
-    from tilegemm.nn.moe import _remake_fragments
-
     for mod_name, module in modules.items():  # 4-bit experts given new parts: their kept fragments were the old ones'
         if hasattr(module, "tilegemm_group_size") and any(k.startswith(f"{mod_name}.tilegemm_") for k in loaded):
             _remake_fragments(module)
