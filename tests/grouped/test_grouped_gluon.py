@@ -172,7 +172,7 @@ for name, v in json.loads(sys.argv[1]).items():
     bias = torch.empty(G, N, dtype=dt) if v["bias"] else None
     p = make_problem("2d3d", G, a, b, torch.empty(G, dtype=torch.int32), bias, torch.empty(M, N, dtype=dt), "ieee",
                      v["act"])
-    cfg = gg.config(p)
+    cfg = gg.configs()[v["cfg"]] if "cfg" in v else gg.config(p)  # a candidate by its index, or auto's
     kernel, grid, args, kwargs = gg.launch_args(p, cfg, torch.empty(64, dtype=torch.int32), 132)
     sig, constexprs, attrs = launch_signature(kernel, args, kwargs)
     compiled, ptx, info = compile_sm90(kernel, sig, constexprs, attrs, kwargs["num_warps"])
@@ -192,6 +192,9 @@ print(json.dumps(report))
 VARIANTS = {
     "bf16_b_nk_long_k": dict(dtype="bfloat16", b_nk=True, K=14336, bias=False, act="none"),
     "fp16_b_kn_short_k_bias_silu": dict(dtype="float16", b_nk=False, K=1024, bias=True, act="silu"),
+    # the 256 x 128 candidates (consumers of 128 rows x 128 columns), both rings
+    "bf16_b_nk_256x128_shared": dict(dtype="bfloat16", b_nk=True, K=4096, bias=True, act="none", cfg=2),
+    "fp16_b_kn_256x128_own": dict(dtype="float16", b_nk=False, K=4096, bias=False, act="relu", cfg=3),
 }
 
 

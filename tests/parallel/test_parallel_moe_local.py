@@ -179,7 +179,8 @@ def test_parallel_moe_int4_shard_remakes_kept_fragments(monkeypatch):
         assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, fresh)), name
 
 
-def test_parallel_moe_int4_sharded_load_remakes_kept_fragments(monkeypatch, tmp_path):
+@pytest.mark.parametrize("root", [False, True], ids=["in-a-model", "the-block-itself"])
+def test_parallel_moe_int4_sharded_load_remakes_kept_fragments(monkeypatch, tmp_path, root):
     # load_sharded_ puts new 4-bit parts in place of a parallelized block's: the fragment layouts it kept of the
     # skeleton's values must not come back with them (frag faked as runnable: the packing is plain torch).
     pytest.importorskip("safetensors")
@@ -203,13 +204,15 @@ def test_parallel_moe_int4_sharded_load_remakes_kept_fragments(monkeypatch, tmp_
     torch.manual_seed(0)
     full = transformers.AutoModelForCausalLM.from_config(moe_config(num_hidden_layers=1)).half().eval()
     tnn.quantize_experts_(full, group_size=32)
+    if root:  # the experts block loaded as the model (its names carry no prefix)
+        full = full.model.layers[0].mlp.experts
     path = tmp_path / "full.safetensors"
     save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
     skeleton = copy.deepcopy(full)
     with torch.no_grad():
         for key, t in skeleton.state_dict().items():
             t.zero_() if key.endswith("qweight") else t.fill_(7.0)
-    block = skeleton.model.layers[0].mlp.experts
+    block = skeleton if root else skeleton.model.layers[0].mlp.experts
     shard_experts_(block, 1, 2)
     load_sharded_(skeleton, str(path), Rank1Of2())
     for name, gated in (("gate_up_proj", True), ("down_proj", False)):

@@ -46,15 +46,24 @@ def in_graph_tree() -> bool:
     return False
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-# Scratch a CUDA-graph capture used, held for good: a graph keeps no reference to the memory its kernels read and
-# write, so a later, larger call on the capture's stream that replaced the stream's scratch would otherwise free
-# memory the graph still uses at every replay (and the allocator could hand it to another tensor).
+# A CUDA graph keeps no reference to the memory its kernels read and write. Scratch a capture used is marked
+# (``_used_in_capture``, by id: each is still in the tables above while marked), and when a larger call replaces it,
+# or release() drops it, it moves to ``_held_by_graphs`` instead of being freed (else the allocator could hand
+# memory a graph replays into to another tensor). release(graphs=True) lets them go, once those graphs are gone.
+_used_in_capture: set[int] = set()
 _held_by_graphs: dict[int, torch.Tensor] = {}
 
 
-def _hold_for_graphs(*tensors: torch.Tensor) -> None:
+def _mark(*tensors: torch.Tensor) -> None:
+    _used_in_capture.update(id(t) for t in tensors)
+
+
+def _retire(*tensors) -> None:
+    """Scratch leaving the tables: held if a capture used it, else let go."""
     for t in tensors:
-        _held_by_graphs.setdefault(id(t), t)
+        if t is not None and id(t) in _used_in_capture:
+            _used_in_capture.discard(id(t))
+            _held_by_graphs[id(t)] = t
 _zero_eagerly: set = set()  # workspaces made during a capture: their zeros ran in that graph only
 
 
@@ -75,8 +84,10 @@ def split_workspace(device: torch.device, floats: int, counters: int, tag=None,
     ws, count = _workspaces.get(key, (None, None))
     capturing = _capturing(device)
     if ws is None or ws.numel() < floats or count.numel() < counters:
-        floats = max(floats, ws.numel() if ws is not None else 0, 1 << 20)
-        counters = max(counters, count.numel() if count is not None else 0, 1 << 12)
+        # grown by at least half, as buffer() grows: a few replacements, each held by its replays (and graphs)
+        floats = max(floats, ws.numel() * 3 // 2 if ws is not None else 0, 1 << 20)
+        counters = max(counters, count.numel() * 3 // 2 if count is not None else 0, 1 << 12)
+        _retire(ws, count)
         ws = (torch.zeros if zeroed else torch.empty)(floats, dtype=torch.float32, device=device)
         count = torch.zeros(counters, dtype=torch.int32, device=device)
         _workspaces[key] = (ws, count)
@@ -94,7 +105,7 @@ def split_workspace(device: torch.device, floats: int, counters: int, tag=None,
         if zeroed:
             ws.zero_()
     if capturing:
-        _hold_for_graphs(ws, count)
+        _mark(ws, count)
     return ws, count
 
 
@@ -114,17 +125,26 @@ def buffer(device: torch.device, dtype: torch.dtype, numel: int, tag) -> torch.T
         # Grown by at least half over the one it replaces: a network's layers growing call by call (a backward pass from the
         # deep layers out) replace it a few times, not once a layer, each replaced one held by its replays.
         grown = buf.numel() * 3 // 2 if buf is not None else 0
+        _retire(buf)
         buf = _buffers[key] = torch.empty(max(numel, grown, 1 << 16), dtype=dtype, device=device)
     if _capturing(device):
-        _hold_for_graphs(buf)
+        _mark(buf)
     return buf
 
 
-def release() -> None:
+def release(graphs: bool = False) -> None:
     """Drop the kept scratch tensors (:func:`buffer`'s and :func:`split_workspace`'s) of every device and stream:
     the next calls allocate afresh. The NCHW route of conv2d keeps activation-sized ones (an input's and an
     output's copy per stream and dtype). Replays recorded with them keep theirs until their caches are cleared
-    (:func:`tilegemm.core.replay.clear`). Scratch a CUDA-graph capture used stays held (the graph may replay)."""
+    (:func:`tilegemm.core.replay.clear`). Scratch a CUDA-graph capture used stays held, since the graph may replay;
+    ``graphs=True`` lets it go too: only once every graph captured with tilegemm's calls is gone."""
+    for buf in _buffers.values():
+        _retire(buf)
+    for pair in _workspaces.values():
+        _retire(*pair)
     _buffers.clear()
     _workspaces.clear()
     _zero_eagerly.clear()
+    if graphs:
+        _held_by_graphs.clear()
+        _used_in_capture.clear()

@@ -658,7 +658,8 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
             module._buffers[leaf] = new
         loaded.add(key)
     for mod_name, module in modules.items():  # 4-bit experts given new parts: their kept fragments were the old ones'
-        if hasattr(module, "tilegemm_group_size") and any(k.startswith(f"{mod_name}.tilegemm_") for k in loaded):
+        prefix = f"{mod_name}." if mod_name else ""  # (the block itself may be the model: no prefix)
+        if hasattr(module, "tilegemm_group_size") and any(k.startswith(prefix + "tilegemm_") for k in loaded):
             _remake_fragments(module)
     if strict:
         missing = [k for k in model.state_dict() if k not in loaded]
