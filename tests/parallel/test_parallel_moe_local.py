@@ -191,15 +191,6 @@ def test_parallel_moe_int4_sharded_load_remakes_kept_fragments(monkeypatch, tmp_
     from tilegemm.ops.w4a16.format import Int4Weight
     from tilegemm.parallel import load_sharded_, shard_experts_
 
-    class Rank1Of2:  # the mesh as load_sharded_ reads it
-        ndim = 1
-
-        def get_local_rank(self):
-            return 1
-
-        def size(self):
-            return 2
-
     monkeypatch.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
     torch.manual_seed(0)
     full = transformers.AutoModelForCausalLM.from_config(moe_config(num_hidden_layers=1)).half().eval()
@@ -214,11 +205,41 @@ def test_parallel_moe_int4_sharded_load_remakes_kept_fragments(monkeypatch, tmp_
             t.zero_() if key.endswith("qweight") else t.fill_(7.0)
     block = skeleton if root else skeleton.model.layers[0].mlp.experts
     shard_experts_(block, 1, 2)
-    load_sharded_(skeleton, str(path), Rank1Of2())
+    load_sharded_(skeleton, str(path), RankOf2(1))
     for name, gated in (("gate_up_proj", True), ("down_proj", False)):
         w = _int4(block, name)
         fresh = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape).fragments(gated)
         assert all(torch.equal(a, b) for a, b in zip(w.fragments(gated), fresh)), name
+
+
+class RankOf2:
+    """The mesh as load_sharded_ reads it: rank ``rank`` of two."""
+    ndim = 1
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def get_local_rank(self):
+        return self.rank
+
+    def size(self):
+        return 2
+
+
+def _act_order_model():
+    """(a one-layer MoE model with 4-bit experts, fp16; an input order an expert for its gate/up side; the experts'
+    weights with those orders, for install_int4_experts_), seeded."""
+    from tilegemm.nn.moe import _int4
+    from tilegemm.ops.w4a16 import Int4Weight
+
+    torch.manual_seed(0)
+    full = transformers.AutoModelForCausalLM.from_config(moe_config(num_hidden_layers=1)).half().eval()
+    tnn.quantize_experts_(full, group_size=32)
+    block = full.model.layers[0].mlp.experts
+    up, down = _int4(block, "gate_up_proj"), _int4(block, "down_proj")
+    perm = torch.stack([torch.randperm(up.shape[-1]) for _ in range(up.shape[0])])
+    return full, perm, {"gate_up_proj": Int4Weight(up.qweight, up.scales, up.zeros, 32, up.shape, perm),
+                        "down_proj": down}
 
 
 @cpu_kernels
@@ -227,30 +248,12 @@ def test_parallel_moe_act_order_sharded_load(tmp_path):
     pytest.importorskip("safetensors")
     from safetensors.torch import save_file
 
-    from tilegemm.nn.moe import _int4, install_int4_experts_
-    from tilegemm.ops.w4a16 import Int4Weight
+    from tilegemm.nn.moe import install_int4_experts_
     from tilegemm.parallel import load_sharded_, shard_experts_
 
-    class RankOf2:
-        ndim = 1
-
-        def __init__(self, rank):
-            self.rank = rank
-
-        def get_local_rank(self):
-            return self.rank
-
-        def size(self):
-            return 2
-
-    torch.manual_seed(0)
-    full = transformers.AutoModelForCausalLM.from_config(moe_config(num_hidden_layers=1)).half().eval()
-    tnn.quantize_experts_(full, group_size=32)
+    full, perm, with_perm = _act_order_model()
     block = full.model.layers[0].mlp.experts
-    up, down = _int4(block, "gate_up_proj"), _int4(block, "down_proj")
-    perm = torch.stack([torch.randperm(up.shape[-1]) for _ in range(up.shape[0])])
-    install_int4_experts_(block, {"gate_up_proj": Int4Weight(up.qweight, up.scales, up.zeros, 32, up.shape, perm),
-                                  "down_proj": down})
+    install_int4_experts_(block, with_perm)
     path = tmp_path / "full.safetensors"
     save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
     x, idx, weights = torch.randn(6, 32).half(), torch.randint(0, 8, (6, 2)), torch.rand(6, 2).half()
@@ -278,33 +281,18 @@ def test_parallel_moe_sharded_load_adopts_the_files_perm(tmp_path, files_perm):
     pytest.importorskip("safetensors")
     from safetensors.torch import save_file
 
-    from tilegemm.nn.moe import _int4, install_int4_experts_
-    from tilegemm.ops.w4a16 import Int4Weight
+    from tilegemm.nn.moe import install_int4_experts_
     from tilegemm.parallel import load_sharded_, shard_experts_
 
-    class Rank0Of2:
-        ndim = 1
-
-        def get_local_rank(self):
-            return 0
-
-        def size(self):
-            return 2
-
-    torch.manual_seed(0)
-    full = transformers.AutoModelForCausalLM.from_config(moe_config(num_hidden_layers=1)).half().eval()
-    tnn.quantize_experts_(full, group_size=32)
+    full, perm, with_perm = _act_order_model()
     block = full.model.layers[0].mlp.experts
-    up, down = _int4(block, "gate_up_proj"), _int4(block, "down_proj")
-    perm = torch.stack([torch.randperm(up.shape[-1]) for _ in range(up.shape[0])])
     skeleton = copy.deepcopy(full)
-    with_perm = {"gate_up_proj": Int4Weight(up.qweight, up.scales, up.zeros, 32, up.shape, perm), "down_proj": down}
     install_int4_experts_(block if files_perm else skeleton.model.layers[0].mlp.experts, with_perm)
     path = tmp_path / "full.safetensors"
     save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
     local = skeleton.model.layers[0].mlp.experts
     shard_experts_(local, 0, 2)
-    load_sharded_(skeleton, str(path), Rank0Of2())  # strict: every name of the files placed, none left over
+    load_sharded_(skeleton, str(path), RankOf2(0))  # strict: every name of the files placed, none left over
     if files_perm:
         assert torch.equal(local.tilegemm_gate_up_proj_perm, perm)
     else:
