@@ -64,6 +64,17 @@ def moe_ranks(rank, world, mesh, models, tmp):
                                          [Shard(2)]) for k in ("qweight", "scales", "zeros")], od, None, 32, "silu",
                                          True, "auto")
 
+    # an act-order gather (group_columns): replicated; x split along its columns is gathered first
+    x8 = torch.randn(9, 8)
+    perm = torch.stack([torch.randperm(8) for _ in range(3)])
+    want = tilegemm.ops.grouped.routing.group_columns(x8, offs, perm)
+    permd = distribute_tensor(perm, mesh, R)
+    for px, gathers in (([Replicate()], {}), ([Shard(1)], {"all_gather_into_tensor": 1})):
+        xd = distribute_tensor(x8, mesh, px)
+        out, comms = _comms(lambda: torch.ops.tilegemm.group_columns(xd, od, permd))
+        assert out.placements == (Replicate(),) and comms == gathers, (out.placements, comms)
+        assert torch.equal(out.to_local(), want), f"group_columns, x {px}"
+
     # batched (3-D x 3-D): the batch split, then b's columns; no communication
     a3, b3 = torch.randn(4, 5, 8), torch.randn(4, 8, 6)
     for pa, pb, placed in ((Shard(0), Shard(0), Shard(0)), (Replicate(), Shard(2), Shard(2))):

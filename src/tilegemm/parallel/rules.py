@@ -1,5 +1,5 @@
 """DTensor sharding rules of tilegemm's ops (``torch.ops.tilegemm.matmul``, ``w4a16_matmul``, ``conv2d``,
-``grouped_mm``, ``grouped_w4a16``, ``grouped_mm_gated``).
+``grouped_mm``, ``grouped_w4a16``, ``grouped_mm_gated``, ``group_columns``).
 
 Apart from the rest of :mod:`tilegemm.parallel` so that the layers (``tilegemm.nn.Linear``, ``Conv2d``) can register
 the rules when they meet a DTensor weight without importing the styles and the loaders, which import the layers
@@ -14,6 +14,7 @@ from torch.distributed.tensor.experimental import register_sharding
 
 import tilegemm.ops.conv2d.op  # noqa: F401 (defines torch.ops.tilegemm.conv2d, whose rules are registered here)
 import tilegemm.ops.grouped.op  # noqa: F401 (tilegemm.grouped_mm, grouped_w4a16, grouped_mm_gated)
+import tilegemm.ops.grouped.routing  # noqa: F401 (torch.ops.tilegemm.group_columns)
 import tilegemm.ops.matmul.op  # noqa: F401 (torch.ops.tilegemm.matmul)
 import tilegemm.ops.w4a16.op  # noqa: F401 (torch.ops.tilegemm.w4a16_matmul)
 
@@ -204,6 +205,12 @@ def _grouped_mm_gated_rule(a, b, offs, bias, activation, precision):
     return [([Replicate()], _place(args, [Replicate()] * 4 + [None, None]))]
 
 
+def _group_columns_rule(x, offs, perm):
+    """``tilegemm::group_columns``: each row of x read through its group's column order. Replicated only: offs
+    groups the rows by their global index, and an output column may come from any column of x."""
+    return [([Replicate()], _place((x, offs, perm), [Replicate()] * 3))]
+
+
 _registered = False
 
 
@@ -232,6 +239,7 @@ def register() -> None:
     _register(ops.grouped_mm.default, _grouped_mm_rule, 4)  # out_dtype, precision, kernel
     _register(ops.grouped_w4a16.default, _grouped_w4a16_rule, 6)  # group_k, activation, gated, kernel
     _register(ops.grouped_mm_gated.default, _grouped_mm_gated_rule, 4)  # activation, precision
+    register_sharding(ops.group_columns.default)(_group_columns_rule)  # (no static arguments)
     _registered = True
 
 
