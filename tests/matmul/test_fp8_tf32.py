@@ -242,3 +242,25 @@ def test_fp8_bad_inputs_name_the_problem(device):
         tilegemm.matmul(half.T.contiguous(), half, fast_accum=True)
     with pytest.raises(TypeError, match="fast_accum must be a bool, got str"):
         tilegemm.matmul(a, b, fast_accum="yes")
+    with pytest.raises(TypeError, match="no gradient for scale_b"):
+        tilegemm.matmul(a, b, scale_b=torch.ones(8, device=device, requires_grad=True))
+
+
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_fp8_bias_and_c_gradients_through_an_activation(device, fast_accum):
+    # the backward recomputes the pre-activation: with the call's scales (and accumulation), or the bias and c
+    # gradients come out of another function
+    a = fp8_operand(5, 32, False, E4M3, device)
+    b = fp8_operand(32, 7, True, E4M3, device)
+    sa, sb = torch.tensor(0.05, device=device), torch.rand(7, device=device) * 0.1 + 0.02
+    bias = torch.randn(7, device=device, requires_grad=True)
+    c = torch.randn(5, 7, device=device, requires_grad=True)
+    out = tilegemm.matmul(a, b, scale_a=sa, scale_b=sb, bias=bias, c=c, beta=0.5, activation="gelu",
+                          out_dtype=torch.float32, fast_accum=fast_accum)
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    bias64, c64 = bias.detach().double().requires_grad_(), c.detach().double().requires_grad_()
+    pre = (a.double() * sa.double()) @ (b.double() * sb.double()) + 0.5 * c64 + bias64
+    (torch.nn.functional.gelu(pre) * weights.double()).sum().backward()
+    assert_rel_close(bias.grad, bias64.grad, 1e-3)
+    assert_rel_close(c.grad, c64.grad, 1e-3)

@@ -65,6 +65,23 @@ def test_bias_activation_and_batch(device, kernel, bias_dtype):
         assert_rel_close(out, reference(x, w, bias, activation), 2e-3)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_strided_bias(device, kernel):
+    # a bias viewed with stride 2: every kernel reads its own elements, called twice (a replay on the GPU) and
+    # through the op itself
+    if kernel != "auto" and registry.get("w4a16", kernel).unavailable_reason():
+        pytest.skip(f"{kernel} does not run here (test_kernels checks its refusal)")
+    w = w4a16.quantize(torch.randn(24, 64, dtype=torch.float16, device=device), 32)
+    bias = torch.randn(48, dtype=torch.float16, device=device)[::2]
+    for M in (1, 5, 5):
+        x = torch.randn(M, 64, dtype=torch.float16, device=device)
+        assert_rel_close(w4a16.matmul(x, w, bias, kernel=kernel), reference(x, w, bias), 2e-3)
+    fweight, fzs = w.fragments() if kernel.startswith("frag") else (None, None)
+    out = torch.ops.tilegemm.w4a16_matmul(x, w.qweight, w.scales, w.zeros, fweight, fzs, bias, w.group_k, "none",
+                                          kernel)
+    assert_rel_close(out, reference(x, w, bias), 2e-3)
+
+
 def test_strided_x_and_one_dim(device):
     w = w4a16.quantize(torch.randn(32, 128, dtype=torch.float16, device=device), 64)
     big = torch.randn(5, 256, dtype=torch.float16, device=device)

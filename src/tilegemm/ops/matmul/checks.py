@@ -100,6 +100,9 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
         raise ValueError(f"fast_accum applies to fp8 inputs only; a is {dtype_name(a.dtype)}")
     if fp8 and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         raise TypeError("fp8 matmul has no backward; call it under torch.no_grad() or detach the inputs")
+    for name in ("scale_a", "scale_b"):  # (the gradient of a scale is not computed: refused, not left as None)
+        if torch.is_grad_enabled() and isinstance(named.get(name), torch.Tensor) and named[name].requires_grad:
+            raise TypeError(f"fp8 matmul has no gradient for {name}; detach it or call under torch.no_grad()")
     if bias is not None:
         _check_float("bias", bias)
         if bias.dim() != 1 or bias.shape[0] != shape[-1]:

@@ -84,16 +84,17 @@ def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
 
 def _setup_context(ctx, inputs, output):
     call = MatmulCall(*inputs)
-    ctx.save_for_backward(call.a, call.b, call.bias, call.c)
+    ctx.save_for_backward(call.a, call.b, call.bias, call.c, call.scale_a, call.scale_b)
     ctx.call = call.replace(a=None, b=None, bias=None, c=None, scale_a=None, scale_b=None)
 
 
 def _backward(ctx, grad_out):
-    a, b, bias, c = ctx.saved_tensors
+    a, b, bias, c, scale_a, scale_b = ctx.saved_tensors
     call: MatmulCall = ctx.call
     grad = grad_out.float()
-    if call.activation != "none":
-        pre = call_op(MatmulCall(a, b, bias, c, call.alpha, call.beta, "none", torch.float32, call.precision, "auto"))
+    if call.activation != "none":  # (fp8: the pre-activation with the call's scales and accumulation)
+        pre = call_op(MatmulCall(a, b, bias, c, call.alpha, call.beta, "none", torch.float32, call.precision, "auto",
+                                 scale_a, scale_b, call.fast_accum))
         with torch.enable_grad():
             pre = pre.detach().requires_grad_(True)
             (grad,) = torch.autograd.grad(torch_activation(pre, call.activation), pre, grad)

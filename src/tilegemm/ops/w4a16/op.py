@@ -39,6 +39,8 @@ def _w4a16_op(
     kernel: str,
     perm: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
+    if bias is not None and bias.dim() == 1 and bias.stride(0) != 1:
+        bias = bias.contiguous()  # the kernels read the bias as one contiguous vector
     return dispatch.forward(W4A16Problem.of_op_args(x, qweight, scales, zeros, fweight, fzs, bias, group_k,
                                                     activation, kernel, perm))
 
