@@ -108,6 +108,14 @@ def test_quantize_turns_experts_int4():
     assert (got - want).norm() / want.norm() < 1e-2
 
 
+@pytest.mark.parametrize("group_size", [0, 48, "32", True])
+def test_quantize_experts_refuses_a_bad_group_size(group_size):
+    _, ours = pair(qwen3_moe())
+    with pytest.raises(ValueError, match=r"quantize_experts_: group_size must be one of 32, 64, 128, 256, -1"):
+        tilegemm.nn.quantize_experts_(ours, group_size=group_size)
+    assert hasattr(ours.model.layers[0].mlp.experts, "gate_up_proj")  # nothing changed
+
+
 def test_nn_quantize_covers_experts():
     _, ours = pair(qwen3_moe())
     ours = ours.half()  # (Int4Linear takes 16-bit activations)

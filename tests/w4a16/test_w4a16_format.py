@@ -87,6 +87,11 @@ def test_to_save_load_and_nbytes(tmp_path):
     assert "shape=[16, 256]" in repr(w)
 
 
+def _with_perm(perm):
+    w = w4a16.quantize(torch.randn(16, 64, dtype=torch.float16), 32)
+    return w4a16.Int4Weight(w.qweight, w.scales, w.zeros, 32, w.shape, perm=perm)
+
+
 @pytest.mark.parametrize("call, error, words", [
     (lambda: w4a16.quantize(torch.randn(8, 100, dtype=torch.float16)), ValueError, "multiple of 8"),
     (lambda: w4a16.quantize(torch.randn(8, 96, dtype=torch.float16), 64), ValueError, "not divisible"),
@@ -97,7 +102,18 @@ def test_to_save_load_and_nbytes(tmp_path):
     (lambda: w4a16.quantize(torch.full((8, 128), float("inf")).half()), ValueError, "non-finite"),
     (lambda: w4a16.dequantize(torch.zeros(3)), TypeError, "Int4Weight"),
     (lambda: w4a16.quantize(torch.randn(8, 128).half()).to(torch.float32), TypeError, "fp16 or bf16, not fp32"),
+    (lambda: _with_perm(torch.full((64,), 1000)), ValueError, r"permutation of 0\.\.63 \(K = 64\) for each weight"),
+    (lambda: _with_perm(torch.arange(64).roll(1).clamp(max=62)), ValueError, "permutation"),  # a repeat
 ])
 def test_errors(call, error, words):
     with pytest.raises(error, match=words):
         call()
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 64), (0, 8, 64), (2, 8, 0)])
+def test_quantize_empty_experts(shape):
+    # stacked experts with no experts, no rows or no inputs: empty parts of the stacked shapes
+    w = w4a16.quantize(torch.randn(shape, dtype=torch.float16), 32)
+    E, N, K = shape
+    assert w.shape == shape and w.qweight.shape == (E, K // 8, N) and w.scales.shape == (E, K // 32, N)
+    assert w4a16.dequantize(w).shape == shape

@@ -12,8 +12,8 @@ from tilegemm.nn.moe import SparseMoeBlock, convert_moe_blocks_, quantize_expert
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.convert import ConversionNote
 from tilegemm.nn.linear import Linear
-from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, fits_fragments, from_awq, from_gptq, \
-    quantize
+from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, check_group_size_value, fits_fragments, from_awq, \
+    from_gptq, quantize
 
 _BUFFERS = ("qweight", "scales", "zeros", "perm")
 _SCALE_BUFFERS = ("scales", "zeros", "fzs")  # the kernels read these in 16 bits, whatever the module's dtype
@@ -180,9 +180,7 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     if isinstance(model, nn.Linear):
         raise ValueError("quantize_ swaps the layers inside a model; to quantize one layer, use "
                          "tilegemm.nn.Int4Linear.from_linear")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in GROUP_SIZES:
-        raise ValueError(f"quantize_: group_size must be one of {', '.join(map(str, GROUP_SIZES))} (-1: all of K), "
-                         f"got {group_size!r}")
+    check_group_size_value(group_size, "quantize_")
     # transformers 4.x's MoE blocks first: their experts stacked (then made 4-bit below), not one Int4Linear each;
     # their routers stay 16-bit (as quantized checkpoints keep them)
     _, skipped = convert_moe_blocks_(model, filter)

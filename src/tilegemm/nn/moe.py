@@ -30,7 +30,7 @@ import torch
 
 from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm, moe_gate_up, moe_gate_up_int4
 from tilegemm.ops.grouped.routing import moe_combine, moe_route
-from tilegemm.ops.w4a16.format import Int4Weight, concat_outputs, quantize, stack_experts
+from tilegemm.ops.w4a16.format import Int4Weight, check_group_size_value, concat_outputs, quantize, stack_experts
 
 NAME = "tilegemm"
 _MOE_MODULE = "transformers.integrations.moe"
@@ -234,6 +234,7 @@ def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None
     4 bits, and switch the model to the ``"tilegemm"`` experts implementation. Returns the blocks' names; blocks
     whose input width the group size does not divide are kept. The 16-bit expert weights are dropped; the 4-bit
     parts are buffers (``tilegemm_<weight>_qweight``, ``_scales``, ``_zeros``)."""
+    check_group_size_value(group_size, "quantize_experts_")
     done = []
     for name, module in list(_experts_modules(model)):
         if filter is not None and not filter(name, module):

@@ -287,10 +287,15 @@ def _to_args(args, kwargs) -> tuple[torch.device | None, torch.dtype | None]:
 # --- checks ------------------------------------------------------------------------------------------------
 
 
-def check_group_size(group_size, K: int) -> None:
+def check_group_size_value(group_size, who: str = "") -> None:
+    """A ValueError unless ``group_size`` is one of :data:`GROUP_SIZES` (``who``: the caller's name, prefixed)."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))} (-1: all of K), "
-                         f"got {group_size!r}")
+        raise ValueError(f"{who + ': ' if who else ''}group_size must be one of {', '.join(map(str, GROUP_SIZES))} "
+                         f"(-1: all of K), got {group_size!r}")
+
+
+def check_group_size(group_size, K: int) -> None:
+    check_group_size_value(group_size)
     if K % 8:
         raise ValueError(f"K = in_features = {K} must be a multiple of 8 (eight 4-bit weights per int32)")
     if group_size != -1 and K % group_size:
@@ -326,6 +331,12 @@ def validate(w: Int4Weight) -> None:
     if w.perm is not None:  # stacked experts: one permutation an expert, [E, K]
         if w.perm.dtype != torch.int64 or tuple(w.perm.shape) != lead + (K,):
             raise ValueError(f"perm must be int64 {list(lead + (K,))}, got {w.perm.dtype} {list(w.perm.shape)}")
+        # its values only where reading them stalls nothing (the CPU; on the GPU a bad perm reads wrong rows of x)
+        if w.perm.device.type == "cpu" and K and not torch.compiler.is_compiling() \
+                and type(w.perm) in (torch.Tensor, torch.nn.Parameter) \
+                and not torch.equal(w.perm.sort(-1).values, torch.arange(K).expand(w.perm.shape)):
+            raise ValueError(f"perm must be a permutation of 0..{K - 1} (K = {K}) for each "
+                             f"{'expert' if lead else 'weight'}")
         tensors["perm"] = w.perm
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
@@ -351,7 +362,7 @@ def quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
     if weight.dim() == 3:  # stacked experts [E, N, K]: every row quantized alone, so as one [E*N, K] weight
         E, N, K = weight.shape
         flat = quantize(weight.reshape(E * N, K), group_size, symmetric)
-        return Int4Weight(*(t.reshape(-1, E, N).transpose(0, 1).contiguous()
+        return Int4Weight(*(t.reshape(t.shape[0], E, N).transpose(0, 1).contiguous()  # (E or N may be 0)
                             for t in (flat.qweight, flat.scales, flat.zeros)), group_size, (E, N, K))
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K] (out_features, in_features) or 3-D [E, N, K] (experts), got "
@@ -404,6 +415,8 @@ def dequantize(w: Int4Weight) -> torch.Tensor:
     if not isinstance(w, Int4Weight):
         raise TypeError(f"dequantize takes an Int4Weight, got {type(w).__name__}")
     if len(w.shape) == 3:  # stacked experts: [E, N, K]
+        if not w.shape[0]:
+            return w.scales.new_empty(w.shape)
         return torch.stack([dequantize(w.expert(e)) for e in range(w.shape[0])])
     K = w.shape[1]
     g = torch.arange(K, device=w.device) // w.group_k  # [K] group of each stored row
