@@ -261,16 +261,20 @@ def _expert_linears(name: str, tensor: torch.Tensor, mixtral_names: bool):
 def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: bool = False,
                 act_order: bool = False, v2: bool = False, shard_bytes: int = 2**30, not_convert=(),
                 seed: int = 0, drop=(), config_extra: dict | None = None, quant_extra: dict | None = None,
-                mixtral_names: bool = False, shared_gate_up_order: bool = True) -> dict:
+                mixtral_names: bool = False, shared_gate_up_order: bool = True, stored_name=None) -> dict:
     """Write ``model`` (a transformers model with float weights) as a 4-bit checkpoint at ``path``; return the
     reference state dict: each quantized Linear's dequantized weight (fp16) under ``P.weight`` (a MoE block's
     experts: the 3-D weights of the dequantized experts), every other tensor as stored (fp16). ``drop``: tensor
     names left out (to test missing tensors). With ``act_order``, an expert's gate and up projections share one
     input order (GPTQ orders a layer's inputs by its Hessian, the same for two projections of one input) unless
-    ``shared_gate_up_order`` is False."""
+    ``shared_gate_up_order`` is False. ``stored_name``: a function of each written tensor's name giving the name
+    stored (an older checkpoint's names; the reference keeps the model's)."""
     gen = torch.Generator().manual_seed(seed)
     quantized = set(linear_names(model, not_convert=not_convert))
     writer = Writer(path, shard_bytes)
+    if stored_name is not None:
+        add = writer.add
+        writer.add = lambda name, tensor: add(stored_name(name), tensor)
     reference = {}
     state = model.state_dict()
     tied = set()

@@ -398,3 +398,68 @@ def test_other_architectures(tmp_path, device, arch):
         assert len(stacked) == 2 * config.num_hidden_layers, stacked  # gate/up and down a block
     err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
     assert err < TOL, f"{arch}: logits rel. error {err:.2e}"
+
+
+def _prefixes(pairs):
+    """A stored name from a model's name: the first of ``pairs`` (model prefix, stored prefix) that fits."""
+    def stored(name):
+        for new, old in pairs:
+            if name.startswith(new) or (new.startswith(".") and new in name):
+                return name.replace(new, old, 1)
+        return name
+    return stored
+
+
+def _gemma3_multimodal():
+    """Gemma-3 4B+'s config (a vision tower; AutoModelForCausalLM builds Gemma3ForConditionalGeneration), tiny."""
+    import transformers
+
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                     image_token_index=255)
+
+
+def _phimoe():
+    import transformers
+
+    return transformers.AutoConfig.for_model(
+        "phimoe", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+        tie_word_embeddings=False)
+
+
+# Checkpoints whose tensor names transformers >= 5 renames when it loads them (the names on the hub, written before
+# the renaming): (config, modules left 16-bit, writer options). Gemma-3's language model under
+# "language_model.model." (now "model.language_model."), its vision tower and projector at the top; PhiMoE's
+# experts under "block_sparse_moe" with Mixtral's w1/w3/w2 and its router stored as "block_sparse_moe.gate".
+HUB_NAMED = {
+    "gemma3-multimodal": (_gemma3_multimodal, ("model.vision_tower", "model.multi_modal_projector", "lm_head"),
+                          dict(stored_name=_prefixes([("model.language_model.", "language_model.model."),
+                                                      ("model.vision_tower.", "vision_tower."),
+                                                      ("model.multi_modal_projector.", "multi_modal_projector."),
+                                                      ("lm_head.", "language_model.lm_head.")]))),
+    "phimoe": (_phimoe, ("router",), dict(mixtral_names=True,
+                                           stored_name=_prefixes([(".mlp.router.", ".block_sparse_moe.gate.")]))),
+}
+
+
+@pytest.mark.parametrize("name", list(HUB_NAMED))
+def test_checkpoint_names_transformers_renames(tmp_path, device, name):
+    # the loader reads the files under the names transformers itself maps them to
+    from safetensors import safe_open
+
+    make, keep, kw = HUB_NAMED[name]
+    config = make()
+    source = cw.random_model(config)
+    path = tmp_path / "ckpt"
+    reference = cw.write_model(path, source, method="gptq", group_size=32, not_convert=keep, **kw)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    assert not any(k.startswith("model.language_model.") or ".mlp.router." in k for k in stored)  # older names
+    model = from_pretrained(path, device=device)
+    assert any(isinstance(m, Int4Linear) for m in model.modules())
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL, f"{name}: logits rel. error {err:.2e}"

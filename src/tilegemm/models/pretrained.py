@@ -134,9 +134,11 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
 
 class _Tensors:
     """The checkpoint's tensors by name, read one at a time from ``model.safetensors`` or the shards that
-    ``model.safetensors.index.json`` lists (each shard opened once, lazily)."""
+    ``model.safetensors.index.json`` lists (each shard opened once, lazily). Given the ``model`` they load into, by
+    the names the model gives them: transformers' renamings of older checkpoints' names applied
+    (:func:`_model_names`)."""
 
-    def __init__(self, path: str, device: torch.device):
+    def __init__(self, path: str, device: torch.device, model: nn.Module | None = None):
         try:
             from safetensors import safe_open
         except ImportError:
@@ -160,6 +162,19 @@ class _Tensors:
         else:
             raise FileNotFoundError(f"{path!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
         self._handles: dict[str, object] = {}
+        self._stored: dict[str, str] = {}  # a renamed tensor's name in the model -> its name in the files
+        rename = _model_names(model) if model is not None else None
+        if rename is not None:
+            files = {}
+            for name, file in self.files.items():
+                new = rename(name)
+                if new != name:
+                    self._stored[new] = name
+                files[new] = file
+            if len(files) == len(self.files):  # (two stored names onto one: keep the files' names)
+                self.files = files
+            else:
+                self._stored = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -172,14 +187,51 @@ class _Tensors:
         return self._handles[file]
 
     def shape(self, name: str) -> list[int]:
-        return list(self._handle(name).get_slice(name).get_shape())
+        return list(self._handle(name).get_slice(self._stored.get(name, name)).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        return self._handle(name).get_tensor(self._stored.get(name, name))
 
     def get_slice(self, name: str, index: tuple) -> torch.Tensor:
         """``tensor[index]`` read without reading the rest (a tensor-parallel rank's shard)."""
-        return self._handle(name).get_slice(name)[index]
+        return self._handle(name).get_slice(self._stored.get(name, name))[index]
+
+
+_QUANT_LEAVES = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def _model_names(model: nn.Module):
+    """A function from a checkpoint's tensor name to the model's, by the renamings transformers applies when it
+    loads an older checkpoint into ``model`` (Gemma-3's ``language_model.model.`` -> ``model.language_model.``,
+    PhiMoE's ``block_sparse_moe.gate.weight`` -> ``mlp.router.weight``, ...); None where transformers has none.
+    Packed parts (``.qweight`` ...) are renamed as their module's ``.weight`` is. Transformers' converters (its
+    experts merges) are not applied: per-expert checkpoints are stacked here (:func:`_stored_experts`)."""
+    try:  # transformers >= 5's loading internals; without them the names stay as stored
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+        if not renamings:
+            return None
+        for t in renamings:
+            t.rename_source_key("probe.weight")
+    except Exception:  # noqa: BLE001 (any failure of internals that change between releases: names as stored)
+        return None
+
+    def renamed(key: str) -> str:
+        for t in renamings:
+            key = t.rename_source_key(key)[0]
+        return key
+
+    def rename(name: str) -> str:
+        module, _, leaf = name.rpartition(".")
+        if module and leaf in _QUANT_LEAVES:
+            new = renamed(f"{module}.weight")
+            if new.endswith(".weight"):
+                return f"{new[:-len('.weight')]}.{leaf}"
+        return renamed(name)
+
+    return rename
 
 
 # --- building the model -----------------------------------------------------------------------------------
@@ -484,7 +536,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     dtype = _model_dtype(model) if dtype is None else dtype
     _check_dtype(dtype)
     device = _default_device(device if device is not None else _model_device(model))
-    tensors = _Tensors(path, device)
+    tensors = _Tensors(path, device, model)
 
     # Which Linears are stored quantized, and the shapes the model asks of each stored tensor.
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}

@@ -764,7 +764,7 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
     device = _default_device(device)
     splits = resolve_plan(model, tp_plan)
     _check_heads(model, world)
-    tensors = _Tensors(os.fspath(path), torch.device("cpu"))
+    tensors = _Tensors(os.fspath(path), torch.device("cpu"), model)
     styles = {"out": ColwiseParallel(), "in": RowwiseParallel()}
     with torch.no_grad():
         for name, split in splits.items():
