@@ -88,8 +88,16 @@ def test_to_save_load_and_nbytes(tmp_path):
 
 
 def _with_perm(perm):
+    # built (a weight may be made of buffers not loaded yet), refused by the product
     w = w4a16.quantize(torch.randn(16, 64, dtype=torch.float16), 32)
-    return w4a16.Int4Weight(w.qweight, w.scales, w.zeros, 32, w.shape, perm=perm)
+    w = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, 32, w.shape, perm=perm)
+    return w4a16.matmul(torch.randn(2, 64, dtype=torch.float16), w)
+
+
+def _experts_with_perm(perm):
+    w = w4a16.quantize(torch.randn(2, 16, 64, dtype=torch.float16), 32)
+    w = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, 32, w.shape, perm=perm)
+    return w4a16.grouped_matmul(torch.randn(3, 64, dtype=torch.float16), w, torch.tensor([1, 3], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("call, error, words", [
@@ -104,6 +112,8 @@ def _with_perm(perm):
     (lambda: w4a16.quantize(torch.randn(8, 128).half()).to(torch.float32), TypeError, "fp16 or bf16, not fp32"),
     (lambda: _with_perm(torch.full((64,), 1000)), ValueError, r"permutation of 0\.\.63 \(K = 64\) for each weight"),
     (lambda: _with_perm(torch.arange(64).roll(1).clamp(max=62)), ValueError, "permutation"),  # a repeat
+    (lambda: _experts_with_perm(torch.stack([torch.randperm(64), torch.arange(64) % 63])), ValueError,
+     "permutation of 0..63 .* for each expert"),
 ])
 def test_errors(call, error, words):
     with pytest.raises(error, match=words):

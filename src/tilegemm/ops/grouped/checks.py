@@ -118,7 +118,7 @@ def check_grouped_int4(x, w, offs, bias, activation, gated: bool = False) -> Non
     if len(w.shape) != 3:
         raise ValueError(f"w must hold stacked experts [E, N, K]; this Int4Weight is {list(w.shape)} (quantize "
                          f"the 3-D weight)")
-    validate(w)
+    validate(w, values=True)
     _tensor("x", x)
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"x has dtype {dtype_name(x.dtype)}; grouped_matmul takes fp16 or bf16 activations")

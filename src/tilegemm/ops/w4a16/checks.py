@@ -31,7 +31,7 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
     N, K = w.shape
     if x.dim() < 1 or x.shape[-1] != K:
         raise ValueError(f"x must be [..., K] with K = in_features = {K}, got {list(x.shape)}")
-    validate(w)
+    validate(w, values=True)
     named = {"x": x, "w": w.qweight}
     if bias is not None:
         if not isinstance(bias, torch.Tensor):

@@ -307,8 +307,10 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} has non-finite values (inf or NaN)")
 
 
-def validate(w: Int4Weight) -> None:
-    """Raise TypeError/ValueError when the parts of an :class:`Int4Weight` do not fit together."""
+def validate(w: Int4Weight, values: bool = False) -> None:
+    """Raise TypeError/ValueError when the parts of an :class:`Int4Weight` do not fit together; ``values``: also
+    that ``perm`` is a permutation, where it is on the CPU (the products' checks ask; a weight may be built from
+    buffers not filled yet)."""
     if len(w.shape) not in (2, 3):
         raise ValueError(f"an Int4Weight is [N, K] or stacked experts [E, N, K], got shape {list(w.shape)}")
     N, K = w.shape[-2:]
@@ -332,7 +334,7 @@ def validate(w: Int4Weight) -> None:
         if w.perm.dtype != torch.int64 or tuple(w.perm.shape) != lead + (K,):
             raise ValueError(f"perm must be int64 {list(lead + (K,))}, got {w.perm.dtype} {list(w.perm.shape)}")
         # its values only where reading them stalls nothing (the CPU; on the GPU a bad perm reads wrong rows of x)
-        if w.perm.device.type == "cpu" and K and not torch.compiler.is_compiling() \
+        if values and w.perm.device.type == "cpu" and K and not torch.compiler.is_compiling() \
                 and type(w.perm) in (torch.Tensor, torch.nn.Parameter) \
                 and not torch.equal(w.perm.sort(-1).values, torch.arange(K).expand(w.perm.shape)):
             raise ValueError(f"perm must be a permutation of 0..{K - 1} (K = {K}) for each "
