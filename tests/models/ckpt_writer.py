@@ -240,10 +240,16 @@ def linear_names(model, quantize_lm_head: bool = False, not_convert=()) -> list[
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = []
     for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear) and (quantize_lm_head or m is not out):
+        if (isinstance(m, torch.nn.Linear) or _conv1d(m)) and (quantize_lm_head or m is not out):
             if not any(name == p or name.endswith("." + p) or name.startswith(p + ".") for p in not_convert):
                 names.append(name)
     return names
+
+
+def _conv1d(m) -> bool:
+    """GPT-2's Conv1D: ``x @ weight + bias`` with weight ``[in, out]``; quantizers store it as the Linear of the
+    transposed weight."""
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf")
 
 
 def _expert_linears(name: str, tensor: torch.Tensor, mixtral_names: bool):
@@ -261,14 +267,16 @@ def _expert_linears(name: str, tensor: torch.Tensor, mixtral_names: bool):
 def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: bool = False,
                 act_order: bool = False, v2: bool = False, shard_bytes: int = 2**30, not_convert=(),
                 seed: int = 0, drop=(), config_extra: dict | None = None, quant_extra: dict | None = None,
-                mixtral_names: bool = False, shared_gate_up_order: bool = True, stored_name=None) -> dict:
+                mixtral_names: bool = False, shared_gate_up_order: bool = True, stored_name=None,
+                group_size_of=None) -> dict:
     """Write ``model`` (a transformers model with float weights) as a 4-bit checkpoint at ``path``; return the
     reference state dict: each quantized Linear's dequantized weight (fp16) under ``P.weight`` (a MoE block's
     experts: the 3-D weights of the dequantized experts), every other tensor as stored (fp16). ``drop``: tensor
     names left out (to test missing tensors). With ``act_order``, an expert's gate and up projections share one
     input order (GPTQ orders a layer's inputs by its Hessian, the same for two projections of one input) unless
     ``shared_gate_up_order`` is False. ``stored_name``: a function of each written tensor's name giving the name
-    stored (an older checkpoint's names; the reference keeps the model's)."""
+    stored (an older checkpoint's names; the reference keeps the model's). ``group_size_of``: a function of a
+    Linear's name giving its own group size (GPTQModel's per-module ``dynamic`` overrides), else ``group_size``."""
     gen = torch.Generator().manual_seed(seed)
     quantized = set(linear_names(model, not_convert=not_convert))
     writer = Writer(path, shard_bytes)
@@ -287,11 +295,13 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
         if name in tied:
             continue  # transformers does not store the tied copy
         if module in quantized and leaf == "weight":
-            stored, deq = quantize_linear(tensor, method, group_size, sym, act_order, v2, gen)
+            transposed = _conv1d(model.get_submodule(module))
+            gs = group_size if group_size_of is None else group_size_of(module)
+            stored, deq = quantize_linear(tensor.T if transposed else tensor, method, gs, sym, act_order, v2, gen)
             for part, t in stored.items():
                 if f"{module}.{part}" not in drop:
                     writer.add(f"{module}.{part}", t)
-            reference[name] = deq
+            reference[name] = deq.T.contiguous() if transposed else deq
             continue
         if leaf in ("gate_up_proj", "down_proj") and module.endswith(".experts") and tensor.dim() == 3:
             stored_block, projs = _expert_linears(name, tensor.detach(), mixtral_names)

@@ -463,3 +463,58 @@ def test_checkpoint_names_transformers_renames(tmp_path, device, name):
     assert any(isinstance(m, Int4Linear) for m in model.modules())
     err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
     assert err < TOL, f"{name}: logits rel. error {err:.2e}"
+
+
+def test_gpt2_conv1d_layers_load(tmp_path, device):
+    # GPT-2's Conv1D layers (weight [in, out]) stored as GPTQ Linears become Int4Linears
+    import transformers
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=256)
+    source = cw.random_model(config)
+    path = tmp_path / "ckpt"
+    reference = cw.write_model(path, source, method="gptq", group_size=32)
+    model = from_pretrained(path, device=device)
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 4 * config.n_layer  # c_attn, c_proj, c_fc, ..
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL, f"logits rel. error {err:.2e}"
+    dense = pretrained.dequantized_copy(model)  # Conv1D again, with [in, out] weights
+    err = _rel(_logits(dense, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL, f"dequantized copy: logits rel. error {err:.2e}"
+
+
+def test_dynamic_per_module_overrides(tmp_path, device):
+    # GPTQModel's "dynamic": the down projections in group 64 (the rest 32), the o projections left 16-bit by a
+    # negative pattern
+    config = cw.tiny_config("llama")
+    source = cw.random_model(config)
+    path = tmp_path / "ckpt"
+    dynamic = {r"+:.*down_proj": {"group_size": 64}, r"-:.*\.o_proj": {}}
+    reference = cw.write_model(path, source, method="gptq", group_size=32, not_convert=["o_proj"],
+                               group_size_of=lambda n: 64 if n.endswith("down_proj") else 32,
+                               quant_extra=dict(dynamic=dynamic))
+    model = from_pretrained(path, device=device)
+    layer = model.model.layers[0]
+    assert layer.mlp.down_proj.group_size == 64 and layer.mlp.up_proj.group_size == 32
+    assert type(layer.self_attn.o_proj) is torch.nn.Linear
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL, f"logits rel. error {err:.2e}"
+
+
+@pytest.mark.parametrize("dynamic, needle", [
+    ({r".*down_proj": {"bits": 8}}, r"model.layers.0.mlp.down_proj: stored with bits = 8 \(quantization_config"),
+    ({r"-:.*up_proj": {}}, r"model.layers.0.mlp.up_proj is left 16-bit by a '-:' pattern of dynamic but the "),
+    ({r"+:(": {}}, r"dynamic pattern '\+:\(' is not a regular expression"),
+    ({r".*": {"group_size": 0}}, r"dynamic\['.\*'\]: group_size must be a positive integer or -1, got 0"),
+    ([".*"], "dynamic must be a JSON object"),
+])
+def test_dynamic_refusals(tmp_path, dynamic, needle):
+    path, _, _ = _write(tmp_path, method="gptq", group_size=32, quant_extra=dict(dynamic=dynamic))
+    with pytest.raises(ValueError, match=needle) as info:
+        from_pretrained(path, device="cpu")
+    assert "no Linear of" not in str(info.value)  # (a refused layer's tensors are not reported again as strays)
+
+
+def test_marlin_flag_refused(tmp_path):
+    path, _, _ = _write(tmp_path, method="gptq", group_size=32, quant_extra=dict(is_marlin_format=True))
+    with pytest.raises(ValueError, match="checkpoint_format 'marlin' is not supported"):
+        from_pretrained(path, device="cpu")

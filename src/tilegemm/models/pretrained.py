@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import warnings
 
 import torch
@@ -53,6 +54,18 @@ class QuantConfig:
     sym: bool = True
     checkpoint_format: str = "gptq"  # GPTQ: "gptq" (v1) or "gptq_v2"
     modules_to_not_convert: tuple[str, ...] = ()
+    # GPTQModel's per-module overrides ("dynamic"): (skip, compiled pattern, overrides) in the config's order
+    dynamic: tuple = ()
+    bits: int = 4
+
+    def for_module(self, name: str) -> "QuantConfig | None":
+        """How module ``name`` is stored: the first ``dynamic`` pattern that matches its name (``re.match``, as
+        GPTQModel matches) overrides group_size, sym, desc_act and bits, or (a ``-:`` pattern) leaves it
+        unquantized (None); no match: this config."""
+        for skip, pattern, overrides in self.dynamic:
+            if pattern.match(name):
+                return None if skip else dataclasses.replace(self, dynamic=(), **overrides)
+        return self
 
     def describe(self) -> str:
         if self.method == "awq":
@@ -60,7 +73,7 @@ class QuantConfig:
         else:
             what = f"GPTQ {'v2' if self.checkpoint_format == 'gptq_v2' else 'v1'}" + (", act-order" if self.desc_act
                                                                                     else "")
-        return f"{what}, 4-bit, group {self.group_size}"
+        return f"{what}, {self.bits}-bit, group {self.group_size}"
 
 
 # --- the directory --------------------------------------------------------------------------------------
@@ -125,11 +138,51 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
             raise ValueError(f"{where}: AWQ with zero_point = false is not supported (only zero_point = true)")
         return QuantConfig("awq", group_size, sym=False, modules_to_not_convert=tuple(not_convert))
     fmt = str(q.get("checkpoint_format", q.get("format", "gptq")) or "gptq").lower()
+    if q.get("is_marlin_format"):  # AutoGPTQ's flag for its Marlin repacking (before checkpoint_format existed)
+        fmt = "marlin"
     if fmt not in GPTQ_FORMATS:
         raise ValueError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported; supported: "
                          f"{', '.join(repr(f) for f in GPTQ_FORMATS)}")
     return QuantConfig("gptq", group_size, desc_act=bool(q.get("desc_act", False)), sym=bool(q.get("sym", True)),
-                       checkpoint_format=fmt, modules_to_not_convert=tuple(not_convert))
+                       checkpoint_format=fmt, modules_to_not_convert=tuple(not_convert),
+                       dynamic=_dynamic(q.get("dynamic"), where))
+
+
+def _dynamic(dynamic, where: str) -> tuple:
+    """GPTQModel's ``dynamic``: ``{pattern: overrides}``, a pattern ``"-:regex"`` leaving the modules it matches
+    unquantized, ``"+:regex"`` or ``"regex"`` giving them other ``bits``/``group_size``/``sym``/``desc_act``."""
+    if not dynamic:
+        return ()
+    if not isinstance(dynamic, dict):
+        raise ValueError(f"{where}: quantization_config.dynamic must be a JSON object of pattern -> overrides, got "
+                         f"{type(dynamic).__name__}")
+    rules = []
+    for key, overrides in dynamic.items():
+        skip = key.startswith("-:")
+        pattern = key[2:] if key.startswith(("-:", "+:")) else key
+        try:
+            compiled = re.compile(pattern)
+        except re.error as err:
+            raise ValueError(f"{where}: quantization_config.dynamic pattern {key!r} is not a regular expression: "
+                             f"{err}") from None
+        if not isinstance(overrides, dict):
+            raise ValueError(f"{where}: quantization_config.dynamic[{key!r}] must be a JSON object, got "
+                             f"{type(overrides).__name__}")
+        taken = {}
+        if not skip:
+            if "group_size" in overrides:
+                gs = overrides["group_size"]
+                if isinstance(gs, bool) or not isinstance(gs, int) or not (gs == -1 or gs > 0):
+                    raise ValueError(f"{where}: quantization_config.dynamic[{key!r}]: group_size must be a positive "
+                                     f"integer or -1, got {gs!r}")
+                taken["group_size"] = gs
+            for name in ("sym", "desc_act"):
+                if name in overrides:
+                    taken[name] = bool(overrides[name])
+            if "bits" in overrides:
+                taken["bits"] = overrides["bits"]
+        rules.append((skip, compiled, taken))
+    return tuple(rules)
 
 
 class _Tensors:
@@ -331,6 +384,17 @@ def _not_converted(name: str, patterns: tuple[str, ...]) -> bool:
     return any(name == p or name.endswith("." + p) or p in parts or name.startswith(p + ".") for p in patterns)
 
 
+def _linear_shape(m: nn.Module) -> tuple[int, int] | None:
+    """``(out, in)`` of a Linear a checkpoint may store quantized: ``nn.Linear``, or transformers' ``Conv1D``
+    (GPT-2's layers: ``x @ weight + bias`` with weight ``[in, out]``, which GPTQ stores as the Linear of the
+    transposed weight); None for other modules."""
+    if isinstance(m, nn.Linear):
+        return m.out_features, m.in_features
+    if type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers") and hasattr(m, "nf"):
+        return int(m.nf), int(m.weight.shape[0])
+    return None
+
+
 def _model_dtype(model: nn.Module) -> torch.dtype:
     for p in model.parameters():
         if p.dtype in (torch.float16, torch.bfloat16):
@@ -458,20 +522,25 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
     if getattr(s.module, "has_bias", False):
         problems.append(f"{s.name}: experts with biases are not supported by the per-expert loader")
     for key, N, K in s.keys():
-        if N % 8 or K % 8 or (q.group_size != -1 and K % q.group_size):
-            problems.append(f"{key}: [out, in] = [{N}, {K}] does not fit 4-bit packing with group_size "
-                            f"{q.group_size}")
+        qk = q.for_module(key)
+        if qk is None or qk.bits != 4:
+            problems.append(f"{key}: stored {'16-bit' if qk is None else f'with bits = {qk.bits!r}'} "
+                            f"(quantization_config.dynamic); a block's experts load when all are 4-bit")
             continue
-        for part, shape in _expected_quant_shapes(q, N, K).items():
+        if N % 8 or K % 8 or (qk.group_size != -1 and K % qk.group_size):
+            problems.append(f"{key}: [out, in] = [{N}, {K}] does not fit 4-bit packing with group_size "
+                            f"{qk.group_size}")
+            continue
+        for part, shape in _expected_quant_shapes(qk, N, K).items():
             name = f"{key}.{part}"
             if name not in tensors:
-                if part != "g_idx" or q.desc_act:
+                if part != "g_idx" or qk.desc_act:
                     missing.append(name)
                 continue
             used.add(name)
             if tensors.shape(name) != shape:
                 problems.append(f"{name}: the checkpoint's shape {tensors.shape(name)} does not match {shape}, "
-                                f"what expert {s.name} ({q.describe()}) stores")
+                                f"what expert {s.name} ({qk.describe()}) stores")
         if f"{key}.bias" in tensors:
             used.add(f"{key}.bias")
     return used
@@ -499,7 +568,8 @@ def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -
         experts = []
         for e in range(s.num_experts):
             try:
-                ws = [_expert_weight(tensors, f"{s.prefix}.{e}.{p}", q, N, K, dtype) for p in projs]
+                ws = [_expert_weight(tensors, f"{s.prefix}.{e}.{p}", q.for_module(f"{s.prefix}.{e}.{p}"), N, K, dtype)
+                      for p in projs]
                 experts.append(ws[0] if len(ws) == 1 else concat_outputs(ws, interleave=interleave))
             except (TypeError, ValueError) as err:
                 raise type(err)(f"{s.prefix}.{e} ({q.describe()}, {' and '.join(projs)}): {err}") from None
@@ -538,38 +608,49 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     device = _default_device(device if device is not None else _model_device(model))
     tensors = _Tensors(path, device, model)
 
-    # Which Linears are stored quantized, and the shapes the model asks of each stored tensor.
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    # Which Linears are stored quantized (each with its own config where "dynamic" says so), and the shapes the
+    # model asks of each stored tensor.
+    linears = {name: m for name, m in model.named_modules() if _linear_shape(m) is not None}
     quantized, problems, missing = [], [], []
+    configs: dict[str, QuantConfig] = {}
+    refused = set()  # stored quantized, refused above: their tensors are no strays
     for name, m in linears.items():
         stored = f"{name}.qweight" in tensors
-        if _not_converted(name, q.modules_to_not_convert):
+        qm = q.for_module(name)
+        if stored:
+            refused.add(name)
+        if qm is None or _not_converted(name, q.modules_to_not_convert):
             if stored:
-                problems.append(f"{name} is in modules_to_not_convert but the checkpoint stores it quantized "
-                                f"({name}.qweight)")
+                why = "in modules_to_not_convert" if qm is not None else "left 16-bit by a '-:' pattern of dynamic"
+                problems.append(f"{name} is {why} but the checkpoint stores it quantized ({name}.qweight)")
             continue
         if not stored:
             continue
-        N, K = m.out_features, m.in_features
+        if qm.bits != 4:
+            problems.append(f"{name}: stored with bits = {qm.bits!r} (quantization_config.dynamic); tilegemm loads "
+                            f"4-bit layers only")
+            continue
+        N, K = _linear_shape(m)
         if N % 8 or K % 8:
             problems.append(f"{name}: [out, in] = [{N}, {K}] is not a multiple of 8 (eight 4-bit weights per int32)")
             continue
-        if q.group_size != -1 and K % q.group_size:
-            problems.append(f"{name}: in_features {K} is not divisible by group_size {q.group_size}")
+        if qm.group_size != -1 and K % qm.group_size:
+            problems.append(f"{name}: in_features {K} is not divisible by group_size {qm.group_size}")
             continue
-        expected = _expected_quant_shapes(q, N, K)
+        expected = _expected_quant_shapes(qm, N, K)
         for part, shape in expected.items():
             key = f"{name}.{part}"
             if key not in tensors:
-                if part != "g_idx" or q.desc_act:  # g_idx is optional without act-order
+                if part != "g_idx" or qm.desc_act:  # g_idx is optional without act-order
                     missing.append(key)
             elif tensors.shape(key) != shape:
                 problems.append(f"{key}: the checkpoint's shape {tensors.shape(key)} does not match {shape}, what "
                                 f"{type(m).__name__}(in_features={K}, out_features={N}) with "
-                                f"{q.describe()} stores")
+                                f"{qm.describe()} stores")
         if m.bias is not None and f"{name}.bias" not in tensors:
             missing.append(f"{name}.bias")
         quantized.append(name)
+        configs[name] = qm
     quantized_set = set(quantized)
     # MoE blocks whose experts the checkpoint stores one quantized Linear per expert: stacked when loading.
     experts = _stored_experts(model, tensors)
@@ -611,7 +692,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
                                                                              "g_idx", "bias")} | expert_keys
     strays = [k for k in tensors.files if k not in used and not k.endswith(_IGNORED_SUFFIXES)
               and k.rpartition(".")[0] not in loaded]
-    stray_quant = [k for k in strays if k.endswith(".qweight")]
+    stray_quant = [k for k in strays if k.endswith(".qweight") and k.rpartition(".")[0] not in refused]
     if stray_quant:
         problems.append(f"quantized tensor(s) for modules the model has no Linear of: {', '.join(stray_quant[:8])}"
                         + (" ..." if len(stray_quant) > 8 else ""))
@@ -626,11 +707,11 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     # Load: one quantized Linear, or one plain tensor, at a time.
     with torch.no_grad():
         for name in quantized:
-            m = linears[name]
+            N, K = _linear_shape(linears[name])
             try:
-                w = _int4_weight(tensors, name, q, m.out_features, m.in_features, dtype)
+                w = _int4_weight(tensors, name, configs[name], N, K, dtype)
             except (TypeError, ValueError) as err:  # the importers' checks, named by the layer
-                raise type(err)(f"{name} ({q.describe()}): {err}") from None
+                raise type(err)(f"{name} ({configs[name].describe()}): {err}") from None
             bias = tensors.get(f"{name}.bias") if f"{name}.bias" in tensors else None
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -709,7 +790,11 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
         for name, p in list(dense.named_parameters(remove_duplicate=False)):
             module_name, _, leaf = name.rpartition(".")
             if module_name in int4 and leaf == "weight":
-                value = nn.Parameter(int4[module_name].dequantize(), requires_grad=False)
+                w = int4[module_name].dequantize()
+                if isinstance(dense.get_submodule(module_name), nn.Linear):
+                    value = nn.Parameter(w, requires_grad=False)
+                else:  # a Conv1D (GPT-2) holds [in, out]
+                    value = nn.Parameter(w.T.contiguous(), requires_grad=False)
             elif name not in source and module_name in experts:  # 4-bit stacked experts: [E, out, in]
                 w = dequantize(_int4(experts[module_name], leaf))
                 w = w.transpose(1, 2).contiguous() if getattr(experts[module_name], "is_transposed", False) else w

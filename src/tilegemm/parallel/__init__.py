@@ -773,10 +773,14 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
                                  f"from_pretrained splits 4-bit layers (load_sharded_ takes 16-bit ones)")
             m = model.get_submodule(name)
             N, K = m.out_features, m.in_features
+            qm = q.for_module(name)  # (its own config where the checkpoint's "dynamic" gives one)
+            if qm is None or qm.bits != 4:
+                raise ValueError(f"tp_plan splits {name}, which the checkpoint's quantization_config.dynamic stores "
+                                 f"{'16-bit' if qm is None else f'with bits = {qm.bits!r}'}")
             try:
-                w, index = _read_int4_shard(tensors, name, q, N, K, split, rank, world, dtype)
+                w, index = _read_int4_shard(tensors, name, qm, N, K, split, rank, world, dtype)
             except ValueError as err:
-                raise ValueError(f"{name} ({q.describe()}), split {'N' if split == 'out' else 'K'} over {world} "
+                raise ValueError(f"{name} ({qm.describe()}), split {'N' if split == 'out' else 'K'} over {world} "
                                  f"ranks: {err}") from None
             bias = None
             if f"{name}.bias" in tensors:
