@@ -146,6 +146,32 @@ def test_load_quantized_into_a_user_built_model(tmp_path, device):
     assert err < TOL
 
 
+def test_load_quantized_into_a_model_built_on_meta(tmp_path, device):
+    # torch.device("meta") puts the rotary tables on meta too: computed by transformers' own initialisation
+    path, config, reference = _write(tmp_path, method="gptq", group_size=32)
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    load_quantized_(model, path, device=device)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    err = _rel(_logits(model.eval(), device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL
+
+
+def test_a_meta_buffer_nothing_computes_is_refused_first(tmp_path):
+    path, config, _ = _write(tmp_path, method="gptq", group_size=32)
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    model.model.norm.register_buffer("extra", torch.empty(3, device="meta"))  # beside parameters: not initialised
+    with pytest.raises(ValueError, match=r"on the meta device and the checkpoint does not hold them: "
+                                         r"model\.norm\.extra; build the model with only its parameters"):
+        load_quantized_(model, path, device="cpu")
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # nothing changed
+
+
 def test_loading_streams_packed_tensors_only(tmp_path, monkeypatch):
     """Loading reads each stored tensor once, one at a time, and makes no 16-bit weight of a quantized Linear:
     every float tensor made while loading is smaller than those weights, and the built layers hold packed parts

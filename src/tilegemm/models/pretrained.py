@@ -607,6 +607,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     _check_dtype(dtype)
     device = _default_device(device if device is not None else _model_device(model))
     tensors = _Tensors(path, device, model)
+    _compute_meta_buffers_(model, tensors, device)
 
     # Which Linears are stored quantized (each with its own config where "dynamic" says so), and the shapes the
     # model asks of each stored tensor.
@@ -744,6 +745,41 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     if left:
         raise ValueError(f"the checkpoint at {path!r} left parameter(s) of the model unloaded: {', '.join(left[:8])}")
     return model
+
+
+def _compute_meta_buffers_(model: nn.Module, tensors: _Tensors, device: torch.device) -> None:
+    """Buffers on the meta device that the checkpoint does not hold (a model built under ``torch.device("meta")``:
+    its rotary tables, which models compute in ``__init__``): made on ``device`` and computed by transformers'
+    own initialisation of their module (``PreTrainedModel._init_weights``), for modules with no parameters of
+    their own; any left unset is a ValueError, raised before the model is changed."""
+    names = {id(b): n for n, b in model.named_buffers()}
+    wanted = [(n, m) for n, m in model.named_modules()
+              if any(b is not None and b.is_meta and names.get(id(b)) not in tensors for b in m._buffers.values())]
+    if not wanted:
+        return
+    owners = [(n, m) for n, m in model.named_modules() if hasattr(m, "_init_weights") and hasattr(m, "config")]
+    left = []
+    for name, module in wanted:
+        owner = max((o for o in owners if name == o[0] or name.startswith(o[0] + ".") or not o[0]),
+                    key=lambda o: len(o[0]), default=None)
+        metas = {k: b for k, b in module._buffers.items() if b is not None and b.is_meta}
+        if owner is None or any(True for _ in module.parameters(recurse=False)):
+            left += [f"{name}.{k}" for k in metas]
+            continue
+        for k, b in metas.items():  # NaN first: what the initialisation leaves unset shows
+            module._buffers[k] = torch.full(b.shape, float("nan"), dtype=b.dtype, device=device) \
+                if b.is_floating_point() else torch.zeros(b.shape, dtype=b.dtype, device=device)
+        try:
+            with torch.no_grad():
+                owner[1]._init_weights(module)
+        except Exception:  # noqa: BLE001 (named below with the rest)
+            pass
+        left += [f"{name}.{k}" for k in metas if module._buffers[k].is_floating_point()
+                 and bool(module._buffers[k].isnan().any())]
+    if left:
+        raise ValueError(f"buffer(s) of the model are on the meta device and the checkpoint does not hold them: "
+                         f"{', '.join(left[:8])}; build the model with only its parameters on the meta device "
+                         f"(tilegemm.models.pretrained.empty_model(path), or accelerate's init_empty_weights())")
 
 
 def _tied_names(model: nn.Module) -> set[str]:
