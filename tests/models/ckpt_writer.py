@@ -268,7 +268,7 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
                 act_order: bool = False, v2: bool = False, shard_bytes: int = 2**30, not_convert=(),
                 seed: int = 0, drop=(), config_extra: dict | None = None, quant_extra: dict | None = None,
                 mixtral_names: bool = False, shared_gate_up_order: bool = True, stored_name=None,
-                group_size_of=None) -> dict:
+                group_size_of=None, dense_experts=()) -> dict:
     """Write ``model`` (a transformers model with float weights) as a 4-bit checkpoint at ``path``; return the
     reference state dict: each quantized Linear's dequantized weight (fp16) under ``P.weight`` (a MoE block's
     experts: the 3-D weights of the dequantized experts), every other tensor as stored (fp16). ``drop``: tensor
@@ -276,7 +276,8 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
     input order (GPTQ orders a layer's inputs by its Hessian, the same for two projections of one input) unless
     ``shared_gate_up_order`` is False. ``stored_name``: a function of each written tensor's name giving the name
     stored (an older checkpoint's names; the reference keeps the model's). ``group_size_of``: a function of a
-    Linear's name giving its own group size (GPTQModel's per-module ``dynamic`` overrides), else ``group_size``."""
+    Linear's name giving its own group size (GPTQModel's per-module ``dynamic`` overrides), else ``group_size``.
+    ``dense_experts``: experts blocks stored one 16-bit Linear an expert (a block the quantizer left alone)."""
     gen = torch.Generator().manual_seed(seed)
     quantized = set(linear_names(model, not_convert=not_convert))
     writer = Writer(path, shard_bytes)
@@ -308,6 +309,12 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
             deqs = []
             orders = [torch.randperm(tensor.shape[2], generator=gen) if act_order and shared_gate_up_order else None
                       for _ in range(tensor.shape[0])]
+            if module in dense_experts:
+                for proj, w in projs:
+                    for e in range(w.shape[0]):
+                        writer.add(f"{stored_block}.{e}.{proj}.weight", w[e].half())
+                reference[name] = tensor.detach().half()
+                continue
             for proj, w in projs:
                 per_expert = []
                 for e in range(w.shape[0]):

@@ -116,6 +116,24 @@ def test_moe_checkpoint_loads_into_stacked_experts(tmp_path, device, name, monke
     assert err < TOL, f"{name}: logits rel. error {err:.2e}"
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_block_of_16_bit_experts_is_stacked(tmp_path, device, arch):
+    # a block whose experts the quantizer left 16-bit (one Linear an expert), beside a 4-bit one
+    path, config, reference = _write(tmp_path, arch, method="gptq", group_size=32,
+                                     dense_experts=("model.layers.0.mlp.experts",))
+    model = from_pretrained(path, device=device)
+    dense, quant = model.model.layers[0].mlp.experts, model.model.layers[1].mlp.experts
+    for w in ("gate_up_proj", "down_proj"):  # the block's own 3-D weights, as stored (gate rows, then up rows)
+        assert torch.equal(getattr(dense, w).cpu(), reference[f"model.layers.0.mlp.experts.{w}"]), w
+    assert hasattr(quant, "tilegemm_gate_up_proj_qweight") and "gate_up_proj" not in quant._parameters
+    ref = cw.reference_model(config, reference)
+    ref.set_experts_implementation("eager")
+    with torch.no_grad():
+        want = ref(input_ids=IDS).logits.float()
+        got = model(input_ids=IDS.to(device)).logits.float().cpu()
+    assert _rel(got, want) < TOL
+
+
 def test_missing_expert_tensor_is_named(tmp_path, device):
     config = cw.tiny_moe_config(layers=1)
     path = tmp_path / "c"

@@ -477,13 +477,15 @@ def _aliases(name: str) -> list[str]:
 @dataclasses.dataclass
 class _StoredExperts:
     """A transformers experts block (3-D ``gate_up_proj``/``up_proj`` and ``down_proj``) whose checkpoint holds
-    each expert's projections as quantized Linears ``{prefix}.{e}.{proj}``."""
+    each expert's projections as quantized Linears ``{prefix}.{e}.{proj}`` (``dense``: as 16-bit Linears, a block
+    the quantizer left unquantized)."""
 
     name: str
     module: nn.Module
     prefix: str
     num_experts: int
     joined: dict  # the block's weight name -> (the per-expert projections its rows join, (N of each, K))
+    dense: bool = False
 
     def keys(self):
         """(projection prefix, N, K) of every stored expert Linear."""
@@ -504,14 +506,19 @@ def _stored_experts(model: nn.Module, tensors: _Tensors) -> list[_StoredExperts]
         # [E, out, in], or [E, in, out] when the block stores its weights transposed
         (n_up, h), (h_out, i) = ((up.shape[2], up.shape[1]), (down.shape[2], down.shape[1])) if getattr(
             module, "is_transposed", False) else ((up.shape[1], up.shape[2]), (down.shape[1], down.shape[2]))
+        if f"{name}.{up_name}" in tensors:  # stored stacked, as the block holds them: loaded as plain tensors
+            continue
         for prefix in _aliases(name):
-            names = next((n for n in _EXPERT_NAMES if any(f"{prefix}.{e}.{p}.qweight" in tensors
-                                                          for e in range(E) for p in n)), None)
+            for leaf in ("qweight", "weight"):
+                names = next((n for n in _EXPERT_NAMES if any(f"{prefix}.{e}.{p}.{leaf}" in tensors
+                                                              for e in range(E) for p in n)), None)
+                if names is not None:
+                    break
             if names is not None:
                 gate, up_p, down_p = names
                 joined = {up_name: ((gate, up_p), (n_up // 2, h)) if has_gate else ((up_p,), (n_up, h)),
                           "down_proj": ((down_p,), (h_out, i))}
-                found.append(_StoredExperts(name, module, prefix, E, joined))
+                found.append(_StoredExperts(name, module, prefix, E, joined, dense=leaf == "weight"))
                 break
     return found
 
@@ -521,6 +528,17 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
     used = set()
     if getattr(s.module, "has_bias", False):
         problems.append(f"{s.name}: experts with biases are not supported by the per-expert loader")
+    if s.dense:  # 16-bit experts: each expert's projection [N, K]
+        for key, N, K in s.keys():
+            name = f"{key}.weight"
+            if name not in tensors:
+                missing.append(name)
+                continue
+            used.add(name)
+            if tensors.shape(name) != [N, K]:
+                problems.append(f"{name}: the checkpoint's shape {tensors.shape(name)} does not match [{N}, {K}], "
+                                f"what expert {s.name} stores")
+        return used
     for key, N, K in s.keys():
         qk = q.for_module(key)
         if qk is None or qk.bits != 4:
@@ -557,6 +575,23 @@ def _expert_weight(tensors: _Tensors, key: str, q: QuantConfig, N: int, K: int, 
     if q.group_size == -1 and w.group_size != -1:
         w = Int4Weight(w.qweight, w.scales, w.zeros, -1, w.shape, w.perm)
     return w
+
+
+def _load_dense_experts(s: _StoredExperts, tensors: _Tensors, dtype) -> None:
+    """Stack a block's per-expert 16-bit Linears into its 3-D weights (gate rows, then up rows; interleaved for a
+    block whose ``is_concatenated`` is False; ``[E, in, out]`` for a block whose ``is_transposed`` is True)."""
+    interleave = not getattr(s.module, "is_concatenated", True)
+    for wname, (projs, (N, K)) in s.joined.items():
+        experts = []
+        for e in range(s.num_experts):
+            ws = [tensors.get(f"{s.prefix}.{e}.{p}.weight").to(dtype) for p in projs]
+            experts.append(ws[0] if len(ws) == 1 else
+                           torch.stack(ws, 1).reshape(len(ws) * N, K) if interleave else torch.cat(ws, 0))
+            del ws
+        t = torch.stack(experts)
+        if getattr(s.module, "is_transposed", False):
+            t = t.transpose(1, 2).contiguous()
+        _set_tensor(s.module, wname, nn.Parameter(t, requires_grad=False))
 
 
 def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -> None:
@@ -656,7 +691,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     # MoE blocks whose experts the checkpoint stores one quantized Linear per expert: stacked when loading.
     experts = _stored_experts(model, tensors)
     expert_keys = {f"{key}.{p}" for s in experts if s.name in loaded for key, _, _ in s.keys()
-                   for p in ("qweight", "qzeros", "scales", "g_idx", "bias")}  # filled already: not strays
+                   for p in ("qweight", "qzeros", "scales", "g_idx", "bias", "weight")}  # filled already: not strays
     experts = [s for s in experts if s.name not in loaded]
     expert_params = {f"{s.name}.{w}" for s in experts for w in s.joined}
     for s in experts:
@@ -719,7 +754,10 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
             setattr(parent, child, Int4Linear.from_weight(w, None if bias is None else bias.to(dtype)))
             del w, bias
         for s in experts:
-            _load_experts(s, tensors, q, dtype)
+            if s.dense:
+                _load_dense_experts(s, tensors, dtype)
+            else:
+                _load_experts(s, tensors, q, dtype)
         for key, first in expected_plain.items():
             t = tensors.get(key)
             t = t.to(dtype) if t.is_floating_point() else t
@@ -733,7 +771,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         for bname, b in module._buffers.items():
             if b is not None and b.device != device and b.device.type != "meta":
                 module._buffers[bname] = b.to(device)
-    if experts:
+    if any(not s.dense for s in experts):
         use_int4_experts_(model)  # the "tilegemm" experts implementation runs blocks holding 4-bit experts
     elif not register_experts():
         # transformers 4.x (no experts interface): MoE blocks loop over experts held as Linears, here loaded as
