@@ -544,3 +544,22 @@ def test_marlin_flag_refused(tmp_path):
     path, _, _ = _write(tmp_path, method="gptq", group_size=32, quant_extra=dict(is_marlin_format=True))
     with pytest.raises(ValueError, match="checkpoint_format 'marlin' is not supported"):
         from_pretrained(path, device="cpu")
+
+
+def test_a_stored_bias_the_layer_lacks_is_dropped(tmp_path, device):
+    # some exporters store a (zero) bias for every quantized Linear: a Llama layer has none, so it is dropped, as
+    # transformers drops a tensor the model does not have; a nonzero one says so
+    from safetensors.torch import load_file, save_file
+
+    path, config, reference = _write(tmp_path, method="gptq", group_size=32)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(128, dtype=torch.float16)
+    tensors["model.layers.0.self_attn.k_proj.bias"] = torch.ones(64, dtype=torch.float16)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"nonzero model\.layers\.0\.self_attn\.k_proj\.bias") as seen:
+        model = from_pretrained(path, device=device)
+    assert not any("q_proj" in str(w.message) for w in seen)
+    attention = model.model.layers[0].self_attn
+    assert attention.q_proj.bias is None and attention.k_proj.bias is None
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL

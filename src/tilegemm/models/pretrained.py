@@ -749,6 +749,11 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
             except (TypeError, ValueError) as err:  # the importers' checks, named by the layer
                 raise type(err)(f"{name} ({configs[name].describe()}): {err}") from None
             bias = tensors.get(f"{name}.bias") if f"{name}.bias" in tensors else None
+            if bias is not None and linears[name].bias is None:  # the model's layer has none: dropped, as
+                if bool(bias.any()):                             # transformers drops an unexpected tensor
+                    warnings.warn(f"load_quantized_: the checkpoint stores a nonzero {name}.bias, which the model's "
+                                  f"layer does not have: ignored", stacklevel=2)
+                bias = None
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, Int4Linear.from_weight(w, None if bias is None else bias.to(dtype)))
