@@ -266,8 +266,10 @@ def _model_names(model: nn.Module):
         renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
         if not renamings:
             return None
-        for t in renamings:
-            t.rename_source_key("probe.weight")
+        for t in renamings:  # (the form this function reads: a (new name, matched pattern) pair)
+            probe = t.rename_source_key("probe.weight")
+            if not (isinstance(probe, tuple) and isinstance(probe[0], str)):
+                return None
     except Exception:  # noqa: BLE001 (any failure of internals that change between releases: names as stored)
         return None
 
