@@ -67,6 +67,24 @@ def test_quantize_model_in_place(device):
     assert "0.qweight" in sd and "3.weight" in sd
 
 
+def test_quantize_takes_transformers_conv1d(device):
+    # GPT-2's Conv1D (x @ W + b, W [in, out]) becomes the Int4Linear of W's transpose
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(96, 64), nn.ReLU(), Conv1D(64, 96)).half().to(device)
+    original = [model[0].weight.detach().clone(), model[2].weight.detach().clone()]
+    x = torch.randn(2, 3, 64, dtype=torch.float16, device=device)
+    quantize_(model, group_size=32)
+    assert isinstance(model[0], Int4Linear) and (model[0].in_features, model[0].out_features) == (64, 96)
+    for layer, w in zip((model[0], model[2]), original):  # 4-bit round-to-nearest of the [in, out] weight
+        assert_rel_close(layer.dequantize().T, w, 0.15)
+    ref = torch.relu(x.double() @ model[0].dequantize().double().T + model[0].bias.double())
+    ref = ref @ model[2].dequantize().double().T + model[2].bias.double()
+    assert_rel_close(model(x), ref, 2e-3)
+
+
 def test_from_linear_rejects_other_modules():
     with pytest.raises(TypeError, match="nn.Linear"):
         Int4Linear.from_linear(nn.Conv1d(8, 8, 1))

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tilegemm.core.dtypes import dtype_name
-from tilegemm.nn.int4 import Int4Linear
+from tilegemm.nn.int4 import Int4Linear, is_conv1d
 from tilegemm.nn.moe import (_experts_modules, _int4, convert_moe_blocks_, install_int4_experts_, register_experts,
                              use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_gptq
@@ -392,7 +392,7 @@ def _linear_shape(m: nn.Module) -> tuple[int, int] | None:
     transposed weight); None for other modules."""
     if isinstance(m, nn.Linear):
         return m.out_features, m.in_features
-    if type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers") and hasattr(m, "nf"):
+    if is_conv1d(m):
         return int(m.nf), int(m.weight.shape[0])
     return None
 

@@ -110,10 +110,12 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128, symmetric: bool = False) -> "Int4Linear":
-        """Quantize an ``nn.Linear`` (round-to-nearest, per group); fp32 layers get fp16 scales."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"from_linear takes an nn.Linear, got {type(linear).__name__}")
-        w = quantize(linear.weight.detach(), group_size, symmetric)
+        """Quantize an ``nn.Linear`` (round-to-nearest, per group), or transformers' ``Conv1D`` (GPT-2's layers,
+        weight ``[in, out]``: the Linear of its transpose); fp32 layers get fp16 scales."""
+        conv1d = is_conv1d(linear)
+        if not (isinstance(linear, nn.Linear) or conv1d):
+            raise TypeError(f"from_linear takes an nn.Linear (or transformers' Conv1D), got {type(linear).__name__}")
+        w = quantize(linear.weight.detach().T if conv1d else linear.weight.detach(), group_size, symmetric)
         mod = cls.from_weight(w, linear.bias)
         if mod.bias is not None and linear.bias.dtype == torch.float32:  # an fp32 layer stays an fp32 module
             mod.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
@@ -148,14 +150,21 @@ class Int4Linear(nn.Module):
                 f"group_size={self.group_size}, dtype={self.scales.dtype}")
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's layers): ``x @ weight + bias`` with weight ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers") \
+        and hasattr(module, "nf")
+
+
 def _why_kept(module: nn.Module, group_size: int) -> str | None:
     """None when ``quantize_`` can swap ``module``, else the reason it keeps it."""
-    plain = type(module) is nn.Linear or type(module) is Linear and module.activation in (None, "none")
+    plain = type(module) is nn.Linear or type(module) is Linear and module.activation in (None, "none") \
+        or is_conv1d(module)
     if not plain:
         return f"{type(module).__name__} subclasses Linear (its forward may differ)"
     if module.weight.dtype not in _MODULE_DTYPES:
         return f"weight dtype {dtype_name(module.weight.dtype)} (quantize takes fp16, bf16, fp32)"
-    K = module.in_features
+    K = module.weight.shape[0] if is_conv1d(module) else module.in_features
     if K % 8:
         return f"in_features = {K} is not a multiple of 8 (eight 4-bit weights per int32)"
     if group_size != -1 and K % group_size:
@@ -165,8 +174,8 @@ def _why_kept(module: nn.Module, group_size: int) -> str | None:
 
 def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn.Module], bool] | None = None,
               symmetric: bool = False, *, warn: bool = True) -> nn.Module:
-    """Replace, in place, every ``nn.Linear`` of ``model`` (that ``filter(name, module)`` accepts) by an
-    :class:`Int4Linear`, and the experts of transformers' MoE blocks by 4-bit stacked ones
+    """Replace, in place, every ``nn.Linear`` of ``model`` (and transformers' ``Conv1D``, GPT-2's layers) that
+    ``filter(name, module)`` accepts by an :class:`Int4Linear`, and the experts of transformers' MoE blocks by 4-bit stacked ones
     (:func:`tilegemm.nn.moe.quantize_experts_`); returns ``model``.
 
     ``group_size`` is one of 32, 64, 128, 256 or -1 (all of K); anything else is a ValueError before any layer
@@ -187,7 +196,8 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoeBlock)}
     targets = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and id(module) not in routers and (filter is None or filter(name, module)):
+        if (isinstance(module, nn.Linear) or is_conv1d(module)) and id(module) not in routers \
+                and (filter is None or filter(name, module)):
             reason = _why_kept(module, group_size)
             if reason is None:
                 targets.append(name)
