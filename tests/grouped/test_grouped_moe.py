@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import tilegemm  # noqa: E402
 import tilegemm.nn.moe as moe  # noqa: E402
+from tilegemm.nn.convert import ConversionNote  # noqa: E402
 
 from conftest import hide_broken_torchvision  # noqa: E402
 
@@ -114,6 +115,44 @@ def test_quantize_experts_refuses_a_bad_group_size(group_size):
     with pytest.raises(ValueError, match=r"quantize_experts_: group_size must be one of 32, 64, 128, 256, -1"):
         tilegemm.nn.quantize_experts_(ours, group_size=group_size)
     assert hasattr(ours.model.layers[0].mlp.experts, "gate_up_proj")  # nothing changed
+
+
+@pytest.mark.parametrize("hidden_act", ["relu", "gelu_pytorch_tanh"])
+def test_the_blocks_own_activation_is_fused(hidden_act):
+    # Aria's routed experts are SiLU-gated whatever config.hidden_act says (it drives the shared experts only)
+    if not hasattr(transformers, "AriaTextConfig"):
+        pytest.skip("this transformers has no Aria")
+    cfg = transformers.AriaTextConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, moe_num_experts=4, moe_topk=2,
+                                      moe_num_shared_experts=1, hidden_act=hidden_act)
+    eager, ours = pair(cfg)
+    x, idx, w = torch.randn(10, 32), torch.randint(0, 4, (10, 2)), torch.rand(10, 2)
+    with torch.no_grad():
+        want = eager.model.layers[0].mlp.experts(x, idx, w)
+        got = ours.model.layers[0].mlp.experts(x, idx, w)
+    assert moe._fused_activation(ours.model.layers[0].mlp.experts) == "silu"
+    assert (got - want).norm() / want.norm() < 1e-5
+
+
+def test_experts_with_a_forward_of_their_own_are_left_16_bit():
+    # Llama-4's experts hold 3-D weights but run their own forward: quantizing them would break the model
+    if not hasattr(transformers, "Llama4TextConfig"):
+        pytest.skip("this transformers has no Llama-4")
+    cfg = transformers.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=16, intermediate_size_mlp=32,
+                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                                        max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        want = model(ids).logits
+    assert tilegemm.nn.quantize_experts_(model, group_size=32) == []
+    with pytest.warns(ConversionNote, match=r"model\.layers\.0\.feed_forward\.experts: Llama4TextExperts "
+                                                        r"holds stacked experts but runs a forward of its own"):
+        tilegemm.nn.quantize_(model, group_size=32, filter=lambda name, m: "experts" in name)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)  # (the filter took no Linear: nothing changed)
 
 
 def test_nn_quantize_covers_experts():

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tilegemm.nn.moe import SparseMoeBlock, convert_moe_blocks_, quantize_experts_
+from tilegemm.nn.moe import SparseMoeBlock, _stacked_experts, convert_moe_blocks_, quantize_experts_
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.convert import ConversionNote
 from tilegemm.nn.linear import Linear
@@ -208,9 +208,12 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Int4Linear.from_linear(getattr(parent, child), group_size, symmetric))
     quantize_experts_(model, group_size, filter, symmetric)  # transformers' MoE blocks: their 3-D experts
+    skipped += [(name, f"{type(m).__name__} holds stacked experts but runs a forward of its own, not transformers' "
+                       f"experts interface: its experts stay 16-bit")
+                for name, m, takes in _stacked_experts(model) if not takes and (filter is None or filter(name, m))]
     model.tilegemm_skipped = skipped
     if skipped and warn:
         listing = "; ".join(f"{n}: {r}" for n, r in skipped)
-        warnings.warn(f"tilegemm.nn.quantize_ kept {len(skipped)} Linear layer(s) as they were: {listing}",
+        warnings.warn(f"tilegemm.nn.quantize_ kept {len(skipped)} layer(s) as they were: {listing}",
                       ConversionNote, stacklevel=2)
     return model

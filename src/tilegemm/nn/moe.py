@@ -166,6 +166,9 @@ def _fused_activation(module) -> str | None:
     gate = getattr(type(module), "_apply_gate", None)
     if gate is not None and _default_gate is not None and gate is not _default_gate:
         return None
+    act_fn = getattr(module, "act_fn", None)
+    if isinstance(act_fn, torch.nn.Module):  # the block's own activation (Aria's experts: SiLU whatever the config)
+        return _FUSABLE_MODULES.get(type(act_fn).__name__)
     act = getattr(getattr(module, "config", None), "hidden_act", None)
     return _FUSABLE.get(act) if isinstance(act, str) else None
 
@@ -219,12 +222,24 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
 # --- 4-bit experts -----------------------------------------------------------------------------------------------
 
 
-def _experts_modules(model: torch.nn.Module):
-    """(name, module) of every transformers experts block: 3-D ``down_proj`` and ``gate_up_proj``/``up_proj``."""
+def _stacked_experts(model: torch.nn.Module):
+    """(name, module, takes) of every module holding stacked experts (3-D ``down_proj`` and ``gate_up_proj`` /
+    ``up_proj``); ``takes``: whether its forward dispatches through transformers' experts interface (its class
+    decorated with ``use_experts_implementation``, which sets the layout flags read here) or is tilegemm's own
+    block. Others (Llama-4's experts, with a forward of their own) never run tilegemm's experts."""
     for name, module in model.named_modules():
         down = getattr(module, "down_proj", None)
         up = getattr(module, "gate_up_proj", getattr(module, "up_proj", None))
         if isinstance(down, torch.Tensor) and isinstance(up, torch.Tensor) and down.dim() == 3 and up.dim() == 3:
+            takes = isinstance(module, SparseMoeBlock) or all(
+                hasattr(module, a) for a in ("has_gate", "is_transposed", "is_concatenated"))
+            yield name, module, takes
+
+
+def _experts_modules(model: torch.nn.Module):
+    """(name, module) of every experts block that runs tilegemm's experts (:func:`_stacked_experts`)."""
+    for name, module, takes in _stacked_experts(model):
+        if takes:
             yield name, module
 
 
