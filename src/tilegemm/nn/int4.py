@@ -175,8 +175,8 @@ def _why_kept(module: nn.Module, group_size: int) -> str | None:
 def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn.Module], bool] | None = None,
               symmetric: bool = False, *, warn: bool = True) -> nn.Module:
     """Replace, in place, every ``nn.Linear`` of ``model`` (and transformers' ``Conv1D``, GPT-2's layers) that
-    ``filter(name, module)`` accepts by an :class:`Int4Linear`, and the experts of transformers' MoE blocks by 4-bit stacked ones
-    (:func:`tilegemm.nn.moe.quantize_experts_`); returns ``model``.
+    ``filter(name, module)`` accepts by an :class:`Int4Linear`, and the experts of transformers' MoE blocks by
+    4-bit stacked ones (:func:`tilegemm.nn.moe.quantize_experts_`); returns ``model``.
 
     ``group_size`` is one of 32, 64, 128, 256 or -1 (all of K); anything else is a ValueError before any layer
     changes. Layers it cannot take (in_features not a multiple of 8 or of the group size, subclasses of Linear,
