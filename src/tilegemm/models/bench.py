@@ -187,9 +187,13 @@ class LlamaDecodeBench(ModelBench):
             dec = llama.Decoder(model, batch, prompt_len + 1, device, graph=mode == "graph",
                                 compiled=mode == "compile", repeat=True)
             dec.prefill(prompt)
+            decoders[name] = dec
+        for dec in decoders.values():
+            # every row steps on the baseline's next token: its own argmax may differ on a near-tie (bf16), and
+            # the logits after two different tokens are not comparable
+            dec.ids.copy_(decoders["fp16"].ids)
             if dec.graph:
                 dec.capture()
-            decoders[name] = dec
         reference = decoders["fp16"].next_logits().float()
         return Prepared([decoders], reference, bytes_per_set=_nbytes(int4))
 
@@ -734,7 +738,7 @@ class MoEBench(ModelBench):
         self._compiled = self._compiled or mode == "compile"
         d["experts_share"] = round(self._share, 4)  # what a check of the logits can see of the experts
         d["experts_rel_err"] = float(f"{self._experts_err:.3g}")
-        calls = {}
+        calls, decoders = {}, {}
         for row, (m, impl) in rows.items():
             self._use(m, impl)
             if mode == "prefill":
@@ -746,7 +750,13 @@ class MoEBench(ModelBench):
             # x 512 tokens of Qwen3-30B-A3B: 600 GB); the cache it fills is the same
             self._use(m, "grouped_mm" if impl == "batched_mm" else impl)
             dec.prefill(prompt)
+            decoders[row] = dec
+        for row, dec in decoders.items():
+            m, impl = rows[row]
             self._use(m, impl)
+            # every row steps on the baseline's next token: its own argmax may differ on a near-tie (bf16), and
+            # the logits after two different tokens are not comparable
+            dec.ids.copy_(decoders["baseline"].ids)
             if dec.graph:
                 dec.capture()  # a replay no longer reads the implementation
                 calls[row] = dec.next_logits
