@@ -8,6 +8,7 @@ is imported; every command (and ``bench --help``, which lists the registered ops
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 EXAMPLES = """\
@@ -176,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         parser.print_help()  # no command at all
         return 2
+    for name in ("TILEGEMM_INTERPRET",):  # read when tilegemm is imported: a bad value is the user's to fix
+        value = os.environ.get(name)
+        if value is not None and value.strip().lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off",
+                                                                ""):
+            print(f"tilegemm: error: {name}={value!r}: expected 1 or 0", file=sys.stderr)
+            return 2
     from tilegemm.cli import main as run
 
     return run(argv)

@@ -19,6 +19,8 @@ def _read_shapes_file(path: str) -> list[str]:
         lines = Path(path).read_text().splitlines()
     except OSError as err:
         raise UsageError(f"cannot read --shapes file {path!r}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--shapes file {path!r} is not text (one shape per line)") from None
     shapes = [line.split("#", 1)[0].strip() for line in lines]
     shapes = [s for s in shapes if s]
     if not shapes:  # (not the default sweep: on a GPU that is minutes of shapes nobody asked for)
@@ -93,6 +95,9 @@ def cmd_bench(args, console, err_console) -> int:
             except TypeError:
                 flags = " and ".join(f"--{k}" for k in kwargs)
                 raise UsageError(f"{flags} does not apply to --model {args.model}") from None
+            if args.layers is not None and interpreting():
+                raise UsageError("--layers sets the depth of the full-size model, which runs on a GPU; under "
+                                 "Triton's interpreter the tiny model (2 layers) runs")
             if args.cuda_graph:
                 raise UsageError(f"--cuda-graph does not apply to --model {args.model}: its cases say how each "
                                  "model runs (eager, graph, compile)")
@@ -115,7 +120,7 @@ def cmd_bench(args, console, err_console) -> int:
         if args.kernels.strip() == "all":
             kernels = op.kernel_names(dtype)
         else:
-            kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+            kernels = list(dict.fromkeys(k.strip() for k in args.kernels.split(",") if k.strip()))  # (once each)
             if not kernels:
                 raise UsageError("--kernels is empty")
             for k in kernels:
@@ -130,6 +135,9 @@ def cmd_bench(args, console, err_console) -> int:
                    memory_format=args.memory_format)
     try:
         op.check_options(options, dtype)
+        batch_of = getattr(op, "batch_of", None)
+        for case in cases if batch_of is not None else ():  # (a case's own batch against --batch: before any run)
+            batch_of(case, options)
     except BenchError as err:
         raise UsageError(str(err)) from None
     _check_outputs(args)

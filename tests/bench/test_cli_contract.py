@@ -231,3 +231,45 @@ def test_any_bench_command_line_runs_or_fails_in_one_line(op, data, capsys):
         assert len(err.splitlines()) == 1 and err.startswith("tilegemm: error:"), (argv, err)
     else:
         assert "error:" not in captured.out and "WRONG" not in captured.out, (argv, captured.out)
+
+
+def test_a_shapes_file_that_is_not_text_is_an_error(tmp_path, capsys):
+    shapes = tmp_path / "shapes.bin"
+    shapes.write_bytes(bytes(range(128, 256)))
+    _one_line_exit_2(["bench", "--shapes", str(shapes), "--quiet", "--no-save"], "is not text", capsys)
+
+
+def test_a_batched_case_with_batch_is_an_error_before_any_run(capsys):
+    _one_line_exit_2(["bench", "--sweep", "batched", "--batch", "2", "--quiet", "--no-save"],
+                     "--batch 2 does not apply to", capsys)
+
+
+def test_a_bad_interpreter_flag_is_one_line(tmp_path):
+    env = dict(os.environ, TILEGEMM_INTERPRET="bogus", PYTHONPATH=str(ROOT / "src"))
+    run = subprocess.run([sys.executable, "-m", "tilegemm_cli", "bench"], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120)
+    assert run.returncode == 2 and run.stderr.strip() == "tilegemm: error: TILEGEMM_INTERPRET='bogus': expected 1 or 0"
+
+
+@cpu_only
+def test_a_kernel_named_twice_runs_once(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["bench", "--kernels", "naive,naive", "--shape", "8,8,8", "--quiet", "--json", str(out)]) == 0
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert sum(r["kernel"] == "naive" for r in rows) == 1, rows
+
+
+def test_json_holds_no_infinity(tmp_path):
+    # a wrong kernel's error is inf: written as null, which every JSON parser reads
+    import json
+
+    from tilegemm.bench.report import write_json
+
+    row = Row(op="matmul", kernel="k", shape="s", dims={"e": float("nan")}, x=1.0, dtype="fp16", layout="NN",
+              batch=1, status="wrong", rel_err=float("inf"), ms=1.0)
+    result = BenchResult(meta={"op": "matmul"}, rows=[row])
+    write_json(result, tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert data["rows"][0]["rel_err"] is None and data["rows"][0]["dims"]["e"] is None

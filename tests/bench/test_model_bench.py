@@ -145,6 +145,8 @@ def test_bad_model_arguments_exit_2_with_one_line(argv, needle, capsys):
         (["--op", "conv2d", "--model", "resnet50", "--shape", "2,compile"], "runs in mode eager here, not 'compile'"),
         (["--op", "w4a16", "--model", "llama", "--sweep", "decode"], "needs a CUDA GPU; under the interpreter run "
                                                                      "--sweep tiny"),
+        (["--op", "grouped", "--model", "mixtral", "--layers", "5"], "--layers sets the depth of the full-size model, "
+                                                                      "which runs on a GPU"),
     ],
 )
 def test_gpu_only_cases_are_refused_under_the_interpreter(argv, needle, capsys):

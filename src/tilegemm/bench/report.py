@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 from rich.console import Console
@@ -156,8 +157,19 @@ def print_report(result: BenchResult, console: Console) -> None:
                       "GPU performance. Correctness checks are real.[/]")
 
 
+def _finite(value):
+    """``value`` with every non-finite float as None (JSON has no Infinity or NaN; a wrong kernel's error is inf)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write_json(result: BenchResult, path) -> None:
-    atomic_write(path, lambda f: json.dump(result.to_dict(), f, indent=1, default=str))
+    atomic_write(path, lambda f: json.dump(_finite(result.to_dict()), f, indent=1, default=str, allow_nan=False))
 
 
 def write_csv(result: BenchResult, path) -> None:

@@ -89,7 +89,17 @@ class LlamaDecodeBench(ModelBench):
             try:  # refuse a directory that cannot load before any case runs
                 config = pretrained.read_config(checkpoint)
                 self._quant = pretrained.quant_config(config)
-            except (OSError, TypeError, ValueError) as err:
+                single, index = (os.path.join(os.fspath(checkpoint), f) for f in (pretrained.SINGLE_FILE,
+                                                                                 pretrained.INDEX_FILE))
+                if not (os.path.isfile(single) or os.path.isfile(index)):
+                    raise FileNotFoundError(f"{os.fspath(checkpoint)!r} has neither {pretrained.SINGLE_FILE} nor "
+                                            f"{pretrained.INDEX_FILE}")
+                import transformers
+
+                transformers.AutoConfig.from_pretrained(os.fspath(checkpoint))  # (a model type it knows)
+            except ImportError as err:
+                raise BenchError(f"--checkpoint needs transformers and safetensors: {err}") from None
+            except (OSError, TypeError, ValueError, KeyError) as err:
                 raise BenchError(f"--checkpoint: {err}") from None
             self.checkpoint, self._ckpt_config = os.fspath(checkpoint), config
         self.sweeps = {"decode": self._decode_cases, "tiny": self._tiny_cases}
