@@ -80,7 +80,8 @@ def _add_bench(sub, detailed: bool) -> None:
                    help="matmul: T reads that operand as a transposed view (default NN; NT for fp8)")
     p.add_argument("--batch", type=int, default=1, help="matmul: batch count (default 1)")
     p.add_argument("--mode", default="fwd", choices=["fwd", "bwd"],
-                   help="conv2d: time the forward pass (default) or the backward pass (data + weight gradients)")
+                   help="conv2d and grouped: time the forward pass (default) or the backward pass (the gradients "
+                        "of the inputs and weights)")
     p.add_argument("--memory-format", default="channels_last", choices=["channels_last", "nchw"],
                    help="conv2d: the activations' and weights' layout on both sides (default channels_last; "
                         "nchw: contiguous, as torch makes them)")

@@ -172,6 +172,15 @@ def short_name(rung: str, cfg: dict) -> str:
     return " ".join(parts)
 
 
+def _host_descriptors_fit(p) -> bool:
+    """Whether host-made TMA descriptors can describe ``p``'s operands and output (16-byte aligned bases and rows;
+    ``persistent_tma.host_descriptors`` asserts it)."""
+    from tilegemm.core.hardware import tma_aligned
+
+    _, _, stride_a, stride_b = p.tma_view
+    return tma_aligned(p.a, stride_a) and tma_aligned(p.b, stride_b) and tma_aligned(p.out, p.out_strides[1])
+
+
 def field(p, rungs, most: int | None) -> dict:
     """{name: (rung, config)} of the candidate configs of ``rungs`` for GEMM problem ``p``; ``most``: at most this
     many of each rung."""
@@ -179,7 +188,10 @@ def field(p, rungs, most: int | None) -> dict:
 
     out = {}
     for rung in rungs:
+        host_desc = rung != "persistent_tma" or _host_descriptors_fit(p)
         for cfg in candidates(rung, p, [])[:most]:
+            if cfg.get("HOST_DESC") and not host_desc:
+                continue  # (host descriptors need what TMA describes: 16-byte aligned rows, ...)
             name = short_name(rung, cfg)
             n = 2
             while name in out:  # configs differing only in what the short name leaves out
