@@ -155,6 +155,25 @@ def test_experts_with_a_forward_of_their_own_are_left_16_bit():
         assert torch.equal(model(ids).logits, want)  # (the filter took no Linear: nothing changed)
 
 
+def test_quantize_keeps_the_routers_16_bit():
+    # a router reads its own weight (LongCat's casts it to fp32): quantize_ leaves the MoE blocks' routers alone
+    if "longcat_flash" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip("this transformers has no LongCat-Flash")
+    cfg = transformers.AutoConfig.for_model(
+        "longcat_flash", vocab_size=64, hidden_size=64, num_layers=1, num_attention_heads=4, num_key_value_heads=4,
+        ffn_hidden_size=64, expert_ffn_hidden_size=32, n_routed_experts=8, zero_expert_num=2, moe_topk=2,
+        num_experts_per_tok=2, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32,
+        q_lora_rank=32, head_dim=8, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="tilegemm").eval().half()
+    tilegemm.nn.quantize_(model, group_size=32, warn=False)
+    mlp = model.model.layers[0].mlp
+    assert type(mlp.router.classifier) is torch.nn.Linear
+    assert hasattr(mlp.experts, "tilegemm_gate_up_proj_qweight")
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, 64, (1, 5))).logits).all()
+
+
 def test_nn_quantize_covers_experts():
     _, ours = pair(qwen3_moe())
     ours = ours.half()  # (Int4Linear takes 16-bit activations)

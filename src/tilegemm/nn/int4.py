@@ -172,6 +172,26 @@ def _why_kept(module: nn.Module, group_size: int) -> str | None:
     return None
 
 
+# The names transformers' MoE blocks give the Linear that scores the experts (LongCat's router.classifier).
+_ROUTER_NAMES = {"gate", "router", "classifier", "gating"}
+
+
+def _router_ids(model: nn.Module) -> set[int]:
+    """The routers of transformers' MoE blocks: Linears inside the module holding an experts block, outside the
+    experts, under a router's name. Kept 16-bit as quantized checkpoints keep them (a model may read a router's
+    weight itself: LongCat casts it to fp32)."""
+    ids = set()
+    for name, _, _ in _stacked_experts(model):
+        parent_name = name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        experts = model.get_submodule(name)
+        inner = {id(m) for m in experts.modules()}
+        for sub, m in parent.named_modules():
+            if isinstance(m, nn.Linear) and id(m) not in inner and _ROUTER_NAMES & set(sub.split(".")):
+                ids.add(id(m))
+    return ids
+
+
 def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn.Module], bool] | None = None,
               symmetric: bool = False, *, warn: bool = True) -> nn.Module:
     """Replace, in place, every ``nn.Linear`` of ``model`` (and transformers' ``Conv1D``, GPT-2's layers) that
@@ -193,7 +213,7 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     # transformers 4.x's MoE blocks first: their experts stacked (then made 4-bit below), not one Int4Linear each;
     # their routers stay 16-bit (as quantized checkpoints keep them)
     _, skipped = convert_moe_blocks_(model, filter)
-    routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoeBlock)}
+    routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoeBlock)} | _router_ids(model)
     targets = []
     for name, module in model.named_modules():
         if (isinstance(module, nn.Linear) or is_conv1d(module)) and id(module) not in routers \
