@@ -74,7 +74,7 @@ LAYERS = [  # (N, C, H, W, K, R, stride, pad, groups): what auto picks for the c
     pytest.param(2, 64, 14, 14, 128, 1, 2, 0, 1, id="1x1-stride2"),
     pytest.param(2, 96, 19, 21, 96, 3, 1, 1, 96, id="depthwise"),
     pytest.param(2, 144, 28, 28, 144, 3, 2, 1, 144, id="depthwise-stride2"),
-    pytest.param(2, 24, 15, 15, 40, 3, 1, 1, 1, id="C24-not-tma"),
+    pytest.param(2, 24, 15, 15, 40, 3, 1, 1, 1, id="C24-padded"),  # odd channels: the padded route's own copy
     pytest.param(2, 64, 9, 11, 64, 3, 1, 1, 2, id="groups2"),
 ]
 
@@ -85,11 +85,12 @@ LAYERS = [  # (N, C, H, W, K, R, stride, pad, groups): what auto picks for the c
 @pytest.mark.parametrize("N,C,H,W,K,R,stride,pad,groups", LAYERS)
 def test_gpu_nchw_forward_through_the_route(N, C, H, W, K, R, stride, pad, groups, weight_format, dtype,
                                             monkeypatch):
-    from tilegemm.ops.conv2d import dispatch
+    from tilegemm.ops.conv2d import dispatch, padded
 
-    taken = []
-    real = layout.workspace_view
+    taken, padded_runs = [], []
+    real, real_padded = layout.workspace_view, padded.run
     monkeypatch.setattr(layout, "workspace_view", lambda t, tag: taken.append(tag) or real(t, tag))
+    monkeypatch.setattr(padded, "run", lambda p: padded_runs.append(p) or real_padded(p))
     replay.REPLAYS.clear()
     w = (torch.randn(K, C // groups, R, R, device="cuda") / (C // groups * R * R) ** 0.5).to(dtype)
     if weight_format == "cl":
@@ -107,6 +108,8 @@ def test_gpu_nchw_forward_through_the_route(N, C, H, W, K, R, stride, pad, group
     assert outs[1].data_ptr() != outs[2].data_ptr()
     if R == 1 and stride == 1:  # one batched GEMM over the NCHW tensors, no copy
         assert "conv2d-nchw-input" not in taken
+    elif C % 16 and groups == 1:  # channels padded to the TMA kernel's step, from the NCHW input in one pass
+        assert padded_runs and "conv2d-nchw-input" not in taken
     else:  # transposed, then a kernel of the channels-last input; every launch Triton's, so the call replays
         assert taken.count("conv2d-nchw-input") == 1  # trials 2 and 3 replayed: no second full path
         assert replay.REPLAYS.count() == 1

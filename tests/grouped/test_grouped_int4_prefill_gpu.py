@@ -13,9 +13,9 @@ import torch
 import tilegemm
 from tilegemm.core import registry
 from tilegemm.core.activations import torch_activation
-from tilegemm.core.hardware import why_not_tma
+from tilegemm.core.hardware import why_not_gluon, why_not_tma
 from tilegemm.core.runtime import new_output
-from tilegemm.ops.grouped import dequant, dispatch
+from tilegemm.ops.grouped import configs, dequant, dispatch
 from tilegemm.ops.grouped.api import moe_gate_up_int4
 from tilegemm.ops.grouped.op import REPLAYS, forward_int4
 from tilegemm.ops.grouped.problem import GroupedInt4Problem
@@ -99,12 +99,17 @@ def test_matches_the_reference(monkeypatch, dtype, gated, group_size, K):
 @pytest.mark.skipif(why_not_tma() is not None, reason="needs a Hopper GPU for TMA")
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_product_runs_on_tma_on_hopper(monkeypatch, gated):
-    calls = spy(monkeypatch, "grouped", "tma")
+    # the 16-bit product on the scratch takes the 16-bit forward's rule: the plain one gluon where Gluon runs
+    # and the experts have rows enough, the rest tma
+    calls = {name: spy(monkeypatch, "grouped", name) for name in ("tma", "gluon")}
     w = experts(8, 512, 512, torch.bfloat16)
     x = torch.randn(sum(SKEWED), 512, device="cuda", dtype=torch.bfloat16)
     offs = offs_of(SKEWED)
     out = run(x, w, offs, None, "silu" if gated else "none", gated)
-    assert len(calls) == 1 and calls[0].b.stride(1) == 1  # the scratch [E, N, K], read column-major
+    want = "gluon" if not gated and why_not_gluon() is None else "tma"
+    assert sum(SKEWED) >= configs.TMA_HALF_TILE_MAX_ROWS * 8  # gluon's rows an expert
+    assert [len(calls["tma"]), len(calls["gluon"])] == ([1, 0] if want == "tma" else [0, 1])
+    assert calls[want][0].b.stride(1) == 1  # the scratch [E, N, K], read column-major
     assert_rel_close(out, reference(x, w, offs, None, "silu" if gated else "none", gated), tolerance(torch.bfloat16))
 
 

@@ -90,12 +90,13 @@ def test_no_host_sync_on_the_call():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_backward_of_the_moe_product_runs_on_it(monkeypatch, dtype):
-    # 256+ tokens an expert: auto takes dB = grouped(A^T, dY) to tma_k, inside autograd's device thread (whose
-    # context has no Triton allocator until the launch sets one)
+    # tokens enough an expert on average: auto takes dB = grouped(A^T, dY) to tma_k, inside autograd's device
+    # thread (whose context has no Triton allocator until the launch sets one)
     calls = []
     real = registry.launcher("grouped", "tma_k")
     monkeypatch.setitem(registry._LAUNCHERS, ("grouped", "tma_k"), lambda p, *a: (calls.append(p), real(p, *a))[1])
-    sizes, K, N = [0, 700, 300, 1, 900, 0, 400, 0], 512, 384
+    sizes, K, N = [0, 1400, 600, 1, 1800, 0, 800, 0], 512, 384
+    assert sum(sizes) >= dispatch.TMA_K_MIN_TOKENS_PER_GROUP * len(sizes)  # the rule's side the test is about
     x = torch.randn(sum(sizes) + 5, K, device="cuda", dtype=dtype, requires_grad=True)
     w = (torch.randn(len(sizes), N, K, device="cuda", dtype=dtype) / K ** 0.5).transpose(1, 2).requires_grad_()
     offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)

@@ -197,7 +197,7 @@ class Int4Weight:
         made = self._frag_gated if gated else self._frag
         if made is not None:
             return made
-        if self.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+        if self.qweight.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
             # Packing inside a capture would run again on every replay of the graph (and copies from the host,
             # which a capture refuses): the layout must exist before.
             raise RuntimeError("this Int4Weight's fragment layout cannot be made during CUDA graph capture: "
