@@ -134,25 +134,97 @@ def test_the_blocks_own_activation_is_fused(hidden_act):
     assert (got - want).norm() / want.norm() < 1e-5
 
 
-def test_experts_with_a_forward_of_their_own_are_left_16_bit():
-    # Llama-4's experts hold 3-D weights but run their own forward: quantizing them would break the model
-    if not hasattr(transformers, "Llama4TextConfig"):
-        pytest.skip("this transformers has no Llama-4")
-    cfg = transformers.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=16, intermediate_size_mlp=32,
-                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
-                                        max_position_embeddings=64)
+def llama4():
+    return transformers.Llama4TextConfig(vocab_size=64, hidden_size=64, intermediate_size=32, intermediate_size_mlp=32,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                         interleave_moe_layer_step=1, max_position_embeddings=64)
+
+
+def dbrx():
+    return transformers.DbrxConfig(vocab_size=64, d_model=64, n_heads=4, n_layers=1, max_seq_len=64,
+                                   attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                                   ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2))
+
+
+def jetmoe():
+    return transformers.JetMoeConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, kv_channels=16,
+                                     intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                     max_position_embeddings=64)
+
+
+OWN_FORWARD = [  # (config, its class in transformers, the state dict keeps its names)
+    pytest.param(llama4, "Llama4TextConfig", True, id="llama4"),
+    pytest.param(dbrx, "DbrxConfig", False, id="dbrx"),
+    pytest.param(jetmoe, "JetMoeConfig", False, id="jetmoe"),
+]
+
+
+@pytest.mark.parametrize("make,config_class,same_names", OWN_FORWARD)
+def test_experts_with_a_forward_of_their_own_are_converted(make, config_class, same_names):
+    # Llama-4, DBRX and JetMoE run their experts outside the experts interface: convert_ puts StackedExperts in
+    # their place; logits, gradients and the 4-bit experts (against their dequantized weights) as eager's
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"this transformers has no {config_class}")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    ids = torch.randint(0, 64, (1, 5))
+    eager = transformers.AutoModelForCausalLM.from_config(make()).eval()
     with torch.no_grad():
-        want = model(ids).logits
+        for p in eager.parameters():  # (Llama-4 builds its experts' gate/up as zeros)
+            if not p.abs().sum():
+                p.normal_(std=0.05)
+    assert tilegemm.nn.quantize_experts_(copy.deepcopy(eager), group_size=32) == []  # not before converting
+    ours = tilegemm.nn.convert_(copy.deepcopy(eager), conv=False, linear=False)
+    stacked = [m for m in ours.modules() if isinstance(m, moe.StackedExperts)]
+    assert len(stacked) == 1 and moe._fused_activation(stacked[0]) == "silu"
+    assert (set(ours.state_dict()) == set(eager.state_dict())) is same_names
+    ids = torch.randint(0, 64, (2, 7))
+    want, got = eager(ids).logits, ours(ids).logits
+    assert (got - want).norm() / want.norm() < 1e-5
+    want.square().mean().backward()
+    got.square().mean().backward()
+    grads = dict(eager.named_parameters())
+    shared = [n for n, p in ours.named_parameters() if n in grads]
+    assert len(shared) >= 8
+    for n in shared:
+        g, w = dict(ours.named_parameters())[n].grad, grads[n].grad
+        assert (g - w).norm() <= 1e-5 * w.norm() + 1e-12, n
+    # 4-bit experts: the converted model with its experts' dequantized weights is the reference
+    ref = copy.deepcopy(ours)
+    assert len(tilegemm.nn.quantize_experts_(ours, group_size=32)) == 1
+    four, dense = stacked_of(ours), stacked_of(ref)
+    with torch.no_grad():
+        for n in ("gate_up_proj", "down_proj"):
+            w = tilegemm.w4a16.dequantize(moe._int4(four, n)).float()
+            getattr(dense, n).copy_(w.transpose(1, 2) if dense.is_transposed else w)
+        got4, want4 = ours(ids).logits, ref(ids).logits
+    assert (got4 - want4).norm() / want4.norm() < 1e-4
+
+
+def stacked_of(model):
+    return next(m for m in model.modules() if isinstance(m, moe.StackedExperts))
+
+
+def test_quantize_names_experts_with_a_forward_of_their_own():
+    # a module holding 3-D experts whose class runs its own forward (none of OWN_FORWARD_BLOCKS): quantizing them
+    # would break it, so quantize_ leaves them 16-bit and says so
+    class OwnExperts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 64, 64) / 8)
+            self.down_proj = torch.nn.Parameter(torch.randn(4, 32, 64) / 8)
+
+        def forward(self, x):
+            return torch.relu(x @ self.gate_up_proj[0])[..., :32] @ self.down_proj[0]
+
+    model = torch.nn.Sequential(OwnExperts()).eval()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = model(x)
     assert tilegemm.nn.quantize_experts_(model, group_size=32) == []
-    with pytest.warns(ConversionNote, match=r"model\.layers\.0\.feed_forward\.experts: Llama4TextExperts "
-                                                        r"holds stacked experts but runs a forward of its own"):
-        tilegemm.nn.quantize_(model, group_size=32, filter=lambda name, m: "experts" in name)
+    with pytest.warns(ConversionNote, match=r"0: OwnExperts holds stacked experts but runs a forward of its own"):
+        tilegemm.nn.quantize_(model, group_size=32)
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, want)  # (the filter took no Linear: nothing changed)
+        assert torch.equal(model(x), want)
 
 
 def test_quantize_keeps_the_routers_16_bit():

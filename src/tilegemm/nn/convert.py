@@ -48,7 +48,8 @@ def convert_(
     ``moe=True``: the sparse MoE blocks of a transformers 4.x model (its experts a ModuleList of MLPs: Mixtral,
     Qwen2-MoE, Qwen3-MoE, OLMoE) become :class:`tilegemm.nn.moe.SparseMoeBlock`, their experts stacked and run by
     tilegemm's grouped kernels (with transformers 5, build the model with ``experts_implementation="tilegemm"``
-    instead).
+    instead); and the blocks whose experts run code of their own, not transformers' experts interface (Llama-4,
+    DBRX, JetMoE: :data:`tilegemm.nn.moe.OWN_FORWARD_BLOCKS`), get experts run by those kernels.
 
     ``filter(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
     swapped (subclasses with their own forward, float64 weights, ...) are kept, and one

@@ -159,7 +159,7 @@ def keep_fragments_(module, name: str, w: Int4Weight) -> None:
 
 def _fused_activation(module) -> str | None:
     """The epilogue activation of a gated block whose gate can be fused, else None."""
-    if isinstance(module, SparseMoeBlock):
+    if isinstance(module, (SparseMoeBlock, StackedExperts)):
         return module.fused_activation
     if not getattr(module, "is_concatenated", True):
         return None
@@ -226,7 +226,8 @@ def _stacked_experts(model: torch.nn.Module):
     """(name, module, takes) of every module holding stacked experts (3-D ``down_proj`` and ``gate_up_proj`` /
     ``up_proj``); ``takes``: whether its forward dispatches through transformers' experts interface (its class
     decorated with ``use_experts_implementation``, which sets the layout flags read here) or is tilegemm's own
-    block. Others (Llama-4's experts, with a forward of their own) never run tilegemm's experts."""
+    block. Others (a class running a forward of its own) never run tilegemm's experts; Llama-4's, DBRX's and JetMoE's
+    are replaced by :func:`convert_moe_blocks_` first (:data:`OWN_FORWARD_BLOCKS`)."""
     for name, module in model.named_modules():
         down = getattr(module, "down_proj", None)
         up = getattr(module, "gate_up_proj", getattr(module, "up_proj", None))
@@ -469,21 +470,145 @@ class SparseMoeBlock(torch.nn.Module):
         return out.view(B, S, H), router_logits
 
 
+# --- transformers' blocks whose experts run a forward of their own (no experts interface) -----------------------
+
+
+class StackedExperts(torch.nn.Module):
+    """Gated experts held as transformers' experts interface holds them and run by :func:`experts_forward`:
+    ``gate_up_proj`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows) and ``down_proj`` ``[E, H, I]``, or,
+    ``is_transposed``, ``[E, H, 2I]`` and ``[E, I, H]``; ``act_fn`` the gate's activation (fused in the first
+    product's epilogue for SiLU, ReLU and tanh-GELU). :func:`convert_moe_blocks_` puts it in place of the experts
+    of the transformers blocks that run their own loop or batched product (:data:`OWN_FORWARD_BLOCKS`), so that
+    they run on the grouped kernels and ``tilegemm.nn.quantize_`` makes them 4-bit as it does the interface's.
+    Called as those experts are: ``(hidden_states [..., H], top_k_index [T, k], top_k_weights [T, k])``."""
+
+    has_gate = is_concatenated = True
+    has_bias = False
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn, is_transposed: bool):
+        super().__init__()
+        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+            raise ValueError(f"stacked experts need 3-D weights of one expert count, got {tuple(gate_up.shape)} "
+                             f"and {tuple(down.shape)}")
+        for n, t in (("gate_up_proj", gate_up), ("down_proj", down)):  # the same Parameter where given one
+            setattr(self, n, t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, t.requires_grad))
+        self.act_fn = act_fn
+        self.is_transposed = is_transposed
+        self.num_experts = gate_up.shape[0]
+        self.fused_activation = _FUSABLE_MODULES.get(type(act_fn).__name__)
+
+    def _apply_gate(self, h: torch.Tensor) -> torch.Tensor:  # where the activation is not fused
+        gate, up = h.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        y = experts_forward(self, x, top_k_index.reshape(x.shape[0], -1), top_k_weights.reshape(x.shape[0], -1))
+        return y.view(hidden_states.shape)
+
+
+class Llama4MoeBlock(torch.nn.Module):
+    """Llama-4's MoE block (``Llama4TextMoe``) on the grouped kernels. Its own forward multiplies every expert by
+    every token (a batched product over all experts, the inputs scaled by sigmoid scores that are zero off the
+    top k); here each token goes to its top-k experts only, its input scaled by that expert's score as there,
+    and the shared expert is added. The router, experts and shared expert are the block's own modules under
+    their own names (the experts as :class:`StackedExperts` over the same parameters), so state dicts load
+    unchanged; returns ``(hidden states [T, H], router logits)`` as the block does."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        experts = block.experts
+        self.router, self.shared_expert = block.router, block.shared_expert
+        self.top_k, self.hidden_dim = block.top_k, block.hidden_dim
+        self.num_experts = block.num_experts
+        self.experts = StackedExperts(experts.gate_up_proj, experts.down_proj, experts.act_fn, is_transposed=True)
+
+    def forward(self, hidden_states: torch.Tensor):
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        scores, logits = self.router(x)  # scores: the top k's sigmoids, zeros elsewhere
+        chosen = torch.topk(logits, self.top_k, dim=1).indices  # the router's own choice (the same topk)
+        xk = (x.unsqueeze(1) * scores.gather(1, chosen).unsqueeze(2)).reshape(-1, self.hidden_dim)
+        ones = torch.ones(xk.shape[0], 1, dtype=x.dtype, device=x.device)  # scaled already: summed as they are
+        routed = self.experts(xk, chosen.reshape(-1, 1), ones)
+        return self.shared_expert(x) + routed.view(x.shape[0], self.top_k, -1).sum(dim=1), logits
+
+
+class JetMoeBlock(torch.nn.Module):
+    """JetMoE's MoE block (``JetMoeMoE``: softmax over the top k router logits, experts as ``input_linear`` /
+    ``output_linear`` stacks looped over on the host, a bias added after) on the grouped kernels; its experts are a
+    :class:`StackedExperts` over the same parameters (state dict names ``experts.gate_up_proj`` and
+    ``experts.down_proj`` where the block had ``input_linear.weight`` and ``output_linear.weight``)."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.router, self.bias = block.router, block.bias
+        self.top_k = block.router.top_k
+        self.experts = StackedExperts(block.input_linear.weight, block.output_linear.weight, block.activation,
+                                      is_transposed=False)
+
+    def forward(self, layer_input: torch.Tensor) -> torch.Tensor:
+        x = layer_input.reshape(-1, layer_input.shape[-1])
+        top, chosen = self.router.layer(x).float().topk(self.top_k, dim=1)
+        y = self.experts(x, chosen, torch.softmax(top, dim=1).type_as(x))
+        return y.view(layer_input.shape) + self.bias
+
+
+def _dbrx_experts(experts: torch.nn.Module) -> StackedExperts:
+    """DBRX's experts (``DbrxExperts``: ``mlp.w1``/``v1``/``w2`` of ``[E * I, H]`` each, looped over by expert) as
+    :class:`StackedExperts` (new parameters, the gate and up rows joined: state dict names change)."""
+    mlp, E = experts.mlp, experts.num_experts
+    view = (E, experts.ffn_hidden_size, experts.hidden_size)
+    with torch.no_grad():
+        gate_up = torch.cat([mlp.w1.view(view), mlp.v1.view(view)], dim=1)
+        down = mlp.w2.view(view).transpose(1, 2).contiguous()
+    grad = mlp.w1.requires_grad
+    return StackedExperts(gate_up.requires_grad_(grad), down.requires_grad_(grad), mlp.activation_fn,
+                          is_transposed=False)
+
+
+def _why_not_own(module: torch.nn.Module) -> str | None:
+    """Why one of :data:`OWN_FORWARD_BLOCKS` cannot be taken (None: it can)."""
+    if type(module).__name__ == "DbrxExperts":
+        ws = [getattr(module.mlp, n) for n in ("w1", "v1", "w2")]
+    elif type(module).__name__ == "JetMoeMoE":
+        ws = [module.input_linear.weight, module.output_linear.weight]
+    else:
+        ws = [module.experts.gate_up_proj, module.experts.down_proj]
+    if any(isinstance(w, Int4Weight) or not isinstance(w, torch.Tensor) for w in ws):
+        return "experts that are not 16-bit or fp32 tensors"
+    if len({(w.dtype, w.device) for w in ws}) != 1:
+        return "experts of several dtypes or devices"
+    return None
+
+
+# transformers' MoE blocks (by class name) whose experts run their own forward, not the experts interface, and what
+# replaces them: the block, or (DBRX) its experts alone, whose caller routes as the interface's callers do
+OWN_FORWARD_BLOCKS = {"Llama4TextMoe": Llama4MoeBlock, "JetMoeMoE": JetMoeBlock, "DbrxExperts": _dbrx_experts}
+
+
 def convert_moe_blocks_(model: torch.nn.Module, filter=None) -> tuple[list[str], list[tuple[str, str]]]:  # noqa: A002
     """Replace, in place, every transformers 4.x sparse MoE block of ``model`` (that ``filter(name, module)``
-    accepts) by a :class:`SparseMoeBlock`; returns (the names replaced, [(name, why kept)])."""
+    accepts) by a :class:`SparseMoeBlock`, and the blocks of :data:`OWN_FORWARD_BLOCKS` (Llama-4, DBRX, JetMoE) by
+    theirs; returns (the names replaced, [(name, why kept)])."""
     done, kept = [], []
     for name, module in list(model.named_modules()):
-        if not name or isinstance(module, SparseMoeBlock):
+        if not name or isinstance(module, (SparseMoeBlock, StackedExperts, Llama4MoeBlock, JetMoeBlock)):
             continue  # (the model itself is never swapped: convert the model that holds the block)
-        names, reason = legacy_block_parts(module)
-        if names is None and reason is None or filter is not None and not filter(name, module):
+        make = OWN_FORWARD_BLOCKS.get(type(module).__name__)
+        if make is not None:
+            names, reason = None, _why_not_own(module)
+        else:
+            names, reason = legacy_block_parts(module)
+            if names is None and reason is None:
+                continue
+        if filter is not None and not filter(name, module):
             continue
         if reason is not None:
             kept.append((name, reason))
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, SparseMoeBlock(module, names))
+        setattr(parent, child, make(module) if make is not None else SparseMoeBlock(module, names))
         done.append(name)
     return done, kept
