@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One build-check-time cycle on the GPU machine: bash tools/gpu_cycle.sh STEP... (results under $OUT).
 # Steps:
-#   tests         every GPU-marked test (pytest -m gpu), 8 xdist workers (compiling is CPU-bound)
+#   tests         every GPU-marked test (pytest -m gpu), 8 xdist workers (compiling is CPU-bound); about 8.5 minutes,
+#                 so a call that also starts the machine runs tests-a and tests-b (the same tests in two calls)
+#   tests-a|tests-b  the GPU-marked tests of conv2d, grouped, w4a16 (tests-b) and of every other folder (tests-a)
 #   gpu-suite     the non-GPU-marked tests that compile for the GPU here too (matmul, bench, guide, core, learn)
 #   fingerprint   sm_90 PTX fingerprints of every shipped kernel and config (tools/ptx_fingerprint.py)
 #   square|llm|skinny  bench sweeps, fp16;  bf16 (square + llm);  tf32 (square);  fp8 (square, e4m3 and e5m2)
@@ -78,6 +80,10 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
     tests) pytest_ -m gpu -n 8 tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 15 ;;
+    tests-a) pytest_ -m gpu -n 8 -rf tests/matmul tests/bench tests/core tests/nn tests/models tests/parallel tests/guide \
+               tests/learn tests/docs tests/examples 2>&1 \
+               | tee "$OUT/gpu-tests-a.log" | tail -n 15 ;;
+    tests-b) pytest_ -m gpu -n 8 -rf tests/conv2d tests/grouped tests/w4a16 2>&1 | tee "$OUT/gpu-tests-b.log" | tail -n 15 ;;
     gpu-suite) pytest_ -n 8 tests/matmul tests/bench tests/guide tests/core tests/learn 2>&1 | tee "$OUT/gpu-suite.log" | tail -n 15 ;;
     family-tests) pytest_ -m "" -n 8 tests/w4a16 tests/conv2d tests/nn 2>&1 | tee "$OUT/family-tests.log" | tail -n 15 ;;
     fingerprint) TRITON_INTERPRET=0 TILEGEMM_INTERPRET=0 python3 tools/ptx_fingerprint.py --out "$OUT/fingerprints.json" ;;
