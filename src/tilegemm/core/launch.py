@@ -448,6 +448,9 @@ PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Whether a dispatch mode or a torch function mode is on: bound once, the replay keys call them on every call.
 dispatch_stack_depth = torch._C._len_torch_dispatch_stack
 function_mode_on = torch._C._is_torch_function_mode_enabled
+# Whether torch.jit.trace is recording: a launch made outside the dispatcher is invisible to it (the traced graph
+# would keep only the output's allocation), so a traced call always goes through the registered op.
+jit_tracing = torch._C._is_tracing
 
 
 def plain_tensor(t) -> bool:
@@ -464,7 +467,7 @@ def plain_call(*tensors) -> bool:
     """
     if torch.compiler.is_compiling():
         return False
-    if dispatch_stack_depth() or function_mode_on():
+    if dispatch_stack_depth() or function_mode_on() or jit_tracing():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:

@@ -23,14 +23,14 @@ import warnings
 
 import torch
 
-from tilegemm.core.launch import PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on
+from tilegemm.core.launch import PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, jit_tracing
 
 
 def plain_args(args: tuple, tensor_positions: tuple[int, ...]) -> bool:
     """True when no tracer, mode, subclass or gradient needs to see an op called with ``args`` (positional, as
     the dispatcher passes them; ``tensor_positions``: where the schema has a ``Tensor`` or ``Tensor?``): those
     tensors plain and not requiring a gradient while grad mode is on."""
-    if dispatch_stack_depth() or function_mode_on() or torch.compiler.is_compiling():
+    if dispatch_stack_depth() or function_mode_on() or torch.compiler.is_compiling() or jit_tracing():
         return False
     grad = torch.is_grad_enabled()
     n = len(args)
