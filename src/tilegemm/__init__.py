@@ -28,9 +28,13 @@ __all__ = ["ACTIVATIONS", "__version__", "conv2d", "copy", "grouped_mm", "interp
 
 
 def __getattr__(name: str):
+    import importlib
+
     # The learning kit's modules, importable as tilegemm.puzzles and tilegemm.debug too; loaded on first use.
     if name in ("puzzles", "debug"):
-        import importlib
-
         return importlib.import_module(f"tilegemm.learn.{name}")
+    # tilegemm.models (transformers, torchvision) and tilegemm.parallel (torch.distributed): reachable as
+    # attributes, imported on first use so that `import tilegemm` pulls in neither.
+    if name in ("models", "parallel"):
+        return importlib.import_module(f"tilegemm.{name}")
     raise AttributeError(f"module 'tilegemm' has no attribute {name!r}")

@@ -108,3 +108,18 @@ def test_interpreter_warning_points_at_the_callers_line():
     count, filename, line = out.split()
     assert count == "1" and filename not in ("runtime.py", "api.py", "dispatch.py"), out
     assert int(line) == 7, f"the warning should name the line calling tilegemm.matmul: {out}"
+
+
+def test_models_and_parallel_are_attributes_loaded_on_first_use():
+    """The docs write tilegemm.models.from_pretrained after a bare `import tilegemm`."""
+    out = _run(
+        """
+        import sys
+        import tilegemm
+        before = [m in sys.modules for m in ("tilegemm.models", "tilegemm.parallel", "transformers")]
+        print(before, callable(tilegemm.models.from_pretrained), hasattr(tilegemm.parallel, "__name__"))
+        """
+    )
+    assert out == "[False, False, False] True True"
+    with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
+        tilegemm.nonesuch
