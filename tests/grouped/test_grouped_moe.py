@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import tilegemm  # noqa: E402
 import tilegemm.nn.moe as moe  # noqa: E402
+from tilegemm.core.runtime import interpreting  # noqa: E402
 from tilegemm.nn.convert import ConversionNote  # noqa: E402
 
 from conftest import hide_broken_torchvision  # noqa: E402
@@ -160,14 +161,17 @@ OWN_FORWARD = [  # (config, its class in transformers, the state dict keeps its 
 ]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("make,config_class,same_names", OWN_FORWARD)
-def test_experts_with_a_forward_of_their_own_are_converted(make, config_class, same_names):
+def test_experts_with_a_forward_of_their_own_are_converted(make, config_class, same_names, device):
     # Llama-4, DBRX and JetMoE run their experts outside the experts interface: convert_ puts StackedExperts in
     # their place; logits, gradients and the 4-bit experts (against their dequantized weights) as eager's
     if not hasattr(transformers, config_class):
         pytest.skip(f"this transformers has no {config_class}")
+    if (device == "cpu") != interpreting():
+        pytest.skip("the CPU case runs under the interpreter, the CUDA case on the GPU")
     torch.manual_seed(0)
-    eager = transformers.AutoModelForCausalLM.from_config(make()).eval()
+    eager = transformers.AutoModelForCausalLM.from_config(make()).eval().to(device)
     with torch.no_grad():
         for p in eager.parameters():  # (Llama-4 builds its experts' gate/up as zeros)
             if not p.abs().sum():
@@ -177,7 +181,7 @@ def test_experts_with_a_forward_of_their_own_are_converted(make, config_class, s
     stacked = [m for m in ours.modules() if isinstance(m, moe.StackedExperts)]
     assert len(stacked) == 1 and moe._fused_activation(stacked[0]) == "silu"
     assert (set(ours.state_dict()) == set(eager.state_dict())) is same_names
-    ids = torch.randint(0, 64, (2, 7))
+    ids = torch.randint(0, 64, (2, 7), device=device)
     want, got = eager(ids).logits, ours(ids).logits
     assert (got - want).norm() / want.norm() < 1e-5
     want.square().mean().backward()
