@@ -108,15 +108,23 @@ def _normal(placements, ndim: int) -> tuple:
     return tuple(Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements)
 
 
-def _to_local_input(x, mesh, given, desired):
-    """``x`` (a local tensor laid out as ``given``, or a DTensor) as the local tensor of layout ``desired``."""
+def _to_local_input(x, mesh, given, desired, grad_placements=None):
+    """``x`` (a local tensor laid out as ``given``, or a DTensor) as the local tensor of layout ``desired``.
+
+    ``grad_placements``: how the local tensor's gradient lies over the ranks (default: as ``desired``). A layer
+    that uses a replicated input to compute only its own shard of the output passes ``(Partial(),)``: each rank's
+    gradient of the input is then a partial sum, which the backward all-reduces (or reduce-scatters to
+    ``given``)."""
+    grad_placements = desired if grad_placements is None else grad_placements
+    needs_grad = torch.is_grad_enabled() and x.requires_grad
     if not isinstance(x, DTensor):
-        if _normal(given, x.ndim) == _normal(desired, x.ndim):
+        same = _normal(given, x.ndim) == _normal(desired, x.ndim)
+        if same and (not needs_grad or _normal(grad_placements, x.ndim) == _normal(desired, x.ndim)):
             return x  # no conversion: skip DTensor on the decode path
         x = DTensor.from_local(x, mesh, given, run_check=False)
     if x.placements != _normal(desired, x.ndim):
         x = x.redistribute(placements=_normal(desired, x.ndim))
-    return x.to_local()
+    return x.to_local(grad_placements=_normal(grad_placements, x.ndim))
 
 
 def _from_local_output(out, mesh, produced, desired, use_local):
@@ -129,14 +137,15 @@ def _from_local_output(out, mesh, produced, desired, use_local):
     return dt.to_local() if use_local else dt
 
 
-def _int4_input_hook(style, mesh, desired, mod, inputs):
+def _int4_input_hook(style, mesh, desired, grad_placements, mod, inputs):
     x = inputs[0]
     perm = getattr(mod, "tp_input_index", None)
     if perm is not None and perm.numel():
         # act-order, row-parallel: the local rows multiply inputs scattered over K; gather x, then pick them
-        full = _to_local_input(x, mesh, style.input_layouts, (Replicate(),))
+        # (each rank reads only its inputs of the gathered x: its gradient is a partial sum over the ranks)
+        full = _to_local_input(x, mesh, style.input_layouts, (Replicate(),), (Partial(),))
         return (full.index_select(-1, perm), *inputs[1:])
-    return (_to_local_input(x, mesh, style.input_layouts, desired), *inputs[1:])
+    return (_to_local_input(x, mesh, style.input_layouts, desired, grad_placements), *inputs[1:])
 
 
 def _int4_output_hook(style, mesh, produced, mod, inputs, out):
@@ -168,11 +177,11 @@ def attach_int4(style, module: Int4Linear, mesh: DeviceMesh, dim: str, index: to
     module.register_buffer("tp_input_index", torch.empty(0, dtype=torch.int64, device=device) if index is None
                            else index.to(device), persistent=False)
     module.tp_split = dim  # read by load_sharded_
-    if dim == "out":
-        desired, produced = (Replicate(),), (Shard(-1),)
+    if dim == "out":  # every rank reads all of the replicated x for its own outputs: x's gradient a partial sum
+        desired, produced, grad = (Replicate(),), (Shard(-1),), (Partial(),)
     else:
-        desired, produced = (Shard(-1),), (Partial(),)
-    module.register_forward_pre_hook(partial(_int4_input_hook, style, mesh, desired))
+        desired, produced, grad = (Shard(-1),), (Partial(),), None
+    module.register_forward_pre_hook(partial(_int4_input_hook, style, mesh, desired, grad))
     module.register_forward_hook(partial(_int4_output_hook, style, mesh, produced))
     return module
 

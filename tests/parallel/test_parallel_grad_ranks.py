@@ -1,0 +1,103 @@
+"""Gradients through tensor-parallel layers, on 2 gloo ranks on the CPU (kernels under Triton's interpreter).
+
+Each rank's output and input gradient are compared with a single-process fp64 reference: a column-parallel
+layer reads all of a replicated input, so the input's gradient is the sum over the ranks of their partial ones;
+a row-parallel act-order layer gathers its input and reads only its own inputs of it, alike.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tilegemm.core.runtime import interpreting
+
+pytest.importorskip("safetensors")  # (test_parallel_ranks imports it)
+from test_parallel_ranks import _act_order_linear, _close, _mlp, spawn  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU ranks: kernels under Triton's interpreter")
+
+FP16_TOL = 4e-3  # fp16 activations and gradients against fp64
+FP32_TOL = 1e-5
+
+
+def _int4_reference(lin, x, go):
+    """(output, x's gradient) of the Int4Linear ``lin`` in fp64 on its dequantized weight."""
+    from tilegemm.ops.w4a16.format import dequantize
+
+    w = dequantize(lin.weight).double()
+    xr = x.double().requires_grad_()
+    out = xr @ w.T + (0 if lin.bias is None else lin.bias.double())
+    out.backward(go.double())
+    return out.detach(), xr.grad
+
+
+def _run(model, x, go):
+    x = x.detach().clone().requires_grad_()
+    out = model(x)
+    out.backward(go)
+    return out.detach(), x.grad
+
+
+def int4_grad_ranks(rank, world, mesh):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import tilegemm.nn as tnn
+
+    torch.manual_seed(0)
+    plain = tnn.Int4Linear.from_linear(torch.nn.Linear(64, 32).half(), group_size=32)
+    for kind, lin in (("plain", plain), ("act-order", _act_order_linear(16, 128, 32))):
+        N, K = lin.out_features, lin.in_features
+        x, go = torch.randn(3, K).half(), torch.randn(3, N).half()
+        want, want_grad = _int4_reference(lin, x, go)
+        mine = slice(rank * K // world, (rank + 1) * K // world)
+        for name, style, inp, grad_want in (
+            ("column-parallel", tnn.ColwiseParallel(output_layouts=Replicate()), x, want_grad),
+            ("row-parallel", tnn.RowwiseParallel(), x[:, mine], want_grad[:, mine]),
+            ("row-parallel, replicated input", tnn.RowwiseParallel(input_layouts=Replicate()), x, want_grad),
+        ):
+            model = parallelize_module(torch.nn.Sequential(copy.deepcopy(lin)), mesh, {"0": style})
+            out, grad = _run(model, inp, go)
+            _close(out, want, FP16_TOL, f"{kind} {name}: output")
+            _close(grad, grad_want, FP16_TOL, f"{kind} {name}: x.grad")
+            with torch.no_grad():  # no gradient wanted: the same output (the decode path, no DTensor)
+                _close(model(inp), want, FP16_TOL, f"{kind} {name}: output under no_grad")
+
+    # a 4-bit MLP, column- then row-parallel: x's gradient through both
+    ref = tnn.quantize_(_mlp(64, 64, 16).half(), group_size=32)
+    x, go = torch.randn(4, 64).half(), torch.randn(4, 16).half()
+    want, want_grad = _run(ref, x, go)
+    model = parallelize_module(copy.deepcopy(ref), mesh, {"0": tnn.ColwiseParallel(), "2": tnn.RowwiseParallel()})
+    out, grad = _run(model, x, go)
+    _close(out, want, FP16_TOL, "int4 MLP: output")
+    _close(grad, want_grad, FP16_TOL, "int4 MLP: x.grad")
+
+
+def dense_grad_ranks(rank, world, mesh):
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import tilegemm.nn as tnn
+
+    ref = _mlp(32, 64, 16).double()
+    x, go = torch.randn(3, 32), torch.randn(3, 16)
+    want, want_grad = _run(ref, x.double(), go.double())
+    model = parallelize_module(tnn.convert_(copy.deepcopy(ref).float()), mesh,
+                               {"0": tnn.ColwiseParallel(), "2": tnn.RowwiseParallel()})
+    out, grad = _run(model, x, go)
+    _close(out, want, FP32_TOL, "tilegemm.nn.Linear MLP: output")
+    _close(grad, want_grad, FP32_TOL, "tilegemm.nn.Linear MLP: x.grad")
+    for i in (0, 2):
+        for p in ("weight", "bias"):
+            got = getattr(model[i], p).grad.full_tensor()
+            _close(got, getattr(ref[i], p).grad, FP32_TOL, f"tilegemm.nn.Linear MLP: [{i}].{p}.grad")
+
+
+def test_parallel_int4_input_grad():
+    spawn(int4_grad_ranks, 2)
+
+
+def test_parallel_linear_grad():
+    spawn(dense_grad_ranks, 2)
