@@ -101,3 +101,42 @@ def test_parallel_int4_input_grad():
 
 def test_parallel_linear_grad():
     spawn(dense_grad_ranks, 2)
+
+
+def conv_grad_ranks(rank, world, mesh):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import tilegemm
+    import tilegemm.nn as tnn
+
+    # output channels, then input channels: the backward runs tilegemm::conv2d_dgrad / conv2d_wgrad on DTensors
+    torch.manual_seed(2)
+    ref = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 6, 1)).double()
+    x, go = torch.randn(2, 4, 6, 6), torch.randn(2, 6, 6, 6)
+    want, want_grad = _run(ref, x.double(), go.double())
+    model = parallelize_module(tnn.convert_(copy.deepcopy(ref).float()), mesh,
+                               {"0": tnn.ColwiseParallel(), "2": tnn.RowwiseParallel()})
+    out, grad = _run(model, x, go)
+    _close(out, want, FP32_TOL, "Conv2d column then row: output")
+    _close(grad, want_grad, FP32_TOL, "Conv2d column then row: x.grad")
+    for i in (0, 2):
+        for p in ("weight", "bias"):
+            param = getattr(model[i], p)
+            assert param.grad.placements == param.placements, (i, p, param.grad.placements, param.placements)
+            _close(param.grad.full_tensor(), getattr(ref[i], p).grad, FP32_TOL, f"Conv2d [{i}].{p}.grad")
+
+    # the batch split (a replicated weight), with a fused activation: the weight's gradient a partial sum
+    xb = torch.randn(4, 4, 5, 5)
+    xr, wr = xb.double().requires_grad_(), ref[0].weight.detach().clone().requires_grad_()
+    torch.relu(torch.nn.functional.conv2d(xr, wr, None, padding=1)).sum().backward()
+    xd = distribute_tensor(xb, mesh, [Shard(0)]).requires_grad_()
+    wd = distribute_tensor(wr.detach().float(), mesh, [Replicate()]).requires_grad_()
+    tilegemm.conv2d(xd, wd, None, padding=1, activation="relu").sum().backward()
+    _close(xd.grad.full_tensor(), xr.grad, FP32_TOL, "batch-split conv2d: x.grad")
+    _close(wd.grad.full_tensor(), wr.grad, FP32_TOL, "batch-split conv2d: weight.grad")
+
+
+def test_parallel_conv2d_grad():
+    spawn(conv_grad_ranks, 2)
+

@@ -205,6 +205,11 @@ def _check_conv(module) -> None:
                          f"split its batch instead (a Shard(0) input with a replicated weight)")
 
 
+def _placed_as(placements, grad):
+    """``grad`` (a DTensor) redistributed to ``placements``, its parameter's."""
+    return grad if grad.placements == placements else grad.redistribute(placements=placements)
+
+
 def _shard_conv(module, mesh, dim: str, given, wanted, use_local: bool):
     """Split a Conv2d's weight by output (``dim="out"``) or input channels as DTensor parameters; its input is
     ``given`` (placements of a local tensor), its output made ``wanted``."""
@@ -216,8 +221,10 @@ def _shard_conv(module, mesh, dim: str, given, wanted, use_local: bool):
         for pname, place in (("weight", weight_place), ("bias", bias_place)):
             p = getattr(mod, pname, None)
             if p is not None and not isinstance(p, DTensor):
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, place),
-                                                           requires_grad=p.requires_grad))
+                param = nn.Parameter(distribute_tensor(p, mesh, place), requires_grad=p.requires_grad)
+                if param.requires_grad:  # the weight gradient's op returns it whole (rules.py): placed as the weight
+                    param.register_hook(partial(_placed_as, tuple(place)))
+                mod.register_parameter(pname, param)
 
     def input_fn(mod, inputs, mesh):
         x = inputs[0]

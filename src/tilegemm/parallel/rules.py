@@ -1,5 +1,5 @@
-"""DTensor sharding rules of tilegemm's ops (``torch.ops.tilegemm.matmul``, ``w4a16_matmul``, ``conv2d``,
-``grouped_mm``, ``grouped_w4a16``, ``grouped_mm_gated``, ``group_columns``).
+"""DTensor sharding rules of tilegemm's ops (``torch.ops.tilegemm.matmul``, ``w4a16_matmul``, ``conv2d`` and its
+gradients ``conv2d_dgrad`` and ``conv2d_wgrad``, ``grouped_mm``, ``grouped_w4a16``, ``grouped_mm_gated``, ``group_columns``).
 
 Apart from the rest of :mod:`tilegemm.parallel` so that the layers (``tilegemm.nn.Linear``, ``Conv2d``) can register
 the rules when they meet a DTensor weight without importing the styles and the loaders, which import the layers
@@ -120,6 +120,39 @@ def _conv2d_rule(x, weight, bias, stride, padding, dilation, groups, activation,
     return rules
 
 
+# The gradients' ops take the global shape of what they return (x_shape, w_shape) and the local op makes a tensor
+# of that shape: so each rule's output is whole on every rank, replicated or a partial sum, never a shard. A
+# gradient a rank would hold a shard of (the batch-split data gradient, the channel splits' weight gradient) is
+# computed whole from gathered operands, then cut by the redistribution to the parameter's or input's placement.
+
+
+def _conv2d_dgrad_rule(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision):
+    """``tilegemm::conv2d_dgrad``, grad of x ``x_shape`` from dy ``[N, K, P, Q]``: replicated, or (groups = 1) the
+    output channels K split in dy and the weight, each rank's product a partial sum (column-parallel's backward)."""
+    args = (dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision)
+    R = Replicate()
+
+    def strategy(out, pdy, pw):
+        return [out], _place(args, [pdy, pw] + [None] * 7)
+
+    rules = [strategy(R, R, R)]
+    if groups == 1:
+        rules.append(strategy(Partial(), Shard(1), Shard(0)))
+    return rules
+
+
+def _conv2d_wgrad_rule(dy, x, w_shape, stride, padding, dilation, groups, precision):
+    """``tilegemm::conv2d_wgrad``, grad of a weight ``w_shape`` from dy and x: replicated, or the batch split in
+    both, each rank's sum over its images a partial sum."""
+    args = (dy, x, w_shape, stride, padding, dilation, groups, precision)
+    R = Replicate()
+
+    def strategy(out, pdy, px):
+        return [out], _place(args, [pdy, px] + [None] * 6)
+
+    return [strategy(R, R, R), strategy(Partial(), Shard(0), Shard(0))]
+
+
 # The grouped family: offs holds data-dependent group ends along the rows (2-D a) or K (2-D a and b), so the
 # grouped dimension itself is never split; the other ones split as the dense product's do.
 
@@ -236,6 +269,8 @@ def register() -> None:
     _register(ops.matmul.default, _matmul_rule, 4)  # alpha onwards: activation among them
     _register(ops.w4a16_matmul.default, _w4a16_rule, 7)  # group_k, activation, kernel
     _register(ops.conv2d.default, _conv2d_rule, 3)  # stride onwards
+    _register(ops.conv2d_dgrad.default, _conv2d_dgrad_rule, 2)  # x_shape onwards (groups among them)
+    _register(ops.conv2d_wgrad.default, _conv2d_wgrad_rule, 2)  # w_shape onwards
     _register(ops.grouped_mm.default, _grouped_mm_rule, 4)  # out_dtype, precision, kernel
     _register(ops.grouped_w4a16.default, _grouped_w4a16_rule, 6)  # group_k, activation, gated, kernel
     _register(ops.grouped_mm_gated.default, _grouped_mm_gated_rule, 4)  # activation, precision
