@@ -137,6 +137,38 @@ def conv_grad_ranks(rank, world, mesh):
     _close(wd.grad.full_tensor(), wr.grad, FP32_TOL, "batch-split conv2d: weight.grad")
 
 
+def w4a16_op_grad_ranks(rank, world, mesh):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from tilegemm.ops.w4a16.format import dequantize, quantize
+
+    torch.manual_seed(0)
+    R = Replicate()
+    for kind, w4 in (("plain", quantize(torch.randn(16, 128).half(), 32)),
+                     ("act-order", _act_order_linear(16, 128, 32).weight)):
+        w = dequantize(w4).double()  # [N, K] in x's input order
+        x, go = torch.randn(3, 128).half(), torch.randn(3, 16).half()
+        # replicated; rows of x split; N split (column-parallel); K split in whole groups (row-parallel)
+        for name, px, pw in (("replicated", R, R), ("rows", Shard(0), R), ("N split", R, Shard(1)),
+                             ("K split", Shard(1), Shard(0))):
+            for activation in ("none", "relu"):
+                xr = x.double().requires_grad_()
+                want = xr @ w.T
+                want = torch.relu(want) if activation == "relu" else want
+                want.backward(go.double())
+                xd = distribute_tensor(x, mesh, [px]).requires_grad_()
+                parts = [distribute_tensor(getattr(w4, k), mesh, [pw]) for k in ("qweight", "scales", "zeros")]
+                perm = None if w4.perm is None else distribute_tensor(w4.perm, mesh, [R])
+                out = torch.ops.tilegemm.w4a16_matmul(xd, *parts, None, None, None, 32, activation, "auto", perm)
+                out.backward(distribute_tensor(go, mesh, [R]))
+                what = f"w4a16 op on DTensors, {kind}, {name}, {activation}"
+                _close(out.full_tensor(), want, FP16_TOL, f"{what}: output")
+                _close(xd.grad.full_tensor(), xr.grad, FP16_TOL, f"{what}: x.grad")
+
+
 def test_parallel_conv2d_grad():
     spawn(conv_grad_ranks, 2)
 
+
+def test_parallel_w4a16_op_grad():
+    spawn(w4a16_op_grad_ranks, 2)

@@ -4,6 +4,7 @@ must see the call. :data:`REPLAYS` keeps the plain calls' launches (:mod:`tilege
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -75,17 +76,60 @@ def _backward(ctx, grad_out):
             (grad,) = torch.autograd.grad(torch_activation(pre, ctx.activation), pre, grad)
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
-        K = x.shape[1]
-        g = torch.arange(K, device=x.device) // max(ctx.group_k, 1)  # (group_k is 0 with K: no rows then)
-        shifts = torch.arange(8, device=x.device, dtype=torch.int32) * 4
-        q = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(K, qweight.shape[1])
-        wt = ((q.float() - zeros.float()[g]) * scales.float()[g]).to(x.dtype)  # [K, N]
-        grad_x = (grad.to(x.dtype) @ wt.T).to(x.dtype)  # by the weight's stored inputs
-        if perm is not None:  # stored input j is x's input perm[j]
-            grad_x = torch.empty_like(grad_x).index_copy_(1, perm.long(), grad_x)
+        if _is_dtensor(qweight):  # DTensor operands: the dequantization runs on each rank's shard
+            wt = _dtensor_weight_t(qweight, scales, zeros, perm, ctx.group_k, x.dtype)
+            grad_x = (grad.to(x.dtype) @ wt.T).to(x.dtype)
+        else:
+            wt = _weight_t(qweight, scales, zeros, ctx.group_k, x.dtype)  # [K, N]
+            grad_x = (grad.to(x.dtype) @ wt.T).to(x.dtype)  # by the weight's stored inputs
+            if perm is not None:  # stored input j is x's input perm[j]
+                grad_x = torch.empty_like(grad_x).index_copy_(1, perm.long(), grad_x)
     if bias is not None and ctx.needs_input_grad[6]:
         grad_bias = grad.sum(0).to(bias.dtype)
     return grad_x, None, None, None, None, None, grad_bias, None, None, None, None
+
+
+def _weight_t(qweight, scales, zeros, group_k: int, dtype) -> torch.Tensor:
+    """The dequantized weight, transposed: ``[K, N]`` from qweight ``[K/8, N]``, scales and zeros ``[K/group_k, N]``."""
+    K = qweight.shape[0] * 8
+    g = torch.arange(K, device=qweight.device) // max(group_k, 1)  # (group_k is 0 with K: no rows then)
+    shifts = torch.arange(8, device=qweight.device, dtype=torch.int32) * 4
+    q = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(K, qweight.shape[1])
+    return ((q.float() - zeros.float()[g]) * scales.float()[g]).to(dtype)
+
+
+def _is_dtensor(t) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # (loaded by whoever made a DTensor: no import here)
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def _dtensor_weight_t(qweight, scales, zeros, perm, group_k: int, dtype):
+    """:func:`_weight_t` of DTensor parts, with its rows in x's input order (act-order: through ``perm``), as a
+    DTensor: each rank dequantizes its shard (``local_map``). The parts are placed alike first: split along N as
+    qweight is, or along K where the split holds whole groups (and no perm, which mixes all of K); else
+    replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import local_map
+
+    mesh = qweight.device_mesh
+    K = qweight.shape[0] * 8
+    place = []
+    for dim, p in enumerate(qweight.placements):
+        n = mesh.size(dim)
+        whole_groups = perm is None and 0 < group_k < K and K % (n * group_k) == 0
+        place.append(p if isinstance(p, Shard) and (p.dim == 1 or (p.dim == 0 and whole_groups)) else Replicate())
+    place = tuple(place)
+    parts = [t if t.placements == place else t.redistribute(placements=place) for t in (qweight, scales, zeros)]
+    if perm is not None:
+        parts.append(perm.redistribute(placements=(Replicate(),) * mesh.ndim))
+
+    def local(qw, sc, ze, pm=None):
+        wt = _weight_t(qw, sc, ze, group_k, dtype)
+        return wt if pm is None else torch.empty_like(wt).index_copy_(0, pm.long(), wt)  # row perm[j] = row j
+
+    # (lists: local_map reads a tuple of placements as one placement list per output)
+    in_place = (list(place),) * 3 + ([Replicate()] * mesh.ndim,) * (len(parts) - 3)
+    return local_map(local, out_placements=list(place), in_placements=in_place, device_mesh=mesh)(*parts)
 
 
 _w4a16_op.register_autograd(_backward, setup_context=_setup_context)
