@@ -19,6 +19,16 @@ def sharding_rules_for(weight) -> None:
         import tilegemm.parallel.rules  # noqa: F401 (registers the rules)
 
 
+def _check_dtensor_input(x, weight) -> None:
+    """Refuse a plain x with a DTensor weight, saying how the input becomes a DTensor (torch's error says neither)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(weight, dtensor.DTensor) and not isinstance(x, dtensor.DTensor):
+        raise TypeError("tilegemm.nn.Linear: the weight is a DTensor (the layer is parallelized) but x is a plain "
+                        "torch.Tensor: parallelize it with parallelize_module and a style (tilegemm.nn or torch's "
+                        "ColwiseParallel / RowwiseParallel), whose hooks make x a DTensor, or pass x as a DTensor on "
+                        "the weight's mesh (DTensor.from_local(x, mesh, placements))")
+
+
 class Linear(torch.nn.Linear):
     """A drop-in ``torch.nn.Linear`` (same arguments, parameters and state dict), plus ``activation``: one of
     ``tilegemm.ACTIVATIONS`` applied in the GEMM's epilogue after the bias. Autograd runs through
@@ -35,6 +45,13 @@ class Linear(torch.nn.Linear):
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"from_linear takes a torch.nn.Linear, got {type(linear).__name__}")
         check_activation(activation)
+        if "forward" in vars(linear):  # copied along, it would run instead of tilegemm's forward
+            raise ValueError(
+                "tilegemm.nn.Linear.from_linear: this nn.Linear's forward was replaced on the instance (transformers' "
+                "tensor-parallel plan installs one; so do some wrappers), and a converted copy would keep running "
+                "it instead of tilegemm's forward. Convert first (tilegemm.nn.convert_), then parallelize; or split "
+                "with parallelize_module and tilegemm.nn.ColwiseParallel / RowwiseParallel, or load with "
+                "tilegemm.models.from_pretrained(path, device_mesh=mesh)")
         new = copy.copy(linear)
         new.__class__ = cls
         new._parameters = dict(linear._parameters)
@@ -46,6 +63,7 @@ class Linear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if type(self.weight) is not torch.nn.Parameter:
             sharding_rules_for(self.weight)
+            _check_dtensor_input(x, self.weight)
         # [*, in] -> [M, in]: one GEMM, whatever the leading dims (flatten, not reshape(-1, in), which cannot
         # infer M when in_features is 0); a 1-D x is one row, as torch.matmul takes it.
         x2d = x.flatten(0, -2) if x.ndim > 2 else x
