@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,11 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu", action="store_true", help="NCCL, one GPU a rank (default: gloo on the CPU)")
     args = parser.parse_args(argv)
     if not dist.is_initialized():  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        problem = _cannot_start(args.gpu)
+        if problem:
+            print(f"tensor_parallel.py: {problem}; run it as: torchrun --standalone --nproc-per-node 2 "
+                  f"examples/tensor_parallel.py{' --gpu' if args.gpu else ''}", file=sys.stderr)
+            return 2
         dist.init_process_group("nccl" if args.gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.gpu:
@@ -54,6 +60,16 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
+def _cannot_start(gpu: bool) -> str | None:
+    """Why this process cannot join a process group (None: it can)."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        return f"no torchrun environment ({', '.join(missing)} not set)"
+    if gpu and not (dist.is_nccl_available() and torch.cuda.is_available()):
+        return "--gpu needs NCCL and a CUDA GPU, which this torch or machine lacks (without --gpu: gloo on the CPU)"
+    return None
+
+
 def _local_shape(module) -> list[int]:
     if isinstance(module, tnn.Int4Linear):
         return [module.out_features, module.in_features]
@@ -62,5 +78,6 @@ def _local_shape(module) -> list[int]:
 
 if __name__ == "__main__":
     code = main()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     raise SystemExit(code)
