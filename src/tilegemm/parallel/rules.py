@@ -1,5 +1,6 @@
 """DTensor sharding rules of tilegemm's ops (``torch.ops.tilegemm.matmul``, ``w4a16_matmul``, ``conv2d`` and its
-gradients ``conv2d_dgrad`` and ``conv2d_wgrad``, ``grouped_mm``, ``grouped_w4a16``, ``grouped_mm_gated``, ``group_columns``).
+gradients ``conv2d_dgrad`` and ``conv2d_wgrad``, ``grouped_mm``, ``grouped_w4a16``, ``grouped_mm_gated``,
+``group_columns``).
 
 Apart from the rest of :mod:`tilegemm.parallel` so that the layers (``tilegemm.nn.Linear``, ``Conv2d``) can register
 the rules when they meet a DTensor weight without importing the styles and the loaders, which import the layers
