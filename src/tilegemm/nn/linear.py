@@ -47,10 +47,11 @@ class Linear(torch.nn.Linear):
         check_activation(activation)
         if "forward" in vars(linear):  # copied along, it would run instead of tilegemm's forward
             raise ValueError(
-                "tilegemm.nn.Linear.from_linear: this nn.Linear's forward was replaced on the instance (transformers' "
-                "tensor-parallel plan installs one; so do some wrappers), and a converted copy would keep running "
-                "it instead of tilegemm's forward. Convert first (tilegemm.nn.convert_), then parallelize; or split "
-                "with parallelize_module and tilegemm.nn.ColwiseParallel / RowwiseParallel, or load with "
+                "tilegemm.nn.Linear.from_linear: this nn.Linear's forward was replaced on the instance "
+                "(transformers' tensor-parallel plan installs one, as do accelerate's device_map hooks), and a "
+                "converted copy would keep running it instead of tilegemm's forward. Convert first "
+                "(tilegemm.nn.convert_), then parallelize; or split with parallelize_module and "
+                "tilegemm.nn.ColwiseParallel / RowwiseParallel, or load with "
                 "tilegemm.models.from_pretrained(path, device_mesh=mesh)")
         new = copy.copy(linear)
         new.__class__ = cls
