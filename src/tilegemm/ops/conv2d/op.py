@@ -162,13 +162,18 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out):
     x, weight, bias = ctx.saved_tensors
     stride, padding, dilation, groups = ctx.conv
+    # Grad mode is on here only under create_graph=True (double backward): then every step below is recorded,
+    # the ops through their own autograd (below) and the activation's derivative through torch's.
+    create_graph = torch.is_grad_enabled()
     grad = grad_out
     if ctx.activation != "none":
         pre = _conv2d_op(x, weight, bias, stride, padding, dilation, groups, "none", ctx.precision, "auto",
                          torch.float32)
         with torch.enable_grad():
-            pre = pre.detach().requires_grad_(True)
-            (grad,) = torch.autograd.grad(torch_activation(pre, ctx.activation), pre, grad_out.float())
+            if not (create_graph and pre.requires_grad):
+                pre = pre.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(torch_activation(pre, ctx.activation), pre, grad_out.float(),
+                                          create_graph=create_graph)
     want_x, want_w, want_bias = ctx.needs_input_grad[:3]
     g = grad.to(x.dtype)  # the two convolutions of the backward pass run in the operands' dtype, like torch's
     grad_x = grad_w = grad_bias = None
@@ -188,5 +193,58 @@ def _backward(ctx, grad_out):
 
 
 _conv2d_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- autograd of the gradients (double backward: gradient penalties, Hessian-vector products) --------------
+# Both are bilinear. dgrad(dy, w) is the transposed convolution: its adjoint in dy is the forward convolution
+# of the incoming gradient with w, in w the weight gradient of dy against it. wgrad(dy, x) pairs dy with x:
+# its adjoint in dy is the forward convolution of x with the incoming gradient, in x the data gradient.
+
+
+def _dgrad_setup_context(ctx, inputs, output):
+    dy, weight, _, _, stride, padding, dilation, groups, precision = inputs
+    ctx.save_for_backward(dy, weight)
+    ctx.conv = (list(stride), list(padding), list(dilation), groups)
+    ctx.precision = precision
+
+
+def _dgrad_backward(ctx, grad_dx):
+    dy, weight = ctx.saved_tensors
+    stride, padding, dilation, groups = ctx.conv
+    g = grad_dx.to(dy.dtype)
+    grad_dy = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_dy = _conv2d_op(g, weight.to(dy.dtype), None, stride, padding, dilation, groups, "none",
+                             ctx.precision, "auto")
+    if ctx.needs_input_grad[1]:
+        grad_w = _wgrad_op(dy, g, list(weight.shape), stride, padding, dilation, groups,
+                           ctx.precision).to(weight.dtype)
+    return grad_dy, grad_w, None, None, None, None, None, None, None
+
+
+def _wgrad_setup_context(ctx, inputs, output):
+    dy, x, _, stride, padding, dilation, groups, precision = inputs
+    ctx.save_for_backward(dy, x)
+    ctx.conv = (list(stride), list(padding), list(dilation), groups)
+    ctx.precision = precision
+    ctx.x_channels_last = channels_last(x)
+
+
+def _wgrad_backward(ctx, grad_dw):
+    dy, x = ctx.saved_tensors
+    stride, padding, dilation, groups = ctx.conv
+    g = grad_dw.to(x.dtype)
+    grad_dy = grad_x = None
+    if ctx.needs_input_grad[0]:
+        grad_dy = _conv2d_op(x, g, None, stride, padding, dilation, groups, "none", ctx.precision,
+                             "auto").to(dy.dtype)
+    if ctx.needs_input_grad[1]:
+        grad_x = _dgrad_op(dy.to(x.dtype), g, list(x.shape), ctx.x_channels_last, stride, padding, dilation,
+                           groups, ctx.precision)
+    return grad_dy, grad_x, None, None, None, None, None, None
+
+
+_dgrad_op.register_autograd(_dgrad_backward, setup_context=_dgrad_setup_context)
+_wgrad_op.register_autograd(_wgrad_backward, setup_context=_wgrad_setup_context)
 for _op in (_conv2d_op, _dgrad_op, _wgrad_op):
     lean_autograd(_op)  # a compiled graph's calls skip the custom op's Python layers (core/torch_ops.py)
