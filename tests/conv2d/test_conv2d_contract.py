@@ -105,3 +105,42 @@ def test_conv2d_gradients_equal_torch_or_raise_clearly(n, c, k, h, r, stride, pa
     theirs = torch.autograd.grad(ref, tensors, grad.double())
     for g, t in zip(ours, theirs):
         assert g.shape == t.shape and relative_error(g, t) <= 1e-4
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(stride=[2], padding=[1], dilation=(1,)),
+    dict(stride=(2,), padding=(0,), dilation=[2]),
+    dict(stride=1, padding=[2], dilation=(2,)),
+])
+def test_one_element_lists_expand_like_f_conv2d(kwargs):
+    # nn.Conv2d(stride=[2]) keeps (2,): torch expands a one-element list to both dimensions
+    x, w, b = torch.randn(1, 4, 9, 8), torch.randn(6, 4, 3, 3), torch.randn(6)
+    out = tilegemm.conv2d(x, w, b, **kwargs)
+    ref = F.conv2d(x.double(), w.double(), b.double(), **kwargs)
+    assert out.shape == ref.shape
+    assert relative_error(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("x_shape,padding", [((1, 4, 0, 8), 2), ((1, 4, 8, 0), 1), ((1, 4, 0, 8), 0)])
+def test_empty_spatial_input_is_refused_as_torch_refuses_it(x_shape, padding):
+    x, w, b = torch.randn(x_shape), torch.randn(6, 4, 3, 3), torch.full((6,), 5.0)
+    with pytest.raises(RuntimeError):
+        F.conv2d(x, w, b, padding=padding)
+    with pytest.raises(ValueError, match="empty spatial dimension"):
+        tilegemm.conv2d(x, w, b, padding=padding)
+
+
+def test_an_empty_batch_may_have_empty_spatial_dimensions_as_in_torch():
+    x, w, b = torch.randn(0, 4, 0, 8), torch.randn(6, 4, 3, 3), torch.randn(6)
+    ref = F.conv2d(x, w, b, padding=2)
+    out = tilegemm.conv2d(x, w, b, padding=2)
+    assert out.shape == ref.shape == (0, 6, 2, 10)
+
+
+@pytest.mark.parametrize("padding", ["SAME", "Valid", "VALID"])
+def test_padding_strings_are_lowercase_as_in_torch(padding):
+    x, w = torch.randn(1, 4, 6, 6), torch.randn(6, 4, 3, 3)
+    with pytest.raises(RuntimeError, match="Invalid padding string"):
+        F.conv2d(x, w, padding=padding)
+    with pytest.raises(ValueError, match=f"got '{padding}'"):
+        tilegemm.conv2d(x, w, padding=padding)

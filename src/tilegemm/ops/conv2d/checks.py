@@ -17,30 +17,31 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _pair(name: str, value) -> tuple[int, int]:
-    """An int or a pair of ints as (h, w), or TypeError naming the argument."""
+    """An int, a pair of ints or a one-element sequence (expanded to both, as F.conv2d and nn.Conv2d take it) as
+    (h, w), or TypeError naming the argument."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int or a pair of ints, got a bool")
     if isinstance(value, int):
         return value, value
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(
+    if isinstance(value, (tuple, list)) and len(value) in (1, 2) and all(
             isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return int(value[0]), int(value[1])
+        return int(value[0]), int(value[-1])
     raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
 
 
 def resolve_padding(padding, R: int, S: int, stride: tuple[int, int], dilation: tuple[int, int]):
     """(top, bottom, left, right) from an int, a pair, "same" or "valid", as F.conv2d reads them."""
     if isinstance(padding, str):
-        mode = padding.lower()
-        if mode == "valid":
+        if padding == "valid":  # lowercase only, as F.conv2d and nn.Conv2d
             return (0, 0, 0, 0)
-        if mode == "same":
+        if padding == "same":
             if stride != (1, 1):
                 raise ValueError(f"padding='same' needs stride 1 (as in torch), got stride={stride}")
             # torch pads the extra element of an odd total at the bottom/right
             total_h, total_w = dilation[0] * (R - 1), dilation[1] * (S - 1)
             return (total_h // 2, total_h - total_h // 2, total_w // 2, total_w - total_w // 2)
-        raise ValueError(f"padding must be an int, a pair of ints, 'same' or 'valid', got {padding!r}")
+        raise ValueError(f"padding must be an int, a pair of ints, 'same' or 'valid' (lowercase, as torch), got "
+                         f"{padding!r}")
     ph, pw = _pair("padding", padding)
     if ph < 0 or pw < 0:
         raise ValueError(f"padding must be >= 0, got {padding!r}")
@@ -85,6 +86,10 @@ def check_conv(x, weight, bias, stride, padding, dilation, groups) -> Geometry:
                          f"C/groups={Cg} per group, so C={Cg * groups} for groups={groups}")
     if min(K, Cg, R, S) < 1:
         raise ValueError(f"weight must have no empty dimension, got shape {list(weight.shape)}")
+    if N and (H == 0 or W == 0):
+        # F.conv2d refuses this too (only an empty batch may be empty): the output would be all padding
+        raise ValueError(f"x has an empty spatial dimension (H={H}, W={W}) in a batch of {N}: only the batch "
+                         f"may be empty, as in torch")
     pad = resolve_padding(padding, R, S, stride, dilation)
     g = Geometry(N, C, H, W, K, R, S, groups, stride, pad, dilation)
     if g.P < 1 or g.Q < 1:
