@@ -6,7 +6,7 @@ import torch
 
 from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import check_precision
-from tilegemm.core.launch import plain_call
+from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call
 from tilegemm.ops.conv2d import dispatch, op
 from tilegemm.ops.conv2d.checks import check_conv, check_kernel, forward_key
 from tilegemm.ops.conv2d.op import REPLAYS
@@ -44,11 +44,22 @@ def conv2d(
             ``torch.get_float32_matmul_precision()`` (read when the op runs).
         kernel: ``"auto"`` or a name from ``tilegemm.kernels("conv2d")``.
 
-    Differentiable in x, weight and bias (the backward runs tilegemm's kernels too).
+    Differentiable in x, weight and bias, to any order (the backward runs tilegemm's kernels too). Under
+    ``torch.autocast`` the floating-point tensors on the autocast device, float64 excepted, are cast to its dtype
+    first, as autocast casts ``F.conv2d``'s. Under ``torch.fx.symbolic_trace`` the call is one ``call_function``
+    node.
 
     Raises:
         TypeError, ValueError: naming the bad argument (ranks, dtypes, devices, channel counts, sizes).
     """
+    if (type(x) not in PLAIN_TENSOR_TYPES or type(weight) not in PLAIN_TENSOR_TYPES) \
+            and _fx_proxy(x, weight, bias) is not None:
+        # torch.fx.symbolic_trace: one node for the call (the checks below cannot branch on a Proxy)
+        return _fx_proxy(x, weight, bias).tracer.create_proxy(
+            "call_function", conv2d, (x, weight, bias, stride, padding, dilation, groups, activation),
+            {"precision": precision, "kernel": kernel})
+    if torch._C._is_any_autocast_enabled():
+        x, weight, bias = _autocast(x, weight, bias)
     if getattr(x, "ndim", 4) == 3:  # unbatched [C, H, W], as F.conv2d takes it: a batch of one
         return conv2d(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups, activation,
                       precision=precision, kernel=kernel).squeeze(0)
@@ -74,3 +85,29 @@ def conv2d(
     if plain_call(x, weight, bias):
         return dispatch.forward(c)
     return op.call(c)
+
+
+def _fx_proxy(*args):
+    """The first of ``args`` that is a ``torch.fx.Proxy`` (symbolic tracing), or None."""
+    for a in args:
+        if isinstance(a, torch.fx.Proxy):
+            return a
+    return None
+
+
+def _autocast(x, weight, bias):
+    """The tensors as autocast casts ``F.conv2d``'s (conv2d is on its lower-precision list): floating-point
+    tensors on the autocast device, float64 excepted, in the autocast dtype; anything else as it is."""
+    device = getattr(x, "device", None)
+    if not isinstance(x, torch.Tensor) or not torch.amp.is_autocast_available(device.type) \
+            or not torch.is_autocast_enabled(device.type):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device.type)
+
+    def cast(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 \
+                and t.device.type == device.type:
+            return t.to(dtype)
+        return t
+
+    return cast(x), cast(weight), cast(bias)
