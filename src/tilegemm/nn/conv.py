@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 
-from tilegemm.core.activations import check_activation
+from tilegemm.core.activations import check_activation, torch_activation
 from tilegemm.nn.linear import sharding_rules_for
 from tilegemm.ops.conv2d import conv2d
+from tilegemm.ops.conv2d.checks import DTYPES
+
+_KERNEL_DTYPES = frozenset(DTYPES)
+
+
+def _shallow_copy(module: torch.nn.Module, cls: type) -> torch.nn.Module:
+    """``module`` as a ``cls`` over the same parameters, buffers and submodules, each dict or set of the module
+    (those, and the hooks) a copy of its own. Not copy.copy: a parametrized module refuses it."""
+    new = object.__new__(cls)
+    new.__dict__.update({k: v.copy() if isinstance(v, (dict, set)) else v for k, v in vars(module).items()})
+    return new
 
 
 class Conv2d(torch.nn.Conv2d):
@@ -17,7 +27,8 @@ class Conv2d(torch.nn.Conv2d):
     ``tilegemm.ACTIVATIONS`` applied in the kernel's epilogue after the bias (default none).
 
     Padding modes other than ``"zeros"`` pad with ``F.pad`` first, as torch does, then convolve unpadded.
-    Inputs may be NCHW or channels-last; the output keeps the input's memory format.
+    Inputs may be NCHW or channels-last; the output keeps the input's memory format. A weight in a dtype the
+    kernels do not take (float64, after ``.double()``) runs torch's convolution.
     """
 
     def __init__(self, *args, activation: str | None = None, **kwargs):
@@ -27,16 +38,26 @@ class Conv2d(torch.nn.Conv2d):
 
     @classmethod
     def from_conv(cls, conv: torch.nn.Conv2d, activation: str | None = None) -> "Conv2d":
-        """A ``Conv2d`` sharing ``conv``'s parameters and buffers (no copy: an optimizer over ``conv``'s
-        parameters keeps training it)."""
+        """A ``Conv2d`` sharing ``conv``'s parameters, buffers and submodules (no copy: an optimizer over
+        ``conv``'s parameters keeps training it). The hooks ``conv`` has are copied: a hook added to either module
+        later stays on that one. A parametrized ``conv`` (``torch.nn.utils.parametrize``, e.g.
+        ``parametrizations.weight_norm``) gives a parametrized ``Conv2d`` over the same parametrizations and original
+        tensors."""
         if not isinstance(conv, torch.nn.Conv2d):
             raise TypeError(f"from_conv takes a torch.nn.Conv2d, got {type(conv).__name__}")
         check_activation(activation)
-        new = copy.copy(conv)  # shallow: the same Parameter objects
-        new.__class__ = cls
-        new._parameters = dict(conv._parameters)
-        new._buffers = dict(conv._buffers)
-        new._modules = dict(conv._modules)
+        new_cls = cls
+        if parametrize.is_parametrized(conv):
+            # torch gives each parametrized module a class of its own holding the tensors' properties (and its
+            # refusal to pickle): the same attributes on a subclass of this class
+            new_cls = type(f"Parametrized{cls.__name__}", (cls,), {
+                k: v for k, v in type(conv).__dict__.items()
+                if k not in ("__module__", "__qualname__", "__dict__", "__weakref__", "__doc__")})
+        new = _shallow_copy(conv, new_cls)
+        if new_cls is not cls:
+            # lists of its own, so adding or removing a parametrization here leaves conv's; the same originals
+            new._modules["parametrizations"] = torch.nn.ModuleDict(
+                {name: _shallow_copy(plist, type(plist)) for name, plist in conv.parametrizations.items()})
         new.activation = activation
         return new
 
@@ -49,6 +70,8 @@ class Conv2d(torch.nn.Conv2d):
             weight, bias = params["weight"], params["bias"]
         else:
             weight, bias = self.weight, self.bias
+        if weight.dtype not in _KERNEL_DTYPES:  # float64 (``.double()``): no kernel takes it, torch's conv does
+            return torch_activation(self._conv_forward(x, weight, bias), self.activation or "none")
         if type(weight) is not torch.nn.Parameter:
             sharding_rules_for(weight)
         padding = self.padding

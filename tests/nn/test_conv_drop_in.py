@@ -1,0 +1,135 @@
+"""tilegemm.nn.Conv2d as a drop-in where torch's nn.Conv2d works: from_conv on parametrized convs and with
+hooks, ``.double()``, torch.autocast, torch.fx.symbolic_trace and one-element stride/padding lists after
+convert_."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.utils import parametrize
+
+from tilegemm.nn import Conv2d, convert_
+
+from conftest import assert_rel_close
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # convert_'s notes and the interpreter's warning
+        yield
+
+
+def _convert(model):
+    return convert_(model)
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda c: torch.nn.utils.parametrizations.weight_norm(c), id="weight_norm"),
+    pytest.param(lambda c: parametrize.register_parametrization(c, "bias", _Doubled()), id="bias-doubled"),
+])
+def test_from_conv_of_a_parametrized_conv_keeps_its_parametrizations(make, device):
+    conv = make(torch.nn.Conv2d(4, 6, 3, padding=1).to(device))
+    new = Conv2d.from_conv(conv, activation="relu")
+    assert isinstance(new, Conv2d) and parametrize.is_parametrized(new)
+    assert parametrize.type_before_parametrizations(new) is Conv2d
+    assert type(conv).__bases__[0] is torch.nn.Conv2d  # the original is untouched
+    assert new.state_dict().keys() == conv.state_dict().keys()
+    x = torch.randn(2, 4, 6, 6, device=device)
+    assert_rel_close(new(x), F.relu(conv(x)).detach().double(), 1e-5)
+    # the same parametrizations: the original tensors they hold get the new module's gradients
+    new(x).sum().backward()
+    originals = [p for p in conv.parameters()]
+    assert all(p.grad is not None for p in originals)
+    # adding or removing a parametrization on the new module leaves the original's class and parametrizations
+    before = conv(x).detach()
+    kept = {k: len(v) for k, v in conv.parametrizations.items()}
+    parametrize.register_parametrization(new, "bias", _Doubled())
+    assert {k: len(v) for k, v in conv.parametrizations.items()} == kept
+    for name in list(new.parametrizations.keys()):  # (leaving one parametrized tensor would write its original)
+        parametrize.remove_parametrizations(new, name, leave_parametrized=not new.parametrizations[name].is_tensor)
+    assert type(new) is Conv2d and not hasattr(new, "parametrizations")
+    assert {k: len(v) for k, v in conv.parametrizations.items()} == kept
+    torch.testing.assert_close(conv(x), before)
+
+
+def test_from_conv_with_a_hook_based_weight_norm(device):
+    conv = torch.nn.utils.weight_norm(torch.nn.Conv2d(4, 6, 3).to(device))  # a forward pre-hook sets .weight
+    new = Conv2d.from_conv(conv)
+    x = torch.randn(1, 4, 6, 6, device=device)
+    assert_rel_close(new(x), conv(x).detach().double(), 1e-5)
+
+
+def test_from_conv_copies_the_hook_dicts(device):
+    conv = torch.nn.Conv2d(4, 6, 3).to(device)
+    before = []
+    conv.register_forward_hook(lambda m, i, o: before.append(type(m)))
+    new = Conv2d.from_conv(conv)
+    on_new, on_conv = [], []
+    new.register_forward_hook(lambda m, i, o: on_new.append(type(m)))
+    new.register_forward_pre_hook(lambda m, i: on_new.append("pre"))
+    conv.register_forward_hook(lambda m, i, o: on_conv.append(type(m)))
+    x = torch.randn(1, 4, 6, 6, device=device)
+    conv(x)
+    assert on_new == [] and on_conv == [torch.nn.Conv2d]
+    new(x)
+    assert on_new == ["pre", Conv2d] and on_conv == [torch.nn.Conv2d]
+    assert before == [torch.nn.Conv2d, Conv2d]  # a hook the conv had before carries over
+    for key, value in vars(conv).items():
+        if isinstance(value, (dict, set)):
+            assert vars(new)[key] is not value, key
+    new.register_buffer("extra", torch.zeros(1))
+    assert "extra" not in conv.state_dict()
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+def test_double_after_convert_runs_torch_conv(padding_mode, device):
+    model = _convert(torch.nn.Sequential(torch.nn.Conv2d(4, 6, 3, padding=1, padding_mode=padding_mode)))
+    model[0].activation = "silu"
+    model.to(device).double()
+    x = torch.randn(2, 4, 7, 7, device=device, dtype=torch.float64, requires_grad=True)
+    out = model(x)
+    ref = F.silu(torch.nn.Conv2d._conv_forward(model[0], x, model[0].weight, model[0].bias))
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    assert model[0].weight.grad.dtype == torch.float64
+
+
+def test_autocast_on_a_converted_model(device):
+    x = torch.randn(1, 4, 8, 8, device=device)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.ConvTranspose2d(4, 4, 2, stride=2), torch.nn.Conv2d(4, 4, 3, padding=1))
+    ref = ref.to(device)
+    model = _convert(torch.nn.Sequential(*ref))  # the same modules' parameters
+    with torch.autocast(device, dtype=torch.bfloat16):
+        want = ref(x)
+        got = model(x)
+    assert isinstance(model[1], Conv2d)
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    assert_rel_close(got, want.double(), 3e-2)
+
+
+def test_symbolic_trace_of_a_converted_model(device):
+    model = _convert(torch.nn.Sequential(torch.nn.Conv2d(4, 6, 3), torch.nn.ReLU())).to(device)
+    gm = torch.fx.symbolic_trace(model)
+    ops = [n.op for n in gm.graph.nodes]
+    assert ops.count("call_function") == 1 and ops.count("get_attr") == 2  # the conv, its weight and bias
+    x = torch.randn(1, 4, 8, 8, device=device)
+    torch.testing.assert_close(gm(x), model(x))
+
+
+def test_one_element_lists_after_convert(device):
+    ref = torch.nn.Conv2d(4, 6, 3, stride=[2], padding=[1], dilation=(1,)).to(device)
+    model = _convert(torch.nn.Sequential(ref))
+    x = torch.randn(1, 4, 9, 9, device=device)
+    assert isinstance(model[0], Conv2d)
+    assert_rel_close(model(x), F.conv2d(x.double(), ref.weight.double(), ref.bias.double(), 2, 1), 1e-5)
