@@ -95,11 +95,15 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.tilegemm.conv2d.default, args)
     dy = torch.randn(2, 6, 3, 4, device=device)
     torch.library.opcheck(torch.ops.tilegemm.conv2d_dgrad.default,
-                          (dy, w, [2, 4, 5, 6], True, [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+                          (dy, w, [2, 4, 5, 6], True, [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
     torch.library.opcheck(torch.ops.tilegemm.conv2d_wgrad.default,
-                          (dy, x, [6, 2, 3, 3], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+                          (dy, x, [6, 2, 3, 3], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
+    # the gradients' own autograd (double backward), with their inputs requiring gradients
+    dy, w, x = (t.detach().clone().requires_grad_() for t in (dy, w, x))
+    torch.library.opcheck(torch.ops.tilegemm.conv2d_dgrad.default,
+                          (dy, w, [2, 4, 5, 6], True, [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
+    torch.library.opcheck(torch.ops.tilegemm.conv2d_wgrad.default,
+                          (dy, x, [6, 2, 3, 3], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
 
 
 @pytest.mark.parametrize("w_shape,groups,cl,pad", [((6, 4, 3, 3), 1, True, 1), ((6, 4, 3, 3), 1, False, 1),
