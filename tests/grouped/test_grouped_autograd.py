@@ -105,3 +105,18 @@ def test_torch_compile_backward(device):
     wa, wb = torch.autograd.grad(grouped_mm_reference(a, b, offs).sum(), (a, b))
     assert_rel_close(ga, wa, 1e-5)
     assert_rel_close(gb, wb, 1e-5)
+
+
+@pytest.mark.parametrize("layout", ["2d3d", "2d2d", "3d2d"])
+def test_gradients_with_no_groups(layout, device):
+    # G = 0: the output is all past offs[-1] (zeros, or empty for 2d2d), so every gradient is zero, the bias's too
+    E = torch.zeros(0, dtype=torch.int32, device=device)
+    a = torch.randn((0, 6, 8) if layout == "3d2d" else (6, 8), device=device, requires_grad=True)
+    b = torch.randn({"2d3d": (0, 8, 5), "2d2d": (8, 5), "3d2d": (8, 5)}[layout], device=device, requires_grad=True)
+    bias = torch.randn(5, device=device, requires_grad=True)
+    out = tilegemm.grouped_mm(a, b, offs=E, bias=bias)
+    assert not out.isnan().any() and not out.any()
+    grads = torch.autograd.grad(out, (a, b, bias), torch.randn_like(out))
+    for t, g in zip((a, b, bias), grads):
+        assert g.shape == t.shape and not g.isnan().any() and not g.any()
+    torch.library.opcheck(torch.ops.tilegemm.grouped_mm.default, (a, b, E, bias, None, "ieee", "auto"))

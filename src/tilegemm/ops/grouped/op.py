@@ -83,7 +83,9 @@ def _bias_grad(layout: str, dy: torch.Tensor, offs, shape, dtype, precision: str
         per_group = grouped_mm_op(ones, dy, offs, None, None, precision, "auto")[:, 0, :]  # [G, N]
         return (per_group if len(shape) == 2 else per_group.sum(0)).to(dtype)
     if layout == "3d2d":
-        cols = torch.arange(dy.shape[1], device=dy.device) < offs[-1:].to(torch.int64)
+        # no groups (offs empty): every column lies past the end, so the bias reaches none
+        end = offs[-1:] if offs.shape[0] else offs.new_zeros(1)
+        cols = torch.arange(dy.shape[1], device=dy.device) < end.to(torch.int64)
         return (dy.sum(0) * cols).to(dtype)
     per_group = dy.sum(1)  # 3d3d, 2d2d: out [G, M, N]
     return (per_group if len(shape) == 2 else per_group.sum(0)).to(dtype)
