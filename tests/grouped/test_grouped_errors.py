@@ -27,6 +27,13 @@ CASES = [
      "non-decreasing"),
     ("offs past the end", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(2, 9)), ValueError,
      "past the end"),
+    # the dimension offs runs past is named with its own size (it read "(a.shape[0]; ... = 5)" for b's columns)
+    ("offs past a's rows", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(2, 9)), ValueError,
+     r"offs\[-1\] = 9 is past the end of the grouped dimension, a's rows: a\.shape\[0\] = 8"),
+    ("offs past K", lambda: call(torch.randn(8, 4), torch.randn(4, 5), offs=O(2, 6)), ValueError,
+     r"past the end of the grouped dimension, K: a\.shape\[1\] = 4"),
+    ("offs past b's columns", lambda: call(torch.randn(2, 8, 4), torch.randn(4, 5), offs=O(2, 6)), ValueError,
+     r"past the end of the grouped dimension, b's columns: b\.shape\[1\] = 5"),
     ("offs negative", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(-1, 3)), ValueError,
      "negative"),
     ("missing offs 2d3d", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5)), ValueError, "offs is required"),

@@ -26,16 +26,18 @@ def _tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def check_offs(offs, groups: int | None, grouped_dim: str, extent: int) -> None:
-    """``offs``: int32, 1-D, ``groups`` long (None: any length), the cumulative ends of groups along a
-    dimension of ``extent`` (the value checks only where they cost no device sync)."""
+def check_offs(offs, groups: int | None, groups_of: str, grouped_dim: str, extent: int) -> None:
+    """``offs``: int32, 1-D, ``groups`` long (None: any length; ``groups_of`` names where that number comes
+    from), the cumulative ends of groups along ``grouped_dim`` of ``extent`` (the value checks only where they cost
+    no device sync)."""
     _tensor("offs", offs)
     if offs.dtype != torch.int32:
         raise TypeError(f"offs must be int32 (the cumulative ends of the groups), got {dtype_name(offs.dtype)}")
     if offs.dim() != 1:
         raise ValueError(f"offs must be 1-D [G], got shape {list(offs.shape)}")
     if groups is not None and offs.shape[0] != groups:
-        raise ValueError(f"offs has {offs.shape[0]} entries but there are {groups} groups ({grouped_dim})")
+        raise ValueError(f"offs has {offs.shape[0]} entries but there are {groups} groups ({groups_of}); offs "
+                         f"splits {grouped_dim}")
     if offs.device.type == "cpu" and offs.numel() and not torch.compiler.is_compiling() \
             and type(offs) in (torch.Tensor, torch.nn.Parameter):
         v = offs.to(torch.int64)
@@ -44,8 +46,8 @@ def check_offs(offs, groups: int | None, grouped_dim: str, extent: int) -> None:
         if offs.numel() > 1 and bool((v[1:] < v[:-1]).any()):
             raise ValueError(f"offs must be non-decreasing (cumulative ends of the groups), got {offs.tolist()}")
         if int(v[-1]) > extent:
-            raise ValueError(f"offs[-1] = {int(v[-1])} is past the end of the grouped dimension ({grouped_dim} = "
-                             f"{extent})")
+            raise ValueError(f"offs[-1] = {int(v[-1])} is past the end of the grouped dimension, {grouped_dim} = "
+                             f"{extent}")
 
 
 def check_grouped(a, b, offs, bias, out_dtype) -> tuple[str, int]:
@@ -84,17 +86,17 @@ def check_grouped(a, b, offs, bias, out_dtype) -> tuple[str, int]:
             if a.shape[1] != b.shape[1]:
                 raise ValueError(f"K mismatch: a is [M, K] = {list(a.shape)}, b is [G, K, N] = {list(b.shape)}")
             groups = b.shape[0]
-            check_offs(offs, groups, "b.shape[0]; offs splits a's rows", a.shape[0])
+            check_offs(offs, groups, "b.shape[0]", "a's rows: a.shape[0]", a.shape[0])
         elif layout == "2d2d":
             if a.shape[1] != b.shape[0]:
                 raise ValueError(f"K mismatch: a is [M, K] = {list(a.shape)}, b is [K, N] = {list(b.shape)}")
-            check_offs(offs, None, "offs splits K", a.shape[1])
+            check_offs(offs, None, "", "K: a.shape[1]", a.shape[1])
             groups = offs.shape[0]
         else:
             if a.shape[2] != b.shape[0]:
                 raise ValueError(f"K mismatch: a is [G, M, K] = {list(a.shape)}, b is [K, N] = {list(b.shape)}")
             groups = a.shape[0]
-            check_offs(offs, groups, "a.shape[0]; offs splits b's columns", b.shape[1])
+            check_offs(offs, groups, "a.shape[0]", "b's columns: b.shape[1]", b.shape[1])
         named["offs"] = offs
     if bias is not None:
         _tensor("bias", bias)
@@ -130,7 +132,7 @@ def check_grouped_int4(x, w, offs, bias, activation, gated: bool = False) -> Non
         raise ValueError(f"x must be [M, K] with K = {K} (the experts' in_features), got {list(x.shape)}")
     if offs is None:
         raise ValueError("offs is required: the int32 cumulative ends of each expert's rows of x")
-    check_offs(offs, E, "the experts: w.shape[0]; offs splits x's rows", x.shape[0])
+    check_offs(offs, E, "the experts: w.shape[0]", "x's rows: x.shape[0]", x.shape[0])
     named = {"x": x, "w": w.qweight, "offs": offs}
     if bias is not None:
         _tensor("bias", bias)
