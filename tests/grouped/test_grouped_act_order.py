@@ -103,6 +103,11 @@ def test_group_columns_opcheck(device):
     ((torch.zeros(4, 8), O(2, 4), torch.zeros(3, 8, dtype=torch.int64)), r"perm must be \[E, K\] = \[2, 8\]"),
     ((torch.zeros(4, 8), O(2, 4), torch.zeros(2, 8, dtype=torch.int32)), "int64"),
     ((torch.zeros(4, 8), O(2, 4).long(), torch.zeros(2, 8, dtype=torch.int64)), "int32"),
+    # values, checked on the CPU (an entry past K read outside x's row; a repeat gave a wrong gradient)
+    ((torch.zeros(4, 8), O(2, 4), torch.arange(8).repeat(2, 1) + 100), "permutation of 0..7"),
+    ((torch.zeros(4, 8), O(2, 4), torch.zeros(2, 8, dtype=torch.int64)), "permutation of 0..7"),
+    ((torch.zeros(4, 8), O(3, 1), torch.arange(8).repeat(2, 1)), "non-decreasing"),
+    ((torch.zeros(4, 8), O(2, 5), torch.arange(8).repeat(2, 1)), r"past the end .* x\.shape\[0\] = 4"),
 ])
 def test_group_columns_refuses(args, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core.runtime import cdiv, new_output, on_device
+from tilegemm.ops.grouped.checks import check_offs
 
 # Pairs (tokens x top-k) up to which moe_route runs its kernel; above, torch's sort (the kernel ranks each pair
 # against every other: P^2 / PAIRS_A_PROGRAM programs' work). An estimate, checked by tools/moe_route_probe.py
@@ -357,7 +358,8 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> to
 def group_columns(x: torch.Tensor, offs: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """``out[r, k] = x[r, perm[g, k]]`` for the rows r of expert g (``offs``, int32 cumulative ends, as
     :func:`tilegemm.grouped_mm` takes them); rows past ``offs[-1]`` unchanged. ``x`` ``[M, K]``, ``perm`` int64
-    ``[E, K]``, each row a permutation of ``range(K)`` (not checked: that needs its values on the host). What
+    ``[E, K]``, each row a permutation of ``range(K)`` (its values and offs' checked on the CPU only: elsewhere that
+    needs them on the host). What
     act-order stacked 4-bit experts multiply. Differentiable in ``x``."""
     if not all(isinstance(t, torch.Tensor) for t in (x, offs, perm)):
         raise TypeError("group_columns: x, offs and perm must be tensors")
@@ -372,4 +374,11 @@ def group_columns(x: torch.Tensor, offs: torch.Tensor, perm: torch.Tensor) -> to
     if len({x.device, offs.device, perm.device}) != 1:
         raise ValueError(f"group_columns: x, offs and perm on different devices ({x.device}, {offs.device}, "
                          f"{perm.device})")
+    check_offs(offs, perm.shape[0], "perm.shape[0]", "x's rows: x.shape[0]", x.shape[0])
+    K = x.shape[1]
+    # perm's values where reading them stalls nothing (on the GPU an entry outside 0..K-1 reads outside x's row)
+    if perm.device.type == "cpu" and perm.numel() and not torch.compiler.is_compiling() \
+            and type(perm) in (torch.Tensor, torch.nn.Parameter) \
+            and not torch.equal(perm.sort(-1).values, torch.arange(K).expand(perm.shape)):
+        raise ValueError(f"group_columns: each row of perm must be a permutation of 0..{K - 1} (K = {K})")
     return group_columns_op(x, offs, perm)
