@@ -144,6 +144,7 @@ def test_opcheck(device):
     ((torch.zeros(3, 4), torch.zeros(2, 2, dtype=torch.int64), 4), "tokens"),
     ((torch.zeros(3, 4), torch.zeros(3, 2), 4), "int32 or int64"),
     ((torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int64), 0), "positive int"),
+    ((torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int64), True), "positive int"),  # routed as one expert
 ])
 def test_route_refuses(args, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -320,7 +320,7 @@ def _check_route(x, top_k_index, num_experts):
         raise TypeError(f"moe_route: top_k_index must be int32 or int64, got {top_k_index.dtype}")
     if top_k_index.device != x.device:
         raise ValueError(f"moe_route: top_k_index is on {top_k_index.device}, x on {x.device}")
-    if not isinstance(num_experts, int) or num_experts < 1:
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:  # (True is an int)
         raise ValueError(f"moe_route: num_experts must be a positive int, got {num_experts!r}")
 
 
