@@ -101,7 +101,9 @@ def check_grouped(a, b, offs, bias, out_dtype) -> tuple[str, int]:
     if bias is not None:
         _tensor("bias", bias)
         if bias.dtype not in (a.dtype, out_dtype or a.dtype):
-            raise TypeError(f"bias has dtype {dtype_name(bias.dtype)}; expected {dtype_name(a.dtype)}")
+            also = "" if out_dtype in (None, a.dtype) else f" or the output's, {dtype_name(out_dtype)}"
+            raise TypeError(f"bias has dtype {dtype_name(bias.dtype)}; expected the operands' "
+                            f"{dtype_name(a.dtype)}{also}")
         N = b.shape[-1]
         shapes = [(N,)] if layout == "3d2d" else [(N,), (groups, N)]
         if tuple(bias.shape) not in shapes:
