@@ -50,9 +50,22 @@ def resolve_precision(precision: str | None, dtype: torch.dtype) -> str:
     if precision is None or precision == "default":
         if dtype != torch.float32:
             return "ieee"
-        precision = torch.get_float32_matmul_precision()
+        precision = torch_fp32_precision()
     check_precision(precision)
     return _PRECISIONS[precision.lower()] if dtype == torch.float32 else "ieee"
+
+
+def torch_fp32_precision() -> str:
+    """torch's setting for fp32 matmuls, set through either of its APIs."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        # torch raises when its newer per-backend API (``torch.backends.cuda.matmul.fp32_precision``,
+        # ``torch.backends.fp32_precision``) has been used: read that one, the matmul's own setting first
+        value = torch.backends.cuda.matmul.fp32_precision
+        if value == "none":
+            value = torch.backends.fp32_precision
+        return "tf32" if value == "tf32" else "ieee"
 
 
 def check_precision(precision) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core import registry
-from tilegemm.core.dtypes import dtype_name
+from tilegemm.core.dtypes import dtype_name, torch_fp32_precision
 from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, jit_tracing,
                                   recording_active, tensor_key)
 from tilegemm.core.runtime import check_same_device, interpreting
@@ -203,12 +203,12 @@ def forward_key_of(x: torch.Tensor, weight: torch.Tensor, bias, stride, padding,
         return ("fwd", dtype, x.shape, x.stride(), x.device, x.data_ptr() % 16 == 0, weight.dtype, weight.shape,
                 weight.stride(), weight.device, weight.data_ptr() % 16 == 0, stride, padding, dilation, groups,
                 activation, precision, kernel,
-                torch.get_float32_matmul_precision() if dtype is torch.float32 else None)
+                torch_fp32_precision() if dtype is torch.float32 else None)
     # With a bias, its part in the same literal (a second tuple concatenated on is one more allocation a call)
     return ("fwd", dtype, x.shape, x.stride(), x.device, x.data_ptr() % 16 == 0, weight.dtype, weight.shape,
             weight.stride(), weight.device, weight.data_ptr() % 16 == 0, stride, padding, dilation, groups,
             activation, precision, kernel,
-            torch.get_float32_matmul_precision() if dtype is torch.float32 else None,
+            torch_fp32_precision() if dtype is torch.float32 else None,
             bias.dtype, bias.shape, bias.stride(), bias.device, bias.data_ptr() % 16 == 0)
 
 
@@ -231,6 +231,6 @@ def key_of(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tuple, 
     for o in options:
         if type(o) not in _OPTION_TYPES:
             return None
-    precision = torch.get_float32_matmul_precision() if x.dtype == torch.float32 else None
+    precision = torch_fp32_precision() if x.dtype == torch.float32 else None
     return (part, tensor_key(x), tensor_key(weight), None if bias is None else tensor_key(bias), tuple(geometry),
             precision, options)
