@@ -12,8 +12,8 @@ from tilegemm.nn.moe import SparseMoeBlock, _stacked_experts, convert_moe_blocks
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.convert import ConversionNote
 from tilegemm.nn.linear import Linear
-from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, check_group_size_value, fits_fragments, from_awq, \
-    from_gptq, quantize
+from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, fits_fragments, \
+    from_awq, from_gptq, quantize
 
 _BUFFERS = ("qweight", "scales", "zeros", "perm")
 _SCALE_BUFFERS = ("scales", "zeros", "fzs")  # the kernels read these in 16 bits, whatever the module's dtype
@@ -131,19 +131,55 @@ class Int4Linear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # A checkpoint may hold another layout than this module was built with (act-order perm, another
-        # group size): take its shapes, then let nn.Module copy the values.
-        for name in _BUFFERS:
-            incoming = state_dict.get(prefix + name)
-            if incoming is not None and incoming.shape != getattr(self, name).shape:
-                self._buffers[name] = torch.empty_like(incoming, device=getattr(self, name).device)
+        # A checkpoint may hold another layout than this module was built with (act-order perm, another group
+        # size): its shapes are taken where they make a 4-bit weight of this module's [out, in]; otherwise the
+        # buffers keep theirs and nn.Module reports each size mismatch, so a failed load leaves a layer that runs.
+        own_dtype = self.scales.dtype
+        shapes, problem = self._incoming_shapes(state_dict, prefix)
+        if problem is not None:
+            error_msgs.append(problem)
+        for name, shape in (shapes or {}).items():
+            t = self._buffers[name]
+            if tuple(t.shape) != shape:  # the module's own dtypes: the load copies into them (converting)
+                self._buffers[name] = torch.empty(shape, dtype=t.dtype, device=t.device)
+        before = len(error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        for name in ("scales", "zeros"):  # (load_state_dict(assign=True) puts the incoming tensors in place)
+            if self._buffers[name].dtype != own_dtype:
+                self._buffers[name] = self._buffers[name].to(own_dtype)
         G = self.scales.shape[0]
         if G:  # (no groups: in_features is 0, the group size stays as built)
             self.group_size = -1 if G == 1 else self.in_features // G
-        if not error_msgs:
+        if len(error_msgs) == before and problem is None:
             self._set_fragments(self._weight())
+
+    def _incoming_shapes(self, state_dict, prefix) -> tuple[dict | None, str | None]:
+        """The buffer shapes a state dict brings, when they make a 4-bit weight of this module's
+        ``[out_features, in_features]`` (None where it does not hold all of qweight, scales, zeros), and a message
+        naming the keys and shapes when they do not."""
+        got = {name: state_dict.get(prefix + name) for name in _BUFFERS}
+        if any(got[n] is None for n in ("qweight", "scales", "zeros")):
+            return None, None  # (a key it lacks is a missing key, as for any module)
+        K, N = self.in_features, self.out_features
+        shape = {n: tuple(t.shape) for n, t in got.items() if t is not None}
+        G = shape["scales"][0] if len(shape["scales"]) == 2 else -1
+        why = None
+        if shape["qweight"] != (K // 8, N):
+            why = f"qweight must be [in_features / 8, out_features] = [{K // 8}, {N}]"
+        elif len(shape["scales"]) != 2 or shape["scales"][1] != N or shape["zeros"] != shape["scales"]:
+            why = f"scales and zeros must both be [groups, out_features] = [G, {N}]"
+        elif K and (G < 1 or K % G or G > 1 and K // G not in GROUP_SIZES):
+            why = f"{G} groups do not split in_features = {K} into a group size tilegemm takes " \
+                  f"({', '.join(map(str, GROUP_SIZES))})"
+        elif "perm" in shape and shape["perm"] not in ((0,), (K,)):
+            why = f"perm must be empty or [in_features] = [{K}]"
+        if why is None:
+            return shape, None
+        listing = ", ".join(f"{prefix}{n} {list(s)}" for n, s in shape.items())
+        where = prefix[:-1] or "the module"
+        return None, (f"the 4-bit weight in the state dict ({listing}) does not fit {where}, an "
+                      f"Int4Linear(in_features={K}, out_features={N}, group_size={self.group_size}): {why}")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
