@@ -315,6 +315,30 @@ def _adopt_perms(module, state_dict, prefix, *args) -> None:
             module._buffers[perm] = torch.empty(incoming.shape, dtype=torch.int64, device=module._buffers[key].device)
 
 
+def _is_scale_buffer(name: str) -> bool:
+    return name.startswith("tilegemm_") and name.endswith(("_scales", "_zeros", "frag_zs"))
+
+
+class _KeepScales16:
+    """A block's ``_apply`` once it holds 4-bit experts, as ``Int4Linear._apply``: ``.float()`` /
+    ``.to(torch.float32)`` make an fp32 block (its activations and any 16-bit parameters) and keep the experts'
+    scales and zeros 16-bit, which the kernels read; ``.half()`` / ``.bfloat16()`` convert them. A callable object
+    kept in the instance's ``__dict__`` (not a bound method) so that deepcopy and pickling follow the block."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, fn, recurse: bool = True):
+        m = self.module
+        before = {n: t.dtype for n, t in m._buffers.items() if t is not None and _is_scale_buffer(n)}
+        type(m)._apply(m, fn, recurse)
+        for n, dtype in before.items():
+            t = m._buffers.get(n)
+            if t is not None and t.is_floating_point() and t.dtype not in (torch.float16, torch.bfloat16):
+                m._buffers[n] = t.to(dtype)
+        return m
+
+
 def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
     """Put stacked 4-bit experts on a transformers experts block: ``weights`` maps its 3-D weight's name
     (``"gate_up_proj"``/``"up_proj"``, ``"down_proj"``) to an :class:`Int4Weight` of logical shape ``[E, out, in]``
@@ -334,6 +358,9 @@ def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
         else:
             module._buffers.pop(f"tilegemm_{n}_perm", None)
     module.tilegemm_group_size = sizes.pop()
+    if not isinstance(module.__dict__.get("_apply"), _KeepScales16):
+        # the block may be transformers' class, which tilegemm cannot subclass: its _apply is replaced on the instance
+        module.__dict__["_apply"] = _KeepScales16(module)
     _drop_fragments(module)  # those of experts installed before
     make_fragments_(module)
     if not getattr(module, "_tilegemm_remakes_fragments", False):
