@@ -19,6 +19,7 @@ tensors (never as a 16-bit weight), so loading peaks at the int4 model plus one 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -860,7 +861,9 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
     block's 16-bit 3-D weights (dequantized)."""
     from transformers import AutoModelForCausalLM
 
-    config = model.config
+    # a config of its own: from_config keeps the object it is given, and a setting changed on the copy
+    # (set_experts_implementation, attention) must not change the 4-bit model
+    config = copy.deepcopy(model.config)
     dtype = _model_dtype(model)
     dense = _meta_model(AutoModelForCausalLM, config, dtype)
     int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
