@@ -83,3 +83,19 @@ def test_moe_experts_scales_stay_16_bit_under_float():
     again.half().float()
     assert again.model.layers[0].mlp.experts.tilegemm_gate_up_proj_scales.dtype == torch.float16
     assert _rel(_logits(again), reference) < 2e-2
+
+
+# --- dequantized_copy ---------------------------------------------------------------------------------------
+
+
+def test_dequantized_copy_of_an_fp32_model_is_fp32():
+    model = cw.random_model(cw.tiny_config("llama", hidden=64, layers=1))  # fp32, as from_config builds it
+    _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
+    dense = dequantized_copy(model)
+    assert {p.dtype for p in dense.parameters()} == {torch.float32}
+    q = model.model.layers[0].self_attn.q_proj
+    assert torch.equal(dense.model.layers[0].self_attn.q_proj.weight, q.dequantize().float())
+    assert _rel(_logits(model), _logits(dense)) < TOL  # the 4-bit model rounds its activations to fp16
+    assert dense.config is not model.config  # settings changed on the copy stay there
+    dense.config.use_cache = not model.config.use_cache
+    assert dense.config.use_cache != model.config.use_cache

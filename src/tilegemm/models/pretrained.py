@@ -405,6 +405,18 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return torch.float16
 
 
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s floating-point parameters (an fp32 model's Int4Linears hold fp32 biases and fp16
+    scales: the parameters say which), else of its 4-bit scales."""
+    for p in model.parameters():
+        if p.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            return p.dtype
+    for name, b in model.named_buffers():
+        if name.endswith("scales") and b.is_floating_point():
+            return b.dtype
+    return torch.float16
+
+
 def _model_device(model: nn.Module) -> torch.device | None:
     for t in [*model.parameters(), *model.buffers()]:
         if t.device.type != "meta":
@@ -856,15 +868,16 @@ def _tie(model: nn.Module) -> None:
 
 def dequantized_copy(model: nn.Module) -> nn.Module:
     """The same ``transformers`` model with each :class:`~tilegemm.nn.Int4Linear` an ``nn.Linear`` holding its
-    dequantized weight (16-bit), every other parameter shared with ``model`` (no copy): the fp16 model that
-    computes what the 4-bit one should, as the bench's baseline and reference. 4-bit stacked experts become the
-    block's 16-bit 3-D weights (dequantized)."""
+    dequantized weight (in the model's dtype), every other parameter shared with ``model`` (no copy): the dense
+    model that computes what the 4-bit one should, as the bench's baseline and reference. 4-bit stacked experts become the
+    block's 16-bit 3-D weights (dequantized). The copy's dtype is that of the model's parameters (an fp32 model
+    gives an fp32 copy) and it has a config of its own."""
     from transformers import AutoModelForCausalLM
 
     # a config of its own: from_config keeps the object it is given, and a setting changed on the copy
     # (set_experts_implementation, attention) must not change the 4-bit model
     config = copy.deepcopy(model.config)
-    dtype = _model_dtype(model)
+    dtype = _float_dtype(model)
     dense = _meta_model(AutoModelForCausalLM, config, dtype)
     int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
     experts = {name: m for name, m in model.named_modules() if hasattr(m, "tilegemm_group_size")}
@@ -874,13 +887,13 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
         for name, p in list(dense.named_parameters(remove_duplicate=False)):
             module_name, _, leaf = name.rpartition(".")
             if module_name in int4 and leaf == "weight":
-                w = int4[module_name].dequantize()
+                w = int4[module_name].dequantize().to(dtype)
                 if isinstance(dense.get_submodule(module_name), nn.Linear):
                     value = nn.Parameter(w, requires_grad=False)
                 else:  # a Conv1D (GPT-2) holds [in, out]
                     value = nn.Parameter(w.T.contiguous(), requires_grad=False)
             elif name not in source and module_name in experts:  # 4-bit stacked experts: [E, out, in]
-                w = dequantize(_int4(experts[module_name], leaf))
+                w = dequantize(_int4(experts[module_name], leaf)).to(dtype)
                 w = w.transpose(1, 2).contiguous() if getattr(experts[module_name], "is_transposed", False) else w
                 value = nn.Parameter(w, requires_grad=False)
             else:
