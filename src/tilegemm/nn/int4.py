@@ -18,6 +18,7 @@ from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, che
 _BUFFERS = ("qweight", "scales", "zeros", "perm")
 _SCALE_BUFFERS = ("scales", "zeros", "fzs")  # the kernels read these in 16 bits, whatever the module's dtype
 _MODULE_DTYPES = (*FLOAT_DTYPES, torch.float32)
+_AUTOCAST_DEVICES = ("cuda", "cpu")  # where the kernels run; torch.is_autocast_enabled raises for others (meta)
 
 
 class Int4Linear(nn.Module):
@@ -77,10 +78,25 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from tilegemm.ops.w4a16.api import matmul
 
-        if getattr(x, "dtype", None) is torch.float32:  # an fp32 module: 16-bit activations in, fp32 out
+        dtype = getattr(x, "dtype", None)
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type in _AUTOCAST_DEVICES \
+                and torch.is_autocast_enabled(x.device.type):
+            cast = torch.get_autocast_dtype(x.device.type)
+            if cast in FLOAT_DTYPES:  # autocast: the product in its dtype, as torch.nn.Linear's under autocast
+                w = self.weight if self.scales.dtype == cast else self._weight().to(cast)
+                return matmul(x.to(cast), w, bias=None if self.bias is None else self.bias.to(cast))
+        if dtype is torch.float32:  # an fp32 module: 16-bit activations in, fp32 out
             half = self.scales.dtype
             bias = None if self.bias is None else self.bias.to(half)
             return matmul(x.to(half), self.weight, bias=bias).float()
+        if dtype in FLOAT_DTYPES:
+            # the layer's dtypes named here: the product's own check would name its internal weight
+            module = self.scales.dtype if self.bias is None or self.bias.dtype in FLOAT_DTYPES else self.bias.dtype
+            if dtype != self.scales.dtype or module != self.scales.dtype:
+                raise TypeError(f"Int4Linear(in_features={self.in_features}, out_features={self.out_features}) is "
+                                f"an {dtype_name(module)} module (scales {dtype_name(self.scales.dtype)}) and got input "
+                                f"of dtype {dtype_name(dtype)}: give it {dtype_name(module)} input, convert the module "
+                                f"(.to({dtype})), or run it under torch.autocast")
         return matmul(x, self.weight, bias=self.bias)
 
     def _apply(self, fn, recurse=True):
