@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         model = dequantized_copy(qmodel)  # the fp16 model of the same weights; the rest shared, not copied
         cfg = model.config
         print(f"model: {', '.join(cfg.architectures or [cfg.model_type])} from {args.checkpoint} "
-              f"({cfg.quantization_config.get('quant_method')}), hidden {cfg.hidden_size}, intermediate "
+              f"({qmodel.config.quantization_config.get('converted_from')}), hidden {cfg.hidden_size}, intermediate "
               f"{cfg.intermediate_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} KV, vocab "
               f"{cfg.vocab_size}, {cfg.num_hidden_layers} layers; fp16: its int4 weights dequantized")
         group = qmodel.config.quantization_config.get("group_size")

@@ -99,3 +99,65 @@ def test_dequantized_copy_of_an_fp32_model_is_fp32():
     assert dense.config is not model.config  # settings changed on the copy stay there
     dense.config.use_cache = not model.config.use_cache
     assert dense.config.use_cache != model.config.use_cache
+
+
+# --- tied output layers and save_pretrained ----------------------------------------------------------------
+
+
+def test_quantizing_a_tied_lm_head_unties_it_in_the_config(tmp_path):
+    from safetensors.torch import load_file
+
+    model = cw.random_model(cw.tiny_config("llama", hidden=64, layers=1, tie=True)).half()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    _quiet(quantize_, model, group_size=32)
+    assert isinstance(model.lm_head, Int4Linear) and model.config.tie_word_embeddings is False
+    before = _logits(model)
+    model.tie_weights()  # a no-op now, not a KeyError
+    assert torch.equal(_logits(model), before)
+    # saved, then loaded into a model of the saved config quantized alike: the same logits
+    _quiet(model.save_pretrained, tmp_path)
+    again = transformers.AutoModelForCausalLM.from_config(
+        _quiet(transformers.AutoConfig.from_pretrained, tmp_path)).half().eval()
+    assert again.config.tie_word_embeddings is False
+    _quiet(quantize_, again, group_size=32)
+    again.load_state_dict(load_file(tmp_path / "model.safetensors"))
+    assert torch.equal(_logits(again), before)
+
+
+def test_loaded_tied_checkpoint_with_a_quantized_lm_head_unties(tmp_path, monkeypatch):
+    # a checkpoint that stores lm_head quantized though its config says tied: loaded untied, tie_weights() keeps it
+    import json
+
+    names = cw.linear_names
+    monkeypatch.setattr(cw, "linear_names", lambda model, quantize_lm_head=False, not_convert=():
+                        names(model, True, not_convert))
+    config = cw.tiny_config("llama", hidden=64, layers=1, tie=False)
+    reference = cw.write_model(tmp_path, cw.random_model(config), "gptq", 32)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["tie_word_embeddings"] = True
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    model = _quiet(from_pretrained, tmp_path, device="cpu")
+    assert isinstance(model.lm_head, Int4Linear) and model.config.tie_word_embeddings is False
+    model.tie_weights()
+    assert _rel(_logits(model), _logits(cw.reference_model(config, reference))) < TOL
+
+
+def test_save_pretrained_of_a_loaded_model_is_not_a_gptq_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    cw.write_model(tmp_path / "ckpt", cw.random_model(config), "gptq", 32)
+    model = _quiet(from_pretrained, tmp_path / "ckpt", device="cpu")
+    q = model.config.quantization_config
+    assert q["quant_method"] == "tilegemm" and q["group_size"] == 32 and q["converted_from"] == "gptq"
+    _quiet(model.save_pretrained, tmp_path / "saved")
+    with pytest.raises(ValueError, match=r"quant_method 'tilegemm' is what save_pretrained writes.*group_size=32"):
+        from_pretrained(tmp_path / "saved", device="cpu")
+    # the documented way back: a model of the saved config, quantized alike, given the saved tensors
+    again = transformers.AutoModelForCausalLM.from_config(
+        _quiet(transformers.AutoConfig.from_pretrained, tmp_path / "saved")).half().eval()
+    _quiet(quantize_, again, group_size=32, filter=lambda n, m: "lm_head" not in n)
+    again.load_state_dict(load_file(tmp_path / "saved" / "model.safetensors"))
+    assert torch.equal(_logits(again), _logits(model))
+    dense = dequantized_copy(model)  # the dense copy claims no quantization
+    assert getattr(dense.config, "quantization_config", None) is None

@@ -56,3 +56,97 @@ def test_state_dict_keeps_the_module_scale_dtype(built_group):
     assert y.dtype == torch.float16
     assert_rel_close(y, _ref(dst, x), 2e-3)
     assert_rel_close(y, _ref(src, x), 2e-2)  # the same weight, its scales rounded to fp16
+
+
+# --- quantize_: shared layers, hooks, training flag, DTensors -------------------------------------------------
+
+
+def test_quantize_gives_a_shared_linear_one_int4_layer_under_every_name():
+    from tilegemm.nn import quantize_
+
+    shared = nn.Linear(64, 64, dtype=torch.float16)
+
+    class TwoNames(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = shared
+            self.b = shared  # the same layer twice under one parent
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    model = nn.ModuleDict(dict(block1=nn.Sequential(shared, nn.ReLU()), block2=nn.Sequential(shared, nn.ReLU()),
+                               twice=TwoNames()))
+    quantize_(model, group_size=32)
+    layers = [model.block1[0], model.block2[0], model.twice.a, model.twice.b]
+    assert all(isinstance(m, Int4Linear) for m in layers) and all(m is layers[0] for m in layers)
+    assert model.tilegemm_skipped == []
+    x = torch.randn(3, 64, dtype=torch.float16)
+    q = layers[0]
+    ref = torch.relu(_ref(q, x)).to(torch.float16)
+    assert_rel_close(model.twice(x), _ref(q, ref), 3e-3)
+
+
+def test_quantize_keeps_hooks_and_the_training_flag():
+    from tilegemm.nn import quantize_
+
+    seen = []
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8)).half().eval()
+    model[0].register_forward_pre_hook(lambda m, args: seen.append(("pre", type(m).__name__)))
+    handle = model[0].register_forward_hook(lambda m, args, out: out * 2)  # a hook that changes the output
+    model[2].train()  # one layer in training mode, the rest in eval
+    quantize_(model, group_size=32)
+    assert isinstance(model[0], Int4Linear) and isinstance(model[2], Int4Linear)
+    assert [m.training for m in model] == [False, False, True]
+    x = torch.randn(2, 64, dtype=torch.float16)
+    h = torch.relu(2 * _ref(model[0], x)).to(torch.float16)
+    assert_rel_close(model(x), _ref(model[2], h), 3e-3)
+    assert seen == [("pre", "Int4Linear")]
+    handle.remove()  # the caller's handle still removes it
+    h = torch.relu(_ref(model[0], x)).to(torch.float16)
+    assert_rel_close(model(x), _ref(model[2], h), 3e-3)
+
+
+def test_quantize_refuses_dtensor_weights_before_changing_anything():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from tilegemm.nn import quantize_
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8)).half()
+        model[2].weight = nn.Parameter(distribute_tensor(model[2].weight.detach(), mesh, [Replicate()]))
+        with pytest.raises(TypeError, match=r"2's weight is a DTensor .* quantize before parallelizing"):
+            quantize_(model, group_size=32)
+        assert type(model[0]) is nn.Linear  # nothing swapped
+        with pytest.raises(TypeError, match="DTensor"):
+            Int4Linear.from_linear(model[2], group_size=32)
+    finally:
+        dist.destroy_process_group()
+
+
+# --- Int4Linear's forward: dtypes and autocast ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("module_dtype", [torch.float32, torch.float16])
+def test_int4_linear_runs_in_the_autocast_dtype(module_dtype, cast):
+    q = Int4Linear.from_linear(nn.Linear(64, 16, dtype=module_dtype), group_size=32)
+    x = torch.randn(3, 64)  # fp32, as autocast regions get it
+    with torch.autocast("cpu", dtype=cast):
+        y = q(x)
+    assert y.dtype == cast
+    assert_rel_close(y, _ref(q, x.to(cast)), 1.5e-2)
+
+
+@pytest.mark.parametrize("module_dtype,x_dtype", [(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                                  (torch.float16, torch.bfloat16)])
+def test_int4_linear_names_its_dtypes_when_the_input_has_another(module_dtype, x_dtype):
+    q = Int4Linear.from_linear(nn.Linear(64, 16, dtype=module_dtype), group_size=32)
+    with pytest.raises(TypeError, match=r"Int4Linear\(in_features=64, out_features=16\) is an "
+                                        rf"{'fp32' if module_dtype == torch.float32 else 'fp16'} module .* input of "
+                                        rf"dtype {'fp16' if x_dtype == torch.float16 else 'bf16'}"):
+        q(torch.randn(2, 64, dtype=x_dtype))

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from tilegemm.core.dtypes import dtype_name
-from tilegemm.nn.int4 import Int4Linear, is_conv1d
+from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear, is_conv1d, mark_saved_format_, untie_quantized_outputs_
 from tilegemm.nn.moe import (_experts_modules, _int4, convert_moe_blocks_, install_int4_experts_, register_experts,
                              use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_gptq
@@ -118,6 +118,11 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
     if not isinstance(q, dict):
         raise ValueError(f"{where}: quantization_config must be a JSON object, got {type(q).__name__}")
     method = str(q.get("quant_method", "")).lower()
+    if method == SAVED_METHOD:
+        raise ValueError(f"{where}: quant_method 'tilegemm' is what save_pretrained writes for a model holding "
+                         f"tilegemm's 4-bit layers, not a GPTQ or AWQ checkpoint: build the model, quantize it with "
+                         f"tilegemm.nn.quantize_(model, group_size={q.get('group_size')!r}) and load the saved tensors "
+                         f"with model.load_state_dict (docs/w4a16.md \"Saving\")")
     if method not in METHODS:
         raise ValueError(f"{where}: quant_method {q.get('quant_method')!r} is not supported; supported: "
                          f"{', '.join(repr(m) for m in METHODS)}")
@@ -362,7 +367,7 @@ def empty_model(path, dtype: torch.dtype = torch.float16, device=None) -> tuple[
         raise ImportError(f"from_pretrained needs transformers: {INSTALL}") from None
     config = AutoConfig.from_pretrained(os.fspath(path))
     # Built from the config alone: transformers' own quantizers (which from_config does not run) stay out of it;
-    # the config keeps its quantization_config, which says what the model holds.
+    # load_quantized_ replaces its quantization_config by tilegemm's (what the loaded model holds and saves).
     return _meta_model(AutoModelForCausalLM, config, dtype), device
 
 
@@ -802,6 +807,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
         raise ValueError(f"the checkpoint at {path!r} left parameter(s) of the model unloaded: {', '.join(left[:8])}")
+    mark_saved_format_(model, q.method)  # its tensors are tilegemm's now: a save must not claim to be GPTQ/AWQ
     return model
 
 
@@ -858,10 +864,12 @@ def _tied_names(model: nn.Module) -> set[str]:
 
 def _tie(model: nn.Module) -> None:
     """Tie the output embedding to the input one again (loading replaced the parameters), as transformers
-    does; not when the output layer was stored quantized."""
+    does; not when the output layer was stored quantized: the config then says it is untied
+    (``tie_word_embeddings`` False), so that ``tie_weights()`` and ``save_pretrained`` leave it as it is."""
     if not _tied_names(model):
         return
     if isinstance(model.get_output_embeddings(), Int4Linear):
+        untie_quantized_outputs_(model)
         return
     model.tie_weights()
 
@@ -877,6 +885,8 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
     # a config of its own: from_config keeps the object it is given, and a setting changed on the copy
     # (set_experts_implementation, attention) must not change the 4-bit model
     config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):  # the copy holds no 4-bit layer
+        del config.quantization_config
     dtype = _float_dtype(model)
     dense = _meta_model(AutoModelForCausalLM, config, dtype)
     int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Callable
 
@@ -131,6 +132,8 @@ class Int4Linear(nn.Module):
         conv1d = is_conv1d(linear)
         if not (isinstance(linear, nn.Linear) or conv1d):
             raise TypeError(f"from_linear takes an nn.Linear (or transformers' Conv1D), got {type(linear).__name__}")
+        if _is_dtensor(linear.weight):
+            raise TypeError(_DTENSOR_ADVICE.format(what=f"this {type(linear).__name__}'s weight"))
         w = quantize(linear.weight.detach().T if conv1d else linear.weight.detach(), group_size, symmetric)
         mod = cls.from_weight(w, linear.bias)
         if mod.bias is not None and linear.bias.dtype == torch.float32:  # an fp32 layer stays an fp32 module
@@ -202,6 +205,106 @@ class Int4Linear(nn.Module):
                 f"group_size={self.group_size}, dtype={self.scales.dtype}")
 
 
+_DTENSOR_ADVICE = ("{what} is a DTensor (the model was parallelized, e.g. by parallelize_module): quantize "
+                   "before parallelizing (tilegemm.nn.quantize_, then parallelize_module with tilegemm.nn.ColwiseParallel "
+                   "/ RowwiseParallel / ExpertsTensorParallel, docs/parallel.md)")
+
+
+def _is_dtensor(t) -> bool:
+    # torch.distributed.tensor is looked up, not imported: a DTensor exists only once it was imported
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+# What a module carries that is not its weight: its forward and backward hooks (the dicts themselves, so the
+# handles the caller holds still remove them). State-dict hooks stay behind: they were made for the Linear's tensors.
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _carry_over(old: nn.Module, new: nn.Module) -> nn.Module:
+    """``new`` given ``old``'s training flag and forward/backward hooks (what ``quantize_`` replaces it by)."""
+    for name in _HOOK_DICTS:
+        hooks = getattr(old, name, None)
+        if hooks:
+            setattr(new, name, hooks)
+    if getattr(old, "_is_full_backward_hook", None) is not None:
+        new._is_full_backward_hook = old._is_full_backward_hook
+    new.train(old.training)
+    return new
+
+
+def _places(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every (parent, attribute name) each module sits at, by the module's id: a module held under two names or by
+    two parents has two (named_modules gives it once)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in model.modules():
+        for child_name, child in parent._modules.items():
+            if child is not None:
+                places.setdefault(id(child), []).append((parent, child_name))
+    return places
+
+
+def untie_quantized_outputs_(model: nn.Module) -> list[str]:
+    """Set ``tie_word_embeddings`` to False in the config of every transformers model in ``model`` whose output
+    embedding is an :class:`Int4Linear` (a 4-bit layer cannot share the 16-bit embedding's weight): so
+    ``tie_weights()``, ``save_pretrained`` and loading treat the two as the separate layers they are. Returns the
+    names of the models changed."""
+    done = []
+    for name, m in model.named_modules():
+        config, get_out = getattr(m, "config", None), getattr(m, "get_output_embeddings", None)
+        if config is None or not callable(get_out) or not getattr(config, "tie_word_embeddings", False):
+            continue
+        try:
+            out = get_out()
+        except Exception:  # noqa: BLE001 (a model without an output layer of this form: nothing tied here)
+            continue
+        if isinstance(out, Int4Linear):
+            configs = [config]
+            text = config.get_text_config() if hasattr(config, "get_text_config") else None
+            if text is not None and text is not config:
+                configs.append(text)
+            for c in configs:
+                if getattr(c, "tie_word_embeddings", False):
+                    c.tie_word_embeddings = False
+            done.append(name)
+    if done:  # transformers >= 5 keeps the tied names it found at construction: those of tensors gone are dropped
+        for m in model.modules():
+            tied = getattr(m, "all_tied_weights_keys", None)
+            if isinstance(tied, dict) and tied:
+                names = {n for n, _ in m.named_parameters(remove_duplicate=False)} | \
+                        {n for n, _ in m.named_buffers(remove_duplicate=False)}
+                m.all_tied_weights_keys = {k: v for k, v in tied.items() if k in names and v in names}
+    return done
+
+
+SAVED_METHOD = "tilegemm"  # quant_method of the quantization_config a model holding 4-bit layers saves
+
+
+def mark_saved_format_(model: nn.Module, converted_from: str | None = None) -> None:
+    """Make a transformers model's config describe the 4-bit tensors it holds (and ``save_pretrained`` writes):
+    ``quantization_config`` becomes ``{"quant_method": "tilegemm", "bits": 4, "group_size": ..., ...}``, which
+    neither tilegemm's loader nor transformers takes for a GPTQ or AWQ checkpoint. Models holding no 4-bit layer,
+    or without such a config, are left as they are."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return
+    sizes = sorted({m.group_size for m in model.modules() if isinstance(m, Int4Linear)}
+                   | {m.tilegemm_group_size for m in model.modules() if hasattr(m, "tilegemm_group_size")})
+    if not sizes:
+        return
+    old = getattr(config, "quantization_config", None)
+    old = old if isinstance(old, dict) else old.to_dict() if hasattr(old, "to_dict") else {}
+    entry = {"quant_method": SAVED_METHOD, "bits": 4, "group_size": sizes[0] if len(sizes) == 1 else sizes,
+             "format": "tilegemm.nn.Int4Linear buffers: qweight [K/8, N] int32, scales and zeros [G, N], perm; "
+                       "4-bit experts as tilegemm_<weight>_qweight/_scales/_zeros"}
+    source = old.get("converted_from") or (old.get("quant_method") if old.get("quant_method") != SAVED_METHOD
+                                           else None) or converted_from
+    if source:
+        entry["converted_from"] = source
+    config.quantization_config = entry
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """transformers' ``Conv1D`` (GPT-2's layers): ``x @ weight + bias`` with weight ``[in, out]``."""
     return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers") \
@@ -255,6 +358,16 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     float64 weights) are kept, and one :class:`~tilegemm.nn.convert.ConversionNote` warning names them with
     the reason (``warn=False`` silences it), as ``convert_`` does; the list is left in ``model.tilegemm_skipped``
     as ``[(name, reason)]``.
+
+    A Linear held under several names (shared by two blocks, or tied) becomes one Int4Linear under all of them
+    (``filter`` is asked with its first name). The Int4Linear keeps the Linear's training flag and its forward and
+    backward hooks (the handles still remove them); state-dict hooks, made for the Linear's weight, are not kept.
+    A transformers model's output layer tied to its input embedding becomes a 4-bit layer of its own (the
+    embedding stays 16-bit) and the config says so: ``tie_word_embeddings`` is set to False (``filter`` may keep
+    ``lm_head`` 16-bit and tied instead). Its config's ``quantization_config`` then names tilegemm's format
+    (``{"quant_method": "tilegemm", ...}``), which ``save_pretrained`` writes: docs/w4a16.md "Saving".
+    A model whose weights are DTensors (parallelized already) is refused with a TypeError: quantize first, then
+    parallelize with tilegemm's styles.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_ takes a torch.nn.Module, got {type(model).__name__}")
@@ -262,27 +375,38 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
         raise ValueError("quantize_ swaps the layers inside a model; to quantize one layer, use "
                          "tilegemm.nn.Int4Linear.from_linear")
     check_group_size_value(group_size, "quantize_")
+    for name, module in model.named_modules():  # refused before anything changes
+        weights = [getattr(module, n, None) for n in ("weight", "gate_up_proj", "up_proj", "down_proj")]
+        if (isinstance(module, nn.Linear) or is_conv1d(module) or any(isinstance(w, torch.Tensor) and w.dim() == 3
+                                                                       for w in weights)) \
+                and any(_is_dtensor(w) for w in weights) and (filter is None or filter(name, module)):
+            raise TypeError(_DTENSOR_ADVICE.format(what=f"{name or 'the model'}'s weight"))
     # transformers 4.x's MoE blocks first: their experts stacked (then made 4-bit below), not one Int4Linear each;
     # their routers stay 16-bit (as quantized checkpoints keep them)
     _, skipped = convert_moe_blocks_(model, filter)
     routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoeBlock)} | _router_ids(model)
     targets = []
-    for name, module in model.named_modules():
+    for name, module in model.named_modules():  # (each module once, under its first name)
         if (isinstance(module, nn.Linear) or is_conv1d(module)) and id(module) not in routers \
                 and (filter is None or filter(name, module)):
             reason = _why_kept(module, group_size)
             if reason is None:
-                targets.append(name)
+                targets.append(module)
             else:
                 skipped.append((name, reason))
-    for name in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int4Linear.from_linear(getattr(parent, child), group_size, symmetric))
+    places = _places(model)
+    while targets:  # one layer at a time, the 16-bit one dropped as its 4-bit one goes in (peak: one layer more)
+        module = targets.pop(0)
+        new = _carry_over(module, Int4Linear.from_linear(module, group_size, symmetric))
+        for parent, child_name in places[id(module)]:  # every name it has: what was shared stays shared
+            setattr(parent, child_name, new)
+        del module, new
     quantize_experts_(model, group_size, filter, symmetric)  # transformers' MoE blocks: their 3-D experts
     skipped += [(name, f"{type(m).__name__} holds stacked experts but runs a forward of its own, not transformers' "
                        f"experts interface: its experts stay 16-bit")
                 for name, m, takes in _stacked_experts(model) if not takes and (filter is None or filter(name, m))]
+    untie_quantized_outputs_(model)
+    mark_saved_format_(model)
     model.tilegemm_skipped = skipped
     if skipped and warn:
         listing = "; ".join(f"{n}: {r}" for n, r in skipped)
