@@ -102,11 +102,13 @@ def test_convert_swaps_in_place_and_keeps_outputs(device):
     model = _model(device)
     x = torch.randn(2, 3, 7, 7, device=device)
     want = model(x).detach()
-    with pytest.warns(ConversionNote, match=r"2.1: _MyConv subclasses Conv2d"):
+    with pytest.warns(ConversionNote, match=r"2.1: \S*\._MyConv is a subclass of torch.nn.Conv2d, not torch.nn.Conv2d "
+                                            r"itself: its forward may differ"):
         assert convert_(model) is model
     assert isinstance(model[0], Conv2d) and isinstance(model[2][0], Conv2d) and isinstance(model[5], Linear)
     assert type(model[2][1]) is _MyConv
-    assert model.tilegemm_skipped == [("2.1", "_MyConv subclasses Conv2d (its forward may differ)")]
+    assert model.tilegemm_skipped == [("2.1", f"{_MyConv.__module__}._MyConv is a subclass of torch.nn.Conv2d, not "
+                                              f"torch.nn.Conv2d itself: its forward may differ from torch.nn.Conv2d's")]
     assert_rel_close(model(x).detach(), want, 1e-5)
 
 
@@ -204,3 +206,54 @@ def test_conv2d_forward_reads_a_parametrized_or_reassigned_weight(device):
     plain.weight = torch.randn(6, 4, 3, 3, device=device)  # a plain attribute, not a Parameter
     ref = torch.nn.functional.conv2d(x.double(), plain.weight.double(), None, padding=1)
     assert_rel_close(plain(x).detach(), ref, 1e-5)
+
+
+def test_convert_names_what_it_keeps_in_full():
+    # QAT's Conv2d is named by its module path (a bare name read "Conv2d subclasses Conv2d"); a lazy conv asks
+    # for a first run
+    import torch.ao.nn.qat as nnqat
+
+    qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+    model = torch.nn.Sequential(nnqat.Conv2d(4, 6, 3, qconfig=qconfig), torch.nn.LazyConv2d(6, 3))
+    convert_(model, warn=False)
+    assert model.tilegemm_skipped == [
+        ("0", "torch.ao.nn.qat.modules.conv.Conv2d is a subclass of torch.nn.Conv2d, not torch.nn.Conv2d itself: "
+              "its forward may differ from torch.nn.Conv2d's"),
+        ("1", "torch.nn.modules.conv.LazyConv2d has not made its parameters yet (a lazy module): run the model once "
+              "on an input, then convert")]
+    model(torch.randn(1, 4, 9, 9))  # materialized: the lazy conv is a torch.nn.Conv2d now, and converts
+    convert_(model, warn=False)
+    assert isinstance(model[1], Conv2d) and [n for n, _ in model.tilegemm_skipped] == ["0"]
+
+
+def test_convert_gives_a_shared_module_one_replacement_under_every_name(device):
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Conv2d(4, 4, 3, padding=1)
+            self.b = self.a  # one conv under two names of one parent
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+    model = torch.nn.ModuleDict(dict(twice=Twice(), p=torch.nn.Sequential(conv), q=torch.nn.Sequential(conv))).to(device)
+    x = torch.randn(2, 4, 6, 6, device=device)
+    want = model["twice"](x).detach()
+    convert_(model)
+    assert isinstance(model["twice"].a, Conv2d) and model["twice"].a is model["twice"].b
+    assert isinstance(model["p"][0], Conv2d) and model["p"][0] is model["q"][0]
+    assert_rel_close(model["twice"](x).detach(), want, 1e-5)
+    model["p"][0].weight = torch.nn.Parameter(torch.zeros_like(conv.weight))  # a change through one name shows
+    assert bool((model["q"][0].weight == 0).all())                             # through the other
+
+
+def test_quantize_names_what_it_keeps():
+    from tilegemm.nn import quantize_
+
+    model = torch.nn.Sequential(Linear(64, 32, activation="relu"), torch.nn.LazyLinear(8))
+    quantize_(model, group_size=32, warn=False)
+    assert model.tilegemm_skipped == [
+        ("0", "tilegemm.nn.Linear with activation='relu' (Int4Linear fuses no activation)"),
+        ("1", "torch.nn.modules.linear.LazyLinear has not made its parameters yet (a lazy module): run the model "
+              "once on an input, then quantize")]

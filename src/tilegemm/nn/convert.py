@@ -19,11 +19,20 @@ class ConversionNote(UserWarning):
     """Some modules were left as they were by :func:`convert_`; the message says which and why."""
 
 
+def subclass_reason(module: torch.nn.Module, base: type, verb: str = "convert") -> str:
+    """Why a module of a subclass of ``base`` (``torch.nn.Conv2d`` / ``Linear``) is kept, its class named in full
+    (a bare class name reads "Conv2d subclasses Conv2d" for QAT's Conv2d)."""
+    cls = type(module)
+    name, base_name = f"{cls.__module__}.{cls.__qualname__}", f"torch.nn.{base.__name__}"
+    if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+        return f"{name} has not made its parameters yet (a lazy module): run the model once on an input, then {verb}"
+    return f"{name} is a subclass of {base_name}, not {base_name} itself: its forward may differ from {base_name}'s"
+
+
 def _why_not(module: torch.nn.Module) -> str | None:
     """None when ``module`` can be swapped, else the reason it is kept."""
     if type(module) not in (torch.nn.Conv2d, torch.nn.Linear):
-        return f"{type(module).__name__} subclasses {'Conv2d' if isinstance(module, torch.nn.Conv2d) else 'Linear'} " \
-               "(its forward may differ)"
+        return subclass_reason(module, torch.nn.Conv2d if isinstance(module, torch.nn.Conv2d) else torch.nn.Linear)
     dtype = module.weight.dtype
     if dtype not in _DTYPES:
         return f"weight dtype {dtype_name(dtype)} (tilegemm takes fp16, bf16, fp32)"
@@ -54,7 +63,8 @@ def convert_(
     ``filter(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
     swapped (subclasses with their own forward, float64 weights, ...) are kept, and one
     :class:`ConversionNote` warning names them with the reason (``warn=False`` silences it). The list is also
-    left in ``model.tilegemm_skipped`` as ``[(name, reason)]``.
+    left in ``model.tilegemm_skipped`` as ``[(name, reason)]``. A module held under several names (or by several
+    parents) gets one replacement under all of them (``filter`` is asked with its first name).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert_ takes a torch.nn.Module, got {type(model).__name__}")
@@ -66,8 +76,20 @@ def convert_(
         from tilegemm.nn.moe import convert_moe_blocks_
 
         skipped += convert_moe_blocks_(model, filter)[1]
+    swapped: dict[int, torch.nn.Module] = {}  # id of a module swapped -> its replacement
+    seen: set[int] = set()  # modules decided on (under their first name)
     for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
+        # every attribute holding a module, not named_children (which gives a module held twice once): a module
+        # held under two names, or by two parents, gets one replacement under all of them, so ties stay ties
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            if id(child) in swapped:
+                setattr(parent, child_name, swapped[id(child)])
+                continue
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if isinstance(child, (Conv2d, Linear)):
                 continue  # converted already
@@ -79,6 +101,7 @@ def convert_(
                 skipped.append((name, reason))
                 continue
             new = Conv2d.from_conv(child) if isinstance(child, torch.nn.Conv2d) else Linear.from_linear(child)
+            swapped[id(child)] = new
             setattr(parent, child_name, new)
     model.tilegemm_skipped = skipped
     if skipped and warn:

@@ -11,7 +11,7 @@ from torch import nn
 
 from tilegemm.nn.moe import SparseMoeBlock, _stacked_experts, convert_moe_blocks_, quantize_experts_
 from tilegemm.core.dtypes import dtype_name
-from tilegemm.nn.convert import ConversionNote
+from tilegemm.nn.convert import ConversionNote, subclass_reason
 from tilegemm.nn.linear import Linear
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, fits_fragments, \
     from_awq, from_gptq, quantize
@@ -313,10 +313,10 @@ def is_conv1d(module: nn.Module) -> bool:
 
 def _why_kept(module: nn.Module, group_size: int) -> str | None:
     """None when ``quantize_`` can swap ``module``, else the reason it keeps it."""
-    plain = type(module) is nn.Linear or type(module) is Linear and module.activation in (None, "none") \
-        or is_conv1d(module)
-    if not plain:
-        return f"{type(module).__name__} subclasses Linear (its forward may differ)"
+    if type(module) is Linear and module.activation not in (None, "none"):
+        return f"tilegemm.nn.Linear with activation={module.activation!r} (Int4Linear fuses no activation)"
+    if not (type(module) in (nn.Linear, Linear) or is_conv1d(module)):
+        return subclass_reason(module, nn.Linear, "quantize")
     if module.weight.dtype not in _MODULE_DTYPES:
         return f"weight dtype {dtype_name(module.weight.dtype)} (quantize takes fp16, bf16, fp32)"
     K = module.weight.shape[0] if is_conv1d(module) else module.in_features
