@@ -161,3 +161,72 @@ def test_save_pretrained_of_a_loaded_model_is_not_a_gptq_checkpoint(tmp_path):
     assert torch.equal(_logits(again), _logits(model))
     dense = dequantized_copy(model)  # the dense copy claims no quantization
     assert getattr(dense.config, "quantization_config", None) is None
+
+
+# --- load_quantized_ into a model quantized already -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("built_group", [32, 64])
+def test_load_quantized_into_a_quantized_model_rebuilds_its_int4_layers(tmp_path, built_group):
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    reference = cw.write_model(tmp_path, cw.random_model(config), "gptq", 32, act_order=True)
+    model = cw.random_model(config, seed=2).half()
+    _quiet(quantize_, model, group_size=built_group, filter=lambda n, m: "lm_head" not in n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no stored tensor is skipped
+        warnings.filterwarnings("ignore", category=UserWarning, message=".*interpreter.*")
+        load_quantized_(model, tmp_path)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert len(layers) == 7
+    for name, layer in layers.items():  # each layer is the checkpoint's (act-order: g_idx read, perm made)
+        assert layer.group_size == 32 and layer.perm.numel() == layer.in_features, name
+        assert torch.equal(layer.dequantize().float(), reference[f"{name}.weight"].float()), name
+    assert _rel(_logits(model), _logits(cw.reference_model(config, reference))) < TOL
+
+
+def test_load_quantized_refuses_a_16_bit_layer_into_an_int4_one(tmp_path):
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    cw.write_model(tmp_path, cw.random_model(config), "gptq", 32, not_convert=("o_proj",))
+    model = cw.random_model(config, seed=2).half()
+    _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
+    before = _logits(model)
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.o_proj is an Int4Linear \(the model was quantized "
+                                         r"already\) but the checkpoint stores it 16-bit"):
+        load_quantized_(model, tmp_path)
+    assert torch.equal(_logits(model), before)  # refused before anything changed
+
+
+@pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface (transformers >= 5)")
+def test_load_quantized_into_quantized_moe_experts_rebuilds_them(tmp_path):
+    from tilegemm.nn import moe
+    from tilegemm.ops.w4a16 import dequantize
+
+    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)
+    reference = cw.write_model(tmp_path, cw.random_model(config), "gptq", 32, sym=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(2)
+        model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="tilegemm")
+    model = model.eval().half()
+    _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
+    block = model.model.layers[0].mlp.experts
+    assert "gate_up_proj" not in block._parameters
+    _quiet(load_quantized_, model, tmp_path)
+    for w in ("gate_up_proj", "down_proj"):  # the checkpoint's experts, not those quantize_ made
+        assert torch.equal(dequantize(moe._int4(block, w)).cpu(), reference[f"model.layers.0.mlp.experts.{w}"])
+    ref = cw.reference_model(copy.deepcopy(config), reference)  # (a config of its own: eager there only)
+    ref.set_experts_implementation("eager")
+    assert _rel(_logits(model), _logits(ref)) < TOL
+
+
+@pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface (transformers >= 5)")
+def test_load_quantized_refuses_16_bit_experts_into_4_bit_ones(tmp_path):
+    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)
+    cw.write_model(tmp_path, cw.random_model(config), "gptq", 32, dense_experts=("model.layers.0.mlp.experts",))
+    with torch.random.fork_rng():
+        torch.manual_seed(2)
+        model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="tilegemm")
+    model = model.eval().half()
+    _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts holds 4-bit experts \(the model was quantized "
+                                         r"already\) but the checkpoint stores them 16-bit"):
+        load_quantized_(model, tmp_path)

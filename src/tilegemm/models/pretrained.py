@@ -396,7 +396,7 @@ def _linear_shape(m: nn.Module) -> tuple[int, int] | None:
     """``(out, in)`` of a Linear a checkpoint may store quantized: ``nn.Linear``, or transformers' ``Conv1D``
     (GPT-2's layers: ``x @ weight + bias`` with weight ``[in, out]``, which GPTQ stores as the Linear of the
     transposed weight); None for other modules."""
-    if isinstance(m, nn.Linear):
+    if isinstance(m, (nn.Linear, Int4Linear)):  # (an Int4Linear: a model quantized already, rebuilt from the checkpoint)
         return m.out_features, m.in_features
     if is_conv1d(m):
         return int(m.nf), int(m.weight.shape[0])
@@ -515,18 +515,34 @@ class _StoredExperts:
                     yield f"{self.prefix}.{e}.{p}", N, K
 
 
-def _stored_experts(model: nn.Module, tensors: _Tensors) -> list[_StoredExperts]:
-    """The experts blocks of ``model`` that the checkpoint stores per expert (quantized), with their names there."""
+def _int4_experts_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The experts blocks of ``model`` holding 4-bit experts already (``quantize_``, or a load before): their
+    16-bit weights are gone, so :func:`_experts_modules` does not list them."""
+    return [(name, m) for name, m in model.named_modules() if hasattr(m, "tilegemm_group_size")
+            and _int4(m, "down_proj") is not None and not isinstance(getattr(m, "down_proj", None), torch.Tensor)]
+
+
+def _stored_experts(model: nn.Module, tensors: _Tensors, problems: list | None = None) -> list[_StoredExperts]:
+    """The experts blocks of ``model`` that the checkpoint stores per expert (quantized), with their names there.
+    A block holding 4-bit experts already is rebuilt from a checkpoint storing its experts quantized; stored
+    otherwise (16-bit) it is a problem (appended to ``problems``), as its 4-bit parts would be left as they were."""
     found = []
-    for name, module in _experts_modules(model):
+    four_bit = _int4_experts_blocks(model)
+    for name, module in [*_experts_modules(model), *four_bit]:
         has_gate = getattr(module, "has_gate", True)
         up_name = "gate_up_proj" if has_gate else "up_proj"
-        up, down = getattr(module, up_name), module.down_proj
-        E = down.shape[0]
-        # [E, out, in], or [E, in, out] when the block stores its weights transposed
-        (n_up, h), (h_out, i) = ((up.shape[2], up.shape[1]), (down.shape[2], down.shape[1])) if getattr(
-            module, "is_transposed", False) else ((up.shape[1], up.shape[2]), (down.shape[1], down.shape[2]))
+        if (name, module) in four_bit:  # the 4-bit weights' logical shapes, [E, out, in] whatever the layout
+            (E, n_up, h), (h_out, i) = _int4(module, up_name).shape, _int4(module, "down_proj").shape[1:]
+        else:
+            up, down = getattr(module, up_name), module.down_proj
+            E = down.shape[0]
+            # [E, out, in], or [E, in, out] when the block stores its weights transposed
+            (n_up, h), (h_out, i) = ((up.shape[2], up.shape[1]), (down.shape[2], down.shape[1])) if getattr(
+                module, "is_transposed", False) else ((up.shape[1], up.shape[2]), (down.shape[1], down.shape[2]))
         if f"{name}.{up_name}" in tensors:  # stored stacked, as the block holds them: loaded as plain tensors
+            if (name, module) in four_bit and problems is not None:
+                problems.append(f"{name} holds 4-bit experts (the model was quantized already) but the checkpoint "
+                                f"stores them 16-bit ({name}.{up_name}): load into a model that is not quantized")
             continue
         for prefix in _aliases(name):
             for leaf in ("qweight", "weight"):
@@ -538,6 +554,10 @@ def _stored_experts(model: nn.Module, tensors: _Tensors) -> list[_StoredExperts]
                 gate, up_p, down_p = names
                 joined = {up_name: ((gate, up_p), (n_up // 2, h)) if has_gate else ((up_p,), (n_up, h)),
                           "down_proj": ((down_p,), (h_out, i))}
+                if leaf == "weight" and (name, module) in four_bit and problems is not None:
+                    problems.append(f"{name} holds 4-bit experts (the model was quantized already) but the checkpoint "
+                                    f"stores them 16-bit ({prefix}.0.{joined['down_proj'][0][0]}.weight ...): load "
+                                    f"into a model that is not quantized")
                 found.append(_StoredExperts(name, module, prefix, E, joined, dense=leaf == "weight"))
                 break
     return found
@@ -675,6 +695,11 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         qm = q.for_module(name)
         if stored:
             refused.add(name)
+        if isinstance(m, Int4Linear) and not stored and name not in loaded:
+            # its 4-bit buffers would keep what they hold: a model quantized already takes a quantized layer only
+            problems.append(f"{name} is an Int4Linear (the model was quantized already) but the checkpoint stores it "
+                            f"16-bit ({name}.weight): load into a model that is not quantized")
+            continue
         if qm is None or _not_converted(name, q.modules_to_not_convert):
             if stored:
                 why = "in modules_to_not_convert" if qm is not None else "left 16-bit by a '-:' pattern of dynamic"
@@ -709,7 +734,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         configs[name] = qm
     quantized_set = set(quantized)
     # MoE blocks whose experts the checkpoint stores one quantized Linear per expert: stacked when loading.
-    experts = _stored_experts(model, tensors)
+    experts = _stored_experts(model, tensors, problems)
     expert_keys = {f"{key}.{p}" for s in experts if s.name in loaded for key, _, _ in s.keys()
                    for p in ("qweight", "qzeros", "scales", "g_idx", "bias", "weight")}  # filled already: not strays
     experts = [s for s in experts if s.name not in loaded]
