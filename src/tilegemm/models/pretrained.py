@@ -522,12 +522,13 @@ def _int4_experts_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             and _int4(m, "down_proj") is not None and not isinstance(getattr(m, "down_proj", None), torch.Tensor)]
 
 
-def _stored_experts(model: nn.Module, tensors: _Tensors, problems: list | None = None) -> list[_StoredExperts]:
+def _stored_experts(model: nn.Module, tensors: _Tensors, problems: list | None = None,
+                    loaded: tuple[str, ...] = ()) -> list[_StoredExperts]:
     """The experts blocks of ``model`` that the checkpoint stores per expert (quantized), with their names there.
     A block holding 4-bit experts already is rebuilt from a checkpoint storing its experts quantized; stored
     otherwise (16-bit) it is a problem (appended to ``problems``), as its 4-bit parts would be left as they were."""
     found = []
-    four_bit = _int4_experts_blocks(model)
+    four_bit = [(n, m) for n, m in _int4_experts_blocks(model) if n not in loaded]  # (filled already: not checked)
     for name, module in [*_experts_modules(model), *four_bit]:
         has_gate = getattr(module, "has_gate", True)
         up_name = "gate_up_proj" if has_gate else "up_proj"
@@ -686,7 +687,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
 
     # Which Linears are stored quantized (each with its own config where "dynamic" says so), and the shapes the
     # model asks of each stored tensor.
-    linears = {name: m for name, m in model.named_modules() if _linear_shape(m) is not None}
+    linears = {name: m for name, m in model.named_modules() if _linear_shape(m) is not None and name not in loaded}
     quantized, problems, missing = [], [], []
     configs: dict[str, QuantConfig] = {}
     refused = set()  # stored quantized, refused above: their tensors are no strays
@@ -695,7 +696,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         qm = q.for_module(name)
         if stored:
             refused.add(name)
-        if isinstance(m, Int4Linear) and not stored and name not in loaded:
+        if isinstance(m, Int4Linear) and not stored:
             # its 4-bit buffers would keep what they hold: a model quantized already takes a quantized layer only
             problems.append(f"{name} is an Int4Linear (the model was quantized already) but the checkpoint stores it "
                             f"16-bit ({name}.weight): load into a model that is not quantized")
@@ -734,7 +735,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         configs[name] = qm
     quantized_set = set(quantized)
     # MoE blocks whose experts the checkpoint stores one quantized Linear per expert: stacked when loading.
-    experts = _stored_experts(model, tensors, problems)
+    experts = _stored_experts(model, tensors, problems, loaded)
     expert_keys = {f"{key}.{p}" for s in experts if s.name in loaded for key, _, _ in s.keys()
                    for p in ("qweight", "qzeros", "scales", "g_idx", "bias", "weight")}  # filled already: not strays
     experts = [s for s in experts if s.name not in loaded]
