@@ -237,7 +237,8 @@ def test_convert_gives_a_shared_module_one_replacement_under_every_name(device):
             return self.b(self.a(x))
 
     conv = torch.nn.Conv2d(4, 4, 3, padding=1)
-    model = torch.nn.ModuleDict(dict(twice=Twice(), p=torch.nn.Sequential(conv), q=torch.nn.Sequential(conv))).to(device)
+    model = torch.nn.ModuleDict(dict(twice=Twice(), p=torch.nn.Sequential(conv), q=torch.nn.Sequential(conv)))
+    model = model.to(device)
     x = torch.randn(2, 4, 6, 6, device=device)
     want = model["twice"](x).detach()
     convert_(model)

@@ -396,7 +396,7 @@ def _linear_shape(m: nn.Module) -> tuple[int, int] | None:
     """``(out, in)`` of a Linear a checkpoint may store quantized: ``nn.Linear``, or transformers' ``Conv1D``
     (GPT-2's layers: ``x @ weight + bias`` with weight ``[in, out]``, which GPTQ stores as the Linear of the
     transposed weight); None for other modules."""
-    if isinstance(m, (nn.Linear, Int4Linear)):  # (an Int4Linear: a model quantized already, rebuilt from the checkpoint)
+    if isinstance(m, (nn.Linear, Int4Linear)):  # (an Int4Linear: a model quantized already, rebuilt from it)
         return m.out_features, m.in_features
     if is_conv1d(m):
         return int(m.nf), int(m.weight.shape[0])
@@ -903,9 +903,9 @@ def _tie(model: nn.Module) -> None:
 def dequantized_copy(model: nn.Module) -> nn.Module:
     """The same ``transformers`` model with each :class:`~tilegemm.nn.Int4Linear` an ``nn.Linear`` holding its
     dequantized weight (in the model's dtype), every other parameter shared with ``model`` (no copy): the dense
-    model that computes what the 4-bit one should, as the bench's baseline and reference. 4-bit stacked experts become the
-    block's 16-bit 3-D weights (dequantized). The copy's dtype is that of the model's parameters (an fp32 model
-    gives an fp32 copy) and it has a config of its own."""
+    model that computes what the 4-bit one should, as the bench's baseline and reference. 4-bit stacked experts
+    become the block's 16-bit 3-D weights (dequantized). The copy's dtype is that of the model's parameters (an
+    fp32 model gives an fp32 copy) and it has a config of its own."""
     from transformers import AutoModelForCausalLM
 
     # a config of its own: from_config keeps the object it is given, and a setting changed on the copy

@@ -95,9 +95,9 @@ class Int4Linear(nn.Module):
             module = self.scales.dtype if self.bias is None or self.bias.dtype in FLOAT_DTYPES else self.bias.dtype
             if dtype != self.scales.dtype or module != self.scales.dtype:
                 raise TypeError(f"Int4Linear(in_features={self.in_features}, out_features={self.out_features}) is "
-                                f"an {dtype_name(module)} module (scales {dtype_name(self.scales.dtype)}) and got input "
-                                f"of dtype {dtype_name(dtype)}: give it {dtype_name(module)} input, convert the module "
-                                f"(.to({dtype})), or run it under torch.autocast")
+                                f"an {dtype_name(module)} module (scales {dtype_name(self.scales.dtype)}) and got "
+                                f"input of dtype {dtype_name(dtype)}: give it {dtype_name(module)} input, convert the "
+                                f"module (.to({dtype})), or run it under torch.autocast")
         return matmul(x, self.weight, bias=self.bias)
 
     def _apply(self, fn, recurse=True):
@@ -206,8 +206,8 @@ class Int4Linear(nn.Module):
 
 
 _DTENSOR_ADVICE = ("{what} is a DTensor (the model was parallelized, e.g. by parallelize_module): quantize "
-                   "before parallelizing (tilegemm.nn.quantize_, then parallelize_module with tilegemm.nn.ColwiseParallel "
-                   "/ RowwiseParallel / ExpertsTensorParallel, docs/parallel.md)")
+                   "before parallelizing (tilegemm.nn.quantize_, then parallelize_module with "
+                   "tilegemm.nn.ColwiseParallel / RowwiseParallel / ExpertsTensorParallel, docs/parallel.md)")
 
 
 def _is_dtensor(t) -> bool:
