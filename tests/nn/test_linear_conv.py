@@ -258,3 +258,24 @@ def test_quantize_names_what_it_keeps():
         ("0", "tilegemm.nn.Linear with activation='relu' (Int4Linear fuses no activation)"),
         ("1", "torch.nn.modules.linear.LazyLinear has not made its parameters yet (a lazy module): run the model "
               "once on an input, then quantize")]
+
+
+def test_convert_keeps_layers_whose_forward_was_replaced_on_the_instance():
+    # transformers' tensor-parallel plan and accelerate's device_map hooks set `forward` on the instance: a
+    # converted copy would keep running it, so convert_ leaves such a layer as it is and says why
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(8, 4))
+    calls = []
+    for layer in (model[0], model[1]):
+        original = layer.forward
+
+        def hooked(*args, _original=original, **kwargs):
+            calls.append(1)
+            return _original(*args, **kwargs)
+
+        layer.forward = hooked
+    convert_(model, warn=False)
+    assert type(model[0]) is torch.nn.Linear and type(model[1]) is torch.nn.Conv2d and isinstance(model[2], Linear)
+    reasons = dict(model.tilegemm_skipped)
+    assert set(reasons) == {"0", "1"} and all("replaced on the instance" in r for r in reasons.values())
+    model[0](torch.randn(2, 8))
+    assert calls == [1]

@@ -33,6 +33,9 @@ def _why_not(module: torch.nn.Module) -> str | None:
     """None when ``module`` can be swapped, else the reason it is kept."""
     if type(module) not in (torch.nn.Conv2d, torch.nn.Linear):
         return subclass_reason(module, torch.nn.Conv2d if isinstance(module, torch.nn.Conv2d) else torch.nn.Linear)
+    if "forward" in vars(module):  # a copy would keep running it rather than tilegemm's forward
+        return ("its forward was replaced on the instance (a tensor-parallel plan, accelerate's device_map hooks): "
+                "convert before applying those")
     dtype = module.weight.dtype
     if dtype not in _DTYPES:
         return f"weight dtype {dtype_name(dtype)} (tilegemm takes fp16, bf16, fp32)"
