@@ -71,3 +71,20 @@ def test_fast_path_and_op_path_agree(device):
     direct = tilegemm.matmul(a, b, precision="ieee")
     via_op = torch.ops.tilegemm.matmul(a, b, None, None, 1.0, 1.0, "none", None, "ieee", "auto")
     torch.testing.assert_close(direct, via_op, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(bias=2), ValueError, r"bias must have shape \[N\] = \[3\], got \[2\]"),  # (read out of bounds, unchecked)
+    (dict(c=(2, 3)), ValueError, "does not broadcast"),
+    (dict(activation="tanh"), ValueError, "unknown activation 'tanh'"),
+    (dict(dtype=torch.int32), TypeError, "integer dtype int32"),
+    (dict(b_dtype=torch.float16), TypeError, "dtypes differ"),
+])
+def test_the_registered_op_checks_its_arguments(change, error, match, device):
+    # torch.ops.tilegemm.matmul called directly gets tilegemm.matmul's checks, not a launch over bad arguments
+    a = torch.randn(4, 5, device=device).to(change.get("dtype", torch.float32))
+    b = torch.randn(5, 3, device=device).to(change.get("b_dtype", a.dtype))
+    bias = torch.randn(change["bias"], device=device) if "bias" in change else None
+    c = torch.randn(change["c"], device=device) if "c" in change else None
+    with pytest.raises(error, match=match):
+        torch.ops.tilegemm.matmul(a, b, bias, c, 1.0, 1.0, change.get("activation", "none"), None, "ieee", "auto")

@@ -15,7 +15,7 @@ from tilegemm.core.launch import recording_active
 from tilegemm.core.replay import ReplayCache
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.matmul.problem import MatmulCall
-from tilegemm.ops.matmul.checks import output_shape, replay_key
+from tilegemm.ops.matmul.checks import check_inputs, output_shape, replay_key
 from tilegemm.ops.matmul.dispatch import forward
 from tilegemm.ops.matmul.reference import torch_activation
 
@@ -48,12 +48,16 @@ def matmul_op(
     key = None
     if c is None and not recording_active():
         key = replay_key(a, b, alpha, precision, kernel, out_dtype, scale_a, scale_b, fast_accum, bias, activation)
+    if key is not None:
+        tensors = (a, b, *(t for t in (scale_a, scale_b, bias) if t is not None))  # as the public function's
+        out = REPLAYS.replayed(key, tensors)
+        if out is not None:
+            return out
+    # Called directly (torch.ops.tilegemm.matmul) nothing checked the arguments: a bias shorter than N would be
+    # read out of bounds. A replay above repeats a call that passed here.
+    check_inputs(call)
     if key is None:
         return forward(call)
-    tensors = (a, b, *(t for t in (scale_a, scale_b, bias) if t is not None))  # as the public function's
-    out = REPLAYS.replayed(key, tensors)
-    if out is not None:
-        return out
     with REPLAYS.recording(key, tensors) as kept:
         return kept(forward(call))
 
