@@ -192,3 +192,29 @@ def test_matmul_gradients_equal_torch_or_raise_clearly(M, N, K, lead, a_t, b_t, 
             continue
         assert g is not None and g.shape == r.shape and g.dtype == torch.float32, name
         assert relative_error(g, r) <= bound or (g - r).abs().max() <= bound * (1 + r.abs().max()), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_casts_like_torch_matmul(dtype):
+    # as torch.matmul / F.linear under autocast: the product in the autocast dtype, operands of two float dtypes
+    # taken, gradients in each input's own dtype
+    device = HERE
+    a = torch.randn(2, 5, 8, device=device, requires_grad=True)
+    b = torch.randn(8, 3, device=device, dtype=torch.float16 if dtype == torch.bfloat16 else torch.bfloat16)
+    bias, c = torch.randn(3, device=device, requires_grad=True), torch.randn(5, 1, device=device)
+    with torch.autocast(device, dtype=dtype):
+        out = tilegemm.matmul(a, b, bias=bias, c=c, activation="relu")
+        ref = torch.relu(torch.matmul(a.double(), b.double()) + c.double() + bias.double())
+        assert out.dtype == dtype == torch.matmul(a, b).dtype
+        assert tilegemm.matmul(a, b, out_dtype=torch.float32).dtype == torch.float32
+        assert tilegemm.matmul(a[0, 0], b).dtype == dtype  # 1-D: the same casts
+    assert relative_error(out, ref) <= tolerance(dtype)
+    out.float().sum().backward()
+    assert a.grad.dtype == torch.float32 and bias.grad.dtype == torch.float32 and a.grad.shape == a.shape
+    with torch.autocast(device, dtype=dtype):
+        with pytest.raises(TypeError, match="unsupported dtype float64"):  # autocast leaves float64: refused
+            tilegemm.matmul(a.double(), b)
+        a8 = torch.randn(5, 8, device=device).to(torch.float8_e4m3fn)
+        assert tilegemm.matmul(a8, a8.mT, out_dtype=torch.float32).dtype == torch.float32  # fp8: not cast
+    with torch.autocast(device, dtype=dtype, enabled=False):
+        assert tilegemm.matmul(a.detach(), b.float()).dtype == torch.float32
