@@ -8,7 +8,11 @@ import sys
 import torch
 
 from tilegemm.core.activations import check_activation
+from tilegemm.core.dtypes import dtype_name
 from tilegemm.ops.matmul import matmul
+from tilegemm.ops.matmul.problem import DTYPES
+
+_KERNEL_DTYPES = frozenset(DTYPES)
 
 
 def sharding_rules_for(weight) -> None:
@@ -62,13 +66,18 @@ class Linear(torch.nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.weight) is not torch.nn.Parameter:
-            sharding_rules_for(self.weight)
-            _check_dtensor_input(x, self.weight)
+        weight = self.weight
+        if weight.dtype not in _KERNEL_DTYPES:  # (else matmul's error would name its operand b, not this layer)
+            raise TypeError(f"tilegemm.nn.Linear runs fp16, bf16 and fp32 layers; this one's weight is "
+                            f"{dtype_name(weight.dtype)} (.double(), .to(dtype)): use a torch.nn.Linear for it "
+                            f"(tilegemm.nn.convert_ leaves such layers as they are)")
+        if type(weight) is not torch.nn.Parameter:
+            sharding_rules_for(weight)
+            _check_dtensor_input(x, weight)
         # [*, in] -> [M, in]: one GEMM, whatever the leading dims (flatten, not reshape(-1, in), which cannot
         # infer M when in_features is 0); a 1-D x is one row, as torch.matmul takes it.
         x2d = x.flatten(0, -2) if x.ndim > 2 else x
-        out = matmul(x2d, self.weight.t(), bias=self.bias, activation=self.activation)  # [M, out]
+        out = matmul(x2d, weight.t(), bias=self.bias, activation=self.activation)  # [M, out]
         return out.unflatten(0, x.shape[:-1]) if x.ndim > 2 else out
 
     def extra_repr(self) -> str:

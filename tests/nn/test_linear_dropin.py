@@ -1,0 +1,80 @@
+"""tilegemm.nn.Linear as a drop-in for torch.nn.Linear: autocast, dtypes it refuses, state dicts, copies, odd inputs."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tilegemm.nn import Linear
+
+from conftest import assert_rel_close
+
+
+def _torch_twin(m: Linear) -> torch.nn.Linear:
+    ref = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device,
+                          dtype=m.weight.dtype)
+    ref.load_state_dict(m.state_dict())
+    return ref
+
+
+@pytest.mark.parametrize("layer_dtype", [torch.float32, torch.bfloat16])
+def test_autocast_runs_in_its_dtype_like_torch_linear(layer_dtype, device):
+    # an fp32 layer gives the autocast dtype, a bf16 layer takes fp32 x (both cast), as torch.nn.Linear's do
+    m = Linear(8, 3, activation="relu").to(device=device, dtype=layer_dtype)
+    ref = _torch_twin(m)
+    x = torch.randn(2, 4, 8, device=device, requires_grad=True)
+    with torch.autocast(device, dtype=torch.float16):
+        out, want = m(x), ref(x)
+    assert out.dtype == want.dtype == torch.float16 and out.shape == want.shape
+    assert_rel_close(out.float(), F.relu(want.float()), 1e-2)
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and m.weight.grad.dtype == layer_dtype
+
+
+def test_float64_layer_is_refused_naming_the_layer(device):
+    m = Linear(4, 3).to(device).double()
+    with pytest.raises(TypeError, match="tilegemm.nn.Linear runs fp16, bf16 and fp32 layers; this one's weight is "
+                                        "float64"):
+        m(torch.randn(2, 4, device=device, dtype=torch.float64))
+
+
+def test_state_dict_round_trip_and_copies_keep_the_activation(device):
+    m = Linear(5, 3, activation="silu").to(device)
+    ref = _torch_twin(m)
+    back = Linear(5, 3, activation="silu").to(device)
+    back.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 5, device=device)
+    want = F.silu(ref(x)).detach()
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    for other in (back, copy.deepcopy(m), pickle.loads(pickle.dumps(m)), torch.load(buf, weights_only=False)):
+        assert type(other) is Linear and other.activation == "silu"
+        assert_rel_close(other(x).detach(), want, 1e-5)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_no_in_features_gives_the_bias_and_gradients_like_torch(bias, device):
+    m = Linear(0, 3, bias=bias).to(device)
+    ref = _torch_twin(m)
+    x = torch.randn(2, 4, 0, device=device, requires_grad=True)
+    out, want = m(x), ref(x)
+    assert out.shape == want.shape == (2, 4, 3)
+    torch.testing.assert_close(out, want)
+    out.sum().backward()
+    if bias:
+        want.sum().backward()
+        torch.testing.assert_close(m.bias.grad, ref.bias.grad)
+
+
+def test_vector_expanded_and_permuted_inputs(device):
+    m = Linear(5, 3, activation="gelu").to(device)
+    ref = _torch_twin(m)
+    for x in (torch.randn(5, device=device), torch.randn(1, 1, 5, device=device).expand(2, 3, 5),
+              torch.randn(5, 3, 4, device=device).permute(2, 1, 0), torch.randn(3, 4, 10, device=device)[..., ::2]):
+        assert_rel_close(m(x).detach(), F.gelu(ref(x)).detach(), 1e-5)
