@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 
@@ -66,6 +67,10 @@ def test_bad_options(device):
         tilegemm.matmul(a, b, alpha="2")
     with pytest.raises(TypeError, match="beta must be a real number, got bool"):
         tilegemm.matmul(a, b, beta=True)
+    with pytest.raises(ValueError, match="alpha is too large to be a float"):  # (not float()'s bare OverflowError)
+        tilegemm.matmul(a, b, alpha=10**400)
+    with pytest.raises(TypeError, match="fast_accum must be a bool, got numpy.bool"):  # (not "got bool")
+        tilegemm.matmul(a, b, fast_accum=numpy.bool_(True))
 
 
 def test_different_devices(device):

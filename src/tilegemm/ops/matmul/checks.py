@@ -24,6 +24,12 @@ def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
         raise TypeError(f"{name} has {kind} dtype {dtype_name(t.dtype)}; tilegemm.matmul supports {names} here")
 
 
+def _type_name(value) -> str:
+    """``value``'s type, with its module where that is not Python's own (numpy's bool is also called bool)."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def broadcast(x, y) -> tuple[int, ...] | None:
     """torch's broadcasting of two shapes, or None where they clash (plain Python: this is on the hot path)."""
     if len(x) < len(y):
@@ -95,7 +101,7 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
         _check_scale(name, scale, dim_name, vector_shapes)
         named[name] = scale
     if not isinstance(fast_accum, bool):
-        raise TypeError(f"fast_accum must be a bool, got {type(fast_accum).__name__}")
+        raise TypeError(f"fast_accum must be a bool, got {_type_name(fast_accum)}")
     if fast_accum and not fp8:
         raise ValueError(f"fast_accum applies to fp8 inputs only; a is {dtype_name(a.dtype)}")
     if fp8 and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
@@ -114,8 +120,13 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
             raise ValueError(f"c of shape {list(c.shape)} does not broadcast to the output shape {list(shape)}")
         named["c"] = c
     for name, value in (("alpha", alpha), ("beta", beta)):
-        if type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-            raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+        if type(value) is not float:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+            try:
+                float(value)
+            except OverflowError:  # (an int past float's range: float() would raise naming neither)
+                raise ValueError(f"{name} is too large to be a float (the epilogue scales in float32)") from None
     if activation not in ACTIVATIONS:  # (the check's module entered only for a bad name: the call's route stays short)
         check_activation(activation)
     if fp8 and a.device.type == "cuda" and not interpreting():
