@@ -236,6 +236,8 @@ class Int4Weight:
         scales, zeros = move(self.scales), move(self.zeros)
         if dtype is not None:
             scales, zeros = scales.to(dtype), zeros.to(dtype)
+            if dtype != self.scales.dtype and not scales.is_meta:  # bf16 scales past fp16's range become inf
+                _check_finite(f"scales converted to {dtype_name(dtype)}", scales)
         return Int4Weight(move(self.qweight), scales, zeros, self.group_size, self.shape, move(self.perm))
 
     def cuda(self, device=None) -> "Int4Weight":
@@ -244,6 +246,12 @@ class Int4Weight:
 
     def cpu(self) -> "Int4Weight":
         return self.to("cpu")
+
+    def half(self) -> "Int4Weight":
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> "Int4Weight":
+        return self.to(torch.bfloat16)
 
     def state_dict(self) -> dict:
         d = {k: v for k, v in self.tensors().items() if v is not None}
@@ -401,6 +409,10 @@ def quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
     zeros = zero.T.contiguous().to(dtype)
     if not weight.is_meta:
         _check_finite("scales", scales)
+        # fp32 weights near fp16's limit: a finite scale times (q - zero) can still round to inf in 16 bits
+        if not torch.isfinite(((q - zero[:, :, None]) * s[:, :, None]).to(dtype)).all():
+            raise ValueError(f"weight's values do not fit {dtype_name(dtype)} once quantized (dequantized values "
+                             f"overflow to inf): quantize it in bf16 (weight.bfloat16()) or scale it down")
     return Int4Weight(qweight, scales, zeros, group_size, (N, K))
 
 

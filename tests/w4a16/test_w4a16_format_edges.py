@@ -1,0 +1,48 @@
+"""Edges of the 4-bit format found by comparing with an fp64 product: weights whose quantized values overflow the
+scales' dtype are refused (never an inf weight), dtype conversions that overflow the scales are refused, and
+``half()`` / ``bfloat16()`` convert like ``to(dtype)``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tilegemm import w4a16
+
+
+@pytest.mark.parametrize("weight", [
+    torch.full((8, 64), 1e5),  # fp32 past fp16's range: scale 6667 is finite, 15 * 6667 is not
+    torch.cat([torch.full((8, 32), 7e4), torch.full((8, 32), -1.0)], 1),
+])
+def test_fp32_weight_past_fp16_range_is_refused(weight):
+    with pytest.raises(ValueError, match="overflow to inf"):
+        w4a16.quantize(weight, 32)
+    w = w4a16.quantize(weight.bfloat16(), 32)  # what the message suggests: finite
+    assert bool(torch.isfinite(w4a16.dequantize(w)).all())
+
+
+def test_fp32_weight_near_fp16_limit_that_fits_is_taken():
+    W = torch.cat([torch.full((8, 32), 6e4), torch.full((8, 32), -6e4)], 1)
+    w = w4a16.quantize(W, -1)
+    d = w4a16.dequantize(w)
+    assert bool(torch.isfinite(d).all()) and float((d.float() - W).abs().max()) <= 0.51 * float(w.scales.max())
+
+
+def test_conversion_that_overflows_the_scales_is_refused():
+    w = w4a16.quantize(torch.full((8, 64), 1e30, dtype=torch.bfloat16), 32)
+    with pytest.raises(ValueError, match="scales converted to fp16 has non-finite"):
+        w.to(torch.float16)
+    with pytest.raises(ValueError, match="non-finite"):
+        w.half()
+
+
+def test_half_and_bfloat16():
+    w = w4a16.quantize(torch.randn(16, 64, dtype=torch.float16), 32)
+    b = w.bfloat16()
+    assert b.dtype == torch.bfloat16 and b.zeros.dtype == torch.bfloat16 and b.qweight is w.qweight
+    h = b.half()
+    assert h.dtype == torch.float16 and torch.equal(h.zeros, w.zeros)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    ref = x.double() @ w4a16.dequantize(b).double().T
+    out = w4a16.matmul(x.half(), h).double()
+    assert float((out - x.half().double() @ w4a16.dequantize(h).double().T).abs().max()) < 2e-3 * float(ref.abs().max())
