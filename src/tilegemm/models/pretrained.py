@@ -219,8 +219,12 @@ class _Tensors:
             with safe_open(single, framework="pt") as f:
                 self.files = {name: SINGLE_FILE for name in f.keys()}
         else:
-            raise FileNotFoundError(f"{path!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+            others = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".safetensors")))
+            raise FileNotFoundError(f"{path!r} has neither {SINGLE_FILE} nor {INDEX_FILE}"
+                                    + (f" (it holds {', '.join(others[:4])}: tilegemm reads safetensors checkpoints "
+                                       f"only; convert the weights to {SINGLE_FILE})" if others else ""))
         self._handles: dict[str, object] = {}
+        self._keys: dict[str, set] = {}  # the tensor names each opened file holds
         self._stored: dict[str, str] = {}  # a renamed tensor's name in the model -> its name in the files
         rename = _model_names(model) if model is not None else None
         if rename is not None:
@@ -245,15 +249,25 @@ class _Tensors:
             self._handles[file] = self._open(os.path.join(self.path, file), framework="pt", device=device)
         return self._handles[file]
 
+    def _holding(self, name: str):
+        """The open file that holds ``name``; a FileNotFoundError naming the index's wrong entry otherwise."""
+        handle, stored, file = self._handle(name), self._stored.get(name, name), self.files[name]
+        if file not in self._keys:
+            self._keys[file] = set(handle.keys())
+        if stored not in self._keys[file]:
+            raise FileNotFoundError(f"{INDEX_FILE} in {self.path!r} maps {stored} to {self.files[name]}, which does "
+                                    f"not hold it")
+        return handle
+
     def shape(self, name: str) -> list[int]:
-        return list(self._handle(name).get_slice(self._stored.get(name, name)).get_shape())
+        return list(self._holding(name).get_slice(self._stored.get(name, name)).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(self._stored.get(name, name))
+        return self._holding(name).get_tensor(self._stored.get(name, name))
 
     def get_slice(self, name: str, index: tuple) -> torch.Tensor:
         """``tensor[index]`` read without reading the rest (a tensor-parallel rank's shard)."""
-        return self._handle(name).get_slice(self._stored.get(name, name))[index]
+        return self._holding(name).get_slice(self._stored.get(name, name))[index]
 
 
 _QUANT_LEAVES = ("qweight", "qzeros", "scales", "g_idx")
@@ -429,8 +443,19 @@ def _model_device(model: nn.Module) -> torch.device | None:
     return None
 
 
+def _one_group(group_size: int, K: int) -> bool:
+    """Whether a layer of ``K`` inputs is stored as one group: group_size -1, or K below it (the quantizers store
+    ``ceil(K / group_size)`` = 1 group then, all of K)."""
+    return group_size == -1 or K < group_size
+
+
+def _groups_fit(group_size: int, K: int) -> bool:
+    """Whether ``K`` inputs cut into whole groups of ``group_size`` (a partial last group: no kernel takes it)."""
+    return _one_group(group_size, K) or K % group_size == 0
+
+
 def _expected_quant_shapes(q: QuantConfig, N: int, K: int) -> dict[str, list[int]]:
-    G = 1 if q.group_size == -1 else K // q.group_size
+    G = 1 if _one_group(q.group_size, K) else K // q.group_size
     if q.method == "gptq":
         return dict(qweight=[K // 8, N], qzeros=[G, N // 8], scales=[G, N], g_idx=[K])
     return dict(qweight=[K, N // 8], qzeros=[G, N // 8], scales=[G, N])
@@ -586,7 +611,7 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
             problems.append(f"{key}: stored {'16-bit' if qk is None else f'with bits = {qk.bits!r}'} "
                             f"(quantization_config.dynamic); a block's experts load when all are 4-bit")
             continue
-        if N % 8 or K % 8 or (qk.group_size != -1 and K % qk.group_size):
+        if N % 8 or K % 8 or not _groups_fit(qk.group_size, K):
             problems.append(f"{key}: [out, in] = [{N}, {K}] does not fit 4-bit packing with group_size "
                             f"{qk.group_size}")
             continue
@@ -613,7 +638,7 @@ def _expert_weight(tensors: _Tensors, key: str, q: QuantConfig, N: int, K: int, 
     parts["scales"] = parts["scales"].to(dtype)
     g_idx = tensors.get(f"{key}.g_idx") if q.method == "gptq" and f"{key}.g_idx" in tensors else None
     w = _import_columns(parts, g_idx, q, 0, N)
-    if q.group_size == -1 and w.group_size != -1:
+    if _one_group(q.group_size, K) and w.group_size != -1:  # one group: -1 for every expert and projection
         w = Int4Weight(w.qweight, w.scales, w.zeros, -1, w.shape, w.perm)
     return w
 
@@ -716,7 +741,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         if N % 8 or K % 8:
             problems.append(f"{name}: [out, in] = [{N}, {K}] is not a multiple of 8 (eight 4-bit weights per int32)")
             continue
-        if qm.group_size != -1 and K % qm.group_size:
+        if not _groups_fit(qm.group_size, K):
             problems.append(f"{name}: in_features {K} is not divisible by group_size {qm.group_size}")
             continue
         expected = _expected_quant_shapes(qm, N, K)
@@ -731,6 +756,9 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
                                 f"{qm.describe()} stores")
         if m.bias is not None and f"{name}.bias" not in tensors:
             missing.append(f"{name}.bias")
+        elif f"{name}.bias" in tensors and tensors.shape(f"{name}.bias") != [N]:  # (plain tensors are checked below)
+            problems.append(f"{name}.bias: the checkpoint's shape {tensors.shape(f'{name}.bias')} does not match [{N}], "
+                            f"what {type(m).__name__}(out_features={N}) has")
         quantized.append(name)
         configs[name] = qm
     quantized_set = set(quantized)

@@ -1,0 +1,96 @@
+"""Edges of tilegemm.models.from_pretrained found against checkpoints written by the tests' own writer
+(ckpt_writer.py): layers narrower than the group size (stored as one group), a stored bias of the wrong shape, an
+index that maps a tensor to a shard that lacks it, a directory holding only pytorch_model.bin."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
+pytest.importorskip("safetensors", reason="safetensors is optional (pip install 'tilegemm[models]')")
+
+sys.path.insert(0, os.path.dirname(__file__))
+import ckpt_writer as cw  # noqa: E402
+
+from tilegemm.models import from_pretrained  # noqa: E402
+from tilegemm.nn import Int4Linear  # noqa: E402
+
+IDS = torch.tensor([[3, 17, 200]])
+
+
+def _rel(model, reference) -> float:
+    with torch.no_grad():
+        a = model(input_ids=IDS).logits.float()
+        b = reference(input_ids=IDS).logits.float()
+    return float((a - b).norm() / b.norm())
+
+
+def _set_group_size(path, group_size):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["group_size"] = group_size
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("method, act_order", [("gptq", False), ("gptq", True), ("awq", False)])
+def test_layers_narrower_than_the_group_load_as_one_group(tmp_path, method, act_order):
+    # hidden 64 < group 128: quantizers store ceil(64 / 128) = 1 group for q/k/v/o/gate/up (down: K = 128, 1 group)
+    config = cw.tiny_config("llama", hidden=64)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), method, -1, sym=False, act_order=act_order)
+    _set_group_size(path, 128)  # what the config of such a checkpoint says
+    model = from_pretrained(path, device="cpu")
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 * config.num_hidden_layers
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+
+
+def test_a_partial_last_group_is_still_refused(tmp_path):
+    config = cw.tiny_config("llama", hidden=64)  # down_proj: K = 128, not a multiple of 96 > 64
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32)
+    _set_group_size(path, 96)
+    with pytest.raises(ValueError, match=r"down_proj: in_features 128 is not divisible by group_size 96"):
+        from_pretrained(path, device="cpu")
+
+
+def test_a_quantized_layers_bias_of_the_wrong_shape_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    config = cw.tiny_config("qwen2", hidden=64)  # q/k/v have biases
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(7, dtype=torch.float16)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.bias: the checkpoint's shape \[7\] "
+                                         r"does not match \[64\]"):
+        from_pretrained(path, device="cpu")
+
+
+def test_an_index_entry_naming_the_wrong_shard(tmp_path):
+    config = cw.tiny_config("llama", hidden=64)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32, shard_bytes=20_000)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    name = "model.layers.0.self_attn.q_proj.scales"
+    wrong = next(f for f in files if f != index["weight_map"][name])
+    index["weight_map"][name] = wrong
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match=rf"maps {name} to {wrong}, which does not hold it"):
+        from_pretrained(path, device="cpu")
+
+
+def test_a_directory_with_pytorch_model_bin_only(tmp_path):
+    config = cw.tiny_config("llama", hidden=64)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32)
+    os.remove(path / "model.safetensors")
+    torch.save({}, path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"it holds pytorch_model\.bin: tilegemm reads safetensors "
+                                                r"checkpoints only"):
+        from_pretrained(path, device="cpu")
