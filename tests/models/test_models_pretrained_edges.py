@@ -94,3 +94,13 @@ def test_a_directory_with_pytorch_model_bin_only(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"it holds pytorch_model\.bin: tilegemm reads safetensors "
                                                 r"checkpoints only"):
         from_pretrained(path, device="cpu")
+
+
+def test_experts_narrower_than_the_group_load_as_one_group(tmp_path):
+    # Qwen3-MoE, hidden 64 and expert width 32 under group 128: every expert Linear is stored as one group
+    config = cw.tiny_moe_config("qwen3_moe", hidden=64, width=32)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", -1, sym=False)
+    _set_group_size(path, 128)
+    model = from_pretrained(path, device="cpu")
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3
