@@ -36,11 +36,15 @@ def test_autocast_runs_in_its_dtype_like_torch_linear(layer_dtype, device):
     assert x.grad.dtype == torch.float32 and m.weight.grad.dtype == layer_dtype
 
 
-def test_float64_layer_is_refused_naming_the_layer(device):
-    m = Linear(4, 3).to(device).double()
-    with pytest.raises(TypeError, match="tilegemm.nn.Linear runs fp16, bf16 and fp32 layers; this one's weight is "
-                                        "float64"):
-        m(torch.randn(2, 4, device=device, dtype=torch.float64))
+def test_float64_layer_runs_torchs_linear(device):
+    # as tilegemm.nn.Conv2d after .double(): no kernel takes float64, torch's linear does (gradcheck works)
+    m = Linear(4, 3, activation="silu").to(device).double()
+    x = torch.randn(2, 4, device=device, dtype=torch.float64, requires_grad=True)
+    want = F.silu(F.linear(x, m.weight, m.bias))
+    assert torch.equal(m(x), want)
+    assert torch.autograd.gradcheck(m, (x,))
+    with pytest.raises(TypeError, match="x is fp32 but the layer is float64"):
+        m(torch.randn(2, 4, device=device))
 
 
 def test_state_dict_round_trip_and_copies_keep_the_activation(device):

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from tilegemm.core.activations import check_activation
+from tilegemm.core.activations import check_activation, torch_activation
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.ops.matmul import matmul
 from tilegemm.ops.matmul.problem import DTYPES
@@ -67,10 +67,8 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if weight.dtype not in _KERNEL_DTYPES:  # (else matmul's error would name its operand b, not this layer)
-            raise TypeError(f"tilegemm.nn.Linear runs fp16, bf16 and fp32 layers; this one's weight is "
-                            f"{dtype_name(weight.dtype)} (.double(), .to(dtype)): use a torch.nn.Linear for it "
-                            f"(tilegemm.nn.convert_ leaves such layers as they are)")
+        if weight.dtype not in _KERNEL_DTYPES:
+            return self._torch_forward(x, weight)
         if type(weight) is not torch.nn.Parameter:
             sharding_rules_for(weight)
             _check_dtensor_input(x, weight)
@@ -79,6 +77,16 @@ class Linear(torch.nn.Linear):
         x2d = x.flatten(0, -2) if x.ndim > 2 else x
         out = matmul(x2d, weight.t(), bias=self.bias, activation=self.activation)  # [M, out]
         return out.unflatten(0, x.shape[:-1]) if x.ndim > 2 else out
+
+    def _torch_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A float64 layer (``.double()``, e.g. for gradcheck) runs torch's linear, as tilegemm.nn.Conv2d runs
+        torch's conv: no kernel takes float64."""
+        if weight.dtype != torch.float64:
+            raise TypeError(f"tilegemm.nn.Linear runs fp16, bf16, fp32 and (through torch) float64 layers; this "
+                            f"one's weight is {dtype_name(weight.dtype)}")
+        if x.dtype != weight.dtype:  # torch's own error here is a RuntimeError naming m1 and m2
+            raise TypeError(f"tilegemm.nn.Linear: x is {dtype_name(x.dtype)} but the layer is float64")
+        return torch_activation(torch.nn.functional.linear(x, weight, self.bias), self.activation or "none")
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()
