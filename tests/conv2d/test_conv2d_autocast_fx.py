@@ -32,12 +32,14 @@ def test_autocast_casts_like_f_conv2d(dtype, bias, device):
 
 
 def test_autocast_leaves_float64_and_other_devices_alone(device):
-    from tilegemm.ops.conv2d.api import _autocast
+    from tilegemm.core.dtypes import autocast_inputs as _autocast
 
     x64 = torch.randn(1, 2, 4, 4, dtype=torch.float64, device=device)
     x, w = torch.randn(1, 2, 4, 4, device=device), torch.randn(3, 2, 3, 3, device=device)
     with torch.autocast(device, dtype=torch.bfloat16):
-        assert [t.dtype for t in _autocast(x64, w, None)[:2]] == [torch.float64, torch.bfloat16]
+        # an operand autocast leaves alone (float64, fp8) leaves the call as it is: conv2d then names it
+        assert [t.dtype for t in _autocast(x64, w, None)[:2]] == [torch.float64, torch.float32]
+        assert [t.dtype for t in _autocast(x, w, None)[:2]] == [torch.bfloat16, torch.bfloat16]
         meta = _autocast(x.to("meta"), w.to("meta"), None)  # no autocast on the meta device: as it was
         assert meta[0].dtype == meta[1].dtype == torch.float32
     with torch.autocast(device, enabled=False):

@@ -71,3 +71,26 @@ def torch_fp32_precision() -> str:
 def check_precision(precision) -> None:
     if not isinstance(precision, str) or precision.lower() not in _PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(_PRECISIONS)}")
+
+
+# What autocast casts for the ops on its lower-precision list (torch.matmul, F.linear, F.conv2d): 16- and 32-bit
+# floats. fp8 (a scaled product, not autocast's) and float64 stay as they are.
+_AUTOCAST_FROM = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def autocast_inputs(*tensors):
+    """``tensors`` as ``torch.autocast`` casts those of an op on its lower-precision list: each 16- or 32-bit
+    tensor on the autocast device in the autocast dtype; None and anything else as it is. Unchanged unless
+    autocast is on for the first tensor's device type, and when either of the first two (the operands) is of a
+    dtype autocast leaves alone (an fp8 product keeps its fp32 bias)."""
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor):
+        return tensors
+    kind = first.device.type
+    if not torch.amp.is_autocast_available(kind) or not torch.is_autocast_enabled(kind):
+        return tensors
+    if any(getattr(t, "dtype", None) not in _AUTOCAST_FROM for t in tensors[:2]):
+        return tensors
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_FROM and t.device.type == kind
+                 else t for t in tensors)

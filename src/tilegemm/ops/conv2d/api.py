@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core.activations import check_activation
-from tilegemm.core.dtypes import check_precision
+from tilegemm.core.dtypes import autocast_inputs, check_precision
 from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call
 from tilegemm.ops.conv2d import dispatch, op
 from tilegemm.ops.conv2d.checks import check_conv, check_kernel, forward_key
@@ -59,7 +59,7 @@ def conv2d(
             "call_function", conv2d, (x, weight, bias, stride, padding, dilation, groups, activation),
             {"precision": precision, "kernel": kernel})
     if torch._C._is_any_autocast_enabled():
-        x, weight, bias = _autocast(x, weight, bias)
+        x, weight, bias = autocast_inputs(x, weight, bias)
     if getattr(x, "ndim", 4) == 3:  # unbatched [C, H, W], as F.conv2d takes it: a batch of one
         return conv2d(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups, activation,
                       precision=precision, kernel=kernel).squeeze(0)
@@ -94,20 +94,3 @@ def _fx_proxy(*args):
             return a
     return None
 
-
-def _autocast(x, weight, bias):
-    """The tensors as autocast casts ``F.conv2d``'s (conv2d is on its lower-precision list): floating-point
-    tensors on the autocast device, float64 excepted, in the autocast dtype; anything else as it is."""
-    device = getattr(x, "device", None)
-    if not isinstance(x, torch.Tensor) or not torch.amp.is_autocast_available(device.type) \
-            or not torch.is_autocast_enabled(device.type):
-        return x, weight, bias
-    dtype = torch.get_autocast_dtype(device.type)
-
-    def cast(t):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 \
-                and t.device.type == device.type:
-            return t.to(dtype)
-        return t
-
-    return cast(x), cast(weight), cast(bias)

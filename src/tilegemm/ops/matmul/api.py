@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tilegemm.core.dtypes import autocast_inputs
 from tilegemm.core.launch import plain_call, recording_active
 from tilegemm.ops.matmul.problem import MatmulCall
 from tilegemm.ops.matmul.checks import broadcast, check_inputs, output_shape, replay_key
@@ -61,7 +62,7 @@ def matmul(
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
     if torch._C._is_any_autocast_enabled():
-        a, b, bias, c = _autocast(a, b, bias, c)
+        a, b, bias, c = autocast_inputs(a, b, bias, c)
     if getattr(a, "ndim", 2) < 2 or getattr(b, "ndim", 2) < 2:
         return _with_vectors(a, b, bias=bias, c=c, alpha=alpha, beta=beta, activation=activation,
                              out_dtype=out_dtype, precision=precision, kernel=kernel, scale_a=scale_a,
@@ -113,25 +114,3 @@ def _with_vectors(a, b, c=None, **kw) -> torch.Tensor:
         out = out.squeeze(-1)
     return out.squeeze(-1 if b.ndim == 1 else -2) if a.ndim == 1 else out
 
-
-_AUTOCAST_CASTS = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _autocast(a, b, bias, c):
-    """The tensors as autocast casts ``torch.matmul``'s and ``F.linear``'s (they are on its lower-precision list):
-    16- and 32-bit tensors on the autocast device in its dtype. An fp8 product (scaled: not autocast's) and
-    tensors of other dtypes, float64 among them, as they are."""
-    device = getattr(a, "device", None)
-    if not isinstance(a, torch.Tensor) or not torch.amp.is_autocast_available(device.type) \
-            or not torch.is_autocast_enabled(device.type):
-        return a, b, bias, c
-    if a.dtype not in _AUTOCAST_CASTS or getattr(b, "dtype", None) not in _AUTOCAST_CASTS:
-        return a, b, bias, c
-    dtype = torch.get_autocast_dtype(device.type)
-
-    def cast(t):
-        if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_CASTS and t.device.type == device.type:
-            return t.to(dtype)
-        return t
-
-    return cast(a), cast(b), cast(bias), cast(c)
