@@ -29,6 +29,17 @@ def subclass_reason(module: torch.nn.Module, base: type, verb: str = "convert") 
     return f"{name} is a subclass of {base_name}, not {base_name} itself: its forward may differ from {base_name}'s"
 
 
+def is_conv1d(module: torch.nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's layers): ``x @ weight + bias`` with weight ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers") \
+        and hasattr(module, "nf")
+
+
+# convert_'s note for transformers' Conv1D, a Linear in all but its weight's layout
+CONV1D_KEPT = ("transformers' Conv1D (GPT-2's layers, weight [in, out]): tilegemm.nn.Linear holds [out, in], and "
+               "a transposed copy would change the parameters and state dict; it stays a Conv1D (quantize_ takes it)")
+
+
 def _why_not(module: torch.nn.Module) -> str | None:
     """None when ``module`` can be swapped, else the reason it is kept."""
     if type(module) not in (torch.nn.Conv2d, torch.nn.Linear):
@@ -65,7 +76,8 @@ def convert_(
 
     ``filter(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
     swapped (subclasses with their own forward, float64 weights, ...) are kept, and one
-    :class:`ConversionNote` warning names them with the reason (``warn=False`` silences it). The list is also
+    :class:`ConversionNote` warning names them with the reason (``warn=False`` silences it); so are transformers'
+    ``Conv1D`` layers (GPT-2's; their weight is ``[in, out]``), which :func:`tilegemm.nn.quantize_` does take. The list is also
     left in ``model.tilegemm_skipped`` as ``[(name, reason)]``. A module held under several names (or by several
     parents) gets one replacement under all of them (``filter`` is asked with its first name).
     """
@@ -96,6 +108,9 @@ def convert_(
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if isinstance(child, (Conv2d, Linear)):
                 continue  # converted already
+            if linear and is_conv1d(child) and (filter is None or filter(name, child)):
+                skipped.append((name, CONV1D_KEPT))  # named, not passed over: GPT-2 would run almost all on torch
+                continue
             want = (conv and isinstance(child, torch.nn.Conv2d)) or (linear and isinstance(child, torch.nn.Linear))
             if not want or (filter is not None and not filter(name, child)):
                 continue

@@ -11,7 +11,7 @@ from torch import nn
 
 from tilegemm.nn.moe import SparseMoeBlock, _stacked_experts, convert_moe_blocks_, quantize_experts_
 from tilegemm.core.dtypes import dtype_name
-from tilegemm.nn.convert import ConversionNote, subclass_reason
+from tilegemm.nn.convert import ConversionNote, is_conv1d, subclass_reason
 from tilegemm.nn.linear import Linear
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, fits_fragments, \
     from_awq, from_gptq, quantize
@@ -303,12 +303,6 @@ def mark_saved_format_(model: nn.Module, converted_from: str | None = None) -> N
     if source:
         entry["converted_from"] = source
     config.quantization_config = entry
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """transformers' ``Conv1D`` (GPT-2's layers): ``x @ weight + bias`` with weight ``[in, out]``."""
-    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers") \
-        and hasattr(module, "nf")
 
 
 def _why_kept(module: nn.Module, group_size: int) -> str | None:
