@@ -1,6 +1,6 @@
 """convert_ and quantize_ on tiny transformers models of several architectures: logits and gradients against the
 eager model, the 4-bit model against the same model holding the dequantized weights, greedy generation, and the
-layers each keeps with a note (GPT-2's Conv1D, layers narrower than the group)."""
+layers each keeps with a note (GPT-2's Conv1D, layers narrower than the group, tied heads a forward reads)."""
 
 from __future__ import annotations
 
@@ -152,3 +152,21 @@ def test_quantize_keeps_narrow_layers_with_a_note(device):
     with torch.no_grad():
         assert_rel_close(_out(q, inputs).float(), _out(_dequantized(dense, q), inputs).float(), 1e-2)
 
+
+def test_quantize_keeps_tied_head_whose_flag_the_forward_reads(device):
+    # SwitchTransformers scales the decoder output by d_model**-0.5 when config.tie_word_embeddings is set: a 4-bit
+    # head (which unties) would make the logits sqrt(d_model) times too large; it stays 16-bit and tied
+    config = transformers.AutoConfig.for_model(
+        "switch_transformers", vocab_size=V, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_decoder_layers=1,
+        num_heads=2, num_experts=2, num_sparse_encoder_layers=0, num_sparse_decoder_layers=0,
+        decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    dense = transformers.AutoModelForSeq2SeqLM.from_config(config).to(device, torch.float16).eval()
+    with pytest.warns(ConversionNote, match="tie_word_embeddings"):
+        q = quantize_(copy.deepcopy(dense), group_size=32)
+    assert type(q.lm_head) is torch.nn.Linear and q.config.tie_word_embeddings
+    assert q.lm_head.weight is q.get_input_embeddings().weight
+    assert "lm_head" in dict(q.tilegemm_skipped)
+    inputs = _inputs("t5", device=device)
+    with torch.no_grad():
+        assert_rel_close(_out(q, inputs).float(), _out(_dequantized(dense, q), inputs).float(), 1e-2)

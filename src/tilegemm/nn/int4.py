@@ -321,6 +321,37 @@ def _why_kept(module: nn.Module, group_size: int) -> str | None:
     return None
 
 
+def _reads_tie_flag(cls: type) -> bool:
+    """Whether ``cls.forward`` reads ``config.tie_word_embeddings`` (Udop and SwitchTransformers scale the decoder
+    output by it), so that untying the output layer would change what the model computes."""
+    import inspect
+
+    try:
+        return "tie_word_embeddings" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # (no source: a forward made at run time, a builtin)
+        return False
+
+
+def _tied_heads_kept(model: nn.Module) -> dict[int, str]:
+    """The tied output layers ``quantize_`` keeps 16-bit, by id, with the reason: those of transformers models whose
+    forward reads ``tie_word_embeddings`` (untying them, which a 4-bit head needs, would change the forward)."""
+    kept = {}
+    for m in model.modules():
+        config, get_out = getattr(m, "config", None), getattr(m, "get_output_embeddings", None)
+        if config is None or not callable(get_out) or not getattr(config, "tie_word_embeddings", False) \
+                or not _reads_tie_flag(type(m)):
+            continue
+        try:
+            out = get_out()
+        except Exception:  # noqa: BLE001 (as in untie_quantized_outputs_: no output layer of this form)
+            continue
+        if isinstance(out, nn.Linear):
+            kept[id(out)] = (f"the output layer tied to the input embedding of {type(m).__name__}, whose forward "
+                             f"reads config.tie_word_embeddings (it scales the decoder output by it): a 4-bit layer "
+                             f"would untie it and change that; kept 16-bit and tied")
+    return kept
+
+
 # The names transformers' MoE blocks give the Linear that scores the experts (LongCat's router.classifier).
 _ROUTER_NAMES = {"gate", "router", "classifier", "gating"}
 
@@ -358,7 +389,8 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     backward hooks (the handles still remove them); state-dict hooks, made for the Linear's weight, are not kept.
     A transformers model's output layer tied to its input embedding becomes a 4-bit layer of its own (the
     embedding stays 16-bit) and the config says so: ``tie_word_embeddings`` is set to False (``filter`` may keep
-    ``lm_head`` 16-bit and tied instead). Its config's ``quantization_config`` then names tilegemm's format
+    ``lm_head`` 16-bit and tied instead); where the model's forward reads that flag (Udop and SwitchTransformers
+    scale the decoder output by it), the tied output layer is kept 16-bit and tied, with a note. Its config's ``quantization_config`` then names tilegemm's format
     (``{"quant_method": "tilegemm", ...}``), which ``save_pretrained`` writes: docs/w4a16.md "Saving".
     A model whose weights are DTensors (parallelized already) is refused with a TypeError: quantize first, then
     parallelize with tilegemm's styles.
@@ -379,11 +411,12 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     # their routers stay 16-bit (as quantized checkpoints keep them)
     _, skipped = convert_moe_blocks_(model, filter)
     routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoeBlock)} | _router_ids(model)
+    tied_kept = _tied_heads_kept(model)
     targets = []
     for name, module in model.named_modules():  # (each module once, under its first name)
         if (isinstance(module, nn.Linear) or is_conv1d(module)) and id(module) not in routers \
                 and (filter is None or filter(name, module)):
-            reason = _why_kept(module, group_size)
+            reason = tied_kept.get(id(module)) or _why_kept(module, group_size)
             if reason is None:
                 targets.append(module)
             else:
