@@ -170,3 +170,28 @@ def test_quantize_keeps_tied_head_whose_flag_the_forward_reads(device):
     inputs = _inputs("t5", device=device)
     with torch.no_grad():
         assert_rel_close(_out(q, inputs).float(), _out(_dequantized(dense, q), inputs).float(), 1e-2)
+
+
+def test_falcon_linears_are_converted_and_quantized(device):
+    # FalconLinear (x @ W.T, then + bias) computes nn.Linear's function: swapped by both, not kept as a subclass
+    config = transformers.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       bias=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(device).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    inputs = _inputs("llama", device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConversionNote)
+        conv = convert_(copy.deepcopy(model))
+        q = quantize_(copy.deepcopy(model).half(), group_size=32)
+    assert conv.tilegemm_skipped == [] and q.tilegemm_skipped == []
+    attn = conv.transformer.h[0].self_attention
+    assert type(attn.query_key_value) is Linear and type(attn.dense) is Linear
+    want, got = _out(model, inputs), _out(conv, inputs)
+    assert_rel_close(got, want, 1e-4)
+    assert sum(isinstance(m, Int4Linear) for m in q.modules()) == 5  # qkv, dense, both MLP layers, lm_head
+    with torch.no_grad():
+        assert_rel_close(_out(q, inputs).float(), _out(_dequantized(model.half(), q), inputs).float(), 1e-2)

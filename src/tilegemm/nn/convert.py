@@ -40,9 +40,20 @@ CONV1D_KEPT = ("transformers' Conv1D (GPT-2's layers, weight [in, out]): tilegem
                "a transposed copy would change the parameters and state dict; it stays a Conv1D (quantize_ takes it)")
 
 
+# transformers' Linear subclasses whose forward is nn.Linear's (FalconLinear adds the bias after the product, not in addmm)
+LINEAR_EQUIVALENT = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+
+
+def is_plain_linear(module: torch.nn.Module) -> bool:
+    """``torch.nn.Linear`` itself, or a subclass in :data:`LINEAR_EQUIVALENT`."""
+    cls = type(module)
+    return cls is torch.nn.Linear or (isinstance(module, torch.nn.Linear)
+                                      and f"{cls.__module__}.{cls.__qualname__}" in LINEAR_EQUIVALENT)
+
+
 def _why_not(module: torch.nn.Module) -> str | None:
     """None when ``module`` can be swapped, else the reason it is kept."""
-    if type(module) not in (torch.nn.Conv2d, torch.nn.Linear):
+    if type(module) is not torch.nn.Conv2d and not is_plain_linear(module):
         return subclass_reason(module, torch.nn.Conv2d if isinstance(module, torch.nn.Conv2d) else torch.nn.Linear)
     if "forward" in vars(module):  # a copy would keep running it rather than tilegemm's forward
         return ("its forward was replaced on the instance (a tensor-parallel plan, accelerate's device_map hooks): "
@@ -75,7 +86,8 @@ def convert_(
     DBRX, JetMoE: :data:`tilegemm.nn.moe.OWN_FORWARD_BLOCKS`), get experts run by those kernels.
 
     ``filter(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
-    swapped (subclasses with their own forward, float64 weights, ...) are kept, and one
+    swapped (subclasses with their own forward, float64 weights, ...) are kept (transformers' ``FalconLinear``,
+    whose forward is Linear's, is swapped: :data:`LINEAR_EQUIVALENT`), and one
     :class:`ConversionNote` warning names them with the reason (``warn=False`` silences it); so are transformers'
     ``Conv1D`` layers (GPT-2's; their weight is ``[in, out]``), which :func:`tilegemm.nn.quantize_` does take. The list is also
     left in ``model.tilegemm_skipped`` as ``[(name, reason)]``. A module held under several names (or by several

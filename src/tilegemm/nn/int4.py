@@ -11,7 +11,7 @@ from torch import nn
 
 from tilegemm.nn.moe import SparseMoeBlock, _stacked_experts, convert_moe_blocks_, quantize_experts_
 from tilegemm.core.dtypes import dtype_name
-from tilegemm.nn.convert import ConversionNote, is_conv1d, subclass_reason
+from tilegemm.nn.convert import ConversionNote, is_conv1d, is_plain_linear, subclass_reason
 from tilegemm.nn.linear import Linear
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, fits_fragments, \
     from_awq, from_gptq, quantize
@@ -309,7 +309,7 @@ def _why_kept(module: nn.Module, group_size: int) -> str | None:
     """None when ``quantize_`` can swap ``module``, else the reason it keeps it."""
     if type(module) is Linear and module.activation not in (None, "none"):
         return f"tilegemm.nn.Linear with activation={module.activation!r} (Int4Linear fuses no activation)"
-    if not (type(module) in (nn.Linear, Linear) or is_conv1d(module)):
+    if not (type(module) is Linear or is_plain_linear(module) or is_conv1d(module)):
         return subclass_reason(module, nn.Linear, "quantize")
     if module.weight.dtype not in _MODULE_DTYPES:
         return f"weight dtype {dtype_name(module.weight.dtype)} (quantize takes fp16, bf16, fp32)"
@@ -379,7 +379,8 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     4-bit stacked ones (:func:`tilegemm.nn.moe.quantize_experts_`); returns ``model``.
 
     ``group_size`` is one of 32, 64, 128, 256 or -1 (all of K); anything else is a ValueError before any layer
-    changes. Layers it cannot take (in_features not a multiple of 8 or of the group size, subclasses of Linear,
+    changes. Layers it cannot take (in_features not a multiple of 8 or of the group size, subclasses of Linear
+    other than those in :data:`~tilegemm.nn.convert.LINEAR_EQUIVALENT` (Falcon's),
     float64 weights) are kept, and one :class:`~tilegemm.nn.convert.ConversionNote` warning names them with
     the reason (``warn=False`` silences it), as ``convert_`` does; the list is left in ``model.tilegemm_skipped``
     as ``[(name, reason)]``.
