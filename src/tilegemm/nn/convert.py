@@ -40,7 +40,7 @@ CONV1D_KEPT = ("transformers' Conv1D (GPT-2's layers, weight [in, out]): tilegem
                "a transposed copy would change the parameters and state dict; it stays a Conv1D (quantize_ takes it)")
 
 
-# transformers' Linear subclasses whose forward is nn.Linear's (FalconLinear adds the bias after the product, not in addmm)
+# transformers' Linear subclasses whose forward is nn.Linear's (FalconLinear: bias added after the product)
 LINEAR_EQUIVALENT = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
 
 
@@ -87,11 +87,11 @@ def convert_(
 
     ``filter(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
     swapped (subclasses with their own forward, float64 weights, ...) are kept (transformers' ``FalconLinear``,
-    whose forward is Linear's, is swapped: :data:`LINEAR_EQUIVALENT`), and one
-    :class:`ConversionNote` warning names them with the reason (``warn=False`` silences it); so are transformers'
-    ``Conv1D`` layers (GPT-2's; their weight is ``[in, out]``), which :func:`tilegemm.nn.quantize_` does take. The list is also
-    left in ``model.tilegemm_skipped`` as ``[(name, reason)]``. A module held under several names (or by several
-    parents) gets one replacement under all of them (``filter`` is asked with its first name).
+    whose forward is Linear's, is swapped: :data:`LINEAR_EQUIVALENT`), and one :class:`ConversionNote` warning
+    names them with the reason (``warn=False`` silences it); so are transformers' ``Conv1D`` layers (GPT-2's;
+    their weight is ``[in, out]``), which :func:`tilegemm.nn.quantize_` does take. The list is also left in
+    ``model.tilegemm_skipped`` as ``[(name, reason)]``. A module held under several names (or by several parents)
+    gets one replacement under all of them (``filter`` is asked with its first name).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert_ takes a torch.nn.Module, got {type(model).__name__}")

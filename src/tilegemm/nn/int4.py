@@ -391,8 +391,9 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     A transformers model's output layer tied to its input embedding becomes a 4-bit layer of its own (the
     embedding stays 16-bit) and the config says so: ``tie_word_embeddings`` is set to False (``filter`` may keep
     ``lm_head`` 16-bit and tied instead); where the model's forward reads that flag (Udop and SwitchTransformers
-    scale the decoder output by it), the tied output layer is kept 16-bit and tied, with a note. Its config's ``quantization_config`` then names tilegemm's format
-    (``{"quant_method": "tilegemm", ...}``), which ``save_pretrained`` writes: docs/w4a16.md "Saving".
+    scale the decoder output by it), the tied output layer is kept 16-bit and tied, with a note. Its config's
+    ``quantization_config`` then names tilegemm's format (``{"quant_method": "tilegemm", ...}``), which
+    ``save_pretrained`` writes: docs/w4a16.md "Saving".
     A model whose weights are DTensors (parallelized already) is refused with a TypeError: quantize first, then
     parallelize with tilegemm's styles.
     """
