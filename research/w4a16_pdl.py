@@ -34,8 +34,8 @@ import tilegemm.ops.w4a16.frag_wgmma as fw
 _ORIG_CONFIG = fw.frag_wgmma_config
 
 
-def set_pdl(on: bool) -> None:
-    fw.frag_wgmma_config = (lambda *a, **k: dict(_ORIG_CONFIG(*a, **k), PDL=True)) if on else _ORIG_CONFIG
+def set_pdl(on: int) -> None:
+    fw.frag_wgmma_config = (lambda *a, **k: dict(_ORIG_CONFIG(*a, **k), PDL=int(on))) if on else _ORIG_CONFIG
     replay.clear()
 
 
@@ -94,7 +94,7 @@ def layer_fn(layers, x, int4: bool):
     return run
 
 
-def check(dtype, report: dict) -> bool:
+def check(dtype, report: dict, mode: int) -> bool:
     """Chains with PDL as a graph against eager without: bit for bit."""
     ok = True
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -111,7 +111,7 @@ def check(dtype, report: dict) -> bool:
         set_pdl(False)
         chain()
         want = chain.out.clone()
-        set_pdl(True)
+        set_pdl(mode)
         g = torch.cuda.CUDAGraph()
         chain()  # warm up (compiles, records)
         with torch.cuda.graph(g):
@@ -127,10 +127,10 @@ def check(dtype, report: dict) -> bool:
             same = torch.equal(chain.out, want)
             results.append(same)
         eager_pdl_ok = True
-        set_pdl(True)
+        set_pdl(mode)
         chain()
         eager_pdl_ok = torch.equal(chain.out, want)
-        report.setdefault("checks", []).append(dict(N=N, M=M, depth=depth, dtype=str(dtype), graph_equal=results,
+        report.setdefault("checks", []).append(dict(N=N, M=M, depth=depth, dtype=str(dtype), pdl=mode, graph_equal=results,
                                                     eager_equal=eager_pdl_ok))
         ok &= all(results) and eager_pdl_ok
         print(f"check N={N} M={M} depth={depth} {dtype}: graph {results} eager {eager_pdl_ok}", flush=True)
@@ -147,20 +147,21 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     report = dict(commit=os.environ.get("TILEGEMM_GIT_COMMIT", ""), device=torch.cuda.get_device_name())
-    ok = check(torch.float16, report) and check(torch.bfloat16, report)
+    ok = check(torch.float16, report, 1) and check(torch.float16, report, 2)
     dtype = torch.float16
     layers = make_layers(args.layers, dtype)
     rows = []
     for M in (int(m) for m in args.ms.split(",")):
         x = torch.randn(M, 4096, device="cuda", dtype=dtype)
         t = {}
-        for name, int4, pdl in (("fp16", False, False), ("int4", True, False), ("int4_pdl", True, True)):
+        for name, int4, pdl in (("fp16", False, 0), ("int4", True, 0), ("int4_pdl", True, 1), ("int4_pdl2", True, 2)):
             set_pdl(pdl)
             t[name] = graph_ms(layer_fn(layers, x, int4), args.replays, args.rounds) / args.layers
         row = dict(kind="layers", M=M, ms_per_layer=t, ratio_int4=t["fp16"] / t["int4"],
                    ratio_int4_pdl=t["fp16"] / t["int4_pdl"], pdl_gain=t["int4"] / t["int4_pdl"])
         rows.append(row)
-        print(f"layers M={M}: fp16 {t['fp16']*1e3:.1f} us  int4 {t['int4']*1e3:.1f}  pdl {t['int4_pdl']*1e3:.1f}  "
+        print(f"layers M={M}: fp16 {t['fp16']*1e3:.1f} us  int4 {t['int4']*1e3:.1f}  pdl {t['int4_pdl']*1e3:.1f} "
+              f"pdl2 {t['int4_pdl2']*1e3:.1f}  "
               f"ratio {row['ratio_int4']:.2f} -> {row['ratio_int4_pdl']:.2f}", flush=True)
     for (N, K) in ((4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)):
         ws = [w4a16.quantize(torch.randn(N, K, device="cuda", dtype=dtype) * K ** -0.5, group_size=128)
@@ -170,14 +171,14 @@ def main() -> int:
             x = torch.randn(M, K, device="cuda", dtype=dtype)
             t = {}
             t["fp16"] = graph_ms(lambda: [F.linear(x, w) for w in dense], args.replays, args.rounds) / 8
-            for name, pdl in (("int4", False), ("int4_pdl", True)):
+            for name, pdl in (("int4", 0), ("int4_pdl", 1), ("int4_pdl2", 2)):
                 set_pdl(pdl)
                 t[name] = graph_ms(lambda: [w4a16.matmul(x, w) for w in ws], args.replays, args.rounds) / 8
             row = dict(kind="repeat", N=N, K=K, M=M, ms=t, ratio_int4=t["fp16"] / t["int4"],
                        ratio_int4_pdl=t["fp16"] / t["int4_pdl"])
             rows.append(row)
             print(f"repeat {N}x{K} M={M}: fp16 {t['fp16']*1e3:.1f} us int4 {t['int4']*1e3:.1f} pdl "
-                  f"{t['int4_pdl']*1e3:.1f}  ratio {row['ratio_int4']:.2f} -> {row['ratio_int4_pdl']:.2f}", flush=True)
+                  f"{t['int4_pdl']*1e3:.1f} pdl2 {t['int4_pdl2']*1e3:.1f}  ratio {row['ratio_int4']:.2f} -> {row['ratio_int4_pdl']:.2f}", flush=True)
     set_pdl(False)
     report["rows"] = rows
     report["checks_ok"] = ok

@@ -386,13 +386,13 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
                       EVEN_K: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr,
                       ACTIVATION: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
                       num_warps: gl.constexpr, GROUP32: gl.constexpr = False, perm_ptr=None,
-                      GATHER: gl.constexpr = False, PAIRS: gl.constexpr = False, PDL: gl.constexpr = False):
+                      GATHER: gl.constexpr = False, PAIRS: gl.constexpr = False, PDL: gl.constexpr = 0):
     RHT: gl.constexpr = num_warps * RH  # 16-row tiles of weights
-    if PDL:
+    if PDL == 1:
         # Launched with programmatic dependent launch: the next kernel in the stream may start once every
         # program has begun (it waits for this grid before reading anything), and this one reads what does not
         # change between kernels (weights, scales) before waiting for the kernel ahead of it (docs/w4a16.md,
-        # "Dependent launches")
+        # "Dependent launches"); PDL == 2 lets the next kernel start once every program's K loop is done
         _gdc("griddepcontrol.launch_dependents;")
     BN: gl.constexpr = 16 * RHT
     dt: gl.constexpr = x_ptr.dtype.element_ty
@@ -538,6 +538,8 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
                 za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
                 STAGES, EVEN_K, BF16, GROUP32, perm_ptr, xr, pr, GATHER)
     async_copy.wait_group(0)
+    if PDL == 2:
+        _gdc("griddepcontrol.launch_dependents;")
 
     nn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
     om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
@@ -629,7 +631,7 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
     if perm is not None:  # named only for act-order launches (gathered x: element loads, no 16-byte alignment)
         kwargs["perm_ptr"], kwargs["GATHER"] = perm, True
     elif cfg.get("PDL"):  # named only where on; act-order launches read x from the first step
-        kwargs["PDL"], kwargs["launch_pdl"] = True, True
+        kwargs["PDL"], kwargs["launch_pdl"] = int(cfg["PDL"]), True
     return frag_wgmma_kernel, (tiles_n, tiles_m, split), args, kwargs
 
 
