@@ -29,7 +29,7 @@ import torch
 from conv2d_depthwise_candidates import KINDS, geomean, graph_us, kind, label, ordered_layers
 from tilegemm.core.checks import relative_error
 from tilegemm.ops.conv2d import depthwise, grouped_direct
-from tilegemm.ops.conv2d.configs import depthwise_wgrad_config, takes_grouped_direct
+from tilegemm.ops.conv2d.configs import depthwise_wgrad_config, depthwise_wgrad_taps_config, takes_grouped_direct
 from tilegemm.ops.conv2d.problem import geometry_of
 
 # (program shape, programs an SM the pixel slices aim at, least pixel blocks a slice): 2 and 8 were the rule
@@ -38,7 +38,12 @@ GROUPED_CANDIDATES = ("tap-2-8", "tap-8-4", "tap-16-4", "tap-32-2")
 
 
 def config(name: str, g) -> dict:
-    shape, per_sm, steps = name.split("-")
+    shape, per_sm, steps, *bq = name.split("-")
+    if shape == "all":  # depthwise_wgrad_taps_kernel: every tap a program, slices of output rows; -BQ: its columns
+        cfg = dict(depthwise_wgrad_taps_config(g, torch.float16), PER_SM=int(per_sm), MIN_ROWS=int(steps))
+        if bq:
+            cfg["BLOCK_Q"] = int(bq[0])
+        return cfg
     # rows asked for by name: the rule's default (DEPTHWISE_WGRAD_ROW_TAPS) is a program a tap
     cfg = depthwise_wgrad_config(g, torch.float16, rows=shape == "row")
     return dict(cfg, PER_SM=int(per_sm), MIN_STEPS=int(steps))

@@ -279,6 +279,20 @@ GROUPED_DIRECT_WGRAD_PER_SM = 32
 GROUPED_DIRECT_WGRAD_MIN_STEPS = 2
 
 
+DEPTHWISE_WGRAD_TAPS_ACC = 64  # the all-taps kernel's accumulator, fp32 registers a thread (T_PAD x BQ x BN)
+
+
+def depthwise_wgrad_taps_config(g: Geometry, dtype: torch.dtype) -> dict:
+    """The all-taps depthwise weight gradient's tile: [T_PAD taps, BLOCK_Q columns, BLOCK_N channels], BLOCK_Q as
+    many columns as keep the accumulator at :data:`DEPTHWISE_WGRAD_TAPS_ACC` registers a thread."""
+    t_pad = _pow2_at_least(g.R * g.S, 1, 1 << 12)
+    if interpreting():
+        return dict(ALL_TAPS=True, BLOCK_Q=4, BLOCK_N=16, num_warps=4, num_stages=1)
+    bn = _pow2_at_least(g.K, 16, 64)
+    bq = 1 << max(1, min(4, (DEPTHWISE_WGRAD_TAPS_ACC * 128 // (t_pad * bn)).bit_length() - 1))
+    return dict(ALL_TAPS=True, BLOCK_Q=bq, BLOCK_N=bn, num_warps=4, num_stages=2)
+
+
 def depthwise_wgrad_config(g: Geometry, dtype: torch.dtype, rows: bool | None = None) -> dict:
     """The depthwise weight gradient's config: :func:`depthwise_config`'s tile, and with ``rows`` (default
     :data:`DEPTHWISE_WGRAD_ROW_TAPS`) a program per filter row (``S_PAD``, the row's taps padded to a power of

@@ -724,6 +724,84 @@ def depthwise_wgrad_kernel(
             tl.store(dw, summed.to(dw_ptr.dtype.element_ty), mask=out_ok)
 
 
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "K", "NP", "slice_rows", "pad_h", "pad_w"])
+def depthwise_wgrad_taps_kernel(
+    dy_ptr, x_ptr, dw_ptr, ws_ptr, count_ptr,
+    H, W, P, Q, K, NP, MULT, slice_rows,
+    stride_yn, stride_yp, stride_yq, stride_yk,
+    stride_xn, stride_xh, stride_xw, stride_xc,
+    stride_dk, stride_dr, stride_dss,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    R: tl.constexpr, S: tl.constexpr, T_PAD: tl.constexpr, INDEX_64: tl.constexpr, DIV: tl.constexpr,
+    DIV_Y: tl.constexpr, DIV_X: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):
+    # This program: channels [BN] of every tap (axis 0 of the tile, R * S padded to T_PAD) over a slice of output
+    # rows (n, p), walked row by row and BLOCK_Q columns at a time: each dy tile is read once for all taps, and a
+    # row's x tile for its taps' shifted columns and rows, which L1 and L2 hold across taps and neighbouring rows
+    # (a program a tap reads dy and x once a tap). No division a pixel: one a row.
+    stride_yn = stride_yn * DIV_Y
+    stride_yp = stride_yp * DIV_Y
+    stride_yq = stride_yq * DIV_Y
+    stride_xn = stride_xn * DIV_X
+    stride_xh = stride_xh * DIV_X
+    stride_xw = stride_xw * DIV_X
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    part = tl.program_id(1)
+    taps = tl.arange(0, T_PAD)
+    tr = taps // S
+    ts = taps - tr * S
+    t_ok = taps < R * S
+    offs_q = tl.arange(0, BLOCK_Q)
+    n_ok = _below_unspecialized(offs_n, K, DIV)
+    x_chan = ((offs_n // MULT) * stride_xc)[None, None, :]
+    y_chan = (offs_n * stride_yk)[None, :]
+    row0 = part * slice_rows
+    row1 = tl.minimum(row0 + slice_rows, NP)
+    acc = tl.zeros((T_PAD, BLOCK_Q, BLOCK_N), dtype=tl.float32)
+    for row in range(row0, row1):
+        n = row // P
+        p = row - n * P
+        if INDEX_64:
+            n = n.to(tl.int64)
+        h = p * str_h - pad_h + tr * dil_h  # [T]
+        h_ok = t_ok & (h >= 0) & (h < H)
+        y_row = dy_ptr + n * stride_yn + p * stride_yp
+        x_rows = x_ptr + n * stride_xn + (h * stride_xh)[:, None, None]  # [T, 1, 1]
+        for q0 in range(0, Q, BLOCK_Q):
+            q = q0 + offs_q  # [BQ]
+            q_ok = q < Q
+            dyv = tl.load(y_row + (q * stride_yq)[:, None] + y_chan, mask=q_ok[:, None] & n_ok[None, :],
+                          other=0.0)  # [BQ, BN]
+            w = q[None, :] * str_w - pad_w + (ts * dil_w)[:, None]  # [T, BQ]
+            ok = h_ok[:, None] & q_ok[None, :] & (w >= 0) & (w < W)
+            xv = tl.load(x_rows + (w * stride_xw)[:, :, None] + x_chan, mask=ok[:, :, None] & n_ok[None, None, :],
+                         other=0.0)  # [T, BQ, BN]
+            acc += dyv.to(tl.float32)[None, :, :] * xv.to(tl.float32)
+    total = tl.sum(acc, axis=1)  # [T, BN]
+    out_ok = t_ok[:, None] & n_ok[None, :]
+    dw = dw_ptr + (offs_n * stride_dk)[None, :] + (tr * stride_dr + ts * stride_dss)[:, None]
+    if SPLIT == 1:
+        tl.store(dw, total.to(dw_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        # The last slice to arrive at this channel block adds the slices' sums in order and stores (as
+        # depthwise_wgrad_kernel)
+        tile = tl.program_id(0)
+        size: tl.constexpr = T_PAD * BLOCK_N
+        plane = tl.num_programs(0).to(tl.int64) * size
+        ws = ws_ptr + tile.to(tl.int64) * size + (taps * BLOCK_N)[:, None] + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(ws + part * plane, total)
+        tl.debug_barrier()  # every thread's stores before the (one-thread) release
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.debug_barrier()  # and every thread's loads after the acquire
+            summed = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
+            for sl in range(0, SPLIT):
+                summed += tl.load(ws + sl * plane, cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)
+            tl.store(dw, summed.to(dw_ptr.dtype.element_ty), mask=out_ok)
+
+
 # --- launchers ------------------------------------------------------------------------------------------
 
 
@@ -998,6 +1076,8 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     """grad of the weight for a depthwise convolution: ``[K, 1, R, S]`` (contiguous), in one launch."""
     dy, x = _nhwc(dy), _nhwc(x)
     cfg = dict(config or depthwise_wgrad_config(g, dy.dtype))
+    if cfg.pop("ALL_TAPS", False):
+        return _wgrad_all_taps(dy, x, g, out_dtype, cfg)
     npq = g.N * g.P * g.Q
     sp = cfg.setdefault("S_PAD", 1)
     taps = g.R * g.S if sp == 1 else g.R  # programs along axis 1: one a tap, or one a filter row
@@ -1020,5 +1100,36 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     flags = dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.K), DIV_Y=div_y, DIV_X=div_x, SPLIT=split, **cfg)
     # The workspace is this stream's: a replay passes it as recorded and declines on another stream.
     launch(depthwise_wgrad_kernel, grid, args, flags, keep=(ws, count) if split > 1 else (),
+           stream=current_stream() if split > 1 and dy.is_cuda else None)
+    return dw  # [K, 1, R, S]
+
+
+def _wgrad_all_taps(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
+    """:func:`wgrad` on :func:`depthwise_wgrad_taps_kernel`: a program every tap of BLOCK_N channels over a slice
+    of output rows, slices enough for ``PER_SM`` programs an SM, each at least ``MIN_ROWS`` rows."""
+    rows = g.N * g.P
+    t_pad = 1 << max(0, g.R * g.S - 1).bit_length()
+    blocks = cdiv(g.K, cfg["BLOCK_N"])
+    per_sm, min_rows = cfg.pop("PER_SM", 8), cfg.pop("MIN_ROWS", 2)
+    sms = 4
+    if dy.is_cuda:
+        from tilegemm.core.hardware import sm_count
+
+        sms = sm_count(dy.device)
+    split = cfg.pop("SPLIT", None) or max(1, min(cdiv(per_sm * sms, blocks), rows // min_rows, 1024))
+    slice_rows = cdiv(rows, split)
+    split = cdiv(rows, slice_rows)
+    dw = new_output((g.K, 1, g.R, g.S), out_dtype, dy.device)
+    if split > 1:  # fp32 partial sums and arrival counters (tilegemm.core.workspace)
+        ws, count = split_workspace(dy.device, split * blocks * t_pad * cfg["BLOCK_N"], blocks)
+    else:
+        ws, count = dw, dw  # unused
+    index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
+    (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(x)
+    args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, rows, g.K // g.C, slice_rows, *ys, *xs,
+            dw.stride(0), dw.stride(2), dw.stride(3), *_conv_args(g))
+    flags = dict(R=g.R, S=g.S, T_PAD=t_pad, INDEX_64=index_64, DIV=_divisor(g.K), DIV_Y=div_y, DIV_X=div_x,
+                 SPLIT=split, **cfg)
+    launch(depthwise_wgrad_taps_kernel, (blocks, split, 1), args, flags, keep=(ws, count) if split > 1 else (),
            stream=current_stream() if split > 1 and dy.is_cuda else None)
     return dw  # [K, 1, R, S]
