@@ -45,7 +45,7 @@ def config(name: str, g) -> dict:
             cfg["BLOCK_Q"] = int(bq[0])
         return cfg
     # rows asked for by name: the rule's default (DEPTHWISE_WGRAD_ROW_TAPS) is a program a tap
-    cfg = depthwise_wgrad_config(g, torch.float16, rows=shape == "row")
+    cfg = depthwise_wgrad_config(g, torch.float16, rows=shape == "row", taps=False)
     return dict(cfg, PER_SM=int(per_sm), MIN_STEPS=int(steps))
 
 

@@ -279,6 +279,10 @@ GROUPED_DIRECT_WGRAD_PER_SM = 32
 GROUPED_DIRECT_WGRAD_MIN_STEPS = 2
 
 
+DEPTHWISE_WGRAD_ALL_TAPS = True  # every tap a program over row slices: ahead of a program a tap on the zoo's
+#   depthwise layers (docs/conv2d.md, "Depthwise weight gradient")
+DEPTHWISE_WGRAD_TAPS_PER_SM = 4  # its row slices: enough for this many programs an SM ...
+DEPTHWISE_WGRAD_TAPS_MIN_ROWS = 2  # ... each at least this many output rows
 DEPTHWISE_WGRAD_TAPS_ACC = 64  # the all-taps kernel's accumulator, fp32 registers a thread (T_PAD x BQ x BN)
 
 
@@ -290,17 +294,23 @@ def depthwise_wgrad_taps_config(g: Geometry, dtype: torch.dtype) -> dict:
         return dict(ALL_TAPS=True, BLOCK_Q=4, BLOCK_N=16, num_warps=4, num_stages=1)
     bn = _pow2_at_least(g.K, 16, 64)
     bq = 1 << max(1, min(4, (DEPTHWISE_WGRAD_TAPS_ACC * 128 // (t_pad * bn)).bit_length() - 1))
-    return dict(ALL_TAPS=True, BLOCK_Q=bq, BLOCK_N=bn, num_warps=4, num_stages=2)
+    return dict(ALL_TAPS=True, BLOCK_Q=bq, BLOCK_N=bn, num_warps=4, num_stages=2,
+                PER_SM=DEPTHWISE_WGRAD_TAPS_PER_SM, MIN_ROWS=DEPTHWISE_WGRAD_TAPS_MIN_ROWS)
 
 
-def depthwise_wgrad_config(g: Geometry, dtype: torch.dtype, rows: bool | None = None) -> dict:
+def depthwise_wgrad_config(g: Geometry, dtype: torch.dtype, rows: bool | None = None,
+                           taps: bool | None = None) -> dict:
     """The depthwise weight gradient's config: :func:`depthwise_config`'s tile, and with ``rows`` (default
     :data:`DEPTHWISE_WGRAD_ROW_TAPS`) a program per filter row (``S_PAD``, the row's taps padded to a power of
     two) with its pixel block divided by ``S_PAD`` (the same accumulator registers). Off by default: sharing a dy
     tile across a row's taps ran slower than a program per tap at every slice count (docs/conv2d.md, "Depthwise
-    weight gradient")."""
+    weight gradient"). Without rows, ``taps`` (default :data:`DEPTHWISE_WGRAD_ALL_TAPS`) gives the all-taps
+    kernel's config (:func:`depthwise_wgrad_taps_config`), else a program a tap."""
+    rows = DEPTHWISE_WGRAD_ROW_TAPS if rows is None else rows
+    if not rows and (DEPTHWISE_WGRAD_ALL_TAPS if taps is None else taps):
+        return depthwise_wgrad_taps_config(g, dtype)
     cfg = depthwise_config(g, dtype)
-    if (DEPTHWISE_WGRAD_ROW_TAPS if rows is None else rows) and g.S > 1:
+    if rows and g.S > 1:
         sp = _pow2_at_least(g.S, 2, 64)
         cfg.update(S_PAD=sp, BLOCK_M=max(8, cfg["BLOCK_M"] // sp))
     return cfg

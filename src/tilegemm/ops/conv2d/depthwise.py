@@ -35,7 +35,8 @@ from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.workspace import split_workspace
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import (
-    DEPTHWISE_WGRAD_MIN_STEPS, DEPTHWISE_WGRAD_PER_SM, depthwise_config, depthwise_fwd_config, depthwise_rows_config, depthwise_strided_rows_config,
+    DEPTHWISE_WGRAD_MIN_STEPS, DEPTHWISE_WGRAD_PER_SM, DEPTHWISE_WGRAD_TAPS_MIN_ROWS, DEPTHWISE_WGRAD_TAPS_PER_SM,
+    depthwise_config, depthwise_fwd_config, depthwise_rows_config, depthwise_strided_rows_config,
     depthwise_wgrad_config, depthwise_window_config, pixel_split,
 )
 from tilegemm.ops.conv2d.implicit_gemm import (
@@ -1110,7 +1111,8 @@ def _wgrad_all_taps(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
     rows = g.N * g.P
     t_pad = 1 << max(0, g.R * g.S - 1).bit_length()
     blocks = cdiv(g.K, cfg["BLOCK_N"])
-    per_sm, min_rows = cfg.pop("PER_SM", 8), cfg.pop("MIN_ROWS", 2)
+    per_sm = cfg.pop("PER_SM", DEPTHWISE_WGRAD_TAPS_PER_SM)
+    min_rows = cfg.pop("MIN_ROWS", DEPTHWISE_WGRAD_TAPS_MIN_ROWS)
     sms = 4
     if dy.is_cuda:
         from tilegemm.core.hardware import sm_count
