@@ -101,6 +101,43 @@ def test_dequantized_copy_of_an_fp32_model_is_fp32():
     assert dense.config.use_cache != model.config.use_cache
 
 
+def _bert():
+    return transformers.BertModel(transformers.BertConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128))
+
+
+def _t5():
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=256, d_model=64, d_kv=32, d_ff=128, num_layers=1, num_decoder_layers=1, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0))
+
+
+def _llama_classifier():
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    config.num_labels, config.pad_token_id = 3, 0
+    return transformers.LlamaForSequenceClassification(config)
+
+
+@pytest.mark.parametrize("build, kwargs, output", [
+    (_bert, {}, "last_hidden_state"),
+    (_t5, {"decoder_input_ids": IDS[:, :3]}, "logits"),
+    (_llama_classifier, {}, "logits"),
+])
+def test_dequantized_copy_of_a_model_that_is_not_a_causal_lm_is_of_its_class(build, kwargs, output):
+    # not every quantized transformers model is a causal LM: the copy is the model's own class, outputs alike
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = build().float().eval()
+    _quiet(quantize_, model, group_size=32)
+    assert any(isinstance(m, Int4Linear) for m in model.modules())
+    dense = dequantized_copy(model)
+    assert type(dense) is type(model)
+    assert not any(isinstance(m, Int4Linear) for m in dense.modules())
+    with torch.no_grad():
+        out, ref = model(IDS, **kwargs)[output], dense(IDS, **kwargs)[output]
+    assert out.shape == ref.shape and _rel(out, ref) < TOL
+
+
 # --- tied output layers and save_pretrained ----------------------------------------------------------------
 
 

@@ -387,12 +387,15 @@ def empty_model(path, dtype: torch.dtype = torch.float16, device=None) -> tuple[
 
 def _meta_model(auto_class, config, dtype: torch.dtype) -> nn.Module:
     """``auto_class.from_config(config)`` with floats in ``dtype`` and its parameters on the meta device (filled
-    from a checkpoint or another model afterwards: nothing the size of the model is allocated here)."""
+    from a checkpoint or another model afterwards: nothing the size of the model is allocated here).
+    ``auto_class`` may also be a model class itself (``BertModel``), built by its ``_from_config``."""
+    # auto classes have from_config; a PreTrainedModel subclass has only _from_config (what from_config calls)
+    build = getattr(auto_class, "from_config", None) or auto_class._from_config
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with _parameters_on_meta():
-            return auto_class.from_config(config)
+            return build(config)
     finally:
         torch.set_default_dtype(old)
 
@@ -932,17 +935,16 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
     """The same ``transformers`` model with each :class:`~tilegemm.nn.Int4Linear` an ``nn.Linear`` holding its
     dequantized weight (in the model's dtype), every other parameter shared with ``model`` (no copy): the dense
     model that computes what the 4-bit one should, as the bench's baseline and reference. 4-bit stacked experts
-    become the block's 16-bit 3-D weights (dequantized). The copy's dtype is that of the model's parameters (an
-    fp32 model gives an fp32 copy) and it has a config of its own."""
-    from transformers import AutoModelForCausalLM
-
+    become the block's 16-bit 3-D weights (dequantized). The copy is of the model's own class (a ``BertModel``,
+    ``T5ForConditionalGeneration`` or ``LlamaForSequenceClassification`` as well as a causal LM), its dtype is
+    that of the model's parameters (an fp32 model gives an fp32 copy) and it has a config of its own."""
     # a config of its own: from_config keeps the object it is given, and a setting changed on the copy
     # (set_experts_implementation, attention) must not change the 4-bit model
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):  # the copy holds no 4-bit layer
         del config.quantization_config
     dtype = _float_dtype(model)
-    dense = _meta_model(AutoModelForCausalLM, config, dtype)
+    dense = _meta_model(type(model), config, dtype)  # the model's own class: not every model is a causal LM
     int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
     experts = {name: m for name, m in model.named_modules() if hasattr(m, "tilegemm_group_size")}
     source = dict(model.named_parameters(remove_duplicate=False))
