@@ -104,9 +104,10 @@ def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128
     fp16 weight they stand for). GPTQ asymmetric: the group's range widened to hold 0, ``scale = range / 15``,
     ``zero = round(-min / scale)``; symmetric: ``scale = 2 max|w| / 15``, zero 8. AWQ: the group's own min and
     max, ``zero = round(-min / scale)`` clamped to 0..15. ``act_order``: groups are a random permutation of the
-    inputs (``g_idx``), as GPTQ's ``desc_act`` makes them; ``order`` gives that permutation (else drawn)."""
+    inputs (``g_idx``), as GPTQ's ``desc_act`` makes them; ``order`` gives that permutation (else drawn). A layer
+    whose K is below the group size is one group over all of K (``ceil(K / group_size)`` groups, as GPTQ stores)."""
     N, K = w.shape
-    gs = K if group_size == -1 else group_size
+    gs = K if group_size == -1 or K < group_size else group_size
     G = K // gs
     wt = w.detach().float().T.contiguous()  # [K, N]
     if act_order:

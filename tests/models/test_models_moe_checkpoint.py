@@ -134,6 +134,37 @@ def test_a_block_of_16_bit_experts_is_stacked(tmp_path, device, arch):
     assert _rel(got, want) < TOL
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_experts_narrower_than_the_group_size_load(tmp_path, device, arch):
+    # expert width I = 16 below group_size 32: GPTQ stores down_proj (K = I) as one group, gate/up (K = H) in groups
+    # of 32; each stacked weight keeps its own group size
+    from tilegemm.nn import quantize_
+
+    config = cw.tiny_moe_config(arch, layers=1, width=16)
+    path = tmp_path / "ckpt"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 32, sym=True, mixtral_names=arch == "mixtral")
+    model = from_pretrained(path, device=device)
+    block = model.model.layers[0].mlp.experts
+    assert block.tilegemm_group_sizes == {"gate_up_proj": 32, "down_proj": -1}
+    assert block.tilegemm_down_proj_scales.shape == (4, 1, config.hidden_size)
+    for w in ("gate_up_proj", "down_proj"):
+        assert torch.equal(dequantize(moe._int4(block, w)).cpu(), reference[f"model.layers.0.mlp.experts.{w}"]), w
+    ref = cw.reference_model(config, reference)
+    ref.set_experts_implementation("eager")
+    with torch.no_grad():
+        want = ref(input_ids=IDS).logits.float()
+        got = model(input_ids=IDS.to(device)).logits.float().cpu()
+    assert _rel(got, want) < TOL
+    assert model.config.quantization_config["group_size"] == [-1, 32]  # what save_pretrained writes
+    # back the documented way (docs/w4a16.md "Saving"): quantize_ with the same group size makes the same shapes
+    again = transformers.AutoModelForCausalLM.from_config(config).half().eval()
+    quantize_(again, group_size=32, filter=lambda n, m: "lm_head" not in n, warn=False)
+    again.load_state_dict(model.state_dict())
+    assert again.model.layers[0].mlp.experts.tilegemm_group_sizes == block.tilegemm_group_sizes
+    with torch.no_grad():
+        assert _rel(again.to(device)(input_ids=IDS.to(device)).logits.float().cpu(), want) < TOL
+
+
 def test_missing_expert_tensor_is_named(tmp_path, device):
     config = cw.tiny_moe_config(layers=1)
     path = tmp_path / "c"

@@ -113,3 +113,57 @@ def test_quantized_experts_match_the_dequantized_weights(model_type, class_name,
         a = q(x.half(), index, weights.half()).float()
         b = eager(x.half(), index, weights.half()).float()
     assert _rel(a, b) < 5e-3
+
+
+def _narrow_moe(arch: str, width: int):
+    """A tiny Qwen3-MoE or Mixtral causal LM (hidden 64, 4 experts of width ``width``), fp32, eval."""
+    common = dict(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, num_experts_per_tok=2, max_position_embeddings=32, tie_word_embeddings=False)
+    config = transformers.MixtralConfig(intermediate_size=width, num_local_experts=4, **common) if arch == "mixtral" \
+        else transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=width, num_experts=4,
+                                         decoder_sparse_step=1, **common)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_quantize_experts_narrower_than_the_group_size(arch):
+    # expert width 16 below group_size 32: down_proj (K = 16) is one group over its K, gate_up (K = 64) groups of 32
+    import tilegemm.nn
+    from tilegemm.ops.w4a16.format import quantize
+
+    model = _narrow_moe(arch, 16)
+    ref = copy.deepcopy(model)
+    tilegemm.nn.quantize_(model, group_size=32, filter=lambda n, m: n.endswith("experts"), warn=False)
+    block = model.model.layers[0].mlp.experts
+    assert model.tilegemm_skipped == []
+    assert "down_proj" not in block._parameters and block.tilegemm_group_sizes == {"gate_up_proj": 32,
+                                                                                    "down_proj": -1}
+    assert moe._int4(block, "down_proj").group_size == -1 and block.tilegemm_down_proj_scales.shape[1] == 1
+    assert model.config.quantization_config["group_size"] == [-1, 32]
+    experts = ref.model.layers[0].mlp.experts  # the reference: the weights quantized by hand, each its group size
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(dequantize(quantize(experts.gate_up_proj.half(), 32)))
+        experts.down_proj.copy_(dequantize(quantize(experts.down_proj.half(), -1)))
+    ids = torch.tensor([[3, 17, 40, 5, 9, 60]])
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    assert _rel(got, want) < 3e-3  # fp16 activations through the 4-bit experts against fp32
+
+
+def test_quantize_keeps_experts_whose_width_the_group_size_does_not_divide_with_a_reason():
+    import warnings
+
+    import tilegemm.nn
+    from tilegemm.nn.convert import ConversionNote
+
+    model = _narrow_moe("qwen3_moe", 48)  # down's K = 48: above 32, not a multiple of it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tilegemm.nn.quantize_(model, group_size=32, filter=lambda n, m: n.endswith("experts"))
+    block = model.model.layers[0].mlp.experts
+    assert "down_proj" in block._parameters and not hasattr(block, "tilegemm_group_size")
+    assert model.tilegemm_skipped == [("model.layers.0.mlp.experts", "down_proj's K = 48 is not a multiple of "
+                                                                     "group_size = 32: its experts stay 16-bit")]
+    assert any(issubclass(w.category, ConversionNote) and "model.layers.0.mlp.experts" in str(w.message)
+               for w in caught)

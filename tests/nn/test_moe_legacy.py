@@ -227,6 +227,46 @@ def test_int4_expert_linears_stack_into_4_bit_experts(act_order, device):
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 3e-3
 
 
+def test_int4_expert_linears_of_two_group_sizes_stack(device):
+    # expert width 16 below group_size 32: down (K = 16) loads as one group (-1), gate/up (K = 64) in groups of 32
+    from tilegemm.nn import Int4Linear
+    from tilegemm.nn.moe import _int4, convert_moe_blocks_
+
+    torch.manual_seed(0)
+    block = Block(H=64, I=16, E=4).half()
+    for e in block.experts:
+        for m in e.names:
+            setattr(e, m, Int4Linear.from_linear(getattr(e, m), group_size=32 if m != "down_proj" else -1))
+    block = block.eval().to(device)
+    model = nn.Module()
+    model.moe = block
+    x = torch.randn(1, 6, 64, dtype=torch.float16, device=device)
+    with torch.no_grad():
+        want, _ = block(x)
+    done, kept = convert_moe_blocks_(model)
+    assert done == ["moe"] and not kept
+    assert model.moe.tilegemm_group_sizes == {"gate_up_proj": 32, "down_proj": -1}
+    assert _int4(model.moe, "down_proj").group_size == -1
+    with torch.no_grad():
+        got, _ = model.moe(x)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 3e-3
+
+
+def test_int4_experts_whose_gate_and_up_group_sizes_differ_kept_with_a_reason():
+    from tilegemm.nn import Int4Linear
+    from tilegemm.nn.moe import convert_moe_blocks_
+
+    block = Block(H=64, I=64, E=2).half()
+    for e in block.experts:
+        for m in e.names:
+            setattr(e, m, Int4Linear.from_linear(getattr(e, m), group_size=64 if m == "up_proj" else 32))
+    model = nn.Module()
+    model.moe = block
+    done, kept = convert_moe_blocks_(model)
+    assert not done and kept == [("moe", "4-bit experts of several group sizes (each projection needs one, and gate "
+                                         "and up the same)")]
+
+
 def test_int4_experts_in_two_orders_kept_with_a_reason():
     from tilegemm.nn.moe import convert_moe_blocks_
 

@@ -150,7 +150,7 @@ def int4_twin(model, group_size: int):
     one's reference and baseline). The copy is made while the experts' 16-bit weights are taken out of ``model``:
     they are never held twice."""
     import tilegemm.nn
-    from tilegemm.nn.moe import _int4, install_int4_experts_, use_int4_experts_
+    from tilegemm.nn.moe import _int4, install_int4_experts_, use_int4_experts_, weight_group_size
     from tilegemm.ops.w4a16.format import dequantize, quantize
 
     blocks = experts_blocks(model)
@@ -167,8 +167,10 @@ def int4_twin(model, group_size: int):
     llama.dequantized_copy_into(model, twin)
     for m16, m4, params in zip(blocks, experts_blocks(twin), saved):
         transposed = getattr(m16, "is_transposed", False)
-        weights = {n: quantize((p.transpose(1, 2) if transposed else p).detach(), group_size)
-                   for n, p in params.items()}
+        weights = {}
+        for n, p in params.items():  # each weight's group size as quantize_ gives it (one group where K is below)
+            w = (p.transpose(1, 2) if transposed else p).detach()
+            weights[n] = quantize(w, weight_group_size(w.shape[2], group_size))
         install_int4_experts_(m4, weights)
         for n, p in params.items():
             w = _int4(m4, n)

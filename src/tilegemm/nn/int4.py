@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tilegemm.nn.moe import SparseMoeBlock, _stacked_experts, convert_moe_blocks_, quantize_experts_
+from tilegemm.nn.moe import SparseMoeBlock, _stacked_experts, convert_moe_blocks_, expert_group_size, quantize_experts_
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.convert import ConversionNote, is_conv1d, is_plain_linear, subclass_reason
 from tilegemm.nn.linear import Linear
@@ -290,7 +290,8 @@ def mark_saved_format_(model: nn.Module, converted_from: str | None = None) -> N
     if config is None or not hasattr(config, "to_dict"):
         return
     sizes = sorted({m.group_size for m in model.modules() if isinstance(m, Int4Linear)}
-                   | {m.tilegemm_group_size for m in model.modules() if hasattr(m, "tilegemm_group_size")})
+                   | {expert_group_size(m, n) for m in model.modules() if hasattr(m, "tilegemm_group_size")
+                      for n in ("gate_up_proj", "up_proj", "down_proj") if hasattr(m, f"tilegemm_{n}_qweight")})
     if not sizes:
         return
     old = getattr(config, "quantization_config", None)
@@ -381,9 +382,10 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     ``group_size`` is one of 32, 64, 128, 256 or -1 (all of K); anything else is a ValueError before any layer
     changes. Layers it cannot take (in_features not a multiple of 8 or of the group size, subclasses of Linear
     other than those in :data:`~tilegemm.nn.convert.LINEAR_EQUIVALENT` (Falcon's),
-    float64 weights) are kept, and one :class:`~tilegemm.nn.convert.ConversionNote` warning names them with
-    the reason (``warn=False`` silences it), as ``convert_`` does; the list is left in ``model.tilegemm_skipped``
-    as ``[(name, reason)]``.
+    float64 weights; MoE blocks with an experts weight whose K the group size does not divide, though K is not
+    below it) are kept, and one :class:`~tilegemm.nn.convert.ConversionNote` warning names them with the reason
+    (``warn=False`` silences it), as ``convert_`` does; the list is left in ``model.tilegemm_skipped`` as
+    ``[(name, reason)]``.
 
     A Linear held under several names (shared by two blocks, or tied) becomes one Int4Linear under all of them
     (``filter`` is asked with its first name). The Int4Linear keeps the Linear's training flag and its forward and
@@ -430,7 +432,7 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
         for parent, child_name in places[id(module)]:  # every name it has: what was shared stays shared
             setattr(parent, child_name, new)
         del module, new
-    quantize_experts_(model, group_size, filter, symmetric)  # transformers' MoE blocks: their 3-D experts
+    quantize_experts_(model, group_size, filter, symmetric, skipped)  # transformers' MoE blocks: their 3-D experts
     skipped += [(name, f"{type(m).__name__} holds stacked experts but runs a forward of its own, not transformers' "
                        f"experts interface: its experts stay 16-bit")
                 for name, m, takes in _stacked_experts(model) if not takes and (filter is None or filter(name, m))]

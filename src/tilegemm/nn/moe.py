@@ -102,6 +102,19 @@ def install() -> None:
 # --- the experts forward ---------------------------------------------------------------------------------------
 
 
+def expert_group_size(module, name: str) -> int:
+    """The group size of the block's 4-bit experts ``name`` (``"gate_up_proj"``, ``"up_proj"``, ``"down_proj"``):
+    each weight has its own (a down projection whose K, the expert width, is below the group size is one group
+    over all of K, -1), recorded by :func:`install_int4_experts_`; a block without that record has one for all."""
+    return module.__dict__.get("tilegemm_group_sizes", {}).get(name, module.tilegemm_group_size)
+
+
+def weight_group_size(K: int, group_size: int) -> int:
+    """The group size a 4-bit weight of ``K`` inputs gets when ``group_size`` is asked: -1 (one group over all of
+    K) where K is below it, as GPTQ quantizers store such a layer (``ceil(K / group_size)`` = 1 group)."""
+    return -1 if group_size == -1 or K < group_size else group_size
+
+
 def _int4(module, name: str) -> Int4Weight | None:
     """The module's 4-bit experts ``name`` as an Int4Weight over its buffers, the same object while the buffers
     are (same storage, not written since: ``_version``), so the fragment layout the decode kernel reads
@@ -111,9 +124,10 @@ def _int4(module, name: str) -> Int4Weight | None:
         return None
     perm = getattr(module, f"tilegemm_{name}_perm", None)  # act-order experts' input orders, [E, K]
     E, R, N = parts[0].shape
+    gs = expert_group_size(module, name)  # each weight's own: gate_up and down may differ
     if torch.compiler.is_compiling():  # a traced graph takes the tensors, the kept fragments among them
-        return _with_fragments(module, name, Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8), perm))
-    key = (module.tilegemm_group_size, *((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
+        return _with_fragments(module, name, Int4Weight(*parts, gs, (E, N, R * 8), perm))
+    key = (gs, *((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
                                          for t in parts + ([perm] if perm is not None else [])))
     cache = module.__dict__.setdefault("_tilegemm_int4_weights", {})
     hit = cache.get(name)
@@ -124,7 +138,7 @@ def _int4(module, name: str) -> Int4Weight | None:
         for gated in (False, True):
             for n in _fragment_names(name, gated):
                 module._buffers.pop(n, None)
-    w = _with_fragments(module, name, Int4Weight(*parts, module.tilegemm_group_size, (E, N, R * 8), perm))
+    w = _with_fragments(module, name, Int4Weight(*parts, gs, (E, N, R * 8), perm))
     cache[name] = (key, w)
     return w
 
@@ -245,11 +259,14 @@ def _experts_modules(model: torch.nn.Module):
 
 
 def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None,  # noqa: A002
-                      symmetric: bool = False) -> list[str]:
+                      symmetric: bool = False, skipped: list | None = None) -> list[str]:
     """Quantize, in place, the experts of every MoE block of ``model`` (that ``filter(name, module)`` accepts) to
-    4 bits, and switch the model to the ``"tilegemm"`` experts implementation. Returns the blocks' names; blocks
-    whose input width the group size does not divide are kept. The 16-bit expert weights are dropped; the 4-bit
-    parts are buffers (``tilegemm_<weight>_qweight``, ``_scales``, ``_zeros``)."""
+    4 bits, and switch the model to the ``"tilegemm"`` experts implementation. Returns the blocks' names. A weight
+    whose input width K is below the group size is one group over all of K (group size -1, as GPTQ checkpoints
+    store it: a down projection of an expert width below the group size); blocks with a weight whose K is larger
+    but not a multiple of the group size (or of 8) are kept, appended to ``skipped`` as ``(name, reason)`` where
+    given. The 16-bit expert weights are dropped; the 4-bit parts are buffers (``tilegemm_<weight>_qweight``,
+    ``_scales``, ``_zeros``)."""
     check_group_size_value(group_size, "quantize_experts_")
     done = []
     for name, module in list(_experts_modules(model)):
@@ -261,10 +278,18 @@ def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None
             continue
         if getattr(module, "is_transposed", False):
             weights = [w.transpose(1, 2) for w in weights]
-        if any(w.shape[2] % 8 or (group_size != -1 and w.shape[2] % group_size) for w in weights):
+        sizes = [weight_group_size(w.shape[2], group_size) for w in weights]
+        bad = [(n, w.shape[2], gs) for n, w, gs in zip(names, weights, sizes) if w.shape[2] % 8 or
+               (gs != -1 and w.shape[2] % gs)]
+        if bad:
+            if skipped is not None:
+                why = "; ".join(f"{n}'s K = {k} is not a multiple of "
+                                + ("8 (eight 4-bit weights per int32)" if k % 8 else f"group_size = {gs}")
+                                for n, k, gs in bad)
+                skipped.append((name, f"{why}: its experts stay 16-bit"))
             continue
-        install_int4_experts_(module, {n: quantize(w.detach(), group_size, symmetric)
-                                       for n, w in zip(names, weights)})
+        install_int4_experts_(module, {n: quantize(w.detach(), gs, symmetric)
+                                       for n, w, gs in zip(names, weights, sizes)})
         done.append(name)
     if done:
         use_int4_experts_(model)
@@ -342,12 +367,16 @@ class _KeepScales16:
 def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
     """Put stacked 4-bit experts on a transformers experts block: ``weights`` maps its 3-D weight's name
     (``"gate_up_proj"``/``"up_proj"``, ``"down_proj"``) to an :class:`Int4Weight` of logical shape ``[E, out, in]``
-    (even when the block stores its 16-bit weights transposed), all of one group size. The 16-bit parameter is
-    dropped; the parts become buffers ``tilegemm_<name>_qweight``, ``_scales``, ``_zeros`` (and ``_perm`` for
-    act-order experts: each expert's input order, ``[E, in]``)."""
-    sizes = {w.group_size for w in weights.values()}
-    if len(sizes) != 1:
-        raise ValueError(f"the experts' 4-bit weights must share one group size, got {sorted(sizes)}")
+    (even when the block stores its 16-bit weights transposed), each with its own group size (kept in
+    ``module.tilegemm_group_sizes``; ``module.tilegemm_group_size`` is the up side's, read by
+    :func:`expert_group_size` for weights without one). The 16-bit parameter is dropped; the parts become buffers
+    ``tilegemm_<name>_qweight``, ``_scales``, ``_zeros`` (and ``_perm`` for act-order experts: each expert's
+    input order, ``[E, in]``)."""
+    if not weights:
+        raise ValueError("install_int4_experts_ needs at least one 4-bit weight")
+    # the grouped kernels read each weight's group size from its own Int4Weight, so gate_up and down may differ
+    sizes = dict(module.__dict__.get("tilegemm_group_sizes", {}))
+    sizes.update({n: q.group_size for n, q in weights.items()})
     for n, q in weights.items():
         if n in module._parameters:
             delattr(module, n)
@@ -357,7 +386,8 @@ def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
             module.register_buffer(f"tilegemm_{n}_perm", q.perm)
         else:
             module._buffers.pop(f"tilegemm_{n}_perm", None)
-    module.tilegemm_group_size = sizes.pop()
+    module.tilegemm_group_sizes = sizes
+    module.tilegemm_group_size = sizes[next((n for n in ("gate_up_proj", "up_proj") if n in sizes), next(iter(sizes)))]
     if not isinstance(module.__dict__.get("_apply"), _KeepScales16):
         # the block may be transformers' class, which tilegemm cannot subclass: its _apply is replaced on the instance
         module.__dict__["_apply"] = _KeepScales16(module)
@@ -422,8 +452,10 @@ def legacy_block_parts(block: torch.nn.Module) -> tuple[tuple[str, str, str] | N
     if len({(lin.weight.dtype, lin.weight.device) for lin in linears}) != 1:
         return None, "experts of several dtypes or devices"
     if kinds == {"int4"}:
-        if len({lin.weight.group_size for lin in linears}) != 1:
-            return None, "4-bit experts of several group sizes"
+        # stacked weights take one group size each (stack_experts, concat_outputs): down may differ from gate/up
+        sizes = [{getattr(e, m).weight.group_size for e in experts} for m in names]
+        if len(sizes[0] | sizes[1]) != 1 or len(sizes[2]) != 1:
+            return None, "4-bit experts of several group sizes (each projection needs one, and gate and up the same)"
         for e in experts:  # stacked gate/up rows read one input order an expert (concat_outputs)
             p_gate, p_up = (getattr(e, m).weight.perm for m in names[:2])
             if (p_gate is None) != (p_up is None) or p_gate is not None and not torch.equal(p_gate, p_up):

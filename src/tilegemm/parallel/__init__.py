@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 from tilegemm.models.pretrained import _default_device, _Tensors, empty_model, load_quantized_, quant_config, read_config
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import Int4Linear
+from tilegemm.nn.moe import expert_group_size
 from tilegemm.parallel.rules import register
 from tilegemm.ops.w4a16.format import Int4Weight, from_awq, from_gptq
 
@@ -378,7 +379,7 @@ def shard_experts_(module: nn.Module, rank: int, world: int) -> nn.Module:
     rows = slice(rank * i, (rank + 1) * i)
     with torch.no_grad():
         if int4:
-            gs = module.tilegemm_group_size
+            gs = expert_group_size(module, "down_proj")  # down's own: it may differ from gate_up's
             _expert_group_check(I, i, world, gs)
             for part in _INT4_EXPERT_PARTS:
                 name = f"tilegemm_{up}_{part}"
@@ -443,7 +444,7 @@ def _experts_part(module: nn.Module, leaf: str, sl, rank: int, world: int) -> to
         index[dim] = slice(rank * i, (rank + 1) * i)
         return sl[tuple(index)].contiguous()
     # 4-bit down: qweight [E, I/8, H], scales and zeros [E, I/gs, H] (a block sharded already: gs != -1)
-    gs = module.tilegemm_group_size
+    gs = expert_group_size(module, "down_proj")  # down's own: it may differ from gate_up's
     per = 8 if part == "qweight" else gs
     I = shape[1] * per
     i = _even("the experts' intermediate size I", I, world)
