@@ -179,6 +179,56 @@ def test_loaded_tied_checkpoint_with_a_quantized_lm_head_unties(tmp_path, monkey
     assert _rel(_logits(model), _logits(cw.reference_model(config, reference))) < TOL
 
 
+_RESIZE_REFUSED = (r"resize_token_embeddings\(300\): the output layer of this LlamaForCausalLM is a "
+                   r"tilegemm.nn.Int4Linear \(4-bit, out_features=256\), which transformers cannot resize; resize the "
+                   r"token embeddings before quantizing")
+
+
+def _check_resize_refused(model):
+    before, embed = _logits(model), model.get_input_embeddings()
+    with pytest.raises(ValueError, match=_RESIZE_REFUSED):
+        model.resize_token_embeddings(300)
+    with pytest.raises(ValueError, match=r"resize_token_embeddings\(264\).*Int4Linear"):
+        model.resize_token_embeddings(260, pad_to_multiple_of=8)
+    # refused before anything changed: the embedding, the config and the outputs are as they were
+    assert model.get_input_embeddings() is embed and embed.weight.shape[0] == 256
+    assert model.config.vocab_size == 256 and model.lm_head.out_features == 256
+    assert torch.equal(_logits(model), before)
+    # calls that change nothing return the input embedding, as transformers documents
+    assert model.resize_token_embeddings() is embed and model.resize_token_embeddings(256) is embed
+    assert model.resize_token_embeddings(250, pad_to_multiple_of=64) is embed
+    assert copy.deepcopy(model).resize_token_embeddings() is not embed  # a copy's guard reads the copy
+    with pytest.raises(ValueError, match=_RESIZE_REFUSED):
+        copy.deepcopy(model).resize_token_embeddings(300)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_resize_token_embeddings_of_a_4_bit_lm_head_is_refused_clearly(tie):
+    model = cw.random_model(cw.tiny_config("llama", hidden=64, layers=1, tie=tie)).half()
+    _quiet(quantize_, model, group_size=32)
+    assert isinstance(model.lm_head, Int4Linear)
+    _check_resize_refused(model)
+
+
+def test_resize_token_embeddings_of_a_loaded_4_bit_lm_head_is_refused_clearly(tmp_path, monkeypatch):
+    names = cw.linear_names  # a checkpoint that stores lm_head quantized
+    monkeypatch.setattr(cw, "linear_names", lambda model, quantize_lm_head=False, not_convert=():
+                        names(model, True, not_convert))
+    cw.write_model(tmp_path, cw.random_model(cw.tiny_config("llama", hidden=64, layers=1)), "gptq", 32)
+    model = _quiet(from_pretrained, tmp_path, device="cpu")
+    assert isinstance(model.lm_head, Int4Linear)
+    _check_resize_refused(model)
+
+
+def test_resize_token_embeddings_with_a_16_bit_lm_head_resizes_as_transformers_does():
+    model = cw.random_model(cw.tiny_config("llama", hidden=64, layers=1)).half()
+    _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
+    _quiet(model.resize_token_embeddings, 264)
+    assert model.get_input_embeddings().weight.shape[0] == 264 and model.lm_head.out_features == 264
+    assert model.config.vocab_size == 264
+    assert _logits(model, torch.tensor([[3, 263]])).shape == (1, 2, 264)
+
+
 def test_save_pretrained_of_a_loaded_model_is_not_a_gptq_checkpoint(tmp_path):
     from safetensors.torch import load_file
 

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from tilegemm.core.dtypes import dtype_name
-from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear, is_conv1d, mark_saved_format_, untie_quantized_outputs_
+from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear, guard_quantized_output_resize_, is_conv1d, mark_saved_format_, \
+    untie_quantized_outputs_
 from tilegemm.nn.moe import (_experts_modules, _int4, convert_moe_blocks_, install_int4_experts_, register_experts,
                              use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_gptq
@@ -864,6 +865,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
         raise ValueError(f"the checkpoint at {path!r} left parameter(s) of the model unloaded: {', '.join(left[:8])}")
+    guard_quantized_output_resize_(model)  # a 4-bit lm_head: resize_token_embeddings refused before any change
     mark_saved_format_(model, q.method)  # its tensors are tilegemm's now: a save must not claim to be GPTQ/AWQ
     return model
 

@@ -278,6 +278,56 @@ def untie_quantized_outputs_(model: nn.Module) -> list[str]:
     return done
 
 
+class _ResizeGuard:
+    """A transformers model's ``resize_token_embeddings`` once its output layer is an :class:`Int4Linear`:
+    transformers would resize the input embedding, then fail on the 4-bit output layer (it reads
+    ``lm_head.weight.size()``), leaving the two of different sizes; refused here, before anything changes, with a
+    ValueError that says what to do. Calls that change nothing return the input embedding; a model whose output
+    layer is 16-bit again resizes as transformers does. A callable object in the instance's ``__dict__`` (as
+    ``_KeepScales16``) so that deepcopy and pickling follow the model."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, *args, **kwargs):
+        m = self.model
+        out = m.get_output_embeddings()
+        if not isinstance(out, Int4Linear):
+            return type(m).resize_token_embeddings(m, new_num_tokens, pad_to_multiple_of, *args, **kwargs)
+        embed = m.get_input_embeddings()
+        target = new_num_tokens if new_num_tokens is not None else embed.weight.shape[0]
+        if pad_to_multiple_of:  # as transformers rounds it
+            target = -(-target // pad_to_multiple_of) * pad_to_multiple_of
+        if (new_num_tokens is None and pad_to_multiple_of is None) or target == out.out_features == \
+                embed.weight.shape[0]:
+            return embed  # nothing to resize (transformers would still read the 4-bit layer's weight and fail)
+        raise ValueError(f"resize_token_embeddings({target}): the output layer of this {type(m).__name__} is a "
+                         f"tilegemm.nn.Int4Linear (4-bit, out_features={out.out_features}), which transformers "
+                         f"cannot resize; resize the token embeddings before quantizing (tilegemm.nn.quantize_), "
+                         f"or keep the output layer 16-bit (quantize_'s filter). Nothing was changed")
+
+
+def guard_quantized_output_resize_(model: nn.Module) -> list[str]:
+    """Give every transformers model in ``model`` whose output layer is an :class:`Int4Linear` a
+    ``resize_token_embeddings`` that refuses to resize it with a clear ValueError before changing anything
+    (:class:`_ResizeGuard`), instead of transformers' failure half-way. Returns the names of the models guarded."""
+    done = []
+    for name, m in model.named_modules():
+        if not callable(getattr(m, "resize_token_embeddings", None)) or not callable(
+                getattr(m, "get_output_embeddings", None)):
+            continue
+        try:
+            out = m.get_output_embeddings()
+        except Exception:  # noqa: BLE001 (as in untie_quantized_outputs_: no output layer of this form)
+            continue
+        if isinstance(out, Int4Linear):
+            if not isinstance(m.__dict__.get("resize_token_embeddings"), _ResizeGuard):
+                # transformers' class is not tilegemm's to subclass: the method is replaced on the instance
+                m.__dict__["resize_token_embeddings"] = _ResizeGuard(m)
+            done.append(name)
+    return done
+
+
 SAVED_METHOD = "tilegemm"  # quant_method of the quantization_config a model holding 4-bit layers saves
 
 
@@ -437,6 +487,7 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
                        f"experts interface: its experts stay 16-bit")
                 for name, m, takes in _stacked_experts(model) if not takes and (filter is None or filter(name, m))]
     untie_quantized_outputs_(model)
+    guard_quantized_output_resize_(model)
     mark_saved_format_(model)
     model.tilegemm_skipped = skipped
     if skipped and warn:
