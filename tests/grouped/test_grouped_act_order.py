@@ -114,6 +114,32 @@ def test_group_columns_refuses(args, match):
         group_columns(*args)
 
 
+@pytest.mark.parametrize("args,error,match", [
+    ((torch.zeros(4, 8), O(2, 4), torch.zeros(3, 8, dtype=torch.int64)), ValueError, r"perm must be \[E, K\] = \[2, 8\]"),
+    ((torch.zeros(4, 8), O(2, 4), torch.arange(6).repeat(2, 1)), ValueError, r"perm must be \[E, K\] = \[2, 8\]"),
+    ((torch.zeros(4, 8), O(2, 4), torch.arange(8, dtype=torch.int32).repeat(2, 1)), TypeError, "perm int64"),
+    ((torch.zeros(4, 8), O(2, 4).long(), torch.arange(8).repeat(2, 1)), TypeError, "offs must be int32"),
+    ((torch.zeros(4, 8), O(2, 4), torch.arange(8).repeat(2, 1).to("meta")), ValueError, "different devices"),
+    ((torch.zeros(4, 8), O(2, 4), torch.arange(8).repeat(2, 1) + 100), ValueError, "permutation of 0..7"),
+    ((torch.zeros(4, 8), O(3, 1), torch.arange(8).repeat(2, 1)), ValueError, "non-decreasing"),
+    ((torch.zeros(4, 8), O(2, 5), torch.arange(8).repeat(2, 1)), ValueError, r"past the end .* x\.shape\[0\] = 4"),
+])
+def test_the_registered_op_checks_its_arguments(args, error, match):
+    # torch.ops.tilegemm.group_columns called directly gets group_columns' checks, not a launch that reads
+    # outside x's rows (perm of another K, offs past M) or a perm of the wrong length
+    with pytest.raises(error, match=match):
+        torch.ops.tilegemm.group_columns(*args)
+
+
+def test_the_registered_op_checks_traced_shapes():
+    # the fake checks too: a traced call with mismatched shapes fails at the trace, values unread
+    x = torch.zeros(4, 8, device="meta")
+    with pytest.raises(ValueError, match=r"perm must be \[E, K\] = \[2, 8\]"):
+        torch.ops.tilegemm.group_columns(x, O(2, 4).to("meta"), torch.zeros(2, 6, dtype=torch.int64, device="meta"))
+    out = torch.ops.tilegemm.group_columns(x, O(2, 4).to("meta"), torch.zeros(2, 8, dtype=torch.int64, device="meta"))
+    assert out.shape == (4, 8) and out.device.type == "meta"
+
+
 @pytest.mark.parametrize("sizes", [[3, 0, 9], [0, 14, 1]])
 def test_grouped_matmul_act_order(sizes, device):
     w = act_order_experts(device=device)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.runtime import cdiv, new_output, on_device
+from tilegemm.core.runtime import cdiv, check_device, new_output, on_device
 from tilegemm.ops.grouped.checks import check_offs
 
 # Pairs (tokens x top-k) up to which moe_route runs its kernel; above, torch's sort (the kernel ranks each pair
@@ -216,11 +216,13 @@ def columns(x: torch.Tensor, offs: torch.Tensor, perm: torch.Tensor) -> torch.Te
 
 @torch.library.custom_op("tilegemm::group_columns", mutates_args=())
 def group_columns_op(x: torch.Tensor, offs: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    check_columns(x, offs, perm)  # called directly (torch.ops.tilegemm.group_columns) nothing else checks them
     return columns(x, offs, perm)
 
 
 @group_columns_op.register_fake
 def _fake_columns(x, offs, perm):
+    check_columns(x, offs, perm)  # a traced call fails where it is traced (shapes, dtypes, devices: no values)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -355,14 +357,13 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> to
     return moe_combine_op(y, pos, weights)
 
 
-def group_columns(x: torch.Tensor, offs: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """``out[r, k] = x[r, perm[g, k]]`` for the rows r of expert g (``offs``, int32 cumulative ends, as
-    :func:`tilegemm.grouped_mm` takes them); rows past ``offs[-1]`` unchanged. ``x`` ``[M, K]``, ``perm`` int64
-    ``[E, K]``, each row a permutation of ``range(K)`` (its values and offs' checked on the CPU only: elsewhere that
-    needs them on the host). What
-    act-order stacked 4-bit experts multiply. Differentiable in ``x``."""
+def check_columns(x, offs, perm) -> None:
+    """Raise TypeError/ValueError naming the bad argument of a ``group_columns`` call: shapes, dtypes, devices,
+    and the values of ``offs`` and ``perm`` where reading them costs no device sync (plain CPU tensors, no tracer).
+    The registered op and its fake run it, so ``torch.ops.tilegemm.group_columns`` called directly is checked."""
     if not all(isinstance(t, torch.Tensor) for t in (x, offs, perm)):
-        raise TypeError("group_columns: x, offs and perm must be tensors")
+        raise TypeError(f"group_columns: x, offs and perm must be tensors, got {type(x).__name__}, "
+                        f"{type(offs).__name__} and {type(perm).__name__}")
     if x.dim() != 2 or offs.dim() != 1 or perm.dim() != 2:
         raise ValueError(f"group_columns: x [M, K], offs [E] and perm [E, K] expected, got {tuple(x.shape)}, "
                          f"{tuple(offs.shape)}, {tuple(perm.shape)}")
@@ -374,6 +375,7 @@ def group_columns(x: torch.Tensor, offs: torch.Tensor, perm: torch.Tensor) -> to
     if len({x.device, offs.device, perm.device}) != 1:
         raise ValueError(f"group_columns: x, offs and perm on different devices ({x.device}, {offs.device}, "
                          f"{perm.device})")
+    check_device("x", x.device)  # CPU tensors while kernels compile for the GPU: refused, not launched
     check_offs(offs, perm.shape[0], "perm.shape[0]", "x's rows: x.shape[0]", x.shape[0])
     K = x.shape[1]
     # perm's values where reading them stalls nothing (on the GPU an entry outside 0..K-1 reads outside x's row)
@@ -381,4 +383,14 @@ def group_columns(x: torch.Tensor, offs: torch.Tensor, perm: torch.Tensor) -> to
             and type(perm) in (torch.Tensor, torch.nn.Parameter) \
             and not torch.equal(perm.sort(-1).values, torch.arange(K).expand(perm.shape)):
         raise ValueError(f"group_columns: each row of perm must be a permutation of 0..{K - 1} (K = {K})")
-    return group_columns_op(x, offs, perm)
+
+
+def group_columns(x: torch.Tensor, offs: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``out[r, k] = x[r, perm[g, k]]`` for the rows r of expert g (``offs``, int32 cumulative ends, as
+    :func:`tilegemm.grouped_mm` takes them); rows past ``offs[-1]`` unchanged. ``x`` ``[M, K]``, ``perm`` int64
+    ``[E, K]``, each row a permutation of ``range(K)`` (its values and offs' checked on the CPU only: elsewhere that
+    needs them on the host). What
+    act-order stacked 4-bit experts multiply. Differentiable in ``x``."""
+    if not all(isinstance(t, torch.Tensor) for t in (x, offs, perm)):  # (the op's schema refuses with a cast error)
+        check_columns(x, offs, perm)
+    return group_columns_op(x, offs, perm)  # the op checks the rest (:func:`check_columns`)
