@@ -4,6 +4,10 @@ against the dequantized weights; the sharding that cannot take them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -129,6 +133,26 @@ def test_the_registered_op_checks_its_arguments(args, error, match):
     # outside x's rows (perm of another K, offs past M) or a perm of the wrong length
     with pytest.raises(error, match=match):
         torch.ops.tilegemm.group_columns(*args)
+
+
+def test_kernel_reads_perm_outside_the_row_as_zero(device):
+    # perm's values are checked on the CPU only; the kernel itself must not read outside x's row (it crashed the
+    # process): run in a child so a fault fails this test rather than the runner
+    code = textwrap.dedent(f"""
+        import torch
+        from tilegemm.ops.grouped.routing import columns
+        x = torch.arange(1., 33.).view(4, 8).to("{device}")
+        perm = torch.arange(8).repeat(2, 1)
+        perm[0, 1], perm[1, 2] = 1 << 40, -3
+        out = columns(x, torch.tensor([2, 4], dtype=torch.int32).to("{device}"), perm.to("{device}")).cpu()
+        want = x.cpu().clone()
+        want[:2, 1] = 0
+        want[2:, 2] = 0
+        assert torch.equal(out, want), out
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
 def test_the_registered_op_checks_traced_shapes():

@@ -112,7 +112,8 @@ def _kernels():
         src = tl.load(perm_ptr + tl.minimum(g, E - 1).to(tl.int64)[:, None] * K + cols[None, :],
                       mask=m & live[:, None], other=0)
         src = tl.where(live[:, None], src, cols[None, :])  # rows past offs[-1]: unpermuted
-        v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * s_xm + src, mask=m)
+        inside = (src >= 0) & (src < K)  # perm's values are unchecked on the GPU (a sync): one outside x's row reads 0
+        v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * s_xm + src, mask=m & inside, other=0)
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * s_om + cols[None, :], v, mask=m)
 
     return moe_route_kernel, moe_combine_kernel, group_columns_kernel
@@ -378,7 +379,7 @@ def check_columns(x, offs, perm) -> None:
     check_device("x", x.device)  # CPU tensors while kernels compile for the GPU: refused, not launched
     check_offs(offs, perm.shape[0], "perm.shape[0]", "x's rows: x.shape[0]", x.shape[0])
     K = x.shape[1]
-    # perm's values where reading them stalls nothing (on the GPU an entry outside 0..K-1 reads outside x's row)
+    # perm's values where reading them stalls nothing (on the GPU the kernel reads an entry outside 0..K-1 as 0)
     if perm.device.type == "cpu" and perm.numel() and not torch.compiler.is_compiling() \
             and type(perm) in (torch.Tensor, torch.nn.Parameter) \
             and not torch.equal(perm.sort(-1).values, torch.arange(K).expand(perm.shape)):
