@@ -120,6 +120,74 @@ def test_errors(call, error, words):
         call()
 
 
+def _parts(shape=(16, 64), group_size=32):
+    w = w4a16.quantize(torch.randn(shape, dtype=torch.float16), group_size)
+    return w.qweight, w.scales, w.zeros
+
+
+def _built(qweight=None, scales=None, zeros=None, group_size=32, shape=(16, 64), perm=None, frag=None, stacked=False):
+    # Int4Weight built by hand from a valid weight's parts with one of them replaced
+    q, s, z = _parts((2, 16, 64) if stacked else (16, 64))
+    return w4a16.Int4Weight(q if qweight is None else qweight, s if scales is None else scales,
+                            z if zeros is None else zeros, group_size, shape, perm, frag)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(qweight=torch.zeros(8, 16, dtype=torch.int64)), TypeError, r"qweight must be int32 \[K/8, N\] = \[8, 16\]"),
+    (dict(qweight=torch.zeros(16, 8, dtype=torch.int32)), ValueError, r"qweight must be int32 \[8, 16\].*got \[16, 8\]"),
+    (dict(qweight=[[0] * 16] * 8), TypeError, "qweight must be a torch.Tensor, got list"),
+    (dict(scales=torch.ones(2, 16)), TypeError, "scales must be fp16 or bf16, got fp32"),
+    (dict(scales=torch.ones(1, 16, dtype=torch.float16)), ValueError, r"scales must be \[2, 16\] \(\[G, N\]\), got \[1, 16\]"),
+    (dict(zeros=torch.zeros(2, 15, dtype=torch.float16)), ValueError, r"zeros must be \[2, 16\].*got \[2, 15\]"),
+    (dict(zeros=torch.zeros(2, 16, dtype=torch.bfloat16)), TypeError, "must share a dtype"),
+    (dict(group_size=48), ValueError, "group_size must be one of"),
+    (dict(group_size=128, shape=(16, 96)), ValueError, "96 is not divisible by group_size = 128"),
+    (dict(group_size=32.9), TypeError, "group_size must be an int, got float"),  # int() truncated it to 32
+    (dict(group_size="32"), TypeError, "group_size must be an int, got str"),  # int() parsed it
+    (dict(shape=(16.5, 64)), TypeError, "shape must be an int, got float"),
+    (dict(shape=16), TypeError, r"shape must be \(N, K\) or \(E, N, K\)"),
+    (dict(shape=(-16, 64)), ValueError, "shape must be non-negative"),
+    (dict(shape=(16, 128)), ValueError, r"qweight must be int32 \[16, 16\]"),  # parts against the declared shape
+    (dict(perm=torch.arange(64, dtype=torch.int32)), TypeError, r"perm must be int64 \[64\], got int32"),
+    (dict(perm=torch.arange(63)), ValueError, r"perm must be int64 \[64\], got torch.int64 \[63\]"),
+    (dict(perm=torch.arange(64).tolist()), TypeError, "perm must be a torch.Tensor, got list"),
+    (dict(perm=torch.arange(64, device="meta")), ValueError, "different devices"),
+    (dict(scales=torch.ones(2, 16, dtype=torch.float16, device="meta")), ValueError, "different devices"),
+    (dict(stacked=True, shape=(3, 16, 64)), ValueError, r"qweight must be int32 \[3, 8, 16\].*got \[2, 8, 16\]"),
+    (dict(stacked=True, shape=(2, 16, 64), perm=torch.arange(64)), ValueError, r"perm must be int64 \[2, 64\]"),
+    (dict(stacked=True, shape=(2, 16, 64), zeros=torch.zeros(2, 16, dtype=torch.float16)), ValueError,
+     r"zeros must be \[2, 2, 16\]"),
+    (dict(frag=torch.zeros(3)), TypeError, r"frag must be a pair of tensors"),
+    (dict(frag=(torch.zeros(16, 2, 32, 4), torch.zeros(4, 16, 8, 4, dtype=torch.float16))), TypeError,
+     "fweight must be int32"),
+    (dict(frag=(torch.zeros(16, 1, 32, 4, dtype=torch.int32), torch.zeros(4, 16, 8, 4, dtype=torch.float16))),
+     ValueError, r"fweight must be \[16, 2, 32, 4\] for a weight \[16, 64\] of group_size 32, got \[16, 1, 32, 4\]"),
+    (dict(frag=(torch.zeros(16, 2, 32, 4, dtype=torch.int32), torch.zeros(2, 16, 8, 4, dtype=torch.float16))),
+     ValueError, r"fzs must be \[4, 16, 8, 4\]"),
+    (dict(frag=(torch.zeros(16, 2, 32, 4, dtype=torch.int32), torch.zeros(4, 16, 8, 4, dtype=torch.bfloat16))),
+     TypeError, "fzs must be fp16, got bf16"),
+])
+def test_constructor_refuses_inconsistent_parts(kwargs, error, words):
+    # a weight built by hand: each part checked against the others and the declared shape where it is built,
+    # not read out of bounds (or its group size truncated) by a kernel later
+    with pytest.raises(error, match=words):
+        _built(**kwargs)
+
+
+@pytest.mark.parametrize("shape, group_size", [((16, 64), 32), ((300, 200), -1), ((2, 24, 256), 128),
+                                                ((40, 384), 64)])
+def test_constructor_takes_its_own_fragments(shape, group_size):
+    # fragment_shapes (what the constructor checks a given frag against) is what fragments() makes
+    w = w4a16.quantize(torch.randn(shape, dtype=torch.float16), group_size)
+    frag = w.fragments()
+    assert tuple(tuple(t.shape) for t in frag) == w4a16.format.fragment_shapes(w.shape, w.group_k)
+    again = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, group_size, w.shape, None, frag)
+    assert again._frag is frag
+    meta = w.to("meta")  # shapes only: a meta weight and its fragments' shapes pass the same checks
+    w4a16.Int4Weight(meta.qweight, meta.scales, meta.zeros, group_size, torch.Size(shape), None,
+                     tuple(t.to("meta") for t in frag))
+
+
 @pytest.mark.parametrize("shape", [(2, 0, 64), (0, 8, 64), (2, 8, 0)])
 def test_quantize_empty_experts(shape):
     # stacked experts with no experts, no rows or no inputs: empty parts of the stacked shapes

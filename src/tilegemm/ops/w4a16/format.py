@@ -17,6 +17,8 @@ A linear weight ``W`` is ``[N, K]`` (``y = x @ W.T``), cut along K into ``G = K 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from tilegemm.core.dtypes import dtype_name
@@ -153,11 +155,13 @@ class Int4Weight:
         self.scales = scales  # [G, N], fp16 or bf16
         self.zeros = zeros  # [G, N], scales' dtype, integer values
         self.perm = perm  # int64 [K] ([E, K] stacked: an expert's each) or None
-        self.group_size = int(group_size)  # as asked: 32..256, or -1 for all of K
-        self.shape = tuple(int(s) for s in shape)  # (N, K), or (E, N, K) for stacked experts
+        self.group_size = _as_int("group_size", group_size)  # as asked: 32..256, or -1 for all of K
+        self.shape = _as_shape(shape)  # (N, K), or (E, N, K) for stacked experts
         self._frag = frag  # (fweight, fzs) of the fragment kernel, made by fragments() when first needed
         self._frag_gated = None  # the same of the rows in the gated product's order (fragments(gated=True))
         validate(self)
+        if frag is not None:  # given (Int4Linear's kept buffers): the fragment kernel reads it unchecked
+            check_fragments(self, frag)
 
     # The group length along K that the kernels step by (group_size, or K for -1).
     @property
@@ -310,6 +314,59 @@ def check_group_size(group_size, K: int) -> None:
         raise ValueError(f"K = in_features = {K} is not divisible by group_size = {group_size}")
 
 
+def _as_int(name: str, v) -> int:
+    """``v`` as an int, refusing what ``int()`` would truncate or parse (a float, a string) and bools."""
+    if isinstance(v, bool):  # (True is an int)
+        raise TypeError(f"Int4Weight: {name} must be an int, got {v!r}")
+    try:
+        return operator.index(v)  # ints, SymInts (a traced shape), numpy and 0-dim integer tensors
+    except TypeError:
+        raise TypeError(f"Int4Weight: {name} must be an int, got {type(v).__name__} {v!r}") from None
+
+
+def _as_shape(shape) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints (the logical ``(N, K)`` or ``(E, N, K)``)."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"Int4Weight: shape must be (N, K) or (E, N, K), got {type(shape).__name__} "
+                        f"{shape!r}") from None
+    dims = tuple(_as_int("shape", d) for d in dims)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"Int4Weight: shape must be non-negative, got {list(dims)}")
+    return dims
+
+
+def fragment_shapes(shape, group_k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of :func:`pack_fragments`' ``(fweight, fzs)`` for a weight of logical ``shape`` (``[N, K]``, or
+    ``[E, N, K]``: a leading E on both) and group length ``group_k``."""
+    N, K = shape[-2:]
+    n16, k64 = cdiv(N, 256) * 16, cdiv(K, 128) * 2  # as pack_fragments pads them
+    lead = tuple(shape[:-2])
+    return lead + (n16, k64, 32, 4), lead + (cdiv(k64 * 64, group_k), n16, 8, 4)
+
+
+def check_fragments(w: "Int4Weight", frag) -> None:
+    """Raise TypeError/ValueError unless ``frag`` is a fragment layout ``(fweight, fzs)`` of ``w``'s shape, group
+    length, scales' dtype and device (:meth:`Int4Weight.fragments` makes one)."""
+    if not isinstance(frag, (tuple, list)) or len(frag) != 2 or not all(isinstance(t, torch.Tensor) for t in frag):
+        raise TypeError(f"Int4Weight: frag must be a pair of tensors (fweight, fzs), got {type(frag).__name__}")
+    if not fits_fragments(w.group_k, w.shape[-1]):
+        raise ValueError(f"Int4Weight: a weight of K = {w.shape[-1]} and group_size {w.group_size} has no fragment "
+                         f"layout (frag must be None)")
+    want = fragment_shapes(w.shape, w.group_k)
+    for name, t, shape, dtype in (("fweight", frag[0], want[0], torch.int32), ("fzs", frag[1], want[1], w.dtype)):
+        if t.dtype != dtype:
+            raise TypeError(f"Int4Weight: frag's {name} must be {dtype_name(dtype)}, got {dtype_name(t.dtype)}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"Int4Weight: frag's {name} must be {list(shape)} for a weight {list(w.shape)} of "
+                             f"group_size {w.group_size}, got {list(t.shape)}")
+        if t.device != w.device:
+            raise ValueError(f"Int4Weight: frag's {name} is on {t.device}, the weight on {w.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"Int4Weight: frag's {name} must be contiguous")
+
+
 def _check_finite(name: str, t: torch.Tensor) -> None:
     if not torch.isfinite(t).all():
         raise ValueError(f"{name} has non-finite values (inf or NaN)")
@@ -319,6 +376,10 @@ def validate(w: Int4Weight, values: bool = False) -> None:
     """Raise TypeError/ValueError when the parts of an :class:`Int4Weight` do not fit together; ``values``: also
     that ``perm`` is a permutation, where it is on the CPU (the products' checks ask; a weight may be built from
     buffers not filled yet)."""
+    for name in ("qweight", "scales", "zeros", "perm"):  # (perm may be None)
+        t = getattr(w, name)
+        if not isinstance(t, torch.Tensor) and (t is not None or name != "perm"):
+            raise TypeError(f"Int4Weight: {name} must be a torch.Tensor, got {type(t).__name__}")
     if len(w.shape) not in (2, 3):
         raise ValueError(f"an Int4Weight is [N, K] or stacked experts [E, N, K], got shape {list(w.shape)}")
     N, K = w.shape[-2:]
@@ -339,7 +400,9 @@ def validate(w: Int4Weight, values: bool = False) -> None:
         raise TypeError(f"zeros ({w.zeros.dtype}) and scales ({w.scales.dtype}) must share a dtype")
     tensors = {"qweight": w.qweight, "scales": w.scales, "zeros": w.zeros}
     if w.perm is not None:  # stacked experts: one permutation an expert, [E, K]
-        if w.perm.dtype != torch.int64 or tuple(w.perm.shape) != lead + (K,):
+        if w.perm.dtype != torch.int64:  # a wrong dtype is a TypeError, as qweight's
+            raise TypeError(f"perm must be int64 {list(lead + (K,))}, got {dtype_name(w.perm.dtype)}")
+        if tuple(w.perm.shape) != lead + (K,):
             raise ValueError(f"perm must be int64 {list(lead + (K,))}, got {w.perm.dtype} {list(w.perm.shape)}")
         # its values only where reading them stalls nothing (the CPU; on the GPU a bad perm reads wrong rows of x)
         if values and w.perm.device.type == "cpu" and K and not torch.compiler.is_compiling() \
