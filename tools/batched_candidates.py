@@ -4,7 +4,8 @@ and ``--op grouped`` (their union), each run by
 - ``torch.matmul`` (batched cuBLAS, the baseline the sweeps compare against);
 - ``auto`` as shipped (``dispatch.GLUON_F16_BATCHED`` as the source sets it), ``auto+gluon`` with that
   switch on (the rule a flip of the switch would ship), and for outputs narrower than ``dispatch.NARROW_N``
-  ``auto+narrow`` with ``GLUON_F16_BATCHED_NARROW`` on too;
+  ``auto+narrow`` with ``GLUON_F16_BATCHED_NARROW`` on too; where M <= ``dispatch.SMALL_M``, ``auto+mR`` with
+  ``GLUON_F16_BATCHED_MIN_M`` lowered to R (this case's M, and 65): the small-M rule's threshold;
 - ``persistent_tma`` (its Triton kernel with its untimed config: what ``auto`` runs there today);
 - ``gluon_f16``'s batched launch in each of its configs (``*``: the one ``gluon_f16.batched_config`` picks
   untimed, what ``auto+gluon`` runs).
@@ -19,6 +20,8 @@ timed there). One call takes about 2-3 minutes on one H200 (fp16, NN, every case
 
     PYTHONPATH=src python3 tools/batched_candidates.py --out $OUT/batched-candidates-fp16.json
         [--dtype fp16|bf16] [--layout NN|NT|TN|TT] [--cases 2048x2048x128/b32,...] [--rounds 2] [--precompile 8]
+
+``--cases`` takes any labels (held-out shapes too), else both sweeps' cases.
 
 What to read in the table (printed last, one line a case, ratios torch time / candidate time): the geomean and
 worst line of each column; ``auto+gluon`` against ``auto`` says whether to flip ``GLUON_F16_BATCHED``,
@@ -60,6 +63,16 @@ def label(case) -> str:
     return f"{M}x{N}x{K}/b{B}"
 
 
+def parse_label(text: str) -> tuple[int, int, int, int]:
+    """(B, M, N, K) of a ``MxNxK/bB`` label."""
+    try:
+        dims, batch = text.split("/b")
+        M, N, K = (int(v) for v in dims.split("x"))
+        return int(batch), M, N, K
+    except ValueError:
+        raise SystemExit(f"not a MxNxK/bB label: {text!r}") from None
+
+
 def operands(case, dtype, layout, seed=0):
     B, M, N, K = case
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -77,10 +90,15 @@ def candidates(p) -> list[tuple[str, dict]]:
     from tilegemm.core.hardware import sm_count
     from tilegemm.ops.matmul import gluon_f16, persistent_tma
 
-    from tilegemm.ops.matmul.dispatch import NARROW_N
+    from tilegemm.ops.matmul import dispatch
+    from tilegemm.ops.matmul.dispatch import NARROW_N, SMALL_M
 
     out = [("auto", dict(kind="auto", switches={})),
            ("auto+gluon", dict(kind="auto", switches=dict(GLUON_F16_BATCHED=True)))]
+    if p.M <= SMALL_M:  # the small-M rule's threshold, lowered to this case's rows and to 65
+        for m in sorted({p.M, 65} - {dispatch.GLUON_F16_BATCHED_MIN_M}):
+            if m <= p.M:
+                out.append((f"auto+m{m}", dict(kind="auto", switches=dict(GLUON_F16_BATCHED_MIN_M=m))))
     if p.N < NARROW_N:
         out.append(("auto+narrow", dict(kind="auto", switches=dict(GLUON_F16_BATCHED=True,
                                                                    GLUON_F16_BATCHED_NARROW=True))))
@@ -218,7 +236,7 @@ def print_table(rows: list[dict], labels: list[str], base: dict) -> list[dict]:
             else:
                 per_col[c].append(r["ratio"])
                 cells.append(f"{r['ratio']:>{w - 1}.3f}x")
-        auto_rung = " | ".join(got[k].get("rung", "?") for k in ("auto", "auto+gluon", "auto+narrow") if k in got)
+        auto_rung = " | ".join(r.get("rung", "?") for k, r in got.items() if k.startswith("auto"))
         pick = next((r["kernel"] for r in rows if r["case"] == lab and r["kernel"].endswith("*")), "-")
         print(f"{lab:<{first}}  {base.get(lab, float('nan')):>9.1f}  " + "  ".join(cells) + f"  {auto_rung} / {pick}")
     for name, reduce in (("geomean", lambda v: math.exp(statistics.fmean(math.log(x) for x in v))), ("worst", min)):
@@ -232,7 +250,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "batched-candidates.json"))
     ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     ap.add_argument("--layout", default="NN", choices=["NN", "NT", "TN", "TT"])
-    ap.add_argument("--cases", default="", help="comma-separated MxNxK/bB labels (default: both sweeps' cases)")
+    ap.add_argument("--cases", default="", help="comma-separated MxNxK/bB labels, any (default: both sweeps' cases)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--precompile", type=int, default=min(8, max(1, (os.cpu_count() or 2) - 1)),
                     help="worker processes compiling first (0: compile while checking)")
@@ -253,10 +271,7 @@ def main() -> int:
     cases = sweep_cases()
     if args.cases:
         wanted = args.cases.split(",")
-        cases = [c for c in cases if label(c) in wanted]
-        missing = set(wanted) - {label(c) for c in cases}
-        if missing:
-            raise SystemExit(f"not a batched sweep case: {sorted(missing)}")
+        cases = [parse_label(w) for w in wanted]  # any MxNxK/bB: held-out cases as well as the sweeps'
     if args.precompile > 0:
         precompile(cases, args.dtype, args.layout, args.precompile)
     ensure_allocator()
@@ -307,7 +322,8 @@ def main() -> int:
     meta = dict(machine=machine_info().to_dict(), dtype=args.dtype, layout=args.layout, rounds=args.rounds,
                 timing="triton.testing.do_bench median (L2 cleared before each call) of replays, median of rounds",
                 switches_as_shipped=dict(GLUON_F16_BATCHED=dispatch.GLUON_F16_BATCHED,
-                                         GLUON_F16_BATCHED_NARROW=dispatch.GLUON_F16_BATCHED_NARROW), wall_s=None)
+                                         GLUON_F16_BATCHED_NARROW=dispatch.GLUON_F16_BATCHED_NARROW,
+                                         GLUON_F16_BATCHED_MIN_M=dispatch.GLUON_F16_BATCHED_MIN_M), wall_s=None)
     meta["wall_s"] = time.perf_counter() - started
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -16,8 +16,9 @@
 #   conv2d-fwd    the conv2d bench's forward sweeps (resnet50, mobilenet; auto only);  conv2d-nchw  forward and
 #                 backward on NCHW tensors, both sides (--memory-format nchw)
 #   fuzz          the public ops' GPU fuzz (tests/*/test_*_fuzz_gpu.py; \$TILEGEMM_FUZZ_EXAMPLES draws per op)
-#   fuzz-wide     conv2d's and W4A16's GPU fuzz at 512 and 504 draws, in 8 and 6 processes side by side, each its
-#                 own \$TILEGEMM_FUZZ_SEED (about 2 minutes; a line a seed in fuzz-wide.txt, failing logs kept)
+#   fuzz-wide     conv2d's, W4A16's and grouped's GPU fuzz at 512, 504 and 256 draws, in 8, 6 and 2 processes side
+#                 by side, each its own \$TILEGEMM_FUZZ_SEED, from \$FUZZ_SEED_BASE + 1 (default 0) up (about 2
+#                 minutes; a line a seed in fuzz-wide.txt, failing logs kept)
 #   models        the bench's models sweep, fp16, auto only
 #   batched       the bench's batched sweep, fp16 NN and NT, auto only
 #   grouped       the grouped family's moe sweep, bf16 and fp16 forward (auto);  grouped-bwd  its backward, bf16;
@@ -109,13 +110,16 @@ for step in "$@"; do
                    --mode $m --memory-format nchw --json "$OUT/conv2d-$s-$m-nchw.json" 2>&1 | tail -n 3; done; done ;;
     fuzz) for t in matmul conv2d w4a16 grouped; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
-    fuzz-wide) for s in 1 2 3 4 5 6 7 8; do TILEGEMM_FUZZ_SEED=$s TILEGEMM_FUZZ_EXAMPLES=64 \
+    fuzz-wide) b=${FUZZ_SEED_BASE:-0}
+               for s in $(seq $((b + 1)) $((b + 8))); do TILEGEMM_FUZZ_SEED=$s TILEGEMM_FUZZ_EXAMPLES=64 \
                  pytest_ -m gpu -x tests/conv2d/test_conv2d_fuzz_gpu.py > "$OUT/fuzz-conv2d-$s.log" 2>&1 & done
-               for s in 1 2 3 4 5 6; do TILEGEMM_FUZZ_SEED=$s TILEGEMM_FUZZ_EXAMPLES=84 \
+               for s in $(seq $((b + 1)) $((b + 6))); do TILEGEMM_FUZZ_SEED=$s TILEGEMM_FUZZ_EXAMPLES=84 \
                  pytest_ -m gpu -x tests/w4a16/test_w4a16_fuzz_gpu.py > "$OUT/fuzz-w4a16-$s.log" 2>&1 & done
+               for s in $(seq $((b + 1)) $((b + 2))); do TILEGEMM_FUZZ_SEED=$s TILEGEMM_FUZZ_EXAMPLES=128 \
+                 pytest_ -m gpu -x tests/grouped/test_grouped_fuzz_gpu.py > "$OUT/fuzz-grouped-$s.log" 2>&1 & done
                wait
                # one summary and the failing seeds' logs only: the device returns a limited number of files
-               for f in "$OUT"/fuzz-conv2d-*.log "$OUT"/fuzz-w4a16-*.log; do
+               for f in "$OUT"/fuzz-conv2d-*.log "$OUT"/fuzz-w4a16-*.log "$OUT"/fuzz-grouped-*.log; do
                  echo "$(basename "$f"): $(tail -n 1 "$f")"
                  grep -q " passed" "$f" && ! grep -q "failed" "$f" || cat "$f" >> "$OUT/fuzz-wide-failures.log"
                  rm -f "$f"; done | tee "$OUT/fuzz-wide.txt" ;;

@@ -373,3 +373,15 @@ def test_auto_with_the_switch_on_runs_gluon_f16_and_replays(dtype, monkeypatch):
         torch.cuda.synchronize()
         _check(out, _reference(a, b), dtype)
     _check(tilegemm.ops.grouped.batched_matmul(a, b), _reference(a, b), dtype)
+
+
+def test_auto_takes_small_m_batched_products_to_gluon_f16_from_its_threshold(monkeypatch):
+    _fake_hopper(monkeypatch)
+    monkeypatch.setattr(dispatch, "GLUON_F16_BATCHED_MIN_M", 65)
+    assert dispatch.choose_kernel(_meta(256, 128, 128, 128)) == "gluon_f16"  # narrow N too: split_k the alternative
+    assert dispatch.choose_kernel(_meta(64, 96, 512, 256)) == "gluon_f16"
+    assert dispatch.choose_kernel(_meta(256, 64, 128, 128)) == "split_k"  # under the threshold
+    assert dispatch.choose_kernel(_meta(2, 128, 1024, 128)) == "split_k"  # 16 tiles: under one per SM
+    assert dispatch.choose_kernel(_meta(256, 128, 128, 128, out_dtype=torch.float32)) == "split_k"  # not 16-bit out
+    monkeypatch.setattr(dispatch, "GLUON_F16_BATCHED", False)
+    assert dispatch.choose_kernel(_meta(256, 128, 128, 128)) == "split_k"
