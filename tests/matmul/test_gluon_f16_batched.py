@@ -143,7 +143,7 @@ def test_auto_takes_batched_products_to_gluon_f16_with_the_switch_on(monkeypatch
     assert dispatch.choose_kernel(_meta(8, 1024, 1024, 64, out_dtype=torch.float32)) == "persistent_tma"
     assert dispatch.choose_kernel(_meta(8, 2048, 64, 2048)) == "autotuned"  # narrow N: as before
     assert dispatch.choose_kernel(_meta(1, 4096, 4096, 4096)) != "gluon_f16"  # one product: the 2-D rules
-    assert dispatch.choose_kernel(_meta(256, 128, 128, 128)) == "split_k"  # M <= SMALL_M: as before
+    assert dispatch.choose_kernel(_meta(256, 64, 128, 128)) == "split_k"  # M <= 64 a batch: split_k's rows
     monkeypatch.setattr(dispatch, "GLUON_F16_BATCHED_NARROW", True)
     assert dispatch.choose_kernel(_meta(32, 2048, 64, 2048)) == "gluon_f16"
     assert dispatch.choose_kernel(_meta(32, 2048, 128, 2048)) == "gluon_f16"
@@ -377,11 +377,12 @@ def test_auto_with_the_switch_on_runs_gluon_f16_and_replays(dtype, monkeypatch):
 
 def test_auto_takes_small_m_batched_products_to_gluon_f16_from_its_threshold(monkeypatch):
     _fake_hopper(monkeypatch)
-    monkeypatch.setattr(dispatch, "GLUON_F16_BATCHED_MIN_M", 65)
+    assert (dispatch.GLUON_F16_BATCHED_MIN_M, dispatch.GLUON_F16_BATCHED_SMALL_M_MAX_K) == (65, 384)
     assert dispatch.choose_kernel(_meta(256, 128, 128, 128)) == "gluon_f16"  # narrow N too: split_k the alternative
     assert dispatch.choose_kernel(_meta(64, 96, 512, 256)) == "gluon_f16"
     assert dispatch.choose_kernel(_meta(256, 64, 128, 128)) == "split_k"  # under the threshold
     assert dispatch.choose_kernel(_meta(2, 128, 1024, 128)) == "split_k"  # 16 tiles: under one per SM
+    assert dispatch.choose_kernel(_meta(32, 120, 768, 768)) == "split_k"  # past the K bound: split_k's slices
     assert dispatch.choose_kernel(_meta(256, 128, 128, 128, out_dtype=torch.float32)) == "split_k"  # not 16-bit out
     monkeypatch.setattr(dispatch, "GLUON_F16_BATCHED", False)
     assert dispatch.choose_kernel(_meta(256, 128, 128, 128)) == "split_k"

@@ -32,9 +32,12 @@ GLUON_F16_BATCHED = True
 GLUON_F16_BATCHED_MIN_TILES_PER_SM = 1
 # With it on, outputs narrower than NARROW_N too: off, mixed against autotuned there (same doc).
 GLUON_F16_BATCHED_NARROW = False
-# Batched products of at most SMALL_M rows a batch take that launch from this many rows (with its tiles-per-SM
-# floor; the narrow rule does not apply: split_k is the alternative there); below, split_k's smaller row tiles.
-GLUON_F16_BATCHED_MIN_M = SMALL_M + 1
+# Batched products of at most SMALL_M rows a batch take that launch from this many rows and up to this K (with its
+# tiles-per-SM floor; the narrow rule does not apply: split_k is the alternative there): a tile of a few K steps is
+# mostly its epilogue, which that launch overlaps; fewer rows fit split_k's smaller tiles, longer K its slices
+# (docs/rungs/persistent_tma.md, "Batched products on gluon_f16").
+GLUON_F16_BATCHED_MIN_M = 65
+GLUON_F16_BATCHED_SMALL_M_MAX_K = 384
 GLUON_TIMED_FROM = 4  # a Gluon kernel's 16-bit problem is timed from 1/4 tile per SM (other dtypes: 1/2) up to 2
 DECISIONS_KEPT = 4096  # answers kept per shape class (bounded: cleared when full); each estimate costs ~100 us
 
@@ -43,8 +46,9 @@ def choose_kernel(p: GemmProblem) -> str:
     """``auto``: the rung measured fastest for this class of problem (docs/rungs/auto.md).
 
     - Under the interpreter: ``grouped`` (autotuning has nothing to time there).
-    - M <= :data:`SMALL_M`: a batched 16-bit product from :data:`GLUON_F16_BATCHED_MIN_M` rows that
-      :func:`_batched_gluon` takes (any N): ``gluon_f16``'s batched launch. Else ``split_k``, which tunes its tile and number of K slices (1 included) per shape class;
+    - M <= :data:`SMALL_M`: a batched 16-bit product from :data:`GLUON_F16_BATCHED_MIN_M` rows and up to
+      :data:`GLUON_F16_BATCHED_SMALL_M_MAX_K` that :func:`_batched_gluon` takes (any N): ``gluon_f16``'s batched
+      launch. Else ``split_k``, which tunes its tile and number of K slices (1 included) per shape class;
       from :data:`TIMED_MIN_MNK` up, where TMA can describe the problem, timed once against ``persistent_tma``.
       Rows not 16-byte aligned go to split_k too.
     - Larger problems on Hopper that TMA can describe, with at least :data:`MIN_TILES_PER_SM` 128x128 tiles per SM
@@ -61,7 +65,8 @@ def choose_kernel(p: GemmProblem) -> str:
     if interpreting():
         return "grouped"
     if p.M <= SMALL_M:
-        if p.batch != 1 and GLUON_F16_BATCHED and p.M >= GLUON_F16_BATCHED_MIN_M and _batched_gluon(p, narrow=True):
+        if (p.batch != 1 and GLUON_F16_BATCHED and p.M >= GLUON_F16_BATCHED_MIN_M
+                and p.K <= GLUON_F16_BATCHED_SMALL_M_MAX_K and _batched_gluon(p, narrow=True)):
             return "gluon_f16"
         if p.M > TIMED_M and p.M * p.N * p.K >= TIMED_MIN_MNK and _has_tma():
             if _kernels().persistent_tma.why_not(p) is None:
