@@ -4,8 +4,9 @@ and ``--op grouped`` (their union), each run by
 - ``torch.matmul`` (batched cuBLAS, the baseline the sweeps compare against);
 - ``auto`` as shipped (``dispatch.GLUON_F16_BATCHED`` as the source sets it), ``auto+gluon`` with that
   switch on (the rule a flip of the switch would ship), and for outputs narrower than ``dispatch.NARROW_N``
-  ``auto+narrow`` with ``GLUON_F16_BATCHED_NARROW`` on too; where M <= ``dispatch.SMALL_M``, ``auto+mR`` with
-  ``GLUON_F16_BATCHED_MIN_M`` lowered to R (this case's M, and 65): the small-M rule's threshold;
+  ``auto+narrow`` with ``GLUON_F16_BATCHED_NARROW`` on too; where M <= ``dispatch.SMALL_M``, ``auto+off`` with
+  the small-M rule off (``GLUON_F16_BATCHED_MIN_M`` past SMALL_M: split_k) and ``auto+mR`` with it from R rows
+  (this case's M, and 65);
 - ``persistent_tma`` (its Triton kernel with its untimed config: what ``auto`` runs there today);
 - ``gluon_f16``'s batched launch in each of its configs (``*``: the one ``gluon_f16.batched_config`` picks
   untimed, what ``auto+gluon`` runs).
@@ -95,7 +96,8 @@ def candidates(p) -> list[tuple[str, dict]]:
 
     out = [("auto", dict(kind="auto", switches={})),
            ("auto+gluon", dict(kind="auto", switches=dict(GLUON_F16_BATCHED=True)))]
-    if p.M <= SMALL_M:  # the small-M rule's threshold, lowered to this case's rows and to 65
+    if p.M <= SMALL_M:  # the small-M rule's threshold: off, and lowered to this case's rows and to 65
+        out.append(("auto+off", dict(kind="auto", switches=dict(GLUON_F16_BATCHED_MIN_M=SMALL_M + 1))))
         for m in sorted({p.M, 65} - {dispatch.GLUON_F16_BATCHED_MIN_M}):
             if m <= p.M:
                 out.append((f"auto+m{m}", dict(kind="auto", switches=dict(GLUON_F16_BATCHED_MIN_M=m))))
