@@ -16,7 +16,7 @@ def test_cli_bench_conv2d_runs():
 
 
 @pytest.mark.parametrize("memory_format", ["channels_last", "nchw"])
-@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "dgrad", "wgrad"])
 def test_modes_check_out(mode, memory_format, monkeypatch):
     from tilegemm.ops.conv2d import bench as conv_bench
 
@@ -37,6 +37,21 @@ def test_modes_check_out(mode, memory_format, monkeypatch):
         assert rows[(case.label, "implicit_gemm")].status == ("ok" if mode == "fwd" else "unavailable")
     flops = op.work(cases[0], "fp16", dict(mode=mode))
     assert flops == 2.0 * 2 * 4 * 4 * 8 * 8 * 9 * (2 if mode == "bwd" else 1)
+
+
+def test_one_gradient_modes_time_that_gradient_alone(device):
+    """--mode dgrad / wgrad: tilegemm's result and the baseline's hold that gradient only (the check compares
+    them with the float64 reference of that gradient), and together they are bwd's."""
+    op = bench_op("conv2d")
+    case = op.parse_shape("2,8,7,7,16,3,3,2,1")
+    parts = {}
+    for mode in ("dgrad", "wgrad", "bwd"):
+        inputs = op.precompile_inputs(case, "fp32", device, dict(mode=mode))
+        ours, base = op.run("auto", inputs, "fp32"), op.baseline(inputs, "fp32")
+        assert ours.shape == base.shape
+        parts[mode] = ours.numel()
+    assert parts["dgrad"] == 2 * 8 * 7 * 7 and parts["wgrad"] == 16 * 8 * 9
+    assert parts["bwd"] == parts["dgrad"] + parts["wgrad"]
 
 
 def test_sweeps_hold_the_real_layers():
@@ -79,7 +94,7 @@ def test_bad_shapes(text):
 
 
 def test_bad_mode():
-    with pytest.raises(BenchError, match="--mode must be fwd or bwd"):
+    with pytest.raises(BenchError, match="--mode must be one of fwd, bwd, dgrad, wgrad"):
         bench_op("conv2d").check_options(dict(mode="both"), "fp16")
     with pytest.raises(BenchError, match="--memory-format must be channels_last or nchw"):
         bench_op("conv2d").check_options(dict(memory_format="nhwc"), "fp16")

@@ -18,6 +18,11 @@ import torch
 from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
 
 
+# --mode: the forward, both gradients, or one of them ((data, weight) gradients computed).
+_GRADS = {"bwd": (True, True), "dgrad": (True, False), "wgrad": (False, True)}
+_MODES = ("fwd",) + tuple(_GRADS)
+
+
 def _case(N, C, H, W, K, R, S, stride=1, pad=0, groups=1, x=0.0) -> Case:
     label = f"n{N}c{C}h{H}w{W}k{K}r{R}s{S}/{stride}" + (f"g{groups}" if groups > 1 else "")
     dims = dict(N=N, C=C, H=H, W=W, K=K, R=R, S=S, stride=stride, pad=pad, groups=groups)
@@ -154,8 +159,8 @@ class Conv2dBench(BenchOp):
     @staticmethod
     def _mode(options) -> str:
         mode = options.get("mode") or "fwd"
-        if mode not in ("fwd", "bwd"):
-            raise BenchError(f"--mode must be fwd or bwd, got {mode!r}")
+        if mode not in _MODES:
+            raise BenchError(f"--mode must be one of {', '.join(_MODES)}, got {mode!r}")
         return mode
 
     @staticmethod
@@ -211,11 +216,11 @@ class Conv2dBench(BenchOp):
         else:
             dx, dw, _ = torch.ops.aten.convolution_backward(
                 first["dy"].double(), x64, w64, None, list(conv["stride"]), list(conv["padding"]),
-                list(conv["dilation"]), False, [0, 0], conv["groups"], [True, True, False])
-            reference = torch.cat([dx.permute(0, 2, 3, 1).flatten(), dw.permute(0, 2, 3, 1).flatten()])
+                list(conv["dilation"]), False, [0, 0], conv["groups"], list(_GRADS[mode]) + [False])
+            reference = self._flat_grads(dx, dw)
         size = tdtype.itemsize
         x_bytes, w_bytes, y_bytes = (d["N"] * d["C"] * d["H"] * d["W"], d["K"] * fan_in, d["N"] * d["K"] * P * Q)
-        nbytes = (x_bytes + w_bytes + y_bytes) * size * (2 if mode == "bwd" else 1)
+        nbytes = (x_bytes + w_bytes + y_bytes) * size * (1 if mode == "fwd" else 2)
         return Prepared(sets, reference, bytes_per_set=nbytes)
 
     def precompile_inputs(self, case, dtype, device, options):
@@ -238,7 +243,7 @@ class Conv2dBench(BenchOp):
             w = torch.randn(d["K"], d["C"] // d["groups"], d["R"], d["S"], device=device, dtype=tdtype) / fan_in**0.5
             inputs = dict(x=x.contiguous(memory_format=fmt), w=w.to(tdtype).contiguous(memory_format=fmt), conv=conv,
                           mode=mode, channels_last=fmt == torch.channels_last)
-            if mode == "bwd":
+            if mode != "fwd":
                 dy = torch.randn(d["N"], d["K"], P, Q, device=device, dtype=tdtype)
                 inputs["dy"] = dy.contiguous(memory_format=fmt)
                 # The gradients' arguments as autograd's backward passes them (the forward checked the call):
@@ -253,8 +258,8 @@ class Conv2dBench(BenchOp):
 
     @staticmethod
     def _flat_grads(dx, dw):
-        # channels-last order on both sides, whatever layout each returned
-        return torch.cat([dx.permute(0, 2, 3, 1).flatten(), dw.permute(0, 2, 3, 1).flatten()])
+        # channels-last order on both sides, whatever layout each returned; a gradient not asked for is None
+        return torch.cat([t.permute(0, 2, 3, 1).flatten() for t in (dx, dw) if t is not None])
 
     def run(self, kernel, inputs, dtype):
         from tilegemm.ops.conv2d import conv2d
@@ -270,9 +275,10 @@ class Conv2dBench(BenchOp):
 
             raise NotApplicable("the backward picks its kernels by geometry: bench it as kernel auto")
         grad = inputs["grad_args"]
+        want_dx, want_dw = _GRADS[inputs["mode"]]
         dx = backward_data(DgradCall(dy=inputs["dy"], weight=w, x_shape=list(x.shape),
-                                     x_channels_last=inputs["channels_last"], **grad))
-        dw = backward_weight(WgradCall(dy=inputs["dy"], x=x, w_shape=list(w.shape), **grad))
+                                     x_channels_last=inputs["channels_last"], **grad)) if want_dx else None
+        dw = backward_weight(WgradCall(dy=inputs["dy"], x=x, w_shape=list(w.shape), **grad)) if want_dw else None
         return self._flat_grads(dx, dw)
 
     def baseline(self, inputs, dtype):
@@ -281,7 +287,7 @@ class Conv2dBench(BenchOp):
             return torch.nn.functional.conv2d(x, w, None, **conv)
         s, p, dil = list(conv["stride"]), list(conv["padding"]), list(conv["dilation"])
         dx, dw, _ = torch.ops.aten.convolution_backward(inputs["dy"], x, w, None, s, p, dil, False, [0, 0],
-                                                        conv["groups"], [True, True, False])
+                                                        conv["groups"], list(_GRADS[inputs["mode"]]) + [False])
         return self._flat_grads(dx, dw)
 
     def baseline_context(self, dtype):
@@ -291,7 +297,7 @@ class Conv2dBench(BenchOp):
         d = case.dims
         P, Q = _out_size(d)
         flops = 2.0 * d["N"] * P * Q * d["K"] * (d["C"] // d["groups"]) * d["R"] * d["S"]
-        return flops * (2 if self._mode(options) == "bwd" else 1)
+        return flops * (2 if self._mode(options) == "bwd" else 1)  # dgrad and wgrad: the forward's FLOPs each
 
     def tolerance(self, dtype):
         from tilegemm.ops.conv2d.reference import tolerance
