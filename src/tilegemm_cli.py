@@ -79,9 +79,9 @@ def _add_bench(sub, detailed: bool) -> None:
     p.add_argument("--layout", default=None, choices=["NN", "NT", "TN", "TT"],
                    help="matmul: T reads that operand as a transposed view (default NN; NT for fp8)")
     p.add_argument("--batch", type=int, default=1, help="matmul: batch count (default 1)")
-    p.add_argument("--mode", default="fwd", choices=["fwd", "bwd"],
+    p.add_argument("--mode", default="fwd", choices=["fwd", "bwd", "dgrad", "wgrad"],
                    help="conv2d and grouped: time the forward pass (default) or the backward pass (the gradients "
-                        "of the inputs and weights)")
+                        "of the inputs and weights); conv2d also dgrad or wgrad, one of the two alone")
     p.add_argument("--memory-format", default="channels_last", choices=["channels_last", "nchw"],
                    help="conv2d: the activations' and weights' layout on both sides (default channels_last; "
                         "nchw: contiguous, as torch makes them)")
