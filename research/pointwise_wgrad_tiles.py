@@ -1,5 +1,5 @@
 """Open question: which split_k tile should a stride-1 1x1 layer's weight gradient (``dw[K, C] = dy^T @ x`` over
-the N*H*W pixels) take? ``gemm_1x1.pointwise_wgrad`` runs ``WGRAD_TILE`` (64x64x128) in one wave of K slices
+the N*H*W pixels) take? ``gemm_1x1.pointwise_wgrad`` ran ``WGRAD_TILE`` (64x64x128) in one wave of K slices
 wherever its tiles fit one per SM; a 64x64 tile reads twice the operand bytes a 128x128 one does for the same
 FLOPs, and on wide layers (232 -> 696 at 56x56) the gradient ran 0.44x cuDNN's
 (`benchmarks/results/2026-12-04-h200/09fa908/conv2d-worst-wgrad.json`).

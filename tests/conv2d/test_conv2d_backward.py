@@ -352,3 +352,18 @@ def test_depthwise_weight_gradient_rows_by_name_whatever_the_default(monkeypatch
     monkeypatch.setattr(configs, "DEPTHWISE_WGRAD_ROW_TAPS", True)
     assert "S_PAD" not in configs.depthwise_wgrad_config(g, torch.float16, rows=False)
     assert "S_PAD" not in research.config("tap-2-8", g)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C,K,H", [(232, 696, 56), (96, 40, 14), (40, 120, 14), (64, 64, 56)])
+def test_pointwise_wgrad_tiles_on_the_gpu(C, K, H):
+    """Each tile ``gemm_1x1.wgrad_tile`` picks (the wide one from 2^31 multiply-adds), into a NaN-poisoned
+    output, against the fp32 product."""
+    from tilegemm.ops.conv2d import gemm_1x1
+
+    x = torch.randn(32 * H * H, C, device="cuda", dtype=torch.float16)
+    dy = torch.randn(32 * H * H, K, device="cuda", dtype=torch.float16)
+    dw = gemm_1x1.pointwise_wgrad(dy.t(), x, "ieee")
+    ref = dy.t().float() @ x.float()
+    assert not dw.isnan().any()
+    assert ((dw.float() - ref).norm() / ref.norm()).item() < 4e-3

@@ -91,3 +91,32 @@ def test_split_shrinks_with_the_tiles():
     """At the same pixels, more channel tiles take no more slices while they fit one round of programs."""
     splits = [sizes(geo(32, c, 56, c), 132)[0] for c in (16, 32, 64, 96, 128)]  # 9, 9, 9, 36, 36 tiles
     assert splits == sorted(splits, reverse=True) and splits[-1] > 1
+
+
+@pytest.mark.parametrize("K,C,pixels,tile", [
+    (696, 232, 32 * 56 * 56, (128, 256)),  # 16G multiply-adds: the wide tile
+    (80, 480, 32 * 75 * 75, (128, 256)),
+    (40, 96, 32 * 14 * 14, (64, 128)),  # one 64x128 tile covers it where 64x64 takes two
+    (120, 40, 32 * 14 * 14, (128, 64)),
+    (80, 80, 32 * 56 * 56, (64, 128)),  # tie of padding and count: the first listed
+    (64, 64, 32 * 56 * 56, (64, 64)),  # the least padding
+    (128, 1216, 32 * 14 * 14, (64, 64)),  # 38 tiles: 64x64's deeper ring, not 128x64's 19 tiles of equal padding
+    (112, 672, 32 * 15 * 15, (64, 64)),
+    (24, 512, 32 * 14 * 14, (64, 128)),  # 8 tiles of 64x64: half as many of 64x128
+    (144, 24, 32 * 56 * 56, (64, 64)),
+])
+def test_pointwise_wgrad_tile(K, C, pixels, tile):
+    from tilegemm.ops.conv2d import gemm_1x1
+
+    got = gemm_1x1.wgrad_tile(K, C, pixels)
+    assert got[:2] == tile
+    assert got in gemm_1x1.WGRAD_TILES + (gemm_1x1.WGRAD_WIDE_TILE,)
+
+
+def test_pointwise_wgrad_tile_pads_least_then_takes_fewest_tiles():
+    from tilegemm.ops.conv2d import gemm_1x1
+
+    for M, N in itertools.product((8, 24, 40, 64, 96, 120, 144, 200, 512), repeat=2):
+        t = gemm_1x1.wgrad_tile(M, N, 1024)
+        area = cdiv(M, t[0]) * t[0] * cdiv(N, t[1]) * t[1]
+        assert all(area <= cdiv(M, o[0]) * o[0] * cdiv(N, o[1]) * o[1] for o in gemm_1x1.WGRAD_TILES)

@@ -117,10 +117,26 @@ def strided_dgrad(dy: torch.Tensor, weight: torch.Tensor, g, precision: str, til
 
 
 # The weight gradient of a stride-1 1x1 layer, ``dw[K, C] = dy^T @ x`` over the N*H*W pixels: few output tiles over
-# a long reduction. split_k's own untimed choice ranked big tiles first there, where 64x64x128 tiles on a 6-deep
-# pipeline in one wave of K slices ran best or near it on the layers with up to one such tile an SM; layers with
-# more tiles keep split_k's choice (docs/conv2d.md, "1x1 layers").
-WGRAD_TILE = (64, 64, 128, 4, 6)  # BLOCK_M, BLOCK_N, BLOCK_K (16-bit), warps, stages
+# a long reduction, in one wave of K slices. Where the 64x64 tiles fit one an SM, the tile of WGRAD_TILES that pads
+# the output least (then, where 64x64 makes at most WGRAD_FEW_TILES, the fewest tiles: more K slices; else the
+# first, 64x64 on its deeper ring); from WGRAD_WIDE_WORK multiply-adds the 128x256 tile,
+# whose K slices re-read the operands a quarter as often. Layers with more tiles keep split_k's choice
+# (docs/conv2d.md, "1x1 layers").
+WGRAD_TILES = ((64, 64, 128, 4, 6), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4))  # BLOCK_M, _N, _K (16-bit), warps, stages
+WGRAD_WIDE_TILE = (128, 256, 64, 8, 3)
+WGRAD_WIDE_WORK = 1 << 31  # pixels x K x C
+WGRAD_FEW_TILES = 16
+WGRAD_TILE = WGRAD_TILES[0]  # the tile whose count gates the rule
+
+
+def wgrad_tile(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
+    """The split_k tile of :data:`WGRAD_TILES` / :data:`WGRAD_WIDE_TILE` for the weight gradient ``[M, K] @ [K, N]``
+    (M output channels, N input channels, K pixels)."""
+    if M * N * K >= WGRAD_WIDE_WORK:
+        return WGRAD_WIDE_TILE
+    few = cdiv(M, WGRAD_TILE[0]) * cdiv(N, WGRAD_TILE[1]) <= WGRAD_FEW_TILES
+    return min(WGRAD_TILES, key=lambda t: (cdiv(M, t[0]) * t[0] * cdiv(N, t[1]) * t[1],
+                                           cdiv(M, t[0]) * cdiv(N, t[1]) if few else 0))
 
 
 def wave_split(tiles: int, k_steps: int, sms: int) -> int:
@@ -132,16 +148,16 @@ def wave_split(tiles: int, k_steps: int, sms: int) -> int:
 def pointwise_wgrad(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
     """``a @ b`` for a 1x1 layer's weight gradient (``a = dy^T`` ``[K, NHW]``, ``b = x`` ``[NHW, C]``), through
     matmul's ``split_k`` on a GPU (faster there than auto's general choice: docs/conv2d.md, "1x1 layers"): for
-    16-bit operands with at most one 64x64 tile an SM, :data:`WGRAD_TILE` in one wave of K slices; otherwise
-    split_k's own choice. Elsewhere ``auto``."""
+    16-bit operands with at most one 64x64 tile an SM, :func:`wgrad_tile`'s tile in one wave of K slices;
+    otherwise split_k's own choice. Elsewhere ``auto``."""
     if not a.is_cuda or interpreting():
         return matmul(a, b, precision=precision)
-    bm, bn, bk, warps, stages = WGRAD_TILE
     (M, K), N = a.shape, b.shape[1]
-    tiles = cdiv(M, bm) * cdiv(N, bn)
     sms = sm_count(a.device)
-    if a.element_size() != 2 or b.dtype != a.dtype or tiles > sms:
+    if a.element_size() != 2 or b.dtype != a.dtype or cdiv(M, WGRAD_TILE[0]) * cdiv(N, WGRAD_TILE[1]) > sms:
         return matmul(a, b, precision=precision, kernel="split_k")
+    bm, bn, bk, warps, stages = wgrad_tile(M, N, K)
+    tiles = cdiv(M, bm) * cdiv(N, bn)
     # split_k's config: its tile, K slices added in the last program's epilogue (SLICES)
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=wave_split(tiles, cdiv(K, bk), sms),
                SLICES=True, num_warps=warps, num_stages=stages)
