@@ -96,6 +96,7 @@ def test_split_shrinks_with_the_tiles():
 @pytest.mark.parametrize("K,C,pixels,tile", [
     (696, 232, 32 * 56 * 56, (128, 256)),  # 16G multiply-adds: the wide tile
     (80, 480, 32 * 75 * 75, (128, 256)),
+    (224, 32, 32 * 112 * 112, (128, 64)),  # 2.9G, but 128x256 would pad 32 input channels to 256
     (40, 96, 32 * 14 * 14, (64, 128)),  # one 64x128 tile covers it where 64x64 takes two
     (120, 40, 32 * 14 * 14, (128, 64)),
     (80, 80, 32 * 56 * 56, (64, 128)),  # tie of padding and count: the first listed

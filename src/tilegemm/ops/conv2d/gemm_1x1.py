@@ -119,24 +119,28 @@ def strided_dgrad(dy: torch.Tensor, weight: torch.Tensor, g, precision: str, til
 # The weight gradient of a stride-1 1x1 layer, ``dw[K, C] = dy^T @ x`` over the N*H*W pixels: few output tiles over
 # a long reduction, in one wave of K slices. Where the 64x64 tiles fit one an SM, the tile of WGRAD_TILES that pads
 # the output least (then, where 64x64 makes at most WGRAD_FEW_TILES, the fewest tiles: more K slices; else the
-# first, 64x64 on its deeper ring); from WGRAD_WIDE_WORK multiply-adds the 128x256 tile,
-# whose K slices re-read the operands a quarter as often. Layers with more tiles keep split_k's choice
+# first, 64x64 on its deeper ring); from WGRAD_WIDE_WORK multiply-adds the 128x256 tile, whose K slices re-read
+# the operands a quarter as often, unless it pads the output past WGRAD_WIDE_PADDING times the least (a narrow
+# side: its MMAs would mostly multiply padding). Layers with more tiles keep split_k's choice
 # (docs/conv2d.md, "1x1 layers").
 WGRAD_TILES = ((64, 64, 128, 4, 6), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4))  # BLOCK_M, _N, _K (16-bit), warps, stages
 WGRAD_WIDE_TILE = (128, 256, 64, 8, 3)
 WGRAD_WIDE_WORK = 1 << 31  # pixels x K x C
 WGRAD_FEW_TILES = 16
+WGRAD_WIDE_PADDING = 1.25
 WGRAD_TILE = WGRAD_TILES[0]  # the tile whose count gates the rule
 
 
 def wgrad_tile(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """The split_k tile of :data:`WGRAD_TILES` / :data:`WGRAD_WIDE_TILE` for the weight gradient ``[M, K] @ [K, N]``
     (M output channels, N input channels, K pixels)."""
-    if M * N * K >= WGRAD_WIDE_WORK:
+    def area(t):  # the output as the tile pads it
+        return cdiv(M, t[0]) * t[0] * cdiv(N, t[1]) * t[1]
+
+    if M * N * K >= WGRAD_WIDE_WORK and area(WGRAD_WIDE_TILE) <= WGRAD_WIDE_PADDING * min(map(area, WGRAD_TILES)):
         return WGRAD_WIDE_TILE
     few = cdiv(M, WGRAD_TILE[0]) * cdiv(N, WGRAD_TILE[1]) <= WGRAD_FEW_TILES
-    return min(WGRAD_TILES, key=lambda t: (cdiv(M, t[0]) * t[0] * cdiv(N, t[1]) * t[1],
-                                           cdiv(M, t[0]) * cdiv(N, t[1]) if few else 0))
+    return min(WGRAD_TILES, key=lambda t: (area(t), cdiv(M, t[0]) * cdiv(N, t[1]) if few else 0))
 
 
 def wave_split(tiles: int, k_steps: int, sms: int) -> int:
