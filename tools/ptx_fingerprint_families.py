@@ -47,6 +47,10 @@ KERNELS = {
     "depthwise_strided_rows": "tilegemm.ops.conv2d.depthwise:depthwise_strided_rows_kernel",
     "depthwise_strided_tile": "tilegemm.ops.conv2d.depthwise:depthwise_strided_tile_kernel",
     "depthwise_window": "tilegemm.ops.conv2d.depthwise:depthwise_window_kernel",
+    "depthwise_wgrad_taps": "tilegemm.ops.conv2d.depthwise:depthwise_wgrad_taps_kernel",
+    "grouped_direct_fwd": "tilegemm.ops.conv2d.grouped_direct:grouped_direct_fwd_kernel",
+    "grouped_direct_dgrad": "tilegemm.ops.conv2d.grouped_direct:grouped_direct_dgrad_kernel",
+    "grouped_direct_wgrad": "tilegemm.ops.conv2d.grouped_direct:grouped_direct_wgrad_kernel",
 }
 
 HOST = {
@@ -62,6 +66,7 @@ HOST = {
     "depthwise": "tilegemm.ops.conv2d.depthwise",
     "tma_fwd": "tilegemm.ops.conv2d.tma_fwd",
     "tma_wgrad": "tilegemm.ops.conv2d.tma_wgrad",
+    "grouped_direct": "tilegemm.ops.conv2d.grouped_direct",
     "conv_configs": "tilegemm.ops.conv2d.configs",
     "gemm_1x1": "tilegemm.ops.conv2d.gemm_1x1",
     "layout": "tilegemm.ops.conv2d.layout",
@@ -208,6 +213,8 @@ CONV_CASES = (
     (64, 144, 56, 56, 144, 3, 3, 2, 1, 1, 144),
     (64, 960, 7, 7, 960, 3, 3, 1, 1, 1, 960),
     (8, 48, 17, 19, 40, 5, 5, 1, 2, 2, 1),
+    (32, 64, 56, 56, 64, 3, 3, 1, 1, 1, 16),  # 4 channels a group: grouped_direct
+    (32, 104, 56, 56, 104, 3, 3, 2, 1, 1, 13),  # 8 a group, strided
     (8, 64, 16, 16, 64, 3, 3, 1, 1, 1, 4),
     (4, 20, 15, 13, 24, 3, 3, 1, 1, 1, 1),
 )
@@ -252,6 +259,13 @@ def conv_launches() -> list:
                    + "x".join(str(v) for v in case)
             fmt = p.out_format
             dy = _t((g.N, g.K, g.P, g.Q), dt, cl)
+            if cfgs.takes_grouped_direct(g):  # few channels a group
+                gd = host("grouped_direct")
+                out += captured(lambda: gd.run(p), name, "grouped_direct.run")
+                out += captured(lambda: gd.dgrad(dy, p.weight, (g.N, g.C, g.H, g.W), fmt, g), name,
+                                "grouped_direct.dgrad")
+                out += captured(lambda: gd.wgrad(dy, p.x, g, dt, fmt), name, "grouped_direct.wgrad")
+                continue
             if g.is_depthwise:
                 out += captured(lambda: dw.run(p), name, "depthwise.run")
                 out += captured(lambda: dw.dgrad(dy, p.weight, (g.N, g.C, g.H, g.W), fmt, g), name, "depthwise.dgrad")

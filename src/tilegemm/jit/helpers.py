@@ -267,3 +267,27 @@ def epilogue_store(
     acc = apply_activation(acc, ACTIVATION)
     tl.store(out_ptr + offsets_2d_div(offs_m, offs_n, stride_om, stride_on, DIV_OM, DIV_ON),
              acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --- split reductions ------------------------------------------------------------------------------
+
+
+@triton.jit
+def store_summed_slices(total, dst, mask, ws, plane, part, count_ptr, tile, SPLIT: tl.constexpr):
+    """Store fp32 ``total`` (this program's slice of a reduction split SPLIT ways) at pointers ``dst``: at once
+    without a split; else the slice goes to plane ``part`` of the workspace (``ws``: this tile's pointers in plane
+    0, planes ``plane`` elements apart) and the program that arrives last at ``tile`` (``count_ptr``'s counter,
+    reset for the next launch) adds the planes in order (deterministic) and stores: one launch, replayable."""
+    if SPLIT == 1:
+        tl.store(dst, total.to(dst.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws + part * plane, total)
+        tl.debug_barrier()  # every thread's stores before the (one-thread) release
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.debug_barrier()  # and every thread's loads after the acquire
+            summed = tl.zeros(total.shape, dtype=tl.float32)
+            for sl in range(0, SPLIT):
+                summed += tl.load(ws + sl * plane, cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)
+            tl.store(dst, summed.to(dst.dtype.element_ty), mask=mask)

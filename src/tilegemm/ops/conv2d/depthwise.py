@@ -55,7 +55,7 @@ ensure_backend()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tilegemm.jit.helpers import apply_activation  # noqa: E402
+from tilegemm.jit.helpers import apply_activation, store_summed_slices  # noqa: E402
 
 
 _SIZES = ["H", "W", "P", "Q", "K", "M", "pad_h", "pad_w"]  # not specialized on: see implicit_gemm._SIZES
@@ -703,26 +703,13 @@ def depthwise_wgrad_kernel(
     total = tl.sum(acc, axis=1)  # [SP, BN]
     out_ok = s_ok[:, None] & n_ok[None, :]
     dw = dw_ptr + (offs_n * stride_dk)[None, :] + r * stride_dr + (offs_s * stride_dss)[:, None]
-    if SPLIT == 1:
-        tl.store(dw, total.to(dw_ptr.dtype.element_ty), mask=out_ok)
-    else:
-        # The last slice to arrive at this (channels, taps) block adds the slices' sums in order and stores
-        # (as the implicit-GEMM weight gradient): the whole gradient is one launch.
-        tile = tap * tl.num_programs(0) + tl.program_id(0)
-        size: tl.constexpr = S_PAD * BLOCK_N
-        plane = (tl.num_programs(0) * tl.num_programs(1)).to(tl.int64) * size
-        ws = (ws_ptr + tile.to(tl.int64) * size
-              + (tl.arange(0, S_PAD) * BLOCK_N)[:, None] + tl.arange(0, BLOCK_N)[None, :])  # [SP, BN]
-        tl.store(ws + part * plane, total)
-        tl.debug_barrier()  # every thread's stores before the (one-thread) release
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            tl.debug_barrier()  # and every thread's loads after the acquire
-            summed = tl.zeros((S_PAD, BLOCK_N), dtype=tl.float32)
-            for sl in range(0, SPLIT):
-                summed += tl.load(ws + sl * plane, cache_modifier=".cg")
-            tl.store(count_ptr + tile, 0)
-            tl.store(dw, summed.to(dw_ptr.dtype.element_ty), mask=out_ok)
+    # Split: a workspace block per (channels, taps) block, planes [SPLIT, blocks, SP, BN].
+    tile = tap * tl.num_programs(0) + tl.program_id(0)
+    size: tl.constexpr = S_PAD * BLOCK_N
+    plane = (tl.num_programs(0) * tl.num_programs(1)).to(tl.int64) * size
+    ws = (ws_ptr + tile.to(tl.int64) * size
+          + (tl.arange(0, S_PAD) * BLOCK_N)[:, None] + tl.arange(0, BLOCK_N)[None, :])  # [SP, BN]
+    store_summed_slices(total, dw, out_ok, ws, plane, part, count_ptr, tile, SPLIT)
 
 
 @triton.jit(do_not_specialize=["H", "W", "P", "Q", "K", "NP", "slice_rows", "pad_h", "pad_w"])
@@ -782,25 +769,12 @@ def depthwise_wgrad_taps_kernel(
     total = tl.sum(acc, axis=1)  # [T, BN]
     out_ok = t_ok[:, None] & n_ok[None, :]
     dw = dw_ptr + (offs_n * stride_dk)[None, :] + (tr * stride_dr + ts * stride_dss)[:, None]
-    if SPLIT == 1:
-        tl.store(dw, total.to(dw_ptr.dtype.element_ty), mask=out_ok)
-    else:
-        # The last slice to arrive at this channel block adds the slices' sums in order and stores (as
-        # depthwise_wgrad_kernel)
-        tile = tl.program_id(0)
-        size: tl.constexpr = T_PAD * BLOCK_N
-        plane = tl.num_programs(0).to(tl.int64) * size
-        ws = ws_ptr + tile.to(tl.int64) * size + (taps * BLOCK_N)[:, None] + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(ws + part * plane, total)
-        tl.debug_barrier()  # every thread's stores before the (one-thread) release
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            tl.debug_barrier()  # and every thread's loads after the acquire
-            summed = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
-            for sl in range(0, SPLIT):
-                summed += tl.load(ws + sl * plane, cache_modifier=".cg")
-            tl.store(count_ptr + tile, 0)
-            tl.store(dw, summed.to(dw_ptr.dtype.element_ty), mask=out_ok)
+    # Split: a workspace block per channel block, planes [SPLIT, blocks, T, BN].
+    tile = tl.program_id(0)
+    size: tl.constexpr = T_PAD * BLOCK_N
+    plane = tl.num_programs(0).to(tl.int64) * size
+    ws = ws_ptr + tile.to(tl.int64) * size + (taps * BLOCK_N)[:, None] + tl.arange(0, BLOCK_N)[None, :]
+    store_summed_slices(total, dw, out_ok, ws, plane, part, count_ptr, tile, SPLIT)
 
 
 # --- launchers ------------------------------------------------------------------------------------------

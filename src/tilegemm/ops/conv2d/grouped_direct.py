@@ -31,7 +31,7 @@ ensure_backend()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tilegemm.jit.helpers import apply_activation  # noqa: E402
+from tilegemm.jit.helpers import apply_activation, store_summed_slices  # noqa: E402
 
 _SIZES = ["H", "W", "P", "Q", "M", "G", "pad_h", "pad_w"]  # not specialized on: a new image compiles nothing
 
@@ -216,26 +216,13 @@ def grouped_direct_wgrad_kernel(
     dw = (dw_ptr + (k * stride_dk)[:, :, None] + (cc * stride_dc)[None, None, :] + r * stride_dr
           + s * stride_ds)
     inside = k_ok[:, :, None] & (cc < CG)[None, None, :]
-    if SPLIT == 1:
-        tl.store(dw, total.to(dw_ptr.dtype.element_ty), mask=inside)
-    else:
-        # The last slice to arrive at this (groups, tap) block adds the slices' sums in order and stores (as
-        # the depthwise and implicit-GEMM weight gradients): the whole gradient is one launch.
-        tile = tap * tl.num_programs(0) + tl.program_id(0)
-        size: tl.constexpr = BLOCK_G * KGP * CGP
-        local = ((tl.arange(0, BLOCK_G)[:, None, None] * KGP + kk[None, :, None]) * CGP + cc[None, None, :])
-        plane = (tl.num_programs(0) * tl.num_programs(1)).to(tl.int64) * size
-        ws = ws_ptr + tile.to(tl.int64) * size + local
-        tl.store(ws + part * plane, total)
-        tl.debug_barrier()  # every thread's stores before the (one-thread) release
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            tl.debug_barrier()  # and every thread's loads after the acquire
-            summed = tl.zeros((BLOCK_G, KGP, CGP), dtype=tl.float32)
-            for sl in range(0, SPLIT):
-                summed += tl.load(ws + sl * plane, cache_modifier=".cg")
-            tl.store(count_ptr + tile, 0)
-            tl.store(dw, summed.to(dw_ptr.dtype.element_ty), mask=inside)
+    # Split: a workspace block per (groups, tap) block, planes [SPLIT, blocks, BG, KGP, CGP].
+    tile = tap * tl.num_programs(0) + tl.program_id(0)
+    size: tl.constexpr = BLOCK_G * KGP * CGP
+    local = ((tl.arange(0, BLOCK_G)[:, None, None] * KGP + kk[None, :, None]) * CGP + cc[None, None, :])
+    plane = (tl.num_programs(0) * tl.num_programs(1)).to(tl.int64) * size
+    ws = ws_ptr + tile.to(tl.int64) * size + local
+    store_summed_slices(total, dw, inside, ws, plane, part, count_ptr, tile, SPLIT)
 
 
 # --- launchers ------------------------------------------------------------------------------------------

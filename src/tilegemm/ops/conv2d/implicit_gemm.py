@@ -25,7 +25,8 @@ ensure_backend()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tilegemm.jit.helpers import apply_activation, below, mma_ordered, tile_grouped  # noqa: E402
+from tilegemm.jit.helpers import (  # noqa: E402
+    apply_activation, below, mma_ordered, store_summed_slices, tile_grouped)
 
 
 @triton.jit
@@ -320,26 +321,12 @@ def conv2d_wgrad_kernel(
     else:
         dw_tile = (dw_ptr + r * stride_dr + s * stride_dss + (k_all * stride_dk)[:, None]
                    + (offs_n * stride_dc)[None, :])
-    if SPLIT == 1:
-        tl.store(dw_tile, acc.to(dw_ptr.dtype.element_ty), mask=inside)
-    else:
-        # Hand this slice's partial tile over (planes [SPLIT, tiles, BM, BN]); the program that arrives last
-        # at the tile adds the slices in order (deterministic) and stores the result: one launch, replayable.
-        tile = tap * tl.num_programs(0) + tl.program_id(0)
-        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        plane = (tl.num_programs(0) * tl.num_programs(1)).to(tl.int64) * (BLOCK_M * BLOCK_N)  # 64-bit offsets
-        ws_tile = ws_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N) + local
-        tl.store(ws_tile + part * plane, acc)
-        # A scalar atomic runs on one thread: the barrier puts every thread's stores before its release.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            tl.debug_barrier()  # and every thread's loads after the acquire
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sl in range(0, SPLIT):
-                total += tl.load(ws_tile + sl * plane, cache_modifier=".cg")
-            tl.store(count_ptr + tile, 0)
-            tl.store(dw_tile, total.to(dw_ptr.dtype.element_ty), mask=inside)
+    # Split: planes [SPLIT, tiles, BM, BN] (64-bit offsets).
+    tile = tap * tl.num_programs(0) + tl.program_id(0)
+    local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    plane = (tl.num_programs(0) * tl.num_programs(1)).to(tl.int64) * (BLOCK_M * BLOCK_N)
+    ws_tile = ws_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N) + local
+    store_summed_slices(acc, dw_tile, inside, ws_tile, plane, part, count_ptr, tile, SPLIT)
 
 
 # --- launchers ------------------------------------------------------------------------------------------
