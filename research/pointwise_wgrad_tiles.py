@@ -10,6 +10,7 @@ tile of TILES in one wave of K slices (``wave_split``), checked against an fp32 
 replays (triton.testing.do_bench_cudagraph); ratio = cuDNN time / time. GPU only.
 
     PYTHONPATH=src python3 research/pointwise_wgrad_tiles.py --out $OUT/pointwise-wgrad-tiles.json [--seed 1] [--n 16]
+        [--extra 232x696@56,256x128@56]
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--extra", default="232x696@56", help="layers timed first, CxK@H,... (stride 1, batch 32)")
     args = ap.parse_args()
 
     import tilegemm  # noqa: F401 - settles the backend first
@@ -53,7 +55,8 @@ def main() -> int:
     torch.backends.cudnn.benchmark = True
     sms = sm_count(torch.device("cuda"))
     rows = []
-    for C, K, H in layers(args.seed, args.n, [(232, 696, 56)]):
+    extra = [tuple(int(v) for v in e.replace("@", "x").split("x")) for e in args.extra.split(",") if e]
+    for C, K, H in layers(args.seed, args.n, extra):
         N = 32
         x = torch.randn(N, C, H, H, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
         dy = torch.randn(N, K, H, H, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
