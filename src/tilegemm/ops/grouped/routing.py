@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.runtime import cdiv, check_device, new_output, on_device
+from tilegemm.core.runtime import cdiv, check_device, check_same_device, new_output, on_device
 from tilegemm.ops.grouped.checks import check_offs
 
 # Pairs (tokens x top-k) up to which moe_route runs its kernel; above, torch's sort (the kernel ranks each pair
@@ -245,6 +245,8 @@ group_columns_op.register_autograd(_backward_columns, setup_context=_setup_colum
 @torch.library.custom_op("tilegemm::moe_route", mutates_args=())
 def moe_route_op(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                         torch.Tensor]:
+    # called directly (torch.ops.tilegemm.moe_route) nothing checked the devices: CPU tensors are refused, not launched
+    check_same_device({"x": x, "top_k_index": top_k_index})
     return route(x, top_k_index, num_experts)
 
 
@@ -273,6 +275,7 @@ moe_route_op.register_autograd(_backward_route, setup_context=_setup_route)
 
 @torch.library.custom_op("tilegemm::moe_combine", mutates_args=())
 def moe_combine_op(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    check_same_device({"y": y, "pos": pos, "weights": weights})  # (as moe_route_op: called directly)
     return combine(y, pos, weights)
 
 
@@ -325,6 +328,7 @@ def _check_route(x, top_k_index, num_experts):
         raise ValueError(f"moe_route: top_k_index is on {top_k_index.device}, x on {x.device}")
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:  # (True is an int)
         raise ValueError(f"moe_route: num_experts must be a positive int, got {num_experts!r}")
+    check_device("x", x.device)  # CPU tensors while kernels compile for the GPU: refused, not launched
 
 
 def moe_route(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int):
@@ -355,6 +359,7 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> to
     if len({y.device, pos.device, weights.device}) != 1:
         raise ValueError(f"moe_combine: y, pos and weights on different devices ({y.device}, {pos.device}, "
                          f"{weights.device})")
+    check_device("y", y.device)  # CPU tensors while kernels compile for the GPU: refused, not launched
     return moe_combine_op(y, pos, weights)
 
 
