@@ -2,7 +2,8 @@
 the eager forward's output and gradients (fp32), and quantize_experts_ against the eager forward over the dequantized
 weights (fp16). Covers interleaved gate/up with biases and a clamped gate (gpt-oss), a clamp of the class's own
 (DeepSeek-V4), transposed experts without a gate run through a subclass (Ergo), a post-expert norm (Muse Spark) and
-an activation that is a function, not a module (LFM2-MoE)."""
+an activation that is a function, not a module (LFM2-MoE). Models and inputs go to the ``device`` fixture's device: the
+CPU under the interpreter, the GPU otherwise."""
 
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ hide_broken_torchvision()
 _interface = getattr(pytest.importorskip("transformers.integrations.moe"), "ALL_EXPERTS_FUNCTIONS", None)
 pytestmark = pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface "
                                                            "(ALL_EXPERTS_FUNCTIONS, transformers >= 5)")
+
+@pytest.fixture(autouse=True)
+def ieee_fp32():
+    """fp32 products in full precision on both sides (the eager reference's and tilegemm's read torch's setting): on
+    the GPU, tf32 would leave about 1e-3 between them, past the bounds below."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(old)
+
 
 _SHAPES = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=32, num_experts=8, num_local_experts=8,
                num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
@@ -60,14 +71,14 @@ def _experts(model_type: str, class_name: str, extra: dict):
     return experts
 
 
-def _routing(experts, T=12, k=2):
+def _routing(experts, device, T=12, k=2):
     E = experts.num_experts
     H = experts.down_proj.shape[2] if experts.is_transposed else experts.down_proj.shape[1]
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1)  # drawn on the CPU: the same draw on every device
     x = torch.randn(T, H, generator=g)
     index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=g)
-    return x, index, weights
+    return x.to(device), index.to(device), weights.to(device)
 
 
 def _rel(a, b):
@@ -75,12 +86,12 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("model_type, class_name, extra", CASES)
-def test_output_and_gradients_match_eager(model_type, class_name, extra):
-    eager = _experts(model_type, class_name, extra)
+def test_output_and_gradients_match_eager(model_type, class_name, extra, device):
+    eager = _experts(model_type, class_name, extra).to(device)
     ours = copy.deepcopy(eager)
     ours.config = copy.deepcopy(eager.config)
     ours.config._experts_implementation = "tilegemm"
-    x, index, weights = _routing(eager)
+    x, index, weights = _routing(eager, device)
     xe, we = x.clone().requires_grad_(), weights.clone().requires_grad_()
     xo, wo = x.clone().requires_grad_(), weights.clone().requires_grad_()
     ye, yo = eager(xe, index, we), ours(xo, index, wo)
@@ -96,8 +107,8 @@ def test_output_and_gradients_match_eager(model_type, class_name, extra):
 
 
 @pytest.mark.parametrize("model_type, class_name, extra", CASES)
-def test_quantized_experts_match_the_dequantized_weights(model_type, class_name, extra):
-    eager = _experts(model_type, class_name, extra).half()
+def test_quantized_experts_match_the_dequantized_weights(model_type, class_name, extra, device):
+    eager = _experts(model_type, class_name, extra).half().to(device)
     holder = torch.nn.Module()
     holder.experts = copy.deepcopy(eager)
     assert moe.quantize_experts_(holder, group_size=32) == ["experts"]
@@ -108,31 +119,31 @@ def test_quantized_experts_match_the_dequantized_weights(model_type, class_name,
         if w4 is not None:
             d = dequantize(w4)
             getattr(eager, name).data.copy_(d.transpose(1, 2) if eager.is_transposed else d)
-    x, index, weights = _routing(eager)
+    x, index, weights = _routing(eager, device)
     with torch.no_grad():
         a = q(x.half(), index, weights.half()).float()
         b = eager(x.half(), index, weights.half()).float()
     assert _rel(a, b) < 5e-3
 
 
-def _narrow_moe(arch: str, width: int):
-    """A tiny Qwen3-MoE or Mixtral causal LM (hidden 64, 4 experts of width ``width``), fp32, eval."""
+def _narrow_moe(arch: str, width: int, device="cpu"):
+    """A tiny Qwen3-MoE or Mixtral causal LM (hidden 64, 4 experts of width ``width``), fp32, eval, on ``device``."""
     common = dict(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, num_experts_per_tok=2, max_position_embeddings=32, tie_word_embeddings=False)
     config = transformers.MixtralConfig(intermediate_size=width, num_local_experts=4, **common) if arch == "mixtral" \
         else transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=width, num_experts=4,
                                          decoder_sparse_step=1, **common)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval().to(device)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_quantize_experts_narrower_than_the_group_size(arch):
+def test_quantize_experts_narrower_than_the_group_size(arch, device):
     # expert width 16 below group_size 32: down_proj (K = 16) is one group over its K, gate_up (K = 64) groups of 32
     import tilegemm.nn
     from tilegemm.ops.w4a16.format import quantize
 
-    model = _narrow_moe(arch, 16)
+    model = _narrow_moe(arch, 16, device)
     ref = copy.deepcopy(model)
     tilegemm.nn.quantize_(model, group_size=32, filter=lambda n, m: n.endswith("experts"), warn=False)
     block = model.model.layers[0].mlp.experts
@@ -145,7 +156,7 @@ def test_quantize_experts_narrower_than_the_group_size(arch):
     with torch.no_grad():
         experts.gate_up_proj.copy_(dequantize(quantize(experts.gate_up_proj.half(), 32)))
         experts.down_proj.copy_(dequantize(quantize(experts.down_proj.half(), -1)))
-    ids = torch.tensor([[3, 17, 40, 5, 9, 60]])
+    ids = torch.tensor([[3, 17, 40, 5, 9, 60]], device=device)
     with torch.no_grad():
         got, want = model(ids).logits, ref(ids).logits
     assert _rel(got, want) < 3e-3  # fp16 activations through the 4-bit experts against fp32
