@@ -5,7 +5,7 @@ gradients as the block they replace, 4-bit experts, and the blocks that cannot b
 The blocks here follow transformers 4.x's (softmax over the router's logits in fp32, the top k, renormalised unless
 ``norm_topk_prob`` is False, every expert's rows added back; Qwen2-MoE's sigmoid-gated shared expert); against
 transformers 4.57's own Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE classes the last test runs where that version is
-installed."""
+installed. Models and inputs go to the ``device`` fixture's device: the CPU under the interpreter, the GPU otherwise."""
 
 from __future__ import annotations
 
@@ -20,6 +20,16 @@ import tilegemm
 import tilegemm.nn
 from tilegemm.nn.convert import ConversionNote
 from tilegemm.nn.moe import SparseMoeBlock
+
+
+@pytest.fixture(autouse=True)
+def ieee_fp32():
+    """fp32 products in full precision on both sides (torch's and tilegemm's read torch's setting): on the GPU, tf32
+    would leave about 1e-3 between the blocks, past the 1e-5 the fp32 tests allow."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(old)
 
 
 class MLP(nn.Module):
@@ -84,15 +94,15 @@ class Model(nn.Module):
 @pytest.mark.parametrize("kw", [dict(), dict(norm=False), dict(shared=True), dict(names=("w1", "w3", "w2")),
                                 dict(k=1, E=4), dict(k=8, E=8)], ids=["qwen3", "no-norm", "shared", "mixtral",
                                                                       "top1", "all-experts"])
-def test_converted_block_gives_the_blocks_outputs_and_gradients(kw):
+def test_converted_block_gives_the_blocks_outputs_and_gradients(kw, device):
     torch.manual_seed(0)
-    ref = Model(**kw)
+    ref = Model(**kw).to(device)
     ours = tilegemm.nn.convert_(copy.deepcopy(ref), linear=False)
     assert all(isinstance(layer, SparseMoeBlock) for layer in ours.layers)
-    x = torch.randn(3, 5, 16)
+    x = torch.randn(3, 5, 16, device=device)
     want, got = ref(x), ours(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    out, logits = ours.layers[0](torch.randn(2, 3, 32))  # the block's tuple: outputs and router logits
+    out, logits = ours.layers[0](torch.randn(2, 3, 32, device=device))  # the block's tuple: outputs and router logits
     assert out.shape == (2, 3, 32) and logits.shape == (6, ref.layers[0].num_experts)
     want.square().sum().backward()
     got.square().sum().backward()
@@ -106,9 +116,9 @@ def test_converted_block_gives_the_blocks_outputs_and_gradients(kw):
     torch.testing.assert_close(block.gate.weight.grad, ref.layers[0].gate.weight.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_quantize_makes_the_stacked_experts_4_bit_and_keeps_the_router():
+def test_quantize_makes_the_stacked_experts_4_bit_and_keeps_the_router(device):
     torch.manual_seed(0)
-    ref = Model(shared=True).half()
+    ref = Model(shared=True).half().to(device)
     q = tilegemm.nn.quantize_(copy.deepcopy(ref), group_size=32)
     block = q.layers[0]
     assert isinstance(block, SparseMoeBlock) and block.tilegemm_down_proj_qweight.dtype == torch.int32
@@ -123,7 +133,7 @@ def test_quantize_makes_the_stacked_experts_4_bit_and_keeps_the_router():
                 getattr(a, name).copy_(tilegemm.w4a16.dequantize(tilegemm.nn.moe._int4(b, name)))
             for name in ("gate_proj", "up_proj", "down_proj"):
                 getattr(a.shared_expert, name).weight.copy_(getattr(b.shared_expert, name).dequantize())
-    x = torch.randn(2, 4, 16).half()
+    x = torch.randn(2, 4, 16, device=device).half()
     with torch.no_grad():
         want, got = deq(x).float(), q(x).float()
     assert ((got - want).norm() / want.norm()).item() < 1e-2
@@ -163,7 +173,7 @@ def _transformers_4():
 @pytest.mark.skipif(_transformers_4() is None, reason="transformers 4.x's own MoE classes (this suite installs 5.x; "
                                                       "the blocks above follow them)")
 @pytest.mark.parametrize("arch", ["Mixtral", "Qwen3Moe", "Qwen2Moe", "Olmoe"])
-def test_transformers_4_models(arch):
+def test_transformers_4_models(arch, device):
     transformers = _transformers_4()
     base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=64)
@@ -175,10 +185,10 @@ def test_transformers_4_models(arch):
              "Olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2)}[arch]
     cfg = getattr(transformers, f"{arch}Config")(**base, **extra)
     torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval().to(device)
     ours = tilegemm.nn.convert_(copy.deepcopy(ref), warn=False)
     assert sum(isinstance(m, SparseMoeBlock) for m in ours.modules()) == 2
-    ids = torch.randint(0, 64, (2, 5))
+    ids = torch.randint(0, 64, (2, 5), device=device)
     with torch.no_grad():
         want, got = ref(ids).logits, ours(ids).logits
     assert ((got - want).norm() / want.norm()).item() < 1e-5
@@ -280,7 +290,7 @@ def test_int4_experts_in_two_orders_kept_with_a_reason():
                                                       "whose checkpoint path tests/models/test_models_moe_checkpoint.py "
                                                       "checks)")
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_transformers_4_checkpoint_experts_stacked(arch, tmp_path):
+def test_transformers_4_checkpoint_experts_stacked(arch, tmp_path, device):
     """A GPTQ checkpoint of per-expert Linears loaded under transformers 4.x: its experts load as Int4Linears and
     each block is then stacked into a SparseMoeBlock of 4-bit experts; the logits are the writer's model's."""
     import os
@@ -292,10 +302,10 @@ def test_transformers_4_checkpoint_experts_stacked(arch, tmp_path):
 
     config = cw.tiny_moe_config(arch, layers=2)
     reference = cw.write_model(tmp_path / "c", cw.random_model(config), "gptq", 32, sym=True, not_convert=("gate",))
-    model = from_pretrained(tmp_path / "c", device="cpu")
+    model = from_pretrained(tmp_path / "c", device=device)
     assert sum(isinstance(m, SparseMoeBlock) for m in model.modules()) == 2
     ids = torch.tensor([[3, 17, 200, 5, 96]])
     with torch.no_grad():
-        got = model(input_ids=ids).logits.float()
-        want = cw.reference_model(config, reference)(input_ids=ids).logits.float()
+        got = model(input_ids=ids.to(device)).logits.float().cpu()
+        want = cw.reference_model(config, reference)(input_ids=ids).logits.float()  # (plain torch: on the CPU)
     assert ((got - want).norm() / want.norm()).item() < 3e-3
