@@ -1,5 +1,6 @@
 """transformers' MoE blocks on tilegemm: experts_implementation="tilegemm" gives the eager model's logits (fp32,
-tiny configs, random weights), gradients too, and tilegemm.nn.quantize_ turns the experts into 4-bit ones."""
+tiny configs, random weights), gradients too, and tilegemm.nn.quantize_ turns the experts into 4-bit ones. Models that
+run kernels go to the ``device`` fixture's device: the CPU under the interpreter, the GPU otherwise."""
 
 from __future__ import annotations
 
@@ -26,6 +27,16 @@ pytestmark = pytest.mark.skipif(_interface is None, reason="this transformers ha
                                                            "(ALL_EXPERTS_FUNCTIONS, transformers >= 5)")
 
 
+@pytest.fixture(autouse=True)
+def ieee_fp32():
+    """fp32 products in full precision on both sides (eager's and tilegemm's read torch's setting): on the GPU, tf32
+    would leave about 1e-3 between the models, past the bounds below."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(old)
+
+
 def qwen3_moe(**kw):
     cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -40,15 +51,15 @@ def mixtral():
                                       num_experts_per_tok=2, max_position_embeddings=64)
 
 
-def pair(cfg):
-    """(eager model, tilegemm model) sharing weights, in eval mode."""
+def pair(cfg, device="cpu"):
+    """(eager model, tilegemm model) sharing weights, in eval mode, on ``device``."""
     torch.manual_seed(0)
     # (a config each: from_config sets the implementation on the config object it is given)
     eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), experts_implementation="eager").eval()
     ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), experts_implementation="tilegemm").eval()
     assert eager.config._experts_implementation == "eager"
     ours.load_state_dict(eager.state_dict())
-    return eager, ours
+    return eager.to(device), ours.to(device)
 
 
 def test_registered_under_its_name():
@@ -58,30 +69,30 @@ def test_registered_under_its_name():
 
 
 @pytest.mark.parametrize("make", [qwen3_moe, mixtral], ids=["qwen3_moe", "mixtral"])
-def test_logits_match_eager(make, monkeypatch):
-    eager, ours = pair(make())
+def test_logits_match_eager(make, monkeypatch, device):
+    eager, ours = pair(make(), device)
     calls = []
     project = moe._project
     monkeypatch.setattr(moe, "_project", lambda *a: calls.append(a[1]) or project(*a))
-    ids = torch.randint(0, 64, (2, 7))
+    ids = torch.randint(0, 64, (2, 7), device=device)
     with torch.no_grad():
         want, got = eager(ids).logits, ours(ids).logits
     assert calls.count("gate_up_proj") == 2 and calls.count("down_proj") == 2  # every MoE block ran on tilegemm
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_unfused_activation_matches_eager():
+def test_unfused_activation_matches_eager(device):
     # gelu (erf) is not fused into the epilogue: the grouped GEMM, then the block's own gate
-    eager, ours = pair(qwen3_moe(hidden_act="gelu"))
+    eager, ours = pair(qwen3_moe(hidden_act="gelu"), device)
     assert moe._fused_activation(ours.model.layers[0].mlp.experts) is None
-    ids = torch.randint(0, 64, (1, 9))
+    ids = torch.randint(0, 64, (1, 9), device=device)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, eager(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_gradients_match_eager():
-    eager, ours = pair(qwen3_moe())
-    ids = torch.randint(0, 64, (1, 6))
+def test_gradients_match_eager(device):
+    eager, ours = pair(qwen3_moe(), device)
+    ids = torch.randint(0, 64, (1, 6), device=device)
     for model in (eager, ours):
         model.train()
         model(ids, labels=ids).loss.backward()
@@ -91,8 +102,8 @@ def test_gradients_match_eager():
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_quantize_turns_experts_int4():
-    eager, ours = pair(qwen3_moe())
+def test_quantize_turns_experts_int4(device):
+    eager, ours = pair(qwen3_moe(), device)
     tilegemm.nn.quantize_experts_(ours, group_size=32)
     block = ours.model.layers[0].mlp.experts
     assert not hasattr(block, "gate_up_proj") and block.tilegemm_gate_up_proj_qweight.dtype == torch.int32
@@ -104,7 +115,7 @@ def test_quantize_turns_experts_int4():
         for name in ("gate_up_proj", "down_proj"):
             w4 = moe._int4(q_block, name)
             getattr(e_block, name).data.copy_(tilegemm.w4a16.dequantize(w4).float())
-    ids = torch.randint(0, 64, (2, 5))
+    ids = torch.randint(0, 64, (2, 5), device=device)
     with torch.no_grad():
         want, got = eager(ids).logits, ours(ids).logits
     assert (got - want).norm() / want.norm() < 1e-2
@@ -119,15 +130,15 @@ def test_quantize_experts_refuses_a_bad_group_size(group_size):
 
 
 @pytest.mark.parametrize("hidden_act", ["relu", "gelu_pytorch_tanh"])
-def test_the_blocks_own_activation_is_fused(hidden_act):
+def test_the_blocks_own_activation_is_fused(hidden_act, device):
     # Aria's routed experts are SiLU-gated whatever config.hidden_act says (it drives the shared experts only)
     if not hasattr(transformers, "AriaTextConfig"):
         pytest.skip("this transformers has no Aria")
     cfg = transformers.AriaTextConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, moe_num_experts=4, moe_topk=2,
                                       moe_num_shared_experts=1, hidden_act=hidden_act)
-    eager, ours = pair(cfg)
-    x, idx, w = torch.randn(10, 32), torch.randint(0, 4, (10, 2)), torch.rand(10, 2)
+    eager, ours = pair(cfg, device)
+    x, idx, w = (t.to(device) for t in (torch.randn(10, 32), torch.randint(0, 4, (10, 2)), torch.rand(10, 2)))
     with torch.no_grad():
         want = eager.model.layers[0].mlp.experts(x, idx, w)
         got = ours.model.layers[0].mlp.experts(x, idx, w)
@@ -231,7 +242,7 @@ def test_quantize_names_experts_with_a_forward_of_their_own():
         assert torch.equal(model(x), want)
 
 
-def test_quantize_keeps_the_routers_16_bit():
+def test_quantize_keeps_the_routers_16_bit(device):
     # a router reads its own weight (LongCat's casts it to fp32): quantize_ leaves the MoE blocks' routers alone
     if "longcat_flash" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no LongCat-Flash")
@@ -242,22 +253,23 @@ def test_quantize_keeps_the_routers_16_bit():
         q_lora_rank=32, head_dim=8, max_position_embeddings=64)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="tilegemm").eval().half()
+    model = model.to(device)
     tilegemm.nn.quantize_(model, group_size=32, warn=False)
     mlp = model.model.layers[0].mlp
     assert type(mlp.router.classifier) is torch.nn.Linear
     assert hasattr(mlp.experts, "tilegemm_gate_up_proj_qweight")
     with torch.no_grad():
-        assert torch.isfinite(model(torch.randint(0, 64, (1, 5))).logits).all()
+        assert torch.isfinite(model(torch.randint(0, 64, (1, 5), device=device)).logits).all()
 
 
-def test_nn_quantize_covers_experts():
-    _, ours = pair(qwen3_moe())
+def test_nn_quantize_covers_experts(device):
+    _, ours = pair(qwen3_moe(), device)
     ours = ours.half()  # (Int4Linear takes 16-bit activations)
     tilegemm.nn.quantize_(ours, group_size=32)
     assert isinstance(ours.model.layers[0].self_attn.q_proj, tilegemm.nn.Int4Linear)
     assert hasattr(ours.model.layers[1].mlp.experts, "tilegemm_down_proj_qweight")
     with torch.no_grad():
-        assert torch.isfinite(ours(torch.randint(0, 64, (1, 4))).logits).all()
+        assert torch.isfinite(ours(torch.randint(0, 64, (1, 4), device=device)).logits).all()
 
 
 def test_importing_tilegemm_imports_no_transformers():
@@ -266,11 +278,11 @@ def test_importing_tilegemm_imports_no_transformers():
     assert out.stdout.strip() == "False"
 
 
-def test_experts_block_compiles_fullgraph():
+def test_experts_block_compiles_fullgraph(device):
     # sort, searchsorted, the grouped ops and the scatter back trace as one graph (no data-dependent host step)
-    _, ours = pair(qwen3_moe())
+    _, ours = pair(qwen3_moe(), device)
     block = ours.model.layers[0].mlp.experts
-    x, idx, weights = torch.randn(7, 32), torch.randint(0, 8, (7, 2)), torch.rand(7, 2)
+    x, idx, weights = (t.to(device) for t in (torch.randn(7, 32), torch.randint(0, 8, (7, 2)), torch.rand(7, 2)))
     with torch.no_grad():
         want = block(x, idx, weights)
         got = torch.compile(block, fullgraph=True, backend="aot_eager")(x, idx, weights)
@@ -284,14 +296,14 @@ def test_registers_when_transformers_is_imported_later():
     assert out.stdout.strip() == "True"
 
 
-def test_quantized_experts_keep_fragments_for_compile(monkeypatch):
+def test_quantized_experts_keep_fragments_for_compile(monkeypatch, device):
     # Where the decode kernel runs (faked here: the packing is plain torch), quantizing makes the fragment layouts
     # and keeps them as unsaved buffers: gate/up in the fused gate's order, down as is; a compiled block then
     # passes them to the op (torch.compile traces no packing), which picks its kernel when it runs.
     import tilegemm.ops.grouped.dispatch as dispatch
     import tilegemm.ops.grouped.op as op
 
-    _, ours = pair(qwen3_moe())
+    _, ours = pair(qwen3_moe(), device)
     ours = ours.half()
     with monkeypatch.context() as m:
         m.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
@@ -312,7 +324,8 @@ def test_quantized_experts_keep_fragments_for_compile(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(op, "forward_int4", spy)
-    x, idx, weights = torch.randn(7, 32).half(), torch.randint(0, 8, (7, 2)), torch.rand(7, 2).half()
+    x, idx, weights = (t.to(device) for t in (torch.randn(7, 32).half(), torch.randint(0, 8, (7, 2)),
+                                              torch.rand(7, 2).half()))
     with torch.no_grad():
         want = block(x, idx, weights)
         seen.clear()
@@ -321,13 +334,14 @@ def test_quantized_experts_keep_fragments_for_compile(monkeypatch):
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 
 
-def _two_quantized_models():
-    """Two fp16 Qwen3-MoE models of different random weights, experts made 4-bit (group 32): a saved one, a target."""
+def _two_quantized_models(device="cpu"):
+    """Two fp16 Qwen3-MoE models of different random weights, experts made 4-bit (group 32): a saved one, a target;
+    on ``device``."""
     cfg = qwen3_moe()
     models = []
     for seed in (0, 1):
         torch.manual_seed(seed)
-        m = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).eval().half()
+        m = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).eval().half().to(device)
         tilegemm.nn.quantize_experts_(m, group_size=32)
         models.append(m)
     return models
@@ -379,19 +393,19 @@ def _act_order_(model, seed=0):
         ws = {}
         for name in ("gate_up_proj", "down_proj"):
             w = moe._int4(block, name)
-            perm = torch.stack([torch.randperm(w.shape[-1], generator=gen) for _ in range(w.shape[0])])
+            perm = torch.stack([torch.randperm(w.shape[-1], generator=gen) for _ in range(w.shape[0])]).to(w.device)
             ws[name] = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape, perm)
         moe.install_int4_experts_(block, ws)
 
 
 @pytest.mark.parametrize("saved_act_order", [True, False])
-def test_load_state_dict_takes_the_saved_input_orders(saved_act_order):
+def test_load_state_dict_takes_the_saved_input_orders(saved_act_order, device):
     # A saved quantized model's experts load into a quantized one whether or not either is act-order: the
     # perm buffers follow the state dict (none left over, none dropped), so the loaded model computes as the saved.
-    saved, target = _two_quantized_models()
+    saved, target = _two_quantized_models(device)
     _act_order_(saved if saved_act_order else target)
     target.load_state_dict(saved.state_dict())
     assert sorted(target.state_dict()) == sorted(saved.state_dict())
-    ids = torch.randint(0, 64, (1, 6))
+    ids = torch.randint(0, 64, (1, 6), device=device)
     with torch.no_grad():
         torch.testing.assert_close(target(ids).logits, saved(ids).logits, rtol=0, atol=0)
