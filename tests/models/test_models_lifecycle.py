@@ -1,6 +1,8 @@
 """A quantized transformers model through its life: dtype conversions of 4-bit experts, dequantized copies,
 tied output layers, save_pretrained, and loading a checkpoint into a model quantized already; checked against
-plain-torch models holding the weights (the tests' own writer, ckpt_writer.py)."""
+plain-torch models holding the weights (the tests' own writer, ckpt_writer.py). The models that run kernels go to the
+``device`` fixture's device (the CPU under the interpreter, the GPU otherwise); the plain-torch references stay on the
+CPU."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ _interface = getattr(pytest.importorskip("transformers.integrations.moe"), "ALL_
 
 
 def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.double().cpu(), b.double().cpu()  # (a model on the GPU against a reference on the CPU)
     return float((a - b).norm() / b.norm())
 
 
@@ -45,19 +47,19 @@ def _quiet(fn, *args, **kwargs):
 
 def _logits(model, ids=IDS):
     with torch.no_grad():
-        return model(ids).logits
+        return model(ids.to(model.device)).logits
 
 
 # --- 4-bit experts under .float() / .half() -----------------------------------------------------------------
 
 
 @pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface (transformers >= 5)")
-def test_moe_experts_scales_stay_16_bit_under_float():
+def test_moe_experts_scales_stay_16_bit_under_float(device):
     config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="tilegemm")
-    model = model.eval().to(torch.bfloat16)
+    model = model.eval().to(torch.bfloat16).to(device)
     _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
     experts = model.model.layers[0].mlp.experts
     assert experts.tilegemm_gate_up_proj_scales.dtype == torch.bfloat16
@@ -88,8 +90,8 @@ def test_moe_experts_scales_stay_16_bit_under_float():
 # --- dequantized_copy ---------------------------------------------------------------------------------------
 
 
-def test_dequantized_copy_of_an_fp32_model_is_fp32():
-    model = cw.random_model(cw.tiny_config("llama", hidden=64, layers=1))  # fp32, as from_config builds it
+def test_dequantized_copy_of_an_fp32_model_is_fp32(device):
+    model = cw.random_model(cw.tiny_config("llama", hidden=64, layers=1)).to(device)  # fp32, as from_config builds it
     _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
     dense = dequantized_copy(model)
     assert {p.dtype for p in dense.parameters()} == {torch.float32}
@@ -123,28 +125,29 @@ def _llama_classifier():
     (_t5, {"decoder_input_ids": IDS[:, :3]}, "logits"),
     (_llama_classifier, {}, "logits"),
 ])
-def test_dequantized_copy_of_a_model_that_is_not_a_causal_lm_is_of_its_class(build, kwargs, output):
+def test_dequantized_copy_of_a_model_that_is_not_a_causal_lm_is_of_its_class(build, kwargs, output, device):
     # not every quantized transformers model is a causal LM: the copy is the model's own class, outputs alike
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = build().float().eval()
+        model = build().float().eval().to(device)
     _quiet(quantize_, model, group_size=32)
     assert any(isinstance(m, Int4Linear) for m in model.modules())
     dense = dequantized_copy(model)
     assert type(dense) is type(model)
     assert not any(isinstance(m, Int4Linear) for m in dense.modules())
+    ids, kwargs = IDS.to(device), {k: v.to(device) for k, v in kwargs.items()}
     with torch.no_grad():
-        out, ref = model(IDS, **kwargs)[output], dense(IDS, **kwargs)[output]
+        out, ref = model(ids, **kwargs)[output], dense(ids, **kwargs)[output]
     assert out.shape == ref.shape and _rel(out, ref) < TOL
 
 
 # --- tied output layers and save_pretrained ----------------------------------------------------------------
 
 
-def test_quantizing_a_tied_lm_head_unties_it_in_the_config(tmp_path):
+def test_quantizing_a_tied_lm_head_unties_it_in_the_config(tmp_path, device):
     from safetensors.torch import load_file
 
-    model = cw.random_model(cw.tiny_config("llama", hidden=64, layers=1, tie=True)).half()
+    model = cw.random_model(cw.tiny_config("llama", hidden=64, layers=1, tie=True)).half().to(device)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     _quiet(quantize_, model, group_size=32)
     assert isinstance(model.lm_head, Int4Linear) and model.config.tie_word_embeddings is False
@@ -154,14 +157,14 @@ def test_quantizing_a_tied_lm_head_unties_it_in_the_config(tmp_path):
     # saved, then loaded into a model of the saved config quantized alike: the same logits
     _quiet(model.save_pretrained, tmp_path)
     again = transformers.AutoModelForCausalLM.from_config(
-        _quiet(transformers.AutoConfig.from_pretrained, tmp_path)).half().eval()
+        _quiet(transformers.AutoConfig.from_pretrained, tmp_path)).half().eval().to(device)
     assert again.config.tie_word_embeddings is False
     _quiet(quantize_, again, group_size=32)
     again.load_state_dict(load_file(tmp_path / "model.safetensors"))
     assert torch.equal(_logits(again), before)
 
 
-def test_loaded_tied_checkpoint_with_a_quantized_lm_head_unties(tmp_path, monkeypatch):
+def test_loaded_tied_checkpoint_with_a_quantized_lm_head_unties(tmp_path, monkeypatch, device):
     # a checkpoint that stores lm_head quantized though its config says tied: loaded untied, tie_weights() keeps it
     import json
 
@@ -173,7 +176,7 @@ def test_loaded_tied_checkpoint_with_a_quantized_lm_head_unties(tmp_path, monkey
     saved = json.loads((tmp_path / "config.json").read_text())
     saved["tie_word_embeddings"] = True
     (tmp_path / "config.json").write_text(json.dumps(saved))
-    model = _quiet(from_pretrained, tmp_path, device="cpu")
+    model = _quiet(from_pretrained, tmp_path, device=device)
     assert isinstance(model.lm_head, Int4Linear) and model.config.tie_word_embeddings is False
     model.tie_weights()
     assert _rel(_logits(model), _logits(cw.reference_model(config, reference))) < TOL
@@ -203,25 +206,25 @@ def _check_resize_refused(model):
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_resize_token_embeddings_of_a_4_bit_lm_head_is_refused_clearly(tie):
-    model = cw.random_model(cw.tiny_config("llama", hidden=64, layers=1, tie=tie)).half()
+def test_resize_token_embeddings_of_a_4_bit_lm_head_is_refused_clearly(tie, device):
+    model = cw.random_model(cw.tiny_config("llama", hidden=64, layers=1, tie=tie)).half().to(device)
     _quiet(quantize_, model, group_size=32)
     assert isinstance(model.lm_head, Int4Linear)
     _check_resize_refused(model)
 
 
-def test_resize_token_embeddings_of_a_loaded_4_bit_lm_head_is_refused_clearly(tmp_path, monkeypatch):
+def test_resize_token_embeddings_of_a_loaded_4_bit_lm_head_is_refused_clearly(tmp_path, monkeypatch, device):
     names = cw.linear_names  # a checkpoint that stores lm_head quantized
     monkeypatch.setattr(cw, "linear_names", lambda model, quantize_lm_head=False, not_convert=():
                         names(model, True, not_convert))
     cw.write_model(tmp_path, cw.random_model(cw.tiny_config("llama", hidden=64, layers=1)), "gptq", 32)
-    model = _quiet(from_pretrained, tmp_path, device="cpu")
+    model = _quiet(from_pretrained, tmp_path, device=device)
     assert isinstance(model.lm_head, Int4Linear)
     _check_resize_refused(model)
 
 
-def test_resize_token_embeddings_with_a_16_bit_lm_head_resizes_as_transformers_does():
-    model = cw.random_model(cw.tiny_config("llama", hidden=64, layers=1)).half()
+def test_resize_token_embeddings_with_a_16_bit_lm_head_resizes_as_transformers_does(device):
+    model = cw.random_model(cw.tiny_config("llama", hidden=64, layers=1)).half().to(device)
     _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
     _quiet(model.resize_token_embeddings, 264)
     assert model.get_input_embeddings().weight.shape[0] == 264 and model.lm_head.out_features == 264
@@ -229,12 +232,12 @@ def test_resize_token_embeddings_with_a_16_bit_lm_head_resizes_as_transformers_d
     assert _logits(model, torch.tensor([[3, 263]])).shape == (1, 2, 264)
 
 
-def test_save_pretrained_of_a_loaded_model_is_not_a_gptq_checkpoint(tmp_path):
+def test_save_pretrained_of_a_loaded_model_is_not_a_gptq_checkpoint(tmp_path, device):
     from safetensors.torch import load_file
 
     config = cw.tiny_config("llama", hidden=64, layers=1)
     cw.write_model(tmp_path / "ckpt", cw.random_model(config), "gptq", 32)
-    model = _quiet(from_pretrained, tmp_path / "ckpt", device="cpu")
+    model = _quiet(from_pretrained, tmp_path / "ckpt", device=device)
     q = model.config.quantization_config
     assert q["quant_method"] == "tilegemm" and q["group_size"] == 32 and q["converted_from"] == "gptq"
     _quiet(model.save_pretrained, tmp_path / "saved")
@@ -242,7 +245,7 @@ def test_save_pretrained_of_a_loaded_model_is_not_a_gptq_checkpoint(tmp_path):
         from_pretrained(tmp_path / "saved", device="cpu")
     # the documented way back: a model of the saved config, quantized alike, given the saved tensors
     again = transformers.AutoModelForCausalLM.from_config(
-        _quiet(transformers.AutoConfig.from_pretrained, tmp_path / "saved")).half().eval()
+        _quiet(transformers.AutoConfig.from_pretrained, tmp_path / "saved")).half().eval().to(device)
     _quiet(quantize_, again, group_size=32, filter=lambda n, m: "lm_head" not in n)
     again.load_state_dict(load_file(tmp_path / "saved" / "model.safetensors"))
     assert torch.equal(_logits(again), _logits(model))
@@ -254,10 +257,10 @@ def test_save_pretrained_of_a_loaded_model_is_not_a_gptq_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("built_group", [32, 64])
-def test_load_quantized_into_a_quantized_model_rebuilds_its_int4_layers(tmp_path, built_group):
+def test_load_quantized_into_a_quantized_model_rebuilds_its_int4_layers(tmp_path, built_group, device):
     config = cw.tiny_config("llama", hidden=64, layers=1)
     reference = cw.write_model(tmp_path, cw.random_model(config), "gptq", 32, act_order=True)
-    model = cw.random_model(config, seed=2).half()
+    model = cw.random_model(config, seed=2).half().to(device)
     _quiet(quantize_, model, group_size=built_group, filter=lambda n, m: "lm_head" not in n)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no stored tensor is skipped
@@ -267,14 +270,14 @@ def test_load_quantized_into_a_quantized_model_rebuilds_its_int4_layers(tmp_path
     assert len(layers) == 7
     for name, layer in layers.items():  # each layer is the checkpoint's (act-order: g_idx read, perm made)
         assert layer.group_size == 32 and layer.perm.numel() == layer.in_features, name
-        assert torch.equal(layer.dequantize().float(), reference[f"{name}.weight"].float()), name
+        assert torch.equal(layer.dequantize().float().cpu(), reference[f"{name}.weight"].float()), name
     assert _rel(_logits(model), _logits(cw.reference_model(config, reference))) < TOL
 
 
-def test_load_quantized_refuses_a_16_bit_layer_into_an_int4_one(tmp_path):
+def test_load_quantized_refuses_a_16_bit_layer_into_an_int4_one(tmp_path, device):
     config = cw.tiny_config("llama", hidden=64, layers=1)
     cw.write_model(tmp_path, cw.random_model(config), "gptq", 32, not_convert=("o_proj",))
-    model = cw.random_model(config, seed=2).half()
+    model = cw.random_model(config, seed=2).half().to(device)
     _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
     before = _logits(model)
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.o_proj is an Int4Linear \(the model was quantized "
@@ -284,7 +287,7 @@ def test_load_quantized_refuses_a_16_bit_layer_into_an_int4_one(tmp_path):
 
 
 @pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface (transformers >= 5)")
-def test_load_quantized_into_quantized_moe_experts_rebuilds_them(tmp_path):
+def test_load_quantized_into_quantized_moe_experts_rebuilds_them(tmp_path, device):
     from tilegemm.nn import moe
     from tilegemm.ops.w4a16 import dequantize
 
@@ -293,7 +296,7 @@ def test_load_quantized_into_quantized_moe_experts_rebuilds_them(tmp_path):
     with torch.random.fork_rng():
         torch.manual_seed(2)
         model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="tilegemm")
-    model = model.eval().half()
+    model = model.eval().half().to(device)
     _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
     block = model.model.layers[0].mlp.experts
     assert "gate_up_proj" not in block._parameters
