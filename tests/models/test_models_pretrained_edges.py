@@ -1,6 +1,8 @@
 """Edges of tilegemm.models.from_pretrained found against checkpoints written by the tests' own writer
 (ckpt_writer.py): layers narrower than the group size (stored as one group), a stored bias of the wrong shape, an
-index that maps a tensor to a shard that lacks it, a directory holding only pytorch_model.bin."""
+index that maps a tensor to a shard that lacks it, a directory holding only pytorch_model.bin. The loaded models run
+on the ``device`` fixture's device (the CPU under the interpreter, the GPU otherwise), the plain-torch references on
+the CPU."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ IDS = torch.tensor([[3, 17, 200]])
 
 def _rel(model, reference) -> float:
     with torch.no_grad():
-        a = model(input_ids=IDS).logits.float()
+        a = model(input_ids=IDS.to(model.device)).logits.float().cpu()
         b = reference(input_ids=IDS).logits.float()
     return float((a - b).norm() / b.norm())
 
@@ -37,13 +39,13 @@ def _set_group_size(path, group_size):
 
 
 @pytest.mark.parametrize("method, act_order", [("gptq", False), ("gptq", True), ("awq", False)])
-def test_layers_narrower_than_the_group_load_as_one_group(tmp_path, method, act_order):
+def test_layers_narrower_than_the_group_load_as_one_group(tmp_path, method, act_order, device):
     # hidden 64 < group 128: quantizers store ceil(64 / 128) = 1 group for q/k/v/o/gate/up (down: K = 128, 1 group)
     config = cw.tiny_config("llama", hidden=64)
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), method, -1, sym=False, act_order=act_order)
     _set_group_size(path, 128)  # what the config of such a checkpoint says
-    model = from_pretrained(path, device="cpu")
+    model = from_pretrained(path, device=device)
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 * config.num_hidden_layers
     assert _rel(model, cw.reference_model(config, reference)) < 3e-3
 
@@ -96,11 +98,11 @@ def test_a_directory_with_pytorch_model_bin_only(tmp_path):
         from_pretrained(path, device="cpu")
 
 
-def test_experts_narrower_than_the_group_load_as_one_group(tmp_path):
+def test_experts_narrower_than_the_group_load_as_one_group(tmp_path, device):
     # Qwen3-MoE, hidden 64 and expert width 32 under group 128: every expert Linear is stored as one group
     config = cw.tiny_moe_config("qwen3_moe", hidden=64, width=32)
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), "gptq", -1, sym=False)
     _set_group_size(path, 128)
-    model = from_pretrained(path, device="cpu")
+    model = from_pretrained(path, device=device)
     assert _rel(model, cw.reference_model(config, reference)) < 3e-3
