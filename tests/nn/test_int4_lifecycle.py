@@ -1,5 +1,6 @@
 """Int4Linear and quantize_ through a model's life: state dicts that do or do not fit, dtype conversions, shared
-and hooked layers, autocast, 4-bit experts under .float()/.half()."""
+and hooked layers, autocast, 4-bit experts under .float()/.half(). Layers that run kernels go to the ``device``
+fixture's device: the CPU under the interpreter, the GPU otherwise."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ def _ref(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
 # --- Int4Linear.load_state_dict -------------------------------------------------------------------------------
 
 
-def test_state_dict_of_another_shape_is_refused_naming_keys_and_shapes():
-    dst = Int4Linear.from_linear(nn.Linear(64, 16, dtype=torch.float16), group_size=32)
+def test_state_dict_of_another_shape_is_refused_naming_keys_and_shapes(device):
+    dst = Int4Linear.from_linear(nn.Linear(64, 16, dtype=torch.float16), group_size=32).to(device)
     src = Int4Linear.from_linear(nn.Linear(64, 32, dtype=torch.float16), group_size=32)
-    x = torch.randn(3, 64, dtype=torch.float16)
+    x = torch.randn(3, 64, dtype=torch.float16, device=device)
     before = dst(x).clone()
     kept = {k: v.clone() for k, v in dst.state_dict().items()}
     with pytest.raises(RuntimeError, match=r"qweight \[8, 32\].*Int4Linear\(in_features=64, out_features=16") as err:
@@ -45,13 +46,13 @@ def test_state_dict_whose_groups_do_not_split_k_is_refused(groups):
 
 
 @pytest.mark.parametrize("built_group", [32, 128])
-def test_state_dict_keeps_the_module_scale_dtype(built_group):
+def test_state_dict_keeps_the_module_scale_dtype(built_group, device):
     # a bf16 state dict into an fp16 module: its scales stay fp16 whatever group size the module was built with
-    src = Int4Linear.from_linear(nn.Linear(128, 16, dtype=torch.bfloat16), group_size=32)
-    dst = Int4Linear(128, 16, group_size=built_group, dtype=torch.float16)
+    src = Int4Linear.from_linear(nn.Linear(128, 16, dtype=torch.bfloat16), group_size=32).to(device)
+    dst = Int4Linear(128, 16, group_size=built_group, dtype=torch.float16, device=device)
     dst.load_state_dict(src.state_dict())
     assert dst.scales.dtype == dst.zeros.dtype == torch.float16 and dst.group_size == 32
-    x = torch.randn(2, 128, dtype=torch.float16)
+    x = torch.randn(2, 128, dtype=torch.float16, device=device)
     y = dst(x)
     assert y.dtype == torch.float16
     assert_rel_close(y, _ref(dst, x), 2e-3)
@@ -61,10 +62,10 @@ def test_state_dict_keeps_the_module_scale_dtype(built_group):
 # --- quantize_: shared layers, hooks, training flag, DTensors -------------------------------------------------
 
 
-def test_quantize_gives_a_shared_linear_one_int4_layer_under_every_name():
+def test_quantize_gives_a_shared_linear_one_int4_layer_under_every_name(device):
     from tilegemm.nn import quantize_
 
-    shared = nn.Linear(64, 64, dtype=torch.float16)
+    shared = nn.Linear(64, 64, dtype=torch.float16, device=device)
 
     class TwoNames(nn.Module):
         def __init__(self):
@@ -81,24 +82,24 @@ def test_quantize_gives_a_shared_linear_one_int4_layer_under_every_name():
     layers = [model.block1[0], model.block2[0], model.twice.a, model.twice.b]
     assert all(isinstance(m, Int4Linear) for m in layers) and all(m is layers[0] for m in layers)
     assert model.tilegemm_skipped == []
-    x = torch.randn(3, 64, dtype=torch.float16)
+    x = torch.randn(3, 64, dtype=torch.float16, device=device)
     q = layers[0]
     ref = torch.relu(_ref(q, x)).to(torch.float16)
     assert_rel_close(model.twice(x), _ref(q, ref), 3e-3)
 
 
-def test_quantize_keeps_hooks_and_the_training_flag():
+def test_quantize_keeps_hooks_and_the_training_flag(device):
     from tilegemm.nn import quantize_
 
     seen = []
-    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8)).half().eval()
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8)).half().eval().to(device)
     model[0].register_forward_pre_hook(lambda m, args: seen.append(("pre", type(m).__name__)))
     handle = model[0].register_forward_hook(lambda m, args, out: out * 2)  # a hook that changes the output
     model[2].train()  # one layer in training mode, the rest in eval
     quantize_(model, group_size=32)
     assert isinstance(model[0], Int4Linear) and isinstance(model[2], Int4Linear)
     assert [m.training for m in model] == [False, False, True]
-    x = torch.randn(2, 64, dtype=torch.float16)
+    x = torch.randn(2, 64, dtype=torch.float16, device=device)
     h = torch.relu(2 * _ref(model[0], x)).to(torch.float16)
     assert_rel_close(model(x), _ref(model[2], h), 3e-3)
     assert seen == [("pre", "Int4Linear")]
@@ -133,10 +134,10 @@ def test_quantize_refuses_dtensor_weights_before_changing_anything():
 
 @pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("module_dtype", [torch.float32, torch.float16])
-def test_int4_linear_runs_in_the_autocast_dtype(module_dtype, cast):
-    q = Int4Linear.from_linear(nn.Linear(64, 16, dtype=module_dtype), group_size=32)
-    x = torch.randn(3, 64)  # fp32, as autocast regions get it
-    with torch.autocast("cpu", dtype=cast):
+def test_int4_linear_runs_in_the_autocast_dtype(module_dtype, cast, device):
+    q = Int4Linear.from_linear(nn.Linear(64, 16, dtype=module_dtype), group_size=32).to(device)
+    x = torch.randn(3, 64, device=device)  # fp32, as autocast regions get it
+    with torch.autocast(device, dtype=cast):
         y = q(x)
     assert y.dtype == cast
     assert_rel_close(y, _ref(q, x.to(cast)), 1.5e-2)
