@@ -48,14 +48,14 @@ def test_bf16_decode_rows_step_on_the_same_token():
         assert r.status == "ok" and (r.rel_err is None or r.rel_err < 5e-2), r
 
 
-def test_the_int4_twin_is_what_the_16_bit_model_holds():
+def test_the_int4_twin_is_what_the_16_bit_model_holds(device):
     from tilegemm.models import moe
     from tilegemm.nn import Int4Linear
     from tilegemm.nn.moe import _int4
     from tilegemm.ops.w4a16.format import dequantize
 
     torch.manual_seed(0)
-    model = moe.build("qwen3_moe", tiny=True, dtype=torch.float16)
+    model = moe.build("qwen3_moe", tiny=True, dtype=torch.float16, device=device)
     twin = moe.int4_twin(model, moe.TINY_GROUP)
     linears = {n: type(m) for n, m in twin.named_modules() if isinstance(m, (torch.nn.Linear, Int4Linear))}
     assert linears["lm_head"] is torch.nn.Linear
@@ -65,7 +65,7 @@ def test_the_int4_twin_is_what_the_16_bit_model_holds():
             assert torch.equal(getattr(m16, name), dequantize(_int4(m4, name)))
             assert name not in m4._parameters  # the 16-bit experts are not in the copy
     assert twin.config._experts_implementation == "tilegemm"
-    ids = torch.randint(0, 256, (2, 5))
+    ids = torch.randint(0, 256, (2, 5), device=device)
     with torch.no_grad():
         moe.set_experts(model, "grouped_mm")
         a = model(input_ids=ids).logits.float()
