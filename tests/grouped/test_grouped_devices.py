@@ -135,3 +135,18 @@ def test_experts_on_another_device_than_the_input_are_named():
     x, index, weights = torch.randn(5, 16), torch.randint(0, 3, (5, 2)), torch.rand(5, 2)
     with pytest.raises(ValueError, match="different devices: a on cpu, b on meta"):
         experts(x, index, weights)
+
+
+def test_the_ops_device_check_passes_one_cuda_device_and_names_another():
+    # the registered ops' check (checks.check_op_devices) on stand-ins for CUDA tensors: one device passes on its
+    # short path, a tensor on a second GPU is named
+    from types import SimpleNamespace
+    from tilegemm.ops.grouped.checks import check_op_devices
+
+    on = lambda i: SimpleNamespace(device=torch.device("cuda", i))  # noqa: E731
+    names = ("a", "b", "offs", "bias")
+    check_op_devices(names, (on(0), on(0), on(0), None))
+    with pytest.raises(ValueError, match="different devices: a on cuda:0, offs on cuda:1"):
+        check_op_devices(names, (on(0), on(0), on(1), None))
+    with pytest.raises(ValueError, match="different devices: a on cuda:1, b on cuda:0"):
+        check_op_devices(names, (on(1), on(0), on(1), on(1)))

@@ -50,6 +50,21 @@ def check_offs(offs, groups: int | None, groups_of: str, grouped_dim: str, exten
                              f"{extent}")
 
 
+def check_op_devices(names: tuple, tensors: tuple) -> None:
+    """The device check of a registered op's body (``tensors``, None for an absent one, named by ``names``): called
+    directly (``torch.ops.tilegemm.grouped_mm``, ...) nothing checked that they share a device, and CPU tensors while
+    kernels compile for the GPU reached Triton's launch, whose error names no tensor. Tensors on one CUDA device pass
+    on a short path (this runs on every call of a compiled graph); others get :func:`check_same_device`'s errors."""
+    device = tensors[0].device
+    if device.type == "cuda":
+        for t in tensors:
+            if t is not None and t.device != device:
+                break
+        else:
+            return
+    check_same_device({n: t for n, t in zip(names, tensors) if t is not None})
+
+
 def check_grouped(a, b, offs, bias, out_dtype) -> tuple[str, int]:
     """Check a ``grouped_mm`` call; return its layout (``"2d3d"``, ...) and number of groups."""
     _tensor("a", a)

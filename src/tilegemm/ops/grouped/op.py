@@ -19,9 +19,10 @@ from tilegemm.core import registry
 from tilegemm.core.activations import torch_activation
 from tilegemm.core.dtypes import resolve_precision
 from tilegemm.core.replay import ReplayCache
-from tilegemm.core.runtime import check_same_device, new_output, on_device
+from tilegemm.core.runtime import new_output, on_device
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.grouped import dispatch
+from tilegemm.ops.grouped.checks import check_op_devices
 from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem, out_shape
 
 # The host fast path of the family's plain calls (grouped_mm, moe_gate_up, w4a16.grouped_matmul): each is one
@@ -29,12 +30,9 @@ from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem, out_s
 # Keys: tilegemm.ops.grouped.checks (replay_key, gated_replay_key, int4_replay_key); docs/grouped.md.
 REPLAYS = ReplayCache("grouped")
 
-
-def check_op_devices(named: dict) -> None:
-    """The device check of a registered op's body, over ``named`` (name -> tensor or None): called directly
-    (``torch.ops.tilegemm.grouped_mm``, ...) nothing else checked that its tensors share a device, and CPU tensors
-    while kernels compile for the GPU would reach Triton's launch (whose error names no tensor)."""
-    check_same_device({n: t for n, t in named.items() if t is not None})
+# the tensors' names in the ops' device checks (their direct callers skip the public functions' checks)
+_MM_NAMES = ("a", "b", "offs", "bias")
+_INT4_NAMES = ("x", "qweight", "scales", "zeros", "offs", "bias", "fweight", "fzs")
 
 
 def _groups(layout: str, a, b, offs) -> int:
@@ -62,7 +60,7 @@ def forward(a, b, offs, bias, out_dtype, precision: str, kernel: str) -> torch.T
 @torch.library.custom_op("tilegemm::grouped_mm", mutates_args=())
 def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                   out_dtype: Optional[torch.dtype], precision: str, kernel: str) -> torch.Tensor:
-    check_op_devices({"a": a, "b": b, "offs": offs, "bias": bias})
+    check_op_devices(_MM_NAMES, (a, b, offs, bias))
     return forward(a, b, offs, bias, out_dtype, precision, kernel)
 
 
@@ -147,8 +145,7 @@ def grouped_w4a16_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                      offs: torch.Tensor, bias: Optional[torch.Tensor], group_k: int, activation: str, gated: bool,
                      kernel: str, fweight: Optional[torch.Tensor] = None,
                      fzs: Optional[torch.Tensor] = None) -> torch.Tensor:
-    check_op_devices({"x": x, "qweight": qweight, "scales": scales, "zeros": zeros, "offs": offs, "bias": bias,
-                      "fweight": fweight, "fzs": fzs})
+    check_op_devices(_INT4_NAMES, (x, qweight, scales, zeros, offs, bias, fweight, fzs))
     return forward_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight, fzs)
 
 
@@ -219,7 +216,7 @@ def forward_gated(a, b, offs, bias, activation: str, precision: str) -> torch.Te
 @torch.library.custom_op("tilegemm::grouped_mm_gated", mutates_args=())
 def grouped_mm_gated_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: Optional[torch.Tensor],
                         activation: str, precision: str) -> torch.Tensor:
-    check_op_devices({"a": a, "b": b, "offs": offs, "bias": bias})
+    check_op_devices(_MM_NAMES, (a, b, offs, bias))
     return forward_gated(a, b, offs, bias, activation, precision)
 
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core.runtime import cdiv, check_device, check_same_device, new_output, on_device
-from tilegemm.ops.grouped.checks import check_offs
+from tilegemm.core.runtime import cdiv, check_device, new_output, on_device
+from tilegemm.ops.grouped.checks import check_offs, check_op_devices
 
 # Pairs (tokens x top-k) up to which moe_route runs its kernel; above, torch's sort (the kernel ranks each pair
 # against every other: P^2 / PAIRS_A_PROGRAM programs' work). An estimate, checked by tools/moe_route_probe.py
@@ -245,8 +245,7 @@ group_columns_op.register_autograd(_backward_columns, setup_context=_setup_colum
 @torch.library.custom_op("tilegemm::moe_route", mutates_args=())
 def moe_route_op(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                         torch.Tensor]:
-    # called directly (torch.ops.tilegemm.moe_route) nothing checked the devices: CPU tensors are refused, not launched
-    check_same_device({"x": x, "top_k_index": top_k_index})
+    check_op_devices(("x", "top_k_index"), (x, top_k_index))  # (called directly, nothing else checked them)
     return route(x, top_k_index, num_experts)
 
 
@@ -275,7 +274,7 @@ moe_route_op.register_autograd(_backward_route, setup_context=_setup_route)
 
 @torch.library.custom_op("tilegemm::moe_combine", mutates_args=())
 def moe_combine_op(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    check_same_device({"y": y, "pos": pos, "weights": weights})  # (as moe_route_op: called directly)
+    check_op_devices(("y", "pos", "weights"), (y, pos, weights))  # (called directly, nothing else checked them)
     return combine(y, pos, weights)
 
 
