@@ -18,14 +18,14 @@ from tilegemm.core.dtypes import resolve_precision
 from tilegemm.core.hardware import sm_count
 from tilegemm.core.launch import keeping, sequence_lock
 from tilegemm.core.runtime import interpreting, on_device
-from tilegemm.ops.matmul import matmul
-from tilegemm.ops.conv2d import configs
+from tilegemm.ops.conv2d import configs, patchify
 from tilegemm.ops.conv2d.configs import (
     _patch, _pow2_at_least, gluon_ring, takes_grouped_direct, takes_grouped_packed, tma_forward_config,
 )
 from tilegemm.ops.conv2d.problem import (
     ConvCall, ConvProblem, DgradCall, Geometry, WgradCall, channels_last, memory_format_of, wgrad_format,
 )
+from tilegemm.ops.matmul import matmul
 
 # auto's thresholds: name = value  # why
 STEM_MAX_C = 8  # inputs of at most this many channels are stems: the TMA window route reads them in any layout
@@ -326,6 +326,8 @@ def dgrad(c: DgradCall) -> torch.Tensor:
                 return dx.view(g.N, g.H, g.W, g.C).permute(0, 3, 1, 2)
             dx = matmul(w2d.t(), dy.reshape(g.N, g.K, g.H * g.W), precision=precision)  # [N, C, HW]
             return dx.view(g.N, g.C, g.H, g.W)
+        if patchify.takes(g):  # a patch embedding's stem: one GEMM over the patches
+            return patchify.dgrad(dy, weight, x_shape, fmt, g, precision)
         if not c.x_channels_last and _nchw_route(dy):
             return _dgrad_nchw(dy, weight, x_shape, g, precision)
         if g.is_strided_pointwise and c.x_channels_last and dy.is_contiguous(memory_format=torch.channels_last):
@@ -415,6 +417,8 @@ def wgrad(c: WgradCall) -> torch.Tensor:
     with on_device(x.device):
         from tilegemm.ops.conv2d.layout import planar
 
+        if patchify.takes(g):  # a patch embedding's stem: one GEMM over the gathered patches
+            return patchify.wgrad(dy, x, g, precision, fmt)
         if _nchw_route(x) and planar(dy):
             return _wgrad_nchw(dy, x, g, precision, fmt)
         return _wgrad_channels_last(dy, x, g, precision, fmt, x.dtype, pads=_wgrad_pads(g) and _tma_candidate(x))
