@@ -8,6 +8,8 @@ import copy
 import subprocess
 import sys
 
+import inspect
+
 import pytest
 import torch
 
@@ -138,6 +140,8 @@ def test_the_blocks_own_activation_is_fused(hidden_act, device):
                                       num_attention_heads=4, num_key_value_heads=2, moe_num_experts=4, moe_topk=2,
                                       moe_num_shared_experts=1, hidden_act=hidden_act)
     eager, ours = pair(cfg, device)
+    if len(inspect.signature(type(eager.model.layers[0].mlp.experts).forward).parameters) < 4:
+        pytest.skip("this transformers' Aria experts take no routing (no experts interface): nothing runs on tilegemm")
     x, idx, w = (t.to(device) for t in (torch.randn(10, 32), torch.randint(0, 4, (10, 2)), torch.rand(10, 2)))
     with torch.no_grad():
         want = eager.model.layers[0].mlp.experts(x, idx, w)
