@@ -96,14 +96,15 @@ def test_split_shrinks_with_the_tiles():
 @pytest.mark.parametrize("K,C,pixels,tile", [
     (696, 232, 32 * 56 * 56, (128, 256)),  # 16G multiply-adds: the wide tile
     (80, 480, 32 * 75 * 75, (128, 256)),
-    (224, 32, 32 * 112 * 112, (128, 64)),  # 2.9G, but 128x256 would pad 32 input channels to 256
+    (224, 32, 32 * 112 * 112 * 2, (128, 64)),  # 5.8G, but 128x256 would pad 32 input channels to 256
+    (128, 256, 32 * 56 * 56, (64, 64)),  # 3.3G: under the wide tile's work
     (40, 96, 32 * 14 * 14, (64, 128)),  # one 64x128 tile covers it where 64x64 takes two
     (120, 40, 32 * 14 * 14, (128, 64)),
     (80, 80, 32 * 56 * 56, (64, 128)),  # tie of padding and count: the first listed
     (64, 64, 32 * 56 * 56, (64, 64)),  # the least padding
     (128, 1216, 32 * 14 * 14, (64, 64)),  # 38 tiles: 64x64's deeper ring, not 128x64's 19 tiles of equal padding
     (112, 672, 32 * 15 * 15, (64, 64)),
-    (24, 512, 32 * 14 * 14, (64, 128)),  # 8 tiles of 64x64: half as many of 64x128
+    (24, 512, 32 * 14 * 14, (64, 64)),  # 8 tiles of 64x64: past the few that take fewer, larger tiles
     (144, 24, 32 * 56 * 56, (64, 64)),
 ])
 def test_pointwise_wgrad_tile(K, C, pixels, tile):

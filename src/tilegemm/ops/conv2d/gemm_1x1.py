@@ -125,8 +125,8 @@ def strided_dgrad(dy: torch.Tensor, weight: torch.Tensor, g, precision: str, til
 # (docs/conv2d.md, "1x1 layers").
 WGRAD_TILES = ((64, 64, 128, 4, 6), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4))  # BLOCK_M, _N, _K (16-bit), warps, stages
 WGRAD_WIDE_TILE = (128, 256, 64, 8, 3)
-WGRAD_WIDE_WORK = 1 << 31  # pixels x K x C
-WGRAD_FEW_TILES = 16
+WGRAD_WIDE_WORK = 1 << 32  # pixels x K x C (ResNet-50's 256 -> 128 at 56x56, 3.3G, keeps 64x64: docs/conv2d.md)
+WGRAD_FEW_TILES = 4
 WGRAD_WIDE_PADDING = 1.25
 WGRAD_TILE = WGRAD_TILES[0]  # the tile whose count gates the rule
 
