@@ -7,7 +7,8 @@ For every such zoo layer (batch 32, fp16, channels-last), the data and the weigh
 route), ``gemm`` (every such layer on it), each checked against cuDNN's fp32 gradient, then timed as CUDA-graph
 replays (triton.testing.do_bench_cudagraph); ratio = cuDNN time / time. GPU only.
 
-    PYTHONPATH=src python3 research/patchify_route.py --out $OUT/patchify-route.json
+    PYTHONPATH=src python3 research/patchify_route.py --out $OUT/patchify-route.json [--from-channels 4]
+        [--order smallest]
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def layers() -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--from-channels", type=int, default=0, help="only layers of at least this many input channels")
+    ap.add_argument("--order", default="zoo", choices=["zoo", "smallest"], help="smallest: the fewest pixels first")
     args = ap.parse_args()
 
     import tilegemm  # noqa: F401 - settles the backend first
@@ -40,7 +43,10 @@ def main() -> int:
 
     torch.backends.cudnn.benchmark = True
     rows = []
-    for d in layers():
+    chosen = [d for d in layers() if d["C"] >= args.from_channels]
+    if args.order == "smallest":
+        chosen.sort(key=lambda d: d["C"] * d["H"] * d["W"])
+    for d in chosen:
         N, C, H, W, K, R, S = 32, d["C"], d["H"], d["W"], d["K"], d["R"], d["S"]
         x = torch.randn(N, C, H, W, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
         w = (torch.randn(K, C, R, S, device="cuda") / (C * R * S) ** 0.5).half().contiguous(
