@@ -31,8 +31,9 @@ CONFIGS = {
 GROUPS = [(32, 96), (64, 192), (128, 256), (-1, 72)]
 
 
-def random_experts(E, N, K, group_size, dtype):
-    """Stacked experts with every nibble and zero point drawn at random (zeros 0..16: asymmetric, both ends)."""
+def random_experts(E, N, K, group_size, dtype, device="cpu"):
+    """Stacked experts with every nibble and zero point drawn at random (zeros 0..16: asymmetric, both ends), on
+    ``device``."""
     G = 1 if group_size == -1 else K // group_size
     q = torch.randint(0, 16, (E, K, N), dtype=torch.int64)
     shifts = torch.arange(8, dtype=torch.int64) * 4
@@ -41,21 +42,21 @@ def random_experts(E, N, K, group_size, dtype):
     zeros = torch.randint(0, 17, (E, G, N)).to(dtype)
     zeros[0, 0, 0], zeros[-1, -1, -1] = 0, 16
     scales = (torch.rand(E, G, N) * 0.1 + 1e-3).to(dtype)
-    return Int4Weight(qweight, scales, zeros, group_size, (E, N, K))
+    return Int4Weight(qweight, scales, zeros, group_size, (E, N, K)).to(device)
 
 
-def one_hot_rows(K, sizes, tail, dtype):
-    """x: for each group of ``sizes``, K one-hot rows (``I_K``) or none; then ``tail`` rows of ones."""
+def one_hot_rows(K, sizes, tail, dtype, device="cpu"):
+    """x: for each group of ``sizes``, K one-hot rows (``I_K``) or none; then ``tail`` rows of ones; on ``device``."""
     parts = [torch.eye(K, dtype=dtype) if n else torch.empty(0, K, dtype=dtype) for n in sizes]
     x = torch.cat(parts + [torch.ones(tail, K, dtype=dtype)])
     offs = torch.tensor([K if n else 0 for n in sizes], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return x, offs
+    return x.to(device), offs.to(device)
 
 
 def run(x, w, offs, config, bias=None, activation="none", gated=False):
     E, N, K = w.shape
     n_out = N // 2 if gated else N
-    out = torch.full((x.shape[0], n_out), float("nan"), dtype=x.dtype)
+    out = torch.full((x.shape[0], n_out), float("nan"), dtype=x.dtype, device=x.device)
     p = GroupedInt4Problem(x, w.qweight, w.scales, w.zeros, offs, bias, out, E, x.shape[0], n_out, K, w.group_k,
                            activation, gated)
     int4.run(p, dict(config, num_warps=4, num_stages=1))
@@ -69,10 +70,10 @@ CASES = [(c, g, K, torch.float16) for c in CONFIGS for g, K in GROUPS] + \
 
 @pytest.mark.parametrize("config, group_size, K, dtype", CASES,
                          ids=[f"{c}-g{g}-{str(d)[6:]}" for c, g, _, d in CASES])
-def test_dequantized_weight_bit_for_bit(config, group_size, K, dtype):
+def test_dequantized_weight_bit_for_bit(config, group_size, K, dtype, device):
     N = 19  # odd: the last column tile is partly outside
-    w = random_experts(3, N, K, group_size, dtype)
-    x, offs = one_hot_rows(K, [1, 0, 1], tail=3, dtype=dtype)  # expert 1 empty, 3 rows past offs[-1]
+    w = random_experts(3, N, K, group_size, dtype, device)
+    x, offs = one_hot_rows(K, [1, 0, 1], tail=3, dtype=dtype, device=device)  # expert 1 empty, 3 rows past offs[-1]
     out = run(x, w, offs, CONFIGS[config])
     deq = tilegemm.w4a16.dequantize(w)  # [E, N, K]
     assert torch.equal(out[:K], deq[0].T), "expert 0's weight is not dequantize's, bit for bit"
@@ -81,14 +82,14 @@ def test_dequantized_weight_bit_for_bit(config, group_size, K, dtype):
 
 
 @pytest.mark.parametrize("config", ["bk64_rows", "split3_swap"])
-def test_gated_bias_and_random_rows(config):
+def test_gated_bias_and_random_rows(config, device):
     # gate/up product with per-expert bias, odd N and row counts, an empty expert first and last
     E, N, K = 4, 2 * 21, 96
-    w = random_experts(E, N, K, 32, torch.float16)
+    w = random_experts(E, N, K, 32, torch.float16, device)
     sizes = [0, 5, 17, 0]
-    x = torch.randn(sum(sizes) + 2, K, dtype=torch.float16)
-    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    bias = torch.randn(E, N, dtype=torch.float16)
+    x = torch.randn(sum(sizes) + 2, K, dtype=torch.float16, device=device)
+    offs = torch.tensor(sizes, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+    bias = torch.randn(E, N, dtype=torch.float16, device=device)
     out = run(x, w, offs, CONFIGS[config], bias=bias, activation="silu", gated=True)
     full = grouped_mm_reference(x, tilegemm.w4a16.dequantize(w).transpose(1, 2), offs, bias=bias)
     want = torch.nn.functional.silu(full[:, :21]) * full[:, 21:]
@@ -96,21 +97,21 @@ def test_gated_bias_and_random_rows(config):
     assert torch.equal(out[22:], torch.zeros_like(out[22:]))
 
 
-def test_split_counters_are_left_at_zero():
+def test_split_counters_are_left_at_zero(device):
     # the arrival counters are shared by the next launch on the stream: every launch leaves them at zero
     from tilegemm.core.workspace import split_workspace
 
-    w = random_experts(2, 24, 64, 32, torch.float16)
-    x, offs = one_hot_rows(64, [1, 1], tail=0, dtype=torch.float16)
+    w = random_experts(2, 24, 64, 32, torch.float16, device)
+    x, offs = one_hot_rows(64, [1, 1], tail=0, dtype=torch.float16, device=device)
     for _ in range(2):  # the second launch counts from zero again, or its tiles would never be stored
         out = run(x, w, offs, CONFIGS["split2"])
         assert torch.equal(out, torch.cat(list(tilegemm.w4a16.dequantize(w).transpose(1, 2))))
-    _, count = split_workspace(torch.device("cpu"), 1, 1, tag="grouped")
+    _, count = split_workspace(out.device, 1, 1, tag="grouped")  # (the launches' own: this device and stream)
     assert not count.any()
 
 
-def test_refuses_a_block_k_that_splits_packed_words():
-    w = random_experts(2, 16, 64, 32, torch.float16)
-    x, offs = one_hot_rows(64, [1, 1], tail=0, dtype=torch.float16)
+def test_refuses_a_block_k_that_splits_packed_words(device):
+    w = random_experts(2, 16, 64, 32, torch.float16, device)
+    x, offs = one_hot_rows(64, [1, 1], tail=0, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="BLOCK_K=24"):
         run(x, w, offs, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=24, GROUP_M=1))
