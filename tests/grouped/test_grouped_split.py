@@ -18,7 +18,7 @@ from test_grouped_layouts import operands
 def run(layout, a, b, offs, groups, config, bias=None, gated=False, activation="none"):
     M, N, _ = (a.shape[0], b.shape[2], 0) if layout == "2d3d" else (a.shape[1], b.shape[1], 0)
     out_shape = (M, N // 2 if gated else N) if layout == "2d3d" else (M, N)
-    out = torch.full(out_shape, float("nan"), dtype=a.dtype)
+    out = torch.full(out_shape, float("nan"), dtype=a.dtype, device=a.device)
     p = make_problem(layout, groups, a, b, offs, bias, out, "ieee", activation, gated)
     tiled.run(p, dict(config, GROUP_M=2, num_warps=4, num_stages=1))
     return out
@@ -26,33 +26,33 @@ def run(layout, a, b, offs, groups, config, bias=None, gated=False, activation="
 
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("sizes", [[1, 0, 3, 0, 1, 2], [0, 40, 0]], ids=["decode", "one_expert"])
-def test_2d3d_split_k(split, sizes):
+def test_2d3d_split_k(split, sizes, device):
     # 2-D x 3-D, K of 5 steps of 16: slices of 3 + 2 steps, or 2 + 2 + 1 + an empty one; rows past offs[-1]
-    a, b, offs = operands("2d3d", sizes, 80, 37, torch.float32, "cpu", tail=2)
+    a, b, offs = operands("2d3d", sizes, 80, 37, torch.float32, device, tail=2)
     out = run("2d3d", a, b, offs, len(sizes), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, SPLIT_K=split))
     assert_rel_close(out, grouped_mm_reference(a, b, offs), 1e-5)
 
 
-def test_3d2d_split_k():
-    a, b, offs = operands("3d2d", [3, 0, 17, 1], 64, 0, torch.float32, "cpu", M=11)
+def test_3d2d_split_k(device):
+    a, b, offs = operands("3d2d", [3, 0, 17, 1], 64, 0, torch.float32, device, M=11)
     out = run("3d2d", a, b, offs, 4, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=4))
     assert_rel_close(out, grouped_mm_reference(a, b, offs), 1e-5)
 
 
-def test_gated_split_k_with_bias():
+def test_gated_split_k_with_bias(device):
     sizes = [2, 0, 5, 1]
-    a, _, offs = operands("2d3d", sizes, 64, 1, torch.float16, "cpu", tail=1)
-    b = torch.randn(4, 64, 2 * 24, dtype=torch.float16)  # gate columns [0, 24), up [24, 48)
-    bias = torch.randn(4, 48, dtype=torch.float16)
+    a, _, offs = operands("2d3d", sizes, 64, 1, torch.float16, device, tail=1)
+    b = torch.randn(4, 64, 2 * 24, dtype=torch.float16, device=device)  # gate columns [0, 24), up [24, 48)
+    bias = torch.randn(4, 48, dtype=torch.float16, device=device)
     out = run("2d3d", a, b, offs, 4, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=2), bias=bias, gated=True,
               activation="silu")
     full = grouped_mm_reference(a, b, offs, bias=bias)
     assert_rel_close(out, torch.nn.functional.silu(full[:, :24]) * full[:, 24:], 4e-3)
 
 
-def test_split_k_refused_where_k_is_not_split():
-    a, b, offs = operands("2d2d", [3, 5], 0, 16, torch.float32, "cpu")
-    out = torch.empty(2, a.shape[0], 16)
+def test_split_k_refused_where_k_is_not_split(device):
+    a, b, offs = operands("2d2d", [3, 5], 0, 16, torch.float32, device)
+    out = torch.empty(2, a.shape[0], 16, device=device)
     p = make_problem("2d2d", 2, a, b, offs, None, out)
     with pytest.raises(ValueError, match="SPLIT_K=2"):
         tiled.run(p, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, SPLIT_K=2))
