@@ -17,6 +17,8 @@ from tilegemm.ops.grouped import dispatch, frag
 from tilegemm.ops.grouped.problem import GroupedInt4Problem
 from tilegemm.ops.w4a16.format import gate_up_tiles, pack_fragments, unpack_rows
 
+from conftest import assert_rel_close
+
 CUDA = torch.device("cuda")
 
 
@@ -223,15 +225,28 @@ def test_launch_args_refusals():
 
 
 def test_kernel_by_name_refuses_here_with_the_reason(device):
-    w = experts(2, 16, 64, 32)
-    x, offs = torch.randn(3, 64, dtype=torch.float16), torch.tensor([1, 3], dtype=torch.int32)
+    if frag.why_not_gluon() is None:
+        pytest.skip("kernel frag runs on this GPU: test_grouped_frag_gpu.py runs it by name")
+    w = experts(2, 16, 64, 32).to(device)
+    x = torch.randn(3, 64, dtype=torch.float16, device=device)
+    offs = torch.tensor([1, 3], dtype=torch.int32, device=device)
     with pytest.raises(NotApplicable, match="'frag'.*Gluon"):
         w4a16.grouped_matmul(x, w, offs, kernel="frag")
     assert w._frag is None  # nothing packed for a kernel that cannot run here
-    # the launcher: the machine first, then the fragments it needs
+    p = GroupedInt4Problem(x, w.qweight, w.scales, w.zeros, offs, None,
+                           torch.empty(3, 16, dtype=torch.float16, device=device), 2, 3, 16, 64, 32)
+    assert "Gluon" in frag.why_not(p)
+
+
+def test_the_launcher_names_the_machine_then_the_device_then_the_fragments():
+    # why_not's order, on any machine (why_not_gluon stood in for; nothing is launched: x on the CPU is the
+    # problem named)
+    w = experts(2, 16, 64, 32)
+    x, offs = torch.randn(3, 64, dtype=torch.float16), torch.tensor([1, 3], dtype=torch.int32)
     p = GroupedInt4Problem(x, w.qweight, w.scales, w.zeros, offs, None, torch.empty(3, 16, dtype=torch.float16), 2,
                            3, 16, 64, 32)
-    assert "Gluon" in frag.why_not(p)
+    with mock.patch.object(frag, "why_not_gluon", lambda: "no Gluon here"):
+        assert frag.why_not(p) == "no Gluon here"
     with mock.patch.object(frag, "why_not_gluon", lambda: None):
         assert "on cpu" in frag.why_not(p)
         on_gpu = dataclasses.replace(p, x=mock.Mock(device=CUDA))
@@ -263,18 +278,23 @@ def test_moe_blocks_keep_their_int4_weight_while_the_buffers_stay():
     assert moe._int4(module, "up_proj") is None
 
 
-def test_the_op_takes_the_fragments_along():
-    # the op's schema carries the fragments (optional tensors); off Hopper auto runs dequant_dot and ignores them,
-    # and the gradient of x flows as before
+def test_the_op_takes_the_fragments_along(device):
+    # the op's schema carries the fragments (optional tensors); off Hopper auto runs dequant_dot and ignores them
+    # (on Hopper it runs frag on them: the same product up to rounding), and the gradient of x flows as before
     from tilegemm.ops.grouped.op import grouped_w4a16_op
+    from tilegemm.ops.grouped.reference import tolerance
 
-    w = experts(3, 16, 64, 32)
+    w = experts(3, 16, 64, 32).to(device)
     fw, fzs = w.fragments()
-    x = torch.randn(9, 64, dtype=torch.float16)
-    offs = torch.tensor([2, 5, 9], dtype=torch.int32)
+    x = torch.randn(9, 64, dtype=torch.float16, device=device)
+    offs = torch.tensor([2, 5, 9], dtype=torch.int32, device=device)
     args = (x, w.qweight, w.scales, w.zeros, offs, None, w.group_k, "none", False, "auto")
     torch.library.opcheck(grouped_w4a16_op, args + (fw, fzs))
-    assert torch.equal(grouped_w4a16_op(*args, fw, fzs), grouped_w4a16_op(*args))
+    with_fragments, without = grouped_w4a16_op(*args, fw, fzs), grouped_w4a16_op(*args)
+    if dispatch.frag_usable(w.group_k, 64, x.device) and dispatch.frag_rows(9, 3):
+        assert_rel_close(with_fragments.float(), without.float(), tolerance(torch.float16))
+    else:
+        assert torch.equal(with_fragments, without)
     xg = x.clone().requires_grad_(True)
     grouped_w4a16_op(xg, *args[1:], fw, fzs).float().sum().backward()
     assert xg.grad is not None and xg.grad.shape == x.shape
