@@ -1,5 +1,6 @@
-"""The grouped family's host fast path (tilegemm.core.replay; keys in tilegemm.ops.grouped.checks), on the CPU: what
-the keys hold and that nothing is replayed off the GPU. Replays themselves: test_grouped_replay_gpu.py."""
+"""The grouped family's host fast path (tilegemm.core.replay; keys in tilegemm.ops.grouped.checks) without running a
+replay: what the keys hold, that nothing is replayed off the GPU, and what the launchers hand a recording. Replays
+themselves: test_grouped_replay_gpu.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 import tilegemm
 from tilegemm.core.replay import cache
+from tilegemm.core.runtime import interpreting
 from tilegemm.ops.grouped import checks
 from tilegemm.ops.grouped.api import moe_gate_up
 from tilegemm.ops.grouped.reference import grouped_mm_reference
@@ -87,26 +89,38 @@ def test_int4_keys():
 
 
 def test_nothing_is_replayed_off_the_gpu():
+    # CPU tensors have no replay key, on any machine (nothing runs here)
     a, b, offs = operands("2d3d", SIZES, 32, 16, torch.float32, "cpu")
     assert checks.replay_key(a, b, offs, None, None, "auto") is None  # CPU / the interpreter
     assert checks.gated_replay_key(a, torch.randn(3, 32, 32), offs, None, "silu") is None
     w = random_experts(3, 32, 32, 32, torch.float16)
     assert checks.int4_replay_key(a.half(), w, offs, None, "none") is None
     assert checks.int4_replay_key(a.half(), "not a weight", offs, None, "none") is None
+
+
+@pytest.mark.skipif(not interpreting(), reason="the interpreter's calls (on a GPU the calls are recorded and "
+                    "replayed: test_grouped_replay_gpu.py)")
+def test_the_interpreters_calls_record_nothing(device):
+    a, b, offs = operands("2d3d", SIZES, 32, 16, torch.float32, device)
+    w = random_experts(3, 32, 32, 32, torch.float16, device)
     cache("grouped").clear()
     out = tilegemm.grouped_mm(a, b, offs=offs)
     assert_rel_close(out, grouped_mm_reference(a, b, offs), 1e-5)
-    moe_gate_up(a, torch.randn(3, 32, 32), offs)
+    moe_gate_up(a, torch.randn(3, 32, 32, device=device), offs)
     tilegemm.w4a16.grouped_matmul(a.half(), w, offs)
     assert cache("grouped").count() == 0
 
 
-def test_split_launches_keep_their_workspace_for_their_stream():
-    out = torch.empty(4, 4)
-    ws, count = torch.empty(64), torch.zeros(8, dtype=torch.int32)
+def test_split_launches_keep_their_workspace_for_their_stream(device):
+    from tilegemm.core.launch import current_stream
+
+    out = torch.empty(4, 4, device=device)
+    ws, count = torch.empty(64, device=device), torch.zeros(8, dtype=torch.int32, device=device)
     assert workspace_launch(out, 1, out, out) == {}  # no split: the output stands in, a call's own tensor
     kw = workspace_launch(out, 2, ws, count)
-    assert kw["keep"] == (ws, count) and kw["stream"] is None  # (a CPU launch has no stream to hold it to)
+    assert kw["keep"] == (ws, count)
+    # held to the current stream on the GPU; a CPU launch has no stream to hold it to
+    assert kw["stream"] == (current_stream() if out.is_cuda else None)
 
 
 def test_bench_host_probe_only_on_the_gpu():
@@ -116,7 +130,8 @@ def test_bench_host_probe_only_on_the_gpu():
     assert bench_op("grouped_w4a16").overhead_probe("cpu") is None
 
 
-# --- what a replay of the recorded launch needs, checked on the launch's arguments (no kernel runs) -------------
+# --- what a replay of the recorded launch needs, checked on the launch's arguments (no kernel runs; the device
+# fixture's tensors, so on a GPU these are the arguments of a GPU launch) ----------------------------------------
 
 
 def launches(monkeypatch, module):
@@ -149,18 +164,19 @@ def scalars(launch):
 @pytest.mark.parametrize("layout, split", [("2d3d", 1), ("2d3d", 2), ("3d3d", 1), ("2d2d", 1), ("3d2d", 1),
                                            ("3d2d", 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_tiled_launch_is_replayable_and_independent_of_offs_values(monkeypatch, layout, split, with_bias):
+def test_tiled_launch_is_replayable_and_independent_of_offs_values(monkeypatch, layout, split, with_bias, device):
     from tilegemm.ops.grouped import tiled
     from tilegemm.ops.grouped.problem import make_problem, out_shape
 
     seen = launches(monkeypatch, tiled)
     config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, SPLIT_K=split, num_warps=4, num_stages=1)
     for sizes in (SIZES, [0, 8, 0]):  # other group sizes, the same layouts
-        a, b, _ = operands(layout, SIZES, 32, 16, torch.float32, "cpu")
-        offs = None if layout == "3d3d" else torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        a, b, _ = operands(layout, SIZES, 32, 16, torch.float32, device)
+        offs = None if layout == "3d3d" else torch.tensor(sizes, dtype=torch.int32,
+                                                          device=device).cumsum(0, dtype=torch.int32)
         groups = 3
-        bias = torch.randn(b.shape[-1]) if with_bias else None
-        out = torch.empty(out_shape(layout, a.shape, b.shape, groups))
+        bias = torch.randn(b.shape[-1], device=device) if with_bias else None
+        out = torch.empty(out_shape(layout, a.shape, b.shape, groups), device=device)
         tiled.run(make_problem(layout, groups, a, b, offs, bias, out), config)
         assert_replayable(seen[-1:], [t for t in (a, b, offs, bias, out) if t is not None])
         if split > 1:
@@ -170,19 +186,19 @@ def test_tiled_launch_is_replayable_and_independent_of_offs_values(monkeypatch, 
 
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("gated", [False, True])
-def test_int4_launch_is_replayable_and_independent_of_offs_values(monkeypatch, split, gated):
+def test_int4_launch_is_replayable_and_independent_of_offs_values(monkeypatch, split, gated, device):
     from tilegemm.ops.grouped import int4
     from tilegemm.ops.grouped.problem import GroupedInt4Problem
 
     seen = launches(monkeypatch, int4)
     config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, SPLIT_K=split, num_warps=4, num_stages=1)
-    w = random_experts(3, 32, 64, 32, torch.float16)
+    w = random_experts(3, 32, 64, 32, torch.float16, device)
     n_out = 16 if gated else 32
     for sizes in (SIZES, [8, 0, 0]):
-        x = torch.randn(9, 64, dtype=torch.float16)
-        offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        bias = torch.randn(3, 32, dtype=torch.float16)
-        out = torch.empty(9, n_out, dtype=torch.float16)
+        x = torch.randn(9, 64, dtype=torch.float16, device=device)
+        offs = torch.tensor(sizes, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+        bias = torch.randn(3, 32, dtype=torch.float16, device=device)
+        out = torch.empty(9, n_out, dtype=torch.float16, device=device)
         int4.run(GroupedInt4Problem(x, w.qweight, w.scales, w.zeros, offs, bias, out, 3, 9, n_out, 64, w.group_k,
                                     "silu", gated), config)
         assert_replayable(seen[-1:], (x, w.qweight, w.scales, w.zeros, offs, bias, out))
@@ -192,16 +208,16 @@ def test_int4_launch_is_replayable_and_independent_of_offs_values(monkeypatch, s
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_tma_launch_is_replayable_and_independent_of_offs_values(monkeypatch, with_bias):
+def test_tma_launch_is_replayable_and_independent_of_offs_values(monkeypatch, with_bias, device):
     from tilegemm.ops.grouped import tma
     from tilegemm.ops.grouped.problem import make_problem
 
     seen = launches(monkeypatch, tma)
     for sizes in (SIZES, [0, 0, 8]):
-        a, b, _ = operands("2d3d", SIZES, 32, 32, torch.float16, "cpu", b_transposed=True)
-        offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        bias = torch.randn(3, 32, dtype=torch.float16) if with_bias else None
-        out = torch.empty(8, 32, dtype=torch.float16)
+        a, b, _ = operands("2d3d", SIZES, 32, 32, torch.float16, device, b_transposed=True)
+        offs = torch.tensor(sizes, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+        bias = torch.randn(3, 32, dtype=torch.float16, device=device) if with_bias else None
+        out = torch.empty(8, 32, dtype=torch.float16, device=device)
         tma.run(make_problem("2d3d", 3, a, b, offs, bias, out))
         assert_replayable(seen[-1:], [t for t in (a, b, offs, bias, out) if t is not None])
     assert scalars(seen[0]) == scalars(seen[1]), "the launch depends on the values of offs"
