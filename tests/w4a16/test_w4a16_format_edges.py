@@ -36,13 +36,13 @@ def test_conversion_that_overflows_the_scales_is_refused():
         w.half()
 
 
-def test_half_and_bfloat16():
-    w = w4a16.quantize(torch.randn(16, 64, dtype=torch.float16), 32)
+def test_half_and_bfloat16(device):
+    w = w4a16.quantize(torch.randn(16, 64, dtype=torch.float16, device=device), 32)
     b = w.bfloat16()
     assert b.dtype == torch.bfloat16 and b.zeros.dtype == torch.bfloat16 and b.qweight is w.qweight
     h = b.half()
     assert h.dtype == torch.float16 and torch.equal(h.zeros, w.zeros)
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16, device=device)
     ref = x.double() @ w4a16.dequantize(b).double().T
     out = w4a16.matmul(x.half(), h).double()
     assert float((out - x.half().double() @ w4a16.dequantize(h).double().T).abs().max()) < 2e-3 * float(ref.abs().max())
