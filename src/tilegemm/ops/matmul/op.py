@@ -97,8 +97,10 @@ def _backward(ctx, grad_out):
     call: MatmulCall = ctx.call
     grad = grad_out.float()
     if call.activation != "none":  # (fp8: the pre-activation with the call's scales and accumulation)
-        pre = call_op(MatmulCall(a, b, bias, c, call.alpha, call.beta, "none", torch.float32, call.precision, "auto",
-                                 scale_a, scale_b, call.fast_accum))
+        # the bias in fp32, the recompute's output dtype: the call's own may be neither the operands' nor fp32
+        pre_bias = None if bias is None else bias.float()
+        pre = call_op(MatmulCall(a, b, pre_bias, c, call.alpha, call.beta, "none", torch.float32, call.precision,
+                                 "auto", scale_a, scale_b, call.fast_accum))
         with torch.enable_grad():
             pre = pre.detach().requires_grad_(True)
             (grad,) = torch.autograd.grad(torch_activation(pre, call.activation), pre, grad)
