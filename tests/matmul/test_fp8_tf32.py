@@ -7,10 +7,13 @@ in real tf32 and fp8.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import tilegemm
+from tilegemm.core.dtypes import dtype_name
 from tilegemm.ops.matmul.problem import mma_operands
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
@@ -134,6 +137,23 @@ def test_fp8_epilogue_and_out_dtypes(kernel, out_dtype, device):
     assert_rel_close(out, ref, tolerance(E4M3, out_dtype=out_dtype))
 
 
+@pytest.mark.parametrize("kernel", ["grouped", "auto"])
+@pytest.mark.parametrize("out_dtype,bias_dtype", [(None, torch.bfloat16), (torch.float16, torch.float16),
+                                                  (torch.float16, torch.bfloat16), (torch.float32, torch.float32)])
+def test_fp8_bias_of_bf16_or_the_output_dtype(kernel, out_dtype, bias_dtype, device):
+    # what an fp8 product takes as its bias: bf16 (its default output's dtype) or the output's dtype
+    M, N, K = 21, 30, 48
+    a = fp8_operand(M, K, False, E4M3, device)
+    b = fp8_operand(K, N, True, E4M3, device)
+    scale_a, scale_b = torch.tensor(0.5, device=device), torch.rand(N, device=device) + 0.5
+    bias = torch.randn(N, device=device).to(bias_dtype)
+    out = mm(a, b, kernel=kernel, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+             activation="relu")
+    assert out.dtype == (out_dtype or torch.bfloat16)
+    ref = dequantized_reference(a, b, scale_a, scale_b, bias=bias, activation="relu")
+    assert_rel_close(out, ref, tolerance(E4M3, out_dtype=out.dtype))
+
+
 @pytest.mark.parametrize("kernel", ["grouped", "split_k", "persistent_tma"])
 def test_fp8_batched_shares_the_scales(kernel, device):
     B, M, N, K = 3, 17, 24, 48
@@ -236,6 +256,16 @@ def test_fp8_bad_inputs_name_the_problem(device):
         tilegemm.matmul(a, b, out_dtype=E4M3)
     with pytest.raises(TypeError, match="bias has unsupported dtype fp8_e4m3"):
         tilegemm.matmul(a, b, bias=torch.zeros(8, device=device).to(E4M3))
+    for bias_dtype in (torch.float16, torch.float32):  # neither bf16 nor the output's dtype (bf16 by default)
+        with pytest.raises(TypeError, match=re.escape(f"bias has dtype {dtype_name(bias_dtype)}; expected bf16 "
+                                                      "(for fp8 operands)") + "$"):
+            tilegemm.matmul(a, b, bias=torch.zeros(8, device=device, dtype=bias_dtype))
+    with pytest.raises(TypeError, match=re.escape("bias has dtype fp16; expected bf16 (for fp8 operands) or the "
+                                                  "output's, fp32")):
+        tilegemm.matmul(a, b, bias=torch.zeros(8, device=device, dtype=torch.float16), out_dtype=torch.float32)
+    with pytest.raises(TypeError, match=re.escape("bias has dtype fp32; expected bf16 (for fp8 operands) or the "
+                                                  "output's, fp16")):
+        tilegemm.matmul(a, b, bias=torch.zeros(8, device=device), out_dtype=torch.float16)
     with pytest.raises(TypeError, match="no backward"):
         tilegemm.matmul(a.float().requires_grad_().to(E4M3), b)
     with pytest.raises(ValueError, match="fast_accum applies to fp8 inputs only; a is fp16"):

@@ -117,6 +117,48 @@ def test_out_dtype(out_dtype, device):
     assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16, out_dtype=out_dtype))
 
 
+@pytest.mark.parametrize("kernel", ["grouped", "auto"])
+@pytest.mark.parametrize(
+    "dtype,out_dtype,bias_dtype",
+    [
+        (torch.float16, None, torch.float16),
+        (torch.float16, torch.float32, torch.float32),  # the output's dtype
+        (torch.float16, torch.float32, torch.float16),  # the operands' dtype, another output
+        (torch.float16, torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float16, torch.float16),
+        (torch.float32, torch.float16, torch.float16),
+        (torch.float32, torch.bfloat16, torch.float32),
+    ],
+    ids=lambda d: "none" if d is None else str(d).removeprefix("torch."),
+)
+def test_bias_of_the_operands_or_the_output_dtype(kernel, dtype, out_dtype, bias_dtype, device):
+    a = torch.randn(3, 21, 40, dtype=dtype, device=device)
+    b = torch.randn(40, 26, dtype=dtype, device=device)
+    bias = torch.randn(26, device=device).to(bias_dtype)
+    out = mm(a, b, kernel=kernel, bias=bias, out_dtype=out_dtype, activation="gelu", precision="ieee")
+    assert out.dtype == (out_dtype or dtype)
+    ref = matmul_reference(a, b, bias=bias, activation="gelu")
+    assert_rel_close(out, ref, tolerance(dtype, out_dtype=out.dtype))
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                             (torch.float32, torch.float16)])
+def test_gradients_with_a_bias_of_the_output_dtype(dtype, out_dtype, device):
+    # the backward recomputes the pre-activation in fp32: a bias of the call's output dtype must pass there too
+    a = torch.randn(9, 24, dtype=dtype, device=device, requires_grad=True)
+    b = torch.randn(24, 13, dtype=dtype, device=device, requires_grad=True)
+    bias = torch.randn(13, device=device).to(out_dtype).requires_grad_()
+    out = tilegemm.matmul(a, b, bias=bias, out_dtype=out_dtype, activation="silu", precision="ieee")
+    grad = torch.randn(out.shape, device=device)
+    out.backward(grad.to(out_dtype))
+    a64, b64, bias64 = (t.detach().double().requires_grad_() for t in (a, b, bias))
+    matmul_reference(a64, b64, bias=bias64, activation="silu").backward(grad.to(out_dtype).double())
+    bound = max(tolerance(dtype), tolerance(out_dtype))
+    for ours, theirs in ((a, a64), (b, b64), (bias, bias64)):
+        assert ours.grad.dtype == ours.dtype
+        assert_rel_close(ours.grad, theirs.grad, bound)
+
+
 @pytest.mark.parametrize("kernel", ["naive", "grouped", "autotuned"])
 def test_bf16(kernel, device):
     a = torch.randn(2, 70, 33, dtype=torch.bfloat16, device=device)

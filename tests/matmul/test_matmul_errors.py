@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy
 import pytest
 import torch
@@ -43,6 +45,48 @@ def test_bad_bias(device):
         tilegemm.matmul(a, b, bias=torch.randn(1, 6, device=device))
     with pytest.raises(TypeError, match="bias has integer dtype"):
         tilegemm.matmul(a, b, bias=torch.ones(6, dtype=torch.int64, device=device))
+
+
+@pytest.mark.parametrize(
+    "dtype,out_dtype,bias_dtype,message",
+    [
+        (torch.float16, None, torch.float32, "bias has dtype fp32; expected the operands' fp16"),
+        (torch.float16, None, torch.bfloat16, "bias has dtype bf16; expected the operands' fp16"),
+        (torch.bfloat16, None, torch.float16, "bias has dtype fp16; expected the operands' bf16"),
+        (torch.float32, None, torch.float16, "bias has dtype fp16; expected the operands' fp32"),
+        (torch.float16, torch.float32, torch.bfloat16,
+         "bias has dtype bf16; expected the operands' fp16 or the output's, fp32"),
+        (torch.bfloat16, torch.float16, torch.float32,
+         "bias has dtype fp32; expected the operands' bf16 or the output's, fp16"),
+        (torch.float32, torch.float32, torch.bfloat16, "bias has dtype bf16; expected the operands' fp32"),
+    ],
+    ids=["fp16-fp32", "fp16-bf16", "bf16-fp16", "fp32-fp16", "fp16-out32-bf16", "bf16-out16-fp32", "fp32-out32-bf16"],
+)
+def test_bias_of_another_dtype(dtype, out_dtype, bias_dtype, message, device):
+    # neither the operands' dtype nor the output's: refused by name, as torch.addmm refuses it
+    a, b = _ab(device, dtype)
+    with pytest.raises(TypeError, match=re.escape(message) + "$"):
+        tilegemm.matmul(a, b, bias=torch.randn(6, device=device).to(bias_dtype), out_dtype=out_dtype)
+    with pytest.raises(TypeError, match=re.escape(message) + "$"):  # a 1-D operand's route checks it too
+        tilegemm.matmul(a[0], b, bias=torch.randn(6, device=device).to(bias_dtype), out_dtype=out_dtype)
+
+
+def test_bias_dtype_is_in_the_replay_key(monkeypatch):
+    # the fast path replays only calls that passed the checks: a bias or out_dtype of another dtype must be
+    # another key (checked afresh), never a replay of a call that passed with other dtypes
+    from tilegemm.ops.matmul import checks
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # keyed as GPU tensors are
+    monkeypatch.setattr(checks, "interpreting", lambda: False)
+    a, b = _ab("cpu")
+    bias = torch.randn(6, dtype=torch.float16)
+    with torch.no_grad():
+        key = checks.replay_key(a, b, 1.0, None, "auto", bias=bias)
+        others = [checks.replay_key(a, b, 1.0, None, "auto", bias=bias.to(d)) for d in (torch.bfloat16, torch.float32)]
+        others += [checks.replay_key(a, b, 1.0, None, "auto", out_dtype=d, bias=bias.to(d))
+                   for d in (torch.bfloat16, torch.float32)]
+    assert key is not None and None not in others
+    assert len({key, *others}) == 1 + len(others)
 
 
 def test_bad_c(device):

@@ -188,6 +188,29 @@ def test_calls_with_bias_and_activation_replay_with_the_new_bias(kernel):
         assert_rel_close(mm(a, b, bias=bias, kernel=kernel), matmul_reference(a, b, bias=bias), tolerance(torch.float16))
 
 
+def test_a_bias_of_another_dtype_is_refused_after_a_replayed_call():
+    """The fast path serves only keys recorded from checked calls: a bias or out_dtype of another dtype is
+    another key, so such a call reaches the checks, even right after the same shapes were replayed."""
+    from tilegemm.core.replay import cache
+    replay = cache("matmul")
+
+    replay.clear()
+    a = torch.randn(64, 128, device="cuda", dtype=torch.float16)
+    b = torch.randn(128, 96, device="cuda", dtype=torch.float16)
+    bias = torch.randn(96, device="cuda", dtype=torch.float16)
+    for _ in range(3):
+        assert_rel_close(tilegemm.matmul(a, b, bias=bias), matmul_reference(a, b, bias=bias), tolerance(torch.float16))
+    assert replay.count() == 1
+    with pytest.raises(TypeError, match="bias has dtype bf16; expected the operands' fp16$"):
+        tilegemm.matmul(a, b, bias=bias.bfloat16())
+    with pytest.raises(TypeError, match="bias has dtype bf16; expected the operands' fp16 or the output's, fp32"):
+        tilegemm.matmul(a, b, bias=bias.bfloat16(), out_dtype=torch.float32)
+    for _ in range(2):  # the output's dtype: taken, and recorded under its own key
+        out = tilegemm.matmul(a, b, bias=bias.float(), out_dtype=torch.float32)
+        assert_rel_close(out, matmul_reference(a, b, bias=bias), tolerance(torch.float16, out_dtype=torch.float32))
+    assert replay.count() == 2
+
+
 def test_fp8_calls_with_scales_replay_with_the_new_scales():
     from tilegemm.core.replay import cache
     replay = cache("matmul")

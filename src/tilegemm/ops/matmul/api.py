@@ -35,7 +35,7 @@ def matmul(
             (transposed and sliced views are read in place).
         b: ``[..., K, N]``, same dtype as ``a`` (the two fp8 dtypes may mix). Batch dims broadcast like
             ``torch.matmul``.
-        bias: ``[N]``, added to every row.
+        bias: ``[N]``, added to every row; of the operands' dtype (bf16 for fp8 operands) or the output's.
         c: broadcasts to the output ``[..., M, N]``; scaled by ``beta``.
         activation: ``None``/``"none"``, ``"relu"``, ``"gelu"`` (erf), ``"gelu_tanh"``, ``"silu"``,
             ``"leaky_relu"`` (slope 0.01).

@@ -24,6 +24,18 @@ def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
         raise TypeError(f"{name} has {kind} dtype {dtype_name(t.dtype)}; tilegemm.matmul supports {names} here")
 
 
+def _check_bias_dtype(bias_dtype: torch.dtype, dtype: torch.dtype, fp8: bool, out_dtype) -> None:
+    """Refuse a bias that is neither of the operands' dtype (bf16 for fp8 operands) nor of the output's, naming
+    its dtype and those (as torch.addmm refuses a bias of another dtype than its matrices')."""
+    own = torch.bfloat16 if fp8 else dtype  # fp8 operands: bf16, the dtype of their default output
+    out = out_dtype or own
+    if bias_dtype is own or bias_dtype is out:
+        return
+    expected = "bf16 (for fp8 operands)" if fp8 else f"the operands' {dtype_name(own)}"
+    also = "" if out is own else f" or the output's, {dtype_name(out)}"
+    raise TypeError(f"bias has dtype {dtype_name(bias_dtype)}; expected {expected}{also}")
+
+
 def _type_name(value) -> str:
     """``value``'s type, with its module where that is not Python's own (numpy's bool is also called bool)."""
     kind = type(value)
@@ -109,10 +121,13 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
     for name in ("scale_a", "scale_b"):  # (the gradient of a scale is not computed: refused, not left as None)
         if torch.is_grad_enabled() and isinstance(named.get(name), torch.Tensor) and named[name].requires_grad:
             raise TypeError(f"fp8 matmul has no gradient for {name}; detach it or call under torch.no_grad()")
+    if out_dtype is not None and out_dtype not in DTYPES:  # (before the bias, whose accepted dtypes it names)
+        raise TypeError(f"out_dtype {dtype_name(out_dtype)} is not supported; choose one of: fp16, bf16, fp32")
     if bias is not None:
         _check_float("bias", bias)
         if bias.dim() != 1 or bias.shape[0] != shape[-1]:
             raise ValueError(f"bias must have shape [N] = [{shape[-1]}], got {list(bias.shape)}")
+        _check_bias_dtype(bias.dtype, a.dtype, fp8, out_dtype)
         named["bias"] = bias
     if c is not None:
         _check_float("c", c)
@@ -134,8 +149,6 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
         if cc < (8, 9):
             raise ValueError(f"fp8 matmul needs a GPU of compute capability 8.9 or newer; {a.device} is "
                              f"{cc[0]}.{cc[1]}")
-    if out_dtype is not None and out_dtype not in DTYPES:
-        raise TypeError(f"out_dtype {dtype_name(out_dtype)} is not supported; choose one of: fp16, bf16, fp32")
     if precision is not None and precision != "default":
         check_precision(precision)
     if kernel != "auto":
