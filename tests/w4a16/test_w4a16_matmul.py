@@ -3,6 +3,8 @@ the torch.library op (opcheck, autograd)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ import tilegemm
 from tilegemm import w4a16
 from tilegemm.ops.w4a16.reference import reference
 from tilegemm.core import registry
+from tilegemm.core.dtypes import dtype_name
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 KERNELS = [name for name in tilegemm.kernels("w4a16")]  # the registered ones, then auto
@@ -53,16 +56,34 @@ def test_whole_k_group_with_k_not_a_block_multiple(device):
             assert_rel_close(w4a16.matmul(x, w, kernel=kernel), reference(x, w), 2e-3)
 
 
-@pytest.mark.parametrize("bias_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kernel", ["gemv", "mma", "dequant_cublas", "auto"])
-def test_bias_activation_and_batch(device, kernel, bias_dtype):
-    w = w4a16.quantize(torch.randn(64, 128, dtype=torch.float16, device=device), 128)
-    bias = torch.randn(64, dtype=bias_dtype, device=device)
-    x = torch.randn(2, 3, 128, dtype=torch.float16, device=device)  # any leading shape
+def test_bias_activation_and_batch(device, kernel, dtype):
+    w = w4a16.quantize(torch.randn(64, 128, dtype=dtype, device=device), 128)
+    bias = torch.randn(64, dtype=dtype, device=device)
+    x = torch.randn(2, 3, 128, dtype=dtype, device=device)  # any leading shape
     for activation in ("silu", "relu"):
         out = w4a16.matmul(x, w, bias=bias, activation=activation, kernel=kernel)
-        assert out.shape == (2, 3, 64)
-        assert_rel_close(out, reference(x, w, bias, activation), 2e-3)
+        assert out.shape == (2, 3, 64) and out.dtype == dtype
+        assert_rel_close(out, reference(x, w, bias, activation), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_bias_of_another_dtype_than_x(device, dtype):
+    # the output is x's dtype: a bias of the other 16-bit dtype (or fp32) is refused, naming both dtypes
+    w = w4a16.quantize(torch.randn(32, 64, dtype=dtype, device=device), 32)
+    x = torch.randn(3, 64, dtype=dtype, device=device)
+    own = dtype_name(dtype)
+    for other in (torch.bfloat16 if dtype == torch.float16 else torch.float16, torch.float32):
+        bias = torch.randn(32, dtype=other, device=device)
+        message = f"bias has dtype {dtype_name(other)}; expected x's dtype, {own} (the output's)"
+        for kernel in ("gemv", "mma", "auto"):
+            with pytest.raises(TypeError, match=re.escape(message)):
+                w4a16.matmul(x, w, bias=bias, kernel=kernel)
+        with pytest.raises(TypeError, match=re.escape(message)):  # [..., K] activations: the same check
+            w4a16.matmul(x[None], w, bias)
+    with pytest.raises(TypeError, match=f"bias has dtype int64; expected x's dtype, {own}"):
+        w4a16.matmul(x, w, bias=torch.zeros(32, dtype=torch.int64, device=device))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

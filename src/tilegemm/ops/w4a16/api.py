@@ -23,7 +23,7 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     Args:
         x: ``[..., K]``, float16 or bfloat16 (the weight's scales' dtype); any number of rows, from 1.
         w: an :class:`~tilegemm.ops.w4a16.format.Int4Weight` of shape ``[N, K]``.
-        bias: ``[N]``, float16 or bfloat16.
+        bias: ``[N]``, of x's dtype.
         activation: ``None``/``"none"``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``, ``"leaky_relu"``.
         kernel: ``"auto"`` (by the number of rows M) or a name from ``tilegemm.kernels("w4a16")``.
 

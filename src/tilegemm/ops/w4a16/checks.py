@@ -36,8 +36,9 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
-        if bias.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"bias has dtype {dtype_name(bias.dtype)}; expected fp16 or bf16")
+        if bias.dtype != x.dtype:  # x's dtype is the output's (as F.linear refuses a bias of another dtype)
+            raise TypeError(f"bias has dtype {dtype_name(bias.dtype)}; expected x's dtype, {dtype_name(x.dtype)} "
+                            f"(the output's)")
         if bias.dim() != 1 or bias.shape[0] != N:
             raise ValueError(f"bias must have shape [N] = [{N}], got {list(bias.shape)}")
         named["bias"] = bias
