@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tilegemm
+from tilegemm.ops.grouped.api import moe_gate_up
 
 O = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
 
@@ -63,6 +64,15 @@ CASES = [
                                              bias=torch.randn(2, 6)), ValueError, "bias must have shape"),
     ("bias dtype", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(2, 8),
                                 bias=torch.randn(5).half()), TypeError, "bias has dtype"),
+    ("bias dtype fp16 of fp32", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(2, 8),
+                                             bias=torch.randn(2, 5).half()), TypeError,
+     r"bias has dtype fp16; expected the operands' fp32$"),
+    ("bias dtype bf16 of fp16", lambda: call(torch.randn(8, 4).half(), torch.randn(2, 4, 5).half(), offs=O(2, 8),
+                                             bias=torch.randn(5).bfloat16()), TypeError,
+     r"bias has dtype bf16; expected the operands' fp16$"),
+    ("bias dtype, gated", lambda: moe_gate_up(
+        torch.randn(8, 4).half(), torch.randn(2, 4, 6).half(), O(2, 8), bias=torch.randn(6)), TypeError,
+     r"bias has dtype fp32; expected the operands' fp16$"),
     ("bias dtype with fp32 out", lambda: call(torch.randn(8, 4).half(), torch.randn(2, 4, 5).half(), offs=O(2, 8),
                                               bias=torch.randn(5).bfloat16(), out_dtype=torch.float32), TypeError,
      "bias has dtype bf16; expected the operands' fp16 or the output's, fp32"),

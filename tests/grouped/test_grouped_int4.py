@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tilegemm
+from tilegemm.ops.grouped.api import moe_gate_up_int4
 from tilegemm.ops.grouped.op import forward_int4, grouped_w4a16_op
 from tilegemm.ops.grouped.reference import grouped_mm_reference
 from tilegemm.core.activations import torch_activation
@@ -64,6 +65,10 @@ def test_bf16(device):
     x = torch.randn(19, 64, device=device, dtype=torch.bfloat16)
     offs = O(3, 10, 10, 19).to(device)
     assert_rel_close(tilegemm.w4a16.grouped_matmul(x, w, offs), reference(x, w, offs), 2.5e-2)
+    bias = torch.randn(4, 24, device=device, dtype=torch.bfloat16)  # x's dtype: taken
+    out = tilegemm.w4a16.grouped_matmul(x, w, offs, bias=bias, activation="silu")
+    assert out.dtype == torch.bfloat16
+    assert_rel_close(out, reference(x, w, offs, bias, "silu"), 2.5e-2)
 
 
 def test_gated_product_fuses_activation_and_gate(device):
@@ -115,6 +120,13 @@ CASES = [
      "bias must have shape"),
     ("activation", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x, w, o, activation="tanhh"), ValueError,
      "unknown activation"),
+    # the output is x's dtype: a bias of another is refused, naming both
+    ("bf16 bias, fp16 x", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x, w, o, bias=torch.randn(24).bfloat16()),
+     TypeError, r"bias has dtype bf16; expected x's dtype, fp16 \(the output's\)$"),
+    ("fp32 bias [E, N], fp16 x", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x, w, o, bias=torch.randn(4, 24)),
+     TypeError, r"bias has dtype fp32; expected x's dtype, fp16 \(the output's\)$"),
+    ("bf16 bias, gated", lambda w, x, o: moe_gate_up_int4(x, w, o, bias=torch.randn(24).bfloat16()), TypeError,
+     r"bias has dtype bf16; expected x's dtype, fp16"),
 ]
 
 

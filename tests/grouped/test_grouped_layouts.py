@@ -118,6 +118,11 @@ def test_out_dtype_fp32_from_fp16(device):
     out = tilegemm.grouped_mm(a, b, offs=offs, out_dtype=torch.float32)
     assert out.dtype == torch.float32
     assert_rel_close(out, grouped_mm_reference(a, b, offs), 1e-3)
+    for bias_dtype in (torch.float16, torch.float32):  # a bias of the operands' dtype or of the output's
+        bias = torch.randn(2, 16, device=device).to(bias_dtype)
+        out = tilegemm.grouped_mm(a, b, offs=offs, bias=bias, out_dtype=torch.float32)
+        assert out.dtype == torch.float32
+        assert_rel_close(out, grouped_mm_reference(a, b, offs, bias=bias), 1e-3)
 
 
 def test_many_groups_and_one_row_each(device):

@@ -37,8 +37,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
     ``torch.get_float32_matmul_precision()`` allows it), accumulated in fp32.
 
     Args:
-        bias: ``[N]`` (added to every group's rows) or ``[G, N]`` (one row per group; ``[N]`` only for 3-D x 2-D).
-            torch's own grouped_mm takes no bias yet; tilegemm adds it in the epilogue.
+        bias: ``[N]`` (added to every group's rows) or ``[G, N]`` (one row per group; ``[N]`` only for 3-D x 2-D),
+            of the operands' dtype or the output's. torch's own grouped_mm takes no bias yet; tilegemm adds it in
+            the epilogue.
         out_dtype: None (a's dtype) or fp32.
         kernel: ``"auto"`` or a name from ``tilegemm.kernels("grouped")``.
 
@@ -92,7 +93,7 @@ def grouped_matmul(x: torch.Tensor, w, offs: torch.Tensor, bias: torch.Tensor | 
         w: an ``Int4Weight`` of stacked experts ``[E, N, K]`` (``tilegemm.w4a16.quantize`` of a 3-D weight).
         offs: int32 ``[E]``, the cumulative ends of each expert's rows (on x's device; rows past ``offs[-1]``
             come out zero).
-        bias: ``[N]`` or ``[E, N]``.
+        bias: ``[N]`` or ``[E, N]``, of x's dtype.
         activation: None/``"none"``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``, ``"leaky_relu"``.
 
     Returns ``[M, N]`` in x's dtype. Differentiable in x and bias (the weight is frozen).

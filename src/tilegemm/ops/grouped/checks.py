@@ -153,8 +153,9 @@ def check_grouped_int4(x, w, offs, bias, activation, gated: bool = False) -> Non
     named = {"x": x, "w": w.qweight, "offs": offs}
     if bias is not None:
         _tensor("bias", bias)
-        if bias.dtype != x.dtype:
-            raise TypeError(f"bias has dtype {dtype_name(bias.dtype)}; expected {dtype_name(x.dtype)}")
+        if bias.dtype != x.dtype:  # x's dtype is the output's, as for w4a16.matmul
+            raise TypeError(f"bias has dtype {dtype_name(bias.dtype)}; expected x's dtype, {dtype_name(x.dtype)} "
+                            f"(the output's)")
         if tuple(bias.shape) not in ((N,), (E, N)):
             raise ValueError(f"bias must have shape [{N}] or [{E}, {N}], got {list(bias.shape)}")
         named["bias"] = bias
