@@ -82,7 +82,7 @@ def autocast_inputs(*tensors):
     """``tensors`` as ``torch.autocast`` casts those of an op on its lower-precision list: each 16- or 32-bit
     tensor on the autocast device in the autocast dtype; None and anything else as it is. Unchanged unless
     autocast is on for the first tensor's device type, and when either of the first two (the operands) is of a
-    dtype autocast leaves alone (an fp8 product keeps its fp32 bias)."""
+    dtype autocast leaves alone (an fp8 product keeps its bias as given: bf16, or its output's dtype)."""
     first = tensors[0]
     if not isinstance(first, torch.Tensor):
         return tensors
