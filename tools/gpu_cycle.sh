@@ -57,6 +57,9 @@
 #                 (the models but ResNet-50, whose entry is --model resnet50), dtype \$ZOO_DTYPE (fp16)
 #   dw-wgrad      research/depthwise_wgrad_rows.py: the depthwise weight gradient (a tap or a filter row a program, 2-32
 #                 programs an SM) and grouped_direct's (2-32) against cuDNN on the zoo's layers
+#   dgrad-fwd     research/dgrad_as_forward.py: the stride-1 depthwise and grouped data gradients as forward
+#                 convolutions against the direct kernels and cuDNN (\$DGRAD_DTYPES, default fp16; \$DGRAD_BUDGET
+#                 seconds a dtype, default 150), then tests/conv2d/test_dgrad_as_forward.py and the replay tests
 #   conv2d-odd    the conv2d bench's odd sweep (channels a group not multiples of 16: the padded route), forward
 #                 (auto and the pointer kernel it replaced) and backward (auto), fp16 and bf16; then its GPU tests
 # $PRECOMPILE: worker processes that compile a bench sweep's kernels before it is timed (default 15; 0 off).
@@ -195,6 +198,12 @@ for step in "$@"; do
                   --out "$OUT/depthwise-wgrad.json" 2>&1 | tail -n 11
                 PYTHONPATH=src:tools timeout 120 python3 research/depthwise_wgrad_rows.py --kernel grouped_direct --budget 80 \
                   --out "$OUT/grouped-direct-wgrad.json" 2>&1 | tail -n 8 ;;
+    dgrad-fwd)  # the stride-1 depthwise and grouped data gradients as forward convolutions against the direct kernels
+                for d in ${DGRAD_DTYPES:-fp16}; do PYTHONPATH=src:tools timeout 300 python3 research/dgrad_as_forward.py \
+                  --budget "${DGRAD_BUDGET:-150}" --dtype $d --out "$OUT/dgrad-as-forward-$d.json" 2>&1 \
+                  | tee "$OUT/dgrad-as-forward-$d.log" | tail -n 9; done
+                pytest_ -m gpu -n 4 -rf tests/conv2d/test_dgrad_as_forward.py tests/conv2d/test_conv2d_replay.py 2>&1 \
+                  | tee "$OUT/dgrad-fwd-tests.log" | tail -n 4 ;;
     conv2d-odd) for d in fp16 bf16; do
                   bench --op conv2d --sweep odd --dtype $d --kernels auto,implicit_gemm --json "$OUT/conv2d-odd-fwd-$d.json" 2>&1 | tail -n 12
                   bench --op conv2d --sweep odd --dtype $d --mode bwd --kernels auto --json "$OUT/conv2d-odd-bwd-$d.json" 2>&1 | tail -n 12

@@ -41,6 +41,8 @@ PAD_MIN_CHANNELS = 16  # odd channel counts padded for the TMA kernel from this 
 #   kernel's flattened (r, s, c) K steps waste less than padding every pixel's channels to 16
 PAD_MIN_TAPS = 2  # ... in filters of at least this many taps: a 1x1 layer's GEMM takes any channel count, and
 #   the input's copy would cost about as much as the layer itself (a 3x3 reads each input pixel 9 times)
+DGRAD_AS_FORWARD_KINDS = ("depthwise", "grouped")  # stride-1 data gradients run as the forward of dy with the
+#   flipped weight (:func:`dgrad_as_forward`); measured against the direct kernels in docs/conv2d.md, "Backward"
 
 
 # --- the choice of kernel -------------------------------------------------------------------------------
@@ -335,6 +337,8 @@ def dgrad(c: DgradCall) -> torch.Tensor:
 
             tile = transposed_gluon_tile(weight.reshape(g.K, g.C), (g.N, g.P, g.Q), dy.device)
             return strided_dgrad(dy, weight, g, precision, tile)
+        if c.x_channels_last and dgrad_as_forward(g, dy):
+            return _dgrad_as_forward(dy, weight, g, precision)
         if g.is_depthwise:
             from tilegemm.ops.conv2d import depthwise
 
@@ -356,6 +360,49 @@ def dgrad(c: DgradCall) -> torch.Tensor:
         from tilegemm.ops.conv2d import implicit_gemm
 
         return implicit_gemm.dgrad(dy, weight, x_shape, fmt, g, precision, _upcast(dy))
+
+
+def dgrad_as_forward(g: Geometry, dy: torch.Tensor) -> bool:
+    """Whether ``auto`` runs the data gradient of ``g`` as the forward convolution of ``dy`` with the flipped weight
+    (:func:`_dgrad_as_forward`): stride-1 16-bit depthwise layers (one output channel an input channel) and layers
+    of few channels a group (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`), in the kinds
+    :data:`DGRAD_AS_FORWARD_KINDS` names, where the flipped weight's padding is not negative. Their direct data
+    gradient kernels gather every input pixel's taps through their own addresses; the forward's depthwise and
+    grouped kernels were tuned against cuDNN (docs/conv2d.md, "Backward")."""
+    if g.stride != (1, 1) or dy.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if g.is_depthwise:
+        kind = "depthwise" if g.K == g.C else None
+    else:
+        kind = "grouped" if takes_grouped_direct(g) else None
+    if kind not in DGRAD_AS_FORWARD_KINDS:
+        return False
+    top, bottom, left, right = g.padding
+    (dh, dw) = g.dilation
+    return min(dh * (g.R - 1) - max(top, bottom), dw * (g.S - 1) - max(left, right)) >= 0
+
+
+def _dgrad_as_forward(dy: torch.Tensor, weight: torch.Tensor, g: Geometry, precision: str) -> torch.Tensor:
+    """The data gradient of stride-1 ``g`` as ``conv2d(dy, w')`` with ``w'[c, k, r, s] = w[k, c, R-1-r, S-1-s]``
+    per group, run by the forward's ``auto`` (channels-last ``dx``). The flipped weight is written by
+    :func:`~tilegemm.ops.conv2d.tma_fwd.phase_weight_kernel` into a per-stream workspace, so a replay flips an
+    updated weight again."""
+    from tilegemm.core.launch import current_stream, launch
+    from tilegemm.core.workspace import buffer
+    from tilegemm.ops.conv2d.tma_fwd import dgrad_phases, phase_weight_kernel
+
+    ((_, _, gt, r0, s0),) = dgrad_phases(g)
+    total = g.C * g.R * g.S * g.Kg
+    stream = current_stream()
+    with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
+        buf = buffer(dy.device, dy.dtype, total, ("conv2d-phase-weight", 0, 0))
+        launch(phase_weight_kernel, (-(-g.Kg // 64), -(-g.C // 64), g.R * g.S),
+               (weight, buf, g.C, g.Kg, g.Kg, g.Cg, g.S, r0, s0, 1, 1, *weight.stride()),
+               dict(BLOCK_C=64, BLOCK_K=64, num_warps=4), keep=(buf,), stream=stream)
+        wt = buf[:total].view(g.C, g.R, g.S, g.Kg).permute(0, 3, 1, 2)
+        p = ConvProblem(dy, wt, None, gt, dy.dtype, torch.channels_last, "none", precision,
+                        dy.dtype == torch.bfloat16 and interpreting())
+        return _launch(_auto_kernel(p), p)
 
 
 def _dgrad_pads(g: Geometry) -> bool:

@@ -1,0 +1,120 @@
+"""Open question (GPU): does the stride-1 data gradient of depthwise layers and of layers of few channels a group
+run faster as the forward convolution of dy with the flipped weight (``dispatch.dgrad_as_forward``: the forward's
+``auto``, its depthwise and grouped kernels) than on the direct data-gradient kernels (``depthwise_dgrad_kernel``,
+``grouped_direct``'s)?
+
+Times, on the zoo's stride-1 such layers (batch 32, channels-last; every layer, spread over the kinds, within
+``--budget`` seconds), cuDNN's data gradient, tilegemm's with the route off and on, each checked against cuDNN's
+fp32 gradient, as CUDA graphs; a table of cuDNN time / ours and geomeans per kind last (halves: even and odd
+layers).
+
+    PYTHONPATH=src:tools python3 research/dgrad_as_forward.py [--budget 150] [--dtype fp16] [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from conv2d_depthwise_candidates import geomean, graph_us
+from tilegemm.core.checks import relative_error
+from tilegemm.ops.conv2d import dispatch, zoo
+from tilegemm.ops.conv2d.configs import takes_grouped_direct
+from tilegemm.ops.conv2d.problem import DgradCall, geometry_of
+
+
+def layers() -> list[dict]:
+    out = []
+    for L in zoo.bench_layers():
+        if list(L["stride"]) != [1, 1] or L["groups"] == 1:
+            continue
+        g = _geo(L, 32)
+        if (g.is_depthwise and g.K == g.C) or takes_grouped_direct(g):
+            L["kind"] = (f"dw{L['R']}x{L['S']}" if g.is_depthwise else f"g{g.Cg}")
+            out.append(L)
+    # spread: round-robin over kinds so that a budget cut keeps every kind
+    kinds: dict[str, list] = {}
+    for L in out:
+        kinds.setdefault(L["kind"], []).append(L)
+    spread = []
+    while any(kinds.values()):
+        for k in list(kinds):
+            if kinds[k]:
+                spread.append(kinds[k].pop(0))
+    return spread
+
+
+def _geo(L: dict, batch: int):
+    pad = L["padding"]
+    return geometry_of((batch, L["C"], L["H"], L["W"]), (L["K"], L["C"] // L["groups"], L["R"], L["S"]),
+                       L["stride"], [pad[0], pad[0], pad[1], pad[1]], L["dilation"], L["groups"])
+
+
+def run_layer(L: dict, batch: int, dtype: torch.dtype) -> dict:
+    g = _geo(L, batch)
+    pad = list(L["padding"])
+    x_shape = [batch, g.C, g.H, g.W]
+    w = torch.randn(g.K, g.Cg, g.R, g.S, device="cuda", dtype=dtype) / (g.Cg * g.R * g.S) ** 0.5
+    dy = [torch.randn(batch, g.K, g.P, g.Q, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+          for _ in range(2)]
+    x = torch.empty(x_shape, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+
+    def cudnn(i, dt=None):
+        yy, ww, xx = (dy[i], w, x) if dt is None else (dy[i].to(dt), w.to(dt), x.to(dt))
+        return torch.ops.aten.convolution_backward(yy, xx, ww, None, L["stride"], pad, L["dilation"], False,
+                                                   [0, 0], g.groups, [True, False, False])[0]
+
+    def ours(i):
+        return dispatch.dgrad(DgradCall(dy[i], w, x_shape, True, list(g.stride), list(g.padding),
+                                        list(g.dilation), g.groups, "ieee"))
+
+    ref = cudnn(0, torch.float32)
+    row = dict(layer=f"{g.C}->{g.K} {g.R}x{g.S} {g.H}x{g.W} g{g.groups} p{pad[0]} d{L['dilation'][0]}",
+               kind=L["kind"], models=L.get("models"), cudnn_us=graph_us(cudnn, 2))
+    for name, kinds in (("direct", ()), ("forward", ("depthwise", "grouped"))):
+        dispatch.DGRAD_AS_FORWARD_KINDS = kinds
+        err = relative_error(ours(0).float(), ref)
+        row[f"{name}_err"] = err
+        row[name] = row["cudnn_us"] / graph_us(ours, 2) if err < 1e-2 else None
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget", type=float, default=150.0)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    torch.backends.cudnn.benchmark = True
+    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    start, rows = time.time(), []
+    todo = layers()
+    for L in todo:
+        if time.time() - start > args.budget:
+            break
+        rows.append(run_layer(L, args.batch, dtype))
+        r = rows[-1]
+        print(f"{r['layer']:<34s} {r['kind']:<6s} {r['cudnn_us']:7.1f}us direct "
+              + (f"{r['direct']:.2f}" if r["direct"] else "WRONG") + " forward "
+              + (f"{r['forward']:.2f}" if r["forward"] else "WRONG"), flush=True)
+    print(f"{len(rows)} of {len(todo)} layers; cuDNN time / ours, geomean (direct, forward):")
+    for k in [*dict.fromkeys(r["kind"] for r in rows), "all"]:
+        mine = [r for r in rows if k == "all" or r["kind"] == k]
+        print(f"  {k:<6s} {len(mine):3d}  direct {geomean(r['direct'] for r in mine) or 0:.3f}x"
+              f"  forward {geomean(r['forward'] for r in mine) or 0:.3f}x"
+              f"  worst {min((r['forward'] or 0) for r in mine):.2f}x")
+    for half in (0, 1):
+        mine = rows[half::2]
+        print(f"  half {half} {len(mine):3d}  direct {geomean(r['direct'] for r in mine) or 0:.3f}x"
+              f"  forward {geomean(r['forward'] for r in mine) or 0:.3f}x")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(dtype=args.dtype, batch=args.batch, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The stride-1 data gradient of depthwise layers and of layers of few channels a group, run as the forward
+convolution of dy with the flipped weight (``dispatch.dgrad_as_forward``): against float64 autograd, the layers
+the route refuses, and (GPU) bf16, replays of an updated weight and CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm.core import replay
+from tilegemm.ops.conv2d import dispatch
+from tilegemm.ops.conv2d.op import backward_data
+from tilegemm.ops.conv2d.problem import DgradCall, geometry_of
+from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
+
+from conftest import assert_rel_close
+
+CL = torch.channels_last
+
+
+def _dx(device, dtype, shape, conv, seed=0):
+    """(tilegemm's grad of x, float64 autograd's) for one call; x channels-last."""
+    N, C, H, W, K, R, S = shape
+    groups = conv.get("groups", 1)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, C, H, W, generator=gen).to(device, dtype).contiguous(memory_format=CL)
+    w = (torch.randn(K, C // groups, R, S, generator=gen) / (C // groups * R * S) ** 0.5).to(device, dtype)
+    xs = x.detach().clone().requires_grad_()
+    out = tilegemm.conv2d(xs, w, None, **conv)
+    dy = torch.randn(out.shape, generator=gen).to(device, dtype).contiguous(memory_format=CL)
+    (got,) = torch.autograd.grad(out, (xs,), dy)
+    xr = x.detach().double().requires_grad_()
+    (want,) = torch.autograd.grad(conv2d_reference(xr, w.double(), None, **conv), (xr,), dy.double())
+    return got, want
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The calls that took the route, counted; replays forgotten so that every call dispatches."""
+    replay.clear()
+    calls = []
+    real = dispatch._dgrad_as_forward
+
+    def counted(*args, **kwargs):
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "_dgrad_as_forward", counted)
+    yield calls
+    replay.clear()
+
+
+LAYERS = [
+    pytest.param((2, 8, 7, 7, 8, 3, 3), dict(padding=1, groups=8), id="depthwise-3x3"),
+    pytest.param((1, 16, 9, 5, 16, 5, 5), dict(padding=2, groups=16), id="depthwise-5x5-odd-image"),
+    pytest.param((2, 8, 8, 7, 8, 3, 3), dict(padding=2, dilation=2, groups=8), id="depthwise-dilated"),
+    pytest.param((1, 8, 6, 7, 8, 4, 2), dict(padding="same", groups=8), id="depthwise-same-even-filter"),
+    pytest.param((1, 24, 5, 5, 24, 3, 3), dict(padding=0, groups=24), id="depthwise-unpadded"),
+    pytest.param((2, 16, 7, 6, 16, 3, 3), dict(padding=1, groups=4), id="grouped-4-a-group"),
+    pytest.param((1, 32, 5, 9, 64, 3, 3), dict(padding=1, groups=4), id="grouped-8-to-16-a-group"),
+    pytest.param((3, 8, 5, 5, 8, 3, 3), dict(padding=1, groups=4), id="grouped-2-a-group"),
+    pytest.param((1, 16, 17, 3, 16, 1, 7), dict(padding=(0, 3), groups=2), id="grouped-1x7"),
+]
+
+
+@pytest.mark.parametrize("shape,conv", LAYERS)
+def test_the_route_runs_and_agrees_with_float64(shape, conv, device, spy):
+    got, want = _dx(device, torch.float16, shape, conv)
+    assert len(spy) == 1, "the data gradient took the forward route"
+    assert got.dtype == torch.float16 and got.is_contiguous(memory_format=CL)
+    assert_rel_close(got, want, tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("shape,conv", LAYERS[:1] + LAYERS[5:6])
+def test_the_direct_kernels_give_the_same_gradient(shape, conv, device, spy, monkeypatch):
+    on, _ = _dx(device, torch.float16, shape, conv)
+    monkeypatch.setattr(dispatch, "DGRAD_AS_FORWARD_KINDS", ())
+    replay.clear()
+    off, want = _dx(device, torch.float16, shape, conv)
+    assert len(spy) == 1, "only the first call took the route"
+    assert_rel_close(off, want, tolerance(torch.float16))
+    assert_rel_close(on, off.double(), 2 * tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("shape,conv,why", [
+    ((1, 8, 6, 6, 8, 3, 3), dict(padding=3, groups=8), "padding past the filter: the flipped weight's is negative"),
+    ((1, 8, 9, 9, 8, 3, 3), dict(stride=2, padding=1, groups=8), "strided"),
+    ((1, 4, 6, 6, 8, 3, 3), dict(padding=1, groups=4), "a depthwise multiplier (two outputs an input)"),
+    ((1, 64, 6, 6, 64, 3, 3), dict(padding=1, groups=2), "32 channels a group: not few"),
+])
+def test_layers_the_route_leaves_to_their_kernels(shape, conv, why, device, spy):
+    got, want = _dx(device, torch.float16, shape, conv)
+    assert spy == [], why
+    assert_rel_close(got, want, tolerance(torch.float16))
+
+
+def test_fp32_keeps_the_direct_kernels(device, spy):
+    got, want = _dx(device, torch.float32, (2, 8, 7, 7, 8, 3, 3), dict(padding=1, groups=8))
+    assert spy == []
+    assert_rel_close(got, want, tolerance(torch.float32))
+
+
+def test_the_rule():
+    def geo(C, K, R, groups, stride=1, padding=1, dilation=1):
+        return geometry_of((2, C, 8, 8), (K, C // groups, R, R), (stride,) * 2, (padding,) * 4, (dilation,) * 2,
+                           groups)
+
+    dy16 = torch.empty(1, dtype=torch.float16)
+    assert dispatch.dgrad_as_forward(geo(8, 8, 3, 8), dy16)
+    assert dispatch.dgrad_as_forward(geo(8, 8, 7, 8, padding=3), dy16)
+    assert dispatch.dgrad_as_forward(geo(32, 32, 3, 8), dy16)  # 4 channels a group
+    assert dispatch.dgrad_as_forward(geo(8, 8, 3, 8), torch.empty(1, dtype=torch.bfloat16))
+    assert not dispatch.dgrad_as_forward(geo(8, 8, 3, 8), torch.empty(1))  # fp32
+    assert not dispatch.dgrad_as_forward(geo(8, 8, 3, 8, stride=2), dy16)
+    assert dispatch.dgrad_as_forward(geo(8, 8, 3, 8, padding=2), dy16)  # the flipped weight unpadded
+    assert not dispatch.dgrad_as_forward(geo(8, 8, 3, 8, padding=3), dy16)
+    assert not dispatch.dgrad_as_forward(geo(8, 16, 3, 8), dy16)  # multiplier 2
+    assert not dispatch.dgrad_as_forward(geo(64, 64, 3, 2), dy16)  # 32 a group
+    assert not dispatch.dgrad_as_forward(geo(64, 64, 3, 1), dy16)  # dense
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape,conv", [
+    ((32, 96, 56, 56, 96, 7, 7), dict(padding=3, groups=96)),  # ConvNeXt-T's first depthwise layer
+    ((8, 122, 28, 28, 122, 3, 3), dict(padding=1, groups=122)),  # ShuffleNetV2's, an odd channel count
+    ((16, 128, 56, 56, 128, 3, 3), dict(padding=1, groups=32)),  # ResNeXt-50 32x4d's first grouped layer
+    ((16, 104, 28, 28, 104, 3, 3), dict(padding=1, groups=13)),  # RegNetY-400MF's, 8 channels a group
+], ids=["convnext-7x7", "shufflenet-122", "resnext-4-a-group", "regnet-8-a-group"])
+def test_zoo_layers_on_the_gpu(dtype, shape, conv, spy):
+    got, want = _dx("cuda", dtype, shape, conv)
+    assert len(spy) == 1
+    assert_rel_close(got, want, tolerance(dtype))
+
+
+@pytest.mark.gpu
+def test_a_replay_flips_the_weight_as_it_is_now_and_a_graph_replays():
+    replay.clear()
+    x = torch.randn(4, 64, 14, 14, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+    w = torch.randn(64, 1, 3, 3, device="cuda", dtype=torch.float16)
+    dy = torch.randn(4, 64, 14, 14, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+
+    def dgrad():  # the backward's plain call: replayed once recorded
+        return backward_data(DgradCall(dy, w, [4, 64, 14, 14], True, [1, 1], [1, 1, 1, 1], [1, 1], 64, "ieee"))
+
+    def want():
+        xr = x.double().requires_grad_()
+        return torch.autograd.grad(conv2d_reference(xr, w.double(), None, padding=1, groups=64), (xr,),
+                                   dy.double())[0]
+
+    first = dgrad()  # recorded
+    assert_rel_close(first, want(), tolerance(torch.float16))
+    w.mul_(-2)  # in place: the replay must flip it again
+    assert_rel_close(dgrad(), want(), tolerance(torch.float16))
+    graph = torch.cuda.CUDAGraph()
+    dgrad()
+    with torch.cuda.graph(graph):
+        out = dgrad()
+    w.copy_(torch.randn_like(w))
+    dy.copy_(torch.randn_like(dy))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_rel_close(out, want(), tolerance(torch.float16))
+    replay.clear()
