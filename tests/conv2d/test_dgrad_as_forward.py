@@ -37,8 +37,11 @@ def _dx(device, dtype, shape, conv, seed=0):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """The calls that took the route, counted; replays forgotten so that every call dispatches."""
+    """The calls that took the route, counted; replays forgotten so that every call dispatches. Small 3x3 depthwise
+    layers are let onto the route (the rule keeps them off: :func:`test_the_rule`), so that the interpreter's small
+    images test it."""
     replay.clear()
+    monkeypatch.setattr(dispatch, "DGRAD_DIRECT_3X3_PIXELS", 0)
     calls = []
     real = dispatch._dgrad_as_forward
 
@@ -103,7 +106,7 @@ def test_fp32_keeps_the_direct_kernels(device, spy):
 
 def test_the_rule():
     def geo(C, K, R, groups, stride=1, padding=1, dilation=1):
-        return geometry_of((2, C, 8, 8), (K, C // groups, R, R), (stride,) * 2, (padding,) * 4, (dilation,) * 2,
+        return geometry_of((2, C, 16, 16), (K, C // groups, R, R), (stride,) * 2, (padding,) * 4, (dilation,) * 2,
                            groups)
 
     dy16 = torch.empty(1, dtype=torch.float16)
@@ -118,6 +121,10 @@ def test_the_rule():
     assert not dispatch.dgrad_as_forward(geo(8, 16, 3, 8), dy16)  # multiplier 2
     assert not dispatch.dgrad_as_forward(geo(64, 64, 3, 2), dy16)  # 32 a group
     assert not dispatch.dgrad_as_forward(geo(64, 64, 3, 1), dy16)  # dense
+    small = dispatch.DGRAD_DIRECT_3X3_PIXELS
+    assert not dispatch.dgrad_as_forward(geometry_of((2, 8, 1, small), (8, 1, 3, 3), (1, 1), (1,) * 4, (1, 1), 8), dy16)
+    assert dispatch.dgrad_as_forward(geometry_of((2, 8, 1, small + 1), (8, 1, 3, 3), (1, 1), (1,) * 4, (1, 1), 8), dy16)
+    assert dispatch.dgrad_as_forward(geometry_of((2, 8, 1, small), (8, 1, 5, 5), (1, 1), (2,) * 4, (1, 1), 8), dy16)
 
 
 @pytest.mark.gpu

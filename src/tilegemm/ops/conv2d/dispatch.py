@@ -43,6 +43,8 @@ PAD_MIN_TAPS = 2  # ... in filters of at least this many taps: a 1x1 layer's GEM
 #   the input's copy would cost about as much as the layer itself (a 3x3 reads each input pixel 9 times)
 DGRAD_AS_FORWARD_KINDS = ("depthwise", "grouped")  # stride-1 data gradients run as the forward of dy with the
 #   flipped weight (:func:`dgrad_as_forward`); measured against the direct kernels in docs/conv2d.md, "Backward"
+DGRAD_DIRECT_3X3_PIXELS = 14 * 14  # ... but depthwise 3x3 layers on images of at most this many pixels, where the
+#   direct kernel's one launch beats the flip and the forward (same page)
 
 
 # --- the choice of kernel -------------------------------------------------------------------------------
@@ -366,12 +368,15 @@ def dgrad_as_forward(g: Geometry, dy: torch.Tensor) -> bool:
     """Whether ``auto`` runs the data gradient of ``g`` as the forward convolution of ``dy`` with the flipped weight
     (:func:`_dgrad_as_forward`): stride-1 16-bit depthwise layers (one output channel an input channel) and layers
     of few channels a group (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`), in the kinds
-    :data:`DGRAD_AS_FORWARD_KINDS` names, where the flipped weight's padding is not negative. Their direct data
+    :data:`DGRAD_AS_FORWARD_KINDS` names, where the flipped weight's padding is not negative, but depthwise 3x3
+    layers on small images (:data:`DGRAD_DIRECT_3X3_PIXELS`). Their direct data
     gradient kernels gather every input pixel's taps through their own addresses; the forward's depthwise and
     grouped kernels were tuned against cuDNN (docs/conv2d.md, "Backward")."""
     if g.stride != (1, 1) or dy.dtype not in (torch.float16, torch.bfloat16):
         return False
     if g.is_depthwise:
+        if g.R == g.S == 3 and g.H * g.W <= DGRAD_DIRECT_3X3_PIXELS:
+            return False
         kind = "depthwise" if g.K == g.C else None
     else:
         kind = "grouped" if takes_grouped_direct(g) else None
