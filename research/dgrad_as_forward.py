@@ -9,6 +9,11 @@ fp32 gradient, as CUDA graphs; a table of cuDNN time / ours and geomeans per kin
 layers).
 
     PYTHONPATH=src:tools python3 research/dgrad_as_forward.py [--budget 150] [--dtype fp16] [--out F.json]
+    PYTHONPATH=src:tools python3 research/dgrad_as_forward.py --model convnext_tiny   # a training step, on and off
+
+``--model NAME``: a converted torchvision model's training step (batch 32, fp16, as
+``tools/conv2d_model_profile.py`` builds it) with the route on and off in turns, and cuDNN's: wall milliseconds a
+step (eager, the host in the loop) and CUDA milliseconds a step (the profiler's kernel times).
 """
 
 from __future__ import annotations
@@ -82,8 +87,61 @@ def run_layer(L: dict, batch: int, dtype: torch.dtype) -> dict:
     return row
 
 
+def model_ab(name: str, rounds: int = 3, steps: int = 8) -> dict:
+    import copy
+    import statistics
+
+    import tilegemm
+    from conv2d_model_profile import kernel_times
+    from tilegemm.core import replay
+    from tilegemm.models import torchvision_models as tvm
+    from tilegemm.models.bench import _train_deterministic
+
+    torch.manual_seed(0)
+    image = tvm.image_size(name)
+    base = tvm.calibrate_batch_norms(tvm.build(name).eval().cuda().to(memory_format=torch.channels_last), image)
+    ref = _train_deterministic(base.half())
+    ours = _train_deterministic(tilegemm.nn.convert_(copy.deepcopy(base.half())))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 3, image, image, generator=gen).cuda().half().contiguous(memory_format=torch.channels_last)
+    target = torch.randint(0, 10, (32,), generator=gen).cuda()
+
+    def wall(model):
+        for _ in range(2):
+            tvm.gradients(model, x, target, 1024.0)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            tvm.gradients(model, x, target, 1024.0)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+
+    sides = {"cudnn": (ref, None), "on": (ours, ("depthwise", "grouped")), "off": (ours, ())}
+    walls = {k: [] for k in sides}
+    for _ in range(rounds):
+        for k, (model, kinds) in sides.items():
+            if kinds is not None:
+                dispatch.DGRAD_AS_FORWARD_KINDS = kinds
+                replay.clear()
+            walls[k].append(wall(model))
+    row = dict(model=name)
+    for k, (model, kinds) in sides.items():
+        if kinds is not None:
+            dispatch.DGRAD_AS_FORWARD_KINDS = kinds
+            replay.clear()
+        row[f"{k}_wall_ms"] = min(walls[k])
+        row[f"{k}_cuda_ms"] = sum(kernel_times(model, x, target, "train", 3).values()) / 1e3
+    print(f"{name}: wall ms cuDNN {row['cudnn_wall_ms']:.2f}, off {row['off_wall_ms']:.2f}, on {row['on_wall_ms']:.2f}"
+          f"; CUDA ms cuDNN {row['cudnn_cuda_ms']:.2f}, off {row['off_cuda_ms']:.2f}, on {row['on_cuda_ms']:.2f}",
+          flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", action="append", help="a torchvision model's training step, on and off (repeatable)")
     ap.add_argument("--budget", type=float, default=150.0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
@@ -91,6 +149,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    if args.model:
+        rows = [model_ab(m) for m in args.model]
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(models=rows), f, indent=1)
+        return
     start, rows = time.time(), []
     todo = layers()
     for L in todo:
