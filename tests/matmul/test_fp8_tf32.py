@@ -129,8 +129,9 @@ def test_fp8_epilogue_and_out_dtypes(kernel, out_dtype, device):
     a = fp8_operand(M, K, False, E4M3, device)
     b = fp8_operand(K, N, True, E4M3, device)
     scale_a, scale_b = torch.rand(M, device=device) + 0.5, torch.rand(N, device=device) + 0.5
-    kw = dict(bias=torch.randn(N, device=device, dtype=torch.bfloat16), c=torch.randn(M, N, device=device),
-              alpha=0.5, beta=-1.0, activation="gelu")
+    # c of the output's dtype (bf16, the fp8 operands' own, or the output's: the bias's rule)
+    kw = dict(bias=torch.randn(N, device=device, dtype=torch.bfloat16),
+              c=torch.randn(M, N, device=device).to(out_dtype), alpha=0.5, beta=-1.0, activation="gelu")
     out = mm(a, b, kernel=kernel, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, **kw)
     assert out.dtype == out_dtype
     ref = dequantized_reference(a, b, scale_a, scale_b, **kw)

@@ -97,6 +97,75 @@ def test_bad_c(device):
         tilegemm.matmul(a, b, c=torch.randn(2, 8, 6, device=device))  # would grow the output
 
 
+@pytest.mark.parametrize(
+    "dtype,out_dtype,c_dtype,message",
+    [
+        (torch.float16, None, torch.float32, "c has dtype fp32; expected the operands' fp16"),
+        (torch.float16, None, torch.bfloat16, "c has dtype bf16; expected the operands' fp16"),
+        (torch.bfloat16, None, torch.float16, "c has dtype fp16; expected the operands' bf16"),
+        (torch.float32, None, torch.float64, "c has dtype float64; expected the operands' fp32"),
+        (torch.float32, None, torch.int32, "c has dtype int32; expected the operands' fp32"),
+        (torch.float16, torch.float32, torch.bfloat16,
+         "c has dtype bf16; expected the operands' fp16 or the output's, fp32"),
+        (torch.bfloat16, torch.float16, torch.float32,
+         "c has dtype fp32; expected the operands' bf16 or the output's, fp16"),
+    ],
+    ids=["fp16-fp32", "fp16-bf16", "bf16-fp16", "fp32-f64", "fp32-int32", "fp16-out32-bf16", "bf16-out16-fp32"],
+)
+def test_c_of_another_dtype(dtype, out_dtype, c_dtype, message, device):
+    # c is the output's addend (beta * c), read in the epilogue as the bias is: of the operands' dtype or the
+    # output's, as torch.addmm takes its input; anything else is refused by name, with beta 0 too (as its shape)
+    a, b = _ab(device, dtype)
+    c = torch.randn(8, 6, device=device).to(c_dtype)
+    for beta in (1.0, 0.0):
+        with pytest.raises(TypeError, match=re.escape(message) + "$"):
+            tilegemm.matmul(a, b, c=c, beta=beta, out_dtype=out_dtype)
+    with pytest.raises(TypeError, match=re.escape(message) + "$"):  # a 1-D operand's route checks it too
+        tilegemm.matmul(a[0], b, c=c[0], out_dtype=out_dtype)
+    with pytest.raises(TypeError, match=re.escape(message) + "$"):  # and the registered op called directly
+        torch.ops.tilegemm.matmul(a, b, None, c, 1.0, 1.0, "none", out_dtype, "ieee", "auto")
+    with pytest.raises(TypeError, match="c must be a torch.Tensor, got list"):
+        tilegemm.matmul(a, b, c=[[1.0] * 6] * 8)
+
+
+def test_c_of_the_fp8_operands_dtype_or_the_outputs(device):
+    a = torch.randn(8, 32, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(6, 32, device=device).to(torch.float8_e4m3fn).mT
+    with pytest.raises(TypeError, match=re.escape("c has dtype fp16; expected bf16 (for fp8 operands)") + "$"):
+        tilegemm.matmul(a, b, c=torch.randn(8, 6, device=device).half())
+    with pytest.raises(TypeError, match=re.escape("c has dtype fp32; expected bf16 (for fp8 operands) or the "
+                                                  "output's, fp16") + "$"):
+        tilegemm.matmul(a, b, c=torch.randn(8, 6, device=device), out_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.bfloat16], ids=["own", "out32", "out-bf16"])
+def test_c_of_the_operands_or_the_outputs_dtype_is_taken(out_dtype, device):
+    # both accepted dtypes, forward and (through an activation: its recompute runs with an fp32 output, so a bf16
+    # c of a bf16 output goes in as fp32) backward
+    a = torch.randn(8, 16, device=device, dtype=torch.float16, requires_grad=True)
+    b = torch.randn(16, 6, device=device, dtype=torch.float16)
+    c = torch.randn(8, 6, device=device).to(out_dtype or torch.float16).requires_grad_()
+    out = tilegemm.matmul(a, b, c=c, beta=0.5, activation="gelu", out_dtype=out_dtype)
+    ref = torch.nn.functional.gelu(a.double() @ b.double() + 0.5 * c.double())
+    assert out.dtype == (out_dtype or torch.float16)
+    assert (out.double() - ref).abs().max() <= 2e-2 * (1 + ref.abs().max())
+    grad = torch.randn(8, 6, device=device, dtype=torch.float64)
+    (out.double() * grad).sum().backward()
+    a64, c64 = a.detach().double().requires_grad_(), c.detach().double().requires_grad_()
+    (torch.nn.functional.gelu(a64 @ b.double() + 0.5 * c64) * grad).sum().backward()
+    assert c.grad.dtype == c.dtype and (c.grad.double() - c64.grad).abs().max() <= 2e-2 * (1 + c64.grad.abs().max())
+    assert (a.grad.double() - a64.grad).abs().max() <= 5e-2 * (1 + a64.grad.abs().max())
+
+
+def test_the_op_called_directly_with_c_equals_float64(device):
+    # a valid direct call of the registered op (c of the output's dtype) still runs, against a float64 reference
+    a, b = _ab(device)
+    c = torch.randn(8, 6, device=device)
+    out = torch.ops.tilegemm.matmul(a, b, None, c, 1.0, 0.5, "none", torch.float32, "ieee", "auto")
+    ref = a.double() @ b.double() + 0.5 * c.double()
+    assert out.dtype == torch.float32 and (out.double() - ref).abs().max() <= 1e-2 * (1 + ref.abs().max())
+
+
 def test_bad_options(device):
     a, b = _ab(device)
     with pytest.raises(ValueError, match="unknown activation 'tanh'; choose one of: none, relu"):

@@ -36,7 +36,8 @@ def matmul(
         b: ``[..., K, N]``, same dtype as ``a`` (the two fp8 dtypes may mix). Batch dims broadcast like
             ``torch.matmul``.
         bias: ``[N]``, added to every row; of the operands' dtype (bf16 for fp8 operands) or the output's.
-        c: broadcasts to the output ``[..., M, N]``; scaled by ``beta``.
+        c: broadcasts to the output ``[..., M, N]``; scaled by ``beta``; of the operands' dtype (bf16 for fp8
+            operands) or the output's, as the bias (a TypeError names any other).
         activation: ``None``/``"none"``, ``"relu"``, ``"gelu"`` (erf), ``"gelu_tanh"``, ``"silu"``,
             ``"leaky_relu"`` (slope 0.01).
         out_dtype: float16, bfloat16 or float32; by default the input dtype, bfloat16 for fp8 inputs.

@@ -24,16 +24,16 @@ def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
         raise TypeError(f"{name} has {kind} dtype {dtype_name(t.dtype)}; tilegemm.matmul supports {names} here")
 
 
-def _check_bias_dtype(bias_dtype: torch.dtype, dtype: torch.dtype, fp8: bool, out_dtype) -> None:
-    """Refuse a bias that is neither of the operands' dtype (bf16 for fp8 operands) nor of the output's, naming
-    its dtype and those (as torch.addmm refuses a bias of another dtype than its matrices')."""
+def _check_addend_dtype(name: str, t_dtype: torch.dtype, dtype: torch.dtype, fp8: bool, out_dtype) -> None:
+    """Refuse a bias or c (``name``) that is neither of the operands' dtype (bf16 for fp8 operands) nor of the
+    output's, naming its dtype and those (as torch.addmm refuses an addend of another dtype than its matrices')."""
     own = torch.bfloat16 if fp8 else dtype  # fp8 operands: bf16, the dtype of their default output
     out = out_dtype or own
-    if bias_dtype is own or bias_dtype is out:
+    if t_dtype is own or t_dtype is out:
         return
     expected = "bf16 (for fp8 operands)" if fp8 else f"the operands' {dtype_name(own)}"
     also = "" if out is own else f" or the output's, {dtype_name(out)}"
-    raise TypeError(f"bias has dtype {dtype_name(bias_dtype)}; expected {expected}{also}")
+    raise TypeError(f"{name} has dtype {dtype_name(t_dtype)}; expected {expected}{also}")
 
 
 def _type_name(value) -> str:
@@ -127,12 +127,14 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
         _check_float("bias", bias)
         if bias.dim() != 1 or bias.shape[0] != shape[-1]:
             raise ValueError(f"bias must have shape [N] = [{shape[-1]}], got {list(bias.shape)}")
-        _check_bias_dtype(bias.dtype, a.dtype, fp8, out_dtype)
+        _check_addend_dtype("bias", bias.dtype, a.dtype, fp8, out_dtype)
         named["bias"] = bias
     if c is not None:
-        _check_float("c", c)
+        if not isinstance(c, torch.Tensor):
+            raise TypeError(f"c must be a torch.Tensor, got {type(c).__name__}")
         if broadcast(tuple(c.shape), shape) != shape:
             raise ValueError(f"c of shape {list(c.shape)} does not broadcast to the output shape {list(shape)}")
+        _check_addend_dtype("c", c.dtype, a.dtype, fp8, out_dtype)  # (c is the output's addend, as the bias)
         named["c"] = c
     for name, value in (("alpha", alpha), ("beta", beta)):
         if type(value) is not float:

@@ -14,7 +14,7 @@ import torch
 from tilegemm.core.launch import recording_active
 from tilegemm.core.replay import ReplayCache
 from tilegemm.core.torch_ops import lean_autograd
-from tilegemm.ops.matmul.problem import MatmulCall
+from tilegemm.ops.matmul.problem import MatmulCall, default_out_dtype
 from tilegemm.ops.matmul.checks import check_inputs, output_shape, replay_key
 from tilegemm.ops.matmul.dispatch import forward
 from tilegemm.ops.matmul.reference import torch_activation
@@ -99,7 +99,9 @@ def _backward(ctx, grad_out):
     if call.activation != "none":  # (fp8: the pre-activation with the call's scales and accumulation)
         # the bias in fp32, the recompute's output dtype: the call's own may be neither the operands' nor fp32
         pre_bias = None if bias is None else bias.float()
-        pre = call_op(MatmulCall(a, b, pre_bias, c, call.alpha, call.beta, "none", torch.float32, call.precision,
+        # c too where it is of the call's output dtype but not the operands' (cast only then: c may be [M, N])
+        pre_c = c if c is None or c.dtype in (default_out_dtype(a.dtype), torch.float32) else c.float()
+        pre = call_op(MatmulCall(a, b, pre_bias, pre_c, call.alpha, call.beta, "none", torch.float32, call.precision,
                                  "auto", scale_a, scale_b, call.fast_accum))
         with torch.enable_grad():
             pre = pre.detach().requires_grad_(True)
