@@ -11,7 +11,8 @@ from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call, plain_tensor, tensor_key
 from tilegemm.core.runtime import check_same_device, interpreting
 from tilegemm.core.workspace import in_graph_tree
-from tilegemm.ops.w4a16.format import FLOAT_DTYPES, Int4Weight, validate
+from tilegemm.ops.w4a16.dispatch import FRAG_KERNELS
+from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, validate
 
 
 def check_inputs(x, w, bias, activation, kernel) -> None:
@@ -49,6 +50,44 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
         if reason:
             raise registry.NotApplicable(f"w4a16 kernel {kernel!r} cannot run here: {reason}")
     check_same_device(named)
+
+
+def weight_of_op_args(qweight, scales, zeros, group_k, perm=None, fweight=None, fzs=None,
+                      stacked: bool = False) -> Int4Weight:
+    """The :class:`Int4Weight` that a registered op's flat weight arguments make: qweight ``[K/8, N]`` (``stacked``:
+    ``[E, K/8, N]``, the grouped family's experts), scales and zeros of group length ``group_k`` (K: one group),
+    perm, and the fragment layout ``(fweight, fzs)`` or neither. Building it checks that the parts fit together
+    (:func:`~tilegemm.ops.w4a16.format.validate`, :func:`~tilegemm.ops.w4a16.format.check_fragments`): the errors
+    of a weight built by hand, naming the part."""
+    if not isinstance(qweight, torch.Tensor):
+        raise TypeError(f"qweight must be a torch.Tensor, got {type(qweight).__name__}")
+    if qweight.dim() != (3 if stacked else 2):
+        raise ValueError(f"qweight must be int32 {'[E, K/8, N]' if stacked else '[K/8, N]'}, got shape "
+                         f"{list(qweight.shape)}")
+    K, N = qweight.shape[-2] * 8, qweight.shape[-1]
+    if isinstance(group_k, bool) or not isinstance(group_k, int) or group_k != K and group_k not in GROUP_SIZES[:-1]:
+        raise ValueError(f"group_k must be K = {K} (one group) or a group size that divides K ("
+                         f"{', '.join(map(str, GROUP_SIZES[:-1]))}), got {group_k!r}")
+    if (fweight is None) != (fzs is None):
+        raise TypeError("fweight and fzs go together (Int4Weight.fragments()): pass both or neither")
+    frag = None if fweight is None else (fweight, fzs)
+    return Int4Weight(qweight, scales, zeros, -1 if group_k == K else group_k, (*qweight.shape[:-2], N, K), perm, frag)
+
+
+def check_op_args(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm=None) -> None:
+    """The checks of ``torch.ops.tilegemm.w4a16_matmul`` called with its flat arguments (the op's body makes them:
+    called directly, nothing else did): the weight its parts make (:func:`weight_of_op_args`), x ``[M, K]`` against
+    it, then :func:`check_inputs`: the public function's errors, by the same code."""
+    w = weight_of_op_args(qweight, scales, zeros, group_k, perm, fweight, fzs)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x must be [M, K] with K = 8 * qweight.shape[0] = {w.shape[1]} (qweight is [K/8, N] = "
+                         f"{list(qweight.shape)}), got {list(x.shape)}")
+    if kernel in FRAG_KERNELS and fweight is None:
+        raise ValueError(f"w4a16 kernel {kernel!r} reads the fragment layout: pass fweight and fzs "
+                         f"(Int4Weight.fragments())")
+    check_inputs(x, w, bias, activation, kernel)
 
 
 # --- the replay key: a plain call (no tracer, dispatch mode or autograd watching; CUDA, not the interpreter) is
