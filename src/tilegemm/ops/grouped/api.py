@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.core import registry
-from tilegemm.core.activations import check_activation
 from tilegemm.core.launch import plain_call
-from tilegemm.ops.grouped.checks import (call_tensors, check_grouped, check_grouped_int4, gated_replay_key,
-                                         int4_replay_key, replay_key)
+from tilegemm.ops.grouped.checks import (call_tensors, check_gated_call, check_grouped, check_int4_call,
+                                         check_mm_call, gated_replay_key, int4_replay_key, replay_key)
 from tilegemm.ops.grouped import dispatch
 from tilegemm.ops.grouped.routing import group_columns
 from tilegemm.ops.matmul import matmul as dense_matmul
@@ -58,9 +56,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
         out = REPLAYS.replayed(key, tensors)
         if out is not None:
             return out  # (None: nothing recorded, or recorded for another stream or device; launched afresh below)
-    check_grouped(a, b, offs, bias, out_dtype)
-    if kernel != "auto":
-        registry.get("grouped", kernel)
+    check_mm_call(a, b, offs, bias, out_dtype, kernel)
     precision = "default"
     if not plain_call(a, b, offs, bias):
         return grouped_mm_op(a, b, offs, bias, out_dtype, precision, kernel)
@@ -124,9 +120,7 @@ def _int4(x, w, offs, bias, activation: str, gated: bool, kernel: str) -> torch.
         out = REPLAYS.replayed(key, tensors)
         if out is not None:
             return out
-    check_grouped_int4(x, w, offs, bias, activation, gated)
-    if kernel != "auto":
-        registry.get("grouped_w4a16", kernel)
+    check_int4_call(x, w, offs, bias, activation, gated, kernel)
     if w.perm is not None:  # act-order experts: each expert's rows read through its input order first
         x = group_columns(x, offs, w.perm)
     args = (x, w.qweight, w.scales, w.zeros, offs, bias, w.group_k, activation, gated, kernel, *(frag or (None, None)))
@@ -150,11 +144,7 @@ def moe_gate_up(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torc
         out = REPLAYS.replayed(key, tensors)
         if out is not None:
             return out
-    check_activation(activation)
-    check_grouped(x, w, offs, bias, None)
-    if x.dim() != 2 or w.dim() != 3 or w.shape[2] % 2:
-        raise ValueError(f"moe_gate_up takes x [M, K] and w [E, K, 2I] (an even number of columns), got "
-                         f"{list(x.shape)} and {list(w.shape)}")
+    check_gated_call(x, w, offs, bias, activation)
     if not plain_call(x, w, offs, bias):
         return grouped_mm_gated_op(x, w, offs, bias, activation, "default")
     if key is None:

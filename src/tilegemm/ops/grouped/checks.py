@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from tilegemm.core import registry
 from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import dtype_name, resolve_precision
 from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call, recording_active, tensor_key
 from tilegemm.core.runtime import check_same_device, interpreting
 from tilegemm.core.workspace import in_graph_tree
 from tilegemm.ops.w4a16 import Int4Weight, validate
+from tilegemm.ops.w4a16.checks import weight_of_op_args
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -52,7 +54,7 @@ def check_offs(offs, groups: int | None, groups_of: str, grouped_dim: str, exten
 
 def check_op_devices(names: tuple, tensors: tuple) -> None:
     """The device check of a registered op's body (``tensors``, None for an absent one, named by ``names``): called
-    directly (``torch.ops.tilegemm.grouped_mm``, ...) nothing checked that they share a device, and CPU tensors while
+    directly (``torch.ops.tilegemm.moe_route``, ...) nothing checked that they share a device, and CPU tensors while
     kernels compile for the GPU reached Triton's launch, whose error names no tensor. Tensors on one CUDA device pass
     on a short path (this runs on every call of a compiled graph); others get :func:`check_same_device`'s errors."""
     device = tensors[0].device
@@ -163,6 +165,48 @@ def check_grouped_int4(x, w, offs, bias, activation, gated: bool = False) -> Non
         raise ValueError(f"a gated product needs an even number of weight rows (gate, then up), got {N}")
     check_activation(activation)
     check_same_device(named)
+
+
+# --- the checks of a call, shared by each public function and its registered op (called directly, an op's body
+# checks its arguments itself: nothing else did) --------------------------------------------------------------
+
+
+def check_mm_call(a, b, offs, bias, out_dtype, kernel) -> tuple[str, int]:
+    """The checks of ``grouped_mm`` and of ``torch.ops.tilegemm.grouped_mm``: :func:`check_grouped` and the
+    kernel's name; return the layout and number of groups."""
+    found = check_grouped(a, b, offs, bias, out_dtype)
+    if kernel != "auto":
+        registry.get("grouped", kernel)
+    return found
+
+
+def check_gated_call(x, w, offs, bias, activation) -> None:
+    """The checks of ``moe_gate_up`` and of ``torch.ops.tilegemm.grouped_mm_gated``: x ``[M, K]``, w ``[E, K, 2I]``
+    (gate columns, then up), offs and bias as :func:`check_grouped` takes them, the activation."""
+    check_activation(activation)
+    # the layout first (check_grouped would take 3-D x 3-D for a batched product and ask for offs to be None)
+    if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and (x.dim() != 2 or w.dim() != 3
+                                                                         or w.shape[2] % 2):
+        raise ValueError(f"moe_gate_up takes x [M, K] and w [E, K, 2I] (an even number of columns), got "
+                         f"{list(x.shape)} and {list(w.shape)}")
+    check_grouped(x, w, offs, bias, None)
+
+
+def check_int4_call(x, w, offs, bias, activation, gated: bool, kernel) -> None:
+    """The checks of ``w4a16.grouped_matmul`` / ``moe_gate_up_int4``: :func:`check_grouped_int4` and the kernel's
+    name."""
+    check_grouped_int4(x, w, offs, bias, activation, gated)
+    if kernel != "auto":
+        registry.get("grouped_w4a16", kernel)
+
+
+def check_int4_op_args(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight=None,
+                       fzs=None) -> None:
+    """The checks of ``torch.ops.tilegemm.grouped_w4a16`` called with its flat arguments: the stacked weight its
+    parts make (:func:`tilegemm.ops.w4a16.checks.weight_of_op_args`: qweight ``[E, K/8, N]``, scales and zeros
+    ``[E, G, N]`` of group length ``group_k``, the fragment layout), then :func:`check_int4_call` on it."""
+    w = weight_of_op_args(qweight, scales, zeros, group_k, None, fweight, fzs, stacked=True)
+    check_int4_call(x, w, offs, bias, activation, gated, kernel)
 
 
 # --- replay keys: a plain call (no tracer, mode, autograd or CUDA-graph capture watching; CUDA, not the interpreter)

@@ -22,7 +22,7 @@ from tilegemm.core.replay import ReplayCache
 from tilegemm.core.runtime import new_output, on_device
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.grouped import dispatch
-from tilegemm.ops.grouped.checks import check_op_devices
+from tilegemm.ops.grouped.checks import check_gated_call, check_int4_op_args, check_mm_call
 from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem, out_shape
 
 # The host fast path of the family's plain calls (grouped_mm, moe_gate_up, w4a16.grouped_matmul): each is one
@@ -30,9 +30,6 @@ from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem, out_s
 # Keys: tilegemm.ops.grouped.checks (replay_key, gated_replay_key, int4_replay_key); docs/grouped.md.
 REPLAYS = ReplayCache("grouped")
 
-# the tensors' names in the ops' device checks (their direct callers skip the public functions' checks)
-_MM_NAMES = ("a", "b", "offs", "bias")
-_INT4_NAMES = ("x", "qweight", "scales", "zeros", "offs", "bias", "fweight", "fzs")
 
 
 def _groups(layout: str, a, b, offs) -> int:
@@ -60,7 +57,9 @@ def forward(a, b, offs, bias, out_dtype, precision: str, kernel: str) -> torch.T
 @torch.library.custom_op("tilegemm::grouped_mm", mutates_args=())
 def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                   out_dtype: Optional[torch.dtype], precision: str, kernel: str) -> torch.Tensor:
-    check_op_devices(_MM_NAMES, (a, b, offs, bias))
+    # Called directly (torch.ops.tilegemm.grouped_mm) nothing checked the arguments: the public function's checks
+    # (shapes, dtypes, offs, bias, devices), by the same code. The public function's plain calls skip the op.
+    check_mm_call(a, b, offs, bias, out_dtype, kernel)
     return forward(a, b, offs, bias, out_dtype, precision, kernel)
 
 
@@ -145,7 +144,7 @@ def grouped_w4a16_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                      offs: torch.Tensor, bias: Optional[torch.Tensor], group_k: int, activation: str, gated: bool,
                      kernel: str, fweight: Optional[torch.Tensor] = None,
                      fzs: Optional[torch.Tensor] = None) -> torch.Tensor:
-    check_op_devices(_INT4_NAMES, (x, qweight, scales, zeros, offs, bias, fweight, fzs))
+    check_int4_op_args(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight, fzs)
     return forward_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight, fzs)
 
 
@@ -216,7 +215,7 @@ def forward_gated(a, b, offs, bias, activation: str, precision: str) -> torch.Te
 @torch.library.custom_op("tilegemm::grouped_mm_gated", mutates_args=())
 def grouped_mm_gated_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: Optional[torch.Tensor],
                         activation: str, precision: str) -> torch.Tensor:
-    check_op_devices(_MM_NAMES, (a, b, offs, bias))
+    check_gated_call(a, b, offs, bias, activation)
     return forward_gated(a, b, offs, bias, activation, precision)
 
 
