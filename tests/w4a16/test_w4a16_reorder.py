@@ -1,8 +1,10 @@
 """Act-order's route (docs/w4a16.md, "Act-order"): x's inputs reordered by ``reorder_kernel``
 (ops/w4a16/reorder.py), then the kernel auto picks for the natural-order weight, the same in eager calls and calls
 captured into a CUDA graph; the host fast path replays both launches (``op.REORDERS``, then ``op.REPLAYS`` or
-``op.DEQUANTS``). Under the interpreter: the gather against index_select, the route's launches, what each cache
-keeps and replays, and what takes another route. The GPU: tests/w4a16/test_w4a16_actorder_gpu.py."""
+``op.DEQUANTS``). On the device fixture's tensors (the interpreter's CPU, or the GPU): the gather against
+index_select, the route's launches, what each cache keeps and replays (stand-ins for the recorded launches), and
+what takes another route. Real replays and captures, and the route at scale, on the GPU:
+tests/w4a16/test_w4a16_actorder_gpu.py."""
 
 from __future__ import annotations
 
@@ -12,16 +14,28 @@ from conftest import assert_rel_close
 from w4a16_kit import act_order_weight
 
 from tilegemm import w4a16
+from tilegemm.core import hardware
 from tilegemm.core.launch import plain_call
-from tilegemm.ops.w4a16 import api, checks, dequant_cublas, dispatch, gemv, mma, op, reorder
+from tilegemm.core.runtime import interpreting
+from tilegemm.ops.w4a16 import api, checks, dequant_cublas, dispatch, frag_wgmma, gemv, mma, op, reorder
 from tilegemm.ops.w4a16.reference import reference
 
 
+CACHES = (op.REORDERS, op.REPLAYS, op.DEQUANTS)
+
+
+def _clear():
+    """Empty the act-order calls' caches: on a GPU a call records its launches, and a later call of the same layout
+    (another test's too) would replay them rather than launch from Python."""
+    for cache in CACHES:
+        cache.clear()
+
+
 def _launched(monkeypatch) -> list:
-    """The names of the kernels launched from here on (every module that launches an act-order call's kernels
-    under the interpreter)."""
+    """The names of the kernels launched from here on (every module that launches an act-order call's kernels;
+    frag_wgmma's where auto takes it, on Hopper)."""
     names = []
-    for module in (reorder, gemv, mma, dequant_cublas):
+    for module in (reorder, gemv, mma, dequant_cublas, frag_wgmma):
         real = module.launch
 
         def spy(kernel, grid, *args, real=real, **kwargs):
@@ -37,15 +51,15 @@ def _launched(monkeypatch) -> list:
 
 @pytest.mark.parametrize("M, K", [(1, 8), (3, 17), (5, 1030), (9, 2048 + 24), (1, 1)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gather_equals_index_select(M, K, dtype, monkeypatch):
+def test_gather_equals_index_select(M, K, dtype, monkeypatch, device):
     launched = _launched(monkeypatch)
-    perm = torch.randperm(K)
-    wide = torch.randn(M, K + 5).to(dtype)
+    perm = torch.randperm(K, device=device)
+    wide = torch.randn(M, K + 5, device=device).to(dtype)
     views = {
         "sliced": wide[:, 2:K + 2],  # rows K + 5 apart, starting 4 bytes in
-        "transposed": torch.randn(K, M).to(dtype).T,  # inputs M apart
-        "rows strided": torch.randn(2 * M, K).to(dtype)[::2],
-        "contiguous": torch.randn(M, K).to(dtype),
+        "transposed": torch.randn(K, M, device=device).to(dtype).T,  # inputs M apart
+        "rows strided": torch.randn(2 * M, K, device=device).to(dtype)[::2],
+        "contiguous": torch.randn(M, K, device=device).to(dtype),
     }
     for name, x in views.items():
         out = reorder.reorder_columns(x, perm)
@@ -67,21 +81,25 @@ def test_gather_grid_spreads_rows_over_as_few_programs_as_fill_the_gpu():
         assert blocks_k * block_k >= K and programs * chunks >= M * blocks_k  # every column block covered
 
 
-def test_gather_takes_int32_and_strided_perm_and_many_chunks():
-    x = torch.randn(11, 3000, dtype=torch.float16)  # chunks of 1024 columns, the last one short, several a program
-    perm = torch.randperm(3000)
+def test_gather_takes_int32_and_strided_perm_and_many_chunks(device, monkeypatch):
+    # chunks of 1024 columns, the last one short, several a program
+    x = torch.randn(11, 3000, dtype=torch.float16, device=device)
+    perm = torch.randperm(3000, device=device)
     strided = torch.stack([perm, perm], 1)[:, 0]  # a valid weight may hold a strided view
     assert strided.stride(0) == 2
-    assert reorder.gather_grid(11, 3000, 4)[2] == 2  # (the interpreter's 4 SMs: 2 chunks a program)
+    # 4 SMs (the interpreter's count; a GPU's pinned to it): 2 chunks a program
+    monkeypatch.setattr(hardware, "sm_count", lambda device: 4)
+    assert reorder.gather_grid(11, 3000, hardware.sm_count(x.device))[2] == 2
     for p in (perm, perm.to(torch.int32), strided):
         assert torch.equal(reorder.reorder_columns(x, p), x[:, perm])
 
 
-def test_gather_of_nothing_launches_nothing(monkeypatch):
+def test_gather_of_nothing_launches_nothing(monkeypatch, device):
     launched = _launched(monkeypatch)
-    assert reorder.reorder_columns(torch.empty(0, 16, dtype=torch.float16), torch.randperm(16)).shape == (0, 16)
-    assert reorder.reorder_columns(torch.empty(3, 0, dtype=torch.float16), torch.empty(0, dtype=torch.long)).shape \
-        == (3, 0)
+    assert reorder.reorder_columns(torch.empty(0, 16, dtype=torch.float16, device=device),
+                                   torch.randperm(16, device=device)).shape == (0, 16)
+    assert reorder.reorder_columns(torch.empty(3, 0, dtype=torch.float16, device=device),
+                                   torch.empty(0, dtype=torch.long, device=device)).shape == (3, 0)
     assert launched == []
 
 
@@ -95,47 +113,55 @@ def test_gather_refuses_shapes_it_does_not_take():
 # --- the route: the gather, then the natural order's kernel, for every kernel and M --------------------------------
 
 
-_PRODUCT = {"gemv": "w4a16_gemv_kernel", "mma": "w4a16_mma_kernel", "dequant_cublas": "w4a16_dequant_kernel"}
+_PRODUCT = {"gemv": "w4a16_gemv_kernel", "mma": "w4a16_mma_kernel", "dequant_cublas": "w4a16_dequant_kernel",
+            "frag_wgmma": "frag_wgmma_kernel"}
 
 
 @pytest.mark.parametrize("kernel", ["auto", "gemv", "mma", "dequant_cublas"])
 @pytest.mark.parametrize("M", [1, 3, 17, 130])
-def test_every_kernel_runs_on_x_reordered_by_the_gather(kernel, M, monkeypatch):
+def test_every_kernel_runs_on_x_reordered_by_the_gather(kernel, M, monkeypatch, device):
+    _clear()
     launched = _launched(monkeypatch)
-    w = act_order_weight(40, 256, 64)
+    w = act_order_weight(40, 256, 64, device=device)
     natural = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, 64, w.shape)
-    x = torch.randn(M, 256, dtype=torch.float16)
+    x = torch.randn(M, 256, dtype=torch.float16, device=device)
     out = w4a16.matmul(x, w, kernel=kernel)
     route = list(launched)
     launched.clear()
     # bit for bit the natural-order weight's call on x[:, perm], through the same kernel
     assert torch.equal(out, w4a16.matmul(x[:, w.perm], natural, kernel=kernel))
-    chosen = dispatch.choose(M) if kernel == "auto" else kernel  # (no fragment kernel on the CPU)
+    # auto: frag_wgmma where it runs (Hopper, up to 128 rows of this narrow weight); none on the CPU
+    frag = dispatch.frag_usable(w.group_k, x.device, 256)
+    chosen = dispatch.choose(M, frag, w.shape[0]) if kernel == "auto" else kernel
     assert route == ["reorder_kernel", _PRODUCT[chosen]] and launched == [_PRODUCT[chosen]]
 
 
 @pytest.mark.parametrize("lead", [(2, 3), (1,), (0, 4)])
-def test_batched_and_strided_x(lead, monkeypatch):
+def test_batched_and_strided_x(lead, monkeypatch, device):
+    _clear()
     launched = _launched(monkeypatch)
-    w = act_order_weight(40, 128, 32)
+    w = act_order_weight(40, 128, 32, device=device)
     natural = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, 32, w.shape)
-    x = torch.randn(*lead, 256, dtype=torch.float16)[..., ::2]  # inputs 2 apart, leading dims
+    x = torch.randn(*lead, 256, dtype=torch.float16, device=device)[..., ::2]  # inputs 2 apart, leading dims
     out = w4a16.matmul(x, w)
     assert out.shape == (*lead, 40)
     assert torch.equal(out, w4a16.matmul(x[..., w.perm], natural))
     assert launched.count("reorder_kernel") == (1 if x.numel() else 0)
 
 
-def test_eager_and_captured_calls_take_the_same_route(monkeypatch):
+@pytest.mark.skipif(not interpreting(), reason="a capture stood in for (is_current_stream_capturing patched) where "
+                    "there is no GPU; on a GPU real captures are tested: test_w4a16_actorder_gpu.py::"
+                    "test_eager_and_captured_calls_launch_the_same_kernels")
+def test_eager_and_captured_calls_take_the_same_route(monkeypatch, device):
     # a captured call's kernels must all have run in its eager warm-up (none may first load inside a capture):
     # nothing on the route asks whether a capture is on
     launched = _launched(monkeypatch)
-    w = act_order_weight(40, 256, 64)
+    w = act_order_weight(40, 256, 64, device=device)
     routes = []
     for capturing in (False, True):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda capturing=capturing: capturing)
         for M in (1, 3, 64, 130):
-            w4a16.matmul(torch.randn(M, 256, dtype=torch.float16), w)
+            w4a16.matmul(torch.randn(M, 256, dtype=torch.float16, device=device), w)
         routes.append(list(launched))
         launched.clear()
     assert routes[0] == routes[1] and routes[0].count("reorder_kernel") == 4
@@ -155,10 +181,10 @@ def test_the_op_with_perm_gathers_only_where_frag_wgmma_is_named():
     assert not dispatch.gathers(W4A16Problem(**{**p, "perm": strided}, kernel="frag_wgmma"))
 
 
-def test_autograd_sees_index_select_not_the_gather(monkeypatch):
+def test_autograd_sees_index_select_not_the_gather(monkeypatch, device):
     launched = _launched(monkeypatch)
-    w = act_order_weight(24, 128, 32)
-    x = torch.randn(3, 128, dtype=torch.float16, requires_grad=True)
+    w = act_order_weight(24, 128, 32, device=device)
+    x = torch.randn(3, 128, dtype=torch.float16, device=device, requires_grad=True)
     out = w4a16.matmul(x, w, kernel="mma")
     assert "reorder_kernel" not in launched
     out.float().sum().backward()
@@ -171,8 +197,9 @@ def test_autograd_sees_index_select_not_the_gather(monkeypatch):
 
 
 class _Replayed:
-    """A recorded entry's stand-in (a CPU cannot replay a launch): writes ``fill(*tensors)`` into the output
-    the cache allocates, or declines (``runs`` False); notes the tensors it was given."""
+    """A recorded entry's stand-in (a CPU cannot replay a launch; the ``keyed`` fixture keeps none on a GPU either):
+    writes ``fill(*tensors)`` into the output the cache allocates, or declines (``runs`` False); notes the tensors
+    it was given."""
 
     def __init__(self, like: torch.Tensor, fill, runs: bool = True):
         self.fill, self.runs, self.calls = fill, runs, []
@@ -187,8 +214,9 @@ class _Replayed:
 
 @pytest.fixture
 def keyed(monkeypatch):
-    """Key CPU calls as the GPU's plain calls are; note what each cache is asked to keep (the interpreter's
-    launches are never kept, so the caches' own store keeps nothing here); the caches emptied after."""
+    """Key calls as the GPU's plain calls are (the interpreter's CPU calls too); note what each cache is asked to
+    keep rather than keep it (the interpreter's launches are never kept; a GPU's are not either, so what a call
+    replays is the stand-ins a test puts in); the caches emptied before and after."""
     monkeypatch.setattr(api, "replay_key", lambda x2, w, bias, act, kernel, perm=None:
                         checks.key_of(x2, w, bias, act, kernel, perm) if plain_call(x2, bias) else None)
     stored = {"REORDERS": [], "REPLAYS": [], "DEQUANTS": []}
@@ -204,11 +232,11 @@ def keyed(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel, M", [("auto", 3), ("gemv", 1), ("dequant_cublas", 5)])
-def test_the_first_call_keeps_the_gather_and_the_product_under_its_key(keyed, kernel, M):
+def test_the_first_call_keeps_the_gather_and_the_product_under_its_key(keyed, kernel, M, device):
     stored = keyed
-    w = act_order_weight(40, 128, 32)
-    bias = torch.randn(40, dtype=torch.float16)
-    x = torch.randn(M, 128, dtype=torch.float16)
+    w = act_order_weight(40, 128, 32, device=device)
+    bias = torch.randn(40, dtype=torch.float16, device=device)
+    x = torch.randn(M, 128, dtype=torch.float16, device=device)
     y = w4a16.matmul(x, w, bias, "silu", kernel=kernel)
     assert_rel_close(y, reference(x, w, bias, "silu"), 2e-3)
     key = checks.key_of(x, w, bias, "silu", kernel, w.perm)  # x as the caller passed it, perm's layout
@@ -222,17 +250,17 @@ def test_the_first_call_keeps_the_gather_and_the_product_under_its_key(keyed, ke
     assert checks.key_of(x, w, bias, "silu", kernel) != key  # the natural order's calls are keyed apart
 
 
-def test_a_replayed_call_launches_nothing_from_python(keyed, monkeypatch):
-    w = act_order_weight(40, 128, 32)
-    x = torch.randn(3, 128, dtype=torch.float16)
+def test_a_replayed_call_launches_nothing_from_python(keyed, monkeypatch, device):
+    w = act_order_weight(40, 128, 32, device=device)
+    x = torch.randn(3, 128, dtype=torch.float16, device=device)
     w4a16.matmul(x, w)
     key = keyed["REORDERS"][0][0]
     gather = op.REORDERS.entries[key] = _Replayed(x, lambda x2, perm: x2[:, perm])
-    product = op.REPLAYS.entries[key] = _Replayed(torch.empty(3, 40, dtype=torch.float16),
+    product = op.REPLAYS.entries[key] = _Replayed(torch.empty(3, 40, dtype=torch.float16, device=device),
                                                   lambda xr, *weight: reference(xr, w4a16.Int4Weight(
                                                       w.qweight, w.scales, w.zeros, 32, w.shape)))
     launched = _launched(monkeypatch)
-    x_new = torch.randn(1, 3, 128, dtype=torch.float16)  # leading dims: the same key as [3, 128]
+    x_new = torch.randn(1, 3, 128, dtype=torch.float16, device=device)  # leading dims: the same key as [3, 128]
     y = w4a16.matmul(x_new, w)
     assert launched == [] and y.shape == (1, 3, 40)
     assert len(gather.calls) == 1 and gather.calls[0][0].shape == (3, 128) and gather.calls[0][1] is w.perm
@@ -240,25 +268,25 @@ def test_a_replayed_call_launches_nothing_from_python(keyed, monkeypatch):
     assert_rel_close(y[0], reference(x_new[0], w), 2e-3)
 
 
-def test_dequant_cublas_replays_the_gather_then_the_dequantization(keyed, monkeypatch):
-    w = act_order_weight(40, 128, 32)
-    x = torch.randn(5, 128, dtype=torch.float16)
+def test_dequant_cublas_replays_the_gather_then_the_dequantization(keyed, monkeypatch, device):
+    w = act_order_weight(40, 128, 32, device=device)
+    x = torch.randn(5, 128, dtype=torch.float16, device=device)
     w4a16.matmul(x, w, kernel="dequant_cublas")
     key = keyed["REORDERS"][0][0]
     wd = keyed["DEQUANTS"][0][2]
     gather = op.REORDERS.entries[key] = _Replayed(x, lambda x2, perm: x2[:, perm])
     dequant = op.DEQUANTS.entries[key] = _Replayed(wd, lambda *tensors: wd)
     launched = _launched(monkeypatch)
-    x_new = torch.randn(5, 128, dtype=torch.float16)
+    x_new = torch.randn(5, 128, dtype=torch.float16, device=device)
     y = w4a16.matmul(x_new, w, kernel="dequant_cublas")
     assert launched == [] and len(gather.calls) == 1 and len(dequant.calls) == 1
     assert torch.equal(dequant.calls[0][0], x_new[:, w.perm])  # its tensors: the call's, x reordered
     assert_rel_close(y, reference(x_new, w), 2e-3)
 
 
-def test_declined_replays_launch_afresh(keyed, monkeypatch):
-    w = act_order_weight(40, 128, 32)
-    x = torch.randn(3, 128, dtype=torch.float16)
+def test_declined_replays_launch_afresh(keyed, monkeypatch, device):
+    w = act_order_weight(40, 128, 32, device=device)
+    x = torch.randn(3, 128, dtype=torch.float16, device=device)
     w4a16.matmul(x, w)
     key = keyed["REORDERS"][0][0]
     launched = _launched(monkeypatch)
@@ -269,13 +297,13 @@ def test_declined_replays_launch_afresh(keyed, monkeypatch):
     launched.clear()
     # the gather replayed, the product declines: the product afresh on the replayed gather's x (no second gather)
     op.REORDERS.entries[key] = _Replayed(x, lambda x2, perm: x2[:, perm])
-    op.REPLAYS.entries[key] = _Replayed(torch.empty(3, 40, dtype=torch.float16), None, runs=False)
+    op.REPLAYS.entries[key] = _Replayed(torch.empty(3, 40, dtype=torch.float16, device=device), None, runs=False)
     assert_rel_close(w4a16.matmul(x, w), reference(x, w), 2e-3)
     assert len(launched) == 1 and launched[0] != "reorder_kernel"
 
 
-def test_calls_under_autograd_keep_nothing(keyed):
-    w = act_order_weight(40, 128, 32)
-    x = torch.randn(3, 128, dtype=torch.float16, requires_grad=True)
+def test_calls_under_autograd_keep_nothing(keyed, device):
+    w = act_order_weight(40, 128, 32, device=device)
+    x = torch.randn(3, 128, dtype=torch.float16, device=device, requires_grad=True)
     w4a16.matmul(x, w)  # autograd: the op, x reordered by index_select
     assert keyed == {"REORDERS": [], "REPLAYS": [], "DEQUANTS": []}
