@@ -1,4 +1,5 @@
-"""The host fast path of w4a16.matmul (tilegemm.core.replay; keys in tilegemm.ops.w4a16.checks): keys on the CPU,
+"""The host fast path of w4a16.matmul (tilegemm.core.replay; keys in tilegemm.ops.w4a16.checks): keys on the CPU;
+what the family keeps and how it replays it (stand-ins for the recorded launches) on the device fixture's tensors;
 replays on a GPU."""
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def test_a_frozen_weight_requiring_grad_keys_like_any():
 
 
 class _StandIn:
-    """Stands in for a recorded replay of the dequantization (none is recorded under the interpreter): it writes
-    ``wd`` into the output the cache allocates for it and keeps the tensors it was given."""
+    """Stands in for a recorded replay of the dequantization (none is recorded under the interpreter, nor kept on a
+    GPU under the ``keyed`` fixture): it writes ``wd`` into the output the cache allocates for it and keeps the
+    tensors it was given."""
 
     def __init__(self, wd: torch.Tensor):
         self.wd, self.calls = wd, []
@@ -95,9 +97,10 @@ class _StandIn:
 
 
 @pytest.fixture
-def keyed_on_the_cpu(monkeypatch):
-    """Key CPU calls as the GPU's plain calls are, and note what each cache is asked to keep (the interpreter's
-    launches are never kept, so the caches' own store keeps nothing here); the caches emptied after."""
+def keyed(monkeypatch):
+    """Key calls as the GPU's plain calls are (the interpreter's CPU calls too), and note what each cache is asked
+    to keep rather than keep it (the interpreter's launches are never kept; a GPU's are not either, so what a call
+    replays is the stand-in a test puts in); the caches emptied before and after."""
     monkeypatch.setattr(api, "replay_key", lambda x2, w, bias, act, kernel, perm=None:
                         checks.key_of(x2, w, bias, act, kernel, perm) if plain_call(x2, bias) else None)
     stored = {"REPLAYS": [], "DEQUANTS": []}
@@ -112,12 +115,12 @@ def keyed_on_the_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel, M", [("dequant_cublas", 3), ("auto", 130)])  # auto: dequant_cublas above 128 rows
-def test_dequant_cublas_calls_are_kept_and_replayed_by_the_family(keyed_on_the_cpu, kernel, M):
-    stored = keyed_on_the_cpu
+def test_dequant_cublas_calls_are_kept_and_replayed_by_the_family(keyed, kernel, M, device):
+    stored = keyed
     N, K = 40, 128
-    w = weight(N=N, K=K, g=32)
-    bias = torch.randn(N, dtype=torch.float16)
-    x = torch.randn(M, K, dtype=torch.float16)
+    w = weight(N=N, K=K, g=32, device=device)  # (narrow: auto takes no fragment kernel above 128 rows on Hopper)
+    bias = torch.randn(N, dtype=torch.float16, device=device)
+    x = torch.randn(M, K, dtype=torch.float16, device=device)
     y = w4a16.matmul(x, w, bias, "silu", kernel=kernel)
     assert_rel_close(y, reference(x, w, bias, "silu"), 2e-3)
     # the one Triton launch is kept in DEQUANTS with the weight it wrote as its output, under the call's key
@@ -129,7 +132,7 @@ def test_dequant_cublas_calls_are_kept_and_replayed_by_the_family(keyed_on_the_c
     assert torch.equal(wd, w4a16.dequantize(w))
     # a replay of it: the family runs cuBLAS on the weight it wrote, with the new call's x, bias and activation
     stand_in = op.DEQUANTS.entries[key] = _StandIn(wd)
-    x_new = torch.randn(M, K, dtype=torch.float16)
+    x_new = torch.randn(M, K, dtype=torch.float16, device=device)
     y_new = w4a16.matmul(x_new, w, bias, "silu", kernel=kernel)
     assert len(stand_in.calls) == 1 and stand_in.calls[0][0] is x_new and len(stand_in.calls[0]) == len(tensors) + 1
     fresh = w4a16.matmul(x_new.clone().requires_grad_(True), w, bias, "silu", kernel=kernel)  # the op's full path
@@ -140,10 +143,10 @@ def test_dequant_cublas_calls_are_kept_and_replayed_by_the_family(keyed_on_the_c
     assert y3.shape == (1, M, N) and torch.equal(y3[0], y_new) and len(stand_in.calls) == 2
 
 
-def test_one_launch_kernels_are_kept_whole(keyed_on_the_cpu):
-    stored = keyed_on_the_cpu
-    w = weight(N=40, K=128, g=32)
-    x = torch.randn(2, 128, dtype=torch.float16)
+def test_one_launch_kernels_are_kept_whole(keyed, device):
+    stored = keyed
+    w = weight(N=40, K=128, g=32, device=device)
+    x = torch.randn(2, 128, dtype=torch.float16, device=device)
     y = w4a16.matmul(x, w, kernel="gemv")
     assert stored["DEQUANTS"] == [] and len(stored["REPLAYS"]) == 1
     assert stored["REPLAYS"][0][2] is y  # the call's output, not a scratch tensor
