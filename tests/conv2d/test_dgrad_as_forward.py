@@ -10,6 +10,7 @@ import torch
 import tilegemm
 from tilegemm.core import replay
 from tilegemm.ops.conv2d import dispatch
+from tilegemm.ops.conv2d import op as conv_op
 from tilegemm.ops.conv2d.op import backward_data
 from tilegemm.ops.conv2d.problem import DgradCall, geometry_of
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
@@ -142,8 +143,11 @@ def test_zoo_layers_on_the_gpu(dtype, shape, conv, spy):
 
 
 @pytest.mark.gpu
-def test_a_replay_flips_the_weight_as_it_is_now_and_a_graph_replays():
+def test_a_replay_flips_the_weight_as_it_is_now_and_a_graph_replays(monkeypatch):
     replay.clear()
+    dispatched = []
+    real = dispatch.dgrad
+    monkeypatch.setattr(dispatch, "dgrad", lambda c: dispatched.append(c) or real(c))
     x = torch.randn(4, 64, 14, 14, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
     w = torch.randn(64, 1, 3, 3, device="cuda", dtype=torch.float16)
     dy = torch.randn(4, 64, 14, 14, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
@@ -158,8 +162,10 @@ def test_a_replay_flips_the_weight_as_it_is_now_and_a_graph_replays():
 
     first = dgrad()  # recorded
     assert_rel_close(first, want(), tolerance(torch.float16))
+    assert conv_op.REPLAYS.count() == 1, "the route's launches (the flip and the forward's) are kept"
     w.mul_(-2)  # in place: the replay must flip it again
     assert_rel_close(dgrad(), want(), tolerance(torch.float16))
+    assert len(dispatched) == 1, "the second call replayed the first one's launches"
     graph = torch.cuda.CUDAGraph()
     dgrad()
     with torch.cuda.graph(graph):

@@ -13,6 +13,7 @@ import torch
 
 from tilegemm import w4a16
 from tilegemm.core.registry import NotApplicable
+from tilegemm.core.runtime import interpreting
 from tilegemm.ops.grouped import dispatch, frag
 from tilegemm.ops.grouped.problem import GroupedInt4Problem
 from tilegemm.ops.w4a16.format import gate_up_tiles, pack_fragments, unpack_rows
@@ -103,6 +104,7 @@ def test_auto_takes_frag_at_decode_sizes_on_hopper(monkeypatch):
     assert not dispatch.frag_usable(128, 4096, torch.device("cpu"))
 
 
+@pytest.mark.skipif(not interpreting(), reason="what the interpreter (no Gluon) makes auto do; Hopper: the GPU tests")
 def test_auto_never_takes_frag_here():
     # under the interpreter (and on any GPU but Hopper) the registry says why not: auto keeps dequant_dot
     assert frag.why_not_gluon() is not None

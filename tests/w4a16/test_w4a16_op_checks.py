@@ -66,6 +66,8 @@ def _bad_cases(x, w, bias):
 def test_direct_op_call_refuses_bad_arguments(case, device):
     x, w, bias = _parts(device)
     change, error, match = _bad_cases(x, w, bias)[case]
+    if device != "cpu" and match == "perm must be a permutation":
+        pytest.skip("perm's values are read on the host for CPU tensors only: the GPU path makes no host sync")
     with pytest.raises(error, match=match):
         _op(*_args(x, w, bias, **change))
 

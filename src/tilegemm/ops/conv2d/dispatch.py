@@ -407,7 +407,8 @@ def _dgrad_as_forward(dy: torch.Tensor, weight: torch.Tensor, g: Geometry, preci
         wt = buf[:total].view(g.C, g.R, g.S, g.Kg).permute(0, 3, 1, 2)
         p = ConvProblem(dy, wt, None, gt, dy.dtype, torch.channels_last, "none", precision,
                         dy.dtype == torch.bfloat16 and interpreting())
-        return _launch(_auto_kernel(p), p)
+        with keeping(buf):  # the forward's launches read the workspace: a replay of them must know it as one
+            return _launch(_auto_kernel(p), p)
 
 
 def _dgrad_pads(g: Geometry) -> bool:

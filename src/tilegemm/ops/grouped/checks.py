@@ -174,10 +174,9 @@ def check_grouped_int4(x, w, offs, bias, activation, gated: bool = False) -> Non
 def check_mm_call(a, b, offs, bias, out_dtype, kernel) -> tuple[str, int]:
     """The checks of ``grouped_mm`` and of ``torch.ops.tilegemm.grouped_mm``: :func:`check_grouped` and the
     kernel's name; return the layout and number of groups."""
-    found = check_grouped(a, b, offs, bias, out_dtype)
-    if kernel != "auto":
+    if kernel != "auto":  # the name first: its refusal does not depend on where the tensors are
         registry.get("grouped", kernel)
-    return found
+    return check_grouped(a, b, offs, bias, out_dtype)
 
 
 def check_gated_call(x, w, offs, bias, activation) -> None:
@@ -195,9 +194,9 @@ def check_gated_call(x, w, offs, bias, activation) -> None:
 def check_int4_call(x, w, offs, bias, activation, gated: bool, kernel) -> None:
     """The checks of ``w4a16.grouped_matmul`` / ``moe_gate_up_int4``: :func:`check_grouped_int4` and the kernel's
     name."""
-    check_grouped_int4(x, w, offs, bias, activation, gated)
-    if kernel != "auto":
+    if kernel != "auto":  # the name first: its refusal does not depend on where the tensors are
         registry.get("grouped_w4a16", kernel)
+    check_grouped_int4(x, w, offs, bias, activation, gated)
 
 
 def check_int4_op_args(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight=None,
