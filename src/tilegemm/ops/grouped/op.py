@@ -22,6 +22,7 @@ from tilegemm.core.replay import ReplayCache
 from tilegemm.core.runtime import new_output, on_device
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.grouped import dispatch
+from tilegemm.core.checked import check_once
 from tilegemm.ops.grouped.checks import check_gated_call, check_int4_op_args, check_mm_call
 from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem, out_shape
 
@@ -59,7 +60,7 @@ def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor]
                   out_dtype: Optional[torch.dtype], precision: str, kernel: str) -> torch.Tensor:
     # Called directly (torch.ops.tilegemm.grouped_mm) nothing checked the arguments: the public function's checks
     # (shapes, dtypes, offs, bias, devices), by the same code. The public function's plain calls skip the op.
-    check_mm_call(a, b, offs, bias, out_dtype, kernel)
+    check_once(check_mm_call, a, b, offs, bias, out_dtype, kernel)
     return forward(a, b, offs, bias, out_dtype, precision, kernel)
 
 
@@ -144,7 +145,8 @@ def grouped_w4a16_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                      offs: torch.Tensor, bias: Optional[torch.Tensor], group_k: int, activation: str, gated: bool,
                      kernel: str, fweight: Optional[torch.Tensor] = None,
                      fzs: Optional[torch.Tensor] = None) -> torch.Tensor:
-    check_int4_op_args(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight, fzs)
+    check_once(check_int4_op_args, x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight,
+               fzs)
     return forward_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight, fzs)
 
 
@@ -215,7 +217,7 @@ def forward_gated(a, b, offs, bias, activation: str, precision: str) -> torch.Te
 @torch.library.custom_op("tilegemm::grouped_mm_gated", mutates_args=())
 def grouped_mm_gated_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: Optional[torch.Tensor],
                         activation: str, precision: str) -> torch.Tensor:
-    check_gated_call(a, b, offs, bias, activation)
+    check_once(check_gated_call, a, b, offs, bias, activation)
     return forward_gated(a, b, offs, bias, activation, precision)
 
 

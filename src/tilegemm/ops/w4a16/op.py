@@ -13,6 +13,7 @@ from tilegemm.core.activations import torch_activation
 from tilegemm.core.replay import ReplayCache
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.w4a16 import dispatch
+from tilegemm.core.checked import check_once
 from tilegemm.ops.w4a16.checks import check_op_args
 from tilegemm.ops.w4a16.problem import W4A16Problem
 
@@ -43,7 +44,7 @@ def _w4a16_op(
 ) -> torch.Tensor:
     # Called directly (torch.ops.tilegemm.w4a16_matmul) nothing checked the arguments: a weight's parts that do
     # not fit N, K and the group length would be read out of bounds. The public function's plain calls skip the op.
-    check_op_args(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm)
+    check_once(check_op_args, x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm)
     if bias is not None and bias.dim() == 1 and bias.stride(0) != 1:
         bias = bias.contiguous()  # the kernels read the bias as one contiguous vector
     return dispatch.forward(W4A16Problem.of_op_args(x, qweight, scales, zeros, fweight, fzs, bias, group_k,
