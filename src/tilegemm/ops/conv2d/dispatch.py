@@ -392,19 +392,12 @@ def _dgrad_as_forward(dy: torch.Tensor, weight: torch.Tensor, g: Geometry, preci
     per group, run by the forward's ``auto`` (channels-last ``dx``). The flipped weight is written by
     :func:`~tilegemm.ops.conv2d.tma_fwd.phase_weight_kernel` into a per-stream workspace, so a replay flips an
     updated weight again."""
-    from tilegemm.core.launch import current_stream, launch
-    from tilegemm.core.workspace import buffer
-    from tilegemm.ops.conv2d.tma_fwd import dgrad_phases, phase_weight_kernel
+    from tilegemm.core.launch import current_stream
+    from tilegemm.ops.conv2d.tma_fwd import dgrad_phases, flip_weight
 
     ((_, _, gt, r0, s0),) = dgrad_phases(g)
-    total = g.C * g.R * g.S * g.Kg
-    stream = current_stream()
     with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
-        buf = buffer(dy.device, dy.dtype, total, ("conv2d-phase-weight", 0, 0))
-        launch(phase_weight_kernel, (-(-g.Kg // 64), -(-g.C // 64), g.R * g.S),
-               (weight, buf, g.C, g.Kg, g.Kg, g.Cg, g.S, r0, s0, 1, 1, *weight.stride()),
-               dict(BLOCK_C=64, BLOCK_K=64, num_warps=4), keep=(buf,), stream=stream)
-        wt = buf[:total].view(g.C, g.R, g.S, g.Kg).permute(0, 3, 1, 2)
+        buf, wt = flip_weight(weight, g, r0, s0, dy, current_stream())
         p = ConvProblem(dy, wt, None, gt, dy.dtype, torch.channels_last, "none", precision,
                         dy.dtype == torch.bfloat16 and interpreting())
         with keeping(buf):  # the forward's launches read the workspace: a replay of them must know it as one

@@ -474,7 +474,6 @@ def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g, out_format: torch.memor
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import current_stream, launch, sequence_lock
     from tilegemm.core.runtime import new_output
-    from tilegemm.core.workspace import buffer
 
     if g.stride != (1, 1):
         # Strided data gradients split into stride^2 phase convolutions run faster on the GPU than the pointer
@@ -489,18 +488,29 @@ def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g, out_format: torch.memor
         dx = new_output((g.N, g.H, g.W, g.C), dy.dtype, dy.device).permute(0, 3, 1, 2)
     else:
         dx = new_output((g.N, g.C, g.H, g.W), dy.dtype, dy.device)
-    total = g.C * g.R * g.S * g.Kg
     stream = current_stream()
     with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
-        buf = buffer(dy.device, dy.dtype, total, ("conv2d-phase-weight", 0, 0))
-        launch(phase_weight_kernel, (cdiv(g.Kg, 64), cdiv(g.C, 64), g.R * g.S),
-               (weight, buf, g.C, g.Kg, g.Kg, g.Cg, g.S, r0, s0, 1, 1, *weight.stride()),
-               dict(BLOCK_C=64, BLOCK_K=64, num_warps=4), keep=(buf,), stream=stream)
-        wt = buf[:total].view(g.C, g.R, g.S, g.Kg).permute(0, 3, 1, 2)
+        buf, wt = flip_weight(weight, g, r0, s0, dy, stream)
         kernel, grid, args, kwargs = launch_args(dy, wt, dx, None, gt, "none",
                                                  config(gt, dy.dtype, sm_count(dy.device)))
         launch(kernel, grid, args, kwargs, keep=(buf,), stream=stream)
     return dx
+
+
+def flip_weight(weight: torch.Tensor, g, r0: int, s0: int, dy: torch.Tensor, stream):
+    """(the workspace, the stride-1 data gradient's flipped weight ``[C, K/groups, R, S]`` channels-last in it):
+    :func:`phase_weight_kernel`'s one launch into this stream's ``conv2d-phase-weight`` buffer, of dy's dtype. The
+    caller holds :data:`~tilegemm.core.launch.sequence_lock` until its launches that read the buffer are made, and
+    names the buffer in their ``keep`` (a replay of them must know it as a workspace)."""
+    from tilegemm.core.launch import launch
+    from tilegemm.core.workspace import buffer
+
+    total = g.C * g.R * g.S * g.Kg
+    buf = buffer(dy.device, dy.dtype, total, ("conv2d-phase-weight", 0, 0))
+    launch(phase_weight_kernel, (cdiv(g.Kg, 64), cdiv(g.C, 64), g.R * g.S),
+           (weight, buf, g.C, g.Kg, g.Kg, g.Cg, g.S, r0, s0, 1, 1, *weight.stride()),
+           dict(BLOCK_C=64, BLOCK_K=64, num_warps=4), keep=(buf,), stream=stream)
+    return buf, buf[:total].view(g.C, g.R, g.S, g.Kg).permute(0, 3, 1, 2)
 
 
 @triton.jit
