@@ -11,6 +11,7 @@ import pytest
 
 import tilegemm
 from tilegemm.core import registry
+from tilegemm.core.runtime import interpreting
 from tilegemm.ops import FAMILIES
 
 PACKAGE = Path(tilegemm.__file__).resolve().parent
@@ -147,6 +148,8 @@ def test_matmuls_entry_points_are_names_of_its_package():
     assert matmul.launch.__module__ == "tilegemm.ops.matmul.dispatch"
 
 
+@pytest.mark.skipif(not interpreting(), reason="the route is read with CPU tensors under the interpreter; on a GPU "
+                    "`tools/gpu_cycle.sh route` reads it")
 def test_a_matmul_call_runs_downward_through_few_files():
     """The route of one ``tilegemm.matmul`` call (tools/call_route.py): the files on the stack at its launch
     are at most 8, the files whose code runs at all (fp16 under the interpreter) at most 8, and no function of ``core/`` calls back

@@ -17,8 +17,7 @@ from tilegemm.core.dtypes import dtype_name, resolve_precision
 from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call, recording_active, tensor_key
 from tilegemm.core.runtime import check_same_device, interpreting
 from tilegemm.core.workspace import in_graph_tree
-from tilegemm.ops.w4a16 import Int4Weight, validate
-from tilegemm.ops.w4a16.checks import weight_of_op_args
+from tilegemm.ops.w4a16 import Int4Weight, validate, weight_of_op_args
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -202,7 +201,7 @@ def check_int4_call(x, w, offs, bias, activation, gated: bool, kernel) -> None:
 def check_int4_op_args(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight=None,
                        fzs=None) -> None:
     """The checks of ``torch.ops.tilegemm.grouped_w4a16`` called with its flat arguments: the stacked weight its
-    parts make (:func:`tilegemm.ops.w4a16.checks.weight_of_op_args`: qweight ``[E, K/8, N]``, scales and zeros
+    parts make (:func:`tilegemm.ops.w4a16.weight_of_op_args`: qweight ``[E, K/8, N]``, scales and zeros
     ``[E, G, N]`` of group length ``group_k``, the fragment layout), then :func:`check_int4_call` on it."""
     w = weight_of_op_args(qweight, scales, zeros, group_k, None, fweight, fzs, stacked=True)
     check_int4_call(x, w, offs, bias, activation, gated, kernel)
