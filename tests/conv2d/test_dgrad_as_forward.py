@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tilegemm
 from tilegemm.core import replay
@@ -128,6 +129,53 @@ def test_the_rule():
     assert dispatch.dgrad_as_forward(geometry_of((2, 8, 1, small), (8, 1, 5, 5), (1, 1), (2,) * 4, (1, 1), 8), dy16)
 
 
+def _dgrad_padded(device, dtype, shape, groups, pad, dil, w_layout="plain", x_cl=True):
+    """(tilegemm's dx through the backward's plain call, float64's) with padding (top, bottom, left, right) given to
+    the op as it is; the weight plain, channels-last or a strided view."""
+    N, C, H, W, K, R, S = shape
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(K, C // groups, R, S, generator=gen) / (C // groups * R * S) ** 0.5
+    if w_layout == "channels_last":
+        w = w.contiguous(memory_format=CL)
+    elif w_layout == "view":  # a slice of a wider filter bank: strides of its own, not contiguous
+        big = torch.randn(K, C // groups, R, S + 3, generator=gen)
+        big[..., 1:S + 1] = w
+        w = big[..., 1:S + 1]
+    w = w.to(device, dtype)
+    t, b, l, r = pad
+    P, Q = H + t + b - dil[0] * (R - 1), W + l + r - dil[1] * (S - 1)
+    dy = torch.randn(N, K, P, Q, generator=gen).to(device, dtype).contiguous(memory_format=CL)
+    got = backward_data(DgradCall(dy, w, [N, C, H, W], x_cl, [1, 1], list(pad), list(dil), groups, "ieee"))
+    x = torch.zeros(N, C, H, W, dtype=torch.float64, requires_grad=True)
+    y = F.conv2d(F.pad(x, (l, r, t, b)), w.cpu().double(), None, 1, 0, dil, groups)
+    (want,) = torch.autograd.grad(y, (x,), dy.cpu().double())
+    return got, want
+
+
+PADDED = [
+    pytest.param((1, 32, 6, 7, 16, 3, 3), 4, (1, 1, 1, 1), (1, 1), id="grouped-8-to-4"),
+    pytest.param((1, 8, 5, 6, 128, 3, 3), 4, (1, 1, 1, 1), (1, 1), id="grouped-2-to-32"),
+    pytest.param((1, 32, 6, 7, 64, 3, 3), 4, (0, 2, 2, 1), (1, 1), id="grouped-8-to-16-asymmetric"),
+    pytest.param((2, 16, 9, 7, 16, 3, 3), 4, (3, 1, 0, 2), (2, 1), id="grouped-asymmetric-dilation-2x1"),
+    pytest.param((1, 8, 7, 9, 8, 3, 3), 8, (2, 0, 1, 3), (1, 2), id="depthwise-asymmetric-dilation-1x2"),
+]
+
+
+@pytest.mark.parametrize("w_layout", ["plain", "channels_last", "view"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape,groups,pad,dil", PADDED)
+def test_route_geometry_layouts_dtypes(shape, groups, pad, dil, dtype, w_layout, device, spy):
+    got, want = _dgrad_padded(device, dtype, shape, groups, pad, dil, w_layout)
+    assert len(spy) == 1
+    assert_rel_close(got, want.to(got.device), tolerance(dtype))
+
+
+def test_nchw_x_keeps_the_direct_kernels(device, spy):
+    got, want = _dgrad_padded(device, torch.float16, (1, 8, 7, 9, 8, 3, 3), 8, (1, 1, 1, 1), (1, 1), x_cl=False)
+    assert spy == [] and got.is_contiguous()
+    assert_rel_close(got, want.to(got.device), tolerance(torch.float16))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shape,conv", [
@@ -176,4 +224,33 @@ def test_a_replay_flips_the_weight_as_it_is_now_and_a_graph_replays(monkeypatch)
     graph.replay()
     torch.cuda.synchronize()
     assert_rel_close(out, want(), tolerance(torch.float16))
+    replay.clear()
+
+
+@pytest.mark.gpu
+def test_a_capture_after_a_recording_marks_the_route_s_workspace_as_the_graph_s():
+    from tilegemm.core import workspace
+
+    replay.clear()
+    s = torch.cuda.Stream()
+    w = torch.randn(64, 1, 3, 3, device="cuda", dtype=torch.float16)
+    dy = torch.randn(4, 64, 16, 16, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+
+    def dgrad():
+        return backward_data(DgradCall(dy, w, [4, 64, 16, 16], True, [1, 1], [1, 1, 1, 1], [1, 1], 64, "ieee"))
+
+    with torch.cuda.stream(s):
+        dgrad()  # recorded on s
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            out = dgrad()  # the call's own path, not the recorded replay
+    buf = workspace._buffers[(torch.device("cuda", torch.cuda.current_device()), s.cuda_stream, torch.float16,
+                              ("conv2d-phase-weight", 0, 0))]
+    assert id(buf) in workspace._used_in_capture
+    graph.replay()
+    torch.cuda.synchronize()
+    xr = torch.zeros(4, 64, 16, 16, dtype=torch.float64, device="cuda", requires_grad=True)
+    want = torch.autograd.grad(conv2d_reference(xr, w.double(), None, padding=1, groups=64), (xr,), dy.double())[0]
+    assert_rel_close(out, want, tolerance(torch.float16))
     replay.clear()

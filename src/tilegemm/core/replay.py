@@ -25,7 +25,7 @@ import torch
 
 from contextlib import contextmanager
 
-from tilegemm.core.launch import Replay, ReplaySequence, recording
+from tilegemm.core.launch import Replay, ReplaySequence, current_stream, recording
 from tilegemm.core.runtime import new_output
 
 _CACHES: dict[str, "ReplayCache"] = {}
@@ -52,6 +52,10 @@ class ReplayCache:
         or it declined (recorded for another stream or device)."""
         hit = self.entries.get(key)
         if hit is None:
+            return None
+        if current_stream() and torch.cuda.is_current_stream_capturing():  # (a capture never runs on stream 0)
+            # A CUDA-graph capture takes the call's own path, whose workspaces are marked as the graph's
+            # (core/workspace.py) so that a larger call replacing one holds it for the graph; a replay's would not be.
             return None
         shape, dtype, device, channels_last = hit.output
         # channels-last in one allocation: a permuted view of an NHWC tensor costs a second torch call
