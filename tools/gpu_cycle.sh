@@ -60,6 +60,8 @@
 #   dgrad-fwd     research/dgrad_as_forward.py: the stride-1 depthwise and grouped data gradients as forward
 #                 convolutions against the direct kernels and cuDNN (\$DGRAD_DTYPES, default fp16; \$DGRAD_BUDGET
 #                 seconds a dtype, default 150), then tests/conv2d/test_dgrad_as_forward.py and the replay tests
+#   dgrad-strided research/dgrad_as_forward.py --strided: the zoo's strided depthwise and grouped data gradients as
+#                 phase convolutions against the direct kernels and cuDNN (GPU time; \$DGRAD_BUDGET, default 150)
 #   grouped-wgrad research/grouped_wgrad_coarse.py: the zoo's grouped layers' weight gradients (and some depthwise
 #                 ones) as a coarser grouping's gradient on tensor cores, its block diagonal kept, against auto and
 #                 cuDNN (\$GW_BUDGET seconds, default 200)
@@ -207,6 +209,9 @@ for step in "$@"; do
                   | tee "$OUT/dgrad-as-forward-$d.log" | tail -n 9; done
                 pytest_ -m gpu -n 4 -rf tests/conv2d/test_dgrad_as_forward.py tests/conv2d/test_conv2d_replay.py 2>&1 \
                   | tee "$OUT/dgrad-fwd-tests.log" | tail -n 4 ;;
+    dgrad-strided)  # the strided depthwise and grouped data gradients by phase convolutions (research/)
+                PYTHONPATH=src:tools timeout 300 python3 research/dgrad_as_forward.py --strided --budget "${DGRAD_BUDGET:-150}" \
+                  --out "$OUT/dgrad-strided-fp16.json" 2>&1 | tee "$OUT/dgrad-strided-fp16.log" | tail -n 9 ;;
     grouped-wgrad)  # the grouped layers' weight gradients through a coarser grouping's block diagonal (research/)
                 PYTHONPATH=src:tools timeout 300 python3 research/grouped_wgrad_coarse.py --budget "${GW_BUDGET:-200}" \
                   --out "$OUT/grouped-wgrad-coarse.json" 2>&1 | tee "$OUT/grouped-wgrad-coarse.log" | tail -n 9 ;;
