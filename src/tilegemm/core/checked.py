@@ -16,17 +16,20 @@ MAX_LAYOUTS = 4096  # forgotten all at once past this many: a model's layers mak
 
 
 def _layout(args: tuple) -> tuple | None:
-    """The layouts of ``args`` (tensors by type, shape, strides, dtype and device; other values as they are), or
-    None where a tensor is not on a GPU: a CPU tensor's values may be checked (a permutation, offsets)."""
-    out = []
+    """The layouts of ``args`` (tensors by type, shape, strides, dtype and device; other values as they are) and,
+    with GPU tensors among them, the current device; None where a tensor is not on a GPU: a CPU tensor's values
+    may be checked (a permutation, offsets)."""
+    out, cuda = [], False
     for a in args:
         if isinstance(a, torch.Tensor):
             if not a.is_cuda:
                 return None
             out.append((type(a), a.shape, a.stride(), a.dtype, a.device))
+            cuda = True
         else:
             out.append(a)
-    return tuple(out)
+    # the current device too: a check may ask whether a kernel runs on it (why_not_gluon does)
+    return (torch.cuda.current_device() if cuda else None, *out)
 
 
 def check_once(check, *args) -> None:
