@@ -254,3 +254,22 @@ def test_a_capture_after_a_recording_marks_the_route_s_workspace_as_the_graph_s(
     want = torch.autograd.grad(conv2d_reference(xr, w.double(), None, padding=1, groups=64), (xr,), dy.double())[0]
     assert_rel_close(out, want, tolerance(torch.float16))
     replay.clear()
+
+
+def test_a_depthwise_flip_is_written_tap_major_and_equals_the_plain_one(device):
+    from tilegemm.core.launch import current_stream
+    from tilegemm.ops.conv2d import depthwise
+    from tilegemm.ops.conv2d.tma_fwd import dgrad_phases, flip_weight
+
+    w = torch.randn(24, 1, 5, 3, device=device).half()
+    g = geometry_of((2, 24, 9, 7), tuple(w.shape), (1, 1), (2, 2, 1, 1), (1, 1), 24)
+    ((_, _, _, r0, s0),) = dgrad_phases(g)
+    stream = current_stream() if device == "cuda" else None
+    plain = flip_weight(w, g, r0, s0, w, stream)[1].clone()
+    _, tap_major = flip_weight(w, g, r0, s0, w, stream, tap_major=True)
+    assert depthwise.is_tap_major(tap_major) and not depthwise.is_tap_major(plain)
+    assert torch.equal(tap_major, plain)
+    assert torch.equal(plain, w.flip(2, 3))  # one channel a group: the flip alone
+    with pytest.raises(ValueError, match="tap-major flipped weight"):
+        flip_weight(torch.randn(8, 2, 3, 3, device=device).half(),
+                    geometry_of((1, 16, 5, 5), (8, 2, 3, 3), (1, 1), (1,) * 4, (1, 1), 8), 2, 2, w, stream, True)

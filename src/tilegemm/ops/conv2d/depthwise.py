@@ -785,6 +785,13 @@ def _w_strides(w: torch.Tensor) -> tuple:
     return w.stride(0), w.stride(2), w.stride(3)
 
 
+def is_tap_major(w: torch.Tensor) -> bool:
+    """Whether a ``[K, 1, R, S]`` weight lies as row-major ``[R, S, K]`` (what :func:`depthwise_weight_kernel`
+    writes), so that a tap's channels are consecutive."""
+    K, _, R, S = w.shape
+    return K > 1 and _w_strides(w) == (1, S * K, K)
+
+
 def rows_apply(g: Geometry, x: torch.Tensor, by_config: bool = False) -> bool:
     """Whether :func:`depthwise_rows_kernel` takes the forward: stride and dilation 1, at most
     :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_ROWS_MAX_TAPS` taps where ``auto`` picks it (each takes
@@ -807,13 +814,13 @@ def _weight_for(p: ConvProblem, x: torch.Tensor, tap_major: bool):
     launch that reads it under the same lock), so that a program's weight loads are coalesced runs of channels
     where ``[K, 1, R, S]`` spreads one tap's channels R*S elements apart (a warp's gather touches R*S times the
     lines; docs/conv2d.md, "Depthwise window kernel")."""
-    if not tap_major:
+    g = p.geo
+    if not tap_major or is_tap_major(p.weight):  # (a weight written tap-major already: the data gradient's flip)
         yield p.weight, _w_strides(p.weight), {}
         return
     from tilegemm.core.launch import sequence_lock
     from tilegemm.core.workspace import buffer
 
-    g = p.geo
     taps = g.R * g.S * g.K
     stream = current_stream() if x.is_cuda else None
     with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between

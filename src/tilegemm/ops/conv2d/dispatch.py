@@ -397,7 +397,7 @@ def _dgrad_as_forward(dy: torch.Tensor, weight: torch.Tensor, g: Geometry, preci
 
     ((_, _, gt, r0, s0),) = dgrad_phases(g)
     with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
-        buf, wt = flip_weight(weight, g, r0, s0, dy, current_stream())
+        buf, wt = flip_weight(weight, g, r0, s0, dy, current_stream(), tap_major=g.is_depthwise)
         p = ConvProblem(dy, wt, None, gt, dy.dtype, torch.channels_last, "none", precision,
                         dy.dtype == torch.bfloat16 and interpreting())
         with keeping(buf):  # the forward's launches read the workspace: a replay of them must know it as one
