@@ -10,6 +10,12 @@ a result off by more than 2e-2 (inference; training steps of random fp16 network
 as far as 1.0 from cuDNN's is refused) is not profiled.
 
     PYTHONPATH=src python3 tools/conv2d_model_profile.py convnext_tiny --mode train [--batch 32] [--top 20]
+    PYTHONPATH=src python3 tools/conv2d_model_profile.py convnext_tiny --mode train --replays
+
+``--replays``: after the profile, tilegemm's model runs ``--steps`` more steps counting, per family's replay cache
+(``tilegemm.core.replay``), the calls that replayed a recorded one and those that took their full path (a key
+recorded but declined, or none recorded yet), and the entries each cache holds: a step whose calls miss their
+replays pays the full host path every time.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--out", help="write both sides' kernel times here (JSON)")
+    ap.add_argument("--replays", action="store_true", help="then count tilegemm's replayed and full-path calls")
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
@@ -92,9 +99,41 @@ def main() -> None:
               f"{len(times)} kernel names")
         for name, t in times.most_common(args.top):
             print(f"  {t:9.1f} us {100 * t / total:5.1f}%  {name[:70]}")
+    census = replay_census(ours, x, target, args.mode, args.steps) if args.replays else None
+    if census is not None:
+        print(f"== replays over {args.steps} steps of tilegemm's model (per family: replayed, full path, entries)")
+        for name, (hits, misses, entries) in sorted(census.items()):
+            print(f"  {name:<10s} {hits / args.steps:7.1f} replayed {misses / args.steps:7.1f} full path a step, "
+                  f"{entries} entries")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(model=args.model, mode=args.mode, batch=args.batch, kernels_us=result), f)
+            json.dump(dict(model=args.model, mode=args.mode, batch=args.batch, kernels_us=result,
+                           replays=census), f)
+
+
+def replay_census(model, x, target, mode, steps) -> dict:
+    """{family: (calls replayed, calls that took the full path, entries held)} over ``steps`` steps (after one
+    warm-up step), counted around :meth:`tilegemm.core.replay.ReplayCache.replayed` and the calls it missed."""
+    from tilegemm.core import replay
+
+    _step(model, x, target, mode)
+    torch.cuda.synchronize()
+    counts = collections.defaultdict(lambda: [0, 0])
+    real = replay.ReplayCache.replayed
+
+    def counted(self, key, tensors):
+        out = real(self, key, tensors)
+        counts[self.name][out is None] += 1
+        return out
+
+    replay.ReplayCache.replayed = counted
+    try:
+        for _ in range(steps):
+            _step(model, x, target, mode)
+        torch.cuda.synchronize()
+    finally:
+        replay.ReplayCache.replayed = real
+    return {name: (hits, misses, replay.cache(name).count()) for name, (hits, misses) in counts.items()}
 
 
 if __name__ == "__main__":
