@@ -100,7 +100,15 @@ def phased_dgrad(dy: torch.Tensor, weight: torch.Tensor, g) -> torch.Tensor:
     return dx
 
 
-def run_strided(L: dict, batch: int, dtype: torch.dtype) -> dict:
+def _geo(L: dict, batch: int):
+    pad = L["padding"]
+    return geometry_of((batch, L["C"], L["H"], L["W"]), (L["K"], L["C"] // L["groups"], L["R"], L["S"]),
+                       L["stride"], [pad[0], pad[0], pad[1], pad[1]], L["dilation"], L["groups"])
+
+
+def run_layer(L: dict, batch: int, dtype: torch.dtype, strided: bool = False) -> dict:
+    """One layer's row: cuDNN's data gradient, then tilegemm's direct kernel and the forward route (``strided``: by
+    :func:`phased_dgrad`; else ``auto`` with the route's kinds on), each checked against cuDNN's fp32 gradient."""
     g = _geo(L, batch)
     pad = list(L["padding"])
     x_shape = [batch, g.C, g.H, g.W]
@@ -114,14 +122,21 @@ def run_strided(L: dict, batch: int, dtype: torch.dtype) -> dict:
         return torch.ops.aten.convolution_backward(yy, xx, ww, None, L["stride"], pad, L["dilation"], False,
                                                    [0, 0], g.groups, [True, False, False])[0]
 
-    def direct(i):
+    def auto(i):
         return dispatch.dgrad(DgradCall(dy[i], w, x_shape, True, list(g.stride), list(g.padding),
                                         list(g.dilation), g.groups, "ieee"))
 
+    def with_kinds(kinds):
+        def run(i):
+            dispatch.DGRAD_AS_FORWARD_KINDS = kinds
+            return auto(i)
+        return run
+
     ref = cudnn(0, torch.float32)
-    row = dict(layer=f"{g.C}->{g.K} {g.R}x{g.S} s{g.stride[0]} {g.H}x{g.W} g{g.groups} p{pad[0]}",
+    row = dict(layer=f"{g.C}->{g.K} {g.R}x{g.S} s{g.stride[0]} {g.H}x{g.W} g{g.groups} p{pad[0]} d{L['dilation'][0]}",
                kind=L["kind"], models=L.get("models"), cudnn_us=graph_us(cudnn, 2))
-    for name, fn in (("direct", direct), ("forward", lambda i: phased_dgrad(dy[i], w, g))):
+    forward = (lambda i: phased_dgrad(dy[i], w, g)) if strided else with_kinds(("depthwise", "grouped"))
+    for name, fn in (("direct", with_kinds(())), ("forward", forward)):
         try:
             err = relative_error(fn(0).float(), ref)
         except Exception as e:  # noqa: BLE001 - a phase the forward refuses: recorded, not fatal
@@ -129,41 +144,6 @@ def run_strided(L: dict, batch: int, dtype: torch.dtype) -> dict:
             continue
         row[f"{name}_err"] = err
         row[name] = row["cudnn_us"] / graph_us(fn, 2) if err < 1e-2 else None
-    return row
-
-
-def _geo(L: dict, batch: int):
-    pad = L["padding"]
-    return geometry_of((batch, L["C"], L["H"], L["W"]), (L["K"], L["C"] // L["groups"], L["R"], L["S"]),
-                       L["stride"], [pad[0], pad[0], pad[1], pad[1]], L["dilation"], L["groups"])
-
-
-def run_layer(L: dict, batch: int, dtype: torch.dtype) -> dict:
-    g = _geo(L, batch)
-    pad = list(L["padding"])
-    x_shape = [batch, g.C, g.H, g.W]
-    w = torch.randn(g.K, g.Cg, g.R, g.S, device="cuda", dtype=dtype) / (g.Cg * g.R * g.S) ** 0.5
-    dy = [torch.randn(batch, g.K, g.P, g.Q, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
-          for _ in range(2)]
-    x = torch.empty(x_shape, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
-
-    def cudnn(i, dt=None):
-        yy, ww, xx = (dy[i], w, x) if dt is None else (dy[i].to(dt), w.to(dt), x.to(dt))
-        return torch.ops.aten.convolution_backward(yy, xx, ww, None, L["stride"], pad, L["dilation"], False,
-                                                   [0, 0], g.groups, [True, False, False])[0]
-
-    def ours(i):
-        return dispatch.dgrad(DgradCall(dy[i], w, x_shape, True, list(g.stride), list(g.padding),
-                                        list(g.dilation), g.groups, "ieee"))
-
-    ref = cudnn(0, torch.float32)
-    row = dict(layer=f"{g.C}->{g.K} {g.R}x{g.S} {g.H}x{g.W} g{g.groups} p{pad[0]} d{L['dilation'][0]}",
-               kind=L["kind"], models=L.get("models"), cudnn_us=graph_us(cudnn, 2))
-    for name, kinds in (("direct", ()), ("forward", ("depthwise", "grouped"))):
-        dispatch.DGRAD_AS_FORWARD_KINDS = kinds
-        err = relative_error(ours(0).float(), ref)
-        row[f"{name}_err"] = err
-        row[name] = row["cudnn_us"] / graph_us(ours, 2) if err < 1e-2 else None
     return row
 
 
@@ -241,7 +221,7 @@ def main() -> None:
     for L in todo:
         if time.time() - start > args.budget:
             break
-        rows.append((run_strided if args.strided else run_layer)(L, args.batch, dtype))
+        rows.append(run_layer(L, args.batch, dtype, args.strided))
         r = rows[-1]
         print(f"{r['layer']:<34s} {r['kind']:<6s} {r['cudnn_us']:7.1f}us direct "
               + (f"{r['direct']:.2f}" if r["direct"] else "WRONG") + " forward "
