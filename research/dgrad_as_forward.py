@@ -1,7 +1,6 @@
-"""Open question (GPU): does the stride-1 data gradient of depthwise layers and of layers of few channels a group
-run faster as the forward convolution of dy with the flipped weight (``dispatch.dgrad_as_forward``: the forward's
-``auto``, its depthwise and grouped kernels) than on the direct data-gradient kernels (``depthwise_dgrad_kernel``,
-``grouped_direct``'s)?
+"""Open question (GPU): the data-gradient route of depthwise and few-channels-a-group layers
+(``dispatch.dgrad_as_forward``: forward convolutions of dy with the flipped weight, one a stride phase) shipped on
+these layer times; its eager training step was slower on ConvNeXt-T than the direct kernels' (``--model``): why?
 
 Times, on the zoo's stride-1 such layers (batch 32, channels-last; every layer, spread over the kinds, within
 ``--budget`` seconds), cuDNN's data gradient, tilegemm's with the route off and on, each checked against cuDNN's
@@ -12,11 +11,8 @@ layers).
     PYTHONPATH=src:tools python3 research/dgrad_as_forward.py --model convnext_tiny   # a training step, on and off
     PYTHONPATH=src:tools python3 research/dgrad_as_forward.py --strided               # strided layers, by phases
 
-``--strided``: the zoo's strided such layers, whose data gradient is ``stride^2`` phase convolutions
-(``tma_fwd.dgrad_phases``: each phase's output pixels, every stride-th from its offset, are the forward
-convolution of dy with that phase's taps of the flipped weight): each phase's weight written by
-``phase_weight_kernel`` at the stride's step, its forward by ``auto`` into the phase's strided view of dx, the
-phases no tap reaches zeroed; against the direct kernel and cuDNN (GPU time: up to 2 * stride^2 launches a call).
+``--strided``: the zoo's strided such layers, whose data gradient the route runs as four phase convolutions (its
+size rule applied, as at stride 1: "forward" is what ``auto`` runs).
 
 ``--model NAME``: a converted torchvision model's training step (batch 32, fp16, as
 ``tools/conv2d_model_profile.py`` builds it) with the route on and off in turns, and cuDNN's: wall milliseconds a
@@ -71,44 +67,15 @@ def strided_layers() -> list[dict]:
     return out
 
 
-def phased_dgrad(dy: torch.Tensor, weight: torch.Tensor, g) -> torch.Tensor:
-    """dx of strided ``g`` (channels-last) as its phase convolutions, each on the forward's ``auto``."""
-    from tilegemm.core.launch import current_stream, launch, sequence_lock
-    from tilegemm.core.workspace import buffer
-    from tilegemm.ops.conv2d.problem import ConvProblem
-    from tilegemm.ops.conv2d.tma_fwd import dgrad_phases, phase_weight_kernel
-
-    (sh, sw) = g.stride
-    dx = torch.empty(g.N, g.H, g.W, g.C, dtype=dy.dtype, device=dy.device).permute(0, 3, 1, 2)
-    stream = current_stream()
-    with sequence_lock:
-        for n, (a, b, gt, r0, s0) in enumerate(dgrad_phases(g)):
-            view = dx[:, :, a::sh, b::sw]
-            if gt is None:
-                view.zero_()
-                continue
-            if min(gt.padding) < 0:
-                raise ValueError(f"phase ({a}, {b}) has a negative padding {gt.padding}")
-            total = g.C * gt.R * gt.S * g.Kg
-            buf = buffer(dy.device, dy.dtype, total, ("research-phase-weight", n, 0))
-            launch(phase_weight_kernel, (-(-g.Kg // 64), -(-g.C // 64), gt.R * gt.S),
-                   (weight, buf, g.C, g.Kg, g.Kg, g.Cg, gt.S, r0, s0, sh, sw, *weight.stride()),
-                   dict(BLOCK_C=64, BLOCK_K=64, num_warps=4), keep=(buf,), stream=stream)
-            wt = buf[:total].view(g.C, gt.R, gt.S, g.Kg).permute(0, 3, 1, 2)
-            p = ConvProblem(dy, wt, None, gt, dy.dtype, torch.channels_last, "none", "ieee", False, out=view)
-            dispatch._launch(dispatch._auto_kernel(p), p)
-    return dx
-
-
 def _geo(L: dict, batch: int):
     pad = L["padding"]
     return geometry_of((batch, L["C"], L["H"], L["W"]), (L["K"], L["C"] // L["groups"], L["R"], L["S"]),
                        L["stride"], [pad[0], pad[0], pad[1], pad[1]], L["dilation"], L["groups"])
 
 
-def run_layer(L: dict, batch: int, dtype: torch.dtype, strided: bool = False) -> dict:
-    """One layer's row: cuDNN's data gradient, then tilegemm's direct kernel and the forward route (``strided``: by
-    :func:`phased_dgrad`; else ``auto`` with the route's kinds on), each checked against cuDNN's fp32 gradient."""
+def run_layer(L: dict, batch: int, dtype: torch.dtype) -> dict:
+    """One layer's row: cuDNN's data gradient, then tilegemm's direct kernel and ``auto`` with the route's kinds on,
+    each checked against cuDNN's fp32 gradient."""
     g = _geo(L, batch)
     pad = list(L["padding"])
     x_shape = [batch, g.C, g.H, g.W]
@@ -135,8 +102,7 @@ def run_layer(L: dict, batch: int, dtype: torch.dtype, strided: bool = False) ->
     ref = cudnn(0, torch.float32)
     row = dict(layer=f"{g.C}->{g.K} {g.R}x{g.S} s{g.stride[0]} {g.H}x{g.W} g{g.groups} p{pad[0]} d{L['dilation'][0]}",
                kind=L["kind"], models=L.get("models"), cudnn_us=graph_us(cudnn, 2))
-    forward = (lambda i: phased_dgrad(dy[i], w, g)) if strided else with_kinds(("depthwise", "grouped"))
-    for name, fn in (("direct", with_kinds(())), ("forward", forward)):
+    for name, fn in (("direct", with_kinds(())), ("forward", with_kinds(("depthwise", "grouped")))):
         try:
             err = relative_error(fn(0).float(), ref)
         except Exception as e:  # noqa: BLE001 - a phase the forward refuses: recorded, not fatal
@@ -202,7 +168,7 @@ def model_ab(name: str, rounds: int = 3, steps: int = 8) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", action="append", help="a torchvision model's training step, on and off (repeatable)")
-    ap.add_argument("--strided", action="store_true", help="the strided layers, by phase convolutions")
+    ap.add_argument("--strided", action="store_true", help="the strided layers (the route's stride phases)")
     ap.add_argument("--budget", type=float, default=150.0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
@@ -221,13 +187,12 @@ def main() -> None:
     for L in todo:
         if time.time() - start > args.budget:
             break
-        rows.append(run_layer(L, args.batch, dtype, args.strided))
+        rows.append(run_layer(L, args.batch, dtype))
         r = rows[-1]
         print(f"{r['layer']:<34s} {r['kind']:<6s} {r['cudnn_us']:7.1f}us direct "
               + (f"{r['direct']:.2f}" if r["direct"] else "WRONG") + " forward "
               + (f"{r['forward']:.2f}" if r["forward"] else "WRONG"), flush=True)
-    print(f"{len(rows)} of {len(todo)} layers; cuDNN time / ours, geomean (direct, forward"
-          f"{' by phases' if args.strided else ''}):")
+    print(f"{len(rows)} of {len(todo)} layers; cuDNN time / ours, geomean (direct, auto with the route):")
     for k in [*dict.fromkeys(r["kind"] for r in rows), "all"]:
         mine = [r for r in rows if k == "all" or r["kind"] == k]
         print(f"  {k:<6s} {len(mine):3d}  direct {geomean(r['direct'] for r in mine) or 0:.3f}x"

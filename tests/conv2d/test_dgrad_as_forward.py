@@ -1,6 +1,6 @@
-"""The stride-1 data gradient of depthwise layers and of layers of few channels a group, run as the forward
-convolution of dy with the flipped weight (``dispatch.dgrad_as_forward``): against float64 autograd, the layers
-the route refuses, and (GPU) bf16, replays of an updated weight and CUDA graphs."""
+"""The data gradient of depthwise layers and of layers of few channels a group, run as the forward convolution of
+dy with the flipped weight (``dispatch.dgrad_as_forward``; at stride 2 one convolution a stride phase): against
+float64 autograd, the layers the route refuses, and (GPU) bf16, replays of an updated weight and CUDA graphs."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def spy(monkeypatch):
     images test it."""
     replay.clear()
     monkeypatch.setattr(dispatch, "DGRAD_DIRECT_3X3_PIXELS", 0)
+    monkeypatch.setattr(dispatch, "DGRAD_PHASES_DIRECT_3X3_ELEMENTS", 0)
     calls = []
     real = dispatch._dgrad_as_forward
 
@@ -66,6 +67,12 @@ LAYERS = [
     pytest.param((1, 32, 5, 9, 64, 3, 3), dict(padding=1, groups=4), id="grouped-8-to-16-a-group"),
     pytest.param((3, 8, 5, 5, 8, 3, 3), dict(padding=1, groups=4), id="grouped-2-a-group"),
     pytest.param((1, 16, 17, 3, 16, 1, 7), dict(padding=(0, 3), groups=2), id="grouped-1x7"),
+    pytest.param((2, 8, 9, 7, 8, 3, 3), dict(stride=2, padding=1, groups=8), id="depthwise-3x3-s2-odd-image"),
+    pytest.param((1, 16, 10, 8, 16, 3, 3), dict(stride=2, padding=1, groups=16), id="depthwise-3x3-s2-even-image"),
+    pytest.param((1, 8, 11, 9, 8, 5, 5), dict(stride=2, padding=2, groups=8), id="depthwise-5x5-s2"),
+    pytest.param((1, 8, 8, 9, 8, 3, 3), dict(stride=2, padding=0, groups=8), id="depthwise-3x3-s2-unpadded"),
+    pytest.param((2, 16, 7, 8, 16, 3, 3), dict(stride=2, padding=1, groups=4), id="grouped-4-a-group-s2"),
+    pytest.param((1, 8, 9, 6, 8, 4, 4), dict(stride=2, padding=1, groups=8), id="depthwise-4x4-s2-even-filter"),
 ]
 
 
@@ -90,7 +97,10 @@ def test_the_direct_kernels_give_the_same_gradient(shape, conv, device, spy, mon
 
 @pytest.mark.parametrize("shape,conv,why", [
     ((1, 8, 6, 6, 8, 3, 3), dict(padding=3, groups=8), "padding past the filter: the flipped weight's is negative"),
-    ((1, 8, 9, 9, 8, 3, 3), dict(stride=2, padding=1, groups=8), "strided"),
+    ((1, 8, 9, 9, 8, 3, 3), dict(stride=3, padding=1, groups=8), "stride 3: nine phases"),
+    ((1, 8, 9, 9, 8, 3, 3), dict(stride=2, padding=2, dilation=2, groups=8), "stride 2 and dilation 2"),
+    ((1, 8, 9, 9, 8, 1, 1), dict(stride=2, groups=8), "a strided 1x1 filter: phases no tap reaches"),
+    ((1, 8, 9, 9, 8, 3, 3), dict(stride=(2, 1), padding=1, groups=8), "unequal strides"),
     ((1, 4, 6, 6, 8, 3, 3), dict(padding=1, groups=4), "a depthwise multiplier (two outputs an input)"),
     ((1, 64, 6, 6, 64, 3, 3), dict(padding=1, groups=2), "32 channels a group: not few"),
 ])
@@ -117,7 +127,16 @@ def test_the_rule():
     assert dispatch.dgrad_as_forward(geo(32, 32, 3, 8), dy16)  # 4 channels a group
     assert dispatch.dgrad_as_forward(geo(8, 8, 3, 8), torch.empty(1, dtype=torch.bfloat16))
     assert not dispatch.dgrad_as_forward(geo(8, 8, 3, 8), torch.empty(1))  # fp32
-    assert not dispatch.dgrad_as_forward(geo(8, 8, 3, 8, stride=2), dy16)
+    assert not dispatch.dgrad_as_forward(geo(8, 8, 3, 8, stride=2), dy16)  # a small image's 3x3 at stride 2
+    assert dispatch.dgrad_as_forward(geo(8, 8, 5, 8, stride=2, padding=2), dy16)
+    assert dispatch.dgrad_as_forward(geo(32, 32, 3, 8, stride=2), dy16)  # 4 channels a group
+    assert not dispatch.dgrad_as_forward(geo(8, 8, 3, 8, stride=3), dy16)
+    assert not dispatch.dgrad_as_forward(geo(8, 8, 3, 8, stride=2, padding=2, dilation=2), dy16)
+    assert not dispatch.dgrad_as_forward(geo(8, 8, 1, 8, stride=2, padding=0), dy16)  # phases without taps
+    big = dispatch.DGRAD_PHASES_DIRECT_3X3_ELEMENTS // 64  # pixels of a 64-channel image at the threshold
+    assert dispatch.dgrad_as_forward(geometry_of((2, 64, 1, big), (64, 1, 3, 3), (2, 2), (1,) * 4, (1, 1), 64), dy16)
+    assert not dispatch.dgrad_as_forward(geometry_of((2, 64, 1, big - 1), (64, 1, 3, 3), (2, 2), (1,) * 4, (1, 1), 64),
+                                         dy16)
     assert dispatch.dgrad_as_forward(geo(8, 8, 3, 8, padding=2), dy16)  # the flipped weight unpadded
     assert not dispatch.dgrad_as_forward(geo(8, 8, 3, 8, padding=3), dy16)
     assert not dispatch.dgrad_as_forward(geo(8, 16, 3, 8), dy16)  # multiplier 2
@@ -273,3 +292,75 @@ def test_a_depthwise_flip_is_written_tap_major_and_equals_the_plain_one(device):
     with pytest.raises(ValueError, match="tap-major flipped weight"):
         flip_weight(torch.randn(8, 2, 3, 3, device=device).half(),
                     geometry_of((1, 16, 5, 5), (8, 2, 3, 3), (1, 1), (1,) * 4, (1, 1), 8), 2, 2, w, stream, True)
+
+
+@pytest.mark.parametrize("tap_major", [False, True], ids=["plain", "tap-major"])
+def test_a_stride_phase_s_flipped_weight_holds_its_taps(tap_major, device):
+    from tilegemm.core.launch import current_stream
+    from tilegemm.ops.conv2d.tma_fwd import dgrad_phases, flip_weight
+
+    w = torch.randn(16, 1, 5, 3, device=device).half()
+    g = geometry_of((2, 16, 11, 9), tuple(w.shape), (2, 2), (2, 2, 1, 1), (1, 1), 16)
+    stream = current_stream() if device == "cuda" else None
+    phases = dgrad_phases(g)
+    assert len(phases) == 4
+    for slot, (_, _, gt, r0, s0) in enumerate(phases):
+        _, wt = flip_weight(w, g, r0, s0, w, stream, tap_major=tap_major, phase=gt, slot=slot)
+        assert tuple(wt.shape) == (16, 1, gt.R, gt.S)
+        want = torch.stack([torch.stack([w[:, :, r0 - 2 * u, s0 - 2 * v] for v in range(gt.S)], -1)
+                            for u in range(gt.R)], -2)
+        assert torch.equal(wt, want)  # [C, K/groups, U, V]: one channel a group, c = k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape,conv", [
+    ((16, 144, 56, 56, 144, 3, 3), dict(stride=2, padding=1, groups=144)),  # MobileNetV2's
+    ((16, 240, 28, 28, 240, 5, 5), dict(stride=2, padding=2, groups=240)),  # EfficientNet-B0's
+    ((8, 48, 112, 112, 48, 3, 3), dict(stride=2, padding=1, groups=6)),  # RegNetY-400MF's, 8 channels a group
+    ((8, 58, 56, 56, 58, 3, 3), dict(stride=2, padding=1, groups=58)),  # ShuffleNetV2's, an odd channel count
+], ids=["mobilenet-3x3-s2", "efficientnet-5x5-s2", "regnet-8-a-group-s2", "shufflenet-58-s2"])
+def test_strided_zoo_layers_on_the_gpu(dtype, shape, conv):
+    replay.clear()
+    got, want = _dx("cuda", dtype, shape, conv)
+    assert dispatch.dgrad_as_forward(
+        geometry_of(shape[:4], (shape[4], shape[1] // conv["groups"], *shape[5:]), (2, 2), (conv["padding"],) * 4,
+                    (1, 1), conv["groups"]), torch.empty(1, dtype=dtype)), "the rule takes these layers"
+    assert_rel_close(got, want, tolerance(dtype))
+
+
+@pytest.mark.gpu
+def test_a_strided_call_is_recorded_and_a_replay_and_a_graph_flip_the_weight_as_it_is_now(monkeypatch):
+    replay.clear()
+    monkeypatch.setattr(dispatch, "DGRAD_PHASES_DIRECT_3X3_ELEMENTS", 0)
+    dispatched = []
+    real = dispatch.dgrad
+    monkeypatch.setattr(dispatch, "dgrad", lambda c: dispatched.append(c) or real(c))
+    w = torch.randn(64, 1, 3, 3, device="cuda", dtype=torch.float16)
+    dy = torch.randn(4, 64, 8, 7, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+    shape = [4, 64, 15, 13]
+
+    def dgrad():
+        return backward_data(DgradCall(dy, w, shape, True, [2, 2], [1, 1, 1, 1], [1, 1], 64, "ieee"))
+
+    def want():
+        xr = torch.zeros(*shape, dtype=torch.float64, device="cuda", requires_grad=True)
+        return torch.autograd.grad(conv2d_reference(xr, w.double(), None, stride=2, padding=1, groups=64), (xr,),
+                                   dy.double())[0]
+
+    first = dgrad()
+    assert_rel_close(first, want(), tolerance(torch.float16))
+    assert conv_op.REPLAYS.count() == 1, "the four phases' eight launches are kept"
+    w.mul_(-2)
+    assert_rel_close(dgrad(), want(), tolerance(torch.float16))
+    assert len(dispatched) == 1, "the second call replayed the first one's launches"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dgrad()
+    w.copy_(torch.randn_like(w))
+    dy.copy_(torch.randn_like(dy))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_rel_close(out, want(), tolerance(torch.float16))
+    replay.clear()

@@ -41,10 +41,12 @@ PAD_MIN_CHANNELS = 16  # odd channel counts padded for the TMA kernel from this 
 #   kernel's flattened (r, s, c) K steps waste less than padding every pixel's channels to 16
 PAD_MIN_TAPS = 2  # ... in filters of at least this many taps: a 1x1 layer's GEMM takes any channel count, and
 #   the input's copy would cost about as much as the layer itself (a 3x3 reads each input pixel 9 times)
-DGRAD_AS_FORWARD_KINDS = ("depthwise", "grouped")  # stride-1 data gradients run as the forward of dy with the
+DGRAD_AS_FORWARD_KINDS = ("depthwise", "grouped")  # data gradients of stride 1 and 2 run as forwards of dy with the
 #   flipped weight (:func:`dgrad_as_forward`); measured against the direct kernels in docs/conv2d.md, "Backward"
-DGRAD_DIRECT_3X3_PIXELS = 14 * 14  # ... but depthwise 3x3 layers on images of at most this many pixels, where the
-#   direct kernel's one launch beats the flip and the forward (same page)
+DGRAD_DIRECT_3X3_PIXELS = 14 * 14  # ... but stride-1 depthwise 3x3 layers on images of at most this many pixels,
+#   where the direct kernel's one launch beats the flip and the forward (same page)
+DGRAD_PHASES_DIRECT_3X3_ELEMENTS = 128 * 1024  # ... and stride-2 depthwise 3x3 layers whose image holds fewer
+#   elements (C*H*W), where the direct kernel's one launch beats four phases' eight (same page)
 
 
 # --- the choice of kernel -------------------------------------------------------------------------------
@@ -365,43 +367,57 @@ def dgrad(c: DgradCall) -> torch.Tensor:
 
 
 def dgrad_as_forward(g: Geometry, dy: torch.Tensor) -> bool:
-    """Whether ``auto`` runs the data gradient of ``g`` as the forward convolution of ``dy`` with the flipped weight
-    (:func:`_dgrad_as_forward`): stride-1 16-bit depthwise layers (one output channel an input channel) and layers
-    of few channels a group (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`), in the kinds
-    :data:`DGRAD_AS_FORWARD_KINDS` names, where the flipped weight's padding is not negative, but depthwise 3x3
-    layers on small images (:data:`DGRAD_DIRECT_3X3_PIXELS`). Their direct data
-    gradient kernels gather every input pixel's taps through their own addresses; the forward's depthwise and
-    grouped kernels were tuned against cuDNN (docs/conv2d.md, "Backward")."""
-    if g.stride != (1, 1) or dy.dtype not in (torch.float16, torch.bfloat16):
+    """Whether ``auto`` runs the data gradient of ``g`` as forward convolutions of ``dy`` with the flipped weight
+    (:func:`_dgrad_as_forward`): 16-bit depthwise layers (one output channel an input channel) and layers of few
+    channels a group (:func:`~tilegemm.ops.conv2d.configs.takes_grouped_direct`), in the kinds
+    :data:`DGRAD_AS_FORWARD_KINDS` names, of stride 1 (one convolution) or 2 without dilation (four: one a stride
+    phase, :func:`~tilegemm.ops.conv2d.tma_fwd.dgrad_phases`), where every phase has taps and no flipped weight's
+    padding is negative; but depthwise 3x3 layers on small images (:data:`DGRAD_DIRECT_3X3_PIXELS` at stride 1,
+    :data:`DGRAD_PHASES_DIRECT_3X3_ELEMENTS` at stride 2). Their direct data gradient kernels gather every input
+    pixel's taps through their own addresses; the forward's depthwise and grouped kernels were tuned against cuDNN
+    (docs/conv2d.md, "Backward")."""
+    from tilegemm.ops.conv2d.tma_fwd import dgrad_phases
+
+    if g.stride not in ((1, 1), (2, 2)) or dy.dtype not in (torch.float16, torch.bfloat16):
         return False
     if g.is_depthwise:
-        if g.R == g.S == 3 and g.H * g.W <= DGRAD_DIRECT_3X3_PIXELS:
+        if g.R == g.S == 3 and (g.H * g.W <= DGRAD_DIRECT_3X3_PIXELS if g.stride == (1, 1)
+                                else g.C * g.H * g.W < DGRAD_PHASES_DIRECT_3X3_ELEMENTS):
             return False
         kind = "depthwise" if g.K == g.C else None
     else:
         kind = "grouped" if takes_grouped_direct(g) else None
     if kind not in DGRAD_AS_FORWARD_KINDS:
         return False
-    top, bottom, left, right = g.padding
-    (dh, dw) = g.dilation
-    return min(dh * (g.R - 1) - max(top, bottom), dw * (g.S - 1) - max(left, right)) >= 0
+    phases = dgrad_phases(g)
+    return bool(phases) and all(gt is not None and min(gt.padding) >= 0 for (_, _, gt, _, _) in phases)
 
 
 def _dgrad_as_forward(dy: torch.Tensor, weight: torch.Tensor, g: Geometry, precision: str) -> torch.Tensor:
-    """The data gradient of stride-1 ``g`` as ``conv2d(dy, w')`` with ``w'[c, k, r, s] = w[k, c, R-1-r, S-1-s]``
-    per group, run by the forward's ``auto`` (channels-last ``dx``). The flipped weight is written by
-    :func:`~tilegemm.ops.conv2d.tma_fwd.phase_weight_kernel` into a per-stream workspace, so a replay flips an
-    updated weight again."""
+    """The data gradient of ``g`` (:func:`dgrad_as_forward`) as ``conv2d(dy, w')`` with
+    ``w'[c, k, r, s] = w[k, c, R-1-r, S-1-s]`` per group, run by the forward's ``auto`` (channels-last ``dx``); at
+    stride 2 one such convolution a stride phase, each with its taps of the flipped weight, into that phase's
+    pixels of ``dx`` (a strided view: the forward kernels store by the output's strides). Each flipped weight is
+    written by :func:`~tilegemm.ops.conv2d.tma_fwd.phase_weight_kernel` into a per-stream workspace, so a replay
+    flips an updated weight again; a stride-2 call is eight launches, what a replay holds."""
     from tilegemm.core.launch import current_stream
+    from tilegemm.core.runtime import new_output
     from tilegemm.ops.conv2d.tma_fwd import dgrad_phases, flip_weight
 
-    ((_, _, gt, r0, s0),) = dgrad_phases(g)
-    with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
-        buf, wt = flip_weight(weight, g, r0, s0, dy, current_stream(), tap_major=g.is_depthwise)
-        p = ConvProblem(dy, wt, None, gt, dy.dtype, torch.channels_last, "none", precision,
-                        dy.dtype == torch.bfloat16 and interpreting())
-        with keeping(buf):  # the forward's launches read the workspace: a replay of them must know it as one
-            return _launch(_auto_kernel(p), p)
+    phases = dgrad_phases(g)
+    (sh, sw) = g.stride
+    dx = None if len(phases) == 1 else new_output((g.N, g.H, g.W, g.C), dy.dtype, dy.device).permute(0, 3, 1, 2)
+    stream = current_stream()
+    with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
+        for slot, (a, b, gt, r0, s0) in enumerate(phases):
+            buf, wt = flip_weight(weight, g, r0, s0, dy, stream, tap_major=g.is_depthwise,
+                                  phase=None if dx is None else gt, slot=slot)
+            p = ConvProblem(dy, wt, None, gt, dy.dtype, torch.channels_last, "none", precision,
+                            dy.dtype == torch.bfloat16 and interpreting(),
+                            out=None if dx is None else dx[:, :, a::sh, b::sw])
+            with keeping(buf):  # the forward's launches read the workspace: a replay of them must know it as one
+                out = _launch(_auto_kernel(p), p)
+    return out if dx is None else dx
 
 
 def _dgrad_pads(g: Geometry) -> bool:

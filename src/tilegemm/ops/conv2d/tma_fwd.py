@@ -497,30 +497,36 @@ def dgrad_tma(dy: torch.Tensor, weight: torch.Tensor, g, out_format: torch.memor
     return dx
 
 
-def flip_weight(weight: torch.Tensor, g, r0: int, s0: int, dy: torch.Tensor, stream, tap_major: bool = False):
-    """(the workspace, the stride-1 data gradient's flipped weight ``[C, K/groups, R, S]`` channels-last in it):
-    :func:`phase_weight_kernel`'s one launch into this stream's ``conv2d-phase-weight`` buffer, of dy's dtype. The
-    caller holds :data:`~tilegemm.core.launch.sequence_lock` until its launches that read the buffer are made, and
-    names the buffer in their ``keep`` (a replay of them must know it as a workspace). ``tap_major`` (a depthwise
-    layer of one output channel an input channel): the flipped ``[C, 1, R, S]`` weight laid out as row-major
-    ``[R, S, C]``, as the depthwise kernels read it (:func:`~tilegemm.ops.conv2d.depthwise.is_tap_major`; the
-    kernel's same launch seen as one input channel to C outputs), so that they need no rewrite of their own."""
+def flip_weight(weight: torch.Tensor, g, r0: int, s0: int, dy: torch.Tensor, stream, tap_major: bool = False,
+                phase=None, slot: int = 0):
+    """(the workspace, the data gradient's flipped weight ``[C, K/groups, U, V]`` channels-last in it): one launch
+    of :func:`phase_weight_kernel` into this stream's ``conv2d-phase-weight`` buffer number ``slot``, of dy's
+    dtype. ``phase``: the geometry of one stride phase of a strided ``g`` (:func:`dgrad_phases`: its U x V taps,
+    every stride-th of the weight from ``(r0, s0)``); None: stride 1, the whole weight flipped. The caller holds
+    :data:`~tilegemm.core.launch.sequence_lock` until its launches that read the buffer are made, and names the
+    buffer in their ``keep`` (a replay of them must know it as a workspace); the phases of one call take a slot
+    each. ``tap_major`` (a depthwise layer of one output channel an input channel): the flipped ``[C, 1, U, V]``
+    weight laid out as row-major ``[U, V, C]``, as the depthwise kernels read it
+    (:func:`~tilegemm.ops.conv2d.depthwise.is_tap_major`; the kernel's same launch seen as one input channel to C
+    outputs), so that they need no rewrite of their own."""
     from tilegemm.core.launch import launch
     from tilegemm.core.workspace import buffer
 
-    total = g.C * g.R * g.S * g.Kg
-    buf = buffer(dy.device, dy.dtype, total, ("conv2d-phase-weight", 0, 0))
+    U, V = (g.R, g.S) if phase is None else (phase.R, phase.S)
+    sh, sw = g.stride
+    total = g.C * U * V * g.Kg
+    buf = buffer(dy.device, dy.dtype, total, ("conv2d-phase-weight", slot, 0))
     if tap_major:
         if not (g.is_depthwise and g.K == g.C):
             raise ValueError(f"a tap-major flipped weight is a depthwise layer's of one output an input; got {g}")
-        launch(phase_weight_kernel, (cdiv(g.C, 64), 1, g.R * g.S),
-               (weight, buf, 1, g.C, g.C, 1, g.S, r0, s0, 1, 1, *weight.stride()),
+        launch(phase_weight_kernel, (cdiv(g.C, 64), 1, U * V),
+               (weight, buf, 1, g.C, g.C, 1, V, r0, s0, sh, sw, *weight.stride()),
                dict(BLOCK_C=64, BLOCK_K=64, num_warps=4), keep=(buf,), stream=stream)
-        return buf, buf[:total].view(g.R, g.S, g.C).permute(2, 0, 1).unsqueeze(1)
-    launch(phase_weight_kernel, (cdiv(g.Kg, 64), cdiv(g.C, 64), g.R * g.S),
-           (weight, buf, g.C, g.Kg, g.Kg, g.Cg, g.S, r0, s0, 1, 1, *weight.stride()),
+        return buf, buf[:total].view(U, V, g.C).permute(2, 0, 1).unsqueeze(1)
+    launch(phase_weight_kernel, (cdiv(g.Kg, 64), cdiv(g.C, 64), U * V),
+           (weight, buf, g.C, g.Kg, g.Kg, g.Cg, V, r0, s0, sh, sw, *weight.stride()),
            dict(BLOCK_C=64, BLOCK_K=64, num_warps=4), keep=(buf,), stream=stream)
-    return buf, buf[:total].view(g.C, g.R, g.S, g.Kg).permute(0, 3, 1, 2)
+    return buf, buf[:total].view(g.C, U, V, g.Kg).permute(0, 3, 1, 2)
 
 
 @triton.jit
