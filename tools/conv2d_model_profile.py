@@ -102,9 +102,11 @@ def main() -> None:
     census = replay_census(ours, x, target, args.mode, args.steps) if args.replays else None
     if census is not None:
         print(f"== replays over {args.steps} steps of tilegemm's model (per family: replayed, full path, entries)")
-        for name, (hits, misses, entries) in sorted(census.items()):
-            print(f"  {name:<10s} {hits / args.steps:7.1f} replayed {misses / args.steps:7.1f} full path a step, "
+        for name, (hits, misses, entries, missed) in sorted(census.items()):
+            print(f"  {name:<16s} {hits / args.steps:7.1f} replayed {misses / args.steps:7.1f} full path a step, "
                   f"{entries} entries")
+            for key in missed:
+                print(f"      missed: {key[:160]}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(model=args.model, mode=args.mode, batch=args.batch, kernels_us=result,
@@ -112,18 +114,23 @@ def main() -> None:
 
 
 def replay_census(model, x, target, mode, steps) -> dict:
-    """{family: (calls replayed, calls that took the full path, entries held)} over ``steps`` steps (after one
-    warm-up step), counted around :meth:`tilegemm.core.replay.ReplayCache.replayed` and the calls it missed."""
+    """{family and call kind (the key's first element): (calls replayed, calls that took the full path, entries
+    the family's cache holds, up to three of the keys missed)} over ``steps`` steps (after one warm-up step),
+    counted around :meth:`tilegemm.core.replay.ReplayCache.replayed` and the calls it missed."""
     from tilegemm.core import replay
 
     _step(model, x, target, mode)
     torch.cuda.synchronize()
     counts = collections.defaultdict(lambda: [0, 0])
+    missed = collections.defaultdict(dict)
     real = replay.ReplayCache.replayed
 
     def counted(self, key, tensors):
         out = real(self, key, tensors)
-        counts[self.name][out is None] += 1
+        kind = key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else "?"
+        counts[(self.name, kind)][out is None] += 1
+        if out is None and len(missed[(self.name, kind)]) < 3:
+            missed[(self.name, kind)][repr(key)] = None
         return out
 
     replay.ReplayCache.replayed = counted
@@ -133,7 +140,8 @@ def replay_census(model, x, target, mode, steps) -> dict:
         torch.cuda.synchronize()
     finally:
         replay.ReplayCache.replayed = real
-    return {name: (hits, misses, replay.cache(name).count()) for name, (hits, misses) in counts.items()}
+    return {f"{name}/{kind}": (hits, misses, replay.cache(name).count(), list(missed[(name, kind)]))
+            for (name, kind), (hits, misses) in counts.items()}
 
 
 if __name__ == "__main__":
