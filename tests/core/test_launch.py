@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
 import triton
 import triton.language as tl
 
@@ -62,3 +64,51 @@ def test_spoil_and_keeping_act_only_inside_their_contexts():
             assert L._state.keeping == (marker, "second")
         assert L._state.keeping == (marker,)
     assert L._state.keeping == ()
+
+
+class _FakeCompiled:
+    run = function = packed_metadata = None
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: None
+
+
+def test_a_view_inside_a_call_tensor_is_recorded_as_an_offset_from_its_start():
+    from tilegemm.core.launch import Launch, Replay
+
+    x, out = torch.randn(8, 6), torch.empty(4, 10, 6)
+    assert x.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
+    phase = out[:, 1::2, :]  # a strided view starting 24 bytes in, as a convolution's stride phase
+    with pytest.raises(LookupError):  # a launch made outside into_views
+        Replay(Launch(_FakeCompiled(), (1, 1, 1), [x, phase, 3]), (x, out))
+    replay = Replay(Launch(_FakeCompiled(), (1, 1, 1), [x, phase, 3], views=True), (x, out))
+    assert replay.slots == [(0, 0, None)]
+    assert replay.offsets == [(1, 1, 6 * 4)]
+    assert replay.params == [None, None, 3], "the recording call's tensors are not kept alive"
+    last = out[3, 9]  # the last element still lies inside
+    last_view = Replay(Launch(_FakeCompiled(), (1, 1, 1), [last], views=True), (out,))
+    assert last_view.offsets == [(0, 0, (3 * 60 + 54) * 4)]
+
+
+def test_addresses_outside_the_call_tensors_or_past_an_unaligned_start_are_not_recorded():
+    from tilegemm.core.launch import Launch, Replay
+
+    out = torch.empty(64)
+    with pytest.raises(LookupError):
+        Replay(Launch(_FakeCompiled(), (1, 1, 1), [torch.empty(4)], views=True), (out,))
+    unaligned = out[1:]  # a call tensor starting 4 bytes past 16: the key holds no finer alignment
+    with pytest.raises(LookupError):
+        Replay(Launch(_FakeCompiled(), (1, 1, 1), [unaligned[2:]], views=True), (unaligned,))
+    assert Replay(Launch(_FakeCompiled(), (1, 1, 1), [unaligned], views=True), (unaligned,)).slots == [(0, 0, None)]
+
+
+def test_into_views_marks_the_launches_made_inside_it():
+    from tilegemm.core import launch as launch_mod
+
+    assert not launch_mod._state.views
+    with launch_mod.into_views():
+        assert launch_mod._state.views
+        with launch_mod.into_views():
+            pass
+        assert launch_mod._state.views
+    assert not launch_mod._state.views

@@ -35,6 +35,7 @@ class _State(threading.local):
     launches = None  # the active recording's launches, or None
     spoiled = False
     keeping = ()
+    views = False  # inside :class:`into_views`
 
 
 _state = _State()
@@ -87,6 +88,7 @@ class Launch:
     keep: tuple = ()  # tensors of the launcher's own (a workspace) that a replay passes as they were
     stream: int | None = None  # set when the launch may only be replayed on this stream
     device: int | None = None  # the CUDA device it ran on (the current one at launch)
+    views: bool = False  # made inside :class:`into_views`: it may pass addresses inside a call's tensors
 
 
 def launch(kernel, grid, args: tuple, kwargs: dict, keep: tuple = (), stream: int | None = None):
@@ -116,7 +118,7 @@ def launch(kernel, grid, args: tuple, kwargs: dict, keep: tuple = (), stream: in
             if params is None:
                 _state.spoiled = True
             else:
-                record.append(Launch(compiled, g, params, tuple(keep), stream, _current_device()))
+                record.append(Launch(compiled, g, params, tuple(keep), stream, _current_device(), _state.views))
     return compiled
 
 
@@ -177,6 +179,22 @@ class keeping:
 
     def __exit__(self, *exc):
         _state.keeping = self._outer
+        return False
+
+
+class into_views:
+    """Context manager: launches inside it may pass views that start inside a call's tensors (a convolution's
+    stride phase of its output), which a replay then passes at the same offset into the new tensors
+    (:class:`Replay`). Named by the caller that makes such views, since only it knows that no torch op writes the
+    rest of the tensor (a replay repeats Triton's launches only)."""
+
+    def __enter__(self):
+        self._outer = _state.views
+        _state.views = True
+        return self
+
+    def __exit__(self, *exc):
+        _state.views = self._outer
         return False
 
 
@@ -261,11 +279,32 @@ def _rebased(desc, tensor):
     return copy
 
 
+_OFFSET = object()  # marks a slot of :class:`Replay`'s expanded parameters that holds an address inside a tensor
+
+
+def _holding(tensors: tuple, ptr: int) -> int | None:
+    """The position of the tensor in ``tensors`` whose bytes hold address ``ptr``, or None. Only tensors starting
+    16-byte aligned count: a replay key holds that alignment alone, so an address past an unaligned start could
+    fall on another alignment in the next call than the compiled kernel assumed."""
+    for j, t in enumerate(tensors):
+        start = t.data_ptr()
+        if start % 16 == 0 and start <= ptr < start + _span_bytes(t):
+            return j
+    return None
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to the end of its last (non-negative strides; 0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)) * t.element_size()
+
+
 class Replay:
     """One recorded launch, replayable with new tensors in the same parameter slots."""
 
-    __slots__ = ("runner", "run", "direct", "function", "packed", "grid", "params", "slots", "output", "stream",
-                 "device", "expanded", "encoded")
+    __slots__ = ("runner", "run", "direct", "function", "packed", "grid", "params", "slots", "offsets", "output",
+                 "stream", "device", "expanded", "encoded")
 
     ENCODED_PER_REPLAY = 64  # descriptors kept encoded (by slot and base address) before the cache is cleared
 
@@ -290,6 +329,7 @@ class Replay:
         # reads the pointer, so the call's tensor can stand in for it.
         ptrs = [t.data_ptr() for t in tensors]
         self.slots = []  # (param index, position in ``tensors``, the recorded descriptor or None)
+        self.offsets = []  # (param index, position in ``tensors``, bytes past that tensor's data pointer)
         for i, value in enumerate(self.params):
             desc = value if _is_host_descriptor(value) else None
             tensor = value.base if desc is not None else value
@@ -302,7 +342,12 @@ class Replay:
                 elif ptr in kept:
                     continue  # the launcher's workspace: passed as recorded
                 else:
-                    raise LookupError("a tensor parameter is not one of the call's tensors")
+                    j = _holding(tensors, ptr) if desc is None and launch_.views else None
+                    if j is None:
+                        raise LookupError("a tensor parameter is not one of the call's tensors")
+                    # A view inside a call's tensor (a stride phase of a convolution's output): the replay passes
+                    # the address the same bytes past the new tensor's start (the key fixes its layout).
+                    self.offsets.append((i, j, ptr - ptrs[j]))
         self.expanded = self._expand(kept)
         self.encoded = {}
         self._release_call_tensors()
@@ -315,10 +360,12 @@ class Replay:
             self.params[i] = None
             if desc is not None:
                 self.slots[n] = (i, j, _rebased(desc, None))
+        for i, _, _ in self.offsets:
+            self.params[i] = None
         if self.expanded is not None:
             raw, flat, slots = self.expanded
             for n, (pos, j, desc, meta) in enumerate(slots):
-                if meta is None:
+                if meta is None or meta is _OFFSET:
                     flat[pos] = None
                 if desc is not None:
                     slots[n] = (pos, j, _rebased(desc, None), meta)
@@ -336,8 +383,14 @@ class Replay:
 
         raw, metas = found
         where = {i: (j, desc) for i, j, desc in self.slots}
+        offsets = {i: (j, off) for i, j, off in self.offsets}
         flat, slots = [], []
         for i, value in enumerate(self.params):
+            if i in offsets:  # (never a descriptor: __init__ takes plain pointers only)
+                j, off = offsets[i]
+                slots.append((len(flat), j, off, _OFFSET))
+                flat.append(value)
+                continue
             if i in metas:
                 if i not in where and _is_host_descriptor(value) and value.base is not None \
                         and value.base.data_ptr() in kept:
@@ -386,6 +439,8 @@ class Replay:
             for pos, j, desc, meta in slots:
                 if meta is None:
                     params[pos] = tensors[j]  # a tensor, or the base of a descriptor passed unencoded
+                elif meta is _OFFSET:
+                    params[pos] = tensors[j].data_ptr() + desc  # (desc: the offset in bytes)
                 else:
                     params[pos] = self._encoded(pos, desc, meta, tensors[j])
             _, cooperative, pdl = self.direct
@@ -395,6 +450,8 @@ class Replay:
         params = self.params.copy()
         for i, j, desc in self.slots:
             params[i] = tensors[j] if desc is None else _rebased(desc, tensors[j])
+        for i, j, off in self.offsets:
+            params[i] = tensors[j].data_ptr() + off  # Triton's launchers take an int as a device address
         if hooked:
             ensure_allocator()  # (a kernel making descriptors on the device: this thread may have no allocator)
             self.runner(*params, stream=stream)  # a profiler listens: Triton's path gives its hooks metadata

@@ -16,7 +16,7 @@ import torch
 from tilegemm.core import registry
 from tilegemm.core.dtypes import resolve_precision
 from tilegemm.core.hardware import sm_count
-from tilegemm.core.launch import keeping, sequence_lock
+from tilegemm.core.launch import into_views, keeping, sequence_lock
 from tilegemm.core.runtime import interpreting, on_device
 from tilegemm.ops.conv2d import configs, patchify
 from tilegemm.ops.conv2d.configs import (
@@ -415,7 +415,9 @@ def _dgrad_as_forward(dy: torch.Tensor, weight: torch.Tensor, g: Geometry, preci
             p = ConvProblem(dy, wt, None, gt, dy.dtype, torch.channels_last, "none", precision,
                             dy.dtype == torch.bfloat16 and interpreting(),
                             out=None if dx is None else dx[:, :, a::sh, b::sw])
-            with keeping(buf):  # the forward's launches read the workspace: a replay of them must know it as one
+            # The forward's launches read the workspace (a replay must know it as one) and store into the phase's
+            # view of dx, which they write whole (every phase has taps: dgrad_as_forward).
+            with keeping(buf), into_views():
                 out = _launch(_auto_kernel(p), p)
     return out if dx is None else dx
 
