@@ -28,6 +28,10 @@ Two forms:
 
 ``auto`` sends 16-bit layers of up to 56 channels a group here
 (:func:`tilegemm.ops.conv2d.configs.takes_grouped_packed`).
+
+The other way, :func:`block_diagonal` takes a layer's weight gradient out of its coarser grouping's: ``auto``'s
+weight gradient of layers of few channels a group runs ``tma_wgrad`` on :func:`coarse_geometry` and keeps the
+diagonal blocks (:func:`tilegemm.ops.conv2d.configs.coarse_wgrad_groups`).
 """
 
 from __future__ import annotations
@@ -269,6 +273,28 @@ def expand_weight_kernel(w_ptr, out_ptr, total, RS, S, CG, KG, GT, CP,
     tl.store(out_ptr + e, v, mask=ok)
 
 
+@triton.jit
+def block_diagonal_kernel(src_ptr, dst_ptr, total, CG, KG, GT, RS, S,
+                          stride_sk, stride_sc, stride_sr, stride_ss, stride_dk, stride_dc, stride_dr, stride_ds,
+                          BLOCK: tl.constexpr):
+    """``dst[k, c, r, s] = src[k, lg * CG + c, r, s]`` with ``lg = (k // KG) % GT``: the inverse of
+    :func:`expand_weight_kernel`, a layer's ``[K, CG, R, S]`` weight (gradient) out of the block-diagonal one of the
+    layer with GT times fewer groups (both through their strides, any layout). Two kernels, not one: the expansion
+    writes every element of the wide weight, zeros too, where this one reads only the diagonal blocks (over the
+    wide elements it would run GT times the programs, all but one in GT storing nothing)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    rs = i % RS
+    c = (i // RS) % CG
+    k = i // (RS * CG)
+    r = rs // S
+    s = rs - r * S
+    lg = (k // KG) % GT
+    v = tl.load(src_ptr + k.to(tl.int64) * stride_sk + (lg * CG + c) * stride_sc + r * stride_sr + s * stride_ss,
+                mask=ok)
+    tl.store(dst_ptr + k.to(tl.int64) * stride_dk + c * stride_dc + r * stride_dr + s * stride_ds, v, mask=ok)
+
+
 def coarse_geometry(g: Geometry, gt: int) -> Geometry:
     """The layer ``g`` seen with GT times fewer groups (GT divides the groups)."""
     if gt < 1 or g.groups % gt:
@@ -288,6 +314,29 @@ def expand_weight(weight: torch.Tensor, g: Geometry, gt: int, channels: int, out
            (weight, out, total, g.R * g.S, g.S, g.Cg, g.Kg, gt, channels, *weight.stride()),
            dict(BLOCK=1024, num_warps=4), keep=keep, stream=stream)
     return out[:total].view(g.K, g.R, g.S, channels).permute(0, 3, 1, 2)
+
+
+def block_diagonal(coarse: torch.Tensor, g: Geometry, gt: int, out: torch.Tensor, stream=None,
+                   keep: tuple = ()) -> torch.Tensor:
+    """``g``'s weight (gradient) ``[K, C/groups, R, S]`` out of that of :func:`coarse_geometry` ``(g, gt)``
+    (``[K, GT*C/groups, R, S]``, or more channels: those past GT*C/groups unread), its diagonal blocks, written
+    into ``out`` (any layout) by one launch of :func:`block_diagonal_kernel` (:func:`expand_weight`'s inverse);
+    ``out``."""
+    if gt < 1 or g.groups % gt:
+        raise ValueError(f"GT={gt} must divide the groups ({g.groups})")
+    want = (g.K, g.Cg, g.R, g.S)
+    if coarse.dim() != 4 or (coarse.shape[0], coarse.shape[2], coarse.shape[3]) != (g.K, g.R, g.S) \
+            or coarse.shape[1] < gt * g.Cg:
+        raise ValueError(f"block_diagonal: the coarse weight must be [{g.K}, >= {gt * g.Cg}, {g.R}, {g.S}] "
+                         f"(GT={gt} groups of {g.Cg} channels); got {list(coarse.shape)}")
+    if tuple(out.shape) != want or out.dtype != coarse.dtype or out.device != coarse.device:
+        raise ValueError(f"block_diagonal: out must be {list(want)} of {coarse.dtype} on {coarse.device}; got "
+                         f"{list(out.shape)} of {out.dtype} on {out.device}")
+    total = out.numel()
+    launch(block_diagonal_kernel, (cdiv(total, 1024),),
+           (coarse, out, total, g.Cg, g.Kg, gt, g.R * g.S, g.S, *coarse.stride(), *out.stride()),
+           dict(BLOCK=1024, num_warps=4), keep=keep, stream=stream)
+    return out
 
 
 def tma_plan(x: torch.Tensor, g: Geometry, gt: int) -> tuple[Geometry, int, int | None] | str:
