@@ -456,6 +456,30 @@ def takes_grouped_direct(g: Geometry) -> bool:
             and g.Kg <= 4 * GROUPED_DIRECT_AUTO_CHANNELS)
 
 
+# --- the weight gradient of a coarser grouping (dispatch._coarse_wgrad) --------------------------------------
+#
+# A grouped layer's weight gradient is the block diagonal of that of the same layer with GT times fewer groups,
+# which tma_wgrad runs in full tensor-core tiles, GT times the products (docs/conv2d.md, "Grouped weight gradient
+# by a coarser grouping"). Timed on the zoo's grouped layers, it led at up to 32 channels a group and lost on
+# depthwise layers and at 48-56 (same section).
+COARSE_WGRAD_MAX_CHANNELS = 32  # layers of at most this many input and output channels a group take it
+COARSE_WGRAD_CHANNELS = (32, 128)  # a coarse group's channels: in this range, a multiple of 8 (tma_wgrad's step)
+COARSE_WGRAD_NEAREST = 64  # of several GT, the one nearest this many channels a coarse group (tma_wgrad's tiles)
+
+
+def coarse_wgrad_groups(g: Geometry) -> int | None:
+    """GT (fine groups a coarse group) of ``auto``'s coarse weight gradient of ``g`` (see above), or None where it
+    keeps the layer's own: one group, depthwise, more than :data:`COARSE_WGRAD_MAX_CHANNELS` input or output
+    channels a group, or no GT >= 2 dividing the groups whose coarse group's channels are a multiple of 8 within
+    :data:`COARSE_WGRAD_CHANNELS` (of several, the nearest :data:`COARSE_WGRAD_NEAREST`; ties: the smaller)."""
+    if g.groups == 1 or g.is_depthwise or max(g.Cg, g.Kg) > COARSE_WGRAD_MAX_CHANNELS:
+        return None
+    lo, hi = COARSE_WGRAD_CHANNELS
+    gts = [gt for gt in range(2, g.groups + 1)
+           if g.groups % gt == 0 and gt * g.Cg % 8 == 0 and lo <= gt * g.Cg <= hi]
+    return min(gts, key=lambda gt: abs(gt * g.Cg - COARSE_WGRAD_NEAREST), default=None)
+
+
 def pixel_split(npq: int, blocks: int, block_m: int, device, split: int | None = None, per_sm: int = 2,
                 min_steps: int = 8) -> tuple[int, int]:
     """(slices, slice length) of a weight gradient's reduction over ``npq`` output pixels: enough slices for
