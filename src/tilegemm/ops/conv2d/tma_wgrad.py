@@ -206,25 +206,30 @@ def split_for(tiles: int, patches: int, slots: int, fill: float = FILL, per_slic
 
 def run(dy: torch.Tensor, x: torch.Tensor, g, out_dtype: torch.dtype, cfg: dict | None = None,
         memory_format: torch.memory_format = torch.contiguous_format, x_channels: int | None = None,
-        dy_channels: int | None = None) -> torch.Tensor:
+        dy_channels: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """grad of the weight, ``[K, C/groups, R, S]`` in ``memory_format``, for ``dy`` and ``x`` that :func:`why_not`
     takes. Channels-last is the fast one: a tile's rows (one output channel, one tap) are then contiguous, where
     contiguous ones scatter every element R*S elements apart (slower: docs/conv2d.md, "Configs"). ``x_channels``,
     ``dy_channels``: the channels of ``x``'s and ``dy``'s pixels where they are more than C and K (copies padded
     with zero channels, :func:`tilegemm.ops.conv2d.padded.wgrad`; the tiles past C/groups are computed and not
-    stored)."""
+    stored). ``out``: a ``[K, C/groups, R, S]`` tensor of ``out_dtype`` (any strides; a workspace's view) written
+    instead of a new one in ``memory_format``."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import current_stream, launch
     from tilegemm.core.workspace import split_workspace
     from tilegemm.ops.conv2d.implicit_gemm import empty_4d
 
+    if out is not None and (tuple(out.shape) != (g.K, g.Cg, g.R, g.S) or out.dtype != out_dtype
+                            or out.device != dy.device):
+        raise ValueError(f"tma_wgrad: out must be [{g.K}, {g.Cg}, {g.R}, {g.S}] of {out_dtype} on {dy.device}; "
+                         f"got {list(out.shape)} of {out.dtype} on {out.device}")
     cfg = dict(cfg or config(g, sm_count(dy.device)))
     bi, bh, bw = cfg["BI"], cfg["BH"], cfg["BW"]
     bm, bn = cfg.get("BM", BLOCK), cfg.get("BN", BLOCK)
     patches = cdiv(g.N, bi) * cdiv(g.P, bh) * cdiv(g.Q, bw)
     slice_len = cdiv(patches, cfg["SPLIT"])
     split = cdiv(patches, slice_len)
-    dw = empty_4d((g.K, g.Cg, g.R, g.S), out_dtype, dy.device, memory_format)
+    dw = out if out is not None else empty_4d((g.K, g.Cg, g.R, g.S), out_dtype, dy.device, memory_format)
     grid = (cdiv(g.Kg, bm) * cdiv(g.Cg, bn), g.R * g.S * g.groups, split)
     tiles = grid[0] * grid[1]
     if split > 1:
