@@ -490,12 +490,21 @@ def wgrad(c: WgradCall) -> torch.Tensor:
 
 def _wgrad_channels_last(dy, x, g: Geometry, precision: str, fmt, dtype, pads: bool) -> torch.Tensor:
     """The weight gradient from channels-last ``dy`` and ``x`` (``dtype``: the caller's x's), by the first kernel
-    that takes the layer; ``pads``: try the padded TMA route (:func:`_wgrad_pads`) before the pointer kernel."""
+    that takes the layer (grouped layers of few channels a group first through a coarser grouping's,
+    :func:`_coarse_wgrad`); ``pads``: try the padded TMA route (:func:`_wgrad_pads`) before the pointer kernel."""
     if g.is_pointwise:
         from tilegemm.ops.conv2d.gemm_1x1 import pointwise_wgrad
 
         # [K, NHW] @ [NHW, C]: a few output tiles over a reduction as long as the pixels, split_k's class
         return pointwise_wgrad(_as_nhwc_2d(dy).t(), _as_nhwc_2d(x), precision).view(g.K, g.C, 1, 1)
+    # few channels a group: in the full tiles of a coarser grouping (docs/conv2d.md, "Grouped weight gradient by
+    # a coarser grouping")
+    gt = configs.coarse_wgrad_groups(g)
+    if gt and dtype in (torch.float16, torch.bfloat16):
+        from tilegemm.ops.conv2d.grouped_packed import coarse_geometry
+
+        if _tma_wgrad_usable(dy, x, coarse_geometry(g, gt)):
+            return _coarse_wgrad(dy, x, g, gt, fmt, dtype)
     if g.is_depthwise:
         from tilegemm.ops.conv2d import depthwise
 
@@ -517,6 +526,29 @@ def _wgrad_channels_last(dy, x, g: Geometry, precision: str, fmt, dtype, pads: b
     from tilegemm.ops.conv2d import implicit_gemm
 
     return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), dtype, memory_format=fmt)
+
+
+def _coarse_wgrad(dy, x, g: Geometry, gt: int, fmt, dtype) -> torch.Tensor:
+    """The weight gradient of ``g`` as the diagonal blocks of that of the layer with GT times fewer groups
+    (:func:`~tilegemm.ops.conv2d.grouped_packed.coarse_geometry`; ``auto``'s GT:
+    :func:`~tilegemm.ops.conv2d.configs.coarse_wgrad_groups`): the coarse gradient by ``tma_wgrad`` into a
+    per-stream workspace (channels-last), then :func:`~tilegemm.ops.conv2d.grouped_packed.block_diagonal` into the
+    returned gradient in ``fmt``. Both launches name the workspace as theirs, so the call replays."""
+    from tilegemm.core.launch import current_stream
+    from tilegemm.core.workspace import buffer
+    from tilegemm.ops.conv2d import tma_wgrad
+    from tilegemm.ops.conv2d.grouped_packed import block_diagonal, coarse_geometry
+    from tilegemm.ops.conv2d.implicit_gemm import empty_4d
+
+    gc = coarse_geometry(g, gt)
+    dw = empty_4d((g.K, g.Cg, g.R, g.S), dtype, x.device, fmt)
+    total = g.K * gc.Cg * g.R * g.S
+    with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
+        buf = buffer(x.device, dtype, total, ("conv2d-coarse-wgrad", 0, 0))
+        coarse = buf[:total].view(g.K, g.R, g.S, gc.Cg).permute(0, 3, 1, 2)  # [K, GT*C/groups, R, S]
+        with keeping(buf):  # the kernels write and read the workspace: a replay of them must know it as one
+            tma_wgrad.run(dy, x, gc, dtype, out=coarse)
+            return block_diagonal(coarse, g, gt, dw, stream=current_stream(), keep=(buf,))
 
 
 def _wgrad_pads(g: Geometry) -> bool:
