@@ -1,5 +1,8 @@
-"""Open question (GPU): does the weight gradient of a grouped layer of few channels a group run faster as the
-dense-per-group gradient of a coarser grouping on tensor cores, keeping only its block diagonal?
+"""Answered (GPU), and the route now ships: the weight gradient of a grouped layer of few channels a group runs
+faster as the dense-per-group gradient of a coarser grouping on tensor cores, keeping only its block diagonal.
+``auto`` takes it (``dispatch._coarse_wgrad``, its GT by ``configs.coarse_wgrad_groups``; docs/conv2d.md, "Grouped
+weight gradient by a coarser grouping"), so ``auto`` below is the shipped route and ``gtN`` that route at each
+candidate GT. Kept for one rerun on the GPU.
 
 ``grouped_direct``'s weight gradient (groups of at most 8 channels: ResNeXt's and RegNet's 3x3 layers) runs on
 CUDA cores at about a quarter of cuDNN's speed (docs/conv2d.md, "Depthwise weight gradient"), and the layers of
@@ -10,8 +13,8 @@ of which the block diagonal is the layer's: GT times the MMA work, in full 64-wi
 Times, on the zoo's grouped layers of at most 56 channels a group and (``--depthwise``) some depthwise ones
 (batch 32, fp16, channels-last, CUDA graphs, each checked against cuDNN's fp32 gradient): cuDNN's weight gradient,
 tilegemm's ``auto``, and the coarse route at up to three GT making 32-128 channels a coarse group (the coarse
-gradient by the dispatcher's channels-last route, then one launch that copies the block diagonal out). A table of
-cuDNN time / ours and geomeans (even and odd layers apart) last.
+gradient by ``tma_wgrad`` into a workspace, then ``grouped_packed.block_diagonal``'s launch that copies the block
+diagonal out). A table of cuDNN time / ours and geomeans (even and odd layers apart) last.
 
     PYTHONPATH=src:tools python3 research/grouped_wgrad_coarse.py [--budget 150] [--depthwise 8] [--out F.json]
 """
@@ -25,42 +28,21 @@ import time
 import torch
 
 import tilegemm  # noqa: F401  (first: it chooses Triton's interpreter or the GPU before triton is imported)
-import triton
-import triton.language as tl
 
 from conv2d_depthwise_candidates import geomean, graph_us
 from tilegemm.core.checks import relative_error
+from tilegemm.core.registry import NotApplicable
 from tilegemm.ops.conv2d import dispatch, zoo
 from tilegemm.ops.conv2d.grouped_packed import coarse_geometry
 from tilegemm.ops.conv2d.problem import WgradCall, geometry_of, wgrad_format
 
 
-@triton.jit
-def block_diagonal_kernel(src_ptr, dst_ptr, total, Cg, Kg, GT, RS, S,
-                          s_k, s_c, s_r, s_s, d_k, d_c, d_r, d_s, BLOCK: tl.constexpr):
-    """``dst[k, c, r, s] = src[k, ((k // Kg) % GT) * Cg + c, r, s]``: the layer's weight gradient out of the coarse
-    grouping's (both by strides, any layout)."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < total
-    rs = i % RS
-    c = (i // RS) % Cg
-    k = i // (RS * Cg)
-    r = rs // S
-    s = rs - r * S
-    j = (k // Kg) % GT
-    v = tl.load(src_ptr + k * s_k + (j * Cg + c) * s_c + r * s_r + s * s_s, mask=ok)
-    tl.store(dst_ptr + k * d_k + c * d_c + r * d_r + s * d_s, v, mask=ok)
-
-
 def coarse_wgrad(dy, x, g, gt: int, fmt) -> torch.Tensor:
-    gc = coarse_geometry(g, gt)
-    pads = dispatch._wgrad_pads(gc) and dispatch._tma_candidate(x)
-    dwc = dispatch._wgrad_channels_last(dy, x, gc, "ieee", fmt, x.dtype, pads=pads)  # [K, GT*Cg, R, S]
-    out = torch.empty(g.K, g.Cg, g.R, g.S, dtype=dwc.dtype, device=dwc.device, memory_format=fmt)
-    total = out.numel()
-    block_diagonal_kernel[(triton.cdiv(total, 1024),)](
-        dwc, out, total, g.Cg, g.Kg, gt, g.R * g.S, g.S, *dwc.stride(), *out.stride(), BLOCK=1024)
-    return out
+    """The shipped route at this GT (its coarse gradient by ``tma_wgrad``, its block diagonal by
+    ``grouped_packed.block_diagonal``), where ``tma_wgrad`` takes the coarse layer."""
+    if not dispatch._tma_wgrad_usable(dy, x, coarse_geometry(g, gt)):
+        raise NotApplicable(f"tma_wgrad does not take the coarse layer of GT={gt}")
+    return dispatch._coarse_wgrad(dy, x, g, gt, fmt, x.dtype)
 
 
 def _geo(L: dict, batch: int):
