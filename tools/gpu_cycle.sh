@@ -60,11 +60,8 @@
 #   dgrad-fwd     research/dgrad_as_forward.py: the stride-1 depthwise and grouped data gradients as forward
 #                 convolutions against the direct kernels and cuDNN (\$DGRAD_DTYPES, default fp16; \$DGRAD_BUDGET
 #                 seconds a dtype, default 150), then tests/conv2d/test_dgrad_as_forward.py and the replay tests
-#   dgrad-strided research/dgrad_as_forward.py --strided: the zoo's strided depthwise and grouped data gradients as
-#                 phase convolutions against the direct kernels and cuDNN (GPU time; \$DGRAD_BUDGET, default 150)
-#   grouped-wgrad research/grouped_wgrad_coarse.py: the zoo's grouped layers' weight gradients (and some depthwise
-#                 ones) as a coarser grouping's gradient on tensor cores, its block diagonal kept, against auto and
-#                 cuDNN (\$GW_BUDGET seconds, default 200)
+#   dgrad-strided research/dgrad_as_forward.py --strided: the zoo's strided depthwise and grouped data gradients,
+#                 auto (their phase convolutions) against the direct kernels and cuDNN (GPU time; \$DGRAD_BUDGET)
 #   conv2d-odd    the conv2d bench's odd sweep (channels a group not multiples of 16: the padded route), forward
 #                 (auto and the pointer kernel it replaced) and backward (auto), fp16 and bf16; then its GPU tests
 # $PRECOMPILE: worker processes that compile a bench sweep's kernels before it is timed (default 15; 0 off).
@@ -212,9 +209,6 @@ for step in "$@"; do
     dgrad-strided)  # the strided depthwise and grouped data gradients by phase convolutions (research/)
                 PYTHONPATH=src:tools timeout 300 python3 research/dgrad_as_forward.py --strided --budget "${DGRAD_BUDGET:-150}" \
                   --out "$OUT/dgrad-strided-fp16.json" 2>&1 | tee "$OUT/dgrad-strided-fp16.log" | tail -n 9 ;;
-    grouped-wgrad)  # the grouped layers' weight gradients through a coarser grouping's block diagonal (research/)
-                PYTHONPATH=src:tools timeout 300 python3 research/grouped_wgrad_coarse.py --budget "${GW_BUDGET:-200}" \
-                  --out "$OUT/grouped-wgrad-coarse.json" 2>&1 | tee "$OUT/grouped-wgrad-coarse.log" | tail -n 9 ;;
     conv2d-odd) for d in fp16 bf16; do
                   bench --op conv2d --sweep odd --dtype $d --kernels auto,implicit_gemm --json "$OUT/conv2d-odd-fwd-$d.json" 2>&1 | tail -n 12
                   bench --op conv2d --sweep odd --dtype $d --mode bwd --kernels auto --json "$OUT/conv2d-odd-bwd-$d.json" 2>&1 | tail -n 12
