@@ -227,14 +227,19 @@ def test_a_replay_flips_the_weight_as_it_is_now_and_a_graph_replays(monkeypatch)
         return torch.autograd.grad(conv2d_reference(xr, w.double(), None, padding=1, groups=64), (xr,),
                                    dy.double())[0]
 
-    first = dgrad()  # recorded
+    _recorded_replayed_and_graphed(dgrad, want, w, dy, dispatched)
+
+
+def _recorded_replayed_and_graphed(dgrad, want, w, dy, dispatched):
+    """The first call recorded (one entry), a second one replayed with the weight updated in place (the replay
+    flips it again), then a CUDA graph of the call replayed over new w and dy into its NaN-poisoned output."""
+    first = dgrad()
     assert_rel_close(first, want(), tolerance(torch.float16))
-    assert conv_op.REPLAYS.count() == 1, "the route's launches (the flip and the forward's) are kept"
-    w.mul_(-2)  # in place: the replay must flip it again
+    assert conv_op.REPLAYS.count() == 1, "the route's launches (flips and forwards) are kept"
+    w.mul_(-2)
     assert_rel_close(dgrad(), want(), tolerance(torch.float16))
     assert len(dispatched) == 1, "the second call replayed the first one's launches"
     graph = torch.cuda.CUDAGraph()
-    dgrad()
     with torch.cuda.graph(graph):
         out = dgrad()
     w.copy_(torch.randn_like(w))
@@ -348,19 +353,4 @@ def test_a_strided_call_is_recorded_and_a_replay_and_a_graph_flip_the_weight_as_
         return torch.autograd.grad(conv2d_reference(xr, w.double(), None, stride=2, padding=1, groups=64), (xr,),
                                    dy.double())[0]
 
-    first = dgrad()
-    assert_rel_close(first, want(), tolerance(torch.float16))
-    assert conv_op.REPLAYS.count() == 1, "the four phases' eight launches are kept"
-    w.mul_(-2)
-    assert_rel_close(dgrad(), want(), tolerance(torch.float16))
-    assert len(dispatched) == 1, "the second call replayed the first one's launches"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = dgrad()
-    w.copy_(torch.randn_like(w))
-    dy.copy_(torch.randn_like(dy))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_rel_close(out, want(), tolerance(torch.float16))
-    replay.clear()
+    _recorded_replayed_and_graphed(dgrad, want, w, dy, dispatched)  # four phases' eight launches kept as one
