@@ -309,3 +309,53 @@ def hide_broken_torchvision() -> None:
         import transformers.utils.import_utils as _iu
 
         _iu.is_torchvision_available = _tu.is_torchvision_available = lambda: False
+
+
+_COPY_OPS = frozenset({"copy_", "clone", "_to_copy", "contiguous", "reshape", "flatten", "unflatten", "cat"})
+
+
+def tensor_copies(fn) -> list:
+    """The tensor copies ``fn()`` makes, as ``(op name, shape, strides, dtype)`` rows (of the source): aten's ``copy_``, ``clone``,
+    ``_to_copy``, ``cat``, and reshapes or ``contiguous`` calls that gave new storage; inside tilegemm's registered
+    ops too (their implementation runs under the same mode), but not a kernel launch's own (the interpreter copies
+    arguments in and out)."""
+    from torch._library.custom_ops import OPDEFS
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import tilegemm.core.launch as launch_module
+
+    launching = launch_module.launch.__code__
+
+    def in_launch() -> bool:
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is launching:
+                return True
+            frame = frame.f_back
+        return False
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.namespace == "tilegemm":
+                with self:
+                    return OPDEFS[func.overloadpacket._qualified_op_name]._init_fn(*args, **kwargs)
+            out = func(*args, **kwargs)
+            name = func.overloadpacket.__name__
+            if name in _COPY_OPS and not in_launch():
+                src = args[1] if name == "copy_" else args[0][0] if name == "cat" else args[0]
+                fresh = name in ("copy_", "clone", "_to_copy", "cat") or (
+                    isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr()
+                    != src.untyped_storage().data_ptr())
+                if fresh:
+                    self.rows.append((name, tuple(src.shape), src.stride(), src.dtype))
+            return out
+
+    mode = Copies()
+    with mode:
+        fn()
+    return mode.rows

@@ -92,10 +92,16 @@ def _setup_context(ctx, inputs, output):
     ctx.call = call.replace(a=None, b=None, bias=None, c=None, scale_a=None, scale_b=None)
 
 
+def _column_major(t: torch.Tensor) -> bool:
+    """Whether ``t``'s last two dims are a transposed row-major matrix (``weight.t()`` of an ``nn.Linear``)."""
+    return t.ndim >= 2 and t.shape[-2] > 1 and t.shape[-1] > 1 and t.mT.is_contiguous() and not t.is_contiguous()
+
+
 def _backward(ctx, grad_out):
     a, b, bias, c, scale_a, scale_b = ctx.saved_tensors
     call: MatmulCall = ctx.call
-    grad = grad_out.float()
+    # Without an activation the gradient is used as it comes: a round trip through fp32 changes no value.
+    grad = grad_out
     if call.activation != "none":  # (fp8: the pre-activation with the call's scales and accumulation)
         # the bias in fp32, the recompute's output dtype: the call's own may be neither the operands' nor fp32
         pre_bias = None if bias is None else bias.float()
@@ -105,19 +111,30 @@ def _backward(ctx, grad_out):
                                  "auto", scale_a, scale_b, call.fast_accum))
         with torch.enable_grad():
             pre = pre.detach().requires_grad_(True)
-            (grad,) = torch.autograd.grad(torch_activation(pre, call.activation), pre, grad)
+            (grad,) = torch.autograd.grad(torch_activation(pre, call.activation), pre, grad_out.float())
     grad_a = grad_b = grad_bias = grad_c = None
     want_a, want_b, want_bias, want_c = ctx.needs_input_grad[:4]
     # The two GEMMs of the backward pass run in the operands' dtype, like torch's own.
     g = grad.to(a.dtype)
+    # A column-major operand gets its gradient column-major, the transposed product's transpose: autograd
+    # would otherwise copy a leaf's gradient into the leaf's layout.
     if want_a:
-        grad_a = _sum_to(call_op(MatmulCall(g, b.mT, alpha=call.alpha, precision=call.precision)), a.shape)
+        if _column_major(a):
+            grad_a = call_op(MatmulCall(b, g.mT, alpha=call.alpha, precision=call.precision)).mT
+        else:
+            grad_a = call_op(MatmulCall(g, b.mT, alpha=call.alpha, precision=call.precision))
+        grad_a = _sum_to(grad_a, a.shape)
     if want_b:
-        grad_b = _sum_to(call_op(MatmulCall(a.mT, g, alpha=call.alpha, precision=call.precision)), b.shape)
+        if _column_major(b):
+            grad_b = call_op(MatmulCall(g.mT, a, alpha=call.alpha, precision=call.precision)).mT
+        else:
+            grad_b = call_op(MatmulCall(a.mT, g, alpha=call.alpha, precision=call.precision))
+        grad_b = _sum_to(grad_b, b.shape)
     if want_bias and bias is not None:
-        grad_bias = grad.sum(tuple(range(grad.ndim - 1))).to(bias.dtype)  # (not reshape(-1, N): N may be 0)
+        # accumulated in fp32 (not reshape(-1, N): N may be 0)
+        grad_bias = grad.sum(tuple(range(grad.ndim - 1)), dtype=torch.float32).to(bias.dtype)
     if want_c and c is not None:
-        grad_c = _sum_to(grad * call.beta, c.shape).to(c.dtype)
+        grad_c = _sum_to(grad.float() * call.beta, c.shape).to(c.dtype)  # scaled and summed in fp32
     return (grad_a, grad_b, grad_bias, grad_c) + (None,) * 9
 
 
