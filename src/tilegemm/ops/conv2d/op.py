@@ -20,6 +20,7 @@ from tilegemm.core.replay import ReplayCache
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.conv2d import dispatch
 from tilegemm.ops.conv2d.checks import replay_key
+from tilegemm.ops.conv2d.configs import takes_grouped_direct
 from tilegemm.ops.conv2d.problem import (
     ConvCall, DgradCall, WgradCall, channels_last, geometry_of, memory_format_of, wgrad_format,
 )
@@ -159,6 +160,15 @@ def _setup_context(ctx, inputs, output):
     ctx.x_channels_last = channels_last(x)
 
 
+def _copies_dy(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, conv) -> bool:
+    """Whether the gradients' routes of a channels-last layer would copy ``dy`` channels-last each (every route
+    but grouped_direct's, which reads any strides): ``dy`` of a layout torch's autograd gave, not channels-last
+    (a mean's backward gives NCHW)."""
+    if dy.dim() != 4 or dy.is_contiguous(memory_format=torch.channels_last):
+        return False
+    return not takes_grouped_direct(geometry_of(x.shape, weight.shape, *conv))
+
+
 def _backward(ctx, grad_out):
     x, weight, bias = ctx.saved_tensors
     stride, padding, dilation, groups = ctx.conv
@@ -176,6 +186,8 @@ def _backward(ctx, grad_out):
                                           create_graph=create_graph)
     want_x, want_w, want_bias = ctx.needs_input_grad[:3]
     g = grad.to(x.dtype)  # the two convolutions of the backward pass run in the operands' dtype, like torch's
+    if ctx.x_channels_last and (want_x or want_w) and _copies_dy(g, x, weight, ctx.conv):
+        g = g.contiguous(memory_format=torch.channels_last)  # once here, not once in each gradient's route
     grad_x = grad_w = grad_bias = None
     # Outside tracing the gradients' ops are called as functions: dispatch through a registered op costs
     # tens of microseconds of host time a call (see tilegemm.core.launch.plain_call).
