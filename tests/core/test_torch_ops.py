@@ -113,3 +113,28 @@ def test_own_storage_outputs_takes_any_return_a_custom_op_may_have():
     a, b = pair(x)
     assert a._base is None and b._base is None
     assert torch.equal(a, torch.full((3, 1), 2.0)) and torch.equal(b, torch.full((3,), 2.0))
+
+
+def test_a_call_autograd_records_skips_the_custom_ops_own_kernel(device, monkeypatch):
+    """Eager training: plain tensors requiring gradients take the recorded Function (no per-call filling of
+    defaults from the schema, no redispatch), and give what the custom op's own kernel gives, gradients too."""
+    import torch._library.utils as library_utils
+
+    x = torch.randn(2, 4, 7, 6, device=device, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(8, 4, 3, 3, device=device))
+    args = (x, w, None, [1, 1], [1, 1, 1, 1], [1, 1], 1, "relu", "ieee", "auto")  # out_dtype left at its default
+    filled = []
+    real = library_utils.fill_defaults
+    monkeypatch.setattr(library_utils, "fill_defaults", lambda *a: filled.append(1) or real(*a))
+    lean = torch.ops.tilegemm.conv2d.default(*args)
+    assert not filled and type(lean.grad_fn).__name__.startswith("Recorded")
+    assert lean._base is None  # its own storage: an in-place op after it is allowed
+    gy = torch.randn_like(lean)
+    lean_grads = torch.autograd.grad(lean, (x, w), gy)
+    with PassThrough():
+        full = torch.ops.tilegemm.conv2d.default(*args)
+    assert filled  # the custom op's own kernel
+    full_grads = torch.autograd.grad(full, (x, w), gy)
+    torch.testing.assert_close(lean, full, rtol=0, atol=0)
+    for a, b in zip(lean_grads, full_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -11,6 +11,12 @@ needs to see the call (no gradient, plain tensors, no dispatch or function mode,
 redispatch would have reached with the same arguments. Any other call takes the custom op's own autograd
 kernel (gradients, fake and functional tensors, subclasses, modes).
 
+A call that autograd must record but that nothing else needs to see (plain tensors, some requiring a gradient,
+no mode, not tracing: eager training) takes :func:`recorded_call`'s ``autograd.Function`` over the op's function and
+its registered setup and backward: what the custom op's own kernel would record, without its per-call filling of
+defaults from the schema, its redispatch and its backend wrapper (docs/performance.md, "Host time of a training
+step").
+
 :func:`own_storage_outputs` (which :func:`lean_autograd` installs too) keeps an op's outputs from being views
 when autograd records the call: the kernels build channels-last and batched outputs as views of a buffer
 (``permute``, ``view``), and autograd refuses an in-place op on a view made inside a custom function, so
@@ -40,6 +46,58 @@ def plain_args(args: tuple, tensor_positions: tuple[int, ...]) -> bool:
             if a is not None and (type(a) not in PLAIN_TENSOR_TYPES or (grad and a.requires_grad) or a.is_meta):
                 return False  # (meta tensors go on to the op's fake)
     return True
+
+
+def grad_only_args(args: tuple, tensor_positions: tuple[int, ...]) -> bool:
+    """True when autograd is the only thing that needs to see an op called with ``args`` (a call
+    :func:`plain_args` refused): no tracer or mode, the tensors plain and on no meta device, whether or not they
+    require a gradient."""
+    if dispatch_stack_depth() or function_mode_on() or torch.compiler.is_compiling() or jit_tracing():
+        return False
+    n = len(args)
+    for i in tensor_positions:
+        if i < n:
+            a = args[i]
+            if a is not None and (type(a) not in PLAIN_TENSOR_TYPES or a.is_meta):
+                return False
+    return True
+
+
+def _defaults(schema) -> tuple:
+    """The default of every argument of ``schema`` in order (None where it has none): what fills the trailing
+    arguments the dispatcher leaves out at their defaults."""
+    return tuple(arg.default_value if arg.has_default_value() else None for arg in schema.arguments)
+
+
+def recorded_call(fn, setup_context, backward, defaults: tuple):
+    """An ``autograd.Function`` whose ``apply(*args)`` runs ``fn`` (grad mode off, as in any Function's forward),
+    gives each output its own storage (:func:`own_storage`), calls ``setup_context(ctx=, inputs=, output=)`` with
+    the arguments the dispatcher left out filled from ``defaults``, and whose backward is ``backward``: the graph
+    the custom op's own autograd kernel records for a call of plain tensors (torch's ``make_autograd_impl``)."""
+    n_args = len(defaults)
+
+    def forward(ctx, *args):
+        out = fn(*args)
+        if isinstance(out, torch.Tensor):
+            out = own_storage(out)
+        elif out is not None:
+            out = type(out)(own_storage(t) if isinstance(t, torch.Tensor) else t for t in out)
+        setup_context(ctx=ctx, inputs=args, output=out)
+        return out
+
+    def backward_(ctx, *grads):
+        return backward(ctx, *grads)
+
+    function = type("Recorded_" + getattr(fn, "__name__", "op"), (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+    apply = function.apply
+
+    def call(*args):
+        if len(args) < n_args:
+            args = args + defaults[len(args):]
+        return apply(*args)
+
+    return call
 
 
 def _tensor_positions(schema) -> tuple[int, ...] | None:
@@ -99,15 +157,25 @@ def lean_autograd(op) -> bool:
 
         full = make_autograd_impl(op._opoverload, op)  # the custom op's own kernel (reads op's autograd info)
         fn, lib, name = op._init_fn, op._lib, op._name
-        positions = _tensor_positions(op._opoverload._schema)
+        schema = op._opoverload._schema
+        positions = _tensor_positions(schema)
+        setup, backward = op._setup_context_fn, op._backward_fn
+        mutable = schema.is_mutable
+        defaults = _defaults(schema)
     except (ImportError, AttributeError, TypeError):
         return False
     if positions is None:
         return False
+    # a recorded call skips the custom op's own kernel's Python layers (docs/performance.md, "Host time of a
+    # training step"); an op that mutates or has no registered autograd keeps that kernel
+    recorded = recorded_call(fn, setup, backward, defaults) if setup and backward and not mutable else None
 
     def kernel(keyset, *args, **kwargs):
-        if not kwargs and plain_args(args, positions):
-            return fn(*args)
+        if not kwargs:
+            if plain_args(args, positions):
+                return fn(*args)
+            if recorded is not None and grad_only_args(args, positions):
+                return recorded(*args)
         return full(keyset, *args, **kwargs)
 
     try:
