@@ -8,7 +8,7 @@ from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import autocast_inputs, check_precision
 from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call
 from tilegemm.ops.conv2d import dispatch, op
-from tilegemm.ops.conv2d.checks import check_conv, check_kernel, forward_key
+from tilegemm.ops.conv2d.checks import check_conv, check_kernel, forward_key, forward_key_of
 from tilegemm.ops.conv2d.op import REPLAYS
 from tilegemm.ops.conv2d.problem import ConvCall, memory_format_of
 
@@ -71,12 +71,23 @@ def conv2d(
         out = REPLAYS.replayed(key, (x, weight) if bias is None else (x, weight, bias))
         if out is not None:
             return out
-    check_activation(activation)
-    if precision is not None:
-        check_precision(precision)
-    check_kernel(kernel)
-    g = check_conv(x, weight, bias, stride, padding, dilation, groups)
-    c = ConvCall(x, weight, bias, list(g.stride), list(g.padding), list(g.dilation), g.groups, activation,
+    # Under autograd no call has a replay key, but the checks need one pass per layout (docs/conv2d.md, "Host
+    # fast path"): a layout that passed them keeps its resolved geometry.
+    layout = None if key is not None else _layout_key(x, weight, bias, stride, padding, dilation, groups, activation,
+                                                      precision, kernel)
+    resolved = None if layout is None else _PASSED.get(layout)
+    if resolved is None:
+        check_activation(activation)
+        if precision is not None:
+            check_precision(precision)
+        check_kernel(kernel)
+        g = check_conv(x, weight, bias, stride, padding, dilation, groups)
+        resolved = (g.stride, g.padding, g.dilation, g.groups)
+        if layout is not None:
+            if len(_PASSED) >= MAX_LAYOUTS:
+                _PASSED.clear()
+            _PASSED[layout] = resolved
+    c = ConvCall(x, weight, bias, list(resolved[0]), list(resolved[1]), list(resolved[2]), resolved[3], activation,
                  precision or "default", kernel)
     if key is not None:
         with REPLAYS.recording(key, (x, weight) if bias is None else (x, weight, bias),
@@ -85,6 +96,31 @@ def conv2d(
     if plain_call(x, weight, bias):
         return dispatch.forward(c)
     return op.call(c)
+
+
+_PASSED: dict = {}  # the layout key of a call that passed the checks -> its (stride, padding, dilation, groups)
+MAX_LAYOUTS = 4096  # forgotten all at once past this many: a model's layers make a few hundred
+
+
+def _layout_key(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel):
+    """What the checks of a call read (:func:`forward_key_of`: the tensors' dtypes, shapes, strides and devices,
+    the arguments), or None: a tensor that is not plain (a subclass, a tracer's, one without storage) or on the
+    meta device, or while Dynamo traces. The checks read no tensor's values, so a layout that passed them passes
+    again."""
+    if torch.compiler.is_compiling():  # first: Dynamo must trace none of the rest (it reads data pointers)
+        return None
+    if type(x) not in PLAIN_TENSOR_TYPES or type(weight) not in PLAIN_TENSOR_TYPES or x.is_meta \
+            or bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
+        return None
+    try:
+        return forward_key_of(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel)
+    except (RuntimeError, AttributeError):  # (a functorch wrapper has no data pointer)
+        return None
+
+
+def forget_checks() -> None:
+    """Forget the layouts that passed the checks (tests)."""
+    _PASSED.clear()
 
 
 def _fx_proxy(*args):
