@@ -43,7 +43,7 @@ LAYERS = [  # (label, N, C, H, K, channels-last)
 def _cpu_replayable():
     """checks._replayable with its CUDA-only tests inverted (the same work a call, passing on the CPU)."""
     src = textwrap.dedent(inspect.getsource(checks._replayable))
-    src = src.replace("or not x.is_cuda:", "or x.is_cuda:").replace("if interpreting() or", "if not interpreting() or")
+    src = src.replace("or not x.is_cuda:", "or x.is_cuda:").replace("if (interpreting() or", "if (not interpreting() or")
     if src.count("x.is_cuda:") != 1 or "not interpreting()" not in src:
         raise RuntimeError("checks._replayable changed: update this tool's inversion of its CUDA tests")
     scope = dict(vars(checks))
