@@ -138,3 +138,20 @@ def test_a_call_autograd_records_skips_the_custom_ops_own_kernel(device, monkeyp
     torch.testing.assert_close(lean, full, rtol=0, atol=0)
     for a, b in zip(lean_grads, full_grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_torch_func_transforms_keep_the_custom_op_s_own_kernel():
+    """Inside torch.func's transforms a call is not a plain recorded one: the Function of recorded calls would be
+    dispatched from inside an autograd kernel, which functorch cannot take."""
+    from tilegemm.core.torch_ops import grad_only_args
+
+    t = torch.randn(3, requires_grad=True)
+    assert grad_only_args((t,), (0,))
+    seen = []
+
+    def f(x):
+        seen.append(grad_only_args((x,), (0,)))
+        return (x * x).sum()
+
+    torch.func.grad(f)(torch.randn(3))
+    assert seen == [False]

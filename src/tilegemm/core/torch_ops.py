@@ -52,7 +52,8 @@ def grad_only_args(args: tuple, tensor_positions: tuple[int, ...]) -> bool:
     """True when autograd is the only thing that needs to see an op called with ``args`` (a call
     :func:`plain_args` refused): no tracer or mode, the tensors plain and on no meta device, whether or not they
     require a gradient."""
-    if dispatch_stack_depth() or function_mode_on() or torch.compiler.is_compiling() or jit_tracing():
+    if dispatch_stack_depth() or function_mode_on() or torch.compiler.is_compiling() or jit_tracing() \
+            or _functorch_level() is not None:  # (torch.func's transforms: the custom op's own kernel, as before)
         return False
     n = len(args)
     for i in tensor_positions:
@@ -61,6 +62,13 @@ def grad_only_args(args: tuple, tensor_positions: tuple[int, ...]) -> bool:
             if a is not None and (type(a) not in PLAIN_TENSOR_TYPES or a.is_meta):
                 return False
     return True
+
+
+try:
+    _functorch_level = torch._C._functorch.peek_interpreter_stack  # None outside torch.func's transforms
+except AttributeError:  # an older torch without it
+    def _functorch_level():
+        return None
 
 
 def _defaults(schema) -> tuple:
@@ -76,20 +84,23 @@ def recorded_call(fn, setup_context, backward, defaults: tuple):
     the custom op's own autograd kernel records for a call of plain tensors (torch's ``make_autograd_impl``)."""
     n_args = len(defaults)
 
-    def forward(ctx, *args):
+    def forward(*args):
         out = fn(*args)
         if isinstance(out, torch.Tensor):
-            out = own_storage(out)
-        elif out is not None:
+            return own_storage(out)
+        if out is not None:
             out = type(out)(own_storage(t) if isinstance(t, torch.Tensor) else t for t in out)
-        setup_context(ctx=ctx, inputs=args, output=out)
         return out
+
+    def setup(ctx, inputs, output):  # (a separate setup_context: what torch.func's transforms ask of a Function)
+        setup_context(ctx=ctx, inputs=inputs, output=output)
 
     def backward_(ctx, *grads):
         return backward(ctx, *grads)
 
     function = type("Recorded_" + getattr(fn, "__name__", "op"), (torch.autograd.Function,),
-                    {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+                    {"forward": staticmethod(forward), "setup_context": staticmethod(setup),
+                     "backward": staticmethod(backward_)})
     apply = function.apply
 
     def call(*args):
