@@ -104,6 +104,29 @@ def test_config_rule_takes_wide_tiles_where_they_fill_most_of_a_wave(monkeypatch
     assert not configs.frag_wgmma_config(32, 4096, 4096, "cuda")["PIPE"]
 
 
+def test_config_rule_launches_small_products_as_dependents(monkeypatch):
+    # up to FRAG_WGMMA_PDL_MAX_M rows the rule's launches are dependent launches (PDL) of the kernel ahead
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    from tilegemm.ops.w4a16 import frag_wgmma
+
+    for M in (1, 3, 16, 17, 32, 33, 64, 256):
+        cfg = configs.frag_wgmma_config(M, 4096, 4096, "cuda")
+        assert cfg.get("PDL", 0) == (configs.FRAG_WGMMA_PDL if M <= configs.FRAG_WGMMA_PDL_MAX_M else 0), M
+        x = torch.empty(M, 4096, dtype=torch.float16)
+        fw = torch.empty(256, 64, 32, 4, dtype=torch.int32)
+        fzs = torch.empty(32, 256, 8, 4, dtype=torch.float16)
+        _, _, _, kwargs = frag_wgmma.launch_args(x, fw, fzs, None, torch.empty(M, 4096, dtype=torch.float16),
+                                                 4096, 4096, 128, "none", cfg)
+        assert kwargs.get("launch_pdl", False) == bool(cfg.get("PDL")), M
+        assert kwargs.get("PDL", 0) == cfg.get("PDL", 0), M
+        # x read through perm (GATHER, by name) loads x from the first step: never a dependent launch
+        _, _, _, kwargs = frag_wgmma.launch_args(x, fw, fzs, None, torch.empty(M, 4096, dtype=torch.float16),
+                                                 4096, 4096, 128, "none", cfg, torch.arange(4096))
+        assert "launch_pdl" not in kwargs and "PDL" not in kwargs and kwargs["GATHER"]
+    monkeypatch.setattr(configs, "FRAG_WGMMA_PDL", 0)  # off: the launches as before
+    assert "PDL" not in configs.frag_wgmma_config(1, 4096, 4096, "cuda")
+
+
 def test_launch_args_name_what_they_cannot_take():
     from tilegemm.ops.w4a16 import frag_wgmma
 
@@ -137,6 +160,12 @@ def test_launch_args_name_what_they_cannot_take():
 _VARIANTS = {
     "m1-fp16-split": dict(dtype="float16", mnk=[1, 8192, 8192], bias=False, act="none",
                           cfg=dict(BM=8, RH=2, num_warps=4, STAGES=4, SPLIT_K=8, OVERLAP=False)),
+    # launched as a dependent (PDL): the wait for the kernel ahead, and the next kernel let in after the K loop
+    "m1-fp16-pdl": dict(dtype="float16", mnk=[1, 8192, 8192], bias=False, act="none",
+                        cfg=dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=8, OVERLAP=False, PDL=2)),
+    "m32-bf16-pairs-pdl-start": dict(dtype="bfloat16", mnk=[32, 4096, 4096], bias=True, act="silu",
+                                     cfg=dict(BM=32, RH=1, num_warps=4, STAGES=6, SPLIT_K=2, OVERLAP=False,
+                                              PAIRS=True, PDL=1)),
     "m1-fp16-pairs": dict(dtype="float16", mnk=[1, 8192, 8192], bias=False, act="none",
                           cfg=dict(BM=8, RH=1, num_warps=4, STAGES=6, SPLIT_K=8, OVERLAP=False, PAIRS=True)),
     "m16-bf16-g32-pairs": dict(dtype="bfloat16", mnk=[16, 4096, 4128], bias=True, act="silu", group=32,
@@ -178,6 +207,8 @@ def test_compiles_for_sm90_with_async_mma_and_copies(tmp_path):
         assert r["spills"] in ([], [0]), name
         assert r["shared"] <= SMEM, name
         assert r["group32"] == (_VARIANTS[name].get("group") == 32), name
+        pdl = _VARIANTS[name]["cfg"].get("PDL", 0)
+        assert sorted(r["gdc"]) == (["launch_dependents", "wait"] if pdl else []), name
         if _VARIANTS[name]["cfg"].get("PIPE"):
             # four call sites of four k16 wgmmas (the first step, two alternating, one left over); one group
             # left in flight by the waits between steps

@@ -93,7 +93,13 @@ def mma_config(M: int, N: int, K: int, device) -> dict:
 # - at BM = 32 (M 17 .. 32) the plain loop waits and synchronises once every two K steps (PAIRS) on a ring of 6:
 #   it won there on two fitting draws and held on the held-out one; at M <= 16 it lost (docs/w4a16.md,
 #   "frag_wgmma", PAIRS).
+# - up to FRAG_WGMMA_PDL_MAX_M rows, launched as a programmatic dependent launch (PDL): a program copies its first
+#   steps' weight words and loads its first scales, then waits for the kernel ahead (griddepcontrol.wait) before
+#   it reads x, and lets the next kernel launch once its K loop is done (FRAG_WGMMA_PDL = 2): the weight stream
+#   starts under the tail of the kernel ahead; measured in docs/w4a16.md, "Dependent launches".
 FRAG_WGMMA_PROGRAMS_PER_SM = (8, 4, 1)  # BM <= 16, <= 64, above
+FRAG_WGMMA_PDL_MAX_M = 32
+FRAG_WGMMA_PDL = 2  # 1: the next kernel let in at the program's start; 2: after its K loop
 FRAG_WGMMA_PAIRS_BM = 32
 FRAG_WGMMA_PAIRS_STAGES = 6
 FRAG_WGMMA_OVERLAP_M = 64
@@ -124,7 +130,9 @@ def frag_wgmma_config(M: int, N: int, K: int, device, gather: bool = False) -> d
     tiles = _cdiv(N, 16 * rh * warps) * _cdiv(M, bm)
     per_sm = FRAG_WGMMA_PROGRAMS_PER_SM[0 if bm <= 16 else 1 if bm <= 64 else 2]
     split = split_within(tiles, _cdiv(K, 64), per_sm * sms, 8)
+    # (GATHER reads x from its first step: no PDL there)
+    pdl = dict(PDL=FRAG_WGMMA_PDL) if M <= FRAG_WGMMA_PDL_MAX_M and FRAG_WGMMA_PDL and not gather else {}
     if bm == FRAG_WGMMA_PAIRS_BM and not pipe and not gather:
         return dict(BM=bm, RH=rh, num_warps=warps, STAGES=FRAG_WGMMA_PAIRS_STAGES, SPLIT_K=split, OVERLAP=False,
-                    PIPE=False, PAIRS=True)
-    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=4, SPLIT_K=split, OVERLAP=pipe, PIPE=pipe)
+                    PIPE=False, PAIRS=True, **pdl)
+    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=4, SPLIT_K=split, OVERLAP=pipe, PIPE=pipe, **pdl)
