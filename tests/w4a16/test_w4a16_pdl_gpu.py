@@ -1,5 +1,6 @@
 """Dependent launches (PDL) on the GPU: ``frag_wgmma`` at small M copies its first weight words before it waits for
-the kernel ahead, and act-order's gather lets the product in at once. Chains where each product reads the one
+the kernel ahead (the shipped rule: only on x that act-order's gather just wrote, which lets it in at once; here
+every small product, to test the launches). Chains where each product reads the one
 before (torch's ops between; Inductor's kernels launched as dependents too) must give, captured into a CUDA graph
 and replayed on new inputs, the bits of the same chain run eagerly without PDL."""
 
@@ -17,8 +18,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def pdl_mode(monkeypatch):
+    """Every small product a dependent launch (mode 1 or 2), or none (0)."""
     def set_mode(mode: int) -> None:
         monkeypatch.setattr(configs, "FRAG_WGMMA_PDL", mode)
+        monkeypatch.setattr(configs, "FRAG_WGMMA_PDL_CALLS", "all")
         replay.clear()
     yield set_mode
     replay.clear()

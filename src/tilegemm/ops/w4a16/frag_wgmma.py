@@ -638,7 +638,7 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
 def run(p: W4A16Problem, cfg: dict | None = None) -> None:
     if p.fweight is None:
         raise ValueError("the frag_wgmma kernel needs the weight's fragment layout (Int4Weight.fragments())")
-    cfg = cfg or frag_wgmma_config(p.M, p.N, p.K, p.x.device, gather=p.perm is not None)
+    cfg = cfg or frag_wgmma_config(p.M, p.N, p.K, p.x.device, gather=p.perm is not None, gathered=p.gathered)
     # 16-byte copies need rows 16-byte aligned: copy x if they are not, its start included (a launch on the copy
     # is not replayed: the copy is no tensor of the call). A gathered x (act-order) is read element by element.
     x = p.x if p.perm is not None or p.x.stride(0) % 8 == 0 and p.x.data_ptr() % 16 == 0 else \
