@@ -75,6 +75,7 @@ def decode(args, report) -> None:
                 ref.capture()
                 row["fp16_ms"] = time_graph(ref.cuda_graph, args.replays, args.rounds)
                 want = ref.next_logits().float().clone()
+                row["fp16_equal_replays"] = torch.equal(ref.next_logits().float(), want)  # is the fp16 step repeatable?
                 dec = llama.Decoder(int4, batch, P + 1, "cuda", graph=True, compiled=True, repeat=True)
                 dec.prefill(prompt)
                 dec.ids.copy_(ref.ids)

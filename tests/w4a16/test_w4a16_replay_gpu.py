@@ -85,7 +85,9 @@ def test_back_to_back_replays_keep_their_weights_apart(dequant_launches):
     assert dequant_launches == [M]
 
 
-def test_replays_inside_a_cuda_graph_capture(dequant_launches):
+def test_a_cuda_graph_capture_takes_the_calls_own_path(dequant_launches):
+    # a capture never replays a recorded call (core/replay.py: the path's workspaces are marked as the graph's);
+    # the captured launches then replay right with new inputs
     N, K, M = 1280, 1152, 4096
     w = weight(N, K)
     bias = torch.randn(N, dtype=torch.float16, device="cuda")
@@ -99,7 +101,7 @@ def test_replays_inside_a_cuda_graph_capture(dequant_launches):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = w4a16.matmul(x, w, bias=bias, activation="relu", kernel="dequant_cublas")
-    assert dequant_launches == [M], "the captured call must be a replay"
+    assert dequant_launches == [M, M], "the captured call launches afresh, not from the recorded replay"
     for _ in range(2):
         x.copy_(torch.randn(M, K, dtype=torch.float16, device="cuda"))
         graph.replay()
