@@ -104,61 +104,6 @@ def test_config_rule_takes_wide_tiles_where_they_fill_most_of_a_wave(monkeypatch
     assert not configs.frag_wgmma_config(32, 4096, 4096, "cuda")["PIPE"]
 
 
-def test_config_rule_launches_small_products_on_a_gathered_x_as_dependents(monkeypatch):
-    # a product on x that act-order's gather just wrote, up to FRAG_WGMMA_PDL_MAX_M rows, is a dependent launch
-    # (PDL) of the gather; other products launch as before unless every product is asked to ("all")
-    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
-    from tilegemm.ops.w4a16 import frag_wgmma
-
-    def pdl(M, **kw):
-        return configs.frag_wgmma_config(M, 4096, 4096, "cuda", **kw).get("PDL", 0)
-
-    for M in (1, 3, 16, 17, 32, 33, 64, 256):
-        small = M <= configs.FRAG_WGMMA_PDL_MAX_M
-        assert pdl(M, gathered=True) == (configs.FRAG_WGMMA_PDL if small else 0), M
-        assert pdl(M) == 0 and pdl(M, gather=True, gathered=True) == 0, M  # (GATHER reads x from its first step)
-        cfg = configs.frag_wgmma_config(M, 4096, 4096, "cuda", gathered=True)
-        x = torch.empty(M, 4096, dtype=torch.float16)
-        fw = torch.empty(256, 64, 32, 4, dtype=torch.int32)
-        fzs = torch.empty(32, 256, 8, 4, dtype=torch.float16)
-        _, _, _, kwargs = frag_wgmma.launch_args(x, fw, fzs, None, torch.empty(M, 4096, dtype=torch.float16),
-                                                 4096, 4096, 128, "none", cfg)
-        assert kwargs.get("launch_pdl", False) == small and kwargs.get("PDL", 0) == cfg.get("PDL", 0), M
-        # x read through perm (GATHER, by name) loads x from the first step: never a dependent launch
-        _, _, _, kwargs = frag_wgmma.launch_args(x, fw, fzs, None, torch.empty(M, 4096, dtype=torch.float16),
-                                                 4096, 4096, 128, "none", cfg, torch.arange(4096))
-        assert "launch_pdl" not in kwargs and "PDL" not in kwargs and kwargs["GATHER"]
-    monkeypatch.setattr(configs, "FRAG_WGMMA_PDL_CALLS", "all")
-    assert pdl(1) == configs.FRAG_WGMMA_PDL and pdl(64) == 0
-    monkeypatch.setattr(configs, "FRAG_WGMMA_PDL_CALLS", "none")
-    assert pdl(1, gathered=True) == 0
-
-
-def test_products_on_a_gathered_x_are_marked_so(monkeypatch):
-    # the call's route tells the launcher that x is the gather's output: api.matmul's plain call and the op with perm
-    seen = []
-    from tilegemm.ops.w4a16 import dispatch as d
-
-    real = d.launcher
-
-    def spy(name):
-        run = real(name)
-
-        def wrapped(p):
-            seen.append((p.perm is None, p.gathered))
-            return run(p)
-        return wrapped
-    monkeypatch.setattr(d, "launcher", spy)
-    w = w4a16.quantize(torch.randn(64, 256, dtype=torch.float16), 128)
-    wp = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape, perm=torch.randperm(256))
-    x = torch.randn(3, 256, dtype=torch.float16)
-    w4a16.matmul(x, w, kernel="mma")
-    w4a16.matmul(x, wp, kernel="mma")
-    torch.ops.tilegemm.w4a16_matmul(x, wp.qweight, wp.scales, wp.zeros, None, None, None, wp.group_k, "none", "mma",
-                                    wp.perm)
-    assert seen == [(True, False), (True, True), (True, True)]
-
-
 def test_launch_args_name_what_they_cannot_take():
     from tilegemm.ops.w4a16 import frag_wgmma
 
@@ -192,12 +137,6 @@ def test_launch_args_name_what_they_cannot_take():
 _VARIANTS = {
     "m1-fp16-split": dict(dtype="float16", mnk=[1, 8192, 8192], bias=False, act="none",
                           cfg=dict(BM=8, RH=2, num_warps=4, STAGES=4, SPLIT_K=8, OVERLAP=False)),
-    # launched as a dependent (PDL): the wait for the kernel ahead, and the next kernel let in after the K loop
-    "m1-fp16-pdl": dict(dtype="float16", mnk=[1, 8192, 8192], bias=False, act="none",
-                        cfg=dict(BM=8, RH=1, num_warps=4, STAGES=4, SPLIT_K=8, OVERLAP=False, PDL=2)),
-    "m32-bf16-pairs-pdl-start": dict(dtype="bfloat16", mnk=[32, 4096, 4096], bias=True, act="silu",
-                                     cfg=dict(BM=32, RH=1, num_warps=4, STAGES=6, SPLIT_K=2, OVERLAP=False,
-                                              PAIRS=True, PDL=1)),
     "m1-fp16-pairs": dict(dtype="float16", mnk=[1, 8192, 8192], bias=False, act="none",
                           cfg=dict(BM=8, RH=1, num_warps=4, STAGES=6, SPLIT_K=8, OVERLAP=False, PAIRS=True)),
     "m16-bf16-g32-pairs": dict(dtype="bfloat16", mnk=[16, 4096, 4128], bias=True, act="silu", group=32,
@@ -239,8 +178,6 @@ def test_compiles_for_sm90_with_async_mma_and_copies(tmp_path):
         assert r["spills"] in ([], [0]), name
         assert r["shared"] <= SMEM, name
         assert r["group32"] == (_VARIANTS[name].get("group") == 32), name
-        pdl = _VARIANTS[name]["cfg"].get("PDL", 0)
-        assert sorted(r["gdc"]) == (["launch_dependents", "wait"] if pdl else []), name
         if _VARIANTS[name]["cfg"].get("PIPE"):
             # four call sites of four k16 wgmmas (the first step, two alternating, one left over); one group
             # left in flight by the waits between steps

@@ -90,7 +90,6 @@ _SCRIPT = SM90 + textwrap.dedent(
             scalar_loads=len(re.findall(r"ld\\.global(?:\\.[a-z0-9]+)*\\.b16", ptx)),
             registers=[int(n) for n in re.findall(r"Used (\\d+) registers", info)],
             serialized="serialized" in info,
-            gdc=re.findall(r"griddepcontrol\\.(\\w+)", ptx),
             spills=[int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)],
         )
     print(json.dumps(report))

@@ -65,22 +65,20 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     if x2 is None:
         x2 = _rows(x)
     plain = plain_call(x2, bias)
-    gathered = xr is not None  # x reordered by the gather's replay just now
     if perm is not None and xr is None:
         if not plain:  # autograd, a tracer or a mode sees the reorder (and the gradient goes back through it)
             xr = x2.index_select(1, perm)
         elif key is None:
-            xr, gathered = _reordered(x2, perm), True
+            xr = _reordered(x2, perm)
         else:  # recorded as its own replay: the same route, eager or captured into a CUDA graph
             with op.REORDERS.recording(key, (x2, perm)) as kept:
-                xr, gathered = kept(_reordered(x2, perm)), True
+                xr = kept(_reordered(x2, perm))
     if xr is not None:
         x2 = xr
     # The fragment layout goes along when a fragment kernel is asked for, or may be chosen by auto.
     fweight, fzs = w.fragments() if dispatch.wants_frag(kernel, x2, w) else (None, None)
     p = W4A16Problem(x=x2, qweight=w.qweight, scales=w.scales, zeros=w.zeros, bias=bias, out=None,
-                     group_k=w.group_k, activation=activation, fweight=fweight, fzs=fzs, kernel=kernel,
-                     gathered=gathered)
+                     group_k=w.group_k, activation=activation, fweight=fweight, fzs=fzs, kernel=kernel)
     # Dispatch through torch.ops costs tens of microseconds of host time, more than an M=1 kernel; a call that
     # no tracer, mode or autograd needs to see skips it (as tilegemm.matmul does).
     if not plain:

@@ -93,15 +93,7 @@ def mma_config(M: int, N: int, K: int, device) -> dict:
 # - at BM = 32 (M 17 .. 32) the plain loop waits and synchronises once every two K steps (PAIRS) on a ring of 6:
 #   it won there on two fitting draws and held on the held-out one; at M <= 16 it lost (docs/w4a16.md,
 #   "frag_wgmma", PAIRS).
-# - a product on x that act-order's gather has just written, up to FRAG_WGMMA_PDL_MAX_M rows, is launched as a
-#   programmatic dependent launch (PDL) of the gather: a program copies its first steps' weight words and loads its
-#   first scales, then waits for the gather (griddepcontrol.wait) before it reads x, so the weight stream starts
-#   while the gather runs. Every small product launched so (FRAG_WGMMA_PDL_CALLS = "all") ran faster back to back
-#   but not in a compiled decode step: docs/w4a16.md, "Dependent launches".
 FRAG_WGMMA_PROGRAMS_PER_SM = (8, 4, 1)  # BM <= 16, <= 64, above
-FRAG_WGMMA_PDL_MAX_M = 32
-FRAG_WGMMA_PDL = 2  # 1: the next kernel let in at the program's start; 2: after its K loop
-FRAG_WGMMA_PDL_CALLS = "gathered"  # which products launch as dependents: "gathered", "all" or "none"
 FRAG_WGMMA_PAIRS_BM = 32
 FRAG_WGMMA_PAIRS_STAGES = 6
 FRAG_WGMMA_OVERLAP_M = 64
@@ -109,10 +101,9 @@ FRAG_WGMMA_WIDE_TILES = 0.65  # share of a wave: BM = 256 from here
 FRAG_WGMMA_ROWS128_TILES = 0.4  # share of a wave the 128-row tiles make for the 8-warp rule at M <= 128
 
 
-def frag_wgmma_config(M: int, N: int, K: int, device, gather: bool = False, gathered: bool = False) -> dict:
+def frag_wgmma_config(M: int, N: int, K: int, device, gather: bool = False) -> dict:
     """``gather``: act-order, x's tile gathered through registers (GATHER): one row tile a warp where PIPE is on
-    and x's rows at most 128 a program (more spill in sm_90's compile: docs/w4a16.md, "Act-order").
-    ``gathered``: x was just written by act-order's gather (the launch may be its dependent, ``PDL``)."""
+    and x's rows at most 128 a program (more spill in sm_90's compile: docs/w4a16.md, "Act-order")."""
     sms = sm_count(device)
     pipe = M >= FRAG_WGMMA_OVERLAP_M
     if M > 64 and (M > 128 or _cdiv(N, 128) >= FRAG_WGMMA_ROWS128_TILES * sms):
@@ -133,11 +124,7 @@ def frag_wgmma_config(M: int, N: int, K: int, device, gather: bool = False, gath
     tiles = _cdiv(N, 16 * rh * warps) * _cdiv(M, bm)
     per_sm = FRAG_WGMMA_PROGRAMS_PER_SM[0 if bm <= 16 else 1 if bm <= 64 else 2]
     split = split_within(tiles, _cdiv(K, 64), per_sm * sms, 8)
-    # (GATHER reads x from its first step: no PDL there)
-    dependent = FRAG_WGMMA_PDL_CALLS == "all" or FRAG_WGMMA_PDL_CALLS == "gathered" and gathered
-    pdl = dict(PDL=FRAG_WGMMA_PDL) if dependent and M <= FRAG_WGMMA_PDL_MAX_M and FRAG_WGMMA_PDL and not gather \
-        else {}
     if bm == FRAG_WGMMA_PAIRS_BM and not pipe and not gather:
         return dict(BM=bm, RH=rh, num_warps=warps, STAGES=FRAG_WGMMA_PAIRS_STAGES, SPLIT_K=split, OVERLAP=False,
-                    PIPE=False, PAIRS=True, **pdl)
-    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=4, SPLIT_K=split, OVERLAP=pipe, PIPE=pipe, **pdl)
+                    PIPE=False, PAIRS=True)
+    return dict(BM=bm, RH=rh, num_warps=warps, STAGES=4, SPLIT_K=split, OVERLAP=pipe, PIPE=pipe)

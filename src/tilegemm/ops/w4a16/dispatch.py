@@ -95,18 +95,18 @@ def forward(p: W4A16Problem) -> torch.Tensor:
     if p.x.shape[1] == 0:  # K = 0: the product is zero, as torch's (Linear(0, N) returns its bias)
         pre = torch.zeros(p.N, device=p.x.device) if p.bias is None else p.bias.float()
         return out.copy_(torch_activation(pre, p.activation).to(out.dtype).expand(p.M, p.N))
-    kernel, perm, gathered = kernel_for(p), p.perm, p.gathered
+    kernel, perm = kernel_for(p), p.perm
     if perm is not None and not gathers(p):  # x's inputs reordered first (see GATHER_KERNELS), any strides
         from tilegemm.ops.w4a16.reorder import reorder_columns  # (a kernel module: imported when first needed)
 
         with on_device(p.x.device):
-            x, perm, gathered = reorder_columns(p.x, perm), None, True
+            x, perm = reorder_columns(p.x, perm), None
     else:
         x = p.x if p.x.stride(-1) == 1 else p.x.contiguous()
     p = W4A16Problem(x=x, qweight=p.qweight, scales=p.scales, zeros=p.zeros, bias=p.bias, out=out,
                      group_k=p.group_k, activation=p.activation,
                      upcast=x.dtype == torch.bfloat16 and interpreting(), fweight=p.fweight, fzs=p.fzs,
-                     kernel=p.kernel, perm=perm, gathered=gathered)
+                     kernel=p.kernel, perm=perm)
     with on_device(x.device):
         launcher(kernel)(p)
     return out

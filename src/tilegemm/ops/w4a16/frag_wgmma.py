@@ -166,20 +166,14 @@ def _a_tile(w, za, zb, sa, sb, RHT: gl.constexpr, KH: gl.constexpr, A_LAYOUT: gl
 
 @gluon.jit
 def _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, step, k_first, k_end, K,
-           STAGES: gl.constexpr, EVEN_K: gl.constexpr, perm_ptr, xr, pr, GATHER: gl.constexpr,
-           PART: gl.constexpr = 0):
+           STAGES: gl.constexpr, EVEN_K: gl.constexpr, perm_ptr, xr, pr, GATHER: gl.constexpr):
     """cp.async the x tile and weight words of K step ``step`` (counted from the slice's first) into its slot;
     nothing past the slice, zeros past K and past M. GATHER (act-order): x's tile is ``xr``, gathered one issue
     earlier, stored to the slot; then the next step's tile is gathered through ``pr`` (its perm slice) and the
-    perm slice of the step after is loaded: both arrive while this step's work runs (returned: the new xr, pr).
-    PART (PDL's first steps): 1 copies the weight words only, uncommitted (they join the next commit group);
-    2 the x tile only, then commits."""
+    perm slice of the step after is loaded: both arrive while this step's work runs (returned: the new xr, pr)."""
     k0 = k_first + step * 64
     live = k0 < k_end
     slot = step % STAGES
-    if PART == 1:
-        async_copy.async_copy_global_to_shared(w_bufs.index(slot), wf_ptr + w_offs + step * 128, mask=live)
-        return xr, pr
     if GATHER:
         # Stored first, then the next tile's loads: one tile of registers live (issuing the loads before the
         # store, to overlap the ring's first issues, took more registers: docs/w4a16.md, "Act-order")
@@ -195,8 +189,7 @@ def _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, step, k_firs
             # copy
             x_mask = x_ok & live & (k0 + gl.expand_dims(kk // 8 * 8, 0) < K)
         async_copy.async_copy_global_to_shared(x_bufs.index(slot), x_ptr + x_offs + k0, mask=x_mask)
-    if PART == 0:
-        async_copy.async_copy_global_to_shared(w_bufs.index(slot), wf_ptr + w_offs + step * 128, mask=live)
+    async_copy.async_copy_global_to_shared(w_bufs.index(slot), wf_ptr + w_offs + step * 128, mask=live)
     async_copy.commit_group()
     return xr, pr
 
@@ -219,13 +212,6 @@ def _gather_x(x_ptr, x_rows, x_ok, kk, pr, k0, k_end, K):
     past the slice, K and M (the padded weights are zero, but 0 * NaN is not)."""
     ok = x_ok & gl.expand_dims((k0 + kk < k_end) & (k0 + kk < K), 0)
     return gl.load(x_ptr + x_rows + gl.expand_dims(pr, 0), mask=ok, other=0.0)
-
-
-@gluon.jit
-def _gdc(instr: gl.constexpr):
-    """A grid dependency control instruction (``griddepcontrol.wait`` / ``.launch_dependents``): no effect on a
-    launch without programmatic dependent launch."""
-    gl.inline_asm_elementwise(instr + " // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -386,14 +372,8 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
                       EVEN_K: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr,
                       ACTIVATION: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
                       num_warps: gl.constexpr, GROUP32: gl.constexpr = False, perm_ptr=None,
-                      GATHER: gl.constexpr = False, PAIRS: gl.constexpr = False, PDL: gl.constexpr = 0):
+                      GATHER: gl.constexpr = False, PAIRS: gl.constexpr = False):
     RHT: gl.constexpr = num_warps * RH  # 16-row tiles of weights
-    if PDL == 1:
-        # Launched with programmatic dependent launch: the next kernel in the stream may start once every
-        # program has begun (it waits for this grid before reading anything), and this one reads what does not
-        # change between kernels (weights, scales) before waiting for the kernel ahead of it (docs/w4a16.md,
-        # "Dependent launches"); PDL == 2 lets the next kernel start once every program's K loop is done
-        _gdc("griddepcontrol.launch_dependents;")
     BN: gl.constexpr = 16 * RHT
     dt: gl.constexpr = x_ptr.dtype.element_ty
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -441,29 +421,14 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
     else:
         xr = 0
         pr = 0
-    if PDL:
-        # the first steps' weights and the first group's scales, then the wait, then x: one commit group a step
-        # as without PDL (the first holds every early step's weights)
-        for i in gl.static_range(STAGES - 2 if PAIRS else STAGES - 1):
-            xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, i, k_first, k_end, K, STAGES,
-                            EVEN_K, perm_ptr, xr, pr, GATHER, 1)
-        zs_row, za, zb, sa, sb, zz, ss = _zs_start(zs_ptr, t0, i2, N16, k_first // group_k, group_k, k_end, RHT,
-                                                   ql, GROUP32, num_warps)
-        _gdc("griddepcontrol.wait;")
-        for i in gl.static_range(STAGES - 2 if PAIRS else STAGES - 1):
-            xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, i, k_first, k_end, K, STAGES,
-                            EVEN_K, perm_ptr, xr, pr, GATHER, 2)
-    else:
-        for i in gl.static_range(STAGES - 2 if PAIRS else STAGES - 1):
-            xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, i, k_first, k_end, K, STAGES,
-                            EVEN_K, perm_ptr, xr, pr, GATHER)
+    for i in gl.static_range(STAGES - 2 if PAIRS else STAGES - 1):
+        xr, pr = _issue(x_ptr, x_offs, x_ok, kk, wf_ptr, w_offs, x_bufs, w_bufs, i, k_first, k_end, K, STAGES,
+                        EVEN_K, perm_ptr, xr, pr, GATHER)
 
     group_steps = group_k // 64
     left = 0
     g = k_first // group_k
-    if not PDL:
-        zs_row, za, zb, sa, sb, zz, ss = _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT, ql, GROUP32,
-                                                   num_warps)
+    zs_row, za, zb, sa, sb, zz, ss = _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT, ql, GROUP32, num_warps)
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
     if PIPE:
         # Two MMA groups in flight: step t's MMA is issued before step t - 1's is retired, so the tensor cores
@@ -538,8 +503,6 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
                 za, zb, sa, sb, zz, ss, left, g, k_first, k_end, K, group_k, group_steps, ql, a_l, RHT,
                 STAGES, EVEN_K, BF16, GROUP32, perm_ptr, xr, pr, GATHER)
     async_copy.wait_group(0)
-    if PDL == 2:
-        _gdc("griddepcontrol.launch_dependents;")
 
     nn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
     om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
@@ -630,15 +593,13 @@ def launch_args(x, fw, fzs, bias, out, N: int, K: int, group_k: int, activation:
         kwargs["PAIRS"] = True
     if perm is not None:  # named only for act-order launches (gathered x: element loads, no 16-byte alignment)
         kwargs["perm_ptr"], kwargs["GATHER"] = perm, True
-    elif cfg.get("PDL"):  # named only where on; act-order launches read x from the first step
-        kwargs["PDL"], kwargs["launch_pdl"] = int(cfg["PDL"]), True
     return frag_wgmma_kernel, (tiles_n, tiles_m, split), args, kwargs
 
 
 def run(p: W4A16Problem, cfg: dict | None = None) -> None:
     if p.fweight is None:
         raise ValueError("the frag_wgmma kernel needs the weight's fragment layout (Int4Weight.fragments())")
-    cfg = cfg or frag_wgmma_config(p.M, p.N, p.K, p.x.device, gather=p.perm is not None, gathered=p.gathered)
+    cfg = cfg or frag_wgmma_config(p.M, p.N, p.K, p.x.device, gather=p.perm is not None)
     # 16-byte copies need rows 16-byte aligned: copy x if they are not, its start included (a launch on the copy
     # is not replayed: the copy is no tensor of the call). A gathered x (act-order) is read element by element.
     x = p.x if p.perm is not None or p.x.stride(0) % 8 == 0 and p.x.data_ptr() % 16 == 0 else \

@@ -31,7 +31,6 @@ class W4A16Problem:
     fzs: torch.Tensor | None = None
     kernel: str = "auto"  # the kernel asked for
     perm: torch.Tensor | None = None  # act-order: x's inputs in the weight's stored order, int [K]; None: x is so
-    gathered: bool = False  # x was just written by act-order's gather (reorder.py): the product may be its dependent
 
     @property
     def M(self) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core.launch import launch
-from tilegemm.core.runtime import cdiv, ensure_backend, interpreting, new_output
+from tilegemm.core.runtime import cdiv, ensure_backend, new_output
 
 ensure_backend()
 
@@ -33,15 +33,11 @@ WARPS = 4
 
 @triton.jit
 def reorder_kernel(x_ptr, perm_ptr, out_ptr, M, K, stride_xm, stride_xk, stride_p, stride_om, blocks_k, chunks,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False):
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[m, j] = x[m, perm[j]]`` over this program's block of rows and ``chunks`` consecutive blocks of
     columns: perm's slice loaded a block at a time, x's elements gathered (2-byte loads, cached: later chunks find
     the row's sectors in L1), each output row's slice stored contiguously (16-byte stores where out's rows are
-    16-byte aligned, K a multiple of 8). One flat grid axis: no limit on M from the grid. LAUNCH_DEPENDENTS (Hopper):
-    the product that follows, launched as a dependent (PDL), may start at once: it copies its weights and then
-    waits for this grid to finish before it reads the reordered x."""
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
+    16-byte aligned, K a multiple of 8). One flat grid axis: no limit on M from the grid."""
     pid = tl.program_id(0)
     groups_k = tl.cdiv(blocks_k, chunks)
     pid_m, pid_g = pid // groups_k, pid % groups_k
@@ -67,16 +63,6 @@ def gather_grid(M: int, K: int, sms: int) -> tuple[int, int, int, int]:
     return block_k, blocks_k, chunks, M * cdiv(blocks_k, chunks)
 
 
-def _dependents_may_launch(device: torch.device) -> bool:
-    """Whether the gather lets a dependent launch in early: on Hopper and later (``griddepcontrol``), never under
-    the interpreter."""
-    if device.type != "cuda" or interpreting():
-        return False
-    import torch
-
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def reorder_columns(x2: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """``x2.index_select(1, perm)`` for 2-D ``x2`` (any strides) and 1-D integer ``perm`` of x2's width (any
     stride), as a new contiguous tensor written by :func:`reorder_kernel` (no launch when it is empty). Called by
@@ -91,10 +77,7 @@ def reorder_columns(x2: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     from tilegemm.core.hardware import sm_count
 
     block_k, blocks_k, chunks, programs = gather_grid(M, K, sm_count(x2.device))
-    kwargs = dict(BLOCK_M=1, BLOCK_K=block_k, num_warps=WARPS)
-    if _dependents_may_launch(x2.device):  # named only there, so the other launches compile as before
-        kwargs["LAUNCH_DEPENDENTS"] = True
     launch(reorder_kernel, (programs,),
            (x2, perm, out, M, K, x2.stride(0), x2.stride(1), perm.stride(0), out.stride(0), blocks_k, chunks),
-           kwargs)
+           dict(BLOCK_M=1, BLOCK_K=block_k, num_warps=WARPS))
     return out
