@@ -17,7 +17,7 @@ configs.sm_count = tma.sm_count = lambda device: 132  # an H200's, so decode pro
 tma.why_not_tma = lambda: None  # (no GPU here: the kernel is compiled for the H200's sm_90)
 
 
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP", "ONE_GROUP", "B_NK", "STAGES")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP", "ONE_GROUP", "B_NK", "STAGES", "TAIL_SPLIT")
 configs_of = {}  # each compiled problem's launch config
 ptx_of = {}
 
@@ -120,6 +120,12 @@ for name, args, kw in (
     ("tma_bf16_half_tile", (torch.bfloat16, 1024, 4096, 14336, 8, True), {}),
 ):
     results[name] = tma_experts(name, *args, **kw)
+# its tail split (a candidate, configs.TMA_TAIL_SPLIT): Mixtral's down projection at 4096 and 512 tokens
+configs.TMA_TAIL_SPLIT = 4
+for name, args in (("tma_bf16_tail_split", (torch.bfloat16, 8192, 4096, 14336, 8, True)),
+                   ("tma_fp16_half_tile_tail_split", (torch.float16, 1024, 4096, 14336, 8, True))):
+    results[name] = tma_experts(name, *args)
+configs.TMA_TAIL_SPLIT = 1
 
 
 # kernel dequant_grouped's pass: Mixtral's gate/up weight, a whole and a slice of the gated rows

@@ -55,7 +55,7 @@ def test_int4_variants(counts, kernel, swap, one_group):
 
 
 TMA = ["tma_bf16_b_nk", "tma_fp16_b_kn", "tma_bf16_gated", "tma_fp16_gated_b_kn", "tma_bf16_bias",
-       "tma_bf16_half_tile"]
+       "tma_bf16_half_tile", "tma_bf16_tail_split", "tma_fp16_half_tile_tail_split"]
 
 
 @pytest.mark.parametrize("kernel", TMA)
@@ -89,6 +89,17 @@ def test_tma_half_tile_config(counts):
 
     cfg = counts["configs"]["tma_bf16_half_tile"]
     assert cfg["BLOCK_M"] == configs.TMA_HALF_TILE["BLOCK_M"] and cfg["STAGES"] == configs.TMA_HALF_TILE["num_stages"]
+
+
+@pytest.mark.parametrize("kernel, split", [("tma_bf16_b_nk", False), ("tma_bf16_half_tile", False),
+                                           ("tma_bf16_tail_split", True), ("tma_fp16_half_tile_tail_split", True)])
+def test_tma_tail_split(counts, kernel, split):
+    # off in the shipped configs (no atomic, no workspace traffic); the candidate's slices meet through one acq_rel
+    # arrival a unit and fp32 partial tiles, the accumulator kept in registers (no spills: test above)
+    cfg, ops = counts["configs"][kernel], counts[kernel]
+    assert (cfg["TAIL_SPLIT"] > 1) == split, cfg
+    assert any(op.startswith("atom.global.gpu.acq_rel") for op in ops) == split, ops
+    assert any(op.startswith("ld.global.cg") for op in ops) == split, ops
 
 
 @pytest.mark.parametrize("kernel", ["dequant_pass_fp16", "dequant_pass_bf16_slice"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tilegemm.core import registry
-from tilegemm.ops.grouped import dispatch
+from tilegemm.ops.grouped import configs, dispatch
 from tilegemm.ops.grouped.configs import row_tiles
 from tilegemm.ops.grouped.problem import make_problem
 
@@ -78,8 +78,9 @@ def test_plan_random_routings():
         assert plan_of(ends, M, bm) == walk(ends, M, bm), (sizes, M, bm)
 
 
-def problem(dtype=torch.bfloat16, b_nk=True, bias=None, activation="none", gated=False, out_dtype=None, K=256, N=512):
-    G, M = 4, 300
+def problem(dtype=torch.bfloat16, b_nk=True, bias=None, activation="none", gated=False, out_dtype=None, K=256, N=512,
+            M=300):
+    G = 4
     a = torch.empty(M, K, dtype=dtype)
     width = 2 * N if gated else N
     b = torch.empty(G, width, K, dtype=dtype).transpose(1, 2) if b_nk else torch.empty(G, K, width, dtype=dtype)
@@ -138,6 +139,26 @@ def test_auto_rule(monkeypatch):
     assert choose(4 * 256 - 1) == "tma"
     assert choose(4 * 1024, gated=True) == "tma"
     assert choose(4 * 16) == "tiled"
+
+
+def test_candidate_knobs(monkeypatch):
+    # knobs of tools/grouped_rule_candidates.py, read when a call runs: GLUON_FORWARD (off: tma takes the products
+    # gluon would) and configs.GLUON_BLOCK (the tile config() takes, the ring still by K)
+    monkeypatch.setattr(dispatch, "takes_gluon", lambda p: not p.gated)
+    monkeypatch.setattr(dispatch, "takes_tma", lambda p: True)
+    p = problem(K=4096, M=4 * 1024)  # 1024 rows an expert on average
+    assert dispatch.GLUON_FORWARD is True and dispatch.choose(p) == "gluon"
+    monkeypatch.setattr(dispatch, "GLUON_FORWARD", False)
+    assert dispatch.choose(p) == "tma"
+    assert configs.GLUON_BLOCK == (128, 256)
+    assert (gluon.config(p)["BLOCK_M"], gluon.config(p)["BLOCK_N"], gluon.config(p)["SHARED_OUT"]) == (128, 256, True)
+    monkeypatch.setattr(configs, "GLUON_BLOCK", (256, 128))
+    for K, shared in ((4096, True), (256, False)):
+        cfg = gluon.config(problem(K=K))
+        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SHARED_OUT"]) == (256, 128, shared), cfg
+        assert cfg in gluon.configs()
+    monkeypatch.setattr(configs, "GLUON_BLOCK", (64, 64))  # no such tile: the table's first of the ring kind
+    assert gluon.config(problem(K=4096)) == gluon.configs()[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto without an sm_90 GPU (the GPU tests pin it there)")

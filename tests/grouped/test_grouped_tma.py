@@ -195,6 +195,84 @@ def test_programs_per_sm_walks_units_with_a_stride(device):
                                                                       GROUP_M=2, PROGRAMS_PER_SM=0))
 
 
+# --- the tail split (TAIL_SPLIT, a candidate: configs.TMA_TAIL_SPLIT) ----------------------------------------------
+
+
+@pytest.mark.parametrize("live, k_steps, programs, split_max, want", [
+    (69 * 16, 224, 132, 4, (1056, 48, 2, 112)),  # Mixtral's down projection at 4096 tokens, 128 x 256 tiles
+    (20 * 16, 224, 132, 4, (264, 56, 2, 112)),  # at 512 tokens, 64-row tiles
+    (260 * 16, 224, 132, 4, (4092, 68, 1, 224)),  # at 16384: the last wave over half full, nothing cut
+    (10, 224, 132, 4, (0, 10, 4, 56)),  # fewer units than programs: all of them cut, at most split_max ways
+    (40, 12, 132, 4, (0, 40, 1, 12)),  # slices would keep under TMA_TAIL_MIN_STEPS steps: none cut
+    (264, 224, 132, 4, (264, 0, 4, 56)),  # whole waves: nothing left to cut (no item is sliced)
+])
+def test_tail_plan(live, k_steps, programs, split_max, want):
+    assert configs.tail_plan(live, k_steps, programs, split_max, 8) == want
+
+
+def _tail_units(sizes, N, bm=16, bn=16):
+    return sum(-(-n // bm) for n in sizes) * -(-N // bn)
+
+
+@pytest.mark.parametrize("sizes, K, N, programs, split_max, bias, b_transposed", [
+    ([33, 0, 50, 17], 512, 72, 20, 4, None, True),  # 45 units: 40 whole, 5 cut 4 ways
+    ([33, 0, 50, 17], 256, 72, 7, 4, "per_group", False),  # 42 whole, 3 cut in halves (7 programs)
+    ([40, 23], 256, 40, 7, 3, "shared", True),  # one unit left, cut in two (the min-steps bound)
+    ([3, 0, 5, 0], 512, 32, 13, 4, None, True),  # 4 units, fewer than the programs: every one cut 3 ways
+])
+def test_tail_split_matches_the_reference(sizes, K, N, programs, split_max, bias, b_transposed, device, monkeypatch):
+    # the interpreter runs PROGRAMS_PER_SM programs one after another: each slice of a cut unit stores its partial,
+    # the last to arrive adds them and runs the epilogue (bias, activation) on the sum; the counters end at zero
+    monkeypatch.setattr(configs, "TMA_TAIL_MIN_STEPS", 8)
+    plan = configs.tail_plan(_tail_units(sizes, N), K // 16, programs, split_max)
+    assert plan[1] > 0 and plan[2] > 1, plan  # (the case cuts units)
+    a, b, offs = operands("2d3d", sizes, K, N, torch.float16, device, tail=5, b_transposed=b_transposed)
+    c = {None: None, "per_group": torch.randn(len(sizes), N, dtype=torch.float16, device=device),
+         "shared": torch.randn(N, dtype=torch.float16, device=device)}[bias]
+    out = torch.full((a.shape[0], N), float("nan"), dtype=torch.float16, device=device)
+    p = make_problem("2d3d", len(sizes), a, b, offs, c, out, "ieee", "relu")
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, PROGRAMS_PER_SM=programs, TAIL_SPLIT=split_max,
+               num_warps=4, num_stages=1)
+    tma.run(p, cfg)
+    want = torch.relu(grouped_mm_reference(a, b, offs, bias=c).float())
+    want[-5:] = 0
+    assert_rel_close(out, want.to(out.dtype), tolerance(torch.float16))
+    assert torch.equal(out[-5:], torch.zeros_like(out[-5:]))  # rows past offs[-1]: zeros, never cut
+    from tilegemm.core.workspace import split_workspace
+
+    _, counters = split_workspace(out.device, 1, 1, tag="grouped_tma")
+    assert not counters.any()  # every cut unit's last slice reset its counter: a replay starts at zero
+    tma.run(p, cfg)  # (and a second launch on the same workspace is right too)
+    assert_rel_close(out, want.to(out.dtype), tolerance(torch.float16))
+
+
+def test_tail_split_refusals(device):
+    a, b, offs = operands("2d3d", [33, 0, 50, 17], 64, 48, torch.float16, device, tail=2)
+    out = torch.empty(a.shape[0], 24, dtype=torch.float16, device=device)
+    base = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
+    gated = make_problem("2d3d", 4, a, b, offs, None, out, "ieee", "silu", True)
+    with pytest.raises(ValueError, match="TAIL_SPLIT"):
+        tma.run(gated, dict(base, TAIL_SPLIT=2))  # the gate's second accumulator has no slot
+    plain = make_problem("2d3d", 4, a, b, offs, None, torch.empty(a.shape[0], 48, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match="TAIL_SPLIT"):
+        tma.run(plain, dict(base, TAIL_SPLIT=2, FLATTEN=True))  # the fused loop needs one K range for every unit
+    with pytest.raises(ValueError, match="TAIL_SPLIT"):
+        tma.run(plain, dict(base, TAIL_SPLIT=0))
+
+
+def test_tail_split_knob_reaches_the_config(monkeypatch):
+    # off as shipped; the knob (the candidates tool's) adds it to the plain product's config only
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    assert configs.TMA_TAIL_SPLIT == 1 and "TAIL_SPLIT" not in configs.tma_config(_problem(8192, 8))
+    monkeypatch.setattr(configs, "TMA_TAIL_SPLIT", 4)
+    assert configs.tma_config(_problem(8192, 8))["TAIL_SPLIT"] == 4
+    assert configs.tma_config(_problem(1024, 8))["TAIL_SPLIT"] == 4  # (64-row tiles too)
+    gated = make_problem("2d3d", 8, torch.empty(8192, 4096, dtype=torch.bfloat16),
+                         torch.empty(8, 4096, 2048, dtype=torch.bfloat16), torch.empty(8, dtype=torch.int32), None,
+                         torch.empty(8192, 1024, dtype=torch.bfloat16), "ieee", "silu", True)
+    assert "TAIL_SPLIT" not in configs.tma_config(gated)
+
+
 def test_auto_keeps_tiled_where_tma_refuses(hopper):
     assert dispatch.choose(_problem(8192, 8, b_nk=False)) == "tma"  # both b layouts taken
     assert dispatch.choose(_problem(8192, 8, dtype=torch.float32)) == "tiled"

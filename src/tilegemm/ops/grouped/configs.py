@@ -56,6 +56,14 @@ TMA_STAGES_GATED = 3  # the gated product (two accumulators) not timed with 4
 # "Kernels"). The gated product keeps its tile (not timed at 64 rows).
 TMA_HALF_TILE_MAX_ROWS = 256
 TMA_HALF_TILE = dict(BLOCK_M=64, num_warps=4, num_stages=5)
+# The plain product's last partial wave of units over the programs cut along K (``TAIL_SPLIT``, off at 1): each of its
+# units into up to this many slices, as many as the idle programs of that wave take, every slice keeping at least
+# TMA_TAIL_MIN_STEPS K steps; the slices meet through fp32 partial tiles in a workspace, the last to arrive adding
+# them in slice order (deterministic). A candidate for products of a few waves of long-K units (Mixtral's down
+# projection), where the last wave's few units keep most SMs idle while they run; not timed yet
+# (tools/grouped_rule_candidates.py times it)
+TMA_TAIL_SPLIT = 1
+TMA_TAIL_MIN_STEPS = 8
 # 4-bit experts at prefill (kernel ``dequant_grouped``): its dequantizing pass and the slices of a large weight
 # packed rows (8 K each), scratch rows (output columns), warps a program: 128 K x 128 columns, 32 KB written (as
 # w4a16's dequant_cublas pass)
@@ -68,11 +76,12 @@ INT4_DEQUANT_CHUNK_ALIGN = 256
 GLUON_TILES = (
     dict(BLOCK_M=128, BLOCK_N=256, STAGES=4, SHARED_OUT=True, GROUP_M=8),
     dict(BLOCK_M=128, BLOCK_N=256, STAGES=3, SHARED_OUT=False, GROUP_M=8),
-    # candidates only (config() takes the first of a ring kind): cuBLAS's large-product tile, 128 x 128 a consumer,
-    # for experts of a thousand rows and more, where a 256-row tile wastes little of a group
+    # candidates only (config() takes GLUON_BLOCK's tiles): cuBLAS's large-product tile, 128 x 128 a consumer, for
+    # experts of a thousand rows and more, where a 256-row tile wastes little of a group
     dict(BLOCK_M=256, BLOCK_N=128, STAGES=4, SHARED_OUT=True, GROUP_M=8),
     dict(BLOCK_M=256, BLOCK_N=128, STAGES=3, SHARED_OUT=False, GROUP_M=8),
 )
+GLUON_BLOCK = (128, 256)  # (BLOCK_M, BLOCK_N) of the tiles config() takes; (256, 128) the candidates' other tile
 GLUON_LONG_K_STEPS = 32  # a slice of the output's columns is whole 256-column tiles (tma's BLOCK_N)
 
 
@@ -152,4 +161,17 @@ def tma_config(p) -> dict:
                num_stages=TMA_STAGES_GATED if p.gated else TMA_STAGES)
     if not p.gated and p.M < TMA_HALF_TILE_MAX_ROWS * max(p.groups, 1):
         cfg.update(TMA_HALF_TILE)
+    if not p.gated and TMA_TAIL_SPLIT > 1:
+        cfg["TAIL_SPLIT"] = TMA_TAIL_SPLIT
     return cfg
+
+
+def tail_plan(live_units: int, k_steps: int, programs: int, split_max: int,
+              min_steps: int = TMA_TAIL_MIN_STEPS) -> tuple[int, int, int, int]:
+    """(full, tail, split, per) of ``tma``'s tail split, as its kernel computes them on the device from the live
+    units (the groups' tiles, known there only): the units of the whole waves over ``programs``, the units left for
+    the last wave, the K slices each of those takes (1: none), and the K steps a slice."""
+    full = live_units // programs * programs
+    tail = live_units - full
+    split = max(1, min(programs // max(tail, 1), split_max, k_steps // max(min_steps, 1)))
+    return full, tail, split, cdiv(k_steps, split)

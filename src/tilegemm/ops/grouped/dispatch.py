@@ -30,7 +30,11 @@ def tma_rows(p: GroupedProblem) -> bool:
 # ``gluon`` (the dense gluon_f16 skeleton: a TMA producer warp group beside two consumers) for the plain 16-bit MoE
 # forward (not gated) from configs.TMA_HALF_TILE_MAX_ROWS rows an expert on average, where tma runs its full 128-row
 # tiles: there it ran ahead of tma on most of the moe sweep's cases, most on the many-expert models; under it tma's
-# 64-row tiles stayed ahead (docs/grouped.md, "Kernels": gluon)
+# 64-row tiles stayed ahead (docs/grouped.md, "Kernels": gluon). The switch (off: tma there too) is a knob of the
+# candidates tool (tools/grouped_rule_candidates.py), for tma's variants on the cases gluon takes
+GLUON_FORWARD = True
+
+
 def gluon_rows(p: GroupedProblem) -> bool:
     """Whether ``p`` has rows enough an expert for ``gluon`` (tma's full tiles)."""
     return p.M >= configs.TMA_HALF_TILE_MAX_ROWS * max(p.groups, 1)
@@ -94,7 +98,7 @@ def takes_tma_k(p: GroupedProblem) -> bool:
 
 
 def choose(p: GroupedProblem) -> str:
-    if p.layout == "2d3d" and not p.gated and gluon_rows(p) and takes_gluon(p):
+    if GLUON_FORWARD and p.layout == "2d3d" and not p.gated and gluon_rows(p) and takes_gluon(p):
         return "gluon"
     if p.layout == "2d3d" and tma_rows(p) and takes_tma(p):
         return "tma"

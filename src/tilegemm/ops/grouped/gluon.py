@@ -40,6 +40,7 @@ from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import cdiv
 from tilegemm.core.workspace import buffer
 from tilegemm.jit.helpers import apply_activation, tile_grouped
+from tilegemm.ops.grouped import configs as table
 from tilegemm.ops.grouped.configs import GLUON_LONG_K_STEPS, GLUON_TILES, row_tiles
 from tilegemm.ops.grouped.problem import GroupedProblem
 from tilegemm.ops.grouped.tiled import _pow2, jagged_groups
@@ -235,11 +236,12 @@ def configs() -> list[dict]:
 
 
 def config(p: GroupedProblem) -> dict:
-    """The config of ``p``: from GLUON_LONG_K_STEPS K steps the first of :func:`configs` with the output buffer
-    shared (the deeper ring), below it the first with a buffer a consumer (each store overlaps the next unit's
-    MMAs)."""
+    """The config of ``p``: of :func:`configs` with the tile :data:`~tilegemm.ops.grouped.configs.GLUON_BLOCK`
+    (read at the call: a knob of the candidates tool), from GLUON_LONG_K_STEPS K steps the first with the output
+    buffer shared (the deeper ring), below it the first with a buffer a consumer (each store overlaps the next
+    unit's MMAs)."""
     shared = cdiv(p.K, 64) >= GLUON_LONG_K_STEPS
-    options = configs()
+    options = [c for c in configs() if (c["BLOCK_M"], c["BLOCK_N"]) == tuple(table.GLUON_BLOCK)] or configs()
     return next((c for c in options if c["SHARED_OUT"] == shared), options[0])
 
 
