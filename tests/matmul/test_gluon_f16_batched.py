@@ -115,6 +115,22 @@ def test_batched_config_rule(shape, tile, shared_out):
     assert ((cfg["BLOCK_M"], cfg["BLOCK_N"]), cfg["SHARED_OUT"]) == (tile, shared_out), cfg
 
 
+@pytest.mark.parametrize("shape, off, on", [
+    ((8, 4096, 128, 4096), (256, 128), (128, 128)),  # attention's P x V at 4096: one column tile
+    ((64, 512, 64, 512), (256, 128), (128, 128)),  # narrower than any tile
+    ((4, 1000, 1000, 1000), (128, 256), (128, 256)),  # wider than the knob: as before
+])
+def test_batched_narrow_small_tile_knob(shape, off, on, monkeypatch):
+    # BATCHED_NARROW_SMALL_TILE_N (a knob of tools/grouped_rule_candidates.py, off as shipped): outputs of at most
+    # that many columns take the 128x128 tile whatever the wave count says
+    assert gluon_f16.BATCHED_NARROW_SMALL_TILE_N == 0
+    cfg = gluon_f16.batched_config(_meta(*shape), 132)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == off, cfg
+    monkeypatch.setattr(gluon_f16, "BATCHED_NARROW_SMALL_TILE_N", 128)
+    cfg = gluon_f16.batched_config(_meta(*shape), 132)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == on and cfg in gluon_f16.configs(), cfg
+
+
 def _fake_hopper(monkeypatch, sms=132):
     import tilegemm.core.hardware
 

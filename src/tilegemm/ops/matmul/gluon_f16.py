@@ -305,14 +305,22 @@ def configs(out_element_size: int = 2) -> list[dict]:
 # against each case's best config (docs/rungs/persistent_tma.md#batched-products-on-gluon_f16).
 BATCHED_SMALL_TILE_SPEED = 0.85
 BATCHED_LONG_K_STEPS = 32
+# Batched outputs of at most this many columns take the 128x128 tile (0: off, a candidate of
+# tools/grouped_rule_candidates.py with dispatch.GLUON_F16_BATCHED_NARROW on): one tile wide, a 256x128 tile reads
+# B's panel once per 256 rows where a 128x128 one does per 128, but makes half the work units, and a 128x256 tile
+# computes twice the columns there are
+BATCHED_NARROW_SMALL_TILE_N = 0
 
 
 def batched_config(p: GemmProblem, num_sms: int, options: list[dict] | None = None) -> dict:
     """The config a batched problem takes untimed: of :func:`configs` (or ``options``, a subset), the tile
     whose work units (``batch`` x tiles) take the fewest waves over ``num_sms`` programs, weighted by tile
     size (:data:`BATCHED_SMALL_TILE_SPEED`); 128x256 before 256x128 where N >= M (its serpentine bands: the
-    2-D order); then the ring by K (:data:`BATCHED_LONG_K_STEPS`)."""
+    2-D order); then the ring by K (:data:`BATCHED_LONG_K_STEPS`). Outputs of at most
+    :data:`BATCHED_NARROW_SMALL_TILE_N` columns take the 128x128 tile."""
     options = options if options is not None else configs(p.out.element_size())
+    if p.N <= BATCHED_NARROW_SMALL_TILE_N:
+        options = [c for c in options if (c["BLOCK_M"], c["BLOCK_N"]) == (128, 128)] or options
     wide_first = p.N >= p.M
     shared_out = cdiv(p.K, BLOCK_K) >= BATCHED_LONG_K_STEPS
 
