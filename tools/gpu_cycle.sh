@@ -33,6 +33,8 @@
 #                 bf16), baselines, auto, and tiled, tma and gluon by name on a grid of configs around auto's, CUDA-graph
 #                 times (\$GC_BUDGET seconds a dtype, default 150; \$GC_CASES: the tool's --cases, default weak);
 #                 grouped-gluon  kernel gluon's tests, interpreter and GPU
+#   grouped-rules tools/grouped_rule_candidates.py: auto's rule variants (knobs) on Mixtral's down projection at
+#                 512/4096/16384 tokens and the batched sweep, against the benches' baselines, CUDA graphs (~3 minutes)
 #   moe-route     tools/moe_route_probe.py (the MoE routing kernels and group_columns against the torch ops, decode
 #                 to prefill), then the routing, act-order experts and MoE checkpoint tests on the GPU
 #   grouped-host  tools/grouped_host_probe.py (host us per call at decode: full path, replay, F.grouped_mm; cProfile),
@@ -166,6 +168,8 @@ for step in "$@"; do
                             --cases "${GC_CASES:-weak}" \
                             --out "$OUT/grouped-candidates-$d.json" 2>&1 | tee "$OUT/grouped-candidates-$d.txt" | tail -n 20
                         done ;;
+    grouped-rules) python3 tools/grouped_rule_candidates.py --out "$OUT/grouped-rule-candidates.json" 2>&1 \
+                     | tee "$OUT/grouped-rule-candidates.txt" | tail -n 40 ;;
     grouped-gluon) pytest_ -m "" tests/grouped/test_grouped_gluon.py tests/grouped/test_grouped_gluon_gpu.py 2>&1 \
                      | tee "$OUT/grouped-gluon-tests.log" | tail -n 15 ;;
     moe-route) python3 tools/moe_route_probe.py --out "$OUT/moe-route-probe.json" 2>&1 | tail -n 10
