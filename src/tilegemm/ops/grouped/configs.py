@@ -60,8 +60,8 @@ TMA_HALF_TILE = dict(BLOCK_M=64, num_warps=4, num_stages=5)
 # units into up to this many slices, as many as the idle programs of that wave take, every slice keeping at least
 # TMA_TAIL_MIN_STEPS K steps; the slices meet through fp32 partial tiles in a workspace, the last to arrive adding
 # them in slice order (deterministic). A candidate for products of a few waves of long-K units (Mixtral's down
-# projection), where the last wave's few units keep most SMs idle while they run; not timed yet
-# (tools/grouped_rule_candidates.py times it)
+# projection), where the last wave's few units keep most SMs idle while they run; off until it holds beyond Mixtral's
+# shapes (tools/grouped_rule_candidates.py times it; docs/grouped.md, "Kernels", `gluon`)
 TMA_TAIL_SPLIT = 1
 TMA_TAIL_MIN_STEPS = 8
 # 4-bit experts at prefill (kernel ``dequant_grouped``): its dequantizing pass and the slices of a large weight
