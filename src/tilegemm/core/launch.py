@@ -505,6 +505,11 @@ PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Whether a dispatch mode or a torch function mode is on: bound once, the replay keys call them on every call.
 dispatch_stack_depth = torch._C._len_torch_dispatch_stack
 function_mode_on = torch._C._is_torch_function_mode_enabled
+try:  # the innermost of torch.func's transforms (grad, vmap, ...) running, or None: their tensors are wrappers
+    functorch_level = torch._C._functorch.peek_interpreter_stack
+except AttributeError:  # an older torch without it
+    def functorch_level():
+        return None
 # Whether torch.jit.trace is recording: a launch made outside the dispatcher is invisible to it (the traced graph
 # would keep only the output's allocation), so a traced call always goes through the registered op.
 jit_tracing = torch._C._is_tracing
@@ -524,7 +529,7 @@ def plain_call(*tensors) -> bool:
     """
     if torch.compiler.is_compiling():
         return False
-    if dispatch_stack_depth() or function_mode_on() or jit_tracing():
+    if dispatch_stack_depth() or function_mode_on() or jit_tracing() or functorch_level() is not None:
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:

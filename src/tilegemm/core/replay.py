@@ -25,7 +25,7 @@ import torch
 
 from contextlib import contextmanager
 
-from tilegemm.core.launch import Replay, ReplaySequence, current_stream, recording
+from tilegemm.core.launch import Replay, ReplaySequence, current_stream, functorch_level, recording
 from tilegemm.core.runtime import new_output
 
 _CACHES: dict[str, "ReplayCache"] = {}
@@ -56,6 +56,8 @@ class ReplayCache:
         if current_stream() and torch.cuda.is_current_stream_capturing():  # (a capture never runs on stream 0)
             # A CUDA-graph capture takes the call's own path, whose workspaces are marked as the graph's
             # (core/workspace.py) so that a larger call replacing one holds it for the graph; a replay's would not be.
+            return None
+        if functorch_level() is not None:  # torch.func's wrapped tensors (batched, grad-tracking) go through the op
             return None
         shape, dtype, device, channels_last = hit.output
         # channels-last in one allocation: a permuted view of an NHWC tensor costs a second torch call

@@ -29,7 +29,8 @@ import warnings
 
 import torch
 
-from tilegemm.core.launch import PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, jit_tracing
+from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, functorch_level,
+                                  jit_tracing)
 
 
 def plain_args(args: tuple, tensor_positions: tuple[int, ...]) -> bool:
@@ -64,11 +65,7 @@ def grad_only_args(args: tuple, tensor_positions: tuple[int, ...]) -> bool:
     return True
 
 
-try:
-    _functorch_level = torch._C._functorch.peek_interpreter_stack  # None outside torch.func's transforms
-except AttributeError:  # an older torch without it
-    def _functorch_level():
-        return None
+_functorch_level = functorch_level  # None outside torch.func's transforms
 
 
 def _defaults(schema) -> tuple:
@@ -132,6 +129,17 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
+def refuse_functorch(name: str) -> None:
+    """Raise a clear error where torch.func's gradient transforms reach an op's autograd: a custom op whose autograd
+    is registered through ``torch.library`` has no functorch rule (torch's own kernel refuses with a message about
+    ``setup_context``). ``vmap`` does not come here: torch runs the op once a batch element."""
+    if _functorch_level() is not None:
+        raise NotImplementedError(
+            f"tilegemm::{name} has no functorch autograd rule: torch.func's gradient transforms (grad, vjp, jvp, "
+            f"jacrev, jacfwd, hessian) cannot differentiate it. Use torch.autograd.grad or torch.autograd.functional "
+            f"(vectorize=False); torch.func.vmap runs it, one call a batch element")
+
+
 def own_storage_outputs(op) -> bool:
     """Register ``op``'s CPU and CUDA kernels as its function with :func:`own_storage` on each output tensor.
     These kernels run where the custom op's own autograd kernel redispatches (a call autograd records);
@@ -141,7 +149,10 @@ def own_storage_outputs(op) -> bool:
     if fn is None or not hasattr(op, "register_kernel"):
         return False
 
+    name = getattr(op, "_name", "op")
+
     def kernel(*args, **kwargs):
+        refuse_functorch(name)
         out = fn(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             return own_storage(out)
@@ -187,6 +198,7 @@ def lean_autograd(op) -> bool:
                 return fn(*args)
             if recorded is not None and grad_only_args(args, positions):
                 return recorded(*args)
+        refuse_functorch(name)
         return full(keyset, *args, **kwargs)
 
     try:

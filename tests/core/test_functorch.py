@@ -1,0 +1,71 @@
+"""tilegemm's ops under torch.func: ``vmap`` runs them (torch's per-element fallback: no host fast path or replay
+sees its wrapped tensors), and the gradient transforms, for which a ``torch.library`` op with registered autograd
+has no rule, refuse with an error that names the op and what to use instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegemm
+from tilegemm import w4a16
+from tilegemm.core import launch
+from conftest import assert_rel_close
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_vmap_runs_matmul_over_either_operand_and_both():
+    dev = _device()
+    dt = torch.float16 if dev == "cuda" else torch.float32
+    a, b = torch.randn(3, 5, 24, device=dev, dtype=dt), torch.randn(24, 17, device=dev, dtype=dt)
+    bb = torch.randn(3, 24, 17, device=dev, dtype=dt)
+    tilegemm.matmul(a[0], b)  # a plain call of the same layout first: recorded where recording runs
+    out = torch.func.vmap(lambda x: tilegemm.matmul(x, b))(a)
+    assert_rel_close(out, a.float() @ b.float(), 2e-3)
+    out = torch.func.vmap(lambda x, y: tilegemm.matmul(x, y, activation="relu"))(a, bb)
+    assert_rel_close(out, torch.relu(a.float() @ bb.float()), 2e-3)
+    out = torch.func.vmap(lambda y: tilegemm.matmul(a[1], y), in_dims=0)(bb)
+    assert_rel_close(out, a[1].float() @ bb.float(), 2e-3)
+
+
+def test_vmap_runs_w4a16_and_conv2d():
+    dev = _device()
+    w = w4a16.quantize(torch.randn(40, 256, device=dev, dtype=torch.float16), 128)
+    x = torch.randn(3, 2, 256, device=dev, dtype=torch.float16)
+    out = torch.func.vmap(lambda t: w4a16.matmul(t, w))(x)
+    assert_rel_close(out, x.float() @ w4a16.dequantize(w).float().T, 2e-3)
+    img, wt = torch.randn(2, 1, 4, 6, 7, device=dev), torch.randn(5, 4, 3, 3, device=dev)
+    out = torch.func.vmap(lambda t: tilegemm.conv2d(t, wt, padding=1))(img)
+    want = torch.stack([torch.nn.functional.conv2d(i, wt, padding=1) for i in img])
+    assert_rel_close(out, want, 1e-3 if dev == "cuda" else 1e-5)
+
+
+def test_calls_inside_a_transform_take_the_op():
+    seen = []
+    torch.func.vmap(lambda x: seen.append(launch.plain_call(x)) or x)(torch.randn(2, 3))
+    assert seen == [False]
+    assert launch.plain_call(torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("which", ["matmul", "conv2d", "w4a16"])
+def test_gradient_transforms_refuse_clearly(which):
+    dev = _device()
+    if which == "matmul":
+        b = torch.randn(16, 8, device=dev)
+        fn, x = (lambda t: tilegemm.matmul(t, b).sum()), torch.randn(4, 16, device=dev)
+    elif which == "conv2d":
+        wt = torch.randn(3, 2, 3, 3, device=dev)
+        fn, x = (lambda t: tilegemm.conv2d(t, wt).sum()), torch.randn(1, 2, 5, 5, device=dev)
+    else:
+        w = w4a16.quantize(torch.randn(16, 128, device=dev, dtype=torch.float16), 128)
+        fn, x = (lambda t: w4a16.matmul(t, w).float().sum()), torch.randn(2, 128, device=dev, dtype=torch.float16)
+    for transform in (torch.func.grad, torch.func.jacrev):
+        with pytest.raises(NotImplementedError, match=r"tilegemm::\w+ has no functorch autograd rule.*autograd\.grad"):
+            transform(fn)(x)
+    # outside the transforms the same function differentiates
+    x.requires_grad_(True)
+    (g,) = torch.autograd.grad(fn(x), x)
+    assert g.shape == x.shape and torch.isfinite(g).all()
