@@ -43,6 +43,17 @@ def test_vmap_runs_w4a16_and_conv2d():
     assert_rel_close(out, want, 1e-3 if dev == "cuda" else 1e-5)
 
 
+def test_calls_on_unwatched_inputs_inside_a_transform():
+    # vmap: an op whose inputs are not batched runs as a plain call would; grad: refused clearly (its output
+    # would be the transform's wrapper, on which nothing can launch)
+    dev = _device()
+    c, d, xs = torch.randn(4, 16, device=dev), torch.randn(16, 8, device=dev), torch.randn(3, 4, 8, device=dev)
+    out = torch.func.vmap(lambda x: x + tilegemm.matmul(c, d))(xs)
+    assert_rel_close(out, xs + c @ d, 2e-3)
+    with pytest.raises(NotImplementedError, match="tilegemm::matmul does not run inside torch.func's gradient"):
+        torch.func.grad(lambda x: (x * tilegemm.matmul(c, d)).sum())(xs[0])
+
+
 def test_calls_inside_a_transform_take_the_op():
     seen = []
     torch.func.vmap(lambda x: seen.append(launch.plain_call(x)) or x)(torch.randn(2, 3))
@@ -63,7 +74,8 @@ def test_gradient_transforms_refuse_clearly(which):
         w = w4a16.quantize(torch.randn(16, 128, device=dev, dtype=torch.float16), 128)
         fn, x = (lambda t: w4a16.matmul(t, w).float().sum()), torch.randn(2, 128, device=dev, dtype=torch.float16)
     for transform in (torch.func.grad, torch.func.jacrev):
-        with pytest.raises(NotImplementedError, match=r"tilegemm::\w+ has no functorch autograd rule.*autograd\.grad"):
+        with pytest.raises(NotImplementedError, match=r"tilegemm::\w+ does not run inside torch.func's gradient.*"
+                                                      r"autograd\.grad"):
             transform(fn)(x)
     # outside the transforms the same function differentiates
     x.requires_grad_(True)

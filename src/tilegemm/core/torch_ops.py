@@ -129,15 +129,25 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
+try:
+    from torch._C._functorch import TransformType
+
+    _DIFFERENTIATING = (TransformType.Grad, TransformType.Jvp)
+except ImportError:  # an older torch without them
+    _DIFFERENTIATING = ()
+
+
 def refuse_functorch(name: str) -> None:
-    """Raise a clear error where torch.func's gradient transforms reach an op's autograd: a custom op whose autograd
-    is registered through ``torch.library`` has no functorch rule (torch's own kernel refuses with a message about
-    ``setup_context``). ``vmap`` does not come here: torch runs the op once a batch element."""
-    if _functorch_level() is not None:
+    """Raise a clear error inside torch.func's gradient transforms (grad, vjp, jvp and those built on them): a custom
+    op whose autograd is registered through ``torch.library`` has no functorch rule (torch's own kernel refuses with
+    a message about ``setup_context``), and a call there on inputs the transform does not watch would launch on
+    the transform's wrapped output. ``vmap`` passes: torch runs the op once a batch element."""
+    level = _functorch_level()
+    if level is not None and level.key() in _DIFFERENTIATING:
         raise NotImplementedError(
-            f"tilegemm::{name} has no functorch autograd rule: torch.func's gradient transforms (grad, vjp, jvp, "
-            f"jacrev, jacfwd, hessian) cannot differentiate it. Use torch.autograd.grad or torch.autograd.functional "
-            f"(vectorize=False); torch.func.vmap runs it, one call a batch element")
+            f"tilegemm::{name} does not run inside torch.func's gradient transforms (grad, vjp, jvp, jacrev, jacfwd, "
+            f"hessian): tilegemm's ops have no functorch rules. Use torch.autograd.grad or torch.autograd.functional "
+            f"(vectorize=False); torch.func.vmap runs them, one call a batch element")
 
 
 def own_storage_outputs(op) -> bool:
@@ -193,12 +203,12 @@ def lean_autograd(op) -> bool:
     recorded = recorded_call(fn, setup, backward, defaults) if setup and backward and not mutable else None
 
     def kernel(keyset, *args, **kwargs):
+        refuse_functorch(name)
         if not kwargs:
             if plain_args(args, positions):
                 return fn(*args)
             if recorded is not None and grad_only_args(args, positions):
                 return recorded(*args)
-        refuse_functorch(name)
         return full(keyset, *args, **kwargs)
 
     try:
