@@ -54,7 +54,7 @@ def grad_only_args(args: tuple, tensor_positions: tuple[int, ...]) -> bool:
     :func:`plain_args` refused): no tracer or mode, the tensors plain and on no meta device, whether or not they
     require a gradient."""
     if dispatch_stack_depth() or function_mode_on() or torch.compiler.is_compiling() or jit_tracing() \
-            or _functorch_level() is not None:  # (torch.func's transforms: the custom op's own kernel, as before)
+            or functorch_level() is not None:  # (torch.func's transforms: the custom op's own kernel, as before)
         return False
     n = len(args)
     for i in tensor_positions:
@@ -63,9 +63,6 @@ def grad_only_args(args: tuple, tensor_positions: tuple[int, ...]) -> bool:
             if a is not None and (type(a) not in PLAIN_TENSOR_TYPES or a.is_meta):
                 return False
     return True
-
-
-_functorch_level = functorch_level  # None outside torch.func's transforms
 
 
 def _defaults(schema) -> tuple:
@@ -142,7 +139,7 @@ def refuse_functorch(name: str) -> None:
     op whose autograd is registered through ``torch.library`` has no functorch rule (torch's own kernel refuses with
     a message about ``setup_context``), and a call there on inputs the transform does not watch would launch on
     the transform's wrapped output. ``vmap`` passes: torch runs the op once a batch element."""
-    level = _functorch_level()
+    level = functorch_level()
     if level is not None and level.key() in _DIFFERENTIATING:
         raise NotImplementedError(
             f"tilegemm::{name} does not run inside torch.func's gradient transforms (grad, vjp, jvp, jacrev, jacfwd, "
