@@ -2,12 +2,13 @@
 16-bit baseline at decode sizes, timed as CUDA graphs (GPU: an sm_90 one for ``frag``).
 
     PYTHONPATH=src python3 tools/grouped_frag_candidates.py --out $OUT/grouped-frag.json
-        [--dtype bf16|fp16] [--tokens 1,8,64] [--configs] [--rule] [--budget 200]
+        [--dtype bf16|fp16] [--tokens 1,8,64] [--configs] [--rule] [--routing-seed N] [--budget 200]
 
 Cases: the ``grouped_w4a16`` bench's ``moe`` sweep at 1, 8 and 64 tokens (Mixtral-8x7B, Qwen3-30B-A3B,
 DeepSeek-V2-Lite; gate/up and down: 18 cases), each with the bench's own inputs (``GroupedW4A16Bench.prepare``:
 seeded skewed routing, experts quantized in groups of 128, the dequantized 16-bit weight the baselines multiply, and
-the fp64 reference). Rows of each case:
+the fp64 reference). ``--routing-seed N`` draws the routing from seed N in place of the bench's (a held-out draw for
+a rule fitted on the bench's). Rows of each case:
 
 - ``baseline``: the bench's, the faster of the loop of cuBLAS products and ``F.grouped_mm`` (chosen while
   preparing; in fp16 ``F.grouped_mm`` refuses, so the loop);
@@ -111,6 +112,17 @@ def rule_config(p, packed_rows: int) -> dict:
     while -(-steps // split) > RULE_MAX_SLICE_STEPS and split * 2 <= MAX_SPLIT:
         split *= 2
     return dict(cfg, BM=bm, SPLIT_K=split)
+
+
+def use_routing_seed(seed: int) -> None:
+    """Make the bench draw every case's routing from ``seed`` (its group sizes: ``bench.group_sizes``)."""
+    from tilegemm.ops.grouped import bench as grouped_bench
+
+    def group_sizes(T: int, E: int, topk: int) -> list[int]:
+        ids = grouped_bench.routing(T, E, topk, seed).reshape(-1)
+        return torch.bincount(ids, minlength=E).tolist()
+
+    grouped_bench.group_sizes = group_sizes
 
 
 def rows_of(inputs: dict, bench, dtype: str, gate_up: bool, configs: bool, ref: torch.Tensor,
@@ -229,8 +241,12 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="1,8,64", help="the sweep's token counts, comma-separated")
     parser.add_argument("--configs", action="store_true", help="also time frag's neighbouring configs")
     parser.add_argument("--rule", action="store_true", help="also time the candidate rule (rule_config)")
+    parser.add_argument("--routing-seed", type=int, default=None,
+                        help="draw the routing from this seed in place of the bench's (a held-out draw)")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds; rows past it are skipped")
     args = parser.parse_args(argv)
+    if args.routing_seed is not None:
+        use_routing_seed(args.routing_seed)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (an sm_90 one for kernel frag)", file=sys.stderr)
         return 2
@@ -240,7 +256,7 @@ def main(argv=None) -> int:
     deadline = time.monotonic() + args.budget
     cases = pick_cases([int(t) for t in args.tokens.split(",")])
     doc = dict(tool="grouped_frag_candidates", dtype=args.dtype, gpu=torch.cuda.get_device_name(),
-               torch=torch.__version__, cases=[])
+               torch=torch.__version__, routing_seed=args.routing_seed, cases=[])
     for case in cases:
         start = time.monotonic()
         doc["cases"].append(run_case(case, args.dtype, args.configs, deadline, args.rule))

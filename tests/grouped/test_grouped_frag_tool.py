@@ -59,3 +59,15 @@ def test_rule_candidate_config(tool, monkeypatch):
     assert -(-224 // mixtral_down["SPLIT_K"]) <= tool.RULE_MAX_SLICE_STEPS and mixtral_down["SPLIT_K"] >= 2
     one_token = problem(2, 8, 4096, 14336)
     assert tool.rule_config(one_token, 4096)["BM"] == frag.frag_config(one_token, 4096)["BM"] == 8
+
+
+def test_routing_seed_draws_other_group_sizes(tool, monkeypatch):
+    from tilegemm.ops.grouped import bench
+
+    monkeypatch.setattr(bench, "group_sizes", bench.group_sizes)  # restored after the test
+    before = bench.group_sizes(64, 128, 8)
+    tool.use_routing_seed(bench.SEED + 1)
+    after = bench.group_sizes(64, 128, 8)
+    assert sum(before) == sum(after) == 64 * 8 and before != after
+    tool.use_routing_seed(bench.SEED)
+    assert bench.group_sizes(64, 128, 8) == before
