@@ -91,6 +91,25 @@ def test_resnet_tiny_sweep(tmp_path, capsys):
     assert "model resnet50:" in capsys.readouterr().out
 
 
+def test_resnet_fold_row(tmp_path):
+    # --kernels auto,fold: a second tilegemm row, the model converted with its batch norms folded, checked as the
+    # first; a row fold that computed the unfolded model would pass too, so the tiny model's folds are counted
+    data = _bench_json(tmp_path, "--op", "conv2d", "--model", "resnet50", "--sweep", "tiny", "--kernels", "auto,fold")
+    rows = {r["kernel"]: r for r in data["rows"]}
+    assert list(rows) == [BASELINE, "auto", "fold"]
+    assert all(r["status"] == "ok" and r["rel_err"] <= r["tolerance"] for r in rows.values()), rows
+    assert rows["fold"]["ratio"] > 0 and "fold_batchnorm=True" in data["meta"]["model_description"]
+    from tilegemm.models.bench import ResNet50Bench
+
+    op = ResNet50Bench()
+    case = op.cases("tiny")[0]
+    prepared = op.prepare(case, "fp32", "cpu", 1, {})
+    op.run("fold", prepared.sets[0], "fp32")
+    folded = op._built[4]
+    norms = [m for m in folded.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and len(folded.tilegemm_folded) == len(norms)  # every batch norm of the tiny ResNet folded
+
+
 @interpreter_only
 def test_shapes_are_batch_sizes(tmp_path):
     data = _bench_json(tmp_path, "--op", "conv2d", "--model", "resnet50", "--shape", "1", "--shape", "2,eager")

@@ -229,6 +229,20 @@ class Qwen2DecodeBench(LlamaDecodeBench):
     model = "qwen2"
     arch, title, full_config = "qwen2", "Qwen2", "qwen2-7b"
 
+def _lazy(make):
+    """A function that calls what ``make()`` returns, made on the first call (a row that is not run builds
+    nothing: no model copy, no graph, no compile)."""
+    made = []
+
+    def call():
+        if not made:
+            with _Precise(benchmark=True):
+                made.append(make())
+        return made[0]()
+
+    return call
+
+
 def _forward(model, x: torch.Tensor, mode: str):
     """A function computing ``model(x)`` in ``mode`` (:attr:`ResNet50Bench.MODES`). ``graph``: three eager
     warm-up runs on a side stream, then one CUDA graph captured and replayed (x is its static input);
@@ -314,6 +328,9 @@ class ResNet50Bench(ModelBench):
     }
 
     GPU_IMAGE, TINY_IMAGE = 224, 32
+    # Row ``fold`` (named with --kernels): the model converted with fold_batchnorm=True, each batch norm (and
+    # the activation after it) applied by the convolution before it in eval mode.
+    FOLD = "fold"
 
     def __init__(self, batches: tuple[int, ...] = (32, 256)):
         """``batches``: the batch sizes of the GPU sweep."""
@@ -324,6 +341,10 @@ class ResNet50Bench(ModelBench):
 
     def default_dtype(self):
         return "fp32" if interpreting() else "fp16"  # fp16 convolutions on the CPU are slow and no one's use
+
+    def check_kernel(self, name):
+        if name != self.FOLD:
+            super().check_kernel(name)
 
     # --- cases
 
@@ -357,7 +378,7 @@ class ResNet50Bench(ModelBench):
         return (f"{what}, random weights (seed 0), eval mode, {d['image']}x{d['image']} channels-last images; "
                 f"tilegemm.nn.convert_ (every convolution and the fc on tilegemm's kernels) against the same model "
                 f"on {baseline}. Reference: the same model in fp32, tf32 off (fp64 for an fp32 run). Timed: one "
-                f"forward of the batch; {modes}")
+                f"forward of the batch; {modes}. Row fold (--kernels auto,fold): convert_(fold_batchnorm=True)")
 
     # --- models and inputs
 
@@ -397,12 +418,22 @@ class ResNet50Bench(ModelBench):
         mode = d["mode"]
         self._compiled = self._compiled or mode.startswith("compile")
         with _Precise(benchmark=True):  # cuDNN picks its algorithms in the warm-up runs a graph replays
-            inputs = dict(ours=_forward(ours, x, mode), ref=_forward(ref, x, mode))
+            inputs = dict(ours=_forward(ours, x, mode), ref=_forward(ref, x, mode),
+                          fold=_lazy(lambda: _forward(self._folded(ours), x, mode)))
         return Prepared([inputs], reference, bytes_per_set=x.numel() * x.element_size() + _nbytes(ref))
+
+    def _folded(self, ours: torch.nn.Module) -> torch.nn.Module:
+        """A copy of tilegemm's model with its batch norms folded (row ``fold``), made on first use and kept with
+        the models."""
+        import tilegemm.nn
+
+        if len(self._built) == 4:
+            self._built += (tilegemm.nn.fold_batchnorm_(copy.deepcopy(ours)),)
+        return self._built[4]
 
     def run(self, kernel, inputs, dtype):
         with torch.no_grad():
-            return inputs["ours"]()
+            return inputs["fold" if kernel == self.FOLD else "ours"]()
 
     def baseline(self, inputs, dtype):
         with torch.no_grad():
@@ -513,7 +544,9 @@ class TorchvisionBench(ResNet50Bench):
                 f"{d['image']}x{d['image']} channels-last images; "
                 f"tilegemm.nn.convert_ (every convolution and Linear on tilegemm's kernels) against the same model on "
                 f"{baseline}. Reference: the same model in fp32, tf32 off (fp64 for an fp32 run); inference compares "
-                f"the logits, a training step the parameters' gradients. {modes}")
+                f"the logits, a training step the parameters' gradients. {modes}. Row fold (--kernels auto,fold): "
+                f"convert_(fold_batchnorm=True), each batch norm and the activation after it in the convolution "
+                f"before it in eval mode")
 
     def _build(self, tiny: bool) -> torch.nn.Module:
         from tilegemm.models import torchvision_models
@@ -563,12 +596,16 @@ class TorchvisionBench(ResNet50Bench):
             # unscaled, both models' gradients fell below fp16's normal range and missed the fp32 model's by 70-96%
             scale = fp16_loss_scale(ref, x, target) if dtype == "fp16" else 1.0
         inputs = dict(ours=lambda: gradients(ours, x, target, scale), ref=lambda: gradients(ref, x, target, scale))
+        # row fold in training mode: its batch norms normalize by the batch, as torch's do (nothing is folded)
+        folded = _lazy(lambda: (lambda m: lambda: gradients(m, x, target, scale))(
+            tilegemm.nn.fold_batchnorm_(copy.deepcopy(ours))))
+        inputs["fold"] = folded
         return Prepared([inputs], reference, bytes_per_set=x.numel() * x.element_size() + _nbytes(ref))
 
     def run(self, kernel, inputs, dtype):
         if not self._train:
             return super().run(kernel, inputs, dtype)
-        return inputs["ours"]()
+        return inputs["fold" if kernel == self.FOLD else "ours"]()
 
     def baseline(self, inputs, dtype):
         if not self._train:

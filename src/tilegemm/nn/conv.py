@@ -31,6 +31,8 @@ class Conv2d(torch.nn.Conv2d):
     kernels do not take (float64, after ``.double()``) runs torch's convolution.
     """
 
+    _tilegemm_fold = None  # a batch norm folded into it for eval mode: tilegemm.nn.fold.Fold (fold_batchnorm_)
+
     def __init__(self, *args, activation: str | None = None, **kwargs):
         check_activation(activation)  # before the parameters are made: a typo fails here, not at forward
         super().__init__(*args, **kwargs)
@@ -66,20 +68,29 @@ class Conv2d(torch.nn.Conv2d):
         # replayed call's host time (docs/conv2d.md, "Host fast path"). A parametrized or reassigned weight or
         # bias is not in the dict: read as torch's forward reads it.
         params = self._parameters
-        if "weight" in params and "bias" in params:
+        plain = "weight" in params and "bias" in params
+        if plain:
             weight, bias = params["weight"], params["bias"]
         else:
             weight, bias = self.weight, self.bias
+        activation = self.activation
+        fold = self._tilegemm_fold
+        if fold is not None and fold.active():  # the batch norm after it, folded (tilegemm.nn.fold_batchnorm_)
+            weight, bias = fold.parameters(weight, bias, cacheable=plain)
+            activation = fold.activation
         if weight.dtype not in _KERNEL_DTYPES:  # float64 (``.double()``): no kernel takes it, torch's conv does
-            return torch_activation(self._conv_forward(x, weight, bias), self.activation or "none")
+            return torch_activation(self._conv_forward(x, weight, bias), activation or "none")
         if type(weight) is not torch.nn.Parameter:
             sharding_rules_for(weight)
         padding = self.padding
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = 0
-        return conv2d(x, weight, bias, self.stride, padding, self.dilation, self.groups, self.activation)
+        return conv2d(x, weight, bias, self.stride, padding, self.dilation, self.groups, activation)
 
     def extra_repr(self) -> str:
-        extra = super().extra_repr()
-        return extra + (f", activation={self.activation}" if self.activation else "")
+        extra = super().extra_repr() + (f", activation={self.activation}" if self.activation else "")
+        fold = self._tilegemm_fold
+        if fold is not None:
+            extra += ", batch norm folded" + (f" with {fold.activation}" if fold.activation else "")
+        return extra

@@ -75,6 +75,7 @@ def convert_(
     moe: bool = True,
     filter: Callable[[str, torch.nn.Module], bool] | None = None,  # noqa: A002 (as quantize_ names it)
     warn: bool = True,
+    fold_batchnorm: bool = False,
 ) -> torch.nn.Module:
     """Replace ``model``'s ``torch.nn.Conv2d`` (``conv=True``) and ``torch.nn.Linear`` (``linear=True``) modules
     by :class:`tilegemm.nn.Conv2d` / :class:`tilegemm.nn.Linear` sharing their parameters; return ``model``.
@@ -92,6 +93,9 @@ def convert_(
     their weight is ``[in, out]``), which :func:`tilegemm.nn.quantize_` does take. The list is also left in
     ``model.tilegemm_skipped`` as ``[(name, reason)]``. A module held under several names (or by several parents)
     gets one replacement under all of them (``filter`` is asked with its first name).
+
+    ``fold_batchnorm=True``: then :func:`tilegemm.nn.fold_batchnorm_`, for inference: in eval mode each
+    convolution applies the ``BatchNorm2d`` after it and the activation after that in its own launch.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert_ takes a torch.nn.Module, got {type(model).__name__}")
@@ -134,6 +138,10 @@ def convert_(
             swapped[id(child)] = new
             setattr(parent, child_name, new)
     model.tilegemm_skipped = skipped
+    if fold_batchnorm:
+        from tilegemm.nn.fold import fold_batchnorm_
+
+        fold_batchnorm_(model)
     if skipped and warn:
         listing = "; ".join(f"{n}: {r}" for n, r in skipped)
         warnings.warn(f"tilegemm.nn.convert_ kept {len(skipped)} module(s) as they were: {listing}", ConversionNote,

@@ -1,0 +1,240 @@
+"""Batch norms folded into the convolutions before them for inference: :func:`fold_batchnorm_`.
+
+In eval mode a ``BatchNorm2d`` with running statistics is an affine map per channel, so a convolution followed by
+it is one convolution with a scaled weight and a shifted bias, and the activation after it can run in the
+convolution's epilogue: one launch and one pass over the output where there were three. Training mode is left
+as it was: the batch norm normalizes by the batch's statistics and updates its running ones, which no fold can do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilegemm.nn.conv import Conv2d, _shallow_copy
+
+__all__ = ["FoldedActivation", "FoldedBatchNorm2d", "fold_batchnorm_", "folds"]
+
+
+def folds(norm: torch.nn.BatchNorm2d) -> bool:
+    """Whether ``norm`` is applied by the convolution before it now: in eval mode and with running statistics (a
+    batch norm without them normalizes by the batch's statistics in eval mode too)."""
+    return not norm.training and norm.running_mean is not None and norm.running_var is not None
+
+
+class FoldedBatchNorm2d(torch.nn.BatchNorm2d):
+    """A ``BatchNorm2d`` (same parameters, buffers and state dict) that the :class:`tilegemm.nn.Conv2d` before it
+    applies while :func:`folds` says so: its forward then returns its input. In training mode it is torch's."""
+
+    updates = 0  # training-mode calls: they change the running statistics without bumping their versions
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if folds(self):
+            return x
+        if self.training:
+            self.__dict__["updates"] = self.updates + 1
+        return super().forward(x)
+
+
+class FoldedActivation(torch.nn.Module):
+    """The activation module ``act`` after a folded batch norm: the convolution's epilogue applies it while the
+    batch norm is folded (the input is returned), ``act`` runs otherwise."""
+
+    def __init__(self, act: torch.nn.Module, norm: FoldedBatchNorm2d):
+        super().__init__()
+        self.act = act
+        self.__dict__["norm"] = norm  # not a submodule: it stays where the model holds it (and in its state dict)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if folds(self.norm):
+            return x
+        return self.act(x)
+
+
+class Fold:
+    """What a :class:`tilegemm.nn.Conv2d` folds: the batch norm after it and the activation after that (a name of
+    ``tilegemm.ACTIVATIONS`` or None), and the folded weight and bias of the last call that could keep them."""
+
+    def __init__(self, norm: FoldedBatchNorm2d, activation: str | None):
+        self.norm = norm
+        self.activation = activation
+        self.key = None
+        self.cached = None
+
+    def active(self) -> bool:
+        return folds(self.norm)
+
+    def __getstate__(self):  # pickled and copied without the cached tensors
+        return dict(norm=self.norm, activation=self.activation, key=None, cached=None)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        new = Fold(copy.deepcopy(self.norm, memo), self.activation)
+        memo[id(self)] = new
+        return new
+
+    def parameters(self, weight: torch.Tensor, bias: torch.Tensor | None, cacheable: bool):
+        """The folded (weight, bias): ``weight * s`` and ``(bias - mean) * s + beta`` with
+        ``s = gamma / sqrt(var + eps)``, computed in fp32 and rounded once to the weight's dtype. Kept between
+        calls while no tensor it reads has changed (their versions and storage; the running statistics also by the
+        batch norm's training-mode calls, whose updates bump no version) where nothing asks for a graph
+        (no autograd, no tracing, no capture); recomputed otherwise."""
+        norm = self.norm
+        tensors = (weight, bias, norm.weight, norm.bias, norm.running_mean, norm.running_var)
+        keep = cacheable and not torch.compiler.is_compiling() and not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+        if keep:
+            key = (norm.eps, norm.updates, torch.is_inference_mode_enabled()) + tuple(
+                (t.data_ptr(), t._version, t.dtype) if t is not None else None for t in tensors)
+            if key == self.key:
+                return self.cached
+        scale = torch.rsqrt(norm.running_var.float() + norm.eps)
+        if norm.weight is not None:
+            scale = scale * norm.weight.float()
+        shift = -norm.running_mean.float() if bias is None else bias.float() - norm.running_mean.float()
+        shift = shift * scale
+        if norm.bias is not None:
+            shift = shift + norm.bias.float()
+        folded = ((weight.float() * scale.reshape(-1, 1, 1, 1)).to(weight.dtype), shift.to(weight.dtype))
+        if keep and not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.key, self.cached = key, folded
+        return folded
+
+
+# Activation modules the convolutions' epilogues compute exactly as the module does.
+def _activation_name(module: torch.nn.Module) -> str | None:
+    kind = type(module)
+    if kind is torch.nn.ReLU:
+        return "relu"
+    if kind is torch.nn.SiLU:
+        return "silu"
+    if kind is torch.nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
+    if kind is torch.nn.LeakyReLU and module.negative_slope == 0.01:
+        return "leaky_relu"
+    return None
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None))
+
+
+def _chains_fx(model: torch.nn.Module) -> list[tuple[str, str, str | None]] | None:
+    """(conv, batch norm, activation or None) names where the traced graph calls the batch norm on the
+    convolution's output and nothing else reads that output (the same for the activation on the norm's); None
+    where torch.fx cannot trace ``model``."""
+    import torch.fx
+
+    leaves = (torch.nn.Conv2d, torch.nn.modules.batchnorm._BatchNorm, torch.nn.ReLU, torch.nn.SiLU, torch.nn.GELU,
+              torch.nn.LeakyReLU)
+
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            # tilegemm's own modules (Linear, Int4Linear, MoE blocks) are called, not traced through
+            return isinstance(m, leaves) or type(m).__module__.startswith("tilegemm.nn.") \
+                or super().is_leaf_module(m, qualname)
+
+    try:
+        graph = Tracer().trace(model)
+    except Exception:  # noqa: BLE001 - data-dependent control flow and the like: the Sequential rule instead
+        return None
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+
+    def only_call_on(node, user_types):
+        """The one user of ``node``: a module called once, on ``node`` alone, of one of ``user_types``."""
+        if len(node.users) != 1:
+            return None
+        user = next(iter(node.users))
+        if user.op != "call_module" or calls.get(user.target) != 1 or user.args != (node,) or user.kwargs:
+            return None
+        return user if isinstance(model.get_submodule(user.target), user_types) else None
+
+    chains = []
+    for node in graph.nodes:
+        if node.op != "call_module" or calls.get(node.target) != 1:
+            continue
+        if not isinstance(model.get_submodule(node.target), torch.nn.Conv2d):
+            continue
+        norm = only_call_on(node, torch.nn.BatchNorm2d)
+        if norm is None:
+            continue
+        act = only_call_on(norm, leaves[2:])
+        chains.append((node.target, norm.target, act.target if act is not None else None))
+    return chains
+
+
+def _chains_sequential(model: torch.nn.Module) -> list[tuple[str, str, str | None]]:
+    """(conv, batch norm, activation or None) names that follow each other in a ``torch.nn.Sequential`` whose
+    forward is Sequential's: each child's output is the next one's only input."""
+    chains = []
+    for name, seq in model.named_modules():
+        if not isinstance(seq, torch.nn.Sequential) or type(seq).forward is not torch.nn.Sequential.forward:
+            continue
+        kids = list(seq._modules.items())
+        for i in range(len(kids) - 1):
+            (cname, conv), (nname, norm) = kids[i], kids[i + 1]
+            if isinstance(conv, torch.nn.Conv2d) and isinstance(norm, torch.nn.BatchNorm2d):
+                act = kids[i + 2][0] if i + 2 < len(kids) else None
+                full = (lambda n: f"{name}.{n}" if name else n)
+                chains.append((full(cname), full(nname), full(act) if act is not None else None))
+    return chains
+
+
+def fold_batchnorm_(model: torch.nn.Module) -> torch.nn.Module:
+    """Fold each ``BatchNorm2d`` that reads a :class:`tilegemm.nn.Conv2d`'s output (and nothing else does) into
+    that convolution for eval mode, with the activation module after it (ReLU, SiLU, GELU, LeakyReLU of slope
+    0.01) in the convolution's epilogue; return ``model``. Run it after :func:`tilegemm.nn.convert_` (or pass
+    ``fold_batchnorm=True`` to it).
+
+    In eval mode the convolution then applies the batch norm (its weight scaled, its bias shifted, in fp32 and
+    rounded once to the weight's dtype; kept between calls until a tensor they come from changes) and the
+    activation, and the batch norm and activation modules pass their input through. In training mode, or for a
+    batch norm without running statistics, every module computes what it did before. The modules keep their
+    names, parameters, buffers and state dict; the batch norms become :class:`FoldedBatchNorm2d`, the activations
+    :class:`FoldedActivation` wrappers.
+
+    Which pairs: where torch.fx traces the model, those whose traced graph calls the batch norm on the
+    convolution's output alone and nothing else reads that output; elsewhere the neighbours in a
+    ``torch.nn.Sequential``. Left as they are: modules held under several names or called more than once,
+    modules with hooks, a convolution with an activation of its own, batch norms of another class (subclasses,
+    ``SyncBatchNorm``) or channel count. ``model.tilegemm_folded`` lists ``(conv, batch norm, activation or
+    None)`` names.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fold_batchnorm_ takes a torch.nn.Module, got {type(model).__name__}")
+    held: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        held[id(m)] = held.get(id(m), 0) + 1
+    chains = _chains_fx(model)
+    if chains is None:
+        chains = _chains_sequential(model)
+    folded = []
+    for conv_name, norm_name, act_name in chains:
+        conv, norm = model.get_submodule(conv_name), model.get_submodule(norm_name)
+        if not isinstance(conv, Conv2d) or conv.activation or conv._tilegemm_fold is not None:
+            continue
+        if type(norm) is not torch.nn.BatchNorm2d or norm.num_features != conv.out_channels:
+            continue
+        if held[id(conv)] != 1 or held[id(norm)] != 1 or _hooked(conv) or _hooked(norm):
+            continue
+        act = model.get_submodule(act_name) if act_name is not None else None
+        activation = _activation_name(act) if act is not None else None
+        if activation is not None and (held[id(act)] != 1 or _hooked(act)):
+            activation = None
+        new_norm = _shallow_copy(norm, FoldedBatchNorm2d)
+        _replace(model, norm_name, new_norm)
+        conv.__dict__["_tilegemm_fold"] = Fold(new_norm, activation)
+        if activation is not None:
+            _replace(model, act_name, FoldedActivation(act, new_norm))
+        folded.append((conv_name, norm_name, act_name if activation is not None else None))
+    model.tilegemm_folded = folded
+    return model
+
+
+def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
