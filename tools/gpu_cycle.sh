@@ -61,6 +61,8 @@
 #                 (fp16), auto only (log in \$OUT/conv2d-zoo-*.log; its precompile lines and last lines shown);
 #                 zoo-models  --op conv2d --model NAME (b32 eager and graph, b1 eager, b32 train) for \$ZOO_MODELS
 #                 (the issue's models but ResNet-50, whose entry is --model resnet50), dtype \$ZOO_DTYPE (fp16)
+#   fold-models   the conv2d model entries (\$ZOO_MODELS) with row fold beside auto (convert_(fold_batchnorm=True)):
+#                 b32 eager and graph, b1 eager, \$ZOO_DTYPE (fp16)
 #   dw-wgrad      research/depthwise_wgrad_rows.py: the depthwise weight gradient (a tap or a filter row a program, 2-32
 #                 programs an SM) and grouped_direct's (2-32) against cuDNN on the zoo's layers
 #   dgrad-fwd     research/dgrad_as_forward.py: the stride-1 depthwise and grouped data gradients as forward
@@ -208,6 +210,12 @@ for step in "$@"; do
                   timeout 90 python3 -m tilegemm.cli bench --quiet --no-save --op conv2d --model $m --dtype "${ZOO_DTYPE:-fp16}" \
                     --shape 32,eager --shape 32,graph --shape 1,eager --shape 32,train \
                     --json "$OUT/conv2d-model-$m.json" 2>&1 | grep -E "b32|b1 |geomean|auto  |wrong|error" | tail -n 12
+                done ;;
+    fold-models) # convert_ against convert_(fold_batchnorm=True) (row fold): b32 eager and graph, b1 eager, fp16
+                for m in ${ZOO_MODELS:-resnet50 resnext50_32x4d efficientnet_b0 mobilenet_v3_large regnet_y_1_6gf}; do
+                  timeout 100 python3 -m tilegemm.cli bench --quiet --no-save --op conv2d --model $m --dtype "${ZOO_DTYPE:-fp16}" \
+                    --shape 32,eager --shape 32,graph --shape 1,eager --kernels auto,fold \
+                    --json "$OUT/conv2d-fold-$m.json" 2>&1 | grep -E "b32|b1 |geomean|auto  |fold  |wrong|error" | tail -n 12
                 done ;;
     dw-wgrad)   # the depthwise and grouped_direct weight gradients' slice counts against cuDNN (research/)
                 PYTHONPATH=src:tools timeout 200 python3 research/depthwise_wgrad_rows.py --per-kind 10 --budget 130 \
