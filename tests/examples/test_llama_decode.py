@@ -22,3 +22,11 @@ def test_tiny_decode_runs_and_agrees(capsys):
     err = float(line.split("rel. error ")[1].split(",")[0])
     assert err < 1e-2, line
     assert "argmax agrees at 100.0%" in line
+
+
+def test_tiny_decode_with_joined_projections(capsys):
+    assert load_example().main(["--tiny", "--fuse", "--batches", "1", "--new", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fuse_projections_: 4 groups joined" in out  # 2 layers x (q/k/v, gate/up)
+    line = next(l for l in out.splitlines() if l.startswith("int4 vs fp16-dequantized"))
+    assert float(line.split("rel. error ")[1].split(",")[0]) < 1e-2, line

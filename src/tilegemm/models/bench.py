@@ -104,6 +104,14 @@ class LlamaDecodeBench(ModelBench):
             self.checkpoint, self._ckpt_config = os.fspath(checkpoint), config
         self.sweeps = {"decode": self._decode_cases, "tiny": self._tiny_cases}
         self._built = None  # (key, fp16 model, int4 model): kept across cases
+        self._fused = None  # (key, the int4 model's copy with its projections joined): row fused, made on first use
+
+    # Row ``fused`` (named with --kernels): the int4 model with q/k/v and gate/up joined (fuse_projections_).
+    FUSED = "fused"
+
+    def check_kernel(self, name):
+        if name != self.FUSED:
+            super().check_kernel(name)
 
     # --- cases
 
@@ -155,7 +163,8 @@ class LlamaDecodeBench(ModelBench):
                 f"{shapes['num_key_value_heads']} KV, vocab {shapes['vocab_size']}), {layers}, random fp16 weights; "
                 f"int4: tilegemm.nn.quantize_ g{self._group(tiny)}, every Linear but lm_head; baseline and reference: "
                 f"the same model in fp16 with the int4 weights dequantized. Timed: one greedy decode step at "
-                f"position {d['prompt']}, after the {d['prompt']}-token prompt; {modes}")
+                f"position {d['prompt']}, after the {d['prompt']}-token prompt; {modes}. Row fused (--kernels "
+                f"auto,fused): the int4 model after tilegemm.nn.fuse_projections_ (q/k/v and gate/up joined)")
 
     @staticmethod
     def _group(tiny: bool) -> int:
@@ -168,7 +177,7 @@ class LlamaDecodeBench(ModelBench):
         half the GPU's memory."""
         key = (dims["config"], dims["layers"], device)
         if self._built is None or self._built[0] != key:
-            self._built = None
+            self._built = self._fused = None
             self.release()
             if dims["config"] == "checkpoint":
                 from tilegemm.models.pretrained import dequantized_copy, from_pretrained
@@ -204,10 +213,29 @@ class LlamaDecodeBench(ModelBench):
             dec.ids.copy_(decoders["fp16"].ids)
             if dec.graph:
                 dec.capture()
+
+        def fused_step():
+            from tilegemm.nn import fuse_projections_
+
+            key = self._built[0]
+            if self._fused is None or self._fused[0] != key:
+                self._fused = (key, fuse_projections_(copy.deepcopy(int4)))
+            dec = llama.Decoder(self._fused[1], batch, prompt_len + 1, device, graph=mode == "graph",
+                                compiled=mode == "compile", repeat=True)
+            dec.prefill(prompt)
+            dec.ids.copy_(decoders["fp16"].ids)
+            if dec.graph:
+                dec.capture()
+            decoders["fused decoder"] = dec  # (released with the others)
+            return dec.next_logits
+
+        decoders["fused"] = _lazy(fused_step, precise=False)
         reference = decoders["fp16"].next_logits().float()
         return Prepared([decoders], reference, bytes_per_set=_nbytes(int4))
 
     def run(self, kernel, inputs, dtype):
+        if kernel == self.FUSED:
+            return inputs["fused"]()
         return inputs["int4"].next_logits()
 
     def baseline(self, inputs, dtype):
@@ -229,14 +257,15 @@ class Qwen2DecodeBench(LlamaDecodeBench):
     model = "qwen2"
     arch, title, full_config = "qwen2", "Qwen2", "qwen2-7b"
 
-def _lazy(make):
+def _lazy(make, precise: bool = True):
     """A function that calls what ``make()`` returns, made on the first call (a row that is not run builds
-    nothing: no model copy, no graph, no compile)."""
+    nothing: no model copy, no graph, no compile); ``precise``: made under ``_Precise(benchmark=True)``, as the
+    convolution models' rows are."""
     made = []
 
     def call():
         if not made:
-            with _Precise(benchmark=True):
+            with _Precise(benchmark=True) if precise else contextlib.nullcontext():
                 made.append(make())
         return made[0]()
 

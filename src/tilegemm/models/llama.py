@@ -244,10 +244,11 @@ def dequantized_copy_into(fp16_model, int4_model) -> None:
     """Overwrite ``fp16_model``'s quantized Linears with the int4 model's weights, dequantized (in place: no third
     copy of the model)."""
     from tilegemm.nn import Int4Linear
+    from tilegemm.nn.fuse import ProjectionPart
 
     int4 = dict(int4_model.named_modules())
     for name, module in fp16_model.named_modules():
-        if isinstance(int4.get(name), Int4Linear):
+        if isinstance(int4.get(name), (Int4Linear, ProjectionPart)):  # (a part of joined projections too)
             module.weight.copy_(int4[name].dequantize().to(module.weight.dtype))
 
 

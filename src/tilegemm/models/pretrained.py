@@ -32,6 +32,7 @@ from torch import nn
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear, guard_quantized_output_resize_, is_conv1d, mark_saved_format_, \
     untie_quantized_outputs_
+from tilegemm.nn.fuse import ProjectionPart
 from tilegemm.nn.moe import (_experts_modules, _int4, convert_moe_blocks_, install_int4_experts_, register_experts,
                              use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_gptq
@@ -947,7 +948,7 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
         del config.quantization_config
     dtype = _float_dtype(model)
     dense = _meta_model(type(model), config, dtype)  # the model's own class: not every model is a causal LM
-    int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    int4 = {name: m for name, m in model.named_modules() if isinstance(m, (Int4Linear, ProjectionPart))}
     experts = {name: m for name, m in model.named_modules() if hasattr(m, "tilegemm_group_size")}
     source = dict(model.named_parameters(remove_duplicate=False))
     made: dict[int, nn.Parameter] = {}  # one shared Parameter per source tensor (tied names stay tied)
@@ -960,6 +961,8 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
                     value = nn.Parameter(w, requires_grad=False)
                 else:  # a Conv1D (GPT-2) holds [in, out]
                     value = nn.Parameter(w.T.contiguous(), requires_grad=False)
+            elif module_name in int4 and leaf == "bias" and isinstance(int4[module_name], ProjectionPart):
+                value = nn.Parameter(int4[module_name].bias.detach().clone(), requires_grad=False)  # (no Parameter)
             elif name not in source and module_name in experts:  # 4-bit stacked experts: [E, out, in]
                 w = dequantize(_int4(experts[module_name], leaf)).to(dtype)
                 w = w.transpose(1, 2).contiguous() if getattr(experts[module_name], "is_transposed", False) else w

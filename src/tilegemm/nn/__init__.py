@@ -3,13 +3,14 @@
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.convert import convert_
 from tilegemm.nn.fold import fold_batchnorm_
+from tilegemm.nn.fuse import fuse_projections_
 from tilegemm.nn.int4 import Int4Linear, quantize_
 from tilegemm.nn.linear import Linear
 from tilegemm.nn.moe import install as _install_experts, quantize_experts_, register_experts
 
 _install_experts()  # the "tilegemm" experts implementation of transformers' MoE blocks (imports no transformers)
 
-__all__ = ["ColwiseParallel", "Conv2d", "ExpertsTensorParallel", "Int4Linear", "Linear", "RowwiseParallel", "convert_", "fold_batchnorm_", "load_quantized_",
+__all__ = ["ColwiseParallel", "Conv2d", "ExpertsTensorParallel", "Int4Linear", "Linear", "RowwiseParallel", "convert_", "fold_batchnorm_", "fuse_projections_", "load_quantized_",
            "quantize_", "quantize_experts_", "register_experts"]
 
 

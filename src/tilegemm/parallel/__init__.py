@@ -257,6 +257,7 @@ class ColwiseParallel(_TorchColwise):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         register()
+        _refuse_joined(module)
         if isinstance(module, Int4Linear):
             return _shard_int4_module(self, module, device_mesh, "out")
         if isinstance(module, nn.Conv2d):
@@ -267,6 +268,16 @@ class ColwiseParallel(_TorchColwise):
         module = super()._apply(module, device_mesh)
         module.tp_split = "out"
         return module
+
+
+def _refuse_joined(module: nn.Module) -> None:
+    """A projection joined with its siblings (tilegemm.nn.fuse_projections_) shares one weight with them."""
+    from tilegemm.nn.fuse import FusedProjections, ProjectionPart
+
+    if isinstance(module, (ProjectionPart, FusedProjections)):
+        raise TypeError(f"{type(module).__name__}: projections joined by tilegemm.nn.fuse_projections_ cannot be "
+                        "parallelized; parallelize the model before joining (fuse_projections_ leaves DTensor "
+                        "weights alone), or do not join them")
 
 
 class RowwiseParallel(_TorchRowwise):
@@ -283,6 +294,7 @@ class RowwiseParallel(_TorchRowwise):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         register()
+        _refuse_joined(module)
         if isinstance(module, Int4Linear):
             return _shard_int4_module(self, module, device_mesh, "in")
         if isinstance(module, nn.Conv2d):
