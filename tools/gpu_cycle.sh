@@ -61,8 +61,8 @@
 #                 (fp16), auto only (log in \$OUT/conv2d-zoo-*.log; its precompile lines and last lines shown);
 #                 zoo-models  --op conv2d --model NAME (b32 eager and graph, b1 eager, b32 train) for \$ZOO_MODELS
 #                 (the models but ResNet-50, whose entry is --model resnet50), dtype \$ZOO_DTYPE (fp16)
-#   w4-fused      the w4a16 model entries (llama, qwen2) with row fused beside auto (fuse_projections_: q/k/v and
-#                 gate/up joined), decode b1/b16 graph and compile, then tests/nn/test_fuse_projections.py on the GPU
+#   w4-fused      the w4a16 model entries (llama, qwen2) and the 4-bit Qwen3-MoE entry with row fused beside auto
+#                 (fuse_projections_: q/k/v and gate/up joined), decode b1/b16, then tests/nn/test_fuse_projections.py
 #   fold-models   the conv2d model entries (\$ZOO_MODELS) with row fold beside auto (convert_(fold_batchnorm=True)):
 #                 b32 eager and graph, b1 eager, \$ZOO_DTYPE (fp16)
 #   dw-wgrad      research/depthwise_wgrad_rows.py: the depthwise weight gradient (a tap or a filter row a program, 2-32
@@ -217,6 +217,9 @@ for step in "$@"; do
                 bench --op w4a16 --model $m --kernels auto,fused --json "$OUT/w4a16-fused-$m.json" 2>&1 \
                   | grep -E "b1 |b16 |geomean|auto  |fused  |wrong|error" | tail -n 12
               done
+              timeout -s INT "${MOE_TIMEOUT:-280}" python3 -m tilegemm.cli bench --quiet --no-save --op grouped_w4a16 \
+                --model qwen3_moe --layers "${MOE_LAYERS:-24}" --shape 1,graph --shape 16,graph --shape 1,compile \
+                --kernels auto,fused --json "$OUT/moe-w4-fused-qwen3.json" 2>&1 | grep -E "│ b|auto  |fused  |wrong|error" | tail -n 12
               pytest_ -m "" tests/nn/test_fuse_projections.py 2>&1 | tee "$OUT/fuse-tests.log" | tail -n 4 ;;
     fold-models) # convert_ against convert_(fold_batchnorm=True) (row fold): b32 eager and graph, b1 eager, fp16
                 for m in ${ZOO_MODELS:-resnet50 resnext50_32x4d efficientnet_b0 mobilenet_v3_large regnet_y_1_6gf}; do

@@ -109,6 +109,17 @@ def test_the_int4_entry_runs_and_catches_a_wrong_twin(monkeypatch):
     assert auto.dims["experts_rel_err"] > 0.5
 
 
+def test_the_int4_entry_fused_row():
+    # --kernels auto,fused: the 4-bit copy with its attention's q/k/v joined, checked against the baseline's logits
+    op = bench_op("grouped_w4a16").model_bench("qwen3_moe")
+    op.check_kernel("fused")
+    result = run_bench(op, op.cases("tiny")[:1], op.default_dtype(), ["auto", "fused"], rep_ms=1, warmup_ms=0)
+    kernels = [r.kernel for r in result.rows]
+    assert "fused" in kernels and all(r.status == "ok" for r in result.rows), result.rows
+    fused = op._built[1]["fused"][0]
+    assert len(fused.tilegemm_fused) == fused.config.num_hidden_layers  # q/k/v of each layer
+
+
 def test_batched_mm_bytes_and_the_layers_knob():
     from tilegemm.models import moe
     from tilegemm.models.bench import _batched_mm_bytes

@@ -923,7 +923,8 @@ class MoEInt4Bench(MoEBench):
     def _what(self, tiny: bool) -> str:
         return (f"auto: a copy whose experts and Linears but lm_head are 4-bit (tilegemm.nn.quantize_, group "
                 f"{self._group(tiny)}) on tilegemm; baseline: the 16-bit model holding those weights dequantized, on "
-                "transformers' grouped_mm; second baseline: its batched_mm; reference: the baseline's logits")
+                "transformers' grouped_mm; second baseline: its batched_mm; reference: the baseline's logits; row "
+                "fused (--kernels auto,fused): the 4-bit copy after tilegemm.nn.fuse_projections_")
 
     @staticmethod
     def _group(tiny: bool) -> int:
@@ -931,11 +932,30 @@ class MoEInt4Bench(MoEBench):
 
         return moe.TINY_GROUP if tiny else moe.GROUP
 
+    # Row ``fused`` (named with --kernels): a copy of the 4-bit model with its projections joined
+    # (fuse_projections_: the attention's q/k/v, dense or shared experts' gate/up); made only when asked for.
+    FUSED = "fused"
+    _want_fused = False
+
+    def check_kernel(self, name):
+        if name == self.FUSED:
+            self._want_fused = True
+            return
+        super().check_kernel(name)
+
     def _rows(self, model, dims) -> dict:
         from tilegemm.models import moe
 
         int4 = moe.int4_twin(model, self._group(dims["config"] == "tiny"))
-        return {"auto": (int4, "tilegemm"), "baseline": (model, "grouped_mm"), "baseline2": (model, "batched_mm")}
+        rows = {"auto": (int4, "tilegemm"), "baseline": (model, "grouped_mm"), "baseline2": (model, "batched_mm")}
+        if self._want_fused:
+            from tilegemm.nn import fuse_projections_
+
+            rows[self.FUSED] = (fuse_projections_(copy.deepcopy(int4)), "tilegemm")
+        return rows
+
+    def run(self, kernel, inputs, dtype):
+        return inputs[self.FUSED if kernel == self.FUSED else "auto"]()
 
 
 class MixtralInt4Bench(MoEInt4Bench):
