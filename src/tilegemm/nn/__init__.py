@@ -1,5 +1,6 @@
 """Drop-in ``torch.nn`` modules whose forward and backward run tilegemm's kernels, and in-place conversion."""
 
+from tilegemm.nn.act_order import absorb_act_order_
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.convert import convert_
 from tilegemm.nn.fold import fold_batchnorm_
@@ -10,7 +11,7 @@ from tilegemm.nn.moe import install as _install_experts, quantize_experts_, regi
 
 _install_experts()  # the "tilegemm" experts implementation of transformers' MoE blocks (imports no transformers)
 
-__all__ = ["ColwiseParallel", "Conv2d", "ExpertsTensorParallel", "Int4Linear", "Linear", "RowwiseParallel", "convert_", "fold_batchnorm_", "fuse_projections_", "load_quantized_",
+__all__ = ["ColwiseParallel", "Conv2d", "absorb_act_order_", "ExpertsTensorParallel", "Int4Linear", "Linear", "RowwiseParallel", "convert_", "fold_batchnorm_", "fuse_projections_", "load_quantized_",
            "quantize_", "quantize_experts_", "register_experts"]
 
 

@@ -1,0 +1,100 @@
+"""tilegemm.nn.absorb_act_order_: an act-order down projection's input order moved into the gate and up projections'
+output rows. The MLP's outputs stay bit for bit; a forward that does not fit is put back; then fuse_projections_."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from tilegemm import w4a16
+from tilegemm.nn import Int4Linear, fuse_projections_
+from tilegemm.nn.act_order import absorb_act_order_
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _int4(n, k, perm=None, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = w4a16.quantize(torch.randn(n, k, generator=g, dtype=torch.float32).half(), group_size=32)
+    if perm is not None:  # the stored inputs in another order: x[..., perm] multiplies them
+        w = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, 32, w.shape, perm)
+    b = torch.randn(n, generator=g).half() if bias else None
+    return Int4Linear.from_weight(w, b)
+
+
+class MLP(nn.Module):
+    def __init__(self, h=64, i=96, bias=False, norm=False, input_perm=None):
+        super().__init__()
+        self.gate_proj = _int4(i, h, input_perm, bias, 1)
+        self.up_proj = _int4(i, h, input_perm, bias, 2)
+        self.down_proj = _int4(h, i, torch.randperm(i, generator=torch.Generator().manual_seed(3)), bias, 4)
+        self.norm = nn.LayerNorm(i).half() if norm else None  # a norm over the intermediate features, with a
+        if norm:  # weight of its own a feature (a uniform one would commute with the reordering)
+            nn.init.uniform_(self.norm.weight, 0.5, 1.5)
+
+    def forward(self, x):
+        h = nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(self.norm(h) if self.norm is not None else h)
+
+
+@pytest.mark.parametrize("bias, input_perm", [(False, None), (True, None), (False, torch.randperm(64))])
+def test_outputs_bit_for_bit_and_no_reorder_left(device, bias, input_perm):
+    model = nn.Sequential(MLP(bias=bias, input_perm=input_perm)).to(device)
+    ref = copy.deepcopy(model)
+    absorb_act_order_(model)
+    assert model.tilegemm_act_order_absorbed == ["0"] and model.tilegemm_act_order_kept == []
+    assert model[0].down_proj.perm.numel() == 0
+    # the gate and up projections keep their own input order
+    assert model[0].gate_proj.perm.numel() == (0 if input_perm is None else 64)
+    for m in (1, 5, 33):
+        x = torch.randn(m, 64, device=device, dtype=torch.float16)
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x)), m
+
+
+def test_a_forward_that_does_not_fit_is_put_back(device):
+    model = nn.Sequential(MLP(norm=True)).to(device)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    absorb_act_order_(model)
+    assert model.tilegemm_act_order_absorbed == [] and model.tilegemm_act_order_kept == ["0"]
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_natural_order_and_mismatched_widths_are_left(device):
+    model = nn.Sequential(MLP()).to(device)
+    model[0].down_proj = _int4(64, 96).to(device)  # no perm
+    assert absorb_act_order_(model).tilegemm_act_order_absorbed == []
+    with pytest.raises(TypeError, match="absorb_act_order_ takes a torch.nn.Module"):
+        absorb_act_order_(None)
+    with pytest.raises(ValueError, match="three attribute names"):
+        absorb_act_order_(model, names=("gate_proj", "up_proj"))
+
+
+def test_transformers_llama_then_joined(device):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=torch.float16).eval()
+    for i, layer in enumerate(model.model.layers):  # act-order down projections, as a GPTQ desc_act checkpoint has
+        layer.mlp.down_proj = _int4(64, 96, torch.randperm(96), seed=10 + i).to(device)
+        layer.mlp.gate_proj = _int4(96, 64, seed=20 + i).to(device)
+        layer.mlp.up_proj = _int4(96, 64, seed=30 + i).to(device)
+    ref = copy.deepcopy(model)
+    absorb_act_order_(model)
+    assert model.tilegemm_act_order_absorbed == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    fuse_projections_(model)
+    assert ("model.layers.0.mlp", ("gate_proj", "up_proj")) in model.tilegemm_fused
+    ids = torch.randint(0, 96, (2, 5), device=device)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
