@@ -5,7 +5,7 @@
     python examples/llama_decode.py --layers 8 --prompt 512 --new 128 --batches 1,16
     python examples/llama_decode.py --tiny           # a tiny config, eager (CI: on the CPU under Triton's interpreter)
     python examples/llama_decode.py --checkpoint DIR # a 4-bit GPTQ/AWQ checkpoint directory (from_pretrained)
-    python examples/llama_decode.py --fuse           # the int4 model's q/k/v and gate/up joined (fuse_projections_)
+    python examples/llama_decode.py --fuse           # q/k/v and gate/up joined (absorb_act_order_, fuse_projections_)
 
 Builds ``transformers.LlamaForCausalLM`` from a ``LlamaConfig`` (hidden 4096, intermediate 14336, 32 heads, 8 KV
 heads, vocab 128256), in fp16 with random weights; a copy gets ``tilegemm.nn.quantize_`` (g128, every Linear
@@ -52,7 +52,8 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint", metavar="DIR", default=None,
                         help="load the int4 model from this GPTQ/AWQ checkpoint directory (from_pretrained)")
     parser.add_argument("--fuse", action="store_true",
-                        help="join the int4 model's q/k/v and gate/up projections (tilegemm.nn.fuse_projections_)")
+                        help="join the int4 model's q/k/v and gate/up projections (tilegemm.nn.absorb_act_order_, "
+                             "fuse_projections_)")
     args = parser.parse_args(argv)
     try:
         import transformers
@@ -101,11 +102,11 @@ def main(argv=None) -> int:
               f"{cfg.num_hidden_layers} layers"
               f"{'' if args.tiny or cfg.num_hidden_layers == full else f' (of {full}: what fits)'}, random fp16 weights")
         qmodel = quantized_copy(model, group)
-    from tilegemm.nn import Int4Linear, fuse_projections_
+    from tilegemm.nn import Int4Linear, absorb_act_order_, fuse_projections_
 
     n_int4 = sum(isinstance(m, Int4Linear) for m in qmodel.modules())
     if args.fuse:
-        fuse_projections_(qmodel)
+        fuse_projections_(absorb_act_order_(qmodel))
         print(f"fuse_projections_: {len(qmodel.tilegemm_fused)} groups joined (q/k/v, gate/up)")
     fp16_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # shared tensors counted once
     int4_bytes = sum(t.numel() * t.element_size() for t in list(qmodel.parameters()) + list(qmodel.buffers()))

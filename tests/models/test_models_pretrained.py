@@ -563,3 +563,28 @@ def test_a_stored_bias_the_layer_lacks_is_dropped(tmp_path, device):
     assert attention.q_proj.bias is None and attention.k_proj.bias is None
     err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
     assert err < TOL
+
+
+@pytest.mark.parametrize("name", ["gptq-v1-asym-g32", "gptq-v2-asym-actorder-g64-sharded"])
+def test_from_pretrained_with_joined_projections(tmp_path, device, name):
+    # fuse_projections=True: act-order down projections absorbed by gate/up, then q/k/v and gate/up joined where
+    # they share an input order (the writer draws each dense Linear's order on its own, so act-order ones do not)
+    import tilegemm.models
+    from tilegemm.nn.fuse import ProjectionPart
+
+    arch, tie, kw = CASES[name]
+    path, config, reference = _write(tmp_path, arch, tie, **kw)
+    plain = tilegemm.models.from_pretrained(path, device=device)
+    joined = tilegemm.models.from_pretrained(path, device=device, fuse_projections=True)
+    layers = config.num_hidden_layers
+    if kw.get("act_order"):
+        assert len(joined.tilegemm_act_order_absorbed) == layers and joined.tilegemm_fused == []
+        assert joined.model.layers[0].mlp.down_proj.perm.numel() == 0
+    else:
+        assert len(joined.tilegemm_fused) == 2 * layers
+        assert isinstance(joined.model.layers[0].self_attn.k_proj, ProjectionPart)
+    assert _rel(_logits(joined, device), _logits(plain, device)) < TOL / 4
+    err = _rel(_logits(joined, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL, f"{name}: logits rel. error {err:.2e}"
+    with pytest.raises(ValueError, match="fuse_projections=True joins whole weights, device_mesh splits them"):
+        tilegemm.models.from_pretrained(path, device=device, fuse_projections=True, device_mesh=object())

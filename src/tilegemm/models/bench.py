@@ -164,7 +164,8 @@ class LlamaDecodeBench(ModelBench):
                 f"int4: tilegemm.nn.quantize_ g{self._group(tiny)}, every Linear but lm_head; baseline and reference: "
                 f"the same model in fp16 with the int4 weights dequantized. Timed: one greedy decode step at "
                 f"position {d['prompt']}, after the {d['prompt']}-token prompt; {modes}. Row fused (--kernels "
-                f"auto,fused): the int4 model after tilegemm.nn.fuse_projections_ (q/k/v and gate/up joined)")
+                f"auto,fused): the int4 model after tilegemm.nn.absorb_act_order_ and fuse_projections_ (q/k/v and gate/up "
+                f"joined)")
 
     @staticmethod
     def _group(tiny: bool) -> int:
@@ -215,11 +216,11 @@ class LlamaDecodeBench(ModelBench):
                 dec.capture()
 
         def fused_step():
-            from tilegemm.nn import fuse_projections_
+            from tilegemm.nn import absorb_act_order_, fuse_projections_
 
             key = self._built[0]
             if self._fused is None or self._fused[0] != key:
-                self._fused = (key, fuse_projections_(copy.deepcopy(int4)))
+                self._fused = (key, fuse_projections_(absorb_act_order_(copy.deepcopy(int4))))
             dec = llama.Decoder(self._fused[1], batch, prompt_len + 1, device, graph=mode == "graph",
                                 compiled=mode == "compile", repeat=True)
             dec.prefill(prompt)
@@ -949,9 +950,9 @@ class MoEInt4Bench(MoEBench):
         int4 = moe.int4_twin(model, self._group(dims["config"] == "tiny"))
         rows = {"auto": (int4, "tilegemm"), "baseline": (model, "grouped_mm"), "baseline2": (model, "batched_mm")}
         if self._want_fused:
-            from tilegemm.nn import fuse_projections_
+            from tilegemm.nn import absorb_act_order_, fuse_projections_
 
-            rows[self.FUSED] = (fuse_projections_(copy.deepcopy(int4)), "tilegemm")
+            rows[self.FUSED] = (fuse_projections_(absorb_act_order_(copy.deepcopy(int4))), "tilegemm")
         return rows
 
     def run(self, kernel, inputs, dtype):
