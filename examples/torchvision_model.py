@@ -3,6 +3,7 @@
     python examples/torchvision_model.py resnext50_32x4d          # GPU: fp16 channels-last, batch 32 and 1
     python examples/torchvision_model.py convnext_tiny --batches 32,1,256
     python examples/torchvision_model.py resnext50_32x4d --tiny   # CI: a small ResNeXt under the interpreter
+    python examples/torchvision_model.py mobilenet_v3_large --fold  # batch norms folded (convert_(fold_batchnorm=True))
 
 Prints (1) output agreement with the cuDNN model, (2) inference images/s of both, eager and under
 ``torch.compile`` (no CUDA graphs: the host's time per layer counts), and (3) one training step's gradients,
@@ -44,7 +45,9 @@ def inference(args, device, side) -> None:
     # until fp16 overflows (EfficientNet, MobileNetV3)
     ref = make_model(args.model, args.tiny).to(device=device, memory_format=torch.channels_last)
     ref = tvm.calibrate_batch_norms(ref, side).eval().to(dtype=dtype)
-    ours = tilegemm.nn.convert_(copy.deepcopy(ref))
+    ours = tilegemm.nn.convert_(copy.deepcopy(ref), fold_batchnorm=args.fold)
+    if args.fold:
+        print(f"fold_batchnorm: {len(ours.tilegemm_folded)} batch norms folded into the convolutions before them")
     x = torch.randn(2 if args.tiny else 32, 3, side, side, device=device, dtype=dtype)
     x = x.contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
@@ -75,7 +78,7 @@ def training_step(args, device, side) -> None:
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")  # fp32 on both sides: the comparison is about the kernels
     ref = _train_deterministic(make_model(args.model, args.tiny).to(device=device, memory_format=torch.channels_last))
-    ours = _train_deterministic(tilegemm.nn.convert_(copy.deepcopy(ref)))
+    ours = _train_deterministic(tilegemm.nn.convert_(copy.deepcopy(ref), fold_batchnorm=args.fold))
     exact = _train_deterministic(copy.deepcopy(ref).double())
     x = torch.randn(2 if args.tiny else 8, 3, side, side, device=device).contiguous(memory_format=torch.channels_last)
     target = torch.randint(0, 10, (x.shape[0],), device=device)
@@ -96,6 +99,9 @@ def main() -> None:
     parser.add_argument("model", help="a torchvision classification model: " + ", ".join(tvm.names()))
     parser.add_argument("--tiny", action="store_true", help="a small ResNeXt at 16x16, batch 2, no timing")
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[32, 1])
+    parser.add_argument("--fold", action="store_true",
+                        help="fold the batch norms into the convolutions for inference (convert_(fold_batchnorm=True); "
+                             "a training step is unchanged)")
     args = parser.parse_args()
     try:
         tvm.check_name(args.model)

@@ -26,6 +26,14 @@ def test_tiny_resnext_agrees_with_torch():
     assert ours < 1e-4 and ours <= 2 * theirs + 1e-4, out
 
 
+def test_tiny_resnext_with_folded_batch_norms():
+    done = _run("resnext50_32x4d", "--tiny", "--fold")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "batch norms folded" in out and int(out.split("fold_batchnorm: ")[1].split()[0]) > 0, out
+    assert float(out.split("relative error ")[1].split()[0]) < 1e-5, out
+
+
 def test_unknown_model_is_refused():
     done = _run("resnext50", "--tiny")
     assert done.returncode != 0 and "unknown torchvision classification model 'resnext50'; choose one of: alexnet" \
