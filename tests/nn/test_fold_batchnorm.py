@@ -160,6 +160,21 @@ def test_state_dict_copies_and_changed_parameters(device):
             assert_rel_close(model(x), other(x).double(), 1e-5)
 
 
+def test_weights_swapped_by_functional_call_are_not_served_from_the_cache(device):
+    # torch.func.functional_call puts a new weight in each call; a freed one's address, reused by the next, with
+    # the same version must not match the kept folded parameters
+    ref, folded = _pair(device)
+    ref.eval(), folded.eval()
+    x = torch.randn(1, 8, 5, 6, device=device)
+    base = ref.conv1.weight.detach()
+    with torch.no_grad():
+        for i in range(4):
+            w = base * (i + 1)
+            got = torch.func.functional_call(folded, {"conv1.weight": w}, (x,))
+            assert_rel_close(got, torch.func.functional_call(ref, {"conv1.weight": w}, (x,)).double(), 1e-5)
+            del w, got
+
+
 @pytest.mark.parametrize("act, fused", [(torch.nn.ReLU(), "relu"), (torch.nn.GELU(approximate="tanh"), "gelu_tanh"),
                                         (torch.nn.LeakyReLU(0.01), "leaky_relu"), (torch.nn.LeakyReLU(0.2), None),
                                         (torch.nn.Hardswish(), None)])

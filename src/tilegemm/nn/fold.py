@@ -59,12 +59,13 @@ class Fold:
         self.activation = activation
         self.key = None
         self.cached = None
+        self.held = None  # the key's tensors: their storages kept, so no other tensor takes an address the key names
 
     def active(self) -> bool:
         return folds(self.norm)
 
     def __getstate__(self):  # pickled and copied without the cached tensors
-        return dict(norm=self.norm, activation=self.activation, key=None, cached=None)
+        return dict(norm=self.norm, activation=self.activation, key=None, cached=None, held=None)
 
     def __deepcopy__(self, memo):
         import copy
@@ -98,6 +99,7 @@ class Fold:
         folded = ((weight.float() * scale.reshape(-1, 1, 1, 1)).to(weight.dtype), shift.to(weight.dtype))
         if keep and not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.key, self.cached = key, folded
+            self.held = tuple(t.detach() for t in tensors if t is not None)
         return folded
 
 
