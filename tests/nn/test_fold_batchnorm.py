@@ -175,6 +175,17 @@ def test_weights_swapped_by_functional_call_are_not_served_from_the_cache(device
             del w, got
 
 
+def test_a_model_made_in_inference_mode(device):
+    # its parameters are inference tensors, which have no version counter: folded again at each call
+    with torch.inference_mode():
+        ref, folded = _pair(device)
+        ref.eval(), folded.eval()
+        x = torch.randn(1, 8, 5, 6, device=device)
+        assert_rel_close(folded(x), ref(x).double(), 1e-5)
+        folded.bn2.running_var.mul_(3.0), ref.bn2.running_var.mul_(3.0)
+        assert_rel_close(folded(x), ref(x).double(), 1e-5)
+
+
 @pytest.mark.parametrize("act, fused", [(torch.nn.ReLU(), "relu"), (torch.nn.GELU(approximate="tanh"), "gelu_tanh"),
                                         (torch.nn.LeakyReLU(0.01), "leaky_relu"), (torch.nn.LeakyReLU(0.2), None),
                                         (torch.nn.Hardswish(), None)])

@@ -79,11 +79,13 @@ class Fold:
         ``s = gamma / sqrt(var + eps)``, computed in fp32 and rounded once to the weight's dtype. Kept between
         calls while no tensor it reads has changed (their versions and storage; the running statistics also by the
         batch norm's training-mode calls, whose updates bump no version) where nothing asks for a graph
-        (no autograd, no tracing, no capture); recomputed otherwise."""
+        (no autograd, no tracing, no capture) and none is an inference tensor; recomputed otherwise."""
         norm = self.norm
         tensors = (weight, bias, norm.weight, norm.bias, norm.running_mean, norm.running_var)
+        # (an inference tensor has no version counter to key on)
         keep = cacheable and not torch.compiler.is_compiling() and not (
-            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)) and not any(
+            t is not None and t.is_inference() for t in tensors)
         if keep:
             key = (norm.eps, norm.updates, torch.is_inference_mode_enabled()) + tuple(
                 (t.data_ptr(), t._version, t.dtype) if t is not None else None for t in tensors)
