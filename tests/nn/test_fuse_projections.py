@@ -88,6 +88,15 @@ def test_any_call_order_other_inputs_and_inputs_changed_in_place(device):
         assert_rel_close(fused.k_proj(x), ref.k_proj(x).double(), 2e-3)
 
 
+def test_inference_mode(device):
+    # activations made in inference mode have no version counter: the same tensor is taken as unchanged
+    ref, fused = _pair(device, bias=True)
+    with torch.inference_mode():
+        x = torch.randn(4, 64, device=device, dtype=torch.float16)
+        torch.testing.assert_close(fused(x), ref(x), rtol=2e-3, atol=2e-3)
+        assert fused.tilegemm_q_proj_k_proj_v_proj._pending is None
+
+
 def test_gradients_reach_the_input(device):
     ref, fused = _pair(device, bias=True)
     x = torch.randn(4, 64, device=device, dtype=torch.float16)

@@ -52,8 +52,9 @@ class FusedProjections(Int4Linear):
         """Part ``index``'s output for ``x``: from the product just made for another part on this very ``x``
         (unchanged since), else from a new product, whose other parts' outputs are kept for their calls."""
         pending = self._pending
-        compiling = torch.compiler.is_compiling()
-        if pending is not None and pending[0] is x and (compiling or pending[1] == x._version) \
+        # an inference tensor has no version counter: the same tensor is taken as unchanged, as when compiling
+        unversioned = torch.compiler.is_compiling() or x.is_inference()
+        if pending is not None and pending[0] is x and (unversioned or pending[1] == x._version) \
                 and index in pending[2]:
             out = pending[2].pop(index)
             if not pending[2]:
@@ -61,7 +62,7 @@ class FusedProjections(Int4Linear):
             return out
         outs = self.forward(x).split(self.sizes, dim=-1)
         rest = {i: o for i, o in enumerate(outs) if i != index}
-        self._pending = (x, 0 if compiling else x._version, rest) if rest else None
+        self._pending = (x, 0 if unversioned else x._version, rest) if rest else None
         return outs[index]
 
     def extra_repr(self) -> str:
