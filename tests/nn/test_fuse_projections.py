@@ -97,6 +97,32 @@ def test_inference_mode(device):
         assert fused.tilegemm_q_proj_k_proj_v_proj._pending is None
 
 
+class CrossAttention(Attention):
+    """q of one input, k and v of another (an encoder's output)."""
+
+    def forward(self, x, memory):
+        q, k, v = self.q_proj(x), self.k_proj(memory), self.v_proj(memory)
+        return self.o_proj(k * v) + q
+
+
+def test_copies_and_saves_leave_the_kept_outputs_behind(device):
+    # cross-attention leaves q's product of the memory kept (its part never asks for it), part of the autograd
+    # graph where the input requires grad: a copy of the model neither fails on it nor carries it
+    torch.manual_seed(0)
+    ref = quantize_(CrossAttention().to(device=device, dtype=torch.float16), group_size=32)
+    fused = fuse_projections_(copy.deepcopy(ref))
+    x, memory = (torch.randn(3, 64, device=device, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    fused(x, memory).float().sum().backward()
+    assert fused.tilegemm_q_proj_k_proj_v_proj._pending is not None
+    twin = copy.deepcopy(fused)
+    assert twin.tilegemm_q_proj_k_proj_v_proj._pending is None
+    buf = io.BytesIO()
+    torch.save(fused, buf)
+    assert torch.load(io.BytesIO(buf.getvalue()), weights_only=False).tilegemm_q_proj_k_proj_v_proj._pending is None
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x, memory), ref(x, memory), rtol=2e-3, atol=2e-3)
+
+
 def test_gradients_reach_the_input(device):
     ref, fused = _pair(device, bias=True)
     x = torch.randn(4, 64, device=device, dtype=torch.float16)

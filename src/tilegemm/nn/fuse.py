@@ -48,6 +48,11 @@ class FusedProjections(Int4Linear):
     def _load_from_state_dict(self, *args, **kwargs):  # nothing of its own to load (the parts load theirs)
         pass
 
+    def __getstate__(self):  # copied and pickled without the kept outputs (tensors of a graph, a stale input)
+        state = super().__getstate__()
+        state["_pending"] = None
+        return state
+
     def split(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Part ``index``'s output for ``x``: from the product just made for another part on this very ``x``
         (unchanged since), else from a new product, whose other parts' outputs are kept for their calls."""
