@@ -123,6 +123,18 @@ def test_copies_and_saves_leave_the_kept_outputs_behind(device):
         torch.testing.assert_close(twin(x, memory), ref(x, memory), rtol=2e-3, atol=2e-3)
 
 
+def test_an_fp32_modules_biases_keep_their_dtype(device):
+    # an fp32 module's biases are fp32 (its scales 16-bit): saved and loaded as such, not rounded to the scales'
+    torch.manual_seed(0)
+    ref = quantize_(Attention(bias=True).to(device=device, dtype=torch.float32), group_size=32)
+    fused = fuse_projections_(copy.deepcopy(ref))
+    sd, sr = fused.state_dict(), ref.state_dict()
+    assert all(sd[k].dtype == sr[k].dtype and torch.equal(sd[k], sr[k]) for k in sr)
+    other = {k: v + 1e-4 if k.endswith("bias") else v for k, v in sr.items()}
+    fused.load_state_dict(other), ref.load_state_dict(other)
+    assert torch.equal(fused.k_proj.bias, ref.k_proj.bias) and fused.k_proj.bias.dtype == torch.float32
+
+
 def test_gradients_reach_the_input(device):
     ref, fused = _pair(device, bias=True)
     x = torch.randn(4, 64, device=device, dtype=torch.float16)

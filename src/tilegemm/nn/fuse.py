@@ -110,7 +110,10 @@ class ProjectionPart(nn.Module):
         w = Int4Weight(f.qweight[:, cols].contiguous(), f.scales[:, cols].contiguous(),
                        f.zeros[:, cols].contiguous(), f.group_size, (self.out_features, self.in_features),
                        None if perm is None else perm.clone())
-        return Int4Linear.from_weight(w, self.bias)
+        own = Int4Linear.from_weight(w)
+        if self.bias is not None:  # in its own dtype: from_weight gives it the scales', an fp32 module's is fp32
+            own.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
+        return own
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         own = self._own()
