@@ -135,6 +135,19 @@ def test_an_fp32_modules_biases_keep_their_dtype(device):
     assert torch.equal(fused.k_proj.bias, ref.k_proj.bias) and fused.k_proj.bias.dtype == torch.float32
 
 
+def test_a_kept_output_is_not_served_in_another_grad_mode(device):
+    ref, fused = _pair(device)
+    x = torch.randn(4, 64, device=device, dtype=torch.float16, requires_grad=True)
+    with torch.no_grad():
+        fused.q_proj(x)  # k and v kept, computed without a graph
+    k = fused.k_proj(x)  # grad mode on: a product of its own
+    assert k.grad_fn is not None
+    with torch.no_grad():
+        fused.q_proj(x)
+    fused.half()  # converted: nothing kept from before
+    assert fused.tilegemm_q_proj_k_proj_v_proj._pending is None
+
+
 def test_gradients_reach_the_input(device):
     ref, fused = _pair(device, bias=True)
     x = torch.randn(4, 64, device=device, dtype=torch.float16)

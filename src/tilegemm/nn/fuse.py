@@ -42,7 +42,7 @@ class FusedProjections(Int4Linear):
             fused._non_persistent_buffers_set.add(name)
         fused.names = names
         fused.sizes = [p.out_features for p in parts]
-        fused._pending = None  # (x, its version, {part: output}) of the last product
+        fused._pending = None  # (x, its version, {part: output}, grad and autocast modes) of the last product
         return fused
 
     def _load_from_state_dict(self, *args, **kwargs):  # nothing of its own to load (the parts load theirs)
@@ -59,16 +59,23 @@ class FusedProjections(Int4Linear):
         pending = self._pending
         # an inference tensor has no version counter: the same tensor is taken as unchanged, as when compiling
         unversioned = torch.compiler.is_compiling() or x.is_inference()
+        # what else a product depends on: grad mode (a kept output of a no-grad call has no graph) and autocast
+        context = (torch.is_grad_enabled(), x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(
+            x.device.type))
         if pending is not None and pending[0] is x and (unversioned or pending[1] == x._version) \
-                and index in pending[2]:
+                and pending[3] == context and index in pending[2]:
             out = pending[2].pop(index)
             if not pending[2]:
                 self._pending = None
             return out
         outs = self.forward(x).split(self.sizes, dim=-1)
         rest = {i: o for i, o in enumerate(outs) if i != index}
-        self._pending = (x, 0 if unversioned else x._version, rest) if rest else None
+        self._pending = (x, 0 if unversioned else x._version, rest, context) if rest else None
         return outs[index]
+
+    def _apply(self, fn, recurse=True):  # moved or converted: outputs kept from before are not its outputs now
+        self._pending = None
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return f"{'+'.join(self.names)}: " + super().extra_repr()
