@@ -151,7 +151,7 @@ def test_state_dict_copies_and_changed_parameters(device):
         other.bn2.running_var.mul_(3.0)
         assert_rel_close(folded(x), other(x).double(), 1e-5)
         twin = copy.deepcopy(folded)
-        assert twin.conv2._tilegemm_fold.norm is twin.bn2 and twin.head[2].norm is twin.head[1]
+        assert twin.conv2._tilegemm_fold.norm is twin.bn2 and twin.head[2].fold.norm is twin.head[1]
         buf = io.BytesIO()
         torch.save(folded, buf)
         loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
@@ -226,6 +226,27 @@ def test_pairs_that_do_not_fold(device):
     x = torch.randn(1, 4, 5, 5, device=device)
     with torch.no_grad():
         assert_rel_close(folded(x), ref(x).double(), 1e-5)
+
+
+def test_a_norm_replaced_after_folding_is_applied_once(device):
+    # SyncBatchNorm.convert_sync_batchnorm (a DDP setup) replaces every batch norm, the folded ones too: the
+    # convolutions stop folding, and the new norms normalize (in eval mode without a process group, as torch's)
+    ref, folded = _pair(device)
+    ref = torch.nn.SyncBatchNorm.convert_sync_batchnorm(ref).eval()
+    folded = torch.nn.SyncBatchNorm.convert_sync_batchnorm(folded).eval()
+    assert not any(isinstance(m, FoldedBatchNorm2d) for m in folded.modules())
+    assert not folded.head[0]._tilegemm_fold.active()
+    x = torch.randn(2, 8, 5, 5, device=device)
+    with torch.no_grad():
+        assert_rel_close(folded(x), ref(x).double(), 1e-5)
+    # a convolution swapped out after folding: its norm normalizes again
+    _, folded = _pair(device)
+    folded.eval()
+    folded.conv1 = copy.deepcopy(folded.conv1)
+    folded.conv1.__dict__.pop("_tilegemm_fold")
+    ref.eval()
+    with torch.no_grad():
+        assert_rel_close(folded(x), _pair(device)[0].eval()(x).double(), 1e-5)
 
 
 def test_hooks_shared_modules_and_other_norms_are_left(device):

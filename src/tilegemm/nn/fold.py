@@ -26,9 +26,11 @@ class FoldedBatchNorm2d(torch.nn.BatchNorm2d):
     applies while :func:`folds` says so: its forward then returns its input. In training mode it is torch's."""
 
     updates = 0  # training-mode calls: they change the running statistics without bumping their versions
+    fold = None  # the Fold of the convolution before it (set by fold_batchnorm_)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if folds(self):
+        fold = self.fold
+        if fold is not None and fold.active():
             return x
         if self.training:
             self.__dict__["updates"] = self.updates + 1
@@ -39,13 +41,13 @@ class FoldedActivation(torch.nn.Module):
     """The activation module ``act`` after a folded batch norm: the convolution's epilogue applies it while the
     batch norm is folded (the input is returned), ``act`` runs otherwise."""
 
-    def __init__(self, act: torch.nn.Module, norm: FoldedBatchNorm2d):
+    def __init__(self, act: torch.nn.Module, fold: "Fold"):
         super().__init__()
         self.act = act
-        self.__dict__["norm"] = norm  # not a submodule: it stays where the model holds it (and in its state dict)
+        self.__dict__["fold"] = fold  # (holds the norm and the convolution, which stay where the model holds them)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if folds(self.norm):
+        if self.fold.active():
             return x
         return self.act(x)
 
@@ -54,24 +56,29 @@ class Fold:
     """What a :class:`tilegemm.nn.Conv2d` folds: the batch norm after it and the activation after that (a name of
     ``tilegemm.ACTIVATIONS`` or None), and the folded weight and bias of the last call that could keep them."""
 
-    def __init__(self, norm: FoldedBatchNorm2d, activation: str | None):
+    def __init__(self, norm: FoldedBatchNorm2d, activation: str | None, places=()):
         self.norm = norm
         self.activation = activation
+        # (parent, name, module) of the convolution and the norm: a fold holds only while both are where it found
+        # them (a norm replaced afterwards, e.g. by SyncBatchNorm.convert_sync_batchnorm, must not be applied twice)
+        self.places = tuple(places)
         self.key = None
         self.cached = None
         self.held = None  # the key's tensors: their storages kept, so no other tensor takes an address the key names
 
     def active(self) -> bool:
-        return folds(self.norm)
+        return folds(self.norm) and all(parent._modules.get(name) is module for parent, name, module in self.places)
 
     def __getstate__(self):  # pickled and copied without the cached tensors
-        return dict(norm=self.norm, activation=self.activation, key=None, cached=None, held=None)
+        return dict(norm=self.norm, activation=self.activation, places=self.places, key=None, cached=None,
+                    held=None)
 
     def __deepcopy__(self, memo):
         import copy
 
-        new = Fold(copy.deepcopy(self.norm, memo), self.activation)
+        new = Fold.__new__(Fold)
         memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
         return new
 
     def parameters(self, weight: torch.Tensor, bias: torch.Tensor | None, cacheable: bool):
@@ -231,12 +238,21 @@ def fold_batchnorm_(model: torch.nn.Module) -> torch.nn.Module:
             activation = None
         new_norm = _shallow_copy(norm, FoldedBatchNorm2d)
         _replace(model, norm_name, new_norm)
-        conv.__dict__["_tilegemm_fold"] = Fold(new_norm, activation)
+        fold = Fold(new_norm, activation, (_place(model, conv_name), _place(model, norm_name)))
+        new_norm.__dict__["fold"] = fold
+        conv.__dict__["_tilegemm_fold"] = fold
         if activation is not None:
-            _replace(model, act_name, FoldedActivation(act, new_norm))
+            _replace(model, act_name, FoldedActivation(act, fold))
         folded.append((conv_name, norm_name, act_name if activation is not None else None))
     model.tilegemm_folded = folded
     return model
+
+
+def _place(model: torch.nn.Module, name: str) -> tuple:
+    """(parent, attribute name, module) of the module at ``name``."""
+    parent, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent) if parent else model
+    return parent, child, parent._modules[child]
 
 
 def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
