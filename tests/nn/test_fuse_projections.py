@@ -228,12 +228,6 @@ def test_groups_left_alone(device):
     assert fuse_projections_(_pair(device)[1]).tilegemm_fused == [("", ("q_proj", "k_proj", "v_proj"))]  # once
 
 
-def test_quantize_joins_when_asked(device):
-    torch.manual_seed(0)
-    model = quantize_(Attention().to(device=device, dtype=torch.float16), group_size=32, fuse_projections=True)
-    assert model.tilegemm_fused == [("", ("q_proj", "k_proj", "v_proj"))] and isinstance(model.v_proj, ProjectionPart)
-
-
 def test_bad_arguments():
     with pytest.raises(TypeError, match="fuse_projections_ takes a torch.nn.Module"):
         fuse_projections_([])

@@ -178,3 +178,28 @@ def test_quantize_keeps_experts_whose_width_the_group_size_does_not_divide_with_
                                                                      "group_size = 32: its experts stay 16-bit")]
     assert any(issubclass(w.category, ConversionNote) and "model.layers.0.mlp.experts" in str(w.message)
                for w in caught)
+
+
+@pytest.mark.parametrize("model_type, class_name, extra", CASES + [
+    pytest.param("qwen3_moe", "Qwen3MoeExperts", {}, id="qwen3_moe")])
+def test_act_order_down_experts_absorbed(model_type, class_name, extra, device):
+    # tilegemm.nn.absorb_act_order_: each expert's down input order moved into its rows of the up side (gate and up
+    # halves, or interleaved; biases too); the block's output bit for bit, and no order left on down
+    from tilegemm.nn.act_order import absorb_act_order_
+    from tilegemm.ops.w4a16.format import Int4Weight
+
+    holder = torch.nn.Module()
+    holder.experts = _experts(model_type, class_name, extra).half().to(device)
+    x, index, weights = _routing(holder.experts, device)
+    assert moe.quantize_experts_(holder, group_size=32) == ["experts"]
+    q = holder.experts
+    down = moe._int4(q, "down_proj")
+    g = torch.Generator().manual_seed(2)
+    perms = torch.stack([torch.randperm(down.shape[2], generator=g) for _ in range(down.shape[0])]).to(device)
+    moe.install_int4_experts_(q, {"down_proj": Int4Weight(down.qweight, down.scales, down.zeros, down.group_size,
+                                                          down.shape, perms)})
+    ref = copy.deepcopy(holder)
+    absorb_act_order_(holder)
+    assert holder.tilegemm_act_order_absorbed == ["experts"] and moe._int4(q, "down_proj").perm is None
+    with torch.no_grad():
+        assert torch.equal(q(x.half(), index, weights.half()), ref.experts(x.half(), index, weights.half()))

@@ -37,6 +37,57 @@ def _natural_order(m: Int4Linear) -> Int4Linear:
     return out.train(m.training)
 
 
+def _expert_columns(module, perm: torch.Tensor, gated: bool) -> torch.Tensor:
+    """[E, N] indices of a stacked up-side weight's output rows giving each expert's intermediate features in
+    ``perm[e]``'s order: gate and up halves one after the other, or interleaved (gate j at 2j, up j at 2j + 1)
+    where the block says ``is_concatenated = False``."""
+    if not gated:
+        return perm
+    width = perm.shape[1]
+    if getattr(module, "is_concatenated", True):
+        return torch.cat([perm, perm + width], dim=1)
+    return torch.stack([2 * perm, 2 * perm + 1], dim=-1).flatten(1)
+
+
+def _absorb_experts(module) -> bool:
+    """A transformers experts block's act-order down experts absorbed by its up side (True), or nothing to do."""
+    from tilegemm.nn.moe import _bias, _int4, install_int4_experts_
+
+    up_name = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+    up, down = _int4(module, up_name), _int4(module, "down_proj")
+    if up is None or down is None or down.perm is None:
+        return False
+    cols = _expert_columns(module, down.perm, up_name == "gate_up_proj").to(up.qweight.device)
+    if cols.shape[1] != up.shape[1]:
+        return False
+
+    def take(t):  # [E, rows, N] -> its columns in cols' order, expert by expert
+        return torch.gather(t, 2, cols[:, None, :].expand(-1, t.shape[1], -1)).contiguous()
+
+    new_up = Int4Weight(take(up.qweight), take(up.scales), take(up.zeros), up.group_size, up.shape, up.perm)
+    new_down = Int4Weight(down.qweight, down.scales, down.zeros, down.group_size, down.shape, None)
+    bias = _bias(module, up_name)
+    install_int4_experts_(module, {up_name: new_up, "down_proj": new_down})
+    if bias is not None:
+        with torch.no_grad():
+            bias.copy_(torch.gather(bias, 1, cols))
+    return True
+
+
+def _probe_experts(module, dtype, device) -> torch.Tensor:
+    """The experts block on a few tokens routed to several experts (transformers' experts call)."""
+    from tilegemm.nn.moe import _int4
+
+    E, hidden = _int4(module, "down_proj").shape[:2]
+    g = torch.Generator().manual_seed(0)
+    k = min(2, E)
+    x = torch.randn(2 * E, hidden, generator=g).to(device=device, dtype=dtype)
+    index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(2 * E)]).to(device)
+    weights = torch.rand(2 * E, k, generator=g).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        return module(x, index, weights)
+
+
 def _probe(module: nn.Module, width: int, dtype: torch.dtype, device) -> torch.Tensor:
     x = torch.randn(2, width, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
     with torch.no_grad():
@@ -46,7 +97,8 @@ def _probe(module: nn.Module, width: int, dtype: torch.dtype, device) -> torch.T
 def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
                       ) -> nn.Module:
     """Move each act-order ``down_proj``'s input order into the ``gate_proj`` and ``up_proj`` before it; return
-    ``model``.
+    ``model``. The same for transformers' MoE experts blocks holding 4-bit experts (each expert's order into its
+    rows of ``gate_up_proj``, or ``up_proj``).
 
     For every module holding the three names (``names``: gate, up, down) as :class:`Int4Linear`\\ s where down's
     weight has an act-order ``perm`` over inputs that the gate and up outputs make (their out_features its
@@ -92,6 +144,36 @@ def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_pro
         for n, p in zip(names, parts):  # a forward this does not fit: as it was
             setattr(module, n, p)
         kept.append(name)
+    from tilegemm.nn.moe import _experts_modules, _int4
+
+    for name, module in list(_experts_modules(model)):  # transformers' experts blocks holding 4-bit experts
+        down = _int4(module, "down_proj")
+        if down is None or down.perm is None or not hasattr(module, "has_gate") or _hooked(module):
+            continue
+        dtype = down.scales.dtype
+        before = _probe_experts(module, dtype, down.qweight.device)
+        saved = {n: t for n, t in module._buffers.items()}
+        bias_name = ("gate_up_proj" if module.has_gate else "up_proj") + "_bias"
+        saved_bias = getattr(module, bias_name).detach().clone() if getattr(module, "has_bias", False) else None
+        if not _absorb_experts(module):
+            continue
+        if torch.equal(_probe_experts(module, dtype, down.qweight.device), before):
+            absorbed.append(name)
+            continue
+        from tilegemm.nn.moe import _drop_fragments, make_fragments_
+
+        module._buffers.clear()  # as it was
+        module._buffers.update(saved)
+        if saved_bias is not None:
+            with torch.no_grad():
+                getattr(module, bias_name).copy_(saved_bias)
+        _drop_fragments(module)
+        make_fragments_(module)
+        kept.append(name)
     model.tilegemm_act_order_absorbed = absorbed
     model.tilegemm_act_order_kept = kept
     return model
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)

@@ -424,7 +424,7 @@ def _router_ids(model: nn.Module) -> set[int]:
 
 
 def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn.Module], bool] | None = None,
-              symmetric: bool = False, *, warn: bool = True, fuse_projections: bool = False) -> nn.Module:
+              symmetric: bool = False, *, warn: bool = True) -> nn.Module:
     """Replace, in place, every ``nn.Linear`` of ``model`` (and transformers' ``Conv1D``, GPT-2's layers) that
     ``filter(name, module)`` accepts by an :class:`Int4Linear`, and the experts of transformers' MoE blocks by
     4-bit stacked ones (:func:`tilegemm.nn.moe.quantize_experts_`); returns ``model``.
@@ -447,8 +447,8 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     ``quantization_config`` then names tilegemm's format (``{"quant_method": "tilegemm", ...}``), which
     ``save_pretrained`` writes: docs/w4a16.md "Saving".
     A model whose weights are DTensors (parallelized already) is refused with a TypeError: quantize first, then
-    parallelize with tilegemm's styles. ``fuse_projections=True``: then :func:`tilegemm.nn.fuse_projections_`
-    (q/k/v and gate/up one product each; docs/w4a16.md "Joined projections").
+    parallelize with tilegemm's styles. :func:`tilegemm.nn.fuse_projections_` afterwards joins q/k/v and gate/up
+    into one product each (docs/w4a16.md "Joined projections").
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_ takes a torch.nn.Module, got {type(model).__name__}")
@@ -491,10 +491,6 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     guard_quantized_output_resize_(model)
     mark_saved_format_(model)
     model.tilegemm_skipped = skipped
-    if fuse_projections:
-        from tilegemm.nn.fuse import fuse_projections_
-
-        fuse_projections_(model)
     if skipped and warn:
         listing = "; ".join(f"{n}: {r}" for n, r in skipped)
         warnings.warn(f"tilegemm.nn.quantize_ kept {len(skipped)} layer(s) as they were: {listing}",
