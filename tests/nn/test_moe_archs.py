@@ -184,7 +184,8 @@ def test_quantize_keeps_experts_whose_width_the_group_size_does_not_divide_with_
     pytest.param("qwen3_moe", "Qwen3MoeExperts", {}, id="qwen3_moe")])
 def test_act_order_down_experts_absorbed(model_type, class_name, extra, device):
     # tilegemm.nn.absorb_act_order_: each expert's down input order moved into its rows of the up side (gate and up
-    # halves, or interleaved; biases too); the block's output bit for bit, and no order left on down
+    # halves, or interleaved; biases too); the block's output as before (to rounding: the interpreter's BLAS sums a
+    # column by its place in a block), and no order left on down
     from tilegemm.nn.act_order import absorb_act_order_
     from tilegemm.ops.w4a16.format import Int4Weight
 
@@ -202,4 +203,5 @@ def test_act_order_down_experts_absorbed(model_type, class_name, extra, device):
     absorb_act_order_(holder)
     assert holder.tilegemm_act_order_absorbed == ["experts"] and moe._int4(q, "down_proj").perm is None
     with torch.no_grad():
-        assert torch.equal(q(x.half(), index, weights.half()), ref.experts(x.half(), index, weights.half()))
+        a, b = q(x.half(), index, weights.half()), ref.experts(x.half(), index, weights.half())
+    assert torch.equal(a.isnan(), b.isnan()) and _rel(a.nan_to_num().float(), b.nan_to_num().float()) < 1e-3
