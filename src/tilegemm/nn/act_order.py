@@ -4,7 +4,8 @@ An act-order 4-bit weight multiplies ``x[..., perm]``, so each call first reorde
 docs/w4a16.md, "Act-order"). In a gated MLP, ``down_proj(act(gate_proj(x)) * up_proj(x))``, the down
 projection's input is made column by column by the gate and up projections: give their output rows ``perm``'s
 order and their product comes out reordered already, and ``down_proj`` takes it as it is. The values are the
-same bit for bit (each output column is computed alone, and the reordered input is the one the gather made).
+same up to the order a kernel sums a column in (each output column is computed alone, and the reordered input is
+the one the gather made).
 """
 
 from __future__ import annotations
