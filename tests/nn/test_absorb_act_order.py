@@ -101,3 +101,54 @@ def test_transformers_llama_then_joined(device):
     with torch.no_grad():
         a, b = model(ids).logits.float(), ref(ids).logits.float()
         assert (a - b).norm() <= 1e-3 * b.norm()
+
+
+class ExtraArgMLP(MLP):  # a forward taking more than the hidden states (transformers' DiffusionGemma has one)
+    def forward(self, x, scale):
+        return super().forward(x) * scale
+
+
+class ThreeDimMLP(MLP):  # a forward reading batch and sequence from the shape (transformers' DogeCDMoE)
+    def forward(self, x):
+        b, s, h = x.shape
+        return super().forward(x.view(b * s, h)).view(b, s, -1)
+
+
+def test_a_forward_the_probe_cannot_run_is_kept_unchanged(device):
+    model = nn.Sequential(MLP(), ExtraArgMLP(), ThreeDimMLP()).to(device)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    absorb_act_order_(model)
+    assert model.tilegemm_act_order_absorbed == ["0", "2"] and model.tilegemm_act_order_kept == ["1"]
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("1."))
+
+
+def test_a_model_on_the_meta_device_is_kept_unchanged():
+    model = nn.Sequential(MLP()).to("meta")
+    absorb_act_order_(model)
+    assert model.tilegemm_act_order_absorbed == [] and model.tilegemm_act_order_kept == ["0"]
+    assert model[0].down_proj.perm.shape == (96,) and model[0].gate_proj.perm.numel() == 0
+
+
+def _experts_block(device):
+    """tilegemm's own experts block (the layout flags of transformers' ones) with act-order 4-bit down experts."""
+    from tilegemm.nn import moe
+
+    g = torch.Generator().manual_seed(5)
+    holder = nn.Module()
+    holder.experts = moe.StackedExperts(torch.randn(4, 64, 64, generator=g).half(),
+                                        torch.randn(4, 64, 32, generator=g).half(), nn.SiLU(), is_transposed=False)
+    holder.to(device)
+    assert moe.quantize_experts_(holder, group_size=32) == ["experts"]
+    down = moe._int4(holder.experts, "down_proj")
+    perms = torch.stack([torch.randperm(32, generator=g) for _ in range(4)]).to(device)
+    moe.install_int4_experts_(holder.experts, {"down_proj": w4a16.Int4Weight(
+        down.qweight, down.scales, down.zeros, down.group_size, down.shape, perms)})
+    return holder
+
+
+def test_experts_on_the_meta_device_are_kept_unchanged():
+    holder = _experts_block("cpu").to("meta")
+    absorb_act_order_(holder)
+    assert holder.tilegemm_act_order_absorbed == [] and holder.tilegemm_act_order_kept == ["experts"]
+    assert holder.experts.tilegemm_down_proj_perm.shape == (4, 32)

@@ -75,7 +75,7 @@ def _absorb_experts(module) -> bool:
     return True
 
 
-def _probe_experts(module, dtype, device) -> torch.Tensor:
+def _probe_experts(module, dtype, device) -> torch.Tensor | None:
     """The experts block on a few tokens routed to several experts (transformers' experts call)."""
     from tilegemm.nn.moe import _int4
 
@@ -85,24 +85,34 @@ def _probe_experts(module, dtype, device) -> torch.Tensor:
     x = (0.25 * torch.randn(2 * E, hidden, generator=g)).to(device=device, dtype=dtype)
     index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(2 * E)]).to(device)
     weights = torch.rand(2 * E, k, generator=g).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        return module(x, index, weights)
+    try:
+        with torch.no_grad():
+            return module(x, index, weights)
+    except Exception:  # noqa: BLE001 - as _probe
+        return None
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same(a, b) -> bool:
     """Equal up to rounding (a relative error within 2^-10, fp16's): a reordered product may sum a column in
     another order (the interpreter's BLAS does, by the column's place in a block), where a forward that does not
     fit the reordering is off by the order of its values. NaN where the other has NaN."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.is_meta or b.is_meta:
+        return False  # (no output, or one without values: nothing to compare)
     if a.shape != b.shape or not torch.equal(a.isnan(), b.isnan()):
         return False
     a, b = a.nan_to_num().double(), b.nan_to_num().double()
     return bool((a - b).norm() <= 2 ** -10 * a.norm())
 
 
-def _probe(module: nn.Module, width: int, dtype: torch.dtype, device) -> torch.Tensor:
-    x = torch.randn(2, width, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        return module(x)
+def _probe(module: nn.Module, width: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """The module's output on a random ``[1, 2, width]`` input (transformers' MLPs read batch and sequence from
+    the shape), or None where the forward cannot run on it (other arguments, a meta device)."""
+    x = torch.randn(1, 2, width, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
+    try:
+        with torch.no_grad():
+            return module(x)
+    except Exception:  # noqa: BLE001 - a forward the probe cannot run is one this cannot check
+        return None
 
 
 def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
@@ -116,7 +126,8 @@ def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_pro
     in_features): gate's and up's output rows are put in ``perm``'s order (weights, scales, zeros and bias;
     their input. The module is then run on a random input before and after: where the outputs differ by more than
     rounding (a forward that does more than ``down(act(gate(x)) * up(x))``, e.g. a norm with a weight over the
-    intermediate features), the module is put back as it was and named in ``model.tilegemm_act_order_kept``. Modules whose
+    intermediate features), or the forward does not run on a random ``[1, 2, hidden]`` input (other arguments, a meta
+    device), the module is put back as it was and named in ``model.tilegemm_act_order_kept``. Modules whose
     parts are held under several names or have hooks are left alone.
 
     ``model.tilegemm_act_order_absorbed`` lists the modules changed. The state dict changes with them: the gate and
@@ -144,6 +155,9 @@ def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_pro
             continue
         dtype = gate.bias.dtype if gate.bias is not None else gate.scales.dtype
         before = _probe(module, gate.in_features, dtype, gate.qweight.device)
+        if not isinstance(before, torch.Tensor) or before.is_meta:  # nothing to check the change against
+            kept.append(name)
+            continue
         perm = down.perm
         new = (_rows_in_order(gate, perm), _rows_in_order(up, perm), _natural_order(down))
         for n, p in zip(names, new):
@@ -165,6 +179,9 @@ def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_pro
             continue
         dtype = down.scales.dtype
         before = _probe_experts(module, dtype, down.qweight.device)
+        if not isinstance(before, torch.Tensor) or before.is_meta:  # as for the MLPs above
+            kept.append(name)
+            continue
         saved = {n: t for n, t in module._buffers.items()}
         bias_name = ("gate_up_proj" if module.has_gate else "up_proj") + "_bias"
         saved_bias = getattr(module, bias_name).detach().clone() if getattr(module, "has_bias", False) else None
