@@ -33,8 +33,9 @@ def _int4(n, k, perm=None, bias=False, seed=0):
 
 
 class MLP(nn.Module):
-    def __init__(self, h=64, i=96, bias=False, norm=False, input_perm=None):
+    def __init__(self, h=64, i=96, bias=False, norm=False, input_perm=None, dropout=0.0):
         super().__init__()
+        self.drop = nn.Dropout(dropout)
         self.gate_proj = _int4(i, h, input_perm, bias, 1)
         self.up_proj = _int4(i, h, input_perm, bias, 2)
         self.down_proj = _int4(h, i, torch.randperm(i, generator=torch.Generator().manual_seed(3)), bias, 4)
@@ -44,7 +45,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         h = nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
-        return self.down_proj(self.norm(h) if self.norm is not None else h)
+        return self.down_proj(self.drop(self.norm(h) if self.norm is not None else h))
 
 
 @pytest.mark.parametrize("bias, input_perm", [(False, None), (True, None), (False, torch.randperm(64))])
@@ -152,3 +153,15 @@ def test_experts_on_the_meta_device_are_kept_unchanged():
     absorb_act_order_(holder)
     assert holder.tilegemm_act_order_absorbed == [] and holder.tilegemm_act_order_kept == ["experts"]
     assert holder.experts.tilegemm_down_proj_perm.shape == (4, 32)
+
+
+def test_a_model_in_training_mode_is_probed_in_eval_mode(device):
+    # dropout draws other masks on each run: the probe in eval mode, the model's flags and the global RNG as they were
+    model = nn.Sequential(MLP(dropout=0.5)).to(device).train()
+    model[0].up_proj.eval()
+    rng = torch.random.get_rng_state()
+    absorb_act_order_(model)
+    assert model.tilegemm_act_order_absorbed == ["0"] and model.tilegemm_act_order_kept == []
+    assert torch.equal(rng, torch.random.get_rng_state())
+    assert model.training and model[0].drop.training and model[0].gate_proj.training and model[0].down_proj.training
+    assert not model[0].up_proj.training

@@ -10,6 +10,8 @@ the one the gather made).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -75,6 +77,19 @@ def _absorb_experts(module) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _evaluating(module: nn.Module):
+    """``module`` in eval mode, then its own training flags again: a training-mode forward draws dropout masks
+    (two runs never agree) and updates running statistics."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
 def _probe_experts(module, dtype, device) -> torch.Tensor | None:
     """The experts block on a few tokens routed to several experts (transformers' experts call)."""
     from tilegemm.nn.moe import _int4
@@ -86,7 +101,7 @@ def _probe_experts(module, dtype, device) -> torch.Tensor | None:
     index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(2 * E)]).to(device)
     weights = torch.rand(2 * E, k, generator=g).to(device=device, dtype=dtype)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _evaluating(module):
             return module(x, index, weights)
     except Exception:  # noqa: BLE001 - as _probe
         return None
@@ -109,7 +124,7 @@ def _probe(module: nn.Module, width: int, dtype: torch.dtype, device) -> torch.T
     the shape), or None where the forward cannot run on it (other arguments, a meta device)."""
     x = torch.randn(1, 2, width, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _evaluating(module):
             return module(x)
     except Exception:  # noqa: BLE001 - a forward the probe cannot run is one this cannot check
         return None
@@ -124,7 +139,7 @@ def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_pro
     For every module holding the three names (``names``: gate, up, down) as :class:`Int4Linear`\\ s where down's
     weight has an act-order ``perm`` over inputs that the gate and up outputs make (their out_features its
     in_features): gate's and up's output rows are put in ``perm``'s order (weights, scales, zeros and bias;
-    their input. The module is then run on a random input before and after: where the outputs differ by more than
+    their input. The module is then run on a random input before and after, in eval mode: where the outputs differ by more than
     rounding (a forward that does more than ``down(act(gate(x)) * up(x))``, e.g. a norm with a weight over the
     intermediate features), or the forward does not run on a random ``[1, 2, hidden]`` input (other arguments, a meta
     device), the module is put back as it was and named in ``model.tilegemm_act_order_kept``. Modules whose
