@@ -165,3 +165,15 @@ def test_a_model_in_training_mode_is_probed_in_eval_mode(device):
     assert torch.equal(rng, torch.random.get_rng_state())
     assert model.training and model[0].drop.training and model[0].gate_proj.training and model[0].down_proj.training
     assert not model[0].up_proj.training
+
+
+def test_under_inference_mode_the_model_keeps_normal_tensors(device):
+    model = nn.Sequential(MLP(bias=True)).to(device)
+    holder = _experts_block(device)
+    with torch.inference_mode():
+        absorb_act_order_(model)
+        absorb_act_order_(holder)  # (the experts' buffers made here were inference tensors, which _int4 cannot key)
+    assert model.tilegemm_act_order_absorbed == ["0"] and holder.tilegemm_act_order_absorbed == ["experts"]
+    assert not any(t.is_inference() for t in [*model.state_dict().values(), *holder.state_dict().values()])
+    model.load_state_dict(copy.deepcopy(model.state_dict()))  # (in place: refused on inference tensors)
+    holder.load_state_dict(copy.deepcopy(holder.state_dict()))

@@ -130,6 +130,7 @@ def _probe(module: nn.Module, width: int, dtype: torch.dtype, device) -> torch.T
         return None
 
 
+@torch.inference_mode(False)  # the tensors made here are normal ones, as the model's: it still loads state dicts
 def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
                       ) -> nn.Module:
     """Move each act-order ``down_proj``'s input order into the ``gate_proj`` and ``up_proj`` before it; return
