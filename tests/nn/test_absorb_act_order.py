@@ -177,3 +177,12 @@ def test_under_inference_mode_the_model_keeps_normal_tensors(device):
     assert not any(t.is_inference() for t in [*model.state_dict().values(), *holder.state_dict().values()])
     model.load_state_dict(copy.deepcopy(model.state_dict()))  # (in place: refused on inference tensors)
     holder.load_state_dict(copy.deepcopy(holder.state_dict()))
+
+
+def test_parts_with_backward_hooks_are_left(device):
+    model = nn.Sequential(MLP(), MLP()).to(device)
+    model[0].gate_proj.register_full_backward_hook(lambda *args: None)
+    model[1].down_proj.register_full_backward_pre_hook(lambda *args: None)
+    absorb_act_order_(model)
+    assert model.tilegemm_act_order_absorbed == []
+    assert model[0].gate_proj._backward_hooks and model[1].down_proj._backward_pre_hooks

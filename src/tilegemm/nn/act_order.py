@@ -167,7 +167,8 @@ def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_pro
         gate, up, down = parts
         if not down.perm.numel() or gate.out_features != down.in_features or up.out_features != down.in_features:
             continue
-        if any(held[id(p)] != 1 or p._forward_hooks or p._forward_pre_hooks for p in parts):
+        # (the parts are replaced: their hooks, backward ones too, would be dropped)
+        if any(held[id(p)] != 1 or _hooked(p) or p._backward_hooks or p._backward_pre_hooks for p in parts):
             continue
         dtype = gate.bias.dtype if gate.bias is not None else gate.scales.dtype
         before = _probe(module, gate.in_features, dtype, gate.qweight.device)
