@@ -205,3 +205,22 @@ def test_act_order_down_experts_absorbed(model_type, class_name, extra, device):
     with torch.no_grad():
         a, b = q(x.half(), index, weights.half()), ref.experts(x.half(), index, weights.half())
     assert torch.equal(a.isnan(), b.isnan()) and _rel(a.nan_to_num().float(), b.nan_to_num().float()) < 1e-3
+
+
+def test_experts_quantized_and_run_under_inference_mode(device):
+    # a model built and quantized inside torch.inference_mode holds inference tensors, which track no version: the
+    # experts' 4-bit weight is not kept between calls then (it was keyed on the versions and raised)
+    torch.manual_seed(0)
+    ref = _narrow_moe("qwen3_moe", 32, device).half()
+    import tilegemm.nn
+
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    tilegemm.nn.quantize_(ref, group_size=32)
+    ids = torch.randint(0, 64, (1, 5), device=device)
+    with torch.inference_mode():
+        model = _narrow_moe("qwen3_moe", 32, device).half()
+        model.load_state_dict(state)
+        tilegemm.nn.quantize_(model, group_size=32)
+        out = model(ids).logits
+    with torch.no_grad():
+        assert torch.equal(out, ref(ids).logits)

@@ -125,7 +125,8 @@ def _int4(module, name: str) -> Int4Weight | None:
     perm = getattr(module, f"tilegemm_{name}_perm", None)  # act-order experts' input orders, [E, K]
     E, R, N = parts[0].shape
     gs = expert_group_size(module, name)  # each weight's own: gate_up and down may differ
-    if torch.compiler.is_compiling():  # a traced graph takes the tensors, the kept fragments among them
+    # a traced graph takes the tensors, the kept fragments among them; inference tensors have no version to key on
+    if torch.compiler.is_compiling() or any(t.is_inference() for t in parts):
         return _with_fragments(module, name, Int4Weight(*parts, gs, (E, N, R * 8), perm))
     key = (gs, *((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
                                          for t in parts + ([perm] if perm is not None else [])))
