@@ -220,7 +220,8 @@ for step in "$@"; do
               timeout -s INT "${MOE_TIMEOUT:-280}" python3 -m tilegemm.cli bench --quiet --no-save --op grouped_w4a16 \
                 --model qwen3_moe --layers "${MOE_LAYERS:-24}" --shape 1,graph --shape 16,graph --shape 1,compile \
                 --kernels auto,fused --json "$OUT/moe-w4-fused-qwen3.json" 2>&1 | grep -E "│ b|auto  |fused  |wrong|error" | tail -n 12
-              pytest_ -m "" tests/nn/test_fuse_projections.py tests/nn/test_absorb_act_order.py tests/nn/test_fold_batchnorm.py 2>&1 | tee "$OUT/fuse-tests.log" | tail -n 4 ;;
+              pytest_ -m "" tests/nn/test_fuse_projections.py tests/nn/test_absorb_act_order.py tests/nn/test_fold_batchnorm.py \
+                tests/nn/test_inference_transforms_gpu.py 2>&1 | tee "$OUT/fuse-tests.log" | tail -n 4 ;;
     fold-models) # convert_ against convert_(fold_batchnorm=True) (row fold): b32 eager and graph, b1 eager, fp16
                 for m in ${ZOO_MODELS:-resnet50 resnext50_32x4d efficientnet_b0 mobilenet_v3_large regnet_y_1_6gf}; do
                   timeout 100 python3 -m tilegemm.cli bench --quiet --no-save --op conv2d --model $m --dtype "${ZOO_DTYPE:-fp16}" \
