@@ -15,6 +15,7 @@ import contextlib
 import torch
 from torch import nn
 
+from tilegemm.nn.hooks import has_hooks
 from tilegemm.nn.int4 import Int4Linear
 from tilegemm.ops.w4a16.format import Int4Weight
 
@@ -168,7 +169,7 @@ def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_pro
         if not down.perm.numel() or gate.out_features != down.in_features or up.out_features != down.in_features:
             continue
         # (the parts are replaced: their hooks, backward ones too, would be dropped)
-        if any(held[id(p)] != 1 or _hooked(p) or p._backward_hooks or p._backward_pre_hooks for p in parts):
+        if any(held[id(p)] != 1 or has_hooks(p) for p in parts):
             continue
         dtype = gate.bias.dtype if gate.bias is not None else gate.scales.dtype
         before = _probe(module, gate.in_features, dtype, gate.qweight.device)
@@ -192,7 +193,7 @@ def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_pro
               if "tilegemm_down_proj_qweight" in m._buffers and all(hasattr(m, a) for a in ("has_gate", "is_concatenated"))]
     for name, module in blocks:
         down = _int4(module, "down_proj")
-        if down is None or down.perm is None or _hooked(module):
+        if down is None or down.perm is None or _forward_hooked(module):
             continue
         dtype = down.scales.dtype
         before = _probe_experts(module, dtype, down.qweight.device)
@@ -222,5 +223,5 @@ def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_pro
     return model
 
 
-def _hooked(module: nn.Module) -> bool:
+def _forward_hooked(module: nn.Module) -> bool:  # (the block stays: its backward hooks stay with it)
     return bool(module._forward_hooks or module._forward_pre_hooks)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from tilegemm.nn.conv import Conv2d, _shallow_copy
+from tilegemm.nn.hooks import has_hooks
 
 __all__ = ["FoldedActivation", "FoldedBatchNorm2d", "fold_batchnorm_", "folds"]
 
@@ -126,11 +127,6 @@ def _activation_name(module: torch.nn.Module) -> str | None:
     return None
 
 
-def _hooked(module: torch.nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or getattr(module, "_backward_pre_hooks", None))
-
-
 def _chains_fx(model: torch.nn.Module) -> list[tuple[str, str, str | None]] | None:
     """(conv, batch norm, activation or None) names where the traced graph calls the batch norm on the
     convolution's output and nothing else reads that output (the same for the activation on the norm's); None
@@ -230,11 +226,11 @@ def fold_batchnorm_(model: torch.nn.Module) -> torch.nn.Module:
             continue
         if type(norm) is not torch.nn.BatchNorm2d or norm.num_features != conv.out_channels:
             continue
-        if held[id(conv)] != 1 or held[id(norm)] != 1 or _hooked(conv) or _hooked(norm):
+        if held[id(conv)] != 1 or held[id(norm)] != 1 or has_hooks(conv) or has_hooks(norm):
             continue
         act = model.get_submodule(act_name) if act_name is not None else None
         activation = _activation_name(act) if act is not None else None
-        if activation is not None and (held[id(act)] != 1 or _hooked(act)):
+        if activation is not None and (held[id(act)] != 1 or has_hooks(act)):
             activation = None
         new_norm = _shallow_copy(norm, FoldedBatchNorm2d)
         _replace(model, norm_name, new_norm)

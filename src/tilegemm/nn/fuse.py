@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tilegemm.nn.hooks import has_hooks
 from tilegemm.nn.int4 import Int4Linear, _is_dtensor
 from tilegemm.ops.w4a16.format import Int4Weight, concat_outputs
 
@@ -165,8 +166,7 @@ def _joinable(mods: list[nn.Module]) -> bool:
         return False
     if any(_is_dtensor(t) for m in mods for t in m._buffers.values()):
         return False
-    if any(getattr(m, name, None) for m in mods for name in ("_forward_hooks", "_forward_pre_hooks",
-                                                              "_backward_hooks", "_backward_pre_hooks")):
+    if any(has_hooks(m) for m in mods):
         return False
     same = lambda f: len({f(m) for m in mods}) == 1  # noqa: E731
     if not (same(lambda m: m.in_features) and same(lambda m: m.group_size) and same(lambda m: m.scales.dtype)
