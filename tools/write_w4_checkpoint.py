@@ -5,6 +5,7 @@ checkpoint writer (tests/models/ckpt_writer.py, independent of tilegemm's packer
     python tools/write_w4_checkpoint.py --out /tmp/llama3-8b-gptq                 # GPTQ v1, g128, symmetric, 32 layers
     python tools/write_w4_checkpoint.py --out DIR --layers 8 --act-order --v2     # act-order, format v2
     python tools/write_w4_checkpoint.py --out DIR --method awq                    # AWQ (gemm)
+    python tools/write_w4_checkpoint.py --out DIR --method compressed-tensors     # llm-compressor W4A16
     python tools/write_w4_checkpoint.py --out DIR --tiny                          # a tiny Llama (seconds, any machine)
     python tools/write_w4_checkpoint.py --out DIR --arch qwen2                    # Qwen2-7B's shapes (q/k/v biases)
 
@@ -41,7 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tilegemm.models.llama's tiny config instead of Llama-3-8B's")
     p.add_argument("--arch", choices=("llama", "qwen2"), default="llama",
                    help="llama: Llama-3-8B's shapes (default); qwen2: Qwen2-7B's (28 layers)")
-    p.add_argument("--method", choices=("gptq", "awq"), default="gptq")
+    p.add_argument("--method", choices=("gptq", "awq", "compressed-tensors"), default="gptq")
     p.add_argument("--group-size", type=int, default=None, help="default 128 (--tiny 32)")
     p.add_argument("--asym", action="store_true", help="asymmetric zeros (default symmetric, zero 8; AWQ: always)")
     p.add_argument("--act-order", action="store_true", help="GPTQ desc_act: g_idx a random permutation of groups")
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
         shapes, full = llama.TINY, llama.TINY_LAYERS
     layers = args.layers or full
     group = args.group_size or (llama.TINY_GROUP if args.tiny else 128)
-    sym = not args.asym and args.method == "gptq"
+    sym = not args.asym and args.method != "awq"
     config = cls(**shapes, num_hidden_layers=layers, torch_dtype="float16")
     with torch.device("meta"):  # names and shapes only
         meta = AutoModelForCausalLM.from_config(config)

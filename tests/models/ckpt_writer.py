@@ -1,5 +1,6 @@
-"""The tests' own writer of 4-bit GPTQ / AWQ checkpoint directories, written from /work/shared's format notes
-(docs/w4a16.md "Loading checkpoints" restates them) and independent of tilegemm's packers: plain torch quantizes,
+"""The tests' own writer of 4-bit GPTQ / AWQ / compressed-tensors checkpoint directories, written from the formats'
+notes (/work/shared's for GPTQ and AWQ, compressed-tensors' description of ``pack-quantized``; docs/w4a16.md
+"Loading checkpoints" restates them) and independent of tilegemm's packers: plain torch quantizes,
 packs nibbles and computes the dequantized weights that a checkpoint means.
 
 - :func:`quantize_linear`: a float weight ``[N, K]`` -> the stored tensors of one quantized Linear and the weight
@@ -19,6 +20,10 @@ Packing (``W.T[k, n]`` is ``q[k, n]``; nibble ``i`` of an int32 is bits ``4i .. 
 GPTQ ``qweight [K/8, N]``: nibble i of row r is ``q[8r + i]``; ``qzeros [G, N/8]``: nibble i of word c is the zero of
 column ``8c + i``, v1 storing ``zero - 1`` (4 bits, wrapping), v2 the zero; ``g_idx [K]`` the group of each input.
 AWQ ``qweight [K, N/8]`` and ``qzeros [G, N/8]``: nibble i of word c is column ``8c + [0, 2, 4, 6, 1, 3, 5, 7][i]``.
+compressed-tensors (``pack-quantized``): signed values -8..7 stored plus 8; ``weight_packed [N, K/8]``: nibble i of
+word j of row n is ``q[n, 8j + i] + 8``; ``weight_scale [N, G]``; asymmetric ``weight_zero_point [N/8, G]``: nibble i
+of row r is the zero of output ``8r + i`` plus 8 (or, as older releases stored it, the signed zeros ``[N, G]``);
+``weight_g_idx [K]`` with act-order; ``weight_shape`` ``[N, K]``. ``W[n, k] = scale[n, g] * (q[n, k] - zero[n, g])``.
 """
 
 from __future__ import annotations
@@ -82,6 +87,21 @@ def unpack_along_n(words: torch.Tensor, awq: bool = False) -> torch.Tensor:
 
 def dequantize_stored(t: dict, method: str, group_size: int, v2: bool = False) -> torch.Tensor:
     """The weight ``[N, K]`` (fp16) a Linear's stored tensors stand for, by the format's formula."""
+    if method == "compressed-tensors":
+        q = unpack_along_k(t["weight_packed"].T.contiguous()) - 8  # [K, N], signed
+        K, N = q.shape
+        scales = t["weight_scale"].float().T  # [G, N]
+        zp = t.get("weight_zero_point")
+        if zp is None:
+            zeros = torch.zeros_like(scales)
+        elif zp.shape[0] == N:  # unpacked, signed
+            zeros = zp.T.float()
+        else:
+            zeros = (unpack_along_k(zp)[:N] - 8).T.float()
+        g = t["weight_g_idx"].to(torch.int64) if "weight_g_idx" in t else \
+            torch.arange(K) // (K // scales.shape[0])
+        wt = (q.float() - zeros[g]) * scales[g]
+        return wt.T.contiguous().to(torch.float16)
     scales = t["scales"].float()
     if method == "gptq":
         q = unpack_along_k(t["qweight"])  # [K, N]
@@ -99,13 +119,17 @@ def dequantize_stored(t: dict, method: str, group_size: int, v2: bool = False) -
 
 def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128, sym: bool = False,
                     act_order: bool = False, v2: bool = False, generator: torch.Generator | None = None,
-                    order: torch.Tensor | None = None):
+                    order: torch.Tensor | None = None, unpacked_zero: bool = False,
+                    scale_dtype: torch.dtype = torch.float16):
     """Round-to-nearest 4-bit quantization of ``w`` ``[N, K]`` as a checkpoint stores it: (stored tensors, the
     fp16 weight they stand for). GPTQ asymmetric: the group's range widened to hold 0, ``scale = range / 15``,
     ``zero = round(-min / scale)``; symmetric: ``scale = 2 max|w| / 15``, zero 8. AWQ: the group's own min and
     max, ``zero = round(-min / scale)`` clamped to 0..15. ``act_order``: groups are a random permutation of the
     inputs (``g_idx``), as GPTQ's ``desc_act`` makes them; ``order`` gives that permutation (else drawn). A layer
-    whose K is below the group size is one group over all of K (``ceil(K / group_size)`` groups, as GPTQ stores)."""
+    whose K is below the group size is one group over all of K (``ceil(K / group_size)`` groups, as GPTQ stores).
+    compressed-tensors: signed values; symmetric ``scale = max|w| / 7.5``, zero 0; asymmetric ``scale = range /
+    15`` (the range widened to hold 0), ``zero = clamp(-8 - round(min / scale), -8, 7)``; scales in
+    ``scale_dtype``, zeros packed unless ``unpacked_zero``."""
     N, K = w.shape
     gs = K if group_size == -1 or K < group_size else group_size
     G = K // gs
@@ -117,6 +141,8 @@ def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128
         order = torch.arange(K)
     grouped = wt[order].reshape(G, gs, N)
     lo, hi = grouped.amin(1), grouped.amax(1)  # [G, N]
+    if method == "compressed-tensors":
+        return _quantize_ct(grouped, order, lo, hi, gs, sym, act_order, unpacked_zero, scale_dtype)
     if method == "gptq" and sym:
         scale = 2 * torch.maximum(lo.abs(), hi.abs()) / 15
     elif method == "gptq":
@@ -141,6 +167,32 @@ def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128
     return t, dequantize_stored(t, method, group_size, v2)
 
 
+def _quantize_ct(grouped, order, lo, hi, gs: int, sym: bool, act_order: bool, unpacked_zero: bool, scale_dtype):
+    G, _, N = grouped.shape
+    K = G * gs
+    if sym:
+        scale = torch.maximum(lo.abs(), hi.abs()) / 7.5
+    else:
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+        scale = (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(scale_dtype)
+    s = scale.float()
+    zero = torch.zeros_like(s) if sym else torch.clamp(-8 - torch.round(lo / s), -8, 7)
+    q_grouped = torch.clamp(torch.round(grouped / s[:, None]) + zero[:, None], -8, 7)
+    q = torch.empty(K, N)
+    q[order] = q_grouped.reshape(K, N)
+    t = dict(weight_packed=pack_along_k(q.to(torch.int64) + 8).T.contiguous(), weight_scale=scale.T.contiguous(),
+             weight_shape=torch.tensor([N, K]))
+    if not sym:
+        zero_nk = zero.T.to(torch.int64)  # [N, G] signed
+        t["weight_zero_point"] = zero_nk.to(torch.int8) if unpacked_zero else pack_along_k(zero_nk + 8)
+    if act_order:
+        g_idx = torch.empty(K, dtype=torch.int32)
+        g_idx[order] = (torch.arange(K) // gs).to(torch.int32)
+        t["weight_g_idx"] = g_idx
+    return t, dequantize_stored(t, "compressed-tensors", gs)
+
+
 def random_linear(N: int, K: int, method: str = "gptq", group_size: int = 128, sym: bool = True,
                   act_order: bool = False, v2: bool = False, generator: torch.Generator | None = None,
                   std: float = 0.02) -> dict:
@@ -158,11 +210,19 @@ def random_linear(N: int, K: int, method: str = "gptq", group_size: int = 128, s
     offset = torch.randint(-half, half + 1, (K, N), generator=generator, dtype=torch.int64, device=dev)
     spread = (((2 * half + 1) ** 2 - 1) / 12) ** 0.5  # the offsets' standard deviation
     scale = (torch.rand(G, N, generator=generator, device=dev) * 0.5 + 0.75) * (std / spread)
-    if method == "gptq":
+    if method in ("gptq", "compressed-tensors"):
         order = torch.randperm(K, generator=generator, device=dev) if act_order else torch.arange(K, device=dev)
         g_idx = torch.empty(K, dtype=torch.int32, device=dev)
         g_idx[order] = (torch.arange(K, device=dev) // gs).to(torch.int32)
         q = zero[g_idx.long()] + offset
+        if method == "compressed-tensors":  # the unsigned values and zeros are the signed ones plus 8
+            t = dict(weight_packed=pack_along_k(q).T.contiguous(), weight_scale=scale.T.half().contiguous(),
+                     weight_shape=torch.tensor([N, K]))
+            if not sym:
+                t["weight_zero_point"] = pack_along_k(zero.T.contiguous())
+            if act_order:
+                t["weight_g_idx"] = g_idx
+            return t
         return dict(qweight=pack_along_k(q), qzeros=pack_along_n(zero if v2 else (zero - 1) & 15),
                     scales=scale.half(), g_idx=g_idx)
     q = zero[torch.arange(K, device=dev) // gs] + offset
@@ -182,6 +242,19 @@ def quantization_config(method: str = "gptq", group_size: int = 128, sym: bool =
             q["checkpoint_format"] = "gptq_v2"
         elif extra.pop("format_key", True):
             q["checkpoint_format"] = "gptq"
+    elif method == "compressed-tensors":  # llm-compressor's W4A16 / W4A16_ASYM, as it writes them
+        weights = dict(num_bits=4, type="int", symmetric=sym, strategy="channel" if group_size == -1 else "group",
+                       group_size=None if group_size == -1 else group_size,
+                       actorder="group" if act_order else None, dynamic=False, observer="minmax",
+                       observer_kwargs={}, block_structure=None)
+        q = dict(quant_method="compressed-tensors", format="pack-quantized", quantization_status="compressed",
+                 config_groups={"group_0": dict(targets=["Linear"], weights=weights, input_activations=None,
+                                                output_activations=None, format=None)},
+                 ignore=["lm_head"] + [f"re:.*{p.replace('.', '[.]')}$" for p in not_convert or ()],
+                 kv_cache_scheme=None, sparsity_config={}, transform_config={}, global_compression_ratio=None,
+                 version="0.12.2")
+        q.update(extra)
+        return q
     else:
         q = dict(quant_method="awq", bits=4, group_size=group_size, zero_point=True, version="gemm")
     q["modules_to_not_convert"] = list(not_convert) if not_convert else None
@@ -269,7 +342,7 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
                 act_order: bool = False, v2: bool = False, shard_bytes: int = 2**30, not_convert=(),
                 seed: int = 0, drop=(), config_extra: dict | None = None, quant_extra: dict | None = None,
                 mixtral_names: bool = False, shared_gate_up_order: bool = True, stored_name=None,
-                group_size_of=None, dense_experts=()) -> dict:
+                group_size_of=None, dense_experts=(), ct_options: dict | None = None) -> dict:
     """Write ``model`` (a transformers model with float weights) as a 4-bit checkpoint at ``path``; return the
     reference state dict: each quantized Linear's dequantized weight (fp16) under ``P.weight`` (a MoE block's
     experts: the 3-D weights of the dequantized experts), every other tensor as stored (fp16). ``drop``: tensor
@@ -278,7 +351,9 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
     ``shared_gate_up_order`` is False. ``stored_name``: a function of each written tensor's name giving the name
     stored (an older checkpoint's names; the reference keeps the model's). ``group_size_of``: a function of a
     Linear's name giving its own group size (GPTQModel's per-module ``dynamic`` overrides), else ``group_size``.
-    ``dense_experts``: experts blocks stored one 16-bit Linear an expert (a block the quantizer left alone)."""
+    ``dense_experts``: experts blocks stored one 16-bit Linear an expert (a block the quantizer left alone).
+    ``ct_options``: :func:`quantize_linear`'s compressed-tensors options (``unpacked_zero``, ``scale_dtype``)."""
+    ct = ct_options or {}
     gen = torch.Generator().manual_seed(seed)
     quantized = set(linear_names(model, not_convert=not_convert))
     writer = Writer(path, shard_bytes)
@@ -299,7 +374,8 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
         if module in quantized and leaf == "weight":
             transposed = _conv1d(model.get_submodule(module))
             gs = group_size if group_size_of is None else group_size_of(module)
-            stored, deq = quantize_linear(tensor.T if transposed else tensor, method, gs, sym, act_order, v2, gen)
+            stored, deq = quantize_linear(tensor.T if transposed else tensor, method, gs, sym, act_order, v2, gen,
+                                          **ct)
             for part, t in stored.items():
                 if f"{module}.{part}" not in drop:
                     writer.add(f"{module}.{part}", t)
@@ -319,7 +395,7 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
             for proj, w in projs:
                 per_expert = []
                 for e in range(w.shape[0]):
-                    stored, deq = quantize_linear(w[e], method, group_size, sym, act_order, v2, gen, orders[e])
+                    stored, deq = quantize_linear(w[e], method, group_size, sym, act_order, v2, gen, orders[e], **ct)
                     for part, t in stored.items():
                         key = f"{stored_block}.{e}.{proj}.{part}"
                         if key not in drop:

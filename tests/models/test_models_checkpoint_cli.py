@@ -66,9 +66,22 @@ def test_the_tool_writes_qwen2_with_biases(tmp_path):
     assert tool.main(["--out", str(tmp_path / "q"), "--tiny"]) == 2  # refuses to write over a checkpoint
 
 
+def test_the_tool_writes_compressed_tensors(tmp_path):
+    tool = _load("tools/write_w4_checkpoint.py", "write_w4_checkpoint")
+    assert tool.main(["--out", str(tmp_path / "c"), "--tiny", "--method", "compressed-tensors", "--asym",
+                      "--act-order"]) == 0
+    q = json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]
+    assert q["quant_method"] == "compressed-tensors" and q["format"] == "pack-quantized"
+    model = from_pretrained(tmp_path / "c", device="cpu")
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Int4Linear) and down.perm.numel() == down.in_features
+    assert down.zeros.min() >= 5 and down.zeros.max() <= 10  # the tool's unsigned zeros, 5..10
+
+
 @pytest.mark.parametrize("method, sym, act_order, v2, group", [
     ("gptq", True, False, False, 128), ("gptq", False, True, False, 64), ("gptq", False, False, True, -1),
-    ("awq", False, False, False, 128)])
+    ("awq", False, False, False, 128), ("compressed-tensors", True, True, False, 64),
+    ("compressed-tensors", False, False, False, 128)])
 def test_random_linears_have_mean_zero_and_the_asked_spread(method, sym, act_order, v2, group):
     # a mean of half a step had made a Llama-3-8B-shaped checkpoint's fp16 logits overflow
     gen = torch.Generator().manual_seed(1)

@@ -58,6 +58,10 @@ CASES = {  # name: (arch, writer options)
     "qwen3moe-gptq-v1-act-order-g32": ("qwen3_moe", dict(method="gptq", group_size=32, act_order=True)),
     "mixtral-gptq-v2-sym-act-order-g32": ("mixtral", dict(method="gptq", group_size=32, sym=True, act_order=True,
                                                           v2=True)),
+    # llm-compressor's pack-quantized experts (weight_packed, ...), one Linear an expert as well
+    "qwen3moe-ct-sym-g32": ("qwen3_moe", dict(method="compressed-tensors", group_size=32, sym=True)),
+    "mixtral-ct-asym-act-order-g32": ("mixtral", dict(method="compressed-tensors", group_size=32, sym=False,
+                                                      act_order=True)),
 }
 
 
@@ -73,7 +77,8 @@ def test_moe_checkpoint_loads_into_stacked_experts(tmp_path, device, name, monke
             with safe_open(str(path / f), "pt") as h:
                 stored |= set(h.keys())
     gate = "block_sparse_moe.experts.3.w1" if arch == "mixtral" else "mlp.experts.3.gate_proj"
-    assert f"model.layers.1.{gate}.qweight" in stored and "model.layers.1.mlp.experts.gate_up_proj" not in stored
+    packed = "weight_packed" if kw["method"] == "compressed-tensors" else "qweight"
+    assert f"model.layers.1.{gate}.{packed}" in stored and "model.layers.1.mlp.experts.gate_up_proj" not in stored
     if arch == "mixtral":  # the router too under its pre-v5 name
         assert "model.layers.0.block_sparse_moe.gate.weight" in stored
         assert "model.layers.0.mlp.gate.weight" not in stored

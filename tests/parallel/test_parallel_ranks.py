@@ -348,7 +348,8 @@ def pretrained_ranks(rank, world, mesh, tmp, names):
         attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
         assert isinstance(mlp.down_proj, Int4Linear) and mlp.down_proj.in_features == 256 // world
         assert attn.q_proj.out_features == 128 // world and attn.o_proj.in_features == 128 // world
-        packed = [n for n in whole if n.endswith((".qweight", ".qzeros", ".scales"))]
+        packed = [n for n in whole if n.endswith((".qweight", ".qzeros", ".scales", ".weight_packed",
+                                                  ".weight_zero_point", ".weight_scale"))]
         if "actorder" in name:  # a row-parallel act-order layer reads its packed tensors whole (one at a time)
             assert packed and all(n.endswith(("o_proj." + n.rpartition(".")[2], "down_proj." + n.rpartition(".")[2]))
                                   for n in packed), packed
@@ -367,7 +368,9 @@ def test_parallel_from_pretrained(tmp_path):
 
     config = cw.tiny_config("llama", hidden=128, layers=1)
     names = {"gptq-actorder-g32": dict(method="gptq", group_size=32, act_order=True),
-             "awq-g64": dict(method="awq", group_size=64)}
+             "awq-g64": dict(method="awq", group_size=64),
+             "ct-asym-g32": dict(method="compressed-tensors", group_size=32, sym=False),
+             "ct-actorder-g64": dict(method="compressed-tensors", group_size=64, act_order=True)}
     for name, kw in names.items():
         cw.write_model(tmp_path / name, cw.random_model(config), **kw)
     spawn("pretrained_ranks", 2, str(tmp_path), list(names))

@@ -3,8 +3,8 @@
 - :mod:`.llama`: a Llama-architecture ``transformers`` model (Llama-3-8B shapes or a tiny config), greedy decoding
   with a static KV cache, eager, replayed from a CUDA graph or compiled; needs ``transformers``.
 - :mod:`.resnet`: torchvision's ResNet-50 (needs ``torchvision``) and a two-block ResNet for the interpreter.
-- :mod:`.pretrained`: :func:`from_pretrained`, a 4-bit GPTQ/AWQ checkpoint directory as its ``transformers`` model
-  on :class:`tilegemm.nn.Int4Linear` (needs ``transformers`` and ``safetensors``).
+- :mod:`.pretrained`: :func:`from_pretrained`, a 4-bit GPTQ/AWQ/compressed-tensors checkpoint directory as its
+  ``transformers`` model on :class:`tilegemm.nn.Int4Linear` (needs ``transformers`` and ``safetensors``).
 - :mod:`.bench`: the bench adapters of both (``--op w4a16 --model llama``, ``--op conv2d --model resnet50``).
 
 ``pip install 'tilegemm[models]'`` brings these libraries. Nothing here is imported by ``import tilegemm``
@@ -21,8 +21,9 @@ __all__ = ["from_pretrained"]
 
 def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, *, device_mesh=None, tp_plan="auto",
                     fuse_projections: bool = False):
-    """The ``transformers`` causal-LM of the quantized (GPTQ or AWQ) checkpoint directory ``path``, every quantized
-    Linear a :class:`tilegemm.nn.Int4Linear` (:func:`tilegemm.models.pretrained.from_pretrained` says what it takes
+    """The ``transformers`` causal-LM of the quantized (GPTQ, AWQ or compressed-tensors) checkpoint directory
+    ``path``, every quantized Linear a :class:`tilegemm.nn.Int4Linear`
+    (:func:`tilegemm.models.pretrained.from_pretrained` says what it takes
     and raises). ``device_mesh`` (a 1-D ``DeviceMesh``): tensor-parallel, each rank reading only its shard of every
     split tensor, split as ``tp_plan`` says (``"auto"``: the config's ``base_model_tp_plan``; or a dict of module
     names or patterns to ``"colwise"`` / ``"rowwise"``; docs/parallel.md). ``fuse_projections=True``: then

@@ -77,8 +77,8 @@ class LlamaDecodeBench(ModelBench):
     def __init__(self, layers: int | None = None, checkpoint: str | None = None):
         """``layers``: Llama-3-8B decoder layers on the GPU; default as many of its 32 as fit
         (:func:`~tilegemm.models.llama.layers_that_fit`), decided when the cases are made. ``checkpoint``: a
-        4-bit GPTQ/AWQ checkpoint directory to load (:func:`tilegemm.models.from_pretrained`) instead of building
-        and quantizing a random model; every sweep then runs it."""
+        4-bit GPTQ/AWQ/compressed-tensors checkpoint directory to load (:func:`tilegemm.models.from_pretrained`)
+        instead of building and quantizing a random model; every sweep then runs it."""
         super().__init__()
         self.layers = layers
         self._fitted = layers is None  # the layer count is what fits, not what was asked for

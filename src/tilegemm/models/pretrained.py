@@ -1,12 +1,14 @@
-"""Load a 4-bit GPTQ or AWQ checkpoint directory: ``from_pretrained(path)`` builds its ``transformers`` model with
-every quantized Linear a :class:`tilegemm.nn.Int4Linear`; ``load_quantized_(model, path)`` loads one into a
-model the caller built.
+"""Load a 4-bit GPTQ, AWQ or compressed-tensors checkpoint directory: ``from_pretrained(path)`` builds its
+``transformers`` model with every quantized Linear a :class:`tilegemm.nn.Int4Linear`; ``load_quantized_(model,
+path)`` loads one into a model the caller built.
 
 A checkpoint directory (the Hugging Face layout, ``docs/w4a16.md`` "Loading checkpoints"): ``config.json`` with a
 ``quantization_config``, tensors in ``model.safetensors`` or in shards listed by ``model.safetensors.index.json``.
-A quantized Linear ``P`` stores ``P.qweight``, ``P.qzeros``, ``P.scales`` (GPTQ: ``P.g_idx``; maybe ``P.bias``)
-instead of ``P.weight``; the rest is stored as plain tensors and loaded as stored. A MoE block's experts, stored
-one quantized Linear per expert, are stacked into the block's 4-bit experts (``tilegemm.nn.moe``).
+A quantized Linear ``P`` stores ``P.qweight``, ``P.qzeros``, ``P.scales`` (GPTQ: ``P.g_idx``; maybe ``P.bias``), or
+compressed-tensors' ``P.weight_packed``, ``P.weight_scale`` (``P.weight_zero_point``, ``P.weight_g_idx``,
+``P.weight_shape``), instead of ``P.weight``; the rest is stored as plain tensors and loaded as stored. A MoE
+block's experts, stored one quantized Linear per expert, are stacked into the block's 4-bit experts
+(``tilegemm.nn.moe``).
 
 Memory: the model is built with its parameters on the meta device (no storage), then filled tensor by tensor,
 each read straight onto the target device with ``safetensors``; a quantized Linear is built from its packed
@@ -35,14 +37,22 @@ from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear, guard_quantized_output_re
 from tilegemm.nn.fuse import ProjectionPart
 from tilegemm.nn.moe import (_experts_modules, _int4, convert_moe_blocks_, install_int4_experts_, register_experts,
                              use_int4_experts_)
-from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_gptq
+from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_compressed_tensors, from_gptq
 from tilegemm.ops.w4a16.format import concat_outputs, fits_fragments, stack_experts
 
 INSTALL = "pip install 'tilegemm[models]'"
-METHODS = ("gptq", "awq")  # the quant_method values taken
+METHODS = ("gptq", "awq", "compressed-tensors")  # the quant_method values taken
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # GPTQ checkpoint formats: v1 (zero - 1 stored) and v2 (the zero itself)
+CT_FORMAT = "pack-quantized"  # the compressed-tensors format taken: 4-bit values eight to an int32
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
-_QUANT_PARTS = {"gptq": ("qweight", "qzeros", "scales"), "awq": ("qweight", "qzeros", "scales")}
+# The tensors a quantized Linear P stores, by role, for each method: P.<leaf>. "qweight" marks P as stored
+# quantized; "g_idx" (act-order) and compressed-tensors' "shape" ([N, K]) are optional.
+_LEAVES = {
+    "gptq": dict(qweight="qweight", qzeros="qzeros", scales="scales", g_idx="g_idx"),
+    "awq": dict(qweight="qweight", qzeros="qzeros", scales="scales"),
+    "compressed-tensors": dict(qweight="weight_packed", qzeros="weight_zero_point", scales="weight_scale",
+                               g_idx="weight_g_idx", shape="weight_shape"),
+}
 # Stored by some checkpoints but recomputed by the model (rotary tables): not an unexpected tensor.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -51,32 +61,65 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 class QuantConfig:
     """What a checkpoint's ``quantization_config`` says about how its Linears are stored."""
 
-    method: str  # "gptq" or "awq"
+    method: str  # "gptq", "awq" or "compressed-tensors"
     group_size: int  # 32 .. 256, or -1 for all of K
-    desc_act: bool = False  # GPTQ act-order (g_idx a permutation of the groups)
+    desc_act: bool = False  # act-order (g_idx a permutation of the groups)
     sym: bool = True
     checkpoint_format: str = "gptq"  # GPTQ: "gptq" (v1) or "gptq_v2"
     modules_to_not_convert: tuple[str, ...] = ()
     # GPTQModel's per-module overrides ("dynamic"): (skip, compiled pattern, overrides) in the config's order
     dynamic: tuple = ()
     bits: int = 4
+    # compressed-tensors: (targets, overrides) of each config group, and the ignore list (names, "re:" patterns or
+    # class names, matched as compressed-tensors matches them: _ct_match)
+    groups: tuple = ()
+    ignore: tuple[str, ...] = ()
 
-    def for_module(self, name: str) -> "QuantConfig | None":
-        """How module ``name`` is stored: the first ``dynamic`` pattern that matches its name (``re.match``, as
-        GPTQModel matches) overrides group_size, sym, desc_act and bits, or (a ``-:`` pattern) leaves it
-        unquantized (None); no match: this config."""
+    def for_module(self, name: str, classes: tuple[str, ...] = ("Linear",)) -> "QuantConfig | None":
+        """How module ``name`` (whose classes, its MRO's names, are ``classes``) is stored: GPTQ, the first
+        ``dynamic`` pattern that matches its name (``re.match``, as GPTQModel matches) overrides group_size, sym,
+        desc_act and bits, or (a ``-:`` pattern) leaves it unquantized (None); compressed-tensors, the first config
+        group that targets it gives its settings, and None where ``ignore`` names it or no group targets it;
+        otherwise this config."""
+        if self.method == "compressed-tensors":
+            if any(_ct_match(name, classes, t) for t in self.ignore):
+                return None
+            for targets, overrides in self.groups:
+                if any(_ct_match(name, classes, t) for t in targets):
+                    return dataclasses.replace(self, groups=(), ignore=(), **overrides)
+            return None
         for skip, pattern, overrides in self.dynamic:
             if pattern.match(name):
                 return None if skip else dataclasses.replace(self, dynamic=(), **overrides)
         return self
 
+    def leaf(self, role: str) -> str | None:
+        """The name under ``P.`` of a quantized Linear's tensor of ``role`` (qweight, qzeros, scales, g_idx, shape)
+        in this method's checkpoints, None if it stores none."""
+        return _LEAVES[self.method].get(role)
+
+    @property
+    def leaves(self) -> tuple[str, ...]:
+        return tuple(_LEAVES[self.method].values())
+
     def describe(self) -> str:
         if self.method == "awq":
             what = "AWQ (gemm)"
+        elif self.method == "compressed-tensors":
+            what = f"compressed-tensors ({CT_FORMAT}, {'symmetric' if self.sym else 'asymmetric'}" + \
+                (", act-order)" if self.desc_act else ")")
         else:
             what = f"GPTQ {'v2' if self.checkpoint_format == 'gptq_v2' else 'v1'}" + (", act-order" if self.desc_act
                                                                                     else "")
         return f"{what}, {self.bits}-bit, group {self.group_size}"
+
+
+def _ct_match(name: str, classes: tuple[str, ...], target: str) -> bool:
+    """Whether a compressed-tensors target or ignore entry names a module: ``"re:<regex>"`` matched at the start
+    of its name (``re.match``), else its name exactly or one of its classes' names."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name or target in classes
 
 
 # --- the directory --------------------------------------------------------------------------------------
@@ -116,18 +159,20 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
     q = config.get("quantization_config")
     if q is None:
         raise ValueError(f"{where} has no quantization_config: not a quantized checkpoint (tilegemm loads 4-bit "
-                         f"{' and '.join(m.upper() for m in METHODS)} checkpoints)")
+                         f"GPTQ, AWQ and compressed-tensors checkpoints)")
     if not isinstance(q, dict):
         raise ValueError(f"{where}: quantization_config must be a JSON object, got {type(q).__name__}")
     method = str(q.get("quant_method", "")).lower()
     if method == SAVED_METHOD:
         raise ValueError(f"{where}: quant_method 'tilegemm' is what save_pretrained writes for a model holding "
-                         f"tilegemm's 4-bit layers, not a GPTQ or AWQ checkpoint: build the model, quantize it with "
-                         f"tilegemm.nn.quantize_(model, group_size={q.get('group_size')!r}) and load the saved tensors "
-                         f"with model.load_state_dict (docs/w4a16.md \"Saving\")")
+                         f"tilegemm's 4-bit layers, not a GPTQ, AWQ or compressed-tensors checkpoint: build the "
+                         f"model, quantize it with tilegemm.nn.quantize_(model, group_size={q.get('group_size')!r}) "
+                         f"and load the saved tensors with model.load_state_dict (docs/w4a16.md \"Saving\")")
     if method not in METHODS:
         raise ValueError(f"{where}: quant_method {q.get('quant_method')!r} is not supported; supported: "
                          f"{', '.join(repr(m) for m in METHODS)}")
+    if method == "compressed-tensors":
+        return _ct_config(q, where)
     bits = q.get("bits", q.get("w_bit"))
     if bits != 4:
         raise ValueError(f"{where}: bits = {bits!r}; tilegemm loads 4-bit checkpoints only (bits = 4)")
@@ -154,6 +199,84 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
     return QuantConfig("gptq", group_size, desc_act=bool(q.get("desc_act", False)), sym=bool(q.get("sym", True)),
                        checkpoint_format=fmt, modules_to_not_convert=tuple(not_convert),
                        dynamic=_dynamic(q.get("dynamic"), where))
+
+
+# compressed-tensors' preset schemes that a config group may name instead of spelling out its weights
+_CT_PRESETS = {"W4A16": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128),
+               "W4A16_ASYM": dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128)}
+
+
+def _ct_config(q: dict, where: str) -> QuantConfig:
+    """A compressed-tensors ``quantization_config`` (llm-compressor's checkpoints): ``config_groups`` of
+    weight-only 4-bit integer schemes (``group`` or ``channel`` strategy, symmetric or not, act-order or not)
+    stored ``pack-quantized``; ``ignore``. Anything else is refused here, naming the group and the setting."""
+    top_format = q.get("format")
+    sparsity = q.get("sparsity_config") or {}
+    if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
+        raise ValueError(f"{where}: compressed-tensors sparsity_config format {sparsity.get('format')!r}: sparse "
+                         f"weights are not supported (tilegemm loads dense {CT_FORMAT} weights)")
+    if q.get("transform_config"):
+        raise ValueError(f"{where}: compressed-tensors transform_config (rotations applied to weights and "
+                         f"activations) is not supported")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{where}: compressed-tensors quantization_config needs config_groups (a JSON object of "
+                         f"named schemes), got {groups!r}")
+    ignore = q.get("ignore") or ()
+    if isinstance(ignore, str) or not all(isinstance(i, str) for i in ignore):
+        raise ValueError(f"{where}: quantization_config.ignore must be a list of module names or patterns, got "
+                         f"{ignore!r}")
+    rules = []
+    for gname, scheme in groups.items():
+        at = f"{where}: quantization_config.config_groups[{gname!r}]"
+        if isinstance(scheme, list):  # {"W4A16": ["Linear"]}: a preset named by the group, applied to targets
+            if gname.upper() not in _CT_PRESETS:
+                raise ValueError(f"{at}: the preset scheme {gname!r} is not supported; supported: "
+                                 f"{', '.join(_CT_PRESETS)}")
+            scheme = dict(targets=scheme, weights=_CT_PRESETS[gname.upper()])
+        if not isinstance(scheme, dict):
+            raise ValueError(f"{at} must be a JSON object (a scheme), got {type(scheme).__name__}")
+        targets = scheme.get("targets") or []
+        if isinstance(targets, str) or not all(isinstance(t, str) for t in targets):
+            raise ValueError(f"{at}.targets must be a list of module names, patterns or class names, got "
+                             f"{targets!r}")
+        for side in ("input_activations", "output_activations"):
+            if scheme.get(side) is not None:
+                raise ValueError(f"{at} quantizes activations ({side}); tilegemm runs 16-bit activations: "
+                                 f"weight-only schemes (W4A16) only")
+        fmt = scheme.get("format") or top_format
+        if fmt != CT_FORMAT:
+            raise ValueError(f"{at}: format {fmt!r} is not supported; supported: {CT_FORMAT!r} (4-bit integers "
+                             f"packed eight to an int32)")
+        w = scheme.get("weights")
+        if not isinstance(w, dict):
+            raise ValueError(f"{at} quantizes no weights (weights = {w!r})")
+        bits, kind = w.get("num_bits", 8), str(w.get("type", "int")).lower()
+        if bits != 4 or kind != "int":
+            raise ValueError(f"{at}: weights of {bits}-bit {kind} are not supported; tilegemm loads 4-bit int "
+                             f"weights")
+        if w.get("dynamic"):
+            raise ValueError(f"{at}: dynamic weight quantization ({w.get('dynamic')!r}) is not supported")
+        gs = w.get("group_size")
+        strategy = str(w.get("strategy") or ("tensor" if gs is None else "channel" if gs == -1 else "group")).lower()
+        if strategy == "channel":
+            gs = -1  # one scale a row: all of K
+        elif strategy != "group":
+            raise ValueError(f"{at}: weights strategy {strategy!r} is not supported; supported: 'group', 'channel'")
+        elif isinstance(gs, bool) or not isinstance(gs, int) or gs <= 0:
+            raise ValueError(f"{at}: strategy 'group' needs a positive group_size, got {gs!r}")
+        actorder = w.get("actorder")
+        actorder = ("group" if actorder else None) if isinstance(actorder, bool) or actorder is None else \
+            str(actorder).lower()
+        if actorder not in (None, "group", "dynamic", "weight", "static"):
+            raise ValueError(f"{at}: actorder {actorder!r} is not one of 'group', 'weight' (or null)")
+        # "group" (alias "dynamic") stores each input's group (weight_g_idx); "weight" ("static") quantized in
+        # activation order but kept its groups in the natural order, so it loads as a plain layer
+        rules.append((tuple(targets), dict(group_size=gs, sym=bool(w.get("symmetric", True)),
+                                           desc_act=actorder in ("group", "dynamic"))))
+    first = rules[0][1]
+    return QuantConfig("compressed-tensors", first["group_size"], desc_act=first["desc_act"], sym=first["sym"],
+                       groups=tuple(rules), ignore=tuple(ignore))
 
 
 def _dynamic(dynamic, where: str) -> tuple:
@@ -272,14 +395,15 @@ class _Tensors:
         return self._holding(name).get_slice(self._stored.get(name, name))[index]
 
 
-_QUANT_LEAVES = ("qweight", "qzeros", "scales", "g_idx")
+_QUANT_LEAVES = frozenset(leaf for leaves in _LEAVES.values() for leaf in leaves.values())  # every method's
 
 
 def _model_names(model: nn.Module):
     """A function from a checkpoint's tensor name to the model's, by the renamings transformers applies when it
     loads an older checkpoint into ``model`` (Gemma-3's ``language_model.model.`` -> ``model.language_model.``,
     PhiMoE's ``block_sparse_moe.gate.weight`` -> ``mlp.router.weight``, ...); None where transformers has none.
-    Packed parts (``.qweight`` ...) are renamed as their module's ``.weight`` is. Transformers' converters (its
+    Packed parts (``.qweight``, ``.weight_packed`` ...) are renamed as their module's ``.weight`` is.
+    Transformers' converters (its
     experts merges) are not applied: per-expert checkpoints are stacked here (:func:`_stored_experts`)."""
     try:  # transformers >= 5's loading internals; without them the names stay as stored
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -354,10 +478,12 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None) -> nn
     :class:`~tilegemm.nn.Int4Linear`, every other tensor loaded as stored (floats in ``dtype``, fp16 or bf16).
 
     Any architecture ``transformers.AutoModelForCausalLM`` knows; ``quantization_config``: GPTQ (``checkpoint_format``
-    ``"gptq"`` (v1) or ``"gptq_v2"``; act-order ``desc_act``; symmetric or not) or AWQ (``version: "gemm"``),
-    ``bits`` 4, any group size the kernels take (32, 64, 128, 256, -1 = all of K). Raises FileNotFoundError,
-    ValueError or TypeError naming the problem (no directory, no config.json, no quantization_config, another
-    method or bit width, missing tensors, shapes that do not match the config).
+    ``"gptq"`` (v1) or ``"gptq_v2"``; act-order ``desc_act``; symmetric or not), AWQ (``version: "gemm"``) or
+    compressed-tensors (llm-compressor's W4A16 schemes stored ``"pack-quantized"``: 4-bit int weights, group or
+    channel strategy, symmetric or not, act-order), 4 bits, any group size the kernels take (32, 64, 128, 256,
+    -1 = all of K). Raises FileNotFoundError, ValueError or TypeError naming the problem (no directory, no
+    config.json, no quantization_config, another method or bit width, missing tensors, shapes that do not match
+    the config).
 
     Mixture-of-experts checkpoints storing each expert as its own quantized Linear (``<block>.<e>.gate_proj`` ...,
     Mixtral's ``block_sparse_moe.experts.<e>.w1`` ...) load into the blocks' stacked 4-bit experts, run by the
@@ -459,11 +585,40 @@ def _groups_fit(group_size: int, K: int) -> bool:
     return _one_group(group_size, K) or K % group_size == 0
 
 
-def _expected_quant_shapes(q: QuantConfig, N: int, K: int) -> dict[str, list[int]]:
+def _expected_quant_shapes(q: QuantConfig, N: int, K: int) -> dict[str, tuple[list, bool]]:
+    """The tensors a quantized Linear ``[N, K]`` stores under ``q``: leaf -> (the shapes it may have, required)."""
     G = 1 if _one_group(q.group_size, K) else K // q.group_size
     if q.method == "gptq":
-        return dict(qweight=[K // 8, N], qzeros=[G, N // 8], scales=[G, N], g_idx=[K])
-    return dict(qweight=[K, N // 8], qzeros=[G, N // 8], scales=[G, N])
+        return dict(qweight=([[K // 8, N]], True), qzeros=([[G, N // 8]], True), scales=([[G, N]], True),
+                    g_idx=([[K]], q.desc_act))
+    if q.method == "awq":
+        return dict(qweight=([[K, N // 8]], True), qzeros=([[G, N // 8]], True), scales=([[G, N]], True))
+    # compressed-tensors: zero points only when asymmetric, packed along N (or, from releases before that
+    # packing, the [N, G] zeros themselves); the group of each input when quantized in activation order
+    return dict(weight_packed=([[N, K // 8]], True), weight_scale=([[N, G]], True),
+                weight_zero_point=([[-(-N // 8), G], [N, G]], not q.sym), weight_g_idx=([[K]], q.desc_act),
+                weight_shape=([[2]], False))
+
+
+def _check_quant_shapes(tensors: "_Tensors", prefix: str, q: QuantConfig, N: int, K: int, what: str,
+                        problems: list, missing: list) -> set:
+    """Check the stored tensors of the quantized Linear ``prefix`` (``[N, K]``, ``what`` names it in messages)
+    against ``q``, appending to ``problems`` / ``missing``; the names found."""
+    found = set()
+    for part, (shapes, required) in _expected_quant_shapes(q, N, K).items():
+        key = f"{prefix}.{part}"
+        if key not in tensors:
+            if required:
+                missing.append(key)
+            continue
+        found.add(key)
+        if tensors.shape(key) not in shapes:
+            problems.append(f"{key}: the checkpoint's shape {tensors.shape(key)} does not match "
+                            f"{' or '.join(map(str, shapes))}, what {what} with {q.describe()} stores")
+        elif part == "weight_shape" and [int(v) for v in tensors.get(key).tolist()] != [N, K]:
+            problems.append(f"{key}: the checkpoint says the weight is {tensors.get(key).tolist()}, the model's "
+                            f"is [{N}, {K}]")
+    return found
 
 
 # Output columns converted at a time, as a count of weights: the importers and the fragment layout make int64
@@ -474,9 +629,17 @@ CHUNK_WEIGHTS = 1 << 23
 
 
 def _import_columns(parts: dict, g_idx, q: QuantConfig, a: int, b: int) -> Int4Weight:
-    """The :class:`Int4Weight` of output columns ``a:b`` of a stored quantized Linear, through the importers."""
+    """The :class:`Int4Weight` of output columns ``a:b`` of a stored quantized Linear, through the importers;
+    ``parts`` by role (qweight, qzeros, scales; qzeros None where the checkpoint stores none)."""
     cols = slice(a, b)
     packed = slice(a // 8, b // 8)  # columns packed eight to an int32
+    if q.method == "compressed-tensors":  # [N, ...]: output rows first
+        zp = parts.get("qzeros")
+        if zp is not None:
+            zp = zp[cols] if zp.shape[0] == parts["qweight"].shape[0] else zp[a // 8:-(-b // 8)]
+            zp = zp.contiguous()
+        return from_compressed_tensors(parts["qweight"][cols].contiguous(), parts["scales"][cols].contiguous(), zp,
+                                       g_idx)
     scales = parts["scales"][:, cols].contiguous()
     if q.method == "awq":
         return from_awq(parts["qweight"][:, packed].contiguous(), parts["qzeros"][:, packed].contiguous(), scales)
@@ -488,13 +651,23 @@ def _import_columns(parts: dict, g_idx, q: QuantConfig, a: int, b: int) -> Int4W
     return w
 
 
+def _stored_parts(tensors: "_Tensors", prefix: str, q: QuantConfig, dtype) -> tuple[dict, torch.Tensor | None]:
+    """A stored quantized Linear's tensors by role (scales in ``dtype``; qzeros None where not stored), and its
+    g_idx (None where not stored)."""
+    parts = {}
+    for role in ("qweight", "qzeros", "scales"):
+        key = f"{prefix}.{q.leaf(role)}"
+        parts[role] = tensors.get(key) if key in tensors else None
+    parts["scales"] = parts["scales"].to(dtype)
+    g_key = f"{prefix}.{q.leaf('g_idx')}" if q.leaf("g_idx") else None
+    return parts, tensors.get(g_key) if g_key is not None and g_key in tensors else None
+
+
 def _int4_weight(tensors: _Tensors, prefix: str, q: QuantConfig, N: int, K: int, dtype,
                  chunk_weights: int | None = None) -> Int4Weight:
     """The :class:`Int4Weight` of the quantized Linear ``prefix`` (out ``N``, in ``K``) with its fragment layout
     made, converted a slice of output columns at a time (:data:`CHUNK_WEIGHTS`)."""
-    parts = {p: tensors.get(f"{prefix}.{p}") for p in _QUANT_PARTS[q.method]}
-    parts["scales"] = parts["scales"].to(dtype)
-    g_idx = tensors.get(f"{prefix}.g_idx") if q.method == "gptq" and f"{prefix}.g_idx" in tensors else None
+    parts, g_idx = _stored_parts(tensors, prefix, q, dtype)
     step = max(256, (chunk_weights or CHUNK_WEIGHTS) // K // 256 * 256)
     pieces, frags = [], []
     for a in range(0, N, step):
@@ -553,10 +726,11 @@ def _int4_experts_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _stored_experts(model: nn.Module, tensors: _Tensors, problems: list | None = None,
-                    loaded: tuple[str, ...] = ()) -> list[_StoredExperts]:
+                    loaded: tuple[str, ...] = (), marker: str = "qweight") -> list[_StoredExperts]:
     """The experts blocks of ``model`` that the checkpoint stores per expert (quantized), with their names there.
     A block holding 4-bit experts already is rebuilt from a checkpoint storing its experts quantized; stored
-    otherwise (16-bit) it is a problem (appended to ``problems``), as its 4-bit parts would be left as they were."""
+    otherwise (16-bit) it is a problem (appended to ``problems``), as its 4-bit parts would be left as they were.
+    ``marker``: the leaf a quantized Linear stores its packed weight under (``QuantConfig.leaf("qweight")``)."""
     found = []
     four_bit = [(n, m) for n, m in _int4_experts_blocks(model) if n not in loaded]  # (filled already: not checked)
     for name, module in [*_experts_modules(model), *four_bit]:
@@ -576,7 +750,7 @@ def _stored_experts(model: nn.Module, tensors: _Tensors, problems: list | None =
                                 f"stores them 16-bit ({name}.{up_name}): load into a model that is not quantized")
             continue
         for prefix in _aliases(name):
-            for leaf in ("qweight", "weight"):
+            for leaf in (marker, "weight"):
                 names = next((n for n in _EXPERT_NAMES if any(f"{prefix}.{e}.{p}.{leaf}" in tensors
                                                               for e in range(E) for p in n)), None)
                 if names is not None:
@@ -614,34 +788,29 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
         qk = q.for_module(key)
         if qk is None or qk.bits != 4:
             problems.append(f"{key}: stored {'16-bit' if qk is None else f'with bits = {qk.bits!r}'} "
-                            f"(quantization_config.dynamic); a block's experts load when all are 4-bit")
+                            f"({_settings_of(q)}); a block's experts load when all are 4-bit")
             continue
         if N % 8 or K % 8 or not _groups_fit(qk.group_size, K):
             problems.append(f"{key}: [out, in] = [{N}, {K}] does not fit 4-bit packing with group_size "
                             f"{qk.group_size}")
             continue
-        for part, shape in _expected_quant_shapes(qk, N, K).items():
-            name = f"{key}.{part}"
-            if name not in tensors:
-                if part != "g_idx" or qk.desc_act:
-                    missing.append(name)
-                continue
-            used.add(name)
-            if tensors.shape(name) != shape:
-                problems.append(f"{name}: the checkpoint's shape {tensors.shape(name)} does not match {shape}, "
-                                f"what expert {s.name} ({qk.describe()}) stores")
+        used |= _check_quant_shapes(tensors, key, qk, N, K, f"expert {s.name}", problems, missing)
         if f"{key}.bias" in tensors:
             used.add(f"{key}.bias")
     return used
+
+
+def _settings_of(q: QuantConfig) -> str:
+    """Where a checkpoint's config gives one module settings of its own (for messages)."""
+    return "quantization_config: its ignore list, or no config group targets it" if \
+        q.method == "compressed-tensors" else "quantization_config.dynamic"
 
 
 def _expert_weight(tensors: _Tensors, key: str, q: QuantConfig, N: int, K: int, dtype) -> Int4Weight:
     """One stored expert Linear as an :class:`Int4Weight` (no fragment layout: the grouped kernels read the
     stacked parts), with the checkpoint's group size (-1 stays -1 for every projection); act-order (a g_idx that
     reorders the inputs) keeps its input permutation, which the stacked experts carry an expert each."""
-    parts = {p: tensors.get(f"{key}.{p}") for p in _QUANT_PARTS[q.method]}
-    parts["scales"] = parts["scales"].to(dtype)
-    g_idx = tensors.get(f"{key}.g_idx") if q.method == "gptq" and f"{key}.g_idx" in tensors else None
+    parts, g_idx = _stored_parts(tensors, key, q, dtype)
     w = _import_columns(parts, g_idx, q, 0, N)
     if _one_group(q.group_size, K) and w.group_size != -1:  # one group: -1 for every expert and projection
         w = Int4Weight(w.qweight, w.scales, w.zeros, -1, w.shape, w.perm)
@@ -721,9 +890,10 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     quantized, problems, missing = [], [], []
     configs: dict[str, QuantConfig] = {}
     refused = set()  # stored quantized, refused above: their tensors are no strays
+    marker = q.leaf("qweight")  # the packed weight's leaf: a Linear storing it is stored quantized
     for name, m in linears.items():
-        stored = f"{name}.qweight" in tensors
-        qm = q.for_module(name)
+        stored = f"{name}.{marker}" in tensors
+        qm = q.for_module(name, tuple(c.__name__ for c in type(m).__mro__) + ("Linear",))
         if stored:
             refused.add(name)
         if isinstance(m, Int4Linear) and not stored:
@@ -733,14 +903,16 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
             continue
         if qm is None or _not_converted(name, q.modules_to_not_convert):
             if stored:
-                why = "in modules_to_not_convert" if qm is not None else "left 16-bit by a '-:' pattern of dynamic"
-                problems.append(f"{name} is {why} but the checkpoint stores it quantized ({name}.qweight)")
+                why = "in modules_to_not_convert" if qm is not None else \
+                    "left 16-bit by a '-:' pattern of dynamic" if q.method != "compressed-tensors" else \
+                    "in quantization_config.ignore, or targeted by no config group,"
+                problems.append(f"{name} is {why} but the checkpoint stores it quantized ({name}.{marker})")
             continue
         if not stored:
             continue
         if qm.bits != 4:
-            problems.append(f"{name}: stored with bits = {qm.bits!r} (quantization_config.dynamic); tilegemm loads "
-                            f"4-bit layers only")
+            problems.append(f"{name}: stored with bits = {qm.bits!r} ({_settings_of(q)}); tilegemm loads 4-bit "
+                            f"layers only")
             continue
         N, K = _linear_shape(m)
         if N % 8 or K % 8:
@@ -749,16 +921,8 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         if not _groups_fit(qm.group_size, K):
             problems.append(f"{name}: in_features {K} is not divisible by group_size {qm.group_size}")
             continue
-        expected = _expected_quant_shapes(qm, N, K)
-        for part, shape in expected.items():
-            key = f"{name}.{part}"
-            if key not in tensors:
-                if part != "g_idx" or qm.desc_act:  # g_idx is optional without act-order
-                    missing.append(key)
-            elif tensors.shape(key) != shape:
-                problems.append(f"{key}: the checkpoint's shape {tensors.shape(key)} does not match {shape}, what "
-                                f"{type(m).__name__}(in_features={K}, out_features={N}) with "
-                                f"{qm.describe()} stores")
+        _check_quant_shapes(tensors, name, qm, N, K, f"{type(m).__name__}(in_features={K}, out_features={N})",
+                            problems, missing)
         if m.bias is not None and f"{name}.bias" not in tensors:
             missing.append(f"{name}.bias")
         elif f"{name}.bias" in tensors and tensors.shape(f"{name}.bias") != [N]:  # (plain tensors are checked below)
@@ -768,9 +932,9 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         configs[name] = qm
     quantized_set = set(quantized)
     # MoE blocks whose experts the checkpoint stores one quantized Linear per expert: stacked when loading.
-    experts = _stored_experts(model, tensors, problems, loaded)
+    experts = _stored_experts(model, tensors, problems, loaded, marker)
     expert_keys = {f"{key}.{p}" for s in experts if s.name in loaded for key, _, _ in s.keys()
-                   for p in ("qweight", "qzeros", "scales", "g_idx", "bias", "weight")}  # filled already: not strays
+                   for p in (*q.leaves, "bias", "weight")}  # filled already: not strays
     experts = [s for s in experts if s.name not in loaded]
     expert_params = {f"{s.name}.{w}" for s in experts for w in s.joined}
     for s in experts:
@@ -803,11 +967,10 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         if tensors.shape(key) != want:
             problems.append(f"{key}: the checkpoint's shape {tensors.shape(key)} does not match the model's {want}")
         expected_plain[key] = first
-    used = set(sources.values()) | {f"{n}.{p}" for n in quantized for p in ("qweight", "qzeros", "scales",
-                                                                             "g_idx", "bias")} | expert_keys
+    used = set(sources.values()) | {f"{n}.{p}" for n in quantized for p in (*q.leaves, "bias")} | expert_keys
     strays = [k for k in tensors.files if k not in used and not k.endswith(_IGNORED_SUFFIXES)
               and k.rpartition(".")[0] not in loaded]
-    stray_quant = [k for k in strays if k.endswith(".qweight") and k.rpartition(".")[0] not in refused]
+    stray_quant = [k for k in strays if k.endswith(f".{marker}") and k.rpartition(".")[0] not in refused]
     if stray_quant:
         problems.append(f"quantized tensor(s) for modules the model has no Linear of: {', '.join(stray_quant[:8])}"
                         + (" ..." if len(stray_quant) > 8 else ""))

@@ -16,8 +16,9 @@ __all__ = ["ColwiseParallel", "Conv2d", "absorb_act_order_", "ExpertsTensorParal
 
 
 def __getattr__(name: str):
-    # load_quantized_ (a GPTQ/AWQ checkpoint directory into a model) lives in tilegemm.models.pretrained, which
-    # `import tilegemm` leaves unimported (the models package stays lazy): imported on first use.
+    # load_quantized_ (a GPTQ/AWQ/compressed-tensors checkpoint directory into a model) lives in
+    # tilegemm.models.pretrained, which `import tilegemm` leaves unimported (the models package stays lazy):
+    # imported on first use.
     if name == "load_quantized_":
         from tilegemm.models.pretrained import load_quantized_
 

@@ -14,7 +14,7 @@ from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.convert import ConversionNote, is_conv1d, is_plain_linear, subclass_reason
 from tilegemm.nn.linear import Linear
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, fits_fragments, \
-    from_awq, from_gptq, quantize
+    from_awq, from_compressed_tensors, from_gptq, quantize
 
 _BUFFERS = ("qweight", "scales", "zeros", "perm")
 _SCALE_BUFFERS = ("scales", "zeros", "fzs")  # the kernels read these in 16 bits, whatever the module's dtype
@@ -28,7 +28,7 @@ class Int4Linear(nn.Module):
     The weight's parts are buffers (``qweight``, ``scales``, ``zeros``, ``perm``; ``perm`` is empty unless the
     weight came from an act-order GPTQ checkpoint), so ``.to()``, ``state_dict`` and ``load_state_dict`` work as
     for any module; ``bias`` is a parameter. Make one with :meth:`from_linear`, :meth:`from_gptq`,
-    :meth:`from_awq`, or construct an empty one and load a state dict into it.
+    :meth:`from_awq`, :meth:`from_compressed_tensors`, or construct an empty one and load a state dict into it.
 
     The module's dtype is that of its activations and bias: fp16, bf16 or fp32. The kernels take 16-bit
     activations, so (unlike ``torch.nn.Linear``, which computes in fp32) an fp32 module rounds its input to the
@@ -147,6 +147,11 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_awq(cls, qweight, qzeros, scales, bias=None) -> "Int4Linear":
         return cls.from_weight(from_awq(qweight, qzeros, scales), bias)
+
+    @classmethod
+    def from_compressed_tensors(cls, weight_packed, weight_scale, weight_zero_point=None, g_idx=None,
+                                bias=None) -> "Int4Linear":
+        return cls.from_weight(from_compressed_tensors(weight_packed, weight_scale, weight_zero_point, g_idx), bias)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

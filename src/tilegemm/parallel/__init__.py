@@ -37,12 +37,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
-from tilegemm.models.pretrained import _default_device, _Tensors, empty_model, load_quantized_, quant_config, read_config
+from tilegemm.models.pretrained import _default_device, _import_columns, _stored_parts, _Tensors, empty_model, \
+    load_quantized_, quant_config, read_config
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import Int4Linear
 from tilegemm.nn.moe import expert_group_size
 from tilegemm.parallel.rules import register
-from tilegemm.ops.w4a16.format import Int4Weight, from_awq, from_gptq
+from tilegemm.ops.w4a16.format import Int4Weight, from_awq, from_compressed_tensors, from_gptq
 
 __all__ = ["ColwiseParallel", "ExpertsTensorParallel", "RowwiseParallel", "attach_int4", "from_pretrained_sharded",
            "load_quantized_sharded_", "load_sharded_", "register", "resolve_plan", "shard_experts_", "shard_int4",
@@ -515,7 +516,9 @@ def shard_slices(kind: str, shape, split: str, rank: int, world: int, group_size
     ``kind`` is the tensor's role: ``"weight"`` (``[N, K]``), ``"bias"``; the house int4 parts ``"qweight"``
     (``[K/8, N]``), ``"scales"``, ``"zeros"`` (``[G, N]``), ``"perm"``; GPTQ's ``"gptq.qweight"``,
     ``"gptq.qzeros"`` (``[G, N/8]``), ``"gptq.scales"``, ``"gptq.g_idx"``; AWQ's ``"awq.qweight"`` (``[K, N/8]``),
-    ``"awq.qzeros"``, ``"awq.scales"``. ``split`` is ``"out"`` (column-parallel) or ``"in"`` (row-parallel).
+    ``"awq.qzeros"``, ``"awq.scales"``; compressed-tensors' ``"ct.weight_packed"`` (``[N, K/8]``),
+    ``"ct.weight_scale"`` (``[N, G]``; also its unpacked zero points), ``"ct.weight_zero_point"`` (``[N/8, G]``),
+    ``"ct.weight_g_idx"``. ``split`` is ``"out"`` (column-parallel) or ``"in"`` (row-parallel).
     """
     shape = tuple(int(s) for s in shape)
     every = ()
@@ -535,8 +538,26 @@ def shard_slices(kind: str, shape, split: str, rank: int, world: int, group_size
         if split == "out":
             return (part(shape[0], "out_features N"),)
         return every if rank == 0 else None
-    if kind in ("perm", "gptq.g_idx"):
+    if kind in ("perm", "gptq.g_idx", "ct.weight_g_idx"):
         return every  # all of K: act-order picks its inputs from it
+    if kind.startswith("ct."):  # compressed-tensors: output rows first
+        if split == "out":
+            if kind == "ct.weight_zero_point":  # packed along N: 8 rows a word
+                rows = part(shape[0] * 8, "out_features N", 8)
+                return (slice(rows.start // 8, rows.stop // 8),)
+            if kind in ("ct.weight_packed", "ct.weight_scale"):
+                return (part(shape[0], "out_features N"),)
+        elif kind == "ct.weight_packed":
+            K = shape[1] * 8
+            k = _even("in_features K", K, world)
+            _check_group_cut(K, k, world, group_size)
+            return (slice(None), slice(rank * k // 8, (rank + 1) * k // 8))
+        elif kind in ("ct.weight_scale", "ct.weight_zero_point"):
+            if shape[1] == 1:
+                raise ValueError("one quantization group over all of K (group_size = -1): a split along K "
+                                 "would cut it")
+            return (slice(None), part(shape[1], "quantization groups G"))
+        raise ValueError(f"unknown tensor kind {kind!r}")
     if split == "out":
         if kind in ("qweight", "scales", "zeros", "gptq.qweight", "gptq.scales", "awq.scales"):
             return (slice(None), part(shape[1], "out_features N"))
@@ -757,16 +778,28 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
     reading only its slices of the packed tensors; an act-order GPTQ layer split along K reads its tensors whole
     (its sorted rows are scattered over the stored K) and is cut after import, one layer at a time."""
     gs = q.group_size
+    if q.method == "compressed-tensors":
+        g_idx = _act_order(tensors, f"{prefix}.weight_g_idx", f"{prefix}.weight_scale", K, 1)
+        if split == "in" and g_idx is not None:  # as GPTQ's below: whole, then cut after the import
+            parts, _ = _stored_parts(tensors, prefix, q, dtype)
+            return shard_int4(_import_columns(parts, g_idx, q, 0, N), "in", rank, world)
+        parts = {}
+        for role in ("qweight", "qzeros", "scales"):
+            key = f"{prefix}.{q.leaf(role)}"
+            if key not in tensors:  # (zero points: symmetric weights store none)
+                parts[role] = None
+                continue
+            shape = tensors.shape(key)
+            # zero points stored unpacked ([N, G], older releases) lie as the scales do
+            kind = "ct.weight_scale" if role == "qzeros" and shape[0] == N else f"ct.{q.leaf(role)}"
+            parts[role] = tensors.get_slice(key, shard_slices(kind, shape, split, rank, world, gs))
+        return from_compressed_tensors(parts["qweight"], parts["scales"].to(dtype), parts["qzeros"], g_idx), None
     if q.method == "awq":
         parts = {p: tensors.get_slice(f"{prefix}.{p}", shard_slices(f"awq.{p}", tensors.shape(f"{prefix}.{p}"),
                                                                     split, rank, world, gs))
                  for p in ("qweight", "qzeros", "scales")}
         return from_awq(parts["qweight"], parts["qzeros"], parts["scales"].to(dtype)), None
-    g_idx = tensors.get(f"{prefix}.g_idx") if f"{prefix}.g_idx" in tensors else None
-    if g_idx is not None:
-        G = tensors.shape(f"{prefix}.scales")[0]
-        if torch.equal(g_idx.to(torch.int64).cpu(), torch.arange(K) // (K // G)):
-            g_idx = None  # the natural order: no act-order
+    g_idx = _act_order(tensors, f"{prefix}.g_idx", f"{prefix}.scales", K, 0)
     if split == "in" and g_idx is not None:
         w = from_gptq(tensors.get(f"{prefix}.qweight"), tensors.get(f"{prefix}.qzeros"),
                       tensors.get(f"{prefix}.scales").to(dtype), g_idx)
@@ -779,6 +812,16 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
     if q.checkpoint_format == "gptq_v2":  # v2 stores the zero itself; from_gptq read v1's zero - 1 (exact in floats)
         w = Int4Weight(w.qweight, w.scales, w.zeros - 1, w.group_size, w.shape, w.perm)
     return w, index
+
+
+def _act_order(tensors, g_key: str, scales_key: str, K: int, g_dim: int) -> torch.Tensor | None:
+    """A layer's stored group of each input (``g_key``), or None where it stores none or the natural order (no
+    act-order); its scales' dim ``g_dim`` counts the groups."""
+    if g_key not in tensors:
+        return None
+    g_idx = tensors.get(g_key)
+    G = tensors.shape(scales_key)[g_dim]
+    return None if torch.equal(g_idx.to(torch.int64).cpu(), torch.arange(K) // (K // G)) else g_idx
 
 
 def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_plan="auto", dtype=None,
@@ -797,14 +840,14 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
     styles = {"out": ColwiseParallel(), "in": RowwiseParallel()}
     with torch.no_grad():
         for name, split in splits.items():
-            if f"{name}.qweight" not in tensors:
+            if f"{name}.{q.leaf('qweight')}" not in tensors:
                 raise ValueError(f"tp_plan splits {name}, which the checkpoint does not store quantized: "
                                  f"from_pretrained splits 4-bit layers (load_sharded_ takes 16-bit ones)")
             m = model.get_submodule(name)
             N, K = m.out_features, m.in_features
             qm = q.for_module(name)  # (its own config where the checkpoint's "dynamic" gives one)
             if qm is None or qm.bits != 4:
-                raise ValueError(f"tp_plan splits {name}, which the checkpoint's quantization_config.dynamic stores "
+                raise ValueError(f"tp_plan splits {name}, which the checkpoint's quantization_config stores "
                                  f"{'16-bit' if qm is None else f'with bits = {qm.bits!r}'}")
             try:
                 w, index = _read_int4_shard(tensors, name, qm, N, K, split, rank, world, dtype)

@@ -44,6 +44,7 @@ from tilegemm.ops.w4a16.format import (  # noqa: E402
     dequantize,
     fits_fragments,
     from_awq,
+    from_compressed_tensors,
     from_gptq,
     quantize,
     validate,
@@ -71,5 +72,5 @@ _torch.serialization.add_safe_globals([_rebuild])
 
 # grouped_matmul (4-bit experts) joins this namespace from tilegemm.ops.grouped, whose kernel it runs: that family
 # imports this package for Int4Weight, so this one cannot import it back.
-__all__ = ["ACTIVATIONS", "GROUP_SIZES", "Int4Weight", "dequantize", "from_awq", "from_gptq", "grouped_matmul",
-           "matmul", "quantize"]
+__all__ = ["ACTIVATIONS", "GROUP_SIZES", "Int4Weight", "dequantize", "from_awq", "from_compressed_tensors", "from_gptq",
+           "grouped_matmul", "matmul", "quantize"]

@@ -1,4 +1,5 @@
-"""The house's 4-bit weight format, :class:`Int4Weight`: quantize, dequantize, and import GPTQ / AWQ checkpoints.
+"""The house's 4-bit weight format, :class:`Int4Weight`: quantize, dequantize, and import GPTQ / AWQ /
+compressed-tensors checkpoints.
 
 A linear weight ``W`` is ``[N, K]`` (``y = x @ W.T``), cut along K into ``G = K / group_size`` groups. Held as:
 
@@ -142,8 +143,8 @@ class Int4Weight:
     ``[E, N, K]`` (``quantize`` of a 3-D weight) hold every part with a leading E: qweight ``[E, K/8, N]``,
     scales and zeros ``[E, G, N]``; ``expert(e)`` is one of them (the grouped family multiplies them).
 
-    Make one with :func:`quantize`, :func:`from_gptq` or :func:`from_awq`. ``.to(device)`` / ``.to(dtype)``
-    move it or change the dtype of its scales; :meth:`state_dict` / :meth:`from_state_dict` and ``torch.save``
+    Make one with :func:`quantize`, :func:`from_gptq`, :func:`from_awq` or :func:`from_compressed_tensors`.
+    ``.to(device)`` / ``.to(dtype)`` move it or change the dtype of its scales; :meth:`state_dict` / :meth:`from_state_dict` and ``torch.save``
     keep it; ``nbytes`` is what it occupies.
     """
 
@@ -555,8 +556,18 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     if N % 8 or qzeros.shape[1] * 8 != N:
         raise ValueError(f"qzeros must be [G, N/8] with N = {N} a multiple of 8, got {list(qzeros.shape)}")
     _check_scales(scales, G, N)
-    group_size = _group_size_of(G, K)
     zeros = (unpack_cols(qzeros).float() + 1).to(scales.dtype)  # [G, N]; v1 stores zero - 1
+    return _by_groups(qweight, scales, zeros, g_idx)
+
+
+def _by_groups(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx) -> Int4Weight:
+    """The :class:`Int4Weight` of ``qweight`` int32 ``[K/8, N]`` (packed along K), ``scales`` and ``zeros``
+    ``[G, N]``, whose input ``k`` belongs to group ``g_idx[k]`` (None: ``k // (K / G)``). Act-order (any other
+    ``g_idx``): the inputs sorted by group once here (stable), so groups are contiguous again; ``perm`` records
+    the order the kernels read x in."""
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    G = scales.shape[0]
+    group_size = _group_size_of(G, K)
     perm = None
     q = qweight
     if g_idx is not None:
@@ -567,13 +578,55 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
             raise ValueError(f"g_idx holds groups outside 0..{G - 1}")
         natural = torch.arange(K, device=g_idx.device) // (K // G)
         if not torch.equal(g_idx, natural):
-            # Act-order: sort the inputs by group (stable), so groups are contiguous again.
             perm = torch.sort(g_idx, stable=True).indices
             if not torch.equal(g_idx[perm], natural):
                 raise ValueError(f"g_idx must put exactly K / G = {K // G} inputs in each group")
             q = pack_rows(unpack_rows(qweight)[perm.to(qweight.device)])
             perm = perm.to(qweight.device)
     return Int4Weight(q.contiguous(), scales.contiguous(), zeros.contiguous(), group_size, (N, K), perm)
+
+
+def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                            weight_zero_point: torch.Tensor | None = None,
+                            g_idx: torch.Tensor | None = None) -> Int4Weight:
+    """Import one Linear of a 4-bit compressed-tensors checkpoint stored ``"pack-quantized"`` (llm-compressor's
+    W4A16 and W4A16_ASYM schemes).
+
+    ``weight_packed`` int32 ``[N, K/8]``, packed along K: nibble ``i`` of word ``j`` of row ``n`` holds
+    ``q[n, 8j + i] + 8``, q the signed value -8..7 (so ``weight_packed.T`` is GPTQ's and this format's qweight,
+    read without repacking). ``weight_scale`` ``[N, G]`` (G = 1: one scale a row, the ``"channel"`` strategy).
+    ``weight_zero_point``: None for symmetric weights (zero 0); asymmetric, int32 ``[ceil(N/8), G]`` packed along
+    N the same way (``zero + 8``), or the signed zeros ``[N, G]`` unpacked, as releases before the packed form
+    stored them. ``g_idx`` int ``[K]`` (optional, act-order): the group of each input.
+    ``W[n, k] = weight_scale[n, g] * (q[n, k] - zero[n, g])``, ``g = g_idx[k]``.
+    """
+    _check_int32("weight_packed", weight_packed, "[N, K/8]")
+    N, K = weight_packed.shape[0], weight_packed.shape[1] * 8
+    if not isinstance(weight_scale, torch.Tensor):
+        raise TypeError(f"weight_scale must be a torch.Tensor, got {type(weight_scale).__name__}")
+    if weight_scale.dim() != 2 or weight_scale.shape[0] != N:
+        raise ValueError(f"weight_scale must be [N, G] with N = {N}, got {list(weight_scale.shape)}")
+    G = weight_scale.shape[1]
+    scales = weight_scale.T
+    _check_scales(scales, G, N)
+    if weight_zero_point is None:
+        zeros = torch.full((G, N), 8, dtype=scales.dtype, device=scales.device)  # signed 0, stored unsigned as 8
+    elif not isinstance(weight_zero_point, torch.Tensor):
+        raise TypeError(f"weight_zero_point must be a torch.Tensor or None, got {type(weight_zero_point).__name__}")
+    elif weight_zero_point.dtype.is_floating_point or weight_zero_point.dtype == torch.bool:
+        raise TypeError(f"weight_zero_point must be an integer tensor, got {dtype_name(weight_zero_point.dtype)}")
+    elif tuple(weight_zero_point.shape) == (cdiv(N, 8), G) and weight_zero_point.dtype == torch.int32:
+        zeros = unpack_rows(weight_zero_point)[:N].T.to(scales.dtype)  # the unsigned form: zero + 8
+    elif tuple(weight_zero_point.shape) == (N, G):
+        zp = weight_zero_point.to(torch.int64)
+        if int(zp.min()) < -8 or int(zp.max()) > 7:
+            raise ValueError("weight_zero_point (unpacked, [N, G]) must hold signed 4-bit zeros, -8..7")
+        zeros = (zp + 8).T.to(scales.dtype)
+    else:
+        raise ValueError(f"weight_zero_point must be int32 [ceil(N/8), G] = [{cdiv(N, 8)}, {G}] (packed) or "
+                         f"[N, G] = [{N}, {G}] (unpacked), got {dtype_name(weight_zero_point.dtype)} "
+                         f"{list(weight_zero_point.shape)}")
+    return _by_groups(weight_packed.T.contiguous(), scales, zeros, g_idx)
 
 
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> Int4Weight:

@@ -1,0 +1,307 @@
+"""compressed-tensors checkpoints (llm-compressor's W4A16 schemes stored ``pack-quantized``): the importer
+``w4a16.from_compressed_tensors`` against the tests' writer (ckpt_writer.py, which packs and dequantizes by the
+format's own description), and ``from_pretrained`` / ``load_quantized_`` of such directories, with every setting the
+loader refuses named."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import ckpt_writer as cw  # noqa: E402
+
+from tilegemm import w4a16  # noqa: E402
+from tilegemm.models import pretrained  # noqa: E402
+from tilegemm.nn import Int4Linear, load_quantized_  # noqa: E402
+
+IDS = torch.tensor([[3, 17, 200]])
+TOL = 3e-3  # as test_models_pretrained: fp16 activations through two layers against the fp32 model
+
+
+def _weight(N=48, K=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, K, generator=g) * 0.05
+
+
+# --- the importer -------------------------------------------------------------------------------------------
+
+
+IMPORTS = {  # name: (group_size, writer options)
+    "sym-g32": (32, dict(sym=True)),
+    "asym-g64-packed-zero": (64, dict(sym=False)),
+    "asym-g32-unpacked-zero": (32, dict(sym=False, unpacked_zero=True)),
+    "sym-act-order-g32": (32, dict(sym=True, act_order=True)),
+    "asym-act-order-g64": (64, dict(sym=False, act_order=True)),
+    "channel-asym": (-1, dict(sym=False)),
+}
+
+
+@pytest.mark.parametrize("name", list(IMPORTS))
+def test_from_compressed_tensors_matches_the_format(name):
+    gs, kw = IMPORTS[name]
+    t, want = cw.quantize_linear(_weight(), "compressed-tensors", gs, generator=torch.Generator().manual_seed(1),
+                                 **kw)
+    assert ("weight_zero_point" in t) == (not kw["sym"]) and ("weight_g_idx" in t) == kw.get("act_order", False)
+    w = w4a16.from_compressed_tensors(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
+                                      t.get("weight_g_idx"))
+    assert w.shape == (48, 128) and w.scales.shape[0] == (1 if gs == -1 else 128 // gs)
+    assert (w.perm is not None) == kw.get("act_order", False)
+    assert torch.equal(w4a16.dequantize(w), want)
+    if not kw["sym"]:  # the zero points matter: read as symmetric, the weight is another one
+        other = w4a16.from_compressed_tensors(t["weight_packed"], t["weight_scale"], None, t.get("weight_g_idx"))
+        assert not torch.equal(w4a16.dequantize(other), want)
+
+
+def test_from_compressed_tensors_bf16_scales_and_module():
+    t, want = cw.quantize_linear(_weight(seed=2), "compressed-tensors", 32, sym=False, scale_dtype=torch.bfloat16)
+    w = w4a16.from_compressed_tensors(t["weight_packed"], t["weight_scale"], t["weight_zero_point"])
+    assert w.scales.dtype == torch.bfloat16
+    ref = cw.dequantize_stored(t, "compressed-tensors", 32).float()
+    assert torch.equal(w4a16.dequantize(w).float(), (ref.to(torch.bfloat16)).float())
+    lin = Int4Linear.from_compressed_tensors(t["weight_packed"], t["weight_scale"].half(), t["weight_zero_point"],
+                                             bias=torch.ones(48).half())
+    assert torch.equal(lin.dequantize(), want) and torch.equal(lin.bias, torch.ones(48).half())
+
+
+def test_from_compressed_tensors_refusals():
+    t, _ = cw.quantize_linear(_weight(), "compressed-tensors", 32, sym=False)
+    packed, scale, zp = t["weight_packed"], t["weight_scale"], t["weight_zero_point"]
+    with pytest.raises(TypeError, match="weight_packed must be int32"):
+        w4a16.from_compressed_tensors(packed.to(torch.int64), scale, zp)
+    with pytest.raises(ValueError, match=r"weight_scale must be \[N, G\] with N = 48"):
+        w4a16.from_compressed_tensors(packed, scale[:40], zp)
+    with pytest.raises(TypeError, match="scales must be fp16 or bf16"):
+        w4a16.from_compressed_tensors(packed, scale.float(), zp)
+    with pytest.raises(ValueError, match=r"weight_zero_point must be int32 \[ceil\(N/8\), G\] = \[6, 4\]"):
+        w4a16.from_compressed_tensors(packed, scale, zp[:, :2])
+    with pytest.raises(TypeError, match="weight_zero_point must be an integer tensor"):
+        w4a16.from_compressed_tensors(packed, scale, zp.float())
+    with pytest.raises(ValueError, match="signed 4-bit zeros, -8..7"):
+        w4a16.from_compressed_tensors(packed, scale, torch.full((48, 4), 9, dtype=torch.int8))
+    with pytest.raises(ValueError, match="3 groups do not divide K = 128 evenly"):
+        w4a16.from_compressed_tensors(packed, scale[:, :3], None)
+    with pytest.raises(ValueError, match="group size K / G = 128 / 8 = 16 is not one of"):
+        w4a16.from_compressed_tensors(packed, torch.ones(48, 8).half(), None)
+    with pytest.raises(ValueError, match=r"g_idx must be an integer tensor \[K\] = \[128\]"):
+        w4a16.from_compressed_tensors(packed, scale, zp, torch.zeros(64, dtype=torch.int32))
+
+
+# --- checkpoint directories ----------------------------------------------------------------------------------
+
+
+pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
+pytest.importorskip("safetensors", reason="safetensors is optional (pip install 'tilegemm[models]')")
+
+from tilegemm.models import from_pretrained  # noqa: E402
+
+
+def _logits(model, device):
+    with torch.no_grad():
+        return model(input_ids=IDS.to(device)).logits.float().cpu()
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _write(tmp_path, arch="llama", tie=False, group_size=32, **kw):
+    config = cw.tiny_config(arch, hidden=128, tie=tie)
+    path = tmp_path / "ckpt"
+    reference = cw.write_model(path, cw.random_model(config), "compressed-tensors", group_size, **kw)
+    return path, config, reference
+
+
+CASES = {  # name: (arch, tie, writer options)
+    "sym-g32": ("llama", False, dict(group_size=32, sym=True)),
+    "asym-act-order-g64-sharded": ("llama", False, dict(group_size=64, sym=False, act_order=True,
+                                                          shard_bytes=60_000)),
+    "channel-sym": ("llama", False, dict(group_size=-1, sym=True)),
+    "asym-unpacked-zero-bf16-scales": ("llama", False, dict(group_size=32, sym=False, ct_options=dict(
+        unpacked_zero=True, scale_dtype=torch.bfloat16))),
+    "qwen2-tied-bias-sym-g64": ("qwen2", True, dict(group_size=64, sym=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compressed_tensors_checkpoint_loads(tmp_path, device, name):
+    arch, tie, kw = CASES[name]
+    path, config, reference = _write(tmp_path, arch, tie, **kw)
+    if kw.get("shard_bytes"):
+        assert (path / "model.safetensors.index.json").is_file()
+    model = from_pretrained(path, device=device)
+    int4 = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert len(int4) == 7 * config.num_hidden_layers  # lm_head in the ignore list stays 16-bit
+    assert type(model.lm_head) is torch.nn.Linear
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.scales.shape[0] == (1 if kw["group_size"] == -1 else 128 // kw["group_size"])
+    assert (q.perm.numel() == 128) == kw.get("act_order", False)
+    for n, m in int4.items():
+        assert torch.equal(m.dequantize().cpu(), reference[f"{n}.weight"]), n
+    assert model.config.quantization_config["converted_from"] == "compressed-tensors"
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL, f"{name}: logits rel. error {err:.2e}"
+
+
+def test_preset_group_and_ignore_patterns(tmp_path, device):
+    """A config group given as a preset name (``{"W4A16": ["Linear"]}``) and an ignore list of ``re:`` patterns:
+    the layers it names load as plain Linears."""
+    config = cw.tiny_config("llama", hidden=64)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "compressed-tensors", 128, sym=True,
+                               not_convert=["mlp.down_proj"])
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["ignore"] == ["lm_head", "re:.*mlp[.]down_proj$"]
+    qc["config_groups"] = {"W4A16": ["Linear"]}  # group 128 > K = 64: one group, as the writer stored
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = from_pretrained(path, device=device)
+    for layer in model.model.layers:
+        assert type(layer.mlp.down_proj) is torch.nn.Linear and isinstance(layer.mlp.up_proj, Int4Linear)
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL
+
+
+def test_load_quantized_into_a_built_model(tmp_path, device):
+    path, config, reference = _write(tmp_path, group_size=64, sym=False)
+    model = cw.random_model(config).half().to(device)
+    load_quantized_(model, path)
+    assert isinstance(model.model.layers[1].mlp.down_proj, Int4Linear)
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL
+
+
+def _edit(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    for key, value in changes.items():
+        if key.startswith("w_"):
+            qc["config_groups"]["group_0"]["weights"][key[2:]] = value
+        elif key.startswith("g_"):
+            qc["config_groups"]["group_0"][key[2:]] = value
+        else:
+            qc[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+REFUSED = {  # config change: message
+    "w_num_bits=8": (dict(w_num_bits=8), r"weights of 8-bit int are not supported"),
+    "w_type=float": (dict(w_type="float"), r"weights of 4-bit float are not supported"),
+    "activations": (dict(g_input_activations=dict(num_bits=8, type="int", strategy="token", dynamic=True)),
+                    r"quantizes activations \(input_activations\)"),
+    "format": (dict(format="naive-quantized"), r"format 'naive-quantized' is not supported; supported: "
+                                               r"'pack-quantized'"),
+    "group format": (dict(g_format="float-quantized"), r"format 'float-quantized' is not supported"),
+    "tensor strategy": (dict(w_strategy="tensor", w_group_size=None), r"strategy 'tensor' is not supported"),
+    "dynamic": (dict(w_dynamic=True), r"dynamic weight quantization"),
+    "actorder": (dict(w_actorder="sideways"), r"actorder 'sideways' is not one of"),
+    "group size": (dict(w_group_size=0), r"strategy 'group' needs a positive group_size"),
+    "sparsity": (dict(sparsity_config=dict(format="sparse-24-bitmask")), r"sparse weights are not supported"),
+    "transform": (dict(transform_config=dict(config_groups={"u": {}})), r"transform_config"),
+    "no groups": (dict(config_groups={}), r"needs config_groups"),
+    "preset": (dict(config_groups={"W8A8": ["Linear"]}), r"the preset scheme 'W8A8' is not supported"),
+    "ignore": (dict(ignore="lm_head"), r"ignore must be a list"),
+    "targets": (dict(g_targets="Linear"), r"targets must be a list"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unsupported_settings_are_named(tmp_path, name):
+    changes, message = REFUSED[name]
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "compressed-tensors", 32, sym=True)
+    _edit(path, **changes)
+    with pytest.raises(ValueError, match=message):
+        from_pretrained(path, device="cpu")
+
+
+def test_stored_tensors_checked(tmp_path):
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    model = cw.random_model(config)
+    # an asymmetric checkpoint missing one layer's zero points, and one whose scales are dropped
+    path = tmp_path / "a"
+    cw.write_model(path, model, "compressed-tensors", 32, sym=False,
+                   drop=["model.layers.0.mlp.up_proj.weight_zero_point",
+                         "model.layers.0.self_attn.k_proj.weight_scale"])
+    with pytest.raises(ValueError, match=r"lacks tensor\(s\) the model needs: model.layers.0.self_attn.k_proj."
+                                         r"weight_scale, model.layers.0.mlp.up_proj.weight_zero_point$"):
+        from_pretrained(path, device="cpu")
+    # act-order ("group") without the group of each input
+    path = tmp_path / "b"
+    cw.write_model(path, model, "compressed-tensors", 32, sym=True, act_order=True,
+                   drop=["model.layers.0.mlp.down_proj.weight_g_idx"])
+    with pytest.raises(ValueError, match=r"lacks tensor\(s\) the model needs: "
+                                         r"model.layers.0.mlp.down_proj.weight_g_idx"):
+        from_pretrained(path, device="cpu")
+    # weight_shape that does not match the model, and a group size the config does not say
+    path = tmp_path / "c"
+    cw.write_model(path, model, "compressed-tensors", 32, sym=True)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight_shape"] = torch.tensor([64, 128])
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"up_proj.weight_shape: the checkpoint says the weight is \[64, 128\], the "
+                                         r"model's is \[128, 64\]"):
+        from_pretrained(path, device="cpu")
+    _edit(path, w_group_size=64)
+    tensors["model.layers.0.mlp.up_proj.weight_shape"] = torch.tensor([128, 64])
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"weight_scale: the checkpoint's shape \[128, 2\] does not match \[128, 1\]"):
+        from_pretrained(path, device="cpu")
+
+
+def test_ignored_layer_stored_packed_is_named(tmp_path):
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "compressed-tensors", 32, sym=True)
+    _edit(path, ignore=["lm_head", "re:.*self_attn[.]o_proj$"])
+    with pytest.raises(ValueError, match=r"o_proj is in quantization_config.ignore, or targeted by no config group, "
+                                         r"but the checkpoint stores it quantized \(model.layers.0.self_attn.o_proj."
+                                         r"weight_packed\)"):
+        from_pretrained(path, device="cpu")
+
+
+def test_groups_by_target(tmp_path, device):
+    """Two config groups, each targeting layers by pattern, with their own group sizes: each layer loads with
+    its group's; a layer that no group targets, stored 16-bit, loads as a plain Linear."""
+    config = cw.tiny_config("llama", hidden=128, layers=1)
+    path = tmp_path / "c"
+    sizes = {"mlp": 64, "self_attn": 32}
+    reference = cw.write_model(path, cw.random_model(config), "compressed-tensors", 32, sym=True,
+                               not_convert=["self_attn.o_proj"],
+                               group_size_of=lambda name: sizes[name.split(".")[3]])
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    qc["config_groups"] = {
+        "attention": dict(group, targets=["re:.*self_attn[.][qkv]_proj$"]),
+        "mlp": dict(group, targets=["re:.*mlp[.].*"], weights=dict(group["weights"], group_size=64)),
+    }
+    qc["ignore"] = ["lm_head"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = from_pretrained(path, device=device)
+    layer = model.model.layers[0]
+    assert layer.self_attn.q_proj.group_size == 32 and layer.mlp.down_proj.group_size == 64
+    assert type(layer.self_attn.o_proj) is torch.nn.Linear
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL
+
+
+def test_quant_config_describes_compressed_tensors():
+    q = pretrained.quant_config({"quantization_config": cw.quantization_config("compressed-tensors", 128, sym=False,
+                                                                               act_order=True)})
+    assert q.method == "compressed-tensors" and q.group_size == 128 and not q.sym and q.desc_act
+    assert q.describe() == "compressed-tensors (pack-quantized, asymmetric, act-order), 4-bit, group 128"
+    assert q.for_module("lm_head") is None  # the writer's ignore list
+    assert q.for_module("model.layers.0.mlp.up_proj") == q.for_module("anything", ("Linear",))
+    assert q.for_module("model.embed_tokens", ("Embedding", "Module")) is None  # no group targets it
+    # "weight" act-order kept the natural group order: no g_idx needed
+    qc = cw.quantization_config("compressed-tensors", 32)
+    qc["config_groups"]["group_0"]["weights"]["actorder"] = "weight"
+    assert not pretrained.quant_config({"quantization_config": qc}).desc_act
