@@ -236,21 +236,101 @@ def test_save_pretrained_of_a_loaded_model_is_not_a_gptq_checkpoint(tmp_path, de
     from safetensors.torch import load_file
 
     config = cw.tiny_config("llama", hidden=64, layers=1)
-    cw.write_model(tmp_path / "ckpt", cw.random_model(config), "gptq", 32)
+    cw.write_model(tmp_path / "ckpt", cw.random_model(config), "gptq", 32, act_order=True)
     model = _quiet(from_pretrained, tmp_path / "ckpt", device=device)
     q = model.config.quantization_config
     assert q["quant_method"] == "tilegemm" and q["group_size"] == 32 and q["converted_from"] == "gptq"
     _quiet(model.save_pretrained, tmp_path / "saved")
-    with pytest.raises(ValueError, match=r"quant_method 'tilegemm' is what save_pretrained writes.*group_size=32"):
-        from_pretrained(tmp_path / "saved", device="cpu")
-    # the documented way back: a model of the saved config, quantized alike, given the saved tensors
-    again = transformers.AutoModelForCausalLM.from_config(
-        _quiet(transformers.AutoConfig.from_pretrained, tmp_path / "saved")).half().eval().to(device)
-    _quiet(quantize_, again, group_size=32, filter=lambda n, m: "lm_head" not in n)
-    again.load_state_dict(load_file(tmp_path / "saved" / "model.safetensors"))
+    stored = load_file(tmp_path / "saved" / "model.safetensors")
+    assert "model.layers.0.mlp.up_proj.zeros" in stored and "model.layers.0.mlp.up_proj.qzeros" not in stored
+    # from_pretrained takes it back in one call: the same layers (act-order orders too), the same logits
+    again = from_pretrained(tmp_path / "saved", device=device)
+    assert again.config.quantization_config == q  # what it was converted from is kept
+    for name, m in model.named_modules():
+        if isinstance(m, Int4Linear):
+            other = again.get_submodule(name)
+            assert isinstance(other, Int4Linear) and torch.equal(other.perm, m.perm)
+            assert other.perm.numel() == other.in_features
+            assert torch.equal(other.dequantize(), m.dequantize()), name
     assert torch.equal(_logits(again), _logits(model))
+    # and the way documented before: a model of the saved config, quantized alike, given the saved tensors
+    built = transformers.AutoModelForCausalLM.from_config(
+        _quiet(transformers.AutoConfig.from_pretrained, tmp_path / "saved")).half().eval().to(device)
+    _quiet(quantize_, built, group_size=32, filter=lambda n, m: "lm_head" not in n)
+    built.load_state_dict(stored)
+    for name, m in model.named_modules():
+        if isinstance(m, Int4Linear):
+            assert torch.equal(built.get_submodule(name).dequantize(), m.dequantize()), name
+    assert _rel(_logits(built), _logits(model)) < TOL  # (its rotary tables rounded by .half())
     dense = dequantized_copy(model)  # the dense copy claims no quantization
     assert getattr(dense.config, "quantization_config", None) is None
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_quantized_model_saved_loads_in_one_call(tmp_path, device, tie):
+    """quantize_ (group 64, lm_head included when tied: then untied), save_pretrained in shards, from_pretrained:
+    every 4-bit layer as it was; the logits of the original model (whose rotary tables .half() rounded) within
+    fp16's error."""
+    config = cw.tiny_config("llama", hidden=128, layers=2, tie=tie)
+    model = cw.random_model(config).half().to(device)
+    _quiet(quantize_, model, group_size=64, filter=None if tie else (lambda n, m: "lm_head" not in n))
+    _quiet(model.save_pretrained, tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    again = from_pretrained(tmp_path, device=device)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert len(layers) == 14 + tie and isinstance(again.lm_head, Int4Linear) == tie
+    for name, m in layers.items():
+        other = again.get_submodule(name)
+        assert other.group_size == 64 and torch.equal(other.dequantize(), m.dequantize()), name
+    assert "converted_from" not in again.config.quantization_config
+    assert _rel(_logits(again), _logits(model)) < TOL
+
+
+def test_a_saved_model_with_wrong_shapes_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    model = cw.random_model(config).half()
+    _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
+    _quiet(model.save_pretrained, tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    stored["model.layers.0.mlp.up_proj.scales"] = stored["model.layers.0.mlp.up_proj.scales"][:1].repeat(3, 1)
+    del stored["model.layers.0.mlp.down_proj.zeros"]
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"up_proj.scales: the checkpoint's shape \[3, 128\] does not match "
+                                         r"\[1, 128\] or \[2, 128\]"):
+        from_pretrained(tmp_path, device="cpu")
+    stored["model.layers.0.mlp.up_proj.scales"] = stored["model.layers.0.mlp.up_proj.scales"][:2]
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks tensor\(s\) the model needs: model.layers.0.mlp.down_proj.zeros"):
+        from_pretrained(tmp_path, device="cpu")
+
+
+@pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface (transformers >= 5)")
+@pytest.mark.parametrize("source", ["quantize_", "gptq-act-order"])
+def test_a_saved_moe_model_loads_in_one_call(tmp_path, device, source):
+    """4-bit experts saved as tilegemm's stacked buffers (group 32; act-order experts with their orders) load back
+    into the block as they were."""
+    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)
+    if source == "quantize_":
+        model = cw.random_model(config).half().to(device)
+        _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
+    else:
+        cw.write_model(tmp_path / "ckpt", cw.random_model(config), "gptq", 32, act_order=True)
+        model = _quiet(from_pretrained, tmp_path / "ckpt", device=device)
+    _quiet(model.save_pretrained, tmp_path / "saved")
+    again = from_pretrained(tmp_path / "saved", device=device)
+    block, other = model.model.layers[0].mlp.experts, again.model.layers[0].mlp.experts
+    assert other.tilegemm_group_sizes == block.tilegemm_group_sizes == {"gate_up_proj": 32, "down_proj": 32}
+    assert again.config._experts_implementation == "tilegemm"
+    for part in ("qweight", "scales", "zeros"):
+        for w in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(other, f"tilegemm_{w}_{part}"), getattr(block, f"tilegemm_{w}_{part}"))
+    perm = getattr(block, "tilegemm_gate_up_proj_perm", None)
+    assert (perm is not None) == (source != "quantize_")
+    if perm is not None:
+        assert torch.equal(other.tilegemm_gate_up_proj_perm, perm)
+    assert _rel(_logits(again), _logits(model)) < TOL
 
 
 # --- load_quantized_ into a model quantized already -------------------------------------------------------------

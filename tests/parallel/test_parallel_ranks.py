@@ -348,7 +348,7 @@ def pretrained_ranks(rank, world, mesh, tmp, names):
         attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
         assert isinstance(mlp.down_proj, Int4Linear) and mlp.down_proj.in_features == 256 // world
         assert attn.q_proj.out_features == 128 // world and attn.o_proj.in_features == 128 // world
-        packed = [n for n in whole if n.endswith((".qweight", ".qzeros", ".scales", ".weight_packed",
+        packed = [n for n in whole if n.endswith((".qweight", ".qzeros", ".scales", ".zeros", ".weight_packed",
                                                   ".weight_zero_point", ".weight_scale"))]
         if "actorder" in name:  # a row-parallel act-order layer reads its packed tensors whole (one at a time)
             assert packed and all(n.endswith(("o_proj." + n.rpartition(".")[2], "down_proj." + n.rpartition(".")[2]))
@@ -373,4 +373,16 @@ def test_parallel_from_pretrained(tmp_path):
              "ct-actorder-g64": dict(method="compressed-tensors", group_size=64, act_order=True)}
     for name, kw in names.items():
         cw.write_model(tmp_path / name, cw.random_model(config), **kw)
-    spawn("pretrained_ranks", 2, str(tmp_path), list(names))
+    # models tilegemm saved (its own buffers): quantized here, and loaded from the act-order GPTQ checkpoint
+    import warnings
+
+    from tilegemm.models import from_pretrained
+    from tilegemm.nn import quantize_
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = cw.random_model(config).half()
+        quantize_(model, group_size=64, filter=lambda n, m: "lm_head" not in n)
+        model.save_pretrained(tmp_path / "saved-g64")
+        from_pretrained(tmp_path / "gptq-actorder-g32", device="cpu").save_pretrained(tmp_path / "saved-actorder")
+    spawn("pretrained_ranks", 2, str(tmp_path), [*names, "saved-g64", "saved-actorder"])

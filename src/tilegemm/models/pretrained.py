@@ -38,10 +38,10 @@ from tilegemm.nn.fuse import ProjectionPart
 from tilegemm.nn.moe import (_experts_modules, _int4, convert_moe_blocks_, install_int4_experts_, register_experts,
                              use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_compressed_tensors, from_gptq
-from tilegemm.ops.w4a16.format import concat_outputs, fits_fragments, stack_experts
+from tilegemm.ops.w4a16.format import GROUP_SIZES, _group_size_of, concat_outputs, fits_fragments, stack_experts
 
 INSTALL = "pip install 'tilegemm[models]'"
-METHODS = ("gptq", "awq", "compressed-tensors")  # the quant_method values taken
+METHODS = ("gptq", "awq", "compressed-tensors", SAVED_METHOD)  # the quant_method values taken
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # GPTQ checkpoint formats: v1 (zero - 1 stored) and v2 (the zero itself)
 CT_FORMAT = "pack-quantized"  # the compressed-tensors format taken: 4-bit values eight to an int32
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -52,6 +52,8 @@ _LEAVES = {
     "awq": dict(qweight="qweight", qzeros="qzeros", scales="scales"),
     "compressed-tensors": dict(qweight="weight_packed", qzeros="weight_zero_point", scales="weight_scale",
                                g_idx="weight_g_idx", shape="weight_shape"),
+    # what save_pretrained writes of a model holding tilegemm's 4-bit layers: Int4Linear's buffers
+    SAVED_METHOD: dict(qweight="qweight", qzeros="zeros", scales="scales", g_idx="perm"),
 }
 # Stored by some checkpoints but recomputed by the model (rotary tables): not an unexpected tensor.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -61,7 +63,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 class QuantConfig:
     """What a checkpoint's ``quantization_config`` says about how its Linears are stored."""
 
-    method: str  # "gptq", "awq" or "compressed-tensors"
+    method: str  # "gptq", "awq", "compressed-tensors" or "tilegemm" (a model tilegemm saved)
     group_size: int  # 32 .. 256, or -1 for all of K
     desc_act: bool = False  # act-order (g_idx a permutation of the groups)
     sym: bool = True
@@ -103,6 +105,8 @@ class QuantConfig:
         return tuple(_LEAVES[self.method].values())
 
     def describe(self) -> str:
+        if self.method == SAVED_METHOD:
+            return "tilegemm's own 4-bit layers, as save_pretrained wrote them"
         if self.method == "awq":
             what = "AWQ (gemm)"
         elif self.method == "compressed-tensors":
@@ -163,16 +167,15 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
     if not isinstance(q, dict):
         raise ValueError(f"{where}: quantization_config must be a JSON object, got {type(q).__name__}")
     method = str(q.get("quant_method", "")).lower()
-    if method == SAVED_METHOD:
-        raise ValueError(f"{where}: quant_method 'tilegemm' is what save_pretrained writes for a model holding "
-                         f"tilegemm's 4-bit layers, not a GPTQ, AWQ or compressed-tensors checkpoint: build the "
-                         f"model, quantize it with tilegemm.nn.quantize_(model, group_size={q.get('group_size')!r}) "
-                         f"and load the saved tensors with model.load_state_dict (docs/w4a16.md \"Saving\")")
     if method not in METHODS:
         raise ValueError(f"{where}: quant_method {q.get('quant_method')!r} is not supported; supported: "
                          f"{', '.join(repr(m) for m in METHODS)}")
     if method == "compressed-tensors":
         return _ct_config(q, where)
+    if method == SAVED_METHOD:  # each layer's group length is read from its stored shapes
+        if q.get("bits", 4) != 4:
+            raise ValueError(f"{where}: bits = {q.get('bits')!r}; tilegemm's saved layers are 4-bit")
+        return QuantConfig(SAVED_METHOD, -1, sym=False)
     bits = q.get("bits", q.get("w_bit"))
     if bits != 4:
         raise ValueError(f"{where}: bits = {bits!r}; tilegemm loads 4-bit checkpoints only (bits = 4)")
@@ -587,6 +590,10 @@ def _groups_fit(group_size: int, K: int) -> bool:
 
 def _expected_quant_shapes(q: QuantConfig, N: int, K: int) -> dict[str, tuple[list, bool]]:
     """The tensors a quantized Linear ``[N, K]`` stores under ``q``: leaf -> (the shapes it may have, required)."""
+    if q.method == SAVED_METHOD:  # Int4Linear's buffers, in any group length the kernels take (the layer's own)
+        groups = [[G, N] for G in _group_counts(K)]
+        return dict(qweight=([[K // 8, N]], True), scales=(groups, True), zeros=(groups, True),
+                    perm=([[K], [0]], False))
     G = 1 if _one_group(q.group_size, K) else K // q.group_size
     if q.method == "gptq":
         return dict(qweight=([[K // 8, N]], True), qzeros=([[G, N // 8]], True), scales=([[G, N]], True),
@@ -598,6 +605,19 @@ def _expected_quant_shapes(q: QuantConfig, N: int, K: int) -> dict[str, tuple[li
     return dict(weight_packed=([[N, K // 8]], True), weight_scale=([[N, G]], True),
                 weight_zero_point=([[-(-N // 8), G], [N, G]], not q.sym), weight_g_idx=([[K]], q.desc_act),
                 weight_shape=([[2]], False))
+
+
+def _group_counts(K: int) -> list[int]:
+    """The numbers of groups a layer of ``K`` inputs may hold in tilegemm's format: one, or K over a group size."""
+    return [1] + [K // gs for gs in GROUP_SIZES if 0 < gs < K and K % gs == 0]
+
+
+def _saved_weight(qweight, scales, zeros, perm, shape) -> Int4Weight:
+    """The :class:`Int4Weight` of tilegemm's stored buffers (``perm`` empty: no act-order; a stacked experts
+    weight: every part with a leading E), its group length read from the scales' shape."""
+    K, G = shape[-1], scales.shape[-2]
+    perm = perm.to(torch.int64) if perm is not None and perm.numel() else None
+    return Int4Weight(qweight, scales, zeros.to(scales.dtype), _group_size_of(G, K), shape, perm)
 
 
 def _check_quant_shapes(tensors: "_Tensors", prefix: str, q: QuantConfig, N: int, K: int, what: str,
@@ -633,6 +653,10 @@ def _import_columns(parts: dict, g_idx, q: QuantConfig, a: int, b: int) -> Int4W
     ``parts`` by role (qweight, qzeros, scales; qzeros None where the checkpoint stores none)."""
     cols = slice(a, b)
     packed = slice(a // 8, b // 8)  # columns packed eight to an int32
+    if q.method == SAVED_METHOD:
+        return _saved_weight(parts["qweight"][:, cols].contiguous(), parts["scales"][:, cols].contiguous(),
+                             parts["qzeros"][:, cols].contiguous(), g_idx,
+                             (b - a, parts["qweight"].shape[0] * 8))
     if q.method == "compressed-tensors":  # [N, ...]: output rows first
         zp = parts.get("qzeros")
         if zp is not None:
@@ -701,7 +725,8 @@ def _aliases(name: str) -> list[str]:
 class _StoredExperts:
     """A transformers experts block (3-D ``gate_up_proj``/``up_proj`` and ``down_proj``) whose checkpoint holds
     each expert's projections as quantized Linears ``{prefix}.{e}.{proj}`` (``dense``: as 16-bit Linears, a block
-    the quantizer left unquantized)."""
+    the quantizer left unquantized; ``stacked``: as tilegemm's own stacked 4-bit buffers,
+    ``{prefix}.tilegemm_<weight>_qweight`` ..., a model tilegemm saved)."""
 
     name: str
     module: nn.Module
@@ -709,6 +734,7 @@ class _StoredExperts:
     num_experts: int
     joined: dict  # the block's weight name -> (the per-expert projections its rows join, (N of each, K))
     dense: bool = False
+    stacked: bool = False
 
     def keys(self):
         """(projection prefix, N, K) of every stored expert Linear."""
@@ -744,6 +770,10 @@ def _stored_experts(model: nn.Module, tensors: _Tensors, problems: list | None =
             # [E, out, in], or [E, in, out] when the block stores its weights transposed
             (n_up, h), (h_out, i) = ((up.shape[2], up.shape[1]), (down.shape[2], down.shape[1])) if getattr(
                 module, "is_transposed", False) else ((up.shape[1], up.shape[2]), (down.shape[1], down.shape[2]))
+        if f"{name}.tilegemm_{up_name}_qweight" in tensors:  # a model tilegemm saved: its 4-bit experts as they were
+            found.append(_StoredExperts(name, module, name, E, {up_name: ((), (n_up, h)),
+                                                                "down_proj": ((), (h_out, i))}, stacked=True))
+            continue
         if f"{name}.{up_name}" in tensors:  # stored stacked, as the block holds them: loaded as plain tensors
             if (name, module) in four_bit and problems is not None:
                 problems.append(f"{name} holds 4-bit experts (the model was quantized already) but the checkpoint "
@@ -771,6 +801,22 @@ def _stored_experts(model: nn.Module, tensors: _Tensors, problems: list | None =
 def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problems: list, missing: list) -> set:
     """Check a per-expert block's stored tensors (appending to ``problems`` / ``missing``); the names used."""
     used = set()
+    if s.stacked:  # tilegemm's buffers [E, K/8, N], [E, G, N] twice, [E, K] (act-order)
+        E = s.num_experts
+        for wname, (_, (N, K)) in s.joined.items():
+            groups = [[E, G, N] for G in _group_counts(K)]
+            for part, (shapes, required) in dict(qweight=([[E, K // 8, N]], True), scales=(groups, True),
+                                                 zeros=(groups, True), perm=([[E, K]], False)).items():
+                key = f"{s.name}.tilegemm_{wname}_{part}"
+                if key not in tensors:
+                    if required:
+                        missing.append(key)
+                    continue
+                used.add(key)
+                if tensors.shape(key) not in shapes:
+                    problems.append(f"{key}: the checkpoint's shape {tensors.shape(key)} does not match "
+                                    f"{' or '.join(map(str, shapes))}, what experts block {s.name} holds")
+        return used
     if getattr(s.module, "has_bias", False):
         problems.append(f"{s.name}: experts with biases are not supported by the per-expert loader")
     if s.dense:  # 16-bit experts: each expert's projection [N, K]
@@ -839,6 +885,17 @@ def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -
     interleaved for a block whose ``is_concatenated`` is False) and install them on the block."""
     interleave = not getattr(s.module, "is_concatenated", True)
     stacked = {}
+    if s.stacked:
+        for wname, (_, (N, K)) in s.joined.items():
+            key = f"{s.name}.tilegemm_{wname}"
+            perm = tensors.get(f"{key}_perm") if f"{key}_perm" in tensors else None
+            try:
+                stacked[wname] = _saved_weight(tensors.get(f"{key}_qweight"), tensors.get(f"{key}_scales").to(dtype),
+                                               tensors.get(f"{key}_zeros"), perm, (s.num_experts, N, K))
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{key}: {err}") from None
+        install_int4_experts_(s.module, stacked)
+        return
     for wname, (projs, (N, K)) in s.joined.items():
         experts = []
         for e in range(s.num_experts):
@@ -918,7 +975,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         if N % 8 or K % 8:
             problems.append(f"{name}: [out, in] = [{N}, {K}] is not a multiple of 8 (eight 4-bit weights per int32)")
             continue
-        if not _groups_fit(qm.group_size, K):
+        if qm.method != SAVED_METHOD and not _groups_fit(qm.group_size, K):  # (saved: its own, from its shapes)
             problems.append(f"{name}: in_features {K} is not divisible by group_size {qm.group_size}")
             continue
         _check_quant_shapes(tensors, name, qm, N, K, f"{type(m).__name__}(in_features={K}, out_features={N})",
@@ -1030,7 +1087,8 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     if left:
         raise ValueError(f"the checkpoint at {path!r} left parameter(s) of the model unloaded: {', '.join(left[:8])}")
     guard_quantized_output_resize_(model)  # a 4-bit lm_head: resize_token_embeddings refused before any change
-    mark_saved_format_(model, q.method)  # its tensors are tilegemm's now: a save must not claim to be GPTQ/AWQ
+    # its tensors are tilegemm's now: a save must not claim to be GPTQ/AWQ (a saved model keeps what it says)
+    mark_saved_format_(model, None if q.method == SAVED_METHOD else q.method)
     return model
 
 

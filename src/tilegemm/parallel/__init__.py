@@ -37,10 +37,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
-from tilegemm.models.pretrained import _default_device, _import_columns, _stored_parts, _Tensors, empty_model, \
-    load_quantized_, quant_config, read_config
+from tilegemm.models.pretrained import _default_device, _import_columns, _saved_weight, _stored_parts, _Tensors, \
+    empty_model, load_quantized_, quant_config, read_config
 from tilegemm.nn.conv import Conv2d
-from tilegemm.nn.int4 import Int4Linear
+from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
 from tilegemm.nn.moe import expert_group_size
 from tilegemm.parallel.rules import register
 from tilegemm.ops.w4a16.format import Int4Weight, from_awq, from_compressed_tensors, from_gptq
@@ -778,6 +778,20 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
     reading only its slices of the packed tensors; an act-order GPTQ layer split along K reads its tensors whole
     (its sorted rows are scattered over the stored K) and is cut after import, one layer at a time."""
     gs = q.group_size
+    if q.method == SAVED_METHOD:  # tilegemm's own buffers (a model it saved): the house kinds
+        perm = tensors.get(f"{prefix}.perm") if f"{prefix}.perm" in tensors else None
+        perm = perm if perm is not None and perm.numel() else None
+        G = tensors.shape(f"{prefix}.scales")[0]
+        gs = -1 if G == 1 else K // G
+        if split == "in" and perm is not None:  # as GPTQ's act-order below: whole, then cut
+            w = _saved_weight(tensors.get(f"{prefix}.qweight"), tensors.get(f"{prefix}.scales").to(dtype),
+                              tensors.get(f"{prefix}.zeros"), perm, (N, K))
+            return shard_int4(w, "in", rank, world)
+        parts = {p: tensors.get_slice(f"{prefix}.{p}", shard_slices(p, tensors.shape(f"{prefix}.{p}"), split, rank,
+                                                                    world, gs)).contiguous()
+                 for p in ("qweight", "scales", "zeros")}
+        n, k = (N // world, K) if split == "out" else (N, K // world)
+        return _saved_weight(parts["qweight"], parts["scales"].to(dtype), parts["zeros"], perm, (n, k)), None
     if q.method == "compressed-tensors":
         g_idx = _act_order(tensors, f"{prefix}.weight_g_idx", f"{prefix}.weight_scale", K, 1)
         if split == "in" and g_idx is not None:  # as GPTQ's below: whole, then cut after the import
