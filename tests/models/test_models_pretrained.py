@@ -172,7 +172,8 @@ def test_a_meta_buffer_nothing_computes_is_refused_first(tmp_path):
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # nothing changed
 
 
-def test_loading_streams_packed_tensors_only(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["gptq", "compressed-tensors"])
+def test_loading_streams_packed_tensors_only(tmp_path, monkeypatch, method):
     """Loading reads each stored tensor once, one at a time, and makes no 16-bit weight of a quantized Linear:
     every float tensor made while loading is smaller than those weights, and the built layers hold packed parts
     (int32 nibbles, [G, N] scales and zeros) only."""
@@ -181,7 +182,7 @@ def test_loading_streams_packed_tensors_only(tmp_path, monkeypatch):
     config = cw.tiny_config("llama", hidden=128)
     config.vocab_size = 96  # no plain tensor as large as a quantized weight (128 x 128 and up)
     path = tmp_path / "c"
-    cw.write_model(path, cw.random_model(config), "gptq", 64, act_order=True)
+    cw.write_model(path, cw.random_model(config), method, 64, act_order=True)
     with pretrained._parameters_on_meta():
         import transformers
 
@@ -361,7 +362,8 @@ class _Stored(dict):
         return self[name]
 
 
-@pytest.mark.parametrize("method, act_order, v2", [("gptq", True, True), ("gptq", False, False), ("awq", False, False)])
+@pytest.mark.parametrize("method, act_order, v2", [("gptq", True, True), ("gptq", False, False), ("awq", False, False),
+                                                   ("compressed-tensors", True, False)])
 def test_column_slices_convert_like_the_whole(method, act_order, v2):
     """A large Linear is converted 256-column blocks at a time: the same int4 weight and fragment layout as whole."""
     from tilegemm import w4a16
@@ -370,7 +372,8 @@ def test_column_slices_convert_like_the_whole(method, act_order, v2):
     N, K, group = 600, 128, 64
     stored, deq = cw.quantize_linear(torch.randn(N, K) * 0.02, method, group, False, act_order, v2,
                                      torch.Generator().manual_seed(3))
-    q = pretrained.QuantConfig(method, group, desc_act=act_order, checkpoint_format="gptq_v2" if v2 else "gptq")
+    q = pretrained.QuantConfig(method, group, desc_act=act_order, checkpoint_format="gptq_v2" if v2 else "gptq",
+                               sym=False)
     tensors = _Stored({f"p.{k}": v for k, v in stored.items()})
     whole = pretrained._int4_weight(tensors, "p", q, N, K, torch.float16, chunk_weights=10 * N * K)
     parts = pretrained._int4_weight(tensors, "p", q, N, K, torch.float16, chunk_weights=256 * K)  # 3 slices

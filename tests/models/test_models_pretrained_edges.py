@@ -34,11 +34,17 @@ def _rel(model, reference) -> float:
 
 def _set_group_size(path, group_size):
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"]["group_size"] = group_size
+    q = cfg["quantization_config"]
+    if q["quant_method"] == "compressed-tensors":  # each config group's weights say it
+        for scheme in q["config_groups"].values():
+            scheme["weights"].update(strategy="group", group_size=group_size)
+    else:
+        q["group_size"] = group_size
     (path / "config.json").write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize("method, act_order", [("gptq", False), ("gptq", True), ("awq", False)])
+@pytest.mark.parametrize("method, act_order", [("gptq", False), ("gptq", True), ("awq", False),
+                                               ("compressed-tensors", True)])
 def test_layers_narrower_than_the_group_load_as_one_group(tmp_path, method, act_order, device):
     # hidden 64 < group 128: quantizers store ceil(64 / 128) = 1 group for q/k/v/o/gate/up (down: K = 128, 1 group)
     config = cw.tiny_config("llama", hidden=64)
