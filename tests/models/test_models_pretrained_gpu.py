@@ -27,7 +27,8 @@ def _model_bytes(model) -> int:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", [[], ["--act-order", "--v2", "--asym"], ["--method", "awq"]])
+@pytest.mark.parametrize("flags", [[], ["--act-order", "--v2", "--asym"], ["--method", "awq"],
+                                   ["--method", "compressed-tensors", "--act-order", "--asym"]])
 def test_llama3_8b_shapes_load_within_the_memory_bound(tmp_path, flags):
     from tilegemm.models import from_pretrained
     from tilegemm.models.pretrained import dequantized_copy
