@@ -186,3 +186,21 @@ def test_parts_with_backward_hooks_are_left(device):
     absorb_act_order_(model)
     assert model.tilegemm_act_order_absorbed == []
     assert model[0].gate_proj._backward_hooks and model[1].down_proj._backward_pre_hooks
+
+
+def test_the_probe_runs_without_the_users_forward_hooks(device):
+    """Forward hooks on the MLP and inside it (recording activations, say) do not see the probe's runs, and stay."""
+    model = nn.Sequential(MLP()).to(device)
+    seen = []
+    model[0].register_forward_hook(lambda m, args, out: seen.append("mlp"))
+    model[0].drop.register_forward_pre_hook(lambda m, args: seen.append("drop"))
+    x = torch.randn(3, 64, device=device).half()
+    with torch.no_grad():
+        want = model(x)
+    assert seen == ["drop", "mlp"]
+    seen.clear()
+    absorb_act_order_(model)
+    assert model.tilegemm_act_order_absorbed == ["0"] and seen == []
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    assert seen == ["drop", "mlp"]  # the hooks are the module's still

@@ -11,6 +11,7 @@ the one the gather made).
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -91,6 +92,20 @@ def _evaluating(module: nn.Module):
             m.training = training
 
 
+@contextlib.contextmanager
+def _unhooked(module: nn.Module):
+    """``module`` and its submodules without their forward hooks, then with them again: a probe is no forward of
+    the user's, so hooks that record or change activations must not see it."""
+    saved = [(m, m._forward_hooks, m._forward_pre_hooks) for m in module.modules()]
+    for m, _, _ in saved:
+        m._forward_hooks, m._forward_pre_hooks = OrderedDict(), OrderedDict()
+    try:
+        yield
+    finally:
+        for m, hooks, pre_hooks in saved:
+            m._forward_hooks, m._forward_pre_hooks = hooks, pre_hooks
+
+
 def _probe_experts(module, dtype, device) -> torch.Tensor | None:
     """The experts block on a few tokens routed to several experts (transformers' experts call)."""
     from tilegemm.nn.moe import _int4
@@ -102,7 +117,7 @@ def _probe_experts(module, dtype, device) -> torch.Tensor | None:
     index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(2 * E)]).to(device)
     weights = torch.rand(2 * E, k, generator=g).to(device=device, dtype=dtype)
     try:
-        with torch.no_grad(), _evaluating(module):
+        with torch.no_grad(), _evaluating(module), _unhooked(module):
             return module(x, index, weights)
     except Exception:  # noqa: BLE001 - as _probe
         return None
@@ -125,7 +140,7 @@ def _probe(module: nn.Module, width: int, dtype: torch.dtype, device) -> torch.T
     the shape), or None where the forward cannot run on it (other arguments, a meta device)."""
     x = torch.randn(1, 2, width, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
     try:
-        with torch.no_grad(), _evaluating(module):
+        with torch.no_grad(), _evaluating(module), _unhooked(module):
             return module(x)
     except Exception:  # noqa: BLE001 - a forward the probe cannot run is one this cannot check
         return None
