@@ -88,6 +88,35 @@ def test_any_call_order_other_inputs_and_inputs_changed_in_place(device):
         assert_rel_close(fused.k_proj(x), ref.k_proj(x).double(), 2e-3)
 
 
+class InPlaceAttention(Attention):
+    """Scales its query in place (as some attention forwards do)."""
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        q.mul_(0.5)
+        k, v = self.k_proj(x), self.v_proj(x)
+        k.add_(1.0)
+        return self.o_proj(k * v) + q
+
+
+def test_outputs_changed_in_place_under_autograd(device):
+    """A part's output is a view of the joined product: changed in place under autograd it still gives the
+    unjoined model's output and input gradient (each part's view is its own, not one of several made together)."""
+    torch.manual_seed(0)
+    ref = quantize_(InPlaceAttention().to(device=device, dtype=torch.float16), group_size=32)
+    fused = fuse_projections_(copy.deepcopy(ref))
+    assert isinstance(fused.q_proj, ProjectionPart)
+    x = torch.randn(3, 64, device=device, dtype=torch.float16)
+    grads = []
+    for model in (ref, fused):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.float().square().sum().backward()
+        grads.append((out.detach(), xi.grad))
+    assert_rel_close(grads[1][0], grads[0][0].double(), 2e-3)
+    assert_rel_close(grads[1][1], grads[0][1].double(), 2e-3)
+
+
 def test_inference_mode(device):
     # activations made in inference mode have no version counter: the same tensor is taken as unchanged
     ref, fused = _pair(device, bias=True)

@@ -69,7 +69,10 @@ class FusedProjections(Int4Linear):
             if not pending[2]:
                 self._pending = None
             return out
-        outs = self.forward(x).split(self.sizes, dim=-1)
+        y = self.forward(x)
+        # a view each (narrow), not split's views made together, which autograd forbids changing in place
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        outs = [y.narrow(-1, a, n) for a, n in zip(starts, self.sizes)]
         rest = {i: o for i, o in enumerate(outs) if i != index}
         self._pending = (x, 0 if unversioned else x._version, rest, context) if rest else None
         return outs[index]
