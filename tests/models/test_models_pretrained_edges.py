@@ -112,3 +112,42 @@ def test_experts_narrower_than_the_group_load_as_one_group(tmp_path, device):
     _set_group_size(path, 128)
     model = from_pretrained(path, device=device)
     assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+
+
+def test_model_class_builds_other_heads(tmp_path, device):
+    """A classifier's checkpoint (BERT, its encoder quantized, the classifier left 16-bit) through
+    ``model_class=AutoModelForSequenceClassification``; without it, a config no causal LM takes is refused by name."""
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=32, num_labels=3)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.BertForSequenceClassification(config).float().eval()
+    path = tmp_path / "c"
+    reference = cw.write_model(path, model, "gptq", 32, not_convert=["classifier"])
+    # built as the causal LM transformers maps BERT to: the error names the class the checkpoint's config names
+    with pytest.raises(ValueError, match=r"a BertLMHeadModel; the checkpoint's config names "
+                                         r"BertForSequenceClassification: model_class=transformers."
+                                         r"BertForSequenceClassification"):
+        from_pretrained(path, device="cpu")
+    loaded = from_pretrained(path, device=device, model_class=transformers.AutoModelForSequenceClassification)
+    assert type(loaded).__name__ == "BertForSequenceClassification"
+    layer = loaded.bert.encoder.layer[0]
+    assert isinstance(layer.attention.self.query, Int4Linear) and type(loaded.classifier) is torch.nn.Linear
+    ref = transformers.BertForSequenceClassification(config).float().eval()
+    ref.load_state_dict({k: v.float() for k, v in reference.items()}, strict=False)
+    ids = torch.tensor([[3, 17, 50, 5]])
+    with torch.no_grad():
+        got = loaded(input_ids=ids.to(device)).logits.float().cpu()
+        want = ref(input_ids=ids).logits.float()
+    assert float((got - want).norm() / want.norm()) < 3e-3
+    with pytest.raises(TypeError, match="model_class must be a transformers auto class or model class"):
+        from_pretrained(path, device="cpu", model_class="AutoModelForSequenceClassification")
+    # a config no causal LM takes (T5): refused before anything is built, naming model_class
+    cfg = json.loads((path / "config.json").read_text())
+    t5 = transformers.T5Config(vocab_size=96, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4).to_dict()
+    t5["quantization_config"] = cfg["quantization_config"]
+    (path / "config.json").write_text(json.dumps(t5))
+    with pytest.raises(ValueError, match=r"AutoModelForCausalLM has no model for T5Config .*pass model_class"):
+        from_pretrained(path, device="cpu")

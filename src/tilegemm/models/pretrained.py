@@ -475,7 +475,7 @@ def _default_device(device) -> torch.device:
     return device
 
 
-def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None) -> nn.Module:
+def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, model_class=None) -> nn.Module:
     """The ``transformers`` causal-LM of the quantized checkpoint directory ``path``, in eval mode on ``device``
     (default: CUDA when there is one, else the CPU): every Linear stored quantized is an
     :class:`~tilegemm.nn.Int4Linear`, every other tensor loaded as stored (floats in ``dtype``, fp16 or bf16).
@@ -492,17 +492,27 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None) -> nn
     Mixtral's ``block_sparse_moe.experts.<e>.w1`` ...) load into the blocks' stacked 4-bit experts, run by the
     ``"tilegemm"`` experts implementation (``docs/w4a16.md`` "Loading checkpoints"; act-order experts keep each
     expert's input order).
+
+    ``model_class``: the class that builds the model from its config, a transformers auto class
+    (``AutoModelForSequenceClassification``, ``AutoModelForImageTextToText``, ...) or a model class; default
+    ``AutoModelForCausalLM``.
     """
-    model, device = empty_model(path, dtype, device)
+    model, device = empty_model(path, dtype, device, model_class)
     load_quantized_(model, path, dtype=dtype, device=device)
     return model.eval()
 
 
-def empty_model(path, dtype: torch.dtype = torch.float16, device=None) -> tuple[nn.Module, torch.device]:
-    """The checkpoint's ``transformers`` model built from its config with its parameters on the meta device (the
-    checkpoint's tensors fill them), and the device they go to; what :func:`from_pretrained` and the sharded load
+def empty_model(path, dtype: torch.dtype = torch.float16, device=None, model_class=None
+                ) -> tuple[nn.Module, torch.device]:
+    """The checkpoint's ``transformers`` model built from its config (by ``model_class``, default
+    ``AutoModelForCausalLM``) with its parameters on the meta device (the checkpoint's tensors fill them), and the
+    device they go to; what :func:`from_pretrained` and the sharded load
     (:func:`tilegemm.parallel.from_pretrained_sharded`) start from."""
     _check_dtype(dtype)
+    if model_class is not None and not (isinstance(model_class, type) and (
+            hasattr(model_class, "from_config") or hasattr(model_class, "_from_config"))):
+        raise TypeError(f"model_class must be a transformers auto class or model class (one with from_config), got "
+                        f"{model_class!r}")
     device = _default_device(device)
     config_dict = read_config(path)
     quant_config(config_dict)  # refuse what cannot load before building anything
@@ -511,9 +521,16 @@ def empty_model(path, dtype: torch.dtype = torch.float16, device=None) -> tuple[
     except ImportError:
         raise ImportError(f"from_pretrained needs transformers: {INSTALL}") from None
     config = AutoConfig.from_pretrained(os.fspath(path))
+    if model_class is None:
+        model_class = AutoModelForCausalLM
+        mapping = getattr(AutoModelForCausalLM, "_model_mapping", None)
+        if mapping is not None and type(config) not in mapping:  # (an encoder, a seq2seq model, a classifier)
+            raise ValueError(f"AutoModelForCausalLM has no model for {type(config).__name__} ({path!r}): pass "
+                             f"model_class, e.g. transformers.AutoModelForSeq2SeqLM or "
+                             f"AutoModelForSequenceClassification")
     # Built from the config alone: transformers' own quantizers (which from_config does not run) stay out of it;
     # load_quantized_ replaces its quantization_config by tilegemm's (what the loaded model holds and saves).
-    return _meta_model(AutoModelForCausalLM, config, dtype), device
+    return _meta_model(model_class, config, dtype), device
 
 
 def _meta_model(auto_class, config, dtype: torch.dtype) -> nn.Module:
@@ -1032,9 +1049,11 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         problems.append(f"quantized tensor(s) for modules the model has no Linear of: {', '.join(stray_quant[:8])}"
                         + (" ..." if len(stray_quant) > 8 else ""))
     if problems:
-        raise ValueError(f"the checkpoint at {path!r} does not fit the model:\n  " + "\n  ".join(problems))
+        raise ValueError(f"the checkpoint at {path!r} does not fit the model{_architecture_hint(model)}:\n  "
+                         + "\n  ".join(problems))
     if missing:
-        raise ValueError(f"the checkpoint at {path!r} lacks tensor(s) the model needs: {', '.join(missing)}")
+        raise ValueError(f"the checkpoint at {path!r} lacks tensor(s) the model needs{_architecture_hint(model)}: "
+                         f"{', '.join(missing)}")
     if strays:
         warnings.warn(f"load_quantized_: {len(strays)} tensor(s) of the checkpoint match nothing in the model and "
                       f"were skipped: {', '.join(strays[:8])}{' ...' if len(strays) > 8 else ''}", stacklevel=2)
@@ -1090,6 +1109,16 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     # its tensors are tilegemm's now: a save must not claim to be GPTQ/AWQ (a saved model keeps what it says)
     mark_saved_format_(model, None if q.method == SAVED_METHOD else q.method)
     return model
+
+
+def _architecture_hint(model: nn.Module) -> str:
+    """Where the model's config names another architecture than the model's class (a classifier's checkpoint built
+    as a causal LM): which ``model_class`` builds that one."""
+    names = getattr(getattr(model, "config", None), "architectures", None) or []
+    if names and type(model).__name__ not in names:
+        return (f" (a {type(model).__name__}; the checkpoint's config names {names[0]}: "
+                f"model_class=transformers.{names[0]})")
+    return ""
 
 
 def _compute_meta_buffers_(model: nn.Module, tensors: _Tensors, device: torch.device) -> None:

@@ -883,9 +883,9 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
 
 
 def from_pretrained_sharded(path, device_mesh: DeviceMesh, tp_plan="auto", dtype: torch.dtype = torch.float16,
-                            device=None) -> nn.Module:
+                            device=None, model_class=None) -> nn.Module:
     """``tilegemm.models.from_pretrained(path, device_mesh=..., tp_plan=...)``: the checkpoint's model built on the
     meta device, then each rank's shards read and placed (:func:`load_quantized_sharded_`)."""
-    model, device = empty_model(path, dtype, device)
+    model, device = empty_model(path, dtype, device, model_class)
     load_quantized_sharded_(model, path, device_mesh, tp_plan, dtype=dtype, device=device)
     return model.eval()
