@@ -305,3 +305,50 @@ def test_quant_config_describes_compressed_tensors():
     qc = cw.quantization_config("compressed-tensors", 32)
     qc["config_groups"]["group_0"]["weights"]["actorder"] = "weight"
     assert not pretrained.quant_config({"quantization_config": qc}).desc_act
+
+
+def test_group_precedence_follows_compressed_tensors():
+    """A module that several config groups target takes the scheme compressed-tensors gives it: the target naming
+    it exactly, else its first matching ``re:`` pattern (in sorted order), else its class; a target that several
+    groups list belongs to the last of them. Not the first group in the config's order."""
+    qc = cw.quantization_config("compressed-tensors", 128)
+    w = qc["config_groups"]["group_0"]["weights"]
+    qc["config_groups"] = {
+        "all": dict(targets=["Linear"], weights=dict(w, group_size=128)),
+        "mlp": dict(targets=["re:.*mlp[.].*"], weights=dict(w, group_size=64)),
+        "up": dict(targets=["re:.*up_proj$"], weights=dict(w, group_size=32)),
+        "one": dict(targets=["model.layers.0.mlp.down_proj"], weights=dict(w, group_size=256)),
+        "again": dict(targets=["re:.*up_proj$"], weights=dict(w, group_size=32, symmetric=False)),
+    }
+    q = pretrained.quant_config({"quantization_config": qc})
+    assert q.for_module("model.layers.0.self_attn.q_proj").group_size == 128  # only its class is targeted
+    assert q.for_module("model.layers.1.mlp.down_proj").group_size == 64  # a pattern before the class
+    assert q.for_module("model.layers.0.mlp.down_proj").group_size == 256  # its name before any pattern
+    # two patterns match: "re:.*mlp[.].*" sorts before "re:.*up_proj$"
+    assert q.for_module("model.layers.1.mlp.gate_proj").group_size == 64
+    assert q.for_module("model.layers.1.mlp.up_proj").group_size == 64
+    # a target listed twice: the later group's
+    qc["config_groups"] = {"a": dict(targets=["re:.*up_proj$"], weights=dict(w, group_size=32)),
+                           "b": dict(targets=["re:.*up_proj$"], weights=dict(w, group_size=64, symmetric=False))}
+    um = pretrained.quant_config({"quantization_config": qc}).for_module("model.layers.1.mlp.up_proj")
+    assert um.group_size == 64 and not um.sym
+
+
+def test_pattern_group_after_a_class_group_loads(tmp_path, device):
+    """llm-compressor's mixed recipes: one group for every Linear, a later one for some layers by pattern. The
+    pattern's layers are stored with its settings, as compressed-tensors applies them."""
+    config = cw.tiny_config("llama", hidden=128, layers=1)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "compressed-tensors", 32, sym=True,
+                               group_size_of=lambda name: 64 if name.endswith("down_proj") else 32)
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    qc["config_groups"]["group_1"] = dict(group, targets=["re:.*down_proj$"],
+                                          weights=dict(group["weights"], group_size=64))
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = from_pretrained(path, device=device)
+    layer = model.model.layers[0]
+    assert layer.mlp.down_proj.group_size == 64 and layer.mlp.up_proj.group_size == 32
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL

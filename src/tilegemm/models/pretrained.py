@@ -80,16 +80,14 @@ class QuantConfig:
     def for_module(self, name: str, classes: tuple[str, ...] = ("Linear",)) -> "QuantConfig | None":
         """How module ``name`` (whose classes, its MRO's names, are ``classes``) is stored: GPTQ, the first
         ``dynamic`` pattern that matches its name (``re.match``, as GPTQModel matches) overrides group_size, sym,
-        desc_act and bits, or (a ``-:`` pattern) leaves it unquantized (None); compressed-tensors, the first config
-        group that targets it gives its settings, and None where ``ignore`` names it or no group targets it;
-        otherwise this config."""
+        desc_act and bits, or (a ``-:`` pattern) leaves it unquantized (None); compressed-tensors, the config
+        group of the target that compressed-tensors picks for it (:func:`_ct_scheme`), and None where ``ignore``
+        names it or no group targets it; otherwise this config."""
         if self.method == "compressed-tensors":
             if any(_ct_match(name, classes, t) for t in self.ignore):
                 return None
-            for targets, overrides in self.groups:
-                if any(_ct_match(name, classes, t) for t in targets):
-                    return dataclasses.replace(self, groups=(), ignore=(), **overrides)
-            return None
+            overrides = _ct_scheme(self.groups, name, classes)
+            return None if overrides is None else dataclasses.replace(self, groups=(), ignore=(), **overrides)
         for skip, pattern, overrides in self.dynamic:
             if pattern.match(name):
                 return None if skip else dataclasses.replace(self, dynamic=(), **overrides)
@@ -124,6 +122,21 @@ def _ct_match(name: str, classes: tuple[str, ...], target: str) -> bool:
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
     return target == name or target in classes
+
+
+def _ct_scheme(groups: tuple, name: str, classes: tuple[str, ...]) -> dict | None:
+    """The settings of the config group that compressed-tensors applies to module ``name``, None where no group
+    targets it. Its precedence, not the config's order: a target naming the module exactly, else a ``re:`` pattern
+    matching its name (the first in sorted order), else one of its classes (sorted); a target that several groups
+    list is the last one's."""
+    by_target = {}
+    for targets, overrides in groups:
+        for t in targets:
+            by_target[t] = overrides  # (a later group takes over a target an earlier one listed)
+    ordered = sorted(by_target, key=lambda t: ("re:" in t, t))
+    by_name = [t for t in ordered if (re.match(t[3:], name) is not None if t.startswith("re:") else t == name)]
+    hit = by_name[0] if by_name else next((t for t in ordered if t in classes), None)
+    return None if hit is None else by_target[hit]
 
 
 # --- the directory --------------------------------------------------------------------------------------
