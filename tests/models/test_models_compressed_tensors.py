@@ -352,3 +352,29 @@ def test_pattern_group_after_a_class_group_loads(tmp_path, device):
     assert layer.mlp.down_proj.group_size == 64 and layer.mlp.up_proj.group_size == 32
     err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
     assert err < TOL
+
+
+def test_unset_g_idx_reads_as_the_natural_order(tmp_path, device):
+    """An act-order ("group") layer that was never reordered keeps compressed-tensors' initial weight_g_idx, every
+    entry -1, which compressed-tensors reads as the natural order of the groups: so does the loader."""
+    t, want = cw.quantize_linear(_weight(), "compressed-tensors", 32, sym=False)
+    unset = torch.full((128,), -1, dtype=torch.int32)
+    w = w4a16.from_compressed_tensors(t["weight_packed"], t["weight_scale"], t["weight_zero_point"], unset)
+    assert w.perm is None and torch.equal(w4a16.dequantize(w), want)
+    with pytest.raises(ValueError, match=r"g_idx holds groups outside 0..3"):  # other negatives: no such group
+        w4a16.from_compressed_tensors(t["weight_packed"], t["weight_scale"], None, torch.full((128,), -2))
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "compressed-tensors", 32, sym=True)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    for key in [k for k in tensors if k.endswith(".weight_packed")]:
+        tensors[key.replace("weight_packed", "weight_g_idx")] = torch.full((tensors[key].shape[1] * 8,), -1,
+                                                                           dtype=torch.int32)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _edit(path, w_actorder="group")
+    model = from_pretrained(path, device=device)
+    assert model.model.layers[0].mlp.down_proj.perm.numel() == 0
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL

@@ -96,6 +96,32 @@ def test_parallel_shard_slices():
         shard_slices("qscales", (4, 64), "out", 0, 2)
 
 
+def test_parallel_ct_unset_g_idx_reads_slices(tmp_path):
+    """A compressed-tensors layer whose weight_g_idx was never set (every entry -1: the natural order, as
+    compressed-tensors reads it) is split along K from its slices, each rank's inputs its own contiguous ones."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    from tilegemm.models import pretrained
+    from tilegemm.parallel import _read_int4_shard
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
+    import ckpt_writer as cw
+
+    N, K = 64, 256
+    t, want = cw.quantize_linear(torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.05,
+                                 "compressed-tensors", 64, sym=False)
+    t["weight_g_idx"] = torch.full((K,), -1, dtype=torch.int32)
+    save_file({f"l.{k}": v.contiguous() for k, v in t.items()}, str(tmp_path / "model.safetensors"))
+    qc = cw.quantization_config("compressed-tensors", 64, sym=False, act_order=True)
+    q = pretrained.quant_config({"quantization_config": qc}).for_module("l")
+    tensors = pretrained._Tensors(str(tmp_path), torch.device("cpu"))
+    for rank in range(2):
+        local, index = _read_int4_shard(tensors, "l", q, N, K, "in", rank, 2, torch.float16)
+        assert index is None and local.perm is None
+        assert torch.equal(dequantize(local), want[:, rank * K // 2:(rank + 1) * K // 2])
+
+
 def test_parallel_import_is_lazy():
     """``import tilegemm`` (and tilegemm.nn) leaves torch.distributed.tensor unimported."""
     code = ("import sys, tilegemm, tilegemm.nn; "

@@ -43,7 +43,7 @@ from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
 from tilegemm.nn.moe import expert_group_size
 from tilegemm.parallel.rules import register
-from tilegemm.ops.w4a16.format import Int4Weight, from_awq, from_compressed_tensors, from_gptq
+from tilegemm.ops.w4a16.format import Int4Weight, ct_g_idx, from_awq, from_compressed_tensors, from_gptq
 
 __all__ = ["ColwiseParallel", "ExpertsTensorParallel", "RowwiseParallel", "attach_int4", "from_pretrained_sharded",
            "load_quantized_sharded_", "load_sharded_", "register", "resolve_plan", "shard_experts_", "shard_int4",
@@ -793,7 +793,7 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
         n, k = (N // world, K) if split == "out" else (N, K // world)
         return _saved_weight(parts["qweight"], parts["scales"].to(dtype), parts["zeros"], perm, (n, k)), None
     if q.method == "compressed-tensors":
-        g_idx = _act_order(tensors, f"{prefix}.weight_g_idx", f"{prefix}.weight_scale", K, 1)
+        g_idx = ct_g_idx(_act_order(tensors, f"{prefix}.weight_g_idx", f"{prefix}.weight_scale", K, 1))
         if split == "in" and g_idx is not None:  # as GPTQ's below: whole, then cut after the import
             parts, _ = _stored_parts(tensors, prefix, q, dtype)
             return shard_int4(_import_columns(parts, g_idx, q, 0, N), "in", rank, world)

@@ -597,7 +597,8 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
     read without repacking). ``weight_scale`` ``[N, G]`` (G = 1: one scale a row, the ``"channel"`` strategy).
     ``weight_zero_point``: None for symmetric weights (zero 0); asymmetric, int32 ``[ceil(N/8), G]`` packed along
     N the same way (``zero + 8``), or the signed zeros ``[N, G]`` unpacked, as releases before the packed form
-    stored them. ``g_idx`` int ``[K]`` (optional, act-order): the group of each input.
+    stored them. ``g_idx`` int ``[K]`` (optional, act-order): the group of each input; one holding -1 (never
+    set) stands for the natural order, as compressed-tensors reads it.
     ``W[n, k] = weight_scale[n, g] * (q[n, k] - zero[n, g])``, ``g = g_idx[k]``.
     """
     _check_int32("weight_packed", weight_packed, "[N, K/8]")
@@ -626,7 +627,15 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
         raise ValueError(f"weight_zero_point must be int32 [ceil(N/8), G] = [{cdiv(N, 8)}, {G}] (packed) or "
                          f"[N, G] = [{N}, {G}] (unpacked), got {dtype_name(weight_zero_point.dtype)} "
                          f"{list(weight_zero_point.shape)}")
-    return _by_groups(weight_packed.T.contiguous(), scales, zeros, g_idx)
+    return _by_groups(weight_packed.T.contiguous(), scales, zeros, ct_g_idx(g_idx))
+
+
+def ct_g_idx(g_idx):
+    """A compressed-tensors ``weight_g_idx`` as the group of each input, or None for the natural order: where it
+    holds -1, the value compressed-tensors initialises it with, the layer was never reordered."""
+    if isinstance(g_idx, torch.Tensor) and not g_idx.dtype.is_floating_point and bool((g_idx == -1).any()):
+        return None
+    return g_idx
 
 
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> Int4Weight:
