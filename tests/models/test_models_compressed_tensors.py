@@ -206,6 +206,10 @@ REFUSED = {  # config change: message
     "preset": (dict(config_groups={"W8A8": ["Linear"]}), r"the preset scheme 'W8A8' is not supported"),
     "ignore": (dict(ignore="lm_head"), r"ignore must be a list"),
     "targets": (dict(g_targets="Linear"), r"targets must be a list"),
+    "target pattern": (dict(g_targets=["re:.*(q_proj"]), r"config_groups\['group_0'\].targets: 're:.\*\(q_proj' is "
+                                                         r"not a regular expression"),
+    "ignore pattern": (dict(ignore=["lm_head", "re:[mlp"]), r"quantization_config.ignore: 're:\[mlp' is not a "
+                                                           r"regular expression"),
 }
 
 

@@ -242,6 +242,7 @@ def _ct_config(q: dict, where: str) -> QuantConfig:
     if isinstance(ignore, str) or not all(isinstance(i, str) for i in ignore):
         raise ValueError(f"{where}: quantization_config.ignore must be a list of module names or patterns, got "
                          f"{ignore!r}")
+    _check_ct_patterns(ignore, f"{where}: quantization_config.ignore")
     rules = []
     for gname, scheme in groups.items():
         at = f"{where}: quantization_config.config_groups[{gname!r}]"
@@ -256,6 +257,7 @@ def _ct_config(q: dict, where: str) -> QuantConfig:
         if isinstance(targets, str) or not all(isinstance(t, str) for t in targets):
             raise ValueError(f"{at}.targets must be a list of module names, patterns or class names, got "
                              f"{targets!r}")
+        _check_ct_patterns(targets, f"{at}.targets")
         for side in ("input_activations", "output_activations"):
             if scheme.get(side) is not None:
                 raise ValueError(f"{at} quantizes activations ({side}); tilegemm runs 16-bit activations: "
@@ -293,6 +295,17 @@ def _ct_config(q: dict, where: str) -> QuantConfig:
     first = rules[0][1]
     return QuantConfig("compressed-tensors", first["group_size"], desc_act=first["desc_act"], sym=first["sym"],
                        groups=tuple(rules), ignore=tuple(ignore))
+
+
+def _check_ct_patterns(entries, at: str) -> None:
+    """Refuse a ``re:`` entry of a target or ignore list that is no regular expression, here, naming it: matching
+    modules against it later would raise re.error from the middle of a load."""
+    for entry in entries:
+        if entry.startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as err:
+                raise ValueError(f"{at}: {entry!r} is not a regular expression: {err}") from None
 
 
 def _dynamic(dynamic, where: str) -> tuple:
