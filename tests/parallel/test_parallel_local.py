@@ -122,6 +122,39 @@ def test_parallel_ct_unset_g_idx_reads_slices(tmp_path):
         assert torch.equal(dequantize(local), want[:, rank * K // 2:(rank + 1) * K // 2])
 
 
+def test_parallel_ct_stored_tensors_checked(tmp_path):
+    """A split layer's stored tensors are checked before its slices are read: an asymmetric compressed-tensors
+    layer without its zero points is refused (read as symmetric, it would be another weight), as is one without
+    its scales or with scales of another group size."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    from tilegemm.models import pretrained
+    from tilegemm.parallel import _read_int4_shard
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
+    import ckpt_writer as cw
+
+    N, K = 64, 256
+    t, _ = cw.quantize_linear(torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.05,
+                              "compressed-tensors", 64, sym=False)
+    q = pretrained.quant_config({"quantization_config": cw.quantization_config("compressed-tensors", 64,
+                                                                               sym=False)}).for_module("l")
+    cases = {"weight_zero_point": (r"lacks l.weight_zero_point", {}),
+             "weight_scale": (r"lacks l.weight_scale", {}),
+             "": (r"l.weight_scale: the checkpoint's shape \[64, 8\] does not match \[64, 4\]",
+                  dict(weight_scale=torch.ones(N, 8, dtype=torch.float16)))}
+    for drop, (message, replace) in cases.items():
+        path = tmp_path / (drop or "shape")
+        path.mkdir()
+        stored = {**{k: v for k, v in t.items() if k != drop}, **replace}
+        save_file({f"l.{k}": v.contiguous() for k, v in stored.items()}, str(path / "model.safetensors"))
+        tensors = pretrained._Tensors(str(path), torch.device("cpu"))
+        for split in ("out", "in"):
+            with pytest.raises(ValueError, match=message):
+                _read_int4_shard(tensors, "l", q, N, K, split, 0, 2, torch.float16)
+
+
 def test_parallel_import_is_lazy():
     """``import tilegemm`` (and tilegemm.nn) leaves torch.distributed.tensor unimported."""
     code = ("import sys, tilegemm, tilegemm.nn; "

@@ -37,8 +37,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
-from tilegemm.models.pretrained import _default_device, _import_columns, _saved_weight, _stored_parts, _Tensors, \
-    empty_model, load_quantized_, quant_config, read_config
+from tilegemm.models.pretrained import _check_quant_shapes, _default_device, _import_columns, _saved_weight, \
+    _stored_parts, _Tensors, empty_model, load_quantized_, quant_config, read_config
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
 from tilegemm.nn.moe import expert_group_size
@@ -777,6 +777,14 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
     """Rank ``rank``'s shard of the quantized Linear ``prefix`` (``[N, K]``) as ``(Int4Weight, input index)``,
     reading only its slices of the packed tensors; an act-order GPTQ layer split along K reads its tensors whole
     (its sorted rows are scattered over the stored K) and is cut after import, one layer at a time."""
+    # load_quantized_ leaves the split layers to this read: their stored tensors are checked here, or an
+    # asymmetric layer whose zero points are missing would be read as symmetric
+    problems, missing = [], []
+    _check_quant_shapes(tensors, prefix, q, N, K, f"a Linear [out, in] = [{N}, {K}]", problems, missing)
+    if missing:
+        problems.append(f"the checkpoint lacks {', '.join(missing)}")
+    if problems:
+        raise ValueError("; ".join(problems))
     gs = q.group_size
     if q.method == SAVED_METHOD:  # tilegemm's own buffers (a model it saved): the house kinds
         perm = tensors.get(f"{prefix}.perm") if f"{prefix}.perm" in tensors else None
