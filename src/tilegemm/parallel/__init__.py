@@ -869,8 +869,9 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
             N, K = m.out_features, m.in_features
             qm = q.for_module(name)  # (its own config where the checkpoint's "dynamic" gives one)
             if qm is None or qm.bits != 4:
-                raise ValueError(f"tp_plan splits {name}, which the checkpoint's quantization_config stores "
-                                 f"{'16-bit' if qm is None else f'with bits = {qm.bits!r}'}")
+                raise ValueError(f"tp_plan splits {name}, which the checkpoint's quantization_config "
+                                 f"{'leaves unquantized' if qm is None else f'stores with bits = {qm.bits!r}'}, "
+                                 f"though the checkpoint stores it packed")
             try:
                 w, index = _read_int4_shard(tensors, name, qm, N, K, split, rank, world, dtype)
             except ValueError as err:
