@@ -1,6 +1,7 @@
 """Edges of tilegemm.models.from_pretrained found against checkpoints written by the tests' own writer
 (ckpt_writer.py): layers narrower than the group size (stored as one group), a stored bias of the wrong shape, an
-index that maps a tensor to a shard that lacks it, a directory holding only pytorch_model.bin. The loaded models run
+index that maps a tensor to a shard that lacks it, a directory holding only pytorch_model.bin, older quantizers'
+settings files and file names. The loaded models run
 on the ``device`` fixture's device (the CPU under the interpreter, the GPU otherwise), the plain-torch references on
 the CPU."""
 
@@ -101,6 +102,38 @@ def test_a_directory_with_pytorch_model_bin_only(tmp_path):
     torch.save({}, path / "pytorch_model.bin")
     with pytest.raises(FileNotFoundError, match=r"it holds pytorch_model\.bin: tilegemm reads safetensors "
                                                 r"checkpoints only"):
+        from_pretrained(path, device="cpu")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_older_quantizers_settings_files_and_file_names(tmp_path, device, method):
+    """AutoGPTQ's quantize_config.json and AutoAWQ's quant_config.json (in their own keys), no quantization_config in
+    config.json, the weights in one file of the quantizer's own name: loaded as the same checkpoint written today."""
+    config = cw.tiny_config("llama", hidden=64)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), method, 32, act_order=method == "gptq")
+    cfg = json.loads((path / "config.json").read_text())
+    q = cfg.pop("quantization_config")
+    if method == "gptq":  # AutoGPTQ's file: no quant_method key
+        sidecar, settings = "quantize_config.json", dict(bits=4, group_size=32, damp_percent=0.01, desc_act=True,
+                                                         static_groups=False, sym=q["sym"], true_sequential=True,
+                                                         model_name_or_path=None,
+                                                         model_file_base_name="gptq_model-4bit-32g")
+        name = "gptq_model-4bit-32g.safetensors"
+    else:  # AutoAWQ's file and names
+        sidecar, settings = "quant_config.json", dict(zero_point=True, q_group_size=32, w_bit=4, version="GEMM")
+        name = "awq_model_w4_g32.safetensors"
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / sidecar).write_text(json.dumps(settings))
+    os.rename(path / "model.safetensors", path / name)
+    model = from_pretrained(path, device=device)
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 * config.num_hidden_layers
+    assert model.config.quantization_config["converted_from"] == method
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+    # two files and no index: which tensor is where is not said
+    (path / "extra.safetensors").write_bytes((path / name).read_bytes())
+    with pytest.raises(FileNotFoundError, match=r"but 2 safetensors files \(.*\): which tensor is where needs the "
+                                                r"index"):
         from_pretrained(path, device="cpu")
 
 

@@ -154,20 +154,38 @@ def _check_dir(path) -> str:
     return path
 
 
+# Where quantizers wrote their settings before transformers read them from config.json: AutoGPTQ's and GPTQModel's
+# quantize_config.json, AutoAWQ's quant_config.json (file -> the method when the file does not name one).
+SIDECARS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def _json_object(file: str) -> dict:
+    try:
+        with open(file) as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def read_config(path) -> dict:
     """``config.json`` of the checkpoint directory ``path`` as a dict (FileNotFoundError / ValueError naming the
-    problem)."""
+    problem). Without a ``quantization_config`` there, one of :data:`SIDECARS` (an older quantizer's own settings
+    file) gives it."""
     path = _check_dir(path)
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path!r} has no config.json (the model's transformers config)")
-    try:
-        with open(file) as f:
-            config = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file} is not valid JSON: {err}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{file} must hold a JSON object, got {type(config).__name__}")
+    config = _json_object(file)
+    if "quantization_config" not in config:
+        for name, method in SIDECARS.items():
+            sidecar = os.path.join(path, name)
+            if os.path.isfile(sidecar):
+                q = _json_object(sidecar)
+                config["quantization_config"] = {"quant_method": method, **q}
+                break
     return config
 
 
@@ -369,14 +387,19 @@ class _Tensors:
             if missing:
                 raise FileNotFoundError(f"{INDEX_FILE} lists shard(s) missing from {path!r}: {', '.join(missing)}")
             self.files = dict(weight_map)
-        elif os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
-                self.files = {name: SINGLE_FILE for name in f.keys()}
         else:
-            others = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".safetensors")))
-            raise FileNotFoundError(f"{path!r} has neither {SINGLE_FILE} nor {INDEX_FILE}"
-                                    + (f" (it holds {', '.join(others[:4])}: tilegemm reads safetensors checkpoints "
-                                       f"only; convert the weights to {SINGLE_FILE})" if others else ""))
+            found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            # one file of another name: older quantizers named it (AutoGPTQ's gptq_model-4bit-128g.safetensors)
+            one = SINGLE_FILE if os.path.isfile(single) else found[0] if len(found) == 1 else None
+            if one is None:
+                others = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth")))
+                raise FileNotFoundError(
+                    f"{path!r} has neither {SINGLE_FILE} nor {INDEX_FILE}" + (
+                        f" but {len(found)} safetensors files ({', '.join(found[:4])}): which tensor is where needs "
+                        f"the index" if found else f" (it holds {', '.join(others[:4])}: tilegemm reads safetensors "
+                        f"checkpoints only; convert the weights to {SINGLE_FILE})" if others else ""))
+            with safe_open(os.path.join(path, one), framework="pt") as f:
+                self.files = {name: one for name in f.keys()}
         self._handles: dict[str, object] = {}
         self._keys: dict[str, set] = {}  # the tensor names each opened file holds
         self._stored: dict[str, str] = {}  # a renamed tensor's name in the model -> its name in the files
