@@ -193,6 +193,22 @@ def test_different_devices(device):
         tilegemm.matmul(a, meta_b)
 
 
+def test_sparse_and_nested_tensors(device):
+    """Tensors without strides are refused by name (they reached Triton, which cannot read their storage)."""
+    a, b = _ab(device)
+    with pytest.raises(TypeError, match=r"a is a tensor of layout torch.sparse_coo; .*dense .* a.to_dense\(\)"):
+        tilegemm.matmul(a.to_sparse(), b)
+    with pytest.raises(TypeError, match="b is a tensor of layout torch.sparse_csr"):
+        tilegemm.matmul(a, b.to_sparse_csr())
+    with pytest.raises(TypeError, match="bias is a tensor of layout torch.sparse_coo"):
+        tilegemm.matmul(a, b, bias=torch.ones(6, dtype=a.dtype, device=device).to_sparse())
+    with pytest.raises(TypeError, match="c is a tensor of layout torch.sparse_coo"):
+        tilegemm.matmul(a, b, c=torch.ones(8, 6, dtype=a.dtype, device=device).to_sparse())
+    nested = torch.nested.nested_tensor([a, a[:3]])
+    with pytest.raises(TypeError, match="a is a nested tensor"):
+        tilegemm.matmul(nested, b)
+
+
 def test_cpu_tensors_when_a_gpu_is_in_use(monkeypatch):
     monkeypatch.setattr(runtime, "_interpret", False)
     monkeypatch.setattr(runtime, "missing_gpu", lambda: None)  # (a GPU is in use: no forced backend without one)

@@ -211,6 +211,18 @@ def check_same_device(named: dict) -> None:
     check_device(first_name, first.device)
 
 
+def check_dense(name: str, t) -> None:
+    """Raise TypeError when the tensor ``t`` (named ``name``) is sparse, nested or of another non-strided layout:
+    the kernels read memory through strides, which such a tensor does not have (it failed deep in Triton)."""
+    import torch
+
+    if t.is_nested:
+        raise TypeError(f"{name} is a nested tensor; tilegemm takes dense (strided) tensors only")
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name} is a tensor of layout {t.layout}; tilegemm takes dense (strided) tensors only: "
+                        f"pass {name}.to_dense()")
+
+
 def on_device(device):
     """A context in which ``device`` is the current CUDA device, for the launches (and tuning) of one call.
 

@@ -11,13 +11,14 @@ from tilegemm.core.activations import ACTIVATIONS, check_activation
 from tilegemm.core.dtypes import check_precision, dtype_name, resolve_precision  # noqa: F401 (re-exported)
 from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, jit_tracing,
                                   plain_call, plain_tensor, tensor_key)
-from tilegemm.core.runtime import check_same_device, interpreting
+from tilegemm.core.runtime import check_dense, check_same_device, interpreting
 from tilegemm.core.workspace import in_graph_tree
 from tilegemm.ops.matmul.problem import DTYPES, FP8_DTYPES, INPUT_DTYPES, MatmulCall
 
 def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(name, t)
     if t.dtype not in allowed:
         kind = "integer" if not (t.dtype.is_floating_point or t.dtype.is_complex) else "unsupported"
         names = ", ".join(dtype_name(d) for d in allowed)
@@ -77,6 +78,7 @@ def output_shape(a_shape, b_shape) -> tuple[int, ...]:
 def _check_scale(name: str, scale, dim_name: str, vector_shapes) -> None:
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(scale).__name__}")
+    check_dense(name, scale)
     if scale.dtype != torch.float32:
         raise TypeError(f"{name} must be float32, got {dtype_name(scale.dtype)}")
     if scale.dim() <= 2 and scale.numel() == 1:
@@ -132,6 +134,7 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
     if c is not None:
         if not isinstance(c, torch.Tensor):
             raise TypeError(f"c must be a torch.Tensor, got {type(c).__name__}")
+        check_dense("c", c)
         if broadcast(tuple(c.shape), shape) != shape:
             raise ValueError(f"c of shape {list(c.shape)} does not broadcast to the output shape {list(shape)}")
         _check_addend_dtype("c", c.dtype, a.dtype, fp8, out_dtype)  # (c is the output's addend, as the bias)
