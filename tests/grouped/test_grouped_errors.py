@@ -76,6 +76,13 @@ CASES = [
     ("bias dtype with fp32 out", lambda: call(torch.randn(8, 4).half(), torch.randn(2, 4, 5).half(), offs=O(2, 8),
                                               bias=torch.randn(5).bfloat16(), out_dtype=torch.float32), TypeError,
      "bias has dtype bf16; expected the operands' fp16 or the output's, fp32"),
+    # tensors without strides are refused by name (they reached Triton, which cannot read their storage)
+    ("sparse a", lambda: call(torch.randn(8, 4).to_sparse(), torch.randn(2, 4, 5), offs=O(2, 8)), TypeError,
+     r"a is a tensor of layout torch.sparse_coo; tilegemm takes dense \(strided\) tensors only"),
+    ("sparse bias", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(2, 8),
+                                 bias=torch.randn(5).to_sparse()), TypeError, "bias is a tensor of layout"),
+    ("nested a", lambda: call(torch.nested.nested_tensor([torch.randn(3, 4), torch.randn(5, 4)]),
+                              torch.randn(2, 4, 5), offs=O(3, 8)), TypeError, "a is a nested tensor"),
     ("out_dtype fp16 from fp32", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(2, 8),
                                               out_dtype=torch.float16), TypeError, "out_dtype"),
 ]

@@ -116,6 +116,8 @@ CASES = [
     ("K mismatch", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x[:, :32], w, o), ValueError, "K = 64"),
     ("offs length", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x, w, o[:3]), ValueError, "3 entries"),
     ("offs None", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x, w, None), ValueError, "offs is required"),
+    ("sparse x", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x.to_sparse(), w, o), TypeError,
+     "x is a tensor of layout torch.sparse_coo"),
     ("bias shape", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x, w, o, bias=torch.randn(3).half()), ValueError,
      "bias must have shape"),
     ("activation", lambda w, x, o: tilegemm.w4a16.grouped_matmul(x, w, o, activation="tanhh"), ValueError,

@@ -139,6 +139,10 @@ def test_errors(device):
         w4a16.matmul(x, w, kernel="marlin")
     with pytest.raises(TypeError, match="Int4Weight"):
         w4a16.matmul(x, torch.zeros(32, 128))
+    with pytest.raises(TypeError, match="x is a tensor of layout torch.sparse_coo"):  # (it reached torch's copy)
+        w4a16.matmul(x.to_sparse(), w)
+    with pytest.raises(TypeError, match="bias is a tensor of layout torch.sparse_coo"):
+        w4a16.matmul(x, w, bias=torch.zeros(32, dtype=torch.float16, device=device).to_sparse())
 
 
 def test_opcheck(device):

@@ -15,7 +15,7 @@ from tilegemm.core import registry
 from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import dtype_name, resolve_precision
 from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call, recording_active, tensor_key
-from tilegemm.core.runtime import check_same_device, interpreting
+from tilegemm.core.runtime import check_dense, check_same_device, interpreting
 from tilegemm.core.workspace import in_graph_tree
 from tilegemm.ops.w4a16 import Int4Weight, validate, weight_of_op_args
 
@@ -25,6 +25,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(name, t)
 
 
 def check_offs(offs, groups: int | None, groups_of: str, grouped_dim: str, extent: int) -> None:

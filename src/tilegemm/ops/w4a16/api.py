@@ -33,7 +33,7 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
         TypeError, ValueError: naming the bad argument (shapes, dtypes, devices, unknown names).
     """
     activation = "none" if activation is None else activation
-    if isinstance(bias, torch.Tensor) and bias.dim() == 1 and bias.stride(0) != 1:
+    if isinstance(bias, torch.Tensor) and bias.layout is torch.strided and bias.dim() == 1 and bias.stride(0) != 1:
         bias = bias.contiguous()  # the kernels read the bias as one contiguous vector (before the replay key)
     # The fast path: a replay of an earlier plain call with the same key. Act-order (perm): two replays, x's
     # inputs reordered by the recorded gather (op.REORDERS, a new x each call), then the product on it.

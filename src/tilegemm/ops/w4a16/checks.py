@@ -9,7 +9,7 @@ from tilegemm.core import registry
 from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call, plain_tensor, tensor_key
-from tilegemm.core.runtime import check_same_device, interpreting
+from tilegemm.core.runtime import check_dense, check_same_device, interpreting
 from tilegemm.core.workspace import in_graph_tree
 from tilegemm.ops.w4a16.dispatch import FRAG_KERNELS
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, validate
@@ -24,6 +24,7 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
         raise ValueError(f"w holds stacked experts {list(w.shape)}: multiply them with w4a16.grouped_matmul")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_dense("x", x)
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x has dtype {dtype_name(x.dtype)}; w4a16.matmul takes fp16 or bf16 activations")
     if x.dtype != w.dtype:
@@ -37,6 +38,7 @@ def check_inputs(x, w, bias, activation, kernel) -> None:
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
+        check_dense("bias", bias)
         if bias.dtype != x.dtype:  # x's dtype is the output's (as F.linear refuses a bias of another dtype)
             raise TypeError(f"bias has dtype {dtype_name(bias.dtype)}; expected x's dtype, {dtype_name(x.dtype)} "
                             f"(the output's)")
