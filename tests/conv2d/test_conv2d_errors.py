@@ -59,6 +59,17 @@ def test_bad_dtypes_and_bias(device):
         tilegemm.conv2d(x, w, torch.randn(8, device=device, dtype=torch.float16))
 
 
+
+def test_sparse_tensors(device):
+    """Tensors without strides are refused by name (they reached torch's memory-format conversion)."""
+    x, w = _xw(device)
+    with pytest.raises(TypeError, match=r"x is a tensor of layout torch.sparse_coo; .* x.to_dense\(\)"):
+        tilegemm.conv2d(x.to_sparse(), w)
+    with pytest.raises(TypeError, match="weight is a tensor of layout torch.sparse_coo"):
+        tilegemm.conv2d(x, w.to_sparse())
+    with pytest.raises(TypeError, match="bias is a tensor of layout torch.sparse_coo"):
+        tilegemm.conv2d(x, w, torch.randn(8, device=device).to_sparse())
+
 def test_devices_must_agree(device):
     if device == "cpu":
         # under the interpreter every tensor is on the CPU; a meta tensor stands for "another device"

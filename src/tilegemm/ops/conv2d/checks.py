@@ -9,7 +9,7 @@ from tilegemm.core import registry
 from tilegemm.core.dtypes import dtype_name, torch_fp32_precision
 from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, jit_tracing,
                                   recording_active, tensor_key)
-from tilegemm.core.runtime import check_same_device, interpreting
+from tilegemm.core.runtime import check_dense, check_same_device, interpreting
 from tilegemm.core.workspace import in_graph_tree
 from tilegemm.ops.conv2d.problem import Geometry
 
@@ -51,6 +51,7 @@ def resolve_padding(padding, R: int, S: int, stride: tuple[int, int], dilation: 
 def _check_tensor(name: str, t, ranks: tuple[int, ...]) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(name, t)
     if t.dtype not in DTYPES:
         kind = "integer" if not (t.dtype.is_floating_point or t.dtype.is_complex) else "unsupported"
         raise TypeError(f"{name} has {kind} dtype {dtype_name(t.dtype)}; tilegemm.conv2d supports fp16, bf16, "
