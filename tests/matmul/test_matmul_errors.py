@@ -29,6 +29,14 @@ def _ab(device, dtype=torch.float16):
         (lambda d: (torch.randn(5, device=d), torch.randn(4, 6, device=d)), ValueError, "inner dimensions"),
         (lambda d: (torch.randn(2, 8, 4, device=d), torch.randn(3, 4, 6, device=d)), ValueError, "do not broadcast"),
         (lambda d: ([[1.0]], torch.randn(1, 1, device=d)), TypeError, "a must be a torch.Tensor"),
+        # the 1-D route: a vector beside a non-tensor (an ndarray has ndim; it failed on unsqueeze or ndim)
+        (lambda d: (torch.randn(4, device=d), [1.0] * 4), TypeError, "b must be a torch.Tensor, got list"),
+        (lambda d: (torch.randn(4, device=d), None), TypeError, "b must be a torch.Tensor, got NoneType"),
+        (lambda d: (numpy.ones(4, numpy.float32), torch.randn(4, 6, device=d)), TypeError,
+         "a must be a torch.Tensor, got ndarray"),
+        (lambda d: (torch.randn(4, device=d), numpy.ones(4, numpy.float32)), TypeError,
+         "b must be a torch.Tensor, got ndarray"),
+        (lambda d: (numpy.float32(1.0), torch.randn(4, 6, device=d)), TypeError, "a must be a torch.Tensor"),
     ],
 )
 def test_bad_operands(make, error, match, device):

@@ -96,6 +96,9 @@ def matmul(
 def _with_vectors(a, b, c=None, **kw) -> torch.Tensor:
     """torch.matmul's rule for 1-D operands: ``a`` ``[K]`` is the row ``[1, K]``, ``b`` ``[K]`` the column
     ``[K, 1]``; the product of those runs, and the added dimension is dropped from the result."""
+    for name, t in (("a", a), ("b", b)):  # (an ndarray has ndim too, but no unsqueeze)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError(f"matmul needs operands with at least 1 dim, got a.shape={tuple(a.shape)}, "
                          f"b.shape={tuple(b.shape)}")
