@@ -85,6 +85,14 @@ def test_linear_from_linear_shares_parameters(device):
         Conv2d.from_conv(base)
 
 
+def test_linear_takes_a_tensor(device):
+    """A list is refused by name, where it raised AttributeError on ndim (or on dtype for a float64 layer)."""
+    with pytest.raises(TypeError, match="tilegemm.nn.Linear takes a torch.Tensor, got list"):
+        Linear(5, 3).to(device)([1.0] * 5)
+    with pytest.raises(TypeError, match="tilegemm.nn.Linear takes a torch.Tensor, got list"):
+        Linear(5, 3).double()([1.0] * 5)
+
+
 class _MyConv(torch.nn.Conv2d):
     pass
 

@@ -66,6 +66,8 @@ class Linear(torch.nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) and not isinstance(x, torch.fx.Proxy):  # (a Proxy: fx's own error)
+            raise TypeError(f"tilegemm.nn.Linear takes a torch.Tensor, got {type(x).__name__}")
         weight = self.weight
         if weight.dtype not in _KERNEL_DTYPES:
             return self._torch_forward(x, weight)
