@@ -45,6 +45,16 @@ def test_state_dict_whose_groups_do_not_split_k_is_refused(groups):
     assert dst.scales.shape == (4, 16) and dst.group_size == 32
 
 
+def test_state_dict_value_that_is_not_a_tensor_is_named():
+    # torch's load names it, where reading its shape raised AttributeError
+    dst = Int4Linear(64, 16, group_size=32)
+    sd = dst.state_dict()
+    sd["qweight"] = sd["qweight"].tolist()
+    with pytest.raises(RuntimeError, match='named "qweight", expected torch.Tensor or Tensor-like object'):
+        dst.load_state_dict(sd)
+    assert dst.qweight.shape == (8, 16) and dst.group_size == 32
+
+
 @pytest.mark.parametrize("built_group", [32, 128])
 def test_state_dict_keeps_the_module_scale_dtype(built_group, device):
     # a bf16 state dict into an fp16 module: its scales stay fp16 whatever group size the module was built with

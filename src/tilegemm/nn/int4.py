@@ -185,6 +185,8 @@ class Int4Linear(nn.Module):
         got = {name: state_dict.get(prefix + name) for name in _BUFFERS}
         if any(got[n] is None for n in ("qweight", "scales", "zeros")):
             return None, None  # (a key it lacks is a missing key, as for any module)
+        if any(t is not None and not isinstance(t, torch.Tensor) for t in got.values()):
+            return None, None  # (a value that is not a tensor: nn.Module's load names it)
         K, N = self.in_features, self.out_features
         shape = {n: tuple(t.shape) for n, t in got.items() if t is not None}
         G = shape["scales"][0] if len(shape["scales"]) == 2 else -1
