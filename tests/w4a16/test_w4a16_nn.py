@@ -85,6 +85,27 @@ def test_quantize_takes_transformers_conv1d(device):
     assert_rel_close(model(x), ref, 2e-3)
 
 
+def test_bad_construction_is_named():
+    # torch.zeros raised for these, naming neither argument (a RuntimeError for a negative size)
+    with pytest.raises(ValueError, match="Int4Linear's in_features must be >= 0, got -8"):
+        Int4Linear(-8, 16)
+    with pytest.raises(TypeError, match="Int4Linear's out_features must be an int, got float 16.0"):
+        Int4Linear(64, 16.0)
+    with pytest.raises(TypeError, match="Int4Linear's in_features must be an int, got str"):
+        Int4Linear("64", 16)
+    w = w4a16.quantize(torch.randn(16, 64, dtype=torch.float16), 32)
+    # from_weight: a tensor raised AttributeError, stacked experts "too many values to unpack", a list bias
+    # AttributeError, and a bias of the wrong length was taken (refused only at the first forward)
+    with pytest.raises(TypeError, match="from_weight takes an Int4Weight .* got Tensor"):
+        Int4Linear.from_weight(torch.randn(16, 64))
+    with pytest.raises(ValueError, match=r"got stacked experts \[2, 16, 64\]"):
+        Int4Linear.from_weight(w4a16.quantize(torch.randn(2, 16, 64, dtype=torch.float16), 32))
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor or None, got list"):
+        Int4Linear.from_weight(w, [0.0] * 16)
+    with pytest.raises(ValueError, match=r"bias must have shape \[out_features\] = \[16\], got \[3\]"):
+        Int4Linear.from_weight(w, torch.zeros(3))
+
+
 def test_from_linear_rejects_other_modules():
     with pytest.raises(TypeError, match="nn.Linear"):
         Int4Linear.from_linear(nn.Conv1d(8, 8, 1))

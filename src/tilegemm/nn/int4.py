@@ -41,6 +41,11 @@ class Int4Linear(nn.Module):
         if dtype not in _MODULE_DTYPES:
             raise TypeError(f"Int4Linear's dtype must be fp16, bf16 or fp32, got "
                             f"{dtype_name(dtype) if isinstance(dtype, torch.dtype) else repr(dtype)}")
+        for name, v in (("in_features", in_features), ("out_features", out_features)):  # (torch.zeros named neither)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"Int4Linear's {name} must be an int, got {type(v).__name__} {v!r}")
+            if v < 0:
+                raise ValueError(f"Int4Linear's {name} must be >= 0, got {v}")
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         w = quantize(torch.zeros(out_features, in_features, dtype=dtype, device=device), group_size)
@@ -117,7 +122,18 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_weight(cls, w: Int4Weight, bias: torch.Tensor | None = None) -> "Int4Linear":
+        if not isinstance(w, Int4Weight):
+            raise TypeError(f"from_weight takes an Int4Weight (tilegemm.w4a16.quantize / from_gptq / from_awq), got "
+                            f"{type(w).__name__}")
+        if len(w.shape) != 2:  # stacked experts are a MoE block's (quantize_experts_), not one layer's
+            raise ValueError(f"from_weight takes a weight [out_features, in_features], got stacked experts "
+                             f"{list(w.shape)}")
         N, K = w.shape
+        if bias is not None:  # (checked here, not at the first forward)
+            if not isinstance(bias, torch.Tensor):
+                raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+            if tuple(bias.shape) != (N,):
+                raise ValueError(f"bias must have shape [out_features] = [{N}], got {list(bias.shape)}")
         mod = cls.__new__(cls)
         nn.Module.__init__(mod)
         mod.in_features, mod.out_features = K, N
