@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from conftest import CLEAR, HERE, rel_err_of_sums
 from tilegemm.core.activations import torch_activation
-from tilegemm.nn import Conv2d, Int4Linear, Linear, convert_, quantize_
+from tilegemm.nn import Conv2d, Int4Linear, Linear, convert_, quantize_, quantize_experts_
 from tilegemm.nn.convert import ConversionNote
 from tilegemm.ops.matmul.reference import relative_error
 from tilegemm.ops.w4a16 import dequantize
@@ -56,6 +56,21 @@ def test_quantize_warns_about_the_layers_it_keeps():
 def test_quantize_takes_a_model(thing, error):
     with pytest.raises(error, match="quantize_"):
         quantize_(thing)
+
+
+def test_quantize_experts_takes_a_model():
+    with pytest.raises(TypeError, match="quantize_experts_ takes a torch.nn.Module, got NoneType"):
+        quantize_experts_(None)  # (it raised AttributeError on named_modules)
+
+
+@pytest.mark.parametrize("transform", ["convert_", "quantize_", "quantize_experts_"])
+def test_a_filter_that_is_not_callable_is_named(transform):
+    # it raised "'int' object is not callable" from inside the walk, naming no argument
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8))
+    fn = {"convert_": convert_, "quantize_": quantize_, "quantize_experts_": quantize_experts_}[transform]
+    with pytest.raises(TypeError, match=f"{transform}: filter must be a callable .* got int"):
+        fn(model, filter=3)
+    assert type(model[0]) is torch.nn.Linear
 
 
 def test_an_fp32_model_takes_its_own_input_after_quantize():

@@ -102,6 +102,9 @@ def convert_(
     if isinstance(model, (torch.nn.Conv2d, torch.nn.Linear)):
         raise ValueError("convert_ swaps the children of a model; to convert one layer, use "
                          "tilegemm.nn.Conv2d.from_conv / tilegemm.nn.Linear.from_linear")
+    if filter is not None and not callable(filter):  # (it raised "'int' object is not callable" mid-walk)
+        raise TypeError(f"convert_: filter must be a callable (name, module) -> bool or None, got "
+                        f"{type(filter).__name__}")
     skipped: list[tuple[str, str]] = []
     if moe:
         from tilegemm.nn.moe import convert_moe_blocks_

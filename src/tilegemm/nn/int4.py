@@ -479,6 +479,9 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
         raise ValueError("quantize_ swaps the layers inside a model; to quantize one layer, use "
                          "tilegemm.nn.Int4Linear.from_linear")
     check_group_size_value(group_size, "quantize_")
+    if filter is not None and not callable(filter):  # (it raised "'int' object is not callable" mid-walk)
+        raise TypeError(f"quantize_: filter must be a callable (name, module) -> bool or None, got "
+                        f"{type(filter).__name__}")
     for name, module in model.named_modules():  # refused before anything changes
         weights = [getattr(module, n, None) for n in ("weight", "gate_up_proj", "up_proj", "down_proj")]
         if (isinstance(module, nn.Linear) or is_conv1d(module) or any(isinstance(w, torch.Tensor) and w.dim() == 3

@@ -268,7 +268,12 @@ def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None
     but not a multiple of the group size (or of 8) are kept, appended to ``skipped`` as ``(name, reason)`` where
     given. The 16-bit expert weights are dropped; the 4-bit parts are buffers (``tilegemm_<weight>_qweight``,
     ``_scales``, ``_zeros``)."""
+    if not isinstance(model, torch.nn.Module):  # (it raised AttributeError on named_modules)
+        raise TypeError(f"quantize_experts_ takes a torch.nn.Module, got {type(model).__name__}")
     check_group_size_value(group_size, "quantize_experts_")
+    if filter is not None and not callable(filter):
+        raise TypeError(f"quantize_experts_: filter must be a callable (name, module) -> bool or None, got "
+                        f"{type(filter).__name__}")
     done = []
     for name, module in list(_experts_modules(model)):
         if filter is not None and not filter(name, module):
