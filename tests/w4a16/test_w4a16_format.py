@@ -109,6 +109,9 @@ def _experts_with_perm(perm):
     (lambda: w4a16.quantize(torch.randn(2, 2, 8, 128).half()), ValueError, "2-D"),
     (lambda: w4a16.quantize(torch.full((8, 128), float("inf")).half()), ValueError, "non-finite"),
     (lambda: w4a16.dequantize(torch.zeros(3)), TypeError, "Int4Weight"),
+    (lambda: w4a16.quantize(torch.randn(8, 128).half().to_sparse()), TypeError, "weight is a tensor of layout "
+                                                                                 "torch.sparse_coo"),
+    (lambda: w4a16.quantize(torch.randn(8, 128).half(), 32, "yes"), TypeError, "symmetric must be True or False"),
     (lambda: w4a16.quantize(torch.randn(8, 128).half()).to(torch.float32), TypeError, "fp16 or bf16, not fp32"),
     (lambda: _with_perm(torch.full((64,), 1000)), ValueError, r"permutation of 0\.\.63 \(K = 64\) for each weight"),
     (lambda: _with_perm(torch.arange(64).roll(1).clamp(max=62)), ValueError, "permutation"),  # a repeat

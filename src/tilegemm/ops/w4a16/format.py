@@ -23,7 +23,7 @@ import operator
 import torch
 
 from tilegemm.core.dtypes import dtype_name
-from tilegemm.core.runtime import cdiv
+from tilegemm.core.runtime import cdiv, check_dense
 
 GROUP_SIZES = (32, 64, 128, 256, -1)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16)
@@ -433,6 +433,9 @@ def quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
     """
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    check_dense("weight", weight)
+    if not isinstance(symmetric, bool):  # (a truthy string would choose the symmetric form unnoticed)
+        raise TypeError(f"symmetric must be True or False, got {symmetric!r}")
     if weight.dim() == 3:  # stacked experts [E, N, K]: every row quantized alone, so as one [E*N, K] weight
         E, N, K = weight.shape
         flat = quantize(weight.reshape(E * N, K), group_size, symmetric)
