@@ -288,3 +288,22 @@ def test_quantize_and_convert_keep_the_model_working_or_raise_clearly(widths, gr
     assert again.shape == out.shape
     if device != "meta":
         assert relative_error(again, out) <= 1e-2
+
+
+def test_symbolic_trace_of_converted_and_quantized_linears(device):
+    """torch.fx.symbolic_trace records tilegemm's Linear and Int4Linear as call_module nodes, as it records
+    torch.nn's layers (their forwards branch on the input's shape, which a Proxy does not have); the traced module
+    computes what the model does."""
+    torch.manual_seed(0)
+    dense = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).to(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        four = quantize_(copy.deepcopy(dense).half(), group_size=32)
+        convert_(dense)
+    for model, x in ((dense, torch.randn(2, 3, 64, device=device)),
+                     (four, torch.randn(5, 64, device=device, dtype=torch.float16))):
+        gm = torch.fx.symbolic_trace(model)
+        assert [n.op for n in gm.graph.nodes] == ["placeholder", "call_module", "call_module", "call_module",
+                                                  "output"]
+        with torch.no_grad():
+            assert torch.equal(gm(x), model(x))

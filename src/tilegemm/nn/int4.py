@@ -12,7 +12,7 @@ from torch import nn
 from tilegemm.nn.moe import SparseMoeBlock, _stacked_experts, convert_moe_blocks_, expert_group_size, quantize_experts_
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.convert import ConversionNote, is_conv1d, is_plain_linear, subclass_reason
-from tilegemm.nn.linear import Linear
+from tilegemm.nn.linear import Linear, traced_call
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, fits_fragments, \
     from_awq, from_compressed_tensors, from_gptq, quantize
 
@@ -84,6 +84,8 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from tilegemm.ops.w4a16.api import matmul
 
+        if isinstance(x, torch.fx.Proxy):
+            return traced_call(self, x)
         dtype = getattr(x, "dtype", None)
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type in _AUTOCAST_DEVICES \
                 and torch.is_autocast_enabled(x.device.type):

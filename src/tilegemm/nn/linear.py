@@ -15,6 +15,12 @@ from tilegemm.ops.matmul.problem import DTYPES
 _KERNEL_DTYPES = frozenset(DTYPES)
 
 
+def traced_call(module: torch.nn.Module, x: "torch.fx.Proxy") -> "torch.fx.Proxy":
+    """Under ``torch.fx.symbolic_trace``: one ``call_module`` node for ``module``, as fx records torch.nn's own
+    layers (its forward branches on the input's shape and dtype, which a Proxy does not have)."""
+    return x.tracer.create_proxy("call_module", x.tracer.path_of_module(module), (x,), {})
+
+
 def sharding_rules_for(weight) -> None:
     """Register tilegemm's DTensor sharding rules when ``weight`` is a DTensor (a layer parallelized with torch's
     own styles): imported here, not at ``import tilegemm``, because ``torch.distributed.tensor`` is slow to import."""
@@ -66,7 +72,9 @@ class Linear(torch.nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) and not isinstance(x, torch.fx.Proxy):  # (a Proxy: fx's own error)
+        if isinstance(x, torch.fx.Proxy):
+            return traced_call(self, x)
+        if not isinstance(x, torch.Tensor):
             raise TypeError(f"tilegemm.nn.Linear takes a torch.Tensor, got {type(x).__name__}")
         weight = self.weight
         if weight.dtype not in _KERNEL_DTYPES:
