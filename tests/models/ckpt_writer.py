@@ -382,10 +382,14 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
             reference[name] = deq.T.contiguous() if transposed else deq
             continue
         if leaf in ("gate_up_proj", "down_proj") and module.endswith(".experts") and tensor.dim() == 3:
-            stored_block, projs = _expert_linears(name, tensor.detach(), mixtral_names)
+            block = model.get_submodule(module)
+            # [E, in, out]: Llama-4's experts (no layout flag) and blocks that say is_transposed
+            transposed = getattr(block, "is_transposed", type(block).__name__ == "Llama4TextExperts")
+            stored_block, projs = _expert_linears(name, tensor.detach().transpose(1, 2) if transposed
+                                                  else tensor.detach(), mixtral_names)
             deqs = []
-            orders = [torch.randperm(tensor.shape[2], generator=gen) if act_order and shared_gate_up_order else None
-                      for _ in range(tensor.shape[0])]
+            orders = [torch.randperm(projs[0][1].shape[2], generator=gen) if act_order and shared_gate_up_order
+                      else None for _ in range(tensor.shape[0])]
             if module in dense_experts:
                 for proj, w in projs:
                     for e in range(w.shape[0]):
@@ -403,6 +407,8 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
                     per_expert.append(deq)
                 deqs.append(torch.stack(per_expert))
             reference[name] = torch.cat(deqs, dim=1)  # gate rows, then up rows
+            if transposed:
+                reference[name] = reference[name].transpose(1, 2).contiguous()
             continue
         t = tensor.detach().half() if tensor.is_floating_point() else tensor.detach()
         if name not in drop:

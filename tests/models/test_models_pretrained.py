@@ -399,6 +399,13 @@ ARCHS = {
     "qwen2_moe": (dict(moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
                        num_experts_per_tok=2), ("shared_expert_gate",)),
     "olmoe": (dict(num_experts=4, num_experts_per_tok=2), ()),
+    # multi-head latent attention, a dense first layer, then routed experts beside a shared one
+    "deepseek_v2": (dict(num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                         n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=64,
+                         qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1), ()),
+    # experts run by the block's own forward over [E, in, out] weights: loaded into tilegemm's block for it
+    "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=256, head_dim=32,
+                         attention_chunk_size=64), ("router",)),
 }
 
 
@@ -408,9 +415,9 @@ def test_other_architectures(tmp_path, device, arch):
     if arch not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {arch}")
     overrides, keep = ARCHS[arch]
-    config = transformers.AutoConfig.for_model(
-        arch, vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, **overrides)
+    config = transformers.AutoConfig.for_model(arch, **{
+        **dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False), **overrides})
     source = cw.random_model(config)
     not_convert = [n for n, m in source.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(keep)] \
         if keep else []
@@ -420,11 +427,11 @@ def test_other_architectures(tmp_path, device, arch):
     quantized = [n for n in cw.linear_names(source, not_convert=not_convert)]
     int4 = {n for n, m in model.named_modules() if isinstance(m, Int4Linear)}
     assert int4 and int4 <= set(quantized)  # (a MoE block's experts are stacked, not Int4Linears)
-    for n in not_convert:
-        assert type(model.get_submodule(n)) is torch.nn.Linear, n
-    if "moe" in arch:  # every block's experts loaded as stacked 4-bit experts
-        stacked = [n for n, _ in model.named_buffers() if n.endswith("_qweight")]
-        assert len(stacked) == 2 * config.num_hidden_layers, stacked  # gate/up and down a block
+    for n in not_convert:  # (Llama-4's router is a Linear subclass of its own)
+        assert isinstance(model.get_submodule(n), torch.nn.Linear), n
+    moe_layers = {"deepseek_v2": 1, "llama4_text": 2}.get(arch, 2 if "moe" in arch else 0)
+    stacked = [n for n, _ in model.named_buffers() if n.endswith("_qweight")]
+    assert len(stacked) == 2 * moe_layers, stacked  # every block's experts stacked 4-bit: gate/up and down
     err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
     assert err < TOL, f"{arch}: logits rel. error {err:.2e}"
 

@@ -1006,6 +1006,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     device = _default_device(device if device is not None else _model_device(model))
     tensors = _Tensors(path, device, model)
     _compute_meta_buffers_(model, tensors, device)
+    _own_forward_blocks_(model, tensors, q.leaf("qweight"))
 
     # Which Linears are stored quantized (each with its own config where "dynamic" says so), and the shapes the
     # model asks of each stored tensor.
@@ -1168,6 +1169,17 @@ def _architecture_hint(model: nn.Module) -> str:
         return (f" (a {type(model).__name__}; the checkpoint's config names {names[0]}: "
                 f"model_class=transformers.{names[0]})")
     return ""
+
+
+def _own_forward_blocks_(model: nn.Module, tensors: _Tensors, marker: str) -> None:
+    """Llama-4's MoE blocks run their experts in their own forward, over 3-D weights; quantizers store those experts
+    one Linear an expert (``<block>.experts.<e>.gate_proj`` ...). Such a block becomes tilegemm's block for it
+    (its experts a ``StackedExperts`` under the same names), which the per-expert loader fills as any other."""
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ != "Llama4TextMoe":
+            continue
+        if any(f"{name}.experts.0.{p}.{leaf}" in tensors for p in _EXPERT_NAMES[0] for leaf in (marker, "weight")):
+            convert_moe_blocks_(model, filter=lambda n, m, name=name: n == name)
 
 
 def _compute_meta_buffers_(model: nn.Module, tensors: _Tensors, device: torch.device) -> None:
