@@ -82,3 +82,15 @@ def test_devices_must_agree(device):
             tilegemm.conv2d(x, w.cpu())
         with pytest.raises(ValueError, match="move the tensors to the GPU"):
             tilegemm.conv2d(x.cpu(), w.cpu())
+
+
+def test_numpy_integers_are_ints(device):
+    """numpy's integers (read from a config, say) stand for ints, as F.conv2d takes them; a tensor does not."""
+    np = pytest.importorskip("numpy")
+    x = torch.randn(1, 4, 8, 8, device=device)
+    w = torch.randn(6, 2, 3, 3, device=device)
+    got = tilegemm.conv2d(x, w, None, np.int64(2), (np.int32(1), 1), [np.int64(1)], np.int64(2))
+    want = torch.nn.functional.conv2d(x, w, None, 2, 1, 1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(TypeError, match=r"stride must be an int or a pair of ints, got tensor\(1\)"):
+        tilegemm.conv2d(x, w, None, torch.tensor(1), groups=2)

@@ -3,6 +3,8 @@ call that the replay cache (:mod:`tilegemm.core.replay`) keeps (plain Python: no
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from tilegemm.core import registry
@@ -16,16 +18,26 @@ from tilegemm.ops.conv2d.problem import Geometry
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _int(value) -> int | None:
+    """``value`` as an int where it is one or stands for one (numpy's integers, as F.conv2d takes them), else
+    None; a bool is none."""
+    if isinstance(value, bool) or isinstance(value, torch.Tensor):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _pair(name: str, value) -> tuple[int, int]:
     """An int, a pair of ints or a one-element sequence (expanded to both, as F.conv2d and nn.Conv2d take it) as
     (h, w), or TypeError naming the argument."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int or a pair of ints, got a bool")
-    if isinstance(value, int):
-        return value, value
-    if isinstance(value, (tuple, list)) and len(value) in (1, 2) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return int(value[0]), int(value[-1])
+    if _int(value) is not None:
+        return _int(value), _int(value)
+    if isinstance(value, (tuple, list)) and len(value) in (1, 2) and all(_int(v) is not None for v in value):
+        return _int(value[0]), _int(value[-1])
     raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
 
 
@@ -67,8 +79,9 @@ def check_conv(x, weight, bias, stride, padding, dilation, groups) -> Geometry:
     _check_tensor("weight", weight, (4,))
     if weight.dtype != x.dtype:
         raise TypeError(f"dtypes differ: x is {dtype_name(x.dtype)}, weight is {dtype_name(weight.dtype)}")
-    if isinstance(groups, bool) or not isinstance(groups, int):
+    if _int(groups) is None:
         raise TypeError(f"groups must be an int, got {type(groups).__name__}")
+    groups = _int(groups)
     if groups < 1:
         raise ValueError(f"groups must be >= 1, got {groups}")
     stride, dilation = _pair("stride", stride), _pair("dilation", dilation)
