@@ -333,6 +333,31 @@ def test_a_saved_moe_model_loads_in_one_call(tmp_path, device, source):
     assert _rel(_logits(again), _logits(model)) < TOL
 
 
+def test_one_group_layers_keep_their_group_size_when_saved_and_loaded(tmp_path, device):
+    """A layer stored as one group was quantized with group_size -1 or with its own K: the saved config's group
+    sizes say which, so each layer, each experts weight and the config come back as they were."""
+    model = cw.random_model(cw.tiny_config("llama", hidden=64, layers=1)).half().to(device)
+    _quiet(quantize_, model, group_size=-1, filter=lambda n, m: "lm_head" not in n)
+    _quiet(model.save_pretrained, tmp_path / "linears")
+    again = from_pretrained(tmp_path / "linears", device=device)
+    for name, m in model.named_modules():
+        if isinstance(m, Int4Linear):
+            assert again.get_submodule(name).group_size == m.group_size == -1, name
+    assert again.config.quantization_config["group_size"] == model.config.quantization_config["group_size"] == -1
+    if _interface is None:
+        return
+    # experts whose down projection (K = 32) is below the group size: one group, -1; gate_up (K = 64) keeps 64
+    moe = cw.random_model(cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)).half().to(device)
+    _quiet(quantize_, moe, group_size=64, filter=lambda n, m: "lm_head" not in n)
+    _quiet(moe.save_pretrained, tmp_path / "moe")
+    again = from_pretrained(tmp_path / "moe", device=device)
+    block, other = moe.model.layers[0].mlp.experts, again.model.layers[0].mlp.experts
+    assert other.tilegemm_group_sizes == block.tilegemm_group_sizes == {"gate_up_proj": 64, "down_proj": -1}
+    assert again.model.layers[0].self_attn.q_proj.group_size == 64
+    assert again.config.quantization_config["group_size"] == moe.config.quantization_config["group_size"]
+    assert _rel(_logits(again), _logits(moe)) < TOL
+
+
 # --- load_quantized_ into a model quantized already -------------------------------------------------------------
 
 

@@ -76,6 +76,8 @@ class QuantConfig:
     # class names, matched as compressed-tensors matches them: _ct_match)
     groups: tuple = ()
     ignore: tuple[str, ...] = ()
+    # tilegemm: the group sizes its saved config lists (a one-group layer's shapes do not say -1 or its K)
+    saved_sizes: tuple[int, ...] = ()
 
     def for_module(self, name: str, classes: tuple[str, ...] = ("Linear",)) -> "QuantConfig | None":
         """How module ``name`` (whose classes, its MRO's names, are ``classes``) is stored: GPTQ, the first
@@ -206,7 +208,10 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
     if method == SAVED_METHOD:  # each layer's group length is read from its stored shapes
         if q.get("bits", 4) != 4:
             raise ValueError(f"{where}: bits = {q.get('bits')!r}; tilegemm's saved layers are 4-bit")
-        return QuantConfig(SAVED_METHOD, -1, sym=False)
+        listed = q.get("group_size")
+        listed = listed if isinstance(listed, list) else [listed]
+        return QuantConfig(SAVED_METHOD, -1, sym=False, saved_sizes=tuple(
+            s for s in listed if isinstance(s, int) and not isinstance(s, bool)))
     bits = q.get("bits", q.get("w_bit"))
     if bits != 4:
         raise ValueError(f"{where}: bits = {bits!r}; tilegemm loads 4-bit checkpoints only (bits = 4)")
@@ -678,12 +683,16 @@ def _group_counts(K: int) -> list[int]:
     return [1] + [K // gs for gs in GROUP_SIZES if 0 < gs < K and K % gs == 0]
 
 
-def _saved_weight(qweight, scales, zeros, perm, shape) -> Int4Weight:
+def _saved_weight(qweight, scales, zeros, perm, shape, sizes: tuple[int, ...] = ()) -> Int4Weight:
     """The :class:`Int4Weight` of tilegemm's stored buffers (``perm`` empty: no act-order; a stacked experts
-    weight: every part with a leading E), its group length read from the scales' shape."""
+    weight: every part with a leading E), its group length read from the scales' shape; one group is K where the
+    saved config's group sizes ``sizes`` list K, else -1 where they list -1."""
     K, G = shape[-1], scales.shape[-2]
     perm = perm.to(torch.int64) if perm is not None and perm.numel() else None
-    return Int4Weight(qweight, scales, zeros.to(scales.dtype), _group_size_of(G, K), shape, perm)
+    gs = _group_size_of(G, K)
+    if G == 1 and K not in sizes and -1 in sizes:  # quantized with -1, or K below the group size asked
+        gs = -1
+    return Int4Weight(qweight, scales, zeros.to(scales.dtype), gs, shape, perm)
 
 
 def _check_quant_shapes(tensors: "_Tensors", prefix: str, q: QuantConfig, N: int, K: int, what: str,
@@ -722,7 +731,7 @@ def _import_columns(parts: dict, g_idx, q: QuantConfig, a: int, b: int) -> Int4W
     if q.method == SAVED_METHOD:
         return _saved_weight(parts["qweight"][:, cols].contiguous(), parts["scales"][:, cols].contiguous(),
                              parts["qzeros"][:, cols].contiguous(), g_idx,
-                             (b - a, parts["qweight"].shape[0] * 8))
+                             (b - a, parts["qweight"].shape[0] * 8), q.saved_sizes)
     if q.method == "compressed-tensors":  # [N, ...]: output rows first
         zp = parts.get("qzeros")
         if zp is not None:
@@ -957,7 +966,8 @@ def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -
             perm = tensors.get(f"{key}_perm") if f"{key}_perm" in tensors else None
             try:
                 stacked[wname] = _saved_weight(tensors.get(f"{key}_qweight"), tensors.get(f"{key}_scales").to(dtype),
-                                               tensors.get(f"{key}_zeros"), perm, (s.num_experts, N, K))
+                                               tensors.get(f"{key}_zeros"), perm, (s.num_experts, N, K),
+                                               q.saved_sizes)
             except (TypeError, ValueError) as err:
                 raise type(err)(f"{key}: {err}") from None
         install_int4_experts_(s.module, stacked)

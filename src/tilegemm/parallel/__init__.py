@@ -793,13 +793,14 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
         gs = -1 if G == 1 else K // G
         if split == "in" and perm is not None:  # as GPTQ's act-order below: whole, then cut
             w = _saved_weight(tensors.get(f"{prefix}.qweight"), tensors.get(f"{prefix}.scales").to(dtype),
-                              tensors.get(f"{prefix}.zeros"), perm, (N, K))
+                              tensors.get(f"{prefix}.zeros"), perm, (N, K), q.saved_sizes)
             return shard_int4(w, "in", rank, world)
         parts = {p: tensors.get_slice(f"{prefix}.{p}", shard_slices(p, tensors.shape(f"{prefix}.{p}"), split, rank,
                                                                     world, gs)).contiguous()
                  for p in ("qweight", "scales", "zeros")}
         n, k = (N // world, K) if split == "out" else (N, K // world)
-        return _saved_weight(parts["qweight"], parts["scales"].to(dtype), parts["zeros"], perm, (n, k)), None
+        return _saved_weight(parts["qweight"], parts["scales"].to(dtype), parts["zeros"], perm, (n, k),
+                             q.saved_sizes), None
     if q.method == "compressed-tensors":
         g_idx = ct_g_idx(_act_order(tensors, f"{prefix}.weight_g_idx", f"{prefix}.weight_scale", K, 1))
         if split == "in" and g_idx is not None:  # as GPTQ's below: whole, then cut after the import
