@@ -117,6 +117,34 @@ def test_outputs_changed_in_place_under_autograd(device):
     assert_rel_close(grads[1][1], grads[0][1].double(), 2e-3)
 
 
+class SavedThenInPlaceAttention(Attention):
+    """Uses q and k in a product that keeps them for backward, then changes v in place."""
+
+    def forward(self, x):
+        q, k = self.q_proj(x), self.k_proj(x)
+        s = q[..., :32] * k
+        v = self.v_proj(x)
+        v.mul_(2.0)
+        return self.o_proj(s * v)
+
+
+def test_a_part_changed_in_place_leaves_the_others_saved_for_backward(device):
+    """One part's output changed in place under autograd does not change another part's saved for backward (as
+    unjoined projections' outputs, each has its own version counter)."""
+    torch.manual_seed(0)
+    ref = quantize_(SavedThenInPlaceAttention().to(device=device, dtype=torch.float16), group_size=32)
+    fused = fuse_projections_(copy.deepcopy(ref))
+    x = torch.randn(3, 64, device=device, dtype=torch.float16)
+    grads = []
+    for model in (ref, fused):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.float().square().sum().backward()
+        grads.append((out.detach(), xi.grad))
+    assert_rel_close(grads[1][0], grads[0][0].double(), 2e-3)
+    assert_rel_close(grads[1][1], grads[0][1].double(), 2e-3)
+
+
 def test_inference_mode(device):
     # activations made in inference mode have no version counter: the same tensor is taken as unchanged
     ref, fused = _pair(device, bias=True)

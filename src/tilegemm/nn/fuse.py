@@ -73,7 +73,9 @@ class FusedProjections(Int4Linear):
         # a view each (narrow), not split's views made together, which autograd forbids changing in place
         starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         outs = [y.narrow(-1, a, n) for a, n in zip(starts, self.sizes)]
-        rest = {i: o for i, o in enumerate(outs) if i != index}
+        # recorded by autograd, the views would share one version counter: a part changed in place would fail the
+        # backward of another part's output saved before, so the parts kept for later calls are copies
+        rest = {i: o.clone() if y.requires_grad else o for i, o in enumerate(outs) if i != index}
         self._pending = (x, 0 if unversioned else x._version, rest, context) if rest else None
         return outs[index]
 
@@ -193,7 +195,8 @@ def fuse_projections_(model: nn.Module, groups=GROUPS) -> nn.Module:
     weights, and the others, called on the same input (the same tensor, unchanged), take their columns of it.
     A part called on another input runs the product again, so any call order computes the same as before.
     Outputs are column views of the joined product (row stride the joined width), as
-    ``torch.split`` gives.
+    ``torch.split`` gives; where autograd records the product, the parts taken after the first are copies of their
+    columns (so that one changed in place does not change another saved for backward).
 
     Left as they are: projections held under several names or with hooks, DTensors, subclasses of Int4Linear.
     The state dict keeps every projection's keys, shapes and values (saved from the joined tensors; a state dict
