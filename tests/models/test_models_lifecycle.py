@@ -391,6 +391,24 @@ def test_load_quantized_refuses_a_16_bit_layer_into_an_int4_one(tmp_path, device
     assert torch.equal(_logits(model), before)  # refused before anything changed
 
 
+def test_load_quantized_refuses_a_model_with_joined_projections(tmp_path, device):
+    """A model whose projections fuse_projections_ joined is refused, naming the joined parts and what to do, before
+    anything changes (its joined product is no layer the checkpoint stores)."""
+    from tilegemm.nn import fuse_projections_
+
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    model = cw.random_model(config).half().to(device)
+    _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
+    _quiet(model.save_pretrained, tmp_path)
+    fuse_projections_(model)
+    before = _logits(model)
+    with pytest.raises(ValueError, match=r"\(model.layers.0.self_attn: q_proj, k_proj, v_proj; model.layers.0.mlp: "
+                                         r"gate_proj, up_proj\) by tilegemm.nn.fuse_projections_.*load the "
+                                         r"checkpoint before joining"):
+        load_quantized_(model, tmp_path)
+    assert torch.equal(_logits(model), before)
+
+
 @pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface (transformers >= 5)")
 def test_load_quantized_into_quantized_moe_experts_rebuilds_them(tmp_path, device):
     from tilegemm.nn import moe

@@ -34,7 +34,7 @@ from torch import nn
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear, guard_quantized_output_resize_, is_conv1d, mark_saved_format_, \
     untie_quantized_outputs_
-from tilegemm.nn.fuse import ProjectionPart
+from tilegemm.nn.fuse import FusedProjections, ProjectionPart
 from tilegemm.nn.moe import (_experts_modules, _int4, convert_moe_blocks_, install_int4_experts_, register_experts,
                              use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_compressed_tensors, from_gptq
@@ -1011,6 +1011,14 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         raise TypeError(f"load_quantized_ takes a torch.nn.Module, got {type(model).__name__}")
     path = _check_dir(path)
     q = quant_config(read_config(path))
+    # a joined product is no layer a checkpoint stores, and its parts would keep the joined copy's values
+    joined = [(n.rpartition(".")[0] or "the model", m.names) for n, m in model.named_modules()
+              if isinstance(m, FusedProjections)]
+    if joined:
+        where = "; ".join(f"{parent}: {', '.join(names)}" for parent, names in joined[:4])
+        raise ValueError(f"the model's projections are joined ({where}{' ...' if len(joined) > 4 else ''}) by "
+                         f"tilegemm.nn.fuse_projections_: load the checkpoint before joining them "
+                         f"(tilegemm.models.from_pretrained(path, fuse_projections=True) loads, then joins)")
     dtype = _model_dtype(model) if dtype is None else dtype
     _check_dtype(dtype)
     device = _default_device(device if device is not None else _model_device(model))
