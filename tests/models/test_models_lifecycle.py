@@ -432,6 +432,28 @@ def test_load_quantized_into_quantized_moe_experts_rebuilds_them(tmp_path, devic
 
 
 @pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface (transformers >= 5)")
+def test_load_quantized_of_a_saved_moe_model_into_experts_of_another_group_size(tmp_path, device):
+    """A directory tilegemm saved (act-order experts, group 32) loads into a model quantized with group 64: its
+    experts are rebuilt as saved (their 4-bit buffers are not checked or loaded as the model's plain tensors)."""
+    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)
+    cw.write_model(tmp_path / "ckpt", cw.random_model(config), "gptq", 32, act_order=True)
+    saved = _quiet(from_pretrained, tmp_path / "ckpt", device=device)
+    _quiet(saved.save_pretrained, tmp_path / "saved")
+    with torch.random.fork_rng():
+        torch.manual_seed(2)
+        model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="tilegemm")
+    model = model.eval().half().to(device)
+    _quiet(quantize_, model, group_size=64, filter=lambda n, m: "lm_head" not in n)
+    _quiet(load_quantized_, model, tmp_path / "saved")
+    block, other = saved.model.layers[0].mlp.experts, model.model.layers[0].mlp.experts
+    assert other.tilegemm_group_sizes == block.tilegemm_group_sizes
+    for name, t in block.named_buffers():
+        if name.endswith(("_qweight", "_scales", "_zeros", "_perm")):
+            assert torch.equal(getattr(other, name), t), name
+    assert _rel(_logits(model), _logits(saved)) < TOL
+
+
+@pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface (transformers >= 5)")
 def test_load_quantized_refuses_16_bit_experts_into_4_bit_ones(tmp_path):
     config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)
     cw.write_model(tmp_path, cw.random_model(config), "gptq", 32, dense_experts=("model.layers.0.mlp.experts",))

@@ -1090,8 +1090,11 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
             continue
         first = by_id.setdefault(id(p), pname)
         plain.setdefault(first, []).append(pname)
+    # (a block's stacked 4-bit buffers are the experts load's, in the checkpoint's group size, not plain tensors)
+    stacked_blocks = {s.name for s in experts if s.stacked}
     persistent = [n for n, _ in model.named_buffers() if n.rpartition(".")[0] not in quantized_set and n in
-                  model.state_dict(keep_vars=True) and n.rpartition(".")[0] not in loaded]
+                  model.state_dict(keep_vars=True) and n.rpartition(".")[0] not in loaded
+                  and not (n.rpartition(".")[0] in stacked_blocks and n.rpartition(".")[2].startswith("tilegemm_"))]
     tied = _tied_names(model)
     sources: dict[str, str] = {}
     for first, names in plain.items():
