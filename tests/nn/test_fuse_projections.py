@@ -338,3 +338,16 @@ def test_tensor_parallel_styles_refuse_joined_projections():
         for module in (fused.k_proj, fused.tilegemm_q_proj_k_proj_v_proj):
             with pytest.raises(TypeError, match="joined by tilegemm.nn.fuse_projections_ cannot be parallelized"):
                 style._apply(module, None)
+
+
+def test_symbolic_trace_of_joined_projections(device):
+    """torch.fx.symbolic_trace records each part as a call_module node; the traced module runs the joined product
+    once an input, as the model does."""
+    ref, fused = _pair(device)
+    gm = torch.fx.symbolic_trace(fused)
+    called = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert called == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    x = torch.randn(4, 64, device=device, dtype=torch.float16)
+    with torch.no_grad():
+        assert torch.equal(gm(x), fused(x))
+        assert_rel_close(gm(x), ref(x).double(), 2e-3)

@@ -1187,8 +1187,10 @@ def _architecture_hint(model: nn.Module) -> str:
     as a causal LM): which ``model_class`` builds that one."""
     names = getattr(getattr(model, "config", None), "architectures", None) or []
     if names and type(model).__name__ not in names:
-        return (f" (a {type(model).__name__}; the checkpoint's config names {names[0]}: "
-                f"model_class=transformers.{names[0]})")
+        import transformers
+
+        where = f"transformers.{names[0]}" if hasattr(transformers, names[0]) else f"the class {names[0]}"
+        return f" (a {type(model).__name__}; the checkpoint's config names {names[0]}: model_class={where})"
     return ""
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from tilegemm.nn.hooks import has_hooks
 from tilegemm.nn.int4 import Int4Linear, _is_dtensor
+from tilegemm.nn.linear import traced_call
 from tilegemm.ops.w4a16.format import Int4Weight, concat_outputs
 
 __all__ = ["FusedProjections", "ProjectionPart", "fuse_projections_", "GROUPS"]
@@ -100,6 +101,8 @@ class ProjectionPart(nn.Module):
         self.start = sum(fused.sizes[:index])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.fx.Proxy):  # (the kept outputs are keyed by a tensor, which a Proxy is not)
+            return traced_call(self, x)
         return self.fused.split(self.index, x)
 
     @property
