@@ -351,8 +351,23 @@ def test_tensors_for_modules_the_model_lacks(tmp_path):
 
 
 def test_bad_arguments(good):
-    with pytest.raises(TypeError, match="dtype must be torch.float16 or torch.bfloat16"):
+    with pytest.raises(TypeError, match="dtype must be torch.float16, torch.bfloat16 or 'auto'"):
         from_pretrained(good, dtype=torch.float32)
+    with pytest.raises(TypeError, match="dtype must be torch.float16, torch.bfloat16 or 'auto'"):
+        from_pretrained(good, dtype="bf16")
+
+
+@pytest.mark.parametrize("named, want", [("bfloat16", torch.bfloat16), ("float16", torch.float16),
+                                         ("float32", torch.float16), (None, torch.float16)])
+def test_dtype_auto_reads_the_config(tmp_path, good, named, want):
+    path = _copy(good, tmp_path / "c")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = named
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = from_pretrained(path, device="cpu", dtype="auto")
+    assert model.model.embed_tokens.weight.dtype == want
+    assert model.model.layers[0].mlp.up_proj.scales.dtype == want
     with pytest.raises(TypeError, match="load_quantized_ takes a torch.nn.Module"):
         load_quantized_("model", good)
 

@@ -515,8 +515,18 @@ def _parameters_on_meta():
 
 def _check_dtype(dtype) -> None:
     if dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16 (the 4-bit kernels' activations), got "
-                        f"{dtype_name(dtype) if isinstance(dtype, torch.dtype) else repr(dtype)}")
+        raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or 'auto' (the 4-bit kernels' activations), "
+                        f"got {dtype_name(dtype) if isinstance(dtype, torch.dtype) else repr(dtype)}")
+
+
+def resolve_dtype(dtype, path) -> torch.dtype:
+    """``dtype``, or for ``"auto"`` the one the checkpoint's config names (``dtype`` / ``torch_dtype``): bf16 where
+    it says bfloat16, else fp16 (the kernels' activations are 16-bit, whatever an fp32 config says)."""
+    if isinstance(dtype, str) and dtype == "auto":
+        config = read_config(path)
+        named = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+        return torch.bfloat16 if str(named).replace("torch.", "") == "bfloat16" else torch.float16
+    return dtype
 
 
 def _default_device(device) -> torch.device:
@@ -532,7 +542,8 @@ def _default_device(device) -> torch.device:
 def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, model_class=None) -> nn.Module:
     """The ``transformers`` causal-LM of the quantized checkpoint directory ``path``, in eval mode on ``device``
     (default: CUDA when there is one, else the CPU): every Linear stored quantized is an
-    :class:`~tilegemm.nn.Int4Linear`, every other tensor loaded as stored (floats in ``dtype``, fp16 or bf16).
+    :class:`~tilegemm.nn.Int4Linear`, every other tensor loaded as stored (floats in ``dtype``, fp16 or bf16;
+    ``"auto"``: bf16 where the checkpoint's config says bfloat16, else fp16).
 
     Any architecture ``transformers.AutoModelForCausalLM`` knows; ``quantization_config``: GPTQ (``checkpoint_format``
     ``"gptq"`` (v1) or ``"gptq_v2"``; act-order ``desc_act``; symmetric or not), AWQ (``version: "gemm"``) or
@@ -551,6 +562,7 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, model
     (``AutoModelForSequenceClassification``, ``AutoModelForImageTextToText``, ...) or a model class; default
     ``AutoModelForCausalLM``.
     """
+    dtype = resolve_dtype(dtype, path)
     model, device = empty_model(path, dtype, device, model_class)
     load_quantized_(model, path, dtype=dtype, device=device)
     return model.eval()

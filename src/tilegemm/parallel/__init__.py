@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from tilegemm.models.pretrained import _check_quant_shapes, _default_device, _import_columns, _saved_weight, \
-    _stored_parts, _Tensors, empty_model, load_quantized_, quant_config, read_config
+    _stored_parts, _Tensors, empty_model, load_quantized_, quant_config, read_config, resolve_dtype
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
 from tilegemm.nn.moe import expert_group_size
@@ -896,6 +896,7 @@ def from_pretrained_sharded(path, device_mesh: DeviceMesh, tp_plan="auto", dtype
                             device=None, model_class=None) -> nn.Module:
     """``tilegemm.models.from_pretrained(path, device_mesh=..., tp_plan=...)``: the checkpoint's model built on the
     meta device, then each rank's shards read and placed (:func:`load_quantized_sharded_`)."""
+    dtype = resolve_dtype(dtype, path)
     model, device = empty_model(path, dtype, device, model_class)
     load_quantized_sharded_(model, path, device_mesh, tp_plan, dtype=dtype, device=device)
     return model.eval()
