@@ -102,8 +102,13 @@ class InPlaceAttention(Attention):
 def test_outputs_changed_in_place_under_autograd(device):
     """A part's output is a view of the joined product: changed in place under autograd it still gives the
     unjoined model's output and input gradient (each part's view is its own, not one of several made together)."""
+    _same_output_and_input_gradient(InPlaceAttention, device)
+
+
+def _same_output_and_input_gradient(model_class, device):
+    """The joined model of ``model_class`` gives the unjoined one's output and input gradient."""
     torch.manual_seed(0)
-    ref = quantize_(InPlaceAttention().to(device=device, dtype=torch.float16), group_size=32)
+    ref = quantize_(model_class().to(device=device, dtype=torch.float16), group_size=32)
     fused = fuse_projections_(copy.deepcopy(ref))
     assert isinstance(fused.q_proj, ProjectionPart)
     x = torch.randn(3, 64, device=device, dtype=torch.float16)
@@ -131,18 +136,7 @@ class SavedThenInPlaceAttention(Attention):
 def test_a_part_changed_in_place_leaves_the_others_saved_for_backward(device):
     """One part's output changed in place under autograd does not change another part's saved for backward (as
     unjoined projections' outputs, each has its own version counter)."""
-    torch.manual_seed(0)
-    ref = quantize_(SavedThenInPlaceAttention().to(device=device, dtype=torch.float16), group_size=32)
-    fused = fuse_projections_(copy.deepcopy(ref))
-    x = torch.randn(3, 64, device=device, dtype=torch.float16)
-    grads = []
-    for model in (ref, fused):
-        xi = x.clone().requires_grad_(True)
-        out = model(xi)
-        out.float().square().sum().backward()
-        grads.append((out.detach(), xi.grad))
-    assert_rel_close(grads[1][0], grads[0][0].double(), 2e-3)
-    assert_rel_close(grads[1][1], grads[0][1].double(), 2e-3)
+    _same_output_and_input_gradient(SavedThenInPlaceAttention, device)
 
 
 def test_inference_mode(device):

@@ -711,9 +711,20 @@ def _check_quant_shapes(tensors: "_Tensors", prefix: str, q: QuantConfig, N: int
                         problems: list, missing: list) -> set:
     """Check the stored tensors of the quantized Linear ``prefix`` (``[N, K]``, ``what`` names it in messages)
     against ``q``, appending to ``problems`` / ``missing``; the names found."""
+    expected = {f"{prefix}.{part}": spec for part, spec in _expected_quant_shapes(q, N, K).items()}
+    found = _check_stored(tensors, expected, f"what {what} with {q.describe()} stores", problems, missing)
+    key = f"{prefix}.weight_shape"
+    if key in found and tensors.shape(key) == [2] and [int(v) for v in tensors.get(key).tolist()] != [N, K]:
+        problems.append(f"{key}: the checkpoint says the weight is {tensors.get(key).tolist()}, the model's is "
+                        f"[{N}, {K}]")
+    return found
+
+
+def _check_stored(tensors: "_Tensors", expected: dict, what: str, problems: list, missing: list) -> set:
+    """Check stored tensors against ``expected`` (name -> (the shapes it may have, required)), appending to
+    ``problems`` (a shape none of those, followed by ``what``) and ``missing``; the names found."""
     found = set()
-    for part, (shapes, required) in _expected_quant_shapes(q, N, K).items():
-        key = f"{prefix}.{part}"
+    for key, (shapes, required) in expected.items():
         if key not in tensors:
             if required:
                 missing.append(key)
@@ -721,10 +732,7 @@ def _check_quant_shapes(tensors: "_Tensors", prefix: str, q: QuantConfig, N: int
         found.add(key)
         if tensors.shape(key) not in shapes:
             problems.append(f"{key}: the checkpoint's shape {tensors.shape(key)} does not match "
-                            f"{' or '.join(map(str, shapes))}, what {what} with {q.describe()} stores")
-        elif part == "weight_shape" and [int(v) for v in tensors.get(key).tolist()] != [N, K]:
-            problems.append(f"{key}: the checkpoint says the weight is {tensors.get(key).tolist()}, the model's "
-                            f"is [{N}, {K}]")
+                            f"{' or '.join(map(str, shapes))}, {what}")
     return found
 
 
@@ -892,17 +900,10 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
         E = s.num_experts
         for wname, (_, (N, K)) in s.joined.items():
             groups = [[E, G, N] for G in _group_counts(K)]
-            for part, (shapes, required) in dict(qweight=([[E, K // 8, N]], True), scales=(groups, True),
-                                                 zeros=(groups, True), perm=([[E, K]], False)).items():
-                key = f"{s.name}.tilegemm_{wname}_{part}"
-                if key not in tensors:
-                    if required:
-                        missing.append(key)
-                    continue
-                used.add(key)
-                if tensors.shape(key) not in shapes:
-                    problems.append(f"{key}: the checkpoint's shape {tensors.shape(key)} does not match "
-                                    f"{' or '.join(map(str, shapes))}, what experts block {s.name} holds")
+            expected = dict(qweight=([[E, K // 8, N]], True), scales=(groups, True), zeros=(groups, True),
+                            perm=([[E, K]], False))
+            used |= _check_stored(tensors, {f"{s.name}.tilegemm_{wname}_{p}": v for p, v in expected.items()},
+                                  f"what experts block {s.name} holds", problems, missing)
         return used
     if getattr(s.module, "has_bias", False):
         problems.append(f"{s.name}: experts with biases are not supported by the per-expert loader")
