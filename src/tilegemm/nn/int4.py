@@ -358,9 +358,9 @@ SAVED_METHOD = "tilegemm"  # quant_method of the quantization_config a model hol
 
 def mark_saved_format_(model: nn.Module, converted_from: str | None = None) -> None:
     """Make a transformers model's config describe the 4-bit tensors it holds (and ``save_pretrained`` writes):
-    ``quantization_config`` becomes ``{"quant_method": "tilegemm", "bits": 4, "group_size": ..., ...}``, which
-    neither tilegemm's loader nor transformers takes for a GPTQ or AWQ checkpoint. Models holding no 4-bit layer,
-    or without such a config, are left as they are."""
+    ``quantization_config`` becomes ``{"quant_method": "tilegemm", "bits": 4, "group_size": ..., ...}``, which no
+    loader takes for a GPTQ, AWQ or compressed-tensors checkpoint (``tilegemm.models.from_pretrained`` loads it as
+    tilegemm's own). Models holding no 4-bit layer, or without such a config, are left as they are."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return
