@@ -342,7 +342,7 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
                 act_order: bool = False, v2: bool = False, shard_bytes: int = 2**30, not_convert=(),
                 seed: int = 0, drop=(), config_extra: dict | None = None, quant_extra: dict | None = None,
                 mixtral_names: bool = False, shared_gate_up_order: bool = True, stored_name=None,
-                group_size_of=None, dense_experts=(), ct_options: dict | None = None) -> dict:
+                group_size_of=None, dense_experts=(), ct_options: dict | None = None, store_tied: bool = False) -> dict:
     """Write ``model`` (a transformers model with float weights) as a 4-bit checkpoint at ``path``; return the
     reference state dict: each quantized Linear's dequantized weight (fp16) under ``P.weight`` (a MoE block's
     experts: the 3-D weights of the dequantized experts), every other tensor as stored (fp16). ``drop``: tensor
@@ -352,7 +352,8 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
     stored (an older checkpoint's names; the reference keeps the model's). ``group_size_of``: a function of a
     Linear's name giving its own group size (GPTQModel's per-module ``dynamic`` overrides), else ``group_size``.
     ``dense_experts``: experts blocks stored one 16-bit Linear an expert (a block the quantizer left alone).
-    ``ct_options``: :func:`quantize_linear`'s compressed-tensors options (``unpacked_zero``, ``scale_dtype``)."""
+    ``ct_options``: :func:`quantize_linear`'s compressed-tensors options (``unpacked_zero``, ``scale_dtype``).
+    ``store_tied``: a tied output layer's copy stored too, as AutoGPTQ saves (every ``state_dict`` key, cloned)."""
     ct = ct_options or {}
     gen = torch.Generator().manual_seed(seed)
     quantized = set(linear_names(model, not_convert=not_convert))
@@ -369,7 +370,7 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
                     n for n, p in model.named_parameters() if p is model.get_output_embeddings().weight)}
     for name, tensor in state.items():
         module, _, leaf = name.rpartition(".")
-        if name in tied:
+        if name in tied and not store_tied:
             continue  # transformers does not store the tied copy
         if module in quantized and leaf == "weight":
             transposed = _conv1d(model.get_submodule(module))

@@ -184,3 +184,22 @@ def test_model_class_builds_other_heads(tmp_path, device):
     (path / "config.json").write_text(json.dumps(t5))
     with pytest.raises(ValueError, match=r"AutoModelForCausalLM has no model for T5Config .*pass model_class"):
         from_pretrained(path, device="cpu")
+
+
+def test_a_stored_copy_of_a_tied_output_layer_is_no_stray(tmp_path, device):
+    """AutoGPTQ saves every state_dict key, so a tied model (Qwen2.5-0.5B, Llama-3.2-1B) stores lm_head.weight
+    beside the embedding: that is the tied layer's tensor, not one that matches nothing in the model."""
+    import warnings
+
+    config = cw.tiny_config("qwen2", hidden=64, layers=1, tie=True)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 32, store_tied=True)
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(f.keys())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model = from_pretrained(path, device=device)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3

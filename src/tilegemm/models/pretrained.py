@@ -1126,6 +1126,8 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
             problems.append(f"{key}: the checkpoint's shape {tensors.shape(key)} does not match the model's {want}")
         expected_plain[key] = first
     used = set(sources.values()) | {f"{n}.{p}" for n in quantized for p in (*q.leaves, "bias")} | expert_keys
+    # a tied output layer's stored copy (AutoGPTQ saves every state_dict key): tie_weights fills that layer
+    used |= {k for n in tied for k in _aliases(n) if k in tensors}
     strays = [k for k in tensors.files if k not in used and not k.endswith(_IGNORED_SUFFIXES)
               and k.rpartition(".")[0] not in loaded]
     stray_quant = [k for k in strays if k.endswith(f".{marker}") and k.rpartition(".")[0] not in refused]
