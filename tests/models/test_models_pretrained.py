@@ -571,6 +571,35 @@ def test_marlin_flag_refused(tmp_path):
         from_pretrained(path, device="cpu")
 
 
+def _words16(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """4-bit ``values`` packed four to an int16 along ``dim``, value i in bits 4i..4i+3 (GPTQModel's packing with
+    pack_dtype int16)."""
+    v = values.movedim(dim, -1).to(torch.int64)
+    v = v.reshape(*v.shape[:-1], -1, 4)
+    words = sum((v[..., i] & 15) << (4 * i) for i in range(4))
+    return torch.where(words >= 2**15, words - 2**16, words).to(torch.int16).movedim(-1, dim).contiguous()
+
+
+def test_gptqmodel_pack_dtype(tmp_path, device):
+    # GPTQModel writes pack_dtype: "int32" (its default) loads; another word width packs qweight/qzeros in int16
+    # (int8, int64) words, which is refused by name instead of as mismatched shapes
+    from safetensors.torch import load_file, save_file
+
+    path, config, reference = _write(tmp_path, method="gptq", group_size=32, quant_extra=dict(pack_dtype="int32"))
+    assert _rel(_logits(from_pretrained(path, device=device), device),
+                _logits(cw.reference_model(config, reference), "cpu")) < TOL
+    tensors = load_file(str(path / "model.safetensors"))
+    for k in [k for k in tensors if k.endswith(".qweight")]:
+        tensors[k] = _words16(cw.unpack_along_k(tensors[k]), 0)
+    for k in [k for k in tensors if k.endswith(".qzeros")]:
+        tensors[k] = _words16(cw.unpack_along_n(tensors[k]), 1)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _edit_quant(path, pack_dtype="int16")
+    with pytest.raises(ValueError, match=r"pack_dtype 'int16' is not supported; tilegemm reads 4-bit values packed "
+                                         r"eight to an int32 \(pack_dtype 'int32'\)"):
+        from_pretrained(path, device="cpu")
+
+
 def test_a_stored_bias_the_layer_lacks_is_dropped(tmp_path, device):
     # some exporters store a (zero) bias for every quantized Linear: a Llama layer has none, so it is dropped, as
     # transformers drops a tensor the model does not have; a nonzero one says so

@@ -215,6 +215,11 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
     bits = q.get("bits", q.get("w_bit"))
     if bits != 4:
         raise ValueError(f"{where}: bits = {bits!r}; tilegemm loads 4-bit checkpoints only (bits = 4)")
+    # GPTQModel's word width for packed values: other widths than int32 change every packed tensor's shape
+    pack_dtype = str(q.get("pack_dtype") or "int32").lower().replace("torch.", "")
+    if pack_dtype != "int32":
+        raise ValueError(f"{where}: pack_dtype {q.get('pack_dtype')!r} is not supported; tilegemm reads 4-bit values "
+                         f"packed eight to an int32 (pack_dtype 'int32')")
     group_size = q.get("group_size", q.get("q_group_size"))
     if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
         raise ValueError(f"{where}: group_size must be a positive integer or -1 (all of K), got {group_size!r}")
