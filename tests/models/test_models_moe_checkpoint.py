@@ -273,3 +273,29 @@ def test_experts_with_biases_refused(tmp_path, device):
     model.model.layers[0].mlp.experts.has_bias = True
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: experts with biases are not supported"):
         load_quantized_(model, path, device=dev)
+
+
+def test_stored_expert_biases_the_block_lacks(tmp_path, device):
+    """Expert Linears stored with biases the block does not have: zeros load quietly (exporters write them), a
+    nonzero one is named in a warning, as a dense layer's is."""
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+
+    config = cw.tiny_moe_config(layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32, sym=True)
+    stored = load_file(path / "model.safetensors")
+    for e in range(4):
+        for p, n in (("gate_proj", 32), ("up_proj", 32), ("down_proj", 64)):
+            stored[f"model.layers.0.mlp.experts.{e}.{p}.bias"] = torch.zeros(n).half()
+    save_file(stored, path / "model.safetensors", metadata={"format": "pt"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=UserWarning, message=".*interpreter.*")
+        from_pretrained(path, device=device)
+    stored["model.layers.0.mlp.experts.2.up_proj.bias"][3] = 1.0
+    save_file(stored, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"nonzero model\.layers\.0\.mlp\.experts\.2\.up_proj\.bias, which the "
+                                         r"experts of model\.layers\.0\.mlp\.experts do not have"):
+        from_pretrained(path, device=device)

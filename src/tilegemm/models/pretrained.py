@@ -936,6 +936,9 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
         used |= _check_quant_shapes(tensors, key, qk, N, K, f"expert {s.name}", problems, missing)
         if f"{key}.bias" in tensors:
             used.add(f"{key}.bias")
+            if bool(tensors.get(f"{key}.bias").any()):  # dropped, as a dense layer's bias its module lacks
+                warnings.warn(f"load_quantized_: the checkpoint stores a nonzero {key}.bias, which the experts of "
+                              f"{s.name} do not have: ignored", stacklevel=3)
     return used
 
 
