@@ -333,6 +333,41 @@ def test_a_saved_moe_model_loads_in_one_call(tmp_path, device, source):
     assert _rel(_logits(again), _logits(model)) < TOL
 
 
+def _llama4_config():
+    return transformers.AutoConfig.for_model(
+        "llama4_text", vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128, head_dim=16, attention_chunk_size=64)
+
+
+@pytest.mark.parametrize("source", ["quantize_", "gptq-act-order"])
+def test_a_saved_llama4_model_loads_in_one_call(tmp_path, device, source):
+    """Llama-4's experts run in tilegemm's block for it (4-bit, stacked): saved as its buffers, they load back into
+    that block, not into transformers' block whose forward reads 16-bit weights."""
+    if "llama4_text" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip("this transformers has no llama4_text")
+    config = _llama4_config()
+    if source == "quantize_":
+        model = cw.random_model(config).half().to(device)
+        _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n and "router" not in n)
+    else:
+        not_convert = [n for n, m in cw.random_model(config).named_modules() if n.endswith("router")]
+        cw.write_model(tmp_path / "ckpt", cw.random_model(config), "gptq", 32, act_order=True,
+                       not_convert=not_convert)
+        model = _quiet(from_pretrained, tmp_path / "ckpt", device=device)
+    block = model.model.layers[0].feed_forward
+    assert type(block).__name__ == "Llama4MoeBlock"
+    _quiet(model.save_pretrained, tmp_path / "saved")
+    again = from_pretrained(tmp_path / "saved", device=device)
+    other = again.model.layers[0].feed_forward
+    assert type(other).__name__ == "Llama4MoeBlock"
+    for part in ("qweight", "scales", "zeros"):
+        for w in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(other.experts, f"tilegemm_{w}_{part}"),
+                               getattr(block.experts, f"tilegemm_{w}_{part}"))
+    assert _rel(_logits(again), _logits(model)) < TOL
+
+
 def test_one_group_layers_keep_their_group_size_when_saved_and_loaded(tmp_path, device):
     """A layer stored as one group was quantized with group_size -1 or with its own K: the saved config's group
     sizes say which, so each layer, each experts weight and the config come back as they were."""

@@ -1219,12 +1219,14 @@ def _architecture_hint(model: nn.Module) -> str:
 
 def _own_forward_blocks_(model: nn.Module, tensors: _Tensors, marker: str) -> None:
     """Llama-4's MoE blocks run their experts in their own forward, over 3-D weights; quantizers store those experts
-    one Linear an expert (``<block>.experts.<e>.gate_proj`` ...). Such a block becomes tilegemm's block for it
-    (its experts a ``StackedExperts`` under the same names), which the per-expert loader fills as any other."""
+    one Linear an expert (``<block>.experts.<e>.gate_proj`` ...), and a model tilegemm saved stores that block's
+    stacked 4-bit buffers (``<block>.experts.tilegemm_gate_up_proj_qweight`` ...). Such a block becomes tilegemm's
+    block for it (its experts a ``StackedExperts`` under the same names), which the experts loader fills."""
     for name, module in list(model.named_modules()):
         if type(module).__name__ != "Llama4TextMoe":
             continue
-        if any(f"{name}.experts.0.{p}.{leaf}" in tensors for p in _EXPERT_NAMES[0] for leaf in (marker, "weight")):
+        if any(f"{name}.experts.0.{p}.{leaf}" in tensors for p in _EXPERT_NAMES[0] for leaf in (marker, "weight")) \
+                or f"{name}.experts.tilegemm_gate_up_proj_qweight" in tensors:
             convert_moe_blocks_(model, filter=lambda n, m, name=name: n == name)
 
 
