@@ -307,3 +307,17 @@ def test_symbolic_trace_of_converted_and_quantized_linears(device):
                                                   "output"]
         with torch.no_grad():
             assert torch.equal(gm(x), model(x))
+
+
+def test_symbolic_trace_of_a_layer_itself_is_refused_by_name(device):
+    """A traced tilegemm layer is a call_module node of its module; the model traced being the layer itself, there
+    is no such module: refused naming the layer and what traces, not an AttributeError on the module ''."""
+    import torch.fx
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        four = quantize_(torch.nn.Sequential(torch.nn.Linear(64, 32)).half(), group_size=32)[0]
+    for layer in (convert_(torch.nn.Sequential(torch.nn.Linear(64, 32)))[0], four):
+        with pytest.raises(torch.fx.proxy.TraceError, match=f"{type(layer).__name__} itself.*torch.nn.Sequential"):
+            torch.fx.symbolic_trace(layer)
+        torch.fx.symbolic_trace(torch.nn.Sequential(layer))  # held by a module: traced

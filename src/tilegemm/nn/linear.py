@@ -17,8 +17,15 @@ _KERNEL_DTYPES = frozenset(DTYPES)
 
 def traced_call(module: torch.nn.Module, x: "torch.fx.Proxy") -> "torch.fx.Proxy":
     """Under ``torch.fx.symbolic_trace``: one ``call_module`` node for ``module``, as fx records torch.nn's own
-    layers (its forward branches on the input's shape and dtype, which a Proxy does not have)."""
-    return x.tracer.create_proxy("call_module", x.tracer.path_of_module(module), (x,), {})
+    layers (its forward branches on the input's shape and dtype, which a Proxy does not have). The module traced
+    being ``module`` itself, no module holds it to call: refused by name (TraceError)."""
+    path = x.tracer.path_of_module(module)
+    if not path:  # (the root: a call_module node of '' fails later as an AttributeError of no clear cause)
+        raise torch.fx.proxy.TraceError(
+            f"torch.fx.symbolic_trace of a tilegemm {type(module).__name__} itself: its traced form is a call of "
+            f"its module, and the layer traced has none holding it; trace a module that holds it "
+            f"(torch.nn.Sequential(layer))")
+    return x.tracer.create_proxy("call_module", path, (x,), {})
 
 
 def sharding_rules_for(weight) -> None:
