@@ -221,3 +221,31 @@ def test_parallel_world_one_gpu():
             assert_rel_close(model(x), want.double(), FP16_TOL)
     finally:
         dist.destroy_process_group()
+
+
+def test_parallel_auto_plans_of_transformers_models():
+    """'auto' reads the config's plan: Qwen3's q/k norms ('replicated_with_grad_allreduce') stay whole without a
+    word; Llama-4's packed and experts entries stay replicated with a warning naming them; a dict that names a style
+    tilegemm does not split is refused."""
+    transformers = pytest.importorskip("transformers")
+    import warnings
+
+    from tilegemm.parallel import resolve_plan
+
+    common = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16)
+    with torch.device("meta"):
+        qwen3 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("qwen3", **common))
+        llama4 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+            "llama4_text", num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=128, **common))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        splits = resolve_plan(qwen3, "auto")
+    assert splits["model.layers.0.self_attn.q_proj"] == "out" and splits["model.layers.0.mlp.down_proj"] == "in"
+    assert not any("norm" in n for n in splits)
+    with pytest.warns(UserWarning, match=r"stay replicated .*feed_forward\.experts\.gate_up_proj \(packed_rowwise\)"):
+        splits = resolve_plan(llama4, "auto")
+    assert splits["model.layers.0.feed_forward.shared_expert.down_proj"] == "in"
+    with pytest.raises(ValueError, match=r"tp_plan\['model\.layers\.\*\.self_attn\.q_norm'\] = "
+                                         r"'replicated_with_grad_allreduce': tilegemm splits Linears"):
+        resolve_plan(qwen3, {"model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce"})

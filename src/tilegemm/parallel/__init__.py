@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import warnings
 from functools import partial
 from typing import Iterable
 
@@ -722,27 +723,38 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
 # --- from_pretrained, tensor-parallel ---------------------------------------------------------------------------
 
 _STYLES = {"colwise": "out", "rowwise": "in"}
+# transformers' plan styles that keep a weight whole on every rank (a norm's, whose gradient is all-reduced)
+_REPLICATED_STYLES = ("replicated_with_grad_allreduce", "replicate")
 
 
 def resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
     """``{module name: "out" | "in"}`` for the Linears of ``model`` that ``tp_plan`` splits: ``"auto"`` reads the
     transformers config's ``base_model_tp_plan`` (under the model's ``base_model_prefix``); a dict maps module
     names or fnmatch patterns to ``"colwise"``/``"rowwise"`` or to :class:`ColwiseParallel`/:class:`RowwiseParallel`.
+    An ``"auto"`` plan's other entries (norms kept whole, packed or experts weights) leave what they name
+    replicated, with a warning naming them where the plan meant to split them; a dict's are refused.
     """
-    if isinstance(tp_plan, str) and tp_plan == "auto":
+    auto = isinstance(tp_plan, str) and tp_plan == "auto"
+    if auto:
         config = getattr(model, "config", None)
         plan = dict(getattr(config, "base_model_tp_plan", None) or {})
         if not plan:
             raise ValueError("tp_plan='auto' needs a transformers model whose config has a base_model_tp_plan; "
                              "pass tp_plan as a dict of module names -> 'colwise' / 'rowwise'")
+        # the plan names modules under the base model: its prefix, or (Llama-4's causal LM names a prefix it does
+        # not hold) the first of "model" and the root under which the plan names a module
         prefix = getattr(model, "base_model_prefix", "")
-        if prefix and hasattr(model, prefix):
-            plan = {f"{prefix}.{k}": v for k, v in plan.items()}
+        names = [n for n, _ in model.named_modules()]
+        for p in ([prefix] if prefix and hasattr(model, prefix) else []) + ["model", ""]:
+            trial = {(f"{p}.{k}" if p else k): v for k, v in plan.items()}
+            if any(n == k or fnmatch.fnmatchcase(n, k) for k in trial for n in names):
+                plan = trial
+                break
     elif isinstance(tp_plan, dict):
         plan = tp_plan
     else:
         raise TypeError(f"tp_plan must be 'auto' or a dict of module names -> styles, got {type(tp_plan).__name__}")
-    splits = {}
+    splits, left = {}, []
     for pattern, style in plan.items():
         if isinstance(style, _TorchColwise):
             split = "out"
@@ -750,14 +762,25 @@ def resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
             split = "in"
         elif style in _STYLES:
             split = _STYLES[style]
+        elif auto:  # transformers' own styles for what tilegemm does not split: every rank holds it whole
+            if style not in _REPLICATED_STYLES:
+                left.append(f"{pattern} ({style})")
+            continue
         else:
             raise ValueError(f"tp_plan[{pattern!r}] = {style!r}: tilegemm splits Linears 'colwise' or 'rowwise' "
                              f"(ColwiseParallel / RowwiseParallel)")
         for name, module in model.named_modules():
             if name == pattern or fnmatch.fnmatchcase(name, pattern):
                 if not isinstance(module, (nn.Linear, Int4Linear)):
+                    if auto:
+                        left.append(f"{name} ({type(module).__name__})")
+                        continue
                     raise ValueError(f"tp_plan[{pattern!r}] names {name}, a {type(module).__name__}, not a Linear")
                 splits[name] = split
+    if left:
+        warnings.warn(f"tp_plan='auto': {len(left)} entr{'y' if len(left) == 1 else 'ies'} of the config's plan "
+                      f"that tilegemm does not split stay replicated (every rank holds them whole): "
+                      f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}", stacklevel=2)
     if not splits:
         raise ValueError(f"tp_plan matches no Linear of the model: {list(plan)[:4]}")
     return splits
