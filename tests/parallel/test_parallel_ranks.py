@@ -385,4 +385,11 @@ def test_parallel_from_pretrained(tmp_path):
         quantize_(model, group_size=64, filter=lambda n, m: "lm_head" not in n)
         model.save_pretrained(tmp_path / "saved-g64")
         from_pretrained(tmp_path / "gptq-actorder-g32", device="cpu").save_pretrained(tmp_path / "saved-actorder")
-    spawn("pretrained_ranks", 2, str(tmp_path), [*names, "saved-g64", "saved-actorder"])
+    # Qwen3: its plan also names q/k norms ('replicated_with_grad_allreduce'), which stay whole
+    import transformers
+
+    qwen3 = transformers.AutoConfig.for_model("qwen3", vocab_size=256, hidden_size=128, intermediate_size=256,
+                                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=32, max_position_embeddings=64, tie_word_embeddings=False)
+    cw.write_model(tmp_path / "qwen3-gptq-g32", cw.random_model(qwen3), "gptq", 32)
+    spawn("pretrained_ranks", 2, str(tmp_path), [*names, "saved-g64", "saved-actorder", "qwen3-gptq-g32"])
