@@ -249,3 +249,10 @@ def test_parallel_auto_plans_of_transformers_models():
     with pytest.raises(ValueError, match=r"tp_plan\['model\.layers\.\*\.self_attn\.q_norm'\] = "
                                          r"'replicated_with_grad_allreduce': tilegemm splits Linears"):
         resolve_plan(qwen3, {"model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce"})
+    # Phi-3's plan gathers every split output (its fused q/k/v): nothing tilegemm splits, said so by name
+    with torch.device("meta"):
+        phi3 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+            "phi3", **{**common, "pad_token_id": 0}))
+    with pytest.raises(ValueError, match=r"the config's plan splits no Linear 'colwise' or 'rowwise' as tilegemm "
+                                         r"does; it names .*qkv_proj \(colwise_gather_output\)"):
+        resolve_plan(phi3, "auto")

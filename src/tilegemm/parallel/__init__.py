@@ -777,6 +777,10 @@ def resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
                         continue
                     raise ValueError(f"tp_plan[{pattern!r}] names {name}, a {type(module).__name__}, not a Linear")
                 splits[name] = split
+    if auto and left and not splits:
+        raise ValueError(f"tp_plan='auto': the config's plan splits no Linear 'colwise' or 'rowwise' as tilegemm "
+                         f"does; it names {', '.join(left[:6])}{' ...' if len(left) > 6 else ''}: pass tp_plan as a "
+                         f"dict of module names -> 'colwise' / 'rowwise'")
     if left:
         warnings.warn(f"tp_plan='auto': {len(left)} entr{'y' if len(left) == 1 else 'ies'} of the config's plan "
                       f"that tilegemm does not split stay replicated (every rank holds them whole): "
