@@ -367,6 +367,11 @@ def test_dtype_auto_reads_the_config(tmp_path, good, named, want):
     (path / "config.json").write_text(json.dumps(cfg))
     model = from_pretrained(path, device="cpu", dtype="auto")
     assert model.model.embed_tokens.weight.dtype == want
+    if named == "bfloat16":  # a composite config names it in its text part only
+        cfg.pop("dtype")
+        cfg["text_config"] = {"torch_dtype": named}
+        (path / "config.json").write_text(json.dumps(cfg))
+        assert pretrained.resolve_dtype("auto", path) == torch.bfloat16
     assert model.model.layers[0].mlp.up_proj.scales.dtype == want
     with pytest.raises(TypeError, match="load_quantized_ takes a torch.nn.Module"):
         load_quantized_("model", good)

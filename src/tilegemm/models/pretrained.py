@@ -529,7 +529,8 @@ def resolve_dtype(dtype, path) -> torch.dtype:
     it says bfloat16, else fp16 (the kernels' activations are 16-bit, whatever an fp32 config says)."""
     if isinstance(dtype, str) and dtype == "auto":
         config = read_config(path)
-        named = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+        text = config.get("text_config") or {}  # (a composite model's language part)
+        named = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
         return torch.bfloat16 if str(named).replace("torch.", "") == "bfloat16" else torch.float16
     return dtype
 
