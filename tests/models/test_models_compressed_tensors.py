@@ -382,3 +382,42 @@ def test_unset_g_idx_reads_as_the_natural_order(tmp_path, device):
     assert model.model.layers[0].mlp.down_proj.perm.numel() == 0
     err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
     assert err < TOL
+
+
+def test_rules_name_modules_as_the_quantizer_did(tmp_path, device):
+    """A checkpoint of a model transformers renames since (Gemma-3 with a vision tower: the quantizer's
+    ``language_model.model.layers.*`` is ``model.language_model.layers.*`` now): config groups match the names the
+    checkpoint holds, so the MLP's group of its own (group 64 by pattern) is read as written."""
+    import transformers
+
+    text = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=64, sliding_window=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=255)
+    renames = [("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+               ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head.")]
+
+    def stored_name(name):
+        return next((name.replace(new, old, 1) for new, old in renames if name.startswith(new)), name)
+
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "compressed-tensors", 32, sym=True,
+                               not_convert=["model.vision_tower", "model.multi_modal_projector", "lm_head"],
+                               stored_name=stored_name, group_size_of=lambda n: 64 if ".mlp." in n else 32)
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    qc["config_groups"]["mlp"] = dict(group, targets=[r"re:language_model\.model\.layers\.\d+\.mlp\..*"],
+                                      weights=dict(group["weights"], group_size=64))
+    qc["ignore"] = ["language_model.lm_head", "re:vision_tower.*", "re:multi_modal_projector.*"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = from_pretrained(path, device=device)
+    layer = model.model.language_model.layers[0]
+    assert layer.mlp.up_proj.group_size == 64 and layer.self_attn.q_proj.group_size == 32
+    ids = torch.tensor([[3, 17, 200]])
+    with torch.no_grad():
+        got = model(input_ids=ids.to(device)).logits.float().cpu()
+        want = cw.reference_model(config, reference)(input_ids=ids).logits.float()
+    assert float((got - want).norm() / want.norm()) < TOL

@@ -449,6 +449,15 @@ class _Tensors:
     def shape(self, name: str) -> list[int]:
         return list(self._holding(name).get_slice(self._stored.get(name, name)).get_shape())
 
+    def stored_module(self, module: str, leaves: tuple[str, ...]) -> str:
+        """The name module ``module`` of the model has in the files (what the quantizer called it, where
+        transformers renames it since), read from the first of its ``leaves`` stored; ``module`` otherwise."""
+        for leaf in leaves:
+            stored = self._stored.get(f"{module}.{leaf}")
+            if stored is not None:
+                return stored.rpartition(".")[0]
+        return module
+
     def get(self, name: str) -> torch.Tensor:
         return self._holding(name).get_tensor(self._stored.get(name, name))
 
@@ -1057,7 +1066,9 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     marker = q.leaf("qweight")  # the packed weight's leaf: a Linear storing it is stored quantized
     for name, m in linears.items():
         stored = f"{name}.{marker}" in tensors
-        qm = q.for_module(name, tuple(c.__name__ for c in type(m).__mro__) + ("Linear",))
+        # per-module rules (dynamic, config groups, ignore) name modules as the quantizer's model did
+        qm = q.for_module(tensors.stored_module(name, (marker, "weight")),
+                          tuple(c.__name__ for c in type(m).__mro__) + ("Linear",))
         if stored:
             refused.add(name)
         if isinstance(m, Int4Linear) and not stored:

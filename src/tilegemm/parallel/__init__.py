@@ -895,7 +895,8 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
                                  f"from_pretrained splits 4-bit layers (load_sharded_ takes 16-bit ones)")
             m = model.get_submodule(name)
             N, K = m.out_features, m.in_features
-            qm = q.for_module(name)  # (its own config where the checkpoint's "dynamic" gives one)
+            # (its own config where the checkpoint's rules give one, by the name the quantizer knew it by)
+            qm = q.for_module(tensors.stored_module(name, (q.leaf("qweight"), "weight")))
             if qm is None or qm.bits != 4:
                 raise ValueError(f"tp_plan splits {name}, which the checkpoint's quantization_config "
                                  f"{'leaves unquantized' if qm is None else f'stores with bits = {qm.bits!r}'}, "
