@@ -94,3 +94,16 @@ def test_numpy_integers_are_ints(device):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(TypeError, match=r"stride must be an int or a pair of ints, got tensor\(1\)"):
         tilegemm.conv2d(x, w, None, torch.tensor(1), groups=2)
+
+
+def test_the_checks_trace_under_torch_compile(device):
+    """torch.compile traces the argument checks (tuples and ints as nn.Conv2d holds them) in one graph."""
+    x = torch.randn(1, 4, 8, 8, device=device)
+    w = torch.randn(6, 4, 3, 3, device=device)
+
+    def f(x, w):
+        return tilegemm.conv2d(x, w, None, (1, 1), (1, 1), (1, 1), 1)
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="eager")(x, w)
+    torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, None, 1, 1), rtol=1e-4, atol=1e-4)

@@ -23,10 +23,12 @@ def _int(value) -> int | None:
     None; a bool is none."""
     if isinstance(value, bool) or isinstance(value, torch.Tensor):
         return None
-    try:
-        return operator.index(value)
-    except TypeError:
+    if isinstance(value, int):
+        return value
+    # (no try/except: torch.compile traces this, and its operator.index of a tuple is an internal error)
+    if isinstance(value, (tuple, list, str)) or not hasattr(type(value), "__index__"):
         return None
+    return operator.index(value)
 
 
 def _pair(name: str, value) -> tuple[int, int]:
