@@ -56,8 +56,9 @@
 #                 frag_wgmma
 #   w4-checkpoint a Llama-3-8B-shaped GPTQ checkpoint (tools/write_w4_checkpoint.py, 32 layers, \$W4_CKPT_DIR),
 #                 then the loader's tests on the GPU and `bench --op w4a16 --model llama --checkpoint` on it
-#   zoo           the conv2d bench's zoo sweep (every convolution of torchvision's classification models), part
-#                 \$ZOO_PART (default 0/8; each part one device call), mode \$ZOO_MODE (fwd), dtypes \$ZOO_DTYPES
+#   zoo           the conv2d bench's zoo sweep (every convolution of torchvision's classification models), parts
+#                 \$ZOO_PART (default 0/8; several, space-separated), \$ZOO_GRAPH=1 as CUDA graphs, mode \$ZOO_MODE
+#                 (fwd), dtypes \$ZOO_DTYPES
 #                 (fp16), auto only (log in \$OUT/conv2d-zoo-*.log; its precompile lines and last lines shown);
 #                 zoo-models  --op conv2d --model NAME (b32 eager and graph, b1 eager, b32 train) for \$ZOO_MODELS
 #                 (the models but ResNet-50, whose entry is --model resnet50), dtype \$ZOO_DTYPE (fp16)
@@ -202,11 +203,12 @@ for step in "$@"; do
     grouped-tests) pytest_ -m "" -n 8 tests/grouped 2>&1 | tee "$OUT/grouped-tests.log" | tail -n 15 ;;
     route) python3 tools/call_route.py --out "$OUT/route.json" 2>&1 | grep -v Warning | tail -n 16 ;;
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
-    zoo) part=${ZOO_PART:-0/8}; for d in ${ZOO_DTYPES:-fp16}; do
-           name=conv2d-zoo-${ZOO_MODE:-fwd}-$d-${part/\//of}
+    zoo) graph=(); sfx=; [ -n "${ZOO_GRAPH:-}" ] && graph=(--cuda-graph) && sfx=-graph
+         for part in ${ZOO_PART:-0/8}; do for d in ${ZOO_DTYPES:-fp16}; do
+           name=conv2d-zoo-${ZOO_MODE:-fwd}-$d-${part/\//of}$sfx
            bench --op conv2d --sweep "zoo:$part" --mode "${ZOO_MODE:-fwd}" --dtype $d --kernels auto \
-             --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-           grep -E "^(--)?precompile" "$OUT/$name.log" | tail -n 4; tail -n 4 "$OUT/$name.log"; done ;;
+             ${graph[@]+"${graph[@]}"} --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+           grep -E "^(--)?precompile" "$OUT/$name.log" | tail -n 2; tail -n 3 "$OUT/$name.log"; done; done ;;
     zoo-models) # without compile (a model's compile takes most of a minute): b32 eager and graph, b1 eager, b32 train
                 for m in ${ZOO_MODELS:-resnext50_32x4d convnext_tiny efficientnet_b0 mobilenet_v3_large regnet_y_1_6gf}; do
                   timeout 90 python3 -m tilegemm.cli bench --quiet --no-save --op conv2d --model $m --dtype "${ZOO_DTYPE:-fp16}" \
