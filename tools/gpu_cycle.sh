@@ -58,8 +58,7 @@
 #                 then the loader's tests on the GPU and `bench --op w4a16 --model llama --checkpoint` on it
 #   zoo           the conv2d bench's zoo sweep (every convolution of torchvision's classification models), parts
 #                 \$ZOO_PART (default 0/8; several, space-separated), \$ZOO_GRAPH=1 as CUDA graphs, mode \$ZOO_MODE
-#                 (fwd), dtypes \$ZOO_DTYPES
-#                 (fp16), auto only (log in \$OUT/conv2d-zoo-*.log; its precompile lines and last lines shown);
+#                 (fwd), dtypes \$ZOO_DTYPES (fp16), auto only (log in \$OUT/conv2d-zoo-*.log; its precompile lines and last lines shown);
 #                 zoo-models  --op conv2d --model NAME (b32 eager and graph, b1 eager, b32 train) for \$ZOO_MODELS
 #                 (the models but ResNet-50, whose entry is --model resnet50), dtype \$ZOO_DTYPE (fp16)
 #   w4-fused      the w4a16 model entries (llama, qwen2) and the 4-bit Qwen3-MoE entry with row fused beside auto
