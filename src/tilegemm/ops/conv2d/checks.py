@@ -168,7 +168,10 @@ def replay_key(part: str, x: torch.Tensor, weight: torch.Tensor, bias, conv: tup
     rather than compared (a call on two devices is refused on the full path, so it is never recorded)."""
     if not _replayable(x, weight, bias):
         return None
-    return key_of(part, x, weight, bias, conv, *options)
+    try:
+        return key_of(part, x, weight, bias, conv, *options)
+    except RuntimeError:  # a sparse or nested tensor has no strides or storage: the full path refuses it by name
+        return None
 
 
 def forward_key(x: torch.Tensor, weight: torch.Tensor, bias, stride, padding, dilation, groups, activation: str,
@@ -183,7 +186,10 @@ def forward_key(x: torch.Tensor, weight: torch.Tensor, bias, stride, padding, di
     ``activation``: already "none" for None."""
     if not _replayable(x, weight, bias):
         return None
-    return forward_key_of(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel)
+    try:
+        return forward_key_of(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel)
+    except RuntimeError:  # a sparse or nested tensor has no strides or storage: the full path refuses it by name
+        return None
 
 
 def forward_key_of(x: torch.Tensor, weight: torch.Tensor, bias, stride, padding, dilation, groups, activation,

@@ -247,7 +247,10 @@ def replay_key(a, b, offs, bias, out_dtype, kernel):
         return None
     # torch's fp32 setting is read at every call: a replay recorded under "highest" never serves "high"
     precision = resolve_precision("default", a.dtype) if a.dtype is torch.float32 else "ieee"
-    return key_of(a, b, offs, bias, out_dtype, precision, kernel)
+    try:
+        return key_of(a, b, offs, bias, out_dtype, precision, kernel)
+    except RuntimeError:  # a sparse or nested tensor has no strides or storage: the full path refuses it by name
+        return None
 
 
 def gated_key_of(a, b, offs, bias, activation: str, precision: str) -> tuple:
@@ -260,7 +263,10 @@ def gated_replay_key(a, b, offs, bias, activation):
     if not replayable(a, b, offs, bias) or type(activation) is not str:
         return None
     precision = resolve_precision("default", a.dtype) if a.dtype is torch.float32 else "ieee"
-    return gated_key_of(a, b, offs, bias, activation, precision)
+    try:
+        return gated_key_of(a, b, offs, bias, activation, precision)
+    except RuntimeError:  # a sparse or nested tensor has no strides or storage: the full path refuses it by name
+        return None
 
 
 def int4_key_of(x, w, offs, bias, activation: str, gated: bool, kernel: str, frag=None) -> tuple:
@@ -281,7 +287,10 @@ def int4_replay_key(x, w, offs, bias, activation, gated: bool = False, kernel="a
         return None
     if type(activation) is not str or type(kernel) is not str:
         return None
-    return int4_key_of(x, w, offs, bias, activation, gated, kernel, frag)
+    try:
+        return int4_key_of(x, w, offs, bias, activation, gated, kernel, frag)
+    except RuntimeError:  # a sparse or nested tensor has no strides or storage: the full path refuses it by name
+        return None
 
 
 def call_tensors(*tensors) -> tuple:

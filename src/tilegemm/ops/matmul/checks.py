@@ -193,35 +193,38 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
         return None
     if type(alpha) not in (float, int):
         return None
-    pa, pb = a.data_ptr(), b.data_ptr()
-    if scale_a is None and scale_b is None:  # the common case, kept short: host time is the point here
-        scale_keys = None
-        if bias is None:
-            aliases = (0, 0 if pb == pa else 1)
-    else:
-        scales = [s for s in (scale_a, scale_b) if s is not None]
-        if any(not plain_tensor(s) or s.device != a.device for s in scales) or not plain_call(*scales):
+    try:
+        pa, pb, sa, sb = a.data_ptr(), b.data_ptr(), a.stride(), b.stride()
+        if scale_a is None and scale_b is None:  # the common case, kept short: host time is the point here
+            scale_keys = None
+            if bias is None:
+                aliases = (0, 0 if pb == pa else 1)
+        else:
+            scales = [s for s in (scale_a, scale_b) if s is not None]
+            if any(not plain_tensor(s) or s.device != a.device for s in scales) or not plain_call(*scales):
+                return None
+            scale_keys = tuple(None if s is None else tensor_key(s) for s in (scale_a, scale_b))
+        if fast_accum is not False and fast_accum is not True:
             return None
-        scale_keys = tuple(None if s is None else tensor_key(s) for s in (scale_a, scale_b))
-    if fast_accum is not False and fast_accum is not True:
-        return None
-    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
-        return None
-    dtype = a.dtype
-    if (precision is None or precision == "default") and dtype is not torch.float32:
-        resolved = "ieee"  # what resolve_precision answers for 16-bit and fp8 operands
-    else:
-        try:
-            resolved = resolve_precision(precision, dtype)
-        except ValueError:
+        if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
             return None
-    if scale_keys is not None or bias is not None:
-        ptrs = [pa, pb]
-        if scale_keys is not None:
-            ptrs += [s.data_ptr() for s in (scale_a, scale_b) if s is not None]
-        if bias is not None:
-            ptrs.append(bias.data_ptr())
-        aliases = tuple(ptrs.index(p) for p in ptrs)  # for each tensor, the first one sharing its data pointer
-    return (kernel, alpha, resolved, out_dtype, fast_accum, dtype, b.dtype, a.shape, b.shape, a.stride(),
-            b.stride(), a.device, b.device, pa % 16 == 0, pb % 16 == 0, aliases, scale_keys,
-            None if bias is None else tensor_key(bias), activation)
+        dtype = a.dtype
+        if (precision is None or precision == "default") and dtype is not torch.float32:
+            resolved = "ieee"  # what resolve_precision answers for 16-bit and fp8 operands
+        else:
+            try:
+                resolved = resolve_precision(precision, dtype)
+            except ValueError:
+                return None
+        if scale_keys is not None or bias is not None:
+            ptrs = [pa, pb]
+            if scale_keys is not None:
+                ptrs += [s.data_ptr() for s in (scale_a, scale_b) if s is not None]
+            if bias is not None:
+                ptrs.append(bias.data_ptr())
+            aliases = tuple(ptrs.index(p) for p in ptrs)  # for each tensor, the first one sharing its data pointer
+        return (kernel, alpha, resolved, out_dtype, fast_accum, dtype, b.dtype, a.shape, b.shape, sa, sb, a.device,
+                b.device, pa % 16 == 0, pb % 16 == 0, aliases, scale_keys, None if bias is None else tensor_key(bias),
+                activation)
+    except RuntimeError:  # a sparse or nested tensor has no strides or storage: the full path refuses it by name
+        return None

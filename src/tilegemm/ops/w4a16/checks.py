@@ -120,7 +120,10 @@ def replay_key(x2, w, bias, activation: str, kernel: str, perm=None):
     if type(w.qweight) not in PLAIN_TENSOR_TYPES or type(w.scales) not in PLAIN_TENSOR_TYPES \
             or type(w.zeros) not in PLAIN_TENSOR_TYPES or perm is not None and type(perm) not in PLAIN_TENSOR_TYPES:
         return None
-    return key_of(x2, w, bias, activation, kernel, perm)
+    try:
+        return key_of(x2, w, bias, activation, kernel, perm)
+    except RuntimeError:  # a sparse or nested tensor has no strides or storage: the full path refuses it by name
+        return None
 
 
 def call_tensors(x2, w, bias) -> tuple:
