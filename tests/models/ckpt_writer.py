@@ -342,7 +342,8 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
                 act_order: bool = False, v2: bool = False, shard_bytes: int = 2**30, not_convert=(),
                 seed: int = 0, drop=(), config_extra: dict | None = None, quant_extra: dict | None = None,
                 mixtral_names: bool = False, shared_gate_up_order: bool = True, stored_name=None,
-                group_size_of=None, dense_experts=(), ct_options: dict | None = None, store_tied: bool = False) -> dict:
+                group_size_of=None, dense_experts=(), ct_options: dict | None = None, store_tied: bool = False,
+                config_key: str = "quantization_config") -> dict:
     """Write ``model`` (a transformers model with float weights) as a 4-bit checkpoint at ``path``; return the
     reference state dict: each quantized Linear's dequantized weight (fp16) under ``P.weight`` (a MoE block's
     experts: the 3-D weights of the dequantized experts), every other tensor as stored (fp16). ``drop``: tensor
@@ -353,7 +354,9 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
     Linear's name giving its own group size (GPTQModel's per-module ``dynamic`` overrides), else ``group_size``.
     ``dense_experts``: experts blocks stored one 16-bit Linear an expert (a block the quantizer left alone).
     ``ct_options``: :func:`quantize_linear`'s compressed-tensors options (``unpacked_zero``, ``scale_dtype``).
-    ``store_tied``: a tied output layer's copy stored too, as AutoGPTQ saves (every ``state_dict`` key, cloned)."""
+    ``store_tied``: a tied output layer's copy stored too, as AutoGPTQ saves (every ``state_dict`` key, cloned).
+    ``config_key``: the config.json key of the settings (``"compression_config"``: compressed-tensors' releases
+    before mid-2024)."""
     ct = ct_options or {}
     gen = torch.Generator().manual_seed(seed)
     quantized = set(linear_names(model, not_convert=not_convert))
@@ -417,8 +420,8 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
         reference[name] = t
     config = model.config.to_dict()
     config["architectures"] = [type(model).__name__]  # as save_pretrained writes it
-    config["quantization_config"] = quantization_config(method, group_size, sym, act_order, v2, not_convert,
-                                                        **(quant_extra or {}))
+    config[config_key] = quantization_config(method, group_size, sym, act_order, v2, not_convert,
+                                             **(quant_extra or {}))
     config.update(config_extra or {})
     writer.close(config)
     return reference

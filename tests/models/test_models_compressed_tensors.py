@@ -147,6 +147,59 @@ def test_compressed_tensors_checkpoint_loads(tmp_path, device, name):
     assert err < TOL, f"{name}: logits rel. error {err:.2e}"
 
 
+@pytest.mark.parametrize("layout", ["flat", "nested-sparseml"])
+def test_early_compression_config_key_loads(tmp_path, device, layout):
+    """compressed-tensors' releases before mid-2024 wrote their settings under config.json's ``compression_config``:
+    at its top level, or (earlier, ``quant_method`` "sparseml") nested under ``quantization_config`` beside
+    ``sparsity_config``. Read as a ``quantization_config``; the loaded model's config names tilegemm's format
+    only."""
+    config = cw.tiny_config("llama", hidden=128, layers=1)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "compressed-tensors", 32, sym=False,
+                               config_key="compression_config")
+    cfg = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    if layout == "nested-sparseml":
+        qc = cfg["compression_config"]
+        sparsity = qc.pop("sparsity_config")
+        cfg["compression_config"] = dict(quantization_config=dict(qc, quant_method="sparseml"),
+                                         sparsity_config=sparsity or None)
+        (path / "config.json").write_text(json.dumps(cfg))
+    assert pretrained.quant_config(pretrained.read_config(path)).describe() == \
+        "compressed-tensors (pack-quantized, asymmetric), 4-bit, group 32"
+    model = from_pretrained(path, device=device)
+    int4 = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert len(int4) == 7 and type(model.lm_head) is torch.nn.Linear
+    for n, m in int4.items():
+        assert torch.equal(m.dequantize().cpu(), reference[f"{n}.weight"]), n
+    assert model.config.quantization_config["converted_from"] == "compressed-tensors"
+    assert not hasattr(model.config, "compression_config")  # a save writes tilegemm's settings only
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL
+
+
+def test_early_compression_config_refusals_are_named(tmp_path):
+    """What an early ``compression_config`` holds is checked as a ``quantization_config`` is: its nested
+    ``sparsity_config`` beside the settings, and its settings themselves."""
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "compressed-tensors", 32, sym=True, config_key="compression_config")
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg["compression_config"]
+    cfg["compression_config"] = dict(quantization_config=qc, sparsity_config=dict(format="sparse-bitmask"))
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"sparsity_config format 'sparse-bitmask': sparse weights are not"):
+        from_pretrained(path, device="cpu")
+    cfg["compression_config"] = dict(qc, format="int-quantized")
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"format 'int-quantized' is not supported"):
+        from_pretrained(path, device="cpu")
+    # the current key wins where a config holds both (a checkpoint re-saved by a later release)
+    cfg["quantization_config"] = dict(qc)
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert from_pretrained(path, device="cpu").config.quantization_config["converted_from"] == "compressed-tensors"
+
+
 def test_preset_group_and_ignore_patterns(tmp_path, device):
     """A config group given as a preset name (``{"W4A16": ["Linear"]}``) and an ignore list of ``re:`` patterns:
     the layers it names load as plain Linears."""

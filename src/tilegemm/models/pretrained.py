@@ -172,15 +172,31 @@ def _json_object(file: str) -> dict:
     return obj
 
 
+def _compression_config(c: dict) -> dict:
+    """The ``quantization_config`` that compressed-tensors' releases before it adopted that key (2024) wrote under
+    ``compression_config``: its quantization settings either nested under ``quantization_config`` (with
+    ``sparsity_config`` beside them) or at the top level, as compressed-tensors itself reads that key; their
+    ``quant_method`` was then ``"sparseml"`` (or absent), the same settings ``"compressed-tensors"`` names now."""
+    inner = c.get("quantization_config")
+    q = dict(inner) if isinstance(inner, dict) else {k: v for k, v in c.items() if k != "sparsity_config"}
+    if "sparsity_config" in c:  # kept beside the settings: a sparse checkpoint is refused, named, as now
+        q["sparsity_config"] = c["sparsity_config"]
+    if str(q.get("quant_method") or "sparseml").lower() == "sparseml":
+        q["quant_method"] = "compressed-tensors"
+    return q
+
+
 def read_config(path) -> dict:
     """``config.json`` of the checkpoint directory ``path`` as a dict (FileNotFoundError / ValueError naming the
-    problem). Without a ``quantization_config`` there, one of :data:`SIDECARS` (an older quantizer's own settings
-    file) gives it."""
+    problem). Without a ``quantization_config`` there, an early compressed-tensors ``compression_config``
+    (:func:`_compression_config`) or one of :data:`SIDECARS` (an older quantizer's own settings file) gives it."""
     path = _check_dir(path)
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path!r} has no config.json (the model's transformers config)")
     config = _json_object(file)
+    if "quantization_config" not in config and isinstance(config.get("compression_config"), dict):
+        config["quantization_config"] = _compression_config(config["compression_config"])
     if "quantization_config" not in config:
         for name, method in SIDECARS.items():
             sidecar = os.path.join(path, name)

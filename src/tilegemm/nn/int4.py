@@ -379,6 +379,8 @@ def mark_saved_format_(model: nn.Module, converted_from: str | None = None) -> N
     if source:
         entry["converted_from"] = source
     config.quantization_config = entry
+    if hasattr(config, "compression_config"):  # early compressed-tensors' key: it describes the tensors no more
+        del config.compression_config
 
 
 def _why_kept(module: nn.Module, group_size: int) -> str | None:
