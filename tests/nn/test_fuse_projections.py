@@ -228,7 +228,7 @@ def test_load_state_dict_copy_save_and_dtype(device):
     # a state dict of another group size does not fit the joined weight: named, the model unchanged
     coarse = quantize_(Attention().to(device=device, dtype=torch.float16), group_size=64)
     with pytest.raises(RuntimeError, match="q_proj is one part of fused projections .* group size 32; the state dict "
-                                           "holds group size -1"):
+                                           "holds group size 64"):  # (one group of K = 64, recorded as made)
         fused.load_state_dict(coarse.state_dict())
     with torch.no_grad():  # (torch's load put o_proj's bias in place: only the parts are checked)
         for name in ("q_proj", "k_proj", "v_proj"):

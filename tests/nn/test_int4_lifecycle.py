@@ -69,6 +69,39 @@ def test_state_dict_keeps_the_module_scale_dtype(built_group, device):
     assert_rel_close(y, _ref(src, x), 2e-2)  # the same weight, its scales rounded to fp16
 
 
+@pytest.mark.parametrize("saved_group", [-1, 128])
+def test_one_group_state_dict_round_trip_keeps_the_group_size(saved_group):
+    """A layer of one group over all of K = 128 holds the same tensors whether made with group size -1 or 128:
+    its state dict's metadata records which (kept by torch.save), so a load into a layer built with another group
+    size gives the saved one back, as the saved-format loader gives it from the saved config's group sizes."""
+    import io
+
+    from tilegemm.models.pretrained import _saved_weight
+
+    src = nn.Sequential(Int4Linear.from_linear(nn.Linear(128, 16, dtype=torch.float16), group_size=saved_group))
+    assert src[0].group_size == saved_group and src[0].scales.shape[0] == 1
+    buf = io.BytesIO()
+    torch.save(src.state_dict(), buf)
+    buf.seek(0)
+    for state in (src.state_dict(), torch.load(buf)):
+        for built in (32, -1, 128):
+            dst = nn.Sequential(Int4Linear(128, 16, group_size=built))
+            dst.load_state_dict(state)
+            assert dst[0].group_size == saved_group, (built, dst[0].group_size)
+            assert torch.equal(dst[0].dequantize(), src[0].dequantize())
+    sd = src[0].state_dict()
+    assert _saved_weight(sd["qweight"], sd["scales"], sd["zeros"], sd["perm"], (16, 128),
+                         (saved_group,)).group_size == saved_group
+    # without the metadata (a safetensors file): the layer as built says which; built otherwise, the default the
+    # saved-format loader takes where the config lists neither (K, a group size the kernels take)
+    plain = {k: v.clone() for k, v in sd.items()}
+    for built, want in ((-1, -1), (128, 128), (32, 128)):
+        dst = Int4Linear(128, 16, group_size=built)
+        dst.load_state_dict(plain)
+        assert dst.group_size == want
+    assert _saved_weight(sd["qweight"], sd["scales"], sd["zeros"], sd["perm"], (16, 128)).group_size == 128
+
+
 # --- quantize_: shared layers, hooks, training flag, DTensors -------------------------------------------------
 
 

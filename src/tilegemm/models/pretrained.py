@@ -38,7 +38,8 @@ from tilegemm.nn.fuse import FusedProjections, ProjectionPart
 from tilegemm.nn.moe import (_experts_modules, _int4, convert_moe_blocks_, install_int4_experts_, register_experts,
                              use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_compressed_tensors, from_gptq
-from tilegemm.ops.w4a16.format import GROUP_SIZES, _group_size_of, concat_outputs, fits_fragments, stack_experts
+from tilegemm.ops.w4a16.format import GROUP_SIZES, _group_size_of, concat_outputs, fits_fragments, one_group_size, \
+    stack_experts
 
 INSTALL = "pip install 'tilegemm[models]'"
 METHODS = ("gptq", "awq", "compressed-tensors", SAVED_METHOD)  # the quant_method values taken
@@ -732,9 +733,7 @@ def _saved_weight(qweight, scales, zeros, perm, shape, sizes: tuple[int, ...] = 
     saved config's group sizes ``sizes`` list K, else -1 where they list -1."""
     K, G = shape[-1], scales.shape[-2]
     perm = perm.to(torch.int64) if perm is not None and perm.numel() else None
-    gs = _group_size_of(G, K)
-    if G == 1 and K not in sizes and -1 in sizes:  # quantized with -1, or K below the group size asked
-        gs = -1
+    gs = one_group_size(K, sizes) if G == 1 else _group_size_of(G, K)  # (Int4Linear's state dict load: alike)
     return Int4Weight(qweight, scales, zeros.to(scales.dtype), gs, shape, perm)
 
 

@@ -14,7 +14,7 @@ from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.convert import ConversionNote, is_conv1d, is_plain_linear, subclass_reason
 from tilegemm.nn.linear import Linear, traced_call
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, fits_fragments, \
-    from_awq, from_compressed_tensors, from_gptq, quantize
+    from_awq, from_compressed_tensors, from_gptq, one_group_size, quantize
 
 _BUFFERS = ("qweight", "scales", "zeros", "perm")
 _SCALE_BUFFERS = ("scales", "zeros", "fzs")  # the kernels read these in 16 bits, whatever the module's dtype
@@ -171,6 +171,13 @@ class Int4Linear(nn.Module):
                                 bias=None) -> "Int4Linear":
         return cls.from_weight(from_compressed_tensors(weight_packed, weight_scale, weight_zero_point, g_idx), bias)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # a one-group layer's shapes do not say -1 or K: the state dict's metadata (kept by torch.save) records it
+        metadata = getattr(destination, "_metadata", None)
+        if metadata is not None:
+            metadata.setdefault(prefix[:-1], {})["group_size"] = self.group_size
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # A checkpoint may hold another layout than this module was built with (act-order perm, another group
@@ -190,10 +197,15 @@ class Int4Linear(nn.Module):
         for name in ("scales", "zeros"):  # (load_state_dict(assign=True) puts the incoming tensors in place)
             if self._buffers[name].dtype != own_dtype:
                 self._buffers[name] = self._buffers[name].to(own_dtype)
-        G = self.scales.shape[0]
-        if G:  # (no groups: in_features is 0, the group size stays as built)
-            self.group_size = -1 if G == 1 else self.in_features // G
-        if len(error_msgs) == before and problem is None:
+        loaded = len(error_msgs) == before and problem is None
+        K, G = self.in_features, self.scales.shape[0]
+        if G == 1:  # -1 or K, as the saved-format loader decides: the record (metadata), else the layer as built
+            recorded = local_metadata.get("group_size") if loaded else None
+            self.group_size = one_group_size(K, (recorded,) if recorded in (-1, K) and type(recorded) is int
+                                             else (self.group_size,) if self.group_size in (-1, K) else ())
+        elif G:  # (no groups: in_features is 0, the group size stays as built)
+            self.group_size = K // G
+        if loaded:
             self._set_fragments(self._weight())
 
     def _incoming_shapes(self, state_dict, prefix) -> tuple[dict | None, str | None]:

@@ -532,6 +532,16 @@ def _check_scales(scales, G: int, N: int) -> None:
     _check_finite("scales", scales)
 
 
+def one_group_size(K: int, recorded=()) -> int:
+    """The group length of a layer of ``K`` inputs stored as one group, which its tensors cannot say (-1 and K
+    make the same weight): K where the record kept beside the tensors (a saved config's group sizes, a state
+    dict's metadata) lists K, else -1 where it lists -1, else what the shapes give (K where the kernels take it
+    as a group size, else -1)."""
+    if K in recorded:
+        return K
+    return -1 if -1 in recorded else _group_size_of(1, K)
+
+
 def _group_size_of(G: int, K: int) -> int:
     if G < 1 or K % G:
         raise ValueError(f"{G} groups do not divide K = {K} evenly")
