@@ -84,6 +84,45 @@ def test_devices_must_agree(device):
             tilegemm.conv2d(x.cpu(), w.cpu())
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(padding=2**40), r"padding=1099511627776 pads the 6x6 input to 2199023255558x2199023255558 .*32-bit"),
+    (dict(padding=(0, 2**31)), r"padding=\(0, 2147483648\) pads the 6x6 input to 6x4294967302"),
+    (dict(padding=2**63), r"padding=9223372036854775808 pads"),
+    (dict(padding="same", dilation=2**31), r"padding='same' pads the 6x6 input to 4294967302x4294967302"),
+    # padded sides that fit, an output that no tensor can hold (torch's message: a storage size overflow)
+    (dict(padding=2**30 - 8), r"padding=1073741816 makes the output \[N, K, P, Q\] = \[1, 8, 2147483636, "
+                              r"2147483636\]: more bytes than a tensor can hold"),
+    (dict(stride=2**70), r"stride must be at most 2\*\*63 - 1 \(an int64\), got \(1180591620717411303424, "),
+    (dict(stride=(1, 2**63)), r"stride must be at most 2\*\*63 - 1"),
+    (dict(dilation=2**64), r"dilation must be at most 2\*\*63 - 1"),
+])
+def test_sizes_past_the_index_math_are_named(kwargs, match, device):
+    """Paddings, strides and dilations whose sizes the kernels' index math (int32 coordinates, int64 arguments)
+    or a tensor cannot hold are refused naming the argument, where torch's overflow messages came out."""
+    x, w = _xw(device)
+    with pytest.raises(ValueError, match=match):
+        tilegemm.conv2d(x, w, **kwargs)
+    named = rf"^{next(iter(kwargs))}"  # the argument, first
+    with pytest.raises(ValueError, match=named):
+        tilegemm.nn.Conv2d(4, 8, 3, **kwargs).to(device)(x)
+    if type(kwargs.get("padding")) is int and kwargs["padding"] >= 2**31:
+        for mode in ("replicate", "circular"):  # padded before the product: named before F.pad too
+            with pytest.raises(ValueError, match=r"^padding=\(\d+, \d+\) pads the 6x6 input"):
+                tilegemm.nn.Conv2d(4, 8, 3, padding=kwargs["padding"], padding_mode=mode).to(device)(x)
+
+
+def test_large_strides_and_dilations_that_fit_still_run(device):
+    """A stride past the input or a dilation of a 1x1 kernel changes nothing however large (torch takes them): the
+    size checks leave them be."""
+    x, w = _xw(device)
+    want = torch.nn.functional.conv2d(x, w, None, 2**40, 1)
+    torch.testing.assert_close(tilegemm.conv2d(x, w, None, 2**40, 1), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tilegemm.conv2d(x, w, None, 2**63 - 1, 1), want, rtol=1e-4, atol=1e-4)
+    w1 = w[:, :, :1, :1].contiguous()
+    torch.testing.assert_close(tilegemm.conv2d(x, w1, dilation=2**40), torch.nn.functional.conv2d(x, w1),
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_numpy_integers_are_ints(device):
     """numpy's integers (read from a config, say) stand for ints, as F.conv2d takes them; a tensor does not."""
     np = pytest.importorskip("numpy")
@@ -107,3 +146,16 @@ def test_the_checks_trace_under_torch_compile(device):
     torch._dynamo.reset()
     got = torch.compile(f, fullgraph=True, backend="eager")(x, w)
     torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, None, 1, 1), rtol=1e-4, atol=1e-4)
+    # the size checks over symbolic shapes (dynamic), and a padding mode's before F.pad
+    conv = tilegemm.nn.Conv2d(4, 6, 3, padding=(1, 2), padding_mode="replicate").to(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w: tilegemm.conv2d(x, w, None, 1, (2, 1)), fullgraph=True, backend="eager",
+                             dynamic=True)
+    for n in (1, 3):
+        xs = torch.randn(n, 4, 8 + n, 8, device=device)
+        torch.testing.assert_close(compiled(xs, w), torch.nn.functional.conv2d(xs, w, None, 1, (2, 1)), rtol=1e-4,
+                                   atol=1e-4)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(conv, fullgraph=True, backend="eager", dynamic=True)(x),
+                                   torch.nn.Conv2d.forward(conv, x), rtol=1e-4, atol=1e-4)

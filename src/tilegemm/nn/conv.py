@@ -9,7 +9,7 @@ from torch.nn.utils import parametrize
 from tilegemm.core.activations import check_activation, torch_activation
 from tilegemm.nn.linear import sharding_rules_for
 from tilegemm.ops.conv2d import conv2d
-from tilegemm.ops.conv2d.checks import DTYPES
+from tilegemm.ops.conv2d.checks import DTYPES, check_padded_size
 
 _KERNEL_DTYPES = frozenset(DTYPES)
 
@@ -84,6 +84,9 @@ class Conv2d(torch.nn.Conv2d):
             sharding_rules_for(weight)
         padding = self.padding
         if self.padding_mode != "zeros":
+            left, right, top, bottom = self._reversed_padding_repeated_twice
+            if isinstance(x, torch.Tensor) and x.dim() >= 2:  # named before F.pad (its own: a storage overflow)
+                check_padded_size(self.padding, x.shape[-2], x.shape[-1], (top, bottom, left, right))
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = 0
         return conv2d(x, weight, bias, self.stride, padding, self.dilation, self.groups, activation)

@@ -43,6 +43,20 @@ def _pair(name: str, value) -> tuple[int, int]:
     raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
 
 
+INDEX_LIMIT = 2**31 - 1  # the kernels' row and column coordinates (p * stride - pad + r * dilation) are int32
+INT64_LIMIT = 2**63 - 1  # what a kernel argument (and a tensor's size in bytes) can be
+
+
+def check_padded_size(padding, H: int, W: int, pad: tuple[int, int, int, int]) -> None:
+    """ValueError naming ``padding`` where it pads an ``H x W`` input past what the kernels index in 32 bits."""
+    top, bottom, left, right = pad
+    Hp, Wp = H + top + bottom, W + left + right
+    if (top + bottom or left + right) and max(Hp, Wp) > INDEX_LIMIT:
+        raise ValueError(f"padding={padding!r} pads the {H}x{W} input to {Hp}x{Wp} (top, bottom, left, right = "
+                         f"{pad}): past 2**31 - 1 rows or columns, which the kernels' 32-bit index math cannot "
+                         f"address")
+
+
 def resolve_padding(padding, R: int, S: int, stride: tuple[int, int], dilation: tuple[int, int]):
     """(top, bottom, left, right) from an int, a pair, "same" or "valid", as F.conv2d reads them."""
     if isinstance(padding, str):
@@ -91,6 +105,9 @@ def check_conv(x, weight, bias, stride, padding, dilation, groups) -> Geometry:
         raise ValueError(f"stride must be >= 1, got {stride}")
     if min(dilation) < 1:
         raise ValueError(f"dilation must be >= 1, got {dilation}")
+    for name, pair in (("stride", stride), ("dilation", dilation)):  # (Triton cannot pass a larger int)
+        if max(pair) > INT64_LIMIT:
+            raise ValueError(f"{name} must be at most 2**63 - 1 (an int64), got {pair}")
     N, C, H, W = x.shape
     K, Cg, R, S = weight.shape
     if C % groups:
@@ -107,11 +124,15 @@ def check_conv(x, weight, bias, stride, padding, dilation, groups) -> Geometry:
         raise ValueError(f"x has an empty spatial dimension (H={H}, W={W}) in a batch of {N}: only the batch "
                          f"may be empty, as in torch")
     pad = resolve_padding(padding, R, S, stride, dilation)
+    check_padded_size(padding, H, W, pad)
     g = Geometry(N, C, H, W, K, R, S, groups, stride, pad, dilation)
     if g.P < 1 or g.Q < 1:
         raise ValueError(
             f"kernel larger than the padded input: input {H}x{W} padded by {pad} (top, bottom, left, right) "
             f"is smaller than the dilated kernel {dilation[0] * (R - 1) + 1}x{dilation[1] * (S - 1) + 1}")
+    if N * K * g.P * g.Q * x.element_size() > INT64_LIMIT:  # (torch's own message: a storage size overflow)
+        raise ValueError(f"padding={padding!r} makes the output [N, K, P, Q] = {list(g.out_shape)}: more bytes than "
+                         f"a tensor can hold (2**63 - 1)")
     named = {"x": x, "weight": weight}
     if bias is not None:
         _check_tensor("bias", bias, (1,))
