@@ -180,6 +180,51 @@ def test_missing_expert_tensor_is_named(tmp_path, device):
         from_pretrained(path, device=device)
 
 
+def test_a_refused_llama4_load_leaves_the_model_as_it_was(tmp_path, device):
+    """load_quantized_ makes a Llama-4 MoE block tilegemm's block for it before its checks (they read the stacked
+    experts it holds), and computes the meta buffers of a model built on the meta device: a load the checks refuse
+    (a missing tensor) puts both back, leaving the caller's model as it was given."""
+    if "llama4_text" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip("this transformers has no llama4_text")
+    config = transformers.AutoConfig.for_model(
+        "llama4_text", vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128, head_dim=16, attention_chunk_size=64)
+    source = cw.random_model(config)
+    path = tmp_path / "c"
+    cw.write_model(path, source, "gptq", 32, not_convert=[n for n, _ in source.named_modules() if n.endswith("router")],
+                   drop=["model.layers.0.feed_forward.experts.1.down_proj.scales"])
+
+    def state(model):
+        return ([(n, type(m)) for n, m in model.named_modules()],
+                [(n, p, p.device, p.clone() if p.device.type != "meta" else None) for n, p in model.named_parameters()],
+                [(n, b, b.device) for n, b in model.named_buffers()])
+
+    def same(before, after):
+        assert after[0] == before[0]  # the module types under every name
+        assert len(after[1]) == len(before[1]) and len(after[2]) == len(before[2])
+        for (n, p, dev, value), (n2, p2, dev2, _) in zip(before[1], after[1]):
+            assert n == n2 and p2 is p and dev2 == dev, n  # the same Parameters, where they were
+            assert value is None or torch.equal(p2, value), n
+        for (n, b, dev), (n2, b2, dev2) in zip(before[2], after[2]):
+            assert n == n2 and b2 is b and dev2 == dev, n
+
+    model = cw.random_model(config).half()
+    assert type(model.model.layers[0].feed_forward).__name__ == "Llama4TextMoe"
+    before = state(model)
+    with pytest.raises(ValueError, match=r"lacks tensor.*feed_forward\.experts\.1\.down_proj\.scales"):
+        load_quantized_(model, path, device=device)
+    same(before, state(model))
+    with torch.device("meta"):  # its rotary tables meta too, computed by the load before its checks
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    assert any(b.is_meta for b in meta.buffers())
+    before = state(meta)
+    with pytest.raises(ValueError, match=r"lacks tensor.*feed_forward\.experts\.1\.down_proj\.scales"):
+        load_quantized_(meta, path, device=device)
+    same(before, state(meta))
+    assert type(meta.model.layers[0].feed_forward).__name__ == "Llama4TextMoe"
+
+
 def test_whole_expert_missing_is_named(tmp_path, device):
     config = cw.tiny_moe_config(layers=1)
     path = tmp_path / "c"
