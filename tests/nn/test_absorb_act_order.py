@@ -204,3 +204,35 @@ def test_the_probe_runs_without_the_users_forward_hooks(device):
     with torch.no_grad():
         assert torch.equal(model(x), want)
     assert seen == ["drop", "mlp"]  # the hooks are the module's still
+
+
+def test_the_probe_runs_without_global_module_hooks(device):
+    """Global module hooks (torch.nn.modules.module.register_module_forward_hook / _pre_hook: a profiler's or an
+    activation recorder's) do not see the probe's runs either, and see every forward after it, in their order."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    model = nn.Sequential(MLP()).to(device)
+    seen = []
+    x = torch.randn(3, 64, device=device).half()
+    handles = [register_module_forward_pre_hook(lambda m, args: seen.append(("pre", type(m).__name__))),
+               register_module_forward_hook(lambda m, args, out: seen.append(("post", type(m).__name__))),
+               register_module_forward_hook(lambda m, args, out: seen.append(("post2", type(m).__name__)))]
+    try:
+        with torch.no_grad():
+            want = model(x)
+        first = list(seen)
+        assert ("pre", "MLP") in first and ("post", "Int4Linear") in first
+        seen.clear()
+        absorb_act_order_(model)
+        assert model.tilegemm_act_order_absorbed == ["0"] and seen == []
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+        assert seen == first  # the same hooks, in the same order
+        handles.pop().remove()  # their handles still remove them
+        seen.clear()
+        with torch.no_grad():
+            model(x)
+        assert seen and all(kind != "post2" for kind, _ in seen)
+    finally:
+        for h in handles:
+            h.remove()

@@ -14,6 +14,7 @@ import contextlib
 from collections import OrderedDict
 
 import torch
+import torch.nn.modules.module as module_hooks
 from torch import nn
 
 from tilegemm.nn.hooks import has_hooks
@@ -94,16 +95,28 @@ def _evaluating(module: nn.Module):
 
 @contextlib.contextmanager
 def _unhooked(module: nn.Module):
-    """``module`` and its submodules without their forward hooks, then with them again: a probe is no forward of
-    the user's, so hooks that record or change activations must not see it."""
+    """``module`` and its submodules without their forward hooks, and no global module forward hooks
+    (``register_module_forward_hook`` / ``_pre_hook``), then with them again: a probe is no forward of the user's,
+    so hooks that record or change activations must not see it."""
     saved = [(m, m._forward_hooks, m._forward_pre_hooks) for m in module.modules()]
     for m, _, _ in saved:
         m._forward_hooks, m._forward_pre_hooks = OrderedDict(), OrderedDict()
+    # The global dicts emptied in place, not replaced: torch's handles (and whoever imported the dicts) hold
+    # these objects. (A forward on another thread meanwhile misses them too: they are process-wide.)
+    global_dicts = (module_hooks._global_forward_hooks, module_hooks._global_forward_pre_hooks)
+    held = [list(d.items()) for d in global_dicts]
+    for d in global_dicts:
+        d.clear()
     try:
         yield
     finally:
         for m, hooks, pre_hooks in saved:
             m._forward_hooks, m._forward_pre_hooks = hooks, pre_hooks
+        for d, items in zip(global_dicts, held):
+            added = list(d.items())  # (registered meanwhile: kept, after the older ones)
+            d.clear()
+            d.update(items)
+            d.update(added)
 
 
 def _probe_experts(module, dtype, device) -> torch.Tensor | None:
