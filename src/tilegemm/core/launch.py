@@ -47,9 +47,21 @@ except ImportError:  # a CPU-only torch: nothing is ever replayed there
     _raw_stream = _current_device = None
 
 
+_cuda_up = False  # CUDA seen initialised once (it stays so)
+
+
 def current_stream() -> int:
     """The raw CUDA stream Triton launches on: torch's current stream of the current device (0 on the CPU)."""
-    return _raw_stream(_current_device()) if _raw_stream is not None else 0
+    global _cuda_up
+    if _raw_stream is None:
+        return 0
+    if not _cuda_up:
+        # Before CUDA is initialised no stream can have been made current: the default one (0). Asking would
+        # initialise CUDA, which fails where a CUDA build of torch has no driver (interpreter runs on the CPU).
+        if not torch.cuda.is_initialized():
+            return 0
+        _cuda_up = True
+    return _raw_stream(_current_device())
 
 
 _runtime_knobs = None  # triton.knobs.runtime, taken when the first Replay is made (triton is imported then)
