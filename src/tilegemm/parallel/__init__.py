@@ -258,18 +258,25 @@ class ColwiseParallel(_TorchColwise):
         self._default_output = output_layouts is None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        register()
-        _refuse_joined(module)
-        if isinstance(module, Int4Linear):
-            return _shard_int4_module(self, module, device_mesh, "out")
-        if isinstance(module, nn.Conv2d):
-            _check_even(module, device_mesh, "out")
-            wanted = (Shard(1),) if self._default_output else self.output_layouts  # a convolution's channels
-            return _shard_conv(module, device_mesh, "out", self.input_layouts, wanted, self.use_local_output)
-        _check_even(module, device_mesh, "out")
-        module = super()._apply(module, device_mesh)
-        module.tp_split = "out"
-        return module
+        wanted = (Shard(1),) if self._default_output else self.output_layouts  # a convolution's channels
+        return _apply_style(self, module, device_mesh, "out", self.input_layouts, wanted, super()._apply)
+
+
+def _apply_style(style, module: nn.Module, mesh: DeviceMesh, dim: str, conv_given, conv_wanted,
+                 torch_apply) -> nn.Module:
+    """:class:`ColwiseParallel`'s and :class:`RowwiseParallel`'s ``_apply``, split along ``dim`` ("out" or "in"):
+    an ``Int4Linear``'s weight in whole groups, a convolution's with its input and output placed as
+    ``conv_given`` and ``conv_wanted``, anything else by torch's style (``torch_apply``)."""
+    register()
+    _refuse_joined(module)
+    if isinstance(module, Int4Linear):
+        return _shard_int4_module(style, module, mesh, dim)
+    _check_even(module, mesh, dim)
+    if isinstance(module, nn.Conv2d):
+        return _shard_conv(module, mesh, dim, conv_given, conv_wanted, style.use_local_output)
+    module = torch_apply(module, mesh)
+    module.tp_split = dim
+    return module
 
 
 def _refuse_joined(module: nn.Module) -> None:
@@ -295,18 +302,8 @@ class RowwiseParallel(_TorchRowwise):
         self._default_input = input_layouts is None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        register()
-        _refuse_joined(module)
-        if isinstance(module, Int4Linear):
-            return _shard_int4_module(self, module, device_mesh, "in")
-        if isinstance(module, nn.Conv2d):
-            _check_even(module, device_mesh, "in")
-            given = (Shard(1),) if self._default_input else self.input_layouts  # a convolution's channels
-            return _shard_conv(module, device_mesh, "in", given, self.output_layouts, self.use_local_output)
-        _check_even(module, device_mesh, "in")
-        module = super()._apply(module, device_mesh)
-        module.tp_split = "in"
-        return module
+        given = (Shard(1),) if self._default_input else self.input_layouts  # a convolution's channels
+        return _apply_style(self, module, device_mesh, "in", given, self.output_layouts, super()._apply)
 
 
 # --- MoE experts ----------------------------------------------------------------------------------------------
