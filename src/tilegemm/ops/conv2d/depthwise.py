@@ -792,19 +792,22 @@ def is_tap_major(w: torch.Tensor) -> bool:
     return K > 1 and _w_strides(w) == (1, S * K, K)
 
 
+def _row_runs(g: Geometry, x: torch.Tensor) -> bool:
+    """The row kernels' input and size conditions: an input whose image rows are runs of W*C elements
+    (channels-last, pixels adjacent; the rows may lie apart), and images whose element offsets fit 32 bits (an
+    input view with gaps between rows included; the output is new)."""
+    return x.stride(1) == 1 and (x.stride(3) == g.C or g.W == 1) and max(_span(x[:1]) + 1, g.P * g.Q * g.K) < 2**31
+
+
 def rows_apply(g: Geometry, x: torch.Tensor, by_config: bool = False) -> bool:
     """Whether :func:`depthwise_rows_kernel` takes the forward: stride and dilation 1, at most
     :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_ROWS_MAX_TAPS` taps where ``auto`` picks it (each takes
     registers), :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_ROWS_CONFIG_MAX_TAPS` where a config names it
-    (``by_config``), an input whose image rows are runs of W*C elements (channels-last, pixels adjacent; the rows
-    may lie apart), and images whose element offsets fit 32 bits (an input view with gaps between rows included;
-    the output is new)."""
+    (``by_config``), and the input and size conditions of :func:`_row_runs`."""
     from tilegemm.ops.conv2d.configs import DEPTHWISE_ROWS_CONFIG_MAX_TAPS, DEPTHWISE_ROWS_MAX_TAPS
 
     most = DEPTHWISE_ROWS_CONFIG_MAX_TAPS if by_config else DEPTHWISE_ROWS_MAX_TAPS
-    return (g.stride == (1, 1) and g.dilation == (1, 1) and g.R * g.S <= most
-            and x.stride(1) == 1 and (x.stride(3) == g.C or g.W == 1)
-            and max(_span(x[:1]) + 1, g.P * g.Q * g.K) < 2**31)
+    return g.stride == (1, 1) and g.dilation == (1, 1) and g.R * g.S <= most and _row_runs(g, x)
 
 
 @contextlib.contextmanager
@@ -819,16 +822,45 @@ def _weight_for(p: ConvProblem, x: torch.Tensor, tap_major: bool):
         yield p.weight, _w_strides(p.weight), {}
         return
     from tilegemm.core.launch import sequence_lock
-    from tilegemm.core.workspace import buffer
 
-    taps = g.R * g.S * g.K
     stream = current_stream() if x.is_cuda else None
     with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
-        wt = buffer(x.device, p.weight.dtype, taps, "conv2d-depthwise-weight")
-        launch(depthwise_weight_kernel, (cdiv(taps, 1024),),
-               (p.weight, wt, taps, g.K, g.S, *_w_strides(p.weight)), dict(BLOCK=1024, num_warps=4),
-               keep=(wt,), stream=stream)
+        wt = _write_tap_major(p, x, stream)
         yield wt, (1, g.S * g.K, g.K), dict(keep=(wt,), stream=stream)
+
+
+def _write_tap_major(p: ConvProblem, x: torch.Tensor, stream) -> torch.Tensor:
+    """``p``'s weight written row-major ``[R, S, K]`` by :func:`depthwise_weight_kernel` into the workspace of
+    ``stream`` (x's device); the caller holds :data:`~tilegemm.core.launch.sequence_lock` until the launch that
+    reads it is made."""
+    from tilegemm.core.workspace import buffer
+
+    g = p.geo
+    taps = g.R * g.S * g.K
+    wt = buffer(x.device, p.weight.dtype, taps, "conv2d-depthwise-weight")
+    launch(depthwise_weight_kernel, (cdiv(taps, 1024),),
+           (p.weight, wt, taps, g.K, g.S, *_w_strides(p.weight)), dict(BLOCK=1024, num_warps=4),
+           keep=(wt,), stream=stream)
+    return wt
+
+
+def _row_div(g: Geometry, x: torch.Tensor, out: torch.Tensor, most: int) -> tuple[int, bool]:
+    """(DIV, CL_OUT) of a row kernel's launch: CL_OUT where the output's rows are runs of Q*K elements
+    (channels-last), DIV the power of two (at most ``most``) dividing C and the n and h strides of the input (and of
+    such an output), the unit the kernel takes sizes and those strides in."""
+    cl_out = out.stride(1) == 1 and (out.stride(3) == g.K or g.Q == 1)
+    div = most
+    for v in (g.C, x.stride(0), x.stride(2)) + ((out.stride(0), out.stride(2)) if cl_out else ()):
+        div = min(div, _divisor(v))
+    return div, cl_out
+
+
+def _row_strides(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, div: int, w_strides: tuple) -> tuple:
+    """A row kernel's arguments from ``xn_d`` on: strides (the n and h ones also in units of ``div``), the
+    weight's, the bias's, the padding."""
+    return (x.stride(0) // div, x.stride(2) // div, out.stride(0) // div, out.stride(2) // div,
+            out.stride(0), out.stride(2), out.stride(3), out.stride(1), *w_strides,
+            p.bias.stride(0) if p.bias is not None else 0, p.geo.padding[0], p.geo.padding[2])
 
 
 def _run_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> torch.Tensor:
@@ -838,18 +870,13 @@ def _run_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> 
     tap_major = cfg.pop("TAP_MAJOR", False)
     groups = cdiv(g.P, cfg["ROWS_PER"])  # ROWS_PER not clamped to P: a new image height compiles nothing
     chunks = cdiv(g.Q * g.K, cfg["BLOCK"])
-    cl_out = out.stride(1) == 1 and (out.stride(3) == g.K or g.Q == 1)
-    div = 8
-    for v in (g.C, x.stride(0), x.stride(2)) + ((out.stride(0), out.stride(2)) if cl_out else ()):
-        div = min(div, _divisor(v))
+    div, cl_out = _row_div(g, x, out, 8)
     bias = p.bias if p.bias is not None else out
     flags = dict(MULT=g.K // g.C, R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, DIV=div,
                  CL_OUT=cl_out, **cfg)
     with _weight_for(p, x, tap_major) as (w, w_strides, kept):
         args = (x, w, out, bias, g.H, g.W, g.P, g.Q, g.C // div, chunks, groups,
-                x.stride(0) // div, x.stride(2) // div, out.stride(0) // div, out.stride(2) // div,
-                out.stride(0), out.stride(2), out.stride(3), out.stride(1), *w_strides,
-                p.bias.stride(0) if p.bias is not None else 0, g.padding[0], g.padding[2])
+                *_row_strides(p, x, out, div, w_strides))
         launch(depthwise_rows_kernel, (chunks * g.N * groups,), args, flags, **kept)
     return out
 
@@ -857,11 +884,10 @@ def _run_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> 
 def strided_rows_apply(g: Geometry, x: torch.Tensor) -> bool:
     """Whether :func:`depthwise_strided_rows_kernel` can take the forward: any stride and dilation, at most
     :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_STRIDED_ROWS_MAX_TAPS` taps (each takes registers), and the
-    input and size conditions of :func:`rows_apply` (image rows that are runs of W*C elements, 32-bit offsets)."""
+    input and size conditions of :func:`_row_runs` (image rows that are runs of W*C elements, 32-bit offsets)."""
     from tilegemm.ops.conv2d.configs import DEPTHWISE_STRIDED_ROWS_MAX_TAPS
 
-    return (g.R * g.S <= DEPTHWISE_STRIDED_ROWS_MAX_TAPS and x.stride(1) == 1 and (x.stride(3) == g.C or g.W == 1)
-            and max(_span(x[:1]) + 1, g.P * g.Q * g.K) < 2**31)
+    return g.R * g.S <= DEPTHWISE_STRIDED_ROWS_MAX_TAPS and _row_runs(g, x)
 
 
 def _rows_used(R: int, stride_h: int, dilation_h: int) -> int:
@@ -884,18 +910,14 @@ def _run_strided_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: d
         raise ValueError(f"STRIDED_ROWS must be at least 1; got {most}")
     groups = cdiv(g.P, most)
     rows_per = cdiv(g.P, groups)  # runtime: any image height and balance compile nothing new
-    cl_out = out.stride(1) == 1 and (out.stride(3) == g.K or g.Q == 1)
-    div = cfg.pop("VEC", 8)  # a narrower vector: fewer channels (and their weights) a thread in the tile form
-    for v in (g.C, x.stride(0), x.stride(2)) + ((out.stride(0), out.stride(2)) if cl_out else ()):
-        div = min(div, _divisor(v))
+    # VEC: a narrower vector, fewer channels (and their weights) a thread in the tile form
+    div, cl_out = _row_div(g, x, out, cfg.pop("VEC", 8))
     bias = p.bias if p.bias is not None else out
     (sh, sw), (dh, dw) = g.stride, g.dilation
     flags = dict(MULT=g.K // g.C, R=g.R, S=g.S, STR_H=sh, STR_W=sw, DIL_H=dh, DIL_W=dw,
                  ROWS_USED=_rows_used(g.R, sh, dh), A=_strided_slots(g.R, sh, dh), HAS_BIAS=p.bias is not None,
                  ACTIVATION=p.activation, DIV=div, CL_OUT=cl_out, **cfg)
-    tail = (x.stride(0) // div, x.stride(2) // div, out.stride(0) // div, out.stride(2) // div,
-            out.stride(0), out.stride(2), out.stride(3), out.stride(1), *_w_strides(p.weight),
-            p.bias.stride(0) if p.bias is not None else 0, g.padding[0], g.padding[2])
+    tail = _row_strides(p, x, out, div, _w_strides(p.weight))
     if "BLOCK_Q" in cfg:
         q_blocks, c_blocks = cdiv(g.Q, cfg["BLOCK_Q"]), cdiv(g.K, cfg["BLOCK_C"])
         args = (x, p.weight, out, bias, g.H, g.W, g.P, g.Q, g.C // div, q_blocks, c_blocks, groups, rows_per,
@@ -911,12 +933,10 @@ def _run_strided_rows(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: d
 def window_apply(g: Geometry, x: torch.Tensor) -> bool:
     """Whether :func:`depthwise_window_kernel` takes the forward: stride and dilation 1, at most
     :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_WINDOW_MAX_TAPS` taps, and the input and size conditions of
-    :func:`rows_apply` (image rows that are runs of W*C elements, 32-bit offsets)."""
+    :func:`_row_runs` (image rows that are runs of W*C elements, 32-bit offsets)."""
     from tilegemm.ops.conv2d.configs import DEPTHWISE_WINDOW_MAX_TAPS
 
-    return (g.stride == (1, 1) and g.dilation == (1, 1) and g.R * g.S <= DEPTHWISE_WINDOW_MAX_TAPS
-            and x.stride(1) == 1 and (x.stride(3) == g.C or g.W == 1)
-            and max(_span(x[:1]) + 1, g.P * g.Q * g.K) < 2**31)
+    return g.stride == (1, 1) and g.dilation == (1, 1) and g.R * g.S <= DEPTHWISE_WINDOW_MAX_TAPS and _row_runs(g, x)
 
 
 def _run_window(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -> torch.Tensor:
@@ -938,12 +958,9 @@ def _run_window(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -
         raise ValueError(f"WINDOW_ROWS must be at least 1; got {most}")
     groups = cdiv(g.P, most)
     rows_per = cdiv(g.P, groups)  # runtime: any image height and balance compile nothing new
-    cl_out = out.stride(1) == 1 and (out.stride(3) == g.K or g.Q == 1)
     cfg.setdefault("AHEAD", False)
     cfg.setdefault("STAGES", 1)
-    div = cfg.pop("VEC", 8)
-    for v in (g.C, x.stride(0), x.stride(2)) + ((out.stride(0), out.stride(2)) if cl_out else ()):
-        div = min(div, _divisor(v))
+    div, cl_out = _row_div(g, x, out, cfg.pop("VEC", 8))
     bias = p.bias if p.bias is not None else out
     c_blocks = cdiv(g.K, cfg["BLOCK_C"])
     g_blocks = cdiv(cdiv(g.Q, cfg["QT"]), cfg["BLOCK_G"])
@@ -951,9 +968,7 @@ def _run_window(p: ConvProblem, x: torch.Tensor, out: torch.Tensor, cfg: dict) -
                  CL_OUT=cl_out, **cfg)
     with _weight_for(p, x, tap_major) as (w, w_strides, kept):
         args = (x, w, out, bias, g.H, g.W, g.P, g.Q, g.C // div, c_blocks, g_blocks, groups, rows_per,
-                x.stride(0) // div, x.stride(2) // div, out.stride(0) // div, out.stride(2) // div,
-                out.stride(0), out.stride(2), out.stride(3), out.stride(1), *w_strides,
-                p.bias.stride(0) if p.bias is not None else 0, g.padding[0], g.padding[2])
+                *_row_strides(p, x, out, div, w_strides))
         launch(depthwise_window_kernel, (c_blocks * g_blocks * g.N * groups,), args, flags, **kept)
     return out
 
@@ -970,7 +985,6 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     weight tap-major). A ``config`` names its kernel by its keys (``STRIDED_ROWS``: the strided row kernel;
     ``QT``: the window kernel; ``ROWS_PER``: the row kernel)."""
     from tilegemm.core.launch import sequence_lock
-    from tilegemm.core.workspace import buffer
 
     g = p.geo
     if not g.is_depthwise:
@@ -1003,16 +1017,12 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
         return _run_rows(p, x, out, dict(config))
     cfg = dict(config or depthwise_fwd_config(g, p.dtype))
     M = g.N * g.P * g.Q
-    taps = g.R * g.S * g.K
     bias = p.bias if p.bias is not None else out
     flags = dict(R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation, INDEX_64=p.index_64,
                  DIV=_divisor(g.K))
     stream = current_stream() if x.is_cuda else None
     with sequence_lock:  # the workspace is shared by the calls on this stream: no other thread in between
-        wt = buffer(x.device, p.weight.dtype, taps, "conv2d-depthwise-weight")
-        launch(depthwise_weight_kernel, (cdiv(taps, 1024),),
-               (p.weight, wt, taps, g.K, g.S, *_w_strides(p.weight)), dict(BLOCK=1024, num_warps=4),
-               keep=(wt,), stream=stream)
+        wt = _write_tap_major(p, x, stream)
         xs, os_ = _nhwc_strides(x), (out.stride(0), out.stride(2), out.stride(3))
         # (a stride past 32 bits stays whole: Triton passes it as int64, where the product in the kernel would not be)
         div_x = min(8, *(_divisor(v) for v in xs[:3])) if max(xs[:3]) < 2**31 else 1
