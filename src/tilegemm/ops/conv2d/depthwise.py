@@ -181,6 +181,49 @@ def _add_row(accs, xs, ws, p, p0, out_el, stride_op, o_ok, bias, ACTIVATION: tl.
     return _roll_down(new, R, BLOCK)
 
 
+@triton.jit
+def _flat_elements(o, CD, Q, MULT: tl.constexpr, DIV: tl.constexpr):
+    """(C, K, o_ok, q, k) of a flat row kernel's output elements ``o = q*K + k`` (channels-last, a row of Q*K
+    elements is one run). Sizes in units of DIV elements (C = CD * DIV input channels, K = C * MULT output
+    channels): products with the constant DIV are known multiples of it, and what is computed from o // DIV is
+    constant over aligned runs of DIV, so the masks are too and the loads stay contiguous (16 bytes)."""
+    C = CD * DIV
+    KD = CD * MULT
+    K = KD * DIV
+    od = o // DIV
+    o_ok = od < Q * KD
+    q = od // KD
+    k = o - q * K
+    return C, K, o_ok, q, k
+
+
+@triton.jit
+def _flat_prologue(x_ptr, w_ptr, out_ptr, bias_ptr, x_el, o, k, q, n, o_ok, xn_d, xh_d, on_d, op_d, stride_on,
+                   stride_op, stride_oq, stride_ok, stride_wk, stride_wr, stride_ws, stride_b,
+                   R: tl.constexpr, S: tl.constexpr, HAS_BIAS: tl.constexpr, DIV: tl.constexpr,
+                   CL_OUT: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_tile_prologue` of the flat row kernels: the weights of the program's elements, every tap once (fp32,
+    from the [K, 1, R, S] weight as it lies), the bias, image n's input elements at ``x_el`` and its row stride,
+    the output elements (``o`` channels-last, else column ``q`` and channel ``k`` at any strides) and the output's
+    row stride."""
+    ws = ()
+    for rs in tl.static_range(R * S):
+        w_off = k * stride_wk + (rs // S) * stride_wr + (rs % S) * stride_ws
+        ws = ws + (tl.load(w_ptr + w_off, mask=o_ok, other=0.0).to(tl.float32),)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + k * stride_b, mask=o_ok, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK,), dtype=tl.float32)
+    stride_xh = xh_d * DIV
+    x_img = x_ptr + n.to(tl.int64) * xn_d * DIV + x_el
+    if CL_OUT:
+        out_el = out_ptr + n.to(tl.int64) * on_d * DIV + o
+        stride_op = op_d * DIV
+    else:
+        out_el = out_ptr + n.to(tl.int64) * stride_on + q * stride_oq + k * stride_ok
+    return ws, bias, x_img, stride_xh, out_el, stride_op
+
+
 @triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "chunks", "row_groups", "xn_d", "xh_d", "on_d", "op_d",
                                "pad_h", "pad_w"])
 def depthwise_rows_kernel(
@@ -202,16 +245,7 @@ def depthwise_rows_kernel(
     n = rows // row_groups
     p0 = (rows - n * row_groups) * ROWS_PER
     p1 = tl.minimum(p0 + ROWS_PER, P)
-    # Sizes and strides in units of DIV elements (C = CD * DIV input channels, K = C * MULT output channels):
-    # products with the constant DIV are known multiples of it, and what is computed from o // DIV is
-    # constant over aligned runs of DIV, so the masks are too and the loads stay contiguous (16 bytes).
-    C = CD * DIV
-    KD = CD * MULT
-    K = KD * DIV
-    od = o // DIV
-    o_ok = od < Q * KD
-    q = od // KD
-    k = o - q * K
+    C, K, o_ok, q, k = _flat_elements(o, CD, Q, MULT, DIV)  # sizes and strides in units of DIV elements
     # Tap (r, s) of element o reads input element (q - pad_w + s)*C + k // MULT of input row p - pad_h + r:
     # where MULT = 1, element o of the row shifted by (s - pad_w)*C.
     if MULT == 1:
@@ -221,21 +255,9 @@ def depthwise_rows_kernel(
     ok_s = ()  # tap s's input column inside the image
     for s in tl.static_range(S):
         ok_s = ok_s + (o_ok & (q + s >= pad_w) & (q + s < W + pad_w),)
-    ws = ()  # the weights of this program's elements, every tap, once: from the [K, 1, R, S] weight as it lies
-    for rs in tl.static_range(R * S):
-        w_off = k * stride_wk + (rs // S) * stride_wr + (rs % S) * stride_ws
-        ws = ws + (tl.load(w_ptr + w_off, mask=o_ok, other=0.0).to(tl.float32),)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + k * stride_b, mask=o_ok, other=0.0).to(tl.float32)
-    else:
-        bias = tl.zeros((BLOCK,), dtype=tl.float32)
-    stride_xh = xh_d * DIV
-    x_img = x_ptr + n.to(tl.int64) * xn_d * DIV + x_el
-    if CL_OUT:
-        out_el = out_ptr + n.to(tl.int64) * on_d * DIV + o
-        stride_op = op_d * DIV
-    else:
-        out_el = out_ptr + n.to(tl.int64) * stride_on + q * stride_oq + k * stride_ok
+    ws, bias, x_img, stride_xh, out_el, stride_op = _flat_prologue(
+        x_ptr, w_ptr, out_ptr, bias_ptr, x_el, o, k, q, n, o_ok, xn_d, xh_d, on_d, op_d, stride_on, stride_op,
+        stride_oq, stride_ok, stride_wk, stride_wr, stride_ws, stride_b, R, S, HAS_BIAS, DIV, CL_OUT, BLOCK)
 
     # Rows roll through R accumulators: iteration t reads input row h = p0 - pad_h + t once (S shifted
     # vectors) and adds it into the output rows p0 + t - r it feeds (accs[r]); row p0 + t - (R - 1) is then
@@ -319,6 +341,30 @@ def _add_input_row(accs, xs, ws, J: tl.constexpr, A: tl.constexpr, R: tl.constex
     return new
 
 
+@triton.jit
+def _strided_walk(accs, x_img, stride_xh, ok_s, ws, bias, out_el, stride_op, o_ok, p0, p1, H, C, pad_h,
+                  R: tl.constexpr, S: tl.constexpr, STR_H: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+                  ROWS_USED: tl.constexpr, A: tl.constexpr, ACTIVATION: tl.constexpr, STAGES: tl.constexpr):
+    """The walk of the strided row kernels (flat and tile forms) from A zeroed accumulators ``accs``: iteration t
+    reads input rows (p0 + t)*STR_H - pad_h + j, j < STR_H (those some filter row reads: ROWS_USED), each once,
+    into the A output rows in flight (slot i: output row p0 + t - i); row p0 + t - (A - 1) is then complete and
+    stored."""
+    T = p1 - p0 + A - 1
+    for t in tl.range(0, T, num_stages=STAGES):
+        h0 = (p0 + t) * STR_H - pad_h
+        for j in tl.static_range(STR_H):
+            if (ROWS_USED >> j) & 1:
+                h = h0 + j
+                row_ok = (h >= 0) & (h < H)
+                src = x_img + h * stride_xh
+                xs = ()
+                for s in tl.static_range(S):
+                    xs = xs + (tl.load(src + s * (DIL_W * C), mask=ok_s[s] & row_ok, other=0.0).to(tl.float32),)
+                accs = _add_input_row(accs, xs, ws, j, A, R, S, STR_H, DIL_H)
+        _finish_row(accs[A - 1], p0 + t - (A - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
+        accs = _roll_down_like(accs, A)
+
+
 # The output's n, p and q strides are sizes too (an NCHW output's): not specialized on, like the sizes.
 @triton.jit(do_not_specialize=["H", "W", "P", "Q", "CD", "chunks", "row_groups", "rows_per", "xn_d", "xh_d", "on_d",
                                "op_d", "stride_on", "stride_op", "stride_oq", "pad_h", "pad_w"])
@@ -342,14 +388,7 @@ def depthwise_strided_rows_kernel(
     n = rows // row_groups
     p0 = (rows - n * row_groups) * rows_per
     p1 = tl.minimum(p0 + rows_per, P)
-    # Sizes in units of DIV elements, as depthwise_rows_kernel: the masks constant over aligned runs of DIV.
-    C = CD * DIV
-    KD = CD * MULT
-    K = KD * DIV
-    od = o // DIV
-    o_ok = od < Q * KD
-    q = od // KD
-    k = o - q * K
+    C, K, o_ok, q, k = _flat_elements(o, CD, Q, MULT, DIV)  # sizes in units of DIV, as depthwise_rows_kernel
     # Tap (r, s) of element o reads input element (q*STR_W - pad_w + s*DIL_W)*C + k // MULT of input row
     # p*STR_H - pad_h + r*DIL_H: a per-element offset and, per tap, a constant shift of s*DIL_W*C.
     if MULT == 1:
@@ -360,43 +399,17 @@ def depthwise_strided_rows_kernel(
     for s in tl.static_range(S):
         col = q * STR_W + s * DIL_W
         ok_s = ok_s + (o_ok & (col >= pad_w) & (col < W + pad_w),)
-    ws = ()  # the weights of this program's elements, every tap, once: from the [K, 1, R, S] weight as it lies
-    for rs in tl.static_range(R * S):
-        w_off = k * stride_wk + (rs // S) * stride_wr + (rs % S) * stride_ws
-        ws = ws + (tl.load(w_ptr + w_off, mask=o_ok, other=0.0).to(tl.float32),)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + k * stride_b, mask=o_ok, other=0.0).to(tl.float32)
-    else:
-        bias = tl.zeros((BLOCK,), dtype=tl.float32)
-    stride_xh = xh_d * DIV
-    x_img = x_ptr + n.to(tl.int64) * xn_d * DIV + x_el
-    if CL_OUT:
-        out_el = out_ptr + n.to(tl.int64) * on_d * DIV + o
-        stride_op = op_d * DIV
-    else:
-        out_el = out_ptr + n.to(tl.int64) * stride_on + q * stride_oq + k * stride_ok
+    ws, bias, x_img, stride_xh, out_el, stride_op = _flat_prologue(
+        x_ptr, w_ptr, out_ptr, bias_ptr, x_el, o, k, q, n, o_ok, xn_d, xh_d, on_d, op_d, stride_on, stride_op,
+        stride_oq, stride_ok, stride_wk, stride_wr, stride_ws, stride_b, R, S, HAS_BIAS, DIV, CL_OUT, BLOCK)
 
-    # Iteration t reads input rows (p0 + t)*STR_H - pad_h + j, j < STR_H (those some filter row reads:
-    # ROWS_USED), each once, into the A output rows in flight (slot i: output row p0 + t - i); row
-    # p0 + t - (A - 1) is then complete. A 3x3 stride-2 layer loads 6 row vectors an output row, not 9 taps
-    # (docs/conv2d.md, "Depthwise rows for any stride").
-    T = p1 - p0 + A - 1
+    # Each input row loaded once into the A output rows in flight (_strided_walk): a 3x3 stride-2 layer loads 6
+    # row vectors an output row, not 9 taps (docs/conv2d.md, "Depthwise rows for any stride").
     accs = ()
     for i in tl.static_range(A):
         accs = accs + (tl.zeros((BLOCK,), dtype=tl.float32),)
-    for t in tl.range(0, T, num_stages=STAGES):
-        h0 = (p0 + t) * STR_H - pad_h
-        for j in tl.static_range(STR_H):
-            if (ROWS_USED >> j) & 1:
-                h = h0 + j
-                row_ok = (h >= 0) & (h < H)
-                src = x_img + h * stride_xh
-                xs = ()
-                for s in tl.static_range(S):
-                    xs = xs + (tl.load(src + s * (DIL_W * C), mask=ok_s[s] & row_ok, other=0.0).to(tl.float32),)
-                accs = _add_input_row(accs, xs, ws, j, A, R, S, STR_H, DIL_H)
-        _finish_row(accs[A - 1], p0 + t - (A - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
-        accs = _roll_down_like(accs, A)
+    _strided_walk(accs, x_img, stride_xh, ok_s, ws, bias, out_el, stride_op, o_ok, p0, p1, H, C, pad_h, R, S, STR_H,
+                  DIL_H, DIL_W, ROWS_USED, A, ACTIVATION, STAGES)
 
 
 @triton.jit
@@ -473,23 +486,11 @@ def depthwise_strided_tile_kernel(
         x_ptr, w_ptr, out_ptr, bias_ptr, x_el, k, k_ok, q, n, K, xn_d, xh_d, on_d, op_d, stride_on, stride_op,
         stride_oq, stride_ok, stride_wk, stride_wr, stride_ws, stride_b, R, S, HAS_BIAS, DIV, CL_OUT, BLOCK_C)
 
-    T = p1 - p0 + A - 1
     accs = ()
     for i in tl.static_range(A):
         accs = accs + (tl.zeros((BLOCK_Q, BLOCK_C), dtype=tl.float32),)
-    for t in tl.range(0, T, num_stages=STAGES):
-        h0 = (p0 + t) * STR_H - pad_h
-        for j in tl.static_range(STR_H):
-            if (ROWS_USED >> j) & 1:
-                h = h0 + j
-                row_ok = (h >= 0) & (h < H)
-                src = x_img + h * stride_xh
-                xs = ()
-                for s in tl.static_range(S):
-                    xs = xs + (tl.load(src + s * (DIL_W * C), mask=ok_s[s] & row_ok, other=0.0).to(tl.float32),)
-                accs = _add_input_row(accs, xs, ws, j, A, R, S, STR_H, DIL_H)
-        _finish_row(accs[A - 1], p0 + t - (A - 1), p0, out_el, stride_op, o_ok, bias, ACTIVATION)
-        accs = _roll_down_like(accs, A)
+    _strided_walk(accs, x_img, stride_xh, ok_s, ws, bias, out_el, stride_op, o_ok, p0, p1, H, C, pad_h, R, S, STR_H,
+                  DIL_H, DIL_W, ROWS_USED, A, ACTIVATION, STAGES)
 
 
 @triton.jit
