@@ -45,7 +45,8 @@ from tilegemm.ops.grouped.problem import GroupedInt4Problem
 from tilegemm.ops.w4a16 import FRAG_WGMMA_PROGRAMS_PER_SM, fits_fragments, fragment_kernel, split_within
 
 # frag_wgmma's Gluon pieces, module globals so that this module's kernel calls them as its own (same objects)
-_issue, _plain_step, _zs_start = (getattr(fragment_kernel(), n) for n in ("_issue", "_plain_step", "_zs_start"))
+_issue, _plain_step, _w_offsets, _zs_start = (getattr(fragment_kernel(), n)
+                                               for n in ("_issue", "_plain_step", "_w_offsets", "_zs_start"))
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
@@ -124,15 +125,7 @@ def grouped_frag_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, offs_ptr, ws_p
     else:
         wf_e = wf_ptr + e.to(gl.int64) * stride_we
         zs_e = zs_ptr + e.to(gl.int64) * stride_ze
-        # word offsets of the slice's first step, [RHT, 1, 32, 4] (as frag_wgmma's)
-        i0 = gl.arange(0, RHT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ql))))
-        i2 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, ql))))
-        i3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, ql))))
-        t0 = pid_n * RHT + i0
-        c0 = split * steps_per_split
-        w_offs = gl.expand_dims(gl.expand_dims(gl.expand_dims((t0 * K64 + c0) * 128, 1), 2), 3) + \
-            gl.expand_dims(gl.expand_dims(gl.expand_dims(i2 * 4, 0), 1), 3) + \
-            gl.expand_dims(gl.expand_dims(gl.expand_dims(i3, 0), 1), 2)
+        t0, i2, w_offs = _w_offsets(pid_n, split, steps_per_split, K64, RHT, ql)  # the slice's first step's words
         kk = gl.arange(0, 64, layout=gl.SliceLayout(0, xl))
         k_first = split * steps_per_split * 64
         k_end = gl.minimum(k_first + steps_per_split * 64, k_stop)

@@ -55,8 +55,8 @@ from tilegemm.ops.w4a16.configs import FRAG_WGMMA_PROGRAMS_PER_SM, split_within 
 
 def fragment_kernel():
     """The module of ``frag_wgmma`` (it imports triton): the fragment layout's Gluon pieces (``_issue``,
-    ``_plain_step``, ``_zs_start``) for another family's kernel that reads the same layout (the 4-bit experts'
-    ``frag``). Imported when asked, so that importing this package imports no kernel."""
+    ``_plain_step``, ``_w_offsets``, ``_zs_start``) for another family's kernel that reads the same layout (the
+    4-bit experts' ``frag``). Imported when asked, so that importing this package imports no kernel."""
     from tilegemm.ops.w4a16 import frag_wgmma
 
     return frag_wgmma

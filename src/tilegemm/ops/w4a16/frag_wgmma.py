@@ -255,6 +255,21 @@ def _scales(zs_ptr, zs_row, N16, za, zb, sa, sb, zz, ss, left, g, k0, k_end, gro
 
 
 @gluon.jit
+def _w_offsets(pid_n, split, steps_per_split, K64, RHT: gl.constexpr, ql: gl.constexpr):
+    """(t0, i2, w_offs): the program's 16-row weight tiles ``t0`` (from ``pid_n * RHT``), a warp's lanes ``i2``,
+    and the word offsets ``[RHT, 1, 32, 4]`` (layout ``ql``) of its K slice's first step in the fragments."""
+    i0 = gl.arange(0, RHT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ql))))
+    i2 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, ql))))
+    i3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, ql))))
+    t0 = pid_n * RHT + i0
+    c0 = split * steps_per_split
+    w_offs = gl.expand_dims(gl.expand_dims(gl.expand_dims((t0 * K64 + c0) * 128, 1), 2), 3) + \
+        gl.expand_dims(gl.expand_dims(gl.expand_dims(i2 * 4, 0), 1), 3) + \
+        gl.expand_dims(gl.expand_dims(gl.expand_dims(i3, 0), 1), 2)
+    return t0, i2, w_offs
+
+
+@gluon.jit
 def _zs_start(zs_ptr, t0, i2, N16, g, group_k, k_end, RHT: gl.constexpr, ql: gl.constexpr,
               GROUP32: gl.constexpr, num_warps: gl.constexpr):
     """(the zero and scale rows of row tiles ``t0`` by lanes ``i2``, [RHT, 1, 32, 1]; four zero tensors to
@@ -389,15 +404,7 @@ def frag_wgmma_kernel(x_ptr, wf_ptr, zs_ptr, bias_ptr, out_ptr, ws_ptr, count_pt
     pid_m = gl.program_id(1)
     split = gl.program_id(2)
 
-    # word offsets of the slice's first step, [RHT, 1, 32, 4]
-    i0 = gl.arange(0, RHT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ql))))
-    i2 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, ql))))
-    i3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, ql))))
-    t0 = pid_n * RHT + i0
-    c0 = split * steps_per_split
-    w_offs = gl.expand_dims(gl.expand_dims(gl.expand_dims((t0 * K64 + c0) * 128, 1), 2), 3) + \
-        gl.expand_dims(gl.expand_dims(gl.expand_dims(i2 * 4, 0), 1), 3) + \
-        gl.expand_dims(gl.expand_dims(gl.expand_dims(i3, 0), 1), 2)
+    t0, i2, w_offs = _w_offsets(pid_n, split, steps_per_split, K64, RHT, ql)  # the slice's first step's words
 
     # x tile offsets [BM, 64]; rows past M are zero-filled (their output columns are not stored). GATHER: the
     # rows' offsets [BM, 1] (stride_x8 is then x's row stride in elements), the columns coming through perm.
