@@ -75,20 +75,10 @@ def fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
     B (B_BATCHED) are then described in 3-D ([batch, rows, cols], a box of 1 along the batch), or in 2-D where
     broadcast over the batch. Unbatched callers pass none of these (None and False are constexprs)."""
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    steps = gl.cdiv(K, BLOCK_K)
+    tiles_m, tiles_n, steps, first, units = _work_units(M, N, K, batch, BLOCK_M, BLOCK_N, BLOCK_K, BATCHED)
     count = 0
-    first = gl.program_id(0)  # (read before the count of units, as the unbatched loop always did)
-    if BATCHED:
-        units = tiles_m * tiles_n * batch
-    else:
-        units = tiles_m * tiles_n
     for unit in range(first, units, programs):
-        if BATCHED:
-            bid, tile = _work_unit(unit, tiles_m * tiles_n)
-        else:
-            tile = unit
+        bid, tile = _work_unit(unit, tiles_m * tiles_n, BATCHED)
         m0, n0 = tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M, BLOCK_N, SERPENTINE)
         for ks in range(steps):
             slot = count % STAGES
@@ -120,11 +110,33 @@ def fill_ring(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, programs,
 
 
 @gluon.jit
-def _work_unit(unit, tiles):
-    """(batch, tile within the batch) of work unit ``unit``: units are numbered batch-major, so the programs at
-    work at once walk one batch's tiles in grouped order and share its operands in L2."""
-    bid = unit // tiles
-    return bid, unit - bid * tiles
+def _work_units(M, N, K, batch, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                BATCHED: gl.constexpr):
+    """(tiles_m, tiles_n, K steps, this program's first work unit, the work units) of the producer's and the
+    consumers' loops: a unit a tile, or (``BATCHED``) a (batch, tile) pair."""
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    steps = gl.cdiv(K, BLOCK_K)
+    first = gl.program_id(0)  # (read before the count of units, as the unbatched loop always did)
+    if BATCHED:
+        units = tiles_m * tiles_n * batch
+    else:
+        units = tiles_m * tiles_n
+    return tiles_m, tiles_n, steps, first, units
+
+
+@gluon.jit
+def _work_unit(unit, tiles, BATCHED: gl.constexpr):
+    """(batch, tile within the batch) of work unit ``unit`` (unbatched: (0, unit)): units are numbered
+    batch-major, so the programs at work at once walk one batch's tiles in grouped order and share its operands
+    in L2."""
+    if BATCHED:
+        bid = unit // tiles
+        tile = unit - bid * tiles
+    else:
+        bid = 0
+        tile = unit
+    return bid, tile
 
 
 @gluon.jit
@@ -150,21 +162,11 @@ def _consumer(a_bufs, b_bufs, o_bufs, ready, empty, turn, o_desc, c_ptr, bias_pt
         o_smem = o_bufs.index(0 if SHARED_OUT else WG)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    steps = gl.cdiv(K, BLOCK_K)
+    tiles_m, tiles_n, steps, first, units = _work_units(M, N, K, batch, BLOCK_M, BLOCK_N, BLOCK_K, BATCHED)
     count = 0
     j = 0  # tiles done
-    first = gl.program_id(0)  # (read before the count of units, as the unbatched loop always did)
-    if BATCHED:
-        units = tiles_m * tiles_n * batch
-    else:
-        units = tiles_m * tiles_n
     for unit in range(first, units, NUM_SMS):
-        if BATCHED:
-            bid, tile = _work_unit(unit, tiles_m * tiles_n)
-        else:
-            tile = unit
+        bid, tile = _work_unit(unit, tiles_m * tiles_n, BATCHED)
         acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         acc, count = consume_k_steps(a_bufs, b_bufs, ready, empty, acc, count, steps, ROW0, ROWS, A_T, B_T, STAGES,
                                      A_BATCHED, B_BATCHED)
