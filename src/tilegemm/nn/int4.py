@@ -393,6 +393,13 @@ def mark_saved_format_(model: nn.Module, converted_from: str | None = None) -> N
     config.quantization_config = entry
     if hasattr(config, "compression_config"):  # early compressed-tensors' key: it describes the tensors no more
         del config.compression_config
+    # transformers' own quantizers set this flag, and models that read a Linear's weight as a tensor call the layer
+    # instead where it is set (Jamba's and FalconMamba's dt_proj; an Int4Weight there raised a TypeError); the
+    # config drops it when saved
+    for m in model.modules():
+        sub = getattr(m, "config", None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            sub._is_quantized = True
 
 
 def _why_kept(module: nn.Module, group_size: int) -> str | None:
