@@ -35,8 +35,8 @@ from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear, guard_quantized_output_resize_, is_conv1d, mark_saved_format_, \
     untie_quantized_outputs_
 from tilegemm.nn.fuse import FusedProjections, ProjectionPart
-from tilegemm.nn.moe import (_experts_modules, _int4, convert_moe_blocks_, install_int4_experts_, register_experts,
-                             use_int4_experts_)
+from tilegemm.nn.moe import (_experts_modules, _int4, _stacked_experts, convert_moe_blocks_, install_int4_experts_,
+                             register_experts, use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_compressed_tensors, from_gptq
 from tilegemm.ops.w4a16.format import GROUP_SIZES, _group_size_of, concat_outputs, fits_fragments, one_group_size, \
     stack_experts
@@ -432,9 +432,15 @@ class _Tensors:
         self._stored: dict[str, str] = {}  # a renamed tensor's name in the model -> its name in the files
         rename = _model_names(model) if model is not None else None
         if rename is not None:
+            own = _own_name(model)
             files = {}
             for name, file in self.files.items():
                 new = rename(name)
+                if new != name and own(name) and not own(new):
+                    # stored under the model's own name already (a quantizer that saved the model's state dict):
+                    # a renaming meant for the original checkpoints would move it off the model (AXK1's
+                    # mlp.post_mlp_layernorm became mlp.mlp.post_mlp_layernorm, DeepSeek-V4's model.norm model.kv_norm)
+                    new = name
                 if new != name:
                     self._stored[new] = name
                 files[new] = file
@@ -484,6 +490,23 @@ class _Tensors:
 
 
 _QUANT_LEAVES = frozenset(leaf for leaves in _LEAVES.values() for leaf in leaves.values())  # every method's
+
+
+def _own_name(model: nn.Module):
+    """A function telling whether a stored tensor name is one of ``model``'s own: a state dict key, a packed part
+    (``.qweight`` ...) of one of its modules, or a tensor of one expert's Linear ``<block>.<e>.<proj>.<leaf>`` of
+    one of its stacked experts blocks (as quantizers store them)."""
+    keys = set(model.state_dict(keep_vars=True))
+    modules = {n for n, _ in model.named_modules()}
+    blocks = {n for n, _, _ in _stacked_experts(model)}
+
+    def own(name: str) -> bool:
+        module, _, leaf = name.rpartition(".")
+        parts = module.split(".")
+        return name in keys or (leaf in _QUANT_LEAVES and module in modules) or (
+            len(parts) > 2 and parts[-2].isdigit() and ".".join(parts[:-2]) in blocks)
+
+    return own
 
 
 def _model_names(model: nn.Module):
