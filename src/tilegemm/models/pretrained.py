@@ -708,6 +708,33 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
     return torch.float16
 
 
+def _plain_dtypes(model: nn.Module, dtype: torch.dtype):
+    """The dtype each plain (not quantized) float tensor of ``model`` loads in, by name: fp32 for the modules the
+    model keeps in fp32 at any 16-bit dtype (``_keep_in_fp32_modules_strict``: routers such as DeepSeek-V3's
+    ``gate.weight``, which transformers loads in fp32), a parameter's own dtype where the model declares it apart
+    from the rest (Inkling-2's fp32 router weight, which its forward multiplies by fp32 activations), else
+    ``dtype``. (The non-strict ``_keep_in_fp32_modules``, which transformers applies at fp16 only, is not: a model
+    written for bf16 can feed such a module fp16 activations, as DeepSeek-V4's indexer does.)"""
+    keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (
+        torch.float16, torch.bfloat16) else set()
+    # transformers' match: each entry a glob ("*" any text) searched anywhere in the name
+    pattern = re.compile("|".join(f"(?:{k.replace('*', '.*')})" for k in sorted(keep))) if keep else None
+    sizes: dict[torch.dtype, int] = {}
+    for t in model.parameters():  # (asked before the quantized layers are built: their 16-bit scales would count)
+        if t.is_floating_point():
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+    main = max(sizes, key=sizes.get) if sizes else dtype  # the dtype the model was built in
+    declared = {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()}
+
+    def of(name: str) -> torch.dtype:
+        if pattern is not None and pattern.search(name):
+            return torch.float32
+        own = declared.get(name)
+        return own if own is not None and own != main else dtype
+
+    return of
+
+
 def _model_device(model: nn.Module) -> torch.device | None:
     for t in [*model.parameters(), *model.buffers()]:
         if t.device.type != "meta":
@@ -1211,6 +1238,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
                       f"were skipped: {', '.join(strays[:8])}{' ...' if len(strays) > 8 else ''}", stacklevel=2)
 
     # Load: one quantized Linear, or one plain tensor, at a time.
+    plain_dtype = _plain_dtypes(model, dtype)
     with torch.no_grad():
         for name in quantized:
             N, K = _linear_shape(linears[name])
@@ -1235,7 +1263,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
                 _load_experts(s, tensors, q, dtype)
         for key, first in expected_plain.items():
             t = tensors.get(key)
-            t = t.to(dtype) if t.is_floating_point() else t
+            t = t.to(plain_dtype(first)) if t.is_floating_point() else t
             if first in plain:
                 t = nn.Parameter(t, requires_grad=False)  # one Parameter under each of its names (tied ones)
             for n in plain.get(first, [first]):
