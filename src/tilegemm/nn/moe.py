@@ -651,16 +651,28 @@ def _why_not_own(module: torch.nn.Module) -> str | None:
 # replaces them: the block, or (DBRX) its experts alone, whose caller routes as the interface's callers do
 OWN_FORWARD_BLOCKS = {"Llama4TextMoe": Llama4MoeBlock, "JetMoeMoE": JetMoeBlock, "DbrxExperts": _dbrx_experts}
 
+# transformers' MoE blocks (by class name) whose experts are no weights a grouped product takes, and why: convert_ and
+# quantize_ name them (a ConversionNote) rather than pass over them in silence
+NOT_GROUPED_BLOCKS = {
+    "DogeCDMoE": "its routed experts are rows of two embedding tables (Doge's retrieval experts, picked by product "
+                 "keys), not weights of a grouped product: they stay as they are",
+}
+
 
 def convert_moe_blocks_(model: torch.nn.Module, filter=None) -> tuple[list[str], list[tuple[str, str]]]:  # noqa: A002
     """Replace, in place, every transformers 4.x sparse MoE block of ``model`` (that ``filter(name, module)``
     accepts) by a :class:`SparseMoeBlock`, and the blocks of :data:`OWN_FORWARD_BLOCKS` (Llama-4, DBRX, JetMoE) by
-    theirs; returns (the names replaced, [(name, why kept)])."""
+    theirs; returns (the names replaced, [(name, why kept)]), the blocks of :data:`NOT_GROUPED_BLOCKS` (Doge's)
+    among the kept."""
     done, kept = [], []
     for name, module in list(model.named_modules()):
         if not name or isinstance(module, (SparseMoeBlock, StackedExperts, Llama4MoeBlock, JetMoeBlock)):
             continue  # (the model itself is never swapped: convert the model that holds the block)
         make = OWN_FORWARD_BLOCKS.get(type(module).__name__)
+        if type(module).__name__ in NOT_GROUPED_BLOCKS:
+            if filter is None or filter(name, module):
+                kept.append((name, f"{type(module).__name__}: {NOT_GROUPED_BLOCKS[type(module).__name__]}"))
+            continue
         if make is not None:
             names, reason = None, _why_not_own(module)
         else:
