@@ -11,8 +11,10 @@ packs nibbles and computes the dequantized weights that a checkpoint means.
   once they pass ``shard_bytes``; ``config.json`` with the ``quantization_config``.
 - :func:`write_model`: a transformers model's weights (random init from a config) as a checkpoint, returning the
   reference weights (every quantized Linear's dequantized weight, the rest as stored). A MoE block's 3-D experts
-  (transformers v5: ``gate_up_proj [E, 2I, H]``, gate rows then up rows, and ``down_proj [E, H, I]``) are written
-  as quantizers store them, one Linear per expert: ``<block>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``, or
+  (transformers v5: ``gate_up_proj [E, 2I, H]``, gate rows then up rows (one of each in turn where the block's
+  ``is_concatenated`` is False), or ``up_proj [E, I, H]`` for experts without a gate, and ``down_proj [E, H, I]``;
+  ``[E, in, out]`` where ``is_transposed``) are written as quantizers store them, one Linear per expert:
+  ``<block>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``, or
   with ``mixtral_names`` Mixtral's ``block_sparse_moe.experts.<e>.w1`` (gate) / ``w3`` (up) / ``w2`` (down)
   (and the router under ``block_sparse_moe.gate``).
 
@@ -326,15 +328,20 @@ def _conv1d(m) -> bool:
     return type(m).__name__ == "Conv1D" and hasattr(m, "nf")
 
 
-def _expert_linears(name: str, tensor: torch.Tensor, mixtral_names: bool):
-    """A 3-D experts weight ``<block>.gate_up_proj`` / ``<block>.down_proj`` -> (its stored block prefix,
-    [(projection name, [E, N, K] rows of it)])."""
+def _expert_linears(name: str, tensor: torch.Tensor, mixtral_names: bool, interleaved: bool = False):
+    """A 3-D experts weight ``<block>.gate_up_proj`` / ``<block>.up_proj`` (experts without a gate) /
+    ``<block>.down_proj`` -> (its stored block prefix, [(projection name, [E, N, K] rows of it)]); ``interleaved``:
+    the gate/up rows alternate (a block whose ``is_concatenated`` is False, gpt-oss)."""
     block, _, leaf = name.rpartition(".")
     stored = block.replace(".mlp.", ".block_sparse_moe.") if mixtral_names else block
     gate, up, down = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
     if leaf == "gate_up_proj":
+        if interleaved:
+            return stored, [(gate, tensor[:, 0::2]), (up, tensor[:, 1::2])]
         half = tensor.shape[1] // 2
         return stored, [(gate, tensor[:, :half]), (up, tensor[:, half:])]
+    if leaf == "up_proj":
+        return stored, [(up, tensor)]
     return stored, [(down, tensor)]
 
 
@@ -385,12 +392,13 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
                     writer.add(f"{module}.{part}", t)
             reference[name] = deq.T.contiguous() if transposed else deq
             continue
-        if leaf in ("gate_up_proj", "down_proj") and module.endswith(".experts") and tensor.dim() == 3:
+        if leaf in ("gate_up_proj", "up_proj", "down_proj") and module.endswith(".experts") and tensor.dim() == 3:
             block = model.get_submodule(module)
             # [E, in, out]: Llama-4's experts (no layout flag) and blocks that say is_transposed
             transposed = getattr(block, "is_transposed", type(block).__name__ == "Llama4TextExperts")
+            interleaved = not getattr(block, "is_concatenated", True)
             stored_block, projs = _expert_linears(name, tensor.detach().transpose(1, 2) if transposed
-                                                  else tensor.detach(), mixtral_names)
+                                                  else tensor.detach(), mixtral_names, interleaved)
             deqs = []
             orders = [torch.randperm(projs[0][1].shape[2], generator=gen) if act_order and shared_gate_up_order
                       else None for _ in range(tensor.shape[0])]
@@ -410,7 +418,9 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
                             writer.add(key, t)
                     per_expert.append(deq)
                 deqs.append(torch.stack(per_expert))
-            reference[name] = torch.cat(deqs, dim=1)  # gate rows, then up rows
+            # gate rows, then up rows (or one of each in turn)
+            reference[name] = torch.stack(deqs, 2).flatten(1, 2) if len(deqs) == 2 and interleaved else \
+                torch.cat(deqs, dim=1)
             if transposed:
                 reference[name] = reference[name].transpose(1, 2).contiguous()
             continue
