@@ -316,7 +316,8 @@ def test_experts_with_biases_refused(tmp_path, device):
     cw.write_model(path, cw.random_model(config), "gptq", 32, sym=True)
     model, dev = empty_model(path, device=device)
     model.model.layers[0].mlp.experts.has_bias = True
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: experts with biases are not supported"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts \(Qwen3MoeExperts\): experts with "
+                                         r"biases are not supported"):
         load_quantized_(model, path, device=dev)
 
 

@@ -426,6 +426,17 @@ ARCHS = {
     # experts run by the block's own forward over [E, in, out] weights: loaded into tilegemm's block for it
     "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=256, head_dim=32,
                          attention_chunk_size=64), ("router",)),
+    # its renamings (post_mlp_layernorm -> mlp.post_mlp_layernorm) must leave names in the model's form alone
+    "axk1": (dict(num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                  kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                  n_group=1, topk_group=1, mlp_layer_types=["dense", "sparse"]), ()),
+    # Mamba layers reading dt_proj's weight directly unless the config says it is quantized; experts every 2nd layer
+    "jamba": (dict(num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                   expert_layer_period=2, expert_layer_offset=1, use_mamba_kernels=False, mamba_dt_rank=8),
+              ("router",)),
+    # experts without a gate (up_proj and down_proj, relu2), stored one Linear an expert
+    "nemotron_h": (dict(layers_block_type=["full_attention", "moe"], n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=64, moe_shared_expert_intermediate_size=64, head_dim=32), ()),
 }
 
 
@@ -449,7 +460,8 @@ def test_other_architectures(tmp_path, device, arch):
     assert int4 and int4 <= set(quantized)  # (a MoE block's experts are stacked, not Int4Linears)
     for n in not_convert:  # (Llama-4's router is a Linear subclass of its own)
         assert isinstance(model.get_submodule(n), torch.nn.Linear), n
-    moe_layers = {"deepseek_v2": 1, "llama4_text": 2}.get(arch, 2 if "moe" in arch else 0)
+    moe_layers = {"deepseek_v2": 1, "llama4_text": 2, "axk1": 1, "jamba": 1, "nemotron_h": 1}.get(
+        arch, 2 if "moe" in arch else 0)
     stacked = [n for n, _ in model.named_buffers() if n.endswith("_qweight")]
     assert len(stacked) == 2 * moe_layers, stacked  # every block's experts stacked 4-bit: gate/up and down
     err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
@@ -487,10 +499,21 @@ def _phimoe():
         tie_word_embeddings=False)
 
 
+def _axk1():
+    transformers = pytest.importorskip("transformers")
+    if "axk1" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip("this transformers has no axk1")
+    overrides, _ = ARCHS["axk1"]
+    return transformers.AutoConfig.for_model("axk1", **{
+        **dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=64, tie_word_embeddings=False), **overrides})
+
+
 # Checkpoints whose tensor names transformers >= 5 renames when it loads them (the names on the hub, written before
 # the renaming): (config, modules left 16-bit, writer options). Gemma-3's language model under
 # "language_model.model." (now "model.language_model."), its vision tower and projector at the top; PhiMoE's
-# experts under "block_sparse_moe" with Mixtral's w1/w3/w2 and its router stored as "block_sparse_moe.gate".
+# experts under "block_sparse_moe" with Mixtral's w1/w3/w2 and its router stored as "block_sparse_moe.gate"; AXK1's
+# "mlp.post_mlp_layernorm" stored as the layer's "post_mlp_layernorm" (as transformers' save_pretrained writes it).
 HUB_NAMED = {
     "gemma3-multimodal": (_gemma3_multimodal, ("model.vision_tower", "model.multi_modal_projector", "lm_head"),
                           dict(stored_name=_prefixes([("model.language_model.", "language_model.model."),
@@ -499,6 +522,7 @@ HUB_NAMED = {
                                                       ("lm_head.", "language_model.lm_head.")]))),
     "phimoe": (_phimoe, ("router",), dict(mixtral_names=True,
                                            stored_name=_prefixes([(".mlp.router.", ".block_sparse_moe.gate.")]))),
+    "axk1": (_axk1, (), dict(stored_name=_prefixes([(".mlp.post_mlp_layernorm.", ".post_mlp_layernorm.")]))),
 }
 
 
@@ -514,7 +538,8 @@ def test_checkpoint_names_transformers_renames(tmp_path, device, name):
     reference = cw.write_model(path, source, method="gptq", group_size=32, not_convert=keep, **kw)
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         stored = set(f.keys())
-    assert not any(k.startswith("model.language_model.") or ".mlp.router." in k for k in stored)  # older names
+    assert not any(k.startswith("model.language_model.") or ".mlp.router." in k or ".mlp.post_mlp_layernorm." in k
+                   for k in stored)  # older names
     model = from_pretrained(path, device=device)
     assert any(isinstance(m, Int4Linear) for m in model.modules())
     err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))

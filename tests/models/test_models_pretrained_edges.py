@@ -203,3 +203,87 @@ def test_a_stored_copy_of_a_tied_output_layer_is_no_stray(tmp_path, device):
         model = from_pretrained(path, device=device)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+
+
+def _config(arch, **kw):
+    transformers = pytest.importorskip("transformers")
+    if arch not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {arch}")
+    return transformers.AutoConfig.for_model(arch, **{
+        **dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False), **kw})
+
+
+def test_a_linear_subclass_with_a_forward_of_its_own_is_refused(tmp_path):
+    """Llama-4's router is an nn.Linear whose forward returns routing scores: stored quantized, it is refused by name
+    before anything loads (an Int4Linear in its place computed x @ W.T and broke the block's forward)."""
+    config = _config("llama4_text", num_local_experts=8, num_experts_per_tok=1, intermediate_size_mlp=128,
+                     head_dim=16, attention_chunk_size=64)
+    cw.write_model(tmp_path / "c", cw.random_model(config), "gptq", 32, sym=True)  # the router too (8 experts)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.feed_forward\.router is stored quantized \(model\.layers"
+                                         r"\.0\.feed_forward\.router\.qweight\), but .*Llama4Router is a subclass of "
+                                         r"torch\.nn\.Linear.*Llama4ForCausalLM loads with this layer stored 16-bit"):
+        from_pretrained(tmp_path / "c", device="cpu")
+
+
+def test_falcons_linear_subclass_loads(tmp_path, device):
+    """FalconLinear, whose forward is the Linear's product, loads as an Int4Linear."""
+    config = _config("falcon", num_kv_heads=2, new_decoder_architecture=True)
+    source = cw.random_model(config)
+    assert type(source.transformer.h[0].self_attention.dense).__name__ == "FalconLinear"
+    reference = cw.write_model(tmp_path / "c", source, "awq", 32)
+    model = from_pretrained(tmp_path / "c", device=device)
+    assert isinstance(model.transformer.h[0].self_attention.dense, Int4Linear)
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+
+
+def test_rwkv_rescaled_layers(tmp_path, device):
+    """RWKV divides its output layers' weights in place at inference (rescale_every): stored quantized they are
+    refused by name; with rescale_every 0 (the same model) they load."""
+    config = _config("rwkv", attention_hidden_size=64)
+    source = cw.random_model(config)
+    reference = cw.write_model(tmp_path / "c", source, "gptq", 32, sym=True)
+    with pytest.raises(ValueError, match=r"rwkv\.blocks\.0\.attention\.output is stored quantized .*RwkvForCausalLM "
+                                         r"divides this layer's weight in place when it runs \(RWKV's rescale_every = "
+                                         r"6\).*set rescale_every to 0"):
+        from_pretrained(tmp_path / "c", device="cpu")
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    cfg["rescale_every"] = 0
+    (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
+    model = from_pretrained(tmp_path / "c", device=device)
+    assert isinstance(model.rwkv.blocks[1].feed_forward.value, Int4Linear)
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+
+
+def test_a_causal_lm_the_auto_mapping_lacks_is_built_from_the_config(tmp_path, device):
+    """Emu3ForCausalLM saves an Emu3TextConfig, which AutoModelForCausalLM has no model for: the class the config's
+    architectures names builds it."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Emu3ForCausalLM"):
+        pytest.skip("this transformers has no Emu3")
+    config = transformers.Emu3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    source = transformers.Emu3ForCausalLM(config).float().eval()
+    reference = cw.write_model(tmp_path / "c", source, "gptq", 32)
+    model = from_pretrained(tmp_path / "c", device=device)
+    assert type(model) is transformers.Emu3ForCausalLM
+    ref = transformers.Emu3ForCausalLM(config).float().eval()
+    ref.load_state_dict({k: v.float() for k, v in reference.items()})
+    assert _rel(model, ref) < 3e-3
+
+
+def test_the_loaded_model_says_it_is_quantized(tmp_path, device):
+    """Every config of a loaded model carries transformers' _is_quantized (what its quantizers set: Jamba's and
+    FalconMamba's Mamba layers then call dt_proj rather than read its weight); it is not saved, and the dequantized
+    copy does not carry it."""
+    from tilegemm.models.pretrained import dequantized_copy
+
+    config = cw.tiny_config("llama", hidden=64)
+    cw.write_model(tmp_path / "c", cw.random_model(config), "gptq", 32)
+    model = from_pretrained(tmp_path / "c", device=device)
+    assert model.config._is_quantized is True and model.model.config._is_quantized is True
+    model.save_pretrained(tmp_path / "saved")
+    assert "_is_quantized" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert not hasattr(dequantized_copy(model).config, "_is_quantized")

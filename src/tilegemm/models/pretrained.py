@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from tilegemm.core.dtypes import dtype_name
+from tilegemm.nn.convert import is_plain_linear, subclass_reason
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear, guard_quantized_output_resize_, is_conv1d, mark_saved_format_, \
     untie_quantized_outputs_
 from tilegemm.nn.fuse import FusedProjections, ProjectionPart
@@ -513,8 +514,8 @@ def _model_names(model: nn.Module):
     """A function from a checkpoint's tensor name to the model's, by the renamings transformers applies when it
     loads an older checkpoint into ``model`` (Gemma-3's ``language_model.model.`` -> ``model.language_model.``,
     PhiMoE's ``block_sparse_moe.gate.weight`` -> ``mlp.router.weight``, ...); None where transformers has none.
-    Packed parts (``.qweight``, ``.weight_packed`` ...) are renamed as their module's ``.weight`` is.
-    Transformers' converters (its
+    Packed parts (``.qweight``, ``.weight_packed`` ...) are renamed as their module's ``.weight`` is (a name the
+    model has already stays: :class:`_Tensors`). Transformers' converters (its
     experts merges) are not applied: per-expert checkpoints are stacked here (:func:`_stored_experts`)."""
     try:  # transformers >= 5's loading internals; without them the names stay as stored
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -537,11 +538,12 @@ def _model_names(model: nn.Module):
 
     def rename(name: str) -> str:
         module, _, leaf = name.rpartition(".")
+        new = renamed(name)
         if module and leaf in _QUANT_LEAVES:
-            new = renamed(f"{module}.weight")
-            if new.endswith(".weight"):
-                return f"{new[:-len('.weight')]}.{leaf}"
-        return renamed(name)
+            weight = renamed(f"{module}.weight")
+            if weight.endswith(".weight"):
+                new = f"{weight[:-len('.weight')]}.{leaf}"
+        return new
 
     return rename
 
@@ -646,12 +648,27 @@ def empty_model(path, dtype: torch.dtype = torch.float16, device=None, model_cla
         model_class = AutoModelForCausalLM
         mapping = getattr(AutoModelForCausalLM, "_model_mapping", None)
         if mapping is not None and type(config) not in mapping:  # (an encoder, a seq2seq model, a classifier)
-            raise ValueError(f"AutoModelForCausalLM has no model for {type(config).__name__} ({path!r}): pass "
-                             f"model_class, e.g. transformers.AutoModelForSeq2SeqLM or "
-                             f"AutoModelForSequenceClassification")
+            model_class = _named_causal_lm(config)
+            if model_class is None:
+                raise ValueError(f"AutoModelForCausalLM has no model for {type(config).__name__} ({path!r}): pass "
+                                 f"model_class, e.g. transformers.AutoModelForSeq2SeqLM or "
+                                 f"AutoModelForSequenceClassification")
     # Built from the config alone: transformers' own quantizers (which from_config does not run) stay out of it;
     # load_quantized_ replaces its quantization_config by tilegemm's (what the loaded model holds and saves).
     return _meta_model(model_class, config, dtype), device
+
+
+def _named_causal_lm(config):
+    """The causal-LM class the config's ``architectures`` names, where the auto mapping lists no model for the
+    config (Emu3's text model: ``Emu3ForCausalLM`` saves an ``Emu3TextConfig``, which only the composite
+    ``Emu3Config`` maps to): a transformers ``*ForCausalLM`` class built from exactly this config class; else None."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None) if isinstance(name, str) and name.endswith("ForCausalLM") else None
+        if isinstance(cls, type) and getattr(cls, "config_class", None) is type(config):
+            return cls
+    return None
 
 
 def _meta_model(auto_class, config, dtype: torch.dtype) -> nn.Module:
@@ -986,7 +1003,8 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
                                   f"what experts block {s.name} holds", problems, missing)
         return used
     if getattr(s.module, "has_bias", False):
-        problems.append(f"{s.name}: experts with biases are not supported by the per-expert loader")
+        problems.append(f"{s.name} ({type(s.module).__name__}): experts with biases are not supported by the "
+                        f"per-expert loader (tilegemm's 4-bit experts add no bias)")
     if s.dense:  # 16-bit experts: each expert's projection [N, K]
         for key, N, K in s.keys():
             name = f"{key}.weight"
@@ -1130,6 +1148,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         quantized, problems, missing = [], [], []
         configs: dict[str, QuantConfig] = {}
         refused = set()  # stored quantized, refused above: their tensors are no strays
+        rescaled = _rescaled_in_place(model)
         marker = q.leaf("qweight")  # the packed weight's leaf: a Linear storing it is stored quantized
         for name, m in linears.items():
             stored = f"{name}.{marker}" in tensors
@@ -1151,6 +1170,19 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
                     problems.append(f"{name} is {why} but the checkpoint stores it quantized ({name}.{marker})")
                 continue
             if not stored:
+                continue
+            if not (isinstance(m, Int4Linear) or is_plain_linear(m) or is_conv1d(m)):
+                # a router returning scores, a grouped product, a scaled head: an Int4Linear computes x @ W.T + b only
+                problems.append(f"{name} is stored quantized ({name}.{marker}), but "
+                                f"{subclass_reason(m, nn.Linear, 'load')}; an Int4Linear computes x @ W.T + b only, "
+                                f"so {type(model).__name__} loads with this layer stored 16-bit")
+                continue
+            if name in rescaled:
+                problems.append(f"{name} is stored quantized ({name}.{marker}), but {type(model).__name__} divides "
+                                f"this layer's weight in place when it runs (RWKV's rescale_every = "
+                                f"{rescaled[name]}), which a 4-bit weight cannot take: set rescale_every to 0 in "
+                                f"config.json (the same model, without its fp16 overflow guard) or store the layer "
+                                f"16-bit")
                 continue
             if qm.bits != 4:
                 problems.append(f"{name}: stored with bits = {qm.bits!r} ({_settings_of(q)}); tilegemm loads 4-bit "
@@ -1291,6 +1323,22 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     return model
 
 
+def _rescaled_in_place(model: nn.Module) -> dict[str, int]:
+    """RWKV's output layers (``blocks.<i>.attention.output``, ``blocks.<i>.feed_forward.value``), whose weights its
+    model divides in place at inference (``_rescale_layers``, by 2 every ``rescale_every`` blocks): name ->
+    ``rescale_every``, where it is on."""
+    found = {}
+    for name, m in model.named_modules():
+        every = getattr(getattr(m, "config", None), "rescale_every", 0)
+        if callable(getattr(m, "_rescale_layers", None)) and isinstance(every, int) and every > 0 \
+                and isinstance(getattr(m, "blocks", None), nn.ModuleList):
+            prefix = f"{name}." if name else ""
+            for i in range(len(m.blocks)):
+                for leaf in ("attention.output", "feed_forward.value"):
+                    found[f"{prefix}blocks.{i}.{leaf}"] = every
+    return found
+
+
 def _architecture_hint(model: nn.Module) -> str:
     """Where the model's config names another architecture than the model's class (a classifier's checkpoint built
     as a causal LM): which ``model_class`` builds that one."""
@@ -1399,6 +1447,10 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
         del config.quantization_config
     dtype = _float_dtype(model)
     dense = _meta_model(type(model), config, dtype)  # the model's own class: not every model is a causal LM
+    for m in dense.modules():  # nor is it quantized: its Linears' weights are tensors again (mark_saved_format_)
+        c = getattr(m, "config", None)
+        if c is not None and "_is_quantized" in vars(c):
+            del c._is_quantized
     int4 = {name: m for name, m in model.named_modules() if isinstance(m, (Int4Linear, ProjectionPart))}
     experts = {name: m for name, m in model.named_modules() if hasattr(m, "tilegemm_group_size")}
     source = dict(model.named_parameters(remove_duplicate=False))

@@ -372,7 +372,8 @@ def mark_saved_format_(model: nn.Module, converted_from: str | None = None) -> N
     """Make a transformers model's config describe the 4-bit tensors it holds (and ``save_pretrained`` writes):
     ``quantization_config`` becomes ``{"quant_method": "tilegemm", "bits": 4, "group_size": ..., ...}``, which no
     loader takes for a GPTQ, AWQ or compressed-tensors checkpoint (``tilegemm.models.from_pretrained`` loads it as
-    tilegemm's own). Models holding no 4-bit layer, or without such a config, are left as they are."""
+    tilegemm's own), and every config of the model gets ``_is_quantized`` (transformers' flag, not saved). Models
+    holding no 4-bit layer, or without such a config, are left as they are."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return
@@ -381,6 +382,12 @@ def mark_saved_format_(model: nn.Module, converted_from: str | None = None) -> N
                       for n in ("gate_up_proj", "up_proj", "down_proj") if hasattr(m, f"tilegemm_{n}_qweight")})
     if not sizes:
         return
+    # transformers' own mark of a model whose Linears hold no float weight (what its quantizers set): models that
+    # read a Linear's weight directly (Jamba's and FalconMamba's dt_proj) call the module instead
+    for m in model.modules():
+        c = getattr(m, "config", None)
+        if c is not None and hasattr(c, "to_dict"):
+            c._is_quantized = True
     old = getattr(config, "quantization_config", None)
     old = old if isinstance(old, dict) else old.to_dict() if hasattr(old, "to_dict") else {}
     entry = {"quant_method": SAVED_METHOD, "bits": 4, "group_size": sizes[0] if len(sizes) == 1 else sizes,
@@ -393,13 +400,6 @@ def mark_saved_format_(model: nn.Module, converted_from: str | None = None) -> N
     config.quantization_config = entry
     if hasattr(config, "compression_config"):  # early compressed-tensors' key: it describes the tensors no more
         del config.compression_config
-    # transformers' own quantizers set this flag, and models that read a Linear's weight as a tensor call the layer
-    # instead where it is set (Jamba's and FalconMamba's dt_proj; an Int4Weight there raised a TypeError); the
-    # config drops it when saved
-    for m in model.modules():
-        sub = getattr(m, "config", None)
-        if sub is not None and hasattr(sub, "to_dict"):
-            sub._is_quantized = True
 
 
 def _why_kept(module: nn.Module, group_size: int) -> str | None:
