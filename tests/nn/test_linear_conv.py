@@ -287,3 +287,29 @@ def test_convert_keeps_layers_whose_forward_was_replaced_on_the_instance():
     assert set(reasons) == {"0", "1"} and all("replaced on the instance" in r for r in reasons.values())
     model[0](torch.randn(2, 8))
     assert calls == [1]
+
+
+def test_convert_names_the_attention_projection_it_cannot_swap(device):
+    # nn.MultiheadAttention (ViT's encoder) feeds out_proj's weight to F.multi_head_attention_forward and never
+    # calls the module: it is kept with that reason (not "its forward may differ"), the MLP after it is swapped
+    from tilegemm.nn import quantize_
+    from tilegemm.nn.convert import MHA_OUT_PROJ_KEPT
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(32, 2, batch_first=True)
+            self.mlp = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.mlp(self.attn(x, x, x, need_weights=False)[0])
+
+    model = Block().to(device)
+    x = torch.randn(2, 5, 32, device=device)
+    want = model(x).detach()
+    with pytest.warns(ConversionNote, match=r"attn.out_proj: the output projection of a torch.nn.MultiheadAttention"):
+        convert_(model)
+    assert model.tilegemm_skipped == [("attn.out_proj", MHA_OUT_PROJ_KEPT)] and isinstance(model.mlp, Linear)
+    assert_rel_close(model(x).detach(), want, 1e-5)
+    quantize_(model, group_size=32, warn=False)
+    assert ("attn.out_proj", MHA_OUT_PROJ_KEPT) in model.tilegemm_skipped

@@ -40,6 +40,19 @@ CONV1D_KEPT = ("transformers' Conv1D (GPT-2's layers, weight [in, out]): tilegem
                "a transposed copy would change the parameters and state dict; it stays a Conv1D (quantize_ takes it)")
 
 
+# convert_'s and quantize_'s note for nn.MultiheadAttention's out_proj (ViT's): kept whatever its class
+MHA_OUT_PROJ_KEPT = ("the output projection of a torch.nn.MultiheadAttention, which passes its weight and bias to "
+                     "F.multi_head_attention_forward and never calls it: it stays as it is (the attention's input and "
+                     "output projections run on torch)")
+
+
+def attention_out_projections(model: torch.nn.Module) -> set[int]:
+    """ids of the ``out_proj`` modules of ``model``'s ``torch.nn.MultiheadAttention`` layers: the attention reads
+    their tensors, so a swapped module would never run (and one without a float weight would break it)."""
+    return {id(m.out_proj) for m in model.modules()
+            if isinstance(m, torch.nn.MultiheadAttention) and isinstance(getattr(m, "out_proj", None), torch.nn.Module)}
+
+
 # transformers' Linear subclasses whose forward is nn.Linear's (FalconLinear: bias added after the product)
 LINEAR_EQUIVALENT = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
 
@@ -87,7 +100,8 @@ def convert_(
     DBRX, JetMoE: :data:`tilegemm.nn.moe.OWN_FORWARD_BLOCKS`), get experts run by those kernels.
 
     ``filter(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
-    swapped (subclasses with their own forward, float64 weights, ...) are kept (transformers' ``FalconLinear``,
+    swapped (subclasses with their own forward, float64 weights, ``torch.nn.MultiheadAttention``'s ``out_proj``,
+    which the attention never calls, ...) are kept (transformers' ``FalconLinear``,
     whose forward is Linear's, is swapped: :data:`LINEAR_EQUIVALENT`), and one :class:`ConversionNote` warning
     names them with the reason (``warn=False`` silences it); so are transformers' ``Conv1D`` layers (GPT-2's;
     their weight is ``[in, out]``), which :func:`tilegemm.nn.quantize_` does take. The list is also left in
@@ -110,6 +124,7 @@ def convert_(
         from tilegemm.nn.moe import convert_moe_blocks_
 
         skipped += convert_moe_blocks_(model, filter)[1]
+    attention_outs = attention_out_projections(model)
     swapped: dict[int, torch.nn.Module] = {}  # id of a module swapped -> its replacement
     seen: set[int] = set()  # modules decided on (under their first name)
     for parent_name, parent in list(model.named_modules()):
@@ -133,7 +148,7 @@ def convert_(
             want = (conv and isinstance(child, torch.nn.Conv2d)) or (linear and isinstance(child, torch.nn.Linear))
             if not want or (filter is not None and not filter(name, child)):
                 continue
-            reason = _why_not(child)
+            reason = MHA_OUT_PROJ_KEPT if id(child) in attention_outs else _why_not(child)
             if reason is not None:
                 skipped.append((name, reason))
                 continue

@@ -11,7 +11,8 @@ from torch import nn
 
 from tilegemm.nn.moe import SparseMoeBlock, _stacked_experts, convert_moe_blocks_, expert_group_size, quantize_experts_
 from tilegemm.core.dtypes import dtype_name
-from tilegemm.nn.convert import ConversionNote, is_conv1d, is_plain_linear, subclass_reason
+from tilegemm.nn.convert import (MHA_OUT_PROJ_KEPT, ConversionNote, attention_out_projections, is_conv1d,
+                                 is_plain_linear, subclass_reason)
 from tilegemm.nn.linear import Linear, traced_call
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, fits_fragments, \
     from_awq, from_compressed_tensors, from_gptq, one_group_size, quantize
@@ -516,6 +517,7 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     _, skipped = convert_moe_blocks_(model, filter)
     routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoeBlock)} | _router_ids(model)
     tied_kept = _tied_heads_kept(model)
+    tied_kept.update(dict.fromkeys(attention_out_projections(model), MHA_OUT_PROJ_KEPT))
     targets = []
     for name, module in model.named_modules():  # (each module once, under its first name)
         if (isinstance(module, nn.Linear) or is_conv1d(module)) and id(module) not in routers \
