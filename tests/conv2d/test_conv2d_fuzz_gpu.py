@@ -57,6 +57,40 @@ def layers(draw):
                 view=draw(st.sampled_from(["channels", "offset", "batch"])))
 
 
+@st.composite
+def wide_layers(draw):
+    """Layers of every kind a classification CNN holds and the narrow draw above leaves out: filters 1 to 11
+    (non-square too), strides 1 to 4 (each side its own), dilation to 3, paddings of either side 0 to 5, groups
+    of 2 to 64 channels (ResNeXt's 32 groups of 4, RegNet's groups of 8 to 64), odd channel counts."""
+    kind = draw(st.sampled_from(["dense", "grouped", "grouped", "depthwise"]))
+    if kind == "grouped":
+        per_group = draw(st.sampled_from([2, 3, 4, 8, 16, 24, 32, 64]))
+        groups = draw(st.sampled_from([2, 3, 4, 8, 16, 32]))
+        while per_group * groups > 1024:
+            groups //= 2
+        C = per_group * groups
+        K = groups * draw(st.sampled_from([1, per_group, 2 * per_group]))
+    elif kind == "depthwise":
+        groups = C = draw(st.sampled_from([8, 17, 32, 96, 144, 240]))
+        K = C * draw(st.sampled_from([1, 1, 2]))
+    else:
+        groups, C, K = 1, draw(st.integers(1, 160)), draw(st.integers(1, 160))
+    R = draw(st.sampled_from([1, 2, 3, 4, 5, 7, 9, 11]))
+    S = R if draw(st.integers(0, 3)) else draw(st.sampled_from([1, 3, 5, 7]))
+    stride = (draw(st.integers(1, 4)),) * 2 if draw(st.integers(0, 3)) else (draw(st.integers(1, 4)),
+                                                                               draw(st.integers(1, 4)))
+    dilation = (1, 1) if R == S == 1 or draw(st.integers(0, 4)) else (draw(st.integers(1, 3)),) * 2
+    padding = (draw(st.integers(0, 5)), draw(st.integers(0, 5)))
+    H = draw(st.integers(max(1, dilation[0] * (R - 1) + 1 - 2 * padding[0]), 48))
+    W = draw(st.integers(max(1, dilation[1] * (S - 1) + 1 - 2 * padding[1]), 48))
+    N = draw(st.sampled_from([1, 2, 5]))
+    return dict(N=N, C=C, H=H, W=W, K=K, R=R, S=S, groups=groups, stride=stride, padding=padding,
+                dilation=dilation, dtype=draw(st.sampled_from([torch.float16, torch.bfloat16])),
+                channels_last=draw(st.integers(0, 3)) > 0, bias=draw(st.booleans()),
+                activation=draw(st.sampled_from([None, None, "relu", "gelu"])), backward=draw(st.integers(0, 1)) == 0,
+                view=draw(st.sampled_from(["channels", "offset", "batch"])))
+
+
 def make_input(c: dict, fmt, view: str | None) -> torch.Tensor:
     """The layer's input in memory format ``fmt``: a tensor of its own, or (``view``) its channels sliced out of
     a wider tensor, its storage starting one element (2 bytes) in, or a batch sliced out of a larger one."""
@@ -82,6 +116,17 @@ def check(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(c=layers())
 def test_auto_and_gradients_match_f_conv2d(c):
+    _auto_and_gradients_match(c)
+
+
+@fuzz_draw
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(c=wide_layers())
+def test_wide_layers_match_f_conv2d(c):
+    _auto_and_gradients_match(c)
+
+
+def _auto_and_gradients_match(c):
     torch.manual_seed(zlib.crc32(repr(sorted(c.items())).encode()))  # the same values each time it is drawn
     dtype, tol = c["dtype"], tolerance(c["dtype"])
     conv = dict(stride=c["stride"], padding=c["padding"], dilation=c["dilation"], groups=c["groups"])
