@@ -107,8 +107,8 @@ def compile_report(tmp_path, module: str, variants: dict) -> dict:
 @st.composite
 def fuzz_calls(draw, dtypes=(torch.float16, torch.bfloat16), max_m: int = 2048, max_n: int = 12000,
                max_k: int = 8192):
-    """A drawn W4A16 call: M (log-uniform up to ``max_m``), N, K, group size, dtype, symmetry, epilogue, and how
-    x lies (leading dims, rows ``pad`` elements apart, storage ``offset`` elements in on the third call)."""
+    """A drawn W4A16 call: M (log-uniform up to ``max_m``), N, K, group size, dtype, symmetry, act-order, epilogue,
+    and how x lies (leading dims, rows ``pad`` elements apart, storage ``offset`` elements in on the third call)."""
     group = draw(st.sampled_from([32, 64, 128, 128, 256, -1]))
     unit = 8 if group == -1 else group
     K = unit * draw(st.integers(1, max(1, max_k // unit)))
@@ -118,7 +118,7 @@ def fuzz_calls(draw, dtypes=(torch.float16, torch.bfloat16), max_m: int = 2048, 
                 symmetric=draw(st.booleans()), bias=draw(st.booleans()),
                 activation=draw(st.sampled_from(["none", "none", "silu", "relu"])),
                 lead=draw(st.sampled_from([(), (), (2,)])), pad=draw(st.sampled_from([0, 0, 8, 3])),
-                offset=draw(st.sampled_from([1, 3])))
+                offset=draw(st.sampled_from([1, 3])), act_order=draw(st.integers(0, 3)) == 0)
 
 
 def run_fuzz_call(c: dict, device: str) -> None:
@@ -130,6 +130,8 @@ def run_fuzz_call(c: dict, device: str) -> None:
     torch.manual_seed(zlib.crc32(repr(sorted(c.items())).encode()))  # the same values each time it is drawn
     dtype, M, N, K = c["dtype"], c["M"], c["N"], c["K"]
     w = w4a16.quantize(torch.randn(N, K, device=device, dtype=dtype), c["group"], symmetric=c["symmetric"])
+    if c.get("act_order"):  # GPTQ act-order: the stored inputs are x's in a random order (x gathered by perm)
+        w = w4a16.Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape, torch.randperm(K, device=device))
     bias = torch.randn(N, device=device, dtype=dtype) if c["bias"] else None
     tol = 2e-3 if dtype == torch.float16 else 1e-2
     rows = math.prod(c["lead"]) * M
