@@ -1,6 +1,6 @@
-"""Fuzz `tilegemm.w4a16.matmul` (``auto``) on the GPU (`pytest -m gpu`): random M (1 .. 2048, so every kernel
-auto routes to), N, K and group sizes, fp16 and bf16, symmetric or not, act-order, bias and activation, x with
-leading dims or rows sliced out of a wider buffer; each weight called twice with fresh activations (the second call replays
+"""Fuzz `tilegemm.w4a16.matmul` (``auto``) on the GPU (`pytest -m gpu`): random M (1 .. 2048, so every kernel auto
+routes to), N, K and group sizes, fp16 and bf16, symmetric or not, act-order, bias and activation, x with leading
+dims or rows sliced out of a wider buffer; each weight called twice with fresh activations (the second call replays
 the first's launch) and once from rows at another offset, against ``x @ dequantize(w).T`` in float64
 (`w4a16_kit.run_fuzz_call`); `test_w4a16_fuzz.py` runs small calls under the interpreter."""
 
