@@ -1099,6 +1099,50 @@ def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -
     install_int4_experts_(s.module, stacked)
 
 
+def _state_of(obj) -> tuple[dict, list]:
+    """``obj``'s attributes, and a copy of each dict, list and set among them (a module's parameters, buffers,
+    submodules and hooks; a config's settings), for :func:`unchanged_on_error`."""
+    attrs = dict(vars(obj))
+    return attrs, [(v, copy.copy(v)) for v in attrs.values() if isinstance(v, (dict, list, set))]
+
+
+def _put_back(obj, state: tuple[dict, list]) -> None:
+    attrs, containers = state
+    vars(obj).clear()
+    vars(obj).update(attrs)
+    for container, contents in containers:  # the same dict objects, with what they held (shared ones too)
+        if isinstance(container, list):
+            container[:] = contents
+        else:
+            container.clear()
+            container.update(contents)
+
+
+@contextlib.contextmanager
+def unchanged_on_error(model: nn.Module):
+    """Leave ``model`` exactly as it was given where the block raises (any exception, a KeyboardInterrupt too,
+    which then propagates): every module's attributes and every config's (the model's, its submodels', their
+    sub-configs) are recorded on entry and put back. Sound for what loading does, which replaces modules and
+    tensors (setattr, ``_parameters`` / ``_buffers`` entries, hooks, config settings) and never writes into a
+    tensor the model holds; recording costs a shallow copy of each module's attributes, no tensor data."""
+    objs: dict[int, object] = {}
+    for m in model.modules():
+        objs[id(m)] = m
+    stack = [vars(m).get("config") for m in list(objs.values())]
+    while stack:  # the configs, and the configs they hold (text_config, vision_config, ...)
+        c = stack.pop()
+        if hasattr(c, "to_dict") and hasattr(c, "__dict__") and id(c) not in objs:
+            objs[id(c)] = c
+            stack += list(vars(c).values())
+    saved = [(obj, _state_of(obj)) for obj in objs.values()]
+    try:
+        yield model
+    except BaseException:
+        for obj, state in saved:
+            _put_back(obj, state)
+        raise
+
+
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module_name, _, pname = name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
@@ -1137,134 +1181,139 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     _check_dtype(dtype)
     device = _default_device(device if device is not None else _model_device(model))
     tensors = _Tensors(path, device, model)
-    undo: list = []  # what is changed before the checks below (computed buffers, converted blocks): put back if
-    try:             # they refuse the load, which leaves the model as it was given
-        _compute_meta_buffers_(model, tensors, device, undo)
-        _own_forward_blocks_(model, tensors, q.leaf("qweight"), undo)
+    # Every change below (converted blocks, computed buffers, replaced Linears, loaded tensors, the config) is
+    # undone if the load raises at any point, from a check or from an importer half-way: the model is left as
+    # it was given.
+    with unchanged_on_error(model):
+        return _load_into(model, path, q, tensors, dtype, device, loaded)
 
-        # Which Linears are stored quantized (each with its own config where "dynamic" says so), and the shapes the
-        # model asks of each stored tensor.
-        linears = {name: m for name, m in model.named_modules() if _linear_shape(m) is not None and name not in loaded}
-        quantized, problems, missing = [], [], []
-        configs: dict[str, QuantConfig] = {}
-        refused = set()  # stored quantized, refused above: their tensors are no strays
-        rescaled = _rescaled_in_place(model)
-        marker = q.leaf("qweight")  # the packed weight's leaf: a Linear storing it is stored quantized
-        for name, m in linears.items():
-            stored = f"{name}.{marker}" in tensors
-            # per-module rules (dynamic, config groups, ignore) name modules as the quantizer's model did
-            qm = q.for_module(tensors.stored_module(name, (marker, "weight")),
-                              tuple(c.__name__ for c in type(m).__mro__) + ("Linear",))
+
+def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, dtype: torch.dtype,
+               device: torch.device, loaded: tuple[str, ...]) -> nn.Module:
+    """:func:`load_quantized_` once its arguments are checked: every stored tensor checked against the model,
+    then the model changed (which :func:`unchanged_on_error` undoes if anything raises)."""
+    _compute_meta_buffers_(model, tensors, device)
+    _own_forward_blocks_(model, tensors, q.leaf("qweight"))
+
+    # Which Linears are stored quantized (each with its own config where "dynamic" says so), and the shapes the
+    # model asks of each stored tensor.
+    linears = {name: m for name, m in model.named_modules() if _linear_shape(m) is not None and name not in loaded}
+    quantized, problems, missing = [], [], []
+    configs: dict[str, QuantConfig] = {}
+    refused = set()  # stored quantized, refused above: their tensors are no strays
+    rescaled = _rescaled_in_place(model)
+    marker = q.leaf("qweight")  # the packed weight's leaf: a Linear storing it is stored quantized
+    for name, m in linears.items():
+        stored = f"{name}.{marker}" in tensors
+        # per-module rules (dynamic, config groups, ignore) name modules as the quantizer's model did
+        qm = q.for_module(tensors.stored_module(name, (marker, "weight")),
+                          tuple(c.__name__ for c in type(m).__mro__) + ("Linear",))
+        if stored:
+            refused.add(name)
+        if isinstance(m, Int4Linear) and not stored:
+            # its 4-bit buffers would keep what they hold: a model quantized already takes a quantized layer only
+            problems.append(f"{name} is an Int4Linear (the model was quantized already) but the checkpoint "
+                            f"stores it 16-bit ({name}.weight): load into a model that is not quantized")
+            continue
+        if qm is None or _not_converted(name, q.modules_to_not_convert):
             if stored:
-                refused.add(name)
-            if isinstance(m, Int4Linear) and not stored:
-                # its 4-bit buffers would keep what they hold: a model quantized already takes a quantized layer only
-                problems.append(f"{name} is an Int4Linear (the model was quantized already) but the checkpoint "
-                                f"stores it 16-bit ({name}.weight): load into a model that is not quantized")
-                continue
-            if qm is None or _not_converted(name, q.modules_to_not_convert):
-                if stored:
-                    why = "in modules_to_not_convert" if qm is not None else \
-                        "left 16-bit by a '-:' pattern of dynamic" if q.method != "compressed-tensors" else \
-                        "in quantization_config.ignore, or targeted by no config group,"
-                    problems.append(f"{name} is {why} but the checkpoint stores it quantized ({name}.{marker})")
-                continue
-            if not stored:
-                continue
-            if not (isinstance(m, Int4Linear) or is_plain_linear(m) or is_conv1d(m)):
-                # a router returning scores, a grouped product, a scaled head: an Int4Linear computes x @ W.T + b only
-                problems.append(f"{name} is stored quantized ({name}.{marker}), but "
-                                f"{subclass_reason(m, nn.Linear, 'load')}; an Int4Linear computes x @ W.T + b only, "
-                                f"so {type(model).__name__} loads with this layer stored 16-bit")
-                continue
-            if name in rescaled:
-                problems.append(f"{name} is stored quantized ({name}.{marker}), but {type(model).__name__} divides "
-                                f"this layer's weight in place when it runs (RWKV's rescale_every = "
-                                f"{rescaled[name]}), which a 4-bit weight cannot take: set rescale_every to 0 in "
-                                f"config.json (the same model, without its fp16 overflow guard) or store the layer "
-                                f"16-bit")
-                continue
-            if qm.bits != 4:
-                problems.append(f"{name}: stored with bits = {qm.bits!r} ({_settings_of(q)}); tilegemm loads 4-bit "
-                                f"layers only")
-                continue
-            N, K = _linear_shape(m)
-            if N % 8 or K % 8:
-                problems.append(f"{name}: [out, in] = [{N}, {K}] is not a multiple of 8 (eight 4-bit weights per "
-                                f"int32)")
-                continue
-            if qm.method != SAVED_METHOD and not _groups_fit(qm.group_size, K):  # (saved: its own, from its shapes)
-                problems.append(f"{name}: in_features {K} is not divisible by group_size {qm.group_size}")
-                continue
-            _check_quant_shapes(tensors, name, qm, N, K, f"{type(m).__name__}(in_features={K}, out_features={N})",
-                                problems, missing)
-            if m.bias is not None and f"{name}.bias" not in tensors:
-                missing.append(f"{name}.bias")
-            elif f"{name}.bias" in tensors and tensors.shape(f"{name}.bias") != [N]:  # (plain ones: checked below)
-                problems.append(f"{name}.bias: the checkpoint's shape {tensors.shape(f'{name}.bias')} does not match "
-                                f"[{N}], what {type(m).__name__}(out_features={N}) has")
-            quantized.append(name)
-            configs[name] = qm
-        quantized_set = set(quantized)
-        # MoE blocks whose experts the checkpoint stores one quantized Linear per expert: stacked when loading.
-        experts = _stored_experts(model, tensors, problems, loaded, marker)
-        expert_keys = {f"{key}.{p}" for s in experts if s.name in loaded for key, _, _ in s.keys()
-                       for p in (*q.leaves, "bias", "weight")}  # filled already: not strays
-        experts = [s for s in experts if s.name not in loaded]
-        expert_params = {f"{s.name}.{w}" for s in experts for w in s.joined}
-        for s in experts:
-            expert_keys |= _check_experts(s, q, tensors, problems, missing)
+                why = "in modules_to_not_convert" if qm is not None else \
+                    "left 16-bit by a '-:' pattern of dynamic" if q.method != "compressed-tensors" else \
+                    "in quantization_config.ignore, or targeted by no config group,"
+                problems.append(f"{name} is {why} but the checkpoint stores it quantized ({name}.{marker})")
+            continue
+        if not stored:
+            continue
+        if not (isinstance(m, Int4Linear) or is_plain_linear(m) or is_conv1d(m)):
+            # a router returning scores, a grouped product, a scaled head: an Int4Linear computes x @ W.T + b only
+            problems.append(f"{name} is stored quantized ({name}.{marker}), but "
+                            f"{subclass_reason(m, nn.Linear, 'load')}; an Int4Linear computes x @ W.T + b only, "
+                            f"so {type(model).__name__} loads with this layer stored 16-bit")
+            continue
+        if name in rescaled:
+            problems.append(f"{name} is stored quantized ({name}.{marker}), but {type(model).__name__} divides "
+                            f"this layer's weight in place when it runs (RWKV's rescale_every = "
+                            f"{rescaled[name]}), which a 4-bit weight cannot take: set rescale_every to 0 in "
+                            f"config.json (the same model, without its fp16 overflow guard) or store the layer "
+                            f"16-bit")
+            continue
+        if qm.bits != 4:
+            problems.append(f"{name}: stored with bits = {qm.bits!r} ({_settings_of(q)}); tilegemm loads 4-bit "
+                            f"layers only")
+            continue
+        N, K = _linear_shape(m)
+        if N % 8 or K % 8:
+            problems.append(f"{name}: [out, in] = [{N}, {K}] is not a multiple of 8 (eight 4-bit weights per "
+                            f"int32)")
+            continue
+        if qm.method != SAVED_METHOD and not _groups_fit(qm.group_size, K):  # (saved: its own, from its shapes)
+            problems.append(f"{name}: in_features {K} is not divisible by group_size {qm.group_size}")
+            continue
+        _check_quant_shapes(tensors, name, qm, N, K, f"{type(m).__name__}(in_features={K}, out_features={N})",
+                            problems, missing)
+        if m.bias is not None and f"{name}.bias" not in tensors:
+            missing.append(f"{name}.bias")
+        elif f"{name}.bias" in tensors and tensors.shape(f"{name}.bias") != [N]:  # (plain ones: checked below)
+            problems.append(f"{name}.bias: the checkpoint's shape {tensors.shape(f'{name}.bias')} does not match "
+                            f"[{N}], what {type(m).__name__}(out_features={N}) has")
+        quantized.append(name)
+        configs[name] = qm
+    quantized_set = set(quantized)
+    # MoE blocks whose experts the checkpoint stores one quantized Linear per expert: stacked when loading.
+    experts = _stored_experts(model, tensors, problems, loaded, marker)
+    expert_keys = {f"{key}.{p}" for s in experts if s.name in loaded for key, _, _ in s.keys()
+                   for p in (*q.leaves, "bias", "weight")}  # filled already: not strays
+    experts = [s for s in experts if s.name not in loaded]
+    expert_params = {f"{s.name}.{w}" for s in experts for w in s.joined}
+    for s in experts:
+        expert_keys |= _check_experts(s, q, tensors, problems, missing)
 
-        # Every other parameter (and stored buffer) by name; a tied parameter is loaded under any of its names.
-        plain: dict[str, list[str]] = {}  # the first name of each parameter -> all its names
-        by_id: dict[int, str] = {}
-        for pname, p in model.named_parameters(remove_duplicate=False):
-            owner = pname.rpartition(".")[0]
-            if owner in quantized_set or owner in loaded or pname in expert_params:
-                continue
-            first = by_id.setdefault(id(p), pname)
-            plain.setdefault(first, []).append(pname)
-        # (a block's stacked 4-bit buffers are the experts load's, in the checkpoint's group size, not plain tensors)
-        stacked_blocks = {s.name for s in experts if s.stacked}
-        persistent = [n for n, _ in model.named_buffers() if n.rpartition(".")[0] not in quantized_set and n in
-                      model.state_dict(keep_vars=True) and n.rpartition(".")[0] not in loaded
-                      and not (n.rpartition(".")[0] in stacked_blocks and n.rpartition(".")[2].startswith("tilegemm_"))]
-        tied = _tied_names(model)
-        sources: dict[str, str] = {}
-        for first, names in plain.items():
-            found = next((k for n in names for k in _aliases(n) if k in tensors), None)
-            if found is not None:
-                sources[first] = found
-            elif not all(n in tied for n in names):  # tie_weights fills a tied output layer (its own Parameter)
-                missing.append(names[0])
-        for b in persistent:
-            if b in tensors:
-                sources[b] = b
-        expected_plain = {}
-        for first, key in sources.items():
-            want = list((model.get_parameter(first) if first in plain else model.get_buffer(first)).shape)
-            if tensors.shape(key) != want:
-                problems.append(f"{key}: the checkpoint's shape {tensors.shape(key)} does not match the model's {want}")
-            expected_plain[key] = first
-        used = set(sources.values()) | {f"{n}.{p}" for n in quantized for p in (*q.leaves, "bias")} | expert_keys
-        # a tied output layer's stored copy (AutoGPTQ saves every state_dict key): tie_weights fills that layer
-        used |= {k for n in tied for k in _aliases(n) if k in tensors}
-        strays = [k for k in tensors.files if k not in used and not k.endswith(_IGNORED_SUFFIXES)
-                  and k.rpartition(".")[0] not in loaded]
-        stray_quant = [k for k in strays if k.endswith(f".{marker}") and k.rpartition(".")[0] not in refused]
-        if stray_quant:
-            problems.append(f"quantized tensor(s) for modules the model has no Linear of: {', '.join(stray_quant[:8])}"
-                            + (" ..." if len(stray_quant) > 8 else ""))
-        if problems:
-            raise ValueError(f"the checkpoint at {path!r} does not fit the model{_architecture_hint(model)}:\n  "
-                             + "\n  ".join(problems))
-        if missing:
-            raise ValueError(f"the checkpoint at {path!r} lacks tensor(s) the model needs{_architecture_hint(model)}: "
-                             f"{', '.join(missing)}")
-    except BaseException:
-        for put_back in reversed(undo):
-            put_back()
-        raise
+    # Every other parameter (and stored buffer) by name; a tied parameter is loaded under any of its names.
+    plain: dict[str, list[str]] = {}  # the first name of each parameter -> all its names
+    by_id: dict[int, str] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        owner = pname.rpartition(".")[0]
+        if owner in quantized_set or owner in loaded or pname in expert_params:
+            continue
+        first = by_id.setdefault(id(p), pname)
+        plain.setdefault(first, []).append(pname)
+    # (a block's stacked 4-bit buffers are the experts load's, in the checkpoint's group size, not plain tensors)
+    stacked_blocks = {s.name for s in experts if s.stacked}
+    persistent = [n for n, _ in model.named_buffers() if n.rpartition(".")[0] not in quantized_set and n in
+                  model.state_dict(keep_vars=True) and n.rpartition(".")[0] not in loaded
+                  and not (n.rpartition(".")[0] in stacked_blocks and n.rpartition(".")[2].startswith("tilegemm_"))]
+    tied = _tied_names(model)
+    sources: dict[str, str] = {}
+    for first, names in plain.items():
+        found = next((k for n in names for k in _aliases(n) if k in tensors), None)
+        if found is not None:
+            sources[first] = found
+        elif not all(n in tied for n in names):  # tie_weights fills a tied output layer (its own Parameter)
+            missing.append(names[0])
+    for b in persistent:
+        if b in tensors:
+            sources[b] = b
+    expected_plain = {}
+    for first, key in sources.items():
+        want = list((model.get_parameter(first) if first in plain else model.get_buffer(first)).shape)
+        if tensors.shape(key) != want:
+            problems.append(f"{key}: the checkpoint's shape {tensors.shape(key)} does not match the model's {want}")
+        expected_plain[key] = first
+    used = set(sources.values()) | {f"{n}.{p}" for n in quantized for p in (*q.leaves, "bias")} | expert_keys
+    # a tied output layer's stored copy (AutoGPTQ saves every state_dict key): tie_weights fills that layer
+    used |= {k for n in tied for k in _aliases(n) if k in tensors}
+    strays = [k for k in tensors.files if k not in used and not k.endswith(_IGNORED_SUFFIXES)
+              and k.rpartition(".")[0] not in loaded]
+    stray_quant = [k for k in strays if k.endswith(f".{marker}") and k.rpartition(".")[0] not in refused]
+    if stray_quant:
+        problems.append(f"quantized tensor(s) for modules the model has no Linear of: {', '.join(stray_quant[:8])}"
+                        + (" ..." if len(stray_quant) > 8 else ""))
+    if problems:
+        raise ValueError(f"the checkpoint at {path!r} does not fit the model{_architecture_hint(model)}:\n  "
+                         + "\n  ".join(problems))
+    if missing:
+        raise ValueError(f"the checkpoint at {path!r} lacks tensor(s) the model needs{_architecture_hint(model)}: "
+                         f"{', '.join(missing)}")
     if strays:
         warnings.warn(f"load_quantized_: {len(strays)} tensor(s) of the checkpoint match nothing in the model and "
                       f"were skipped: {', '.join(strays[:8])}{' ...' if len(strays) > 8 else ''}", stacklevel=2)
@@ -1351,29 +1400,26 @@ def _architecture_hint(model: nn.Module) -> str:
     return ""
 
 
-def _own_forward_blocks_(model: nn.Module, tensors: _Tensors, marker: str, undo: list) -> None:
+def _own_forward_blocks_(model: nn.Module, tensors: _Tensors, marker: str) -> None:
     """Llama-4's MoE blocks run their experts in their own forward, over 3-D weights; quantizers store those experts
     one Linear an expert (``<block>.experts.<e>.gate_proj`` ...), and a model tilegemm saved stores that block's
     stacked 4-bit buffers (``<block>.experts.tilegemm_gate_up_proj_qweight`` ...). Such a block becomes tilegemm's
-    block for it (its experts a ``StackedExperts`` under the same names), which the experts loader fills; ``undo``
-    gets, for each, what puts the block back (tilegemm's block wraps its modules and parameters, changing none)."""
+    block for it (its experts a ``StackedExperts`` under the same names), which the experts loader fills
+    (tilegemm's block wraps its modules and parameters, changing none: a refused load puts the block back)."""
     for name, module in list(model.named_modules()):
         if type(module).__name__ != "Llama4TextMoe":
             continue
         if any(f"{name}.experts.0.{p}.{leaf}" in tensors for p in _EXPERT_NAMES[0] for leaf in (marker, "weight")) \
                 or f"{name}.experts.tilegemm_gate_up_proj_qweight" in tensors:
-            done, _ = convert_moe_blocks_(model, filter=lambda n, m, name=name: n == name)
-            if done:
-                parent_name, _, child = name.rpartition(".")
-                parent = model.get_submodule(parent_name) if parent_name else model
-                undo.append(lambda parent=parent, child=child, module=module: setattr(parent, child, module))
+            convert_moe_blocks_(model, filter=lambda n, m, name=name: n == name)
 
 
-def _compute_meta_buffers_(model: nn.Module, tensors: _Tensors, device: torch.device, undo: list) -> None:
+def _compute_meta_buffers_(model: nn.Module, tensors: _Tensors, device: torch.device) -> None:
     """Buffers on the meta device that the checkpoint does not hold (a model built under ``torch.device("meta")``:
     its rotary tables, which models compute in ``__init__``): made on ``device`` and computed by transformers'
     own initialisation of their module (``PreTrainedModel._init_weights``), for modules with no parameters of
-    their own; any left unset is a ValueError. ``undo`` gets what puts each module's meta buffers back."""
+    their own; any left unset is a ValueError (and the meta buffers are put back, as any change of a refused
+    load: :func:`unchanged_on_error`)."""
     names = {id(b): n for n, b in model.named_buffers()}
     wanted = [(n, m) for n, m in model.named_modules()
               if any(b is not None and b.is_meta and names.get(id(b)) not in tensors for b in m._buffers.values())]
@@ -1388,7 +1434,9 @@ def _compute_meta_buffers_(model: nn.Module, tensors: _Tensors, device: torch.de
         if owner is None or any(True for _ in module.parameters(recurse=False)):
             left += [f"{name}.{k}" for k in metas]
             continue
-        undo.append(lambda module=module, metas=metas: module._buffers.update(metas))
+        for k, b in module._buffers.items():  # (the initialisation writes the others in place: a refused load
+            if b is not None and not b.is_meta:  # puts back the tensors as given, so it writes into copies)
+                module._buffers[k] = b.clone()
         for k, b in metas.items():  # NaN first: what the initialisation leaves unset shows
             module._buffers[k] = torch.full(b.shape, float("nan"), dtype=b.dtype, device=device) \
                 if b.is_floating_point() else torch.zeros(b.shape, dtype=b.dtype, device=device)

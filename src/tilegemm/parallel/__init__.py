@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from tilegemm.models.pretrained import _check_quant_shapes, _default_device, _import_columns, _saved_weight, \
-    _stored_parts, _Tensors, empty_model, load_quantized_, quant_config, read_config, resolve_dtype
+    _stored_parts, _Tensors, empty_model, load_quantized_, quant_config, read_config, resolve_dtype, unchanged_on_error
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
 from tilegemm.nn.moe import expert_group_size
@@ -885,7 +885,7 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
     _check_heads(model, world)
     tensors = _Tensors(os.fspath(path), torch.device("cpu"), model)
     styles = {"out": ColwiseParallel(), "in": RowwiseParallel()}
-    with torch.no_grad():
+    with unchanged_on_error(model), torch.no_grad():  # a refusal at any layer leaves the model as it was given
         for name, split in splits.items():
             if f"{name}.{q.leaf('qweight')}" not in tensors:
                 raise ValueError(f"tp_plan splits {name}, which the checkpoint does not store quantized: "
@@ -913,7 +913,7 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
             setattr(model.get_submodule(parent_name) if parent_name else model, child,
                     attach_int4(styles[split], local, device_mesh, split, index,
                                 None if bias is None else bias.to(device, dtype)))
-    load_quantized_(model, path, dtype=dtype, device=device, loaded=tuple(splits))
+        load_quantized_(model, path, dtype=dtype, device=device, loaded=tuple(splits))
     return model
 
 
