@@ -200,6 +200,64 @@ def test_early_compression_config_refusals_are_named(tmp_path):
     assert from_pretrained(path, device="cpu").config.quantization_config["converted_from"] == "compressed-tensors"
 
 
+
+@pytest.mark.parametrize("layout", ["flat", "nested"])
+def test_early_compression_config_messages_name_its_key(tmp_path, layout):
+    """Refusals of an early checkpoint's settings name the key config.json holds them under
+    (``compression_config``, or ``compression_config.quantization_config`` nested): no ``quantization_config`` the
+    user would look for in vain. Read as the loader reads it, and at load time (a layer ignored but stored packed)."""
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "compressed-tensors", 32, sym=True, config_key="compression_config")
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg.pop("compression_config")
+    key = "compression_config" if layout == "flat" else "compression_config.quantization_config"
+
+    def write(settings: dict, sparsity=None) -> None:
+        early = dict(settings) if layout == "flat" else dict(quantization_config=dict(settings))
+        if sparsity is not None:
+            early["sparsity_config"] = sparsity
+        (path / "config.json").write_text(json.dumps(dict(cfg, compression_config=early)))
+
+    def refused(settings: dict, sparsity=None) -> str:
+        write(settings, sparsity)
+        with pytest.raises(ValueError) as err:
+            pretrained.quant_config(pretrained.read_config(path))
+        assert "quantization_config" not in str(err.value).replace(key, "")
+        return str(err.value)
+
+    group = qc["config_groups"]["group_0"]
+    eight = dict(qc, config_groups=dict(group_0=dict(group, weights=dict(group["weights"], num_bits=8))))
+    assert refused(eight).startswith(f"config.json: {key}.config_groups['group_0']: weights of 8-bit int")
+    assert refused(dict(qc, ignore=["re:[mlp"])).startswith(f"config.json: {key}.ignore: 're:[mlp' is not a")
+    assert refused(dict(qc, ignore="lm_head")).startswith(f"config.json: {key}.ignore must be a list")
+    assert f"compressed-tensors {key} needs config_groups" in refused(dict(qc, config_groups={}))
+    assert f"{key}.transform_config" in refused(dict(qc, transform_config=dict(config_groups={"u": {}})))
+    # the sparsity settings sit under compression_config in both layouts
+    assert "compressed-tensors compression_config.sparsity_config format 'sparse-bitmask'" in refused(
+        {k: v for k, v in qc.items() if k != "sparsity_config"}, dict(format="sparse-bitmask"))
+    # at load time: a layer the ignore list names but the checkpoint stores packed
+    write(dict(qc, ignore=["lm_head", "re:.*self_attn[.]o_proj$"]))
+    with pytest.raises(ValueError, match=rf"o_proj is in {key}\.ignore, or targeted by no config group, but the "
+                                         rf"checkpoint stores it quantized"):
+        from_pretrained(path, device="cpu")
+    # (config.json's current key is named as before)
+    (path / "config.json").write_text(json.dumps(dict(cfg, quantization_config=dict(qc, ignore="lm_head"))))
+    with pytest.raises(ValueError, match=r"^config\.json: quantization_config\.ignore must be a list"):
+        pretrained.quant_config(pretrained.read_config(path))
+
+
+def test_older_settings_file_messages_name_the_file(tmp_path):
+    """Settings read from an older quantizer's own file (AutoGPTQ's quantize_config.json): its refusals name that
+    file and its own keys, not config.json's quantization_config."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="llama")))
+    (tmp_path / "quantize_config.json").write_text(json.dumps(dict(bits=8, group_size=32)))
+    with pytest.raises(ValueError, match=r"^quantize_config\.json: bits = 8"):
+        pretrained.quant_config(pretrained.read_config(tmp_path))
+    (tmp_path / "quantize_config.json").write_text(json.dumps(dict(bits=4, group_size=32, dynamic=[1])))
+    with pytest.raises(ValueError, match=r"^quantize_config\.json: dynamic must be a JSON object"):
+        pretrained.quant_config(pretrained.read_config(tmp_path))
+
 def test_preset_group_and_ignore_patterns(tmp_path, device):
     """A config group given as a preset name (``{"W4A16": ["Linear"]}``) and an ignore list of ``re:`` patterns:
     the layers it names load as plain Linears."""

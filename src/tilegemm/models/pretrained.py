@@ -80,6 +80,9 @@ class QuantConfig:
     ignore: tuple[str, ...] = ()
     # tilegemm: the group sizes its saved config lists (a one-group layer's shapes do not say -1 or its K)
     saved_sizes: tuple[int, ...] = ()
+    # where the checkpoint keeps these settings, for messages: config.json's key (an early compressed-tensors
+    # checkpoint's "compression_config"), or "" for the top level of an older quantizer's own settings file
+    key: str = "quantization_config"
 
     def for_module(self, name: str, classes: tuple[str, ...] = ("Linear",)) -> "QuantConfig | None":
         """How module ``name`` (whose classes, its MRO's names, are ``classes``) is stored: GPTQ, the first
@@ -188,23 +191,39 @@ def _compression_config(c: dict) -> dict:
     return q
 
 
+# The entry of read_config's dict saying where settings read from elsewhere than quantization_config are: their
+# file and key, which messages name (a user reading "quantization_config" would not find it in config.json).
+SETTINGS_AT = "_tilegemm_settings_at"
+
+
+def _at(key: str, entry: str) -> str:
+    """``entry`` of the settings kept under ``key`` (``""``: a settings file's top level), as messages name it."""
+    return f"{key}.{entry}" if key else entry
+
+
 def read_config(path) -> dict:
     """``config.json`` of the checkpoint directory ``path`` as a dict (FileNotFoundError / ValueError naming the
     problem). Without a ``quantization_config`` there, an early compressed-tensors ``compression_config``
-    (:func:`_compression_config`) or one of :data:`SIDECARS` (an older quantizer's own settings file) gives it."""
+    (:func:`_compression_config`) or one of :data:`SIDECARS` (an older quantizer's own settings file) gives it;
+    then ``config[SETTINGS_AT]`` is ``(file, key)``, which messages name: the key ``compression_config`` (or
+    ``compression_config.quantization_config``, nested), or a sidecar file with key ``""`` (its top level)."""
     path = _check_dir(path)
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path!r} has no config.json (the model's transformers config)")
     config = _json_object(file)
     if "quantization_config" not in config and isinstance(config.get("compression_config"), dict):
-        config["quantization_config"] = _compression_config(config["compression_config"])
+        early = config["compression_config"]
+        config["quantization_config"] = _compression_config(early)
+        config[SETTINGS_AT] = ("config.json", "compression_config.quantization_config" if isinstance(
+            early.get("quantization_config"), dict) else "compression_config")
     if "quantization_config" not in config:
         for name, method in SIDECARS.items():
             sidecar = os.path.join(path, name)
             if os.path.isfile(sidecar):
                 q = _json_object(sidecar)
                 config["quantization_config"] = {"quant_method": method, **q}
+                config[SETTINGS_AT] = (name, "")
                 break
     return config
 
@@ -215,6 +234,7 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
     if q is None:
         raise ValueError(f"{where} has no quantization_config: not a quantized checkpoint (tilegemm loads 4-bit "
                          f"GPTQ, AWQ and compressed-tensors checkpoints)")
+    where, key = config.get(SETTINGS_AT, (where, "quantization_config"))
     if not isinstance(q, dict):
         raise ValueError(f"{where}: quantization_config must be a JSON object, got {type(q).__name__}")
     method = str(q.get("quant_method", "")).lower()
@@ -222,14 +242,14 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
         raise ValueError(f"{where}: quant_method {q.get('quant_method')!r} is not supported; supported: "
                          f"{', '.join(repr(m) for m in METHODS)}")
     if method == "compressed-tensors":
-        return _ct_config(q, where)
+        return _ct_config(q, where, key)
     if method == SAVED_METHOD:  # each layer's group length is read from its stored shapes
         if q.get("bits", 4) != 4:
             raise ValueError(f"{where}: bits = {q.get('bits')!r}; tilegemm's saved layers are 4-bit")
         listed = q.get("group_size")
         listed = listed if isinstance(listed, list) else [listed]
         return QuantConfig(SAVED_METHOD, -1, sym=False, saved_sizes=tuple(
-            s for s in listed if isinstance(s, int) and not isinstance(s, bool)))
+            s for s in listed if isinstance(s, int) and not isinstance(s, bool)), key=key)
     bits = q.get("bits", q.get("w_bit"))
     if bits != 4:
         raise ValueError(f"{where}: bits = {bits!r}; tilegemm loads 4-bit checkpoints only (bits = 4)")
@@ -251,7 +271,7 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
                              f"packed along N): 'gemv' packs along K")
         if q.get("zero_point", True) is False:
             raise ValueError(f"{where}: AWQ with zero_point = false is not supported (only zero_point = true)")
-        return QuantConfig("awq", group_size, sym=False, modules_to_not_convert=tuple(not_convert))
+        return QuantConfig("awq", group_size, sym=False, modules_to_not_convert=tuple(not_convert), key=key)
     fmt = str(q.get("checkpoint_format", q.get("format", "gptq")) or "gptq").lower()
     if q.get("is_marlin_format"):  # AutoGPTQ's flag for its Marlin repacking (before checkpoint_format existed)
         fmt = "marlin"
@@ -260,7 +280,7 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
                          f"{', '.join(repr(f) for f in GPTQ_FORMATS)}")
     return QuantConfig("gptq", group_size, desc_act=bool(q.get("desc_act", False)), sym=bool(q.get("sym", True)),
                        checkpoint_format=fmt, modules_to_not_convert=tuple(not_convert),
-                       dynamic=_dynamic(q.get("dynamic"), where))
+                       dynamic=_dynamic(q.get("dynamic"), where, key), key=key)
 
 
 # compressed-tensors' preset schemes that a config group may name instead of spelling out its weights
@@ -268,30 +288,33 @@ _CT_PRESETS = {"W4A16": dict(num_bits=4, type="int", symmetric=True, strategy="g
                "W4A16_ASYM": dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128)}
 
 
-def _ct_config(q: dict, where: str) -> QuantConfig:
+def _ct_config(q: dict, where: str, key: str = "quantization_config") -> QuantConfig:
     """A compressed-tensors ``quantization_config`` (llm-compressor's checkpoints): ``config_groups`` of
     weight-only 4-bit integer schemes (``group`` or ``channel`` strategy, symmetric or not, act-order or not)
-    stored ``pack-quantized``; ``ignore``. Anything else is refused here, naming the group and the setting."""
+    stored ``pack-quantized``; ``ignore``. Anything else is refused here, naming the group and the setting (under
+    ``key``, the config.json key the settings were read from)."""
+    root = key.partition(".")[0]  # (an early checkpoint's sparsity_config sits beside its nested settings)
     top_format = q.get("format")
     sparsity = q.get("sparsity_config") or {}
     if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
-        raise ValueError(f"{where}: compressed-tensors sparsity_config format {sparsity.get('format')!r}: sparse "
-                         f"weights are not supported (tilegemm loads dense {CT_FORMAT} weights)")
+        raise ValueError(f"{where}: compressed-tensors {_at(root, 'sparsity_config')} format "
+                         f"{sparsity.get('format')!r}: sparse weights are not supported (tilegemm loads dense "
+                         f"{CT_FORMAT} weights)")
     if q.get("transform_config"):
-        raise ValueError(f"{where}: compressed-tensors transform_config (rotations applied to weights and "
-                         f"activations) is not supported")
+        raise ValueError(f"{where}: compressed-tensors {_at(key, 'transform_config')} (rotations applied to "
+                         f"weights and activations) is not supported")
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or not groups:
-        raise ValueError(f"{where}: compressed-tensors quantization_config needs config_groups (a JSON object of "
+        raise ValueError(f"{where}: compressed-tensors {key or 'settings'} needs config_groups (a JSON object of "
                          f"named schemes), got {groups!r}")
     ignore = q.get("ignore") or ()
     if isinstance(ignore, str) or not all(isinstance(i, str) for i in ignore):
-        raise ValueError(f"{where}: quantization_config.ignore must be a list of module names or patterns, got "
+        raise ValueError(f"{where}: {_at(key, 'ignore')} must be a list of module names or patterns, got "
                          f"{ignore!r}")
-    _check_ct_patterns(ignore, f"{where}: quantization_config.ignore")
+    _check_ct_patterns(ignore, f"{where}: {_at(key, 'ignore')}")
     rules = []
     for gname, scheme in groups.items():
-        at = f"{where}: quantization_config.config_groups[{gname!r}]"
+        at = f"{where}: {_at(key, 'config_groups')}[{gname!r}]"
         if isinstance(scheme, list):  # {"W4A16": ["Linear"]}: a preset named by the group, applied to targets
             if gname.upper() not in _CT_PRESETS:
                 raise ValueError(f"{at}: the preset scheme {gname!r} is not supported; supported: "
@@ -340,7 +363,7 @@ def _ct_config(q: dict, where: str) -> QuantConfig:
                                            desc_act=actorder in ("group", "dynamic"))))
     first = rules[0][1]
     return QuantConfig("compressed-tensors", first["group_size"], desc_act=first["desc_act"], sym=first["sym"],
-                       groups=tuple(rules), ignore=tuple(ignore))
+                       groups=tuple(rules), ignore=tuple(ignore), key=key)
 
 
 def _check_ct_patterns(entries, at: str) -> None:
@@ -354,13 +377,15 @@ def _check_ct_patterns(entries, at: str) -> None:
                 raise ValueError(f"{at}: {entry!r} is not a regular expression: {err}") from None
 
 
-def _dynamic(dynamic, where: str) -> tuple:
+def _dynamic(dynamic, where: str, settings: str = "quantization_config") -> tuple:
     """GPTQModel's ``dynamic``: ``{pattern: overrides}``, a pattern ``"-:regex"`` leaving the modules it matches
-    unquantized, ``"+:regex"`` or ``"regex"`` giving them other ``bits``/``group_size``/``sym``/``desc_act``."""
+    unquantized, ``"+:regex"`` or ``"regex"`` giving them other ``bits``/``group_size``/``sym``/``desc_act``
+    (``settings``: the key the checkpoint keeps them under, as messages name it)."""
+    at = f"{where}: {_at(settings, 'dynamic')}"
     if not dynamic:
         return ()
     if not isinstance(dynamic, dict):
-        raise ValueError(f"{where}: quantization_config.dynamic must be a JSON object of pattern -> overrides, got "
+        raise ValueError(f"{at} must be a JSON object of pattern -> overrides, got "
                          f"{type(dynamic).__name__}")
     rules = []
     for key, overrides in dynamic.items():
@@ -369,17 +394,17 @@ def _dynamic(dynamic, where: str) -> tuple:
         try:
             compiled = re.compile(pattern)
         except re.error as err:
-            raise ValueError(f"{where}: quantization_config.dynamic pattern {key!r} is not a regular expression: "
+            raise ValueError(f"{at} pattern {key!r} is not a regular expression: "
                              f"{err}") from None
         if not isinstance(overrides, dict):
-            raise ValueError(f"{where}: quantization_config.dynamic[{key!r}] must be a JSON object, got "
+            raise ValueError(f"{at}[{key!r}] must be a JSON object, got "
                              f"{type(overrides).__name__}")
         taken = {}
         if not skip:
             if "group_size" in overrides:
                 gs = overrides["group_size"]
                 if isinstance(gs, bool) or not isinstance(gs, int) or not (gs == -1 or gs > 0):
-                    raise ValueError(f"{where}: quantization_config.dynamic[{key!r}]: group_size must be a positive "
+                    raise ValueError(f"{at}[{key!r}]: group_size must be a positive "
                                      f"integer or -1, got {gs!r}")
                 taken["group_size"] = gs
             for name in ("sym", "desc_act"):
@@ -1037,8 +1062,8 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
 
 def _settings_of(q: QuantConfig) -> str:
     """Where a checkpoint's config gives one module settings of its own (for messages)."""
-    return "quantization_config: its ignore list, or no config group targets it" if \
-        q.method == "compressed-tensors" else "quantization_config.dynamic"
+    return f"{q.key or 'its settings file'}: its ignore list, or no config group targets it" if \
+        q.method == "compressed-tensors" else _at(q.key, "dynamic")
 
 
 def _expert_weight(tensors: _Tensors, key: str, q: QuantConfig, N: int, K: int, dtype) -> Int4Weight:
@@ -1219,7 +1244,7 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
             if stored:
                 why = "in modules_to_not_convert" if qm is not None else \
                     "left 16-bit by a '-:' pattern of dynamic" if q.method != "compressed-tensors" else \
-                    "in quantization_config.ignore, or targeted by no config group,"
+                    f"in {_at(q.key, 'ignore')}, or targeted by no config group,"
                 problems.append(f"{name} is {why} but the checkpoint stores it quantized ({name}.{marker})")
             continue
         if not stored:

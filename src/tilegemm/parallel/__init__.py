@@ -895,7 +895,7 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
             # (its own config where the checkpoint's rules give one, by the name the quantizer knew it by)
             qm = q.for_module(tensors.stored_module(name, (q.leaf("qweight"), "weight")))
             if qm is None or qm.bits != 4:
-                raise ValueError(f"tp_plan splits {name}, which the checkpoint's quantization_config "
+                raise ValueError(f"tp_plan splits {name}, which the checkpoint's {q.key or 'settings file'} "
                                  f"{'leaves unquantized' if qm is None else f'stores with bits = {qm.bits!r}'}, "
                                  f"though the checkpoint stores it packed")
             try:
