@@ -20,7 +20,7 @@ __all__ = ["from_pretrained"]
 
 
 def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, *, device_mesh=None, tp_plan="auto",
-                    fuse_projections: bool = False, model_class=None):
+                    fuse_projections: bool = False, model_class=None, experts_implementation=None):
     """The ``transformers`` causal-LM of the quantized (GPTQ, AWQ or compressed-tensors) checkpoint directory
     ``path``, every quantized Linear a :class:`tilegemm.nn.Int4Linear`
     (:func:`tilegemm.models.pretrained.from_pretrained` says what it takes
@@ -29,11 +29,13 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, *, de
     names or patterns to ``"colwise"`` / ``"rowwise"``; docs/parallel.md). ``fuse_projections=True``: then
     :func:`tilegemm.nn.absorb_act_order_` and :func:`tilegemm.nn.fuse_projections_` (q/k/v and gate/up one product
     each; not with ``device_mesh``). ``model_class``: what builds the model from its config (a transformers auto
-    class or model class; default ``AutoModelForCausalLM``)."""
+    class or model class; default ``AutoModelForCausalLM``). ``experts_implementation``: what the model is built with
+    (transformers' ``experts_implementation=``; ``"tilegemm"`` puts 16-bit experts blocks on tilegemm's grouped
+    kernels too; a warning names MoE blocks it cannot reach and the ``tilegemm.nn.convert_`` that can)."""
     if fuse_projections and device_mesh is not None:
         raise ValueError("fuse_projections=True joins whole weights, device_mesh splits them: use one or the other")
     if device_mesh is None:
-        model = pretrained.from_pretrained(path, dtype, device, model_class)
+        model = pretrained.from_pretrained(path, dtype, device, model_class, experts_implementation)
         if fuse_projections:
             from tilegemm.nn import absorb_act_order_, fuse_projections_
 
@@ -41,4 +43,5 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, *, de
         return model
     from tilegemm.parallel import from_pretrained_sharded  # imports torch.distributed.tensor: only when asked
 
-    return from_pretrained_sharded(path, device_mesh, tp_plan, dtype=dtype, device=device, model_class=model_class)
+    return from_pretrained_sharded(path, device_mesh, tp_plan, dtype=dtype, device=device, model_class=model_class,
+                                   experts_implementation=experts_implementation)

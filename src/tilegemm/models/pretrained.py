@@ -36,8 +36,9 @@ from tilegemm.nn.convert import is_plain_linear, subclass_reason
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear, guard_quantized_output_resize_, is_conv1d, mark_saved_format_, \
     untie_quantized_outputs_
 from tilegemm.nn.fuse import FusedProjections, ProjectionPart
-from tilegemm.nn.moe import (_experts_modules, _int4, _stacked_experts, convert_moe_blocks_, install_int4_experts_,
-                             register_experts, use_int4_experts_)
+from tilegemm.nn.moe import NAME as MOE_NAME
+from tilegemm.nn.moe import (_experts_modules, _int4, _stacked_experts, asks_tilegemm, convert_moe_blocks_,
+                             experts_off_interface_note, install_int4_experts_, register_experts, use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_compressed_tensors, from_gptq
 from tilegemm.ops.w4a16.format import GROUP_SIZES, _group_size_of, concat_outputs, fits_fragments, one_group_size, \
     stack_experts
@@ -621,7 +622,8 @@ def _default_device(device) -> torch.device:
     return device
 
 
-def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, model_class=None) -> nn.Module:
+def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, model_class=None,
+                    experts_implementation: str | None = None) -> nn.Module:
     """The ``transformers`` causal-LM of the quantized checkpoint directory ``path``, in eval mode on ``device``
     (default: CUDA when there is one, else the CPU): every Linear stored quantized is an
     :class:`~tilegemm.nn.Int4Linear`, every other tensor loaded as stored (floats in ``dtype``, fp16 or bf16;
@@ -643,19 +645,35 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, model
     ``model_class``: the class that builds the model from its config, a transformers auto class
     (``AutoModelForSequenceClassification``, ``AutoModelForImageTextToText``, ...) or a model class; default
     ``AutoModelForCausalLM``.
+
+    ``experts_implementation``: what the model is built with (transformers' ``experts_implementation=``, checked
+    by transformers); ``"tilegemm"`` runs 16-bit experts blocks on tilegemm's grouped kernels too. Blocks holding
+    4-bit experts run ``"tilegemm"`` whatever is asked (a warning says so where another was). Where the model asks
+    for ``"tilegemm"`` but has MoE blocks that transformers runs with code of their own (Llama-4's stored 16-bit,
+    DBRX, JetMoE), a warning names them and ``tilegemm.nn.convert_``, which puts them on the grouped kernels.
     """
     dtype = resolve_dtype(dtype, path)
-    model, device = empty_model(path, dtype, device, model_class)
+    model, device = empty_model(path, dtype, device, model_class, experts_implementation)
     load_quantized_(model, path, dtype=dtype, device=device)
+    _check_asked_experts(model, experts_implementation)
     return model.eval()
 
 
-def empty_model(path, dtype: torch.dtype = torch.float16, device=None, model_class=None
-                ) -> tuple[nn.Module, torch.device]:
+def _check_asked_experts(model: nn.Module, asked: str | None) -> None:
+    """Warn where the load switched a model built with another ``experts_implementation`` to ``"tilegemm"`` (its
+    4-bit experts run on nothing else)."""
+    if asked is not None and asked != MOE_NAME and asks_tilegemm(model):
+        warnings.warn(f"experts_implementation={asked!r}: the checkpoint's experts load 4-bit, which only the "
+                      f"'{MOE_NAME}' implementation runs; the model uses '{MOE_NAME}'", stacklevel=3)
+
+
+def empty_model(path, dtype: torch.dtype = torch.float16, device=None, model_class=None,
+                experts_implementation: str | None = None) -> tuple[nn.Module, torch.device]:
     """The checkpoint's ``transformers`` model built from its config (by ``model_class``, default
     ``AutoModelForCausalLM``) with its parameters on the meta device (the checkpoint's tensors fill them), and the
     device they go to; what :func:`from_pretrained` and the sharded load
-    (:func:`tilegemm.parallel.from_pretrained_sharded`) start from."""
+    (:func:`tilegemm.parallel.from_pretrained_sharded`) start from. ``experts_implementation``: passed to the
+    build, as transformers' ``from_config`` takes it (None: transformers' default)."""
     _check_dtype(dtype)
     if model_class is not None and not (isinstance(model_class, type) and (
             hasattr(model_class, "from_config") or hasattr(model_class, "_from_config"))):
@@ -680,7 +698,10 @@ def empty_model(path, dtype: torch.dtype = torch.float16, device=None, model_cla
                                  f"AutoModelForSequenceClassification")
     # Built from the config alone: transformers' own quantizers (which from_config does not run) stay out of it;
     # load_quantized_ replaces its quantization_config by tilegemm's (what the loaded model holds and saves).
-    return _meta_model(model_class, config, dtype), device
+    if experts_implementation is not None and not isinstance(experts_implementation, str):
+        raise TypeError(f"experts_implementation must be a str naming one (e.g. 'tilegemm', 'grouped_mm', 'eager') "
+                        f"or None, got {type(experts_implementation).__name__}")
+    return _meta_model(model_class, config, dtype, experts_implementation), device
 
 
 def _named_causal_lm(config):
@@ -696,7 +717,7 @@ def _named_causal_lm(config):
     return None
 
 
-def _meta_model(auto_class, config, dtype: torch.dtype) -> nn.Module:
+def _meta_model(auto_class, config, dtype: torch.dtype, experts_implementation: str | None = None) -> nn.Module:
     """``auto_class.from_config(config)`` with floats in ``dtype`` and its parameters on the meta device (filled
     from a checkpoint or another model afterwards: nothing the size of the model is allocated here).
     ``auto_class`` may also be a model class itself (``BertModel``), built by its ``_from_config``."""
@@ -706,7 +727,8 @@ def _meta_model(auto_class, config, dtype: torch.dtype) -> nn.Module:
     torch.set_default_dtype(dtype)
     try:
         with _parameters_on_meta():
-            return build(config)
+            return build(config, **({} if experts_implementation is None else
+                                     {"experts_implementation": experts_implementation}))
     finally:
         torch.set_default_dtype(old)
 
@@ -1341,7 +1363,7 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
                          f"{', '.join(missing)}")
     if strays:
         warnings.warn(f"load_quantized_: {len(strays)} tensor(s) of the checkpoint match nothing in the model and "
-                      f"were skipped: {', '.join(strays[:8])}{' ...' if len(strays) > 8 else ''}", stacklevel=2)
+                      f"were skipped: {', '.join(strays[:8])}{' ...' if len(strays) > 8 else ''}", stacklevel=3)
 
     # Load: one quantized Linear, or one plain tensor, at a time.
     plain_dtype = _plain_dtypes(model, dtype)
@@ -1356,7 +1378,7 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
             if bias is not None and linears[name].bias is None:  # the model's layer has none: dropped, as
                 if bool(bias.any()):                             # transformers drops an unexpected tensor
                     warnings.warn(f"load_quantized_: the checkpoint stores a nonzero {name}.bias, which the model's "
-                                  f"layer does not have: ignored", stacklevel=2)
+                                  f"layer does not have: ignored", stacklevel=3)
                 bias = None
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -1391,6 +1413,9 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
         raise ValueError(f"the checkpoint at {path!r} left parameter(s) of the model unloaded: {', '.join(left[:8])}")
+    note = experts_off_interface_note(model)  # blocks that transformers runs on their own code, asked "tilegemm"
+    if note is not None:
+        warnings.warn(f"load_quantized_: {note}", stacklevel=3)
     guard_quantized_output_resize_(model)  # a 4-bit lm_head: resize_token_embeddings refused before any change
     # its tensors are tilegemm's now: a save must not claim to be GPTQ/AWQ (a saved model keeps what it says)
     mark_saved_format_(model, None if q.method == SAVED_METHOD else q.method)

@@ -659,6 +659,60 @@ NOT_GROUPED_BLOCKS = {
 }
 
 
+def experts_off_interface(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """The MoE blocks of ``model`` whose experts transformers' experts interface never runs, so that
+    ``experts_implementation="tilegemm"`` (like any implementation but ``grouped_mm``, which transformers checks)
+    leaves them on their own code, silently: ``[(name, what they are and what takes them)]``. Those are the blocks of
+    :data:`OWN_FORWARD_BLOCKS` (Llama-4, DBRX, JetMoE) and transformers 4.x-style sparse blocks, which
+    :func:`convert_moe_blocks_` (``tilegemm.nn.convert_``) replaces unless it says why not, the blocks of
+    :data:`NOT_GROUPED_BLOCKS`, and any other module holding 3-D experts with a forward of its own."""
+    found: list[tuple[str, str]] = []
+
+    def inside(name: str) -> bool:  # (a block's own experts module is the block's, named once)
+        return any(name.startswith(f"{n}.") for n, _ in found)
+
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if not name or inside(name) or isinstance(module, (SparseMoeBlock, StackedExperts, Llama4MoeBlock,
+                                                           JetMoeBlock)):
+            continue
+        if cls in NOT_GROUPED_BLOCKS:
+            found.append((name, f"{cls}: {NOT_GROUPED_BLOCKS[cls]}"))
+            continue
+        if cls in OWN_FORWARD_BLOCKS:
+            why = _why_not_own(module)
+            found.append((name, f"{cls}, whose experts run in a forward of its own: " + (
+                "tilegemm.nn.convert_ replaces it" if why is None else f"tilegemm.nn.convert_ keeps it ({why})")))
+            continue
+        names, why = legacy_block_parts(module)
+        if names is not None or why is not None:
+            found.append((name, f"{cls}, a 4.x-style block looping over its experts: " + (
+                "tilegemm.nn.convert_ replaces it" if why is None else f"tilegemm.nn.convert_ keeps it ({why})")))
+    for name, module, takes in _stacked_experts(model):
+        if not takes and not inside(name) and all(name != n for n, _ in found):
+            found.append((name, f"{type(module).__name__}, stacked experts with a forward of their own: they stay "
+                                f"as they are"))
+    return found
+
+
+def asks_tilegemm(model: torch.nn.Module) -> bool:
+    """Whether a config of ``model`` (its own or a submodel's) names the ``"tilegemm"`` experts implementation."""
+    return any(getattr(getattr(m, "config", None), "_experts_implementation", None) == NAME for m in model.modules())
+
+
+def experts_off_interface_note(model: torch.nn.Module) -> str | None:
+    """What to tell the user where ``model`` asks for ``experts_implementation="tilegemm"`` but has blocks that it
+    does not reach (:func:`experts_off_interface`); None where there are none or it asks for another."""
+    off = experts_off_interface(model) if asks_tilegemm(model) else []
+    if not off:
+        return None
+    listed = "; ".join(f"{n} ({why})" for n, why in off[:8]) + (" ..." if len(off) > 8 else "")
+    return (f"experts_implementation='tilegemm' does not reach {len(off)} MoE block(s) of "
+            f"{type(model).__name__}, which transformers runs with code of their own, not on tilegemm's grouped "
+            f"kernels: {listed}. tilegemm.nn.convert_(model) puts those it replaces on the grouped kernels "
+            f"(tilegemm.nn.quantize_ converts first)")
+
+
 def convert_moe_blocks_(model: torch.nn.Module, filter=None) -> tuple[list[str], list[tuple[str, str]]]:  # noqa: A002
     """Replace, in place, every transformers 4.x sparse MoE block of ``model`` (that ``filter(name, module)``
     accepts) by a :class:`SparseMoeBlock`, and the blocks of :data:`OWN_FORWARD_BLOCKS` (Llama-4, DBRX, JetMoE) by

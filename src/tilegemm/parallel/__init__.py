@@ -918,10 +918,10 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
 
 
 def from_pretrained_sharded(path, device_mesh: DeviceMesh, tp_plan="auto", dtype: torch.dtype = torch.float16,
-                            device=None, model_class=None) -> nn.Module:
+                            device=None, model_class=None, experts_implementation: str | None = None) -> nn.Module:
     """``tilegemm.models.from_pretrained(path, device_mesh=..., tp_plan=...)``: the checkpoint's model built on the
     meta device, then each rank's shards read and placed (:func:`load_quantized_sharded_`)."""
     dtype = resolve_dtype(dtype, path)
-    model, device = empty_model(path, dtype, device, model_class)
+    model, device = empty_model(path, dtype, device, model_class, experts_implementation)
     load_quantized_sharded_(model, path, device_mesh, tp_plan, dtype=dtype, device=device)
     return model.eval()
