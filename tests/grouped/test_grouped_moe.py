@@ -20,13 +20,11 @@ import tilegemm.nn.moe as moe  # noqa: E402
 from tilegemm.core.runtime import interpreting  # noqa: E402
 from tilegemm.nn.convert import ConversionNote  # noqa: E402
 
-from conftest import hide_broken_torchvision  # noqa: E402
+from moe_kit import (dbrx, experts_interface, jetmoe, llama4, needs_experts_interface,  # noqa: E402
+                     transformers_or_skip)
 
-hide_broken_torchvision()
-
-_interface = getattr(pytest.importorskip("transformers.integrations.moe"), "ALL_EXPERTS_FUNCTIONS", None)
-pytestmark = pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface "
-                                                           "(ALL_EXPERTS_FUNCTIONS, transformers >= 5)")
+transformers_or_skip(safetensors=False)
+pytestmark = needs_experts_interface()
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +65,7 @@ def pair(cfg, device="cpu"):
 def test_registered_under_its_name():
     assert moe.register_experts() is True
     assert moe.register_experts() is True  # idempotent
-    assert "tilegemm" in _interface
+    assert "tilegemm" in experts_interface()
 
 
 @pytest.mark.parametrize("make", [qwen3_moe, mixtral], ids=["qwen3_moe", "mixtral"])
@@ -148,25 +146,6 @@ def test_the_blocks_own_activation_is_fused(hidden_act, device):
         got = ours.model.layers[0].mlp.experts(x, idx, w)
     assert moe._fused_activation(ours.model.layers[0].mlp.experts) == "silu"
     assert (got - want).norm() / want.norm() < 1e-5
-
-
-def llama4():
-    return transformers.Llama4TextConfig(vocab_size=64, hidden_size=64, intermediate_size=32, intermediate_size_mlp=32,
-                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                                         interleave_moe_layer_step=1, max_position_embeddings=64)
-
-
-def dbrx():
-    return transformers.DbrxConfig(vocab_size=64, d_model=64, n_heads=4, n_layers=1, max_seq_len=64,
-                                   attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
-                                   ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2))
-
-
-def jetmoe():
-    return transformers.JetMoeConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, kv_channels=16,
-                                     intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-                                     max_position_embeddings=64)
 
 
 OWN_FORWARD = [  # (config, its class in transformers, the state dict keeps its names)

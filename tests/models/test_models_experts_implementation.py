@@ -11,16 +11,11 @@ import sys
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
-pytest.importorskip("safetensors", reason="safetensors is optional (pip install 'tilegemm[models]')")
+import moe_kit
+from moe_kit import jetmoe, llama4, needs_experts_interface, transformers_or_skip
 
-from conftest import hide_broken_torchvision  # noqa: E402
-
-hide_broken_torchvision()
-
-_interface = getattr(pytest.importorskip("transformers.integrations.moe"), "ALL_EXPERTS_FUNCTIONS", None)
-pytestmark = pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface "
-                                                           "(ALL_EXPERTS_FUNCTIONS, transformers >= 5)")
+transformers = transformers_or_skip()
+pytestmark = needs_experts_interface()
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ckpt_writer as cw  # noqa: E402
@@ -33,23 +28,8 @@ from tilegemm.nn import load_quantized_  # noqa: E402
 NOTE = r"experts_implementation='tilegemm' does not reach 1 MoE block"
 
 
-def llama4():
-    return transformers.Llama4TextConfig(vocab_size=64, hidden_size=64, intermediate_size=32, intermediate_size_mlp=32,
-                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                                         interleave_moe_layer_step=1, max_position_embeddings=64)
-
-
 def dbrx():
-    return transformers.DbrxConfig(vocab_size=256, d_model=64, n_heads=4, n_layers=1, max_seq_len=64,
-                                   attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
-                                   ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2))
-
-
-def jetmoe():
-    return transformers.JetMoeConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, kv_channels=16,
-                                     intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-                                     max_position_embeddings=64)
+    return moe_kit.dbrx(vocab_size=256)
 
 
 BLOCKS = [  # (config, its class in transformers, the block named, its class)

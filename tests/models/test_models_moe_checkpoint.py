@@ -12,16 +12,10 @@ import sys
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
-pytest.importorskip("safetensors", reason="safetensors is optional (pip install 'tilegemm[models]')")
+from moe_kit import needs_experts_interface, transformers_or_skip
 
-from conftest import hide_broken_torchvision  # noqa: E402
-
-hide_broken_torchvision()
-
-_interface = getattr(pytest.importorskip("transformers.integrations.moe"), "ALL_EXPERTS_FUNCTIONS", None)
-pytestmark = pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface "
-                                                           "(ALL_EXPERTS_FUNCTIONS, transformers >= 5)")
+transformers = transformers_or_skip()
+pytestmark = needs_experts_interface()
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ckpt_writer as cw  # noqa: E402
