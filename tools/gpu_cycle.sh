@@ -15,10 +15,12 @@
 #   w4a16-check   tools/w4a16_gpu_check.py --quick;  first-call  tools/first_call.py;  route  tools/call_route.py
 #   conv2d-fwd    the conv2d bench's forward sweeps (resnet50, mobilenet; auto only);  conv2d-nchw  forward and
 #                 backward on NCHW tensors, both sides (--memory-format nchw)
+#   recheck       the GPU tests not yet run on a GPU, and the files of the last run's failures (edit the list)
 #   fuzz          the public ops' GPU fuzz (tests/*/test_*_fuzz_gpu.py; \$TILEGEMM_FUZZ_EXAMPLES draws per op)
-#   fuzz-wide     conv2d's, W4A16's and grouped's GPU fuzz at 512, 504 and 256 draws, in 8, 6 and 2 processes side
-#                 by side, each its own \$TILEGEMM_FUZZ_SEED, from \$FUZZ_SEED_BASE + 1 (default 0) up (about 2
-#                 minutes; a line a seed in fuzz-wide.txt, failing logs kept)
+#   fuzz-wide     conv2d's (each of its two draws), W4A16's and grouped's GPU fuzz at 512, 504 and 256 draws, in
+#                 8, 6 and 2 processes side by side, each its own \$TILEGEMM_FUZZ_SEED, from \$FUZZ_SEED_BASE + 1
+#                 (default 0) up (about 2 minutes before conv2d's wide draw and grouped's gated and MoE-sized draws
+#                 were added; untimed since); a line a seed in fuzz-wide.txt, failing logs kept
 #   models        the bench's models sweep, fp16, auto only
 #   batched       the bench's batched sweep, fp16 NN and NT, auto only
 #   grouped       the grouped family's moe sweep, bf16 and fp16 forward (auto);  grouped-bwd  its backward, bf16;
@@ -123,6 +125,9 @@ for step in "$@"; do
     conv2d-fwd) for s in resnet50 mobilenet; do bench --op conv2d --sweep $s --kernels auto --json "$OUT/conv2d-$s-fwd.json" 2>&1 | tail -n 3; done ;;
     conv2d-nchw) for s in resnet50 mobilenet; do for m in fwd bwd; do bench --op conv2d --sweep $s --kernels auto \
                    --mode $m --memory-format nchw --json "$OUT/conv2d-$s-$m-nchw.json" 2>&1 | tail -n 3; done; done ;;
+    recheck) pytest_ -m gpu -n 12 -rf tests/core/test_dense_only_gpu.py tests/models/test_models_generate_gpu.py \
+               tests/nn/test_inference_transforms_gpu.py tests/core/test_compile_first.py tests/bench/test_model_bench.py \
+               tests/nn/test_reduce_overhead.py tests/conv2d/test_conv2d_errors.py 2>&1 | tee "$OUT/recheck.log" | tail -n 15 ;;
     fuzz) for t in matmul conv2d w4a16 grouped; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
     fuzz-wide) b=${FUZZ_SEED_BASE:-0}
