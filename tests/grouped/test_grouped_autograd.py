@@ -120,3 +120,35 @@ def test_gradients_with_no_groups(layout, device):
     for t, g in zip((a, b, bias), grads):
         assert g.shape == t.shape and not g.isnan().any() and not g.any()
     torch.library.opcheck(torch.ops.tilegemm.grouped_mm.default, (a, b, E, bias, None, "ieee", "auto"))
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_gated_double_backward(activation, device):
+    # create_graph=True: the gate's and the activation's derivatives were taken on a detached pre-activation, so a
+    # Hessian-vector product lost those terms without an error; now every second-order term matches float64
+    from tilegemm.core.activations import torch_activation
+    from tilegemm.ops.grouped.api import moe_gate_up
+
+    offs = torch.tensor([0, 2, 2, 5], dtype=torch.int32, device=device)  # row 5 past offs[-1]
+    leaves = [torch.randn(6, 16, device=device), torch.randn(4, 16, 8, device=device) / 4,
+              torch.randn(4, 8, device=device)]
+    vs = [torch.randn_like(t) for t in leaves]
+
+    def second_order(fn, *ts):
+        firsts = torch.autograd.grad(fn(*ts).pow(2).sum(), ts, create_graph=True)
+        return firsts, torch.autograd.grad(sum((f * v).sum() for f, v in zip(firsts, vs)), ts)
+
+    def ref(x, w, bias):
+        pre = grouped_mm_reference(x, w, offs, bias=bias)
+        return torch_activation(pre[:, :4], activation) * pre[:, 4:]
+
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        got = second_order(lambda x, w, bias: moe_gate_up(x, w, offs, bias, activation),
+                           *(t.clone().requires_grad_() for t in leaves))
+    finally:
+        torch.set_float32_matmul_precision(old)
+    want = second_order(ref, *(t.double().requires_grad_() for t in leaves))
+    for g, w in zip(got[0] + got[1], want[0] + want[1]):
+        assert_rel_close(g.detach(), w.detach(), 1e-5)

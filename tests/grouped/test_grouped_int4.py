@@ -97,6 +97,35 @@ def test_gradients_of_x_and_bias(device):
     assert_rel_close(gb, wb, 1e-2)
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_double_backward_through_the_activation(gated, device):
+    # create_graph=True: x's gradient was cut from x (the recomputed pre-activation detached), so a second
+    # derivative failed with torch's "does not require grad"; now it matches the float64 one
+    w = tilegemm.w4a16.quantize(torch.randn(4, 16, 64, device=device).half() / 4, group_size=32)
+    offs = O(0, 3, 3, 7).to(device)
+    x0 = torch.randn(9, 64, device=device, dtype=torch.float16) / 4  # rows 7.. past offs[-1]
+    b0 = torch.randn(4, 16, device=device, dtype=torch.float16)
+    vx = torch.randn_like(x0)
+
+    def second_order(fn, x, bias):
+        (gx,) = torch.autograd.grad(fn(x, bias).float().pow(2).sum(), x, create_graph=True)
+        return (gx,) + torch.autograd.grad((gx.float() * vx.to(gx.dtype)).sum(), (x, bias))
+
+    if gated:
+        ours = lambda x, bias: moe_gate_up_int4(x, w, offs, bias, "silu")  # noqa: E731
+
+        def ref(x, bias):
+            pre = grouped_mm_reference(x, tilegemm.w4a16.dequantize(w).double().transpose(1, 2), offs, bias=bias)
+            return torch.nn.functional.silu(pre[:, :8]) * pre[:, 8:]
+    else:
+        ours = lambda x, bias: tilegemm.w4a16.grouped_matmul(x, w, offs, bias=bias, activation="silu")  # noqa: E731
+        ref = lambda x, bias: reference(x, w, offs, bias, "silu")  # noqa: E731
+    got = second_order(ours, x0.clone().requires_grad_(), b0.clone().requires_grad_())
+    want = second_order(ref, x0.double().requires_grad_(), b0.double().requires_grad_())
+    for g, r in zip(got, want):
+        assert_rel_close(g.detach(), r.detach(), 5e-3)
+
+
 def test_opcheck(device):
     w = experts(N=16, device=device)
     x = torch.randn(9, 64, device=device, dtype=torch.float16)

@@ -52,6 +52,26 @@ def test_gradients_match_torch(activation, device):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"grad of {name}: {m}")
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_double_backward_through_the_activation(activation, device):
+    # create_graph=True: the first gradients stay differentiable through the activation's derivative (the
+    # recomputed pre-activation was detached, so the Hessian-vector product lost those terms without an error)
+    leaves = [torch.randn(5, 16, device=device), torch.randn(16, 8, device=device), torch.randn(8, device=device)]
+    vs = [torch.randn_like(t) for t in leaves]
+
+    def second_order(fn, a, b, bias):
+        firsts = torch.autograd.grad(fn(a, b, bias).pow(2).sum(), (a, b, bias), create_graph=True)
+        return firsts, torch.autograd.grad(sum((f * v).sum() for f, v in zip(firsts, vs)), (a, b, bias))
+
+    got = second_order(lambda a, b, bias: tilegemm.matmul(a, b, bias=bias, activation=activation,
+                                                          precision="ieee"),
+                       *(t.clone().requires_grad_() for t in leaves))
+    want = second_order(lambda a, b, bias: matmul_reference(a, b, bias=bias, activation=activation),
+                        *(t.double().requires_grad_() for t in leaves))
+    for g, w in zip(got[0] + got[1], want[0] + want[1]):
+        assert_rel_close(g.detach(), w.detach(), 1e-5)
+
+
 def test_torch_compile_with_default_fp32_precision(device):
     # The default precision is read when the op runs, so tracing never calls torch's getter.
     x = torch.randn(20, 12, device=device)

@@ -14,6 +14,7 @@ import tilegemm
 from tilegemm import w4a16
 from tilegemm.ops.w4a16.reference import reference
 from tilegemm.core import registry
+from tilegemm.core.activations import torch_activation as reference_activation
 from tilegemm.core.dtypes import dtype_name
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -168,6 +169,28 @@ def test_autograd_x_and_bias(device):
     ref.backward(g.double())
     assert_rel_close(x.grad, xd.grad, 5e-3)
     assert_rel_close(bias.grad, bd.grad, 5e-3)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_double_backward_through_the_activation(activation, device):
+    # create_graph=True: x's gradient was cut from x (the recomputed pre-activation detached), so a second
+    # derivative failed with torch's "does not require grad"; now it matches the float64 one
+    w = w4a16.quantize(torch.randn(16, 64, dtype=torch.float16, device=device) / 4, 32)
+    x0 = torch.randn(3, 64, dtype=torch.float16, device=device) / 4
+    b0 = torch.randn(16, dtype=torch.float16, device=device)
+    vx = torch.randn_like(x0)
+
+    def second_order(fn, x, bias):
+        (gx,) = torch.autograd.grad(fn(x, bias).float().pow(2).sum(), x, create_graph=True)
+        return (gx,) + torch.autograd.grad((gx.float() * vx.to(gx.dtype)).sum(), (x, bias))
+
+    got = second_order(lambda x, bias: w4a16.matmul(x, w, bias=bias, activation=activation),
+                       x0.clone().requires_grad_(), b0.clone().requires_grad_())
+    wd = w4a16.dequantize(w).double()
+    want = second_order(lambda x, bias: reference_activation(x @ wd.T + bias, activation),
+                        x0.double().requires_grad_(), b0.double().requires_grad_())
+    for g, r in zip(got, want):
+        assert_rel_close(g.detach(), r.detach(), 5e-3)
 
 
 def test_compile_fullgraph(device):

@@ -176,16 +176,18 @@ def _setup_int4(ctx, inputs, output):
 def _backward_int4(ctx, grad):
     """Gradients of x and bias (the 4-bit weight is frozen), through the pre-activation recomputed in fp32."""
     x, qweight, scales, zeros, offs, bias = ctx.saved_tensors
+    create_graph = torch.is_grad_enabled()  # on only under create_graph=True: see _backward_gated
     w = dequantized_experts(qweight, scales, zeros, ctx.group_k, x.dtype)  # [E, N, K]
     pre = grouped_mm_op(x, w.transpose(1, 2), offs, bias, torch.float32, "ieee", "auto")  # [M, N] (2N gated)
     with torch.enable_grad():
-        pre = pre.detach().requires_grad_(True)
+        if not (create_graph and pre.requires_grad):
+            pre = pre.detach().requires_grad_(True)
         if ctx.gated:
             half = pre.shape[1] // 2
             y = torch_activation(pre[:, :half], ctx.activation) * pre[:, half:]
         else:
             y = torch_activation(pre, ctx.activation)
-        (dpre,) = torch.autograd.grad(y, pre, grad.float())
+        (dpre,) = torch.autograd.grad(y, pre, grad.float(), create_graph=create_graph)
     gx = gbias = None
     if ctx.needs_input_grad[0]:
         gx = grouped_mm_op(dpre.to(x.dtype), w, offs, None, None, "ieee", "auto")
@@ -235,12 +237,17 @@ def _setup_gated(ctx, inputs, output):
 def _backward_gated(ctx, grad):
     """Through the pre-activation ``[M, 2N]``, recomputed in fp32 (one more grouped product)."""
     a, b, offs, bias = ctx.saved_tensors
+    # Grad mode is on here only under create_graph=True (double backward): the gate's and the activation's
+    # derivatives are then recorded through the recomputed pre-activation, else the second derivative would
+    # lose their terms (the products below are differentiable either way)
+    create_graph = torch.is_grad_enabled()
     pre = grouped_mm_op(a, b, offs, bias, torch.float32, ctx.precision, "auto")
     with torch.enable_grad():
-        pre = pre.detach().requires_grad_(True)
+        if not (create_graph and pre.requires_grad):
+            pre = pre.detach().requires_grad_(True)
         half = pre.shape[1] // 2
         y = torch_activation(pre[:, :half], ctx.activation) * pre[:, half:]
-        (dpre,) = torch.autograd.grad(y, pre, grad.float())
+        (dpre,) = torch.autograd.grad(y, pre, grad.float(), create_graph=create_graph)
     dy = dpre.to(a.dtype)
     ga = gb = gbias = None
     if ctx.needs_input_grad[0]:

@@ -102,6 +102,9 @@ def _backward(ctx, grad_out):
     call: MatmulCall = ctx.call
     # Without an activation the gradient is used as it comes: a round trip through fp32 changes no value.
     grad = grad_out
+    # Grad mode is on here only under create_graph=True (double backward): the activation's derivative is then
+    # recorded through the recomputed pre-activation, else the second derivative would lose its terms
+    create_graph = torch.is_grad_enabled()
     if call.activation != "none":  # (fp8: the pre-activation with the call's scales and accumulation)
         # the bias in fp32, the recompute's output dtype: the call's own may be neither the operands' nor fp32
         pre_bias = None if bias is None else bias.float()
@@ -110,8 +113,10 @@ def _backward(ctx, grad_out):
         pre = call_op(MatmulCall(a, b, pre_bias, pre_c, call.alpha, call.beta, "none", torch.float32, call.precision,
                                  "auto", scale_a, scale_b, call.fast_accum))
         with torch.enable_grad():
-            pre = pre.detach().requires_grad_(True)
-            (grad,) = torch.autograd.grad(torch_activation(pre, call.activation), pre, grad_out.float())
+            if not (create_graph and pre.requires_grad):
+                pre = pre.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(torch_activation(pre, call.activation), pre, grad_out.float(),
+                                          create_graph=create_graph)
     grad_a = grad_b = grad_bias = grad_c = None
     want_a, want_b, want_bias, want_c = ctx.needs_input_grad[:4]
     # The two GEMMs of the backward pass run in the operands' dtype, like torch's own.

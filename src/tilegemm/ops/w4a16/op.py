@@ -74,11 +74,16 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out):
     x, qweight, scales, zeros, bias, perm = ctx.saved_tensors
     grad = grad_out.float()
+    # Grad mode is on here only under create_graph=True (double backward): the activation's derivative is then
+    # recorded through the recomputed pre-activation (differentiable in x and bias), else the gradient came back
+    # cut from x and a second derivative failed or lost its terms
+    create_graph = torch.is_grad_enabled()
     if ctx.activation != "none":
         pre = _w4a16_op(x, qweight, scales, zeros, None, None, bias, ctx.group_k, "none", "auto", perm).float()
         with torch.enable_grad():
-            pre = pre.detach().requires_grad_(True)
-            (grad,) = torch.autograd.grad(torch_activation(pre, ctx.activation), pre, grad)
+            if not (create_graph and pre.requires_grad):
+                pre = pre.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(torch_activation(pre, ctx.activation), pre, grad, create_graph=create_graph)
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
         if _is_dtensor(qweight):  # DTensor operands: the dequantization runs on each rank's shard
