@@ -51,6 +51,8 @@ def test_bad_dtypes_and_bias(device):
         tilegemm.conv2d(x.double(), w.double())
     with pytest.raises(TypeError, match="x has integer dtype int32"):
         tilegemm.conv2d(x.int(), w.int())
+    with pytest.raises(TypeError, match="x has boolean dtype bool"):
+        tilegemm.conv2d(x > 0, w > 0)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         tilegemm.conv2d(x.tolist(), w)
     with pytest.raises(ValueError, match=r"bias must have shape \[K\] = \[8\], got \[7\]"):

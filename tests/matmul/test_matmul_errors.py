@@ -23,6 +23,7 @@ def _ab(device, dtype=torch.float16):
         (lambda d: (torch.randn(8, 4, device=d), torch.randn(4, 6, device=d, dtype=torch.float16)), TypeError, "dtypes differ"),
         (lambda d: (torch.ones(8, 4, dtype=torch.int32, device=d),) * 2, TypeError, "integer dtype int32"),
         (lambda d: (torch.ones(8, 4, dtype=torch.int8, device=d),) * 2, TypeError, "integer dtype int8"),
+        (lambda d: (torch.ones(8, 4, dtype=torch.bool, device=d),) * 2, TypeError, "boolean dtype bool"),
         (lambda d: (torch.randn(4, 4, dtype=torch.float64, device=d),) * 2, TypeError, "unsupported dtype float64"),
         (lambda d: (torch.randn((), device=d), torch.randn(4, 6, device=d)), ValueError, "at least 1 dim"),
         (lambda d: (torch.randn(8, 4, device=d), torch.randn((), device=d)), ValueError, "at least 1 dim"),

@@ -81,7 +81,8 @@ def _check_tensor(name: str, t, ranks: tuple[int, ...]) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     check_dense(name, t)
     if t.dtype not in DTYPES:
-        kind = "integer" if not (t.dtype.is_floating_point or t.dtype.is_complex) else "unsupported"
+        kind = "unsupported" if t.dtype.is_floating_point or t.dtype.is_complex else \
+            "boolean" if t.dtype == torch.bool else "integer"
         raise TypeError(f"{name} has {kind} dtype {dtype_name(t.dtype)}; tilegemm.conv2d supports fp16, bf16, "
                         "fp32")
     if t.dim() not in ranks:

@@ -20,7 +20,8 @@ def _check_float(name: str, t: torch.Tensor, allowed=DTYPES) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     check_dense(name, t)
     if t.dtype not in allowed:
-        kind = "integer" if not (t.dtype.is_floating_point or t.dtype.is_complex) else "unsupported"
+        kind = "unsupported" if t.dtype.is_floating_point or t.dtype.is_complex else \
+            "boolean" if t.dtype == torch.bool else "integer"
         names = ", ".join(dtype_name(d) for d in allowed)
         raise TypeError(f"{name} has {kind} dtype {dtype_name(t.dtype)}; tilegemm.matmul supports {names} here")
 
