@@ -100,8 +100,8 @@ def dequantize_stored(t: dict, method: str, group_size: int, v2: bool = False) -
             zeros = zp.T.float()
         else:
             zeros = (unpack_along_k(zp)[:N] - 8).T.float()
-        g = t["weight_g_idx"].to(torch.int64) if "weight_g_idx" in t else \
-            torch.arange(K) // (K // scales.shape[0])
+        step = group_size if 0 < group_size < K else K // scales.shape[0]
+        g = t["weight_g_idx"].to(torch.int64) if "weight_g_idx" in t else torch.arange(K) // step
         wt = (q.float() - zeros[g]) * scales[g]
         return wt.T.contiguous().to(torch.float16)
     scales = t["scales"].float()
@@ -134,14 +134,17 @@ def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128
     ``scale_dtype``, zeros packed unless ``unpacked_zero``."""
     N, K = w.shape
     gs = K if group_size == -1 or K < group_size else group_size
-    G = K // gs
+    G = -(-K // gs)  # a K the group size does not divide: a partial last group, as GPTQ stores it
     wt = w.detach().float().T.contiguous()  # [K, N]
     if act_order:
         if order is None:
             order = torch.randperm(K, generator=generator)  # inputs of group g: order[g*gs : (g+1)*gs]
     else:
         order = torch.arange(K)
-    grouped = wt[order].reshape(G, gs, N)
+    # the partial last group padded with zero rows (at most widening its range: still a valid quantization, and the
+    # reference is what the stored tensors mean) and cut again
+    pad = G * gs - K
+    grouped = torch.cat([wt[order], wt.new_zeros(pad, N)]).reshape(G, gs, N)
     lo, hi = grouped.amin(1), grouped.amax(1)  # [G, N]
     if method == "compressed-tensors":
         return _quantize_ct(grouped, order, lo, hi, gs, sym, act_order, unpacked_zero, scale_dtype)
@@ -157,7 +160,7 @@ def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128
     zero = torch.full_like(s, 8.0) if (method == "gptq" and sym) else torch.round(-lo / s).clamp(0, 15)
     q_grouped = torch.clamp(torch.round(grouped / s[:, None]) + zero[:, None], 0, 15)
     q = torch.empty(K, N)
-    q[order] = q_grouped.reshape(K, N)
+    q[order] = q_grouped.reshape(G * gs, N)[:K]
     zero = zero.to(torch.int64)
     if method == "gptq":
         g_idx = torch.empty(K, dtype=torch.int32)
@@ -171,7 +174,7 @@ def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128
 
 def _quantize_ct(grouped, order, lo, hi, gs: int, sym: bool, act_order: bool, unpacked_zero: bool, scale_dtype):
     G, _, N = grouped.shape
-    K = G * gs
+    K = order.numel()
     if sym:
         scale = torch.maximum(lo.abs(), hi.abs()) / 7.5
     else:
@@ -182,7 +185,7 @@ def _quantize_ct(grouped, order, lo, hi, gs: int, sym: bool, act_order: bool, un
     zero = torch.zeros_like(s) if sym else torch.clamp(-8 - torch.round(lo / s), -8, 7)
     q_grouped = torch.clamp(torch.round(grouped / s[:, None]) + zero[:, None], -8, 7)
     q = torch.empty(K, N)
-    q[order] = q_grouped.reshape(K, N)
+    q[order] = q_grouped.reshape(G * gs, N)[:K]
     t = dict(weight_packed=pack_along_k(q.to(torch.int64) + 8).T.contiguous(), weight_scale=scale.T.contiguous(),
              weight_shape=torch.tensor([N, K]))
     if not sym:
@@ -350,7 +353,7 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
                 seed: int = 0, drop=(), config_extra: dict | None = None, quant_extra: dict | None = None,
                 mixtral_names: bool = False, shared_gate_up_order: bool = True, stored_name=None,
                 group_size_of=None, dense_experts=(), ct_options: dict | None = None, store_tied: bool = False,
-                config_key: str = "quantization_config") -> dict:
+                config_key: str = "quantization_config", quantize_lm_head: bool = False) -> dict:
     """Write ``model`` (a transformers model with float weights) as a 4-bit checkpoint at ``path``; return the
     reference state dict: each quantized Linear's dequantized weight (fp16) under ``P.weight`` (a MoE block's
     experts: the 3-D weights of the dequantized experts), every other tensor as stored (fp16). ``drop``: tensor
@@ -361,32 +364,45 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
     Linear's name giving its own group size (GPTQModel's per-module ``dynamic`` overrides), else ``group_size``.
     ``dense_experts``: experts blocks stored one 16-bit Linear an expert (a block the quantizer left alone).
     ``ct_options``: :func:`quantize_linear`'s compressed-tensors options (``unpacked_zero``, ``scale_dtype``).
+    ``group_size_of`` may also give a dict of that Linear's own ``group_size``, ``sym`` and ``act_order``.
     ``store_tied``: a tied output layer's copy stored too, as AutoGPTQ saves (every ``state_dict`` key, cloned).
+    ``quantize_lm_head``: the output layer stored quantized too (GPTQModel's ``lm_head=True``), a tied one as a
+    quantized copy of the embeddings (then the reference's model must be untied).
     ``config_key``: the config.json key of the settings (``"compression_config"``: compressed-tensors' releases
     before mid-2024)."""
     ct = ct_options or {}
     gen = torch.Generator().manual_seed(seed)
-    quantized = set(linear_names(model, not_convert=not_convert))
+    quantized = set(linear_names(model, quantize_lm_head, not_convert=not_convert))
     writer = Writer(path, shard_bytes)
     if stored_name is not None:
         add = writer.add
         writer.add = lambda name, tensor: add(stored_name(name), tensor)
     reference = {}
     state = model.state_dict()
+
+    def settings(linear: str) -> dict:  # a Linear's own group size, sym and act_order (group_size_of's dict)
+        own = dict(group_size=group_size if group_size_of is None else group_size_of(linear), sym=sym,
+                   act_order=act_order)
+        if isinstance(own["group_size"], dict):
+            own.update(own.pop("group_size"))
+            own.setdefault("group_size", group_size)
+        return own
+
     tied = set()
     if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
         tied = {n for n, p in model.named_parameters(remove_duplicate=False)
                 if p is model.get_output_embeddings().weight} - {next(
                     n for n, p in model.named_parameters() if p is model.get_output_embeddings().weight)}
+        tied -= {f"{n}.weight" for n in quantized}  # a quantized output layer is stored, as its own layer
     for name, tensor in state.items():
         module, _, leaf = name.rpartition(".")
         if name in tied and not store_tied:
             continue  # transformers does not store the tied copy
         if module in quantized and leaf == "weight":
             transposed = _conv1d(model.get_submodule(module))
-            gs = group_size if group_size_of is None else group_size_of(module)
-            stored, deq = quantize_linear(tensor.T if transposed else tensor, method, gs, sym, act_order, v2, gen,
-                                          **ct)
+            own = settings(module)
+            stored, deq = quantize_linear(tensor.T if transposed else tensor, method, own["group_size"], own["sym"],
+                                          own["act_order"], v2, gen, **ct)
             for part, t in stored.items():
                 if f"{module}.{part}" not in drop:
                     writer.add(f"{module}.{part}", t)
@@ -411,7 +427,9 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
             for proj, w in projs:
                 per_expert = []
                 for e in range(w.shape[0]):
-                    stored, deq = quantize_linear(w[e], method, group_size, sym, act_order, v2, gen, orders[e], **ct)
+                    own = settings(f"{stored_block}.{e}.{proj}")
+                    stored, deq = quantize_linear(w[e], method, own["group_size"], own["sym"], own["act_order"], v2,
+                                                  gen, orders[e] if own["act_order"] else None, **ct)
                     for part, t in stored.items():
                         key = f"{stored_block}.{e}.{proj}.{part}"
                         if key not in drop:
