@@ -5,6 +5,7 @@ weights the checkpoint stands for (the tests' own writer, ckpt_writer.py)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -162,6 +163,88 @@ def test_experts_narrower_than_the_group_size_load(tmp_path, device, arch):
     assert again.model.layers[0].mlp.experts.tilegemm_group_sizes == block.tilegemm_group_sizes
     with torch.no_grad():
         assert _rel(again.to(device)(input_ids=IDS.to(device)).logits.float().cpu(), want) < TOL
+
+
+@pytest.mark.parametrize("arch, method, act_order", [("qwen3_moe", "gptq", False), ("qwen3_moe", "gptq", True),
+                                                     ("mixtral", "compressed-tensors", False)])
+def test_experts_stored_in_several_group_sizes_load(tmp_path, device, arch, method, act_order):
+    """Per-module settings (GPTQModel's dynamic, compressed-tensors' config groups) that store an expert's gate in
+    groups of 64 and its up in 32, and expert 1's down projection in one group, load: each stacked weight holds its
+    experts in the finest of their group sizes, every coarser group's scale and zero repeated (the same weights);
+    act-order: in the up projection's order, whose groups split the gate's. They were refused in the middle of the
+    load, leaving a caller's model half converted."""
+    config = cw.tiny_moe_config(arch, layers=1, width=64)
+    gate, up, down = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+
+    def own(name):
+        return 64 if name.endswith(f".{gate}") else -1 if name.endswith(f"experts.1.{down}") else 32
+
+    path = tmp_path / "c"
+    if method == "gptq":
+        extra = dict(dynamic={rf"+:.*\.{gate}$": {"group_size": 64}, rf".*experts\.1\.{down}$": {"group_size": -1}})
+    else:
+        extra = {}
+    reference = cw.write_model(path, cw.random_model(config), method, 32, sym=method != "gptq", act_order=act_order,
+                               mixtral_names=arch == "mixtral", group_size_of=own, quant_extra=extra)
+    if method == "compressed-tensors":
+        cfg = json.loads((path / "config.json").read_text())
+        groups = cfg["quantization_config"]["config_groups"]
+        base = groups["group_0"]
+        groups["gates"] = dict(base, targets=[rf"re:.*[.]{gate}$"], weights=dict(base["weights"], group_size=64))
+        groups["down1"] = dict(base, targets=[rf"re:.*experts[.]1[.]{down}$"],
+                               weights=dict(base["weights"], strategy="channel", group_size=None))
+        (path / "config.json").write_text(json.dumps(cfg))
+    for load in ("from_pretrained", "load_quantized_"):
+        if load == "from_pretrained":
+            model = from_pretrained(path, device=device)
+        else:
+            # (a config of its own: the reference's set_experts_implementation would change a shared one)
+            model = load_quantized_(transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).half().eval(),
+                                    path, device=device)
+        block = model.model.layers[0].mlp.experts
+        assert block.tilegemm_group_sizes == {"gate_up_proj": 32, "down_proj": 32}, load
+        assert (getattr(block, "tilegemm_gate_up_proj_perm", None) is not None) == act_order
+        for w in ("gate_up_proj", "down_proj"):
+            assert torch.equal(dequantize(moe._int4(block, w)).cpu(), reference[f"model.layers.0.mlp.experts.{w}"]), \
+                (load, w)
+        ref = cw.reference_model(config, reference, dtype=torch.float16)  # (the router's choice: in fp16 alike)
+        ref.set_experts_implementation("eager")
+        with torch.no_grad():
+            want = ref(input_ids=IDS).logits.float()
+            got = model(input_ids=IDS.to(device)).logits.float().cpu()
+        assert _rel(got, want) < TOL, load
+
+
+def test_regroup_keeps_the_weight():
+    # finer groups, another input order of a one-group weight, finer groups of one act-order order: the same
+    # weight (dequantize gives it in the natural input order); groups a new order would mix are refused
+    from tilegemm.ops.w4a16 import from_gptq
+    from tilegemm.ops.w4a16.format import regroup
+
+    g = torch.Generator().manual_seed(0)
+    w = quantize(torch.randn(16, 128, generator=g), group_size=128)
+    for gs in (64, 32):
+        finer = regroup(w, gs)
+        assert finer.group_size == gs and finer.scales.shape == (128 // gs, 16) and finer.perm is None
+        assert torch.equal(dequantize(finer), dequantize(w))
+    whole = quantize(torch.randn(16, 96, generator=g), group_size=-1)
+    assert regroup(whole, -1) is whole
+    order = torch.randperm(96, generator=g)
+
+    moved = regroup(whole, 32, order)
+    assert torch.equal(moved.perm, order) and torch.equal(dequantize(moved), dequantize(whole))
+    # act-order in groups of 64 (inputs sorted by group: order's first 64, then the rest), split into groups of 32 of
+    # a finer act-order quantization of the same order
+    stored, _ = cw.quantize_linear(torch.randn(16, 128, generator=g), "gptq", 64, act_order=True,
+                                   order=torch.randperm(128, generator=g), generator=g)
+    coarse = from_gptq(stored["qweight"], stored["qzeros"], stored["scales"], stored["g_idx"])
+    fine_order = torch.cat([coarse.perm[:64][torch.randperm(64, generator=g)], coarse.perm[64:]])
+    split = regroup(coarse, 32, fine_order)
+    assert split.scales.shape == (4, 16) and torch.equal(dequantize(split), dequantize(coarse))
+    with pytest.raises(ValueError, match="act-order input permutation differs from the order asked"):
+        regroup(coarse, 32, torch.randperm(128, generator=g))
+    with pytest.raises(ValueError, match="group_size 64 does not cut K = 96 into whole groups"):
+        regroup(whole, 64)
 
 
 def test_missing_expert_tensor_is_named(tmp_path, device):

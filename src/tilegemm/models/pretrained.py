@@ -41,7 +41,7 @@ from tilegemm.nn.moe import (_experts_modules, _int4, _stacked_experts, asks_til
                              experts_off_interface_note, install_int4_experts_, register_experts, use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_compressed_tensors, from_gptq
 from tilegemm.ops.w4a16.format import GROUP_SIZES, _group_size_of, concat_outputs, fits_fragments, one_group_size, \
-    stack_experts
+    regroup, stack_experts
 
 INSTALL = "pip install 'tilegemm[models]'"
 METHODS = ("gptq", "awq", "compressed-tensors", SAVED_METHOD)  # the quant_method values taken
@@ -1134,14 +1134,28 @@ def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -
         install_int4_experts_(s.module, stacked)
         return
     for wname, (projs, (N, K)) in s.joined.items():
-        experts = []
+        per_expert = []
         for e in range(s.num_experts):
             try:
-                ws = [_expert_weight(tensors, f"{s.prefix}.{e}.{p}", q.for_module(f"{s.prefix}.{e}.{p}"), N, K, dtype)
-                      for p in projs]
+                per_expert.append([_expert_weight(tensors, f"{s.prefix}.{e}.{p}", q.for_module(f"{s.prefix}.{e}.{p}"),
+                                                  N, K, dtype) for p in projs])
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{s.prefix}.{e} ({q.describe()}, {' and '.join(projs)}): {err}") from None
+        # one group size a stacked weight and one input order an expert: where per-module settings (GPTQModel's
+        # dynamic, compressed-tensors' config groups) stored an expert's gate and up, or experts, in several group
+        # sizes, the finest holds them all exactly, in the order of the expert's finest act-order projection
+        sizes = {w.group_k for ws in per_expert for w in ws}
+        finest = min(sizes)
+        experts = []
+        for e, ws in enumerate(per_expert):
+            try:
+                if len(sizes) > 1 or len(ws) > 1:
+                    order = next((w.perm for w in sorted(ws, key=lambda w: w.group_k) if w.perm is not None), None)
+                    ws = [regroup(w, -1 if finest == K and w.group_size == -1 else finest, order) for w in ws]
                 experts.append(ws[0] if len(ws) == 1 else concat_outputs(ws, interleave=interleave))
             except (TypeError, ValueError) as err:
                 raise type(err)(f"{s.prefix}.{e} ({q.describe()}, {' and '.join(projs)}): {err}") from None
+        del per_expert
         stacked[wname] = stack_experts(experts)
     install_int4_experts_(s.module, stacked)
 

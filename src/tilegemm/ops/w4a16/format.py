@@ -697,6 +697,39 @@ def _perm_or_identity(w: Int4Weight) -> torch.Tensor:
     return w.perm if w.perm is not None else torch.arange(w.shape[-1], device=w.device)
 
 
+def regroup(w: Int4Weight, group_size: int, perm: torch.Tensor | None = None) -> Int4Weight:
+    """The same ``[N, K]`` weight with its rows in the input order ``perm`` (None: the natural one) and in groups
+    of ``group_size`` (-1: all of K): each new group takes the scale and zero of the group of ``w`` that holds
+    it, so every weight keeps its value. Weights stored in several group sizes or act-order orders, joined into one
+    (an expert's gate and up projections, experts that per-module settings stored apart): a coarser group splits
+    into finer ones, a one-group weight takes any order, and act-order groups of one order split into the finer
+    groups of that order. ValueError where a new group would hold inputs of two of ``w``'s groups."""
+    if len(w.shape) != 2:
+        raise ValueError(f"regroup takes a 2-D [N, K] weight, got {list(w.shape)}")
+    N, K = w.shape
+    size = K if group_size == -1 else group_size
+    if not isinstance(size, int) or size <= 0 or K % size:
+        raise ValueError(f"regroup: group_size {group_size!r} does not cut K = {K} into whole groups")
+    dev = w.qweight.device
+    natural = torch.arange(K, device=dev)
+    src = w.perm if w.perm is not None else natural  # row r of w holds input src[r]
+    tgt = perm.to(dev, torch.int64) if perm is not None else natural
+    same_order = torch.equal(src, tgt)
+    if same_order and size == w.group_k:
+        return w if group_size == w.group_size else Int4Weight(w.qweight, w.scales, w.zeros, group_size, w.shape,
+                                                                w.perm)
+    row_of = torch.empty(K, dtype=torch.int64, device=dev)
+    row_of[src] = natural  # the row of w holding input k
+    groups = (row_of[tgt] // w.group_k).reshape(K // size, size)  # w's group of each new row
+    if not bool((groups == groups[:, :1]).all()):
+        raise ValueError(f"regroup: the weight's act-order input permutation differs from the order asked, and its "
+                         f"groups of {w.group_k} inputs are not whole groups of {size} in that order")
+    first = groups[:, 0]
+    qweight = w.qweight if same_order else pack_rows(unpack_rows(w.qweight)[row_of[tgt]])
+    return Int4Weight(qweight, w.scales[first].contiguous(), w.zeros[first].contiguous(), group_size, w.shape,
+                      None if perm is None else tgt.clone())
+
+
 def stack_experts(weights) -> Int4Weight:
     """The stacked ``[E, N, K]`` weight of ``E`` experts' ``[N, K]`` weights (same shape, group size, dtype and
     device): what ``quantize`` of a 3-D weight gives, for experts imported one by one. Act-order experts keep their
