@@ -165,9 +165,11 @@ def test_experts_narrower_than_the_group_size_load(tmp_path, device, arch):
         assert _rel(again.to(device)(input_ids=IDS.to(device)).logits.float().cpu(), want) < TOL
 
 
-@pytest.mark.parametrize("arch, method, act_order", [("qwen3_moe", "gptq", False), ("qwen3_moe", "gptq", True),
-                                                     ("mixtral", "compressed-tensors", False)])
-def test_experts_stored_in_several_group_sizes_load(tmp_path, device, arch, method, act_order):
+@pytest.mark.parametrize("arch, method, act_order, gate_group, group", [
+    ("qwen3_moe", "gptq", False, 64, 32), ("qwen3_moe", "gptq", True, 64, 32),
+    ("mixtral", "compressed-tensors", False, 64, 32),
+    ("qwen3_moe", "gptq", False, -1, 64)])  # one group of all K = 64 inputs, said as -1 and as 64
+def test_experts_stored_in_several_group_sizes_load(tmp_path, device, arch, method, act_order, gate_group, group):
     """Per-module settings (GPTQModel's dynamic, compressed-tensors' config groups) that store an expert's gate in
     groups of 64 and its up in 32, and expert 1's down projection in one group, load: each stacked weight holds its
     experts in the finest of their group sizes, every coarser group's scale and zero repeated (the same weights);
@@ -177,20 +179,22 @@ def test_experts_stored_in_several_group_sizes_load(tmp_path, device, arch, meth
     gate, up, down = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
 
     def own(name):
-        return 64 if name.endswith(f".{gate}") else -1 if name.endswith(f"experts.1.{down}") else 32
+        return gate_group if name.endswith(f".{gate}") else -1 if name.endswith(f"experts.1.{down}") else group
 
     path = tmp_path / "c"
     if method == "gptq":
-        extra = dict(dynamic={rf"+:.*\.{gate}$": {"group_size": 64}, rf".*experts\.1\.{down}$": {"group_size": -1}})
+        extra = dict(dynamic={rf"+:.*\.{gate}$": {"group_size": gate_group},
+                              rf".*experts\.1\.{down}$": {"group_size": -1}})
     else:
         extra = {}
-    reference = cw.write_model(path, cw.random_model(config), method, 32, sym=method != "gptq", act_order=act_order,
+    reference = cw.write_model(path, cw.random_model(config), method, group, sym=method != "gptq", act_order=act_order,
                                mixtral_names=arch == "mixtral", group_size_of=own, quant_extra=extra)
     if method == "compressed-tensors":
         cfg = json.loads((path / "config.json").read_text())
         groups = cfg["quantization_config"]["config_groups"]
         base = groups["group_0"]
-        groups["gates"] = dict(base, targets=[rf"re:.*[.]{gate}$"], weights=dict(base["weights"], group_size=64))
+        groups["gates"] = dict(base, targets=[rf"re:.*[.]{gate}$"],
+                               weights=dict(base["weights"], group_size=gate_group))
         groups["down1"] = dict(base, targets=[rf"re:.*experts[.]1[.]{down}$"],
                                weights=dict(base["weights"], strategy="channel", group_size=None))
         (path / "config.json").write_text(json.dumps(cfg))
@@ -202,7 +206,7 @@ def test_experts_stored_in_several_group_sizes_load(tmp_path, device, arch, meth
             model = load_quantized_(transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).half().eval(),
                                     path, device=device)
         block = model.model.layers[0].mlp.experts
-        assert block.tilegemm_group_sizes == {"gate_up_proj": 32, "down_proj": 32}, load
+        assert block.tilegemm_group_sizes == {"gate_up_proj": group, "down_proj": group}, load
         assert (getattr(block, "tilegemm_gate_up_proj_perm", None) is not None) == act_order
         for w in ("gate_up_proj", "down_proj"):
             assert torch.equal(dequantize(moe._int4(block, w)).cpu(), reference[f"model.layers.0.mlp.experts.{w}"]), \
@@ -320,6 +324,32 @@ def test_act_order_gate_and_up_in_different_orders_refused(tmp_path, device):
     cw.write_model(path, cw.random_model(config), "gptq", 32, act_order=True, shared_gate_up_order=False)
     with pytest.raises(ValueError, match=r"experts\.0 .*act-order input permutation differs"):
         from_pretrained(path, device=device)
+    # into a model the caller built: refused before the model changes (its attention stays 16-bit, its experts
+    # its own), as every refused load
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).half().eval()
+    before = {n: (type(m), [id(p) for p in m.parameters(recurse=False)]) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match=r"experts\.0 .*act-order input permutation differs"):
+        load_quantized_(model, path, device=device)
+    assert {n: (type(m), [id(p) for p in m.parameters(recurse=False)]) for n, m in model.named_modules()} == before
+
+
+def test_stored_values_an_importer_refuses_leave_the_model_as_it_was(tmp_path, device):
+    # a g_idx naming a group the layer does not have (a value only the importer reads) is refused, by the layer,
+    # before any layer of the model is replaced
+    from safetensors.torch import load_file, save_file
+
+    config = cw.tiny_config("llama", hidden=64)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32, act_order=True)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.g_idx"][0] = 9
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    model = transformers.AutoModelForCausalLM.from_config(config).half().eval()
+    before = {n: (type(m), [id(p) for p in m.parameters(recurse=False)]) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj \(GPTQ v1, act-order.*g_idx holds groups "
+                                         r"outside 0\.\.3"):
+        load_quantized_(model, path, device=device)
+    assert {n: (type(m), [id(p) for p in m.parameters(recurse=False)]) for n, m in model.named_modules()} == before
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])

@@ -1146,12 +1146,13 @@ def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -
         # sizes, the finest holds them all exactly, in the order of the expert's finest act-order projection
         sizes = {w.group_k for ws in per_expert for w in ws}
         finest = min(sizes)
+        # (one group of all K is -1 where every part says so, else K: a group size of K and -1 alike join)
+        label = -1 if all(w.group_size == -1 for ws in per_expert for w in ws) else finest
         experts = []
         for e, ws in enumerate(per_expert):
             try:
-                if len(sizes) > 1 or len(ws) > 1:
-                    order = next((w.perm for w in sorted(ws, key=lambda w: w.group_k) if w.perm is not None), None)
-                    ws = [regroup(w, -1 if finest == K and w.group_size == -1 else finest, order) for w in ws]
+                order = next((w.perm for w in sorted(ws, key=lambda w: w.group_k) if w.perm is not None), None)
+                ws = [regroup(w, label, order) for w in ws]  # (as they are where they agree)
                 experts.append(ws[0] if len(ws) == 1 else concat_outputs(ws, interleave=interleave))
             except (TypeError, ValueError) as err:
                 raise type(err)(f"{s.prefix}.{e} ({q.describe()}, {' and '.join(projs)}): {err}") from None
