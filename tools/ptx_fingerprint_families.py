@@ -51,6 +51,18 @@ KERNELS = {
     "grouped_direct_fwd": "tilegemm.ops.conv2d.grouped_direct:grouped_direct_fwd_kernel",
     "grouped_direct_dgrad": "tilegemm.ops.conv2d.grouped_direct:grouped_direct_dgrad_kernel",
     "grouped_direct_wgrad": "tilegemm.ops.conv2d.grouped_direct:grouped_direct_wgrad_kernel",
+    # the grouped (MoE) family; the routing kernels are made by a function (``name()[i]``: its result's item i)
+    "grouped_tiled": "tilegemm.ops.grouped.tiled:grouped_tiled_kernel",
+    "grouped_tma": "tilegemm.ops.grouped.tma:grouped_tma_kernel",
+    "grouped_tma_k": "tilegemm.ops.grouped.tma_k:grouped_tma_k_kernel",
+    "grouped_plan": "tilegemm.ops.grouped.gluon:plan_kernel",
+    "grouped_gluon": "tilegemm.ops.grouped.gluon:grouped_gluon_kernel",
+    "grouped_w4a16": "tilegemm.ops.grouped.int4:grouped_w4a16_kernel",
+    "grouped_frag": "tilegemm.ops.grouped.frag:grouped_frag_kernel",
+    "grouped_dequant": "tilegemm.ops.grouped.dequant:dequant_experts_kernel",
+    "grouped_route": "tilegemm.ops.grouped.routing:kernels()[0]",
+    "grouped_combine": "tilegemm.ops.grouped.routing:kernels()[1]",
+    "grouped_columns": "tilegemm.ops.grouped.routing:kernels()[2]",
 }
 
 HOST = {
@@ -70,6 +82,17 @@ HOST = {
     "conv_configs": "tilegemm.ops.conv2d.configs",
     "gemm_1x1": "tilegemm.ops.conv2d.gemm_1x1",
     "layout": "tilegemm.ops.conv2d.layout",
+    "compute_capability": "tilegemm.core.hardware:compute_capability",
+    "make_problem": "tilegemm.ops.grouped.problem:make_problem",
+    "GroupedInt4Problem": "tilegemm.ops.grouped.problem:GroupedInt4Problem",
+    "grouped_tiled": "tilegemm.ops.grouped.tiled",  # run(p)
+    "grouped_tma": "tilegemm.ops.grouped.tma",  # run(p)
+    "grouped_tma_k": "tilegemm.ops.grouped.tma_k",  # run(p)
+    "grouped_gluon": "tilegemm.ops.grouped.gluon",  # why_not(p), config(p), plan(p, block_m), launch_args(...)
+    "grouped_int4": "tilegemm.ops.grouped.int4",  # run(p)
+    "grouped_frag": "tilegemm.ops.grouped.frag",  # frag_config(p, rows), launch_args(...)
+    "grouped_dequant": "tilegemm.ops.grouped.dequant",  # dequantize_experts(p, w, n_lo, columns)
+    "grouped_routing": "tilegemm.ops.grouped.routing",  # route, combine, columns (the ops' forwards)
 }
 
 # ======================================================================================================
@@ -82,6 +105,7 @@ import ptx_fingerprint as pf  # noqa: E402  (sets TRITON_INTERPRET=0 before trit
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -90,11 +114,23 @@ NUM_SMS = pf.NUM_SMS
 ACTS = ("none",) + pf.ACTIVATIONS
 
 
+_plain_resolve = pf.resolve
+
+
+def _resolve_one(target: str):
+    """ptx_fingerprint's resolver, and ``module:fn()[i]``: item i of what ``fn()`` returns (kernels a function
+    makes, as the routing module's)."""
+    m = re.fullmatch(r"(.+)\(\)\[(\d+)\]", target)
+    if m is None:
+        return _plain_resolve(target)
+    return _plain_resolve(m.group(1))()[int(m.group(2))]
+
+
 def resolve(target: str):
     errors = []
     for alt in target.split("|"):
         try:
-            return pf.resolve(alt)
+            return _resolve_one(alt)
         except (ImportError, AttributeError) as e:
             errors.append(f"{alt}: {e}")
     raise ImportError("; ".join(errors))
@@ -104,12 +140,15 @@ def host(name: str):
     return resolve(HOST[name])
 
 
+_sm_count = None  # tilegemm's own sm_count, before _setup swaps it
+
+
 def _setup() -> None:
     """The tables into ptx_fingerprint's resolver; the SM count of an H200 wherever tilegemm bound it."""
-    pf.KERNELS.clear()
-    pf.KERNELS.update(KERNELS)
+    global _sm_count
+    _init()
     pf._install_capture()
-    sm_count = host("sm_count")
+    sm_count = _sm_count = host("sm_count")
 
     def h200(device=None) -> int:
         return NUM_SMS
@@ -334,9 +373,239 @@ def conv_launches() -> list:
         out += captured(lambda: lay.to_nchw(t2, torch.empty(8, 64, 28, 28, dtype=dt)), f"{dn}-cl", "to_nchw")
     return out
 
+# --- grouped ---------------------------------------------------------------------------------------------------
 
-def all_launches() -> list:
-    return w4a16_launches() + conv_launches()
+# The MoE forward (2-D x 3-D): (rows M, experts E, N, K). Only M, E and the sizes reach a compile (offs is read on the
+# device: which groups are empty changes no code), so the cases span rows an expert: decode with most experts empty
+# (M < E), decode, the half-tile and whole-tile prefill, an odd N and K.
+GROUPED_MOE = ((4, 64, 2048, 1024), (16, 8, 4096, 4096), (512, 8, 14336, 4096), (16384, 8, 4096, 14336),
+               (300, 128, 768, 2048), (100, 6, 1000, 1032))
+GROUPED_GATED = ((4, 64, 768, 2048), (512, 8, 14336, 4096), (16384, 8, 14336, 4096))  # (M, E, N of the output, K)
+GROUPED_BATCHED = ((8, 512, 512, 512), (4, 1000, 1032, 520), (64, 16, 4096, 4096))  # 3-D x 3-D: (G, M, N, K)
+GROUPED_WGRAD = ((4096, 14336, 16384, 8), (1024, 1000, 4096, 64), (4096, 4096, 512, 8))  # 2-D x 2-D: (M, N, K, G)
+# 4-bit experts: (M, E, N, K, group lengths)
+GROUPED_INT4 = ((1, 8, 14336, 4096, (128, 4096)), (8, 128, 768, 2048, (128, 32)), (64, 8, 4096, 14336, (128,)),
+                (4096, 8, 14336, 4096, (128,)), (16384, 64, 1408, 2048, (128,)))
+
+
+class _AsH200:
+    """The GPU checks of tilegemm's host code answered as on an H200 (sm_90, 132 SMs) while the grouped launches are
+    built: the grouped modules bind ``sm_count`` and ask ``why_not_tma``/``why_not_gluon``, which ask
+    ``compute_capability``. Restored after, so the other families' launches are built as before."""
+
+    def __enter__(self):
+        hw = sys.modules[HOST["compute_capability"].partition(":")[0]]
+        sm_count, cc = _sm_count, resolve(HOST["compute_capability"])
+        self.saved = []
+        for name in ("grouped_tiled", "grouped_tma", "grouped_tma_k", "grouped_gluon", "grouped_int4", "grouped_frag",
+                     "grouped_dequant", "grouped_routing"):
+            host(name)  # imported before the bindings are swapped
+        answers = (("sm_count", sm_count, lambda device=None: NUM_SMS), ("compute_capability", cc, lambda: (9, 0)))
+        for module in list(sys.modules.values()):
+            if not getattr(module, "__name__", "").startswith("tilegemm"):
+                continue
+            for attr, old, new in answers:
+                if getattr(module, attr, None) is old:
+                    self.saved.append((module, attr, old))
+                    setattr(module, attr, new)
+        if not any(m is hw and a == "compute_capability" for m, a, _ in self.saved):
+            raise RuntimeError("tilegemm.core.hardware has no compute_capability to answer as an H200's")
+        return self
+
+    def __exit__(self, *exc):
+        for module, attr, old in self.saved:
+            setattr(module, attr, old)
+
+
+def _dn(dt) -> str:
+    return pf.SHORT[str(dt).split(".")[1]]
+
+
+def _offs(groups: int):
+    import torch
+
+    return torch.empty(groups, dtype=torch.int32)
+
+
+def moe_problem(M, E, N, K, dt, b_nk: bool, bias: str = "", act: str = "none", gated: bool = False,
+                precision: str = "ieee"):
+    """A 2-D x 3-D problem over CPU tensors: b ``[E, K, N]`` row-major, or (b_nk) torch's expert layout ``[E, N, K]``
+    transposed; bias "" (none), "n" (``[N]``) or "g" (``[E, N]``); gated: b and bias hold 2N columns."""
+    import torch
+
+    width = 2 * N if gated else N
+    a = torch.empty(M, K, dtype=dt)
+    b = torch.empty(E, width, K, dtype=dt).transpose(1, 2) if b_nk else torch.empty(E, K, width, dtype=dt)
+    c = None if not bias else torch.empty(width, dtype=dt) if bias == "n" else torch.empty(E, width, dtype=dt)
+    out = torch.empty(M, N, dtype=dt)
+    return host("make_problem")("2d3d", E, a, b, _offs(E), c, out, precision, act, gated)
+
+
+def moe_name(M, E, N, K, dt, b_nk, extra="", precision="ieee"):
+    return f"{_dn(dt)}{'+tf32' if precision == 'tf32' else ''}-2d3d{'-nk' if b_nk else ''}-M{M}-E{E}-N{N}-K{K}{extra}"
+
+
+def int4_problem(M, E, N, K, gk, dt, gated: bool, bias: str = "", act: str = "none", frag: bool = False):
+    """4-bit experts over CPU tensors, as ``Int4Weight`` stacks them (qweight ``[E, K/8, rows]``, scales and zeros
+    ``[E, G_k, rows]``, rows = 2N gated); frag: the stacked fragment layout's shapes (``pack_fragments``'s per
+    expert, the gated rows padded to whole 16-row tiles each half)."""
+    import torch
+
+    rows = 2 * N if gated else N
+    G = -(-K // gk)
+    fw = fzs = None
+    if frag:
+        frows = 2 * (-(-N // 16) * 16) if gated else N
+        n16, k64 = -(-frows // 256) * 16, -(-K // 128) * 2
+        fgk = gk if gk < K else -(-K // 64) * 64
+        fw = torch.empty(E, n16, k64, 32, 4, dtype=torch.int32)
+        fzs = torch.empty(E, -(-(k64 * 64) // fgk), n16, 8, 4, dtype=dt)
+    c = None if not bias else torch.empty(rows, dtype=dt) if bias == "n" else torch.empty(E, rows, dtype=dt)
+    P = host("GroupedInt4Problem")
+    return P(x=torch.empty(M, K, dtype=dt), qweight=torch.empty(E, K // 8, rows, dtype=torch.int32),
+             scales=torch.empty(E, G, rows, dtype=dt), zeros=torch.empty(E, G, rows, dtype=dt), offs=_offs(E),
+             bias=c, out=torch.empty(M, N, dtype=dt), groups=E, M=M, N=N, K=K, group_k=gk, activation=act,
+             gated=gated, fweight=fw, fzs=fzs)
+
+
+def _gluon(p, name: str, cfgs=None) -> list:
+    """Kernel gluon's launches for ``p`` (its plan kernel, then the main kernel, from its own host code) with its own
+    config, or each of ``cfgs``."""
+    gl = host("grouped_gluon")
+    if gl.why_not(p) is not None:
+        return []
+    out = []
+    for cfg in cfgs or [gl.config(p)]:
+        tables = []
+        out += captured(lambda: tables.append(gl.plan(p, cfg["BLOCK_M"])), name, "gluon.plan")
+        k, _, a, kw = gl.launch_args(p, dict(cfg), tables[0], NUM_SMS)
+        out.append(_launch(k, a, kw, name, "gluon"))
+    return out
+
+
+def _frag(p, name: str) -> list:
+    """Kernel frag's launch for ``p``, from its own config rule and launch_args (its run() asks for CUDA tensors)."""
+    fr = host("grouped_frag")
+    rows = 2 * (-(-p.N // 16) * 16) if p.gated else p.N
+    cfg = fr.frag_config(p, rows)
+    k, _, a, kw, _ws = fr.launch_args(p.x, p.fweight, p.fzs, p.bias, p.out, p.offs, p.N, p.K, p.group_k, p.activation,
+                                      p.gated, cfg)
+    return [_launch(k, a, kw, name, "frag")]
+
+
+def grouped_launches() -> list:
+    import torch
+
+    with _AsH200():
+        return _grouped_launches(torch)
+
+
+def _grouped_launches(torch) -> list:
+    tiled, tma, tma_k = host("grouped_tiled"), host("grouped_tma"), host("grouped_tma_k")
+    int4, dq, rt = host("grouped_int4"), host("grouped_dequant"), host("grouped_routing")
+    mk = host("make_problem")
+    out = []
+    halves = (torch.float16, torch.bfloat16)
+    # the MoE forward: tiled, tma and gluon as each configures itself
+    for dt in halves:
+        for M, E, N, K in GROUPED_MOE:
+            for b_nk in (False, True):
+                p, name = moe_problem(M, E, N, K, dt, b_nk), moe_name(M, E, N, K, dt, b_nk)
+                out += captured(lambda: tiled.run(p), name, "tiled.run")
+                out += captured(lambda: tma.run(p), name, "tma.run")
+                out += _gluon(p, name)
+    # gluon's every candidate tile, on one prefill case
+    gl = host("grouped_gluon")
+    for dt in halves:
+        M, E, N, K = GROUPED_MOE[3]
+        p = moe_problem(M, E, N, K, dt, True)
+        out += _gluon(p, moe_name(M, E, N, K, dt, True), gl.configs())
+    # epilogues: bias ([N] and [E, N]) and each activation, at decode and prefill sizes
+    for dt in halves:
+        for M, E, N, K in (GROUPED_MOE[1], GROUPED_MOE[3]):
+            for bias, act in [("n", "none"), ("g", "none")] + [("g", a) for a in pf.ACTIVATIONS]:
+                p = moe_problem(M, E, N, K, dt, True, bias, act)
+                name = moe_name(M, E, N, K, dt, True, f"+bias{bias}+{act}")
+                out += captured(lambda: tiled.run(p), name, "tiled.run")
+                out += captured(lambda: tma.run(p), name, "tma.run")
+                out += _gluon(p, name)
+    # fp32 operands (tiled only), IEEE and tf32
+    for prec in ("ieee", "tf32"):
+        for M, E, N, K in GROUPED_MOE[1:4]:
+            p = moe_problem(M, E, N, K, torch.float32, True, precision=prec)
+            out += captured(lambda: tiled.run(p), moe_name(M, E, N, K, torch.float32, True, precision=prec),
+                            "tiled.run")
+    # the gated gate/up product: tiled and tma (gluon refuses it)
+    for dt in halves:
+        for M, E, N, K in GROUPED_GATED:
+            for b_nk in (False, True):
+                for bias in ("", "g"):
+                    p = moe_problem(M, E, N, K, dt, b_nk, bias, "silu", gated=True)
+                    name = moe_name(M, E, N, K, dt, b_nk, f"+gated{'+bias' + bias if bias else ''}+silu")
+                    out += captured(lambda: tiled.run(p), name, "tiled.run")
+                    out += captured(lambda: tma.run(p), name, "tma.run")
+    # 3-D x 3-D (batched) and 3-D x 2-D: tiled
+    for dt in halves + (torch.float32,):
+        for G, M, N, K in GROUPED_BATCHED:
+            a, b = torch.empty(G, M, K, dtype=dt), torch.empty(G, K, N, dtype=dt)
+            p = mk("3d3d", G, a, b, None, None, torch.empty(G, M, N, dtype=dt))
+            out += captured(lambda: tiled.run(p), f"{_dn(dt)}-3d3d-G{G}-M{M}-N{N}-K{K}", "tiled.run")
+            bt = torch.empty(G, N, K, dtype=dt).transpose(1, 2)
+            p = mk("3d3d", G, a, bt, None, None, torch.empty(G, M, N, dtype=dt))
+            out += captured(lambda: tiled.run(p), f"{_dn(dt)}-3d3d-nk-G{G}-M{M}-N{N}-K{K}", "tiled.run")
+        G, M, N, K = GROUPED_BATCHED[2]
+        a, b = torch.empty(G, M, K, dtype=dt), torch.empty(K, N, dtype=dt)
+        p = mk("3d2d", G, a, b, _offs(G), None, torch.empty(M, N, dtype=dt))
+        out += captured(lambda: tiled.run(p), f"{_dn(dt)}-3d2d-G{G}-M{M}-N{N}-K{K}", "tiled.run")
+    # 2-D x 2-D (groups along K: the MoE weight gradient): tiled and tma_k, a M-contiguous as the backward has it
+    for dt in halves:
+        for M, N, K, G in GROUPED_WGRAD:
+            for bias in (False, True):
+                a, b = torch.empty(K, M, dtype=dt).T, torch.empty(K, N, dtype=dt)
+                c = torch.empty(G, N, dtype=dt) if bias else None
+                p = mk("2d2d", G, a, b, _offs(G), c, torch.empty(G, M, N, dtype=dt))
+                name = f"{_dn(dt)}-2d2d-M{M}-N{N}-K{K}-G{G}{'+bias' if bias else ''}"
+                out += captured(lambda: tiled.run(p), name, "tiled.run")
+                out += captured(lambda: tma_k.run(p), name, "tma_k.run")
+    # 4-bit experts: dequant_dot (plain and gated), frag, the dequantizing pass of dequant_grouped (whose product is
+    # the 16-bit MoE forward's, on a [E, N, K] weight transposed: the b_nk cases above)
+    for dt in halves:
+        for M, E, N, K, gks in GROUPED_INT4:
+            for gk in gks:
+                for gated in (False, True):
+                    tag = f"{_dn(dt)}-int4-M{M}-E{E}-N{N}-K{K}-g{gk}{'+gated+silu' if gated else ''}"
+                    act = "silu" if gated else "none"
+                    p = int4_problem(M, E, N, K, gk, dt, gated, act=act, frag=True)
+                    out += captured(lambda: int4.run(p), tag, "int4.run")
+                    if M <= 64:
+                        out += _frag(p, tag)
+                    w = torch.empty(E, (2 if gated else 1) * N, K, dtype=dt)
+                    out += captured(lambda: dq.dequantize_experts(p, w, 0, N), tag, "dequantize_experts")
+        for act in ("none",) + pf.ACTIVATIONS:  # bias [E, N] and each activation
+            M, E, N, K, _ = GROUPED_INT4[0]
+            p = int4_problem(M, E, N, K, 128, dt, False, "g", act, frag=True)
+            tag = f"{_dn(dt)}-int4-M{M}-E{E}-N{N}-K{K}-g128+biasg+{act}"
+            out += captured(lambda: int4.run(p), tag, "int4.run")
+            out += _frag(p, tag)
+    # routing: moe_route (its kernel up to KERNEL_MAX_PAIRS pairs), moe_combine, and group_columns (act-order experts'
+    # input permutation; their product is then the natural order's kernels above)
+    for dt in halves + (torch.float32,):
+        for T, k, E, H in ((1, 8, 128, 2048), (16, 2, 8, 4096), (512, 8, 128, 2048), (1000, 6, 60, 1000)):
+            x, ids = torch.empty(T, H, dtype=dt), torch.empty(T, k, dtype=torch.int64)
+            name = f"{_dn(dt)}-T{T}-k{k}-E{E}-H{H}"
+            out += captured(lambda: rt.route(x, ids, E), name, "route")
+            y, pos, wts = torch.empty(T * k, H, dtype=dt), torch.empty(T * k, dtype=torch.int32), torch.empty(T, k)
+            out += captured(lambda: rt.combine(y, pos, wts), name, "combine")
+            perm = torch.empty(E, H, dtype=torch.int64)
+            out += captured(lambda: rt.columns(y, _offs(E), perm), name, "columns")
+    return out
+
+
+FAMILIES = {"w4a16": w4a16_launches, "conv2d": conv_launches, "grouped": grouped_launches}
+
+
+def all_launches(families=FAMILIES) -> list:
+    return [launch for name in families for launch in FAMILIES[name]()]
 
 
 def run(args) -> int:
@@ -351,16 +620,24 @@ def run(args) -> int:
 def _run(args) -> int:
     t0 = time.time()
     _setup()
-    launches = all_launches()
+    # a filter that names a family keeps its launches (and builds only the named families' where every filter
+    # names one); any other keeps the keys that contain it
+    filters = args.filter or []
+    families = [f for f in filters if f in FAMILIES]
+    substrings = [f for f in filters if f not in FAMILIES]
     keys, specs = {}, {}
-    for launch in launches:
-        key = f"{launch.kernel}/{launch.mode}/{_kw_text(launch.kwargs)}"
-        if args.filter and not any(f in key for f in args.filter):
-            continue
-        spec = pf.compile_spec(launch)
-        canon = launch.kernel + pf._canonical(spec)
-        keys[key] = canon
-        specs.setdefault(canon, (key, launch.kernel, spec))
+    launches = []
+    for family in families if families and not substrings else FAMILIES:
+        built = FAMILIES[family]()
+        launches += built
+        for launch in built:
+            key = f"{launch.kernel}/{launch.mode}/{_kw_text(launch.kwargs)}"
+            if filters and family not in families and not any(f in key for f in substrings):
+                continue
+            spec = pf.compile_spec(launch)
+            canon = launch.kernel + pf._canonical(spec)
+            keys[key] = canon
+            specs.setdefault(canon, (key, launch.kernel, spec))
     import collections
     print(dict(collections.Counter(key.split("/")[0] for key, _, _ in specs.values())), file=sys.stderr)
     print(f"{len(launches)} launches, {len(keys)} keys, {len(specs)} distinct compiles planned in "
@@ -401,6 +678,7 @@ def _run(args) -> int:
 def _init() -> None:
     pf.KERNELS.clear()
     pf.KERNELS.update(KERNELS)
+    pf.resolve = resolve  # (compile_one resolves kernels through it, in worker processes too)
 
 
 def _compile(job):
