@@ -1,4 +1,4 @@
-"""Fingerprints of the sm_90 code of the shipped w4a16 and conv2d kernels, compiled without a GPU.
+"""Fingerprints of the sm_90 code of the shipped w4a16, conv2d and grouped kernels, compiled without a GPU.
 
 The companion of ``tools/ptx_fingerprint.py`` (matmul and the guide), on the same machinery: launches are built
 by the families' own host code over CPU tensors (``kernel[grid](...)`` captured instead of run; the SM count
@@ -10,8 +10,15 @@ line info and comments, then hashed:
 Keys name kernels and problems by logical names, never modules, so they match across a refactor that moves
 modules. Equal hashes at two commits mean the GPU runs the same instructions.
 
-    PYTHONPATH=src python tools/ptx_fingerprint_families.py --out after.json [--jobs 2] [--filter conv2d]
+    PYTHONPATH=src python tools/ptx_fingerprint_families.py --out after.json [--jobs 2] [--filter grouped]
     python tools/ptx_fingerprint.py --compare before.json after.json     # exit 1 on any difference
+
+``--filter`` with a family's name (``w4a16``, ``conv2d``, ``grouped``) keeps that family's launches and builds only
+the families named; any other string keeps the keys that contain it. The grouped family's host code asks for an
+sm_90 GPU before its TMA and Gluon kernels: while its launches are built, ``compute_capability`` answers (9, 0).
+Kernel ``frag`` (whose ``run`` refuses CPU tensors) and ``gluon`` are built from their own ``frag_config`` /
+``config`` and ``launch_args``; ``dequant_grouped`` by its dequantizing pass, its product being the 16-bit forward's
+on a transposed ``[E, N, K]`` weight (the ``-nk`` cases).
 
 After modules move, only the two tables below (:data:`KERNELS`, :data:`HOST`) need editing; an entry may list
 alternatives separated by ``|`` (the first that resolves wins), so one copy of this tool runs at both commits.
