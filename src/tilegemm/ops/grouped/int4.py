@@ -30,7 +30,7 @@ from tilegemm.core.runtime import cdiv, interpreting
 from tilegemm.jit.helpers import apply_activation
 from tilegemm.ops.grouped.configs import int4_config, row_tiles
 from tilegemm.ops.grouped.problem import GroupedInt4Problem
-from tilegemm.ops.grouped.tiled import (_pow2, find_group_m, split_finish, split_range, swizzle, workspace,
+from tilegemm.ops.grouped.tiled import (_pow2, end_slice, find_group_m, split_range, swizzle, workspace,
                                        workspace_launch)
 
 
@@ -160,14 +160,9 @@ def grouped_w4a16_kernel(
                 if GATED:
                     s_up, z_up = s_up_next, z_up_next
         tile_ok = ok_m[:, None] & ok_n[None, :]
-        finish = m_lo < m_hi  # (true here) whether this program runs the epilogue: the last slice with SPLIT_K
-        if SPLIT_K > 1:
-            if GATED:
-                finish, acc, acc_up = split_finish(acc, acc_up, ws_ptr, count_ptr, pid, M, N, offs_m, offs_n,
-                                                   tile_ok, GATED, BLOCK_M, BLOCK_N, SPLIT_K)
-            else:
-                finish, acc, _ = split_finish(acc, acc, ws_ptr, count_ptr, pid, M, N, offs_m, offs_n, tile_ok,
-                                              GATED, BLOCK_M, BLOCK_N, SPLIT_K)
+        # finish: whether this program runs the epilogue (m_lo < m_hi holds here; the last slice with SPLIT_K)
+        finish, acc, acc_up = end_slice(m_lo < m_hi, acc, acc_up if GATED else acc, ws_ptr, count_ptr, pid, M, N,
+                                        offs_m, offs_n, tile_ok, GATED, BLOCK_M, BLOCK_N, SPLIT_K)
         if finish:
             if HAS_BIAS:
                 c_ok = ok_n & live

@@ -146,6 +146,18 @@ def split_finish(acc, acc_up, ws_ptr, count_ptr, tile, M, N, offs_m, offs_n, mas
 
 
 @triton.jit
+def end_slice(finish, acc, acc_up, ws_ptr, count_ptr, tile, M, N, offs_m, offs_n, mask, GATED: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """(finish, acc, acc_up) after a program's K loop, for the kernels that split K on grid axis 1: as given
+    unsplit, else :func:`split_finish`'s (finish then True in the last slice only). Not GATED, ``acc_up`` is a
+    stand-in (pass ``acc``), never read."""
+    if SPLIT_K > 1:
+        finish, acc, acc_up = split_finish(acc, acc_up, ws_ptr, count_ptr, tile, M, N, offs_m, offs_n, mask, GATED,
+                                           BLOCK_M, BLOCK_N, SPLIT_K)
+    return finish, acc, acc_up
+
+
+@triton.jit
 def grouped_tiled_kernel(
     a_ptr, b_ptr, out_ptr, bias_ptr, offs_ptr, ws_ptr, count_ptr,
     G, M, N, K,
@@ -213,14 +225,9 @@ def grouped_tiled_kernel(
                     u = u.to(tl.float32)
                 acc_up = tl.dot(x, u, acc_up, input_precision=INPUT_PRECISION)
         tile_ok = ok_m[:, None] & ok_n[None, :]
-        finish = m_lo < m_hi  # (true here) whether this program runs the epilogue: the last slice with SPLIT_K
-        if SPLIT_K > 1:
-            if GATED:
-                finish, acc, acc_up = split_finish(acc, acc_up, ws_ptr, count_ptr, pid, M, N, offs_m, offs_n,
-                                                   tile_ok, GATED, BLOCK_M, BLOCK_N, SPLIT_K)
-            else:
-                finish, acc, _ = split_finish(acc, acc, ws_ptr, count_ptr, pid, M, N, offs_m, offs_n, tile_ok,
-                                              GATED, BLOCK_M, BLOCK_N, SPLIT_K)
+        # finish: whether this program runs the epilogue (m_lo < m_hi holds here; the last slice with SPLIT_K)
+        finish, acc, acc_up = end_slice(m_lo < m_hi, acc, acc_up if GATED else acc, ws_ptr, count_ptr, pid, M, N,
+                                        offs_m, offs_n, tile_ok, GATED, BLOCK_M, BLOCK_N, SPLIT_K)
         if finish:
             if HAS_BIAS:
                 c_ptrs = bias_ptr + g * s_cg + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn
