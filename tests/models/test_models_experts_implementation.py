@@ -6,6 +6,7 @@ experts_implementation=...)``, ``load_quantized_``)."""
 from __future__ import annotations
 
 import os
+import warnings
 import sys
 
 import pytest
@@ -24,6 +25,7 @@ import tilegemm.nn  # noqa: E402
 import tilegemm.nn.moe as moe  # noqa: E402
 from tilegemm.models import from_pretrained  # noqa: E402
 from tilegemm.nn import load_quantized_  # noqa: E402
+from tilegemm.nn.convert import ConversionNote  # noqa: E402
 
 NOTE = r"experts_implementation='tilegemm' does not reach 1 MoE block"
 
@@ -55,6 +57,23 @@ def test_blocks_the_interface_does_not_reach_are_named(make, config_class, block
     # a model that asks for another implementation is told nothing
     other = transformers.AutoModelForCausalLM.from_config(make(), experts_implementation="eager")
     assert moe.experts_off_interface(other) and moe.experts_off_interface_note(other) is None
+
+
+@pytest.mark.parametrize("make,config_class,block,cls", BLOCKS)
+def test_quantize_experts_alone_names_the_blocks_it_cannot_take(make, config_class, block, cls):
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"this transformers has no {config_class}")
+    model = transformers.AutoModelForCausalLM.from_config(make())
+    with pytest.warns(ConversionNote, match=r"quantize_experts_ kept 1 MoE block\(s\) 16-bit") as got:
+        assert tilegemm.nn.quantize_experts_(model, group_size=32) == []
+    assert f"{block} ({cls}" in str(got[0].message) and "tilegemm.nn.quantize_" in str(got[0].message)
+    # through quantize_, which converts the block first, quantize_experts_ takes it and says nothing of its own
+    model = transformers.AutoModelForCausalLM.from_config(make())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tilegemm.nn.quantize_(model, group_size=32)
+    assert not any("quantize_experts_ kept" in str(w.message) for w in seen)
+    assert moe.experts_off_interface(model) == []
 
 
 def test_models_on_the_interface_are_not_named():

@@ -11,12 +11,9 @@ from tilegemm.core.dtypes import dtype_name
 
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.linear import Linear
+from tilegemm.nn.notes import ConversionNote  # noqa: F401 (named here too: tilegemm.nn.convert.ConversionNote)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-class ConversionNote(UserWarning):
-    """Some modules were left as they were by :func:`convert_`; the message says which and why."""
 
 
 def subclass_reason(module: torch.nn.Module, base: type, verb: str = "convert") -> str:

@@ -25,9 +25,11 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+import warnings
 
 import torch
 
+from tilegemm.nn.notes import ConversionNote
 from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm, moe_gate_up, moe_gate_up_int4
 from tilegemm.ops.grouped.routing import moe_combine, moe_route
 from tilegemm.ops.w4a16.format import Int4Weight, check_group_size_value, concat_outputs, quantize, stack_experts
@@ -267,7 +269,9 @@ def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None
     store it: a down projection of an expert width below the group size); blocks with a weight whose K is larger
     but not a multiple of the group size (or of 8) are kept, appended to ``skipped`` as ``(name, reason)`` where
     given. The 16-bit expert weights are dropped; the 4-bit parts are buffers (``tilegemm_<weight>_qweight``,
-    ``_scales``, ``_zeros``)."""
+    ``_scales``, ``_zeros``). Blocks that run code of their own (Llama-4's, DBRX's, JetMoE's, transformers 4.x
+    ones: :func:`experts_off_interface`) are not taken; called without ``skipped``, a ``ConversionNote`` names
+    them (``tilegemm.nn.quantize_`` converts them first)."""
     if not isinstance(model, torch.nn.Module):  # (it raised AttributeError on named_modules)
         raise TypeError(f"quantize_experts_ takes a torch.nn.Module, got {type(model).__name__}")
     check_group_size_value(group_size, "quantize_experts_")
@@ -299,6 +303,14 @@ def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None
         done.append(name)
     if done:
         use_int4_experts_(model)
+    if skipped is None:  # called alone (quantize_ names these itself): blocks it cannot take are named, not passed over
+        off = [(n, why) for n, why in experts_off_interface(model)
+               if filter is None or filter(n, model.get_submodule(n))]
+        if off:
+            listing = "; ".join(f"{n} ({why})" for n, why in off[:8]) + (" ..." if len(off) > 8 else "")
+            warnings.warn(f"quantize_experts_ kept {len(off)} MoE block(s) 16-bit, which run code of their own, not "
+                          f"transformers' experts interface: {listing}. tilegemm.nn.quantize_ converts and "
+                          f"quantizes those it can", ConversionNote, stacklevel=2)
     return done
 
 
