@@ -102,7 +102,13 @@ def test_gpu_nchw_forward_through_the_route(N, C, H, W, K, R, stride, pad, group
     for trial in range(3):  # the first call records, the later ones replay with new tensors
         x = torch.randn(N, C, H, W, device="cuda").to(dtype)
         out = tilegemm.conv2d(x, w, b, **conv, activation="relu")
-        assert out.is_contiguous() and out.dtype == dtype
+        # channels-last where the weight is (not a 1x1 or one-channel-a-group weight, which is both), as torch's
+        if weight_format == "cl" and R > 1 and C // groups > 1:
+            assert out.is_contiguous(memory_format=CL) and not out.is_contiguous()
+        else:
+            assert out.is_contiguous()
+        assert out.dtype == dtype
+        assert out.stride() == F.conv2d(x, w, b, **conv).stride()
         assert_rel_close(out, conv2d_reference(x, w, b, **conv, activation="relu"), tolerance(dtype))
         outs.append(out)
     assert outs[1].data_ptr() != outs[2].data_ptr()
@@ -172,8 +178,9 @@ ROUTED = [  # (N, C, H, W, K, R, stride, pad, dilation, groups)
                     "(test_gpu_nchw_forward_through_the_route, test_gpu_nchw_gradients_and_an_fp32_pre_activation)")
 @pytest.mark.parametrize("N,C,H,W,K,R,stride,pad,dilation,groups", ROUTED,
                          ids=["w1", "h1-depthwise-stride2", "dilated-groups2", "1x1-stride2", "1x1"])
+@pytest.mark.parametrize("weight_format", ["nchw", "cl"])
 def test_route_forced_on_matches_f_conv2d_with_gradients(N, C, H, W, K, R, stride, pad, dilation, groups,
-                                                          monkeypatch):
+                                                          weight_format, monkeypatch):
     from tilegemm.ops.conv2d import dispatch
 
     monkeypatch.setattr(dispatch, "_nchw_route", lambda t: layout.planar(t) and t.shape[1] > 8)
@@ -181,23 +188,29 @@ def test_route_forced_on_matches_f_conv2d_with_gradients(N, C, H, W, K, R, strid
     real = layout.workspace_view
     monkeypatch.setattr(layout, "workspace_view", lambda t, tag: taken.append(tag) or real(t, tag))
     x = torch.randn(N, C, H, W, requires_grad=True)
-    w = (torch.randn(K, C // groups, R, R) / (C // groups * R * R) ** 0.5).requires_grad_(True)
+    w = torch.randn(K, C // groups, R, R) / (C // groups * R * R) ** 0.5
+    if weight_format == "cl":  # a channels-last model fed an NCHW image: the output is channels-last, as torch's
+        w = w.contiguous(memory_format=CL)
+    w.requires_grad_(True)
     b = torch.randn(K, requires_grad=True)
     conv = dict(stride=stride, padding=pad, dilation=dilation, groups=groups)
     out = tilegemm.conv2d(x, w, b, **conv, activation="relu")
     ref = F.relu(F.conv2d(x.double(), w.double(), b.double(), **conv))
-    assert out.is_contiguous() and out.dtype == x.dtype
+    assert out.stride() == F.conv2d(x.detach(), w.detach(), b.detach(), **conv).stride() and out.dtype == x.dtype
+    assert out.is_contiguous() != (weight_format == "cl" and R > 1 and C // groups > 1)
     assert_rel_close(out, ref, 1e-4)
     g = torch.randn_like(out)
     out.backward(g)
     xd, wd, bd = (t.detach().double().requires_grad_(True) for t in (x, w, b))
     F.relu(F.conv2d(xd, wd, bd, **conv)).backward(g.double())
-    assert x.grad.is_contiguous() and w.grad.is_contiguous()
+    assert x.grad.is_contiguous()
     for got, want in ((x.grad, xd.grad), (w.grad, wd.grad), (b.grad, bd.grad)):
         assert_rel_close(got, want, 1e-4)
     pointwise = R == 1 and stride == 1
     assert ("conv2d-nchw-input" in taken) != pointwise  # 1x1 stride-1 forwards stay the batched GEMM
-    assert "conv2d-nchw-x" in taken
+    # the weight gradient's route copies x and an NCHW dy; a channels-last dy (a channels-last output's) is read
+    # as it is, beside x
+    assert ("conv2d-nchw-x" in taken) == out.is_contiguous()
 
 
 def test_workspaces_grow_by_half_and_can_be_released():

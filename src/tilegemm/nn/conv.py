@@ -33,8 +33,9 @@ class Conv2d(torch.nn.Conv2d):
     ``tilegemm.ACTIVATIONS`` applied in the kernel's epilogue after the bias (default none).
 
     Padding modes other than ``"zeros"`` pad with ``F.pad`` first, as torch does, then convolve unpadded.
-    Inputs may be NCHW or channels-last; the output keeps the input's memory format. A weight in a dtype the
-    kernels do not take (float64, after ``.double()``) runs torch's convolution.
+    Inputs may be NCHW or channels-last; the output is channels-last where the input or the weight is (as
+    torch's), else NCHW. A weight in a dtype the kernels do not take (float64, after ``.double()``) runs torch's
+    convolution.
     """
 
     _tilegemm_fold = None  # a batch norm folded into it for eval mode: tilegemm.nn.fold.Fold (fold_batchnorm_)

@@ -10,7 +10,7 @@ from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call
 from tilegemm.ops.conv2d import dispatch, op
 from tilegemm.ops.conv2d.checks import check_conv, check_kernel, forward_key, forward_key_of
 from tilegemm.ops.conv2d.op import REPLAYS
-from tilegemm.ops.conv2d.problem import ConvCall, memory_format_of
+from tilegemm.ops.conv2d.problem import ConvCall, output_format
 
 
 def conv2d(
@@ -30,8 +30,8 @@ def conv2d(
 
     Args:
         x: ``[N, C, H, W]``, float16, bfloat16 or float32; NCHW or channels-last (the fast path). The output
-            ``[N, K, P, Q]`` has the memory format of ``x``. An unbatched ``[C, H, W]`` gives ``[K, P, Q]``, as
-            ``F.conv2d``.
+            ``[N, K, P, Q]`` is channels-last where ``x`` or ``weight`` is, as torch's, else contiguous. An
+            unbatched ``[C, H, W]`` gives ``[K, P, Q]``, as ``F.conv2d``.
         weight: ``[K, C/groups, R, S]``, the dtype of ``x``.
         bias: ``[K]``, added in the epilogue.
         stride, dilation: an int or a pair (>= 1).
@@ -91,7 +91,7 @@ def conv2d(
                  precision or "default", kernel)
     if key is not None:
         with REPLAYS.recording(key, (x, weight) if bias is None else (x, weight, bias),
-                               memory_format_of(x)) as kept:
+                               output_format(x, weight)) as kept:
             return kept(dispatch.forward(c))
     if plain_call(x, weight, bias):
         return dispatch.forward(c)

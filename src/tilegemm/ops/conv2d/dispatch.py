@@ -23,7 +23,7 @@ from tilegemm.ops.conv2d.configs import (
     _patch, _pow2_at_least, gluon_ring, takes_grouped_direct, takes_grouped_packed, tma_forward_config,
 )
 from tilegemm.ops.conv2d.problem import (
-    ConvCall, ConvProblem, DgradCall, Geometry, WgradCall, channels_last, memory_format_of, wgrad_format,
+    ConvCall, ConvProblem, DgradCall, Geometry, WgradCall, channels_last, output_format, wgrad_format,
 )
 from tilegemm.ops.matmul import matmul
 
@@ -211,7 +211,7 @@ def forward(c: ConvCall) -> torch.Tensor:
     """The output of forward call ``c`` (what ``tilegemm::conv2d`` runs)."""
     x = c.x
     g = c.geometry()
-    p = ConvProblem(x, c.weight, c.bias, g, c.out_dtype or x.dtype, memory_format_of(x), c.activation,
+    p = ConvProblem(x, c.weight, c.bias, g, c.out_dtype or x.dtype, output_format(x, c.weight), c.activation,
                     resolve_precision(c.precision, x.dtype), x.dtype == torch.bfloat16 and interpreting())
     if x.numel() == 0 or g.N * g.P * g.Q == 0:
         from tilegemm.ops.conv2d.implicit_gemm import empty_4d
@@ -258,9 +258,10 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
     """The forward of an NCHW input (:func:`_nchw_route`). 1x1 stride-1 layers stay one batched GEMM over the NCHW
     tensors as they are (:mod:`~tilegemm.ops.conv2d.gemm_1x1`, no copy: faster than through the TMA kernel with
     NCHW stores; docs/conv2d.md, "NCHW inputs"). The others: x transposed channels-last into a workspace, then
-    the TMA kernel where it takes the copy (storing the NCHW output from its epilogue), the depthwise or the
-    pointer kernel (into a second workspace, channels-last, then transposed into the output:
-    :func:`tilegemm.ops.conv2d.layout.to_nchw`). Every launch is Triton's, so the call replays."""
+    the TMA kernel where it takes the copy (storing the output in its format from its epilogue), the depthwise or
+    the pointer kernel (an NCHW output: into a second workspace, channels-last, then transposed into the output,
+    :func:`tilegemm.ops.conv2d.layout.to_nchw`; a channels-last one, as a channels-last weight asks, stored as it
+    is). Every launch is Triton's, so the call replays."""
     from tilegemm.ops.conv2d import layout
     from tilegemm.ops.conv2d.implicit_gemm import empty_4d
 
@@ -289,7 +290,10 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
         layout.fill(p.x, xc, xbuf)
         with keeping(xbuf):
             if kernel == "tma_implicit_gemm":
-                return launcher(kernel)(pc)  # NCHW stores from its epilogue
+                return launcher(kernel)(pc)  # stores in the output's format from its epilogue
+            if p.out_format == torch.channels_last:  # (a channels-last weight's): stored as it is, no transpose
+                return launcher(kernel)(replace(pc, out=empty_4d(g.out_shape, p.out_dtype, p.x.device,
+                                                                 torch.channels_last)))
             out = empty_4d(g.out_shape, p.out_dtype, p.x.device, torch.contiguous_format)
             oc, obuf = layout.channels_last_workspace(g.out_shape, p.out_dtype, p.x.device, "conv2d-nchw-output")
             with keeping(obuf):

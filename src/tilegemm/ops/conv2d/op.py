@@ -22,7 +22,7 @@ from tilegemm.ops.conv2d import dispatch
 from tilegemm.ops.conv2d.checks import replay_key
 from tilegemm.ops.conv2d.configs import takes_grouped_direct
 from tilegemm.ops.conv2d.problem import (
-    ConvCall, DgradCall, WgradCall, channels_last, geometry_of, memory_format_of, wgrad_format,
+    ConvCall, DgradCall, WgradCall, channels_last, geometry_of, output_format, wgrad_format,
 )
 
 REPLAYS = ReplayCache("conv2d")
@@ -58,14 +58,15 @@ def _conv2d_op(
     out = REPLAYS.replayed(key, tensors)
     if out is not None:
         return out
-    with REPLAYS.recording(key, tensors, memory_format_of(x)) as kept:
+    with REPLAYS.recording(key, tensors, output_format(x, weight)) as kept:
         return kept(run())
 
 
 @_conv2d_op.register_fake
 def _conv2d_fake(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel, out_dtype=None):
     g = geometry_of(x.shape, weight.shape, stride, padding, dilation, groups)
-    return torch.empty(g.out_shape, dtype=out_dtype or x.dtype, device=x.device, memory_format=memory_format_of(x))
+    return torch.empty(g.out_shape, dtype=out_dtype or x.dtype, device=x.device,
+                       memory_format=output_format(x, weight))
 
 
 def call(c: ConvCall) -> torch.Tensor:

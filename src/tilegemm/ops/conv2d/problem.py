@@ -89,6 +89,13 @@ def memory_format_of(t: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if channels_last(t) else torch.contiguous_format
 
 
+def output_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
+    """A convolution's output memory format: channels-last where ``x`` or the weight is, as torch's convolutions
+    choose it (a channels-last model fed NCHW images gives channels-last outputs from its first layer on, and its
+    next layers read them in place), else contiguous."""
+    return torch.channels_last if channels_last(x) or channels_last(weight) else torch.contiguous_format
+
+
 def wgrad_format(x: torch.Tensor, w_shape) -> torch.memory_format:
     """The weight gradient's memory format: channels-last where ``x`` is channels-last and the filter has more than
     one tap and channel (where the two differ), as torch's cuDNN path returns it for a channels-last ``x``; else
