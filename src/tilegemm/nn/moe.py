@@ -307,9 +307,8 @@ def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None
         off = [(n, why) for n, why in experts_off_interface(model)
                if filter is None or filter(n, model.get_submodule(n))]
         if off:
-            listing = "; ".join(f"{n} ({why})" for n, why in off[:8]) + (" ..." if len(off) > 8 else "")
             warnings.warn(f"quantize_experts_ kept {len(off)} MoE block(s) 16-bit, which run code of their own, not "
-                          f"transformers' experts interface: {listing}. tilegemm.nn.quantize_ converts and "
+                          f"transformers' experts interface: {_listing(off)}. tilegemm.nn.quantize_ converts and "
                           f"quantizes those it can", ConversionNote, stacklevel=2)
     return done
 
@@ -707,6 +706,11 @@ def experts_off_interface(model: torch.nn.Module) -> list[tuple[str, str]]:
     return found
 
 
+def _listing(blocks: list[tuple[str, str]]) -> str:
+    """``[(name, why)]`` for a message: the first eight, each with its reason."""
+    return "; ".join(f"{n} ({why})" for n, why in blocks[:8]) + (" ..." if len(blocks) > 8 else "")
+
+
 def asks_tilegemm(model: torch.nn.Module) -> bool:
     """Whether a config of ``model`` (its own or a submodel's) names the ``"tilegemm"`` experts implementation."""
     return any(getattr(getattr(m, "config", None), "_experts_implementation", None) == NAME for m in model.modules())
@@ -718,10 +722,9 @@ def experts_off_interface_note(model: torch.nn.Module) -> str | None:
     off = experts_off_interface(model) if asks_tilegemm(model) else []
     if not off:
         return None
-    listed = "; ".join(f"{n} ({why})" for n, why in off[:8]) + (" ..." if len(off) > 8 else "")
     return (f"experts_implementation='tilegemm' does not reach {len(off)} MoE block(s) of "
             f"{type(model).__name__}, which transformers runs with code of their own, not on tilegemm's grouped "
-            f"kernels: {listed}. tilegemm.nn.convert_(model) puts those it replaces on the grouped kernels "
+            f"kernels: {_listing(off)}. tilegemm.nn.convert_(model) puts those it replaces on the grouped kernels "
             f"(tilegemm.nn.quantize_ converts first)")
 
 
