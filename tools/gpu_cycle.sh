@@ -20,7 +20,8 @@
 #   fuzz-wide     conv2d's (each of its two draws), W4A16's and grouped's GPU fuzz at 512, 504 and 256 draws, in
 #                 8, 6 and 2 processes side by side, each its own \$TILEGEMM_FUZZ_SEED, from \$FUZZ_SEED_BASE + 1
 #                 (default 0) up (about 2 minutes before conv2d's wide draw and grouped's gated and MoE-sized draws
-#                 were added; untimed since); a line a seed in fuzz-wide.txt, failing logs kept
+#                 were added; untimed since); a line a seed in fuzz-wide.txt, failing logs kept; each process
+#                 stopped after \$FUZZ_TIMEOUT seconds (default 900), its log then counted as failing
 #   models        the bench's models sweep, fp16, auto only
 #   batched       the bench's batched sweep, fp16 NN and NT, auto only
 #   grouped       the grouped family's moe sweep, bf16 and fp16 forward (auto);  grouped-bwd  its backward, bf16;
@@ -133,11 +134,11 @@ for step in "$@"; do
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
     fuzz-wide) b=${FUZZ_SEED_BASE:-0}
                for s in $(seq $((b + 1)) $((b + 8))); do TILEGEMM_FUZZ_SEED=$s TILEGEMM_FUZZ_EXAMPLES=64 \
-                 pytest_ -m gpu -x tests/conv2d/test_conv2d_fuzz_gpu.py > "$OUT/fuzz-conv2d-$s.log" 2>&1 & done
+                 timeout "${FUZZ_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/conv2d/test_conv2d_fuzz_gpu.py > "$OUT/fuzz-conv2d-$s.log" 2>&1 & done
                for s in $(seq $((b + 1)) $((b + 6))); do TILEGEMM_FUZZ_SEED=$s TILEGEMM_FUZZ_EXAMPLES=84 \
-                 pytest_ -m gpu -x tests/w4a16/test_w4a16_fuzz_gpu.py > "$OUT/fuzz-w4a16-$s.log" 2>&1 & done
+                 timeout "${FUZZ_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/w4a16/test_w4a16_fuzz_gpu.py > "$OUT/fuzz-w4a16-$s.log" 2>&1 & done
                for s in $(seq $((b + 1)) $((b + 2))); do TILEGEMM_FUZZ_SEED=$s TILEGEMM_FUZZ_EXAMPLES=128 \
-                 pytest_ -m gpu -x tests/grouped/test_grouped_fuzz_gpu.py > "$OUT/fuzz-grouped-$s.log" 2>&1 & done
+                 timeout "${FUZZ_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/grouped/test_grouped_fuzz_gpu.py > "$OUT/fuzz-grouped-$s.log" 2>&1 & done
                wait
                # one summary and the failing seeds' logs only: the device returns a limited number of files
                for f in "$OUT"/fuzz-conv2d-*.log "$OUT"/fuzz-w4a16-*.log "$OUT"/fuzz-grouped-*.log; do
