@@ -1,6 +1,6 @@
 """What the tests of transformers' MoE models share: transformers (and safetensors) or a skip, the mark that skips
 where transformers has no experts interface, and tiny configs of the MoE models whose blocks run code of their own
-(Llama-4, DBRX, JetMoE)."""
+(Llama-4, DBRX, JetMoE; SwitchTransformers and NLLB-MoE, whose experts are a ModuleDict of per-expert MLPs)."""
 
 from __future__ import annotations
 
@@ -55,3 +55,23 @@ def jetmoe(vocab_size: int = 64):
     return transformers.JetMoeConfig(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=1, kv_channels=16,
                                      intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                                      max_position_embeddings=64)
+
+
+def switch_transformers(vocab_size: int = 64):
+    """A tiny SwitchTransformers: one encoder and one decoder block, each with a sparse MLP of four experts."""
+    import transformers
+
+    return transformers.SwitchTransformersConfig(vocab_size=vocab_size, d_model=32, d_kv=16, d_ff=32, num_layers=1,
+                                                 num_decoder_layers=1, num_heads=2, num_experts=4,
+                                                 encoder_sparse_step=1, decoder_sparse_step=1,
+                                                 decoder_start_token_id=0, pad_token_id=0)
+
+
+def nllb_moe(vocab_size: int = 64):
+    """A tiny NLLB-MoE: one encoder and one decoder layer, each with a sparse MLP of four experts (top-2)."""
+    import transformers
+
+    return transformers.NllbMoeConfig(vocab_size=vocab_size, d_model=32, encoder_layers=1, decoder_layers=1,
+                                      encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                      decoder_ffn_dim=32, num_experts=4, encoder_sparse_step=1,
+                                      decoder_sparse_step=1, max_position_embeddings=64)

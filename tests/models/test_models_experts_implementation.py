@@ -1,7 +1,8 @@
 """``experts_implementation="tilegemm"`` on models whose MoE blocks transformers runs with code of their own (Llama-4,
-DBRX, JetMoE): transformers takes the name and never calls the implementation, so tilegemm names those blocks, and
-``tilegemm.nn.convert_``, where it builds or loads the model (``tilegemm.models.from_pretrained(...,
-experts_implementation=...)``, ``load_quantized_``)."""
+DBRX, JetMoE; SwitchTransformers and NLLB-MoE, whose experts are a ModuleDict of per-expert MLPs): transformers takes
+the name and never calls the implementation, so tilegemm names those blocks, and what ``tilegemm.nn.convert_`` does
+with them, where it builds or loads the model (``tilegemm.models.from_pretrained(..., experts_implementation=...)``,
+``load_quantized_``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import moe_kit
-from moe_kit import jetmoe, llama4, needs_experts_interface, transformers_or_skip
+from moe_kit import jetmoe, llama4, needs_experts_interface, nllb_moe, switch_transformers, transformers_or_skip
 
 transformers = transformers_or_skip()
 pytestmark = needs_experts_interface()
@@ -80,6 +81,95 @@ def test_models_on_the_interface_are_not_named():
     model = transformers.AutoModelForCausalLM.from_config(cw.tiny_moe_config(layers=1),
                                                           experts_implementation="tilegemm")
     assert moe.experts_off_interface(model) == [] and moe.experts_off_interface_note(model) is None
+
+
+PER_EXPERT = [  # (config, its class in transformers, the blocks named, their class, each expert's Linears)
+    pytest.param(switch_transformers, "SwitchTransformersConfig",
+                 ["encoder.block.0.layer.1.mlp", "decoder.block.0.layer.2.mlp"], "SwitchTransformersSparseMLP",
+                 ("wi", "wo"), id="switch_transformers"),
+    pytest.param(nllb_moe, "NllbMoeConfig", ["model.encoder.layers.0.ffn", "model.decoder.layers.0.ffn"],
+                 "NllbMoeSparseMLP", ("fc1", "fc2"), id="nllb_moe"),
+]
+
+
+def _seq2seq(make, config_class, implementation):
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"this transformers has no {config_class}")
+    torch.manual_seed(0)
+    return transformers.AutoModelForSeq2SeqLM.from_config(make(), experts_implementation=implementation).eval()
+
+
+@pytest.mark.parametrize("make,config_class,blocks,cls,linears", PER_EXPERT)
+def test_blocks_with_a_module_dict_of_experts_are_named_and_convert_is_not_promised(make, config_class, blocks, cls,
+                                                                                     linears):
+    model = _seq2seq(make, config_class, "tilegemm")
+    assert model.config._experts_implementation == "tilegemm"  # taken, and never called by these blocks
+    assert all(isinstance(model.get_submodule(b).experts, torch.nn.ModuleDict) for b in blocks)
+    off = moe.experts_off_interface(model)
+    assert [n for n, _ in off] == blocks  # the blocks, not their experts nor the experts' Linears
+    for _, why in off:
+        assert why.startswith(f"{cls}, its experts an nn.ModuleDict of 4 per-expert MLPs run one by one")
+        assert "tilegemm.nn.convert_ keeps it" in why and "no grouped product" in why
+    note = moe.experts_off_interface_note(model)
+    assert note.startswith(f"experts_implementation='tilegemm' does not reach 2 MoE block(s) of {type(model).__name__}")
+    assert all(f"{b} ({cls}" in note for b in blocks)
+    # nothing here is replaced: the note must not promise the grouped kernels
+    assert "puts those it replaces on the grouped kernels" not in note and "replaces none of them" in note
+    other = _seq2seq(make, config_class, "eager")  # a model that asks for another implementation is told nothing
+    assert moe.experts_off_interface(other) == off and moe.experts_off_interface_note(other) is None
+
+
+@pytest.mark.parametrize("make,config_class,blocks,cls,linears", PER_EXPERT)
+def test_convert_does_what_the_note_says_with_a_module_dict_of_experts(make, config_class, blocks, cls, linears):
+    model = _seq2seq(make, config_class, "tilegemm")
+    ids = torch.tensor([[3, 17, 40, 5]])
+    with torch.no_grad():
+        want = model(input_ids=ids, decoder_input_ids=ids).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConversionNote)  # nothing kept in silence, nothing kept with a note either
+        tilegemm.nn.convert_(model, conv=False)
+    for b in blocks:  # the block kept, each expert's Linears dense tilegemm Linears
+        block = model.get_submodule(b)
+        assert type(block).__name__ == cls
+        experts = [m for m in block.experts.values() if hasattr(m, linears[0])]
+        assert len(experts) == 4
+        assert all(type(getattr(e, n)) is tilegemm.nn.Linear for e in experts for n in linears)
+    assert not any(isinstance(m, moe.StackedExperts) for m in model.modules())  # no grouped product
+    assert [n for n, _ in moe.experts_off_interface(model)] == blocks  # still off the interface, still named
+    with torch.no_grad():
+        got = model(input_ids=ids, decoder_input_ids=ids).logits
+    assert (got - want).norm() <= 1e-4 * want.norm()  # the same model, one Linear at a time
+
+
+@pytest.mark.parametrize("make,config_class,blocks,cls,linears", PER_EXPERT)
+def test_quantize_experts_alone_names_a_module_dict_of_experts(make, config_class, blocks, cls, linears):
+    model = _seq2seq(make, config_class, "eager")
+    with pytest.warns(ConversionNote, match=r"quantize_experts_ kept 2 MoE block\(s\) 16-bit") as got:
+        assert tilegemm.nn.quantize_experts_(model, group_size=32) == []
+    assert all(f"{b} ({cls}" in str(got[0].message) for b in blocks)
+
+
+def test_a_module_list_of_expert_mlps_is_named():
+    """A block of one's own (as remote-code MoE models build them: a router that is no Linear named ``gate``, so
+    not a 4.x sparse block) whose experts are a ModuleList of MLPs."""
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 8, bias=False)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = torch.nn.Linear(8, 3, bias=False)
+            self.experts = torch.nn.ModuleList([Mlp() for _ in range(3)])
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Block())
+    off = moe.experts_off_interface(model)
+    assert [n for n, _ in off] == ["1"]
+    assert off[0][1].startswith("Block, its experts an nn.ModuleList of 3 per-expert MLPs")
+    model[1].experts = torch.nn.ModuleList([torch.nn.Dropout()])  # a list of no Linears holds no experts
+    assert moe.experts_off_interface(model) == []
 
 
 def _dbrx_checkpoint(path):

@@ -94,7 +94,9 @@ def convert_(
     Qwen2-MoE, Qwen3-MoE, OLMoE) become :class:`tilegemm.nn.moe.SparseMoeBlock`, their experts stacked and run by
     tilegemm's grouped kernels (with transformers 5, build the model with ``experts_implementation="tilegemm"``
     instead); and the blocks whose experts run code of their own, not transformers' experts interface (Llama-4,
-    DBRX, JetMoE: :data:`tilegemm.nn.moe.OWN_FORWARD_BLOCKS`), get experts run by those kernels.
+    DBRX, JetMoE: :data:`tilegemm.nn.moe.OWN_FORWARD_BLOCKS`), get experts run by those kernels. Blocks whose
+    experts are a ModuleDict of per-expert MLPs (SwitchTransformers, NLLB-MoE: :func:`tilegemm.nn.moe.per_expert_mlps`)
+    are kept: ``linear=True`` converts each expert's Linears one by one, with no grouped product.
 
     ``filter(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
     swapped (subclasses with their own forward, float64 weights, ``torch.nn.MultiheadAttention``'s ``out_proj``,

@@ -670,17 +670,25 @@ NOT_GROUPED_BLOCKS = {
 }
 
 
-def experts_off_interface(model: torch.nn.Module) -> list[tuple[str, str]]:
-    """The MoE blocks of ``model`` whose experts transformers' experts interface never runs, so that
-    ``experts_implementation="tilegemm"`` (like any implementation but ``grouped_mm``, which transformers checks)
-    leaves them on their own code, silently: ``[(name, what they are and what takes them)]``. Those are the blocks of
-    :data:`OWN_FORWARD_BLOCKS` (Llama-4, DBRX, JetMoE) and transformers 4.x-style sparse blocks, which
-    :func:`convert_moe_blocks_` (``tilegemm.nn.convert_``) replaces unless it says why not, the blocks of
-    :data:`NOT_GROUPED_BLOCKS`, and any other module holding 3-D experts with a forward of its own."""
-    found: list[tuple[str, str]] = []
+def per_expert_mlps(block: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """The experts of ``block`` where they are an ``nn.ModuleDict`` or ``nn.ModuleList`` of per-expert MLPs
+    (modules holding Linears, which the block's own forward runs one by one: SwitchTransformers' and NLLB-MoE's
+    ``experts``, a 4.x-style block's), else None."""
+    experts = getattr(block, "experts", None)
+    if not isinstance(experts, (torch.nn.ModuleDict, torch.nn.ModuleList)):
+        return None
+    # (NLLB-MoE's dict also holds its token dropout: only the members holding Linears are experts)
+    mlps = [m for m in experts.children() if any(_linear_kind(s) for s in m.modules())]
+    return mlps or None
+
+
+def _off_interface(model: torch.nn.Module) -> list[tuple[str, str, bool]]:
+    """:func:`experts_off_interface`'s ``(name, why)``, each with whether :func:`convert_moe_blocks_` replaces the
+    block (its experts then on the grouped kernels)."""
+    found: list[tuple[str, str, bool]] = []
 
     def inside(name: str) -> bool:  # (a block's own experts module is the block's, named once)
-        return any(name.startswith(f"{n}.") for n, _ in found)
+        return any(name.startswith(f"{n}.") for n, _, _ in found)
 
     for name, module in model.named_modules():
         cls = type(module).__name__
@@ -688,22 +696,45 @@ def experts_off_interface(model: torch.nn.Module) -> list[tuple[str, str]]:
                                                            JetMoeBlock)):
             continue
         if cls in NOT_GROUPED_BLOCKS:
-            found.append((name, f"{cls}: {NOT_GROUPED_BLOCKS[cls]}"))
+            found.append((name, f"{cls}: {NOT_GROUPED_BLOCKS[cls]}", False))
             continue
         if cls in OWN_FORWARD_BLOCKS:
             why = _why_not_own(module)
             found.append((name, f"{cls}, whose experts run in a forward of its own: " + (
-                "tilegemm.nn.convert_ replaces it" if why is None else f"tilegemm.nn.convert_ keeps it ({why})")))
+                "tilegemm.nn.convert_ replaces it" if why is None else f"tilegemm.nn.convert_ keeps it ({why})"),
+                why is None))
             continue
         names, why = legacy_block_parts(module)
         if names is not None or why is not None:
             found.append((name, f"{cls}, a 4.x-style block looping over its experts: " + (
-                "tilegemm.nn.convert_ replaces it" if why is None else f"tilegemm.nn.convert_ keeps it ({why})")))
+                "tilegemm.nn.convert_ replaces it" if why is None else f"tilegemm.nn.convert_ keeps it ({why})"),
+                why is None))
+            continue
+        mlps = per_expert_mlps(module)
+        if mlps is not None:
+            # no grouped product takes these: convert_ and quantize_ reach only the Linears inside, one at a time
+            held = "ModuleDict" if isinstance(module.experts, torch.nn.ModuleDict) else "ModuleList"
+            found.append((name, f"{cls}, its experts an nn.{held} of {len(mlps)} per-expert MLPs run one by one in "
+                                f"its own forward: tilegemm.nn.convert_ keeps it, converting each expert's Linears "
+                                f"one by one into dense tilegemm.nn.Linear layers (tilegemm.nn.quantize_: into "
+                                f"Int4Linears), with no grouped product", False))
     for name, module, takes in _stacked_experts(model):
-        if not takes and not inside(name) and all(name != n for n, _ in found):
+        if not takes and not inside(name) and all(name != n for n, _, _ in found):
             found.append((name, f"{type(module).__name__}, stacked experts with a forward of their own: they stay "
-                                f"as they are"))
+                                f"as they are", False))
     return found
+
+
+def experts_off_interface(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """The MoE blocks of ``model`` whose experts transformers' experts interface never runs, so that
+    ``experts_implementation="tilegemm"`` (like any implementation but ``grouped_mm``, which transformers checks)
+    leaves them on their own code, silently: ``[(name, what they are and what takes them)]``. Those are the blocks of
+    :data:`OWN_FORWARD_BLOCKS` (Llama-4, DBRX, JetMoE) and transformers 4.x-style sparse blocks, which
+    :func:`convert_moe_blocks_` (``tilegemm.nn.convert_``) replaces unless it says why not, the blocks of
+    :data:`NOT_GROUPED_BLOCKS`, blocks whose experts are a ModuleDict or ModuleList of per-expert MLPs
+    (:func:`per_expert_mlps`: SwitchTransformers, NLLB-MoE), which it keeps, converting their Linears one by one,
+    and any other module holding 3-D experts with a forward of its own."""
+    return [(name, why) for name, why, _ in _off_interface(model)]
 
 
 def _listing(blocks: list[tuple[str, str]]) -> str:
@@ -719,13 +750,16 @@ def asks_tilegemm(model: torch.nn.Module) -> bool:
 def experts_off_interface_note(model: torch.nn.Module) -> str | None:
     """What to tell the user where ``model`` asks for ``experts_implementation="tilegemm"`` but has blocks that it
     does not reach (:func:`experts_off_interface`); None where there are none or it asks for another."""
-    off = experts_off_interface(model) if asks_tilegemm(model) else []
+    off = _off_interface(model) if asks_tilegemm(model) else []
     if not off:
         return None
+    # promise the grouped kernels only where convert_ replaces a block listed: it leaves the others' experts as they are
+    then = ("tilegemm.nn.convert_(model) puts those it replaces on the grouped kernels (tilegemm.nn.quantize_ "
+            "converts first)" if any(replaced for _, _, replaced in off) else
+            "tilegemm.nn.convert_(model) replaces none of them: their experts stay off the grouped kernels")
     return (f"experts_implementation='tilegemm' does not reach {len(off)} MoE block(s) of "
             f"{type(model).__name__}, which transformers runs with code of their own, not on tilegemm's grouped "
-            f"kernels: {_listing(off)}. tilegemm.nn.convert_(model) puts those it replaces on the grouped kernels "
-            f"(tilegemm.nn.quantize_ converts first)")
+            f"kernels: {_listing([(n, why) for n, why, _ in off])}. {then}")
 
 
 def convert_moe_blocks_(model: torch.nn.Module, filter=None) -> tuple[list[str], list[tuple[str, str]]]:  # noqa: A002
