@@ -149,6 +149,19 @@ def test_quantize_experts_alone_names_a_module_dict_of_experts(make, config_clas
     assert all(f"{b} ({cls}" in str(got[0].message) for b in blocks)
 
 
+@pytest.mark.parametrize("make,config_class,blocks,cls,linears", PER_EXPERT)
+def test_quantize_takes_each_expert_linear_and_keeps_the_router_16_bit(make, config_class, blocks, cls, linears):
+    model = _seq2seq(make, config_class, "eager")
+    tilegemm.nn.quantize_(model, group_size=32, warn=False)
+    for b in blocks:
+        block = model.get_submodule(b)
+        assert type(block).__name__ == cls
+        experts = [m for m in block.experts.values() if hasattr(m, linears[0])]
+        assert all(isinstance(getattr(e, n), tilegemm.nn.Int4Linear) for e in experts for n in linears)
+        # the router (router.classifier) stays 16-bit, as quantized checkpoints keep routers
+        assert type(block.router.classifier) is torch.nn.Linear
+
+
 def test_a_module_list_of_expert_mlps_is_named():
     """A block of one's own (as remote-code MoE models build them: a router that is no Linear named ``gate``, so
     not a 4.x sparse block) whose experts are a ModuleList of MLPs."""

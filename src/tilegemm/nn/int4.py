@@ -9,7 +9,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tilegemm.nn.moe import SparseMoeBlock, _stacked_experts, convert_moe_blocks_, expert_group_size, quantize_experts_
+from tilegemm.nn.moe import (SparseMoeBlock, _stacked_experts, convert_moe_blocks_, expert_group_size,
+                             per_expert_mlps, quantize_experts_)
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.convert import (MHA_OUT_PROJ_KEPT, ConversionNote, attention_out_projections, is_conv1d,
                                  is_plain_linear, subclass_reason)
@@ -455,14 +456,17 @@ _ROUTER_NAMES = {"gate", "router", "classifier", "gating"}
 
 
 def _router_ids(model: nn.Module) -> set[int]:
-    """The routers of transformers' MoE blocks: Linears inside the module holding an experts block, outside the
-    experts, under a router's name. Kept 16-bit as quantized checkpoints keep them (a model may read a router's
-    weight itself: LongCat casts it to fp32)."""
-    ids = set()
+    """The routers of transformers' MoE blocks: Linears inside the module holding an experts block (stacked experts,
+    or a ModuleDict / ModuleList of per-expert MLPs: SwitchTransformers, NLLB-MoE), outside the experts, under a
+    router's name. Kept 16-bit as quantized checkpoints keep them (a model may read a router's weight itself:
+    LongCat casts it to fp32)."""
+    holders = []  # (the module holding the experts, the experts)
     for name, _, _ in _stacked_experts(model):
         parent_name = name.rpartition(".")[0]
-        parent = model.get_submodule(parent_name) if parent_name else model
-        experts = model.get_submodule(name)
+        holders.append((model.get_submodule(parent_name) if parent_name else model, model.get_submodule(name)))
+    holders += [(m, m.experts) for m in model.modules() if per_expert_mlps(m) is not None]
+    ids = set()
+    for parent, experts in holders:
         inner = {id(m) for m in experts.modules()}
         for sub, m in parent.named_modules():
             if isinstance(m, nn.Linear) and id(m) not in inner and _ROUTER_NAMES & set(sub.split(".")):
