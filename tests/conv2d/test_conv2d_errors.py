@@ -61,6 +61,18 @@ def test_bad_dtypes_and_bias(device):
         tilegemm.conv2d(x, w, torch.randn(8, device=device, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("x_shape", [(4, 0, 6), (4, 6, 0)])
+def test_an_unbatched_input_with_an_empty_side_is_named_as_given(x_shape, device):
+    # checked as a batch of one ([1, C, H, W]), but named as the caller's unbatched [C, H, W] input
+    x, w = _xw(device, x_shape, (8, 4, 1, 1))
+    H, W = x_shape[1:]
+    with pytest.raises(ValueError, match=rf"empty spatial dimension \(H={H}, W={W}\) in an unbatched \[C, H, W\] "
+                                         rf"input of shape \[4, {H}, {W}\]") as err:
+        tilegemm.conv2d(x, w)
+    assert "batch of" not in str(err.value)
+    with pytest.raises(ValueError, match="in an unbatched"):
+        tilegemm.nn.Conv2d(4, 8, 1).to(device)(x)
+
 
 def test_sparse_tensors(device):
     """Tensors without strides are refused by name (they reached torch's memory-format conversion)."""

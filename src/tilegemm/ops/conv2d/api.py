@@ -8,7 +8,7 @@ from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import autocast_inputs, check_precision
 from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call
 from tilegemm.ops.conv2d import dispatch, op
-from tilegemm.ops.conv2d.checks import check_conv, check_kernel, forward_key, forward_key_of
+from tilegemm.ops.conv2d.checks import check_conv, check_kernel, check_unbatched, forward_key, forward_key_of
 from tilegemm.ops.conv2d.op import REPLAYS
 from tilegemm.ops.conv2d.problem import ConvCall, output_format
 
@@ -61,6 +61,7 @@ def conv2d(
     if torch._C._is_any_autocast_enabled():
         x, weight, bias = autocast_inputs(x, weight, bias)
     if getattr(x, "ndim", 4) == 3:  # unbatched [C, H, W], as F.conv2d takes it: a batch of one
+        check_unbatched(x)  # (an empty H or W named as given, not as the batch of one checked below)
         return conv2d(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups, activation,
                       precision=precision, kernel=kernel).squeeze(0)
     if activation is None:

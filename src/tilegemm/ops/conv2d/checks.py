@@ -146,6 +146,15 @@ def check_conv(x, weight, bias, stride, padding, dilation, groups) -> Geometry:
     return g
 
 
+def check_unbatched(x: torch.Tensor) -> None:
+    """ValueError for an unbatched ``[C, H, W]`` x with an empty H or W, named as the caller gave it (the rest of
+    the checks see it as a batch of one, ``[1, C, H, W]``)."""
+    _, H, W = x.shape
+    if H == 0 or W == 0:  # F.conv2d refuses this too: the output would be all padding
+        raise ValueError(f"x has an empty spatial dimension (H={H}, W={W}) in an unbatched [C, H, W] input of shape "
+                         f"{list(x.shape)}: only a batched input's batch may be empty, as in torch")
+
+
 def check_kernel(kernel) -> None:
     """TypeError for a kernel name that is not a str, ValueError naming the choices for an unknown one,
     :class:`~tilegemm.core.registry.NotApplicable` for one that cannot run on this machine."""
