@@ -98,6 +98,8 @@ def test_opcheck(device):
                           (dy, w, [2, 4, 5, 6], True, [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
     torch.library.opcheck(torch.ops.tilegemm.conv2d_wgrad.default,
                           (dy, x, [6, 2, 3, 3], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
+    torch.library.opcheck(torch.ops.tilegemm.conv2d_wgrad.default,  # a channels-last weight's, of an NCHW x
+                          (dy, x.contiguous(), [6, 2, 3, 3], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee", True))
     # the gradients' own autograd (double backward), with their inputs requiring gradients
     dy, w, x = (t.detach().clone().requires_grad_() for t in (dy, w, x))
     torch.library.opcheck(torch.ops.tilegemm.conv2d_dgrad.default,
@@ -106,22 +108,25 @@ def test_opcheck(device):
                           (dy, x, [6, 2, 3, 3], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
 
 
+@pytest.mark.parametrize("w_cl", [False, True], ids=["w-nchw", "w-cl"])
 @pytest.mark.parametrize("w_shape,groups,cl,pad", [((6, 4, 3, 3), 1, True, 1), ((6, 4, 3, 3), 1, False, 1),
-                                                   ((6, 2, 3, 1), 2, True, 1), ((6, 4, 1, 1), 1, True, 1),
-                                                   ((6, 4, 1, 1), 1, True, 0), ((8, 1, 3, 3), 4, True, 1)])
-def test_weight_gradient_follows_the_activations_layout(w_shape, groups, cl, pad, device):
-    """A channels-last activation gets a channels-last weight gradient (as torch's cuDNN path returns it), a
-    contiguous one a contiguous gradient; 1x1 and one-channel filters, where the two layouts are the same
-    memory, contiguous ones. The fake says the same strides, and the values are F.conv2d's."""
+                                                   ((6, 2, 3, 1), 2, True, 1), ((6, 2, 3, 1), 2, False, 1),
+                                                   ((6, 4, 1, 1), 1, True, 1), ((6, 4, 1, 1), 1, True, 0),
+                                                   ((8, 1, 3, 3), 4, True, 1)])
+def test_weight_gradient_follows_the_layers_layout(w_shape, groups, cl, pad, w_cl, device):
+    """A channels-last activation or weight (``w_cl``) gets a channels-last weight gradient (as torch's
+    convolution backward returns it), an NCHW layer a contiguous one; 1x1 and one-channel filters, where the two
+    layouts are the same memory, contiguous ones. The fake says the same strides, and the values are
+    F.conv2d's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x = torch.randn(2, 4, 7, 6, device=device)
     x = x.contiguous(memory_format=CL) if cl else x
     K, _, R, S = w_shape
     dy = torch.randn(2, K, 7 - R + 1 + 2 * pad, 6 - S + 1 + 2 * pad, device=device).contiguous(memory_format=CL)
-    args = (dy, x, list(w_shape), [1, 1], [pad] * 4, [1, 1], groups, "ieee")  # pad 0 1x1: the GEMM path
+    args = (dy, x, list(w_shape), [1, 1], [pad] * 4, [1, 1], groups, "ieee", w_cl)  # pad 0 1x1: the GEMM path
     dw = torch.ops.tilegemm.conv2d_wgrad(*args)
-    want = torch.channels_last if cl and R * S > 1 and w_shape[1] > 1 else torch.contiguous_format
+    want = torch.channels_last if (cl or w_cl) and R * S > 1 and w_shape[1] > 1 else torch.contiguous_format
     assert dw.is_contiguous(memory_format=want)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = torch.ops.tilegemm.conv2d_wgrad(mode.from_tensor(dy), mode.from_tensor(x), *args[2:])
@@ -130,6 +135,54 @@ def test_weight_gradient_follows_the_activations_layout(w_shape, groups, cl, pad
     wr = torch.zeros(w_shape, dtype=torch.float64, device=device, requires_grad=True)
     torch.nn.functional.conv2d(xr, wr, None, 1, pad, 1, groups).backward(dy.double())
     assert_rel_close(dw, wr.grad, 1e-5)
+
+
+def _dense_strides(t: torch.Tensor) -> tuple:
+    """``t``'s strides but those of its size-1 dimensions, which address nothing (what autograd's layout contract
+    for a ``.grad`` compares)."""
+    return tuple(st for n, st in zip(t.shape, t.stride()) if n > 1)
+
+
+@pytest.mark.parametrize("dy_format", ["as-output", "nchw"])
+@pytest.mark.parametrize("w_format", ["nchw", "cl"])
+@pytest.mark.parametrize("x_format", ["nchw", "cl"])
+@pytest.mark.parametrize("w_shape,conv", [
+    pytest.param((6, 4, 3, 3), dict(padding=1), id="3x3"),
+    pytest.param((6, 2, 3, 3), dict(stride=2, padding=1, groups=2), id="3x3-stride2-groups2"),
+    pytest.param((6, 4, 1, 1), dict(), id="pointwise"),
+    pytest.param((8, 1, 3, 3), dict(padding=1, groups=4), id="depthwise"),
+])
+def test_gradient_memory_formats_match_torch(w_shape, conv, x_format, w_format, dy_format, device):
+    """Every pairing of NCHW and channels-last x and weight: the gradients autograd returns (x's, the weight's,
+    the bias's) have F.conv2d's strides (channels-last where x or the weight is, as the output), and so have the
+    ``.grad`` that backward() accumulates; the values are F.conv2d's. An NCHW incoming gradient (a mean's backward
+    gives one) changes nothing. 1x1 and one-channel filters are both layouts at once: their strides are compared
+    where a dimension has more than one element."""
+    x = torch.randn(2, 4, 6, 5, device=device)
+    w = torch.randn(w_shape, device=device) / (w_shape[1] * w_shape[2] * w_shape[3]) ** 0.5
+    b = torch.randn(w_shape[0], device=device)
+    x = x.contiguous(memory_format=CL) if x_format == "cl" else x
+    w = w.contiguous(memory_format=CL) if w_format == "cl" else w
+    got, want = [], []
+    for fn, grads, dtype in ((tilegemm.conv2d, got, torch.float32), (torch.nn.functional.conv2d, want, torch.float64)):
+        xs, ws, bs = (t.detach().to(dtype).requires_grad_() for t in (x, w, b))  # (.to keeps the strides)
+        out = fn(xs, ws, bs, **conv)
+        dy = torch.randn(out.shape, device=device, generator=torch.Generator(device).manual_seed(7)).to(dtype)
+        dy = dy.contiguous(memory_format=CL if out.is_contiguous(memory_format=CL) and dy_format == "as-output"
+                           else torch.contiguous_format)
+        grads.append(out)
+        grads.extend(torch.autograd.grad(out, (xs, ws, bs), dy, retain_graph=True))
+        out.backward(dy)
+        grads.extend((xs.grad, ws.grad, bs.grad))
+    names = ("output", "grad x", "grad weight", "grad bias", "x.grad", "weight.grad", "bias.grad")
+    for name, g, r in zip(names, got, want):
+        assert _dense_strides(g) == _dense_strides(r), (name, g.stride(), r.stride())
+        assert_rel_close(g, r, 1e-5)
+    if w_shape[1] > 1 and w_shape[2] > 1:  # not a layout of both: channels-last where x or the weight is
+        layer = CL if "cl" in (x_format, w_format) else torch.contiguous_format
+        for name, g in zip(names[:3], got[:3]):
+            assert g.is_contiguous(memory_format=layer), name
+            assert g.stride() == want[names.index(name)].stride(), name
 
 
 def test_torch_compile_fullgraph_forward_and_backward(device):

@@ -142,14 +142,14 @@ def _conv2d_dgrad_rule(dy, weight, x_shape, x_channels_last, stride, padding, di
     return rules
 
 
-def _conv2d_wgrad_rule(dy, x, w_shape, stride, padding, dilation, groups, precision):
+def _conv2d_wgrad_rule(dy, x, w_shape, stride, padding, dilation, groups, precision, w_channels_last=False):
     """``tilegemm::conv2d_wgrad``, grad of a weight ``w_shape`` from dy and x: replicated, or the batch split in
     both, each rank's sum over its images a partial sum."""
-    args = (dy, x, w_shape, stride, padding, dilation, groups, precision)
+    args = (dy, x, w_shape, stride, padding, dilation, groups, precision, w_channels_last)
     R = Replicate()
 
     def strategy(out, pdy, px):
-        return [out], _place(args, [pdy, px] + [None] * 6)
+        return [out], _place(args, [pdy, px] + [None] * 7)
 
     return [strategy(R, R, R), strategy(Partial(), Shard(0), Shard(0))]
 

@@ -44,7 +44,8 @@ def conv2d(
             ``torch.get_float32_matmul_precision()`` (read when the op runs).
         kernel: ``"auto"`` or a name from ``tilegemm.kernels("conv2d")``.
 
-    Differentiable in x, weight and bias, to any order (the backward runs tilegemm's kernels too). Under
+    Differentiable in x, weight and bias, to any order (the backward runs tilegemm's kernels too); the gradients
+    of x and the weight take the output's memory format, as torch's convolution backward returns them. Under
     ``torch.autocast`` the floating-point tensors on the autocast device, float64 excepted, are cast to its dtype
     first, as autocast casts ``F.conv2d``'s. Under ``torch.fx.symbolic_trace`` the call is one ``call_function``
     node.

@@ -23,7 +23,7 @@ from tilegemm.ops.conv2d.configs import (
     _patch, _pow2_at_least, gluon_ring, takes_grouped_direct, takes_grouped_packed, tma_forward_config,
 )
 from tilegemm.ops.conv2d.problem import (
-    ConvCall, ConvProblem, DgradCall, Geometry, WgradCall, channels_last, output_format, wgrad_format,
+    ConvCall, ConvProblem, DgradCall, Geometry, WgradCall, channels_last, output_format,
 )
 from tilegemm.ops.matmul import matmul
 
@@ -476,7 +476,7 @@ def wgrad(c: WgradCall) -> torch.Tensor:
     """The weight gradient of call ``c`` (what ``tilegemm::conv2d_wgrad`` runs), in :func:`wgrad_format`."""
     dy, x, w_shape = c.dy, c.x, c.w_shape
     g = c.geometry()
-    fmt = wgrad_format(x, w_shape)
+    fmt = c.w_format
     if dy.numel() == 0:
         from tilegemm.ops.conv2d.implicit_gemm import empty_4d
 
@@ -566,7 +566,8 @@ def _wgrad_pads(g: Geometry) -> bool:
 def _wgrad_nchw(dy, x, g, precision, fmt) -> torch.Tensor:
     """The weight gradient of an NCHW layer (:func:`_nchw_route` of ``x``): ``x`` and ``dy`` transposed
     channels-last into workspaces, then the kernel a channels-last call takes (a 1x1 stride-1 layer's GEMM too),
-    the gradient in ``fmt`` (:func:`wgrad_format` of the NCHW ``x``); every launch Triton's, so the call replays."""
+    the gradient in ``fmt`` (:func:`wgrad_format`: channels-last for a channels-last weight); every launch
+    Triton's, so the call replays."""
     from tilegemm.ops.conv2d import layout
 
     if _wgrad_pads(g) and not g.is_pointwise and not takes_grouped_direct(g):

@@ -109,13 +109,15 @@ def _wgrad_op(
     dilation: List[int],
     groups: int,
     precision: str,
+    w_channels_last: bool = False,
 ) -> torch.Tensor:
-    return dispatch.wgrad(WgradCall(dy, x, w_shape, stride, padding, dilation, groups, precision))
+    return dispatch.wgrad(WgradCall(dy, x, w_shape, stride, padding, dilation, groups, precision, w_channels_last))
 
 
 @_wgrad_op.register_fake
-def _wgrad_fake(dy, x, w_shape, stride, padding, dilation, groups, precision):
-    return torch.empty(w_shape, dtype=x.dtype, device=x.device, memory_format=wgrad_format(x, w_shape))
+def _wgrad_fake(dy, x, w_shape, stride, padding, dilation, groups, precision, w_channels_last=False):
+    return torch.empty(w_shape, dtype=x.dtype, device=x.device,
+                       memory_format=wgrad_format(x, w_shape, w_channels_last))
 
 
 # --- the gradients' plain calls, replayed ----------------------------------------------------------------
@@ -140,13 +142,13 @@ def backward_weight(c: WgradCall) -> torch.Tensor:
     was recorded (each path launches only kernels: the 1x1 path's GEMM, the implicit-GEMM and depthwise kernels
     that add their slices in one launch)."""
     key = replay_key("wgrad", c.dy, c.x, None, (c.stride, c.padding, c.dilation, c.groups), tuple(c.w_shape),
-                     c.precision)
+                     c.precision, c.w_channels_last)
     if key is None:
         return dispatch.wgrad(c)
     out = REPLAYS.replayed(key, (c.dy, c.x))
     if out is not None:
         return out
-    with REPLAYS.recording(key, (c.dy, c.x), wgrad_format(c.x, c.w_shape)) as kept:
+    with REPLAYS.recording(key, (c.dy, c.x), c.w_format) as kept:
         return kept(dispatch.wgrad(c))
 
 
@@ -158,7 +160,10 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, bias)
     ctx.conv = (list(stride), list(padding), list(dilation), groups)
     ctx.activation, ctx.precision = activation, precision
-    ctx.x_channels_last = channels_last(x)
+    # The gradients take the output's memory format (channels-last where x or the weight is), as torch's
+    # convolution backward returns them: a channels-last weight fed an NCHW x gets a channels-last grad of x too.
+    ctx.layer_channels_last = output_format(x, weight) is torch.channels_last
+    ctx.w_channels_last = channels_last(weight)
 
 
 def _copies_dy(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, conv) -> bool:
@@ -187,18 +192,19 @@ def _backward(ctx, grad_out):
                                           create_graph=create_graph)
     want_x, want_w, want_bias = ctx.needs_input_grad[:3]
     g = grad.to(x.dtype)  # the two convolutions of the backward pass run in the operands' dtype, like torch's
-    if ctx.x_channels_last and (want_x or want_w) and _copies_dy(g, x, weight, ctx.conv):
+    if ctx.layer_channels_last and (want_x or want_w) and _copies_dy(g, x, weight, ctx.conv):
         g = g.contiguous(memory_format=torch.channels_last)  # once here, not once in each gradient's route
     grad_x = grad_w = grad_bias = None
     # Outside tracing the gradients' ops are called as functions: dispatch through a registered op costs
     # tens of microseconds of host time a call (see tilegemm.core.launch.plain_call).
     plain = plain_call(g, weight, x)
     if want_x:
-        c = DgradCall(g, weight, list(x.shape), ctx.x_channels_last, stride, padding, dilation, groups,
+        c = DgradCall(g, weight, list(x.shape), ctx.layer_channels_last, stride, padding, dilation, groups,
                       ctx.precision)
         grad_x = backward_data(c) if plain else _dgrad_op(*c.op_args())
     if want_w:
-        c = WgradCall(g, x, list(weight.shape), stride, padding, dilation, groups, ctx.precision)
+        c = WgradCall(g, x, list(weight.shape), stride, padding, dilation, groups, ctx.precision,
+                      ctx.w_channels_last)
         grad_w = backward_weight(c) if plain else _wgrad_op(*c.op_args())
     if want_bias and bias is not None:
         grad_bias = grad.sum(dim=(0, 2, 3), dtype=torch.float32).to(bias.dtype)
@@ -230,17 +236,18 @@ def _dgrad_backward(ctx, grad_dx):
         grad_dy = _conv2d_op(g, weight.to(dy.dtype), None, stride, padding, dilation, groups, "none",
                              ctx.precision, "auto")
     if ctx.needs_input_grad[1]:
-        grad_w = _wgrad_op(dy, g, list(weight.shape), stride, padding, dilation, groups,
-                           ctx.precision).to(weight.dtype)
+        grad_w = _wgrad_op(dy, g, list(weight.shape), stride, padding, dilation, groups, ctx.precision,
+                           channels_last(weight)).to(weight.dtype)
     return grad_dy, grad_w, None, None, None, None, None, None, None
 
 
 def _wgrad_setup_context(ctx, inputs, output):
-    dy, x, _, stride, padding, dilation, groups, precision = inputs
+    dy, x, _, stride, padding, dilation, groups, precision = inputs[:8]
     ctx.save_for_backward(dy, x)
     ctx.conv = (list(stride), list(padding), list(dilation), groups)
     ctx.precision = precision
-    ctx.x_channels_last = channels_last(x)
+    # (grad of x in the layer's format, as the first-order backward returns it: channels-last where x or w is)
+    ctx.x_channels_last = channels_last(x) or bool(inputs[8] if len(inputs) > 8 else False)
 
 
 def _wgrad_backward(ctx, grad_dw):
@@ -254,7 +261,7 @@ def _wgrad_backward(ctx, grad_dw):
     if ctx.needs_input_grad[1]:
         grad_x = _dgrad_op(dy.to(x.dtype), g, list(x.shape), ctx.x_channels_last, stride, padding, dilation,
                            groups, ctx.precision)
-    return grad_dy, grad_x, None, None, None, None, None, None
+    return grad_dy, grad_x, None, None, None, None, None, None, None
 
 
 _dgrad_op.register_autograd(_dgrad_backward, setup_context=_dgrad_setup_context)

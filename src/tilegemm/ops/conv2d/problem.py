@@ -96,13 +96,14 @@ def output_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if channels_last(x) or channels_last(weight) else torch.contiguous_format
 
 
-def wgrad_format(x: torch.Tensor, w_shape) -> torch.memory_format:
-    """The weight gradient's memory format: channels-last where ``x`` is channels-last and the filter has more than
-    one tap and channel (where the two differ), as torch's cuDNN path returns it for a channels-last ``x``; else
-    contiguous (cuDNN also returns channels-last for an NCHW ``x`` with a channels-last weight; here the layout
-    follows ``x`` alone). The kernels store a tile of one tap as whole rows then, not one element every R*S."""
+def wgrad_format(x: torch.Tensor, w_shape, w_channels_last: bool = False) -> torch.memory_format:
+    """The weight gradient's memory format: that of the layer's output (:func:`output_format`: channels-last where
+    ``x`` or the weight, ``w_channels_last``, is), as torch's convolution backward returns it; but contiguous for
+    a filter of one tap or one channel a group, where the two layouts are the same memory. Channels-last, the
+    kernels store a tile of one tap as whole rows, not one element every R*S."""
     _, cg, r, s = w_shape
-    return torch.channels_last if r * s > 1 and cg > 1 and channels_last(x) else torch.contiguous_format
+    return torch.channels_last if r * s > 1 and cg > 1 and (w_channels_last or channels_last(x)) \
+        else torch.contiguous_format
 
 
 # --- the calls of the three ops (tilegemm.ops.conv2d.op), in their schemas' order ---------------------------
@@ -135,7 +136,8 @@ class ConvCall:
 
 @dataclass(frozen=True)
 class DgradCall:
-    """One data gradient (``tilegemm::conv2d_dgrad``): grad of x ``x_shape`` (channels-last or not) from ``dy``."""
+    """One data gradient (``tilegemm::conv2d_dgrad``): grad of x ``x_shape`` from ``dy``, channels-last where
+    ``x_channels_last`` says (autograd's backward sets it from :func:`output_format`, as torch's returns it)."""
 
     dy: torch.Tensor
     weight: torch.Tensor
@@ -161,7 +163,8 @@ class DgradCall:
 
 @dataclass(frozen=True)
 class WgradCall:
-    """One weight gradient (``tilegemm::conv2d_wgrad``): grad of a weight of ``w_shape`` from ``dy`` and ``x``."""
+    """One weight gradient (``tilegemm::conv2d_wgrad``): grad of a weight of ``w_shape`` from ``dy`` and ``x``, in
+    :func:`wgrad_format` (``w_channels_last``: the weight is channels-last, :func:`channels_last`)."""
 
     dy: torch.Tensor
     x: torch.Tensor
@@ -171,9 +174,15 @@ class WgradCall:
     dilation: list
     groups: int
     precision: str
+    w_channels_last: bool = False
 
     def op_args(self) -> tuple:
-        return (self.dy, self.x, self.w_shape, self.stride, self.padding, self.dilation, self.groups, self.precision)
+        return (self.dy, self.x, self.w_shape, self.stride, self.padding, self.dilation, self.groups, self.precision,
+                self.w_channels_last)
+
+    @property
+    def w_format(self) -> torch.memory_format:
+        return wgrad_format(self.x, self.w_shape, self.w_channels_last)
 
     def geometry(self) -> Geometry:
         return geometry_of(self.x.shape, self.w_shape, self.stride, self.padding, self.dilation, self.groups)
