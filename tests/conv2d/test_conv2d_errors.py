@@ -55,6 +55,8 @@ def test_bad_dtypes_and_bias(device):
         tilegemm.conv2d(x > 0, w > 0)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         tilegemm.conv2d(x.tolist(), w)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got ndarray"):  # 3-D: no unbatched route
+        tilegemm.conv2d(x[0].cpu().numpy(), w)
     with pytest.raises(ValueError, match=r"bias must have shape \[K\] = \[8\], got \[7\]"):
         tilegemm.conv2d(x, w, torch.randn(7, device=device))
     with pytest.raises(TypeError, match="dtypes differ: x is fp32, bias is fp16"):

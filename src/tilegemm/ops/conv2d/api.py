@@ -61,7 +61,8 @@ def conv2d(
             {"precision": precision, "kernel": kernel})
     if torch._C._is_any_autocast_enabled():
         x, weight, bias = autocast_inputs(x, weight, bias)
-    if getattr(x, "ndim", 4) == 3:  # unbatched [C, H, W], as F.conv2d takes it: a batch of one
+    if isinstance(x, torch.Tensor) and x.ndim == 3:  # unbatched [C, H, W], as F.conv2d takes it: a batch of one
+        # (a tensor only: a 3-D array or list goes on to the checks, which name its type)
         check_unbatched(x)  # (an empty H or W named as given, not as the batch of one checked below)
         return conv2d(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups, activation,
                       precision=precision, kernel=kernel).squeeze(0)
