@@ -61,6 +61,9 @@ def conv2d(
             {"precision": precision, "kernel": kernel})
     if torch._C._is_any_autocast_enabled():
         x, weight, bias = autocast_inputs(x, weight, bias)
+    if isinstance(x, torch.Tensor) and x.ndim not in (3, 4):  # (named here: the checks below see 4-D only)
+        raise ValueError(f"x must be a batched [N, C, H, W] (4 dims) or unbatched [C, H, W] (3 dims) input, got "
+                         f"shape {list(x.shape)}")
     if isinstance(x, torch.Tensor) and x.ndim == 3:  # unbatched [C, H, W], as F.conv2d takes it: a batch of one
         # (a tensor only: a 3-D array or list goes on to the checks, which name its type)
         check_unbatched(x)  # (an empty H or W named as given, not as the batch of one checked below)
