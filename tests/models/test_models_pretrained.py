@@ -129,6 +129,25 @@ def test_a_not_converted_module_stored_quantized_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj is in modules_to_not_convert but "
                                          r"the checkpoint stores it quantized"):
         from_pretrained(path, device="cpu")
+    # an entry naming a module around the Linears by the end of its name (as transformers' own match takes it)
+    cfg["quantization_config"]["modules_to_not_convert"] = ["layers.1.self_attn"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj is in modules_to_not_convert but "
+                                         r"the checkpoint stores it quantized") as info:
+        from_pretrained(path, device="cpu")
+    assert "layers.0" not in str(info.value)
+
+
+def test_modules_to_not_convert_names_a_module_or_one_around_it():
+    names = ("mlp.experts", "layers.1", "gate", "model.layers.2.moe.experts.0.down_proj", "lm_head")
+    for name in ("model.layers.0.mlp.experts.3.up_proj", "model.layers.1.self_attn.o_proj", "model.layers.0.mlp.gate",
+                 "model.layers.2.moe.experts.0.down_proj", "lm_head", "model.layers.4.mlp.experts"):
+        assert pretrained._not_converted(name, names), name
+    # at dots only: mlp.gate is no gate_proj, layers.1 no layers.11, an expert's down_proj not another's
+    for name in ("model.layers.0.mlp.gate_proj", "model.layers.11.self_attn.o_proj",
+                 "model.layers.2.moe.experts.1.down_proj", "model.layers.0.mlp.shared_experts.up_proj",
+                 "model.lm_head_norm"):
+        assert not pretrained._not_converted(name, names), name
 
 
 def test_load_quantized_into_a_user_built_model(tmp_path, device):

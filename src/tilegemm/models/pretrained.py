@@ -737,9 +737,12 @@ def _meta_model(auto_class, config, dtype: torch.dtype, experts_implementation: 
 
 
 def _not_converted(name: str, patterns: tuple[str, ...]) -> bool:
-    """Whether module ``name`` is one ``modules_to_not_convert`` names (the name itself, or a module around it)."""
+    """Whether module ``name`` is one ``modules_to_not_convert`` names: an entry that is the module's name, or the
+    end of it at a dot, or either for a module around it (``"mlp.experts"`` names the experts block of every layer,
+    and so each expert Linear in it)."""
     parts = name.split(".")
-    return any(name == p or name.endswith("." + p) or p in parts or name.startswith(p + ".") for p in patterns)
+    around = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return any(m == p or m.endswith("." + p) for p in patterns for m in around)
 
 
 def _linear_shape(m: nn.Module) -> tuple[int, int] | None:
