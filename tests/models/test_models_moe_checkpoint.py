@@ -452,3 +452,103 @@ def test_stored_expert_biases_the_block_lacks(tmp_path, device):
     with pytest.warns(UserWarning, match=r"nonzero model\.layers\.0\.mlp\.experts\.2\.up_proj\.bias, which the "
                                          r"experts of model\.layers\.0\.mlp\.experts do not have"):
         from_pretrained(path, device=device)
+
+
+# A skip list (modules_to_not_convert, a GPTQModel "-:" dynamic pattern, compressed-tensors' ignore) naming experts
+# that the checkpoint stores quantized: the config and the tensors disagree, and the load is refused as it is for a
+# dense Linear, one line a block naming the rule, its entry, how many expert Linears and which ones. (An expert
+# named by modules_to_not_convert was loaded 4-bit without a word; one a "-:" pattern or ignore names was reported
+# "stored 16-bit", and its packed tensors again as belonging to no Linear.)
+SKIPPED = {  # name: (arch, writer options, regex of the refusal, how many blocks it names)
+    "gptq-modules_to_not_convert-a-block-suffix": (
+        "qwen3_moe", dict(method="gptq", group_size=32, sym=True, not_convert=["mlp.experts"]),
+        r"model\.layers\.0\.mlp\.experts: 12 of its 12 expert Linears are in quantization_config\."
+        r"modules_to_not_convert \('mlp\.experts'\) but the checkpoint stores them quantized \(model\.layers\.0\.mlp"
+        r"\.experts\.0\.gate_proj\.qweight \.\.\.\)", 2),
+    # Mixtral's experts stored under block_sparse_moe, named as the model names them (mlp) or as stored
+    "awq-modules_to_not_convert-one-expert-the-models-name": (
+        "mixtral", dict(method="awq", group_size=32, not_convert=["model.layers.1.mlp.experts.2"]),
+        r"model\.layers\.1\.mlp\.experts: 3 of its 12 expert Linears are in quantization_config\."
+        r"modules_to_not_convert \('model\.layers\.1\.mlp\.experts\.2'\) but the checkpoint stores them quantized "
+        r"\(model\.layers\.1\.block_sparse_moe\.experts\.2\.w1\.qweight \.\.\.\): model\.layers\.1\.block_sparse_moe"
+        r"\.experts\.2\.w1, model\.layers\.1\.block_sparse_moe\.experts\.2\.w3, "
+        r"model\.layers\.1\.block_sparse_moe\.experts\.2\.w2; where the stored tensors are meant, the config needs "
+        r"that entry dropped from it", 1),
+    "gptq-modules_to_not_convert-one-projection-the-stored-name": (
+        "mixtral", dict(method="gptq", group_size=32, not_convert=["block_sparse_moe.experts.3.w2"]),
+        r"model\.layers\.0\.mlp\.experts: 1 of its 12 expert Linears is in quantization_config\.modules_to_not_convert"
+        r" \('block_sparse_moe\.experts\.3\.w2'\) but the checkpoint stores it quantized \(model\.layers\.0\."
+        r"block_sparse_moe\.experts\.3\.w2\.qweight\)", 2),
+    "gptq-dynamic-negative-pattern": (
+        "qwen3_moe", dict(method="gptq", group_size=32, quant_extra=dict(dynamic={r"-:.*\.experts\.1\.": {}})),
+        r"model\.layers\.1\.mlp\.experts: 3 of its 12 expert Linears are left 16-bit by the pattern "
+        r"'-:\.\*\\\.experts\\\.1\\\.' of quantization_config\.dynamic but the checkpoint stores them quantized "
+        r"\(model\.layers\.1\.mlp\.experts\.1\.gate_proj\.qweight \.\.\.\)", 2),
+    "compressed-tensors-ignore": (
+        "qwen3_moe", dict(method="compressed-tensors", group_size=32, sym=True,
+                          not_convert=["experts.0.down_proj"]),
+        r"model\.layers\.1\.mlp\.experts: 1 of its 12 expert Linears is in quantization_config\.ignore "
+        r"\('re:\.\*experts\[\.\]0\[\.\]down_proj\$'\) but the checkpoint stores it quantized "
+        r"\(model\.layers\.1\.mlp\.experts\.0\.down_proj\.weight_packed\)", 2),
+}
+
+
+@pytest.mark.parametrize("name", list(SKIPPED))
+def test_experts_a_skip_list_names_but_stored_quantized_are_refused(tmp_path, device, name):
+    arch, kw, needle, blocks = SKIPPED[name]
+    path, _, _ = _write(tmp_path, arch, **kw)
+    with pytest.raises(ValueError, match=needle) as info:
+        from_pretrained(path, device=device)
+    message = str(info.value)
+    assert "stored 16-bit" not in message  # they are not: their packed tensors are there
+    assert "no Linear of" not in message  # (a refused expert's tensors are not reported again as strays)
+    # one line a block: every block where the entry names experts, none where it names none
+    lines = [line for line in message.splitlines() if "expert Linears" in line]
+    assert len(lines) == blocks, lines
+
+
+def test_a_16_bit_expert_that_a_negative_pattern_names_is_said_stored_16_bit(tmp_path, device):
+    # the other way round: a "-:" pattern names an expert that is truly stored 16-bit among quantized ones (what the
+    # message said of every expert a "-:" pattern named): refused as a mixed block, saying stored 16-bit
+    from safetensors.torch import load_file, save_file
+
+    config = cw.tiny_moe_config(layers=1)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 32, sym=True,
+                               quant_extra=dict(dynamic={r"-:.*\.experts\.2\.down_proj": {}}))
+    stored = load_file(path / "model.safetensors")
+    key = "model.layers.0.mlp.experts.2.down_proj"
+    for part in ("qweight", "qzeros", "scales", "g_idx"):
+        del stored[f"{key}.{part}"]
+    stored[f"{key}.weight"] = reference["model.layers.0.mlp.experts.down_proj"][2].half()
+    save_file(stored, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{key}: stored 16-bit \({key}\.weight\), left 16-bit by the pattern "
+                                         r"'-:\.\*\\\.experts\\\.2\\\.down_proj' of quantization_config\.dynamic, but "
+                                         r"others of the block are stored quantized"):
+        from_pretrained(path, device=device)
+
+
+def test_a_16_bit_experts_block_that_modules_to_not_convert_names_loads(tmp_path, device):
+    # named and stored 16-bit, as the entry says: no conflict, the block keeps its 16-bit experts
+    path, _, reference = _write(tmp_path, "qwen3_moe", method="gptq", group_size=32,
+                                dense_experts=("model.layers.0.mlp.experts",), not_convert=["layers.0.mlp.experts"])
+    model = from_pretrained(path, device=device)
+    dense, quant = model.model.layers[0].mlp.experts, model.model.layers[1].mlp.experts
+    assert torch.equal(dense.down_proj.cpu(), reference["model.layers.0.mlp.experts.down_proj"])
+    assert hasattr(quant, "tilegemm_down_proj_qweight") and "down_proj" not in quant._parameters
+
+
+def test_dynamic_patterns_match_the_experts_names_the_checkpoint_holds(tmp_path, device):
+    # Mixtral's experts stored as the hub has them (block_sparse_moe.experts.<e>.w2; the model says mlp): a dynamic
+    # override written against the stored name applies to those experts (it was matched against the model's name,
+    # missed, and the group-size-64 tensors then refused as not group 32)
+    config = cw.tiny_moe_config("mixtral", layers=1, width=64)
+    path = tmp_path / "c"
+    dynamic = {r"+:.*\.block_sparse_moe\.experts\.1\.w2$": {"group_size": 64}}
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 32, sym=True, mixtral_names=True,
+                               group_size_of=lambda n: 64 if n.endswith("block_sparse_moe.experts.1.w2") else 32,
+                               quant_extra=dict(dynamic=dynamic))
+    model = from_pretrained(path, device=device)
+    block = model.model.layers[0].mlp.experts
+    for w in ("gate_up_proj", "down_proj"):
+        assert torch.equal(dequantize(moe._int4(block, w)).cpu(), reference[f"model.layers.0.mlp.experts.{w}"]), w

@@ -1066,11 +1066,33 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
                 problems.append(f"{name}: the checkpoint's shape {tensors.shape(name)} does not match [{N}, {K}], "
                                 f"what expert {s.name} stores")
         return used
+    marker = q.leaf("qweight")
+    conflicts: dict[str, list[str]] = {}  # why the config leaves them 16-bit -> experts it stores quantized
+    total = 0
     for key, N, K in s.keys():
-        qk = q.for_module(key)
-        if qk is None or qk.bits != 4:
-            problems.append(f"{key}: stored {'16-bit' if qk is None else f'with bits = {qk.bits!r}'} "
-                            f"({_settings_of(q)}); a block's experts load when all are 4-bit")
+        total += 1
+        # per-module rules name an expert as the checkpoint does (Mixtral's block_sparse_moe.experts.<e>.w1, where
+        # the model has mlp.experts); modules_to_not_convert is taken under either name
+        stored, as_model = tensors.stored_module(key, (marker, "weight")), s.name + key[len(s.prefix):]
+        qk = q.for_module(stored)
+        named = _not_converted(stored, q.modules_to_not_convert) or \
+            _not_converted(as_model, q.modules_to_not_convert)
+        if qk is None or named:
+            why = _left_16_bit_by(q, stored, as_model, qk)
+            if f"{key}.{marker}" in tensors:
+                conflicts.setdefault(why, []).append(stored)
+                used |= {f"{key}.{leaf}" for leaf in (*q.leaves, "bias") if f"{key}.{leaf}" in tensors}  # no strays
+            elif f"{key}.weight" in tensors:
+                used.add(f"{key}.weight")
+                problems.append(f"{stored}: stored 16-bit ({stored}.weight), {why}, but others of the block are "
+                                f"stored quantized; a block's experts load when all are 4-bit or all are 16-bit")
+            else:
+                problems.append(f"{stored}: {why}, but the checkpoint stores neither {stored}.weight nor "
+                                f"{stored}.{marker}")
+            continue
+        if qk.bits != 4:
+            problems.append(f"{key}: stored with bits = {qk.bits!r} ({_settings_of(q)}); a block's experts load "
+                            f"when all are 4-bit")
             continue
         if N % 8 or K % 8 or not _groups_fit(qk.group_size, K):
             problems.append(f"{key}: [out, in] = [{N}, {K}] does not fit 4-bit packing with group_size "
@@ -1082,7 +1104,31 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
             if bool(tensors.get(f"{key}.bias").any()):  # dropped, as a dense layer's bias its module lacks
                 warnings.warn(f"load_quantized_: the checkpoint stores a nonzero {key}.bias, which the experts of "
                               f"{s.name} do not have: ignored", stacklevel=3)
+    # the config says 16-bit, the tensors say 4-bit: refused as a dense Linear is (whichever is wrong, the checkpoint
+    # is inconsistent), one line a block and cause, as a block may hold hundreds of expert Linears
+    for why, keys in conflicts.items():
+        fix = "a config group targeting them" if why.startswith("targeted by no") else "that entry dropped from it"
+        problems.append(f"{s.name}: {len(keys)} of its {total} expert Linears "
+                        f"{'is' if len(keys) == 1 else 'are'} {why} but the checkpoint stores "
+                        f"{'it' if len(keys) == 1 else 'them'} quantized ({keys[0]}.{marker}"
+                        f"{' ...' if len(keys) > 1 else ''}): {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}; "
+                        f"where the stored tensors are meant, the config needs {fix} (they then load 4-bit)")
     return used
+
+
+def _left_16_bit_by(q: QuantConfig, stored: str, name: str, qm: QuantConfig | None) -> str:
+    """What in the config leaves module ``stored`` (the checkpoint's name; ``name`` the model's) 16-bit, where its
+    settings ``qm`` are None or ``modules_to_not_convert`` names it: the rule and the entry, for messages."""
+    if qm is not None:
+        entries = ", ".join(f"'{p}'" for p in q.modules_to_not_convert
+                            if _not_converted(stored, (p,)) or _not_converted(name, (p,)))
+        return f"in {_at(q.key, 'modules_to_not_convert')} ({entries})"
+    if q.method == "compressed-tensors":
+        entry = next((t for t in q.ignore if _ct_match(stored, ("Linear",), t)), None)
+        return f"in {_at(q.key, 'ignore')} ('{entry}')" if entry is not None else \
+            f"targeted by no config group of {q.key or 'its settings file'}"
+    pattern = next(p for _, p, _ in q.dynamic if p.match(stored))  # the first match decides: a '-:' one here
+    return f"left 16-bit by the pattern '-:{pattern.pattern}' of {_at(q.key, 'dynamic')}"
 
 
 def _settings_of(q: QuantConfig) -> str:
@@ -1136,12 +1182,13 @@ def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -
                 raise type(err)(f"{key}: {err}") from None
         install_int4_experts_(s.module, stacked)
         return
+    leaves = (q.leaf("qweight"), "weight")  # (rules match the names stored, as _check_experts matched them)
     for wname, (projs, (N, K)) in s.joined.items():
         per_expert = []
         for e in range(s.num_experts):
             try:
-                per_expert.append([_expert_weight(tensors, f"{s.prefix}.{e}.{p}", q.for_module(f"{s.prefix}.{e}.{p}"),
-                                                  N, K, dtype) for p in projs])
+                per_expert.append([_expert_weight(tensors, k, q.for_module(tensors.stored_module(k, leaves)), N, K,
+                                                  dtype) for k in (f"{s.prefix}.{e}.{p}" for p in projs)])
             except (TypeError, ValueError) as err:
                 raise type(err)(f"{s.prefix}.{e} ({q.describe()}, {' and '.join(projs)}): {err}") from None
         # one group size a stacked weight and one input order an expert: where per-module settings (GPTQModel's
