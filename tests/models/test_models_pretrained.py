@@ -148,6 +148,14 @@ def test_modules_to_not_convert_names_a_module_or_one_around_it():
                  "model.layers.2.moe.experts.1.down_proj", "model.layers.0.mlp.shared_experts.up_proj",
                  "model.lm_head_norm"):
         assert not pretrained._not_converted(name, names), name
+    # regular expressions, as transformers reads the list: from the name's start up to a dot
+    patterns = ("model.layers.[01].mlp", r"model\.layers\.\d+\.self_attn\.(q|k)_proj", "bad[regex")
+    for name in ("model.layers.0.mlp.up_proj", "model.layers.1.mlp.experts.2.down_proj",
+                 "model.layers.7.self_attn.k_proj"):
+        assert pretrained._not_converted(name, patterns), name
+    for name in ("model.layers.2.mlp.up_proj", "model.layers.0.mlp_norm", "model.layers.7.self_attn.v_proj",
+                 "model.layers.10.mlp.up_proj", "bad"):
+        assert not pretrained._not_converted(name, patterns), name
 
 
 def test_load_quantized_into_a_user_built_model(tmp_path, device):

@@ -739,10 +739,24 @@ def _meta_model(auto_class, config, dtype: torch.dtype, experts_implementation: 
 def _not_converted(name: str, patterns: tuple[str, ...]) -> bool:
     """Whether module ``name`` is one ``modules_to_not_convert`` names: an entry that is the module's name, or the
     end of it at a dot, or either for a module around it (``"mlp.experts"`` names the experts block of every layer,
-    and so each expert Linear in it)."""
+    and so each expert Linear in it), or a regular expression matching the name from its start up to a dot
+    (``"model.layers.*.mlp"``), as transformers reads the list."""
     parts = name.split(".")
     around = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    return any(m == p or m.endswith("." + p) for p in patterns for m in around)
+    return any(m == p or m.endswith("." + p) for p in patterns for m in around) or \
+        any(_pattern_names(p, name) for p in patterns if _REGEX_CHARS.intersection(p))
+
+
+# transformers' should_convert_module also takes an entry as a regular expression matched from the start of the name
+# up to a dot ("model.layers.*.mlp"); an entry that does not compile is only a name.
+_REGEX_CHARS = frozenset("*+?[](){}|^$\\")
+
+
+def _pattern_names(pattern: str, name: str) -> bool:
+    try:
+        return re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", name) is not None
+    except re.error:
+        return False
 
 
 def _linear_shape(m: nn.Module) -> tuple[int, int] | None:
