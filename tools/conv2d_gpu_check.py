@@ -3,10 +3,12 @@ bf16, NCHW and channels-last, forward and backward (grad x + grad weight), again
 
     python tools/conv2d_gpu_check.py --out conv2d_check.json [--sweeps resnet50,mobilenet] [--dtypes fp16,bf16]
 
-Correctness: relative error against cuDNN in fp32 (tf32 off) for both memory formats, and the output's memory
-format. Timing (channels-last only, triton.testing.do_bench medians): tilegemm vs cuDNN in benchmark mode
-(``torch.backends.cudnn.benchmark = True``); ratio = cuDNN time / tilegemm time (> 1: tilegemm faster). Writes
-every row as JSON to --out and prints a short table last. Stops timing (still checking) past --budget seconds.
+Correctness: relative error against cuDNN in fp32 (tf32 off) for both memory formats of x (the weight
+channels-last, as a converted model has it), and the memory formats of the output and both gradients: those torch
+gives, channels-last where x or the weight is (``problem.output_format``). Timing (channels-last only,
+triton.testing.do_bench medians): tilegemm vs cuDNN in benchmark mode (``torch.backends.cudnn.benchmark = True``);
+ratio = cuDNN time / tilegemm time (> 1: tilegemm faster). Writes every row as JSON to --out and prints a short
+table last. Stops timing (still checking) past --budget seconds.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
     from tilegemm.bench.base import bench_op
     from tilegemm.core.checks import relative_error
     from tilegemm.ops.conv2d.op import backward_data, backward_weight
-    from tilegemm.ops.conv2d.problem import DgradCall, WgradCall
+    from tilegemm.ops.conv2d.problem import DgradCall, WgradCall, channels_last, output_format, wgrad_format
     from tilegemm.ops.conv2d.reference import tolerance
 
     device = "cpu" if args.dry_run else "cuda"
@@ -59,9 +61,11 @@ def main(argv=None) -> int:
     def ours_bwd(dy, x, w, conv):
         common = dict(stride=[conv["stride"]] * 2, padding=[conv["padding"]] * 4, dilation=[1, 1],
                       groups=conv["groups"], precision="default")
-        x_cl = x.is_contiguous(memory_format=cl) and not x.is_contiguous()
-        dx = backward_data(DgradCall(dy=dy, weight=w, x_shape=list(x.shape), x_channels_last=x_cl, **common))
-        return dx, backward_weight(WgradCall(dy=dy, x=x, w_shape=list(w.shape), **common))
+        # the layouts autograd's backward asks for: the layer's (channels-last where x or the weight is)
+        layer_cl = output_format(x, w) == cl
+        dx = backward_data(DgradCall(dy=dy, weight=w, x_shape=list(x.shape), x_channels_last=layer_cl, **common))
+        return dx, backward_weight(WgradCall(dy=dy, x=x, w_shape=list(w.shape), w_channels_last=channels_last(w),
+                                             **common))
 
     for sweep in args.sweeps.split(","):
         for case in op.cases(sweep):
@@ -88,11 +92,14 @@ def main(argv=None) -> int:
                     try:
                         out = tilegemm.conv2d(xf, w, None, **conv)
                         err = relative_error(out, ref)
-                        kept = out.is_contiguous(memory_format=fmt)
+                        # torch's layouts: an NCHW x with the channels-last weight is a channels-last layer
+                        layer = output_format(xf, w)
+                        kept = out.is_contiguous(memory_format=layer)
                         dx, dw = ours_bwd(dyf, xf, w, conv)
                         errs = (err, relative_error(dx, ref_dx), relative_error(dw, ref_dw))
                         row[f"{fmt_name}_err"] = dict(fwd=errs[0], dgrad=errs[1], wgrad=errs[2])
-                        row[f"{fmt_name}_format_kept"] = kept and dx.is_contiguous(memory_format=fmt)
+                        row[f"{fmt_name}_format_kept"] = kept and dx.is_contiguous(memory_format=layer) and \
+                            dw.is_contiguous(memory_format=wgrad_format(xf, w.shape, channels_last(w)))
                         ok = ok and max(errs) <= tol and row[f"{fmt_name}_format_kept"]
                     except Exception as exc:  # noqa: BLE001 - reported per row
                         row[f"{fmt_name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
