@@ -238,8 +238,8 @@ def test_early_compression_config_messages_name_its_key(tmp_path, layout):
         {k: v for k, v in qc.items() if k != "sparsity_config"}, dict(format="sparse-bitmask"))
     # at load time: a layer the ignore list names but the checkpoint stores packed
     write(dict(qc, ignore=["lm_head", "re:.*self_attn[.]o_proj$"]))
-    with pytest.raises(ValueError, match=rf"o_proj is in {key}\.ignore, or targeted by no config group, but the "
-                                         rf"checkpoint stores it quantized"):
+    with pytest.raises(ValueError, match=rf"o_proj is in {key}\.ignore \('re:\.\*self_attn\[\.\]o_proj\$'\) but "
+                                         rf"the checkpoint stores it quantized"):
         from_pretrained(path, device="cpu")
     # (config.json's current key is named as before)
     (path / "config.json").write_text(json.dumps(dict(cfg, quantization_config=dict(qc, ignore="lm_head"))))
@@ -376,10 +376,16 @@ def test_ignored_layer_stored_packed_is_named(tmp_path):
     path = tmp_path / "c"
     cw.write_model(path, cw.random_model(config), "compressed-tensors", 32, sym=True)
     _edit(path, ignore=["lm_head", "re:.*self_attn[.]o_proj$"])
-    with pytest.raises(ValueError, match=r"o_proj is in quantization_config.ignore, or targeted by no config group, "
-                                         r"but the checkpoint stores it quantized \(model.layers.0.self_attn.o_proj."
-                                         r"weight_packed\)"):
+    with pytest.raises(ValueError, match=r"o_proj is in quantization_config\.ignore \('re:\.\*self_attn\[\.\]o_proj\$'"
+                                         r"\) but the checkpoint stores it quantized \(model\.layers\.0\.self_attn\."
+                                         r"o_proj\.weight_packed\)"):
         from_pretrained(path, device="cpu")
+    # a layer no config group targets is said so, with the settings' key (not guessed as in the ignore list)
+    _edit(path, ignore=["lm_head"], g_targets=[r"re:.*mlp\..*", r"re:.*[qkv]_proj$"])
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj is targeted by no config group of "
+                                         r"quantization_config but the checkpoint stores it quantized") as info:
+        from_pretrained(path, device="cpu")
+    assert "quantization_config.ignore" not in str(info.value)
 
 
 def test_groups_by_target(tmp_path, device):

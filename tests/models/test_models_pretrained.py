@@ -126,14 +126,17 @@ def test_a_not_converted_module_stored_quantized_is_refused(tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"]["modules_to_not_convert"] = ["o_proj"]
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj is in modules_to_not_convert but "
-                                         r"the checkpoint stores it quantized"):
+    # the rule and the entry named, as for expert Linears
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj is in quantization_config\."
+                                         r"modules_to_not_convert \('o_proj'\) but the checkpoint stores it quantized "
+                                         r"\(model\.layers\.0\.self_attn\.o_proj\.qweight\)"):
         from_pretrained(path, device="cpu")
     # an entry naming a module around the Linears by the end of its name (as transformers' own match takes it)
     cfg["quantization_config"]["modules_to_not_convert"] = ["layers.1.self_attn"]
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj is in modules_to_not_convert but "
-                                         r"the checkpoint stores it quantized") as info:
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj is in quantization_config\."
+                                         r"modules_to_not_convert \('layers\.1\.self_attn'\) but the checkpoint "
+                                         r"stores it quantized") as info:
         from_pretrained(path, device="cpu")
     assert "layers.0" not in str(info.value)
 
@@ -573,6 +576,47 @@ def test_checkpoint_names_transformers_renames(tmp_path, device, name):
     assert err < TOL, f"{name}: logits rel. error {err:.2e}"
 
 
+def test_modules_to_not_convert_names_dense_linears_as_the_checkpoint_holds_them(tmp_path, device):
+    # Gemma-3's language model stored under the quantizer's names (language_model.model.layers.*; the model says
+    # model.language_model.layers.*): an entry naming a Linear, or a module around it, by its stored name is taken
+    # as an entry by the model's name is (as the experts' are). It was checked against the model's names only, and
+    # a Linear it named that the checkpoint stores quantized loaded 4-bit without a word.
+    make, keep, kw = HUB_NAMED["gemma3-multimodal"]
+    config = make()
+    path = tmp_path / "ckpt"
+    cw.write_model(path, cw.random_model(config), method="gptq", group_size=32, not_convert=keep, **kw)
+    cfg = json.loads((path / "config.json").read_text())
+
+    def refused(entries):
+        cfg["quantization_config"]["modules_to_not_convert"] = entries
+        (path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError) as info:
+            from_pretrained(path, device="cpu")
+        return [line.strip() for line in str(info.value).splitlines()[1:]]
+
+    assert refused(["language_model.model.layers.0.self_attn.o_proj"]) == [
+        "model.language_model.layers.0.self_attn.o_proj (stored as language_model.model.layers.0.self_attn.o_proj) "
+        "is in quantization_config.modules_to_not_convert ('language_model.model.layers.0.self_attn.o_proj') but "
+        "the checkpoint stores it quantized (language_model.model.layers.0.self_attn.o_proj.qweight)"]
+    # a regular expression, as transformers reads it, from the stored name's start
+    lines = refused([r"language_model\.model\.layers\.1\.mlp", "vision_tower"])
+    assert [line.split(" ")[0] for line in lines] == [f"model.language_model.layers.1.mlp.{p}"
+                                                      for p in ("gate_proj", "up_proj", "down_proj")]
+    assert all(r"modules_to_not_convert ('language_model\.model\.layers\.1\.mlp')" in line for line in lines)
+    # named by its stored name and stored 16-bit, as the entry says: a plain Linear
+    path = tmp_path / "dense"
+    o_proj = "model.language_model.layers.0.self_attn.o_proj"
+    reference = cw.write_model(path, cw.random_model(config), method="gptq", group_size=32,
+                               not_convert=(*keep, o_proj), **kw)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["language_model.model.layers.0.self_attn.o_proj"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = from_pretrained(path, device=device)
+    layer = model.model.language_model.layers[0]
+    assert type(layer.self_attn.o_proj) is torch.nn.Linear and isinstance(layer.self_attn.q_proj, Int4Linear)
+    assert torch.equal(layer.self_attn.o_proj.weight.cpu(), reference[f"{o_proj}.weight"])
+
+
 def test_gpt2_conv1d_layers_load(tmp_path, device):
     # GPT-2's Conv1D layers (weight [in, out]) stored as GPTQ Linears become Int4Linears
     import transformers
@@ -610,7 +654,8 @@ def test_dynamic_per_module_overrides(tmp_path, device):
 
 @pytest.mark.parametrize("dynamic, needle", [
     ({r".*down_proj": {"bits": 8}}, r"model.layers.0.mlp.down_proj: stored with bits = 8 \(quantization_config"),
-    ({r"-:.*up_proj": {}}, r"model.layers.0.mlp.up_proj is left 16-bit by a '-:' pattern of dynamic but the "),
+    ({r"-:.*up_proj": {}}, r"model\.layers\.0\.mlp\.up_proj is left 16-bit by the pattern '-:\.\*up_proj' of "
+                           r"quantization_config\.dynamic but the checkpoint stores it quantized"),
     ({r"+:(": {}}, r"dynamic pattern '\+:\(' is not a regular expression"),
     ({r".*": {"group_size": 0}}, r"dynamic\['.\*'\]: group_size must be a positive integer or -1, got 0"),
     ([".*"], "dynamic must be a JSON object"),

@@ -1130,15 +1130,17 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
     return used
 
 
-def _left_16_bit_by(q: QuantConfig, stored: str, name: str, qm: QuantConfig | None) -> str:
-    """What in the config leaves module ``stored`` (the checkpoint's name; ``name`` the model's) 16-bit, where its
-    settings ``qm`` are None or ``modules_to_not_convert`` names it: the rule and the entry, for messages."""
+def _left_16_bit_by(q: QuantConfig, stored: str, name: str, qm: QuantConfig | None,
+                    classes: tuple[str, ...] = ("Linear",)) -> str:
+    """What in the config leaves module ``stored`` (the checkpoint's name; ``name`` the model's; ``classes`` its
+    classes' names, which compressed-tensors' entries may name) 16-bit, where its settings ``qm`` are None or
+    ``modules_to_not_convert`` names it: the rule and the entry, for messages."""
     if qm is not None:
         entries = ", ".join(f"'{p}'" for p in q.modules_to_not_convert
                             if _not_converted(stored, (p,)) or _not_converted(name, (p,)))
         return f"in {_at(q.key, 'modules_to_not_convert')} ({entries})"
     if q.method == "compressed-tensors":
-        entry = next((t for t in q.ignore if _ct_match(stored, ("Linear",), t)), None)
+        entry = next((t for t in q.ignore if _ct_match(stored, classes, t)), None)
         return f"in {_at(q.key, 'ignore')} ('{entry}')" if entry is not None else \
             f"targeted by no config group of {q.key or 'its settings file'}"
     pattern = next(p for _, p, _ in q.dynamic if p.match(stored))  # the first match decides: a '-:' one here
@@ -1332,9 +1334,12 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
     marker = q.leaf("qweight")  # the packed weight's leaf: a Linear storing it is stored quantized
     for name, m in linears.items():
         stored = f"{name}.{marker}" in tensors
-        # per-module rules (dynamic, config groups, ignore) name modules as the quantizer's model did
-        qm = q.for_module(tensors.stored_module(name, (marker, "weight")),
-                          tuple(c.__name__ for c in type(m).__mro__) + ("Linear",))
+        # per-module rules (dynamic, config groups, ignore) name modules as the quantizer's model did (the names the
+        # checkpoint holds, where transformers renames them since); modules_to_not_convert is taken under either
+        # name, as for the experts (_check_experts)
+        as_stored, classes = tensors.stored_module(name, (marker, "weight")), \
+            tuple(c.__name__ for c in type(m).__mro__) + ("Linear",)
+        qm = q.for_module(as_stored, classes)
         if stored:
             refused.add(name)
         if isinstance(m, Int4Linear) and not stored:
@@ -1342,12 +1347,12 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
             problems.append(f"{name} is an Int4Linear (the model was quantized already) but the checkpoint "
                             f"stores it 16-bit ({name}.weight): load into a model that is not quantized")
             continue
-        if qm is None or _not_converted(name, q.modules_to_not_convert):
-            if stored:
-                why = "in modules_to_not_convert" if qm is not None else \
-                    "left 16-bit by a '-:' pattern of dynamic" if q.method != "compressed-tensors" else \
-                    f"in {_at(q.key, 'ignore')}, or targeted by no config group,"
-                problems.append(f"{name} is {why} but the checkpoint stores it quantized ({name}.{marker})")
+        if qm is None or _not_converted(as_stored, q.modules_to_not_convert) or \
+                _not_converted(name, q.modules_to_not_convert):
+            if stored:  # the rule and its entry named, as for experts
+                seen = f" (stored as {as_stored})" if as_stored != name else ""
+                problems.append(f"{name}{seen} is {_left_16_bit_by(q, as_stored, name, qm, classes)} but the "
+                                f"checkpoint stores it quantized ({as_stored}.{marker})")
             continue
         if not stored:
             continue
