@@ -150,6 +150,30 @@ def test_quantize_experts_alone_names_a_module_dict_of_experts(make, config_clas
 
 
 @pytest.mark.parametrize("make,config_class,blocks,cls,linears", PER_EXPERT)
+def test_quantize_experts_alone_says_4_bit_experts_are_left_as_they_are(make, config_class, blocks, cls, linears):
+    # experts 4-bit already (quantize_ made them; a quantized checkpoint loads them so): the note said "kept 2 MoE
+    # block(s) 16-bit" and pointed to quantize_
+    model = _seq2seq(make, config_class, "eager")
+    tilegemm.nn.quantize_(model, group_size=32, warn=False)
+    with pytest.warns(ConversionNote, match=r"quantize_experts_ left 2 MoE block\(s\) as they are, whose experts are "
+                                            r"4-bit already") as got:
+        assert tilegemm.nn.quantize_experts_(model, group_size=32) == []
+    message = str(got[0].message)
+    assert "16-bit" not in message and "tilegemm.nn.quantize_" not in message and "convert_" not in message
+    assert all(f"{b} ({cls})" in message for b in blocks)
+    # one expert Linear 16-bit again: that block is kept 16-bit in part, and says how many are 4-bit
+    expert = next(m for m in model.get_submodule(blocks[0]).experts.values() if hasattr(m, linears[0]))
+    setattr(expert, linears[0], torch.nn.Linear(*reversed(getattr(expert, linears[0]).weight.shape)))
+    with pytest.warns(ConversionNote) as got:
+        tilegemm.nn.quantize_experts_(model, group_size=32)
+    message = str(got[0].message)
+    assert message.startswith("quantize_experts_ kept 1 MoE block(s) 16-bit") and \
+        "7 of its 8 expert weights are 4-bit already" in message
+    assert "left 1 MoE block(s) as they are, whose experts are 4-bit already" in message and \
+        f"{blocks[1]} ({cls})" in message
+
+
+@pytest.mark.parametrize("make,config_class,blocks,cls,linears", PER_EXPERT)
 def test_quantize_takes_each_expert_linear_and_keeps_the_router_16_bit(make, config_class, blocks, cls, linears):
     model = _seq2seq(make, config_class, "eager")
     tilegemm.nn.quantize_(model, group_size=32, warn=False)

@@ -237,6 +237,19 @@ def test_int4_expert_linears_stack_into_4_bit_experts(act_order, device):
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 3e-3
 
 
+def test_quantize_experts_alone_says_int4_expert_linears_are_left_as_they_are():
+    # a 4.x-style block whose experts are 4-bit already (a 4.x checkpoint of per-expert quantized Linears): the note
+    # said it was kept 16-bit and pointed to quantize_; convert_ stacks them, 4-bit as they are
+    model = nn.Module()
+    model.moe = _int4_experts_block()
+    with pytest.warns(ConversionNote) as got:
+        assert tilegemm.nn.quantize_experts_(model, group_size=32) == []
+    message = str(got[0].message)
+    assert message.startswith("quantize_experts_ left 1 MoE block(s) as they are, whose experts are 4-bit already")
+    assert "moe (Block)" in message and "16-bit" not in message and "quantize_ converts" not in message
+    assert message.endswith("tilegemm.nn.convert_ puts moe on the grouped kernels, 4-bit as they are")
+
+
 def test_int4_expert_linears_of_two_group_sizes_stack(device):
     # expert width 16 below group_size 32: down (K = 16) loads as one group (-1), gate/up (K = 64) in groups of 32
     from tilegemm.nn import Int4Linear

@@ -271,7 +271,8 @@ def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None
     given. The 16-bit expert weights are dropped; the 4-bit parts are buffers (``tilegemm_<weight>_qweight``,
     ``_scales``, ``_zeros``). Blocks that run code of their own (Llama-4's, DBRX's, JetMoE's, transformers 4.x
     ones: :func:`experts_off_interface`) are not taken; called without ``skipped``, a ``ConversionNote`` names
-    them (``tilegemm.nn.quantize_`` converts them first)."""
+    them (``tilegemm.nn.quantize_`` converts them first): kept 16-bit, or, where their experts are 4-bit already
+    (``Int4Linear``s, as a quantized checkpoint loads them), left as they are."""
     if not isinstance(model, torch.nn.Module):  # (it raised AttributeError on named_modules)
         raise TypeError(f"quantize_experts_ takes a torch.nn.Module, got {type(model).__name__}")
     check_group_size_value(group_size, "quantize_experts_")
@@ -304,12 +305,31 @@ def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None
     if done:
         use_int4_experts_(model)
     if skipped is None:  # called alone (quantize_ names these itself): blocks it cannot take are named, not passed over
-        off = [(n, why) for n, why in experts_off_interface(model)
-               if filter is None or filter(n, model.get_submodule(n))]
+        off, four = [], []
+        for n, why, replaced in _off_interface(model):
+            block = model.get_submodule(n)
+            if filter is not None and not filter(n, block):
+                continue
+            k, total = _four_bit_experts(block)
+            if total and k == total:  # (a quantized checkpoint's, or quantize_'s): not "kept 16-bit"
+                four.append((n, type(block).__name__, replaced))
+            else:
+                off.append((n, why if not k else f"{why}; {k} of its {total} expert weights are 4-bit already"))
+        notes = []
         if off:
-            warnings.warn(f"quantize_experts_ kept {len(off)} MoE block(s) 16-bit, which run code of their own, not "
-                          f"transformers' experts interface: {_listing(off)}. tilegemm.nn.quantize_ converts and "
-                          f"quantizes those it can", ConversionNote, stacklevel=2)
+            notes.append(f"quantize_experts_ kept {len(off)} MoE block(s) 16-bit, which run code of their own, not "
+                         f"transformers' experts interface: {_listing(off)}. tilegemm.nn.quantize_ converts and "
+                         f"quantizes those it can")
+        if four:
+            then = [n for n, _, replaced in four if replaced]
+            notes.append(f"quantize_experts_ left {len(four)} MoE block(s) as they are, whose experts are 4-bit "
+                         f"already (as a quantized checkpoint loads them, or quantize_ made them) and run in code of "
+                         f"their own, not transformers' experts interface: "
+                         f"{_listing([(n, cls) for n, cls, _ in four])}" + (
+                             f". tilegemm.nn.convert_ puts {', '.join(then[:8])}{' ...' if len(then) > 8 else ''} "
+                             f"on the grouped kernels, 4-bit as they are" if then else ""))
+        if notes:
+            warnings.warn(". ".join(notes), ConversionNote, stacklevel=2)
     return done
 
 
@@ -643,14 +663,18 @@ def _dbrx_experts(experts: torch.nn.Module) -> StackedExperts:
                           is_transposed=False)
 
 
+def _own_weights(module: torch.nn.Module) -> list:
+    """The experts' weights of one of :data:`OWN_FORWARD_BLOCKS`."""
+    if type(module).__name__ == "DbrxExperts":
+        return [getattr(module.mlp, n) for n in ("w1", "v1", "w2")]
+    if type(module).__name__ == "JetMoeMoE":
+        return [module.input_linear.weight, module.output_linear.weight]
+    return [module.experts.gate_up_proj, module.experts.down_proj]
+
+
 def _why_not_own(module: torch.nn.Module) -> str | None:
     """Why one of :data:`OWN_FORWARD_BLOCKS` cannot be taken (None: it can)."""
-    if type(module).__name__ == "DbrxExperts":
-        ws = [getattr(module.mlp, n) for n in ("w1", "v1", "w2")]
-    elif type(module).__name__ == "JetMoeMoE":
-        ws = [module.input_linear.weight, module.output_linear.weight]
-    else:
-        ws = [module.experts.gate_up_proj, module.experts.down_proj]
+    ws = _own_weights(module)
     if any(isinstance(w, Int4Weight) or not isinstance(w, torch.Tensor) for w in ws):
         return "experts that are not 16-bit or fp32 tensors"
     if len({(w.dtype, w.device) for w in ws}) != 1:
@@ -680,6 +704,20 @@ def per_expert_mlps(block: torch.nn.Module) -> list[torch.nn.Module] | None:
     # (NLLB-MoE's dict also holds its token dropout: only the members holding Linears are experts)
     mlps = [m for m in experts.children() if any(_linear_kind(s) for s in m.modules())]
     return mlps or None
+
+
+def _four_bit_experts(block: torch.nn.Module) -> tuple[int, int]:
+    """(how many are 4-bit, how many there are) of the expert weights of a block off the experts interface
+    (:func:`_off_interface`): per-expert MLPs' Linears (``Int4Linear`` ones 4-bit, as a quantized checkpoint loads
+    them or ``quantize_`` makes them), or the weights of one of :data:`OWN_FORWARD_BLOCKS`; (0, 0) for others."""
+    mlps = per_expert_mlps(block)
+    if mlps is not None:
+        kinds = [k for m in mlps for k in map(_linear_kind, m.modules()) if k is not None]
+    elif type(block).__name__ in OWN_FORWARD_BLOCKS:
+        kinds = ["int4" if isinstance(w, Int4Weight) else "16-bit" for w in _own_weights(block)]
+    else:
+        kinds = []
+    return kinds.count("int4"), len(kinds)
 
 
 def _off_interface(model: torch.nn.Module) -> list[tuple[str, str, bool]]:
