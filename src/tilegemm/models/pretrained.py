@@ -834,6 +834,22 @@ def _groups_fit(group_size: int, K: int) -> bool:
     return _one_group(group_size, K) or K % group_size == 0
 
 
+def _packing_problem(q: QuantConfig, N: int, K: int) -> str | None:
+    """Why a Linear ``[N, K]`` cannot be stored quantized under ``q``'s format, or None. Every format packs the
+    weight along K eight to an int32; GPTQ and AWQ also pack along N (their ``[G, N/8]`` zeros, AWQ's weight), with
+    no room for a partial word, while compressed-tensors pads its zeros to ``ceil(N/8)`` rows and tilegemm's own
+    buffers pack along K only, so those take any N."""
+    if K % 8:
+        return f"in_features {K} is not a multiple of 8 (eight 4-bit weights per int32, packed along the inputs)"
+    if N % 8 and q.method == "gptq":
+        return (f"out_features {N} is not a multiple of 8, which GPTQ's format needs: it packs the zero points along "
+                f"the outputs, eight to an int32 (qzeros [G, N/8])")
+    if N % 8 and q.method == "awq":
+        return (f"out_features {N} is not a multiple of 8, which AWQ's format needs: it packs the weight and zero "
+                f"points along the outputs, eight to an int32 (qweight [K, N/8], qzeros [G, N/8])")
+    return None
+
+
 def _expected_quant_shapes(q: QuantConfig, N: int, K: int) -> dict[str, tuple[list, bool]]:
     """The tensors a quantized Linear ``[N, K]`` stores under ``q``: leaf -> (the shapes it may have, required)."""
     if q.method == SAVED_METHOD:  # Int4Linear's buffers, in any group length the kernels take (the layer's own)
@@ -846,8 +862,8 @@ def _expected_quant_shapes(q: QuantConfig, N: int, K: int) -> dict[str, tuple[li
                     g_idx=([[K]], q.desc_act))
     if q.method == "awq":
         return dict(qweight=([[K, N // 8]], True), qzeros=([[G, N // 8]], True), scales=([[G, N]], True))
-    # compressed-tensors: zero points only when asymmetric, packed along N (or, from releases before that
-    # packing, the [N, G] zeros themselves); the group of each input when quantized in activation order
+    # compressed-tensors: zero points only when asymmetric, packed along N in ceil(N/8) rows (or, from releases
+    # before that packing, the [N, G] zeros themselves); the group of each input when quantized in activation order
     return dict(weight_packed=([[N, K // 8]], True), weight_scale=([[N, G]], True),
                 weight_zero_point=([[-(-N // 8), G], [N, G]], not q.sym), weight_g_idx=([[K]], q.desc_act),
                 weight_shape=([[2]], False))
@@ -1108,7 +1124,11 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
             problems.append(f"{key}: stored with bits = {qk.bits!r} ({_settings_of(q)}); a block's experts load "
                             f"when all are 4-bit")
             continue
-        if N % 8 or K % 8 or not _groups_fit(qk.group_size, K):
+        packing = _packing_problem(qk, N, K)
+        if packing is not None:
+            problems.append(f"{key}: [out, in] = [{N}, {K}]: {packing}")
+            continue
+        if not _groups_fit(qk.group_size, K):
             problems.append(f"{key}: [out, in] = [{N}, {K}] does not fit 4-bit packing with group_size "
                             f"{qk.group_size}")
             continue
@@ -1374,9 +1394,9 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
                             f"layers only")
             continue
         N, K = _linear_shape(m)
-        if N % 8 or K % 8:
-            problems.append(f"{name}: [out, in] = [{N}, {K}] is not a multiple of 8 (eight 4-bit weights per "
-                            f"int32)")
+        packing = _packing_problem(qm, N, K)
+        if packing is not None:
+            problems.append(f"{name}: [out, in] = [{N}, {K}]: {packing}")
             continue
         if qm.method != SAVED_METHOD and not _groups_fit(qm.group_size, K):  # (saved: its own, from its shapes)
             problems.append(f"{name}: in_features {K} is not divisible by group_size {qm.group_size}")
