@@ -23,9 +23,15 @@ GPTQ ``qweight [K/8, N]``: nibble i of row r is ``q[8r + i]``; ``qzeros [G, N/8]
 column ``8c + i``, v1 storing ``zero - 1`` (4 bits, wrapping), v2 the zero; ``g_idx [K]`` the group of each input.
 AWQ ``qweight [K, N/8]`` and ``qzeros [G, N/8]``: nibble i of word c is column ``8c + [0, 2, 4, 6, 1, 3, 5, 7][i]``.
 compressed-tensors (``pack-quantized``): signed values -8..7 stored plus 8; ``weight_packed [N, K/8]``: nibble i of
-word j of row n is ``q[n, 8j + i] + 8``; ``weight_scale [N, G]``; asymmetric ``weight_zero_point [N/8, G]``: nibble i
-of row r is the zero of output ``8r + i`` plus 8 (or, as older releases stored it, the signed zeros ``[N, G]``);
-``weight_g_idx [K]`` with act-order; ``weight_shape`` ``[N, K]``. ``W[n, k] = scale[n, g] * (q[n, k] - zero[n, g])``.
+word j of row n is ``q[n, 8j + i] + 8``; ``weight_scale [N, G]``; asymmetric ``weight_zero_point [ceil(N/8), G]``:
+nibble i of row r is the zero of output ``8r + i`` plus 8, the nibbles past N of the last row 0 (compressed-tensors
+pads N up to whole words and cuts the padding on reading, so any N is stored; or, as older releases stored it, the
+signed zeros ``[N, G]``); ``weight_g_idx [K]`` with act-order; ``weight_shape`` ``[N, K]``.
+``W[n, k] = scale[n, g] * (q[n, k] - zero[n, g])``.
+
+Output widths N that are not a multiple of 8: compressed-tensors stores them as above. GPTQ's ``qzeros`` and AWQ's
+``qweight`` / ``qzeros`` have no such padding in their formats; the writer pads them to ``ceil(N/8)`` words the same
+way only so that tests can show such a checkpoint refused (no quantizer writes one).
 """
 
 from __future__ import annotations
@@ -47,20 +53,24 @@ def _as_int32(words: torch.Tensor) -> torch.Tensor:
 
 
 def pack_along_k(q: torch.Tensor) -> torch.Tensor:
-    """``q`` ``[K, N]`` (0..15) -> int32 ``[K/8, N]``, nibble i of row r = ``q[8r + i]``."""
-    words = torch.zeros(q.shape[0] // 8, q.shape[1], dtype=torch.int64, device=q.device)
+    """``q`` ``[K, N]`` (0..15) -> int32 ``[ceil(K/8), N]``, nibble i of row r = ``q[8r + i]``; the nibbles past
+    the last row of ``q`` are 0 (compressed-tensors' zero points: N outputs padded to whole words)."""
+    words = torch.zeros(-(-q.shape[0] // 8), q.shape[1], dtype=torch.int64, device=q.device)
     for i in range(8):
-        words |= (q[i::8].to(torch.int64) & 15) << (4 * i)
+        part = q[i::8].to(torch.int64) & 15
+        words[:part.shape[0]] |= part << (4 * i)
     return _as_int32(words)
 
 
 def pack_along_n(v: torch.Tensor, awq: bool = False) -> torch.Tensor:
-    """``v`` ``[R, N]`` (0..15) -> int32 ``[R, N/8]``: nibble i of word c = ``v[:, 8c + i]`` (GPTQ) or
-    ``v[:, 8c + AWQ_NIBBLE_COLUMN[i]]`` (AWQ)."""
-    words = torch.zeros(v.shape[0], v.shape[1] // 8, dtype=torch.int64, device=v.device)
+    """``v`` ``[R, N]`` (0..15) -> int32 ``[R, ceil(N/8)]``: nibble i of word c = ``v[:, 8c + i]`` (GPTQ) or
+    ``v[:, 8c + AWQ_NIBBLE_COLUMN[i]]`` (AWQ); nibbles past column N are 0 (no real GPTQ/AWQ checkpoint has them:
+    a refused layer's tensors)."""
+    words = torch.zeros(v.shape[0], -(-v.shape[1] // 8), dtype=torch.int64, device=v.device)
     for i in range(8):
         col = AWQ_NIBBLE_COLUMN[i] if awq else i
-        words |= (v[:, col::8].to(torch.int64) & 15) << (4 * i)
+        part = v[:, col::8].to(torch.int64) & 15
+        words[:, :part.shape[1]] |= part << (4 * i)
     return _as_int32(words)
 
 
@@ -91,6 +101,8 @@ def dequantize_stored(t: dict, method: str, group_size: int, v2: bool = False) -
     """The weight ``[N, K]`` (fp16) a Linear's stored tensors stand for, by the format's formula."""
     if method == "compressed-tensors":
         q = unpack_along_k(t["weight_packed"].T.contiguous()) - 8  # [K, N], signed
+        if "weight_shape" in t:  # K padded to whole words too (compressed-tensors cuts it on reading)
+            q = q[:int(t["weight_shape"][1])]
         K, N = q.shape
         scales = t["weight_scale"].float().T  # [G, N]
         zp = t.get("weight_zero_point")
@@ -105,15 +117,16 @@ def dequantize_stored(t: dict, method: str, group_size: int, v2: bool = False) -
         wt = (q.float() - zeros[g]) * scales[g]
         return wt.T.contiguous().to(torch.float16)
     scales = t["scales"].float()
+    N = scales.shape[1]  # (words packed along N: padded past it)
     if method == "gptq":
         q = unpack_along_k(t["qweight"])  # [K, N]
         K = q.shape[0]
-        zeros = unpack_along_n(t["qzeros"]) + (0 if v2 else 1)  # v1 stored zero - 1
+        zeros = unpack_along_n(t["qzeros"])[:, :N] + (0 if v2 else 1)  # v1 stored zero - 1
         g = t["g_idx"].to(torch.int64) if "g_idx" in t else torch.arange(K) // (K if group_size == -1 else group_size)
     else:
-        q = unpack_along_n(t["qweight"], awq=True)  # [K, N]
+        q = unpack_along_n(t["qweight"], awq=True)[:, :N]  # [K, N]
         K = q.shape[0]
-        zeros = unpack_along_n(t["qzeros"], awq=True)
+        zeros = unpack_along_n(t["qzeros"], awq=True)[:, :N]
         g = torch.arange(K) // (K if group_size == -1 else group_size)
     wt = (q.float() - zeros.float()[g]) * scales[g]
     return wt.T.contiguous().to(torch.float16)
@@ -458,14 +471,14 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
 # --- tiny models ----------------------------------------------------------------------------------------------
 
 
-def tiny_config(arch: str = "llama", hidden: int = 128, layers: int = 2, tie: bool = False):
-    """A small transformers config: ``llama`` or ``qwen2`` (q/k/v with biases), vocab 256."""
+def tiny_config(arch: str = "llama", hidden: int = 128, layers: int = 2, tie: bool = False, vocab: int = 256):
+    """A small transformers config: ``llama`` or ``qwen2`` (q/k/v with biases), vocab ``vocab``."""
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "mistral": transformers.MistralConfig}[arch]
     return cls(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
-               vocab_size=256, num_hidden_layers=layers, max_position_embeddings=64, tie_word_embeddings=tie)
+               vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=64, tie_word_embeddings=tie)
 
 
 def tiny_moe_config(arch: str = "qwen3_moe", hidden: int = 64, layers: int = 2, width: int = 32):
