@@ -57,6 +57,22 @@ def test_from_compressed_tensors_matches_the_format(name):
         assert not torch.equal(w4a16.dequantize(other), want)
 
 
+@pytest.mark.parametrize("N", [17, 259])
+def test_output_width_not_a_multiple_of_8(N):
+    # pack-quantized packs the weight along K only and the zero points along N in ceil(N/8) rows, the nibbles past
+    # N left 0 (compressed-tensors pads them and cuts them on reading): any N is a checkpoint
+    t, want = cw.quantize_linear(_weight(N=N), "compressed-tensors", 32, sym=False)
+    rows = -(-N // 8)
+    zp = t["weight_zero_point"]
+    assert list(t["weight_packed"].shape) == [N, 16] and list(zp.shape) == [rows, 4]
+    assert all(int(cw.nibble(zp[rows - 1], i).max()) == 0 for i in range(N - 8 * (rows - 1), 8))
+    w = w4a16.from_compressed_tensors(t["weight_packed"], t["weight_scale"], zp)
+    assert w.shape == (N, 128) and torch.equal(w4a16.dequantize(w), want)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3)).half()
+    ref = x.float() @ want.float().T
+    assert float((w4a16.matmul(x, w).float() - ref).norm() / ref.norm()) < 2e-3
+
+
 def test_from_compressed_tensors_bf16_scales_and_module():
     t, want = cw.quantize_linear(_weight(seed=2), "compressed-tensors", 32, sym=False, scale_dtype=torch.bfloat16)
     w = w4a16.from_compressed_tensors(t["weight_packed"], t["weight_scale"], t["weight_zero_point"])

@@ -287,3 +287,84 @@ def test_the_loaded_model_says_it_is_quantized(tmp_path, device):
     model.save_pretrained(tmp_path / "saved")
     assert "_is_quantized" not in json.loads((tmp_path / "saved" / "config.json").read_text())
     assert not hasattr(dequantized_copy(model).config, "_is_quantized")
+
+
+# --- output widths that are not a multiple of 8 ----------------------------------------------------------------
+
+
+def _odd_head(tmp_path, method, vocab=259, **kw):
+    """A llama whose lm_head (out = ``vocab``, 259 = 32 * 8 + 3) the checkpoint stores quantized."""
+    config = cw.tiny_config("llama", hidden=64, layers=1, vocab=vocab)
+    path = tmp_path / "c"
+    extra = dict(ignore=[]) if method == "compressed-tensors" else None  # (the writer's config ignores lm_head)
+    reference = cw.write_model(path, cw.random_model(config), method, 32, quantize_lm_head=True, quant_extra=extra,
+                               **kw)
+    return path, config, reference
+
+
+@pytest.mark.parametrize("sym, chunked", [(True, False), (False, False), (False, True)])
+def test_compressed_tensors_output_width_not_a_multiple_of_8_loads(tmp_path, device, monkeypatch, sym, chunked):
+    # pack-quantized packs the weight along K only, and asymmetric zero points along N in ceil(N/8) rows (the last
+    # padded), so a vocabulary of 259 is a valid checkpoint; chunked: the head converted in slices of 256 outputs
+    # then 3, the last reading the padded row of zero points alone
+    from tilegemm.models import pretrained
+
+    if chunked:
+        monkeypatch.setattr(pretrained, "CHUNK_WEIGHTS", 1)
+    path, config, reference = _odd_head(tmp_path, "compressed-tensors", sym=sym)
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "pt") as f:
+        assert f.get_slice("lm_head.weight_packed").get_shape() == [259, 8]
+        assert ("lm_head.weight_zero_point" in f.keys()) == (not sym)
+        if not sym:
+            assert f.get_slice("lm_head.weight_zero_point").get_shape() == [33, 2]
+    model = from_pretrained(path, device=device)
+    head = model.lm_head
+    assert isinstance(head, Int4Linear) and head.out_features == 259
+    assert torch.equal(head.dequantize().cpu(), reference["lm_head.weight"])
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+
+
+@pytest.mark.parametrize("method, why", [
+    ("gptq", r"GPTQ's format needs: it packs the zero points along the outputs, eight to an int32 "
+             r"\(qzeros \[G, N/8\]\)"),
+    ("awq", r"AWQ's format needs: it packs the weight and zero points along the outputs, eight to an int32 "
+            r"\(qweight \[K, N/8\], qzeros \[G, N/8\]\)")])
+def test_gptq_and_awq_output_width_not_a_multiple_of_8_is_refused(tmp_path, method, why):
+    # their formats have no partial word along N (the writer pads one only to show the refusal)
+    path, _, _ = _odd_head(tmp_path, method)
+    with pytest.raises(ValueError, match=r"lm_head: \[out, in\] = \[259, 64\]: out_features 259 is not a multiple of "
+                                         r"8, which " + why):
+        from_pretrained(path, device="cpu")
+
+
+def test_compressed_tensors_input_width_not_a_multiple_of_8_is_refused(tmp_path):
+    # K stays a multiple of 8 in every format (the kernels read whole words along K): intermediate 100 refuses
+    # down_proj (K = 100) alone; gate/up (N = 100) would load
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    config.intermediate_size = 100
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "compressed-tensors", -1, sym=False)
+    with pytest.raises(ValueError, match=r"down_proj: \[out, in\] = \[64, 100\]: in_features 100 is not a multiple "
+                                         r"of 8") as err:
+        from_pretrained(path, device="cpu")
+    assert "gate_proj" not in str(err.value) and "up_proj" not in str(err.value)
+
+
+def test_a_saved_model_with_an_odd_output_width_loads(tmp_path, device):
+    # tilegemm's own buffers pack along K only: quantize_ takes a head of 259 outputs, and its save loads again
+    import warnings
+
+    from tilegemm.nn import quantize_
+
+    config = cw.tiny_config("llama", hidden=64, layers=1, vocab=259)
+    model = cw.random_model(config).half().to(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_(model, group_size=32)
+        model.save_pretrained(tmp_path / "saved")
+    assert isinstance(model.lm_head, Int4Linear)
+    again = from_pretrained(tmp_path / "saved", device=device)
+    assert isinstance(again.lm_head, Int4Linear)
+    assert torch.equal(again.lm_head.dequantize(), model.lm_head.dequantize())
