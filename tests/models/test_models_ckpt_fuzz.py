@@ -1,8 +1,8 @@
 """A randomized sweep of checkpoint loading: combinations of architecture, format (GPTQ v1/v2, AWQ,
 compressed-tensors), group size (one that leaves a partial group too), sym/asym, act-order, shards, tied
 embeddings, a quantized lm_head, modules left 16-bit, GPTQModel's ``dynamic`` overrides and compressed-tensors'
-config groups, the dtype asked for and the one config.json names, and hidden sizes that are multiples of 32 but
-not of 128, drawn from a fixed seed. Each case is written by the tests' own writer (ckpt_writer.py), loaded, and
+config groups, the dtype asked for and the one config.json names, hidden sizes that are multiples of 32 but
+not of 128, and (compressed-tensors) a quantized lm_head of 259 outputs, drawn from a fixed seed. Each case is written by the tests' own writer (ckpt_writer.py), loaded, and
 compared with a plain-torch model holding the writer's dequantized weights, or, where the combination is not
 supported, refused with an error naming the cause.
 
@@ -77,6 +77,7 @@ class Case:
     model_dtype: object = None  # into_model: the dtype the caller built the model in
     fuse: bool = False  # from_pretrained(..., fuse_projections=True): act-order absorbed, projections joined
     mixtral_names: bool = False  # Mixtral's experts stored as the hub has them (block_sparse_moe, w1/w3/w2)
+    vocab: int = 256  # 259: an output layer whose width is not a multiple of 8
 
 
     def name(self) -> str:
@@ -88,11 +89,12 @@ class Case:
                 f"-cfg{self.config_dtype}{'-into' + str(self.model_dtype)[6:] if self.into_model else ''}"
                 f"{'-' + self.dtype_key if self.dtype_key != 'dtype' else ''}"
                 f"{'-oldsettings' if self.settings_in != 'config' else ''}{'-storetied' if self.store_tied else ''}"
-                f"{'-fused' if self.fuse else ''}{'-hubnames' if self.mixtral_names else ''}")
+                f"{'-fused' if self.fuse else ''}{'-hubnames' if self.mixtral_names else ''}"
+                f"{'-vocab' + str(self.vocab) if self.vocab != 256 else ''}")
 
 
 def _config(c: Case):
-    common = dict(vocab_size=256, hidden_size=c.hidden, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(vocab_size=c.vocab, hidden_size=c.hidden, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=c.tie)
     if c.arch in HEAD_DIM:
         common["head_dim"] = c.hidden // 4
@@ -172,7 +174,14 @@ def draw(rng: random.Random) -> Case:
 
 def _drawn():
     rng = random.Random(SEED)
-    return [draw(rng) for _ in range(CASES)]
+    cases = [draw(rng) for _ in range(CASES)]
+    # a side draw, so that the main sequence (every other setting) stays as committed: about half the
+    # compressed-tensors cases store a quantized lm_head of 259 outputs (pack-quantized takes any output width)
+    side = random.Random(f"odd-vocab-{SEED}")
+    for c in cases:
+        if c.method == "compressed-tensors" and side.random() < 0.5:
+            c.vocab, c.lm_head, c.store_tied = 259, True, False
+    return cases
 
 
 def _module_settings(c: Case, source):
@@ -275,6 +284,10 @@ def expected_refusal(c: Case, source, not_convert) -> str | None:
     if c.dtype == torch.float32:
         return r"dtype must be torch\.float16, torch\.bfloat16 or 'auto'"
     quantized = cw.linear_names(source, c.lm_head, not_convert)
+    for n in quantized:
+        m = source.get_submodule(n)
+        if c.method in ("gptq", "awq") and m.out_features % 8:  # their zeros (AWQ: and weight) packed along N
+            return rf"{re.escape(n)}: \[out, in\] = \[{m.out_features}, \d+\]: out_features \d+ is not a multiple of 8"
     for n in quantized:
         m = source.get_submodule(n)
         K = m.in_features
