@@ -122,6 +122,36 @@ def test_parallel_ct_unset_g_idx_reads_slices(tmp_path):
         assert torch.equal(dequantize(local), want[:, rank * K // 2:(rank + 1) * K // 2])
 
 
+@pytest.mark.parametrize("N", [12, 60, 108])
+def test_parallel_ct_odd_out_features_split_along_n(tmp_path, N):
+    """An asymmetric compressed-tensors Linear whose out_features is not a multiple of 8 (its zero points padded to
+    ceil(N/8) words) split along N: each rank gets its own rows' zero points, though they need not start at a word
+    (the words cut by ceil(N/8) / ranks gave a rank past the first another's rows)."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    from tilegemm.models import pretrained
+    from tilegemm.parallel import _read_int4_shard
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
+    import ckpt_writer as cw
+
+    K = 128
+    t, want = cw.quantize_linear(torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.05,
+                                 "compressed-tensors", 64, sym=False)
+    assert list(t["weight_zero_point"].shape) == [-(-N // 8), 2]
+    save_file({f"l.{k}": v.contiguous() for k, v in t.items()}, str(tmp_path / "model.safetensors"))
+    q = pretrained.quant_config({"quantization_config": cw.quantization_config("compressed-tensors", 64,
+                                                                               sym=False)}).for_module("l")
+    tensors = pretrained._Tensors(str(tmp_path), torch.device("cpu"))
+    for world in (2, 4):
+        n = N // world
+        for rank in range(world):
+            local, index = _read_int4_shard(tensors, "l", q, N, K, "out", rank, world, torch.float16)
+            assert index is None and local.shape == (n, K)
+            assert torch.equal(dequantize(local), want[rank * n:(rank + 1) * n].to(torch.float16))
+
+
 def test_parallel_ct_stored_tensors_checked(tmp_path):
     """A split layer's stored tensors are checked before its slices are read: an asymmetric compressed-tensors
     layer without its zero points is refused (read as symmetric, it would be another weight), as is one without

@@ -44,7 +44,8 @@ from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
 from tilegemm.nn.moe import expert_group_size
 from tilegemm.parallel.rules import register
-from tilegemm.ops.w4a16.format import Int4Weight, ct_g_idx, from_awq, from_compressed_tensors, from_gptq
+from tilegemm.ops.w4a16.format import Int4Weight, ct_g_idx, from_awq, from_compressed_tensors, from_gptq, \
+    unpack_rows
 
 __all__ = ["ColwiseParallel", "ExpertsTensorParallel", "RowwiseParallel", "attach_int4", "from_pretrained_sharded",
            "load_quantized_sharded_", "load_sharded_", "register", "resolve_plan", "shard_experts_", "shard_int4",
@@ -515,7 +516,8 @@ def shard_slices(kind: str, shape, split: str, rank: int, world: int, group_size
     (``[K/8, N]``), ``"scales"``, ``"zeros"`` (``[G, N]``), ``"perm"``; GPTQ's ``"gptq.qweight"``,
     ``"gptq.qzeros"`` (``[G, N/8]``), ``"gptq.scales"``, ``"gptq.g_idx"``; AWQ's ``"awq.qweight"`` (``[K, N/8]``),
     ``"awq.qzeros"``, ``"awq.scales"``; compressed-tensors' ``"ct.weight_packed"`` (``[N, K/8]``),
-    ``"ct.weight_scale"`` (``[N, G]``; also its unpacked zero points), ``"ct.weight_zero_point"`` (``[N/8, G]``),
+    ``"ct.weight_scale"`` (``[N, G]``; also its unpacked zero points), ``"ct.weight_zero_point"`` (``[N/8, G]``, N a multiple of 8:
+    a column-parallel load reads a padded one's rows itself),
     ``"ct.weight_g_idx"``. ``split`` is ``"out"`` (column-parallel) or ``"in"`` (row-parallel).
     """
     shape = tuple(int(s) for s in shape)
@@ -837,6 +839,9 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
                 parts[role] = None
                 continue
             shape = tensors.shape(key)
+            if role == "qzeros" and split == "out" and shape[0] != N:
+                parts[role] = _ct_zero_rows(tensors, key, N, rank, world)
+                continue
             # zero points stored unpacked ([N, G], older releases) lie as the scales do
             kind = "ct.weight_scale" if role == "qzeros" and shape[0] == N else f"ct.{q.leaf(role)}"
             parts[role] = tensors.get_slice(key, shard_slices(kind, shape, split, rank, world, gs))
@@ -859,6 +864,17 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
     if q.checkpoint_format == "gptq_v2":  # v2 stores the zero itself; from_gptq read v1's zero - 1 (exact in floats)
         w = Int4Weight(w.qweight, w.scales, w.zeros - 1, w.group_size, w.shape, w.perm)
     return w, index
+
+
+def _ct_zero_rows(tensors, key: str, N: int, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of compressed-tensors' packed zero points ``key`` (``[ceil(N/8), G]``) of a Linear
+    split along N, as the signed zeros ``[N / world, G]``: a rank's rows need not start at a word (N not a multiple
+    of 8 pads only the last word, so slicing the words by ``ceil(N/8) / world`` hands a rank another's rows)."""
+    n = _even("out_features N", N, world)
+    first, last = rank * n // 8, -(-(rank + 1) * n // 8)  # the words holding rows rank*n .. (rank+1)*n - 1
+    rows = unpack_rows(tensors.get_slice(key, (slice(first, last),)).contiguous())
+    start = rank * n - 8 * first
+    return (rows[start:start + n].to(torch.int8) - 8)  # stored unsigned (zero + 8)
 
 
 def _act_order(tensors, g_key: str, scales_key: str, K: int, g_dim: int) -> torch.Tensor | None:
