@@ -516,9 +516,9 @@ def shard_slices(kind: str, shape, split: str, rank: int, world: int, group_size
     (``[K/8, N]``), ``"scales"``, ``"zeros"`` (``[G, N]``), ``"perm"``; GPTQ's ``"gptq.qweight"``,
     ``"gptq.qzeros"`` (``[G, N/8]``), ``"gptq.scales"``, ``"gptq.g_idx"``; AWQ's ``"awq.qweight"`` (``[K, N/8]``),
     ``"awq.qzeros"``, ``"awq.scales"``; compressed-tensors' ``"ct.weight_packed"`` (``[N, K/8]``),
-    ``"ct.weight_scale"`` (``[N, G]``; also its unpacked zero points), ``"ct.weight_zero_point"`` (``[N/8, G]``, N a multiple of 8:
-    a column-parallel load reads a padded one's rows itself),
-    ``"ct.weight_g_idx"``. ``split`` is ``"out"`` (column-parallel) or ``"in"`` (row-parallel).
+    ``"ct.weight_scale"`` (``[N, G]``; also its unpacked zero points), ``"ct.weight_zero_point"`` (``[N/8, G]``,
+    N a multiple of 8: a column-parallel load reads a padded one's rows itself), ``"ct.weight_g_idx"``.
+    ``split`` is ``"out"`` (column-parallel) or ``"in"`` (row-parallel).
     """
     shape = tuple(int(s) for s in shape)
     every = ()
@@ -874,7 +874,7 @@ def _ct_zero_rows(tensors, key: str, N: int, rank: int, world: int) -> torch.Ten
     first, last = rank * n // 8, -(-(rank + 1) * n // 8)  # the words holding rows rank*n .. (rank+1)*n - 1
     rows = unpack_rows(tensors.get_slice(key, (slice(first, last),)).contiguous())
     start = rank * n - 8 * first
-    return (rows[start:start + n].to(torch.int8) - 8)  # stored unsigned (zero + 8)
+    return rows[start:start + n].to(torch.int8) - 8  # stored unsigned (zero + 8)
 
 
 def _act_order(tensors, g_key: str, scales_key: str, K: int, g_dim: int) -> torch.Tensor | None:
