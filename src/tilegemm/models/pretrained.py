@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -741,10 +742,20 @@ def _not_converted(name: str, patterns: tuple[str, ...]) -> bool:
     end of it at a dot, or either for a module around it (``"mlp.experts"`` names the experts block of every layer,
     and so each expert Linear in it), or a regular expression matching the name from its start up to a dot
     (``"model.layers.*.mlp"``), as transformers reads the list."""
+    if not patterns:
+        return False
+    plain, regexes = _entries(patterns)
     parts = name.split(".")
-    around = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    return any(m == p or m.endswith("." + p) for p in patterns for m in around) or \
-        any(_pattern_names(p, name) for p in patterns if _REGEX_CHARS.intersection(p))
+    # a plain entry names a module or one around it by the end of its name at a dot: a run of the name's parts
+    return any(".".join(parts[i:j]) in plain for j in range(1, len(parts) + 1) for i in range(j)) or \
+        any(_pattern_names(p, name) for p in regexes)
+
+
+@functools.lru_cache(maxsize=64)
+def _entries(patterns: tuple[str, ...]) -> tuple[frozenset[str], tuple[str, ...]]:
+    """The plain entries as a set (a lookup a run of a name's parts, however many entries a config lists) and
+    the regular expressions."""
+    return frozenset(patterns), tuple(p for p in patterns if _REGEX_CHARS.intersection(p))
 
 
 # transformers' should_convert_module also takes an entry as a regular expression matched from the start of the name
