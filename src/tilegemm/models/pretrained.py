@@ -751,6 +751,12 @@ def _not_converted(name: str, patterns: tuple[str, ...]) -> bool:
         any(_pattern_names(p, name) for p in regexes)
 
 
+def _named_16_bit(q: QuantConfig, stored: str, name: str) -> bool:
+    """Whether ``q.modules_to_not_convert`` names a module under the name the checkpoint stores it by or the model's
+    (transformers renames some since their quantizers ran)."""
+    return _not_converted(stored, q.modules_to_not_convert) or _not_converted(name, q.modules_to_not_convert)
+
+
 @functools.lru_cache(maxsize=64)
 def _entries(patterns: tuple[str, ...]) -> tuple[frozenset[str], tuple[str, ...]]:
     """The plain entries as a set (a lookup a run of a name's parts, however many entries a config lists) and
@@ -1116,9 +1122,7 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
         # the model has mlp.experts); modules_to_not_convert is taken under either name
         stored, as_model = tensors.stored_module(key, (marker, "weight")), s.name + key[len(s.prefix):]
         qk = q.for_module(stored)
-        named = _not_converted(stored, q.modules_to_not_convert) or \
-            _not_converted(as_model, q.modules_to_not_convert)
-        if qk is None or named:
+        if qk is None or _named_16_bit(q, stored, as_model):
             why = _left_16_bit_by(q, stored, as_model, qk)
             if f"{key}.{marker}" in tensors:
                 conflicts.setdefault(why, []).append(stored)
@@ -1378,8 +1382,7 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
             problems.append(f"{name} is an Int4Linear (the model was quantized already) but the checkpoint "
                             f"stores it 16-bit ({name}.weight): load into a model that is not quantized")
             continue
-        if qm is None or _not_converted(as_stored, q.modules_to_not_convert) or \
-                _not_converted(name, q.modules_to_not_convert):
+        if qm is None or _named_16_bit(q, as_stored, name):
             if stored:  # the rule and its entry named, as for experts
                 seen = f" (stored as {as_stored})" if as_stored != name else ""
                 problems.append(f"{name}{seen} is {_left_16_bit_by(q, as_stored, name, qm, classes)} but the "

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from tilegemm.models.pretrained import _check_quant_shapes, _default_device, _import_columns, _left_16_bit_by, \
-    _not_converted, _saved_weight, _stored_parts, _Tensors, empty_model, load_quantized_, quant_config, read_config, \
+    _named_16_bit, _saved_weight, _stored_parts, _Tensors, empty_model, load_quantized_, quant_config, read_config, \
     resolve_dtype, unchanged_on_error
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
@@ -916,7 +916,7 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
                 raise ValueError(f"tp_plan splits {name}, which the checkpoint's {q.key or 'settings file'} "
                                  f"{'leaves unquantized' if qm is None else f'stores with bits = {qm.bits!r}'}, "
                                  f"though the checkpoint stores it packed")
-            if _not_converted(stored, q.modules_to_not_convert) or _not_converted(name, q.modules_to_not_convert):
+            if _named_16_bit(q, stored, name):
                 # (refused as load_quantized_ refuses it unsplit: the config and the tensors disagree)
                 raise ValueError(f"tp_plan splits {name}, which is {_left_16_bit_by(q, stored, name, qm)} but the "
                                  f"checkpoint stores it quantized")
