@@ -36,6 +36,7 @@ way only so that tests can show such a checkpoint refused (no quantizer writes o
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -280,6 +281,36 @@ def quantization_config(method: str = "gptq", group_size: int = 128, sym: bool =
     return q
 
 
+def autoround_config(method: str = "gptq", group_size: int = 128, sym: bool = False, **extra) -> dict:
+    """Intel AutoRound's ``quantization_config`` for weights packed as ``method`` (``"gptq"``: GPTQ v1,
+    ``packing_format`` ``"auto_round:auto_gptq"``; ``"awq"``: AWQ gemm, ``"auto_round:auto_awq"``), with the tuning
+    keys it writes beside them; ``extra`` adds or replaces keys (``block_name_to_quantize``, ``extra_config``, ...),
+    a value of None leaving the key out (a checkpoint without ``packing_format``)."""
+    q = dict(quant_method="auto-round", bits=4, group_size=group_size, sym=sym, data_type="int",
+             packing_format=f"auto_round:auto_{method}", iters=200, lr=0.005, minmax_lr=0.005, nsamples=128,
+             seqlen=2048, batch_size=8, amp=True, low_gpu_mem_usage=False, enable_minmax_tuning=True,
+             enable_quanted_input=True, scale_dtype="torch.float16", autoround_version="0.5.1")
+    q.update(extra)
+    return {k: v for k, v in q.items() if v is not None}
+
+
+def autoround_layer(q: dict, name: str) -> dict | None:
+    """The settings that AutoRound's config ``q`` gives the Linear ``name`` (``group_size``, ``sym``), None where it
+    is stored 16-bit, as vLLM reads them: an ``extra_config`` entry naming the layer exactly (``bits`` >= 16:
+    16-bit), else 16-bit unless the name starts with one of ``block_name_to_quantize``'s prefixes (a comma-separated
+    string or a list; absent: every layer)."""
+    own = (q.get("extra_config") or {}).get(name)
+    if own is not None:
+        if own.get("bits", q["bits"]) >= 16:
+            return None
+        return dict(group_size=own.get("group_size", q["group_size"]), sym=own.get("sym", q["sym"]))
+    blocks = q.get("block_name_to_quantize", q.get("to_quant_block_names"))
+    blocks = blocks.split(",") if isinstance(blocks, str) else blocks
+    if blocks and not any(name.startswith(b) for b in blocks):
+        return None
+    return dict(group_size=q["group_size"], sym=q["sym"])
+
+
 class Writer:
     """Tensors streamed into a checkpoint directory: one ``model.safetensors`` if they stay under ``shard_bytes``,
     else shards ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``."""
@@ -366,7 +397,8 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
                 seed: int = 0, drop=(), config_extra: dict | None = None, quant_extra: dict | None = None,
                 mixtral_names: bool = False, shared_gate_up_order: bool = True, stored_name=None,
                 group_size_of=None, dense_experts=(), ct_options: dict | None = None, store_tied: bool = False,
-                config_key: str = "quantization_config", quantize_lm_head: bool = False) -> dict:
+                config_key: str = "quantization_config", quantize_lm_head: bool = False,
+                autoround: bool = False) -> dict:
     """Write ``model`` (a transformers model with float weights) as a 4-bit checkpoint at ``path``; return the
     reference state dict: each quantized Linear's dequantized weight (fp16) under ``P.weight`` (a MoE block's
     experts: the 3-D weights of the dequantized experts), every other tensor as stored (fp16). ``drop``: tensor
@@ -382,10 +414,17 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
     ``quantize_lm_head``: the output layer stored quantized too (GPTQModel's ``lm_head=True``), a tied one as a
     quantized copy of the embeddings (then the reference's model must be untied).
     ``config_key``: the config.json key of the settings (``"compression_config"``: compressed-tensors' releases
-    before mid-2024)."""
+    before mid-2024). ``autoround``: an Intel AutoRound checkpoint (:func:`autoround_config` with ``quant_extra``,
+    ``method`` its packing), each Linear stored as that config says (:func:`autoround_layer`: 16-bit, or with its
+    own group size and sym)."""
     ct = ct_options or {}
+    if autoround:
+        ar = autoround_config(method, group_size, sym, **(quant_extra or {}))
+        group_size_of = functools.partial(autoround_layer, ar)
     gen = torch.Generator().manual_seed(seed)
     quantized = set(linear_names(model, quantize_lm_head, not_convert=not_convert))
+    if autoround:  # the Linears its config leaves 16-bit are written as plain ones
+        quantized = {n for n in quantized if autoround_layer(ar, n) is not None}
     writer = Writer(path, shard_bytes)
     if stored_name is not None:
         add = writer.add
@@ -461,8 +500,8 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
         reference[name] = t
     config = model.config.to_dict()
     config["architectures"] = [type(model).__name__]  # as save_pretrained writes it
-    config[config_key] = quantization_config(method, group_size, sym, act_order, v2, not_convert,
-                                             **(quant_extra or {}))
+    config[config_key] = ar if autoround else quantization_config(method, group_size, sym, act_order, v2,
+                                                                   not_convert, **(quant_extra or {}))
     config.update(config_extra or {})
     writer.close(config)
     return reference

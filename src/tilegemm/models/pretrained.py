@@ -45,7 +45,10 @@ from tilegemm.ops.w4a16.format import GROUP_SIZES, _group_size_of, concat_output
     regroup, stack_experts
 
 INSTALL = "pip install 'tilegemm[models]'"
-METHODS = ("gptq", "awq", "compressed-tensors", SAVED_METHOD)  # the quant_method values taken
+METHODS = ("gptq", "awq", "compressed-tensors", "auto-round", SAVED_METHOD)  # the quant_method values taken
+# Intel's AutoRound: its packing formats taken -> the method whose layout they store (its early checkpoints name the
+# method "intel/auto-round")
+AUTOROUND_PACKINGS = {"auto_round:auto_gptq": "gptq", "auto_round:auto_awq": "awq"}
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # GPTQ checkpoint formats: v1 (zero - 1 stored) and v2 (the zero itself)
 CT_FORMAT = "pack-quantized"  # the compressed-tensors format taken: 4-bit values eight to an int32
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -73,7 +76,8 @@ class QuantConfig:
     sym: bool = True
     checkpoint_format: str = "gptq"  # GPTQ: "gptq" (v1) or "gptq_v2"
     modules_to_not_convert: tuple[str, ...] = ()
-    # GPTQModel's per-module overrides ("dynamic"): (skip, compiled pattern, overrides) in the config's order
+    # per-module overrides (GPTQModel's "dynamic"; AutoRound's extra_config and block_name_to_quantize):
+    # (skip, compiled pattern, overrides, source) in the order they apply; source names the rule for messages
     dynamic: tuple = ()
     bits: int = 4
     # compressed-tensors: (targets, overrides) of each config group, and the ignore list (names, "re:" patterns or
@@ -85,6 +89,8 @@ class QuantConfig:
     # where the checkpoint keeps these settings, for messages: config.json's key (an early compressed-tensors
     # checkpoint's "compression_config"), or "" for the top level of an older quantizer's own settings file
     key: str = "quantization_config"
+    # the rule that gave one module's settings (for_module's result), for messages; no part of the settings
+    rule: str = dataclasses.field(default="", compare=False)
 
     def for_module(self, name: str, classes: tuple[str, ...] = ("Linear",)) -> "QuantConfig | None":
         """How module ``name`` (whose classes, its MRO's names, are ``classes``) is stored: GPTQ, the first
@@ -97,9 +103,9 @@ class QuantConfig:
                 return None
             overrides = _ct_scheme(self.groups, name, classes)
             return None if overrides is None else dataclasses.replace(self, groups=(), ignore=(), **overrides)
-        for skip, pattern, overrides in self.dynamic:
+        for skip, pattern, overrides, source in self.dynamic:
             if pattern.match(name):
-                return None if skip else dataclasses.replace(self, dynamic=(), **overrides)
+                return None if skip else dataclasses.replace(self, dynamic=(), rule=source, **overrides)
         return self
 
     def leaf(self, role: str) -> str | None:
@@ -235,16 +241,20 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
     q = config.get("quantization_config")
     if q is None:
         raise ValueError(f"{where} has no quantization_config: not a quantized checkpoint (tilegemm loads 4-bit "
-                         f"GPTQ, AWQ and compressed-tensors checkpoints)")
+                         f"GPTQ, AWQ, AutoRound and compressed-tensors checkpoints)")
     where, key = config.get(SETTINGS_AT, (where, "quantization_config"))
     if not isinstance(q, dict):
         raise ValueError(f"{where}: quantization_config must be a JSON object, got {type(q).__name__}")
     method = str(q.get("quant_method", "")).lower()
+    if method == "intel/auto-round":  # AutoRound's early checkpoints
+        method = "auto-round"
     if method not in METHODS:
         raise ValueError(f"{where}: quant_method {q.get('quant_method')!r} is not supported; supported: "
                          f"{', '.join(repr(m) for m in METHODS)}")
     if method == "compressed-tensors":
         return _ct_config(q, where, key)
+    if method == "auto-round":
+        return _autoround_config(q, where, key)
     if method == SAVED_METHOD:  # each layer's group length is read from its stored shapes
         if q.get("bits", 4) != 4:
             raise ValueError(f"{where}: bits = {q.get('bits')!r}; tilegemm's saved layers are 4-bit")
@@ -283,6 +293,87 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
     return QuantConfig("gptq", group_size, desc_act=bool(q.get("desc_act", False)), sym=bool(q.get("sym", True)),
                        checkpoint_format=fmt, modules_to_not_convert=tuple(not_convert),
                        dynamic=_dynamic(q.get("dynamic"), where, key), key=key)
+
+
+def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> QuantConfig:
+    """Intel AutoRound's ``quantization_config`` (``quant_method`` ``"auto-round"``): 4-bit ``int`` weights packed
+    as GPTQ v1 (``packing_format`` ``"auto_round:auto_gptq"``, the default; no act-order) or AWQ gemm
+    (``"auto_round:auto_awq"``, zero points: ``sym`` false). Its per-layer settings become rules as GPTQModel's
+    ``dynamic`` (:class:`QuantConfig`), in the order vLLM applies them: an ``extra_config`` entry naming a layer
+    exactly (``bits`` 16 or more: left 16-bit; ``group_size``, ``sym``, ``bits`` of its own), then
+    ``block_name_to_quantize`` (alias ``to_quant_block_names``, a comma-separated string or a list of name
+    prefixes) leaving every layer outside those blocks 16-bit. Other keys (the tuning's iters, lr, ...) say
+    nothing about the tensors and are ignored."""
+    at = functools.partial(_at, key)
+    packing = q.get("packing_format") or "auto_round:auto_gptq"
+    if packing not in AUTOROUND_PACKINGS:
+        raise ValueError(f"{where}: {at('packing_format')} {packing!r} is not supported; supported: "
+                         f"{', '.join(repr(p) for p in AUTOROUND_PACKINGS)} (AutoRound's GPTQ and AWQ layouts)")
+    method = AUTOROUND_PACKINGS[packing]
+    data_type = str(q.get("data_type") or "int").lower()
+    if data_type != "int":
+        raise ValueError(f"{where}: {at('data_type')} {q.get('data_type')!r} is not supported; tilegemm loads "
+                         f"AutoRound's integer weights (data_type 'int')")
+    bits = q.get("bits")
+    if bits != 4:
+        raise ValueError(f"{where}: {at('bits')} = {bits!r}; tilegemm loads 4-bit checkpoints only (bits = 4)")
+    group_size = q.get("group_size")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        raise ValueError(f"{where}: {at('group_size')} must be a positive integer or -1 (all of K), got "
+                         f"{group_size!r}")
+    sym = bool(q.get("sym", True))
+    awq_sym = ("sym = true with packing_format 'auto_round:auto_awq' is not supported: AWQ's layout without zero "
+               "points (as AWQ's zero_point = false); only sym = false")
+    if method == "awq" and sym:
+        raise ValueError(f"{where}: {at('sym')} = true: {awq_sym}")
+    not_convert = q.get("modules_to_not_convert") or ()
+    if isinstance(not_convert, str) or not all(isinstance(m, str) for m in not_convert):
+        raise ValueError(f"{where}: {at('modules_to_not_convert')} must be a list of module names, got "
+                         f"{not_convert!r}")
+    rules = []
+    extra = q.get("extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"{where}: {at('extra_config')} must be a JSON object of layer name -> settings, got "
+                         f"{type(extra).__name__}")
+    for name, own in extra.items():
+        entry = f"{at('extra_config')}[{name!r}]"
+        if not isinstance(own, dict):
+            raise ValueError(f"{where}: {entry} must be a JSON object, got {type(own).__name__}")
+        layer_bits = own.get("bits", bits)
+        if isinstance(layer_bits, bool) or not isinstance(layer_bits, int):
+            raise ValueError(f"{where}: {entry}.bits must be an integer, got {layer_bits!r}")
+        pattern = re.compile(re.escape(name) + r"\Z")  # the layer's exact name, as AutoRound keys it
+        if layer_bits >= 16:  # stored unquantized
+            rules.append((True, pattern, {}, f"{entry} (bits {layer_bits})"))
+            continue
+        taken = dict(bits=layer_bits)
+        if "group_size" in own:
+            gs = own["group_size"]
+            if isinstance(gs, bool) or not isinstance(gs, int) or not (gs == -1 or gs > 0):
+                raise ValueError(f"{where}: {entry}.group_size must be a positive integer or -1, got {gs!r}")
+            taken["group_size"] = gs
+        if "sym" in own:
+            taken["sym"] = bool(own["sym"])
+            if method == "awq" and taken["sym"]:
+                raise ValueError(f"{where}: {entry}.sym = true: {awq_sym}")
+        if str(own.get("data_type") or "int").lower() != "int":
+            raise ValueError(f"{where}: {entry}.data_type {own.get('data_type')!r} is not supported for a "
+                             f"{layer_bits}-bit layer; tilegemm loads integer weights (data_type 'int')")
+        rules.append((False, pattern, taken, entry))
+    blocks_key = "block_name_to_quantize" if q.get("block_name_to_quantize") is not None else "to_quant_block_names"
+    blocks = q.get(blocks_key)
+    if isinstance(blocks, str):
+        blocks = [b.strip() for b in blocks.split(",")]
+    if blocks is not None and (not isinstance(blocks, (list, tuple)) or not all(isinstance(b, str) for b in blocks)):
+        raise ValueError(f"{where}: {at(blocks_key)} must be a comma-separated string or a list of module name "
+                         f"prefixes, got {q.get(blocks_key)!r}")
+    blocks = [b for b in blocks or () if b]
+    if blocks:  # a layer whose name starts with none of the prefixes (a plain prefix of the string, as vLLM tests)
+        outside = re.compile("(?!" + "|".join(re.escape(b) for b in blocks) + ")")
+        rules.append((True, outside, {}, f"{at(blocks_key)} (its name starts with none of "
+                                         f"{', '.join(repr(b) for b in blocks)})"))
+    return QuantConfig(method, group_size, sym=sym if method == "gptq" else False, checkpoint_format="gptq",
+                       modules_to_not_convert=tuple(not_convert), dynamic=tuple(rules), key=key)
 
 
 # compressed-tensors' preset schemes that a config group may name instead of spelling out its weights
@@ -414,7 +505,9 @@ def _dynamic(dynamic, where: str, settings: str = "quantization_config") -> tupl
                     taken[name] = bool(overrides[name])
             if "bits" in overrides:
                 taken["bits"] = overrides["bits"]
-        rules.append((skip, compiled, taken))
+        # (skip: the phrase "left 16-bit by ..." ends with; else the entry a layer's bits message names)
+        rules.append((skip, compiled, taken, f"the pattern '{key}' of {_at(settings, 'dynamic')}" if skip else
+                      _at(settings, "dynamic")))
     return tuple(rules)
 
 
@@ -1136,7 +1229,7 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
                                 f"{stored}.{marker}")
             continue
         if qk.bits != 4:
-            problems.append(f"{key}: stored with bits = {qk.bits!r} ({_settings_of(q)}); a block's experts load "
+            problems.append(f"{key}: stored with bits = {qk.bits!r} ({qk.rule or _settings_of(q)}); a block's experts load "
                             f"when all are 4-bit")
             continue
         packing = _packing_problem(qk, N, K)
@@ -1178,8 +1271,8 @@ def _left_16_bit_by(q: QuantConfig, stored: str, name: str, qm: QuantConfig | No
         entry = next((t for t in q.ignore if _ct_match(stored, classes, t)), None)
         return f"in {_at(q.key, 'ignore')} ('{entry}')" if entry is not None else \
             f"targeted by no config group of {q.key or 'its settings file'}"
-    pattern = next(p for _, p, _ in q.dynamic if p.match(stored))  # the first match decides: a '-:' one here
-    return f"left 16-bit by the pattern '-:{pattern.pattern}' of {_at(q.key, 'dynamic')}"
+    source = next(s for _, p, _, s in q.dynamic if p.match(stored))  # the first match decides: a skipping one here
+    return f"left 16-bit by {source}"
 
 
 def _settings_of(q: QuantConfig) -> str:
@@ -1404,7 +1497,7 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
                             f"16-bit")
             continue
         if qm.bits != 4:
-            problems.append(f"{name}: stored with bits = {qm.bits!r} ({_settings_of(q)}); tilegemm loads 4-bit "
+            problems.append(f"{name}: stored with bits = {qm.bits!r} ({qm.rule or _settings_of(q)}); tilegemm loads 4-bit "
                             f"layers only")
             continue
         N, K = _linear_shape(m)
