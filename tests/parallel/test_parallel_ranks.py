@@ -370,7 +370,11 @@ def test_parallel_from_pretrained(tmp_path):
     names = {"gptq-actorder-g32": dict(method="gptq", group_size=32, act_order=True),
              "awq-g64": dict(method="awq", group_size=64),
              "ct-asym-g32": dict(method="compressed-tensors", group_size=32, sym=False),
-             "ct-actorder-g64": dict(method="compressed-tensors", group_size=64, act_order=True)}
+             "ct-actorder-g64": dict(method="compressed-tensors", group_size=64, act_order=True),
+             # AutoRound's GPTQ packing, one layer in a group size of its own (extra_config)
+             "autoround-gptq-g32": dict(method="gptq", group_size=32, autoround=True, quant_extra=dict(
+                 block_name_to_quantize="model.layers", extra_config={"model.layers.0.mlp.down_proj": {
+                     "group_size": 64}}))}
     for name, kw in names.items():
         cw.write_model(tmp_path / name, cw.random_model(config), **kw)
     # models tilegemm saved (its own buffers): quantized here, and loaded from the act-order GPTQ checkpoint

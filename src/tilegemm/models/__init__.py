@@ -21,8 +21,8 @@ __all__ = ["from_pretrained"]
 
 def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, *, device_mesh=None, tp_plan="auto",
                     fuse_projections: bool = False, model_class=None, experts_implementation=None):
-    """The ``transformers`` causal-LM of the quantized (GPTQ, AWQ or compressed-tensors) checkpoint directory
-    ``path``, every quantized Linear a :class:`tilegemm.nn.Int4Linear`
+    """The ``transformers`` causal-LM of the quantized (GPTQ, AWQ, AutoRound or compressed-tensors) checkpoint
+    directory ``path``, every quantized Linear a :class:`tilegemm.nn.Int4Linear`
     (:func:`tilegemm.models.pretrained.from_pretrained` says what it takes
     and raises). ``device_mesh`` (a 1-D ``DeviceMesh``): tensor-parallel, each rank reading only its shard of every
     split tensor, split as ``tp_plan`` says (``"auto"``: the config's ``base_model_tp_plan``; or a dict of module

@@ -1,4 +1,4 @@
-"""Load a 4-bit GPTQ, AWQ or compressed-tensors checkpoint directory: ``from_pretrained(path)`` builds its
+"""Load a 4-bit GPTQ, AWQ, AutoRound or compressed-tensors checkpoint directory: ``from_pretrained(path)`` builds its
 ``transformers`` model with every quantized Linear a :class:`tilegemm.nn.Int4Linear`; ``load_quantized_(model,
 path)`` loads one into a model the caller built.
 
@@ -724,9 +724,10 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, model
     ``"auto"``: bf16 where the checkpoint's config says bfloat16, else fp16).
 
     Any architecture ``transformers.AutoModelForCausalLM`` knows; ``quantization_config``: GPTQ (``checkpoint_format``
-    ``"gptq"`` (v1) or ``"gptq_v2"``; act-order ``desc_act``; symmetric or not), AWQ (``version: "gemm"``) or
-    compressed-tensors (llm-compressor's W4A16 schemes stored ``"pack-quantized"``: 4-bit int weights, group or
-    channel strategy, symmetric or not, act-order), 4 bits, any group size the kernels take (32, 64, 128, 256,
+    ``"gptq"`` (v1) or ``"gptq_v2"``; act-order ``desc_act``; symmetric or not), AWQ (``version: "gemm"``), Intel
+    AutoRound (``packing_format`` ``"auto_round:auto_gptq"`` or ``"auto_round:auto_awq"``) or compressed-tensors
+    (llm-compressor's W4A16 schemes stored ``"pack-quantized"``: 4-bit int weights, group or channel strategy,
+    symmetric or not, act-order), 4 bits, any group size the kernels take (32, 64, 128, 256,
     -1 = all of K). Raises FileNotFoundError, ValueError or TypeError naming the problem (no directory, no
     config.json, no quantization_config, another method or bit width, missing tensors, shapes that do not match
     the config).
@@ -1229,8 +1230,8 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
                                 f"{stored}.{marker}")
             continue
         if qk.bits != 4:
-            problems.append(f"{key}: stored with bits = {qk.bits!r} ({qk.rule or _settings_of(q)}); a block's experts load "
-                            f"when all are 4-bit")
+            problems.append(f"{key}: stored with bits = {qk.bits!r} ({qk.rule or _settings_of(q)}); a block's "
+                            f"experts load when all are 4-bit")
             continue
         packing = _packing_problem(qk, N, K)
         if packing is not None:
@@ -1497,8 +1498,8 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
                             f"16-bit")
             continue
         if qm.bits != 4:
-            problems.append(f"{name}: stored with bits = {qm.bits!r} ({qm.rule or _settings_of(q)}); tilegemm loads 4-bit "
-                            f"layers only")
+            problems.append(f"{name}: stored with bits = {qm.bits!r} ({qm.rule or _settings_of(q)}); tilegemm "
+                            f"loads 4-bit layers only")
             continue
         N, K = _linear_shape(m)
         packing = _packing_problem(qm, N, K)
