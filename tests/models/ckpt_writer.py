@@ -398,7 +398,7 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
                 mixtral_names: bool = False, shared_gate_up_order: bool = True, stored_name=None,
                 group_size_of=None, dense_experts=(), ct_options: dict | None = None, store_tied: bool = False,
                 config_key: str = "quantization_config", quantize_lm_head: bool = False,
-                autoround: bool = False) -> dict:
+                autoround: bool = False, expert_layout: str = "split", stacked_expert_bias: bool = False) -> dict:
     """Write ``model`` (a transformers model with float weights) as a 4-bit checkpoint at ``path``; return the
     reference state dict: each quantized Linear's dequantized weight (fp16) under ``P.weight`` (a MoE block's
     experts: the 3-D weights of the dequantized experts), every other tensor as stored (fp16). ``drop``: tensor
@@ -416,7 +416,11 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
     ``config_key``: the config.json key of the settings (``"compression_config"``: compressed-tensors' releases
     before mid-2024). ``autoround``: an Intel AutoRound checkpoint (:func:`autoround_config` with ``quant_extra``,
     ``method`` its packing), each Linear stored as that config says (:func:`autoround_layer`: 16-bit, or with its
-    own group size and sym)."""
+    own group size and sym).
+    ``expert_layout``: ``"split"`` stores expert e's projections as ``<block>.<e>.gate_proj`` / ``up_proj`` /
+    ``down_proj``; ``"joined"`` as GPTQModel stores gpt-oss's, ``<block>.gate_up.<e>`` (the gate/up rows as the
+    block holds them) and ``<block>.down.<e>``. Experts with biases (gpt-oss) store them an expert each beside
+    their Linears, or, ``stacked_expert_bias``, as the block holds them (``<block>.gate_up_proj_bias``)."""
     ct = ct_options or {}
     if autoround:
         ar = autoround_config(method, group_size, sym, **(quant_extra or {}))
@@ -467,23 +471,28 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
             interleaved = not getattr(block, "is_concatenated", True)
             stored_block, projs = _expert_linears(name, tensor.detach().transpose(1, 2) if transposed
                                                   else tensor.detach(), mixtral_names, interleaved)
+            if expert_layout == "joined":  # one Linear an expert: gate/up rows as the block holds them
+                projs = [({"gate_up_proj": "gate_up", "down_proj": "down"}[leaf],
+                          tensor.detach().transpose(1, 2) if transposed else tensor.detach())]
+            key_of = (lambda e, proj: f"{stored_block}.{proj}.{e}") if expert_layout == "joined" else \
+                (lambda e, proj: f"{stored_block}.{e}.{proj}")
             deqs = []
             orders = [torch.randperm(projs[0][1].shape[2], generator=gen) if act_order and shared_gate_up_order
                       else None for _ in range(tensor.shape[0])]
             if module in dense_experts:
                 for proj, w in projs:
                     for e in range(w.shape[0]):
-                        writer.add(f"{stored_block}.{e}.{proj}.weight", w[e].half())
+                        writer.add(f"{key_of(e, proj)}.weight", w[e].half())
                 reference[name] = tensor.detach().half()
                 continue
             for proj, w in projs:
                 per_expert = []
                 for e in range(w.shape[0]):
-                    own = settings(f"{stored_block}.{e}.{proj}")
+                    own = settings(key_of(e, proj))
                     stored, deq = quantize_linear(w[e], method, own["group_size"], own["sym"], own["act_order"], v2,
                                                   gen, orders[e] if own["act_order"] else None, **ct)
                     for part, t in stored.items():
-                        key = f"{stored_block}.{e}.{proj}.{part}"
+                        key = f"{key_of(e, proj)}.{part}"
                         if key not in drop:
                             writer.add(key, t)
                     per_expert.append(deq)
@@ -493,6 +502,22 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
                 torch.cat(deqs, dim=1)
             if transposed:
                 reference[name] = reference[name].transpose(1, 2).contiguous()
+            continue
+        if leaf in ("gate_up_proj_bias", "down_proj_bias") and module.endswith(".experts") and tensor.dim() == 2 \
+                and not stacked_expert_bias:  # [E, N]: an expert's bias beside its Linears, split as they are
+            block = model.get_submodule(module)
+            weight = leaf[:-len("_bias")]
+            stored_block, projs = _expert_linears(f"{module}.{weight}", tensor.detach()[..., None], mixtral_names,
+                                                  not getattr(block, "is_concatenated", True))
+            if expert_layout == "joined":
+                projs = [({"gate_up_proj": "gate_up", "down_proj": "down"}[weight], tensor.detach()[..., None])]
+            for proj, b in projs:
+                for e in range(b.shape[0]):
+                    key = f"{stored_block}.{proj}.{e}.bias" if expert_layout == "joined" else \
+                        f"{stored_block}.{e}.{proj}.bias"
+                    if key not in drop:
+                        writer.add(key, b[e, :, 0].half())
+            reference[name] = tensor.detach().half()
             continue
         t = tensor.detach().half() if tensor.is_floating_point() else tensor.detach()
         if name not in drop:

@@ -169,9 +169,9 @@ def test_moe_checkpoint_loads(tmp_path, device, arch, monkeypatch):
     assert _rel(got, want) < 1e-2  # the logits: fp16 through two layers (the fp32 model in fp16 is 1e-3-5e-3 off)
 
 
-def test_gpt_oss_checkpoint_with_expert_biases_refused(tmp_path, device):
-    # gpt-oss' experts have biases and interleave their gate and up rows: the per-expert loader refuses the block by
-    # name rather than load it without its biases
+def test_gpt_oss_checkpoint_with_expert_biases_loads(tmp_path, device):
+    # gpt-oss' experts have biases and interleave their gate and up rows: each expert's biases load into the block's
+    # (tests/models/test_models_moe_checkpoint.py checks them against nonzero biases in every stored layout)
     if "gpt_oss" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no gpt-oss")
     config = _config("gpt_oss", dict(num_local_experts=4, layer_types=["sliding_attention", "full_attention"],
@@ -180,8 +180,10 @@ def test_gpt_oss_checkpoint_with_expert_biases_refused(tmp_path, device):
     reference = cw.write_model(tmp_path, source, "gptq", group_size=32, sym=True, not_convert=_kept_16_bit(source))
     gate_up = reference["model.layers.0.mlp.experts.gate_up_proj"]
     assert gate_up.shape == source.model.layers[0].mlp.experts.gate_up_proj.shape  # rows as the block holds them
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts \(\w+\): experts with biases are not supported"):
-        from_pretrained(tmp_path, device=device)
+    model = from_pretrained(tmp_path, device=device)
+    block = model.model.layers[0].mlp.experts
+    assert torch.equal(block.gate_up_proj_bias.cpu(), reference["model.layers.0.mlp.experts.gate_up_proj_bias"])
+    assert not isinstance(getattr(block, "gate_up_proj", None), torch.Tensor)  # 4-bit: the 16-bit weight dropped
 
 
 def test_jamba_quantized_whole(device):

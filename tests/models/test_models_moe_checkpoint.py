@@ -37,6 +37,11 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def _logits(model, device):
+    with torch.no_grad():
+        return model(input_ids=IDS.to(device)).logits.float().cpu()
+
+
 def _write(tmp_path, arch="qwen3_moe", **kw):
     config = cw.tiny_moe_config(arch)
     path = tmp_path / "ckpt"
@@ -416,16 +421,58 @@ def test_dequantized_copy_of_moe_model(tmp_path, device):
     assert dense.model.layers[0].mlp.gate.weight is model.model.layers[0].mlp.gate.weight  # shared, not copied
 
 
-def test_experts_with_biases_refused(tmp_path, device):
-    """A block whose experts have biases (has_bias) is refused by name rather than loaded without them."""
-    config = cw.tiny_moe_config(layers=1)
+def _gpt_oss():
+    """A tiny gpt-oss: experts with biases, gate and up rows in turn (is_concatenated False), held [E, in, out]."""
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip("this transformers has no gpt-oss")
+    config = transformers.GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                       num_experts_per_tok=2, max_position_embeddings=64, sliding_window=16,
+                                       layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)
+    model = cw.random_model(config)
+    with torch.no_grad():  # (initialised to zero: a bias the loader dropped would go unseen)
+        for name, p in model.named_parameters():
+            if name.endswith("_bias"):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    return config, model
+
+
+GPT_OSS = {  # name: writer options
+    # llm-compressor's and the transformers names: experts.<e>.gate_proj / up_proj / down_proj, a bias each
+    "split-gptq": dict(method="gptq"),
+    "split-ct": dict(method="compressed-tensors"),
+    # GPTQModel's: experts.gate_up.<e> (gate and up rows in turn, as the block holds them) and experts.down.<e>
+    "joined-gptq": dict(method="gptq", expert_layout="joined"),
+    "joined-awq-stacked-bias": dict(method="awq", expert_layout="joined", stacked_expert_bias=True),
+}
+
+
+@pytest.mark.parametrize("name", list(GPT_OSS))
+def test_experts_with_biases_load(tmp_path, device, name):
+    """gpt-oss's experts add a bias an expert: stored beside each expert's Linears (or stacked as the block holds
+    them), they load into the block's biases, which the 4-bit experts add."""
+    config, source = _gpt_oss()
     path = tmp_path / "c"
-    cw.write_model(path, cw.random_model(config), "gptq", 32, sym=True)
-    model, dev = empty_model(path, device=device)
-    model.model.layers[0].mlp.experts.has_bias = True
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts \(Qwen3MoeExperts\): experts with "
-                                         r"biases are not supported"):
-        load_quantized_(model, path, device=dev)
+    reference = cw.write_model(path, source, group_size=32, **GPT_OSS[name])
+    model = from_pretrained(path, device=device)
+    for layer in range(2):
+        block = model.model.layers[layer].mlp.experts
+        assert moe._int4(block, "gate_up_proj") is not None and moe._int4(block, "down_proj") is not None
+        for b in ("gate_up_proj_bias", "down_proj_bias"):
+            assert torch.equal(getattr(block, b).cpu(), reference[f"model.layers.{layer}.mlp.experts.{b}"]), b
+        assert torch.equal(dequantize(moe._int4(block, "gate_up_proj")).cpu(),  # [E, 2I, H]: rows as held
+                           reference[f"model.layers.{layer}.mlp.experts.gate_up_proj"].transpose(1, 2))
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL, f"{name}: logits rel. error {err:.2e}"
+
+
+def test_a_missing_expert_bias_is_named(tmp_path, device):
+    config, source = _gpt_oss()
+    path = tmp_path / "c"
+    drop = ["model.layers.1.mlp.experts.gate_up.2.bias"]
+    cw.write_model(path, source, "gptq", 32, expert_layout="joined", drop=drop)
+    with pytest.raises(ValueError, match=r"lacks tensor.*model\.layers\.1\.mlp\.experts\.gate_up\.2\.bias"):
+        from_pretrained(path, device=device)
 
 
 def test_stored_expert_biases_the_block_lacks(tmp_path, device):

@@ -1095,6 +1095,9 @@ def _int4_weight(tensors: _Tensors, prefix: str, q: QuantConfig, N: int, K: int,
 # A checkpoint stores expert e of a block as Linears "<block>.<e>.<gate>", "<up>", "<down>": Qwen-MoE / OLMoE /
 # DeepSeek names, then Mixtral's (w1 = gate, w3 = up, w2 = down).
 _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+# GPTQModel's gpt-oss experts: "<block>.gate_up.<e>" (the gate/up rows joined as the block holds them, with a bias)
+# and "<block>.down.<e>", the expert's index after the projection's name.
+_JOINED_EXPERT_NAMES = ("gate_up", "down")
 # Module paths of checkpoints made before transformers v5 renamed them (Mixtral's block_sparse_moe is now mlp).
 _RENAMED = ((".mlp.", ".block_sparse_moe."),)
 
@@ -1118,13 +1121,29 @@ class _StoredExperts:
     joined: dict  # the block's weight name -> (the per-expert projections its rows join, (N of each, K))
     dense: bool = False
     stacked: bool = False
+    index_last: bool = False  # "<prefix>.<proj>.<e>" (GPTQModel's gpt-oss) rather than "<prefix>.<e>.<proj>"
+
+    def key(self, e: int, proj: str) -> str:
+        """The stored name of expert ``e``'s Linear ``proj``."""
+        return f"{self.prefix}.{proj}.{e}" if self.index_last else f"{self.prefix}.{e}.{proj}"
+
+    def expert(self, e: int, projs) -> str:
+        """Expert ``e``'s stored name for messages (its one Linear of ``projs`` where the index comes last)."""
+        return self.key(e, projs[0]) if self.index_last else f"{self.prefix}.{e}"
 
     def keys(self):
         """(projection prefix, N, K) of every stored expert Linear."""
         for _, (projs, (N, K)) in self.joined.items():
             for e in range(self.num_experts):
                 for p in projs:
-                    yield f"{self.prefix}.{e}.{p}", N, K
+                    yield self.key(e, p), N, K
+
+    def per_expert_biases(self, tensors) -> list[str]:
+        """The block's bias parameters the checkpoint stores an expert each (``<key>.bias``), not stacked under
+        the block's own name (``<block>.gate_up_proj_bias``, loaded as any plain tensor)."""
+        if self.stacked or not getattr(self.module, "has_bias", False):
+            return []
+        return [f"{w}_bias" for w in self.joined if f"{self.name}.{w}_bias" not in tensors]
 
 
 def _int4_experts_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -1166,18 +1185,26 @@ def _stored_experts(model: nn.Module, tensors: _Tensors, problems: list | None =
             for leaf in (marker, "weight"):
                 names = next((n for n in _EXPERT_NAMES if any(f"{prefix}.{e}.{p}.{leaf}" in tensors
                                                               for e in range(E) for p in n)), None)
-                if names is not None:
+                joined_names = names is None and has_gate and any(
+                    f"{prefix}.{p}.{e}.{leaf}" in tensors for e in range(E) for p in _JOINED_EXPERT_NAMES)
+                if names is not None or joined_names:
                     break
-            if names is not None:
+            if names is None and not joined_names:
+                continue
+            if joined_names:  # one Linear an expert holds the gate and up rows, as the block joins them
+                gate_up, down_p = _JOINED_EXPERT_NAMES
+                joined = {up_name: ((gate_up,), (n_up, h)), "down_proj": ((down_p,), (h_out, i))}
+            else:
                 gate, up_p, down_p = names
                 joined = {up_name: ((gate, up_p), (n_up // 2, h)) if has_gate else ((up_p,), (n_up, h)),
                           "down_proj": ((down_p,), (h_out, i))}
-                if leaf == "weight" and (name, module) in four_bit and problems is not None:
-                    problems.append(f"{name} holds 4-bit experts (the model was quantized already) but the checkpoint "
-                                    f"stores them 16-bit ({prefix}.0.{joined['down_proj'][0][0]}.weight ...): load "
-                                    f"into a model that is not quantized")
-                found.append(_StoredExperts(name, module, prefix, E, joined, dense=leaf == "weight"))
-                break
+            s = _StoredExperts(name, module, prefix, E, joined, dense=leaf == "weight", index_last=joined_names)
+            if leaf == "weight" and (name, module) in four_bit and problems is not None:
+                problems.append(f"{name} holds 4-bit experts (the model was quantized already) but the checkpoint "
+                                f"stores them 16-bit ({s.key(0, down_p)}.weight ...): load into a model that is "
+                                f"not quantized")
+            found.append(s)
+            break
     return found
 
 
@@ -1193,9 +1220,20 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
             used |= _check_stored(tensors, {f"{s.name}.tilegemm_{wname}_{p}": v for p, v in expected.items()},
                                   f"what experts block {s.name} holds", problems, missing)
         return used
-    if getattr(s.module, "has_bias", False):
-        problems.append(f"{s.name} ({type(s.module).__name__}): experts with biases are not supported by the "
-                        f"per-expert loader (tilegemm's 4-bit experts add no bias)")
+    biased = s.per_expert_biases(tensors)
+    for wname, (projs, (N, K)) in s.joined.items():  # biases stored an expert each: [N] a projection
+        if f"{wname}_bias" not in biased:
+            continue
+        for e in range(s.num_experts):
+            for p in projs:
+                name = f"{s.key(e, p)}.bias"
+                if name not in tensors:
+                    missing.append(name)
+                    continue
+                used.add(name)
+                if tensors.shape(name) != [N]:
+                    problems.append(f"{name}: the checkpoint's shape {tensors.shape(name)} does not match [{N}], "
+                                    f"what expert {s.name}'s {wname}_bias holds an expert")
     if s.dense:  # 16-bit experts: each expert's projection [N, K]
         for key, N, K in s.keys():
             name = f"{key}.weight"
@@ -1242,7 +1280,7 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
                             f"{qk.group_size}")
             continue
         used |= _check_quant_shapes(tensors, key, qk, N, K, f"expert {s.name}", problems, missing)
-        if f"{key}.bias" in tensors:
+        if f"{key}.bias" in tensors and not biased:
             used.add(f"{key}.bias")
             if bool(tensors.get(f"{key}.bias").any()):  # dropped, as a dense layer's bias its module lacks
                 warnings.warn(f"load_quantized_: the checkpoint stores a nonzero {key}.bias, which the experts of "
@@ -1300,7 +1338,7 @@ def _load_dense_experts(s: _StoredExperts, tensors: _Tensors, dtype) -> None:
     for wname, (projs, (N, K)) in s.joined.items():
         experts = []
         for e in range(s.num_experts):
-            ws = [tensors.get(f"{s.prefix}.{e}.{p}.weight").to(dtype) for p in projs]
+            ws = [tensors.get(f"{s.key(e, p)}.weight").to(dtype) for p in projs]
             experts.append(ws[0] if len(ws) == 1 else
                            torch.stack(ws, 1).reshape(len(ws) * N, K) if interleave else torch.cat(ws, 0))
             del ws
@@ -1308,6 +1346,23 @@ def _load_dense_experts(s: _StoredExperts, tensors: _Tensors, dtype) -> None:
         if getattr(s.module, "is_transposed", False):
             t = t.transpose(1, 2).contiguous()
         _set_tensor(s.module, wname, nn.Parameter(t, requires_grad=False))
+    _load_expert_biases(s, tensors, dtype)
+
+
+def _load_expert_biases(s: _StoredExperts, tensors: _Tensors, dtype) -> None:
+    """Stack the biases a checkpoint stores an expert each into the block's ``<weight>_bias`` ``[E, N]``, their
+    gate and up parts joined as the weights' rows are (after each other, or in turn for a block whose
+    ``is_concatenated`` is False)."""
+    interleave = not getattr(s.module, "is_concatenated", True)
+    biased = s.per_expert_biases(tensors)
+    for wname, (projs, _) in s.joined.items():
+        if f"{wname}_bias" not in biased:
+            continue
+        rows = []
+        for e in range(s.num_experts):
+            bs = [tensors.get(f"{s.key(e, p)}.bias").to(dtype) for p in projs]
+            rows.append(bs[0] if len(bs) == 1 else torch.stack(bs, 1).reshape(-1) if interleave else torch.cat(bs))
+        _set_tensor(s.module, f"{wname}_bias", nn.Parameter(torch.stack(rows), requires_grad=False))
 
 
 def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -> None:
@@ -1333,9 +1388,9 @@ def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -
         for e in range(s.num_experts):
             try:
                 per_expert.append([_expert_weight(tensors, k, q.for_module(tensors.stored_module(k, leaves)), N, K,
-                                                  dtype) for k in (f"{s.prefix}.{e}.{p}" for p in projs)])
+                                                  dtype) for k in (s.key(e, p) for p in projs)])
             except (TypeError, ValueError) as err:
-                raise type(err)(f"{s.prefix}.{e} ({q.describe()}, {' and '.join(projs)}): {err}") from None
+                raise type(err)(f"{s.expert(e, projs)} ({q.describe()}, {' and '.join(projs)}): {err}") from None
         # one group size a stacked weight and one input order an expert: where per-module settings (GPTQModel's
         # dynamic, compressed-tensors' config groups) stored an expert's gate and up, or experts, in several group
         # sizes, the finest holds them all exactly, in the order of the expert's finest act-order projection
@@ -1350,10 +1405,11 @@ def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -
                 ws = [regroup(w, label, order) for w in ws]  # (as they are where they agree)
                 experts.append(ws[0] if len(ws) == 1 else concat_outputs(ws, interleave=interleave))
             except (TypeError, ValueError) as err:
-                raise type(err)(f"{s.prefix}.{e} ({q.describe()}, {' and '.join(projs)}): {err}") from None
+                raise type(err)(f"{s.expert(e, projs)} ({q.describe()}, {' and '.join(projs)}): {err}") from None
         del per_expert
         stacked[wname] = stack_experts(experts)
     install_int4_experts_(s.module, stacked)
+    _load_expert_biases(s, tensors, dtype)
 
 
 def _state_of(obj) -> tuple[dict, list]:
@@ -1524,7 +1580,8 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
     expert_keys = {f"{key}.{p}" for s in experts if s.name in loaded for key, _, _ in s.keys()
                    for p in (*q.leaves, "bias", "weight")}  # filled already: not strays
     experts = [s for s in experts if s.name not in loaded]
-    expert_params = {f"{s.name}.{w}" for s in experts for w in s.joined}
+    expert_params = {f"{s.name}.{w}" for s in experts for w in s.joined} | {
+        f"{s.name}.{b}" for s in experts for b in s.per_expert_biases(tensors)}
     for s in experts:
         expert_keys |= _check_experts(s, q, tensors, problems, missing)
 
