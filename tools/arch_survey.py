@@ -116,6 +116,28 @@ def _experts_16_bit(config, source) -> dict:
     return {"experts16": "routing" if flip else ("ok" if err < 1e-4 else "logits"), "experts16_err": err}
 
 
+def _converted(source) -> dict:
+    """``tilegemm.nn.convert_`` (every Linear and Conv2d it takes on tilegemm's 16-bit kernels; fp32 here, exact
+    under the interpreter) against the model as built."""
+    import copy
+
+    import tilegemm.nn
+
+    try:
+        model = tilegemm.nn.convert_(copy.deepcopy(source), warn=False)
+        swapped = sum(type(m).__module__.startswith("tilegemm") for m in model.modules())
+        with torch.no_grad(), _topk_recorded() as a:
+            got = model(input_ids=IDS, use_cache=False).logits
+        with torch.no_grad(), _topk_recorded() as b:
+            want = source(input_ids=IDS, use_cache=False).logits
+    except Exception as e:  # noqa: BLE001
+        return {"convert16": f"error {type(e).__name__}: {str(e)[:300]}"}
+    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    flip = any(not torch.equal(x.sort(-1).values, y.sort(-1).values) for x, y in zip(a, b))
+    status = "routing" if flip else ("ok" if err < 1e-4 and swapped else "logits" if swapped else "none")
+    return {"convert16": status, "convert16_err": err, "convert16_modules": swapped}
+
+
 def survey(model_type: str, method: str, group_size: int, tmp: Path) -> dict:
     from tilegemm.models import from_pretrained
     from tilegemm.nn.convert import is_plain_linear
@@ -142,6 +164,7 @@ def survey(model_type: str, method: str, group_size: int, tmp: Path) -> dict:
     if not names:
         return {**row, "status": "build", "error": "no Linear to quantize"}
     row.update(_experts_16_bit(config, source))
+    row.update(_converted(source))
     path = tmp / model_type
     try:
         # GPTQ and AWQ pack zero points along the outputs: quantizers leave a Linear of N % 8 (a router) 16-bit
@@ -220,6 +243,7 @@ def main() -> None:
             row["seconds"] = round(time.time() - start, 1)
             rows.append(row)
             x16 = f" experts16={row['experts16']}" if "experts16" in row else ""
+            x16 += f" convert16={row['convert16']}" if "convert16" in row else ""
             print(f"{t:28s} {method:5s} {row['status']:7s} {row.get('rel_err', ''):<10.3g} "
                   f"{row.get('error', '')[:160]}{x16}" if "rel_err" in row else
                   f"{t:28s} {method:5s} {row['status']:7s} {row.get('error', '')[:160]}{x16}", flush=True)
