@@ -193,3 +193,53 @@ def test_moe_experts_load_stacked(tmp_path, device):
     ref.set_experts_implementation("eager")
     err = _rel(_logits(model, device), _logits(ref, "cpu"))
     assert err < TOL, f"logits rel. error {err:.2e}"
+
+
+def _gemma3_multimodal():
+    """Gemma-3 4B+'s config, tiny: AutoModelForCausalLM builds Gemma3ForConditionalGeneration, whose language model
+    transformers names model.language_model.* while checkpoints store it as language_model.model.*."""
+    import transformers
+
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                     image_token_index=255)
+
+
+_GEMMA3_STORED = [("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+                  ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head.")]
+
+
+def _gemma3_stored_name(name: str) -> str:
+    return next((name.replace(new, old, 1) for new, old in _GEMMA3_STORED if name.startswith(new)), name)
+
+
+def test_rules_naming_modules_by_the_models_names_where_the_checkpoint_stores_older_ones(tmp_path, device):
+    # AutoRound names blocks and layers as the model it quantized did (Gemma-3 under transformers >= 4.52:
+    # model.language_model.layers.*), while save_pretrained stored the tensors under the older names
+    # (language_model.model.layers.*). Its rules apply under either name, as modules_to_not_convert's do: matched
+    # against the stored names only, every layer fell outside block_name_to_quantize and the checkpoint was refused.
+    config = _gemma3_multimodal()
+    path = tmp_path / "ckpt"
+    o_proj, down = "model.language_model.layers.0.self_attn.o_proj", "model.language_model.layers.1.mlp.down_proj"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 32, False, autoround=True,
+                               stored_name=_gemma3_stored_name, quant_extra=dict(
+                                   block_name_to_quantize="model.language_model.layers",
+                                   extra_config={o_proj: {"bits": 16}, down: {"group_size": 64}}))
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert f"{_gemma3_stored_name(down)}.qweight" in set(f.keys())  # the older names stored
+    model = from_pretrained(path, device=device)
+    layers = [f"model.language_model.layers.{i}.{n}" for i in range(2) for n in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")]
+    int4 = {n for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert int4 == set(layers) - {o_proj}
+    assert model.get_submodule(down).group_size == 64
+    assert model.get_submodule("model.language_model.layers.0.mlp.down_proj").group_size == 32
+    assert torch.equal(model.get_submodule(o_proj).weight.cpu(), reference[f"{o_proj}.weight"])
+    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+    assert err < TOL, f"logits rel. error {err:.2e}"

@@ -92,19 +92,22 @@ class QuantConfig:
     # the rule that gave one module's settings (for_module's result), for messages; no part of the settings
     rule: str = dataclasses.field(default="", compare=False)
 
-    def for_module(self, name: str, classes: tuple[str, ...] = ("Linear",)) -> "QuantConfig | None":
+    def for_module(self, name: str, classes: tuple[str, ...] = ("Linear",), alias: str | None = None
+                   ) -> "QuantConfig | None":
         """How module ``name`` (whose classes, its MRO's names, are ``classes``) is stored: GPTQ, the first
         ``dynamic`` pattern that matches its name (``re.match``, as GPTQModel matches) overrides group_size, sym,
         desc_act and bits, or (a ``-:`` pattern) leaves it unquantized (None); compressed-tensors, the config
         group of the target that compressed-tensors picks for it (:func:`_ct_scheme`), and None where ``ignore``
-        names it or no group targets it; otherwise this config."""
+        names it or no group targets it; otherwise this config. ``alias``: the module's name in the model where
+        it differs from the checkpoint's ``name``; a ``dynamic`` rule matching either applies (a quantizer names
+        modules as the model it ran on did, which may be the names transformers gives them now)."""
         if self.method == "compressed-tensors":
             if any(_ct_match(name, classes, t) for t in self.ignore):
                 return None
             overrides = _ct_scheme(self.groups, name, classes)
             return None if overrides is None else dataclasses.replace(self, groups=(), ignore=(), **overrides)
         for skip, pattern, overrides, source in self.dynamic:
-            if pattern.match(name):
+            if pattern.match(name) or (alias is not None and pattern.match(alias)):
                 return None if skip else dataclasses.replace(self, dynamic=(), rule=source, **overrides)
         return self
 
@@ -368,10 +371,12 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
         raise ValueError(f"{where}: {at(blocks_key)} must be a comma-separated string or a list of module name "
                          f"prefixes, got {q.get(blocks_key)!r}")
     blocks = [b for b in blocks or () if b]
-    if blocks:  # a layer whose name starts with none of the prefixes (a plain prefix of the string, as vLLM tests)
-        outside = re.compile("(?!" + "|".join(re.escape(b) for b in blocks) + ")")
-        rules.append((True, outside, {}, f"{at(blocks_key)} (its name starts with none of "
-                                         f"{', '.join(repr(b) for b in blocks)})"))
+    if blocks:  # a layer whose name starts with one of the prefixes (a plain prefix of the string, as vLLM tests)
+        # keeps the settings, any other is 16-bit: two rules, so that a layer named by either of its names (the
+        # checkpoint's, the model's: for_module) is inside
+        rules.append((False, re.compile("|".join(re.escape(b) for b in blocks)), {}, ""))
+        rules.append((True, re.compile(""), {}, f"{at(blocks_key)} (its name starts with none of "
+                                                f"{', '.join(repr(b) for b in blocks)})"))
     return QuantConfig(method, group_size, sym=sym if method == "gptq" else False, checkpoint_format="gptq",
                        modules_to_not_convert=tuple(not_convert), dynamic=tuple(rules), key=key)
 
@@ -1253,7 +1258,7 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
         # per-module rules name an expert as the checkpoint does (Mixtral's block_sparse_moe.experts.<e>.w1, where
         # the model has mlp.experts); modules_to_not_convert is taken under either name
         stored, as_model = tensors.stored_module(key, (marker, "weight")), s.name + key[len(s.prefix):]
-        qk = q.for_module(stored)
+        qk = q.for_module(stored, alias=as_model)
         if qk is None or _named_16_bit(q, stored, as_model):
             why = _left_16_bit_by(q, stored, as_model, qk)
             if f"{key}.{marker}" in tensors:
@@ -1310,7 +1315,8 @@ def _left_16_bit_by(q: QuantConfig, stored: str, name: str, qm: QuantConfig | No
         entry = next((t for t in q.ignore if _ct_match(stored, classes, t)), None)
         return f"in {_at(q.key, 'ignore')} ('{entry}')" if entry is not None else \
             f"targeted by no config group of {q.key or 'its settings file'}"
-    source = next(s for _, p, _, s in q.dynamic if p.match(stored))  # the first match decides: a skipping one here
+    # the first match (of either name) decides: a skipping one here
+    source = next(s for _, p, _, s in q.dynamic if p.match(stored) or p.match(name))
     return f"left 16-bit by {source}"
 
 
@@ -1387,8 +1393,9 @@ def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -
         per_expert = []
         for e in range(s.num_experts):
             try:
-                per_expert.append([_expert_weight(tensors, k, q.for_module(tensors.stored_module(k, leaves)), N, K,
-                                                  dtype) for k in (s.key(e, p) for p in projs)])
+                per_expert.append([_expert_weight(tensors, k, q.for_module(tensors.stored_module(k, leaves),
+                                                                           alias=s.name + k[len(s.prefix):]),
+                                                  N, K, dtype) for k in (s.key(e, p) for p in projs)])
             except (TypeError, ValueError) as err:
                 raise type(err)(f"{s.expert(e, projs)} ({q.describe()}, {' and '.join(projs)}): {err}") from None
         # one group size a stacked weight and one input order an expert: where per-module settings (GPTQModel's
@@ -1524,7 +1531,7 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
         # name, as for the experts (_check_experts)
         as_stored, classes = tensors.stored_module(name, (marker, "weight")), \
             tuple(c.__name__ for c in type(m).__mro__) + ("Linear",)
-        qm = q.for_module(as_stored, classes)
+        qm = q.for_module(as_stored, classes, alias=name)
         if stored:
             refused.add(name)
         if isinstance(m, Int4Linear) and not stored:

@@ -911,7 +911,7 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
             N, K = m.out_features, m.in_features
             # (its own config where the checkpoint's rules give one, by the name the quantizer knew it by)
             stored = tensors.stored_module(name, (q.leaf("qweight"), "weight"))
-            qm = q.for_module(stored)
+            qm = q.for_module(stored, alias=name)
             if qm is None or qm.bits != 4:
                 raise ValueError(f"tp_plan splits {name}, which the checkpoint's {q.key or 'settings file'} "
                                  f"{'leaves unquantized' if qm is None else f'stores with bits = {qm.bits!r}'}, "
