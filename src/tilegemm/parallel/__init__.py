@@ -912,10 +912,12 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
             # (its own config where the checkpoint's rules give one, by the name the quantizer knew it by)
             stored = tensors.stored_module(name, (q.leaf("qweight"), "weight"))
             qm = q.for_module(stored, alias=name)
-            if qm is None or qm.bits != 4:
-                raise ValueError(f"tp_plan splits {name}, which the checkpoint's {q.key or 'settings file'} "
-                                 f"{'leaves unquantized' if qm is None else f'stores with bits = {qm.bits!r}'}, "
-                                 f"though the checkpoint stores it packed")
+            if qm is None:  # (the rule named, as the unsplit load names it)
+                raise ValueError(f"tp_plan splits {name}, which is {_left_16_bit_by(q, stored, name, qm)}, though "
+                                 f"the checkpoint stores it packed")
+            if qm.bits != 4:
+                raise ValueError(f"tp_plan splits {name}, which the checkpoint's {qm.rule or q.key or 'settings file'} "
+                                 f"stores with bits = {qm.bits!r}, though the checkpoint stores it packed")
             if _named_16_bit(q, stored, name):
                 # (refused as load_quantized_ refuses it unsplit: the config and the tensors disagree)
                 raise ValueError(f"tp_plan splits {name}, which is {_left_16_bit_by(q, stored, name, qm)} but the "
