@@ -109,7 +109,7 @@ def dequantize_stored(t: dict, method: str, group_size: int, v2: bool = False) -
         zp = t.get("weight_zero_point")
         if zp is None:
             zeros = torch.zeros_like(scales)
-        elif zp.shape[0] == N:  # unpacked, signed
+        elif zp.dtype != torch.int32:  # unpacked, signed int8 (by dtype: for N = 1 the two forms' shapes agree)
             zeros = zp.T.float()
         else:
             zeros = (unpack_along_k(zp)[:N] - 8).T.float()

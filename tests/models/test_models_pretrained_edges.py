@@ -326,6 +326,28 @@ def test_compressed_tensors_output_width_not_a_multiple_of_8_loads(tmp_path, dev
     assert _rel(model, cw.reference_model(config, reference)) < 3e-3
 
 
+def test_compressed_tensors_one_output_layer_loads(tmp_path, device):
+    # a one-output Linear (Qwen2-MoE's shared_expert_gate) stored asymmetric: its packed zero points, int32
+    # [ceil(1/8), G] = [1, G], have the shape of unpacked ones ([N, G]); read as packed (zero + 8 in nibble 0)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                         max_position_embeddings=64, tie_word_embeddings=False)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "compressed-tensors", 32, sym=False)
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "pt") as f:
+        zp = f.get_tensor("model.layers.0.mlp.shared_expert_gate.weight_zero_point")
+    assert zp.dtype == torch.int32 and list(zp.shape) == [1, 2] and bool((zp > 7).any())  # packed: zero + 8
+    model = from_pretrained(path, device=device)
+    gate = model.model.layers[0].mlp.shared_expert_gate
+    assert isinstance(gate, Int4Linear) and gate.out_features == 1
+    assert torch.equal(gate.dequantize().cpu(), reference["model.layers.0.mlp.shared_expert_gate.weight"])
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+
+
 @pytest.mark.parametrize("method, why", [
     ("gptq", r"GPTQ's format needs: it packs the zero points along the outputs, eight to an int32 "
              r"\(qzeros \[G, N/8\]\)"),
