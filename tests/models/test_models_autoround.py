@@ -38,10 +38,10 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _write(tmp_path, method="gptq", group_size=32, sym=False, hidden=64, **extra):
+def _write(tmp_path, method="gptq", group_size=32, sym=False, hidden=64, v2=False, **extra):
     config = cw.tiny_config("llama", hidden=hidden)
     path = tmp_path / "ckpt"
-    reference = cw.write_model(path, cw.random_model(config), method, group_size, sym, autoround=True,
+    reference = cw.write_model(path, cw.random_model(config), method, group_size, sym, autoround=True, v2=v2,
                                quant_extra=extra)
     return path, config, reference
 
@@ -147,7 +147,22 @@ def test_awq_packing_with_an_extra_config_group_size(tmp_path, device):
     assert model.model.layers[1].self_attn.o_proj.group_size == 64
 
 
+@pytest.mark.parametrize("backend, v2", [("auto_round:exllamav2", True), ("auto_round:triton", True),
+                                         ("auto_round:gptq:exllamav2", False)])
+def test_early_checkpoints_packing_named_by_backend(tmp_path, device, backend, v2):
+    # AutoRound's early releases named the packer by "backend" only: its own layers (triton, exllamav2; what they
+    # wrote for asymmetric weights) store each zero as it is, not GPTQ v1's zero - 1; read as v1, every weight would
+    # be off by one scale
+    path, config, reference = _write(tmp_path, "gptq", 32, False, v2=v2, quant_method="intel/auto-round",
+                                     packing_format=None, backend=backend)
+    assert "packing_format" not in json.loads((path / "config.json").read_text())["quantization_config"]
+    _check(from_pretrained(path, device=device), config, reference, device, _layer_linears(config))
+
+
 REFUSED = [  # (config keys changed, the message)
+    (dict(packing_format=None, backend="auto_round:marlin"),
+     r"quantization_config\.backend 'auto_round:marlin' is not supported; supported: 'auto_round:auto_gptq', "
+     r"'auto_round:auto_awq', 'auto_round:exllamav2', 'auto_round:triton'"),
     (dict(packing_format="auto_round"), r"quantization_config\.packing_format 'auto_round' is not supported; "
                                         r"supported: 'auto_round:auto_gptq', 'auto_round:auto_awq'"),
     (dict(packing_format="auto_round:gptqmodel"), r"quantization_config\.packing_format 'auto_round:gptqmodel' is "

@@ -49,6 +49,9 @@ METHODS = ("gptq", "awq", "compressed-tensors", "auto-round", SAVED_METHOD)  # t
 # Intel's AutoRound: its packing formats taken -> the method whose layout they store (its early checkpoints name the
 # method "intel/auto-round")
 AUTOROUND_PACKINGS = {"auto_round:auto_gptq": "gptq", "auto_round:auto_awq": "awq"}
+# AutoRound's own packing (its triton and exllamav2 layers, which its early releases wrote for asymmetric weights and
+# named only by the "backend" key): GPTQ's layout with each zero stored as it is, not v1's zero - 1
+AUTOROUND_NATIVE = ("auto_round:exllamav2", "auto_round:triton")
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # GPTQ checkpoint formats: v1 (zero - 1 stored) and v2 (the zero itself)
 CT_FORMAT = "pack-quantized"  # the compressed-tensors format taken: 4-bit values eight to an int32
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -308,11 +311,17 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
     prefixes) leaving every layer outside those blocks 16-bit. Other keys (the tuning's iters, lr, ...) say
     nothing about the tensors and are ignored."""
     at = functools.partial(_at, key)
-    packing = q.get("packing_format") or "auto_round:auto_gptq"
-    if packing not in AUTOROUND_PACKINGS:
-        raise ValueError(f"{where}: {at('packing_format')} {packing!r} is not supported; supported: "
-                         f"{', '.join(repr(p) for p in AUTOROUND_PACKINGS)} (AutoRound's GPTQ and AWQ layouts)")
-    method = AUTOROUND_PACKINGS[packing]
+    packing, named_by = q.get("packing_format"), "packing_format"
+    if not packing and q.get("backend"):  # early releases: the layers' packer named by "backend" only
+        backend, named_by = str(q["backend"]).lower().replace("autoround", "auto_round"), "backend"
+        packing = "auto_round:auto_awq" if "awq" in backend else "auto_round:auto_gptq" if "gptq" in backend else \
+            next((p for p in AUTOROUND_NATIVE if backend.startswith(p)), backend)
+    packing = packing or "auto_round:auto_gptq"
+    if packing not in AUTOROUND_PACKINGS and packing not in AUTOROUND_NATIVE:
+        raise ValueError(f"{where}: {at(named_by)} {q.get(named_by)!r} is not supported; supported: "
+                         f"{', '.join(repr(p) for p in (*AUTOROUND_PACKINGS, *AUTOROUND_NATIVE))} (AutoRound's GPTQ "
+                         f"and AWQ layouts, and its own GPTQ layout with the zeros stored as they are)")
+    method = AUTOROUND_PACKINGS.get(packing, "gptq")
     data_type = str(q.get("data_type") or "int").lower()
     if data_type != "int":
         raise ValueError(f"{where}: {at('data_type')} {q.get('data_type')!r} is not supported; tilegemm loads "
@@ -377,7 +386,8 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
         rules.append((False, re.compile("|".join(re.escape(b) for b in blocks)), {}, ""))
         rules.append((True, re.compile(""), {}, f"{at(blocks_key)} (its name starts with none of "
                                                 f"{', '.join(repr(b) for b in blocks)})"))
-    return QuantConfig(method, group_size, sym=sym if method == "gptq" else False, checkpoint_format="gptq",
+    return QuantConfig(method, group_size, sym=sym if method == "gptq" else False,
+                       checkpoint_format="gptq_v2" if packing in AUTOROUND_NATIVE else "gptq",
                        modules_to_not_convert=tuple(not_convert), dynamic=tuple(rules), key=key)
 
 
