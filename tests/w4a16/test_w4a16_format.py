@@ -198,3 +198,65 @@ def test_quantize_empty_experts(shape):
     E, N, K = shape
     assert w.shape == shape and w.qweight.shape == (E, K // 8, N) and w.scales.shape == (E, K // 32, N)
     assert w4a16.dequantize(w).shape == shape
+
+
+def _gptq_parts(K=64, N=16, G=2, device="cpu"):
+    # random GPTQ v1 tensors: qweight [K/8, N], qzeros [G, N/8], scales [G, N]
+    i32 = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32).to(device)  # noqa: E731
+    return i32(K // 8, N), i32(G, N // 8), (torch.rand(G, N) + 0.1).half().to(device)
+
+
+@pytest.mark.parametrize("importer", ["gptq", "awq", "compressed_tensors"])
+def test_importers_name_scales_on_another_device(importer):
+    # scales on the meta device beside CPU parts: the parts' devices named, not a .item() on a meta tensor
+    q, z, s = _gptq_parts()
+    s = s.to("meta")
+    call = {"gptq": lambda: w4a16.from_gptq(q, z, s),
+            "awq": lambda: w4a16.from_awq(torch.zeros(64, 2, dtype=torch.int32), z, s),
+            "compressed_tensors": lambda: w4a16.from_compressed_tensors(q.T.contiguous(), s.T)}[importer]
+    with pytest.raises(ValueError, match="different devices"):
+        call()
+
+
+def test_importers_take_meta_parts():
+    # a checkpoint's tensors on the meta device (shapes only) import as a meta weight, as quantize's do
+    q, z, s = _gptq_parts(device="meta")
+    w = w4a16.from_gptq(q, z, s)
+    assert w.device.type == "meta" and w.shape == (16, 64) and w.group_size == 32
+    w = w4a16.from_compressed_tensors(q.T.contiguous(), s.T)
+    assert w.device.type == "meta" and w.shape == (16, 64)
+
+
+def test_gptq_meta_g_idx_is_refused():
+    q, z, s = _gptq_parts()
+    with pytest.raises(ValueError, match="g_idx is on the meta device"):
+        w4a16.from_gptq(q, z, s, torch.zeros(64, dtype=torch.int32, device="meta"))
+
+
+@pytest.mark.parametrize("importer", ["gptq", "compressed_tensors"])
+def test_no_inputs_with_g_idx(importer):
+    # K = 0 (a layer of no inputs): an empty g_idx is the natural order, as the import without one
+    q, z, s = _gptq_parts(K=0, G=1)
+    g_idx = torch.zeros(0, dtype=torch.int32)
+    w = (w4a16.from_gptq(q, z, s, g_idx) if importer == "gptq" else
+         w4a16.from_compressed_tensors(q.T.contiguous(), s.T, None, g_idx))
+    assert w.shape == (16, 0) and w.perm is None
+    assert w4a16.matmul(torch.randn(3, 0, dtype=torch.float16), w).abs().max() == 0
+
+
+@pytest.mark.parametrize("d, error, words", [
+    ([1, 2], TypeError, "from_state_dict takes a dict .*got list"),
+    (None, TypeError, "from_state_dict takes a dict .*got NoneType"),
+    ("qweight", TypeError, "got str"),
+    (dict(scales=torch.ones(1)), ValueError, "has no qweight, zeros, group_size, shape"),
+])
+def test_from_state_dict_errors(d, error, words):
+    with pytest.raises(error, match=words):
+        w4a16.Int4Weight.from_state_dict(d)
+
+
+def test_from_state_dict_names_a_missing_part():
+    d = w4a16.quantize(torch.randn(16, 64, dtype=torch.float16), 32).state_dict()
+    del d["zeros"]
+    with pytest.raises(ValueError, match=r"has no zeros \(it has qweight, scales, group_size, shape\)"):
+        w4a16.Int4Weight.from_state_dict(d)

@@ -19,6 +19,7 @@ A linear weight ``W`` is ``[N, K]`` (``y = x @ W.T``), cut along K into ``G = K 
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 
 import torch
 
@@ -266,6 +267,12 @@ class Int4Weight:
 
     @classmethod
     def from_state_dict(cls, d: dict) -> "Int4Weight":
+        if not isinstance(d, Mapping):
+            raise TypeError(f"Int4Weight.from_state_dict takes a dict (Int4Weight.state_dict()), got {type(d).__name__}")
+        missing = [k for k in ("qweight", "scales", "zeros", "group_size", "shape") if k not in d]
+        if missing:
+            raise ValueError(f"Int4Weight.from_state_dict: the state dict has no {', '.join(missing)} (it has "
+                             f"{', '.join(map(str, d)) or 'no keys'})")
         perm = d.get("perm")
         perm = perm if perm is not None and perm.numel() else None
         return cls(d["qweight"], d["scales"], d["zeros"], int(d["group_size"]), tuple(int(v) for v in d["shape"]),
@@ -529,7 +536,8 @@ def _check_scales(scales, G: int, N: int) -> None:
         raise TypeError(f"scales must be fp16 or bf16, got {dtype_name(scales.dtype)}")
     if tuple(scales.shape) != (G, N):
         raise ValueError(f"scales must be [G, N] = [{G}, {N}], got {list(scales.shape)}")
-    _check_finite("scales", scales)
+    if not scales.is_meta:  # (meta: shapes only, no values to check; the parts' devices are checked after)
+        _check_finite("scales", scales)
 
 
 def one_group_size(K: int, recorded=()) -> int:
@@ -586,8 +594,11 @@ def _by_groups(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     if g_idx is not None:
         if not isinstance(g_idx, torch.Tensor) or g_idx.dtype.is_floating_point or tuple(g_idx.shape) != (K,):
             raise ValueError(f"g_idx must be an integer tensor [K] = [{K}]")
+        if g_idx.is_meta:  # the order is read from its values, which a meta tensor has none of
+            raise ValueError("g_idx is on the meta device: the act-order permutation is read from its values; "
+                             "load it onto a real device first")
         g_idx = g_idx.to(torch.int64)
-        if int(g_idx.min()) < 0 or int(g_idx.max()) >= G:
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= G):  # (K = 0: no inputs, no groups)
             raise ValueError(f"g_idx holds groups outside 0..{G - 1}")
         natural = torch.arange(K, device=g_idx.device) // (K // G)
         if not torch.equal(g_idx, natural):
