@@ -387,6 +387,48 @@ def test_bad_arguments(good):
         from_pretrained(good, dtype="bf16")
 
 
+@pytest.mark.parametrize("device, error, words", [
+    ("bogus", ValueError, "device 'bogus' is not a device"),
+    (["cpu"], TypeError, "device must be a torch.device, a str .* got list"),
+    ("meta", ValueError, "device 'meta' cannot hold the checkpoint's tensors"),
+    pytest.param("cuda", ValueError, "device 'cuda': no CUDA GPU is available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here")),
+])
+def test_bad_devices_are_named_before_loading(good, device, error, words, monkeypatch):
+    # refused where the device is resolved, before a tensor is read (not torch's parse error, an assert from
+    # torch.cuda, or safetensors' refusal of meta half-way through the load)
+    monkeypatch.setattr(pretrained, "_Tensors", None)  # reading anything would fail otherwise
+    with pytest.raises(error, match=words):
+        from_pretrained(good, device=device)
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cw.tiny_config("llama", hidden=64))
+    with pytest.raises(error, match=words):
+        load_quantized_(model, good, device=device)
+
+
+def test_load_quantized_takes_dtype_auto(tmp_path, good):
+    # 'auto' is what the dtype error offers: load_quantized_ reads it from the config, as from_pretrained does
+    path = _copy(good, tmp_path / "c")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(cfg))
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cw.tiny_config("llama", hidden=64))
+    load_quantized_(model, path, dtype="auto", device="cpu")
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].mlp.up_proj.scales.dtype == torch.bfloat16
+
+
+def test_device_mesh_that_is_no_mesh_is_named(good):
+    with pytest.raises(TypeError, match="device_mesh must be a torch.distributed DeviceMesh .* got str"):
+        from_pretrained(good, device="cpu", device_mesh="tp")
+
+
 @pytest.mark.parametrize("named, want", [("bfloat16", torch.bfloat16), ("float16", torch.float16),
                                          ("float32", torch.float16), (None, torch.float16)])
 def test_dtype_auto_reads_the_config(tmp_path, good, named, want):

@@ -722,10 +722,21 @@ def resolve_dtype(dtype, path) -> torch.dtype:
 
 
 def _default_device(device) -> torch.device:
-    """``device``, or CUDA where there is one, else the CPU; a CUDA device with its index (what tensors report)."""
+    """``device``, or CUDA where there is one, else the CPU; a CUDA device with its index (what tensors report).
+    Refuses, naming it, a device the checkpoint's tensors cannot be read onto, before anything is read."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be a torch.device, a str such as 'cuda:0' or a CUDA index, got "
+                        f"{type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:  # torch's parse error of a malformed string, or an index with no accelerator
+        raise ValueError(f"device {device!r} is not a device: {e}") from None
+    if device.type == "meta":  # safetensors reads onto real devices only; empty_model builds on meta already
+        raise ValueError("device 'meta' cannot hold the checkpoint's tensors: name the device to load them onto")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: no CUDA GPU is available here")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -1490,8 +1501,8 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     Each ``nn.Linear`` the checkpoint stores quantized (``P.qweight``, ...) becomes a
     :class:`~tilegemm.nn.Int4Linear` built from the packed tensors; every other parameter and stored buffer takes
     the checkpoint's tensor (floats in ``dtype``). ``dtype`` defaults to the model's 16-bit dtype (fp16 if it has
-    none), ``device`` to where the model is (CUDA or the CPU if it is on the meta device). Tied weights are tied
-    again afterwards (``model.tie_weights()``). Linears that ``modules_to_not_convert`` names are loaded as
+    none; ``"auto"``: the checkpoint config's, as :func:`from_pretrained` reads it), ``device`` to where the model
+    is (CUDA or the CPU if it is on the meta device). Tied weights are tied again afterwards (``model.tie_weights()``). Linears that ``modules_to_not_convert`` names are loaded as
     plain Linears. Errors as :func:`from_pretrained`'s, and ValueError when a parameter is still missing; a load
     that raises (whatever raised, and however far it got) leaves ``model`` exactly as it was given.
     ``loaded``: modules filled already (tensor-parallel shards), whose tensors are neither loaded nor strays.
@@ -1508,7 +1519,7 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
         raise ValueError(f"the model's projections are joined ({where}{' ...' if len(joined) > 4 else ''}) by "
                          f"tilegemm.nn.fuse_projections_: load the checkpoint before joining them "
                          f"(tilegemm.models.from_pretrained(path, fuse_projections=True) loads, then joins)")
-    dtype = _model_dtype(model) if dtype is None else dtype
+    dtype = _model_dtype(model) if dtype is None else resolve_dtype(dtype, path)
     _check_dtype(dtype)
     device = _default_device(device if device is not None else _model_device(model))
     tensors = _Tensors(path, device, model)

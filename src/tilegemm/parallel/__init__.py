@@ -102,6 +102,9 @@ def shard_int4(w: Int4Weight, dim: str, rank: int, world: int) -> tuple[Int4Weig
 
 
 def _mesh_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    if not all(hasattr(mesh, a) for a in ("ndim", "get_local_rank", "size")):  # (duck-typed: what is read below)
+        raise TypeError(f"device_mesh must be a torch.distributed DeviceMesh (1-D, the tensor-parallel dim), got "
+                        f"{type(mesh).__name__}")
     if mesh.ndim != 1:
         raise ValueError(f"tilegemm's int4 and conv styles take a 1-D mesh (the tensor-parallel dim, mesh['tp']), "
                          f"got a {mesh.ndim}-D mesh")
