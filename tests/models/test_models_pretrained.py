@@ -424,6 +424,11 @@ def test_load_quantized_takes_dtype_auto(tmp_path, good):
     assert model.model.layers[0].mlp.up_proj.scales.dtype == torch.bfloat16
 
 
+def test_fuse_projections_takes_only_a_boolean(good):
+    with pytest.raises(TypeError, match="fuse_projections must be True or False, got 'no'"):
+        from_pretrained(good, device="cpu", fuse_projections="no")
+
+
 def test_device_mesh_that_is_no_mesh_is_named(good):
     with pytest.raises(TypeError, match="device_mesh must be a torch.distributed DeviceMesh .* got str"):
         from_pretrained(good, device="cpu", device_mesh="tp")

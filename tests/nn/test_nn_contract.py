@@ -73,6 +73,16 @@ def test_a_filter_that_is_not_callable_is_named(transform):
     assert type(model[0]) is torch.nn.Linear
 
 
+@pytest.mark.parametrize("flag", ["conv", "linear", "moe", "warn", "fold_batchnorm"])
+@pytest.mark.parametrize("value", ["no", None, 2.0])
+def test_convert_flags_take_only_booleans(flag, value):
+    # linear="no" is truthy: it converted the Linears it was meant to keep, saying nothing
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8))
+    with pytest.raises(TypeError, match=f"convert_: {flag} must be True or False, got {value!r}"):
+        convert_(model, **{flag: value})
+    assert type(model[0]) is torch.nn.Linear
+
+
 def test_an_fp32_model_takes_its_own_input_after_quantize():
     model = torch.nn.Sequential(torch.nn.Linear(128, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     x = torch.randn(3, 128)

@@ -32,6 +32,8 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, *, de
     class or model class; default ``AutoModelForCausalLM``). ``experts_implementation``: what the model is built with
     (transformers' ``experts_implementation=``; ``"tilegemm"`` puts 16-bit experts blocks on tilegemm's grouped
     kernels too; a warning names MoE blocks it cannot reach and the ``tilegemm.nn.convert_`` that can)."""
+    if not isinstance(fuse_projections, bool):  # (a truthy string such as "no" would join them unnoticed)
+        raise TypeError(f"fuse_projections must be True or False, got {fuse_projections!r}")
     if fuse_projections and device_mesh is not None:
         raise ValueError("fuse_projections=True joins whole weights, device_mesh splits them: use one or the other")
     if device_mesh is None:

@@ -118,6 +118,10 @@ def convert_(
     if filter is not None and not callable(filter):  # (it raised "'int' object is not callable" mid-walk)
         raise TypeError(f"convert_: filter must be a callable (name, module) -> bool or None, got "
                         f"{type(filter).__name__}")
+    for flag, value in (("conv", conv), ("linear", linear), ("moe", moe), ("warn", warn),
+                        ("fold_batchnorm", fold_batchnorm)):
+        if not isinstance(value, bool):  # (a truthy string such as "no" would convert unnoticed)
+            raise TypeError(f"convert_: {flag} must be True or False, got {value!r}")
     skipped: list[tuple[str, str]] = []
     if moe:
         from tilegemm.nn.moe import convert_moe_blocks_
