@@ -149,6 +149,21 @@ def test_opcheck(device):
 def test_route_refuses(args, match):
     with pytest.raises((ValueError, TypeError), match=match):
         moe_route(*args)
+    # the registered op called directly checks the same (a top_k_index of more tokens than x's rows read past x;
+    # a 1-D one raised IndexError, num_experts -1 torch's negative-size RuntimeError); its schema reads True as 1
+    if args[2] is not True:
+        with pytest.raises((ValueError, TypeError), match=match):
+            torch.ops.tilegemm.moe_route(*args)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.zeros(3, 4), torch.zeros(6, 2, dtype=torch.int64), 4), "with x's 3 tokens, got \\(6, 2\\)"),
+    ((torch.zeros(3, 4), torch.zeros(3, dtype=torch.int64), 4), "top_k_index must be \\[tokens, k\\]"),
+    ((torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int64), -1), "positive int, got -1"),
+])
+def test_route_op_called_directly_refuses(args, match):
+    with pytest.raises(ValueError, match=match):
+        torch.ops.tilegemm.moe_route(*args)
 
 
 @pytest.mark.parametrize("args,match", [
@@ -160,6 +175,8 @@ def test_route_refuses(args, match):
 def test_combine_refuses(args, match):
     with pytest.raises((ValueError, TypeError), match=match):
         moe_combine(*args)
+    with pytest.raises((ValueError, TypeError), match=match):  # the op called directly (it took all of these)
+        torch.ops.tilegemm.moe_combine(*args)
 
 
 def test_route_int64_ids_beyond_int32_are_outside(device):

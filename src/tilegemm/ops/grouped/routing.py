@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import torch
 
+from tilegemm.core.checked import check_once
 from tilegemm.core.runtime import cdiv, check_device, new_output, on_device
-from tilegemm.ops.grouped.checks import check_offs, check_op_devices
+from tilegemm.ops.grouped.checks import check_offs
 
 # Pairs (tokens x top-k) up to which moe_route runs its kernel; above, torch's sort (the kernel ranks each pair
 # against every other: P^2 / PAIRS_A_PROGRAM programs' work). An estimate, checked by tools/moe_route_probe.py
@@ -245,12 +246,15 @@ group_columns_op.register_autograd(_backward_columns, setup_context=_setup_colum
 @torch.library.custom_op("tilegemm::moe_route", mutates_args=())
 def moe_route_op(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                         torch.Tensor]:
-    check_op_devices(("x", "top_k_index"), (x, top_k_index))  # (called directly, nothing else checked them)
+    # called directly (torch.ops.tilegemm.moe_route) nothing else checked them: a top_k_index of more tokens than
+    # x's rows would read past x
+    check_once(_check_route, x, top_k_index, num_experts)
     return route(x, top_k_index, num_experts)
 
 
 @moe_route_op.register_fake
 def _fake_route(x, top_k_index, num_experts):
+    _check_route(x, top_k_index, num_experts)  # a traced call fails where it is traced (shapes, dtypes, devices)
     P = top_k_index.numel()
     return (x.new_empty((P, x.shape[1])), x.new_empty((num_experts,), dtype=torch.int32),
             x.new_empty((P,), dtype=torch.int32))
@@ -274,12 +278,13 @@ moe_route_op.register_autograd(_backward_route, setup_context=_setup_route)
 
 @torch.library.custom_op("tilegemm::moe_combine", mutates_args=())
 def moe_combine_op(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    check_op_devices(("y", "pos", "weights"), (y, pos, weights))  # (called directly, nothing else checked them)
+    check_once(_check_combine, y, pos, weights)  # (called directly, nothing else checked them)
     return combine(y, pos, weights)
 
 
 @moe_combine_op.register_fake
 def _fake_combine(y, pos, weights):
+    _check_combine(y, pos, weights)
     return y.new_empty((weights.shape[0], y.shape[1]))
 
 
@@ -343,6 +348,11 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> to
     """``out[t] = sum_j weights[t, j] * y[pos[t * k + j]]`` ``[T, H]`` in ``y``'s dtype (summed in fp32): the
     inverse of :func:`moe_route`'s permutation, weighted; entries of ``pos`` outside ``[0, T * k)`` add nothing.
     Differentiable in ``y`` and ``weights``."""
+    _check_combine(y, pos, weights)
+    return moe_combine_op(y, pos, weights)
+
+
+def _check_combine(y, pos, weights) -> None:
     if not all(isinstance(t, torch.Tensor) for t in (y, pos, weights)):
         raise TypeError("moe_combine: y, pos and weights must be tensors")
     if y.dim() != 2 or weights.dim() != 2 or pos.dim() != 1:
@@ -359,7 +369,6 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> to
         raise ValueError(f"moe_combine: y, pos and weights on different devices ({y.device}, {pos.device}, "
                          f"{weights.device})")
     check_device("y", y.device)  # CPU tensors while kernels compile for the GPU: refused, not launched
-    return moe_combine_op(y, pos, weights)
 
 
 def check_columns(x, offs, perm) -> None:
