@@ -177,3 +177,41 @@ def test_the_checks_trace_under_torch_compile(device):
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(conv, fullgraph=True, backend="eager", dynamic=True)(x),
                                    torch.nn.Conv2d.forward(conv, x), rtol=1e-4, atol=1e-4)
+
+
+def _op(x, w, bias=None, stride=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1), groups=1, activation="none",
+        precision="default", kernel="auto", out_dtype=None):
+    return torch.ops.tilegemm.conv2d(x, w, bias, list(stride), list(padding), list(dilation), groups, activation,
+                                     precision, kernel, out_dtype)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(stride=(0, 0)), ValueError, r"stride must be >= 1, got \(0, 0\)"),  # ZeroDivisionError before
+    (dict(stride=(1,)), ValueError, "stride must be a list of 2 ints, got \\[1\\]"),  # IndexError before
+    (dict(groups=0), ValueError, "groups must be >= 1"),  # ZeroDivisionError before
+    (dict(padding=(-1, -1, -1, -1)), ValueError, "padding must be >= 0"),  # ran, reading outside x
+    (dict(padding=(1, 1)), ValueError, r"padding must be a list of 4 ints \(top, bottom, left, right\)"),
+    (dict(dtype=torch.float64), TypeError, "x has unsupported dtype float64"),  # failed inside the interpreter
+    (dict(out_dtype=torch.int32), TypeError, "out_dtype must be None, fp16, bf16 or fp32, got int32"),  # ran
+    (dict(x_shape=(4, 6, 6)), ValueError, "x must have 4 dims"),
+    (dict(w_shape=(8, 3, 3, 3)), ValueError, "channel mismatch"),
+    (dict(activation="tanh"), ValueError, "unknown activation 'tanh'"),
+    (dict(precision="tf64"), ValueError, "unknown precision 'tf64'"),
+    (dict(kernel="nope"), ValueError, "unknown conv2d kernel 'nope'"),
+])
+def test_the_registered_op_called_directly_checks_its_arguments(kwargs, error, match, device):
+    # torch.ops.tilegemm.conv2d called directly: nothing before it checked the arguments
+    x, w = _xw(device, kwargs.pop("x_shape", (1, 4, 6, 6)), kwargs.pop("w_shape", (8, 4, 3, 3)),
+               kwargs.pop("dtype", torch.float32))
+    with pytest.raises(error, match=match):
+        _op(x, w, **kwargs)
+
+
+def test_the_registered_op_called_directly_still_runs(device):
+    x, w = _xw(device, dtype=torch.float16)
+    b = torch.randn(8, device=device, dtype=torch.float16)
+    out = _op(x, w, b, padding=(1, 0, 0, 1), activation="relu", out_dtype=torch.float32)
+    ref = torch.relu(torch.nn.functional.conv2d(torch.nn.functional.pad(x.float(), (0, 1, 1, 0)), w.float(),
+                                                b.float()))
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    torch.testing.assert_close(out.cpu(), ref.cpu(), atol=2e-2, rtol=2e-2)

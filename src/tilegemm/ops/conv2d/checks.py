@@ -8,7 +8,8 @@ import operator
 import torch
 
 from tilegemm.core import registry
-from tilegemm.core.dtypes import dtype_name, torch_fp32_precision
+from tilegemm.core.activations import ACTIVATIONS
+from tilegemm.core.dtypes import check_precision, dtype_name, torch_fp32_precision
 from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, jit_tracing,
                                   recording_active, tensor_key)
 from tilegemm.core.runtime import check_dense, check_same_device, interpreting
@@ -90,8 +91,9 @@ def _check_tensor(name: str, t, ranks: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must have {want} dims, got shape {list(t.shape)}")
 
 
-def check_conv(x, weight, bias, stride, padding, dilation, groups) -> Geometry:
-    """Raise TypeError/ValueError naming the problem; return the resolved geometry."""
+def check_conv(x, weight, bias, stride, padding, dilation, groups, resolved_pad=None) -> Geometry:
+    """Raise TypeError/ValueError naming the problem; return the resolved geometry. ``resolved_pad``: padding
+    as (top, bottom, left, right) already (the registered op's), instead of ``padding`` resolved."""
     _check_tensor("x", x, (4,))
     _check_tensor("weight", weight, (4,))
     if weight.dtype != x.dtype:
@@ -124,7 +126,7 @@ def check_conv(x, weight, bias, stride, padding, dilation, groups) -> Geometry:
         # F.conv2d refuses this too (only an empty batch may be empty): the output would be all padding
         raise ValueError(f"x has an empty spatial dimension (H={H}, W={W}) in a batch of {N}: only the batch "
                          f"may be empty, as in torch")
-    pad = resolve_padding(padding, R, S, stride, dilation)
+    pad = resolve_padding(padding, R, S, stride, dilation) if resolved_pad is None else tuple(resolved_pad)
     check_padded_size(padding, H, W, pad)
     g = Geometry(N, C, H, W, K, R, S, groups, stride, pad, dilation)
     if g.P < 1 or g.Q < 1:
@@ -144,6 +146,27 @@ def check_conv(x, weight, bias, stride, padding, dilation, groups) -> Geometry:
         named["bias"] = bias
     check_same_device(named)
     return g
+
+
+def check_op_call(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel,
+                  out_dtype) -> None:
+    """The checks of ``torch.ops.tilegemm.conv2d`` called directly, which nothing before it checked (a stride of
+    0 divided by zero, a float64 x failed inside the kernel): the public function's, on the arguments as it
+    passes them (a batched x; stride and dilation pairs; padding as (top, bottom, left, right))."""
+    for name, value, n in (("stride", stride, 2), ("padding", padding, 4), ("dilation", dilation, 2)):
+        if len(value) != n:
+            raise ValueError(f"tilegemm::conv2d: {name} must be a list of {n} ints"
+                             f"{' (top, bottom, left, right)' if n == 4 else ''}, got {list(value)}")
+    if min(padding) < 0:
+        raise ValueError(f"padding must be >= 0, got {list(padding)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; choose one of: {', '.join(ACTIVATIONS)}")
+    if precision != "default":
+        check_precision(precision)
+    check_kernel(kernel)
+    if out_dtype is not None and out_dtype not in DTYPES:
+        raise TypeError(f"out_dtype must be None, fp16, bf16 or fp32, got {dtype_name(out_dtype)}")
+    check_conv(x, weight, bias, tuple(stride), list(padding), tuple(dilation), groups, resolved_pad=padding)
 
 
 def check_unbatched(x: torch.Tensor) -> None:

@@ -15,11 +15,12 @@ from typing import List, Optional
 import torch
 
 from tilegemm.core.activations import torch_activation
+from tilegemm.core.checked import check_once
 from tilegemm.core.launch import plain_call
 from tilegemm.core.replay import ReplayCache
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.conv2d import dispatch
-from tilegemm.ops.conv2d.checks import replay_key
+from tilegemm.ops.conv2d.checks import check_op_call, replay_key
 from tilegemm.ops.conv2d.configs import takes_grouped_direct
 from tilegemm.ops.conv2d.problem import (
     ConvCall, DgradCall, WgradCall, channels_last, geometry_of, output_format, wgrad_format,
@@ -52,12 +53,17 @@ def _conv2d_op(
         return dispatch.forward(ConvCall(x, weight, bias, stride, padding, dilation, groups, activation, precision,
                                          kernel, out_dtype))
 
+    # Called directly (torch.ops.tilegemm.conv2d) nothing checked the arguments: the public function's checks,
+    # once per layout (a replayed call passed them).
+    args = (x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel, out_dtype)
     if key is None:
+        check_once(check_op_call, *args)
         return run()
     tensors = (x, weight) if bias is None else (x, weight, bias)
     out = REPLAYS.replayed(key, tensors)
     if out is not None:
         return out
+    check_once(check_op_call, *args)
     with REPLAYS.recording(key, tensors, output_format(x, weight)) as kept:
         return kept(run())
 
