@@ -156,6 +156,13 @@ def test_route_refuses(args, match):
             torch.ops.tilegemm.moe_route(*args)
 
 
+def test_route_names_a_num_experts_of_another_type():
+    import numpy as np
+
+    with pytest.raises(ValueError, match=r"got np.int64\(4\) \(int64, not a Python int\)"):
+        moe_route(torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int64), np.int64(4))
+
+
 @pytest.mark.parametrize("args,match", [
     ((torch.zeros(3, 4), torch.zeros(6, 2, dtype=torch.int64), 4), "with x's 3 tokens, got \\(6, 2\\)"),
     ((torch.zeros(3, 4), torch.zeros(3, dtype=torch.int64), 4), "top_k_index must be \\[tokens, k\\]"),

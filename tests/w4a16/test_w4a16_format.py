@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -260,3 +261,11 @@ def test_from_state_dict_names_a_missing_part():
     del d["zeros"]
     with pytest.raises(ValueError, match=r"has no zeros \(it has qweight, scales, group_size, shape\)"):
         w4a16.Int4Weight.from_state_dict(d)
+
+
+@pytest.mark.parametrize("group_size, kind", [(np.int64(64), "int64"), (torch.tensor(64), "Tensor"),
+                                              (True, "bool"), ("64", "str")])
+def test_a_listed_group_size_of_another_type_is_named_by_type(group_size, kind):
+    # "must be one of 32, 64, ... got np.int64(64)" named a listed value as the problem
+    with pytest.raises(ValueError, match=rf"got .*64.*\({kind}, not a Python int\)|got True \(bool, not a Python int\)"):
+        w4a16.quantize(torch.randn(8, 128, dtype=torch.float16), group_size)

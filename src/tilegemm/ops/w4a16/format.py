@@ -309,9 +309,12 @@ def _to_args(args, kwargs) -> tuple[torch.device | None, torch.dtype | None]:
 
 def check_group_size_value(group_size, who: str = "") -> None:
     """A ValueError unless ``group_size`` is one of :data:`GROUP_SIZES` (``who``: the caller's name, prefixed)."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in GROUP_SIZES:
+    plain = isinstance(group_size, int) and not isinstance(group_size, bool)
+    if not plain or group_size not in GROUP_SIZES:
+        # (named by type too: "got np.int64(64)" read as a listed value refused)
+        kind = "" if plain else f" ({type(group_size).__name__}, not a Python int)"
         raise ValueError(f"{who + ': ' if who else ''}group_size must be one of {', '.join(map(str, GROUP_SIZES))} "
-                         f"(-1: all of K), got {group_size!r}")
+                         f"(-1: all of K), got {group_size!r}{kind}")
 
 
 def check_group_size(group_size, K: int) -> None:
