@@ -285,6 +285,24 @@ def test_not_a_directory(tmp_path, good):
         from_pretrained(3)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "a directory"])
+def test_a_damaged_safetensors_file_is_named(tmp_path, good, damage):
+    # safetensors' own error ("Error while deserializing header: ...", or "No such device" for a directory)
+    # names no file
+    path = _copy(good, tmp_path / "c")
+    st = path / "model.safetensors"
+    if damage == "truncated":
+        with open(st, "r+b") as f:
+            f.truncate(1000)
+    elif damage == "a directory":
+        st.unlink()
+        st.mkdir()
+    else:
+        st.write_text("garbage" if damage == "garbage" else "")
+    with pytest.raises(ValueError, match=r"model.safetensors' is not a readable safetensors file"):
+        from_pretrained(path, device="cpu")
+
+
 def test_no_config_and_no_quantization_config(tmp_path, good):
     empty = tmp_path / "empty"
     empty.mkdir()

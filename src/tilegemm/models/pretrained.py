@@ -561,7 +561,7 @@ class _Tensors:
                         f" but {len(found)} safetensors files ({', '.join(found[:4])}): which tensor is where needs "
                         f"the index" if found else f" (it holds {', '.join(others[:4])}: tilegemm reads safetensors "
                         f"checkpoints only; convert the weights to {SINGLE_FILE})" if others else ""))
-            with safe_open(os.path.join(path, one), framework="pt") as f:
+            with self._open_file(one) as f:
                 self.files = {name: one for name in f.keys()}
         self._handles: dict[str, object] = {}
         self._keys: dict[str, set] = {}  # the tensor names each opened file holds
@@ -592,8 +592,21 @@ class _Tensors:
         file = self.files[name]
         if file not in self._handles:
             device = "cpu" if self.device.type == "cpu" else str(self.device)  # "cuda:0": safetensors' spelling
-            self._handles[file] = self._open(os.path.join(self.path, file), framework="pt", device=device)
+            self._handles[file] = self._open_file(file, device=device)
         return self._handles[file]
+
+    def _open_file(self, file: str, **kwargs):
+        """``safe_open`` of ``file`` in the checkpoint; a file that is no safetensors file (truncated, another
+        format, a directory) is a ValueError naming it, not safetensors' header error that names none."""
+        try:
+            return self._open(os.path.join(self.path, file), framework="pt", **kwargs)
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # safetensors' SafetensorError (a plain Exception subclass), or an OSError
+            if isinstance(e, (ImportError, MemoryError)):
+                raise
+            raise ValueError(f"{os.path.join(self.path, file)!r} is not a readable safetensors file "
+                             f"({type(e).__name__}: {e})") from None
 
     def _holding(self, name: str):
         """The open file that holds ``name``; a FileNotFoundError naming the index's wrong entry otherwise."""
