@@ -1515,8 +1515,9 @@ def load_quantized_(model: nn.Module, path, dtype: torch.dtype | None = None, de
     :class:`~tilegemm.nn.Int4Linear` built from the packed tensors; every other parameter and stored buffer takes
     the checkpoint's tensor (floats in ``dtype``). ``dtype`` defaults to the model's 16-bit dtype (fp16 if it has
     none; ``"auto"``: the checkpoint config's, as :func:`from_pretrained` reads it), ``device`` to where the model
-    is (CUDA or the CPU if it is on the meta device). Tied weights are tied again afterwards (``model.tie_weights()``). Linears that ``modules_to_not_convert`` names are loaded as
-    plain Linears. Errors as :func:`from_pretrained`'s, and ValueError when a parameter is still missing; a load
+    is (CUDA or the CPU if it is on the meta device). Tied weights are tied again afterwards
+    (``model.tie_weights()``). Linears that ``modules_to_not_convert`` names are loaded as plain Linears. Errors
+    as :func:`from_pretrained`'s, and ValueError when a parameter is still missing; a load
     that raises (whatever raised, and however far it got) leaves ``model`` exactly as it was given.
     ``loaded``: modules filled already (tensor-parallel shards), whose tensors are neither loaded nor strays.
     """

@@ -330,7 +330,9 @@ def _check_route(x, top_k_index, num_experts):
         raise TypeError(f"moe_route: top_k_index must be int32 or int64, got {top_k_index.dtype}")
     if top_k_index.device != x.device:
         raise ValueError(f"moe_route: top_k_index is on {top_k_index.device}, x on {x.device}")
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:  # (True is an int)
+    if isinstance(num_experts, torch.SymInt):  # (a traced call's: the public call checked the int it traced)
+        pass
+    elif not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:  # (True is an int)
         kind = "" if isinstance(num_experts, int) and not isinstance(num_experts, bool) else \
             f" ({type(num_experts).__name__}, not a Python int)"
         raise ValueError(f"moe_route: num_experts must be a positive int, got {num_experts!r}{kind}")

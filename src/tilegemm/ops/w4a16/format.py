@@ -268,7 +268,8 @@ class Int4Weight:
     @classmethod
     def from_state_dict(cls, d: dict) -> "Int4Weight":
         if not isinstance(d, Mapping):
-            raise TypeError(f"Int4Weight.from_state_dict takes a dict (Int4Weight.state_dict()), got {type(d).__name__}")
+            raise TypeError(f"Int4Weight.from_state_dict takes a dict (Int4Weight.state_dict()), got "
+                            f"{type(d).__name__}")
         missing = [k for k in ("qweight", "scales", "zeros", "group_size", "shape") if k not in d]
         if missing:
             raise ValueError(f"Int4Weight.from_state_dict: the state dict has no {', '.join(missing)} (it has "
