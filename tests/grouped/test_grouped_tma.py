@@ -15,6 +15,7 @@ from tilegemm.core.runtime import interpreting
 from tilegemm.ops.grouped import configs, dispatch, tma
 from tilegemm.ops.grouped.bench import group_sizes
 from tilegemm.ops.grouped.problem import make_problem
+from tilegemm.core.checks import relative_error
 from tilegemm.ops.grouped.reference import grouped_mm_reference, tolerance
 
 from conftest import assert_rel_close
@@ -147,6 +148,18 @@ def _problem(M, G, K=4096, N=1024, dtype=torch.bfloat16, b_nk=True, layout="2d3d
     a = torch.empty(M, K, dtype=dtype)
     b = torch.empty(G, N, K, dtype=dtype).transpose(1, 2) if b_nk else torch.empty(G, K, N, dtype=dtype)
     return make_problem(layout, G, a, b, torch.empty(G, dtype=torch.int32), None, torch.empty(M, N, dtype=dtype))
+
+
+@pytest.mark.parametrize("I, b_nk, want", [(124, False, "tiled"), (124, True, "tma"), (128, False, "tma")])
+def test_auto_leaves_a_gated_up_half_tma_cannot_start_to_tiled(hopper, I, b_nk, want):
+    # the fused gate/up product over b [G, K, 2I] with I * 2 bytes not a multiple of 16 (the fuzz draw that faulted)
+    M, G, K = 4096, 8, 256
+    a = torch.empty(M, K, dtype=torch.bfloat16)
+    b = torch.empty(G, 2 * I, K, dtype=torch.bfloat16).transpose(1, 2) if b_nk else \
+        torch.empty(G, K, 2 * I, dtype=torch.bfloat16)
+    p = make_problem("2d3d", G, a, b, torch.empty(G, dtype=torch.int32), None, torch.empty(M, I, dtype=torch.bfloat16),
+                     "ieee", "silu", True)
+    assert dispatch.choose(p) == want
 
 
 @pytest.mark.parametrize("M, G, want", [
@@ -305,3 +318,16 @@ def test_allocator_set_lazily_and_kept(monkeypatch):
         assert _allocation._allocator.get() is mine
     finally:
         _allocation._allocator.reset(token)
+
+
+def test_refuses_a_gated_up_half_not_16_byte_aligned(device):
+    # b [G, K, 2N] with N's columns of 24 bytes: the up half's boxes would start 24 bytes into each row, which TMA
+    # answered with an illegal instruction on the H200 (a GPU fuzz draw, I = 124); b [G, 2N, K] (rows of K) is fine
+    a, b, offs = operands("2d3d", [4, 4], 32, 24, torch.float16, device)
+    out = torch.empty(8, 12, dtype=torch.float16, device=device)
+    with pytest.raises(NotApplicable, match=r"the up half of a gated b \[G, K, 2N\] starts N = 12 columns"):
+        tma.run(make_problem("2d3d", 2, a, b, offs, None, out, "ieee", "silu", True))
+    bt = b.transpose(1, 2).contiguous().transpose(1, 2)  # [G, K, 2N] read with unit stride along K
+    tma.run(make_problem("2d3d", 2, a, bt, offs, None, out, "ieee", "silu", True))
+    gate, up = grouped_mm_reference(a, bt, offs).chunk(2, dim=-1)
+    assert relative_error(out, torch.nn.functional.silu(gate) * up) <= tolerance(torch.float16)

@@ -239,6 +239,10 @@ def operands_reason(p: GroupedProblem) -> str | None:
     b_nk = b.stride(2) != 1
     if not tma_aligned(b, _stride(b, 0), _stride(b, 2 if b_nk else 1)):
         return "b's base or strides are not 16-byte aligned"
+    if p.gated and not b_nk and p.N * b.element_size() % 16:
+        # the up half's boxes start N columns into b's contiguous rows: a box not 16-byte aligned there faults
+        return (f"the up half of a gated b [G, K, 2N] starts N = {p.N} columns into its rows, not 16-byte aligned "
+                f"(an illegal instruction on the H200)")
     return None
 
 
