@@ -101,48 +101,52 @@ def _flipped(got: list, want: list) -> bool:
                                          for a, b in zip(got, want))
 
 
-def _experts_16_bit(config, source) -> dict:
-    """Where the model has experts on transformers' interface: the same weights built with
-    ``experts_implementation="tilegemm"`` (16-bit grouped kernels; fp32 here) against the eager experts."""
-    import transformers
-    import tilegemm.nn.moe as moe
-
-    if not moe.register_experts() or not any(t for _, _, t in moe._stacked_experts(source)):
-        return {}
+def _against(source, make, key: str) -> dict:
+    """The model ``make()`` builds from ``source`` (tilegemm's 16-bit kernels; fp32 here, exact under the
+    interpreter) against ``source`` on the same input, under ``key``: "ok", "logits", "routing" (a router's
+    near-tie decided the other way), "none" (nothing of tilegemm's in it) or the error."""
     try:
-        model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="tilegemm").float()
-        model.load_state_dict(source.state_dict())
+        model = make()
+        swapped = sum(type(m).__module__.startswith("tilegemm") for m in model.modules())
         with torch.no_grad(), _topk_recorded() as a:
             got = model.eval()(input_ids=IDS, use_cache=False).logits
         with torch.no_grad(), _topk_recorded() as b:
             want = source(input_ids=IDS, use_cache=False).logits
     except Exception as e:  # noqa: BLE001
-        return {"experts16": f"error {type(e).__name__}: {str(e)[:300]}"}
+        return {key: f"error {type(e).__name__}: {str(e)[:300]}"}
     err = float((got - want).norm() / want.norm().clamp_min(1e-30))
-    flip = _flipped(a, b)
-    return {"experts16": "routing" if flip else ("ok" if err < 1e-4 else "logits"), "experts16_err": err}
+    status = "routing" if _flipped(a, b) else ("ok" if err < 1e-4 else "logits")
+    return {key: status, f"{key}_err": err, f"{key}_modules": swapped}
+
+
+def _experts_16_bit(config, source) -> dict:
+    """Where the model has experts on transformers' interface: the same weights built with
+    ``experts_implementation="tilegemm"`` (the 16-bit grouped kernels) against the eager experts."""
+    import transformers
+    import tilegemm.nn.moe as moe
+
+    if not moe.register_experts() or not any(t for _, _, t in moe._stacked_experts(source)):
+        return {}
+
+    def make():
+        model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="tilegemm").float()
+        model.load_state_dict(source.state_dict())
+        return model
+
+    return _against(source, make, "experts16")
 
 
 def _converted(source) -> dict:
-    """``tilegemm.nn.convert_`` (every Linear and Conv2d it takes on tilegemm's 16-bit kernels; fp32 here, exact
-    under the interpreter) against the model as built."""
+    """``tilegemm.nn.convert_`` (every Linear and Conv2d it takes on tilegemm's 16-bit kernels) against the model
+    as built."""
     import copy
 
     import tilegemm.nn
 
-    try:
-        model = tilegemm.nn.convert_(copy.deepcopy(source), warn=False)
-        swapped = sum(type(m).__module__.startswith("tilegemm") for m in model.modules())
-        with torch.no_grad(), _topk_recorded() as a:
-            got = model(input_ids=IDS, use_cache=False).logits
-        with torch.no_grad(), _topk_recorded() as b:
-            want = source(input_ids=IDS, use_cache=False).logits
-    except Exception as e:  # noqa: BLE001
-        return {"convert16": f"error {type(e).__name__}: {str(e)[:300]}"}
-    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
-    flip = _flipped(a, b)
-    status = "routing" if flip else ("ok" if err < 1e-4 and swapped else "logits" if swapped else "none")
-    return {"convert16": status, "convert16_err": err, "convert16_modules": swapped}
+    row = _against(source, lambda: tilegemm.nn.convert_(copy.deepcopy(source), warn=False), "convert16")
+    if row.get("convert16_modules") == 0:
+        row["convert16"] = "none"
+    return row
 
 
 def survey(model_type: str, method: str, group_size: int, tmp: Path) -> dict:
@@ -252,7 +256,8 @@ def main() -> None:
             print(f"{t:28s} {method:5s} {row['status']:7s} {row.get('rel_err', ''):<10.3g} "
                   f"{row.get('error', '')[:160]}{x16}" if "rel_err" in row else
                   f"{t:28s} {method:5s} {row['status']:7s} {row.get('error', '')[:160]}{x16}", flush=True)
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "routing", "build", "writer", "load", "logits", "timeout")}
+    counts = {s: sum(r["status"] == s for r in rows)
+              for s in ("ok", "routing", "build", "writer", "load", "logits", "timeout")}
     print("summary:", counts)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(transformers=transformers.__version__, rows=rows), indent=1))

@@ -545,6 +545,19 @@ def tiny_config(arch: str = "llama", hidden: int = 128, layers: int = 2, tie: bo
                vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=64, tie_word_embeddings=tie)
 
 
+def tiny_gemma3_multimodal_config():
+    """Gemma-3 4B+'s config, tiny: AutoModelForCausalLM builds Gemma3ForConditionalGeneration (a vision tower),
+    whose language model transformers names model.language_model.* while checkpoints store language_model.model.*."""
+    import transformers
+
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                     image_token_index=255)
+
+
 def tiny_moe_config(arch: str = "qwen3_moe", hidden: int = 64, layers: int = 2, width: int = 32):
     """A small transformers MoE config: ``qwen3_moe`` (4 experts, top 2, expert width ``width``) or ``mixtral``
     (the same sizes), vocab 256."""

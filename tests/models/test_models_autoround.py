@@ -210,19 +210,6 @@ def test_moe_experts_load_stacked(tmp_path, device):
     assert err < TOL, f"logits rel. error {err:.2e}"
 
 
-def _gemma3_multimodal():
-    """Gemma-3 4B+'s config, tiny: AutoModelForCausalLM builds Gemma3ForConditionalGeneration, whose language model
-    transformers names model.language_model.* while checkpoints store it as language_model.model.*."""
-    import transformers
-
-    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=16)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                                     image_token_index=255)
-
-
 _GEMMA3_STORED = [("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
                   ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head.")]
 
@@ -236,7 +223,7 @@ def test_rules_naming_modules_by_the_models_names_where_the_checkpoint_stores_ol
     # model.language_model.layers.*), while save_pretrained stored the tensors under the older names
     # (language_model.model.layers.*). Its rules apply under either name, as modules_to_not_convert's do: matched
     # against the stored names only, every layer fell outside block_name_to_quantize and the checkpoint was refused.
-    config = _gemma3_multimodal()
+    config = cw.tiny_gemma3_multimodal_config()
     path = tmp_path / "ckpt"
     o_proj, down = "model.language_model.layers.0.self_attn.o_proj", "model.language_model.layers.1.mlp.down_proj"
     reference = cw.write_model(path, cw.random_model(config), "gptq", 32, False, autoround=True,

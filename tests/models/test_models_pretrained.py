@@ -573,18 +573,6 @@ def _prefixes(pairs):
     return stored
 
 
-def _gemma3_multimodal():
-    """Gemma-3 4B+'s config (a vision tower; AutoModelForCausalLM builds Gemma3ForConditionalGeneration), tiny."""
-    import transformers
-
-    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=16)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                                     image_token_index=255)
-
-
 def _phimoe():
     import transformers
 
@@ -610,7 +598,8 @@ def _axk1():
 # experts under "block_sparse_moe" with Mixtral's w1/w3/w2 and its router stored as "block_sparse_moe.gate"; AXK1's
 # "mlp.post_mlp_layernorm" stored as the layer's "post_mlp_layernorm" (as transformers' save_pretrained writes it).
 HUB_NAMED = {
-    "gemma3-multimodal": (_gemma3_multimodal, ("model.vision_tower", "model.multi_modal_projector", "lm_head"),
+    "gemma3-multimodal": (cw.tiny_gemma3_multimodal_config,
+                          ("model.vision_tower", "model.multi_modal_projector", "lm_head"),
                           dict(stored_name=_prefixes([("model.language_model.", "language_model.model."),
                                                       ("model.vision_tower.", "vision_tower."),
                                                       ("model.multi_modal_projector.", "multi_modal_projector."),

@@ -288,43 +288,11 @@ def test_parallel_auto_plans_of_transformers_models():
         resolve_plan(phi3, "auto")
 
 
-def test_parallel_split_layer_named_by_modules_to_not_convert_is_refused(tmp_path):
-    """A layer the plan splits that modules_to_not_convert names but the checkpoint stores quantized is refused,
-    naming the entry, as the unsplit load refuses it (the split load read it 4-bit without a word)."""
-    pytest.importorskip("transformers")
-    import json
-
-    from tilegemm.models import pretrained
-    from tilegemm.parallel import load_quantized_sharded_
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
-    import ckpt_writer as cw
-
-    config = cw.tiny_config("llama", hidden=128, layers=1)
-    cw.write_model(tmp_path / "c", cw.random_model(config), "gptq", 32)
-    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
-    cfg["quantization_config"]["modules_to_not_convert"] = ["self_attn.o_proj"]
-    (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
-
-    class Mesh:  # one rank of two: the refusal comes before any collective
-        ndim = 1
-
-        def get_local_rank(self):
-            return 0
-
-        def size(self):
-            return 2
-
-    model, _ = pretrained.empty_model(tmp_path / "c", torch.float16, device="cpu")
-    before = {n: type(m) for n, m in model.named_modules()}
-    with pytest.raises(ValueError, match=r"tp_plan splits model\.layers\.0\.self_attn\.o_proj, which is in "
-                                         r"quantization_config\.modules_to_not_convert \('self_attn\.o_proj'\) but "
-                                         r"the checkpoint stores it quantized"):
-        load_quantized_sharded_(model, tmp_path / "c", Mesh(), device="cpu")
-    assert {n: type(m) for n, m in model.named_modules()} == before  # left as it was given
-
-
 @pytest.mark.parametrize("rule,why", [
+    # (the split load read it 4-bit without a word)
+    ({"modules_to_not_convert": ["self_attn.o_proj"]},
+     r"which is in quantization_config\.modules_to_not_convert \('self_attn\.o_proj'\) but the checkpoint stores "
+     r"it quantized"),
     ({"dynamic": {r"-:.*self_attn\.o_proj": {}}},
      r"which is left 16-bit by the pattern '-:\.\*self_attn\\\.o_proj' of quantization_config\.dynamic, though the "
      r"checkpoint stores it packed"),
@@ -332,8 +300,10 @@ def test_parallel_split_layer_named_by_modules_to_not_convert_is_refused(tmp_pat
      r"which the checkpoint's quantization_config\.dynamic stores with bits = 8, though the checkpoint stores it "
      r"packed"),
 ])
-def test_parallel_split_layer_a_rule_leaves_16_bit_or_other_bits_is_refused(tmp_path, rule, why):
-    """A split layer that a per-module rule leaves 16-bit, or gives other bits, is refused naming the rule."""
+def test_parallel_split_layer_the_config_leaves_16_bit_or_other_bits_is_refused(tmp_path, rule, why):
+    """A layer the plan splits that the config leaves 16-bit (modules_to_not_convert, a per-module rule) or gives
+    other bits, but that the checkpoint stores quantized, is refused naming the rule, as the unsplit load refuses
+    it; the model is left as it was given."""
     pytest.importorskip("transformers")
     import json
 
@@ -359,5 +329,7 @@ def test_parallel_split_layer_a_rule_leaves_16_bit_or_other_bits_is_refused(tmp_
             return 2
 
     model, _ = pretrained.empty_model(tmp_path / "c", torch.float16, device="cpu")
+    before = {n: type(m) for n, m in model.named_modules()}
     with pytest.raises(ValueError, match=r"tp_plan splits model\.layers\.0\.self_attn\.o_proj, " + why):
         load_quantized_sharded_(model, tmp_path / "c", Mesh(), device="cpu")
+    assert {n: type(m) for n, m in model.named_modules()} == before  # left as it was given
