@@ -162,6 +162,15 @@ def test_auto_leaves_a_gated_up_half_tma_cannot_start_to_tiled(hopper, I, b_nk, 
     assert dispatch.choose(p) == want
 
 
+def test_auto_leaves_no_groups_to_tiled(hopper):
+    # no experts (b [0, K, N]): b's descriptor would have a dimension of size 0, which TMA does not take
+    M, K, N = 4096, 256, 128
+    p = make_problem("2d3d", 0, torch.empty(M, K, dtype=torch.bfloat16), torch.empty(0, K, N, dtype=torch.bfloat16),
+                     torch.empty(0, dtype=torch.int32), None, torch.empty(M, N, dtype=torch.bfloat16))
+    assert dispatch.tma_rows(p)  # rows enough: only the missing groups keep auto off tma
+    assert dispatch.choose(p) == "tiled"
+
+
 @pytest.mark.parametrize("M, G, want", [
     (16384 * 2, 8, "tma"),  # Mixtral, 16384 tokens: 4096 rows an expert
     (4096 * 8, 128, "tma"),  # Qwen3-30B-A3B, 4096 tokens: 256 rows an expert
@@ -331,3 +340,14 @@ def test_refuses_a_gated_up_half_not_16_byte_aligned(device):
     tma.run(make_problem("2d3d", 2, a, bt, offs, None, out, "ieee", "silu", True))
     gate, up = grouped_mm_reference(a, bt, offs).chunk(2, dim=-1)
     assert relative_error(out, torch.nn.functional.silu(gate) * up) <= tolerance(torch.float16)
+
+
+def test_refuses_no_groups(device):
+    # b [0, K, N]: a TMA descriptor's dimensions must be at least one (b's is made on the device, where a size of 0
+    # is no Python error); every row lies past offs[-1], so the answer is zeros, which auto's tiled gives
+    a = torch.randn(40, 32, dtype=torch.float16, device=device)
+    b = torch.randn(0, 32, 24, dtype=torch.float16, device=device)
+    offs = torch.zeros(0, dtype=torch.int32, device=device)
+    assert "no groups" in tma.operands_reason(make_problem("2d3d", 0, a, b, offs, None, torch.empty(40, 24)))
+    _refusal(a, b, offs, r"no groups \(a descriptor of b needs at least one\)")
+    assert torch.equal(tilegemm.grouped_mm(a, b, offs=offs), torch.zeros(40, 24, dtype=torch.float16, device=device))

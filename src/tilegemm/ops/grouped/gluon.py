@@ -217,8 +217,6 @@ def why_not(p: GroupedProblem) -> str | None:
         return f"stores the operands' dtype ({p.dtype}), not {p.out.dtype}"
     if p.gated:
         return "the gated product (two accumulators) runs on tma"
-    if p.groups == 0:
-        return "no groups (a descriptor of b needs at least one)"
     out = p.out
     if out.stride(1) != 1 and out.shape[1] > 1:
         return "the output is not row-major"

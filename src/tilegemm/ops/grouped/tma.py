@@ -228,6 +228,9 @@ def operands_reason(p: GroupedProblem) -> str | None:
     a, b = p.a, p.b
     if p.K == 0:
         return "K is 0 (a descriptor needs a dimension of at least one)"
+    if p.groups == 0:
+        # TMA takes no dimension of size 0: b's descriptor [G, ...] (made on the device for tma) needs G >= 1
+        return "no groups (a descriptor of b needs at least one)"
     if any(t.stride(d) == 0 and t.shape[d] > 1 for t in (a, b) for d in range(t.dim())):
         return "an operand is broadcast (a stride of 0): TMA reads each row from its own address"
     if a.stride(1) != 1 and a.shape[1] > 1:
