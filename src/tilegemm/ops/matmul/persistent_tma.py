@@ -291,6 +291,11 @@ def why_not(p: GemmProblem) -> str | None:
     if sbn != 1 and sbk != 1:
         return "B has no unit stride"
     _, _, stride_a, stride_b = p.tma_view
+    # An operand broadcast along its rows (stride 0, e.g. an expand): no descriptor of a 2-D tile has been checked
+    # to read it on the GPU, so it goes to a kernel that reads through pointers (a batch stride of 0 is fine: the
+    # descriptor stays 2-D, docs/rungs/persistent_tma.md).
+    if stride_a == 0 or stride_b == 0:
+        return "an operand's rows are broadcast (stride 0)"
     if not tma_aligned(p.a, stride_a) or not tma_aligned(p.b, stride_b):
         return "an operand's base or row stride is not 16-byte aligned"
     if p.out_strides[2] != 1 or not tma_aligned(p.out, p.out_strides[1]):
