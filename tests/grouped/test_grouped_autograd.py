@@ -122,6 +122,25 @@ def test_gradients_with_no_groups(layout, device):
     torch.library.opcheck(torch.ops.tilegemm.grouped_mm.default, (a, b, E, bias, None, "ieee", "auto"))
 
 
+def test_bias_gradient_of_columns_past_the_last_offset_is_zero(device):
+    # 3-D x 2-D: columns past offs[-1] come out zero, so their bias gradient is exactly zero whatever dY holds there
+    # (it was dY's column sums times a 0/1 mask: a NaN in those columns of dY came back as a NaN gradient)
+    a, b, offs = operands("3d2d", [3, 0, 4], 8, 8, torch.float32, device, tail=2)
+    a.requires_grad_()
+    b.requires_grad_()
+    bias = torch.randn(b.shape[1], device=device, requires_grad=True)
+    out = tilegemm.grouped_mm(a, b, offs=offs, bias=bias)
+    grad = torch.randn_like(out)
+    grad[:, 7:] = float("nan")
+    got = torch.autograd.grad(out, (a, b, bias), grad)
+    clean = grad.clone()
+    clean[:, 7:] = 0  # the oracle's zeros there multiply dY, so it takes a dY without the NaN
+    want = torch.autograd.grad(grouped_mm_reference(a, b, offs, bias=bias), (a, b, bias), clean.double())
+    for g, w in zip(got, want):
+        assert_rel_close(g, w, 1e-5)
+    assert torch.equal(got[2][7:], torch.zeros(2, device=device))
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 def test_gated_double_backward(activation, device):
     # create_graph=True: the gate's and the activation's derivatives were taken on a detached pre-activation, so a
