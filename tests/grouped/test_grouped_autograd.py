@@ -82,6 +82,40 @@ def test_fake_output_shape_needs_no_values():
         assert tuple(grouped_mm_op(a.T, a, offs, None, None, "ieee", "auto").shape) == (8, 16, 16)
 
 
+@pytest.mark.parametrize("args, text", [
+    (((4, 9), (9, 5), None), "offs is required"),  # the fake read offs' length: AttributeError on None
+    (((9, 17), (3, 16, 5), 3), "K mismatch"),  # the fake gave a [9, 5] output
+    (((2, 9, 17), (2, 3, 17, 5), None), "2-D or 3-D"),
+])
+def test_fake_refuses_what_the_op_refuses(args, text):
+    # torch.ops.tilegemm.grouped_mm traced (or on meta tensors) runs its fake, not its body: the same checks there
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a_shape, b_shape, groups = args
+    with FakeTensorMode():
+        offs = None if groups is None else torch.empty(groups, dtype=torch.int32)
+        with pytest.raises(ValueError, match=text):
+            grouped_mm_op(torch.empty(a_shape), torch.empty(b_shape), offs, None, None, "ieee", "auto")
+    meta = torch.empty(a_shape, device="meta"), torch.empty(b_shape, device="meta")
+    offs = None if groups is None else torch.empty(groups, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=text):
+        torch.ops.tilegemm.grouped_mm(*meta, offs, None, None, "ieee", "auto")
+
+
+def test_fakes_of_the_gated_and_int4_ops_check():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        offs = torch.empty(3, dtype=torch.int32)
+        with pytest.raises(ValueError, match="an even number of columns"):
+            torch.ops.tilegemm.grouped_mm_gated(torch.empty(9, 16), torch.empty(3, 16, 9), offs, None, "silu",
+                                                "ieee")
+        x = torch.empty(9, 32, dtype=torch.float16)
+        q, s = torch.empty(3, 8, 24, dtype=torch.int32), torch.empty(3, 1, 24, dtype=torch.float16)
+        with pytest.raises(ValueError, match="K = 64"):  # x's K is 32, the weight's 64
+            torch.ops.tilegemm.grouped_w4a16(x, q, s, s, offs, None, 64, "none", False, "auto")
+
+
 def test_torch_compile_fullgraph(device):
     def f(x, w, offs):
         return tilegemm.grouped_mm(x, w, offs=offs).relu() * 2.0

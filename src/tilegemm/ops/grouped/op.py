@@ -66,6 +66,7 @@ def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor]
 
 @grouped_mm_op.register_fake
 def _fake(a, b, offs, bias, out_dtype, precision, kernel):
+    check_mm_call(a, b, offs, bias, out_dtype, kernel)  # a traced call fails where it is traced (no values read)
     layout = f"{a.dim()}d{b.dim()}d"
     return a.new_empty(out_shape(layout, a.shape, b.shape, _groups(layout, a, b, offs)), dtype=out_dtype or a.dtype)
 
@@ -153,6 +154,7 @@ def grouped_w4a16_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 @grouped_w4a16_op.register_fake
 def _fake_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight=None, fzs=None):
+    check_int4_op_args(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight, fzs)
     N = qweight.shape[2]
     return x.new_empty((x.shape[0], N // 2 if gated else N))
 
@@ -226,6 +228,7 @@ def grouped_mm_gated_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bi
 
 @grouped_mm_gated_op.register_fake
 def _fake_gated(a, b, offs, bias, activation, precision):
+    check_gated_call(a, b, offs, bias, activation)
     return a.new_empty((a.shape[0], b.shape[2] // 2))
 
 
