@@ -61,6 +61,39 @@ def test_from_conv_of_a_parametrized_conv_keeps_its_parametrizations(make, devic
     torch.testing.assert_close(conv(x), before)
 
 
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda c: torch.nn.utils.parametrizations.weight_norm(c), id="weight_norm"),
+    pytest.param(lambda c: torch.nn.utils.parametrizations.spectral_norm(c), id="spectral_norm"),
+])
+def test_convert_swaps_a_parametrized_conv(make, device):
+    """torch gives a parametrized conv a subclass of its own (ParametrizedConv2d): convert_ swaps it as the plain
+    nn.Conv2d it is (from_conv keeps the parametrizations); it was kept as 'a subclass whose forward may differ'."""
+    torch.manual_seed(0)
+    ref = make(torch.nn.Conv2d(4, 6, 3, padding=1).to(device)).eval()
+    torch.manual_seed(0)
+    model = convert_(torch.nn.Sequential(make(torch.nn.Conv2d(4, 6, 3, padding=1).to(device))).eval())
+    assert model.tilegemm_skipped == []
+    assert isinstance(model[0], Conv2d) and parametrize.is_parametrized(model[0])
+    x = torch.randn(2, 4, 6, 6, device=device)
+    assert_rel_close(model(x), ref(x).detach().double(), 1e-5)
+
+
+def test_convert_names_a_parametrized_subclass_or_linear_for_what_it_is():
+    """A parametrized Linear is kept, named as parametrized (tilegemm.nn.Linear carries no parametrizations), not
+    as 'torch.nn.utils.parametrize.ParametrizedLinear is a subclass'; a parametrized subclass of nn.Conv2d is named
+    by its own class."""
+    class _MyConv(torch.nn.Conv2d):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 4)),
+                                torch.nn.utils.parametrizations.weight_norm(_MyConv(4, 4, 1)))
+    reasons = dict(convert_(model).tilegemm_skipped)
+    assert reasons["0"] == ("a torch.nn.Linear parametrized with torch.nn.utils.parametrize (weight), which the "
+                            "tilegemm layer does not carry: convert before parametrizing, or remove the "
+                            "parametrizations first")
+    assert reasons["1"].startswith(f"{_MyConv.__module__}.{_MyConv.__qualname__} is a subclass of torch.nn.Conv2d")
+
+
 def test_from_conv_with_a_hook_based_weight_norm(device):
     conv = torch.nn.utils.weight_norm(torch.nn.Conv2d(4, 6, 3).to(device))  # a forward pre-hook sets .weight
     new = Conv2d.from_conv(conv)

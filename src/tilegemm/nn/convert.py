@@ -6,6 +6,7 @@ import warnings
 from typing import Callable
 
 import torch
+from torch.nn.utils import parametrize
 
 from tilegemm.core.dtypes import dtype_name
 
@@ -18,11 +19,16 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def subclass_reason(module: torch.nn.Module, base: type, verb: str = "convert") -> str:
     """Why a module of a subclass of ``base`` (``torch.nn.Conv2d`` / ``Linear``) is kept, its class named in full
-    (a bare class name reads "Conv2d subclasses Conv2d" for QAT's Conv2d)."""
-    cls = type(module)
+    (a bare class name reads "Conv2d subclasses Conv2d" for QAT's Conv2d). A parametrized ``base`` (torch gives it
+    a subclass of its own) is named as such."""
+    cls = parametrize.type_before_parametrizations(module)
     name, base_name = f"{cls.__module__}.{cls.__qualname__}", f"torch.nn.{base.__name__}"
     if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
         return f"{name} has not made its parameters yet (a lazy module): run the model once on an input, then {verb}"
+    if cls is base:
+        return (f"a {base_name} parametrized with torch.nn.utils.parametrize ({', '.join(module.parametrizations)}), "
+                f"which the tilegemm layer does not carry: {verb} before parametrizing, or remove the "
+                f"parametrizations first")
     return f"{name} is a subclass of {base_name}, not {base_name} itself: its forward may differ from {base_name}'s"
 
 
@@ -61,9 +67,15 @@ def is_plain_linear(module: torch.nn.Module) -> bool:
                                       and f"{cls.__module__}.{cls.__qualname__}" in LINEAR_EQUIVALENT)
 
 
+def is_plain_conv(module: torch.nn.Module) -> bool:
+    """``torch.nn.Conv2d`` itself, parametrized or not (``tilegemm.nn.Conv2d.from_conv`` keeps the
+    parametrizations: weight_norm, spectral_norm)."""
+    return parametrize.type_before_parametrizations(module) is torch.nn.Conv2d
+
+
 def _why_not(module: torch.nn.Module) -> str | None:
     """None when ``module`` can be swapped, else the reason it is kept."""
-    if type(module) is not torch.nn.Conv2d and not is_plain_linear(module):
+    if not is_plain_conv(module) and not is_plain_linear(module):
         return subclass_reason(module, torch.nn.Conv2d if isinstance(module, torch.nn.Conv2d) else torch.nn.Linear)
     if "forward" in vars(module):  # a copy would keep running it rather than tilegemm's forward
         return ("its forward was replaced on the instance (a tensor-parallel plan, accelerate's device_map hooks): "
@@ -99,11 +111,12 @@ def convert_(
     are kept: ``linear=True`` converts each expert's Linears one by one, with no grouped product.
 
     ``filter(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
-    swapped (subclasses with their own forward, float64 weights, ``torch.nn.MultiheadAttention``'s ``out_proj``,
-    which the attention never calls, ...) are kept (transformers' ``FalconLinear``,
-    whose forward is Linear's, is swapped: :data:`LINEAR_EQUIVALENT`), and one :class:`ConversionNote` warning
-    names them with the reason (``warn=False`` silences it); so are transformers' ``Conv1D`` layers (GPT-2's;
-    their weight is ``[in, out]``), which :func:`tilegemm.nn.quantize_` does take. The list is also left in
+    swapped (subclasses with their own forward, a parametrized Linear, float64 weights,
+    ``torch.nn.MultiheadAttention``'s ``out_proj``, which the attention never calls, ...) are kept (transformers'
+    ``FalconLinear``, whose forward is Linear's, is swapped: :data:`LINEAR_EQUIVALENT`; so is a parametrized
+    Conv2d, through :meth:`tilegemm.nn.Conv2d.from_conv`), and one :class:`ConversionNote` warning names them
+    with the reason (``warn=False`` silences it); so are transformers' ``Conv1D`` layers (GPT-2's; their weight is
+    ``[in, out]``), which :func:`tilegemm.nn.quantize_` does take. The list is also left in
     ``model.tilegemm_skipped`` as ``[(name, reason)]``. A module held under several names (or by several parents)
     gets one replacement under all of them (``filter`` is asked with its first name).
 
