@@ -95,6 +95,24 @@ def test_weight_views_and_a_channel_sliced_input(device):
         assert_rel_close(out, conv2d_reference(x, w, padding=1, groups=8), 1e-5)
 
 
+def test_a_non_finite_input_stays_in_its_group_on_the_kernels_that_keep_groups_apart(device):
+    # docs/conv2d.md, "Several groups a tensor-core tile": grouped_packed's block-diagonal tile meets a NaN of one
+    # group with the other groups' zero weights (their outputs at that pixel NaN too, where F.conv2d's are not);
+    # the kernels the page names instead keep F.conv2d's NaNs exactly, and no kernel spreads one past its pixels
+    x = torch.randn(1, 8, 6, 6, device=device)
+    x[0, 1, 2, 3] = float("nan")  # group 0 of 4
+    w = torch.randn(8, 2, 3, 3, device=device)
+    want = torch.isnan(conv2d_reference(x, w, padding=1, groups=4))
+    reach = want.any(dim=1, keepdim=True).expand_as(want)  # the pixels whose window holds the NaN
+    for kernel in ("grouped_direct", "implicit_gemm", "grouped_packed"):
+        got = torch.isnan(tilegemm.conv2d(x, w, padding=1, groups=4, precision="ieee", kernel=kernel))
+        if kernel == "grouped_packed":
+            assert not (got & ~reach).any(), kernel
+            assert got[:, 2:].any(), "the block-diagonal tile no longer spreads a NaN: update docs/conv2d.md"
+        else:
+            assert torch.equal(got, want), kernel
+
+
 def test_refuses_wide_groups_clearly(device):
     from tilegemm.core.registry import NotApplicable
 

@@ -12,7 +12,9 @@ contiguous run of a channels-last pixel (wide loads, the same bytes ``F.conv2d``
 group (``i // Cg == j // Kg``), zeros elsewhere, so one ``tl.dot`` does all GT groups. It multiplies GT times
 the useful products (8 channels a group in a 64x64 tile: 1 in 8 used); these layers are bound by the bytes
 they move and the tensor cores have that to spare, where the narrow tiles before were bound by their steps
-(docs/conv2d.md, "Grouped convolutions with few channels a group").
+(docs/conv2d.md, "Grouped convolutions with few channels a group"). Those zeros also meet the other groups'
+inputs: an inf or NaN input makes the tile's other groups' outputs at that pixel NaN (docs/conv2d.md, "Several
+groups a tensor-core tile").
 
 Two forms:
 
