@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 
 import torch
 
@@ -297,16 +298,24 @@ def autoround_config(method: str = "gptq", group_size: int = 128, sym: bool = Fa
 def autoround_layer(q: dict, name: str) -> dict | None:
     """The settings that AutoRound's config ``q`` gives the Linear ``name`` (``group_size``, ``sym``), None where it
     is stored 16-bit, as vLLM reads them: an ``extra_config`` entry naming the layer exactly (``bits`` >= 16:
-    16-bit), else 16-bit unless the name starts with one of ``block_name_to_quantize``'s prefixes (a comma-separated
-    string or a list; absent: every layer)."""
-    own = (q.get("extra_config") or {}).get(name)
+    16-bit), else the first key with a regular expression's characters found in the name (``re.search``; for a layer
+    outside the blocks its ``bits`` defaulting to 16), else 16-bit unless the name starts with one of
+    ``block_name_to_quantize``'s prefixes (a comma-separated string or a list; absent: every layer)."""
+    extra = q.get("extra_config") or {}
+    blocks = q.get("block_name_to_quantize", q.get("to_quant_block_names"))
+    blocks = blocks.split(",") if isinstance(blocks, str) else blocks
+    inside = not blocks or any(name.startswith(b) for b in blocks)
+    own = extra.get(name)
+    if own is None:
+        own = next((cfg for key, cfg in extra.items() if set("*+?^$()[]{}|\\") & set(key)
+                    and re.search(key, name)), None)
+        if own is not None and not inside:
+            own = dict(own, bits=own.get("bits", 16))
     if own is not None:
         if own.get("bits", q["bits"]) >= 16:
             return None
         return dict(group_size=own.get("group_size", q["group_size"]), sym=own.get("sym", q["sym"]))
-    blocks = q.get("block_name_to_quantize", q.get("to_quant_block_names"))
-    blocks = blocks.split(",") if isinstance(blocks, str) else blocks
-    if blocks and not any(name.startswith(b) for b in blocks):
+    if not inside:
         return None
     return dict(group_size=q["group_size"], sym=q["sym"])
 

@@ -139,6 +139,26 @@ def test_extra_config_gives_a_layer_16_bit_or_its_own_group_size(tmp_path, devic
     assert own.scales.shape[0] == 2  # K = 128 in groups of 64
 
 
+def test_extra_config_keys_that_are_regular_expressions(tmp_path, device):
+    # newer AutoRound writes its layer_config's patterns as regular expressions (".*mlp\\.gate.*"), which vLLM
+    # searches in each layer's name after the exact names; outside the blocks one quantizes a layer by its own bits
+    extra_config = {"model.layers.1.mlp.down_proj": {"group_size": 64},  # an exact name comes first
+                    r".*mlp\.down_proj.*": {"bits": 16, "data_type": "float"},
+                    r".*self_attn\.[qk]_proj$": {"group_size": 64, "sym": True},
+                    "^lm_head$": {"bits": 4, "group_size": 32}}
+    config = cw.tiny_config("llama", hidden=64)
+    path = tmp_path / "ckpt"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 32, False, autoround=True,
+                               quantize_lm_head=True, quant_extra=dict(block_name_to_quantize="model.layers",
+                                                                       extra_config=extra_config))
+    model = from_pretrained(path, device=device)
+    quantized = [n for n in _layer_linears(config) if n != "model.layers.0.mlp.down_proj"] + ["lm_head"]
+    _check(model, config, reference, device, quantized)
+    layer = model.model.layers[0]
+    assert (layer.self_attn.q_proj.group_size, layer.self_attn.v_proj.group_size) == (64, 32)
+    assert model.model.layers[1].mlp.down_proj.group_size == 64
+
+
 def test_awq_packing_with_an_extra_config_group_size(tmp_path, device):
     path, config, reference = _write(tmp_path, "awq", 32, False, block_name_to_quantize=["model.layers"],
                                      extra_config={"model.layers.1.self_attn.o_proj": {"group_size": 64}})
@@ -177,6 +197,8 @@ REFUSED = [  # (config keys changed, the message)
      r"\['model\.layers\.0\.mlp\.down_proj'\]\); tilegemm loads 4-bit layers only"),
     (dict(extra_config={"model.layers.0.mlp.down_proj": {"data_type": "fp8"}}),
      r"quantization_config\.extra_config\['model\.layers\.0\.mlp\.down_proj'\]\.data_type 'fp8' is not supported"),
+    (dict(extra_config={"model.layers.(0": {"bits": 16}}),
+     r"quantization_config\.extra_config\['model\.layers\.\(0'\]: the key is not a regular expression"),
     (dict(block_name_to_quantize=7), r"quantization_config\.block_name_to_quantize must be a comma-separated string "
                                      r"or a list"),
 ]

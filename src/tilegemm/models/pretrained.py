@@ -306,7 +306,9 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
     as GPTQ v1 (``packing_format`` ``"auto_round:auto_gptq"``, the default; no act-order) or AWQ gemm
     (``"auto_round:auto_awq"``, zero points: ``sym`` false). Its per-layer settings become rules as GPTQModel's
     ``dynamic`` (:class:`QuantConfig`), in the order vLLM applies them: an ``extra_config`` entry naming a layer
-    exactly (``bits`` 16 or more: left 16-bit; ``group_size``, ``sym``, ``bits`` of its own), then
+    exactly (``bits`` 16 or more: left 16-bit; ``group_size``, ``sym``, ``bits`` of its own), then the first
+    ``extra_config`` key holding a regular expression's characters that a layer's name contains a match of
+    (``re.search``; outside the blocks only one giving ``bits`` below 16 quantizes a layer), then
     ``block_name_to_quantize`` (alias ``to_quant_block_names``, a comma-separated string or a list of name
     prefixes) leaving every layer outside those blocks 16-bit. Other keys (the tuning's iters, lr, ...) say
     nothing about the tensors and are ignored."""
@@ -342,11 +344,19 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
     if isinstance(not_convert, str) or not all(isinstance(m, str) for m in not_convert):
         raise ValueError(f"{where}: {at('modules_to_not_convert')} must be a list of module names, got "
                          f"{not_convert!r}")
-    rules = []
+    exact, searched = [], []  # extra_config's rules: for layer names, then for regular expressions
     extra = q.get("extra_config") or {}
     if not isinstance(extra, dict):
         raise ValueError(f"{where}: {at('extra_config')} must be a JSON object of layer name -> settings, got "
                          f"{type(extra).__name__}")
+    blocks_key = "block_name_to_quantize" if q.get("block_name_to_quantize") is not None else "to_quant_block_names"
+    blocks = q.get(blocks_key)
+    if isinstance(blocks, str):
+        blocks = [b.strip() for b in blocks.split(",")]
+    if blocks is not None and (not isinstance(blocks, (list, tuple)) or not all(isinstance(b, str) for b in blocks)):
+        raise ValueError(f"{where}: {at(blocks_key)} must be a comma-separated string or a list of module name "
+                         f"prefixes, got {q.get(blocks_key)!r}")
+    blocks = [b for b in blocks or () if b]
     for name, own in extra.items():
         entry = f"{at('extra_config')}[{name!r}]"
         if not isinstance(own, dict):
@@ -354,7 +364,23 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
         layer_bits = own.get("bits", bits)
         if isinstance(layer_bits, bool) or not isinstance(layer_bits, int):
             raise ValueError(f"{where}: {entry}.bits must be an integer, got {layer_bits!r}")
-        pattern = re.compile(re.escape(name) + r"\Z")  # the layer's exact name, as AutoRound keys it
+        if _AUTOROUND_REGEX_CHARS.intersection(name):
+            # a regular expression (newer AutoRound writes its layer_config's patterns so: ".*mlp\\.gate.*"), searched
+            # anywhere in the name, as vLLM reads it; outside the blocks it quantizes a layer only by bits of its own
+            try:
+                regex = re.compile(name)
+            except re.error as err:
+                raise ValueError(f"{where}: {entry}: the key is not a regular expression: {err}") from None
+            if not blocks:
+                searched.append((_Search(regex), own, layer_bits, entry))
+                continue
+            searched.append((_Search(regex, blocks, inside=True), own, layer_bits, entry))
+            if "bits" in own and layer_bits < 16:
+                searched.append((_Search(regex, blocks, inside=False), own, layer_bits, entry))
+            continue
+        exact.append((re.compile(re.escape(name) + r"\Z"), own, layer_bits, entry))  # the layer's exact name
+    rules = []
+    for pattern, own, layer_bits, entry in exact + searched:
         if layer_bits >= 16:  # stored unquantized
             rules.append((True, pattern, {}, f"{entry} (bits {layer_bits})"))
             continue
@@ -372,14 +398,6 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
             raise ValueError(f"{where}: {entry}.data_type {own.get('data_type')!r} is not supported for a "
                              f"{layer_bits}-bit layer; tilegemm loads integer weights (data_type 'int')")
         rules.append((False, pattern, taken, entry))
-    blocks_key = "block_name_to_quantize" if q.get("block_name_to_quantize") is not None else "to_quant_block_names"
-    blocks = q.get(blocks_key)
-    if isinstance(blocks, str):
-        blocks = [b.strip() for b in blocks.split(",")]
-    if blocks is not None and (not isinstance(blocks, (list, tuple)) or not all(isinstance(b, str) for b in blocks)):
-        raise ValueError(f"{where}: {at(blocks_key)} must be a comma-separated string or a list of module name "
-                         f"prefixes, got {q.get(blocks_key)!r}")
-    blocks = [b for b in blocks or () if b]
     if blocks:  # a layer whose name starts with one of the prefixes (a plain prefix of the string, as vLLM tests)
         # keeps the settings, any other is 16-bit: two rules, so that a layer named by either of its names (the
         # checkpoint's, the model's: for_module) is inside
@@ -389,6 +407,24 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
     return QuantConfig(method, group_size, sym=sym if method == "gptq" else False,
                        checkpoint_format="gptq_v2" if packing in AUTOROUND_NATIVE else "gptq",
                        modules_to_not_convert=tuple(not_convert), dynamic=tuple(rules), key=key)
+
+
+# The characters that make an AutoRound extra_config key a regular expression rather than a layer's name (vLLM's test)
+_AUTOROUND_REGEX_CHARS = frozenset("*+?^$()[]{}|\\")
+
+
+class _Search:
+    """An AutoRound ``extra_config`` regular expression as a rule's pattern: ``match(name)`` searches the name
+    (anywhere in it), for the layers inside the name prefixes ``blocks`` (``inside`` True), outside them (False),
+    or all (None)."""
+
+    def __init__(self, regex: re.Pattern, blocks=(), inside: bool | None = None):
+        self.regex, self.blocks, self.inside = regex, tuple(blocks), inside
+
+    def match(self, name: str) -> bool:
+        if self.inside is not None and name.startswith(self.blocks) != self.inside:
+            return False
+        return self.regex.search(name) is not None
 
 
 # compressed-tensors' preset schemes that a config group may name instead of spelling out its weights
