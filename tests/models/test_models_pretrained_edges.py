@@ -390,3 +390,50 @@ def test_a_saved_model_with_an_odd_output_width_loads(tmp_path, device):
     again = from_pretrained(tmp_path / "saved", device=device)
     assert isinstance(again.lm_head, Int4Linear)
     assert torch.equal(again.lm_head.dequantize(), model.lm_head.dequantize())
+
+
+def _edit_quant_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"].update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("method, autoround, changes", [
+    # desc_act "false" read as Python's truth would ask every layer for the g_idx this checkpoint does not store
+    ("gptq", False, dict(desc_act="false", sym="True")),
+    # AutoRound's AWQ packing with sym "False": read as true, refused as AWQ without zero points
+    ("awq", True, dict(sym="False")),
+    ("awq", False, dict(zero_point="TRUE")),
+])
+def test_booleans_written_as_strings_load(tmp_path, device, method, autoround, changes):
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    source = cw.random_model(config)
+    path = tmp_path / "c"
+    no_g_idx = [f"{n}.g_idx" for n in cw.linear_names(source)]
+    reference = cw.write_model(path, source, method, 32, sym=False, autoround=autoround, drop=no_g_idx)
+    _edit_quant_config(path, **changes)
+    model = from_pretrained(path, device=device)
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+
+
+@pytest.mark.parametrize("method, changes, message", [
+    ("gptq", dict(desc_act="no"), r"quantization_config\.desc_act must be true or false, got 'no'"),
+    ("gptq", dict(sym=1), r"quantization_config\.sym must be true or false, got 1"),
+    ("awq", dict(zero_point="0"), r"quantization_config\.zero_point must be true or false, got '0'"),
+    ("gptq", dict(dynamic={r".*down_proj": {"desc_act": "off"}}),
+     r"quantization_config\.dynamic\['\.\*down_proj'\]\.desc_act must be true or false, got 'off'"),
+    ("compressed-tensors", None, r"config_groups\['group_0'\]\.weights\.symmetric must be true or false, got 'yes'"),
+])
+def test_booleans_neither_true_nor_false_are_refused_naming_the_key(tmp_path, method, changes, message):
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), method, 32, sym=False)
+    if changes is None:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = "yes"
+        (path / "config.json").write_text(json.dumps(cfg))
+    else:
+        _edit_quant_config(path, **changes)
+    with pytest.raises(ValueError, match=message):
+        from_pretrained(path, device="cpu")

@@ -163,6 +163,20 @@ def _ct_scheme(groups: tuple, name: str, classes: tuple[str, ...]) -> dict | Non
 # --- the directory --------------------------------------------------------------------------------------
 
 
+def _flag(settings: dict, name: str, default: bool, at: str) -> bool:
+    """The boolean ``settings[name]`` (``default`` where absent or null): JSON's true/false, or the strings "true" /
+    "false" in any case (some exporters write them so); anything else a ValueError naming ``at`` (the file and key),
+    since Python's truth of "false" is True."""
+    value = settings.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(f"{at} must be true or false, got {value!r}")
+
+
 def _check_dir(path) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike naming a checkpoint directory, got {type(path).__name__}")
@@ -287,16 +301,18 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
         if version != "gemm":
             raise ValueError(f"{where}: AWQ version {q.get('version')!r} is not supported; only 'gemm' (qweight "
                              f"packed along N): 'gemv' packs along K")
-        if q.get("zero_point", True) is False:
+        if not _flag(q, "zero_point", True, f"{where}: {_at(key, 'zero_point')}"):
             raise ValueError(f"{where}: AWQ with zero_point = false is not supported (only zero_point = true)")
         return QuantConfig("awq", group_size, sym=False, modules_to_not_convert=tuple(not_convert), key=key)
     fmt = str(q.get("checkpoint_format", q.get("format", "gptq")) or "gptq").lower()
-    if q.get("is_marlin_format"):  # AutoGPTQ's flag for its Marlin repacking (before checkpoint_format existed)
+    # AutoGPTQ's flag for its Marlin repacking (before checkpoint_format existed)
+    if _flag(q, "is_marlin_format", False, f"{where}: {_at(key, 'is_marlin_format')}"):
         fmt = "marlin"
     if fmt not in GPTQ_FORMATS:
         raise ValueError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported; supported: "
                          f"{', '.join(repr(f) for f in GPTQ_FORMATS)}")
-    return QuantConfig("gptq", group_size, desc_act=bool(q.get("desc_act", False)), sym=bool(q.get("sym", True)),
+    desc_act = _flag(q, "desc_act", False, f"{where}: {_at(key, 'desc_act')}")
+    return QuantConfig("gptq", group_size, desc_act=desc_act, sym=_flag(q, "sym", True, f"{where}: {_at(key, 'sym')}"),
                        checkpoint_format=fmt, modules_to_not_convert=tuple(not_convert),
                        dynamic=_dynamic(q.get("dynamic"), where, key), key=key)
 
@@ -335,7 +351,7 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
     if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
         raise ValueError(f"{where}: {at('group_size')} must be a positive integer or -1 (all of K), got "
                          f"{group_size!r}")
-    sym = bool(q.get("sym", True))
+    sym = _flag(q, "sym", True, f"{where}: {at('sym')}")
     awq_sym = ("sym = true with packing_format 'auto_round:auto_awq' is not supported: AWQ's layout without zero "
                "points (as AWQ's zero_point = false); only sym = false")
     if method == "awq" and sym:
@@ -390,8 +406,8 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
             if isinstance(gs, bool) or not isinstance(gs, int) or not (gs == -1 or gs > 0):
                 raise ValueError(f"{where}: {entry}.group_size must be a positive integer or -1, got {gs!r}")
             taken["group_size"] = gs
-        if "sym" in own:
-            taken["sym"] = bool(own["sym"])
+        if own.get("sym") is not None:
+            taken["sym"] = _flag(own, "sym", True, f"{where}: {entry}.sym")
             if method == "awq" and taken["sym"]:
                 raise ValueError(f"{where}: {entry}.sym = true: {awq_sym}")
         if str(own.get("data_type") or "int").lower() != "int":
@@ -503,8 +519,8 @@ def _ct_config(q: dict, where: str, key: str = "quantization_config") -> QuantCo
             raise ValueError(f"{at}: actorder {actorder!r} is not one of 'group', 'weight' (or null)")
         # "group" (alias "dynamic") stores each input's group (weight_g_idx); "weight" ("static") quantized in
         # activation order but kept its groups in the natural order, so it loads as a plain layer
-        rules.append((tuple(targets), dict(group_size=gs, sym=bool(w.get("symmetric", True)),
-                                           desc_act=actorder in ("group", "dynamic"))))
+        sym = _flag(w, "symmetric", True, f"{at}.weights.symmetric")
+        rules.append((tuple(targets), dict(group_size=gs, sym=sym, desc_act=actorder in ("group", "dynamic"))))
     first = rules[0][1]
     return QuantConfig("compressed-tensors", first["group_size"], desc_act=first["desc_act"], sym=first["sym"],
                        groups=tuple(rules), ignore=tuple(ignore), key=key)
@@ -552,8 +568,8 @@ def _dynamic(dynamic, where: str, settings: str = "quantization_config") -> tupl
                                      f"integer or -1, got {gs!r}")
                 taken["group_size"] = gs
             for name in ("sym", "desc_act"):
-                if name in overrides:
-                    taken[name] = bool(overrides[name])
+                if overrides.get(name) is not None:
+                    taken[name] = _flag(overrides, name, False, f"{at}[{key!r}].{name}")
             if "bits" in overrides:
                 taken["bits"] = overrides["bits"]
         # (skip: the phrase "left 16-bit by ..." ends with; else the entry a layer's bits message names)
