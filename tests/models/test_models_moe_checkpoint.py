@@ -444,6 +444,9 @@ GPT_OSS = {  # name: writer options
     # GPTQModel's: experts.gate_up.<e> (gate and up rows in turn, as the block holds them) and experts.down.<e>
     "joined-gptq": dict(method="gptq", expert_layout="joined"),
     "joined-awq-stacked-bias": dict(method="awq", expert_layout="joined", stacked_expert_bias=True),
+    # the block under its older name (Mixtral's block_sparse_moe), its biases stacked there too
+    "joined-gptq-stacked-bias-older-name": dict(method="gptq", expert_layout="joined", stacked_expert_bias=True,
+                                                stored_name=lambda n: n.replace(".mlp.", ".block_sparse_moe.")),
 }
 
 

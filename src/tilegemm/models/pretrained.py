@@ -1231,10 +1231,12 @@ class _StoredExperts:
 
     def per_expert_biases(self, tensors) -> list[str]:
         """The block's bias parameters the checkpoint stores an expert each (``<key>.bias``), not stacked under
-        the block's own name (``<block>.gate_up_proj_bias``, loaded as any plain tensor)."""
+        the block's name or an older one (``<block>.gate_up_proj_bias``, loaded as any plain tensor, by the same
+        names: :func:`_aliases`)."""
         if self.stacked or not getattr(self.module, "has_bias", False):
             return []
-        return [f"{w}_bias" for w in self.joined if f"{self.name}.{w}_bias" not in tensors]
+        return [f"{w}_bias" for w in self.joined if not any(f"{a}_bias" in tensors for a in
+                                                            _aliases(f"{self.name}.{w}"))]
 
 
 def _int4_experts_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
