@@ -105,10 +105,12 @@ def test_a_directory_with_pytorch_model_bin_only(tmp_path):
         from_pretrained(path, device="cpu")
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_older_quantizers_settings_files_and_file_names(tmp_path, device, method):
-    """AutoGPTQ's quantize_config.json and AutoAWQ's quant_config.json (in their own keys), no quantization_config in
-    config.json, the weights in one file of the quantizer's own name: loaded as the same checkpoint written today."""
+@pytest.mark.parametrize("method, awq_file", [("gptq", None), ("awq", "quant_config.json"),
+                                              ("awq", "quantize_config.json")])
+def test_older_quantizers_settings_files_and_file_names(tmp_path, device, method, awq_file):
+    """AutoGPTQ's quantize_config.json and AutoAWQ's quant_config.json (in their own keys; some AWQ checkpoints name
+    theirs quantize_config.json, the name AutoGPTQ's has), no quantization_config in config.json, the weights in one
+    file of the quantizer's own name: loaded as the same checkpoint written today."""
     config = cw.tiny_config("llama", hidden=64)
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), method, 32, act_order=method == "gptq")
@@ -121,7 +123,7 @@ def test_older_quantizers_settings_files_and_file_names(tmp_path, device, method
                                                          model_file_base_name="gptq_model-4bit-32g")
         name = "gptq_model-4bit-32g.safetensors"
     else:  # AutoAWQ's file and names
-        sidecar, settings = "quant_config.json", dict(zero_point=True, q_group_size=32, w_bit=4, version="GEMM")
+        sidecar, settings = awq_file, dict(zero_point=True, q_group_size=32, w_bit=4, version="GEMM")
         name = "awq_model_w4_g32.safetensors"
     (path / "config.json").write_text(json.dumps(cfg))
     (path / sidecar).write_text(json.dumps(settings))

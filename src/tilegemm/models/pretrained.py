@@ -192,6 +192,9 @@ def _check_dir(path) -> str:
 # Where quantizers wrote their settings before transformers read them from config.json: AutoGPTQ's and GPTQModel's
 # quantize_config.json, AutoAWQ's quant_config.json (file -> the method when the file does not name one).
 SIDECARS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+# AutoAWQ's own keys: a settings file holding them is AWQ's whatever its name (some AWQ checkpoints name it
+# quantize_config.json, which vLLM's AWQ reads too: abhinavkulkarni/mosaicml-mpt-7b-instruct-w4-g128-awq)
+AWQ_SIDECAR_KEYS = ("w_bit", "q_group_size", "zero_point")
 
 
 def _json_object(file: str) -> dict:
@@ -250,6 +253,8 @@ def read_config(path) -> dict:
             sidecar = os.path.join(path, name)
             if os.path.isfile(sidecar):
                 q = _json_object(sidecar)
+                if any(k in q for k in AWQ_SIDECAR_KEYS):
+                    method = "awq"
                 config["quantization_config"] = {"quant_method": method, **q}
                 config[SETTINGS_AT] = (name, "")
                 break
