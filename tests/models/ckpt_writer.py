@@ -141,7 +141,8 @@ def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128
     """Round-to-nearest 4-bit quantization of ``w`` ``[N, K]`` as a checkpoint stores it: (stored tensors, the
     fp16 weight they stand for). GPTQ asymmetric: the group's range widened to hold 0, ``scale = range / 15``,
     ``zero = round(-min / scale)``; symmetric: ``scale = 2 max|w| / 15``, zero 8. AWQ: the group's own min and
-    max, ``zero = round(-min / scale)`` clamped to 0..15. ``act_order``: groups are a random permutation of the
+    max, ``zero = round(-min / scale)`` clamped to 0..15; symmetric (GPTQModel's AWQ, ``zero_point`` false) as
+    GPTQ's, its zeros of 8 stored. ``act_order``: groups are a random permutation of the
     inputs (``g_idx``), as GPTQ's ``desc_act`` makes them; ``order`` gives that permutation (else drawn). A layer
     whose K is below the group size is one group over all of K (``ceil(K / group_size)`` groups, as GPTQ stores).
     compressed-tensors: signed values; symmetric ``scale = max|w| / 7.5``, zero 0; asymmetric ``scale = range /
@@ -163,7 +164,7 @@ def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128
     lo, hi = grouped.amin(1), grouped.amax(1)  # [G, N]
     if method == "compressed-tensors":
         return _quantize_ct(grouped, order, lo, hi, gs, sym, act_order, unpacked_zero, scale_dtype)
-    if method == "gptq" and sym:
+    if method in ("gptq", "awq") and sym:
         scale = 2 * torch.maximum(lo.abs(), hi.abs()) / 15
     elif method == "gptq":
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)
@@ -172,7 +173,7 @@ def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128
         scale = (hi - lo).clamp(min=1e-5) / 15
     scale = torch.where(scale > 0, scale, torch.ones_like(scale)).half()
     s = scale.float()
-    zero = torch.full_like(s, 8.0) if (method == "gptq" and sym) else torch.round(-lo / s).clamp(0, 15)
+    zero = torch.full_like(s, 8.0) if (method in ("gptq", "awq") and sym) else torch.round(-lo / s).clamp(0, 15)
     q_grouped = torch.clamp(torch.round(grouped / s[:, None]) + zero[:, None], 0, 15)
     q = torch.empty(K, N)
     q[order] = q_grouped.reshape(G * gs, N)[:K]
@@ -276,7 +277,7 @@ def quantization_config(method: str = "gptq", group_size: int = 128, sym: bool =
         q.update(extra)
         return q
     else:
-        q = dict(quant_method="awq", bits=4, group_size=group_size, zero_point=True, version="gemm")
+        q = dict(quant_method="awq", bits=4, group_size=group_size, zero_point=not sym, version="gemm")
     q["modules_to_not_convert"] = list(not_convert) if not_convert else None
     q.update(extra)
     return q

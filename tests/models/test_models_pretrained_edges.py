@@ -395,8 +395,11 @@ def test_a_saved_model_with_an_odd_output_width_loads(tmp_path, device):
 
 
 def _edit_quant_config(path, **changes):
+    """Change keys of the checkpoint's quantization_config; a value of None removes the key."""
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"].update(changes)
+    q = cfg["quantization_config"]
+    q.update(changes)
+    cfg["quantization_config"] = {k: v for k, v in q.items() if v is not None}
     (path / "config.json").write_text(json.dumps(cfg))
 
 
@@ -437,5 +440,39 @@ def test_booleans_neither_true_nor_false_are_refused_naming_the_key(tmp_path, me
         (path / "config.json").write_text(json.dumps(cfg))
     else:
         _edit_quant_config(path, **changes)
+    with pytest.raises(ValueError, match=message):
+        from_pretrained(path, device="cpu")
+
+
+@pytest.mark.parametrize("stored_zeros", [True, False])
+def test_awq_without_zero_points(tmp_path, device, stored_zeros):
+    """GPTQModel's symmetric AWQ (its default): zero_point false, the signed values stored plus 8 with qzeros of 8
+    beside them, its keys as it writes them (format and version both); where no qzeros are stored, each zero is 8."""
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    source = cw.random_model(config)
+    path = tmp_path / "c"
+    drop = [] if stored_zeros else [f"{n}.qzeros" for n in cw.linear_names(source)]
+    reference = cw.write_model(path, source, "awq", 32, sym=True, drop=drop)
+    _edit_quant_config(path, version=None, format="gemm", checkpoint_format="gemm", pack_dtype="int32",
+                       desc_act=False, lm_head=False, meta={"quantizer": ["gptqmodel:5.0.0"]})
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["zero_point"] is False
+    model = from_pretrained(path, device=device)
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7
+    assert torch.equal(model.model.layers[0].mlp.down_proj.dequantize().cpu(),
+                       reference["model.layers.0.mlp.down_proj.weight"])
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(version=None, format="gemv_fast"), r"quantization_config\.format 'gemv_fast' is not supported; only 'gemm'"),
+    (dict(version="GEMV"), r"quantization_config\.version 'GEMV' is not supported; only 'gemm'"),
+    (dict(backend="llm-awq"), r"quantization_config\.backend 'llm-awq' is not supported; only 'gemm'"),
+])
+def test_awq_packings_other_than_gemm_are_refused(tmp_path, changes, message):
+    # transformers v5 reads the packing from "format" where "version" is absent, and backend "llm-awq" as its own
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "awq", 32)
+    _edit_quant_config(path, **changes)
     with pytest.raises(ValueError, match=message):
         from_pretrained(path, device="cpu")

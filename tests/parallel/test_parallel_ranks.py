@@ -369,6 +369,9 @@ def test_parallel_from_pretrained(tmp_path):
     config = cw.tiny_config("llama", hidden=128, layers=1)
     names = {"gptq-actorder-g32": dict(method="gptq", group_size=32, act_order=True),
              "awq-g64": dict(method="awq", group_size=64),
+             # GPTQModel's symmetric AWQ (zero_point false), its qzeros of 8 not stored: each zero 8
+             "awq-sym-no-qzeros-g64": dict(method="awq", group_size=64, sym=True, drop=[
+                 f"{n}.qzeros" for n in cw.linear_names(cw.random_model(config))]),
              "ct-asym-g32": dict(method="compressed-tensors", group_size=32, sym=False),
              "ct-actorder-g64": dict(method="compressed-tensors", group_size=64, act_order=True),
              # AutoRound's GPTQ packing, one layer in a group size of its own (extra_config)

@@ -127,7 +127,7 @@ class QuantConfig:
         if self.method == SAVED_METHOD:
             return "tilegemm's own 4-bit layers, as save_pretrained wrote them"
         if self.method == "awq":
-            what = "AWQ (gemm)"
+            what = "AWQ (gemm" + (", zero_point false)" if self.sym else ")")
         elif self.method == "compressed-tensors":
             what = f"compressed-tensors ({CT_FORMAT}, {'symmetric' if self.sym else 'asymmetric'}" + \
                 (", act-order)" if self.desc_act else ")")
@@ -302,13 +302,18 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
     if isinstance(not_convert, str) or not all(isinstance(m, str) for m in not_convert):
         raise ValueError(f"{where}: modules_to_not_convert must be a list of module names, got {not_convert!r}")
     if method == "awq":
-        version = str(q.get("version", "gemm")).lower()
+        # the packing: "version" (AutoAWQ's key), else "format" (transformers v5 and GPTQModel write both); llm-awq's
+        # own packing is named by backend "llm-awq", as transformers reads it
+        named = "version" if q.get("version") is not None else "format"
+        version = str(q.get(named) or "gemm").lower()
+        if str(q.get("backend") or "").lower() == "llm-awq":
+            named, version = "backend", "llm-awq"
         if version != "gemm":
-            raise ValueError(f"{where}: AWQ version {q.get('version')!r} is not supported; only 'gemm' (qweight "
-                             f"packed along N): 'gemv' packs along K")
-        if not _flag(q, "zero_point", True, f"{where}: {_at(key, 'zero_point')}"):
-            raise ValueError(f"{where}: AWQ with zero_point = false is not supported (only zero_point = true)")
-        return QuantConfig("awq", group_size, sym=False, modules_to_not_convert=tuple(not_convert), key=key)
+            raise ValueError(f"{where}: AWQ {_at(key, named)} {q.get(named)!r} is not supported; only 'gemm' (qweight "
+                             f"packed along N): 'gemv' / 'gemv_fast' / 'llm-awq' pack along K")
+        # zero_point false (GPTQModel's symmetric AWQ): its stored qzeros (8 each), or 8 where none are stored
+        sym = not _flag(q, "zero_point", True, f"{where}: {_at(key, 'zero_point')}")
+        return QuantConfig("awq", group_size, sym=sym, modules_to_not_convert=tuple(not_convert), key=key)
     fmt = str(q.get("checkpoint_format", q.get("format", "gptq")) or "gptq").lower()
     # AutoGPTQ's flag for its Marlin repacking (before checkpoint_format existed)
     if _flag(q, "is_marlin_format", False, f"{where}: {_at(key, 'is_marlin_format')}"):
@@ -1068,7 +1073,7 @@ def _expected_quant_shapes(q: QuantConfig, N: int, K: int) -> dict[str, tuple[li
         return dict(qweight=([[K // 8, N]], True), qzeros=([[G, N // 8]], True), scales=([[G, N]], True),
                     g_idx=([[K]], q.desc_act))
     if q.method == "awq":
-        return dict(qweight=([[K, N // 8]], True), qzeros=([[G, N // 8]], True), scales=([[G, N]], True))
+        return dict(qweight=([[K, N // 8]], True), qzeros=([[G, N // 8]], not q.sym), scales=([[G, N]], True))
     # compressed-tensors: zero points only when asymmetric, packed along N in ceil(N/8) rows (or, from releases
     # before that packing, the [N, G] zeros themselves); the group of each input when quantized in activation order
     return dict(weight_packed=([[N, K // 8]], True), weight_scale=([[N, G]], True),
@@ -1127,6 +1132,12 @@ def _check_stored(tensors: "_Tensors", expected: dict, what: str, problems: list
 CHUNK_WEIGHTS = 1 << 23
 
 
+def awq_eights(groups: int, words: int, device) -> torch.Tensor:
+    """AWQ ``qzeros`` ``[groups, words]`` whose every zero is 8: what an AWQ checkpoint with ``zero_point`` false
+    (symmetric, its values signed and stored plus 8) means where it stores none."""
+    return torch.full((groups, words), 0x88888888 - (1 << 32), dtype=torch.int32, device=device)
+
+
 def _import_columns(parts: dict, g_idx, q: QuantConfig, a: int, b: int) -> Int4Weight:
     """The :class:`Int4Weight` of output columns ``a:b`` of a stored quantized Linear, through the importers;
     ``parts`` by role (qweight, qzeros, scales; qzeros None where the checkpoint stores none)."""
@@ -1145,7 +1156,10 @@ def _import_columns(parts: dict, g_idx, q: QuantConfig, a: int, b: int) -> Int4W
                                        g_idx)
     scales = parts["scales"][:, cols].contiguous()
     if q.method == "awq":
-        return from_awq(parts["qweight"][:, packed].contiguous(), parts["qzeros"][:, packed].contiguous(), scales)
+        qzeros = parts["qzeros"]
+        if qzeros is None:
+            qzeros = awq_eights(scales.shape[0], parts["qweight"].shape[1], scales.device)
+        return from_awq(parts["qweight"][:, packed].contiguous(), qzeros[:, packed].contiguous(), scales)
     w = from_gptq(parts["qweight"][:, cols].contiguous(), parts["qzeros"][:, packed].contiguous(), scales, g_idx)
     if q.checkpoint_format == "gptq_v2":
         # from_gptq reads v1 (stored zero - 1, so it adds 1); v2 stores the zero itself. Zeros are small integers

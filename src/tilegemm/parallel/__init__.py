@@ -39,8 +39,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from tilegemm.models.pretrained import _check_quant_shapes, _default_device, _import_columns, _left_16_bit_by, \
-    _named_16_bit, _saved_weight, _stored_parts, _Tensors, empty_model, load_quantized_, quant_config, read_config, \
-    resolve_dtype, unchanged_on_error
+    _named_16_bit, _saved_weight, _stored_parts, _Tensors, awq_eights, empty_model, load_quantized_, quant_config, \
+    read_config, resolve_dtype, unchanged_on_error
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
 from tilegemm.nn.moe import expert_group_size
@@ -853,8 +853,11 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
     if q.method == "awq":
         parts = {p: tensors.get_slice(f"{prefix}.{p}", shard_slices(f"awq.{p}", tensors.shape(f"{prefix}.{p}"),
                                                                     split, rank, world, gs))
-                 for p in ("qweight", "qzeros", "scales")}
-        return from_awq(parts["qweight"], parts["qzeros"], parts["scales"].to(dtype)), None
+                 for p in ("qweight", "qzeros", "scales") if f"{prefix}.{p}" in tensors}
+        qzeros = parts.get("qzeros")  # (none stored: zero_point false)
+        if qzeros is None:
+            qzeros = awq_eights(parts["scales"].shape[0], parts["qweight"].shape[1], parts["scales"].device)
+        return from_awq(parts["qweight"], qzeros, parts["scales"].to(dtype)), None
     g_idx = _act_order(tensors, f"{prefix}.g_idx", f"{prefix}.scales", K, 0)
     if split == "in" and g_idx is not None:
         w = from_gptq(tensors.get(f"{prefix}.qweight"), tensors.get(f"{prefix}.qzeros"),
