@@ -71,6 +71,8 @@ CASES = {  # name: (packing method, sym, config keys)
     # an early checkpoint: the method "intel/auto-round", no packing_format (GPTQ's)
     "early-no-packing_format-sym": ("gptq", True, dict(quant_method="intel/auto-round", packing_format=None)),
     "auto_awq-asym": ("awq", False, {}),
+    # sym: zeros of 8 stored (intel/auto-round export_to_awq packs the scalar zero point), as AWQ's zero_point false
+    "auto_awq-sym": ("awq", True, {}),
 }
 
 
@@ -189,8 +191,7 @@ REFUSED = [  # (config keys changed, the message)
                                                   r"not supported"),
     (dict(data_type="mx_fp"), r"quantization_config\.data_type 'mx_fp' is not supported; tilegemm loads AutoRound's "
                               r"integer weights"),
-    (dict(packing_format="auto_round:auto_awq", sym=True), r"quantization_config\.sym = true: sym = true with "
-                                                           r"packing_format 'auto_round:auto_awq' is not supported"),
+    (dict(sym="yes"), r"quantization_config\.sym must be true or false, got 'yes'"),
     (dict(bits=8), r"quantization_config\.bits = 8; tilegemm loads 4-bit checkpoints only"),
     (dict(extra_config={"model.layers.0.mlp.down_proj": {"bits": 8}}),
      r"model\.layers\.0\.mlp\.down_proj: stored with bits = 8 \(quantization_config\.extra_config"

@@ -127,7 +127,7 @@ class QuantConfig:
         if self.method == SAVED_METHOD:
             return "tilegemm's own 4-bit layers, as save_pretrained wrote them"
         if self.method == "awq":
-            what = "AWQ (gemm" + (", zero_point false)" if self.sym else ")")
+            what = "AWQ (gemm" + (", symmetric)" if self.sym else ")")
         elif self.method == "compressed-tensors":
             what = f"compressed-tensors ({CT_FORMAT}, {'symmetric' if self.sym else 'asymmetric'}" + \
                 (", act-order)" if self.desc_act else ")")
@@ -330,7 +330,7 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
 def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> QuantConfig:
     """Intel AutoRound's ``quantization_config`` (``quant_method`` ``"auto-round"``): 4-bit ``int`` weights packed
     as GPTQ v1 (``packing_format`` ``"auto_round:auto_gptq"``, the default; no act-order) or AWQ gemm
-    (``"auto_round:auto_awq"``, zero points: ``sym`` false). Its per-layer settings become rules as GPTQModel's
+    (``"auto_round:auto_awq"``; ``sym`` true stores zeros of 8, as AWQ's ``zero_point`` false). Its per-layer settings become rules as GPTQModel's
     ``dynamic`` (:class:`QuantConfig`), in the order vLLM applies them: an ``extra_config`` entry naming a layer
     exactly (``bits`` 16 or more: left 16-bit; ``group_size``, ``sym``, ``bits`` of its own), then the first
     ``extra_config`` key holding a regular expression's characters that a layer's name contains a match of
@@ -362,10 +362,6 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
         raise ValueError(f"{where}: {at('group_size')} must be a positive integer or -1 (all of K), got "
                          f"{group_size!r}")
     sym = _flag(q, "sym", True, f"{where}: {at('sym')}")
-    awq_sym = ("sym = true with packing_format 'auto_round:auto_awq' is not supported: AWQ's layout without zero "
-               "points (as AWQ's zero_point = false); only sym = false")
-    if method == "awq" and sym:
-        raise ValueError(f"{where}: {at('sym')} = true: {awq_sym}")
     not_convert = q.get("modules_to_not_convert") or ()
     if isinstance(not_convert, str) or not all(isinstance(m, str) for m in not_convert):
         raise ValueError(f"{where}: {at('modules_to_not_convert')} must be a list of module names, got "
@@ -418,8 +414,6 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
             taken["group_size"] = gs
         if own.get("sym") is not None:
             taken["sym"] = _flag(own, "sym", True, f"{where}: {entry}.sym")
-            if method == "awq" and taken["sym"]:
-                raise ValueError(f"{where}: {entry}.sym = true: {awq_sym}")
         if str(own.get("data_type") or "int").lower() != "int":
             raise ValueError(f"{where}: {entry}.data_type {own.get('data_type')!r} is not supported for a "
                              f"{layer_bits}-bit layer; tilegemm loads integer weights (data_type 'int')")
@@ -430,7 +424,8 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
         rules.append((False, re.compile("|".join(re.escape(b) for b in blocks)), {}, ""))
         rules.append((True, re.compile(""), {}, f"{at(blocks_key)} (its name starts with none of "
                                                 f"{', '.join(repr(b) for b in blocks)})"))
-    return QuantConfig(method, group_size, sym=sym if method == "gptq" else False,
+    # (AWQ's packing with sym = true stores its zeros, each the values' offset 8, as AWQ's zero_point = false)
+    return QuantConfig(method, group_size, sym=sym,
                        checkpoint_format="gptq_v2" if packing in AUTOROUND_NATIVE else "gptq",
                        modules_to_not_convert=tuple(not_convert), dynamic=tuple(rules), key=key)
 
