@@ -476,3 +476,23 @@ def test_awq_packings_other_than_gemm_are_refused(tmp_path, changes, message):
     _edit_quant_config(path, **changes)
     with pytest.raises(ValueError, match=message):
         from_pretrained(path, device="cpu")
+
+
+@pytest.mark.parametrize("method, autoround, changes, message", [
+    # GPTQModel's rotation: an online Hadamard transform of mlp.down_proj's inputs at inference
+    ("gptq", False, dict(rotation="hadamard"), r"quantization_config\.rotation 'hadamard': the weights were rotated"),
+    ("awq", False, dict(rotation="random"), r"quantization_config\.rotation 'random': the weights were rotated"),
+    # AutoRound's Hadamard rotation, kept as rotation buffers beside the layers
+    ("gptq", True, dict(rotation_config={"block_size": 32, "hadamard_type": "hadamard"}),
+     r"quantization_config\.rotation_config \{'block_size': 32, 'hadamard_type': 'hadamard'\}: the weights were "
+     r"rotated, and the model needs the matching transforms of its activations"),
+])
+def test_rotated_weights_are_refused(tmp_path, method, autoround, changes, message):
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), method, 32, autoround=autoround)
+    _edit_quant_config(path, **changes)
+    with pytest.raises(ValueError, match=message):
+        from_pretrained(path, device="cpu")
+    _edit_quant_config(path, rotation=None, rotation_config=None)  # (GPTQModel writes none where there is none)
+    assert sum(isinstance(m, Int4Linear) for m in from_pretrained(path, device="cpu").modules()) == 7

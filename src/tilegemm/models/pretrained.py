@@ -52,6 +52,9 @@ AUTOROUND_PACKINGS = {"auto_round:auto_gptq": "gptq", "auto_round:auto_awq": "aw
 # AutoRound's own packing (its triton and exllamav2 layers, which its early releases wrote for asymmetric weights and
 # named only by the "backend" key): GPTQ's layout with each zero stored as it is, not v1's zero - 1
 AUTOROUND_NATIVE = ("auto_round:exllamav2", "auto_round:triton")
+# Settings saying the weights were rotated (the model then transforms activations online): GPTQModel's rotation
+# ("hadamard", "random": an online Hadamard on mlp.down_proj's inputs), AutoRound's Hadamard and SpinQuant configs
+ROTATION_KEYS = ("rotation", "rotation_config", "spinquant_config")
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # GPTQ checkpoint formats: v1 (zero - 1 stored) and v2 (the zero itself)
 CT_FORMAT = "pack-quantized"  # the compressed-tensors format taken: 4-bit values eight to an int32
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -278,6 +281,13 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
                          f"{', '.join(repr(m) for m in METHODS)}")
     if method == "compressed-tensors":
         return _ct_config(q, where, key)
+    # Rotations fused into the weights whose inverse the model must apply to activations as it runs (an online
+    # Hadamard transform of down_proj's inputs ...): the stored weights alone compute something else
+    rotation = next((k for k in ROTATION_KEYS if q.get(k)), None)
+    if rotation is not None:
+        raise ValueError(f"{where}: {_at(key, rotation)} {q[rotation]!r}: the weights were rotated, and the model "
+                         f"needs the matching transforms of its activations as it runs, which tilegemm does not "
+                         f"apply; checkpoints without rotations load")
     if method == "auto-round":
         return _autoround_config(q, where, key)
     if method == SAVED_METHOD:  # each layer's group length is read from its stored shapes
