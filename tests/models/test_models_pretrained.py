@@ -322,7 +322,7 @@ def test_no_config_and_no_quantization_config(tmp_path, good):
 @pytest.mark.parametrize("changes, message", [
     (dict(bits=8), r"bits = 8; tilegemm loads 4-bit checkpoints only"),
     (dict(quant_method="bitsandbytes"), r"quant_method 'bitsandbytes' is not supported; supported: 'gptq', 'awq'"),
-    (dict(quant_method="awq", version="gemv"), r"AWQ version 'gemv' is not supported; only 'gemm'"),
+    (dict(quant_method="awq", version="gemv"), r"AWQ quantization_config\.version 'gemv' is not supported; only 'gemm'"),
     (dict(checkpoint_format="marlin"), r"GPTQ checkpoint_format 'marlin' is not supported; supported: 'gptq', "
                                        r"'gptq_v2'"),
     (dict(group_size=0), r"group_size must be a positive integer or -1"),
