@@ -71,6 +71,9 @@ CASES = {  # name: (packing method, sym, config keys)
     # an early checkpoint: the method "intel/auto-round", no packing_format (GPTQ's)
     "early-no-packing_format-sym": ("gptq", True, dict(quant_method="intel/auto-round", packing_format=None)),
     "auto_awq-asym": ("awq", False, {}),
+    # AutoRound's torch layer (qlinear_torch): GPTQ's layout, each zero stored as it is; ":gptqmodel" adds a g_idx
+    "auto_round-asym": ("gptq-v2", False, dict(packing_format="auto_round", act_bits=16)),
+    "auto_round:gptqmodel-asym": ("gptq-v2", False, dict(packing_format="auto_round:gptqmodel")),
     # sym: zeros of 8 stored (intel/auto-round export_to_awq packs the scalar zero point), as AWQ's zero_point false
     "auto_awq-sym": ("awq", True, {}),
 }
@@ -79,10 +82,11 @@ CASES = {  # name: (packing method, sym, config keys)
 @pytest.mark.parametrize("name", list(CASES))
 def test_autoround_checkpoint_loads(tmp_path, device, name):
     method, sym, extra = CASES[name]
-    path, config, reference = _write(tmp_path, method, 32, sym, **extra)
+    v2 = method == "gptq-v2"  # (GPTQ's layout, each zero stored as it is)
+    path, config, reference = _write(tmp_path, "gptq" if v2 else method, 32, sym, v2=v2, **extra)
     q = json.loads((path / "config.json").read_text())["quantization_config"]
     assert q["quant_method"] in ("auto-round", "intel/auto-round") and "iters" in q
-    assert ("packing_format" in q) == ("packing_format" not in extra)
+    assert ("packing_format" in q) == (extra.get("packing_format", "") is not None)
     model = from_pretrained(path, device=device)
     _check(model, config, reference, device, _layer_linears(config))
     assert model.model.layers[0].mlp.up_proj.group_size == 32
@@ -184,11 +188,12 @@ def test_early_checkpoints_packing_named_by_backend(tmp_path, device, backend, v
 REFUSED = [  # (config keys changed, the message)
     (dict(packing_format=None, backend="auto_round:marlin"),
      r"quantization_config\.backend 'auto_round:marlin' is not supported; supported: 'auto_round:auto_gptq', "
-     r"'auto_round:auto_awq', 'auto_round:exllamav2', 'auto_round:triton'"),
-    (dict(packing_format="auto_round"), r"quantization_config\.packing_format 'auto_round' is not supported; "
-                                        r"supported: 'auto_round:auto_gptq', 'auto_round:auto_awq'"),
-    (dict(packing_format="auto_round:gptqmodel"), r"quantization_config\.packing_format 'auto_round:gptqmodel' is "
-                                                  r"not supported"),
+     r"'auto_round:auto_awq', 'auto_round:exllamav2', 'auto_round:triton', 'auto_round', "
+     r"'auto_round:gptqmodel'"),
+    (dict(packing_format="auto_round:fp8"), r"quantization_config\.packing_format 'auto_round:fp8' is not "
+                                            r"supported; supported: 'auto_round:auto_gptq', 'auto_round:auto_awq'"),
+    (dict(packing_format="auto_round", act_bits=8), r"quantization_config\.packing_format 'auto_round' with "
+                                                    r"quantization_config\.act_bits = 8 is not supported"),
     (dict(data_type="mx_fp"), r"quantization_config\.data_type 'mx_fp' is not supported; tilegemm loads AutoRound's "
                               r"integer weights"),
     (dict(sym="yes"), r"quantization_config\.sym must be true or false, got 'yes'"),

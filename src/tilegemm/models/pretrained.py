@@ -50,8 +50,10 @@ METHODS = ("gptq", "awq", "compressed-tensors", "auto-round", SAVED_METHOD)  # t
 # method "intel/auto-round")
 AUTOROUND_PACKINGS = {"auto_round:auto_gptq": "gptq", "auto_round:auto_awq": "awq"}
 # AutoRound's own packing (its triton and exllamav2 layers, which its early releases wrote for asymmetric weights and
-# named only by the "backend" key): GPTQ's layout with each zero stored as it is, not v1's zero - 1
-AUTOROUND_NATIVE = ("auto_round:exllamav2", "auto_round:triton")
+# named only by the "backend" key; its torch layer, packing_format "auto_round" (asymmetric weights whose layers mix
+# bit widths) or "auto_round:gptqmodel" (the same with a g_idx): auto_round_extension/torch/qlinear_torch.py):
+# GPTQ's layout with each zero stored as it is, not v1's zero - 1
+AUTOROUND_NATIVE = ("auto_round:exllamav2", "auto_round:triton", "auto_round", "auto_round:gptqmodel")
 # Settings saying the weights were rotated (the model then transforms activations online): GPTQModel's rotation
 # ("hadamard", "random": an online Hadamard on mlp.down_proj's inputs), AutoRound's Hadamard and SpinQuant configs
 ROTATION_KEYS = ("rotation", "rotation_config", "spinquant_config")
@@ -353,13 +355,17 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
     if not packing and q.get("backend"):  # early releases: the layers' packer named by "backend" only
         backend, named_by = str(q["backend"]).lower().replace("autoround", "auto_round"), "backend"
         packing = "auto_round:auto_awq" if "awq" in backend else "auto_round:auto_gptq" if "gptq" in backend else \
-            next((p for p in AUTOROUND_NATIVE if backend.startswith(p)), backend)
+            next((p for p in AUTOROUND_NATIVE if ":" in p and backend.startswith(p)), backend)
     packing = packing or "auto_round:auto_gptq"
     if packing not in AUTOROUND_PACKINGS and packing not in AUTOROUND_NATIVE:
         raise ValueError(f"{where}: {at(named_by)} {q.get(named_by)!r} is not supported; supported: "
                          f"{', '.join(repr(p) for p in (*AUTOROUND_PACKINGS, *AUTOROUND_NATIVE))} (AutoRound's GPTQ "
                          f"and AWQ layouts, and its own GPTQ layout with the zeros stored as they are)")
     method = AUTOROUND_PACKINGS.get(packing, "gptq")
+    act_bits = q.get("act_bits", 16)
+    if packing == "auto_round" and isinstance(act_bits, int) and act_bits < 16:  # (another layer packs those)
+        raise ValueError(f"{where}: {at('packing_format')} 'auto_round' with {at('act_bits')} = {act_bits} is not "
+                         f"supported: quantized activations; tilegemm runs 16-bit activations")
     data_type = str(q.get("data_type") or "int").lower()
     if data_type != "int":
         raise ValueError(f"{where}: {at('data_type')} {q.get('data_type')!r} is not supported; tilegemm loads "
