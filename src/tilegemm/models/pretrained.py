@@ -342,7 +342,8 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
 def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> QuantConfig:
     """Intel AutoRound's ``quantization_config`` (``quant_method`` ``"auto-round"``): 4-bit ``int`` weights packed
     as GPTQ v1 (``packing_format`` ``"auto_round:auto_gptq"``, the default; no act-order) or AWQ gemm
-    (``"auto_round:auto_awq"``; ``sym`` true stores zeros of 8, as AWQ's ``zero_point`` false). Its per-layer settings become rules as GPTQModel's
+    (``"auto_round:auto_awq"``; ``sym`` true stores zeros of 8, as AWQ's ``zero_point`` false), or GPTQ's layout
+    with each zero stored as it is (:data:`AUTOROUND_NATIVE`). Its per-layer settings become rules as GPTQModel's
     ``dynamic`` (:class:`QuantConfig`), in the order vLLM applies them: an ``extra_config`` entry naming a layer
     exactly (``bits`` 16 or more: left 16-bit; ``group_size``, ``sym``, ``bits`` of its own), then the first
     ``extra_config`` key holding a regular expression's characters that a layer's name contains a match of
