@@ -194,3 +194,52 @@ def test_int4_linear_names_its_dtypes_when_the_input_has_another(module_dtype, x
                                         rf"{'fp32' if module_dtype == torch.float32 else 'fp16'} module .* input of "
                                         rf"dtype {'fp16' if x_dtype == torch.float16 else 'bf16'}"):
         q(torch.randn(2, 64, dtype=x_dtype))
+
+
+# --- dtype conversions of the module: the packed parts stay as the kernels read them ----------------------------
+
+
+def _moe_block_4bit(device):
+    """A quantized transformers-4.x-style MoE model (test_moe_legacy's) on ``device``: 4-bit stacked experts."""
+    import warnings
+
+    from test_moe_legacy import Model
+
+    from tilegemm.nn import quantize_
+
+    model = Model(H=32, I=64, E=4, k=2).half().to(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_(model, group_size=32)
+
+
+def _parts(module: nn.Module) -> dict:
+    return {n: t.clone() for n, t in module.named_buffers()}
+
+
+@pytest.mark.parametrize("make", ["linear", "experts"])
+@pytest.mark.parametrize("cast", ["type-fp16", "type-fp32", "float8"])
+def test_casts_leave_the_packed_parts_and_scales_as_they_were(make, cast, device):
+    # Module.type(dtype) casts every buffer (it rounded the int32 packed words to floats), and a cast to a float
+    # the kernels do not read (float8) round-tripped the scales through it: the 4-bit parts keep their values
+    if make == "linear":
+        model = nn.Sequential(Int4Linear.from_linear(nn.Linear(64, 16, bias=False, dtype=torch.float16),
+                                                     group_size=32)).to(device)
+        x = torch.randn(3, 64, dtype=torch.float16, device=device)
+    else:
+        model = _moe_block_4bit(device)
+        model.inp.bias = None  # (a 16-bit bias would round through float8: that one is torch's to convert)
+        x = torch.randn(1, 3, 16, dtype=torch.float16, device=device)
+    before, y = _parts(model), model(x)
+    if cast == "float8":
+        model.to(torch.float8_e4m3fn)
+    else:
+        model.type(torch.float16 if cast == "type-fp16" else torch.float32)
+    after = _parts(model)
+    assert {n: (t.dtype, t.shape) for n, t in after.items()} == {n: (t.dtype, t.shape) for n, t in before.items()}
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    model.half()
+    if make == "linear":
+        assert torch.equal(model(x), y)
+    else:  # (the 16-bit router and input layer went through fp32 or float8 too)
+        assert_rel_close(model(x), y.double(), 0.1 if cast == "float8" else 1e-3)

@@ -9,8 +9,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tilegemm.nn.moe import (SparseMoeBlock, _stacked_experts, convert_moe_blocks_, expert_group_size,
-                             per_expert_mlps, quantize_experts_)
+from tilegemm.nn.moe import (SparseMoeBlock, _stacked_experts, apply_keeping_4bit_parts, convert_moe_blocks_,
+                             expert_group_size, per_expert_mlps, quantize_experts_)
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.convert import (MHA_OUT_PROJ_KEPT, ConversionNote, attention_out_projections, is_conv1d,
                                  is_plain_linear, subclass_reason)
@@ -19,7 +19,7 @@ from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, che
     from_awq, from_compressed_tensors, from_gptq, one_group_size, quantize
 
 _BUFFERS = ("qweight", "scales", "zeros", "perm")
-_SCALE_BUFFERS = ("scales", "zeros", "fzs")  # the kernels read these in 16 bits, whatever the module's dtype
+_WEIGHT_BUFFERS = (*_BUFFERS, "fweight", "fzs")  # the weight's parts: their dtypes are the kernels', not the module's
 _MODULE_DTYPES = (*FLOAT_DTYPES, torch.float32)
 _AUTOCAST_DEVICES = ("cuda", "cpu")  # where the kernels run; torch.is_autocast_enabled raises for others (meta)
 
@@ -110,14 +110,9 @@ class Int4Linear(nn.Module):
         return matmul(x, self.weight, bias=self.bias)
 
     def _apply(self, fn, recurse=True):
-        # .float() / .to(torch.float32) make an fp32 module (bias, activations); the scales stay 16-bit.
-        before = {name: self._buffers[name].dtype for name in _SCALE_BUFFERS if name in self._buffers}
-        super()._apply(fn, recurse)
-        for name, dtype in before.items():
-            t = self._buffers[name]
-            if t.is_floating_point() and t.dtype not in FLOAT_DTYPES:
-                self._buffers[name] = t.to(dtype)
-        return self
+        # .float() / .to(torch.float32) make an fp32 module (bias, activations); the scales stay 16-bit and the
+        # packed parts int (.type(torch.float16) casts every buffer)
+        return apply_keeping_4bit_parts(self, lambda: super(Int4Linear, self)._apply(fn, recurse), _WEIGHT_BUFFERS)
 
     def dequantize(self) -> torch.Tensor:
         from tilegemm.ops.w4a16.format import dequantize

@@ -377,14 +377,27 @@ def _adopt_perms(module, state_dict, prefix, *args) -> None:
             module._buffers[perm] = torch.empty(incoming.shape, dtype=torch.int64, device=module._buffers[key].device)
 
 
-def _is_scale_buffer(name: str) -> bool:
-    return name.startswith("tilegemm_") and name.endswith(("_scales", "_zeros", "frag_zs"))
+def apply_keeping_4bit_parts(module: torch.nn.Module, apply, names) -> torch.nn.Module:
+    """Run ``apply()`` (``module``'s own ``_apply``) keeping the dtypes the kernels read of its 4-bit buffers
+    ``names``: the packed integer parts stay integers (``Module.type(dtype)`` casts every buffer, which would round
+    the packed words), and the scales take a new dtype only if it is fp16 or bf16; a part kept is the tensor it was,
+    moved to the device the others went to, so no round trip through another dtype (float8) changes its values."""
+    before = {n: module._buffers[n] for n in names if module._buffers.get(n) is not None}
+    apply()
+    for n, old in before.items():
+        t = module._buffers.get(n)
+        if t is None or t.dtype == old.dtype:
+            continue
+        if not old.is_floating_point() or t.dtype not in (torch.float16, torch.bfloat16):
+            module._buffers[n] = old.to(device=t.device)
+    return module
 
 
 class _KeepScales16:
     """A block's ``_apply`` once it holds 4-bit experts, as ``Int4Linear._apply``: ``.float()`` /
     ``.to(torch.float32)`` make an fp32 block (its activations and any 16-bit parameters) and keep the experts'
-    scales and zeros 16-bit, which the kernels read; ``.half()`` / ``.bfloat16()`` convert them. A callable object
+    scales and zeros 16-bit, which the kernels read (``.half()`` / ``.bfloat16()`` convert them), and the packed
+    parts integers (:func:`apply_keeping_4bit_parts`). A callable object
     kept in the instance's ``__dict__`` (not a bound method) so that deepcopy and pickling follow the block."""
 
     def __init__(self, module: torch.nn.Module):
@@ -392,13 +405,8 @@ class _KeepScales16:
 
     def __call__(self, fn, recurse: bool = True):
         m = self.module
-        before = {n: t.dtype for n, t in m._buffers.items() if t is not None and _is_scale_buffer(n)}
-        type(m)._apply(m, fn, recurse)
-        for n, dtype in before.items():
-            t = m._buffers.get(n)
-            if t is not None and t.is_floating_point() and t.dtype not in (torch.float16, torch.bfloat16):
-                m._buffers[n] = t.to(dtype)
-        return m
+        return apply_keeping_4bit_parts(m, lambda: type(m)._apply(m, fn, recurse),
+                                        [n for n in m._buffers if n.startswith("tilegemm_")])
 
 
 def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
