@@ -235,6 +235,23 @@ def test_load_state_dict_copy_save_and_dtype(device):
             torch.testing.assert_close(getattr(fused, name)(x), getattr(other, name)(x), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_model_built_on_meta_loads_with_assign(device, bias):
+    # build on meta, quantize, join, then load real tensors with assign=True (as loaders that skip the first
+    # allocation do): the joined tensors are made where the loaded ones are; they stayed meta, the load a no-op
+    ref, _ = _pair(device, bias)
+    with torch.device("meta"):
+        model = Attention(bias=bias).half()
+    fuse_projections_(quantize_(model, group_size=32))
+    model.load_state_dict(ref.state_dict(), strict=True, assign=True)
+    assert not any(t.is_meta for t in model.tilegemm_q_proj_k_proj_v_proj.buffers())
+    x = torch.randn(2, 64, device=device, dtype=torch.float16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=2e-3, atol=2e-3)
+    sd, sr = model.state_dict(), ref.state_dict()
+    assert all(torch.equal(sd[k], sr[k]) for k in sr)
+
+
 def test_act_order_projections_of_one_order(device):
     # act-order weights (stored input j is x's input perm[j]) join where they share the permutation, as the
     # projections of one input do; another permutation leaves the group alone

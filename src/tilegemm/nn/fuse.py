@@ -144,6 +144,14 @@ class ProjectionPart(nn.Module):
                                   error_msgs)
         if len(error_msgs) != before:
             return
+        if f.qweight.is_meta and not own.qweight.is_meta:
+            # a model built on the meta device, loaded with assign=True: the joined tensors are made where the
+            # loaded part is (writing its columns into meta tensors would keep nothing)
+            for name, t in list(f._buffers.items()):
+                if t is not None and name not in ("fweight", "fzs"):
+                    f._buffers[name] = torch.zeros_like(t, device=own.qweight.device)
+            if own.perm.numel():
+                f._buffers["perm"] = own.perm.clone()
         same_perm = torch.equal(own.perm, f.perm) if own.perm.numel() and f.perm.numel() \
             else own.perm.numel() == f.perm.numel()
         if own.group_size != f.group_size or not same_perm:
