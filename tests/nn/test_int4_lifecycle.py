@@ -196,6 +196,22 @@ def test_int4_linear_names_its_dtypes_when_the_input_has_another(module_dtype, x
         q(torch.randn(2, 64, dtype=x_dtype))
 
 
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_float64_module_runs_torchs_product_of_its_weight(bias, device):
+    # .double() (for gradcheck, as with tilegemm.nn.Linear): no kernel takes float64, which was a TypeError naming
+    # w4a16.matmul; torch's product of the dequantized weight, in float64, with its gradients
+    q = Int4Linear.from_linear(nn.Linear(64, 16, bias=bias, dtype=torch.float16), group_size=32).to(device)
+    want = _ref(q, torch.ones(1, 64, dtype=torch.float64, device=device))
+    q.double()
+    assert q.qweight.dtype == torch.int32 and q.scales.dtype == torch.float16
+    x = torch.randn(2, 3, 64, dtype=torch.float64, device=device, requires_grad=True)
+    y = q(x)
+    assert y.dtype == torch.float64 and y.shape == (2, 3, 16)
+    torch.testing.assert_close(y, _ref(q, x.detach()), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(q(torch.ones(1, 64, dtype=torch.float64, device=device)), want)
+    assert torch.autograd.gradcheck(q, (x[:1, :1],))
+
 # --- dtype conversions of the module: the packed parts stay as the kernels read them ----------------------------
 
 

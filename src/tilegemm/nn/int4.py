@@ -35,7 +35,8 @@ class Int4Linear(nn.Module):
     The module's dtype is that of its activations and bias: fp16, bf16 or fp32. The kernels take 16-bit
     activations, so (unlike ``torch.nn.Linear``, which computes in fp32) an fp32 module rounds its input to the
     scales' 16-bit dtype and returns the result in fp32; ``.float()`` makes such a module and keeps the scales
-    16-bit (``.half()``/``.bfloat16()`` convert them).
+    16-bit (``.half()``/``.bfloat16()`` convert them). A float64 input (after ``.double()``) runs torch's product of
+    the dequantized weight, in float64.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group_size: int = 128,
@@ -95,6 +96,10 @@ class Int4Linear(nn.Module):
             if cast in FLOAT_DTYPES:  # autocast: the product in its dtype, as torch.nn.Linear's under autocast
                 w = self.weight if self.scales.dtype == cast else self._weight().to(cast)
                 return matmul(x.to(cast), w, bias=None if self.bias is None else self.bias.to(cast))
+        if dtype is torch.float64:  # (.double()): no kernel takes it; torch's product of the weight it stands for,
+            # as tilegemm.nn.Linear runs torch's linear (the kernel's 16-bit activations would undo gradcheck)
+            bias = None if self.bias is None else self.bias.to(dtype)
+            return nn.functional.linear(x, self.dequantize().to(dtype), bias)
         if dtype is torch.float32:  # an fp32 module: 16-bit activations in, fp32 out
             half = self.scales.dtype
             bias = None if self.bias is None else self.bias.to(half)
