@@ -7,19 +7,11 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from tilegemm.core.activations import check_activation, torch_activation
-from tilegemm.nn.linear import sharding_rules_for
+from tilegemm.nn.linear import shallow_copy, sharding_rules_for
 from tilegemm.ops.conv2d import conv2d
 from tilegemm.ops.conv2d.checks import DTYPES, check_padded_size
 
 _KERNEL_DTYPES = frozenset(DTYPES)
-
-
-def _shallow_copy(module: torch.nn.Module, cls: type) -> torch.nn.Module:
-    """``module`` as a ``cls`` over the same parameters, buffers and submodules, each dict or set of the module
-    (those, and the hooks) a copy of its own. Not copy.copy: a parametrized module refuses it."""
-    new = object.__new__(cls)
-    new.__dict__.update({k: v.copy() if isinstance(v, (dict, set)) else v for k, v in vars(module).items()})
-    return new
 
 
 def _channels_last(x) -> bool:
@@ -62,11 +54,11 @@ class Conv2d(torch.nn.Conv2d):
             new_cls = type(f"Parametrized{cls.__name__}", (cls,), {
                 k: v for k, v in type(conv).__dict__.items()
                 if k not in ("__module__", "__qualname__", "__dict__", "__weakref__", "__doc__")})
-        new = _shallow_copy(conv, new_cls)
+        new = shallow_copy(conv, new_cls)
         if new_cls is not cls:
             # lists of its own, so adding or removing a parametrization here leaves conv's; the same originals
             new._modules["parametrizations"] = torch.nn.ModuleDict(
-                {name: _shallow_copy(plist, type(plist)) for name, plist in conv.parametrizations.items()})
+                {name: shallow_copy(plist, type(plist)) for name, plist in conv.parametrizations.items()})
         new.activation = activation
         return new
 

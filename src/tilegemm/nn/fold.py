@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from tilegemm.nn.conv import Conv2d, _shallow_copy
+from tilegemm.nn.conv import Conv2d
+from tilegemm.nn.linear import shallow_copy
 from tilegemm.nn.hooks import has_hooks
 
 __all__ = ["FoldedActivation", "FoldedBatchNorm2d", "fold_batchnorm_", "folds"]
@@ -232,7 +233,7 @@ def fold_batchnorm_(model: torch.nn.Module) -> torch.nn.Module:
         activation = _activation_name(act) if act is not None else None
         if activation is not None and (held[id(act)] != 1 or has_hooks(act)):
             activation = None
-        new_norm = _shallow_copy(norm, FoldedBatchNorm2d)
+        new_norm = shallow_copy(norm, FoldedBatchNorm2d)
         _replace(model, norm_name, new_norm)
         fold = Fold(new_norm, activation, (_place(model, conv_name), _place(model, norm_name)))
         new_norm.__dict__["fold"] = fold

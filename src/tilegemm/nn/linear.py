@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import sys
 
 import torch
@@ -46,6 +45,14 @@ def _check_dtensor_input(x, weight) -> None:
                         "the weight's mesh (DTensor.from_local(x, mesh, placements))")
 
 
+def shallow_copy(module: torch.nn.Module, cls: type) -> torch.nn.Module:
+    """``module`` as a ``cls`` over the same parameters, buffers and submodules, each dict or set of the module
+    (those, and the hooks) a copy of its own. Not copy.copy: a parametrized module refuses it."""
+    new = object.__new__(cls)
+    new.__dict__.update({k: v.copy() if isinstance(v, (dict, set)) else v for k, v in vars(module).items()})
+    return new
+
+
 class Linear(torch.nn.Linear):
     """A drop-in ``torch.nn.Linear`` (same arguments, parameters and state dict), plus ``activation``: one of
     ``tilegemm.ACTIVATIONS`` applied in the GEMM's epilogue after the bias. Autograd runs through
@@ -58,7 +65,8 @@ class Linear(torch.nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, activation: str | None = None) -> "Linear":
-        """A ``Linear`` sharing ``linear``'s parameters (no copy)."""
+        """A ``Linear`` sharing ``linear``'s parameters, buffers and submodules (no copy). The hooks ``linear`` has
+        are copied: a hook added to either module later stays on that one."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"from_linear takes a torch.nn.Linear, got {type(linear).__name__}")
         check_activation(activation)
@@ -76,11 +84,8 @@ class Linear(torch.nn.Linear):
                 "(tilegemm.nn.convert_), then parallelize; or split with parallelize_module and "
                 "tilegemm.nn.ColwiseParallel / RowwiseParallel, or load with "
                 "tilegemm.models.from_pretrained(path, device_mesh=mesh)")
-        new = copy.copy(linear)
-        new.__class__ = cls
-        new._parameters = dict(linear._parameters)
-        new._buffers = dict(linear._buffers)
-        new._modules = dict(linear._modules)
+        # the dicts and sets its own (hooks too): a hook added to either module later stays on that one
+        new = shallow_copy(linear, cls)
         new.activation = activation
         return new
 
