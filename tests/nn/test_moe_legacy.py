@@ -116,6 +116,30 @@ def test_converted_block_gives_the_blocks_outputs_and_gradients(kw, device):
     torch.testing.assert_close(block.gate.weight.grad, ref.layers[0].gate.weight.grad, rtol=1e-4, atol=1e-5)
 
 
+def test_converted_block_keeps_the_blocks_eval_mode_and_hooks(device):
+    # the stand-in was made in training mode (Mixtral's router jitter is applied then: random outputs from a model
+    # in eval mode) and without the block's hooks
+    torch.manual_seed(0)
+    ref = Model(E=4).eval().to(device)
+    for layer in ref.layers:
+        layer.jitter_noise = 0.5
+    ref.layers[1].register_forward_pre_hook(lambda m, args: (args[0] * 2,))  # one that changes what the block gets
+    ref.layers[1].gate.train()  # a submodule in another mode than its block keeps its own
+    ours = copy.deepcopy(ref)
+    seen = []
+    handle = ours.layers[0].register_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+    tilegemm.nn.convert_(ours, linear=False)
+    assert [type(layer) for layer in ours.layers] == [SparseMoeBlock] * 2
+    assert {n: m.training for n, m in ours.named_modules() if m.training} == {"layers.1.gate": True}
+    x = torch.randn(2, 3, 16, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+    assert seen == ["SparseMoeBlock"]
+    handle.remove()  # the handle held removes it from the stand-in (the same dict)
+    ours(x)
+    assert seen == ["SparseMoeBlock"]
+
+
 def test_quantize_makes_the_stacked_experts_4_bit_and_keeps_the_router(device):
     torch.manual_seed(0)
     ref = Model(shared=True).half().to(device)

@@ -108,7 +108,8 @@ def convert_(
     instead); and the blocks whose experts run code of their own, not transformers' experts interface (Llama-4,
     DBRX, JetMoE: :data:`tilegemm.nn.moe.OWN_FORWARD_BLOCKS`), get experts run by those kernels. Blocks whose
     experts are a ModuleDict of per-expert MLPs (SwitchTransformers, NLLB-MoE: :func:`tilegemm.nn.moe.per_expert_mlps`)
-    are kept: ``linear=True`` converts each expert's Linears one by one, with no grouped product.
+    are kept: ``linear=True`` converts each expert's Linears one by one, with no grouped product. A block
+    replaced passes its forward and backward hooks and its training mode to its replacement.
 
     ``filter(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
     swapped (subclasses with their own forward, a parametrized Linear, float64 weights,

@@ -14,6 +14,7 @@ from tilegemm.nn.moe import (SparseMoeBlock, _stacked_experts, apply_keeping_4bi
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.convert import (MHA_OUT_PROJ_KEPT, ConversionNote, attention_out_projections, is_conv1d,
                                  is_plain_linear, subclass_reason)
+from tilegemm.nn.hooks import carry_over
 from tilegemm.nn.linear import Linear, traced_call
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, fits_fragments, \
     from_awq, from_compressed_tensors, from_gptq, one_group_size, quantize
@@ -253,24 +254,6 @@ def _is_dtensor(t) -> bool:
     # torch.distributed.tensor is looked up, not imported: a DTensor exists only once it was imported
     dtensor = sys.modules.get("torch.distributed.tensor")
     return dtensor is not None and isinstance(t, dtensor.DTensor)
-
-
-# What a module carries that is not its weight: its forward and backward hooks (the dicts themselves, so the
-# handles the caller holds still remove them). State-dict hooks stay behind: they were made for the Linear's tensors.
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
-
-
-def _carry_over(old: nn.Module, new: nn.Module) -> nn.Module:
-    """``new`` given ``old``'s training flag and forward/backward hooks (what ``quantize_`` replaces it by)."""
-    for name in _HOOK_DICTS:
-        hooks = getattr(old, name, None)
-        if hooks:
-            setattr(new, name, hooks)
-    if getattr(old, "_is_full_backward_hook", None) is not None:
-        new._is_full_backward_hook = old._is_full_backward_hook
-    new.train(old.training)
-    return new
 
 
 def _places(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
@@ -534,7 +517,7 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     places = _places(model)
     while targets:  # one layer at a time, the 16-bit one dropped as its 4-bit one goes in (peak: one layer more)
         module = targets.pop(0)
-        new = _carry_over(module, Int4Linear.from_linear(module, group_size, symmetric))
+        new = carry_over(module, Int4Linear.from_linear(module, group_size, symmetric))
         for parent, child_name in places[id(module)]:  # every name it has: what was shared stays shared
             setattr(parent, child_name, new)
         del module, new

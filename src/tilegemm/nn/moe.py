@@ -29,6 +29,7 @@ import warnings
 
 import torch
 
+from tilegemm.nn.hooks import carry_over
 from tilegemm.nn.notes import ConversionNote
 from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm, moe_gate_up, moe_gate_up_int4
 from tilegemm.ops.grouped.routing import moe_combine, moe_route
@@ -835,6 +836,7 @@ def convert_moe_blocks_(model: torch.nn.Module, filter=None) -> tuple[list[str],
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, make(module) if make is not None else SparseMoeBlock(module, names))
+        new = make(module) if make is not None else SparseMoeBlock(module, names)
+        setattr(parent, child, carry_over(module, new))  # (its hooks and eval mode: Mixtral's jitter is training's)
         done.append(name)
     return done, kept
