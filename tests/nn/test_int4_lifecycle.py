@@ -259,3 +259,24 @@ def test_casts_leave_the_packed_parts_and_scales_as_they_were(make, cast, device
         assert torch.equal(model(x), y)
     else:  # (the 16-bit router and input layer went through fp32 or float8 too)
         assert_rel_close(model(x), y.double(), 0.1 if cast == "float8" else 1e-3)
+
+
+@pytest.mark.parametrize("make", ["linear", "experts"])
+def test_half_refuses_bf16_scales_past_fp16s_range(make, device):
+    # .half() rounded them to inf (NaN outputs), where Int4Weight.half() refuses them
+    if make == "linear":
+        lin = nn.Linear(64, 16, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.mul_(1e7)
+        module = Int4Linear.from_linear(lin, group_size=32).to(device)
+        match = r"Int4Linear\(in_features=64, .*dtype=torch.bfloat16\): its bf16 4-bit scales hold values past fp16"
+    else:
+        module = _moe_block_4bit(device).to(torch.bfloat16).layers[0]
+        with torch.no_grad():
+            module.tilegemm_down_proj_scales[0, 0] = 1e6
+        match = "SparseMoeBlock: its bf16 4-bit scales hold values past fp16's range"
+    before = _parts(module)
+    with pytest.raises(ValueError, match=match):
+        module.half()
+    after = _parts(module)
+    assert all(after[n].dtype == before[n].dtype and torch.equal(after[n], before[n]) for n in before)

@@ -382,9 +382,21 @@ def apply_keeping_4bit_parts(module: torch.nn.Module, apply, names) -> torch.nn.
     """Run ``apply()`` (``module``'s own ``_apply``) keeping the dtypes the kernels read of its 4-bit buffers
     ``names``: the packed integer parts stay integers (``Module.type(dtype)`` casts every buffer, which would round
     the packed words), and the scales take a new dtype only if it is fp16 or bf16; a part kept is the tensor it was,
-    moved to the device the others went to, so no round trip through another dtype (float8) changes its values."""
+    moved to the device the others went to, so no round trip through another dtype (float8) changes its values.
+    bf16 scales past fp16's range (inf once converted, as ``Int4Weight.half()`` refuses them) are a ValueError, the
+    parts left as they were."""
     before = {n: module._buffers[n] for n in names if module._buffers.get(n) is not None}
     apply()
+    overflowed = [n for n, old in before.items() if old.dtype == torch.bfloat16 and not old.is_meta
+                  and module._buffers.get(n) is not None and module._buffers[n].dtype == torch.float16
+                  and not torch.isfinite(module._buffers[n]).all() and torch.isfinite(old).all()]
+    if overflowed:
+        for n, old in before.items():
+            if module._buffers.get(n) is not None:
+                module._buffers[n] = old.to(device=module._buffers[n].device)
+        what = f"{type(module).__name__}({module.extra_repr()})" if module.extra_repr() else type(module).__name__
+        raise ValueError(f"{what}: its bf16 4-bit scales hold values past fp16's range, which become inf in fp16 "
+                         f"(NaN outputs): keep the module bf16; its 4-bit parts were left as they were")
     for n, old in before.items():
         t = module._buffers.get(n)
         if t is None or t.dtype == old.dtype:
