@@ -280,3 +280,26 @@ def test_half_refuses_bf16_scales_past_fp16s_range(make, device):
         module.half()
     after = _parts(module)
     assert all(after[n].dtype == before[n].dtype and torch.equal(after[n], before[n]) for n in before)
+
+
+@pytest.mark.parametrize("make", ["linear", "experts"])
+def test_a_memory_format_leaves_the_fragment_layouts_dense(make, device):
+    # .to(memory_format=torch.channels_last) (a vision model's, whose head is 4-bit) restrided the 4-D fragment
+    # layouts, which the fragment kernel reads as dense, and failed on the experts' 5-D ones
+    from tilegemm.nn.moe import _int4, keep_fragments_
+
+    if make == "linear":
+        model = nn.Sequential(Int4Linear.from_linear(nn.Linear(64, 16, dtype=torch.float16), group_size=32))
+        model.to(device)
+        assert model[0].fweight.dim() == 4
+    else:
+        model = _moe_block_4bit(device)
+        block = model.layers[0]
+        w = _int4(block, "down_proj")
+        w.fragments()  # (made where the fragment kernel runs: made here to hold them on any device)
+        keep_fragments_(block, "down_proj", w)
+        assert block.tilegemm_down_proj_frag_w.dim() == 5
+    before = _parts(model)
+    model.to(memory_format=torch.channels_last)
+    after = dict(model.named_buffers())
+    assert all(t.is_contiguous() and torch.equal(t, before[n]) for n, t in after.items())

@@ -116,9 +116,10 @@ class Int4Linear(nn.Module):
         return matmul(x, self.weight, bias=self.bias)
 
     def _apply(self, fn, recurse=True):
-        # .float() / .to(torch.float32) make an fp32 module (bias, activations); the scales stay 16-bit and the
-        # packed parts int (.type(torch.float16) casts every buffer)
-        return apply_keeping_4bit_parts(self, lambda: super(Int4Linear, self)._apply(fn, recurse), _WEIGHT_BUFFERS)
+        # .float() / .to(torch.float32) make an fp32 module (bias, activations); the scales stay 16-bit, the
+        # packed parts int (.type(torch.float16) casts every buffer) and dense (a memory format is not theirs)
+        return apply_keeping_4bit_parts(self, lambda f: super(Int4Linear, self)._apply(f, recurse), fn,
+                                        _WEIGHT_BUFFERS)
 
     def dequantize(self) -> torch.Tensor:
         from tilegemm.ops.w4a16.format import dequantize

@@ -378,18 +378,33 @@ def _adopt_perms(module, state_dict, prefix, *args) -> None:
             module._buffers[perm] = torch.empty(incoming.shape, dtype=torch.int64, device=module._buffers[key].device)
 
 
-def apply_keeping_4bit_parts(module: torch.nn.Module, apply, names) -> torch.nn.Module:
-    """Run ``apply()`` (``module``'s own ``_apply``) keeping the dtypes the kernels read of its 4-bit buffers
-    ``names``: the packed integer parts stay integers (``Module.type(dtype)`` casts every buffer, which would round
-    the packed words), and the scales take a new dtype only if it is fp16 or bf16; a part kept is the tensor it was,
-    moved to the device the others went to, so no round trip through another dtype (float8) changes its values.
-    bf16 scales past fp16's range (inf once converted, as ``Int4Weight.half()`` refuses them) are a ValueError, the
-    parts left as they were."""
+def apply_keeping_4bit_parts(module: torch.nn.Module, apply, fn, names) -> torch.nn.Module:
+    """Run ``apply(fn)`` (``module``'s own ``_apply``) with ``fn`` taking its 4-bit buffers ``names`` to its device
+    but keeping what the kernels read: their dtypes (the packed integer parts stay integers, though
+    ``Module.type(dtype)`` casts every buffer; the scales take a new dtype only if it is fp16 or bf16, and are
+    otherwise the values they were, never rounded through float8) and their dense layout (a memory format,
+    ``.to(memory_format=torch.channels_last)``, is for activations: the fragment layouts are 4-D and 5-D, read
+    as dense by the kernels). bf16 scales past fp16's range (inf once converted, as ``Int4Weight.half()`` refuses
+    them) are a ValueError, the parts left as they were."""
     before = {n: module._buffers[n] for n in names if module._buffers.get(n) is not None}
-    apply()
-    overflowed = [n for n, old in before.items() if old.dtype == torch.bfloat16 and not old.is_meta
-                  and module._buffers.get(n) is not None and module._buffers[n].dtype == torch.float16
-                  and not torch.isfinite(module._buffers[n]).all() and torch.isfinite(old).all()]
+    parts = {id(t) for t in before.values()}
+    overflowed = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in parts or type(t) is not torch.Tensor:  # (a subclass, a DTensor's: fn as it is)
+            return fn(t)
+        flat = t.reshape(-1)  # (1-D: no memory format applies to it)
+        out = fn(flat)
+        if out.dtype != t.dtype and (not t.is_floating_point() or out.dtype not in (torch.float16, torch.bfloat16)):
+            out = flat.to(device=out.device)
+        elif t.dtype == torch.bfloat16 and out.dtype == torch.float16 and not t.is_meta \
+                and not torch.isfinite(out).all() and torch.isfinite(flat).all():
+            overflowed.append(t)
+        if out.data_ptr() == t.data_ptr() and out.dtype == t.dtype and out.device == t.device:
+            return t  # (unchanged: the same tensor, as fn gives it back)
+        return out.view(t.shape)
+
+    apply(keep)
     if overflowed:
         for n, old in before.items():
             if module._buffers.get(n) is not None:
@@ -397,28 +412,21 @@ def apply_keeping_4bit_parts(module: torch.nn.Module, apply, names) -> torch.nn.
         what = f"{type(module).__name__}({module.extra_repr()})" if module.extra_repr() else type(module).__name__
         raise ValueError(f"{what}: its bf16 4-bit scales hold values past fp16's range, which become inf in fp16 "
                          f"(NaN outputs): keep the module bf16; its 4-bit parts were left as they were")
-    for n, old in before.items():
-        t = module._buffers.get(n)
-        if t is None or t.dtype == old.dtype:
-            continue
-        if not old.is_floating_point() or t.dtype not in (torch.float16, torch.bfloat16):
-            module._buffers[n] = old.to(device=t.device)
     return module
 
 
 class _KeepScales16:
     """A block's ``_apply`` once it holds 4-bit experts, as ``Int4Linear._apply``: ``.float()`` /
     ``.to(torch.float32)`` make an fp32 block (its activations and any 16-bit parameters) and keep the experts'
-    scales and zeros 16-bit, which the kernels read (``.half()`` / ``.bfloat16()`` convert them), and the packed
-    parts integers (:func:`apply_keeping_4bit_parts`). A callable object
-    kept in the instance's ``__dict__`` (not a bound method) so that deepcopy and pickling follow the block."""
+    scales and zeros 16-bit, which the kernels read (``.half()`` / ``.bfloat16()`` convert them), the packed
+    parts integers and every part dense (:func:`apply_keeping_4bit_parts`). A callable object kept in the instance's ``__dict__`` (not a bound method) so that deepcopy and pickling follow the block."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
 
     def __call__(self, fn, recurse: bool = True):
         m = self.module
-        return apply_keeping_4bit_parts(m, lambda: type(m)._apply(m, fn, recurse),
+        return apply_keeping_4bit_parts(m, lambda f: type(m)._apply(m, f, recurse), fn,
                                         [n for n in m._buffers if n.startswith("tilegemm_")])
 
 
