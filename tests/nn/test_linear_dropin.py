@@ -107,3 +107,29 @@ def test_from_linear_copies_the_hook_dicts(device):
             assert vars(new)[key] is not value, key
     new.register_buffer("extra", torch.zeros(1), persistent=False)
     assert "extra" not in lin._buffers and "extra" not in lin._non_persistent_buffers_set
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda m: torch.nn.utils.parametrizations.weight_norm(m), id="weight_norm"),
+    pytest.param(lambda m: torch.nn.utils.parametrize.register_parametrization(m, "bias", _Doubled()), id="bias"),
+])
+def test_from_linear_of_a_parametrized_linear_keeps_its_parametrizations(make, device):
+    # as Conv2d.from_conv: copy.copy refused a parametrized Linear ("Serialization of parametrized modules ...")
+    from torch.nn.utils import parametrize
+
+    lin = make(torch.nn.Linear(8, 4).to(device))
+    new = Linear.from_linear(lin, activation="relu")
+    assert isinstance(new, Linear) and parametrize.type_before_parametrizations(new) is Linear
+    assert type(lin).__bases__[0] is torch.nn.Linear and new.state_dict().keys() == lin.state_dict().keys()
+    x = torch.randn(3, 8, device=device)
+    assert_rel_close(new(x), F.relu(lin(x)).detach().double(), 1e-5)
+    new(x).sum().backward()  # the same original tensors get the gradients
+    assert all(p.grad is not None for p in lin.parameters())
+    kept = {k: len(v) for k, v in lin.parametrizations.items()}
+    parametrize.register_parametrization(new, "weight", _Doubled())  # the original's lists stay as they were
+    assert {k: len(v) for k, v in lin.parametrizations.items()} == kept

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils import parametrize
 
 from tilegemm.core.activations import check_activation, torch_activation
-from tilegemm.nn.linear import shallow_copy, sharding_rules_for
+from tilegemm.nn.linear import shallow_copy_as, sharding_rules_for
 from tilegemm.ops.conv2d import conv2d
 from tilegemm.ops.conv2d.checks import DTYPES, check_padded_size
 
@@ -47,18 +46,7 @@ class Conv2d(torch.nn.Conv2d):
         if not isinstance(conv, torch.nn.Conv2d):
             raise TypeError(f"from_conv takes a torch.nn.Conv2d, got {type(conv).__name__}")
         check_activation(activation)
-        new_cls = cls
-        if parametrize.is_parametrized(conv):
-            # torch gives each parametrized module a class of its own holding the tensors' properties (and its
-            # refusal to pickle): the same attributes on a subclass of this class
-            new_cls = type(f"Parametrized{cls.__name__}", (cls,), {
-                k: v for k, v in type(conv).__dict__.items()
-                if k not in ("__module__", "__qualname__", "__dict__", "__weakref__", "__doc__")})
-        new = shallow_copy(conv, new_cls)
-        if new_cls is not cls:
-            # lists of its own, so adding or removing a parametrization here leaves conv's; the same originals
-            new._modules["parametrizations"] = torch.nn.ModuleDict(
-                {name: shallow_copy(plist, type(plist)) for name, plist in conv.parametrizations.items()})
+        new = shallow_copy_as(conv, cls)
         new.activation = activation
         return new
 

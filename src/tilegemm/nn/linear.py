@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.nn.utils import parametrize
 
 from tilegemm.core.activations import check_activation, torch_activation
 from tilegemm.core.dtypes import dtype_name
@@ -53,6 +54,24 @@ def shallow_copy(module: torch.nn.Module, cls: type) -> torch.nn.Module:
     return new
 
 
+def shallow_copy_as(module: torch.nn.Module, cls: type) -> torch.nn.Module:
+    """:func:`shallow_copy` of ``module`` as a ``cls``; a parametrized ``module`` (``torch.nn.utils.parametrize``,
+    e.g. ``parametrizations.weight_norm``) gives a parametrized ``cls`` over the same parametrizations and original
+    tensors, in parametrization lists of its own."""
+    if not parametrize.is_parametrized(module):
+        return shallow_copy(module, cls)
+    # torch gives each parametrized module a class of its own holding the tensors' properties (and its refusal to
+    # pickle): the same attributes on a subclass of cls
+    new_cls = type(f"Parametrized{cls.__name__}", (cls,), {
+        k: v for k, v in type(module).__dict__.items()
+        if k not in ("__module__", "__qualname__", "__dict__", "__weakref__", "__doc__")})
+    new = shallow_copy(module, new_cls)
+    # lists of its own, so adding or removing a parametrization here leaves the module's; the same originals
+    new._modules["parametrizations"] = torch.nn.ModuleDict(
+        {name: shallow_copy(plist, type(plist)) for name, plist in module.parametrizations.items()})
+    return new
+
+
 class Linear(torch.nn.Linear):
     """A drop-in ``torch.nn.Linear`` (same arguments, parameters and state dict), plus ``activation``: one of
     ``tilegemm.ACTIVATIONS`` applied in the GEMM's epilogue after the bias. Autograd runs through
@@ -66,7 +85,8 @@ class Linear(torch.nn.Linear):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, activation: str | None = None) -> "Linear":
         """A ``Linear`` sharing ``linear``'s parameters, buffers and submodules (no copy). The hooks ``linear`` has
-        are copied: a hook added to either module later stays on that one."""
+        are copied: a hook added to either module later stays on that one. A parametrized ``linear`` gives a
+        parametrized ``Linear`` over the same parametrizations and original tensors, as ``Conv2d.from_conv``."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"from_linear takes a torch.nn.Linear, got {type(linear).__name__}")
         check_activation(activation)
@@ -85,7 +105,7 @@ class Linear(torch.nn.Linear):
                 "tilegemm.nn.ColwiseParallel / RowwiseParallel, or load with "
                 "tilegemm.models.from_pretrained(path, device_mesh=mesh)")
         # the dicts and sets its own (hooks too): a hook added to either module later stays on that one
-        new = shallow_copy(linear, cls)
+        new = shallow_copy_as(linear, cls)
         new.activation = activation
         return new
 
