@@ -144,7 +144,7 @@ class ProjectionPart(nn.Module):
                                   error_msgs)
         if len(error_msgs) != before:
             return
-        if f.qweight.is_meta and not own.qweight.is_meta:
+        if f.qweight.is_meta and not own.qweight.is_meta and local_metadata.get("assign_to_params_buffers"):
             # a model built on the meta device, loaded with assign=True: the joined tensors are made where the
             # loaded part is (writing its columns into meta tensors would keep nothing)
             for name, t in list(f._buffers.items()):
