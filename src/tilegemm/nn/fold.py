@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from tilegemm.nn.conv import Conv2d
-from tilegemm.nn.linear import shallow_copy
 from tilegemm.nn.hooks import has_hooks
+from tilegemm.nn.linear import shallow_copy
 
 __all__ = ["FoldedActivation", "FoldedBatchNorm2d", "fold_batchnorm_", "folds"]
 

@@ -419,7 +419,8 @@ class _KeepScales16:
     """A block's ``_apply`` once it holds 4-bit experts, as ``Int4Linear._apply``: ``.float()`` /
     ``.to(torch.float32)`` make an fp32 block (its activations and any 16-bit parameters) and keep the experts'
     scales and zeros 16-bit, which the kernels read (``.half()`` / ``.bfloat16()`` convert them), the packed
-    parts integers and every part dense (:func:`apply_keeping_4bit_parts`). A callable object kept in the instance's ``__dict__`` (not a bound method) so that deepcopy and pickling follow the block."""
+    parts integers and every part dense (:func:`apply_keeping_4bit_parts`). A callable object kept in the
+    instance's ``__dict__`` (not a bound method) so that deepcopy and pickling follow the block."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
