@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-from tilegemm.nn import Conv2d, convert_
+from tilegemm.nn import Conv2d, Linear, convert_
 
 from conftest import assert_rel_close
 
@@ -78,19 +78,20 @@ def test_convert_swaps_a_parametrized_conv(make, device):
     assert_rel_close(model(x), ref(x).detach().double(), 1e-5)
 
 
-def test_convert_names_a_parametrized_subclass_or_linear_for_what_it_is():
-    """A parametrized Linear is kept, named as parametrized (tilegemm.nn.Linear carries no parametrizations), not
-    as 'torch.nn.utils.parametrize.ParametrizedLinear is a subclass'; a parametrized subclass of nn.Conv2d is named
-    by its own class."""
+def test_convert_swaps_a_parametrized_linear_and_names_a_parametrized_subclass(device):
+    """A parametrized Linear is swapped (Linear.from_linear keeps the parametrizations); a parametrized subclass of
+    nn.Conv2d is kept, named by its own class, not as 'torch.nn.utils.parametrize.ParametrizedConv2d'."""
     class _MyConv(torch.nn.Conv2d):
         pass
 
-    model = torch.nn.Sequential(torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 4)),
-                                torch.nn.utils.parametrizations.weight_norm(_MyConv(4, 4, 1)))
-    reasons = dict(convert_(model).tilegemm_skipped)
-    assert reasons["0"] == ("a torch.nn.Linear parametrized with torch.nn.utils.parametrize (weight), which the "
-                            "tilegemm layer does not carry: convert before parametrizing, or remove the "
-                            "parametrizations first")
+    torch.manual_seed(0)
+    lin = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 4).to(device))
+    x = torch.randn(3, 4, device=device)
+    ref = lin(x).detach().double()
+    model = torch.nn.Sequential(lin, torch.nn.utils.parametrizations.weight_norm(_MyConv(4, 4, 1).to(device)))
+    reasons = dict(convert_(model, warn=False).tilegemm_skipped)
+    assert "0" not in reasons and isinstance(model[0], Linear) and parametrize.is_parametrized(model[0], "weight")
+    assert_rel_close(model[0](x), ref, 1e-5)
     assert reasons["1"].startswith(f"{_MyConv.__module__}.{_MyConv.__qualname__} is a subclass of torch.nn.Conv2d")
 
 

@@ -96,11 +96,6 @@ def test_linear_from_linear_shares_parameters(device):
         Conv2d.from_conv(base)
 
 
-def test_linear_from_linear_refuses_a_parametrized_linear():
-    lin = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 3))
-    with pytest.raises(TypeError, match=r"parametrized \(weight,.*convert before parametrizing"):
-        Linear.from_linear(lin)
-
 
 def test_linear_takes_a_tensor(device):
     """A list is refused by name, where it raised AttributeError on ndim (or on dtype for a float64 layer)."""

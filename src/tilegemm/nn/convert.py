@@ -75,7 +75,9 @@ def is_plain_conv(module: torch.nn.Module) -> bool:
 
 def _why_not(module: torch.nn.Module) -> str | None:
     """None when ``module`` can be swapped, else the reason it is kept."""
-    if not is_plain_conv(module) and not is_plain_linear(module):
+    # a parametrized nn.Linear too: Linear.from_linear keeps the parametrizations, as from_conv does
+    plain_linear = is_plain_linear(module) or parametrize.type_before_parametrizations(module) is torch.nn.Linear
+    if not is_plain_conv(module) and not plain_linear:
         return subclass_reason(module, torch.nn.Conv2d if isinstance(module, torch.nn.Conv2d) else torch.nn.Linear)
     if "forward" in vars(module):  # a copy would keep running it rather than tilegemm's forward
         return ("its forward was replaced on the instance (a tensor-parallel plan, accelerate's device_map hooks): "
@@ -112,10 +114,10 @@ def convert_(
     replaced passes its forward and backward hooks and its training mode to its replacement.
 
     ``filter(qualified_name, module)`` may veto a swap (False keeps the module). Modules that cannot be
-    swapped (subclasses with their own forward, a parametrized Linear, float64 weights,
+    swapped (subclasses with their own forward, float64 weights,
     ``torch.nn.MultiheadAttention``'s ``out_proj``, which the attention never calls, ...) are kept (transformers'
-    ``FalconLinear``, whose forward is Linear's, is swapped: :data:`LINEAR_EQUIVALENT`; so is a parametrized
-    Conv2d, through :meth:`tilegemm.nn.Conv2d.from_conv`), and one :class:`ConversionNote` warning names them
+    ``FalconLinear``, whose forward is Linear's, is swapped: :data:`LINEAR_EQUIVALENT`; so are a parametrized
+    Conv2d and Linear, through :meth:`tilegemm.nn.Conv2d.from_conv` and ``Linear.from_linear``), and one :class:`ConversionNote` warning names them
     with the reason (``warn=False`` silences it); so are transformers' ``Conv1D`` layers (GPT-2's; their weight is
     ``[in, out]``), which :func:`tilegemm.nn.quantize_` does take. The list is also left in
     ``model.tilegemm_skipped`` as ``[(name, reason)]``. A module held under several names (or by several parents)

@@ -90,12 +90,6 @@ class Linear(torch.nn.Linear):
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"from_linear takes a torch.nn.Linear, got {type(linear).__name__}")
         check_activation(activation)
-        if torch.nn.utils.parametrize.is_parametrized(linear):  # its class computes weight; ours reads a Parameter
-            names = ", ".join(sorted(linear.parametrizations.keys()))
-            raise TypeError(
-                f"tilegemm.nn.Linear.from_linear: this nn.Linear is parametrized ({names}, by "
-                "torch.nn.utils.parametrize), which tilegemm.nn.Linear does not carry: convert before parametrizing, "
-                "or remove the parametrization first (torch.nn.utils.parametrize.remove_parametrizations)")
         if "forward" in vars(linear):  # copied along, it would run instead of tilegemm's forward
             raise ValueError(
                 "tilegemm.nn.Linear.from_linear: this nn.Linear's forward was replaced on the instance "
