@@ -50,6 +50,26 @@ def _check_outputs(args) -> None:
         _writable_dir(Path(args.out), "the bench's files (--out)")
 
 
+def _check_host_memory(op, cases, dtype, options, console) -> None:
+    """Under the interpreter: a UsageError for a case larger than the host's free memory (before anything is
+    allocated: the OS would kill the process mid-allocation), and a warning for a case that would run for long."""
+    from tilegemm.bench.base import interpreter_slow, memory_shortfall
+    from tilegemm.core.hardware import host_memory_available
+
+    available = host_memory_available()
+    for case in cases:
+        shortfall = memory_shortfall(op, case, dtype, options, available)
+        if shortfall:
+            raise UsageError(f"{shortfall}: under Triton's interpreter every tensor lives in host memory; give a "
+                             "smaller shape")
+    slow = [case.label for case in cases if interpreter_slow(op, case, dtype, options)]
+    if slow:
+        more = f" and {len(slow) - 3} more" if len(slow) > 3 else ""
+        console.print(f"warning: under Triton's interpreter {', '.join(slow[:3])}{more} may run for a long time (each "
+                      "kernel runs on the CPU, block by block: docs/bench.md, \"Under the interpreter\"); tiny shapes "
+                      "take seconds", highlight=False, markup=False, soft_wrap=True)
+
+
 def _unavailable_reason(op_name: str, kernel: str) -> str | None:
     from tilegemm.core import registry
 
@@ -138,6 +158,8 @@ def cmd_bench(args, console, err_console) -> int:
         batch_of = getattr(op, "batch_of", None)
         for case in cases if batch_of is not None else ():  # (a case's own batch against --batch: before any run)
             batch_of(case, options)
+        if interpreting():
+            _check_host_memory(op, cases, dtype, options, err_console)
     except BenchError as err:
         raise UsageError(str(err)) from None
     _check_outputs(args)
@@ -288,6 +310,8 @@ def cmd_tune(args, console) -> int:
     for kernel in kernels:
         if kernel not in spec.tunable:
             raise UsageError(f"--kernels takes {', '.join(spec.tunable)} for op {args.op}, not {kernel!r}")
+    if interpreting() and args.shape:  # the tuning path makes the case's inputs (bench.prepare) in host memory
+        _check_host_memory(op, cases, dtype, dict(batch=1), console)
     if interpreting() and not args.shape:  # as warmup: one config per kernel, and a sweep takes minutes there
         console.print("[yellow]No GPU in use: under Triton's interpreter each kernel has one config, so there is "
                       "nothing to tune. Run `tilegemm tune` on the GPU the configs are for (--shape runs given "

@@ -138,6 +138,13 @@ class BenchOp:
     def prepare(self, case: Case, dtype: str, device: str, n_sets: int, options: dict) -> Prepared:
         raise NotImplementedError
 
+    def case_bytes(self, case: Case, dtype: str, options: dict) -> int | None:
+        """About the most memory :meth:`prepare` and one call of ``case`` hold at once (one input set, the
+        float64 reference and its operands' float64 copies, one output): a lower bound, or None where the op does
+        not say. Under the interpreter, where every tensor lives in host memory, a case that needs more than is
+        free is refused (:func:`memory_shortfall`) instead of being killed by the OS mid-allocation."""
+        return None
+
     def precompile_inputs(self, case: Case, dtype: str, device: str, options: dict) -> dict:
         """One input set of ``case`` for a ``--precompile`` worker's calls (:mod:`tilegemm.bench.precompile`):
         the same tensors :meth:`prepare` makes (shapes, strides and alignment pick the compiled variant). An op
@@ -189,6 +196,34 @@ class BenchOp:
         """TFLOPS or GB/s at a time of ``ms`` milliseconds."""
         scale = 1e-12 if self.metric == "TFLOPS" else 1e-9  # work in FLOPs or bytes
         return self.work(case, dtype, options) * scale / (ms * 1e-3)
+
+
+def _gib(n: float) -> str:
+    gib = n / 2**30
+    return f"{gib:,.0f} GiB" if gib >= 100 else f"{gib:.3g} GiB" if gib >= 1 else f"{n / 2**20:.3g} MiB"
+
+
+def memory_shortfall(op: BenchOp, case: Case, dtype: str, options: dict, available: int | None) -> str:
+    """A one-line message where ``case`` needs more memory than ``available`` bytes (:meth:`BenchOp.case_bytes`),
+    else an empty string (also where either is unknown)."""
+    need = op.case_bytes(case, dtype, options)
+    if need is None or available is None or need <= available:
+        return ""
+    return (f"{op.name} {case.label} ({dtype}) needs about {_gib(need)} of memory for its inputs, outputs and "
+            f"reference; {_gib(available)} is available")
+
+
+# FLOPs (or bytes moved, for a GB/s op) of one call above which a case runs for minutes a call or more under the
+# interpreter: a warning, not a refusal (docs/bench.md, "Under the interpreter").
+INTERPRETER_SLOW_WORK = 1e9
+
+
+def interpreter_slow(op: BenchOp, case: Case, dtype: str, options: dict) -> bool:
+    """Whether ``case`` is large enough to run for a long time under the interpreter (model entries: never,
+    they run their tiny models there)."""
+    if isinstance(op, ModelBench) or op.metric not in ("TFLOPS", "GB/s"):
+        return False
+    return op.work(case, dtype, options) > INTERPRETER_SLOW_WORK
 
 
 def bench_op(name: str) -> BenchOp:

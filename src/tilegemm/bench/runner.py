@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from tilegemm.bench.base import BenchOp, Case, ModelBench, geomean
-from tilegemm.core.hardware import MachineInfo, machine_info, peak_gbps
+from tilegemm.bench.base import BenchOp, Case, ModelBench, geomean, memory_shortfall
+from tilegemm.core.hardware import MachineInfo, host_memory_available, machine_info, peak_gbps
 from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import interpreting
 
@@ -289,15 +289,25 @@ def run_bench(
     try:
         for done, case in enumerate(cases):
             step = lambda kernel: on_step(f"{case.label} {kernel}") if on_step else None  # noqa: E731
+            # Under the interpreter the inputs live in host memory: a case too large for it is an error row, not
+            # an allocation the OS kills the process for (a GPU's out-of-memory is caught below instead).
+            shortfall = machine.interpreter and memory_shortfall(op, case, dtype, options, host_memory_available())
+            if shortfall:
+                for kernel in names:
+                    result.rows.append(_row(op, case, dtype, kernel, options, "error", message=shortfall))
+                    step(kernel)
+                continue
             try:
                 first = op.prepare(case, dtype, device, 1, options)
                 n_sets = rotation_count(first.bytes_per_set, machine, cuda_graph)
                 prepared = op.prepare(case, dtype, device, n_sets, options) if n_sets > 1 else first
-            except torch.cuda.OutOfMemoryError:
+            except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+                if not _out_of_memory(exc):
+                    raise
                 first = prepared = None  # a first set made before the second ran out: freed before the next case
                 _release(device)
                 for kernel in names:
-                    result.rows.append(_row(op, case, dtype, kernel, options, "error", message="out of memory"))
+                    result.rows.append(_row(op, case, dtype, kernel, options, "error", message=_message(exc)))
                     step(kernel)
                 continue
             overflow = _nonfinite(prepared.reference)
@@ -379,9 +389,17 @@ class _Checked:
     tol: float | None = None  # the bound err was held to
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed: the GPU's, or the host's (torch's CPU allocator raises a
+    RuntimeError, which a case larger than :meth:`BenchOp.case_bytes` says may still reach)."""
+    return isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(exc)
+
+
 def _message(exc: Exception) -> str:
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return "out of memory"
+    if _out_of_memory(exc):
+        return f"out of host memory: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"[:300]
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 

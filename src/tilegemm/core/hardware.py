@@ -140,6 +140,22 @@ def machine_info() -> MachineInfo:
     return info
 
 
+def host_memory_available() -> int | None:
+    """Bytes of host memory free for a new allocation without swapping (Linux's MemAvailable; else the free
+    physical pages), or None where neither can be read. Under the interpreter every tensor lives there."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 _sm_counts: dict = {}
 
 

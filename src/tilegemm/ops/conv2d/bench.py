@@ -223,6 +223,18 @@ class Conv2dBench(BenchOp):
         nbytes = (x_bytes + w_bytes + y_bytes) * size * (1 if mode == "fwd" else 2)
         return Prepared(sets, reference, bytes_per_set=nbytes)
 
+    def case_bytes(self, case, dtype, options):
+        """x, w (and dy), their float64 copies, the float64 reference (the gradients also concatenated), one
+        kernel's output."""
+        d = case.dims
+        P, Q = _out_size(d)
+        x, w, y = d["N"] * d["C"] * d["H"] * d["W"], d["K"] * d["C"] // d["groups"] * d["R"] * d["S"], \
+            d["N"] * d["K"] * P * Q
+        size = self.dtypes[dtype].itemsize
+        if self._mode(options) == "fwd":
+            return (x + w) * (size + 8) + y * (8 + size)
+        return (x + w + y) * (size + 8) + (x + w) * (8 + 8 + size)
+
     def precompile_inputs(self, case, dtype, device, options):
         """Without the float64 reference (a float64 convolution per layer, of no use to a compile)."""
         return self._sets(case, dtype, device, 1, options)[0]

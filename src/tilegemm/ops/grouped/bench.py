@@ -142,6 +142,22 @@ class GroupedBench(BenchOp):
         sizes = group_sizes(d["T"], d["E"], d["topk"])
         return d["E"], d["T"] * d["topk"], N, K, sizes
 
+    def case_bytes(self, case, dtype, options):
+        """a, b (and dy; a 4-bit expert's dequantized copy too), their float64 copies, the float64 reference (the
+        gradients also concatenated), one kernel's output. From the dims alone: no routing is drawn."""
+        d = case.dims
+        if d["kind"] == 1:
+            a, b, y = d["B"] * d["M"] * d["K"], d["B"] * d["K"] * d["N"], d["B"] * d["M"] * d["N"]
+        else:
+            N, K = (2 * d["I"], d["H"]) if d["product"] == 0 else (d["H"], d["I"])
+            M = d["T"] * d["topk"]
+            a, b, y = M * K, d["E"] * N * K, M * N
+        size = self.dtypes[dtype].itemsize
+        extra = b * size if self.int4 else 0
+        if self._mode(options) == "fwd":
+            return (a + b) * (size + 8) + y * (8 + size) + extra
+        return (a + b + y) * (size + 8) + (a + b) * (8 + 8 + size) + extra
+
     def prepare(self, case, dtype, device, n_sets, options):
         mode = self._mode(options)
         tdtype = self.dtypes[dtype]

@@ -42,6 +42,10 @@ class CopyBench(BenchOp):
             sets.append(dict(x=x))
         return Prepared(sets, sets[0]["x"].clone(), bytes_per_set=2 * n * tdtype.itemsize)
 
+    def case_bytes(self, case, dtype, options):
+        """x, the reference (a clone) and one output."""
+        return 3 * case.dims["numel"] * self.dtypes[dtype].itemsize
+
     def run(self, kernel, inputs, dtype):
         from tilegemm import copy
 
@@ -99,6 +103,11 @@ class GreyBench(BenchOp):
         if tdtype == torch.uint8:
             ref = ref.round()
         return Prepared(sets, ref, bytes_per_set=4 * H * W * tdtype.itemsize)
+
+    def case_bytes(self, case, dtype, options):
+        """The image and the baseline's two planes, the image in float64 and the float64 reference (with one
+        intermediate plane), one output."""
+        return case.dims["H"] * case.dims["W"] * (6 * self.dtypes[dtype].itemsize + 5 * 8)
 
     def run(self, kernel, inputs, dtype):
         from tilegemm import rgb_to_grey

@@ -156,6 +156,14 @@ class MatmulBench(BenchOp):
         nbytes = batch * ((M * K + K * N) * tdtype.itemsize + M * N * out_size)
         return Prepared(sets, reference, bytes_per_set=nbytes)
 
+    def case_bytes(self, case, dtype, options):
+        """A, B, their float64 copies and float64 product (the reference), and one kernel's output."""
+        d = case.dims
+        M, N, K = d["M"], d["N"], d["K"]
+        size = self.dtypes[dtype].itemsize
+        out_size = 2 if self._fp8(dtype) else size
+        return self.batch_of(case, options) * ((M * K + K * N) * (size + 8) + M * N * (8 + out_size))
+
     def precompile_inputs(self, case, dtype, device, options):
         """Without the float64 reference: at the random sweep's sizes it is gigabytes a worker."""
         return self._sets(case, dtype, device, 1, options)[0]

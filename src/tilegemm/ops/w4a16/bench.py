@@ -187,6 +187,13 @@ class W4A16Bench(BenchOp):
         return Prepared(sets, reference.reference(first["x"], first["w"]),
                         bytes_per_set=first["w"].nbytes + (M * K + M * N) * tdtype.itemsize)
 
+    def case_bytes(self, case, dtype, options):
+        """The random dense weight, its 4-bit form and dequantized copy (the baseline's), x, the float64
+        reference and its operands' float64 copies, one kernel's output."""
+        M, N, K = case.dims["M"], case.dims["N"], case.dims["K"]
+        size = self.dtypes[dtype].itemsize
+        return N * K * (2 * size + 8) + N * K // 2 + M * K * (size + 8) + M * N * (8 + size)
+
     def run(self, kernel, inputs, dtype):
         from tilegemm import w4a16
 
