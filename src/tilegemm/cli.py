@@ -7,6 +7,7 @@ without loading them (only ``bench --help`` asks the registry for its ops, dtype
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import sys
 from pathlib import Path
@@ -92,8 +93,10 @@ def cmd_bench(args, console, err_console) -> int:
         raise UsageError(f"--batch must be >= 1, got {args.batch}")
     if args.topk < 1:
         raise UsageError(f"--topk must be >= 1, got {args.topk}")
-    if args.warmup < 0 or args.rep <= 0:
-        raise UsageError("--warmup must be >= 0 and --rep > 0 (milliseconds)")
+    # (nan passes every comparison, and an infinite --rep never ends a GPU timing loop)
+    if not (math.isfinite(args.warmup) and args.warmup >= 0 and math.isfinite(args.rep) and args.rep > 0):
+        raise UsageError(f"--warmup must be >= 0 and --rep > 0, both finite (milliseconds); got --warmup "
+                         f"{args.warmup:g} --rep {args.rep:g}")
     if args.rounds is not None and args.rounds < 1:
         raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
     if args.precompile < -1:

@@ -1,6 +1,6 @@
 """A command line that pushes limits fails at once in one line: a case larger than the host's memory under the
-interpreter (refused before anything is allocated, not killed by the OS); and each bench op's memory estimate
-bounds what preparing a case allocates."""
+interpreter (refused before anything is allocated, not killed by the OS), a timing budget that is not a finite
+number; and each bench op's memory estimate bounds what preparing a case allocates."""
 
 from __future__ import annotations
 
@@ -136,6 +136,12 @@ def test_the_memory_estimate_bounds_what_a_case_holds(op_name, shape, dtype, opt
     assert held <= op.case_bytes(case, dtype, options)
     assert memory_shortfall(op, case, dtype, options, held - 1)
     assert not memory_shortfall(op, case, dtype, options, None)
+
+
+@pytest.mark.parametrize("flags", [["--rep", "nan"], ["--rep", "inf"], ["--warmup", "nan"], ["--warmup", "-1"],
+                                   ["--rep", "0"]])
+def test_a_timing_budget_must_be_a_finite_number(flags, no_run, capsys):
+    _one_line_exit_2(["bench", "--shape", "8,8,8", "--quiet", "--no-save", *flags], ["finite"], capsys)
 
 
 @cpu_only
