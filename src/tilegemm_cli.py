@@ -29,9 +29,23 @@ class UsageError(Exception):
     """A bad command line: printed as one line, exit code 2."""
 
 
+# Options whose value may start with '-' (a negative size, which the op's parser then names): argparse takes
+# "--shape -1,8,8" for an option and says only "expected one argument".
+_DASH_VALUES = ("--shape",)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        rest, joined = list(sys.argv[1:] if args is None else args), []
+        while rest:
+            arg = rest.pop(0)
+            if arg in _DASH_VALUES and rest and rest[0][:1] == "-" and rest[0][1:2].isdigit():
+                arg = f"{arg}={rest.pop(0)}"
+            joined.append(arg)
+        return super().parse_known_args(joined, namespace)
 
 
 def _op_help() -> tuple[str, str, str, str]:

@@ -1,6 +1,6 @@
 """A command line that pushes limits fails at once in one line: a case larger than the host's memory under the
 interpreter (refused before anything is allocated, not killed by the OS), a timing budget that is not a finite
-number; and each bench op's memory estimate bounds what preparing a case allocates."""
+number, a negative size; and each bench op's memory estimate bounds what preparing a case allocates."""
 
 from __future__ import annotations
 
@@ -142,6 +142,11 @@ def test_the_memory_estimate_bounds_what_a_case_holds(op_name, shape, dtype, opt
                                    ["--rep", "0"]])
 def test_a_timing_budget_must_be_a_finite_number(flags, no_run, capsys):
     _one_line_exit_2(["bench", "--shape", "8,8,8", "--quiet", "--no-save", *flags], ["finite"], capsys)
+
+
+@pytest.mark.parametrize("op, shape", [("matmul", "-1,8,8"), ("copy", "-5"), ("grey", "-4,4")])
+def test_a_negative_size_is_named_as_such(op, shape, no_run, capsys):
+    _one_line_exit_2(["bench", "--op", op, "--shape", shape, "--quiet", "--no-save"], [repr(shape), ">= 1"], capsys)
 
 
 @cpu_only
