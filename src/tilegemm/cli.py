@@ -10,6 +10,7 @@ import datetime as _dt
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from tilegemm_cli import EXAMPLES, UsageError, build_parser  # noqa: F401 (the parser lives outside the package)
@@ -37,6 +38,11 @@ def _writable_dir(path: Path, what: str) -> None:
         raise UsageError(f"cannot write {what} under {str(path)!r}: {err.strerror or err}") from None
     if not os.access(path, os.W_OK):
         raise UsageError(f"cannot write {what} under {str(path)!r}: permission denied")
+    try:  # as the writers do (a temporary file beside the target): root passes os.access where nothing can be made
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise UsageError(f"cannot write {what} under {str(path)!r}: {err.strerror or err}") from None
 
 
 def _check_outputs(args) -> None:
@@ -47,6 +53,13 @@ def _check_outputs(args) -> None:
             if Path(path).is_dir():
                 raise UsageError(f"--{flag} {path!r} is a directory; give a file path")
             _writable_dir(Path(path).parent, f"--{flag} {path!r}")
+    if args.plot and Path(args.plot).suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if Path(args.plot).suffix[1:].lower() not in formats:
+            raise UsageError(f"--plot {args.plot!r}: matplotlib writes no {Path(args.plot).suffix!r} files; give one "
+                             f"of {', '.join('.' + f for f in sorted(formats))}")
     if not args.no_save:
         _writable_dir(Path(args.out), "the bench's files (--out)")
 
@@ -192,15 +205,24 @@ def cmd_bench(args, console, err_console) -> int:
         for key, suffix in (("json", ".json"), ("csv", ".csv"), ("plot", ".png")):
             paths[key] = paths[key] or str(stem) + suffix
     writers = dict(json=write_json, csv=write_csv, plot=lambda r, p: write_plot(r, p, topk=args.topk))
+    unwritten = []
     for key, path in paths.items():
         if path:
-            writers[key](result, path)
+            try:  # (checked before the run; a disk that fills or a folder removed since still loses only this file)
+                writers[key](result, path)
+            except OSError as err:
+                unwritten.append(f"cannot write {path}: {err.strerror or err}")
+                continue
             console.print(f"wrote {path}")
+    for line in unwritten:
+        print(f"tilegemm: error: {line}", file=sys.stderr)
 
     bad = [r for r in result.rows if r.status in ("wrong", "error")]
     if bad:
         console.print(f"[bold red]{len(bad)} result(s) wrong or failed: "
                       + ", ".join(f"{r.kernel}@{r.shape} ({r.status})" for r in bad[:8]) + "[/]")
+        return 1
+    if unwritten:
         return 1
     return 130 if result.meta.get("interrupted") else 0  # (a shell's code for SIGINT: the sweep is partial)
 

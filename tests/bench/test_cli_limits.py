@@ -156,3 +156,33 @@ def test_tune_refuses_a_shape_larger_than_host_memory(monkeypatch, capsys):
     entry = cli._op_entry
     monkeypatch.setattr(cli, "_op_entry", lambda *a: (entry(*a)[0], lambda *_, **__: pytest.fail("tuning ran")))
     _one_line_exit_2(["tune", "--shape", "100000,100000,100000"], ["needs about 279 GiB", "is available"], capsys)
+
+
+def test_a_plot_format_matplotlib_cannot_write_fails_before_the_bench(tmp_path, no_run, capsys):
+    _one_line_exit_2(["bench", "--shape", "8,8,8", "--quiet", "--no-save", "--plot", str(tmp_path / "p.xyz")],
+                     ["matplotlib writes no '.xyz' files", ".png"], capsys)
+
+
+@pytest.mark.parametrize("flag", ["--json", "--out"])
+def test_a_folder_where_no_file_can_be_made_fails_before_the_bench(flag, no_run, capsys):
+    # /proc exists, and root passes os.access on it, but no file can be made there
+    path = "/proc/r.json" if flag == "--json" else "/proc"
+    _one_line_exit_2(["bench", "--shape", "8,8,8", "--quiet", flag, path] + (["--no-save"] if flag != "--out" else []),
+                     ["cannot write", "'/proc'"], capsys)
+
+
+@cpu_only
+def test_a_file_that_cannot_be_written_after_the_run_is_one_line(tmp_path, monkeypatch, capsys):
+    import tilegemm.bench.report as report
+
+    def full(result, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "write_json", full)
+    csv = tmp_path / "r.csv"
+    argv = ["bench", "--shape", "8,8,8", "--kernels", "naive", "--no-baseline", "--rep", "1", "--quiet", "--no-save",
+            "--json", str(tmp_path / "r.json"), "--csv", str(csv)]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"tilegemm: error: cannot write {tmp_path / 'r.json'}: No space left on device"
+    assert "wrote" in captured.out and csv.exists()  # the other file still written
