@@ -167,6 +167,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; ``bench``'s option help lists the registered ops only when ``argv`` runs ``bench`` (or is
     None: the whole parser, as for documentation)."""
     parser = _Parser(prog="tilegemm", description="Triton GEMM-family kernels: benchmark, inspect, learn.")
+    parser.add_argument("--version", action="version", version=f"tilegemm {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_bench(sub, detailed=argv is None or "bench" in argv)
     _add_info(sub)
@@ -176,9 +177,20 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """The installed distribution's version, read without importing the package (and torch)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("tilegemm")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def _help_only(argv: list[str]) -> bool:
-    """Whether the command line only asks for help that needs no registered op (all but ``bench --help``)."""
-    return not argv or (("-h" in argv or "--help" in argv) and "bench" not in argv)
+    """Whether the command line only asks for help or the version, which need no registered op (all but
+    ``bench --help``)."""
+    return not argv or (("-h" in argv or "--help" in argv) and "bench" not in argv) or argv[0] == "--version"
 
 
 def main(argv: list[str] | None = None) -> int:

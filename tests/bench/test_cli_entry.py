@@ -19,7 +19,7 @@ print('imported:', 'torch' in sys.modules, 'tilegemm' in sys.modules, 'code:', c
 
 
 @pytest.mark.parametrize("argv, code", [(["--help"], 0), (["info", "--help"], 0), (["tune", "-h"], 0), ([], 2),
-                                        (["nope", "--help"], 2)])
+                                        (["nope", "--help"], 2), (["--version"], 0)])
 def test_help_imports_neither_torch_nor_tilegemm(argv, code):
     out = subprocess.run([sys.executable, "-c", CODE.format(argv=argv)], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip().splitlines()[-1] == f"imported: False False code: {code}", out.stdout + out.stderr
@@ -32,3 +32,11 @@ def test_commands_run_through_the_package():
                          text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "imported: True True code: 2", out.stdout + out.stderr
     assert "--trials must be >= 1" in out.stderr
+
+
+def test_version_names_the_installed_distribution():
+    from importlib import metadata
+
+    out = subprocess.run([sys.executable, "-c", CODE.format(argv=["--version"])], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.splitlines()[0] == f"tilegemm {metadata.version('tilegemm')}", out.stdout + out.stderr
