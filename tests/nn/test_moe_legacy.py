@@ -346,3 +346,13 @@ def test_transformers_4_checkpoint_experts_stacked(arch, tmp_path, device):
         got = model(input_ids=ids.to(device)).logits.float().cpu()
         want = cw.reference_model(config, reference)(input_ids=ids).logits.float()  # (plain torch: on the CPU)
     assert ((got - want).norm() / want.norm()).item() < 3e-3
+
+
+def test_float64_experts_are_refused_naming_the_experts():
+    # after model.double() the grouped kernels' own dtype error named grouped_mm, not the experts
+    model = Model(E=4)
+    tilegemm.nn.convert_(model, linear=False)
+    model.double()
+    with pytest.raises(TypeError, match=r"tilegemm experts \(SparseMoeBlock\): the experts' weights are "
+                                        r"torch.float64.*cast the model"):
+        model(torch.randn(1, 3, 16, dtype=torch.float64))

@@ -218,15 +218,25 @@ def _project(module, name: str, x, offs, gated_activation: str | None):
     return grouped_mm(x, b, offs=offs, bias=bias)
 
 
+_EXPERT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``"tilegemm"`` experts implementation: ``hidden_states`` ``[T, H]``, ``top_k_index`` and
     ``top_k_weights`` ``[T, k]`` -> ``[T, H]``."""
     # One launch each for the permutation and its weighted inverse (tilegemm.ops.grouped.routing): the torch ops
     # they replace were about ten small kernels a layer, the bulk of a decode step's experts (docs/grouped.md).
-    x, offs, pos = moe_route(hidden_states, top_k_index, self.num_experts)
     has_gate = getattr(self, "has_gate", True)
     up_name = "gate_up_proj" if has_gate else "up_proj"
+    weight = getattr(self, up_name, None)
+    if isinstance(weight, torch.Tensor) and weight.dtype not in _EXPERT_DTYPES and _int4(self, up_name) is None:
+        # (after model.double(), say: 4-bit experts take any input, their kernels' dtype set by their scales)
+        raise TypeError(
+            f"tilegemm experts ({type(self).__name__}): the experts' weights are {weight.dtype}, and tilegemm's grouped "
+            "kernels take fp16, bf16 or fp32: cast the model to one of those, or run these experts on torch "
+            "(transformers' model.set_experts_implementation('eager'); a block convert_ replaced: leave it out)")
+    x, offs, pos = moe_route(hidden_states, top_k_index, self.num_experts)
     fused = _fused_activation(self) if has_gate else None
     h = _project(self, up_name, x, offs, fused)
     if fused is None:
