@@ -106,7 +106,7 @@ def _mesh_rank(mesh: DeviceMesh) -> tuple[int, int]:
         raise TypeError(f"device_mesh must be a torch.distributed DeviceMesh (1-D, the tensor-parallel dim), got "
                         f"{type(mesh).__name__}")
     if mesh.ndim != 1:
-        raise ValueError(f"tilegemm's int4 and conv styles take a 1-D mesh (the tensor-parallel dim, mesh['tp']), "
+        raise ValueError(f"tilegemm's parallel styles take a 1-D mesh (the tensor-parallel dim, mesh['tp']), "
                          f"got a {mesh.ndim}-D mesh")
     return mesh.get_local_rank(), mesh.size()
 
@@ -114,6 +114,12 @@ def _mesh_rank(mesh: DeviceMesh) -> tuple[int, int]:
 def _normal(placements, ndim: int) -> tuple:
     """Placements with negative shard dims made positive for a tensor of ``ndim`` dims (to compare them)."""
     return tuple(Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements)
+
+
+def _same_mesh(a: DeviceMesh, b: DeviceMesh) -> bool:
+    """One mesh, or two 1-D meshes of the same ranks in the same order (``mesh2d["tp"]`` and a 1-D mesh of its
+    ranks differ only by their dim names): a DTensor on either lies the same over the ranks."""
+    return a == b or (a.ndim == b.ndim == 1 and a.device_type == b.device_type and torch.equal(a.mesh, b.mesh))
 
 
 def _to_local_input(x, mesh, given, desired, grad_placements=None):
@@ -125,6 +131,11 @@ def _to_local_input(x, mesh, given, desired, grad_placements=None):
     ``given``)."""
     grad_placements = desired if grad_placements is None else grad_placements
     needs_grad = torch.is_grad_enabled() and x.requires_grad
+    if isinstance(x, DTensor) and not _same_mesh(x.device_mesh, mesh):
+        # its placements would be read against the layer's mesh: a wrong slice, or an IndexError deep in DTensor
+        raise ValueError(f"x is a DTensor on {x.device_mesh}, but the layer is split over {mesh}: pass x as a DTensor "
+                         f"on the layer's mesh (for a 2-D mesh, its tensor-parallel dim mesh['tp']) or as this "
+                         f"rank's plain local tensor")
     if not isinstance(x, DTensor):
         same = _normal(given, x.ndim) == _normal(desired, x.ndim)
         if same and (not needs_grad or _normal(grad_placements, x.ndim) == _normal(desired, x.ndim)):
@@ -145,7 +156,28 @@ def _from_local_output(out, mesh, produced, desired, use_local):
     return dt.to_local() if use_local else dt
 
 
+def _check_width(given, world: int, K: int, dim: str, mod, inputs) -> None:
+    """Refuse a plain input whose last dim is not what ``given`` (the style's ``input_layouts``) makes of the
+    layer's ``K`` inputs: DTensor would infer another global K from it (``K / ranks`` given all of K, as a row-parallel
+    layer given the whole input), and the product fail naming that K, or an act-order gather read the wrong inputs."""
+    x = inputs[0] if inputs else None
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.ndim == 0:
+        return
+    split = any(isinstance(p, Shard) and p.dim % x.ndim == x.ndim - 1 for p in given)
+    want = K // world if split else K
+    if x.shape[-1] != want:
+        kind = "column" if dim == "out" else "row"
+        holds = f"this rank's slice of K, {want} wide" if split else f"all of K = {want}"
+        fix = ("; pass each rank its slice, or input_layouts=Replicate() for the whole input" if split else
+               "" if dim == "out" else "; pass input_layouts=Shard(-1) for each rank's slice")
+        raise ValueError(f"{type(mod).__name__} split {kind}-parallel over {world} ranks (in_features K = {K}): x is "
+                         f"{list(x.shape)}, but input_layouts={tuple(given)} makes a plain x {holds}{fix}")
+
+
 def _int4_input_hook(style, mesh, desired, grad_placements, mod, inputs):
+    world = mesh.size()
+    _check_width(style.input_layouts, world, mod.in_features * (world if mod.tp_split == "in" else 1), mod.tp_split,
+                 mod, inputs)
     x = inputs[0]
     perm = getattr(mod, "tp_input_index", None)
     if perm is not None and perm.numel():
@@ -162,6 +194,10 @@ def _int4_output_hook(style, mesh, produced, mod, inputs, out):
 
 def _shard_int4_module(style, module: Int4Linear, mesh: DeviceMesh, dim: str) -> Int4Linear:
     rank, world = _mesh_rank(mesh)
+    if getattr(module, "tp_split", None):  # a second split would cut its shard again and stack a second set of hooks
+        raise ValueError(f"this Int4Linear is split already ({'column' if module.tp_split == 'out' else 'row'}-"
+                         f"parallel, its local in_features = {module.in_features}, out_features = "
+                         f"{module.out_features}): parallelize_module applies one style to a layer, once")
     local, index = shard_int4(module._weight(), dim, rank, world)
     bias = module.bias
     if bias is not None:
@@ -274,12 +310,16 @@ def _apply_style(style, module: nn.Module, mesh: DeviceMesh, dim: str, conv_give
     ``conv_given`` and ``conv_wanted``, anything else by torch's style (``torch_apply``)."""
     register()
     _refuse_joined(module)
+    _mesh_rank(mesh)  # a 1-D mesh for every layer (torch's styles would fail later, naming placements' lengths)
     if isinstance(module, Int4Linear):
         return _shard_int4_module(style, module, mesh, dim)
     _check_even(module, mesh, dim)
     if isinstance(module, nn.Conv2d):
         return _shard_conv(module, mesh, dim, conv_given, conv_wanted, style.use_local_output)
     module = torch_apply(module, mesh)
+    if isinstance(module, nn.Linear):  # checked before torch's hook makes x a DTensor
+        module.register_forward_pre_hook(partial(_check_width, style.input_layouts, mesh.size(), module.in_features,
+                                                 dim), prepend=True)
     module.tp_split = dim
     return module
 
