@@ -22,6 +22,7 @@ def _script(page: Path) -> str:
     [
         ("docs/debugging.md", ["caught: load of", "add_bias_v2 is right on (10, 7)", "textbook tile kernel"]),
         ("README.md", []),
+        ("docs/grouped.md", []),
     ],
 )
 def test_examples_run(page, expected, tmp_path):
@@ -31,7 +32,7 @@ def test_examples_run(page, expected, tmp_path):
     path.write_text(script)
     # A clean environment: the page itself must set whatever it needs (this process exported TRITON_INTERPRET).
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TILEGEMM_INTERPRET")}
-    if page == "README.md" and not _gpu():
+    if page in ("README.md", "docs/grouped.md") and not _gpu():
         env["TRITON_INTERPRET"] = "1"
     done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=600, env=env,
                           cwd=tmp_path)
