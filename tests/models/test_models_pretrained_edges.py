@@ -409,6 +409,9 @@ def _edit_quant_config(path, **changes):
     # AutoRound's AWQ packing with sym "False": read as true, refused as AWQ without zero points
     ("awq", True, dict(sym="False")),
     ("awq", False, dict(zero_point="TRUE")),
+    # 0 / 1 (AutoGPTQ's config dataclass saves desc_act=0 as given): as Python reads them, no longer refused
+    ("gptq", False, dict(desc_act=0, sym=0)),
+    ("awq", False, dict(zero_point=1)),
 ])
 def test_booleans_written_as_strings_load(tmp_path, device, method, autoround, changes):
     config = cw.tiny_config("llama", hidden=64, layers=1)
@@ -424,7 +427,7 @@ def test_booleans_written_as_strings_load(tmp_path, device, method, autoround, c
 
 @pytest.mark.parametrize("method, changes, message", [
     ("gptq", dict(desc_act="no"), r"quantization_config\.desc_act must be true or false, got 'no'"),
-    ("gptq", dict(sym=1), r"quantization_config\.sym must be true or false, got 1"),
+    ("gptq", dict(sym=2), r"quantization_config\.sym must be true or false, got 2"),
     ("awq", dict(zero_point="0"), r"quantization_config\.zero_point must be true or false, got '0'"),
     ("gptq", dict(dynamic={r".*down_proj": {"desc_act": "off"}}),
      r"quantization_config\.dynamic\['\.\*down_proj'\]\.desc_act must be true or false, got 'off'"),

@@ -169,14 +169,17 @@ def _ct_scheme(groups: tuple, name: str, classes: tuple[str, ...]) -> dict | Non
 
 
 def _flag(settings: dict, name: str, default: bool, at: str) -> bool:
-    """The boolean ``settings[name]`` (``default`` where absent or null): JSON's true/false, or the strings "true" /
-    "false" in any case (some exporters write them so); anything else a ValueError naming ``at`` (the file and key),
-    since Python's truth of "false" is True."""
+    """The boolean ``settings[name]`` (``default`` where absent or null): JSON's true/false, the integers 0 / 1 or
+    the strings "true" / "false" in any case (some exporters write them so: AutoGPTQ's config dataclass saves
+    ``desc_act=0`` as given); anything else a ValueError naming ``at`` (the file and key), since Python's truth of
+    "false" is True."""
     value = settings.get(name)
     if value is None:
         return default
     if isinstance(value, bool):
         return value
+    if type(value) is int and value in (0, 1):
+        return value == 1
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
     raise ValueError(f"{at} must be true or false, got {value!r}")
