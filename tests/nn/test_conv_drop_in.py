@@ -167,3 +167,20 @@ def test_one_element_lists_after_convert(device):
     x = torch.randn(1, 4, 9, 9, device=device)
     assert isinstance(model[0], Conv2d)
     assert_rel_close(model(x), F.conv2d(x.double(), ref.weight.double(), ref.bias.double(), 2, 1), 1e-5)
+
+
+@pytest.mark.parametrize("make, x", [(lambda: torch.nn.Linear(8, 4), (2, 8)),
+                                     (lambda: torch.nn.Conv2d(3, 4, 3), (1, 3, 6, 6))])
+def test_a_hook_handle_taken_before_convert_removes_it_after(make, x, device):
+    # convert_ hands the layer's hook dicts themselves to its replacement, as quantize_ does: from_linear /
+    # from_conv copy them, so the caller's handle removed the hook from the discarded layer only
+    model = torch.nn.Sequential(make().to(device))
+    seen = []
+    handle = model[0].register_forward_hook(lambda m, i, o: seen.append(type(m)))
+    convert_(model)
+    x = torch.randn(*x, device=device)
+    model(x)
+    assert seen == [type(model[0])] and type(model[0]) in (Conv2d, Linear)
+    handle.remove()
+    model(x)
+    assert seen == [type(model[0])]

@@ -11,6 +11,7 @@ from torch.nn.utils import parametrize
 from tilegemm.core.dtypes import dtype_name
 
 from tilegemm.nn.conv import Conv2d
+from tilegemm.nn.hooks import carry_over
 from tilegemm.nn.linear import Linear
 from tilegemm.nn.notes import ConversionNote  # noqa: F401 (named here too: tilegemm.nn.convert.ConversionNote)
 
@@ -172,6 +173,7 @@ def convert_(
                 skipped.append((name, reason))
                 continue
             new = Conv2d.from_conv(child) if isinstance(child, torch.nn.Conv2d) else Linear.from_linear(child)
+            carry_over(child, new)  # its hook dicts themselves, as quantize_: a handle the caller holds removes them
             swapped[id(child)] = new
             setattr(parent, child_name, new)
     model.tilegemm_skipped = skipped
