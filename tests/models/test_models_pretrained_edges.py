@@ -481,6 +481,18 @@ def test_awq_packings_other_than_gemm_are_refused(tmp_path, changes, message):
         from_pretrained(path, device="cpu")
 
 
+@pytest.mark.parametrize("version", ["exllama", "ExllamaV2", "ipex"])
+def test_awq_versions_that_store_gemms_layout_load(tmp_path, version):
+    # transformers' AwqConfig names the kernel AutoAWQ loads the file into; these three read GEMM's stored tensors
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "awq", 32)
+    _edit_quant_config(path, version=version)
+    model = from_pretrained(path, device="cpu")
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+
+
 @pytest.mark.parametrize("method, autoround, changes, message", [
     # GPTQModel's rotation: an online Hadamard transform of mlp.down_proj's inputs at inference
     ("gptq", False, dict(rotation="hadamard"), r"quantization_config\.rotation 'hadamard': the weights were rotated"),

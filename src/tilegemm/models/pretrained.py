@@ -199,6 +199,8 @@ def _check_dir(path) -> str:
 
 # Where quantizers wrote their settings before transformers read them from config.json: AutoGPTQ's and GPTQModel's
 # quantize_config.json, AutoAWQ's quant_config.json (file -> the method when the file does not name one).
+# AWQ versions whose checkpoints hold GEMM's layout (the name says which kernel AutoAWQ loads them into)
+AWQ_GEMM_LAYOUT = ("gemm", "exllama", "exllamav2", "ipex")
 SIDECARS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 # AutoAWQ's own keys: a settings file holding them is AWQ's whatever its name (some AWQ checkpoints name it
 # quantize_config.json, which vLLM's AWQ reads too: abhinavkulkarni/mosaicml-mpt-7b-instruct-w4-g128-awq)
@@ -323,9 +325,12 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
         version = str(q.get(named) or "gemm").lower()
         if str(q.get("backend") or "").lower() == "llm-awq":
             named, version = "backend", "llm-awq"
-        if version != "gemm":
+        # AutoAWQ's exllama / exllamav2 / ipex layers read GEMM's stored layout (awq/modules/linear: "only for
+        # compatibility with the state_dict of WQLinear_GEMM") and repack it when loaded: named so, the file is gemm
+        if version not in AWQ_GEMM_LAYOUT:
             raise ValueError(f"{where}: AWQ {_at(key, named)} {q.get(named)!r} is not supported; only 'gemm' (qweight "
-                             f"packed along N): 'gemv' / 'gemv_fast' / 'llm-awq' pack along K")
+                             f"packed along N, as the 'exllama', 'exllamav2' and 'ipex' versions store it): 'gemv' / "
+                             f"'gemv_fast' / 'llm-awq' pack along K")
         # zero_point false (GPTQModel's symmetric AWQ): its stored qzeros (8 each), or 8 where none are stored
         sym = not _flag(q, "zero_point", True, f"{where}: {_at(key, 'zero_point')}")
         return QuantConfig("awq", group_size, sym=sym, modules_to_not_convert=tuple(not_convert), key=key)
