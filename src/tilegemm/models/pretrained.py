@@ -290,7 +290,9 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
         return _ct_config(q, where, key)
     # Rotations fused into the weights whose inverse the model must apply to activations as it runs (an online
     # Hadamard transform of down_proj's inputs ...): the stored weights alone compute something else
-    rotation = next((k for k in ROTATION_KEYS if q.get(k)), None)
+    # (a placeholder such as "none" or {} says no rotation)
+    rotation = next((k for k in ROTATION_KEYS if q.get(k) and str(q.get(k)).strip().lower() not in ("none", "null",
+                                                                                                     "false")), None)
     if rotation is not None:
         raise ValueError(f"{where}: {_at(key, rotation)} {q[rotation]!r}: the weights were rotated, and the model "
                          f"needs the matching transforms of its activations as it runs, which tilegemm does not "
