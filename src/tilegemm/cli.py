@@ -213,6 +213,10 @@ def cmd_bench(args, console, err_console) -> int:
             except OSError as err:
                 unwritten.append(f"cannot write {path}: {err.strerror or err}")
                 continue
+            except Exception as err:  # noqa: BLE001 (matplotlib's backends: .pgf needs a LaTeX install, say)
+                first = str(err).splitlines()[0] if str(err) else ""
+                unwritten.append(f"cannot write {path}: {type(err).__name__}: {first}")
+                continue
             console.print(f"wrote {path}")
     for line in unwritten:
         print(f"tilegemm: error: {line}", file=sys.stderr)

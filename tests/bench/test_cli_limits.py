@@ -186,3 +186,19 @@ def test_a_file_that_cannot_be_written_after_the_run_is_one_line(tmp_path, monke
     captured = capsys.readouterr()
     assert captured.err.strip() == f"tilegemm: error: cannot write {tmp_path / 'r.json'}: No space left on device"
     assert "wrote" in captured.out and csv.exists()  # the other file still written
+
+
+@cpu_only
+def test_a_plot_backend_that_fails_after_the_run_is_one_line(tmp_path, monkeypatch, capsys):
+    # matplotlib lists .pgf, whose writer then needs LaTeX: its error is no OSError
+    import tilegemm.bench.report as report
+
+    def no_latex(result, path, topk=None):
+        raise RuntimeError("latex was not able to process the following string:\nmore")
+
+    monkeypatch.setattr(report, "write_plot", no_latex)
+    argv = ["bench", "--shape", "8,8,8", "--kernels", "naive", "--no-baseline", "--rep", "1", "--quiet", "--no-save",
+            "--plot", str(tmp_path / "r.pgf")]
+    assert main(argv) == 1
+    assert capsys.readouterr().err.strip() == (f"tilegemm: error: cannot write {tmp_path / 'r.pgf'}: RuntimeError: "
+                                               "latex was not able to process the following string:")

@@ -118,8 +118,8 @@ def convert_(
     swapped (subclasses with their own forward, float64 weights,
     ``torch.nn.MultiheadAttention``'s ``out_proj``, which the attention never calls, ...) are kept (transformers'
     ``FalconLinear``, whose forward is Linear's, is swapped: :data:`LINEAR_EQUIVALENT`; so are a parametrized
-    Conv2d and Linear, through :meth:`tilegemm.nn.Conv2d.from_conv` and ``Linear.from_linear``), and one :class:`ConversionNote` warning names them
-    with the reason (``warn=False`` silences it); so are transformers' ``Conv1D`` layers (GPT-2's; their weight is
+    Conv2d and Linear, through :meth:`tilegemm.nn.Conv2d.from_conv` and ``Linear.from_linear``), and one
+    :class:`ConversionNote` warning names them with the reason (``warn=False`` silences it); so are transformers' ``Conv1D`` layers (GPT-2's; their weight is
     ``[in, out]``), which :func:`tilegemm.nn.quantize_` does take. The list is also left in
     ``model.tilegemm_skipped`` as ``[(name, reason)]``. A module held under several names (or by several parents)
     gets one replacement under all of them (``filter`` is asked with its first name).

@@ -233,8 +233,8 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     if isinstance(weight, torch.Tensor) and weight.dtype not in _EXPERT_DTYPES and _int4(self, up_name) is None:
         # (after model.double(), say: 4-bit experts take any input, their kernels' dtype set by their scales)
         raise TypeError(
-            f"tilegemm experts ({type(self).__name__}): the experts' weights are {weight.dtype}, and tilegemm's grouped "
-            "kernels take fp16, bf16 or fp32: cast the model to one of those, or run these experts on torch "
+            f"tilegemm experts ({type(self).__name__}): the experts' weights are {weight.dtype}, and tilegemm's "
+            "grouped kernels take fp16, bf16 or fp32: cast the model to one of those, or run these experts on torch "
             "(transformers' model.set_experts_implementation('eager'); a block convert_ replaced: leave it out)")
     x, offs, pos = moe_route(hidden_states, top_k_index, self.num_experts)
     fused = _fused_activation(self) if has_gate else None
