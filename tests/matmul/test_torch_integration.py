@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tilegemm
 from tilegemm.ops.matmul.reference import matmul_reference
@@ -93,18 +96,42 @@ def test_fast_path_and_op_path_agree(device):
     torch.testing.assert_close(direct, via_op, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("where", ["eager", "meta", "fake"])
 @pytest.mark.parametrize("change,error,match", [
     (dict(bias=2), ValueError, r"bias must have shape \[N\] = \[3\], got \[2\]"),  # (read out of bounds, unchecked)
     (dict(c=(2, 3)), ValueError, "does not broadcast"),
     (dict(activation="tanh"), ValueError, "unknown activation 'tanh'"),
     (dict(dtype=torch.int32), TypeError, "integer dtype int32"),
     (dict(b_dtype=torch.float16), TypeError, "dtypes differ"),
+    (dict(out_dtype=torch.int32), TypeError, "out_dtype int32 is not supported"),
+    (dict(kernel="bogus"), ValueError, "unknown matmul kernel 'bogus'"),
+    (dict(scale_a=()), ValueError, "scale_a applies to fp8 inputs only"),
 ])
-def test_the_registered_op_checks_its_arguments(change, error, match, device):
-    # torch.ops.tilegemm.matmul called directly gets tilegemm.matmul's checks, not a launch over bad arguments
-    a = torch.randn(4, 5, device=device).to(change.get("dtype", torch.float32))
-    b = torch.randn(5, 3, device=device).to(change.get("b_dtype", a.dtype))
-    bias = torch.randn(change["bias"], device=device) if "bias" in change else None
-    c = torch.randn(change["c"], device=device) if "c" in change else None
-    with pytest.raises(error, match=match):
-        torch.ops.tilegemm.matmul(a, b, bias, c, 1.0, 1.0, change.get("activation", "none"), None, "ieee", "auto")
+def test_the_registered_op_checks_its_arguments(change, error, match, where, device):
+    # torch.ops.tilegemm.matmul called directly gets tilegemm.matmul's checks, not a launch over bad arguments; its
+    # fake (meta tensors, FakeTensorMode under torch.compile) runs the same checks: it returned an output of the
+    # bad call's shape and dtype (an int32 one for int32 operands)
+    on = "meta" if where == "meta" else device
+    mode = FakeTensorMode() if where == "fake" else contextlib.nullcontext()
+    with mode:
+        a = torch.randn(4, 5, device=on).to(change.get("dtype", torch.float32))
+        b = torch.randn(5, 3, device=on).to(change.get("b_dtype", a.dtype))
+        bias = torch.randn(change["bias"], device=on) if "bias" in change else None
+        c = torch.randn(change["c"], device=on) if "c" in change else None
+        scale_a = torch.ones(change["scale_a"], device=on) if "scale_a" in change else None
+        with pytest.raises(error, match=match):
+            torch.ops.tilegemm.matmul(a, b, bias, c, 1.0, 1.0, change.get("activation", "none"),
+                                      change.get("out_dtype"), "ieee", change.get("kernel", "auto"), scale_a)
+
+
+@pytest.mark.parametrize("where", ["meta", "fake"])
+def test_the_fake_gives_the_eager_output_shape_dtype_and_strides(where, device):
+    args = dict(a=(2, 1, 4, 5), b=(3, 5, 6), bias=(6,), c=(4, 1))
+    eager = {k: torch.randn(v, device=device).half() for k, v in args.items()}
+    want = torch.ops.tilegemm.matmul(*eager.values(), 1.0, 1.0, "relu", torch.float32, "ieee", "auto")
+    mode = FakeTensorMode() if where == "fake" else contextlib.nullcontext()
+    with mode:
+        on = "meta" if where == "meta" else device
+        got = torch.ops.tilegemm.matmul(*(torch.randn(v, device=on).half() for v in args.values()), 1.0, 1.0,
+                                        "relu", torch.float32, "ieee", "auto")
+    assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())

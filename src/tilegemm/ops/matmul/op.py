@@ -15,7 +15,7 @@ from tilegemm.core.launch import recording_active
 from tilegemm.core.replay import ReplayCache
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.matmul.problem import MatmulCall, default_out_dtype
-from tilegemm.ops.matmul.checks import check_inputs, output_shape, replay_key
+from tilegemm.ops.matmul.checks import check_inputs, replay_key
 from tilegemm.ops.matmul.dispatch import forward
 from tilegemm.ops.matmul.reference import torch_activation
 
@@ -65,7 +65,9 @@ def matmul_op(
 @matmul_op.register_fake
 def _matmul_fake(*args):
     call = MatmulCall(*args)
-    return call.a.new_empty(output_shape(call.a.shape, call.b.shape), dtype=call.output_dtype)
+    # The real op's checks (no values read): a traced or meta call fails where the eager one would, not later
+    shape = check_inputs(call)
+    return call.a.new_empty(shape, dtype=call.output_dtype)
 
 
 def call_op(call: MatmulCall) -> torch.Tensor:
