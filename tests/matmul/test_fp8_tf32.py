@@ -277,6 +277,22 @@ def test_fp8_bad_inputs_name_the_problem(device):
         tilegemm.matmul(a, b, scale_b=torch.ones(8, device=device, requires_grad=True))
 
 
+@pytest.mark.parametrize("wants,match", [("a", "fp8 matmul has no backward"), ("b", "fp8 matmul has no backward"),
+                                         ("scale_a", "no gradient for scale_a"), ("scale_b", "no gradient for scale_b")])
+def test_the_registered_op_refuses_fp8_gradients(wants, match, device):
+    # torch.ops.tilegemm.matmul runs its checks below autograd (grad mode off): an fp8 operand that wanted a gradient
+    # got one from a backward that ignored the scales, and a scale that wanted one got None, both silently
+    a = fp8_operand(5, 16, False, E4M3, device).requires_grad_(wants == "a")
+    b = fp8_operand(16, 8, True, E5M2, device).requires_grad_(wants == "b")
+    sa = torch.tensor(0.5, device=device, requires_grad=wants == "scale_a")
+    sb = torch.rand(8, device=device).requires_grad_(wants == "scale_b")
+    with pytest.raises(TypeError, match=match):
+        torch.ops.tilegemm.matmul(a, b, None, None, 1.0, 1.0, "none", None, "default", "auto", sa, sb)
+    with torch.no_grad():  # (and without a gradient to give, the call runs)
+        out = torch.ops.tilegemm.matmul(a, b, None, None, 1.0, 1.0, "none", None, "default", "auto", sa, sb)
+    assert_rel_close(out.float(), dequantized_reference(a, b, sa, sb), tolerance(E4M3, out_dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("fast_accum", [False, True])
 def test_fp8_bias_and_c_gradients_through_an_activation(device, fast_accum):
     # the backward recomputes the pre-activation: with the call's scales (and accumulation), or the bias and c

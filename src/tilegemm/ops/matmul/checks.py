@@ -92,6 +92,16 @@ def _check_scale(name: str, scale, dim_name: str, vector_shapes) -> None:
         )
 
 
+def refuse_fp8_gradients(fp8: bool, a: bool, b: bool, scale_a: bool, scale_b: bool) -> None:
+    """Raise TypeError where a gradient is asked (each flag: that input wants one) that fp8 matmul has not: of an
+    fp8 operand, or of a scale (refused, not left as None)."""
+    if fp8 and (a or b):
+        raise TypeError("fp8 matmul has no backward; call it under torch.no_grad() or detach the inputs")
+    for name, wanted in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if wanted:
+            raise TypeError(f"fp8 matmul has no gradient for {name}; detach it or call under torch.no_grad()")
+
+
 def check_inputs(call: MatmulCall) -> tuple[int, ...]:
     """Raise TypeError/ValueError naming the problem; return the output shape."""
     a, b, bias, c, alpha, beta = call.a, call.b, call.bias, call.c, call.alpha, call.beta
@@ -119,11 +129,9 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
         raise TypeError(f"fast_accum must be a bool, got {_type_name(fast_accum)}")
     if fast_accum and not fp8:
         raise ValueError(f"fast_accum applies to fp8 inputs only; a is {dtype_name(a.dtype)}")
-    if fp8 and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        raise TypeError("fp8 matmul has no backward; call it under torch.no_grad() or detach the inputs")
-    for name in ("scale_a", "scale_b"):  # (the gradient of a scale is not computed: refused, not left as None)
-        if torch.is_grad_enabled() and isinstance(named.get(name), torch.Tensor) and named[name].requires_grad:
-            raise TypeError(f"fp8 matmul has no gradient for {name}; detach it or call under torch.no_grad()")
+    if torch.is_grad_enabled():
+        refuse_fp8_gradients(fp8, a.requires_grad, b.requires_grad,
+                             *(isinstance(s, torch.Tensor) and s.requires_grad for s in (scale_a, scale_b)))
     if out_dtype is not None and out_dtype not in DTYPES:  # (before the bias, whose accepted dtypes it names)
         raise TypeError(f"out_dtype {dtype_name(out_dtype)} is not supported; choose one of: fp16, bf16, fp32")
     if bias is not None:
