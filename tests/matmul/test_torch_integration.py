@@ -135,3 +135,20 @@ def test_the_fake_gives_the_eager_output_shape_dtype_and_strides(where, device):
         got = torch.ops.tilegemm.matmul(*(torch.randn(v, device=on).half() for v in args.values()), 1.0, 1.0,
                                         "relu", torch.float32, "ieee", "auto")
     assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+
+
+def test_the_registered_op_reads_no_c_at_beta_zero(device):
+    # As tilegemm.matmul and torch.addmm: NaN in c stays out of the output and out of a's gradient (the op called
+    # directly read c as 0 * NaN, NaN everywhere)
+    a = torch.randn(5, 6, device=device, requires_grad=True)
+    b = torch.randn(6, 4, device=device)
+    c = torch.full((5, 4), float("nan"), device=device, requires_grad=True)
+    out = torch.ops.tilegemm.matmul(a, b, None, c, 1.0, 0.0, "gelu", None, "ieee", "auto")
+    a64 = a.detach().double().requires_grad_()
+    ref = torch.nn.functional.gelu(a64 @ b.double())
+    assert_rel_close(out, ref, 1e-5)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad.double())
+    assert_rel_close(a.grad, a64.grad, 1e-5)
+    assert torch.equal(c.grad, torch.zeros_like(c))  # addmm's gradient of c at beta 0

@@ -56,6 +56,8 @@ def matmul_op(
     # Called directly (torch.ops.tilegemm.matmul) nothing checked the arguments: a bias shorter than N would be
     # read out of bounds. A replay above repeats a call that passed here.
     check_inputs(call)
+    if c is not None and beta == 0:
+        call = call.replace(c=None)  # as the public function: addmm reads no c at beta 0 (NaN in it stays out)
     if key is None:
         return forward(call)
     with REPLAYS.recording(key, tensors) as kept:
