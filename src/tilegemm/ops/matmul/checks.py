@@ -129,7 +129,7 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
         raise TypeError(f"fast_accum must be a bool, got {_type_name(fast_accum)}")
     if fast_accum and not fp8:
         raise ValueError(f"fast_accum applies to fp8 inputs only; a is {dtype_name(a.dtype)}")
-    if torch.is_grad_enabled():
+    if fp8 and torch.is_grad_enabled():  # (scales come with fp8 operands only: refused above otherwise)
         refuse_fp8_gradients(fp8, a.requires_grad, b.requires_grad,
                              *(isinstance(s, torch.Tensor) and s.requires_grad for s in (scale_a, scale_b)))
     if out_dtype is not None and out_dtype not in DTYPES:  # (before the bias, whose accepted dtypes it names)

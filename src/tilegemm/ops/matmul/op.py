@@ -92,10 +92,11 @@ def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
 
 def _setup_context(ctx, inputs, output):
     call = MatmulCall(*inputs)
-    # The op's own checks run below autograd, with grad mode off: a direct call on an fp8 operand or a scale that
-    # wants a gradient is refused here (its backward ignored the scales; a scale got None)
-    wants = ctx.needs_input_grad + (False,) * (len(MatmulCall._fields) - len(ctx.needs_input_grad))  # (defaults)
-    refuse_fp8_gradients(call.a.dtype in FP8_DTYPES, wants[0], wants[1], wants[10], wants[11])
+    if call.a.dtype in FP8_DTYPES:
+        # The op's own checks run below autograd, with grad mode off: a direct call on an fp8 operand or a scale
+        # that wants a gradient is refused here (its backward ignored the scales; a scale got None)
+        wants = ctx.needs_input_grad + (False,) * (len(MatmulCall._fields) - len(ctx.needs_input_grad))  # (defaults)
+        refuse_fp8_gradients(True, wants[0], wants[1], wants[10], wants[11])
     ctx.save_for_backward(call.a, call.b, call.bias, call.c, call.scale_a, call.scale_b)
     ctx.call = call.replace(a=None, b=None, bias=None, c=None, scale_a=None, scale_b=None)
 
