@@ -157,10 +157,10 @@ def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128
             order = torch.randperm(K, generator=generator)  # inputs of group g: order[g*gs : (g+1)*gs]
     else:
         order = torch.arange(K)
-    # the partial last group padded with zero rows (at most widening its range: still a valid quantization, and the
-    # reference is what the stored tensors mean) and cut again
+    # the partial last group padded with copies of its last row (so its min and max are its own inputs', as the
+    # quantizers take them) and cut again
     pad = G * gs - K
-    grouped = torch.cat([wt[order], wt.new_zeros(pad, N)]).reshape(G, gs, N)
+    grouped = torch.cat([wt[order], wt[order[-1:]].expand(pad, N)]).reshape(G, gs, N)
     lo, hi = grouped.amin(1), grouped.amax(1)  # [G, N]
     if method == "compressed-tensors":
         return _quantize_ct(grouped, order, lo, hi, gs, sym, act_order, unpacked_zero, scale_dtype)
