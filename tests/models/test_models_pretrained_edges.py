@@ -1,9 +1,9 @@
 """Edges of tilegemm.models.from_pretrained found against checkpoints written by the tests' own writer
-(ckpt_writer.py): layers narrower than the group size (stored as one group), a stored bias of the wrong shape, an
-index that maps a tensor to a shard that lacks it, a directory holding only pytorch_model.bin, older quantizers'
-settings files and file names. The loaded models run
-on the ``device`` fixture's device (the CPU under the interpreter, the GPU otherwise), the plain-torch references on
-the CPU."""
+(ckpt_writer.py): layers narrower than the group size (stored as one group), layers whose last group is partial
+(loaded in groups of gcd(K, group_size)), a stored bias of the wrong shape, an index that maps a tensor to a shard
+that lacks it, a directory holding only pytorch_model.bin, older quantizers' settings files and file names. The
+loaded models run on the ``device`` fixture's device (the CPU under the interpreter, the GPU otherwise), the
+plain-torch references on the CPU."""
 
 from __future__ import annotations
 
@@ -57,12 +57,51 @@ def test_layers_narrower_than_the_group_load_as_one_group(tmp_path, method, act_
     assert _rel(model, cw.reference_model(config, reference)) < 3e-3
 
 
-def test_a_partial_last_group_is_still_refused(tmp_path):
-    config = cw.tiny_config("llama", hidden=64)  # down_proj: K = 128, not a multiple of 96 > 64
+@pytest.mark.parametrize("method, sym, act_order", [("gptq", True, False), ("gptq", False, False),
+                                                    ("gptq", False, True), ("awq", False, False),
+                                                    ("compressed-tensors", True, False),
+                                                    ("compressed-tensors", False, True)])
+def test_a_partial_last_group_loads_in_groups_of_the_gcd(tmp_path, method, sym, act_order, device):
+    # hidden 96, group 64: q/k/v/o/gate/up store ceil(96 / 64) = 2 groups, the last of 32 inputs (down: K = 192,
+    # 3 whole groups); they load as groups of gcd(96, 64) = 32, each taking its stored group's scale and zero
+    config = cw.tiny_config("llama", hidden=96)
     path = tmp_path / "c"
-    cw.write_model(path, cw.random_model(config), "gptq", 32)
-    _set_group_size(path, 96)
-    with pytest.raises(ValueError, match=r"down_proj: in_features 128 is not divisible by group_size 96"):
+    reference = cw.write_model(path, cw.random_model(config), method, 64, sym=sym, act_order=act_order)
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "pt") as f:
+        scales = "weight_scale" if method == "compressed-tensors" else "scales"
+        shape = f.get_slice(f"model.layers.0.self_attn.q_proj.{scales}").get_shape()
+    assert 2 in shape  # the writer stored the partial group as the quantizers do
+    model = from_pretrained(path, device=device)
+    layer = model.model.layers[0]
+    assert layer.self_attn.q_proj.group_size == 32 and layer.mlp.down_proj.group_size == 64
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 * config.num_hidden_layers
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+
+
+def test_a_partial_last_group_whose_gcd_no_kernel_takes_is_refused(tmp_path):
+    config = cw.tiny_config("llama", hidden=80)  # q_proj: K = 80, group 64: gcd 16, no kernel's group size
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 64)
+    with pytest.raises(ValueError, match=r"q_proj: in_features 80 is not divisible by group_size 64: its last group "
+                                         r"is partial, which loads exactly as groups of gcd\(80, 64\) = 16 inputs, "
+                                         r"not a group size the kernels take \(32, 64, 128, 256\)"):
+        from_pretrained(path, device="cpu")
+
+
+def test_an_act_order_partial_group_of_other_sizes_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    config = cw.tiny_config("llama", hidden=96)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 64, act_order=True)
+    tensors = load_file(path / "model.safetensors")
+    g_idx = tensors["model.layers.0.self_attn.q_proj.g_idx"]
+    g_idx[int((g_idx == 0).nonzero()[0])] = 1  # groups of 63 and 33 inputs: no cut into groups of 32 is exact
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"q_proj .*g_idx must put group_size = 64 inputs in each group but the "
+                                         r"last, which holds the other 32 \(K = 96\)"):
         from_pretrained(path, device="cpu")
 
 
@@ -145,6 +184,17 @@ def test_experts_narrower_than_the_group_load_as_one_group(tmp_path, device):
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), "gptq", -1, sym=False)
     _set_group_size(path, 128)
+    model = from_pretrained(path, device=device)
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_experts_with_a_partial_last_group_load(tmp_path, device, act_order):
+    # Qwen3-MoE, hidden 96 under group 64: every expert's gate and up (K = 96) store a last group of 32 inputs and
+    # load as groups of 32, stacked with the down projections' groups of 64 (K = 64)
+    config = cw.tiny_moe_config("qwen3_moe", hidden=96, width=64)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 64, sym=False, act_order=act_order)
     model = from_pretrained(path, device=device)
     assert _rel(model, cw.reference_model(config, reference)) < 3e-3
 

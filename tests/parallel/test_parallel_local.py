@@ -333,3 +333,38 @@ def test_parallel_split_layer_the_config_leaves_16_bit_or_other_bits_is_refused(
     with pytest.raises(ValueError, match=r"tp_plan splits model\.layers\.0\.self_attn\.o_proj, " + why):
         load_quantized_sharded_(model, tmp_path / "c", Mesh(), device="cpu")
     assert {n: type(m) for n, m in model.named_modules()} == before  # left as it was given
+
+
+@pytest.mark.parametrize("method, act_order", [("gptq", False), ("gptq", True), ("awq", False),
+                                               ("compressed-tensors", True)])
+def test_parallel_partial_last_group_is_read_whole_and_split_exactly(tmp_path, method, act_order):
+    """A layer whose K the group size does not divide (K = 192, group 128: a stored last group of 64 inputs) is read
+    whole, regrouped in groups of gcd(K, group_size) = 64, then split: each rank's shard is its slice of the
+    checkpoint's weight, along N or along K; a K split that would cut those groups is refused."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    from tilegemm.models import pretrained
+    from tilegemm.parallel import _read_int4_shard
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
+    import ckpt_writer as cw
+
+    N, K = 64, 192
+    t, want = cw.quantize_linear(torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.05, method, 128,
+                                 act_order=act_order, generator=torch.Generator().manual_seed(1))
+    save_file({f"l.{k}": v.contiguous() for k, v in t.items()}, str(tmp_path / "model.safetensors"))
+    qc = cw.quantization_config(method, 128, act_order=act_order)
+    q = pretrained.quant_config({"quantization_config": qc}).for_module("l")
+    tensors = pretrained._Tensors(str(tmp_path), torch.device("cpu"))
+    for rank in range(2):
+        local, index = _read_int4_shard(tensors, "l", q, N, K, "out", rank, 2, torch.float16)
+        assert index is None and local.group_size == 64
+        assert torch.equal(dequantize(local), want[rank * 32:(rank + 1) * 32])  # (act-order: perm kept)
+    for rank in range(3):
+        local, index = _read_int4_shard(tensors, "l", q, N, K, "in", rank, 3, torch.float16)
+        cols = index if act_order else torch.arange(rank * 64, (rank + 1) * 64)
+        assert torch.equal(dequantize(local), want[:, cols])
+    with pytest.raises(ValueError, match=r"a split of K = 192 over 2 ranks \(96 each\) would cut quantization groups "
+                                         r"of group_size = 64"):
+        _read_int4_shard(tensors, "l", q, N, K, "in", 0, 2, torch.float16)

@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
 import warnings
@@ -41,8 +42,8 @@ from tilegemm.nn.moe import NAME as MOE_NAME
 from tilegemm.nn.moe import (_experts_modules, _int4, _stacked_experts, asks_tilegemm, convert_moe_blocks_,
                              experts_off_interface_note, install_int4_experts_, register_experts, use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_compressed_tensors, from_gptq
-from tilegemm.ops.w4a16.format import GROUP_SIZES, _group_size_of, concat_outputs, fits_fragments, one_group_size, \
-    regroup, stack_experts
+from tilegemm.ops.w4a16.format import GROUP_SIZES, _group_size_of, concat_outputs, ct_g_idx, fits_fragments, \
+    one_group_size, regroup, stack_experts
 
 INSTALL = "pip install 'tilegemm[models]'"
 METHODS = ("gptq", "awq", "compressed-tensors", "auto-round", SAVED_METHOD)  # the quant_method values taken
@@ -1063,9 +1064,55 @@ def _one_group(group_size: int, K: int) -> bool:
     return group_size == -1 or K < group_size
 
 
+def _partial_group(group_size: int, K: int) -> bool:
+    """Whether ``K`` inputs end in a partial group of ``group_size``: the quantizers then store ``ceil(K /
+    group_size)`` groups, the last one short."""
+    return not _one_group(group_size, K) and K % group_size != 0
+
+
 def _groups_fit(group_size: int, K: int) -> bool:
-    """Whether ``K`` inputs cut into whole groups of ``group_size`` (a partial last group: no kernel takes it)."""
-    return _one_group(group_size, K) or K % group_size == 0
+    """Whether a layer of ``K`` inputs stored in groups of ``group_size`` loads: whole groups, or a partial last
+    group where ``gcd(K, group_size)`` is a group size the kernels take (:func:`_whole_groups`)."""
+    return not _partial_group(group_size, K) or math.gcd(K, group_size) in GROUP_SIZES
+
+
+def _partial_group_problem(group_size: int, K: int) -> str:
+    """Why a layer of ``K`` inputs whose last group of ``group_size`` is partial does not load (for messages)."""
+    return (f"in_features {K} is not divisible by group_size {group_size}: its last group is partial, which loads "
+            f"exactly as groups of gcd({K}, {group_size}) = {math.gcd(K, group_size)} inputs, not a group size the "
+            f"kernels take ({', '.join(str(g) for g in GROUP_SIZES if g > 0)})")
+
+
+def _whole_groups(parts: dict, g_idx, q: QuantConfig, K: int) -> tuple[dict, torch.Tensor | None]:
+    """A stored layer whose last group is partial (``K`` not a multiple of ``q.group_size``) as the same weight in
+    groups of ``g = gcd(K, group_size)``: every g inputs lie inside one stored group, so each new group takes that
+    group's scale and zero (exact). Act-order: the inputs sorted by stored group (each of group_size but the last)
+    are cut into groups of g in that order. ``parts`` and ``g_idx`` as :func:`_stored_parts` reads them."""
+    gs = q.group_size
+    g = math.gcd(K, gs)
+    if g not in GROUP_SIZES:
+        raise ValueError(_partial_group_problem(gs, K))
+    # compressed-tensors holds groups in columns ([N, G], zeros [ceil(N/8), G] or [N, G]); GPTQ / AWQ in rows
+    dim = 1 if q.method == "compressed-tensors" else 0
+    for role in ("scales", "qzeros"):
+        t = parts[role]
+        if t is not None:
+            parts[role] = t.index_select(dim, torch.arange(K // g, device=t.device) * g // gs).contiguous()
+    if q.method == "compressed-tensors":
+        g_idx = ct_g_idx(g_idx)  # (all -1: the natural order)
+    if g_idx is None:
+        return parts, None
+    if not isinstance(g_idx, torch.Tensor) or g_idx.dtype.is_floating_point or tuple(g_idx.shape) != (K,):
+        raise ValueError(f"g_idx must be an integer tensor [K] = [{K}]")
+    g_idx = g_idx.to(torch.int64)
+    order = torch.sort(g_idx, stable=True).indices
+    natural = torch.arange(K, device=g_idx.device)
+    if not torch.equal(g_idx[order], natural // gs):
+        raise ValueError(f"g_idx must put group_size = {gs} inputs in each group but the last, which holds the "
+                         f"other {K % gs} (K = {K})")
+    rank = torch.empty_like(order)
+    rank[order] = natural  # each input's place in the order sorted by group
+    return parts, rank // g
 
 
 def _packing_problem(q: QuantConfig, N: int, K: int) -> str | None:
@@ -1090,7 +1137,7 @@ def _expected_quant_shapes(q: QuantConfig, N: int, K: int) -> dict[str, tuple[li
         groups = [[G, N] for G in _group_counts(K)]
         return dict(qweight=([[K // 8, N]], True), scales=(groups, True), zeros=(groups, True),
                     perm=([[K], [0]], False))
-    G = 1 if _one_group(q.group_size, K) else K // q.group_size
+    G = 1 if _one_group(q.group_size, K) else -(-K // q.group_size)  # (a partial last group: _groups_fit said it loads)
     if q.method == "gptq":
         return dict(qweight=([[K // 8, N]], True), qzeros=([[G, N // 8]], True), scales=([[G, N]], True),
                     g_idx=([[K]], q.desc_act))
@@ -1190,23 +1237,27 @@ def _import_columns(parts: dict, g_idx, q: QuantConfig, a: int, b: int) -> Int4W
     return w
 
 
-def _stored_parts(tensors: "_Tensors", prefix: str, q: QuantConfig, dtype) -> tuple[dict, torch.Tensor | None]:
+def _stored_parts(tensors: "_Tensors", prefix: str, q: QuantConfig, dtype,
+                  K: int) -> tuple[dict, torch.Tensor | None]:
     """A stored quantized Linear's tensors by role (scales in ``dtype``; qzeros None where not stored), and its
-    g_idx (None where not stored)."""
+    g_idx (None where not stored); a partial last group of its ``K`` inputs as whole groups (:func:`_whole_groups`)."""
     parts = {}
     for role in ("qweight", "qzeros", "scales"):
         key = f"{prefix}.{q.leaf(role)}"
         parts[role] = tensors.get(key) if key in tensors else None
     parts["scales"] = parts["scales"].to(dtype)
     g_key = f"{prefix}.{q.leaf('g_idx')}" if q.leaf("g_idx") else None
-    return parts, tensors.get(g_key) if g_key is not None and g_key in tensors else None
+    g_idx = tensors.get(g_key) if g_key is not None and g_key in tensors else None
+    if q.method != SAVED_METHOD and _partial_group(q.group_size, K):
+        return _whole_groups(parts, g_idx, q, K)
+    return parts, g_idx
 
 
 def _int4_weight(tensors: _Tensors, prefix: str, q: QuantConfig, N: int, K: int, dtype,
                  chunk_weights: int | None = None) -> Int4Weight:
     """The :class:`Int4Weight` of the quantized Linear ``prefix`` (out ``N``, in ``K``) with its fragment layout
     made, converted a slice of output columns at a time (:data:`CHUNK_WEIGHTS`)."""
-    parts, g_idx = _stored_parts(tensors, prefix, q, dtype)
+    parts, g_idx = _stored_parts(tensors, prefix, q, dtype, K)
     step = max(256, (chunk_weights or CHUNK_WEIGHTS) // K // 256 * 256)
     pieces, frags = [], []
     for a in range(0, N, step):
@@ -1410,8 +1461,7 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
             problems.append(f"{key}: [out, in] = [{N}, {K}]: {packing}")
             continue
         if not _groups_fit(qk.group_size, K):
-            problems.append(f"{key}: [out, in] = [{N}, {K}] does not fit 4-bit packing with group_size "
-                            f"{qk.group_size}")
+            problems.append(f"{key}: [out, in] = [{N}, {K}]: {_partial_group_problem(qk.group_size, K)}")
             continue
         used |= _check_quant_shapes(tensors, key, qk, N, K, f"expert {s.name}", problems, missing)
         if f"{key}.bias" in tensors and not biased:
@@ -1459,7 +1509,7 @@ def _expert_weight(tensors: _Tensors, key: str, q: QuantConfig, N: int, K: int, 
     """One stored expert Linear as an :class:`Int4Weight` (no fragment layout: the grouped kernels read the
     stacked parts), with the checkpoint's group size (-1 stays -1 for every projection); act-order (a g_idx that
     reorders the inputs) keeps its input permutation, which the stacked experts carry an expert each."""
-    parts, g_idx = _stored_parts(tensors, key, q, dtype)
+    parts, g_idx = _stored_parts(tensors, key, q, dtype, K)
     w = _import_columns(parts, g_idx, q, 0, N)
     if _one_group(q.group_size, K) and w.group_size != -1:  # one group: -1 for every expert and projection
         w = Int4Weight(w.qweight, w.scales, w.zeros, -1, w.shape, w.perm)
@@ -1700,7 +1750,7 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
             problems.append(f"{name}: [out, in] = [{N}, {K}]: {packing}")
             continue
         if qm.method != SAVED_METHOD and not _groups_fit(qm.group_size, K):  # (saved: its own, from its shapes)
-            problems.append(f"{name}: in_features {K} is not divisible by group_size {qm.group_size}")
+            problems.append(f"{name}: {_partial_group_problem(qm.group_size, K)}")
             continue
         _check_quant_shapes(tensors, name, qm, N, K, f"{type(m).__name__}(in_features={K}, out_features={N})",
                             problems, missing)

@@ -39,8 +39,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from tilegemm.models.pretrained import _check_quant_shapes, _default_device, _import_columns, _left_16_bit_by, \
-    _named_16_bit, _saved_weight, _stored_parts, _Tensors, awq_eights, empty_model, load_quantized_, quant_config, \
-    read_config, resolve_dtype, unchanged_on_error
+    _named_16_bit, _partial_group, _saved_weight, _stored_parts, _Tensors, awq_eights, empty_model, load_quantized_, \
+    quant_config, read_config, resolve_dtype, unchanged_on_error
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
 from tilegemm.nn.moe import expert_group_size
@@ -856,6 +856,10 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
     if problems:
         raise ValueError("; ".join(problems))
     gs = q.group_size
+    if q.method != SAVED_METHOD and _partial_group(gs, K):
+        # a partial last group: read whole and regrouped exactly (its groups of gcd(K, group_size)), then cut
+        parts, g_idx = _stored_parts(tensors, prefix, q, dtype, K)
+        return shard_int4(_import_columns(parts, g_idx, q, 0, N), split, rank, world)
     if q.method == SAVED_METHOD:  # tilegemm's own buffers (a model it saved): the house kinds
         perm = tensors.get(f"{prefix}.perm") if f"{prefix}.perm" in tensors else None
         perm = perm if perm is not None and perm.numel() else None
@@ -874,7 +878,7 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
     if q.method == "compressed-tensors":
         g_idx = ct_g_idx(_act_order(tensors, f"{prefix}.weight_g_idx", f"{prefix}.weight_scale", K, 1))
         if split == "in" and g_idx is not None:  # as GPTQ's below: whole, then cut after the import
-            parts, _ = _stored_parts(tensors, prefix, q, dtype)
+            parts, _ = _stored_parts(tensors, prefix, q, dtype, K)
             return shard_int4(_import_columns(parts, g_idx, q, 0, N), "in", rank, world)
         parts = {}
         for role in ("qweight", "qzeros", "scales"):
