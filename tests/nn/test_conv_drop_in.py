@@ -102,26 +102,35 @@ def test_from_conv_with_a_hook_based_weight_norm(device):
     assert_rel_close(new(x), conv(x).detach().double(), 1e-5)
 
 
-def test_from_conv_copies_the_hook_dicts(device):
-    conv = torch.nn.Conv2d(4, 6, 3).to(device)
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_from_linear_and_from_conv_copy_the_hook_dicts(kind, device):
+    # the hook dicts (and the other dicts and sets) are the new module's own: had they been the original's objects,
+    # a hook added to the converted layer would fire on the original too, and a buffer registered on one would
+    # change the other's
+    if kind == "linear":
+        base, cls, x = torch.nn.Linear(8, 4).to(device), Linear, torch.randn(2, 8, device=device)
+        new_of = Linear.from_linear
+    else:
+        base, cls, x = torch.nn.Conv2d(4, 6, 3).to(device), Conv2d, torch.randn(1, 4, 6, 6, device=device)
+        new_of = Conv2d.from_conv
     before = []
-    conv.register_forward_hook(lambda m, i, o: before.append(type(m)))
-    new = Conv2d.from_conv(conv)
-    on_new, on_conv = [], []
+    base.register_forward_hook(lambda m, i, o: before.append(type(m)))
+    new = new_of(base)
+    on_new, on_base = [], []
     new.register_forward_hook(lambda m, i, o: on_new.append(type(m)))
     new.register_forward_pre_hook(lambda m, i: on_new.append("pre"))
-    conv.register_forward_hook(lambda m, i, o: on_conv.append(type(m)))
-    x = torch.randn(1, 4, 6, 6, device=device)
-    conv(x)
-    assert on_new == [] and on_conv == [torch.nn.Conv2d]
+    base.register_forward_hook(lambda m, i, o: on_base.append(type(m)))
+    base(x)
+    assert on_new == [] and on_base == [type(base)]
     new(x)
-    assert on_new == ["pre", Conv2d] and on_conv == [torch.nn.Conv2d]
-    assert before == [torch.nn.Conv2d, Conv2d]  # a hook the conv had before carries over
-    for key, value in vars(conv).items():
+    assert on_new == ["pre", cls] and on_base == [type(base)]
+    assert before == [type(base), cls]  # a hook the module had before carries over
+    assert new.weight is base.weight  # the parameters are shared
+    for key, value in vars(base).items():
         if isinstance(value, (dict, set)):
             assert vars(new)[key] is not value, key
-    new.register_buffer("extra", torch.zeros(1))
-    assert "extra" not in conv.state_dict()
+    new.register_buffer("extra", torch.zeros(1), persistent=False)
+    assert "extra" not in base._buffers and "extra" not in base._non_persistent_buffers_set
 
 
 @pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])

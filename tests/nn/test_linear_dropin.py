@@ -84,31 +84,6 @@ def test_vector_expanded_and_permuted_inputs(device):
         assert_rel_close(m(x).detach(), F.gelu(ref(x)).detach(), 1e-5)
 
 
-def test_from_linear_copies_the_hook_dicts(device):
-    # as Conv2d.from_conv: the hook dicts (and the other dicts and sets) were the Linear's own objects, so a hook
-    # added to the converted layer fired on the original too, and a buffer registered on one changed the other's
-    lin = torch.nn.Linear(8, 4).to(device)
-    before = []
-    lin.register_forward_hook(lambda m, i, o: before.append(type(m)))
-    new = Linear.from_linear(lin)
-    on_new, on_lin = [], []
-    new.register_forward_hook(lambda m, i, o: on_new.append(type(m)))
-    new.register_forward_pre_hook(lambda m, i: on_new.append("pre"))
-    lin.register_forward_hook(lambda m, i, o: on_lin.append(type(m)))
-    x = torch.randn(2, 8, device=device)
-    lin(x)
-    assert on_new == [] and on_lin == [torch.nn.Linear]
-    new(x)
-    assert on_new == ["pre", Linear] and on_lin == [torch.nn.Linear]
-    assert before == [torch.nn.Linear, Linear]  # a hook the Linear had before carries over
-    assert new.weight is lin.weight  # the parameters are shared
-    for key, value in vars(lin).items():
-        if isinstance(value, (dict, set)):
-            assert vars(new)[key] is not value, key
-    new.register_buffer("extra", torch.zeros(1), persistent=False)
-    assert "extra" not in lin._buffers and "extra" not in lin._non_persistent_buffers_set
-
-
 class _Doubled(torch.nn.Module):
     def forward(self, w):
         return 2 * w
