@@ -36,10 +36,14 @@ def test_beta_zero_still_checks_c():
 
 @pytest.mark.parametrize("a_shape,b_shape", [((8,), (8, 3)), ((4, 8), (8,)), ((8,), (8,)), ((2, 4, 8), (8,)),
                                              ((8,), (2, 8, 3))])
-def test_one_dimensional_operands_like_torch_matmul(a_shape, b_shape):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_one_dimensional_operands_like_torch_matmul(a_shape, b_shape, with_bias):
     a, b = torch.randn(a_shape), torch.randn(b_shape)
-    out = tilegemm.matmul(a, b)
+    bias = torch.randn(b_shape[-1] if len(b_shape) > 1 else 1) if with_bias else None
+    out = tilegemm.matmul(a, b, bias=bias)
     ref = torch.matmul(a.double(), b.double())
+    if with_bias:  # torch's broadcast: a scalar product plus a [1] bias is [1]
+        ref = ref + bias.double()
     assert out.shape == ref.shape
     assert relative_error(out, ref) <= tolerance(torch.float32)
 

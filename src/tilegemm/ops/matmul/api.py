@@ -116,5 +116,7 @@ def _with_vectors(a, b, c=None, **kw) -> torch.Tensor:
     out = matmul(a2, b2, c=c, **kw)
     if b.ndim == 1:
         out = out.squeeze(-1)
+    if a.ndim == 1 and b.ndim == 1 and kw.get("bias") is not None:
+        return out  # torch.matmul(a, b) + bias: the scalar broadcast against the bias's [1]
     return out.squeeze(-1 if b.ndim == 1 else -2) if a.ndim == 1 else out
 
