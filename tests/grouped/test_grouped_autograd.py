@@ -116,6 +116,17 @@ def test_fakes_of_the_gated_and_int4_ops_check():
             torch.ops.tilegemm.grouped_w4a16(x, q, s, s, offs, None, 64, "none", False, "auto")
 
 
+def test_fakes_name_an_unknown_precision():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a, b, offs = torch.empty(9, 16), torch.empty(3, 16, 8), torch.empty(3, dtype=torch.int32)
+        with pytest.raises(ValueError, match="unknown precision 'fast'"):
+            torch.ops.tilegemm.grouped_mm(a, b, offs, None, None, "fast", "auto")
+        with pytest.raises(ValueError, match="unknown precision 'fast'"):
+            torch.ops.tilegemm.grouped_mm_gated(a, b, offs, None, "silu", "fast")
+
+
 def test_torch_compile_fullgraph(device):
     def f(x, w, offs):
         return tilegemm.grouped_mm(x, w, offs=offs).relu() * 2.0

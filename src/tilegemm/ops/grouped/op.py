@@ -67,6 +67,7 @@ def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor]
 @grouped_mm_op.register_fake
 def _fake(a, b, offs, bias, out_dtype, precision, kernel):
     check_mm_call(a, b, offs, bias, out_dtype, kernel)  # a traced call fails where it is traced (no values read)
+    resolve_precision(precision, a.dtype)  # (names an unknown precision)
     layout = f"{a.dim()}d{b.dim()}d"
     return a.new_empty(out_shape(layout, a.shape, b.shape, _groups(layout, a, b, offs)), dtype=out_dtype or a.dtype)
 
@@ -229,6 +230,7 @@ def grouped_mm_gated_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bi
 @grouped_mm_gated_op.register_fake
 def _fake_gated(a, b, offs, bias, activation, precision):
     check_gated_call(a, b, offs, bias, activation)
+    resolve_precision(precision, a.dtype)
     return a.new_empty((a.shape[0], b.shape[2] // 2))
 
 
