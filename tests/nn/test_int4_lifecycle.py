@@ -300,6 +300,10 @@ def test_a_memory_format_leaves_the_fragment_layouts_dense(make, device):
         keep_fragments_(block, "down_proj", w)
         assert block.tilegemm_down_proj_frag_w.dim() == 5
     before = _parts(model)
+    x = torch.randn(1, 64, dtype=torch.float16, device=device)  # one row: the small-batch kernel reads fragments
+    y = model(x) if make == "linear" else None
     model.to(memory_format=torch.channels_last)
     after = dict(model.named_buffers())
     assert all(t.is_contiguous() and torch.equal(t, before[n]) for n, t in after.items())
+    if make == "linear":
+        torch.testing.assert_close(model(x), y, rtol=0, atol=0)
