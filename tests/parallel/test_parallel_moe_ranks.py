@@ -106,6 +106,26 @@ def moe_ranks(rank, world, mesh, models, tmp):
         assert comms == {"all_reduce": 2}, comms  # one a MoE block
         _close(out, want, tol, f"Qwen3-MoE, {name} experts, tensor-parallel")
 
+    # hidden states of the wrong width: named against the block's H and the style's input layout, before DTensor
+    # infers another H from them (the grouped op would name the routed rows and that H)
+    idx, weights = torch.randint(0, 8, (5, 2)), torch.rand(5, 2).half()
+    with pytest.raises(ValueError, match=r"Qwen3MoeExperts split along the experts' intermediate size over 2 ranks "
+                                         r"\(hidden size H = 32\): hidden_states is \[5, 16\], but input_layouts="
+                                         r"\(Replicate\(\),\) makes a plain hidden_states all of H = 32$"):
+        experts(torch.randn(5, 16).half(), idx, weights)
+    with pytest.raises(ValueError, match=r"hidden_states is \[5, 64\], .* all of H = 32"):
+        experts(hidden_states=torch.randn(5, 64).half(), top_k_index=idx, top_k_weights=weights)
+    sliced = parallelize_module(copy.deepcopy(models["fp32"].model.layers[0].mlp.experts), mesh,
+                                tnn.ExpertsTensorParallel(input_layouts=Shard(-1)))
+    with pytest.raises(ValueError, match=r"hidden_states is \[5, 32\], but input_layouts=\(Shard\(dim=-1\),\) "
+                                         r"makes a plain hidden_states this rank's slice of H, 16 wide; pass each "
+                                         r"rank its slice, or input_layouts=Replicate\(\) for the whole input"):
+        sliced(torch.randn(5, 32), idx, weights.float())
+    x = torch.randn(5, 32)  # (the same on every rank)
+    with torch.no_grad():
+        _close(sliced(x.chunk(world, -1)[rank], idx, weights.float()),
+               models["fp32"].model.layers[0].mlp.experts(x, idx, weights.float()), FP32_TOL, "experts given H / 2")
+
     # a sharded load: each rank reads its slices of the experts (the gate and up ranges, I's rows, whole groups)
     from tilegemm.parallel import load_sharded_
 

@@ -156,22 +156,30 @@ def _from_local_output(out, mesh, produced, desired, use_local):
     return dt.to_local() if use_local else dt
 
 
-def _check_width(given, world: int, K: int, dim: str, mod, inputs) -> None:
-    """Refuse a plain input whose last dim is not what ``given`` (the style's ``input_layouts``) makes of the
-    layer's ``K`` inputs: DTensor would infer another global K from it (``K / ranks`` given all of K, as a row-parallel
-    layer given the whole input), and the product fail naming that K, or an act-order gather read the wrong inputs."""
+_SPLITS = {"out": "column-parallel", "in": "row-parallel", "experts": "along the experts' intermediate size"}
+
+
+def _check_width(given, world: int, K: int, dim: str, mod, inputs, *, axis: int = -1,
+                 size: str = "in_features K", arg: str = "x") -> None:
+    """Refuse a plain input (named ``arg``) whose dim ``axis`` (the last: a Linear's inputs, an experts block's hidden
+    size; -3: a convolution's channels) is not what ``given`` (the style's ``input_layouts``) makes of the layer's
+    ``K`` (named ``size``) for a ``dim`` split: DTensor would infer another global K from it (``K / ranks`` given
+    all of K, as a row-parallel layer given the whole input), and the product fail naming that K, or an act-order
+    gather read the wrong inputs."""
     x = inputs[0] if inputs else None
-    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.ndim == 0:
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.ndim < -axis:
         return
-    split = any(isinstance(p, Shard) and p.dim % x.ndim == x.ndim - 1 for p in given)
-    want = K // world if split else K
-    if x.shape[-1] != want:
-        kind = "column" if dim == "out" else "row"
-        holds = f"this rank's slice of K, {want} wide" if split else f"all of K = {want}"
+    at = axis % x.ndim
+    split = any(isinstance(p, Shard) and p.dim % x.ndim == at for p in given)
+    letter = size.rpartition(" ")[2]
+    want = _even(size, K, world) if split else K
+    if x.shape[at] != want:
+        holds = f"this rank's slice of {letter}, {want} wide" if split else f"all of {letter} = {want}"
         fix = ("; pass each rank its slice, or input_layouts=Replicate() for the whole input" if split else
-               "" if dim == "out" else "; pass input_layouts=Shard(-1) for each rank's slice")
-        raise ValueError(f"{type(mod).__name__} split {kind}-parallel over {world} ranks (in_features K = {K}): x is "
-                         f"{list(x.shape)}, but input_layouts={tuple(given)} makes a plain x {holds}{fix}")
+               f"; pass input_layouts=Shard({axis}) for each rank's slice" if dim == "in" else "")
+        where = "" if axis == -1 else f"'s dim {at}"
+        raise ValueError(f"{type(mod).__name__} split {_SPLITS[dim]} over {world} ranks ({size} = {K}): {arg} is "
+                         f"{list(x.shape)}, but input_layouts={tuple(given)} makes a plain {arg}{where} {holds}{fix}")
 
 
 def _int4_input_hook(style, mesh, desired, grad_placements, mod, inputs):
@@ -508,11 +516,26 @@ def _experts_part(module: nn.Module, leaf: str, sl, rank: int, world: int) -> to
     return sl[:, rank * i // per:(rank + 1) * i // per].contiguous()  # (the kernels read the parts contiguous)
 
 
-def _experts_input_hook(style, mesh, mod, args, kwargs):
+def _experts_hidden(module: nn.Module) -> int:
+    """The hidden size H an experts block takes: its up side's inputs (``gate_up_proj`` ``[E, 2I, H]``, ``[E, H,
+    2I]`` transposed; 4-bit qweight ``[E, H/8, 2I]``)."""
+    up, _ = _experts_names(module)
+    q = getattr(module, f"tilegemm_{up}_qweight", None)
+    if q is not None:
+        return q.shape[1] * 8
+    return getattr(module, up).shape[1 if getattr(module, "is_transposed", False) else 2]
+
+
+_HIDDEN = {"size": "hidden size H", "arg": "hidden_states"}  # how _check_width names an experts block's input
+
+
+def _experts_input_hook(style, mesh, H, mod, args, kwargs):
     args = list(args)
     if args:
+        _check_width(style.input_layouts, mesh.size(), H, "experts", mod, args[:1], **_HIDDEN)
         args[0] = _to_local_input(args[0], mesh, style.input_layouts, (Replicate(),))
     elif "hidden_states" in kwargs:
+        _check_width(style.input_layouts, mesh.size(), H, "experts", mod, (kwargs["hidden_states"],), **_HIDDEN)
         kwargs["hidden_states"] = _to_local_input(kwargs["hidden_states"], mesh, style.input_layouts,
                                                   (Replicate(),))
     # the routing (top_k_index, top_k_weights): the same on every rank
@@ -544,7 +567,8 @@ class ExpertsTensorParallel(ParallelStyle):
         register()
         rank, world = _mesh_rank(device_mesh)
         shard_experts_(module, rank, world)
-        module.register_forward_pre_hook(partial(_experts_input_hook, self, device_mesh), with_kwargs=True)
+        module.register_forward_pre_hook(partial(_experts_input_hook, self, device_mesh, _experts_hidden(module)),
+                                         with_kwargs=True)
         module.register_forward_hook(partial(_int4_output_hook, self, device_mesh, (Partial(),)))
         return module
 
