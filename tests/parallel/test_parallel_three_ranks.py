@@ -1,6 +1,6 @@
 """Tensor parallelism over 3 gloo ranks (CPU, kernels under Triton's interpreter): splits of sizes that 2 and 4
 divide evenly differ here (act-order inputs scattered over every rank's slice, a replicated bias made a partial by
-dividing by 3), and the errors of inputs and meshes a split layer cannot take."""
+dividing by 3), and the errors of inputs and meshes a split layer cannot take (Linears, convolutions)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,26 @@ def three_ranks(rank, world, mesh):
     with pytest.raises(ValueError, match=r"Int4Linear split column-parallel .* x is \[3, 32\], but input_layouts="
                                          r"\(Replicate\(\),\) makes a plain x all of K = 96"):
         q[0](torch.randn(3, 32).half())
+
+    # convolutions by channels: an unbatched [C, H, W] input split along C (its dim 0), as a batched one along dim 1;
+    # plain inputs of the wrong channel count or rank named against in_channels and the layout
+    torch.manual_seed(1)
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 1), torch.nn.ReLU(), torch.nn.Conv2d(6, 3, 1))
+    convs = parallelize_module(tnn.convert_(copy.deepcopy(conv)), mesh, plan)
+    xc = torch.randn(3, 4, 4)
+    with torch.no_grad():
+        assert convs[0](xc).shape == (2, 4, 4)  # this rank's 2 of 6 output channels
+        _close(convs(xc), conv(xc), 1e-5, "Conv2d column then row, unbatched, 3 ranks")
+    with pytest.raises(ValueError, match=r"Conv2d split row-parallel over 3 ranks \(in_channels C = 6\): x is "
+                                         r"\[2, 6, 4, 4\], but input_layouts=\(Shard\(dim=-3\),\) makes a plain x's "
+                                         r"dim 1 this rank's slice of C, 2 wide; pass each rank its slice"):
+        convs[2](torch.randn(2, 6, 4, 4))
+    with pytest.raises(ValueError, match=r"Conv2d split column-parallel .* x is \[1, 4, 4\], but input_layouts="
+                                         r"\(Replicate\(\),\) makes a plain x's dim 0 all of C = 3$"):
+        convs[0](torch.randn(1, 4, 4))
+    with pytest.raises(ValueError, match=r"Conv2d split row-parallel over 3 ranks: x must be a batched \[N, C, H, W\] "
+                                         r"\(4 dims\) or unbatched \[C, H, W\] \(3 dims\) input, got shape \[2, 2\]"):
+        convs[2](torch.randn(2, 2))
 
     # split twice: refused (a second split would cut the shard again), not run on a shard of the shard
     with pytest.raises(ValueError, match=r"this Int4Linear is split already \(column-parallel"):

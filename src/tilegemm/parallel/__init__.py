@@ -257,6 +257,18 @@ def _check_conv(module) -> None:
                          f"split its batch instead (a Shard(0) input with a replicated weight)")
 
 
+_CHANNELS = (Shard(-3),)  # a convolution's channels: dim 1 of [N, C, H, W], dim 0 of an unbatched [C, H, W]
+
+
+def _check_conv_input(given, world: int, dim: str, mod, x) -> None:
+    """Refuse a plain x that a channel-split convolution cannot take: not 3-D or 4-D (the op's own error would name
+    the global shape DTensor infers from it), or channels other than ``given`` makes of ``in_channels``."""
+    if isinstance(x, torch.Tensor) and x.ndim not in (3, 4):
+        raise ValueError(f"{type(mod).__name__} split {_SPLITS[dim]} over {world} ranks: x must be a batched "
+                         f"[N, C, H, W] (4 dims) or unbatched [C, H, W] (3 dims) input, got shape {list(x.shape)}")
+    _check_width(given, world, mod.in_channels, dim, mod, (x,), axis=-3, size="in_channels C")
+
+
 def _placed_as(placements, grad):
     """``grad`` (a DTensor) redistributed to ``placements``, its parameter's."""
     return grad if grad.placements == placements else grad.redistribute(placements=placements)
@@ -281,9 +293,10 @@ def _shard_conv(module, mesh, dim: str, given, wanted, use_local: bool):
     def input_fn(mod, inputs, mesh):
         x = inputs[0]
         if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, given, run_check=False)
-        want = (Replicate(),) if dim == "out" else (Shard(1),)
-        if x.placements != _normal(want, x.ndim):
+            _check_conv_input(given, mesh.size(), dim, mod, x)
+            x = DTensor.from_local(x, mesh, _normal(given, x.ndim), run_check=False)
+        want = _normal((Replicate(),) if dim == "out" else _CHANNELS, x.ndim)
+        if x.placements != want:
             x = x.redistribute(placements=want)
         return (x, *inputs[1:])
 
@@ -299,15 +312,16 @@ def _shard_conv(module, mesh, dim: str, given, wanted, use_local: bool):
 class ColwiseParallel(_TorchColwise):
     """Column-parallel (weight split along its outputs N), like ``torch.distributed.tensor.parallel.ColwiseParallel``
     and with its arguments, for ``nn.Linear`` (torch's own style), :class:`~tilegemm.nn.Int4Linear` (a local 4-bit
-    weight of N / ranks columns) and :class:`~tilegemm.nn.Conv2d` (output channels; the output is split along dim
-    1 unless ``output_layouts`` says otherwise). Input replicated; output split along its last dim (Linear)."""
+    weight of N / ranks columns) and :class:`~tilegemm.nn.Conv2d` (output channels; the output is split along its
+    channels, dim 1, or 0 unbatched, unless ``output_layouts`` says otherwise). Input replicated; output split
+    along its last dim (Linear)."""
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
         self._default_output = output_layouts is None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        wanted = (Shard(1),) if self._default_output else self.output_layouts  # a convolution's channels
+        wanted = _CHANNELS if self._default_output else self.output_layouts
         return _apply_style(self, module, device_mesh, "out", self.input_layouts, wanted, super()._apply)
 
 
@@ -346,16 +360,16 @@ class RowwiseParallel(_TorchRowwise):
     """Row-parallel (weight split along its inputs K), like ``torch.distributed.tensor.parallel.RowwiseParallel``
     and with its arguments, for ``nn.Linear`` (torch's own style), :class:`~tilegemm.nn.Int4Linear` (a local 4-bit
     weight of K / ranks rows, whole quantization groups; act-order weights gather their input, docs/parallel.md)
-    and :class:`~tilegemm.nn.Conv2d` (input channels). Input split along its last dim (channels, dim 1, for a
-    convolution); each rank's partial output summed by an all-reduce (or reduce-scattered to ``output_layouts``).
-    The bias is added once."""
+    and :class:`~tilegemm.nn.Conv2d` (input channels). Input split along its last dim (a convolution's channels:
+    dim 1, or 0 unbatched); each rank's partial output summed by an all-reduce (or reduce-scattered to
+    ``output_layouts``). The bias is added once."""
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
         self._default_input = input_layouts is None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        given = (Shard(1),) if self._default_input else self.input_layouts  # a convolution's channels
+        given = _CHANNELS if self._default_input else self.input_layouts
         return _apply_style(self, module, device_mesh, "in", given, self.output_layouts, super()._apply)
 
 
