@@ -185,6 +185,42 @@ def test_gradient_memory_formats_match_torch(w_shape, conv, x_format, w_format, 
             assert g.stride() == want[names.index(name)].stride(), name
 
 
+_VIEWS = {  # views whose layout is told apart by torch's stride test, not by is_contiguous(channels_last)
+    "cl-channels-sliced": lambda t: t.repeat(1, 2, 1, 1).contiguous(memory_format=CL)[:, :t.shape[1]],  # torch.chunk
+    "cl-batch-sliced": lambda t: t.repeat(2, 1, 1, 1).contiguous(memory_format=CL)[::2],
+    "hwc-unsqueezed": lambda t: t[:1].permute(0, 2, 3, 1).contiguous()[0].permute(2, 0, 1)[None],  # CL-contiguous
+}
+
+
+@pytest.mark.parametrize("of,view", [("x", view) for view in _VIEWS] + [("weight", "cl-channels-sliced"),
+                                                                        ("weight", "cl-batch-sliced")])
+@pytest.mark.parametrize("w_shape,conv", [
+    pytest.param((6, 4, 3, 3), dict(padding=1), id="3x3"),
+    pytest.param((6, 2, 3, 3), dict(stride=2, padding=1, groups=2), id="3x3-stride2-groups2"),
+    pytest.param((6, 4, 1, 1), dict(stride=2), id="1x1-stride2"),
+    pytest.param((8, 1, 3, 3), dict(padding=1, groups=4), id="depthwise"),
+])
+def test_memory_formats_of_views_match_torch(w_shape, conv, of, view, device):
+    """A view of a channels-last tensor (its channels or batch sliced, as torch.chunk gives them) makes the output
+    and the gradients channels-last, and an HWC image unsqueezed to a batch of one does not (its batch stride
+    breaks torch's test), as torch's convolution decides by ``suggest_memory_format``."""
+    x = torch.randn(2, 4, 6, 5, device=device)
+    w = torch.randn(w_shape, device=device) / (w_shape[1] * w_shape[2] * w_shape[3]) ** 0.5
+    x, w = (_VIEWS[view](x), w) if of == "x" else (x, _VIEWS[view](w))
+    got, want = [], []
+    for fn, out_of, dtype in ((tilegemm.conv2d, got, torch.float32), (torch.nn.functional.conv2d, want, torch.float64)):
+        xs, ws = (t.detach().to(dtype).requires_grad_() for t in (x, w))  # (.to and detach keep the strides)
+        out = fn(xs, ws, None, **conv)
+        dy = torch.randn(out.shape, device=device, generator=torch.Generator(device).manual_seed(7)).to(dtype)
+        out_of.append(out)
+        out_of.extend(torch.autograd.grad(out, (xs, ws), dy.contiguous(memory_format=torch.preserve_format)))
+    for name, g, r in zip(("output", "grad x", "grad weight"), got, want):
+        assert _dense_strides(g) == _dense_strides(r), (name, g.stride(), r.stride())
+        assert_rel_close(g, r, 1e-5)
+    meta = [torch.empty_strided(t.shape, t.stride(), device="meta") for t in (x, w)]  # (through the op's fake)
+    assert _dense_strides(tilegemm.conv2d(*meta, None, **conv)) == _dense_strides(want[0])
+
+
 def test_torch_compile_fullgraph_forward_and_backward(device):
     def f(x, w, b):
         return tilegemm.conv2d(x, w, b, stride=1, padding=1, activation="gelu", precision="ieee") * 2.0

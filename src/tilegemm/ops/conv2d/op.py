@@ -23,7 +23,7 @@ from tilegemm.ops.conv2d import dispatch
 from tilegemm.ops.conv2d.checks import check_op_call, replay_key
 from tilegemm.ops.conv2d.configs import takes_grouped_direct
 from tilegemm.ops.conv2d.problem import (
-    ConvCall, DgradCall, WgradCall, channels_last, geometry_of, output_format, wgrad_format,
+    ConvCall, DgradCall, WgradCall, geometry_of, output_format, strides_like_channels_last, wgrad_format,
 )
 
 REPLAYS = ReplayCache("conv2d")
@@ -169,7 +169,7 @@ def _setup_context(ctx, inputs, output):
     # The gradients take the output's memory format (channels-last where x or the weight is), as torch's
     # convolution backward returns them: a channels-last weight fed an NCHW x gets a channels-last grad of x too.
     ctx.layer_channels_last = output_format(x, weight) is torch.channels_last
-    ctx.w_channels_last = channels_last(weight)
+    ctx.w_channels_last = strides_like_channels_last(weight)
 
 
 def _copies_dy(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, conv) -> bool:
@@ -243,7 +243,7 @@ def _dgrad_backward(ctx, grad_dx):
                              ctx.precision, "auto")
     if ctx.needs_input_grad[1]:
         grad_w = _wgrad_op(dy, g, list(weight.shape), stride, padding, dilation, groups, ctx.precision,
-                           channels_last(weight)).to(weight.dtype)
+                           strides_like_channels_last(weight)).to(weight.dtype)
     return grad_dy, grad_w, None, None, None, None, None, None, None
 
 
@@ -253,7 +253,7 @@ def _wgrad_setup_context(ctx, inputs, output):
     ctx.conv = (list(stride), list(padding), list(dilation), groups)
     ctx.precision = precision
     # (grad of x in the layer's format, as the first-order backward returns it: channels-last where x or w is)
-    ctx.x_channels_last = channels_last(x) or bool(inputs[8] if len(inputs) > 8 else False)
+    ctx.x_channels_last = strides_like_channels_last(x) or bool(inputs[8] if len(inputs) > 8 else False)
 
 
 def _wgrad_backward(ctx, grad_dw):

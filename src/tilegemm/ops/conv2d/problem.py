@@ -85,24 +85,50 @@ def channels_last(t: torch.Tensor) -> bool:
     return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
 
 
+def strides_like_channels_last(t: torch.Tensor) -> bool:
+    """Whether ``t.suggest_memory_format()`` is channels-last, the test torch's convolutions choose their output's
+    and gradients' format by: strides ordered C < W < H < N, each at least the extent of the dims inside it. Unlike
+    :func:`channels_last`, views of a channels-last tensor pass (a slice of its channels or its batch, as
+    ``torch.chunk`` gives), and ``[C, H, W]`` of an HWC image unsqueezed to a batch of one does not."""
+    if t.dim() != 4 or t.is_contiguous():
+        return False
+    sizes, strides = t.shape, t.stride()
+    if not all(type(v) is int for v in (*sizes, *strides)):  # symbolic (torch.compile's dynamic shapes): torch's own
+        from torch._prims_common import suggest_memory_format
+
+        return suggest_memory_format(t) == torch.channels_last
+    if strides[1] == 0:  # (channels broadcast: NCHW, as torch)
+        return False
+    extent = 0
+    for d in (1, 3, 2, 0):
+        # (d = 0 at the channels' stride: [N, 1, 1, 1]-like, as NCHW as channels-last; torch says NCHW)
+        if sizes[d] == 0 or strides[d] < extent or d == 0 and strides[1] == extent:
+            return False
+        extent = strides[d] * sizes[d]
+    return True
+
+
 def memory_format_of(t: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if channels_last(t) else torch.contiguous_format
 
 
 def output_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
-    """A convolution's output memory format: channels-last where ``x`` or the weight is, as torch's convolutions
-    choose it (a channels-last model fed NCHW images gives channels-last outputs from its first layer on, and its
-    next layers read them in place), else contiguous."""
-    return torch.channels_last if channels_last(x) or channels_last(weight) else torch.contiguous_format
+    """A convolution's output memory format: channels-last where ``x`` or the weight is (strided like it,
+    :func:`strides_like_channels_last`), as torch's convolutions choose it (a channels-last model fed NCHW images
+    gives channels-last outputs from its first layer on, and its next layers read them in place), else
+    contiguous."""
+    return torch.channels_last if strides_like_channels_last(x) or strides_like_channels_last(weight) \
+        else torch.contiguous_format
 
 
 def wgrad_format(x: torch.Tensor, w_shape, w_channels_last: bool = False) -> torch.memory_format:
     """The weight gradient's memory format: that of the layer's output (:func:`output_format`: channels-last where
-    ``x`` or the weight, ``w_channels_last``, is), as torch's convolution backward returns it; but contiguous for
+    ``x`` or the weight, ``w_channels_last``, is strided like it), as torch's convolution backward returns it; but
+    contiguous for
     a filter of one tap or one channel a group, where the two layouts are the same memory. Channels-last, the
     kernels store a tile of one tap as whole rows, not one element every R*S."""
     _, cg, r, s = w_shape
-    return torch.channels_last if r * s > 1 and cg > 1 and (w_channels_last or channels_last(x)) \
+    return torch.channels_last if r * s > 1 and cg > 1 and (w_channels_last or strides_like_channels_last(x)) \
         else torch.contiguous_format
 
 
@@ -164,7 +190,8 @@ class DgradCall:
 @dataclass(frozen=True)
 class WgradCall:
     """One weight gradient (``tilegemm::conv2d_wgrad``): grad of a weight of ``w_shape`` from ``dy`` and ``x``, in
-    :func:`wgrad_format` (``w_channels_last``: the weight is channels-last, :func:`channels_last`)."""
+    :func:`wgrad_format` (``w_channels_last``: the weight is strided channels-last,
+    :func:`strides_like_channels_last`)."""
 
     dy: torch.Tensor
     x: torch.Tensor
