@@ -193,3 +193,29 @@ def test_a_hook_handle_taken_before_convert_removes_it_after(make, x, device):
     handle.remove()
     model(x)
     assert seen == [type(model[0])]
+
+
+class _ScaledConv(torch.nn.Conv2d):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_from_conv_refuses_a_module_whose_forward_it_would_not_run():
+    """A subclass's own forward (QAT's fake-quantized weight), a forward set on the instance and an uninitialised
+    lazy conv are named, where the copy ran plain convolution instead (or failed on a missing
+    ``initialize_parameters``); a parametrized nn.Conv2d and tilegemm's own Conv2d still convert."""
+    qat = torch.ao.nn.qat.Conv2d(2, 3, 1, qconfig=torch.ao.quantization.get_default_qat_qconfig())
+    for conv, match in ((_ScaledConv(2, 3, 1), "_ScaledConv overrides torch.nn.Conv2d's forward"),
+                        (qat, "qat.modules.conv.Conv2d overrides torch.nn.Conv2d's forward"),
+                        (torch.nn.LazyConv2d(3, 1), "LazyConv2d has not made its parameters yet")):
+        with pytest.raises(ValueError, match=match):
+            Conv2d.from_conv(conv)
+    conv = torch.nn.Conv2d(2, 3, 1)
+    conv.forward = lambda x: x
+    with pytest.raises(ValueError, match="forward was replaced on the instance"):
+        Conv2d.from_conv(conv)
+    lazy = torch.nn.LazyConv2d(3, 1)
+    lazy(torch.randn(1, 2, 4, 4))  # (now a plain nn.Conv2d)
+    assert isinstance(Conv2d.from_conv(lazy), Conv2d)
+    relu = Conv2d.from_conv(Conv2d.from_conv(torch.nn.Conv2d(2, 3, 1)), activation="relu")
+    assert relu.activation == "relu" and (relu(torch.randn(1, 2, 4, 4)) >= 0).all()
