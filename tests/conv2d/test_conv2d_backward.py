@@ -196,7 +196,6 @@ _VIEWS = {  # views whose layout is told apart by torch's stride test, not by is
                                                                         ("weight", "cl-batch-sliced")])
 @pytest.mark.parametrize("w_shape,conv", [
     pytest.param((6, 4, 3, 3), dict(padding=1), id="3x3"),
-    pytest.param((6, 2, 3, 3), dict(stride=2, padding=1, groups=2), id="3x3-stride2-groups2"),
     pytest.param((6, 4, 1, 1), dict(stride=2), id="1x1-stride2"),
     pytest.param((8, 1, 3, 3), dict(padding=1, groups=4), id="depthwise"),
 ])
