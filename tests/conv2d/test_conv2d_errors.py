@@ -151,6 +151,11 @@ def test_numpy_integers_are_ints(device):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(TypeError, match=r"stride must be an int or a pair of ints, got tensor\(1\)"):
         tilegemm.conv2d(x, w, None, torch.tensor(1), groups=2)
+    for padding in (np.array([1, 1]), np.array(1.0), np.array([1])):  # named, not numpy's "only integer scalar arrays"
+        with pytest.raises(TypeError, match=r"padding must be an int or a pair of ints, got array\("):
+            tilegemm.conv2d(x, w, None, padding=padding, groups=2)
+    torch.testing.assert_close(tilegemm.conv2d(x, w, None, padding=np.array(1), groups=2),  # a 0-d array is an int
+                               torch.nn.functional.conv2d(x, w, None, padding=1, groups=2), rtol=1e-4, atol=1e-4)
 
 
 def test_the_checks_trace_under_torch_compile(device):

@@ -29,6 +29,9 @@ def _int(value) -> int | None:
     # (no try/except: torch.compile traces this, and its operator.index of a tuple is an internal error)
     if isinstance(value, (tuple, list, str)) or not hasattr(type(value), "__index__"):
         return None
+    # (a numpy array has __index__ but takes it only as an integer scalar: its TypeError named no argument)
+    if getattr(value, "ndim", 0) != 0 or getattr(getattr(value, "dtype", None), "kind", "i") not in "iu":
+        return None
     return operator.index(value)
 
 
