@@ -124,9 +124,8 @@ def output_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
 def wgrad_format(x: torch.Tensor, w_shape, w_channels_last: bool = False) -> torch.memory_format:
     """The weight gradient's memory format: that of the layer's output (:func:`output_format`: channels-last where
     ``x`` or the weight, ``w_channels_last``, is strided like it), as torch's convolution backward returns it; but
-    contiguous for
-    a filter of one tap or one channel a group, where the two layouts are the same memory. Channels-last, the
-    kernels store a tile of one tap as whole rows, not one element every R*S."""
+    contiguous for a filter of one tap or one channel a group, where the two layouts are the same memory.
+    Channels-last, the kernels store a tile of one tap as whole rows, not one element every R*S."""
     _, cg, r, s = w_shape
     return torch.channels_last if r * s > 1 and cg > 1 and (w_channels_last or strides_like_channels_last(x)) \
         else torch.contiguous_format
