@@ -12,7 +12,7 @@ from tilegemm.core.dtypes import dtype_name
 
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.hooks import carry_over
-from tilegemm.nn.linear import Linear
+from tilegemm.nn.linear import LINEAR_EQUIVALENT, Linear
 from tilegemm.nn.notes import ConversionNote  # noqa: F401 (named here too: tilegemm.nn.convert.ConversionNote)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -57,8 +57,6 @@ def attention_out_projections(model: torch.nn.Module) -> set[int]:
             if isinstance(m, torch.nn.MultiheadAttention) and isinstance(getattr(m, "out_proj", None), torch.nn.Module)}
 
 
-# transformers' Linear subclasses whose forward is nn.Linear's (FalconLinear: bias added after the product)
-LINEAR_EQUIVALENT = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
 
 
 def is_plain_linear(module: torch.nn.Module) -> bool:

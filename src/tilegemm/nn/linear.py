@@ -14,6 +14,9 @@ from tilegemm.ops.matmul.problem import DTYPES
 
 _KERNEL_DTYPES = frozenset(DTYPES)
 
+# transformers' Linear subclasses whose forward is nn.Linear's (FalconLinear: bias added after the product)
+LINEAR_EQUIVALENT = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+
 
 def traced_call(module: torch.nn.Module, x: "torch.fx.Proxy") -> "torch.fx.Proxy":
     """Under ``torch.fx.symbolic_trace``: one ``call_module`` node for ``module``, as fx records torch.nn's own
@@ -90,6 +93,14 @@ class Linear(torch.nn.Linear):
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"from_linear takes a torch.nn.Linear, got {type(linear).__name__}")
         check_activation(activation)
+        if isinstance(linear, torch.nn.modules.lazy.LazyModuleMixin) and linear.has_uninitialized_params():
+            raise ValueError("tilegemm.nn.Linear.from_linear: this LazyLinear has not made its parameters yet: run it "
+                             "once on an input, then convert it")
+        cls_ = parametrize.type_before_parametrizations(linear)
+        if cls_.forward not in (torch.nn.Linear.forward, Linear.forward) \
+                and f"{cls_.__module__}.{cls_.__qualname__}" not in LINEAR_EQUIVALENT:
+            raise ValueError(f"tilegemm.nn.Linear.from_linear: {cls_.__module__}.{cls_.__qualname__} overrides "
+                             f"torch.nn.Linear's forward, which the tilegemm layer would not run")
         if "forward" in vars(linear):  # copied along, it would run instead of tilegemm's forward
             raise ValueError(
                 "tilegemm.nn.Linear.from_linear: this nn.Linear's forward was replaced on the instance "
