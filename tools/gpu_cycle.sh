@@ -93,16 +93,21 @@ bench() {
   python3 -m tilegemm.cli bench --quiet --no-save ${pre[@]+"${pre[@]}"} "$@"
 }
 pytest_() { python3 -m pytest -q -p no:cacheprovider "$@"; }
+# GPU tests: -v writes each result's name as it lands, so a run the call's limit cuts still names its failures
+# (the log keeps them; the failures and the last lines are shown)
+gpu_tests() { local log=$1; shift
+  python3 -m pytest -v -p no:cacheprovider --tb=short -rf -m gpu -n 8 "$@" > "$log" 2>&1
+  grep -E "^\[gw[0-9]+\].* (FAILED|ERROR) " "$log" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | sort | uniq | head -n 60
+  tail -n 2 "$log"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
-    tests) pytest_ -m gpu -n 8 tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 15 ;;
-    tests-a) pytest_ -m gpu -n 8 -rf tests/matmul tests/bench tests/core tests/nn tests/models tests/parallel tests/guide \
-               tests/learn tests/docs tests/examples 2>&1 \
-               | tee "$OUT/gpu-tests-a.log" | tail -n 15 ;;
-    tests-b) pytest_ -m gpu -n 8 -rf tests/conv2d tests/grouped tests/w4a16 2>&1 | tee "$OUT/gpu-tests-b.log" | tail -n 15 ;;
+    tests) gpu_tests "$OUT/gpu-tests.log" tests ;;
+    tests-a) gpu_tests "$OUT/gpu-tests-a.log" tests/matmul tests/bench tests/core tests/nn tests/models tests/parallel \
+               tests/guide tests/learn tests/docs tests/examples ;;
+    tests-b) gpu_tests "$OUT/gpu-tests-b.log" tests/conv2d tests/grouped tests/w4a16 ;;
     gpu-suite) pytest_ -n 8 tests/matmul tests/bench tests/guide tests/core tests/learn 2>&1 | tee "$OUT/gpu-suite.log" | tail -n 15 ;;
     family-tests) pytest_ -m "" -n 8 tests/w4a16 tests/conv2d tests/nn 2>&1 | tee "$OUT/family-tests.log" | tail -n 15 ;;
     fingerprint) TRITON_INTERPRET=0 TILEGEMM_INTERPRET=0 python3 tools/ptx_fingerprint.py --out "$OUT/fingerprints.json" ;;
