@@ -163,13 +163,13 @@ def test_split_k_any_split_and_clean_workspace(split, slices, device, monkeypatc
     if slices == "apart":  # every split's planes added by the second launch
         monkeypatch.setattr("tilegemm.ops.matmul.split_reduce.APART_BYTES", 0)
         slices = True
-    a = torch.randn(3, 20, 150, device=device)
+    a = torch.randn(2, 20, 150, device=device)
     b = torch.randn(150, 45, device=device)
     bias = torch.randn(45, device=device)
     cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, SPLIT_K=split, SLICES=slices, num_warps=4,
                num_stages=1)
     for _ in range(2):  # the second call relies on the first leaving the workspace (or counters) zeroed
-        out = torch.full((3, 20, 45), float("nan"), device=device)
+        out = torch.full((2, 20, 45), float("nan"), device=device)
         p = make_problems(a, b, out, None, bias, 2.0, 1.0, "relu", "ieee", False)[0]
         split_k.run(p, cfg)
         assert_rel_close(out, matmul_reference(a, b, bias=bias, alpha=2.0, activation="relu"), 1e-5)
@@ -370,13 +370,15 @@ def test_reduction_apart_block_and_planes_stay_in_budget(M, N, batch, sms, split
         assert planes >= min(split, cap) and (planes < 2 * split or planes == 8)  # one chunk where it fits
 
 
-@pytest.mark.parametrize("block,split", [((4, 32), 33), ((4, 32), 70), ((16, 64), 9), ((64, 64), 6), ((16, 64), 3)])
+# chunks of 32 planes (32 + 1), of 8 (8 + 8 + 1: a full one between), of 8 cut short, and the four-load loop
+@pytest.mark.parametrize("block,split", [((4, 32), 33), ((16, 64), 17), ((16, 64), 9), ((64, 64), 6), ((16, 64), 3)])
 def test_split_k_reduction_apart_over_chunks_of_planes(block, split, device, monkeypatch):
     """The second launch's chunks of planes: several chunks, a last one cut short (its planes masked), and the
     four-load loop of large blocks; batched, poisoned output, and the same bits from a second call."""
     monkeypatch.setattr("tilegemm.ops.matmul.split_reduce.APART_BYTES", 0)
     monkeypatch.setattr(split_reduce, "reduce_block", lambda *args: block)
-    M, N, K = 21, 70, 16 * split
+    assert split_reduce.reduce_planes(split, *block) == {33: 32, 17: 8, 9: 8}.get(split, 4)
+    M, N, K = 13, 40, 16 * split  # two tiles a batch, every block of the reduction cut short
     a = torch.randn(2, M, K, device=device)
     b = torch.randn(2, K, N, device=device)
     cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, SPLIT_K=split, SLICES=True, num_warps=4,
