@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from w4a16_kit import fuzz_calls, run_fuzz_call
 
 
-@settings(max_examples=50, deadline=None, derandomize=True,
+@settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(c=fuzz_calls(max_m=40, max_n=72, max_k=512))
 def test_auto_matches_the_dequantized_reference_on_small_calls(c, device):
