@@ -51,15 +51,17 @@ def test_llama_tiny_sweep(tmp_path, capsys):
     assert "model llama: a tiny Llama" in capsys.readouterr().out
 
 
-def test_llama_fused_row(tmp_path):
-    # --kernels auto,fused: the int4 model with its projections joined, a second row checked as the first
+def test_llama_fused_row():
+    # --kernels auto,fused: the int4 model with its projections joined, a second row checked as the first (the
+    # tiny sweep's first batch; test_llama_tiny_sweep runs both through the command line)
     pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
-    data = _bench_json(tmp_path, "--op", "w4a16", "--model", "llama", "--sweep", "tiny", "--kernels", "auto,fused")
-    rows = [(r["shape"], r["kernel"]) for r in data["rows"]]
-    assert rows == [(s, k) for s in ("b1 eager", "b2 eager") for k in (BASELINE, "auto", "fused")]
-    for r in data["rows"]:
-        assert r["status"] == "ok" and r["rel_err"] <= r["tolerance"], r
-    assert "fuse_projections_" in data["meta"]["model_description"]
+    op = bench_op("w4a16").model_bench("llama")
+    op.check_kernel("fused")
+    result = run_bench(op, op.cases("tiny")[:1], "fp16", ["auto", "fused"], rep_ms=1, warmup_ms=0)
+    assert [(r.shape, r.kernel) for r in result.rows] == [("b1 eager", k) for k in (BASELINE, "auto", "fused")]
+    for r in result.rows:
+        assert r.status == "ok" and r.rel_err <= r.tolerance, r
+    assert "fuse_projections_" in result.meta["model_description"]
 
 
 def test_qwen2_tiny_sweep_is_a_second_architecture(tmp_path, capsys):
