@@ -11,7 +11,10 @@ from tilegemm.bench.base import BenchError, bench_op
 from tilegemm.ops.grouped.bench import MOE_MODELS, TOKENS, group_sizes
 
 
-@pytest.mark.parametrize("args", [["--op", "grouped"], ["--op", "grouped", "--mode", "bwd", "--dtype", "fp32"],
+# the backward on one MoE product and the batched one (the forward's sweep has the other two)
+@pytest.mark.parametrize("args", [["--op", "grouped"],
+                                  ["--op", "grouped", "--mode", "bwd", "--dtype", "fp32", "--shape", "4,2,64,32,9,down",
+                                   "--shape", "3,17,24,32"],
                                   ["--op", "grouped_w4a16", "--shape", "4,2,64,32,9,down"]])
 def test_bench_cli_tiny_sweep(args):
     from tilegemm.cli import main
