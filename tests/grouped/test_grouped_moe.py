@@ -38,11 +38,10 @@ def ieee_fp32():
 
 
 def qwen3_moe(**kw):
-    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                      num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
-                                      max_position_embeddings=64, **kw)
-    return cfg
+    shapes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                  decoder_sparse_step=1, max_position_embeddings=64)
+    return transformers.Qwen3MoeConfig(**{**shapes, **kw})
 
 
 def mixtral():
@@ -327,8 +326,8 @@ def test_quantized_experts_keep_fragments_for_compile(monkeypatch, device):
 
 def _two_quantized_models(device="cpu"):
     """Two fp16 Qwen3-MoE models of different random weights, experts made 4-bit (group 32): a saved one, a target;
-    on ``device``."""
-    cfg = qwen3_moe()
+    on ``device``; one layer (the layers' experts load alike)."""
+    cfg = qwen3_moe(num_hidden_layers=1)
     models = []
     for seed in (0, 1):
         torch.manual_seed(seed)
