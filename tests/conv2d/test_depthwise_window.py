@@ -63,7 +63,7 @@ def test_window_kernel_over_odd_images(R, size, device):
 @pytest.mark.parametrize("ahead", [False, True])
 def test_window_kernel_forms(tap_major, ahead, device):
     # 12 channels over channel blocks of 8 (the second half masked), 4 columns a thread over 2 groups
-    x = _input(2, 12, 6, 11, device)
+    x = _input(1, 12, 6, 11, device)
     w = torch.randn(12, 1, 7, 7, device=device)
     _check(x, w, None, (3, 3), _window(qt=4, bg=2, bc=8, rows=4, tap_major=tap_major, ahead=ahead))
 
@@ -140,7 +140,7 @@ def test_auto_routes_stride1_filters_past_3x3(R, C, switch, expect, device, monk
     from tilegemm.ops.conv2d import op
 
     op.REPLAYS.clear()  # on a GPU a call like an earlier one replays its launches: decide afresh
-    x = _input(1, C, 5, 6, device)
+    x = _input(1, C, 5, 3, device)  # the rule reads channels and taps
     w = torch.randn(C, 1, R, R, device=device)
     launched = _launched(monkeypatch)
     out = tilegemm.conv2d(x, w, None, 1, R // 2, 1, C)
@@ -185,7 +185,7 @@ def test_auto_routes_stride1_3x3_on_small_images(C, H, expect, device, monkeypat
     from tilegemm.ops.conv2d import op
 
     op.REPLAYS.clear()
-    x = _input(1, C, H, 6, device)
+    x = _input(1, C, H, 3, device)  # the rule reads channels and rows
     w = torch.randn(C, 1, 3, 3, device=device)
     launched = _launched(monkeypatch)
     out = tilegemm.conv2d(x, w, None, 1, 1, 1, C)
