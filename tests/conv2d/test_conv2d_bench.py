@@ -106,5 +106,9 @@ def test_cli_bench_conv2d_nchw_runs(tmp_path):
     import json
 
     out = tmp_path / "nchw.json"
-    assert main(["bench", "--op", "conv2d", "--quiet", "--no-save", "--memory-format", "nchw", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["meta"]["memory_format"] == "nchw"
+    # one case of the tiny sweep (the full sweep runs above; test_modes_check_out runs NCHW's grouped case)
+    assert main(["bench", "--op", "conv2d", "--quiet", "--no-save", "--memory-format", "nchw", "--json", str(out),
+                 "--shape", "2,8,9,9,16,3,3,1,1"]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["memory_format"] == "nchw"
+    assert [r["status"] for r in data["rows"] if r["kernel"] == "auto"] == ["ok"]
