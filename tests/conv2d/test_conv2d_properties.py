@@ -103,8 +103,8 @@ def depthwise_convs(draw):
     dil = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
     stride = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
     padding = (draw(st.integers(0, 3)), draw(st.integers(0, 3)))
-    H = draw(st.integers(max(1, dil[0] * (R - 1) + 1 - 2 * padding[0]), 12))
-    W = draw(st.integers(max(1, dil[1] * (S - 1) + 1 - 2 * padding[1]), 12))
+    min_h, min_w = max(1, dil[0] * (R - 1) + 1 - 2 * padding[0]), max(1, dil[1] * (S - 1) + 1 - 2 * padding[1])
+    H, W = draw(st.integers(min_h, max(min_h, 12))), draw(st.integers(min_w, max(min_w, 12)))
     return dict(N=draw(st.integers(1, 2)), C=C, H=H, W=W, K=C * mult, R=R, S=S, groups=C, stride=stride,
                 padding=padding, dilation=dil, channels_last=draw(st.booleans()), bias=draw(st.booleans()),
                 activation=draw(st.sampled_from([None, "relu"])))
