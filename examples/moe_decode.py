@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny config, eager (no GPU: the interpreter)")
     parser.add_argument("--arch", choices=sorted(moe.ARCHS), default="qwen3_moe",
                         help="qwen3_moe: Qwen3-30B-A3B's shapes (default); mixtral: Mixtral-8x7B's")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: as many as fit)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: as many as fit; --tiny 2)")
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512; --tiny 8)")
     parser.add_argument("--new", type=int, default=None, help="generated tokens (default 128; --tiny 4)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16; --tiny 1,2)")
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in (args.batches or ("1,2" if args.tiny else "1,16")).split(",")]
     group = moe.TINY_GROUP if args.tiny else moe.GROUP
     dtype = torch.float16 if args.tiny else torch.bfloat16
-    layers = None if args.tiny else moe.layers_that_fit(args.arch, args.layers, int4=True)
+    layers = args.layers if args.tiny else moe.layers_that_fit(args.arch, args.layers, int4=True)
     torch.manual_seed(0)
 
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, device "

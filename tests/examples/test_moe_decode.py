@@ -1,4 +1,4 @@
-"""examples/moe_decode.py --tiny: a two-layer Qwen3-MoE, its experts on grouped_mm, on tilegemm and 4-bit, greedy
+"""examples/moe_decode.py --tiny: a one-layer Qwen3-MoE, its experts on grouped_mm, on tilegemm and 4-bit, greedy
 decode under the interpreter."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ def load_example():
 
 
 def test_tiny_moe_decode_runs_and_agrees(capsys):
-    assert load_example().main(["--tiny", "--batches", "2"]) == 0
+    assert load_example().main(["--tiny", "--layers", "1", "--batches", "2", "--prompt", "4", "--new", "2"]) == 0
     out = capsys.readouterr().out
+    assert "top 2, 1 layers" in out
     line = next(l for l in out.splitlines() if l.startswith("batch   2 eager"))
     assert "grouped_mm prefill" in line and "tilegemm prefill" in line and "tilegemm 4-bit prefill" in line
     experts = next(l for l in out.splitlines() if l.startswith("experts against grouped_mm's"))
