@@ -1,4 +1,5 @@
-"""examples/llama_decode.py --tiny: a two-layer Llama with tilegemm.nn.quantize_, greedy decode under the interpreter."""
+"""examples/llama_decode.py --tiny: a one-layer Llama with tilegemm.nn.quantize_, greedy decode under the
+interpreter."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ def load_example():
 
 
 def test_tiny_decode_runs_and_agrees(capsys):
-    assert load_example().main(["--tiny"]) == 0
+    assert load_example().main(["--tiny", "--layers", "1", "--batches", "2", "--prompt", "4", "--new", "3"]) == 0
     out = capsys.readouterr().out
-    assert "14 Linears" in out  # 2 layers x (q, k, v, o, gate, up, down); lm_head kept
+    assert "7 Linears" in out  # 1 layer x (q, k, v, o, gate, up, down); lm_head kept
     assert "batch   2 eager" in out and "int4 prefill" in out
     line = next(l for l in out.splitlines() if l.startswith("int4 vs fp16-dequantized"))
     err = float(line.split("rel. error ")[1].split(",")[0])
@@ -25,8 +26,9 @@ def test_tiny_decode_runs_and_agrees(capsys):
 
 
 def test_tiny_decode_with_joined_projections(capsys):
-    assert load_example().main(["--tiny", "--fuse", "--batches", "1", "--new", "2"]) == 0
+    assert load_example().main(["--tiny", "--layers", "1", "--fuse", "--batches", "1", "--prompt", "4",
+                                "--new", "2"]) == 0
     out = capsys.readouterr().out
-    assert "fuse_projections_: 4 groups joined" in out  # 2 layers x (q/k/v, gate/up)
+    assert "fuse_projections_: 2 groups joined" in out  # 1 layer x (q/k/v, gate/up)
     line = next(l for l in out.splitlines() if l.startswith("int4 vs fp16-dequantized"))
     assert float(line.split("rel. error ")[1].split(",")[0]) < 1e-2, line
