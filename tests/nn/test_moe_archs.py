@@ -38,8 +38,8 @@ def ieee_fp32():
 
 # Every name a config gives these sizes under (Muse Spark's experts read moe_hidden_size, DeepSeek-V4's count is
 # n_routed_experts): one left at its default builds a full-size layer, minutes under the interpreter.
-_SHAPES = dict(hidden_size=64, moe_hidden_size=64, moe_intermediate_size=32, intermediate_size=32, num_experts=8,
-               num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2,
+_SHAPES = dict(hidden_size=64, moe_hidden_size=64, moe_intermediate_size=32, intermediate_size=32, num_experts=4,
+               num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=16, vocab_size=64)
 
 # (model type, experts class, extra config values): the limits are small so that the clamps bite.
