@@ -513,21 +513,22 @@ ARCHS = {
     "olmo2": ({}, ()),
     "qwen2_moe": (dict(moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
                        num_experts_per_tok=2), ("shared_expert_gate",)),
-    "olmoe": (dict(num_experts=4, num_experts_per_tok=2), ()),
+    "olmoe": (dict(intermediate_size=64, num_experts=4, num_experts_per_tok=2), ()),
     # multi-head latent attention, a dense first layer, then routed experts beside a shared one
     "deepseek_v2": (dict(num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
                          n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=64,
                          qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1), ()),
     # experts run by the block's own forward over [E, in, out] weights: loaded into tilegemm's block for it
-    "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=256, head_dim=32,
-                         attention_chunk_size=64), ("router",)),
+    "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=64, intermediate_size_mlp=256,
+                         head_dim=32, attention_chunk_size=64), ("router",)),
     # its renamings (post_mlp_layernorm -> mlp.post_mlp_layernorm) must leave names in the model's form alone
     "axk1": (dict(num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
                   kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
                   n_group=1, topk_group=1, mlp_layer_types=["dense", "sparse"]), ()),
     # Mamba layers reading dt_proj's weight directly unless the config says it is quantized; experts every 2nd layer
-    "jamba": (dict(num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
-                   expert_layer_period=2, expert_layer_offset=1, use_mamba_kernels=False, mamba_dt_rank=8),
+    "jamba": (dict(intermediate_size=64, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
+                   attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, use_mamba_kernels=False,
+                   mamba_dt_rank=8),
               ("router",)),
     # experts without a gate (up_proj and down_proj, relu2), stored one Linear an expert
     "nemotron_h": (dict(layers_block_type=["full_attention", "moe"], n_routed_experts=4, num_experts_per_tok=2,
