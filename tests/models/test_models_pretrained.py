@@ -513,7 +513,7 @@ ARCHS = {
     "olmo2": ({}, ()),
     "qwen2_moe": (dict(moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
                        num_experts_per_tok=2), ("shared_expert_gate",)),
-    "olmoe": (dict(intermediate_size=64, num_experts=4, num_experts_per_tok=2), ()),
+    "olmoe": (dict(hidden_size=64, intermediate_size=64, num_experts=4, num_experts_per_tok=2), ()),
     # multi-head latent attention, a dense first layer, then routed experts beside a shared one
     "deepseek_v2": (dict(num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
                          n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=64,
