@@ -513,7 +513,7 @@ ARCHS = {
     "olmo2": ({}, ()),
     "qwen2_moe": (dict(moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
                        num_experts_per_tok=2), ("shared_expert_gate",)),
-    "olmoe": (dict(hidden_size=64, intermediate_size=64, num_experts=4, num_experts_per_tok=2), ()),
+    "olmoe": (dict(intermediate_size=64, num_experts=4, num_experts_per_tok=2), ()),
     # multi-head latent attention, a dense first layer, then routed experts beside a shared one
     "deepseek_v2": (dict(num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
                          n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=64,
@@ -543,7 +543,7 @@ def test_other_architectures(tmp_path, device, arch):
         pytest.skip(f"this transformers has no {arch}")
     overrides, keep = ARCHS[arch]
     config = transformers.AutoConfig.for_model(arch, **{
-        **dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        **dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False), **overrides})
     source = cw.random_model(config)
     not_convert = [n for n, m in source.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(keep)] \
