@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils import parametrize
 
 from tilegemm.core.activations import check_activation, torch_activation
-from tilegemm.nn.linear import shallow_copy_as, sharding_rules_for
+from tilegemm.nn.linear import refuse_other_forward, shallow_copy_as, sharding_rules_for
 from tilegemm.ops.conv2d import conv2d
 from tilegemm.ops.conv2d.checks import DTYPES, check_padded_size
 
@@ -48,19 +47,11 @@ class Conv2d(torch.nn.Conv2d):
         if not isinstance(conv, torch.nn.Conv2d):
             raise TypeError(f"from_conv takes a torch.nn.Conv2d, got {type(conv).__name__}")
         check_activation(activation)
-        if isinstance(conv, torch.nn.modules.lazy.LazyModuleMixin) and conv.has_uninitialized_params():
-            raise ValueError("tilegemm.nn.Conv2d.from_conv: this LazyConv2d has not made its parameters yet: run it "
-                             "once on an input, then convert it")
+        refuse_other_forward(conv, torch.nn.Conv2d, cls, ("forward", "_conv_forward"), "Conv2d.from_conv")
         if "forward" in vars(conv):  # copied along, it would run instead of tilegemm's forward
             raise ValueError("tilegemm.nn.Conv2d.from_conv: this nn.Conv2d's forward was replaced on the instance "
                              "(a tensor-parallel plan, accelerate's device_map hooks), and the copy would keep running "
                              "it instead of tilegemm's forward: convert first, then apply those")
-        cls_ = parametrize.type_before_parametrizations(conv)
-        own = [name for name in ("forward", "_conv_forward")
-               if getattr(cls_, name) not in (getattr(torch.nn.Conv2d, name), getattr(Conv2d, name))]
-        if own:  # (QAT's Conv2d fake-quantizes its weight there): the copy would compute without it
-            raise ValueError(f"tilegemm.nn.Conv2d.from_conv: {cls_.__module__}.{cls_.__qualname__} overrides "
-                             f"torch.nn.Conv2d's {' and '.join(own)}, which the tilegemm layer would not run")
         new = shallow_copy_as(conv, cls)
         new.activation = activation
         return new

@@ -57,8 +57,6 @@ def attention_out_projections(model: torch.nn.Module) -> set[int]:
             if isinstance(m, torch.nn.MultiheadAttention) and isinstance(getattr(m, "out_proj", None), torch.nn.Module)}
 
 
-
-
 def is_plain_linear(module: torch.nn.Module) -> bool:
     """``torch.nn.Linear`` itself, or a subclass in :data:`LINEAR_EQUIVALENT`."""
     cls = type(module)

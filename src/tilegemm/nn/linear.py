@@ -57,6 +57,23 @@ def shallow_copy(module: torch.nn.Module, cls: type) -> torch.nn.Module:
     return new
 
 
+def refuse_other_forward(module: torch.nn.Module, base: type, ours: type, methods: tuple, where: str,
+                         equivalent: frozenset = frozenset()) -> None:
+    """Refuse a ``module`` that a copy as ``ours`` would compute otherwise than it does: a lazy one that has not made
+    its parameters yet, or a class (parametrized or not) overriding any of ``base``'s ``methods``, unless named in
+    ``equivalent`` (QAT's Conv2d fake-quantizes its weight in ``_conv_forward``)."""
+    lazy = isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params()
+    if lazy:
+        raise ValueError(f"tilegemm.nn.{where}: this Lazy{base.__name__} has not made its parameters yet: run it "
+                         f"once on an input, then convert it")
+    cls = parametrize.type_before_parametrizations(module)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    own = [m for m in methods if getattr(cls, m) not in (getattr(base, m), getattr(ours, m))]
+    if own and name not in equivalent:
+        raise ValueError(f"tilegemm.nn.{where}: {name} overrides torch.nn.{base.__name__}'s {' and '.join(own)}, "
+                         f"which the tilegemm layer would not run")
+
+
 def shallow_copy_as(module: torch.nn.Module, cls: type) -> torch.nn.Module:
     """:func:`shallow_copy` of ``module`` as a ``cls``; a parametrized ``module`` (``torch.nn.utils.parametrize``,
     e.g. ``parametrizations.weight_norm``) gives a parametrized ``cls`` over the same parametrizations and original
@@ -93,14 +110,7 @@ class Linear(torch.nn.Linear):
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"from_linear takes a torch.nn.Linear, got {type(linear).__name__}")
         check_activation(activation)
-        if isinstance(linear, torch.nn.modules.lazy.LazyModuleMixin) and linear.has_uninitialized_params():
-            raise ValueError("tilegemm.nn.Linear.from_linear: this LazyLinear has not made its parameters yet: run it "
-                             "once on an input, then convert it")
-        cls_ = parametrize.type_before_parametrizations(linear)
-        if cls_.forward not in (torch.nn.Linear.forward, Linear.forward) \
-                and f"{cls_.__module__}.{cls_.__qualname__}" not in LINEAR_EQUIVALENT:
-            raise ValueError(f"tilegemm.nn.Linear.from_linear: {cls_.__module__}.{cls_.__qualname__} overrides "
-                             f"torch.nn.Linear's forward, which the tilegemm layer would not run")
+        refuse_other_forward(linear, torch.nn.Linear, cls, ("forward",), "Linear.from_linear", LINEAR_EQUIVALENT)
         if "forward" in vars(linear):  # copied along, it would run instead of tilegemm's forward
             raise ValueError(
                 "tilegemm.nn.Linear.from_linear: this nn.Linear's forward was replaced on the instance "
