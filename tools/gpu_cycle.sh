@@ -3,7 +3,9 @@
 # Steps:
 #   tests         every GPU-marked test (pytest -m gpu), 8 xdist workers (compiling is CPU-bound); about 8.5 minutes,
 #                 so a call that also starts the machine runs tests-a and tests-b (the same tests in two calls)
-#   tests-a|tests-b  the GPU-marked tests of conv2d, grouped, w4a16 (tests-b) and of every other folder (tests-a)
+#   tests-a|tests-b  the GPU-marked tests of conv2d, grouped, w4a16 (tests-b) and of every other folder (tests-a);
+#                 tests-b runs past one call's limit: tests-conv2d, tests-grouped, tests-w4a16 (also -nn, -models,
+#                 -matmul) run one folder's
 #   gpu-suite     the non-GPU-marked tests that compile for the GPU here too (matmul, bench, guide, core, learn)
 #   fingerprint   sm_90 PTX fingerprints of every shipped kernel and config (tools/ptx_fingerprint.py)
 #   square|llm|skinny  bench sweeps, fp16;  bf16 (square + llm);  tf32 (square);  fp8 (square, e4m3 and e5m2)
@@ -108,6 +110,8 @@ for step in "$@"; do
     tests-a) gpu_tests "$OUT/gpu-tests-a.log" tests/matmul tests/bench tests/core tests/nn tests/models tests/parallel \
                tests/guide tests/learn tests/docs tests/examples ;;
     tests-b) gpu_tests "$OUT/gpu-tests-b.log" tests/conv2d tests/grouped tests/w4a16 ;;
+    tests-conv2d|tests-grouped|tests-w4a16|tests-nn|tests-models|tests-matmul)
+      gpu_tests "$OUT/gpu-$step.log" "tests/${step#tests-}" ;;
     gpu-suite) pytest_ -n 8 tests/matmul tests/bench tests/guide tests/core tests/learn 2>&1 | tee "$OUT/gpu-suite.log" | tail -n 15 ;;
     family-tests) pytest_ -m "" -n 8 tests/w4a16 tests/conv2d tests/nn 2>&1 | tee "$OUT/family-tests.log" | tail -n 15 ;;
     fingerprint) TRITON_INTERPRET=0 TILEGEMM_INTERPRET=0 python3 tools/ptx_fingerprint.py --out "$OUT/fingerprints.json" ;;
