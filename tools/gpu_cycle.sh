@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One build-check-time cycle on the GPU machine: bash tools/gpu_cycle.sh STEP... (results under $OUT).
 # Steps:
-#   tests         every GPU-marked test (pytest -m gpu), 8 xdist workers (compiling is CPU-bound); about 8.5 minutes,
-#                 so a call that also starts the machine runs tests-a and tests-b (the same tests in two calls)
+#   tests         every GPU-marked test (pytest -m gpu), \$GPU_WORKERS xdist workers (default 12: compiling is
+#                 CPU-bound); longer than one call, so tests-a and tests-b (or tests-FOLDER) split it
 #   tests-a|tests-b  the GPU-marked tests of conv2d, grouped, w4a16 (tests-b) and of every other folder (tests-a);
 #                 tests-b runs past one call's limit: tests-conv2d, tests-grouped, tests-w4a16 (also -nn, -models,
 #                 -matmul) run one folder's
@@ -98,7 +98,7 @@ pytest_() { python3 -m pytest -q -p no:cacheprovider "$@"; }
 # GPU tests: -v writes each result's name as it lands, so a run the call's limit cuts still names its failures
 # (the log keeps them; the failures and the last lines are shown)
 gpu_tests() { local log=$1; shift
-  python3 -m pytest -v -p no:cacheprovider --tb=short -rf -m gpu -n 8 "$@" > "$log" 2>&1
+  python3 -m pytest -v -p no:cacheprovider --tb=short -rf -m gpu -n "${GPU_WORKERS:-12}" "$@" > "$log" 2>&1
   grep -E "^\[gw[0-9]+\].* (FAILED|ERROR) " "$log" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | sort | uniq | head -n 60
   tail -n 2 "$log"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
