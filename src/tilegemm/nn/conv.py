@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tilegemm.core.activations import check_activation, torch_activation
-from tilegemm.nn.linear import refuse_other_forward, shallow_copy_as, sharding_rules_for
+from tilegemm.nn.linear import NotScriptable, refuse_other_forward, shallow_copy_as, sharding_rules_for
 from tilegemm.ops.conv2d import conv2d
 from tilegemm.ops.conv2d.checks import DTYPES, check_padded_size
 
@@ -19,7 +19,7 @@ def _channels_last(x) -> bool:
         and not x.is_contiguous()
 
 
-class Conv2d(torch.nn.Conv2d):
+class Conv2d(NotScriptable, torch.nn.Conv2d):
     """A drop-in ``torch.nn.Conv2d`` (same arguments, parameters and state dict), plus ``activation``: one of
     ``tilegemm.ACTIVATIONS`` applied in the kernel's epilogue after the bias (default none).
 

@@ -12,7 +12,7 @@ import torch
 
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.hooks import has_hooks
-from tilegemm.nn.linear import shallow_copy
+from tilegemm.nn.linear import NotScriptable, shallow_copy
 
 __all__ = ["FoldedActivation", "FoldedBatchNorm2d", "fold_batchnorm_", "folds"]
 
@@ -23,7 +23,7 @@ def folds(norm: torch.nn.BatchNorm2d) -> bool:
     return not norm.training and norm.running_mean is not None and norm.running_var is not None
 
 
-class FoldedBatchNorm2d(torch.nn.BatchNorm2d):
+class FoldedBatchNorm2d(NotScriptable, torch.nn.BatchNorm2d):
     """A ``BatchNorm2d`` (same parameters, buffers and state dict) that the :class:`tilegemm.nn.Conv2d` before it
     applies while :func:`folds` says so: its forward then returns its input. In training mode it is torch's."""
 
@@ -39,7 +39,7 @@ class FoldedBatchNorm2d(torch.nn.BatchNorm2d):
         return super().forward(x)
 
 
-class FoldedActivation(torch.nn.Module):
+class FoldedActivation(NotScriptable, torch.nn.Module):
     """The activation module ``act`` after a folded batch norm: the convolution's epilogue applies it while the
     batch norm is folded (the input is returned), ``act`` runs otherwise."""
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from tilegemm.nn.hooks import has_hooks
 from tilegemm.nn.int4 import Int4Linear, _is_dtensor
-from tilegemm.nn.linear import traced_call
+from tilegemm.nn.linear import NotScriptable, traced_call
 from tilegemm.ops.w4a16.format import Int4Weight, concat_outputs
 
 __all__ = ["FusedProjections", "ProjectionPart", "fuse_projections_", "GROUPS"]
@@ -88,7 +88,7 @@ class FusedProjections(Int4Linear):
         return f"{'+'.join(self.names)}: " + super().extra_repr()
 
 
-class ProjectionPart(nn.Module):
+class ProjectionPart(NotScriptable, nn.Module):
     """One projection of a :class:`FusedProjections`: ``forward(x)`` is its columns of the joined product (a view;
     the product runs once for the parts called in turn on one input), and its state dict is the
     :class:`Int4Linear`'s it replaced (same keys, shapes and values)."""

@@ -15,7 +15,7 @@ from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.convert import (MHA_OUT_PROJ_KEPT, ConversionNote, attention_out_projections, is_conv1d,
                                  is_plain_linear, subclass_reason)
 from tilegemm.nn.hooks import carry_over
-from tilegemm.nn.linear import Linear, traced_call
+from tilegemm.nn.linear import Linear, NotScriptable, traced_call
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, fits_fragments, \
     from_awq, from_compressed_tensors, from_gptq, one_group_size, quantize
 
@@ -25,7 +25,7 @@ _MODULE_DTYPES = (*FLOAT_DTYPES, torch.float32)
 _AUTOCAST_DEVICES = ("cuda", "cpu")  # where the kernels run; torch.is_autocast_enabled raises for others (meta)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(NotScriptable, nn.Module):
     """``y = x @ W.T + bias`` with ``W`` held as an :class:`~tilegemm.ops.w4a16.format.Int4Weight`.
 
     The weight's parts are buffers (``qweight``, ``scales``, ``zeros``, ``perm``; ``perm`` is empty unless the

@@ -18,6 +18,19 @@ _KERNEL_DTYPES = frozenset(DTYPES)
 LINEAR_EQUIVALENT = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
 
 
+class NotScriptable:
+    """Mixin of every ``torch.nn.Module`` in ``tilegemm.nn``: ``torch.jit.script`` refuses it by name. Their forwards
+    launch Triton kernels from Python and read Python objects (replay keys, folds, kept outputs), which TorchScript
+    cannot compile; its own error names an attribute or a statement deep inside one forward instead."""
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on the module it is given and on every submodule, before compiling anything
+        cls = parametrize.type_before_parametrizations(self)
+        raise RuntimeError(f"{cls.__module__}.{cls.__qualname__} does not support TorchScript (torch.jit.script): "
+                           f"its forward runs Triton kernels from Python. Use torch.compile or torch.export instead "
+                           f"(torch.jit.trace records it too)")
+
+
 def traced_call(module: torch.nn.Module, x: "torch.fx.Proxy") -> "torch.fx.Proxy":
     """Under ``torch.fx.symbolic_trace``: one ``call_module`` node for ``module``, as fx records torch.nn's own
     layers (its forward branches on the input's shape and dtype, which a Proxy does not have). The module traced
@@ -92,7 +105,7 @@ def shallow_copy_as(module: torch.nn.Module, cls: type) -> torch.nn.Module:
     return new
 
 
-class Linear(torch.nn.Linear):
+class Linear(NotScriptable, torch.nn.Linear):
     """A drop-in ``torch.nn.Linear`` (same arguments, parameters and state dict), plus ``activation``: one of
     ``tilegemm.ACTIVATIONS`` applied in the GEMM's epilogue after the bias. Autograd runs through
     ``tilegemm.matmul`` (its backward GEMMs are tilegemm's too)."""

@@ -30,6 +30,7 @@ import warnings
 import torch
 
 from tilegemm.nn.hooks import carry_over
+from tilegemm.nn.linear import NotScriptable
 from tilegemm.nn.notes import ConversionNote
 from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm, moe_gate_up, moe_gate_up_int4
 from tilegemm.ops.grouped.routing import moe_combine, moe_route
@@ -547,7 +548,7 @@ def legacy_block_parts(block: torch.nn.Module) -> tuple[tuple[str, str, str] | N
     return names, None
 
 
-class SparseMoeBlock(torch.nn.Module):
+class SparseMoeBlock(NotScriptable, torch.nn.Module):
     """tilegemm's stand-in for a transformers 4.x sparse MoE block (:func:`legacy_block_parts`), where the
     installed transformers has no experts interface (v5 has: ``experts_implementation="tilegemm"``). It routes as
     those blocks do (softmax in fp32 over the router's logits, the top k, renormalised unless
@@ -609,7 +610,7 @@ class SparseMoeBlock(torch.nn.Module):
 # --- transformers' blocks whose experts run a forward of their own (no experts interface) -----------------------
 
 
-class StackedExperts(torch.nn.Module):
+class StackedExperts(NotScriptable, torch.nn.Module):
     """Gated experts held as transformers' experts interface holds them and run by :func:`experts_forward`:
     ``gate_up_proj`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows) and ``down_proj`` ``[E, H, I]``, or,
     ``is_transposed``, ``[E, H, 2I]`` and ``[E, I, H]``; ``act_fn`` the gate's activation (fused in the first
@@ -644,7 +645,7 @@ class StackedExperts(torch.nn.Module):
         return y.view(hidden_states.shape)
 
 
-class Llama4MoeBlock(torch.nn.Module):
+class Llama4MoeBlock(NotScriptable, torch.nn.Module):
     """Llama-4's MoE block (``Llama4TextMoe``) on the grouped kernels. Its own forward multiplies every expert by
     every token (a batched product over all experts, the inputs scaled by sigmoid scores that are zero off the
     top k); here each token goes to its top-k experts only, its input scaled by that expert's score as there,
@@ -670,7 +671,7 @@ class Llama4MoeBlock(torch.nn.Module):
         return self.shared_expert(x) + routed.view(x.shape[0], self.top_k, -1).sum(dim=1), logits
 
 
-class JetMoeBlock(torch.nn.Module):
+class JetMoeBlock(NotScriptable, torch.nn.Module):
     """JetMoE's MoE block (``JetMoeMoE``: softmax over the top k router logits, experts as ``input_linear`` /
     ``output_linear`` stacks looped over on the host, a bias added after) on the grouped kernels; its experts are a
     :class:`StackedExperts` over the same parameters (state dict names ``experts.gate_up_proj`` and
