@@ -108,6 +108,20 @@ def test_trace_gives_the_eager_output(name, device):
     _assert_traced_is_eager(layer, (x,), (x2,), device)
 
 
+def test_trace_of_folded_batch_norms_reads_the_statistics_at_each_call(device):
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    model = tnn.convert_(model, fold_batchnorm=True).to(device).eval()
+    assert model.tilegemm_folded
+    x, x2 = (torch.randn(1, 2, 5, 5, device=device) for _ in range(2))
+    traced = _assert_traced_is_eager(model, (x,), (x2,), device)
+    with torch.no_grad():
+        model[1].running_mean.add_(1.0)  # the traced module shares the buffers: it must fold the new statistics
+        torch.testing.assert_close(traced(x2), model(x2), **({} if device == "cpu" else dict(rtol=2e-3, atol=2e-3)))
+
+
 def test_trace_of_stacked_experts_follows_the_routing_of_each_call(device):
     experts = StackedExperts(torch.randn(3, 8, 4), torch.randn(3, 4, 4), nn.SiLU(), is_transposed=False).to(device)
 

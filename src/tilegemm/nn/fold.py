@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from tilegemm.core.launch import jit_tracing
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.hooks import has_hooks
 from tilegemm.nn.linear import NotScriptable, shallow_copy
@@ -92,7 +93,7 @@ class Fold:
         norm = self.norm
         tensors = (weight, bias, norm.weight, norm.bias, norm.running_mean, norm.running_var)
         # (an inference tensor has no version counter to key on)
-        keep = cacheable and not torch.compiler.is_compiling() and not (
+        keep = cacheable and not torch.compiler.is_compiling() and not jit_tracing() and not (
             torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)) and not any(
             t is not None and t.is_inference() for t in tensors)
         if keep:
