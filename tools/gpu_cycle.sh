@@ -97,8 +97,10 @@ bench() {
 pytest_() { python3 -m pytest -q -p no:cacheprovider "$@"; }
 # GPU tests: -v writes each result's name as it lands, so a run the call's limit cuts still names its failures
 # (the log keeps them; the failures and the last lines are shown)
+# (the fuzz tests at 100 draws each here: at their default 500 one worker runs them one after another past a call's
+# limit; fuzz-wide is the wide draw)
 gpu_tests() { local log=$1; shift
-  python3 -m pytest -v -p no:cacheprovider --tb=short -rf -m gpu -n "${GPU_WORKERS:-12}" "$@" > "$log" 2>&1
+  TILEGEMM_FUZZ_EXAMPLES=${TILEGEMM_FUZZ_EXAMPLES:-100} python3 -m pytest -v -p no:cacheprovider --tb=short -rf -m gpu -n "${GPU_WORKERS:-12}" "$@" > "$log" 2>&1
   grep -E "^\[gw[0-9]+\].* (FAILED|ERROR) " "$log" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | sort | uniq | head -n 60
   tail -n 2 "$log"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
