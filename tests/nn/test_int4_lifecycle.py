@@ -283,6 +283,60 @@ def test_half_refuses_bf16_scales_past_fp16s_range(make, device):
 
 
 @pytest.mark.parametrize("make", ["linear", "experts"])
+def test_half_refuses_bf16_scales_that_make_weights_past_fp16s_range(make, device):
+    # the scales fit fp16 but 8 and more steps of them do not: dequantize gave inf, the mma kernel NaN
+    if make == "linear":
+        lin = nn.Linear(64, 16, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.mul_(1e6)
+        module = Int4Linear.from_linear(lin, group_size=32).to(device)
+        scales = module.scales
+    else:
+        module = _moe_block_4bit(device).to(torch.bfloat16).layers[0]
+        with torch.no_grad():
+            module.tilegemm_down_proj_scales[0, 0] = 1e4
+        scales = module.tilegemm_down_proj_scales
+    assert bool(torch.isfinite(scales.half()).all())
+    before = _parts(module)
+    with pytest.raises(ValueError, match="or make weights past it"):
+        module.half()
+    after = _parts(module)
+    assert all(after[n].dtype == before[n].dtype and torch.equal(after[n], before[n]) for n in before)
+
+
+def test_state_dict_whose_scales_overflow_the_module_dtype_is_refused(device):
+    # a bf16 state dict into an fp16 layer: converted, its weights became inf (NaN outputs); the layer keeps its own
+    lin = nn.Linear(64, 16, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.mul_(1e6)
+    src = Int4Linear.from_linear(lin, group_size=32)
+    for assign in (False, True):
+        dst = Int4Linear.from_linear(nn.Linear(64, 16, bias=False, dtype=torch.float16), group_size=32).to(device)
+        x = torch.randn(3, 64, dtype=torch.float16, device=device)
+        before, kept = dst(x), _parts(dst)
+        with pytest.raises(RuntimeError, match=r"scales bf16\) holds values past fp16's range.*\.to\(torch.bfloat16\)"):
+            dst.load_state_dict(src.state_dict(), assign=assign)
+        assert all(torch.equal(t, kept[n]) for n, t in _parts(dst).items())
+        assert torch.equal(dst(x), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("where", ["cpu", "meta"])
+def test_assigned_state_dict_keeps_the_module_dtypes(dtype, where, device):
+    # load_state_dict(assign=True) of a bf16 state dict: the scales were made the layer's, the bias stayed bf16,
+    # and the next forward refused the layer's own bias
+    src = Int4Linear.from_linear(nn.Linear(64, 16, dtype=torch.bfloat16), group_size=32).to(device)
+    dst = Int4Linear(64, 16, group_size=32, dtype=dtype, device=device if where == "cpu" else "meta")
+    dst.load_state_dict(src.state_dict(), assign=True)
+    assert dst.scales.dtype == torch.float16 and dst.bias.dtype == dtype and not dst.bias.requires_grad
+    assert isinstance(dst.bias, nn.Parameter)
+    x = torch.randn(3, 64, dtype=dtype, device=device)
+    y = dst(x)
+    assert y.dtype == dtype
+    assert_rel_close(y, _ref(dst, x.half()), 2e-3)
+
+
+@pytest.mark.parametrize("make", ["linear", "experts"])
 def test_a_memory_format_leaves_the_fragment_layouts_dense(make, device):
     # .to(memory_format=torch.channels_last) (a vision model's, whose head is 4-bit) restrided the 4-D fragment
     # layouts, which the fragment kernel reads as dense, and failed on the experts' 5-D ones

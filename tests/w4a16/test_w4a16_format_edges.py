@@ -1,6 +1,6 @@
 """Edges of the 4-bit format found by comparing with an fp64 product: weights whose quantized values overflow the
-scales' dtype are refused (never an inf weight), dtype conversions that overflow the scales are refused, and
-``half()`` / ``bfloat16()`` convert like ``to(dtype)``."""
+scales' dtype are refused (never an inf weight), dtype conversions that overflow the scales or the weights they
+make are refused, and ``half()`` / ``bfloat16()`` convert like ``to(dtype)``."""
 
 from __future__ import annotations
 
@@ -33,6 +33,32 @@ def test_conversion_that_overflows_the_scales_is_refused():
     with pytest.raises(ValueError, match="scales converted to fp16 has non-finite"):
         w.to(torch.float16)
     with pytest.raises(ValueError, match="non-finite"):
+        w.half()
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_conversion_whose_weights_pass_fp16s_range_is_refused(stacked):
+    # scales of 1.3e4 fit fp16 but 15 steps of them do not: dequantize gave inf, gemv finite numbers, mma NaN
+    W = torch.cat([torch.full((8, 32), 2e5), torch.full((8, 32), -1.0)], 1).bfloat16()
+    w = w4a16.quantize(torch.stack([W / 1e5, W]) if stacked else W, 32)
+    assert bool(torch.isfinite(w.scales.half()).all())
+    with pytest.raises(ValueError, match="dequantized values pass fp16's range"):
+        w.half()
+    with pytest.raises(ValueError, match="dequantized values pass fp16's range"):
+        w.to(torch.float16)
+
+
+def test_conversion_reads_the_values_where_the_scales_alone_would_overflow():
+    # every q is 8 and every zero 0: 8 * 6144 fits fp16 though 15 * 6144 would not (taken), 8 * 9216 does not
+    from tilegemm.ops.w4a16.format import Int4Weight, pack_rows
+
+    qweight = pack_rows(torch.full((64, 16), 8))
+    zeros = torch.zeros(2, 16, dtype=torch.bfloat16)
+    w = Int4Weight(qweight, torch.full((2, 16), 6144.0, dtype=torch.bfloat16), zeros, 32, (16, 64))
+    h = w.half()
+    assert torch.equal(w4a16.dequantize(h).float(), torch.full((16, 64), 49152.0))
+    w = Int4Weight(qweight, torch.full((2, 16), 9216.0, dtype=torch.bfloat16), zeros, 32, (16, 64))
+    with pytest.raises(ValueError, match="dequantized values pass fp16's range"):
         w.half()
 
 

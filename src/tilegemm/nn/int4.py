@@ -16,8 +16,8 @@ from tilegemm.nn.convert import (MHA_OUT_PROJ_KEPT, ConversionNote, attention_ou
                                  is_plain_linear, subclass_reason)
 from tilegemm.nn.hooks import carry_over
 from tilegemm.nn.linear import Linear, NotScriptable, traced_call
-from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, fits_fragments, \
-    from_awq, from_compressed_tensors, from_gptq, one_group_size, quantize
+from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, \
+    dequantized_overflow, fits_fragments, from_awq, from_compressed_tensors, from_gptq, one_group_size, quantize
 
 _BUFFERS = ("qweight", "scales", "zeros", "perm")
 _WEIGHT_BUFFERS = (*_BUFFERS, "fweight", "fzs")  # the weight's parts: their dtypes are the kernels', not the module's
@@ -188,7 +188,14 @@ class Int4Linear(NotScriptable, nn.Module):
         # size): its shapes are taken where they make a 4-bit weight of this module's [out, in]; otherwise the
         # buffers keep theirs and nn.Module reports each size mismatch, so a failed load leaves a layer that runs.
         own_dtype = self.scales.dtype
+        own_bias = None if self.bias is None else self.bias.dtype
         shapes, problem = self._incoming_shapes(state_dict, prefix)
+        if shapes is not None:
+            problem = self._incoming_overflow(state_dict, prefix, own_dtype)
+            if problem is not None:  # the layer keeps its weight: torch's load copies its own tensors into it
+                shapes = None
+                state_dict = {**state_dict, **{prefix + n: self._buffers[n] for n in _BUFFERS
+                                               if prefix + n in state_dict}}
         if problem is not None:
             error_msgs.append(problem)
         for name, shape in (shapes or {}).items():
@@ -201,6 +208,8 @@ class Int4Linear(NotScriptable, nn.Module):
         for name in ("scales", "zeros"):  # (load_state_dict(assign=True) puts the incoming tensors in place)
             if self._buffers[name].dtype != own_dtype:
                 self._buffers[name] = self._buffers[name].to(own_dtype)
+        if own_bias is not None and self.bias is not None and self.bias.dtype != own_bias:  # (assign=True too)
+            self.bias = nn.Parameter(self.bias.detach().to(own_bias), requires_grad=self.bias.requires_grad)
         loaded = len(error_msgs) == before and problem is None
         K, G = self.in_features, self.scales.shape[0]
         if G == 1:  # -1 or K, as the saved-format loader decides: the record (metadata), else the layer as built
@@ -240,6 +249,22 @@ class Int4Linear(NotScriptable, nn.Module):
         where = prefix[:-1] or "the module"
         return None, (f"the 4-bit weight in the state dict ({listing}) does not fit {where}, an "
                       f"Int4Linear(in_features={K}, out_features={N}, group_size={self.group_size}): {why}")
+
+    def _incoming_overflow(self, state_dict, prefix, dtype: torch.dtype) -> str | None:
+        """A message when the state dict's 4-bit weight, its scales converted to this layer's ``dtype`` (bf16 into
+        fp16), holds scales or weights past that dtype's range (inf: NaN outputs), else None."""
+        qweight, scales, zeros = (state_dict[prefix + n] for n in ("qweight", "scales", "zeros"))
+        if scales.dtype == dtype or not scales.is_floating_point() or qweight.dtype != torch.int32 \
+                or any(t.is_meta for t in (qweight, scales, zeros)):
+            return None
+        converted = scales.to(dtype)
+        if bool(torch.isfinite(converted).all()) and not dequantized_overflow(
+                qweight.to(scales.device), converted, zeros.to(scales.device, dtype), dtype):
+            return None
+        return (f"the 4-bit weight in the state dict ({prefix}scales {dtype_name(scales.dtype)}) holds values past "
+                f"{dtype_name(dtype)}'s range, which become inf in {prefix[:-1] or 'the module'}, an "
+                f"Int4Linear(in_features={self.in_features}, out_features={self.out_features}) of "
+                f"{dtype_name(dtype)} scales: convert the layer first (.to({scales.dtype})); it kept its own weight")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -34,7 +34,8 @@ from tilegemm.nn.linear import NotScriptable
 from tilegemm.nn.notes import ConversionNote
 from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm, moe_gate_up, moe_gate_up_int4
 from tilegemm.ops.grouped.routing import moe_combine, moe_route
-from tilegemm.ops.w4a16.format import Int4Weight, check_group_size_value, concat_outputs, quantize, stack_experts
+from tilegemm.ops.w4a16.format import (Int4Weight, check_group_size_value, concat_outputs, dequantized_overflow,
+                                       quantize, stack_experts)
 
 NAME = "tilegemm"
 _MOE_MODULE = "transformers.integrations.moe"
@@ -395,8 +396,8 @@ def apply_keeping_4bit_parts(module: torch.nn.Module, apply, fn, names) -> torch
     ``Module.type(dtype)`` casts every buffer; the scales take a new dtype only if it is fp16 or bf16, and are
     otherwise the values they were, never rounded through float8) and their dense layout (a memory format,
     ``.to(memory_format=torch.channels_last)``, is for activations: the fragment layouts are 4-D and 5-D, read
-    as dense by the kernels). bf16 scales past fp16's range (inf once converted, as ``Int4Weight.half()`` refuses
-    them) are a ValueError, the parts left as they were."""
+    as dense by the kernels). bf16 scales past fp16's range, or that make weights past it (inf once converted, as
+    ``Int4Weight.half()`` refuses them), are a ValueError, the parts left as they were."""
     before = {n: module._buffers[n] for n in names if module._buffers.get(n) is not None}
     parts = {id(t) for t in before.values()}
     overflowed = []
@@ -416,13 +417,23 @@ def apply_keeping_4bit_parts(module: torch.nn.Module, apply, fn, names) -> torch
         return out.view(t.shape)
 
     apply(keep)
+    for n, old in before.items():  # finite fp16 scales may still make weights past fp16's range, inf as well
+        new = module._buffers.get(n)
+        if overflowed or not n.endswith("scales") or old.dtype != torch.bfloat16 or type(new) is not torch.Tensor \
+                or new.dtype != torch.float16 or new.is_meta:
+            continue
+        stem = n[: -len("scales")]  # "" (Int4Linear) or "tilegemm_<weight>_" (a block's experts)
+        qweight, zeros = module._buffers.get(stem + "qweight"), module._buffers.get(stem + "zeros")
+        if qweight is not None and zeros is not None and dequantized_overflow(qweight, new, zeros, torch.float16):
+            overflowed.append(old)
     if overflowed:
         for n, old in before.items():
             if module._buffers.get(n) is not None:
                 module._buffers[n] = old.to(device=module._buffers[n].device)
         what = f"{type(module).__name__}({module.extra_repr()})" if module.extra_repr() else type(module).__name__
-        raise ValueError(f"{what}: its bf16 4-bit scales hold values past fp16's range, which become inf in fp16 "
-                         f"(NaN outputs): keep the module bf16; its 4-bit parts were left as they were")
+        raise ValueError(f"{what}: its bf16 4-bit scales hold values past fp16's range, or make weights past it, "
+                         f"which become inf in fp16 (NaN outputs): keep the module bf16; its 4-bit parts were left "
+                         f"as they were")
     return module
 
 

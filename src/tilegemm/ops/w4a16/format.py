@@ -244,6 +244,10 @@ class Int4Weight:
             scales, zeros = scales.to(dtype), zeros.to(dtype)
             if dtype != self.scales.dtype and not scales.is_meta:  # bf16 scales past fp16's range become inf
                 _check_finite(f"scales converted to {dtype_name(dtype)}", scales)
+                # finite scales can still make weights past its range: inf in dequantize and the 16-bit kernels
+                if dequantized_overflow(self.qweight, scales, zeros, dtype):
+                    raise ValueError(f"this Int4Weight's dequantized values pass {dtype_name(dtype)}'s range (they "
+                                     f"would be inf in {dtype_name(dtype)}): keep it {dtype_name(self.dtype)}")
         return Int4Weight(move(self.qweight), scales, zeros, self.group_size, self.shape, move(self.perm))
 
     def cuda(self, device=None) -> "Int4Weight":
@@ -382,6 +386,21 @@ def check_fragments(w: "Int4Weight", frag) -> None:
 def _check_finite(name: str, t: torch.Tensor) -> None:
     if not torch.isfinite(t).all():
         raise ValueError(f"{name} has non-finite values (inf or NaN)")
+
+
+def dequantized_overflow(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a weight ``(q - zero) * scale`` of these parts (qweight ``[..., K/8, N]``, scales and zeros
+    ``[..., G, N]``) rounds to inf in ``dtype``, as :func:`dequantize` rounds it: a bound from the scales and zeros
+    first, the 4-bit values read only where the bound passes the range."""
+    K, G = qweight.shape[-2] * 8, scales.shape[-2]
+    if not K or not G:
+        return False
+    s, z = scales.float(), zeros.float()
+    if bool(torch.isfinite((torch.maximum(z, 15 - z) * s.abs()).to(dtype)).all()):  # |q - zero| <= max(z, 15 - z)
+        return False
+    q = ((qweight.unsqueeze(-2) >> _SHIFTS.to(qweight.device)[:, None]) & 15).flatten(-3, -2)  # [..., K, N]
+    g = torch.arange(K, device=q.device) // (K // G)  # [K] group of each row
+    return not bool(torch.isfinite(((q.float() - z[..., g, :]) * s[..., g, :]).to(dtype)).all())
 
 
 def validate(w: Int4Weight, values: bool = False) -> None:
