@@ -72,6 +72,24 @@ def test_direct_op_call_refuses_bad_arguments(case, device):
         _op(*_args(x, w, bias, **change))
 
 
+@pytest.mark.parametrize("case", range(22))
+def test_meta_op_call_refuses_bad_arguments(case):
+    # a meta call runs the op's fake, which returned an output of the wrong parts' shape without a word
+    x, w, bias = _parts("cpu")
+    x, w, bias = x.to("meta"), w.to("meta"), bias.to("meta")
+    change, error, match = _bad_cases(x, w, bias)[case]
+    if match == "perm must be a permutation":
+        pytest.skip("a meta perm has no values to check")
+    with pytest.raises(error, match=match):
+        _op(*_args(x, w, bias, **change))
+
+
+def test_meta_op_call_gives_the_output_shape():
+    x, w, bias = (t.to("meta") for t in _parts("cpu"))
+    out = _op(*_args(x, w, bias))
+    assert out.device.type == "meta" and out.shape == (3, N) and out.dtype == torch.float16
+
+
 def test_the_cases_are_all_run():
     x, w, bias = _parts("cpu")
     assert len(_bad_cases(x, w, bias)) == 22

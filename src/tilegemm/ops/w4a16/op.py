@@ -53,6 +53,8 @@ def _w4a16_op(
 
 @_w4a16_op.register_fake
 def _w4a16_fake(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm=None):
+    # the body's checks (no values read): a meta or traced call with parts that do not fit fails where it is made
+    check_op_args(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm)
     return x.new_empty((x.shape[0], qweight.shape[1]))
 
 
