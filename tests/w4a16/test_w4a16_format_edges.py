@@ -1,6 +1,6 @@
 """Edges of the 4-bit format found by comparing with an fp64 product: weights whose quantized values overflow the
 scales' dtype are refused (never an inf weight), dtype conversions that overflow the scales or the weights they
-make are refused, and ``half()`` / ``bfloat16()`` convert like ``to(dtype)``."""
+make are refused, ``half()`` / ``bfloat16()`` convert like ``to(dtype)``, and ``to`` takes ``Tensor.to``'s arguments."""
 
 from __future__ import annotations
 
@@ -72,3 +72,17 @@ def test_half_and_bfloat16(device):
     ref = x.double() @ w4a16.dequantize(b).double().T
     out = w4a16.matmul(x.half(), h).double()
     assert float((out - x.half().double() @ w4a16.dequantize(h).double().T).abs().max()) < 2e-3 * float(ref.abs().max())
+
+
+def test_to_takes_tensor_to_arguments_and_refuses_unknown_keywords():
+    # copy=True was ignored (the result shared the parts), and a misspelt keyword did nothing
+    w = w4a16.quantize(torch.randn(16, 64, dtype=torch.float16), 32)
+    assert w.to("cpu").qweight is w.qweight
+    for c in (w.to("cpu", copy=True), w.to(copy=True), w.to(torch.float16, False, True)):
+        assert all(getattr(c, n).data_ptr() != getattr(w, n).data_ptr() for n in ("qweight", "scales", "zeros"))
+        assert torch.equal(w4a16.dequantize(c), w4a16.dequantize(w))
+    assert w.to(dtype=torch.bfloat16, non_blocking=True).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="unexpected keyword argument 'devcie'"):
+        w.to(devcie="meta")
+    with pytest.raises(TypeError, match="at most two bools"):
+        w.to(True, True, True)

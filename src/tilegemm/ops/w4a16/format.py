@@ -234,21 +234,26 @@ class Int4Weight:
         return dict(qweight=self.qweight, scales=self.scales, zeros=self.zeros, perm=self.perm)
 
     def to(self, *args, **kwargs) -> "Int4Weight":
-        """Like ``Tensor.to``: a device moves every tensor; a float dtype converts scales and zeros only."""
-        device, dtype = _to_args(args, kwargs)
+        """Like ``Tensor.to``: a device moves every tensor; a float dtype converts scales and zeros only;
+        ``non_blocking`` and ``copy`` as there (a memory format is the activations': the parts stay dense)."""
+        device, dtype, non_blocking, copy = _to_args(args, kwargs)
         if dtype is not None and dtype not in FLOAT_DTYPES:
             raise TypeError(f"an Int4Weight's scales are fp16 or bf16, not {dtype_name(dtype)}")
-        move = (lambda t: None if t is None else t.to(device)) if device is not None else (lambda t: t)
-        scales, zeros = move(self.scales), move(self.zeros)
-        if dtype is not None:
-            scales, zeros = scales.to(dtype), zeros.to(dtype)
-            if dtype != self.scales.dtype and not scales.is_meta:  # bf16 scales past fp16's range become inf
-                _check_finite(f"scales converted to {dtype_name(dtype)}", scales)
-                # finite scales can still make weights past its range: inf in dequantize and the 16-bit kernels
-                if dequantized_overflow(self.qweight, scales, zeros, dtype):
-                    raise ValueError(f"this Int4Weight's dequantized values pass {dtype_name(dtype)}'s range (they "
-                                     f"would be inf in {dtype_name(dtype)}): keep it {dtype_name(self.dtype)}")
-        return Int4Weight(move(self.qweight), scales, zeros, self.group_size, self.shape, move(self.perm))
+
+        def move(t, to_dtype=None):
+            if t is None:
+                return None
+            return t.to(device=t.device if device is None else device, dtype=to_dtype or t.dtype,
+                        non_blocking=non_blocking, copy=copy)
+
+        qweight, scales, zeros = move(self.qweight), move(self.scales, dtype), move(self.zeros, dtype)
+        if dtype is not None and dtype != self.scales.dtype and not scales.is_meta:
+            _check_finite(f"scales converted to {dtype_name(dtype)}", scales)  # bf16 scales past fp16's range
+            # finite scales can still make weights past its range: inf in dequantize and the 16-bit kernels
+            if dequantized_overflow(qweight, scales, zeros, dtype):
+                raise ValueError(f"this Int4Weight's dequantized values pass {dtype_name(dtype)}'s range (they "
+                                 f"would be inf in {dtype_name(dtype)}): keep it {dtype_name(self.dtype)}")
+        return Int4Weight(qweight, scales, zeros, self.group_size, self.shape, move(self.perm))
 
     def cuda(self, device=None) -> "Int4Weight":
         return self.to(torch.device("cuda") if device is None else torch.device("cuda", device)
@@ -297,16 +302,31 @@ def _rebuild(qweight, scales, zeros, group_size, shape, perm):
     return Int4Weight(qweight, scales, zeros, group_size, shape, perm)
 
 
-def _to_args(args, kwargs) -> tuple[torch.device | None, torch.dtype | None]:
+_TO_KEYWORDS = ("device", "dtype", "non_blocking", "copy", "memory_format")
+
+
+def _to_args(args, kwargs) -> tuple[torch.device | None, torch.dtype | None, bool, bool]:
+    """``Int4Weight.to``'s arguments as ``Tensor.to`` takes them: ``(device, dtype, non_blocking, copy)``; a keyword
+    it does not know is a TypeError (a misspelt one was ignored)."""
+    unknown = [k for k in kwargs if k not in _TO_KEYWORDS]
+    if unknown:
+        raise TypeError(f"Int4Weight.to got an unexpected keyword argument {unknown[0]!r} (it takes "
+                        f"{', '.join(_TO_KEYWORDS)})")
     device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    flags = [kwargs.get("non_blocking", False), kwargs.get("copy", False)]
+    given = 0
     for a in args:
-        if isinstance(a, torch.dtype):
+        if isinstance(a, bool):  # (before int: a bool is one) non_blocking, then copy, as Tensor.to's order
+            if given == 2:
+                raise TypeError("Int4Weight.to takes at most two bools (non_blocking, copy)")
+            flags[given], given = a, given + 1
+        elif isinstance(a, torch.dtype):
             dtype = a
         elif isinstance(a, (str, torch.device, int)):
             device = a
         else:
             raise TypeError(f"Int4Weight.to takes a device and/or a dtype, got {type(a).__name__}")
-    return (torch.device(device) if device is not None else None), dtype
+    return (torch.device(device) if device is not None else None), dtype, bool(flags[0]), bool(flags[1])
 
 
 # --- checks ------------------------------------------------------------------------------------------------
