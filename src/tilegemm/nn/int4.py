@@ -12,6 +12,8 @@ from torch import nn
 from tilegemm.nn.moe import (SparseMoeBlock, _stacked_experts, apply_keeping_4bit_parts, convert_moe_blocks_,
                              expert_group_size, per_expert_mlps, quantize_experts_)
 from tilegemm.core.dtypes import dtype_name
+from tilegemm.core.launch import dispatch_stack_depth, function_mode_on, functorch_level, jit_tracing
+from tilegemm.nn import fragments
 from tilegemm.nn.convert import (MHA_OUT_PROJ_KEPT, ConversionNote, attention_out_projections, is_conv1d,
                                  is_plain_linear, subclass_reason)
 from tilegemm.nn.hooks import carry_over
@@ -25,6 +27,16 @@ _MODULE_DTYPES = (*FLOAT_DTYPES, torch.float32)
 _AUTOCAST_DEVICES = ("cuda", "cpu")  # where the kernels run; torch.is_autocast_enabled raises for others (meta)
 
 
+@torch.compiler.assume_constant_result
+def _unwritten_when_traced(layer: "Int4Linear") -> bool:
+    """Whether the layer's kept fragment layout stands for its parts, asked of the real tensors while torch.compile
+    traces (its answer a constant of the graph)."""
+    try:
+        return layer._fragments_current()
+    except (RuntimeError, NotImplementedError):  # (fake tensors, as a non-strict export has, have no address)
+        return False
+
+
 class Int4Linear(NotScriptable, nn.Module):
     """``y = x @ W.T + bias`` with ``W`` held as an :class:`~tilegemm.ops.w4a16.format.Int4Weight`.
 
@@ -32,6 +44,9 @@ class Int4Linear(NotScriptable, nn.Module):
     weight came from an act-order GPTQ checkpoint), so ``.to()``, ``state_dict`` and ``load_state_dict`` work as
     for any module; ``bias`` is a parameter. Make one with :meth:`from_linear`, :meth:`from_gptq`,
     :meth:`from_awq`, :meth:`from_compressed_tensors`, or construct an empty one and load a state dict into it.
+    The fragment layout the decode kernel reads (``fweight``, ``fzs``: not saved) follows the parts: written in
+    place or replaced, they get it remade at the next call (docs/w4a16.md, "The fragment layout and the former
+    `frag` kernel").
 
     The module's dtype is that of its activations and bias: fp16, bf16 or fp32. The kernels take 16-bit
     activations, so (unlike ``torch.nn.Linear``, which computes in fp32) an fp32 module rounds its input to the
@@ -70,15 +85,59 @@ class Int4Linear(NotScriptable, nn.Module):
     def _set_fragments(self, w: Int4Weight) -> None:
         # The fragment kernel's layout of the weight (Int4Weight.fragments()), made once, kept as buffers that move
         # with the module and are not saved (they follow from the others); empty where that kernel cannot run
-        # (no inputs).
-        fw, fzs = w.fragments() if fits_fragments(w.group_k, w.shape[-1]) else (torch.empty(0, dtype=torch.int32, device=w.device),) * 2
+        # (no inputs). Used while it stands for the parts (_fragments), remade where they change.
+        fw, fzs = w.fragments() if fits_fragments(w.group_k, w.shape[-1]) \
+            else (torch.empty(0, dtype=torch.int32, device=w.device),) * 2
         self.register_buffer("fweight", fw, persistent=False)
         self.register_buffer("fzs", fzs, persistent=False)
+        self._note_fragments()
+
+    # The record of what the kept layout was made of (tilegemm.nn.fragments): None until it is made.
+    _fragments_of = None
+
+    def _fragment_tensors(self) -> tuple[tuple, tuple]:
+        """``((qweight, scales, zeros), (fweight, fzs))``: the parts the layout is made of (with the group size;
+        not perm, by which x is reordered apart) and the layout."""
+        b = self._buffers
+        return (b["qweight"], b["scales"], b["zeros"]), (b["fweight"], b["fzs"])
+
+    def _note_fragments(self) -> None:
+        """Record that the kept layout stands for the parts the layer holds now."""
+        parts, layout = self._fragment_tensors()
+        self._fragments_of = fragments.record(parts, layout, self.group_size) \
+            if all(type(t) is torch.Tensor for t in (*parts, *layout)) else None
+
+    def _fragments_current(self) -> bool:
+        return fragments.stands_for(self._fragments_of, *self._fragment_tensors(), self.group_size)
+
+    def _fragments(self):
+        """The kept layout ``(fweight, fzs)`` where it stands for the current qweight, scales and zeros; otherwise
+        remade of them, or None for this call where it cannot be remade (the kernels then take the parts)."""
+        parts, layout = self._fragment_tensors()
+        if torch.compiler.is_compiling():
+            # a graph cannot repack, and reads no version (data-dependent): the kept layout only for the very
+            # tensors it was made of, unwritten when traced (a write after that is the caller's to recompile for)
+            current = fragments.same_tensors(self._fragments_of, parts, layout, self.group_size) \
+                and _unwritten_when_traced(self)
+        else:
+            current = fragments.stands_for(self._fragments_of, parts, layout, self.group_size)
+            if not current and self._remakes_fragments(parts):
+                self._set_fragments(self._weight())
+                parts, layout = self._fragment_tensors()
+                current = True
+        return layout if current and layout[0].numel() else None
+
+    def _remakes_fragments(self, parts) -> bool:
+        """Whether this call may remake the layout: plain tensors and a plain call (no capture, whose replays would
+        not repack; no tracer, torch.func transform or mode, which would record or batch the packing)."""
+        return all(type(t) is torch.Tensor for t in parts) and not (
+            dispatch_stack_depth() or function_mode_on() or jit_tracing() or functorch_level() is not None
+            or (parts[0].is_cuda and torch.cuda.is_current_stream_capturing()))
 
     @property
     def weight(self) -> Int4Weight:
-        """The 4-bit weight, a view on the buffers (no copy)."""
-        return self._weight((self.fweight, self.fzs) if self.fweight.numel() else None)
+        """The 4-bit weight, a view on the buffers (no copy), with the fragment layout of these parts."""
+        return self._weight(self._fragments())
 
     def _weight(self, frag=None) -> Int4Weight:
         perm = self.perm if self.perm.numel() else None
@@ -118,13 +177,29 @@ class Int4Linear(NotScriptable, nn.Module):
     def _apply(self, fn, recurse=True):
         # .float() / .to(torch.float32) make an fp32 module (bias, activations); the scales stay 16-bit, the
         # packed parts int (.type(torch.float16) casts every buffer) and dense (a memory format is not theirs)
-        return apply_keeping_4bit_parts(self, lambda f: super(Int4Linear, self)._apply(f, recurse), fn,
-                                        _WEIGHT_BUFFERS)
+        current = self._fragments_current()
+        out = apply_keeping_4bit_parts(self, lambda f: super(Int4Linear, self)._apply(f, recurse), fn,
+                                       _WEIGHT_BUFFERS)
+        # moved or cast with the parts (value by value, as the layout copies them), the layout still stands for them
+        if current:
+            self._note_fragments()
+        return out
+
+    def __getstate__(self):  # copied and pickled with whether the layout stands for the parts, not the record
+        state = super().__getstate__()
+        state["_fragments_of"] = self._fragments_current()
+        return state
+
+    def __setstate__(self, state):
+        current = state.pop("_fragments_of", False)
+        super().__setstate__(state)
+        if current is True:
+            self._note_fragments()
 
     def dequantize(self) -> torch.Tensor:
         from tilegemm.ops.w4a16.format import dequantize
 
-        return dequantize(self.weight)
+        return dequantize(self._weight())
 
     @classmethod
     def from_weight(cls, w: Int4Weight, bias: torch.Tensor | None = None) -> "Int4Linear":

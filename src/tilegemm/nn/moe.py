@@ -29,6 +29,7 @@ import warnings
 
 import torch
 
+from tilegemm.nn.fragments import part_state
 from tilegemm.nn.hooks import carry_over
 from tilegemm.nn.linear import NotScriptable
 from tilegemm.nn.notes import ConversionNote
@@ -133,8 +134,8 @@ def _int4(module, name: str) -> Int4Weight | None:
     # a traced graph takes the tensors, the kept fragments among them; inference tensors have no version to key on
     if torch.compiler.is_compiling() or any(t.is_inference() for t in parts):
         return _with_fragments(module, name, Int4Weight(*parts, gs, (E, N, R * 8), perm))
-    key = (gs, *((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
-                                         for t in parts + ([perm] if perm is not None else [])))
+    key = (gs, *((*part_state(t), t.dtype, t.device, tuple(t.shape))
+                 for t in parts + ([perm] if perm is not None else [])))
     cache = module.__dict__.setdefault("_tilegemm_int4_weights", {})
     hit = cache.get(name)
     if hit is not None and hit[0] == key:

@@ -1,0 +1,231 @@
+"""Int4Linear's kept fragment layout (what the fragment kernel reads instead of qweight, scales and zeros) follows
+its parts: written in place, swapped, replaced, loaded, moved, copied, under torch.func and torch.compile. The
+fragment kernel runs only on a Hopper GPU, so on the CPU the checks read the Int4Weight the layer hands to
+``w4a16.matmul``: its fragments are those of the parts it carries (or none), and those parts are the layer's."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import assert_rel_close
+from tilegemm.nn import Int4Linear
+from tilegemm.ops.w4a16 import api
+from tilegemm.ops.w4a16.format import Int4Weight, dequantize
+
+
+def _layer(device, group_size=32):
+    torch.manual_seed(0)
+    return Int4Linear.from_linear(nn.Linear(64, 24, dtype=torch.float16), group_size=group_size).to(device)
+
+
+def _fresh(w: Int4Weight):
+    """The fragment layout of ``w``'s parts, made now."""
+    return Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape).fragments()
+
+
+def _assert_current(layer: Int4Linear, w: Int4Weight | None = None, made: bool = True):
+    """``w`` (default: ``layer.weight``) carries the layer's own parts and, where ``made``, a fragment layout equal
+    to theirs (else none at all)."""
+    w = layer.weight if w is None else w
+    assert w.qweight is layer.qweight and w.scales is layer.scales and w.zeros is layer.zeros
+    if not made:
+        assert w._frag is None
+        return
+    assert w._frag is not None
+    assert all(torch.equal(a, b) for a, b in zip(w._frag, _fresh(w))), "stale fragments"
+
+
+def _assert_output(layer: Int4Linear, x: torch.Tensor, parts=None):
+    """The layer's output is the product of the weight its current parts (or ``parts``) stand for."""
+    parts = dict(qweight=layer.qweight, scales=layer.scales, zeros=layer.zeros) if parts is None else parts
+    w = Int4Weight(parts["qweight"], parts["scales"], parts["zeros"], layer.group_size,
+                   (layer.out_features, layer.in_features))
+    want = x.double() @ dequantize(w).double().T + layer.bias.double()
+    y = layer(x) if parts is None else torch.func.functional_call(layer, parts, (x,))
+    assert_rel_close(y, want, 2e-3)
+
+
+@pytest.fixture
+def handed(monkeypatch):
+    """The Int4Weights Int4Linear hands to w4a16.matmul, in order."""
+    seen = []
+    real = api.matmul
+
+    def spy(x, w, *args, **kwargs):
+        seen.append(w)
+        return real(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(api, "matmul", spy)
+    return seen
+
+
+def _write(layer: Int4Linear, how: str) -> None:
+    with torch.no_grad():
+        if how == "scales.mul_":
+            layer.scales.mul_(2)
+        elif how == "zeros.add_":
+            layer.zeros.add_(1).clamp_(max=15)
+        elif how == "qweight.copy_":
+            layer.qweight.copy_(layer.qweight.flip(1))
+        elif how == "scales.data":  # a new storage, no new version
+            layer.scales.data = layer.scales.data * 3
+        elif how == "assigned":
+            layer.scales = layer.scales * 0.5
+        else:
+            raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["scales.mul_", "zeros.add_", "qweight.copy_", "scales.data", "assigned"])
+def test_fragments_follow_parts_changed_in_place_or_replaced(how, device, handed):
+    layer = _layer(device)
+    x = torch.randn(2, 64, dtype=torch.float16, device=device)
+    _assert_current(layer)
+    _write(layer, how)
+    _assert_current(layer)  # remade of the parts as they are now
+    _assert_output(layer, x)
+    _assert_current(layer, handed[-1])
+    kept = layer.fweight
+    assert layer.weight._frag[0] is kept  # remade once, then kept while the parts stay as they are
+
+
+def test_functional_call_with_other_parts(device, handed):
+    layer = _layer(device)
+    x = torch.randn(3, 64, dtype=torch.float16, device=device)
+    own = layer.scales
+    with torch.no_grad():
+        for i in range(3):  # new tensors each call: a freed one's address and version reused must not match
+            parts = dict(qweight=layer.qweight.flip(0).clone(), scales=own * (i + 2), zeros=layer.zeros.clone())
+            _assert_output(layer, x, parts)
+            w = handed[-1]
+            assert w.scales is parts["scales"] and w.qweight is parts["qweight"]
+            assert w._frag is None or all(torch.equal(a, b) for a, b in zip(w._frag, _fresh(w)))
+            del parts, w
+            handed.clear()
+    assert layer.scales is own
+    _assert_current(layer)  # the layer's own parts again
+    _assert_output(layer, x)
+
+
+def test_functional_call_with_the_layers_own_buffers_keeps_its_fragments(device, handed):
+    layer = _layer(device)
+    kept = layer.fweight
+    x = torch.randn(1, 64, dtype=torch.float16, device=device)
+    torch.func.functional_call(layer, dict(layer.named_buffers()), (x,))
+    assert handed[-1]._frag[0] is kept and layer.fweight is kept
+
+
+def test_a_torch_func_transform_gets_no_stale_layout(device, handed):
+    # vmap cannot repack (the packing would be batched): the call runs without the layout, the next plain call
+    # remakes it
+    layer = _layer(device)
+    with torch.no_grad():
+        layer.scales.mul_(2)
+    xs = torch.randn(3, 2, 64, dtype=torch.float16, device=device)
+    ys = torch.func.vmap(layer)(xs)
+    assert handed[-1]._frag is None
+    assert_rel_close(ys, xs.double() @ dequantize(layer._weight()).double().T + layer.bias.double(), 2e-3)
+    _assert_current(layer)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_remakes_them(assign, device):
+    layer, other = _layer(device), _layer(device)
+    with torch.no_grad():
+        other.scales.mul_(3)
+    layer.load_state_dict(other.state_dict(), assign=assign)
+    _assert_current(layer)
+    _assert_output(layer, torch.randn(2, 64, dtype=torch.float16, device=device))
+
+
+def test_moves_and_conversions_carry_them_without_remaking(device):
+    # .to() / .half() / .float() convert the layout with the parts (the same values, moved or cast): the converted
+    # layout stands for the converted parts, and nothing is packed again
+    layer = _layer("cpu").bfloat16()
+    for step in (lambda m: m.to(device), lambda m: m.half(), lambda m: m.float(), lambda m: m.bfloat16()):
+        layer = step(layer)
+        kept = layer.fweight
+        _assert_current(layer)
+        assert layer.fweight is kept
+    assert layer.scales.dtype == torch.bfloat16 and layer.bias.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copies_keep_their_fragments(how):
+    layer = _layer("cpu")
+    if how == "deepcopy":
+        twin = copy.deepcopy(layer)
+    elif how == "pickle":
+        twin = pickle.loads(pickle.dumps(layer))
+    else:
+        buf = io.BytesIO()
+        torch.save(layer, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    kept = twin.fweight
+    _assert_current(twin)
+    assert twin.fweight is kept  # known to stand for the copied parts: not made again
+    with torch.no_grad():
+        twin.scales.mul_(2)
+    _assert_current(twin)
+    _assert_current(layer)  # the original is its own
+
+
+def test_copy_of_a_stale_layer_remakes_its_layout():
+    # a layer whose parts were written after its layout was made is copied knowing it: the copy remakes it
+    layer = _layer("cpu")
+    with torch.no_grad():
+        layer.zeros.add_(1).clamp_(max=15)
+    twin = copy.deepcopy(layer)
+    _assert_current(twin)
+
+
+def test_inference_tensors_replaced(device, handed):
+    # made under inference_mode: no version counter to see an in-place write by, but a replaced part is seen
+    with torch.inference_mode():
+        layer = _layer(device)
+        x = torch.randn(2, 64, dtype=torch.float16, device=device)
+        _assert_current(layer)
+        layer.scales = layer.scales * 2
+        _assert_current(layer)
+        _assert_output(layer, x)
+
+
+def test_compiled_layer_reads_fragments_only_while_they_stand_for_its_parts(device, monkeypatch):
+    # torch.compile cannot remake the layout in its graph: a layer written before it is traced runs without it
+    seen = []
+    real = api.matmul
+
+    def spy(x, w, *args, **kwargs):
+        seen.append(w._frag is not None)
+        return real(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(api, "matmul", spy)
+    torch.compiler.reset()
+    x = torch.randn(2, 64, dtype=torch.float16, device=device)
+    layer = _layer(device)
+    with torch.no_grad():
+        assert_rel_close(torch.compile(layer, fullgraph=True, backend="eager")(x),
+                         layer(x).double(), 1e-3)
+        assert seen == [True, True]
+        torch.compiler.reset()
+        seen.clear()
+        layer = _layer(device)
+        layer.scales.mul_(2)
+        want = x.double() @ dequantize(layer._weight()).double().T + layer.bias.double()
+        assert_rel_close(torch.compile(layer, fullgraph=True, backend="eager")(x), want, 2e-3)
+        assert seen == [False]
+        torch.compiler.reset()
+        seen.clear()
+        layer = _layer(device)
+        parts = dict(qweight=layer.qweight, scales=layer.scales * 2, zeros=layer.zeros)
+        got = torch.compile(lambda t: torch.func.functional_call(layer, parts, (t,)), fullgraph=True,
+                            backend="eager")(x)
+        assert seen == [False]
+        assert_rel_close(got, torch.func.functional_call(layer, parts, (x,)).double(), 1e-3)
+    torch.compiler.reset()
