@@ -209,7 +209,8 @@ class Int4Weight:
             raise RuntimeError("this Int4Weight's fragment layout cannot be made during CUDA graph capture: "
                                "call w.fragments() before capturing (a call makes it only where auto may pick "
                                "the fragment kernel, so a warm-up at another batch size may not have; "
-                               "tilegemm.nn.Int4Linear makes it when built)")
+                               "tilegemm.nn.Int4Linear makes it when built, and again at its first call after "
+                               "its parts change)")
         if gated and self.shape[-2] % 2:
             raise ValueError(f"gated fragments need an even number of rows (gate, then up), this weight has "
                              f"{self.shape[-2]}")
