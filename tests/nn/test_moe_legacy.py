@@ -79,10 +79,10 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, **kw):
+    def __init__(self, layers=2, **kw):
         super().__init__()
         self.inp = nn.Linear(16, 32)
-        self.layers = nn.ModuleList([Block(**kw), Block(**kw)])
+        self.layers = nn.ModuleList([Block(**kw) for _ in range(layers)])
 
     def forward(self, x):
         h = self.inp(x)
@@ -91,21 +91,27 @@ class Model(nn.Module):
         return h
 
 
-@pytest.mark.parametrize("kw", [dict(E=4), dict(E=4, norm=False), dict(E=4, shared=True),
-                                dict(E=4, names=("w1", "w3", "w2")), dict(k=1, E=4), dict(k=4, E=4)],
-                         ids=["qwen3", "no-norm", "shared", "mixtral", "top1", "all-experts"])
+# Each case a way the blocks differ, two at a time where they are independent (routing, shared expert, names)
+@pytest.mark.parametrize("kw", [dict(E=4), dict(E=4, norm=False, shared=True),
+                                dict(k=1, E=4, names=("w1", "w3", "w2")), dict(k=4, E=4)],
+                         ids=["qwen3", "no-norm-shared", "mixtral-top1", "all-experts"])
 def test_converted_block_gives_the_blocks_outputs_and_gradients(kw, device):
+    # one layer (the interpreter runs each grouped product for about a second): the input's Linear, whose gradient
+    # is checked, takes the block's gradient of its input, as a layer before it would
     torch.manual_seed(0)
-    ref = Model(**kw).to(device)
+    ref = Model(layers=1, **kw).to(device)
     ours = tilegemm.nn.convert_(copy.deepcopy(ref), linear=False)
     assert all(isinstance(layer, SparseMoeBlock) for layer in ours.layers)
+    seen = []
+    ours.layers[0].register_forward_hook(lambda m, args, out: seen.append(out))
     x = torch.randn(3, 5, 16, device=device)
     want, got = ref(x), ours(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    out, logits = ours.layers[0](torch.randn(2, 3, 32, device=device))  # the block's tuple: outputs and router logits
-    assert out.shape == (2, 3, 32) and logits.shape == (6, ref.layers[0].num_experts)
+    (out, logits), = seen  # the block's tuple: outputs and router logits
+    assert out.shape == (3, 5, 32) and logits.shape == (15, ref.layers[0].num_experts)
     want.square().sum().backward()
     got.square().sum().backward()
+    torch.testing.assert_close(ours.inp.weight.grad, ref.inp.weight.grad, rtol=1e-4, atol=1e-5)
     g, u, d = ref.layers[0].experts[0].names
     e3 = ref.layers[0].experts[3]
     block = ours.layers[0]
@@ -142,7 +148,7 @@ def test_converted_block_keeps_the_blocks_eval_mode_and_hooks(device):
 
 def test_quantize_makes_the_stacked_experts_4_bit_and_keeps_the_router(device):
     torch.manual_seed(0)
-    ref = Model(shared=True).half().to(device)
+    ref = Model(layers=1, E=4, shared=True).half().to(device)
     q = tilegemm.nn.quantize_(copy.deepcopy(ref), group_size=32)
     block = q.layers[0]
     assert isinstance(block, SparseMoeBlock) and block.tilegemm_down_proj_qweight.dtype == torch.int32
