@@ -34,10 +34,23 @@ def one_layer(monkeypatch):
     monkeypatch.setattr(moe, "TINY_LAYERS", 1)
 
 
+@pytest.fixture(scope="module")
+def int4_entry():
+    """(op, result) of the 4-bit entry's first tiny case with rows auto and fused, one layer: run once (the
+    interpreter takes seconds a forward), read by the tests of either row."""
+    from tilegemm.models import moe
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "TINY_LAYERS", 1)
+        op = bench_op("grouped_w4a16").model_bench("qwen3_moe")
+        op.check_kernel("fused")
+        result = run_bench(op, op.cases("tiny")[:1], op.default_dtype(), ["auto", "fused"], rep_ms=1, warmup_ms=0)
+    return op, result
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_the_16_bit_entry_checks_every_row(arch, ieee_fp32, request):
-    if arch == "mixtral":  # the second architecture in one layer; qwen3_moe checks every layer of two
-        request.getfixturevalue("one_layer")
+def test_the_16_bit_entry_checks_every_row(arch, ieee_fp32, one_layer):
+    # one layer each (the interpreter takes seconds a layer); the bf16 test below checks every layer of two
     op = bench_op("grouped").model_bench(arch)
     cases = op.cases("tiny")
     assert [c.label for c in cases] == ["b1 eager", "b2 eager", "b1 prefill 16"]
@@ -60,11 +73,16 @@ def test_the_16_bit_entry_checks_every_row(arch, ieee_fp32, request):
 def test_bf16_decode_rows_step_on_the_same_token():
     # in bf16 the rows' own prefills may end in different argmax tokens (a near-tie); every row decodes the
     # baseline's token, so their logits compare (they were 0.9-1.3 apart, reported wrong)
+    # (batch 2 in two layers, where the rows' own tokens differ; batch 1 decodes the same way)
     op = bench_op("grouped").model_bench("qwen3_moe")
-    cases = [c for c in op.cases("tiny") if c.dims["mode"] != "prefill"]
+    cases = [c for c in op.cases("tiny") if c.dims["mode"] != "prefill" and c.dims["batch"] == 2]
+    assert len(cases) == 1
     result = run_bench(op, cases, "bf16", ["auto"], rep_ms=1, warmup_ms=0)
     for r in _rows(result).values():
         assert r.status == "ok" and (r.rel_err is None or r.rel_err < 5e-2), r
+    # every layer's experts checked on the baseline's inputs, in the tiny model's two layers
+    dims = result.rows[0].dims
+    assert dims["layers"] == 2 and dims["experts_rel_err"] < op.EXPERTS_TOLERANCE["bf16"], dims
 
 
 def test_the_int4_twin_is_what_the_16_bit_model_holds(device):
@@ -92,12 +110,10 @@ def test_the_int4_twin_is_what_the_16_bit_model_holds(device):
     assert ((a - b).norm() / a.norm()).item() < 5e-3
 
 
-def test_the_int4_entry_runs_and_catches_a_wrong_twin(monkeypatch, one_layer):
+def test_the_int4_entry_runs_and_catches_a_wrong_twin(monkeypatch, one_layer, int4_entry):
     from tilegemm.models import moe
 
-    op = bench_op("grouped_w4a16").model_bench("qwen3_moe")
-    cases = op.cases("tiny")[:1]
-    result = run_bench(op, cases, op.default_dtype(), ["auto"], rep_ms=1, warmup_ms=0)
+    op, result = int4_entry
     assert all(r.status == "ok" for r in result.rows), result.rows
     assert result.rows[0].dims["experts_rel_err"] < op.EXPERTS_TOLERANCE[op.default_dtype()]
 
@@ -119,11 +135,9 @@ def test_the_int4_entry_runs_and_catches_a_wrong_twin(monkeypatch, one_layer):
     assert auto.dims["experts_rel_err"] > 0.5
 
 
-def test_the_int4_entry_fused_row():
+def test_the_int4_entry_fused_row(int4_entry):
     # --kernels auto,fused: the 4-bit copy with its attention's q/k/v joined, checked against the baseline's logits
-    op = bench_op("grouped_w4a16").model_bench("qwen3_moe")
-    op.check_kernel("fused")
-    result = run_bench(op, op.cases("tiny")[:1], op.default_dtype(), ["auto", "fused"], rep_ms=1, warmup_ms=0)
+    op, result = int4_entry
     kernels = [r.kernel for r in result.rows]
     assert "fused" in kernels and all(r.status == "ok" for r in result.rows), result.rows
     fused = op._built[1]["fused"][0]
