@@ -215,14 +215,15 @@ def test_load_state_dict_copy_save_and_dtype(device):
     fused.load_state_dict(other.state_dict())
     x = torch.randn(2, 64, device=device, dtype=torch.float16)
     with torch.no_grad():
-        torch.testing.assert_close(fused(x), other(x), rtol=2e-3, atol=2e-3)
+        want = other(x)
+        torch.testing.assert_close(fused(x), want, rtol=2e-3, atol=2e-3)
         twin = copy.deepcopy(fused)
         assert twin.q_proj.fused is twin.tilegemm_q_proj_k_proj_v_proj
         buf = io.BytesIO()
         torch.save(fused, buf)
         loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
         for model in (twin, loaded):
-            torch.testing.assert_close(model(x), other(x), rtol=2e-3, atol=2e-3)
+            torch.testing.assert_close(model(x), want, rtol=2e-3, atol=2e-3)
         bf = copy.deepcopy(fused).to(torch.bfloat16)
         assert bf.tilegemm_q_proj_k_proj_v_proj.scales.dtype == torch.bfloat16
     # a state dict of another group size does not fit the joined weight: named, the model unchanged
@@ -307,20 +308,23 @@ def test_bad_arguments():
 
 def test_transformers_llama_and_qwen2_and_compiled(device):
     transformers = pytest.importorskip("transformers")
-    for arch, extra in (("llama", {}), ("qwen2", {})):  # qwen2: q, k, v with biases
+    # llama in two layers (each layer's groups joined), qwen2 in one (compiled below: its one graph is the point)
+    for arch, layers in (("llama", 2), ("qwen2", 1)):  # qwen2: q, k, v with biases
         torch.manual_seed(0)
         cfg = transformers.AutoConfig.for_model(arch, vocab_size=96, hidden_size=64, intermediate_size=128,
-                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                max_position_embeddings=32, **extra)
+                                                num_hidden_layers=layers, num_attention_heads=4,
+                                                num_key_value_heads=2, max_position_embeddings=32)
         ref = quantize_(transformers.AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=torch.float16),
                         group_size=32).eval()
         fused = fuse_projections_(copy.deepcopy(ref))
-        assert len(fused.tilegemm_fused) == 4, fused.tilegemm_fused  # q/k/v and gate/up in each layer
+        assert len(fused.tilegemm_fused) == 2 * layers, fused.tilegemm_fused  # q/k/v and gate/up in each layer
         ids = torch.randint(0, 96, (2, 6), device=device)
         with torch.no_grad():
             want = ref(ids).logits
             assert_rel_close(fused(ids).logits, want.double(), 2e-3)
-    compiled = torch.compile(fused, fullgraph=True)
+    # on the CPU aot_eager (as the suite's other CPU compiles): the one graph is the point, and inductor's cold C++
+    # build of the model's torch ops takes half a minute there
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     with torch.no_grad():
         assert_rel_close(compiled(ids).logits, want.double(), 2e-3)
 
