@@ -25,15 +25,17 @@ def _bench_json(tmp_path, *argv) -> dict:
     return json.loads(path.read_text())
 
 
-def _check_rows(data: dict, metric: str, labels: list[str]) -> dict:
-    """Every row correct and in the model's metric; the tilegemm row has a ratio; the rate is the batch per second."""
+def _check_rows(data: dict, metric: str, labels: list[str], kernels=("auto",)) -> dict:
+    """Every row correct and in the model's metric; the tilegemm rows have a ratio; the rate is the batch per
+    second."""
     rows = data["rows"]
-    assert [(r["shape"], r["kernel"]) for r in rows] == [(s, k) for s in labels for k in (BASELINE, "auto")]
+    assert [(r["shape"], r["kernel"]) for r in rows] == [(s, k) for s in labels for k in (BASELINE, *kernels)]
     for r in rows:
         assert r["status"] == "ok" and r["rel_err"] <= r["tolerance"], r
         assert r["metric"] == metric and r["value"] == pytest.approx(r["dims"]["batch"] / (r["ms"] * 1e-3))
-    assert all(r["ratio"] is not None and r["ratio"] > 0 for r in rows if r["kernel"] == "auto")
-    assert data["summary"]["kernels"]["auto"]["correct"] == len(labels)
+    assert all(r["ratio"] is not None and r["ratio"] > 0 for r in rows if r["kernel"] in kernels)
+    for kernel in kernels:
+        assert data["summary"]["kernels"][kernel]["correct"] == len(labels)
     return {(r["shape"], r["kernel"]): r for r in rows}
 
 
@@ -52,26 +54,31 @@ def test_llama_tiny_sweep(tmp_path, capsys):
 
 
 def test_llama_fused_row():
-    # --kernels auto,fused: the int4 model with its projections joined, a second row checked as the first (the
-    # tiny sweep's first batch; test_llama_tiny_sweep runs both through the command line)
+    # --kernels fused: the int4 model with its projections joined, a row checked as auto's is (the tiny sweep's
+    # first batch; test_llama_tiny_sweep runs auto's rows through the command line, so this runs fused's alone)
     pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
     op = bench_op("w4a16").model_bench("llama")
     op.check_kernel("fused")
-    result = run_bench(op, op.cases("tiny")[:1], "fp16", ["auto", "fused"], rep_ms=1, warmup_ms=0)
-    assert [(r.shape, r.kernel) for r in result.rows] == [("b1 eager", k) for k in (BASELINE, "auto", "fused")]
+    result = run_bench(op, op.cases("tiny")[:1], "fp16", ["fused"], rep_ms=1, warmup_ms=0)
+    assert [(r.shape, r.kernel) for r in result.rows] == [("b1 eager", k) for k in (BASELINE, "fused")]
     for r in result.rows:
         assert r.status == "ok" and r.rel_err <= r.tolerance, r
+    assert result.rows[1].rel_err > 0  # the int4 model's logits, not the fp16 reference's
     assert "fuse_projections_" in result.meta["model_description"]
 
 
-def test_qwen2_tiny_sweep_is_a_second_architecture(tmp_path, capsys):
+def test_qwen2_is_a_second_architecture(tmp_path, capsys):
+    # the tiny model; under the interpreter its first batch alone (--shape 1 runs the tiny model there), the sweep's
+    # two cases being test_llama_tiny_sweep's
     pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
-    data = _bench_json(tmp_path, "--op", "w4a16", "--model", "qwen2", "--sweep", "tiny")
+    argv, labels = ((["--shape", "1"], ["b1 eager"]) if interpreting() else
+                    (["--sweep", "tiny"], ["b1 eager", "b2 eager"]))
+    data = _bench_json(tmp_path, "--op", "w4a16", "--model", "qwen2", *argv)
     meta = data["meta"]
     assert meta["op"] == "w4a16:qwen2" and meta["model"] == "qwen2"
     assert meta["model_description"].startswith("a tiny Qwen2 ") and "2 layers" in meta["model_description"]
-    rows = _check_rows(data, "tokens/s", ["b1 eager", "b2 eager"])
-    assert all(rows[(label, "auto")]["rel_err"] > 0 for label in ("b1 eager", "b2 eager"))
+    rows = _check_rows(data, "tokens/s", labels)
+    assert all(rows[(label, "auto")]["rel_err"] > 0 for label in labels)
     assert "model qwen2: a tiny Qwen2" in capsys.readouterr().out
 
 
@@ -94,47 +101,38 @@ def test_the_second_architecture_is_qwen2_with_4bit_biased_projections():
     assert llama._layer_gib(llama.QWEN2_7B) == pytest.approx(0.434, abs=0.002)
 
 
-def test_resnet_tiny_sweep(tmp_path, capsys):
-    data = _bench_json(tmp_path, "--op", "conv2d", "--model", "resnet50", "--sweep", "tiny")
+def test_resnet_tiny_sweep_with_the_fold_row(tmp_path, capsys, monkeypatch):
+    # --kernels auto,fold: a second tilegemm row, the model converted with its batch norms folded, checked as the
+    # first; a row fold that computed the unfolded model would pass too, so the folds of the model it ran are counted
+    from tilegemm.models.bench import ResNet50Bench
+
+    folded = []
+    fold = ResNet50Bench._folded
+    monkeypatch.setattr(ResNet50Bench, "_folded", lambda self, ours: folded.append(fold(self, ours)) or folded[-1])
+    data = _bench_json(tmp_path, "--op", "conv2d", "--model", "resnet50", "--sweep", "tiny", "--kernels", "auto,fold")
     meta = data["meta"]
     assert meta["op"] == "conv2d:resnet50" and meta["metric"] == "images/s" and meta["model"] == "resnet50"
     assert "two-block ResNet" in meta["model_description"] and "convert_" in meta["model_description"]
-    rows = _check_rows(data, "images/s", ["b2 eager"])
+    assert "fold_batchnorm=True" in meta["model_description"]
+    rows = _check_rows(data, "images/s", ["b2 eager"], ("auto", "fold"))
     assert rows[("b2 eager", "auto")]["dims"] == dict(batch=2, image=32, mode="eager", config="tiny")
     assert "model resnet50:" in capsys.readouterr().out
+    norms = [m for m in folded[0].modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and len(folded[0].tilegemm_folded) == len(norms)  # every batch norm of the tiny ResNet folded
 
 
-def test_resnet_fold_row(tmp_path):
-    # --kernels auto,fold: a second tilegemm row, the model converted with its batch norms folded, checked as the
-    # first; a row fold that computed the unfolded model would pass too, so the tiny model's folds are counted
-    data = _bench_json(tmp_path, "--op", "conv2d", "--model", "resnet50", "--sweep", "tiny", "--kernels", "auto,fold")
-    rows = {r["kernel"]: r for r in data["rows"]}
-    assert list(rows) == [BASELINE, "auto", "fold"]
-    assert all(r["status"] == "ok" and r["rel_err"] <= r["tolerance"] for r in rows.values()), rows
-    assert rows["fold"]["ratio"] > 0 and "fold_batchnorm=True" in data["meta"]["model_description"]
-    from tilegemm.models.bench import ResNet50Bench
-
-    op = ResNet50Bench()
-    case = op.cases("tiny")[0]
-    prepared = op.prepare(case, "fp32", "cpu", 1, {})
-    op.run("fold", prepared.sets[0], "fp32")
-    folded = op._built[4]
-    norms = [m for m in folded.modules() if isinstance(m, torch.nn.BatchNorm2d)]
-    assert norms and len(folded.tilegemm_folded) == len(norms)  # every batch norm of the tiny ResNet folded
-
-
-@interpreter_only
-def test_shapes_are_batch_sizes(tmp_path):
-    data = _bench_json(tmp_path, "--op", "conv2d", "--model", "resnet50", "--shape", "1", "--shape", "2,eager")
-    assert data["meta"]["sweep"] == "custom" and data["meta"]["dtype"] == "fp32"  # fp32 under the interpreter
-    _check_rows(data, "images/s", ["b1 eager", "b2 eager"])
-
-
-def test_files_are_named_after_the_model(tmp_path, monkeypatch):
+def test_shapes_are_batch_sizes_and_files_are_named_after_the_model(tmp_path, monkeypatch):
+    # (one image, then two: the first and the second form of a shape)
     monkeypatch.chdir(tmp_path)
-    assert main(["bench", "--op", "conv2d", "--model", "resnet50", "--shape", "1", "--quiet"]) == 0  # (one image)
+    assert main(["bench", "--op", "conv2d", "--model", "resnet50", "--shape", "1", "--shape", "2,eager",
+                 "--quiet"]) == 0
     written = sorted(p.name for p in (tmp_path / "tilegemm-bench").iterdir())
     assert len(written) == 3 and all(name.startswith("conv2d-resnet50-") for name in written), written
+    data = json.loads(next((tmp_path / "tilegemm-bench").glob("*.json")).read_text())
+    assert data["meta"]["sweep"] == "custom"
+    if interpreting():
+        assert data["meta"]["dtype"] == "fp32"  # fp32 under the interpreter
+        _check_rows(data, "images/s", ["b1 eager", "b2 eager"])
     csv_text = next((tmp_path / "tilegemm-bench").glob("*.csv")).read_text()
     assert "# model: resnet50" in csv_text and "# model_description: a two-block ResNet" in csv_text
 
