@@ -42,26 +42,28 @@ def _logits(model, device):
         return model(input_ids=IDS.to(device)).logits.float().cpu()
 
 
-def _write(tmp_path, arch="qwen3_moe", **kw):
-    config = cw.tiny_moe_config(arch)
+def _write(tmp_path, arch="qwen3_moe", layers=2, **kw):
+    config = cw.tiny_moe_config(arch, layers=layers)
     path = tmp_path / "ckpt"
     reference = cw.write_model(path, cw.random_model(config), mixtral_names=arch == "mixtral", **kw)
     return path, config, reference
 
 
+# One decoder layer, but for a case of each architecture whose second layer's experts must land in the second
+# block (every layer of a forward under the interpreter costs as much as the first).
 CASES = {  # name: (arch, writer options)
-    "qwen3moe-gptq-v1-sym-g32": ("qwen3_moe", dict(method="gptq", group_size=32, sym=True)),
-    "qwen3moe-awq-g32-sharded": ("qwen3_moe", dict(method="awq", group_size=32, shard_bytes=40_000)),
-    "qwen3moe-gptq-v2-asym-wholeK": ("qwen3_moe", dict(method="gptq", group_size=-1, v2=True)),
-    "mixtral-gptq-v1-sym-g32": ("mixtral", dict(method="gptq", group_size=32, sym=True)),
+    "qwen3moe-gptq-v1-sym-g32": ("qwen3_moe", dict(method="gptq", group_size=32, sym=True, layers=2)),
+    "qwen3moe-awq-g32-sharded": ("qwen3_moe", dict(method="awq", group_size=32, shard_bytes=40_000, layers=1)),
+    "qwen3moe-gptq-v2-asym-wholeK": ("qwen3_moe", dict(method="gptq", group_size=-1, v2=True, layers=1)),
+    "mixtral-gptq-v1-sym-g32": ("mixtral", dict(method="gptq", group_size=32, sym=True, layers=2)),
     # GPTQ desc_act: each expert's inputs in its own order (its gate and up projections sharing one)
-    "qwen3moe-gptq-v1-act-order-g32": ("qwen3_moe", dict(method="gptq", group_size=32, act_order=True)),
+    "qwen3moe-gptq-v1-act-order-g32": ("qwen3_moe", dict(method="gptq", group_size=32, act_order=True, layers=1)),
     "mixtral-gptq-v2-sym-act-order-g32": ("mixtral", dict(method="gptq", group_size=32, sym=True, act_order=True,
-                                                          v2=True)),
+                                                          v2=True, layers=1)),
     # llm-compressor's pack-quantized experts (weight_packed, ...), one Linear an expert as well
-    "qwen3moe-ct-sym-g32": ("qwen3_moe", dict(method="compressed-tensors", group_size=32, sym=True)),
+    "qwen3moe-ct-sym-g32": ("qwen3_moe", dict(method="compressed-tensors", group_size=32, sym=True, layers=1)),
     "mixtral-ct-asym-act-order-g32": ("mixtral", dict(method="compressed-tensors", group_size=32, sym=False,
-                                                      act_order=True)),
+                                                      act_order=True, layers=1)),
 }
 
 
@@ -78,7 +80,9 @@ def test_moe_checkpoint_loads_into_stacked_experts(tmp_path, device, name, monke
                 stored |= set(h.keys())
     gate = "block_sparse_moe.experts.3.w1" if arch == "mixtral" else "mlp.experts.3.gate_proj"
     packed = "weight_packed" if kw["method"] == "compressed-tensors" else "qweight"
-    assert f"model.layers.1.{gate}.{packed}" in stored and "model.layers.1.mlp.experts.gate_up_proj" not in stored
+    last = config.num_hidden_layers - 1
+    assert f"model.layers.{last}.{gate}.{packed}" in stored
+    assert f"model.layers.{last}.mlp.experts.gate_up_proj" not in stored
     if arch == "mixtral":  # the router too under its pre-v5 name
         assert "model.layers.0.block_sparse_moe.gate.weight" in stored
         assert "model.layers.0.mlp.gate.weight" not in stored
@@ -112,7 +116,8 @@ def test_moe_checkpoint_loads_into_stacked_experts(tmp_path, device, name, monke
     monkeypatch.setattr(moe, "_project", lambda *a: calls.append(a[1]) or project(*a))
     with torch.no_grad():
         got = model(input_ids=IDS.to(device)).logits.float().cpu()
-    assert calls.count("gate_up_proj") == 2 and calls.count("down_proj") == 2  # every block ran on tilegemm
+    layers = config.num_hidden_layers
+    assert calls.count("gate_up_proj") == layers and calls.count("down_proj") == layers  # every block on tilegemm
     ref = cw.reference_model(config, reference)
     ref.set_experts_implementation("eager")
     with torch.no_grad():
@@ -203,6 +208,10 @@ def test_experts_stored_in_several_group_sizes_load(tmp_path, device, arch, meth
         groups["down1"] = dict(base, targets=[rf"re:.*experts[.]1[.]{down}$"],
                                weights=dict(base["weights"], strategy="channel", group_size=None))
         (path / "config.json").write_text(json.dumps(cfg))
+    ref = cw.reference_model(config, reference, dtype=torch.float16)  # (the router's choice: in fp16 alike)
+    ref.set_experts_implementation("eager")
+    with torch.no_grad():
+        want = ref(input_ids=IDS).logits.float()
     for load in ("from_pretrained", "load_quantized_"):
         if load == "from_pretrained":
             model = from_pretrained(path, device=device)
@@ -216,10 +225,7 @@ def test_experts_stored_in_several_group_sizes_load(tmp_path, device, arch, meth
         for w in ("gate_up_proj", "down_proj"):
             assert torch.equal(dequantize(moe._int4(block, w)).cpu(), reference[f"model.layers.0.mlp.experts.{w}"]), \
                 (load, w)
-        ref = cw.reference_model(config, reference, dtype=torch.float16)  # (the router's choice: in fp16 alike)
-        ref.set_experts_implementation("eager")
         with torch.no_grad():
-            want = ref(input_ids=IDS).logits.float()
             got = model(input_ids=IDS.to(device)).logits.float().cpu()
         assert _rel(got, want) < TOL, load
 
@@ -421,14 +427,15 @@ def test_dequantized_copy_of_moe_model(tmp_path, device):
     assert dense.model.layers[0].mlp.gate.weight is model.model.layers[0].mlp.gate.weight  # shared, not copied
 
 
-def _gpt_oss():
+def _gpt_oss(layers: int = 1):
     """A tiny gpt-oss: experts with biases, gate and up rows in turn (is_concatenated False), held [E, in, out]."""
     if not hasattr(transformers, "GptOssConfig"):
         pytest.skip("this transformers has no gpt-oss")
-    config = transformers.GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+    config = transformers.GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=layers,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                                        num_experts_per_tok=2, max_position_embeddings=64, sliding_window=16,
-                                       layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)
+                                       layer_types=["sliding_attention", "full_attention"][:layers],
+                                       tie_word_embeddings=False)
     model = cw.random_model(config)
     with torch.no_grad():  # (initialised to zero: a bias the loader dropped would go unseen)
         for name, p in model.named_parameters():
@@ -458,7 +465,7 @@ def test_experts_with_biases_load(tmp_path, device, name):
     path = tmp_path / "c"
     reference = cw.write_model(path, source, group_size=32, **GPT_OSS[name])
     model = from_pretrained(path, device=device)
-    for layer in range(2):
+    for layer in range(config.num_hidden_layers):
         block = model.model.layers[layer].mlp.experts
         assert moe._int4(block, "gate_up_proj") is not None and moe._int4(block, "down_proj") is not None
         for b in ("gate_up_proj_bias", "down_proj_bias"):
@@ -470,7 +477,7 @@ def test_experts_with_biases_load(tmp_path, device, name):
 
 
 def test_a_missing_expert_bias_is_named(tmp_path, device):
-    config, source = _gpt_oss()
+    config, source = _gpt_oss(layers=2)
     path = tmp_path / "c"
     drop = ["model.layers.1.mlp.experts.gate_up.2.bias"]
     cw.write_model(path, source, "gptq", 32, expert_layout="joined", drop=drop)

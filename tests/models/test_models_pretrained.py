@@ -23,6 +23,8 @@ from tilegemm.nn import Int4Linear, load_quantized_  # noqa: E402
 
 IDS = torch.tensor([[3, 17, 200]])  # a forward of three tokens
 TOL = 3e-3  # fp16 activations through two layers against the fp32 model of the same weights: 7e-4 seen
+# The checkpoints of one decoder layer unless a test needs a second: each layer's Linears load alike, and every
+# layer of a forward under the interpreter costs as much as the first.
 
 
 def _logits(model, device):
@@ -34,8 +36,8 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _write(tmp_path, arch="llama", tie=False, hidden=128, seed=0, **kw):
-    config = cw.tiny_config(arch, hidden=hidden, tie=tie)
+def _write(tmp_path, arch="llama", tie=False, hidden=128, seed=0, layers=1, **kw):
+    config = cw.tiny_config(arch, hidden=hidden, layers=layers, tie=tie)
     path = tmp_path / "ckpt"
     reference = cw.write_model(path, cw.random_model(config, seed), seed=seed, **kw)
     return path, config, reference
@@ -116,13 +118,15 @@ def test_modules_to_not_convert(tmp_path, device):
     for layer in model.model.layers:
         assert type(layer.mlp.down_proj) is torch.nn.Linear and isinstance(layer.mlp.up_proj, Int4Linear)
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 6 * config.num_hidden_layers
-    assert torch.equal(model.model.layers[1].mlp.down_proj.weight.cpu(), reference["model.layers.1.mlp.down_proj.weight"])
+    last = config.num_hidden_layers - 1
+    assert torch.equal(model.model.layers[last].mlp.down_proj.weight.cpu(),
+                       reference[f"model.layers.{last}.mlp.down_proj.weight"])
     err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
     assert err < TOL
 
 
 def test_a_not_converted_module_stored_quantized_is_refused(tmp_path):
-    path, _, _ = _write(tmp_path, hidden=64, method="gptq", group_size=32)
+    path, _, _ = _write(tmp_path, hidden=64, layers=2, method="gptq", group_size=32)
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"]["modules_to_not_convert"] = ["o_proj"]
     (path / "config.json").write_text(json.dumps(cfg))
@@ -169,7 +173,7 @@ def test_load_quantized_into_a_user_built_model(tmp_path, device):
     model = transformers.AutoModelForCausalLM.from_config(config).half().to(device).eval()  # other weights
     out = load_quantized_(model, path)
     assert out is model
-    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 14
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 * config.num_hidden_layers
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert torch.equal(model.model.norm.weight.cpu(), reference["model.norm.weight"])
     err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
@@ -503,7 +507,8 @@ def test_column_slices_convert_like_the_whole(method, act_order, v2):
 
 # Other architectures than the Llama and Qwen2 ones above: the loader matches Linears by name, whatever the model
 # (fused projections, biases, other norms; MoE blocks with a shared expert whose one-output gate stays 16-bit, as
-# quantizers leave it). (arch, config overrides, modules the writer leaves unquantized)
+# quantizers leave it). (arch, config overrides, modules the writer leaves unquantized) One decoder layer, or two
+# where the second is of another kind (a dense layer, then one of experts; Mamba, then attention).
 ARCHS = {
     "mistral": ({}, ()),
     "qwen3": ({}, ()),
@@ -517,22 +522,24 @@ ARCHS = {
     # multi-head latent attention, a dense first layer, then routed experts beside a shared one
     "deepseek_v2": (dict(num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
                          n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=64,
-                         qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1), ()),
+                         qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1,
+                         num_hidden_layers=2), ()),
     # experts run by the block's own forward over [E, in, out] weights: loaded into tilegemm's block for it
     "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=64, intermediate_size_mlp=256,
                          head_dim=32, attention_chunk_size=64), ("router",)),
     # its renamings (post_mlp_layernorm -> mlp.post_mlp_layernorm) must leave names in the model's form alone
     "axk1": (dict(num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
                   kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-                  n_group=1, topk_group=1, mlp_layer_types=["dense", "sparse"]), ()),
+                  n_group=1, topk_group=1, mlp_layer_types=["dense", "sparse"], num_hidden_layers=2), ()),
     # Mamba layers reading dt_proj's weight directly unless the config says it is quantized; experts every 2nd layer
     "jamba": (dict(intermediate_size=64, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
                    attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, use_mamba_kernels=False,
-                   mamba_dt_rank=8),
+                   mamba_dt_rank=8, num_hidden_layers=2),
               ("router",)),
     # experts without a gate (up_proj and down_proj, relu2), stored one Linear an expert
     "nemotron_h": (dict(layers_block_type=["full_attention", "moe"], n_routed_experts=4, num_experts_per_tok=2,
-                        moe_intermediate_size=64, moe_shared_expert_intermediate_size=64, head_dim=32), ()),
+                        moe_intermediate_size=64, moe_shared_expert_intermediate_size=64, head_dim=32,
+                        num_hidden_layers=2), ()),
 }
 
 
@@ -543,7 +550,7 @@ def test_other_architectures(tmp_path, device, arch):
         pytest.skip(f"this transformers has no {arch}")
     overrides, keep = ARCHS[arch]
     config = transformers.AutoConfig.for_model(arch, **{
-        **dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        **dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False), **overrides})
     source = cw.random_model(config)
     not_convert = [n for n, m in source.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(keep)] \
@@ -556,8 +563,8 @@ def test_other_architectures(tmp_path, device, arch):
     assert int4 and int4 <= set(quantized)  # (a MoE block's experts are stacked, not Int4Linears)
     for n in not_convert:  # (Llama-4's router is a Linear subclass of its own)
         assert isinstance(model.get_submodule(n), torch.nn.Linear), n
-    moe_layers = {"deepseek_v2": 1, "llama4_text": 2, "axk1": 1, "jamba": 1, "nemotron_h": 1}.get(
-        arch, 2 if "moe" in arch else 0)
+    moe_layers = {"deepseek_v2": 1, "axk1": 1, "jamba": 1, "nemotron_h": 1}.get(
+        arch, config.num_hidden_layers if "moe" in arch or arch == "llama4_text" else 0)
     stacked = [n for n, _ in model.named_buffers() if n.endswith("_qweight")]
     assert len(stacked) == 2 * moe_layers, stacked  # every block's experts stacked 4-bit: gate/up and down
     err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
@@ -578,7 +585,7 @@ def _phimoe():
     import transformers
 
     return transformers.AutoConfig.for_model(
-        "phimoe", vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        "phimoe", vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
         tie_word_embeddings=False)
 
@@ -676,7 +683,7 @@ def test_gpt2_conv1d_layers_load(tmp_path, device):
     # GPT-2's Conv1D layers (weight [in, out]) stored as GPTQ Linears become Int4Linears
     import transformers
 
-    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=256)
+    config = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, n_positions=64, vocab_size=256)
     source = cw.random_model(config)
     path = tmp_path / "ckpt"
     reference = cw.write_model(path, source, method="gptq", group_size=32)
@@ -692,7 +699,7 @@ def test_gpt2_conv1d_layers_load(tmp_path, device):
 def test_dynamic_per_module_overrides(tmp_path, device):
     # GPTQModel's "dynamic": the down projections in group 64 (the rest 32), the o projections left 16-bit by a
     # negative pattern
-    config = cw.tiny_config("llama")
+    config = cw.tiny_config("llama", layers=1)
     source = cw.random_model(config)
     path = tmp_path / "ckpt"
     dynamic = {r"+:.*down_proj": {"group_size": 64}, r"-:.*\.o_proj": {}}
@@ -795,8 +802,9 @@ def test_from_pretrained_with_joined_projections(tmp_path, device, name):
     else:
         assert len(joined.tilegemm_fused) == 2 * layers
         assert isinstance(joined.model.layers[0].self_attn.k_proj, ProjectionPart)
-    assert _rel(_logits(joined, device), _logits(plain, device)) < TOL / 4
-    err = _rel(_logits(joined, device), _logits(cw.reference_model(config, reference), "cpu"))
+    got = _logits(joined, device)
+    assert _rel(got, _logits(plain, device)) < TOL / 4
+    err = _rel(got, _logits(cw.reference_model(config, reference), "cpu"))
     assert err < TOL, f"{name}: logits rel. error {err:.2e}"
     with pytest.raises(ValueError, match="fuse_projections=True joins whole weights, device_mesh splits them"):
         tilegemm.models.from_pretrained(path, device=device, fuse_projections=True, device_mesh=object())
