@@ -38,8 +38,10 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _write(tmp_path, method="gptq", group_size=32, sym=False, hidden=64, v2=False, **extra):
-    config = cw.tiny_config("llama", hidden=hidden)
+def _write(tmp_path, method="gptq", group_size=32, sym=False, hidden=64, v2=False, layers=2, **extra):
+    """A checkpoint of ``layers`` decoder layers: two where the settings name one of them, else one is enough (each
+    layer of a forward under the interpreter costs as much as the first)."""
+    config = cw.tiny_config("llama", hidden=hidden, layers=layers)
     path = tmp_path / "ckpt"
     reference = cw.write_model(path, cw.random_model(config), method, group_size, sym, autoround=True, v2=v2,
                                quant_extra=extra)
@@ -83,7 +85,7 @@ CASES = {  # name: (packing method, sym, config keys)
 def test_autoround_checkpoint_loads(tmp_path, device, name):
     method, sym, extra = CASES[name]
     v2 = method == "gptq-v2"  # (GPTQ's layout, each zero stored as it is)
-    path, config, reference = _write(tmp_path, "gptq" if v2 else method, 32, sym, v2=v2, **extra)
+    path, config, reference = _write(tmp_path, "gptq" if v2 else method, 32, sym, v2=v2, layers=1, **extra)
     q = json.loads((path / "config.json").read_text())["quantization_config"]
     assert q["quant_method"] in ("auto-round", "intel/auto-round") and "iters" in q
     assert ("packing_format" in q) == (extra.get("packing_format", "") is not None)
@@ -97,7 +99,7 @@ def test_autoround_checkpoint_loads(tmp_path, device, name):
 
 
 def test_the_saved_model_reloads(tmp_path, device):
-    path, config, reference = _write(tmp_path, "gptq", 32, False)
+    path, config, reference = _write(tmp_path, "gptq", 32, False, layers=1)
     model = from_pretrained(path, device=device)
     model.save_pretrained(tmp_path / "saved")
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
@@ -179,7 +181,7 @@ def test_early_checkpoints_packing_named_by_backend(tmp_path, device, backend, v
     # AutoRound's early releases named the packer by "backend" only: its own layers (triton, exllamav2; what they
     # wrote for asymmetric weights) store each zero as it is, not GPTQ v1's zero - 1; read as v1, every weight would
     # be off by one scale
-    path, config, reference = _write(tmp_path, "gptq", 32, False, v2=v2, quant_method="intel/auto-round",
+    path, config, reference = _write(tmp_path, "gptq", 32, False, v2=v2, layers=1, quant_method="intel/auto-round",
                                      packing_format=None, backend=backend)
     assert "packing_format" not in json.loads((path / "config.json").read_text())["quantization_config"]
     _check(from_pretrained(path, device=device), config, reference, device, _layer_linears(config))
@@ -210,9 +212,18 @@ REFUSED = [  # (config keys changed, the message)
 ]
 
 
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory):
+    """An AutoRound checkpoint of one layer, copied by the tests that change its settings."""
+    path, _, _ = _write(tmp_path_factory.mktemp("autoround"), layers=1)
+    return path
+
+
 @pytest.mark.parametrize("changes, message", REFUSED, ids=[str(i) for i in range(len(REFUSED))])
-def test_what_is_not_taken_is_refused_naming_the_key(tmp_path, changes, message):
-    path, _, _ = _write(tmp_path)
+def test_what_is_not_taken_is_refused_naming_the_key(tmp_path, one_layer, changes, message):
+    import shutil
+
+    path = shutil.copytree(one_layer, tmp_path / "ckpt")
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"].update(changes)
     (path / "config.json").write_text(json.dumps(cfg))
@@ -222,7 +233,7 @@ def test_what_is_not_taken_is_refused_naming_the_key(tmp_path, changes, message)
 
 @needs_experts_interface()
 def test_moe_experts_load_stacked(tmp_path, device):
-    config = cw.tiny_moe_config("qwen3_moe")
+    config = cw.tiny_moe_config("qwen3_moe", layers=1)
     path = tmp_path / "ckpt"
     reference = cw.write_model(path, cw.random_model(config), "gptq", 32, False, autoround=True)
     model = from_pretrained(path, device=device)

@@ -36,11 +36,12 @@ _BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermedi
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
             v_head_dim=16, n_group=1, topk_group=1, n_routed_experts=4)
 
-# (model type, config values over _BASE, auto class, what it checks)
+# (model type, config values over _BASE, auto class, what it checks): one decoder layer where every layer is of
+# one kind (each layer of a forward under the interpreter costs as much as the first), else _BASE's two
 ARCHS = {
     # a norm transformers renames from the released checkpoints' layer-level name into mlp.: stored under the
     # model's own name, it was renamed a second time (mlp.mlp.post_mlp_layernorm) and reported missing
-    "axk1": ("axk1", dict(_MLA, mlp_layer_types=["sparse", "sparse"]), "AutoModelForCausalLM"),
+    "axk1": ("axk1", dict(_MLA, mlp_layer_types=["sparse"], num_hidden_layers=1), "AutoModelForCausalLM"),
     # model.norm was renamed to model.kv_norm; its norms are kept in fp32 (_keep_in_fp32_modules_strict)
     "deepseek_v4": ("deepseek_v4", dict(n_routed_experts=4, moe_intermediate_size=64, q_lora_rank=32,
                                         qk_rope_head_dim=16, o_lora_rank=32, sliding_window=16, index_head_dim=16,
@@ -49,20 +50,21 @@ ARCHS = {
                                                      "compressed_sparse_attention"]), "AutoModelForCausalLM"),
     # each expert's Linears (layers.0.mlp.experts.0.gate_proj ...) were renamed into mlp.mlp.experts
     "mistral_large4": ("mistral_large4_text", dict(_MLA, first_k_dense_replace=0, index_head_dim=16, index_n_heads=2,
-                                                   index_topk=8, mlp_layer_types=["sparse", "sparse"]), "AutoModel"),
+                                                   index_topk=8, mlp_layer_types=["sparse"], num_hidden_layers=1),
+                       "AutoModel"),
     # a router weight the model declares fp32 and multiplies by fp32 activations: it was loaded fp16 and failed
     "inkling2": ("inkling2_text", dict(n_routed_experts=4, moe_intermediate_size=64, sliding_window_size=16,
-                                       swa_head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=2),
-                 "AutoModelForCausalLM"),
+                                       swa_head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                                       num_hidden_layers=1), "AutoModelForCausalLM"),
     # experts without a gate (up_proj, down_proj), stored one up/down Linear an expert
     "nemotron_h": ("nemotron_h", dict(n_routed_experts=4, moe_shared_expert_intermediate_size=32, mamba_head_dim=16,
                                       mamba_num_heads=4, ssm_state_size=16, chunk_size=16, n_groups=1,
                                       layer_types=["full_attention", "moe"]), "AutoModelForCausalLM"),
     # experts without a gate held transposed ([E, in, out])
     "ergo": ("ergo", dict(num_experts=4, shared_intermediate_size=32, first_dense_intermediate_size=64,
-                          sliding_window=16, mlp_layer_types=["sparse", "sparse"]), "AutoModelForCausalLM"),
+                          sliding_window=16, mlp_layer_types=["sparse"], num_hidden_layers=1), "AutoModelForCausalLM"),
     # its router (mlp.gate.weight) and e_score_correction_bias load fp32, as transformers loads them
-    "deepseek_v3": ("deepseek_v3", dict(_MLA, first_k_dense_replace=0), "AutoModelForCausalLM"),
+    "deepseek_v3": ("deepseek_v3", dict(_MLA, first_k_dense_replace=0, num_hidden_layers=1), "AutoModelForCausalLM"),
 }
 
 
@@ -166,7 +168,7 @@ def test_moe_checkpoint_loads(tmp_path, device, arch, monkeypatch):
     assert len(errs) == len(blocks) and max(errs.values()) < 3e-3, errs  # fp16 activations against fp32: 4e-4-7e-4 seen
     with torch.no_grad():
         want = _out(ref, ids).float().cpu()
-    assert _rel(got, want) < 1e-2  # the logits: fp16 through two layers (the fp32 model in fp16 is 1e-3-5e-3 off)
+    assert _rel(got, want) < 1e-2  # the logits: fp16 through the layers (the fp32 model in fp16 is 1e-3-5e-3 off)
 
 
 def test_gpt_oss_checkpoint_with_expert_biases_loads(tmp_path, device):

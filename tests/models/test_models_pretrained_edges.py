@@ -48,7 +48,7 @@ def _set_group_size(path, group_size):
                                                ("compressed-tensors", True)])
 def test_layers_narrower_than_the_group_load_as_one_group(tmp_path, method, act_order, device):
     # hidden 64 < group 128: quantizers store ceil(64 / 128) = 1 group for q/k/v/o/gate/up (down: K = 128, 1 group)
-    config = cw.tiny_config("llama", hidden=64)
+    config = cw.tiny_config("llama", hidden=64, layers=1)
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), method, -1, sym=False, act_order=act_order)
     _set_group_size(path, 128)  # what the config of such a checkpoint says
@@ -64,7 +64,7 @@ def test_layers_narrower_than_the_group_load_as_one_group(tmp_path, method, act_
 def test_a_partial_last_group_loads_in_groups_of_the_gcd(tmp_path, method, sym, act_order, device):
     # hidden 96, group 64: q/k/v/o/gate/up store ceil(96 / 64) = 2 groups, the last of 32 inputs (down: K = 192,
     # 3 whole groups); they load as groups of gcd(96, 64) = 32, each taking its stored group's scale and zero
-    config = cw.tiny_config("llama", hidden=96)
+    config = cw.tiny_config("llama", hidden=96, layers=1)
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), method, 64, sym=sym, act_order=act_order)
     from safetensors import safe_open
@@ -81,7 +81,7 @@ def test_a_partial_last_group_loads_in_groups_of_the_gcd(tmp_path, method, sym, 
 
 
 def test_a_partial_last_group_whose_gcd_no_kernel_takes_is_refused(tmp_path):
-    config = cw.tiny_config("llama", hidden=80)  # q_proj: K = 80, group 64: gcd 16, no kernel's group size
+    config = cw.tiny_config("llama", hidden=80, layers=1)  # q_proj: K = 80, group 64: gcd 16, no kernel's group size
     path = tmp_path / "c"
     cw.write_model(path, cw.random_model(config), "gptq", 64)
     with pytest.raises(ValueError, match=r"q_proj: in_features 80 is not divisible by group_size 64: its last group "
@@ -93,7 +93,7 @@ def test_a_partial_last_group_whose_gcd_no_kernel_takes_is_refused(tmp_path):
 def test_an_act_order_partial_group_of_other_sizes_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    config = cw.tiny_config("llama", hidden=96)
+    config = cw.tiny_config("llama", hidden=96, layers=1)
     path = tmp_path / "c"
     cw.write_model(path, cw.random_model(config), "gptq", 64, act_order=True)
     tensors = load_file(path / "model.safetensors")
@@ -108,7 +108,7 @@ def test_an_act_order_partial_group_of_other_sizes_is_refused(tmp_path):
 def test_a_quantized_layers_bias_of_the_wrong_shape_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    config = cw.tiny_config("qwen2", hidden=64)  # q/k/v have biases
+    config = cw.tiny_config("qwen2", hidden=64, layers=1)  # q/k/v have biases
     path = tmp_path / "c"
     cw.write_model(path, cw.random_model(config), "gptq", 32)
     tensors = load_file(path / "model.safetensors")
@@ -120,7 +120,7 @@ def test_a_quantized_layers_bias_of_the_wrong_shape_is_named(tmp_path):
 
 
 def test_an_index_entry_naming_the_wrong_shard(tmp_path):
-    config = cw.tiny_config("llama", hidden=64)
+    config = cw.tiny_config("llama", hidden=64, layers=1)
     path = tmp_path / "c"
     cw.write_model(path, cw.random_model(config), "gptq", 32, shard_bytes=20_000)
     index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -134,7 +134,7 @@ def test_an_index_entry_naming_the_wrong_shard(tmp_path):
 
 
 def test_a_directory_with_pytorch_model_bin_only(tmp_path):
-    config = cw.tiny_config("llama", hidden=64)
+    config = cw.tiny_config("llama", hidden=64, layers=1)
     path = tmp_path / "c"
     cw.write_model(path, cw.random_model(config), "gptq", 32)
     os.remove(path / "model.safetensors")
@@ -150,7 +150,7 @@ def test_older_quantizers_settings_files_and_file_names(tmp_path, device, method
     """AutoGPTQ's quantize_config.json and AutoAWQ's quant_config.json (in their own keys; some AWQ checkpoints name
     theirs quantize_config.json, the name AutoGPTQ's has), no quantization_config in config.json, the weights in one
     file of the quantizer's own name: loaded as the same checkpoint written today."""
-    config = cw.tiny_config("llama", hidden=64)
+    config = cw.tiny_config("llama", hidden=64, layers=1)
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), method, 32, act_order=method == "gptq")
     cfg = json.loads((path / "config.json").read_text())
@@ -180,7 +180,7 @@ def test_older_quantizers_settings_files_and_file_names(tmp_path, device, method
 
 def test_experts_narrower_than_the_group_load_as_one_group(tmp_path, device):
     # Qwen3-MoE, hidden 64 and expert width 32 under group 128: every expert Linear is stored as one group
-    config = cw.tiny_moe_config("qwen3_moe", hidden=64, width=32)
+    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), "gptq", -1, sym=False)
     _set_group_size(path, 128)
@@ -191,7 +191,7 @@ def test_experts_narrower_than_the_group_load_as_one_group(tmp_path, device):
 def test_experts_with_a_partial_last_group_load(tmp_path, device):
     # Qwen3-MoE, hidden 96 under group 64, act-order: every expert's gate and up (K = 96) store a last group of 32
     # inputs and load as groups of 32 in their sorted order (down_proj, K = 64: one whole group of 64)
-    config = cw.tiny_moe_config("qwen3_moe", hidden=96, width=64)
+    config = cw.tiny_moe_config("qwen3_moe", hidden=96, layers=1, width=64)
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), "gptq", 64, sym=False, act_order=True)
     model = from_pretrained(path, device=device)
@@ -203,7 +203,7 @@ def test_model_class_builds_other_heads(tmp_path, device):
     ``model_class=AutoModelForSequenceClassification``; without it, a config no causal LM takes is refused by name."""
     import transformers
 
-    config = transformers.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    config = transformers.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                      intermediate_size=128, max_position_embeddings=32, num_labels=3)
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -261,7 +261,7 @@ def _config(arch, **kw):
     if arch not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {arch}")
     return transformers.AutoConfig.for_model(arch, **{
-        **dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        **dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False), **kw})
 
 
@@ -291,7 +291,7 @@ def test_falcons_linear_subclass_loads(tmp_path, device):
 def test_rwkv_rescaled_layers(tmp_path, device):
     """RWKV divides its output layers' weights in place at inference (rescale_every): stored quantized they are
     refused by name; with rescale_every 0 (the same model) they load."""
-    config = _config("rwkv", attention_hidden_size=64)
+    config = _config("rwkv", attention_hidden_size=64, num_hidden_layers=2)  # (its initialisation needs two)
     source = cw.random_model(config)
     reference = cw.write_model(tmp_path / "c", source, "gptq", 32, sym=True)
     with pytest.raises(ValueError, match=r"rwkv\.blocks\.0\.attention\.output is stored quantized .*RwkvForCausalLM "
@@ -312,7 +312,7 @@ def test_a_causal_lm_the_auto_mapping_lacks_is_built_from_the_config(tmp_path, d
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Emu3ForCausalLM"):
         pytest.skip("this transformers has no Emu3")
-    config = transformers.Emu3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = transformers.Emu3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                          pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
@@ -331,7 +331,7 @@ def test_the_loaded_model_says_it_is_quantized(tmp_path, device):
     copy does not carry it."""
     from tilegemm.models.pretrained import dequantized_copy
 
-    config = cw.tiny_config("llama", hidden=64)
+    config = cw.tiny_config("llama", hidden=64, layers=1)
     cw.write_model(tmp_path / "c", cw.random_model(config), "gptq", 32)
     model = from_pretrained(tmp_path / "c", device=device)
     assert model.config._is_quantized is True and model.model.config._is_quantized is True
