@@ -112,19 +112,22 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _blocks_against(model, ref, ids) -> dict:
-    """Each 4-bit experts block of ``model`` run on the inputs the same block of ``ref`` gets: rel. error by name."""
-    ours = {n: m for n, m in model.named_modules() if hasattr(m, "tilegemm_group_size")}
+def _recording_blocks(model) -> tuple[dict, list]:
+    """(inputs and output of each 4-bit experts block of ``model`` by name, filled as it runs; the hooks)."""
     seen, hooks = {}, []
-    for name, m in ref.named_modules():
-        if name in ours:
-            hooks.append(m.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(name, (args, out))))
+    for name, m in model.named_modules():
+        if hasattr(m, "tilegemm_group_size"):
+            hooks.append(m.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(
+                name, ([a.clone() if isinstance(a, torch.Tensor) else a for a in args], out))))
+    return seen, hooks
+
+
+def _blocks_against(seen: dict, ref) -> dict:
+    """Each recorded 4-bit experts block against the same block of ``ref`` run on its inputs (in fp32): rel. error
+    by name."""
     with torch.no_grad():
-        _out(ref, ids)
-        for h in hooks:
-            h.remove()
-        return {name: _rel(ours[name](*[a.half() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                                        for a in args]), out)
+        return {name: _rel(out, ref.get_submodule(name)(*[a.float() if isinstance(a, torch.Tensor)
+                                                           and a.is_floating_point() else a for a in args]))
                 for name, (args, out) in seen.items()}
 
 
@@ -158,13 +161,16 @@ def test_moe_checkpoint_loads(tmp_path, device, arch, monkeypatch):
     project = moe._project
     monkeypatch.setattr(moe, "_project", lambda *a: calls.append(a[1]) or project(*a))
     ids = IDS.to(device)
+    seen, hooks = _recording_blocks(model)
     with torch.no_grad():
         got = _out(model, ids).float().cpu()
+    for h in hooks:
+        h.remove()
     assert calls.count("down_proj") == len(blocks)  # every block ran on tilegemm
     ref = copy.deepcopy(source)
     ref.load_state_dict({k: v.float() for k, v in reference.items()}, strict=False)
     ref = ref.to(device)
-    errs = _blocks_against(model, ref, ids)
+    errs = _blocks_against(seen, ref)
     assert len(errs) == len(blocks) and max(errs.values()) < 3e-3, errs  # fp16 activations against fp32: 4e-4-7e-4 seen
     with torch.no_grad():
         want = _out(ref, ids).float().cpu()

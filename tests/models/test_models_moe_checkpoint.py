@@ -49,10 +49,10 @@ def _write(tmp_path, arch="qwen3_moe", layers=2, **kw):
     return path, config, reference
 
 
-# One decoder layer, but for a case of each architecture whose second layer's experts must land in the second
-# block (every layer of a forward under the interpreter costs as much as the first).
+# One decoder layer (every layer of a forward under the interpreter costs as much as the first), but for a case
+# whose second layer's experts, stored under Mixtral's names, must land in the second block.
 CASES = {  # name: (arch, writer options)
-    "qwen3moe-gptq-v1-sym-g32": ("qwen3_moe", dict(method="gptq", group_size=32, sym=True, layers=2)),
+    "qwen3moe-gptq-v1-sym-g32": ("qwen3_moe", dict(method="gptq", group_size=32, sym=True, layers=1)),
     "qwen3moe-awq-g32-sharded": ("qwen3_moe", dict(method="awq", group_size=32, shard_bytes=40_000, layers=1)),
     "qwen3moe-gptq-v2-asym-wholeK": ("qwen3_moe", dict(method="gptq", group_size=-1, v2=True, layers=1)),
     "mixtral-gptq-v1-sym-g32": ("mixtral", dict(method="gptq", group_size=32, sym=True, layers=2)),

@@ -595,9 +595,11 @@ def _axk1():
     if "axk1" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no axk1")
     overrides, _ = ARCHS["axk1"]
+    # one layer of experts: the norm renamed is theirs (a dense layer has none)
     return transformers.AutoConfig.for_model("axk1", **{
-        **dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               max_position_embeddings=64, tie_word_embeddings=False), **overrides})
+        **dict(vocab_size=256, hidden_size=64, intermediate_size=128, max_position_embeddings=64,
+               tie_word_embeddings=False, num_attention_heads=4), **overrides,
+        **dict(num_hidden_layers=1, mlp_layer_types=["sparse"])})
 
 
 # Checkpoints whose tensor names transformers >= 5 renames when it loads them (the names on the hub, written before
