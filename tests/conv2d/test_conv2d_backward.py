@@ -39,14 +39,14 @@ def _grads(device, dtype, shape, conv, activation, channels_last, tol):
         assert got[0].is_contiguous()
 
 
-@pytest.mark.parametrize("shape,conv", [
-    pytest.param((2, 8, 7, 7, 12, 3, 3), dict(padding=1), id="3x3"),
-    pytest.param((2, 6, 9, 8, 8, 3, 3), dict(stride=2, padding=1), id="3x3-stride2"),
-    pytest.param((1, 3, 9, 9, 8, 5, 5), dict(stride=2, padding=2), id="5x5-C3-stride2"),
-    pytest.param((2, 8, 7, 6, 8, 3, 2), dict(padding="same", dilation=(2, 1), groups=2), id="same-dilated-groups2"),
+@pytest.mark.parametrize("shape,conv", [  # at most 64 pixels: one block of the interpreter's implicit-GEMM tile
+    pytest.param((2, 8, 5, 6, 12, 3, 3), dict(padding=1), id="3x3"),
+    pytest.param((2, 6, 7, 4, 8, 3, 3), dict(stride=2, padding=1), id="3x3-stride2"),
+    pytest.param((1, 3, 7, 7, 8, 5, 5), dict(stride=2, padding=2), id="5x5-C3-stride2"),
+    pytest.param((2, 8, 5, 4, 8, 3, 2), dict(padding="same", dilation=(2, 1), groups=2), id="same-dilated-groups2"),
     pytest.param((2, 16, 5, 5, 24, 1, 1), dict(), id="pointwise"),
     pytest.param((2, 16, 5, 5, 8, 1, 1), dict(stride=2), id="1x1-stride2"),
-    pytest.param((2, 8, 7, 7, 8, 3, 3), dict(padding=1, groups=8), id="depthwise"),
+    pytest.param((2, 8, 5, 5, 8, 3, 3), dict(padding=1, groups=8), id="depthwise"),
     pytest.param((1, 4, 7, 6, 8, 3, 3), dict(stride=2, padding=1, groups=4), id="depthwise-mult2-stride2"),
     pytest.param((1, 4, 4, 4, 4, 3, 3), dict(padding=3), id="padding-wider-than-filter"),
 ])
@@ -88,24 +88,26 @@ def test_backward_runs_no_torch_convolution(device):
 
 
 def test_opcheck(device):
-    x = torch.randn(1, 4, 5, 6, device=device).contiguous(memory_format=CL)
-    w = torch.randn(6, 2, 3, 3, device=device)
+    # an image of few pixels and a 3x2 filter: opcheck calls each op many times, and the interpreter pays for
+    # each pixel block and each tap of the weight gradient
+    x = torch.randn(1, 4, 3, 4, device=device).contiguous(memory_format=CL)
+    w = torch.randn(6, 2, 3, 2, device=device)
     b = torch.randn(6, device=device)
     args = (x, w, b, [2, 1], [1, 1, 0, 0], [1, 1], 2, "relu", "ieee", "auto")
     torch.library.opcheck(torch.ops.tilegemm.conv2d.default, args)
-    dy = torch.randn(1, 6, 3, 4, device=device)
+    dy = torch.randn(1, 6, 2, 3, device=device)
     torch.library.opcheck(torch.ops.tilegemm.conv2d_dgrad.default,
-                          (dy, w, [1, 4, 5, 6], True, [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
+                          (dy, w, [1, 4, 3, 4], True, [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
     torch.library.opcheck(torch.ops.tilegemm.conv2d_wgrad.default,
-                          (dy, x, [6, 2, 3, 3], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
+                          (dy, x, [6, 2, 3, 2], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
     torch.library.opcheck(torch.ops.tilegemm.conv2d_wgrad.default,  # a channels-last weight's, of an NCHW x
-                          (dy, x.contiguous(), [6, 2, 3, 3], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee", True))
+                          (dy, x.contiguous(), [6, 2, 3, 2], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee", True))
     # the gradients' own autograd (double backward), with their inputs requiring gradients
     dy, w, x = (t.detach().clone().requires_grad_() for t in (dy, w, x))
     torch.library.opcheck(torch.ops.tilegemm.conv2d_dgrad.default,
-                          (dy, w, [1, 4, 5, 6], True, [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
+                          (dy, w, [1, 4, 3, 4], True, [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
     torch.library.opcheck(torch.ops.tilegemm.conv2d_wgrad.default,
-                          (dy, x, [6, 2, 3, 3], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
+                          (dy, x, [6, 2, 3, 2], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
 
 
 @pytest.mark.parametrize("w_cl", [False, True], ids=["w-nchw", "w-cl"])
@@ -120,10 +122,11 @@ def test_weight_gradient_follows_the_layers_layout(w_shape, groups, cl, pad, w_c
     F.conv2d's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    x = torch.randn(2, 4, 7, 6, device=device)
+    H, W = 4, 3
+    x = torch.randn(2, 4, H, W, device=device)
     x = x.contiguous(memory_format=CL) if cl else x
     K, _, R, S = w_shape
-    dy = torch.randn(2, K, 7 - R + 1 + 2 * pad, 6 - S + 1 + 2 * pad, device=device).contiguous(memory_format=CL)
+    dy = torch.randn(2, K, H - R + 1 + 2 * pad, W - S + 1 + 2 * pad, device=device).contiguous(memory_format=CL)
     args = (dy, x, list(w_shape), [1, 1], [pad] * 4, [1, 1], groups, "ieee", w_cl)  # pad 0 1x1: the GEMM path
     dw = torch.ops.tilegemm.conv2d_wgrad(*args)
     want = torch.channels_last if (cl or w_cl) and R * S > 1 and w_shape[1] > 1 else torch.contiguous_format
@@ -143,14 +146,19 @@ def _dense_strides(t: torch.Tensor) -> tuple:
     return tuple(st for n, st in zip(t.shape, t.stride()) if n > 1)
 
 
-@pytest.mark.parametrize("dy_format", ["as-output", "nchw"])
-@pytest.mark.parametrize("w_format", ["nchw", "cl"])
-@pytest.mark.parametrize("x_format", ["nchw", "cl"])
-@pytest.mark.parametrize("w_shape,conv", [
-    pytest.param((6, 4, 3, 3), dict(padding=1), id="3x3"),
-    pytest.param((6, 2, 3, 3), dict(stride=2, padding=1, groups=2), id="3x3-stride2-groups2"),
-    pytest.param((6, 4, 1, 1), dict(), id="pointwise"),
-    pytest.param((8, 1, 3, 3), dict(padding=1, groups=4), id="depthwise"),
+_LAYERS = [("3x3", (6, 4, 3, 3), dict(padding=1)),
+           ("3x3-stride2-groups2", (6, 2, 3, 3), dict(stride=2, padding=1, groups=2)),
+           ("pointwise", (6, 4, 1, 1), dict()),
+           ("depthwise", (8, 1, 3, 3), dict(padding=1, groups=4))]
+_FORMATS = [(x, w, dy) for x in ("nchw", "cl") for w in ("nchw", "cl") for dy in ("as-output", "nchw")]
+
+
+@pytest.mark.parametrize("w_shape,conv,x_format,w_format,dy_format", [
+    pytest.param(w_shape, conv, x, w, dy, id=f"{name}-{x}-{w}-{dy}")
+    for name, w_shape, conv in _LAYERS for x, w, dy in _FORMATS
+    # each distinct call once: an NCHW layer's output is NCHW (its "as-output" dy is the "nchw" one), and a 1x1 or
+    # one-channel filter made channels-last keeps its strides (its "cl" weight is the "nchw" one)
+    if not (x == w == dy == "nchw") and not (w == "cl" and (w_shape[1] == 1 or w_shape[2:] == (1, 1)))
 ])
 def test_gradient_memory_formats_match_torch(w_shape, conv, x_format, w_format, dy_format, device):
     """Every pairing of NCHW and channels-last x and weight: the gradients autograd returns (x's, the weight's,
@@ -158,7 +166,7 @@ def test_gradient_memory_formats_match_torch(w_shape, conv, x_format, w_format, 
     ``.grad`` that backward() accumulates; the values are F.conv2d's. An NCHW incoming gradient (a mean's backward
     gives one) changes nothing. 1x1 and one-channel filters are both layouts at once: their strides are compared
     where a dimension has more than one element."""
-    x = torch.randn(2, 4, 6, 5, device=device)
+    x = torch.randn(2, 4, 4, 3, device=device)
     w = torch.randn(w_shape, device=device) / (w_shape[1] * w_shape[2] * w_shape[3]) ** 0.5
     b = torch.randn(w_shape[0], device=device)
     x = x.contiguous(memory_format=CL) if x_format == "cl" else x
@@ -203,7 +211,7 @@ def test_memory_formats_of_views_match_torch(w_shape, conv, of, view, device):
     """A view of a channels-last tensor (its channels or batch sliced, as torch.chunk gives them) makes the output
     and the gradients channels-last, and an HWC image unsqueezed to a batch of one does not (its batch stride
     breaks torch's test), as torch's convolution decides by ``suggest_memory_format``."""
-    x = torch.randn(2, 4, 6, 5, device=device)
+    x = torch.randn(2, 4, 4, 3, device=device)
     w = torch.randn(w_shape, device=device) / (w_shape[1] * w_shape[2] * w_shape[3]) ** 0.5
     x, w = (_VIEWS[view](x), w) if of == "x" else (x, _VIEWS[view](w))
     got, want = [], []
@@ -348,12 +356,13 @@ def test_depthwise_weight_gradient_in_one_launch_over_any_split(mult, device):
     from tilegemm.ops.conv2d.configs import depthwise_config
     from tilegemm.ops.conv2d.problem import geometry_of
 
-    N, C, H, W, R = 2, 20, 7, 7, 3
+    # 12 channels: one block of 16 at mult 1, two at mult 2 (each block's slices summed apart)
+    N, C, H, W, R = 2, 12, 3, 5, 3
     K = C * mult
     x = torch.randn(N, C, H, W, device=device).contiguous(memory_format=CL)
     dy = torch.randn(N, K, H, W, device=device).contiguous(memory_format=CL)
     g = geometry_of(x.shape, (K, 1, R, R), [1, 1], [1, 1, 1, 1], [1, 1], C)
-    for block_m, split in ((16, 7), (16, 3), (64, 2), (128, 1)):  # 98 pixels: a tile a slice, uneven slices, one
+    for block_m, split in ((8, 4), (8, 2), (32, 1)):  # 30 pixels: a tile a slice, two (uneven slices), one
         cfg = dict(depthwise_config(g, x.dtype), BLOCK_M=block_m, SPLIT=split)
         dw = depthwise.wgrad(dy, x, g, x.dtype, cfg)
         assert dw.shape == (K, 1, R, R) and dw.is_contiguous()
@@ -365,11 +374,11 @@ def test_depthwise_weight_gradient_in_one_launch_over_any_split(mult, device):
             assert not count.any()
 
 
-@pytest.mark.parametrize("case", [
-    dict(C=20, mult=1, R=3, S=3, stride=1, pad=1, dil=1),
-    dict(C=12, mult=2, R=5, S=5, stride=2, pad=2, dil=1),
-    dict(C=9, mult=1, R=7, S=7, stride=1, pad=3, dil=1),
-    dict(C=8, mult=1, R=3, S=2, stride=1, pad=1, dil=2),
+@pytest.mark.parametrize("case", [  # images of 20 output pixels (image: N, H, W)
+    dict(C=20, mult=1, R=3, S=3, stride=1, pad=1, dil=1, image=(1, 4, 5)),
+    dict(C=6, mult=2, R=5, S=5, stride=2, pad=2, dil=1, image=(2, 4, 9)),
+    dict(C=9, mult=1, R=7, S=7, stride=1, pad=3, dil=1, image=(1, 5, 4)),
+    dict(C=8, mult=1, R=3, S=2, stride=1, pad=1, dil=2, image=(1, 6, 5)),
 ], ids=["3x3", "5x5-s2-mult2", "7x7-odd-channels", "3x2-dilated"])
 @pytest.mark.parametrize("s_pad", [1, "row"], ids=["a-tap", "a-row"])
 def test_depthwise_weight_gradient_a_program_a_tap_or_a_filter_row(case, s_pad, device):
@@ -381,11 +390,13 @@ def test_depthwise_weight_gradient_a_program_a_tap_or_a_filter_row(case, s_pad, 
     from tilegemm.ops.conv2d.problem import geometry_of
 
     C, R, S, st, pad, dil = case["C"], case["R"], case["S"], case["stride"], case["pad"], case["dil"]
-    # a program a tap runs R * S of them: one image, a smaller one at 7x7, two where stride 2 leaves few pixels
-    N, H, W = (1, 8, 7) if R * S > 25 else (1, 11, 9) if st == 1 else (2, 11, 9)
+    N, H, W = case["image"]
     K = C * case["mult"]
     x = torch.randn(N, C, H, W, device=device).contiguous(memory_format=CL)
     g = geometry_of(x.shape, (K, 1, R, S), [st, st], [pad, pad, pad, pad], [dil, dil], C)
+    # 20 pixels (a program a tap runs R * S programs a slice, so few): three slices at (8, 5), the last of 4
+    # pixels; at (16, 1) one slice of a whole block and a partial one
+    assert N * g.P * g.Q == 20
     dy = torch.randn(N, K, g.P, g.Q, device=device).contiguous(memory_format=CL)
     sp = 1 if s_pad == 1 else 1 << (S - 1).bit_length()
     xr = x.double().requires_grad_()
