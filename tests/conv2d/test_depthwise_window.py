@@ -1,7 +1,7 @@
 """Stride-1 depthwise forwards of large filters (5x5, 7x7): ``depthwise_window_kernel`` (a thread's QT adjacent
 output columns over a window of input columns held in registers, rows rolled through R accumulators), the row
 kernel up to 7x7 by config, and either reading the weight tap-major (``TAP_MAJOR``). Against ``F.conv2d`` in
-float64 with outputs poisoned (NaN, conftest) so an unwritten element fails: images 1, 3 and 17 wide and tall,
+float64 with outputs poisoned (NaN, conftest) so an unwritten element fails: images 1, 3 and 7 wide and tall,
 channel counts that are not multiples of 8, channel multipliers, bias and activation, both output layouts; the
 configs and convolutions they refuse; that ``auto`` keeps today's routes until its switches are set; registers
 and spills compiled offline for sm_90. GPU tests at the zoo's sizes in fp16 and bf16."""
@@ -49,9 +49,9 @@ def _input(N, C, H, W, device, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("R", [5, 7])
-@pytest.mark.parametrize("size", [1, 3, 17])
+@pytest.mark.parametrize("size", [1, 3, 7])
 def test_window_kernel_over_odd_images(R, size, device):
-    # 5 channels (no 2-, 4- or 8-element runs), 3 columns a thread (17 = 5 groups of 3 and 2 over), rows a
+    # 5 channels (no 2-, 4- or 8-element runs), 3 columns a thread (7 = 2 groups of 3 and 1 over), rows a
     # program not dividing the image, an image narrower and shorter than the filter
     x = _input(1, 5, size, size, device)
     w = torch.randn(5, 1, R, R, device=device)
@@ -62,8 +62,9 @@ def test_window_kernel_over_odd_images(R, size, device):
 @pytest.mark.parametrize("tap_major", [False, True])
 @pytest.mark.parametrize("ahead", [False, True])
 def test_window_kernel_forms(tap_major, ahead, device):
-    # 12 channels over channel blocks of 8 (the second half masked), 4 columns a thread over 2 groups
-    x = _input(1, 12, 6, 11, device)
+    # 12 channels over channel blocks of 8 (the second half masked), 4 columns a thread over 2 groups (11
+    # columns: the third group's last column and the fourth group masked), the image's 4 rows one program's
+    x = _input(1, 12, 4, 11, device)
     w = torch.randn(12, 1, 7, 7, device=device)
     _check(x, w, None, (3, 3), _window(qt=4, bg=2, bc=8, rows=4, tap_major=tap_major, ahead=ahead))
 
@@ -71,15 +72,16 @@ def test_window_kernel_forms(tap_major, ahead, device):
 @pytest.mark.parametrize("out_format", [torch.channels_last, torch.contiguous_format], ids=["nhwc", "nchw"])
 @pytest.mark.parametrize("mult", [1, 2])
 def test_window_kernel_multipliers_layouts_and_uneven_padding(mult, out_format, device):
-    # padding 1 x 3 around a 5x5 filter (output 3 rows shorter than the input), two channels a thread's vector
-    x = _input(1, 6, 9, 7, device)
+    # padding 1 x 3 around a 5x5 filter (output 2 rows shorter than the input, 2 columns wider), two channels a
+    # thread's vector
+    x = _input(1, 6, 6, 5, device)
     w = torch.randn(6 * mult, 1, 5, 5, device=device)
     b = torch.randn(6 * mult, device=device)
     _check(x, w, b, (1, 3), _window(qt=2, bg=2, bc=8, rows=2, vec=2, tap_major=True), out_format, "relu")
 
 
 def test_window_kernel_fp16_accumulates_in_fp32(device):
-    x = _input(1, 16, 9, 9, device, torch.float16)
+    x = _input(1, 16, 9, 5, device, torch.float16)
     w = torch.randn(16, 1, 7, 7, device=device, dtype=torch.float16)
     b = torch.randn(16, device=device, dtype=torch.float16)
     _check(x, w, b, (3, 3), _window(qt=4, bg=1, bc=16, rows=9, tap_major=True), tol=2e-3)
@@ -88,8 +90,9 @@ def test_window_kernel_fp16_accumulates_in_fp32(device):
 @pytest.mark.parametrize("tap_major", [False, True])
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_rows_kernel_takes_7x7_by_config(tap_major, pipeline, device):
-    # 7x7 at DEPTHWISE_ROWS_CONFIG_MAX_TAPS, a block straddling pixels, 3 channels, image 3 wide and 17 tall
-    x = _input(1, 3, 17, 3, device)
+    # 7x7 at DEPTHWISE_ROWS_CONFIG_MAX_TAPS, a block straddling pixels, 3 channels, image 3 wide and 8 tall (rows
+    # a program not dividing it)
+    x = _input(1, 3, 8, 3, device)
     w = torch.randn(6, 1, 7, 7, device=device)
     b = torch.randn(6, device=device)
     cfg = dict(BLOCK=16, ROWS_PER=5, PIPELINE=pipeline, STAGES=1, num_warps=4, TAP_MAJOR=tap_major)
@@ -140,7 +143,7 @@ def test_auto_routes_stride1_filters_past_3x3(R, C, switch, expect, device, monk
     from tilegemm.ops.conv2d import op
 
     op.REPLAYS.clear()  # on a GPU a call like an earlier one replays its launches: decide afresh
-    x = _input(1, C, 5, 3, device)  # the rule reads channels and taps
+    x = _input(1, C, 4, 3, device)  # the rule reads channels and taps (4 rows: one program's, not two)
     w = torch.randn(C, 1, R, R, device=device)
     launched = _launched(monkeypatch)
     out = tilegemm.conv2d(x, w, None, 1, R // 2, 1, C)
