@@ -136,21 +136,26 @@ def test_tool_writes_what_the_file_holds():
     assert tool.dumps(json.loads(text)) == text
 
 
-def test_model_entry_training_step_under_the_interpreter(tmp_path):
+def test_model_entry_training_step_under_the_interpreter(tmp_path, monkeypatch):
     # --op conv2d --model NAME for a torchvision model: the tiny sweep's small ResNeXt (a grouped 3x3 of 2
     # channels a group, on grouped_direct) runs one training step; its gradients checked against fp64's
     from tilegemm.bench.runner import BASELINE
     from tilegemm.cli import main
     from tilegemm.core.runtime import interpreting
+    from tilegemm.models.bench import TorchvisionBench
 
     if not interpreting():
         pytest.skip("the GPU runs the full-size models (tools/gpu_cycle.sh zoo-models)")
+    # 8x8 images, not 16x16: the same layers and kernels (the grouped 3x3 on 4x4 pixels), a quarter of the
+    # pixels for the interpreter to run
+    monkeypatch.setattr(TorchvisionBench, "TINY_IMAGE", 8)
     path = tmp_path / "r.json"
     assert main(["bench", "--op", "conv2d", "--model", "resnext50_32x4d", "--shape", "2,train", "--quiet",
                  "--no-save", "--json", str(path), "--kernels", "auto,fold"]) == 0
     data = json.loads(path.read_text())
     assert data["meta"]["op"] == "conv2d:resnext50_32x4d" and data["meta"]["model"] == "resnext50_32x4d"
     rows = data["rows"]
+    assert {r["dims"]["image"] for r in rows} == {8}
     # row fold: batch norms folded for eval mode, so a training step is torch's (the batch's statistics)
     assert [(r["shape"], r["kernel"]) for r in rows] == [("b2 train", BASELINE), ("b2 train", "auto"),
                                                          ("b2 train", "fold")]
