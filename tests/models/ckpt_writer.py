@@ -568,18 +568,24 @@ def tiny_gemma3_multimodal_config():
                                      image_token_index=255)
 
 
-def tiny_moe_config(arch: str = "qwen3_moe", hidden: int = 64, layers: int = 2, width: int = 32):
-    """A small transformers MoE config: ``qwen3_moe`` (4 experts, top 2, expert width ``width``) or ``mixtral``
-    (the same sizes), vocab 256."""
+def tiny_moe_config(arch: str = "qwen3_moe", hidden: int = 64, layers: int = 2, width: int = 32, experts: int = 4):
+    """A small transformers MoE config: ``qwen3_moe`` (``experts`` experts, top 2, expert width ``width``) or
+    ``mixtral`` (the same sizes), vocab 256. Tests take 3 experts where the count is not what they check: under
+    the interpreter each expert adds programs to every grouped launch, and 3 still leave top 2 a choice."""
     import transformers
 
     common = dict(vocab_size=256, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, num_experts_per_tok=2, max_position_embeddings=64,
                   tie_word_embeddings=False)
     if arch == "mixtral":
-        return transformers.MixtralConfig(intermediate_size=width, num_local_experts=4, **common)
-    return transformers.Qwen3MoeConfig(intermediate_size=2 * hidden, moe_intermediate_size=width, num_experts=4,
+        return transformers.MixtralConfig(intermediate_size=width, num_local_experts=experts, **common)
+    return transformers.Qwen3MoeConfig(intermediate_size=2 * hidden, moe_intermediate_size=width, num_experts=experts,
                                        decoder_sparse_step=1, **common)
+
+
+def num_experts(config) -> int:
+    """The routed experts of a MoE config (``num_experts`` or Mixtral's ``num_local_experts``)."""
+    return getattr(config, "num_experts", None) or config.num_local_experts
 
 
 def random_model(config, seed: int = 0):

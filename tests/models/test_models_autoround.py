@@ -233,7 +233,7 @@ def test_what_is_not_taken_is_refused_naming_the_key(tmp_path, one_layer, change
 
 @needs_experts_interface()
 def test_moe_experts_load_stacked(tmp_path, device):
-    config = cw.tiny_moe_config("qwen3_moe", layers=1)
+    config = cw.tiny_moe_config("qwen3_moe", layers=1, experts=3)
     path = tmp_path / "ckpt"
     reference = cw.write_model(path, cw.random_model(config), "gptq", 32, False, autoround=True)
     model = from_pretrained(path, device=device)

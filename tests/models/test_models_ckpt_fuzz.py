@@ -103,10 +103,10 @@ def _config(c: Case):
         common["head_dim"] = c.hidden // 4
     if c.arch == "qwen3_moe":
         return transformers.AutoConfig.for_model(
-            c.arch, intermediate_size=2 * c.hidden, moe_intermediate_size=c.width, num_experts=4,
+            c.arch, intermediate_size=2 * c.hidden, moe_intermediate_size=c.width, num_experts=3,
             num_experts_per_tok=2, decoder_sparse_step=1, **common)
     if c.arch == "mixtral":
-        return transformers.AutoConfig.for_model(c.arch, intermediate_size=c.width, num_local_experts=4,
+        return transformers.AutoConfig.for_model(c.arch, intermediate_size=c.width, num_local_experts=3,
                                                  num_experts_per_tok=2, **common)
     extra = dict(pad_token_id=0) if c.arch == "phi3" else dict(sliding_window=16) if c.arch == "gemma3_text" else {}
     return transformers.AutoConfig.for_model(c.arch, intermediate_size=2 * c.hidden, **common, **extra)

@@ -55,7 +55,7 @@ def _logits(model, ids=IDS):
 
 @pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface (transformers >= 5)")
 def test_moe_experts_scales_stay_16_bit_under_float(device):
-    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)
+    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32, experts=3)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="tilegemm")
@@ -312,7 +312,7 @@ def test_a_saved_model_with_wrong_shapes_is_named(tmp_path):
 def test_a_saved_moe_model_loads_in_one_call(tmp_path, device, source):
     """4-bit experts saved as tilegemm's stacked buffers (group 32; act-order experts with their orders) load back
     into the block as they were."""
-    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)
+    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32, experts=3)
     if source == "quantize_":
         model = cw.random_model(config).half().to(device)
         _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
@@ -338,7 +338,7 @@ def _llama4_config():
     return transformers.AutoConfig.for_model(
         "llama4_text", vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-        num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128, head_dim=16, attention_chunk_size=64)
+        num_local_experts=3, num_experts_per_tok=1, intermediate_size_mlp=128, head_dim=16, attention_chunk_size=64)
 
 
 @pytest.mark.parametrize("source", ["quantize_", "gptq-act-order"])
@@ -383,7 +383,7 @@ def test_one_group_layers_keep_their_group_size_when_saved_and_loaded(tmp_path, 
     if _interface is None:
         return
     # experts whose down projection (K = 32) is below the group size: one group, -1; gate_up (K = 64) keeps 64
-    moe = cw.random_model(cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)).half().to(device)
+    moe = cw.random_model(cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32, experts=3)).half().to(device)
     _quiet(quantize_, moe, group_size=64, filter=lambda n, m: "lm_head" not in n)
     _quiet(moe.save_pretrained, tmp_path / "moe")
     again = from_pretrained(tmp_path / "moe", device=device)
@@ -450,7 +450,7 @@ def test_load_quantized_into_quantized_moe_experts_rebuilds_them(tmp_path, devic
     from tilegemm.nn import moe
     from tilegemm.ops.w4a16 import dequantize
 
-    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)
+    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32, experts=3)
     reference = cw.write_model(tmp_path, cw.random_model(config), "gptq", 32, sym=True)
     with torch.random.fork_rng():
         torch.manual_seed(2)
@@ -471,7 +471,7 @@ def test_load_quantized_into_quantized_moe_experts_rebuilds_them(tmp_path, devic
 def test_load_quantized_of_a_saved_moe_model_into_experts_of_another_group_size(tmp_path, device):
     """A directory tilegemm saved (act-order experts, group 32) loads into a model quantized with group 64: its
     experts are rebuilt as saved (their 4-bit buffers are not checked or loaded as the model's plain tensors)."""
-    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)
+    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32, experts=3)
     cw.write_model(tmp_path / "ckpt", cw.random_model(config), "gptq", 32, act_order=True)
     saved = _quiet(from_pretrained, tmp_path / "ckpt", device=device)
     _quiet(saved.save_pretrained, tmp_path / "saved")
@@ -491,7 +491,7 @@ def test_load_quantized_of_a_saved_moe_model_into_experts_of_another_group_size(
 
 @pytest.mark.skipif(_interface is None, reason="this transformers has no experts interface (transformers >= 5)")
 def test_load_quantized_refuses_16_bit_experts_into_4_bit_ones(tmp_path):
-    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)
+    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32, experts=3)
     cw.write_model(tmp_path, cw.random_model(config), "gptq", 32, dense_experts=("model.layers.0.mlp.experts",))
     with torch.random.fork_rng():
         torch.manual_seed(2)

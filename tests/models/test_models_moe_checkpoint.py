@@ -42,15 +42,16 @@ def _logits(model, device):
         return model(input_ids=IDS.to(device)).logits.float().cpu()
 
 
-def _write(tmp_path, arch="qwen3_moe", layers=2, **kw):
-    config = cw.tiny_moe_config(arch, layers=layers)
+def _write(tmp_path, arch="qwen3_moe", layers=2, experts=4, **kw):
+    config = cw.tiny_moe_config(arch, layers=layers, experts=experts)
     path = tmp_path / "ckpt"
     reference = cw.write_model(path, cw.random_model(config), mixtral_names=arch == "mixtral", **kw)
     return path, config, reference
 
 
-# One decoder layer (every layer of a forward under the interpreter costs as much as the first), but for a case
-# whose second layer's experts, stored under Mixtral's names, must land in the second block.
+# One decoder layer of 3 experts (under the interpreter each layer of a forward costs as much as the first, each
+# expert adds programs to its grouped launches), but for a case whose second layer's experts, stored under
+# Mixtral's names, must land in the second block.
 CASES = {  # name: (arch, writer options)
     "qwen3moe-gptq-v1-sym-g32": ("qwen3_moe", dict(method="gptq", group_size=32, sym=True, layers=1)),
     "qwen3moe-awq-g32-sharded": ("qwen3_moe", dict(method="awq", group_size=32, shard_bytes=40_000, layers=1)),
@@ -70,7 +71,7 @@ CASES = {  # name: (arch, writer options)
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_checkpoint_loads_into_stacked_experts(tmp_path, device, name, monkeypatch):
     arch, kw = CASES[name]
-    path, config, reference = _write(tmp_path, arch, **kw)
+    path, config, reference = _write(tmp_path, arch, experts=3, **kw)
     stored = set()
     for f in os.listdir(path):
         if f.endswith(".safetensors"):
@@ -78,7 +79,8 @@ def test_moe_checkpoint_loads_into_stacked_experts(tmp_path, device, name, monke
 
             with safe_open(str(path / f), "pt") as h:
                 stored |= set(h.keys())
-    gate = "block_sparse_moe.experts.3.w1" if arch == "mixtral" else "mlp.experts.3.gate_proj"
+    last_expert = cw.num_experts(config) - 1
+    gate = f"block_sparse_moe.experts.{last_expert}.w1" if arch == "mixtral" else f"mlp.experts.{last_expert}.gate_proj"
     packed = "weight_packed" if kw["method"] == "compressed-tensors" else "qweight"
     last = config.num_hidden_layers - 1
     assert f"model.layers.{last}.{gate}.{packed}" in stored
@@ -102,7 +104,7 @@ def test_moe_checkpoint_loads_into_stacked_experts(tmp_path, device, name, monke
         perm = getattr(block, "tilegemm_gate_up_proj_perm", None)
         assert (perm is not None) == kw.get("act_order", False)
         if perm is not None:
-            assert perm.shape == (4, config.hidden_size)
+            assert perm.shape == (cw.num_experts(config), config.hidden_size)
             assert torch.equal(perm.sort(1).values.cpu(), torch.arange(perm.shape[1]).expand_as(perm))
             assert not all(torch.equal(p.cpu(), torch.arange(perm.shape[1])) for p in perm)
         assert block.tilegemm_gate_up_proj_qweight.device.type == device
@@ -129,7 +131,7 @@ def test_moe_checkpoint_loads_into_stacked_experts(tmp_path, device, name, monke
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_a_block_of_16_bit_experts_is_stacked(tmp_path, device, arch):
     # a block whose experts the quantizer left 16-bit (one Linear an expert), beside a 4-bit one
-    path, config, reference = _write(tmp_path, arch, method="gptq", group_size=32,
+    path, config, reference = _write(tmp_path, arch, experts=3, method="gptq", group_size=32,
                                      dense_experts=("model.layers.0.mlp.experts",))
     model = from_pretrained(path, device=device)
     dense, quant = model.model.layers[0].mlp.experts, model.model.layers[1].mlp.experts
@@ -150,13 +152,13 @@ def test_experts_narrower_than_the_group_size_load(tmp_path, device, arch):
     # of 32; each stacked weight keeps its own group size
     from tilegemm.nn import quantize_
 
-    config = cw.tiny_moe_config(arch, layers=1, width=16)
+    config = cw.tiny_moe_config(arch, layers=1, width=16, experts=3)
     path = tmp_path / "ckpt"
     reference = cw.write_model(path, cw.random_model(config), "gptq", 32, sym=True, mixtral_names=arch == "mixtral")
     model = from_pretrained(path, device=device)
     block = model.model.layers[0].mlp.experts
     assert block.tilegemm_group_sizes == {"gate_up_proj": 32, "down_proj": -1}
-    assert block.tilegemm_down_proj_scales.shape == (4, 1, config.hidden_size)
+    assert block.tilegemm_down_proj_scales.shape == (3, 1, config.hidden_size)
     for w in ("gate_up_proj", "down_proj"):
         assert torch.equal(dequantize(moe._int4(block, w)).cpu(), reference[f"model.layers.0.mlp.experts.{w}"]), w
     ref = cw.reference_model(config, reference)
@@ -185,7 +187,7 @@ def test_experts_stored_in_several_group_sizes_load(tmp_path, device, arch, meth
     experts in the finest of their group sizes, every coarser group's scale and zero repeated (the same weights);
     act-order: in the up projection's order, whose groups split the gate's. They were refused in the middle of the
     load, leaving a caller's model half converted."""
-    config = cw.tiny_moe_config(arch, layers=1, width=64)
+    config = cw.tiny_moe_config(arch, layers=1, width=64, experts=3)
     gate, up, down = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
 
     def own(name):
@@ -366,14 +368,14 @@ def test_stored_values_an_importer_refuses_leave_the_model_as_it_was(tmp_path, d
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_act_order_down_projection_loads(tmp_path, device, arch):
     """Expert width 64 in groups of 32: the down projections are act-order too (an order an expert of their own)."""
-    config = cw.tiny_moe_config(arch, layers=1, width=64)
+    config = cw.tiny_moe_config(arch, layers=1, width=64, experts=3)
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), "gptq", 32, act_order=True,
                                mixtral_names=arch == "mixtral")
     model = from_pretrained(path, device=device)
     block = model.model.layers[0].mlp.experts
     perm = block.tilegemm_down_proj_perm
-    assert perm.shape == (4, 64) and not all(torch.equal(p.cpu(), torch.arange(64)) for p in perm)
+    assert perm.shape == (3, 64) and not all(torch.equal(p.cpu(), torch.arange(64)) for p in perm)
     for w in ("gate_up_proj", "down_proj"):
         assert torch.equal(dequantize(moe._int4(block, w)).cpu(), reference[f"model.layers.0.mlp.experts.{w}"]), w
     ref = cw.reference_model(config, reference)

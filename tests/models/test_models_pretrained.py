@@ -785,16 +785,22 @@ def test_a_stored_bias_the_layer_lacks_is_dropped(tmp_path, device):
     assert err < TOL
 
 
-@pytest.mark.parametrize("name", ["gptq-v1-asym-g32", "gptq-v2-asym-actorder-g64-sharded"])
+JOINED = {  # name: writer options, hidden 64 (act-order: groups of 32 leave two on K = 64 for an order to remain)
+    "gptq-v1-asym-g32": dict(method="gptq", group_size=32, sym=False),
+    "gptq-v2-asym-actorder-g32-sharded": dict(method="gptq", group_size=32, sym=False, act_order=True, v2=True,
+                                              shard_bytes=60_000),
+}
+
+
+@pytest.mark.parametrize("name", list(JOINED))
 def test_from_pretrained_with_joined_projections(tmp_path, device, name):
     # fuse_projections=True: act-order down projections absorbed by gate/up, then q/k/v and gate/up joined where
     # they share an input order (the writer draws each dense Linear's order on its own, so act-order ones do not)
     import tilegemm.models
     from tilegemm.nn.fuse import ProjectionPart
 
-    arch, tie, kw = CASES[name]
-    hidden = 128 if kw.get("act_order") else 64  # act-order g64 needs two groups on K for an order to remain
-    path, config, reference = _write(tmp_path, arch, tie, hidden=hidden, **kw)
+    kw = JOINED[name]
+    path, config, reference = _write(tmp_path, hidden=64, **kw)
     plain = tilegemm.models.from_pretrained(path, device=device)
     joined = tilegemm.models.from_pretrained(path, device=device, fuse_projections=True)
     layers = config.num_hidden_layers

@@ -180,7 +180,7 @@ def test_older_quantizers_settings_files_and_file_names(tmp_path, device, method
 
 def test_experts_narrower_than_the_group_load_as_one_group(tmp_path, device):
     # Qwen3-MoE, hidden 64 and expert width 32 under group 128: every expert Linear is stored as one group
-    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32)
+    config = cw.tiny_moe_config("qwen3_moe", hidden=64, layers=1, width=32, experts=3)
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), "gptq", -1, sym=False)
     _set_group_size(path, 128)
@@ -191,7 +191,7 @@ def test_experts_narrower_than_the_group_load_as_one_group(tmp_path, device):
 def test_experts_with_a_partial_last_group_load(tmp_path, device):
     # Qwen3-MoE, hidden 96 under group 64, act-order: every expert's gate and up (K = 96) store a last group of 32
     # inputs and load as groups of 32 in their sorted order (down_proj, K = 64: one whole group of 64)
-    config = cw.tiny_moe_config("qwen3_moe", hidden=96, layers=1, width=64)
+    config = cw.tiny_moe_config("qwen3_moe", hidden=96, layers=1, width=64, experts=3)
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), "gptq", 64, sym=False, act_order=True)
     model = from_pretrained(path, device=device)
