@@ -96,10 +96,10 @@ class Model(nn.Module):
                                 dict(k=1, E=4, names=("w1", "w3", "w2")), dict(k=4, E=4)],
                          ids=["qwen3", "no-norm-shared", "mixtral-top1", "all-experts"])
 def test_converted_block_gives_the_blocks_outputs_and_gradients(kw, device):
-    # one layer (the interpreter runs each grouped product for about a second): the input's Linear, whose gradient
-    # is checked, takes the block's gradient of its input, as a layer before it would
+    # one layer of experts 32 wide (the interpreter runs each grouped product for about a second): the input's
+    # Linear, whose gradient is checked, takes the block's gradient of its input, as a layer before it would
     torch.manual_seed(0)
-    ref = Model(layers=1, **kw).to(device)
+    ref = Model(layers=1, I=32, **kw).to(device)
     ours = tilegemm.nn.convert_(copy.deepcopy(ref), linear=False)
     assert all(isinstance(layer, SparseMoeBlock) for layer in ours.layers)
     seen = []
