@@ -27,7 +27,6 @@ _MODULE_DTYPES = (*FLOAT_DTYPES, torch.float32)
 _AUTOCAST_DEVICES = ("cuda", "cpu")  # where the kernels run; torch.is_autocast_enabled raises for others (meta)
 
 
-@torch.compiler.assume_constant_result
 def _unwritten_when_traced(layer: "Int4Linear") -> bool:
     """Whether the layer's kept fragment layout stands for its parts, asked of the real tensors while torch.compile
     traces (its answer a constant of the graph)."""
@@ -35,6 +34,11 @@ def _unwritten_when_traced(layer: "Int4Linear") -> bool:
         return layer._fragments_current()
     except (RuntimeError, NotImplementedError):  # (fake tensors, as a non-strict export has, have no address)
         return False
+
+
+# The mark torch.compiler.assume_constant_result sets, set by hand: the decorator imports torch._dynamo, which
+# imports triton, and importing tilegemm must not (core/runtime.py marks its constants the same way).
+_unwritten_when_traced._dynamo_marked_constant = True
 
 
 class Int4Linear(NotScriptable, nn.Module):
