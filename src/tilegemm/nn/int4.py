@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -27,11 +29,18 @@ _MODULE_DTYPES = (*FLOAT_DTYPES, torch.float32)
 _AUTOCAST_DEVICES = ("cuda", "cpu")  # where the kernels run; torch.is_autocast_enabled raises for others (meta)
 
 
-def _unwritten_when_traced(layer: "Int4Linear") -> bool:
-    """Whether the layer's kept fragment layout stands for its parts, asked of the real tensors while torch.compile
-    traces (its answer a constant of the graph)."""
+# The layers whose kept layout torch.compile may ask about, by the serial number of their record (an int: torch
+# 2.11's Dynamo passes a constant function only constants, not a module).
+_RECORDED = weakref.WeakValueDictionary()
+_serials = itertools.count()
+
+
+def _unwritten_when_traced(serial: int) -> bool:
+    """Whether the kept fragment layout of the layer recorded as ``serial`` stands for its parts, asked of the real
+    tensors while torch.compile traces (its answer a constant of the graph)."""
+    layer = _RECORDED.get(serial)
     try:
-        return layer._fragments_current()
+        return layer is not None and layer._fragments_current()
     except (RuntimeError, NotImplementedError):  # (fake tensors, as a non-strict export has, have no address)
         return False
 
@@ -98,6 +107,7 @@ class Int4Linear(NotScriptable, nn.Module):
 
     # The record of what the kept layout was made of (tilegemm.nn.fragments): None until it is made.
     _fragments_of = None
+    _fragments_serial = -1  # its number in _RECORDED (a copy gets its own when it records)
 
     def _fragment_tensors(self) -> tuple[tuple, tuple]:
         """``((qweight, scales, zeros), (fweight, fzs))``: the parts the layout is made of (with the group size;
@@ -110,6 +120,9 @@ class Int4Linear(NotScriptable, nn.Module):
         parts, layout = self._fragment_tensors()
         self._fragments_of = fragments.record(parts, layout, self.group_size) \
             if all(type(t) is torch.Tensor for t in (*parts, *layout)) else None
+        if self._fragments_of is not None:
+            self._fragments_serial = next(_serials)
+            _RECORDED[self._fragments_serial] = self
 
     def _fragments_current(self) -> bool:
         return fragments.stands_for(self._fragments_of, *self._fragment_tensors(), self.group_size)
@@ -122,7 +135,7 @@ class Int4Linear(NotScriptable, nn.Module):
             # a graph cannot repack, and reads no version (data-dependent): the kept layout only for the very
             # tensors it was made of, unwritten when traced (a write after that is the caller's to recompile for)
             current = fragments.same_tensors(self._fragments_of, parts, layout, self.group_size) \
-                and _unwritten_when_traced(self)
+                and _unwritten_when_traced(self._fragments_serial)
         else:
             current = fragments.stands_for(self._fragments_of, parts, layout, self.group_size)
             if not current and self._remakes_fragments(parts):
@@ -192,6 +205,7 @@ class Int4Linear(NotScriptable, nn.Module):
     def __getstate__(self):  # copied and pickled with whether the layout stands for the parts, not the record
         state = super().__getstate__()
         state["_fragments_of"] = self._fragments_current()
+        state.pop("_fragments_serial", None)
         return state
 
     def __setstate__(self, state):
