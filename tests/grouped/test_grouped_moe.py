@@ -382,6 +382,73 @@ def test_kept_fragments_follow_in_place_writes(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(w.fragments(), fresh))
 
 
+def _kept_fragments_used(block, name="down_proj") -> bool:
+    w = moe._int4(block, name)
+    return w._frag is not None and w._frag[0] is getattr(block, f"tilegemm_{name}_frag_w", None)
+
+
+@pytest.mark.parametrize("change", ["assigned", "data", "functional_call", "compiled after a write"])
+def test_kept_fragments_are_not_read_for_other_parts(monkeypatch, change):
+    # The kept layouts stand for the very parts they were made of: parts replaced (assignment, a .data swap,
+    # torch.func.functional_call) or written before torch.compile traces must not be read through the old layouts
+    # (the decode kernel would compute with the weight the block had).
+    import pickle
+
+    import tilegemm.ops.grouped.dispatch as dispatch
+
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(qwen3_moe(num_hidden_layers=1)).eval().half()
+    with monkeypatch.context() as patched:  # made as on a Hopper GPU (the packing is plain torch), run as here
+        patched.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
+        tilegemm.nn.quantize_experts_(m, group_size=32)
+    block = m.model.layers[0].mlp.experts
+    assert _kept_fragments_used(block)
+    for copied in (copy.deepcopy(block), pickle.loads(pickle.dumps(block)), block.float()):  # copies keep theirs
+        assert _kept_fragments_used(copied), copied
+    assert moe._fragments_current(block, "down_proj")  # (.float() moved the layouts with the parts)
+    seen = []
+    real = moe.grouped_matmul
+
+    def spy(x, w, *args, **kwargs):  # down's product
+        seen.append(w._frag is not None)
+        return real(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(moe, "grouped_matmul", spy)
+    x, idx, weights = torch.randn(5, 32).half(), torch.randint(0, 8, (5, 2)), torch.rand(5, 2).half()
+    scales = block.tilegemm_down_proj_scales
+    with torch.no_grad():
+        if change == "assigned":
+            block.tilegemm_down_proj_scales = scales * 2
+        elif change == "data":
+            block.tilegemm_down_proj_scales.data = scales * 2
+        elif change == "compiled after a write":
+            scales.mul_(2)
+        if change == "functional_call":
+            parts = {"tilegemm_down_proj_scales": scales * 2}
+            got = torch.func.functional_call(block, parts, (x, idx, weights))
+            assert seen[-1] is False  # down's product ran on the parts it was given
+            block.tilegemm_down_proj_scales = scales * 2
+            assert not _kept_fragments_used(block)
+            block.tilegemm_down_proj_scales = scales
+        elif change == "compiled after a write":
+            torch.compiler.reset()
+            got = torch.compile(block, fullgraph=True, backend="aot_eager")(x, idx, weights)
+            assert seen[-1] is False
+            torch.compiler.reset()
+        else:
+            assert not _kept_fragments_used(block)  # dropped; a decode call remakes them of the new parts
+            got = block(x, idx, weights)
+            assert seen[-1] is False
+        if change != "functional_call":
+            from tilegemm.ops.w4a16.format import Int4Weight
+
+            w = moe._int4(block, "down_proj")
+            fresh = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape)
+            if w._frag is not None:
+                assert all(torch.equal(a, b) for a, b in zip(w._frag, fresh.fragments()))
+        assert torch.isfinite(got).all()
+
+
 def _act_order_(model, seed=0):
     """Give every 4-bit experts block of ``model`` an input order an expert (act-order), both weights."""
     from tilegemm.ops.w4a16.format import Int4Weight

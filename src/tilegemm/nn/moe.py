@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import itertools
 import sys
 import warnings
+import weakref
 
 import torch
 
+from tilegemm.nn import fragments
 from tilegemm.nn.fragments import part_state
 from tilegemm.nn.hooks import carry_over
 from tilegemm.nn.linear import NotScriptable
@@ -155,8 +158,109 @@ def _fragment_names(name: str, gated: bool) -> tuple[str, str]:
     return f"tilegemm_{name}_{tag}_w", f"tilegemm_{name}_{tag}_zs"
 
 
+def _kept_layouts(module, name: str) -> tuple:
+    """The fragment layouts the block keeps for ``name`` (plain, then gated; those it has)."""
+    out = []
+    for gated in (False, True):
+        for n in _fragment_names(name, gated):
+            t = module._buffers.get(n)
+            if t is not None:
+                out.append(t)
+    return tuple(out)
+
+
+def _int4_parts(module, name: str) -> tuple:
+    return tuple([module._buffers.get(f"tilegemm_{name}_{p}") for p in ("qweight", "scales", "zeros")])
+
+
+class _Records(dict):
+    """Weight name -> the record (:mod:`tilegemm.nn.fragments`) of what its kept layouts were made of. Copied and
+    pickled as the names whose layouts stand for the parts, recorded again of the copy's own parts
+    (:func:`_note_fragments`: weak references are neither copied nor pickled)."""
+
+    def __init__(self, block=None):
+        super().__init__()
+        self.block = None if block is None else weakref.ref(block)
+
+    def __reduce__(self):
+        block = None if self.block is None else self.block()
+        current = [n for n in self if block is not None and _fragments_current(block, n)] if block is not None \
+            else list(getattr(self, "pending", ()))
+        return _Records, (), {"current": current}
+
+    def __setstate__(self, state):
+        self.block, self.pending = None, state["current"]
+
+
+# Blocks whose kept layouts torch.compile may ask about, by serial number (an int: torch 2.11's Dynamo passes a
+# constant function only constants, not a module).
+_RECORDED = weakref.WeakValueDictionary()
+_serials = itertools.count()
+
+
+def _records(module) -> _Records:
+    recs = module.__dict__.get("_tilegemm_fragments_of")
+    if recs is None or recs.block is None or recs.block() is not module:  # none yet, or a copy's
+        pending = getattr(recs, "pending", ())
+        recs = module.__dict__["_tilegemm_fragments_of"] = _Records(module)
+        module.__dict__["_tilegemm_fragments_serial"] = serial = next(_serials)
+        _RECORDED[serial] = module
+        for name in pending:  # the layouts of a copy, made of the parts copied with them
+            _note_fragments(module, name)
+    return recs
+
+
+def _note_fragments(module, name: str) -> None:
+    """Record that the layouts the block keeps for ``name`` stand for its parts now."""
+    parts, layouts = _int4_parts(module, name), _kept_layouts(module, name)
+    recs = _records(module)
+    if layouts and all(type(t) is torch.Tensor for t in (*parts, *layouts)):
+        recs[name] = fragments.record(parts, layouts, expert_group_size(module, name))
+    else:
+        recs.pop(name, None)
+
+
+def _fragments_current(module, name: str) -> bool:
+    """Whether the layouts the block keeps for ``name`` stand for its parts (not while torch.compile traces)."""
+    rec = _records(module).get(name)
+    return fragments.stands_for(rec, _int4_parts(module, name), _kept_layouts(module, name),
+                                expert_group_size(module, name))
+
+
+def _unwritten_when_traced(serial: int, name: str) -> bool:
+    """Whether the kept layouts of the block recorded as ``serial`` stand for its parts ``name``, asked of the real
+    tensors while torch.compile traces (its answer a constant of the graph)."""
+    block = _RECORDED.get(serial)
+    try:
+        return block is not None and _fragments_current(block, name)
+    except (RuntimeError, NotImplementedError):  # (fake tensors, as a non-strict export has, have no address)
+        return False
+
+
+# The mark torch.compiler.assume_constant_result sets, set by hand: the decorator imports torch._dynamo, which
+# imports triton, and importing tilegemm must not.
+_unwritten_when_traced._dynamo_marked_constant = True
+
+
 def _with_fragments(module, name: str, w: Int4Weight) -> Int4Weight:
-    """``w`` given the fragment layouts the block keeps as buffers (:func:`keep_fragments_`)."""
+    """``w`` given the fragment layouts the block keeps as buffers (:func:`keep_fragments_`) while they stand for
+    its parts: not after the parts were written in place, swapped (``.data =``) or replaced (assignment,
+    ``torch.func.functional_call``), when a call remakes them (or, where it cannot, runs without them)."""
+    if torch.compiler.is_compiling():
+        # a graph reads no version: the very tensors the layouts were made of, unwritten when traced (a write after
+        # that is the caller's to recompile for, as for Int4Linear)
+        recs = module.__dict__.get("_tilegemm_fragments_of")
+        current = recs is not None and fragments.same_tensors(
+            recs.get(name), _int4_parts(module, name), _kept_layouts(module, name), expert_group_size(module, name)) \
+            and _unwritten_when_traced(module.__dict__.get("_tilegemm_fragments_serial", -1), name)
+    else:
+        current = _fragments_current(module, name)
+        if not current:
+            for gated in (False, True):  # stale: dropped, so that a call's new ones are kept (keep_fragments_)
+                for n in _fragment_names(name, gated):
+                    module._buffers.pop(n, None)
+    if not current:
+        return w
     for gated in (False, True):
         fw, fzs = (getattr(module, n, None) for n in _fragment_names(name, gated))
         if fw is not None and fzs is not None:
@@ -170,12 +274,16 @@ def _with_fragments(module, name: str, w: Int4Weight) -> Int4Weight:
 def keep_fragments_(module, name: str, w: Int4Weight) -> None:
     """Keep the fragment layouts ``w`` has made (the decode kernel ``frag``'s) as the block's buffers, so that a
     model compiled later (``torch.compile`` traces no packing) or moved keeps them, as ``Int4Linear`` does."""
+    changed = False
     for gated, made in ((False, w._frag), (True, w._frag_gated)):
         if made is None:
             continue
         for n, t in zip(_fragment_names(name, gated), made):
             if getattr(module, n, None) is not t:
                 module.register_buffer(n, t, persistent=False)  # derived from the saved parts: not saved
+                changed = True
+    if changed:  # made of w's parts, which are the block's (w is _int4's of them)
+        _note_fragments(module, name)
 
 
 def _fused_activation(module) -> str | None:
@@ -368,6 +476,7 @@ def _drop_fragments(module) -> None:
     for n in [n for n in module._buffers if n.startswith("tilegemm_") and n.endswith(("frag_w", "frag_zs"))]:
         del module._buffers[n]
     module.__dict__.pop("_tilegemm_int4_weights", None)
+    module.__dict__.pop("_tilegemm_fragments_of", None)
 
 
 def _remake_fragments(module, incompatible_keys=None) -> None:
@@ -450,8 +559,12 @@ class _KeepScales16:
 
     def __call__(self, fn, recurse: bool = True):
         m = self.module
-        return apply_keeping_4bit_parts(m, lambda f: type(m)._apply(m, f, recurse), fn,
-                                        [n for n in m._buffers if n.startswith("tilegemm_")])
+        current = [n for n in list(_records(m)) if _fragments_current(m, n)]
+        out = apply_keeping_4bit_parts(m, lambda f: type(m)._apply(m, f, recurse), fn,
+                                       [n for n in m._buffers if n.startswith("tilegemm_")])
+        for n in current:  # moved or cast with the parts, the layouts still stand for them
+            _note_fragments(m, n)
+        return out
 
 
 def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
