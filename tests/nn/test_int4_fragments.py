@@ -229,3 +229,39 @@ def test_compiled_layer_reads_fragments_only_while_they_stand_for_its_parts(devi
         assert seen == [False]
         assert_rel_close(got, torch.func.functional_call(layer, parts, (x,)).double(), 1e-3)
     torch.compiler.reset()
+
+
+def test_weight_is_checked_again_only_after_its_parts_change(monkeypatch):
+    # A decode step asks each layer for its weight: the checks run once for the parts the fragment record stands
+    # for, and again after anything the record or the rest of the key sees changes (a part written or replaced,
+    # another perm); the weight given either way holds the layer's current parts.
+    checked = []
+    real = Int4Linear._weight
+    monkeypatch.setattr(Int4Linear, "_weight", lambda self, *a: (checked.append(1), real(self, *a))[1])
+    layer = _layer("cpu")
+    checked.clear()
+    first, again = layer.weight, layer.weight
+    assert len(checked) == 1 and again is not first
+    for w in (first, again):
+        _assert_current(layer, w)
+        assert w.perm is None and w.shape == (24, 64) and w.group_size == 32
+
+    def changed(change) -> None:
+        before = len(checked)
+        change()
+        _assert_current(layer)
+        assert len(checked) > before, change
+        after = len(checked)
+        _assert_current(layer)
+        assert len(checked) == after
+
+    changed(lambda: layer.scales.detach().mul_(2))
+    changed(lambda: setattr(layer, "scales", layer.scales.clone()))
+    changed(lambda: setattr(layer, "perm", torch.randperm(64)))  # (an act-order layer's input order)
+    assert layer.weight.perm is layer.perm
+    layer.perm = torch.full((3,), 0)  # a wrong perm is named, not passed over
+    with pytest.raises(ValueError, match="perm must be int64"):
+        layer.weight
+    clone = pickle.loads(pickle.dumps(Int4Linear.from_weight(_layer("cpu")._weight())))
+    clone.weight
+    _assert_current(copy.deepcopy(clone))

@@ -130,6 +130,10 @@ class Int4Linear(NotScriptable, nn.Module):
     def _fragments(self):
         """The kept layout ``(fweight, fzs)`` where it stands for the current qweight, scales and zeros; otherwise
         remade of them, or None for this call where it cannot be remade (the kernels then take the parts)."""
+        return self._fragments_standing()[0]
+
+    def _fragments_standing(self):
+        """``(_fragments(), whether the record stands for the parts)``."""
         parts, layout = self._fragment_tensors()
         if torch.compiler.is_compiling():
             # a graph cannot repack, and reads no version (data-dependent): the kept layout only for the very
@@ -142,7 +146,7 @@ class Int4Linear(NotScriptable, nn.Module):
                 self._set_fragments(self._weight())
                 parts, layout = self._fragment_tensors()
                 current = True
-        return layout if current and layout[0].numel() else None
+        return (layout if current and layout[0].numel() else None), current
 
     def _remakes_fragments(self, parts) -> bool:
         """Whether this call may remake the layout: plain tensors and a plain call (no capture, whose replays would
@@ -154,7 +158,23 @@ class Int4Linear(NotScriptable, nn.Module):
     @property
     def weight(self) -> Int4Weight:
         """The 4-bit weight, a view on the buffers (no copy), with the fragment layout of these parts."""
-        return self._weight(self._fragments())
+        frag, current = self._fragments_standing()
+        if not current or torch.compiler.is_compiling():
+            return self._weight(frag)
+        # The parts the record stands for are the very tensors of the last weight checked, unwritten: that weight
+        # again without its checks (a decode step's host time: docs/w4a16.md, "The fragment layout ...").
+        perm = self.perm if self.perm.numel() else None
+        key = (self._fragments_serial, self.group_size, self.out_features, self.in_features)
+        seen = self.__dict__.get("_checked_weight")
+        b = self._buffers
+        if seen is not None and seen[0] == key and seen[1]() is self.perm \
+                and seen[2] == (b["qweight"].shape, b["scales"].shape, b["zeros"].shape, self.perm.shape):
+            return Int4Weight._checked_before(b["qweight"], b["scales"], b["zeros"], self.group_size,
+                                              (self.out_features, self.in_features), perm, frag)
+        w = self._weight(frag)
+        self.__dict__["_checked_weight"] = (key, weakref.ref(self.perm), (b["qweight"].shape, b["scales"].shape,
+                                                                          b["zeros"].shape, self.perm.shape))
+        return w
 
     def _weight(self, frag=None) -> Int4Weight:
         perm = self.perm if self.perm.numel() else None
@@ -206,6 +226,7 @@ class Int4Linear(NotScriptable, nn.Module):
         state = super().__getstate__()
         state["_fragments_of"] = self._fragments_current()
         state.pop("_fragments_serial", None)
+        state.pop("_checked_weight", None)  # (a weak reference)
         return state
 
     def __setstate__(self, state):

@@ -165,6 +165,15 @@ class Int4Weight:
         if frag is not None:  # given (Int4Linear's kept buffers): the fragment kernel reads it unchecked
             check_fragments(self, frag)
 
+    @classmethod
+    def _checked_before(cls, qweight, scales, zeros, group_size: int, shape: tuple, perm, frag) -> "Int4Weight":
+        """The weight of parts that made a valid one before, unchanged since (``Int4Linear`` knows it by its fragment
+        record): ``__init__`` without its checks, which cost a decode step's layer more host time than the rest."""
+        w = cls.__new__(cls)
+        w.qweight, w.scales, w.zeros, w.perm, w.group_size, w.shape = qweight, scales, zeros, perm, group_size, shape
+        w._frag, w._frag_gated = frag, None
+        return w
+
     # The group length along K that the kernels step by (group_size, or K for -1).
     @property
     def group_k(self) -> int:
