@@ -5,7 +5,7 @@
 #                 CPU-bound); longer than one call, so tests-a and tests-b (or tests-FOLDER) split it
 #   tests-a|tests-b  the GPU-marked tests of conv2d, grouped, w4a16 (tests-b) and of every other folder (tests-a);
 #                 tests-b runs past one call's limit: tests-conv2d, tests-grouped, tests-w4a16 (also -nn, -models,
-#                 -matmul) run one folder's
+#                 -matmul) run one folder's, tests-rest those of tests-a's other folders
 #   gpu-suite     the non-GPU-marked tests that compile for the GPU here too (matmul, bench, guide, core, learn)
 #   fingerprint   sm_90 PTX fingerprints of every shipped kernel and config (tools/ptx_fingerprint.py)
 #   square|llm|skinny  bench sweeps, fp16;  bf16 (square + llm);  tf32 (square);  fp8 (square, e4m3 and e5m2)
@@ -112,6 +112,8 @@ for step in "$@"; do
     tests-a) gpu_tests "$OUT/gpu-tests-a.log" tests/matmul tests/bench tests/core tests/nn tests/models tests/parallel \
                tests/guide tests/learn tests/docs tests/examples ;;
     tests-b) gpu_tests "$OUT/gpu-tests-b.log" tests/conv2d tests/grouped tests/w4a16 ;;
+    tests-rest) gpu_tests "$OUT/gpu-tests-rest.log" tests/bench tests/core tests/parallel tests/guide tests/learn \
+                  tests/docs tests/examples ;;
     tests-conv2d|tests-grouped|tests-w4a16|tests-nn|tests-models|tests-matmul)
       gpu_tests "$OUT/gpu-$step.log" "tests/${step#tests-}" ;;
     gpu-suite) pytest_ -n 8 tests/matmul tests/bench tests/guide tests/core tests/learn 2>&1 | tee "$OUT/gpu-suite.log" | tail -n 15 ;;
