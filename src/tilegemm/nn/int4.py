@@ -20,6 +20,7 @@ from tilegemm.nn.convert import (MHA_OUT_PROJ_KEPT, ConversionNote, attention_ou
                                  is_plain_linear, subclass_reason)
 from tilegemm.nn.hooks import carry_over
 from tilegemm.nn.linear import Linear, NotScriptable, traced_call
+from tilegemm.ops.w4a16 import api as w4a16_api
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, \
     dequantized_overflow, fits_fragments, from_awq, from_compressed_tensors, from_gptq, one_group_size, quantize
 
@@ -163,17 +164,17 @@ class Int4Linear(NotScriptable, nn.Module):
             return self._weight(frag)
         # The parts the record stands for are the very tensors of the last weight checked, unwritten: that weight
         # again without its checks (a decode step's host time: docs/w4a16.md, "The fragment layout ...").
-        perm = self.perm if self.perm.numel() else None
-        key = (self._fragments_serial, self.group_size, self.out_features, self.in_features)
-        seen = self.__dict__.get("_checked_weight")
         b = self._buffers
-        if seen is not None and seen[0] == key and seen[1]() is self.perm \
-                and seen[2] == (b["qweight"].shape, b["scales"].shape, b["zeros"].shape, self.perm.shape):
-            return Int4Weight._checked_before(b["qweight"], b["scales"], b["zeros"], self.group_size,
-                                              (self.out_features, self.in_features), perm, frag)
+        perm, qweight, scales, zeros = b["perm"], b["qweight"], b["scales"], b["zeros"]
+        key = (self._fragments_serial, self.group_size, self.out_features, self.in_features)
+        shapes = (qweight.shape, scales.shape, zeros.shape, perm.shape)
+        seen = self.__dict__.get("_checked_weight")
+        if seen is not None and seen[0] == key and seen[1]() is perm and seen[2] == shapes:
+            return Int4Weight._checked_before(qweight, scales, zeros, self.group_size,
+                                              (self.out_features, self.in_features), perm if perm.numel() else None,
+                                              frag)
         w = self._weight(frag)
-        self.__dict__["_checked_weight"] = (key, weakref.ref(self.perm), (b["qweight"].shape, b["scales"].shape,
-                                                                          b["zeros"].shape, self.perm.shape))
+        self.__dict__["_checked_weight"] = (key, weakref.ref(perm), shapes)
         return w
 
     def _weight(self, frag=None) -> Int4Weight:
@@ -182,8 +183,13 @@ class Int4Linear(NotScriptable, nn.Module):
                           (self.out_features, self.in_features), perm, frag)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from tilegemm.ops.w4a16.api import matmul
-
+        matmul = w4a16_api.matmul
+        if type(x) is torch.Tensor:  # the common call (the module's own dtype, no autocast) first: host time
+            device = "cuda" if x.is_cuda else x.device.type
+            dtype, bias = x.dtype, self.bias
+            if device in _AUTOCAST_DEVICES and not torch.is_autocast_enabled(device) \
+                    and dtype is self._buffers["scales"].dtype and (bias is None or bias.dtype is dtype):
+                return matmul(x, self.weight, bias=bias)
         if isinstance(x, torch.fx.Proxy):
             return traced_call(self, x)
         dtype = getattr(x, "dtype", None)
