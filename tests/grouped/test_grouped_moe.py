@@ -449,6 +449,37 @@ def test_kept_fragments_are_not_read_for_other_parts(monkeypatch, change):
         assert torch.isfinite(got).all()
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "swapped twice"])
+def test_kept_fragments_of_copies_and_swapped_storages_follow_their_parts(monkeypatch, how):
+    # A copy records its layouts again of its own copied parts (then written, they are not read); two .data = swaps
+    # in a row, the second storage perhaps at the first's freed address and no version bumped, are seen too.
+    import pickle
+
+    import tilegemm.ops.grouped.dispatch as dispatch
+    from tilegemm.ops.w4a16.format import Int4Weight
+
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(qwen3_moe(num_hidden_layers=1)).eval().half()
+    with monkeypatch.context() as patched:
+        patched.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
+        tilegemm.nn.quantize_experts_(m, group_size=32)
+    block = m.model.layers[0].mlp.experts
+    assert _kept_fragments_used(block)
+    if how == "swapped twice":
+        for factor in (2, 3):
+            block.tilegemm_down_proj_scales.data = block.tilegemm_down_proj_scales.data * factor
+    else:
+        block = copy.deepcopy(block) if how == "deepcopy" else pickle.loads(pickle.dumps(block))
+        assert _kept_fragments_used(block)  # its own, standing for its own parts
+        with torch.no_grad():
+            block.tilegemm_down_proj_scales.mul_(2)
+    w = moe._int4(block, "down_proj")
+    assert w.scales is block.tilegemm_down_proj_scales
+    if w._frag is not None:
+        fresh = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape).fragments()
+        assert all(torch.equal(a, b) for a, b in zip(w._frag, fresh))
+
+
 def _act_order_(model, seed=0):
     """Give every 4-bit experts block of ``model`` an input order an expert (act-order), both weights."""
     from tilegemm.ops.w4a16.format import Int4Weight

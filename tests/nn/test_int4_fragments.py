@@ -265,3 +265,20 @@ def test_weight_is_checked_again_only_after_its_parts_change(monkeypatch):
     clone = pickle.loads(pickle.dumps(Int4Linear.from_weight(_layer("cpu")._weight())))
     clone.weight
     _assert_current(copy.deepcopy(clone))
+
+
+def test_two_storage_swaps_in_a_row_are_seen():
+    # .data = bumps no version, and the second new storage may take the first one's freed address (the record
+    # holds weak references to the storages, which expire when they are freed). The second storage is asked of the
+    # allocator until it gives that address back, where it does (torch 2.11's CPU allocator at once; 2.13's may
+    # not, and the swaps are checked all the same).
+    layer = _layer("cpu")
+    layer.weight
+    first = layer.scales.data_ptr()
+    layer.scales.data = layer.scales.data * 2
+    pool = [layer.scales.data * 3]
+    while pool[-1].data_ptr() != first and len(pool) < 200:
+        pool.append(torch.empty_like(pool[0]).copy_(pool[0]))
+    layer.scales.data = pool[-1]
+    assert layer.scales._version == 0  # (no write the record could see)
+    _assert_current(layer)

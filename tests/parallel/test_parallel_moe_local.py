@@ -297,3 +297,27 @@ def test_parallel_moe_sharded_load_adopts_the_files_perm(tmp_path, files_perm):
         assert torch.equal(local.tilegemm_gate_up_proj_perm, perm)
     else:
         assert getattr(local, "tilegemm_gate_up_proj_perm", None) is None
+
+
+def test_load_sharded_remakes_a_replicated_int4_layers_fragments(tmp_path):
+    # A layer outside the plan (replicated) takes the files' parts as new buffers: its fragment layout is made of
+    # them there, not left for a first eager call (a model compiled next traces no packing).
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    from tilegemm.nn import Int4Linear
+    from tilegemm.ops.w4a16.format import Int4Weight
+    from tilegemm.parallel import load_sharded_
+
+    torch.manual_seed(0)
+    full = torch.nn.Sequential(Int4Linear.from_linear(torch.nn.Linear(64, 32, dtype=torch.float16), group_size=32))
+    path = tmp_path / "full.safetensors"
+    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
+    skeleton = copy.deepcopy(full)
+    with torch.no_grad():
+        skeleton[0].scales.fill_(7.0)
+    load_sharded_(skeleton, str(path), RankOf2(1))
+    layer = skeleton[0]
+    assert torch.equal(layer.scales, full[0].scales)
+    fresh = Int4Weight(layer.qweight, layer.scales, layer.zeros, 32, (32, 64)).fragments()
+    assert layer._fragments_current() and all(torch.equal(a, b) for a, b in zip((layer.fweight, layer.fzs), fresh))

@@ -3,16 +3,19 @@ the 4-bit parts) still stands for the parts it was made of.
 
 A part may be written in place (a newer ``_version``), have its storage swapped (``.data =``, which bumps no
 version) or be replaced by another tensor (``torch.func.functional_call``, assignment,
-``load_state_dict(assign=True)``). An address does not tell tensors apart (a freed part's is reused by the next
-one), so a record knows the tensors by identity, through weak references: it keeps none of them alive. The check
-runs at every forward of a decode step, so it reads each tensor's address and version and nothing more.
+``load_state_dict(assign=True)``). An address does not tell tensors or storages apart (a freed one's is reused by
+the next), so a record knows the tensors by identity and their storages by weak references that expire when the
+storage is freed: it keeps none of them alive. The check runs at every forward of a decode step, so it reads each
+tensor's address and version and each storage reference's expiry, and nothing more.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def part_state(t: torch.Tensor) -> tuple:
@@ -28,14 +31,34 @@ def _states(parts) -> tuple:
         return tuple([part_state(t) for t in parts])
 
 
+class _Kept:
+    """What :func:`unwritten_when_traced` reads of a record: held by the record, found by its serial number."""
+
+    __slots__ = ("refs", "states", "storages", "__weakref__")
+
+    def __init__(self, refs, states, storages):
+        self.refs, self.states, self.storages = refs, states, storages
+
+
+_LIVE = weakref.WeakValueDictionary()  # serial -> _Kept, while its record is held
+_serials = itertools.count()
+
+
 def record(parts, layout, extra) -> tuple:
     """A record of the fragment ``layout`` (its tensors) made of ``parts`` for ``extra`` (what else it depends
-    on: a group size), which the module holds until any of them changes."""
-    return extra, tuple([weakref.ref(t) for t in (*parts, *layout)]), _states(parts)
+    on: a group size), which the module holds until any of them changes: ``(extra, references, states, storages,
+    serial, kept)``."""
+    refs = tuple([weakref.ref(t) for t in (*parts, *layout)])
+    states = _states(parts)
+    storages = tuple([StorageWeakRef(t.untyped_storage()) for t in parts])
+    kept = _Kept(refs, states, storages)
+    serial = next(_serials)
+    _LIVE[serial] = kept
+    return extra, refs, states, storages, serial, kept
 
 
 def same_tensors(rec, parts, layout, extra) -> bool:
-    """Whether ``parts`` and ``layout`` are the very tensors ``rec`` was made of (torch.compile traces this)."""
+    """Whether ``parts`` and ``layout`` are the very tensors ``rec`` was made of."""
     if rec is None or rec[0] != extra:
         return False
     tensors = (*parts, *layout)
@@ -47,6 +70,55 @@ def same_tensors(rec, parts, layout, extra) -> bool:
     return True
 
 
+def _unwritten(states, storages, parts) -> bool:
+    return states == _states(parts) and not any([s.expired() for s in storages])
+
+
 def stands_for(rec, parts, layout, extra) -> bool:
-    """Whether ``rec``'s layout stands for ``parts``: the same tensors, none written since."""
-    return same_tensors(rec, parts, layout, extra) and rec[2] == _states(parts)
+    """Whether ``rec``'s layout stands for ``parts``: the same tensors, none written or given another storage
+    since."""
+    return same_tensors(rec, parts, layout, extra) and _unwritten(rec[2], rec[3], parts)
+
+
+def unwritten_when_traced(serial: int, *ids: int) -> bool:
+    """Whether the tensors of the record ``serial`` are those of ``ids`` (its parts', then its layout's ``id``) and
+    its parts unwritten, asked of the real tensors while torch.compile traces: a constant of the graph. Its
+    arguments are ints: torch 2.11's Dynamo passes a constant function only constants, not a module or tensor.
+    (Dynamo guards no module buffer's identity, so a graph traced with the layer's own parts is reused for others
+    given by ``torch.func.functional_call``: docs/w4a16.md, "The fragment layout ...".)"""
+    kept = _LIVE.get(serial)
+    if kept is None or len(ids) != len(kept.refs):
+        return False
+    tensors = [r() for r in kept.refs]
+    if any([t is None or id(t) != i for t, i in zip(tensors, ids)]):
+        return False
+    try:
+        return _unwritten(kept.states, kept.storages, tensors[:len(kept.states)])
+    except (RuntimeError, NotImplementedError):  # (fake tensors, as a non-strict export has, have no address)
+        return False
+
+
+def traced_stands_for(rec, parts, layout, extra) -> bool:
+    """:func:`stands_for` while torch.compile traces: its answer a constant of the graph (a write after tracing is
+    not seen: the caller's to recompile for). The traced code reads no weak reference: Dynamo would take the
+    referent for the tensor it was given."""
+    if rec is None or rec[0] != extra:
+        return False
+    return unwritten_when_traced(rec[4], *[id(t) for t in (*parts, *layout)])
+
+
+# The mark torch.compiler.assume_constant_result sets, set by hand: the decorator imports torch._dynamo, which
+# imports triton, and importing tilegemm must not (core/runtime.py marks its constants the same way).
+unwritten_when_traced._dynamo_marked_constant = True
+
+
+def standing_tensors(rec) -> tuple | None:
+    """``(parts, layout)`` of ``rec`` where its tensors are alive and its parts unwritten, else None (what a copy
+    of the module may record again, of the copies of these tensors)."""
+    if rec is None:
+        return None
+    tensors = [r() for r in rec[1]]
+    n = len(rec[2])
+    if any([t is None for t in tensors]) or not _unwritten(rec[2], rec[3], tensors[:n]):
+        return None
+    return tuple(tensors[:n]), tuple(tensors[n:])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import sys
 import warnings
 import weakref
@@ -30,25 +29,6 @@ _MODULE_DTYPES = (*FLOAT_DTYPES, torch.float32)
 _AUTOCAST_DEVICES = ("cuda", "cpu")  # where the kernels run; torch.is_autocast_enabled raises for others (meta)
 
 
-# The layers whose kept layout torch.compile may ask about, by the serial number of their record (an int: torch
-# 2.11's Dynamo passes a constant function only constants, not a module).
-_RECORDED = weakref.WeakValueDictionary()
-_serials = itertools.count()
-
-
-def _unwritten_when_traced(serial: int) -> bool:
-    """Whether the kept fragment layout of the layer recorded as ``serial`` stands for its parts, asked of the real
-    tensors while torch.compile traces (its answer a constant of the graph)."""
-    layer = _RECORDED.get(serial)
-    try:
-        return layer is not None and layer._fragments_current()
-    except (RuntimeError, NotImplementedError):  # (fake tensors, as a non-strict export has, have no address)
-        return False
-
-
-# The mark torch.compiler.assume_constant_result sets, set by hand: the decorator imports torch._dynamo, which
-# imports triton, and importing tilegemm must not (core/runtime.py marks its constants the same way).
-_unwritten_when_traced._dynamo_marked_constant = True
 
 
 class Int4Linear(NotScriptable, nn.Module):
@@ -108,7 +88,6 @@ class Int4Linear(NotScriptable, nn.Module):
 
     # The record of what the kept layout was made of (tilegemm.nn.fragments): None until it is made.
     _fragments_of = None
-    _fragments_serial = -1  # its number in _RECORDED (a copy gets its own when it records)
 
     def _fragment_tensors(self) -> tuple[tuple, tuple]:
         """``((qweight, scales, zeros), (fweight, fzs))``: the parts the layout is made of (with the group size;
@@ -121,9 +100,6 @@ class Int4Linear(NotScriptable, nn.Module):
         parts, layout = self._fragment_tensors()
         self._fragments_of = fragments.record(parts, layout, self.group_size) \
             if all(type(t) is torch.Tensor for t in (*parts, *layout)) else None
-        if self._fragments_of is not None:
-            self._fragments_serial = next(_serials)
-            _RECORDED[self._fragments_serial] = self
 
     def _fragments_current(self) -> bool:
         return fragments.stands_for(self._fragments_of, *self._fragment_tensors(), self.group_size)
@@ -139,8 +115,7 @@ class Int4Linear(NotScriptable, nn.Module):
         if torch.compiler.is_compiling():
             # a graph cannot repack, and reads no version (data-dependent): the kept layout only for the very
             # tensors it was made of, unwritten when traced (a write after that is the caller's to recompile for)
-            current = fragments.same_tensors(self._fragments_of, parts, layout, self.group_size) \
-                and _unwritten_when_traced(self._fragments_serial)
+            current = fragments.traced_stands_for(self._fragments_of, parts, layout, self.group_size)
         else:
             current = fragments.stands_for(self._fragments_of, parts, layout, self.group_size)
             if not current and self._remakes_fragments(parts):
@@ -166,7 +141,7 @@ class Int4Linear(NotScriptable, nn.Module):
         # again without its checks (a decode step's host time: docs/w4a16.md, "The fragment layout ...").
         b = self._buffers
         perm, qweight, scales, zeros = b["perm"], b["qweight"], b["scales"], b["zeros"]
-        key = (self._fragments_serial, self.group_size, self.out_features, self.in_features)
+        key = (self._fragments_of[4], self.group_size, self.out_features, self.in_features)
         shapes = (qweight.shape, scales.shape, zeros.shape, perm.shape)
         seen = self.__dict__.get("_checked_weight")
         if seen is not None and seen[0] == key and seen[1]() is perm and seen[2] == shapes:
@@ -231,7 +206,6 @@ class Int4Linear(NotScriptable, nn.Module):
     def __getstate__(self):  # copied and pickled with whether the layout stands for the parts, not the record
         state = super().__getstate__()
         state["_fragments_of"] = self._fragments_current()
-        state.pop("_fragments_serial", None)
         state.pop("_checked_weight", None)  # (a weak reference)
         return state
 

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import itertools
 import sys
 import warnings
-import weakref
 
 import torch
 
@@ -141,7 +139,7 @@ def _int4(module, name: str) -> Int4Weight | None:
                  for t in parts + ([perm] if perm is not None else [])))
     cache = module.__dict__.setdefault("_tilegemm_int4_weights", {})
     hit = cache.get(name)
-    if hit is not None and hit[0] == key:
+    if hit is not None and hit[0] == key and _storages_unswapped(module, name):
         return hit[1]
     if hit is not None and all(a[0] == b[0] for a, b in zip(hit[0][1:], key[1:])):
         # the same storage written in place since: the fragments kept of it are stale (a call remakes them)
@@ -151,6 +149,15 @@ def _int4(module, name: str) -> Int4Weight | None:
     w = _with_fragments(module, name, Int4Weight(*parts, gs, (E, N, R * 8), perm))
     cache[name] = (key, w)
     return w
+
+
+def _storages_unswapped(module, name: str) -> bool:
+    """Whether the storages the kept layouts' record was made of are alive. The cache's key tells storages apart
+    by address only while they live: a ``.data =`` swap frees one, whose address the next may take (as a second
+    swap's does); the cached weight holds the tensors, so the record's storages have expired exactly then."""
+    recs = module.__dict__.get("_tilegemm_fragments_of")
+    rec = None if recs is None else recs.get(name)
+    return rec is None or not any([s.expired() for s in rec[3]])
 
 
 def _fragment_names(name: str, gated: bool) -> tuple[str, str]:
@@ -175,38 +182,22 @@ def _int4_parts(module, name: str) -> tuple:
 
 class _Records(dict):
     """Weight name -> the record (:mod:`tilegemm.nn.fragments`) of what its kept layouts were made of. Copied and
-    pickled as the names whose layouts stand for the parts, recorded again of the copy's own parts
-    (:func:`_note_fragments`: weak references are neither copied nor pickled)."""
-
-    def __init__(self, block=None):
-        super().__init__()
-        self.block = None if block is None else weakref.ref(block)
+    pickled with the tensors of the records that stand (the copies of the block's parts and layouts, by the copy's
+    memo), recorded again of those: weak references are neither copied nor pickled."""
 
     def __reduce__(self):
-        block = None if self.block is None else self.block()
-        current = [n for n in self if block is not None and _fragments_current(block, n)] if block is not None \
-            else list(getattr(self, "pending", ()))
-        return _Records, (), {"current": current}
+        return _Records, (), {n: (t, rec[0]) for n, rec in self.items()
+                              if (t := fragments.standing_tensors(rec)) is not None}
 
     def __setstate__(self, state):
-        self.block, self.pending = None, state["current"]
-
-
-# Blocks whose kept layouts torch.compile may ask about, by serial number (an int: torch 2.11's Dynamo passes a
-# constant function only constants, not a module).
-_RECORDED = weakref.WeakValueDictionary()
-_serials = itertools.count()
+        for name, ((parts, layout), extra) in state.items():
+            self[name] = fragments.record(parts, layout, extra)
 
 
 def _records(module) -> _Records:
     recs = module.__dict__.get("_tilegemm_fragments_of")
-    if recs is None or recs.block is None or recs.block() is not module:  # none yet, or a copy's
-        pending = getattr(recs, "pending", ())
-        recs = module.__dict__["_tilegemm_fragments_of"] = _Records(module)
-        module.__dict__["_tilegemm_fragments_serial"] = serial = next(_serials)
-        _RECORDED[serial] = module
-        for name in pending:  # the layouts of a copy, made of the parts copied with them
-            _note_fragments(module, name)
+    if recs is None:
+        recs = module.__dict__["_tilegemm_fragments_of"] = _Records()
     return recs
 
 
@@ -222,24 +213,9 @@ def _note_fragments(module, name: str) -> None:
 
 def _fragments_current(module, name: str) -> bool:
     """Whether the layouts the block keeps for ``name`` stand for its parts (not while torch.compile traces)."""
-    rec = _records(module).get(name)
-    return fragments.stands_for(rec, _int4_parts(module, name), _kept_layouts(module, name),
-                                expert_group_size(module, name))
-
-
-def _unwritten_when_traced(serial: int, name: str) -> bool:
-    """Whether the kept layouts of the block recorded as ``serial`` stand for its parts ``name``, asked of the real
-    tensors while torch.compile traces (its answer a constant of the graph)."""
-    block = _RECORDED.get(serial)
-    try:
-        return block is not None and _fragments_current(block, name)
-    except (RuntimeError, NotImplementedError):  # (fake tensors, as a non-strict export has, have no address)
-        return False
-
-
-# The mark torch.compiler.assume_constant_result sets, set by hand: the decorator imports torch._dynamo, which
-# imports triton, and importing tilegemm must not.
-_unwritten_when_traced._dynamo_marked_constant = True
+    recs = module.__dict__.get("_tilegemm_fragments_of")
+    return recs is not None and fragments.stands_for(recs.get(name), _int4_parts(module, name),
+                                                     _kept_layouts(module, name), expert_group_size(module, name))
 
 
 def _with_fragments(module, name: str, w: Int4Weight) -> Int4Weight:
@@ -250,9 +226,8 @@ def _with_fragments(module, name: str, w: Int4Weight) -> Int4Weight:
         # a graph reads no version: the very tensors the layouts were made of, unwritten when traced (a write after
         # that is the caller's to recompile for, as for Int4Linear)
         recs = module.__dict__.get("_tilegemm_fragments_of")
-        current = recs is not None and fragments.same_tensors(
-            recs.get(name), _int4_parts(module, name), _kept_layouts(module, name), expert_group_size(module, name)) \
-            and _unwritten_when_traced(module.__dict__.get("_tilegemm_fragments_serial", -1), name)
+        current = recs is not None and fragments.traced_stands_for(
+            recs.get(name), _int4_parts(module, name), _kept_layouts(module, name), expert_group_size(module, name))
     else:
         current = _fragments_current(module, name)
         if not current:
@@ -562,6 +537,7 @@ class _KeepScales16:
         current = [n for n in list(_records(m)) if _fragments_current(m, n)]
         out = apply_keeping_4bit_parts(m, lambda f: type(m)._apply(m, f, recurse), fn,
                                        [n for n in m._buffers if n.startswith("tilegemm_")])
+        m.__dict__.pop("_tilegemm_int4_weights", None)  # (weights of the parts before: not kept alive)
         for n in current:  # moved or cast with the parts, the layouts still stand for them
             _note_fragments(m, n)
         return out

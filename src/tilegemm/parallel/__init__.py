@@ -793,6 +793,9 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
         prefix = f"{mod_name}." if mod_name else ""  # (the block itself may be the model: no prefix)
         if hasattr(module, "tilegemm_group_size") and any(k.startswith(prefix + "tilegemm_") for k in loaded):
             _remake_fragments(module)
+        elif isinstance(module, Int4Linear) and not getattr(module, "tp_split", None) \
+                and any(prefix + p in loaded for p in ("qweight", "scales", "zeros")):
+            module._set_fragments(module._weight())  # a replicated layer's: made now, for a model compiled next
     if strict:
         missing = [k for k in model.state_dict() if k not in loaded]
         if state or missing:
