@@ -32,29 +32,29 @@ def _states(parts) -> tuple:
 
 
 class _Kept:
-    """What :func:`unwritten_when_traced` reads of a record: held by the record, found by its serial number."""
+    """What :func:`unwritten_when_traced` reads of a record: held by the record, found by its layout's first
+    tensor's ``id``."""
 
-    __slots__ = ("refs", "states", "storages", "__weakref__")
+    __slots__ = ("extra", "refs", "states", "storages", "__weakref__")
 
-    def __init__(self, refs, states, storages):
-        self.refs, self.states, self.storages = refs, states, storages
+    def __init__(self, extra, refs, states, storages):
+        self.extra, self.refs, self.states, self.storages = extra, refs, states, storages
 
 
-_LIVE = weakref.WeakValueDictionary()  # serial -> _Kept, while its record is held
-_serials = itertools.count()
+_LIVE = weakref.WeakValueDictionary()  # id of a layout's first tensor -> its record's _Kept, while it is held
 
 
 def record(parts, layout, extra) -> tuple:
     """A record of the fragment ``layout`` (its tensors) made of ``parts`` for ``extra`` (what else it depends
     on: a group size), which the module holds until any of them changes: ``(extra, references, states, storages,
-    serial, kept)``."""
+    kept)``."""
     refs = tuple([weakref.ref(t) for t in (*parts, *layout)])
     states = _states(parts)
     storages = tuple([StorageWeakRef(t.untyped_storage()) for t in parts])
-    kept = _Kept(refs, states, storages)
-    serial = next(_serials)
-    _LIVE[serial] = kept
-    return extra, refs, states, storages, serial, kept
+    kept = _Kept(extra, refs, states, storages)
+    if layout:
+        _LIVE[id(layout[0])] = kept
+    return extra, refs, states, storages, kept
 
 
 def same_tensors(rec, parts, layout, extra) -> bool:
@@ -80,31 +80,29 @@ def stands_for(rec, parts, layout, extra) -> bool:
     return same_tensors(rec, parts, layout, extra) and _unwritten(rec[2], rec[3], parts)
 
 
-def unwritten_when_traced(serial: int, *ids: int) -> bool:
-    """Whether the tensors of the record ``serial`` are those of ``ids`` (its parts', then its layout's ``id``) and
-    its parts unwritten, asked of the real tensors while torch.compile traces: a constant of the graph. Its
-    arguments are ints: torch 2.11's Dynamo passes a constant function only constants, not a module or tensor.
-    (Dynamo guards no module buffer's identity, so a graph traced with the layer's own parts is reused for others
-    given by ``torch.func.functional_call``: docs/w4a16.md, "The fragment layout ...".)"""
-    kept = _LIVE.get(serial)
-    if kept is None or len(ids) != len(kept.refs):
+def unwritten_when_traced(extra, n_parts: int, *ids: int) -> bool:
+    """Whether a record of ``extra`` stands for the tensors of ``ids`` (``n_parts`` parts', then a layout's
+    ``id``), its parts unwritten, asked of the real tensors while torch.compile traces: a constant of the graph.
+    Its arguments are constants (torch 2.11's Dynamo passes a constant function nothing else); Dynamo guards the
+    graph on the identity of the tensors whose ``id`` it read, so each layer's is checked for it (a repeated block
+    compiled on its own is compiled for each layer: docs/w4a16.md, "The fragment layout ...")."""
+    kept = _LIVE.get(ids[n_parts]) if len(ids) > n_parts else None
+    if kept is None or kept.extra != extra or len(ids) != len(kept.refs) or len(kept.states) != n_parts:
         return False
     tensors = [r() for r in kept.refs]
     if any([t is None or id(t) != i for t, i in zip(tensors, ids)]):
         return False
     try:
-        return _unwritten(kept.states, kept.storages, tensors[:len(kept.states)])
+        return _unwritten(kept.states, kept.storages, tensors[:n_parts])
     except (RuntimeError, NotImplementedError):  # (fake tensors, as a non-strict export has, have no address)
         return False
 
 
-def traced_stands_for(rec, parts, layout, extra) -> bool:
+def traced_stands_for(parts, layout, extra) -> bool:
     """:func:`stands_for` while torch.compile traces: its answer a constant of the graph (a write after tracing is
-    not seen: the caller's to recompile for). The traced code reads no weak reference: Dynamo would take the
-    referent for the tensor it was given."""
-    if rec is None or rec[0] != extra:
-        return False
-    return unwritten_when_traced(rec[4], *[id(t) for t in (*parts, *layout)])
+    not seen: the caller's to recompile for). The traced code reads no record: Dynamo would take a weak
+    reference's referent for the tensor it was given, and guard on that one."""
+    return unwritten_when_traced(extra, len(parts), *[id(t) for t in (*parts, *layout)])
 
 
 # The mark torch.compiler.assume_constant_result sets, set by hand: the decorator imports torch._dynamo, which

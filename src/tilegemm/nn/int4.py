@@ -115,7 +115,7 @@ class Int4Linear(NotScriptable, nn.Module):
         if torch.compiler.is_compiling():
             # a graph cannot repack, and reads no version (data-dependent): the kept layout only for the very
             # tensors it was made of, unwritten when traced (a write after that is the caller's to recompile for)
-            current = fragments.traced_stands_for(self._fragments_of, parts, layout, self.group_size)
+            current = fragments.traced_stands_for(parts, layout, self.group_size)
         else:
             current = fragments.stands_for(self._fragments_of, parts, layout, self.group_size)
             if not current and self._remakes_fragments(parts):
@@ -141,15 +141,16 @@ class Int4Linear(NotScriptable, nn.Module):
         # again without its checks (a decode step's host time: docs/w4a16.md, "The fragment layout ...").
         b = self._buffers
         perm, qweight, scales, zeros = b["perm"], b["qweight"], b["scales"], b["zeros"]
-        key = (self._fragments_of[4], self.group_size, self.out_features, self.in_features)
+        key = (self.group_size, self.out_features, self.in_features)
         shapes = (qweight.shape, scales.shape, zeros.shape, perm.shape)
-        seen = self.__dict__.get("_checked_weight")
-        if seen is not None and seen[0] == key and seen[1]() is perm and seen[2] == shapes:
+        seen = self.__dict__.get("_checked_weight")  # (the record's kept part and perm, weakly: no id is reused)
+        if seen is not None and seen[0] == key and seen[1]() is self._fragments_of[4] and seen[2]() is perm \
+                and seen[3] == shapes:
             return Int4Weight._checked_before(qweight, scales, zeros, self.group_size,
                                               (self.out_features, self.in_features), perm if perm.numel() else None,
                                               frag)
         w = self._weight(frag)
-        self.__dict__["_checked_weight"] = (key, weakref.ref(perm), shapes)
+        self.__dict__["_checked_weight"] = (key, weakref.ref(self._fragments_of[4]), weakref.ref(perm), shapes)
         return w
 
     def _weight(self, frag=None) -> Int4Weight:

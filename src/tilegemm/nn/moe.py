@@ -225,9 +225,8 @@ def _with_fragments(module, name: str, w: Int4Weight) -> Int4Weight:
     if torch.compiler.is_compiling():
         # a graph reads no version: the very tensors the layouts were made of, unwritten when traced (a write after
         # that is the caller's to recompile for, as for Int4Linear)
-        recs = module.__dict__.get("_tilegemm_fragments_of")
-        current = recs is not None and fragments.traced_stands_for(
-            recs.get(name), _int4_parts(module, name), _kept_layouts(module, name), expert_group_size(module, name))
+        current = fragments.traced_stands_for(_int4_parts(module, name), _kept_layouts(module, name),
+                                              expert_group_size(module, name))
     else:
         current = _fragments_current(module, name)
         if not current:
