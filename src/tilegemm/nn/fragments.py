@@ -11,7 +11,6 @@ tensor's address and version and each storage reference's expiry, and nothing mo
 
 from __future__ import annotations
 
-import itertools
 import weakref
 
 import torch
