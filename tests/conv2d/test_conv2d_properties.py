@@ -110,7 +110,7 @@ def depthwise_convs(draw):
                 activation=draw(st.sampled_from([None, "relu"])))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(c=depthwise_convs())
 def test_depthwise_forward_matches_f_conv2d(c, device):
     _forward_matches(c, device)

@@ -39,7 +39,7 @@ def rows_cases(draw):
                 activation=draw(st.sampled_from(["none", "relu"])), config=config)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=7, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(c=rows_cases())
 def test_rows_kernel_matches_f_conv2d(c, device):
     x = torch.randn(c["N"], c["C"], c["H"], c["W"], device=device).contiguous(memory_format=torch.channels_last)
