@@ -79,7 +79,7 @@ class Int4Linear(NotScriptable, nn.Module):
     def _set_fragments(self, w: Int4Weight) -> None:
         # The fragment kernel's layout of the weight (Int4Weight.fragments()), made once, kept as buffers that move
         # with the module and are not saved (they follow from the others); empty where that kernel cannot run
-        # (no inputs). Used while it stands for the parts (_fragments), remade where they change.
+        # (no inputs). Used while it stands for the parts (_fragments_standing), remade where they change.
         fw, fzs = w.fragments() if fits_fragments(w.group_k, w.shape[-1]) \
             else (torch.empty(0, dtype=torch.int32, device=w.device),) * 2
         self.register_buffer("fweight", fw, persistent=False)
@@ -104,13 +104,10 @@ class Int4Linear(NotScriptable, nn.Module):
     def _fragments_current(self) -> bool:
         return fragments.stands_for(self._fragments_of, *self._fragment_tensors(), self.group_size)
 
-    def _fragments(self):
-        """The kept layout ``(fweight, fzs)`` where it stands for the current qweight, scales and zeros; otherwise
-        remade of them, or None for this call where it cannot be remade (the kernels then take the parts)."""
-        return self._fragments_standing()[0]
-
     def _fragments_standing(self):
-        """``(_fragments(), whether the record stands for the parts)``."""
+        """``(layout, current)``: the kept layout ``(fweight, fzs)`` where it stands for the current qweight, scales
+        and zeros, otherwise remade of them, or None for this call where it cannot be remade (the kernels then take
+        the parts); and whether the record stands for the parts."""
         parts, layout = self._fragment_tensors()
         if torch.compiler.is_compiling():
             # a graph cannot repack, and reads no version (data-dependent): the kept layout only for the very
