@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._prims_common import suggest_memory_format  # (torch.Tensor has no such method in Python)
 from conftest import assert_rel_close
 
 import tilegemm
@@ -58,7 +59,7 @@ def test_gpu_replayed_calls_equal_fresh_ones(layer, bias, monkeypatch):
             fresh = real(ConvCall(x, w, b, [stride] * 2, [pad] * 4, [1, 1], groups, "relu", "default", "auto"))
             assert out.shape == fresh.shape and out.dtype == fresh.dtype and _layout(out) == _layout(fresh)
             # torch's format: channels-last where x or the weight is (the weight here always is)
-            assert out.is_contiguous(memory_format=F.conv2d(x, w, b, stride, pad, 1, groups).suggest_memory_format())
+            assert out.is_contiguous(memory_format=suggest_memory_format(F.conv2d(x, w, b, stride, pad, 1, groups)))
             assert_rel_close(out, fresh.double(), 2e-3)
             ref = F.conv2d(x.double(), w.double(), None if b is None else b.double(), stride, pad, 1, groups)
             assert_rel_close(out, ref.relu(), 4e-3)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._prims_common import suggest_memory_format  # (torch.Tensor has no such method in Python)
 from conftest import assert_rel_close
 
 import tilegemm
@@ -81,7 +82,7 @@ def test_replayed_calls_equal_fresh_ones(layer, fmt):
             ref = F.conv2d(x.double(), w.double(), None if b is None else b.double(), stride, pad, 1, groups)
             assert_rel_close(out, ref.relu() if act == "relu" else ref, 4e-3)
             # torch's format: channels-last where x or the weight is (an NCHW x with this channels-last weight too)
-            want = F.conv2d(x, w, b, stride, pad, 1, groups).suggest_memory_format()
+            want = suggest_memory_format(F.conv2d(x, w, b, stride, pad, 1, groups))
             assert out.is_contiguous(memory_format=want), (fmt, want)
             outs.append(out)
         assert outs[1].data_ptr() != outs[2].data_ptr()

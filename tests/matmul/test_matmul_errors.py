@@ -226,6 +226,22 @@ def test_cpu_tensors_when_a_gpu_is_in_use(monkeypatch):
         tilegemm.matmul(a, b)
 
 
+def test_fake_cpu_tensors_when_a_gpu_is_in_use(monkeypatch):
+    """Fakes launch nothing: DTensor's sharding propagation (torch <= 2.11) makes them on the CPU whatever the mesh's
+    device, and the op's fake must still give the output's shape; a real CPU tensor is still refused."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(runtime, "_interpret", False)
+    monkeypatch.setattr(runtime, "missing_gpu", lambda: None)  # (a GPU is in use: no forced backend without one)
+    with FakeTensorMode():
+        a, b = torch.empty(16, 32, dtype=torch.float16), torch.empty(32, 8, dtype=torch.float16)
+        out = torch.ops.tilegemm.matmul(a, b, None, None, 1.0, 0.0, "none", None, "default", "auto")
+    assert out.shape == (16, 8) and out.dtype == torch.float16
+    a, b = _ab("cpu")
+    with pytest.raises(ValueError, match="a is on cpu, but a CUDA GPU is in use"):
+        torch.ops.tilegemm.matmul(a, b, None, None, 1.0, 0.0, "none", None, "default", "auto")
+
+
 def test_bad_env_flag(monkeypatch):
     monkeypatch.setenv("TILEGEMM_INTERPRET", "maybe")
     with pytest.raises(ValueError, match="TILEGEMM_INTERPRET='maybe': expected 1 or 0"):
