@@ -121,6 +121,14 @@ def test_resnet_tiny_sweep_with_the_fold_row(tmp_path, capsys, monkeypatch):
     assert norms and len(folded[0].tilegemm_folded) == len(norms)  # every batch norm of the tiny ResNet folded
 
 
+def test_the_fold_row_over_several_cases(tmp_path):
+    # the folded copy is kept with the models: the second case must not take it for one of the three models
+    data = _bench_json(tmp_path, "--op", "conv2d", "--model", "resnet50", "--shape", "1", "--shape", "2,eager",
+                       "--kernels", "auto,fold")
+    _check_rows(data, "images/s", [r["shape"] for r in data["rows"][::3]], ("auto", "fold"))
+    assert len(data["rows"]) == 6
+
+
 def test_shapes_are_batch_sizes_and_files_are_named_after_the_model(tmp_path, monkeypatch):
     # (one image, then two: the first and the second form of a shape)
     monkeypatch.chdir(tmp_path)
