@@ -32,6 +32,28 @@ def seeded():
     torch.manual_seed(1234)
 
 
+def crossed(names: str, *axes, ids=()):
+    """``pytest.mark.parametrize(names, ...)`` over the cross product of ``axes``. Under the interpreter (CI's
+    minutes) only the half whose value indices sum to an even number: where a third axis has two values or more,
+    every pair of values of two axes still meets; on a GPU the whole cross. ``ids``: a function per axis (str
+    where missing)."""
+    import itertools
+
+    name_of = [ids[i] if i < len(ids) and ids[i] else str for i in range(len(axes))]
+    params = []
+    for combo in itertools.product(*(list(enumerate(axis)) for axis in axes)):
+        if interpreting() and sum(i for i, _ in combo) % 2:
+            continue
+        values, marks = [], []
+        for _, v in combo:
+            if isinstance(v, type(pytest.param(None))):  # a value with marks of its own (a kernel skipped here)
+                marks += v.marks
+                v = v.values[0]
+            values.append(v)
+        params.append(pytest.param(*values, marks=marks, id="-".join(f(v) for f, v in zip(name_of, values))))
+    return pytest.mark.parametrize(names, params)
+
+
 def fuzz_draw(test):
     """A GPU fuzz test's draw: the same examples each run (hypothesis derandomized), or, with
     ``$TILEGEMM_FUZZ_SEED`` set, the draw of that seed, so that a long run can be split over parallel processes

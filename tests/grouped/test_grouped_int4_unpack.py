@@ -16,7 +16,7 @@ from tilegemm.ops.grouped.problem import GroupedInt4Problem
 from tilegemm.ops.grouped.reference import grouped_mm_reference
 from tilegemm.ops.w4a16.format import Int4Weight
 
-from conftest import assert_rel_close
+from conftest import assert_rel_close, crossed
 
 # (config name, config): BLOCK_K 32 (a step inside one group of 32 and more), 64 (groups of 32: the per-row
 # gather), 16 with SWAP, and K split in 2 and 3 slices.
@@ -63,14 +63,12 @@ def run(x, w, offs, config, bias=None, activation="none", gated=False):
     return out
 
 
-# fp16 under every config; bf16 (which the interpreter runs through fp32 copies, rounded by hand) under two
-CASES = [(c, g, K, torch.float16) for c in CONFIGS for g, K in GROUPS] + \
-    [(c, g, K, torch.bfloat16) for c in ("bk32", "split3_swap") for g, K in GROUPS]
-
-
-@pytest.mark.parametrize("config, group_size, K, dtype", CASES,
-                         ids=[f"{c}-g{g}-{str(d)[6:]}" for c, g, _, d in CASES])
-def test_dequantized_weight_bit_for_bit(config, group_size, K, dtype, device):
+# Every config, group and dtype (bf16: the interpreter runs it through fp32 copies, rounded by hand); under the
+# interpreter each config and group meet in one dtype
+@crossed("config, group, dtype", list(CONFIGS), GROUPS, [torch.float16, torch.bfloat16],
+         ids=(None, lambda g: f"g{g[0]}", lambda d: str(d)[6:]))
+def test_dequantized_weight_bit_for_bit(config, group, dtype, device):
+    group_size, K = group
     N = 19  # odd: the last column tile is partly outside
     w = random_experts(3, N, K, group_size, dtype, device)
     x, offs = one_hot_rows(K, [1, 0, 1], tail=3, dtype=dtype, device=device)  # expert 1 empty, 3 rows past offs[-1]

@@ -18,7 +18,7 @@ from tilegemm.ops.matmul import grouped, naive, split_k
 from tilegemm.ops.matmul.problem import _divisor, make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
-from conftest import assert_rel_close, compile_offline
+from conftest import assert_rel_close, compile_offline, crossed
 
 
 def _problem(a, b, out, c=None, bias=None):
@@ -49,9 +49,8 @@ def test_problem_divisors_follow_strides_and_sizes():
 SHAPES = [(17, 24, 40), (33, 36, 20), (9, 50, 26), (40, 8, 56), (12, 40, 24), (5, 33, 37)]
 
 
-@pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("rung", ["naive", "grouped", "split_k"])
+@crossed("rung, shape, layout", ["naive", "grouped", "split_k"], SHAPES, ["NN", "NT", "TN", "TT"],
+         ids=(None, lambda s: "x".join(map(str, s))))
 def test_odd_multiples_are_right(rung, shape, layout, device):
     M, N, K = shape
     dtype = torch.float16 if device == "cuda" else torch.float32

@@ -17,7 +17,7 @@ from tilegemm.core.dtypes import dtype_name
 from tilegemm.ops.matmul.problem import mma_operands
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
-from conftest import assert_rel_close, kernels, mm
+from conftest import assert_rel_close, crossed, kernels, mm
 from test_matmul import make_operand
 
 RUNGS = kernels("matmul")  # every registered kernel, then "auto"
@@ -58,9 +58,8 @@ def test_16_bit_and_ieee_operands_stay_as_loaded(dtype, precision):
 # --- tf32 through every operand order ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kernel", RUNGS)
-@pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
-@pytest.mark.parametrize("shape", [(1, 17, 33), (33, 65, 17), (100, 70, 129)], ids=lambda s: "x".join(map(str, s)))
+@crossed("shape, layout, kernel", [(1, 17, 33), (33, 65, 17), (100, 70, 129)], ["NN", "NT", "TN", "TT"], RUNGS,
+         ids=(lambda s: "x".join(map(str, s)),))
 def test_tf32_every_layout(kernel, layout, shape, device):
     M, N, K = shape
     a = make_operand(M, K, layout[0] == "T", torch.float32, device)
@@ -82,9 +81,8 @@ def test_tf32_swapped_tiles_keep_the_epilogue(kernel, device):
 # --- fp8 ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kernel", RUNGS)
-@pytest.mark.parametrize("layout", ["NT", "NN", "TN", "TT"])
-@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E5M2), (E5M2, E4M3)], ids=["e4m3", "e5m2", "e5m2xe4m3"])
+@crossed("dtypes, layout, kernel", [(E4M3, E4M3), (E5M2, E5M2), (E5M2, E4M3)], ["NT", "NN", "TN", "TT"], RUNGS,
+         ids=(lambda d: "x".join(str(t)[6:].replace("float8_", "").replace("fn", "") for t in dict.fromkeys(d)),))
 def test_fp8_every_rung_and_layout(kernel, layout, dtypes, device):
     M, N, K = 37, 45, 70
     a = fp8_operand(M, K, layout[0] == "T", dtypes[0], device)

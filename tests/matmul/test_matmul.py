@@ -8,7 +8,7 @@ import torch
 import tilegemm
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
-from conftest import assert_rel_close, kernels, mm
+from conftest import assert_rel_close, crossed, kernels, mm
 
 RUNGS = kernels("matmul")  # every registered kernel, then "auto"
 SHAPES = [(1, 1, 1), (1, 17, 33), (17, 1, 5), (33, 65, 17), (100, 70, 129), (257, 31, 40)]
@@ -22,10 +22,8 @@ def make_operand(rows: int, cols: int, transposed: bool, dtype, device, batch=()
     return torch.randn(*batch, rows, cols, dtype=dtype, device=device)
 
 
-@pytest.mark.parametrize("kernel", RUNGS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@crossed("dtype, shape, layout, kernel", [torch.float16, torch.float32], SHAPES, LAYOUTS, RUNGS,
+         ids=(lambda d: str(d)[6:], lambda s: "x".join(map(str, s))))
 def test_layouts_and_odd_shapes(kernel, layout, shape, dtype, device):
     M, N, K = shape
     a = make_operand(M, K, layout[0] == "T", dtype, device)
@@ -37,9 +35,8 @@ def test_layouts_and_odd_shapes(kernel, layout, shape, dtype, device):
     assert torch.equal(a, a0) and torch.equal(b, b0), "inputs were modified"
 
 
-@pytest.mark.parametrize("kernel", RUNGS)
-@pytest.mark.parametrize("activation", tilegemm.ACTIVATIONS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@crossed("dtype, activation, kernel", [torch.float16, torch.float32], tilegemm.ACTIVATIONS, RUNGS,
+         ids=(lambda d: str(d)[6:],))
 def test_fused_epilogue(kernel, activation, dtype, device):
     M, N, K = 45, 37, 50
     a = torch.randn(M, K, dtype=dtype, device=device)

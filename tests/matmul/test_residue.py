@@ -13,7 +13,7 @@ from tilegemm.ops.matmul import residue, split_k
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
-from conftest import assert_rel_close
+from conftest import assert_rel_close, crossed
 
 
 @pytest.fixture
@@ -39,10 +39,8 @@ def problem(a, b, out, c=None, bias=None, beta=1.0, activation="none"):
                          and not a.is_cuda)[0]
 
 
-@pytest.mark.parametrize("layout", ["NN", "NT"])
-@pytest.mark.parametrize("slices", [1, 2, 3, 5])
-@pytest.mark.parametrize("shape", [(3, 37, 45), (16, 130, 301), (1, 17, 9), (7, 21, 9), (5, 9, 1001)],
-                         ids=lambda s: "x".join(map(str, s)))
+@crossed("shape, slices, layout", [(3, 37, 45), (16, 130, 301), (1, 17, 9), (7, 21, 9), (5, 9, 1001)], [1, 2, 3, 5],
+         ["NN", "NT"], ids=(lambda s: "x".join(map(str, s)),))
 def test_residue_product(layout, slices, shape, device, taken):
     """Every output element written (NaN-poisoned output), with the epilogue, for odd leading dimensions in K
     slices of any count (more slices than steps leave some empty: their planes hold zeros)."""
