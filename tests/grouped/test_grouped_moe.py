@@ -387,10 +387,11 @@ def _kept_fragments_used(block, name="down_proj") -> bool:
     return w._frag is not None and w._frag[0] is getattr(block, f"tilegemm_{name}_frag_w", None)
 
 
-@pytest.mark.parametrize("change", ["assigned", "data", "functional_call", "compiled after a write"])
+@pytest.mark.parametrize("change", ["assigned", "data", "functional_call", "compiled after a write",
+                                    "written after tracing"])
 def test_kept_fragments_are_not_read_for_other_parts(monkeypatch, change):
     # The kept layouts stand for the very parts they were made of: parts replaced (assignment, a .data swap,
-    # torch.func.functional_call) or written before torch.compile traces must not be read through the old layouts
+    # torch.func.functional_call) or written before a compiled graph runs must not be read through the old layouts
     # (the decode kernel would compute with the weight the block had).
     import pickle
 
@@ -431,9 +432,31 @@ def test_kept_fragments_are_not_read_for_other_parts(monkeypatch, change):
             assert not _kept_fragments_used(block)
             block.tilegemm_down_proj_scales = scales
         elif change == "compiled after a write":
+            # the layouts go into the graph (its trace reads no version); the op leaves them when it runs
+            import tilegemm.ops.grouped.op as grouped_op
+
+            ran = []
+            run = grouped_op.forward_int4
+            monkeypatch.setattr(grouped_op, "forward_int4", lambda *a: ran.append(a[10] is not None) or run(*a))
             torch.compiler.reset()
             got = torch.compile(block, fullgraph=True, backend="aot_eager")(x, idx, weights)
-            assert seen[-1] is False
+            assert ran == [True, False]  # gate/up's unwritten layout read, down's written one not
+            torch.compiler.reset()
+        elif change == "written after tracing":  # the same graph runs again (it guards no version)
+            import tilegemm.ops.grouped.op as grouped_op
+
+            monkeypatch.setattr(moe, "grouped_matmul", real)  # (the spy's list, traced, would be guarded)
+            ran = []
+            run = grouped_op.forward_int4
+            monkeypatch.setattr(grouped_op, "forward_int4", lambda *a: ran.append(a[10] is not None) or run(*a))
+            torch.compiler.reset()
+            compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+            compiled(x, idx, weights)
+            assert ran == [True, True]
+            scales.mul_(2)
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                got = compiled(x, idx, weights)
+            assert ran[2:] == [True, False]
             torch.compiler.reset()
         else:
             assert not _kept_fragments_used(block)  # dropped; a decode call remakes them of the new parts

@@ -14,7 +14,7 @@ from tilegemm.nn.moe import (SparseMoeBlock, _stacked_experts, apply_keeping_4bi
                              expert_group_size, per_expert_mlps, quantize_experts_)
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.launch import dispatch_stack_depth, function_mode_on, functorch_level, jit_tracing
-from tilegemm.nn import fragments
+from tilegemm.ops.w4a16 import fragment_records as fragments
 from tilegemm.nn.convert import (MHA_OUT_PROJ_KEPT, ConversionNote, attention_out_projections, is_conv1d,
                                  is_plain_linear, subclass_reason)
 from tilegemm.nn.hooks import carry_over
@@ -86,7 +86,7 @@ class Int4Linear(NotScriptable, nn.Module):
         self.register_buffer("fzs", fzs, persistent=False)
         self._note_fragments()
 
-    # The record of what the kept layout was made of (tilegemm.nn.fragments): None until it is made.
+    # The record of what the kept layout was made of (tilegemm.ops.w4a16.fragment_records): None until it is made.
     _fragments_of = None
 
     def _fragment_tensors(self) -> tuple[tuple, tuple]:
@@ -110,9 +110,9 @@ class Int4Linear(NotScriptable, nn.Module):
         the parts); and whether the record stands for the parts."""
         parts, layout = self._fragment_tensors()
         if torch.compiler.is_compiling():
-            # a graph cannot repack, and reads no version (data-dependent): the kept layout only for the very
-            # tensors it was made of, unwritten when traced (a write after that is the caller's to recompile for)
-            current = fragments.traced_stands_for(parts, layout, self.group_size)
+            # a graph cannot repack, and reads no version (data-dependent): the recorded layout goes along, and the
+            # op reads it only where the record stands for the parts the graph is called with (layout_for)
+            return (layout if self._fragments_of is not None and layout[0].numel() else None), False
         else:
             current = fragments.stands_for(self._fragments_of, parts, layout, self.group_size)
             if not current and self._remakes_fragments(parts):

@@ -29,8 +29,8 @@ import warnings
 
 import torch
 
-from tilegemm.nn import fragments
-from tilegemm.nn.fragments import part_state
+from tilegemm.ops.w4a16 import fragment_records as fragments
+from tilegemm.ops.w4a16.fragment_records import part_state
 from tilegemm.nn.hooks import carry_over
 from tilegemm.nn.linear import NotScriptable
 from tilegemm.nn.notes import ConversionNote
@@ -181,9 +181,9 @@ def _int4_parts(module, name: str) -> tuple:
 
 
 class _Records(dict):
-    """Weight name -> the record (:mod:`tilegemm.nn.fragments`) of what its kept layouts were made of. Copied and
-    pickled with the tensors of the records that stand (the copies of the block's parts and layouts, by the copy's
-    memo), recorded again of those: weak references are neither copied nor pickled."""
+    """Weight name -> the record (:mod:`tilegemm.ops.w4a16.fragment_records`) of what its kept layouts were made
+    of. Copied and pickled with the tensors of the records that stand (the copies of the block's parts and
+    layouts, by the copy's memo), recorded again of those: weak references are neither copied nor pickled."""
 
     def __reduce__(self):
         return _Records, (), {n: (t, rec[0]) for n, rec in self.items()
@@ -223,10 +223,10 @@ def _with_fragments(module, name: str, w: Int4Weight) -> Int4Weight:
     its parts: not after the parts were written in place, swapped (``.data =``) or replaced (assignment,
     ``torch.func.functional_call``), when a call remakes them (or, where it cannot, runs without them)."""
     if torch.compiler.is_compiling():
-        # a graph reads no version: the very tensors the layouts were made of, unwritten when traced (a write after
-        # that is the caller's to recompile for, as for Int4Linear)
-        current = fragments.traced_stands_for(_int4_parts(module, name), _kept_layouts(module, name),
-                                              expert_group_size(module, name))
+        # a graph reads no version: the recorded layouts go along, and the op reads one only where the record
+        # stands for the parts the graph is called with (fragment_records.layout_for), as for Int4Linear
+        recs = module.__dict__.get("_tilegemm_fragments_of")
+        current = recs is not None and recs.get(name) is not None
     else:
         current = _fragments_current(module, name)
         if not current:

@@ -14,7 +14,8 @@ from tilegemm.core.replay import ReplayCache
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.w4a16 import dispatch
 from tilegemm.core.checked import check_once
-from tilegemm.ops.w4a16.checks import check_op_args
+from tilegemm.ops.w4a16 import fragment_records
+from tilegemm.ops.w4a16.checks import check_op_args, weight_of_op_args
 from tilegemm.ops.w4a16.problem import W4A16Problem
 
 # The host fast path (keys: tilegemm.ops.w4a16.checks.replay_key). REPLAYS keeps the one-launch kernels' whole
@@ -42,6 +43,8 @@ def _w4a16_op(
     kernel: str,
     perm: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
+    if fweight is not None and fzs is not None:
+        fweight, fzs = fragment_layout(qweight, scales, zeros, fweight, fzs, group_k, kernel)
     # Called directly (torch.ops.tilegemm.w4a16_matmul) nothing checked the arguments: a weight's parts that do
     # not fit N, K and the group length would be read out of bounds. The public function's plain calls skip the op.
     check_once(check_op_args, x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm)
@@ -49,6 +52,20 @@ def _w4a16_op(
         bias = bias.contiguous()  # the kernels read the bias as one contiguous vector
     return dispatch.forward(W4A16Problem.of_op_args(x, qweight, scales, zeros, fweight, fzs, bias, group_k,
                                                     activation, kernel, perm))
+
+
+def fragment_layout(qweight, scales, zeros, fweight, fzs, group_k: int, kernel: str, gated=None) -> tuple:
+    """``(fweight, fzs)`` an op reads: a module's kept layout only while it stands for these parts (a compiled
+    graph, traced with a layer's own, may be called with others or after a write:
+    :func:`fragment_records.layout_for`), else none, or where a fragment kernel is named, the parts' own made for
+    this call. ``gated``: the grouped op's gate/up order (None: a single weight)."""
+    layout = fragment_records.layout_for((qweight, scales, zeros), (fweight, fzs))
+    if layout is not None:
+        return layout
+    if kernel not in (dispatch.FRAG_KERNELS if gated is None else ("frag",)):
+        return None, None
+    w = weight_of_op_args(qweight, scales, zeros, group_k, stacked=gated is not None)
+    return w.fragments() if gated is None else w.fragments(gated)
 
 
 @_w4a16_op.register_fake
