@@ -36,7 +36,7 @@ def crossed(names: str, *axes, ids=()):
     """``pytest.mark.parametrize(names, ...)`` over the cross product of ``axes``. Under the interpreter (CI's
     minutes) only the half whose value indices sum to an even number: where a third axis has two values or more,
     every pair of values of two axes still meets; on a GPU the whole cross. ``ids``: a function per axis (str
-    where missing)."""
+    where missing); a ``pytest.param`` value gives its values (one or several), id and marks."""
     import itertools
 
     name_of = [ids[i] if i < len(ids) and ids[i] else str for i in range(len(axes))]
@@ -44,13 +44,16 @@ def crossed(names: str, *axes, ids=()):
     for combo in itertools.product(*(list(enumerate(axis)) for axis in axes)):
         if interpreting() and sum(i for i, _ in combo) % 2:
             continue
-        values, marks = [], []
-        for _, v in combo:
-            if isinstance(v, type(pytest.param(None))):  # a value with marks of its own (a kernel skipped here)
+        values, marks, labels = [], [], []
+        for f, (_, v) in zip(name_of, combo):
+            if isinstance(v, type(pytest.param(None))):  # pytest.param: several values, an id, marks of its own
                 marks += v.marks
-                v = v.values[0]
-            values.append(v)
-        params.append(pytest.param(*values, marks=marks, id="-".join(f(v) for f, v in zip(name_of, values))))
+                values += v.values
+                labels.append(v.id or f(v.values[0]))
+            else:
+                values.append(v)
+                labels.append(f(v))
+        params.append(pytest.param(*values, marks=marks, id="-".join(labels)))
     return pytest.mark.parametrize(names, params)
 
 

@@ -16,7 +16,7 @@ from tilegemm.ops.conv2d.op import backward_data
 from tilegemm.ops.conv2d.problem import DgradCall, geometry_of
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
 
-from conftest import assert_rel_close
+from conftest import assert_rel_close, crossed
 
 CL = torch.channels_last
 
@@ -180,9 +180,8 @@ PADDED = [
 ]
 
 
-@pytest.mark.parametrize("w_layout", ["plain", "channels_last", "view"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("shape,groups,pad,dil", PADDED)
+@crossed("shape, groups, pad, dil, dtype, w_layout", PADDED, [torch.float16, torch.bfloat16],
+         ["plain", "channels_last", "view"], ids=(None, lambda d: str(d)[6:]))
 def test_route_geometry_layouts_dtypes(shape, groups, pad, dil, dtype, w_layout, device, spy):
     got, want = _dgrad_padded(device, dtype, shape, groups, pad, dil, w_layout)
     assert len(spy) == 1
