@@ -35,6 +35,15 @@ def _layers(n=3, width=1024):
             for _ in range(n)]
 
 
+def _compiled_model(rows: int):
+    """(layers, the model of them, x of ``rows`` rows, the model compiled by inductor)."""
+    layers = _layers()
+    model = nn.Sequential(*layers)
+    torch.compiler.reset()
+    return layers, model, torch.randn(rows, 1024, device="cuda", dtype=torch.float16) / 32, \
+        torch.compile(model, fullgraph=True)
+
+
 def _want(layers, x):
     """The fp64 product of the weights the layers hold now, one after another."""
     y = x.double()
@@ -44,11 +53,7 @@ def _want(layers, x):
 
 
 def test_compiled_model_reads_its_layouts_until_a_layer_is_written(kernels):
-    layers = _layers()
-    model = nn.Sequential(*layers)
-    x = torch.randn(1, 1024, device="cuda", dtype=torch.float16) / 32
-    torch.compiler.reset()
-    compiled = torch.compile(model, fullgraph=True)
+    layers, model, x, compiled = _compiled_model(rows=1)
     with torch.no_grad():
         assert_rel_close(compiled(x), _want(layers, x), 2e-2)
         assert kernels[-3:] == ["frag_wgmma"] * 3
@@ -83,11 +88,7 @@ def test_one_graph_for_every_layer_reads_each_layers_layout(kernels):
 
 
 def test_cuda_graph_of_the_compiled_model_replays_the_fragment_kernel(kernels):
-    layers = _layers()
-    model = nn.Sequential(*layers)
-    x = torch.randn(2, 1024, device="cuda", dtype=torch.float16) / 32
-    torch.compiler.reset()
-    compiled = torch.compile(model, fullgraph=True)
+    layers, model, x, compiled = _compiled_model(rows=2)
     with torch.no_grad():
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
