@@ -25,7 +25,7 @@ from tilegemm.ops.grouped import dispatch
 from tilegemm.core.checked import check_once
 from tilegemm.ops.grouped.checks import check_gated_call, check_int4_op_args, check_mm_call
 from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem, out_shape
-from tilegemm.ops.w4a16.op import fragment_layout
+from tilegemm.ops.w4a16 import fragment_layout
 
 # The host fast path of the family's plain calls (grouped_mm, moe_gate_up, w4a16.grouped_matmul): each is one
 # launch whose grid and config follow from shapes, so a replay takes new tensors and new offs values alike.
