@@ -16,7 +16,7 @@ import tilegemm
 from tilegemm.ops.conv2d import depthwise
 from tilegemm.ops.conv2d.problem import ConvProblem, geometry_of
 
-from conftest import assert_rel_close, spy_launches
+from conftest import assert_rel_close, crossed, spy_launches
 
 
 def _problem(x, w, b, padding, out_format, activation="none", stride=(1, 1), dilation=(1, 1)):
@@ -74,10 +74,7 @@ def _launched_kernels(monkeypatch, grids=None):
     return spy_launches(monkeypatch, depthwise, grids)
 
 
-@pytest.mark.parametrize("stages", [1, 3])
-@pytest.mark.parametrize("channels_last_out", [True, False])
-@pytest.mark.parametrize("pipeline", [True, False])
-@pytest.mark.parametrize("mult", [1, 3])
+@crossed("mult, pipeline, channels_last_out, stages", [1, 3], [True, False], [True, False], [1, 3])
 def test_rows_kernel_forms_multipliers_and_layouts(mult, pipeline, channels_last_out, stages, device):
     # padding 4 above and below a 3-tall filter (rows of pure padding, the last program's row all padding), 3
     # rows a program (not dividing the 10 output rows), 5 channels (no 2-, 4- or 8-element runs)

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_rel_close
+from conftest import assert_rel_close, crossed
 
 import tilegemm
 from tilegemm import w4a16
@@ -25,9 +25,7 @@ def test_registered():
     assert {"gemv", "mma", "dequant_cublas", "auto"} <= set(KERNELS)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("M", [1, 3, 17])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@crossed("dtype, M, kernel", [torch.float16, torch.bfloat16], [1, 3, 17], KERNELS, ids=(lambda d: str(d)[6:],))
 def test_kernels(device, kernel, M, dtype):
     N, K = 72, 256  # N not a multiple of the blocks; K split into several slices
     w = w4a16.quantize(torch.randn(N, K, dtype=dtype, device=device), 64)
