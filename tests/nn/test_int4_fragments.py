@@ -198,18 +198,26 @@ def test_inference_tensors_replaced(device, handed):
 
 @pytest.fixture
 def read(monkeypatch):
-    """Whether each product run reads a fragment layout (the problem the op or plain call runs, a compiled graph's
-    calls included). The fragment kernel runs only on Hopper: here the layout is asked for as there, recorded, then
+    """The fragment layout each product run reads (the problem the op or plain call runs, a compiled graph's calls
+    included): "kept" (a module's), "made" (for this call: packed in the graph) or None; a layout that is not the
+    parts' own fails. The fragment kernel runs only on Hopper: here the layout is asked for as there, checked, then
     left out of the product, which runs on the parts."""
     import dataclasses
 
-    from tilegemm.ops.w4a16 import dispatch
+    from tilegemm.ops.w4a16 import dispatch, fragment_records
 
     seen = []
     real = dispatch.forward
 
     def forward(p):
-        seen.append(p.fweight is not None)
+        if p.fweight is None:
+            seen.append(None)
+        else:
+            K = p.qweight.shape[0] * 8
+            fresh = Int4Weight(p.qweight, p.scales, p.zeros, -1 if p.group_k == K else p.group_k,
+                               (p.qweight.shape[1], K)).fragments()
+            assert torch.equal(p.fweight, fresh[0]) and torch.equal(p.fzs, fresh[1]), "a stale layout was read"
+            seen.append("kept" if fragment_records._live(id(p.fweight)) else "made")
         return real(dataclasses.replace(p, fweight=None, fzs=None))
 
     monkeypatch.setattr(dispatch, "frag_usable", lambda group_k, device, K: dispatch.fits_fragments(group_k, K))
@@ -218,9 +226,9 @@ def read(monkeypatch):
 
 
 def test_compiled_layer_reads_fragments_only_while_they_stand_for_the_parts_it_is_called_with(device, read):
-    # The layout goes into the graph; the op reads it when the graph runs, only while the layer's record stands for
-    # the parts the graph is called with: not after a write, before or after tracing (the graph is not traced again),
-    # nor for other parts given to functional_call
+    # A graph carries the kept layout only where it stood for the parts when traced (else it packs the parts'
+    # own), and the op reads it, when the graph runs, only while it stands for the parts the graph is called with:
+    # not after a part was written (the graph is not traced again), nor for other parts given to functional_call
     torch.compiler.reset()
     x = torch.randn(2, 64, dtype=torch.float16, device=device)
     with torch.no_grad():
@@ -228,15 +236,16 @@ def test_compiled_layer_reads_fragments_only_while_they_stand_for_the_parts_it_i
         layer.scales.mul_(2)  # written before tracing
         compiled = torch.compile(layer, fullgraph=True, backend="eager")
         _assert_product(compiled(x), layer, x)
-        assert read == [False]
+        assert read == ["made"]
         layer(x)  # an eager call remakes the layout
         read.clear()
         _assert_product(compiled(x), layer, x)
-        assert read == [True]
+        assert read == ["kept"]
         layer.zeros.add_(1).clamp_(max=15)  # written after tracing
         read.clear()
-        _assert_product(compiled(x), layer, x)
-        assert read == [False]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            _assert_product(compiled(x), layer, x)
+        assert read == [None]
         layer(x)
         own = dict(qweight=layer.qweight, scales=layer.scales, zeros=layer.zeros)
         other = dict(own, scales=layer.scales * 3)
@@ -244,14 +253,14 @@ def test_compiled_layer_reads_fragments_only_while_they_stand_for_the_parts_it_i
                              backend="eager")
         read.clear()
         _assert_product(call(own, x), layer, x)
-        _assert_product(call(other, x), layer, x, other)  # (traced again where Dynamo guards the parts' identity)
-        assert read == [True, False]
+        _assert_product(call(other, x), layer, x, other)
+        assert read == ["kept", "made"]
     torch.compiler.reset()
 
 
-def test_one_graph_serves_every_layer_with_its_own_layout(device, read):
-    # a repeated block compiled on its own (regional compilation): the layers share the graph, none recompiles,
-    # and each reads its own layout
+def test_a_block_compiled_on_its_own_reads_each_layers_layout(device, read):
+    # a repeated block compiled on its own (regional compilation): each layer reads its own layout (the graph is
+    # traced for each layer: docs/w4a16.md, "The fragment layout ...")
     torch.compiler.reset()
     x = torch.randn(3, 64, dtype=torch.float16, device=device)
     layers = [_layer(device) for _ in range(3)]
@@ -262,11 +271,9 @@ def test_one_graph_serves_every_layer_with_its_own_layout(device, read):
     step = torch.compile(lambda layer, t: layer(t), fullgraph=True, backend="eager")
     read.clear()
     with torch.no_grad():
-        _assert_product(step(layers[0], x), layers[0], x)
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for layer in layers[1:]:
-                _assert_product(step(layer, x), layer, x)
-    assert read == [True, True, True]
+        for layer in layers:
+            _assert_product(step(layer, x), layer, x)
+    assert read == ["kept"] * 3
     torch.compiler.reset()
 
 
@@ -349,3 +356,28 @@ def test_the_op_reads_a_recorded_layout_only_while_it_stands():
     assert fragment_layout(*parts, *layout, group_k, "auto") == (None, None)
     made = fragment_layout(*parts, *layout, group_k, "frag_wgmma")
     assert made[0] is not layer.fweight and all(torch.equal(a, b) for a, b in zip(made, _fresh(layer._weight())))
+
+
+def test_compiled_layers_never_read_a_stale_layout(device, read):
+    # the fixture fails any layout that is not the parts' own: a layout two layers share whose other layer (and
+    # record) is gone, and a written layer moved (.to() makes new tensors of every buffer), then compiled
+    import gc
+
+    x = torch.randn(2, 64, dtype=torch.float16, device=device)
+    a = _layer(device)
+    a(x)
+    b = Int4Linear.from_weight(a.weight)  # the same parts and layout
+    del b
+    gc.collect()
+    with torch.no_grad():
+        a.scales.mul_(2)
+        torch.compiler.reset()
+        _assert_product(torch.compile(a, fullgraph=True, backend="eager")(x), a, x)
+        a = _layer(device)
+        a(x)
+        a.scales.mul_(2)
+        a._apply(lambda t: t.clone())  # (what a move to another device does to each tensor)
+        torch.compiler.reset()
+        _assert_product(torch.compile(a, fullgraph=True, backend="eager")(x), a, x)
+    assert len(read) == 4  # (two eager calls, two compiled: none read a stale layout)
+    torch.compiler.reset()

@@ -110,9 +110,10 @@ class Int4Linear(NotScriptable, nn.Module):
         the parts); and whether the record stands for the parts."""
         parts, layout = self._fragment_tensors()
         if torch.compiler.is_compiling():
-            # a graph cannot repack, and reads no version (data-dependent): the recorded layout goes along, and the
-            # op reads it only where the record stands for the parts the graph is called with (layout_for)
-            return (layout if self._fragments_of is not None and layout[0].numel() else None), False
+            # a graph cannot repack, and reads no version (data-dependent): the kept layout only for the very
+            # tensors it was made of, unwritten when traced; the op checks it again when the graph runs (a part
+            # written since, other parts: fragment_records.layout_for)
+            current = fragments.traced_stands_for(parts, layout, self.group_size)
         else:
             current = fragments.stands_for(self._fragments_of, parts, layout, self.group_size)
             if not current and self._remakes_fragments(parts):

@@ -223,10 +223,10 @@ def _with_fragments(module, name: str, w: Int4Weight) -> Int4Weight:
     its parts: not after the parts were written in place, swapped (``.data =``) or replaced (assignment,
     ``torch.func.functional_call``), when a call remakes them (or, where it cannot, runs without them)."""
     if torch.compiler.is_compiling():
-        # a graph reads no version: the recorded layouts go along, and the op reads one only where the record
-        # stands for the parts the graph is called with (fragment_records.layout_for), as for Int4Linear
-        recs = module.__dict__.get("_tilegemm_fragments_of")
-        current = recs is not None and recs.get(name) is not None
+        # a graph reads no version: the very tensors the layouts were made of, unwritten when traced; the op checks
+        # them again when the graph runs (fragment_records.layout_for), as for Int4Linear
+        current = fragments.traced_stands_for(_int4_parts(module, name), _kept_layouts(module, name),
+                                              expert_group_size(module, name))
     else:
         current = _fragments_current(module, name)
         if not current:

@@ -5,10 +5,11 @@ A part may be written in place (a newer ``_version``), have its storage swapped 
 version) or be replaced by another tensor (``torch.func.functional_call``, assignment,
 ``load_state_dict(assign=True)``). An address does not tell tensors or storages apart (a freed one's is reused by
 the next), so a record knows the tensors by identity and their storages by weak references that expire when the
-storage is freed: it keeps none of them alive. The module asks :func:`stands_for` at every eager forward; the ops
-ask :func:`layout_for` when they run, which is how a graph compiled by torch.compile checks: at every call of the
-graph, of the tensors it is called with, nothing of the check traced. Each check reads each tensor's address and
-version and each storage reference's expiry, and nothing more.
+storage is freed: it keeps none of them alive. The module asks :func:`stands_for` at every eager forward and
+:func:`traced_stands_for` while torch.compile traces (a graph carries the layout only where it stood then); the
+ops ask :func:`layout_for` when they run, which is how a compiled graph checks at every call, of the tensors it is
+called with. Each check reads each tensor's address and version and each storage reference's expiry, and nothing
+more.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def _states(parts) -> tuple:
 
 
 class _Kept:
-    """What :func:`layout_for` reads of a record: held by the record, found by the ``id`` of any of its layout's
-    tensors."""
+    """What :func:`layout_for` and :func:`unwritten_when_traced` read of a record: held by the record, found by the
+    ``id`` of any of its layout's tensors."""
 
     __slots__ = ("extra", "refs", "states", "storages", "__weakref__")
 
@@ -42,7 +43,23 @@ class _Kept:
         self.extra, self.refs, self.states, self.storages = extra, refs, states, storages
 
 
-_LIVE = weakref.WeakValueDictionary()  # id of a layout's tensor -> its record's _Kept, while the record is held
+# id of a layout's tensor -> weak references to the _Kept of every record made of it (a layout two modules share
+# has two), while they are held
+_LIVE: dict = {}
+
+
+def _live(i: int) -> list:
+    """The held records' _Kept of layout tensor id ``i`` (newest first); forgets the dropped ones."""
+    refs = _LIVE.get(i)
+    if not refs:
+        return []
+    kept = [k for k in (r() for r in refs) if k is not None]
+    if len(kept) != len(refs):
+        if kept:
+            _LIVE[i] = [weakref.ref(k) for k in kept]
+        else:
+            del _LIVE[i]
+    return kept[::-1]
 
 
 def record(parts, layout, extra) -> tuple:
@@ -54,7 +71,8 @@ def record(parts, layout, extra) -> tuple:
     storages = tuple([StorageWeakRef(t.untyped_storage()) for t in parts])
     kept = _Kept(extra, refs, states, storages)
     for t in layout:
-        _LIVE[id(t)] = kept
+        _live(id(t))  # (drops the references of records no longer held)
+        _LIVE.setdefault(id(t), []).append(weakref.ref(kept))
     return extra, refs, states, storages, kept
 
 
@@ -85,29 +103,68 @@ def stands_for(rec, parts, layout, extra) -> bool:
     return same_tensors(rec, parts, layout, extra) and _unwritten(rec[2], rec[3], parts)
 
 
-def layout_for(parts, layout):
-    """The fragment ``layout`` where an op may read it for ``parts``, else None (the op then reads the parts).
-    ``layout`` as given where no module recorded it (a caller's own ``Int4Weight``: its layout is its to keep);
-    a module's only while its record stands for these very parts, unwritten. What a graph compiled by torch.compile
-    asks when it runs: traced with a layer's own parts, it may be called with others (``functional_call``) or after
-    a write, and a regionally compiled block's graph serves every layer."""
-    kept = _LIVE.get(id(layout[0]))
-    if kept is None:
-        return layout
+def _covers(kept, parts, layout) -> bool:
+    """Whether ``kept``'s record was made of these very ``parts`` and ``layout``, the parts unwritten since."""
     refs, n = kept.refs, len(kept.states)
     if len(parts) != n:
-        return None
+        return False
     for ref, t in zip(refs, parts):
         if ref() is not t:
-            return None
+            return False
     recorded = [ref() for ref in refs[n:]]
     for t in layout:
         if not any([t is u for u in recorded]):
-            return None  # (a tensor now at a recorded one's id, the record's own having been freed)
+            return False  # (a tensor now at a recorded one's id, the record's own having been freed)
     try:
-        return layout if _unwritten(kept.states, kept.storages, parts) else None
+        return _unwritten(kept.states, kept.storages, parts)
     except (RuntimeError, NotImplementedError):  # (parts with no address: the op reads them)
-        return None
+        return False
+
+
+def layout_for(parts, layout):
+    """The fragment ``layout`` where an op may read it for ``parts``, else None (the op then reads the parts).
+    ``layout`` as given where no module recorded it (a caller's own ``Int4Weight``: its layout is its to keep);
+    a module's only while one of its records stands for these very parts, unwritten. Asked when the op runs, so a
+    graph compiled by torch.compile checks at every call: traced with a layer's layout standing, it may run after a
+    part was written (a graph guards no version) or with other parts (``functional_call``)."""
+    held = _live(id(layout[0]))
+    if not held:
+        return layout
+    return layout if any([_covers(kept, parts, layout) for kept in held]) else None
+
+
+def unwritten_when_traced(extra, n_parts: int, *ids: int) -> bool:
+    """Whether a record of ``extra`` stands for the tensors of ``ids`` (``n_parts`` parts', then a layout's
+    ``id``s), its parts unwritten, asked of the real tensors while torch.compile traces: a constant of the graph,
+    which then carries the layout (the op checks it again when it runs: :func:`layout_for`). Its arguments are
+    constants (torch 2.11's Dynamo passes a constant function nothing else); Dynamo guards the graph on the identity
+    of the tensors whose ``id`` it read, so each layer's is checked for it (a repeated block compiled on its own is
+    compiled for each layer: docs/w4a16.md, "The fragment layout ...")."""
+    if len(ids) <= n_parts:
+        return False
+    for kept in _live(ids[n_parts]):
+        if kept.extra != extra or len(ids) != len(kept.refs) or len(kept.states) != n_parts:
+            continue
+        tensors = [r() for r in kept.refs]
+        if any([t is None or id(t) != i for t, i in zip(tensors, ids)]):
+            continue
+        try:
+            if _unwritten(kept.states, kept.storages, tensors[:n_parts]):
+                return True
+        except (RuntimeError, NotImplementedError):  # (fake tensors, as a non-strict export has, have no address)
+            return False
+    return False
+
+
+def traced_stands_for(parts, layout, extra) -> bool:
+    """:func:`stands_for` while torch.compile traces: its answer a constant of the graph. The traced code reads no
+    record: Dynamo would take a weak reference's referent for the tensor it was given, and guard on that one."""
+    return unwritten_when_traced(extra, len(parts), *[id(t) for t in (*parts, *layout)])
+
+
+# The mark torch.compiler.assume_constant_result sets, set by hand: the decorator imports torch._dynamo, which
+# imports triton, and importing tilegemm must not (core/runtime.py marks its constants the same way).
+unwritten_when_traced._dynamo_marked_constant = True
 
 
 def standing_tensors(rec) -> tuple | None:
