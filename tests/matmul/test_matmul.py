@@ -68,16 +68,16 @@ def test_c_broadcasts(c_shape, device):
     assert_rel_close(out, matmul_reference(a, b, c=c, beta=0.75), 1e-5)
 
 
-@pytest.mark.parametrize("kernel", RUNGS)
-@pytest.mark.parametrize(
-    "a_shape,b_shape",
+@crossed(
+    "a_shape, b_shape, kernel",
     [
-        ((4, 33, 20), (4, 20, 17)),  # plain batch
-        ((4, 33, 20), (20, 17)),  # 2-D b shared by the batch
-        ((33, 20), (3, 20, 17)),  # 2-D a shared by the batch
-        ((2, 1, 33, 20), (3, 20, 17)),  # broadcast to [2, 3]
-        ((2, 3, 5, 9, 7), (1, 3, 1, 7, 4)),  # several batch dims
+        pytest.param((4, 33, 20), (4, 20, 17), id="plain batch"),
+        pytest.param((4, 33, 20), (20, 17), id="2-D b shared by the batch"),
+        pytest.param((33, 20), (3, 20, 17), id="2-D a shared by the batch"),
+        pytest.param((2, 1, 33, 20), (3, 20, 17), id="broadcast to [2, 3]"),
+        pytest.param((2, 3, 5, 9, 7), (1, 3, 1, 7, 4), id="several batch dims"),
     ],
+    RUNGS,
 )
 def test_batched_broadcast(kernel, a_shape, b_shape, device):
     a = torch.randn(*a_shape, dtype=torch.float16, device=device)

@@ -12,7 +12,7 @@ from tilegemm.ops.matmul import persistent_tma, split_k, split_reduce
 from tilegemm.ops.matmul.problem import make_problems
 from tilegemm.ops.matmul.reference import matmul_reference, tolerance
 
-from conftest import assert_rel_close
+from conftest import assert_rel_close, crossed
 
 
 def _problem(a, b, out, **kw):
@@ -157,8 +157,8 @@ def test_persistent_tma_falls_back_where_tma_cannot_go(make, reason, device):
     assert_rel_close(got, matmul_reference(a, b), 1e-5)
 
 
-@pytest.mark.parametrize("slices", [False, True, "apart"], ids=["atomic", "slices", "apart"])
-@pytest.mark.parametrize("split", [1, 2, 3, 7])
+@crossed("split, slices", [1, 2, 3, 7], [pytest.param(False, id="atomic"), pytest.param(True, id="slices"),
+                                        pytest.param("apart", id="apart")])
 def test_split_k_any_split_and_clean_workspace(split, slices, device, monkeypatch):
     if slices == "apart":  # every split's planes added by the second launch
         monkeypatch.setattr("tilegemm.ops.matmul.split_reduce.APART_BYTES", 0)
