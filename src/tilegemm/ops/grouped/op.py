@@ -150,7 +150,8 @@ def grouped_w4a16_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                      kernel: str, fweight: Optional[torch.Tensor] = None,
                      fzs: Optional[torch.Tensor] = None) -> torch.Tensor:
     if fweight is not None and fzs is not None:  # a block's kept layouts only while they stand for these parts
-        fweight, fzs = fragment_layout(qweight, scales, zeros, fweight, fzs, group_k, kernel, gated)
+        fweight, fzs = fragment_layout(qweight, scales, zeros, fweight, fzs, group_k, kernel, gated,
+                                        dispatch.FRAG_KERNELS)
     check_once(check_int4_op_args, x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight,
                fzs)
     return forward_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight, fzs)

@@ -54,15 +54,17 @@ def _w4a16_op(
                                                     activation, kernel, perm))
 
 
-def fragment_layout(qweight, scales, zeros, fweight, fzs, group_k: int, kernel: str, gated=None) -> tuple:
+def fragment_layout(qweight, scales, zeros, fweight, fzs, group_k: int, kernel: str, gated=None,
+                    frag_kernels=dispatch.FRAG_KERNELS) -> tuple:
     """``(fweight, fzs)`` an op reads: a module's kept layout only while it stands for these parts (a compiled
     graph, traced with a layer's own, may be called with others or after a write:
-    :func:`fragment_records.layout_for`), else none, or where a fragment kernel is named, the parts' own made for
-    this call. ``gated``: the grouped op's gate/up order (None: a single weight)."""
+    :func:`fragment_records.layout_for`), else none, or where one of ``frag_kernels`` (the calling op's kernels
+    that read the layout) is named, the parts' own made for this call. ``gated``: the grouped op's gate/up order
+    (None: a single weight)."""
     layout = fragment_records.layout_for((qweight, scales, zeros), (fweight, fzs))
     if layout is not None:
         return layout
-    if kernel not in (dispatch.FRAG_KERNELS if gated is None else ("frag",)):
+    if kernel not in frag_kernels:
         return None, None
     w = weight_of_op_args(qweight, scales, zeros, group_k, stacked=gated is not None)
     return w.fragments() if gated is None else w.fragments(gated)
