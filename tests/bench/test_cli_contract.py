@@ -64,21 +64,19 @@ def _cli(env_extra: dict, *args: str, code: str | None = None) -> subprocess.Com
 
 @cpu_only
 def test_a_forced_gpu_backend_without_a_gpu_fails_in_one_line():
+    # the commands, then tilegemm.matmul from Python, in one process started with the backend forced
     commands = [["info"], ["bench", "--shape", "8,8,8", "--no-save"], ["tune"], ["warmup"]]
-    code = f"from tilegemm.cli import main\nprint([main(argv) for argv in {commands!r}])\n"
+    code = (f"from tilegemm.cli import main\nprint([main(argv) for argv in {commands!r}])\n"
+            "import torch, tilegemm\n"
+            "try:\n    tilegemm.matmul(torch.randn(4, 4), torch.randn(4, 4))\n"
+            "except ValueError as e:\n    print('matmul:', e)\n")
     done = _cli({"TILEGEMM_INTERPRET": "0"}, code=code)
-    assert done.stdout.strip().splitlines()[-1] == "[2, 2, 2, 2]", done.stderr[-2000:]
+    out = done.stdout.strip()
+    assert out.splitlines()[0] == "[2, 2, 2, 2]", done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 4 and all(line.startswith("tilegemm: error: TILEGEMM_INTERPRET=0") for line in lines), lines
-
-
-@cpu_only
-def test_matmul_with_a_forced_gpu_backend_without_a_gpu_says_so():
-    code = ("import torch, tilegemm\n"
-            "try:\n    tilegemm.matmul(torch.randn(4, 4), torch.randn(4, 4))\n"
-            "except ValueError as e:\n    print(e)\n")
-    out = _cli({"TILEGEMM_INTERPRET": "0"}, code=code).stdout
-    assert "TILEGEMM_INTERPRET=0" in out and "no CUDA GPU" in out and "GPU is in use" not in out
+    said = out.partition("matmul:")[2]  # matmul's error says the same
+    assert "TILEGEMM_INTERPRET=0" in said and "no CUDA GPU" in said and "GPU is in use" not in said, out
 
 
 def test_triton_imported_first_gets_advice_that_applies():

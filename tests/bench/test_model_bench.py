@@ -15,6 +15,7 @@ from tilegemm.bench.base import BenchError, bench_op, model_entries
 from tilegemm.bench.runner import BASELINE, run_bench
 from tilegemm.cli import main
 from tilegemm.core.runtime import interpreting
+from cpu_threads import one_cpu_thread  # noqa: F401 (autouse: torch on one CPU thread)
 
 interpreter_only = pytest.mark.skipif(not interpreting(), reason="what the interpreter runs differs on a GPU")
 
@@ -101,46 +102,41 @@ def test_the_second_architecture_is_qwen2_with_4bit_biased_projections():
     assert llama._layer_gib(llama.QWEN2_7B) == pytest.approx(0.434, abs=0.002)
 
 
-def test_resnet_tiny_sweep_with_the_fold_row(tmp_path, capsys, monkeypatch):
-    # --kernels auto,fold: a second tilegemm row, the model converted with its batch norms folded, checked as the
-    # first; a row fold that computed the unfolded model would pass too, so the folds of the model it ran are counted
+def test_resnet_tiny_sweep(tmp_path, capsys):
+    # (its fold row: test_shapes_are_batch_sizes_and_files_are_named_after_the_model, over two cases)
+    data = _bench_json(tmp_path, "--op", "conv2d", "--model", "resnet50", "--sweep", "tiny")
+    meta = data["meta"]
+    assert meta["op"] == "conv2d:resnet50" and meta["metric"] == "images/s" and meta["model"] == "resnet50"
+    assert "two-block ResNet" in meta["model_description"] and "convert_" in meta["model_description"]
+    rows = _check_rows(data, "images/s", ["b2 eager"])
+    assert rows[("b2 eager", "auto")]["dims"] == dict(batch=2, image=32, mode="eager", config="tiny")
+    assert "model resnet50:" in capsys.readouterr().out
+
+
+def test_shapes_are_batch_sizes_and_files_are_named_after_the_model(tmp_path, monkeypatch):
+    # (one image, then two: the first and the second form of a shape) with --kernels auto,fold: a second tilegemm
+    # row, the model converted with its batch norms folded, checked as the first; a row fold that computed the
+    # unfolded model would pass too, so the folds of the model it ran are counted. The folded copy is kept with the
+    # models: the second case must not take it for one of the three models
     from tilegemm.models.bench import ResNet50Bench
 
     folded = []
     fold = ResNet50Bench._folded
     monkeypatch.setattr(ResNet50Bench, "_folded", lambda self, ours: folded.append(fold(self, ours)) or folded[-1])
-    data = _bench_json(tmp_path, "--op", "conv2d", "--model", "resnet50", "--sweep", "tiny", "--kernels", "auto,fold")
-    meta = data["meta"]
-    assert meta["op"] == "conv2d:resnet50" and meta["metric"] == "images/s" and meta["model"] == "resnet50"
-    assert "two-block ResNet" in meta["model_description"] and "convert_" in meta["model_description"]
-    assert "fold_batchnorm=True" in meta["model_description"]
-    rows = _check_rows(data, "images/s", ["b2 eager"], ("auto", "fold"))
-    assert rows[("b2 eager", "auto")]["dims"] == dict(batch=2, image=32, mode="eager", config="tiny")
-    assert "model resnet50:" in capsys.readouterr().out
-    norms = [m for m in folded[0].modules() if isinstance(m, torch.nn.BatchNorm2d)]
-    assert norms and len(folded[0].tilegemm_folded) == len(norms)  # every batch norm of the tiny ResNet folded
-
-
-def test_the_fold_row_over_several_cases(tmp_path):
-    # the folded copy is kept with the models: the second case must not take it for one of the three models
-    data = _bench_json(tmp_path, "--op", "conv2d", "--model", "resnet50", "--shape", "1", "--shape", "2,eager",
-                       "--kernels", "auto,fold")
-    _check_rows(data, "images/s", [r["shape"] for r in data["rows"][::3]], ("auto", "fold"))
-    assert len(data["rows"]) == 6
-
-
-def test_shapes_are_batch_sizes_and_files_are_named_after_the_model(tmp_path, monkeypatch):
-    # (one image, then two: the first and the second form of a shape)
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "--op", "conv2d", "--model", "resnet50", "--shape", "1", "--shape", "2,eager",
-                 "--quiet"]) == 0
+                 "--kernels", "auto,fold", "--quiet"]) == 0
     written = sorted(p.name for p in (tmp_path / "tilegemm-bench").iterdir())
     assert len(written) == 3 and all(name.startswith("conv2d-resnet50-") for name in written), written
     data = json.loads(next((tmp_path / "tilegemm-bench").glob("*.json")).read_text())
-    assert data["meta"]["sweep"] == "custom"
+    assert data["meta"]["sweep"] == "custom" and "fold_batchnorm=True" in data["meta"]["model_description"]
+    _check_rows(data, "images/s", [r["shape"] for r in data["rows"][::3]], ("auto", "fold"))
+    assert len(data["rows"]) == 6
+    norms = [m for m in folded[0].modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and len(folded[0].tilegemm_folded) == len(norms)  # every batch norm of the tiny ResNet folded
     if interpreting():
         assert data["meta"]["dtype"] == "fp32"  # fp32 under the interpreter
-        _check_rows(data, "images/s", ["b1 eager", "b2 eager"])
+        assert [r["shape"] for r in data["rows"][::3]] == ["b1 eager", "b2 eager"]
     csv_text = next((tmp_path / "tilegemm-bench").glob("*.csv")).read_text()
     assert "# model: resnet50" in csv_text and "# model_description: a two-block ResNet" in csv_text
 

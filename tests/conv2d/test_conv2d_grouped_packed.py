@@ -76,7 +76,7 @@ def test_tile_configs(cg, groups, gt, block_m, flat, device):
     from tilegemm.ops.conv2d.problem import ConvProblem
 
     C = cg * groups
-    x, w, b = _inputs(device, torch.float32, 2, C, C, 5, 7, 3, groups, True)
+    x, w, b = _inputs(device, torch.float32, 1, C, C, 5, 7, 3, groups, True)
     g = check_conv(x, w, b, 2, 1, 1, groups)
     p = ConvProblem(x, w, b, g, torch.float32, CL, "gelu", "ieee", False)
     out = grouped_packed.run(p, dict(GT=gt, BLOCK_M=block_m, TAPS_FLAT=flat, num_warps=4, num_stages=1))
@@ -167,7 +167,7 @@ def test_auto_rule_takes_groups_up_to_its_threshold(monkeypatch, device):
     assert choose_kernel(geo(96, 3), tma=True) == "tma_implicit_gemm"  # 32 a group: over that threshold
     # and through a call (NCHW input too): auto runs it and agrees with F.conv2d
     for channels_last in (True, False):
-        x, w, b = _inputs(device, torch.float32, 1, 32, 32, 5, 7, 3, 4, channels_last)
+        x, w, b = _inputs(device, torch.float32, 1, 32, 32, 3, 5, 3, 4, channels_last)
         out = tilegemm.conv2d(x, w, b, padding=1, groups=4, activation="relu", precision="ieee")
         assert_rel_close(out, conv2d_reference(x, w, b, padding=1, groups=4, activation="relu"), 1e-5)
 

@@ -36,7 +36,9 @@ def test_to_channels_last_and_back(shape, dtype, device):
     assert torch.equal(out, t)
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# fewer draws under the interpreter (CI's minutes); a GPU run takes the full count
+@settings(max_examples=20 if interpreting() else 40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 3), c=st.integers(2, 140), h=st.integers(1, 70), w=st.integers(1, 9),
        dtype=st.sampled_from(["fp16", "fp32"]))
 def test_transposes_round_trip_any_shape(n, c, h, w, dtype, device):
@@ -169,7 +171,7 @@ def test_gpu_a_weight_torch_must_copy_is_not_replayed_but_stays_right():
 # --- the route under the interpreter: forced on, the pointer and depthwise kernels take the copies -------------
 
 ROUTED = [  # (N, C, H, W, K, R, stride, pad, dilation, groups)
-    (1, 16, 7, 1, 24, 3, 1, 1, 1, 1), (2, 12, 1, 9, 12, 3, 2, 1, 1, 12), (1, 16, 7, 6, 16, 3, 1, 2, 2, 2),
+    (1, 16, 7, 1, 24, 3, 1, 1, 1, 1), (2, 12, 1, 9, 12, 3, 2, 1, 1, 12), (1, 16, 5, 3, 16, 3, 1, 2, 2, 2),
     (1, 24, 6, 5, 20, 1, 2, 0, 1, 1), (2, 16, 5, 6, 24, 1, 1, 0, 1, 1),
 ]
 

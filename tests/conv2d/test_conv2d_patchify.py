@@ -12,7 +12,7 @@ from tilegemm.ops.conv2d import dispatch, patchify
 from tilegemm.ops.conv2d.problem import Geometry
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
 
-from conftest import assert_rel_close
+from conftest import assert_rel_close, crossed
 
 CL = torch.channels_last
 
@@ -33,14 +33,14 @@ def test_the_rule():
     assert not patchify.tiles_image(_geo(3, 1, 1))  # a 1x1 layer: its own route
 
 
-@pytest.mark.parametrize("shape,stride", [
+# every patch shape in both layouts and both dtypes: under the interpreter half the cross, every pair meeting
+@crossed("shape,stride,channels_last,dtype", [
     pytest.param((2, 3, 16, 16, 8, 4, 4), 4, id="4x4-whole"),
     pytest.param((2, 3, 18, 17, 8, 4, 4), 4, id="4x4-rows-and-columns-left-over"),
     pytest.param((1, 5, 15, 15, 12, 5, 5), 5, id="5x5-C5"),
     pytest.param((2, 3, 9, 12, 8, 3, 4), (3, 4), id="3x4-non-square"),
-])
-@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+], [pytest.param(True, id="nhwc"), pytest.param(False, id="nchw")],
+    [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")])
 def test_gradients(shape, stride, channels_last, dtype, device, monkeypatch):
     N, C, H, W, K, R, S = shape
     ran = []

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tilegemm
+from tilegemm.core.runtime import interpreting
 from tilegemm.ops.conv2d.reference import conv2d_reference
 
 from conftest import assert_rel_close
@@ -69,13 +70,18 @@ def _forward_matches(c, device):
     assert_rel_close(out, conv2d_reference(x, w, b, **conv), 1e-5)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# fewer draws under the interpreter (CI's minutes, each draw seconds there); a GPU run takes the full count
+EXAMPLES = dict(forward=15, backward=5, depthwise=5) if interpreting() else dict(forward=25, backward=8, depthwise=8)
+
+
+@settings(max_examples=EXAMPLES["forward"], deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(c=convs())
 def test_forward_matches_f_conv2d(c, device):
     _forward_matches(c, device)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=EXAMPLES["backward"], deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(c=convs())
 def test_backward_matches_f_conv2d(c, device):
     x, w, b, conv = _make(c, device)
@@ -110,7 +116,8 @@ def depthwise_convs(draw):
                 activation=draw(st.sampled_from([None, "relu"])))
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=EXAMPLES["depthwise"], deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(c=depthwise_convs())
 def test_depthwise_forward_matches_f_conv2d(c, device):
     _forward_matches(c, device)

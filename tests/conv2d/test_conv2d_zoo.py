@@ -139,6 +139,7 @@ def test_tool_writes_what_the_file_holds():
 def test_model_entry_training_step_under_the_interpreter(tmp_path, monkeypatch):
     # --op conv2d --model NAME for a torchvision model: the tiny sweep's small ResNeXt (a grouped 3x3 of 2
     # channels a group, on grouped_direct) runs one training step; its gradients checked against fp64's
+    from tilegemm.bench import runner
     from tilegemm.bench.runner import BASELINE
     from tilegemm.cli import main
     from tilegemm.core.runtime import interpreting
@@ -149,6 +150,9 @@ def test_model_entry_training_step_under_the_interpreter(tmp_path, monkeypatch):
     # 8x8 images, not 16x16: the same layers and kernels (the grouped 3x3 on 4x4 pixels), a quarter of the
     # pixels for the interpreter to run
     monkeypatch.setattr(TorchvisionBench, "TINY_IMAGE", 8)
+    # a timed call would repeat each row's checked step on the same inputs: the times are made up instead (the
+    # timing loop is tests/bench's)
+    monkeypatch.setattr(runner, "time_samples", lambda fn, warmup_ms, rep_ms, cuda_graph: [1.0])
     path = tmp_path / "r.json"
     assert main(["bench", "--op", "conv2d", "--model", "resnext50_32x4d", "--shape", "2,train", "--quiet",
                  "--no-save", "--json", str(path), "--kernels", "auto,fold"]) == 0

@@ -19,7 +19,7 @@ import tilegemm
 from tilegemm.ops.conv2d import configs, depthwise
 from tilegemm.ops.conv2d.problem import ConvProblem, geometry_of
 
-from conftest import SM90, assert_rel_close, compile_offline, spy_launches
+from conftest import SM90, assert_rel_close, compile_offline, crossed, spy_launches
 
 
 def _problem(x, w, b, padding, out_format=torch.channels_last, activation="none", stride=(1, 1), dilation=(1, 1)):
@@ -59,13 +59,15 @@ def test_window_kernel_over_odd_images(R, size, device):
     _check(x, w, b, (R // 2, R // 2), _window(qt=3, rows=4), activation="relu")
 
 
-@pytest.mark.parametrize("tap_major", [False, True])
-@pytest.mark.parametrize("ahead", [False, True])
-def test_window_kernel_forms(tap_major, ahead, device):
-    # 12 channels over channel blocks of 8 (the second half masked), 4 columns a thread over 2 groups (11
-    # columns: the third group's last column and the fourth group masked), the image's 4 rows one program's
-    x = _input(1, 12, 4, 11, device)
-    w = torch.randn(12, 1, 7, 7, device=device)
+@crossed("tap_major, ahead, C, W", [False, True], [False, True], [
+    pytest.param(12, 7, id="two-channel-blocks"), pytest.param(4, 11, id="a-masked-column-group")])
+def test_window_kernel_forms(tap_major, ahead, C, W, device):
+    # 4 columns a thread over 2 groups, the image's 4 rows one program's; 12 channels over channel blocks of 8 (the
+    # second half masked) and 7 columns (the second group's last column masked), or 4 channels (one block, half
+    # masked) and 11 columns (the third group's last column and the fourth group masked): under the interpreter
+    # each form meets one of the two (each a program fewer than both at once)
+    x = _input(1, C, 4, W, device)
+    w = torch.randn(C, 1, 7, 7, device=device)
     _check(x, w, None, (3, 3), _window(qt=4, bg=2, bc=8, rows=4, tap_major=tap_major, ahead=ahead))
 
 
@@ -128,12 +130,15 @@ def _launched(monkeypatch):
 @pytest.mark.parametrize("R, C, switch, expect", [
     (7, 8, None, ["depthwise_weight_kernel", "depthwise_window_kernel"]),  # 7x7: the window kernel (tap-major)
     (5, 8, None, ["depthwise_weight_kernel", "depthwise_rows_kernel"]),  # 5x5 on few channels: rows, tap-major
-    (5, 192, None, ["depthwise_weight_kernel", "depthwise_window_kernel"]),  # 5x5 from 192 channels: the window
+    (5, 24, None, ["depthwise_weight_kernel", "depthwise_window_kernel"]),  # 5x5 from the threshold: the window
     (7, 8, "off", ["depthwise_weight_kernel", "depthwise_fwd_kernel"]),  # switched off: 7x7 on the pixel kernel
     (5, 8, "row-major", ["depthwise_rows_kernel"]),  # DEPTHWISE_ROWS_TAP_MAJOR off: one launch
     (7, 8, "rows", ["depthwise_weight_kernel", "depthwise_rows_kernel"]),  # DEPTHWISE_ROWS_MAX_TAPS = 49, window off
 ])
 def test_auto_routes_stride1_filters_past_3x3(R, C, switch, expect, device, monkeypatch):
+    # the 5x5 channel threshold lowered from 192 (the interpreter pays for each channel block): where it sits is
+    # test_window_auto_leaves_3x3_strided_and_narrow_5x5_layers's
+    monkeypatch.setattr(configs, "DEPTHWISE_WINDOW_AUTO_MIN_CHANNELS", 24)
     if switch in ("off", "rows"):
         monkeypatch.setattr(configs, "DEPTHWISE_WINDOW_AUTO", False)
     if switch == "rows":
@@ -172,7 +177,7 @@ def test_stride1_3x3_rules_by_image_and_channels():
     # 8 to 31 rows and at most 512 channels: the strided row kernel; many channels under 48 rows: the window kernel
     for C, H in [(58, 28), (122, 28), (512, 8), (24, 31)]:
         assert "STRIDED_ROWS" in strided(geo(C, H), torch.float16) and window(geo(C, H), torch.float16) is None
-    for C, H in [(640, 30), (960, 47), (2048, 8)]:
+    for C, H in [(640, 30), (640, 8), (960, 47), (2048, 8)]:
         assert strided(geo(C, H), torch.float16) is None
         assert window(geo(C, H), torch.float16)["VEC"] == 2
     # the row kernel: small images, large ones, 513-639 channels, dilated filters
@@ -182,11 +187,15 @@ def test_stride1_3x3_rules_by_image_and_channels():
 
 @pytest.mark.parametrize("C, H, expect", [
     (16, 9, ["depthwise_strided_rows_kernel"]),
-    (640, 8, ["depthwise_weight_kernel", "depthwise_window_kernel"]),
+    (32, 8, ["depthwise_weight_kernel", "depthwise_window_kernel"]),
 ])
 def test_auto_routes_stride1_3x3_on_small_images(C, H, expect, device, monkeypatch):
     from tilegemm.ops.conv2d import op
 
+    # the channel thresholds lowered from 512 and 640 (the interpreter pays for each channel block): where they
+    # sit is test_stride1_3x3_rules_by_image_and_channels's
+    monkeypatch.setattr(configs, "DEPTHWISE_S1_STRIDED_MAX_CHANNELS", 16)
+    monkeypatch.setattr(configs, "DEPTHWISE_WINDOW_3X3_MIN_CHANNELS", 32)
     op.REPLAYS.clear()
     x = _input(1, C, H, 3, device)  # the rule reads channels and rows
     w = torch.randn(C, 1, 3, 3, device=device)
@@ -282,6 +291,7 @@ def test_candidates_tool_smoke_run_over_the_large_stride_1_layers(tmp_path, caps
     spec = importlib.util.spec_from_file_location("conv2d_depthwise_candidates", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    tool.clock_us = lambda fn: 1.0  # a timed call would repeat the checked one on the same inputs: times made up
     out = tmp_path / "dw.json"
     rc = tool.main(["--smoke", "--filter", "large-s1", "--limit", "1", "--candidates", "rows2t,win8t",
                     "--out", str(out)])

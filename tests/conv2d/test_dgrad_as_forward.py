@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tilegemm
 from tilegemm.core import replay
 from tilegemm.ops.conv2d import dispatch
 from tilegemm.ops.conv2d import op as conv_op
+from tilegemm.ops.conv2d.checks import check_conv
 from tilegemm.ops.conv2d.op import backward_data
 from tilegemm.ops.conv2d.problem import DgradCall, geometry_of
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
@@ -22,16 +22,18 @@ CL = torch.channels_last
 
 
 def _dx(device, dtype, shape, conv, seed=0):
-    """(tilegemm's grad of x, float64 autograd's) for one call; x channels-last."""
+    """(tilegemm's grad of x, float64 autograd's) for one call; x channels-last. Through the backward's plain call,
+    the one autograd's backward of ``tilegemm.conv2d`` makes: the forward before it is the forward tests' (the
+    interpreter would pay for it here too)."""
     N, C, H, W, K, R, S = shape
     groups = conv.get("groups", 1)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(N, C, H, W, generator=gen).to(device, dtype).contiguous(memory_format=CL)
     w = (torch.randn(K, C // groups, R, S, generator=gen) / (C // groups * R * S) ** 0.5).to(device, dtype)
-    xs = x.detach().clone().requires_grad_()
-    out = tilegemm.conv2d(xs, w, None, **conv)
-    dy = torch.randn(out.shape, generator=gen).to(device, dtype).contiguous(memory_format=CL)
-    (got,) = torch.autograd.grad(out, (xs,), dy)
+    g = check_conv(x, w, None, conv.get("stride", 1), conv.get("padding", 0), conv.get("dilation", 1), groups)
+    dy = torch.randn(g.out_shape, generator=gen).to(device, dtype).contiguous(memory_format=CL)
+    got = backward_data(DgradCall(dy, w, list(x.shape), True, list(g.stride), list(g.padding), list(g.dilation),
+                                  groups, "default"))
     xr = x.detach().double().requires_grad_()
     (want,) = torch.autograd.grad(conv2d_reference(xr, w.double(), None, **conv), (xr,), dy.double())
     return got, want
@@ -63,7 +65,7 @@ LAYERS = [
     pytest.param((2, 8, 8, 7, 8, 3, 3), dict(padding=2, dilation=2, groups=8), id="depthwise-dilated"),
     pytest.param((1, 8, 6, 7, 8, 4, 2), dict(padding="same", groups=8), id="depthwise-same-even-filter"),
     pytest.param((1, 24, 5, 5, 24, 3, 3), dict(padding=0, groups=24), id="depthwise-unpadded"),
-    pytest.param((2, 16, 7, 6, 16, 3, 3), dict(padding=1, groups=4), id="grouped-4-a-group"),
+    pytest.param((1, 16, 7, 6, 16, 3, 3), dict(padding=1, groups=4), id="grouped-4-a-group"),
     pytest.param((1, 32, 5, 9, 64, 3, 3), dict(padding=1, groups=4), id="grouped-8-to-16-a-group"),
     pytest.param((3, 8, 5, 5, 8, 3, 3), dict(padding=1, groups=4), id="grouped-2-a-group"),
     pytest.param((1, 16, 17, 3, 16, 1, 7), dict(padding=(0, 3), groups=2), id="grouped-1x7"),

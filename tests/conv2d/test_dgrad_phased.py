@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tilegemm.core.runtime import interpreting
 from tilegemm.ops.conv2d import implicit_gemm
 from tilegemm.ops.conv2d.problem import geometry_of
 from tilegemm.ops.conv2d.reference import tolerance
@@ -56,7 +57,7 @@ def test_phases_apply_to_strided_undilated_convolutions_only():
     pytest.param((1, 5, 11, 10, 7, 5, 5), (2, 2), (2, 2), id="5x5-s2"),
     pytest.param((2, 16, 7, 9, 8, 1, 1), (2, 2), (0, 0), id="1x1-s2-three-empty-phases"),
     pytest.param((1, 4, 10, 11, 6, 1, 1), (3, 3), (0, 0), id="1x1-s3-eight-empty-phases"),
-    pytest.param((2, 3, 13, 12, 8, 7, 7), (2, 2), (3, 3), id="stem-7x7-C3"),
+    pytest.param((1, 3, 13, 12, 8, 7, 7), (2, 2), (3, 3), id="stem-7x7-C3"),
     pytest.param((1, 6, 9, 14, 5, 3, 4), (2, 3), (1, 2), id="non-square-filter-and-stride"),
     pytest.param((1, 4, 8, 8, 4, 2, 2), (3, 3), (0, 0), id="stride-above-filter-rows-never-read"),
     pytest.param((2, 8, 9, 9, 6, 3, 3), (2, 2), (0, 2, 1, 0), id="asymmetric-padding"),
@@ -86,7 +87,9 @@ def test_phased_and_masked_kernels_agree(device):
     assert_rel_close(masked, want2, 1e-5)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# fewer draws under the interpreter (CI's minutes); a GPU run takes the full count
+@settings(max_examples=8 if interpreting() else 12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(R=st.integers(1, 5), S=st.integers(1, 5), sh=st.integers(1, 3), sw=st.integers(1, 3),
        pads=st.tuples(*[st.integers(0, 3)] * 4), H=st.integers(1, 12), W=st.integers(1, 12),
        N=st.integers(1, 2), C=st.integers(1, 6), K=st.integers(1, 6), channels_last=st.booleans())

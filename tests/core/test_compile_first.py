@@ -3,7 +3,8 @@
 Settling the backend takes a lock and may warn; traced as code, that broke the graph at a model's first
 convolution or matmul, and a compiled ResNet-50 then ran every layer as a graph of its own (recompiled per
 shape until Dynamo's limit, then eagerly): 0.27x cuDNN's compiled speed at batch 32. Each case runs in a fresh
-process, since any earlier call in this one has settled the backend already.
+process, since any earlier call in this one has settled the backend already (under the interpreter: forked after
+torch's import, tests/core/fresh_kit.py).
 """
 
 from __future__ import annotations
@@ -55,26 +56,41 @@ print(f"ok {err:.2e}")
 """
 
 
+def _error(returncode: int, stdout: str, stderr: str) -> float:
+    assert returncode == 0, stderr[-3000:]
+    line = stdout.strip().splitlines()[-1]
+    assert line.startswith("ok "), stdout
+    return float(line.split()[1])
+
+
 def _run(device: str, backend: str, case: str) -> float:
     env = dict(os.environ)
     if device == "cpu":
         env["TILEGEMM_INTERPRET"] = "1"
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD), device, backend, case], env=env,
                           capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = done.stdout.strip().splitlines()[-1]
-    assert line.startswith("ok "), done.stdout
-    return float(line.split()[1])
+    return _error(done.returncode, done.stdout, done.stderr)
 
 
 CASES = ["conv2d", "matmul", "w4a16", "model"]
 
 
+@pytest.fixture(scope="module")
+def interpreter_runs(tmp_path_factory):
+    """Each case's child under the interpreter, each in a fresh process of its own (fresh_kit), run once."""
+    from fresh_kit import run_fresh
+
+    env = dict(os.environ, TILEGEMM_INTERPRET="1")
+    return run_fresh({case: (textwrap.dedent(CHILD), ["cpu", "eager", case]) for case in CASES},
+                     tmp_path_factory.mktemp("compile-first"), env=env)
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_first_call_traced_in_one_graph_interpreter(case):
+def test_first_call_traced_in_one_graph_interpreter(case, request):
     if not interpreting():
         pytest.skip("the interpreter's case; the GPU's is test_first_call_traced_in_one_graph_gpu")
-    assert _run("cpu", "eager", case) < (2e-3 if case == "w4a16" else 1e-5)  # w4a16 takes fp16 x only
+    err = _error(*request.getfixturevalue("interpreter_runs")[case])
+    assert err < (2e-3 if case == "w4a16" else 1e-5)  # w4a16 takes fp16 x only
 
 
 @pytest.mark.gpu

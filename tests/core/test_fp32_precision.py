@@ -1,21 +1,21 @@
 """fp32 products follow torch's fp32 matmul setting through either of its APIs."""
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from fresh_kit import run_fresh
 
-@pytest.mark.parametrize("setting,expected", [
+SETTINGS = [
     ("torch.backends.cuda.matmul.fp32_precision = 'tf32'", "tf32"),
     ("torch.backends.cuda.matmul.fp32_precision = 'ieee'", "ieee"),
     ("torch.backends.fp32_precision = 'tf32'", "tf32"),
     ("torch.set_float32_matmul_precision('high')", "tf32"),
     ("pass", "ieee"),
-])
-def test_resolve_precision_reads_either_api(setting, expected):
-    # torch.get_float32_matmul_precision() raises once the per-backend API was used: every fp32 product did too
-    code = f"""
+]
+
+
+def _script(setting: str) -> str:
+    return textwrap.dedent(f"""
         import torch
         {setting}
         import tilegemm
@@ -29,7 +29,19 @@ def test_resolve_precision_reads_either_api(setting, expected):
         conv = tilegemm.conv2d(x, w)
         conv_ref = torch.nn.functional.conv2d(x.double(), w.double())
         print(float((out.double() - ref).abs().max()) < 1e-4, float((conv.double() - conv_ref).abs().max()) < 1e-4)
-        """
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == [expected, "ieee", "True", "True"]
+        """)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each setting's script in a fresh process of its own (the setting is the process's), run once for the tests."""
+    return run_fresh({setting: _script(setting) for setting, _ in SETTINGS}, tmp_path_factory.mktemp("fp32"),
+                     timeout=300)
+
+
+@pytest.mark.parametrize("setting,expected", SETTINGS)
+def test_resolve_precision_reads_either_api(runs, setting, expected):
+    # torch.get_float32_matmul_precision() raises once the per-backend API was used: every fp32 product did too
+    returncode, stdout, stderr = runs[setting]
+    assert returncode == 0, stderr[-2000:]
+    assert stdout.split() == [expected, "ieee", "True", "True"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import load_script
+from cpu_threads import one_cpu_thread  # noqa: F401 (autouse: torch on one CPU thread)
 
 pytest.importorskip("transformers", reason="transformers is optional (pip install 'tilegemm[models]')")
 

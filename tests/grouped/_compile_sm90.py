@@ -1,8 +1,9 @@
 """The grouped kernels compiled offline for sm_90 (no GPU: Triton ships ptxas), for a few problems each; prints the
 tensor-core and memory instructions each one's PTX holds, as JSON on the last line."""
-import collections, json, os, re, subprocess, tempfile
+import collections, contextlib, io, json, os, re, subprocess, tempfile
 import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import tilegemm
@@ -19,13 +20,16 @@ tma.why_not_tma = lambda: None  # (no GPU here: the kernel is compiled for the H
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP", "ONE_GROUP", "B_NK", "STAGES", "TAIL_SPLIT")
 configs_of = {}  # each compiled problem's launch config
-ptx_of = {}
+ptx_of, log_of = {}, {}
 
 
-def spilled_bytes(ptx):
-    """Bytes of spill stores and loads ptxas reports for sm_90a."""
+def spilled_bytes(ptx, log=""):
+    """Bytes of spill stores and loads ptxas reports for sm_90a: in ``log`` (the report of Triton's own ptxas run),
+    or from a run of ptxas here where it holds none."""
     from triton.backends.nvidia.compiler import get_ptxas
 
+    if "Compiling entry function" in log:
+        return sum(int(n) for n in re.findall(r"(\d+) bytes spill", log))
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
@@ -40,9 +44,12 @@ def compile_last(name):
     configs_of[name] = {k: kwargs[k] for k in CONFIG_KEYS if k in kwargs}
     kw = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
     sig, ce, at = specialized_signature(kernel, args, kw)
-    ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"])).asm["ptx"]
-    ptx_of[name] = ptx
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log), knobs.nvidia.scope():
+        knobs.nvidia.dump_ptxas_log = True  # the report of Triton's ptxas -v: spilled_bytes reads it
+        ptx = triton.compile(ASTSource(kernel, sig, ce, at), target=GPUTarget("cuda", 90, 32),
+                             options=dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"])).asm["ptx"]
+    ptx_of[name], log_of[name] = ptx, log.getvalue()
     return dict(collections.Counter(re.findall(r"\b(wgmma\.mma_async\S*|mma\.sync\S*|cp\.async\.c[ag]\S*|"
                                                r"cp\.async\.bulk\.tensor\S*|ld\.global\S*|st\.global\S*|"
                                                r"atom\.\S*)", ptx)))
@@ -105,7 +112,7 @@ def tma_experts(name, dtype, M, N, K, G, b_nk, gated=False, bias=False):
                      e(M, N), "ieee", "silu" if gated else "none", gated)
     tma.run(p)
     counts = compile_last(name)
-    counts["spilled_bytes"] = spilled_bytes(ptx_of[name])
+    counts["spilled_bytes"] = spilled_bytes(ptx_of[name], log_of[name])
     return counts
 
 

@@ -18,7 +18,7 @@ from tilegemm.ops.grouped import dispatch, frag
 from tilegemm.ops.grouped.problem import GroupedInt4Problem
 from tilegemm.ops.w4a16.format import gate_up_tiles, pack_fragments, unpack_rows
 
-from conftest import assert_rel_close
+from conftest import assert_rel_close, crossed
 
 CUDA = torch.device("cuda")
 
@@ -410,11 +410,12 @@ def emulate(x, w, offs, bias, activation, gated, cfg):
     return out
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("sizes, tail", [([0, 1, 11, 0, 3, 1, 20, 0], 5), ([0, 2, 0, 0, 0, 0, 1, 0], 2)],
-                         ids=["rows", "compact"])
-@pytest.mark.parametrize("group, K", [(32, 256), (-1, 200)])
+# (the emulation walks each program in Python: under the interpreter half the cross, every pair of choices met)
+@crossed("gated, split, sizes, tail, group, K",
+         [pytest.param(False, id="plain"), pytest.param(True, id="gated")], [1, 3],
+         [pytest.param([0, 1, 11, 0, 3, 1, 20, 0], 5, id="rows"),
+          pytest.param([0, 2, 0, 0, 0, 0, 1, 0], 2, id="compact")],
+         [pytest.param(32, 256, id="32-256"), pytest.param(-1, 200, id="-1-200")])
 def test_the_programs_cover_the_product(gated, split, sizes, tail, group, K):
     from tilegemm.ops.grouped.reference import grouped_mm_reference
 

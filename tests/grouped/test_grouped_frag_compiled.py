@@ -11,7 +11,8 @@ import pytest
 
 from conftest import SM90, compile_offline
 
-SCRIPT = SM90 + (Path(__file__).parent / "_compile_sm90_frag.py").read_text()
+SCRIPT = SM90 + "".join((Path(__file__).parent / name).read_text() for name in ("_sm90_one_ptxas.py",
+                                                                                "_compile_sm90_frag.py"))
 SMEM = 227 * 1024  # an H100 / H200 SM's shared memory a block may take
 
 

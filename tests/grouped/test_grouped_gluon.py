@@ -6,6 +6,7 @@ problems it refuses, by name. Its results on the GPU: test_grouped_gluon_gpu.py.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,7 +179,7 @@ def test_refuses_no_groups(on_hopper):
     assert "no groups" in gluon.why_not(p)
 
 
-SCRIPT = SM90 + r'''
+SCRIPT = SM90 + (Path(__file__).parent / "_sm90_one_ptxas.py").read_text() + r'''
 import json, re, sys
 import torch
 from tilegemm.ops.grouped import gluon as gg

@@ -39,7 +39,7 @@ def ieee_fp32():
 
 def qwen3_moe(**kw):
     shapes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
                   decoder_sparse_step=1, max_position_embeddings=64)
     return transformers.Qwen3MoeConfig(**{**shapes, **kw})
 
@@ -73,7 +73,7 @@ def test_logits_match_eager(make, monkeypatch, device):
     calls = []
     project = moe._project
     monkeypatch.setattr(moe, "_project", lambda *a: calls.append(a[1]) or project(*a))
-    ids = torch.randint(0, 64, (2, 7), device=device)
+    ids = torch.randint(0, 64, (2, 4), device=device)
     with torch.no_grad():
         want, got = eager(ids).logits, ours(ids).logits
     assert calls.count("gate_up_proj") == 2 and calls.count("down_proj") == 2  # every MoE block ran on tilegemm
@@ -177,7 +177,7 @@ def test_experts_with_a_forward_of_their_own_are_converted(make, config_class, s
     stacked = [m for m in ours.modules() if isinstance(m, moe.StackedExperts)]
     assert len(stacked) == 1 and moe._fused_activation(stacked[0]) == "silu"
     assert (set(ours.state_dict()) == set(eager.state_dict())) is same_names
-    ids = torch.randint(0, 64, (2, 7), device=device)
+    ids = torch.randint(0, 64, (2, 4), device=device)
     want, got = eager(ids).logits, ours(ids).logits
     assert (got - want).norm() / want.norm() < 1e-5
     want.square().mean().backward()
@@ -233,7 +233,7 @@ def test_quantize_keeps_the_routers_16_bit(device):
         pytest.skip("this transformers has no LongCat-Flash")
     cfg = transformers.AutoConfig.for_model(
         "longcat_flash", vocab_size=64, hidden_size=64, num_layers=1, num_attention_heads=4, num_key_value_heads=4,
-        ffn_hidden_size=64, expert_ffn_hidden_size=32, n_routed_experts=8, zero_expert_num=2, moe_topk=2,
+        ffn_hidden_size=64, expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=2, moe_topk=2,
         num_experts_per_tok=2, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32,
         q_lora_rank=32, head_dim=8, max_position_embeddings=64)
     torch.manual_seed(0)
@@ -283,7 +283,7 @@ def test_experts_block_compiles_fullgraph(device):
     # sort, searchsorted, the grouped ops and the scatter back trace as one graph (no data-dependent host step)
     _, ours = pair(qwen3_moe(), device)
     block = ours.model.layers[0].mlp.experts
-    x, idx, weights = (t.to(device) for t in (torch.randn(7, 32), torch.randint(0, 8, (7, 2)), torch.rand(7, 2)))
+    x, idx, weights = (t.to(device) for t in (torch.randn(5, 32), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)))
     with torch.no_grad():
         want = block(x, idx, weights)
         got = torch.compile(block, fullgraph=True, backend="aot_eager")(x, idx, weights)
@@ -323,8 +323,8 @@ def test_quantized_experts_keep_fragments_for_compile(monkeypatch, device):
         return real(*args)
 
     monkeypatch.setattr(op, "forward_int4", spy)
-    x, idx, weights = (t.to(device) for t in (torch.randn(7, 32).half(), torch.randint(0, 8, (7, 2)),
-                                              torch.rand(7, 2).half()))
+    x, idx, weights = (t.to(device) for t in (torch.randn(4, 32).half(), torch.randint(0, 4, (4, 2)),
+                                              torch.rand(4, 2).half()))
     other = ours.model.layers[1].mlp.experts
     step = torch.compile(lambda b, *a: b(*a), fullgraph=True, backend="aot_eager")
     with torch.no_grad():
@@ -420,7 +420,7 @@ def test_kept_fragments_are_not_read_for_other_parts(monkeypatch, change):
         return real(x, w, *args, **kwargs)
 
     monkeypatch.setattr(moe, "grouped_matmul", spy)
-    x, idx, weights = torch.randn(5, 32).half(), torch.randint(0, 8, (5, 2)), torch.rand(5, 2).half()
+    x, idx, weights = torch.randn(3, 32).half(), torch.randint(0, 4, (3, 2)), torch.rand(3, 2).half()
     scales = block.tilegemm_down_proj_scales
     with torch.no_grad():
         if change == "assigned":

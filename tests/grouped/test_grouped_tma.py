@@ -237,8 +237,8 @@ def _tail_units(sizes, N, bm=16, bn=16):
 
 
 @pytest.mark.parametrize("sizes, K, N, programs, split_max, bias, b_transposed", [
-    ([33, 0, 50, 17], 512, 72, 20, 4, None, True),  # 45 units: 40 whole, 5 cut 4 ways
-    ([33, 0, 50, 17], 256, 72, 7, 4, "per_group", False),  # 42 whole, 3 cut in halves (7 programs)
+    ([33, 0, 50, 17], 512, 40, 22, 4, None, True),  # 27 units: 22 whole, 5 cut 4 ways
+    ([33, 0, 50, 17], 256, 40, 8, 4, "per_group", False),  # 24 whole, 3 cut in halves (8 programs)
     ([40, 23], 256, 40, 7, 3, "shared", True),  # one unit left, cut in two (the min-steps bound)
     ([3, 0, 5, 0], 512, 32, 13, 4, None, True),  # 4 units, fewer than the programs: every one cut 3 ways
 ])

@@ -36,6 +36,7 @@ way only so that tests can show such a checkpoint refused (no quantizer writes o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -44,6 +45,22 @@ import re
 import torch
 
 AWQ_NIBBLE_COLUMN = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of an AWQ word holds column 8c + this
+SMALL = 2**24  # elements up to which a CPU writes on one thread
+
+
+@contextlib.contextmanager
+def _one_thread(numel: int):
+    """Torch on one CPU thread while writing up to :data:`SMALL` elements: on the tests' tiny tensors the thread
+    pool's hand-offs cost more than they give (a tiny model's checkpoint written 20x slower on two busy cores)."""
+    threads = torch.get_num_threads()
+    if numel > SMALL or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --- nibbles ---------------------------------------------------------------------------------------------------
@@ -101,6 +118,11 @@ def unpack_along_n(words: torch.Tensor, awq: bool = False) -> torch.Tensor:
 
 def dequantize_stored(t: dict, method: str, group_size: int, v2: bool = False) -> torch.Tensor:
     """The weight ``[N, K]`` (fp16) a Linear's stored tensors stand for, by the format's formula."""
+    with _one_thread(8 * (t["weight_packed"] if method == "compressed-tensors" else t["qweight"]).numel()):
+        return _dequantize_stored(t, method, group_size, v2)
+
+
+def _dequantize_stored(t: dict, method: str, group_size: int, v2: bool) -> torch.Tensor:
     if method == "compressed-tensors":
         q = unpack_along_k(t["weight_packed"].T.contiguous()) - 8  # [K, N], signed
         if "weight_shape" in t:  # K padded to whole words too (compressed-tensors cuts it on reading)
@@ -148,6 +170,12 @@ def quantize_linear(w: torch.Tensor, method: str = "gptq", group_size: int = 128
     compressed-tensors: signed values; symmetric ``scale = max|w| / 7.5``, zero 0; asymmetric ``scale = range /
     15`` (the range widened to hold 0), ``zero = clamp(-8 - round(min / scale), -8, 7)``; scales in
     ``scale_dtype``, zeros packed unless ``unpacked_zero``."""
+    with _one_thread(w.numel()):
+        return _quantize_linear(w, method, group_size, sym, act_order, v2, generator, order, unpacked_zero,
+                                scale_dtype)
+
+
+def _quantize_linear(w, method, group_size, sym, act_order, v2, generator, order, unpacked_zero, scale_dtype):
     N, K = w.shape
     gs = K if group_size == -1 or K < group_size else group_size
     G = -(-K // gs)  # a K the group size does not divide: a partial last group, as GPTQ stores it
@@ -222,6 +250,11 @@ def random_linear(N: int, K: int, method: str = "gptq", group_size: int = 128, s
     has mean zero (values drawn from all of 0..15 about a zero of 8 have mean -0.5 steps: 32 Llama-3-8B layers of
     such weights overflowed fp16), and scales so its spread is about ``std``. Made on the generator's device (a
     GPU draws and packs Llama-sized ones faster)."""
+    with _one_thread(N * K):
+        return _random_linear(N, K, method, group_size, sym, act_order, v2, generator, std)
+
+
+def _random_linear(N, K, method, group_size, sym, act_order, v2, generator, std) -> dict:
     gs = K if group_size == -1 else group_size
     G = K // gs
     dev = generator.device if generator is not None else torch.device("cpu")
@@ -431,6 +464,17 @@ def write_model(path, model, method: str = "gptq", group_size: int = 128, sym: b
     ``down_proj``; ``"joined"`` as GPTQModel stores gpt-oss's, ``<block>.gate_up.<e>`` (the gate/up rows as the
     block holds them) and ``<block>.down.<e>``. Experts with biases (gpt-oss) store them an expert each beside
     their Linears, or, ``stacked_expert_bias``, as the block holds them (``<block>.gate_up_proj_bias``)."""
+    with _one_thread(sum(p.numel() for p in model.parameters())):
+        return _write_model(path, model, method, group_size, sym, act_order, v2, shard_bytes, not_convert, seed, drop,
+                            config_extra, quant_extra, mixtral_names, shared_gate_up_order, stored_name,
+                            group_size_of, dense_experts, ct_options, store_tied, config_key, quantize_lm_head,
+                            autoround, expert_layout, stacked_expert_bias)
+
+
+def _write_model(path, model, method, group_size, sym, act_order, v2, shard_bytes, not_convert, seed, drop,
+                 config_extra, quant_extra, mixtral_names, shared_gate_up_order, stored_name, group_size_of,
+                 dense_experts, ct_options, store_tied, config_key, quantize_lm_head, autoround, expert_layout,
+                 stacked_expert_bias) -> dict:
     ct = ct_options or {}
     if autoround:
         ar = autoround_config(method, group_size, sym, **(quant_extra or {}))

@@ -17,6 +17,7 @@ pytest.importorskip("safetensors", reason="safetensors is optional (pip install 
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ckpt_writer as cw  # noqa: E402
+from cpu_threads import one_cpu_thread  # noqa: E402,F401 (autouse: torch on one CPU thread)
 from moe_kit import needs_experts_interface  # noqa: E402
 
 import tilegemm.nn.moe as moe  # noqa: E402
@@ -48,16 +49,22 @@ def _write(tmp_path, method="gptq", group_size=32, sym=False, hidden=64, v2=Fals
     return path, config, reference
 
 
-def _check(model, config, reference, device, quantized):
+def _check(model, config, reference, device, quantized, forward=True):
     """The Linears named in ``quantized`` are Int4Linears computing with exactly the writer's dequantized weight,
-    every other Linear a 16-bit one holding the stored weight; the logits match the reference model's."""
+    every other Linear a 16-bit one holding the stored weight, every other stored tensor as stored; the logits match
+    the reference model's (``forward``; a model whose every tensor is checked so against a model whose logits are,
+    skips the forward under the interpreter)."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Int4Linear))}
     assert {n for n, m in linears.items() if isinstance(m, Int4Linear)} == set(quantized)
     for n, m in linears.items():
         got = m.dequantize() if isinstance(m, Int4Linear) else m.weight
         assert torch.equal(got.cpu(), reference[f"{n}.weight"]), n
-    err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
-    assert err < TOL, f"logits rel. error {err:.2e}"
+    for n, p in model.named_parameters():
+        if n.rpartition(".")[0] not in linears:
+            assert torch.equal(p.cpu(), reference[n]), n
+    if forward:
+        err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
+        assert err < TOL, f"logits rel. error {err:.2e}"
 
 
 def _layer_linears(config, layers=None) -> list[str]:
@@ -105,7 +112,15 @@ def test_the_saved_model_reloads(tmp_path, device):
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
     assert saved["quant_method"] == "tilegemm" and saved["converted_from"] == "auto-round"
     again = from_pretrained(tmp_path / "saved", device=device)
-    assert torch.equal(_logits(again, device), _logits(model, device))
+    # the same layers and tensors (so the same logits)
+    assert [(n, type(m)) for n, m in again.named_modules()] == [(n, type(m)) for n, m in model.named_modules()]
+    state, other = model.state_dict(), again.state_dict()
+    assert sorted(other) == sorted(state)
+    for name, t in state.items():
+        assert other[name].dtype == t.dtype and torch.equal(other[name], t), name
+    for name, m in model.named_modules():
+        if isinstance(m, Int4Linear):
+            assert again.get_submodule(name).group_size == m.group_size, name
 
 
 @pytest.mark.parametrize("key, blocks, quantized", [
@@ -121,7 +136,7 @@ def test_block_name_to_quantize_leaves_the_rest_16_bit(tmp_path, device, key, bl
     # load_quantized_ into a model built by the caller reads the same settings
     own, _ = empty_model(path, device=device)
     load_quantized_(own, path)
-    _check(own, config, reference, device, _layer_linears(config, quantized))
+    _check(own, config, reference, device, _layer_linears(config, quantized), forward=False)
 
 
 def test_a_layer_outside_the_blocks_stored_quantized_is_refused(tmp_path):

@@ -29,6 +29,7 @@ if getattr(pytest.importorskip("transformers.integrations.moe"), "ALL_EXPERTS_FU
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ckpt_writer as cw  # noqa: E402
+from cpu_threads import one_cpu_thread  # noqa: E402,F401 (autouse: torch on one CPU thread)
 
 from tilegemm.models import from_pretrained  # noqa: E402
 from tilegemm.models.pretrained import dequantized_copy  # noqa: E402

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ckpt_writer as cw  # noqa: E402
+from cpu_threads import one_cpu_thread  # noqa: E402,F401 (autouse: torch on one CPU thread)
 
 from tilegemm import w4a16  # noqa: E402
 from tilegemm.models import pretrained  # noqa: E402
@@ -126,7 +127,9 @@ def _rel(a, b) -> float:
 
 
 def _write(tmp_path, arch="llama", tie=False, group_size=32, **kw):
-    config = cw.tiny_config(arch, hidden=128, tie=tie)
+    # one decoder layer: each layer's Linears load alike, and every layer of a forward under the interpreter costs
+    # as much as the first
+    config = cw.tiny_config(arch, hidden=128, layers=1, tie=tie)
     path = tmp_path / "ckpt"
     reference = cw.write_model(path, cw.random_model(config), "compressed-tensors", group_size, **kw)
     return path, config, reference
@@ -277,7 +280,7 @@ def test_older_settings_file_messages_name_the_file(tmp_path):
 def test_preset_group_and_ignore_patterns(tmp_path, device):
     """A config group given as a preset name (``{"W4A16": ["Linear"]}``) and an ignore list of ``re:`` patterns:
     the layers it names load as plain Linears."""
-    config = cw.tiny_config("llama", hidden=64)
+    config = cw.tiny_config("llama", hidden=64, layers=1)
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), "compressed-tensors", 128, sym=True,
                                not_convert=["mlp.down_proj"])
@@ -297,7 +300,7 @@ def test_load_quantized_into_a_built_model(tmp_path, device):
     path, config, reference = _write(tmp_path, group_size=64, sym=False)
     model = cw.random_model(config).half().to(device)
     load_quantized_(model, path)
-    assert isinstance(model.model.layers[1].mlp.down_proj, Int4Linear)
+    assert isinstance(model.model.layers[-1].mlp.down_proj, Int4Linear)
     err = _rel(_logits(model, device), _logits(cw.reference_model(config, reference), "cpu"))
     assert err < TOL
 

@@ -21,6 +21,7 @@ pytestmark = needs_experts_interface()
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ckpt_writer as cw  # noqa: E402
+from cpu_threads import one_cpu_thread  # noqa: E402,F401 (autouse: torch on one CPU thread)
 
 import tilegemm.nn  # noqa: E402
 import tilegemm.nn.moe as moe  # noqa: E402

@@ -21,6 +21,7 @@ pytestmark = needs_experts_interface()
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ckpt_writer as cw  # noqa: E402
+from cpu_threads import one_cpu_thread  # noqa: E402,F401 (autouse: torch on one CPU thread)
 
 import tilegemm.nn  # noqa: E402
 import tilegemm.nn.moe as moe  # noqa: E402
@@ -42,12 +43,13 @@ ARCHS = {
     # a norm transformers renames from the released checkpoints' layer-level name into mlp.: stored under the
     # model's own name, it was renamed a second time (mlp.mlp.post_mlp_layernorm) and reported missing
     "axk1": ("axk1", dict(_MLA, mlp_layer_types=["sparse"], num_hidden_layers=1), "AutoModelForCausalLM"),
-    # model.norm was renamed to model.kv_norm; its norms are kept in fp32 (_keep_in_fp32_modules_strict)
+    # model.norm was renamed to model.kv_norm; its norms are kept in fp32 (_keep_in_fp32_modules_strict). One
+    # layer, of the attention whose Linears and norms are those of heavily_compressed_attention and its indexer's
     "deepseek_v4": ("deepseek_v4", dict(n_routed_experts=4, moe_intermediate_size=64, q_lora_rank=32,
                                         qk_rope_head_dim=16, o_lora_rank=32, sliding_window=16, index_head_dim=16,
-                                        index_n_heads=2, index_topk=8, mlp_layer_types=["moe", "moe"],
-                                        layer_types=["heavily_compressed_attention",
-                                                     "compressed_sparse_attention"]), "AutoModelForCausalLM"),
+                                        index_n_heads=2, index_topk=8, mlp_layer_types=["moe"],
+                                        layer_types=["compressed_sparse_attention"], num_hidden_layers=1),
+                    "AutoModelForCausalLM"),
     # each expert's Linears (layers.0.mlp.experts.0.gate_proj ...) were renamed into mlp.mlp.experts
     "mistral_large4": ("mistral_large4_text", dict(_MLA, first_k_dense_replace=0, index_head_dim=16, index_n_heads=2,
                                                    index_topk=8, mlp_layer_types=["sparse"], num_hidden_layers=1),

@@ -24,9 +24,10 @@ pytestmark = pytest.mark.skipif(
 
 
 def moe_config(**kw):
-    """A tiny Qwen3-MoE: H = 32, I = 64 (gate_up_proj [8, 128, 32], down_proj [8, 32, 64])."""
+    """A tiny Qwen3-MoE: H = 32, I = 64 (gate_up_proj [4, 128, 32], down_proj [4, 32, 64]; 4 experts: fewer programs
+    under the interpreter than 8)."""
     args = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
                 decoder_sparse_step=1, max_position_embeddings=64)
     args.update(kw)
     return transformers.Qwen3MoeConfig(**args)
@@ -56,12 +57,12 @@ cpu_kernels = pytest.mark.skipif(not interpreting(), reason="CPU tensors: tilege
 @pytest.mark.parametrize("world", [2, 4])
 def test_parallel_moe_experts_shards_sum(impl, world):
     block = experts_block(impl)
-    x, idx, weights = torch.randn(5, 32), torch.randint(0, 8, (5, 2)), torch.rand(5, 2)
+    x, idx, weights = torch.randn(5, 32), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
     with torch.no_grad():
         want = block(x, idx, weights)
         got = _sharded_sum(block, world, x, idx, weights)
     local = __import__("tilegemm.parallel", fromlist=["x"]).shard_experts_(copy.deepcopy(block), 1, world)
-    assert local.gate_up_proj.shape == (8, 128 // world, 32) and local.down_proj.shape == (8, 32, 64 // world)
+    assert local.gate_up_proj.shape == (4, 128 // world, 32) and local.down_proj.shape == (4, 32, 64 // world)
     # rank 1's gate rows are gate rows 64/world.., its up rows the matching up rows (the halves stay paired)
     i = 64 // world
     torch.testing.assert_close(local.gate_up_proj[:, :i], block.gate_up_proj[:, i:2 * i])
@@ -75,7 +76,7 @@ def test_parallel_moe_int4_experts_shards_sum():
     model = torch.nn.Module()
     model.experts = block
     tnn.quantize_experts_(model, group_size=32)
-    x, idx, weights = torch.randn(6, 32).half(), torch.randint(0, 8, (6, 2)), torch.rand(6, 2).half()
+    x, idx, weights = torch.randn(6, 32).half(), torch.randint(0, 4, (6, 2)), torch.rand(6, 2).half()
     with torch.no_grad():
         want = block(x, idx, weights).float()
         got = _sharded_sum(block, 2, x, idx, weights)
@@ -120,7 +121,7 @@ def test_parallel_moe_act_order_experts():
     perm = torch.stack([torch.randperm(up.shape[-1]) for _ in range(up.shape[0])])
     install_int4_experts_(block, {"gate_up_proj": Int4Weight(up.qweight, up.scales, up.zeros, 32, up.shape, perm),
                                   "down_proj": down})
-    x, idx, weights = torch.randn(6, 32).half(), torch.randint(0, 8, (6, 2)), torch.rand(6, 2).half()
+    x, idx, weights = torch.randn(6, 32).half(), torch.randint(0, 4, (6, 2)), torch.rand(6, 2).half()
     with torch.no_grad():
         want = block(x, idx, weights).float()
         got = _sharded_sum(block, 2, x, idx, weights)
@@ -256,7 +257,7 @@ def test_parallel_moe_act_order_sharded_load(tmp_path):
     install_int4_experts_(block, with_perm)
     path = tmp_path / "full.safetensors"
     save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
-    x, idx, weights = torch.randn(6, 32).half(), torch.randint(0, 8, (6, 2)), torch.rand(6, 2).half()
+    x, idx, weights = torch.randn(6, 32).half(), torch.randint(0, 4, (6, 2)), torch.rand(6, 2).half()
     with torch.no_grad():
         want = block(x, idx, weights).float()
     got = 0

@@ -20,7 +20,10 @@ from test_parallel_moe_local import moe_config  # noqa: E402 (hides a broken tor
 from test_parallel_ranks import FP16_TOL, FP32_TOL, _close, _comms, spawn  # noqa: E402
 
 
-def moe_ranks(rank, world, mesh, models, tmp):
+MODEL_IDS = [[5, 17, 40, 2]]  # tokens of the tiny model's vocabulary of 64
+
+
+def moe_ranks(rank, world, mesh, models, refs, tmp):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -89,12 +92,12 @@ def moe_ranks(rank, world, mesh, models, tmp):
         torch.ops.tilegemm.grouped_mm_gated(distribute_tensor(a, mesh, R), distribute_tensor(b, mesh, [Shard(2)]),
                                             od, None, "silu", "default")
 
-    # a Qwen3-MoE whose experts run on tilegemm: fp32, then int4 experts (fp16), sharded = unsharded
-    ids = torch.randint(0, 64, (2, 5))
+    # a Qwen3-MoE whose experts run on tilegemm: fp32, then int4 experts (fp16), sharded = unsharded (refs: the
+    # unsharded models' logits on MODEL_IDS, the parent's)
+    ids = torch.tensor(MODEL_IDS)
     for name, tol in (("fp32", FP32_TOL), ("int4", FP16_TOL)):
         model = copy.deepcopy(models[name])
-        with torch.no_grad():
-            want = model(ids).logits
+        want = refs[name]
         parallelize_module(model, mesh, {"model.layers.*.mlp.experts": tnn.ExpertsTensorParallel()})
         experts = model.model.layers[0].mlp.experts
         if name == "fp32":
@@ -138,7 +141,7 @@ def moe_ranks(rank, world, mesh, models, tmp):
         parallelize_module(skeleton, mesh, {"model.layers.*.mlp.experts": tnn.ExpertsTensorParallel()})
         load_sharded_(skeleton, f"{tmp}/{name}.safetensors", mesh)
         with torch.no_grad():
-            _close(skeleton(ids).logits, full(ids).logits, FP32_TOL if name == "load-fp32" else FP16_TOL,
+            _close(skeleton(ids).logits, refs[name], FP32_TOL if name == "load-fp32" else FP16_TOL,
                    f"sharded load, {name}")
 
     # a split that would cut the down projection's quantization groups is refused, naming the group size
@@ -154,7 +157,7 @@ def test_parallel_moe_two_ranks(tmp_path):
 
     def model(**kw):
         torch.manual_seed(0)
-        cfg = moe_config(**{"num_experts": 4, **kw})  # (4 experts, not 8: fewer programs under the interpreter)
+        cfg = moe_config(**kw)
         return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="tilegemm").eval()
 
     int4 = model().half()
@@ -162,8 +165,9 @@ def test_parallel_moe_two_ranks(tmp_path):
     cut = model(hidden_size=64).half()
     assert tnn.quantize_experts_(cut, group_size=64)
     models = {"fp32": model(), "int4": int4, "int4-g64": cut}
-    # the unsharded models the ranks load from: fp32, and 4-bit experts (the rest fp16)
-    models["load-fp32"], models["load-int4"] = model(), model().half()
+    # the unsharded models the ranks load from: fp32, and 4-bit experts (the rest fp16); one layer (the loads
+    # read each layer's experts alike)
+    models["load-fp32"], models["load-int4"] = model(num_hidden_layers=1), model(num_hidden_layers=1).half()
     tnn.quantize_experts_(models["load-int4"], group_size=32)
     torch.manual_seed(5)
     for name in ("load-fp32", "load-int4"):
@@ -172,5 +176,9 @@ def test_parallel_moe_two_ranks(tmp_path):
                 p.copy_(torch.randn_like(p) * 0.5)
         save_file({k: v.contiguous() for k, v in models[name].state_dict().items()},
                   str(tmp_path / f"{name}.safetensors"))
-    # built once here (transformers' model code imported before the fork), deep-copied in the ranks
-    spawn(moe_ranks, 2, models, str(tmp_path))
+    # built once here (transformers' model code imported before the fork), deep-copied in the ranks; their
+    # unsharded logits computed once here too, not once a rank
+    with torch.no_grad():
+        refs = {name: models[name](torch.tensor(MODEL_IDS)).logits for name in ("fp32", "int4", "load-fp32",
+                                                                                  "load-int4")}
+    spawn(moe_ranks, 2, models, refs, str(tmp_path))

@@ -324,7 +324,10 @@ def test_parallel_four_ranks(tmp_path):
 # --- from_pretrained on a mesh ------------------------------------------------------------------------------
 
 
-def pretrained_ranks(rank, world, mesh, tmp, names):
+PRETRAINED_IDS = [[3, 17, 200, 5]]
+
+
+def pretrained_ranks(rank, world, mesh, tmp, wants):
     from tilegemm.models import from_pretrained, pretrained
     from tilegemm.nn import Int4Linear
 
@@ -335,10 +338,9 @@ def pretrained_ranks(rank, world, mesh, tmp, names):
         whole.append(name)
         return get(self, name)
 
-    ids = torch.tensor([[3, 17, 200, 5]])
-    for name in names:
+    ids = torch.tensor(PRETRAINED_IDS)
+    for name, want in wants.items():  # (each checkpoint's unsharded logits: the parent's, the same on every rank)
         path = f"{tmp}/{name}"
-        want = from_pretrained(path, device="cpu")(input_ids=ids).logits
         whole.clear()
         pretrained._Tensors.get = recording_get
         try:
@@ -399,4 +401,9 @@ def test_parallel_from_pretrained(tmp_path):
                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                               head_dim=32, max_position_embeddings=64, tie_word_embeddings=False)
     cw.write_model(tmp_path / "qwen3-gptq-g32", cw.random_model(qwen3), "gptq", 32)
-    spawn("pretrained_ranks", 2, str(tmp_path), [*names, "saved-g64", "saved-actorder", "qwen3-gptq-g32"])
+    # each model's unsharded logits computed once here, not once a rank
+    ids = torch.tensor(PRETRAINED_IDS)
+    with torch.no_grad():
+        wants = {name: from_pretrained(tmp_path / name, device="cpu")(input_ids=ids).logits
+                 for name in [*names, "saved-g64", "saved-actorder", "qwen3-gptq-g32"]}
+    spawn("pretrained_ranks", 2, str(tmp_path), wants)

@@ -72,7 +72,9 @@ def test_act_order_matches_the_reference(M, group, K):
     for kernel in ("auto", "mma"):
         out = w4a16.matmul(x, w, bias=bias, activation="silu", kernel=kernel)
         assert_rel_close(out, reference(x, w, bias, "silu"), 2e-3)
-    assert_rel_close(w4a16.matmul(x.T.contiguous().T, w, kernel="gemv"), reference(x, w), 2e-3)  # K strided
+    # K strided, through gemv (a program a row: its first rows, at most three)
+    xk = x[:3].T.contiguous().T
+    assert_rel_close(w4a16.matmul(xk, w, kernel="gemv"), reference(xk, w), 2e-3)
 
 
 @pytest.mark.parametrize("activation", ["none", "gelu"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import textwrap
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,7 +56,8 @@ def check_launch_twice(module, cfg: dict, M: int, K: int = 2048, group: int = 12
         kernel[grid](*args, **kwargs)
         assert_rel_close(out, reference(x, w), tol)
 
-_SCRIPT = SM90 + textwrap.dedent(
+_ONE_PTXAS = (Path(__file__).parents[1] / "grouped" / "_sm90_one_ptxas.py").read_text()  # compile_sm90, ptxas once
+_SCRIPT = SM90 + _ONE_PTXAS + textwrap.dedent(
     """
     import importlib, json, re, sys
     import torch
