@@ -43,6 +43,16 @@ def _logits(model, device):
         return model(input_ids=IDS.to(device)).logits.float().cpu()
 
 
+def _assert_forward_agrees(model, config, reference, device) -> None:
+    """The loaded model's logits against the writer's reference model on eager experts."""
+    ref = cw.reference_model(config, reference)
+    ref.set_experts_implementation("eager")
+    with torch.no_grad():
+        want = ref(input_ids=IDS).logits.float()
+        got = model(input_ids=IDS.to(device)).logits.float().cpu()
+    assert _rel(got, want) < TOL
+
+
 def _write(tmp_path, arch="qwen3_moe", layers=2, experts=4, **kw):
     config = cw.tiny_moe_config(arch, layers=layers, experts=experts)
     path = tmp_path / "ckpt"
@@ -157,12 +167,7 @@ def test_a_block_of_16_bit_experts_is_stacked(tmp_path, device, arch):
         assert torch.equal(dequantize(moe._int4(quant, w)).cpu(), reference[f"model.layers.1.mlp.experts.{w}"]), w
     if arch != FORWARD_ARCH:
         return
-    ref = cw.reference_model(config, reference)
-    ref.set_experts_implementation("eager")
-    with torch.no_grad():
-        want = ref(input_ids=IDS).logits.float()
-        got = model(input_ids=IDS.to(device)).logits.float().cpu()
-    assert _rel(got, want) < TOL
+    _assert_forward_agrees(model, config, reference, device)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
@@ -181,12 +186,7 @@ def test_experts_narrower_than_the_group_size_load(tmp_path, device, arch):
     for w in ("gate_up_proj", "down_proj"):
         assert torch.equal(dequantize(moe._int4(block, w)).cpu(), reference[f"model.layers.0.mlp.experts.{w}"]), w
     if arch == FORWARD_ARCH:
-        ref = cw.reference_model(config, reference)
-        ref.set_experts_implementation("eager")
-        with torch.no_grad():
-            want = ref(input_ids=IDS).logits.float()
-            got = model(input_ids=IDS.to(device)).logits.float().cpu()
-        assert _rel(got, want) < TOL
+        _assert_forward_agrees(model, config, reference, device)
     assert model.config.quantization_config["group_size"] == [-1, 32]  # what save_pretrained writes
     # back the documented way (docs/w4a16.md "Saving"): quantize_ with the same group size makes the same shapes,
     # which read the loaded tensors as the same experts (the kernels' reading of group sizes is checked above)

@@ -16,6 +16,7 @@ pytest.importorskip("safetensors", reason="safetensors is optional (pip install 
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ckpt_writer as cw  # noqa: E402
+from loaded_checks import assert_loaded_exactly  # noqa: E402
 from cpu_threads import one_cpu_thread  # noqa: E402,F401 (autouse: torch on one CPU thread)
 
 from tilegemm.models import from_pretrained  # noqa: E402
@@ -35,18 +36,6 @@ def _logits(model, device):
 
 def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
-
-
-def _exact(model, reference) -> None:
-    """The checkpoint read as written: every Int4Linear holds exactly the writer's dequantized weight, every other
-    parameter the stored tensor. For tests of how settings are read, where a forward under the interpreter would
-    run kernels on layers of a kind the other tests run."""
-    int4 = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
-    for n, m in int4.items():
-        assert torch.equal(m.dequantize().cpu(), reference[f"{n}.weight"]), n
-    for n, p in model.named_parameters():
-        if n.rpartition(".")[0] not in int4:
-            assert torch.equal(p.cpu(), reference[n]), n
 
 
 def _write(tmp_path, arch="llama", tie=False, hidden=128, seed=0, layers=1, **kw):
@@ -99,7 +88,7 @@ def test_loaded_model_matches_its_dequantized_weights(tmp_path, device, name):
         assert torch.equal(m.dequantize().cpu(), reference[f"{n}.weight"]), n
     if name in RUN_BY:
         assert RUN_BY[name] in CASES and RUN_BY[name] not in RUN_BY
-        _exact(model, reference)
+        assert_loaded_exactly(model, reference)
         return
     ref = cw.reference_model(config, reference)
     err = _rel(_logits(model, device), _logits(ref, "cpu"))
@@ -141,7 +130,7 @@ def test_modules_to_not_convert(tmp_path, device):
     last = config.num_hidden_layers - 1
     assert torch.equal(model.model.layers[last].mlp.down_proj.weight.cpu(),
                        reference[f"model.layers.{last}.mlp.down_proj.weight"])
-    _exact(model, reference)
+    assert_loaded_exactly(model, reference)
 
 
 def test_a_not_converted_module_stored_quantized_is_refused(tmp_path):
@@ -731,7 +720,7 @@ def test_dynamic_per_module_overrides(tmp_path, device):
     layer = model.model.layers[0]
     assert layer.mlp.down_proj.group_size == 64 and layer.mlp.up_proj.group_size == 32
     assert type(layer.self_attn.o_proj) is torch.nn.Linear
-    _exact(model, reference)
+    assert_loaded_exactly(model, reference)
 
 
 @pytest.mark.parametrize("dynamic, needle", [
@@ -770,7 +759,7 @@ def test_gptqmodel_pack_dtype(tmp_path, device):
     from safetensors.torch import load_file, save_file
 
     path, config, reference = _write(tmp_path, method="gptq", group_size=32, quant_extra=dict(pack_dtype="int32"))
-    _exact(from_pretrained(path, device=device), reference)
+    assert_loaded_exactly(from_pretrained(path, device=device), reference)
     tensors = load_file(str(path / "model.safetensors"))
     for k in [k for k in tensors if k.endswith(".qweight")]:
         tensors[k] = _words16(cw.unpack_along_k(tensors[k]), 0)
@@ -798,7 +787,7 @@ def test_a_stored_bias_the_layer_lacks_is_dropped(tmp_path, device):
     assert not any("q_proj" in str(w.message) for w in seen)
     attention = model.model.layers[0].self_attn
     assert attention.q_proj.bias is None and attention.k_proj.bias is None
-    _exact(model, reference)
+    assert_loaded_exactly(model, reference)
 
 
 JOINED = {  # name: writer options, hidden 64 (act-order: groups of 32 leave two on K = 64 for an order to remain)

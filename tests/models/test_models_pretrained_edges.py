@@ -19,6 +19,7 @@ pytest.importorskip("safetensors", reason="safetensors is optional (pip install 
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ckpt_writer as cw  # noqa: E402
+from loaded_checks import assert_loaded_exactly  # noqa: E402
 from cpu_threads import one_cpu_thread  # noqa: E402,F401 (autouse: torch on one CPU thread)
 
 from tilegemm.models import from_pretrained  # noqa: E402
@@ -32,18 +33,6 @@ def _rel(model, reference) -> float:
         a = model(input_ids=IDS.to(model.device)).logits.float().cpu()
         b = reference(input_ids=IDS).logits.float()
     return float((a - b).norm() / b.norm())
-
-
-def _exact(model, reference) -> None:
-    """The checkpoint read as written: every Int4Linear holds exactly the writer's dequantized weight, every other
-    parameter the stored tensor. For tests of how settings are read, where a forward under the interpreter would
-    run kernels on layers of a kind the other tests run."""
-    int4 = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
-    for n, m in int4.items():
-        assert torch.equal(m.dequantize().cpu(), reference[f"{n}.weight"]), n
-    for n, p in model.named_parameters():
-        if n.rpartition(".")[0] not in int4:
-            assert torch.equal(p.cpu(), reference[n]), n
 
 
 def _set_group_size(path, group_size):
@@ -183,7 +172,7 @@ def test_older_quantizers_settings_files_and_file_names(tmp_path, device, method
     model = from_pretrained(path, device=device)
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 * config.num_hidden_layers
     assert model.config.quantization_config["converted_from"] == method
-    _exact(model, reference)
+    assert_loaded_exactly(model, reference)
     # two files and no index: which tensor is where is not said
     (path / "extra.safetensors").write_bytes((path / name).read_bytes())
     with pytest.raises(FileNotFoundError, match=r"but 2 safetensors files \(.*\): which tensor is where needs the "
@@ -388,7 +377,7 @@ def test_compressed_tensors_output_width_not_a_multiple_of_8_loads(tmp_path, dev
     assert isinstance(head, Int4Linear) and head.out_features == 259
     assert torch.equal(head.dequantize().cpu(), reference["lm_head.weight"])
     if chunked:  # (the same layers as the unchunked case's, whose forward runs)
-        _exact(model, reference)
+        assert_loaded_exactly(model, reference)
     else:
         assert _rel(model, cw.reference_model(config, reference)) < 3e-3
 
@@ -487,7 +476,7 @@ def test_booleans_written_as_strings_load(tmp_path, device, method, autoround, c
     _edit_quant_config(path, **changes)
     model = from_pretrained(path, device=device)
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7
-    _exact(model, reference)
+    assert_loaded_exactly(model, reference)
 
 
 @pytest.mark.parametrize("method, changes, message", [
@@ -526,7 +515,7 @@ def test_awq_without_zero_points(tmp_path, device, stored_zeros):
     assert json.loads((path / "config.json").read_text())["quantization_config"]["zero_point"] is False
     model = from_pretrained(path, device=device)
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7
-    _exact(model, reference)
+    assert_loaded_exactly(model, reference)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -553,7 +542,7 @@ def test_awq_versions_that_store_gemms_layout_load(tmp_path, version):
     _edit_quant_config(path, version=version)
     model = from_pretrained(path, device="cpu")
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7
-    _exact(model, reference)
+    assert_loaded_exactly(model, reference)
 
 
 @pytest.mark.parametrize("method, autoround, changes, message", [
