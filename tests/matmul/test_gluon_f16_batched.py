@@ -94,19 +94,19 @@ def test_outputs_whose_rows_end_inside_a_16_byte_unit_of_wider_rows_are_refused(
 
 
 @pytest.mark.parametrize("which", ["a", "a_t", "b", "b_t"])
-def test_operands_broadcast_along_their_rows_are_refused(which):
+def test_operands_broadcast_along_their_rows_are_refused(which, device):
     """A row stride of 0 (an expand) would be a descriptor stride of 0: refused, and the public call still right."""
     M, N, K = 64, 48, 32
-    a, b = torch.randn(M, K).half(), torch.randn(K, N).half()
+    a, b = torch.randn(M, K, device=device).half(), torch.randn(K, N, device=device).half()
     if which == "a":
-        a = torch.randn(1, K).half().expand(M, K)
+        a = torch.randn(1, K, device=device).half().expand(M, K)
     elif which == "a_t":
-        a = torch.randn(M, 1).half().expand(M, K)
+        a = torch.randn(M, 1, device=device).half().expand(M, K)
     elif which == "b":
-        b = torch.randn(1, N).half().expand(K, N)
+        b = torch.randn(1, N, device=device).half().expand(K, N)
     else:
-        b = torch.randn(K, 1).half().expand(K, N)
-    assert "broadcast" in persistent_tma.why_not(_problem(a, b, torch.empty(M, N, dtype=torch.float16)))
+        b = torch.randn(K, 1, device=device).half().expand(K, N)
+    assert "broadcast" in persistent_tma.why_not(_problem(a, b, torch.empty(M, N, dtype=torch.float16, device=device)))
     got = tilegemm.matmul(a, b)
     ref = a.double() @ b.double()
     assert torch.allclose(got.double(), ref, rtol=2e-3, atol=2e-3)
