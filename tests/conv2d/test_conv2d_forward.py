@@ -123,6 +123,22 @@ def test_no_bias_and_strided_input_views(device):
     assert_rel_close(out, conv2d_reference(y, w, stride=2), 1e-5)
 
 
+def test_negative_views_are_read_as_their_values(device):
+    # z.conj().imag holds its values negated in memory (a bit torch's ops resolve): a 1x1's x and the bias, read
+    # in place, came out with their sign flipped
+    def neg(*shape):
+        t = torch.complex(torch.randn(*shape, device=device), torch.randn(*shape, device=device)).conj().imag
+        assert t.is_neg()
+        return t
+
+    x, w, b = neg(2, 6, 5, 4), neg(8, 6, 1, 1), neg(8)
+    out = tilegemm.conv2d(x, w, b, precision="ieee")
+    assert_rel_close(out, conv2d_reference(x, w, b), 1e-5)
+    # the registered op too (a graph compiled by torch.compile calls it with its inputs as they are)
+    out = torch.ops.tilegemm.conv2d(x, w, b, [1, 1], [0, 0, 0, 0], [1, 1], 1, "none", "ieee", "auto")
+    assert_rel_close(out, conv2d_reference(x, w, b), 1e-5)
+
+
 def test_auto_picks_by_geometry():
     from tilegemm.ops.conv2d.dispatch import choose_kernel
     from tilegemm.ops.conv2d.problem import geometry_of

@@ -60,6 +60,17 @@ def test_bias_and_activation(per_expert, activation, device):
     assert_rel_close(out, reference(x, w, offs, bias, activation), 4e-3)
 
 
+
+def test_negative_views_are_read_as_their_values(device):
+    # a contiguous negative view (torch._neg_view) holds its values negated in memory: read as such, x flipped sign
+    w = experts(device=device)
+    x, offs = torch.randn(21, 64, device=device, dtype=torch.float16), O(4, 4, 15, 21).to(device)
+    bias = torch.randn(4, 24, device=device).half()
+    xn, bn = torch._neg_view(x.neg()), torch._neg_view(bias.neg())
+    assert xn.is_neg() and torch.equal(xn, x)
+    assert_rel_close(tilegemm.w4a16.grouped_matmul(xn, w, offs, bias=bn), reference(x, w, offs, bias), 4e-3)
+
+
 def test_bf16(device):
     w = experts(dtype=torch.bfloat16, device=device)
     x = torch.randn(19, 64, device=device, dtype=torch.bfloat16)

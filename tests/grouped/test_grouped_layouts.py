@@ -113,6 +113,23 @@ def test_sliced_operands(device):
     assert_rel_close(out, grouped_mm_reference(a, w, offs), 1e-5)
 
 
+def test_negative_views_are_read_as_their_values(device):
+    # z.conj().imag holds its values negated in memory (a bit torch's ops resolve): the kernels flipped their sign
+    from tilegemm.ops.grouped.api import moe_gate_up
+
+    def neg(*shape):
+        t = torch.complex(torch.randn(*shape, device=device), torch.randn(*shape, device=device)).conj().imag
+        assert t.is_neg()
+        return t
+
+    a, w, bias, offs = neg(12, 8), neg(3, 8, 6), neg(3, 6), offs_of([4, 0, 7], device)
+    assert_rel_close(tilegemm.grouped_mm(a, w, offs=offs, bias=bias), grouped_mm_reference(a, w, offs, bias), 1e-5)
+    out = torch.ops.tilegemm.grouped_mm(a, w, offs, bias, None, "default", "auto")  # (as a compiled graph calls it)
+    assert_rel_close(out, grouped_mm_reference(a, w, offs, bias), 1e-5)
+    gate, up = grouped_mm_reference(a, w, offs, bias).split(3, dim=1)
+    assert_rel_close(moe_gate_up(a, w, offs, bias, "relu"), gate.relu() * up, 1e-5)
+
+
 def test_out_dtype_fp32_from_fp16(device):
     a, b, offs = operands("2d3d", [5, 11], 32, 16, torch.float16, device)
     out = tilegemm.grouped_mm(a, b, offs=offs, out_dtype=torch.float32)

@@ -97,6 +97,23 @@ def test_sliced_and_strided_views_read_in_place(device):
     assert_rel_close(out, matmul_reference(a, b), tolerance(torch.float16))
 
 
+def negative_view(*shape, device):
+    """``z.conj().imag``: a float32 tensor whose memory holds its values negated, a bit torch's ops resolve."""
+    t = torch.complex(torch.randn(*shape, device=device), torch.randn(*shape, device=device)).conj().imag
+    assert t.is_neg()
+    return t
+
+
+def test_negative_views_are_read_as_their_values(device):
+    # the kernels read memory as it is: each of these came out with its sign flipped
+    a, b, bias, c = (negative_view(*s, device=device) for s in ((9, 12), (12, 7), (7,), (9, 7)))
+    out = tilegemm.matmul(a, b, bias=bias, c=c, beta=0.5, precision="ieee")
+    assert_rel_close(out, matmul_reference(a, b, bias=bias, c=c, beta=0.5), 1e-5)
+    # the registered op too (a graph compiled by torch.compile calls it with its inputs as they are)
+    out = torch.ops.tilegemm.matmul(a, b, bias, c, 1.0, 0.5, "none", None, "ieee", "auto")
+    assert_rel_close(out, matmul_reference(a, b, bias=bias, c=c, beta=0.5), 1e-5)
+
+
 def test_batch_dims_that_cannot_merge(device):
     # The batch dims of a permuted tensor do not merge into one stride: the op loops over the outer one.
     a = torch.randn(5, 3, 16, 24, device=device).permute(1, 0, 2, 3)

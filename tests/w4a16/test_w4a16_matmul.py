@@ -112,6 +112,20 @@ def test_strided_x_and_one_dim(device):
     assert w4a16.matmul(torch.empty(0, 128, dtype=torch.float16, device=device), w).shape == (0, 32)
 
 
+
+def test_negative_views_are_read_as_their_values(device):
+    # a negative view (torch._neg_view; z.conj().imag is one) holds its values negated in memory, a bit torch's ops
+    # resolve: the kernels read the memory, and a contiguous x or bias came out with its sign flipped
+    w = w4a16.quantize(torch.randn(32, 128, dtype=torch.float16, device=device), 64)
+    x = torch.randn(3, 128, dtype=torch.float16, device=device)
+    bias = torch.randn(32, dtype=torch.float16, device=device)
+    xn, bn = torch._neg_view(x.neg()), torch._neg_view(bias.neg())
+    assert xn.is_neg() and xn.is_contiguous() and torch.equal(xn, x)
+    assert_rel_close(w4a16.matmul(xn, w, bn), reference(x, w, bias), 2e-3)
+    out = torch.ops.tilegemm.w4a16_matmul(xn, w.qweight, w.scales, w.zeros, None, None, bn, w.group_k, "none", "auto")
+    assert_rel_close(out, reference(x, w, bias), 2e-3)
+
+
 def test_kernels_agree_with_split_k(device):
     # large enough K for several slices under the interpreter's 4 "SMs"; gemv and mma see the same weight
     w = w4a16.quantize(torch.randn(48, 1024, dtype=torch.float16, device=device), 128)

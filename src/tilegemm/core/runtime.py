@@ -228,6 +228,26 @@ def check_dense(name: str, t) -> None:
                         f"pass {name}.to_dense()")
 
 
+def any_negative(*tensors) -> bool:
+    """Whether one of ``tensors`` (None for an absent one) is a negative view, as ``z.conj().imag`` is: its memory
+    holds the values negated and a bit says so, which torch's ops resolve but a kernel reading the memory does not
+    (the product came out with that operand's sign flipped). False while Dynamo traces (it cannot trace is_neg)."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if t is not None and t.is_neg():
+            return True
+    return False
+
+
+def resolved(*tensors) -> tuple:
+    """``tensors`` with each negative view (:func:`any_negative`) copied to one that holds its values as they read
+    (``resolve_neg``, differentiable); the others, and None, as they are."""
+    return tuple(t.resolve_neg() if t is not None and t.is_neg() else t for t in tensors)
+
+
 def on_device(device):
     """A context in which ``device`` is the current CUDA device, for the launches (and tuning) of one call.
 

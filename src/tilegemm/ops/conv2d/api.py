@@ -7,6 +7,7 @@ import torch
 from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import autocast_inputs, check_precision
 from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call
+from tilegemm.core.runtime import any_negative, resolved as resolved_neg
 from tilegemm.ops.conv2d import dispatch, op
 from tilegemm.ops.conv2d.checks import check_conv, check_kernel, check_unbatched, forward_key, forward_key_of
 from tilegemm.ops.conv2d.op import REPLAYS
@@ -93,6 +94,8 @@ def conv2d(
             if len(_PASSED) >= MAX_LAYOUTS:
                 _PASSED.clear()
             _PASSED[layout] = resolved
+    if any_negative(x, weight, bias):  # (z.conj().imag: the kernels would read the values negated; never keyed)
+        x, weight, bias = resolved_neg(x, weight, bias)
     c = ConvCall(x, weight, bias, list(resolved[0]), list(resolved[1]), list(resolved[2]), resolved[3], activation,
                  precision or "default", kernel)
     if key is not None:

@@ -212,6 +212,8 @@ def _replayable(x, weight, bias) -> bool:
         return False
     if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
         return False
+    if x.is_neg() or weight.is_neg() or bias is not None and bias.is_neg():
+        return False  # a negative view (z.conj().imag): the full path resolves it, a replay would read it negated
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or bias is not None and bias.requires_grad))
 

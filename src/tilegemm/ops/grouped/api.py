@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from tilegemm.core.launch import plain_call
+from tilegemm.core.runtime import any_negative, resolved
 from tilegemm.ops.grouped.checks import (call_tensors, check_gated_call, check_grouped, check_int4_call,
                                          check_mm_call, gated_replay_key, int4_replay_key, replay_key)
 from tilegemm.ops.grouped import dispatch
@@ -57,6 +58,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
         if out is not None:
             return out  # (None: nothing recorded, or recorded for another stream or device; launched afresh below)
     check_mm_call(a, b, offs, bias, out_dtype, kernel)
+    if any_negative(a, b, bias):  # (z.conj().imag: the kernels would read the values negated; never keyed)
+        a, b, bias = resolved(a, b, bias)
     precision = "default"
     if not plain_call(a, b, offs, bias):
         return grouped_mm_op(a, b, offs, bias, out_dtype, precision, kernel)
@@ -121,6 +124,8 @@ def _int4(x, w, offs, bias, activation: str, gated: bool, kernel: str) -> torch.
         if out is not None:
             return out
     check_int4_call(x, w, offs, bias, activation, gated, kernel)
+    if any_negative(x, bias):  # (as grouped_mm's)
+        x, bias = resolved(x, bias)
     if w.perm is not None:  # act-order experts: each expert's rows read through its input order first
         x = group_columns(x, offs, w.perm)
     args = (x, w.qweight, w.scales, w.zeros, offs, bias, w.group_k, activation, gated, kernel, *(frag or (None, None)))
@@ -145,6 +150,8 @@ def moe_gate_up(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torc
         if out is not None:
             return out
     check_gated_call(x, w, offs, bias, activation)
+    if any_negative(x, w, bias):  # (as grouped_mm's)
+        x, w, bias = resolved(x, w, bias)
     if not plain_call(x, w, offs, bias):
         return grouped_mm_gated_op(x, w, offs, bias, activation, "default")
     if key is None:

@@ -15,7 +15,7 @@ from tilegemm.core import registry
 from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import dtype_name, resolve_precision
 from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call, recording_active, tensor_key
-from tilegemm.core.runtime import check_dense, check_same_device, interpreting
+from tilegemm.core.runtime import any_negative, check_dense, check_same_device, interpreting
 from tilegemm.core.workspace import in_graph_tree
 from tilegemm.ops.w4a16 import Int4Weight, validate, weight_of_op_args
 
@@ -224,7 +224,8 @@ def replayable(first, *others) -> bool:
         return False
     if recording_active() or in_graph_tree() or torch.cuda.is_current_stream_capturing():
         return False
-    return plain_call(first, *others)
+    # (a negative view, z.conj().imag, takes the full path, which resolves it: a replay would read it negated)
+    return plain_call(first, *others) and not any_negative(first, *others)
 
 
 def _opt_key(t) -> tuple | None:

@@ -19,7 +19,7 @@ from tilegemm.core import registry
 from tilegemm.core.activations import torch_activation
 from tilegemm.core.dtypes import resolve_precision
 from tilegemm.core.replay import ReplayCache
-from tilegemm.core.runtime import new_output, on_device
+from tilegemm.core.runtime import any_negative, new_output, on_device, resolved
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.grouped import dispatch
 from tilegemm.core.checked import check_once
@@ -62,6 +62,8 @@ def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor]
     # Called directly (torch.ops.tilegemm.grouped_mm) nothing checked the arguments: the public function's checks
     # (shapes, dtypes, offs, bias, devices), by the same code. The public function's plain calls skip the op.
     check_once(check_mm_call, a, b, offs, bias, out_dtype, kernel)
+    if any_negative(a, b, bias):  # (a compiled graph's input may be one: see the public function)
+        a, b, bias = resolved(a, b, bias)
     return forward(a, b, offs, bias, out_dtype, precision, kernel)
 
 
@@ -154,6 +156,8 @@ def grouped_w4a16_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                                         dispatch.FRAG_KERNELS)
     check_once(check_int4_op_args, x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight,
                fzs)
+    if any_negative(x, bias):  # (as grouped_mm_op's)
+        x, bias = resolved(x, bias)
     return forward_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight, fzs)
 
 
@@ -228,6 +232,8 @@ def forward_gated(a, b, offs, bias, activation: str, precision: str) -> torch.Te
 def grouped_mm_gated_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: Optional[torch.Tensor],
                         activation: str, precision: str) -> torch.Tensor:
     check_once(check_gated_call, a, b, offs, bias, activation)
+    if any_negative(a, b, bias):  # (as grouped_mm_op's)
+        a, b, bias = resolved(a, b, bias)
     return forward_gated(a, b, offs, bias, activation, precision)
 
 

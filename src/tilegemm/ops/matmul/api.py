@@ -6,6 +6,7 @@ import torch
 
 from tilegemm.core.dtypes import autocast_inputs
 from tilegemm.core.launch import plain_call, recording_active
+from tilegemm.core.runtime import any_negative, resolved
 from tilegemm.ops.matmul.problem import MatmulCall
 from tilegemm.ops.matmul.checks import broadcast, check_inputs, output_shape, replay_key
 from tilegemm.ops.matmul.dispatch import forward
@@ -84,6 +85,9 @@ def matmul(
     call = MatmulCall(a, b, bias, c, alpha, beta, "none" if activation is None else activation, out_dtype,
                       precision or "default", kernel, scale_a, scale_b, fast_accum)
     check_inputs(call)
+    if any_negative(a, b, bias, c, scale_a, scale_b):  # (z.conj().imag: the kernels would read the values negated)
+        a, b, bias, c, scale_a, scale_b = resolved(a, b, bias, c, scale_a, scale_b)  # (never keyed: see replay_key)
+        call = call.replace(a=a, b=b, bias=bias, c=c, scale_a=scale_a, scale_b=scale_b)
     call = call.replace(alpha=float(alpha), beta=float(beta), c=None if beta == 0 else c)  # addmm: beta 0 skips c
     if not plain_call(a, b, bias, c, scale_a, scale_b):
         return call_op(call)

@@ -195,8 +195,10 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
         return None
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return None
+    if a.is_neg() or b.is_neg():  # a negative view (z.conj().imag): the full path resolves it, a replay would not
+        return None
     if bias is not None:  # the bias: its layout in the key, its pointer among the aliases, a slot of its own
-        if not plain_tensor(bias) or bias.requires_grad and torch.is_grad_enabled():
+        if not plain_tensor(bias) or bias.requires_grad and torch.is_grad_enabled() or bias.is_neg():
             return None
     if activation is not None and type(activation) is not str:
         return None
@@ -210,7 +212,8 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
                 aliases = (0, 0 if pb == pa else 1)
         else:
             scales = [s for s in (scale_a, scale_b) if s is not None]
-            if any(not plain_tensor(s) or s.device != a.device for s in scales) or not plain_call(*scales):
+            if any(not plain_tensor(s) or s.device != a.device or s.is_neg() for s in scales) \
+                    or not plain_call(*scales):
                 return None
             scale_keys = tuple(None if s is None else tensor_key(s) for s in (scale_a, scale_b))
         if fast_accum is not False and fast_accum is not True:

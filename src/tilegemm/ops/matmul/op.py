@@ -13,6 +13,7 @@ import torch
 
 from tilegemm.core.launch import recording_active
 from tilegemm.core.replay import ReplayCache
+from tilegemm.core.runtime import any_negative, resolved
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.matmul.problem import FP8_DTYPES, MatmulCall, default_out_dtype
 from tilegemm.ops.matmul.checks import check_inputs, refuse_fp8_gradients, replay_key
@@ -56,6 +57,9 @@ def matmul_op(
     # Called directly (torch.ops.tilegemm.matmul) nothing checked the arguments: a bias shorter than N would be
     # read out of bounds. A replay above repeats a call that passed here.
     check_inputs(call)
+    if any_negative(a, b, bias, c, scale_a, scale_b):  # (a compiled graph's input may be one: see the public function)
+        a, b, bias, c, scale_a, scale_b = resolved(a, b, bias, c, scale_a, scale_b)
+        call = call.replace(a=a, b=b, bias=bias, c=c, scale_a=scale_a, scale_b=scale_b)
     if c is not None and beta == 0:
         call = call.replace(c=None)  # as the public function: addmm reads no c at beta 0 (NaN in it stays out)
     if key is None:

@@ -9,6 +9,7 @@ import torch
 
 from tilegemm.core.activations import ACTIVATIONS  # noqa: F401 (re-exported as tilegemm.w4a16.ACTIVATIONS)
 from tilegemm.core.launch import plain_call
+from tilegemm.core.runtime import any_negative, resolved
 from tilegemm.core.runtime import on_device
 from tilegemm.ops.w4a16 import cublas_half, dispatch, op
 from tilegemm.ops.w4a16.checks import call_tensors, check_inputs, replay_key
@@ -61,6 +62,8 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     if isinstance(w, Int4Weight):
         _check_dtensors(x, w, bias)
     check_inputs(x, w, bias, activation, kernel)
+    if any_negative(x, bias):  # (z.conj().imag: the kernels would read the values negated; never keyed)
+        (x, bias), x2 = resolved(x, bias), None
     lead, perm = x.shape[:-1], w.perm
     if x2 is None:
         x2 = _rows(x)

@@ -117,6 +117,8 @@ def replay_key(x2, w, bias, activation: str, kernel: str, perm=None):
         return None
     if not plain_tensor(x2) or not x2.is_cuda or interpreting() or in_graph_tree() or not plain_call(x2, bias):
         return None
+    if x2.is_neg() or bias is not None and bias.is_neg():  # (a negative view: the full path resolves it)
+        return None
     if type(w.qweight) not in PLAIN_TENSOR_TYPES or type(w.scales) not in PLAIN_TENSOR_TYPES \
             or type(w.zeros) not in PLAIN_TENSOR_TYPES or perm is not None and type(perm) not in PLAIN_TENSOR_TYPES:
         return None

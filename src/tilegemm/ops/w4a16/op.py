@@ -14,6 +14,7 @@ from tilegemm.core.replay import ReplayCache
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.w4a16 import dispatch
 from tilegemm.core.checked import check_once
+from tilegemm.core.runtime import any_negative, resolved
 from tilegemm.ops.w4a16 import fragment_records
 from tilegemm.ops.w4a16.checks import check_op_args, weight_of_op_args
 from tilegemm.ops.w4a16.problem import W4A16Problem
@@ -48,6 +49,8 @@ def _w4a16_op(
     # Called directly (torch.ops.tilegemm.w4a16_matmul) nothing checked the arguments: a weight's parts that do
     # not fit N, K and the group length would be read out of bounds. The public function's plain calls skip the op.
     check_once(check_op_args, x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm)
+    if any_negative(x, bias):  # (a compiled graph's input may be one: see tilegemm.matmul's op)
+        x, bias = resolved(x, bias)
     if bias is not None and bias.dim() == 1 and bias.stride(0) != 1:
         bias = bias.contiguous()  # the kernels read the bias as one contiguous vector
     return dispatch.forward(W4A16Problem.of_op_args(x, qweight, scales, zeros, fweight, fzs, bias, group_k,
