@@ -99,6 +99,9 @@ def test_unknown_kernel_is_named(device):
     a, b, offs = torch.randn(8, 4, device=device), torch.randn(2, 4, 5, device=device), O(2, 8).to(device)
     with pytest.raises(ValueError, match="unknown grouped kernel"):
         call(a, b, offs=offs, kernel="nope")
+    for kernel in (None, 1, ["tiled"]):  # a name of the wrong type: a TypeError naming the choices
+        with pytest.raises(TypeError, match="grouped kernel must be a str, one of: tiled"):
+            call(a, b, offs=offs, kernel=kernel)
 
 
 def test_devices_must_match():

@@ -181,6 +181,8 @@ def test_bad_options(device):
         tilegemm.matmul(a, b, activation="tanh")
     with pytest.raises(ValueError, match="unknown matmul kernel 'fastest'; choose one of: naive"):
         tilegemm.matmul(a, b, kernel="fastest")
+    with pytest.raises(TypeError, match="matmul kernel must be a str, one of: naive"):
+        tilegemm.matmul(a, b, kernel=None)
     with pytest.raises(ValueError, match="unknown precision 'double'"):
         tilegemm.matmul(a, b, precision="double")
     with pytest.raises(TypeError, match="out_dtype int32 is not supported"):

@@ -150,6 +150,8 @@ def test_errors(device):
         w4a16.matmul(x, w, activation="swish")
     with pytest.raises(ValueError, match="unknown w4a16 kernel"):
         w4a16.matmul(x, w, kernel="marlin")
+    with pytest.raises(TypeError, match="w4a16 kernel must be a str, one of: gemv"):
+        w4a16.matmul(x, w, kernel=1)
     with pytest.raises(TypeError, match="Int4Weight"):
         w4a16.matmul(x, torch.zeros(32, 128))
     with pytest.raises(TypeError, match="x is a tensor of layout torch.sparse_coo"):  # (it reached torch's copy)
