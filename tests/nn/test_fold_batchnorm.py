@@ -249,6 +249,17 @@ def test_a_norm_replaced_after_folding_is_applied_once(device):
         assert_rel_close(folded(x), _pair(device)[0].eval()(x).double(), 1e-5)
 
 
+def test_an_activation_replaced_after_folding_is_not_applied_by_the_convolution(device):
+    # head's SiLU is in the convolution's epilogue: replaced afterwards, the model must run the new module alone
+    ref, folded = _pair(device)
+    assert ("head.0", "head.1", "head.2") in folded.tilegemm_folded
+    ref.head[2], folded.head[2] = torch.nn.Identity(), torch.nn.Identity()
+    ref.eval(), folded.eval()
+    x = torch.randn(2, 8, 5, 5, device=device)
+    with torch.no_grad():
+        assert_rel_close(folded(x), ref(x).double(), 1e-5)
+
+
 def test_hooks_shared_modules_and_other_norms_are_left(device):
     model = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1), torch.nn.BatchNorm2d(4),  # hooked norm
                                 torch.nn.Conv2d(4, 4, 1), torch.nn.SyncBatchNorm(4),  # another class

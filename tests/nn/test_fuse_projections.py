@@ -297,6 +297,15 @@ def test_groups_left_alone(device):
     assert fuse_projections_(_pair(device)[1]).tilegemm_fused == [("", ("q_proj", "k_proj", "v_proj"))]  # once
 
 
+def test_projections_with_a_trained_bias_are_left(device):
+    # the joined bias is a buffer: fusing would drop the biases from parameters() and stop their training silently
+    torch.manual_seed(0)
+    m = quantize_(Attention(bias=True).to(device=device, dtype=torch.float16), group_size=32)
+    m.k_proj.bias.requires_grad_(True)
+    assert fuse_projections_(m).tilegemm_fused == []
+    assert [n for n, p in m.named_parameters() if p.requires_grad] == ["k_proj.bias"]
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="fuse_projections_ takes a torch.nn.Module"):
         fuse_projections_([])

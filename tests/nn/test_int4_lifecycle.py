@@ -151,6 +151,18 @@ def test_quantize_keeps_hooks_and_the_training_flag(device):
     assert_rel_close(model(x), _ref(model[2], h), 3e-3)
 
 
+def test_quantize_keeps_a_linear_whose_forward_was_replaced_on_the_instance():
+    # an Int4Linear runs its own forward: the instance's (accelerate's hooks, a patch) would be dropped silently
+    from tilegemm.nn import quantize_
+
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8)).half()
+    original = model[0].forward
+    model[0].forward = lambda x: original(x) * 0
+    quantize_(model, group_size=32, warn=False)
+    assert type(model[0]) is nn.Linear and isinstance(model[1], Int4Linear)
+    assert "replaced on the instance" in dict(model.tilegemm_skipped)["0"]
+
+
 def test_quantize_refuses_dtensor_weights_before_changing_anything():
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh

@@ -192,6 +192,19 @@ def test_blocks_that_cannot_be_taken_are_kept_with_the_reason():
     assert isinstance(m4.layers[0], Block)
 
 
+@pytest.mark.parametrize("cls_name", ["PhimoeSparseMoeBlock", "Ernie4_5_MoeSparseMoeBlock"])
+def test_4x_blocks_that_route_otherwise_are_kept(cls_name):
+    # transformers 4.x's PhiMoE (sparsemixer) and Ernie 4.5 (a correction bias, shared_experts) blocks have the
+    # Mixtral shape (gate, top_k, experts of w1/w3/w2 or gate/up/down) but not its routing: a SparseMoeBlock would
+    # change their outputs without a word
+    other = type(cls_name, (Block,), {})
+    m = Model(layers=1, E=4)
+    m.layers[0].__class__ = other
+    tilegemm.nn.convert_(m, linear=False, warn=False)
+    assert type(m.layers[0]) is other
+    assert "stays as it is" in dict(m.tilegemm_skipped)["layers.0"]
+
+
 def _transformers_4():
     try:
         import transformers

@@ -62,8 +62,9 @@ class Fold:
     def __init__(self, norm: FoldedBatchNorm2d, activation: str | None, places=()):
         self.norm = norm
         self.activation = activation
-        # (parent, name, module) of the convolution and the norm: a fold holds only while both are where it found
-        # them (a norm replaced afterwards, e.g. by SyncBatchNorm.convert_sync_batchnorm, must not be applied twice)
+        # (parent, name, module) of the convolution, the norm and the activation's wrapper if any: a fold holds only
+        # while all are where it found them (a norm replaced afterwards, e.g. by SyncBatchNorm.convert_sync_batchnorm,
+        # must not be applied twice)
         self.places = tuple(places)
         self.key = None
         self.cached = None
@@ -241,6 +242,8 @@ def fold_batchnorm_(model: torch.nn.Module) -> torch.nn.Module:
         conv.__dict__["_tilegemm_fold"] = fold
         if activation is not None:
             _replace(model, act_name, FoldedActivation(act, fold))
+            # the wrapper's place too: an activation swapped in later must not find the old one applied by the conv
+            fold.places += (_place(model, act_name),)
         folded.append((conv_name, norm_name, act_name if activation is not None else None))
     model.tilegemm_folded = folded
     return model

@@ -184,6 +184,8 @@ def _joinable(mods: list[nn.Module]) -> bool:
         return False
     if any(has_hooks(m) for m in mods):
         return False
+    if any(m.bias is not None and m.bias.requires_grad for m in mods):  # (the joined bias is a buffer: no training)
+        return False
     same = lambda f: len({f(m) for m in mods}) == 1  # noqa: E731
     if not (same(lambda m: m.in_features) and same(lambda m: m.group_size) and same(lambda m: m.scales.dtype)
             and same(lambda m: m.qweight.device) and same(lambda m: m.bias is None)
@@ -209,7 +211,8 @@ def fuse_projections_(model: nn.Module, groups=GROUPS) -> nn.Module:
     ``torch.split`` gives; where autograd records the product, the parts taken after the first are copies of their
     columns (so that one changed in place does not change another saved for backward).
 
-    Left as they are: projections held under several names or with hooks, DTensors, subclasses of Int4Linear.
+    Left as they are: projections held under several names or with hooks, DTensors, subclasses of Int4Linear,
+    biases that require grad (trained).
     The state dict keeps every projection's keys, shapes and values (saved from the joined tensors; a state dict
     of the same group size and permutation loads into them). Memory: the weights once (the joined copy replaces
     the parts'). ``model.tilegemm_fused`` lists ``(parent name, names)``.

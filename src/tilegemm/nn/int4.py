@@ -512,6 +512,9 @@ def _why_kept(module: nn.Module, group_size: int) -> str | None:
         return f"tilegemm.nn.Linear with activation={module.activation!r} (Int4Linear fuses no activation)"
     if not (type(module) is Linear or is_plain_linear(module) or is_conv1d(module)):
         return subclass_reason(module, nn.Linear, "quantize")
+    if "forward" in vars(module):  # the Int4Linear would run its own forward and silently drop this one
+        return ("its forward was replaced on the instance (a tensor-parallel plan, accelerate's device_map hooks): "
+                "quantize before applying those")
     if module.weight.dtype not in _MODULE_DTYPES:
         return f"weight dtype {dtype_name(module.weight.dtype)} (quantize takes fp16, bf16, fp32)"
     K = module.weight.shape[0] if is_conv1d(module) else module.in_features

@@ -597,6 +597,12 @@ def _experts_modules_all(model):
 
 # The expert MLPs' Linears: (gate, up, down) as Qwen-MoE / OLMoE name them, and as Mixtral does (w1, w3, w2).
 _MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+# transformers 4.x blocks of that shape whose routing SparseMoeBlock's (softmax, top k) would silently change
+OTHER_ROUTING_BLOCKS = {
+    "PhimoeSparseMoeBlock": "PhiMoE's block routes by sparsemixer, not softmax and top k: it stays as it is",
+    "Ernie4_5_MoeSparseMoeBlock": "Ernie 4.5's block picks experts with a correction bias (moe_statics) and adds "
+                                  "shared_experts: it stays as it is",
+}
 # Activation modules (by class name, as transformers' ACT2FN makes them) that a tilegemm epilogue computes.
 _FUSABLE_MODULES = {"SiLU": "silu", "SiLUActivation": "silu", "ReLU": "relu", "PytorchGELUTanh": "gelu_tanh",
                     "GELUTanh": "gelu_tanh"}
@@ -618,6 +624,8 @@ def legacy_block_parts(block: torch.nn.Module) -> tuple[tuple[str, str, str] | N
     if not isinstance(experts, torch.nn.ModuleList) or not len(experts) or not isinstance(router, torch.nn.Linear) \
             or not isinstance(getattr(block, "top_k", None), int):
         return None, None
+    if type(block).__name__ in OTHER_ROUTING_BLOCKS:
+        return None, OTHER_ROUTING_BLOCKS[type(block).__name__]
     names = next((n for n in _MLP_NAMES if all(_linear_kind(getattr(e, m, None)) for e in experts for m in n)), None)
     if names is None:
         return None, "experts that are not gated MLPs of three Linears"
