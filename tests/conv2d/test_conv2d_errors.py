@@ -184,6 +184,27 @@ def test_the_checks_trace_under_torch_compile(device):
                                    torch.nn.Conv2d.forward(conv, x), rtol=1e-4, atol=1e-4)
 
 
+def test_a_dynamic_batch_compiles_once(device):
+    """The fake keeps symbolic sizes: a dynamic batch (and image size) is not specialized on, so new sizes compile
+    nothing and torch.export takes a dynamic batch; it int()-ed each size, a recompile per batch, export refused."""
+    w = torch.randn(6, 3, 3, 3, device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: tilegemm.conv2d(x, w, None, 1, 1), fullgraph=True, backend="eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for n, h in ((2, 7), (5, 7), (4, 9)):
+            x = torch.randn(n, 3, h, 8, device=device)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(x, 2)
+            torch.testing.assert_close(compiled(x), torch.nn.functional.conv2d(x, w, None, 1, 1), rtol=1e-4,
+                                       atol=1e-4)
+    conv = tilegemm.nn.Conv2d(3, 6, 3, padding=1).to(device)
+    batch = torch.export.Dim("batch", max=64)
+    ep = torch.export.export(conv, (torch.randn(2, 3, 8, 8, device=device),), dynamic_shapes=({0: batch},))
+    x = torch.randn(5, 3, 8, 8, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(x), torch.nn.Conv2d.forward(conv, x), rtol=1e-4, atol=1e-4)
+
+
 def _op(x, w, bias=None, stride=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1), groups=1, activation="none",
         precision="default", kernel="auto", out_dtype=None):
     return torch.ops.tilegemm.conv2d(x, w, bias, list(stride), list(padding), list(dilation), groups, activation,

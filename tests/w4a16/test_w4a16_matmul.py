@@ -224,6 +224,28 @@ def test_compile_fullgraph(device):
     assert_rel_close(out, reference(x, w, activation="silu") * 2, 2e-3)
 
 
+def test_export_with_a_dynamic_batch(device):
+    """auto's fragment-kernel rows (M <= 128, 512) are compared only where that kernel can run: elsewhere a traced M
+    was guarded on, so torch.export refused a batch dim above 128 and torch.compile recompiled across it."""
+    from tilegemm.ops.w4a16.dispatch import frag_usable
+
+    w = w4a16.quantize(torch.randn(32, 128, dtype=torch.float16, device=device), 64)
+    if frag_usable(w.group_k, torch.device(device), 128):
+        pytest.skip("the fragment kernel runs here: auto's choice of it depends on M")
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return w4a16.matmul(x, w)
+
+    batch = torch.export.Dim("batch", max=4096)
+    x = torch.randn(5, 128, dtype=torch.float16, device=device)
+    for module in (M(), tilegemm.nn.Int4Linear.from_weight(w)):
+        ep = torch.export.export(module, (torch.randn(3, 128, dtype=torch.float16, device=device),),
+                                 dynamic_shapes=({0: batch},))
+        with torch.no_grad():
+            assert_rel_close(ep.module()(x), reference(x, w), 2e-3)
+
+
 @pytest.mark.parametrize("rows_n", [True, False])
 @pytest.mark.parametrize("N, K, group_size", [(200, 512, 64), (17, 256, 128), (136, 96, 32)])
 def test_dequant_kernel_both_layouts(device, rows_n, N, K, group_size):

@@ -76,8 +76,9 @@ def geometry_of(x_shape, w_shape, stride, padding, dilation, groups) -> Geometry
     """Geometry from shapes and already-resolved lists (what the torch.library op receives)."""
     N, C, H, W = x_shape
     K, _, R, S = w_shape
-    return Geometry(int(N), int(C), int(H), int(W), int(K), int(R), int(S), int(groups), tuple(stride),
-                    tuple(padding), tuple(dilation))
+    # SymInts (torch.compile's dynamic shapes, the fake's) kept: int() would specialize them, a recompile each size
+    N, C, H, W, K, R, S, groups = (v if isinstance(v, torch.SymInt) else int(v) for v in (N, C, H, W, K, R, S, groups))
+    return Geometry(N, C, H, W, K, R, S, groups, tuple(stride), tuple(padding), tuple(dilation))
 
 
 def channels_last(t: torch.Tensor) -> bool:

@@ -64,8 +64,9 @@ def frag_usable(group_k: int, device: torch.device, K: int | None = None) -> boo
 def wants_frag(kernel: str, x2: torch.Tensor, w) -> bool:
     """Whether a call with 2-D activations ``x2`` and weight ``w`` runs, or under ``auto`` may run, a kernel that
     takes the fragment layout."""
-    return kernel in FRAG_KERNELS or (kernel == "auto" and frag_rows(x2.shape[0], w.shape[-2])
-                                      and frag_usable(w.group_k, x2.device, w.shape[-1]))
+    # frag_usable first: where the kernel cannot run, M is not compared (a traced M would be guarded on, <= 128)
+    return kernel in FRAG_KERNELS or (kernel == "auto" and frag_usable(w.group_k, x2.device, w.shape[-1])
+                                      and frag_rows(x2.shape[0], w.shape[-2]))
 
 
 def gathers(p: W4A16Problem) -> bool:
