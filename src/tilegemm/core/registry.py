@@ -142,12 +142,12 @@ def get(op_name: str, name: str) -> KernelSpec:
     family = _KERNELS.get(op_name)
     if family is None:
         op(op_name)  # raises: unknown op
-    if type(name) is not str:  # (a TypeError, as for any argument of the wrong type; a list is not even hashable)
-        choices = [s.name for s in specs(op_name)] + list(_OPS[op_name].pseudo)
-        raise TypeError(f"{op_name} kernel must be a str, one of: {', '.join(choices)}; got {type(name).__name__}")
-    if name not in family:
-        choices = [s.name for s in specs(op_name)] + list(_OPS[op_name].pseudo)
-        raise ValueError(f"unknown {op_name} kernel {name!r}; choose one of: {', '.join(choices)}")
+    named = type(name) is str  # (else a TypeError, as for any argument of the wrong type; a list is not hashable)
+    if not named or name not in family:
+        choices = ", ".join([s.name for s in specs(op_name)] + list(_OPS[op_name].pseudo))
+        if not named:
+            raise TypeError(f"{op_name} kernel must be a str, one of: {choices}; got {type(name).__name__}")
+        raise ValueError(f"unknown {op_name} kernel {name!r}; choose one of: {choices}")
     return family[name]
 
 
