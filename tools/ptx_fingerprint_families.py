@@ -36,6 +36,7 @@ KERNELS = {
     "w4a16_frag_wgmma": "tilegemm.ops.w4a16.frag_wgmma:frag_wgmma_kernel",
     "w4a16_dequant": "tilegemm.ops.w4a16.dequant_cublas:w4a16_dequant_kernel",
     "conv2d_fwd": "tilegemm.ops.conv2d.implicit_gemm:conv2d_fwd_kernel",
+    "conv2d_stem": "tilegemm.ops.conv2d.implicit_gemm:conv2d_stem_kernel",
     "conv2d_dgrad": "tilegemm.ops.conv2d.implicit_gemm:conv2d_dgrad_kernel",
     "conv2d_wgrad": "tilegemm.ops.conv2d.implicit_gemm:conv2d_wgrad_kernel",
     "depthwise_fwd": "tilegemm.ops.conv2d.depthwise:depthwise_fwd_kernel",

@@ -448,13 +448,13 @@ def test_gpu_fp32_output_channel_slices_and_a_misaligned_weight():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_stem_with_an_nchw_input_takes_the_window_route(dtype):
-    # the window route copies the input whatever its layout: an NCHW stem is taken by the TMA kernel under
-    # auto too, and its output stays NCHW
+    # the window route copies the input whatever its layout: an NCHW stem of 64 output channels is taken by the
+    # TMA kernel under auto too (fewer go to the stem kernel: dispatch.stem_kernel_pays), and its output stays NCHW
     from tilegemm.ops.conv2d.checks import check_conv
     from tilegemm.ops.conv2d.dispatch import _tma_usable
     from tilegemm.ops.conv2d.problem import ConvProblem
 
-    x, w, b = _inputs(dtype, 2, 3, 30, 34, 16, 7, 7)
+    x, w, b = _inputs(dtype, 2, 3, 30, 34, 64, 7, 7)
     xn = x.contiguous()
     g = check_conv(xn, w, b, 2, 3, 1, 1)
     assert _tma_usable(ConvProblem(xn, w, b, g, dtype, torch.contiguous_format, "none", "ieee", False))

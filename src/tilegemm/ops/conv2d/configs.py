@@ -55,6 +55,27 @@ def forward_config(g: Geometry, dtype: torch.dtype) -> dict:
     return cfg
 
 
+def takes_stem(g: Geometry) -> bool:
+    """Whether ``implicit_gemm``'s forward runs on its stem kernel
+    (:func:`tilegemm.ops.conv2d.implicit_gemm.conv2d_stem_kernel`): one group of at most :data:`STEM_ROWS_MAX_C`
+    channels, a filter of at most :data:`STEM_ROWS_MAX_K` (r, s, c) columns (its K loop is unrolled)."""
+    return g.groups == 1 and g.C <= STEM_ROWS_MAX_C and g.R * g.S * g.C <= STEM_ROWS_MAX_K
+
+
+STEM_ROWS_MAX_C = 8  # stems: below, every (r, s, c) a constexpr
+STEM_ROWS_MAX_K = 512  # a filter's columns (the K loop is unrolled): 11x11x3 = 363 fits, ViT's 16x16x3 does not
+
+
+def stem_rows_config(g: Geometry, dtype: torch.dtype) -> dict:
+    """The stem kernel's tile (:func:`tilegemm.ops.conv2d.implicit_gemm.conv2d_stem_kernel`): 128 pixels of an
+    output row (64 on rows of at most 64), all output channels up to 128 (a power of two, at least 16), 32-wide
+    K steps, 4 warps (docs/conv2d.md, "Stems")."""
+    if interpreting():
+        return dict(BLOCK_Q=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
+    return dict(BLOCK_Q=64 if g.Q <= 64 else 128, BLOCK_N=_pow2_at_least(g.Kg, 16, 128), BLOCK_K=32,
+                num_warps=4, num_stages=1)
+
+
 def dgrad_config(g: Geometry, dtype: torch.dtype) -> dict:
     """Data gradient: M = N*H*W input pixels, N = C/groups, the K loop over (r, s, K/groups)."""
     if interpreting():

@@ -29,6 +29,9 @@ from tilegemm.ops.matmul import matmul
 
 # auto's thresholds: name = value  # why
 STEM_MAX_C = 8  # inputs of at most this many channels are stems: the TMA window route reads them in any layout
+STEM_WINDOW_MIN_K = 32  # stems of a channels-last input keep the window route from this many output channels, a
+#   multiple of 16; below, or 8 past a multiple of 16, the stem kernel ran 1.2x-2.1x cuDNN where the window 0.4x-0.7x
+STEM_WINDOW_MIN_K_PLANAR = 64  # ... of an NCHW input, from this many output channels (the window route's copy)
 GEMM_1X1_PIXELS = 16384  # stride-1 1x1 layers over at most this many output pixels: a GEMM beats the TMA kernel
 LONG_REDUCTION_STEPS = 32  # a 1x1 layer whose TMA tiles leave SMs idle over this many K steps: split-K GEMM fills them
 GLUON_1X1_MIN_CHANNELS = 96  # 1x1 layers with this many output channels take gluon_f16's 128-wide tiles
@@ -70,6 +73,8 @@ def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, 
     if takes_grouped_direct(g):  # few channels a group: CUDA cores, not mostly empty MMA tiles
         return "grouped_direct"
     pointwise = g.is_pointwise or (g.is_strided_pointwise and x_channels_last)
+    if tma and stem_kernel_pays(g, x_channels_last):
+        return "implicit_gemm"  # its stem kernel (configs.takes_stem)
     if tma and not g.is_depthwise and (not pads_channels(g) or padding_pays(g)):
         if not (pointwise and pointwise_as_gemm(g, sms, gluon)):
             return "tma_implicit_gemm"
@@ -78,6 +83,19 @@ def choose_kernel(g: Geometry, x_channels_last: bool = True, tma: bool = False, 
     if g.is_depthwise:
         return "depthwise"
     return "implicit_gemm"
+
+
+def stem_kernel_pays(g: Geometry, x_channels_last: bool) -> bool:
+    """Whether a stem (one group, at most :data:`STEM_MAX_C` channels, a filter of more than one tap) runs faster
+    on the pointer kernel's stem kernel (:func:`~tilegemm.ops.conv2d.configs.takes_stem`) than through the
+    TMA window route: from a channels-last input, output channels not a multiple of 16 or fewer than
+    :data:`STEM_WINDOW_MIN_K`; from any other layout (the window route copies it), fewer than
+    :data:`STEM_WINDOW_MIN_K_PLANAR` (docs/conv2d.md, "Stems")."""
+    if g.groups != 1 or g.C > STEM_MAX_C or g.R * g.S == 1 or not configs.takes_stem(g):
+        return False
+    if not x_channels_last:
+        return g.K < STEM_WINDOW_MIN_K_PLANAR
+    return g.K % 16 != 0 or g.K < STEM_WINDOW_MIN_K
 
 
 def pads_channels(g: Geometry) -> bool:

@@ -17,7 +17,7 @@ import torch
 
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
-from tilegemm.ops.conv2d.configs import dgrad_config, forward_config, wgrad_columns, wgrad_config
+from tilegemm.ops.conv2d.configs import dgrad_config, forward_config, takes_stem, wgrad_columns, wgrad_config
 from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
 
 ensure_backend()
@@ -139,6 +139,58 @@ def conv2d_fwd_kernel(
     out_rows = n * stride_on + p * stride_op + q * stride_oq  # [BM]
     tl.store(out_ptr + out_rows[:, None] + (k_out * stride_ok)[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "Kg", "pad_h", "pad_w"])
+def conv2d_stem_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr,
+    H, W, P, Q, Kg,
+    stride_xn, stride_xc, stride_xh, stride_xw,
+    stride_wk, stride_wc, stride_wr, stride_ws,
+    stride_on, stride_op, stride_oq, stride_ok,
+    stride_bias,
+    str_h, str_w, pad_h, pad_w, dil_h, dil_w,
+    C: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    INDEX_64: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # A stem (few input channels, one group): BLOCK_Q output pixels of one output row by BLOCK_N output channels.
+    # C, R and S are constexprs, so a K step's (r, s, c) and their offsets are constants: a gathered element costs
+    # an add and its bound compares (docs/conv2d.md, "Stems").
+    row = tl.program_id(0)  # n * P + p
+    n = row // P
+    p = row - n * P
+    q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ]
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    h0 = p * str_h - pad_h
+    w0 = q * str_w - pad_w  # [BQ]
+    if INDEX_64:
+        n = n.to(tl.int64)
+        w0 = w0.to(tl.int64)
+    x_pix = x_ptr + n * stride_xn + w0 * stride_xw  # [BQ] each output pixel's window's first column
+    q_ok = (q < Q)[:, None]
+    n_ok = offs_n < Kg
+    acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.static_range(0, R * S * C, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)  # [BK] (r, s, c) as one index
+        r = kk // (S * C)
+        s = (kk // C) % S
+        c = kk % C
+        h = h0 + r * dil_h  # [BK]
+        if INDEX_64:
+            h = h.to(tl.int64)
+        wcol = w0[:, None] + (s * dil_w)[None, :]  # [BQ, BK]
+        ok = q_ok & ((kk < R * S * C) & (h >= 0) & (h < H))[None, :] & (wcol >= 0) & (wcol < W)
+        a = tl.load(x_pix[:, None] + (h * stride_xh + s * dil_w * stride_xw + c * stride_xc)[None, :], mask=ok,
+                    other=0.0)  # [BQ, BK]
+        b = tl.load(w_ptr + (offs_n * stride_wk)[None, :] + (r * stride_wr + s * stride_ws + c * stride_wc)[:, None],
+                    mask=(kk < R * S * C)[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
+        acc = _tap_mma(a, b, acc, UPCAST, "ab", INPUT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    acc = apply_activation(acc, ACTIVATION)
+    out = out_ptr + n * stride_on + p * stride_op + (q * stride_oq)[:, None] + (offs_n * stride_ok)[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=q_ok & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -373,6 +425,8 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     """Forward: ``activation(conv2d(p.x, p.weight) + p.bias)``."""
     from tilegemm.core.launch import sequence_lock
 
+    if config is None and takes_stem(p.geo):
+        return _run_stem(p, allocate_out(p))  # x and the weight read in place
     with sequence_lock:  # a weight's workspace is shared by the calls on this stream
         w, keep = pointer_weight(p.weight)
         return _run_forward(p, _nhwc(p.x), w, keep, config)
@@ -401,6 +455,24 @@ def _run_forward(p: ConvProblem, x: torch.Tensor, w: torch.Tensor, keep: tuple, 
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.Kg, cfg["BLOCK_N"]), g.groups)
     launch(conv2d_fwd_kernel, grid, args, {**flags, **cfg}, keep=keep,
            stream=current_stream() if keep else None)
+    return out
+
+
+def _run_stem(p: ConvProblem, out: torch.Tensor) -> torch.Tensor:
+    """The forward of a stem (:func:`takes_stem`) on :func:`conv2d_stem_kernel`: x and the weight read in place,
+    in any layout; one launch."""
+    from tilegemm.ops.conv2d.configs import stem_rows_config
+
+    g, x, w = p.geo, p.x, p.weight
+    cfg = stem_rows_config(g, p.dtype)
+    bias = p.bias if p.bias is not None else out
+    args = (x, w, out, bias, g.H, g.W, g.P, g.Q, g.Kg, *x.stride(), *w.stride(),
+            out.stride(0), out.stride(2), out.stride(3), out.stride(1),
+            p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
+    flags = dict(C=g.C, R=g.R, S=g.S, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation,
+                 INPUT_PRECISION=p.precision, UPCAST=p.upcast, INDEX_64=p.index_64)
+    grid = (g.N * g.P, cdiv(g.Q, cfg["BLOCK_Q"]), cdiv(g.Kg, cfg["BLOCK_N"]))
+    launch(conv2d_stem_kernel, grid, args, {**flags, **cfg})
     return out
 
 
