@@ -130,3 +130,25 @@ def test_auto_takes_the_stem_kernel_where_it_pays(g, channels_last, kernel):
     else:
         assert choose_kernel(g, channels_last, tma=True) == kernel
     assert choose_kernel(g, channels_last, tma=False) != "tma_implicit_gemm"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("K,channels_last,stem_kernel", [(24, True, True), (40, False, True), (32, True, False)])
+def test_gpu_auto_routes_stems_by_output_channels(K, channels_last, stem_kernel, dtype, monkeypatch):
+    # on Hopper auto sends a stem to the stem kernel or the TMA window route by stem_kernel_pays; both right
+    from tilegemm.core import registry
+
+    if registry.get("conv2d", "tma_implicit_gemm").unavailable_reason():
+        pytest.skip("the window route needs a Hopper GPU")
+    seen = _ran_stem(monkeypatch)
+    x = torch.randn(3, 3, 67, 45, device="cuda").to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=CL)
+    w = (torch.randn(K, 3, 3, 3, device="cuda") / 27**0.5).to(dtype)
+    b = torch.randn(K, device="cuda").to(dtype)
+    out = tilegemm.conv2d(x, w, b, stride=2, padding=1, activation="silu")
+    ref = conv2d_reference(x, w, b, stride=2, padding=1, activation="silu")
+    assert_rel_close(out, ref, tolerance(dtype))
+    assert out.is_contiguous(memory_format=CL) == channels_last
+    assert len(seen) == int(stem_kernel)
