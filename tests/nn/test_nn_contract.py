@@ -83,6 +83,16 @@ def test_convert_flags_take_only_booleans(flag, value):
     assert type(model[0]) is torch.nn.Linear
 
 
+@pytest.mark.parametrize("flag", ["symmetric", "warn"])
+@pytest.mark.parametrize("value", ["no", None, 1])
+def test_quantize_flags_take_only_booleans(flag, value):
+    # symmetric="no" is truthy: the symmetric form would have been chosen, after the MoE blocks were converted
+    model = torch.nn.Sequential(torch.nn.Linear(128, 8))
+    with pytest.raises(TypeError, match=f"quantize_: {flag} must be True or False, got {value!r}"):
+        quantize_(model, **{flag: value})
+    assert type(model[0]) is torch.nn.Linear
+
+
 def test_an_fp32_model_takes_its_own_input_after_quantize():
     model = torch.nn.Sequential(torch.nn.Linear(128, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     x = torch.randn(3, 128)

@@ -612,6 +612,9 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
         raise ValueError("quantize_ swaps the layers inside a model; to quantize one layer, use "
                          "tilegemm.nn.Int4Linear.from_linear")
     check_group_size_value(group_size, "quantize_")
+    for flag, value in (("symmetric", symmetric), ("warn", warn)):
+        if not isinstance(value, bool):  # (refused before anything changes; "no" would have been taken as True)
+            raise TypeError(f"quantize_: {flag} must be True or False, got {value!r}")
     if filter is not None and not callable(filter):  # (it raised "'int' object is not callable" mid-walk)
         raise TypeError(f"quantize_: filter must be a callable (name, module) -> bool or None, got "
                         f"{type(filter).__name__}")
