@@ -64,6 +64,25 @@ def test_outputs_bit_for_bit_and_no_reorder_left(device, bias, input_perm):
             assert (a.float() - b.float()).norm() <= 1e-3 * b.float().norm(), m
 
 
+def test_biases_being_trained_stay_trainable(device):
+    # the reordered gate and up projections were made with frozen biases: a bias fine-tune stopped training them
+    model = nn.Sequential(MLP(bias=True)).to(device)
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        getattr(model[0], part).bias.requires_grad_(True)
+    ref = copy.deepcopy(model)
+    absorb_act_order_(model)
+    assert model.tilegemm_act_order_absorbed == ["0"]
+    x = torch.randn(3, 64, device=device, dtype=torch.float16)
+    model(x).float().sum().backward()
+    ref(x).float().sum().backward()
+    perm = ref[0].down_proj.perm.to(device)
+    for part in ("gate_proj", "up_proj"):
+        bias, bias_ref = getattr(model[0], part).bias, getattr(ref[0], part).bias
+        assert bias.requires_grad and bias.grad is not None
+        torch.testing.assert_close(bias.grad.float(), bias_ref.grad[perm].float(), rtol=2e-2, atol=2e-2)
+    assert model[0].down_proj.bias.requires_grad
+
+
 def test_a_forward_that_does_not_fit_is_put_back(device):
     model = nn.Sequential(MLP(norm=True)).to(device)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -33,6 +33,8 @@ def _rows_in_order(m: Int4Linear, perm: torch.Tensor) -> Int4Linear:
     out = Int4Linear.from_weight(new, None if m.bias is None else m.bias[cols])
     if m.bias is not None and m.bias.dtype != out.bias.dtype:  # (an fp32 module keeps an fp32 bias)
         out.bias = nn.Parameter(m.bias[cols].detach().clone(), requires_grad=False)
+    if m.bias is not None:
+        out.bias.requires_grad_(m.bias.requires_grad)  # a bias being trained stays trainable
     return out.train(m.training)
 
 
