@@ -14,13 +14,15 @@ from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
 register_op(OpSpec(
     name="conv2d", summary="2-D convolution (F.conv2d semantics) with fused bias and activation; fwd and bwd",
     bench="tilegemm.ops.conv2d.bench:Conv2dBench",
-    pseudo={"auto": "tma_implicit_gemm where TMA can describe the call (Hopper, 16-bit, channels-last), else "
-                    "gemm_1x1 for pointwise, depthwise for depthwise, grouped_direct for groups of at most 8 channels, "
-                    "implicit_gemm otherwise (the default)"},
+    pseudo={"auto": "tma_implicit_gemm where TMA can describe the call (Hopper, 16-bit, channels-last) but stems "
+                    "of few output channels (implicit_gemm's stem kernel), else gemm_1x1 for pointwise, depthwise "
+                    "for depthwise, grouped_direct for groups of at most 8 channels, implicit_gemm otherwise (the "
+                    "default)"},
 ))
 register(KernelSpec(
     op="conv2d", name="implicit_gemm", order=10, target="tilegemm.ops.conv2d.implicit_gemm:run",
-    summary="implicit GEMM over channels-last pixels: K loop over filter taps, then channels; any conv",
+    summary="implicit GEMM over channels-last pixels: K loop over filter taps, then channels; any conv; "
+            "stems (at most 8 channels) over output rows, every tap a constant",
 ))
 register(KernelSpec(
     op="conv2d", name="tma_implicit_gemm", order=15, target="tilegemm.ops.conv2d.tma_fwd:run",
