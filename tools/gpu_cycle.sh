@@ -62,7 +62,7 @@
 #   w4-checkpoint a Llama-3-8B-shaped GPTQ checkpoint (tools/write_w4_checkpoint.py, 32 layers, \$W4_CKPT_DIR),
 #                 then the loader's tests on the GPU and `bench --op w4a16 --model llama --checkpoint` on it
 #   zoo           the conv2d bench's zoo sweep (every convolution of torchvision's classification models), parts
-#                 \$ZOO_PART (default 0/8; several, space-separated), \$ZOO_GRAPH=1 as CUDA graphs, mode \$ZOO_MODE
+#                 \$ZOO_PART (default 0/8; several, space-separated; a kind of layer too: stem, depthwise:0/4, ...), \$ZOO_GRAPH=1 as CUDA graphs, mode \$ZOO_MODE
 #                 (fwd), dtypes \$ZOO_DTYPES (fp16), auto only (log in \$OUT/conv2d-zoo-*.log; its precompile lines and last lines shown);
 #                 zoo-models  --op conv2d --model NAME (b32 eager and graph, b1 eager, b32 train) for \$ZOO_MODELS
 #                 (the models but ResNet-50, whose entry is --model resnet50), dtype \$ZOO_DTYPE (fp16)
@@ -224,7 +224,7 @@ for step in "$@"; do
     first-call) python3 tools/first_call.py --out "$OUT/first-call.json" 2>&1 | tail -n 20 ;;
     zoo) graph=(); sfx=; [ -n "${ZOO_GRAPH:-}" ] && graph=(--cuda-graph) && sfx=-graph
          for part in ${ZOO_PART:-0/8}; do for d in ${ZOO_DTYPES:-fp16}; do
-           name=conv2d-zoo-${ZOO_MODE:-fwd}-$d-${part/\//of}$sfx
+           tag=${part/\//of}; name=conv2d-zoo-${ZOO_MODE:-fwd}-$d-${tag/:/-}$sfx
            bench --op conv2d --sweep "zoo:$part" --mode "${ZOO_MODE:-fwd}" --dtype $d --kernels auto \
              ${graph[@]+"${graph[@]}"} --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
            grep -E "^(--)?precompile" "$OUT/$name.log" | tail -n 2; tail -n 3 "$OUT/$name.log"; done; done ;;

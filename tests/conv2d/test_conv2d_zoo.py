@@ -92,6 +92,28 @@ def test_sweep_parts_split_the_whole():
             op.cases(bad)
 
 
+def test_sweep_kinds_split_the_whole():
+    from tilegemm.bench.base import BenchError, bench_op
+
+    op = bench_op("conv2d")
+    labels = sorted(c.label for c in op.cases("zoo"))
+    by_kind = {k: op.cases(f"zoo:{k}") for k in zoo.KINDS}
+    assert sorted(c.label for cases in by_kind.values() for c in cases) == labels  # each layer in one kind
+    assert all(by_kind.values())
+    stems = [c.dims for c in by_kind["stem"]]
+    assert all(d["C"] <= 8 and d["groups"] == 1 and d["R"] * d["S"] > 1 for d in stems)
+    assert {"3->64 7x7"} <= {f"{d['C']}->{d['K']} {d['R']}x{d['S']}" for d in stems}  # ResNet's
+    assert all(d["groups"] == d["C"] for d in (c.dims for c in by_kind["depthwise"]))
+    assert all(d["R"] == d["S"] == 1 and d["groups"] == 1 for d in (c.dims for c in by_kind["pointwise"]))
+    halves = [op.cases(f"zoo:depthwise:{i}/2") for i in range(2)]
+    assert sorted(c.label for h in halves for c in h) == sorted(c.label for c in by_kind["depthwise"])
+    for bad in ("zoo:stems", "zoo:stem:2/2", "zoo:Stem:0/1"):
+        with pytest.raises(BenchError, match="malformed sweep"):
+            op.cases(bad)
+    with pytest.raises(BenchError, match="unknown kind 'conv'; the kinds: stem, depthwise"):
+        op.cases("zoo:conv:0/2")
+
+
 def test_cases_carry_the_layer_geometry():
     from tilegemm.bench.base import bench_op
     from tilegemm.ops.conv2d.bench import _out_size

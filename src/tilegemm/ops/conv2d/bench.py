@@ -30,16 +30,16 @@ def _case(N, C, H, W, K, R, S, stride=1, pad=0, groups=1, x=0.0) -> Case:
 
 
 def _zoo_cases(sweep: str) -> list[Case]:
-    """The ``zoo`` sweep or its part ``zoo:I/N`` (:mod:`tilegemm.ops.conv2d.zoo`): batch 32, each case's
-    ``models`` naming the torchvision models the layer comes from."""
+    """The ``zoo`` sweep or its part ``zoo:I/N``, ``zoo:KIND``, ``zoo:KIND:I/N`` (:mod:`tilegemm.ops.conv2d.zoo`):
+    batch 32, each case's ``models`` naming the torchvision models the layer comes from."""
     from tilegemm.ops.conv2d import zoo
 
     try:
-        part, parts = zoo.parse_part(sweep)
+        part, parts, kind = zoo.parse_part(sweep)
     except ValueError as err:
         raise BenchError(str(err)) from None
     cases = []
-    for i, layer in enumerate(zoo.part_layers(part, parts)):
+    for i, layer in enumerate(zoo.part_layers(part, parts, kind)):
         (sh, sw), (ph, pw), (dh, dw) = layer["stride"], layer["padding"], layer["dilation"]
         C, K, H, W, R, S, groups = (layer[k] for k in ("C", "K", "H", "W", "R", "S", "groups"))
         label = (f"n{zoo.BATCH}c{C}h{H}w{W}k{K}r{R}s{S}/{sh}x{sw}p{ph}x{pw}" + (f"d{dh}x{dw}" if (dh, dw) != (1, 1)
@@ -129,7 +129,7 @@ class Conv2dBench(BenchOp):
         "mobilenet": lambda: _distinct(mobilenet_v2_layers(), 64),
         "tiny": lambda: [_case(2, 8, 9, 9, 16, 3, 3, 1, 1, x=0), _case(2, 16, 6, 6, 16, 1, 1, x=1),
                          _case(2, 8, 8, 8, 8, 3, 3, 2, 1, groups=8, x=2)],
-        "zoo": lambda: _zoo_cases("zoo"),  # zoo:I/N, part I of N, too (cases())
+        "zoo": lambda: _zoo_cases("zoo"),  # zoo:I/N (part I of N), zoo:KIND, zoo:KIND:I/N too (cases())
         "odd": lambda: odd_channel_cases(),
     }
     gpu_sweep = "resnet50"
