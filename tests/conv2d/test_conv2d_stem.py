@@ -152,3 +152,16 @@ def test_gpu_auto_routes_stems_by_output_channels(K, channels_last, stem_kernel,
     assert_rel_close(out, ref, tolerance(dtype))
     assert out.is_contiguous(memory_format=CL) == channels_last
     assert len(seen) == int(stem_kernel)
+
+
+def test_64_bit_addresses(device, monkeypatch):
+    # the int64 offsets of a problem past 2^31 elements, on a small one (the flag forced): the same values
+    from tilegemm.ops.conv2d.problem import ConvProblem
+
+    seen = _ran_stem(monkeypatch)
+    monkeypatch.setattr(ConvProblem, "index_64", property(lambda self: True))
+    x = torch.randn(2, 3, 13, 11, device=device)
+    w = torch.randn(20, 3, 3, 3, device=device)
+    out = tilegemm.conv2d(x, w, None, stride=2, padding=1, precision="ieee", kernel="implicit_gemm")
+    assert_rel_close(out, conv2d_reference(x, w, None, stride=2, padding=1), 1e-5)
+    assert len(seen) == 1
