@@ -62,8 +62,9 @@
 #   w4-checkpoint a Llama-3-8B-shaped GPTQ checkpoint (tools/write_w4_checkpoint.py, 32 layers, \$W4_CKPT_DIR),
 #                 then the loader's tests on the GPU and `bench --op w4a16 --model llama --checkpoint` on it
 #   zoo           the conv2d bench's zoo sweep (every convolution of torchvision's classification models), parts
-#                 \$ZOO_PART (default 0/8; several, space-separated; a kind of layer too: stem, depthwise:0/4, ...), \$ZOO_GRAPH=1 as CUDA graphs, mode \$ZOO_MODE
-#                 (fwd), dtypes \$ZOO_DTYPES (fp16), auto only (log in \$OUT/conv2d-zoo-*.log; its precompile lines and last lines shown);
+#                 \$ZOO_PART (default 0/8; several, space-separated; a kind of layer too: stem, depthwise:0/4, ...),
+#                 \$ZOO_GRAPH=1 as CUDA graphs, mode \$ZOO_MODE (fwd), dtypes \$ZOO_DTYPES (fp16), auto only (log in
+#                 \$OUT/conv2d-zoo-*.log; its precompile lines and last lines shown);
 #                 zoo-models  --op conv2d --model NAME (b32 eager and graph, b1 eager, b32 train) for \$ZOO_MODELS
 #                 (the models but ResNet-50, whose entry is --model resnet50), dtype \$ZOO_DTYPE (fp16)
 #   w4-fused      the w4a16 model entries (llama, qwen2) and the 4-bit Qwen3-MoE entry with row fused beside auto
