@@ -73,23 +73,19 @@ def test_a_filter_that_is_not_callable_is_named(transform):
     assert type(model[0]) is torch.nn.Linear
 
 
-@pytest.mark.parametrize("flag", ["conv", "linear", "moe", "warn", "fold_batchnorm"])
+_FLAGS = [("convert_", f) for f in ("conv", "linear", "moe", "warn", "fold_batchnorm")] + [
+    ("quantize_", "symmetric"), ("quantize_", "warn")]
+
+
+@pytest.mark.parametrize("transform,flag", _FLAGS)
 @pytest.mark.parametrize("value", ["no", None, 2.0])
-def test_convert_flags_take_only_booleans(flag, value):
-    # linear="no" is truthy: it converted the Linears it was meant to keep, saying nothing
-    model = torch.nn.Sequential(torch.nn.Linear(64, 8))
-    with pytest.raises(TypeError, match=f"convert_: {flag} must be True or False, got {value!r}"):
-        convert_(model, **{flag: value})
-    assert type(model[0]) is torch.nn.Linear
-
-
-@pytest.mark.parametrize("flag", ["symmetric", "warn"])
-@pytest.mark.parametrize("value", ["no", None, 1])
-def test_quantize_flags_take_only_booleans(flag, value):
-    # symmetric="no" is truthy: the symmetric form would have been chosen, after the MoE blocks were converted
+def test_flags_take_only_booleans(transform, flag, value):
+    # linear="no" is truthy: convert_ converted the Linears it was meant to keep, saying nothing; symmetric="no"
+    # chose quantize_'s symmetric form, refused only after the MoE blocks were converted
     model = torch.nn.Sequential(torch.nn.Linear(128, 8))
-    with pytest.raises(TypeError, match=f"quantize_: {flag} must be True or False, got {value!r}"):
-        quantize_(model, **{flag: value})
+    fn = {"convert_": convert_, "quantize_": quantize_}[transform]
+    with pytest.raises(TypeError, match=f"{transform}: {flag} must be True or False, got {value!r}"):
+        fn(model, **{flag: value})
     assert type(model[0]) is torch.nn.Linear
 
 
