@@ -112,6 +112,7 @@ def test_quantize_matches_dequantized_model(arch, device):
     inputs = _inputs(arch, torch.float16, device)
     q = quantize_(copy.deepcopy(dense), group_size=32)
     assert any(isinstance(m, Int4Linear) for m in q.modules())
+    assert q.tilegemm_untied == []  # a tied head's untying is in the config, not noted again
     ref = _dequantized(dense, q)
     with torch.no_grad():
         got, want = _out(q, inputs), _out(ref, inputs)

@@ -4,6 +4,8 @@ fixture's device: the CPU under the interpreter, the GPU otherwise."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -129,6 +131,30 @@ def test_quantize_gives_a_shared_linear_one_int4_layer_under_every_name(device):
     q = layers[0]
     ref = torch.relu(_ref(q, x)).to(torch.float16)
     assert_rel_close(model.twice(x), _ref(q, ref), 3e-3)
+
+
+def test_quantize_notes_a_plain_models_tied_output_layer_it_unties():
+    # a plain model tying its output layer to its embedding by assignment: the 4-bit layer holds its own copy,
+    # which a note says (a transformers model's config records it instead); a filter that declines keeps the tie
+    from tilegemm.nn import quantize_
+    from tilegemm.nn.convert import ConversionNote
+
+    def build():
+        model = nn.ModuleDict(dict(emb=nn.Embedding(100, 64), body=nn.Linear(64, 64), head=nn.Linear(64, 100)))
+        model.head.weight = model.emb.weight
+        return model.half()
+
+    model = build()
+    with pytest.warns(ConversionNote, match=r"untied 1 layer.*head \(shared with emb\.weight\)"):
+        quantize_(model, group_size=32)
+    assert isinstance(model.head, Int4Linear) and model.tilegemm_untied == [("head", "emb.weight")]
+    assert model.tilegemm_skipped == [] and isinstance(model.emb.weight, nn.Parameter)
+    kept = quantize_(build(), group_size=32, filter=lambda name, m: name != "head", warn=False)
+    assert kept.tilegemm_untied == [] and kept.head.weight is kept.emb.weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet = quantize_(build(), group_size=32, warn=False)  # warn=False silences the note, the list stays
+    assert quiet.tilegemm_untied == [("head", "emb.weight")]
 
 
 def test_quantize_keeps_hooks_and_the_training_flag(device):

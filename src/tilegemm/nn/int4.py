@@ -602,6 +602,8 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     scale the decoder output by it), the tied output layer is kept 16-bit and tied, with a note. Its config's
     ``quantization_config`` then names tilegemm's format (``{"quant_method": "tilegemm", ...}``), which
     ``save_pretrained`` writes: docs/w4a16.md "Saving".
+    Any other layer whose weight another module shares (a plain model's output layer tied to its embedding by
+    assignment) is untied the same way, with a note; ``model.tilegemm_untied`` lists them as ``[(name, other)]``.
     A model whose weights are DTensors (parallelized already) is refused with a TypeError: quantize first, then
     parallelize with tilegemm's styles. :func:`tilegemm.nn.fuse_projections_` afterwards joins q/k/v and gate/up
     into one product each (docs/w4a16.md "Joined projections").
@@ -639,6 +641,7 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
                 targets.append(module)
             else:
                 skipped.append((name, reason))
+    untied = _weights_held_elsewhere(model, targets, _transformers_tied_outputs(model))
     places = _places(model)
     while targets:  # one layer at a time, the 16-bit one dropped as its 4-bit one goes in (peak: one layer more)
         module = targets.pop(0)
@@ -654,8 +657,46 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     guard_quantized_output_resize_(model)
     mark_saved_format_(model)
     model.tilegemm_skipped = skipped
+    model.tilegemm_untied = untied
     if skipped and warn:
         listing = "; ".join(f"{n}: {r}" for n, r in skipped)
         warnings.warn(f"tilegemm.nn.quantize_ kept {len(skipped)} layer(s) as they were: {listing}",
                       ConversionNote, stacklevel=2)
+    if untied and warn:
+        listing = "; ".join(f"{n} (shared with {o})" for n, o in untied)
+        warnings.warn(f"tilegemm.nn.quantize_ untied {len(untied)} layer(s) whose weight another module shares: "
+                      f"{listing}; each 4-bit layer holds its own copy, so the two no longer train, load or change "
+                      f"together (a filter that declines the layer keeps it 16-bit and tied)",
+                      ConversionNote, stacklevel=2)
     return model
+
+
+def _transformers_tied_outputs(model: nn.Module) -> set[int]:
+    """The ids of the output layers of transformers models tied to their input embedding by the config, whose
+    untying :func:`untie_quantized_outputs_` records in the config (documented, so not noted again)."""
+    ids = set()
+    for m in model.modules():
+        config, get_out = getattr(m, "config", None), getattr(m, "get_output_embeddings", None)
+        if config is not None and callable(get_out) and getattr(config, "tie_word_embeddings", False):
+            try:
+                ids.add(id(get_out()))
+            except Exception:  # noqa: BLE001 (as in untie_quantized_outputs_: no output layer of this form)
+                pass
+    return ids
+
+
+def _weights_held_elsewhere(model: nn.Module, targets: list[nn.Module], known: set[int]) -> list[tuple[str, str]]:
+    """(layer name, other holder's name) for each layer about to become 4-bit whose weight tensor is also a
+    parameter of a module that stays (a plain model's output layer tied to its embedding by assignment): the
+    4-bit layer cannot share it, so quantizing unties the two."""
+    going = {id(m) for m in targets}
+    holders: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if id(m) in going:
+            continue
+        for pname, p in m.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
+    names = {id(m): n for n, m in model.named_modules()}
+    return [(names[id(m)], holders[id(m.weight)][0]) for m in targets
+            if id(m) not in known and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and id(m.weight) in holders]
