@@ -121,6 +121,26 @@ def test_a_quantized_layers_bias_of_the_wrong_shape_is_named(tmp_path):
         from_pretrained(path, device="cpu")
 
 
+@pytest.mark.parametrize("key, stored", [("model.layers.0.self_attn.q_proj.scales", torch.int32),
+                                         ("model.layers.0.self_attn.q_proj.bias", torch.int32),
+                                         ("model.norm.weight", torch.int32),
+                                         ("model.embed_tokens.weight", torch.int64),
+                                         ("lm_head.weight", torch.bool)])
+def test_a_weight_bias_or_scale_stored_as_integers_is_refused(tmp_path, key, stored):
+    # cast to 16 bits, integer scales would load as values 1000x off and integer norms as int parameters
+    from safetensors.torch import load_file, save_file
+
+    config = cw.tiny_config("qwen2", hidden=64, layers=1)  # q/k/v have biases
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32)
+    tensors = load_file(path / "model.safetensors")
+    tensors[key] = (tensors[key].float() * 1000).round().to(stored)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TypeError, match=rf"stores {key.replace('.', '[.]')} as {str(stored)[6:]}; a weight, bias "
+                                        rf"or scale must be a floating-point tensor"):
+        from_pretrained(path, device="cpu")
+
+
 def test_an_index_entry_naming_the_wrong_shard(tmp_path):
     config = cw.tiny_config("llama", hidden=64, layers=1)
     path = tmp_path / "c"

@@ -716,11 +716,24 @@ class _Tensors:
         return module
 
     def get(self, name: str) -> torch.Tensor:
-        return self._holding(name).get_tensor(self._stored.get(name, name))
+        return self._checked(name, self._holding(name).get_tensor(self._stored.get(name, name)))
 
     def get_slice(self, name: str, index: tuple) -> torch.Tensor:
         """``tensor[index]`` read without reading the rest (a tensor-parallel rank's shard)."""
-        return self._holding(name).get_slice(self._stored.get(name, name))[index]
+        return self._checked(name, self._holding(name).get_slice(self._stored.get(name, name))[index])
+
+    def _checked(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t``, refused where its name says it holds real numbers (a weight, bias or scale) but it is stored as
+        integers or booleans: cast to 16 bits they would load without error as values 1000x off."""
+        if not t.is_floating_point() and _REAL_VALUED.search(name):
+            raise TypeError(f"the checkpoint at {self.path!r} stores {self._stored.get(name, name)} as "
+                            f"{dtype_name(t.dtype)}; a weight, bias or scale must be a floating-point tensor")
+        return t
+
+
+# Tensors the checkpoint must store as floating point: plain weights and biases, and the quantized formats' scales
+# (GPTQ/AWQ "scales", compressed-tensors' "weight_scale", tilegemm's saved experts' "<proj>_scales").
+_REAL_VALUED = re.compile(r"(\.weight|\.bias|scales|_scale)$")
 
 
 _QUANT_LEAVES = frozenset(leaf for leaves in _LEAVES.values() for leaf in leaves.values())  # every method's
