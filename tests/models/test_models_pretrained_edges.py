@@ -155,6 +155,20 @@ def test_an_index_entry_naming_the_wrong_shard(tmp_path):
         from_pretrained(path, device="cpu")
 
 
+def test_an_index_leaving_out_a_layers_quantized_tensors_names_both_forms(tmp_path):
+    # the layer is then neither quantized nor plain in the files: the error names its weight in both forms
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32, shard_bytes=20_000)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    layer = "model.layers.0.self_attn.q_proj"
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith(layer + ".")}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"lacks tensor\(s\) the model needs: {layer}\.weight \(nor "
+                                         rf"{layer}\.qweight\)"):
+        from_pretrained(path, device="cpu")
+
+
 def test_a_directory_with_pytorch_model_bin_only(tmp_path):
     config = cw.tiny_config("llama", hidden=64, layers=1)
     path = tmp_path / "c"

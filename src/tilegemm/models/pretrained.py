@@ -1829,6 +1829,11 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
         raise ValueError(f"the checkpoint at {path!r} does not fit the model{_architecture_hint(model)}:\n  "
                          + "\n  ".join(problems))
     if missing:
+        # a Linear's weight missing in both forms (an index that leaves out the shard of its quantized tensors):
+        # say so, not only the 16-bit name
+        modules = dict(model.named_modules())
+        missing = [f"{n} (nor {n.rpartition('.')[0]}.{marker})" if n.endswith(".weight")
+                   and isinstance(modules.get(n.rpartition(".")[0]), nn.Linear) else n for n in missing]
         raise ValueError(f"the checkpoint at {path!r} lacks tensor(s) the model needs{_architecture_hint(model)}: "
                          f"{', '.join(missing)}")
     if strays:
