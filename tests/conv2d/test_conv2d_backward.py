@@ -49,6 +49,11 @@ def _grads(device, dtype, shape, conv, activation, channels_last, tol):
     pytest.param((2, 8, 5, 5, 8, 3, 3), dict(padding=1, groups=8), id="depthwise"),
     pytest.param((1, 4, 7, 6, 8, 3, 3), dict(stride=2, padding=1, groups=4), id="depthwise-mult2-stride2"),
     pytest.param((1, 4, 4, 4, 4, 3, 3), dict(padding=3), id="padding-wider-than-filter"),
+    # strides past the image (one output pixel): 2**31 - 1 overflowed the kernels' 32-bit stride arithmetic (the
+    # depthwise forward looped on, the data gradient launched a program per stride phase)
+    pytest.param((1, 6, 5, 4, 8, 3, 3), dict(stride=2**31 - 1, padding=1), id="huge-stride"),
+    pytest.param((1, 6, 5, 4, 6, 3, 3), dict(stride=(2**31 - 1, 64), padding=1, groups=6), id="depthwise-huge-stride"),
+    pytest.param((2, 4, 5, 4, 8, 1, 1), dict(stride=(3, 2**20)), id="1x1-one-output-column"),
 ])
 @pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
 def test_gradients_fp32(shape, conv, channels_last, device):

@@ -79,6 +79,31 @@ def test_phased_data_gradient_over_groups(groups, device):
     assert_rel_close(dx, want, 1e-5)
 
 
+@pytest.mark.parametrize("stride,padding", [((7, 64), (1, 2)), ((2**31 - 1, 2**31 - 1), (0, 0))],
+                         ids=["past-the-image", "huge"])
+def test_a_stride_past_the_image_launches_only_the_phases_holding_pixels(stride, padding, device, monkeypatch):
+    # phases from H (W) on hold no pixel: a stride of 2**31 - 1 launched 2**62 programs (and overflowed 32-bit
+    # arithmetic), one of 64 ran 4096 for 20
+    grids = []
+    launch = implicit_gemm.launch
+    monkeypatch.setattr(implicit_gemm, "launch", lambda kernel, grid, *a, **k: (grids.append(grid),
+                                                                                launch(kernel, grid, *a, **k))[1])
+    _, dx, want = _run(2, 3, 5, 4, 4, 3, 3, stride, padding, 1, True, device)
+    assert_rel_close(dx, want, 1e-5)
+    assert grids[-1][1] <= 5 * 4  # at most a phase a pixel of the 5x4 image
+
+
+def test_phases_past_the_grids_second_axis_run_one_program_a_group(device, monkeypatch):
+    grids = []
+    launch = implicit_gemm.launch
+    monkeypatch.setattr(implicit_gemm, "launch", lambda kernel, grid, *a, **k: (grids.append(grid),
+                                                                                launch(kernel, grid, *a, **k))[1])
+    monkeypatch.setattr(implicit_gemm, "_MAX_GRID_Y", 2 * 3 * 3 - 1)  # two groups of 3x3 phases: one too many
+    _, dx, want = _run(1, 4, 7, 7, 4, 3, 3, (3, 3), (1, 1), 2, False, device)
+    assert_rel_close(dx, want, 1e-5)
+    assert grids[-1][1] == 2
+
+
 def test_phased_and_masked_kernels_agree(device):
     _, phased, want = _run(2, 8, 10, 9, 12, 3, 3, (2, 2), (1, 1), 1, True, device, phased=True)
     torch.manual_seed(0)

@@ -309,6 +309,65 @@ def test_the_sequential_rule_where_fx_cannot_trace(device):
         assert_rel_close(folded(x), ref(x).double(), 1e-5)
 
 
+class Taps(torch.nn.Module):
+    """Untraceable (a branch on the input's size) and calling its Sequential's children one by one, keeping each
+    output: the Sequential rule's pair must not fold where the Sequential's own forward does not run it."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = torch.nn.Sequential(torch.nn.Conv2d(4, 6, 3, padding=1), torch.nn.BatchNorm2d(6),
+                                            torch.nn.ReLU())
+
+    def forward(self, x, whole=False):
+        if x.shape[-1] % 2:
+            x = torch.nn.functional.pad(x, (0, 1))
+        if whole:
+            return [self.features(x)]
+        taps = []
+        for layer in self.features:
+            x = layer(x)
+            taps.append(x)
+        return taps
+
+
+def test_the_sequential_rule_folds_only_inside_the_sequentials_forward(device):
+    ref = _randomize_norms(Taps()).to(device).eval()
+    folded = convert_(copy.deepcopy(ref), fold_batchnorm=True)
+    assert folded.tilegemm_folded == [("features.0", "features.1", "features.2")]
+    x = torch.randn(1, 4, 5, 5, device=device)
+    with torch.no_grad():
+        for got, want in zip(folded(x), ref(x)):  # the raw convolution, the norm's output, the activation's
+            assert_rel_close(got, want.double(), 1e-5)
+        assert_rel_close(folded(x, whole=True)[0], ref(x, whole=True)[0].double(), 1e-5)
+        with pytest.raises(RuntimeError, match="boom"):  # a forward that raises leaves the count where it was
+            folded.features.register_forward_hook(lambda m, a, o: (_ for _ in ()).throw(RuntimeError("boom")))
+            folded(x, whole=True)
+        folded.features._forward_hooks.popitem()
+        for got, want in zip(folded(x), ref(x)):
+            assert_rel_close(got, want.double(), 1e-5)
+    assert_rel_close(copy.deepcopy(folded)(x, whole=True)[0], ref(x, whole=True)[0].double(), 1e-5)
+
+
+class TrainOnlyNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 6, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(6)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)) if self.training else self.conv(x)
+
+
+def test_a_forward_that_skips_the_norm_in_eval_mode_is_traced_as_it_runs_folded(device):
+    ref = _randomize_norms(TrainOnlyNorm()).to(device)  # in training mode when folded
+    folded = convert_(copy.deepcopy(ref), fold_batchnorm=True)
+    assert folded.tilegemm_folded == [] and folded.training and folded.conv.training
+    ref.eval(), folded.eval()
+    x = torch.randn(1, 4, 5, 5, device=device)
+    with torch.no_grad():
+        assert_rel_close(folded(x), ref(x).double(), 1e-5)
+
+
 def test_fp16(device):
     ref, folded = _pair(device)
     ref.eval(), folded.half().eval()

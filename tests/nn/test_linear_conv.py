@@ -301,6 +301,27 @@ def test_convert_keeps_layers_whose_forward_was_replaced_on_the_instance():
     assert calls == [1]
 
 
+def test_convert_keeps_a_conv_whose_conv_forward_was_replaced_on_the_instance():
+    import torch.nn.functional as F
+
+    conv = torch.nn.Conv2d(4, 4, 3)
+    conv._conv_forward = lambda x, w, b: F.conv2d(x, w * 0, b)  # what the module's forward computes with
+    model = torch.nn.Sequential(conv, torch.nn.Conv2d(4, 4, 1))
+    convert_(model, warn=False)
+    assert model[0] is conv and isinstance(model[1], Conv2d)
+    assert "_conv_forward was replaced on the instance" in dict(model.tilegemm_skipped)["0"]
+
+
+def test_convert_leaves_a_spectral_norm_layers_state_as_it_was():
+    # reading the weight of a spectral-normed layer in training runs a power iteration (its u and v change)
+    layer = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Conv2d(4, 6, 3))
+    model = torch.nn.Sequential(layer).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    convert_(model, warn=False)
+    after = model.state_dict()
+    assert isinstance(model[0], Conv2d) and all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_convert_names_the_attention_projection_it_cannot_swap(device):
     # nn.MultiheadAttention (ViT's encoder) feeds out_proj's weight to F.multi_head_attention_forward and never
     # calls the module: it is kept with that reason (not "its forward may differ"), the MLP after it is swapped

@@ -70,6 +70,15 @@ def is_plain_conv(module: torch.nn.Module) -> bool:
     return parametrize.type_before_parametrizations(module) is torch.nn.Conv2d
 
 
+def _stored_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The tensor ``module.weight`` is computed from where it is parametrized (weight_norm's ``original0``,
+    spectral_norm's ``original``), else ``module.weight``."""
+    if not parametrize.is_parametrized(module, "weight"):
+        return module.weight
+    stored = module.parametrizations.weight
+    return stored.original if hasattr(stored, "original") else stored.original0
+
+
 def _why_not(module: torch.nn.Module) -> str | None:
     """None when ``module`` can be swapped, else the reason it is kept."""
     # a parametrized nn.Linear too: Linear.from_linear keeps the parametrizations, as from_conv does
@@ -79,7 +88,11 @@ def _why_not(module: torch.nn.Module) -> str | None:
     if "forward" in vars(module):  # a copy would keep running it rather than tilegemm's forward
         return ("its forward was replaced on the instance (a tensor-parallel plan, accelerate's device_map hooks): "
                 "convert before applying those")
-    dtype = module.weight.dtype
+    if "_conv_forward" in vars(module):  # torch's forward calls it; tilegemm's runs its own product instead
+        return "its _conv_forward was replaced on the instance: tilegemm's Conv2d would not run it"
+    # the stored tensor's dtype, not module.weight's: a parametrized weight (spectral_norm in training) would run
+    # its parametrization, one power iteration changing the module's state
+    dtype = _stored_weight(module).dtype
     if dtype not in _DTYPES:
         return f"weight dtype {dtype_name(dtype)} (tilegemm takes fp16, bf16, fp32)"
     if isinstance(module, torch.nn.Conv2d) and isinstance(module.padding, str) and module.padding == "same" \

@@ -59,9 +59,12 @@ class Fold:
     """What a :class:`tilegemm.nn.Conv2d` folds: the batch norm after it and the activation after that (a name of
     ``tilegemm.ACTIVATIONS`` or None), and the folded weight and bias of the last call that could keep them."""
 
-    def __init__(self, norm: FoldedBatchNorm2d, activation: str | None, places=()):
+    def __init__(self, norm: FoldedBatchNorm2d, activation: str | None, places=(), within: "_Running | None" = None):
         self.norm = norm
         self.activation = activation
+        # a pair found as neighbours in a Sequential (no trace): folded only while that Sequential's own forward
+        # runs, so a parent that calls its children one by one (reading the convolution's output) gets each alone
+        self.within = within
         # (parent, name, module) of the convolution, the norm and the activation's wrapper if any: a fold holds only
         # while all are where it found them (a norm replaced afterwards, e.g. by SyncBatchNorm.convert_sync_batchnorm,
         # must not be applied twice)
@@ -71,11 +74,12 @@ class Fold:
         self.held = None  # the key's tensors: their storages kept, so no other tensor takes an address the key names
 
     def active(self) -> bool:
-        return folds(self.norm) and all(parent._modules.get(name) is module for parent, name, module in self.places)
+        return folds(self.norm) and (self.within is None or self.within.depth > 0) and all(
+            parent._modules.get(name) is module for parent, name, module in self.places)
 
     def __getstate__(self):  # pickled and copied without the cached tensors
-        return dict(norm=self.norm, activation=self.activation, places=self.places, key=None, cached=None,
-                    held=None)
+        return dict(norm=self.norm, activation=self.activation, places=self.places, within=self.within, key=None,
+                    cached=None, held=None)
 
     def __deepcopy__(self, memo):
         import copy
@@ -145,10 +149,18 @@ def _chains_fx(model: torch.nn.Module) -> list[tuple[str, str, str | None]] | No
             return isinstance(m, leaves) or type(m).__module__.startswith("tilegemm.nn.") \
                 or super().is_leaf_module(m, qualname)
 
+    # traced in eval mode, the only mode a fold applies in: a forward that branches on self.training (a batch norm
+    # in training only) is read as it runs folded
+    modes = [(m, m.training) for m in model.modules()]
     try:
+        for m, _ in modes:  # (the flags alone: a module's own train() override may do more)
+            m.training = False
         graph = Tracer().trace(model)
     except Exception:  # noqa: BLE001 - data-dependent control flow and the like: the Sequential rule instead
         return None
+    finally:
+        for m, mode in modes:
+            m.training = mode
     calls: dict[str, int] = {}
     for node in graph.nodes:
         if node.op == "call_module":
@@ -194,6 +206,41 @@ def _chains_sequential(model: torch.nn.Module) -> list[tuple[str, str, str | Non
     return chains
 
 
+class _Running:
+    """How many calls of one Sequential's own forward are in progress (its forward hooks count them; the hooks are
+    objects of their own, not closures, so the model still pickles)."""
+
+    def __init__(self):
+        self.depth = 0
+
+
+class _Enter:
+    def __init__(self, running: _Running):
+        self.running = running
+
+    def __call__(self, module, args):
+        self.running.depth += 1
+
+
+class _Leave:
+    def __init__(self, running: _Running):
+        self.running = running
+
+    def __call__(self, module, args, output):
+        self.running.depth -= 1
+
+
+def _running(seq: torch.nn.Sequential) -> _Running:
+    """The counter of ``seq``'s forward calls in progress, its hooks registered on first use (the leaving one
+    called on an exception too)."""
+    running = seq.__dict__.get("_tilegemm_running")
+    if running is None:
+        running = seq.__dict__["_tilegemm_running"] = _Running()
+        seq.register_forward_pre_hook(_Enter(running))
+        seq.register_forward_hook(_Leave(running), always_call=True)
+    return running
+
+
 def fold_batchnorm_(model: torch.nn.Module) -> torch.nn.Module:
     """Fold each ``BatchNorm2d`` that reads a :class:`tilegemm.nn.Conv2d`'s output (and nothing else does) into
     that convolution for eval mode, with the activation module after it (ReLU, SiLU, GELU, LeakyReLU of slope
@@ -207,9 +254,11 @@ def fold_batchnorm_(model: torch.nn.Module) -> torch.nn.Module:
     names, parameters, buffers and state dict; the batch norms become :class:`FoldedBatchNorm2d`, the activations
     :class:`FoldedActivation` wrappers.
 
-    Which pairs: where torch.fx traces the model, those whose traced graph calls the batch norm on the
-    convolution's output alone and nothing else reads that output; elsewhere the neighbours in a
-    ``torch.nn.Sequential``. Left as they are: modules held under several names or called more than once,
+    Which pairs: where torch.fx traces the model (in eval mode), those whose traced graph calls the batch norm on
+    the convolution's output alone and nothing else reads that output; elsewhere the neighbours in a
+    ``torch.nn.Sequential``, folded only while that Sequential's own forward runs them (forward hooks on it count
+    its calls: a parent that calls its children one by one, reading each output, gets them unfolded). A forward
+    whose path depends on state changed after folding (a flag that skips the batch norm) is read as it was. Left as they are: modules held under several names or called more than once,
     modules with hooks, a convolution with an activation of its own, batch norms of another class (subclasses,
     ``SyncBatchNorm``) or channel count. ``model.tilegemm_folded`` lists ``(conv, batch norm, activation or
     None)`` names.
@@ -220,7 +269,8 @@ def fold_batchnorm_(model: torch.nn.Module) -> torch.nn.Module:
     for _, m in model.named_modules(remove_duplicate=False):
         held[id(m)] = held.get(id(m), 0) + 1
     chains = _chains_fx(model)
-    if chains is None:
+    traced = chains is not None
+    if not traced:
         chains = _chains_sequential(model)
     folded = []
     for conv_name, norm_name, act_name in chains:
@@ -237,7 +287,9 @@ def fold_batchnorm_(model: torch.nn.Module) -> torch.nn.Module:
             activation = None
         new_norm = shallow_copy(norm, FoldedBatchNorm2d)
         _replace(model, norm_name, new_norm)
-        fold = Fold(new_norm, activation, (_place(model, conv_name), _place(model, norm_name)))
+        seq = None if traced else model.get_submodule(conv_name.rpartition(".")[0])
+        fold = Fold(new_norm, activation, (_place(model, conv_name), _place(model, norm_name)),
+                    None if seq is None else _running(seq))
         new_norm.__dict__["fold"] = fold
         conv.__dict__["_tilegemm_fold"] = fold
         if activation is not None:

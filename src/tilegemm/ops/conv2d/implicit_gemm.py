@@ -19,6 +19,7 @@ from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import dgrad_config, forward_config, takes_stem, wgrad_columns, wgrad_config
 from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
+from tilegemm.ops.matmul.problem import MAX_GRID_Y as _MAX_GRID_Y
 
 ensure_backend()
 
@@ -193,10 +194,10 @@ def conv2d_stem_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=q_ok & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=_SIZES)
+@triton.jit(do_not_specialize=_SIZES + ["phases_h", "phases_w"])
 def conv2d_dgrad_kernel(
     dy_ptr, w_ptr, dx_ptr,
-    H, W, Cg, P, Q, Kg, M,
+    H, W, Cg, P, Q, Kg, M, phases_h, phases_w,
     stride_yn, stride_yp, stride_yq, stride_yk,
     stride_wk, stride_wr, stride_ws, stride_wc,
     stride_xn, stride_xh, stride_xw, stride_xc,
@@ -207,7 +208,8 @@ def conv2d_dgrad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Which tile: grouped order over [input pixels, input channels of this group]; axis 1 is the group (and,
-    # PHASED, the stride phase: group * str_h * str_w + phase).
+    # PHASED, the stride phase: group * phases_h * phases_w + phase; phases_h = min(str_h, H): a stride past the
+    # image leaves the phases from H on without pixels).
     pid_m, pid_n = tile_grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(Cg, BLOCK_N), GROUP_M)
     grp = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] input pixels m = (n * H + h) * W + w
@@ -217,10 +219,10 @@ def conv2d_dgrad_kernel(
         # (m = (n * Hs + i) * Ws + j over the phase's Hs x Ws grid, cut to the image). With dilation 1 the
         # taps that land on a whole output pixel are r = r0, r0 + str_h, ... (r = ph_h + pad_h mod str_h),
         # the same for every pixel of the phase: the K loop runs those alone, none masked off.
-        phase = grp % (str_h * str_w)
-        grp = grp // (str_h * str_w)
-        ph_h = phase // str_w
-        ph_w = phase % str_w
+        phase = grp % (phases_h * phases_w)
+        grp = grp // (phases_h * phases_w)
+        ph_h = phase // phases_w
+        ph_w = phase % phases_w
         Hs = tl.cdiv(H, str_h)
         Ws = tl.cdiv(W, str_w)
     if INDEX_64:
@@ -502,16 +504,20 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
     if phased is None:
         phased = phases_apply(g)
     sh, sw = g.stride
+    # The phases that hold pixels (a stride past the image leaves the rest empty: a stride of 2**31 launched
+    # 2**62 programs), and none past the grid's second axis (65535 programs): then one program a group.
+    ph, pw = min(sh, g.H), min(sw, g.W)
+    phased = phased and g.groups * ph * pw <= _MAX_GRID_Y
     # Phased, the pixels are enumerated per stride phase over its cdiv(H, sh) x cdiv(W, sw) grid.
     M = g.N * cdiv(g.H, sh) * cdiv(g.W, sw) if phased else g.N * g.H * g.W
     index_64 = max(dx.numel(), dy.numel()) >= 2**31 - 1
-    args = (dy, w, dx, g.H, g.W, g.Cg, g.P, g.Q, g.Kg, M, *_nhwc_strides(dy), *_nhwc_strides(w),
+    args = (dy, w, dx, g.H, g.W, g.Cg, g.P, g.Q, g.Kg, M, ph, pw, *_nhwc_strides(dy), *_nhwc_strides(w),
             *_nhwc_strides(dx), *_conv_args(g))
     # A (dy, channels at stride 1) is K-major; B (w as [K, C], C at stride 1) is not.
     flags = dict(R=g.R, S=g.S, INPUT_PRECISION=precision, UPCAST=upcast, INDEX_64=index_64,
                  MMA_OPERANDS=_operand_order(dy.dtype, precision, True, False), DIV_K=_divisor(g.Kg),
                  DIV_C=_divisor(g.Cg), PHASED=phased)
-    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.Cg, cfg["BLOCK_N"]), g.groups * (sh * sw if phased else 1))
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(g.Cg, cfg["BLOCK_N"]), g.groups * (ph * pw if phased else 1))
     launch(conv2d_dgrad_kernel, grid, args, {**flags, **cfg})
     return dx
 

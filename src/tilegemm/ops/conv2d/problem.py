@@ -9,7 +9,7 @@ channels, K_gemm = C/groups * R * S.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -78,7 +78,20 @@ def geometry_of(x_shape, w_shape, stride, padding, dilation, groups) -> Geometry
     K, _, R, S = w_shape
     # SymInts (torch.compile's dynamic shapes, the fake's) kept: int() would specialize them, a recompile each size
     N, C, H, W, K, R, S, groups = (v if isinstance(v, torch.SymInt) else int(v) for v in (N, C, H, W, K, R, S, groups))
-    return Geometry(N, C, H, W, K, R, S, groups, tuple(stride), tuple(padding), tuple(dilation))
+    g = Geometry(N, C, H, W, K, R, S, groups, tuple(stride), tuple(padding), tuple(dilation))
+    return _least_stride(g) if type(H) is int and type(W) is int and type(R) is int and type(S) is int else g
+
+
+def _least_stride(g: Geometry) -> Geometry:
+    """``g`` with a stride that leaves one output row (column) cut to the least that does: the same convolution,
+    and the kernels' stride arithmetic stays in 32 bits (a stride of 2**31 - 1 overflowed it: the depthwise
+    forward looped on, the data gradient launched a program per stride phase, 2**62 of them)."""
+    top, bottom, left, right = g.padding
+    span_h = g.H + top + bottom - g.dilation[0] * (g.R - 1)  # the rows of the padded image a tap can start at
+    span_w = g.W + left + right - g.dilation[1] * (g.S - 1)
+    sh = min(g.stride[0], max(1, span_h)) if g.P == 1 else g.stride[0]
+    sw = min(g.stride[1], max(1, span_w)) if g.Q == 1 else g.stride[1]
+    return g if (sh, sw) == g.stride else replace(g, stride=(sh, sw))
 
 
 def channels_last(t: torch.Tensor) -> bool:
