@@ -82,15 +82,19 @@ def geometry_of(x_shape, w_shape, stride, padding, dilation, groups) -> Geometry
     return _least_stride(g) if type(H) is int and type(W) is int and type(R) is int and type(S) is int else g
 
 
+_LONG_STRIDE = 2**15  # strides above it are cut (one output row or column): products with sizes stay in 32 bits
+
+
 def _least_stride(g: Geometry) -> Geometry:
-    """``g`` with a stride that leaves one output row (column) cut to the least that does: the same convolution,
-    and the kernels' stride arithmetic stays in 32 bits (a stride of 2**31 - 1 overflowed it: the depthwise
+    """``g`` with a stride past ``_LONG_STRIDE`` that leaves one output row (column) cut to the least that does:
+    the same convolution, and the kernels' stride arithmetic stays in 32 bits (a stride of 2**31 - 1 overflowed it: the depthwise
     forward looped on, the data gradient launched a program per stride phase, 2**62 of them)."""
     top, bottom, left, right = g.padding
     span_h = g.H + top + bottom - g.dilation[0] * (g.R - 1)  # the rows of the padded image a tap can start at
     span_w = g.W + left + right - g.dilation[1] * (g.S - 1)
-    sh = min(g.stride[0], max(1, span_h)) if g.P == 1 else g.stride[0]
-    sw = min(g.stride[1], max(1, span_w)) if g.Q == 1 else g.stride[1]
+    # (only past _LONG_STRIDE: a smaller one stays as given, the routes' rules read it)
+    sh = max(1, span_h) if g.P == 1 and g.stride[0] > _LONG_STRIDE else g.stride[0]
+    sw = max(1, span_w) if g.Q == 1 and g.stride[1] > _LONG_STRIDE else g.stride[1]
     return g if (sh, sw) == g.stride else replace(g, stride=(sh, sw))
 
 
