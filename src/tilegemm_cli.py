@@ -115,8 +115,8 @@ def _add_bench(sub, detailed: bool) -> None:
     p.add_argument("--json", metavar="PATH", help="write rows and machine details as JSON")
     p.add_argument("--csv", metavar="PATH", help="write rows as CSV (machine details in '#' header lines)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of rate against the sweep for the top-k kernels")
-    p.add_argument("--topk", type=int, default=4, help="kernels in the plot (default 4)")
-    p.add_argument("--out", metavar="DIR", default="tilegemm-bench",
+    p.add_argument("--topk", type=int, default=None, help="kernels in the plot (default 4)")
+    p.add_argument("--out", metavar="DIR", default=None,
                    help="where JSON, CSV and PNG go when no path is given (default ./tilegemm-bench)")
     p.add_argument("--no-save", action="store_true", help="write no files unless --json/--csv/--plot say so")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -104,6 +104,12 @@ def cmd_bench(args, console, err_console) -> int:
 
     if args.batch < 1:
         raise UsageError(f"--batch must be >= 1, got {args.batch}")
+    if args.no_save and args.out is not None:
+        raise UsageError(f"--out {args.out!r} says where the bench's files go and --no-save writes none: give one")
+    if args.topk is not None and args.no_save and not args.plot:
+        raise UsageError("--topk sets the plot's kernels, and --no-save without --plot draws no plot")
+    args.out = "tilegemm-bench" if args.out is None else args.out
+    args.topk = 4 if args.topk is None else args.topk
     if args.topk < 1:
         raise UsageError(f"--topk must be >= 1, got {args.topk}")
     # (nan passes every comparison, and an infinite --rep never ends a GPU timing loop)
@@ -323,6 +329,7 @@ def cmd_tune(args, console) -> int:
 
     from tilegemm.bench.base import BenchError, bench_op
     from tilegemm.core import tuning
+    from tilegemm.core.registry import NotApplicable
     from tilegemm.core.runtime import interpreting
 
     spec, tune = _op_entry(args.op, "tune", "tune")
@@ -339,6 +346,10 @@ def cmd_tune(args, console) -> int:
     for kernel in kernels:
         if kernel not in spec.tunable:
             raise UsageError(f"--kernels takes {', '.join(spec.tunable)} for op {args.op}, not {kernel!r}")
+    reasons = {k: r for k in kernels if (r := _unavailable_reason(op.name, k))}
+    if reasons:
+        raise UsageError("kernel(s) of --kernels that cannot run here: "
+                         + "; ".join(f"{k}: {r}" for k, r in reasons.items()))
     if interpreting() and args.shape:  # the tuning path makes the case's inputs (bench.prepare) in host memory
         _check_host_memory(op, cases, dtype, dict(batch=1), console)
     if interpreting() and not args.shape:  # as warmup: one config per kernel, and a sweep takes minutes there
@@ -350,7 +361,10 @@ def cmd_tune(args, console) -> int:
     with tuning.timing():  # the call path times nothing unless asked; here it is asked
         for i, case in enumerate(cases, 1):  # one case at a time, so that a long sweep shows where it is
             console.print(f"[{i}/{len(cases)}] tuning {case.label}", highlight=False, markup=False)
-            tune(op, [case], dtype, kernels)
+            try:
+                tune(op, [case], dtype, kernels)
+            except NotApplicable as err:  # a kernel that does not take this dtype or shape: said, not a traceback
+                raise UsageError(f"cannot tune {case.label} in {dtype}: {err}") from None
     added = {k: v for k, v in tuning.entries().items() if k not in before}
     table = Table(title=f"tuned {len(added)} new shape class(es)")
     table.add_column("key", no_wrap=True)

@@ -202,3 +202,29 @@ def test_a_plot_backend_that_fails_after_the_run_is_one_line(tmp_path, monkeypat
     assert main(argv) == 1
     assert capsys.readouterr().err.strip() == (f"tilegemm: error: cannot write {tmp_path / 'r.pgf'}: RuntimeError: "
                                                "latex was not able to process the following string:")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--out", "somewhere", "--no-save"], "--no-save writes none"),
+    (["--topk", "3", "--no-save"], "--no-save without --plot draws no plot"),
+])
+def test_options_that_contradict_no_save_fail_before_the_bench(argv, needle, no_run, capsys):
+    _one_line_exit_2(["bench", "--shape", "8,8,8", "--quiet", *argv], [needle], capsys)
+
+
+def test_a_grouped_w4a16_shape_whose_k_4_bit_weights_cannot_take_is_one_line(no_run, capsys):
+    # gate_up's K is HIDDEN, down's INTERMEDIATE: 4-bit weights need it a multiple of 8
+    _one_line_exit_2(["bench", "--op", "grouped_w4a16", "--shape", "4,2,36,64,8,gate_up", "--no-save"],
+                     ["HIDDEN = 36", "multiple of 8"], capsys)
+    _one_line_exit_2(["bench", "--op", "grouped_w4a16", "--shape", "4,2,32,36,8,down", "--no-save"],
+                     ["INTERMEDIATE = 36", "multiple of 8"], capsys)
+
+
+@cpu_only
+def test_tune_refuses_a_kernel_that_cannot_run_here(monkeypatch, capsys):
+    import tilegemm.cli as cli
+
+    entry = cli._op_entry
+    monkeypatch.setattr(cli, "_op_entry", lambda *a: (entry(*a)[0], lambda *_, **__: pytest.fail("tuning ran")))
+    _one_line_exit_2(["tune", "--shape", "8,8,8", "--kernels", "gluon_f16"],
+                     ["cannot run here: gluon_f16", "sm_90"], capsys)

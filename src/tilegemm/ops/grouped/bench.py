@@ -356,6 +356,11 @@ class GroupedW4A16Bench(GroupedBench):
         case = super().parse_shape(text)
         if case.dims["kind"] != 0:
             raise BenchError(f"malformed grouped_w4a16 shape {text!r}: expected {self.shape_help}")
+        K = self._dims(case)[3]  # the product's K: HIDDEN for gate_up, INTERMEDIATE for down
+        if K % 8:
+            what = "HIDDEN" if case.dims["product"] == 0 else "INTERMEDIATE"
+            raise BenchError(f"malformed grouped_w4a16 shape {text!r}: {what} = {K} is the product's K, which 4-bit "
+                             f"weights need a multiple of 8")
         return case
 
 
