@@ -140,6 +140,30 @@ def _narrow_moe(arch: str, width: int, device="cpu"):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_convert_switches_a_model_on_another_experts_implementation_to_tilegemm(arch):
+    # transformers 5 stores the experts stacked: convert_ (moe=True) runs them on tilegemm as quantize_ does,
+    # unless the filter declines a block (the setting is one for the whole model) or they are float64
+    import tilegemm.nn
+
+    eager = _narrow_moe(arch, 32)
+    eager.set_experts_implementation("eager")
+    model = tilegemm.nn.convert_(copy.deepcopy(eager))
+    assert model.config._experts_implementation == "tilegemm" and model.tilegemm_skipped == []
+    ids = torch.tensor([[3, 17, 40, 5, 9, 60]])
+    calls = []
+    route = moe.moe_route
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "moe_route", lambda *a, **k: (calls.append(1), route(*a, **k))[1])
+        got, want = model(ids).logits, eager(ids).logits
+    assert calls and _rel(got, want) < 1e-5
+    declined = tilegemm.nn.convert_(copy.deepcopy(eager), filter=lambda n, m: not n.endswith("experts"))
+    assert declined.config._experts_implementation == "eager" and declined.tilegemm_skipped == []
+    wide = tilegemm.nn.convert_(copy.deepcopy(eager).double(), warn=False)
+    assert wide.config._experts_implementation == "eager"
+    assert "holds float64 experts" in dict(wide.tilegemm_skipped)["model.layers.0.mlp.experts"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_quantize_experts_narrower_than_the_group_size(arch, device):
     # expert width 16 below group_size 32: down_proj (K = 16) is one group over its K, gate_up (K = 64) groups of 32
     import tilegemm.nn

@@ -116,8 +116,9 @@ def convert_(
 
     ``moe=True``: the sparse MoE blocks of a transformers 4.x model (its experts a ModuleList of MLPs: Mixtral,
     Qwen2-MoE, Qwen3-MoE, OLMoE) become :class:`tilegemm.nn.moe.SparseMoeBlock`, their experts stacked and run by
-    tilegemm's grouped kernels (with transformers 5, build the model with ``experts_implementation="tilegemm"``
-    instead); and the blocks whose experts run code of their own, not transformers' experts interface (Llama-4,
+    tilegemm's grouped kernels; a transformers 5 model whose experts run through transformers' experts interface
+    on another implementation is switched to ``"tilegemm"`` (one setting for the whole model: where ``filter``
+    declines one of its blocks, or its experts are float64, it is left, and the note names the blocks); and the blocks whose experts run code of their own, not transformers' experts interface (Llama-4,
     DBRX, JetMoE: :data:`tilegemm.nn.moe.OWN_FORWARD_BLOCKS`), get experts run by those kernels. Blocks whose
     experts are a ModuleDict of per-expert MLPs (SwitchTransformers, NLLB-MoE: :func:`tilegemm.nn.moe.per_expert_mlps`)
     are kept: ``linear=True`` converts each expert's Linears one by one, with no grouped product. A block
@@ -150,9 +151,10 @@ def convert_(
             raise TypeError(f"convert_: {flag} must be True or False, got {value!r}")
     skipped: list[tuple[str, str]] = []
     if moe:
-        from tilegemm.nn.moe import convert_moe_blocks_
+        from tilegemm.nn.moe import convert_moe_blocks_, use_tilegemm_experts_
 
         skipped += convert_moe_blocks_(model, filter)[1]
+        skipped += use_tilegemm_experts_(model, filter)
     attention_outs = attention_out_projections(model)
     swapped: dict[int, torch.nn.Module] = {}  # id of a module swapped -> its replacement
     seen: set[int] = set()  # modules decided on (under their first name)

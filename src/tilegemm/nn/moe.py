@@ -31,6 +31,7 @@ import torch
 
 from tilegemm.ops.w4a16 import fragment_records as fragments
 from tilegemm.ops.w4a16.fragment_records import part_state
+from tilegemm.core.dtypes import dtype_name
 from tilegemm.nn.hooks import carry_over
 from tilegemm.nn.linear import NotScriptable
 from tilegemm.nn.notes import ConversionNote
@@ -585,6 +586,33 @@ def use_int4_experts_(model: torch.nn.Module) -> None:
     else:
         for _, module in _experts_modules_all(model):
             module.config._experts_implementation = NAME
+
+
+_EXPERTS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the "tilegemm" experts take
+
+
+def use_tilegemm_experts_(model: torch.nn.Module, filter=None) -> list[tuple[str, str]]:  # noqa: A002
+    """``convert_``'s step for transformers 5: switch ``model`` to the ``"tilegemm"`` experts implementation where
+    its stacked experts run through transformers' experts interface on another one. The setting is one for the
+    whole model: where ``filter`` declines a block, or a block's experts are of a dtype the grouped kernels do not
+    take, nothing is switched, and the blocks left are returned as ``[(name, why)]``."""
+    blocks = [(n, m) for n, m, takes in _stacked_experts(model) if takes and not isinstance(m, SparseMoeBlock)]
+    if not blocks or asks_tilegemm(model) or not register_experts():
+        return []
+    declined = [n for n, m in blocks if filter is not None and not filter(n, m)]
+    odd = {n: m.down_proj.dtype for n, m in blocks if m.down_proj.dtype not in _EXPERTS_DTYPES}
+    if declined or odd:
+        why = (f"the filter declined {', '.join(declined[:4])}" if declined else
+               f"{', '.join(f'{n} holds {dtype_name(d)} experts' for n, d in list(odd.items())[:4])} (the grouped "
+               f"kernels take fp16, bf16, fp32)")
+        return [(n, f"its experts stay on transformers' own implementation: experts_implementation is one setting "
+                    f"for the whole model, and {why}") for n, _ in blocks if n not in declined]
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(NAME)
+    else:
+        for _, m in blocks:
+            m.config._experts_implementation = NAME
+    return []
 
 
 def _experts_modules_all(model):
