@@ -118,8 +118,9 @@ def convert_(
     Qwen2-MoE, Qwen3-MoE, OLMoE) become :class:`tilegemm.nn.moe.SparseMoeBlock`, their experts stacked and run by
     tilegemm's grouped kernels; a transformers 5 model whose experts run through transformers' experts interface
     on another implementation is switched to ``"tilegemm"`` (one setting for the whole model: where ``filter``
-    declines one of its blocks, or its experts are float64, it is left, and the note names the blocks); and the blocks whose experts run code of their own, not transformers' experts interface (Llama-4,
-    DBRX, JetMoE: :data:`tilegemm.nn.moe.OWN_FORWARD_BLOCKS`), get experts run by those kernels. Blocks whose
+    declines one of its blocks, or its experts are float64, it is left, and the note names the blocks); and the
+    blocks whose experts run code of their own, not transformers' experts interface (Llama-4, DBRX, JetMoE:
+    :data:`tilegemm.nn.moe.OWN_FORWARD_BLOCKS`), get experts run by those kernels. Blocks whose
     experts are a ModuleDict of per-expert MLPs (SwitchTransformers, NLLB-MoE: :func:`tilegemm.nn.moe.per_expert_mlps`)
     are kept: ``linear=True`` converts each expert's Linears one by one, with no grouped product. A block
     replaced passes its forward and backward hooks and its training mode to its replacement.

@@ -258,10 +258,10 @@ def fold_batchnorm_(model: torch.nn.Module) -> torch.nn.Module:
     the convolution's output alone and nothing else reads that output; elsewhere the neighbours in a
     ``torch.nn.Sequential``, folded only while that Sequential's own forward runs them (forward hooks on it count
     its calls: a parent that calls its children one by one, reading each output, gets them unfolded). A forward
-    whose path depends on state changed after folding (a flag that skips the batch norm) is read as it was. Left as they are: modules held under several names or called more than once,
-    modules with hooks, a convolution with an activation of its own, batch norms of another class (subclasses,
-    ``SyncBatchNorm``) or channel count. ``model.tilegemm_folded`` lists ``(conv, batch norm, activation or
-    None)`` names.
+    whose path depends on state changed after folding (a flag that skips the batch norm) is read as it was. Left as
+    they are: modules held under several names or called more than once, modules with hooks, a convolution with
+    an activation of its own, batch norms of another class (subclasses, ``SyncBatchNorm``) or channel count.
+    ``model.tilegemm_folded`` lists ``(conv, batch norm, activation or None)`` names.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fold_batchnorm_ takes a torch.nn.Module, got {type(model).__name__}")

@@ -87,8 +87,8 @@ _LONG_STRIDE = 2**15  # strides above it are cut (one output row or column): pro
 
 def _least_stride(g: Geometry) -> Geometry:
     """``g`` with a stride past ``_LONG_STRIDE`` that leaves one output row (column) cut to the least that does:
-    the same convolution, and the kernels' stride arithmetic stays in 32 bits (a stride of 2**31 - 1 overflowed it: the depthwise
-    forward looped on, the data gradient launched a program per stride phase, 2**62 of them)."""
+    the same convolution, and the kernels' stride arithmetic stays in 32 bits (a stride of 2**31 - 1 overflowed
+    it: the depthwise forward looped on, the data gradient launched a program per stride phase, 2**62 of them)."""
     top, bottom, left, right = g.padding
     span_h = g.H + top + bottom - g.dilation[0] * (g.R - 1)  # the rows of the padded image a tap can start at
     span_w = g.W + left + right - g.dilation[1] * (g.S - 1)
