@@ -19,7 +19,6 @@ from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import dgrad_config, forward_config, takes_stem, wgrad_columns, wgrad_config
 from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
-from tilegemm.ops.matmul.problem import MAX_GRID_Y as _MAX_GRID_Y
 
 ensure_backend()
 
@@ -54,6 +53,7 @@ def _tap_mma(a, b, acc, UPCAST: tl.constexpr, MMA_OPERANDS: tl.constexpr, INPUT_
 # Sizes are not specialized on (divisible by 16, equal to 1): each new image size would compile the kernels
 # again, and the loads' vector width comes from the strides and the DIV_* constexprs instead.
 _SIZES = ["H", "W", "Cg", "P", "Q", "Kg", "M", "pad_h", "pad_w"]
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
 @triton.jit(do_not_specialize=_SIZES)
