@@ -38,9 +38,9 @@
 #                 bf16), baselines, auto, and tiled, tma and gluon by name on a grid of configs around auto's, CUDA-graph
 #                 times (\$GC_BUDGET seconds a dtype, default 150; \$GC_CASES: the tool's --cases, default weak);
 #                 grouped-gluon  kernel gluon's tests, interpreter and GPU
-#   grouped-frag-rule  tools/grouped_frag_candidates.py --rule: the 4-bit decode rule candidate at 1, 8 and 64 tokens,
-#                 bf16 on the bench's routing (the draw it was read from) and fp16 and bf16 on a held-out routing
-#                 seed (\$FRAG_SEED, default 61001; about 2 minutes each)
+#   grouped-frag  tools/grouped_frag_candidates.py: frag, auto and dequant_dot at 1, 8 and 64 tokens, bf16 on the
+#                 bench's routing and fp16 and bf16 on a held-out routing seed (\$FRAG_SEED, default 61001; about
+#                 30 s each)
 #   functorch     torch.func over the public ops on the GPU (tests/core/test_functorch.py, all marks)
 #   grouped-rules tools/grouped_rule_candidates.py: auto's rule variants (knobs) on Mixtral's down projection at
 #                 512/4096/16384 tokens and the batched sweep, against the benches' baselines, CUDA graphs (~3 minutes)
@@ -199,12 +199,11 @@ for step in "$@"; do
                         done ;;
     grouped-rules) python3 tools/grouped_rule_candidates.py --out "$OUT/grouped-rule-candidates.json" 2>&1 \
                      | tee "$OUT/grouped-rule-candidates.txt" | tail -n 40 ;;
-    grouped-frag-rule) python3 tools/grouped_frag_candidates.py --rule --dtype bf16 --out "$OUT/frag-rule-bf16.json" \
-                         2>&1 | tail -n 4
-                       for d in fp16 bf16; do
-                         python3 tools/grouped_frag_candidates.py --rule --dtype $d --routing-seed "${FRAG_SEED:-61001}" \
-                           --out "$OUT/frag-rule-$d-heldout.json" 2>&1 | tail -n 4
-                       done ;;
+    grouped-frag) python3 tools/grouped_frag_candidates.py --dtype bf16 --out "$OUT/grouped-frag-bf16.json" 2>&1 | tail -n 4
+                  for d in fp16 bf16; do
+                    python3 tools/grouped_frag_candidates.py --dtype $d --routing-seed "${FRAG_SEED:-61001}" \
+                      --out "$OUT/grouped-frag-$d-heldout.json" 2>&1 | tail -n 4
+                  done ;;
     functorch) pytest_ -m "" tests/core/test_functorch.py 2>&1 | tee "$OUT/functorch-tests.log" | tail -n 4 ;;
     grouped-gluon) pytest_ -m "" tests/grouped/test_grouped_gluon.py tests/grouped/test_grouped_gluon_gpu.py 2>&1 \
                      | tee "$OUT/grouped-gluon-tests.log" | tail -n 15 ;;

@@ -2,7 +2,7 @@
 16-bit baseline at decode sizes, timed as CUDA graphs (GPU: an sm_90 one for ``frag``).
 
     PYTHONPATH=src python3 tools/grouped_frag_candidates.py --out $OUT/grouped-frag.json
-        [--dtype bf16|fp16] [--tokens 1,8,64] [--configs] [--rule] [--routing-seed N] [--budget 200]
+        [--dtype bf16|fp16] [--tokens 1,8,64] [--configs] [--routing-seed N] [--budget 200]
 
 Cases: the ``grouped_w4a16`` bench's ``moe`` sweep at 1, 8 and 64 tokens (Mixtral-8x7B, Qwen3-30B-A3B,
 DeepSeek-V2-Lite; gate/up and down: 18 cases), each with the bench's own inputs (``GroupedW4A16Bench.prepare``:
@@ -17,8 +17,6 @@ a rule fitted on the bench's). Rows of each case:
 - gate/up cases also ``gated dequant_dot`` and ``gated frag``: ``moe_gate_up_int4``'s product (``silu(gate) * up``,
   half the output columns), against the same baseline (the 16-bit route would need the activation and the gate on
   top);
-- with ``--rule``: ``frag`` with the candidate rule's config (``rule_config``: BM holding four times the average
-  rows an expert, at most 32; the K split raised until no slice passes 128 steps), through the same override;
 - with ``--configs``: ``frag`` with each neighbour of its config (BM halved and doubled, the K split halved and
   doubled), through the launcher's config override.
 
@@ -90,30 +88,6 @@ def neighbours(cfg: dict, K: int) -> list[dict]:
     return out
 
 
-# The candidate rule (``--rule``): BM holding RULE_ROWS_FACTOR times the average rows an expert, at most RULE_MAX_BM
-# (the busiest expert of a skewed routing then passes over its weights once, where twice the average left it two or
-# more passes; BM 64 ran slower on Mixtral's gate/up), and the K split raised until no slice is longer than
-# RULE_MAX_SLICE_STEPS steps (a long K on few programs: Mixtral's down projection). From the neighbours timed at 64
-# tokens (docs/grouped.md, "4-bit experts at decode").
-RULE_ROWS_FACTOR = 4
-RULE_MAX_BM = 32
-RULE_MAX_SLICE_STEPS = 128
-
-
-def rule_config(p, packed_rows: int) -> dict:
-    """The candidate rule's config for problem ``p``, from the shipped rule's."""
-    from tilegemm.ops.grouped.configs import INT4_FRAG, MAX_SPLIT
-
-    cfg = frag.frag_config(p, packed_rows)
-    _, block_ms, *_ = INT4_FRAG
-    rows = RULE_ROWS_FACTOR * p.M / max(p.groups, 1)
-    bm = min(next((b for b in block_ms if rows <= b), block_ms[-1]), RULE_MAX_BM)
-    split, steps = cfg["SPLIT_K"], -(-p.K // 64)
-    while -(-steps // split) > RULE_MAX_SLICE_STEPS and split * 2 <= MAX_SPLIT:
-        split *= 2
-    return dict(cfg, BM=bm, SPLIT_K=split)
-
-
 def use_routing_seed(seed: int) -> None:
     """Make the bench draw every case's routing from ``seed`` (its group sizes: ``bench.group_sizes``)."""
     from tilegemm.ops.grouped import bench as grouped_bench
@@ -125,8 +99,7 @@ def use_routing_seed(seed: int) -> None:
     grouped_bench.group_sizes = group_sizes
 
 
-def rows_of(inputs: dict, bench, dtype: str, gate_up: bool, configs: bool, ref: torch.Tensor,
-            rule: bool = False) -> list:
+def rows_of(inputs: dict, bench, dtype: str, gate_up: bool, configs: bool, ref: torch.Tensor) -> list:
     """(name, fn, reference) of a case's rows."""
     x, w4, offs = inputs["a"], inputs["w4"], inputs["offs"]
     rows = [("baseline", lambda: bench.baseline(inputs, dtype), ref)]
@@ -138,9 +111,6 @@ def rows_of(inputs: dict, bench, dtype: str, gate_up: bool, configs: bool, ref: 
         for kernel in ("dequant_dot", "frag"):
             rows.append((f"gated {kernel}", lambda k=kernel: api._int4(x, w4, offs, None, "silu", True, k),
                          gated_ref))
-    if rule:
-        cfg = rule_config(_problem(x, w4, offs), w4.shape[1])
-        rows.append(("frag rule", lambda c=cfg: frag_config_run(x, w4, offs, c, False), ref))
     if configs:
         own = frag.frag_config(_problem(x, w4, offs), w4.shape[1])
         for cfg in neighbours(own, w4.shape[2]):
@@ -154,7 +124,7 @@ def _problem(x, w4, offs):
     return GroupedInt4Problem(x, w4.qweight, w4.scales, w4.zeros, offs, None, None, E, x.shape[0], N, K, w4.group_k)
 
 
-def run_case(case, dtype: str, configs: bool, deadline: float, rule: bool = False) -> dict:
+def run_case(case, dtype: str, configs: bool, deadline: float) -> dict:
     bench = GroupedW4A16Bench()
     prepared = bench.prepare(case, dtype, "cuda", 1, {})
     inputs = prepared.sets[0]
@@ -167,9 +137,7 @@ def run_case(case, dtype: str, configs: bool, deadline: float, rule: bool = Fals
                   frag_config=frag.frag_config(_problem(inputs["a"], inputs["w4"], inputs["offs"]),
                                                inputs["w4"].shape[1]),
                   rows=[])
-    if rule:
-        result["rule_config"] = rule_config(_problem(inputs["a"], inputs["w4"], inputs["offs"]), inputs["w4"].shape[1])
-    for name, fn, want in rows_of(inputs, bench, dtype, gate_up, configs, ref, rule):
+    for name, fn, want in rows_of(inputs, bench, dtype, gate_up, configs, ref):
         row = dict(name=name)
         result["rows"].append(row)
         if time.monotonic() > deadline:
@@ -202,7 +170,7 @@ def run_case(case, dtype: str, configs: bool, deadline: float, rule: bool = Fals
 
 def summary(cases: list) -> dict:
     out = {}
-    for name in ("frag", "auto", "dequant_dot", "gated frag", "gated dequant_dot", "frag rule"):
+    for name in ("frag", "auto", "dequant_dot", "gated frag", "gated dequant_dot"):
         ratios = [r["vs_baseline"] for c in cases for r in c["rows"] if r["name"] == name and "vs_baseline" in r]
         if ratios:
             out[name] = dict(geomean=math.exp(sum(map(math.log, ratios)) / len(ratios)), worst=min(ratios),
@@ -211,7 +179,7 @@ def summary(cases: list) -> dict:
 
 
 def table(cases: list, summ: dict) -> str:
-    names = ("dequant_dot", "frag", "auto", "gated dequant_dot", "gated frag", "frag rule")
+    names = ("dequant_dot", "frag", "auto", "gated dequant_dot", "gated frag")
     lines = [f"{'case':34s} {'base us':>8s} " + " ".join(f"{n:>17s}" for n in names) + "  best config row"]
     for c in cases:
         by = {r["name"]: r for r in c["rows"]}
@@ -225,7 +193,7 @@ def table(cases: list, summ: dict) -> str:
                 cells.append(f"{r['us']:8.1f} {r['vs_baseline']:6.2f}x ")
             else:
                 cells.append(f"{r.get('status', '?'):>17s}")
-        extra = [r for r in c["rows"] if r["name"].startswith("frag ") and r["name"] != "frag rule" and "us" in r]
+        extra = [r for r in c["rows"] if r["name"].startswith("frag ") and "us" in r]
         best = min(extra, key=lambda r: r["us"]) if extra else None
         lines.append(f"{c['case']:34s} {base if base is None else round(base, 1)!s:>8s} " + " ".join(cells)
                      + (f"  {best['name']} {best['us']:.1f}" if best else ""))
@@ -240,7 +208,6 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--tokens", default="1,8,64", help="the sweep's token counts, comma-separated")
     parser.add_argument("--configs", action="store_true", help="also time frag's neighbouring configs")
-    parser.add_argument("--rule", action="store_true", help="also time the candidate rule (rule_config)")
     parser.add_argument("--routing-seed", type=int, default=None,
                         help="draw the routing from this seed in place of the bench's (a held-out draw)")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds; rows past it are skipped")
@@ -259,7 +226,7 @@ def main(argv=None) -> int:
                torch=torch.__version__, routing_seed=args.routing_seed, cases=[])
     for case in cases:
         start = time.monotonic()
-        doc["cases"].append(run_case(case, args.dtype, args.configs, deadline, args.rule))
+        doc["cases"].append(run_case(case, args.dtype, args.configs, deadline))
         doc["summary"] = summary(doc["cases"])
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

@@ -152,12 +152,17 @@ def test_config_splits_k_to_fill_the_gpu_at_decode(monkeypatch):
     # its gate/up at one token: 448 row tiles (both halves) over K = 4096: two slices make 1792 programs
     up = frag.frag_config(problem(2, 8, 14336, 4096, 128, True, gated=True, device="cuda"), 28672)
     assert up["BM"] == 8 and up["SPLIT_K"] == 1
-    # 64 tokens to 2 of 8 experts: 16 rows an expert on average, tiles of 32
-    assert frag.frag_config(problem(128, 8, 4096, 14336, 128, True, device="cuda"), 4096)["BM"] == 32
-    # Qwen3-30B-A3B's down at 64 tokens (512 rows over 128 experts, K = 768: 12 steps): no split below 8 steps
+    # 64 tokens to 2 of 8 experts: 16 rows an expert on average, tiles of 32 (the most); 224 K steps split in two,
+    # no slice past INT4_FRAG_MAX_SLICE_STEPS
+    mixtral64 = frag.frag_config(problem(128, 8, 4096, 14336, 128, True, device="cuda"), 4096)
+    assert mixtral64["BM"] == 32 and mixtral64["SPLIT_K"] == 2
+    # at 8 tokens (tiles of 8) the split stays what fills the GPU: one slice of 224 steps
+    assert frag.frag_config(problem(16, 8, 4096, 14336, 128, True, device="cuda"), 4096)["SPLIT_K"] == 1
+    # Qwen3-30B-A3B's down at 64 tokens (512 rows over 128 experts: 4 on average, tiles of 16; K = 768: 12 steps):
+    # no split below 8 steps
     qwen = frag.frag_config(problem(512, 128, 2048, 768, 128, True, device="cuda"), 2048)
-    assert qwen["BM"] == 8 and qwen["SPLIT_K"] == 1
-    assert frag.frag_config(problem(8 * 64, 8, 4096, 4096, 128, True, device="cuda"), 4096)["BM"] == 64  # the most
+    assert qwen["BM"] == 16 and qwen["SPLIT_K"] == 1
+    assert frag.frag_config(problem(8 * 64, 8, 4096, 4096, 128, True, device="cuda"), 4096)["BM"] == 32
 
 
 def _launch(E=3, M=9, N=40, K=256, group=64, gated=False, bias=None, cfg=None, x=None, dtype=torch.float16):

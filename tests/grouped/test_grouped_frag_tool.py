@@ -40,27 +40,6 @@ def test_summary_and_table(tool):
     assert "wrong" in text and "frag BM16 9.0" in text
 
 
-def test_rule_candidate_config(tool, monkeypatch):
-    # four times the average rows an expert, at most 32; the split raised until no slice passes 128 K steps
-    import torch
-    from tilegemm.ops.grouped import frag
-
-    monkeypatch.setattr(frag, "sm_count", lambda device: 132)
-
-    def problem(M, E, N, K):
-        x = torch.empty(M, K, dtype=torch.float16)
-        return tool.GroupedInt4Problem(x, None, None, None, None, None, None, E, M, N, K, 128)
-
-    qwen = tool.rule_config(problem(512, 128, 2048, 768), 2048)  # 4 rows an expert
-    assert qwen["BM"] == 16 and qwen["SPLIT_K"] == frag.frag_config(problem(512, 128, 2048, 768), 2048)["SPLIT_K"]
-    mixtral_down = tool.rule_config(problem(128, 8, 4096, 14336), 4096)  # 16 rows an expert, 224 K steps
-    shipped = frag.frag_config(problem(128, 8, 4096, 14336), 4096)
-    assert shipped["BM"] == 32 and mixtral_down["BM"] == 32  # (64 ran slower on Mixtral's gate/up)
-    assert -(-224 // mixtral_down["SPLIT_K"]) <= tool.RULE_MAX_SLICE_STEPS and mixtral_down["SPLIT_K"] >= 2
-    one_token = problem(2, 8, 4096, 14336)
-    assert tool.rule_config(one_token, 4096)["BM"] == frag.frag_config(one_token, 4096)["BM"] == 8
-
-
 def test_routing_seed_draws_other_group_sizes(tool, monkeypatch):
     from tilegemm.ops.grouped import bench
 

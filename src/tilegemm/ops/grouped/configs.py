@@ -38,10 +38,15 @@ INT4_ROWS_FACTOR = 2  # BLOCK_M holds twice the average rows an expert: popular 
 INT4_BLOCK_N_GATED = 64  # two weight tiles and two accumulators a program
 MAX_SPLIT = 16  # the workspace holds SPLIT_K fp32 planes of the output
 # 4-bit experts at decode sizes (kernel ``frag``, W4A16's frag_wgmma machinery): (BM holds this many times the
-# average rows an expert, as INT4_ROWS_FACTOR; BM choices: x's rows a program, wgmma's N; warps; 16-row weight tiles
-# a warp; ring slots). One row tile a warp, 64 weight rows a program, 4 slots, as frag_wgmma at BM <= 16: the K split
-# makes up the programs (docs/grouped.md, "4-bit experts at decode: `frag`")
-INT4_FRAG = (2, (8, 16, 32, 64), 4, 1, 4)
+# average rows an expert, so the skewed routing's busiest expert takes one pass over its weight; BM choices: x's rows
+# a program, wgmma's N, at most 32, as 64 ran slower on Mixtral's gate/up; warps; 16-row weight tiles a warp; ring
+# slots). One row tile a warp, 64 weight rows a program, 4 slots, as frag_wgmma at BM <= 16: the K split makes up
+# the programs (docs/grouped.md, "4-bit experts at decode: `frag`")
+INT4_FRAG = (4, (8, 16, 32), 4, 1, 4)
+# At BM 32 (64 tokens: the MMA chain, not HBM, bounds a program) the K split rises until no slice passes this many
+# K steps: Mixtral's down projection (224 steps) ran 1.8x -> 2.1x the 16-bit baseline; at BM 8 the same split ran
+# slower (docs/grouped.md, "4-bit experts at decode: `frag`")
+INT4_FRAG_MAX_SLICE_STEPS = 128
 # 16-bit MoE forward on Hopper (kernel ``tma``): rows enough an expert that every tile is a full 128-row wgmma
 # BLOCK_M, BLOCK_N, BLOCK_K: 48 KB a stage, two warp groups of 64 x 256 each: the dense TMA rung's tile for large
 # 16-bit products (docs/rungs/persistent_tma.md)

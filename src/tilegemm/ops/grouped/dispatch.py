@@ -52,7 +52,7 @@ INT4_AUTO = "dequant_dot"
 # experts' weights once and the weight's 4 bits a value set its time (the dense fragment kernel's ratios at those M
 # against dequant_dot's at decode: docs/grouped.md, "4-bit experts at decode: `frag`"). An estimate from the dense
 # kernel, not refit: 16 covers the moe sweep's 1-64 token steps (Mixtral at 64 tokens: 16 rows an expert), where
-# the row tile (twice the average, configs.INT4_FRAG) is at most 32 rows; above, dequant_dot stays (the many-expert
+# the row tile (four times the average, configs.INT4_FRAG) is at most 32 rows; above, dequant_dot stays (the many-expert
 # models at 512 tokens, where it ran well) (docs/grouped.md, "4-bit experts at decode: `frag`")
 INT4_FRAG_MAX_ROWS_PER_GROUP = 16
 FRAG_KERNELS = ("frag",)  # the grouped_w4a16 kernels that read the stacked fragment layout

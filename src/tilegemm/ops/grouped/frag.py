@@ -40,7 +40,7 @@ from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import cdiv
 from tilegemm.core.workspace import split_workspace
 from tilegemm.jit.helpers import apply_activation
-from tilegemm.ops.grouped.configs import INT4_FRAG, row_tiles
+from tilegemm.ops.grouped.configs import INT4_FRAG, INT4_FRAG_MAX_SLICE_STEPS, MAX_SPLIT, row_tiles
 from tilegemm.ops.grouped.problem import GroupedInt4Problem
 from tilegemm.ops.w4a16 import FRAG_WGMMA_PROGRAMS_PER_SM, fits_fragments, fragment_kernel, split_within
 
@@ -244,13 +244,17 @@ def _epilogue(out_ptr, bias_e, ws_ptr, cols, rows, end, N, N_OUT, HALF, plane, s
 
 def frag_config(p: GroupedInt4Problem, packed_rows: int) -> dict:
     """The config of a problem whose weight holds ``packed_rows`` rows (gated: both halves): the table
-    :data:`tilegemm.ops.grouped.configs.INT4_FRAG` keyed by the rows an expert, the K split that fills the GPU."""
+    :data:`tilegemm.ops.grouped.configs.INT4_FRAG` keyed by the rows an expert, the K split that fills the GPU
+    (at BM 32 also one that keeps every slice within ``INT4_FRAG_MAX_SLICE_STEPS`` steps)."""
     rows_factor, block_ms, warps, rh, stages = INT4_FRAG
     rows = rows_factor * p.M / max(p.groups, 1)
     bm = next((b for b in block_ms if rows <= b), block_ms[-1])
     tiles = cdiv(packed_rows, 16 * rh * warps) * row_tiles(p.M, p.groups, bm)
     per_sm = FRAG_WGMMA_PROGRAMS_PER_SM[0 if bm <= 16 else 1]
-    split = split_within(tiles, cdiv(p.K, 64), per_sm * sm_count(p.x.device), 8)
+    steps = cdiv(p.K, 64)
+    split = split_within(tiles, steps, per_sm * sm_count(p.x.device), 8)
+    while bm >= 32 and cdiv(steps, split) > INT4_FRAG_MAX_SLICE_STEPS and split * 2 <= MAX_SPLIT:
+        split *= 2
     return dict(BM=bm, RH=rh, num_warps=warps, STAGES=stages, SPLIT_K=split)
 
 
