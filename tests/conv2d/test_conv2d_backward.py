@@ -332,6 +332,30 @@ def test_weight_gradient_split_reduction_is_right_and_leaves_counters_at_zero(sp
             assert not count.any(), "every launch must leave the arrival counters at zero"
 
 
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_weight_gradient_past_the_grids_second_axis_runs_a_call_per_run_of_groups(channels_last, device,
+                                                                                  monkeypatch):
+    """Taps times groups past the grid's second axis (65535 on a GPU; 17 here: three groups of 3x3 taps) run
+    two groups, then one, on channel slices: F.conv2d's gradient, every launch within the axis."""
+    from tilegemm.ops.conv2d import implicit_gemm
+
+    grids = []
+    launch = implicit_gemm.launch
+    monkeypatch.setattr(implicit_gemm, "launch", lambda kernel, grid, *a, **k: (grids.append(grid),
+                                                                                launch(kernel, grid, *a, **k))[1])
+    monkeypatch.setattr(implicit_gemm, "_MAX_GRID_Y", 2 * 3 * 3 - 1)
+    fmt = CL if channels_last else torch.contiguous_format
+    x = torch.randn(1, 48, 5, 6, device=device).contiguous(memory_format=fmt).requires_grad_()
+    w = torch.randn(12, 16, 3, 3, device=device).contiguous(memory_format=fmt).requires_grad_()  # a tap a program
+    dy = torch.randn(1, 12, 5, 6, device=device)
+    tilegemm.conv2d(x, w, None, 1, 1, 1, 3).backward(dy)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    torch.nn.functional.conv2d(xr, wr, None, 1, 1, 1, 3).backward(dy.double())
+    assert_rel_close(w.grad, wr.grad, 1e-5)
+    assert_rel_close(x.grad, xr.grad, 1e-5)
+    assert grids and all(grid[1] <= 17 for grid in grids)
+
+
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("C,groups,R,S,stride", [(3, 1, 7, 7, 2), (2, 1, 3, 5, 1), (6, 2, 3, 3, 2)])
 def test_few_channel_weight_gradient_runs_the_filter_as_one_row_of_columns(C, groups, R, S, stride, split, device):

@@ -519,6 +519,8 @@ def _wgrad_channels_last(dy, x, g: Geometry, precision: str, fmt, dtype, pads: b
 
         # [K, NHW] @ [NHW, C]: a few output tiles over a reduction as long as the pixels, split_k's class
         return pointwise_wgrad(_as_nhwc_2d(dy).t(), _as_nhwc_2d(x), precision).view(g.K, g.C, 1, 1)
+    if g.groups > 1 and not g.is_depthwise and not takes_grouped_direct(g) and g.R * g.S * g.groups > _max_grid_y():
+        return _wgrad_by_groups(dy, x, g, precision, fmt, dtype, pads)
     # few channels a group: in the full tiles of a coarser grouping (docs/conv2d.md, "Grouped weight gradient by
     # a coarser grouping")
     gt = configs.coarse_wgrad_groups(g)
@@ -548,6 +550,32 @@ def _wgrad_channels_last(dy, x, g: Geometry, precision: str, fmt, dtype, pads: b
     from tilegemm.ops.conv2d import implicit_gemm
 
     return implicit_gemm.wgrad(dy, x, g, precision, _upcast(x), dtype, memory_format=fmt)
+
+
+def _max_grid_y() -> int:
+    from tilegemm.ops.conv2d.implicit_gemm import _MAX_GRID_Y
+
+    return _MAX_GRID_Y
+
+
+def _wgrad_by_groups(dy, x, g: Geometry, precision: str, fmt, dtype, pads: bool) -> torch.Tensor:
+    """The weight gradient of a layer whose taps times groups pass the grid's second axis (the TMA and pointer
+    kernels put a program per tap and group there): a call per run of groups that fits, on channel slices of
+    ``dy`` and ``x``, each copied into its rows of the gradient. The copies are torch's, so the call is not kept
+    for replay (:func:`tilegemm.core.launch.spoil`)."""
+    from tilegemm.core.launch import spoil
+    from tilegemm.ops.conv2d.implicit_gemm import empty_4d
+
+    spoil()
+    dw = empty_4d((g.K, g.Cg, g.R, g.S), dtype, x.device, fmt)
+    per = max(1, _max_grid_y() // (g.R * g.S))
+    for first in range(0, g.groups, per):
+        n = min(per, g.groups - first)
+        part = replace(g, C=n * g.Cg, K=n * g.Kg, groups=n)
+        k, c = first * g.Kg, first * g.Cg
+        dw[k:k + n * g.Kg].copy_(_wgrad_channels_last(dy[:, k:k + n * g.Kg], x[:, c:c + n * g.Cg], part, precision,
+                                                      fmt, dtype, pads))
+    return dw
 
 
 def _coarse_wgrad(dy, x, g: Geometry, gt: int, fmt, dtype) -> torch.Tensor:
