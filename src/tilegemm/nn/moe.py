@@ -581,10 +581,16 @@ def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
 def use_int4_experts_(model: torch.nn.Module) -> None:
     """Switch ``model`` to the ``"tilegemm"`` experts implementation (what runs blocks holding 4-bit experts)."""
     register_experts()
+    _set_experts_implementation(model, [m for _, m in _experts_modules_all(model)])
+
+
+def _set_experts_implementation(model: torch.nn.Module, blocks: list) -> None:
+    """``"tilegemm"`` as ``model``'s experts implementation: transformers' setter where the model has one, else
+    each of ``blocks``' configs (a bare block, or a model transformers did not build)."""
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(NAME)
     else:
-        for _, module in _experts_modules_all(model):
+        for module in blocks:
             module.config._experts_implementation = NAME
 
 
@@ -607,11 +613,7 @@ def use_tilegemm_experts_(model: torch.nn.Module, filter=None) -> list[tuple[str
                f"kernels take fp16, bf16, fp32)")
         return [(n, f"its experts stay on transformers' own implementation: experts_implementation is one setting "
                     f"for the whole model, and {why}") for n, _ in blocks if n not in declined]
-    if hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation(NAME)
-    else:
-        for _, m in blocks:
-            m.config._experts_implementation = NAME
+    _set_experts_implementation(model, [m for _, m in blocks])
     return []
 
 
