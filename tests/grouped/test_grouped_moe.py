@@ -121,6 +121,11 @@ def test_quantize_turns_experts_int4(device):
     with torch.no_grad():
         want, got = eager(ids).logits, ours(ids).logits
     assert (got - want).norm() / want.norm() < 1e-2
+    # another implementation cannot read 4-bit experts: refused by name, not an AttributeError inside transformers
+    ours.set_experts_implementation("eager")
+    with pytest.raises(RuntimeError, match="Qwen3MoeExperts holds 4-bit experts, which only the 'tilegemm' experts "
+                                           "implementation runs; the model is set to 'eager'"):
+        ours(ids)
 
 
 @pytest.mark.parametrize("group_size", [0, 48, "32", True])

@@ -17,7 +17,7 @@ import torch
 import torch.nn.modules.module as module_hooks
 from torch import nn
 
-from tilegemm.nn.hooks import has_hooks
+from tilegemm.nn.hooks import has_forward_hooks, has_hooks
 from tilegemm.nn.int4 import Int4Linear
 from tilegemm.ops.w4a16.format import Int4Weight
 
@@ -254,4 +254,4 @@ def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_pro
 
 
 def _forward_hooked(module: nn.Module) -> bool:  # (the block stays: its backward hooks stay with it)
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+    return has_forward_hooks(module)

@@ -5,11 +5,27 @@ from __future__ import annotations
 import torch
 
 
+def tilegemm_hook(fn):
+    """Mark ``fn`` as a hook tilegemm registers itself (a check, no change to what the module computes): the
+    transforms' :func:`has_hooks` and :func:`has_forward_hooks` do not count it."""
+    fn.tilegemm_hook = True
+    return fn
+
+
+def _users(hooks) -> bool:
+    return any(not getattr(fn, "tilegemm_hook", False) for fn in hooks.values())
+
+
+def has_forward_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has forward or forward-pre hooks other than tilegemm's own (:func:`tilegemm_hook`)."""
+    return _users(module._forward_hooks) or _users(module._forward_pre_hooks)
+
+
 def has_hooks(module: torch.nn.Module) -> bool:
-    """Whether ``module`` has forward, forward-pre, backward or backward-pre hooks of its own: a transform that
-    replaces it would drop them, one that folds it into another module would change what they see."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or getattr(module, "_backward_pre_hooks", None))
+    """Whether ``module`` has forward, forward-pre, backward or backward-pre hooks of its own (tilegemm's own checks
+    aside): a transform that replaces it would drop them, one that folds it into another module would change what
+    they see."""
+    return has_forward_hooks(module) or bool(module._backward_hooks or getattr(module, "_backward_pre_hooks", None))
 
 
 # What a module carries that is not its weights: its forward and backward hooks (the dicts themselves, so the

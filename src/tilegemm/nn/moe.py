@@ -32,7 +32,7 @@ import torch
 from tilegemm.ops.w4a16 import fragment_records as fragments
 from tilegemm.ops.w4a16.fragment_records import part_state
 from tilegemm.core.dtypes import dtype_name
-from tilegemm.nn.hooks import carry_over
+from tilegemm.nn.hooks import carry_over, tilegemm_hook
 from tilegemm.nn.linear import NotScriptable
 from tilegemm.nn.notes import ConversionNote
 from tilegemm.ops.grouped.api import grouped_matmul, grouped_mm, moe_gate_up, moe_gate_up_int4
@@ -575,7 +575,20 @@ def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:
     if not getattr(module, "_tilegemm_remakes_fragments", False):
         module.register_load_state_dict_pre_hook(_adopt_perms)
         module.register_load_state_dict_post_hook(_remake_fragments)
+        module.register_forward_pre_hook(_runs_on_tilegemm_experts)
         module._tilegemm_remakes_fragments = True
+
+
+@tilegemm_hook
+def _runs_on_tilegemm_experts(module: torch.nn.Module, args) -> None:
+    """A forward pre-hook of a block holding 4-bit experts: only the ``"tilegemm"`` experts implementation reads
+    them (another, ``"eager"`` say, would fail inside transformers on the 16-bit weight that is gone)."""
+    config = getattr(module, "config", None)
+    implementation = getattr(config, "_experts_implementation", None)
+    if implementation is not None and implementation != NAME:
+        raise RuntimeError(f"{type(module).__name__} holds 4-bit experts, which only the {NAME!r} experts "
+                           f"implementation runs; the model is set to {implementation!r} (call "
+                           f"set_experts_implementation({NAME!r}), or run {implementation!r} on the 16-bit model)")
 
 
 def use_int4_experts_(model: torch.nn.Module) -> None:
