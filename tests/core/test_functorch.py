@@ -81,3 +81,48 @@ def test_gradient_transforms_refuse_clearly(which):
     x.requires_grad_(True)
     (g,) = torch.autograd.grad(fn(x), x)
     assert g.shape == x.shape and torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("which", ["matmul", "conv2d", "w4a16", "grouped_mm", "w4a16.grouped_matmul"])
+def test_forward_mode_dual_tensors_are_refused(which):
+    # torch.autograd.forward_ad: a custom op hands back an output without a tangent, which the code after it
+    # would read as a zero derivative; refused by name (a dual level without dual inputs still runs)
+    import torch.autograd.forward_ad as fwad
+
+    dev = _device()
+    dt = torch.float16 if which.startswith("w4a16") else torch.float32
+    x = torch.randn(6, 128, device=dev, dtype=dt)
+    offs = torch.tensor([2, 2, 6], dtype=torch.int32, device=dev)
+    if which == "matmul":
+        b = torch.randn(128, 8, device=dev)
+        fn = lambda t: tilegemm.matmul(t, b)  # noqa: E731
+    elif which == "conv2d":
+        wt = torch.randn(3, 2, 3, 3, device=dev)
+        fn = lambda t: tilegemm.conv2d(t.reshape(1, 2, 12, 32), wt)  # noqa: E731
+    elif which == "w4a16":
+        w = w4a16.quantize(torch.randn(16, 128, device=dev, dtype=dt), 128)
+        fn = lambda t: w4a16.matmul(t, w)  # noqa: E731
+    elif which == "grouped_mm":
+        b = torch.randn(3, 128, 8, device=dev)
+        fn = lambda t: tilegemm.grouped_mm(t, b, offs=offs)  # noqa: E731
+    else:
+        w = w4a16.quantize(torch.randn(3, 16, 128, device=dev, dtype=dt), 128)
+        fn = lambda t: w4a16.grouped_matmul(t, w, offs)  # noqa: E731
+    with fwad.dual_level():
+        with pytest.raises(NotImplementedError, match=r"tilegemm::\w+ has no forward-mode derivative.*reverse mode"):
+            fn(fwad.make_dual(x, torch.randn_like(x)))
+        assert fwad.unpack_dual(fn(x)).tangent is None  # plain inputs inside the level: runs
+    assert torch.isfinite(fn(x).float()).all()
+
+
+def test_vmap_over_the_group_ends():
+    # a batched offs (vmap) carries no values to check: each batch element's call is checked and run
+    dev = _device()
+    a, b = torch.randn(10, 16, device=dev), torch.randn(3, 16, 8, device=dev)
+    ends = torch.tensor([[2, 5, 9], [0, 0, 10]], dtype=torch.int32, device=dev)
+    out = torch.func.vmap(lambda o: tilegemm.grouped_mm(a, b, offs=o))(ends)
+    for got, o in zip(out, ends):
+        assert torch.equal(got, tilegemm.grouped_mm(a, b, offs=o))
+    if dev == "cpu":  # (the values are checked where that costs no device sync)
+        with pytest.raises(ValueError, match="offs must be non-decreasing"):
+            torch.func.vmap(lambda o: tilegemm.grouped_mm(a, b, offs=o))(ends.flip(1))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from tilegemm.core.runtime import interpreting, quiet_interpreter
 
@@ -527,6 +528,12 @@ except AttributeError:  # an older torch without it
 jit_tracing = torch._C._is_tracing
 
 
+def forward_ad_on() -> bool:
+    """Whether a level of ``torch.autograd.forward_ad`` is open (its dual tensors carry tangents that only the
+    registered op sees, and refuses)."""
+    return _forward_ad._current_level >= 0
+
+
 def plain_tensor(t) -> bool:
     """True for a ``torch.Tensor`` or an ``nn.Parameter`` (not another subclass, not None)."""
     return type(t) in PLAIN_TENSOR_TYPES
@@ -542,6 +549,8 @@ def plain_call(*tensors) -> bool:
     if torch.compiler.is_compiling():
         return False
     if dispatch_stack_depth() or function_mode_on() or jit_tracing() or functorch_level() is not None:
+        return False
+    if forward_ad_on():  # dual tensors may be about: the op refuses them (torch_ops.refuse_forward_ad)
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, functorch_level,
                                   jit_tracing)
@@ -147,6 +148,19 @@ def refuse_functorch(name: str) -> None:
             f"(vectorize=False); torch.func.vmap runs them, one call a batch element")
 
 
+def refuse_forward_ad(name: str, args: tuple) -> None:
+    """Raise a clear error for a call on dual tensors of ``torch.autograd.forward_ad``: tilegemm's ops have no
+    forward-mode derivative, and a custom op called on them returns an output without a tangent, which the code
+    after it would read as a zero derivative. Outside a dual level it reads one module global."""
+    if _forward_ad._current_level < 0:
+        return
+    for a in args:
+        if isinstance(a, torch.Tensor) and _forward_ad.unpack_dual(a).tangent is not None:
+            raise NotImplementedError(
+                f"tilegemm::{name} has no forward-mode derivative (torch.autograd.forward_ad's dual tensors): its "
+                f"output would carry no tangent. Use reverse mode (backward, torch.autograd.grad)")
+
+
 def own_storage_outputs(op) -> bool:
     """Register ``op``'s CPU and CUDA kernels as its function with :func:`own_storage` on each output tensor.
     These kernels run where the custom op's own autograd kernel redispatches (a call autograd records);
@@ -160,6 +174,7 @@ def own_storage_outputs(op) -> bool:
 
     def kernel(*args, **kwargs):
         refuse_functorch(name)
+        refuse_forward_ad(name, args)
         out = fn(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             return own_storage(out)
@@ -201,6 +216,7 @@ def lean_autograd(op) -> bool:
 
     def kernel(keyset, *args, **kwargs):
         refuse_functorch(name)
+        refuse_forward_ad(name, args)
         if not kwargs:
             if plain_args(args, positions):
                 return fn(*args)

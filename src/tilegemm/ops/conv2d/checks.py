@@ -10,8 +10,8 @@ import torch
 from tilegemm.core import registry
 from tilegemm.core.activations import ACTIVATIONS
 from tilegemm.core.dtypes import check_precision, dtype_name, torch_fp32_precision
-from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, jit_tracing,
-                                  recording_active, tensor_key)
+from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, forward_ad_on, function_mode_on,
+                                  jit_tracing, recording_active, tensor_key)
 from tilegemm.core.runtime import check_dense, check_same_device, interpreting
 from tilegemm.core.workspace import in_graph_tree
 from tilegemm.ops.conv2d.problem import Geometry
@@ -208,7 +208,7 @@ def _replayable(x, weight, bias) -> bool:
     if type(x) not in PLAIN_TENSOR_TYPES or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
         return False
     if (interpreting() or recording_active() or dispatch_stack_depth() or function_mode_on() or in_graph_tree()
-            or jit_tracing()):
+            or jit_tracing() or forward_ad_on()):
         return False
     if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
         return False

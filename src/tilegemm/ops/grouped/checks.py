@@ -40,8 +40,10 @@ def check_offs(offs, groups: int | None, groups_of: str, grouped_dim: str, exten
     if groups is not None and offs.shape[0] != groups:
         raise ValueError(f"offs has {offs.shape[0]} entries but there are {groups} groups ({groups_of}); offs "
                          f"splits {grouped_dim}")
+    # (not on a batched tensor of vmap, which reports type Tensor but has no values to read here: the op then runs
+    # a call a batch element, each checked)
     if offs.device.type == "cpu" and offs.numel() and not torch.compiler.is_compiling() \
-            and type(offs) in (torch.Tensor, torch.nn.Parameter):
+            and type(offs) in (torch.Tensor, torch.nn.Parameter) and not _batched(offs):
         v = offs.to(torch.int64)
         if int(v[0]) < 0:
             raise ValueError(f"offs[0] = {int(v[0])} is negative")
@@ -50,6 +52,13 @@ def check_offs(offs, groups: int | None, groups_of: str, grouped_dim: str, exten
         if int(v[-1]) > extent:
             raise ValueError(f"offs[-1] = {int(v[-1])} is past the end of the grouped dimension, {grouped_dim} = "
                              f"{extent}")
+
+
+def _batched(t: torch.Tensor) -> bool:
+    try:
+        return torch._C._functorch.is_batchedtensor(t)
+    except AttributeError:  # a torch without functorch's C module
+        return False
 
 
 def check_op_devices(names: tuple, tensors: tuple) -> None:

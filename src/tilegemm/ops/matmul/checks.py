@@ -9,8 +9,8 @@ import torch
 from tilegemm.core import registry
 from tilegemm.core.activations import ACTIVATIONS, check_activation
 from tilegemm.core.dtypes import check_precision, dtype_name, resolve_precision  # noqa: F401 (re-exported)
-from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, jit_tracing,
-                                  plain_call, plain_tensor, tensor_key)
+from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, forward_ad_on, function_mode_on,
+                                  jit_tracing, plain_call, plain_tensor, tensor_key)
 from tilegemm.core.runtime import check_dense, check_same_device, interpreting
 from tilegemm.core.workspace import in_graph_tree
 from tilegemm.ops.matmul.problem import DTYPES, FP8_DTYPES, INPUT_DTYPES, MatmulCall
@@ -191,7 +191,7 @@ def replay_key(a, b, alpha, precision, kernel, out_dtype=None, scale_a=None, sca
         return None
     if type(a) not in PLAIN_TENSOR_TYPES or type(b) not in PLAIN_TENSOR_TYPES or not a.is_cuda or interpreting():
         return None
-    if dispatch_stack_depth() or function_mode_on() or in_graph_tree() or jit_tracing():
+    if dispatch_stack_depth() or function_mode_on() or in_graph_tree() or jit_tracing() or forward_ad_on():
         return None
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return None
