@@ -169,6 +169,10 @@ CASES = [
      TypeError, r"bias has dtype fp32; expected x's dtype, fp16 \(the output's\)$"),
     ("bf16 bias, gated", lambda w, x, o: moe_gate_up_int4(x, w, o, bias=torch.randn(24).bfloat16()), TypeError,
      r"bias has dtype bf16; expected x's dtype, fp16"),
+    # zero points are whole numbers: the 16-bit kernels would round a fraction away, off from dequantize
+    ("fractional zeros", lambda w, x, o: tilegemm.w4a16.grouped_matmul(
+        x, tilegemm.w4a16.Int4Weight(w.qweight, w.scales, w.zeros + 0.25, w.group_size, w.shape), o), ValueError,
+     r"zeros must be whole numbers \(the 4-bit zero points, held as floats\), got \d+\.25 at \[0, 0, 0\]"),
 ]
 
 

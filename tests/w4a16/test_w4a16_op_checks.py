@@ -52,6 +52,7 @@ def _bad_cases(x, w, bias):
         (dict(group_k=256), ValueError, "K = in_features = 128 is not divisible by group_size = 256"),
         (dict(perm=torch.arange(K - 1, device=dev)), ValueError, r"perm must be int64 \[128\]"),
         (dict(perm=torch.zeros(K, dtype=torch.int64, device=dev)), ValueError, "perm must be a permutation"),
+        (dict(zeros=w.zeros + 0.5), ValueError, r"zeros must be whole numbers .*, got \d+\.5 at \[0, 0\]"),
         (dict(bias=bias[:N - 1]), ValueError, r"bias must have shape \[N\] = \[24\], got \[23\]"),
         (dict(bias=bias.float()), TypeError, "bias has dtype fp32; expected x's dtype, fp16"),
         (dict(activation="swish"), ValueError, "unknown activation 'swish'"),
@@ -62,24 +63,24 @@ def _bad_cases(x, w, bias):
     ]
 
 
-@pytest.mark.parametrize("case", range(22))
+@pytest.mark.parametrize("case", range(23))
 def test_direct_op_call_refuses_bad_arguments(case, device):
     x, w, bias = _parts(device)
     change, error, match = _bad_cases(x, w, bias)[case]
-    if device != "cpu" and match == "perm must be a permutation":
-        pytest.skip("perm's values are read on the host for CPU tensors only: the GPU path makes no host sync")
+    if device != "cpu" and match.startswith(("perm must be a permutation", "zeros must be whole")):
+        pytest.skip("perm's and zeros' values are read on the host for CPU tensors only: the GPU path makes no sync")
     with pytest.raises(error, match=match):
         _op(*_args(x, w, bias, **change))
 
 
-@pytest.mark.parametrize("case", range(22))
+@pytest.mark.parametrize("case", range(23))
 def test_meta_op_call_refuses_bad_arguments(case):
     # a meta call runs the op's fake, which returned an output of the wrong parts' shape without a word
     x, w, bias = _parts("cpu")
     x, w, bias = x.to("meta"), w.to("meta"), bias.to("meta")
     change, error, match = _bad_cases(x, w, bias)[case]
-    if match == "perm must be a permutation":
-        pytest.skip("a meta perm has no values to check")
+    if match.startswith(("perm must be a permutation", "zeros must be whole")):
+        pytest.skip("a meta perm or zeros has no values to check")
     with pytest.raises(error, match=match):
         _op(*_args(x, w, bias, **change))
 
@@ -92,7 +93,7 @@ def test_meta_op_call_gives_the_output_shape():
 
 def test_the_cases_are_all_run():
     x, w, bias = _parts("cpu")
-    assert len(_bad_cases(x, w, bias)) == 22
+    assert len(_bad_cases(x, w, bias)) == 23
 
 
 def test_the_op_body_refuses_tensors_on_two_devices():

@@ -472,6 +472,16 @@ def validate(w: Int4Weight, values: bool = False) -> None:
             raise ValueError(f"perm must be a permutation of 0..{K - 1} (K = {K}) for each "
                              f"{'expert' if lead else 'weight'}")
         tensors["perm"] = w.perm
+    # zeros are whole numbers held as floats: the 16-bit kernels add them to the 4-bit values as integers (a fraction
+    # would be rounded away, silently off from dequantize); read only where that stalls nothing, as perm's
+    if values and w.zeros.device.type == "cpu" and w.zeros.numel() and not torch.compiler.is_compiling() \
+            and type(w.zeros) in (torch.Tensor, torch.nn.Parameter):
+        z = w.zeros.float()
+        bad = (z != z.round()).nonzero()
+        if len(bad):
+            at = tuple(bad[0].tolist())
+            raise ValueError(f"zeros must be whole numbers (the 4-bit zero points, held as floats), got "
+                             f"{z[at].item()} at {list(at)}")
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"the parts of an Int4Weight are on different devices: {devices}")
