@@ -303,7 +303,7 @@ def test_casts_leave_the_packed_parts_and_scales_as_they_were(make, cast, device
 def test_half_refuses_bf16_scales_past_fp16s_range(make, device):
     # .half() rounded them to inf (NaN outputs), where Int4Weight.half() refuses them
     if make == "linear":
-        lin = nn.Linear(64, 16, bias=False, dtype=torch.bfloat16)
+        lin = nn.Linear(64, 16, dtype=torch.bfloat16)
         with torch.no_grad():
             lin.weight.mul_(1e7)
         module = Int4Linear.from_linear(lin, group_size=32).to(device)
@@ -314,10 +314,14 @@ def test_half_refuses_bf16_scales_past_fp16s_range(make, device):
             module.tilegemm_down_proj_scales[0, 0] = 1e6
         match = "SparseMoeBlock: its bf16 4-bit scales hold values past fp16's range"
     before = _parts(module)
+    bias = module.bias.detach().clone() if make == "linear" else None
     with pytest.raises(ValueError, match=match):
         module.half()
     after = _parts(module)
     assert all(after[n].dtype == before[n].dtype and torch.equal(after[n], before[n]) for n in before)
+    if make == "linear":  # the bias too: a bf16 bias beside fp16 scales refused every input
+        assert module.bias.dtype == torch.bfloat16 and torch.equal(module.bias, bias)
+        assert module(torch.randn(2, 64, device=device, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("make", ["linear", "experts"])

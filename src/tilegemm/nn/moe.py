@@ -482,9 +482,13 @@ def apply_keeping_4bit_parts(module: torch.nn.Module, apply, fn, names) -> torch
     otherwise the values they were, never rounded through float8) and their dense layout (a memory format,
     ``.to(memory_format=torch.channels_last)``, is for activations: the fragment layouts are 4-D and 5-D, read
     as dense by the kernels). bf16 scales past fp16's range, or that make weights past it (inf once converted, as
-    ``Int4Weight.half()`` refuses them), are a ValueError, the parts left as they were."""
+    ``Int4Weight.half()`` refuses them), are a ValueError, the parts and the module's other tensors (a bias) left as
+    they were."""
     before = {n: module._buffers[n] for n in names if module._buffers.get(n) is not None}
     parts = {id(t) for t in before.values()}
+    # the module's other tensors as they were (a bias): put back too when the conversion is refused
+    others = {n: t for n, t in module._buffers.items() if t is not None and n not in before}
+    params = {n: p.data for n, p in module._parameters.items() if p is not None}
     overflowed = []
 
     def keep(t: torch.Tensor) -> torch.Tensor:
@@ -512,9 +516,13 @@ def apply_keeping_4bit_parts(module: torch.nn.Module, apply, fn, names) -> torch
         if qweight is not None and zeros is not None and dequantized_overflow(qweight, new, zeros, torch.float16):
             overflowed.append(old)
     if overflowed:
-        for n, old in before.items():
+        for n, old in {**before, **others}.items():
             if module._buffers.get(n) is not None:
                 module._buffers[n] = old.to(device=module._buffers[n].device)
+        for n, old in params.items():
+            p = module._parameters.get(n)
+            if p is not None:
+                p.data = old.to(device=p.device)
         what = f"{type(module).__name__}({module.extra_repr()})" if module.extra_repr() else type(module).__name__
         raise ValueError(f"{what}: its bf16 4-bit scales hold values past fp16's range, or make weights past it, "
                          f"which become inf in fp16 (NaN outputs): keep the module bf16; its 4-bit parts were left "
