@@ -346,3 +346,27 @@ def test_convert_names_the_attention_projection_it_cannot_swap(device):
     assert_rel_close(model(x).detach(), want, 1e-5)
     quantize_(model, group_size=32, warn=False)
     assert ("attn.out_proj", MHA_OUT_PROJ_KEPT) in model.tilegemm_skipped
+
+
+def test_quantized_encoder_layer_runs_its_4_bit_layers_in_inference(device):
+    # torch's inference fast path for TransformerEncoderLayer (eval, no autograd) passes linear1's and linear2's
+    # weights to one fused op, which took no 4-bit weight (TypeError from inside torch): the quantized layer takes
+    # its module path, which calls them, and gives the output of torch's layer on the dequantized weights
+    import copy
+
+    from tilegemm.nn import quantize_
+    from tilegemm.nn.int4 import Int4Linear
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).half().to(device).eval()
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    ref = copy.deepcopy(model)
+    quantize_(model, group_size=32, warn=False)
+    for e, e_ref in zip(model.layers, ref.layers):
+        for name in ("linear1", "linear2"):
+            assert isinstance(getattr(e, name), Int4Linear)
+            getattr(e_ref, name).weight.data = tilegemm.w4a16.dequantize(getattr(e, name).weight).half()
+    x = torch.randn(2, 5, 64, device=device, dtype=torch.float16)
+    with torch.no_grad():
+        got, want = model(x), ref(x)
+    assert_rel_close(got, want.double(), 5e-3)

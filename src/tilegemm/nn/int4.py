@@ -656,6 +656,7 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     untie_quantized_outputs_(model)
     guard_quantized_output_resize_(model)
     mark_saved_format_(model)
+    _encoder_fast_paths_off_(model)
     model.tilegemm_skipped = skipped
     model.tilegemm_untied = untied
     if skipped and warn:
@@ -669,6 +670,18 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
                       f"together (a filter that declines the layer keeps it 16-bit and tied)",
                       ConversionNote, stacklevel=2)
     return model
+
+
+def _encoder_fast_paths_off_(model: nn.Module) -> None:
+    """``torch.nn.TransformerEncoderLayer``'s inference fast path (``torch._transformer_encoder_layer_fwd``, taken
+    in eval mode without autograd) reads ``linear1``'s and ``linear2``'s weights as tensors, which a 4-bit layer's
+    is not: where either is an :class:`Int4Linear`, the layer takes its module path (the one training takes), which
+    calls them. ``activation_relu_or_gelu`` is the flag torch reads to allow the fast path and nothing else (the
+    module path applies ``activation`` itself)."""
+    for m in model.modules():
+        if isinstance(m, nn.TransformerEncoderLayer) \
+                and any(isinstance(getattr(m, n, None), Int4Linear) for n in ("linear1", "linear2")):
+            m.activation_relu_or_gelu = 0
 
 
 def _transformers_tied_outputs(model: nn.Module) -> set[int]:
