@@ -403,3 +403,9 @@ def test_a_memory_format_leaves_the_fragment_layouts_dense(make, device):
     assert all(t.is_contiguous() and torch.equal(t, before[n]) for n, t in after.items())
     if make == "linear":
         torch.testing.assert_close(model(x), y, rtol=0, atol=0)
+
+
+def test_repr_names_the_modules_dtype_and_the_scales_where_they_differ():
+    fp32 = Int4Linear.from_linear(nn.Linear(64, 16), group_size=32)
+    assert repr(fp32).endswith("group_size=32, dtype=torch.float32, scales=torch.float16)")
+    assert repr(fp32.half()).endswith("group_size=32, dtype=torch.float16)")

@@ -360,8 +360,11 @@ class Int4Linear(NotScriptable, nn.Module):
                 f"{dtype_name(dtype)} scales: convert the layer first (.to({scales.dtype})); it kept its own weight")
 
     def extra_repr(self) -> str:
+        # the module's dtype is its bias' (its activations'); the scales' is named too where it differs (fp32)
+        scales = self.scales.dtype
+        dtype = scales if self.bias is None else self.bias.dtype
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group_size={self.group_size}, dtype={self.scales.dtype}")
+                f"group_size={self.group_size}, dtype={dtype}" + (f", scales={scales}" if dtype != scales else ""))
 
 
 _DTENSOR_ADVICE = ("{what} is a DTensor (the model was parallelized, e.g. by parallelize_module): quantize "
