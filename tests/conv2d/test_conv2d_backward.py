@@ -206,11 +206,14 @@ _VIEWS = {  # views whose layout is told apart by torch's stride test, not by is
     "cl-channels-sliced": lambda t: t.repeat(1, 2, 1, 1).contiguous(memory_format=CL)[:, :t.shape[1]],  # torch.chunk
     "cl-batch-sliced": lambda t: t.repeat(2, 1, 1, 1).contiguous(memory_format=CL)[::2],
     "hwc-unsqueezed": lambda t: t[:1].permute(0, 2, 3, 1).contiguous()[0].permute(2, 0, 1)[None],  # CL-contiguous
+    # .to(channels_last) restrides a 1x1 or one-channel filter (contiguous either way) to what torch reads as
+    # channels-last, where .contiguous(memory_format=...) leaves its strides
+    "to-cl": lambda t: t.to(memory_format=CL),
 }
 
 
-@pytest.mark.parametrize("of,view", [("x", view) for view in _VIEWS] + [("weight", "cl-channels-sliced"),
-                                                                        ("weight", "cl-batch-sliced")])
+@pytest.mark.parametrize("of,view", [("x", view) for view in _VIEWS if view != "to-cl"]
+                         + [("weight", "cl-channels-sliced"), ("weight", "cl-batch-sliced"), ("weight", "to-cl")])
 @pytest.mark.parametrize("w_shape,conv", [
     pytest.param((6, 4, 3, 3), dict(padding=1), id="3x3"),
     pytest.param((6, 4, 1, 1), dict(stride=2), id="1x1-stride2"),

@@ -401,3 +401,20 @@ def test_compiled_fullgraph_in_both_modes(device):
     ref.train(), folded.train()
     assert_rel_close(compiled(x), ref(x).double(), 1e-5)
     torch.testing.assert_close(folded[1].running_mean, ref[1].running_mean)
+
+
+def test_an_activation_set_or_changed_after_folding_ends_the_fold(device):
+    # the epilogue would apply the activation folded (or none) where the model now asks for another
+    torch.manual_seed(0)
+    x = torch.randn(1, 4, 5, 5, device=device)
+    model = _randomize_norms(torch.nn.Sequential(torch.nn.Conv2d(4, 6, 3, padding=1), torch.nn.BatchNorm2d(6),
+                                                 torch.nn.LeakyReLU())).to(device).eval()
+    ref = copy.deepcopy(model)
+    folded = convert_(copy.deepcopy(model), fold_batchnorm=True)
+    assert folded.tilegemm_folded == [("0", "1", "2")]
+    with torch.no_grad():
+        folded[2].act.negative_slope = ref[2].negative_slope = 0.3  # no longer the epilogue's leaky_relu
+        assert_rel_close(folded(x), ref(x).double(), 1e-5)
+        folded[0].activation = "relu"  # relu before the norm now
+        want = ref[2](ref[1](torch.relu(ref[0](x))))
+        assert_rel_close(folded(x), want.double(), 1e-5)

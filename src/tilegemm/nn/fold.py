@@ -59,9 +59,13 @@ class Fold:
     """What a :class:`tilegemm.nn.Conv2d` folds: the batch norm after it and the activation after that (a name of
     ``tilegemm.ACTIVATIONS`` or None), and the folded weight and bias of the last call that could keep them."""
 
-    def __init__(self, norm: FoldedBatchNorm2d, activation: str | None, places=(), within: "_Running | None" = None):
+    act = None  # (a Fold pickled before it kept its activation module)
+
+    def __init__(self, norm: FoldedBatchNorm2d, activation: str | None, places=(), within: "_Running | None" = None,
+                 act: torch.nn.Module | None = None):
         self.norm = norm
         self.activation = activation
+        self.act = act  # the activation module folded (None: none), whose settings must still name ``activation``
         # a pair found as neighbours in a Sequential (no trace): folded only while that Sequential's own forward
         # runs, so a parent that calls its children one by one (reading the convolution's output) gets each alone
         self.within = within
@@ -74,12 +78,16 @@ class Fold:
         self.held = None  # the key's tensors: their storages kept, so no other tensor takes an address the key names
 
     def active(self) -> bool:
+        # (and no activation set on the convolution since, nor the folded one's settings changed: a LeakyReLU's
+        # slope, GELU's approximation; either ends the fold, where the epilogue would apply the old one)
         return folds(self.norm) and (self.within is None or self.within.depth > 0) and all(
-            parent._modules.get(name) is module for parent, name, module in self.places)
+            parent._modules.get(name) is module for parent, name, module in self.places) \
+            and not (self.places and self.places[0][2].activation) \
+            and (self.act is None or _activation_name(self.act) == self.activation)
 
     def __getstate__(self):  # pickled and copied without the cached tensors
-        return dict(norm=self.norm, activation=self.activation, places=self.places, within=self.within, key=None,
-                    cached=None, held=None)
+        return dict(norm=self.norm, activation=self.activation, act=self.act, places=self.places, within=self.within,
+                    key=None, cached=None, held=None)
 
     def __deepcopy__(self, memo):
         import copy
@@ -289,7 +297,7 @@ def fold_batchnorm_(model: torch.nn.Module) -> torch.nn.Module:
         _replace(model, norm_name, new_norm)
         seq = None if traced else model.get_submodule(conv_name.rpartition(".")[0])
         fold = Fold(new_norm, activation, (_place(model, conv_name), _place(model, norm_name)),
-                    None if seq is None else _running(seq))
+                    None if seq is None else _running(seq), act if activation is not None else None)
         new_norm.__dict__["fold"] = fold
         conv.__dict__["_tilegemm_fold"] = fold
         if activation is not None:

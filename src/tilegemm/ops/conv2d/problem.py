@@ -107,8 +107,10 @@ def strides_like_channels_last(t: torch.Tensor) -> bool:
     """Whether ``t.suggest_memory_format()`` is channels-last, the test torch's convolutions choose their output's
     and gradients' format by: strides ordered C < W < H < N, each at least the extent of the dims inside it. Unlike
     :func:`channels_last`, views of a channels-last tensor pass (a slice of its channels or its batch, as
-    ``torch.chunk`` gives), and ``[C, H, W]`` of an HWC image unsqueezed to a batch of one does not."""
-    if t.dim() != 4 or t.is_contiguous():
+    ``torch.chunk`` gives), and ``[C, H, W]`` of an HWC image unsqueezed to a batch of one does not. A tensor
+    contiguous either way (a 1x1 filter, one channel a group) is read by its strides alone, as torch reads it: a
+    ``[K, C, 1, 1]`` weight made channels-last passes, one made contiguous does not."""
+    if t.dim() != 4:
         return False
     sizes, strides = t.shape, t.stride()
     if not all(type(v) is int for v in (*sizes, *strides)):  # symbolic (torch.compile's dynamic shapes): torch's own
