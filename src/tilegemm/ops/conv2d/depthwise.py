@@ -991,8 +991,8 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
     if not g.is_depthwise:
         from tilegemm.core.registry import NotApplicable
 
-        raise NotApplicable(f"the depthwise kernel takes groups = C with one input channel per group; got "
-                            f"C={g.C}, groups={g.groups}")
+        raise NotApplicable(f"the depthwise kernel takes groups = C > 1 with one input channel per group (one group "
+                            f"is a dense convolution); got C={g.C}, groups={g.groups}")
     x = _nhwc(p.x)
     out = allocate_out(p)
     if config is None:
