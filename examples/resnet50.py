@@ -38,7 +38,7 @@ def inference(args, device) -> None:
     dtype = torch.float16 if device == "cuda" else torch.float32
     ref = make_model(args.tiny).eval().to(device=device, dtype=dtype, memory_format=torch.channels_last)
     ours = tilegemm.nn.convert_(copy.deepcopy(ref))
-    side = 32 if args.tiny else 224
+    side = 16 if args.tiny else 224
     x = torch.randn(2 if args.tiny else 32, 3, side, side, device=device, dtype=dtype)
     x = x.contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
@@ -76,7 +76,7 @@ def training_step(args, device) -> None:
     ref = make_model(args.tiny).train().to(device=device, memory_format=torch.channels_last)
     ours = tilegemm.nn.convert_(copy.deepcopy(ref))
     exact = copy.deepcopy(ref).double()
-    side = 32 if args.tiny else 224
+    side = 16 if args.tiny else 224
     x = torch.randn(2 if args.tiny else 8, 3, side, side, device=device).contiguous(memory_format=torch.channels_last)
     target = torch.randint(0, 10, (x.shape[0],), device=device)
     for model, inp in ((ref, x), (ours, x), (exact, x.double())):
@@ -92,7 +92,7 @@ def training_step(args, device) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a two-block ResNet at 32x32, batch 2, no timing")
+    parser.add_argument("--tiny", action="store_true", help="a two-block ResNet at 16x16, batch 2, no timing")
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[32, 256])
     args = parser.parse_args()
     device = "cpu" if tilegemm.interpreting() else "cuda"

@@ -109,7 +109,7 @@ def test_resnet_tiny_sweep(tmp_path, capsys):
     assert meta["op"] == "conv2d:resnet50" and meta["metric"] == "images/s" and meta["model"] == "resnet50"
     assert "two-block ResNet" in meta["model_description"] and "convert_" in meta["model_description"]
     rows = _check_rows(data, "images/s", ["b2 eager"])
-    assert rows[("b2 eager", "auto")]["dims"] == dict(batch=2, image=32, mode="eager", config="tiny")
+    assert rows[("b2 eager", "auto")]["dims"] == dict(batch=2, image=16, mode="eager", config="tiny")
     assert "model resnet50:" in capsys.readouterr().out
 
 

@@ -357,7 +357,7 @@ class ResNet50Bench(ModelBench):
         "compile-graph": 'both under torch.compile(mode="reduce-overhead") (fixed shapes, CUDA graph trees)',
     }
 
-    GPU_IMAGE, TINY_IMAGE = 224, 32
+    GPU_IMAGE, TINY_IMAGE = 224, 16  # tiny: a forward under the interpreter in seconds (as the zoo entry's)
     # Row ``fold`` (named with --kernels): the model converted with fold_batchnorm=True, each batch norm (and
     # the activation after it) applied by the convolution before it in eval mode.
     FOLD = "fold"
