@@ -30,8 +30,8 @@ import warnings
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, function_mode_on, functorch_level,
-                                  jit_tracing)
+from tilegemm.core.launch import (PLAIN_TENSOR_TYPES, dispatch_stack_depth, forward_ad_on, function_mode_on,
+                                  functorch_level, jit_tracing)
 
 
 def plain_args(args: tuple, tensor_positions: tuple[int, ...]) -> bool:
@@ -152,7 +152,7 @@ def refuse_forward_ad(name: str, args: tuple) -> None:
     """Raise a clear error for a call on dual tensors of ``torch.autograd.forward_ad``: tilegemm's ops have no
     forward-mode derivative, and a custom op called on them returns an output without a tangent, which the code
     after it would read as a zero derivative. Outside a dual level it reads one module global."""
-    if _forward_ad._current_level < 0:
+    if not forward_ad_on():
         return
     for a in args:
         if isinstance(a, torch.Tensor) and _forward_ad.unpack_dual(a).tangent is not None:
