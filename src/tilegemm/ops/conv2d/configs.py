@@ -71,7 +71,9 @@ def stem_rows_config(g: Geometry, dtype: torch.dtype) -> dict:
     output row (64 on rows of at most 64), all output channels up to 128 (a power of two, at least 16), 32-wide
     K steps, 4 warps (docs/conv2d.md, "Stems")."""
     if interpreting():
-        return dict(BLOCK_Q=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
+        # K steps of up to 64: the interpreter's cost is per step (a 7x7 stem over 3 channels: 3 steps, not 10)
+        return dict(BLOCK_Q=16, BLOCK_N=16, BLOCK_K=_pow2_at_least(g.R * g.S * g.C, 16, 64), num_warps=4,
+                    num_stages=1)
     return dict(BLOCK_Q=64 if g.Q <= 64 else 128, BLOCK_N=_pow2_at_least(g.Kg, 16, 128), BLOCK_K=32,
                 num_warps=4, num_stages=1)
 
