@@ -176,8 +176,11 @@ def test_gradient_memory_formats_match_torch(w_shape, conv, x_format, w_format, 
     b = torch.randn(w_shape[0], device=device)
     x = x.contiguous(memory_format=CL) if x_format == "cl" else x
     w = w.contiguous(memory_format=CL) if w_format == "cl" else w
-    got, want = [], []
-    for fn, grads, dtype in ((tilegemm.conv2d, got, torch.float32), (torch.nn.functional.conv2d, want, torch.float64)):
+    got, want, layout = [], [], []
+    # values against torch's float64, layouts against its float32: on CUDA a float64 convolution is NCHW whatever
+    # its inputs' layouts (cuDNN's channels-last takes no double), where a float32 one follows them
+    for fn, grads, dtype in ((tilegemm.conv2d, got, torch.float32), (torch.nn.functional.conv2d, want, torch.float64),
+                             (torch.nn.functional.conv2d, layout, torch.float32)):
         xs, ws, bs = (t.detach().to(dtype).requires_grad_() for t in (x, w, b))  # (.to keeps the strides)
         out = fn(xs, ws, bs, **conv)
         dy = torch.randn(out.shape, device=device, generator=torch.Generator(device).manual_seed(7)).to(dtype)
@@ -192,14 +195,14 @@ def test_gradient_memory_formats_match_torch(w_shape, conv, x_format, w_format, 
         grads.extend(returned)
         grads.extend((xs.grad, ws.grad, bs.grad))
     names = ("output", "grad x", "grad weight", "grad bias", "x.grad", "weight.grad", "bias.grad")
-    for name, g, r in zip(names, got, want):
-        assert _dense_strides(g) == _dense_strides(r), (name, g.stride(), r.stride())
+    for name, g, r, lay in zip(names, got, want, layout):
+        assert _dense_strides(g) == _dense_strides(lay), (name, g.stride(), lay.stride())
         assert_rel_close(g, r, 1e-5)
     if w_shape[1] > 1 and w_shape[2] > 1:  # not a layout of both: channels-last where x or the weight is
         layer = CL if "cl" in (x_format, w_format) else torch.contiguous_format
         for name, g in zip(names[:3], got[:3]):
             assert g.is_contiguous(memory_format=layer), name
-            assert g.stride() == want[names.index(name)].stride(), name
+            assert g.stride() == layout[names.index(name)].stride(), name
 
 
 _VIEWS = {  # views whose layout is told apart by torch's stride test, not by is_contiguous(channels_last)
@@ -226,18 +229,19 @@ def test_memory_formats_of_views_match_torch(w_shape, conv, of, view, device):
     x = torch.randn(2, 4, 4, 3, device=device)
     w = torch.randn(w_shape, device=device) / (w_shape[1] * w_shape[2] * w_shape[3]) ** 0.5
     x, w = (_VIEWS[view](x), w) if of == "x" else (x, _VIEWS[view](w))
-    got, want = [], []
-    for fn, out_of, dtype in ((tilegemm.conv2d, got, torch.float32), (torch.nn.functional.conv2d, want, torch.float64)):
+    got, want, layout = [], [], []
+    for fn, out_of, dtype in ((tilegemm.conv2d, got, torch.float32), (torch.nn.functional.conv2d, want, torch.float64),
+                              (torch.nn.functional.conv2d, layout, torch.float32)):  # (layouts: float32's, above)
         xs, ws = (t.detach().to(dtype).requires_grad_() for t in (x, w))  # (.to and detach keep the strides)
         out = fn(xs, ws, None, **conv)
         dy = torch.randn(out.shape, device=device, generator=torch.Generator(device).manual_seed(7)).to(dtype)
         out_of.append(out)
         out_of.extend(torch.autograd.grad(out, (xs, ws), dy.contiguous(memory_format=torch.preserve_format)))
-    for name, g, r in zip(("output", "grad x", "grad weight"), got, want):
-        assert _dense_strides(g) == _dense_strides(r), (name, g.stride(), r.stride())
+    for name, g, r, lay in zip(("output", "grad x", "grad weight"), got, want, layout):
+        assert _dense_strides(g) == _dense_strides(lay), (name, g.stride(), lay.stride())
         assert_rel_close(g, r, 1e-5)
     meta = [torch.empty_strided(t.shape, t.stride(), device="meta") for t in (x, w)]  # (through the op's fake)
-    assert _dense_strides(tilegemm.conv2d(*meta, None, **conv)) == _dense_strides(want[0])
+    assert _dense_strides(tilegemm.conv2d(*meta, None, **conv)) == _dense_strides(layout[0])
 
 
 def test_torch_compile_fullgraph_forward_and_backward(device):

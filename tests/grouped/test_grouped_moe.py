@@ -399,7 +399,7 @@ def _kept_fragments_used(block, name="down_proj") -> bool:
 
 @pytest.mark.parametrize("change", ["assigned", "data", "functional_call", "compiled after a write",
                                     "written after tracing"])
-def test_kept_fragments_are_not_read_for_other_parts(monkeypatch, change):
+def test_kept_fragments_are_not_read_for_other_parts(monkeypatch, change, device):
     # The kept layouts stand for the very parts they were made of: parts replaced (assignment, a .data swap,
     # torch.func.functional_call) or written before a compiled graph runs must not be read through the old layouts
     # (the decode kernel would compute with the weight the block had).
@@ -408,7 +408,7 @@ def test_kept_fragments_are_not_read_for_other_parts(monkeypatch, change):
     import tilegemm.ops.grouped.dispatch as dispatch
 
     torch.manual_seed(0)
-    m = transformers.AutoModelForCausalLM.from_config(qwen3_moe(num_hidden_layers=1)).eval().half()
+    m = transformers.AutoModelForCausalLM.from_config(qwen3_moe(num_hidden_layers=1)).eval().half().to(device)
     with monkeypatch.context() as patched:  # made as on a Hopper GPU (the packing is plain torch), run as here
         patched.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
         tilegemm.nn.quantize_experts_(m, group_size=32)
@@ -425,7 +425,8 @@ def test_kept_fragments_are_not_read_for_other_parts(monkeypatch, change):
         return real(x, w, *args, **kwargs)
 
     monkeypatch.setattr(moe, "grouped_matmul", spy)
-    x, idx, weights = torch.randn(3, 32).half(), torch.randint(0, 4, (3, 2)), torch.rand(3, 2).half()
+    x, idx, weights = (t.to(device) for t in (torch.randn(3, 32).half(), torch.randint(0, 4, (3, 2)),
+                                              torch.rand(3, 2).half()))
     scales = block.tilegemm_down_proj_scales
     with torch.no_grad():
         if change == "assigned":

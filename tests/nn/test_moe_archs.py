@@ -139,16 +139,16 @@ def _narrow_moe(arch: str, width: int, device="cpu"):
     return transformers.AutoModelForCausalLM.from_config(config).float().eval().to(device)
 
 
-def test_convert_switches_a_model_on_another_experts_implementation_to_tilegemm(arch="qwen3_moe"):
+def test_convert_switches_a_model_on_another_experts_implementation_to_tilegemm(device, arch="qwen3_moe"):
     # transformers 5 stores the experts stacked: convert_ (moe=True) runs them on tilegemm as quantize_ does,
     # unless the filter declines a block (the setting is one for the whole model) or they are float64
     import tilegemm.nn
 
-    eager = _narrow_moe(arch, 32)
+    eager = _narrow_moe(arch, 32, device)
     eager.set_experts_implementation("eager")
     model = tilegemm.nn.convert_(copy.deepcopy(eager))
     assert model.config._experts_implementation == "tilegemm" and model.tilegemm_skipped == []
-    ids = torch.tensor([[3, 17, 40, 5, 9, 60]])
+    ids = torch.tensor([[3, 17, 40, 5, 9, 60]], device=device)
     calls = []
     route = moe.moe_route
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
