@@ -38,6 +38,7 @@ def _xw(device, x_shape=(1, 4, 6, 6), w_shape=(8, 4, 3, 3), dtype=torch.float32)
     ((1, 4, 6, 6), (8, 4, 3, 3), dict(activation="tanh"), ValueError, "unknown activation 'tanh'"),
     ((1, 4, 6, 6), (8, 4, 3, 3), dict(kernel="winograd"), ValueError, "unknown conv2d kernel 'winograd'"),
     ((1, 4, 6, 6), (8, 4, 3, 3), dict(precision="double"), ValueError, "unknown precision 'double'"),
+    ((1, 4, 6, 6), (8, 4, 3, 3), dict(precision=3), TypeError, "precision must be a str"),
 ])
 def test_bad_arguments(x_shape, w_shape, kwargs, error, match, device):
     x, w = _xw(device, x_shape, w_shape)

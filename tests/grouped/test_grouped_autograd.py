@@ -31,6 +31,28 @@ def test_gradients_match_the_reference(layout, device):
         assert_rel_close(g, w, 1e-5)
 
 
+@pytest.mark.parametrize("layout", ["2d3d", "3d3d", "2d2d"])
+def test_fp32_gradients_of_fp16_operands_keep_their_range(layout, device):
+    # out_dtype fp32 of fp16 operands: a gradient past fp16's range whose products fit still gives them (cast to
+    # fp16 first, it became inf and the gradients NaN), one below it too (it became zero); one inside the range
+    # gives the bits of the fp16 output's backward
+    a, b, offs = operands(layout, [3, 0, 5], 16, 8, torch.float16, device)
+    for size, b_scale in ((1e5, 1e-3), (1e-7, 1e3)):
+        bs = (b.float() * b_scale).half().requires_grad_()
+        a_ = a.detach().requires_grad_()
+        out = tilegemm.grouped_mm(a_, bs, offs=offs, out_dtype=torch.float32)
+        grad = torch.randn(out.shape, device=device) * size
+        (ga,) = torch.autograd.grad(out, a_, grad)
+        (want,) = torch.autograd.grad(grouped_mm_reference(a_, bs, offs, dtype=torch.float64), a_, grad.double())
+        assert ga.dtype == torch.float16 and 2 ** -14 < want.abs().max() < 1e4  # (fp16 holds them)
+        assert_rel_close(ga, want, 2e-3)
+    a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
+    grad = torch.randn(tilegemm.grouped_mm(a, b, offs=offs).shape, device=device).half()
+    wide = torch.autograd.grad(tilegemm.grouped_mm(a_, b_, offs=offs, out_dtype=torch.float32), (a_, b_), grad.float())
+    narrow = torch.autograd.grad(tilegemm.grouped_mm(a_, b_, offs=offs), (a_, b_), grad)
+    assert all(torch.equal(w, n) for w, n in zip(wide, narrow))
+
+
 def test_gradients_with_a_shared_bias(device):
     a, b, offs = operands("2d3d", [4, 0, 6], 8, 8, torch.float32, device, tail=3)
     bias = torch.randn(8, device=device, requires_grad=True)

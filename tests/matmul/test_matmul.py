@@ -173,6 +173,29 @@ def test_gradients_with_a_bias_of_the_output_dtype(dtype, out_dtype, device):
         assert_rel_close(ours.grad, theirs.grad, bound)
 
 
+@pytest.mark.parametrize("a_t", [False, True], ids=["a-rows", "a-columns"])
+def test_fp32_gradients_of_fp16_operands_keep_their_range(a_t, device):
+    # out_dtype fp32 of fp16 operands: a gradient past fp16's range (or below it) whose products fit still gives
+    # them (cast to fp16 first, the first became inf and NaN, the second zero); one inside the range gives the
+    # bits of the fp16 output's backward
+    a = torch.randn(24, 9, dtype=torch.float16, device=device).mT if a_t else \
+        torch.randn(9, 24, dtype=torch.float16, device=device)
+    a.requires_grad_()
+    for size, b_scale in ((1e5, 1e-3), (1e-7, 1e3)):
+        b = (torch.randn(24, 13, device=device) * b_scale).half().requires_grad_()
+        out = tilegemm.matmul(a, b, out_dtype=torch.float32)
+        grad = torch.randn(out.shape, device=device) * size
+        (ga,) = torch.autograd.grad(out, a, grad)
+        want = grad.double() @ b.detach().double().T
+        assert ga.dtype == torch.float16 and 2 ** -14 < want.abs().max() < 1e4  # (fp16 holds them)
+        assert_rel_close(ga, want, 2e-3)
+    b = torch.randn(24, 13, dtype=torch.float16, device=device, requires_grad=True)
+    grad = torch.randn(9, 13, device=device).half()
+    wide = torch.autograd.grad(tilegemm.matmul(a, b, out_dtype=torch.float32), (a, b), grad.float())
+    narrow = torch.autograd.grad(tilegemm.matmul(a, b), (a, b), grad)
+    assert all(torch.equal(w, n) for w, n in zip(wide, narrow))
+
+
 @pytest.mark.parametrize("kernel", ["naive", "grouped", "autotuned"])
 def test_bf16(kernel, device):
     a = torch.randn(2, 70, 33, dtype=torch.bfloat16, device=device)

@@ -185,6 +185,8 @@ def test_bad_options(device):
         tilegemm.matmul(a, b, kernel=None)
     with pytest.raises(ValueError, match="unknown precision 'double'"):
         tilegemm.matmul(a, b, precision="double")
+    with pytest.raises(TypeError, match="precision must be a str, one of: .*; got int"):
+        tilegemm.matmul(a, b, precision=3)
     with pytest.raises(TypeError, match="out_dtype int32 is not supported"):
         tilegemm.matmul(a, b, out_dtype=torch.int32)
     with pytest.raises(TypeError, match="alpha must be a real number, got str"):

@@ -69,7 +69,9 @@ def torch_fp32_precision() -> str:
 
 
 def check_precision(precision) -> None:
-    if not isinstance(precision, str) or precision.lower() not in _PRECISIONS:
+    if not isinstance(precision, str):  # (as a kernel name that is no str: the wrong type, not an unknown name)
+        raise TypeError(f"precision must be a str, one of: {', '.join(_PRECISIONS)}; got {type(precision).__name__}")
+    if precision.lower() not in _PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(_PRECISIONS)}")
 
 
@@ -94,3 +96,23 @@ def autocast_inputs(*tensors):
     dtype = torch.get_autocast_dtype(kind)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_FROM and t.device.type == kind
                  else t for t in tensors)
+
+
+def narrowed_gradient(grad: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``grad`` in ``dtype`` for a backward product whose operands are of ``dtype``, and the power of two to scale
+    that product's (fp32) result by, or None where ``grad`` is cast as it is. An fp32 gradient of an fp16 product
+    (``out_dtype=torch.float32``) is first divided by a power of two that brings its largest magnitude into
+    [1, 2): cast as it is, entries past fp16's range became inf and those below it zero, where the gradient they
+    make may well fit. The scale stays on the device (no host sync) and is exact, so gradients in fp16's range
+    get the same bits either way."""
+    if dtype != torch.float16 or grad.dtype != torch.float32 or grad.numel() == 0:
+        return grad.to(dtype), None
+    amax = grad.detach().abs().amax()
+    usable = (amax > 0) & torch.isfinite(amax)  # zero, inf or NaN: cast as it is (inf and NaN stay so)
+    scale = torch.where(usable, torch.exp2(torch.floor(torch.log2(amax))), torch.ones_like(amax))
+    return (grad / scale).to(dtype), scale
+
+
+def unscaled(result: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A backward product's ``result`` (computed in fp32 where ``scale`` is given) times ``scale``, in ``dtype``."""
+    return result if scale is None else (result * scale).to(dtype)

@@ -17,7 +17,7 @@ import torch
 
 from tilegemm.core import registry
 from tilegemm.core.activations import torch_activation
-from tilegemm.core.dtypes import resolve_precision
+from tilegemm.core.dtypes import narrowed_gradient, resolve_precision, unscaled
 from tilegemm.core.replay import ReplayCache
 from tilegemm.core.runtime import any_negative, new_output, on_device, resolved
 from tilegemm.core.torch_ops import lean_autograd
@@ -107,12 +107,13 @@ def _backward(ctx, grad):
     a, b, offs = ctx.saved_tensors
     layout = f"{a.dim()}d{b.dim()}d"
     p = ctx.precision
-    dy = grad.to(a.dtype)
+    dy, scale = narrowed_gradient(grad, a.dtype)  # (out_dtype fp32 of fp16 operands: scaled into fp16's range)
+    wide = None if scale is None else torch.float32
     ga = gb = gbias = None
     if ctx.needs_input_grad[0]:
-        ga = grouped_mm_op(dy, _t(b), offs, None, None, p, "auto")
+        ga = unscaled(grouped_mm_op(dy, _t(b), offs, None, wide, p, "auto"), scale, a.dtype)
     if ctx.needs_input_grad[1]:
-        gb = grouped_mm_op(_t(a), dy, offs, None, None, p, "auto")
+        gb = unscaled(grouped_mm_op(_t(a), dy, offs, None, wide, p, "auto"), scale, b.dtype)
     if ctx.bias_shape is not None and ctx.needs_input_grad[3]:
         gbias = _bias_grad(layout, grad, offs, ctx.bias_shape, ctx.bias_dtype, p)
     return ga, gb, None, gbias, None, None, None

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from tilegemm.core.dtypes import narrowed_gradient, unscaled
 from tilegemm.core.launch import recording_active
 from tilegemm.core.replay import ReplayCache
 from tilegemm.core.runtime import any_negative, resolved
@@ -132,22 +133,25 @@ def _backward(ctx, grad_out):
                                           create_graph=create_graph)
     grad_a = grad_b = grad_bias = grad_c = None
     want_a, want_b, want_bias, want_c = ctx.needs_input_grad[:4]
-    # The two GEMMs of the backward pass run in the operands' dtype, like torch's own.
-    g = grad.to(a.dtype)
+    # The two GEMMs of the backward pass run in the operands' dtype, like torch's own (an fp32 gradient of fp16
+    # operands scaled into fp16's range first, the products then in fp32: narrowed_gradient; not the fp32
+    # gradient an activation's recompute makes of a 16-bit one, which a cast keeps in range as torch's would).
+    g, scale = narrowed_gradient(grad, a.dtype) if grad_out.dtype == torch.float32 else (grad.to(a.dtype), None)
+    wide = None if scale is None else torch.float32
     # A column-major operand gets its gradient column-major, the transposed product's transpose: autograd
     # would otherwise copy a leaf's gradient into the leaf's layout.
     if want_a:
         if _column_major(a):
-            grad_a = call_op(MatmulCall(b, g.mT, alpha=call.alpha, precision=call.precision)).mT
+            grad_a = call_op(MatmulCall(b, g.mT, alpha=call.alpha, out_dtype=wide, precision=call.precision)).mT
         else:
-            grad_a = call_op(MatmulCall(g, b.mT, alpha=call.alpha, precision=call.precision))
-        grad_a = _sum_to(grad_a, a.shape)
+            grad_a = call_op(MatmulCall(g, b.mT, alpha=call.alpha, out_dtype=wide, precision=call.precision))
+        grad_a = _sum_to(unscaled(grad_a, scale, a.dtype), a.shape)
     if want_b:
         if _column_major(b):
-            grad_b = call_op(MatmulCall(g.mT, a, alpha=call.alpha, precision=call.precision)).mT
+            grad_b = call_op(MatmulCall(g.mT, a, alpha=call.alpha, out_dtype=wide, precision=call.precision)).mT
         else:
-            grad_b = call_op(MatmulCall(a.mT, g, alpha=call.alpha, precision=call.precision))
-        grad_b = _sum_to(grad_b, b.shape)
+            grad_b = call_op(MatmulCall(a.mT, g, alpha=call.alpha, out_dtype=wide, precision=call.precision))
+        grad_b = _sum_to(unscaled(grad_b, scale, b.dtype), b.shape)
     if want_bias and bias is not None:
         # accumulated in fp32 (not reshape(-1, N): N may be 0)
         grad_bias = grad.sum(tuple(range(grad.ndim - 1)), dtype=torch.float32).to(bias.dtype)
