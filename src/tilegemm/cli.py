@@ -30,6 +30,15 @@ def _read_shapes_file(path: str) -> list[str]:
     return shapes
 
 
+def _refuse_empty(args, *flags: str) -> None:
+    """A UsageError for a string option given as '' (or blanks): read as not given, it ran something else (the
+    default sweep for ``--shapes ''``, random weights for ``--checkpoint ''``) or wrote nothing."""
+    for flag in flags:
+        value = getattr(args, flag, None)
+        if isinstance(value, str) and not value.strip():
+            raise UsageError(f"--{flag.replace('_', '-')} is empty")
+
+
 def _writable_dir(path: Path, what: str) -> None:
     """Make directory ``path`` (as the bench would, after its run) or raise a UsageError now, before the run."""
     try:
@@ -47,9 +56,14 @@ def _writable_dir(path: Path, what: str) -> None:
 
 def _check_outputs(args) -> None:
     """Every file the bench will write can be written: checked before the run, not after it."""
+    given = {}
     for flag in ("json", "csv", "plot"):
         path = getattr(args, flag)
         if path:
+            same = given.get(os.path.realpath(path))
+            if same:  # (the second writer replaced the first's file: the JSON was lost under the CSV)
+                raise UsageError(f"--{same} and --{flag} name the same file {path!r}: give each its own")
+            given[os.path.realpath(path)] = flag
             if Path(path).is_dir():
                 raise UsageError(f"--{flag} {path!r} is a directory; give a file path")
             _writable_dir(Path(path).parent, f"--{flag} {path!r}")
@@ -102,6 +116,7 @@ def cmd_bench(args, console, err_console) -> int:
     from tilegemm.core.hardware import compute_capability
     from tilegemm.core.runtime import interpreting
 
+    _refuse_empty(args, "shapes", "checkpoint", "model", "dtype", "sweep", "kernels", "json", "csv", "plot", "out")
     if args.batch < 1:
         raise UsageError(f"--batch must be >= 1, got {args.batch}")
     if args.no_save and args.out is not None:
@@ -156,6 +171,8 @@ def cmd_bench(args, console, err_console) -> int:
             if args.sweep:
                 raise UsageError("give either --sweep or --shape/--shapes, not both")
             cases, sweep = [op.parse_shape(t) for t in texts], "custom"
+            # a shape given twice runs once, as a kernel named twice does
+            cases = list({(c.label, tuple(sorted(c.dims.items()))): c for c in cases}.values())
         else:
             sweep = args.sweep or (op.cpu_sweep if interpreting() else op.gpu_sweep)
             cases = op.cases(sweep)
@@ -332,6 +349,7 @@ def cmd_tune(args, console) -> int:
     from tilegemm.core.registry import NotApplicable
     from tilegemm.core.runtime import interpreting
 
+    _refuse_empty(args, "dtype", "sweep", "kernels")
     spec, tune = _op_entry(args.op, "tune", "tune")
     op = bench_op(args.op)
     dtype = args.dtype or op.default_dtype()
@@ -382,6 +400,7 @@ def cmd_warmup(args, console) -> int:
 
     from tilegemm.core.runtime import interpreting
 
+    _refuse_empty(args, "dtype")
     _, warmup = _op_entry(args.op, "warmup", "warm up")
     extra = {}
     if args.shape or args.dtype:

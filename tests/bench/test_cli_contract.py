@@ -271,3 +271,87 @@ def test_json_holds_no_infinity(tmp_path):
     write_json(result, tmp_path / "r.json")
     data = json.loads((tmp_path / "r.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
     assert data["rows"][0]["rel_err"] is None and data["rows"][0]["dims"]["e"] is None
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--shapes", ""], "--shapes"), (["--shape", "8,8,8", "--json", ""], "--json"), (["--dtype", " "], "--dtype"),
+    (["--sweep", ""], "--sweep"), (["--op", "w4a16", "--model", ""], "--model"), (["--kernels", ""], "--kernels"),
+    (["--op", "w4a16", "--model", "llama", "--checkpoint", ""], "--checkpoint"), (["--out", ""], "--out"),
+])
+def test_an_empty_option_is_an_error_not_its_absence(argv, flag, monkeypatch, capsys):
+    # read as not given, --shapes '' ran the default sweep and --checkpoint '' random weights
+    import tilegemm.bench.runner as runner
+
+    monkeypatch.setattr(runner, "run_bench", lambda *a, **k: pytest.fail("the bench ran"))
+    _one_line_exit_2(["bench", "--quiet", *argv], f"{flag} is empty", capsys)
+
+
+@pytest.mark.parametrize("argv", [["tune", "--kernels", "", "--shape", "8,8,8"], ["warmup", "--dtype", ""]])
+def test_tune_and_warmup_refuse_empty_options(argv, capsys):
+    _one_line_exit_2(argv, "is empty", capsys)
+
+
+def test_two_outputs_of_one_path_are_an_error(tmp_path, monkeypatch, capsys):
+    # the CSV was written over the JSON, both reported as written
+    import tilegemm.bench.runner as runner
+
+    monkeypatch.setattr(runner, "run_bench", lambda *a, **k: pytest.fail("the bench ran"))
+    same = str(tmp_path / "r.out")
+    _one_line_exit_2(["bench", "--shape", "8,8,8", "--quiet", "--no-save", "--json", same, "--csv", same],
+                     "--json and --csv name the same file", capsys)
+    os.symlink(same, tmp_path / "link")  # (through a link too)
+    _one_line_exit_2(["bench", "--shape", "8,8,8", "--quiet", "--no-save", "--csv", same, "--plot",
+                      str(tmp_path / "link")], "--csv and --plot name the same file", capsys)
+
+
+def test_the_writers_write_through_a_link_and_into_a_fifo(tmp_path):
+    # renamed over, a link became a plain file (its target never written) and a FIFO or device a plain file
+    import threading
+
+    from tilegemm.core.files import atomic_write
+
+    target = tmp_path / "target.json"
+    (tmp_path / "link.json").symlink_to(target)
+    atomic_write(tmp_path / "link.json", lambda f: f.write("one"))
+    assert (tmp_path / "link.json").is_symlink() and target.read_text() == "one"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    atomic_write(fifo, lambda f: f.write("two"))
+    reader.join(timeout=10)
+    assert got == ["two"] and fifo.is_fifo()
+
+
+@cpu_only
+def test_a_plot_without_a_suffix_is_written_under_its_name(tmp_path, capsys):
+    plot = tmp_path / "rates"
+    assert main(["bench", "--kernels", "naive", "--shape", "8,8,8", "--quiet", "--no-save", "--plot", str(plot)]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "rates.png").exists()
+    assert f"wrote {plot}" in " ".join(capsys.readouterr().out.split())  # (rich wraps the line)
+
+
+def test_custom_shapes_get_labels_of_their_own():
+    from tilegemm.bench.base import bench_op
+
+    copy, conv, grouped = bench_op("copy"), bench_op("conv2d"), bench_op("grouped")
+    labels = [copy.parse_shape(t).label for t in ("1048576", "1048577", "1024", "1000", "4M", "16k")]
+    assert labels == ["1M", "1048577", "1K", "1000", "4M", "16K"]
+    assert copy.parse_shape(labels[0]).dims == copy.parse_shape("1048576").dims  # (a label reads back)
+    assert conv.parse_shape("2,8,9,9,16,3,3,1,0").label != conv.parse_shape("2,8,9,9,16,3,3,1,1").label
+    assert grouped.parse_shape("4,2,64,32,4,gate_up").label != grouped.parse_shape("8,2,64,32,4,gate_up").label
+
+
+@cpu_only
+def test_a_shape_given_twice_runs_once_and_the_csv_names_the_mode(tmp_path, capsys):
+    import json
+
+    out, table = tmp_path / "r.json", tmp_path / "r.csv"
+    assert main(["bench", "--op", "conv2d", "--kernels", "auto", "--shape", "1,4,5,5,8,3,3", "--shape",
+                 "1x4x5x5x8x3x3", "--mode", "dgrad", "--quiet", "--no-save", "--json", str(out), "--csv",
+                 str(table)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sum(r["kernel"] == "auto" for r in rows) == 1, rows
+    assert "# mode: dgrad\n" in table.read_text()
+    assert "(mode dgrad)" in " ".join(capsys.readouterr().out.split())  # the table's title

@@ -40,6 +40,8 @@ def test_formats_sweep_and_shapes_name_the_weight_format():
     assert case.dims == dict(M=3, N=5120, K=5120, G=32, S=1, A=0) and case.label == "3x5120x5120-g32-sym"
     assert op.parse_shape("1,64,200,-1,act").label == "1x64x200-gK-act"
     assert op.parse_shape("16,8192,8192").dims == dict(M=16, N=8192, K=8192)  # group 128 asymmetric as before
+    assert op.parse_shape("16,64,128,sym").dims == dict(M=16, N=64, K=128, G=128, S=1, A=0)  # flags without G
+    assert op.parse_shape("16,64,128,act,sym").label == "16x64x128-g128-sym-act"
     for bad, match in (("3,64,96,64", "multiple of 64"), ("3,64,128,48", "group size"), ("3,64,128,32,foo", "malformed"),
                        ("3,64,128,32,sym,sym", "malformed")):
         with pytest.raises(BenchError, match=match):

@@ -269,8 +269,10 @@ class ModelBench(BenchOp):
 
     def check_kernel(self, name):
         if name != "auto":
+            extra = [row for row in (getattr(self, "FUSED", None), getattr(self, "FOLD", None)) if row]
+            takes = "all or auto" + "".join(f", or auto,{row}" for row in extra)  # (an entry's rows of its own)
             raise BenchError(f"--model {self.model} times tilegemm's model as a whole (its layers pick their kernels: "
-                             f"auto): --kernels takes all or auto, not {name!r}")
+                             f"auto): --kernels takes {takes}, not {name!r}")
 
     def check_options(self, options, dtype):
         unset = dict(layout=None, batch=1, fast_accum=False, mode="fwd", memory_format="channels_last")

@@ -28,9 +28,21 @@ def _title(result: BenchResult) -> str:
         title += f", x {m['baseline']}"
     if m["layout"] != "NN" or m["batch"] != 1:
         title += f" (layout {m['layout']}, batch {m['batch']})"
+    settings = _settings(m)
+    if settings:
+        title += f" ({settings})"
     if machine["interpreter"]:
         title += "\n[bold yellow]INTERPRETER: timings are NOT GPU performance[/]"
     return title
+
+
+def _settings(meta: dict) -> str:
+    """The run's settings that change what was timed, where not their defaults (a backward run's table and plot
+    must not read as a forward one's): mode, memory format, fast accumulation, CUDA graphs."""
+    parts = [f"mode {meta['mode']}" if meta.get("mode") not in (None, "fwd") else "",
+             f"{meta['memory_format']}" if meta.get("memory_format") not in (None, "channels_last") else "",
+             "fast accum" if meta.get("fast_accum") else "", "CUDA graphs" if meta.get("cuda_graph") else ""]
+    return ", ".join(p for p in parts if p)
 
 
 def _fmt_time(ms: float | None) -> str:
@@ -178,7 +190,8 @@ def write_csv(result: BenchResult, path) -> None:
         for key in ("gpu", "sm_count", "driver", "cuda", "torch", "triton", "tilegemm", "git_commit", "timestamp",
                     "backend"):
             f.write(f"# {key}: {machine.get(key)}\n")
-        for key in ("op", "dtype", "sweep", "model", "model_description", "memory_format", "timing", "note"):
+        for key in ("op", "dtype", "sweep", "model", "model_description", "mode", "layout", "batch", "memory_format",
+                    "fast_accum", "cuda_graph", "timing", "note"):
             if result.meta.get(key) is not None:
                 f.write(f"# {key}: {result.meta[key]}\n")
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
@@ -220,6 +233,8 @@ def write_plot(result: BenchResult, path, topk: int = 4) -> None:
     title = f"tilegemm {result.meta['op']} {result.meta['dtype']} on {machine['gpu'] or machine['backend']}"
     if result.meta.get("sweep"):
         title += f" ({result.meta['sweep']} sweep)"
+    if _settings(result.meta):
+        title += f"\n{_settings(result.meta)}"
     if machine["interpreter"]:
         title += "\nINTERPRETER: not GPU performance"
     ax.set_title(title, fontsize=10)
@@ -227,9 +242,10 @@ def write_plot(result: BenchResult, path, topk: int = 4) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    plain = not Path(path).suffix  # no suffix: a PNG under the very name given (matplotlib would add .png)
+    fig.savefig(path, dpi=110, format="png" if plain else None)
     plt.close(fig)
-    if str(path).lower().endswith(".png"):
+    if plain or str(path).lower().endswith(".png"):
         _to_palette(path)
 
 
@@ -261,7 +277,7 @@ def _to_palette(path) -> None:
 
     with Image.open(path) as im:
         small = im.convert("RGB").quantize(colors=256)
-    small.save(path, optimize=True)
+    small.save(path, format="PNG", optimize=True)
 
 
 def _mean_value(result: BenchResult, kernel: str) -> float:

@@ -16,8 +16,16 @@ def _umask() -> int:
 
 def atomic_write(path: str | os.PathLike, write: Callable[[TextIO], object]) -> None:
     """Call ``write(f)`` on a temporary file beside ``path``, then rename it over ``path``. The file gets the
-    mode a plain ``open(path, "w")`` would give it (0666 less the umask), not mkstemp's private 0600."""
-    path = Path(path)
+    mode a plain ``open(path, "w")`` would give it (0666 less the umask), not mkstemp's private 0600.
+
+    A symbolic link is written through (its target replaced, the link kept), and a path that is no regular file
+    (``/dev/stdout``, a FIFO, a device) is written in place as ``open`` writes it: renamed over, it was replaced by
+    a plain file."""
+    path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file():
+        with open(path, "w", newline="") as f:
+            write(f)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:

@@ -23,8 +23,10 @@ _GRADS = {"bwd": (True, True), "dgrad": (True, False), "wgrad": (False, True)}
 _MODES = ("fwd",) + tuple(_GRADS)
 
 
-def _case(N, C, H, W, K, R, S, stride=1, pad=0, groups=1, x=0.0) -> Case:
-    label = f"n{N}c{C}h{H}w{W}k{K}r{R}s{S}/{stride}" + (f"g{groups}" if groups > 1 else "")
+def _case(N, C, H, W, K, R, S, stride=1, pad=0, groups=1, x=0.0, show_pad=False) -> Case:
+    # (a --shape's label names its padding: two shapes that differ in it alone must not share one)
+    label = f"n{N}c{C}h{H}w{W}k{K}r{R}s{S}/{stride}" + (f"p{pad}" if show_pad else "") + (f"g{groups}" if groups > 1
+                                                                                          else "")
     dims = dict(N=N, C=C, H=H, W=W, K=K, R=R, S=S, stride=stride, pad=pad, groups=groups)
     return Case(label, dims, float(x))
 
@@ -189,7 +191,7 @@ class Conv2dBench(BenchOp):
             raise BenchError(f"malformed conv2d shape {text!r}: sizes must be >= 1 and C, K divisible by groups")
         if H + 2 * pad < R or W + 2 * pad < S:
             raise BenchError(f"malformed conv2d shape {text!r}: the filter is larger than the padded input")
-        return _case(N, C, H, W, K, R, S, stride, pad, groups)
+        return _case(N, C, H, W, K, R, S, stride, pad, groups, show_pad=True)
 
     @staticmethod
     def _conv(d) -> dict:

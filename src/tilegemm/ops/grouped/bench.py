@@ -119,7 +119,7 @@ class GroupedBench(BenchOp):
                 E, topk, H, I, T = (int(p) for p in parts[:5])
                 if min(E, topk, H, I, T) < 1 or topk > E:
                     raise ValueError
-                return _moe("custom", E, topk, H, I, T, parts[5], 0)
+                return _moe(f"e{E}k{topk}h{H}i{I}", E, topk, H, I, T, parts[5], 0)  # (its label: every size)
             if len(parts) == 4:
                 B, M, N, K = (int(p) for p in parts)
                 if min(B, M, N, K) < 1:

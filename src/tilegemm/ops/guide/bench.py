@@ -8,7 +8,9 @@ from tilegemm.bench.base import BenchError, BenchOp, Case, Prepared
 
 
 def _size_case(n: int) -> Case:
-    return Case(f"{n / 2**20:g}M", dict(numel=n), float(n))
+    # 4M, 16K or the count itself: a label of its own for every size, which --shape reads back
+    label = f"{n >> 20}M" if n % 2**20 == 0 else f"{n >> 10}K" if n % 2**10 == 0 else str(n)
+    return Case(label, dict(numel=n), float(n))
 
 
 class CopyBench(BenchOp):
@@ -21,11 +23,13 @@ class CopyBench(BenchOp):
         "tiny": lambda: [_size_case(2**p) for p in (12, 14, 16)],
     }
     gpu_sweep, cpu_sweep = "sizes", "tiny"
-    shape_help = "an element count (e.g. 67108864)"
+    shape_help = "an element count (e.g. 67108864, or 64M, 16K: 2**20 and 2**10 elements)"
 
     def parse_shape(self, text):
+        t = text.strip()
+        unit = {"K": 2**10, "M": 2**20}.get(t[-1:].upper(), 1)
         try:
-            n = int(text.strip())
+            n = int(t[:-1] if unit > 1 else t) * unit
         except ValueError:
             raise BenchError(f"malformed copy size {text!r}: expected {self.shape_help}") from None
         if n < 1:

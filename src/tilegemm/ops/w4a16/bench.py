@@ -132,6 +132,8 @@ class W4A16Bench(BenchOp):
         from tilegemm.ops.w4a16.format import GROUP_SIZES
 
         parts = [p for p in re.split(r"[,x\s]+", text.strip()) if p]
+        if len(parts) > 3 and parts[3] in ("sym", "act"):  # no G: the default group size
+            parts.insert(3, str(GROUP_SIZE))
         flags = [p for p in parts[4:] if p in ("sym", "act")]
         try:
             if not 3 <= len(parts) <= 6 or len(flags) != len(set(flags)) or len(flags) != len(parts[4:]):
