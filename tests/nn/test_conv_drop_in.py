@@ -200,7 +200,7 @@ class _ScaledConv(torch.nn.Conv2d):
         return 2 * super().forward(x)
 
 
-def test_from_conv_refuses_a_module_whose_forward_it_would_not_run():
+def test_from_conv_refuses_a_module_whose_forward_it_would_not_run(device):
     """A subclass's own forward (QAT's fake-quantized weight), a forward set on the instance and an uninitialised
     lazy conv are named, where the copy ran plain convolution instead (or failed on a missing
     ``initialize_parameters``); a parametrized nn.Conv2d and tilegemm's own Conv2d still convert."""
@@ -218,4 +218,5 @@ def test_from_conv_refuses_a_module_whose_forward_it_would_not_run():
     lazy(torch.randn(1, 2, 4, 4))  # (now a plain nn.Conv2d)
     assert isinstance(Conv2d.from_conv(lazy), Conv2d)
     relu = Conv2d.from_conv(Conv2d.from_conv(torch.nn.Conv2d(2, 3, 1)), activation="relu")
-    assert relu.activation == "relu" and (relu(torch.randn(1, 2, 4, 4)) >= 0).all()
+    relu = relu.to(device)
+    assert relu.activation == "relu" and (relu(torch.randn(1, 2, 4, 4, device=device)) >= 0).all()

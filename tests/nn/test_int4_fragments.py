@@ -128,7 +128,8 @@ def test_a_torch_func_transform_gets_no_stale_layout(device, handed):
         layer.scales.mul_(2)
     xs = torch.randn(3, 2, 64, dtype=torch.float16, device=device)
     ys = torch.func.vmap(layer)(xs)
-    assert handed[-1]._frag is None
+    w = handed[-1]  # no layout, or (on Hopper, made by the product for its own weight) one of its parts
+    assert w._frag is None or all(torch.equal(a, b) for a, b in zip(w._frag, _fresh(w)))
     assert_rel_close(ys, xs.double() @ dequantize(layer._weight()).double().T + layer.bias.double(), 2e-3)
     _assert_current(layer)
 
@@ -222,6 +223,7 @@ def read(monkeypatch):
 
     monkeypatch.setattr(dispatch, "frag_usable", lambda group_k, device, K: dispatch.fits_fragments(group_k, K))
     monkeypatch.setattr(dispatch, "forward", forward)
+    monkeypatch.setattr(api, "replay_key", lambda *args: None)  # every call through dispatch (no replay: GPU)
     return seen
 
 

@@ -115,14 +115,14 @@ class _ScaledLinear(torch.nn.Linear):
         return 2 * super().forward(x)
 
 
-def test_from_linear_refuses_a_module_whose_forward_it_would_not_run():
+def test_from_linear_refuses_a_module_whose_forward_it_would_not_run(device):
     """A subclass's own forward and an uninitialised lazy Linear are named, where the copy ran a plain product
     instead (or failed on a missing ``initialize_parameters``); an initialised lazy Linear converts."""
     for linear, match in ((_ScaledLinear(4, 3), "_ScaledLinear overrides torch.nn.Linear's forward"),
                           (torch.nn.LazyLinear(3), "LazyLinear has not made its parameters yet")):
         with pytest.raises(ValueError, match=match):
             Linear.from_linear(linear)
-    lazy = torch.nn.LazyLinear(3)
-    x = torch.randn(2, 4)
+    lazy = torch.nn.LazyLinear(3, device=device)
+    x = torch.randn(2, 4, device=device)
     ref = lazy(x)  # (now a plain nn.Linear)
     assert_rel_close(Linear.from_linear(lazy)(x), ref, 1e-5)
