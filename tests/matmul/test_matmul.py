@@ -191,9 +191,36 @@ def test_fp32_gradients_of_fp16_operands_keep_their_range(a_t, device):
         assert_rel_close(ga, want, 2e-3)
     b = torch.randn(24, 13, dtype=torch.float16, device=device, requires_grad=True)
     grad = torch.randn(9, 13, device=device).half()
+    grad[1:] *= 1e-4  # (rows 1e4 times smaller than the first: inside fp16's range, they are no zeros)
     wide = torch.autograd.grad(tilegemm.matmul(a, b, out_dtype=torch.float32), (a, b), grad.float())
     narrow = torch.autograd.grad(tilegemm.matmul(a, b), (a, b), grad)
-    assert all(torch.equal(w, n) for w, n in zip(wide, narrow))
+    assert all(torch.equal(w, n) for w, n in zip(wide, narrow)) and wide[0][1:].abs().amin(-1).gt(0).all()
+
+
+def test_the_backward_keeps_only_what_it_reads(device):
+    # as torch's addmm: a frozen weight's layer keeps no input, and a bias or an addend written in place after the
+    # call (no activation) makes no autograd error
+    from tilegemm.nn import Linear
+
+    kept = []
+    lin = Linear(16, 8).to(device).requires_grad_(False)
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y = lin(x)
+    assert len(kept) == 1 and (kept[0] is lin.weight or kept[0]._base is lin.weight)
+    with torch.no_grad():
+        lin.bias.add_(1)
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    assert_rel_close(gx, torch.ones(4, 8, device=device, dtype=torch.float64) @ lin.weight.double(), 1e-5)
+    a = torch.randn(5, 6, device=device, requires_grad=True)
+    b, c = torch.randn(6, 3, device=device), torch.randn(5, 3, device=device, requires_grad=True)
+    out = tilegemm.matmul(a, b, c=c, beta=2.0)
+    with torch.no_grad():
+        a.add_(1)  # (b is kept for a's gradient; a and c are not)
+        c.add_(1)
+    ga, gc = torch.autograd.grad(out.sum(), (a, c))
+    assert_rel_close(ga, torch.ones(5, 3, device=device, dtype=torch.float64) @ b.double().T, 1e-5)
+    assert torch.equal(gc, torch.full_like(c, 2.0))
 
 
 @pytest.mark.parametrize("kernel", ["naive", "grouped", "autotuned"])

@@ -101,15 +101,16 @@ def autocast_inputs(*tensors):
 def narrowed_gradient(grad: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``grad`` in ``dtype`` for a backward product whose operands are of ``dtype``, and the power of two to scale
     that product's (fp32) result by, or None where ``grad`` is cast as it is. An fp32 gradient of an fp16 product
-    (``out_dtype=torch.float32``) is first divided by a power of two that brings its largest magnitude into
-    [1, 2): cast as it is, entries past fp16's range became inf and those below it zero, where the gradient they
-    make may well fit. The scale stays on the device (no host sync) and is exact, so gradients in fp16's range
-    get the same bits either way."""
+    (``out_dtype=torch.float32``) whose largest magnitude lies past fp16's range (or below its normal numbers) is
+    first divided by a power of two that brings it to [2**14, 2**15): cast as it is, the large entries became inf
+    and the small ones zero, where the gradients they make may well fit. A gradient inside the range is cast as
+    it is (scale 1: the same bits as a cast). The scale stays on the device (no host sync) and is exact."""
     if dtype != torch.float16 or grad.dtype != torch.float32 or grad.numel() == 0:
         return grad.to(dtype), None
     amax = grad.detach().abs().amax()
-    usable = (amax > 0) & torch.isfinite(amax)  # zero, inf or NaN: cast as it is (inf and NaN stay so)
-    scale = torch.where(usable, torch.exp2(torch.floor(torch.log2(amax))), torch.ones_like(amax))
+    # outside fp16's normal range, and neither zero, inf nor NaN (those cast as they are: inf and NaN stay so)
+    outside = ((amax > 65504) | (amax < 2.0**-14)) & (amax > 0) & torch.isfinite(amax)
+    scale = torch.where(outside, torch.exp2(torch.floor(torch.log2(amax)) - 14), torch.ones_like(amax))
     return (grad / scale).to(dtype), scale
 
 

@@ -77,7 +77,9 @@ def _fake(a, b, offs, bias, out_dtype, precision, kernel):
 
 def _setup_context(ctx, inputs, output):
     a, b, offs, bias, out_dtype, precision, kernel = inputs
-    ctx.save_for_backward(a, b, offs)
+    # each operand kept only where the other wants a gradient (as torch's products keep them)
+    ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None, offs)
+    ctx.layout, ctx.dtypes = f"{a.dim()}d{b.dim()}d", (a.dtype, b.dtype)
     ctx.bias_shape = None if bias is None else tuple(bias.shape)
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.precision = precision
@@ -104,16 +106,16 @@ def _bias_grad(layout: str, dy: torch.Tensor, offs, shape, dtype, precision: str
 
 
 def _backward(ctx, grad):
-    a, b, offs = ctx.saved_tensors
-    layout = f"{a.dim()}d{b.dim()}d"
+    a, b, offs = ctx.saved_tensors  # (a or b None where not kept)
+    layout, (a_dtype, b_dtype) = ctx.layout, ctx.dtypes
     p = ctx.precision
-    dy, scale = narrowed_gradient(grad, a.dtype)  # (out_dtype fp32 of fp16 operands: scaled into fp16's range)
+    dy, scale = narrowed_gradient(grad, a_dtype)  # (out_dtype fp32 of fp16 operands: scaled into fp16's range)
     wide = None if scale is None else torch.float32
     ga = gb = gbias = None
     if ctx.needs_input_grad[0]:
-        ga = unscaled(grouped_mm_op(dy, _t(b), offs, None, wide, p, "auto"), scale, a.dtype)
+        ga = unscaled(grouped_mm_op(dy, _t(b), offs, None, wide, p, "auto"), scale, a_dtype)
     if ctx.needs_input_grad[1]:
-        gb = unscaled(grouped_mm_op(_t(a), dy, offs, None, wide, p, "auto"), scale, b.dtype)
+        gb = unscaled(grouped_mm_op(_t(a), dy, offs, None, wide, p, "auto"), scale, b_dtype)
     if ctx.bias_shape is not None and ctx.needs_input_grad[3]:
         gbias = _bias_grad(layout, grad, offs, ctx.bias_shape, ctx.bias_dtype, p)
     return ga, gb, None, gbias, None, None, None

@@ -102,7 +102,16 @@ def _setup_context(ctx, inputs, output):
         # that wants a gradient is refused here (its backward ignored the scales; a scale got None)
         wants = ctx.needs_input_grad + (False,) * (len(MatmulCall._fields) - len(ctx.needs_input_grad))  # (defaults)
         refuse_fp8_gradients(True, wants[0], wants[1], wants[10], wants[11])
-    ctx.save_for_backward(call.a, call.b, call.bias, call.c, call.scale_a, call.scale_b)
+    # Kept for the backward only what it reads, as torch's addmm keeps them (an operand where the other wants a
+    # gradient; bias, c and scales only to recompute an activation's input): a frozen layer keeps no input, and
+    # an addend or a bias written in place after the call is no autograd error where torch's is none
+    recompute = call.activation != "none"
+    want_a, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    kept = (call.a if recompute or want_b else None, call.b if recompute or want_a else None)
+    kept += (call.bias, call.c, call.scale_a, call.scale_b) if recompute else (None,) * 4
+    ctx.save_for_backward(*kept)
+    ctx.parts = tuple(None if t is None else (t.dtype, tuple(t.shape), _column_major(t))
+                      for t in (call.a, call.b, call.bias, call.c))
     ctx.call = call.replace(a=None, b=None, bias=None, c=None, scale_a=None, scale_b=None)
 
 
@@ -112,7 +121,8 @@ def _column_major(t: torch.Tensor) -> bool:
 
 
 def _backward(ctx, grad_out):
-    a, b, bias, c, scale_a, scale_b = ctx.saved_tensors
+    a, b, bias, c, scale_a, scale_b = ctx.saved_tensors  # (a or b None where not kept: see _setup_context)
+    (a_dtype, a_shape, a_column_major), (b_dtype, b_shape, b_column_major), bias_of, c_of = ctx.parts
     call: MatmulCall = ctx.call
     # Without an activation the gradient is used as it comes: a round trip through fp32 changes no value.
     grad = grad_out
@@ -123,7 +133,7 @@ def _backward(ctx, grad_out):
         # the bias in fp32, the recompute's output dtype: the call's own may be neither the operands' nor fp32
         pre_bias = None if bias is None else bias.float()
         # c too where it is of the call's output dtype but not the operands' (cast only then: c may be [M, N])
-        pre_c = c if c is None or c.dtype in (default_out_dtype(a.dtype), torch.float32) else c.float()
+        pre_c = c if c is None or c.dtype in (default_out_dtype(a_dtype), torch.float32) else c.float()
         pre = call_op(MatmulCall(a, b, pre_bias, pre_c, call.alpha, call.beta, "none", torch.float32, call.precision,
                                  "auto", scale_a, scale_b, call.fast_accum))
         with torch.enable_grad():
@@ -136,27 +146,27 @@ def _backward(ctx, grad_out):
     # The two GEMMs of the backward pass run in the operands' dtype, like torch's own (an fp32 gradient of fp16
     # operands scaled into fp16's range first, the products then in fp32: narrowed_gradient; not the fp32
     # gradient an activation's recompute makes of a 16-bit one, which a cast keeps in range as torch's would).
-    g, scale = narrowed_gradient(grad, a.dtype) if grad_out.dtype == torch.float32 else (grad.to(a.dtype), None)
+    g, scale = narrowed_gradient(grad, a_dtype) if grad_out.dtype == torch.float32 else (grad.to(a_dtype), None)
     wide = None if scale is None else torch.float32
     # A column-major operand gets its gradient column-major, the transposed product's transpose: autograd
     # would otherwise copy a leaf's gradient into the leaf's layout.
     if want_a:
-        if _column_major(a):
+        if a_column_major:
             grad_a = call_op(MatmulCall(b, g.mT, alpha=call.alpha, out_dtype=wide, precision=call.precision)).mT
         else:
             grad_a = call_op(MatmulCall(g, b.mT, alpha=call.alpha, out_dtype=wide, precision=call.precision))
-        grad_a = _sum_to(unscaled(grad_a, scale, a.dtype), a.shape)
+        grad_a = _sum_to(unscaled(grad_a, scale, a_dtype), a_shape)
     if want_b:
-        if _column_major(b):
+        if b_column_major:
             grad_b = call_op(MatmulCall(g.mT, a, alpha=call.alpha, out_dtype=wide, precision=call.precision)).mT
         else:
             grad_b = call_op(MatmulCall(a.mT, g, alpha=call.alpha, out_dtype=wide, precision=call.precision))
-        grad_b = _sum_to(unscaled(grad_b, scale, b.dtype), b.shape)
-    if want_bias and bias is not None:
+        grad_b = _sum_to(unscaled(grad_b, scale, b_dtype), b_shape)
+    if want_bias and bias_of is not None:
         # accumulated in fp32 (not reshape(-1, N): N may be 0)
-        grad_bias = grad.sum(tuple(range(grad.ndim - 1)), dtype=torch.float32).to(bias.dtype)
-    if want_c and c is not None:
-        grad_c = _sum_to(grad.float() * call.beta, c.shape).to(c.dtype)  # scaled and summed in fp32
+        grad_bias = grad.sum(tuple(range(grad.ndim - 1)), dtype=torch.float32).to(bias_of[0])
+    if want_c and c_of is not None:
+        grad_c = _sum_to(grad.float() * call.beta, c_of[1]).to(c_of[0])  # scaled and summed in fp32
     return (grad_a, grad_b, grad_bias, grad_c) + (None,) * 9
 
 
