@@ -508,3 +508,18 @@ def test_pointwise_wgrad_tiles_on_the_gpu(C, K, H):
     ref = dy.t().float() @ x.float()
     assert not dw.isnan().any()
     assert ((dw.float() - ref).norm() / ref.norm()).item() < 4e-3
+
+
+def test_a_bias_written_in_place_after_the_call_is_no_autograd_error(device):
+    # as for torch's convolution: the backward needs the bias's dtype, not its values (unless an activation's input
+    # is recomputed)
+    x = torch.randn(1, 4, 5, 5, device=device, requires_grad=True)
+    w, b = torch.randn(6, 4, 3, 3, device=device), torch.randn(6, device=device, requires_grad=True)
+    out = tilegemm.conv2d(x, w, b, padding=1)
+    with torch.no_grad():
+        b.add_(1)
+    gx, gb = torch.autograd.grad(out.sum(), (x, b))
+    want = torch.nn.functional.conv_transpose2d(torch.ones(1, 6, 5, 5, dtype=torch.float64, device=device),
+                                                w.double(), padding=1)
+    assert_rel_close(gx, want, 1e-5)
+    assert torch.equal(gb, torch.full_like(b, 25.0))

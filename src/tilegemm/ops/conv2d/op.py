@@ -166,7 +166,10 @@ def backward_weight(c: WgradCall) -> torch.Tensor:
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel = inputs[:10]
-    ctx.save_for_backward(x, weight, bias)
+    # the bias only to recompute an activation's input (its gradient needs its dtype alone): written in place after
+    # the call, it is then no autograd error, as it is none for torch's convolution
+    ctx.save_for_backward(x, weight, bias if activation != "none" else None)
+    ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.conv = (list(stride), list(padding), list(dilation), groups)
     ctx.activation, ctx.precision = activation, precision
     # The gradients take the output's memory format (channels-last where x or the weight is), as torch's
@@ -215,8 +218,8 @@ def _backward(ctx, grad_out):
         c = WgradCall(g, x, list(weight.shape), stride, padding, dilation, groups, ctx.precision,
                       ctx.w_channels_last)
         grad_w = backward_weight(c) if plain else _wgrad_op(*c.op_args())
-    if want_bias and bias is not None:
-        grad_bias = grad.sum(dim=(0, 2, 3), dtype=torch.float32).to(bias.dtype)
+    if want_bias and ctx.bias_dtype is not None:
+        grad_bias = grad.sum(dim=(0, 2, 3), dtype=torch.float32).to(ctx.bias_dtype)
     return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None
 
 
