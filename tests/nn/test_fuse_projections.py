@@ -163,13 +163,15 @@ def test_copies_and_saves_leave_the_kept_outputs_behind(device):
     ref = quantize_(CrossAttention().to(device=device, dtype=torch.float16), group_size=32)
     fused = fuse_projections_(copy.deepcopy(ref))
     x, memory = (torch.randn(3, 64, device=device, dtype=torch.float16, requires_grad=True) for _ in range(2))
-    fused(x, memory).float().sum().backward()
+    out = fused(x, memory)
     assert fused.tilegemm_q_proj_k_proj_v_proj._pending is not None
     twin = copy.deepcopy(fused)
     assert twin.tilegemm_q_proj_k_proj_v_proj._pending is None
     buf = io.BytesIO()
     torch.save(fused, buf)
     assert torch.load(io.BytesIO(buf.getvalue()), weights_only=False).tilegemm_q_proj_k_proj_v_proj._pending is None
+    out.float().sum().backward()  # (which frees the kept outputs' graph: they are dropped)
+    assert fused.tilegemm_q_proj_k_proj_v_proj._pending is None
     with torch.no_grad():
         torch.testing.assert_close(twin(x, memory), ref(x, memory), rtol=2e-3, atol=2e-3)
 
@@ -197,6 +199,24 @@ def test_a_kept_output_is_not_served_in_another_grad_mode(device):
         fused.q_proj(x)
     fused.half()  # converted: nothing kept from before
     assert fused.tilegemm_q_proj_k_proj_v_proj._pending is None
+
+
+def test_a_backward_or_requires_grad_between_two_parts_calls(device):
+    # a backward through one part freed the joined product's graph, which the kept outputs shared (the next part's
+    # backward failed), and x made to require grad after the first part's call got a kept output without a graph
+    ref, fused = _pair(device)
+    for model in (ref, fused):
+        x = torch.randn(4, 64, device=device, dtype=torch.float16, requires_grad=True)
+        model.q_proj(x).float().sum().backward()
+        model.k_proj(x).float().sum().backward()
+        ones = torch.ones(4, 1, dtype=torch.float64, device=device)
+        want = ones * (w4a16.dequantize(ref.q_proj.weight).double().sum(0)
+                       + w4a16.dequantize(ref.k_proj.weight).double().sum(0))
+        assert_rel_close(x.grad, want, 2e-3)
+        x = torch.randn(4, 64, device=device, dtype=torch.float16)
+        model.q_proj(x)
+        x.requires_grad_(True)
+        assert model.k_proj(x).requires_grad
 
 
 def test_gradients_reach_the_input(device):

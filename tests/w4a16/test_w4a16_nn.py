@@ -111,3 +111,31 @@ def test_from_linear_rejects_other_modules():
         Int4Linear.from_linear(nn.Conv1d(8, 8, 1))
     with pytest.raises(ValueError, match="not divisible"):
         Int4Linear.from_linear(nn.Linear(96, 8).half(), group_size=64)
+
+
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_the_backward_keeps_only_what_it_reads(activation, device):
+    # as torch's Linear: without an activation x and the bias are not kept (a residual's h += layer(h), a bias
+    # written in place, or an input made under inference_mode is no autograd error), a bias alone to train keeps
+    # nothing; with one, the recompute keeps x and bias (torch's would keep its output)
+    torch.manual_seed(0)
+    lin = Int4Linear.from_linear(nn.Linear(64, 64, dtype=torch.float16), group_size=32).to(device)
+    x = torch.randn(4, 64, dtype=torch.float16, device=device, requires_grad=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        h = x * 1
+        y = lin(h) if activation is None else w4a16.matmul(h, lin.weight, bias=lin.bias, activation=activation)
+    assert (x.shape in [t.shape for t in kept]) == (activation is not None)
+    if activation is None:
+        w = w4a16.dequantize(lin.weight).double()
+        h += y  # in place, after the call
+        (gx,) = torch.autograd.grad(h.float().sum(), x)
+        assert_rel_close(gx, 1 + torch.ones(4, 64, dtype=torch.float64, device=device) @ w, 2e-3)
+        lin.bias.requires_grad_(True)
+        with torch.inference_mode():
+            xi = torch.randn(4, 64, dtype=torch.float16, device=device)
+        kept.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            out = lin(xi)
+        (gb,) = torch.autograd.grad(out.float().sum(), lin.bias)
+        assert kept == [] and torch.equal(gb, torch.full_like(gb, 4.0))

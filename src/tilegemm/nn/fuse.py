@@ -10,6 +10,8 @@ each one.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -24,6 +26,12 @@ __all__ = ["FusedProjections", "ProjectionPart", "fuse_projections_", "GROUPS"]
 # DeepSeek's dense layers; BERT-style attention; Mixtral-style w1/w3).
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"), ("w1", "w3"))
 
+
+def _drop_kept(owner, rest) -> None:
+    """A backward hook: ``owner``'s kept outputs ``rest`` are dropped if they are still the ones kept."""
+    module = owner()
+    if module is not None and module._pending is not None and module._pending[2] is rest:
+        module._pending = None
 
 class FusedProjections(Int4Linear):
     """One :class:`Int4Linear` whose weight is its parts' joined along the outputs (parts' order). Its tensors are
@@ -61,9 +69,10 @@ class FusedProjections(Int4Linear):
         pending = self._pending
         # an inference tensor has no version counter: the same tensor is taken as unchanged, as when compiling
         unversioned = torch.compiler.is_compiling() or x.is_inference()
-        # what else a product depends on: grad mode (a kept output of a no-grad call has no graph) and autocast
-        context = (torch.is_grad_enabled(), x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(
-            x.device.type))
+        # what else a product depends on: grad mode and x's requires_grad (a kept output made without either has no
+        # graph to x) and autocast
+        context = (torch.is_grad_enabled(), x.requires_grad, x.device.type in ("cuda", "cpu")
+                   and torch.is_autocast_enabled(x.device.type))
         if pending is not None and pending[0] is x and (unversioned or pending[1] == x._version) \
                 and pending[3] == context and index in pending[2]:
             out = pending[2].pop(index)
@@ -78,6 +87,11 @@ class FusedProjections(Int4Linear):
         # backward of another part's output saved before, so the parts kept for later calls are copies
         rest = {i: o.clone() if y.requires_grad else o for i, o in enumerate(outs) if i != index}
         self._pending = (x, 0 if unversioned else x._version, rest, context) if rest else None
+        if rest and y.requires_grad and not torch.compiler.is_compiling():
+            # a backward through this part frees the product's graph, which the kept outputs share: they are
+            # dropped then, and a later part's call makes its own product (as unjoined layers would)
+            owner = weakref.ref(self)
+            y.register_hook(lambda grad: _drop_kept(owner, rest))
         return outs[index]
 
     def _apply(self, fn, recurse=True):  # moved or converted: outputs kept from before are not its outputs now

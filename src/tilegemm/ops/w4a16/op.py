@@ -91,12 +91,19 @@ def call(p: W4A16Problem) -> torch.Tensor:
 
 def _setup_context(ctx, inputs, output):
     x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm = inputs
-    ctx.save_for_backward(x, qweight, scales, zeros, bias, perm)
+    # Kept only what the backward reads, as torch's Linear keeps it: x and bias only to recompute an activation's
+    # input, the weight's parts only for x's gradient (an input written in place after the call, a residual's
+    # h += layer(h), or one made under inference_mode, is then no autograd error where torch's is none)
+    recompute = activation != "none"
+    weight = (qweight, scales, zeros, perm) if recompute or ctx.needs_input_grad[0] else (None,) * 4
+    ctx.save_for_backward(x if recompute else None, *weight[:3], bias if recompute else None, weight[3])
+    ctx.dtypes = (x.dtype, None if bias is None else bias.dtype)
     ctx.group_k, ctx.activation = group_k, activation
 
 
 def _backward(ctx, grad_out):
-    x, qweight, scales, zeros, bias, perm = ctx.saved_tensors
+    x, qweight, scales, zeros, bias, perm = ctx.saved_tensors  # (None where not kept: see _setup_context)
+    x_dtype, bias_dtype = ctx.dtypes
     grad = grad_out.float()
     # Grad mode is on here only under create_graph=True (double backward): the activation's derivative is then
     # recorded through the recomputed pre-activation (differentiable in x and bias), else the gradient came back
@@ -111,15 +118,15 @@ def _backward(ctx, grad_out):
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
         if _is_dtensor(qweight):  # DTensor operands: the dequantization runs on each rank's shard
-            wt = _dtensor_weight_t(qweight, scales, zeros, perm, ctx.group_k, x.dtype)
-            grad_x = (grad.to(x.dtype) @ wt.T).to(x.dtype)
+            wt = _dtensor_weight_t(qweight, scales, zeros, perm, ctx.group_k, x_dtype)
+            grad_x = (grad.to(x_dtype) @ wt.T).to(x_dtype)
         else:
-            wt = _weight_t(qweight, scales, zeros, ctx.group_k, x.dtype)  # [K, N]
-            grad_x = (grad.to(x.dtype) @ wt.T).to(x.dtype)  # by the weight's stored inputs
+            wt = _weight_t(qweight, scales, zeros, ctx.group_k, x_dtype)  # [K, N]
+            grad_x = (grad.to(x_dtype) @ wt.T).to(x_dtype)  # by the weight's stored inputs
             if perm is not None:  # stored input j is x's input perm[j]
                 grad_x = torch.empty_like(grad_x).index_copy_(1, perm.long(), grad_x)
-    if bias is not None and ctx.needs_input_grad[6]:
-        grad_bias = grad.sum(0).to(bias.dtype)
+    if bias_dtype is not None and ctx.needs_input_grad[6]:
+        grad_bias = grad.sum(0).to(bias_dtype)
     return grad_x, None, None, None, None, None, grad_bias, None, None, None, None
 
 
