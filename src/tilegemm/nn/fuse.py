@@ -33,6 +33,7 @@ def _drop_kept(owner, rest) -> None:
     if module is not None and module._pending is not None and module._pending[2] is rest:
         module._pending = None
 
+
 class FusedProjections(Int4Linear):
     """One :class:`Int4Linear` whose weight is its parts' joined along the outputs (parts' order). Its tensors are
     not in the state dict: each :class:`ProjectionPart` saves and loads its own columns."""
