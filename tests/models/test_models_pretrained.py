@@ -347,6 +347,26 @@ def test_unsupported_quantization_configs(tmp_path, good, changes, message):
         from_pretrained(path, device="cpu")
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors"])
+def test_whole_numbers_written_as_floats_are_read_as_integers(method):
+    # JSON writers that keep every number a float write 4.0 and 128.0; a fraction stays refused
+    from tilegemm.models import pretrained
+    q = cw.quantization_config(method, 128)
+    if method == "compressed-tensors":
+        weights = q["config_groups"]["group_0"]["weights"]
+        weights["group_size"], weights["num_bits"] = 128.0, 4.0
+    else:
+        q["group_size"], q["bits"] = 128.0, 4.0
+    got = pretrained.quant_config({"quantization_config": q})
+    assert got.group_size == 128 and type(got.group_size) is int
+    if method == "compressed-tensors":
+        weights["group_size"] = 127.5
+    else:
+        q["group_size"] = 127.5
+    with pytest.raises(ValueError, match=r"group_size.*127\.5"):
+        pretrained.quant_config({"quantization_config": q})
+
+
 def test_a_group_size_the_kernels_do_not_take(tmp_path):
     config = cw.tiny_config("llama", hidden=64)
     path = tmp_path / "c"

@@ -238,6 +238,14 @@ def _compression_config(c: dict) -> dict:
 SETTINGS_AT = "_tilegemm_settings_at"
 
 
+def _whole(value):
+    """``value`` as an int where it is a whole number written as a float (``128.0``: JSON writers that keep every
+    number a float), else unchanged, so checks of ints take both spellings of the same number."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def _at(key: str, entry: str) -> str:
     """``entry`` of the settings kept under ``key`` (``""``: a settings file's top level), as messages name it."""
     return f"{key}.{entry}" if key else entry
@@ -301,13 +309,13 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
     if method == "auto-round":
         return _autoround_config(q, where, key)
     if method == SAVED_METHOD:  # each layer's group length is read from its stored shapes
-        if q.get("bits", 4) != 4:
+        if _whole(q.get("bits", 4)) != 4:
             raise ValueError(f"{where}: bits = {q.get('bits')!r}; tilegemm's saved layers are 4-bit")
         listed = q.get("group_size")
         listed = listed if isinstance(listed, list) else [listed]
         return QuantConfig(SAVED_METHOD, -1, sym=False, saved_sizes=tuple(
-            s for s in listed if isinstance(s, int) and not isinstance(s, bool)), key=key)
-    bits = q.get("bits", q.get("w_bit"))
+            _whole(s) for s in listed if isinstance(_whole(s), int) and not isinstance(s, bool)), key=key)
+    bits = _whole(q.get("bits", q.get("w_bit")))
     if bits != 4:
         raise ValueError(f"{where}: bits = {bits!r}; tilegemm loads 4-bit checkpoints only (bits = 4)")
     # GPTQModel's word width for packed values: other widths than int32 change every packed tensor's shape
@@ -315,7 +323,7 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
     if pack_dtype != "int32":
         raise ValueError(f"{where}: pack_dtype {q.get('pack_dtype')!r} is not supported; tilegemm reads 4-bit values "
                          f"packed eight to an int32 (pack_dtype 'int32')")
-    group_size = q.get("group_size", q.get("q_group_size"))
+    group_size = _whole(q.get("group_size", q.get("q_group_size")))
     if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
         raise ValueError(f"{where}: group_size must be a positive integer or -1 (all of K), got {group_size!r}")
     not_convert = q.get("modules_to_not_convert") or ()
@@ -382,10 +390,10 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
     if data_type != "int":
         raise ValueError(f"{where}: {at('data_type')} {q.get('data_type')!r} is not supported; tilegemm loads "
                          f"AutoRound's integer weights (data_type 'int')")
-    bits = q.get("bits")
+    bits = _whole(q.get("bits"))
     if bits != 4:
         raise ValueError(f"{where}: {at('bits')} = {bits!r}; tilegemm loads 4-bit checkpoints only (bits = 4)")
-    group_size = q.get("group_size")
+    group_size = _whole(q.get("group_size"))
     if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
         raise ValueError(f"{where}: {at('group_size')} must be a positive integer or -1 (all of K), got "
                          f"{group_size!r}")
@@ -411,7 +419,7 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
         entry = f"{at('extra_config')}[{name!r}]"
         if not isinstance(own, dict):
             raise ValueError(f"{where}: {entry} must be a JSON object, got {type(own).__name__}")
-        layer_bits = own.get("bits", bits)
+        layer_bits = _whole(own.get("bits", bits))
         if isinstance(layer_bits, bool) or not isinstance(layer_bits, int):
             raise ValueError(f"{where}: {entry}.bits must be an integer, got {layer_bits!r}")
         if _AUTOROUND_REGEX_CHARS.intersection(name):
@@ -436,7 +444,7 @@ def _autoround_config(q: dict, where: str, key: str = "quantization_config") -> 
             continue
         taken = dict(bits=layer_bits)
         if "group_size" in own:
-            gs = own["group_size"]
+            gs = _whole(own["group_size"])
             if isinstance(gs, bool) or not isinstance(gs, int) or not (gs == -1 or gs > 0):
                 raise ValueError(f"{where}: {entry}.group_size must be a positive integer or -1, got {gs!r}")
             taken["group_size"] = gs
@@ -531,13 +539,13 @@ def _ct_config(q: dict, where: str, key: str = "quantization_config") -> QuantCo
         w = scheme.get("weights")
         if not isinstance(w, dict):
             raise ValueError(f"{at} quantizes no weights (weights = {w!r})")
-        bits, kind = w.get("num_bits", 8), str(w.get("type", "int")).lower()
+        bits, kind = _whole(w.get("num_bits", 8)), str(w.get("type", "int")).lower()
         if bits != 4 or kind != "int":
             raise ValueError(f"{at}: weights of {bits}-bit {kind} are not supported; tilegemm loads 4-bit int "
                              f"weights")
         if w.get("dynamic"):
             raise ValueError(f"{at}: dynamic weight quantization ({w.get('dynamic')!r}) is not supported")
-        gs = w.get("group_size")
+        gs = _whole(w.get("group_size"))
         strategy = str(w.get("strategy") or ("tensor" if gs is None else "channel" if gs == -1 else "group")).lower()
         if strategy == "channel":
             gs = -1  # one scale a row: all of K
@@ -595,7 +603,7 @@ def _dynamic(dynamic, where: str, settings: str = "quantization_config") -> tupl
         taken = {}
         if not skip:
             if "group_size" in overrides:
-                gs = overrides["group_size"]
+                gs = _whole(overrides["group_size"])
                 if isinstance(gs, bool) or not isinstance(gs, int) or not (gs == -1 or gs > 0):
                     raise ValueError(f"{at}[{key!r}]: group_size must be a positive "
                                      f"integer or -1, got {gs!r}")
@@ -604,7 +612,7 @@ def _dynamic(dynamic, where: str, settings: str = "quantization_config") -> tupl
                 if overrides.get(name) is not None:
                     taken[name] = _flag(overrides, name, False, f"{at}[{key!r}].{name}")
             if "bits" in overrides:
-                taken["bits"] = overrides["bits"]
+                taken["bits"] = _whole(overrides["bits"])
         # (skip: the phrase "left 16-bit by ..." ends with; else the entry a layer's bits message names)
         rules.append((skip, compiled, taken, f"the pattern '{key}' of {_at(settings, 'dynamic')}" if skip else
                       _at(settings, "dynamic")))
