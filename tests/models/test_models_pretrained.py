@@ -435,7 +435,7 @@ def test_bad_arguments(good):
     with pytest.raises(TypeError, match="dtype must be torch.float16, torch.bfloat16 or 'auto'"):
         from_pretrained(good, dtype=torch.float32)
     with pytest.raises(TypeError, match="dtype must be torch.float16, torch.bfloat16 or 'auto'"):
-        from_pretrained(good, dtype="bf16")
+        from_pretrained(good, dtype="float32")
 
 
 @pytest.mark.parametrize("device, error, words", [
@@ -842,3 +842,64 @@ def test_from_pretrained_with_joined_projections(tmp_path, device, name):
     assert err < TOL, f"{name}: logits rel. error {err:.2e}"
     with pytest.raises(ValueError, match="fuse_projections=True joins whole weights, device_mesh splits them"):
         tilegemm.models.from_pretrained(path, device=device, fuse_projections=True, device_mesh=object())
+
+
+@pytest.mark.parametrize("named, want", [("bfloat16", torch.bfloat16), ("torch.float16", torch.float16),
+                                         (None, torch.float16)])
+def test_dtype_by_name_or_none(good, named, want):
+    # torch's and transformers' names of the two dtypes, and None for the default (fp16)
+    model = from_pretrained(good, dtype=named, device="cpu")
+    assert model.lm_head.weight.dtype == want and model.model.layers[0].self_attn.q_proj.scales.dtype == want
+
+
+def test_packed_words_stored_unsigned_load_as_their_bits(tmp_path, good):
+    # some writers store qweight/qzeros as uint32: the same 32 bits as the int32 GPTQ reads
+    from safetensors.torch import load_file, save_file
+    path = _copy(good, tmp_path / "c")
+    tensors = load_file(path / "model.safetensors")
+    packed = [k for k in tensors if k.endswith((".qweight", ".qzeros"))]
+    assert packed
+    save_file({k: v.view(torch.uint32) if k in packed else v for k, v in tensors.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    got, want = from_pretrained(path, device="cpu"), from_pretrained(good, device="cpu")
+    for n, m in want.named_modules():
+        if isinstance(m, Int4Linear):
+            mine = got.get_submodule(n)
+            assert torch.equal(mine.qweight, m.qweight) and torch.equal(mine.zeros, m.zeros), n
+
+
+def test_a_quantization_config_over_16_bit_tensors_is_refused(tmp_path, good):
+    # config.json says GPTQ, every Linear stored as a plain weight: not loaded as a dense model that still claims
+    # GPTQ (and would be saved so)
+    import transformers
+    from safetensors.torch import save_file
+    path = _copy(good, tmp_path / "c")
+    config = transformers.AutoConfig.from_pretrained(path)
+    dense = transformers.AutoModelForCausalLM.from_config(config).half()
+    os.remove(path / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in dense.state_dict().items() if k != "lm_head.weight" or
+               not config.tie_word_embeddings}, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"says it is quantized \(GPTQ v1, 4-bit, group 32\) but stores no layer "
+                                         r"of the model quantized \(no 'qweight' tensor"):
+        from_pretrained(path, device="cpu")
+
+
+def test_load_quantized_keeps_hooks_training_flags_and_requires_grad(good):
+    # what quantize_ keeps of a replaced layer (hooks, the training flag) load_quantized_ keeps too, and the
+    # 16-bit parameters require grad as they did (transformers' load leaves them so)
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(good)).half().eval()
+    model.model.norm.weight.requires_grad_(False)
+    seen = []
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    load_quantized_(model, good, device="cpu")
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, Int4Linear) and not q.training
+    assert all(not m.training for m in model.modules())
+    assert model.model.embed_tokens.weight.requires_grad and model.model.layers[0].input_layernorm.weight.requires_grad
+    assert not model.model.norm.weight.requires_grad
+    _logits(model, "cpu")
+    assert len(seen) == 1
+    loaded = from_pretrained(good, device="cpu")
+    assert loaded.model.embed_tokens.weight.requires_grad and loaded.lm_head.weight.requires_grad
+    assert not loaded.model.layers[0].self_attn.q_proj.training

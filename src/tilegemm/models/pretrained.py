@@ -38,6 +38,7 @@ from tilegemm.nn.convert import is_plain_linear, subclass_reason
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear, guard_quantized_output_resize_, is_conv1d, mark_saved_format_, \
     untie_quantized_outputs_
 from tilegemm.nn.fuse import FusedProjections, ProjectionPart
+from tilegemm.nn.hooks import carry_over
 from tilegemm.nn.moe import NAME as MOE_NAME
 from tilegemm.nn.moe import (_experts_modules, _int4, _stacked_experts, asks_tilegemm, convert_moe_blocks_,
                              experts_off_interface_note, install_int4_experts_, register_experts, use_int4_experts_)
@@ -736,6 +737,8 @@ class _Tensors:
         if not t.is_floating_point() and _REAL_VALUED.search(name):
             raise TypeError(f"the checkpoint at {self.path!r} stores {self._stored.get(name, name)} as "
                             f"{dtype_name(t.dtype)}; a weight, bias or scale must be a floating-point tensor")
+        if t.dtype == torch.uint32:  # packed words some writers store unsigned: the same 32 bits as int32
+            return t.view(torch.int32)
         return t
 
 
@@ -825,13 +828,21 @@ def _parameters_on_meta():
 
 def _check_dtype(dtype) -> None:
     if dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or 'auto' (the 4-bit kernels' activations), "
+        raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or 'auto' (or a name of one: 'float16', "
+                        f"'bfloat16', 'fp16', 'bf16', 'half'; the 4-bit kernels' activations), "
                         f"got {dtype_name(dtype) if isinstance(dtype, torch.dtype) else repr(dtype)}")
+
+
+# names a dtype may be given by, as torch and transformers spell them ("torch.float16" too)
+_DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 def resolve_dtype(dtype, path) -> torch.dtype:
     """``dtype``, or for ``"auto"`` the one the checkpoint's config names (``dtype`` / ``torch_dtype``): bf16 where
     it says bfloat16, else fp16 (the kernels' activations are 16-bit, whatever an fp32 config says)."""
+    if isinstance(dtype, str) and dtype.strip().lower().replace("torch.", "") in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.strip().lower().replace("torch.", "")]
     if isinstance(dtype, str) and dtype == "auto":
         config = read_config(path)
         text = config.get("text_config") or {}  # (a composite model's language part)
@@ -865,8 +876,9 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, model
                     experts_implementation: str | None = None) -> nn.Module:
     """The ``transformers`` causal-LM of the quantized checkpoint directory ``path``, in eval mode on ``device``
     (default: CUDA when there is one, else the CPU): every Linear stored quantized is an
-    :class:`~tilegemm.nn.Int4Linear`, every other tensor loaded as stored (floats in ``dtype``, fp16 or bf16;
-    ``"auto"``: bf16 where the checkpoint's config says bfloat16, else fp16).
+    :class:`~tilegemm.nn.Int4Linear`, every other tensor loaded as stored (floats in ``dtype``, fp16 or bf16, or
+    their names as strings; None: fp16; ``"auto"``: bf16 where the checkpoint's config says bfloat16, else fp16).
+    Parameters that are not 4-bit require grad as transformers' own load leaves them.
 
     Any architecture ``transformers.AutoModelForCausalLM`` knows; ``quantization_config``: GPTQ (``checkpoint_format``
     ``"gptq"`` (v1) or ``"gptq_v2"``; act-order ``desc_act``; symmetric or not), AWQ (``version: "gemm"``), Intel
@@ -892,7 +904,7 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, model
     for ``"tilegemm"`` but has MoE blocks that transformers runs with code of their own (Llama-4's stored 16-bit,
     DBRX, JetMoE), a warning names them and ``tilegemm.nn.convert_``, which puts them on the grouped kernels.
     """
-    dtype = resolve_dtype(dtype, path)
+    dtype = resolve_dtype(torch.float16 if dtype is None else dtype, path)
     model, device = empty_model(path, dtype, device, model_class, experts_implementation)
     load_quantized_(model, path, dtype=dtype, device=device)
     _check_asked_experts(model, experts_implementation)
@@ -1551,14 +1563,22 @@ def _load_dense_experts(s: _StoredExperts, tensors: _Tensors, dtype) -> None:
         t = torch.stack(experts)
         if getattr(s.module, "is_transposed", False):
             t = t.transpose(1, 2).contiguous()
-        _set_tensor(s.module, wname, nn.Parameter(t, requires_grad=False))
+        _set_tensor(s.module, wname, nn.Parameter(t, requires_grad=_wants_grad(s.module, wname)))
     _load_expert_biases(s, tensors, dtype)
 
 
-def _load_expert_biases(s: _StoredExperts, tensors: _Tensors, dtype) -> None:
+def _wants_grad(module: nn.Module, name: str) -> bool:
+    """Whether the 16-bit parameter ``name`` loaded into ``module`` requires grad: as the one it replaces did
+    (transformers' load leaves them requiring grad), True where there was none."""
+    old = module._parameters.get(name)
+    return True if old is None else old.requires_grad
+
+
+def _load_expert_biases(s: _StoredExperts, tensors: _Tensors, dtype, frozen: bool = False) -> None:
     """Stack the biases a checkpoint stores an expert each into the block's ``<weight>_bias`` ``[E, N]``, their
     gate and up parts joined as the weights' rows are (after each other, or in turn for a block whose
-    ``is_concatenated`` is False)."""
+    ``is_concatenated`` is False). ``frozen``: the biases of 4-bit experts, which require no grad, as a 4-bit
+    Linear's bias does not."""
     interleave = not getattr(s.module, "is_concatenated", True)
     biased = s.per_expert_biases(tensors)
     for wname, (projs, _) in s.joined.items():
@@ -1568,7 +1588,8 @@ def _load_expert_biases(s: _StoredExperts, tensors: _Tensors, dtype) -> None:
         for e in range(s.num_experts):
             bs = [tensors.get(f"{s.key(e, p)}.bias").to(dtype) for p in projs]
             rows.append(bs[0] if len(bs) == 1 else torch.stack(bs, 1).reshape(-1) if interleave else torch.cat(bs))
-        _set_tensor(s.module, f"{wname}_bias", nn.Parameter(torch.stack(rows), requires_grad=False))
+        _set_tensor(s.module, f"{wname}_bias", nn.Parameter(torch.stack(rows),
+                                                           requires_grad=not frozen and _wants_grad(s.module, f"{wname}_bias")))
 
 
 def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -> None:
@@ -1616,7 +1637,7 @@ def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -
         del per_expert
         stacked[wname] = stack_experts(experts)
     install_int4_experts_(s.module, stacked)
-    _load_expert_biases(s, tensors, dtype)
+    _load_expert_biases(s, tensors, dtype, frozen=True)
 
 
 def _state_of(obj) -> tuple[dict, list]:
@@ -1807,6 +1828,7 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
     persistent = [n for n, _ in model.named_buffers() if n.rpartition(".")[0] not in quantized_set and n in
                   model.state_dict(keep_vars=True) and n.rpartition(".")[0] not in loaded
                   and not (n.rpartition(".")[0] in stacked_blocks and n.rpartition(".")[2].startswith("tilegemm_"))]
+    wants_grad = {first: model.get_parameter(first).requires_grad for first in plain}
     tied = _tied_names(model)
     sources: dict[str, str] = {}
     for first, names in plain.items():
@@ -1844,6 +1866,11 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
                    and isinstance(modules.get(n.rpartition(".")[0]), nn.Linear) else n for n in missing]
         raise ValueError(f"the checkpoint at {path!r} lacks tensor(s) the model needs{_architecture_hint(model)}: "
                          f"{', '.join(missing)}")
+    if not quantized and all(s.dense for s in experts) and not loaded:
+        # a dense model under a quantization_config would load 16-bit, keep claiming the method, and be saved so
+        raise ValueError(f"the checkpoint at {path!r} says it is quantized ({q.describe()}) but stores no layer of "
+                         f"the model quantized (no {marker!r} tensor of any Linear or experts block): a 16-bit "
+                         f"checkpoint loads with transformers' own from_pretrained")
     if strays:
         warnings.warn(f"load_quantized_: {len(strays)} tensor(s) of the checkpoint match nothing in the model and "
                       f"were skipped: {', '.join(strays[:8])}{' ...' if len(strays) > 8 else ''}", stacklevel=3)
@@ -1865,7 +1892,9 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
                 bias = None
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, Int4Linear.from_weight(w, None if bias is None else bias.to(dtype)))
+            # the replaced layer's hooks and training flag carried over, as quantize_ carries them
+            setattr(parent, child, carry_over(linears[name], Int4Linear.from_weight(w, None if bias is None else
+                                                                                  bias.to(dtype))))
             del w, bias
         for s in experts:
             if s.dense:
@@ -1875,8 +1904,8 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
         for key, first in expected_plain.items():
             t = tensors.get(key)
             t = t.to(plain_dtype(first)) if t.is_floating_point() else t
-            if first in plain:
-                t = nn.Parameter(t, requires_grad=False)  # one Parameter under each of its names (tied ones)
+            if first in plain:  # one Parameter under each of its names (tied ones), requiring grad as it did
+                t = nn.Parameter(t, requires_grad=wants_grad[first] and (t.is_floating_point() or t.is_complex()))
             for n in plain.get(first, [first]):
                 _set_tensor(model, n, t)
             del t
