@@ -126,3 +126,26 @@ def test_vmap_over_the_group_ends():
     if dev == "cpu":  # (the values are checked where that costs no device sync)
         with pytest.raises(ValueError, match="offs must be non-decreasing"):
             torch.func.vmap(lambda o: tilegemm.grouped_mm(a, b, offs=o))(ends.flip(1))
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_batched_gradients_through_every_op(channels_last):
+    # autograd.grad(..., is_grads_batched=True) and jacobian(vectorize=True) batch the gradients with torch's older
+    # vmap, whose tensors torch.func's level check does not see: conv2d's backward handed them to the kernels
+    dev = _device()
+    x = torch.randn(2, 4, 6, 5, device=dev, dtype=torch.float64)
+    w = torch.randn(4, 2, 3, 3, device=dev, dtype=torch.float64)
+    if channels_last:
+        x, w = x.contiguous(memory_format=torch.channels_last), w.contiguous(memory_format=torch.channels_last)
+    xs, ws = x.float().requires_grad_(), w.float().requires_grad_()
+    y = tilegemm.conv2d(xs, ws, stride=2, padding=1, groups=2)
+    v = torch.randn(3, *y.shape, device=dev, dtype=torch.float64)
+    got = torch.autograd.grad(y, (xs, ws), v.float(), is_grads_batched=True)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = torch.autograd.grad(torch.nn.functional.conv2d(xr, wr, stride=2, padding=1, groups=2), (xr, wr), v,
+                               is_grads_batched=True)
+    for g, r in zip(got, want):
+        assert_rel_close(g, r, 1e-3 if dev == "cuda" else 1e-5)
+    a, b = torch.randn(3, 8, device=dev), torch.randn(8, 5, device=dev)
+    jac = torch.autograd.functional.jacobian(lambda t: tilegemm.matmul(t, b), a, vectorize=True)
+    assert_rel_close(jac, torch.autograd.functional.jacobian(lambda t: t @ b, a), 1e-3 if dev == "cuda" else 1e-5)

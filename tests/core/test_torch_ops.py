@@ -155,3 +155,36 @@ def test_torch_func_transforms_keep_the_custom_op_s_own_kernel():
 
     torch.func.grad(f)(torch.randn(3))
     assert seen == [False]
+
+
+def _outputs(dev):
+    """(name, a call) of the public ops whose results came back as views of a kernel's buffer: a conv2d's 1x1 GEMM
+    result reshaped, its channels-last output permuted, W4A16's and the Linear's rows unflattened."""
+    wq = tilegemm.w4a16.quantize(torch.randn(16, 32, device=dev, dtype=torch.float16), group_size=32)
+    lin = tilegemm.nn.Linear(16, 8).to(dev)
+    x = torch.randn(2, 4, 5, 5, device=dev)
+    return [
+        ("conv2d 1x1", lambda: tilegemm.conv2d(x, torch.randn(4, 4, 1, 1, device=dev))),
+        ("conv2d channels-last", lambda: tilegemm.conv2d(x.contiguous(memory_format=torch.channels_last),
+                                                         torch.randn(4, 4, 3, 3, device=dev))),
+        ("w4a16 3-D", lambda: tilegemm.w4a16.matmul(torch.randn(2, 3, 32, device=dev, dtype=torch.float16), wq)),
+        ("w4a16 1-D", lambda: tilegemm.w4a16.matmul(torch.randn(32, device=dev, dtype=torch.float16), wq)),
+        ("Linear 3-D", lambda: lin(torch.randn(2, 3, 16, device=dev))),
+        ("matmul 3-D", lambda: tilegemm.matmul(torch.randn(2, 3, 16, device=dev), torch.randn(16, 8, device=dev))),
+    ]
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_results_are_tensors_of_their_own(i):
+    # as torch's linear and convolution return: a result made under no_grad is written in place by a product
+    # that requires grad, and detached in place (both errors on a view made under no_grad)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    name, call = _outputs(dev)[i]
+    for _ in range(2):  # a first call, then a replayed one where replays run
+        with torch.no_grad():
+            y = call()
+        assert y._base is None, name
+        scale = torch.full((), 2.0, device=dev, dtype=y.dtype, requires_grad=True)
+        y.mul_(scale).sum().backward()
+        assert scale.grad is not None, name
+        y.detach_()

@@ -127,6 +127,19 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
+_unsafe_view = torch.ops.aten._unsafe_view.default  # a reshape autograd takes for a new tensor, not a view
+
+
+def rows_as(out: torch.Tensor, lead) -> torch.Tensor:
+    """A product's ``[M, N]`` rows as ``[*lead, N]``, a tensor of its own (as torch's linear returns one), not a
+    view of the 2-D result: a view made under no_grad cannot be written in place under autograd, nor detached in
+    place. Subclasses (DTensor, fake tensors) and non-contiguous results are reshaped."""
+    shape = (*lead, out.shape[-1])
+    if type(out) is torch.Tensor and out.is_contiguous():
+        return _unsafe_view(out, shape)
+    return out.reshape(shape)
+
+
 try:
     from torch._C._functorch import TransformType
 

@@ -9,6 +9,7 @@ from torch.nn.utils import parametrize
 
 from tilegemm.core.activations import check_activation, torch_activation
 from tilegemm.core.dtypes import dtype_name
+from tilegemm.core.torch_ops import rows_as
 from tilegemm.ops.matmul import matmul
 from tilegemm.ops.matmul.problem import DTYPES
 
@@ -152,7 +153,7 @@ class Linear(NotScriptable, torch.nn.Linear):
         # infer M when in_features is 0); a 1-D x is one row, as torch.matmul takes it.
         x2d = x.flatten(0, -2) if x.ndim > 2 else x
         out = matmul(x2d, weight.t(), bias=self.bias, activation=self.activation)  # [M, out]
-        return out.unflatten(0, x.shape[:-1]) if x.ndim > 2 else out
+        return rows_as(out, x.shape[:-1]) if x.ndim > 2 else out  # (a tensor of its own, as torch's linear gives)
 
     def _torch_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """A float64 layer (``.double()``, e.g. for gradcheck) runs torch's linear, as tilegemm.nn.Conv2d runs

@@ -8,6 +8,7 @@ from tilegemm.core.activations import check_activation
 from tilegemm.core.dtypes import autocast_inputs, check_precision
 from tilegemm.core.launch import PLAIN_TENSOR_TYPES, plain_call
 from tilegemm.core.runtime import any_negative, resolved as resolved_neg
+from tilegemm.core.torch_ops import own_storage
 from tilegemm.ops.conv2d import dispatch, op
 from tilegemm.ops.conv2d.checks import check_conv, check_kernel, check_unbatched, forward_key, forward_key_of
 from tilegemm.ops.conv2d.op import REPLAYS
@@ -101,9 +102,9 @@ def conv2d(
     if key is not None:
         with REPLAYS.recording(key, (x, weight) if bias is None else (x, weight, bias),
                                output_format(x, weight)) as kept:
-            return kept(dispatch.forward(c))
-    if plain_call(x, weight, bias):
-        return dispatch.forward(c)
+            return kept(own_storage(dispatch.forward(c)))
+    if plain_call(x, weight, bias):  # (own_storage: a 1x1's GEMM result reshaped is a view, as torch's is not)
+        return own_storage(dispatch.forward(c))
     return op.call(c)
 
 

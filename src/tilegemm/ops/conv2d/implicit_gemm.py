@@ -411,8 +411,8 @@ def _nhwc_strides(t: torch.Tensor) -> tuple:
 def empty_4d(shape, dtype, device, memory_format) -> torch.Tensor:
     """A new ``[N, C, H, W]`` kernel output in ``memory_format`` (NaN while tests poison outputs)."""
     N, C, H, W = shape
-    if memory_format == torch.channels_last:
-        return new_output((N, H, W, C), dtype, device).permute(0, 3, 1, 2)
+    if memory_format == torch.channels_last:  # (one allocation, not a permuted view: a tensor of its own)
+        return new_output((N, C, H, W), dtype, device, memory_format=torch.channels_last)
     return new_output((N, C, H, W), dtype, device)
 
 

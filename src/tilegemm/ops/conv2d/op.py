@@ -16,7 +16,7 @@ import torch
 
 from tilegemm.core.activations import torch_activation
 from tilegemm.core.checked import check_once
-from tilegemm.core.launch import plain_call
+from tilegemm.core.launch import legacy_batched, plain_call
 from tilegemm.core.replay import ReplayCache
 from tilegemm.core.runtime import any_negative, resolved
 from tilegemm.core.torch_ops import lean_autograd
@@ -204,12 +204,13 @@ def _backward(ctx, grad_out):
                                           create_graph=create_graph)
     want_x, want_w, want_bias = ctx.needs_input_grad[:3]
     g = grad.to(x.dtype)  # the two convolutions of the backward pass run in the operands' dtype, like torch's
-    if ctx.layer_channels_last and (want_x or want_w) and _copies_dy(g, x, weight, ctx.conv):
+    batched = legacy_batched(g)  # (batched gradients: their layout is not readable, the registered ops take them)
+    if ctx.layer_channels_last and (want_x or want_w) and not batched and _copies_dy(g, x, weight, ctx.conv):
         g = g.contiguous(memory_format=torch.channels_last)  # once here, not once in each gradient's route
     grad_x = grad_w = grad_bias = None
     # Outside tracing the gradients' ops are called as functions: dispatch through a registered op costs
     # tens of microseconds of host time a call (see tilegemm.core.launch.plain_call).
-    plain = plain_call(g, weight, x)
+    plain = not batched and plain_call(g, weight, x)
     if want_x:
         c = DgradCall(g, weight, list(x.shape), ctx.layer_channels_last, stride, padding, dilation, groups,
                       ctx.precision)

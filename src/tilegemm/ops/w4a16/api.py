@@ -11,6 +11,7 @@ from tilegemm.core.activations import ACTIVATIONS  # noqa: F401 (re-exported as 
 from tilegemm.core.launch import plain_call
 from tilegemm.core.runtime import any_negative, resolved
 from tilegemm.core.runtime import on_device
+from tilegemm.core.torch_ops import rows_as
 from tilegemm.ops.w4a16 import cublas_half, dispatch, op
 from tilegemm.ops.w4a16.checks import call_tensors, check_inputs, replay_key
 from tilegemm.ops.w4a16.format import Int4Weight
@@ -85,7 +86,7 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     # Dispatch through torch.ops costs tens of microseconds of host time, more than an M=1 kernel; a call that
     # no tracer, mode or autograd needs to see skips it (as tilegemm.matmul does).
     if not plain:
-        return op.call(p).reshape(*lead, w.shape[0])
+        return rows_as(op.call(p), lead)
     if key is None:
         return _shaped(dispatch.forward(p), x)
     tensors = call_tensors(x2, w, bias)
@@ -124,8 +125,9 @@ def _check_dtensors(x, w: Int4Weight, bias) -> None:
 
 
 def _shaped(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The ``[M, N]`` output as ``[..., N]`` for ``x [..., K]`` (no view made for 2-D x: host time)."""
-    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[1])
+    """The ``[M, N]`` output as ``[..., N]`` for ``x [..., K]``, a tensor of its own (``rows_as``; nothing done for
+    2-D x: host time)."""
+    return out if x.dim() == 2 else rows_as(out, x.shape[:-1])
 
 
 def _reordered(x2: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
