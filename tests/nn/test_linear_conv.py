@@ -38,14 +38,19 @@ def test_conv2d_matches_torch(kwargs, device):
 
 
 @pytest.mark.parametrize("padding_mode", ["reflect", "replicate", "circular"])
-def test_conv2d_padding_modes_keep_channels_last(padding_mode, device):
-    # torch's circular F.pad returns NCHW from a channels-last input: the output is channels-last all the same
+def test_conv2d_padding_modes_give_torchs_memory_format(padding_mode, device):
+    # torch's circular F.pad returns NCHW from a channels-last input, and torch's module an NCHW output: the same
+    # here, eager and traced alike
     torch.manual_seed(0)
     m = Conv2d(4, 6, 3, padding=1, padding_mode=padding_mode).to(device)
     x = torch.randn(2, 4, 7, 6, device=device).contiguous(memory_format=torch.channels_last)
-    out = m(x)
-    assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
-    assert_rel_close(out.detach(), _ref_module(m, x).detach(), 1e-5)
+    ref = torch.nn.Conv2d(4, 6, 3, padding=1, padding_mode=padding_mode).to(device)
+    ref.load_state_dict(m.state_dict())
+    want = ref(x)
+    for out in (m(x), torch.fx.symbolic_trace(m)(x)):
+        assert out.stride() == want.stride()
+        assert out.is_contiguous(memory_format=torch.channels_last) == (padding_mode != "circular")
+        assert_rel_close(out.detach(), _ref_module(m, x).detach(), 1e-5)
 
 
 def test_conv2d_from_conv_shares_parameters_and_trains(device):

@@ -13,12 +13,6 @@ from tilegemm.ops.conv2d.checks import DTYPES, check_padded_size
 _KERNEL_DTYPES = frozenset(DTYPES)
 
 
-def _channels_last(x) -> bool:
-    """A 4-D tensor laid out channels-last and not also NCHW (C or H * W of one is both)."""
-    return isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) \
-        and not x.is_contiguous()
-
-
 class Conv2d(NotScriptable, torch.nn.Conv2d):
     """A drop-in ``torch.nn.Conv2d`` (same arguments, parameters and state dict), plus ``activation``: one of
     ``tilegemm.ACTIVATIONS`` applied in the kernel's epilogue after the bias (default none).
@@ -80,10 +74,9 @@ class Conv2d(NotScriptable, torch.nn.Conv2d):
             left, right, top, bottom = self._reversed_padding_repeated_twice
             if isinstance(x, torch.Tensor) and x.dim() >= 2:  # named before F.pad (its own: a storage overflow)
                 check_padded_size(self.padding, x.shape[-2], x.shape[-1], (top, bottom, left, right))
-            channels_last = _channels_last(x)
+            # (circular F.pad returns NCHW from a channels-last x: the output's format then follows torch's module,
+            # as it does when the module is traced)
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-            if channels_last and not _channels_last(x):  # circular F.pad returns NCHW: keep the input's format
-                x = x.contiguous(memory_format=torch.channels_last)
             padding = 0
         return conv2d(x, weight, bias, self.stride, padding, self.dilation, self.groups, activation)
 
