@@ -903,3 +903,26 @@ def test_load_quantized_keeps_hooks_training_flags_and_requires_grad(good):
     loaded = from_pretrained(good, device="cpu")
     assert loaded.model.embed_tokens.weight.requires_grad and loaded.lm_head.weight.requires_grad
     assert not loaded.model.layers[0].self_attn.q_proj.training
+
+
+def test_base_model_and_checkpoint_prefixes(tmp_path, good):
+    # as transformers loads them: AutoModel takes a causal LM's checkpoint (its tensors under "model.", the head
+    # left out with a warning), and a causal LM with tied embeddings takes a base model's (no "model." prefix)
+    import transformers
+    from safetensors.torch import load_file, save_file
+    full = from_pretrained(good, device="cpu")
+    with pytest.warns(UserWarning, match=r"LlamaModel is the base model of the checkpoint's; its 1 tensor\(s\) "
+                                         r"outside 'model\.' \(the head: lm_head\.weight\) are not loaded"):
+        base = from_pretrained(good, device="cpu", model_class=transformers.AutoModel)
+    assert type(base).__name__ == "LlamaModel" and isinstance(base.layers[0].mlp.down_proj, Int4Linear)
+    with torch.no_grad():
+        assert torch.equal(base(input_ids=IDS).last_hidden_state, full.model(input_ids=IDS).last_hidden_state)
+    path = tmp_path / "tied"
+    config = cw.tiny_config("llama", hidden=64, tie=True)
+    cw.write_model(path, cw.random_model(config), "gptq", 32)
+    tensors = load_file(path / "model.safetensors")
+    save_file({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")},
+              path / "model.safetensors", metadata={"format": "pt"})
+    stripped = from_pretrained(path, device="cpu")
+    cw.write_model(path, cw.random_model(config), "gptq", 32)
+    assert torch.equal(_logits(stripped, "cpu"), _logits(from_pretrained(path, device="cpu"), "cpu"))

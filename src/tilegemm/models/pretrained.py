@@ -678,6 +678,40 @@ class _Tensors:
                 self.files = files
             else:
                 self._stored = {}
+        if model is not None:
+            self._prefixed(model)
+
+    def _prefixed(self, model: nn.Module) -> None:
+        """Names under the model's ``base_model_prefix`` (``model.``) taken as transformers' load takes them: a base
+        model (``AutoModel``) loads a checkpoint of its model with a head (its tensors under the prefix; the head's
+        are strays), and a model with a head loads one of the base model (stored without the prefix)."""
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        if not prefix:
+            return
+        dotted = f"{prefix}."
+        under = [n for n in self.files if n.startswith(dotted)]
+        base = getattr(model, prefix, None)
+        if under and not isinstance(base, nn.Module) and not any(
+                n.startswith(dotted) for n, _ in model.named_parameters(remove_duplicate=False)):
+            moved = {n[len(dotted):]: n for n in under}
+            head = sorted(n for n in self.files if not n.startswith(dotted))
+            if head:  # a head the base model has not: not loaded, as transformers leaves it
+                warnings.warn(f"load_quantized_: {type(model).__name__} is the base model of the checkpoint's; its "
+                              f"{len(head)} tensor(s) outside '{dotted}' (the head: {', '.join(head[:4])}"
+                              f"{' ...' if len(head) > 4 else ''}) are not loaded", stacklevel=4)
+                self.files = {n: f for n, f in self.files.items() if n.startswith(dotted)}
+        elif not under and isinstance(base, nn.Module):
+            heads = {n for n, _ in model.named_parameters(remove_duplicate=False) if not n.startswith(dotted)}
+            moved = {f"{dotted}{n}": n for n in self.files if n not in heads}
+        else:
+            return
+        if any(n in self.files and n not in moved.values() for n in moved):  # (a name both ways: as stored)
+            return
+        files = {n: f for n, f in self.files.items() if n not in moved.values()}
+        for new, old in moved.items():
+            files[new] = self.files[old]
+            self._stored[new] = self._stored.pop(old, old)
+        self.files = files
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
