@@ -56,6 +56,15 @@ def mixed_ranks(rank, world, mesh):
     assert out.placements == (Shard(1),)
     torch.testing.assert_close(out.full_tensor(), tilegemm.w4a16.matmul(x, w4))
 
+    # an uneven split whose redistribution leaves one rank a strided local shard: right on every rank
+    w9 = quantize(torch.randn(9, 128).half(), 32)
+    parts = (distribute_tensor(w9.qweight, mesh, [Shard(0)]), distribute_tensor(w9.scales, mesh, [Shard(1)]),
+             distribute_tensor(w9.zeros, mesh, [Shard(1)]))
+    got = tilegemm.w4a16.matmul(xd, Int4Weight(*parts, 32, (9, 128), None)).full_tensor()
+    torch.testing.assert_close(got, tilegemm.w4a16.matmul(x, w9))
+    with pytest.raises(TypeError, match=r"a is a DTensor but b is a plain torch.Tensor: pass all of them as DTensors"):
+        tilegemm.matmul(xd.float(), torch.randn(128, 4))
+
     lin = tnn.Linear(128, 16)
     lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
     with pytest.raises(TypeError, match=r"tilegemm.nn.Linear: the weight is a DTensor .* but x is a plain "

@@ -267,6 +267,26 @@ def two_ranks(rank, world, mesh, tmp):
         inp = xs.chunk(world, -1)[rank] if styles[1] is None else xs
         _close(model(inp), full(xs), tol, f"sharded load {fname}")
 
+    # files that do not hold the model's 4-bit layers: named on every rank (none left waiting), never stale values
+    from safetensors.torch import load_file, save_file
+
+    stored = load_file(f"{tmp}/int4.safetensors")
+    int4 = (tnn.ColwiseParallel, tnn.RowwiseParallel)
+    for drop, error in ((("0.bias", "2.bias"), r"in the model but not in the files: \['0.bias'"),
+                        (("2.zeros",), r"the files hold 2.qweight but not 2.zeros")):
+        save_file({k: v for k, v in stored.items() if k not in drop}, f"{tmp}/drop-{rank}.safetensors")
+        skeleton = parallelize_module(tnn.quantize_(_mlp(64, 64, 16).half(), group_size=32), mesh,
+                                      {"0": int4[0](), "2": int4[1]()})
+        with pytest.raises(ValueError, match=error):
+            load_sharded_(skeleton, f"{tmp}/drop-{rank}.safetensors", mesh)
+    wide = tnn.quantize_(_mlp(64, 128, 16).half(), group_size=32)  # another hidden width than the skeleton's
+    save_file({k: v.contiguous() for k, v in wide.state_dict().items()}, f"{tmp}/wide-{rank}.safetensors")
+    skeleton = parallelize_module(tnn.quantize_(_mlp(64, 64, 16).half(), group_size=32), mesh,
+                                  {"0": int4[0](), "2": int4[1]()})
+    with pytest.raises(ValueError, match=r"load_sharded_: 0 \(Int4Linear, local \[out, in\] = \[32, 64\], group_size "
+                                         r"32\): this rank's slice of the files' tensors does not fit"):
+        load_sharded_(skeleton, f"{tmp}/wide-{rank}.safetensors", mesh)
+
 
 def four_ranks(rank, world, mesh, tmp):
     from torch.distributed.tensor.parallel import parallelize_module

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import threading
+import sys
 import warnings
 
 log = logging.getLogger("tilegemm")
@@ -203,7 +204,9 @@ def check_device(name: str, device) -> None:
 
 def check_same_device(named: dict) -> None:
     """Raise ValueError naming two tensors of ``named`` (name -> tensor) on different devices, or, via
-    :func:`check_device`, real tensors that are not on the GPU in use."""
+    :func:`check_device`, real tensors that are not on the GPU in use; TypeError for DTensors mixed with plain
+    tensors (DTensor's own error there names neither)."""
+    check_one_kind(named)
     first_name, first = next(iter(named.items()))
     for name, t in named.items():
         if t.device != first.device:
@@ -214,6 +217,23 @@ def check_same_device(named: dict) -> None:
     # whatever the mesh's device: the real call is checked when it runs.
     if not isinstance(first, FakeTensor):
         check_device(first_name, first.device)
+
+
+def check_one_kind(named: dict, op: str = "", hint: str = "") -> None:
+    """Raise TypeError where ``named`` (name -> tensor) mixes DTensors with plain tensors, naming which are which
+    (``op``: the message's first words; ``hint``: what follows the advice)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # (loaded by whoever made a DTensor: no import here)
+    if dtensor is None:
+        return
+    dt = [k for k, t in named.items() if isinstance(t, dtensor.DTensor)]
+    if not dt or len(dt) == len(named):
+        return
+    plain = [k for k in named if k not in dt]
+    raise TypeError(f"{op}{', '.join(dt)} {'is a DTensor' if len(dt) == 1 else 'are DTensors'} but "
+                    f"{', '.join(plain)} {'is a' if len(plain) == 1 else 'are'} plain torch.Tensor"
+                    f"{'' if len(plain) == 1 else 's'}: pass all of them as DTensors on one mesh (a replicated one "
+                    f"as DTensor.from_local(t, mesh, [Replicate()]) or distribute_tensor), or all as plain local "
+                    f"tensors{hint}")
 
 
 def check_dense(name: str, t) -> None:

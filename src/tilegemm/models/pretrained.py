@@ -1622,8 +1622,8 @@ def _load_expert_biases(s: _StoredExperts, tensors: _Tensors, dtype, frozen: boo
         for e in range(s.num_experts):
             bs = [tensors.get(f"{s.key(e, p)}.bias").to(dtype) for p in projs]
             rows.append(bs[0] if len(bs) == 1 else torch.stack(bs, 1).reshape(-1) if interleave else torch.cat(bs))
-        _set_tensor(s.module, f"{wname}_bias", nn.Parameter(torch.stack(rows),
-                                                           requires_grad=not frozen and _wants_grad(s.module, f"{wname}_bias")))
+        wants = not frozen and _wants_grad(s.module, f"{wname}_bias")
+        _set_tensor(s.module, f"{wname}_bias", nn.Parameter(torch.stack(rows), requires_grad=wants))
 
 
 def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -> None:

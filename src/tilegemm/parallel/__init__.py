@@ -747,20 +747,30 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
         if split is None or prefix + "qweight" not in state:
             continue
         parts = {p: state.pop(prefix + p) for p in _INT4_PARTS if prefix + p in state}
+        lacking = [prefix + p for p in ("scales", "zeros") if p not in parts]
+        if lacking:
+            raise ValueError(f"load_sharded_: the files hold {prefix}qweight but not {', '.join(lacking)}: an "
+                             f"Int4Linear loads from its qweight, scales and zeros ({', '.join(files)})")
         perm = parts.get("perm")
         perm = perm if perm is not None and perm.numel() else None
         k = module.in_features  # local already
-        w = Int4Weight(parts["qweight"].contiguous(), parts["scales"].contiguous(), parts["zeros"].contiguous(),
-                       module.group_size, (module.out_features, k), perm if split == "out" else None)
+        try:
+            w = Int4Weight(parts["qweight"].contiguous(), parts["scales"].contiguous(), parts["zeros"].contiguous(),
+                           module.group_size, (module.out_features, k), perm if split == "out" else None)
+        except (TypeError, ValueError) as err:  # the files' layer is not the model's (other widths, group size)
+            raise type(err)(f"load_sharded_: {mod_name} (Int4Linear, local [out, in] = [{module.out_features}, {k}], "
+                            f"group_size {module.group_size}): this rank's slice of the files' tensors does not fit: "
+                            f"{err}") from None
         index = perm[rank * k:(rank + 1) * k].contiguous() if split == "in" and perm is not None else None
         dev = device if device is not None else module.qweight.device
         w = w.to(dev)
         module._set_weight(w)
         module.register_buffer("tp_input_index", torch.empty(0, dtype=torch.int64, device=dev) if index is None
                                else index.to(dev), persistent=False)
-        if prefix + "bias" in state:
+        if prefix + "bias" in state and module.bias is not None:  # (a bias the layer has not: left unexpected)
             module.bias = nn.Parameter(state.pop(prefix + "bias").to(dev, w.dtype), requires_grad=False)
-        loaded.update(prefix + p for p in (*_INT4_PARTS, "bias"))
+            loaded.add(prefix + "bias")
+        loaded.update(prefix + p for p in (*_INT4_PARTS, "bias") if p in parts)
     from tilegemm.nn.moe import _adopt_perms, _remake_fragments
 
     for mod_name, module in modules.items():  # 4-bit experts: an act-order perm buffer follows the files, made

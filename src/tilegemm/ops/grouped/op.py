@@ -25,7 +25,7 @@ from tilegemm.ops.grouped import dispatch
 from tilegemm.core.checked import check_once
 from tilegemm.ops.grouped.checks import check_gated_call, check_int4_op_args, check_mm_call
 from tilegemm.ops.grouped.problem import GroupedInt4Problem, make_problem, out_shape
-from tilegemm.ops.w4a16 import fragment_layout
+from tilegemm.ops.w4a16 import contiguous_parts, fragment_layout
 
 # The host fast path of the family's plain calls (grouped_mm, moe_gate_up, w4a16.grouped_matmul): each is one
 # launch whose grid and config follow from shapes, so a replay takes new tensors and new offs values alike.
@@ -154,6 +154,7 @@ def grouped_w4a16_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                      offs: torch.Tensor, bias: Optional[torch.Tensor], group_k: int, activation: str, gated: bool,
                      kernel: str, fweight: Optional[torch.Tensor] = None,
                      fzs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    qweight, scales, zeros = contiguous_parts(qweight, scales, zeros)
     if fweight is not None and fzs is not None:  # a block's kept layouts only while they stand for these parts
         fweight, fzs = fragment_layout(qweight, scales, zeros, fweight, fzs, group_k, kernel, gated,
                                         dispatch.FRAG_KERNELS)
@@ -166,6 +167,7 @@ def grouped_w4a16_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 @grouped_w4a16_op.register_fake
 def _fake_int4(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight=None, fzs=None):
+    qweight, scales, zeros = contiguous_parts(qweight, scales, zeros)
     check_int4_op_args(x, qweight, scales, zeros, offs, bias, group_k, activation, gated, kernel, fweight, fzs)
     N = qweight.shape[2]
     return x.new_empty((x.shape[0], N // 2 if gated else N))

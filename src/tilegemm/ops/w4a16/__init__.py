@@ -64,7 +64,7 @@ from tilegemm.ops.w4a16.api import ACTIVATIONS, matmul  # noqa: E402
 # entry point for the grouped op's checks: the weight that a registered op's flat arguments make, checked
 from tilegemm.ops.w4a16.checks import weight_of_op_args  # noqa: E402,F401
 # entry point for the grouped op: the fragment layout an op may read where it runs (a module's while it stands)
-from tilegemm.ops.w4a16.op import fragment_layout  # noqa: E402,F401
+from tilegemm.ops.w4a16.op import contiguous_parts, fragment_layout  # noqa: E402,F401
 
 # torch.load(weights_only=True), torch's default, rebuilds an Int4Weight from tensors and ints only.
 _torch.serialization.add_safe_globals([Int4Weight])

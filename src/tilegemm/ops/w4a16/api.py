@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
 from tilegemm.core.activations import ACTIVATIONS  # noqa: F401 (re-exported as tilegemm.w4a16.ACTIVATIONS)
 from tilegemm.core.launch import plain_call
-from tilegemm.core.runtime import any_negative, resolved
+from tilegemm.core.runtime import any_negative, check_one_kind, resolved
 from tilegemm.core.runtime import on_device
 from tilegemm.core.torch_ops import rows_as
 from tilegemm.ops.w4a16 import cublas_half, dispatch, op
@@ -106,22 +105,11 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
 
 def _check_dtensors(x, w: Int4Weight, bias) -> None:
     """Refuse a call mixing DTensors with plain tensors (the kernels would be handed a DTensor), naming which."""
-    dtensor = sys.modules.get("torch.distributed.tensor")  # (loaded by whoever made a DTensor: no import here)
-    if dtensor is None:
-        return
     named = {"x": x, "w.qweight": w.qweight, "w.scales": w.scales, "w.zeros": w.zeros, "w.perm": w.perm,
              "bias": bias}
-    named = {k: t for k, t in named.items() if isinstance(t, torch.Tensor)}
-    dt = [k for k, t in named.items() if isinstance(t, dtensor.DTensor)]
-    if not dt or len(dt) == len(named):
-        return
-    plain = [k for k in named if k not in dt]
-    raise TypeError(f"tilegemm.w4a16.matmul: {', '.join(dt)} {'is a DTensor' if len(dt) == 1 else 'are DTensors'} "
-                    f"but {', '.join(plain)} {'is a' if len(plain) == 1 else 'are'} plain torch.Tensor"
-                    f"{'' if len(plain) == 1 else 's'}: pass all of them as DTensors on one mesh (x as "
-                    f"DTensor.from_local(x, mesh, [Replicate()]) or distribute_tensor), or all as plain local "
-                    f"tensors (a sharded layer holds an Int4Weight of its local shard: tilegemm.nn.Int4Linear with "
-                    f"tilegemm.nn.ColwiseParallel / RowwiseParallel)")
+    check_one_kind({k: t for k, t in named.items() if isinstance(t, torch.Tensor)}, "tilegemm.w4a16.matmul: ",
+                   " (a sharded layer holds an Int4Weight of its local shard: tilegemm.nn.Int4Linear with "
+                   "tilegemm.nn.ColwiseParallel / RowwiseParallel)")
 
 
 def _shaped(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ def _w4a16_op(
     kernel: str,
     perm: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
+    qweight, scales, zeros = contiguous_parts(qweight, scales, zeros)
     if fweight is not None and fzs is not None:
         fweight, fzs = fragment_layout(qweight, scales, zeros, fweight, fzs, group_k, kernel)
     # Called directly (torch.ops.tilegemm.w4a16_matmul) nothing checked the arguments: a weight's parts that do
@@ -55,6 +56,13 @@ def _w4a16_op(
         bias = bias.contiguous()  # the kernels read the bias as one contiguous vector
     return dispatch.forward(W4A16Problem.of_op_args(x, qweight, scales, zeros, fweight, fzs, bias, group_k,
                                                     activation, kernel, perm))
+
+
+def contiguous_parts(*parts) -> tuple:
+    """A weight's parts as the kernels read them, contiguous: a DTensor's local shard may come as a strided view
+    of a shard it redistributed (an uneven split), on one rank only (a refusal there would leave the others waiting
+    in their next collective). A plain weight's parts are contiguous already (no copy)."""
+    return tuple(t.contiguous() for t in parts)
 
 
 def fragment_layout(qweight, scales, zeros, fweight, fzs, group_k: int, kernel: str, gated=None,
@@ -76,6 +84,7 @@ def fragment_layout(qweight, scales, zeros, fweight, fzs, group_k: int, kernel: 
 @_w4a16_op.register_fake
 def _w4a16_fake(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm=None):
     # the body's checks (no values read): a meta or traced call with parts that do not fit fails where it is made
+    qweight, scales, zeros = contiguous_parts(qweight, scales, zeros)
     check_op_args(x, qweight, scales, zeros, fweight, fzs, bias, group_k, activation, kernel, perm)
     return x.new_empty((x.shape[0], qweight.shape[1]))
 
