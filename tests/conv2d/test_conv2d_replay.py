@@ -340,7 +340,7 @@ def test_a_key_hit_replays_without_the_full_path_and_a_declined_one_takes_it(mon
         replay.REPLAYS.clear()
 
 
-def test_checks_run_once_per_layout_under_autograd(monkeypatch):
+def test_checks_run_once_per_layout_under_autograd(monkeypatch, device):
     """A call autograd records has no replay key; its checks still run once per layout (their resolved geometry
     kept), and a call of another layout or with bad arguments meets them."""
     from tilegemm.ops.conv2d import api
@@ -349,16 +349,16 @@ def test_checks_run_once_per_layout_under_autograd(monkeypatch):
     calls = []
     real = api.check_conv
     monkeypatch.setattr(api, "check_conv", lambda *a: calls.append(1) or real(*a))
-    conv = tilegemm.nn.Conv2d(4, 8, 3, padding=1)
-    x = torch.randn(2, 4, 6, 6, requires_grad=True)
+    conv = tilegemm.nn.Conv2d(4, 8, 3, padding=1).to(device)
+    x = torch.randn(2, 4, 6, 6, device=device, requires_grad=True)
     outs = [conv(x) for _ in range(3)]
     assert len(calls) == 1
-    ref = F.conv2d(x, conv.weight, conv.bias, padding=1)
+    ref = F.conv2d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)
     for out in outs:
-        assert_rel_close(out, ref, 1e-4)
+        assert_rel_close(out, ref, 1e-3 if device == "cuda" else 1e-4)
     outs[0].sum().backward()
     assert x.grad is not None and conv.weight.grad is not None
-    conv(torch.randn(2, 4, 7, 6, requires_grad=True))  # another shape: checked
+    conv(torch.randn(2, 4, 7, 6, device=device, requires_grad=True))  # another shape: checked
     assert len(calls) == 2
     with pytest.raises(ValueError):  # a stride no layout passed with: checked, and refused
         tilegemm.conv2d(x, conv.weight, conv.bias, stride=0)

@@ -884,7 +884,7 @@ def test_a_quantization_config_over_16_bit_tensors_is_refused(tmp_path, good):
         from_pretrained(path, device="cpu")
 
 
-def test_load_quantized_keeps_hooks_training_flags_and_requires_grad(good):
+def test_load_quantized_keeps_hooks_training_flags_and_requires_grad(good, device):
     # what quantize_ keeps of a replaced layer (hooks, the training flag) load_quantized_ keeps too, and the
     # 16-bit parameters require grad as they did (transformers' load leaves them so)
     import transformers
@@ -892,37 +892,38 @@ def test_load_quantized_keeps_hooks_training_flags_and_requires_grad(good):
     model.model.norm.weight.requires_grad_(False)
     seen = []
     model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
-    load_quantized_(model, good, device="cpu")
+    load_quantized_(model, good, device=device)
     q = model.model.layers[0].self_attn.q_proj
     assert isinstance(q, Int4Linear) and not q.training
     assert all(not m.training for m in model.modules())
     assert model.model.embed_tokens.weight.requires_grad and model.model.layers[0].input_layernorm.weight.requires_grad
     assert not model.model.norm.weight.requires_grad
-    _logits(model, "cpu")
+    _logits(model, device)
     assert len(seen) == 1
-    loaded = from_pretrained(good, device="cpu")
+    loaded = from_pretrained(good, device=device)
     assert loaded.model.embed_tokens.weight.requires_grad and loaded.lm_head.weight.requires_grad
     assert not loaded.model.layers[0].self_attn.q_proj.training
 
 
-def test_base_model_and_checkpoint_prefixes(tmp_path, good):
+def test_base_model_and_checkpoint_prefixes(tmp_path, good, device):
     # as transformers loads them: AutoModel takes a causal LM's checkpoint (its tensors under "model.", the head
     # left out with a warning), and a causal LM with tied embeddings takes a base model's (no "model." prefix)
     import transformers
     from safetensors.torch import load_file, save_file
-    full = from_pretrained(good, device="cpu")
+    full = from_pretrained(good, device=device)
     with pytest.warns(UserWarning, match=r"LlamaModel is the base model of the checkpoint's; its 1 tensor\(s\) "
                                          r"outside 'model\.' \(the head: lm_head\.weight\) are not loaded"):
-        base = from_pretrained(good, device="cpu", model_class=transformers.AutoModel)
+        base = from_pretrained(good, device=device, model_class=transformers.AutoModel)
     assert type(base).__name__ == "LlamaModel" and isinstance(base.layers[0].mlp.down_proj, Int4Linear)
     with torch.no_grad():
-        assert torch.equal(base(input_ids=IDS).last_hidden_state, full.model(input_ids=IDS).last_hidden_state)
+        ids = IDS.to(device)
+        assert torch.equal(base(input_ids=ids).last_hidden_state, full.model(input_ids=ids).last_hidden_state)
     path = tmp_path / "tied"
     config = cw.tiny_config("llama", hidden=64, tie=True)
     cw.write_model(path, cw.random_model(config), "gptq", 32)
     tensors = load_file(path / "model.safetensors")
     save_file({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")},
               path / "model.safetensors", metadata={"format": "pt"})
-    stripped = from_pretrained(path, device="cpu")
+    stripped = from_pretrained(path, device=device)
     cw.write_model(path, cw.random_model(config), "gptq", 32)
-    assert torch.equal(_logits(stripped, "cpu"), _logits(from_pretrained(path, device="cpu"), "cpu"))
+    assert torch.equal(_logits(stripped, device), _logits(from_pretrained(path, device=device), device))

@@ -49,7 +49,6 @@ def test_conv2d_padding_modes_give_torchs_memory_format(padding_mode, device):
     want = ref(x)
     for out in (m(x), torch.fx.symbolic_trace(m)(x)):
         assert out.stride() == want.stride()
-        assert out.is_contiguous(memory_format=torch.channels_last) == (padding_mode != "circular")
         assert_rel_close(out.detach(), _ref_module(m, x).detach(), 1e-5)
 
 
