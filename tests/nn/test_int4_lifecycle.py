@@ -36,6 +36,31 @@ def test_state_dict_of_another_shape_is_refused_naming_keys_and_shapes(device):
     assert torch.equal(dst(x), before)
 
 
+@pytest.mark.parametrize("assign", [False, True])
+def test_state_dict_parts_of_other_layouts_load_as_a_copy_makes_them(assign, device):
+    # assign=True puts the dict's own tensors in place: strided words, int64 or uint32 words and an int32 order
+    # are made what the kernels read (a copying load converted them; assigned, every forward after failed)
+    src = Int4Linear.from_linear(nn.Linear(128, 48, dtype=torch.float16), group_size=64)
+    sd = src.state_dict()
+    sd["perm"] = torch.randperm(128)
+    src.load_state_dict(sd)
+    x = torch.randn(3, 128, dtype=torch.float16, device=device)
+    want = src.to(device)(x)
+    words = sd["qweight"]
+    for qweight, perm in ((words.T.contiguous().T, sd["perm"].int()), (words.long() & 0xFFFFFFFF, sd["perm"]),
+                          (words.view(torch.uint32), sd["perm"])):
+        dst = Int4Linear(128, 48, group_size=64, dtype=torch.float16)
+        dst.load_state_dict({**sd, "qweight": qweight, "perm": perm}, assign=assign)
+        assert dst.qweight.dtype == torch.int32 and dst.qweight.is_contiguous() and dst.perm.dtype == torch.int64
+        assert torch.equal(dst.to(device)(x), want)
+    # a dict cast whole (.half() over it) brings packed words as floats: refused, the layer keeps its weight
+    dst = Int4Linear.from_linear(nn.Linear(128, 48, dtype=torch.float16), group_size=64).to(device)
+    before = dst(x).clone()
+    with pytest.raises(RuntimeError, match=r"qweight must be int32 \(eight 4-bit values a word\), got fp16"):
+        dst.load_state_dict({k: v.half() for k, v in sd.items()}, assign=assign)
+    assert torch.equal(dst(x), before)
+
+
 @pytest.mark.parametrize("groups", [3, 5])
 def test_state_dict_whose_groups_do_not_split_k_is_refused(groups):
     dst = Int4Linear(128, 16, group_size=32)
@@ -208,6 +233,27 @@ def test_quantize_refuses_dtensor_weights_before_changing_anything():
             Int4Linear.from_linear(model[2], group_size=32)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("poison", ["nan", "overflow"])
+def test_quantize_refused_at_a_later_layer_leaves_the_model_as_it_was(poison):
+    # a weight the 4-bit format cannot hold (NaN; a group whose scale passes fp16's range) is met layer by layer:
+    # the layers before it were swapped already, and the config was left without its quantization_config
+    import transformers
+
+    from tilegemm.nn import quantize_
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[3, 5] = float("nan") if poison == "nan" else 1e6
+        model.model.layers[0].mlp.up_proj.weight[3, 6] = 0.0 if poison == "nan" else -1e6
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match=r"quantize_: model\.layers\.0\.mlp\.up_proj: "):
+        quantize_(model, group_size=32, warn=False)
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    assert getattr(model.config, "quantization_config", None) is None and not hasattr(model, "tilegemm_skipped")
 
 
 # --- Int4Linear's forward: dtypes and autocast ------------------------------------------------------------------

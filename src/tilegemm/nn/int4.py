@@ -18,6 +18,7 @@ from tilegemm.ops.w4a16 import fragment_records as fragments
 from tilegemm.nn.convert import (MHA_OUT_PROJ_KEPT, ConversionNote, attention_out_projections, is_conv1d,
                                  is_plain_linear, subclass_reason)
 from tilegemm.nn.hooks import carry_over
+from tilegemm.nn.transaction import unchanged_on_error
 from tilegemm.nn.linear import Linear, NotScriptable, traced_call
 from tilegemm.ops.w4a16 import api as w4a16_api
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, \
@@ -280,16 +281,21 @@ class Int4Linear(NotScriptable, nn.Module):
         # A checkpoint may hold another layout than this module was built with (act-order perm, another group
         # size): its shapes are taken where they make a 4-bit weight of this module's [out, in]; otherwise the
         # buffers keep theirs and nn.Module reports each size mismatch, so a failed load leaves a layer that runs.
-        own_dtype = self.scales.dtype
+        own_dtype, own_perm = self.scales.dtype, self._buffers["perm"].dtype
         own_bias = None if self.bias is None else self.bias.dtype
         shapes, problem = self._incoming_shapes(state_dict, prefix)
         if shapes is not None:
             problem = self._incoming_overflow(state_dict, prefix, own_dtype)
-            if problem is not None:  # the layer keeps its weight: torch's load copies its own tensors into it
+            if problem is not None:
                 shapes = None
-                state_dict = {**state_dict, **{prefix + n: self._buffers[n] for n in _BUFFERS
-                                               if prefix + n in state_dict}}
         if problem is not None:
+            # a refused weight keeps the layer's own parts and bias: those of its shapes torch's load would still
+            # copy in (converting: a cast qweight as garbage words), so its own are copied; those of other shapes
+            # torch names
+            own = {n: self._buffers[n] for n in _BUFFERS} | ({} if self.bias is None else {"bias": self.bias})
+            state_dict = {**state_dict, **{prefix + n: t for n, t in own.items()
+                                           if isinstance(state_dict.get(prefix + n), torch.Tensor)
+                                           and tuple(state_dict[prefix + n].shape) == tuple(t.shape)}}
             error_msgs.append(problem)
         for name, shape in (shapes or {}).items():
             t = self._buffers[name]
@@ -301,6 +307,16 @@ class Int4Linear(NotScriptable, nn.Module):
         for name in ("scales", "zeros"):  # (load_state_dict(assign=True) puts the incoming tensors in place)
             if self._buffers[name].dtype != own_dtype:
                 self._buffers[name] = self._buffers[name].to(own_dtype)
+        # (assign=True too: the kernels read contiguous int32 words and an int64 order, as a copying load makes them)
+        qweight = self._buffers["qweight"]
+        if qweight.dtype != torch.int32:  # (the same low 32 bits: uint32 viewed, int64 truncated as a copy does)
+            self._buffers["qweight"] = qweight.view(torch.int32) if qweight.dtype == torch.uint32 else \
+                qweight.to(torch.int32)
+        if self._buffers["perm"].dtype != own_perm:
+            self._buffers["perm"] = self._buffers["perm"].to(own_perm)
+        for name in _BUFFERS:
+            if not self._buffers[name].is_contiguous():
+                self._buffers[name] = self._buffers[name].contiguous()
         if own_bias is not None and self.bias is not None and self.bias.dtype != own_bias:  # (assign=True too)
             self.bias = nn.Parameter(self.bias.detach().to(own_bias), requires_grad=self.bias.requires_grad)
         loaded = len(error_msgs) == before and problem is None
@@ -336,6 +352,13 @@ class Int4Linear(NotScriptable, nn.Module):
                   f"({', '.join(map(str, GROUP_SIZES))})"
         elif "perm" in shape and shape["perm"] not in ((0,), (K,)):
             why = f"perm must be empty or [in_features] = [{K}]"
+        elif got["qweight"].dtype not in (torch.int32, torch.uint32, torch.int64):  # (a dict cast: .half())
+            why = f"qweight must be int32 (eight 4-bit values a word), got {dtype_name(got['qweight'].dtype)}"
+        elif not (got["scales"].is_floating_point() and got["zeros"].is_floating_point()):
+            why = f"scales and zeros must be floating point, got {dtype_name(got['scales'].dtype)} and " \
+                  f"{dtype_name(got['zeros'].dtype)}"
+        elif got["perm"] is not None and (got["perm"].is_floating_point() or got["perm"].dtype == torch.bool):
+            why = f"perm must hold integers, got {dtype_name(got['perm'].dtype)}"
         if why is None:
             return shape, None
         listing = ", ".join(f"{prefix}{n} {list(s)}" for n, s in shape.items())
@@ -629,6 +652,15 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
                                                                        for w in weights)) \
                 and any(_is_dtensor(w) for w in weights) and (filter is None or filter(name, module)):
             raise TypeError(_DTENSOR_ADVICE.format(what=f"{name or 'the model'}'s weight"))
+    # every change below (blocks converted, layers swapped, the config marked) undone if a layer is refused half-way
+    # (a weight holding NaN or values whose scales pass fp16's range): the model is left as it was given
+    with unchanged_on_error(model):
+        _quantize_into(model, group_size, symmetric, warn, filter)
+    return model
+
+
+def _quantize_into(model: nn.Module, group_size: int, symmetric: bool, warn: bool, filter) -> None:
+    """:func:`quantize_` once its arguments are checked."""
     # transformers 4.x's MoE blocks first: their experts stacked (then made 4-bit below), not one Int4Linear each;
     # their routers stay 16-bit (as quantized checkpoints keep them)
     _, skipped = convert_moe_blocks_(model, filter)
@@ -646,9 +678,13 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
                 skipped.append((name, reason))
     untied = _weights_held_elsewhere(model, targets, _transformers_tied_outputs(model))
     places = _places(model)
+    names = {id(m): n for n, m in model.named_modules()}  # (each under its first name)
     while targets:  # one layer at a time, the 16-bit one dropped as its 4-bit one goes in (peak: one layer more)
         module = targets.pop(0)
-        new = carry_over(module, Int4Linear.from_linear(module, group_size, symmetric))
+        try:
+            new = carry_over(module, Int4Linear.from_linear(module, group_size, symmetric))
+        except (TypeError, ValueError) as err:  # (the weight's own values: non-finite, scales past fp16's range)
+            raise type(err)(f"quantize_: {names[id(module)]}: {err}") from None
         for parent, child_name in places[id(module)]:  # every name it has: what was shared stays shared
             setattr(parent, child_name, new)
         del module, new
@@ -665,14 +701,13 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
     if skipped and warn:
         listing = "; ".join(f"{n}: {r}" for n, r in skipped)
         warnings.warn(f"tilegemm.nn.quantize_ kept {len(skipped)} layer(s) as they were: {listing}",
-                      ConversionNote, stacklevel=2)
+                      ConversionNote, stacklevel=3)
     if untied and warn:
         listing = "; ".join(f"{n} (shared with {o})" for n, o in untied)
         warnings.warn(f"tilegemm.nn.quantize_ untied {len(untied)} layer(s) whose weight another module shares: "
                       f"{listing}; each 4-bit layer holds its own copy, so the two no longer train, load or change "
                       f"together (a filter that declines the layer keeps it 16-bit and tied)",
-                      ConversionNote, stacklevel=2)
-    return model
+                      ConversionNote, stacklevel=3)
 
 
 def _encoder_fast_paths_off_(model: nn.Module) -> None:
