@@ -274,8 +274,8 @@ def test_int4_linear_runs_in_the_autocast_dtype(module_dtype, cast, device):
                                                   (torch.float16, torch.bfloat16)])
 def test_int4_linear_names_its_dtypes_when_the_input_has_another(module_dtype, x_dtype):
     q = Int4Linear.from_linear(nn.Linear(64, 16, dtype=module_dtype), group_size=32)
-    with pytest.raises(TypeError, match=r"Int4Linear\(in_features=64, out_features=16\) is an "
-                                        rf"{'fp32' if module_dtype == torch.float32 else 'fp16'} module .* input of "
+    with pytest.raises(TypeError, match=r"Int4Linear\(in_features=64, out_features=16\) is a module of dtype "
+                                        rf"{'fp32' if module_dtype == torch.float32 else 'fp16'} .* input of "
                                         rf"dtype {'fp16' if x_dtype == torch.float16 else 'bf16'}"):
         q(torch.randn(2, 64, dtype=x_dtype))
 
@@ -295,6 +295,8 @@ def test_a_float64_module_runs_torchs_product_of_its_weight(bias, device):
     torch.testing.assert_close(y, _ref(q, x.detach()), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(q(torch.ones(1, 64, dtype=torch.float64, device=device)), want)
     assert torch.autograd.gradcheck(q, (x[:1, :1],))
+    with torch.autocast(device, dtype=torch.bfloat16):  # float64 is left as autocast leaves it for torch's Linear
+        assert q(x).dtype == torch.float64
 
 # --- dtype conversions of the module: the packed parts stay as the kernels read them ----------------------------
 

@@ -168,8 +168,9 @@ class Int4Linear(NotScriptable, nn.Module):
         if isinstance(x, torch.fx.Proxy):
             return traced_call(self, x)
         dtype = getattr(x, "dtype", None)
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type in _AUTOCAST_DEVICES \
-                and torch.is_autocast_enabled(x.device.type):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and dtype is not torch.float64 \
+                and x.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(x.device.type):
+            # (float64 is left as autocast leaves it, as torch.nn.Linear's under autocast: torch's product below)
             cast = torch.get_autocast_dtype(x.device.type)
             if cast in FLOAT_DTYPES:  # autocast: the product in its dtype, as torch.nn.Linear's under autocast
                 w = self.weight if self.scales.dtype == cast else self._weight().to(cast)
@@ -186,10 +187,11 @@ class Int4Linear(NotScriptable, nn.Module):
             # the layer's dtypes named here: the product's own check would name its internal weight
             module = self.scales.dtype if self.bias is None or self.bias.dtype in FLOAT_DTYPES else self.bias.dtype
             if dtype != self.scales.dtype or module != self.scales.dtype:
+                give = f"give it {dtype_name(module)} input, " if module in FLOAT_DTYPES else ""
                 raise TypeError(f"Int4Linear(in_features={self.in_features}, out_features={self.out_features}) is "
-                                f"an {dtype_name(module)} module (scales {dtype_name(self.scales.dtype)}) and got "
-                                f"input of dtype {dtype_name(dtype)}: give it {dtype_name(module)} input, convert the "
-                                f"module (.to({dtype})), or run it under torch.autocast")
+                                f"a module of dtype {dtype_name(module)} (scales {dtype_name(self.scales.dtype)}) and "
+                                f"got input of dtype {dtype_name(dtype)}: {give}convert the module (.to({dtype})), or "
+                                f"run it under torch.autocast")
         return matmul(x, self.weight, bias=self.bias)
 
     def _apply(self, fn, recurse=True):
