@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tilegemm
 from tilegemm.core.torch_ops import _tensor_positions, lean_autograd, plain_args
 from tilegemm.ops.conv2d import op as conv_op
+from tilegemm.ops.grouped import routing
 from tilegemm.ops.matmul import op as matmul_torch_op
 from tilegemm.ops.w4a16 import op as w4a16_op
 
@@ -22,7 +23,8 @@ class PassThrough(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("op", [conv_op._conv2d_op, conv_op._dgrad_op, conv_op._wgrad_op, matmul_torch_op.matmul_op,
-                                w4a16_op._w4a16_op], ids=lambda o: o._name)
+                                w4a16_op._w4a16_op, routing.group_columns_op, routing.moe_route_op,
+                                routing.moe_combine_op], ids=lambda o: o._name)
 def test_every_op_has_the_lean_kernel(op):
     # False means torch's internals moved and compiled graphs pay the custom op's Python layers again
     assert getattr(op, "_tilegemm_lean_autograd", False)

@@ -183,8 +183,16 @@ def test_experts_with_a_forward_of_their_own_are_converted(make, config_class, s
     assert len(stacked) == 1 and moe._fused_activation(stacked[0]) == "silu"
     assert (set(ours.state_dict()) == set(eager.state_dict())) is same_names
     ids = torch.randint(0, 64, (2, 4), device=device)
-    want, got = eager(ids).logits, ours(ids).logits
+    out_eager, out_ours = eager(ids, output_router_logits=True), ours(ids, output_router_logits=True)
+    want, got = out_eager.logits, out_ours.logits
     assert (got - want).norm() / want.norm() < 1e-5
+    # the routers' logits recorded as eager's (JetMoE's block computes them without its router's forward)
+    routed = getattr(out_eager, "router_logits", None)
+    assert (routed is None) == (getattr(out_ours, "router_logits", None) is None)
+    if routed is not None:
+        assert len(out_ours.router_logits) == len(routed) > 0
+        for a, b in zip(out_ours.router_logits, routed):
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-6)
     want.square().mean().backward()
     got.square().mean().backward()
     grads = dict(eager.named_parameters())
@@ -258,6 +266,20 @@ def test_quantize_keeps_the_routers_16_bit(device):
         assert hasattr(mlp.experts, "tilegemm_gate_up_proj_qweight")
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(0, 64, (1, 5), device=device)).logits).all()
+
+
+def test_quantize_keeps_the_shared_experts_gate_16_bit(device):
+    # Qwen2-MoE's one-output gate of its shared expert, kept 16-bit as quantizers keep it; the shared expert's
+    # own projections are quantized
+    cfg = transformers.AutoConfig.for_model(
+        "qwen2_moe", vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).half().to(device)
+    tilegemm.nn.quantize_(model, group_size=32, warn=False)
+    mlp = model.model.layers[0].mlp
+    assert type(mlp.shared_expert_gate) is torch.nn.Linear and type(mlp.gate) is not tilegemm.nn.Int4Linear
+    assert isinstance(mlp.shared_expert.down_proj, tilegemm.nn.Int4Linear)
 
 
 def test_nn_quantize_covers_experts(device):

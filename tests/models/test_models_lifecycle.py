@@ -403,6 +403,30 @@ def test_a_saved_llama4_model_loads_in_one_call(tmp_path, device, source):
     assert _rel(_logits(again), _logits(_eager_copy(model))) < TOL
 
 
+@pytest.mark.parametrize("kind", ["dbrx", "jetmoe"])
+def test_saved_dbrx_and_jetmoe_models_load_in_one_call(tmp_path, device, kind):
+    """DBRX's and JetMoE's experts run in tilegemm's blocks for them (convert_ and quantize_ make those): saved as
+    their stacked buffers, they load back into those blocks (the loader took Llama-4's only)."""
+    if kind not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {kind}")
+    if kind == "dbrx":
+        config = transformers.AutoConfig.for_model(
+            "dbrx", d_model=32, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=64,
+            attn_config=dict(kv_n_heads=1, rope_theta=10000.0, clip_qkv=8.0),
+            ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2))
+    else:
+        config = transformers.AutoConfig.for_model(
+            "jetmoe", hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_key_value_heads=2,
+            kv_channels=16, vocab_size=64, num_local_experts=4, num_experts_per_tok=2)
+    model = cw.random_model(config).half().to(device)
+    _quiet(quantize_, model, group_size=32)
+    _quiet(model.save_pretrained, tmp_path / "saved")
+    again = _quiet(from_pretrained, tmp_path / "saved", device=device)
+    _assert_same_state(model, again)
+    ids = torch.tensor([[3, 17, 40]])
+    assert torch.equal(_logits(again, ids), _logits(model.eval(), ids))
+
+
 def test_one_group_layers_keep_their_group_size_when_saved_and_loaded(tmp_path, device):
     """A layer stored as one group was quantized with group_size -1 or with its own K: the saved config's group
     sizes say which, so each layer, each experts weight and the config come back as they were."""

@@ -41,8 +41,9 @@ from tilegemm.nn.fuse import FusedProjections, ProjectionPart
 from tilegemm.nn.hooks import carry_over
 from tilegemm.nn.transaction import unchanged_on_error  # noqa: F401 (tilegemm.parallel imports it here)
 from tilegemm.nn.moe import NAME as MOE_NAME
-from tilegemm.nn.moe import (_experts_modules, _int4, _stacked_experts, asks_tilegemm, convert_moe_blocks_,
-                             experts_off_interface_note, install_int4_experts_, register_experts, use_int4_experts_)
+from tilegemm.nn.moe import (OWN_FORWARD_BLOCKS, _experts_modules, _int4, _stacked_experts, asks_tilegemm,
+                             convert_moe_blocks_, experts_off_interface_note, install_int4_experts_, register_experts,
+                             use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_compressed_tensors, from_gptq
 from tilegemm.ops.w4a16.format import GROUP_SIZES, _group_size_of, concat_outputs, ct_g_idx, fits_fragments, \
     one_group_size, regroup, stack_experts
@@ -1954,16 +1955,20 @@ def _architecture_hint(model: nn.Module) -> str:
 
 
 def _own_forward_blocks_(model: nn.Module, tensors: _Tensors, marker: str) -> None:
-    """Llama-4's MoE blocks run their experts in their own forward, over 3-D weights; quantizers store those experts
-    one Linear an expert (``<block>.experts.<e>.gate_proj`` ...), and a model tilegemm saved stores that block's
-    stacked 4-bit buffers (``<block>.experts.tilegemm_gate_up_proj_qweight`` ...). Such a block becomes tilegemm's
-    block for it (its experts a ``StackedExperts`` under the same names), which the experts loader fills
+    """Llama-4's, DBRX's and JetMoE's MoE blocks run their experts in their own forward; quantizers store Llama-4's
+    experts one Linear an expert (``<block>.experts.<e>.gate_proj`` ...), and a model tilegemm saved stores such a
+    block's stacked 4-bit buffers (``<block>.experts.tilegemm_gate_up_proj_qweight`` ...). Such a block becomes
+    tilegemm's block for it (its experts a ``StackedExperts`` under the same names), which the experts loader fills
     (tilegemm's block wraps its modules and parameters, changing none: a refused load puts the block back)."""
+    # (DBRX's and JetMoE's blocks, which tilegemm's convert_ makes its own too, come back from a model it saved)
+    saved = {k.rpartition(".")[0] for k in tensors.files if k.rpartition(".")[2].startswith("tilegemm_")}
     for name, module in list(model.named_modules()):
-        if type(module).__name__ != "Llama4TextMoe":
+        kind = type(module).__name__
+        if kind not in OWN_FORWARD_BLOCKS:
             continue
-        if any(f"{name}.experts.0.{p}.{leaf}" in tensors for p in _EXPERT_NAMES[0] for leaf in (marker, "weight")) \
-                or f"{name}.experts.tilegemm_gate_up_proj_qweight" in tensors:
+        per_expert = kind == "Llama4TextMoe" and any(f"{name}.experts.0.{p}.{leaf}" in tensors
+                                                     for p in _EXPERT_NAMES[0] for leaf in (marker, "weight"))
+        if per_expert or any(s == name or s.startswith(f"{name}.") for s in saved):
             convert_moe_blocks_(model, filter=lambda n, m, name=name: n == name)
 
 

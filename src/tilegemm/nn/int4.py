@@ -585,7 +585,8 @@ def _tied_heads_kept(model: nn.Module) -> dict[int, str]:
 
 
 # The names transformers' MoE blocks give the Linear that scores the experts (LongCat's router.classifier).
-_ROUTER_NAMES = {"gate", "router", "classifier", "gating"}
+# (Qwen-MoE's shared_expert_gate, one output: quantizers keep it 16-bit, and GPTQ's packing along N cannot hold it)
+_ROUTER_NAMES = {"gate", "router", "classifier", "gating", "shared_expert_gate"}
 
 
 def _router_ids(model: nn.Module) -> set[int]:

@@ -845,9 +845,24 @@ class JetMoeBlock(NotScriptable, torch.nn.Module):
 
     def forward(self, layer_input: torch.Tensor) -> torch.Tensor:
         x = layer_input.reshape(-1, layer_input.shape[-1])
-        top, chosen = self.router.layer(x).float().topk(self.top_k, dim=1)
+        logits = self.router.layer(x).float()
+        if self.router._forward_hooks:
+            _router_hooks(self.router, x, logits)
+        top, chosen = logits.topk(self.top_k, dim=1)
         y = self.experts(x, chosen, torch.softmax(top, dim=1).type_as(x))
         return y.view(layer_input.shape) + self.bias
+
+
+def _router_hooks(router: torch.nn.Module, x: torch.Tensor, logits: torch.Tensor) -> None:
+    """The forward hooks of JetMoE's router, whose forward the block does not call (it sorts tokens on the host):
+    called with the output that forward gives, the logits fifth (transformers records ``router_logits`` so, for
+    the auxiliary loss)."""
+    output = (None, None, None, None, logits)
+    for key, hook in list(router._forward_hooks.items()):
+        if key in router._forward_hooks_with_kwargs:
+            hook(router, (x,), {}, output)
+        else:
+            hook(router, (x,), output)
 
 
 def _dbrx_experts(experts: torch.nn.Module) -> StackedExperts:

@@ -32,6 +32,7 @@ import torch
 
 from tilegemm.core.checked import check_once
 from tilegemm.core.runtime import cdiv, check_device, new_output, on_device
+from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.grouped.checks import check_offs
 
 # Pairs (tokens x top-k) up to which moe_route runs its kernel; above, torch's sort (the kernel ranks each pair
@@ -314,6 +315,10 @@ def _backward_combine(ctx, grad):
 
 
 moe_combine_op.register_autograd(_backward_combine, setup_context=_setup_combine)
+# the routing ops as every op: a recorded call's lean kernel, and the clear refusals of forward-mode AD and
+# torch.func's gradient transforms, whose tangents and wrappers the ops would drop (core/torch_ops.py)
+for _routing_op in (group_columns_op, moe_route_op, moe_combine_op):
+    lean_autograd(_routing_op)
 
 
 # --- public functions --------------------------------------------------------------------------------------------
