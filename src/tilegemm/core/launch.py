@@ -539,17 +539,13 @@ def plain_tensor(t) -> bool:
     return type(t) in PLAIN_TENSOR_TYPES
 
 
-def legacy_batched(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a tensor of torch's older vmap (``autograd.grad(..., is_grads_batched=True)`` and
-    ``jacobian``/``hessian(vectorize=True)`` batch the gradients so), which torch.func's level check does not see:
-    its storage and layout cannot be read, so only the registered ops take it."""
-    return _is_legacy_batched(t)
-
-
+# Whether a tensor is one of torch's older vmap (autograd.grad(..., is_grads_batched=True) and
+# jacobian/hessian(vectorize=True) batch the gradients so), which torch.func's level check does not see: its storage
+# and layout cannot be read, so only the registered ops take it.
 try:
-    _is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+    legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 except AttributeError:  # a torch without the older vmap's check
-    def _is_legacy_batched(t) -> bool:
+    def legacy_batched(t) -> bool:
         return False
 
 

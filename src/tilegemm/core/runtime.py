@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import sys
+import threading
 import warnings
 
 log = logging.getLogger("tilegemm")

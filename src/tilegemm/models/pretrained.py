@@ -39,7 +39,7 @@ from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear, guard_quantized_output_re
     untie_quantized_outputs_
 from tilegemm.nn.fuse import FusedProjections, ProjectionPart
 from tilegemm.nn.hooks import carry_over
-from tilegemm.nn.transaction import unchanged_on_error  # noqa: F401 (tilegemm.parallel imports it here)
+from tilegemm.nn.transaction import unchanged_on_error
 from tilegemm.nn.moe import NAME as MOE_NAME
 from tilegemm.nn.moe import (OWN_FORWARD_BLOCKS, _experts_modules, _int4, _stacked_experts, asks_tilegemm,
                              convert_moe_blocks_, experts_off_interface_note, install_int4_experts_, register_experts,
@@ -877,8 +877,9 @@ _DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.f
 def resolve_dtype(dtype, path) -> torch.dtype:
     """``dtype``, or for ``"auto"`` the one the checkpoint's config names (``dtype`` / ``torch_dtype``): bf16 where
     it says bfloat16, else fp16 (the kernels' activations are 16-bit, whatever an fp32 config says)."""
-    if isinstance(dtype, str) and dtype.strip().lower().replace("torch.", "") in _DTYPE_NAMES:
-        return _DTYPE_NAMES[dtype.strip().lower().replace("torch.", "")]
+    named = _DTYPE_NAMES.get(dtype.strip().lower().replace("torch.", "")) if isinstance(dtype, str) else None
+    if named is not None:
+        return named
     if isinstance(dtype, str) and dtype == "auto":
         config = read_config(path)
         text = config.get("text_config") or {}  # (a composite model's language part)

@@ -40,9 +40,10 @@ from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from tilegemm.models.pretrained import _check_quant_shapes, _default_device, _import_columns, _left_16_bit_by, \
     _named_16_bit, _partial_group, _saved_weight, _stored_parts, _Tensors, awq_eights, empty_model, load_quantized_, \
-    quant_config, read_config, resolve_dtype, unchanged_on_error
+    quant_config, read_config, resolve_dtype
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
+from tilegemm.nn.transaction import unchanged_on_error
 from tilegemm.nn.moe import expert_group_size
 from tilegemm.parallel.rules import register
 from tilegemm.ops.w4a16.format import Int4Weight, ct_g_idx, from_awq, from_compressed_tensors, from_gptq, \
