@@ -140,9 +140,8 @@ for step in "$@"; do
     conv2d-fwd) for s in resnet50 mobilenet; do bench --op conv2d --sweep $s --kernels auto --json "$OUT/conv2d-$s-fwd.json" 2>&1 | tail -n 3; done ;;
     conv2d-nchw) for s in resnet50 mobilenet; do for m in fwd bwd; do bench --op conv2d --sweep $s --kernels auto \
                    --mode $m --memory-format nchw --json "$OUT/conv2d-$s-$m-nchw.json" 2>&1 | tail -n 3; done; done ;;
-    recheck) pytest_ -m gpu -n 12 -rf tests/core/test_dense_only_gpu.py tests/models/test_models_generate_gpu.py \
-               tests/nn/test_inference_transforms_gpu.py tests/core/test_compile_first.py tests/bench/test_model_bench.py \
-               tests/nn/test_reduce_overhead.py tests/conv2d/test_conv2d_errors.py tests/conv2d/test_conv2d_nchw.py 2>&1 \
+    recheck) pytest_ -m "" -n 14 -rf tests/nn/test_int4_lifecycle.py tests/grouped/test_grouped_moe.py \
+               tests/models/test_models_lifecycle.py tests/core/test_torch_ops.py tests/parallel/test_parallel_local.py 2>&1 \
                | tee "$OUT/recheck.log" | tail -n 15 ;;
     fuzz) for t in matmul conv2d w4a16 grouped; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
