@@ -33,6 +33,8 @@ import ckpt_writer as cw  # noqa: E402
 QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
                 vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False)
 QWEN2_7B_LAYERS = 28
+# The projections that read one input: with act-order they share one order, as GPTQ writes them.
+SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
 def main(argv=None) -> int:
@@ -76,12 +78,18 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=device).manual_seed(args.seed)
     writer = cw.Writer(args.out, int(args.shard_gb * 2**30))
+    orders = {}  # act-order: q/k/v and gate/up read one input each, and GPTQ's order follows the input: one order
     t0 = time.time()
     for name, param in meta.named_parameters():
         module, _, leaf = name.rpartition(".")
         if module in quantized and leaf == "weight":
             N, K = param.shape
-            for part, t in cw.random_linear(N, K, args.method, group, sym, args.act_order, args.v2, gen).items():
+            parent, _, leaf_module = module.rpartition(".")
+            shared = SHARED_INPUT.get(leaf_module, leaf_module)
+            order = orders.setdefault((parent, shared), torch.randperm(K, generator=gen, device=device)) \
+                if args.act_order else None
+            for part, t in cw.random_linear(N, K, args.method, group, sym, args.act_order, args.v2, gen,
+                                            order=order).items():
                 writer.add(f"{module}.{part}", t.cpu())
         elif name.endswith("norm.weight"):
             writer.add(name, torch.ones(param.shape, dtype=torch.float16))

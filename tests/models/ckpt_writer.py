@@ -244,17 +244,18 @@ def _quantize_ct(grouped, order, lo, hi, gs: int, sym: bool, act_order: bool, un
 
 def random_linear(N: int, K: int, method: str = "gptq", group_size: int = 128, sym: bool = True,
                   act_order: bool = False, v2: bool = False, generator: torch.Generator | None = None,
-                  std: float = 0.02) -> dict:
+                  std: float = 0.02, order: torch.Tensor | None = None) -> dict:
     """Stored tensors of a Linear with random 4-bit values (no float weight made): zeros 8 (``sym``) or random in
     5..10, each value its group's zero plus an offset drawn evenly from -7..7 (``sym``) or -5..5, so the weight
     has mean zero (values drawn from all of 0..15 about a zero of 8 have mean -0.5 steps: 32 Llama-3-8B layers of
-    such weights overflowed fp16), and scales so its spread is about ``std``. Made on the generator's device (a
-    GPU draws and packs Llama-sized ones faster)."""
+    such weights overflowed fp16), and scales so its spread is about ``std``. ``act_order``: the inputs of group g
+    are ``order[g*gs : (g+1)*gs]``, ``order`` given (Linears of one input share GPTQ's order: it follows that
+    input's statistics) or drawn. Made on the generator's device (a GPU draws and packs Llama-sized ones faster)."""
     with _one_thread(N * K):
-        return _random_linear(N, K, method, group_size, sym, act_order, v2, generator, std)
+        return _random_linear(N, K, method, group_size, sym, act_order, v2, generator, std, order)
 
 
-def _random_linear(N, K, method, group_size, sym, act_order, v2, generator, std) -> dict:
+def _random_linear(N, K, method, group_size, sym, act_order, v2, generator, std, order=None) -> dict:
     gs = K if group_size == -1 else group_size
     G = K // gs
     dev = generator.device if generator is not None else torch.device("cpu")
@@ -265,7 +266,12 @@ def _random_linear(N, K, method, group_size, sym, act_order, v2, generator, std)
     spread = (((2 * half + 1) ** 2 - 1) / 12) ** 0.5  # the offsets' standard deviation
     scale = (torch.rand(G, N, generator=generator, device=dev) * 0.5 + 0.75) * (std / spread)
     if method in ("gptq", "compressed-tensors"):
-        order = torch.randperm(K, generator=generator, device=dev) if act_order else torch.arange(K, device=dev)
+        if not act_order:
+            order = torch.arange(K, device=dev)
+        elif order is None:
+            order = torch.randperm(K, generator=generator, device=dev)
+        else:
+            order = order.to(dev)
         g_idx = torch.empty(K, dtype=torch.int32, device=dev)
         g_idx[order] = (torch.arange(K, device=dev) // gs).to(torch.int32)
         q = zero[g_idx.long()] + offset
