@@ -60,7 +60,7 @@
 #   w4-formats    the w4a16 bench's formats sweep (every group size, sym/asym, act-order), fp16 and bf16, auto and
 #                 frag_wgmma
 #   w4-checkpoint a Llama-3-8B-shaped GPTQ checkpoint (tools/write_w4_checkpoint.py, 32 layers, \$W4_CKPT_DIR),
-#                 then the loader's tests on the GPU and `bench --op w4a16 --model llama --checkpoint` on it
+#                 then the loader's tests on the GPU and `bench --op w4a16 --model llama --checkpoint` on it (auto, fused)
 #   zoo           the conv2d bench's zoo sweep (every convolution of torchvision's classification models), parts
 #                 \$ZOO_PART (default 0/8; several, space-separated; a kind of layer too: stem, depthwise:0/4, ...),
 #                 \$ZOO_GRAPH=1 as CUDA graphs, mode \$ZOO_MODE (fwd), dtypes \$ZOO_DTYPES (fp16), auto only (log in
@@ -135,7 +135,7 @@ for step in "$@"; do
     w4-checkpoint) ckpt=${W4_CKPT_DIR:-/tmp/llama3-8b-gptq}
                    [ -f "$ckpt/config.json" ] || python3 tools/write_w4_checkpoint.py --out "$ckpt" 2>&1 | tail -n 2
                    pytest_ -m "" tests/models 2>&1 | tee "$OUT/models-tests.log" | tail -n 8
-                   bench --op w4a16 --model llama --checkpoint "$ckpt" --json "$OUT/w4a16-llama-checkpoint.json" 2>&1 | tail -n 25 ;;
+                   bench --op w4a16 --model llama --checkpoint "$ckpt" --kernels auto,fused --json "$OUT/w4a16-llama-checkpoint.json" 2>&1 | tail -n 25 ;;
     w4a16-check) python3 tools/w4a16_gpu_check.py --quick --out "$OUT/w4a16-quick.json" 2>&1 | tee "$OUT/w4a16-quick.log" | tail -n 25 ;;
     conv2d-fwd) for s in resnet50 mobilenet; do bench --op conv2d --sweep $s --kernels auto --json "$OUT/conv2d-$s-fwd.json" 2>&1 | tail -n 3; done ;;
     conv2d-nchw) for s in resnet50 mobilenet; do for m in fwd bwd; do bench --op conv2d --sweep $s --kernels auto \
