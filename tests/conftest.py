@@ -306,6 +306,15 @@ HERE = "cpu" if interpreting() else "cuda"  # where kernels run: the interpreter
 
 
 @pytest.fixture
+def keep_fragments(monkeypatch):
+    """Layers and the loader keep the fragment layout on every device, not only where the fragment kernel runs
+    (a Hopper GPU), so that its life beside the 4-bit parts is followed under the interpreter too."""
+    from tilegemm.ops.w4a16 import dispatch, fits_fragments
+
+    monkeypatch.setattr(dispatch, "keeps_fragments", lambda group_k, device, K: fits_fragments(group_k, K))
+
+
+@pytest.fixture
 def tensors_here():
     """Tensors made without a device go where the kernels run (a contract test's inputs)."""
     with torch.device(HERE):

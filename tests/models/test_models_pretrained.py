@@ -23,6 +23,7 @@ from tilegemm.core.runtime import interpreting  # noqa: E402
 from tilegemm.models import from_pretrained  # noqa: E402
 from tilegemm.models import pretrained  # noqa: E402
 from tilegemm.nn import Int4Linear, load_quantized_  # noqa: E402
+from tilegemm.ops.w4a16.dispatch import keeps_fragments  # noqa: E402
 
 IDS = torch.tensor([[3, 17, 200]])  # a forward of three tokens
 TOL = 3e-3  # fp16 activations through two layers against the fp32 model of the same weights: 7e-4 seen
@@ -84,9 +85,12 @@ def test_loaded_model_matches_its_dequantized_weights(tmp_path, device, name):
     if arch == "qwen2":
         assert q.bias is not None and torch.equal(q.bias.cpu(), reference["model.layers.0.self_attn.q_proj.bias"])
         assert model.lm_head.weight is model.model.embed_tokens.weight  # tied again after loading
-    # Each Linear computes with exactly the writer's dequantized weight.
+    # Each Linear computes with exactly the writer's dequantized weight, and holds the fragment layout only where
+    # the fragment kernel runs (a Hopper GPU; elsewhere it would double the 4-bit memory)
     for n, m in int4.items():
         assert torch.equal(m.dequantize().cpu(), reference[f"{n}.weight"]), n
+        w = m.weight
+        assert bool(m.fweight.numel()) == keeps_fragments(w.group_k, m.qweight.device, m.in_features), n
     if name in RUN_BY and interpreting():
         assert RUN_BY[name] in CASES and RUN_BY[name] not in RUN_BY
         assert_loaded_exactly(model, reference)

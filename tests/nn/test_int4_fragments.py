@@ -18,6 +18,9 @@ from tilegemm.nn import Int4Linear
 from tilegemm.ops.w4a16 import api
 from tilegemm.ops.w4a16.format import Int4Weight, dequantize
 
+# the layout as a Hopper GPU keeps it, on every device (the kept layout's life beside the parts)
+pytestmark = pytest.mark.usefixtures("keep_fragments")
+
 
 def _layer(device, group_size=32):
     torch.manual_seed(0)

@@ -427,7 +427,7 @@ def test_assigned_state_dict_keeps_the_module_dtypes(dtype, where, device):
 
 
 @pytest.mark.parametrize("make", ["linear", "experts"])
-def test_a_memory_format_leaves_the_fragment_layouts_dense(make, device):
+def test_a_memory_format_leaves_the_fragment_layouts_dense(make, device, keep_fragments):
     # .to(memory_format=torch.channels_last) (a vision model's, whose head is 4-bit) restrided the 4-D fragment
     # layouts, which the fragment kernel reads as dense, and failed on the experts' 5-D ones
     from tilegemm.nn.moe import _int4, keep_fragments_
@@ -457,3 +457,30 @@ def test_repr_names_the_modules_dtype_and_the_scales_where_they_differ():
     fp32 = Int4Linear.from_linear(nn.Linear(64, 16), group_size=32)
     assert repr(fp32).endswith("group_size=32, dtype=torch.float32, scales=torch.float16)")
     assert repr(fp32.half()).endswith("group_size=32, dtype=torch.float16)")
+
+
+def test_the_fragment_layout_is_kept_only_where_its_kernel_runs(monkeypatch):
+    # On the CPU (and a GPU before Hopper) no call reads the layout: none is made, the 4-bit memory is the parts'.
+    from tilegemm.ops.w4a16 import dispatch
+
+    lin = nn.Linear(256, 48).half()
+    layer = Int4Linear.from_linear(lin, group_size=64)
+    assert layer.fweight.numel() == 0 and layer.fzs.numel() == 0 and layer.fweight is not layer.fzs
+    assert layer.weight._frag is None
+    x = torch.randn(3, 256, dtype=torch.float16)
+    out = layer(x)
+    assert_rel_close(out.float(), x.float() @ layer.dequantize().float().T + lin.bias.float(), 2e-3)
+    # Moved where it runs (a device the policy keeps it on), the layout is made then, not at a first call (a model
+    # compiled next traces no packing); moved where it does not, it is dropped.
+    kept = {"on": True}
+    monkeypatch.setattr(dispatch, "keeps_fragments", lambda group_k, device, K: kept["on"])
+    layer.cpu()
+    assert layer.fweight.numel() and layer.weight._frag is not None
+    made = layer.weight._frag
+    fresh = Int4Linear.from_linear(lin, group_size=64).weight
+    assert all(torch.equal(a, b) for a, b in zip(made, fresh.fragments()))
+    assert torch.equal(layer(x), out)
+    kept["on"] = False
+    layer.cpu()
+    assert layer.fweight.numel() == 0 and layer.weight._frag is None
+    assert torch.equal(layer(x), out)

@@ -300,7 +300,7 @@ def test_parallel_moe_sharded_load_adopts_the_files_perm(tmp_path, files_perm):
         assert getattr(local, "tilegemm_gate_up_proj_perm", None) is None
 
 
-def test_load_sharded_remakes_a_replicated_int4_layers_fragments(tmp_path):
+def test_load_sharded_remakes_a_replicated_int4_layers_fragments(tmp_path, keep_fragments):
     # A layer outside the plan (replicated) takes the files' parts as new buffers: its fragment layout is made of
     # them there, not left for a first eager call (a model compiled next traces no packing).
     pytest.importorskip("safetensors")

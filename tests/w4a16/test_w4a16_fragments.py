@@ -111,7 +111,7 @@ def test_fragments_are_made_once_counted_and_follow_the_weight():
     assert "fweight" not in w.state_dict()
 
 
-def test_int4linear_keeps_fragments_as_unsaved_buffers():
+def test_int4linear_keeps_fragments_as_unsaved_buffers(keep_fragments):
     lin = torch.nn.Linear(256, 48).half()
     mod = Int4Linear.from_linear(lin, group_size=64)
     assert mod.fweight.numel() and "fweight" not in mod.state_dict()

@@ -45,7 +45,8 @@ from tilegemm.nn.moe import (OWN_FORWARD_BLOCKS, _experts_modules, _int4, _stack
                              convert_moe_blocks_, experts_off_interface_note, install_int4_experts_, register_experts,
                              use_int4_experts_)
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_compressed_tensors, from_gptq
-from tilegemm.ops.w4a16.format import GROUP_SIZES, _group_size_of, concat_outputs, ct_g_idx, fits_fragments, \
+from tilegemm.ops.w4a16 import dispatch as w4a16_dispatch
+from tilegemm.ops.w4a16.format import GROUP_SIZES, _group_size_of, concat_outputs, ct_g_idx, \
     one_group_size, regroup, stack_experts
 
 INSTALL = "pip install 'tilegemm[models]'"
@@ -1332,7 +1333,7 @@ def _int4_weight(tensors: _Tensors, prefix: str, q: QuantConfig, N: int, K: int,
     pieces, frags = [], []
     for a in range(0, N, step):
         w = _import_columns(parts, g_idx, q, a, min(N, a + step))
-        frags.append(w.fragments() if fits_fragments(w.group_k, K) else None)
+        frags.append(w.fragments() if w4a16_dispatch.keeps_fragments(w.group_k, w.device, K) else None)
         pieces.append(w)
     del parts
     if len(pieces) == 1:

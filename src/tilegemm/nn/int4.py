@@ -21,8 +21,9 @@ from tilegemm.nn.hooks import carry_over
 from tilegemm.nn.transaction import unchanged_on_error
 from tilegemm.nn.linear import Linear, NotScriptable, traced_call
 from tilegemm.ops.w4a16 import api as w4a16_api
+from tilegemm.ops.w4a16 import dispatch as w4a16_dispatch
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, \
-    dequantized_overflow, fits_fragments, from_awq, from_compressed_tensors, from_gptq, one_group_size, quantize
+    dequantized_overflow, from_awq, from_compressed_tensors, from_gptq, one_group_size, quantize
 
 _BUFFERS = ("qweight", "scales", "zeros", "perm")
 _WEIGHT_BUFFERS = (*_BUFFERS, "fweight", "fzs")  # the weight's parts: their dtypes are the kernels', not the module's
@@ -80,9 +81,12 @@ class Int4Linear(NotScriptable, nn.Module):
     def _set_fragments(self, w: Int4Weight) -> None:
         # The fragment kernel's layout of the weight (Int4Weight.fragments()), made once, kept as buffers that move
         # with the module and are not saved (they follow from the others); empty where that kernel cannot run
-        # (no inputs). Used while it stands for the parts (_fragments_standing), remade where they change.
-        fw, fzs = w.fragments() if fits_fragments(w.group_k, w.shape[-1]) \
-            else (torch.empty(0, dtype=torch.int32, device=w.device),) * 2
+        # (a device without it, a group length it does not take: no call reads it there, and it would double the
+        # 4-bit memory). Used while it stands for the parts (_fragments_standing), remade where they change.
+        if w4a16_dispatch.keeps_fragments(w.group_k, w.device, w.shape[-1]):
+            fw, fzs = w.fragments()
+        else:  # two tensors, not one under two names (which torch.jit.trace refuses)
+            fw, fzs = (torch.empty(0, dtype=torch.int32, device=w.device) for _ in range(2))
         self.register_buffer("fweight", fw, persistent=False)
         self.register_buffer("fzs", fzs, persistent=False)
         self._note_fragments()
@@ -200,9 +204,18 @@ class Int4Linear(NotScriptable, nn.Module):
         current = self._fragments_current()
         out = apply_keeping_4bit_parts(self, lambda f: super(Int4Linear, self)._apply(f, recurse), fn,
                                        _WEIGHT_BUFFERS)
-        # moved or cast with the parts (value by value, as the layout copies them), the layout still stands for them
+        # moved or cast with the parts (value by value, as the layout copies them), the layout still stands for them;
+        # on a device where it is kept and not made yet it is made now (a model compiled next traces no packing),
+        # on one where no call reads it dropped
         if current:
-            self._note_fragments()
+            parts, (fw, _) = self._fragment_tensors()
+            w = None if parts[0].is_meta else self._weight()
+            if w is not None and bool(fw.numel()) != w4a16_dispatch.keeps_fragments(w.group_k, w.device,
+                                                                                      w.shape[-1]) \
+                    and self._remakes_fragments(parts):
+                self._set_fragments(w)
+            else:
+                self._note_fragments()
         return out
 
     def __getstate__(self):  # copied and pickled with whether the layout stands for the parts, not the record

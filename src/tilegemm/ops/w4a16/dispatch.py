@@ -61,6 +61,13 @@ def frag_usable(group_k: int, device: torch.device, K: int | None = None) -> boo
     return not reason
 
 
+def keeps_fragments(group_k: int, device: torch.device, K: int) -> bool:
+    """Whether a layer or a loader keeps the fragment layout of a weight (group length ``group_k``, ``K`` inputs) on
+    ``device``: where ``auto`` may take the fragment kernel (:func:`frag_usable`). Elsewhere no call reads it and it
+    would double the 4-bit parts' memory (a CPU, a GPU before Hopper, the interpreter)."""
+    return frag_usable(group_k, torch.device(device), K)
+
+
 def wants_frag(kernel: str, x2: torch.Tensor, w) -> bool:
     """Whether a call with 2-D activations ``x2`` and weight ``w`` runs, or under ``auto`` may run, a kernel that
     takes the fragment layout."""

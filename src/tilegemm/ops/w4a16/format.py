@@ -203,7 +203,7 @@ class Int4Weight:
     def fragments(self, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fweight, fzs)``: the weight shuffled for the ``frag_wgmma`` kernel (:func:`pack_fragments`), made on the
         weight's device the first time it is asked for and kept (about the size of ``qweight`` and the scales
-        again). ``tilegemm.nn.Int4Linear`` makes it once and keeps it as buffers.
+        again). ``tilegemm.nn.Int4Linear`` makes it once and keeps it as buffers, where the kernel runs (a Hopper GPU).
 
         Stacked experts ``[E, N, K]``: each expert's fragments stacked along a leading E (``[E, N16, K64, 32, 4]``
         and ``[E, G', N16, 8, 4]``), what ``grouped_w4a16``'s ``frag`` kernel reads. ``gated``: of the rows in the
