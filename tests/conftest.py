@@ -309,9 +309,11 @@ HERE = "cpu" if interpreting() else "cuda"  # where kernels run: the interpreter
 def keep_fragments(monkeypatch):
     """Layers and the loader keep the fragment layout on every device, not only where the fragment kernel runs
     (a Hopper GPU), so that its life beside the 4-bit parts is followed under the interpreter too."""
+    from tilegemm.ops.grouped import dispatch as grouped
     from tilegemm.ops.w4a16 import dispatch, fits_fragments
 
     monkeypatch.setattr(dispatch, "keeps_fragments", lambda group_k, device, K: fits_fragments(group_k, K))
+    monkeypatch.setattr(grouped, "keeps_fragments", lambda group_k, K, device: fits_fragments(group_k, K))
 
 
 @pytest.fixture

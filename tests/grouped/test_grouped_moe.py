@@ -419,21 +419,46 @@ def _kept_fragments_used(block, name="down_proj") -> bool:
     return w._frag is not None and w._frag[0] is getattr(block, f"tilegemm_{name}_frag_w", None)
 
 
+def test_the_experts_layouts_follow_the_blocks_device(monkeypatch):
+    # Kept only where the decode kernel runs: a block quantized on the CPU holds its parts alone; moved onto such a
+    # device it makes them then (a model compiled next traces no packing), moved off it drops them.
+    import tilegemm.ops.grouped.dispatch as dispatch
+    from tilegemm.ops.w4a16.format import Int4Weight
+
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(qwen3_moe(num_hidden_layers=1)).eval().half()
+    tilegemm.nn.quantize_experts_(m, group_size=32)
+    block = m.model.layers[0].mlp.experts
+    assert not moe._kept_layouts(block, "down_proj") and not moe._kept_layouts(block, "gate_up_proj")
+    x, idx, weights = torch.randn(3, 32).half(), torch.randint(0, 4, (3, 2)), torch.rand(3, 2).half()
+    with torch.no_grad():
+        before = block(x, idx, weights)
+    kept = {"on": True}
+    monkeypatch.setattr(dispatch, "keeps_fragments", lambda group_k, K, device: kept["on"])
+    block.cpu()
+    assert _kept_fragments_used(block) and moe._kept_layouts(block, "gate_up_proj")  # (gate/up's: the gated order)
+    w = moe._int4(block, "down_proj")
+    fresh = Int4Weight(w.qweight, w.scales, w.zeros, w.group_size, w.shape).fragments()
+    assert all(torch.equal(a, b) for a, b in zip(w._frag, fresh))
+    kept["on"] = False
+    block.cpu()
+    assert not moe._kept_layouts(block, "down_proj") and not moe._kept_layouts(block, "gate_up_proj")
+    assert moe._int4(block, "down_proj")._frag is None
+    with torch.no_grad():
+        assert torch.equal(block(x, idx, weights), before)
+
+
 @pytest.mark.parametrize("change", ["assigned", "data", "functional_call", "compiled after a write",
                                     "written after tracing"])
-def test_kept_fragments_are_not_read_for_other_parts(monkeypatch, change, device):
+def test_kept_fragments_are_not_read_for_other_parts(monkeypatch, change, device, keep_fragments):
     # The kept layouts stand for the very parts they were made of: parts replaced (assignment, a .data swap,
     # torch.func.functional_call) or written before a compiled graph runs must not be read through the old layouts
     # (the decode kernel would compute with the weight the block had).
     import pickle
 
-    import tilegemm.ops.grouped.dispatch as dispatch
-
     torch.manual_seed(0)
     m = transformers.AutoModelForCausalLM.from_config(qwen3_moe(num_hidden_layers=1)).eval().half().to(device)
-    with monkeypatch.context() as patched:  # made as on a Hopper GPU (the packing is plain torch), run as here
-        patched.setattr(dispatch, "frag_usable", lambda group_k, K, device: True)
-        tilegemm.nn.quantize_experts_(m, group_size=32)
+    tilegemm.nn.quantize_experts_(m, group_size=32)  # kept as on a Hopper GPU (keep_fragments), run as here
     block = m.model.layers[0].mlp.experts
     assert _kept_fragments_used(block)
     for copied in (copy.deepcopy(block), pickle.loads(pickle.dumps(block)), block.float()):  # copies keep theirs

@@ -32,6 +32,7 @@ import torch
 from tilegemm.ops.w4a16 import fragment_records as fragments
 from tilegemm.ops.w4a16.fragment_records import part_state
 from tilegemm.core.dtypes import dtype_name
+from tilegemm.core.launch import plain_call
 from tilegemm.nn.hooks import carry_over, tilegemm_hook
 from tilegemm.nn.linear import NotScriptable
 from tilegemm.nn.notes import ConversionNote
@@ -435,12 +436,12 @@ def make_fragments_(module) -> None:
     experts are read through at decode sizes: gate/up in the fused gate's row order where the block fuses it,
     down as is. Made here, not at a first call: ``torch.compile`` traces no packing, and a model's first call may
     be a prefill, which does not make them."""
-    from tilegemm.ops.grouped.dispatch import frag_usable
+    from tilegemm.ops.grouped import dispatch
 
     up = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
     for name, gated in ((up, _fused_activation(module) is not None and up == "gate_up_proj"), ("down_proj", False)):
         w = _int4(module, name)
-        if w is None or not frag_usable(w.group_k, w.shape[-1], w.device) or (gated and w.shape[-2] % 2):
+        if w is None or not dispatch.keeps_fragments(w.group_k, w.shape[-1], w.device) or (gated and w.shape[-2] % 2):
             continue
         w.fragments(gated)
         keep_fragments_(module, name, w)
@@ -548,7 +549,33 @@ class _KeepScales16:
         m.__dict__.pop("_tilegemm_int4_weights", None)  # (weights of the parts before: not kept alive)
         for n in current:  # moved or cast with the parts, the layouts still stand for them
             _note_fragments(m, n)
+        _fragments_follow_device_(m)
         return out
+
+
+def _fragments_follow_device_(module) -> None:
+    """After a block's move or cast: its experts' layouts kept where the decode kernel ``frag`` runs on their
+    device, made now where missing (a model compiled next traces no packing: a block quantized on the CPU, then
+    moved), and dropped where it does not run (no call reads them there; they would double the 4-bit memory)."""
+    from tilegemm.ops.grouped import dispatch
+
+    names = [n[len("tilegemm_"):-len("_qweight")] for n in module._buffers
+             if n.startswith("tilegemm_") and n.endswith("_qweight")]
+    parts = {n: _int4_parts(module, n) for n in names}
+    if any(t is None or type(t) is not torch.Tensor or t.is_meta for p in parts.values() for t in p) \
+            or (parts and next(iter(parts.values()))[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+        return  # (a meta block, a subclass of tensor, a capture: left as they are, as Int4Linear's)
+    for n in names:
+        w = _int4(module, n)
+        if w is not None and not dispatch.keeps_fragments(w.group_k, w.shape[-1], w.device) \
+                and _kept_layouts(module, n):
+            for gated in (False, True):
+                for b in _fragment_names(n, gated):
+                    module._buffers.pop(b, None)
+            _records(module).pop(n, None)
+            module.__dict__.pop("_tilegemm_int4_weights", None)
+    if plain_call(*(t for p in parts.values() for t in p)):
+        make_fragments_(module)
 
 
 def install_int4_experts_(module: torch.nn.Module, weights: dict) -> None:

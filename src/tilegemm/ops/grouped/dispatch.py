@@ -132,6 +132,12 @@ def frag_usable(group_k: int, K: int, device: torch.device) -> bool:
     return not reason
 
 
+def keeps_fragments(group_k: int, K: int, device: torch.device) -> bool:
+    """Whether a MoE block keeps its 4-bit experts' fragment layouts on ``device``: where kernel ``frag`` may run
+    (:func:`frag_usable`). Elsewhere no call reads them and they would double the experts' memory."""
+    return frag_usable(group_k, K, device)
+
+
 def frag_rows(M: int, E: int) -> bool:
     """Whether ``auto`` gives M rows over E experts to ``frag`` (where it can run)."""
     return M <= INT4_FRAG_MAX_ROWS_PER_GROUP * max(E, 1)
