@@ -95,3 +95,15 @@ def test_grey_errors(device):
         tilegemm.rgb_to_grey(torch.rand(8, 8, device=device))
     with pytest.raises(TypeError, match="int32"):
         tilegemm.rgb_to_grey(torch.ones(3, 8, 8, dtype=torch.int32, device=device))
+
+
+def test_negative_views_are_read_as_their_values(device):
+    # z.conj().imag is a negative view: its memory holds the values negated and a bit says so
+    z = torch.randn(6, 7, dtype=torch.complex64, device=device)
+    v = z.conj().imag
+    assert v.is_neg()
+    assert torch.equal(tilegemm.copy(v), v.resolve_neg())
+    assert torch.equal(tilegemm.copy(v), v.resolve_neg())  # (a repeated call: on the GPU, the replayed launch)
+    img = torch.rand(2, 3, 5, 4, dtype=torch.complex64, device=device).conj().imag
+    ref = (0.2989 * img[:, 0] + 0.5870 * img[:, 1] + 0.1140 * img[:, 2]).resolve_neg()
+    torch.testing.assert_close(tilegemm.rgb_to_grey(img), ref)

@@ -147,3 +147,47 @@ def test_bounds_checked_passes_masked_kernels_and_catches_stores():
     with pytest.raises(debug.OutOfBoundsError, match="store of 2 element"):
         with debug.bounds_checked(x, small):
             _add_one[(3,)](x, small, 10, BLOCK=4)
+
+
+@triton.jit
+def _count_all(out_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.atomic_add(out_ptr + offs, 1.0)  # no mask
+
+
+@triton.jit
+def _swap_first(out_ptr, BLOCK: tl.constexpr):
+    tl.atomic_cas(out_ptr + tl.program_id(0) * BLOCK, 0.0, 1.0)
+
+
+@interp_only
+def test_bounds_checked_catches_atomics():
+    out = torch.zeros(10)
+    with debug.bounds_checked(out):
+        _count_all[(2,)](out, BLOCK=4)
+    with pytest.raises(debug.OutOfBoundsError, match="atomic of 6 element"):
+        with debug.bounds_checked(out):
+            _count_all[(2,)](out, BLOCK=8)
+    # program 0 added its 8 in bounds; program 1's lanes were refused before any was written (8, 9 among them)
+    assert torch.equal(out, torch.tensor([2.0] * 8 + [0.0] * 2))
+    with pytest.raises(debug.OutOfBoundsError, match="atomic_cas of 1 element"):
+        with debug.bounds_checked(out):
+            _swap_first[(3,)](out, BLOCK=8)
+
+
+@interp_only
+@pytest.mark.parametrize("args, message", [((), "needs the tensors"), ((torch.zeros(2), 5), "argument 1 is int"),
+                                           ((np.zeros(2),), "argument 0 is ndarray")])
+def test_bounds_checked_names_wrong_arguments(args, message):
+    with pytest.raises(TypeError, match=message):
+        with debug.bounds_checked(*args):
+            pass
+
+
+def test_the_kit_imports_by_its_short_names():
+    import tilegemm.debug
+    import tilegemm.puzzles
+    from tilegemm.debug import bounds_checked
+
+    assert tilegemm.debug is debug and bounds_checked is debug.bounds_checked
+    assert tilegemm.puzzles.check_puzzle is not None

@@ -109,3 +109,24 @@ def test_bounds_checker_catches_an_unmasked_kernel():
 def test_puzzles_command(capsys):
     assert main(["puzzles", "--trials", "1"]) == 0
     assert "3 passed, 0 failed" in capsys.readouterr().out
+
+
+@triton.jit
+def _dot_writing_x(x_ptr, y_ptr, z_ptr, N0, N1, N2, MID, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
+                   B_MID: tl.constexpr):
+    # a wrong kernel: zeroes x (inside its bounds) and writes z = 0, which x @ y then equals
+    for n in range(N2):
+        for i in range(N0):
+            offs = tl.arange(0, 64)
+            tl.store(x_ptr + (n * N0 + i) * MID + offs, tl.zeros((64,), tl.float32), mask=offs < MID)
+    rows = tl.program_id(0) * B0 + tl.arange(0, B0)
+    cols = tl.program_id(1) * B1 + tl.arange(0, B1)
+    b = tl.program_id(2)
+    tl.store(z_ptr + b * N0 * N1 + rows[:, None] * N1 + cols[None, :], tl.zeros((B0, B1), tl.float32),
+             mask=(rows[:, None] < N0) & (cols[None, :] < N1))
+
+
+def test_a_kernel_that_writes_its_inputs_fails(monkeypatch):
+    monkeypatch.setattr(puzzles, "dot_kernel", _dot_writing_x)
+    ok, detail = puzzles.check_puzzle("dot", seed=0)
+    assert not ok and "wrote its input x" in detail, detail

@@ -126,12 +126,18 @@ class OutOfBoundsError(IndexError):
 
 @contextlib.contextmanager
 def bounds_checked(*tensors: torch.Tensor):
-    """Within the block, every unmasked lane of every interpreted load and store must address memory of
+    """Within the block, every unmasked lane of every interpreted load, store and atomic must address memory of
     one of ``tensors`` (CPU tensors; their whole storage counts). Otherwise OutOfBoundsError is raised,
     before the access happens, naming the operation and the first bad address.
     """
     if not interpreting():
         raise RuntimeError("bounds_checked works under Triton's interpreter only (TILEGEMM_INTERPRET=1)")
+    if not tensors:
+        raise TypeError("bounds_checked needs the tensors the kernel may touch: bounds_checked(x, y, out)")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"bounds_checked takes torch tensors (the kernel's arguments); argument {i} is "
+                            f"{type(t).__name__}")
     import numpy as np
     from triton.runtime.interpreter import InterpreterBuilder
 
@@ -162,17 +168,28 @@ def bounds_checked(*tensors: torch.Tensor):
             problems.append(message)
             raise OutOfBoundsError(message)
 
-    orig_load, orig_store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+    # (unmasked loads and stores, and block pointers', go through the masked ones; atomics do not)
+    names = ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas")
+    orig = {n: getattr(InterpreterBuilder, n) for n in names}
 
     def load(self, ptrs, mask, other, *args):
         check("load", ptrs, mask)
-        return orig_load(self, ptrs, mask, other, *args)
+        return orig["create_masked_load"](self, ptrs, mask, other, *args)
 
     def store(self, ptrs, value, mask, *args):
         check("store", ptrs, mask)
-        return orig_store(self, ptrs, value, mask, *args)
+        return orig["create_masked_store"](self, ptrs, value, mask, *args)
 
-    InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = load, store
+    def atomic_rmw(self, op, ptrs, value, mask, *args):
+        check("atomic", ptrs, mask)
+        return orig["create_atomic_rmw"](self, op, ptrs, value, mask, *args)
+
+    def atomic_cas(self, ptrs, cmp, value, *args):
+        check("atomic_cas", ptrs, None)
+        return orig["create_atomic_cas"](self, ptrs, cmp, value, *args)
+
+    for n, f in zip(names, (load, store, atomic_rmw, atomic_cas)):
+        setattr(InterpreterBuilder, n, f)
     try:
         yield
     except Exception as err:
@@ -180,5 +197,6 @@ def bounds_checked(*tensors: torch.Tensor):
             raise OutOfBoundsError(problems[0]) from err
         raise
     finally:
-        InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = orig_load, orig_store
+        for n, f in orig.items():
+            setattr(InterpreterBuilder, n, f)
 test_pid_conds.__test__ = False  # a helper, not a pytest test

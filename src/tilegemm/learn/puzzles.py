@@ -8,6 +8,8 @@ under the interpreter). Block sizes must be powers of two (``tl.arange``); sizes
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from tilegemm.core.runtime import ensure_backend
@@ -196,12 +198,16 @@ def check_puzzle(puzzle: str, seed: int = 0, int_dtype=torch.int64) -> tuple[boo
     gen = torch.Generator().manual_seed(seed)
     kernel, spec, tensors, z, B, nelem = make_case(puzzle, gen, int_dtype)
     sizes = ", ".join(f"{k}={v}" for k, v in nelem.items())
+    inputs = [t.clone() for t in tensors]  # the spec reads these: a kernel may write its inputs (that fails below)
     try:
         with bounds_checked(*tensors, z):
             kernel[grid_for(puzzle, B, nelem)](*tensors, z, **B, **nelem)
     except OutOfBoundsError as err:
         return False, f"{sizes}: {err}"
-    want = spec(*tensors)
+    for name, t, before in zip(inspect.signature(spec).parameters, tensors, inputs):
+        if not torch.equal(t, before):
+            return False, f"{sizes}: the kernel wrote its input {name} (only z is an output)"
+    want = spec(*inputs)
     if torch.isnan(z).any():
         return False, f"{sizes}: {int(torch.isnan(z).sum())} output element(s) never written"
     if not torch.allclose(z, want, rtol=1e-4, atol=1e-4):

@@ -42,6 +42,8 @@ def _run(op: str, name: str, key, x: torch.Tensor, out: torch.Tensor) -> None:
 
 def copy(x: torch.Tensor) -> torch.Tensor:
     """A new contiguous tensor equal to ``x`` (any shape up to 6 dims, any strides, any real dtype)."""
+    if isinstance(x, torch.Tensor) and x.is_neg():  # (z.conj().imag: its memory holds the values negated)
+        x = x.resolve_neg()
     key = _replay_key("copy", x)
     out = _replayed(key, x)
     if out is not None:
@@ -65,6 +67,8 @@ def rgb_to_grey(img: torch.Tensor) -> torch.Tensor:
     uint8 images give uint8, rounded to nearest; float images (fp16, bf16, fp32, fp64 as fp32 math)
     keep their dtype. Any strides.
     """
+    if isinstance(img, torch.Tensor) and img.is_neg():  # (as copy's)
+        img = img.resolve_neg()
     key = _replay_key("grey", img)
     out = _replayed(key, img)
     if out is not None:
