@@ -173,10 +173,13 @@ def _outputs(dev):
         ("w4a16 1-D", lambda: tilegemm.w4a16.matmul(torch.randn(32, device=dev, dtype=torch.float16), wq)),
         ("Linear 3-D", lambda: lin(torch.randn(2, 3, 16, device=dev))),
         ("matmul 3-D", lambda: tilegemm.matmul(torch.randn(2, 3, 16, device=dev), torch.randn(16, 8, device=dev))),
+        ("matmul 2-D @ 1-D", lambda: tilegemm.matmul(torch.randn(5, 16, device=dev), torch.randn(16, device=dev))),
+        ("matmul 1-D @ 3-D", lambda: tilegemm.matmul(torch.randn(16, device=dev), torch.randn(2, 16, 3, device=dev))),
+        ("matmul 1-D @ 1-D", lambda: tilegemm.matmul(torch.randn(16, device=dev), torch.randn(16, device=dev))),
     ]
 
 
-@pytest.mark.parametrize("i", range(6))
+@pytest.mark.parametrize("i", range(9))
 def test_results_are_tensors_of_their_own(i):
     # as torch's linear and convolution return: a result made under no_grad is written in place by a product
     # that requires grad, and detached in place (both errors on a view made under no_grad)

@@ -134,9 +134,13 @@ def rows_as(out: torch.Tensor, lead) -> torch.Tensor:
     """A product's ``[M, N]`` rows as ``[*lead, N]``, a tensor of its own (as torch's linear returns one), not a
     view of the 2-D result: a view made under no_grad cannot be written in place under autograd, nor detached in
     place. Subclasses (DTensor, fake tensors) and non-contiguous results are reshaped."""
-    shape = (*lead, out.shape[-1])
+    return shaped_as(out, (*lead, out.shape[-1]))
+
+
+def shaped_as(out: torch.Tensor, shape) -> torch.Tensor:
+    """A product's result given ``shape`` (the same elements), a tensor of its own as :func:`rows_as` makes it."""
     if type(out) is torch.Tensor and out.is_contiguous():
-        return _unsafe_view(out, shape)
+        return _unsafe_view(out, tuple(shape))
     return out.reshape(shape)
 
 

@@ -7,6 +7,7 @@ import torch
 from tilegemm.core.dtypes import autocast_inputs
 from tilegemm.core.launch import plain_call, recording_active
 from tilegemm.core.runtime import any_negative, resolved
+from tilegemm.core.torch_ops import shaped_as
 from tilegemm.ops.matmul.problem import MatmulCall
 from tilegemm.ops.matmul.checks import broadcast, check_inputs, output_shape, replay_key
 from tilegemm.ops.matmul.dispatch import forward
@@ -118,9 +119,8 @@ def _with_vectors(a, b, c=None, **kw) -> torch.Tensor:
         elif c.ndim >= 1 and a.ndim == 1:
             c = c.unsqueeze(-2)
     out = matmul(a2, b2, c=c, **kw)
-    if b.ndim == 1:
-        out = out.squeeze(-1)
     if a.ndim == 1 and b.ndim == 1 and kw.get("bias") is not None:
-        return out  # torch.matmul(a, b) + bias: the scalar broadcast against the bias's [1]
-    return out.squeeze(-1 if b.ndim == 1 else -2) if a.ndim == 1 else out
+        shape = (1,)  # torch.matmul(a, b) + bias: the scalar broadcast against the bias's [1]
+    # a tensor of its own, as torch.matmul's (a squeezed view made under no_grad could not be written in place)
+    return shaped_as(out, shape)
 
