@@ -126,3 +126,17 @@ def test_from_linear_refuses_a_module_whose_forward_it_would_not_run(device):
     x = torch.randn(2, 4, device=device)
     ref = lazy(x)  # (now a plain nn.Linear)
     assert_rel_close(Linear.from_linear(lazy)(x), ref, 1e-5)
+
+
+@pytest.mark.parametrize("x, error, match", [
+    (torch.randn(3, 5), ValueError, r"in_features=6, out_features=4\) got input of shape \[3, 5\]: its last dim must "
+                                    r"be 6"),
+    (torch.tensor(1.0), ValueError, r"got input of shape \[\]"),
+    (torch.randn(3, 6, dtype=torch.float16), TypeError, r"a module of dtype fp32 and got input of dtype fp16: convert "
+                                                        r"the module \(\.to\(torch\.float16\)\)"),
+    (torch.ones(2, 6, dtype=torch.int64), TypeError, "got input of dtype int64: give it floating-point input"),
+], ids=["features", "0-d", "dtype", "int"])
+def test_refused_inputs_are_named_in_the_layers_terms(x, error, match):
+    # (the product underneath names its operands a and b, and the weight transposed)
+    with pytest.raises(error, match=match):
+        Linear(6, 4)(x)

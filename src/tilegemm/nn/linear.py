@@ -152,8 +152,26 @@ class Linear(NotScriptable, torch.nn.Linear):
         # [*, in] -> [M, in]: one GEMM, whatever the leading dims (flatten, not reshape(-1, in), which cannot
         # infer M when in_features is 0); a 1-D x is one row, as torch.matmul takes it.
         x2d = x.flatten(0, -2) if x.ndim > 2 else x
-        out = matmul(x2d, weight.t(), bias=self.bias, activation=self.activation)  # [M, out]
+        try:
+            out = matmul(x2d, weight.t(), bias=self.bias, activation=self.activation)  # [M, out]
+        except (TypeError, ValueError):
+            problem = self._input_problem(x, weight)  # the product's error names a and b: the layer's names x
+            if problem is None:
+                raise
+            raise problem from None
         return rows_as(out, x.shape[:-1]) if x.ndim > 2 else out  # (a tensor of its own, as torch's linear gives)
+
+    def _input_problem(self, x: torch.Tensor, weight: torch.Tensor) -> Exception | None:
+        """The error of a refused input in the layer's terms (its features and dtype), None for another problem."""
+        layer = f"tilegemm.nn.Linear(in_features={self.in_features}, out_features={self.out_features})"
+        if x.ndim == 0 or x.shape[-1] != weight.shape[1]:
+            return ValueError(f"{layer} got input of shape {list(x.shape)}: its last dim must be {weight.shape[1]}")
+        if x.dtype != weight.dtype:
+            fix = f"convert the module (.to({x.dtype})) or the input, or run it under torch.autocast" \
+                if x.dtype in (*_KERNEL_DTYPES, torch.float64) else "give it floating-point input"
+            return TypeError(f"{layer} is a module of dtype {dtype_name(weight.dtype)} and got input of dtype "
+                             f"{dtype_name(x.dtype)}: {fix}")
+        return None
 
     def _torch_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """A float64 layer (``.double()``, e.g. for gradcheck) runs torch's linear, as tilegemm.nn.Conv2d runs
