@@ -54,6 +54,24 @@ def test_fp32_gradients_of_fp16_operands_keep_their_range(layout, device):
     assert all(torch.equal(w, n) for w, n in zip(wide, narrow))
 
 
+@pytest.mark.parametrize("layout", ["2d3d", "3d2d"])
+def test_a_large_gradient_no_group_reaches_leaves_the_others(layout, device):
+    # out_dtype fp32 of fp16 operands: entries past offs[-1] (rows, or 3-D x 2-D's columns) reach no product, so
+    # however large they set no scale (one fitted to them pushed every other entry to zero in fp16)
+    a, b, offs = operands(layout, [3, 0, 5], 16, 8, torch.float16, device, tail=2)
+    a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
+    out = tilegemm.grouped_mm(a_, b_, offs=offs, out_dtype=torch.float32)
+    grad = torch.randn(out.shape, device=device)
+    if layout == "2d3d":
+        grad[8:] = 1e12
+    else:
+        grad[..., 8:] = 1e12
+    got = torch.autograd.grad(out, (a_, b_), grad)
+    want = torch.autograd.grad(grouped_mm_reference(a_, b_, offs, dtype=torch.float64), (a_, b_), grad.double())
+    for g, w in zip(got, want):
+        assert_rel_close(g, w, 2e-3)
+
+
 def test_gradients_with_a_shared_bias(device):
     a, b, offs = operands("2d3d", [4, 0, 6], 8, 8, torch.float32, device, tail=3)
     bias = torch.randn(8, device=device, requires_grad=True)

@@ -105,10 +105,21 @@ def _bias_grad(layout: str, dy: torch.Tensor, offs, shape, dtype, precision: str
     return (per_group if len(shape) == 2 else per_group.sum(0)).to(dtype)
 
 
+def _reaching(grad, offs, layout: str):
+    """``grad`` with zeros where it reaches no product: the output's rows (2-D x 3-D) or columns (3-D x 2-D) past
+    ``offs[-1]``, which no group holds (where, not a product: NaN there reaches nothing either)."""
+    end = (offs[-1:] if offs.shape[0] else offs.new_zeros(1)).to(torch.int64)
+    if layout == "2d3d":
+        return torch.where((torch.arange(grad.shape[0], device=grad.device) < end)[:, None], grad, 0)
+    return torch.where(torch.arange(grad.shape[-1], device=grad.device) < end, grad, 0)
+
+
 def _backward(ctx, grad):
     a, b, offs = ctx.saved_tensors  # (a or b None where not kept)
     layout, (a_dtype, b_dtype) = ctx.layout, ctx.dtypes
     p = ctx.precision
+    if a_dtype == torch.float16 and grad.dtype == torch.float32 and layout in ("2d3d", "3d2d"):
+        grad = _reaching(grad, offs, layout)  # (the scale below follows the entries that reach a product)
     dy, scale = narrowed_gradient(grad, a_dtype)  # (out_dtype fp32 of fp16 operands: scaled into fp16's range)
     wide = None if scale is None else torch.float32
     ga = gb = gbias = None
