@@ -66,6 +66,15 @@ SCRIPTS = {name: textwrap.dedent(code) for name, code in {
         before = [m in sys.modules for m in ("tilegemm.models", "tilegemm.parallel", "transformers")]
         print(before, callable(tilegemm.models.from_pretrained), hasattr(tilegemm.parallel, "__name__"))
         """,
+    "short_names": """
+        import tilegemm.w4a16, tilegemm.debug, tilegemm.puzzles
+        from tilegemm.w4a16 import quantize
+        from tilegemm.debug import bounds_checked
+        import tilegemm.ops.w4a16, tilegemm.learn.debug, tilegemm.learn.puzzles
+        print(tilegemm.w4a16 is tilegemm.ops.w4a16, quantize is tilegemm.ops.w4a16.quantize,
+              tilegemm.debug is tilegemm.learn.debug, bounds_checked is tilegemm.learn.debug.bounds_checked,
+              tilegemm.puzzles is tilegemm.learn.puzzles)
+        """,
 }.items()}
 
 
@@ -120,3 +129,8 @@ def test_models_and_parallel_are_attributes_loaded_on_first_use(fresh):
     assert _run(fresh, "attributes") == "[False, False, False] True True"
     with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
         tilegemm.nonesuch
+
+
+def test_the_short_names_import_as_modules(fresh):
+    """The README names tilegemm.w4a16, tilegemm.debug and tilegemm.puzzles: `import` and `from ... import` them."""
+    assert _run(fresh, "short_names") == "True True True True True"

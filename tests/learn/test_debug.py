@@ -182,12 +182,3 @@ def test_bounds_checked_names_wrong_arguments(args, message):
     with pytest.raises(TypeError, match=message):
         with debug.bounds_checked(*args):
             pass
-
-
-def test_the_kit_imports_by_its_short_names():
-    import tilegemm.debug
-    import tilegemm.puzzles
-    from tilegemm.debug import bounds_checked
-
-    assert tilegemm.debug is debug and bounds_checked is debug.bounds_checked
-    assert tilegemm.puzzles.check_puzzle is not None
