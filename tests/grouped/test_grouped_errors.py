@@ -11,6 +11,10 @@ from tilegemm.ops.grouped.api import moe_gate_up
 O = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
 
 
+class _Tagged(torch.Tensor):
+    pass
+
+
 def call(a, b, **kw):
     return tilegemm.grouped_mm(a, b, **kw)
 
@@ -27,6 +31,10 @@ CASES = [
     ("offs not a tensor", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=[2, 8]), TypeError,
      "offs must be a torch.Tensor"),
     ("offs decreasing", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(5, 2)), ValueError,
+     "non-decreasing"),
+    # a subclass that overrides nothing holds values to read, as torch's own tensor
+    ("offs of a plain subclass decreasing", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5),
+                                                         offs=O(5, 2).as_subclass(_Tagged)), ValueError,
      "non-decreasing"),
     ("offs past the end", lambda: call(torch.randn(8, 4), torch.randn(2, 4, 5), offs=O(2, 9)), ValueError,
      "past the end"),

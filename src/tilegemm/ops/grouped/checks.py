@@ -43,7 +43,7 @@ def check_offs(offs, groups: int | None, groups_of: str, grouped_dim: str, exten
     # (not on a batched tensor of vmap, which reports type Tensor but has no values to read here: the op then runs
     # a call a batch element, each checked)
     if offs.device.type == "cpu" and offs.numel() and not torch.compiler.is_compiling() \
-            and type(offs) in (torch.Tensor, torch.nn.Parameter) and not _batched(offs):
+            and _values_readable(offs) and not _batched(offs):
         v = offs.to(torch.int64)
         if int(v[0]) < 0:
             raise ValueError(f"offs[0] = {int(v[0])} is negative")
@@ -52,6 +52,15 @@ def check_offs(offs, groups: int | None, groups_of: str, grouped_dim: str, exten
         if int(v[-1]) > extent:
             raise ValueError(f"offs[-1] = {int(v[-1])} is past the end of the grouped dimension, {grouped_dim} = "
                              f"{extent}")
+
+
+def _values_readable(t: torch.Tensor) -> bool:
+    """Whether the check may read ``t``'s values: torch's own tensor, or a subclass overriding neither torch function
+    nor dispatch (a tracer's fake or functional tensor, a DTensor: no values to read here)."""
+    cls = type(t)
+    return cls in (torch.Tensor, torch.nn.Parameter) or (
+        cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+        and getattr(cls.__torch_function__, "__func__", None) is torch.Tensor.__torch_function__.__func__)
 
 
 def _batched(t: torch.Tensor) -> bool:
