@@ -97,7 +97,7 @@ def main() -> None:
     args = parser.parse_args()
     device = "cpu" if tilegemm.interpreting() else "cuda"
     if device == "cpu" and not args.tiny:
-        sys.exit("no CUDA GPU: kernels would run under Triton's interpreter; use --tiny")
+        parser.error("no CUDA GPU: kernels would run under Triton's interpreter; use --tiny")  # (exit 2)
     inference(args, device)
     training_step(args, device)
 

@@ -106,10 +106,10 @@ def main() -> None:
     try:
         tvm.check_name(args.model)
     except ValueError as err:
-        sys.exit(str(err))
+        parser.error(str(err))
     device = "cpu" if tilegemm.interpreting() else "cuda"
     if device == "cpu" and not args.tiny:
-        sys.exit("no CUDA GPU: kernels would run under Triton's interpreter; use --tiny")
+        parser.error("no CUDA GPU: kernels would run under Triton's interpreter; use --tiny")  # (exit 2)
     side = 16 if args.tiny else tvm.image_size(args.model)
     inference(args, device, side)
     training_step(args, device, side)

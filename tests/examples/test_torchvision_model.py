@@ -37,14 +37,15 @@ def test_tiny_resnext_with_folded_batch_norms():
     assert float(out.split("relative error ")[1].split()[0]) < 1e-5, out
 
 
-def test_unknown_model_is_refused(monkeypatch):
-    # in this process (the name is refused before any model is built or kernel run): sys.exit with the message,
-    # which Python prints to stderr with exit status 1
+def test_unknown_model_is_refused(monkeypatch, capsys):
+    # in this process (the name is refused before any model is built or kernel run): a usage error, the message on
+    # stderr and exit status 2, as the other examples' refusals
     from conftest import load_script
 
     example = load_script("examples", "torchvision_model.py")
     monkeypatch.setattr(sys, "argv", [EXAMPLE, "resnext50", "--tiny"])
     with pytest.raises(SystemExit) as done:
         example.main()
-    message = str(done.value.code)
+    message = capsys.readouterr().err
+    assert done.value.code == 2
     assert "unknown torchvision classification model 'resnext50'; choose one of: alexnet" in message, message
