@@ -586,3 +586,20 @@ def test_load_state_dict_takes_the_saved_input_orders(saved_act_order, device):
     ids = torch.randint(0, 64, (1, 6), device=device)
     with torch.no_grad():
         torch.testing.assert_close(target(ids).logits, saved(ids).logits, rtol=0, atol=0)
+
+
+def test_to_empty_from_meta_packs_no_experts(monkeypatch):
+    # to_empty gives the parts memory but no values: the layouts are made by the load that follows, not packed of
+    # the empty parts first
+    import tilegemm.ops.grouped.dispatch as dispatch
+    from tilegemm.ops.w4a16 import format
+
+    monkeypatch.setattr(dispatch, "keeps_fragments", lambda group_k, K, device: device.type != "meta")
+    packs = []
+    real = format.pack_fragments
+    monkeypatch.setattr(format, "pack_fragments", lambda *a, **k: packs.append(1) or real(*a, **k))
+    with torch.device("meta"):
+        m = transformers.AutoModelForCausalLM.from_config(qwen3_moe(num_hidden_layers=1)).eval().half()
+    tilegemm.nn.quantize_experts_(m, group_size=32)
+    block = m.model.layers[0].mlp.experts.to_empty(device="cpu")
+    assert not packs and not moe._kept_layouts(block, "down_proj")

@@ -484,3 +484,49 @@ def test_the_fragment_layout_is_kept_only_where_its_kernel_runs(monkeypatch):
     layer.cpu()
     assert layer.fweight.numel() == 0 and layer.weight._frag is None
     assert torch.equal(layer(x), out)
+
+
+def test_the_layout_follows_the_device_under_a_mode_and_through_pickling(monkeypatch):
+    # A move the layer cannot pack in (under a torch function mode: torch.device(...), set_default_device) and a
+    # layer unpickled onto another kind of device (torch.load's map_location) leave no layout standing against the
+    # device's rule: the next plain call makes it (or drops it), once.
+    import pickle
+
+    from tilegemm.ops.w4a16 import dispatch
+
+    kept = {"on": False}
+    monkeypatch.setattr(dispatch, "keeps_fragments", lambda group_k, device, K: kept["on"])
+    lin = nn.Linear(256, 48).half()
+    x = torch.randn(2, 256, dtype=torch.float16)
+    layer = Int4Linear.from_linear(lin, group_size=64)
+    saved = pickle.dumps(layer)
+    out = layer(x)
+    kept["on"] = True
+    with torch.device("cpu"):  # (a function mode: no packing inside it)
+        layer.cpu()
+    assert layer.fweight.numel() == 0
+    assert torch.equal(layer(x), out) and layer.fweight.numel() and layer.weight._frag is not None
+    loaded = pickle.loads(saved)  # (pickled where no layout was kept)
+    assert loaded.fweight.numel() and loaded.weight._frag is not None
+    kept["on"] = False
+    with torch.device("cpu"):
+        layer.cpu()
+    assert torch.equal(layer(x), out) and layer.fweight.numel() == 0
+    assert pickle.loads(pickle.dumps(loaded)).fweight.numel() == 0  # (pickled with one, loaded where none is kept)
+
+
+def test_to_empty_from_meta_packs_nothing_until_the_parts_are_loaded(monkeypatch):
+    # to_empty gives the parts memory but no values: packing them then was a whole model's packing thrown away at
+    # the load that follows
+    from tilegemm.ops.w4a16 import dispatch, format
+
+    monkeypatch.setattr(dispatch, "keeps_fragments", lambda group_k, device, K: device.type != "meta")
+    packs = []
+    real = format.pack_fragments
+    monkeypatch.setattr(format, "pack_fragments", lambda *a, **k: packs.append(1) or real(*a, **k))
+    state = Int4Linear.from_linear(nn.Linear(256, 48).half(), group_size=64).state_dict()
+    packs.clear()
+    layer = Int4Linear(256, 48, group_size=64, device="meta").to_empty(device="cpu")
+    assert not packs and layer.fweight.numel() == 0
+    layer.load_state_dict(state)
+    assert len(packs) == 1 and layer.fweight.numel() and layer.weight._frag is not None

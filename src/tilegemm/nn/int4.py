@@ -202,21 +202,29 @@ class Int4Linear(NotScriptable, nn.Module):
         # .float() / .to(torch.float32) make an fp32 module (bias, activations); the scales stay 16-bit, the
         # packed parts int (.type(torch.float16) casts every buffer) and dense (a memory format is not theirs)
         current = self._fragments_current()
+        from_meta = self._buffers["qweight"].is_meta  # (to_empty: the parts hold no values yet, nothing to pack)
         out = apply_keeping_4bit_parts(self, lambda f: super(Int4Linear, self)._apply(f, recurse), fn,
                                        _WEIGHT_BUFFERS)
-        # moved or cast with the parts (value by value, as the layout copies them), the layout still stands for them;
-        # on a device where it is kept and not made yet it is made now (a model compiled next traces no packing),
-        # on one where no call reads it dropped
-        if current:
-            parts, (fw, _) = self._fragment_tensors()
-            w = None if parts[0].is_meta else self._weight()
-            if w is not None and bool(fw.numel()) != w4a16_dispatch.keeps_fragments(w.group_k, w.device,
-                                                                                      w.shape[-1]) \
-                    and self._remakes_fragments(parts):
-                self._set_fragments(w)
-            else:
-                self._note_fragments()
+        if current:  # moved or cast with the parts (value by value, as the layout copies them)
+            self._follow_device(may_make=not from_meta)
         return out
+
+    def _follow_device(self, may_make: bool) -> None:
+        """After a move, a cast or unpickling, the layout standing for the parts: kept where their device keeps one
+        (``dispatch.keeps_fragments``: a model compiled next traces no packing) and none elsewhere (no call reads
+        it), made or dropped now where this call may, else left to the next plain call (the record cleared: never
+        standing against the device's rule)."""
+        parts, (fw, _) = self._fragment_tensors()
+        if parts[0].is_meta or not all(type(t) is torch.Tensor for t in parts):
+            self._note_fragments()
+            return
+        w = self._weight()
+        if bool(fw.numel()) == w4a16_dispatch.keeps_fragments(w.group_k, w.device, w.shape[-1]):
+            self._note_fragments()
+        elif may_make and self._remakes_fragments(parts):
+            self._set_fragments(w)
+        else:
+            self._fragments_of = None
 
     def __getstate__(self):  # copied and pickled with whether the layout stands for the parts, not the record
         state = super().__getstate__()
@@ -227,8 +235,8 @@ class Int4Linear(NotScriptable, nn.Module):
     def __setstate__(self, state):
         current = state.pop("_fragments_of", False)
         super().__setstate__(state)
-        if current is True:
-            self._note_fragments()
+        if current is True:  # (torch.load's map_location may have put the parts on another kind of device)
+            self._follow_device(may_make=True)
 
     def dequantize(self) -> torch.Tensor:
         from tilegemm.ops.w4a16.format import dequantize

@@ -544,16 +544,18 @@ class _KeepScales16:
     def __call__(self, fn, recurse: bool = True):
         m = self.module
         current = [n for n in list(_records(m)) if _fragments_current(m, n)]
+        # (to_empty: parts that were meta hold no values yet, nothing to pack; load_state_dict makes the layouts)
+        from_meta = any(t.is_meta for n, t in m._buffers.items() if n.startswith("tilegemm_") and t is not None)
         out = apply_keeping_4bit_parts(m, lambda f: type(m)._apply(m, f, recurse), fn,
                                        [n for n in m._buffers if n.startswith("tilegemm_")])
         m.__dict__.pop("_tilegemm_int4_weights", None)  # (weights of the parts before: not kept alive)
         for n in current:  # moved or cast with the parts, the layouts still stand for them
             _note_fragments(m, n)
-        _fragments_follow_device_(m)
+        _fragments_follow_device_(m, make=not from_meta)
         return out
 
 
-def _fragments_follow_device_(module) -> None:
+def _fragments_follow_device_(module, make: bool = True) -> None:
     """After a block's move or cast: its experts' layouts kept where the decode kernel ``frag`` runs on their
     device, made now where missing (a model compiled next traces no packing: a block quantized on the CPU, then
     moved), and dropped where it does not run (no call reads them there; they would double the 4-bit memory)."""
@@ -574,7 +576,7 @@ def _fragments_follow_device_(module) -> None:
                     module._buffers.pop(b, None)
             _records(module).pop(n, None)
             module.__dict__.pop("_tilegemm_int4_weights", None)
-    if plain_call(*(t for p in parts.values() for t in p)):
+    if make and plain_call(*(t for p in parts.values() for t in p)):
         make_fragments_(module)
 
 
