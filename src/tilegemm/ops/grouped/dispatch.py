@@ -128,7 +128,8 @@ def frag_usable(group_k: int, K: int, device: torch.device) -> bool:
         return False
     reason = _FRAG_REASON.get(device)
     if reason is None:
-        reason = _FRAG_REASON[device] = registry.get("grouped_w4a16", "frag").unavailable_reason() or ""
+        with on_device(device):  # (the kernel's check reads the current GPU's capability: asked of this one)
+            reason = _FRAG_REASON[device] = registry.get("grouped_w4a16", "frag").unavailable_reason() or ""
     return not reason
 
 

@@ -57,7 +57,8 @@ def frag_usable(group_k: int, device: torch.device, K: int | None = None) -> boo
         return False
     reason = _FRAG_REASON.get(device)
     if reason is None:
-        reason = _FRAG_REASON[device] = registry.get("w4a16", "frag_wgmma").unavailable_reason() or ""
+        with on_device(device):  # (the kernel's check reads the current GPU's capability: asked of this one)
+            reason = _FRAG_REASON[device] = registry.get("w4a16", "frag_wgmma").unavailable_reason() or ""
     return not reason
 
 
