@@ -101,6 +101,11 @@ def _experts_with_perm(perm):
     return w4a16.grouped_matmul(torch.randn(3, 64, dtype=torch.float16), w, torch.tensor([1, 3], dtype=torch.int32))
 
 
+def _weight_with_perm(perm):
+    w = w4a16.quantize(torch.randn(16, 64, dtype=torch.float16), 32)
+    return w4a16.Int4Weight(w.qweight, w.scales, w.zeros, 32, w.shape, perm=perm)
+
+
 @pytest.mark.parametrize("call, error, words", [
     (lambda: w4a16.quantize(torch.randn(8, 100, dtype=torch.float16)), ValueError, "multiple of 8"),
     (lambda: w4a16.quantize(torch.randn(8, 96, dtype=torch.float16), 64), ValueError, "not divisible"),
@@ -118,6 +123,14 @@ def _experts_with_perm(perm):
     (lambda: _with_perm(torch.arange(64).roll(1).clamp(max=62)), ValueError, "permutation"),  # a repeat
     (lambda: _experts_with_perm(torch.stack([torch.randperm(64), torch.arange(64) % 63])), ValueError,
      "permutation of 0..63 .* for each expert"),
+    # dequantize, the kernels' reference, checks perm as the products do (a repeat left rows unwritten)
+    (lambda: w4a16.dequantize(_weight_with_perm(torch.zeros(64, dtype=torch.int64))), ValueError,
+     r"permutation of 0\.\.63"),
+    (lambda: w4a16.dequantize(_weight_with_perm(torch.arange(64) + 5)), ValueError, "permutation"),
+    (lambda: w4a16.quantize(torch.randn(3, 16, 64).half(), 32).expert(3), ValueError,
+     "expert 3 is out of range for 3 experts"),
+    (lambda: w4a16.quantize(torch.randn(3, 16, 64).half(), 32).expert(1.0), TypeError,
+     "expert.. takes an int index, got float"),
 ])
 def test_errors(call, error, words):
     with pytest.raises(error, match=words):

@@ -194,9 +194,19 @@ class Int4Weight:
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def expert(self, e: int) -> "Int4Weight":
-        """Expert ``e`` of a stacked weight, as a 2-D ``Int4Weight`` (views of the stacked parts)."""
+        """Expert ``e`` of a stacked weight, as a 2-D ``Int4Weight`` (views of the stacked parts; a negative ``e``
+        counts from the end, as Python's indexing)."""
         if len(self.shape) != 3:
             raise ValueError(f"expert() takes a stacked [E, N, K] weight, this one is {list(self.shape)}")
+        try:
+            index = None if isinstance(e, bool) else operator.index(e)
+        except TypeError:
+            index = None
+        if index is None:
+            raise TypeError(f"expert() takes an int index, got {type(e).__name__} {e!r}")
+        e = index
+        if not -self.shape[0] <= e < self.shape[0]:
+            raise ValueError(f"expert {e} is out of range for {self.shape[0]} experts")
         return Int4Weight(self.qweight[e], self.scales[e], self.zeros[e], self.group_size, self.shape[1:],
                           None if self.perm is None else self.perm[e])
 
@@ -433,6 +443,16 @@ def dequantized_overflow(qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
     return not bool(torch.isfinite(((q.float() - z[..., g, :]) * s[..., g, :]).to(dtype)).all())
 
 
+def _check_perm_values(perm: torch.Tensor, K: int, stacked: bool) -> None:
+    """``perm``'s values, a permutation of 0..K-1 (each expert's where ``stacked``), read only where that stalls
+    nothing (the CPU; on the GPU a bad perm reads wrong rows of x)."""
+    if perm.device.type == "cpu" and K and not torch.compiler.is_compiling() \
+            and type(perm) in (torch.Tensor, torch.nn.Parameter) \
+            and not torch.equal(perm.sort(-1).values, torch.arange(K).expand(perm.shape)):
+        raise ValueError(f"perm must be a permutation of 0..{K - 1} (K = {K}) for each "
+                         f"{'expert' if stacked else 'weight'}")
+
+
 def validate(w: Int4Weight, values: bool = False) -> None:
     """Raise TypeError/ValueError when the parts of an :class:`Int4Weight` do not fit together; ``values``: also
     that ``perm`` is a permutation, where it is on the CPU (the products' checks ask; a weight may be built from
@@ -465,12 +485,8 @@ def validate(w: Int4Weight, values: bool = False) -> None:
             raise TypeError(f"perm must be int64 {list(lead + (K,))}, got {dtype_name(w.perm.dtype)}")
         if tuple(w.perm.shape) != lead + (K,):
             raise ValueError(f"perm must be int64 {list(lead + (K,))}, got {w.perm.dtype} {list(w.perm.shape)}")
-        # its values only where reading them stalls nothing (the CPU; on the GPU a bad perm reads wrong rows of x)
-        if values and w.perm.device.type == "cpu" and K and not torch.compiler.is_compiling() \
-                and type(w.perm) in (torch.Tensor, torch.nn.Parameter) \
-                and not torch.equal(w.perm.sort(-1).values, torch.arange(K).expand(w.perm.shape)):
-            raise ValueError(f"perm must be a permutation of 0..{K - 1} (K = {K}) for each "
-                             f"{'expert' if lead else 'weight'}")
+        if values:
+            _check_perm_values(w.perm, K, bool(lead))
         tensors["perm"] = w.perm
     # zeros are whole numbers held as floats: the 16-bit kernels add them to the 4-bit values as integers (a fraction
     # would be rounded away, silently off from dequantize); read only where that stalls nothing, as perm's
@@ -574,6 +590,7 @@ def dequantize(w: Int4Weight) -> torch.Tensor:
     wt = (unpacked(w).float() - w.zeros.float()[g]) * w.scales.float()[g]  # [K, N]
     wt = wt.to(w.dtype)
     if w.perm is not None:
+        _check_perm_values(w.perm, K, False)  # (as the products check it: a repeated index left rows unwritten)
         out = torch.empty_like(wt)
         out[w.perm] = wt  # stored row j is input k = perm[j]
         wt = out
