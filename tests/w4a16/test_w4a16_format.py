@@ -62,6 +62,25 @@ def test_quantize_error_bound(group_size, symmetric, dtype):
     assert bool((err <= slack * step + 1e-2 * W.float().abs() + 1e-6).all())
 
 
+@pytest.mark.parametrize("dtype, size", [(torch.bfloat16, 3.0), (torch.float16, 1.0), (torch.float16, 1e-6),
+                                         (torch.float32, 1e-9)])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_quantize_keeps_every_weight_within_half_a_step(dtype, size, symmetric):
+    # the 16-bit scale is rounded up where rounding to nearest fell below the group's exact step: the extremes
+    # were clamped past half a step (bf16 0.54 of a step, fp16's subnormal scales 2 steps); fp32 weights too small
+    # for fp16 get the smallest scale, not 1
+    torch.manual_seed(0)
+    W = (torch.randn(33, 256) * torch.rand(33, 1) * size).to(dtype)
+    w = w4a16.quantize(W, 32, symmetric)
+    q = unpack_rows(w.qweight).T.float()
+    g = torch.arange(256) // 32
+    s, z = w.scales.float().T[:, g], w.zeros.float().T[:, g]
+    err = ((q - z) * s - W.float()).abs()
+    assert bool((err <= 0.5 * s * (1 + 1e-5)).all()), float((err / (0.5 * s)).max())
+    if size < 1e-8:  # (fp16's smallest scale, 2**-24, not 1)
+        assert float(w.scales.float().max()) < 1e-6
+
+
 def test_quantize_exact_grid_and_zero_groups():
     # weights already on a 4-bit grid come back exactly; an all-zero group stays zero
     K = 128

@@ -514,8 +514,9 @@ def quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
 
     Per group of ``group_size`` consecutive inputs (K) of each output row: asymmetric (the default) maps the
     group's range, widened to hold 0, onto 0..15 with an integer zero point; ``symmetric=True`` uses zero 8 and
-    scale ``max|w| / 7``. The scales take the weight's dtype (fp32 weights: fp16), and values are rounded
-    against the stored (rounded) scale, so ``dequantize`` is the weight the kernels multiply by.
+    scale ``max|w| / 7``. The scales take the weight's dtype (fp32 weights: fp16), rounded up where rounding to
+    nearest falls below the exact step, and values are rounded against the stored scale (within half a step of
+    it), so ``dequantize`` is the weight the kernels multiply by.
     """
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
@@ -551,8 +552,12 @@ def quantize(weight: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
         hi = w.amax(dim=2).clamp(min=0.0)
         scale = (hi - lo) / 15.0
     # An all-zero group has scale 0; any positive scale represents it exactly.
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(dtype)
-    scale = torch.where(scale.float() > 0, scale, torch.ones_like(scale))  # tiny scales that underflowed
+    exact = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = exact.to(dtype)
+    # rounded up where rounding to nearest went below the exact step, so the group's extremes still map inside
+    # 0..15 (they were clamped, up to 0.54 of a step off in bf16 and more on fp16's subnormal scales); a tiny scale
+    # that underflowed to zero becomes the smallest one above it
+    scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     s = scale.float()
     if not symmetric:
         zero = torch.round(-lo / s).clamp(0, 15)
