@@ -234,6 +234,41 @@ def test_the_registered_op_called_directly_checks_its_arguments(kwargs, error, m
         _op(x, w, **kwargs)
 
 
+@pytest.mark.parametrize("on", ["device", "meta"])
+def test_the_registered_op_checks_its_arguments_on_meta_tensors_too(on, device):
+    # the fake (meta tensors, torch.compile's trace) made a result of a call that is no convolution
+    x, w = _xw(device if on == "device" else "meta", w_shape=(8, 3, 3, 3))
+    with pytest.raises(ValueError, match="channel mismatch: x has C=4 channels"):
+        _op(x, w)
+    with pytest.raises(ValueError, match=r"padding must be a list of 4 ints"):
+        _op(*_xw("meta"), padding=(1, 1))
+
+
+def _dgrad(dy, w, x_shape, padding=(1, 1, 1, 1), groups=1):
+    return torch.ops.tilegemm.conv2d_dgrad(dy, w, list(x_shape), False, [1, 1], list(padding), [1, 1], groups,
+                                           "default")
+
+
+def _wgrad(dy, x, w_shape, padding=(1, 1, 1, 1), groups=1):
+    return torch.ops.tilegemm.conv2d_wgrad(dy, x, list(w_shape), [1, 1], list(padding), [1, 1], groups, "default")
+
+
+@pytest.mark.parametrize("on", ["device", "meta"])
+@pytest.mark.parametrize("call, match", [
+    (lambda t: _dgrad(t(2, 5, 6, 6), t(5, 4, 3, 3), (2, 7, 6, 6)),
+     r"x \[2, 7, 6, 6\] has C=7 channels, the weight \[5, 4, 3, 3\] takes 4 a group"),
+    (lambda t: _dgrad(t(2, 5, 6, 6), t(5, 4, 3, 3), (2, 4, 9, 9)), r"dy is \[2, 5, 6, 6\], but .* make \[2, 5, 9, 9\]"),
+    (lambda t: _dgrad(t(2, 5, 6, 6), t(5, 4, 3, 3), (2, 4, 6, 6), padding=(1, 1)), "padding must be a list of 4"),
+    (lambda t: _wgrad(t(2, 5, 6, 6), t(2, 4, 6, 6), (6, 4, 3, 3)), r"dy is \[2, 5, 6, 6\], but .* make \[2, 6, 6, 6\]"),
+    (lambda t: _wgrad(t(2, 6, 6, 6), t(2, 4, 6, 6), (6, 2, 3, 3), groups=4), "not divisible by groups=4"),
+], ids=["dgrad channels", "dgrad size", "dgrad padding", "wgrad channels", "wgrad groups"])
+def test_the_gradient_ops_called_directly_check_the_shapes_they_relate(on, call, match, device):
+    # shapes that did not fit read channels or rows that do not exist and returned them
+    dev = device if on == "device" else "meta"
+    with pytest.raises(ValueError, match=match):
+        call(lambda *shape: torch.randn(*shape, device=dev))
+
+
 def test_the_registered_op_called_directly_still_runs(device):
     x, w = _xw(device, dtype=torch.float16)
     b = torch.randn(8, device=device, dtype=torch.float16)

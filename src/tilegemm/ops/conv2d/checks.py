@@ -172,6 +172,36 @@ def check_op_call(x, weight, bias, stride, padding, dilation, groups, activation
     check_conv(x, weight, bias, tuple(stride), list(padding), tuple(dilation), groups, resolved_pad=padding)
 
 
+def check_grad_call(op: str, dy, other, shape, stride, padding, dilation, groups: int) -> None:
+    """The checks of ``torch.ops.tilegemm.conv2d_dgrad`` (``other`` the weight, ``shape`` x's) and ``conv2d_wgrad``
+    (``other`` x, ``shape`` the weight's) called directly: the shapes one convolution relates (a shape that did not
+    fit read channels or rows that do not exist). Skipped on dynamic sizes (a trace: the forward checked them)."""
+    from tilegemm.ops.conv2d.problem import geometry_of
+
+    name = f"tilegemm::conv2d_{op}"
+    for arg, value, n in (("stride", stride, 2), ("padding", padding, 4), ("dilation", dilation, 2)):
+        if len(value) != n:
+            raise ValueError(f"{name}: {arg} must be a list of {n} ints"
+                             f"{' (top, bottom, left, right)' if n == 4 else ''}, got {list(value)}")
+    if len(shape) != 4 or dy.dim() != 4 or other.dim() != 4:
+        raise ValueError(f"{name}: dy, {'weight' if op == 'dgrad' else 'x'} and the "
+                         f"{'x' if op == 'dgrad' else 'weight'} shape must be 4-D, got {list(dy.shape)}, "
+                         f"{list(other.shape)}, {list(shape)}")
+    x_shape, w_shape = (list(shape), list(other.shape)) if op == "dgrad" else (list(other.shape), list(shape))
+    sizes = [*x_shape, *w_shape, *dy.shape, groups]
+    if not all(type(v) is int for v in sizes):
+        return
+    if groups < 1 or w_shape[0] % groups:
+        raise ValueError(f"{name}: the weight's K={w_shape[0]} output channels are not divisible by groups={groups}")
+    if x_shape[1] != w_shape[1] * groups:
+        raise ValueError(f"{name}: x {x_shape} has C={x_shape[1]} channels, the weight {w_shape} takes "
+                         f"{w_shape[1]} a group: C={w_shape[1] * groups} for groups={groups}")
+    want = list(geometry_of(x_shape, w_shape, stride, padding, dilation, groups).out_shape)
+    if list(dy.shape) != want:
+        raise ValueError(f"{name}: dy is {list(dy.shape)}, but x {x_shape} and weight {w_shape} with stride "
+                         f"{list(stride)}, padding {list(padding)} and dilation {list(dilation)} make {want}")
+
+
 def check_unbatched(x: torch.Tensor) -> None:
     """ValueError for an unbatched ``[C, H, W]`` x with an empty H or W, named as the caller gave it (the rest of
     the checks see it as a batch of one, ``[1, C, H, W]``)."""

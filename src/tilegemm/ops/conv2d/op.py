@@ -21,7 +21,7 @@ from tilegemm.core.replay import ReplayCache
 from tilegemm.core.runtime import any_negative, resolved
 from tilegemm.core.torch_ops import lean_autograd
 from tilegemm.ops.conv2d import dispatch
-from tilegemm.ops.conv2d.checks import check_op_call, replay_key
+from tilegemm.ops.conv2d.checks import check_grad_call, check_op_call, replay_key
 from tilegemm.ops.conv2d.configs import takes_grouped_direct
 from tilegemm.ops.conv2d.problem import (
     ConvCall, DgradCall, WgradCall, geometry_of, output_format, strides_like_channels_last, wgrad_format,
@@ -73,6 +73,10 @@ def _conv2d_op(
 
 @_conv2d_op.register_fake
 def _conv2d_fake(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel, out_dtype=None):
+    # the body's checks (no values read): a meta or traced call that is no convolution fails where it is made (not
+    # on dynamic sizes, where comparing them would guard on them: the public function checked those)
+    if all(type(v) is int for v in (*x.shape, *weight.shape)):
+        check_op_call(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel, out_dtype)
     g = geometry_of(x.shape, weight.shape, stride, padding, dilation, groups)
     return torch.empty(g.out_shape, dtype=out_dtype or x.dtype, device=x.device,
                        memory_format=output_format(x, weight))
@@ -98,12 +102,15 @@ def _dgrad_op(
     groups: int,
     precision: str,
 ) -> torch.Tensor:
+    # called directly (torch.ops.tilegemm.conv2d_dgrad) nothing related x_shape to dy and the weight
+    check_once(check_grad_call, "dgrad", dy, weight, tuple(x_shape), stride, padding, dilation, groups)
     return dispatch.dgrad(DgradCall(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups,
                                     precision))
 
 
 @_dgrad_op.register_fake
 def _dgrad_fake(dy, weight, x_shape, x_channels_last, stride, padding, dilation, groups, precision):
+    check_grad_call("dgrad", dy, weight, x_shape, stride, padding, dilation, groups)
     fmt = torch.channels_last if x_channels_last else torch.contiguous_format
     return torch.empty(x_shape, dtype=dy.dtype, device=dy.device, memory_format=fmt)
 
@@ -120,11 +127,13 @@ def _wgrad_op(
     precision: str,
     w_channels_last: bool = False,
 ) -> torch.Tensor:
+    check_once(check_grad_call, "wgrad", dy, x, tuple(w_shape), stride, padding, dilation, groups)
     return dispatch.wgrad(WgradCall(dy, x, w_shape, stride, padding, dilation, groups, precision, w_channels_last))
 
 
 @_wgrad_op.register_fake
 def _wgrad_fake(dy, x, w_shape, stride, padding, dilation, groups, precision, w_channels_last=False):
+    check_grad_call("wgrad", dy, x, w_shape, stride, padding, dilation, groups)
     return torch.empty(w_shape, dtype=x.dtype, device=x.device,
                        memory_format=wgrad_format(x, w_shape, w_channels_last))
 
