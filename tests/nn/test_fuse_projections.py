@@ -74,6 +74,20 @@ def test_one_product_for_the_parts_of_one_input(device, monkeypatch):
     assert len(calls) == 1 and fused.tilegemm_q_proj_k_proj_v_proj._pending is None  # nothing kept after
 
 
+def test_hooks_on_the_joined_layer_see_its_calls(device):
+    # an activation collector hooks every Int4Linear, the joined one among them: its hooks run once a product
+    ref, fused = _pair(device)
+    joined, seen = fused.tilegemm_q_proj_k_proj_v_proj, []
+    joined.register_forward_hook(lambda mod, args, out: seen.append((args[0].shape, out.shape)))
+    joined.register_forward_pre_hook(lambda mod, args: (args[0] * 0,))  # q, k and v of zeros: out = o_proj's bias
+    x = torch.randn(4, 64, device=device, dtype=torch.float16)
+    with torch.no_grad():
+        out = fused(x)
+        want = ref.o_proj(torch.zeros(4, 32, device=device, dtype=torch.float16))
+    assert seen == [((4, 64), (4, 128))]
+    torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+
+
 def test_any_call_order_other_inputs_and_inputs_changed_in_place(device):
     ref, fused = _pair(device)
     x, y = (torch.randn(4, 64, device=device, dtype=torch.float16) for _ in range(2))

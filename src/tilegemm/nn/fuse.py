@@ -80,7 +80,7 @@ class FusedProjections(Int4Linear):
             if not pending[2]:
                 self._pending = None
             return out
-        y = self.forward(x)
+        y = self(x)  # (called, not its forward: hooks on the joined layer, an activation collector's, see the call)
         # a view each (narrow), not split's views made together, which autograd forbids changing in place
         starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         outs = [y.narrow(-1, a, n) for a, n in zip(starts, self.sizes)]
