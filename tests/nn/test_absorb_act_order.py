@@ -255,3 +255,17 @@ def test_the_probe_runs_without_global_module_hooks(device):
     finally:
         for h in handles:
             h.remove()
+
+
+def test_absorbing_after_joining_says_so(device):
+    # joined first, gate and up are one layer's rows: down keeps its order (the values are right), and the call
+    # says why instead of doing nothing silently
+    from tilegemm.nn import fuse_projections_
+
+    model = fuse_projections_(nn.Sequential(MLP()).to(device))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        absorb_act_order_(model)
+    assert any("joined already (fuse_projections_)" in str(w.message) and "absorb first, then join" in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+    assert model.tilegemm_act_order_absorbed == [] and model[0].down_proj.perm.numel() == 64

@@ -11,6 +11,7 @@ the one the gather made).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -190,10 +191,13 @@ def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_pro
     held: dict[int, int] = {}
     for _, m in model.named_modules(remove_duplicate=False):
         held[id(m)] = held.get(id(m), 0) + 1
-    absorbed, kept = [], []
+    absorbed, kept, joined = [], [], []
     for name, module in list(model.named_modules()):
         parts = [module._modules.get(n) for n in names]
         if any(type(p) is not Int4Linear for p in parts):
+            if type(parts[2]) is Int4Linear and parts[2].perm.numel() \
+                    and any(type(p).__name__ == "ProjectionPart" for p in parts[:2]):
+                joined.append(name)  # (gate and up joined already: their rows are the joined layer's)
             continue
         gate, up, down = parts
         if not down.perm.numel() or gate.out_features != down.in_features or up.out_features != down.in_features:
@@ -248,6 +252,10 @@ def absorb_act_order_(model: nn.Module, names: tuple[str, str, str] = ("gate_pro
         _drop_fragments(module)
         make_fragments_(module)
         kept.append(name)
+    if joined:  # the values are right either way; each call of those down projections still reorders its input
+        warnings.warn(f"absorb_act_order_: the gate and up projections of {joined[:3]}"
+                      f"{' and more' if len(joined) > 3 else ''} are joined already (fuse_projections_), so their "
+                      f"down projections keep their input orders: absorb first, then join", stacklevel=2)
     model.tilegemm_act_order_absorbed = absorbed
     model.tilegemm_act_order_kept = kept
     return model
