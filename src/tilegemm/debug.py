@@ -1,4 +1,5 @@
-"""``tilegemm.debug``: the learning kit's ``tilegemm.learn.debug``, under its short name (``import tilegemm.debug``)."""
+"""``tilegemm.debug``: the learning kit's ``tilegemm.learn.debug`` under its short name
+(``import tilegemm.debug``)."""
 
 import importlib
 import sys

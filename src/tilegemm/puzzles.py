@@ -1,4 +1,5 @@
-"""``tilegemm.puzzles``: the learning kit's ``tilegemm.learn.puzzles``, under its short name (``import tilegemm.puzzles``)."""
+"""``tilegemm.puzzles``: the learning kit's ``tilegemm.learn.puzzles`` under its short name
+(``import tilegemm.puzzles``)."""
 
 import importlib
 import sys
