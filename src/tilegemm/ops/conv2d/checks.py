@@ -151,15 +151,21 @@ def check_conv(x, weight, bias, stride, padding, dilation, groups, resolved_pad=
     return g
 
 
+def _check_lists(op: str, stride, padding, dilation) -> None:
+    """The registered ops' geometry lists as the public functions pass them: stride and dilation pairs, padding as
+    (top, bottom, left, right)."""
+    for name, value, n in (("stride", stride, 2), ("padding", padding, 4), ("dilation", dilation, 2)):
+        if len(value) != n:
+            raise ValueError(f"{op}: {name} must be a list of {n} ints"
+                             f"{' (top, bottom, left, right)' if n == 4 else ''}, got {list(value)}")
+
+
 def check_op_call(x, weight, bias, stride, padding, dilation, groups, activation, precision, kernel,
                   out_dtype) -> None:
     """The checks of ``torch.ops.tilegemm.conv2d`` called directly, which nothing before it checked (a stride of
     0 divided by zero, a float64 x failed inside the kernel): the public function's, on the arguments as it
     passes them (a batched x; stride and dilation pairs; padding as (top, bottom, left, right))."""
-    for name, value, n in (("stride", stride, 2), ("padding", padding, 4), ("dilation", dilation, 2)):
-        if len(value) != n:
-            raise ValueError(f"tilegemm::conv2d: {name} must be a list of {n} ints"
-                             f"{' (top, bottom, left, right)' if n == 4 else ''}, got {list(value)}")
+    _check_lists("tilegemm::conv2d", stride, padding, dilation)
     if min(padding) < 0:
         raise ValueError(f"padding must be >= 0, got {list(padding)}")
     if activation not in ACTIVATIONS:
@@ -179,10 +185,7 @@ def check_grad_call(op: str, dy, other, shape, stride, padding, dilation, groups
     from tilegemm.ops.conv2d.problem import geometry_of
 
     name = f"tilegemm::conv2d_{op}"
-    for arg, value, n in (("stride", stride, 2), ("padding", padding, 4), ("dilation", dilation, 2)):
-        if len(value) != n:
-            raise ValueError(f"{name}: {arg} must be a list of {n} ints"
-                             f"{' (top, bottom, left, right)' if n == 4 else ''}, got {list(value)}")
+    _check_lists(name, stride, padding, dilation)
     if len(shape) != 4 or dy.dim() != 4 or other.dim() != 4:
         raise ValueError(f"{name}: dy, {'weight' if op == 'dgrad' else 'x'} and the "
                          f"{'x' if op == 'dgrad' else 'weight'} shape must be 4-D, got {list(dy.shape)}, "

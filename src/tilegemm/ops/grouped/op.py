@@ -96,11 +96,8 @@ def _bias_grad(layout: str, dy: torch.Tensor, offs, shape, dtype, precision: str
         per_group = grouped_mm_op(ones, dy, offs, None, None, precision, "auto")[:, 0, :]  # [G, N]
         return (per_group if len(shape) == 2 else per_group.sum(0)).to(dtype)
     if layout == "3d2d":
-        # no groups (offs empty): every column lies past the end, so the bias reaches none
-        end = offs[-1:] if offs.shape[0] else offs.new_zeros(1)
-        cols = torch.arange(dy.shape[1], device=dy.device) < end.to(torch.int64)
-        # where, not a product: the output's columns past offs[-1] are zeros, so their dY (even NaN) reaches nothing
-        return torch.where(cols, dy.sum(0), 0).to(dtype)
+        # the output's columns past offs[-1] (all of them with no groups) are zeros: their dY reaches no bias
+        return _reaching(dy, offs, layout).sum(0).to(dtype)
     per_group = dy.sum(1)  # 3d3d, 2d2d: out [G, M, N]
     return (per_group if len(shape) == 2 else per_group.sum(0)).to(dtype)
 
