@@ -29,7 +29,8 @@ import torch
 from conv2d_depthwise_candidates import KINDS, geomean, graph_us, kind, label, ordered_layers
 from tilegemm.core.checks import relative_error
 from tilegemm.ops.conv2d import depthwise, grouped_direct
-from tilegemm.ops.conv2d.configs import depthwise_wgrad_config, depthwise_wgrad_taps_config, takes_grouped_direct
+from tilegemm.ops.conv2d.configs import (depthwise_wgrad_config, depthwise_wgrad_taps_config,
+                                        depthwise_wgrad_walk_config, takes_grouped_direct)
 from tilegemm.ops.conv2d.problem import geometry_of
 
 # (program shape, programs an SM the pixel slices aim at, least pixel blocks a slice): 2 and 8 were the rule
@@ -39,6 +40,11 @@ GROUPED_CANDIDATES = ("tap-2-8", "tap-8-4", "tap-16-4", "tap-32-2")
 
 def config(name: str, g) -> dict:
     shape, per_sm, steps, *bq = name.split("-")
+    if shape == "walk":  # depthwise_wgrad_walk_kernel: walk-PER_SM-MIN_CHUNKS[-STAGES]
+        cfg = dict(depthwise_wgrad_walk_config(g, torch.float16), PER_SM=int(per_sm), MIN_CHUNKS=int(steps))
+        if bq:
+            cfg["num_stages"] = int(bq[0])
+        return cfg
     if shape == "all":  # depthwise_wgrad_taps_kernel: every tap a program, slices of output rows; -BQ: its columns
         cfg = dict(depthwise_wgrad_taps_config(g, torch.float16), PER_SM=int(per_sm), MIN_ROWS=int(steps))
         if bq:

@@ -321,6 +321,27 @@ def depthwise_wgrad_taps_config(g: Geometry, dtype: torch.dtype) -> dict:
                 PER_SM=DEPTHWISE_WGRAD_TAPS_PER_SM, MIN_ROWS=DEPTHWISE_WGRAD_TAPS_MIN_ROWS)
 
 
+DEPTHWISE_WGRAD_WALK_MAX_TAPS = 49  # the walking kernel's taps (an accumulator each): up to 7x7
+
+
+def depthwise_wgrad_walk_config(g: Geometry, dtype: torch.dtype) -> dict:
+    """The walking depthwise weight gradient's tile: [BLOCK_P output rows, BLOCK_N channels], VEC channels a
+    thread (fewer where the taps' accumulators and kept columns take more registers), 4 warps."""
+    if interpreting():
+        return dict(WALK=True, BLOCK_P=4, BLOCK_N=16, num_warps=4, num_stages=1)
+    taps = g.R * g.S
+    vec = 4 if taps <= 9 else 2 if taps <= 25 else 1
+    bn = max(vec, min(64, _divisor_pow2(g.K)))
+    threads = 128
+    bp = max(1, threads * vec // bn)
+    return dict(WALK=True, BLOCK_P=bp, BLOCK_N=bn, num_warps=4, num_stages=1, PER_SM=4, MIN_CHUNKS=1)
+
+
+def _divisor_pow2(n: int) -> int:
+    """The largest power of two dividing ``n`` (``n`` > 0)."""
+    return n & -n
+
+
 def depthwise_wgrad_config(g: Geometry, dtype: torch.dtype, rows: bool | None = None,
                            taps: bool | None = None) -> dict:
     """The depthwise weight gradient's config: :func:`depthwise_config`'s tile, and with ``rows`` (default

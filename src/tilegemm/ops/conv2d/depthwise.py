@@ -778,6 +778,112 @@ def depthwise_wgrad_taps_kernel(
     store_summed_slices(total, dw, out_ok, ws, plane, part, count_ptr, tile, SPLIT)
 
 
+@triton.jit
+def _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, q, Q, W, pad_w, stride_yq, stride_xw,
+                R: tl.constexpr, STR_W: tl.constexpr, KEEP: tl.constexpr, NEW: tl.constexpr):
+    """Output column q's dy tile and, for each filter row, the input columns it adds to the kept ones (as stored;
+    zeros past Q, W and the rows' bounds)."""
+    live = q < Q
+    dyv = tl.load(dy_ptr + y_off + q * stride_yq, mask=y_ok & live, other=0.0)
+    c0 = q * STR_W - pad_w + KEEP
+    fresh = ()
+    for r in tl.static_range(R):
+        for j in tl.static_range(NEW):
+            c = c0 + j
+            fresh = fresh + (tl.load(x_ptr + x_off[r] + c * stride_xw, mask=x_ok[r] & live & (c >= 0) & (c < W),
+                                     other=0.0),)
+    return dyv, fresh
+
+
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "K", "NP", "slice_rows", "pad_h", "pad_w"])
+def depthwise_wgrad_walk_kernel(
+    dy_ptr, x_ptr, dw_ptr, ws_ptr, count_ptr,
+    H, W, P, Q, K, NP, slice_rows,
+    stride_yn, stride_yp, stride_yq, stride_yk,
+    stride_xn, stride_xh, stride_xw, stride_xc,
+    stride_dk, stride_dr, stride_dss,
+    str_h, pad_h, pad_w, dil_h,
+    R: tl.constexpr, S: tl.constexpr, STR_W: tl.constexpr, T_PAD: tl.constexpr, INDEX_64: tl.constexpr,
+    DIV: tl.constexpr, DIV_Y: tl.constexpr, DIV_X: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):
+    # This program: channels [BN] of every tap over a slice of output rows (n, p), BLOCK_P rows at a time (one a
+    # thread row of the tile), each row's columns walked one by one. A tap is its own accumulator (a tuple: no
+    # padding of R * S to a power of two), and each filter row keeps the input columns the next output column
+    # still needs in registers (S - STR_W of them, converted to fp32 once): an x value is loaded and converted
+    # once a filter row, where a tile of taps did it once a tap (docs/conv2d.md, "Depthwise weight gradient").
+    # Undilated along w (the kept columns are the next column's); rows take any stride and dilation.
+    stride_yn = stride_yn * DIV_Y
+    stride_yp = stride_yp * DIV_Y
+    stride_yq = stride_yq * DIV_Y
+    stride_xn = stride_xn * DIV_X
+    stride_xh = stride_xh * DIV_X
+    stride_xw = stride_xw * DIV_X
+    KEEP: tl.constexpr = S - STR_W if S > STR_W else 0  # columns carried to the next output column
+    NEW: tl.constexpr = S - KEEP  # columns loaded for each output column
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    part = tl.program_id(1)
+    n_ok = _below_unspecialized(offs_n, K, DIV)
+    y_chan = (offs_n * stride_yk)[None, :]
+    x_chan = (offs_n * stride_xc)[None, :]
+    row0 = part * slice_rows
+    row1 = tl.minimum(row0 + slice_rows, NP)
+    acc = ()
+    for t in tl.static_range(R * S):
+        acc = acc + (tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32),)
+    for b in range(row0, row1, BLOCK_P):
+        rows = b + tl.arange(0, BLOCK_P)
+        r_ok = rows < row1
+        n = rows // P
+        p = rows - n * P
+        if INDEX_64:
+            n = n.to(tl.int64)
+        y_off = (n * stride_yn + p * stride_yp)[:, None] + y_chan  # [BP, BN]
+        y_ok = r_ok[:, None] & n_ok[None, :]
+        x_off = ()
+        x_ok = ()
+        win = ()
+        for r in tl.static_range(R):
+            h = p * str_h - pad_h + r * dil_h
+            x_off = x_off + ((n * stride_xn + h * stride_xh)[:, None] + x_chan,)
+            x_ok = x_ok + (((r_ok & (h >= 0) & (h < H))[:, None] & n_ok[None, :]),)
+            for j in tl.static_range(KEEP):  # the columns before the first output column's new ones
+                c = j - pad_w
+                win = win + (tl.load(x_ptr + x_off[r] + c * stride_xw, mask=x_ok[r] & (c >= 0) & (c < W),
+                                     other=0.0).to(tl.float32),)
+        # Column q's loads are issued during column q - 1's products (registers, not a shared-memory ring).
+        dyv, fresh = _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, 0, Q, W, pad_w, stride_yq, stride_xw,
+                                 R, STR_W, KEEP, NEW)
+        for q in range(0, Q):
+            dy_next, fresh_next = _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, q + 1, Q, W, pad_w,
+                                              stride_yq, stride_xw, R, STR_W, KEEP, NEW)
+            dyf = dyv.to(tl.float32)
+            kept = ()
+            for r in tl.static_range(R):
+                cols = win[r * KEEP:(r + 1) * KEEP]
+                for j in tl.static_range(NEW):
+                    cols = cols + (fresh[r * NEW + j].to(tl.float32),)
+                for s in tl.static_range(S):
+                    acc = acc[:r * S + s] + (acc[r * S + s] + dyf * cols[s],) + acc[r * S + s + 1:]
+                kept = kept + cols[S - KEEP:]
+            win = kept
+            dyv = dy_next
+            fresh = fresh_next
+    taps = tl.arange(0, T_PAD)
+    total = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
+    for t in tl.static_range(R * S):
+        total = tl.where((taps == t)[:, None], tl.sum(acc[t], axis=0)[None, :], total)
+    tr = taps // S
+    out_ok = (taps < R * S)[:, None] & n_ok[None, :]
+    dw = dw_ptr + (offs_n * stride_dk)[None, :] + (tr * stride_dr + (taps - tr * S) * stride_dss)[:, None]
+    # Split: a workspace block per channel block, planes [SPLIT, blocks, T, BN] (as the all-taps kernel's).
+    tile = tl.program_id(0)
+    size: tl.constexpr = T_PAD * BLOCK_N
+    plane = tl.num_programs(0).to(tl.int64) * size
+    ws = ws_ptr + tile.to(tl.int64) * size + (taps * BLOCK_N)[:, None] + tl.arange(0, BLOCK_N)[None, :]
+    store_summed_slices(total, dw, out_ok, ws, plane, part, count_ptr, tile, SPLIT)
+
+
 # --- launchers ------------------------------------------------------------------------------------------
 
 
@@ -1069,6 +1175,8 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     """grad of the weight for a depthwise convolution: ``[K, 1, R, S]`` (contiguous), in one launch."""
     dy, x = _nhwc(dy), _nhwc(x)
     cfg = dict(config or depthwise_wgrad_config(g, dy.dtype))
+    if cfg.pop("WALK", False):
+        return _wgrad_walk(dy, x, g, out_dtype, cfg)
     if cfg.pop("ALL_TAPS", False):
         return _wgrad_all_taps(dy, x, g, out_dtype, cfg)
     npq = g.N * g.P * g.Q
@@ -1093,6 +1201,54 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     flags = dict(R=g.R, S=g.S, INDEX_64=index_64, DIV=_divisor(g.K), DIV_Y=div_y, DIV_X=div_x, SPLIT=split, **cfg)
     # The workspace is this stream's: a replay passes it as recorded and declines on another stream.
     launch(depthwise_wgrad_kernel, grid, args, flags, keep=(ws, count) if split > 1 else (),
+           stream=current_stream() if split > 1 and dy.is_cuda else None)
+    return dw  # [K, 1, R, S]
+
+
+def walk_applies(g: Geometry) -> bool:
+    """Whether :func:`depthwise_wgrad_walk_kernel` takes the layer: one output channel an input channel, undilated
+    along the width (or one column of taps), a width stride of at most 4 (a compile-time constant), at most
+    :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_WGRAD_WALK_MAX_TAPS` taps (an accumulator each)."""
+    from tilegemm.ops.conv2d.configs import DEPTHWISE_WGRAD_WALK_MAX_TAPS
+
+    return (g.K == g.C and (g.dilation[1] == 1 or g.S == 1) and g.stride[1] <= 4
+            and g.R * g.S <= DEPTHWISE_WGRAD_WALK_MAX_TAPS)
+
+
+def _wgrad_walk(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
+    """:func:`wgrad` on :func:`depthwise_wgrad_walk_kernel`: BLOCK_N channels of every tap a program over a slice
+    of output rows, slices enough for ``PER_SM`` programs an SM, each at least ``MIN_CHUNKS`` tiles of rows."""
+    if not walk_applies(g):
+        from tilegemm.core.registry import NotApplicable
+
+        raise NotApplicable("the walking depthwise weight gradient takes one output channel an input channel, "
+                            f"no dilation along the width, width strides up to 4 and few taps: {g}")
+    rows = g.N * g.P
+    t_pad = 1 << max(0, g.R * g.S - 1).bit_length()
+    blocks = cdiv(g.K, cfg["BLOCK_N"])
+    bp = cfg["BLOCK_P"]
+    per_sm = cfg.pop("PER_SM", 4)
+    min_chunks = cfg.pop("MIN_CHUNKS", 1)
+    sms = 4
+    if dy.is_cuda:
+        from tilegemm.core.hardware import sm_count
+
+        sms = sm_count(dy.device)
+    split = cfg.pop("SPLIT", None) or max(1, min(cdiv(per_sm * sms, blocks), cdiv(rows, bp * min_chunks), 1024))
+    slice_rows = cdiv(cdiv(rows, split), bp) * bp
+    split = cdiv(rows, slice_rows)
+    dw = new_output((g.K, 1, g.R, g.S), out_dtype, dy.device)
+    if split > 1:  # fp32 partial sums and arrival counters (tilegemm.core.workspace)
+        ws, count = split_workspace(dy.device, split * blocks * t_pad * cfg["BLOCK_N"], blocks)
+    else:
+        ws, count = dw, dw  # unused
+    index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
+    (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(x)
+    args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, rows, slice_rows, *ys, *xs,
+            dw.stride(0), dw.stride(2), dw.stride(3), g.stride[0], g.padding[0], g.padding[2], g.dilation[0])
+    flags = dict(R=g.R, S=g.S, STR_W=g.stride[1], T_PAD=t_pad, INDEX_64=index_64, DIV=_divisor(g.K), DIV_Y=div_y,
+                 DIV_X=div_x, SPLIT=split, **cfg)
+    launch(depthwise_wgrad_walk_kernel, (blocks, split, 1), args, flags, keep=(ws, count) if split > 1 else (),
            stream=current_stream() if split > 1 and dy.is_cuda else None)
     return dw  # [K, 1, R, S]
 

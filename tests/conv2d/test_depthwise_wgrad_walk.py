@@ -1,0 +1,103 @@
+"""The depthwise weight gradient on ``depthwise_wgrad_walk_kernel`` (every tap its own accumulator, each filter
+row's input columns kept in registers while a program walks an output row), against an fp64 reference."""
+
+import pytest
+import torch
+
+from tilegemm.core.registry import NotApplicable
+from tilegemm.ops.conv2d import depthwise
+from tilegemm.ops.conv2d.configs import depthwise_wgrad_walk_config
+from tilegemm.ops.conv2d.problem import geometry_of
+
+# (N, C, H, W, R, S, stride (h, w), padding (top, bottom, left, right), dilation (h, w))
+CASES = [
+    (2, 16, 9, 9, 3, 3, (1, 1), (1, 1, 1, 1), (1, 1)),
+    (1, 24, 7, 8, 5, 5, (2, 2), (2, 2, 2, 2), (1, 1)),
+    (2, 8, 10, 10, 3, 3, (1, 1), (2, 2, 1, 1), (2, 1)),  # dilated rows
+    (1, 16, 11, 6, 7, 7, (1, 1), (3, 3, 3, 3), (1, 1)),
+    (1, 16, 6, 6, 1, 7, (1, 1), (0, 0, 3, 3), (1, 1)),
+    (1, 16, 6, 9, 7, 1, (1, 1), (3, 3, 0, 0), (1, 1)),
+    (1, 17, 1, 1, 3, 3, (1, 1), (1, 1, 1, 1), (1, 1)),  # one pixel, odd channels
+    (3, 5, 13, 4, 3, 3, (3, 3), (0, 0, 1, 1), (1, 1)),  # stride 3, more kept columns than none
+    (2, 12, 9, 11, 3, 3, (2, 1), (0, 2, 1, 0), (1, 1)),  # uneven padding, strides differ
+    (2, 8, 8, 8, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1)),  # one tap: nothing kept
+    (1, 8, 9, 17, 2, 2, (4, 4), (0, 0, 0, 0), (1, 1)),  # stride past the filter: columns skipped
+    (1, 40, 5, 7, 3, 5, (1, 2), (1, 1, 2, 2), (1, 1)),
+]
+
+
+def _layer(case, device="cpu", dtype=torch.float32):
+    N, C, H, W, R, S, st, pad, dil = case
+    gen = torch.Generator().manual_seed(sum(map(hash, map(str, case))) % 2**31)
+    x = torch.randn(N, C, H, W, generator=gen).to(device, dtype).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(C, 1, R, S, generator=gen)
+    g = geometry_of(x.shape, w.shape, list(st), list(pad), list(dil), C)
+    dy = torch.randn(N, C, g.P, g.Q, generator=gen).to(device, dtype).contiguous(memory_format=torch.channels_last)
+    xp = torch.nn.functional.pad(x.double().cpu(), (pad[2], pad[3], pad[0], pad[1]))
+    ref = torch.ops.aten.convolution_backward(dy.double().cpu(), xp, w.double(), None, list(st), [0, 0],
+                                              list(dil), False, [0, 0], C, [False, True, False])[1]
+    return x, dy, g, ref
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("split", [None, 1, 3])
+def test_walk_matches_reference(case, split):
+    x, dy, g, ref = _layer(case)
+    cfg = depthwise_wgrad_walk_config(g, torch.float32)
+    if split:
+        cfg["SPLIT"] = split
+    out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
+    assert out.shape == ref.shape and not out.isnan().any()
+    assert (out.double() - ref).norm() / ref.norm() < 1e-5
+
+
+def test_walk_reads_views_of_its_inputs():
+    # x a channel slice of a wider tensor and dy a crop: strides that are not the tensors' own sizes
+    N, C, H, W = 2, 16, 9, 10
+    gen = torch.Generator().manual_seed(7)
+    big = torch.randn(N, C + 8, H, W, generator=gen).contiguous(memory_format=torch.channels_last)
+    x = big[:, 4:4 + C]
+    w = torch.randn(C, 1, 3, 3, generator=gen)
+    g = geometry_of(x.shape, w.shape, [1, 1], [1, 1, 1, 1], [1, 1], C)
+    dy_big = torch.randn(N, C, H + 3, W + 2, generator=gen).contiguous(memory_format=torch.channels_last)
+    dy = dy_big[:, :, 1:1 + H, 2:2 + W]
+    ref = torch.ops.aten.convolution_backward(dy.double(), x.double(), w.double(), None, [1, 1], [1, 1], [1, 1],
+                                              False, [0, 0], C, [False, True, False])[1]
+    out = depthwise.wgrad(dy, x, g, torch.float32, depthwise_wgrad_walk_config(g, torch.float32))
+    assert (out.double() - ref).norm() / ref.norm() < 1e-5
+
+
+@pytest.mark.parametrize("what", ["dilated columns", "channel multiplier", "stride 5"])
+def test_walk_refuses_what_it_does_not_take(what):
+    x = torch.randn(1, 8, 12, 12).contiguous(memory_format=torch.channels_last)
+    K, st, dil = 8, [1, 1], [1, 1]
+    if what == "dilated columns":
+        dil = [1, 2]
+    elif what == "channel multiplier":
+        K = 16
+    else:
+        st = [1, 5]
+    w = torch.randn(K, 1, 3, 3)
+    g = geometry_of(x.shape, w.shape, st, [1, 1, 1, 1], dil, 8)
+    dy = torch.randn(1, K, g.P, g.Q).contiguous(memory_format=torch.channels_last)
+    assert not depthwise.walk_applies(g)
+    with pytest.raises(NotApplicable, match="walking depthwise weight gradient"):
+        depthwise.wgrad(dy, x, g, torch.float32, depthwise_wgrad_walk_config(g, torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES + [(32, 96, 56, 56, 7, 7, (1, 1), (3, 3, 3, 3), (1, 1)),
+                                          (32, 144, 28, 28, 3, 3, (2, 2), (1, 1, 1, 1), (1, 1)),
+                                          (32, 240, 28, 28, 5, 5, (1, 1), (2, 2, 2, 2), (1, 1))])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_walk_gpu(case, dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x, dy, g, ref = _layer(case, "cuda", dtype)  # ref: fp64 of the rounded inputs
+    for split in (None, 1):
+        cfg = depthwise_wgrad_walk_config(g, dtype)
+        if split:
+            cfg["SPLIT"] = split
+        out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
+        assert not out.isnan().any()
+        assert (out.double().cpu() - ref).norm() / ref.norm() < 1e-4
