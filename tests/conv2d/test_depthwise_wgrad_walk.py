@@ -6,7 +6,7 @@ import torch
 
 from tilegemm.core.registry import NotApplicable
 from tilegemm.ops.conv2d import depthwise
-from tilegemm.ops.conv2d.configs import depthwise_wgrad_walk_config
+from tilegemm.ops.conv2d.configs import depthwise_wgrad_walk_config, walk_takes
 from tilegemm.ops.conv2d.problem import geometry_of
 
 # (N, C, H, W, R, S, stride (h, w), padding (top, bottom, left, right), dilation (h, w))
@@ -51,6 +51,20 @@ def test_walk_matches_reference(case, split):
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], CASES[6], CASES[7]])
+def test_walk_with_the_gpu_tiles(case, monkeypatch):
+    # the tiles the GPU takes (VEC channels a thread, BLOCK_P rows of up to 128), not the interpreter's small one
+    from tilegemm.ops.conv2d import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    x, dy, g, ref = _layer(case)
+    cfg = depthwise_wgrad_walk_config(g, torch.float16)
+    assert cfg["BLOCK_P"] * cfg["BLOCK_N"] >= 128
+    cfg.update(PER_SM=1)
+    out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
+    assert (out.double() - ref).norm() / ref.norm() < 1e-5
+
+
 def test_walk_reads_views_of_its_inputs():
     # x a channel slice of a wider tensor and dy a crop: strides that are not the tensors' own sizes
     N, C, H, W = 2, 16, 9, 10
@@ -80,7 +94,7 @@ def test_walk_refuses_what_it_does_not_take(what):
     w = torch.randn(K, 1, 3, 3)
     g = geometry_of(x.shape, w.shape, st, [1, 1, 1, 1], dil, 8)
     dy = torch.randn(1, K, g.P, g.Q).contiguous(memory_format=torch.channels_last)
-    assert not depthwise.walk_applies(g)
+    assert not walk_takes(g)
     with pytest.raises(NotApplicable, match="walking depthwise weight gradient"):
         depthwise.wgrad(dy, x, g, torch.float32, depthwise_wgrad_walk_config(g, torch.float32))
 

@@ -324,6 +324,14 @@ def depthwise_wgrad_taps_config(g: Geometry, dtype: torch.dtype) -> dict:
 DEPTHWISE_WGRAD_WALK_MAX_TAPS = 49  # the walking kernel's taps (an accumulator each): up to 7x7
 
 
+def walk_takes(g: Geometry) -> bool:
+    """Whether the walking depthwise weight gradient takes the layer: one output channel an input channel,
+    undilated along the width (or one column of taps), a width stride of at most 4 (a compile-time constant), at
+    most :data:`DEPTHWISE_WGRAD_WALK_MAX_TAPS` taps (an accumulator each)."""
+    return (g.K == g.C and (g.dilation[1] == 1 or g.S == 1) and g.stride[1] <= 4
+            and g.R * g.S <= DEPTHWISE_WGRAD_WALK_MAX_TAPS)
+
+
 def depthwise_wgrad_walk_config(g: Geometry, dtype: torch.dtype) -> dict:
     """The walking depthwise weight gradient's tile: [BLOCK_P output rows, BLOCK_N channels], VEC channels a
     thread (fewer where the taps' accumulators and kept columns take more registers), 4 warps."""

@@ -37,7 +37,7 @@ from tilegemm.core.runtime import cdiv, ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import (
     DEPTHWISE_WGRAD_MIN_STEPS, DEPTHWISE_WGRAD_PER_SM, DEPTHWISE_WGRAD_TAPS_MIN_ROWS, DEPTHWISE_WGRAD_TAPS_PER_SM,
     depthwise_config, depthwise_fwd_config, depthwise_rows_config, depthwise_strided_rows_config,
-    depthwise_wgrad_config, depthwise_window_config, pixel_split,
+    depthwise_wgrad_config, depthwise_window_config, pixel_split, walk_takes,
 )
 from tilegemm.ops.conv2d.implicit_gemm import (
     _below_unspecialized,
@@ -1205,20 +1205,10 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     return dw  # [K, 1, R, S]
 
 
-def walk_applies(g: Geometry) -> bool:
-    """Whether :func:`depthwise_wgrad_walk_kernel` takes the layer: one output channel an input channel, undilated
-    along the width (or one column of taps), a width stride of at most 4 (a compile-time constant), at most
-    :data:`~tilegemm.ops.conv2d.configs.DEPTHWISE_WGRAD_WALK_MAX_TAPS` taps (an accumulator each)."""
-    from tilegemm.ops.conv2d.configs import DEPTHWISE_WGRAD_WALK_MAX_TAPS
-
-    return (g.K == g.C and (g.dilation[1] == 1 or g.S == 1) and g.stride[1] <= 4
-            and g.R * g.S <= DEPTHWISE_WGRAD_WALK_MAX_TAPS)
-
-
 def _wgrad_walk(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
     """:func:`wgrad` on :func:`depthwise_wgrad_walk_kernel`: BLOCK_N channels of every tap a program over a slice
     of output rows, slices enough for ``PER_SM`` programs an SM, each at least ``MIN_CHUNKS`` tiles of rows."""
-    if not walk_applies(g):
+    if not walk_takes(g):
         from tilegemm.core.registry import NotApplicable
 
         raise NotApplicable("the walking depthwise weight gradient takes one output channel an input channel, "
