@@ -115,3 +115,23 @@ def test_walk_gpu(case, dtype):
         out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
         assert not out.isnan().any()
         assert (out.double().cpu() - ref).norm() / ref.norm() < 1e-4
+
+
+def test_walk_compiles_to_one_fma_a_tap_and_channel_with_no_shared_memory_in_its_loop(tmp_path):
+    # compiled offline for sm_90: the loop over output columns holds R*S*VEC fp32 FMAs (no taps padded to a power
+    # of two), loads the channels VEC at a time, touches no shared memory (the accumulators and kept columns stay in
+    # registers: a layout change in the loop would go through shared memory), and nothing spills
+    from pathlib import Path
+
+    from conftest import SM90, compile_offline
+
+    script = SM90 + (Path(__file__).parent / "_depthwise_wgrad_walk_regs.py").read_text()
+    got = compile_offline(tmp_path, script, [[144, 56, 3, 3, 1], [144, 56, 3, 3, 2], [240, 28, 5, 5, 1],
+                                             [96, 56, 7, 7, 1], [64, 32, 1, 7, 1]])
+    for name, info in got.items():
+        R, S = map(int, name.split("-")[2].split("x"))
+        assert info["spill"] == 0, (name, info)
+        assert info["fma"] == R * S * info["vec"], (name, info)
+        assert info["shared"] == 0, (name, info)
+        width = {4: "v2.b32", 2: "b32", 1: "b16"}[info["vec"]]
+        assert info["loads"] and all(op.endswith(width) for op in info["loads"]), (name, info)
