@@ -65,6 +65,14 @@ def test_walk_with_the_gpu_tiles(case, monkeypatch):
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
+def test_walk_of_an_empty_batch_is_zero():
+    x = torch.randn(0, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    g = geometry_of(x.shape, (8, 1, 3, 3), [1, 1], [1, 1, 1, 1], [1, 1], 8)
+    dy = torch.randn(0, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    out = depthwise.wgrad(dy, x, g, torch.float32, depthwise_wgrad_walk_config(g, torch.float32))
+    assert out.shape == (8, 1, 3, 3) and not out.any()
+
+
 def test_walk_reads_views_of_its_inputs():
     # x a channel slice of a wider tensor and dy a crop: strides that are not the tensors' own sizes
     N, C, H, W = 2, 16, 9, 10

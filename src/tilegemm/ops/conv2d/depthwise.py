@@ -1214,6 +1214,8 @@ def _wgrad_walk(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
         raise NotApplicable("the walking depthwise weight gradient takes one output channel an input channel, "
                             f"no dilation along the width, width strides up to 4 and few taps: {g}")
     rows = g.N * g.P
+    if rows == 0:  # an empty batch: nothing to sum
+        return torch.zeros((g.K, 1, g.R, g.S), dtype=out_dtype, device=dy.device)
     t_pad = 1 << max(0, g.R * g.S - 1).bit_length()
     blocks = cdiv(g.K, cfg["BLOCK_N"])
     bp = cfg["BLOCK_P"]
