@@ -153,6 +153,65 @@ def test_an_index_entry_naming_the_wrong_shard(tmp_path):
         from_pretrained(path, device="cpu")
 
 
+@pytest.mark.parametrize("weight_map", [["a"], None, "x", {"a": ["model-00001.safetensors"]}, {"a": None}])
+def test_an_index_whose_weight_map_is_no_map_of_names_is_refused(tmp_path, weight_map):
+    # (a list, null or non-string file names crashed with an AttributeError or TypeError)
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32, shard_bytes=20_000)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match="must be JSON with a 'weight_map' of tensor name -> file"):
+        from_pretrained(path, device="cpu")
+
+
+@pytest.mark.parametrize("outside", ["../elsewhere.safetensors", "/tmp/elsewhere.safetensors"])
+def test_an_index_naming_files_outside_the_directory_is_refused(tmp_path, outside):
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32, shard_bytes=20_000)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = outside
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="names files outside the checkpoint's directory"):
+        from_pretrained(path, device="cpu")
+
+
+def test_the_checkpoints_generation_config_is_loaded(tmp_path):
+    # a chat model's extra end-of-sequence ids and sampling defaults live in generation_config.json, which a model
+    # built from config.json alone does not have (generate() would not stop at them)
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32)
+    settings = {"eos_token_id": [2, 7, 9], "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (path / "generation_config.json").write_text(json.dumps(settings))
+    g = from_pretrained(path, device="cpu").generation_config
+    assert (g.eos_token_id, g.do_sample, g.temperature, g.top_p) == ([2, 7, 9], True, 0.6, 0.9)
+    (path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="generation_config.json is not a generation config"):
+        from_pretrained(path, device="cpu")
+
+
+@pytest.mark.parametrize("scale, message", [(6000.0, "dequantized in fp16 pass fp16's range"),
+                                            (1e5, "bf16 scales .* pass fp16's range once converted")])
+def test_bf16_scales_that_pass_fp16s_range_are_refused_in_fp16(tmp_path, scale, message):
+    # bf16 scales loaded with dtype=fp16: a finite scale of 1e5 became inf (the error blamed the checkpoint), and
+    # scales of 6000 made weights of up to 15 x 6000 = 90000, inf in fp16, loaded without a word
+    from safetensors.torch import load_file, save_file
+
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32)
+    tensors = load_file(path / "model.safetensors")
+    key = "model.layers.0.mlp.down_proj.scales"
+    tensors[key] = torch.full(tensors[key].shape, scale, dtype=torch.bfloat16)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"model.layers.0.mlp.down_proj: its .*{message}.*dtype=torch.bfloat16"):
+        from_pretrained(path, dtype=torch.float16, device="cpu")
+    model = from_pretrained(path, dtype=torch.bfloat16, device="cpu")
+    assert torch.isfinite(model.model.layers[0].mlp.down_proj.dequantize()).all()
+
+
 def test_an_index_leaving_out_a_layers_quantized_tensors_names_both_forms(tmp_path):
     # the layer is then neither quantized nor plain in the files: the error names its weight in both forms
     config = cw.tiny_config("llama", hidden=64, layers=1)

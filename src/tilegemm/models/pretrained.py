@@ -47,7 +47,7 @@ from tilegemm.nn.moe import (OWN_FORWARD_BLOCKS, _experts_modules, _int4, _stack
 from tilegemm.ops.w4a16 import Int4Weight, dequantize, from_awq, from_compressed_tensors, from_gptq
 from tilegemm.ops.w4a16 import dispatch as w4a16_dispatch
 from tilegemm.ops.w4a16.format import GROUP_SIZES, _group_size_of, concat_outputs, ct_g_idx, \
-    one_group_size, regroup, stack_experts
+    dequantized_overflow, one_group_size, regroup, stack_experts
 
 INSTALL = "pip install 'tilegemm[models]'"
 METHODS = ("gptq", "awq", "compressed-tensors", "auto-round", SAVED_METHOD)  # the quant_method values taken
@@ -642,7 +642,15 @@ class _Tensors:
                 try:
                     weight_map = json.load(f)["weight_map"]
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"{index} must be JSON with a 'weight_map' of tensor name -> file") from None
+                    weight_map = None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise ValueError(f"{index} must be JSON with a 'weight_map' of tensor name -> file")
+            # the shards lie in the checkpoint's directory (a name reaching out of it is no shard of it)
+            outside = sorted({v for v in weight_map.values() if os.path.isabs(v) or
+                              os.path.normpath(v).split(os.sep)[0] == os.pardir})
+            if outside:
+                raise ValueError(f"{index} names files outside the checkpoint's directory: {', '.join(outside)}")
             missing = sorted({file for file in weight_map.values() if not os.path.isfile(os.path.join(path, file))})
             if missing:
                 raise FileNotFoundError(f"{INDEX_FILE} lists shard(s) missing from {path!r}: {', '.join(missing)}")
@@ -946,7 +954,28 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, model
     model, device = empty_model(path, dtype, device, model_class, experts_implementation)
     load_quantized_(model, path, dtype=dtype, device=device)
     _check_asked_experts(model, experts_implementation)
+    load_generation_config_(model, path)
     return model.eval()
+
+
+GENERATION_FILE = "generation_config.json"
+
+
+def load_generation_config_(model: nn.Module, path) -> None:
+    """The checkpoint's ``generation_config.json`` (its end-of-sequence ids, sampling defaults) as the model's
+    ``generation_config``, as transformers' own ``from_pretrained`` loads it; a model built from its config alone
+    has only the defaults derived from ``config.json`` (a chat model's extra EOS ids missing). Nothing where the
+    file is absent or the model does not generate."""
+    file = os.path.join(os.fspath(path), GENERATION_FILE)
+    can_generate = getattr(model, "can_generate", None)
+    if not os.path.isfile(file) or not hasattr(model, "generation_config") or not (can_generate and can_generate()):
+        return
+    from transformers import GenerationConfig
+
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(os.fspath(path))
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{file} is not a generation config transformers reads: {e}") from None
 
 
 def _check_asked_experts(model: nn.Module, asked: str | None) -> None:
@@ -1316,12 +1345,35 @@ def _stored_parts(tensors: "_Tensors", prefix: str, q: QuantConfig, dtype,
     for role in ("qweight", "qzeros", "scales"):
         key = f"{prefix}.{q.leaf(role)}"
         parts[role] = tensors.get(key) if key in tensors else None
-    parts["scales"] = parts["scales"].to(dtype)
+    parts["scales"] = _scales_in(parts["scales"], dtype, prefix)
     g_key = f"{prefix}.{q.leaf('g_idx')}" if q.leaf("g_idx") else None
     g_idx = tensors.get(g_key) if g_key is not None and g_key in tensors else None
     if q.method != SAVED_METHOD and _partial_group(q.group_size, K):
         return _whole_groups(parts, g_idx, q, K)
     return parts, g_idx
+
+
+def _scales_in(scales: torch.Tensor, dtype, prefix: str) -> torch.Tensor:
+    """A stored layer's scales in the model's ``dtype``, refused where a finite stored scale passes that dtype's
+    range (bf16 scales above fp16's 65504 loaded with ``dtype=torch.float16``): the conversion, not the
+    checkpoint, would make them inf."""
+    out = scales.to(dtype)
+    if out.dtype != scales.dtype and out.is_floating_point() and scales.is_floating_point() \
+            and out.device.type != "meta" and bool((torch.isinf(out) & torch.isfinite(scales)).any()):
+        raise ValueError(f"{prefix}: its {dtype_name(scales.dtype)} scales (up to "
+                         f"{scales.float().abs().max().item():.4g}) pass {dtype_name(dtype)}'s range once converted "
+                         f"to it; load the checkpoint with dtype=torch.bfloat16")
+    return out
+
+
+def _check_weight_range(w: Int4Weight, prefix: str) -> Int4Weight:
+    """``w``, refused where its dequantized weights pass its scales' dtype's range (fp16 scales of a few thousand
+    times a 4-bit step of 15): the kernels would compute with inf, as :meth:`Int4Weight.to` refuses such parts."""
+    if w.scales.dtype == torch.float16 and w.device.type != "meta" \
+            and dequantized_overflow(w.qweight, w.scales, w.zeros, torch.float16):
+        raise ValueError(f"{prefix}: its weights dequantized in fp16 pass fp16's range (scales up to "
+                         f"{w.scales.float().abs().max().item():.4g}); load the checkpoint with dtype=torch.bfloat16")
+    return w
 
 
 def _int4_weight(tensors: _Tensors, prefix: str, q: QuantConfig, N: int, K: int, dtype,
@@ -1332,7 +1384,7 @@ def _int4_weight(tensors: _Tensors, prefix: str, q: QuantConfig, N: int, K: int,
     step = max(256, (chunk_weights or CHUNK_WEIGHTS) // K // 256 * 256)
     pieces, frags = [], []
     for a in range(0, N, step):
-        w = _import_columns(parts, g_idx, q, a, min(N, a + step))
+        w = _check_weight_range(_import_columns(parts, g_idx, q, a, min(N, a + step)), prefix)
         frags.append(w.fragments() if w4a16_dispatch.keeps_fragments(w.group_k, w.device, K) else None)
         pieces.append(w)
     del parts
@@ -1581,7 +1633,7 @@ def _expert_weight(tensors: _Tensors, key: str, q: QuantConfig, N: int, K: int, 
     stacked parts), with the checkpoint's group size (-1 stays -1 for every projection); act-order (a g_idx that
     reorders the inputs) keeps its input permutation, which the stacked experts carry an expert each."""
     parts, g_idx = _stored_parts(tensors, key, q, dtype, K)
-    w = _import_columns(parts, g_idx, q, 0, N)
+    w = _check_weight_range(_import_columns(parts, g_idx, q, 0, N), key)
     if _one_group(q.group_size, K) and w.group_size != -1:  # one group: -1 for every expert and projection
         w = Int4Weight(w.qweight, w.scales, w.zeros, -1, w.shape, w.perm)
     return w

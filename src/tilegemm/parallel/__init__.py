@@ -40,7 +40,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from tilegemm.models.pretrained import _check_quant_shapes, _default_device, _import_columns, _left_16_bit_by, \
     _named_16_bit, _partial_group, _saved_weight, _stored_parts, _Tensors, awq_eights, empty_model, load_quantized_, \
-    quant_config, read_config, resolve_dtype
+    load_generation_config_, quant_config, read_config, resolve_dtype
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
 from tilegemm.nn.transaction import unchanged_on_error
@@ -1050,4 +1050,5 @@ def from_pretrained_sharded(path, device_mesh: DeviceMesh, tp_plan="auto", dtype
     dtype = resolve_dtype(dtype, path)
     model, device = empty_model(path, dtype, device, model_class, experts_implementation)
     load_quantized_sharded_(model, path, device_mesh, tp_plan, dtype=dtype, device=device)
+    load_generation_config_(model, path)
     return model.eval()
