@@ -321,6 +321,7 @@ def depthwise_wgrad_taps_config(g: Geometry, dtype: torch.dtype) -> dict:
                 PER_SM=DEPTHWISE_WGRAD_TAPS_PER_SM, MIN_ROWS=DEPTHWISE_WGRAD_TAPS_MIN_ROWS)
 
 
+DEPTHWISE_WGRAD_WALK = False  # auto takes the walking kernel where it takes the layer (walk_takes)
 DEPTHWISE_WGRAD_WALK_MAX_TAPS = 49  # the walking kernel's taps (an accumulator each): up to 7x7
 
 
@@ -356,9 +357,13 @@ def depthwise_wgrad_config(g: Geometry, dtype: torch.dtype, rows: bool | None = 
     :data:`DEPTHWISE_WGRAD_ROW_TAPS`) a program per filter row (``S_PAD``, the row's taps padded to a power of
     two) with its pixel block divided by ``S_PAD`` (the same accumulator registers). Off by default: sharing a dy
     tile across a row's taps ran slower than a program per tap at every slice count (docs/conv2d.md, "Depthwise
-    weight gradient"). Without rows, ``taps`` (default :data:`DEPTHWISE_WGRAD_ALL_TAPS`) gives the all-taps
-    kernel's config (:func:`depthwise_wgrad_taps_config`), else a program a tap."""
+    weight gradient"). Without rows and with ``taps`` left None, the walking kernel's config where
+    :data:`DEPTHWISE_WGRAD_WALK` is on and it takes the layer (:func:`depthwise_wgrad_walk_config`); else ``taps``
+    (default :data:`DEPTHWISE_WGRAD_ALL_TAPS`) gives the all-taps kernel's config
+    (:func:`depthwise_wgrad_taps_config`), else a program a tap."""
     rows = DEPTHWISE_WGRAD_ROW_TAPS if rows is None else rows
+    if not rows and taps is None and DEPTHWISE_WGRAD_WALK and walk_takes(g):
+        return depthwise_wgrad_walk_config(g, dtype)
     if not rows and (DEPTHWISE_WGRAD_ALL_TAPS if taps is None else taps):
         return depthwise_wgrad_taps_config(g, dtype)
     cfg = depthwise_config(g, dtype)
