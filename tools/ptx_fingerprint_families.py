@@ -56,6 +56,7 @@ KERNELS = {
     "depthwise_strided_tile": "tilegemm.ops.conv2d.depthwise:depthwise_strided_tile_kernel",
     "depthwise_window": "tilegemm.ops.conv2d.depthwise:depthwise_window_kernel",
     "depthwise_wgrad_taps": "tilegemm.ops.conv2d.depthwise:depthwise_wgrad_taps_kernel",
+    "depthwise_wgrad_walk": "tilegemm.ops.conv2d.depthwise:depthwise_wgrad_walk_kernel",
     "grouped_direct_fwd": "tilegemm.ops.conv2d.grouped_direct:grouped_direct_fwd_kernel",
     "grouped_direct_dgrad": "tilegemm.ops.conv2d.grouped_direct:grouped_direct_dgrad_kernel",
     "grouped_direct_wgrad": "tilegemm.ops.conv2d.grouped_direct:grouped_direct_wgrad_kernel",
@@ -317,6 +318,9 @@ def conv_launches() -> list:
                 out += captured(lambda: dw.run(p), name, "depthwise.run")
                 out += captured(lambda: dw.dgrad(dy, p.weight, (g.N, g.C, g.H, g.W), fmt, g), name, "depthwise.dgrad")
                 out += captured(lambda: dw.wgrad(dy, p.x, g, dt), name, "depthwise.wgrad")
+                # the all-taps kernel by its config (auto walks where the walking kernel takes the layer)
+                out += captured(lambda: dw.wgrad(dy, p.x, g, dt, cfgs.depthwise_wgrad_taps_config(g, dt)), name,
+                                "depthwise.wgrad taps")
             else:
                 out += captured(lambda: ig.run(p), name, "implicit_gemm.run")
                 out += captured(lambda: ig.dgrad(dy, p.weight, (g.N, g.C, g.H, g.W), fmt, g, prec, False), name,

@@ -1,7 +1,8 @@
 """The depthwise gradients' pixel strides in units of the power of two dividing them (``DIV_Y``, ``DIV_X``):
 right for channel counts that are multiples of 8 but not 16, odd ones, NCHW tensors and views whose strides
 share no power of two; compiled offline for sm_90, 16-byte loads of dy and x where C is a multiple of 8 (with
-88 and 72 channels every load and store was 2 bytes wide)."""
+88 and 72 channels every load and store was 2 bytes wide; the walking weight gradient's loads are 8 bytes, its
+4 channels a thread)."""
 
 from __future__ import annotations
 
@@ -55,9 +56,12 @@ def test_depthwise_gradients_load_16_bytes_where_c_is_a_multiple_of_8(tmp_path):
     script = SM90 + (Path(__file__).parent / "_depthwise_bwd_widths.py").read_text()
     got = compile_offline(tmp_path, script, [192, 88, 72])
     for C, ops in got.items():
-        for kernel in ("dgrad", "wgrad"):
-            wide = sum(v for op, v in ops[kernel].items() if op.startswith("ld.global.v4"))
-            assert wide > 0, f"C={C} {kernel}: no 16-byte loads: {ops[kernel]}"
+        wide = sum(v for op, v in ops["dgrad"].items() if op.startswith("ld.global.v4"))
+        assert wide > 0, f"C={C} dgrad: no 16-byte loads: {ops['dgrad']}"
+        # the walking weight gradient holds 4 channels a thread at 3x3 (its taps' accumulators): 8-byte loads
+        # (the .cg loads: the split's fp32 partial sums, read back by the last program)
+        loads = {op: v for op, v in ops["wgrad"].items() if op.startswith("ld.global") and ".cg" not in op}
+        assert loads and all(".v2." in op or ".v4." in op for op in loads), f"C={C} wgrad: narrow loads: {loads}"
         # the data gradient's stores; its remaining 2-byte loads are the weight's ([K, 1, R, S]: a tap's
         # channels R*S apart), one [BLOCK_N] vector a tap
         assert not any(op.startswith("st.global.b16") for op in ops["dgrad"]), f"C={C}: {ops['dgrad']}"

@@ -46,11 +46,14 @@ def test_all_taps_matches_reference(case, split):
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
-def test_auto_takes_all_taps_and_per_tap_stays_by_config():
+def test_auto_takes_the_walk_else_all_taps_and_per_tap_stays_by_config():
     x, dy, g, ref = _layer(CASES[0])
-    assert depthwise_wgrad_config(g, torch.float32).get("ALL_TAPS")
+    assert depthwise_wgrad_config(g, torch.float32).get("WALK")  # (docs/conv2d.md, "Depthwise weight gradient")
+    assert depthwise_wgrad_config(g, torch.float32, taps=True).get("ALL_TAPS")
+    _, _, g_mult, _ = _layer(CASES[4])  # a channel multiplier: the walk does not take it
+    assert depthwise_wgrad_config(g_mult, torch.float32).get("ALL_TAPS")
     per_tap = depthwise_wgrad_config(g, torch.float32, taps=False)
-    assert not per_tap.get("ALL_TAPS")
+    assert not per_tap.get("ALL_TAPS") and not per_tap.get("WALK")
     for cfg in (None, per_tap):
         out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
         assert (out.double() - ref).norm() / ref.norm() < 1e-5
@@ -63,6 +66,6 @@ def test_all_taps_gpu(case, dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     x, dy, g, ref = _layer(case, "cuda", dtype)  # ref: fp64 of the rounded inputs
-    out = depthwise.wgrad(dy, x, g, torch.float32, None)
+    out = depthwise.wgrad(dy, x, g, torch.float32, depthwise_wgrad_taps_config(g, dtype))
     assert not out.isnan().any()
     assert (out.double().cpu() - ref).norm() / ref.norm() < 1e-4

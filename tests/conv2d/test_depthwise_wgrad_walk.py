@@ -116,13 +116,9 @@ def test_walk_gpu(case, dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     x, dy, g, ref = _layer(case, "cuda", dtype)  # ref: fp64 of the rounded inputs
-    for split in (None, 1):
-        cfg = depthwise_wgrad_walk_config(g, dtype)
-        if split:
-            cfg["SPLIT"] = split
-        out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
-        assert not out.isnan().any()
-        assert (out.double().cpu() - ref).norm() / ref.norm() < 1e-4
+    out = depthwise.wgrad(dy, x, g, torch.float32, depthwise_wgrad_walk_config(g, dtype))
+    assert not out.isnan().any()
+    assert (out.double().cpu() - ref).norm() / ref.norm() < 1e-4
 
 
 def test_walk_compiles_to_one_fma_a_tap_and_channel_with_no_shared_memory_in_its_loop(tmp_path):
