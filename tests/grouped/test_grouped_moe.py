@@ -155,6 +155,24 @@ def test_the_blocks_own_activation_is_fused(hidden_act, device):
     assert (got - want).norm() / want.norm() < 1e-5
 
 
+@pytest.mark.parametrize("act_fn, fused", [(torch.nn.functional.silu, "silu"), (torch.relu, "relu"),
+                                            (torch.nn.functional.gelu, None), (torch.tanh, None)])
+def test_an_activation_function_of_the_block_is_its_own_not_the_configs(act_fn, fused, device):
+    # LFM2-MoE's experts hard-code act_fn = F.silu (a function, no module): the config's hidden_act (which its config
+    # stores when given) was fused in its place, 25% off the block's own output
+    cfg = qwen3_moe(hidden_act="relu")
+    eager, ours = pair(cfg, device)
+    for m in (eager, ours):
+        del m.model.layers[0].mlp.experts.act_fn  # (the config's module, as ACT2FN made it)
+        m.model.layers[0].mlp.experts.act_fn = act_fn
+    x, idx, w = (t.to(device) for t in (torch.randn(10, 32), torch.randint(0, 4, (10, 2)), torch.rand(10, 2)))
+    with torch.no_grad():
+        want = eager.model.layers[0].mlp.experts(x, idx, w)
+        got = ours.model.layers[0].mlp.experts(x, idx, w)
+    assert moe._fused_activation(ours.model.layers[0].mlp.experts) == fused  # (None: the gate applied by torch)
+    assert (got - want).norm() / want.norm() < 1e-5
+
+
 OWN_FORWARD = [  # (config, its class in transformers, the state dict keeps its names)
     pytest.param(llama4, "Llama4TextConfig", True, id="llama4"),
     pytest.param(dbrx, "DbrxConfig", False, id="dbrx"),
@@ -419,6 +437,8 @@ def _kept_fragments_used(block, name="down_proj") -> bool:
     return w._frag is not None and w._frag[0] is getattr(block, f"tilegemm_{name}_frag_w", None)
 
 
+@pytest.mark.skipif(not interpreting(), reason="calls the block on the CPU, where the interpreter runs it; on a "
+                    "Hopper GPU test_grouped_frag_gpu.py runs the kept layouts")
 def test_the_experts_layouts_follow_the_blocks_device(monkeypatch):
     # Kept only where the decode kernel runs: a block quantized on the CPU holds its parts alone; moved onto such a
     # device it makes them then (a model compiled next traces no packing), moved off it drops them.

@@ -7,6 +7,7 @@ with them, where it builds or loads the model (``tilegemm.models.from_pretrained
 from __future__ import annotations
 
 import os
+import re
 import warnings
 import sys
 
@@ -49,13 +50,14 @@ def test_blocks_the_interface_does_not_reach_are_named(make, config_class, block
         pytest.skip(f"this transformers has no {config_class}")
     model = transformers.AutoModelForCausalLM.from_config(make(), experts_implementation="tilegemm")
     assert model.config._experts_implementation == "tilegemm"  # transformers took the name ...
-    assert moe.experts_off_interface(model) == [(block, f"{cls}, whose experts run in a forward of its own: "
-                                                        f"tilegemm.nn.convert_ replaces it")]
+    assert _blocks(moe.experts_off_interface(model)) == [(block, f"{cls}, whose experts run in a forward of its "
+                                                                 f"own: tilegemm.nn.convert_ replaces it")]
     note = moe.experts_off_interface_note(model)  # ... which these blocks never call
-    assert note.startswith(f"{NOTE}(s) of {type(model).__name__}") and f"{block} ({cls}" in note
+    assert re.match(rf"{NOTE[:-len('1 MoE block')]}\d MoE block\(s\) of {type(model).__name__}", note)
+    assert f"{block} ({cls}" in note
     assert "tilegemm.nn.convert_(model)" in note
     tilegemm.nn.convert_(model, conv=False, linear=False)
-    assert moe.experts_off_interface(model) == [] and moe.experts_off_interface_note(model) is None
+    assert _blocks(moe.experts_off_interface(model)) == []
     # a model that asks for another implementation is told nothing
     other = transformers.AutoModelForCausalLM.from_config(make(), experts_implementation="eager")
     assert moe.experts_off_interface(other) and moe.experts_off_interface_note(other) is None
@@ -66,7 +68,7 @@ def test_quantize_experts_alone_names_the_blocks_it_cannot_take(make, config_cla
     if not hasattr(transformers, config_class):
         pytest.skip(f"this transformers has no {config_class}")
     model = transformers.AutoModelForCausalLM.from_config(make())
-    with pytest.warns(ConversionNote, match=r"quantize_experts_ kept 1 MoE block\(s\) 16-bit") as got:
+    with pytest.warns(ConversionNote, match=r"quantize_experts_ kept \d MoE block\(s\) 16-bit") as got:
         assert tilegemm.nn.quantize_experts_(model, group_size=32) == []
     assert f"{block} ({cls}" in str(got[0].message) and "tilegemm.nn.quantize_" in str(got[0].message)
     # through quantize_, which converts the block first, quantize_experts_ takes it and says nothing of its own
@@ -74,8 +76,29 @@ def test_quantize_experts_alone_names_the_blocks_it_cannot_take(make, config_cla
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         tilegemm.nn.quantize_(model, group_size=32)
-    assert not any("quantize_experts_ kept" in str(w.message) for w in seen)
-    assert moe.experts_off_interface(model) == []
+    assert not any("quantize_experts_ kept" in str(w.message) and "JetMoeMoE" in str(w.message) for w in seen)
+    assert _blocks(moe.experts_off_interface(model)) == []
+
+
+def _blocks(off):
+    """experts_off_interface's entries but JetMoE's attention experts (named, and kept, on their own: below)."""
+    return [(n, why) for n, why in off if not why.startswith("JetMoeMoA")]
+
+
+def test_jetmoes_attention_experts_are_named_and_kept():
+    # JetMoE's mixture of attention heads holds 3-D experts (its heads' query and output projections) that its own
+    # forward runs: convert_ and quantize_ leave them 16-bit, and said nothing of it
+    if not hasattr(transformers, "JetMoeConfig"):
+        pytest.skip("this transformers has no JetMoeConfig")
+    model = transformers.AutoModelForCausalLM.from_config(jetmoe(), experts_implementation="tilegemm").half()
+    attention = "model.layers.0.self_attention.experts"
+    assert any(n == attention and why.startswith("JetMoeMoA") for n, why in moe.experts_off_interface(model))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tilegemm.nn.quantize_(model, group_size=32)
+    assert any(issubclass(w.category, ConversionNote) and attention in str(w.message) for w in seen)
+    assert model.get_submodule(attention).input_linear.weight.dtype == torch.float16  # kept as it was
+    assert [n for n, _ in moe.experts_off_interface(model)] == [attention]
 
 
 def test_models_on_the_interface_are_not_named():

@@ -274,6 +274,8 @@ def _fused_activation(module) -> str | None:
     act_fn = getattr(module, "act_fn", None)
     if isinstance(act_fn, torch.nn.Module):  # the block's own activation (Aria's experts: SiLU whatever the config)
         return _FUSABLE_MODULES.get(type(act_fn).__name__)
+    if act_fn is not None:  # a function (LFM2-MoE's F.silu, whatever the config's hidden_act says): it, or unfused
+        return next((name for fn, name in _FUSABLE_FUNCTIONS if act_fn is fn), None)
     act = getattr(getattr(module, "config", None), "hidden_act", None)
     return _FUSABLE.get(act) if isinstance(act, str) else None
 
@@ -686,6 +688,7 @@ OTHER_ROUTING_BLOCKS = {
 # Activation modules (by class name, as transformers' ACT2FN makes them) that a tilegemm epilogue computes.
 _FUSABLE_MODULES = {"SiLU": "silu", "SiLUActivation": "silu", "ReLU": "relu", "PytorchGELUTanh": "gelu_tanh",
                     "GELUTanh": "gelu_tanh"}
+_FUSABLE_FUNCTIONS = ((torch.nn.functional.silu, "silu"), (torch.nn.functional.relu, "relu"), (torch.relu, "relu"))
 
 
 def _linear_kind(module) -> str | None:
@@ -935,6 +938,9 @@ OWN_FORWARD_BLOCKS = {"Llama4TextMoe": Llama4MoeBlock, "JetMoeMoE": JetMoeBlock,
 NOT_GROUPED_BLOCKS = {
     "DogeCDMoE": "its routed experts are rows of two embedding tables (Doge's retrieval experts, picked by product "
                  "keys), not weights of a grouped product: they stay as they are",
+    "JetMoeMoA": "JetMoE's mixture of attention heads: its experts' query and output projections "
+                 "(JetMoeParallelExperts input_linear and output_linear) run in the attention's own forward: they "
+                 "stay 16-bit",
 }
 
 
