@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from conftest import assert_rel_close
+from tilegemm.core.runtime import interpreting
 from tilegemm.nn import Int4Linear
 
 
@@ -459,6 +460,8 @@ def test_repr_names_the_modules_dtype_and_the_scales_where_they_differ():
     assert repr(fp32.half()).endswith("group_size=32, dtype=torch.float16)")
 
 
+@pytest.mark.skipif(not interpreting(), reason="calls the layer on the CPU, where the interpreter runs it; on a "
+                    "Hopper GPU tests/nn/test_int4_fragments_gpu.py follows the layout through real moves")
 def test_the_fragment_layout_is_kept_only_where_its_kernel_runs(monkeypatch):
     # On the CPU (and a GPU before Hopper) no call reads the layout: none is made, the 4-bit memory is the parts'.
     from tilegemm.ops.w4a16 import dispatch
@@ -486,6 +489,8 @@ def test_the_fragment_layout_is_kept_only_where_its_kernel_runs(monkeypatch):
     assert torch.equal(layer(x), out)
 
 
+@pytest.mark.skipif(not interpreting(), reason="calls the layer on the CPU, where the interpreter runs it; on a "
+                    "Hopper GPU tests/nn/test_int4_fragments_gpu.py follows the layout through real moves")
 def test_the_layout_follows_the_device_under_a_mode_and_through_pickling(monkeypatch):
     # A move the layer cannot pack in (under a torch function mode: torch.device(...), set_default_device) and a
     # layer unpickled onto another kind of device (torch.load's map_location) leave no layout standing against the
