@@ -40,10 +40,13 @@ GROUPED_CANDIDATES = ("tap-2-8", "tap-8-4", "tap-16-4", "tap-32-2")
 
 def config(name: str, g) -> dict:
     shape, per_sm, steps, *bq = name.split("-")
-    if shape == "walk":  # depthwise_wgrad_walk_kernel: walk-PER_SM-MIN_CHUNKS[-STAGES]
+    if shape == "walk":  # depthwise_wgrad_walk_kernel: walk-PER_SM-MIN_CHUNKS[-STAGES | -aAHEAD]
         cfg = dict(depthwise_wgrad_walk_config(g, torch.float16), PER_SM=int(per_sm), MIN_CHUNKS=int(steps))
-        if bq:
-            cfg["num_stages"] = int(bq[0])
+        for extra in bq:
+            if extra.startswith("a"):
+                cfg["AHEAD"] = int(extra[1:])
+            else:
+                cfg["num_stages"] = int(extra)
         return cfg
     if shape == "all":  # depthwise_wgrad_taps_kernel: every tap a program, slices of output rows; -BQ: its columns
         cfg = dict(depthwise_wgrad_taps_config(g, torch.float16), PER_SM=int(per_sm), MIN_ROWS=int(steps))

@@ -51,8 +51,9 @@ def test_walk_matches_reference(case, split):
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
+@pytest.mark.parametrize("ahead", [1, 3])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], CASES[6], CASES[7]])
-def test_walk_with_the_gpu_tiles(case, monkeypatch):
+def test_walk_with_the_gpu_tiles(case, ahead, monkeypatch):
     # the tiles the GPU takes (VEC channels a thread, BLOCK_P rows of up to 128), not the interpreter's small one
     from tilegemm.ops.conv2d import configs
 
@@ -60,7 +61,7 @@ def test_walk_with_the_gpu_tiles(case, monkeypatch):
     x, dy, g, ref = _layer(case)
     cfg = depthwise_wgrad_walk_config(g, torch.float16)
     assert cfg["BLOCK_P"] * cfg["BLOCK_N"] >= 128
-    cfg.update(PER_SM=1)
+    cfg.update(PER_SM=1, AHEAD=ahead)  # (loads issued that many columns ahead: past Q, masked)
     out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 

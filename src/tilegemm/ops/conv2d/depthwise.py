@@ -805,7 +805,7 @@ def depthwise_wgrad_walk_kernel(
     str_h, pad_h, pad_w, dil_h,
     R: tl.constexpr, S: tl.constexpr, STR_W: tl.constexpr, T_PAD: tl.constexpr, INDEX_64: tl.constexpr,
     DIV: tl.constexpr, DIV_Y: tl.constexpr, DIV_X: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, AHEAD: tl.constexpr,
 ):
     # This program: channels [BN] of every tap over a slice of output rows (n, p), BLOCK_P rows at a time (one a
     # thread row of the tile), each row's columns walked one by one. A tap is its own accumulator (a tuple: no
@@ -851,24 +851,31 @@ def depthwise_wgrad_walk_kernel(
                 c = j - pad_w
                 win = win + (tl.load(x_ptr + x_off[r] + c * stride_xw, mask=x_ok[r] & (c >= 0) & (c < W),
                                      other=0.0).to(tl.float32),)
-        # Column q's loads are issued during column q - 1's products (registers, not a shared-memory ring).
-        dyv, fresh = _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, 0, Q, W, pad_w, stride_yq, stride_xw,
-                                 R, STR_W, KEEP, NEW)
+        # Column q's loads are issued AHEAD columns earlier, during those columns' products (registers, not a
+        # shared-memory ring): dy streams from memory once, and one column's products do not hide its latency.
+        FRESH: tl.constexpr = R * NEW  # the x values a column loads
+        dys = ()
+        xs = ()
+        for i in tl.static_range(AHEAD):
+            d, f = _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, i, Q, W, pad_w, stride_yq, stride_xw,
+                               R, STR_W, KEEP, NEW)
+            dys = dys + (d,)
+            xs = xs + f
         for q in range(0, Q):
-            dy_next, fresh_next = _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, q + 1, Q, W, pad_w,
-                                              stride_yq, stride_xw, R, STR_W, KEEP, NEW)
-            dyf = dyv.to(tl.float32)
+            d, f = _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, q + AHEAD, Q, W, pad_w, stride_yq,
+                               stride_xw, R, STR_W, KEEP, NEW)
+            dyf = dys[0].to(tl.float32)
             kept = ()
             for r in tl.static_range(R):
                 cols = win[r * KEEP:(r + 1) * KEEP]
                 for j in tl.static_range(NEW):
-                    cols = cols + (fresh[r * NEW + j].to(tl.float32),)
+                    cols = cols + (xs[r * NEW + j].to(tl.float32),)
                 for s in tl.static_range(S):
                     acc = acc[:r * S + s] + (acc[r * S + s] + dyf * cols[s],) + acc[r * S + s + 1:]
                 kept = kept + cols[S - KEEP:]
             win = kept
-            dyv = dy_next
-            fresh = fresh_next
+            dys = dys[1:] + (d,)
+            xs = xs[FRESH:] + f
     taps = tl.arange(0, T_PAD)
     total = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
     for t in tl.static_range(R * S):
