@@ -375,8 +375,9 @@ def test_a_group_size_the_kernels_do_not_take(tmp_path):
     config = cw.tiny_config("llama", hidden=64)
     path = tmp_path / "c"
     cw.write_model(path, cw.random_model(config), "gptq", 16)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj \(GPTQ v1, 4-bit, group 16\): group "
-                                         r"size K / G = 64 / 4 = 16 is not one of"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj: group_size 16 is not a group length "
+                                         r"the kernels take, and no group length the kernels take \(32, 64, 128, "
+                                         r"256\) divides gcd\(64, 16\) = 16"):
         from_pretrained(path, device="cpu")
 
 

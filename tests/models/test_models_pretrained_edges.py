@@ -87,8 +87,38 @@ def test_a_partial_last_group_whose_gcd_no_kernel_takes_is_refused(tmp_path):
     path = tmp_path / "c"
     cw.write_model(path, cw.random_model(config), "gptq", 64)
     with pytest.raises(ValueError, match=r"q_proj: in_features 80 is not divisible by group_size 64: its last group "
-                                         r"is partial, which loads exactly as groups of gcd\(80, 64\) = 16 inputs, "
-                                         r"not a group size the kernels take \(32, 64, 128, 256\)"):
+                                         r"is partial, and no group length the kernels take \(32, 64, 128, 256\) "
+                                         r"divides gcd\(80, 64\) = 16"):
+        from_pretrained(path, device="cpu")
+
+
+@pytest.mark.parametrize("method, sym, act_order", [("gptq", False, False), ("gptq", True, True),
+                                                    ("awq", False, False), ("compressed-tensors", False, True)])
+@pytest.mark.parametrize("group_size, hidden, loads_as", [(512, 512, {"q_proj": -1, "down_proj": 256}),
+                                                         (96, 192, {"q_proj": 32, "down_proj": 32}),
+                                                         (1024, 256, {"q_proj": 256, "down_proj": -1})])
+def test_group_lengths_the_kernels_do_not_take_load_as_one_they_take(tmp_path, method, sym, act_order, group_size,
+                                                                     hidden, loads_as, device):
+    # GPTQ and the others quantize in any group length: 512 (down: K = 1024, two groups) loads exactly as groups of
+    # 256, each taking its stored group's scale and zero; a layer that is one group of 512 as all of K (-1); 96 as
+    # groups of 32; 1024 over a K below it is one group (the kernels' K where they take it, 256, else -1)
+    config = cw.tiny_config("llama", hidden=hidden, layers=1)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), method, group_size, sym=sym, act_order=act_order)
+    model = from_pretrained(path, device=device)
+    layer = model.model.layers[0]
+    assert layer.self_attn.q_proj.group_size == loads_as["q_proj"]
+    assert layer.mlp.down_proj.group_size == loads_as["down_proj"]
+    assert _rel(model, cw.reference_model(config, reference)) < 3e-3
+
+
+def test_a_group_length_no_kernel_group_divides_is_refused(tmp_path):
+    config = cw.tiny_config("llama", hidden=96, layers=1)  # group 48: gcd(96, 48) = 48, which 32 does not divide
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 48)
+    with pytest.raises(ValueError, match=r"q_proj: group_size 48 is not a group length the kernels take, and no "
+                                         r"group length the kernels take \(32, 64, 128, 256\) divides "
+                                         r"gcd\(96, 48\) = 48"):
         from_pretrained(path, device="cpu")
 
 

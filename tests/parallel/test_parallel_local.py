@@ -368,3 +368,30 @@ def test_parallel_partial_last_group_is_read_whole_and_split_exactly(tmp_path, m
     with pytest.raises(ValueError, match=r"a split of K = 192 over 2 ranks \(96 each\) would cut quantization groups "
                                          r"of group_size = 64"):
         _read_int4_shard(tensors, "l", q, N, K, "in", 0, 2, torch.float16)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_parallel_group_length_the_kernels_do_not_take_is_read_whole_and_split_exactly(tmp_path, method):
+    """Groups of 512 (K = 1024: two stored groups) load exactly as groups of 256, read whole then split."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    from tilegemm.models import pretrained
+    from tilegemm.parallel import _read_int4_shard
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
+    import ckpt_writer as cw
+
+    N, K = 64, 1024
+    t, want = cw.quantize_linear(torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.05, method, 512,
+                                 generator=torch.Generator().manual_seed(1))
+    save_file({f"l.{k}": v.contiguous() for k, v in t.items()}, str(tmp_path / "model.safetensors"))
+    q = pretrained.quant_config({"quantization_config": cw.quantization_config(method, 512)}).for_module("l")
+    tensors = pretrained._Tensors(str(tmp_path), torch.device("cpu"))
+    for split, ranks in (("out", 2), ("in", 4)):
+        for rank in range(ranks):
+            local, _ = _read_int4_shard(tensors, "l", q, N, K, split, rank, ranks, torch.float16)
+            assert local.group_size == 256
+            rows, cols = (slice(rank * 32, (rank + 1) * 32), slice(None)) if split == "out" else \
+                (slice(None), slice(rank * 256, (rank + 1) * 256))
+            assert torch.equal(dequantize(local), want[rows, cols])

@@ -930,10 +930,10 @@ def from_pretrained(path, dtype: torch.dtype = torch.float16, device=None, model
     ``"gptq"`` (v1) or ``"gptq_v2"``; act-order ``desc_act``; symmetric or not), AWQ (``version: "gemm"``), Intel
     AutoRound (``packing_format`` ``"auto_round:auto_gptq"`` or ``"auto_round:auto_awq"``) or compressed-tensors
     (llm-compressor's W4A16 schemes stored ``"pack-quantized"``: 4-bit int weights, group or channel strategy,
-    symmetric or not, act-order), 4 bits, any group size the kernels take (32, 64, 128, 256,
-    -1 = all of K). Raises FileNotFoundError, ValueError or TypeError naming the problem (no directory, no
-    config.json, no quantization_config, another method or bit width, missing tensors, shapes that do not match
-    the config).
+    symmetric or not, act-order), 4 bits, any group size (32, 64, 128, 256 and -1 = all of K as stored; others
+    exactly as groups of the largest of those dividing them, 512 as 256). Raises FileNotFoundError, ValueError or
+    TypeError naming the problem (no directory, no config.json, no quantization_config, another method or bit width,
+    missing tensors, shapes that do not match the config).
 
     Mixture-of-experts checkpoints storing each expert as its own quantized Linear (``<block>.<e>.gate_proj`` ...,
     Mixtral's ``block_sparse_moe.experts.<e>.w1`` ...) load into the blocks' stacked 4-bit experts, run by the
@@ -1170,27 +1170,43 @@ def _partial_group(group_size: int, K: int) -> bool:
     return not _one_group(group_size, K) and K % group_size != 0
 
 
+def _regroups(group_size: int, K: int) -> bool:
+    """Whether a layer of ``K`` inputs stored in groups of ``group_size`` loads in other groups: its last group is
+    partial, or its group length is one the kernels do not take (512, 1024, 96, ...)."""
+    return not _one_group(group_size, K) and (K % group_size != 0 or
+                                              group_size not in GROUP_SIZES and K != group_size)
+
+
+def _kernel_group(group_size: int, K: int) -> int | None:
+    """The group length such a layer loads as, exactly: the largest the kernels take that divides
+    ``gcd(K, group_size)`` (every run of it lies inside one stored group), or None where none does."""
+    g = math.gcd(K, group_size)
+    return next((x for x in sorted(GROUP_SIZES, reverse=True) if x > 0 and g % x == 0), None)
+
+
 def _groups_fit(group_size: int, K: int) -> bool:
-    """Whether a layer of ``K`` inputs stored in groups of ``group_size`` loads: whole groups, or a partial last
-    group where ``gcd(K, group_size)`` is a group size the kernels take (:func:`_whole_groups`)."""
-    return not _partial_group(group_size, K) or math.gcd(K, group_size) in GROUP_SIZES
+    """Whether a layer of ``K`` inputs stored in groups of ``group_size`` loads: in its own groups, or in groups of
+    :func:`_kernel_group` (:func:`_whole_groups`)."""
+    return not _regroups(group_size, K) or _kernel_group(group_size, K) is not None
 
 
 def _partial_group_problem(group_size: int, K: int) -> str:
-    """Why a layer of ``K`` inputs whose last group of ``group_size`` is partial does not load (for messages)."""
-    return (f"in_features {K} is not divisible by group_size {group_size}: its last group is partial, which loads "
-            f"exactly as groups of gcd({K}, {group_size}) = {math.gcd(K, group_size)} inputs, not a group size the "
-            f"kernels take ({', '.join(str(g) for g in GROUP_SIZES if g > 0)})")
+    """Why a layer of ``K`` inputs in groups of ``group_size`` does not load (for messages)."""
+    why = (f"in_features {K} is not divisible by group_size {group_size}: its last group is partial" if K % group_size
+           else f"group_size {group_size} is not a group length the kernels take")
+    return (f"{why}, and no group length the kernels take ({', '.join(str(g) for g in GROUP_SIZES if g > 0)}) "
+            f"divides gcd({K}, {group_size}) = {math.gcd(K, group_size)}, which would load it exactly")
 
 
 def _whole_groups(parts: dict, g_idx, q: QuantConfig, K: int) -> tuple[dict, torch.Tensor | None]:
-    """A stored layer whose last group is partial (``K`` not a multiple of ``q.group_size``) as the same weight in
-    groups of ``g = gcd(K, group_size)``: every g inputs lie inside one stored group, so each new group takes that
-    group's scale and zero (exact). Act-order: the inputs sorted by stored group (each of group_size but the last)
-    are cut into groups of g in that order. ``parts`` and ``g_idx`` as :func:`_stored_parts` reads them."""
+    """A stored layer whose last group is partial (``K`` not a multiple of ``q.group_size``) or whose group length
+    the kernels do not take, as the same weight in groups of ``g`` (:func:`_kernel_group`, a divisor of
+    ``gcd(K, group_size)``): every g inputs lie inside one stored group, so each new group takes that group's scale
+    and zero (exact). Act-order: the inputs sorted by stored group (each of group_size but the last) are cut into
+    groups of g in that order. ``parts`` and ``g_idx`` as :func:`_stored_parts` reads them."""
     gs = q.group_size
-    g = math.gcd(K, gs)
-    if g not in GROUP_SIZES:
+    g = _kernel_group(gs, K)
+    if g is None:
         raise ValueError(_partial_group_problem(gs, K))
     # compressed-tensors holds groups in columns ([N, G], zeros [ceil(N/8), G] or [N, G]); GPTQ / AWQ in rows
     dim = 1 if q.method == "compressed-tensors" else 0
@@ -1348,7 +1364,7 @@ def _stored_parts(tensors: "_Tensors", prefix: str, q: QuantConfig, dtype,
     parts["scales"] = _scales_in(parts["scales"], dtype, prefix)
     g_key = f"{prefix}.{q.leaf('g_idx')}" if q.leaf("g_idx") else None
     g_idx = tensors.get(g_key) if g_key is not None and g_key in tensors else None
-    if q.method != SAVED_METHOD and _partial_group(q.group_size, K):
+    if q.method != SAVED_METHOD and _regroups(q.group_size, K):
         return _whole_groups(parts, g_idx, q, K)
     return parts, g_idx
 

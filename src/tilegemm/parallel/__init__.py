@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from tilegemm.models.pretrained import _check_quant_shapes, _default_device, _import_columns, _left_16_bit_by, \
-    _named_16_bit, _partial_group, _saved_weight, _stored_parts, _Tensors, awq_eights, empty_model, load_quantized_, \
+    _named_16_bit, _regroups, _saved_weight, _stored_parts, _Tensors, awq_eights, empty_model, load_quantized_, \
     load_generation_config_, quant_config, read_config, resolve_dtype
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
@@ -908,8 +908,9 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
     if problems:
         raise ValueError("; ".join(problems))
     gs = q.group_size
-    if q.method != SAVED_METHOD and _partial_group(gs, K):
-        # a partial last group: read whole and regrouped exactly (its groups of gcd(K, group_size)), then cut
+    if q.method != SAVED_METHOD and _regroups(gs, K):
+        # a partial last group or a group length the kernels do not take: read whole and regrouped exactly (in
+        # groups of a divisor of gcd(K, group_size)), then cut
         parts, g_idx = _stored_parts(tensors, prefix, q, dtype, K)
         return shard_int4(_import_columns(parts, g_idx, q, 0, N), split, rank, world)
     if q.method == SAVED_METHOD:  # tilegemm's own buffers (a model it saved): the house kinds
