@@ -178,6 +178,8 @@ def test_route_op_called_directly_refuses(args, match):
     ((torch.zeros(4, 3), torch.zeros(3, dtype=torch.int32), torch.zeros(2, 2)), "all must be T\\*k"),
     ((torch.zeros(4, 3), torch.zeros(4, dtype=torch.int64), torch.zeros(2, 2)), "int32"),
     ((torch.zeros(4, 3), torch.zeros(4, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32)), "floating"),
+    ((torch.zeros(4, 3, dtype=torch.int64), torch.zeros(4, dtype=torch.int32), torch.zeros(2, 2)),
+     "y must be floating point"),  # (it was summed in fp32 and rounded back: 100000001 -> 100000000)
 ])
 def test_combine_refuses(args, match):
     with pytest.raises((ValueError, TypeError), match=match):

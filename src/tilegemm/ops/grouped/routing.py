@@ -374,6 +374,8 @@ def _check_combine(y, pos, weights) -> None:
         raise TypeError(f"moe_combine: pos must be int32 (as moe_route gives it), got {pos.dtype}")
     if not weights.is_floating_point():
         raise TypeError(f"moe_combine: weights must be floating point, got {weights.dtype}")
+    if not y.is_floating_point():  # (summed in fp32: integers past 2^24 came back rounded)
+        raise TypeError(f"moe_combine: y must be floating point (the experts' outputs), got {y.dtype}")
     if len({y.device, pos.device, weights.device}) != 1:
         raise ValueError(f"moe_combine: y, pos and weights on different devices ({y.device}, {pos.device}, "
                          f"{weights.device})")
