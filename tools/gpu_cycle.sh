@@ -140,11 +140,11 @@ for step in "$@"; do
     conv2d-fwd) for s in resnet50 mobilenet; do bench --op conv2d --sweep $s --kernels auto --json "$OUT/conv2d-$s-fwd.json" 2>&1 | tail -n 3; done ;;
     conv2d-nchw) for s in resnet50 mobilenet; do for m in fwd bwd; do bench --op conv2d --sweep $s --kernels auto \
                    --mode $m --memory-format nchw --json "$OUT/conv2d-$s-$m-nchw.json" 2>&1 | tail -n 3; done; done ;;
-    recheck) pytest_ -m "" -n 14 -rf tests/nn/test_int4_fragments.py tests/nn/test_int4_fragments_gpu.py \
-               tests/nn/test_int4_lifecycle.py tests/nn/test_linear_dropin.py tests/models/test_models_pretrained.py \
-               tests/grouped/test_grouped_moe.py tests/grouped/test_grouped_autograd.py tests/grouped/test_grouped_frag_gpu.py \
-               tests/grouped/test_grouped_errors.py tests/core/test_torch_ops.py tests/parallel/test_parallel_moe_local.py \
-               tests/w4a16/test_w4a16_fragments.py tests/w4a16/test_w4a16_graph_capture.py tests/guide/test_guide.py 2>&1 \
+    recheck) pytest_ -m "" -n 14 -rf tests/conv2d/test_depthwise_wgrad_walk.py tests/conv2d/test_depthwise_wgrad_taps.py \
+               tests/conv2d/test_depthwise_backward_widths.py tests/conv2d/test_conv2d_backward.py \
+               tests/models/test_models_pretrained_edges.py tests/models/test_models_pretrained.py \
+               tests/models/test_models_experts_implementation.py tests/grouped/test_grouped_moe.py \
+               tests/grouped/test_grouped_routing.py tests/parallel/test_parallel_local.py tests/nn/test_int4_lifecycle.py 2>&1 \
                | tee "$OUT/recheck.log" | tail -n 15 ;;
     fuzz) for t in matmul conv2d w4a16 grouped; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
