@@ -172,3 +172,91 @@ def test_parallel_conv2d_grad():
 
 def test_parallel_w4a16_op_grad():
     spawn(w4a16_op_grad_ranks, 2)
+
+
+def experts_grad_ranks(rank, world, mesh):
+    # ExpertsTensorParallel: each rank's output is a partial sum over its slice of the intermediate size, so its
+    # gradients of the hidden states and of the routing weights are partial too (each rank had kept its own part)
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    transformers = pytest.importorskip("transformers")
+    import tilegemm.nn as tnn
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      num_experts=3, num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="tilegemm")
+    experts = model.model.layers[0].mlp.experts
+    x, idx, w = torch.randn(6, 32), torch.randint(0, 3, (6, 2)), torch.rand(6, 2)
+    sharded = parallelize_module(copy.deepcopy(experts), mesh, tnn.ExpertsTensorParallel())
+    for call in ("args", "kwargs"):
+        grads = []
+        for block in (experts, sharded):
+            xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+            out = block(xa, idx, wa) if call == "args" else block(hidden_states=xa, top_k_index=idx,
+                                                                   top_k_weights=wa)
+            out.sum().backward()
+            grads.append((out.detach(), xa.grad, wa.grad))
+        (want, want_x, want_w), (got, got_x, got_w) = grads
+        _close(got, want, FP32_TOL, f"experts output ({call})")
+        _close(got_x, want_x, FP32_TOL, f"experts' hidden states gradient ({call})")
+        _close(got_w, want_w, FP32_TOL, f"experts' routing weights gradient ({call})")
+
+
+def test_parallel_experts_input_grad():
+    spawn(experts_grad_ranks, 2)
+
+
+def int4_state_ranks(rank, world, mesh, tmp):
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import tilegemm.nn as tnn
+    from tilegemm.parallel import load_sharded_
+
+    # a row-parallel act-order shard's input index is saved with it: a state dict loaded into another such shard
+    # (of another checkpoint) computes what the saved one did (the index was left out: 0.87 off)
+    a = torch.nn.Sequential(_act_order_linear(16, 128, 32))
+    torch.manual_seed(5)
+    b = torch.nn.Sequential(_act_order_linear(16, 128, 32))
+    with torch.no_grad():  # another weight and input order than a's
+        b[0].load_state_dict({**b[0].state_dict(), "perm": torch.randperm(128)})
+    x = torch.randn(3, 128).half()
+    with torch.no_grad():
+        want = a(x)
+    for m in (a, b):
+        parallelize_module(m, mesh, {"0": tnn.RowwiseParallel(input_layouts=Replicate())})
+    assert "0.tp_input_index" in a.state_dict()
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        _close(b(x), want, FP16_TOL, "a row-parallel act-order shard loaded from another's state dict")
+
+    # an fp32 4-bit layer stays fp32 when split (its bias was made fp16, its scales' dtype)
+    q = tnn.quantize_(_mlp(64, 64, 16), group_size=32)
+    parallelize_module(q, mesh, {"0": tnn.ColwiseParallel(), "2": tnn.RowwiseParallel()})
+    assert q[0].bias.dtype == torch.float32 and (rank or q[2].bias.dtype == torch.float32)
+    with pytest.raises(TypeError, match="dtype"):
+        q(torch.randn(3, 64).half())
+
+    # load_sharded_ refuses, on every rank, a row-parallel 4-bit layer's bias the files lack (or hold and the layer
+    # lacks): the ranks past the first, which hold no such bias, had returned (their next collective then waits)
+    full = tnn.quantize_(_mlp(64, 64, 16).half(), group_size=32)
+    no_bias = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16, bias=False))
+    for files, model, key in ((full, no_bias, "files but not in the model"), (no_bias, full, "not in the files")):
+        state = {k: v.contiguous() for k, v in tnn.quantize_(copy.deepcopy(files).half(), group_size=32)
+                 .state_dict().items()} if files is no_bias else {k: v.contiguous() for k, v in files.state_dict()
+                                                                  .items()}
+        path = f"{tmp}/files-{key[:5]}.safetensors"
+        if rank == 0:
+            save_file(state, path)
+        torch.distributed.barrier()
+        skeleton = parallelize_module(tnn.quantize_(copy.deepcopy(model).half(), group_size=32), mesh,
+                                      {"0": tnn.ColwiseParallel(), "2": tnn.RowwiseParallel()})
+        with pytest.raises(ValueError, match=rf"{key}.*2\.bias"):
+            load_sharded_(skeleton, path, mesh)
+
+
+def test_parallel_int4_state_and_dtype(tmp_path):
+    spawn(int4_state_ranks, 2, str(tmp_path))

@@ -216,19 +216,28 @@ def _shard_int4_module(style, module: Int4Linear, mesh: DeviceMesh, dim: str) ->
     return attach_int4(style, module, mesh, dim, index, bias)
 
 
+def _set_input_index(module: Int4Linear, index: torch.Tensor | None, device) -> None:
+    """A row-parallel act-order shard's input index (which of x's inputs its rows take, x's columns in the
+    weight's sorted order), saved in its state dict: its perm is empty, and a state dict loaded into another shard
+    without it would multiply the rows by other inputs. Empty (and not saved) elsewhere."""
+    if index is None:
+        module.register_buffer("tp_input_index", torch.empty(0, dtype=torch.int64, device=device), persistent=False)
+    else:
+        module.register_buffer("tp_input_index", index.to(device))
+
+
 def attach_int4(style, module: Int4Linear, mesh: DeviceMesh, dim: str, index: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None) -> Int4Linear:
     """Make ``module`` (an Int4Linear holding rank's shard already) one rank's part of a ``dim`` split (``"out"``:
     column-parallel, ``"in"``: row-parallel) under ``style``: the bias (this rank's part; a row-parallel one is
     kept by the first rank only), the act-order input index, and the hooks that convert its input and output."""
     rank, _ = _mesh_rank(mesh)
+    module.tp_has_bias = bias is not None  # (every rank's answer: load_sharded_ checks the files against it)
     if bias is not None and dim == "in" and rank != 0:
         bias = None  # row-parallel: added once, by the first rank, before the all-reduce sums the ranks
-    module.bias = None if bias is None else nn.Parameter(bias.detach().to(module.scales.dtype).clone(),
-                                                         requires_grad=False)
-    device = module.qweight.device
-    module.register_buffer("tp_input_index", torch.empty(0, dtype=torch.int64, device=device) if index is None
-                           else index.to(device), persistent=False)
+    # (the bias keeps its dtype, the layer's: an fp32 layer of fp16 scales stays fp32)
+    module.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+    _set_input_index(module, index, module.qweight.device)
     module.tp_split = dim  # read by load_sharded_
     if dim == "out":  # every rank reads all of the replicated x for its own outputs: x's gradient a partial sum
         desired, produced, grad = (Replicate(),), (Shard(-1),), (Partial(),)
@@ -545,15 +554,23 @@ _HIDDEN = {"size": "hidden size H", "arg": "hidden_states"}  # how _check_width 
 
 
 def _experts_input_hook(style, mesh, H, mod, args, kwargs):
+    # Each rank computes its slice of the intermediate size from all of the hidden states and of the routing
+    # weights: its output, and so its gradients of both, are partial sums (Partial): the backward all-reduces them
+    # (or reduce-scatters to the input's layout), as a column-parallel layer's input gradient.
     args = list(args)
     if args:
         _check_width(style.input_layouts, mesh.size(), H, "experts", mod, args[:1], **_HIDDEN)
-        args[0] = _to_local_input(args[0], mesh, style.input_layouts, (Replicate(),))
+        args[0] = _to_local_input(args[0], mesh, style.input_layouts, (Replicate(),), (Partial(),))
     elif "hidden_states" in kwargs:
         _check_width(style.input_layouts, mesh.size(), H, "experts", mod, (kwargs["hidden_states"],), **_HIDDEN)
         kwargs["hidden_states"] = _to_local_input(kwargs["hidden_states"], mesh, style.input_layouts,
-                                                  (Replicate(),))
-    # the routing (top_k_index, top_k_weights): the same on every rank
+                                                  (Replicate(),), (Partial(),))
+    # the routing (top_k_index, top_k_weights): the same on every rank; the weights' gradient a partial sum
+    if len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].is_floating_point():
+        args[2] = _to_local_input(args[2], mesh, (Replicate(),), (Replicate(),), (Partial(),))
+    w = kwargs.get("top_k_weights")
+    if isinstance(w, torch.Tensor) and w.is_floating_point():
+        kwargs["top_k_weights"] = _to_local_input(w, mesh, (Replicate(),), (Replicate(),), (Partial(),))
     args = [a.full_tensor() if isinstance(a, DTensor) else a for a in args]
     kwargs = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
     return tuple(args), kwargs
@@ -718,7 +735,7 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
     rank, world = _mesh_rank(device_mesh)
     files = [files] if isinstance(files, str) else list(files)
     modules = dict(model.named_modules())
-    state, loaded = {}, set()
+    state, loaded, int4_keys = {}, set(), set()
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():
@@ -727,8 +744,12 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
                 if isinstance(module, Int4Linear) and getattr(module, "tp_split", None):
                     sl = f.get_slice(key)
                     slices = shard_slices(leaf, sl.get_shape(), module.tp_split, rank, world, module.group_size)
-                    if slices is None:
-                        loaded.add(key)  # a row-parallel int4 bias past the first rank: not held there
+                    int4_keys.add(key)
+                    if slices is None:  # a row-parallel int4 bias past the first rank: not held there
+                        if getattr(module, "tp_has_bias", True):
+                            loaded.add(key)
+                        else:  # the layer has none on any rank: left over, named by the strict check
+                            state[key] = f.get_tensor(key)
                         continue
                     state[key] = sl[slices] if slices else f.get_tensor(key)
                     continue
@@ -766,8 +787,8 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
         dev = device if device is not None else module.qweight.device
         w = w.to(dev)
         module._set_weight(w)
-        module.register_buffer("tp_input_index", torch.empty(0, dtype=torch.int64, device=dev) if index is None
-                               else index.to(dev), persistent=False)
+        _set_input_index(module, index, dev)
+        loaded.add(prefix + "tp_input_index")  # (made from the files' perm, which the files name)
         if prefix + "bias" in state and module.bias is not None:  # (a bias the layer has not: left unexpected)
             module.bias = nn.Parameter(state.pop(prefix + "bias").to(dev, w.dtype), requires_grad=False)
             loaded.add(prefix + "bias")
@@ -809,6 +830,10 @@ def load_sharded_(model: nn.Module, files: str | Iterable[str], device_mesh: Dev
             module._set_fragments(module._weight())  # a replicated layer's: made now, for a model compiled next
     if strict:
         missing = [k for k in model.state_dict() if k not in loaded]
+        # a row-parallel 4-bit layer's bias lives on the first rank only: the others name it missing as it does
+        missing += [f"{n}.bias" for n, m in modules.items() if isinstance(m, Int4Linear) and m.bias is None
+                    and getattr(m, "tp_split", None) == "in" and getattr(m, "tp_has_bias", False)
+                    and f"{n}.bias" not in int4_keys]
         if state or missing:
             raise ValueError(f"load_sharded_: names in the files but not in the model: {sorted(state)[:8]}; in the "
                              f"model but not in the files: {missing[:8]}")
