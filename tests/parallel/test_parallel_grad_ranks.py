@@ -202,6 +202,15 @@ def experts_grad_ranks(rank, world, mesh):
         _close(got, want, FP32_TOL, f"experts output ({call})")
         _close(got_x, want_x, FP32_TOL, f"experts' hidden states gradient ({call})")
         _close(got_w, want_w, FP32_TOL, f"experts' routing weights gradient ({call})")
+    # quantizing split experts (plain local tensors: each rank's slice in groups of its own) is refused, as DTensor
+    # weights are: quantize first, then parallelize
+    whole = copy.deepcopy(model)
+    parallelize_module(whole, mesh, {"model.layers.*.mlp.experts": tnn.ExpertsTensorParallel()})
+    for quantize in (tnn.quantize_, tnn.quantize_experts_):
+        with pytest.raises(TypeError, match=r"model\.layers\.0\.mlp\.experts's experts are split already .* "
+                                            r"quantize before parallelizing"):
+            quantize(whole, group_size=32)
+    assert whole.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32  # nothing changed
 
 
 def test_parallel_experts_input_grad():

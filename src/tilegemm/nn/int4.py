@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tilegemm.nn.moe import (SparseMoeBlock, _stacked_experts, apply_keeping_4bit_parts, convert_moe_blocks_,
-                             expert_group_size, per_expert_mlps, quantize_experts_)
+                             expert_group_size, per_expert_mlps, quantize_experts_, refuse_split_experts)
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.launch import dispatch_stack_depth, function_mode_on, functorch_level, jit_tracing
 from tilegemm.ops.w4a16 import fragment_records as fragments
@@ -676,6 +676,7 @@ def quantize_(model: nn.Module, group_size: int = 128, filter: Callable[[str, nn
                                                                        for w in weights)) \
                 and any(_is_dtensor(w) for w in weights) and (filter is None or filter(name, module)):
             raise TypeError(_DTENSOR_ADVICE.format(what=f"{name or 'the model'}'s weight"))
+    refuse_split_experts(model, filter, "quantize_")
     # every change below (blocks converted, layers swapped, the config marked) undone if a layer is refused half-way
     # (a weight holding NaN or values whose scales pass fp16's range): the model is left as it was given
     with unchanged_on_error(model):

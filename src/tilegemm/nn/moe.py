@@ -361,6 +361,17 @@ def _experts_modules(model: torch.nn.Module):
             yield name, module
 
 
+def refuse_split_experts(model: torch.nn.Module, filter=None, caller: str = "quantize_experts_") -> None:  # noqa: A002
+    """Refuse (TypeError) experts blocks that ``ExpertsTensorParallel`` split already (and ``filter`` takes): their
+    local weights are plain tensors, so nothing else shows it, and each rank's slice would be quantized in groups of
+    its own, not the model's."""
+    for name, module in model.named_modules():
+        if getattr(module, "tp_split", None) == "experts" and (filter is None or filter(name, module)):
+            raise TypeError(f"{caller}: {name or 'the model'}'s experts are split already (parallelized with "
+                            f"ExpertsTensorParallel): quantize before parallelizing (tilegemm.nn.quantize_, then "
+                            f"parallelize_module with tilegemm.nn.ExpertsTensorParallel, docs/parallel.md)")
+
+
 def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None,  # noqa: A002
                       symmetric: bool = False, skipped: list | None = None) -> list[str]:
     """Quantize, in place, the experts of every MoE block of ``model`` (that ``filter(name, module)`` accepts) to
@@ -379,6 +390,7 @@ def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None
     if filter is not None and not callable(filter):
         raise TypeError(f"quantize_experts_: filter must be a callable (name, module) -> bool or None, got "
                         f"{type(filter).__name__}")
+    refuse_split_experts(model, filter)
     done = []
     for name, module in list(_experts_modules(model)):
         if filter is not None and not filter(name, module):
