@@ -279,6 +279,10 @@ def test_parallel_auto_plans_of_transformers_models():
     with pytest.raises(ValueError, match=r"tp_plan\['model\.layers\.\*\.self_attn\.q_norm'\] = "
                                          r"'replicated_with_grad_allreduce': tilegemm splits Linears"):
         resolve_plan(qwen3, {"model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce"})
+    # a misspelt entry beside others that match: named (its layers were left whole on every rank, in silence)
+    with pytest.raises(ValueError, match=r"tp_plan\['model\.layers\.\*\.mlp\.dwn_proj'\] matches no module of the "
+                                         r"model \(its Linears are named as 'model\.layers\.0\."):
+        resolve_plan(qwen3, {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.dwn_proj": "rowwise"})
     # Phi-3's plan gathers every split output (its fused q/k/v): nothing tilegemm splits, said so by name
     with torch.device("meta"):
         phi3 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(

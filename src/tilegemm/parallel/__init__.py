@@ -889,14 +889,20 @@ def resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
         else:
             raise ValueError(f"tp_plan[{pattern!r}] = {style!r}: tilegemm splits Linears 'colwise' or 'rowwise' "
                              f"(ColwiseParallel / RowwiseParallel)")
+        matched = False
         for name, module in model.named_modules():
             if name == pattern or fnmatch.fnmatchcase(name, pattern):
+                matched = True
                 if not isinstance(module, (nn.Linear, Int4Linear)):
                     if auto:
                         left.append(f"{name} ({type(module).__name__})")
                         continue
                     raise ValueError(f"tp_plan[{pattern!r}] names {name}, a {type(module).__name__}, not a Linear")
                 splits[name] = split
+        if not matched and not auto:  # (a misspelt entry left its layers whole on every rank, in silence)
+            linear = next((n for n, m in model.named_modules() if isinstance(m, (nn.Linear, Int4Linear))), "")
+            raise ValueError(f"tp_plan[{pattern!r}] matches no module of the model (its Linears are named as "
+                             f"{linear!r})")
     if auto and left and not splits:
         raise ValueError(f"tp_plan='auto': the config's plan splits no Linear 'colwise' or 'rowwise' as tilegemm "
                          f"does; it names {', '.join(left[:6])}{' ...' if len(left) > 6 else ''}: pass tp_plan as a "
