@@ -656,3 +656,24 @@ def test_dynamic_patterns_match_the_experts_names_the_checkpoint_holds(tmp_path,
     block = model.model.layers[0].mlp.experts
     for w in ("gate_up_proj", "down_proj"):
         assert torch.equal(dequantize(moe._int4(block, w)).cpu(), reference[f"model.layers.0.mlp.experts.{w}"]), w
+
+
+@pytest.mark.parametrize("scale, message", [(20000.0, "weights dequantized in fp16 pass fp16's range"),
+                                            (1e5, "bf16 scales .* pass fp16's range once converted")])
+def test_saved_stacked_experts_past_fp16s_range_are_refused_in_fp16(tmp_path, scale, message):
+    # a model tilegemm saved (stacked 4-bit experts) loaded with dtype=fp16: its bf16 scales were converted with no
+    # range check, experts of inf weights loaded without a word (a dense layer's were refused)
+    transformers_or_skip()
+    from safetensors.torch import load_file, save_file
+
+    config = cw.tiny_moe_config("qwen3_moe", layers=1, experts=3)
+    cw.write_model(tmp_path / "src", cw.random_model(config), "gptq", 32, sym=True)
+    from_pretrained(tmp_path / "src", dtype=torch.bfloat16, device="cpu").save_pretrained(tmp_path / "saved")
+    key = "model.layers.0.mlp.experts.tilegemm_down_proj_scales"
+    for f in (tmp_path / "saved").glob("*.safetensors"):
+        tensors = load_file(f)
+        if key in tensors:
+            tensors[key] = torch.full_like(tensors[key], scale)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"model\.layers\.0\.mlp\.experts\.tilegemm_down_proj: its .*{message}"):
+        from_pretrained(tmp_path / "saved", dtype=torch.float16, device="cpu")

@@ -339,6 +339,41 @@ def test_parallel_split_layer_the_config_leaves_16_bit_or_other_bits_is_refused(
     assert {n: type(m) for n, m in model.named_modules()} == before  # left as it was given
 
 
+def test_parallel_load_refuses_bf16_scales_past_fp16s_range(tmp_path):
+    # the split load converted bf16 scales to fp16 with no range check: weights of 15 x 20000 loaded as inf, where
+    # the whole load refuses them (as before the first collective: every rank refuses alike)
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file, save_file
+
+    from tilegemm.models import pretrained
+    from tilegemm.parallel import load_quantized_sharded_
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
+    import ckpt_writer as cw
+
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    cw.write_model(tmp_path / "c", cw.random_model(config), "gptq", 32)
+    tensors = load_file(tmp_path / "c" / "model.safetensors")
+    key = "model.layers.0.mlp.down_proj.scales"
+    tensors[key] = torch.full(tensors[key].shape, 20000.0, dtype=torch.bfloat16)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "c" / "model.safetensors",
+              metadata={"format": "pt"})
+
+    class Mesh:  # one rank of two
+        ndim = 1
+
+        def get_local_rank(self):
+            return 0
+
+        def size(self):
+            return 2
+
+    model, _ = pretrained.empty_model(tmp_path / "c", torch.float16, device="cpu")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj: its weights dequantized in fp16 pass "
+                                         r"fp16's range .*dtype=torch\.bfloat16"):
+        load_quantized_sharded_(model, tmp_path / "c", Mesh(), device="cpu")
+
+
 @pytest.mark.parametrize("method, act_order", [("gptq", False), ("gptq", True), ("awq", False),
                                                ("compressed-tensors", True)])
 def test_parallel_partial_last_group_is_read_whole_and_split_exactly(tmp_path, method, act_order):

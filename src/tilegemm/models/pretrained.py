@@ -1707,12 +1707,13 @@ def _load_experts(s: _StoredExperts, tensors: _Tensors, q: QuantConfig, dtype) -
         for wname, (_, (N, K)) in s.joined.items():
             key = f"{s.name}.tilegemm_{wname}"
             perm = tensors.get(f"{key}_perm") if f"{key}_perm" in tensors else None
+            scales = _scales_in(tensors.get(f"{key}_scales"), dtype, key)
             try:
-                stacked[wname] = _saved_weight(tensors.get(f"{key}_qweight"), tensors.get(f"{key}_scales").to(dtype),
-                                               tensors.get(f"{key}_zeros"), perm, (s.num_experts, N, K),
-                                               q.saved_sizes)
+                stacked[wname] = _saved_weight(tensors.get(f"{key}_qweight"), scales, tensors.get(f"{key}_zeros"),
+                                               perm, (s.num_experts, N, K), q.saved_sizes)
             except (TypeError, ValueError) as err:
                 raise type(err)(f"{key}: {err}") from None
+            _check_weight_range(stacked[wname], key)
         install_int4_experts_(s.module, stacked)
         return
     leaves = (q.leaf("qweight"), "weight")  # (rules match the names stored, as _check_experts matched them)

@@ -38,9 +38,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
-from tilegemm.models.pretrained import _check_quant_shapes, _default_device, _import_columns, _left_16_bit_by, \
-    _named_16_bit, _regroups, _saved_weight, _stored_parts, _Tensors, awq_eights, empty_model, load_quantized_, \
-    load_generation_config_, quant_config, read_config, resolve_dtype
+from tilegemm.models.pretrained import _check_quant_shapes, _check_weight_range, _default_device, _import_columns, \
+    _left_16_bit_by, _named_16_bit, _regroups, _saved_weight, _stored_parts, _Tensors, awq_eights, empty_model, \
+    load_quantized_, load_generation_config_, quant_config, read_config, resolve_dtype
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
 from tilegemm.nn.transaction import unchanged_on_error
@@ -1061,6 +1061,7 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
             except ValueError as err:
                 raise ValueError(f"{name} ({qm.describe()}), split {'N' if split == 'out' else 'K'} over {world} "
                                  f"ranks: {err}") from None
+            _check_weight_range(w, name)  # (scales converted to fp16 whose weights pass its range: refused)
             bias = None
             if f"{name}.bias" in tensors:
                 sl = shard_slices("bias", tensors.shape(f"{name}.bias"), split, rank, world)
