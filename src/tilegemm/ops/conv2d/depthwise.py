@@ -1212,6 +1212,30 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     return dw  # [K, 1, R, S]
 
 
+def _row_slices(dy, rows: int, blocks: int, per_sm: int, cap: int, unit: int, given: int | None) -> tuple[int, int]:
+    """(slices, rows a slice) of a weight gradient over ``rows`` output rows: enough slices for ``per_sm`` programs
+    an SM over ``blocks`` programs each, at most ``cap`` (and 1024), each a whole number of ``unit`` rows
+    (``given``: a config's own count)."""
+    sms = 4
+    if dy.is_cuda:
+        from tilegemm.core.hardware import sm_count
+
+        sms = sm_count(dy.device)
+    split = given or max(1, min(cdiv(per_sm * sms, blocks), cap, 1024))
+    slice_rows = cdiv(cdiv(rows, split), unit) * unit
+    return cdiv(rows, slice_rows), slice_rows
+
+
+def _summed_output(g: Geometry, out_dtype, device, split: int, blocks: int, size: int) -> tuple:
+    """(the weight gradient ``[K, 1, R, S]``, the split's fp32 partial sums and arrival counters): ``size`` floats a
+    block and slice (tilegemm.core.workspace); the gradient itself twice where there is no split (unused)."""
+    dw = new_output((g.K, 1, g.R, g.S), out_dtype, device)
+    if split > 1:
+        ws, count = split_workspace(device, split * blocks * size, blocks)
+        return dw, ws, count
+    return dw, dw, dw
+
+
 def _wgrad_walk(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
     """:func:`wgrad` on :func:`depthwise_wgrad_walk_kernel`: BLOCK_N channels of every tap a program over a slice
     of output rows, slices enough for ``PER_SM`` programs an SM, each at least ``MIN_CHUNKS`` tiles of rows."""
@@ -1226,21 +1250,9 @@ def _wgrad_walk(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
     t_pad = 1 << max(0, g.R * g.S - 1).bit_length()
     blocks = cdiv(g.K, cfg["BLOCK_N"])
     bp = cfg["BLOCK_P"]
-    per_sm = cfg.pop("PER_SM", 4)
-    min_chunks = cfg.pop("MIN_CHUNKS", 1)
-    sms = 4
-    if dy.is_cuda:
-        from tilegemm.core.hardware import sm_count
-
-        sms = sm_count(dy.device)
-    split = cfg.pop("SPLIT", None) or max(1, min(cdiv(per_sm * sms, blocks), cdiv(rows, bp * min_chunks), 1024))
-    slice_rows = cdiv(cdiv(rows, split), bp) * bp
-    split = cdiv(rows, slice_rows)
-    dw = new_output((g.K, 1, g.R, g.S), out_dtype, dy.device)
-    if split > 1:  # fp32 partial sums and arrival counters (tilegemm.core.workspace)
-        ws, count = split_workspace(dy.device, split * blocks * t_pad * cfg["BLOCK_N"], blocks)
-    else:
-        ws, count = dw, dw  # unused
+    per_sm, min_chunks = cfg.pop("PER_SM", 4), cfg.pop("MIN_CHUNKS", 1)
+    split, slice_rows = _row_slices(dy, rows, blocks, per_sm, cdiv(rows, bp * min_chunks), bp, cfg.pop("SPLIT", None))
+    dw, ws, count = _summed_output(g, out_dtype, dy.device, split, blocks, t_pad * cfg["BLOCK_N"])
     index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
     (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(x)
     args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, rows, slice_rows, *ys, *xs,
@@ -1260,19 +1272,8 @@ def _wgrad_all_taps(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
     blocks = cdiv(g.K, cfg["BLOCK_N"])
     per_sm = cfg.pop("PER_SM", DEPTHWISE_WGRAD_TAPS_PER_SM)
     min_rows = cfg.pop("MIN_ROWS", DEPTHWISE_WGRAD_TAPS_MIN_ROWS)
-    sms = 4
-    if dy.is_cuda:
-        from tilegemm.core.hardware import sm_count
-
-        sms = sm_count(dy.device)
-    split = cfg.pop("SPLIT", None) or max(1, min(cdiv(per_sm * sms, blocks), rows // min_rows, 1024))
-    slice_rows = cdiv(rows, split)
-    split = cdiv(rows, slice_rows)
-    dw = new_output((g.K, 1, g.R, g.S), out_dtype, dy.device)
-    if split > 1:  # fp32 partial sums and arrival counters (tilegemm.core.workspace)
-        ws, count = split_workspace(dy.device, split * blocks * t_pad * cfg["BLOCK_N"], blocks)
-    else:
-        ws, count = dw, dw  # unused
+    split, slice_rows = _row_slices(dy, rows, blocks, per_sm, rows // min_rows, 1, cfg.pop("SPLIT", None))
+    dw, ws, count = _summed_output(g, out_dtype, dy.device, split, blocks, t_pad * cfg["BLOCK_N"])
     index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
     (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(x)
     args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, rows, g.K // g.C, slice_rows, *ys, *xs,
