@@ -292,6 +292,18 @@ def test_parallel_auto_plans_of_transformers_models():
         resolve_plan(phi3, "auto")
 
 
+class FirstOfTwo:
+    """The first rank of a mesh of two, for loads refused before any collective."""
+
+    ndim = 1
+
+    def get_local_rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+
 @pytest.mark.parametrize("rule,why", [
     # (the split load read it 4-bit without a word)
     ({"modules_to_not_convert": ["self_attn.o_proj"]},
@@ -323,19 +335,10 @@ def test_parallel_split_layer_the_config_leaves_16_bit_or_other_bits_is_refused(
     cfg["quantization_config"].update(rule)
     (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
 
-    class Mesh:  # one rank of two: the refusal comes before any collective
-        ndim = 1
-
-        def get_local_rank(self):
-            return 0
-
-        def size(self):
-            return 2
-
     model, _ = pretrained.empty_model(tmp_path / "c", torch.float16, device="cpu")
     before = {n: type(m) for n, m in model.named_modules()}
     with pytest.raises(ValueError, match=r"tp_plan splits model\.layers\.0\.self_attn\.o_proj, " + why):
-        load_quantized_sharded_(model, tmp_path / "c", Mesh(), device="cpu")
+        load_quantized_sharded_(model, tmp_path / "c", FirstOfTwo(), device="cpu")
     assert {n: type(m) for n, m in model.named_modules()} == before  # left as it was given
 
 
@@ -359,19 +362,10 @@ def test_parallel_load_refuses_bf16_scales_past_fp16s_range(tmp_path):
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "c" / "model.safetensors",
               metadata={"format": "pt"})
 
-    class Mesh:  # one rank of two
-        ndim = 1
-
-        def get_local_rank(self):
-            return 0
-
-        def size(self):
-            return 2
-
     model, _ = pretrained.empty_model(tmp_path / "c", torch.float16, device="cpu")
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj: its weights dequantized in fp16 pass "
                                          r"fp16's range .*dtype=torch\.bfloat16"):
-        load_quantized_sharded_(model, tmp_path / "c", Mesh(), device="cpu")
+        load_quantized_sharded_(model, tmp_path / "c", FirstOfTwo(), device="cpu")
 
 
 @pytest.mark.parametrize("method, act_order", [("gptq", False), ("gptq", True), ("awq", False),
