@@ -173,6 +173,15 @@ def test_an_activation_function_of_the_block_is_its_own_not_the_configs(act_fn, 
     assert (got - want).norm() / want.norm() < 1e-5
 
 
+def test_stacked_experts_fuse_an_activation_function_too():
+    # a converted block's experts (StackedExperts) read a plain-function act_fn as the transformers block does: fused
+    # where the epilogue computes it (it ran unfused: right, slower)
+    gate_up, down = torch.randn(2, 16, 8), torch.randn(2, 8, 8)
+    assert moe.StackedExperts(gate_up, down, torch.nn.functional.silu, False).fused_activation == "silu"
+    assert moe.StackedExperts(gate_up, down, torch.nn.SiLU(), False).fused_activation == "silu"
+    assert moe.StackedExperts(gate_up, down, torch.tanh, False).fused_activation is None
+
+
 OWN_FORWARD = [  # (config, its class in transformers, the state dict keeps its names)
     pytest.param(llama4, "Llama4TextConfig", True, id="llama4"),
     pytest.param(dbrx, "DbrxConfig", False, id="dbrx"),

@@ -272,10 +272,10 @@ def _fused_activation(module) -> str | None:
     if gate is not None and _default_gate is not None and gate is not _default_gate:
         return None
     act_fn = getattr(module, "act_fn", None)
-    if isinstance(act_fn, torch.nn.Module):  # the block's own activation (Aria's experts: SiLU whatever the config)
-        return _FUSABLE_MODULES.get(type(act_fn).__name__)
-    if act_fn is not None:  # a function (LFM2-MoE's F.silu, whatever the config's hidden_act says): it, or unfused
-        return next((name for fn, name in _FUSABLE_FUNCTIONS if act_fn is fn), None)
+    # the block's own activation, a module (Aria's experts: SiLU whatever the config) or a function (LFM2-MoE's
+    # F.silu, whatever the config's hidden_act says): it, or unfused
+    if act_fn is not None:
+        return _fusable(act_fn)
     act = getattr(getattr(module, "config", None), "hidden_act", None)
     return _FUSABLE.get(act) if isinstance(act, str) else None
 
@@ -703,6 +703,14 @@ _FUSABLE_MODULES = {"SiLU": "silu", "SiLUActivation": "silu", "ReLU": "relu", "P
 _FUSABLE_FUNCTIONS = ((torch.nn.functional.silu, "silu"), (torch.nn.functional.relu, "relu"), (torch.relu, "relu"))
 
 
+def _fusable(act_fn) -> str | None:
+    """The epilogue activation that computes ``act_fn`` (a module of :data:`_FUSABLE_MODULES`' classes, or a
+    function of :data:`_FUSABLE_FUNCTIONS`), else None (applied by torch)."""
+    if isinstance(act_fn, torch.nn.Module):
+        return _FUSABLE_MODULES.get(type(act_fn).__name__)
+    return next((name for fn, name in _FUSABLE_FUNCTIONS if act_fn is fn), None)
+
+
 def _linear_kind(module) -> str | None:
     """``"16-bit"`` for a ``torch.nn.Linear``, ``"int4"`` for a 4-bit one (``tilegemm.nn.Int4Linear``: an
     :class:`Int4Weight` weight, as a 4.x checkpoint of per-expert Linears loads), else None."""
@@ -771,7 +779,7 @@ class SparseMoeBlock(NotScriptable, torch.nn.Module):
         experts = block.experts
         self.gate = block.gate
         self.act_fn = experts[0].act_fn
-        self.fused_activation = _FUSABLE_MODULES.get(type(self.act_fn).__name__)
+        self.fused_activation = _fusable(self.act_fn)
         self.num_experts, self.top_k = len(experts), block.top_k
         self.norm_topk_prob = bool(getattr(block, "norm_topk_prob", True))  # Mixtral always renormalises
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
@@ -835,7 +843,7 @@ class StackedExperts(NotScriptable, torch.nn.Module):
         self.act_fn = act_fn
         self.is_transposed = is_transposed
         self.num_experts = gate_up.shape[0]
-        self.fused_activation = _FUSABLE_MODULES.get(type(act_fn).__name__)
+        self.fused_activation = _fusable(act_fn)
 
     def _apply_gate(self, h: torch.Tensor) -> torch.Tensor:  # where the activation is not fused
         gate, up = h.chunk(2, dim=-1)
