@@ -271,6 +271,29 @@ def test_int4_linear_runs_in_the_autocast_dtype(module_dtype, cast, device):
     assert_rel_close(y, _ref(q, x.to(cast)), 1.5e-2)
 
 
+@pytest.mark.parametrize("scales, cast", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])
+def test_int4_linear_under_autocast_to_the_other_dtype_compiles_and_exports(scales, cast, device):
+    # the scales converted for the call were checked by a branch on their values, which a traced graph has not:
+    # torch.compile(fullgraph=True) and torch.export failed ("data-dependent branching")
+    q = Int4Linear.from_linear(nn.Linear(64, 16, dtype=scales), group_size=32).to(device)
+
+    class Cast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = q
+
+        def forward(self, x):
+            with torch.autocast(device, dtype=cast):
+                return self.q(x)
+
+    x = torch.randn(3, 64, device=device)
+    want = Cast()(x)
+    assert want.dtype == cast
+    got = torch.compile(Cast(), fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.export.export(Cast(), (x,)).module()(x), want)
+
+
 @pytest.mark.parametrize("module_dtype,x_dtype", [(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
                                                   (torch.float16, torch.bfloat16)])
 def test_int4_linear_names_its_dtypes_when_the_input_has_another(module_dtype, x_dtype):

@@ -267,7 +267,7 @@ class Int4Weight:
                         non_blocking=non_blocking, copy=copy)
 
         qweight, scales, zeros = move(self.qweight), move(self.scales, dtype), move(self.zeros, dtype)
-        if dtype is not None and dtype != self.scales.dtype and not scales.is_meta:
+        if dtype is not None and dtype != self.scales.dtype and not scales.is_meta and _values_checkable(scales):
             _check_finite(f"scales converted to {dtype_name(dtype)}", scales)  # bf16 scales past fp16's range
             # finite scales can still make weights past its range: inf in dequantize and the 16-bit kernels
             if dequantized_overflow(qweight, scales, zeros, dtype):
@@ -421,6 +421,14 @@ def check_fragments(w: "Int4Weight", frag) -> None:
             raise ValueError(f"Int4Weight: frag's {name} is on {t.device}, the weight on {w.device}")
         if not t.is_contiguous():
             raise ValueError(f"Int4Weight: frag's {name} must be contiguous")
+
+
+def _values_checkable(t: torch.Tensor) -> bool:
+    """Whether a check may read ``t``'s values here: not while a graph is traced (``torch.compile``, export: an
+    autocast call converts the scales in the graph, with no values to branch on), not a tensor subclass standing for
+    others (a fake, functional or DTensor), not in a CUDA graph capture (a read would synchronize)."""
+    return (not torch.compiler.is_compiling() and type(t) in (torch.Tensor, torch.nn.Parameter)
+            and not (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def _check_finite(name: str, t: torch.Tensor) -> None:
