@@ -454,8 +454,7 @@ def dequantized_overflow(qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
 def _check_perm_values(perm: torch.Tensor, K: int, stacked: bool) -> None:
     """``perm``'s values, a permutation of 0..K-1 (each expert's where ``stacked``), read only where that stalls
     nothing (the CPU; on the GPU a bad perm reads wrong rows of x)."""
-    if perm.device.type == "cpu" and K and not torch.compiler.is_compiling() \
-            and type(perm) in (torch.Tensor, torch.nn.Parameter) \
+    if perm.device.type == "cpu" and K and _values_checkable(perm) \
             and not torch.equal(perm.sort(-1).values, torch.arange(K).expand(perm.shape)):
         raise ValueError(f"perm must be a permutation of 0..{K - 1} (K = {K}) for each "
                          f"{'expert' if stacked else 'weight'}")
@@ -498,8 +497,7 @@ def validate(w: Int4Weight, values: bool = False) -> None:
         tensors["perm"] = w.perm
     # zeros are whole numbers held as floats: the 16-bit kernels add them to the 4-bit values as integers (a fraction
     # would be rounded away, silently off from dequantize); read only where that stalls nothing, as perm's
-    if values and w.zeros.device.type == "cpu" and w.zeros.numel() and not torch.compiler.is_compiling() \
-            and type(w.zeros) in (torch.Tensor, torch.nn.Parameter):
+    if values and w.zeros.device.type == "cpu" and w.zeros.numel() and _values_checkable(w.zeros):
         z = w.zeros.float()
         bad = (z != z.round()).nonzero()
         if len(bad):
