@@ -40,9 +40,12 @@ GROUPED_CANDIDATES = ("tap-2-8", "tap-8-4", "tap-16-4", "tap-32-2")
 
 def config(name: str, g) -> dict:
     shape, per_sm, steps, *bq = name.split("-")
-    if shape == "walk":  # depthwise_wgrad_walk_kernel: walk-PER_SM-MIN_CHUNKS[-STAGES | -aAHEAD]
-        cfg = dict(depthwise_wgrad_walk_config(g, torch.float16), PER_SM=int(per_sm), MIN_CHUNKS=int(steps))
+    if shape == "walk":  # depthwise_wgrad_walk_kernel: walk-PER_SM-MIN_CHUNKS[-STAGES | -aAHEAD | -rROWS]
+        rows = next((min(g.R, int(e[1:])) for e in bq if e.startswith("r")), None)
+        cfg = dict(depthwise_wgrad_walk_config(g, torch.float16, rows), PER_SM=int(per_sm), MIN_CHUNKS=int(steps))
         for extra in bq:
+            if extra.startswith("r"):
+                continue
             if extra.startswith("a"):
                 cfg["AHEAD"] = int(extra[1:])
             else:

@@ -52,6 +52,22 @@ def test_walk_matches_reference(case, split):
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3], CASES[5], CASES[8]])
+def test_walk_in_groups_of_filter_rows(case, rows):
+    # ROWS filter rows a program: the last group of 7 in 2s or 3s is part empty (its taps masked off the output)
+    x, dy, g, ref = _layer(case)
+    out = depthwise.wgrad(dy, x, g, torch.float32, dict(depthwise_wgrad_walk_config(g, torch.float32, rows), SPLIT=2))
+    assert (out.double() - ref).norm() / ref.norm() < 1e-5
+
+
+@pytest.mark.parametrize("rows", [0, 4])
+def test_walk_refuses_more_filter_rows_than_the_filter_has(rows):
+    x, dy, g, _ = _layer(CASES[0])
+    with pytest.raises(ValueError, match="ROWS .* must be 1 to R=3, got " + str(rows)):
+        depthwise.wgrad(dy, x, g, torch.float32, depthwise_wgrad_walk_config(g, torch.float32, rows))
+
+
 @pytest.mark.parametrize("ahead", [1, 3])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], CASES[6], CASES[7]])
 def test_walk_with_the_gpu_tiles(case, ahead, monkeypatch):
@@ -65,6 +81,10 @@ def test_walk_with_the_gpu_tiles(case, ahead, monkeypatch):
     cfg.update(PER_SM=1, AHEAD=ahead)  # (loads issued that many columns ahead: past Q, masked)
     out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
+    if g.R > 1:  # a filter row a program: VEC from one row's taps
+        cfg = dict(depthwise_wgrad_walk_config(g, torch.float16, 1), PER_SM=1, AHEAD=ahead)
+        out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
+        assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
 def test_walk_of_an_empty_batch_is_zero():
@@ -133,11 +153,15 @@ def test_walk_compiles_to_one_fma_a_tap_and_channel_with_no_shared_memory_in_its
 
     script = SM90 + (Path(__file__).parent / "_depthwise_wgrad_walk_regs.py").read_text()
     got = compile_offline(tmp_path, script, [[144, 56, 3, 3, 1], [144, 56, 3, 3, 2], [240, 28, 5, 5, 1],
-                                             [96, 56, 7, 7, 1], [64, 32, 1, 7, 1]])
+                                             [96, 56, 7, 7, 1], [64, 32, 1, 7, 1], [96, 56, 7, 7, 1, 1],
+                                             [240, 28, 5, 5, 1, 2]])
+    assert len(got) == 7
     for name, info in got.items():
         R, S = map(int, name.split("-")[2].split("x"))
+        rows = int(name.split("-r")[1]) if "-r" in name else R
         assert info["spill"] == 0, (name, info)
-        assert info["fma"] == R * S * info["vec"], (name, info)
+        assert info["fma"] == rows * S * info["vec"], (name, info)
         assert info["shared"] == 0, (name, info)
         width = {4: "v2.b32", 2: "b32", 1: "b16"}[info["vec"]]
         assert info["loads"] and all(op.endswith(width) for op in info["loads"]), (name, info)
+    assert got["96-56x56-7x7-s1-r1"]["vec"] == 4 and got["96-56x56-7x7-s1"]["vec"] == 1

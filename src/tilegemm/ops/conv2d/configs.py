@@ -334,18 +334,20 @@ def walk_takes(g: Geometry) -> bool:
             and g.R * g.S <= DEPTHWISE_WGRAD_WALK_MAX_TAPS)
 
 
-def depthwise_wgrad_walk_config(g: Geometry, dtype: torch.dtype) -> dict:
+def depthwise_wgrad_walk_config(g: Geometry, dtype: torch.dtype, rows: int | None = None) -> dict:
     """The walking depthwise weight gradient's tile: [BLOCK_P output rows, BLOCK_N channels], VEC channels a
-    thread (fewer where the taps' accumulators and kept columns take more registers), 4 warps; a column's loads
-    issued ``AHEAD`` columns before its products."""
+    thread (fewer where a program's taps' accumulators and kept columns take more registers), 4 warps; a column's
+    loads issued ``AHEAD`` columns before its products; ``rows`` filter rows a program (default all R)."""
+    rows = g.R if rows is None else rows
     if interpreting():
-        return dict(WALK=True, BLOCK_P=4, BLOCK_N=16, AHEAD=2, num_warps=4, num_stages=1)
-    taps = g.R * g.S
+        return dict(WALK=True, BLOCK_P=4, BLOCK_N=16, AHEAD=2, ROWS=rows, num_warps=4, num_stages=1)
+    taps = rows * g.S
     vec = 4 if taps <= 9 else 2 if taps <= 25 else 1
     bn = max(vec, min(64, _divisor_pow2(g.K)))
     threads = 128
     bp = max(1, threads * vec // bn)
-    return dict(WALK=True, BLOCK_P=bp, BLOCK_N=bn, AHEAD=1, num_warps=4, num_stages=1, PER_SM=4, MIN_CHUNKS=1)
+    return dict(WALK=True, BLOCK_P=bp, BLOCK_N=bn, AHEAD=1, ROWS=rows, num_warps=4, num_stages=1, PER_SM=4,
+                MIN_CHUNKS=1)
 
 
 def _divisor_pow2(n: int) -> int:

@@ -795,24 +795,26 @@ def _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, q, Q, W, pad_w, stride_
     return dyv, fresh
 
 
-@triton.jit(do_not_specialize=["H", "W", "P", "Q", "K", "NP", "slice_rows", "pad_h", "pad_w"])
+@triton.jit(do_not_specialize=["H", "W", "P", "Q", "K", "NP", "slice_rows", "blocks", "pad_h", "pad_w"])
 def depthwise_wgrad_walk_kernel(
     dy_ptr, x_ptr, dw_ptr, ws_ptr, count_ptr,
-    H, W, P, Q, K, NP, slice_rows,
+    H, W, P, Q, K, NP, slice_rows, blocks,
     stride_yn, stride_yp, stride_yq, stride_yk,
     stride_xn, stride_xh, stride_xw, stride_xc,
     stride_dk, stride_dr, stride_dss,
     str_h, pad_h, pad_w, dil_h,
     R: tl.constexpr, S: tl.constexpr, STR_W: tl.constexpr, T_PAD: tl.constexpr, INDEX_64: tl.constexpr,
     DIV: tl.constexpr, DIV_Y: tl.constexpr, DIV_X: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, AHEAD: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, AHEAD: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # This program: channels [BN] of every tap over a slice of output rows (n, p), BLOCK_P rows at a time (one a
-    # thread row of the tile), each row's columns walked one by one. A tap is its own accumulator (a tuple: no
-    # padding of R * S to a power of two), and each filter row keeps the input columns the next output column
-    # still needs in registers (S - STR_W of them, converted to fp32 once): an x value is loaded and converted
-    # once a filter row, where a tile of taps did it once a tap (docs/conv2d.md, "Depthwise weight gradient").
-    # Undilated along w (the kept columns are the next column's); rows take any stride and dilation.
+    # This program: channels [BN] of the taps of ROWS filter rows over a slice of output rows (n, p), BLOCK_P rows
+    # at a time (one a thread row of the tile), each row's columns walked one by one. A tap is its own accumulator
+    # (a tuple: no padding of R * S to a power of two), and each filter row keeps the input columns the next output
+    # column still needs in registers (S - STR_W of them, converted to fp32 once): an x value is loaded and
+    # converted once a filter row, where a tile of taps did it once a tap (docs/conv2d.md, "Depthwise weight
+    # gradient"). Undilated along w (the kept columns are the next column's); rows take any stride and dilation.
+    # ROWS < R: each group of filter rows is its own program (program_id(0) = channel block + blocks x group),
+    # re-reading dy, its taps in fewer registers.
     stride_yn = stride_yn * DIV_Y
     stride_yp = stride_yp * DIV_Y
     stride_yq = stride_yq * DIV_Y
@@ -821,7 +823,9 @@ def depthwise_wgrad_walk_kernel(
     stride_xw = stride_xw * DIV_X
     KEEP: tl.constexpr = S - STR_W if S > STR_W else 0  # columns carried to the next output column
     NEW: tl.constexpr = S - KEEP  # columns loaded for each output column
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile = tl.program_id(0)
+    r0 = (tile // blocks) * ROWS  # this program's first filter row
+    offs_n = (tile % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(1)
     n_ok = _below_unspecialized(offs_n, K, DIV)
     y_chan = (offs_n * stride_yk)[None, :]
@@ -829,7 +833,7 @@ def depthwise_wgrad_walk_kernel(
     row0 = part * slice_rows
     row1 = tl.minimum(row0 + slice_rows, NP)
     acc = ()
-    for t in tl.static_range(R * S):
+    for t in tl.static_range(ROWS * S):
         acc = acc + (tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32),)
     for b in range(row0, row1, BLOCK_P):
         rows = b + tl.arange(0, BLOCK_P)
@@ -843,30 +847,30 @@ def depthwise_wgrad_walk_kernel(
         x_off = ()
         x_ok = ()
         win = ()
-        for r in tl.static_range(R):
-            h = p * str_h - pad_h + r * dil_h
+        for r in tl.static_range(ROWS):
+            h = p * str_h - pad_h + (r0 + r) * dil_h
             x_off = x_off + ((n * stride_xn + h * stride_xh)[:, None] + x_chan,)
-            x_ok = x_ok + (((r_ok & (h >= 0) & (h < H))[:, None] & n_ok[None, :]),)
+            x_ok = x_ok + (((r_ok & (h >= 0) & (h < H) & (r0 + r < R))[:, None] & n_ok[None, :]),)
             for j in tl.static_range(KEEP):  # the columns before the first output column's new ones
                 c = j - pad_w
                 win = win + (tl.load(x_ptr + x_off[r] + c * stride_xw, mask=x_ok[r] & (c >= 0) & (c < W),
                                      other=0.0).to(tl.float32),)
         # Column q's loads are issued AHEAD columns earlier, during those columns' products (registers, not a
         # shared-memory ring): dy streams from memory once, and one column's products do not hide its latency.
-        FRESH: tl.constexpr = R * NEW  # the x values a column loads
+        FRESH: tl.constexpr = ROWS * NEW  # the x values a column loads
         dys = ()
         xs = ()
         for i in tl.static_range(AHEAD):
             d, f = _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, i, Q, W, pad_w, stride_yq, stride_xw,
-                               R, STR_W, KEEP, NEW)
+                               ROWS, STR_W, KEEP, NEW)
             dys = dys + (d,)
             xs = xs + f
         for q in range(0, Q):
             d, f = _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, q + AHEAD, Q, W, pad_w, stride_yq,
-                               stride_xw, R, STR_W, KEEP, NEW)
+                               stride_xw, ROWS, STR_W, KEEP, NEW)
             dyf = dys[0].to(tl.float32)
             kept = ()
-            for r in tl.static_range(R):
+            for r in tl.static_range(ROWS):
                 cols = win[r * KEEP:(r + 1) * KEEP]
                 for j in tl.static_range(NEW):
                     cols = cols + (xs[r * NEW + j].to(tl.float32),)
@@ -878,13 +882,13 @@ def depthwise_wgrad_walk_kernel(
             xs = xs[FRESH:] + f
     taps = tl.arange(0, T_PAD)
     total = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
-    for t in tl.static_range(R * S):
+    for t in tl.static_range(ROWS * S):
         total = tl.where((taps == t)[:, None], tl.sum(acc[t], axis=0)[None, :], total)
     tr = taps // S
-    out_ok = (taps < R * S)[:, None] & n_ok[None, :]
-    dw = dw_ptr + (offs_n * stride_dk)[None, :] + (tr * stride_dr + (taps - tr * S) * stride_dss)[:, None]
-    # Split: a workspace block per channel block, planes [SPLIT, blocks, T, BN] (as the all-taps kernel's).
-    tile = tl.program_id(0)
+    out_ok = ((taps < ROWS * S) & (r0 + tr < R))[:, None] & n_ok[None, :]
+    dw = dw_ptr + (offs_n * stride_dk)[None, :] + ((r0 + tr) * stride_dr + (taps - tr * S) * stride_dss)[:, None]
+    # Split: a workspace block per program of a slice, planes [SPLIT, row groups x blocks, T, BN] (as the
+    # all-taps kernel's).
     size: tl.constexpr = T_PAD * BLOCK_N
     plane = tl.num_programs(0).to(tl.int64) * size
     ws = ws_ptr + tile.to(tl.int64) * size + (taps * BLOCK_N)[:, None] + tl.arange(0, BLOCK_N)[None, :]
@@ -1237,8 +1241,9 @@ def _summed_output(g: Geometry, out_dtype, device, split: int, blocks: int, size
 
 
 def _wgrad_walk(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
-    """:func:`wgrad` on :func:`depthwise_wgrad_walk_kernel`: BLOCK_N channels of every tap a program over a slice
-    of output rows, slices enough for ``PER_SM`` programs an SM, each at least ``MIN_CHUNKS`` tiles of rows."""
+    """:func:`wgrad` on :func:`depthwise_wgrad_walk_kernel`: BLOCK_N channels of the taps of ``ROWS`` filter rows
+    (default all R) a program over a slice of output rows, slices enough for ``PER_SM`` programs an SM, each at
+    least ``MIN_CHUNKS`` tiles of rows."""
     if not walk_takes(g):
         from tilegemm.core.registry import NotApplicable
 
@@ -1247,19 +1252,24 @@ def _wgrad_walk(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
     rows = g.N * g.P
     if rows == 0:  # an empty batch: nothing to sum
         return torch.zeros((g.K, 1, g.R, g.S), dtype=out_dtype, device=dy.device)
-    t_pad = 1 << max(0, g.R * g.S - 1).bit_length()
+    cfg.setdefault("ROWS", g.R)
+    if not 1 <= cfg["ROWS"] <= g.R:
+        raise ValueError(f"the walking depthwise weight gradient's ROWS (filter rows a program) must be 1 to R={g.R}, "
+                         f"got {cfg['ROWS']}")
+    t_pad = 1 << max(0, cfg["ROWS"] * g.S - 1).bit_length()
     blocks = cdiv(g.K, cfg["BLOCK_N"])
+    tiles = blocks * cdiv(g.R, cfg["ROWS"])  # a program a channel block and group of filter rows, a slice
     bp = cfg["BLOCK_P"]
     per_sm, min_chunks = cfg.pop("PER_SM", 4), cfg.pop("MIN_CHUNKS", 1)
-    split, slice_rows = _row_slices(dy, rows, blocks, per_sm, cdiv(rows, bp * min_chunks), bp, cfg.pop("SPLIT", None))
-    dw, ws, count = _summed_output(g, out_dtype, dy.device, split, blocks, t_pad * cfg["BLOCK_N"])
+    split, slice_rows = _row_slices(dy, rows, tiles, per_sm, cdiv(rows, bp * min_chunks), bp, cfg.pop("SPLIT", None))
+    dw, ws, count = _summed_output(g, out_dtype, dy.device, split, tiles, t_pad * cfg["BLOCK_N"])
     index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
     (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(x)
-    args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, rows, slice_rows, *ys, *xs,
+    args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, rows, slice_rows, blocks, *ys, *xs,
             dw.stride(0), dw.stride(2), dw.stride(3), g.stride[0], g.padding[0], g.padding[2], g.dilation[0])
     flags = dict(R=g.R, S=g.S, STR_W=g.stride[1], T_PAD=t_pad, INDEX_64=index_64, DIV=_divisor(g.K), DIV_Y=div_y,
                  DIV_X=div_x, SPLIT=split, **cfg)
-    launch(depthwise_wgrad_walk_kernel, (blocks, split, 1), args, flags, keep=(ws, count) if split > 1 else (),
+    launch(depthwise_wgrad_walk_kernel, (tiles, split, 1), args, flags, keep=(ws, count) if split > 1 else (),
            stream=current_stream() if split > 1 and dy.is_cuda else None)
     return dw  # [K, 1, R, S]
 
