@@ -48,7 +48,7 @@ from tilegemm.ops.conv2d.implicit_gemm import (
     allocate_out,
     empty_4d,
 )
-from tilegemm.ops.conv2d.problem import ConvProblem, Geometry, _span
+from tilegemm.ops.conv2d.problem import ConvProblem, Geometry, _span, needs_index_64
 
 ensure_backend()
 
@@ -1171,7 +1171,7 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
     dx = empty_4d(x_shape, dy.dtype, dy.device, x_format)
     cfg = dict(config or depthwise_config(g, dy.dtype))
     M = g.N * g.H * g.W
-    index_64 = max(dx.numel(), dy.numel()) >= 2**31 - 1
+    index_64 = needs_index_64(dx, dy)
     (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(dx)
     args = (dy, weight, dx, g.H, g.W, g.P, g.Q, g.C, M, g.K // g.C, *ys, *_w_strides(weight), *xs,
             *_conv_args(g))
@@ -1205,7 +1205,7 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
         ws, count = split_workspace(dy.device, split * tiles * sp * cfg["BLOCK_N"], tiles)
     else:
         ws, count = dw, dw  # unused
-    index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
+    index_64 = needs_index_64(x, dy)
     (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(x)
     args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, npq, g.K // g.C, slice_len, *ys, *xs,
             dw.stride(0), dw.stride(2), dw.stride(3), *_conv_args(g))
@@ -1263,7 +1263,7 @@ def _wgrad_walk(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
     per_sm, min_chunks = cfg.pop("PER_SM", 4), cfg.pop("MIN_CHUNKS", 1)
     split, slice_rows = _row_slices(dy, rows, tiles, per_sm, cdiv(rows, bp * min_chunks), bp, cfg.pop("SPLIT", None))
     dw, ws, count = _summed_output(g, out_dtype, dy.device, split, tiles, t_pad * cfg["BLOCK_N"])
-    index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
+    index_64 = needs_index_64(x, dy)
     (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(x)
     args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, rows, slice_rows, blocks, *ys, *xs,
             dw.stride(0), dw.stride(2), dw.stride(3), g.stride[0], g.padding[0], g.padding[2], g.dilation[0])
@@ -1284,7 +1284,7 @@ def _wgrad_all_taps(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
     min_rows = cfg.pop("MIN_ROWS", DEPTHWISE_WGRAD_TAPS_MIN_ROWS)
     split, slice_rows = _row_slices(dy, rows, blocks, per_sm, rows // min_rows, 1, cfg.pop("SPLIT", None))
     dw, ws, count = _summed_output(g, out_dtype, dy.device, split, blocks, t_pad * cfg["BLOCK_N"])
-    index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
+    index_64 = needs_index_64(x, dy)
     (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(x)
     args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.K, rows, g.K // g.C, slice_rows, *ys, *xs,
             dw.stride(0), dw.stride(2), dw.stride(3), *_conv_args(g))

@@ -24,7 +24,7 @@ from tilegemm.core.runtime import cdiv, ensure_backend, interpreting
 from tilegemm.ops.conv2d.configs import (GROUPED_DIRECT_MOST_CHANNELS, GROUPED_DIRECT_WGRAD_MIN_STEPS,
                                          GROUPED_DIRECT_WGRAD_PER_SM, _pow2_at_least, pixel_split)
 from tilegemm.ops.conv2d.implicit_gemm import _conv_args, _nhwc_strides, allocate_out, empty_4d
-from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
+from tilegemm.ops.conv2d.problem import ConvProblem, Geometry, needs_index_64
 
 ensure_backend()
 
@@ -236,12 +236,6 @@ def tile_config(g: Geometry, channels: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_G=_pow2_at_least(min(g.groups, max(1, 32 // channels)), 1, 32), num_warps=4)
 
 
-def _index_64(*tensors) -> bool:
-    from tilegemm.ops.conv2d.problem import _span
-
-    return any(t.numel() >= 2**31 - 1 or _span(t) >= 2**31 - 1 for t in tensors)
-
-
 def check(g: Geometry) -> None:
     """NotApplicable unless the kernels take ``g``: at most
     :data:`~tilegemm.ops.conv2d.configs.GROUPED_DIRECT_MOST_CHANNELS` input and output channels a group (each
@@ -267,7 +261,7 @@ def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:
             out.stride(0), out.stride(2), out.stride(3), out.stride(1),
             p.bias.stride(0) if p.bias is not None else 0, *_conv_args(g))
     flags = dict(R=g.R, S=g.S, CG=g.Cg, KG=g.Kg, KGP=kgp, HAS_BIAS=p.bias is not None, ACTIVATION=p.activation,
-                 INDEX_64=p.index_64 or _index_64(out))
+                 INDEX_64=p.index_64 or needs_index_64(out))
     grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.groups, cfg["BLOCK_G"]))
     launch(grouped_direct_fwd_kernel, grid, args, {**flags, **cfg})
     return out
@@ -284,7 +278,7 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
     args = (dy, weight, dx, g.H, g.W, g.P, g.Q, M, g.groups, *_nhwc_strides(dy),
             weight.stride(0), weight.stride(1), weight.stride(2), weight.stride(3), *_nhwc_strides(dx),
             *_conv_args(g))
-    flags = dict(R=g.R, S=g.S, CG=g.Cg, CGP=cgp, KG=g.Kg, INDEX_64=_index_64(dy, dx, weight))
+    flags = dict(R=g.R, S=g.S, CG=g.Cg, CGP=cgp, KG=g.Kg, INDEX_64=needs_index_64(dy, dx, weight))
     grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(g.groups, cfg["BLOCK_G"]))
     launch(grouped_direct_dgrad_kernel, grid, args, {**flags, **cfg})
     return dx
@@ -324,7 +318,7 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
         ws, count = dw, dw  # unused
     args = (dy, x, dw, ws, count, g.H, g.W, g.P, g.Q, g.groups, npq, slice_len, *_nhwc_strides(dy),
             *_nhwc_strides(x), *dw.stride(), *_conv_args(g))
-    flags = dict(R=g.R, S=g.S, CG=g.Cg, CGP=cgp, KG=g.Kg, KGP=kgp, INDEX_64=_index_64(dy, x), SPLIT=split, **cfg)
+    flags = dict(R=g.R, S=g.S, CG=g.Cg, CGP=cgp, KG=g.Kg, KGP=kgp, INDEX_64=needs_index_64(dy, x), SPLIT=split, **cfg)
     # The workspace is this stream's: a replay passes it as recorded and declines on another stream.
     launch(grouped_direct_wgrad_kernel, grid, args, flags, keep=(ws, count) if split > 1 else (),
            stream=current_stream() if split > 1 and dy.is_cuda else None)

@@ -47,7 +47,7 @@ from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import cdiv, ensure_backend
 from tilegemm.ops.conv2d.configs import grouped_packed_config, grouped_packed_tiles
 from tilegemm.ops.conv2d.implicit_gemm import _conv_args, _divisor, _tap_mma, allocate_out, pointer_weight
-from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
+from tilegemm.ops.conv2d.problem import ConvProblem, Geometry, needs_index_64
 
 ensure_backend()
 
@@ -197,9 +197,7 @@ def _pow2(n: int) -> int:
 
 
 def _index_64(p: ConvProblem, out: torch.Tensor) -> bool:
-    from tilegemm.ops.conv2d.problem import _span
-
-    return p.index_64 or out.numel() >= 2**31 - 1 or _span(out) >= 2**31 - 1
+    return p.index_64 or needs_index_64(out)
 
 
 def run(p: ConvProblem, config: dict | None = None) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from tilegemm.core.launch import current_stream, launch
 from tilegemm.core.runtime import cdiv, ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import dgrad_config, forward_config, takes_stem, wgrad_columns, wgrad_config
-from tilegemm.ops.conv2d.problem import ConvProblem, Geometry
+from tilegemm.ops.conv2d.problem import ConvProblem, Geometry, needs_index_64
 
 ensure_backend()
 
@@ -510,7 +510,7 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, x_shape, x_format, g: Geometry
     phased = phased and g.groups * ph * pw <= _MAX_GRID_Y
     # Phased, the pixels are enumerated per stride phase over its cdiv(H, sh) x cdiv(W, sw) grid.
     M = g.N * cdiv(g.H, sh) * cdiv(g.W, sw) if phased else g.N * g.H * g.W
-    index_64 = max(dx.numel(), dy.numel()) >= 2**31 - 1
+    index_64 = needs_index_64(dx, dy)
     args = (dy, w, dx, g.H, g.W, g.Cg, g.P, g.Q, g.Kg, M, ph, pw, *_nhwc_strides(dy), *_nhwc_strides(w),
             *_nhwc_strides(dx), *_conv_args(g))
     # A (dy, channels at stride 1) is K-major; B (w as [K, C], C at stride 1) is not.
@@ -552,7 +552,7 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, precision: str, upcast
         ws, count = split_workspace(dy.device, split * tiles * cfg["BLOCK_M"] * cfg["BLOCK_N"], tiles)
     else:
         ws, count = dw, dw  # unused
-    index_64 = max(x.numel(), dy.numel()) >= 2**31 - 1
+    index_64 = needs_index_64(x, dy)
     args = (dy, x, dw, ws, count, g.H, g.W, g.Cg, g.P, g.Q, g.Kg, npq, slice_len, *_nhwc_strides(dy),
             *_nhwc_strides(x), *dw.stride(), *_conv_args(g))
     flags = dict(R=g.R, S=g.S, INPUT_PRECISION=precision, UPCAST=upcast, INDEX_64=index_64,

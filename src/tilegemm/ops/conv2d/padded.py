@@ -37,6 +37,7 @@ import triton.language as tl
 
 from tilegemm.core.runtime import cdiv
 from tilegemm.ops.conv2d.configs import padded_group
+from tilegemm.ops.conv2d.problem import needs_index_64
 
 _16BIT = (torch.float16, torch.bfloat16)  # the TMA kernels' dtypes
 
@@ -91,7 +92,7 @@ def why_not(x: torch.Tensor, weight, g) -> str | None:
     if g.Cg % STEP == 0:
         return "C/groups a multiple of 16 already"
     p = plan(x, g).geo
-    if g.N * p.H * p.W * p.C >= 2**31 or g.N * g.K * g.P * g.Q >= 2**31 or x.numel() >= 2**31:
+    if g.N * p.H * p.W * p.C >= 2**31 or g.N * g.K * g.P * g.Q >= 2**31 or needs_index_64(x):
         return "2^31 elements or more"
     return None
 
@@ -327,6 +328,6 @@ def why_not_wgrad(dy: torch.Tensor, x: torch.Tensor, g) -> str | None:
         return reason
     sh, sw = g.stride
     if (g.N * cdiv(g.H, sh) * sh * cdiv(g.W, sw) * sw * cdiv(g.C, 8) * 8 >= 2**31
-            or g.N * g.P * g.Q * cdiv(g.K, 8) * 8 >= 2**31 or x.numel() >= 2**31):
+            or g.N * g.P * g.Q * cdiv(g.K, 8) * 8 >= 2**31 or needs_index_64(x, dy)):
         return "2^31 elements or more"
     return None

@@ -260,9 +260,14 @@ class ConvProblem:
     @property
     def index_64(self) -> bool:
         """True when an element offset may pass 2^31 - 1 (then kernels compute addresses in int64)."""
-        limit = 2**31 - 1
         out_numel = self.geo.N * self.geo.K * self.geo.P * self.geo.Q
-        return out_numel >= limit or any(t.numel() >= limit or _span(t) >= limit for t in (self.x, self.weight))
+        return out_numel >= 2**31 - 1 or needs_index_64(self.x, self.weight)
+
+
+def needs_index_64(*tensors: torch.Tensor) -> bool:
+    """Whether an element offset into one of ``tensors`` may pass 2^31 - 1: by its size, or by its strides (a view
+    into a larger tensor reaches past its own element count)."""
+    return any(t.numel() >= 2**31 - 1 or _span(t) >= 2**31 - 1 for t in tensors)
 
 
 def _span(t: torch.Tensor) -> int:
