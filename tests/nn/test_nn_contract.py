@@ -112,6 +112,29 @@ def test_int4_linear_in_fp32_works_like_a_torch_module():
     assert f.half()(torch.randn(2, 128, dtype=torch.float16)).dtype == torch.float16
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_an_fp32_int4_linear_takes_activations_and_products_past_the_16_bit_range(bias):
+    # the kernels take 16-bit activations: an fp32 module scales each row into their range and back, so activations
+    # of 1e5 (inf in fp16) and products past 65504 stay finite and right, as in torch's fp32 Linear; inf, NaN and
+    # zero rows go as they are
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 24, bias=bias)
+    m = Int4Linear.from_linear(lin, 64)
+    x = torch.randn(6, 256)
+    x[0] *= 1e5  # activations past fp16's range
+    x[1] = 300.0  # activations in range, products past it
+    x[2] *= 1e-6  # small activations: kept in range too
+    x[3] = 0.0
+    x[4, 7] = float("inf")
+    w = dequantize(m.weight).double()
+    ref = x.double() @ w.T + (m.bias.double() if bias else 0)
+    out = m(x)
+    assert out.dtype == torch.float32
+    for row in (0, 1, 2, 3, 5):
+        assert relative_error(out[row], ref[row]) < 2e-3, row
+    assert torch.equal(out[4].isnan(), ref[4].isnan()) and torch.equal(out[4].isinf(), ref[4].isinf())
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
 def test_int4_linear_refuses_a_dtype_it_cannot_hold(dtype):
     with pytest.raises(TypeError, match="dtype"):

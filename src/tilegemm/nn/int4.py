@@ -45,8 +45,8 @@ class Int4Linear(NotScriptable, nn.Module):
     `frag` kernel").
 
     The module's dtype is that of its activations and bias: fp16, bf16 or fp32. The kernels take 16-bit
-    activations, so (unlike ``torch.nn.Linear``, which computes in fp32) an fp32 module rounds its input to the
-    scales' 16-bit dtype and returns the result in fp32; ``.float()`` makes such a module and keeps the scales
+    activations, so (unlike ``torch.nn.Linear``, which computes in fp32) an fp32 module rounds its input, each row
+    scaled by a power of two into the 16-bit range, to the scales' dtype and returns the result in fp32; ``.float()`` makes such a module and keeps the scales
     16-bit (``.half()``/``.bfloat16()`` convert them). A float64 input (after ``.double()``) runs torch's product of
     the dequantized weight, in float64.
     """
@@ -184,9 +184,7 @@ class Int4Linear(NotScriptable, nn.Module):
             bias = None if self.bias is None else self.bias.to(dtype)
             return nn.functional.linear(x, self.dequantize().to(dtype), bias)
         if dtype is torch.float32:  # an fp32 module: 16-bit activations in, fp32 out
-            half = self.scales.dtype
-            bias = None if self.bias is None else self.bias.to(half)
-            return matmul(x.to(half), self.weight, bias=bias).float()
+            return _fp32_through_16bit(x, self.weight, self.bias)
         if dtype in FLOAT_DTYPES:
             # the layer's dtypes named here: the product's own check would name its internal weight
             module = self.scales.dtype if self.bias is None or self.bias.dtype in FLOAT_DTYPES else self.bias.dtype
@@ -411,6 +409,17 @@ class Int4Linear(NotScriptable, nn.Module):
         dtype = scales if self.bias is None else self.bias.dtype
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"group_size={self.group_size}, dtype={dtype}" + (f", scales={scales}" if dtype != scales else ""))
+
+
+def _fp32_through_16bit(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for fp32 ``x`` on the 16-bit kernels: each row divided by the power of two at or above
+    its largest magnitude first and the product multiplied back (exact, the product being linear), so that fp32
+    activations past the 16-bit range and products past it stay finite as in torch's fp32 Linear; rows holding an
+    inf or a NaN, or only zeros, go as they are. The bias is added in fp32."""
+    amax = x.abs().amax(dim=-1, keepdim=True) if x.shape[-1] else x.new_zeros((*x.shape[:-1], 1))
+    scale = torch.where(torch.isfinite(amax) & (amax > 0), torch.exp2(torch.ceil(torch.log2(amax))), 1.0)
+    y = w4a16_api.matmul((x / scale).to(weight.dtype), weight).float() * scale
+    return y if bias is None else y + bias.float()
 
 
 _DTENSOR_ADVICE = ("{what} is a DTensor (the model was parallelized, e.g. by parallelize_module): quantize "
