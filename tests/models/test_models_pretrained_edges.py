@@ -351,6 +351,10 @@ def test_model_class_builds_other_heads(tmp_path, device):
     assert float((got - want).norm() / want.norm()) < 3e-3
     with pytest.raises(TypeError, match="model_class must be a transformers auto class or model class"):
         from_pretrained(path, device="cpu", model_class="AutoModelForSequenceClassification")
+    # a model class of another config's models: named with both configs, before transformers builds it
+    with pytest.raises(TypeError, match=r"model_class LlamaForCausalLM is built from a LlamaConfig, and the "
+                                        r"checkpoint's config .* is a BertConfig"):
+        from_pretrained(path, device="cpu", model_class=transformers.LlamaForCausalLM)
     # a config no causal LM takes (T5): refused before anything is built, naming model_class
     cfg = json.loads((path / "config.json").read_text())
     t5 = transformers.T5Config(vocab_size=96, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4).to_dict()

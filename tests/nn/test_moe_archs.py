@@ -187,6 +187,19 @@ def test_quantize_experts_narrower_than_the_group_size(arch, device):
     assert _rel(got, want) < 3e-3  # fp16 activations through the 4-bit experts against fp32
 
 
+def test_quantize_again_keeps_4_bit_experts_and_names_them():
+    import tilegemm.nn
+
+    model = _narrow_moe("qwen3_moe", 32)
+    tilegemm.nn.quantize_(model, group_size=32, filter=lambda n, m: n.endswith("experts"), warn=False)
+    block = model.model.layers[0].mlp.experts
+    before = block.tilegemm_down_proj_qweight.clone()
+    tilegemm.nn.quantize_(model, group_size=-1, filter=lambda n, m: n.endswith("experts"), warn=False)
+    assert dict(model.tilegemm_skipped) == {
+        "model.layers.0.mlp.experts": moe.ALREADY_4BIT.format(" (gate_up_proj, down_proj)")}
+    assert torch.equal(block.tilegemm_down_proj_qweight, before)
+
+
 def test_quantize_keeps_experts_whose_width_the_group_size_does_not_divide_with_a_reason():
     import warnings
 

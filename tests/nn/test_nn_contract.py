@@ -135,6 +135,19 @@ def test_an_fp32_int4_linear_takes_activations_and_products_past_the_16_bit_rang
     assert torch.equal(out[4].isnan(), ref[4].isnan()) and torch.equal(out[4].isinf(), ref[4].isinf())
 
 
+def test_quantize_twice_keeps_the_4_bit_layers_and_says_so():
+    # a 4-bit weight is not requantized (it would round rounded values) whatever group size is asked: each such layer
+    # is kept and named, with what gives a 16-bit model to quantize afresh; a 16-bit layer beside them is quantized
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64)).half()
+    quantize_(model, group_size=128, filter=lambda name, m: name == "0")
+    first = model[0].qweight.clone()
+    with pytest.warns(ConversionNote, match=r"kept 1 layer.*0: already 4-bit \(group_size 128\).*dequantized_copy"):
+        quantize_(model, group_size=32, symmetric=True)
+    assert torch.equal(model[0].qweight, first) and model[0].group_size == 128
+    assert isinstance(model[2], Int4Linear) and model[2].group_size == 32
+    assert [n for n, _ in model.tilegemm_skipped] == ["0"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
 def test_int4_linear_refuses_a_dtype_it_cannot_hold(dtype):
     with pytest.raises(TypeError, match="dtype"):

@@ -1015,6 +1015,11 @@ def empty_model(path, dtype: torch.dtype = torch.float16, device=None, model_cla
                 raise ValueError(f"AutoModelForCausalLM has no model for {type(config).__name__} ({path!r}): pass "
                                  f"model_class, e.g. transformers.AutoModelForSeq2SeqLM or "
                                  f"AutoModelForSequenceClassification")
+    wants = getattr(model_class, "config_class", None)  # (a model class; auto classes name theirs by mapping)
+    if isinstance(wants, type) and not isinstance(config, wants):  # (it failed inside transformers' __init__)
+        raise TypeError(f"model_class {model_class.__name__} is built from a {wants.__name__}, and the checkpoint's "
+                        f"config ({path!r}) is a {type(config).__name__}: pass a class of that config's models "
+                        f"(e.g. {type(config).__name__.removesuffix('Config')}ForCausalLM), or leave model_class out")
     # Built from the config alone: transformers' own quantizers (which from_config does not run) stay out of it;
     # load_quantized_ replaces its quantization_config by tilegemm's (what the loaded model holds and saves).
     if experts_implementation is not None and not isinstance(experts_implementation, str):

@@ -10,8 +10,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tilegemm.nn.moe import (SparseMoeBlock, _stacked_experts, apply_keeping_4bit_parts, convert_moe_blocks_,
-                             expert_group_size, per_expert_mlps, quantize_experts_, refuse_split_experts)
+from tilegemm.nn.moe import (ALREADY_4BIT, SparseMoeBlock, _stacked_experts, apply_keeping_4bit_parts,
+                             convert_moe_blocks_, expert_group_size, per_expert_mlps, quantize_experts_,
+                             refuse_split_experts)
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.launch import dispatch_stack_depth, function_mode_on, functorch_level, jit_tracing
 from tilegemm.ops.w4a16 import fragment_records as fragments
@@ -703,6 +704,8 @@ def _quantize_into(model: nn.Module, group_size: int, symmetric: bool, warn: boo
     tied_kept.update(dict.fromkeys(attention_out_projections(model), MHA_OUT_PROJ_KEPT))
     targets = []
     for name, module in model.named_modules():  # (each module once, under its first name)
+        if isinstance(module, Int4Linear) and (filter is None or filter(name, module)):
+            skipped.append((name, ALREADY_4BIT.format(f" (group_size {module.group_size})")))
         if (isinstance(module, nn.Linear) or is_conv1d(module)) and id(module) not in routers \
                 and (filter is None or filter(name, module)):
             reason = tied_kept.get(id(module)) or _why_kept(module, group_size)

@@ -372,6 +372,11 @@ def refuse_split_experts(model: torch.nn.Module, filter=None, caller: str = "qua
                             f"parallelize_module with tilegemm.nn.ExpertsTensorParallel, docs/parallel.md)")
 
 
+# why quantize_ keeps a layer that is 4-bit already: its weight is not requantized, whatever group size is asked
+ALREADY_4BIT = ("already 4-bit{}: kept as it is, not rounded twice (tilegemm.models.pretrained.dequantized_copy gives "
+                "a 16-bit model to quantize afresh)")
+
+
 def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None,  # noqa: A002
                       symmetric: bool = False, skipped: list | None = None) -> list[str]:
     """Quantize, in place, the experts of every MoE block of ``model`` (that ``filter(name, module)`` accepts) to
@@ -392,6 +397,11 @@ def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None
                         f"{type(filter).__name__}")
     refuse_split_experts(model, filter)
     done = []
+    for name, module in model.named_modules():  # 4-bit already (their 16-bit weights gone): kept, named
+        four_bit = [n for n in ("gate_up_proj", "up_proj", "down_proj")
+                    if getattr(module, f"tilegemm_{n}_qweight", None) is not None]
+        if four_bit and skipped is not None and (filter is None or filter(name, module)):
+            skipped.append((name, ALREADY_4BIT.format(f" ({', '.join(four_bit)})")))
     for name, module in list(_experts_modules(model)):
         if filter is not None and not filter(name, module):
             continue
