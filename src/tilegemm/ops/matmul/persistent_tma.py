@@ -123,7 +123,7 @@ def matmul_persistent_tma_kernel(
     NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_ACCUM: tl.constexpr,
     HOST_DESC: tl.constexpr, SERPENTINE: tl.constexpr, SPLIT: tl.constexpr = False,
     batch=None, stride_cb=None, BATCHED: tl.constexpr = False, A_BATCHED: tl.constexpr = False,
-    B_BATCHED: tl.constexpr = False,
+    B_BATCHED: tl.constexpr = False, UPCAST: tl.constexpr = False,
 ):
     # BATCHED: ``batch`` products (16-bit, unsplit, host descriptors: :func:`triton_launch_args`); the work units
     # are (batch, tile), batch-major. The output's descriptor is 3-D, A's and B's too where A_BATCHED /
@@ -191,12 +191,15 @@ def matmul_persistent_tma_kernel(
         for ks in tl.range(k_first, k_last, warp_specialize=WS_K):
             k0 = ks * BLOCK_K
             if BATCHED:
-                acc = mma_ordered(_load_batch_tile(a_desc, bid, m0, k0, A_T, A_BATCHED, BLOCK_M, BLOCK_K),
-                                  _load_batch_tile(b_desc, bid, k0, n0, B_T, B_BATCHED, BLOCK_K, BLOCK_N), acc,
-                                  MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
+                a = _load_batch_tile(a_desc, bid, m0, k0, A_T, A_BATCHED, BLOCK_M, BLOCK_K)
+                b = _load_batch_tile(b_desc, bid, k0, n0, B_T, B_BATCHED, BLOCK_K, BLOCK_N)
             else:
-                acc = mma_ordered(_load_tile(a_desc, m0, k0, A_T), _load_tile(b_desc, k0, n0, B_T), acc,
-                                  MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
+                a = _load_tile(a_desc, m0, k0, A_T)
+                b = _load_tile(b_desc, k0, n0, B_T)
+            if UPCAST:  # (interpreter only) Triton 3.6's interpreter computes bf16 dots wrongly; fp32 dots are exact
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = mma_ordered(a, b, acc, MMA_OPERANDS, INPUT_PRECISION, FAST_ACCUM)
         acc = _as_tile(acc, MMA_OPERANDS)
         offs_m = m0 + tl.arange(0, BLOCK_M)
 
@@ -447,7 +450,7 @@ def triton_launch_args(p: GemmProblem, cfg: dict, num_sms: int, ws: torch.Tensor
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_C=flags["HAS_C"], HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=p.activation,
                   INPUT_PRECISION=p.input_precision, HAS_SCALE_A=flags["HAS_SCALE_A"],
                   HAS_SCALE_B=flags["HAS_SCALE_B"], MMA_OPERANDS=flags["MMA_OPERANDS"], NUM_SMS=num_sms,
-                  FAST_ACCUM=flags["FAST_ACCUM"], SPLIT=ws is not None,
+                  FAST_ACCUM=flags["FAST_ACCUM"], SPLIT=ws is not None, **({"UPCAST": True} if p.upcast else {}),
                   **{"WARP_SPECIALIZE": 0, "HOST_DESC": False, **cfg, **tile_order(cfg)})
     kwargs.pop("SPLIT_K", None)  # a runtime argument: one compiled kernel serves every split
     if p.batch != 1:
