@@ -212,10 +212,14 @@ def cmd_bench(args, console, err_console) -> int:
         def on_step(what: str) -> None:
             progress.update(task, advance=1, description=f"{what:<28}")
 
-        result = run_bench(op, cases, dtype, kernels, baseline=not args.no_baseline, warmup_ms=args.warmup,
-                           rep_ms=args.rep, cuda_graph=args.cuda_graph, rounds=args.rounds,
-                           options=options, sweep=sweep, on_step=on_step, precompile=args.precompile,
-                           on_note=lambda line: err_console.print(line, highlight=False, markup=False, soft_wrap=True))
+        try:  # (a model entry's checkpoint is read at its first case: a damaged one is a usage error)
+            result = run_bench(op, cases, dtype, kernels, baseline=not args.no_baseline, warmup_ms=args.warmup,
+                               rep_ms=args.rep, cuda_graph=args.cuda_graph, rounds=args.rounds,
+                               options=options, sweep=sweep, on_step=on_step, precompile=args.precompile,
+                               on_note=lambda line: err_console.print(line, highlight=False, markup=False,
+                                                                      soft_wrap=True))
+        except BenchError as err:
+            raise UsageError(str(err)) from None
     print_report(result, console)
     if result.meta.get("interrupted"):
         console.print(f"interrupted: {result.meta['interrupted']} (the report and files hold those)")

@@ -136,6 +136,29 @@ def test_bench_checkpoint_errors(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("damage", ["truncated", "incomplete"])
+def test_bench_refuses_a_damaged_checkpoint_in_one_line(tiny_ckpt, tmp_path, damage, capsys):
+    # read at the first case, not before: a damaged file or a missing tensor is a usage error (exit 2), no traceback
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "damaged"
+    shutil.copytree(tiny_ckpt, path)
+    weights = path / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:6])
+        needle = "is not a readable safetensors file"
+    else:
+        tensors = load_file(weights)
+        save_file({k: v for k, v in tensors.items() if "q_proj" not in k}, weights, metadata={"format": "pt"})
+        needle = "lacks tensor(s) the model needs"
+    assert main(["bench", "--op", "w4a16", "--model", "llama", "--checkpoint", str(path), "--shape", "3",
+                 "--quiet", "--no-save"]) == 2
+    err = capsys.readouterr().err
+    assert "tilegemm: error: --checkpoint: " in err and needle in err and "Traceback" not in err
+
+
 def test_example_decodes_a_checkpoint(tiny_ckpt, capsys):
     example = _load("examples/llama_decode.py", "llama_decode")
     # (a batch of 3: the interpreter runs 1 or 2 rows through its slower one-row kernel)

@@ -183,7 +183,10 @@ class LlamaDecodeBench(ModelBench):
             if dims["config"] == "checkpoint":
                 from tilegemm.models.pretrained import dequantized_copy, from_pretrained
 
-                int4 = from_pretrained(self.checkpoint, device=device)
+                try:
+                    int4 = from_pretrained(self.checkpoint, device=device)
+                except (ValueError, TypeError, OSError) as err:  # (a damaged or incomplete checkpoint: one line)
+                    raise BenchError(f"--checkpoint: {err}") from None
                 self._built = (key, dequantized_copy(int4), int4)
                 return self._built[1:]
             tiny = dims["config"] == "tiny"
