@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         parser.print_help()  # no command at all
         return 2
-    for name in ("TILEGEMM_INTERPRET",):  # read when tilegemm is imported: a bad value is the user's to fix
+    for name in ("TILEGEMM_INTERPRET", "TRITON_INTERPRET"):  # read when tilegemm is imported: the user's to fix
         value = os.environ.get(name)
         if value is not None and value.strip().lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off",
                                                                 ""):

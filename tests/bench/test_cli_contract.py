@@ -242,11 +242,14 @@ def test_a_batched_case_with_batch_is_an_error_before_any_run(capsys):
                      "--batch 2 does not apply to", capsys)
 
 
-def test_a_bad_interpreter_flag_is_one_line(tmp_path):
-    env = dict(os.environ, TILEGEMM_INTERPRET="bogus", PYTHONPATH=str(ROOT / "src"))
-    run = subprocess.run([sys.executable, "-m", "tilegemm_cli", "bench"], capture_output=True, text=True, env=env,
+@pytest.mark.parametrize("name", ["TILEGEMM_INTERPRET", "TRITON_INTERPRET"])
+def test_a_bad_interpreter_flag_is_one_line(tmp_path, name):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env.pop("TILEGEMM_INTERPRET", None)
+    env[name] = "bogus"
+    run = subprocess.run([sys.executable, "-m", "tilegemm_cli", "info"], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=120)
-    assert run.returncode == 2 and run.stderr.strip() == "tilegemm: error: TILEGEMM_INTERPRET='bogus': expected 1 or 0"
+    assert run.returncode == 2 and run.stderr.strip() == f"tilegemm: error: {name}='bogus': expected 1 or 0"
 
 
 @cpu_only

@@ -250,6 +250,9 @@ def test_bad_env_flag(monkeypatch):
     monkeypatch.setenv("TILEGEMM_INTERPRET", "maybe")
     with pytest.raises(ValueError, match="TILEGEMM_INTERPRET='maybe': expected 1 or 0"):
         runtime._env_flag("TILEGEMM_INTERPRET")
+    for empty in ("", " "):  # set empty: as if unset (it had forced the GPU compiler, naming "=0")
+        monkeypatch.setenv("TILEGEMM_INTERPRET", empty)
+        assert runtime._env_flag("TILEGEMM_INTERPRET") is None
 
 
 def test_unknown_op_family():

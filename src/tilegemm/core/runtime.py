@@ -33,7 +33,7 @@ _lock = threading.Lock()
 _interpret: bool | None = None
 
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_FALSE = {"0", "false", "no", "off"}
 
 
 class InterpreterWarning(UserWarning):
@@ -42,7 +42,7 @@ class InterpreterWarning(UserWarning):
 
 def _env_flag(name: str) -> bool | None:
     value = os.environ.get(name)
-    if value is None:
+    if value is None or not value.strip():  # (set empty, "TILEGEMM_INTERPRET= cmd": as if unset)
         return None
     lowered = value.strip().lower()
     if lowered in _TRUE:
