@@ -41,6 +41,8 @@ def _refuse_empty(args, *flags: str) -> None:
 
 def _writable_dir(path: Path, what: str) -> None:
     """Make directory ``path`` (as the bench would, after its run) or raise a UsageError now, before the run."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"cannot write {what} under {str(path)!r}: it is a file, not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -379,6 +381,8 @@ def cmd_tune(args, console) -> int:
                       "nothing to tune. Run `tilegemm tune` on the GPU the configs are for (--shape runs given "
                       "shapes through the tuning path here, untimed).[/]")
         return 0
+    if tuning._disk_enabled():  # (checked now: the configs are saved as each is tuned)
+        _writable_dir(tuning.cache_dir(), "the tuning cache ($TILEGEMM_CACHE_DIR or ~/.cache/tilegemm)")
     before = set(tuning.entries())
     with tuning.timing():  # the call path times nothing unless asked; here it is asked
         for i, case in enumerate(cases, 1):  # one case at a time, so that a long sweep shows where it is

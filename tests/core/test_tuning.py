@@ -92,6 +92,32 @@ def test_damaged_file_is_ignored_with_a_warning_and_rebuilt(cache, damage):
     assert json.loads(path.read_text())["entries"]["autotuned|M1|N1|K1|fp16|fp16|"] == CFG
 
 
+def test_an_unwritable_cache_keeps_configs_in_memory_with_one_warning(cache, monkeypatch):
+    # TILEGEMM_CACHE_DIR naming a file: the call that tuned keeps its config (it raised from the call before)
+    blocker = cache / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TILEGEMM_CACHE_DIR", str(blocker))
+    k = tuning.key("autotuned", 20, 30, 40, torch.float16, torch.float16)
+    monkeypatch.setattr(tuning, "_unsaved_warned", False)
+    with pytest.warns(UserWarning, match="cannot write the tuning cache .*kept in memory only"):
+        tuning.record(k, CFG)
+    assert tuning.lookup(k) == CFG
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once a process
+        tuning.record(tuning.key("autotuned", 200, 30, 40, torch.float16, torch.float16), CFG)
+
+
+def test_tune_refuses_an_unwritable_cache_before_tuning(cache, monkeypatch, capsys):
+    blocker = cache / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TILEGEMM_CACHE_DIR", str(blocker))
+    assert main(["tune", "--shape", "16,16,16", "--dtype", "fp16", "--kernels", "autotuned"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the tuning cache" in err and "it is a file, not a folder" in err
+
+
 def test_shipped_defaults_are_used_and_user_entries_win(cache):
     k = tuning.key("persistent_tma", 8192, 8192, 8192, torch.float16, torch.float16, "NN")
     shipped = dict(CFG, BLOCK_M=128)

@@ -398,16 +398,26 @@ def replaying(launch, cfg: dict):
     return run
 
 
+_unsaved_warned = False  # the warning that the cache file cannot be written: once a process
+
+
 def record(k: str, config: dict) -> None:
     """Remember a tuned config, and save the cache file (atomically) unless the disk is off."""
-    global _generation
+    global _generation, _unsaved_warned
     _load()
     with _lock:
         _memory[k] = dict(config)
         _tuned[k] = dict(config)
         _generation += 1  # after the entry is in: an answer cached under the new count has seen it
         if _disk_enabled():
-            save(cache_file())
+            try:
+                save(cache_file())
+            except OSError as err:  # (an unwritable cache folder: the call that tuned still returns its result)
+                if not _unsaved_warned:
+                    warnings.warn(f"tilegemm: cannot write the tuning cache {cache_file()} ({err.strerror or err}): "
+                                  f"tuned configs are kept in memory only; set TILEGEMM_CACHE_DIR to a writable "
+                                  f"folder", stacklevel=3)
+                _unsaved_warned = True
 
 
 def save(path: Path) -> None:
