@@ -97,6 +97,14 @@ def test_grey_errors(device):
         tilegemm.rgb_to_grey(torch.ones(3, 8, 8, dtype=torch.int32, device=device))
 
 
+def test_meta_tensors_give_meta_results():
+    # shapes and dtypes without values, as tilegemm.matmul's (they had crashed inside Triton's launch)
+    out = tilegemm.copy(torch.empty(3, 5, device="meta").t())
+    assert out.is_meta and out.shape == (5, 3) and out.is_contiguous()
+    grey = tilegemm.rgb_to_grey(torch.empty(2, 3, 8, 6, dtype=torch.uint8, device="meta"))
+    assert grey.is_meta and grey.shape == (2, 8, 6) and grey.dtype == torch.uint8
+
+
 def test_negative_views_are_read_as_their_values(device):
     # z.conj().imag is a negative view: its memory holds the values negated and a bit says so
     z = torch.randn(6, 7, dtype=torch.complex64, device=device)

@@ -56,7 +56,7 @@ def copy(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"copy supports up to {MAX_DIMS} dims, got {x.dim()}")
     check_device("x", x.device)
     out = new_output(x.shape, x.dtype, x.device)
-    if x.numel():
+    if x.numel() and not x.is_meta:  # (meta: the result's shape and dtype, no values, as tilegemm.matmul's)
         _run("copy", "flat", key, x, out)
     return out
 
@@ -64,8 +64,7 @@ def copy(x: torch.Tensor) -> torch.Tensor:
 def rgb_to_grey(img: torch.Tensor) -> torch.Tensor:
     """``0.2989 R + 0.5870 G + 0.1140 B`` of a ``[..., 3, H, W]`` image, as ``[..., H, W]``.
 
-    uint8 images give uint8, rounded to nearest; float images (fp16, bf16, fp32, fp64 as fp32 math)
-    keep their dtype. Any strides.
+    uint8 images give uint8, rounded to nearest; float images (fp16, bf16, fp32) keep their dtype. Any strides.
     """
     if isinstance(img, torch.Tensor) and img.is_neg():  # (as copy's)
         img = img.resolve_neg()
@@ -81,6 +80,6 @@ def rgb_to_grey(img: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"rgb_to_grey needs an image of shape [..., 3, H, W], got {list(img.shape)}")
     check_device("img", img.device)
     out = new_output((*img.shape[:-3], *img.shape[-2:]), img.dtype, img.device)
-    if out.numel():
+    if out.numel() and not img.is_meta:
         _run("grey", "planar", key, img, out)
     return out
