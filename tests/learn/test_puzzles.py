@@ -130,3 +130,45 @@ def test_a_kernel_that_writes_its_inputs_fails(monkeypatch):
     monkeypatch.setattr(puzzles, "dot_kernel", _dot_writing_x)
     ok, detail = puzzles.check_puzzle("dot", seed=0)
     assert not ok and "wrote its input x" in detail, detail
+
+
+@triton.jit
+def _dot_writing_nan(x_ptr, y_ptr, z_ptr, N0, N1, N2, MID, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
+                     B_MID: tl.constexpr):
+    # a wrong kernel that writes every element, as 0 / 0
+    rows = tl.program_id(0) * B0 + tl.arange(0, B0)
+    cols = tl.program_id(1) * B1 + tl.arange(0, B1)
+    b = tl.program_id(2)
+    zero = tl.zeros((B0, B1), tl.float32)
+    tl.store(z_ptr + b * N0 * N1 + rows[:, None] * N1 + cols[None, :], zero / zero,
+             mask=(rows[:, None] < N0) & (cols[None, :] < N1))
+
+
+@triton.jit
+def _dot_writing_none(x_ptr, y_ptr, z_ptr, N0, N1, N2, MID, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
+                      B_MID: tl.constexpr):
+    pass
+
+
+def test_nans_written_are_told_from_elements_never_written(monkeypatch):
+    # NaN is the poison: a kernel that writes NaN is not said to have written nothing
+    monkeypatch.setattr(puzzles, "dot_kernel", _dot_writing_nan)
+    ok, detail = puzzles.check_puzzle("dot", seed=0)
+    assert not ok and "the kernel wrote NaN into" in detail and "never written" not in detail, detail
+    monkeypatch.setattr(puzzles, "dot_kernel", _dot_writing_none)
+    ok, detail = puzzles.check_puzzle("dot", seed=0)
+    assert not ok and "output element(s) never written" in detail, detail
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="int_dtype must be torch.int32 or torch.int64 .*, got 'int32'"):
+        puzzles.check_puzzle("quant_dot", int_dtype="int32")
+    with pytest.raises(TypeError, match="int_dtype must be"):
+        puzzles.check_puzzle("quant_dot", int_dtype=torch.float32)
+    with pytest.raises(ValueError, match="unknown puzzle 'nope'"):
+        puzzles.grid_for("nope", {}, {})
+    for trials in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="trials must be a whole number"):
+            puzzles.run_all(trials=trials)
+    with pytest.raises(ValueError, match=r"x of \[N0, H, W\] and k of \[KH, KW\], got x \[4, 4\]"):
+        puzzles.conv2d_spec(torch.zeros(4, 4), torch.zeros(3, 3))

@@ -32,6 +32,9 @@ _CONV_COLS = tl.constexpr(32)
 
 def conv2d_spec(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """z[b, i, j] = sum over a < KH, c < KW (with i+a < H, j+c < W) of k[a, c] * x[b, i+a, j+c]."""
+    if x.dim() != 3 or k.dim() != 2:
+        raise ValueError(f"conv2d_spec takes x of [N0, H, W] and k of [KH, KW], got x {list(x.shape)} and k "
+                         f"{list(k.shape)}")
     N0, H, W = x.shape
     KH, KW = k.shape
     padded = torch.zeros(N0, H + KH - 1, W + KW - 1, dtype=torch.float64, device=x.device)
@@ -148,6 +151,9 @@ def quant_dot_kernel(
 # --- running them -----------------------------------------------------------------------------------
 
 
+_UNWRITTEN = -1.2345e30  # the second poison (no puzzle's output reaches it)
+
+
 def _garbage(shape, dtype=torch.float32) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype)
 
@@ -183,6 +189,8 @@ PUZZLES = ("conv2d", "dot", "quant_dot")
 
 
 def grid_for(puzzle: str, B: dict, nelem: dict) -> tuple[int, int, int]:
+    if puzzle not in PUZZLES:
+        raise ValueError(f"unknown puzzle {puzzle!r}; choose one of: {', '.join(PUZZLES)}")
     cdiv = triton.cdiv
     if puzzle == "conv2d":
         return (cdiv(nelem["N0"], B["B0"]), 1, 1)
@@ -195,13 +203,20 @@ def check_puzzle(puzzle: str, seed: int = 0, int_dtype=torch.int64) -> tuple[boo
     """Run one puzzle as its harness would, under the bounds checker; compare with its spec."""
     from tilegemm.learn.debug import OutOfBoundsError, bounds_checked
 
+    if int_dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"check_puzzle: int_dtype must be torch.int32 or torch.int64 (quant_dot's packed "
+                        f"offsets and weights), got {int_dtype!r}")
     gen = torch.Generator().manual_seed(seed)
     kernel, spec, tensors, z, B, nelem = make_case(puzzle, gen, int_dtype)
     sizes = ", ".join(f"{k}={v}" for k, v in nelem.items())
     inputs = [t.clone() for t in tensors]  # the spec reads these: a kernel may write its inputs (that fails below)
+
+    def run(out):
+        with bounds_checked(*tensors, out):
+            kernel[grid_for(puzzle, B, nelem)](*tensors, out, **B, **nelem)
+
     try:
-        with bounds_checked(*tensors, z):
-            kernel[grid_for(puzzle, B, nelem)](*tensors, z, **B, **nelem)
+        run(z)
     except OutOfBoundsError as err:
         return False, f"{sizes}: {err}"
     for name, t, before in zip(inspect.signature(spec).parameters, tensors, inputs):
@@ -209,7 +224,14 @@ def check_puzzle(puzzle: str, seed: int = 0, int_dtype=torch.int64) -> tuple[boo
             return False, f"{sizes}: the kernel wrote its input {name} (only z is an output)"
     want = spec(*inputs)
     if torch.isnan(z).any():
-        return False, f"{sizes}: {int(torch.isnan(z).sum())} output element(s) never written"
+        # NaN is the poison: a second run into another poison tells the elements never written from NaNs written
+        marked = torch.full_like(z, _UNWRITTEN)
+        run(marked)
+        unwritten = int((marked == _UNWRITTEN).sum())
+        if unwritten:
+            return False, f"{sizes}: {unwritten} output element(s) never written"
+        return False, (f"{sizes}: the kernel wrote NaN into {int(torch.isnan(z).sum())} output element(s) "
+                       f"(the spec gives {int(torch.isnan(want).sum())} NaN)")
     if not torch.allclose(z, want, rtol=1e-4, atol=1e-4):
         return False, f"{sizes}: max error {float((z - want).abs().max()):.3g}"
     return True, sizes
@@ -220,6 +242,8 @@ def run_all(trials: int = 3, console=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"run_all: trials must be a whole number of random sizes, at least 1, got {trials!r}")
     console = console or Console()
     table = Table(title="Triton-Puzzles 10-12 under the interpreter (bounds-checked, against the spec)")
     for column in ("puzzle", "trial", "result", "sizes / problem"):
