@@ -1,6 +1,8 @@
 """Plot bench JSON files: python tools/plot_results.py RESULT.json [...] (writes RESULT.png beside each).
 
-Reads plain or xz-compressed JSON (``RESULT.json.xz``, as the larger results are committed)."""
+Reads plain or xz-compressed JSON (``RESULT.json.xz``, as the larger results are committed). A file it cannot
+read, or one that is not a bench result, is named on one line and skipped; the exit status is 1 if any was, 2
+without arguments."""
 
 import json
 import lzma
@@ -11,15 +13,40 @@ from tilegemm.bench.report import write_plot
 from tilegemm.bench.runner import BenchResult
 
 
-def main(paths: list[str]) -> None:
-    for path in paths:
-        xz = path.endswith(".xz")
+def _result(path: str) -> BenchResult:
+    xz = path.endswith(".xz")
+    try:
         text = lzma.open(path, "rt").read() if xz else Path(path).read_text()
-        result = BenchResult.from_dict(json.loads(text))
+        data = json.loads(text)
+    except (OSError, UnicodeDecodeError, lzma.LZMAError) as err:
+        raise ValueError(f"cannot read it: {getattr(err, 'strerror', None) or err}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError("not a bench result (a JSON object with 'rows', as `tilegemm bench --json` writes)")
+    try:
+        return BenchResult.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ValueError(f"not a bench result ({type(err).__name__}: {err})") from None
+
+
+def main(paths: list[str]) -> int:
+    if not paths:
+        print(__doc__.splitlines()[0], file=sys.stderr)
+        return 2
+    failed = 0
+    for path in paths:
+        try:
+            result = _result(path)
+        except ValueError as err:
+            print(f"plot_results: {path}: {err}", file=sys.stderr)
+            failed += 1
+            continue
         out = Path(path.removesuffix(".xz")).with_suffix(".png")
         write_plot(result, out, topk=6)
         print(f"wrote {out}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
