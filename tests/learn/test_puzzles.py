@@ -172,3 +172,17 @@ def test_bad_arguments_are_named():
             puzzles.run_all(trials=trials)
     with pytest.raises(ValueError, match=r"x of \[N0, H, W\] and k of \[KH, KW\], got x \[4, 4\]"):
         puzzles.conv2d_spec(torch.zeros(4, 4), torch.zeros(3, 3))
+
+
+def test_ctrl_c_prints_the_trials_done(monkeypatch, capsys):
+    calls = []
+
+    def check(puzzle, seed=0):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(puzzle)
+        return True, "sizes"
+
+    monkeypatch.setattr(puzzles, "check_puzzle", check)
+    assert puzzles.run_all(trials=3) == 130
+    assert "interrupted after 2 of 9 trials: 2 passed, 0 failed" in capsys.readouterr().out

@@ -248,12 +248,19 @@ def run_all(trials: int = 3, console=None) -> int:
     table = Table(title="Triton-Puzzles 10-12 under the interpreter (bounds-checked, against the spec)")
     for column in ("puzzle", "trial", "result", "sizes / problem"):
         table.add_column(column)
-    failures = 0
-    for puzzle in PUZZLES:
-        for trial in range(trials):
-            ok, detail = check_puzzle(puzzle, seed=trial)
-            failures += not ok
-            table.add_row(puzzle, str(trial), "[green]pass[/]" if ok else "[bold red]FAIL[/]", detail)
+    failures = done = 0
+    try:
+        for puzzle in PUZZLES:
+            for trial in range(trials):
+                ok, detail = check_puzzle(puzzle, seed=trial)
+                failures += not ok
+                done += 1
+                table.add_row(puzzle, str(trial), "[green]pass[/]" if ok else "[bold red]FAIL[/]", detail)
+    except KeyboardInterrupt:  # Ctrl-C: the trials done so far, said to be partial, as the bench does
+        console.print(table)
+        console.print(f"interrupted after {done} of {trials * len(PUZZLES)} trials: {done - failures} passed, "
+                      f"{failures} failed")
+        return 130
     console.print(table)
-    console.print(f"{trials * len(PUZZLES) - failures} passed, {failures} failed")
+    console.print(f"{done - failures} passed, {failures} failed")
     return 1 if failures else 0
