@@ -142,7 +142,9 @@ for step in "$@"; do
                    --mode $m --memory-format nchw --json "$OUT/conv2d-$s-$m-nchw.json" 2>&1 | tail -n 3; done; done ;;
     recheck) pytest_ -m "" -n 14 -rf tests/conv2d/test_depthwise_wgrad_walk.py tests/conv2d/test_depthwise_wgrad_taps.py \
                tests/conv2d/test_depthwise_backward_widths.py tests/conv2d/test_conv2d_backward.py \
-               tests/models/test_models_pretrained_edges.py tests/models/test_models_pretrained.py \
+               tests/conv2d/test_conv2d_index_64_views.py tests/matmul/test_persistent_tma_batched.py \
+               tests/nn/test_nn_contract.py tests/nn/test_moe_archs.py tests/core/test_tuning.py tests/guide/test_guide.py \
+               tests/models/test_models_pretrained_edges.py tests/models/test_models_checkpoint_cli.py \
                tests/models/test_models_experts_implementation.py tests/grouped/test_grouped_moe.py \
                tests/grouped/test_grouped_routing.py tests/parallel/test_parallel_local.py tests/nn/test_int4_lifecycle.py 2>&1 \
                | tee "$OUT/recheck.log" | tail -n 15 ;;
