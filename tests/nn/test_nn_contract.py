@@ -126,13 +126,21 @@ def test_an_fp32_int4_linear_takes_activations_and_products_past_the_16_bit_rang
     x[2] *= 1e-6  # small activations: kept in range too
     x[3] = 0.0
     x[4, 7] = float("inf")
+    x[5] *= 1.5 * 2.0**127 / x[5].abs().max()  # a largest magnitude past 2^127: its power of two at 2^127
     w = dequantize(m.weight).double()
     ref = x.double() @ w.T + (m.bias.double() if bias else 0)
     out = m(x)
     assert out.dtype == torch.float32
     for row in (0, 1, 2, 3, 5):
-        assert relative_error(out[row], ref[row]) < 2e-3, row
+        assert torch.isfinite(out[row]).all() and relative_error(out[row], ref[row]) < 2e-3, row
     assert torch.equal(out[4].isnan(), ref[4].isnan()) and torch.equal(out[4].isinf(), ref[4].isinf())
+    # asked for gradients: torch's fp32 product of the dequantized weight, finite where fp16 intermediates were not
+    xg = torch.cat([x[:4], x[5:]]).requires_grad_(True)
+    xg.data[1] = 1000.0
+    g = torch.full((xg.shape[0], 24), 100.0)
+    (m(xg) * g).sum().backward()
+    want = g.double() @ w
+    assert torch.isfinite(xg.grad).all() and relative_error(xg.grad, want) < 1e-5
 
 
 def test_quantize_twice_keeps_the_4_bit_layers_and_says_so():

@@ -24,7 +24,7 @@ from tilegemm.nn.linear import Linear, NotScriptable, traced_call
 from tilegemm.ops.w4a16 import api as w4a16_api
 from tilegemm.ops.w4a16 import dispatch as w4a16_dispatch
 from tilegemm.ops.w4a16.format import FLOAT_DTYPES, GROUP_SIZES, Int4Weight, check_group_size_value, \
-    dequantized_overflow, from_awq, from_compressed_tensors, from_gptq, one_group_size, quantize
+    dequantize, dequantized_overflow, from_awq, from_compressed_tensors, from_gptq, one_group_size, quantize
 
 _BUFFERS = ("qweight", "scales", "zeros", "perm")
 _WEIGHT_BUFFERS = (*_BUFFERS, "fweight", "fzs")  # the weight's parts: their dtypes are the kernels', not the module's
@@ -416,9 +416,14 @@ def _fp32_through_16bit(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor 
     """``x @ weight.T + bias`` for fp32 ``x`` on the 16-bit kernels: each row divided by the power of two at or above
     its largest magnitude first and the product multiplied back (exact, the product being linear), so that fp32
     activations past the 16-bit range and products past it stay finite as in torch's fp32 Linear; rows holding an
-    inf or a NaN, or only zeros, go as they are. The bias is added in fp32."""
+    inf or a NaN, or only zeros, go as they are. The bias is added in fp32. Where a gradient is asked for, torch's
+    fp32 product of the dequantized weight instead: the kernels' backward would pass the scaled rows' gradients
+    through 16-bit tensors, where they overflow."""
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return nn.functional.linear(x, dequantize(weight).float(), None if bias is None else bias.float())
     amax = x.abs().amax(dim=-1, keepdim=True) if x.shape[-1] else x.new_zeros((*x.shape[:-1], 1))
-    scale = torch.where(torch.isfinite(amax) & (amax > 0), torch.exp2(torch.ceil(torch.log2(amax))), 1.0)
+    exponent = torch.ceil(torch.log2(amax)).clamp(max=127)  # (2^128 is inf in fp32; |x| / 2^127 < 2 fits)
+    scale = torch.where(torch.isfinite(amax) & (amax > 0), torch.exp2(exponent), 1.0)
     y = w4a16_api.matmul((x / scale).to(weight.dtype), weight).float() * scale
     return y if bias is None else y + bias.float()
 
