@@ -37,18 +37,18 @@ def _layer(case, device="cpu", dtype=torch.float32):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("split", [None, 1, 3])
-def test_all_taps_matches_reference(case, split):
-    x, dy, g, ref = _layer(case)
+def test_all_taps_matches_reference(case, split, device):
+    x, dy, g, ref = _layer(case, device)
     cfg = depthwise_wgrad_taps_config(g, torch.float32)
     if split:
         cfg["SPLIT"] = split
-    out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
+    out = depthwise.wgrad(dy, x, g, torch.float32, cfg).cpu()
     assert out.shape == ref.shape and not out.isnan().any()
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
-def test_auto_takes_the_walk_else_all_taps_and_per_tap_stays_by_config():
-    x, dy, g, ref = _layer(CASES[0])
+def test_auto_takes_the_walk_else_all_taps_and_per_tap_stays_by_config(device):
+    x, dy, g, ref = _layer(CASES[0], device)
     assert depthwise_wgrad_config(g, torch.float32).get("WALK")  # (docs/conv2d.md, "Depthwise weight gradient")
     assert depthwise_wgrad_config(g, torch.float32, taps=True).get("ALL_TAPS")
     _, _, g_mult, _ = _layer(CASES[4])  # a channel multiplier: the walk does not take it
@@ -56,7 +56,7 @@ def test_auto_takes_the_walk_else_all_taps_and_per_tap_stays_by_config():
     per_tap = depthwise_wgrad_config(g, torch.float32, taps=False)
     assert not per_tap.get("ALL_TAPS") and not per_tap.get("WALK")
     for cfg in (None, per_tap):
-        out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
+        out = depthwise.wgrad(dy, x, g, torch.float32, cfg).cpu()
         assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 

@@ -6,7 +6,7 @@ import torch
 
 from tilegemm.core.registry import NotApplicable
 from tilegemm.ops.conv2d import depthwise
-from tilegemm.ops.conv2d.configs import depthwise_wgrad_walk_config, walk_takes
+from tilegemm.ops.conv2d.configs import DEPTHWISE_WGRAD_WALK_ROW_TAPS, depthwise_wgrad_walk_config, walk_takes
 from tilegemm.ops.conv2d.problem import geometry_of
 
 # (N, C, H, W, R, S, stride (h, w), padding (top, bottom, left, right), dilation (h, w))
@@ -42,71 +42,73 @@ def _layer(case, device="cpu", dtype=torch.float32):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("split", [None, 1, 3])
-def test_walk_matches_reference(case, split):
-    x, dy, g, ref = _layer(case)
+def test_walk_matches_reference(case, split, device):
+    x, dy, g, ref = _layer(case, device)
     cfg = depthwise_wgrad_walk_config(g, torch.float32)
     if split:
         cfg["SPLIT"] = split
-    out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
+    out = depthwise.wgrad(dy, x, g, torch.float32, cfg).cpu()
     assert out.shape == ref.shape and not out.isnan().any()
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, "all"])
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3], CASES[5], CASES[8]])
-def test_walk_in_groups_of_filter_rows(case, rows):
+def test_walk_in_groups_of_filter_rows(case, rows, device):
     # ROWS filter rows a program: the last group of 7 in 2s or 3s is part empty (its taps masked off the output)
-    x, dy, g, ref = _layer(case)
-    out = depthwise.wgrad(dy, x, g, torch.float32, dict(depthwise_wgrad_walk_config(g, torch.float32, rows), SPLIT=2))
+    x, dy, g, ref = _layer(case, device)
+    rows = g.R if rows == "all" else min(rows, g.R)
+    out = depthwise.wgrad(dy, x, g, torch.float32,
+                          dict(depthwise_wgrad_walk_config(g, torch.float32, rows), SPLIT=2)).cpu()
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
 @pytest.mark.parametrize("rows", [0, 4])
-def test_walk_refuses_more_filter_rows_than_the_filter_has(rows):
-    x, dy, g, _ = _layer(CASES[0])
+def test_walk_refuses_more_filter_rows_than_the_filter_has(rows, device):
+    x, dy, g, _ = _layer(CASES[0], device)
     with pytest.raises(ValueError, match="ROWS .* must be 1 to R=3, got " + str(rows)):
         depthwise.wgrad(dy, x, g, torch.float32, depthwise_wgrad_walk_config(g, torch.float32, rows))
 
 
 @pytest.mark.parametrize("ahead", [1, 3])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], CASES[6], CASES[7]])
-def test_walk_with_the_gpu_tiles(case, ahead, monkeypatch):
+def test_walk_with_the_gpu_tiles(case, ahead, monkeypatch, device):
     # the tiles the GPU takes (VEC channels a thread, BLOCK_P rows of up to 128), not the interpreter's small one
     from tilegemm.ops.conv2d import configs
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
-    x, dy, g, ref = _layer(case)
+    x, dy, g, ref = _layer(case, device)
     cfg = depthwise_wgrad_walk_config(g, torch.float16)
     assert cfg["BLOCK_P"] * cfg["BLOCK_N"] >= 128
     cfg.update(PER_SM=1, AHEAD=ahead)  # (loads issued that many columns ahead: past Q, masked)
-    out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
+    out = depthwise.wgrad(dy, x, g, torch.float32, cfg).cpu()
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
     if g.R > 1:  # a filter row a program: VEC from one row's taps
         cfg = dict(depthwise_wgrad_walk_config(g, torch.float16, 1), PER_SM=1, AHEAD=ahead)
-        out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
+        out = depthwise.wgrad(dy, x, g, torch.float32, cfg).cpu()
         assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
-def test_walk_of_an_empty_batch_is_zero():
-    x = torch.randn(0, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+def test_walk_of_an_empty_batch_is_zero(device):
+    x = torch.randn(0, 8, 5, 5, device=device).contiguous(memory_format=torch.channels_last)
     g = geometry_of(x.shape, (8, 1, 3, 3), [1, 1], [1, 1, 1, 1], [1, 1], 8)
-    dy = torch.randn(0, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(0, 8, 5, 5, device=device).contiguous(memory_format=torch.channels_last)
     out = depthwise.wgrad(dy, x, g, torch.float32, depthwise_wgrad_walk_config(g, torch.float32))
     assert out.shape == (8, 1, 3, 3) and not out.any()
 
 
-def test_walk_reads_views_of_its_inputs():
+def test_walk_reads_views_of_its_inputs(device):
     # x a channel slice of a wider tensor and dy a crop: strides that are not the tensors' own sizes
     N, C, H, W = 2, 16, 9, 10
     gen = torch.Generator().manual_seed(7)
-    big = torch.randn(N, C + 8, H, W, generator=gen).contiguous(memory_format=torch.channels_last)
+    big = torch.randn(N, C + 8, H, W, generator=gen).to(device).contiguous(memory_format=torch.channels_last)
     x = big[:, 4:4 + C]
     w = torch.randn(C, 1, 3, 3, generator=gen)
     g = geometry_of(x.shape, w.shape, [1, 1], [1, 1, 1, 1], [1, 1], C)
-    dy_big = torch.randn(N, C, H + 3, W + 2, generator=gen).contiguous(memory_format=torch.channels_last)
+    dy_big = torch.randn(N, C, H + 3, W + 2, generator=gen).to(device).contiguous(memory_format=torch.channels_last)
     dy = dy_big[:, :, 1:1 + H, 2:2 + W]
-    ref = torch.ops.aten.convolution_backward(dy.double(), x.double(), w.double(), None, [1, 1], [1, 1], [1, 1],
-                                              False, [0, 0], C, [False, True, False])[1]
+    ref = torch.ops.aten.convolution_backward(dy.double(), x.double(), w.double().to(device), None, [1, 1], [1, 1],
+                                              [1, 1], False, [0, 0], C, [False, True, False])[1]
     out = depthwise.wgrad(dy, x, g, torch.float32, depthwise_wgrad_walk_config(g, torch.float32))
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
@@ -153,15 +155,15 @@ def test_walk_compiles_to_one_fma_a_tap_and_channel_with_no_shared_memory_in_its
 
     script = SM90 + (Path(__file__).parent / "_depthwise_wgrad_walk_regs.py").read_text()
     got = compile_offline(tmp_path, script, [[144, 56, 3, 3, 1], [144, 56, 3, 3, 2], [240, 28, 5, 5, 1],
-                                             [96, 56, 7, 7, 1], [64, 32, 1, 7, 1], [96, 56, 7, 7, 1, 1],
+                                             [96, 56, 7, 7, 1], [64, 32, 1, 7, 1], [96, 56, 7, 7, 1, 7],
                                              [240, 28, 5, 5, 1, 2]])
     assert len(got) == 7
     for name, info in got.items():
         R, S = map(int, name.split("-")[2].split("x"))
-        rows = int(name.split("-r")[1]) if "-r" in name else R
+        rows = int(name.split("-r")[1]) if "-r" in name else 1 if R * S > DEPTHWISE_WGRAD_WALK_ROW_TAPS else R
         assert info["spill"] == 0, (name, info)
         assert info["fma"] == rows * S * info["vec"], (name, info)
         assert info["shared"] == 0, (name, info)
         width = {4: "v2.b32", 2: "b32", 1: "b16"}[info["vec"]]
         assert info["loads"] and all(op.endswith(width) for op in info["loads"]), (name, info)
-    assert got["96-56x56-7x7-s1-r1"]["vec"] == 4 and got["96-56x56-7x7-s1"]["vec"] == 1
+    assert got["96-56x56-7x7-s1"]["vec"] == 4 and got["96-56x56-7x7-s1-r7"]["vec"] == 1  # a row a program, or all

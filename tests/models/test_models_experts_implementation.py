@@ -144,9 +144,10 @@ def test_blocks_with_a_module_dict_of_experts_are_named_and_convert_is_not_promi
 
 
 @pytest.mark.parametrize("make,config_class,blocks,cls,linears", PER_EXPERT)
-def test_convert_does_what_the_note_says_with_a_module_dict_of_experts(make, config_class, blocks, cls, linears):
-    model = _seq2seq(make, config_class, "tilegemm")
-    ids = torch.tensor([[3, 17, 40, 5]])
+def test_convert_does_what_the_note_says_with_a_module_dict_of_experts(make, config_class, blocks, cls, linears,
+                                                                      device):
+    model = _seq2seq(make, config_class, "tilegemm").to(device)
+    ids = torch.tensor([[3, 17, 40, 5]], device=device)
     with torch.no_grad():
         want = model(input_ids=ids, decoder_input_ids=ids).logits
     with warnings.catch_warnings():
@@ -239,6 +240,10 @@ def _dbrx_checkpoint(path):
         pytest.skip("this transformers has no DbrxConfig")
     config = dbrx()
     cw.write_model(path, cw.random_model(config), "gptq", 32, sym=True, not_convert=["router.layer"])
+    try:  # (transformers 5.17's DbrxConfig refused the ffn_config it writes: "Found unknown kwargs")
+        transformers.AutoConfig.from_pretrained(path)
+    except ValueError as err:
+        pytest.skip(f"this transformers' DbrxConfig does not load the config it saves ({err})")
     return config
 
 

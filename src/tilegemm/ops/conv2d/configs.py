@@ -324,6 +324,10 @@ def depthwise_wgrad_taps_config(g: Geometry, dtype: torch.dtype) -> dict:
 DEPTHWISE_WGRAD_WALK = True  # auto walks where walk_takes
 # (0.42x -> 0.66x cuDNN: docs/conv2d.md, "Depthwise weight gradient")
 DEPTHWISE_WGRAD_WALK_MAX_TAPS = 49  # the walking kernel's taps (an accumulator each): up to 7x7
+# Filters of more taps than this walk a filter row a program (ROWS=1: 4 channels a thread, dy re-read R times)
+# rather than all rows in one (1-2 channels a thread): 5x5 and 7x7 0.47x -> 0.63x cuDNN (docs/conv2d.md,
+# "Depthwise weight gradient")
+DEPTHWISE_WGRAD_WALK_ROW_TAPS = 9
 
 
 def walk_takes(g: Geometry) -> bool:
@@ -337,8 +341,10 @@ def walk_takes(g: Geometry) -> bool:
 def depthwise_wgrad_walk_config(g: Geometry, dtype: torch.dtype, rows: int | None = None) -> dict:
     """The walking depthwise weight gradient's tile: [BLOCK_P output rows, BLOCK_N channels], VEC channels a
     thread (fewer where a program's taps' accumulators and kept columns take more registers), 4 warps; a column's
-    loads issued ``AHEAD`` columns before its products; ``rows`` filter rows a program (default all R)."""
-    rows = g.R if rows is None else rows
+    loads issued ``AHEAD`` columns before its products; ``rows`` filter rows a program (default all R, one past
+    :data:`DEPTHWISE_WGRAD_WALK_ROW_TAPS` taps)."""
+    if rows is None:
+        rows = 1 if g.R * g.S > DEPTHWISE_WGRAD_WALK_ROW_TAPS else g.R
     if interpreting():
         return dict(WALK=True, BLOCK_P=4, BLOCK_N=16, AHEAD=2, ROWS=rows, num_warps=4, num_stages=1)
     taps = rows * g.S
