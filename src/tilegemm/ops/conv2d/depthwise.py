@@ -743,16 +743,18 @@ def depthwise_wgrad_taps_kernel(
     t_ok = taps < R * S
     offs_q = tl.arange(0, BLOCK_Q)
     n_ok = _below_unspecialized(offs_n, K, DIV)
-    x_chan = ((offs_n // MULT) * stride_xc)[None, None, :]
-    y_chan = (offs_n * stride_yk)[None, :]
+    chans = offs_n.to(tl.int64) if INDEX_64 else offs_n  # (an NCHW image of 2^31 elements: channels far apart)
+    x_chan = ((chans // MULT) * stride_xc)[None, None, :]
+    y_chan = (chans * stride_yk)[None, :]
     row0 = part * slice_rows
     row1 = tl.minimum(row0 + slice_rows, NP)
     acc = tl.zeros((T_PAD, BLOCK_Q, BLOCK_N), dtype=tl.float32)
     for row in range(row0, row1):
         n = row // P
         p = row - n * P
-        if INDEX_64:
+        if INDEX_64:  # (p too: a view's rows may lie 2^31 elements apart within an image)
             n = n.to(tl.int64)
+            p = p.to(tl.int64)
         h = p * str_h - pad_h + tr * dil_h  # [T]
         h_ok = t_ok & (h >= 0) & (h < H)
         y_row = dy_ptr + n * stride_yn + p * stride_yp
@@ -828,8 +830,9 @@ def depthwise_wgrad_walk_kernel(
     offs_n = (tile % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(1)
     n_ok = _below_unspecialized(offs_n, K, DIV)
-    y_chan = (offs_n * stride_yk)[None, :]
-    x_chan = (offs_n * stride_xc)[None, :]
+    chans = offs_n.to(tl.int64) if INDEX_64 else offs_n  # (an NCHW image of 2^31 elements: channels far apart)
+    y_chan = (chans * stride_yk)[None, :]
+    x_chan = (chans * stride_xc)[None, :]
     row0 = part * slice_rows
     row1 = tl.minimum(row0 + slice_rows, NP)
     acc = ()
@@ -840,8 +843,9 @@ def depthwise_wgrad_walk_kernel(
         r_ok = rows < row1
         n = rows // P
         p = rows - n * P
-        if INDEX_64:
+        if INDEX_64:  # (p too: a view's rows may lie 2^31 elements apart within an image)
             n = n.to(tl.int64)
+            p = p.to(tl.int64)
         y_off = (n * stride_yn + p * stride_yp)[:, None] + y_chan  # [BP, BN]
         y_ok = r_ok[:, None] & n_ok[None, :]
         x_off = ()
