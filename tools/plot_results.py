@@ -18,7 +18,7 @@ def _result(path: str) -> BenchResult:
     try:
         text = lzma.open(path, "rt").read() if xz else Path(path).read_text()
         data = json.loads(text)
-    except (OSError, UnicodeDecodeError, lzma.LZMAError) as err:
+    except (OSError, UnicodeDecodeError, lzma.LZMAError, EOFError) as err:  # (EOFError: a truncated .xz)
         raise ValueError(f"cannot read it: {getattr(err, 'strerror', None) or err}") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"not JSON ({err})") from None
@@ -43,7 +43,12 @@ def main(paths: list[str]) -> int:
             failed += 1
             continue
         out = Path(path.removesuffix(".xz")).with_suffix(".png")
-        write_plot(result, out, topk=6)
+        try:
+            write_plot(result, out, topk=6)
+        except (KeyError, TypeError, ValueError) as err:  # (rows without the fields a plot reads: meta.machine, ...)
+            print(f"plot_results: {path}: not a complete bench result ({type(err).__name__}: {err})", file=sys.stderr)
+            failed += 1
+            continue
         print(f"wrote {out}")
     return 1 if failed else 0
 

@@ -44,4 +44,9 @@ def test_bad_files_are_named_and_skipped(tmp_path, capsys):
     assert len(err) == 4 and all(line.startswith("plot_results: ") for line in err)
     assert "missing.json: cannot read it" in err[0] and "a.csv: not JSON" in err[1]
     assert "b.json: not a bench result" in err[2] and "c.json.xz: cannot read it" in err[3]
-    assert tool.main([]) == 2
+    assert tool.main([]) == 2 and "plot_results.py RESULT.json" in capsys.readouterr().err
+    (tmp_path / "d.json").write_text('{"rows": [], "meta": {}}')  # the schema's keys, none of the values
+    (tmp_path / "e.json.xz").write_bytes(lzma.compress(b'{"rows": []}')[:20])  # a truncated archive
+    assert tool.main([str(tmp_path / "d.json"), str(tmp_path / "e.json.xz")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "d.json: not a" in err[0] and "e.json.xz: cannot read it" in err[1]

@@ -150,6 +150,26 @@ def _dot_writing_none(x_ptr, y_ptr, z_ptr, N0, N1, N2, MID, B0: tl.constexpr, B1
     pass
 
 
+@triton.jit
+def _dot_adding_to_z(x_ptr, y_ptr, z_ptr, N0, N1, N2, MID, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
+                     B_MID: tl.constexpr):
+    # a wrong kernel: right products, added to what z held (the poison) rather than to zero
+    rows = tl.program_id(0) * B0 + tl.arange(0, B0)
+    cols = tl.program_id(1) * B1 + tl.arange(0, B1)
+    b = tl.program_id(2)
+    ok = (rows[:, None] < N0) & (cols[None, :] < N1)
+    zp = z_ptr + b * N0 * N1 + rows[:, None] * N1 + cols[None, :]
+    acc = tl.load(zp, mask=ok)
+    for k0 in range(0, MID, B_MID):
+        ks = k0 + tl.arange(0, B_MID)
+        xv = tl.load(x_ptr + b * N0 * MID + rows[:, None] * MID + ks[None, :],
+                     mask=(rows[:, None] < N0) & (ks[None, :] < MID), other=0.0)
+        yv = tl.load(y_ptr + b * MID * N1 + ks[:, None] * N1 + cols[None, :],
+                     mask=(ks[:, None] < MID) & (cols[None, :] < N1), other=0.0)
+        acc += tl.sum(xv[:, :, None] * yv[None, :, :], axis=1)
+    tl.store(zp, acc, mask=ok)
+
+
 def test_nans_written_are_told_from_elements_never_written(monkeypatch):
     # NaN is the poison: a kernel that writes NaN is not said to have written nothing
     monkeypatch.setattr(puzzles, "dot_kernel", _dot_writing_nan)
@@ -158,6 +178,9 @@ def test_nans_written_are_told_from_elements_never_written(monkeypatch):
     monkeypatch.setattr(puzzles, "dot_kernel", _dot_writing_none)
     ok, detail = puzzles.check_puzzle("dot", seed=0)
     assert not ok and "output element(s) never written" in detail, detail
+    monkeypatch.setattr(puzzles, "dot_kernel", _dot_adding_to_z)
+    ok, detail = puzzles.check_puzzle("dot", seed=0)
+    assert not ok and "the kernel reads z before writing it" in detail, detail
 
 
 def test_bad_arguments_are_named():

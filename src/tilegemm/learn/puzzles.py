@@ -151,9 +151,6 @@ def quant_dot_kernel(
 # --- running them -----------------------------------------------------------------------------------
 
 
-_UNWRITTEN = -1.2345e30  # the second poison (no puzzle's output reaches it)
-
-
 def _garbage(shape, dtype=torch.float32) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype)
 
@@ -224,13 +221,19 @@ def check_puzzle(puzzle: str, seed: int = 0, int_dtype=torch.int64) -> tuple[boo
             return False, f"{sizes}: the kernel wrote its input {name} (only z is an output)"
     want = spec(*inputs)
     if torch.isnan(z).any():
-        # NaN is the poison: a second run into another poison tells the elements never written from NaNs written
-        marked = torch.full_like(z, _UNWRITTEN)
-        run(marked)
-        unwritten = int((marked == _UNWRITTEN).sum())
+        # NaN is the poison: runs into zeros and into ones tell the elements never written (both fills left), those
+        # the kernel added to (the fill read back: the results differ by one), and NaNs the kernel wrote
+        nan = torch.isnan(z)
+        zeros, ones = torch.zeros_like(z), torch.ones_like(z)
+        run(zeros)
+        run(ones)
+        unwritten = int(((zeros == 0) & (ones == 1)).sum())
         if unwritten:
             return False, f"{sizes}: {unwritten} output element(s) never written"
-        return False, (f"{sizes}: the kernel wrote NaN into {int(torch.isnan(z).sum())} output element(s) "
+        if torch.allclose((ones - zeros)[nan], torch.ones(()), rtol=0, atol=1e-3):
+            return False, (f"{sizes}: the kernel reads z before writing it: {int(nan.sum())} output element(s) "
+                           f"hold what it added to the poisoned fill (z is an output only: start from zero)")
+        return False, (f"{sizes}: the kernel wrote NaN into {int(nan.sum())} output element(s) "
                        f"(the spec gives {int(torch.isnan(want).sum())} NaN)")
     if not torch.allclose(z, want, rtol=1e-4, atol=1e-4):
         return False, f"{sizes}: max error {float((z - want).abs().max()):.3g}"

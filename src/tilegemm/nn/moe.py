@@ -373,8 +373,9 @@ def refuse_split_experts(model: torch.nn.Module, filter=None, caller: str = "qua
 
 
 # why quantize_ keeps a layer that is 4-bit already: its weight is not requantized, whatever group size is asked
-ALREADY_4BIT = ("already 4-bit{}: kept as it is, not rounded twice (tilegemm.models.pretrained.dequantized_copy gives "
-                "a 16-bit model to quantize afresh)")
+ALREADY_4BIT = ("already 4-bit{}: kept as it is, not rounded twice (to quantize afresh, start from 16-bit weights: "
+                "tilegemm.models.pretrained.dequantized_copy of a transformers model, Int4Linear.dequantize() of a "
+                "layer)")
 
 
 def quantize_experts_(model: torch.nn.Module, group_size: int = 128, filter=None,  # noqa: A002
