@@ -378,6 +378,12 @@ def pretrained_ranks(rank, world, mesh, tmp, wants):
         else:
             assert packed == [], packed  # every packed tensor read as this rank's slice
         _close(model(input_ids=ids).logits, want, FP16_TOL, f"from_pretrained on {world} ranks: {name}")
+    import os  # (the last model: its save_pretrained would write this rank's shards as the whole model)
+
+    with pytest.raises(RuntimeError, match=r"loaded tensor-parallel over 2 ranks: .*Save from a load without "
+                                           r"device_mesh"):
+        model.save_pretrained(f"{tmp}/resaved-{rank}")
+    assert not os.path.exists(f"{tmp}/resaved-{rank}")
 
 
 def test_parallel_from_pretrained(tmp_path):

@@ -25,6 +25,7 @@ it when first used, and importing it registers the rules. docs/parallel.md is th
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import warnings
 from functools import partial
@@ -1073,7 +1074,18 @@ def load_quantized_sharded_(model: nn.Module, path, device_mesh: DeviceMesh, tp_
                     attach_int4(styles[split], local, device_mesh, split, index,
                                 None if bias is None else bias.to(device, dtype)))
         load_quantized_(model, path, dtype=dtype, device=device, loaded=tuple(splits))
+    if world > 1 and callable(getattr(model, "save_pretrained", None)):
+        # transformers' save_pretrained would write this rank's shards under the whole model's config (a checkpoint
+        # refused at reload): refused now, naming what does work
+        model.save_pretrained = functools.partial(_sharded_save_refused, type(model).__name__, world)
     return model
+
+
+def _sharded_save_refused(model_name: str, world: int, *args, **kwargs):
+    raise RuntimeError(f"this {model_name} was loaded tensor-parallel over {world} ranks: each rank holds only its "
+                       f"shards of the split layers, which save_pretrained would write as the whole model. Save from "
+                       f"a load without device_mesh (tilegemm.models.from_pretrained(path)), or keep each rank's "
+                       f"state_dict(): it loads into the same rank of a model loaded the same way")
 
 
 def from_pretrained_sharded(path, device_mesh: DeviceMesh, tp_plan="auto", dtype: torch.dtype = torch.float16,
