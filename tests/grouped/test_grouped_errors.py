@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tilegemm
-from tilegemm.ops.grouped.api import moe_gate_up
+from tilegemm.ops.grouped.api import batched_matmul, moe_gate_up, moe_gate_up_int4
 
 O = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
 
@@ -96,6 +96,17 @@ CASES = [
 ]
 
 
+CASES += [
+    # the gated call's and batched_matmul's refusals say whose they are (the shared checks speak of a and b)
+    ("gated K mismatch", lambda: moe_gate_up(torch.randn(9, 8), torch.randn(3, 10, 8), O(2, 9)), ValueError,
+     r"^moe_gate_up \(x \[M, K\] and w \[E, K, 2I\] as a and b\): K mismatch"),
+    ("gated no offs", lambda: moe_gate_up(torch.randn(9, 8), torch.randn(3, 8, 10), None), ValueError,
+     r"^moe_gate_up .*offs is required"),
+    ("batched float64", lambda: batched_matmul(torch.randn(2, 3, 4).double(), torch.randn(2, 4, 5).double()),
+     TypeError, r"^batched_matmul \(a \[B, M, K\] and b \[B, K, N\], on grouped_mm's checks\): a has dtype"),
+]
+
+
 @pytest.mark.parametrize("fn, err, text", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_named(fn, err, text):
     with pytest.raises(err, match=text):
@@ -116,3 +127,18 @@ def test_devices_must_match():
     meta = torch.randn(8, 4, device="meta")
     with pytest.raises(ValueError, match="different devices"):
         call(meta, torch.randn(2, 4, 5), offs=O(2, 8))
+
+
+def test_gated_calls_take_no_activation_as_none_on_every_path():
+    # activation=None had run as "none" on a plain call and failed in the op's schema where x required grad
+    import tilegemm.w4a16 as w4a16
+
+    x, w, offs = torch.randn(9, 8), torch.randn(3, 8, 10), O(2, 2, 7)
+    want = moe_gate_up(x, w, offs, None, "none")
+    for xx in (x, x.clone().requires_grad_(True)):
+        assert torch.equal(moe_gate_up(xx, w, offs, None, None).detach(), want)
+    w4 = w4a16.quantize(torch.randn(3, 10, 32).half(), 32)
+    xh = torch.randn(9, 32).half()
+    want4 = moe_gate_up_int4(xh, w4, offs, None, "none")
+    for xx in (xh, xh.clone().requires_grad_(True)):
+        assert torch.equal(moe_gate_up_int4(xx, w4, offs, None, None).detach(), want4)

@@ -4,6 +4,8 @@ checks, then the op or a plain call that is recorded for the next replay."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tilegemm.core.launch import plain_call
@@ -69,6 +71,17 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
         return kept(forward(a, b, offs, bias, out_dtype, precision, kernel))
 
 
+@contextlib.contextmanager
+def _checks_named(call: str, names: str):
+    """The shared checks' TypeError / ValueError, which speak of grouped_mm's ``a`` and ``b``, said of ``call``."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        if type(err) not in (TypeError, ValueError):  # (subclasses keep their own form)
+            raise
+        raise type(err)(f"{call} ({names}): {err}") from None
+
+
 def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.matmul(a, b)`` of two 3-D operands of one batch size, one launch with the operands read in place
     through their strides; differentiable. fp16/bf16 operands run on ``tilegemm.matmul``'s ``auto``, which
@@ -77,8 +90,9 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     this family's ``tiled`` kernel (the batch on a grid axis)."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 3 or b.dim() != 3:
         raise ValueError("batched_matmul takes two 3-D tensors [B, M, K] and [B, K, N]")
+    with _checks_named("batched_matmul", "a [B, M, K] and b [B, K, N], on grouped_mm's checks"):
+        check_grouped(a, b, None, None, None)  # the same errors as grouped_mm's (one batch size, K, dtypes, devices)
     if a.dtype in (torch.float16, torch.bfloat16) and b.dtype == a.dtype:
-        check_grouped(a, b, None, None, None)  # the same errors as grouped_mm's (one batch size, K, devices)
         return dense_matmul(a, b)
     return grouped_mm(a, b)
 
@@ -105,7 +119,9 @@ def moe_gate_up_int4(x: torch.Tensor, w, offs: torch.Tensor, bias: torch.Tensor 
                      activation: str = "silu") -> torch.Tensor:
     """4-bit experts' gate/up product with the activation and the gate fused: ``activation(gate) * up`` where
     ``[gate | up] = x[rows of g] @ dequantize(w)[g].T (+ bias[g])``, w stacked ``[E, 2I, K]`` (gate rows first),
-    bias ``[E, 2I]`` or ``[2I]``. Returns ``[M, I]``; differentiable in x and bias."""
+    bias ``[E, 2I]`` or ``[2I]``. Returns ``[M, I]``; differentiable in x and bias. ``activation=None`` is
+    ``"none"`` (``gate * up``)."""
+    activation = "none" if activation is None else activation  # (the op's schema takes a str on every path)
     return _int4(x, w, offs, bias, activation, True, "auto")
 
 
@@ -142,14 +158,16 @@ def moe_gate_up(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torc
     """A MoE block's gate/up product with the activation and the gate fused: ``activation(gate) * up`` where
     ``[gate | up] = x[rows of g] @ w[g] (+ bias[g])``, w ``[E, K, 2I]`` (gate columns first; any strides: a
     transformers ``gate_up_proj`` ``[E, 2I, K]`` passes as ``.transpose(1, 2)``), bias ``[E, 2I]`` or ``[2I]``.
-    Returns ``[M, I]``; differentiable in x, w and bias."""
+    Returns ``[M, I]``; differentiable in x, w and bias. ``activation=None`` is ``"none"`` (``gate * up``)."""
+    activation = "none" if activation is None else activation  # (the op's schema takes a str on every path)
     key = gated_replay_key(x, w, offs, bias, activation)
     if key is not None:
         tensors = call_tensors(x, w, offs, bias)
         out = REPLAYS.replayed(key, tensors)
         if out is not None:
             return out
-    check_gated_call(x, w, offs, bias, activation)
+    with _checks_named("moe_gate_up", "x [M, K] and w [E, K, 2I] as a and b"):
+        check_gated_call(x, w, offs, bias, activation)
     if any_negative(x, w, bias):  # (as grouped_mm's)
         x, w, bias = resolved(x, w, bias)
     if not plain_call(x, w, offs, bias):
