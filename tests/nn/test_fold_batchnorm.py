@@ -262,6 +262,52 @@ def test_an_activation_replaced_after_folding_is_not_applied_by_the_convolution(
         assert_rel_close(folded(x), ref(x).double(), 1e-5)
 
 
+def test_hooks_added_after_folding_see_and_change_what_torchs_modules_would(device):
+    # a hook put on a folded module afterwards ends its fold: it sees the convolution's own output, and what it
+    # changes goes through the norm and the activation (they had been applied by the convolution already)
+    ref, folded = _pair(device)
+    ref.eval(), folded.eval()
+    x = torch.randn(2, 8, 5, 5, device=device)
+
+    def ablate(module, args, out):
+        out = out.clone()
+        out[:, 0] = 0
+        return out
+
+    seen = {}
+    for name, hook in (("conv1", ablate), ("bn1", None), ("relu", None)):
+        handles = []
+        for model in (ref, folded):
+            module = getattr(model, name) if name != "relu" else model.head[2]
+            if hook is None:  # a pre-hook adding one, then a read-only hook recording the input
+                handles.append(module.register_forward_pre_hook(lambda m, a: (a[0] + 1.0,)))
+                handles.append(module.register_forward_hook(lambda m, a, o, k=id(model): seen.__setitem__(k, o)))
+            else:
+                handles.append(module.register_forward_hook(hook))
+        with torch.no_grad():
+            assert_rel_close(folded(x), ref(x).double(), 1e-5)
+        if hook is None:
+            assert_rel_close(seen[id(folded)], seen[id(ref)].double(), 1e-5)
+        for h in handles:
+            h.remove()
+    with torch.no_grad():  # the hooks gone, folded again
+        assert_rel_close(folded(x), ref(x).double(), 1e-5)
+
+
+def test_modules_called_outside_the_traced_forward_compute_torchs(device):
+    # a pair from the traced graph folds only while the model's own forward runs: the convolution called alone, or
+    # a Sequential slice of the chain, computes what torch's modules do
+    ref, folded = _pair(device)
+    ref.eval(), folded.eval()
+    x, y = torch.randn(2, 8, 5, 5, device=device), torch.randn(2, 16, 5, 5, device=device)
+    with torch.no_grad():
+        assert_rel_close(folded.head[0](y), ref.head[0](y).double(), 1e-5)
+        assert_rel_close(folded.head[:2](y), ref.head[:2](y).double(), 1e-5)
+        assert_rel_close(folded.head(y), ref.head(y).double(), 1e-5)
+        assert_rel_close(folded.bn1(folded.conv1(x)), ref.bn1(ref.conv1(x)).double(), 1e-5)
+        assert_rel_close(folded(x), ref(x).double(), 1e-5)
+
+
 def test_hooks_shared_modules_and_other_norms_are_left(device):
     model = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1), torch.nn.BatchNorm2d(4),  # hooked norm
                                 torch.nn.Conv2d(4, 4, 1), torch.nn.SyncBatchNorm(4),  # another class

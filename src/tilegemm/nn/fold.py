@@ -12,7 +12,7 @@ import torch
 
 from tilegemm.core.launch import jit_tracing
 from tilegemm.nn.conv import Conv2d
-from tilegemm.nn.hooks import has_hooks
+from tilegemm.nn.hooks import has_hooks, tilegemm_hook
 from tilegemm.nn.linear import NotScriptable, shallow_copy
 
 __all__ = ["FoldedActivation", "FoldedBatchNorm2d", "fold_batchnorm_", "folds"]
@@ -55,6 +55,12 @@ class FoldedActivation(NotScriptable, torch.nn.Module):
         return self.act(x)
 
 
+def _hooked(module: torch.nn.Module) -> bool:
+    """:func:`has_hooks`, its dicts' emptiness first (three modules a chain ask on every call)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks) and has_hooks(module)
+
+
 class Fold:
     """What a :class:`tilegemm.nn.Conv2d` folds: the batch norm after it and the activation after that (a name of
     ``tilegemm.ACTIVATIONS`` or None), and the folded weight and bias of the last call that could keep them."""
@@ -66,8 +72,9 @@ class Fold:
         self.norm = norm
         self.activation = activation
         self.act = act  # the activation module folded (None: none), whose settings must still name ``activation``
-        # a pair found as neighbours in a Sequential (no trace): folded only while that Sequential's own forward
-        # runs, so a parent that calls its children one by one (reading the convolution's output) gets each alone
+        # folded only while the forward that calls the chain runs: the traced model's (a pair from its graph) or
+        # the Sequential's (neighbours, no trace), so that the convolution called alone, or from a slice of the
+        # Sequential or a parent that reads its output, computes what torch's does
         self.within = within
         # (parent, name, module) of the convolution, the norm and the activation's wrapper if any: a fold holds only
         # while all are where it found them (a norm replaced afterwards, e.g. by SyncBatchNorm.convert_sync_batchnorm,
@@ -80,10 +87,13 @@ class Fold:
     def active(self) -> bool:
         # (and no activation set on the convolution since, nor the folded one's settings changed: a LeakyReLU's
         # slope, GELU's approximation; either ends the fold, where the epilogue would apply the old one)
+        # (nor a hook put on any of them since: it would see, or change, the folded chain's output)
         return folds(self.norm) and (self.within is None or self.within.depth > 0) and all(
             parent._modules.get(name) is module for parent, name, module in self.places) \
             and not (self.places and self.places[0][2].activation) \
-            and (self.act is None or _activation_name(self.act) == self.activation)
+            and (self.act is None or _activation_name(self.act) == self.activation) \
+            and not any(_hooked(module) for _, _, module in self.places) \
+            and not (self.act is not None and _hooked(self.act))
 
     def __getstate__(self):  # pickled and copied without the cached tensors
         return dict(norm=self.norm, activation=self.activation, act=self.act, places=self.places, within=self.within,
@@ -215,8 +225,8 @@ def _chains_sequential(model: torch.nn.Module) -> list[tuple[str, str, str | Non
 
 
 class _Running:
-    """How many calls of one Sequential's own forward are in progress (its forward hooks count them; the hooks are
-    objects of their own, not closures, so the model still pickles)."""
+    """How many calls of one module's own forward (the traced model's, or a Sequential's) are in progress (its
+    forward hooks count them; the hooks are objects of their own, not closures, so the model still pickles)."""
 
     def __init__(self):
         self.depth = 0
@@ -238,14 +248,14 @@ class _Leave:
         self.running.depth -= 1
 
 
-def _running(seq: torch.nn.Sequential) -> _Running:
-    """The counter of ``seq``'s forward calls in progress, its hooks registered on first use (the leaving one
-    called on an exception too)."""
-    running = seq.__dict__.get("_tilegemm_running")
+def _running(module: torch.nn.Module) -> _Running:
+    """The counter of ``module``'s forward calls in progress, its hooks registered on first use (the leaving one
+    called on an exception too; both marked tilegemm's own, so no transform counts them as the user's)."""
+    running = module.__dict__.get("_tilegemm_running")
     if running is None:
-        running = seq.__dict__["_tilegemm_running"] = _Running()
-        seq.register_forward_pre_hook(_Enter(running))
-        seq.register_forward_hook(_Leave(running), always_call=True)
+        running = module.__dict__["_tilegemm_running"] = _Running()
+        module.register_forward_pre_hook(tilegemm_hook(_Enter(running)))
+        module.register_forward_hook(tilegemm_hook(_Leave(running)), always_call=True)
     return running
 
 
@@ -263,9 +273,11 @@ def fold_batchnorm_(model: torch.nn.Module) -> torch.nn.Module:
     :class:`FoldedActivation` wrappers.
 
     Which pairs: where torch.fx traces the model (in eval mode), those whose traced graph calls the batch norm on
-    the convolution's output alone and nothing else reads that output; elsewhere the neighbours in a
-    ``torch.nn.Sequential``, folded only while that Sequential's own forward runs them (forward hooks on it count
-    its calls: a parent that calls its children one by one, reading each output, gets them unfolded). A forward
+    the convolution's output alone and nothing else reads that output, folded only while the model's own forward
+    runs (forward hooks on it count its calls: the convolution called alone, or a slice of a Sequential, computes
+    what torch's modules do); elsewhere the neighbours in a ``torch.nn.Sequential``, folded only while that
+    Sequential's own forward runs them (a parent that calls its children one by one, reading each output, gets them
+    unfolded). A hook put on any of a chain's modules after folding ends its fold while it is there. A forward
     whose path depends on state changed after folding (a flag that skips the batch norm) is read as it was. Left as
     they are: modules held under several names or called more than once, modules with hooks, a convolution with
     an activation of its own, batch norms of another class (subclasses, ``SyncBatchNorm``) or channel count.
@@ -295,9 +307,9 @@ def fold_batchnorm_(model: torch.nn.Module) -> torch.nn.Module:
             activation = None
         new_norm = shallow_copy(norm, FoldedBatchNorm2d)
         _replace(model, norm_name, new_norm)
-        seq = None if traced else model.get_submodule(conv_name.rpartition(".")[0])
-        fold = Fold(new_norm, activation, (_place(model, conv_name), _place(model, norm_name)),
-                    None if seq is None else _running(seq), act if activation is not None else None)
+        caller = model if traced else model.get_submodule(conv_name.rpartition(".")[0])
+        fold = Fold(new_norm, activation, (_place(model, conv_name), _place(model, norm_name)), _running(caller),
+                    act if activation is not None else None)
         new_norm.__dict__["fold"] = fold
         conv.__dict__["_tilegemm_fold"] = fold
         if activation is not None:
