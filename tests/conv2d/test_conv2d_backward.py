@@ -115,6 +115,33 @@ def test_opcheck(device):
                           (dy, x, [6, 2, 3, 2], [2, 1], [1, 1, 0, 0], [1, 1], 2, "ieee"))
 
 
+@pytest.mark.parametrize("op", ["dgrad", "wgrad"])
+@pytest.mark.parametrize("bad, err, text", [
+    (dict(stride=[0, 1]), ValueError, r"stride must be >= 1, got \[0, 1\]"),
+    (dict(padding=[-1, 3, 1, 1]), ValueError, r"padding must be >= 0, got \[-1, 3, 1, 1\]"),
+    (dict(dilation=[1, 0]), ValueError, r"dilation must be >= 1"),
+    (dict(dtype=torch.float16), TypeError, r"dy is fp16 and (weight|x) fp32: give both one dtype"),
+    (dict(dy_dtype=torch.int64), TypeError, r"dy has integer dtype int64"),
+])
+def test_the_gradient_ops_called_directly_refuse_what_the_forward_would(op, bad, err, text):
+    # a stride of 0 divided by zero, a negative padding returned a gradient of nothing, mixed or integer dtypes
+    # failed inside the kernels: each named before anything runs
+    x, w, dy = torch.randn(2, 4, 6, 6), torch.randn(6, 4, 3, 3), torch.randn(2, 6, 6, 6)
+    if "dtype" in bad:
+        dy = dy.to(bad["dtype"])
+    if "dy_dtype" in bad:
+        dy = dy.to(bad["dy_dtype"])
+    geo = dict(stride=bad.get("stride", [1, 1]), padding=bad.get("padding", [1, 1, 1, 1]),
+               dilation=bad.get("dilation", [1, 1]))
+    with pytest.raises(err, match=f"(tilegemm::conv2d_{op}: )?" + text):
+        if op == "dgrad":
+            torch.ops.tilegemm.conv2d_dgrad(dy, w, [2, 4, 6, 6], False, geo["stride"], geo["padding"],
+                                            geo["dilation"], 1, "default")
+        else:
+            torch.ops.tilegemm.conv2d_wgrad(dy, x, [6, 4, 3, 3], geo["stride"], geo["padding"], geo["dilation"], 1,
+                                            "default")
+
+
 @pytest.mark.parametrize("w_cl", [False, True], ids=["w-nchw", "w-cl"])
 @pytest.mark.parametrize("w_shape,groups,cl,pad", [((6, 4, 3, 3), 1, True, 1), ((6, 4, 3, 3), 1, False, 1),
                                                    ((6, 2, 3, 1), 2, True, 1), ((6, 2, 3, 1), 2, False, 1),

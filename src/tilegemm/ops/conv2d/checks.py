@@ -186,6 +186,17 @@ def check_grad_call(op: str, dy, other, shape, stride, padding, dilation, groups
 
     name = f"tilegemm::conv2d_{op}"
     _check_lists(name, stride, padding, dilation)
+    # (the values the forward's checks would have refused: a stride of 0 divided by zero, a negative padding
+    # returned a gradient of nothing, mixed or integer dtypes failed inside the kernels)
+    for what, value, least in (("stride", stride, 1), ("padding", padding, 0), ("dilation", dilation, 1)):
+        if any(type(v) is int and v < least for v in value):
+            raise ValueError(f"{name}: {what} must be >= {least}, got {list(value)}")
+    other_name = "weight" if op == "dgrad" else "x"
+    _check_tensor("dy", dy, (dy.dim(),))
+    _check_tensor(other_name, other, (other.dim(),))
+    if dy.dtype != other.dtype:
+        raise TypeError(f"{name}: dy is {dtype_name(dy.dtype)} and {other_name} {dtype_name(other.dtype)}: give both "
+                        f"one dtype")
     if len(shape) != 4 or dy.dim() != 4 or other.dim() != 4:
         raise ValueError(f"{name}: dy, {'weight' if op == 'dgrad' else 'x'} and the "
                          f"{'x' if op == 'dgrad' else 'weight'} shape must be 4-D, got {list(dy.shape)}, "
