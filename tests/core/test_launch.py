@@ -7,7 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
+import tilegemm
 from tilegemm.core.launch import _all_params
+from tilegemm.core.runtime import interpreting
 
 
 @triton.jit
@@ -112,3 +114,31 @@ def test_into_views_marks_the_launches_made_inside_it():
             pass
         assert launch_mod._state.views
     assert not launch_mod._state.views
+
+
+@pytest.mark.skipif(not interpreting(), reason="Triton's interpreter: not thread-safe by itself")
+def test_threads_launching_under_the_interpreter_take_turns():
+    # the interpreter patches triton.language during a launch: threads launching at once failed ("Did you forget
+    # to add @triton.jit ?"); launches hold one lock under it
+    import threading
+
+    results, errors = {}, []
+
+    def work(i):
+        gen = torch.Generator().manual_seed(i)
+        try:
+            for _ in range(4):
+                a, b = torch.randn(12, 16, generator=gen), torch.randn(3, 16, 8, generator=gen)
+                offs = torch.tensor([2, 7, 12], dtype=torch.int32)
+                y = tilegemm.grouped_mm(a, b, offs=offs)
+                want = torch.cat([a[:2] @ b[0], a[2:7] @ b[1], a[7:] @ b[2]])
+                results[i] = max(results.get(i, 0.0), float((y - want).abs().max()))
+        except Exception as err:  # noqa: BLE001 (collected: a thread's exception would be lost)
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(results) == 4 and max(results.values()) < 1e-4, (errors, results)

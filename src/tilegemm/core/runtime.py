@@ -169,12 +169,19 @@ for _fn in (ensure_backend, interpreting):
     _fn._dynamo_marked_constant = True
 
 
+_INTERPRETER_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
 def quiet_interpreter():
-    """A context for a launch under the interpreter: numpy's floating-point warnings (overflow in exp, ...), which
-    the interpreter's arithmetic raises where a GPU computes inf or 0 silently, stay inside the launch."""
+    """A context for a launch under the interpreter: one launch at a time (Triton's interpreter is not
+    thread-safe: it patches the language's functions during a launch, and threads launching at once failed), and
+    numpy's floating-point warnings (overflow in exp, ...), which the interpreter's arithmetic raises where a GPU
+    computes inf or 0 silently, kept inside the launch."""
     import numpy as np
 
-    return np.errstate(all="ignore")
+    with _INTERPRETER_LOCK, np.errstate(all="ignore"):
+        yield
 
 
 def missing_gpu() -> str | None:
