@@ -325,7 +325,7 @@ DEPTHWISE_WGRAD_WALK = True  # auto walks where walk_takes
 # (0.42x -> 0.66x cuDNN: docs/conv2d.md, "Depthwise weight gradient")
 DEPTHWISE_WGRAD_WALK_MAX_TAPS = 49  # the walking kernel's taps (an accumulator each): up to 7x7
 # Filters of more taps than this walk a filter row a program (ROWS=1: 4 channels a thread, dy re-read R times)
-# rather than all rows in one (1-2 channels a thread): 5x5 and 7x7 0.47x -> 0.63x cuDNN (docs/conv2d.md,
+# rather than all rows in one (1-2 channels a thread): faster on 5x5 and 7x7, slower on 3x3 (docs/conv2d.md,
 # "Depthwise weight gradient")
 DEPTHWISE_WGRAD_WALK_ROW_TAPS = 9
 
