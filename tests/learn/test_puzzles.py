@@ -133,15 +133,21 @@ def test_a_kernel_that_writes_its_inputs_fails(monkeypatch):
 
 
 @triton.jit
+def _z_tile(z_ptr, N0, N1, B0: tl.constexpr, B1: tl.constexpr):
+    """This program's [B0, B1] tile of the dot puzzle's z: its pointers and mask."""
+    rows = tl.program_id(0) * B0 + tl.arange(0, B0)
+    cols = tl.program_id(1) * B1 + tl.arange(0, B1)
+    return z_ptr + tl.program_id(2) * N0 * N1 + rows[:, None] * N1 + cols[None, :], \
+        (rows[:, None] < N0) & (cols[None, :] < N1)
+
+
+@triton.jit
 def _dot_writing_nan(x_ptr, y_ptr, z_ptr, N0, N1, N2, MID, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
                      B_MID: tl.constexpr):
     # a wrong kernel that writes every element, as 0 / 0
-    rows = tl.program_id(0) * B0 + tl.arange(0, B0)
-    cols = tl.program_id(1) * B1 + tl.arange(0, B1)
-    b = tl.program_id(2)
+    zp, ok = _z_tile(z_ptr, N0, N1, B0, B1)
     zero = tl.zeros((B0, B1), tl.float32)
-    tl.store(z_ptr + b * N0 * N1 + rows[:, None] * N1 + cols[None, :], zero / zero,
-             mask=(rows[:, None] < N0) & (cols[None, :] < N1))
+    tl.store(zp, zero / zero, mask=ok)
 
 
 @triton.jit
@@ -154,11 +160,10 @@ def _dot_writing_none(x_ptr, y_ptr, z_ptr, N0, N1, N2, MID, B0: tl.constexpr, B1
 def _dot_adding_to_z(x_ptr, y_ptr, z_ptr, N0, N1, N2, MID, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
                      B_MID: tl.constexpr):
     # a wrong kernel: right products, added to what z held (the poison) rather than to zero
+    zp, ok = _z_tile(z_ptr, N0, N1, B0, B1)
     rows = tl.program_id(0) * B0 + tl.arange(0, B0)
     cols = tl.program_id(1) * B1 + tl.arange(0, B1)
     b = tl.program_id(2)
-    ok = (rows[:, None] < N0) & (cols[None, :] < N1)
-    zp = z_ptr + b * N0 * N1 + rows[:, None] * N1 + cols[None, :]
     acc = tl.load(zp, mask=ok)
     for k0 in range(0, MID, B_MID):
         ks = k0 + tl.arange(0, B_MID)
