@@ -374,3 +374,30 @@ def test_quantized_encoder_layer_runs_its_4_bit_layers_in_inference(device):
     with torch.no_grad():
         got, want = model(x), ref(x)
     assert_rel_close(got, want.double(), 5e-3)
+
+
+def test_quantized_encoder_with_a_padding_mask_keeps_dense_tensors(device):
+    # with a padding mask in inference a TransformerEncoder built with enable_nested_tensor (its default) turns the
+    # batch into a nested tensor for its fused layers, which a 4-bit layer cannot read (torch's internal error from
+    # inside Int4Linear): quantize_ turns that conversion off where a layer of the encoder is 4-bit
+    import copy
+
+    from tilegemm.nn import quantize_
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).half().to(device).eval()
+    model = torch.nn.TransformerEncoder(layer, 2)
+    assert model.use_nested_tensor
+    ref = copy.deepcopy(model)
+    ref.use_nested_tensor = False  # the reference in dense tensors too: padded positions are compared below
+    quantize_(model, group_size=32, warn=False)
+    assert not model.use_nested_tensor
+    for e, e_ref in zip(model.layers, ref.layers):
+        for name in ("linear1", "linear2"):
+            getattr(e_ref, name).weight.data = tilegemm.w4a16.dequantize(getattr(e, name).weight).half()
+    x = torch.randn(2, 5, 64, device=device, dtype=torch.float16)
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2], device=device)
+    with torch.no_grad():
+        got, want = model(x, src_key_padding_mask=mask), ref(x, src_key_padding_mask=mask)
+    assert_rel_close(got[0], want[0].double(), 5e-3)
+    assert_rel_close(got[1, :3], want[1, :3].double(), 5e-3)

@@ -757,11 +757,16 @@ def _encoder_fast_paths_off_(model: nn.Module) -> None:
     in eval mode without autograd) reads ``linear1``'s and ``linear2``'s weights as tensors, which a 4-bit layer's
     is not: where either is an :class:`Int4Linear`, the layer takes its module path (the one training takes), which
     calls them. ``activation_relu_or_gelu`` is the flag torch reads to allow the fast path and nothing else (the
-    module path applies ``activation`` itself)."""
+    module path applies ``activation`` itself). A ``torch.nn.TransformerEncoder`` holding such a layer stops turning a
+    padded batch into a nested tensor for its layers (``use_nested_tensor``, set when it was built), which a 4-bit
+    layer cannot read."""
     for m in model.modules():
         if isinstance(m, nn.TransformerEncoderLayer) \
                 and any(isinstance(getattr(m, n, None), Int4Linear) for n in ("linear1", "linear2")):
             m.activation_relu_or_gelu = 0
+    for m in model.modules():
+        if isinstance(m, nn.TransformerEncoder) and any(isinstance(x, Int4Linear) for x in m.modules()):
+            m.use_nested_tensor = False
 
 
 def _transformers_tied_outputs(model: nn.Module) -> set[int]:
