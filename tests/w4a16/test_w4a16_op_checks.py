@@ -147,3 +147,22 @@ def test_valid_direct_op_call_with_perm_and_fragments(device):
     out = _op(*_args(x, base, None, fweight=fw, fzs=fzs))
     ref = x.double() @ w4a16.dequantize(base).double().T
     assert (out.double() - ref).abs().max() <= 2e-2 * (1 + ref.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_a_nested_x_is_refused_by_name(dtype, device):
+    # a nested tensor of the default (strided) layout reached the replay fast path, whose x.shape raised torch's
+    # internal "NestedTensorImpl doesn't support sizes"; the public call and the layer (fp16, and fp32 through its
+    # scaled path) name it
+    from tilegemm.nn import Int4Linear
+
+    w = w4a16.quantize(torch.randn(24, 64, dtype=torch.float16, device=device), 32)
+    x = torch.nested.nested_tensor([torch.randn(3, 64, dtype=dtype, device=device),
+                                    torch.randn(2, 64, dtype=dtype, device=device)])
+    layer = Int4Linear.from_weight(w)
+    if dtype is torch.float32:
+        layer = layer.float()
+    calls = [lambda: layer(x)] + ([lambda: w4a16.matmul(x, w)] if dtype is torch.float16 else [])
+    for call in calls:
+        with pytest.raises(TypeError, match="x is a nested tensor"):
+            call()

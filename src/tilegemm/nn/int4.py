@@ -15,6 +15,7 @@ from tilegemm.nn.moe import (ALREADY_4BIT, SparseMoeBlock, _stacked_experts, app
                              refuse_split_experts)
 from tilegemm.core.dtypes import dtype_name
 from tilegemm.core.launch import dispatch_stack_depth, function_mode_on, functorch_level, jit_tracing
+from tilegemm.core.runtime import check_dense
 from tilegemm.ops.w4a16 import fragment_records as fragments
 from tilegemm.nn.convert import (MHA_OUT_PROJ_KEPT, ConversionNote, attention_out_projections, is_conv1d,
                                  is_plain_linear, subclass_reason)
@@ -419,6 +420,7 @@ def _fp32_through_16bit(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor 
     inf or a NaN, or only zeros, go as they are. The bias is added in fp32. Where a gradient is asked for, torch's
     fp32 product of the dequantized weight instead: the kernels' backward would pass the scaled rows' gradients
     through 16-bit tensors, where they overflow."""
+    check_dense("x", x)  # (the row scaling below reads x's sizes, which a nested tensor has not)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return nn.functional.linear(x, dequantize(weight).float(), None if bias is None else bias.float())
     amax = x.abs().amax(dim=-1, keepdim=True) if x.shape[-1] else x.new_zeros((*x.shape[:-1], 1))

@@ -39,8 +39,8 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     # The fast path: a replay of an earlier plain call with the same key. Act-order (perm): two replays, x's
     # inputs reordered by the recorded gather (op.REORDERS, a new x each call), then the product on it.
     key = x2 = xr = tensors = None
-    if type(w) is Int4Weight and type(x) is torch.Tensor and x.dim() >= 1 and x.shape[-1] == w.shape[1] \
-            and (w.perm is None or w.perm.device == x.device):
+    if type(w) is Int4Weight and type(x) is torch.Tensor and not x.is_nested and x.dim() >= 1 \
+            and x.shape[-1] == w.shape[1] and (w.perm is None or w.perm.device == x.device):
         perm = w.perm
         x2 = x if x.dim() == 2 else _rows(x)
         if w._frag is None and dispatch.wants_frag(kernel, x2, w):
