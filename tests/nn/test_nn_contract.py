@@ -19,6 +19,7 @@ from tilegemm.core.activations import torch_activation
 from tilegemm.nn import Conv2d, Int4Linear, Linear, convert_, quantize_, quantize_experts_
 from tilegemm.nn.convert import ConversionNote
 from tilegemm.ops.matmul.reference import relative_error
+from tilegemm import w4a16
 from tilegemm.ops.w4a16 import dequantize
 
 
@@ -141,6 +142,27 @@ def test_an_fp32_int4_linear_takes_activations_and_products_past_the_16_bit_rang
     (m(xg) * g).sum().backward()
     want = g.double() @ w
     assert torch.isfinite(xg.grad).all() and relative_error(xg.grad, want) < 1e-5
+
+
+def test_an_fp32_int4_linear_keeps_products_of_large_weights_finite():
+    # a row of x scaled to at most 1 still gives products past 65504 where a weight row's magnitudes sum past it
+    # (200 x 512 = 102400 here): the rows are scaled down further by the weight's bound, so the product is finite and
+    # right as in torch's fp32 Linear; a layer of ordinary weights keeps its scaling (the same bits as before)
+    lin = torch.nn.Linear(512, 8, bias=False)
+    lin.weight.data.fill_(200.0)
+    lin.weight.data[1] *= -1
+    m = Int4Linear.from_linear(lin, 128)
+    x = torch.ones(3, 512)
+    x[1] = torch.linspace(-1, 1, 512)
+    x[2] *= 1e3
+    ref = x.double() @ dequantize(m.weight).double().T
+    out = m(x)
+    assert torch.isfinite(out).all() and relative_error(out, ref) < 2e-3
+    torch.manual_seed(0)
+    small = Int4Linear.from_linear(torch.nn.Linear(256, 16, bias=False), 64)
+    xs = torch.randn(4, 256)
+    scale = torch.exp2(torch.ceil(torch.log2(xs.abs().amax(-1, keepdim=True))))
+    assert torch.equal(small(xs), w4a16.matmul((xs / scale).half(), small.weight).float() * scale)
 
 
 def test_quantize_twice_keeps_the_4_bit_layers_and_says_so():

@@ -424,10 +424,22 @@ def _fp32_through_16bit(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor 
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return nn.functional.linear(x, dequantize(weight).float(), None if bias is None else bias.float())
     amax = x.abs().amax(dim=-1, keepdim=True) if x.shape[-1] else x.new_zeros((*x.shape[:-1], 1))
-    exponent = torch.ceil(torch.log2(amax)).clamp(max=127)  # (2^128 is inf in fp32; |x| / 2^127 < 2 fits)
+    # rows at most 1 give outputs at most the largest sum of a weight row's magnitudes: past 2^15 the rows go down
+    # by the power of two that keeps the outputs in 16 bits too (a tensor, so no host sync; 0 for usual weights)
+    exponent = torch.ceil(torch.log2(amax)) + _row_sum_exponent(weight)
+    exponent = exponent.clamp(max=127)  # (2^128 is inf in fp32; |x| / 2^127 < 2 fits)
     scale = torch.where(torch.isfinite(amax) & (amax > 0), torch.exp2(exponent), 1.0)
     y = w4a16_api.matmul((x / scale).to(weight.dtype), weight).float() * scale
     return y if bias is None else y + bias.float()
+
+
+def _row_sum_exponent(weight: Int4Weight) -> torch.Tensor:
+    """``max(0, ceil(log2(B)) - 15)`` for ``B`` a bound on any weight row's sum of magnitudes, from the scales and
+    zeros alone (``|q - zero| <= max(|zero|, |15 - zero|)``), as an fp32 scalar tensor on the weight's device."""
+    s, z = weight.scales.float(), weight.zeros.float()
+    bound = (torch.maximum(z.abs(), (15 - z).abs()) * s.abs()).sum(0).amax() * weight.group_k if s.numel() \
+        else s.new_zeros(())
+    return (torch.ceil(torch.log2(bound)) - 15).clamp(min=0)
 
 
 _DTENSOR_ADVICE = ("{what} is a DTensor (the model was parallelized, e.g. by parallelize_module): quantize "
