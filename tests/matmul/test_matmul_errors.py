@@ -189,6 +189,10 @@ def test_bad_options(device):
         tilegemm.matmul(a, b, precision=3)
     with pytest.raises(TypeError, match="out_dtype int32 is not supported"):
         tilegemm.matmul(a, b, out_dtype=torch.int32)
+    with pytest.raises(TypeError, match="out_dtype must be a torch.dtype .* got str 'fp16'"):  # (a name, no dtype)
+        tilegemm.matmul(a, b, out_dtype="fp16")
+    with pytest.raises(ValueError, match="unknown precision ''"):  # (it ran as the default)
+        tilegemm.matmul(a, b, precision="")
     with pytest.raises(TypeError, match="alpha must be a real number, got str"):
         tilegemm.matmul(a, b, alpha="2")
     with pytest.raises(TypeError, match="beta must be a real number, got bool"):
@@ -258,3 +262,18 @@ def test_bad_env_flag(monkeypatch):
 def test_unknown_op_family():
     with pytest.raises(ValueError, match="unknown op 'fft'"):
         tilegemm.kernels("fft")
+    with pytest.raises(TypeError, match="an op name is a str, one of: .*matmul.*; got list"):
+        tilegemm.kernels(["matmul"])
+
+
+def test_vectors_with_a_bias_take_c_of_their_output_shape(device):
+    # a 1-D a and b with a bias give [1] (torch.matmul(a, b) + bias): a c of that shape broadcasts to it, where its
+    # check ran against the scalar shape before the bias and refused it
+    torch.manual_seed(0)
+    v, w = torch.randn(16, device=device), torch.randn(16, device=device)
+    bias, c = torch.randn(1, device=device), torch.randn(1, device=device)
+    out = tilegemm.matmul(v, w, bias=bias, c=c, beta=0.5)
+    want = v.double() @ w.double() + bias.double() + 0.5 * c.double()
+    assert out.shape == (1,) and torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"c of shape \[2\] does not broadcast to the output shape \[1\]"):
+        tilegemm.matmul(v, w, bias=bias, c=torch.randn(2, device=device))

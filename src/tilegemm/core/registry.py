@@ -127,6 +127,8 @@ def ops() -> list[str]:
 
 
 def op(name: str) -> OpSpec:
+    if not isinstance(name, str):  # (a list is unhashable: its TypeError named no argument)
+        raise TypeError(f"an op name is a str, one of: {', '.join(ops())}; got {type(name).__name__}")
     if name not in _OPS:
         raise ValueError(f"unknown op {name!r}; known ops: {', '.join(ops())}")
     return _OPS[name]

@@ -171,6 +171,9 @@ class Linear(NotScriptable, torch.nn.Linear):
                 if x.dtype in (*_KERNEL_DTYPES, torch.float64) else "give it floating-point input"
             return TypeError(f"{layer} is a module of dtype {dtype_name(weight.dtype)} and got input of dtype "
                              f"{dtype_name(x.dtype)}: {fix}")
+        if x.device != weight.device:  # (the product's own check names its operands a and b)
+            return ValueError(f"{layer} has its weight on {weight.device} and got input on {x.device}: move the "
+                              f"module (.to({str(x.device)!r})) or the input")
         return None
 
     def _torch_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -84,7 +84,7 @@ def matmul(
         if out is not None:
             return out  # (None: nothing recorded, or recorded for another stream; launched afresh below)
     call = MatmulCall(a, b, bias, c, alpha, beta, "none" if activation is None else activation, out_dtype,
-                      precision or "default", kernel, scale_a, scale_b, fast_accum)
+                      "default" if precision is None else precision, kernel, scale_a, scale_b, fast_accum)
     check_inputs(call)
     if any_negative(a, b, bias, c, scale_a, scale_b):  # (z.conj().imag: the kernels would read the values negated)
         a, b, bias, c, scale_a, scale_b = resolved(a, b, bias, c, scale_a, scale_b)  # (never keyed: see replay_key)
@@ -111,6 +111,8 @@ def _with_vectors(a, b, c=None, **kw) -> torch.Tensor:
     b2 = b.unsqueeze(-1) if b.ndim == 1 else b
     full = output_shape(a2.shape, b2.shape)
     shape = full[:-2] + (() if a.ndim == 1 else full[-2:-1]) + (() if b.ndim == 1 else full[-1:])
+    if a.ndim == 1 and b.ndim == 1 and kw.get("bias") is not None:
+        shape = (1,)  # torch.matmul(a, b) + bias: the scalar broadcast against the bias's [1] (c is checked on it)
     if c is not None and isinstance(c, torch.Tensor):
         if broadcast(tuple(c.shape), shape) != shape:
             raise ValueError(f"c of shape {list(c.shape)} does not broadcast to the output shape {list(shape)}")
@@ -119,8 +121,6 @@ def _with_vectors(a, b, c=None, **kw) -> torch.Tensor:
         elif c.ndim >= 1 and a.ndim == 1:
             c = c.unsqueeze(-2)
     out = matmul(a2, b2, c=c, **kw)
-    if a.ndim == 1 and b.ndim == 1 and kw.get("bias") is not None:
-        shape = (1,)  # torch.matmul(a, b) + bias: the scalar broadcast against the bias's [1]
     # a tensor of its own, as torch.matmul's (a squeezed view made under no_grad could not be written in place)
     return shaped_as(out, shape)
 

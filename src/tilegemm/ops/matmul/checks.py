@@ -132,6 +132,9 @@ def check_inputs(call: MatmulCall) -> tuple[int, ...]:
     if fp8 and torch.is_grad_enabled():  # (scales come with fp8 operands only: refused above otherwise)
         refuse_fp8_gradients(fp8, a.requires_grad, b.requires_grad,
                              *(isinstance(s, torch.Tensor) and s.requires_grad for s in (scale_a, scale_b)))
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):  # ("fp16" is a name, not a dtype)
+        raise TypeError(f"out_dtype must be a torch.dtype (torch.float16, torch.bfloat16 or torch.float32) or None, "
+                        f"got {type(out_dtype).__name__} {out_dtype!r}")
     if out_dtype is not None and out_dtype not in DTYPES:  # (before the bias, whose accepted dtypes it names)
         raise TypeError(f"out_dtype {dtype_name(out_dtype)} is not supported; choose one of: fp16, bf16, fp32")
     if bias is not None:
