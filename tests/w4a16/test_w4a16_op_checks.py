@@ -53,6 +53,7 @@ def _bad_cases(x, w, bias):
         (dict(perm=torch.arange(K - 1, device=dev)), ValueError, r"perm must be int64 \[128\]"),
         (dict(perm=torch.zeros(K, dtype=torch.int64, device=dev)), ValueError, "perm must be a permutation"),
         (dict(zeros=w.zeros + 0.5), ValueError, r"zeros must be whole numbers .*, got \d+\.5 at \[0, 0\]"),
+        (dict(zeros=w.zeros + 1000), ValueError, r"zeros must lie in 0\.\.16 \(the 4-bit zero points\), got 10\d\d"),
         (dict(bias=bias[:N - 1]), ValueError, r"bias must have shape \[N\] = \[24\], got \[23\]"),
         (dict(bias=bias.float()), TypeError, "bias has dtype fp32; expected x's dtype, fp16"),
         (dict(activation="swish"), ValueError, "unknown activation 'swish'"),
@@ -63,23 +64,23 @@ def _bad_cases(x, w, bias):
     ]
 
 
-@pytest.mark.parametrize("case", range(23))
+@pytest.mark.parametrize("case", range(24))
 def test_direct_op_call_refuses_bad_arguments(case, device):
     x, w, bias = _parts(device)
     change, error, match = _bad_cases(x, w, bias)[case]
-    if device != "cpu" and match.startswith(("perm must be a permutation", "zeros must be whole")):
+    if device != "cpu" and match.startswith(("perm must be a permutation", "zeros must be whole", "zeros must lie")):
         pytest.skip("perm's and zeros' values are read on the host for CPU tensors only: the GPU path makes no sync")
     with pytest.raises(error, match=match):
         _op(*_args(x, w, bias, **change))
 
 
-@pytest.mark.parametrize("case", range(23))
+@pytest.mark.parametrize("case", range(24))
 def test_meta_op_call_refuses_bad_arguments(case):
     # a meta call runs the op's fake, which returned an output of the wrong parts' shape without a word
     x, w, bias = _parts("cpu")
     x, w, bias = x.to("meta"), w.to("meta"), bias.to("meta")
     change, error, match = _bad_cases(x, w, bias)[case]
-    if match.startswith(("perm must be a permutation", "zeros must be whole")):
+    if match.startswith(("perm must be a permutation", "zeros must be whole", "zeros must lie")):
         pytest.skip("a meta perm or zeros has no values to check")
     with pytest.raises(error, match=match):
         _op(*_args(x, w, bias, **change))
@@ -93,7 +94,7 @@ def test_meta_op_call_gives_the_output_shape():
 
 def test_the_cases_are_all_run():
     x, w, bias = _parts("cpu")
-    assert len(_bad_cases(x, w, bias)) == 23
+    assert len(_bad_cases(x, w, bias)) == 24
 
 
 def test_the_op_body_refuses_tensors_on_two_devices():

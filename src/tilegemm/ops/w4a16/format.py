@@ -504,6 +504,11 @@ def validate(w: Int4Weight, values: bool = False) -> None:
             at = tuple(bad[0].tolist())
             raise ValueError(f"zeros must be whole numbers (the 4-bit zero points, held as floats), got "
                              f"{z[at].item()} at {list(at)}")
+        # (0..16 is what the formats give; the gemv kernel adds 16 under an exponent, which holds no larger zero)
+        bad = ((z < 0) | (z > 16)).nonzero()
+        if len(bad):
+            at = tuple(bad[0].tolist())
+            raise ValueError(f"zeros must lie in 0..16 (the 4-bit zero points), got {z[at].item()} at {list(at)}")
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"the parts of an Int4Weight are on different devices: {devices}")
