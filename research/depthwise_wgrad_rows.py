@@ -40,13 +40,17 @@ GROUPED_CANDIDATES = ("tap-2-8", "tap-8-4", "tap-16-4", "tap-32-2")
 
 def config(name: str, g) -> dict:
     shape, per_sm, steps, *bq = name.split("-")
-    if shape == "walk":  # depthwise_wgrad_walk_kernel: walk-PER_SM-MIN_CHUNKS[-STAGES | -aAHEAD | -rROWS]
+    if shape == "walk":  # depthwise_wgrad_walk_kernel: walk-PER_SM-MIN_CHUNKS[-STAGES | -aAHEAD | -rROWS | -vVEC]
         rows = next((min(g.R, int(e[1:])) for e in bq if e.startswith("r")), None)
         cfg = dict(depthwise_wgrad_walk_config(g, torch.float16, rows), PER_SM=int(per_sm), MIN_CHUNKS=int(steps))
         for extra in bq:
             if extra.startswith("r"):
                 continue
-            if extra.startswith("a"):
+            if extra.startswith("v"):  # channels a thread, the tile recomputed as the config does (4 warps)
+                vec = int(extra[1:])
+                bn = max(vec, min(64, g.K & -g.K))
+                cfg.update(BLOCK_N=bn, BLOCK_P=max(1, 128 * vec // bn))
+            elif extra.startswith("a"):
                 cfg["AHEAD"] = int(extra[1:])
             else:
                 cfg["num_stages"] = int(extra)
@@ -61,7 +65,7 @@ def config(name: str, g) -> dict:
     return dict(cfg, PER_SM=int(per_sm), MIN_STEPS=int(steps))
 
 
-def run_layer(L: dict, batch: int, kernel: str = "depthwise", names=CANDIDATES) -> dict:
+def run_layer(L: dict, batch: int, kernel: str = "depthwise", names=CANDIDATES, dgrad: bool = False) -> dict:
     C, K, groups = L["C"], L["K"], L["groups"]
     pad = L["padding"]
     x = [torch.randn(batch, C, L["H"], L["W"], device="cuda", dtype=torch.float16)
@@ -80,6 +84,21 @@ def run_layer(L: dict, batch: int, kernel: str = "depthwise", names=CANDIDATES) 
     row = dict(layer=label(L, batch) + (f"g{groups}" if kernel != "depthwise" else ""), models=L.get("models"),
                kind=kind(L) if kernel == "depthwise" else f"{C // groups}-a-group")
     row["cudnn_us"] = graph_us(cudnn, 2)
+    if dgrad:  # the other half of the layer's backward: auto's data gradient against cuDNN's, checked the same way
+        pads = [pad[0], pad[0], pad[1], pad[1]]
+
+        def cudnn_dx(i, dt=None):
+            yy, ww = (dy[i], w) if dt is None else (dy[i].to(dt), w.to(dt))
+            return torch.ops.aten.convolution_backward(yy, x[i], ww, None, L["stride"], pad, L["dilation"], False,
+                                                       [0, 0], groups, [True, False, False])[0]
+
+        def ours_dx(i):
+            return torch.ops.tilegemm.conv2d_dgrad(dy[i], w, list(x[i].shape), True, list(L["stride"]), pads,
+                                                   list(L["dilation"]), groups, "default")
+
+        err = relative_error(ours_dx(0).float(), cudnn_dx(0, torch.float32))
+        row["dgrad_cudnn_us"] = graph_us(cudnn_dx, 2)
+        row["dgrad"] = row["dgrad_cudnn_us"] / graph_us(ours_dx, 2) if err < 1e-2 else None
     for name in names:
         if kernel == "depthwise":
             cfg = config(name, g)
@@ -125,12 +144,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--kernel", choices=("depthwise", "grouped_direct"), default="depthwise")
     ap.add_argument("--candidates", help="comma-separated names (e.g. tap-32-2,row-32-2); default: all")
+    ap.add_argument("--kinds", help="comma-separated kinds of layer to take (e.g. 5x5,7x7); default: all")
+    ap.add_argument("--dgrad", action="store_true", help="also time auto's data gradient against cuDNN's")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     layers, seen = [], {}
     for L in ordered_layers(KINDS) if args.kernel == "depthwise" else grouped_layers():
         k = kind(L)
+        if args.kinds and k not in args.kinds.split(","):
+            continue
         if args.kernel != "depthwise" or seen.get(k, 0) < args.per_kind:
             seen[k] = seen.get(k, 0) + 1
             layers.append(L)
@@ -141,10 +164,13 @@ def main() -> None:
     for L in layers:
         if time.time() - start > args.budget:
             break
-        rows.append(run_layer(L, args.batch, args.kernel, names))
+        rows.append(run_layer(L, args.batch, args.kernel, names, args.dgrad))
         r = rows[-1]
         print(f"{r['layer']:<30s} {r['kind']:<7s} {r['cudnn_us']:7.1f}us "
-              + " ".join(f"{r[c]:.2f}" if r[c] else "WRONG" for c in names), flush=True)
+              + " ".join(f"{r[c]:.2f}" if r[c] else "WRONG" for c in names)
+              + (f"  dgrad {r['dgrad_cudnn_us']:.1f}us {r['dgrad']:.2f}" if r.get("dgrad") else
+                 "  dgrad WRONG" if args.dgrad else ""), flush=True)
+    names = names + (("dgrad",) if args.dgrad else ())  # (the summaries: the data gradient a column too)
     print(f"{len(rows)} layers; cuDNN time / ours, geomean per kind ({' '.join(names)}); even / odd layers:")
     for k in [*dict.fromkeys(r["kind"] for r in rows), "all"]:
         mine = [r for r in rows if k == "all" or r["kind"] == k]

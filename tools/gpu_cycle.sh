@@ -73,6 +73,9 @@
 #                 b32 eager and graph, b1 eager, \$ZOO_DTYPE (fp16)
 #   dw-wgrad      research/depthwise_wgrad_rows.py: the depthwise weight gradient (a tap or a filter row a program, 2-32
 #                 programs an SM) and grouped_direct's (2-32) against cuDNN on the zoo's layers
+#   dw-5x5        research/depthwise_wgrad_rows.py on the zoo's stride-1 5x5 depthwise layers (the weakest of the
+#                 depthwise backward): the walking weight gradient's rule, a row a program at 1, 2 and 4 channels a
+#                 thread and 2 or 8 programs an SM, beside auto's data gradient against cuDNN's (which half loses)
 #   dgrad-fwd     research/dgrad_as_forward.py: the stride-1 depthwise and grouped data gradients as forward
 #                 convolutions against the direct kernels and cuDNN (\$DGRAD_DTYPES, default fp16; \$DGRAD_BUDGET
 #                 seconds a dtype, default 150), then tests/conv2d/test_dgrad_as_forward.py and the replay tests
@@ -259,6 +262,10 @@ for step in "$@"; do
                   --out "$OUT/depthwise-wgrad.json" 2>&1 | tail -n 11
                 PYTHONPATH=src:tools timeout 120 python3 research/depthwise_wgrad_rows.py --kernel grouped_direct --budget 80 \
                   --out "$OUT/grouped-direct-wgrad.json" 2>&1 | tail -n 8 ;;
+    dw-5x5)     PYTHONPATH=src:tools timeout 280 python3 research/depthwise_wgrad_rows.py --kinds 5x5 --per-kind 45 \
+                  --budget 220 --dgrad \
+                  --candidates walk-4-1,walk-4-1-r1,walk-4-1-r1-v1,walk-4-1-r1-v2,walk-2-1-r1,walk-8-1-r1 \
+                  --out "$OUT/dw-5x5.json" 2>&1 | tail -n 8 ;;
     dgrad-fwd)  # the stride-1 depthwise and grouped data gradients as forward convolutions against the direct kernels
                 for d in ${DGRAD_DTYPES:-fp16}; do PYTHONPATH=src:tools timeout 300 python3 research/dgrad_as_forward.py \
                   --budget "${DGRAD_BUDGET:-150}" --dtype $d --out "$OUT/dgrad-as-forward-$d.json" 2>&1 \
