@@ -1,7 +1,7 @@
 """Tensor parallelism through ``torch.distributed.tensor`` (DTensor): tilegemm's ops and layers sharded over a mesh.
 
-- :func:`register` teaches DTensor the sharding rules of ``torch.ops.tilegemm.matmul``, ``tilegemm.w4a16_matmul``,
-  ``tilegemm.conv2d`` (and its gradients' ops) and the grouped ops (``grouped_mm``, ``grouped_w4a16``,
+- :func:`register` teaches DTensor the sharding rules of the ops ``torch.ops.tilegemm.matmul``, ``w4a16_matmul``,
+  ``conv2d`` (and its gradients' ops) and the grouped ops (``grouped_mm``, ``grouped_w4a16``,
   ``grouped_mm_gated``), so a call whose operands are DTensors runs each rank's shard locally: column-parallel
   (weight split along N: output split along its last dim), row-parallel (input and weight split along K: a
   partial output that the next redistribution all-reduces), rows or batch split, replicated.
