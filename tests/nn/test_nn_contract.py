@@ -165,6 +165,58 @@ def test_an_fp32_int4_linear_keeps_products_of_large_weights_finite():
     assert torch.equal(small(xs), w4a16.matmul((xs / scale).half(), small.weight).float() * scale)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_fp32_int4_linear_keeps_its_other_columns_beside_a_bad_scale(bad):
+    # the weight's bound leaves out a row whose scales are not finite: its outputs are NaN or inf as before, and
+    # the other rows' outputs stay exact (a NaN bound made every output NaN, an inf one flushed them to 0)
+    torch.manual_seed(0)
+    m = Int4Linear.from_linear(torch.nn.Linear(128, 16, bias=False), 64)
+    x = torch.randn(3, 128)
+    good = m(x)
+    m.scales[0, 3] = bad
+    out = m(x)
+    others = [c for c in range(16) if c != 3]
+    assert torch.equal(out[:, others], good[:, others])
+    assert not torch.isfinite(out[:, 3]).all()
+
+
+def test_an_fp32_int4_linear_names_an_input_on_another_device():
+    # the weight's bound is a tensor on the weight's device: x on another is refused by name before the two meet
+    m = Int4Linear(64, 8, group_size=32, dtype=torch.float32, device="meta")
+    with pytest.raises(ValueError, match="tensors are on different devices: x on cpu, w on meta"):
+        m(torch.randn(2, 64))
+
+
+def test_the_weight_bound_is_kept_per_weight_and_follows_its_changes():
+    from tilegemm.nn.int4 import _row_sum_exponent
+
+    m = Int4Linear.from_linear(torch.nn.Linear(512, 8, bias=False), 128)
+    first = _row_sum_exponent(m.weight)
+    assert first.item() == 0 and _row_sum_exponent(m.weight) is first  # (kept: no ops a call)
+    m.scales.fill_(200.0 / 8)  # in place: the version moves, the bound is made again
+    assert _row_sum_exponent(m.weight).item() == torch.ceil(torch.log2(torch.tensor(512 * 8 * 25.0))).item() - 15
+    stacked = w4a16.quantize(torch.cat([torch.ones(1, 8, 128), torch.full((1, 8, 128), 1000.0)]), 32)
+    # the groups summed, not the experts: expert 1's rows sum to about 128 x 1000 (> 2^15 by 2^2)
+    assert _row_sum_exponent(stacked).item() == 2
+
+
+def test_an_fp32_int4_linear_asked_for_gradients_takes_what_torch_takes():
+    # the gradient path is torch's own fp32 product, which takes a nested x: the dense check is the kernels' path's
+    m = Int4Linear.from_linear(torch.nn.Linear(64, 8), 32)
+    x = torch.nested.nested_tensor([torch.randn(3, 64), torch.randn(2, 64)], requires_grad=True)
+    out = m(x)
+    assert out.is_nested
+    with torch.no_grad(), pytest.raises(TypeError, match="x is a nested tensor"):
+        m(x.detach())
+
+
+def test_a_nested_input_is_refused_by_name_by_the_dense_layer():
+    for x in (torch.nested.nested_tensor([torch.randn(3, 6), torch.randn(2, 6)]),
+              torch.nested.nested_tensor([torch.randn(2, 3, 6), torch.randn(2, 2, 6)])):
+        with pytest.raises(TypeError, match="x is a nested tensor"):
+            Linear(6, 4)(x)
+
+
 def test_quantize_twice_keeps_the_4_bit_layers_and_says_so():
     # a 4-bit weight is not requantized (it would round rounded values) whatever group size is asked: each such layer
     # is kept and named, with what gives a 16-bit model to quantize afresh; a 16-bit layer beside them is quantized

@@ -420,9 +420,11 @@ def _fp32_through_16bit(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor 
     inf or a NaN, or only zeros, go as they are. The bias is added in fp32. Where a gradient is asked for, torch's
     fp32 product of the dequantized weight instead: the kernels' backward would pass the scaled rows' gradients
     through 16-bit tensors, where they overflow."""
-    check_dense("x", x)  # (the row scaling below reads x's sizes, which a nested tensor has not)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return nn.functional.linear(x, dequantize(weight).float(), None if bias is None else bias.float())
+    check_dense("x", x)  # (the row scaling below reads x's sizes, which a nested tensor has not)
+    if x.device != weight.device:  # (before the weight's bound meets x's rows: torch's error there names neither)
+        raise ValueError(f"tensors are on different devices: x on {x.device}, w on {weight.device}")
     amax = x.abs().amax(dim=-1, keepdim=True) if x.shape[-1] else x.new_zeros((*x.shape[:-1], 1))
     # rows at most 1 give outputs at most the largest sum of a weight row's magnitudes: past 2^15 the rows go down
     # by the power of two that keeps the outputs in 16 bits too (a tensor, so no host sync; 0 for usual weights)
@@ -433,13 +435,33 @@ def _fp32_through_16bit(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor 
     return y if bias is None else y + bias.float()
 
 
+_ROW_SUM_EXPONENTS: dict = {}  # id(scales) -> (scales, zeros (weakly), their versions and group, exponent)
+
+
 def _row_sum_exponent(weight: Int4Weight) -> torch.Tensor:
     """``max(0, ceil(log2(B)) - 15)`` for ``B`` a bound on any weight row's sum of magnitudes, from the scales and
-    zeros alone (``|q - zero| <= max(|zero|, |15 - zero|)``), as an fp32 scalar tensor on the weight's device."""
-    s, z = weight.scales.float(), weight.zeros.float()
-    bound = (torch.maximum(z.abs(), (15 - z).abs()) * s.abs()).sum(0).amax() * weight.group_k if s.numel() \
-        else s.new_zeros(())
-    return (torch.ceil(torch.log2(bound)) - 15).clamp(min=0)
+    zeros alone (``|q - zero| <= max(|zero|, |15 - zero|)``), as an fp32 scalar tensor on the weight's device. A row
+    whose bound is not finite (an inf or NaN scale) is left out: its outputs are inf or NaN anyway, and the others'
+    scaling stays theirs. Kept per scales tensor in eager calls (a few small ops a call otherwise)."""
+    scales, zeros = weight.scales, weight.zeros
+    eager = not torch.compiler.is_compiling()
+    if eager:
+        kept = _ROW_SUM_EXPONENTS.get(id(scales))
+        if kept is not None and kept[0]() is scales and kept[1]() is zeros \
+                and kept[2] == (scales._version, zeros._version, weight.group_k):
+            return kept[3]
+    s, z = scales.float(), zeros.float()
+    if s.numel():
+        rows = (torch.maximum(z.abs(), (15 - z).abs()) * s.abs()).sum(-2)  # [..., N]: each row's, over its groups
+        bound = torch.where(torch.isfinite(rows), rows, 0.0).amax() * weight.group_k
+    else:
+        bound = s.new_zeros(())
+    exponent = (torch.ceil(torch.log2(bound)) - 15).clamp(min=0)
+    if eager:  # (an entry leaves with its scales tensor)
+        key = id(scales)
+        _ROW_SUM_EXPONENTS[key] = (weakref.ref(scales, lambda _, key=key: _ROW_SUM_EXPONENTS.pop(key, None)),
+                                   weakref.ref(zeros), (scales._version, zeros._version, weight.group_k), exponent)
+    return exponent
 
 
 _DTENSOR_ADVICE = ("{what} is a DTensor (the model was parallelized, e.g. by parallelize_module): quantize "

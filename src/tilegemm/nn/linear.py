@@ -9,6 +9,7 @@ from torch.nn.utils import parametrize
 
 from tilegemm.core.activations import check_activation, torch_activation
 from tilegemm.core.dtypes import dtype_name
+from tilegemm.core.runtime import check_dense
 from tilegemm.core.torch_ops import rows_as
 from tilegemm.ops.matmul import matmul
 from tilegemm.ops.matmul.problem import DTYPES
@@ -149,6 +150,8 @@ class Linear(NotScriptable, torch.nn.Linear):
         if type(weight) is not torch.nn.Parameter:
             sharding_rules_for(weight)
             _check_dtensor_input(x, weight)
+        if x.is_nested:  # (no sizes for the flatten below, nor for the error's wording)
+            check_dense("x", x)
         # [*, in] -> [M, in]: one GEMM, whatever the leading dims (flatten, not reshape(-1, in), which cannot
         # infer M when in_features is 0); a 1-D x is one row, as torch.matmul takes it.
         x2d = x.flatten(0, -2) if x.ndim > 2 else x
