@@ -40,7 +40,7 @@ GROUPED_CANDIDATES = ("tap-2-8", "tap-8-4", "tap-16-4", "tap-32-2")
 
 def config(name: str, g) -> dict:
     shape, per_sm, steps, *bq = name.split("-")
-    if shape == "walk":  # depthwise_wgrad_walk_kernel: walk-PER_SM-MIN_CHUNKS[-STAGES | -aAHEAD | -rROWS | -vVEC]
+    if shape == "walk":  # depthwise_wgrad_walk_kernel: walk-PER_SM-MIN_CHUNKS[-STAGES|-aAHEAD|-rROWS|-vVEC|-cCOLS]
         rows = next((min(g.R, int(e[1:])) for e in bq if e.startswith("r")), None)
         cfg = dict(depthwise_wgrad_walk_config(g, torch.float16, rows), PER_SM=int(per_sm), MIN_CHUNKS=int(steps))
         for extra in bq:
@@ -50,6 +50,8 @@ def config(name: str, g) -> dict:
                 vec = int(extra[1:])
                 bn = max(vec, min(64, g.K & -g.K))
                 cfg.update(BLOCK_N=bn, BLOCK_P=max(1, 128 * vec // bn))
+            elif extra.startswith("c"):  # runs of output columns, each its own program
+                cfg["COLS"] = int(extra[1:])
             elif extra.startswith("a"):
                 cfg["AHEAD"] = int(extra[1:])
             else:

@@ -76,6 +76,8 @@
 #   dw-5x5        research/depthwise_wgrad_rows.py on the zoo's stride-1 5x5 depthwise layers (the weakest of the
 #                 depthwise backward): the walking weight gradient's rule, a row a program at 1, 2 and 4 channels a
 #                 thread and 2 or 8 programs an SM, beside auto's data gradient against cuDNN's (which half loses)
+#   dw-cols       research/depthwise_wgrad_rows.py, 10 layers of each kind: the walking weight gradient with its output
+#                 columns in 1, 2, 4 or 8 runs a program (COLS: more programs where channel blocks and row tiles are few)
 #   dgrad-fwd     research/dgrad_as_forward.py: the stride-1 depthwise and grouped data gradients as forward
 #                 convolutions against the direct kernels and cuDNN (\$DGRAD_DTYPES, default fp16; \$DGRAD_BUDGET
 #                 seconds a dtype, default 150), then tests/conv2d/test_dgrad_as_forward.py and the replay tests
@@ -266,6 +268,8 @@ for step in "$@"; do
                   --budget 220 --dgrad \
                   --candidates walk-4-1,walk-4-1-r1,walk-4-1-r1-v1,walk-4-1-r1-v2,walk-2-1-r1,walk-8-1-r1 \
                   --out "$OUT/dw-5x5.json" 2>&1 | tail -n 8 ;;
+    dw-cols)    PYTHONPATH=src:tools timeout 280 python3 research/depthwise_wgrad_rows.py --per-kind 10 --budget 220 \
+                  --candidates walk-4-1,walk-4-1-c2,walk-4-1-c4,walk-4-1-c8 --out "$OUT/dw-cols.json" 2>&1 | tail -n 11 ;;
     dgrad-fwd)  # the stride-1 depthwise and grouped data gradients as forward convolutions against the direct kernels
                 for d in ${DGRAD_DTYPES:-fp16}; do PYTHONPATH=src:tools timeout 300 python3 research/dgrad_as_forward.py \
                   --budget "${DGRAD_BUDGET:-150}" --dtype $d --out "$OUT/dgrad-as-forward-$d.json" 2>&1 \

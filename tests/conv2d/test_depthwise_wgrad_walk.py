@@ -63,6 +63,27 @@ def test_walk_in_groups_of_filter_rows(case, rows, device):
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
+@pytest.mark.parametrize("cols", [2, 3, 5, 64])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], CASES[7], CASES[10], CASES[11]])
+def test_walk_in_runs_of_output_columns(case, cols, device):
+    # COLS runs of the output columns, each its own program summed with the row slices' partial sums: each run
+    # starts its kept columns at its own first column (strides 2-4, 7-wide filters, runs past Q left out)
+    x, dy, g, ref = _layer(case, device)
+    for split in (None, 2):
+        cfg = dict(depthwise_wgrad_walk_config(g, torch.float32), COLS=cols)
+        if split:
+            cfg["SPLIT"] = split
+        out = depthwise.wgrad(dy, x, g, torch.float32, cfg).cpu()
+        assert not out.isnan().any() and (out.double() - ref).norm() / ref.norm() < 1e-5, split
+
+
+@pytest.mark.parametrize("cols", [0, 1.5])
+def test_walk_refuses_a_run_count_that_is_no_positive_int(cols, device):
+    x, dy, g, _ = _layer(CASES[0], device)
+    with pytest.raises(ValueError, match="COLS .* must be an int >= 1"):
+        depthwise.wgrad(dy, x, g, torch.float32, dict(depthwise_wgrad_walk_config(g, torch.float32), COLS=cols))
+
+
 @pytest.mark.parametrize("rows", [0, 4])
 def test_walk_refuses_more_filter_rows_than_the_filter_has(rows, device):
     x, dy, g, _ = _layer(CASES[0], device)

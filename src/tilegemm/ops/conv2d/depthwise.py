@@ -784,7 +784,7 @@ def depthwise_wgrad_taps_kernel(
 def _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, q, Q, W, pad_w, stride_yq, stride_xw,
                 R: tl.constexpr, STR_W: tl.constexpr, KEEP: tl.constexpr, NEW: tl.constexpr):
     """Output column q's dy tile and, for each filter row, the input columns it adds to the kept ones (as stored;
-    zeros past Q, W and the rows' bounds)."""
+    zeros past Q, the end of the program's columns, W and the rows' bounds)."""
     live = q < Q
     dyv = tl.load(dy_ptr + y_off + q * stride_yq, mask=y_ok & live, other=0.0)
     c0 = q * STR_W - pad_w + KEEP
@@ -808,6 +808,7 @@ def depthwise_wgrad_walk_kernel(
     R: tl.constexpr, S: tl.constexpr, STR_W: tl.constexpr, T_PAD: tl.constexpr, INDEX_64: tl.constexpr,
     DIV: tl.constexpr, DIV_Y: tl.constexpr, DIV_X: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, AHEAD: tl.constexpr, ROWS: tl.constexpr,
+    COLS: tl.constexpr = 1,
 ):
     # This program: channels [BN] of the taps of ROWS filter rows over a slice of output rows (n, p), BLOCK_P rows
     # at a time (one a thread row of the tile), each row's columns walked one by one. A tap is its own accumulator
@@ -816,7 +817,8 @@ def depthwise_wgrad_walk_kernel(
     # converted once a filter row, where a tile of taps did it once a tap (docs/conv2d.md, "Depthwise weight
     # gradient"). Undilated along w (the kept columns are the next column's); rows take any stride and dilation.
     # ROWS < R: each group of filter rows is its own program (program_id(0) = channel block + blocks x group),
-    # re-reading dy, its taps in fewer registers.
+    # re-reading dy, its taps in fewer registers. COLS > 1: the output columns in COLS runs, each its own program
+    # (program_id(1) = row slice x COLS + run), for layers of few channel blocks and row tiles (SPLIT counts both).
     stride_yn = stride_yn * DIV_Y
     stride_yp = stride_yp * DIV_Y
     stride_yq = stride_yq * DIV_Y
@@ -829,11 +831,19 @@ def depthwise_wgrad_walk_kernel(
     r0 = (tile // blocks) * ROWS  # this program's first filter row
     offs_n = (tile % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(1)
+    if COLS > 1:
+        run_len = tl.cdiv(Q, COLS)
+        q0 = (part % COLS) * run_len  # this program's output columns [q0, q1)
+        q1 = tl.minimum(q0 + run_len, Q)
+        row0 = (part // COLS) * slice_rows
+    else:
+        q0 = 0
+        q1 = Q
+        row0 = part * slice_rows
     n_ok = _below_unspecialized(offs_n, K, DIV)
     chans = offs_n.to(tl.int64) if INDEX_64 else offs_n  # (an NCHW image of 2^31 elements: channels far apart)
     y_chan = (chans * stride_yk)[None, :]
     x_chan = (chans * stride_xc)[None, :]
-    row0 = part * slice_rows
     row1 = tl.minimum(row0 + slice_rows, NP)
     acc = ()
     for t in tl.static_range(ROWS * S):
@@ -856,7 +866,7 @@ def depthwise_wgrad_walk_kernel(
             x_off = x_off + ((n * stride_xn + h * stride_xh)[:, None] + x_chan,)
             x_ok = x_ok + (((r_ok & (h >= 0) & (h < H) & (r0 + r < R))[:, None] & n_ok[None, :]),)
             for j in tl.static_range(KEEP):  # the columns before the first output column's new ones
-                c = j - pad_w
+                c = q0 * STR_W + j - pad_w
                 win = win + (tl.load(x_ptr + x_off[r] + c * stride_xw, mask=x_ok[r] & (c >= 0) & (c < W),
                                      other=0.0).to(tl.float32),)
         # Column q's loads are issued AHEAD columns earlier, during those columns' products (registers, not a
@@ -865,12 +875,12 @@ def depthwise_wgrad_walk_kernel(
         dys = ()
         xs = ()
         for i in tl.static_range(AHEAD):
-            d, f = _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, i, Q, W, pad_w, stride_yq, stride_xw,
+            d, f = _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, q0 + i, q1, W, pad_w, stride_yq, stride_xw,
                                ROWS, STR_W, KEEP, NEW)
             dys = dys + (d,)
             xs = xs + f
-        for q in range(0, Q):
-            d, f = _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, q + AHEAD, Q, W, pad_w, stride_yq,
+        for q in range(q0, q1):
+            d, f = _walk_loads(dy_ptr, x_ptr, y_off, y_ok, x_off, x_ok, q + AHEAD, q1, W, pad_w, stride_yq,
                                stride_xw, ROWS, STR_W, KEEP, NEW)
             dyf = dys[0].to(tl.float32)
             kept = ()
@@ -1246,8 +1256,8 @@ def _summed_output(g: Geometry, out_dtype, device, split: int, blocks: int, size
 
 def _wgrad_walk(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
     """:func:`wgrad` on :func:`depthwise_wgrad_walk_kernel`: BLOCK_N channels of the taps of ``ROWS`` filter rows
-    (default all R) a program over a slice of output rows, slices enough for ``PER_SM`` programs an SM, each at
-    least ``MIN_CHUNKS`` tiles of rows."""
+    (default all R) a program over a slice of output rows and ``COLS`` runs of their columns (default 1), slices
+    enough for ``PER_SM`` programs an SM, each at least ``MIN_CHUNKS`` tiles of rows."""
     if not walk_takes(g):
         from tilegemm.core.registry import NotApplicable
 
@@ -1260,12 +1270,19 @@ def _wgrad_walk(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
     if not 1 <= cfg["ROWS"] <= g.R:
         raise ValueError(f"the walking depthwise weight gradient's ROWS (filter rows a program) must be 1 to R={g.R}, "
                          f"got {cfg['ROWS']}")
+    cols = cfg.setdefault("COLS", 1)
+    if not isinstance(cols, int) or cols < 1:
+        raise ValueError(f"the walking depthwise weight gradient's COLS (runs of output columns) must be an int >= 1, "
+                         f"got {cols!r}")
+    cols = cfg["COLS"] = max(1, min(cols, g.Q))  # (no empty runs)
     t_pad = 1 << max(0, cfg["ROWS"] * g.S - 1).bit_length()
     blocks = cdiv(g.K, cfg["BLOCK_N"])
-    tiles = blocks * cdiv(g.R, cfg["ROWS"])  # a program a channel block and group of filter rows, a slice
+    tiles = blocks * cdiv(g.R, cfg["ROWS"])  # a program a channel block and group of filter rows, a slice, a run
     bp = cfg["BLOCK_P"]
     per_sm, min_chunks = cfg.pop("PER_SM", 4), cfg.pop("MIN_CHUNKS", 1)
-    split, slice_rows = _row_slices(dy, rows, tiles, per_sm, cdiv(rows, bp * min_chunks), bp, cfg.pop("SPLIT", None))
+    split, slice_rows = _row_slices(dy, rows, tiles * cols, per_sm, cdiv(rows, bp * min_chunks), bp,
+                                    cfg.pop("SPLIT", None))
+    split *= cols  # (parts: row slices x column runs, summed alike)
     dw, ws, count = _summed_output(g, out_dtype, dy.device, split, tiles, t_pad * cfg["BLOCK_N"])
     index_64 = needs_index_64(x, dy)
     (ys, div_y), (xs, div_x) = _pixel_strides(dy), _pixel_strides(x)
