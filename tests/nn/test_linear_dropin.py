@@ -135,7 +135,8 @@ def test_from_linear_refuses_a_module_whose_forward_it_would_not_run(device):
     (torch.randn(3, 6, dtype=torch.float16), TypeError, r"a module of dtype fp32 and got input of dtype fp16: convert "
                                                         r"the module \(\.to\(torch\.float16\)\)"),
     (torch.ones(2, 6, dtype=torch.int64), TypeError, "got input of dtype int64: give it floating-point input"),
-    (torch.randn(2, 6, device="meta"), ValueError, r"has its weight on cpu and got input on meta: move the module"),
+    (torch.randn(2, 6, device="meta"), ValueError,
+     r"has its weight on (cpu|cuda:\d) and got input on meta: move the module"),
 ], ids=["features", "0-d", "dtype", "int", "device"])
 def test_refused_inputs_are_named_in_the_layers_terms(x, error, match):
     # (the product underneath names its operands a and b, and the weight transposed)
