@@ -319,6 +319,46 @@ def test_a_quantized_model_saved_loads_in_one_call(tmp_path, device, tie):
     assert _rel(_logits(again), _logits(_eager_copy(model))) < TOL
 
 
+def test_a_quantized_encoder_decoder_keeps_its_shared_embeddings_when_saved_and_loaded(tmp_path, device):
+    """BART ties its encoder's and decoder's embeddings to one shared embedding and its output layer to it: the 4-bit
+    output layer is untied (tie_word_embeddings False), which in transformers >= 5 unties the embeddings of a model
+    built from that config too, and save_pretrained writes the shared one only. The saved config lists the tied
+    names, so the loaded model holds one embedding under the three names again (it lacked the encoder's and the
+    decoder's) and gives the same logits, saved and loaded a second time too."""
+    config = transformers.AutoConfig.for_model(
+        "bart", d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSeq2SeqLM.from_config(config).half().to(device).eval()
+    _quiet(quantize_, model, group_size=32)
+    assert isinstance(model.lm_head, Int4Linear)
+    ids = torch.randint(0, 128, (2, 6), device=device)
+    with torch.no_grad():
+        want = model(input_ids=ids, decoder_input_ids=ids).logits
+    for step in range(2):
+        _quiet(model.save_pretrained, tmp_path / str(step))
+        model = from_pretrained(tmp_path / str(step), device=device, model_class=transformers.AutoModelForSeq2SeqLM)
+        shared = model.model.shared.weight
+        assert model.model.encoder.embed_tokens.weight is shared and model.model.decoder.embed_tokens.weight is shared
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids, decoder_input_ids=ids).logits, want), step
+
+
+def test_a_saved_config_with_malformed_tied_names_is_named(tmp_path):
+    import json
+
+    config = cw.tiny_config("llama", hidden=64, layers=1, tie=True)
+    model = cw.random_model(config).half()
+    _quiet(quantize_, model, group_size=32, filter=lambda n, m: "lm_head" not in n)
+    assert model.config.quantization_config["tied_parameters"] == [["model.embed_tokens.weight", "lm_head.weight"]]
+    _quiet(model.save_pretrained, tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    stored["quantization_config"]["tied_parameters"] = "lm_head.weight"
+    (tmp_path / "config.json").write_text(json.dumps(stored))
+    with pytest.raises(ValueError, match="tied_parameters must be a list of lists of parameter names"):
+        from_pretrained(tmp_path, device="cpu")
+
+
 def test_a_saved_model_with_wrong_shapes_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -99,6 +99,8 @@ class QuantConfig:
     ignore: tuple[str, ...] = ()
     # tilegemm: the group sizes its saved config lists (a one-group layer's shapes do not say -1 or its K)
     saved_sizes: tuple[int, ...] = ()
+    # tilegemm: the names of each parameter the saved model held under several (ties its config may not restore)
+    tied: tuple[tuple[str, ...], ...] = ()
     # where the checkpoint keeps these settings, for messages: config.json's key (an early compressed-tensors
     # checkpoint's "compression_config"), or "" for the top level of an older quantizer's own settings file
     key: str = "quantization_config"
@@ -317,8 +319,13 @@ def quant_config(config: dict, where: str = "config.json") -> QuantConfig:
             raise ValueError(f"{where}: bits = {q.get('bits')!r}; tilegemm's saved layers are 4-bit")
         listed = q.get("group_size")
         listed = listed if isinstance(listed, list) else [listed]
+        tied = q.get("tied_parameters", [])
+        if not (isinstance(tied, list) and all(isinstance(g, list) and all(isinstance(n, str) for n in g)
+                                               for g in tied)):
+            raise ValueError(f"{where}: tied_parameters must be a list of lists of parameter names, got {tied!r}")
         return QuantConfig(SAVED_METHOD, -1, sym=False, saved_sizes=tuple(
-            _whole(s) for s in listed if isinstance(_whole(s), int) and not isinstance(s, bool)), key=key)
+            _whole(s) for s in listed if isinstance(_whole(s), int) and not isinstance(s, bool)),
+            tied=tuple(tuple(g) for g in tied), key=key)
     bits = _whole(q.get("bits", q.get("w_bit")))
     if bits != 4:
         raise ValueError(f"{where}: bits = {bits!r}; tilegemm loads 4-bit checkpoints only (bits = 4)")
@@ -1805,6 +1812,7 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
     then the model changed (which :func:`unchanged_on_error` undoes if anything raises)."""
     _compute_meta_buffers_(model, tensors, device)
     _own_forward_blocks_(model, tensors, q.leaf("qweight"))
+    _retie_(model, q.tied)
 
     # Which Linears are stored quantized (each with its own config where "dynamic" says so), and the shapes the
     # model asks of each stored tensor.
@@ -2085,6 +2093,23 @@ def _compute_meta_buffers_(model: nn.Module, tensors: _Tensors, device: torch.de
         raise ValueError(f"buffer(s) of the model are on the meta device and the checkpoint does not hold them: "
                          f"{', '.join(left[:8])}; build the model with only its parameters on the meta device "
                          f"(tilegemm.models.pretrained.empty_model(path), or accelerate's init_empty_weights())")
+
+
+def _retie_(model: nn.Module, groups) -> None:
+    """Hold each group of names the saved model tied (``tied_parameters`` of tilegemm's saved config) as one
+    parameter again, the first name's, where the model has them all as parameters of one shape: the checkpoint
+    stores one name of each, and a model built from a config whose ties were turned off (``tie_word_embeddings``
+    False, set when a 4-bit output layer was untied) would miss the others (BART's encoder and decoder embeddings)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for names in groups:
+        if len(names) < 2 or not all(n in params for n in names) \
+                or len({tuple(params[n].shape) for n in names}) != 1:
+            continue
+        keep = params[names[0]]
+        for n in names[1:]:
+            owner, _, leaf = n.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            module._parameters[leaf] = keep  # (recorded by the load's transaction: put back on an error)
 
 
 def _tied_names(model: nn.Module) -> set[str]:

@@ -601,6 +601,15 @@ def mark_saved_format_(model: nn.Module, converted_from: str | None = None) -> N
                                            else None) or converted_from
     if source:
         entry["converted_from"] = source
+    # parameters one tensor holds under several names, recorded because the config may no longer say so: untying a
+    # 4-bit output layer sets tie_word_embeddings False, which in transformers >= 5 unties every tie of the model
+    # (BART's encoder and decoder embeddings from the shared one), and save_pretrained writes one name of each
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), []).append(name)
+    groups = [names for names in tied.values() if len(names) > 1]
+    if groups:
+        entry["tied_parameters"] = groups
     config.quantization_config = entry
     if hasattr(config, "compression_config"):  # early compressed-tensors' key: it describes the tensors no more
         del config.compression_config
