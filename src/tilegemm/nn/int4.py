@@ -442,9 +442,10 @@ def _row_sum_exponent(weight: Int4Weight) -> torch.Tensor:
     """``max(0, ceil(log2(B)) - 15)`` for ``B`` a bound on any weight row's sum of magnitudes, from the scales and
     zeros alone (``|q - zero| <= max(|zero|, |15 - zero|)``), as an fp32 scalar tensor on the weight's device. A row
     whose bound is not finite (an inf or NaN scale) is left out: its outputs are inf or NaN anyway, and the others'
-    scaling stays theirs. Kept per scales tensor in eager calls (a few small ops a call otherwise)."""
+    scaling stays theirs. Kept per scales tensor in eager calls (a few small ops a call otherwise); not from a call
+    under CUDA graph capture, whose tensor holds its value only once the graph replays."""
     scales, zeros = weight.scales, weight.zeros
-    eager = not torch.compiler.is_compiling()
+    eager = not torch.compiler.is_compiling() and not (scales.is_cuda and torch.cuda.is_current_stream_capturing())
     if eager:
         kept = _ROW_SUM_EXPONENTS.get(id(scales))
         if kept is not None and kept[0]() is scales and kept[1]() is zeros \
