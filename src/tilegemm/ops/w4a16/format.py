@@ -499,16 +499,13 @@ def validate(w: Int4Weight, values: bool = False) -> None:
     # would be rounded away, silently off from dequantize); read only where that stalls nothing, as perm's
     if values and w.zeros.device.type == "cpu" and w.zeros.numel() and _values_checkable(w.zeros):
         z = w.zeros.float()
-        bad = (z != z.round()).nonzero()
-        if len(bad):
-            at = tuple(bad[0].tolist())
-            raise ValueError(f"zeros must be whole numbers (the 4-bit zero points, held as floats), got "
-                             f"{z[at].item()} at {list(at)}")
         # (0..16 is what the formats give; the gemv kernel adds 16 under an exponent, which holds no larger zero)
-        bad = ((z < 0) | (z > 16)).nonzero()
-        if len(bad):
-            at = tuple(bad[0].tolist())
-            raise ValueError(f"zeros must lie in 0..16 (the 4-bit zero points), got {z[at].item()} at {list(at)}")
+        for bad, rule in ((z != z.round(), "be whole numbers (the 4-bit zero points, held as floats)"),
+                          ((z < 0) | (z > 16), "lie in 0..16 (the 4-bit zero points)")):
+            where = bad.nonzero()
+            if len(where):
+                at = tuple(where[0].tolist())
+                raise ValueError(f"zeros must {rule}, got {z[at].item()} at {list(at)}")
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"the parts of an Int4Weight are on different devices: {devices}")
