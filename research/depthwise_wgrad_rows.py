@@ -90,8 +90,8 @@ def run_layer(L: dict, batch: int, kernel: str = "depthwise", names=CANDIDATES, 
         pads = [pad[0], pad[0], pad[1], pad[1]]
 
         def cudnn_dx(i, dt=None):
-            yy, ww = (dy[i], w) if dt is None else (dy[i].to(dt), w.to(dt))
-            return torch.ops.aten.convolution_backward(yy, x[i], ww, None, L["stride"], pad, L["dilation"], False,
+            xx, yy, ww = (x[i], dy[i], w) if dt is None else (x[i].to(dt), dy[i].to(dt), w.to(dt))
+            return torch.ops.aten.convolution_backward(yy, xx, ww, None, L["stride"], pad, L["dilation"], False,
                                                        [0, 0], groups, [True, False, False])[0]
 
         def ours_dx(i):
