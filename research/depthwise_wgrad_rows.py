@@ -30,7 +30,8 @@ from conv2d_depthwise_candidates import KINDS, geomean, graph_us, kind, label, o
 from tilegemm.core.checks import relative_error
 from tilegemm.ops.conv2d import depthwise, grouped_direct
 from tilegemm.ops.conv2d.configs import (depthwise_wgrad_config, depthwise_wgrad_taps_config,
-                                        depthwise_wgrad_walk_config, takes_grouped_direct)
+                                        depthwise_wgrad_walk_config, takes_grouped_direct, walk_column_runs,
+                                        walk_takes)
 from tilegemm.ops.conv2d.problem import geometry_of
 
 # (program shape, programs an SM the pixel slices aim at, least pixel blocks a slice): 2 and 8 were the rule
@@ -39,6 +40,8 @@ GROUPED_CANDIDATES = ("tap-2-8", "tap-8-4", "tap-16-4", "tap-32-2")
 
 
 def config(name: str, g) -> dict:
+    if name == "rule":  # the walking kernel as auto configures it (COLS by the rule where the config names none)
+        return depthwise_wgrad_walk_config(g, torch.float16)
     shape, per_sm, steps, *bq = name.split("-")
     if shape == "walk":  # depthwise_wgrad_walk_kernel: walk-PER_SM-MIN_CHUNKS[-STAGES|-aAHEAD|-rROWS|-vVEC|-cCOLS]
         rows = next((min(g.R, int(e[1:])) for e in bq if e.startswith("r")), None)
@@ -121,6 +124,19 @@ def run_layer(L: dict, batch: int, kernel: str = "depthwise", names=CANDIDATES, 
     return row
 
 
+def rule_cols(L: dict, batch: int) -> int:
+    """The runs of output columns the walk takes on the layer by the rule (1: not split; not walked)."""
+    pad = L["padding"]
+    g = geometry_of((batch, L["C"], L["H"], L["W"]), (L["K"], 1, L["R"], L["S"]), L["stride"],
+                    [pad[0], pad[0], pad[1], pad[1]], L["dilation"], L["C"])
+    if not walk_takes(g):
+        return 1
+    cfg = depthwise_wgrad_walk_config(g, torch.float16)
+    tiles = -(-g.K // cfg["BLOCK_N"]) * -(-g.R // cfg["ROWS"])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return walk_column_runs(g, tiles * -(-batch * g.P // cfg["BLOCK_P"]), cfg["PER_SM"] * sms)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -148,13 +164,19 @@ def main() -> None:
     ap.add_argument("--candidates", help="comma-separated names (e.g. tap-32-2,row-32-2); default: all")
     ap.add_argument("--kinds", help="comma-separated kinds of layer to take (e.g. 5x5,7x7); default: all")
     ap.add_argument("--dgrad", action="store_true", help="also time auto's data gradient against cuDNN's")
+    ap.add_argument("--rule-cols", action="store_true",
+                    help="only the layers whose walk the rule splits into runs of columns (every kind)")
+    ap.add_argument("--exclude", help="a results JSON of this script: leave out the layers it timed")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     layers, seen = [], {}
+    excluded = {r["layer"] for r in json.load(open(args.exclude))} if args.exclude else set()
     for L in ordered_layers(KINDS) if args.kernel == "depthwise" else grouped_layers():
         k = kind(L)
         if args.kinds and k not in args.kinds.split(","):
+            continue
+        if label(L, args.batch) in excluded or (args.rule_cols and rule_cols(L, args.batch) == 1):
             continue
         if args.kernel != "depthwise" or seen.get(k, 0) < args.per_kind:
             seen[k] = seen.get(k, 0) + 1

@@ -91,6 +91,23 @@ def test_walk_refuses_more_filter_rows_than_the_filter_has(rows, device):
         depthwise.wgrad(dy, x, g, torch.float32, depthwise_wgrad_walk_config(g, torch.float32, rows))
 
 
+def test_a_stride_one_filter_row_a_program_takes_two_channels_a_thread_and_twice_the_programs(monkeypatch):
+    # the GPU's rule (not the interpreter's small tile): at stride 1 a 5x5 or 7x7 layer walking a filter row a
+    # program takes 2 channels a thread and 8 programs an SM; at stride 2, and where all rows walk, 4 and 4
+    from tilegemm.ops.conv2d import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+
+    def rule(R, stride, rows=None):
+        g = geometry_of((32, 336, 48, 48), (336, 1, R, R), [stride] * 2, [R // 2] * 4, [1, 1], 336)
+        cfg = depthwise_wgrad_walk_config(g, torch.float16, rows)
+        return cfg["ROWS"], cfg["BLOCK_P"] * cfg["BLOCK_N"] // 128, cfg["PER_SM"]
+
+    assert rule(5, 1) == (1, 2, 8) and rule(7, 1) == (1, 2, 8)
+    assert rule(5, 2) == (1, 4, 4) and rule(3, 1) == (3, 4, 4)
+    assert rule(3, 1, rows=1) == (1, 2, 8)
+
+
 @pytest.mark.parametrize("ahead", [1, 3])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], CASES[6], CASES[7]])
 def test_walk_with_the_gpu_tiles(case, ahead, monkeypatch, device):
@@ -177,8 +194,8 @@ def test_walk_compiles_to_one_fma_a_tap_and_channel_with_no_shared_memory_in_its
     script = SM90 + (Path(__file__).parent / "_depthwise_wgrad_walk_regs.py").read_text()
     got = compile_offline(tmp_path, script, [[144, 56, 3, 3, 1], [144, 56, 3, 3, 2], [240, 28, 5, 5, 1],
                                              [96, 56, 7, 7, 1], [64, 32, 1, 7, 1], [96, 56, 7, 7, 1, 7],
-                                             [240, 28, 5, 5, 1, 2]])
-    assert len(got) == 7
+                                             [240, 28, 5, 5, 1, 2], [240, 28, 5, 5, 2]])
+    assert len(got) == 8
     for name, info in got.items():
         R, S = map(int, name.split("-")[2].split("x"))
         rows = int(name.split("-r")[1]) if "-r" in name else 1 if R * S > DEPTHWISE_WGRAD_WALK_ROW_TAPS else R
@@ -187,4 +204,35 @@ def test_walk_compiles_to_one_fma_a_tap_and_channel_with_no_shared_memory_in_its
         assert info["shared"] == 0, (name, info)
         width = {4: "v2.b32", 2: "b32", 1: "b16"}[info["vec"]]
         assert info["loads"] and all(op.endswith(width) for op in info["loads"]), (name, info)
-    assert got["96-56x56-7x7-s1"]["vec"] == 4 and got["96-56x56-7x7-s1-r7"]["vec"] == 1  # a row a program, or all
+    # a row a program (at stride 1 two channels a thread, at stride 2 four), or all rows in one (one channel)
+    assert got["96-56x56-7x7-s1"]["vec"] == 2 and got["96-56x56-7x7-s1-r7"]["vec"] == 1
+    assert got["240-28x28-5x5-s2"]["vec"] == 4
+
+
+def test_the_column_runs_rule():
+    # runs of output columns only where the row slices leave SMs without programs, at least 14 columns a run, at
+    # most 8 runs
+    from tilegemm.ops.conv2d.configs import walk_column_runs
+
+    def g(Q):
+        return geometry_of((32, 16, 4, Q), (16, 1, 1, 1), [1, 1], [0] * 4, [1, 1], 16)
+
+    assert walk_column_runs(g(144), 144, 4 * 132) == 4  # 16 channels at 144x144: one channel block, 144 slices
+    assert walk_column_runs(g(28), 44, 528) == 2 and walk_column_runs(g(27), 44, 528) == 1
+    assert walk_column_runs(g(7), 10, 528) == 1 and walk_column_runs(g(300), 1, 528) == 8
+    assert walk_column_runs(g(144), 600, 528) == 1 and walk_column_runs(g(144), 0, 528) == 8
+
+
+def test_the_walk_takes_its_column_runs_by_the_rule(device, monkeypatch):
+    # a layer of one channel block and few output rows: the rule's runs (no COLS in the config), checked against
+    # the reference like the runs a config names
+    case = (1, 16, 4, 30, 3, 3, (1, 1), (1, 1, 1, 1), (1, 1))
+    x, dy, g, ref = _layer(case, device)
+    cfg = depthwise_wgrad_walk_config(g, torch.float32)
+    assert "COLS" not in cfg
+    launched, launch = [], depthwise.launch
+    monkeypatch.setattr(depthwise, "launch", lambda kernel, grid, args, flags, **kw: (
+        launched.append(flags["COLS"]), launch(kernel, grid, args, flags, **kw))[1])
+    out = depthwise.wgrad(dy, x, g, torch.float32, cfg).cpu()
+    assert launched == [2]  # one block, one row slice (4 rows): 2 runs of 15 columns (4 SMs here, or a GPU's)
+    assert (out.double() - ref).norm() / ref.norm() < 1e-5

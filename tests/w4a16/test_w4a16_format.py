@@ -267,14 +267,14 @@ def test_gptq_meta_g_idx_is_refused():
 
 
 @pytest.mark.parametrize("importer", ["gptq", "compressed_tensors"])
-def test_no_inputs_with_g_idx(importer):
+def test_no_inputs_with_g_idx(importer, device):
     # K = 0 (a layer of no inputs): an empty g_idx is the natural order, as the import without one
-    q, z, s = _gptq_parts(K=0, G=1)
-    g_idx = torch.zeros(0, dtype=torch.int32)
+    q, z, s = _gptq_parts(K=0, G=1, device=device)
+    g_idx = torch.zeros(0, dtype=torch.int32, device=device)
     w = (w4a16.from_gptq(q, z, s, g_idx) if importer == "gptq" else
          w4a16.from_compressed_tensors(q.T.contiguous(), s.T, None, g_idx))
     assert w.shape == (16, 0) and w.perm is None
-    assert w4a16.matmul(torch.randn(3, 0, dtype=torch.float16), w).abs().max() == 0
+    assert w4a16.matmul(torch.randn(3, 0, dtype=torch.float16, device=device), w).abs().max() == 0
 
 
 @pytest.mark.parametrize("d, error, words", [

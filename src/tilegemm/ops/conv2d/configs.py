@@ -324,10 +324,29 @@ def depthwise_wgrad_taps_config(g: Geometry, dtype: torch.dtype) -> dict:
 DEPTHWISE_WGRAD_WALK = True  # auto walks where walk_takes
 # (0.42x -> 0.66x cuDNN: docs/conv2d.md, "Depthwise weight gradient")
 DEPTHWISE_WGRAD_WALK_MAX_TAPS = 49  # the walking kernel's taps (an accumulator each): up to 7x7
-# Filters of more taps than this walk a filter row a program (ROWS=1: 4 channels a thread, dy re-read R times)
+# Filters of more taps than this walk a filter row a program (ROWS=1: 2-4 channels a thread, dy re-read R times)
 # rather than all rows in one (1-2 channels a thread): faster on 5x5 and 7x7, slower on 3x3 (docs/conv2d.md,
 # "Depthwise weight gradient")
 DEPTHWISE_WGRAD_WALK_ROW_TAPS = 9
+# A stride-1 layer walking a filter row a program takes at most 2 channels a thread and 8 programs an SM (twice
+# the programs, each with fewer registers): faster on the zoo's stride-1 5x5 and 7x7 layers, slower on its
+# stride-2 ones (docs/conv2d.md, "Depthwise weight gradient")
+DEPTHWISE_WGRAD_ROW_STRIDE1 = dict(VEC=2, PER_SM=8)
+# Where the row slices alone give fewer programs than PER_SM an SM (few channel blocks, few output rows), the walk
+# also splits the output columns into runs (COLS), up to enough programs, at most WALK_MAX_RUNS runs of at least
+# WALK_RUN_COLS columns each: faster on such layers of 28 columns and more, slower on narrower ones (docs/conv2d.md,
+# "Depthwise weight gradient")
+DEPTHWISE_WGRAD_WALK_RUN_COLS = 14
+DEPTHWISE_WGRAD_WALK_MAX_RUNS = 8
+
+
+def walk_column_runs(g: Geometry, programs: int, target: int) -> int:
+    """The walking depthwise weight gradient's runs of output columns (``COLS``) where its config names none:
+    enough for ``target`` programs over the ``programs`` its row slices allow at most (each a channel block and
+    group of filter rows over a slice of rows), within :data:`DEPTHWISE_WGRAD_WALK_MAX_RUNS` runs of at least
+    :data:`DEPTHWISE_WGRAD_WALK_RUN_COLS` columns."""
+    return max(1, min(-(-target // max(1, programs)), g.Q // DEPTHWISE_WGRAD_WALK_RUN_COLS,
+                      DEPTHWISE_WGRAD_WALK_MAX_RUNS))
 
 
 def walk_takes(g: Geometry) -> bool:
@@ -349,10 +368,13 @@ def depthwise_wgrad_walk_config(g: Geometry, dtype: torch.dtype, rows: int | Non
         return dict(WALK=True, BLOCK_P=4, BLOCK_N=16, AHEAD=2, ROWS=rows, num_warps=4, num_stages=1)
     taps = rows * g.S
     vec = 4 if taps <= 9 else 2 if taps <= 25 else 1
+    per_sm = 4
+    if rows == 1 < g.R and g.stride == (1, 1):
+        vec, per_sm = min(vec, DEPTHWISE_WGRAD_ROW_STRIDE1["VEC"]), DEPTHWISE_WGRAD_ROW_STRIDE1["PER_SM"]
     bn = max(vec, min(64, _divisor_pow2(g.K)))
     threads = 128
     bp = max(1, threads * vec // bn)
-    return dict(WALK=True, BLOCK_P=bp, BLOCK_N=bn, AHEAD=1, ROWS=rows, num_warps=4, num_stages=1, PER_SM=4,
+    return dict(WALK=True, BLOCK_P=bp, BLOCK_N=bn, AHEAD=1, ROWS=rows, num_warps=4, num_stages=1, PER_SM=per_sm,
                 MIN_CHUNKS=1)
 
 

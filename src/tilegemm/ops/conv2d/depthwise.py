@@ -37,7 +37,7 @@ from tilegemm.core.runtime import cdiv, ensure_backend, new_output
 from tilegemm.ops.conv2d.configs import (
     DEPTHWISE_WGRAD_MIN_STEPS, DEPTHWISE_WGRAD_PER_SM, DEPTHWISE_WGRAD_TAPS_MIN_ROWS, DEPTHWISE_WGRAD_TAPS_PER_SM,
     depthwise_config, depthwise_fwd_config, depthwise_rows_config, depthwise_strided_rows_config,
-    depthwise_wgrad_config, depthwise_window_config, pixel_split, walk_takes,
+    depthwise_wgrad_config, depthwise_window_config, pixel_split, walk_column_runs, walk_takes,
 )
 from tilegemm.ops.conv2d.implicit_gemm import (
     _below_unspecialized,
@@ -1230,16 +1230,20 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor, g: Geometry, out_dtype: torch.dtype
     return dw  # [K, 1, R, S]
 
 
+def _sms(dy) -> int:
+    """The SMs a weight gradient's programs are counted against (4 under the interpreter)."""
+    if dy.is_cuda:
+        from tilegemm.core.hardware import sm_count
+
+        return sm_count(dy.device)
+    return 4
+
+
 def _row_slices(dy, rows: int, blocks: int, per_sm: int, cap: int, unit: int, given: int | None) -> tuple[int, int]:
     """(slices, rows a slice) of a weight gradient over ``rows`` output rows: enough slices for ``per_sm`` programs
     an SM over ``blocks`` programs each, at most ``cap`` (and 1024), each a whole number of ``unit`` rows
     (``given``: a config's own count)."""
-    sms = 4
-    if dy.is_cuda:
-        from tilegemm.core.hardware import sm_count
-
-        sms = sm_count(dy.device)
-    split = given or max(1, min(cdiv(per_sm * sms, blocks), cap, 1024))
+    split = given or max(1, min(cdiv(per_sm * _sms(dy), blocks), cap, 1024))
     slice_rows = cdiv(cdiv(rows, split), unit) * unit
     return cdiv(rows, slice_rows), slice_rows
 
@@ -1270,18 +1274,20 @@ def _wgrad_walk(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
     if not 1 <= cfg["ROWS"] <= g.R:
         raise ValueError(f"the walking depthwise weight gradient's ROWS (filter rows a program) must be 1 to R={g.R}, "
                          f"got {cfg['ROWS']}")
-    cols = cfg.setdefault("COLS", 1)
-    if not isinstance(cols, int) or cols < 1:
+    cols = cfg.get("COLS")
+    if cols is not None and (not isinstance(cols, int) or cols < 1):
         raise ValueError(f"the walking depthwise weight gradient's COLS (runs of output columns) must be an int >= 1, "
                          f"got {cols!r}")
-    cols = cfg["COLS"] = max(1, min(cols, g.Q))  # (no empty runs)
     t_pad = 1 << max(0, cfg["ROWS"] * g.S - 1).bit_length()
     blocks = cdiv(g.K, cfg["BLOCK_N"])
     tiles = blocks * cdiv(g.R, cfg["ROWS"])  # a program a channel block and group of filter rows, a slice, a run
     bp = cfg["BLOCK_P"]
     per_sm, min_chunks = cfg.pop("PER_SM", 4), cfg.pop("MIN_CHUNKS", 1)
-    split, slice_rows = _row_slices(dy, rows, tiles * cols, per_sm, cdiv(rows, bp * min_chunks), bp,
-                                    cfg.pop("SPLIT", None))
+    given = cfg.pop("SPLIT", None)
+    if cols is None:  # the rule: runs where the row slices leave SMs without programs
+        cols = walk_column_runs(g, tiles * cdiv(rows, bp * min_chunks), per_sm * _sms(dy)) if given is None else 1
+    cols = cfg["COLS"] = max(1, min(cols, g.Q))  # (no empty runs)
+    split, slice_rows = _row_slices(dy, rows, tiles * cols, per_sm, cdiv(rows, bp * min_chunks), bp, given)
     split *= cols  # (parts: row slices x column runs, summed alike)
     dw, ws, count = _summed_output(g, out_dtype, dy.device, split, tiles, t_pad * cfg["BLOCK_N"])
     index_64 = needs_index_64(x, dy)
