@@ -78,6 +78,8 @@
 #                 thread and 2 or 8 programs an SM, beside auto's data gradient against cuDNN's (which half loses)
 #   dw-cols       research/depthwise_wgrad_rows.py, 10 layers of each kind: the walking weight gradient with its output
 #                 columns in 1, 2, 4 or 8 runs a program (COLS: more programs where channel blocks and row tiles are few)
+#   dw-cols-heldout  research/depthwise_wgrad_rows.py on the zoo's depthwise layers the column-runs rule splits
+#                 (walk_column_runs), those of dw-cols' fitting run left out: the rule against one run a program
 #   dgrad-fwd     research/dgrad_as_forward.py: the stride-1 depthwise and grouped data gradients as forward
 #                 convolutions against the direct kernels and cuDNN (\$DGRAD_DTYPES, default fp16; \$DGRAD_BUDGET
 #                 seconds a dtype, default 150), then tests/conv2d/test_dgrad_as_forward.py and the replay tests
@@ -266,6 +268,10 @@ for step in "$@"; do
                   --out "$OUT/dw-5x5.json" 2>&1 | tail -n 8 ;;
     dw-cols)    PYTHONPATH=src:tools timeout 280 python3 research/depthwise_wgrad_rows.py --per-kind 10 --budget 220 \
                   --candidates walk-4-1,walk-4-1-c2,walk-4-1-c4,walk-4-1-c8 --out "$OUT/dw-cols.json" 2>&1 | tail -n 11 ;;
+    dw-cols-heldout)  # the column-runs rule on the zoo's layers it splits, but those it was fitted on
+                PYTHONPATH=src:tools timeout 280 python3 research/depthwise_wgrad_rows.py --rule-cols --per-kind 100 \
+                  --exclude benchmarks/results/2026-12-07-h100/92a09bdb/dw-cols.json --budget 220 \
+                  --candidates walk-4-1-c1,rule --out "$OUT/dw-cols-heldout.json" 2>&1 | tail -n 9 ;;
     dgrad-fwd)  # the stride-1 depthwise and grouped data gradients as forward convolutions against the direct kernels
                 for d in ${DGRAD_DTYPES:-fp16}; do PYTHONPATH=src:tools timeout 300 python3 research/dgrad_as_forward.py \
                   --budget "${DGRAD_BUDGET:-150}" --dtype $d --out "$OUT/dgrad-as-forward-$d.json" 2>&1 \
