@@ -40,10 +40,11 @@ GROUPED_CANDIDATES = ("tap-2-8", "tap-8-4", "tap-16-4", "tap-32-2")
 
 
 def config(name: str, g) -> dict:
-    if name == "rule":  # the walking kernel as auto configures it (COLS by the rule where the config names none)
-        return depthwise_wgrad_walk_config(g, torch.float16)
+    if name in ("rule", "rule-c1"):  # the walking kernel as auto configures it (COLS by the rule), or one run
+        return dict(depthwise_wgrad_walk_config(g, torch.float16), **({"COLS": 1} if name == "rule-c1" else {}))
     shape, per_sm, steps, *bq = name.split("-")
-    if shape == "walk":  # depthwise_wgrad_walk_kernel: walk-PER_SM-MIN_CHUNKS[-STAGES|-aAHEAD|-rROWS|-vVEC|-cCOLS]
+    # depthwise_wgrad_walk_kernel: walk-PER_SM-MIN_CHUNKS[-STAGES|-aAHEAD|-rROWS|-vVEC|-cCOLS] (no -cCOLS: the rule's)
+    if shape == "walk":
         rows = next((min(g.R, int(e[1:])) for e in bq if e.startswith("r")), None)
         cfg = dict(depthwise_wgrad_walk_config(g, torch.float16, rows), PER_SM=int(per_sm), MIN_CHUNKS=int(steps))
         for extra in bq:

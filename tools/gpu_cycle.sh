@@ -267,11 +267,11 @@ for step in "$@"; do
                   --candidates walk-4-1,walk-4-1-r1,walk-4-1-r1-v1,walk-4-1-r1-v2,walk-2-1-r1,walk-8-1-r1 \
                   --out "$OUT/dw-5x5.json" 2>&1 | tail -n 8 ;;
     dw-cols)    PYTHONPATH=src:tools timeout 280 python3 research/depthwise_wgrad_rows.py --per-kind 10 --budget 220 \
-                  --candidates walk-4-1,walk-4-1-c2,walk-4-1-c4,walk-4-1-c8 --out "$OUT/dw-cols.json" 2>&1 | tail -n 11 ;;
+                  --candidates walk-4-1-c1,walk-4-1-c2,walk-4-1-c4,walk-4-1-c8 --out "$OUT/dw-cols.json" 2>&1 | tail -n 11 ;;
     dw-cols-heldout)  # the column-runs rule on the zoo's layers it splits, but those it was fitted on
                 PYTHONPATH=src:tools timeout 280 python3 research/depthwise_wgrad_rows.py --rule-cols --per-kind 100 \
                   --exclude benchmarks/results/2026-12-07-h100/92a09bdb/dw-cols.json --budget 220 \
-                  --candidates walk-4-1-c1,rule --out "$OUT/dw-cols-heldout.json" 2>&1 | tail -n 9 ;;
+                  --candidates rule-c1,rule --out "$OUT/dw-cols-heldout.json" 2>&1 | tail -n 9 ;;
     dgrad-fwd)  # the stride-1 depthwise and grouped data gradients as forward convolutions against the direct kernels
                 for d in ${DGRAD_DTYPES:-fp16}; do PYTHONPATH=src:tools timeout 300 python3 research/dgrad_as_forward.py \
                   --budget "${DGRAD_BUDGET:-150}" --dtype $d --out "$OUT/dgrad-as-forward-$d.json" 2>&1 \

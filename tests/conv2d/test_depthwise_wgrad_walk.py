@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tilegemm.core.registry import NotApplicable
+from tilegemm.core.runtime import interpreting
 from tilegemm.ops.conv2d import depthwise
 from tilegemm.ops.conv2d.configs import DEPTHWISE_WGRAD_WALK_ROW_TAPS, depthwise_wgrad_walk_config, walk_takes
 from tilegemm.ops.conv2d.problem import geometry_of
@@ -223,16 +224,24 @@ def test_the_column_runs_rule():
     assert walk_column_runs(g(144), 600, 528) == 1 and walk_column_runs(g(144), 0, 528) == 8
 
 
-def test_the_walk_takes_its_column_runs_by_the_rule(device, monkeypatch):
-    # a layer of one channel block and few output rows: the rule's runs (no COLS in the config), checked against
-    # the reference like the runs a config names
-    case = (1, 16, 4, 30, 3, 3, (1, 1), (1, 1, 1, 1), (1, 1))
-    x, dy, g, ref = _layer(case, device)
+@pytest.mark.skipif(not interpreting(), reason="the interpreter's tiles and its 4 SMs decide the runs (CPU tensors)")
+@pytest.mark.parametrize("case, runs", [
+    ((1, 16, 4, 30, 3, 3, (1, 1), (1, 1, 1, 1), (1, 1)), 2),  # one block, one row slice: Q // 14 = 2 bounds it
+    # the interpreter's 4 row tiles of 4 rows: 4 programs of 16 wanted (4 SMs), 4 runs within Q // 14 = 8
+    ((1, 16, 16, 120, 3, 3, (1, 1), (1, 1, 1, 1), (1, 1)), 4),
+])
+def test_the_walk_takes_its_column_runs_by_the_rule(case, runs, monkeypatch):
+    # the rule's runs (no COLS in the config), checked against the reference like the runs a config names; a
+    # config that gives SPLIT keeps one run
+    x, dy, g, ref = _layer(case)
     cfg = depthwise_wgrad_walk_config(g, torch.float32)
     assert "COLS" not in cfg
     launched, launch = [], depthwise.launch
     monkeypatch.setattr(depthwise, "launch", lambda kernel, grid, args, flags, **kw: (
         launched.append(flags["COLS"]), launch(kernel, grid, args, flags, **kw))[1])
-    out = depthwise.wgrad(dy, x, g, torch.float32, cfg).cpu()
-    assert launched == [2]  # one block, one row slice (4 rows): 2 runs of 15 columns (4 SMs here, or a GPU's)
+    out = depthwise.wgrad(dy, x, g, torch.float32, cfg)
+    assert launched == [runs]
+    assert (out.double() - ref).norm() / ref.norm() < 1e-5
+    out = depthwise.wgrad(dy, x, g, torch.float32, dict(cfg, SPLIT=2))
+    assert launched == [runs, 1]
     assert (out.double() - ref).norm() / ref.norm() < 1e-5

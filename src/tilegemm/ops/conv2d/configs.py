@@ -333,8 +333,8 @@ DEPTHWISE_WGRAD_WALK_ROW_TAPS = 9
 # stride-2 ones (docs/conv2d.md, "Depthwise weight gradient")
 DEPTHWISE_WGRAD_ROW_STRIDE1 = dict(VEC=2, PER_SM=8)
 # Where the row slices alone give fewer programs than PER_SM an SM (few channel blocks, few output rows), the walk
-# also splits the output columns into runs (COLS), up to enough programs, at most WALK_MAX_RUNS runs of at least
-# WALK_RUN_COLS columns each: faster on such layers of 28 columns and more, slower on narrower ones (docs/conv2d.md,
+# also splits the output columns into runs (COLS), up to enough programs, at most WALK_MAX_RUNS and at most one per
+# WALK_RUN_COLS columns: faster on such layers of 28 columns and more, slower on narrower ones (docs/conv2d.md,
 # "Depthwise weight gradient")
 DEPTHWISE_WGRAD_WALK_RUN_COLS = 14
 DEPTHWISE_WGRAD_WALK_MAX_RUNS = 8
@@ -343,8 +343,8 @@ DEPTHWISE_WGRAD_WALK_MAX_RUNS = 8
 def walk_column_runs(g: Geometry, programs: int, target: int) -> int:
     """The walking depthwise weight gradient's runs of output columns (``COLS``) where its config names none:
     enough for ``target`` programs over the ``programs`` its row slices allow at most (each a channel block and
-    group of filter rows over a slice of rows), within :data:`DEPTHWISE_WGRAD_WALK_MAX_RUNS` runs of at least
-    :data:`DEPTHWISE_WGRAD_WALK_RUN_COLS` columns."""
+    group of filter rows over a slice of rows), at most :data:`DEPTHWISE_WGRAD_WALK_MAX_RUNS` runs and one per
+    :data:`DEPTHWISE_WGRAD_WALK_RUN_COLS` output columns."""
     return max(1, min(-(-target // max(1, programs)), g.Q // DEPTHWISE_WGRAD_WALK_RUN_COLS,
                       DEPTHWISE_WGRAD_WALK_MAX_RUNS))
 

@@ -1260,8 +1260,9 @@ def _summed_output(g: Geometry, out_dtype, device, split: int, blocks: int, size
 
 def _wgrad_walk(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
     """:func:`wgrad` on :func:`depthwise_wgrad_walk_kernel`: BLOCK_N channels of the taps of ``ROWS`` filter rows
-    (default all R) a program over a slice of output rows and ``COLS`` runs of their columns (default 1), slices
-    enough for ``PER_SM`` programs an SM, each at least ``MIN_CHUNKS`` tiles of rows."""
+    (default all R) a program over a slice of output rows and ``COLS`` runs of their columns (default: by
+    :func:`walk_column_runs`; 1 where the config gives ``SPLIT``), slices enough for ``PER_SM`` programs an SM, each
+    at least ``MIN_CHUNKS`` tiles of rows."""
     if not walk_takes(g):
         from tilegemm.core.registry import NotApplicable
 
@@ -1286,7 +1287,7 @@ def _wgrad_walk(dy, x, g: Geometry, out_dtype, cfg: dict) -> torch.Tensor:
     given = cfg.pop("SPLIT", None)
     if cols is None:  # the rule: runs where the row slices leave SMs without programs
         cols = walk_column_runs(g, tiles * cdiv(rows, bp * min_chunks), per_sm * _sms(dy)) if given is None else 1
-    cols = cfg["COLS"] = max(1, min(cols, g.Q))  # (no empty runs)
+    cols = cfg["COLS"] = max(1, min(cols, g.Q))  # (at most a run a column)
     split, slice_rows = _row_slices(dy, rows, tiles * cols, per_sm, cdiv(rows, bp * min_chunks), bp, given)
     split *= cols  # (parts: row slices x column runs, summed alike)
     dw, ws, count = _summed_output(g, out_dtype, dy.device, split, tiles, t_pad * cfg["BLOCK_N"])
