@@ -632,6 +632,30 @@ def test_a_16_bit_expert_that_a_negative_pattern_names_is_said_stored_16_bit(tmp
         from_pretrained(path, device=device)
 
 
+def test_experts_stored_16_bit_where_the_config_quantizes_them_are_said_stored_16_bit(tmp_path):
+    # AutoAWQ left out every module whose name holds an entry of modules_to_not_convert: "gate" left each expert's
+    # gate_proj 16-bit (transformers' reading names only the router). Refused as a mixed block, saying stored 16-bit
+    # and how the list is read, not that the quantized tensors are missing
+    from safetensors.torch import load_file, save_file
+
+    config = cw.tiny_moe_config(layers=1)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "awq", 32, not_convert=["gate"],
+                               quant_extra=dict(version="GEMM"))
+    stored = load_file(path / "model.safetensors")
+    for e in range(cw.num_experts(config)):
+        key = f"model.layers.0.mlp.experts.{e}.gate_proj"
+        for part in ("qweight", "qzeros", "scales"):
+            del stored[f"{key}.{part}"]
+        stored[f"{key}.weight"] = reference["model.layers.0.mlp.experts.gate_up_proj"][e].chunk(2)[0].half()
+    save_file(stored, path / "model.safetensors", metadata={"format": "pt"})
+    key = "model.layers.0.mlp.experts.0.gate_proj"
+    with pytest.raises(ValueError, match=rf"{key}: stored 16-bit \({key}\.weight\) where the config quantizes it "
+                                         r"\(quantization_config\.modules_to_not_convert \['gate'\] names modules by "
+                                         r"their names' parts.*others of the block are stored quantized"):
+        from_pretrained(path, device="cpu")
+
+
 def test_a_16_bit_experts_block_that_modules_to_not_convert_names_loads(tmp_path, device):
     # named and stored 16-bit, as the entry says: no conflict, the block keeps its 16-bit experts
     path, _, reference = _write(tmp_path, "qwen3_moe", method="gptq", group_size=32,

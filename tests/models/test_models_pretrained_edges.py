@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -294,8 +295,11 @@ def test_older_quantizers_settings_files_and_file_names(tmp_path, device, method
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 * config.num_hidden_layers
     assert model.config.quantization_config["converted_from"] == method
     assert_loaded_exactly(model, reference)
-    # two files and no index: which tensor is where is not said
-    (path / "extra.safetensors").write_bytes((path / name).read_bytes())
+    # two files and no index: which tensor is where is not said (AutoGPTQ's settings name their file: read that)
+    (path / "extra.safetensors").write_bytes(b"not read")
+    if method == "gptq":
+        assert_loaded_exactly(from_pretrained(path, device=device), reference)
+        return
     with pytest.raises(FileNotFoundError, match=r"but 2 safetensors files \(.*\): which tensor is where needs the "
                                                 r"index"):
         from_pretrained(path, device="cpu")
@@ -689,3 +693,90 @@ def test_rotated_weights_are_refused(tmp_path, method, autoround, changes, messa
     # (GPTQModel writes null where there is none; a placeholder string says the same)
     _edit_quant_config(path, rotation="none", rotation_config=None)
     assert sum(isinstance(m, Int4Linear) for m in from_pretrained(path, device="cpu").modules()) == 7
+
+
+def _restore_zeros(path, word: int) -> None:
+    # every stored qzeros word set to `word` (eight equal nibbles), in every weight file
+    from safetensors.torch import load_file, save_file
+
+    for file in path.glob("*.safetensors"):
+        t = load_file(file)
+        for k in t:
+            if k.endswith(".qzeros"):
+                t[k] = torch.full_like(t[k], word - (1 << 32) if word >= 1 << 31 else word)
+        save_file(t, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("label, stored", [("gptq", 0x88888888), ("gptq_v2", 0x77777777)],
+                         ids=["v1-storing-8", "v2-storing-7"])
+def test_symmetric_zeros_stored_in_the_other_formats_convention_load_as_eight(tmp_path, device, label, stored):
+    # GPTQModel from v5 writes symmetric checkpoints labelled "gptq" (v1: zero - 1 stored, 7) with the zero itself
+    # (8) stored; read as labelled every weight would be one step off. Symmetric means 8: read so, and warned.
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 32, sym=True, v2=label == "gptq_v2")
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["checkpoint_format"] == label
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the checkpoint as written: no warning
+        assert_loaded_exactly(from_pretrained(path, device=device), reference)
+    _restore_zeros(path, stored)
+    with pytest.warns(UserWarning, match=f"labelled checkpoint_format '{label}' stores zeros of {stored & 15}"):
+        model = from_pretrained(path, device=device)
+    assert_loaded_exactly(model, reference)
+
+
+def test_asymmetric_zeros_are_read_as_labelled(tmp_path):
+    # an asymmetric checkpoint whose zeros happen to be all 9 (stored 8 in v1) is not symmetric: read as stored
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32, sym=False)
+    _restore_zeros(path, 0x88888888)
+    model = from_pretrained(path, device="cpu")
+    assert all(bool((m.weight.zeros == 9).all()) for m in model.modules() if isinstance(m, Int4Linear))
+
+
+@pytest.mark.parametrize("sidecar", [True, False])
+def test_shards_named_after_the_quantizers_base_name(tmp_path, device, sidecar):
+    # GPTQModel's sharded save with model_file_base_name: gptq_model-4bit-32g-0000i-of-0000n.safetensors and
+    # gptq_model-4bit-32g.safetensors.index.json; found through quantize_config.json's model_file_base_name, or
+    # as the directory's one index
+    config = cw.tiny_config("llama", hidden=64, layers=2)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 32, shard_bytes=40_000)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    base = "gptq_model-4bit-32g"
+    for f in shards:
+        os.rename(path / f, path / f.replace("model", base, 1))
+    index["weight_map"] = {k: v.replace("model", base, 1) for k, v in index["weight_map"].items()}
+    (path / f"{base}.safetensors.index.json").write_text(json.dumps(index))
+    os.remove(path / "model.safetensors.index.json")
+    if sidecar:
+        (path / "quantize_config.json").write_text(json.dumps(dict(bits=4, group_size=32, model_file_base_name=base)))
+        (path / "adapter.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))  # another's: not read
+    assert_loaded_exactly(from_pretrained(path, device=device), reference)
+
+
+def test_the_file_the_base_name_names_beside_other_safetensors_files(tmp_path, device):
+    # one base-named weight file beside an unrelated one (an adapter): quantize_config.json says which holds the model
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 32)
+    os.rename(path / "model.safetensors", path / "gptq_model-4bit-32g.safetensors")
+    (path / "adapter_model.safetensors").write_bytes((path / "gptq_model-4bit-32g.safetensors").read_bytes())
+    with pytest.raises(FileNotFoundError, match="which tensor is where needs the index"):
+        from_pretrained(path, device="cpu")
+    (path / "quantize_config.json").write_text(json.dumps(dict(bits=4, group_size=32,
+                                                               model_file_base_name="gptq_model-4bit-32g")))
+    assert_loaded_exactly(from_pretrained(path, device=device), reference)
+
+
+def test_a_whole_weight_file_is_read_before_an_index_beside_it(tmp_path, device):
+    # as transformers reads them: model.safetensors first; an index left beside it (its shards gone) is not read
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 32)
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
+    assert_loaded_exactly(from_pretrained(path, device=device), reference)

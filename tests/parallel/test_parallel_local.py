@@ -428,3 +428,31 @@ def test_parallel_group_length_the_kernels_do_not_take_is_read_whole_and_split_e
             rows, cols = (slice(rank * 32, (rank + 1) * 32), slice(None)) if split == "out" else \
                 (slice(None), slice(rank * 256, (rank + 1) * 256))
             assert torch.equal(dequantize(local), want[rows, cols])
+
+
+@pytest.mark.parametrize("split", ["out", "in"])
+def test_parallel_symmetric_zeros_stored_as_v2_under_the_v1_label(tmp_path, split):
+    """A symmetric GPTQ checkpoint labelled v1 ("gptq": zero - 1 stored) whose qzeros hold the zero itself (8), as
+    GPTQModel from v5 writes: each rank's shard reads the zeros as 8, as from_pretrained does (warned)."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    from tilegemm.models import pretrained
+    from tilegemm.parallel import _read_int4_shard
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
+    import ckpt_writer as cw
+
+    N, K = 64, 256
+    t, want = cw.quantize_linear(torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.05, "gptq", 128,
+                                 sym=True, generator=torch.Generator().manual_seed(1))
+    t["qzeros"] = torch.full_like(t["qzeros"], 0x88888888 - (1 << 32))
+    save_file({f"l.{k}": v.contiguous() for k, v in t.items()}, str(tmp_path / "model.safetensors"))
+    q = pretrained.quant_config({"quantization_config": cw.quantization_config("gptq", 128, sym=True)}).for_module("l")
+    tensors = pretrained._Tensors(str(tmp_path), torch.device("cpu"))
+    for rank in range(2):
+        with pytest.warns(UserWarning, match="labelled checkpoint_format 'gptq' stores zeros of 8"):
+            local, _ = _read_int4_shard(tensors, "l", q, N, K, split, rank, 2, torch.float16)
+        rows, cols = (slice(rank * 32, (rank + 1) * 32), slice(None)) if split == "out" else \
+            (slice(None), slice(rank * 128, (rank + 1) * 128))
+        assert torch.equal(dequantize(local), want[rows, cols])

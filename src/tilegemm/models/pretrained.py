@@ -630,6 +630,24 @@ def _dynamic(dynamic, where: str, settings: str = "quantization_config") -> tupl
     return tuple(rules)
 
 
+def _weight_file_names(path: str) -> tuple[str, str]:
+    """(the whole weight file's name, its shards' index's name) in a checkpoint directory:
+    ``model.safetensors`` and its index; else those of the ``model_file_base_name`` that AutoGPTQ's and GPTQModel's
+    quantize_config.json name (``gptq_model-4bit-128g``: ``.safetensors``, sharded ``.safetensors.index.json``);
+    else, without a ``model.safetensors``, the one ``*.safetensors.index.json`` the directory holds."""
+    if os.path.isfile(os.path.join(path, SINGLE_FILE)) or os.path.isfile(os.path.join(path, INDEX_FILE)):
+        return SINGLE_FILE, INDEX_FILE
+    for sidecar in SIDECARS:
+        file = os.path.join(path, sidecar)
+        base = _json_object(file).get("model_file_base_name") if os.path.isfile(file) else None
+        if isinstance(base, str) and base and os.path.basename(base) == base:
+            if os.path.isfile(os.path.join(path, base + ".safetensors")) or \
+                    os.path.isfile(os.path.join(path, base + ".safetensors.index.json")):
+                return base + ".safetensors", base + ".safetensors.index.json"
+    indexes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
+    return SINGLE_FILE, indexes[0] if len(indexes) == 1 else INDEX_FILE
+
+
 class _Tensors:
     """The checkpoint's tensors by name, read one at a time from ``model.safetensors`` or the shards that
     ``model.safetensors.index.json`` lists (each shard opened once, lazily). Given the ``model`` they load into, by
@@ -642,9 +660,10 @@ class _Tensors:
         except ImportError:
             raise ImportError(f"loading a checkpoint needs safetensors: {INSTALL}") from None
         self._open, self.device, self.path = safe_open, device, path
-        index = os.path.join(path, INDEX_FILE)
-        single = os.path.join(path, SINGLE_FILE)
-        if os.path.isfile(index):
+        single, self._index = _weight_file_names(path)
+        single, index = os.path.join(path, single), os.path.join(path, self._index)
+        # a whole file before an index, as transformers reads them (an index left beside it may be stale)
+        if not os.path.isfile(single) and os.path.isfile(index):
             with open(index) as f:
                 try:
                     weight_map = json.load(f)["weight_map"]
@@ -660,12 +679,13 @@ class _Tensors:
                 raise ValueError(f"{index} names files outside the checkpoint's directory: {', '.join(outside)}")
             missing = sorted({file for file in weight_map.values() if not os.path.isfile(os.path.join(path, file))})
             if missing:
-                raise FileNotFoundError(f"{INDEX_FILE} lists shard(s) missing from {path!r}: {', '.join(missing)}")
+                raise FileNotFoundError(f"{os.path.basename(index)} lists shard(s) missing from {path!r}: "
+                                        f"{', '.join(missing)}")
             self.files = dict(weight_map)
         else:
             found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
             # one file of another name: older quantizers named it (AutoGPTQ's gptq_model-4bit-128g.safetensors)
-            one = SINGLE_FILE if os.path.isfile(single) else found[0] if len(found) == 1 else None
+            one = os.path.basename(single) if os.path.isfile(single) else found[0] if len(found) == 1 else None
             if one is None:
                 others = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth")))
                 raise FileNotFoundError(
@@ -760,7 +780,7 @@ class _Tensors:
         if file not in self._keys:
             self._keys[file] = set(handle.keys())
         if stored not in self._keys[file]:
-            raise FileNotFoundError(f"{INDEX_FILE} in {self.path!r} maps {stored} to {self.files[name]}, which does "
+            raise FileNotFoundError(f"{self._index} in {self.path!r} maps {stored} to {self.files[name]}, which does "
                                     f"not hold it")
         return handle
 
@@ -1362,6 +1382,23 @@ def _import_columns(parts: dict, g_idx, q: QuantConfig, a: int, b: int) -> Int4W
         # from_gptq reads v1 (stored zero - 1, so it adds 1); v2 stores the zero itself. Zeros are small integers
         # held as floats: subtracting 1 is exact.
         w = Int4Weight(w.qweight, w.scales, w.zeros - 1, w.group_size, w.shape, w.perm)
+    return _symmetric_zeros(w, q) if q.sym else w
+
+
+def _symmetric_zeros(w: Int4Weight, q: QuantConfig) -> Int4Weight:
+    """A symmetric 4-bit GPTQ layer's zeros, which are all 8. Some quantizers store the zero itself (8) under
+    ``checkpoint_format: "gptq"``, whose convention stores zero - 1 (7): GPTQModel from v5 (Qwen3.5-27B-GPTQ-Int4,
+    as vLLM's loader found); read as labelled, every zero would be 9 and every weight one step off. Zeros all one
+    step off 8 that way are read in the other convention (warned); other zeros as stored."""
+    z = w.zeros
+    if z.device.type == "meta" or not z.numel():
+        return w
+    for off, stored, label in ((1, 8, "gptq"), (-1, 7, "gptq_v2")):
+        if bool((z == 8 + off).all()):
+            warnings.warn(f"a symmetric GPTQ checkpoint labelled checkpoint_format {label!r} stores zeros of "
+                          f"{stored}, the other format's convention for the symmetric zero 8: read as 8, which "
+                          f"symmetric means (the label would make every weight one step off)", stacklevel=2)
+            return Int4Weight(w.qweight, w.scales, z - off, w.group_size, w.shape, w.perm)
     return w
 
 
@@ -1613,6 +1650,17 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
             continue
         if not _groups_fit(qk.group_size, K):
             problems.append(f"{key}: [out, in] = [{N}, {K}]: {_partial_group_problem(qk.group_size, K)}")
+            continue
+        if f"{key}.{marker}" not in tensors and f"{key}.weight" in tensors:
+            # (AutoAWQ left out every module whose name holds an entry of modules_to_not_convert: "gate" left the
+            # experts' gate_proj 16-bit, where transformers' reading of the list names only the router)
+            used.add(f"{key}.weight")
+            listed = f" ({_at(q.key, 'modules_to_not_convert')} {list(q.modules_to_not_convert)} names modules " \
+                     f"by their names' parts, as transformers reads it, not by substrings, as AutoAWQ did)" \
+                if q.modules_to_not_convert else ""
+            problems.append(f"{stored}: stored 16-bit ({stored}.weight) where the config quantizes it{listed}, and "
+                            f"others of the block are stored quantized; a block's experts load when all are 4-bit "
+                            f"or all are 16-bit")
             continue
         used |= _check_quant_shapes(tensors, key, qk, N, K, f"expert {s.name}", problems, missing)
         if f"{key}.bias" in tensors and not biased:

@@ -40,8 +40,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
 from tilegemm.models.pretrained import _check_quant_shapes, _check_weight_range, _default_device, _import_columns, \
-    _left_16_bit_by, _named_16_bit, _regroups, _saved_weight, _stored_parts, _Tensors, awq_eights, empty_model, \
-    load_quantized_, load_generation_config_, quant_config, read_config, resolve_dtype
+    _left_16_bit_by, _named_16_bit, _regroups, _saved_weight, _stored_parts, _symmetric_zeros, _Tensors, awq_eights, \
+    empty_model, load_quantized_, load_generation_config_, quant_config, read_config, resolve_dtype
 from tilegemm.nn.conv import Conv2d
 from tilegemm.nn.int4 import SAVED_METHOD, Int4Linear
 from tilegemm.nn.transaction import unchanged_on_error
@@ -999,7 +999,7 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
         w, index = from_gptq(parts["qweight"], parts["qzeros"], parts["scales"].to(dtype), g_idx), None
     if q.checkpoint_format == "gptq_v2":  # v2 stores the zero itself; from_gptq read v1's zero - 1 (exact in floats)
         w = Int4Weight(w.qweight, w.scales, w.zeros - 1, w.group_size, w.shape, w.perm)
-    return w, index
+    return (_symmetric_zeros(w, q) if q.sym else w), index
 
 
 def _ct_zero_rows(tensors, key: str, N: int, rank: int, world: int) -> torch.Tensor:
