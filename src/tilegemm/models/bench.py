@@ -89,11 +89,7 @@ class LlamaDecodeBench(ModelBench):
             try:  # refuse a directory that cannot load before any case runs
                 config = pretrained.read_config(checkpoint)
                 self._quant = pretrained.quant_config(config)
-                single, index = (os.path.join(os.fspath(checkpoint), f) for f in (pretrained.SINGLE_FILE,
-                                                                                 pretrained.INDEX_FILE))
-                if not (os.path.isfile(single) or os.path.isfile(index)):
-                    raise FileNotFoundError(f"{os.fspath(checkpoint)!r} has neither {pretrained.SINGLE_FILE} nor "
-                                            f"{pretrained.INDEX_FILE}")
+                pretrained._Tensors(os.fspath(checkpoint), torch.device("cpu"))  # (its files found as the load finds them)
                 import transformers
 
                 transformers.AutoConfig.from_pretrained(os.fspath(checkpoint))  # (a model type it knows)
