@@ -29,6 +29,24 @@ def test_beta_zero_ignores_c_like_addmm(fill):
     torch.testing.assert_close(out, torch.addmm(c, a, b, beta=0), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_alpha_zero_reads_neither_operand(fill, dtype):
+    # as BLAS (and torch.addmm in fp32): alpha = 0 leaves activation(beta * c + bias), whatever a and b hold;
+    # the operands' gradients are zero, and the shapes are still checked
+    a, b = torch.randn(5, 7, dtype=dtype), torch.randn(7, 3, dtype=dtype)
+    a[0, 0], b[1, 2] = fill, fill
+    c, bias = torch.randn(5, 3, dtype=dtype), torch.randn(3, dtype=dtype)
+    a.requires_grad_(True)
+    out = tilegemm.matmul(a, b, c=c, bias=bias, alpha=0, beta=0.5, activation="silu")
+    torch.testing.assert_close(out.float(), torch.nn.functional.silu(0.5 * c.float() + bias.float()),
+                               rtol=1e-3, atol=1e-3)
+    out.sum().backward()
+    assert a.grad.shape == a.shape and not a.grad.any()
+    with pytest.raises(ValueError):
+        tilegemm.matmul(a, torch.randn(6, 3, dtype=dtype), alpha=0)
+
+
 def test_beta_zero_still_checks_c():
     with pytest.raises(ValueError, match="broadcast"):
         tilegemm.matmul(torch.randn(5, 7), torch.randn(7, 3), c=torch.randn(4, 3), beta=0)

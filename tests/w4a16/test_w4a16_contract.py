@@ -95,3 +95,30 @@ def test_w4a16_gradients_equal_the_dequantized_products(n, k, group_size, lead, 
         terms = grad.double().abs() @ wt.abs().T if g.shape == x.shape else grad.double().abs().sum(
             tuple(range(grad.ndim - 1)))
         assert rel_err_of_sums(g, r, terms, max(n, 1)) <= 1e-2
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "leaky_relu"])
+def test_sums_past_the_16_bit_range_take_the_activation_of_the_sum(activation):
+    # a row whose sum passes fp16's range (-30 * 60 * 64 = -115200): the activation of the fp32 sum (silu and gelu
+    # about -0, leaky_relu -1152), on every kernel, whatever the batch; and the gradients are those of the sum
+    # (0 through silu and gelu, not NaN): the backward recomputes the sum in fp16, where it reads -inf
+    from tilegemm.ops.w4a16.format import dequantize
+
+    K, N = 64, 16
+    w = w4a16.quantize(torch.full((N, K), 60.0, dtype=torch.float16, device=HERE), group_size=32)
+    x = torch.full((3, K), -30.0, dtype=torch.float16, device=HERE)
+    x[1] = 0.01
+    want = torch_activation(x.double() @ dequantize(w).double().T, activation)
+    for kernel in ("auto", "mma", "dequant_cublas"):
+        got = w4a16.matmul(x, w, activation=activation, kernel=kernel)
+        assert not got.isnan().any(), kernel
+        assert torch.allclose(got.double(), want.to(got.dtype).double(), rtol=1e-2, atol=1e-3), kernel
+    xt = x.clone().requires_grad_()
+    bias = torch.zeros(N, dtype=torch.float16, device=HERE, requires_grad=True)
+    w4a16.matmul(xt, w, bias=bias, activation=activation).sum().backward()
+    xr = x.double().requires_grad_()
+    br = torch.zeros(N, dtype=torch.float64, device=HERE, requires_grad=True)
+    torch_activation(xr @ dequantize(w).double().T + br, activation).sum().backward()
+    assert not xt.grad.isnan().any() and not bias.grad.isnan().any()
+    assert torch.allclose(xt.grad.double(), xr.grad, rtol=1e-2, atol=1e-2)
+    assert torch.allclose(bias.grad.double(), br.grad, rtol=1e-2, atol=1e-2)

@@ -70,8 +70,11 @@ def matmul(
         return _with_vectors(a, b, bias=bias, c=c, alpha=alpha, beta=beta, activation=activation,
                              out_dtype=out_dtype, precision=precision, kernel=kernel, scale_a=scale_a,
                              scale_b=scale_b, fast_accum=fast_accum)
+    # alpha = 0 reads neither operand, as torch.addmm (an inf in a or b leaves beta * c + bias finite): the product of
+    # no inputs (K = 0) below; never replayed
+    no_product = isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha == 0
     # (Inside another op's recording the launch must happen, to be recorded: no replay then.)
-    plain = c is None and not recording_active()
+    plain = c is None and not recording_active() and not no_product
     key = replay_key(a, b, alpha, precision, kernel, out_dtype, scale_a, scale_b, fast_accum, bias,
                      activation) if plain else None
     if key is not None:
@@ -86,6 +89,9 @@ def matmul(
     call = MatmulCall(a, b, bias, c, alpha, beta, "none" if activation is None else activation, out_dtype,
                       "default" if precision is None else precision, kernel, scale_a, scale_b, fast_accum)
     check_inputs(call)
+    if no_product:
+        a, b = a[..., :0], b[..., :0, :]
+        call = call.replace(a=a, b=b)
     if any_negative(a, b, bias, c, scale_a, scale_b):  # (z.conj().imag: the kernels would read the values negated)
         a, b, bias, c, scale_a, scale_b = resolved(a, b, bias, c, scale_a, scale_b)  # (never keyed: see replay_key)
         call = call.replace(a=a, b=b, bias=bias, c=c, scale_a=scale_a, scale_b=scale_b)

@@ -10,6 +10,10 @@ from tilegemm.core.activations import torch_activation
 from tilegemm.core.runtime import new_output
 
 
+# Activations whose value on a 16-bit output that overflowed differs from their value on the sum (relu's does not)
+ROUNDING_UNSAFE = ("gelu", "gelu_tanh", "silu", "leaky_relu")
+
+
 def product(x: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None, activation: str, out: torch.Tensor,
             upcast: bool = False) -> None:
     """``out [M, N] = activation(x [M, K] @ wd.T + bias)`` with ``wd`` the dequantized weight ``[N, K]``."""
@@ -23,6 +27,14 @@ def product(x: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None, activa
         if activation != "none":
             y = torch_activation(y, activation)
         out.copy_(y)
+        return
+    if activation in ROUNDING_UNSAFE:
+        # the activation on the fp32 sum, as the other kernels apply it: on the 16-bit output, a sum past its range
+        # is already inf, and silu / gelu of -inf are NaN (leaky_relu's -inf is finite a hundredth of it)
+        y = torch.mm(x, wt, out_dtype=torch.float32) if x.is_cuda else torch.matmul(x.float(), wt.float())
+        if bias is not None:
+            y += bias.float()
+        out.copy_(torch_activation(y, activation))
         return
     # cuBLAS writes the output in place, the bias added by its epilogue: at M = 4096 on 8192 x 8192 a
     # separate bias pass and a copy into ``out`` each moved 2 x 64 MB more

@@ -120,6 +120,11 @@ def _backward(ctx, grad_out):
     create_graph = torch.is_grad_enabled()
     if ctx.activation != "none":
         pre = _w4a16_op(x, qweight, scales, zeros, None, None, bias, ctx.group_k, "none", "auto", perm).float()
+        if ctx.activation != "relu":
+            # recomputed in x's dtype, a sum past its range reads ±inf, where silu' and gelu' are NaN: the derivative
+            # at the range's end is the saturated one the sum has (0 below, 1 above), as the forward's fp32 sum had
+            big = torch.finfo(x_dtype).max
+            pre = torch.where(pre.isinf(), pre.clamp(-big, big), pre)
         with torch.enable_grad():
             if not (create_graph and pre.requires_grad):
                 pre = pre.detach().requires_grad_(True)
