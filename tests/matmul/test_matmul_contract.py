@@ -45,6 +45,11 @@ def test_alpha_zero_reads_neither_operand(fill, dtype):
     assert a.grad.shape == a.shape and not a.grad.any()
     with pytest.raises(ValueError):
         tilegemm.matmul(a, torch.randn(6, 3, dtype=dtype), alpha=0)
+    # the registered op called directly, and a kernel named (one that may refuse a product of no inputs)
+    with torch.no_grad():
+        out = torch.ops.tilegemm.matmul(a, b, bias, c, 0.0, 0.5, "silu", None, "default", "split_k")
+    torch.testing.assert_close(out.float(), torch.nn.functional.silu(0.5 * c.float() + bias.float()),
+                               rtol=1e-3, atol=1e-3)
 
 
 def test_beta_zero_still_checks_c():

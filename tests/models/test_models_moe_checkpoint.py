@@ -650,10 +650,12 @@ def test_experts_stored_16_bit_where_the_config_quantizes_them_are_said_stored_1
         stored[f"{key}.weight"] = reference["model.layers.0.mlp.experts.gate_up_proj"][e].chunk(2)[0].half()
     save_file(stored, path / "model.safetensors", metadata={"format": "pt"})
     key = "model.layers.0.mlp.experts.0.gate_proj"
-    with pytest.raises(ValueError, match=rf"{key}: stored 16-bit \({key}\.weight\) where the config quantizes it "
+    with pytest.raises(ValueError, match=rf"model\.layers\.0\.mlp\.experts: 4 of its 12 expert Linears are stored "
+                                         rf"16-bit \({key}\.weight \.\.\.\) where the config quantizes them "
                                          r"\(quantization_config\.modules_to_not_convert \['gate'\] names modules by "
-                                         r"their names' parts.*others of the block are stored quantized"):
+                                         r"their names' parts.*others of the block are stored quantized") as err:
         from_pretrained(path, device="cpu")
+    assert str(err.value).count("stored 16-bit") == 1  # one line for the block, not one an expert
 
 
 def test_a_16_bit_experts_block_that_modules_to_not_convert_names_loads(tmp_path, device):

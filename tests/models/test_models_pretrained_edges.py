@@ -725,6 +725,24 @@ def test_symmetric_zeros_stored_in_the_other_formats_convention_load_as_eight(tm
     assert_loaded_exactly(model, reference)
 
 
+def test_the_other_conventions_zeros_warn_once_a_load_and_other_zeros_load_as_stored(tmp_path):
+    # one warning for the load, not one a layer; zeros one step off the other way (6 stored under "gptq": 7 read)
+    # are not the other convention's and load as stored, unwarned
+    config = cw.tiny_config("llama", hidden=64, layers=2)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 32, sym=True)
+    _restore_zeros(path, 0x88888888)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert_loaded_exactly(from_pretrained(path, device="cpu"), reference)
+    assert sum("stores zeros of 8" in str(w.message) for w in said) == 1
+    _restore_zeros(path, 0x66666666)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = from_pretrained(path, device="cpu")
+    assert all(bool((m.weight.zeros == 7).all()) for m in model.modules() if isinstance(m, Int4Linear))
+
+
 def test_asymmetric_zeros_are_read_as_labelled(tmp_path):
     # an asymmetric checkpoint whose zeros happen to be all 9 (stored 8 in v1) is not symmetric: read as stored
     config = cw.tiny_config("llama", hidden=64, layers=1)
@@ -769,6 +787,19 @@ def test_the_file_the_base_name_names_beside_other_safetensors_files(tmp_path, d
         from_pretrained(path, device="cpu")
     (path / "quantize_config.json").write_text(json.dumps(dict(bits=4, group_size=32,
                                                                model_file_base_name="gptq_model-4bit-32g")))
+    assert_loaded_exactly(from_pretrained(path, device=device), reference)
+
+
+def test_a_lone_weight_file_of_another_name_is_read_before_an_index_of_another_name(tmp_path, device):
+    # an older quantizer's one weight file beside another model's index (a draft model's): the whole file is read;
+    # and a settings file that is not JSON, left beside a config.json holding the settings, is not in the way
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    reference = cw.write_model(path, cw.random_model(config), "gptq", 32)
+    os.rename(path / "model.safetensors", path / "gptq_model-4bit-32g.safetensors")
+    (path / "draft_model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "draft-00001-of-00002.safetensors"}}))
+    (path / "quantize_config.json").write_text("{not json")
     assert_loaded_exactly(from_pretrained(path, device=device), reference)
 
 

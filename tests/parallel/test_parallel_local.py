@@ -450,9 +450,9 @@ def test_parallel_symmetric_zeros_stored_as_v2_under_the_v1_label(tmp_path, spli
     save_file({f"l.{k}": v.contiguous() for k, v in t.items()}, str(tmp_path / "model.safetensors"))
     q = pretrained.quant_config({"quantization_config": cw.quantization_config("gptq", 128, sym=True)}).for_module("l")
     tensors = pretrained._Tensors(str(tmp_path), torch.device("cpu"))
-    for rank in range(2):
-        with pytest.warns(UserWarning, match="labelled checkpoint_format 'gptq' stores zeros of 8"):
-            local, _ = _read_int4_shard(tensors, "l", q, N, K, split, rank, 2, torch.float16)
+    with pytest.warns(UserWarning, match="labelled checkpoint_format 'gptq' stores zeros of 8"):  # (once a load)
+        shards = [_read_int4_shard(tensors, "l", q, N, K, split, rank, 2, torch.float16)[0] for rank in range(2)]
+    for rank, local in enumerate(shards):
         rows, cols = (slice(rank * 32, (rank + 1) * 32), slice(None)) if split == "out" else \
             (slice(None), slice(rank * 128, (rank + 1) * 128))
         assert torch.equal(dequantize(local), want[rows, cols])

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import threading
 import warnings
 
 import torch
@@ -639,12 +640,19 @@ def _weight_file_names(path: str) -> tuple[str, str]:
         return SINGLE_FILE, INDEX_FILE
     for sidecar in SIDECARS:
         file = os.path.join(path, sidecar)
-        base = _json_object(file).get("model_file_base_name") if os.path.isfile(file) else None
+        try:  # (a settings file left beside a config that holds the settings may be anything: only a name is read)
+            base = _json_object(file).get("model_file_base_name") if os.path.isfile(file) else None
+        except ValueError:
+            base = None
         if isinstance(base, str) and base and os.path.basename(base) == base:
             if os.path.isfile(os.path.join(path, base + ".safetensors")) or \
                     os.path.isfile(os.path.join(path, base + ".safetensors.index.json")):
                 return base + ".safetensors", base + ".safetensors.index.json"
-    indexes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
+    files = os.listdir(path)
+    whole = [f for f in files if f.endswith(".safetensors")]
+    if len(whole) == 1:  # one file of another name (older quantizers'): before any index
+        return whole[0], INDEX_FILE
+    indexes = sorted(f for f in files if f.endswith(".safetensors.index.json"))
     return SINGLE_FILE, indexes[0] if len(indexes) == 1 else INDEX_FILE
 
 
@@ -660,6 +668,7 @@ class _Tensors:
         except ImportError:
             raise ImportError(f"loading a checkpoint needs safetensors: {INSTALL}") from None
         self._open, self.device, self.path = safe_open, device, path
+        _load_notes.said = set()  # (a load opens its files once: its warnings said once from here)
         single, self._index = _weight_file_names(path)
         single, index = os.path.join(path, single), os.path.join(path, self._index)
         # a whole file before an index, as transformers reads them (an index left beside it may be stale)
@@ -1382,24 +1391,36 @@ def _import_columns(parts: dict, g_idx, q: QuantConfig, a: int, b: int) -> Int4W
         # from_gptq reads v1 (stored zero - 1, so it adds 1); v2 stores the zero itself. Zeros are small integers
         # held as floats: subtracting 1 is exact.
         w = Int4Weight(w.qweight, w.scales, w.zeros - 1, w.group_size, w.shape, w.perm)
-    return _symmetric_zeros(w, q) if q.sym else w
+    return _symmetric_zeros(w, q)
+
+
+class _LoadNotes(threading.local):
+    said: set | None = None  # what a load has warned of (reset as each load opens its files), else None
+
+
+_load_notes = _LoadNotes()
 
 
 def _symmetric_zeros(w: Int4Weight, q: QuantConfig) -> Int4Weight:
     """A symmetric 4-bit GPTQ layer's zeros, which are all 8. Some quantizers store the zero itself (8) under
     ``checkpoint_format: "gptq"``, whose convention stores zero - 1 (7): GPTQModel from v5 (Qwen3.5-27B-GPTQ-Int4,
     as vLLM's loader found); read as labelled, every zero would be 9 and every weight one step off. Zeros all one
-    step off 8 that way are read in the other convention (warned); other zeros as stored."""
+    step off 8 that way (9 read under "gptq", 7 under "gptq_v2") are read in the other convention, warned once a
+    load; other zeros as stored."""
     z = w.zeros
-    if z.device.type == "meta" or not z.numel():
+    if not (q.sym and q.method == "gptq") or z.device.type == "meta" or not z.numel():
         return w
-    for off, stored, label in ((1, 8, "gptq"), (-1, 7, "gptq_v2")):
-        if bool((z == 8 + off).all()):
-            warnings.warn(f"a symmetric GPTQ checkpoint labelled checkpoint_format {label!r} stores zeros of "
-                          f"{stored}, the other format's convention for the symmetric zero 8: read as 8, which "
-                          f"symmetric means (the label would make every weight one step off)", stacklevel=2)
-            return Int4Weight(w.qweight, w.scales, z - off, w.group_size, w.shape, w.perm)
-    return w
+    off, stored = (1, 8) if q.checkpoint_format == "gptq" else (-1, 7)
+    if not bool((z == 8 + off).all()):
+        return w
+    said = _load_notes.said
+    if said is None or q.checkpoint_format not in said:
+        warnings.warn(f"a symmetric GPTQ checkpoint labelled checkpoint_format {q.checkpoint_format!r} stores zeros "
+                      f"of {stored}, the other format's convention for the symmetric zero 8: read as 8, which "
+                      f"symmetric means (as labelled every weight would be one step off)", stacklevel=2)
+        if said is not None:
+            said.add(q.checkpoint_format)
+    return Int4Weight(w.qweight, w.scales, z - off, w.group_size, w.shape, w.perm)
 
 
 def _stored_parts(tensors: "_Tensors", prefix: str, q: QuantConfig, dtype,
@@ -1620,6 +1641,7 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
         return used
     marker = q.leaf("qweight")
     conflicts: dict[str, list[str]] = {}  # why the config leaves them 16-bit -> experts it stores quantized
+    stored_16_bit: list[str] = []  # experts the config quantizes that the checkpoint stores 16-bit
     total = 0
     for key, N, K in s.keys():
         total += 1
@@ -1652,15 +1674,8 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
             problems.append(f"{key}: [out, in] = [{N}, {K}]: {_partial_group_problem(qk.group_size, K)}")
             continue
         if f"{key}.{marker}" not in tensors and f"{key}.weight" in tensors:
-            # (AutoAWQ left out every module whose name holds an entry of modules_to_not_convert: "gate" left the
-            # experts' gate_proj 16-bit, where transformers' reading of the list names only the router)
             used.add(f"{key}.weight")
-            listed = f" ({_at(q.key, 'modules_to_not_convert')} {list(q.modules_to_not_convert)} names modules " \
-                     f"by their names' parts, as transformers reads it, not by substrings, as AutoAWQ did)" \
-                if q.modules_to_not_convert else ""
-            problems.append(f"{stored}: stored 16-bit ({stored}.weight) where the config quantizes it{listed}, and "
-                            f"others of the block are stored quantized; a block's experts load when all are 4-bit "
-                            f"or all are 16-bit")
+            stored_16_bit.append(stored)
             continue
         used |= _check_quant_shapes(tensors, key, qk, N, K, f"expert {s.name}", problems, missing)
         if f"{key}.bias" in tensors and not biased:
@@ -1668,6 +1683,18 @@ def _check_experts(s: _StoredExperts, q: QuantConfig, tensors: _Tensors, problem
             if bool(tensors.get(f"{key}.bias").any()):  # dropped, as a dense layer's bias its module lacks
                 warnings.warn(f"load_quantized_: the checkpoint stores a nonzero {key}.bias, which the experts of "
                               f"{s.name} do not have: ignored", stacklevel=3)
+    if stored_16_bit:
+        # (AutoAWQ left out every module whose name holds an entry of modules_to_not_convert: "gate" left the
+        # experts' gate_proj 16-bit, where transformers' reading of the list names only the router)
+        entries = [e for e in q.modules_to_not_convert if any(e in k for k in stored_16_bit)]
+        listed = f" ({_at(q.key, 'modules_to_not_convert')} {entries} names modules by their names' parts, as " \
+                 f"transformers reads it, not by substrings, as AutoAWQ did)" if entries else ""
+        n = len(stored_16_bit)
+        problems.append(f"{s.name}: {n} of its {total} expert Linears {'is' if n == 1 else 'are'} stored 16-bit "
+                        f"({stored_16_bit[0]}.weight{' ...' if n > 1 else ''}) where the config quantizes "
+                        f"{'it' if n == 1 else 'them'}{listed}: {', '.join(stored_16_bit[:4])}"
+                        f"{' ...' if n > 4 else ''}; and others of the block are stored quantized; a block's experts "
+                        f"load when all are 4-bit or all are 16-bit")
     # the config says 16-bit, the tensors say 4-bit: refused as a dense Linear is (whichever is wrong, the checkpoint
     # is inconsistent), one line a block and cause, as a block may hold hundreds of expert Linears
     for why, keys in conflicts.items():

@@ -999,7 +999,7 @@ def _read_int4_shard(tensors, prefix: str, q, N: int, K: int, split: str, rank: 
         w, index = from_gptq(parts["qweight"], parts["qzeros"], parts["scales"].to(dtype), g_idx), None
     if q.checkpoint_format == "gptq_v2":  # v2 stores the zero itself; from_gptq read v1's zero - 1 (exact in floats)
         w = Int4Weight(w.qweight, w.scales, w.zeros - 1, w.group_size, w.shape, w.perm)
-    return (_symmetric_zeros(w, q) if q.sym else w), index
+    return _symmetric_zeros(w, q), index
 
 
 def _ct_zero_rows(tensors, key: str, N: int, rank: int, world: int) -> torch.Tensor:

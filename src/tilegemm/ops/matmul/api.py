@@ -56,7 +56,8 @@ def matmul(
 
     Like ``torch.matmul``, a 1-D ``a`` (``[K]``) is read as a row and a 1-D ``b`` as a column, and that dimension
     is dropped from the result; like ``torch.addmm``, ``c`` is not read when ``beta`` is 0 (NaN or inf in it do
-    not reach the output; unlike addmm, ``c`` then gets no gradient rather than a zero one). Meta tensors give
+    not reach the output; unlike addmm, ``c`` then gets no gradient rather than a zero one), and, as BLAS, ``a``
+    and ``b`` are not read when ``alpha`` is 0 (their gradients are zero). Meta tensors give
     an empty meta result of the output's shape and dtype, launching nothing. Under ``torch.autocast`` the 16- and
     32-bit ``a``, ``b``, ``bias`` and ``c`` on the autocast device are cast to its dtype first, as autocast casts
     ``torch.matmul``'s and ``F.linear``'s (fp8 operands and float64 tensors are left as they are).
@@ -70,8 +71,8 @@ def matmul(
         return _with_vectors(a, b, bias=bias, c=c, alpha=alpha, beta=beta, activation=activation,
                              out_dtype=out_dtype, precision=precision, kernel=kernel, scale_a=scale_a,
                              scale_b=scale_b, fast_accum=fast_accum)
-    # alpha = 0 reads neither operand, as torch.addmm (an inf in a or b leaves beta * c + bias finite): the product of
-    # no inputs (K = 0) below; never replayed
+    # alpha = 0 reads neither operand, as BLAS (an inf in a or b leaves beta * c + bias finite): the product of no
+    # inputs (K = 0) below; never replayed
     no_product = isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha == 0
     # (Inside another op's recording the launch must happen, to be recorded: no replay then.)
     plain = c is None and not recording_active() and not no_product
@@ -89,9 +90,9 @@ def matmul(
     call = MatmulCall(a, b, bias, c, alpha, beta, "none" if activation is None else activation, out_dtype,
                       "default" if precision is None else precision, kernel, scale_a, scale_b, fast_accum)
     check_inputs(call)
-    if no_product:
+    if no_product:  # (any kernel: a named one may refuse a product of no inputs)
         a, b = a[..., :0], b[..., :0, :]
-        call = call.replace(a=a, b=b)
+        call = call.replace(a=a, b=b, kernel="auto")
     if any_negative(a, b, bias, c, scale_a, scale_b):  # (z.conj().imag: the kernels would read the values negated)
         a, b, bias, c, scale_a, scale_b = resolved(a, b, bias, c, scale_a, scale_b)  # (never keyed: see replay_key)
         call = call.replace(a=a, b=b, bias=bias, c=c, scale_a=scale_a, scale_b=scale_b)

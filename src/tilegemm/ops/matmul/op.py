@@ -48,7 +48,7 @@ def matmul_op(
     # arguments were checked when the call was traced), so a compiled model's small GEMMs cost the host what
     # eager ones do.
     key = None
-    if c is None and not recording_active():
+    if c is None and not recording_active() and alpha != 0:
         key = replay_key(a, b, alpha, precision, kernel, out_dtype, scale_a, scale_b, fast_accum, bias, activation)
     if key is not None:
         tensors = (a, b, *(t for t in (scale_a, scale_b, bias) if t is not None))  # as the public function's
@@ -58,6 +58,9 @@ def matmul_op(
     # Called directly (torch.ops.tilegemm.matmul) nothing checked the arguments: a bias shorter than N would be
     # read out of bounds. A replay above repeats a call that passed here.
     check_inputs(call)
+    if alpha == 0:  # as the public function: the product of no inputs, reading neither operand
+        a, b = a[..., :0], b[..., :0, :]
+        call = call.replace(a=a, b=b, kernel="auto")
     if any_negative(a, b, bias, c, scale_a, scale_b):  # (a compiled graph's input may be one: see the public function)
         a, b, bias, c, scale_a, scale_b = resolved(a, b, bias, c, scale_a, scale_b)
         call = call.replace(a=a, b=b, bias=bias, c=c, scale_a=scale_a, scale_b=scale_b)
