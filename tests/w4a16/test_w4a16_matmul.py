@@ -224,14 +224,42 @@ def test_compile_fullgraph(device):
     assert_rel_close(out, reference(x, w, activation="silu") * 2, 2e-3)
 
 
-def test_export_with_a_dynamic_batch(device):
-    """auto's fragment-kernel rows (M <= 128, 512) are compared only where that kernel can run: elsewhere a traced M
-    was guarded on, so torch.export refused a batch dim above 128 and torch.compile recompiled across it."""
-    from tilegemm.ops.w4a16.dispatch import frag_usable
+@pytest.mark.parametrize("hopper", [False, True])
+def test_export_with_a_dynamic_batch(device, hopper, monkeypatch):
+    """auto's fragment-kernel rows (M <= 128, 512) are not compared while tracing: a traced M was guarded on, so
+    torch.export refused a batch dim above 128 and torch.compile recompiled across 128 and 512 where the fragment
+    kernel runs (Hopper; ``hopper``: simulated here, the kernel then picked by M when the op runs), and a weight
+    without its fragments made was packed inside the graph. One graph for every M, no packing traced."""
+    from tilegemm.ops.w4a16 import dispatch
 
+    if hopper and not dispatch.frag_usable(64, torch.device(device), 128):
+        choose = dispatch.choose
+        monkeypatch.setattr(dispatch, "frag_usable", lambda *a, **k: True)
+        monkeypatch.setattr(dispatch, "choose", lambda M, frag=False, N=None: choose(M, False, N))
     w = w4a16.quantize(torch.randn(32, 128, dtype=torch.float16, device=device), 64)
-    if frag_usable(w.group_k, torch.device(device), 128):
-        pytest.skip("the fragment kernel runs here: auto's choice of it depends on M")
+    if hopper:
+        bare = w4a16.quantize(torch.randn(32, 128, dtype=torch.float16, device=device), 64)
+
+        class Bare(torch.nn.Module):
+            def forward(self, x):
+                return w4a16.matmul(x, bare)
+
+        ep = torch.export.export(Bare(), (torch.randn(3, 128, dtype=torch.float16, device=device),),
+                                 dynamic_shapes=({0: torch.export.Dim("batch", max=4096)},))
+        assert bare._frag is None  # not packed by the trace (nor a traced tensor left in it)
+        assert len([n for n in ep.graph.nodes if n.op == "call_function"]) <= 4  # the product, no packing
+        w.fragments()  # as Int4Linear keeps them where the kernel runs
+        graphs = []
+        compiled = torch.compile(lambda x: w4a16.matmul(x, w),
+                                 backend=lambda gm, _: graphs.append(gm) or gm.forward)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            for m in (5, 129, 513, 3):
+                x = torch.randn(m, 128, dtype=torch.float16, device=device)
+                torch._dynamo.mark_dynamic(x, 0)  # (a serving step's token count)
+                assert_rel_close(compiled(x), reference(x, w), 2e-3)
+        assert len(graphs) == 1
+        torch._dynamo.reset()
 
     class M(torch.nn.Module):
         def forward(self, x):
@@ -255,3 +283,16 @@ def test_dequant_kernel_both_layouts(device, rows_n, N, K, group_size):
     got = dequantize_w(w.qweight, w.scales, w.zeros, w.group_k, rows_n=rows_n, block_r=4, block_n=64)
     want = w4a16.dequantize(w)
     assert torch.equal(got, want if rows_n else want.T)
+
+
+def test_compiled_with_every_size_dynamic(device):
+    # torch.compile(dynamic=True) of a function holding an Int4Weight: the weight's sizes are traced too, and its
+    # group length (K / groups) reached the checks as a SymInt, refused as "group_k must be ... got s22"
+    w = w4a16.quantize(torch.randn(32, 128, dtype=torch.float16, device=device), 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: w4a16.matmul(x, w), dynamic=True, backend="eager")
+    with torch.no_grad():
+        for m in (5, 9, 300):
+            x = torch.randn(m, 128, dtype=torch.float16, device=device)
+            assert_rel_close(compiled(x), reference(x, w), 2e-3)
+    torch._dynamo.reset()

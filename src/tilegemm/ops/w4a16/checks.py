@@ -67,7 +67,8 @@ def weight_of_op_args(qweight, scales, zeros, group_k, perm=None, fweight=None, 
         raise ValueError(f"qweight must be int32 {'[E, K/8, N]' if stacked else '[K/8, N]'}, got shape "
                          f"{list(qweight.shape)}")
     K, N = qweight.shape[-2] * 8, qweight.shape[-1]
-    if isinstance(group_k, bool) or not isinstance(group_k, int) or group_k != K and group_k not in GROUP_SIZES[:-1]:
+    if isinstance(group_k, bool) or not isinstance(group_k, (int, torch.SymInt)) or \
+            group_k != K and group_k not in GROUP_SIZES[:-1]:
         raise ValueError(f"group_k must be K = {K} (one group) or a group size that divides K ("
                          f"{', '.join(map(str, GROUP_SIZES[:-1]))}), got {group_k!r}")
     if (fweight is None) != (fzs is None):

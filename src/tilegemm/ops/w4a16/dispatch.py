@@ -71,8 +71,12 @@ def keeps_fragments(group_k: int, device: torch.device, K: int) -> bool:
 
 def wants_frag(kernel: str, x2: torch.Tensor, w) -> bool:
     """Whether a call with 2-D activations ``x2`` and weight ``w`` runs, or under ``auto`` may run, a kernel that
-    takes the fragment layout."""
-    # frag_usable first: where the kernel cannot run, M is not compared (a traced M would be guarded on, <= 128)
+    takes the fragment layout. While torch.compile traces: where the fragments were made before (``Int4Linear``
+    keeps them as buffers where the kernel runs), whatever M; the op picks its kernel by M when it runs, so a
+    dynamic token count is not guarded on (one graph for every M), and no packing enters the graph."""
+    if torch.compiler.is_compiling():
+        return (kernel in FRAG_KERNELS or kernel == "auto") and w._frag is not None
+    # frag_usable first: where the kernel cannot run, M is not compared
     return kernel in FRAG_KERNELS or (kernel == "auto" and frag_usable(w.group_k, x2.device, w.shape[-1])
                                       and frag_rows(x2.shape[0], w.shape[-2]))
 
