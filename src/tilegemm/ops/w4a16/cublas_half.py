@@ -31,7 +31,7 @@ def product(x: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None, activa
     if activation in ROUNDING_UNSAFE:
         # the activation on the fp32 sum, as the other kernels apply it: on the 16-bit output, a sum past its range
         # is already inf, and silu / gelu of -inf are NaN (leaky_relu's -inf is finite a hundredth of it)
-        y = torch.mm(x, wt, out_dtype=torch.float32) if x.is_cuda else torch.matmul(x.float(), wt.float())
+        y = _fp32_product(x, wt)
         if bias is not None:
             y += bias.float()
         out.copy_(torch_activation(y, activation))
@@ -44,6 +44,17 @@ def product(x: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None, activa
         torch.matmul(x, wt, out=out)
     if activation != "none":
         out.copy_(torch_activation(out.float(), activation))
+
+
+def _fp32_product(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """``x @ wt`` written in fp32: cuBLAS's 16-bit product with an fp32 output where torch has it (CUDA), else the
+    product of the fp32 copies (exact: every 16-bit value is an fp32 one)."""
+    if x.is_cuda:
+        try:
+            return torch.mm(x, wt, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):  # (a torch without the overload for these operands)
+            pass
+    return torch.matmul(x.float(), wt.float())
 
 
 def forward(x2: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
