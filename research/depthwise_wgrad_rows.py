@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import time
 
 import torch
@@ -172,7 +173,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     layers, seen = [], {}
-    excluded = {r["layer"] for r in json.load(open(args.exclude))} if args.exclude else set()
+    excluded = set()
+    if args.exclude:  # (a results JSON, or one compressed by xz as benchmarks/results keeps them)
+        with (lzma.open if args.exclude.endswith(".xz") else open)(args.exclude, "rt") as f:
+            excluded = {r["layer"] for r in json.load(f)}
     for L in ordered_layers(KINDS) if args.kernel == "depthwise" else grouped_layers():
         k = kind(L)
         if args.kinds and k not in args.kinds.split(","):

@@ -270,7 +270,7 @@ for step in "$@"; do
                   --candidates walk-4-1-c1,walk-4-1-c2,walk-4-1-c4,walk-4-1-c8 --out "$OUT/dw-cols.json" 2>&1 | tail -n 11 ;;
     dw-cols-heldout)  # the column-runs rule on the zoo's layers it splits, but those it was fitted on
                 PYTHONPATH=src:tools timeout 280 python3 research/depthwise_wgrad_rows.py --rule-cols --per-kind 100 \
-                  --exclude benchmarks/results/2026-12-07-h100/92a09bdb/dw-cols.json --budget 220 \
+                  --exclude benchmarks/results/2026-12-07-h100/92a09bdb/dw-cols.json.xz --budget 220 \
                   --candidates rule-c1,rule --out "$OUT/dw-cols-heldout.json" 2>&1 | tail -n 9 ;;
     dgrad-fwd)  # the stride-1 depthwise and grouped data gradients as forward convolutions against the direct kernels
                 for d in ${DGRAD_DTYPES:-fp16}; do PYTHONPATH=src:tools timeout 300 python3 research/dgrad_as_forward.py \
