@@ -296,3 +296,22 @@ def test_compiled_with_every_size_dynamic(device):
             x = torch.randn(m, 128, dtype=torch.float16, device=device)
             assert_rel_close(compiled(x), reference(x, w), 2e-3)
     torch._dynamo.reset()
+
+
+def test_a_named_fragment_kernel_is_traced_only_with_its_layout_made(device, monkeypatch):
+    # no graph packs the layout: a kernel that reads it, named while torch.compile traces a weight without it, is
+    # refused saying what to do (it failed deep in the op's fake check), and nothing is packed
+    from tilegemm.core import registry
+
+    spec = registry.get("w4a16", "frag_wgmma")
+    if spec.unavailable_reason() is not None:  # (elsewhere than Hopper: as there, the check after it)
+        monkeypatch.setattr(type(spec), "unavailable_reason", lambda self: None)
+    w = w4a16.quantize(torch.randn(32, 128, dtype=torch.float16, device=device), 64)
+    x = torch.randn(4, 128, dtype=torch.float16, device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: w4a16.matmul(t, w, kernel="frag_wgmma"), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"kernel='frag_wgmma' reads the weight's fragment layout, which a traced "
+                                        r"graph does not make: make it before compiling"):
+        compiled(x)
+    assert w._frag is None
+    torch._dynamo.reset()

@@ -79,6 +79,10 @@ def matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, act
     if xr is not None:
         x2 = xr
     # The fragment layout goes along when a fragment kernel is asked for, or may be chosen by auto.
+    if kernel in dispatch.FRAG_KERNELS and w._frag is None and torch.compiler.is_compiling():
+        raise ValueError(f"kernel={kernel!r} reads the weight's fragment layout, which a traced graph does not make: "
+                         f"make it before compiling or exporting (w.fragments(); an Int4Linear keeps it where the "
+                         f"kernel runs), or leave the kernel to auto")
     fweight, fzs = w.fragments() if dispatch.wants_frag(kernel, x2, w) else (None, None)
     p = W4A16Problem(x=x2, qweight=w.qweight, scales=w.scales, zeros=w.zeros, bias=bias, out=None,
                      group_k=w.group_k, activation=activation, fweight=fweight, fzs=fzs, kernel=kernel)
