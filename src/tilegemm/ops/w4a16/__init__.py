@@ -17,8 +17,8 @@ from tilegemm.core.registry import KernelSpec, OpSpec, register, register_op
 register_op(OpSpec(
     name="w4a16", summary="4-bit weights (group-wise scales and zeros) times fp16/bf16 activations",
     bench="tilegemm.ops.w4a16.bench:W4A16Bench",
-    pseudo={"auto": "picks the kernel by M: frag_wgmma up to 1024 rows on Hopper (elsewhere gemv for a few rows, "
-                    "mma up to 128), dequant_cublas above (the default)"},
+    pseudo={"auto": "picks the kernel by M: frag_wgmma on Hopper up to 128 rows, or 512 against wide weights "
+                    "(elsewhere gemv for a few rows, mma up to 128), dequant_cublas above (the default)"},
 ))
 register(KernelSpec(
     op="w4a16", name="gemv", order=10, target="tilegemm.ops.w4a16.gemv:run",
@@ -27,7 +27,7 @@ register(KernelSpec(
 register(KernelSpec(
     op="w4a16", name="frag_wgmma", order=16, target="tilegemm.ops.w4a16.frag_wgmma:run",
     why_not=why_not_gluon, tags=("sm_90", "gluon"), dtypes=("fp16", "bf16"),
-    summary="the fragments through Hopper's wgmma, x from a cp.async ring in shared memory (M up to 1024)",
+    summary="the fragments through Hopper's wgmma, x from a cp.async ring in shared memory (any M; auto: small M)",
 ))
 register(KernelSpec(
     op="w4a16", name="mma", order=20, target="tilegemm.ops.w4a16.mma:run",
