@@ -776,12 +776,18 @@ def test_shards_named_after_the_quantizers_base_name(tmp_path, device, sidecar):
     assert_loaded_exactly(from_pretrained(path, device=device), reference)
 
 
-def test_the_file_the_base_name_names_beside_other_safetensors_files(tmp_path, device):
-    # one base-named weight file beside an unrelated one (an adapter): quantize_config.json says which holds the model
+def _base_named(tmp_path):
+    """A tiny GPTQ checkpoint whose one weight file has AutoGPTQ's name: (its directory, the writer's reference)."""
     config = cw.tiny_config("llama", hidden=64, layers=1)
     path = tmp_path / "c"
     reference = cw.write_model(path, cw.random_model(config), "gptq", 32)
     os.rename(path / "model.safetensors", path / "gptq_model-4bit-32g.safetensors")
+    return path, reference
+
+
+def test_the_file_the_base_name_names_beside_other_safetensors_files(tmp_path, device):
+    # one base-named weight file beside an unrelated one (an adapter): quantize_config.json says which holds the model
+    path, reference = _base_named(tmp_path)
     (path / "adapter_model.safetensors").write_bytes((path / "gptq_model-4bit-32g.safetensors").read_bytes())
     with pytest.raises(FileNotFoundError, match="which tensor is where needs the index"):
         from_pretrained(path, device="cpu")
@@ -793,10 +799,7 @@ def test_the_file_the_base_name_names_beside_other_safetensors_files(tmp_path, d
 def test_a_lone_weight_file_of_another_name_is_read_before_an_index_of_another_name(tmp_path, device):
     # an older quantizer's one weight file beside another model's index (a draft model's): the whole file is read;
     # and a settings file that is not JSON, left beside a config.json holding the settings, is not in the way
-    config = cw.tiny_config("llama", hidden=64, layers=1)
-    path = tmp_path / "c"
-    reference = cw.write_model(path, cw.random_model(config), "gptq", 32)
-    os.rename(path / "model.safetensors", path / "gptq_model-4bit-32g.safetensors")
+    path, reference = _base_named(tmp_path)
     (path / "draft_model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"model.norm.weight": "draft-00001-of-00002.safetensors"}}))
     (path / "quantize_config.json").write_text("{not json")
