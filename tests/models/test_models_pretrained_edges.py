@@ -814,3 +814,25 @@ def test_a_whole_weight_file_is_read_before_an_index_beside_it(tmp_path, device)
     (path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
     assert_loaded_exactly(from_pretrained(path, device=device), reference)
+
+
+def test_plain_tensors_past_fp16s_range_are_warned_of(tmp_path):
+    # a bf16 or fp32 checkpoint's plain tensor (an lm_head value of 1e5) loaded in fp16 is inf, as transformers'
+    # load makes it: said, naming the tensor and the dtype to load with (the 4-bit layers' scales are refused)
+    from safetensors.torch import load_file, save_file
+
+    config = cw.tiny_config("llama", hidden=64, layers=1)
+    path = tmp_path / "c"
+    cw.write_model(path, cw.random_model(config), "gptq", 32)
+    stored = load_file(path / "model.safetensors")
+    stored["lm_head.weight"] = stored["lm_head.weight"].float()
+    stored["lm_head.weight"][0, 0] = 1e5
+    stored["model.norm.weight"] = stored["model.norm.weight"].float()  # in range: not named
+    save_file(stored, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"1 tensor\(s\) of the checkpoint hold values past fp16's range, now inf: "
+                                         r"lm_head\.weight; load with dtype=torch\.bfloat16"):
+        model = from_pretrained(path, device="cpu")
+    assert torch.isinf(model.lm_head.weight[0, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.isfinite(from_pretrained(path, dtype=torch.bfloat16, device="cpu").lm_head.weight).all()

@@ -2052,14 +2052,23 @@ def _load_into(model: nn.Module, path: str, q: QuantConfig, tensors: _Tensors, d
                 _load_dense_experts(s, tensors, dtype)
             else:
                 _load_experts(s, tensors, q, dtype)
+        overflowed = []  # plain tensors a conversion to fp16 made inf where they were finite
         for key, first in expected_plain.items():
-            t = tensors.get(key)
-            t = t.to(plain_dtype(first)) if t.is_floating_point() else t
+            stored = tensors.get(key)
+            t = stored.to(plain_dtype(first)) if stored.is_floating_point() else stored
+            if t.dtype == torch.float16 != stored.dtype and t.device.type != "meta" \
+                    and bool((torch.isinf(t) & torch.isfinite(stored)).any()):
+                overflowed.append(key)
+            del stored
             if first in plain:  # one Parameter under each of its names (tied ones), requiring grad as it did
                 t = nn.Parameter(t, requires_grad=wants_grad[first] and (t.is_floating_point() or t.is_complex()))
             for n in plain.get(first, [first]):
                 _set_tensor(model, n, t)
             del t
+        if overflowed:  # (transformers' own load converts them as silently; the 4-bit layers' scales are refused)
+            warnings.warn(f"load_quantized_: {len(overflowed)} tensor(s) of the checkpoint hold values past fp16's "
+                          f"range, now inf: {', '.join(overflowed[:8])}{' ...' if len(overflowed) > 8 else ''}; load "
+                          f"with dtype=torch.bfloat16", stacklevel=3)
     # What the checkpoint does not hold: buffers the model computed itself (rotary tables), moved to the device.
     for module in model.modules():
         for bname, b in module._buffers.items():
