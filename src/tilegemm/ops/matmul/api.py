@@ -90,9 +90,9 @@ def matmul(
     call = MatmulCall(a, b, bias, c, alpha, beta, "none" if activation is None else activation, out_dtype,
                       "default" if precision is None else precision, kernel, scale_a, scale_b, fast_accum)
     check_inputs(call)
-    if no_product:  # (any kernel: a named one may refuse a product of no inputs)
-        a, b = a[..., :0], b[..., :0, :]
-        call = call.replace(a=a, b=b, kernel="auto")
+    if no_product:
+        call = call.without_product()
+        a, b = call.a, call.b
     if any_negative(a, b, bias, c, scale_a, scale_b):  # (z.conj().imag: the kernels would read the values negated)
         a, b, bias, c, scale_a, scale_b = resolved(a, b, bias, c, scale_a, scale_b)  # (never keyed: see replay_key)
         call = call.replace(a=a, b=b, bias=bias, c=c, scale_a=scale_a, scale_b=scale_b)

@@ -58,9 +58,9 @@ def matmul_op(
     # Called directly (torch.ops.tilegemm.matmul) nothing checked the arguments: a bias shorter than N would be
     # read out of bounds. A replay above repeats a call that passed here.
     check_inputs(call)
-    if alpha == 0:  # as the public function: the product of no inputs, reading neither operand
-        a, b = a[..., :0], b[..., :0, :]
-        call = call.replace(a=a, b=b, kernel="auto")
+    if alpha == 0:  # as the public function
+        call = call.without_product()
+        a, b = call.a, call.b
     if any_negative(a, b, bias, c, scale_a, scale_b):  # (a compiled graph's input may be one: see the public function)
         a, b, bias, c, scale_a, scale_b = resolved(a, b, bias, c, scale_a, scale_b)
         call = call.replace(a=a, b=b, bias=bias, c=c, scale_a=scale_a, scale_b=scale_b)

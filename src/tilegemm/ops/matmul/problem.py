@@ -55,6 +55,11 @@ class MatmulCall(NamedTuple):
         """The positional arguments of ``torch.ops.tilegemm.matmul``."""
         return tuple(self)
 
+    def without_product(self) -> "MatmulCall":
+        """The call at ``alpha`` 0: a product of no inputs (K = 0), reading neither operand, as BLAS; on ``auto``
+        (a kernel named may refuse K = 0)."""
+        return self.replace(a=self.a[..., :0], b=self.b[..., :0, :], kernel="auto")
+
     def replace(self, **changes) -> "MatmulCall":
         return self._replace(**changes)
 
