@@ -57,6 +57,7 @@
 #                 against transformers' grouped_mm and batched_mm, decode b1/b16 graph and compile, prefill 2048, bf16
 #                 (\$MOE_SHAPES: --shape options for fewer cases; \$MOE_TIMEOUT seconds an entry, default 280)
 #   w4-random     the w4a16 bench's held-out w4-random sweep, fp16 (second baseline: fbgemm where it imports)
+#   w4-frag-small tools/w4a16_frag_sweep.py at M = 1, 4 and 16 with inputs rotated past L2 (the small-M K split)
 #   w4-formats    the w4a16 bench's formats sweep (every group size, sym/asym, act-order), fp16 and bf16, auto and
 #                 frag_wgmma
 #   w4-checkpoint a Llama-3-8B-shaped GPTQ checkpoint (tools/write_w4_checkpoint.py, 32 layers, \$W4_CKPT_DIR),
@@ -137,6 +138,9 @@ for step in "$@"; do
     random) for d in ${RANDOM_DTYPES:-fp16}; do bench --sweep random --dtype $d --kernels auto --json "$OUT/random-$d.json" 2>&1 | tail -n 6; done ;;
     conv2d-check) python3 tools/conv2d_gpu_check.py --dtypes "${CONV_DTYPES:-fp16}" --budget "${CONV_BUDGET:-180}" --out "$OUT/conv2d-check.json" 2>&1 | tee "$OUT/conv2d-check.log" | tail -n 8 ;;
     w4-random) bench --op w4a16 --sweep w4-random --dtype fp16 --json "$OUT/w4a16-w4-random-fp16.json" 2>&1 | tail -n 30 ;;
+    w4-frag-small)  # frag_wgmma's configs at M = 1, 4, 16 on the fitting draws, inputs rotated past L2 (the K split's fill)
+                PYTHONPATH=src:tools timeout 470 python3 tools/w4a16_frag_sweep.py --ms 1,4,16 --rotate --budget 380 \
+                  --out "$OUT/w4-frag-small.json" 2>&1 | tail -n 14 ;;
     w4-formats) for d in fp16 bf16; do bench --op w4a16 --sweep formats --dtype $d --kernels auto,frag_wgmma \
                   --json "$OUT/w4a16-formats-$d.json" 2>&1 | tail -n 8; done ;;
     w4-checkpoint) ckpt=${W4_CKPT_DIR:-/tmp/llama3-8b-gptq}
