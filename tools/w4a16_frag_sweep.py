@@ -214,7 +214,8 @@ def neighbours(cfg: dict, K: int) -> list[dict]:
     out += [dict(cfg, STAGES=s) for s in (3, 4, 6) if s != cfg["STAGES"]]
     out += [with_mode(cfg, m) for m in MODES if m != mode_of(cfg)]
     out = [canonical(c, K) for c in out]
-    return [c for c in out if smem_bytes(c) <= SMEM_LIMIT]
+    # (PAIRS runs the plain loop on a ring of 4 slots or more: the launch refuses it otherwise)
+    return [c for c in out if smem_bytes(c) <= SMEM_LIMIT and (not c["PAIRS"] or c["STAGES"] >= 4)]
 
 
 # --- compiling ahead (GPU): Triton's disk cache filled by worker processes ---------------------------------------
