@@ -83,12 +83,20 @@ def test_config_rule_gives_launchable_configs(M, N, K64, sms):
     assert warps == 4 or (warps == 8 and bm >= 128)
     assert rh == 1 or 32 <= bm <= 64  # small M: one row tile a warp, the K split makes the programs
     assert cfg["STAGES"] * (bm * 64 * 2 + 16 * rh * warps * 32) <= SMEM
-    assert cfg["SPLIT_K"] == 1 or K64 // cfg["SPLIT_K"] >= 8  # slices of at least 8 steps
+    assert cfg["SPLIT_K"] == 1 or K64 // cfg["SPLIT_K"] >= (4 if bm == 8 else 8)  # slices of 8 steps (M <= 8: 4)
     assert cfg["OVERLAP"] == cfg["PIPE"] == (M >= configs.FRAG_WGMMA_OVERLAP_M)
     if M > 128:  # 128 weight rows a program, the split filling at most one wave
         assert (bm, warps, rh) in ((128, 8, 1), (256, 8, 1))
         tiles = -(-N // 128) * -(-M // bm)
         assert cfg["SPLIT_K"] in (1, 2, 4) and (cfg["SPLIT_K"] == 1 or tiles * cfg["SPLIT_K"] <= sms)
+
+
+def test_config_rule_splits_small_weights_finer_at_up_to_8_rows(monkeypatch):
+    # 1280 x 1152: 20 tiles of 64 weight rows, 18 K steps; slices of 8 steps made 40 programs for 132 SMs
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    assert [configs.frag_wgmma_config(M, 1280, 1152, "cuda")["SPLIT_K"] for M in (1, 8, 9, 16)] == [4, 4, 2, 2]
+    # a weight whose 8-step slices fill the SMs already keeps its split
+    assert configs.frag_wgmma_config(1, 8192, 8192, "cuda")["SPLIT_K"] == 8
 
 
 def test_config_rule_takes_wide_tiles_where_they_fill_most_of_a_wave(monkeypatch):

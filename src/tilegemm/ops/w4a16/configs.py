@@ -83,7 +83,8 @@ def mma_config(M: int, N: int, K: int, device) -> dict:
 #   thread); at BM = 32, 64, 4 warps and 2 row tiles when that still makes a wave of tiles, else 1 (more
 #   programs); at BM <= 16 always 1 row tile a warp, the K split making up the programs;
 # - a ring of 4 slots (3 was slower, 6 no faster);
-# - K split in powers of two up to 8 / 4 / 1 programs an SM (BM <= 16 / <= 64 / above), slices of 8 steps or more;
+# - K split in powers of two up to 8 / 4 / 1 programs an SM (BM <= 16 / <= 64 / above), slices of 8 steps or more
+#   (4 at BM = 8, M <= 8: the finer split fills the SMs on small weights; docs/w4a16.md, "frag_wgmma", fill);
 # - OVERLAP (the next step dequantized during this step's MMA) and PIPE (two MMA groups in flight) from M = 64 on,
 #   where the kernel waits on the MMA (below it waits on memory, and they cost a little);
 # - above 64 rows (where 128 weight rows make at least FRAG_WGMMA_ROWS128_TILES of a wave, or M > 128): 8 warps
@@ -94,6 +95,7 @@ def mma_config(M: int, N: int, K: int, device) -> dict:
 #   it won there on two fitting draws and held on the held-out one; at M <= 16 it lost (docs/w4a16.md,
 #   "frag_wgmma", PAIRS).
 FRAG_WGMMA_PROGRAMS_PER_SM = (8, 4, 1)  # BM <= 16, <= 64, above
+FRAG_WGMMA_MIN_STEPS = (4, 8)  # least 64-deep K steps a slice: BM = 8, above
 FRAG_WGMMA_PAIRS_BM = 32
 FRAG_WGMMA_PAIRS_STAGES = 6
 FRAG_WGMMA_OVERLAP_M = 64
@@ -123,7 +125,7 @@ def frag_wgmma_config(M: int, N: int, K: int, device, gather: bool = False) -> d
         warps, rh = 4, 2 if _cdiv(N, 128) * _cdiv(M, bm) >= sms and not (gather and pipe) else 1
     tiles = _cdiv(N, 16 * rh * warps) * _cdiv(M, bm)
     per_sm = FRAG_WGMMA_PROGRAMS_PER_SM[0 if bm <= 16 else 1 if bm <= 64 else 2]
-    split = split_within(tiles, _cdiv(K, 64), per_sm * sms, 8)
+    split = split_within(tiles, _cdiv(K, 64), per_sm * sms, FRAG_WGMMA_MIN_STEPS[0 if bm <= 8 else 1])
     if bm == FRAG_WGMMA_PAIRS_BM and not pipe and not gather:
         return dict(BM=bm, RH=rh, num_warps=warps, STAGES=FRAG_WGMMA_PAIRS_STAGES, SPLIT_K=split, OVERLAP=False,
                     PIPE=False, PAIRS=True)
