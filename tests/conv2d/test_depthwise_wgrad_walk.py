@@ -195,11 +195,14 @@ def test_walk_compiles_to_one_fma_a_tap_and_channel_with_no_shared_memory_in_its
     script = SM90 + (Path(__file__).parent / "_depthwise_wgrad_walk_regs.py").read_text()
     got = compile_offline(tmp_path, script, [[144, 56, 3, 3, 1], [144, 56, 3, 3, 2], [240, 28, 5, 5, 1],
                                              [96, 56, 7, 7, 1], [64, 32, 1, 7, 1], [96, 56, 7, 7, 1, 7],
-                                             [240, 28, 5, 5, 1, 2], [240, 28, 5, 5, 2]])
-    assert len(got) == 8
+                                             [240, 28, 5, 5, 1, 2], [240, 28, 5, 5, 2],
+                                             # runs of output columns (walk_column_runs' programs)
+                                             [144, 56, 3, 3, 1, None, 4], [240, 28, 5, 5, 1, None, 2]])
+    assert len(got) == 10
     for name, info in got.items():
         R, S = map(int, name.split("-")[2].split("x"))
-        rows = int(name.split("-r")[1]) if "-r" in name else 1 if R * S > DEPTHWISE_WGRAD_WALK_ROW_TAPS else R
+        rows = int(name.split("-r")[1].split("-")[0]) if "-r" in name else \
+            1 if R * S > DEPTHWISE_WGRAD_WALK_ROW_TAPS else R
         assert info["spill"] == 0, (name, info)
         assert info["fma"] == rows * S * info["vec"], (name, info)
         assert info["shared"] == 0, (name, info)
