@@ -212,6 +212,28 @@ def test_split_k_candidates_are_sound(monkeypatch, dtype, shape):
         assert picked["SPLIT_K"] > 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float8_e4m3fn], ids=["fp16", "fp32", "fp8"])
+@pytest.mark.parametrize("M", [1, 16, 32, 64, 128, 1024])
+def test_split_k_candidates_fit_a_99_kb_block(monkeypatch, dtype, M):
+    # sm_86/89 GPUs (RTX 4090, L40S) give a block 99 KB of shared memory: the 16x128x128 tile's 4-stage pipeline
+    # (108 KB) raised OutOfResources there for every small-M product; the bucket's smaller tiles remain
+    import tilegemm.core.hardware as hardware
+
+    monkeypatch.setattr(split_k, "interpreting", lambda: False)
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 128)
+    monkeypatch.setattr(hardware, "smem_per_block", lambda device: 99 * 1024)
+    a, b = torch.empty(M, 4096, dtype=dtype), torch.empty(4096, 4096, dtype=dtype)
+    p = make_problems(a, b, torch.empty(M, 4096, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee", False)[0]
+    cands = split_k.configs(p)
+    assert cands
+    for c in [*cands, split_k.pick_config(p)]:
+        stages = max(c["num_stages"] - 1, 1)
+        assert (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * a.element_size() * stages <= 99 * 1024, c
+    monkeypatch.setattr(hardware, "smem_per_block", lambda device: hardware.HOPPER_SMEM_PER_BLOCK)
+    if M <= 32:  # Hopper keeps the larger tile
+        assert any(c["BLOCK_N"] == 128 and c["BLOCK_K"] * a.element_size() == 256 for c in split_k.configs(p))
+
+
 @pytest.mark.parametrize("shape", [(64, 64, 100352), (256, 64, 100352), (8, 96, 50000), (100, 4096, 4096)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_untimed_split_k_fills_a_wave_for_small_outputs_with_long_k(monkeypatch, shape):

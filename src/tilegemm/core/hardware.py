@@ -172,6 +172,36 @@ def sm_count(device) -> int:
     return n
 
 
+_smem_per_block: dict = {}
+# Shared memory a block may opt into by compute capability, where torch's device properties do not say (CUDA's
+# cudaDevAttrMaxSharedMemoryPerBlockOptin: A100 163 KB, sm_86/89 GPUs such as the RTX 4090 and L40S 99 KB)
+_SMEM_OPTIN_BY_CC = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024, (8, 9): 99 * 1024,
+                     (9, 0): HOPPER_SMEM_PER_BLOCK}
+
+
+def smem_per_block(device) -> int:
+    """Bytes of shared memory one block may take on a CUDA device (the opt-in limit Triton checks a launch
+    against; cached); Hopper's under the interpreter or off CUDA, where the GPU's configs are built for sm_90."""
+    if interpreting() or getattr(device, "type", "cuda") != "cuda":
+        return HOPPER_SMEM_PER_BLOCK
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _smem_per_block.get(index)
+    if n is None:
+        props = torch.cuda.get_device_properties(index)
+        n = getattr(props, "shared_memory_per_block_optin", 0) or \
+            _SMEM_OPTIN_BY_CC.get((props.major, props.minor), 99 * 1024 if props.major >= 8 else 48 * 1024)
+        _smem_per_block[index] = n
+    return n
+
+
+def pipeline_fits(bm: int, bn: int, bk: int, elem: int, stages: int, device) -> bool:
+    """Whether a ``tl.dot`` kernel's software pipeline (``stages - 1`` buffered ``[bm, bk]`` and ``[bn, bk]`` tiles of
+    ``elem``-byte elements, as Triton allocates them) fits in a block's shared memory on ``device``."""
+    return (bm + bn) * bk * elem * max(stages - 1, 1) <= smem_per_block(device)
+
+
 def compute_capability() -> tuple[int, int] | None:
     """(major, minor) of the current GPU, or None under the interpreter or without one."""
     if interpreting():

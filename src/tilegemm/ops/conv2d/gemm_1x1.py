@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from tilegemm.core.hardware import sm_count, why_not_gluon
+from tilegemm.core.hardware import pipeline_fits, sm_count, why_not_gluon
 from tilegemm.core.launch import current_stream, keeping, launch, sequence_lock
 from tilegemm.core.registry import NotApplicable
 from tilegemm.core.runtime import cdiv, interpreting, new_output
@@ -131,16 +131,21 @@ WGRAD_WIDE_PADDING = 1.25
 WGRAD_TILE = WGRAD_TILES[0]  # the tile whose count gates the rule
 
 
-def wgrad_tile(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
+def wgrad_tile(M: int, N: int, K: int, fits=lambda tile: True) -> tuple[int, int, int, int, int] | None:
     """The split_k tile of :data:`WGRAD_TILES` / :data:`WGRAD_WIDE_TILE` for the weight gradient ``[M, K] @ [K, N]``
-    (M output channels, N input channels, K pixels)."""
+    (M output channels, N input channels, K pixels), among those ``fits`` keeps (the device's shared memory: a GPU
+    of 99 KB a block has no room for 64x64's 6-slot ring); None if it keeps none."""
     def area(t):  # the output as the tile pads it
         return cdiv(M, t[0]) * t[0] * cdiv(N, t[1]) * t[1]
 
-    if M * N * K >= WGRAD_WIDE_WORK and area(WGRAD_WIDE_TILE) <= WGRAD_WIDE_PADDING * min(map(area, WGRAD_TILES)):
+    tiles = [t for t in WGRAD_TILES if fits(t)]
+    if not tiles:
+        return None
+    if M * N * K >= WGRAD_WIDE_WORK and fits(WGRAD_WIDE_TILE) and \
+            area(WGRAD_WIDE_TILE) <= WGRAD_WIDE_PADDING * min(map(area, WGRAD_TILES)):
         return WGRAD_WIDE_TILE
     few = cdiv(M, WGRAD_TILE[0]) * cdiv(N, WGRAD_TILE[1]) <= WGRAD_FEW_TILES
-    return min(WGRAD_TILES, key=lambda t: (area(t), cdiv(M, t[0]) * cdiv(N, t[1]) if few else 0))
+    return min(tiles, key=lambda t: (area(t), cdiv(M, t[0]) * cdiv(N, t[1]) if few else 0))
 
 
 def wave_split(tiles: int, k_steps: int, sms: int) -> int:
@@ -160,7 +165,10 @@ def pointwise_wgrad(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.T
     sms = sm_count(a.device)
     if a.element_size() != 2 or b.dtype != a.dtype or cdiv(M, WGRAD_TILE[0]) * cdiv(N, WGRAD_TILE[1]) > sms:
         return matmul(a, b, precision=precision, kernel="split_k")
-    bm, bn, bk, warps, stages = wgrad_tile(M, N, K)
+    tile = wgrad_tile(M, N, K, lambda t: pipeline_fits(t[0], t[1], t[2], 2, t[4], a.device))
+    if tile is None:
+        return matmul(a, b, precision=precision, kernel="split_k")
+    bm, bn, bk, warps, stages = tile
     tiles = cdiv(M, bm) * cdiv(N, bn)
     # split_k's config: its tile, K slices added in the last program's epilogue (SLICES)
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=wave_split(tiles, cdiv(K, bk), sms),

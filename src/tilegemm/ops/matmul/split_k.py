@@ -22,7 +22,7 @@ import triton
 
 from tilegemm.core import tuning, workspace
 from tilegemm.core.workspace import split_workspace
-from tilegemm.core.hardware import sm_count
+from tilegemm.core.hardware import pipeline_fits, sm_count
 from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div, tile_grouped
 from tilegemm.core.launch import current_stream, launch, sequence_lock
 from tilegemm.ops.matmul import grouped, residue
@@ -189,8 +189,8 @@ def configs(p: GemmProblem) -> list[dict]:
     out = []
     for bm, bn, bk, warps, stages in _TILES[bucket]:
         bk = max(32, min(256, bk * 2 // size))  # the same bytes per K step for fp8 and fp32
-        if (bm + bn) * bk * size * stages > 200 * 1024:
-            continue
+        if (bm + bn) * bk * size * stages > 200 * 1024 or not pipeline_fits(bm, bn, bk, size, stages, p.out.device):
+            continue  # (a GPU of 99 KB a block, sm_86/89, takes the smaller tiles of the bucket)
         tiles = cdiv(p.M, bm) * cdiv(p.N, bn) * p.batch
         k_steps = cdiv(p.K, bk)
         for split in _SPLITS:
