@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -232,6 +234,69 @@ def test_split_k_candidates_fit_a_99_kb_block(monkeypatch, dtype, M):
     monkeypatch.setattr(hardware, "smem_per_block", lambda device: hardware.HOPPER_SMEM_PER_BLOCK)
     if M <= 32:  # Hopper keeps the larger tile
         assert any(c["BLOCK_N"] == 128 and c["BLOCK_K"] * a.element_size() == 256 for c in split_k.configs(p))
+
+
+_SM89_SHARED = textwrap.dedent(
+    """
+    import json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from tilegemm.ops.matmul.split_k import matmul_split_k_kernel as kernel
+
+    def shared(M, N, K, dtype, bm, bn, bk, warps, stages, divisors):
+        ints = dict(M=M, N=N, K=K, stride_am=K, stride_ak=1, stride_bk=N, stride_bn=1, stride_om=N, stride_on=1,
+                    SPLIT_K=2)  # row-major A, B and out; the other strides 0 (no batch, c, bias or scales)
+        flags = dict(HAS_C=False, HAS_BIAS=False, ACTIVATION="none", HAS_SCALE_A=False, HAS_SCALE_B=False,
+                     INPUT_PRECISION="ieee", UPCAST=False, INDEX_64=False, MMA_OPERANDS="ab", FAST_ACCUM=False,
+                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SLICES=True, ATOMIC_READ=True, APART=False,
+                     DIVISORS=tuple(divisors))
+        sig, constexprs, attrs = {}, {}, {}
+        for i, name in enumerate(kernel.arg_names):
+            if name.endswith("_ptr"):
+                sig[name] = "*fp32" if name.startswith(("scale", "ws")) else "*i32" if name == "count_ptr" else \\
+                    "*" + dtype
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            elif name.startswith("stride"):
+                v = ints.get(name, 0)
+                if v in (0, 1):
+                    sig[name], constexprs[(i,)] = "constexpr", v
+                else:
+                    sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
+            elif name in ints:
+                sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
+            elif name in ("alpha", "beta"):
+                sig[name] = "fp32"
+            else:
+                sig[name], constexprs[(i,)] = "constexpr", flags[name]
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 89, 32),
+                                  options=dict(num_warps=warps, num_stages=stages))
+        return compiled.metadata.shared
+
+    print(json.dumps([shared(*case) for case in json.loads(sys.argv[1])]))
+    """
+)
+
+
+def test_split_k_small_m_configs_compile_within_99_kb_for_sm89(monkeypatch, tmp_path):
+    # the rule's untimed choice and the bucket's candidates, compiled for sm_89 (no GPU needed: Triton's ptxas):
+    # Triton's own count of the shared memory each needs, which its launch checks against the GPU's limit
+    from conftest import compile_offline
+    import tilegemm.core.hardware as hardware
+
+    monkeypatch.setattr(split_k, "interpreting", lambda: False)
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 128)
+    monkeypatch.setattr(hardware, "smem_per_block", lambda device: 99 * 1024)
+    cases = set()
+    for M, dtype, name in [(16, torch.float16, "fp16"), (32, torch.float16, "fp16"), (16, torch.float32, "fp32")]:
+        a, b = torch.empty(M, 4096, dtype=dtype), torch.empty(4096, 4096, dtype=dtype)
+        p = make_problems(a, b, torch.empty(M, 4096, dtype=dtype), None, None, 1.0, 0.0, "none", "ieee", False)[0]
+        for c in split_k.configs(p):
+            cases.add((M, 4096, 4096, name, c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"],
+                       tuple(p.divisors)))  # (the alignment the launch states: its loads pipelined through shared memory)
+    got = compile_offline(tmp_path, _SM89_SHARED, sorted(cases))
+    assert len(got) == len(cases) >= 3
+    assert all(0 < s <= 99 * 1024 for s in got), dict(zip(sorted(cases), got))
 
 
 @pytest.mark.parametrize("shape", [(64, 64, 100352), (256, 64, 100352), (8, 96, 50000), (100, 4096, 4096)],
