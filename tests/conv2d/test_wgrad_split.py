@@ -124,20 +124,22 @@ def test_pointwise_wgrad_tile_pads_least_then_takes_fewest_tiles():
         assert all(area <= cdiv(M, o[0]) * o[0] * cdiv(N, o[1]) * o[1] for o in gemm_1x1.WGRAD_TILES)
 
 
-@pytest.mark.parametrize("smem_kb", [99, 163, 227])
-def test_pointwise_wgrad_tile_fits_the_gpus_shared_memory(monkeypatch, smem_kb):
+@pytest.mark.parametrize("smem_kb, major", [(99, 8), (163, 8), (227, 9)])
+def test_pointwise_wgrad_config_fits_the_gpus_shared_memory(monkeypatch, smem_kb, major):
     # sm_86/89 GPUs (RTX 4090, L40S) give a block 99 KB: 64x64's 6-slot ring (160 KB) raised OutOfResources there
     from tilegemm.core import hardware
     from tilegemm.ops.conv2d import gemm_1x1
 
-    monkeypatch.setattr(hardware, "smem_per_block", lambda device: smem_kb * 1024)
-
-    def fits(t):
-        return hardware.pipeline_fits(t[0], t[1], t[2], 2, t[4], "cuda")
-
-    for M, N, K in [(128, 512, 8 * 28 * 28), (512, 128, 8 * 28 * 28), (64, 64, 32 * 56 * 56), (256, 512, 32 * 56 * 56)]:
-        t = gemm_1x1.wgrad_tile(M, N, K, fits)
-        assert (t[0] + t[1]) * t[2] * 2 * (t[4] - 1) <= smem_kb * 1024, (M, N, K, t)
+    monkeypatch.setattr(hardware, "_smem_of", lambda device: (smem_kb * 1024, major))
+    for M, N, K in [(128, 512, 8 * 28 * 28), (512, 128, 8 * 28 * 28), (64, 64, 32 * 56 * 56), (256, 512, 32 * 56 * 56),
+                    (2048, 2048, 32 * 56 * 56)]:
+        cfg = gemm_1x1.pointwise_wgrad_config(M, N, K, "cuda", 132)
+        buffers = cfg["num_stages"] if major >= 9 else cfg["num_stages"] - 1  # as Triton allocates them
+        assert (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2 * buffers <= smem_kb * 1024, (M, N, K, cfg)
+        tile = gemm_1x1.wgrad_tile(M, N, K)
         if smem_kb >= 163:  # room for every tile: the choice is the one the rule makes without a limit
-            assert t == gemm_1x1.wgrad_tile(M, N, K)
-    assert gemm_1x1.wgrad_tile(64, 64, 1024, lambda t: False) is None  # none fits: split_k's own choice
+            assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"]) == tile
+        assert cfg["SPLIT_K"] == gemm_1x1.wave_split(-(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"]),
+                                                     -(-K // cfg["BLOCK_K"]), 132)
+    monkeypatch.setattr(hardware, "_smem_of", lambda device: (32 * 1024, 8))
+    assert gemm_1x1.pointwise_wgrad_config(64, 64, 1024, "cuda", 132) is None  # none fits: split_k's own choice

@@ -223,7 +223,7 @@ def test_split_k_candidates_fit_a_99_kb_block(monkeypatch, dtype, M):
 
     monkeypatch.setattr(split_k, "interpreting", lambda: False)
     monkeypatch.setattr(split_k, "sm_count", lambda device: 128)
-    monkeypatch.setattr(hardware, "smem_per_block", lambda device: 99 * 1024)
+    monkeypatch.setattr(hardware, "_smem_of", lambda device: (99 * 1024, 8))
     a, b = torch.empty(M, 4096, dtype=dtype), torch.empty(4096, 4096, dtype=dtype)
     p = make_problems(a, b, torch.empty(M, 4096, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee", False)[0]
     cands = split_k.configs(p)
@@ -231,9 +231,21 @@ def test_split_k_candidates_fit_a_99_kb_block(monkeypatch, dtype, M):
     for c in [*cands, split_k.pick_config(p)]:
         stages = max(c["num_stages"] - 1, 1)
         assert (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * a.element_size() * stages <= 99 * 1024, c
-    monkeypatch.setattr(hardware, "smem_per_block", lambda device: hardware.HOPPER_SMEM_PER_BLOCK)
+    monkeypatch.setattr(hardware, "_smem_of", lambda device: (hardware.HOPPER_SMEM_PER_BLOCK, 9))
     if M <= 32:  # Hopper keeps the larger tile
         assert any(c["BLOCK_N"] == 128 and c["BLOCK_K"] * a.element_size() == 256 for c in split_k.configs(p))
+
+
+def test_split_k_names_the_shared_memory_where_no_tile_fits(monkeypatch):
+    import tilegemm.core.hardware as hardware
+
+    monkeypatch.setattr(split_k, "interpreting", lambda: False)
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 40)
+    monkeypatch.setattr(hardware, "_smem_of", lambda device: (32 * 1024, 7))
+    a, b = torch.empty(16, 4096, dtype=torch.float16), torch.empty(4096, 4096, dtype=torch.float16)
+    p = make_problems(a, b, torch.empty(16, 4096, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee", False)[0]
+    with pytest.raises(ValueError, match="none of its tiles for M = 16 fits the 32 KB of shared memory"):
+        split_k.configs(p)
 
 
 _SM89_SHARED = textwrap.dedent(
@@ -286,7 +298,7 @@ def test_split_k_small_m_configs_compile_within_99_kb_for_sm89(monkeypatch, tmp_
 
     monkeypatch.setattr(split_k, "interpreting", lambda: False)
     monkeypatch.setattr(split_k, "sm_count", lambda device: 128)
-    monkeypatch.setattr(hardware, "smem_per_block", lambda device: 99 * 1024)
+    monkeypatch.setattr(hardware, "_smem_of", lambda device: (99 * 1024, 8))
     cases = set()
     for M, dtype, name in [(16, torch.float16, "fp16"), (32, torch.float16, "fp16"), (16, torch.float32, "fp32")]:
         a, b = torch.empty(M, 4096, dtype=dtype), torch.empty(4096, 4096, dtype=dtype)
@@ -556,3 +568,22 @@ def test_entry_point_launches_auto_a_rung_or_a_rung_config(device):
         assert_rel_close(out, want, tolerance(torch.float32))
     with pytest.raises(ValueError, match="pass kernel= with it"):
         launch(entry_make_problems(a, b, torch.empty(40, 56, device=device))[0], None, {"BLOCK_M": 16})
+
+
+def test_autotuned_untimed_choices_fit_a_99_kb_block(monkeypatch):
+    # the untimed choice picks among the configs whose pipeline fits (Triton's timed autotuner skips the others)
+    import tilegemm.core.hardware as hardware
+    from tilegemm.ops.matmul import autotuned, configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(hardware, "_smem_of", lambda device: (99 * 1024, 8))
+    a, b = torch.empty(512, 4096, dtype=torch.float16), torch.empty(4096, 4096, dtype=torch.float16)
+    p = make_problems(a, b, torch.empty(512, 4096, dtype=torch.float16), None, None, 1.0, 0.0, "none", "ieee", False)[0]
+    every = configs.prune_for(configs.autotune_configs(), 2)
+    kept = autotuned._fitting(every, p)
+
+    def fits(c):
+        return (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * 2 * (c["num_stages"] - 1) <= 99 * 1024
+
+    assert kept and all(fits(c) for c in kept) and len(kept) < len(every)
+    assert [c for c in every if fits(c)] == kept

@@ -174,32 +174,43 @@ def sm_count(device) -> int:
 
 _smem_per_block: dict = {}
 # Shared memory a block may opt into by compute capability, where torch's device properties do not say (CUDA's
-# cudaDevAttrMaxSharedMemoryPerBlockOptin: A100 163 KB, sm_86/89 GPUs such as the RTX 4090 and L40S 99 KB)
-_SMEM_OPTIN_BY_CC = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024, (8, 9): 99 * 1024,
-                     (9, 0): HOPPER_SMEM_PER_BLOCK}
+# cudaDevAttrMaxSharedMemoryPerBlockOptin; docs/rungs/split_k.md); other NVIDIA GPUs take the smallest of these
+_SMEM_OPTIN_BY_CC = {(7, 0): 96 * 1024, (7, 2): 96 * 1024, (7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024,
+                     (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): HOPPER_SMEM_PER_BLOCK}
+_SMEM_ROCM = 64 * 1024  # an AMD GPU's LDS a workgroup (its reported capability is not NVIDIA's)
 
 
 def smem_per_block(device) -> int:
     """Bytes of shared memory one block may take on a CUDA device (the opt-in limit Triton checks a launch
-    against; cached); Hopper's under the interpreter or off CUDA, where the GPU's configs are built for sm_90."""
+    against; cached per device); Hopper's under the interpreter or off CUDA, where the GPU's configs are built for
+    sm_90."""
+    return _smem_of(device)[0]
+
+
+def _smem_of(device) -> tuple[int, int]:
+    """(:func:`smem_per_block`, compute capability major) of ``device``."""
     if interpreting() or getattr(device, "type", "cuda") != "cuda":
-        return HOPPER_SMEM_PER_BLOCK
+        return HOPPER_SMEM_PER_BLOCK, 9
     import torch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    n = _smem_per_block.get(index)
-    if n is None:
+    known = _smem_per_block.get(index)
+    if known is None:
         props = torch.cuda.get_device_properties(index)
-        n = getattr(props, "shared_memory_per_block_optin", 0) or \
-            _SMEM_OPTIN_BY_CC.get((props.major, props.minor), 99 * 1024 if props.major >= 8 else 48 * 1024)
-        _smem_per_block[index] = n
-    return n
+        n = getattr(props, "shared_memory_per_block_optin", 0)
+        if not n:
+            n = _SMEM_ROCM if getattr(torch.version, "hip", None) else \
+                _SMEM_OPTIN_BY_CC.get((props.major, props.minor), 64 * 1024)
+        known = _smem_per_block[index] = (n, props.major)
+    return known
 
 
 def pipeline_fits(bm: int, bn: int, bk: int, elem: int, stages: int, device) -> bool:
-    """Whether a ``tl.dot`` kernel's software pipeline (``stages - 1`` buffered ``[bm, bk]`` and ``[bn, bk]`` tiles of
-    ``elem``-byte elements, as Triton allocates them) fits in a block's shared memory on ``device``."""
-    return (bm + bn) * bk * elem * max(stages - 1, 1) <= smem_per_block(device)
+    """Whether a ``tl.dot`` kernel's software pipeline of ``[bm, bk]`` and ``[bn, bk]`` tiles of ``elem``-byte
+    elements fits in a block's shared memory on ``device``: Triton buffers ``stages - 1`` steps before Hopper and,
+    for wgmma tiles, all ``stages`` on it (counted so there for every tile)."""
+    limit, major = _smem_of(device)
+    return (bm + bn) * bk * elem * (stages if major >= 9 else max(stages - 1, 1)) <= limit
 
 
 def compute_capability() -> tuple[int, int] | None:

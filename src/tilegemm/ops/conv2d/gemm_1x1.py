@@ -133,8 +133,8 @@ WGRAD_TILE = WGRAD_TILES[0]  # the tile whose count gates the rule
 
 def wgrad_tile(M: int, N: int, K: int, fits=lambda tile: True) -> tuple[int, int, int, int, int] | None:
     """The split_k tile of :data:`WGRAD_TILES` / :data:`WGRAD_WIDE_TILE` for the weight gradient ``[M, K] @ [K, N]``
-    (M output channels, N input channels, K pixels), among those ``fits`` keeps (the device's shared memory: a GPU
-    of 99 KB a block has no room for 64x64's 6-slot ring); None if it keeps none."""
+    (M output channels, N input channels, K pixels), among those ``fits`` keeps (the GPU's shared memory a block:
+    docs/conv2d.md, "1x1 layers"); None if it keeps none."""
     def area(t):  # the output as the tile pads it
         return cdiv(M, t[0]) * t[0] * cdiv(N, t[1]) * t[1]
 
@@ -154,6 +154,19 @@ def wave_split(tiles: int, k_steps: int, sms: int) -> int:
     return max(1, min(sms // max(tiles, 1), k_steps // 4, 256))
 
 
+def pointwise_wgrad_config(M: int, N: int, K: int, device, sms: int) -> dict | None:
+    """split_k's config for the 16-bit weight gradient ``[M, K] @ [K, N]`` on ``device``: :func:`wgrad_tile`'s tile
+    among those whose ring fits the GPU's shared memory a block, in one wave of K slices added in the last
+    program's epilogue (SLICES); None where no tile fits."""
+    tile = wgrad_tile(M, N, K, lambda t: pipeline_fits(t[0], t[1], t[2], 2, t[4], device))
+    if tile is None:
+        return None
+    bm, bn, bk, warps, stages = tile
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                SPLIT_K=wave_split(cdiv(M, bm) * cdiv(N, bn), cdiv(K, bk), sms), SLICES=True, num_warps=warps,
+                num_stages=stages)
+
+
 def pointwise_wgrad(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
     """``a @ b`` for a 1x1 layer's weight gradient (``a = dy^T`` ``[K, NHW]``, ``b = x`` ``[NHW, C]``), through
     matmul's ``split_k`` on a GPU (faster there than auto's general choice: docs/conv2d.md, "1x1 layers"): for
@@ -165,14 +178,9 @@ def pointwise_wgrad(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.T
     sms = sm_count(a.device)
     if a.element_size() != 2 or b.dtype != a.dtype or cdiv(M, WGRAD_TILE[0]) * cdiv(N, WGRAD_TILE[1]) > sms:
         return matmul(a, b, precision=precision, kernel="split_k")
-    tile = wgrad_tile(M, N, K, lambda t: pipeline_fits(t[0], t[1], t[2], 2, t[4], a.device))
-    if tile is None:
+    cfg = pointwise_wgrad_config(M, N, K, a.device, sms)
+    if cfg is None:
         return matmul(a, b, precision=precision, kernel="split_k")
-    bm, bn, bk, warps, stages = tile
-    tiles = cdiv(M, bm) * cdiv(N, bn)
-    # split_k's config: its tile, K slices added in the last program's epilogue (SLICES)
-    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=wave_split(tiles, cdiv(K, bk), sms),
-               SLICES=True, num_warps=warps, num_stages=stages)
     out = new_output((M, N), a.dtype, a.device)
     for p in make_problems(a, b, out, None, None, 1.0, 0.0, "none", precision, False):
         launch_gemm(p, kernel="split_k", config=cfg)

@@ -12,6 +12,7 @@ from an earlier tuning. An unseen one takes, untimed, the config of the nearest 
 import triton
 
 from tilegemm.core import tuning
+from tilegemm.core.hardware import pipeline_fits
 from tilegemm.core.launch import launch, spoil
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.cost import fastest
@@ -35,6 +36,14 @@ matmul_autotuned_kernel = triton.autotune(
 )(matmul_grouped_kernel)
 
 
+def _fitting(configs: list, p: GemmProblem) -> list:
+    """The ``configs`` whose pipeline fits the GPU's shared memory a block (all where none does: the first then
+    fails at its launch, naming the shared memory it needs)."""
+    kept = [c for c in configs if pipeline_fits(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], p.a.element_size(),
+                                                c["num_stages"], p.out.device)]
+    return kept or configs
+
+
 def run(p: GemmProblem, config: dict | None = None) -> None:
     k = None
     if config is None:
@@ -44,7 +53,7 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
         if config is None and not tuning.timing_enabled():
             # Not timed unless asked: a near tuned shape class's config, else the one the cost model ranks
             # fastest (tilegemm.ops.matmul.cost).
-            config = tuning.choose_untimed(k, lambda: prune_for(autotune_configs(), p.a.element_size()),
+            config = tuning.choose_untimed(k, lambda: _fitting(prune_for(autotune_configs(), p.a.element_size()), p),
                                            lambda opts: fastest(opts, p), tuning.NEAR, variant=rows_aligned(p))
     if config is not None:
         flags = {**p.kernel_flags(), **config}

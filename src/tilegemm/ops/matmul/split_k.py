@@ -22,7 +22,7 @@ import triton
 
 from tilegemm.core import tuning, workspace
 from tilegemm.core.workspace import split_workspace
-from tilegemm.core.hardware import pipeline_fits, sm_count
+from tilegemm.core.hardware import pipeline_fits, sm_count, smem_per_block
 from tilegemm.jit.helpers import below, epilogue_store, offsets_2d_div, tile_grouped
 from tilegemm.core.launch import current_stream, launch, sequence_lock
 from tilegemm.ops.matmul import grouped, residue
@@ -190,7 +190,7 @@ def configs(p: GemmProblem) -> list[dict]:
     for bm, bn, bk, warps, stages in _TILES[bucket]:
         bk = max(32, min(256, bk * 2 // size))  # the same bytes per K step for fp8 and fp32
         if (bm + bn) * bk * size * stages > 200 * 1024 or not pipeline_fits(bm, bn, bk, size, stages, p.out.device):
-            continue  # (a GPU of 99 KB a block, sm_86/89, takes the smaller tiles of the bucket)
+            continue  # (a GPU with less shared memory a block takes the bucket's smaller tiles: docs/rungs/split_k.md)
         tiles = cdiv(p.M, bm) * cdiv(p.N, bn) * p.batch
         k_steps = cdiv(p.K, bk)
         for split in _SPLITS:
@@ -202,6 +202,9 @@ def configs(p: GemmProblem) -> list[dict]:
     rule = misaligned_config(p)
     if rule is not None and rule not in out:
         out.append(rule)  # so that timing (tilegemm tune) weighs the untimed rule's config too
+    if not out:
+        raise ValueError(f"split_k: none of its tiles for M = {p.M} fits the {smem_per_block(p.out.device) // 1024} "
+                         f"KB of shared memory a block this GPU has")
     return out
 
 
@@ -274,6 +277,9 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
         else:
             k = p.tuning_key("split_k")
             config = tuning.lookup(k)
+            if config is not None and not pipeline_fits(config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"],
+                                                        p.a.element_size(), config["num_stages"], p.out.device):
+                config = None  # a table's entry for another GPU of the host, too large for this one's blocks
             if config is None and not tuning.timing_enabled():
                 # Untimed: a small misaligned product's rule; else a near tuned shape class's config, its split
                 # raised to fill a wave, else the config the cost model ranks fastest (tilegemm.ops.matmul.cost).
