@@ -161,8 +161,11 @@ def split_policy(tiles: int, K: int, sms: int, per_sm: float, min_steps: int, ca
 
 
 def fill_split(M: int, N: int, K: int, bm: int, rh: int, warps: int, sms: int) -> int:
-    """The split today's rule makes for this tile: up to its programs a SM, slices of 8 steps or more."""
-    return split_policy(tiles_of(M, N, bm, rh, warps), K, sms, programs_per_sm(bm), 8)
+    """The split today's rule makes for this tile: up to its programs a SM, slices of its least steps or more."""
+    from tilegemm.ops.w4a16.configs import FRAG_WGMMA_MIN_STEPS
+
+    return split_policy(tiles_of(M, N, bm, rh, warps), K, sms, programs_per_sm(bm),
+                        FRAG_WGMMA_MIN_STEPS[0 if bm <= 8 else 1])
 
 
 SPLIT_LABELS = ("fill", "fill*2", "fill/2", "1")
