@@ -83,6 +83,25 @@ def test_group_columns(sizes, tail, device):
         assert torch.equal(out[-tail:], x[-tail:])  # rows past offs[-1] as they are
 
 
+def test_group_columns_launches_under_the_interpreters_lock(monkeypatch):
+    # under the interpreter every launch holds one lock (threads' launches interleaved raised InterpreterErrors)
+    import contextlib
+
+    from tilegemm.ops.grouped import routing
+
+    held = []
+
+    @contextlib.contextmanager
+    def one_launch():
+        held.append(True)
+        yield
+
+    monkeypatch.setattr(routing, "_one_launch", one_launch)
+    x, offs = torch.randn(5, 16), torch.tensor([2, 5], dtype=torch.int32)
+    routing.columns(x, offs, torch.stack([torch.randperm(16) for _ in range(2)]))
+    assert held == [True]
+
+
 def test_group_columns_strided_x_and_gradient(device):
     E, K = 3, 48
     x = torch.randn(K, 11, device=device).t().requires_grad_()  # [11, 48], columns strided

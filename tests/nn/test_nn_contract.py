@@ -200,6 +200,28 @@ def test_the_weight_bound_is_kept_per_weight_and_follows_its_changes():
     assert _row_sum_exponent(stacked).item() == 2
 
 
+def test_the_weight_bound_follows_a_swap_of_the_scales_storage():
+    # `.data =` keeps the tensor and its version: the bound of the old values gave inf outputs
+    from tilegemm.nn.int4 import _row_sum_exponent
+
+    m = Int4Linear.from_linear(torch.nn.Linear(512, 8, bias=False), 128)
+    assert _row_sum_exponent(m.weight).item() == 0
+    m.scales.data = torch.full_like(m.scales, 200.0 / 8)
+    assert _row_sum_exponent(m.weight).item() == torch.ceil(torch.log2(torch.tensor(512 * 8 * 25.0))).item() - 15
+
+
+def test_an_fp32_int4_linear_made_under_inference_mode_runs():
+    # a server that loads its model under inference_mode: its buffers keep no version counter to read
+    with torch.inference_mode():
+        m = Int4Linear.from_linear(torch.nn.Linear(64, 8), 32).float()
+        x = torch.randn(3, 64)
+        assert torch.isfinite(m(x)).all()
+    with torch.no_grad():
+        y = m(x)
+    ref = x @ m.dequantize().float().T + m.bias.float()
+    assert (y - ref).norm() / ref.norm() < 2e-3
+
+
 def test_an_fp32_int4_linear_asked_for_gradients_takes_what_torch_takes():
     # the gradient path is torch's own fp32 product, which takes a nested x: the dense check is the kernels' path's
     m = Int4Linear.from_linear(torch.nn.Linear(64, 8), 32)

@@ -435,7 +435,7 @@ def _fp32_through_16bit(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor 
     return y if bias is None else y + bias.float()
 
 
-_ROW_SUM_EXPONENTS: dict = {}  # id(scales) -> (scales, zeros (weakly), their versions and group, exponent)
+_ROW_SUM_EXPONENTS: dict = {}  # id(scales) -> (scales, zeros (weakly), their state and group, exponent)
 
 
 def _row_sum_exponent(weight: Int4Weight) -> torch.Tensor:
@@ -446,10 +446,13 @@ def _row_sum_exponent(weight: Int4Weight) -> torch.Tensor:
     under CUDA graph capture, whose tensor holds its value only once the graph replays."""
     scales, zeros = weight.scales, weight.zeros
     eager = not torch.compiler.is_compiling() and not (scales.is_cuda and torch.cuda.is_current_stream_capturing())
-    if eager:
+    # what a write changes: the storages' addresses (a `.data =` swap keeps the tensor and its version) and the
+    # versions; none for inference tensors, which keep no version (their exponent is computed every call)
+    state = None if not eager or scales.is_inference() or zeros.is_inference() else \
+        (scales.data_ptr(), scales._version, zeros.data_ptr(), zeros._version, weight.group_k)
+    if state is not None:
         kept = _ROW_SUM_EXPONENTS.get(id(scales))
-        if kept is not None and kept[0]() is scales and kept[1]() is zeros \
-                and kept[2] == (scales._version, zeros._version, weight.group_k):
+        if kept is not None and kept[0]() is scales and kept[1]() is zeros and kept[2] == state:
             return kept[3]
     s, z = scales.float(), zeros.float()
     if s.numel():
@@ -458,10 +461,10 @@ def _row_sum_exponent(weight: Int4Weight) -> torch.Tensor:
     else:
         bound = s.new_zeros(())
     exponent = (torch.ceil(torch.log2(bound)) - 15).clamp(min=0)
-    if eager:  # (an entry leaves with its scales tensor)
+    if state is not None:  # (an entry leaves with its scales tensor)
         key = id(scales)
         _ROW_SUM_EXPONENTS[key] = (weakref.ref(scales, lambda _, key=key: _ROW_SUM_EXPONENTS.pop(key, None)),
-                                   weakref.ref(zeros), (scales._version, zeros._version, weight.group_k), exponent)
+                                   weakref.ref(zeros), state, exponent)
     return exponent
 
 

@@ -216,7 +216,7 @@ def columns(x: torch.Tensor, offs: torch.Tensor, perm: torch.Tensor) -> torch.Te
     offs = offs if offs.stride(0) == 1 else offs.contiguous()
     perm = perm if perm.is_contiguous() else perm.contiguous()
     kernel = kernels()[2]
-    with on_device(x.device):
+    with on_device(x.device), _one_launch():
         kernel[(cdiv(M, GROUP_COLUMNS_ROWS), cdiv(K, GROUP_COLUMNS_COLS))](
             x, offs, perm, out, M, K, E, x.stride(0), out.stride(0), EP=_pow2(E), BM=GROUP_COLUMNS_ROWS,
             BK=GROUP_COLUMNS_COLS, num_warps=4)
