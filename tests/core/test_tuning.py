@@ -806,3 +806,16 @@ def test_a_siblings_entries_do_not_stand_in_for_this_gpus_while_timing(monkeypat
             assert tuning.lookup(k) is not None
         finally:
             tuning.forget()
+
+
+def test_untimed_choices_are_forgotten_past_their_bound(monkeypatch):
+    # a server's varying shapes made one entry each, kept for the life of the process
+    from tilegemm.core import tuning as t
+
+    monkeypatch.setattr(t, "_guessed", {})
+    monkeypatch.setattr(t, "GUESSED_MAX", 3)
+    for n in range(7):
+        got = t.choose_untimed(t.key("split_k", 16, 1000 + n, 4096, "fp16", torch.float16, "NN", 1),
+                               [{"BLOCK_M": 16, "n": n}])
+        assert got == {"BLOCK_M": 16, "n": n}
+        assert 1 <= len(t._guessed) <= 3

@@ -387,3 +387,23 @@ def test_compiled_layers_never_read_a_stale_layout(device, read):
         _assert_product(torch.compile(a, fullgraph=True, backend="eager")(x), a, x)
     assert len(read) == 4  # (two eager calls, two compiled: none read a stale layout)
     torch.compiler.reset()
+
+
+def test_dropped_layers_leave_no_layout_ids_behind(monkeypatch):
+    # a process making and dropping 4-bit layers (a server reloading models) kept an id per dropped layout
+    import gc
+
+    from tilegemm.ops.w4a16 import fragment_records as records
+
+    monkeypatch.setattr(records, "_LIVE", {})
+    monkeypatch.setattr(records, "_SWEEP_MIN", 8)
+    monkeypatch.setattr(records, "_SWEEP_AT", 8)
+    parts = (torch.zeros(8, 4, dtype=torch.int32), torch.ones(2, 4), torch.zeros(2, 4))
+    layout = torch.empty(3)
+    held = records.record(parts, (layout,), 32)  # a layer still held keeps its id
+    for _ in range(40):
+        rec = records.record(parts, (torch.empty(3), torch.empty(2)), 32)
+        del rec
+    gc.collect()
+    assert len(records._LIVE) <= 16
+    assert id(layout) in records._LIVE and held[-1] in records._live(id(layout))

@@ -37,6 +37,7 @@ _lock = threading.Lock()
 _memory: dict[str, dict] = {}
 _tuned: dict[str, dict] = {}  # what the user's file holds: its own entries and this process's tunings
 _guessed: dict[tuple, dict] = {}  # untimed choices of this process (choose_untimed): never neighbours, never saved
+GUESSED_MAX = 4096  # forgotten all at once past this many (a server's varying shapes; each is made again cheaply)
 _borrowed: set[str] = set()  # shipped keys read from a sibling GPU's file (table_slug): not this GPU's measurements
 _loaded_for: str | None = None
 _generation = 0  # bumped when entries are recorded or dropped: answers derived from the entries go stale
@@ -302,16 +303,21 @@ def choose_untimed(k: str, options, fallback=None, max_distance: float = float("
     config = nearest(k, options, max_distance)
     if config is None:
         config = fallback(options) if fallback is not None else options[0]
-    with _lock:
-        _guessed[(k, variant)] = dict(config)
+    _remember(k, variant, config)
     return dict(config)
+
+
+def _remember(k: str, variant, config: dict) -> None:
+    with _lock:
+        if len(_guessed) >= GUESSED_MAX:
+            _guessed.clear()
+        _guessed[(k, variant)] = dict(config)
 
 
 def remember_untimed(k: str, config: dict, variant=None) -> None:
     """Make ``config`` this process's untimed choice for ``k`` (:func:`choose_untimed`), as when the one chosen
     there could not run here (a kernel that does not fit the SM)."""
-    with _lock:
-        _guessed[(k, variant)] = dict(config)
+    _remember(k, variant, config)
 
 
 def lookup_or_tune(k: str, candidates, launch, fallback=None, max_distance: float = float("inf")) -> dict:

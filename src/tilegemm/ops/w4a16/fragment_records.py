@@ -46,6 +46,8 @@ class _Kept:
 # id of a layout's tensor -> weak references to the _Kept of every record made of it (a layout two modules share
 # has two), while they are held
 _LIVE: dict = {}
+_SWEEP_MIN = 1024  # entries of _LIVE before the first sweep of dropped records' ids
+_SWEEP_AT = _SWEEP_MIN
 
 
 def _live(i: int) -> list:
@@ -73,6 +75,11 @@ def record(parts, layout, extra) -> tuple:
     for t in layout:
         _live(id(t))  # (drops the references of records no longer held)
         _LIVE.setdefault(id(t), []).append(weakref.ref(kept))
+    global _SWEEP_AT
+    if len(_LIVE) >= _SWEEP_AT:  # ids whose records were all dropped, never asked for again: forgotten
+        for i in list(_LIVE):
+            _live(i)
+        _SWEEP_AT = max(_SWEEP_MIN, 2 * len(_LIVE))
     return extra, refs, states, storages, kept
 
 
