@@ -176,10 +176,9 @@ def pointwise_wgrad(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.T
         return matmul(a, b, precision=precision)
     (M, K), N = a.shape, b.shape[1]
     sms = sm_count(a.device)
-    if a.element_size() != 2 or b.dtype != a.dtype or cdiv(M, WGRAD_TILE[0]) * cdiv(N, WGRAD_TILE[1]) > sms:
-        return matmul(a, b, precision=precision, kernel="split_k")
-    cfg = pointwise_wgrad_config(M, N, K, a.device, sms)
-    if cfg is None:
+    few = a.element_size() == 2 and b.dtype == a.dtype and cdiv(M, WGRAD_TILE[0]) * cdiv(N, WGRAD_TILE[1]) <= sms
+    cfg = pointwise_wgrad_config(M, N, K, a.device, sms) if few else None
+    if cfg is None:  # (other operands, more tiles, or no tile of the rule fitting the GPU)
         return matmul(a, b, precision=precision, kernel="split_k")
     out = new_output((M, N), a.dtype, a.device)
     for p in make_problems(a, b, out, None, None, 1.0, 0.0, "none", precision, False):
