@@ -151,10 +151,10 @@ for step in "$@"; do
     conv2d-fwd) for s in resnet50 mobilenet; do bench --op conv2d --sweep $s --kernels auto --json "$OUT/conv2d-$s-fwd.json" 2>&1 | tail -n 3; done ;;
     conv2d-nchw) for s in resnet50 mobilenet; do for m in fwd bwd; do bench --op conv2d --sweep $s --kernels auto \
                    --mode $m --memory-format nchw --json "$OUT/conv2d-$s-$m-nchw.json" 2>&1 | tail -n 3; done; done ;;
-    recheck) pytest_ -m "" -n 14 -rf tests/conv2d/test_depthwise_wgrad_walk.py tests/w4a16/test_w4a16_contract.py \
-               tests/matmul/test_matmul_contract.py tests/w4a16/test_w4a16_format.py tests/models/test_models_pretrained_edges.py \
-               tests/models/test_models_moe_checkpoint.py tests/parallel/test_parallel_local.py \
-               tests/w4a16/test_w4a16_matmul.py tests/nn/test_int4_fragments.py 2>&1 \
+    recheck) pytest_ -m "" -n 14 -rf tests/w4a16/test_w4a16_frag_wgmma.py tests/w4a16/test_w4a16_matmul.py \
+               tests/nn/test_nn_contract.py tests/nn/test_int4_fragments.py tests/grouped/test_grouped_act_order.py \
+               tests/matmul/test_rungs.py tests/conv2d/test_wgrad_split.py tests/core/test_tuning.py \
+               tests/models/test_models_moe_checkpoint.py 2>&1 \
                | tee "$OUT/recheck.log" | tail -n 15 ;;
     fuzz) for t in matmul conv2d w4a16 grouped; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
