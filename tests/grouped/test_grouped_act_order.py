@@ -83,7 +83,7 @@ def test_group_columns(sizes, tail, device):
         assert torch.equal(out[-tail:], x[-tail:])  # rows past offs[-1] as they are
 
 
-def test_group_columns_launches_under_the_interpreters_lock(monkeypatch):
+def test_group_columns_launches_under_the_interpreters_lock(monkeypatch, device):
     # under the interpreter every launch holds one lock (threads' launches interleaved raised InterpreterErrors)
     import contextlib
 
@@ -97,8 +97,8 @@ def test_group_columns_launches_under_the_interpreters_lock(monkeypatch):
         yield
 
     monkeypatch.setattr(routing, "_one_launch", one_launch)
-    x, offs = torch.randn(5, 16), torch.tensor([2, 5], dtype=torch.int32)
-    routing.columns(x, offs, torch.stack([torch.randperm(16) for _ in range(2)]))
+    x, offs = torch.randn(5, 16, device=device), torch.tensor([2, 5], dtype=torch.int32, device=device)
+    routing.columns(x, offs, torch.stack([torch.randperm(16) for _ in range(2)]).to(device))
     assert held == [True]
 
 
