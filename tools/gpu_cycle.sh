@@ -86,6 +86,9 @@
 #                 seconds a dtype, default 150), then tests/conv2d/test_dgrad_as_forward.py and the replay tests
 #   dgrad-strided research/dgrad_as_forward.py --strided: the zoo's strided depthwise and grouped data gradients,
 #                 auto (their phase convolutions) against the direct kernels and cuDNN (GPU time; \$DGRAD_BUDGET)
+#   wide-steps    research/wide_steps.py: the zoo's dense layers of 16 * odd channels (48, 80, 112, 144), auto with the
+#                 wider K steps off and on against cuDNN (\$CONV_BUDGET seconds, default 150), then the padded route's
+#                 GPU tests
 #   conv2d-odd    the conv2d bench's odd sweep (channels a group not multiples of 16: the padded route), forward
 #                 (auto and the pointer kernel it replaced) and backward (auto), fp16 and bf16; then its GPU tests
 # $PRECOMPILE: worker processes that compile a bench sweep's kernels before it is timed (default 15; 0 off).
@@ -154,7 +157,7 @@ for step in "$@"; do
     recheck) pytest_ -m "" -n 14 -rf tests/w4a16/test_w4a16_frag_wgmma.py tests/w4a16/test_w4a16_matmul.py \
                tests/nn/test_nn_contract.py tests/nn/test_int4_fragments.py tests/grouped/test_grouped_act_order.py \
                tests/matmul/test_rungs.py tests/conv2d/test_wgrad_split.py tests/core/test_tuning.py \
-               tests/models/test_models_moe_checkpoint.py 2>&1 \
+               tests/models/test_models_moe_checkpoint.py tests/conv2d/test_conv2d_padded.py 2>&1 \
                | tee "$OUT/recheck.log" | tail -n 15 ;;
     fuzz) for t in matmul conv2d w4a16 grouped; do pytest_ -m gpu -x tests/$t/test_${t}_fuzz_gpu.py > "$OUT/fuzz-$t.log" 2>&1
             echo "fuzz $t: $(tail -n 1 "$OUT/fuzz-$t.log")"; done ;;
@@ -271,6 +274,9 @@ for step in "$@"; do
                   --budget 220 --dgrad \
                   --candidates walk-4-1,walk-4-1-r1,walk-4-1-r1-v1,walk-4-1-r1-v2,walk-2-1-r1,walk-8-1-r1 \
                   --out "$OUT/dw-5x5.json" 2>&1 | tail -n 8 ;;
+    wide-steps) PYTHONPATH=src:tools timeout 280 python3 research/wide_steps.py --budget "${CONV_BUDGET:-150}" \
+                  --out "$OUT/wide-steps.json" 2>&1 | tail -n 18
+                pytest_ -m "" -n 8 -rf tests/conv2d/test_conv2d_padded.py 2>&1 | tee "$OUT/padded-tests.log" | tail -n 4 ;;
     dw-cols)    PYTHONPATH=src:tools timeout 280 python3 research/depthwise_wgrad_rows.py --per-kind 10 --budget 220 \
                   --candidates walk-4-1-c1,walk-4-1-c2,walk-4-1-c4,walk-4-1-c8 --out "$OUT/dw-cols.json" 2>&1 | tail -n 11 ;;
     dw-cols-heldout)  # the column-runs rule on the zoo's layers it splits, but those it was fitted on

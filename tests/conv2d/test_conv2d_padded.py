@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import tilegemm
-from tilegemm.ops.conv2d import dispatch, padded, tma_fwd, tma_wgrad
+from tilegemm.ops.conv2d import configs, dispatch, padded, tma_fwd, tma_wgrad
 from tilegemm.ops.conv2d.problem import Geometry
 from tilegemm.ops.conv2d.reference import conv2d_reference, tolerance
 
@@ -258,10 +258,16 @@ def hopper_like(monkeypatch):
             return _emulate_tma_wgrad(args, kwargs)
         return real_launch(kernel, grid, args, kwargs, **kw)
 
-    def spy_operands(x, weight, g):
-        out = real_operands(x, weight, g)
+    def spy_operands(x, weight, g, wide=False):
+        out = real_operands(x, weight, g, wide)
         plans["fwd"].append(out[3].in_place)
+        plans.setdefault("wide", []).append(wide)
         return out
+
+    def why_not_padded(x, weight, g, wide=False):
+        if wide:
+            return None if configs.wide_group(g.Cg) > g.Cg and padded.reads_in_place(x, g) else "not wide"
+        return None if g.Cg % 16 else "aligned"
 
     def spy_dgrad(*args, **kwargs):
         dx = real_dgrad(*args, **kwargs)
@@ -273,7 +279,7 @@ def hopper_like(monkeypatch):
     monkeypatch.setattr(padded, "dgrad", spy_dgrad)
     monkeypatch.setattr(dispatch, "_tma_candidate", lambda t: True)  # the data gradient's TMA routes
     monkeypatch.setattr(tma_fwd, "why_not_input", _why_not_input_here)
-    monkeypatch.setattr(padded, "why_not", lambda x, weight, g: None if g.Cg % 16 else "aligned")
+    monkeypatch.setattr(padded, "why_not", why_not_padded)
     monkeypatch.setattr(padded, "why_not_wgrad", lambda dy, x, g: None if g.groups == 1 else "groups")
     monkeypatch.setattr(dispatch, "_tma_usable", lambda p: True)
     monkeypatch.setattr(dispatch, "_nchw_route", lambda x: planar(x) and x.shape[1] > dispatch.STEM_MAX_C)
@@ -324,6 +330,75 @@ def test_auto_runs_odd_channels_padded_forward_and_backward(N, C, H, W, K, R, S,
         assert_rel_close(got, want, tolerance(torch.float32))
 
 
+def test_wide_steps_pad_16_wide_groups_where_fewer_deeper_steps_cost_less():
+    # 16 * odd channels a group step 16 deep; the weight padded to 64 or 32 channels a tap widens the steps where
+    # the padding adds at most a third of the channels and the steps' cost model says it pays
+    assert {c: configs.wide_group(c) for c in (48, 80, 112, 144, 176, 208, 240)} == \
+        {48: 64, 80: 96, 112: 128, 144: 192, 176: 192, 208: 256, 240: 256}
+    for c in (16, 24, 32, 57, 64, 96, 160):  # one step already, not a multiple of 16 (padded_group's), or wider
+        assert configs.wide_group(c) == c
+    def step(n):  # the kernel's K step over n channels a tap
+        return 64 if n % 64 == 0 else 32 if n % 32 == 0 else 16
+
+    for c in range(16, 1025, 16):
+        w = configs.wide_group(c)
+        assert w - c <= c / 3 and configs._steps_cost(c, step(w)) <= configs._steps_cost(c, step(c))
+        assert (w > c) == (c % 32 == 16 and c > 16)  # every 16-wide group of more than one step is widened
+    assert dispatch.widens_steps(_geo(32, 48, 56, 56, 192, 3, 3))
+    assert dispatch.widens_steps(_geo(32, 80, 56, 56, 80, 3, 3, stride=(2, 2)))
+    assert dispatch.widens_steps(_geo(32, 48, 35, 35, 64, 5, 5, padding=(2,) * 4))
+    assert not dispatch.widens_steps(_geo(32, 48, 56, 56, 192, 1, 1, padding=(0,) * 4))  # a 1x1: a GEMM
+    assert not dispatch.widens_steps(_geo(32, 224, 56, 56, 224, 3, 3, groups=2))  # grouped: left as they are
+    assert not dispatch.widens_steps(_geo(32, 64, 56, 56, 64, 3, 3))
+    assert not dispatch.widens_steps(_geo(32, 16, 56, 56, 64, 3, 3))
+
+
+def test_wide_steps_pad_only_the_weight(device, monkeypatch):
+    monkeypatch.setattr(padded, "reads_in_place", _in_place_by_geometry)
+    g = _geo(2, 80, 6, 5, 7, 3, 3)
+    x = torch.randn(2, 80, 6, 5, device=device).contiguous(memory_format=CL)
+    w = torch.randn(7, 80, 3, 3, device=device)
+    buffer_nan = torch.full((7 * 9 * 96,), float("nan"), device=device)
+    monkeypatch.setattr("tilegemm.core.workspace.buffer", lambda *a: buffer_nan)
+    xp, wp, keep, pl = padded.operands(x, w, g, wide=True)
+    assert pl.in_place and xp is x and len(keep) == 1 and pl.x_channels == 80
+    assert pl.geo == _geo(2, 96, 6, 5, 7, 3, 3)
+    assert wp.shape == (7, 96, 3, 3) and torch.equal(wp[:, :80], w) and not wp[:, 80:].any()
+    # an input the kernel cannot read in place (NCHW) is refused, not copied
+    nchw = x.contiguous()
+    with pytest.raises(ValueError, match="in place"):
+        padded.plan(nchw, g, wide=True)
+
+
+WIDE = [  # (N, C, H, W, K, R, S, conv)
+    pytest.param(2, 48, 6, 5, 40, 3, 3, dict(padding=1), id="48-40"),
+    pytest.param(2, 80, 8, 6, 24, 3, 3, dict(stride=2, padding=1), id="80-24-stride2"),
+    pytest.param(1, 112, 6, 7, 20, 5, 5, dict(padding=2, dilation=1), id="112-20-5x5"),
+    pytest.param(1, 48, 7, 6, 17, 3, 3, dict(padding=2, dilation=2), id="48-17-dilated"),
+]
+
+
+@pytest.mark.parametrize("layout", [CL, torch.contiguous_format], ids=["channels-last", "nchw"])
+@pytest.mark.parametrize("N,C,H,W,K,R,S,conv", WIDE)
+def test_auto_widens_16_wide_steps_forward_and_backward(N, C, H, W, K, R, S, conv, layout, hopper_like, device):
+    # auto (as on an H200, the Gluon kernel emulated from its launch arguments) runs these layers over the input
+    # read in place (an NCHW one: its channels-last copy) and a weight padded to wider steps
+    x = torch.randn(N, C, H, W, device=device).contiguous(memory_format=layout).requires_grad_()
+    w = (torch.randn(K, C, R, S, device=device) / (C * R * S) ** 0.5).requires_grad_()
+    b = torch.randn(K, device=device).requires_grad_()
+    out = tilegemm.conv2d(x, w, b, activation="relu", **conv)
+    assert hopper_like["fwd"] == [True] and hopper_like["wide"] == [True]
+    assert out.is_contiguous(memory_format=layout)
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = conv2d_reference(xr, wr, br, **conv, activation="relu")
+    assert_rel_close(out, ref, tolerance(torch.float32))
+    dy = torch.randn_like(ref).float()
+    out.backward(dy)
+    ref.backward(dy.double())
+    for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert_rel_close(got, want, tolerance(torch.float32))
+
+
 # --- on the GPU ------------------------------------------------------------------------------------------
 
 
@@ -354,7 +429,8 @@ def test_gpu_odd_channels_through_the_padded_route(N, C, H, W, K, R, S, conv, in
     monkeypatch.setattr(configs, "GROUPED_PACKED_AUTO_CHANNELS", 0)
     plans, dgrads, wgrads = [], [], []
     real, real_dgrad, real_wgrad = padded.operands, padded.dgrad, tma_wgrad.run
-    monkeypatch.setattr(padded, "operands", lambda *a: (lambda o: plans.append(o[3].in_place) or o)(real(*a)))
+    monkeypatch.setattr(padded, "operands", lambda *a, **k: (lambda o: plans.append(o[3].in_place) or o)(
+        real(*a, **k)))
     monkeypatch.setattr(padded, "dgrad", lambda *a, **k: (lambda dx: dgrads.append(dx is not None) or dx)(
         real_dgrad(*a, **k)))
     monkeypatch.setattr(tma_wgrad, "run", lambda *a, **k: wgrads.append(1) or real_wgrad(*a, **k))
@@ -399,3 +475,52 @@ def test_gpu_odd_1x1_by_name_and_refusals():
     from tilegemm.ops.conv2d.checks import check_conv
 
     assert padded.why_not(x.float(), w.float(), check_conv(x, w, None, 1, 0, 1, 1)) == "not 16-bit"
+
+
+GPU_WIDE = [  # (N, C, H, W, K, R, S, conv)
+    pytest.param(4, 48, 28, 28, 192, 3, 3, dict(padding=1), id="48-192"),
+    pytest.param(3, 80, 30, 28, 80, 3, 3, dict(stride=2, padding=1), id="80-80-stride2"),
+    pytest.param(2, 112, 14, 14, 72, 5, 5, dict(padding=2), id="112-72-5x5"),
+    pytest.param(2, 48, 15, 17, 24, 3, 3, dict(padding=2, dilation=2), id="48-24-dilated-odd-image"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", [CL, torch.contiguous_format], ids=["channels-last", "nchw"])
+@pytest.mark.parametrize("N,C,H,W,K,R,S,conv", GPU_WIDE)
+def test_gpu_wide_steps(N, C, H, W, K, R, S, conv, layout, dtype, monkeypatch):
+    # 16 * odd channels: auto pads only the weight (the input, or an NCHW input's channels-last copy, read in place)
+    from tilegemm.ops.conv2d import op as replay
+
+    wides = []
+    real = padded.operands
+    monkeypatch.setattr(padded, "operands", lambda *a, **k: wides.append(k.get("wide", False)) or real(*a, **k))
+    replay.REPLAYS.clear()
+    x = torch.randn(N, C, H, W, device="cuda").to(dtype).contiguous(memory_format=layout).requires_grad_()
+    w = (torch.randn(K, C, R, S, device="cuda") / (C * R * S) ** 0.5).to(dtype).requires_grad_()
+    b = torch.randn(K, device="cuda").to(dtype).requires_grad_()
+    out = tilegemm.conv2d(x, w, b, activation="relu", **conv)
+    assert wides == [True] and out.is_contiguous(memory_format=layout) and out.dtype == dtype
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = conv2d_reference(xr, wr, br, **conv, activation="relu")
+    assert_rel_close(out, ref, tolerance(dtype))
+    dy = torch.randn(ref.shape, device="cuda").to(dtype).contiguous(memory_format=layout)
+    out.backward(dy)
+    ref.backward(dy.double())
+    for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert_rel_close(got, want, tolerance(dtype))
+    # at horizontal stride 1 the steps past C read TMA's zero fill: an inf in the input stays where F.conv2d has it
+    if conv.get("stride", 1) == 1 and layout == CL:
+        xi = x.detach().clone()
+        xi[0, :, 0, 0] = float("inf")
+        got, want = tilegemm.conv2d(xi, w.detach(), None, **conv), F.conv2d(xi.float(), w.detach().float(), **conv)
+        assert torch.equal(got.isfinite(), want.isfinite())
+    # recorded, then replayed: a replay pads the weight as it is then
+    with torch.no_grad():
+        xs, ws = x.detach(), w.detach()
+        first = tilegemm.conv2d(xs, ws, None, **conv)
+        ws.mul_(-1.5)
+        again = tilegemm.conv2d(xs, ws, None, **conv)
+    assert_rel_close(first, conv2d_reference(xs, ws / -1.5, **conv), tolerance(dtype))
+    assert_rel_close(again, conv2d_reference(xs, ws, **conv), tolerance(dtype))

@@ -528,6 +528,36 @@ def padded_group(cg: int) -> int:
             return -(-cg // step) * step
 
 
+# Wider K steps for groups of 16 * odd channels (48, 80, 112, ...), whose direct steps are 16 deep: only the weight
+# is padded (the input read in place, TMA's zero fill or the next stride phase's channels past C against zero weight
+# columns), so the padding costs MMAs, not a copy.
+WIDE_STEP_OVERHEAD = 3.0  # a K step's fixed cost (barrier wait, TMA issue) in 16-deep MMAs of its tile: between 1.4
+#   and 5 on the strided 1x1 layers whose ragged 64-wide steps ran 1.7x-2.3x their 16-wide ones (docs/conv2d.md,
+#   "Odd channel counts")
+WIDE_STEP_MOST_WASTE = 1 / 3  # padded channels at most this share of the group's
+WIDE_STEP_GAIN = 0.8  # taken where the wider steps cost at most this share of the direct ones
+
+
+def _steps_cost(cg: int, step: int) -> float:
+    """The K steps' cost of ``cg`` channels a tap ``step`` at a time, in 16-deep MMAs (:data:`WIDE_STEP_OVERHEAD`)."""
+    return -(-cg // step) * (WIDE_STEP_OVERHEAD + step / 16)
+
+
+def wide_group(cg: int) -> int:
+    """A group's channels padded for ``tma_implicit_gemm``'s in-place padded route (:mod:`tilegemm.ops.conv2d.padded`,
+    ``wide``): C/groups a multiple of 16 but not of 32 rounded up to the multiple of 64 or 32 whose steps cost least
+    (:func:`_steps_cost`) among those adding at most :data:`WIDE_STEP_MOST_WASTE` of the channels, where that is at
+    most :data:`WIDE_STEP_GAIN` of the 16-wide steps' cost; else ``cg`` itself (48 -> 64, 80 -> 96, 112 -> 128)."""
+    if cg % 16 or cg % 32 == 0:
+        return cg
+    best, cost = cg, WIDE_STEP_GAIN * _steps_cost(cg, 16)
+    for step in (64, 32):
+        wide = -(-cg // step) * step
+        if wide - cg <= WIDE_STEP_MOST_WASTE * cg and _steps_cost(cg, step) < cost:
+            best, cost = wide, _steps_cost(cg, step)
+    return best
+
+
 # --- grouped_direct (ops/conv2d/grouped_direct.py) ------------------------------------------------------------
 #
 # A group of at most 8 input channels feeds a tl.dot tile (at least 16 deep and 16 wide) at most half its depth

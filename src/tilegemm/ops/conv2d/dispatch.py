@@ -104,6 +104,14 @@ def pads_channels(g: Geometry) -> bool:
     return g.Cg % 16 != 0 and not (g.groups == 1 and g.C <= STEM_MAX_C)
 
 
+def widens_steps(g: Geometry) -> bool:
+    """``auto``'s rule for wider K steps (``padded.run(p, wide=True)``): a single-group layer of more than one tap
+    whose C is a multiple of 16 but not of 32 (16-wide steps) and :func:`~tilegemm.ops.conv2d.configs.wide_group`
+    pads (48 -> 64 channels): every such zoo layer ran 0.40x-0.81x cuDNN on the 16-wide steps (docs/conv2d.md,
+    "Odd channel counts"). Grouped ones run 2.7x-4.7x cuDNN as they are; 1x1 layers are GEMMs or ragged steps."""
+    return g.groups == 1 and g.R * g.S > 1 and configs.wide_group(g.Cg) > g.Cg
+
+
 def padding_pays(g: Geometry) -> bool:
     """``auto``'s rule for padded channels: at least :data:`PAD_MIN_CHANNELS` a group, in a filter of at least
     :data:`PAD_MIN_TAPS` taps, not depthwise."""
@@ -211,14 +219,17 @@ def launcher(name: str):
 def _launch(kernel: str, p: ConvProblem) -> torch.Tensor:
     """Run ``p`` on ``kernel``; ``gemm_1x1``'s config is the gluon_f16 tile of :func:`pointwise_gluon_tile`;
     ``tma_implicit_gemm`` over padded channels (:mod:`~tilegemm.ops.conv2d.padded`) where it takes ``p``
-    neither directly nor as a stem."""
+    neither directly nor as a stem, and over a weight padded for wider K steps where :func:`widens_steps`."""
     if kernel == "gemm_1x1":
         return launcher(kernel)(p, pointwise_gluon_tile(p.geo, sm_count(p.x.device)))
-    if kernel == "tma_implicit_gemm" and p.geo.Cg % 16:
+    if kernel == "tma_implicit_gemm" and (p.geo.Cg % 16 or widens_steps(p.geo)):
         from tilegemm.ops.conv2d import padded, tma_fwd
 
-        if tma_fwd.why_not(p) is not None and padded.why_not(p.x, p.weight, p.geo) is None:
-            return padded.run(p)
+        if p.geo.Cg % 16:
+            if tma_fwd.why_not(p) is not None and padded.why_not(p.x, p.weight, p.geo) is None:
+                return padded.run(p)
+        elif padded.why_not(p.x, p.weight, p.geo, wide=True) is None:
+            return padded.run(p, wide=True)
     return launcher(kernel)(p)
 
 
@@ -308,7 +319,7 @@ def _forward_nchw(p: ConvProblem) -> torch.Tensor:
         layout.fill(p.x, xc, xbuf)
         with keeping(xbuf):
             if kernel == "tma_implicit_gemm":
-                return launcher(kernel)(pc)  # stores in the output's format from its epilogue
+                return _launch(kernel, pc)  # stores in the output's format from its epilogue
             if p.out_format == torch.channels_last:  # (a channels-last weight's): stored as it is, no transpose
                 return launcher(kernel)(replace(pc, out=empty_4d(g.out_shape, p.out_dtype, p.x.device,
                                                                  torch.channels_last)))

@@ -20,6 +20,11 @@ neither and ran the pointer kernel with 2-byte loads. Here such a layer runs the
   columns either way. Only the weight is written. As for the stems (docs/conv2d.md), an inf or NaN in those
   next channels then makes the output NaN where F.conv2d's would not have read them.
 
+The same in-place reading widens the K steps of groups whose channels are a multiple of 16 but not of 32 (``wide``:
+48, 80, 112, ... channels, stepped 16 at a time by the kernel itself): their weight is padded to
+:func:`~tilegemm.ops.conv2d.configs.wide_group` channels (48 -> 64), where fewer, deeper steps cost less than the
+MMAs the zero columns add (docs/conv2d.md, "Odd channel counts").
+
 The output is the layer's own (K channels, any K: the kernel's stores are masked), in the memory format the
 input asks for. The stride-1 data gradient, a forward convolution of ``dy`` with the flipped weight, pads ``dy``
 the same way (:func:`dgrad`); the weight gradient of one group copies x or dy with channels rounded up to 8 where
@@ -36,7 +41,7 @@ import triton
 import triton.language as tl
 
 from tilegemm.core.runtime import cdiv
-from tilegemm.ops.conv2d.configs import padded_group
+from tilegemm.ops.conv2d.configs import padded_group, wide_group
 from tilegemm.ops.conv2d.problem import needs_index_64
 
 _16BIT = (torch.float16, torch.bfloat16)  # the TMA kernels' dtypes
@@ -66,8 +71,13 @@ def reads_in_place(x: torch.Tensor, g) -> bool:
     return why_not_input(x, None, g, channel_step=8) is None
 
 
-def plan(x: torch.Tensor, g) -> Plan:
-    """The padded layout of layer ``g`` over input ``x`` (:class:`Plan`)."""
+def plan(x: torch.Tensor, g, wide: bool = False) -> Plan:
+    """The padded layout of layer ``g`` over input ``x`` (:class:`Plan`); ``wide``: the in-place widening of
+    16-wide K steps (the module's docstring), which needs an input read in place."""
+    if wide:
+        if not reads_in_place(x, g):
+            raise ValueError("widened channel steps read the input in place; this input cannot be")
+        return Plan(replace(g, C=g.groups * wide_group(g.Cg)), True, g.C)
     cgp = padded_group(g.Cg)
     if reads_in_place(x, g):
         return Plan(replace(g, C=g.groups * cgp), True, g.C)
@@ -78,8 +88,9 @@ def plan(x: torch.Tensor, g) -> Plan:
     return Plan(geo, False, g.groups * cgp)
 
 
-def why_not(x: torch.Tensor, weight, g) -> str | None:
-    """None when the TMA kernel takes layer ``g`` through padded channels; otherwise why not (in words)."""
+def why_not(x: torch.Tensor, weight, g, wide: bool = False) -> str | None:
+    """None when the TMA kernel takes layer ``g`` through padded channels (``wide``: widened K steps over the
+    input read in place); otherwise why not (in words)."""
     from tilegemm.core.hardware import why_not_gluon
     from tilegemm.core.runtime import interpreting
 
@@ -89,9 +100,14 @@ def why_not(x: torch.Tensor, weight, g) -> str | None:
         return "not on a Hopper GPU"
     if (reason := why_not_gluon()) is not None:
         return reason
-    if g.Cg % STEP == 0:
+    if wide:
+        if wide_group(g.Cg) == g.Cg:
+            return "no wider channel step pays (configs.wide_group)"
+        if not reads_in_place(x, g):
+            return "the input cannot be read in place"
+    elif g.Cg % STEP == 0:
         return "C/groups a multiple of 16 already"
-    p = plan(x, g).geo
+    p = plan(x, g, wide).geo
     if g.N * p.H * p.W * p.C >= 2**31 or g.N * g.K * g.P * g.Q >= 2**31 or needs_index_64(x):
         return "2^31 elements or more"
     return None
@@ -168,7 +184,7 @@ def _pad_launch(x: torch.Tensor, g, pl: Plan, weight: torch.Tensor | None) -> tu
     from tilegemm.core.launch import current_stream, launch
     from tilegemm.core.workspace import buffer
 
-    gp, cgp = pl.geo, padded_group(g.Cg)
+    gp, cgp = pl.geo, pl.geo.Cg
     keep, wp = (), None
     if weight is not None:
         wbuf = buffer(x.device, x.dtype, g.K * g.R * g.S * cgp, "conv2d-pad-weight")
@@ -199,17 +215,17 @@ def _pad_launch(x: torch.Tensor, g, pl: Plan, weight: torch.Tensor | None) -> tu
     return xp, wp, keep
 
 
-def operands(x: torch.Tensor, weight: torch.Tensor, g) -> tuple:
+def operands(x: torch.Tensor, weight: torch.Tensor, g, wide: bool = False) -> tuple:
     """(the input the TMA kernel reads, the padded weight channels-last ``[K, Cgp, R, S]``, the workspaces to keep,
     the :class:`Plan`): one launch (the weight's programs alone where the input is read in place). Call under
-    :data:`tilegemm.core.launch.sequence_lock` (the workspaces are the stream's)."""
-    pl = plan(x, g)
+    :data:`tilegemm.core.launch.sequence_lock` (the workspaces are the stream's). ``wide``: :func:`plan`'s."""
+    pl = plan(x, g, wide)
     return (*_pad_launch(x, g, pl, weight), pl)
 
 
-def run(p) -> torch.Tensor:
-    """The forward of ``p`` (:func:`why_not` is None) on the TMA kernel over padded operands, into the layer's own
-    output."""
+def run(p, wide: bool = False) -> torch.Tensor:
+    """The forward of ``p`` (:func:`why_not` is None, for the same ``wide``) on the TMA kernel over padded
+    operands, into the layer's own output."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import current_stream, launch, sequence_lock
     from tilegemm.ops.conv2d import tma_fwd
@@ -217,7 +233,7 @@ def run(p) -> torch.Tensor:
 
     out = allocate_out(p)
     with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
-        xp, wp, keep, pl = operands(p.x, p.weight, p.geo)
+        xp, wp, keep, pl = operands(p.x, p.weight, p.geo, wide)
         cfg = tma_fwd.config(pl.geo, p.dtype, sm_count(p.x.device))
         kernel, grid, args, kwargs = tma_fwd.launch_args(xp, wp, out, p.bias, pl.geo, p.activation, cfg,
                                                          x_channels=pl.x_channels)

@@ -1,0 +1,111 @@
+"""Open question (GPU): do wider K steps pay on dense layers whose channels step 16 at a time?
+
+``tma_implicit_gemm`` steps through C/groups 64, 32 or 16 channels at a time, the widest dividing it; a group of
+48, 80 or 112 channels steps 16 deep. ``auto`` now pads such a layer's weight (only: the input is read in place) to
+``configs.wide_group`` channels, 48 -> 64 (``dispatch.widens_steps``, ``padded.run(p, wide=True)``), on the ground
+of the strided 1x1 layers' ragged steps (1.7x-2.3x on 16-wide steps); those layers read 0.40x-0.81x cuDNN.
+
+Times, for the zoo's layers ``widens_steps`` takes (batch 32, channels-last, fp16 unless ``--dtype``; every layer
+within ``--budget`` seconds, the largest first), cuDNN's forward, ``auto`` with the rule off (16-wide steps) and
+on, each checked against cuDNN's fp32 output first, as CUDA graphs; then the geomeans (halves: even and odd
+layers, for a rule fitted on one and read on the other).
+
+    PYTHONPATH=src:tools python3 research/wide_steps.py [--budget 150] [--dtype fp16] [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from conv2d_depthwise_candidates import geomean, graph_us
+from tilegemm.core.checks import relative_error
+from tilegemm.ops.conv2d import dispatch, zoo
+from tilegemm.ops.conv2d.problem import ConvCall, geometry_of
+
+
+def _geo(L: dict, batch: int):
+    pad = L["padding"]
+    return geometry_of((batch, L["C"], L["H"], L["W"]), (L["K"], L["C"] // L["groups"], L["R"], L["S"]),
+                       L["stride"], [pad[0], pad[0], pad[1], pad[1]], L["dilation"], L["groups"])
+
+
+def layers(batch: int) -> list[dict]:
+    """The zoo's layers the rule widens (non-stems run by the TMA kernel), the most work first."""
+    out = [L for L in zoo.bench_layers() if dispatch.widens_steps(_geo(L, batch))
+           and dispatch.choose_kernel(_geo(L, batch), True, True, 132) == "tma_implicit_gemm"]
+    return sorted(out, key=lambda L: -_geo(L, batch).P * _geo(L, batch).Q * L["K"] * L["C"] * L["R"] * L["S"])
+
+
+def run_layer(L: dict, batch: int, dtype: torch.dtype) -> dict:
+    g = _geo(L, batch)
+    pad = list(L["padding"])
+    cl = torch.channels_last
+    xs = [torch.randn(batch, g.C, g.H, g.W, device="cuda", dtype=dtype).contiguous(memory_format=cl)
+          for _ in range(2)]
+    w = (torch.randn(g.K, g.Cg, g.R, g.S, device="cuda", dtype=dtype) / (g.Cg * g.R * g.S) ** 0.5)
+    w = w.contiguous(memory_format=cl)
+
+    def cudnn(i, dt=None):
+        xx, ww = (xs[i], w) if dt is None else (xs[i].to(dt), w.to(dt))
+        return F.conv2d(xx, ww, None, L["stride"], pad, L["dilation"], g.groups)
+
+    def auto(wide: bool):
+        def run(i):
+            dispatch.widens_steps = rule if wide else (lambda g: False)
+            return dispatch.forward(ConvCall(xs[i], w, None, list(g.stride), list(g.padding), list(g.dilation),
+                                             g.groups, "none", "ieee", "auto"))
+        return run
+
+    ref = cudnn(0, torch.float32)
+    row = dict(layer=f"{g.C}->{g.K} {g.R}x{g.S} s{g.stride[0]} {g.H}x{g.W} p{pad[0]} d{L['dilation'][0]}",
+               models=L.get("models"), cudnn_us=graph_us(cudnn, 2))
+    for name, fn in (("narrow", auto(False)), ("wide", auto(True))):
+        try:
+            err = relative_error(fn(0).float(), ref)
+        except Exception as e:  # noqa: BLE001 - recorded, not fatal
+            row[name], row[f"{name}_err"] = None, f"{type(e).__name__}: {e}"[:200]
+            continue
+        row[f"{name}_err"] = err
+        row[name] = row["cudnn_us"] / graph_us(fn, 2) if err < 1e-2 else None
+    dispatch.widens_steps = rule
+    return row
+
+
+rule = dispatch.widens_steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget", type=float, default=150.0)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    torch.backends.cudnn.benchmark = True
+    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    start, rows, todo = time.time(), [], layers(args.batch)
+    for L in todo:
+        if time.time() - start > args.budget:
+            break
+        rows.append(run_layer(L, args.batch, dtype))
+        r = rows[-1]
+        print(f"{r['layer']:<36s} {r['cudnn_us']:7.1f}us narrow "
+              + (f"{r['narrow']:.2f}" if r["narrow"] else "WRONG") + " wide "
+              + (f"{r['wide']:.2f}" if r["wide"] else "WRONG"), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(dtype=args.dtype, batch=args.batch, rows=rows), f, indent=1)
+    print(f"{len(rows)} of {len(todo)} layers; cuDNN time / ours, geomean:")
+    for name, mine in (("all", rows), ("half 0", rows[0::2]), ("half 1", rows[1::2])):
+        print(f"  {name:<7s} {len(mine):3d}  narrow {geomean(r['narrow'] for r in mine) or 0:.3f}x"
+              f"  wide {geomean(r['wide'] for r in mine) or 0:.3f}x"
+              f"  worst {min([(r['wide'] or 0) for r in mine] or [0]):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
