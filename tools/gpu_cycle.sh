@@ -89,6 +89,8 @@
 #   wide-steps    research/wide_steps.py: the zoo's dense layers of 16 * odd channels (48, 80, 112, 144), auto with the
 #                 wider K steps off and on against cuDNN (\$CONV_BUDGET seconds, default 150), then the padded route's
 #                 GPU tests
+#   narrow-1x1    research/narrow_1x1.py: the zoo's 1x1 layers of at most 64 channels in and 128 out, cuDNN, auto,
+#                 cuBLAS and a memory-bound kernel at six configs (\$CONV_BUDGET seconds, default 150)
 #   conv2d-odd    the conv2d bench's odd sweep (channels a group not multiples of 16: the padded route), forward
 #                 (auto and the pointer kernel it replaced) and backward (auto), fp16 and bf16; then its GPU tests
 # $PRECOMPILE: worker processes that compile a bench sweep's kernels before it is timed (default 15; 0 off).
@@ -277,6 +279,8 @@ for step in "$@"; do
     wide-steps) PYTHONPATH=src:tools timeout 280 python3 research/wide_steps.py --budget "${CONV_BUDGET:-150}" \
                   --out "$OUT/wide-steps.json" 2>&1 | tail -n 18
                 pytest_ -m "" -n 8 -rf tests/conv2d/test_conv2d_padded.py 2>&1 | tee "$OUT/padded-tests.log" | tail -n 4 ;;
+    narrow-1x1) PYTHONPATH=src:tools timeout 280 python3 research/narrow_1x1.py --budget "${CONV_BUDGET:-150}" \
+                  --out "$OUT/narrow-1x1.json" 2>&1 | tail -n 14 ;;
     dw-cols)    PYTHONPATH=src:tools timeout 280 python3 research/depthwise_wgrad_rows.py --per-kind 10 --budget 220 \
                   --candidates walk-4-1-c1,walk-4-1-c2,walk-4-1-c4,walk-4-1-c8 --out "$OUT/dw-cols.json" 2>&1 | tail -n 11 ;;
     dw-cols-heldout)  # the column-runs rule on the zoo's layers it splits, but those it was fitted on
