@@ -11,6 +11,10 @@ on, each checked against cuDNN's fp32 output first, as CUDA graphs; then the geo
 layers, for a rule fitted on one and read on the other).
 
     PYTHONPATH=src:tools python3 research/wide_steps.py [--budget 150] [--dtype fp16] [--out F.json]
+    PYTHONPATH=src:tools python3 research/wide_steps.py --dgrad   # the data gradients the rule widens
+
+``--dgrad``: the stride-1 data gradients ``dispatch._dgrad_widens`` takes (16 x odd output channels: dy read in
+place, the flipped weight padded), cuDNN's against ``auto``'s with that rule off and on.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 from conv2d_depthwise_candidates import geomean, graph_us
 from tilegemm.core.checks import relative_error
 from tilegemm.ops.conv2d import dispatch, zoo
-from tilegemm.ops.conv2d.problem import ConvCall, geometry_of
+from tilegemm.ops.conv2d.problem import ConvCall, DgradCall, geometry_of
 
 
 def _geo(L: dict, batch: int):
@@ -76,7 +80,52 @@ def run_layer(L: dict, batch: int, dtype: torch.dtype) -> dict:
     return row
 
 
+def dgrad_layers(batch: int) -> list[dict]:
+    """The zoo's stride-1 layers whose data gradient the rule widens (run by the TMA kernel), the most work first."""
+    out = [L for L in zoo.bench_layers() if dispatch._dgrad_widens(_geo(L, batch))
+           and dispatch.choose_kernel(_geo(L, batch), True, True, 132) == "tma_implicit_gemm"]
+    return sorted(out, key=lambda L: -_geo(L, batch).P * _geo(L, batch).Q * L["K"] * L["C"] * L["R"] * L["S"])
+
+
+def run_dgrad(L: dict, batch: int, dtype: torch.dtype) -> dict:
+    g = _geo(L, batch)
+    pad = list(L["padding"])
+    cl = torch.channels_last
+    x_shape = [batch, g.C, g.H, g.W]
+    dys = [torch.randn(batch, g.K, g.P, g.Q, device="cuda", dtype=dtype).contiguous(memory_format=cl)
+           for _ in range(2)]
+    w = (torch.randn(g.K, g.Cg, g.R, g.S, device="cuda", dtype=dtype) / (g.Cg * g.R * g.S) ** 0.5)
+    x = torch.empty(x_shape, device="cuda", dtype=dtype).contiguous(memory_format=cl)
+
+    def cudnn(i, dt=None):
+        yy, ww, xx = (dys[i], w, x) if dt is None else (dys[i].to(dt), w.to(dt), x.to(dt))
+        return torch.ops.aten.convolution_backward(yy, xx, ww, None, L["stride"], pad, L["dilation"], False,
+                                                   [0, 0], g.groups, [True, False, False])[0]
+
+    def auto(wide: bool):
+        def run(i):
+            dispatch._dgrad_widens = dgrad_rule if wide else (lambda g: False)
+            return dispatch.dgrad(DgradCall(dys[i], w, x_shape, True, list(g.stride), list(g.padding),
+                                            list(g.dilation), g.groups, "ieee"))
+        return run
+
+    ref = cudnn(0, torch.float32)
+    row = dict(layer=f"dgrad {g.C}->{g.K} {g.R}x{g.S} {g.H}x{g.W} p{pad[0]} d{L['dilation'][0]}",
+               models=L.get("models"), cudnn_us=graph_us(cudnn, 2))
+    for name, fn in (("narrow", auto(False)), ("wide", auto(True))):
+        try:
+            err = relative_error(fn(0).float(), ref)
+        except Exception as e:  # noqa: BLE001 - recorded, not fatal
+            row[name], row[f"{name}_err"] = None, f"{type(e).__name__}: {e}"[:200]
+            continue
+        row[f"{name}_err"] = err
+        row[name] = row["cudnn_us"] / graph_us(fn, 2) if err < 1e-2 else None
+    dispatch._dgrad_widens = dgrad_rule
+    return row
+
+
 rule = dispatch.widens_steps
+dgrad_rule = dispatch._dgrad_widens
 
 
 def main() -> None:
@@ -84,15 +133,17 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=150.0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
+    ap.add_argument("--dgrad", action="store_true", help="the data gradients the rule widens")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
-    start, rows, todo = time.time(), [], layers(args.batch)
+    start, rows = time.time(), []
+    todo = dgrad_layers(args.batch) if args.dgrad else layers(args.batch)
     for L in todo:
         if time.time() - start > args.budget:
             break
-        rows.append(run_layer(L, args.batch, dtype))
+        rows.append((run_dgrad if args.dgrad else run_layer)(L, args.batch, dtype))
         r = rows[-1]
         print(f"{r['layer']:<36s} {r['cudnn_us']:7.1f}us narrow "
               + (f"{r['narrow']:.2f}" if r["narrow"] else "WRONG") + " wide "

@@ -87,8 +87,8 @@
 #   dgrad-strided research/dgrad_as_forward.py --strided: the zoo's strided depthwise and grouped data gradients,
 #                 auto (their phase convolutions) against the direct kernels and cuDNN (GPU time; \$DGRAD_BUDGET)
 #   wide-steps    research/wide_steps.py: the zoo's dense layers of 16 * odd channels (48, 80, 112, 144), auto with the
-#                 wider K steps off and on against cuDNN (\$CONV_BUDGET seconds, default 150), then the padded route's
-#                 GPU tests
+#                 wider K steps off and on against cuDNN (\$CONV_BUDGET seconds, default 150), their data gradients
+#                 (--dgrad, 100 s), then the padded route's GPU tests
 #   narrow-1x1    research/narrow_1x1.py: the zoo's 1x1 layers of at most 64 channels in and 128 out, cuDNN, auto,
 #                 cuBLAS and a memory-bound kernel at six configs (\$CONV_BUDGET seconds, default 150)
 #   conv2d-odd    the conv2d bench's odd sweep (channels a group not multiples of 16: the padded route), forward
@@ -278,6 +278,8 @@ for step in "$@"; do
                   --out "$OUT/dw-5x5.json" 2>&1 | tail -n 8 ;;
     wide-steps) PYTHONPATH=src:tools timeout 280 python3 research/wide_steps.py --budget "${CONV_BUDGET:-150}" \
                   --out "$OUT/wide-steps.json" 2>&1 | tail -n 18
+                PYTHONPATH=src:tools timeout 200 python3 research/wide_steps.py --dgrad --budget 100 \
+                  --out "$OUT/wide-steps-dgrad.json" 2>&1 | tail -n 11
                 pytest_ -m "" -n 8 -rf tests/conv2d/test_conv2d_padded.py 2>&1 | tee "$OUT/padded-tests.log" | tail -n 4 ;;
     narrow-1x1) PYTHONPATH=src:tools timeout 280 python3 research/narrow_1x1.py --budget "${CONV_BUDGET:-150}" \
                   --out "$OUT/narrow-1x1.json" 2>&1 | tail -n 14 ;;

@@ -271,7 +271,10 @@ def hopper_like(monkeypatch):
 
     def spy_dgrad(*args, **kwargs):
         dx = real_dgrad(*args, **kwargs)
-        plans["dgrad"].append(dx is not None and dx.is_contiguous())
+        if kwargs.get("wide"):
+            plans.setdefault("dgrad_wide", []).append(dx is not None)
+        else:
+            plans["dgrad"].append(dx is not None and dx.is_contiguous())
         return dx
 
     monkeypatch.setattr(launch_module, "launch", fake_launch)
@@ -375,6 +378,8 @@ WIDE = [  # (N, C, H, W, K, R, S, conv)
     pytest.param(2, 80, 8, 6, 24, 3, 3, dict(stride=2, padding=1), id="80-24-stride2"),
     pytest.param(1, 112, 6, 7, 20, 5, 5, dict(padding=2, dilation=1), id="112-20-5x5"),
     pytest.param(1, 48, 7, 6, 17, 3, 3, dict(padding=2, dilation=2), id="48-17-dilated"),
+    pytest.param(2, 48, 5, 6, 80, 3, 3, dict(padding=1), id="48-80-wide-data-gradient"),
+    pytest.param(2, 112, 6, 4, 48, 3, 3, dict(stride=2, padding=1), id="112-48-stride2"),
 ]
 
 
@@ -382,7 +387,8 @@ WIDE = [  # (N, C, H, W, K, R, S, conv)
 @pytest.mark.parametrize("N,C,H,W,K,R,S,conv", WIDE)
 def test_auto_widens_16_wide_steps_forward_and_backward(N, C, H, W, K, R, S, conv, layout, hopper_like, device):
     # auto (as on an H200, the Gluon kernel emulated from its launch arguments) runs these layers over the input
-    # read in place (an NCHW one: its channels-last copy) and a weight padded to wider steps
+    # read in place (an NCHW one: its channels-last copy) and a weight padded to wider steps; the data gradient of a
+    # stride-1 layer of 16 x odd output channels the same way over dy (the flipped weight padded)
     x = torch.randn(N, C, H, W, device=device).contiguous(memory_format=layout).requires_grad_()
     w = (torch.randn(K, C, R, S, device=device) / (C * R * S) ** 0.5).requires_grad_()
     b = torch.randn(K, device=device).requires_grad_()
@@ -392,9 +398,11 @@ def test_auto_widens_16_wide_steps_forward_and_backward(N, C, H, W, K, R, S, con
     xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
     ref = conv2d_reference(xr, wr, br, **conv, activation="relu")
     assert_rel_close(out, ref, tolerance(torch.float32))
-    dy = torch.randn_like(ref).float()
+    dy = torch.randn_like(ref).float().contiguous(memory_format=layout)
     out.backward(dy)
     ref.backward(dy.double())
+    wide_dgrad = conv.get("stride", 1) == 1 and K % 32 == 16
+    assert hopper_like.get("dgrad_wide", []) == ([True] if wide_dgrad else [])
     for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert_rel_close(got, want, tolerance(torch.float32))
 
@@ -482,6 +490,7 @@ GPU_WIDE = [  # (N, C, H, W, K, R, S, conv)
     pytest.param(3, 80, 30, 28, 80, 3, 3, dict(stride=2, padding=1), id="80-80-stride2"),
     pytest.param(2, 112, 14, 14, 72, 5, 5, dict(padding=2), id="112-72-5x5"),
     pytest.param(2, 48, 15, 17, 24, 3, 3, dict(padding=2, dilation=2), id="48-24-dilated-odd-image"),
+    pytest.param(3, 48, 20, 20, 80, 3, 3, dict(padding=1), id="48-80-wide-data-gradient"),
 ]
 
 
@@ -493,9 +502,12 @@ def test_gpu_wide_steps(N, C, H, W, K, R, S, conv, layout, dtype, monkeypatch):
     # 16 * odd channels: auto pads only the weight (the input, or an NCHW input's channels-last copy, read in place)
     from tilegemm.ops.conv2d import op as replay
 
-    wides = []
-    real = padded.operands
+    wides, dgrads = [], []
+    real, real_dgrad = padded.operands, padded.dgrad
     monkeypatch.setattr(padded, "operands", lambda *a, **k: wides.append(k.get("wide", False)) or real(*a, **k))
+    monkeypatch.setattr(padded, "dgrad", lambda *a, **k: (lambda dx: dgrads.append((k.get("wide", False),
+                                                                                    dx is not None)) or dx)(
+        real_dgrad(*a, **k)))
     replay.REPLAYS.clear()
     x = torch.randn(N, C, H, W, device="cuda").to(dtype).contiguous(memory_format=layout).requires_grad_()
     w = (torch.randn(K, C, R, S, device="cuda") / (C * R * S) ** 0.5).to(dtype).requires_grad_()
@@ -508,6 +520,7 @@ def test_gpu_wide_steps(N, C, H, W, K, R, S, conv, layout, dtype, monkeypatch):
     dy = torch.randn(ref.shape, device="cuda").to(dtype).contiguous(memory_format=layout)
     out.backward(dy)
     ref.backward(dy.double())
+    assert dgrads == ([(True, True)] if conv.get("stride", 1) == 1 and K % 32 == 16 else [])
     for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert_rel_close(got, want, tolerance(dtype))
     # at horizontal stride 1 the steps past C read TMA's zero fill: an inf in the input stays where F.conv2d has it

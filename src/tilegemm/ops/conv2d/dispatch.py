@@ -385,12 +385,12 @@ def dgrad(c: DgradCall) -> torch.Tensor:
 
             return grouped_direct.dgrad(dy, weight, x_shape, fmt, g)
         if c.x_channels_last and _tma_candidate(dy):
-            from tilegemm.ops.conv2d import tma_fwd
+            from tilegemm.ops.conv2d import padded, tma_fwd
 
-            dx = tma_fwd.dgrad_tma(dy, weight, g)
+            dx = padded.dgrad(dy, weight, g, wide=True) if _dgrad_widens(g) else None
+            if dx is None:
+                dx = tma_fwd.dgrad_tma(dy, weight, g)
             if dx is None and _dgrad_pads(g):
-                from tilegemm.ops.conv2d import padded
-
                 dx = padded.dgrad(dy, weight, g)
             if dx is not None:
                 return dx
@@ -455,12 +455,24 @@ def _dgrad_as_forward(dy: torch.Tensor, weight: torch.Tensor, g: Geometry, preci
     return out if dx is None else dx
 
 
+def _as_dgrad_forward(g: Geometry) -> Geometry:
+    """The forward convolution of ``dy`` (K/groups channels a group in, C/groups out) a stride-1 data gradient is,
+    as far as channel counts go."""
+    return Geometry(g.N, g.K, g.P, g.Q, g.C, g.R, g.S, g.groups, g.stride, g.padding, g.dilation)
+
+
 def _dgrad_pads(g: Geometry) -> bool:
     """Whether the data gradient of ``g`` runs over padded channels of ``dy``
     (:func:`tilegemm.ops.conv2d.padded.dgrad`): that of a forward convolution of ``dy`` (K/groups channels a
     group) whose channels :func:`padding_pays` pads."""
-    t = Geometry(g.N, g.K, g.P, g.Q, g.C, g.R, g.S, g.groups, g.stride, g.padding, g.dilation)
+    t = _as_dgrad_forward(g)
     return g.stride == (1, 1) and not g.is_depthwise and pads_channels(t) and padding_pays(t)
+
+
+def _dgrad_widens(g: Geometry) -> bool:
+    """Whether the data gradient of ``g`` takes wider K steps (``padded.dgrad(..., wide=True)``): a stride-1 layer
+    whose forward of ``dy`` :func:`widens_steps` (K a multiple of 16 but not of 32, one group, more than one tap)."""
+    return g.stride == (1, 1) and widens_steps(_as_dgrad_forward(g))
 
 
 def _dgrad_nchw(dy, weight, x_shape, g, precision) -> torch.Tensor:
@@ -488,9 +500,11 @@ def _dgrad_nchw(dy, weight, x_shape, g, precision) -> torch.Tensor:
 
                 return grouped_direct.dgrad(dyc, weight, x_shape, nchw, g)
             if _tma_candidate(dyc):
-                from tilegemm.ops.conv2d import tma_fwd
+                from tilegemm.ops.conv2d import padded, tma_fwd
 
-                dx = tma_fwd.dgrad_tma(dyc, weight, g, out_format=nchw)
+                dx = padded.dgrad(dyc, weight, g, out_format=nchw, wide=True) if _dgrad_widens(g) else None
+                if dx is None:
+                    dx = tma_fwd.dgrad_tma(dyc, weight, g, out_format=nchw)
                 if dx is not None:
                     return dx
             w, keep = implicit_gemm.pointer_weight(weight)

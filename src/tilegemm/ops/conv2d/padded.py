@@ -241,11 +241,13 @@ def run(p, wide: bool = False) -> torch.Tensor:
     return out
 
 
-def dgrad(dy: torch.Tensor, weight: torch.Tensor, g, out_format: torch.memory_format = torch.channels_last):
+def dgrad(dy: torch.Tensor, weight: torch.Tensor, g, out_format: torch.memory_format = torch.channels_last,
+          wide: bool = False):
     """The data gradient of a stride-1 layer whose output channels (``dy``'s) are not a multiple of 16 a group,
     or None where this does not take it: :func:`tilegemm.ops.conv2d.tma_fwd.dgrad_tma`'s forward convolution of
     ``dy`` with the flipped weight, ``dy`` padded as :func:`run` pads an input (or read in place) and the flipped
-    weight written with padded rows of zeros past K/groups. ``dx`` in ``out_format``."""
+    weight written with padded rows of zeros past K/groups. ``dx`` in ``out_format``. ``wide``: K/groups a
+    multiple of 16 stepped wider, ``dy`` read in place (:func:`plan`'s)."""
     from tilegemm.core.hardware import sm_count
     from tilegemm.core.launch import current_stream, launch, sequence_lock
     from tilegemm.core.runtime import new_output
@@ -255,14 +257,14 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, g, out_format: torch.memory_fo
     if g.stride != (1, 1):
         return None  # strided data gradients stay on the pointer kernel (tma_fwd.dgrad_tma says why)
     ((_, _, gt, r0, s0),) = tma_fwd.dgrad_phases(g)
-    if min(gt.padding) < 0 or why_not(dy, weight, gt):
+    if min(gt.padding) < 0 or why_not(dy, weight, gt, wide):
         return None
     if out_format == torch.channels_last:
         dx = new_output((g.N, g.H, g.W, g.C), dy.dtype, dy.device).permute(0, 3, 1, 2)
     else:
         dx = new_output((g.N, g.C, g.H, g.W), dy.dtype, dy.device)
-    pl = plan(dy, gt)
-    kgp = padded_group(g.Kg)
+    pl = plan(dy, gt, wide)
+    kgp = pl.geo.Cg  # dy's channels a group, padded
     total = g.C * g.R * g.S * kgp
     with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
         dyp, _, keep = _pad_launch(dy, gt, pl, None)
