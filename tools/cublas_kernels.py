@@ -7,6 +7,9 @@ cluster and schedule (e.g. ``nvjet_..._128x256_64x4_2x1_..._coopA``), so one see
 rung has to beat. Writes ``$OUT/cublas-kernels.json``; prints one line per case.
 
     PYTHONPATH=src python3 tools/cublas_kernels.py [--cases fp16:1024,fp16:2048,fp8:2048] [--rung auto]
+
+A case is ``DTYPE:N`` (square) or, for 16-bit types, ``DTYPE:MxNxK`` with an optional ``:nt`` (B the transpose of a
+row-major ``[N, K]`` weight, as ``F.linear`` and conv2d's 1x1 GEMMs read it), e.g. ``fp16:6272x192x1920:nt``.
 """
 
 from __future__ import annotations
@@ -57,9 +60,12 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for case in args.cases.split(","):
-        kind, size = case.split(":")
-        n = int(size)
+        kind, size, *layout = case.split(":")
+        dims = [int(v) for v in size.split("x")]
+        n = dims[0]
         dtype = DTYPES[kind]
+        if len(dims) not in (1, 3) or (len(dims) == 3 and dtype.itemsize == 1):
+            raise SystemExit(f"{case}: a case is DTYPE:N, or DTYPE:MxNxK for 16-bit types")
         torch.manual_seed(0)
         if dtype.itemsize == 1:
             a = torch.randn(n, n, device="cuda").to(dtype)
@@ -71,8 +77,10 @@ def main() -> None:
             ours = lambda: tilegemm.matmul(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,  # noqa: E731
                                            fast_accum=fast, kernel=args.rung)
         else:
-            a = torch.randn(n, n, device="cuda", dtype=dtype)
-            b = torch.randn(n, n, device="cuda", dtype=dtype)
+            M, N, K = dims if len(dims) == 3 else (n, n, n)
+            a = torch.randn(M, K, device="cuda", dtype=dtype)
+            b = (torch.randn(N, K, device="cuda", dtype=dtype).T if layout == ["nt"]
+                 else torch.randn(K, N, device="cuda", dtype=dtype))
             base = lambda: torch.matmul(a, b)  # noqa: E731
             ours = lambda: tilegemm.matmul(a, b, kernel=args.rung)  # noqa: E731
         row = {"case": case}
