@@ -5,9 +5,11 @@
 ``configs.wide_group`` channels, 48 -> 64 (``dispatch.widens_steps``, ``padded.run(p, wide=True)``), on the ground
 of the strided 1x1 layers' ragged steps (1.7x-2.3x on 16-wide steps); those layers read 0.40x-0.81x cuDNN.
 
-Times, for the zoo's layers ``widens_steps`` takes (batch 32, channels-last, fp16 unless ``--dtype``; every layer
-within ``--budget`` seconds, the largest first), cuDNN's forward, ``auto`` with the rule off (16-wide steps) and
-on, each checked against cuDNN's fp32 output first, as CUDA graphs; then the geomeans (halves: even and odd
+Times, for the zoo's layers of 16 x odd channels a group (one group, more than one tap; batch 32, channels-last,
+fp16 unless ``--dtype``; every layer within ``--budget`` seconds, the largest first), cuDNN's forward, ``auto``
+with the wide route off (16-wide steps) and forced on, each checked against cuDNN's fp32 output first, as CUDA
+graphs; each row says whether the shipped rule (``widens_steps``: horizontal stride 1, a least amount of work)
+takes the layer and which route ran; then the geomeans over all and over the rule's layers (halves: even and odd
 layers, for a rule fitted on one and read on the other).
 
     PYTHONPATH=src:tools python3 research/wide_steps.py [--budget 150] [--dtype fp16] [--out F.json]
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 from conv2d_depthwise_candidates import geomean, graph_us
 from tilegemm.core.checks import relative_error
-from tilegemm.ops.conv2d import dispatch, zoo
+from tilegemm.ops.conv2d import configs, dispatch, padded, zoo
 from tilegemm.ops.conv2d.problem import ConvCall, DgradCall, geometry_of
 
 
@@ -38,9 +40,14 @@ def _geo(L: dict, batch: int):
                        L["stride"], [pad[0], pad[0], pad[1], pad[1]], L["dilation"], L["groups"])
 
 
+def _candidate(g) -> bool:
+    """A layer the wide route could take (the rule's shape conditions without its stride and size guards)."""
+    return g.groups == 1 and g.R * g.S > 1 and configs.wide_group(g.Cg) > g.Cg
+
+
 def layers(batch: int) -> list[dict]:
-    """The zoo's layers the rule widens (non-stems run by the TMA kernel), the most work first."""
-    out = [L for L in zoo.bench_layers() if dispatch.widens_steps(_geo(L, batch))
+    """The zoo's candidate layers (non-stems run by the TMA kernel), the most work first."""
+    out = [L for L in zoo.bench_layers() if _candidate(_geo(L, batch))
            and dispatch.choose_kernel(_geo(L, batch), True, True, 132) == "tma_implicit_gemm"]
     return sorted(out, key=lambda L: -_geo(L, batch).P * _geo(L, batch).Q * L["K"] * L["C"] * L["R"] * L["S"])
 
@@ -60,29 +67,45 @@ def run_layer(L: dict, batch: int, dtype: torch.dtype) -> dict:
 
     def auto(wide: bool):
         def run(i):
-            dispatch.widens_steps = rule if wide else (lambda g: False)
+            dispatch.widens_steps = (lambda g: True) if wide else (lambda g: False)
             return dispatch.forward(ConvCall(xs[i], w, None, list(g.stride), list(g.padding), list(g.dilation),
                                              g.groups, "none", "ieee", "auto"))
         return run
 
     ref = cudnn(0, torch.float32)
     row = dict(layer=f"{g.C}->{g.K} {g.R}x{g.S} s{g.stride[0]} {g.H}x{g.W} p{pad[0]} d{L['dilation'][0]}",
-               models=L.get("models"), cudnn_us=graph_us(cudnn, 2))
-    for name, fn in (("narrow", auto(False)), ("wide", auto(True))):
-        try:
-            err = relative_error(fn(0).float(), ref)
-        except Exception as e:  # noqa: BLE001 - recorded, not fatal
-            row[name], row[f"{name}_err"] = None, f"{type(e).__name__}: {e}"[:200]
-            continue
-        row[f"{name}_err"] = err
-        row[name] = row["cudnn_us"] / graph_us(fn, 2) if err < 1e-2 else None
+               models=L.get("models"), rule=rule(g), cudnn_us=graph_us(cudnn, 2))
+    _compare(row, ref, auto, "run")
     dispatch.widens_steps = rule
     return row
 
 
+def _compare(row: dict, ref: torch.Tensor, auto, entry: str) -> None:
+    """Each of ``auto(False)`` and ``auto(True)`` checked against ``ref`` and timed into ``row`` (cuDNN time / its
+    time; None where wrong or failing), with whether it ran padded's ``entry`` widened."""
+    real = getattr(padded, entry)
+    for name, fn in (("narrow", auto(False)), ("wide", auto(True))):
+        ran = []
+        setattr(padded, entry, lambda *a, **k: ran.append(k.get("wide", False)) or real(*a, **k))
+        try:
+            err = relative_error(fn(0).float(), ref)
+            row[f"{name}_route"] = "wide" if any(ran) else "direct"
+            row[f"{name}_err"] = err
+            row[name] = row["cudnn_us"] / graph_us(fn, 2) if err < 1e-2 else None
+        except Exception as e:  # noqa: BLE001 - recorded, not fatal
+            row[name], row[f"{name}_err"] = None, f"{type(e).__name__}: {e}"[:200]
+        finally:
+            setattr(padded, entry, real)
+
+
+def _dgrad_candidate(g) -> bool:
+    """A stride-1 layer whose data gradient the wide route could take (16 x odd output channels)."""
+    return g.stride == (1, 1) and _candidate(dispatch._as_dgrad_forward(g))
+
+
 def dgrad_layers(batch: int) -> list[dict]:
-    """The zoo's stride-1 layers whose data gradient the rule widens (run by the TMA kernel), the most work first."""
-    out = [L for L in zoo.bench_layers() if dispatch._dgrad_widens(_geo(L, batch))
+    """The zoo's candidate data gradients (layers run by the TMA kernel), the most work first."""
+    out = [L for L in zoo.bench_layers() if _dgrad_candidate(_geo(L, batch))
            and dispatch.choose_kernel(_geo(L, batch), True, True, 132) == "tma_implicit_gemm"]
     return sorted(out, key=lambda L: -_geo(L, batch).P * _geo(L, batch).Q * L["K"] * L["C"] * L["R"] * L["S"])
 
@@ -104,22 +127,15 @@ def run_dgrad(L: dict, batch: int, dtype: torch.dtype) -> dict:
 
     def auto(wide: bool):
         def run(i):
-            dispatch._dgrad_widens = dgrad_rule if wide else (lambda g: False)
+            dispatch._dgrad_widens = _dgrad_candidate if wide else (lambda g: False)
             return dispatch.dgrad(DgradCall(dys[i], w, x_shape, True, list(g.stride), list(g.padding),
                                             list(g.dilation), g.groups, "ieee"))
         return run
 
     ref = cudnn(0, torch.float32)
     row = dict(layer=f"dgrad {g.C}->{g.K} {g.R}x{g.S} {g.H}x{g.W} p{pad[0]} d{L['dilation'][0]}",
-               models=L.get("models"), cudnn_us=graph_us(cudnn, 2))
-    for name, fn in (("narrow", auto(False)), ("wide", auto(True))):
-        try:
-            err = relative_error(fn(0).float(), ref)
-        except Exception as e:  # noqa: BLE001 - recorded, not fatal
-            row[name], row[f"{name}_err"] = None, f"{type(e).__name__}: {e}"[:200]
-            continue
-        row[f"{name}_err"] = err
-        row[name] = row["cudnn_us"] / graph_us(fn, 2) if err < 1e-2 else None
+               models=L.get("models"), rule=dgrad_rule(g), cudnn_us=graph_us(cudnn, 2))
+    _compare(row, ref, auto, "dgrad")
     dispatch._dgrad_widens = dgrad_rule
     return row
 
@@ -145,14 +161,15 @@ def main() -> None:
             break
         rows.append((run_dgrad if args.dgrad else run_layer)(L, args.batch, dtype))
         r = rows[-1]
-        print(f"{r['layer']:<36s} {r['cudnn_us']:7.1f}us narrow "
+        print(f"{r['layer']:<36s} {'rule' if r['rule'] else '    '} {r['cudnn_us']:7.1f}us narrow "
               + (f"{r['narrow']:.2f}" if r["narrow"] else "WRONG") + " wide "
               + (f"{r['wide']:.2f}" if r["wide"] else "WRONG"), flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(dtype=args.dtype, batch=args.batch, rows=rows), f, indent=1)
     print(f"{len(rows)} of {len(todo)} layers; cuDNN time / ours, geomean:")
-    for name, mine in (("all", rows), ("half 0", rows[0::2]), ("half 1", rows[1::2])):
+    ruled = [r for r in rows if r["rule"]]
+    for name, mine in (("all", rows), ("half 0", rows[0::2]), ("half 1", rows[1::2]), ("rule's", ruled)):
         print(f"  {name:<7s} {len(mine):3d}  narrow {geomean(r['narrow'] for r in mine) or 0:.3f}x"
               f"  wide {geomean(r['wide'] for r in mine) or 0:.3f}x"
               f"  worst {min([(r['wide'] or 0) for r in mine] or [0]):.2f}x")

@@ -348,7 +348,11 @@ def test_wide_steps_pad_16_wide_groups_where_fewer_deeper_steps_cost_less():
         assert w - c <= c / 3 and configs._steps_cost(c, step(w)) <= configs._steps_cost(c, step(c))
         assert (w > c) == (c % 32 == 16 and c > 16)  # every 16-wide group of more than one step is widened
     assert dispatch.widens_steps(_geo(32, 48, 56, 56, 192, 3, 3))
-    assert dispatch.widens_steps(_geo(32, 80, 56, 56, 80, 3, 3, stride=(2, 2)))
+    assert dispatch.widens_steps(_geo(32, 80, 56, 56, 80, 3, 3, stride=(2, 1)))
+    # at horizontal stride 2 the steps past C would read the next stride phase's channels (an inf there would make
+    # NaN where F.conv2d has none); a small layer does not repay the weight's padding launch
+    assert not dispatch.widens_steps(_geo(32, 80, 56, 56, 80, 3, 3, stride=(2, 2)))
+    assert not dispatch.widens_steps(_geo(32, 48, 7, 7, 128, 3, 3))
     assert dispatch.widens_steps(_geo(32, 48, 35, 35, 64, 5, 5, padding=(2,) * 4))
     assert not dispatch.widens_steps(_geo(32, 48, 56, 56, 192, 1, 1, padding=(0,) * 4))  # a 1x1: a GEMM
     assert not dispatch.widens_steps(_geo(32, 224, 56, 56, 224, 3, 3, groups=2))  # grouped: left as they are
@@ -375,25 +379,33 @@ def test_wide_steps_pad_only_the_weight(device, monkeypatch):
 
 WIDE = [  # (N, C, H, W, K, R, S, conv)
     pytest.param(2, 48, 6, 5, 40, 3, 3, dict(padding=1), id="48-40"),
-    pytest.param(2, 80, 8, 6, 24, 3, 3, dict(stride=2, padding=1), id="80-24-stride2"),
+    pytest.param(2, 80, 8, 6, 24, 3, 3, dict(stride=2, padding=1), id="80-24-stride2-direct"),
+    pytest.param(2, 80, 8, 6, 24, 3, 3, dict(stride=(2, 1), padding=1), id="80-24-stride2x1"),
     pytest.param(1, 112, 6, 7, 20, 5, 5, dict(padding=2, dilation=1), id="112-20-5x5"),
     pytest.param(1, 48, 7, 6, 17, 3, 3, dict(padding=2, dilation=2), id="48-17-dilated"),
     pytest.param(2, 48, 5, 6, 80, 3, 3, dict(padding=1), id="48-80-wide-data-gradient"),
-    pytest.param(2, 112, 6, 4, 48, 3, 3, dict(stride=2, padding=1), id="112-48-stride2"),
+    pytest.param(2, 112, 6, 4, 48, 3, 3, dict(stride=(1, 2), padding=1), id="112-48-stride1x2-direct"),
 ]
 
 
 @pytest.mark.parametrize("layout", [CL, torch.contiguous_format], ids=["channels-last", "nchw"])
 @pytest.mark.parametrize("N,C,H,W,K,R,S,conv", WIDE)
-def test_auto_widens_16_wide_steps_forward_and_backward(N, C, H, W, K, R, S, conv, layout, hopper_like, device):
+def test_auto_widens_16_wide_steps_forward_and_backward(N, C, H, W, K, R, S, conv, layout, hopper_like, device,
+                                                         monkeypatch):
     # auto (as on an H200, the Gluon kernel emulated from its launch arguments) runs these layers over the input
-    # read in place (an NCHW one: its channels-last copy) and a weight padded to wider steps; the data gradient of a
-    # stride-1 layer of 16 x odd output channels the same way over dy (the flipped weight padded)
+    # read in place (an NCHW one: its channels-last copy) and a weight padded to wider steps, at horizontal stride 1;
+    # the data gradient of a stride-1 layer of 16 x odd output channels the same way over dy (the weight padded)
+    monkeypatch.setattr(configs, "WIDE_STEP_MIN_FLOPS", 0)  # these small layers too
     x = torch.randn(N, C, H, W, device=device).contiguous(memory_format=layout).requires_grad_()
     w = (torch.randn(K, C, R, S, device=device) / (C * R * S) ** 0.5).requires_grad_()
     b = torch.randn(K, device=device).requires_grad_()
     out = tilegemm.conv2d(x, w, b, activation="relu", **conv)
-    assert hopper_like["fwd"] == [True] and hopper_like["wide"] == [True]
+    stride = conv.get("stride", 1)
+    wide = (stride if isinstance(stride, int) else stride[1]) == 1
+    if wide:
+        assert hopper_like["fwd"] == [True] and hopper_like["wide"] == [True]
+    else:
+        assert hopper_like["fwd"] == []  # the direct kernel's 16-wide steps
     assert out.is_contiguous(memory_format=layout)
     xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
     ref = conv2d_reference(xr, wr, br, **conv, activation="relu")
@@ -500,33 +512,46 @@ GPU_WIDE = [  # (N, C, H, W, K, R, S, conv)
 @pytest.mark.parametrize("N,C,H,W,K,R,S,conv", GPU_WIDE)
 def test_gpu_wide_steps(N, C, H, W, K, R, S, conv, layout, dtype, monkeypatch):
     # 16 * odd channels: auto pads only the weight (the input, or an NCHW input's channels-last copy, read in place)
+    # at horizontal stride 1; the stride-2 case runs the direct 16-wide steps
     from tilegemm.ops.conv2d import op as replay
 
+    monkeypatch.setattr(configs, "WIDE_STEP_MIN_FLOPS", 0)  # these small layers too
     wides, dgrads = [], []
     real, real_dgrad = padded.operands, padded.dgrad
-    monkeypatch.setattr(padded, "operands", lambda *a, **k: wides.append(k.get("wide", False)) or real(*a, **k))
-    monkeypatch.setattr(padded, "dgrad", lambda *a, **k: (lambda dx: dgrads.append((k.get("wide", False),
-                                                                                    dx is not None)) or dx)(
-        real_dgrad(*a, **k)))
+
+    def spy_operands(x, weight, g, wide=False):
+        wides.append(wide)
+        return real(x, weight, g, wide=wide)
+
+    def spy_dgrad(*a, wide=False, **k):
+        dx = real_dgrad(*a, wide=wide, **k)
+        if wide:
+            dgrads.append(dx is not None)
+        return dx
+
+    monkeypatch.setattr(padded, "operands", spy_operands)
+    monkeypatch.setattr(padded, "dgrad", spy_dgrad)
     replay.REPLAYS.clear()
     x = torch.randn(N, C, H, W, device="cuda").to(dtype).contiguous(memory_format=layout).requires_grad_()
     w = (torch.randn(K, C, R, S, device="cuda") / (C * R * S) ** 0.5).to(dtype).requires_grad_()
     b = torch.randn(K, device="cuda").to(dtype).requires_grad_()
     out = tilegemm.conv2d(x, w, b, activation="relu", **conv)
-    assert wides == [True] and out.is_contiguous(memory_format=layout) and out.dtype == dtype
+    stride1 = conv.get("stride", 1) == 1
+    assert wides == ([True] if stride1 else []) and out.is_contiguous(memory_format=layout) and out.dtype == dtype
     xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
     ref = conv2d_reference(xr, wr, br, **conv, activation="relu")
     assert_rel_close(out, ref, tolerance(dtype))
     dy = torch.randn(ref.shape, device="cuda").to(dtype).contiguous(memory_format=layout)
     out.backward(dy)
     ref.backward(dy.double())
-    assert dgrads == ([(True, True)] if conv.get("stride", 1) == 1 and K % 32 == 16 else [])
+    assert dgrads == ([True] if stride1 and K % 32 == 16 else [])
     for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert_rel_close(got, want, tolerance(dtype))
-    # at horizontal stride 1 the steps past C read TMA's zero fill: an inf in the input stays where F.conv2d has it
-    if conv.get("stride", 1) == 1 and layout == CL:
+    # the steps past C read TMA's zero fill, not the next pixel's channels: an inf inside the image stays where
+    # F.conv2d has it
+    if stride1 and layout == CL:
         xi = x.detach().clone()
-        xi[0, :, 0, 0] = float("inf")
+        xi[0, :, H // 2, W // 2 + 1] = float("inf")
         got, want = tilegemm.conv2d(xi, w.detach(), None, **conv), F.conv2d(xi.float(), w.detach().float(), **conv)
         assert torch.equal(got.isfinite(), want.isfinite())
     # recorded, then replayed: a replay pads the weight as it is then

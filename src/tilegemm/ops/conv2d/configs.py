@@ -536,6 +536,8 @@ WIDE_STEP_OVERHEAD = 3.0  # a K step's fixed cost (barrier wait, TMA issue) in 1
 #   "Odd channel counts")
 WIDE_STEP_MOST_WASTE = 1 / 3  # padded channels at most this share of the group's
 WIDE_STEP_GAIN = 0.8  # taken where the wider steps cost at most this share of the direct ones
+WIDE_STEP_MIN_FLOPS = 2**32  # ... in layers of at least this much work: the weight's padding is a launch of its own,
+#   a few microseconds that a small layer's saved steps may not repay (a guard, not a measurement)
 
 
 def _steps_cost(cg: int, step: int) -> float:

@@ -107,9 +107,13 @@ def pads_channels(g: Geometry) -> bool:
 def widens_steps(g: Geometry) -> bool:
     """``auto``'s rule for wider K steps (``padded.run(p, wide=True)``): a single-group layer of more than one tap
     whose C is a multiple of 16 but not of 32 (16-wide steps) and :func:`~tilegemm.ops.conv2d.configs.wide_group`
-    pads (48 -> 64 channels): every such zoo layer ran 0.40x-0.81x cuDNN on the 16-wide steps (docs/conv2d.md,
-    "Odd channel counts"). Grouped ones run 2.7x-4.7x cuDNN as they are; 1x1 layers are GEMMs or ragged steps."""
-    return g.groups == 1 and g.R * g.S > 1 and configs.wide_group(g.Cg) > g.Cg
+    pads (48 -> 64 channels), at horizontal stride 1 (the steps past C then read TMA's zero fill, not the next
+    stride phase's channels: exact whatever the input holds), of at least
+    :data:`~tilegemm.ops.conv2d.configs.WIDE_STEP_MIN_FLOPS`: every such zoo layer ran 0.40x-0.81x cuDNN on the
+    16-wide steps (docs/conv2d.md, "Odd channel counts"). Grouped ones run 2.7x-4.7x cuDNN as they are; 1x1 layers
+    are GEMMs or ragged steps."""
+    return (g.groups == 1 and g.R * g.S > 1 and g.stride[1] == 1 and configs.wide_group(g.Cg) > g.Cg
+            and 2 * g.N * g.P * g.Q * g.K * g.Cg * g.R * g.S >= configs.WIDE_STEP_MIN_FLOPS)
 
 
 def padding_pays(g: Geometry) -> bool:

@@ -107,7 +107,7 @@ def why_not(x: torch.Tensor, weight, g, wide: bool = False) -> str | None:
             return "the input cannot be read in place"
     elif g.Cg % STEP == 0:
         return "C/groups a multiple of 16 already"
-    p = plan(x, g, wide).geo
+    p = plan(x, g, wide=wide).geo
     if g.N * p.H * p.W * p.C >= 2**31 or g.N * g.K * g.P * g.Q >= 2**31 or needs_index_64(x):
         return "2^31 elements or more"
     return None
@@ -219,7 +219,7 @@ def operands(x: torch.Tensor, weight: torch.Tensor, g, wide: bool = False) -> tu
     """(the input the TMA kernel reads, the padded weight channels-last ``[K, Cgp, R, S]``, the workspaces to keep,
     the :class:`Plan`): one launch (the weight's programs alone where the input is read in place). Call under
     :data:`tilegemm.core.launch.sequence_lock` (the workspaces are the stream's). ``wide``: :func:`plan`'s."""
-    pl = plan(x, g, wide)
+    pl = plan(x, g, wide=wide)
     return (*_pad_launch(x, g, pl, weight), pl)
 
 
@@ -233,7 +233,7 @@ def run(p, wide: bool = False) -> torch.Tensor:
 
     out = allocate_out(p)
     with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
-        xp, wp, keep, pl = operands(p.x, p.weight, p.geo, wide)
+        xp, wp, keep, pl = operands(p.x, p.weight, p.geo, wide=wide)
         cfg = tma_fwd.config(pl.geo, p.dtype, sm_count(p.x.device))
         kernel, grid, args, kwargs = tma_fwd.launch_args(xp, wp, out, p.bias, pl.geo, p.activation, cfg,
                                                          x_channels=pl.x_channels)
@@ -257,13 +257,13 @@ def dgrad(dy: torch.Tensor, weight: torch.Tensor, g, out_format: torch.memory_fo
     if g.stride != (1, 1):
         return None  # strided data gradients stay on the pointer kernel (tma_fwd.dgrad_tma says why)
     ((_, _, gt, r0, s0),) = tma_fwd.dgrad_phases(g)
-    if min(gt.padding) < 0 or why_not(dy, weight, gt, wide):
+    if min(gt.padding) < 0 or why_not(dy, weight, gt, wide=wide):
         return None
     if out_format == torch.channels_last:
         dx = new_output((g.N, g.H, g.W, g.C), dy.dtype, dy.device).permute(0, 3, 1, 2)
     else:
         dx = new_output((g.N, g.C, g.H, g.W), dy.dtype, dy.device)
-    pl = plan(dy, gt, wide)
+    pl = plan(dy, gt, wide=wide)
     kgp = pl.geo.Cg  # dy's channels a group, padded
     total = g.C * g.R * g.S * kgp
     with sequence_lock:  # the workspaces are shared by the calls on this stream: no other thread in between
