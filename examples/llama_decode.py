@@ -116,11 +116,15 @@ def main(argv=None) -> int:
     described = {"eager": "eager PyTorch", "graph": "decode step replayed from a CUDA graph",
                  "compile": "decode step compiled by torch.compile, replayed from a CUDA graph"}
     modes = ["eager"] if device == "cpu" or args.tiny else ["eager", "graph", "compile"]
-    if device == "cuda" and args.modes:
+    if args.modes:
         modes = args.modes.split(",")
     unknown = [m for m in modes if m not in described]
     if unknown:
         print(f"unknown mode(s) {unknown}: choose from {', '.join(described)}", file=sys.stderr)
+        return 2
+    if device == "cpu" and modes != ["eager"]:
+        print(f"mode(s) {[m for m in modes if m != 'eager']} need a CUDA GPU: on the CPU only eager runs",
+              file=sys.stderr)
         return 2
     print(f"greedy decode: {prompt_len}-token prompt, {new_tokens} new tokens, static KV cache; modes: "
           + ", ".join(described[m] for m in modes))

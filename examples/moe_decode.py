@@ -55,10 +55,14 @@ def main(argv=None) -> int:
         return 2
     described = {"eager": "eager PyTorch", "graph": "decode step replayed from a CUDA graph",
                  "compile": "decode step compiled by torch.compile, replayed from a CUDA graph"}
-    modes = ["eager"] if device == "cpu" else (args.modes or "graph,compile").split(",")
+    modes = (args.modes or ("eager" if device == "cpu" else "graph,compile")).split(",")
     unknown = [m for m in modes if m not in described]
     if unknown:
         print(f"unknown mode(s) {unknown}: choose from {', '.join(described)}", file=sys.stderr)
+        return 2
+    if device == "cpu" and modes != ["eager"]:
+        print(f"mode(s) {[m for m in modes if m != 'eager']} need a CUDA GPU: on the CPU only eager runs",
+              file=sys.stderr)
         return 2
     prompt_len = args.prompt or (8 if args.tiny else 512)
     new_tokens = args.new or (4 if args.tiny else 128)

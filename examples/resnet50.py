@@ -93,11 +93,15 @@ def training_step(args, device) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a two-block ResNet at 16x16, batch 2, no timing")
-    parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[32, 256])
+    parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=None,
+                        help="batch sizes timed (default 32,256; not with --tiny, which times nothing)")
     args = parser.parse_args()
     device = "cpu" if tilegemm.interpreting() else "cuda"
     if device == "cpu" and not args.tiny:
         parser.error("no CUDA GPU: kernels would run under Triton's interpreter; use --tiny")  # (exit 2)
+    if args.tiny and args.batches:
+        parser.error("--batches sets the batches timed; --tiny times nothing")
+    args.batches = args.batches or [32, 256]
     inference(args, device)
     training_step(args, device)
 

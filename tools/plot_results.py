@@ -34,6 +34,9 @@ def main(paths: list[str]) -> int:
     if not paths:
         print(__doc__.splitlines()[0], file=sys.stderr)
         return 2
+    if paths[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
     failed = 0
     for path in paths:
         try:

@@ -34,3 +34,15 @@ def test_tiny_decode_with_joined_projections(capsys):
     assert "fuse_projections_: 2 groups joined" in out  # 1 layer x (q/k/v, gate/up)
     line = next(l for l in out.splitlines() if l.startswith("int4 vs fp16-dequantized"))
     assert float(line.split("rel. error ")[1].split(",")[0]) < 1e-2, line
+
+
+def test_modes_it_cannot_run_are_refused(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs every mode")
+    args = ["--tiny", "--layers", "1", "--batches", "1", "--prompt", "2", "--new", "1"]
+    assert load_example().main(args + ["--modes", "bogus"]) == 2
+    assert "unknown mode(s) ['bogus']" in capsys.readouterr().err
+    assert load_example().main(args + ["--modes", "graph"]) == 2
+    assert "['graph'] need a CUDA GPU" in capsys.readouterr().err

@@ -36,3 +36,14 @@ def test_no_gpu_without_tiny_is_refused(capsys):
         pytest.skip("a GPU runs the full-size model")
     assert load_example().main([]) == 2
     assert "use --tiny" in capsys.readouterr().err
+
+
+def test_modes_it_cannot_run_are_refused(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs every mode")
+    assert load_example().main(["--tiny", "--modes", "bogus"]) == 2
+    assert "unknown mode(s) ['bogus']" in capsys.readouterr().err
+    assert load_example().main(["--tiny", "--modes", "eager,graph"]) == 2
+    assert "['graph'] need a CUDA GPU" in capsys.readouterr().err

@@ -22,3 +22,11 @@ def test_tiny_resnet_agrees_with_torch():
     line = out.split("worst gradient relative error ")[1].splitlines()[0]  # "tilegemm A, cuDNN B; ..."
     ours, theirs = (float(line.split(f"{side} ")[1].split()[0].rstrip(",;")) for side in ("tilegemm", "cuDNN"))
     assert ours < 1e-2 and ours <= 2 * theirs + 1e-4, out
+
+
+def test_tiny_refuses_batches_it_would_not_time():
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TILEGEMM_INTERPRET")}
+    env["TILEGEMM_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, EXAMPLE, "--tiny", "--batches", "2"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 2 and "--tiny times nothing" in done.stderr, done.stderr[-2000:]
