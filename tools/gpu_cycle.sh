@@ -89,6 +89,8 @@
 #   wide-steps    research/wide_steps.py: the zoo's dense layers of 16 * odd channels (48, 80, 112, 144), auto with the
 #                 wider K steps off and on against cuDNN (\$CONV_BUDGET seconds, default 150), their data gradients
 #                 (--dgrad, 100 s), then the padded route's GPU tests
+#   tma-tiles     research/tma_tiles.py: the zoo's dense layers of at most 64 output channels on the TMA kernel, its
+#                 config against 256- and 512-pixel tiles on 4 or 8 warps (\$CONV_BUDGET seconds, default 200)
 #   cublas-1x1    tools/cublas_kernels.py on the GEMMs of eight stride-1 1x1 zoo layers where cuBLAS leads tilegemm's
 #                 GEMM (docs/conv2d.md, "The zoo"): which kernel, tile and split cuBLAS runs, and how long each takes
 #   narrow-1x1    research/narrow_1x1.py: the zoo's 1x1 layers of at most 64 channels in and 128 out, cuDNN, auto,
@@ -283,6 +285,8 @@ for step in "$@"; do
                 PYTHONPATH=src:tools timeout 200 python3 research/wide_steps.py --dgrad --budget 100 \
                   --out "$OUT/wide-steps-dgrad.json" 2>&1 | tail -n 11
                 pytest_ -m "" -n 8 -rf tests/conv2d/test_conv2d_padded.py 2>&1 | tee "$OUT/padded-tests.log" | tail -n 4 ;;
+    tma-tiles)  PYTHONPATH=src:tools timeout 320 python3 research/tma_tiles.py --budget "${CONV_BUDGET:-200}" \
+                  --out "$OUT/tma-tiles.json" 2>&1 | tail -n 20 ;;
     cublas-1x1) python3 tools/cublas_kernels.py --reps 20 --cases fp16:6272x192x1920:nt,fp16:7200x304x1056:nt,\
 fp16:3200x1392x232:nt,fp16:6272x672x288:nt,fp16:3200x384x1392:nt,fp16:6272x192x1632:nt,fp16:6272x888x336:nt,\
 fp16:6272x488x488:nt 2>&1 | tail -n 16 ;;
