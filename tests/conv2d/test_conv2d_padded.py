@@ -422,6 +422,17 @@ def test_auto_widens_16_wide_steps_forward_and_backward(N, C, H, W, K, R, S, con
 # --- on the GPU ------------------------------------------------------------------------------------------
 
 
+def _check_replay_reads_the_weight_anew(x, w, conv, dtype):
+    """Plain calls are recorded, then replayed: a replay pads the weight as it is then (updated in place)."""
+    with torch.no_grad():
+        xs, ws = x.detach(), w.detach()
+        first = tilegemm.conv2d(xs, ws, None, **conv)
+        ws.mul_(-1.5)
+        again = tilegemm.conv2d(xs, ws, None, **conv)
+    assert_rel_close(first, conv2d_reference(xs, ws / -1.5, **conv), tolerance(dtype))
+    assert_rel_close(again, conv2d_reference(xs, ws, **conv), tolerance(dtype))
+
+
 GPU_ODD = [  # (N, C, H, W, K, R, S, conv, in place for a channels-last input)
     pytest.param(4, 57, 28, 28, 113, 3, 3, dict(padding=1), False, id="57-113"),
     pytest.param(3, 17, 15, 17, 23, 3, 3, dict(padding=1), False, id="17-23-odd-image"),
@@ -474,14 +485,7 @@ def test_gpu_odd_channels_through_the_padded_route(N, C, H, W, K, R, S, conv, in
     assert len(wgrads) == (groups == 1 or (cg % 8 == 0 and kg % 8 == 0))  # one group: over copies where odd
     for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert_rel_close(got, want, tolerance(dtype))
-    # plain calls are recorded, then replayed: a replay pads the weight as it is then (updated in place)
-    with torch.no_grad():
-        xs, ws = x.detach(), w.detach()
-        first = tilegemm.conv2d(xs, ws, None, **conv)
-        ws.mul_(-1.5)
-        again = tilegemm.conv2d(xs, ws, None, **conv)
-    assert_rel_close(first, conv2d_reference(xs, ws / -1.5, **conv), tolerance(dtype))
-    assert_rel_close(again, conv2d_reference(xs, ws, **conv), tolerance(dtype))
+    _check_replay_reads_the_weight_anew(x, w, conv, dtype)
 
 
 @pytest.mark.gpu
@@ -554,11 +558,4 @@ def test_gpu_wide_steps(N, C, H, W, K, R, S, conv, layout, dtype, monkeypatch):
         xi[0, :, H // 2, W // 2 + 1] = float("inf")
         got, want = tilegemm.conv2d(xi, w.detach(), None, **conv), F.conv2d(xi.float(), w.detach().float(), **conv)
         assert torch.equal(got.isfinite(), want.isfinite())
-    # recorded, then replayed: a replay pads the weight as it is then
-    with torch.no_grad():
-        xs, ws = x.detach(), w.detach()
-        first = tilegemm.conv2d(xs, ws, None, **conv)
-        ws.mul_(-1.5)
-        again = tilegemm.conv2d(xs, ws, None, **conv)
-    assert_rel_close(first, conv2d_reference(xs, ws / -1.5, **conv), tolerance(dtype))
-    assert_rel_close(again, conv2d_reference(xs, ws, **conv), tolerance(dtype))
+    _check_replay_reads_the_weight_anew(x, w, conv, dtype)
