@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         value = os.environ.get(name)
         if value is not None and value.strip().lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off",
                                                                 ""):
-            print(f"tilegemm: error: {name}={value!r}: expected 1 or 0", file=sys.stderr)
+            print(f"tilegemm: error: {name}={value!r}: expected 1 or 0 (or true/false, yes/no, on/off)",
+                  file=sys.stderr)
             return 2
     from tilegemm.cli import main as run
 

@@ -367,6 +367,8 @@ def cmd_tune(args, console) -> int:
     except BenchError as err:
         raise UsageError(str(err)) from None
     kernels = [r.strip() for r in args.kernels.split(",") if r.strip()]
+    if not kernels:
+        raise UsageError(f"--kernels names no kernel: give one or more of {', '.join(spec.tunable)}")
     for kernel in kernels:
         if kernel not in spec.tunable:
             raise UsageError(f"--kernels takes {', '.join(spec.tunable)} for op {args.op}, not {kernel!r}")

@@ -249,7 +249,7 @@ def test_a_bad_interpreter_flag_is_one_line(tmp_path, name):
     env[name] = "bogus"
     run = subprocess.run([sys.executable, "-m", "tilegemm_cli", "info"], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=120)
-    assert run.returncode == 2 and run.stderr.strip() == f"tilegemm: error: {name}='bogus': expected 1 or 0"
+    assert run.returncode == 2 and run.stderr.strip() == f"tilegemm: error: {name}='bogus': expected 1 or 0 (or true/false, yes/no, on/off)"
 
 
 @cpu_only
@@ -292,6 +292,11 @@ def test_an_empty_option_is_an_error_not_its_absence(argv, flag, monkeypatch, ca
 @pytest.mark.parametrize("argv", [["tune", "--kernels", "", "--shape", "8,8,8"], ["warmup", "--dtype", ""]])
 def test_tune_and_warmup_refuse_empty_options(argv, capsys):
     _one_line_exit_2(argv, "is empty", capsys)
+
+
+def test_tune_refuses_a_list_of_no_kernels(capsys):
+    # "--kernels ," tuned nothing and said so with exit status 0
+    _one_line_exit_2(["tune", "--kernels", ",", "--shape", "8,8,8"], "--kernels names no kernel", capsys)
 
 
 def test_two_outputs_of_one_path_are_an_error(tmp_path, monkeypatch, capsys):

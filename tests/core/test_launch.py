@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import triton
@@ -142,3 +144,31 @@ def test_threads_launching_under_the_interpreter_take_turns():
     for t in threads:
         t.join()
     assert errors == [] and len(results) == 4 and max(results.values()) < 1e-4, (errors, results)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX's")
+def test_a_child_forked_while_another_thread_holds_a_lock_can_take_it():
+    # a thread inside a launch (the interpreter's lock, a call's sequence lock, the tuning tables' lock) when another
+    # forked: the child, which has only the forking thread, hung at its first call
+    import threading
+
+    from tilegemm.core import launch as launch_module, runtime, tuning
+
+    for lock in (runtime._INTERPRETER_LOCK, launch_module.sequence_lock, tuning._lock):
+        held, done = threading.Event(), threading.Event()
+
+        def hold():
+            with lock:
+                held.set()
+                done.wait(30)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        held.wait(30)
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 if the lock can be taken
+            os._exit(0 if lock.acquire(timeout=10) else 1)
+        _, status = os.waitpid(pid, 0)
+        done.set()
+        t.join()
+        assert os.waitstatus_to_exitcode(status) == 0, lock

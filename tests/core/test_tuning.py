@@ -230,7 +230,7 @@ def test_lookup_or_tune_times_once_and_keeps_the_fastest(cache, monkeypatch):
         return speed[launched[-1]]
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
-    k = tuning.key("split_k", 16, 64, 4096, torch.float16, torch.float16)
+    k = tuning.key("demo", 16, 64, 4096, torch.float16, torch.float16)  # a rung whose entries have no set fields
     options = lambda: [dict(id=1), dict(id=2), dict(id=3)]  # noqa: E731
     assert tuning.lookup_or_tune(k, options, lambda cfg: launched.append(cfg["id"])) == dict(id=2)
     assert launched == [1, 2, 3]
@@ -240,7 +240,7 @@ def test_lookup_or_tune_times_once_and_keeps_the_fastest(cache, monkeypatch):
     assert tuning.lookup_or_tune(k, options, lambda cfg: launched.append(cfg["id"])) == dict(id=2)
     assert launched == [1, 2, 3]
     # A single candidate is taken without timing.
-    k1 = tuning.key("split_k", 1, 8, 8, torch.float16, torch.float16)
+    k1 = tuning.key("demo", 1, 8, 8, torch.float16, torch.float16)
     assert tuning.lookup_or_tune(k1, lambda: [dict(id=9)], lambda cfg: launched.append(cfg["id"])) == dict(id=9)
     assert launched == [1, 2, 3]
 
@@ -591,12 +591,13 @@ def test_timing_context_turns_timing_on(cache, monkeypatch):
 
 def test_version_one_files_are_read_with_todays_dtype_names(cache):
     old = {"schema": "tilegemm-tuned/1", "gpu": "x", "triton": "3.6.0", "entries": {
-        "autotuned|M16|N64|K64|float16|float16|NN": {"BLOCK_M": 16},
-        "persistent_tma|M16|N64|K64|float8_e4m3fnxfloat8_e5m2+fast|bfloat16|NT": {"BLOCK_M": 32}}}
+        "autotuned|M16|N64|K64|float16|float16|NN": CFG,
+        "persistent_tma|M16|N64|K64|float8_e4m3fnxfloat8_e5m2+fast|bfloat16|NT": {"BLOCK_M": 32, "num_warps": 4}}}
     (cache / "shipped.json").write_text(json.dumps(old))
     tuning.forget()
-    assert tuning.lookup("autotuned|M16|N64|K64|fp16|fp16|NN") == {"BLOCK_M": 16}
-    assert tuning.lookup("persistent_tma|M16|N64|K64|fp8_e4m3xfp8_e5m2+fast|bf16|NT") == {"BLOCK_M": 32}
+    assert tuning.lookup("autotuned|M16|N64|K64|fp16|fp16|NN") == CFG
+    fp8 = "persistent_tma|M16|N64|K64|fp8_e4m3xfp8_e5m2+fast|bf16|NT"
+    assert tuning.lookup(fp8) == {"BLOCK_M": 32, "num_warps": 4}
 
 
 def test_shipped_files_use_one_dtype_vocabulary():
@@ -820,3 +821,154 @@ def test_untimed_choices_are_forgotten_past_their_bound(monkeypatch):
                                [{"BLOCK_M": 16, "n": n}])
         assert got == {"BLOCK_M": 16, "n": n}
         assert 1 <= len(t._guessed) <= 3
+
+
+def test_processes_saving_side_by_side_keep_each_others_entries(cache):
+    # another process (here: its file written directly) saved entries after this one read the file: this
+    # process's save reads them again under the folder's lock and keeps them
+    mine, theirs = (tuning.key("autotuned", m, 64, 64, torch.float16, torch.float16) for m in (16, 512))
+    assert tuning.lookup(mine) is None  # (this process has read the file: none yet)
+    path = tuning.cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"schema": tuning.SCHEMA, "tuned_only": True, "entries": {theirs: CFG}}))
+    tuning.record(mine, dict(CFG, BLOCK_M=32))
+    entries = json.loads(path.read_text())["entries"]
+    assert entries == {mine: dict(CFG, BLOCK_M=32), theirs: CFG}
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no lock or temporary file left
+
+
+@pytest.mark.parametrize("bad", [{}, {"BLOCK_SIZE_M": 64, "num_warps": 4}, dict(CFG, BLOCK_M="64"),
+                                 dict(CFG, BLOCK_M=48), dict(CFG, BLOCK_K=32.0), dict(CFG, num_warps=0),
+                                 [["BLOCK_M", 64]]])
+def test_entries_no_kernel_can_take_are_ignored_with_a_warning(cache, bad, device):
+    # a file from an older version (renamed fields), edited by hand or damaged in part: its bad entries are
+    # passed over, so the call chooses as for an unknown class instead of failing in the kernel every time
+    a = torch.randn(16, 32, dtype=torch.float16, device=device)
+    b = torch.randn(32, 16, dtype=torch.float16, device=device)
+    k = tuning.key("autotuned", 16, 16, 32, torch.float16, torch.float16, "NN")
+    good = tuning.key("autotuned", 64, 64, 64, torch.float16, torch.float16, "NN")
+    path = tuning.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"schema": tuning.SCHEMA, "tuned_only": True, "entries": {k: bad, good: CFG}}))
+    with pytest.warns(UserWarning, match="1 entry of the tuning file .* is not a config this version reads"):
+        assert tuning.lookup(k) is None
+    assert tuning.lookup(good) == CFG
+    out = tilegemm.matmul(a, b, kernel="autotuned")
+    torch.testing.assert_close(out.float(), (a.float() @ b.float()), rtol=2e-3, atol=2e-3)
+
+
+def test_a_newer_versions_file_is_left_as_it_is(cache):
+    path = tuning.cache_file()
+    path.parent.mkdir(parents=True)
+    newer = json.dumps({"schema": "tilegemm-tuned/9", "entries": {"autotuned|M1|N1|K1|fp16|fp16|": {"X": 1}}})
+    path.write_text(newer)
+    with pytest.warns(UserWarning, match="schema 'tilegemm-tuned/9'.*left as it is"):
+        tuning.record("autotuned|M2|N2|K2|fp16|fp16|", CFG)
+    assert path.read_text() == newer
+    assert tuning.lookup("autotuned|M2|N2|K2|fp16|fp16|") == CFG  # kept in memory
+
+
+def test_an_unreadable_file_is_not_written_over(cache, monkeypatch):
+    import pathlib
+
+    path = tuning.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"schema": tuning.SCHEMA, "entries": {}}))
+    real = pathlib.Path.read_text
+
+    def read_text(self, *a, **k):
+        if self == path:
+            raise PermissionError(13, "Permission denied")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    with pytest.warns(UserWarning, match="cannot read the tuning file .*Permission denied.*left as it is"):
+        tuning.record("autotuned|M2|N2|K2|fp16|fp16|", CFG)
+    monkeypatch.setattr(pathlib.Path, "read_text", real)
+    assert json.loads(path.read_text())["entries"] == {}
+
+
+def test_no_home_directory_keeps_tunings_in_memory(cache, monkeypatch):
+    import pathlib
+
+    from tilegemm.core import runtime
+
+    monkeypatch.delenv("TILEGEMM_CACHE_DIR")
+    monkeypatch.setattr(pathlib.Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(
+        RuntimeError("Could not determine home directory."))))
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)  # (the interpreter keeps no files unless asked)
+    monkeypatch.setattr(tuning, "_device_tag", lambda: ("gpu", "3.6.0"))
+    monkeypatch.setattr(tuning, "_no_home_warned", False)
+    with pytest.raises(RuntimeError, match="set TILEGEMM_CACHE_DIR"):
+        tuning.cache_dir()
+    with pytest.warns(UserWarning, match="no home directory.*in memory only"):
+        tuning.record("autotuned|M2|N2|K2|fp16|fp16|", CFG)
+    assert tuning.lookup("autotuned|M2|N2|K2|fp16|fp16|") == CFG
+
+
+def test_the_cache_folder_expands_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TILEGEMM_CACHE_DIR", "~/tuning")
+    assert tuning.cache_dir() == tmp_path / "tuning"
+
+
+def test_yes_no_variables_warn_on_other_values(monkeypatch):
+    monkeypatch.setattr(tuning, "_warned_env", set())
+    for value, want in (("1", True), ("ON", True), ("no", False), ("", False)):
+        monkeypatch.setenv("TILEGEMM_TUNE", value)
+        assert tuning.timing_enabled() is want
+    monkeypatch.setenv("TILEGEMM_TUNE", "2")
+    with pytest.warns(UserWarning, match="TILEGEMM_TUNE='2' is not one of 1, true"):
+        assert tuning.timing_enabled() is False
+    monkeypatch.setenv("TILEGEMM_TUNING_CACHE", "maybe")
+    with pytest.warns(UserWarning, match="TILEGEMM_TUNING_CACHE='maybe'.*taken as on"):
+        tuning.env_flag("TILEGEMM_TUNING_CACHE", True)
+
+
+def test_threads_autotuning_at_once_record_their_own_winners(cache, monkeypatch):
+    # one Triton autotuner serves every shape: a thread read the winner another thread's autotune had just set and
+    # recorded it under its own key
+    import threading
+    import types
+
+    from tilegemm.ops.matmul import autotuned
+    from tilegemm.ops.matmul.problem import make_problems
+
+    other_done = threading.Event()
+
+    class Autotuner:  # sets its winner for the thread that runs it; "A" reads it only after "B" ran (if B can)
+        cache: dict = {}
+        best_config = None
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                me = threading.current_thread().name
+                self.best_config = types.SimpleNamespace(
+                    kwargs=dict(BLOCK_M=64 if me == "A" else 128, BLOCK_N=32, BLOCK_K=16, GROUP_M=8),
+                    num_warps=4, num_stages=1)
+                if me == "A":
+                    other_done.wait(2)
+                else:
+                    other_done.set()
+            return run
+
+    monkeypatch.setattr(autotuned, "matmul_autotuned_kernel", Autotuner())
+
+    def call(K):
+        a, b = torch.randn(200, K), torch.randn(K, 200)
+        (p,) = make_problems(a, b, torch.empty(200, 200), precision="ieee")
+        with tuning.timing():
+            autotuned.run(p)
+        return p.tuning_key("autotuned")
+
+    keys = {}
+    threads = [threading.Thread(target=lambda n=n, K=K: keys.__setitem__(n, call(K)), name=n)
+               for n, K in (("A", 64), ("B", 128))]
+    threads[0].start()
+    import time
+
+    time.sleep(0.3)
+    threads[1].start()
+    for t in threads:
+        t.join()
+    assert tuning.lookup(keys["A"])["BLOCK_M"] == 64 and tuning.lookup(keys["B"])["BLOCK_M"] == 128

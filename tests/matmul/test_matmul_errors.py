@@ -252,7 +252,7 @@ def test_fake_cpu_tensors_when_a_gpu_is_in_use(monkeypatch):
 
 def test_bad_env_flag(monkeypatch):
     monkeypatch.setenv("TILEGEMM_INTERPRET", "maybe")
-    with pytest.raises(ValueError, match="TILEGEMM_INTERPRET='maybe': expected 1 or 0"):
+    with pytest.raises(ValueError, match=r"TILEGEMM_INTERPRET='maybe': expected 1 or 0 \(or true/false, yes/no, on/off\)"):
         runtime._env_flag("TILEGEMM_INTERPRET")
     for empty in ("", " "):  # set empty: as if unset (it had forced the GPU compiler, naming "=0")
         monkeypatch.setenv("TILEGEMM_INTERPRET", empty)

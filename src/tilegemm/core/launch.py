@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from tilegemm.core.runtime import interpreting, quiet_interpreter
+from tilegemm.core.runtime import fork_safe, interpreting, quiet_interpreter
 
 class _State(threading.local):
     """This thread's recording and kept buffers. Class defaults: a replay key asks on every call, and a lookup
@@ -222,7 +222,7 @@ def spoil() -> None:
 # Held while a call launches a sequence that shares per-stream buffers between its launches (matmul's aligned
 # twin, a K split reduced apart) and while a replay repeats one: Triton releases the GIL around a launch, so
 # two threads on one stream could otherwise interleave their launches over the same buffers.
-sequence_lock = threading.RLock()
+sequence_lock = fork_safe(threading.RLock())
 
 
 def recording_active() -> bool:

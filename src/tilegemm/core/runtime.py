@@ -29,7 +29,27 @@ def cdiv(a: int, b: int) -> int:
     costs microseconds (its argument handling), and a call's host path makes dozens of such divisions."""
     return -(-a // b)
 
-_lock = threading.Lock()
+_FORK_LOCKS: list = []
+
+
+def fork_safe(lock):
+    """``lock``, registered to be made anew (unlocked) in a child process forked while another thread held it: the
+    child has only the forking thread, so a lock held by any other would never be released there."""
+    _FORK_LOCKS.append(lock)
+    return lock
+
+
+def _unlock_in_child() -> None:
+    for lock in _FORK_LOCKS:
+        reinit = getattr(lock, "_at_fork_reinit", None)  # (CPython's own hook, as logging's locks use it)
+        if reinit is not None:
+            reinit()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_unlock_in_child)
+
+_lock = fork_safe(threading.Lock())
 _interpret: bool | None = None
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -49,7 +69,7 @@ def _env_flag(name: str) -> bool | None:
         return True
     if lowered in _FALSE:
         return False
-    raise ValueError(f"{name}={value!r}: expected 1 or 0")
+    raise ValueError(f"{name}={value!r}: expected 1 or 0 (or true/false, yes/no, on/off)")
 
 
 def _forced() -> bool | None:
@@ -169,7 +189,7 @@ for _fn in (ensure_backend, interpreting):
     _fn._dynamo_marked_constant = True
 
 
-_INTERPRETER_LOCK = threading.RLock()
+_INTERPRETER_LOCK = fork_safe(threading.RLock())
 
 
 @contextlib.contextmanager

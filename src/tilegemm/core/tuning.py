@@ -31,15 +31,17 @@ from pathlib import Path
 
 from tilegemm.core.dtypes import dtype_name, rename_old
 from tilegemm.core.files import atomic_write
+from tilegemm.core.runtime import fork_safe
 
 SCHEMA = "tilegemm-tuned/2"  # 2: dtype labels in tilegemm's vocabulary (fp16, fp8_e4m3); 1 had torch's names
-_lock = threading.Lock()
+_lock = fork_safe(threading.Lock())
 _memory: dict[str, dict] = {}
 _tuned: dict[str, dict] = {}  # what the user's file holds: its own entries and this process's tunings
 _guessed: dict[tuple, dict] = {}  # untimed choices of this process (choose_untimed): never neighbours, never saved
 GUESSED_MAX = 4096  # forgotten all at once past this many (a server's varying shapes; each is made again cheaply)
 _borrowed: set[str] = set()  # shipped keys read from a sibling GPU's file (table_slug): not this GPU's measurements
 _loaded_for: str | None = None
+_shipped: set[str] = set()  # the keys of the shipped table read
 _generation = 0  # bumped when entries are recorded or dropped: answers derived from the entries go stale
 
 
@@ -120,7 +122,16 @@ def _device_tag() -> tuple[str, str]:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TILEGEMM_CACHE_DIR") or Path.home() / ".cache" / "tilegemm")
+    """The folder of the user's tuning files: ``$TILEGEMM_CACHE_DIR`` (``~`` expanded), else ``~/.cache/tilegemm``;
+    RuntimeError where neither can be had (no home directory: set the variable)."""
+    named = os.environ.get("TILEGEMM_CACHE_DIR")
+    if named:
+        return Path(named).expanduser()
+    try:
+        return Path.home() / ".cache" / "tilegemm"
+    except (RuntimeError, KeyError) as err:  # a user without a home (a container's arbitrary uid)
+        raise RuntimeError(f"tilegemm: no home directory for the tuning cache ({err}): set TILEGEMM_CACHE_DIR "
+                           f"to a writable folder") from None
 
 
 def cache_file() -> Path:
@@ -145,29 +156,120 @@ def migrate_key(k: str) -> str:
     return "|".join(parts)
 
 
+_warned_env: set[str] = set()
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A yes/no environment variable: 1, true, yes, on or 0, false, no, off (any case); unset or empty: ``default``;
+    anything else: ``default``, with one warning naming the variable and the values it takes."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    if raw and name not in _warned_env:
+        _warned_env.add(name)
+        warnings.warn(f"tilegemm: {name}={os.environ[name]!r} is not one of 1, true, yes, on, 0, false, no, off; "
+                      f"taken as {'on' if default else 'off'}", stacklevel=3)
+    return default
+
+
+_no_home_warned = False
+
+
 def _disk_enabled() -> bool:
+    global _no_home_warned
     from tilegemm.core.runtime import interpreting
 
-    if os.environ.get("TILEGEMM_TUNING_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_flag("TILEGEMM_TUNING_CACHE", True):
         return False
     # Under the interpreter there is nothing worth keeping, unless a cache folder was asked for explicitly.
-    return not interpreting() or bool(os.environ.get("TILEGEMM_CACHE_DIR"))
+    if interpreting() and not os.environ.get("TILEGEMM_CACHE_DIR"):
+        return False
+    try:
+        cache_dir()
+    except RuntimeError as err:
+        if not _no_home_warned:
+            _no_home_warned = True
+            warnings.warn(f"{err}; tuned configs are kept in memory only", stacklevel=3)
+        return False
+    return True
 
 
-def _read(path: Path) -> tuple[dict[str, dict], bool]:
+# Configs' integer fields the kernels take as sizes: a file whose entry holds another type there (a string, a
+# float, a size not a power of two where one must be) would fail every call that reads it.
+_SIZES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages", "STAGES")
+_POWERS_OF_TWO = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")
+# The fields every entry of a rung holds (those its shipped tables all have).
+_REQUIRED = {
+    "autotuned": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"),
+    "split_k": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages"),
+    "auto": ("rung",),
+    "persistent_tma": ("num_warps",),
+}
+
+
+def _sound(k: str, config) -> bool:
+    """Whether a file's entry ``config`` for key ``k`` is a config this version's kernels can take: a non-empty
+    dict of booleans, strings and non-negative integers, its sizes positive integers (powers of two where the
+    kernels need them), with the fields its rung's entries always hold."""
+    if not isinstance(config, dict) or not config:
+        return False
+    for name, value in config.items():
+        if not isinstance(name, str) or not isinstance(value, (bool, int, str)):
+            return False
+        if name in _SIZES and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            return False
+        if name in _POWERS_OF_TWO and value & (value - 1):
+            return False
+        if isinstance(value, int) and value < 0:
+            return False
+    return all(name in config for name in _REQUIRED.get(k.split("|")[0], ()))
+
+
+_keep_as_is: set[str] = set()  # files this process must not write over: unreadable, or of a newer schema
+
+
+def _read(path: Path, quiet: bool = False) -> tuple[dict[str, dict], bool]:
     """(entries, whether the file says it holds tuned entries only) of a tuning file; ({}, True) for a
-    missing or damaged one."""
+    missing or damaged one. Entries that are not configs this version's kernels take (:func:`_sound`) are
+    left out, with a warning. A file that cannot be read, or was written with a schema this version does not
+    know (a newer tilegemm's), is left as it is: this process keeps its own tunings in memory only. ``quiet``:
+    no warnings (a file read again before it is written, whose reading warned already)."""
+    if quiet:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _read(path)
     if not path.exists():
         return {}, True
     try:
-        data = json.loads(path.read_text())
-        if data.get("schema") not in (SCHEMA, _SCHEMA_1) or not isinstance(data.get("entries"), dict):
-            raise ValueError(f"schema {data.get('schema')!r}")
-        entries = {k: dict(v) for k, v in data["entries"].items()}
-        if data["schema"] == _SCHEMA_1:
+        text = path.read_text()
+    except OSError as err:
+        _keep_as_is.add(str(path))
+        warnings.warn(f"tilegemm: cannot read the tuning file {path} ({err.strerror or err}); it is left as it is "
+                      f"and this process's tunings are kept in memory only", stacklevel=3)
+        return {}, True
+    try:
+        data = json.loads(text)
+        schema = data.get("schema")
+        if isinstance(schema, str) and schema.startswith("tilegemm-tuned/") and schema not in (SCHEMA, _SCHEMA_1):
+            _keep_as_is.add(str(path))
+            warnings.warn(f"tilegemm: the tuning file {path} has schema {schema!r}, which this version does not "
+                          f"read (a newer tilegemm's?); it is left as it is and this process's tunings are kept "
+                          f"in memory only", stacklevel=3)
+            return {}, True
+        if schema not in (SCHEMA, _SCHEMA_1) or not isinstance(data.get("entries"), dict):
+            raise ValueError(f"schema {schema!r}")
+        entries = dict(data["entries"])
+        if schema == _SCHEMA_1:
             entries = {migrate_key(k): v for k, v in entries.items()}
-        return entries, data.get("tuned_only") is True
-    except (OSError, ValueError, TypeError, AttributeError) as err:
+        unsound = [k for k, v in entries.items() if not _sound(k, v)]
+        if unsound:
+            warnings.warn(f"tilegemm: {len(unsound)} entr{'y' if len(unsound) == 1 else 'ies'} of the tuning file "
+                          f"{path} {'is' if len(unsound) == 1 else 'are'} not a config this version reads (first: "
+                          f"{unsound[0]!r}); ignored", stacklevel=3)
+        return {k: dict(v) for k, v in entries.items() if k not in unsound}, data.get("tuned_only") is True
+    except (ValueError, TypeError, AttributeError, RecursionError) as err:
         warnings.warn(f"tilegemm: ignoring damaged tuning file {path} ({err}); it will be rebuilt", stacklevel=3)
         return {}, True
 
@@ -186,6 +288,8 @@ def _load() -> None:
         _borrowed.clear()
         shipped, _ = _read(shipped_file())
         _memory.update(shipped)
+        _shipped.clear()
+        _shipped.update(shipped)
         own = _device_tag()[0]
         if table_slug(own) != own:
             _borrowed.update(shipped)
@@ -223,7 +327,7 @@ def timing_enabled() -> bool:
     ``TILEGEMM_TUNE=1``, :func:`timing` (what ``tilegemm tune`` uses) or the tuner's own tests."""
     if getattr(_timing, "on", False):
         return True
-    return os.environ.get("TILEGEMM_TUNE", "0").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag("TILEGEMM_TUNE", False)
 
 
 class timing:
@@ -415,7 +519,7 @@ def record(k: str, config: dict) -> None:
         _memory[k] = dict(config)
         _tuned[k] = dict(config)
         _generation += 1  # after the entry is in: an answer cached under the new count has seen it
-        if _disk_enabled():
+        if _disk_enabled() and str(cache_file()) not in _keep_as_is:
             try:
                 save(cache_file())
             except OSError as err:  # (an unwritable cache folder: the call that tuned still returns its result)
@@ -428,11 +532,47 @@ def record(k: str, config: dict) -> None:
 
 def save(path: Path) -> None:
     """Write the tuned entries (not the shipped ones) to ``path``: a temporary file in the same folder,
-    renamed over it."""
+    renamed over it. Under an advisory lock on the folder (POSIX), the entries another process saved there since
+    this one read it are read first and kept (this process's win on a key both tuned), so that processes tuning
+    side by side (a server, ``tilegemm tune``) do not erase each other's."""
     slug, triton_version = _device_tag()
-    data = {"schema": SCHEMA, "gpu": slug, "triton": triton_version, "tuned_only": True,
-            "entries": dict(sorted(_tuned.items()))}
-    atomic_write(path, lambda f: json.dump(data, f, indent=1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _folder_lock(path.parent):
+        theirs, tuned_only = _read(path, quiet=True) if path.exists() else ({}, True)
+        if str(path) in _keep_as_is:  # (it became unreadable, or a newer tilegemm wrote it, since)
+            return
+        for k, v in theirs.items():
+            if k not in _tuned and (tuned_only or k not in _shipped):  # (an older file's copies of shipped ones)
+                _tuned[k] = v
+                _memory.setdefault(k, v)
+        data = {"schema": SCHEMA, "gpu": slug, "triton": triton_version, "tuned_only": True,
+                "entries": dict(sorted(_tuned.items()))}
+        atomic_write(path, lambda f: json.dump(data, f, indent=1))
+
+
+class _folder_lock:
+    """An exclusive ``fcntl.flock`` on a folder while the block runs (none where fcntl is missing, or the folder
+    cannot be opened so: the last writer wins)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def __enter__(self):
+        self.fd = None
+        try:
+            import fcntl
+
+            self.fd = os.open(self.folder, os.O_RDONLY)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            if self.fd is not None:
+                os.close(self.fd)
+            self.fd = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # (closing releases the lock)
 
 
 def entries() -> dict[str, dict]:
@@ -447,5 +587,6 @@ def forget() -> None:
         _memory.clear()
         _tuned.clear()
         _guessed.clear()
+        _keep_as_is.clear()
         _loaded_for = None
         _generation += 1

@@ -9,15 +9,20 @@ from an earlier tuning. An unseen one takes, untimed, the config of the nearest 
 :mod:`tilegemm.core.tuning` (memory, then disk), so later calls and later processes do not tune again.
 """
 
+import threading
+
 import triton
 
 from tilegemm.core import tuning
 from tilegemm.core.hardware import pipeline_fits
 from tilegemm.core.launch import launch, spoil
+from tilegemm.core.runtime import fork_safe
 from tilegemm.ops.matmul.configs import autotune_configs, prune_for
 from tilegemm.ops.matmul.cost import fastest
 from tilegemm.ops.matmul.grouped import grid, matmul_grouped_kernel
 from tilegemm.ops.matmul.problem import GemmProblem, rows_aligned
+
+_autotuning = fork_safe(threading.Lock())
 
 
 def _prune(configs, named_args, **kwargs):
@@ -64,7 +69,8 @@ def run(p: GemmProblem, config: dict | None = None) -> None:
     # sizes would be taken here untimed and recorded under this key (docs/rungs/autotuned.md). tilegemm's key
     # is the one that says what was timed, so the autotuner starts afresh for it.
     spoil()  # the autotuner's launches do not go through launch(): a recording of this call must not be kept
-    matmul_autotuned_kernel.cache.clear()
-    matmul_autotuned_kernel[grid(p)](*p.kernel_args(), **p.kernel_flags())
-    best = matmul_autotuned_kernel.best_config
-    tuning.record(k, {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages})
+    with _autotuning:  # one autotuner for every shape: its winner is read before another thread's run replaces it
+        matmul_autotuned_kernel.cache.clear()
+        matmul_autotuned_kernel[grid(p)](*p.kernel_args(), **p.kernel_flags())
+        best = matmul_autotuned_kernel.best_config
+        tuning.record(k, {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages})
