@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -972,3 +974,45 @@ def test_threads_autotuning_at_once_record_their_own_winners(cache, monkeypatch)
     for t in threads:
         t.join()
     assert tuning.lookup(keys["A"])["BLOCK_M"] == 64 and tuning.lookup(keys["B"])["BLOCK_M"] == 128
+
+
+def test_a_file_of_bytes_that_are_no_text_is_damage(cache):
+    path = tuning.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b'{"schema": "tilegemm-tuned/2", "entries": {}}\xff\xfe')
+    with pytest.warns(UserWarning, match="ignoring damaged tuning file"):
+        assert tuning.lookup("autotuned|M1|N1|K1|fp16|fp16|") is None
+    tuning.record("autotuned|M1|N1|K1|fp16|fp16|", CFG)
+    assert json.loads(path.read_text())["entries"] == {"autotuned|M1|N1|K1|fp16|fp16|": CFG}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX's")
+def test_a_child_forked_during_a_save_does_not_keep_the_folder_locked(cache):
+    # flock belongs to the open descriptor, which a forked child inherits: kept there, the parent's next save
+    # waited for the child to exit
+    import threading
+
+    tuning.record("autotuned|M1|N1|K1|fp16|fp16|", CFG)
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with tuning._folder_lock(tuning.cache_file().parent):
+            inside.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait(30)
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(5)
+        os._exit(0)
+    try:
+        leave.set()
+        t.join()
+        saved = threading.Thread(target=tuning.record, args=("autotuned|M2|N2|K2|fp16|fp16|", CFG))
+        saved.start()
+        saved.join(3)
+        assert not saved.is_alive(), "the save waited for the child"
+    finally:
+        os.waitpid(pid, 0)

@@ -41,6 +41,8 @@ def fork_safe(lock):
 
 def _unlock_in_child() -> None:
     for lock in _FORK_LOCKS:
+        if getattr(lock, "_is_owned", lambda: False)():  # an RLock the forking thread holds: its block releases it
+            continue
         reinit = getattr(lock, "_at_fork_reinit", None)  # (CPython's own hook, as logging's locks use it)
         if reinit is not None:
             reinit()

@@ -234,30 +234,27 @@ def _read(path: Path, quiet: bool = False) -> tuple[dict[str, dict], bool]:
     """(entries, whether the file says it holds tuned entries only) of a tuning file; ({}, True) for a
     missing or damaged one. Entries that are not configs this version's kernels take (:func:`_sound`) are
     left out, with a warning. A file that cannot be read, or was written with a schema this version does not
-    know (a newer tilegemm's), is left as it is: this process keeps its own tunings in memory only. ``quiet``:
-    no warnings (a file read again before it is written, whose reading warned already)."""
-    if quiet:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return _read(path)
+    know (a newer tilegemm's), is left as it is (:data:`_keep_as_is`): this process keeps its own tunings in memory
+    only. ``quiet``: no warnings but that one (a file read again before it is written, whose reading warned)."""
+    def warn(message: str) -> None:
+        if not quiet:
+            warnings.warn(message, stacklevel=4)
+
+    def keep(reason: str) -> tuple[dict, bool]:
+        if str(path) not in _keep_as_is:  # (once: at the load, or at a save where the file changed since)
+            _keep_as_is.add(str(path))
+            warnings.warn(f"tilegemm: {reason}; it is left as it is and this process's tunings are kept in memory "
+                          f"only", stacklevel=4)
+        return {}, True
+
     if not path.exists():
         return {}, True
     try:
-        text = path.read_text()
-    except OSError as err:
-        _keep_as_is.add(str(path))
-        warnings.warn(f"tilegemm: cannot read the tuning file {path} ({err.strerror or err}); it is left as it is "
-                      f"and this process's tunings are kept in memory only", stacklevel=3)
-        return {}, True
-    try:
-        data = json.loads(text)
+        data = json.loads(path.read_text())
         schema = data.get("schema")
         if isinstance(schema, str) and schema.startswith("tilegemm-tuned/") and schema not in (SCHEMA, _SCHEMA_1):
-            _keep_as_is.add(str(path))
-            warnings.warn(f"tilegemm: the tuning file {path} has schema {schema!r}, which this version does not "
-                          f"read (a newer tilegemm's?); it is left as it is and this process's tunings are kept "
-                          f"in memory only", stacklevel=3)
-            return {}, True
+            return keep(f"the tuning file {path} has schema {schema!r}, which this version does not read (a newer "
+                        f"tilegemm's?)")
         if schema not in (SCHEMA, _SCHEMA_1) or not isinstance(data.get("entries"), dict):
             raise ValueError(f"schema {schema!r}")
         entries = dict(data["entries"])
@@ -265,12 +262,14 @@ def _read(path: Path, quiet: bool = False) -> tuple[dict[str, dict], bool]:
             entries = {migrate_key(k): v for k, v in entries.items()}
         unsound = [k for k, v in entries.items() if not _sound(k, v)]
         if unsound:
-            warnings.warn(f"tilegemm: {len(unsound)} entr{'y' if len(unsound) == 1 else 'ies'} of the tuning file "
-                          f"{path} {'is' if len(unsound) == 1 else 'are'} not a config this version reads (first: "
-                          f"{unsound[0]!r}); ignored", stacklevel=3)
+            warn(f"tilegemm: {len(unsound)} entr{'y' if len(unsound) == 1 else 'ies'} of the tuning file {path} "
+                 f"{'is' if len(unsound) == 1 else 'are'} not a config this version reads (first: {unsound[0]!r}); "
+                 f"ignored")
         return {k: dict(v) for k, v in entries.items() if k not in unsound}, data.get("tuned_only") is True
+    except OSError as err:  # (not UnicodeDecodeError, a ValueError: bytes that are no text are damage)
+        return keep(f"cannot read the tuning file {path} ({err.strerror or err})")
     except (ValueError, TypeError, AttributeError, RecursionError) as err:
-        warnings.warn(f"tilegemm: ignoring damaged tuning file {path} ({err}); it will be rebuilt", stacklevel=3)
+        warn(f"tilegemm: ignoring damaged tuning file {path} ({err}); it will be rebuilt")
         return {}, True
 
 
@@ -519,40 +518,63 @@ def record(k: str, config: dict) -> None:
         _memory[k] = dict(config)
         _tuned[k] = dict(config)
         _generation += 1  # after the entry is in: an answer cached under the new count has seen it
-        if _disk_enabled() and str(cache_file()) not in _keep_as_is:
-            try:
-                save(cache_file())
-            except OSError as err:  # (an unwritable cache folder: the call that tuned still returns its result)
-                if not _unsaved_warned:
-                    warnings.warn(f"tilegemm: cannot write the tuning cache {cache_file()} ({err.strerror or err}): "
-                                  f"tuned configs are kept in memory only; set TILEGEMM_CACHE_DIR to a writable "
-                                  f"folder", stacklevel=3)
-                _unsaved_warned = True
+    if _disk_enabled() and str(cache_file()) not in _keep_as_is:
+        try:
+            save(cache_file())
+        except OSError as err:  # (an unwritable cache folder: the call that tuned still returns its result)
+            if not _unsaved_warned:
+                warnings.warn(f"tilegemm: cannot write the tuning cache {cache_file()} ({err.strerror or err}): "
+                              f"tuned configs are kept in memory only; set TILEGEMM_CACHE_DIR to a writable "
+                              f"folder", stacklevel=3)
+            _unsaved_warned = True
 
 
 def save(path: Path) -> None:
     """Write the tuned entries (not the shipped ones) to ``path``: a temporary file in the same folder,
     renamed over it. Under an advisory lock on the folder (POSIX), the entries another process saved there since
     this one read it are read first and kept (this process's win on a key both tuned), so that processes tuning
-    side by side (a server, ``tilegemm tune``) do not erase each other's."""
+    side by side (a server, ``tilegemm tune``) do not erase each other's. The files are read and written outside
+    the tables' lock, so lookups in other threads do not wait on the disk."""
+    global _generation
     slug, triton_version = _device_tag()
     path.parent.mkdir(parents=True, exist_ok=True)
     with _folder_lock(path.parent):
         theirs, tuned_only = _read(path, quiet=True) if path.exists() else ({}, True)
-        if str(path) in _keep_as_is:  # (it became unreadable, or a newer tilegemm wrote it, since)
+        if str(path) in _keep_as_is:  # (it became unreadable, or a newer tilegemm wrote it, since: _read warned)
             return
-        for k, v in theirs.items():
-            if k not in _tuned and (tuned_only or k not in _shipped):  # (an older file's copies of shipped ones)
-                _tuned[k] = v
-                _memory.setdefault(k, v)
-        data = {"schema": SCHEMA, "gpu": slug, "triton": triton_version, "tuned_only": True,
-                "entries": dict(sorted(_tuned.items()))}
+        with _lock:
+            added = {k: v for k, v in theirs.items()
+                     if k not in _tuned and (tuned_only or k not in _shipped)}  # (an older file's shipped copies)
+            _tuned.update(added)
+            _memory.update(added)  # (a measurement of a shipped class overrides it, as at a load)
+            if added:
+                _generation += 1
+            entries = dict(sorted(_tuned.items()))
+        data = {"schema": SCHEMA, "gpu": slug, "triton": triton_version, "tuned_only": True, "entries": entries}
         atomic_write(path, lambda f: json.dump(data, f, indent=1))
+
+
+_held_folder_locks: set[int] = set()  # descriptors of folders this process holds flock on (closed in a fork child)
+
+
+def _close_held_in_child() -> None:
+    """A forked child inherits the descriptor, and flock belongs to it: closing the child's copy leaves the
+    parent's lock, which the parent's own close releases; kept, the child would hold it after the parent let go."""
+    for fd in list(_held_folder_locks):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_folder_locks.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 class _folder_lock:
     """An exclusive ``fcntl.flock`` on a folder while the block runs (none where fcntl is missing, or the folder
-    cannot be opened so: the last writer wins)."""
+    cannot be opened or locked so: the last writer wins)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -563,16 +585,20 @@ class _folder_lock:
             import fcntl
 
             self.fd = os.open(self.folder, os.O_RDONLY)
+            _held_folder_locks.add(self.fd)
             fcntl.flock(self.fd, fcntl.LOCK_EX)
         except (ImportError, OSError):
-            if self.fd is not None:
-                os.close(self.fd)
-            self.fd = None
+            self._release()
         return self
 
-    def __exit__(self, *exc):
+    def _release(self):
         if self.fd is not None:
+            _held_folder_locks.discard(self.fd)
             os.close(self.fd)  # (closing releases the lock)
+            self.fd = None
+
+    def __exit__(self, *exc):
+        self._release()
 
 
 def entries() -> dict[str, dict]:
